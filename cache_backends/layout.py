@@ -1,0 +1,221 @@
+"""KV geometry: what each layer keeps per token, and how layers group into block pools.
+
+The formulas follow ``reference/kv-geometry.md`` and are a public contract (``kvload plan --json``
+reports them). V1 knows one geometry: every layer keeps every token at the widest layer's entry
+size, in one pool. V2 groups layers by life cycle (full, sliding window W, MLA latent,
+compressed at rate c) with one pool per group.
+
+Invariants of a :class:`LayerGroup`: ``tokens_per_block == entries_per_block * (compress_rate or 1)``
+and ``bytes_per_block == len(layers) * entry_elems * dtype_bytes * entries_per_block``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import attrs
+
+#: Bytes per element of each KV dtype this library stores.
+DTYPE_SIZES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+LayerKindName = Literal["full", "sliding", "mla", "v4_sliding", "csa", "hca"]
+GroupKind = Literal["full", "sliding", "mla", "compressed"]
+ManagerKind = Literal["v1", "v2"]
+
+
+@attrs.frozen
+class LayerKV:
+    """What one attention layer keeps per token.
+
+    ``entry_elems`` is the raw entry (K and V together where they are separate tensors) kept for
+    the last ``window`` tokens (``None``: all tokens). Compressed layers (DeepSeek V4 csa/hca)
+    additionally keep one ``compressed_elems`` entry per ``compress_rate`` tokens, for all tokens.
+    """
+
+    index: int
+    kind: LayerKindName
+    entry_elems: int
+    window: int | None = None
+    compressed_elems: int = 0
+    compress_rate: int | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.entry_elems <= 0:
+            raise ValueError(f"layer {self.index}: entry_elems must be positive, got {self.entry_elems}")
+        if self.window is not None and self.window <= 0:
+            raise ValueError(f"layer {self.index}: window must be positive, got {self.window}")
+        if (self.compress_rate is None) != (self.compressed_elems == 0):
+            raise ValueError(f"layer {self.index}: compressed_elems and compress_rate go together")
+
+
+@attrs.frozen
+class LayerGroup:
+    """Layers that share a life cycle and therefore one pool of blocks."""
+
+    name: str
+    kind: GroupKind
+    layers: tuple[int, ...]
+    entry_elems: int
+    window: int | None
+    compress_rate: int | None
+    entries_per_block: int
+    tokens_per_block: int
+    bytes_per_block: int
+
+    @property
+    def keeps_all_tokens(self) -> bool:
+        """Whether the group grows with the sequence (full, mla, compressed) rather than a window."""
+        return self.window is None
+
+    @property
+    def max_blocks_per_sequence(self) -> int | None:
+        """Blocks a sliding group ever needs for one sequence; ``None`` for groups that keep all tokens."""
+        if self.window is None:
+            return None
+        return math.ceil((self.window - 1) / self.tokens_per_block) + 1
+
+    def blocks_for(self, length: int) -> int:
+        """Blocks one sequence of ``length`` tokens holds in this group."""
+        if length <= 0:
+            return 0
+        blocks = math.ceil(length / self.tokens_per_block)
+        cap = self.max_blocks_per_sequence
+        return blocks if cap is None else min(blocks, cap)
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Asymptotic growth per token: 0 for a window, an entry (or entry/c) per layer otherwise."""
+        return 0.0 if self.window is not None else self.bytes_per_block / self.tokens_per_block
+
+    def to_dict(self) -> dict:
+        """JSON form used by ``plan --json`` (without the block count, which depends on the budget)."""
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "layers": list(self.layers),
+            "window": self.window,
+            "compress_rate": self.compress_rate,
+            "entry_elems": self.entry_elems,
+            "tokens_per_block": self.tokens_per_block,
+            "bytes_per_block": self.bytes_per_block,
+        }
+
+
+@attrs.frozen
+class KvLayout:
+    """The layer groups one manager kind would build for a model, at a dtype and block size."""
+
+    manager: ManagerKind
+    dtype: str
+    dtype_bytes: int
+    tokens_per_block: int
+    layers: tuple[LayerKV, ...]
+    groups: tuple[LayerGroup, ...]
+
+    @property
+    def bytes_per_token(self) -> float:
+        """What one more token costs once the sequence is longer than every window (no rounding)."""
+        return sum(g.bytes_per_token for g in self.groups)
+
+    def blocks_for_sequence(self, length: int) -> dict[str, int]:
+        """Blocks per group that one sequence of ``length`` tokens holds."""
+        return {g.name: g.blocks_for(length) for g in self.groups}
+
+    def bytes_for_sequence(self, length: int) -> int:
+        """Exact bytes one sequence of ``length`` tokens holds, with block rounding and windows."""
+        return sum(g.blocks_for(length) * g.bytes_per_block for g in self.groups)
+
+    def min_bytes(self) -> int:
+        """The smallest pool set: one block per group."""
+        return sum(g.bytes_per_block for g in self.groups)
+
+    def split_budget(self, budget_bytes: int, seq_len: int) -> dict[str, int]:
+        """Blocks per group for a byte budget, shared in proportion to one sequence of ``seq_len``.
+
+        Each group gets at least one block when the budget allows; the split keeps the pools
+        balanced so that the number of ``seq_len`` sequences that fit is as large as possible.
+        """
+        need = self.blocks_for_sequence(max(seq_len, 1))
+        per_seq = sum(need[g.name] * g.bytes_per_block for g in self.groups)
+        sequences = budget_bytes // per_seq if per_seq else 0
+        blocks = {g.name: max(1, sequences * need[g.name]) for g in self.groups}
+        spent = sum(blocks[g.name] * g.bytes_per_block for g in self.groups)
+        # Hand the remainder to the groups that grow with length, one block at a time, widest need first.
+        growing = sorted((g for g in self.groups if g.keeps_all_tokens), key=lambda g: -need[g.name])
+        progress = True
+        while growing and progress:
+            progress = False
+            for g in growing:
+                if spent + g.bytes_per_block <= budget_bytes:
+                    blocks[g.name] += 1
+                    spent += g.bytes_per_block
+                    progress = True
+        return blocks
+
+    def max_sequences(self, blocks: dict[str, int], seq_len: int) -> int:
+        """How many sequences of ``seq_len`` tokens fit in pools of these block counts."""
+        need = self.blocks_for_sequence(max(seq_len, 1))
+        return min((blocks[name] // n for name, n in need.items() if n), default=0)
+
+    def capacity_tokens(self, blocks: dict[str, int]) -> int:
+        """Tokens the pools hold: the tightest group that keeps all tokens, in tokens."""
+        growing = [blocks[g.name] * g.tokens_per_block for g in self.groups if g.keeps_all_tokens]
+        if growing:
+            return min(growing)
+        # Only windows: every sequence costs a bounded number of blocks, so report the tokens
+        # those blocks can hold at once.
+        return min(blocks[g.name] * g.tokens_per_block for g in self.groups)
+
+
+def _group_name(kind: str, layer_kind: str, window: int | None, rate: int | None) -> str:
+    if kind == "compressed":
+        return f"{layer_kind}_c{rate}"
+    if kind == "sliding":
+        return f"sliding_w{window}"
+    return kind
+
+
+def build_layout(layers: list[LayerKV] | tuple[LayerKV, ...], manager: ManagerKind, tokens_per_block: int,
+                 dtype: str) -> KvLayout:
+    """Group layers into pools for ``manager`` ("v1": one uniform pool; "v2": one pool per life cycle)."""
+    if not layers:
+        raise ValueError("a model with no attention layers has no KV cache to lay out")
+    if dtype not in DTYPE_SIZES:
+        raise ValueError(f"KV dtype {dtype!r} is not one of {', '.join(DTYPE_SIZES)}")
+    if tokens_per_block < 1:
+        raise ValueError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
+    b = DTYPE_SIZES[dtype]
+    T = tokens_per_block
+    layers = tuple(layers)
+    groups: list[LayerGroup] = []
+    if manager == "v1":
+        e = max(layer.entry_elems for layer in layers)
+        groups.append(LayerGroup("uniform", "full", tuple(layer.index for layer in layers), e, None, None,
+                                 T, T, len(layers) * e * b * T))
+    else:
+        # key: (group kind, layer kind for compressed parts, window, rate, entry elems) -> layer indices
+        buckets: dict[tuple, list[int]] = {}
+        for layer in layers:
+            if layer.kind == "mla":
+                key = ("mla", "mla", None, None, layer.entry_elems)
+            elif layer.window is None:
+                key = ("full", "full", None, None, layer.entry_elems)
+            else:
+                key = ("sliding", layer.kind, layer.window, None, layer.entry_elems)
+            buckets.setdefault(key, []).append(layer.index)
+            if layer.compress_rate is not None:
+                ckey = ("compressed", layer.kind, None, layer.compress_rate, layer.compressed_elems)
+                buckets.setdefault(ckey, []).append(layer.index)
+        names: dict[str, int] = {}
+        for (kind, layer_kind, window, rate, elems), idx in buckets.items():
+            epb = max(1, T // rate) if rate else T
+            tpb = epb * (rate or 1)
+            name = _group_name(kind, layer_kind, window, rate)
+            if name in names:  # same life cycle, different entry width: keep pools apart, names unique
+                names[name] += 1
+                name = f"{name}_{names[name]}"
+            else:
+                names[name] = 0
+            groups.append(LayerGroup(name, kind, tuple(idx), elems, window, rate, epb, tpb, len(idx) * elems * b * epb))
+    return KvLayout(manager, dtype, b, T, layers, tuple(groups))

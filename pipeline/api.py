@@ -1,0 +1,134 @@
+"""The Python API: ``plan`` (stages 1–5, no allocation) and ``load`` (all stages)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import attrs
+
+from pipeline.audit import AuditLog, JsonlSink
+from pipeline.bus import EventBus, Subscriber
+from pipeline.config import LlmArgs
+from pipeline.context import Context, LoadRequest, ModelInfo, Route
+from pipeline.logs import StructlogSubscriber
+from pipeline.runner import Pipeline, Stage
+
+
+def plan_stages() -> list[Stage]:
+    """Stages 1–5: resolve and route, allocate nothing."""
+    from stages import ApplyModelDefaults, ParseArgs, ResolveAuto, RouteExecutor, SnapshotUserFields
+
+    return [ParseArgs(), SnapshotUserFields(), ApplyModelDefaults(), ResolveAuto(), RouteExecutor()]
+
+
+def load_stages() -> list[Stage]:
+    """All six stages: resolve, route, and build the KV cache manager."""
+    from stages import BuildKvManager
+
+    return [*plan_stages(), BuildKvManager()]
+
+
+@attrs.define
+class LoadResult:
+    """What a run produced: frozen resolved args, the route, the model, the audit log, the context."""
+
+    args: LlmArgs
+    route: Route
+    model: ModelInfo
+    audit: AuditLog
+    context: Context
+
+    @property
+    def kv(self) -> Any:
+        """The KV plan (geometry, budget, capacity) when the run computed one."""
+        return self.context.kv
+
+    @property
+    def kv_manager(self) -> Any:
+        """The built KV cache manager (``load`` only)."""
+        return self.context.kv_manager
+
+    @property
+    def scheduler(self) -> Any:
+        """The scheduler paired with the manager (``load`` only)."""
+        return self.context.scheduler
+
+    def close(self) -> None:
+        """Release the pools and anything else the run allocated."""
+        self.context.close()
+
+    def __enter__(self) -> LoadResult:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def execute(
+    request: LoadRequest,
+    stages: Sequence[Stage] | Pipeline,
+    *,
+    audit_log: str | os.PathLike[str] | None = None,
+    subscribers: Iterable[Subscriber] = (),
+    log: bool = True,
+) -> LoadResult:
+    """Run a request through stages with the standard subscribers; the CLI and the API both use this."""
+    pipeline = stages if isinstance(stages, Pipeline) else Pipeline(stages)
+    audit = AuditLog()
+    sink = JsonlSink(audit_log) if audit_log is not None else None
+    subs: list[Subscriber] = [audit]
+    if log:
+        subs.append(StructlogSubscriber())
+    if sink is not None:
+        subs.append(sink)
+    subs.extend(subscribers)
+    ctx = Context(request=request)
+    try:
+        pipeline.run(ctx, EventBus(subs))
+    except BaseException:
+        if sink is not None:
+            sink.close(ok=False)
+        raise
+    if sink is not None:
+        sink.close(ok=True)
+    return LoadResult(args=ctx.args, route=ctx.route, model=ctx.model, audit=audit, context=ctx)
+
+
+def plan(
+    model: str,
+    *,
+    config_file: str | os.PathLike[str] | None = None,
+    audit_log: str | os.PathLike[str] | None = None,
+    subscribers: Iterable[Subscriber] = (),
+    stages: Sequence[Stage] | Pipeline | None = None,
+    log: bool = True,
+    **overrides: Any,
+) -> LoadResult:
+    """Resolve a model's arguments and route (stages 1–5); allocates nothing.
+
+    ``overrides`` are ``LlmArgs`` fields; ``kv_cache_config`` may be a dict or a ``KvCacheConfig``
+    (only the fields passed to it count as user-set). Precedence: defaults < ``config_file`` < overrides.
+    """
+    request = LoadRequest(model=model, overrides=overrides, source="api",
+                          config_file=os.fspath(config_file) if config_file is not None else None)
+    return execute(request, stages or plan_stages(), audit_log=audit_log, subscribers=subscribers, log=log)
+
+
+def load(
+    model: str,
+    *,
+    config_file: str | os.PathLike[str] | None = None,
+    load_weights: bool = False,
+    audit_log: str | os.PathLike[str] | None = None,
+    subscribers: Iterable[Subscriber] = (),
+    stages: Sequence[Stage] | Pipeline | None = None,
+    log: bool = True,
+    **overrides: Any,
+) -> LoadResult:
+    """Run all six stages: resolve, route, and build the KV cache manager on the resolved device."""
+    request = LoadRequest(model=model, overrides=overrides, source="api",
+                          config_file=os.fspath(config_file) if config_file is not None else None,
+                          load_weights=load_weights)
+    return execute(request, stages or load_stages(), audit_log=audit_log, subscribers=subscribers, log=log)

@@ -1,0 +1,258 @@
+"""The ``kvload`` command line. It only parses, calls the API, and prints.
+
+Results go to stdout, logs to stderr (so ``--json | jq`` works). Errors are one line on stderr:
+exit 2 for usage, config, model and route errors, 1 for runtime failures; a traceback only with
+``--debug``. torch and transformers are imported only by subcommands that need them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+import attrs
+
+from pipeline.config import parse_size
+from pipeline.errors import ConfigError, KvloadError
+
+# --- text-layer value parsers (argparse `type=`) ---------------------------------------------
+
+
+def tri_state(text: str) -> bool | str:
+    """``auto`` | ``true`` | ``false`` → ``"auto"`` | True | False."""
+    word = text.strip().lower()
+    if word == "auto":
+        return "auto"
+    if word in ("true", "false"):
+        return word == "true"
+    raise argparse.ArgumentTypeError(f"expected auto, true or false, got {text!r}")
+
+
+def integer(text: str) -> int:
+    """A whole number (``1_000`` allowed)."""
+    try:
+        return int(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def number(text: str) -> float:
+    """A decimal number."""
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def size(text: str) -> int:
+    """A byte count: ``8589934592``, ``8GiB``, ``512MB``."""
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a byte count such as 8589934592 or 8GiB, got {text!r}") from None
+
+
+@attrs.frozen
+class Flag:
+    """One plan/run flag: its TensorRT-LLM spelling, the dotted field it sets, and how to parse it."""
+
+    name: str
+    path: str
+    help: str
+    type: Callable[[str], Any] | None = None
+    choices: tuple[str, ...] | None = None
+    const: Any = None  # for switches: the value the flag sets when present
+    metavar: str | None = None
+
+    @property
+    def dest(self) -> str:
+        """argparse destination, distinct from every other option's."""
+        return "field__" + self.path.replace(".", "__")
+
+
+FLAGS: tuple[Flag, ...] = (
+    Flag("--use_kv_cache_manager_v2", "kv_cache_config.use_kv_cache_manager_v2",
+         "KV cache manager V2: auto (let the model decide), true or false; absent = unset", tri_state,
+         metavar="{auto,true,false}"),
+    Flag("--kv_cache_fraction", "kv_cache_config.free_gpu_memory_fraction",
+         "fraction of free device memory for the KV cache, in (0, 1]", number, metavar="F"),
+    Flag("--max_tokens", "kv_cache_config.max_tokens", "cap the KV cache at this many tokens", integer, metavar="N"),
+    Flag("--max_gpu_total_bytes", "kv_cache_config.max_gpu_total_bytes",
+         "cap the KV cache at this many bytes (0 = no cap; 8GiB style accepted)", size, metavar="BYTES"),
+    Flag("--tokens_per_block", "kv_cache_config.tokens_per_block", "tokens per KV block", integer, metavar="N"),
+    Flag("--disable_kv_cache_reuse", "kv_cache_config.enable_block_reuse",
+         "turn prefix (block) reuse off", const=False),
+    Flag("--host_cache_size", "kv_cache_config.host_cache_size",
+         "V2 host tier size in bytes (0 = none; absent = auto-size)", size, metavar="BYTES"),
+    Flag("--kv_cache_dtype", "kv_cache_config.dtype", "KV cache dtype: auto or a dtype name", str, metavar="DTYPE"),
+    Flag("--dtype", "dtype", "model dtype: auto, float32, float16, bfloat16", str, metavar="DTYPE"),
+    Flag("--device", "device", "where to build: auto (cuda when available), cuda or cpu", str,
+         choices=("auto", "cuda", "cpu")),
+    Flag("--max_batch_size", "max_batch_size", "most requests scheduled at once", integer, metavar="N"),
+    Flag("--max_seq_len", "max_seq_len", "longest sequence (default: the checkpoint's)", integer, metavar="N"),
+    Flag("--max_num_tokens", "max_num_tokens", "most tokens in one forward (prefill chunk)", integer, metavar="N"),
+    Flag("--max_beam_width", "max_beam_width", "beam width (V2 serves only 1)", integer, metavar="N"),
+)
+FLAG_FOR_PATH: dict[str, str] = {f.path: f.name for f in FLAGS}
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one line (``error: ...``) and exits 2."""
+
+    def error(self, message: str) -> NoReturn:
+        """Print ``error: <flag>: <what>`` on one line; no usage dump."""
+        if message.startswith("argument "):
+            head, _, rest = message[len("argument "):].partition(": ")
+            message = f"{head.split('/')[0]}: {rest}"
+        self.exit(2, f"error: {message}\n")
+
+
+def _dashed(name: str) -> str:
+    return "--" + name[2:].replace("_", "-")
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """MODEL, the config flags (with dashed aliases), and the output/logging options."""
+    p.add_argument("model", metavar="MODEL", help="a preset name (see `kvload models`) or a checkpoint directory")
+    group = p.add_argument_group("configuration (TensorRT-LLM spelling; dashed aliases accepted)")
+    for f in FLAGS:
+        names = [f.name] if _dashed(f.name) == f.name else [f.name, _dashed(f.name)]
+        if f.const is not None:
+            group.add_argument(*names, dest=f.dest, action="store_const", const=f.const, default=None, help=f.help)
+        else:
+            group.add_argument(*names, dest=f.dest, type=f.type, choices=f.choices, metavar=f.metavar,
+                               default=None, help=f.help)
+    group.add_argument("--config", metavar="FILE.yaml", help="YAML file of LlmArgs fields (CLI flags win)")
+    out = p.add_argument_group("output")
+    out.add_argument("--audit-log", "--audit_log", dest="audit_log", metavar="FILE.jsonl",
+                     help="write every event as JSON Lines")
+    out.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+    add_log_flags(out)
+
+
+def add_log_flags(p: Any) -> None:
+    """``--log-format``, ``--log-level`` and ``--debug``."""
+    p.add_argument("--log-format", "--log_format", dest="log_format", choices=("console", "json"), default="console",
+                   help="how events are logged on stderr")
+    p.add_argument("--log-level", "--log_level", dest="log_level", choices=("debug", "info", "warning", "error"),
+                   default="warning", help="least severe event logged on stderr (default: warning)")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def cli_overrides(ns: argparse.Namespace) -> dict[str, Any]:
+    """The flags the user gave, as a nested dict of fields (absent flags are absent, not defaults)."""
+    tree: dict[str, Any] = {}
+    for f in FLAGS:
+        value = getattr(ns, f.dest, None)
+        if value is None:
+            continue
+        *parents, leaf = f.path.split(".")
+        node = tree
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return tree
+
+
+# --- subcommands ---------------------------------------------------------------------------
+
+
+def _request(ns: argparse.Namespace, load_weights: bool = False) -> Any:
+    from pipeline.context import LoadRequest
+
+    return LoadRequest(model=ns.model, overrides=cli_overrides(ns), source="cli", config_file=ns.config,
+                       load_weights=load_weights)
+
+
+def _check_audit_path(path: str | None) -> None:
+    from pathlib import Path
+
+    if path is None:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"--audit-log {path}: is a directory, expected a file path")
+    if not p.parent.is_dir():
+        raise ConfigError(f"--audit-log {path}: directory {p.parent} does not exist")
+
+
+def cmd_plan(ns: argparse.Namespace) -> int:
+    """Resolve (stages 1–5) and print the result; allocate nothing."""
+    from pipeline.api import execute, plan_stages
+    from pipeline.render import render_result, run_document
+
+    _check_audit_path(ns.audit_log)
+    result = execute(_request(ns), plan_stages(), audit_log=ns.audit_log)
+    print(json.dumps(run_document(result), indent=2, default=str) if ns.json else render_result(result))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvload`` parser with every subcommand."""
+    parser = OneLineParser(
+        prog="kvload",
+        description="Load a model the way a serving engine does, in explicit stages with an audit log: "
+                    "parse args, snapshot user fields, apply model defaults, resolve auto, route the "
+                    "executor, build the KV cache manager.",
+    )
+    from pipeline.version import __version__
+
+    parser.add_argument("--version", action="version", version=f"kvload {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
+    sub.required = True
+    p = sub.add_parser("plan", help="resolve the configuration and route (no allocation)",
+                       description="Resolve a model's arguments (stages 1-5) and show each field with its "
+                                   "source, the route and why; nothing is allocated.")
+    add_model_flags(p)
+    p.set_defaults(func=cmd_plan)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kvload`` console script."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    from pipeline.logs import HeldStream, configure_logging
+
+    # At the default level, warnings are held until the outcome is known: a failed run prints only
+    # its one-line error. Asking for info/debug streams everything as it happens.
+    held = HeldStream() if ns.log_level in ("warning", "error") and not ns.debug else None
+    configure_logging(ns.log_format, ns.log_level, held)
+    ok = False
+    try:
+        code = ns.func(ns)
+        ok = code == 0
+        return code
+    except KvloadError as exc:
+        if ns.debug:
+            raise
+        print(f"error: {_cli_message(exc)}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    except Exception as exc:  # a bug or a runtime failure: one line unless --debug
+        if ns.debug:
+            raise
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        print(f"error: {type(exc).__name__}: {detail} (run with --debug for the traceback)", file=sys.stderr)
+        return 1
+    finally:
+        if held is not None:
+            held.release(ok)
+
+
+def _cli_message(exc: KvloadError) -> str:
+    """Name the flag instead of the dotted path when the bad value came from the command line."""
+    if isinstance(exc, ConfigError) and exc.source == "cli" and exc.path in FLAG_FOR_PATH:
+        return f"{FLAG_FOR_PATH[exc.path]}: {exc.detail}"
+    return str(exc)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

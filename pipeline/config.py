@@ -1,0 +1,267 @@
+"""Configuration classes: what a user can ask for, with TensorRT-LLM's names and defaults.
+
+Values are checked strictly where they are set (construction and assignment), so the same rules
+hold for the Python API, YAML and the CLI. Every instance remembers which fields were passed or
+assigned explicitly: explicitness is recorded, never inferred by comparing with defaults.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Literal, NewType, Union
+
+import attrs
+
+from pipeline.errors import ConfigError
+
+AUTO = "auto"
+
+#: ``true | false | "auto"``; after ``resolve_auto`` only ``True``/``False`` remain.
+TriState = Union[bool, Literal["auto"]]  # noqa: UP007  (cattrs matches this exact Union object)
+#: A byte count; the text layers (YAML, CLI) also accept sizes such as ``"8GiB"``.
+Bytes = NewType("Bytes", int)
+#: ``"auto"`` or a dtype name from :data:`DTYPE_BYTES` (aliases such as ``bf16`` are normalised).
+DTypeName = NewType("DTypeName", str)
+#: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+DeviceName = NewType("DeviceName", str)
+
+DTYPE_BYTES: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
+DTYPE_ALIASES: dict[str, str] = {
+    "fp32": "float32",
+    "float": "float32",
+    "fp16": "float16",
+    "half": "float16",
+    "bf16": "bfloat16",
+    "fp8": "float8_e4m3fn",
+}
+
+
+class FieldError(ConfigError):
+    """A value rejected for one field; the converter prefixes the dotted path of its parents."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}", path=field, detail=message)
+        self.field = field
+
+
+def describe(value: Any) -> str:
+    """Show a rejected value the way the user typed it (strings quoted, None as null)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value)
+
+
+def normalize_dtype(value: str) -> str:
+    """Map a dtype alias to its canonical name (``bf16`` → ``bfloat16``); other names are kept."""
+    return DTYPE_ALIASES.get(value, value)
+
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+
+
+def parse_size(text: str) -> int:
+    """Parse ``"8GiB"``, ``"512MB"``, ``"1e9"`` or ``"4096"`` into bytes; raise ``ValueError`` otherwise."""
+    s = text.strip().lower().replace("_", "")
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num):].strip()
+    if unit not in _SIZE_UNITS or not num:
+        raise ValueError(text)
+    value = float(num) * _SIZE_UNITS[unit]
+    if value != int(value) or value < 0:
+        raise ValueError(text)
+    return int(value)
+
+
+# --- validators: strict on type first, then range -------------------------------------------
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check(pred, expected: str):
+    def validator(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if not pred(value):
+            raise FieldError(attribute.name, f"expected {expected}, got {describe(value)}")
+
+    validator.expected = expected  # type: ignore[attr-defined]  # shown by `kvload models` and errors
+    return validator
+
+
+strict_bool = _check(lambda v: isinstance(v, bool), "true or false")
+tri_state = _check(lambda v: v is True or v is False or v == AUTO, 'true, false or "auto"')
+pos_int = _check(lambda v: _is_int(v) and v >= 1, "an integer >= 1")
+non_neg_int = _check(lambda v: _is_int(v) and v >= 0, "an integer >= 0")
+opt_pos_int = _check(lambda v: v is None or (_is_int(v) and v >= 1), "an integer >= 1 or null")
+opt_non_neg_int = _check(lambda v: v is None or (_is_int(v) and v >= 0), "an integer >= 0 or null")
+fraction = _check(
+    lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1, "a number in (0, 1]"
+)
+dtype_name = _check(
+    lambda v: isinstance(v, str) and (v == AUTO or v in DTYPE_BYTES),
+    '"auto" or one of ' + ", ".join(DTYPE_BYTES) + " (aliases: " + ", ".join(DTYPE_ALIASES) + ")",
+)
+
+
+def _is_device(v: Any) -> bool:
+    if not isinstance(v, str):
+        return False
+    if v in (AUTO, "cpu", "cuda"):
+        return True
+    head, _, idx = v.partition(":")
+    return head == "cuda" and idx.isdigit()
+
+
+device_name = _check(_is_device, '"auto", "cpu", "cuda" or "cuda:N"')
+model_name = _check(lambda v: isinstance(v, str) and v.strip() != "", "a preset name or a checkpoint directory")
+
+
+def _norm_dtype(v: Any) -> Any:
+    return normalize_dtype(v) if isinstance(v, str) else v
+
+
+# --- explicitness and freezing ---------------------------------------------------------------
+
+
+def _record_setattr(inst: Any, attribute: attrs.Attribute, value: Any) -> Any:
+    if inst._frozen:
+        raise attrs.exceptions.FrozenInstanceError()
+    inst._explicit.add(attribute.name)
+    return value
+
+
+_ON_SETATTR = attrs.setters.pipe(attrs.setters.convert, attrs.setters.validate, _record_setattr)
+
+
+def _internal(factory) -> Any:
+    return attrs.field(factory=factory, init=False, repr=False, eq=False, on_setattr=attrs.setters.NO_OP,
+                       metadata={"internal": True})
+
+
+def config_class(cls: type) -> type:
+    """Make an attrs config class that records explicitly passed fields and can be frozen."""
+    cls = attrs.define(on_setattr=_ON_SETATTR)(cls)
+    init_names = [a.name for a in attrs.fields(cls) if a.init]
+    original = cls.__init__
+
+    @functools.wraps(original)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        self._explicit.update(init_names[: len(args)])
+        self._explicit.update(kwargs)
+
+    cls.__init__ = __init__
+    return cls
+
+
+def explicit_fields(obj: Any) -> frozenset[str]:
+    """Names of the fields of a config object that were passed or assigned explicitly."""
+    return frozenset(obj._explicit)
+
+
+def freeze(obj: Any) -> Any:
+    """Make a config object (and the config objects inside it) reject further assignment."""
+    for a in attrs.fields(type(obj)):
+        child = getattr(obj, a.name)
+        if attrs.has(type(child)):
+            freeze(child)
+    obj._frozen = True
+    return obj
+
+
+def is_frozen(obj: Any) -> bool:
+    """Whether :func:`freeze` was applied to this config object."""
+    return bool(obj._frozen)
+
+
+def set_field(root: Any, path: str, value: Any) -> None:
+    """Write a dotted path inside a config object, validated, without marking it user-set.
+
+    Stages use this: explicitness belongs to the user's inputs, not to what the pipeline derived.
+    """
+    *parents, leaf = path.split(".")
+    obj = root
+    for part in parents:
+        obj = getattr(obj, part)
+    if obj._frozen:
+        raise attrs.exceptions.FrozenInstanceError()
+    attribute = attrs.fields_dict(type(obj))[leaf]
+    if attribute.converter is not None:
+        value = attribute.converter(value)
+    if attribute.validator is not None:
+        attribute.validator(obj, attribute, value)
+    object.__setattr__(obj, leaf, value)
+
+
+def public_fields(cls: type) -> list[attrs.Attribute]:
+    """The user-facing fields of a config class (internal bookkeeping left out)."""
+    return [a for a in attrs.fields(cls) if not a.metadata.get("internal")]
+
+
+# --- the classes -----------------------------------------------------------------------------
+
+
+@config_class
+class KvCacheConfig:
+    """KV cache settings; names and defaults follow TensorRT-LLM's ``KvCacheConfig``."""
+
+    use_kv_cache_manager_v2: TriState = attrs.field(default=AUTO, validator=tri_state)
+    tokens_per_block: int = attrs.field(default=32, validator=pos_int)
+    enable_block_reuse: bool = attrs.field(default=True, validator=strict_bool)
+    enable_partial_reuse: bool = attrs.field(default=True, validator=strict_bool)
+    free_gpu_memory_fraction: float = attrs.field(default=0.9, validator=fraction)
+    max_tokens: int | None = attrs.field(default=None, validator=opt_pos_int)
+    max_gpu_total_bytes: Bytes = attrs.field(default=0, validator=non_neg_int)
+    host_cache_size: Bytes | None = attrs.field(default=None, validator=opt_non_neg_int)
+    dtype: DTypeName = attrs.field(default=AUTO, converter=_norm_dtype, validator=dtype_name)
+    max_util_for_resume: float = attrs.field(default=0.95, validator=fraction)
+    enable_swa_scratch_reuse: bool = attrs.field(default=False, validator=strict_bool)
+    event_buffer_max_size: int = attrs.field(default=0, validator=non_neg_int)
+    _explicit: set[str] = _internal(set)
+    _frozen: bool = _internal(bool)
+
+
+@config_class
+class LlmArgs:
+    """Everything a load is configured by; ``model`` names a preset or a checkpoint directory."""
+
+    model: str = attrs.field(validator=model_name)
+    dtype: DTypeName = attrs.field(default=AUTO, converter=_norm_dtype, validator=dtype_name)
+    device: DeviceName = attrs.field(default=AUTO, validator=device_name)
+    max_batch_size: int = attrs.field(default=2048, validator=pos_int)
+    max_seq_len: int | None = attrs.field(default=None, validator=opt_pos_int)
+    max_num_tokens: int = attrs.field(default=8192, validator=pos_int)
+    max_beam_width: int = attrs.field(default=1, validator=pos_int)
+    kv_cache_config: KvCacheConfig = attrs.field(factory=KvCacheConfig)
+    _explicit: set[str] = _internal(set)
+    _frozen: bool = _internal(bool)
+
+    @kv_cache_config.validator
+    def _kv_is_config(self, attribute: attrs.Attribute, value: Any) -> None:
+        if not isinstance(value, KvCacheConfig):
+            raise FieldError(attribute.name, f"expected a mapping of KvCacheConfig fields, got {describe(value)}")
+
+
+#: Fields whose value may be ``"auto"`` and that ``resolve_auto`` turns into a concrete value.
+AUTO_FIELDS: tuple[str, ...] = ("dtype", "device", "kv_cache_config.use_kv_cache_manager_v2", "kv_cache_config.dtype")
+
+
+def framework_defaults() -> dict[str, Any]:
+    """The args before any source spoke: every default, and ``model`` unset (null)."""
+    from pipeline.converter import unstructure  # converter imports this module
+
+    tree = unstructure(LlmArgs(model="<unset>"))
+    tree["model"] = None
+    return tree

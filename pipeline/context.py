@@ -1,0 +1,104 @@
+"""What travels through the stages: the request, the args being resolved, and each stage's outputs."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+import attrs
+
+from pipeline.config import LlmArgs
+
+
+@attrs.frozen
+class UserValue:
+    """One leaf the user provided: the value as given, and which input gave it."""
+
+    value: Any
+    source: str  # "cli" | "config_file" | "api"
+
+
+@attrs.frozen
+class AutoOrigin:
+    """A field captured as ``"auto"`` before any stage could touch it."""
+
+    explicit: bool
+    source: str  # where the "auto" came from: "default" or the user's source
+
+
+@attrs.define
+class LoadRequest:
+    """The raw inputs of one run, before anything is validated."""
+
+    model: str | None
+    overrides: dict[str, Any] = attrs.Factory(dict)
+    source: str = "api"  # label of ``overrides``: "api" from Python, "cli" from the command line
+    config_file: str | None = None
+    load_weights: bool = False
+    options: dict[str, Any] = attrs.Factory(dict)  # stage options that are not args (e.g. weights)
+
+
+@attrs.frozen
+class ModelInfo:
+    """The checkpoint and spec ``apply_model_defaults`` chose."""
+
+    name: str
+    kind: str
+    path: str
+    architecture: str
+    model_type: str
+    spec: str
+    v2_required: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form for ``--json`` output."""
+        return attrs.asdict(self)
+
+
+@attrs.frozen
+class Route:
+    """The executor ``route_executor`` chose: KV manager, scheduler, and the reason."""
+
+    kv_manager: str
+    scheduler: str
+    use_kv_cache_manager_v2: bool
+    reason: str
+    fallback: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form for events and ``--json`` output."""
+        return attrs.asdict(self)
+
+
+@attrs.define
+class Context:
+    """One run's state; each stage reads it and writes only its own outputs."""
+
+    request: LoadRequest
+    args: LlmArgs | None = None
+    user_values: dict[str, UserValue] = attrs.Factory(dict)  # parse_args: winning source per leaf
+    user_fields: Mapping[str, UserValue] = MappingProxyType({})  # snapshot_user_fields: read-only copy
+    auto_originals: dict[str, AutoOrigin] = attrs.Factory(dict)  # snapshot_user_fields
+    checkpoint: Any = None  # apply_model_defaults: models.Checkpoint
+    hf_config: Any = None  # apply_model_defaults: transformers config
+    spec: Any = None  # apply_model_defaults: models.ModelSpec instance
+    model: ModelInfo | None = None  # apply_model_defaults
+    model_defaults: dict[str, Any] = attrs.Factory(dict)  # apply_model_defaults: proposals, flat
+    route: Route | None = None  # route_executor
+    kv: Any = None  # KV plan (geometry, budget), for plan and load
+    kv_manager: Any = None  # build_kv_manager
+    scheduler: Any = None  # build_kv_manager
+    hf_model: Any = None  # weights, when loaded
+    tokenizer: Any = None
+    extras: dict[str, Any] = attrs.Factory(dict)  # for user-inserted stages
+    _cleanup: contextlib.ExitStack = attrs.Factory(contextlib.ExitStack)
+
+    def on_close(self, release: Callable[[], Any]) -> None:
+        """Register a release action (pools, weights) run by :meth:`close`, last registered first."""
+        self._cleanup.callback(release)
+
+    def close(self) -> None:
+        """Release everything registered with :meth:`on_close`."""
+        self._cleanup.close()

@@ -1,0 +1,46 @@
+"""Typed errors: each one is a single line that says what was wrong, where, and what is accepted."""
+
+from __future__ import annotations
+
+
+class KvloadError(Exception):
+    """Base of every error kvload raises on purpose; its message is one line for the user."""
+
+    exit_code = 2
+
+
+class ConfigError(KvloadError, ValueError):
+    """A configuration value, key, flag or file is not acceptable.
+
+    ``path`` is the dotted field path when one field is to blame, ``detail`` the message without
+    it, so the CLI can name its own flag instead of the path.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, detail: str | None = None,
+                 source: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.detail = detail if detail is not None else message
+        self.source = source
+
+
+class ModelError(KvloadError):
+    """A checkpoint, preset or model spec cannot be used."""
+
+
+class RouteError(KvloadError):
+    """The resolved arguments ask for an executor the model or the settings cannot have."""
+
+
+class KvBuildError(KvloadError):
+    """The KV cache manager cannot be built from these settings (budget, geometry, device)."""
+
+
+class KvRuntimeError(KvBuildError):
+    """Building or running failed for a reason outside the settings (out of memory, a device fault)."""
+
+    exit_code = 1
+
+
+class AuditError(KvloadError):
+    """An audit log file is unreadable, truncated or from an unknown schema."""

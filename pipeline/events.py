@@ -1,0 +1,235 @@
+"""Event classes. Their names are a public contract: tests, users and ``jq`` filters grep for them.
+
+Every event becomes a plain dict ``{"event", "stage", "seq", ...payload}`` on the bus. Events
+that change a value of the arguments carry ``field``, ``old``, ``new`` and ``source`` and are
+listed in :data:`VALUE_EVENTS`; folding them over the framework defaults replays the final args.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import attrs
+
+#: name -> class, filled by :func:`event`.
+EVENT_TYPES: dict[str, type[Event]] = {}
+
+
+def event(name: str, *, level: str = "info", changes_value: bool = False):
+    """Register an attrs event class under its public ``name``."""
+
+    def wrap(cls: type) -> type:
+        cls = attrs.define(kw_only=True)(cls)
+        cls.name = name
+        cls.level = level
+        cls.changes_value = changes_value
+        EVENT_TYPES[name] = cls
+        return cls
+
+    return wrap
+
+
+@attrs.define(kw_only=True)
+class Event:
+    """Base of all events; ``stage`` and ``seq`` are filled in by the bus."""
+
+    name: ClassVar[str] = "event"
+    level: ClassVar[str] = "info"
+    changes_value: ClassVar[bool] = False
+
+    stage: str = ""
+    seq: int = -1
+
+    def to_dict(self) -> dict[str, Any]:
+        """The wire form: ``event``, ``stage``, ``seq``, (``level`` when not info), then the payload."""
+        record: dict[str, Any] = {"event": self.name, "stage": self.stage, "seq": self.seq}
+        if self.level != "info":
+            record["level"] = self.level
+        for a in attrs.fields(type(self)):
+            if a.name not in ("stage", "seq"):
+                record[a.name] = getattr(self, a.name)
+        return record
+
+
+# --- pipeline ------------------------------------------------------------------------------
+
+
+@event("stage_started")
+class StageStarted(Event):
+    """A stage begins."""
+
+
+@event("stage_finished")
+class StageFinished(Event):
+    """A stage ended normally."""
+
+    duration_ms: float
+
+
+@event("stage_failed", level="error")
+class StageFailed(Event):
+    """A stage raised; the pipeline re-raises it as a typed error."""
+
+    error: str
+    message: str
+    duration_ms: float
+
+
+@event("pipeline_finished")
+class PipelineFinished(Event):
+    """The closing record: the final resolved args and route, for ``audit --verify``."""
+
+    args: dict[str, Any]
+    route: dict[str, Any] | None = None
+    stages: list[str] = attrs.Factory(list)
+
+
+# --- parse_args / snapshot -----------------------------------------------------------------
+
+
+@event("args_parsed", changes_value=True)
+class ArgsParsed(Event):
+    """One leaf the user provided, taken into the args."""
+
+    field: str
+    old: Any
+    new: Any
+    source: str
+
+
+@event("source_conflict", level="warning")
+class SourceConflict(Event):
+    """Two sources gave different values for one field; the stronger one won."""
+
+    field: str
+    kept: Any
+    kept_source: str
+    overridden: Any
+    overridden_source: str
+
+
+@event("user_fields_snapshotted")
+class UserFieldsSnapshotted(Event):
+    """The set of user-set fields, with raw values and sources, captured before any mutation."""
+
+    fields: dict[str, dict[str, Any]]
+
+
+@event("auto_captured")
+class AutoCaptured(Event):
+    """A field that starts as ``"auto"``, remembered before anything can replace it."""
+
+    field: str
+    original: str
+    explicit: bool
+    source: str
+
+
+# --- model ---------------------------------------------------------------------------------
+
+
+@event("model_resolved")
+class ModelResolved(Event):
+    """The checkpoint was read and a model spec chosen."""
+
+    model: str
+    kind: str
+    path: str
+    architecture: str
+    model_type: str
+    spec: str
+
+
+@event("model_spec_fallback", level="warning")
+class ModelSpecFallback(Event):
+    """No spec is registered for the architecture; the generic decoder spec is used."""
+
+    architecture: str
+    spec: str
+    reason: str
+
+
+@event("model_default_applied", changes_value=True)
+class ModelDefaultApplied(Event):
+    """A model default written to a field the user did not set."""
+
+    field: str
+    old: Any
+    new: Any
+    source: str
+    spec: str
+
+
+@event("model_default_skipped")
+class ModelDefaultSkipped(Event):
+    """A model default not applied because the user set the field."""
+
+    field: str
+    proposed: Any
+    kept: Any
+    kept_source: str
+    spec: str
+    reason: str
+
+
+# --- resolve / route -----------------------------------------------------------------------
+
+
+@event("auto_resolved", changes_value=True)
+class AutoResolved(Event):
+    """A field that began as ``"auto"`` got its concrete value (also when a model default set it first)."""
+
+    field: str
+    original: str
+    old: Any
+    new: Any
+    source: str
+    reason: str
+
+
+@event("field_derived", changes_value=True)
+class FieldDerived(Event):
+    """A null field given a value derived from the checkpoint or other fields."""
+
+    field: str
+    old: Any
+    new: Any
+    source: str
+    reason: str
+
+
+@event("executor_routed")
+class ExecutorRouted(Event):
+    """The KV manager and scheduler chosen, and why."""
+
+    kv_manager: str
+    scheduler: str
+    use_kv_cache_manager_v2: bool
+    reason: str
+
+
+@event("route_fallback", level="warning", changes_value=True)
+class RouteFallback(Event):
+    """The router changed a value the user did not set, to a manager that can serve the request."""
+
+    field: str
+    old: Any
+    new: Any
+    source: str
+    reason: str
+
+
+@event("setting_ignored", level="warning")
+class SettingIgnored(Event):
+    """A setting the user asked for has no effect with the resolved configuration."""
+
+    field: str
+    value: Any
+    reason: str
+
+
+def is_value_event(record: dict[str, Any]) -> bool:
+    """Whether a wire record changes a value of the arguments."""
+    cls = EVENT_TYPES.get(record.get("event", ""))
+    return bool(cls and cls.changes_value)
+

@@ -1,0 +1,80 @@
+"""What the CLI prints: the JSON document of a run and its readable table."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pipeline.api import LoadResult
+from pipeline.config import framework_defaults
+from pipeline.converter import unstructure
+from pipeline.paths import flatten
+
+
+def show(value: Any) -> str:
+    """A value as a user would type it: true/false/null, strings bare."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return value
+    return json.dumps(value)
+
+
+def provenance_map(result: LoadResult) -> dict[str, list[dict[str, Any]]]:
+    """Every changed field → its chain of changes."""
+    return {path: result.audit.provenance(path) for path in result.audit.changed_fields()}
+
+
+def run_document(result: LoadResult) -> dict[str, Any]:
+    """The ``--json`` document: model, args, provenance, route, kv."""
+    kv = result.kv
+    return {
+        "model": result.model.to_dict(),
+        "args": unstructure(result.args),
+        "provenance": provenance_map(result),
+        "route": result.route.to_dict(),
+        "kv": kv.to_dict() if hasattr(kv, "to_dict") else kv,
+    }
+
+
+def _table(rows: list[list[str]], indent: str = "  ") -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+
+
+def render_args(result: LoadResult) -> list[str]:
+    """Rows for every resolved field that is not a plain framework default: value, source, why."""
+    final = flatten(unstructure(result.args))
+    defaults = flatten(framework_defaults())
+    rows = [["field", "value", "source", "why"]]
+    for path in result.audit.changed_fields():
+        chain = result.audit.provenance(path)
+        if not chain or path not in final:
+            continue
+        last = chain[-1]
+        why = last.get("reason", "")
+        if "original" in last:
+            why = f'"auto" → {show(last["new"])}: {why}'
+        elif last["event"] == "args_parsed" and final[path] == defaults.get(path):
+            why = "explicit, equal to the default"
+        rows.append([path, show(final[path]), last["source"], why])
+    return ["resolved arguments (fields not at a plain framework default):", *_table(rows)]
+
+
+def render_result(result: LoadResult) -> str:
+    """The readable report: model, resolved fields with sources, route, then KV geometry when known."""
+    m = result.model
+    lines = [
+        f"model  {m.name}  ({m.kind}: {m.architecture} → {m.spec})",
+        "",
+        *render_args(result),
+        "",
+        f"route  {result.route.kv_manager} + {result.route.scheduler}",
+        f"       {result.route.reason}",
+    ]
+    kv = result.kv
+    if kv is not None and hasattr(kv, "render"):
+        lines += ["", *kv.render()]
+    return "\n".join(lines)

@@ -1,0 +1,104 @@
+"""Stage 3: read the checkpoint, pick its ``ModelSpec``, and apply model defaults the user did not set."""
+
+from __future__ import annotations
+
+import copy
+import difflib
+from collections.abc import Mapping
+from typing import Any
+
+from models import GenericDecoderSpec, load_hf_config, resolve_checkpoint, spec_class_for
+from pipeline.bus import Emit
+from pipeline.config import AUTO, LlmArgs, framework_defaults, freeze, set_field
+from pipeline.context import Context, ModelInfo
+from pipeline.converter import structure
+from pipeline.errors import ConfigError, ModelError
+from pipeline.events import ModelDefaultApplied, ModelDefaultSkipped, ModelResolved, ModelSpecFallback
+from pipeline.paths import flatten, get_in, unflatten
+
+#: The fields a model may propose. Memory limits, the device and the model itself are the
+#: operator's; beam width is a serving decision.
+MODEL_SETTABLE: frozenset[str] = frozenset({
+    "dtype",
+    "max_seq_len",
+    "max_num_tokens",
+    "max_batch_size",
+    "kv_cache_config.use_kv_cache_manager_v2",
+    "kv_cache_config.tokens_per_block",
+    "kv_cache_config.enable_block_reuse",
+    "kv_cache_config.enable_partial_reuse",
+    "kv_cache_config.dtype",
+    "kv_cache_config.max_util_for_resume",
+    "kv_cache_config.enable_swa_scratch_reuse",
+    "kv_cache_config.event_buffer_max_size",
+})
+
+
+def validate_model_defaults(proposed: Any, spec_name: str) -> dict[str, Any]:
+    """Check a spec's returned dict; return its leaves by dotted path. Errors name the class and key."""
+    where = f"{spec_name}.get_model_defaults"
+    if not isinstance(proposed, Mapping):
+        raise ModelError(f"{where}: must return a dict, got {type(proposed).__name__}")
+    known = flatten(framework_defaults())
+    leaves = flatten(proposed)
+    for path, value in leaves.items():
+        if path not in known:
+            close = difflib.get_close_matches(path, list(known), n=1, cutoff=0.6)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ModelError(f"{where}: unknown key '{path}'{hint}")
+        if path not in MODEL_SETTABLE:
+            raise ModelError(f"{where}: key '{path}' may not be set by a model (it is the user's to decide)")
+        if value == AUTO:
+            raise ModelError(f"{where}: key '{path}': a model default must be concrete, got \"auto\"")
+    try:
+        structure({**unflatten(leaves), "model": "<model>"}, LlmArgs)
+    except ConfigError as exc:
+        raise ModelError(f"{where}: key '{exc.path}': {exc.detail}") from None
+    return leaves
+
+
+class ApplyModelDefaults:
+    """Writes ``ctx.checkpoint``, ``ctx.hf_config``, ``ctx.spec``, ``ctx.model``, ``ctx.model_defaults``."""
+
+    name = "apply_model_defaults"
+    error = ModelError
+
+    def run(self, ctx: Context, emit: Emit) -> None:
+        """Resolve the checkpoint and spec, then apply each proposed leaf unless the user set it."""
+        checkpoint = resolve_checkpoint(ctx.args.model)
+        hf_config = load_hf_config(checkpoint)
+        archs = getattr(hf_config, "architectures", None) or []
+        arch = archs[0] if archs else None
+        spec_cls = spec_class_for(arch) if arch else None
+        if spec_cls is None:
+            spec_cls = GenericDecoderSpec
+            what = f"architecture {arch!r} has no registered spec" if arch else "config.json names no architectures"
+            emit(ModelSpecFallback(architecture=arch or "", spec=spec_cls.__name__,
+                                   reason=f"{what}; using the generic decoder spec (geometry from the config, "
+                                          "no model defaults)"))
+        spec = spec_cls(hf_config)
+        spec.kv_layers()  # a model whose geometry kvload cannot read fails here, before any default applies
+        ctx.checkpoint, ctx.hf_config, ctx.spec = checkpoint, hf_config, spec
+        ctx.model = ModelInfo(
+            name=checkpoint.name, kind=checkpoint.kind, path=str(checkpoint.path), architecture=spec.architecture,
+            model_type=str(getattr(hf_config, "model_type", "")), spec=spec.name,
+            v2_required=spec.v2_required_reason(),
+        )
+        emit(ModelResolved(model=checkpoint.name, kind=checkpoint.kind, path=str(checkpoint.path),
+                           architecture=spec.architecture, model_type=ctx.model.model_type, spec=spec.name))
+
+        view = freeze(copy.deepcopy(ctx.args))  # models read the args; they never write them
+        leaves = validate_model_defaults(spec.get_model_defaults(view), spec.name)
+        ctx.model_defaults = leaves
+        for path, value in leaves.items():
+            current = get_in(ctx.args, path)
+            user = ctx.user_fields.get(path)
+            if user is not None:
+                why = ("the user set \"auto\" explicitly; resolve_auto lets the model decide"
+                       if user.value == AUTO else f"the user set it ({user.source}); an explicit value always wins")
+                emit(ModelDefaultSkipped(field=path, proposed=value, kept=current, kept_source=user.source,
+                                         spec=spec.name, reason=why))
+                continue
+            set_field(ctx.args, path, value)
+            emit(ModelDefaultApplied(field=path, old=current, new=get_in(ctx.args, path), source="model_default",
+                                     spec=spec.name))

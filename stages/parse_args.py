@@ -1,0 +1,69 @@
+"""Stage 1: merge the user's sources (defaults < YAML file < CLI or Python), validate, build ``LlmArgs``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.bus import Emit
+from pipeline.config import LlmArgs, framework_defaults
+from pipeline.context import Context, UserValue
+from pipeline.converter import structure
+from pipeline.errors import ConfigError
+from pipeline.events import ArgsParsed, SourceConflict
+from pipeline.paths import flatten, get_in, unflatten
+from pipeline.sources import overrides_to_tree, read_yaml
+
+_PLACEHOLDER_MODEL = "<model>"
+
+
+class ParseArgs:
+    """Builds ``ctx.args`` and ``ctx.user_values``; one ``args_parsed`` per user leaf, in source order."""
+
+    name = "parse_args"
+    error = ConfigError
+
+    def run(self, ctx: Context, emit: Emit) -> None:
+        """Validate each source alone (so errors name it), then merge and emit the changes."""
+        req = ctx.request
+        sources: list[tuple[str, dict[str, Any]]] = []
+        if req.config_file:
+            sources.append(("config_file", read_yaml(req.config_file)))
+        tree = overrides_to_tree(req.overrides)
+        if req.model is not None:
+            tree = {"model": req.model, **tree}
+        sources.append((req.source, tree))
+
+        # Normalised leaves per source (e.g. dtype "bf16" -> "bfloat16"), checked one source at a time.
+        checked = [(label, self._check(label, tree, req.config_file)) for label, tree in sources]
+
+        merged: dict[str, UserValue] = {}
+        for label, leaves in checked:
+            for path, value in leaves.items():
+                merged[path] = UserValue(value, label)
+        if "model" not in merged:
+            raise ConfigError("model: required (a preset name or a checkpoint directory)", path="model")
+        ctx.args = structure(unflatten({p: v.value for p, v in merged.items()}), LlmArgs)
+
+        current = flatten(framework_defaults())
+        seen: dict[str, UserValue] = {}
+        for label, leaves in checked:
+            for path, value in leaves.items():
+                earlier = seen.get(path)
+                if earlier is not None and earlier.value != value:
+                    emit(SourceConflict(field=path, kept=value, kept_source=label,
+                                        overridden=earlier.value, overridden_source=earlier.source))
+                emit(ArgsParsed(field=path, old=current.get(path), new=value, source=label))
+                current[path] = value
+                seen[path] = UserValue(value, label)
+        ctx.user_values = merged
+
+    @staticmethod
+    def _check(label: str, tree: dict[str, Any], config_file: str | None) -> dict[str, Any]:
+        """Validate one source's tree; return its leaves with values as the args will hold them."""
+        probe = tree if "model" in tree else {**tree, "model": _PLACEHOLDER_MODEL}
+        try:
+            args = structure(probe, LlmArgs)
+        except ConfigError as exc:
+            where = f"config file {config_file}: " if label == "config_file" else ""
+            raise ConfigError(f"{where}{exc}", path=exc.path, detail=exc.detail, source=label) from None
+        return {path: get_in(args, path) for path in flatten(tree)}

@@ -1,0 +1,87 @@
+"""Stage 4: give every field that began as ``"auto"`` a concrete value, and say why."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.bus import Emit
+from pipeline.config import AUTO, DTYPE_BYTES, normalize_dtype, set_field
+from pipeline.context import AutoOrigin, Context
+from pipeline.errors import ConfigError
+from pipeline.events import AutoResolved, FieldDerived
+from pipeline.paths import get_in
+
+V2 = "kv_cache_config.use_kv_cache_manager_v2"
+
+
+def cuda_available() -> bool:
+    """Whether torch sees a CUDA device (False when torch is missing)."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+class ResolveAuto:
+    """Resolves ``device``, ``dtype``, ``kv_cache_config.dtype`` and ``use_kv_cache_manager_v2``, in that order.
+
+    ``auto_resolved`` fires for every field captured as ``"auto"`` by the snapshot, also when a
+    model default already replaced the value: then ``old`` is the model's value and the reason says so.
+    """
+
+    name = "resolve_auto"
+    error = ConfigError
+
+    def run(self, ctx: Context, emit: Emit) -> None:
+        """Resolve in dependency order (the dtype rule needs the device, the KV dtype needs the dtype)."""
+        for path in ("device", "dtype", "kv_cache_config.dtype", V2):
+            origin = ctx.auto_originals.get(path)
+            if origin is None:
+                continue
+            old = get_in(ctx.args, path)
+            new, source, reason = self._decide(ctx, path, old, origin)
+            if new != old:
+                set_field(ctx.args, path, new)
+            emit(AutoResolved(field=path, original=AUTO, old=old, new=get_in(ctx.args, path), source=source,
+                              reason=reason))
+        self._derive_max_seq_len(ctx, emit)
+
+    def _decide(self, ctx: Context, path: str, current: Any, origin: AutoOrigin) -> tuple[Any, str, str]:
+        spec_name = ctx.spec.name if ctx.spec is not None else "the model"
+        if current != AUTO:  # a model default got here first; keep it and say so
+            return current, "model_default", f"{spec_name} set it through its model defaults"
+        if path == "device":
+            if cuda_available():
+                return "cuda", "auto", "a CUDA device is available"
+            return "cpu", "auto", "no CUDA device is available"
+        if path == "dtype":
+            declared = ctx.spec.checkpoint_dtype() if ctx.spec is not None else None
+            if declared is not None and normalize_dtype(declared) in DTYPE_BYTES:
+                return normalize_dtype(declared), "checkpoint", f"the checkpoint declares dtype {declared}"
+            if str(ctx.args.device).startswith("cuda"):
+                return "bfloat16", "auto", "the checkpoint declares no dtype; bfloat16 on CUDA"
+            return "float32", "auto", "the checkpoint declares no dtype; float32 on CPU"
+        if path == "kv_cache_config.dtype":
+            return ctx.args.dtype, "auto", f"follows the model dtype ({ctx.args.dtype})"
+        if path == V2:
+            proposed = ctx.model_defaults.get(V2)
+            if proposed is not None:
+                why = f"{spec_name} proposes {str(proposed).lower()} in its model defaults"
+                if origin.explicit:
+                    why += f"; the explicit \"auto\" (via {origin.source}) lets the model decide"
+                return proposed, "model_default", why
+            return False, "auto", f"{spec_name} proposes no V2 default, so \"auto\" means false"
+        raise AssertionError(f"no rule resolves {path}")
+
+    @staticmethod
+    def _derive_max_seq_len(ctx: Context, emit: Emit) -> None:
+        if ctx.args.max_seq_len is not None:
+            return
+        limit = ctx.spec.max_position_embeddings() if ctx.spec is not None else None
+        if limit is None:
+            raise ConfigError("max_seq_len: the checkpoint declares no max_position_embeddings; set max_seq_len",
+                              path="max_seq_len")
+        set_field(ctx.args, "max_seq_len", limit)
+        emit(FieldDerived(field="max_seq_len", old=None, new=limit, source="checkpoint",
+                          reason="null takes the checkpoint's max_position_embeddings"))

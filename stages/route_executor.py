@@ -1,0 +1,90 @@
+"""Stage 5: pick the KV manager and scheduler from the resolved tri-state, then freeze the args."""
+
+from __future__ import annotations
+
+from pipeline.bus import Emit
+from pipeline.config import freeze, set_field
+from pipeline.context import Context, Route
+from pipeline.errors import RouteError
+from pipeline.events import ExecutorRouted, RouteFallback, SettingIgnored
+
+V2 = "kv_cache_config.use_kv_cache_manager_v2"
+V1_ROUTE = ("KVCacheManager", "GuaranteedNoEvictScheduler")
+V2_ROUTE = ("KVCacheManagerV2", "KVCacheV2Scheduler")
+
+#: V2-only settings: harmless under V1, but a user who set them should hear they do nothing.
+_V2_ONLY = {
+    "kv_cache_config.host_cache_size": "V1 has no host tier",
+    "kv_cache_config.max_util_for_resume": "V1 never suspends or resumes",
+    "kv_cache_config.enable_swa_scratch_reuse": "V1 keeps no per-window pools",
+    "kv_cache_config.enable_partial_reuse": "V1 reuses full blocks only",
+}
+
+
+class RouteExecutor:
+    """Writes ``ctx.route``; the only stage that may change the tri-state after ``resolve_auto``."""
+
+    name = "route_executor"
+    error = RouteError
+
+    def run(self, ctx: Context, emit: Emit) -> None:
+        """Apply the routing rules in DESIGN.md, each with its reason, then freeze ``ctx.args``."""
+        kv = ctx.args.kv_cache_config
+        v2 = kv.use_kv_cache_manager_v2
+        if v2 is not True and v2 is not False:  # identity, never truthiness: "auto" is a truthy string
+            raise RouteError(f"{V2}: still {v2!r} at routing; resolve_auto must run before route_executor")
+        user = ctx.user_fields.get(V2)
+        user_set = user is not None and user.value is v2  # an explicit true/false, not an explicit "auto"
+        needs_v2 = ctx.model.v2_required if ctx.model is not None else None
+        beams = ctx.args.max_beam_width
+        origin = f"set by the user via {user.source}" if user_set else self._origin(ctx)
+
+        if v2 is False and needs_v2:
+            raise RouteError(
+                f"{V2}=false ({origin}) cannot serve this model: {needs_v2}; remove the setting or set it to true"
+            )
+        fallback_reason = None
+        if v2 is True and beams > 1:
+            if user_set:
+                raise RouteError(
+                    f"{V2}=true ({origin}) cannot serve beam search (max_beam_width={beams}): KV cache manager V2 "
+                    "has no beam support; set max_beam_width to 1 or use_kv_cache_manager_v2 to false"
+                )
+            if needs_v2:
+                raise RouteError(
+                    f"max_beam_width={beams}: {needs_v2}, and V2 has no beam support; set max_beam_width to 1"
+                )
+            fallback_reason = f"V2 ({origin}) has no beam support and max_beam_width={beams}; falling back to V1"
+            set_field(ctx.args, V2, False)
+            emit(RouteFallback(field=V2, old=True, new=False, source="route", reason=fallback_reason))
+            v2 = False
+
+        if v2 is True:
+            manager, scheduler = V2_ROUTE
+            reason = f"{V2}=true ({origin}): per-group pools, prefix reuse, suspend/resume"
+        else:
+            manager, scheduler = V1_ROUTE
+            reason = fallback_reason or f"{V2}=false ({origin}): one uniform pool, no-evict admission"
+        ctx.route = Route(manager, scheduler, v2, reason, fallback_reason is not None)
+        emit(ExecutorRouted(kv_manager=manager, scheduler=scheduler, use_kv_cache_manager_v2=v2, reason=reason))
+        self._warn_ignored(ctx, emit, v2)
+        freeze(ctx.args)
+
+    @staticmethod
+    def _origin(ctx: Context) -> str:
+        if V2 in ctx.model_defaults:
+            return f"model default of {ctx.spec.name}"
+        return "resolved from \"auto\""
+
+    @staticmethod
+    def _warn_ignored(ctx: Context, emit: Emit, v2: bool) -> None:
+        kv = ctx.args.kv_cache_config
+        asked = set(ctx.user_fields) | set(ctx.model_defaults)
+        if not v2:
+            for path, why in _V2_ONLY.items():
+                value = getattr(kv, path.rsplit(".", 1)[1])
+                if path in asked and value not in (None, False):
+                    emit(SettingIgnored(field=path, value=value, reason=f"{why} (routed to KVCacheManager)"))
+        elif not kv.enable_block_reuse and kv.enable_partial_reuse and "kv_cache_config.enable_partial_reuse" in asked:
+            emit(SettingIgnored(field="kv_cache_config.enable_partial_reuse", value=True,
+                                reason="partial reuse needs enable_block_reuse=true"))

@@ -1,0 +1,66 @@
+"""Shared fixtures: no network, tiny checkpoints built from transformers configs, test-registered specs."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+from models import ModelSpec, register_model, unregister_model
+
+REFERENCE_CONFIGS = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "configs"
+
+
+def write_config(directory: Path, config: dict[str, Any]) -> Path:
+    """Write a checkpoint directory holding only config.json; return the directory."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def llama_config(arch: str = "LlamaForCausalLM", **overrides: Any) -> dict[str, Any]:
+    """A tiny Llama-shaped config.json dict, with a chosen architecture name."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    data = cfg.to_dict()
+    data.update(architectures=[arch], **overrides)
+    data.pop("transformers_version", None)
+    return data
+
+
+@pytest.fixture
+def checkpoint_dir(tmp_path: Path):
+    """Factory: a checkpoint directory with a tiny config.json for an architecture name."""
+
+    def make(arch: str = "LlamaForCausalLM", name: str = "ckpt", **overrides: Any) -> Path:
+        return write_config(tmp_path / name, llama_config(arch, **overrides))
+
+    return make
+
+
+@pytest.fixture
+def spec_with_defaults(checkpoint_dir) -> Iterator[Any]:
+    """Factory: register a test spec returning given model defaults; yields (checkpoint dir) per call."""
+    registered: list[str] = []
+
+    def make(defaults: Any, arch: str = "TestDefaultsForCausalLM") -> Path:
+        @register_model(arch, replace=True)
+        class TestSpec(ModelSpec):
+            def get_model_defaults(self, args: Any) -> Any:
+                return defaults
+
+        TestSpec.__name__ = TestSpec.__qualname__ = "TestSpec"
+        registered.append(arch)
+        return checkpoint_dir(arch, name=arch)
+
+    yield make
+    unregister_model(*registered)

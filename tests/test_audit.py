@@ -1,0 +1,159 @@
+"""The audit log: provenance, replay, JSON Lines, and the property that ties them together."""
+
+from __future__ import annotations
+
+import json
+from typing import ClassVar
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import pipeline
+from models import ModelSpec, register_model, unregister_model
+from pipeline import AuditError, AuditLog
+from pipeline.converter import unstructure
+from pipeline.paths import flatten
+from tests.conftest import llama_config, write_config
+
+
+def test_replay_reproduces_final_args_for_every_preset():
+    for preset in ["tiny-llama", "tiny-gemma3", "tiny-deepseek-v3", "tiny-deepseek-v4"]:
+        result = pipeline.plan(preset, log=False)
+        assert result.audit.replay() == unstructure(result.args)
+        assert result.audit.verify() == []
+
+
+def test_provenance_chain_for_the_v4_decision():
+    result = pipeline.plan("tiny-deepseek-v4", log=False)
+    chain = result.audit.provenance("kv_cache_config.use_kv_cache_manager_v2")
+    assert [(s["stage"], s["source"], s["old"], s["new"]) for s in chain] == [
+        ("apply_model_defaults", "model_default", "auto", True),
+        ("resolve_auto", "model_default", True, True),
+    ]
+    assert chain[-1]["original"] == "auto"
+
+
+def test_events_are_numbered_and_named():
+    result = pipeline.plan("tiny-llama", log=False)
+    seqs = [e["seq"] for e in result.audit.events]
+    assert seqs == list(range(len(seqs)))
+    names = {e["event"] for e in result.audit.events}
+    assert {"stage_started", "stage_finished", "args_parsed", "user_fields_snapshotted", "auto_captured",
+            "model_resolved", "auto_resolved", "executor_routed", "pipeline_finished"} <= names
+
+
+def test_jsonl_round_trip_and_header(tmp_path):
+    path = tmp_path / "audit.jsonl"
+    result = pipeline.plan("tiny-deepseek-v4", audit_log=path, log=False)
+    lines = path.read_text().splitlines()
+    header = json.loads(lines[0])
+    assert header["event"] == "audit_header" and header["schema_version"] == 1 and "kvload_version" in header
+    back = AuditLog.from_jsonl(path)
+    assert back.events == json.loads(json.dumps(result.audit.events))
+    assert back.replay() == unstructure(result.args)
+    assert back.verify() == []
+
+
+def test_tampered_log_fails_verification(tmp_path):
+    path = tmp_path / "audit.jsonl"
+    pipeline.plan("tiny-llama", audit_log=path, log=False)
+    lines = path.read_text().splitlines()
+    tampered = [ln.replace('"new":false', '"new":true') if '"auto_resolved"' in ln and "manager_v2" in ln else ln
+                for ln in lines]
+    assert tampered != lines
+    path.write_text("\n".join(tampered) + "\n")
+    problems = AuditLog.from_jsonl(path).verify()
+    assert problems and "use_kv_cache_manager_v2" in problems[0]
+
+
+def test_failed_run_leaves_no_audit_file(tmp_path):
+    path = tmp_path / "audit.jsonl"
+    with pytest.raises(pipeline.RouteError):
+        pipeline.plan("tiny-deepseek-v4", kv_cache_config={"use_kv_cache_manager_v2": False}, audit_log=path,
+                      log=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("", "empty file"),
+        ('{"event": "audit_header", "schema_version": 1}\n{"event": "args_pa', "line 2: truncated"),
+        ('{"event": "stage_started"}\n', "not a kvload audit log"),
+        ('{"event": "audit_header", "schema_version": 99}\n', "schema_version 99 is not supported"),
+        ('[1, 2]\n', "expected a JSON object"),
+    ],
+)
+def test_unusable_audit_files(tmp_path, content, message):
+    path = tmp_path / "a.jsonl"
+    path.write_text(content)
+    with pytest.raises(AuditError, match=message):
+        AuditLog.from_jsonl(path)
+
+
+# --- the property: user-set leaves never change, replay reproduces the final args -------------
+
+KV_VALUES = {
+    "use_kv_cache_manager_v2": st.sampled_from([True, False, "auto"]),
+    "tokens_per_block": st.integers(1, 256),
+    "enable_block_reuse": st.booleans(),
+    "enable_partial_reuse": st.booleans(),
+    "free_gpu_memory_fraction": st.floats(0.01, 1.0),
+    "max_tokens": st.none() | st.integers(1, 10**7),
+    "max_gpu_total_bytes": st.integers(0, 2**40),
+    "host_cache_size": st.none() | st.integers(0, 2**36),
+    "dtype": st.sampled_from(["auto", "float16", "bfloat16", "float32"]),
+    "max_util_for_resume": st.floats(0.01, 1.0),
+    "enable_swa_scratch_reuse": st.booleans(),
+    "event_buffer_max_size": st.integers(0, 10**6),
+}
+MODEL_SETTABLE_KV = ["use_kv_cache_manager_v2", "tokens_per_block", "enable_block_reuse", "enable_partial_reuse",
+                     "dtype", "max_util_for_resume", "enable_swa_scratch_reuse", "event_buffer_max_size"]
+
+
+def _subdict(names, strategy_for):
+    return st.fixed_dictionaries({}, optional={n: strategy_for(n) for n in names})
+
+
+user_kv = _subdict(list(KV_VALUES), lambda n: KV_VALUES[n])
+model_kv = _subdict(MODEL_SETTABLE_KV, lambda n: KV_VALUES[n].filter(lambda v: v != "auto"))
+
+
+@pytest.fixture(scope="module")
+def property_checkpoint(tmp_path_factory):
+    arch = "PropertyForCausalLM"
+
+    @register_model(arch, replace=True)
+    class PropertySpec(ModelSpec):
+        proposals: ClassVar[dict] = {}
+
+        def get_model_defaults(self, args):
+            return {"kv_cache_config": dict(type(self).proposals)} if type(self).proposals else {}
+
+    path = write_config(tmp_path_factory.mktemp("prop") / "ckpt", llama_config(arch))
+    yield path, PropertySpec
+    unregister_model(arch)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(user=user_kv, proposals=model_kv, batch=st.none() | st.integers(1, 64))
+def test_user_leaves_never_change_and_replay_reproduces(property_checkpoint, user, proposals, batch):
+    path, spec_cls = property_checkpoint
+    spec_cls.proposals = proposals
+    overrides = {"kv_cache_config": user}
+    if batch is not None:
+        overrides["max_batch_size"] = batch
+    result = pipeline.plan(str(path), log=False, **overrides)
+    final = flatten(unstructure(result.args))
+    for key, value in user.items():
+        if value != "auto":  # an explicit "auto" is the user asking kvload to decide
+            assert final[f"kv_cache_config.{key}"] == value
+    for key, value in proposals.items():
+        if key not in user:
+            want = value
+            if key == "use_kv_cache_manager_v2" and result.route.fallback:
+                want = False
+            assert final[f"kv_cache_config.{key}"] == want
+    assert result.audit.replay() == unstructure(result.args)
+    assert "auto" not in final.values()

@@ -1,0 +1,53 @@
+"""`kvload plan` through a subprocess: output, --json, exit codes, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+
+def kvload(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, env=ENV,
+                          cwd=cwd, timeout=120)
+
+
+def test_plan_deepseek_v4_shows_auto_to_true_and_why():
+    r = kvload("plan", "tiny-deepseek-v4")
+    assert r.returncode == 0, r.stderr
+    row = next(line for line in r.stdout.splitlines() if "use_kv_cache_manager_v2  " in line)
+    assert "true" in row and "model_default" in row and '"auto" → true' in row
+    assert "KVCacheManagerV2 + KVCacheV2Scheduler" in r.stdout
+
+
+def test_plan_json_is_one_document_on_stdout():
+    r = kvload("plan", "tiny-llama", "--use_kv_cache_manager_v2", "true", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert set(doc) == {"model", "args", "provenance", "route", "kv"}
+    assert doc["args"]["kv_cache_config"]["use_kv_cache_manager_v2"] is True
+    assert doc["route"]["kv_manager"] == "KVCacheManagerV2"
+    assert doc["provenance"]["kv_cache_config.use_kv_cache_manager_v2"][0]["source"] == "cli"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--use_kv_cache_manager_v2", "yes"],
+         "error: --use_kv_cache_manager_v2: expected auto, true or false, got 'yes'"),
+        (["--tokens_per_block", "0"], "error: --tokens_per_block: expected an integer >= 1, got 0"),
+        (["--use-kv-cache-manager-v2", "false"], "error: kv_cache_config.use_kv_cache_manager_v2=false"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(args, message):
+    model = "tiny-deepseek-v4" if "false" in args else "tiny-llama"
+    r = kvload("plan", model, *args)
+    assert r.returncode == 2
+    assert r.stderr.startswith(message)
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+    assert r.stdout == ""

@@ -1,0 +1,116 @@
+"""Config classes and the converter: strict values, unknown keys, explicitness."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+
+from pipeline import ConfigError, KvCacheConfig, LlmArgs, explicit_fields
+from pipeline.config import freeze, parse_size
+from pipeline.converter import structure, unstructure
+
+
+def test_defaults_follow_tensorrt_llm():
+    kv = KvCacheConfig()
+    assert kv.use_kv_cache_manager_v2 == "auto"
+    assert (kv.tokens_per_block, kv.enable_block_reuse, kv.enable_partial_reuse) == (32, True, True)
+    assert (kv.free_gpu_memory_fraction, kv.max_tokens, kv.max_gpu_total_bytes) == (0.9, None, 0)
+    assert (kv.host_cache_size, kv.dtype, kv.max_util_for_resume) == (None, "auto", 0.95)
+    assert (kv.enable_swa_scratch_reuse, kv.event_buffer_max_size) == (False, 0)
+    args = LlmArgs(model="m")
+    assert (args.dtype, args.device, args.max_seq_len, args.max_beam_width) == ("auto", "auto", None, 1)
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_tristate_keeps_bools_by_identity(value):
+    kv = structure({"use_kv_cache_manager_v2": value}, KvCacheConfig)
+    assert kv.use_kv_cache_manager_v2 is value
+
+
+@pytest.mark.parametrize("bad", ["invalid", "yes", 1, 0, None, "True", 1.0])
+def test_tristate_rejects_everything_else_naming_the_path(bad):
+    with pytest.raises(ConfigError) as err:
+        structure({"model": "m", "kv_cache_config": {"use_kv_cache_manager_v2": bad}}, LlmArgs)
+    assert str(err.value).startswith("kv_cache_config.use_kv_cache_manager_v2: expected true, false or \"auto\"")
+    assert err.value.path == "kv_cache_config.use_kv_cache_manager_v2"
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, "auto", "true", None])
+def test_plain_bools_are_strict(bad):
+    with pytest.raises(ConfigError, match=r"^kv_cache_config\.enable_block_reuse: expected true or false"):
+        structure({"model": "m", "kv_cache_config": {"enable_block_reuse": bad}}, LlmArgs)
+
+
+def test_direct_construction_is_as_strict_as_structuring():
+    with pytest.raises(ConfigError, match="enable_block_reuse: expected true or false, got 'yes'"):
+        KvCacheConfig(enable_block_reuse="yes")
+    kv = KvCacheConfig()
+    with pytest.raises(ConfigError, match="tokens_per_block: expected an integer >= 1, got 0"):
+        kv.tokens_per_block = 0
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"kv_cache_config": {"enable_blok_reuse": True}},
+         "kv_cache_config.enable_blok_reuse: unknown key; did you mean 'enable_block_reuse'?"),
+        ({"kv_cache_confg": {}}, "kv_cache_confg: unknown key; did you mean 'kv_cache_config'?"),
+        ({"max_batchsize": 4}, "max_batchsize: unknown key; did you mean 'max_batch_size'?"),
+        ({"kv_cache_config": {"tokens_per_block": 0}}, "kv_cache_config.tokens_per_block: expected an integer >= 1"),
+        ({"kv_cache_config": {"free_gpu_memory_fraction": 1.5}},
+         "kv_cache_config.free_gpu_memory_fraction: expected a number in (0, 1]"),
+        ({"kv_cache_config": {"dtype": "int3"}}, "kv_cache_config.dtype: expected \"auto\" or one of"),
+        ({"kv_cache_config": "big"}, "kv_cache_config: expected a mapping of KvCacheConfig fields, got 'big'"),
+        ({"device": "tpu"}, "device: expected \"auto\", \"cpu\", \"cuda\" or \"cuda:N\", got 'tpu'"),
+        ({"max_batch_size": True}, "max_batch_size: expected an integer >= 1, got true"),
+        ({"kv_cache_config": {"host_cache_size": "lots"}}, "kv_cache_config.host_cache_size: expected a byte count"),
+    ],
+)
+def test_errors_name_the_dotted_path(raw, message):
+    with pytest.raises(ConfigError) as err:
+        structure({"model": "m", **raw}, LlmArgs)
+    assert str(err.value).startswith(message)
+    assert "\n" not in str(err.value)
+
+
+def test_unknown_key_without_a_close_match_lists_known_keys():
+    with pytest.raises(ConfigError, match="zzzz: unknown key; known keys: model, dtype, device"):
+        structure({"model": "m", "zzzz": 1}, LlmArgs)
+
+
+def test_missing_model_is_reported():
+    with pytest.raises(ConfigError, match="^model: required"):
+        structure({}, LlmArgs)
+
+
+def test_explicit_fields_are_known_even_when_equal_to_the_default():
+    kv = KvCacheConfig(enable_block_reuse=True, use_kv_cache_manager_v2="auto")
+    assert explicit_fields(kv) == {"enable_block_reuse", "use_kv_cache_manager_v2"}
+    kv.tokens_per_block = 32
+    assert "tokens_per_block" in explicit_fields(kv)
+    from_dict = structure({"model": "m", "kv_cache_config": {"tokens_per_block": 32}}, LlmArgs)
+    assert explicit_fields(from_dict.kv_cache_config) == {"tokens_per_block"}
+    assert explicit_fields(KvCacheConfig()) == frozenset()
+
+
+def test_dtype_aliases_normalise_and_sizes_parse():
+    kv = structure({"dtype": "bf16", "host_cache_size": "2GiB", "max_gpu_total_bytes": "1.5GB"}, KvCacheConfig)
+    assert (kv.dtype, kv.host_cache_size, kv.max_gpu_total_bytes) == ("bfloat16", 2 * 1024**3, 1_500_000_000)
+    assert parse_size("4096") == 4096
+    with pytest.raises(ValueError):
+        parse_size("1.5B")
+
+
+def test_frozen_config_rejects_assignment_everywhere():
+    args = freeze(LlmArgs(model="m"))
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        args.dtype = "float16"
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        args.kv_cache_config.tokens_per_block = 64
+
+
+def test_unstructure_round_trips_and_hides_bookkeeping():
+    args = structure({"model": "m", "kv_cache_config": {"tokens_per_block": 64}}, LlmArgs)
+    tree = unstructure(args)
+    assert "_explicit" not in tree and "_explicit" not in tree["kv_cache_config"]
+    assert structure(tree, LlmArgs) == args
