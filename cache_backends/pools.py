@@ -1,0 +1,88 @@
+"""Device block pools: one tensor per layer group, allocated with ``torch.empty`` (no zero fill).
+
+The memory contract, shared by the managers, the host tier and the paged attention:
+
+* ``tensors[g]`` has shape ``(len(group.layers), num_blocks[g], group.entries_per_block, group.entry_elems)``
+  — layer-major, so one layer's blocks are contiguous and ``layer_slots(g, i)`` is a view.
+* Token position ``p`` of a sequence lives in logical block ``p // T`` at offset ``p % T`` (``T`` =
+  ``group.tokens_per_block``); the group's block table maps logical block → physical block id, and
+  the flat slot inside ``layer_slots`` is ``physical * entries_per_block + offset``.
+  Compressed groups store entry ``e = p // compress_rate`` at logical block ``e // entries_per_block``.
+* Attention layers (full, sliding): ``entry_elems == 2 * kv_heads * head_dim``, viewed as
+  ``(2, kv_heads, head_dim)``: K at index 0, V at index 1. MLA: the latent, then the rope part.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from cache_backends.layout import KvLayout, LayerGroup
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+
+
+class BlockPools:
+    """The device tensors of a KV layout; :meth:`release` (or a failed allocation) frees them all."""
+
+    def __init__(self, layout: KvLayout, num_blocks: dict[str, int], device: str | torch.device) -> None:
+        missing = [g.name for g in layout.groups if num_blocks.get(g.name, 0) < 1]
+        if missing:
+            raise ValueError(f"every layer group needs at least one block; none for {', '.join(missing)}")
+        self.layout = layout
+        self.num_blocks = dict(num_blocks)
+        self.device = torch.device(device)
+        self.dtype = TORCH_DTYPES[layout.dtype]
+        self.groups: dict[str, LayerGroup] = {g.name: g for g in layout.groups}
+        self.tensors: dict[str, torch.Tensor] = {}
+        try:
+            for g in layout.groups:
+                shape = (len(g.layers), self.num_blocks[g.name], g.entries_per_block, g.entry_elems)
+                self.tensors[g.name] = torch.empty(shape, dtype=self.dtype, device=self.device)
+        except BaseException:
+            self.release()
+            raise
+        # layer index -> (group name, position of the layer inside the group), for every group holding it
+        self.layer_index: dict[int, list[tuple[str, int]]] = {}
+        for g in layout.groups:
+            for pos, layer in enumerate(g.layers):
+                self.layer_index.setdefault(layer, []).append((g.name, pos))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held on the device."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def layer_slots(self, group: str, layer_pos: int) -> torch.Tensor:
+        """One layer's entries in a group as a ``(num_blocks * entries_per_block, entry_elems)`` view."""
+        g = self.groups[group]
+        return self.tensors[group][layer_pos].view(self.num_blocks[group] * g.entries_per_block, g.entry_elems)
+
+    def block(self, group: str, block_id: int) -> torch.Tensor:
+        """Every layer's data of one physical block: ``(n_layers, entries_per_block, entry_elems)`` (a view)."""
+        return self.tensors[group][:, block_id]
+
+    def release(self) -> None:
+        """Drop the device tensors (idempotent); the caching allocator gets the memory back."""
+        self.tensors.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    @property
+    def released(self) -> bool:
+        """Whether :meth:`release` ran."""
+        return not self.tensors
+
+    def describe(self) -> dict[str, Any]:
+        """Per-group blocks and bytes, for events and reports."""
+        return {
+            name: {"blocks": self.num_blocks[name], "bytes": t.numel() * t.element_size(), "shape": list(t.shape)}
+            for name, t in self.tensors.items()
+        }

@@ -1,0 +1,74 @@
+"""A generation request as the KV managers and schedulers see it."""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+
+class RequestState(enum.Enum):
+    """Where a request is in its life."""
+
+    WAITING = "waiting"  # not admitted yet, or sent back by a scheduler (V1 preemption)
+    RUNNING = "running"  # holds device blocks; scheduled every step until finished
+    SUSPENDED = "suspended"  # V2 only: its pages live in the host tier until resumed
+    FINISHED = "finished"
+
+
+@attrs.define(eq=False)
+class Request:
+    """Token ids in and out, plus the bookkeeping a scheduler needs.
+
+    ``num_computed_tokens`` counts the tokens of ``all_token_ids`` whose KV is in the cache (reused
+    prefix included). It only advances through the manager's ``commit``. A step computes KV for
+    ``all_token_ids[num_computed_tokens : num_computed_tokens + n]``.
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    max_new_tokens: int
+    priority: int = 0  # higher is more important; the V2 scheduler suspends the lowest first
+    salt: str | None = None  # reuse scope: requests with different salts never share blocks
+    arrival: int = 0  # admission order tie-breaker (later arrivals are suspended first)
+    output_token_ids: list[int] = attrs.Factory(list)
+    state: RequestState = RequestState.WAITING
+    num_computed_tokens: int = 0
+    num_reused_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    finish_reason: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.req_id}: empty prompt")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"request {self.req_id}: max_new_tokens must be >= 0")
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt then generated tokens."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        """Length of :attr:`all_token_ids`."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Length of the prompt."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        """Whether prompt tokens are still waiting for their KV."""
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The most tokens this request can ever hold (worst case for no-evict admission)."""
+        return self.num_prompt_tokens + self.max_new_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        """Whether the request finished."""
+        return self.state is RequestState.FINISHED
