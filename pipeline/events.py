@@ -233,3 +233,42 @@ def is_value_event(record: dict[str, Any]) -> bool:
     cls = EVENT_TYPES.get(record.get("event", ""))
     return bool(cls and cls.changes_value)
 
+
+
+# --- generation / simulation ---------------------------------------------------------------
+
+
+@event("request_admitted")
+class RequestAdmitted(Event):
+    """A request got device blocks; ``reused_prompt_tokens`` came from the prefix cache."""
+
+    req_id: str
+    prompt_tokens: int
+    reused_prompt_tokens: int
+
+
+@event("request_suspended")
+class RequestSuspended(Event):
+    """V2 moved a running request's pages to the host tier to make room."""
+
+    req_id: str
+    tokens: int
+
+
+@event("request_resumed")
+class RequestResumed(Event):
+    """V2 brought a suspended request's pages back from the host tier."""
+
+    req_id: str
+    tokens: int
+
+
+@event("request_finished")
+class RequestFinished(Event):
+    """A request ended ("eos" or "length") and released its blocks."""
+
+    req_id: str
+    reason: str | None
+    prompt_tokens: int
+    output_tokens: int
+    reused_prompt_tokens: int

@@ -1,0 +1,125 @@
+"""The driving loop shared by the generation executor and the workload simulator.
+
+One :meth:`Driver.step`: the scheduler decides (admit / suspend / resume / allocate), a ``compute``
+callable produces the next token of every request whose known tokens are all in the cache after
+this step (a forward pass for the executor, the scripted answer for the simulator), the manager
+commits what was computed, and finished requests release their blocks. Timing of the manager and
+scheduler work is kept separately from ``compute`` so benchmarks can report it alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from cache_backends.interface import SchedulerOutput
+from cache_backends.request import Request, RequestState
+from pipeline.events import Event, RequestAdmitted, RequestFinished, RequestResumed, RequestSuspended
+
+#: compute(output) -> {req_id: next token} for each scheduled request that reaches its last known token.
+Compute = Callable[[SchedulerOutput], dict[str, int]]
+
+
+class StalledError(RuntimeError):
+    """Nothing can run and nothing can be made to run; the message says why."""
+
+
+@attrs.define
+class StepStats:
+    """What one step did and what it cost."""
+
+    scheduled_tokens: int
+    running: int
+    waiting: int
+    kv_seconds: float  # scheduler.step + commits + finishes
+    compute_seconds: float
+    finished: list[Request]
+
+
+class Driver:
+    """Owns the waiting queue and the running list; feeds a scheduler step by step."""
+
+    def __init__(self, manager: Any, scheduler: Any, *, eos_token_ids: frozenset[int] = frozenset(),
+                 emit: Callable[[Event], Any] | None = None) -> None:
+        self.manager = manager
+        self.scheduler = scheduler
+        self.eos_token_ids = eos_token_ids
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished: list[Request] = []
+        self._emit = emit
+        self._arrivals = 0
+
+    def add(self, request: Request) -> None:
+        """Queue a request; arrival order breaks scheduling ties."""
+        request.arrival = self._arrivals
+        self._arrivals += 1
+        request.state = RequestState.WAITING
+        self.waiting.append(request)
+
+    @property
+    def has_work(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self.waiting or self.running)
+
+    def step(self, compute: Compute) -> StepStats:
+        """Run one iteration; raise :class:`StalledError` when the scheduler reports no possible progress."""
+        t0 = time.perf_counter()
+        out = self.scheduler.step(self.waiting, self.running)
+        kv_seconds = time.perf_counter() - t0
+        self._report(out)
+        if not out.scheduled:
+            if out.stalled and self.has_work:
+                raise StalledError(out.stalled)
+            return StepStats(0, len(self.running), len(self.waiting), kv_seconds, 0.0, [])
+
+        t1 = time.perf_counter()
+        next_tokens = compute(out)
+        compute_seconds = time.perf_counter() - t1
+
+        t2 = time.perf_counter()
+        done: list[Request] = []
+        for chunk in out.scheduled:
+            self.manager.commit(chunk.request, chunk.num_tokens)
+        for chunk in out.scheduled:
+            req = chunk.request
+            token = next_tokens.get(req.req_id)
+            if token is None:
+                continue
+            req.output_token_ids.append(token)
+            reason = self._finish_reason(req, token)
+            if reason is not None:
+                self.scheduler.finish(req, reason)
+                req.finish_reason = reason
+                self.running.remove(req)
+                done.append(req)
+        kv_seconds += time.perf_counter() - t2
+        for req in done:
+            self.finished.append(req)
+            if self._emit:
+                self._emit(RequestFinished(req_id=req.req_id, reason=req.finish_reason,
+                                           prompt_tokens=req.num_prompt_tokens, output_tokens=len(req.output_token_ids),
+                                           reused_prompt_tokens=req.num_reused_tokens))
+        return StepStats(out.num_tokens, len(self.running), len(self.waiting), kv_seconds, compute_seconds, done)
+
+    def _finish_reason(self, req: Request, token: int) -> str | None:
+        if token in self.eos_token_ids:
+            return "eos"
+        if len(req.output_token_ids) >= req.max_new_tokens:
+            return "length"
+        return None
+
+    def _report(self, out: SchedulerOutput) -> None:
+        if self._emit is None:
+            return
+        for req in out.admitted:
+            self._emit(RequestAdmitted(req_id=req.req_id, prompt_tokens=req.num_prompt_tokens,
+                                       reused_prompt_tokens=req.num_reused_tokens))
+        for req in out.suspended:
+            self._emit(RequestSuspended(req_id=req.req_id, tokens=req.num_computed_tokens))
+        for req in out.resumed:
+            self._emit(RequestResumed(req_id=req.req_id, tokens=req.num_computed_tokens))

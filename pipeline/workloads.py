@@ -1,0 +1,139 @@
+"""Deterministic synthetic workloads for ``kvload simulate``: who arrives when, with which tokens.
+
+A workload is a list of :class:`SimRequest` — prompt token ids, a scripted answer (the tokens the
+"model" will produce), an arrival step, and optionally a dependency on an earlier request (a
+conversation's next turn arrives once the previous one finished). The same seed gives the same
+workload, token for token. Each workload also knows its *ideal* prefix-reuse: the prompt tokens an
+unbounded cache with token-granular reuse could skip, given the arrival order.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import attrs
+
+
+@attrs.frozen
+class SimRequest:
+    """One request of a workload."""
+
+    req_id: str
+    prompt: tuple[int, ...]
+    answer: tuple[int, ...]
+    arrival_step: int = 0
+    after: str | None = None  # arrives only once this request finished (multi-turn)
+    ideal_reuse: int = 0  # prompt tokens an ideal cache would reuse for this request
+    salt: str | None = None
+    priority: int = 0
+
+
+@attrs.frozen
+class Workload:
+    """A named, seeded list of requests with the reuse an ideal cache would get."""
+
+    name: str
+    requests: tuple[SimRequest, ...]
+    seed: int
+    params: dict = attrs.field(factory=dict, hash=False)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Sum of prompt lengths."""
+        return sum(len(r.prompt) for r in self.requests)
+
+    @property
+    def ideal_reused_tokens(self) -> int:
+        """Prompt tokens an ideal cache would not recompute."""
+        return sum(r.ideal_reuse for r in self.requests)
+
+    @property
+    def ideal_hit_rate(self) -> float:
+        """Ideal reused prompt tokens / prompt tokens."""
+        return self.ideal_reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def max_sequence_tokens(self) -> int:
+        """The longest prompt + answer in the workload."""
+        return max(len(r.prompt) + len(r.answer) for r in self.requests)
+
+
+def _tokens(rng: random.Random, n: int, vocab: int) -> tuple[int, ...]:
+    # Token 0 is never used so a sequence of fresh tokens cannot accidentally equal padding.
+    return tuple(rng.randrange(1, vocab) for _ in range(n))
+
+
+def shared_prefix(requests: int = 1024, seed: int = 0, *, group_size: int = 16, prefix_len: int = 2048,
+                  question_len: int = 128, answer_len: int = 256, vocab: int = 32000) -> Workload:
+    """Groups of prompts sharing a long system prompt; one arrival per step, group after group."""
+    rng = random.Random(seed)
+    out = []
+    prefix: tuple[int, ...] = ()
+    for i in range(requests):
+        if i % group_size == 0:
+            prefix = _tokens(rng, prefix_len, vocab)
+        prompt = prefix + _tokens(rng, question_len, vocab)
+        reuse = 0 if i % group_size == 0 else min(prefix_len, len(prompt) - 1)
+        out.append(SimRequest(f"sp-{i}", prompt, _tokens(rng, answer_len, vocab), arrival_step=i, ideal_reuse=reuse))
+    params = {"group_size": group_size, "prefix_len": prefix_len, "question_len": question_len,
+              "answer_len": answer_len}
+    return Workload("shared-prefix", tuple(out), seed, params)
+
+
+def multi_turn(requests: int = 256, seed: int = 0, *, turns: int = 4, first_len: int = 512, user_len: int = 64,
+               answer_len: int = 128, vocab: int = 32000) -> Workload:
+    """Conversations whose each turn's prompt extends the previous prompt and answer; turn k waits for k-1."""
+    rng = random.Random(seed)
+    conversations = max(1, requests // turns)
+    out = []
+    for c in range(conversations):
+        history: tuple[int, ...] = ()
+        prev: str | None = None
+        for t in range(turns):
+            if len(out) >= requests:
+                break
+            prompt = history + _tokens(rng, first_len if t == 0 else user_len, vocab)
+            answer = _tokens(rng, answer_len, vocab)
+            # The previous prompt and answer were computed, except the last answer token (never fed back).
+            reuse = 0 if t == 0 else min(len(history) - 1, len(prompt) - 1)
+            req_id = f"mt-{c}-{t}"
+            out.append(SimRequest(req_id, prompt, answer, arrival_step=c if t == 0 else 0, after=prev,
+                                  ideal_reuse=reuse))
+            history, prev = prompt + answer, req_id
+    params = {"turns": turns, "first_len": first_len, "user_len": user_len, "answer_len": answer_len}
+    return Workload("multi-turn", tuple(out), seed, params)
+
+
+def long_context(requests: int = 16, seed: int = 0, *, prompt_len: int = 7936, answer_len: int = 256,
+                 vocab: int = 32000) -> Workload:
+    """A few long, unrelated sequences arriving together: what bounds concurrency is memory per sequence."""
+    rng = random.Random(seed)
+    out = [SimRequest(f"lc-{i}", _tokens(rng, prompt_len, vocab), _tokens(rng, answer_len, vocab))
+           for i in range(requests)]
+    return Workload("long-context", tuple(out), seed, {"prompt_len": prompt_len, "answer_len": answer_len})
+
+
+def no_reuse(requests: int = 512, seed: int = 0, *, prompt_len: int = 512, answer_len: int = 128,
+             vocab: int = 32000) -> Workload:
+    """Unique prompts, one arrival per step: nothing to reuse, so reuse bookkeeping is pure overhead."""
+    rng = random.Random(seed)
+    out = [SimRequest(f"nr-{i}", _tokens(rng, prompt_len, vocab), _tokens(rng, answer_len, vocab), arrival_step=i)
+           for i in range(requests)]
+    return Workload("no-reuse", tuple(out), seed, {"prompt_len": prompt_len, "answer_len": answer_len})
+
+
+WORKLOADS: dict[str, Callable[..., Workload]] = {
+    "shared-prefix": shared_prefix,
+    "multi-turn": multi_turn,
+    "long-context": long_context,
+    "no-reuse": no_reuse,
+}
+
+
+def make_workload(name: str, requests: int | None = None, seed: int = 0, **params: int) -> Workload:
+    """Build a workload by name; ``requests`` None keeps the workload's default size."""
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
+    factory = WORKLOADS[name]
+    return factory(seed=seed, **params) if requests is None else factory(requests, seed, **params)
