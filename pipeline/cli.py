@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -360,8 +361,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ok = code == 0
         return code
     except KvloadError as exc:
-        if ns.debug:
-            raise
+        if ns.debug:  # the traceback, then the same line and exit status as without --debug
+            traceback.print_exc()
         print(f"error: {_cli_message(exc)}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
@@ -370,10 +371,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         return 0
     except Exception as exc:  # a bug or a runtime failure: one line unless --debug
-        if ns.debug:
-            raise
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        print(f"error: {type(exc).__name__}: {detail} (run with --debug for the traceback)", file=sys.stderr)
+        if ns.debug:
+            traceback.print_exc()
+            print(f"error: {type(exc).__name__}: {detail}", file=sys.stderr)
+        else:
+            print(f"error: {type(exc).__name__}: {detail} (run with --debug for the traceback)", file=sys.stderr)
         return 1
     finally:
         if held is not None:
