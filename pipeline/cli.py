@@ -131,6 +131,15 @@ class OneLineParser(argparse.ArgumentParser):
         return f"; did you mean {close[0]}?" if close else ""
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Wraps one-paragraph descriptions; keeps text that has its own line breaks (examples) as written."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text:
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+
 def _dashed(name: str) -> str:
     return "--" + name[2:].replace("_", "-")
 
@@ -280,9 +289,9 @@ that does not verify. Results go to stdout, logs to stderr.
 
 def add_inspection_commands(sub: Any) -> None:
     """``explain``, ``audit`` and ``models``: read audit logs and the model registry; nothing is loaded."""
-    raw = argparse.RawDescriptionHelpFormatter
+    fmt = HelpFormatter
     p = sub.add_parser(
-        "explain", help="each field's chain of changes, from an audit log", formatter_class=raw,
+        "explain", help="each field's chain of changes, from an audit log", formatter_class=fmt,
         description="For each FIELD, every step recorded in AUDIT.jsonl: the framework default, the config "
                     "file, the CLI or API, model defaults (applied or skipped), auto resolution, and the route, "
                     "each with its stage, source, old → new and reason. With no FIELD, every field an event "
@@ -298,7 +307,7 @@ def add_inspection_commands(sub: Any) -> None:
     p.set_defaults(func=cmd_explain)
 
     p = sub.add_parser(
-        "audit", help="summarize an audit log; --verify replays it", formatter_class=raw,
+        "audit", help="summarize an audit log; --verify replays it", formatter_class=fmt,
         description="Summarize AUDIT.jsonl: the model and spec, what the user set, the route and why, every "
                     "\"auto\" resolution, every model default applied or skipped, and the warnings.",
         epilog="--verify folds the value-changing events over the framework defaults and compares the\n"
@@ -328,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "parse args, snapshot user fields, apply model defaults, resolve auto, route the "
                     "executor, build the KV cache manager.",
         epilog=_EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     from pipeline.version import __version__
 
