@@ -78,7 +78,7 @@ def layers_from_config(cfg: Any, arch: str = "model") -> list[LayerKV]:
         if unknown:
             raise ModelError(
                 f"{arch}: layer type(s) {', '.join(unknown)} have no KV geometry kvload knows "
-                f"(known: {', '.join(_PLAIN_LAYER_KINDS)}, {', '.join(V4_LAYER_KINDS)})"
+                f"(known: {', '.join(dict.fromkeys([*_PLAIN_LAYER_KINDS, *V4_LAYER_KINDS]))})"
             )
         if "sliding_attention" in layer_types and not window:
             raise ModelError(f"{arch}: sliding_attention layers but no sliding_window in the config")

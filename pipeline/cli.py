@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -107,7 +108,36 @@ class OneLineParser(argparse.ArgumentParser):
         if message.startswith("argument "):
             head, _, rest = message[len("argument "):].partition(": ")
             message = f"{head.split('/')[0]}: {rest}"
+        elif message.startswith("unrecognized arguments: "):
+            message += self._suggestion(message.split(": ", 1)[1].split()[0])
         self.exit(2, f"error: {message}\n")
+
+    def _suggestion(self, unknown: str) -> str:
+        """``; did you mean --x?`` for a mistyped option, from this parser's and its subcommands' options."""
+        import difflib
+
+        if not unknown.startswith("-"):
+            return ""
+        options: set[str] = set()
+        for action in self._actions:
+            options.update(action.option_strings)
+            for sub in (getattr(action, "choices", None) or {}).values():
+                if isinstance(sub, argparse.ArgumentParser):
+                    options.update(o for a in sub._actions for o in a.option_strings)
+        name = unknown.split("=", 1)[0]
+        if name in options:  # an option of another subcommand
+            return f"; {name} belongs to another command (see kvload --help)"
+        close = difflib.get_close_matches(name, sorted(options), n=1, cutoff=0.75)
+        return f"; did you mean {close[0]}?" if close else ""
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Wraps one-paragraph descriptions; keeps text that has its own line breaks (examples) as written."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text:
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
 
 
 def _dashed(name: str) -> str:
@@ -190,6 +220,115 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _read_audit(path: str) -> Any:
+    from pipeline.audit import AuditLog
+
+    return AuditLog.from_jsonl(path)
+
+
+def flag_aliases() -> dict[str, str]:
+    """Each flag's name, with and without dashes, in either spelling → the field it sets."""
+    out: dict[str, str] = {}
+    for f in FLAGS:
+        for name in (f.name, _dashed(f.name)):
+            out[name] = out[name[2:]] = f.path
+    return out
+
+
+def cmd_explain(ns: argparse.Namespace) -> int:
+    """Print each field's chain of changes recorded in an audit log."""
+    from pipeline.explain import explain, render_explain
+
+    chains = explain(_read_audit(ns.audit), ns.fields or None, aliases=flag_aliases())
+    print(json.dumps({c["field"]: c for c in chains}, indent=2, default=str) if ns.json else render_explain(chains))
+    return 0
+
+
+def cmd_audit(ns: argparse.Namespace) -> int:
+    """Summarize an audit log; with ``--verify`` exit 1 when its events do not reproduce the final args."""
+    from pipeline.explain import render_summary, summarize, verify_log
+
+    log = _read_audit(ns.audit)
+    summary = summarize(log, ns.audit)
+    check = verify_log(log) if ns.verify else None
+    if ns.json:
+        print(json.dumps({**summary, "verify": check} if check is not None else summary, indent=2, default=str))
+    else:
+        print(render_summary(summary, check))
+    if check is not None and not check["ok"]:
+        sys.stdout.flush()
+        print(f"error: {ns.audit}: does not verify: {check['problems'][0]}"
+              + (f" (and {len(check['problems']) - 1} more)" if len(check["problems"]) > 1 else ""),
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_models(ns: argparse.Namespace) -> int:
+    """List registered architectures, their spec classes and model defaults, and the presets."""
+    from pipeline.catalog import catalog, render_catalog
+
+    doc = catalog()
+    print(json.dumps(doc, indent=2, default=str) if ns.json else render_catalog(doc))
+    return 0
+
+
+_EXAMPLES = """\
+examples:
+  kvload plan tiny-deepseek-v4                         why "auto" became true, and the route
+  kvload plan ./my-checkpoint --config serve.yaml --use_kv_cache_manager_v2 false --json | jq .route
+  kvload plan tiny-llama --audit-log plan.jsonl        keep every event as JSON Lines
+  kvload explain plan.jsonl use_kv_cache_manager_v2    the chain: default → file → CLI → model → auto → route
+  kvload audit plan.jsonl --verify                     summary; exit 1 if the events do not replay
+  kvload models                                        architectures, spec classes, model defaults, presets
+
+exit status: 0 ok, 2 bad input (usage, config, model, route, audit file), 1 runtime failure or a log
+that does not verify. Results go to stdout, logs to stderr.
+"""
+
+
+def add_inspection_commands(sub: Any) -> None:
+    """``explain``, ``audit`` and ``models``: read audit logs and the model registry; nothing is loaded."""
+    fmt = HelpFormatter
+    p = sub.add_parser(
+        "explain", help="each field's chain of changes, from an audit log", formatter_class=fmt,
+        description="For each FIELD, every step recorded in AUDIT.jsonl: the framework default, the config "
+                    "file, the CLI or API, model defaults (applied or skipped), auto resolution, and the route, "
+                    "each with its stage, source, old → new and reason. With no FIELD, every field an event "
+                    "changed.",
+        epilog="FIELD is a dotted path (kv_cache_config.free_gpu_memory_fraction), a unique leaf name\n"
+               "(free_gpu_memory_fraction) or a plan flag's name (kv_cache_fraction).\n\n"
+               "example:\n  kvload plan tiny-deepseek-v4 --audit-log v4.jsonl\n"
+               "  kvload explain v4.jsonl use_kv_cache_manager_v2")
+    p.add_argument("audit", metavar="AUDIT.jsonl", help="an audit log written with --audit-log")
+    p.add_argument("fields", metavar="FIELD", nargs="*", help="fields to explain (default: every changed field)")
+    p.add_argument("--json", action="store_true", help="print {field: {final, chain: [...]}} as JSON")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    p.set_defaults(func=cmd_explain)
+
+    p = sub.add_parser(
+        "audit", help="summarize an audit log; --verify replays it", formatter_class=fmt,
+        description="Summarize AUDIT.jsonl: the model and spec, what the user set, the route and why, every "
+                    "\"auto\" resolution, every model default applied or skipped, and the warnings.",
+        epilog="--verify folds the value-changing events over the framework defaults and compares the\n"
+               "result with the final args recorded by pipeline_finished; it also checks that no event\n"
+               "was removed or reordered and that the recorded route matches executor_routed.\n"
+               "Exit status: 0 verified, 1 does not verify, 2 unreadable or not a kvload audit log.")
+    p.add_argument("audit", metavar="AUDIT.jsonl", help="an audit log written with --audit-log")
+    p.add_argument("--verify", action="store_true", help="replay the events; exit 1 if they disagree with the log")
+    p.add_argument("--json", action="store_true", help="print the summary (and verdict) as one JSON document")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    p.set_defaults(func=cmd_audit)
+
+    p = sub.add_parser(
+        "models", help="registered architectures, spec classes, model defaults, presets",
+        description="List every registered architecture name with the ModelSpec class that serves it and "
+                    "the model defaults it proposes, then the embedded presets. Reads no checkpoint.")
+    p.add_argument("--json", action="store_true", help="print the listing as one JSON document")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    p.set_defaults(func=cmd_models)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvload`` parser with every subcommand."""
     parser = OneLineParser(
@@ -197,6 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Load a model the way a serving engine does, in explicit stages with an audit log: "
                     "parse args, snapshot user fields, apply model defaults, resolve auto, route the "
                     "executor, build the KV cache manager.",
+        epilog=_EXAMPLES,
+        formatter_class=HelpFormatter,
     )
     from pipeline.version import __version__
 
@@ -208,6 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "source, the route and why; nothing is allocated.")
     add_model_flags(p)
     p.set_defaults(func=cmd_plan)
+    add_inspection_commands(sub)
     return parser
 
 
@@ -219,16 +361,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # At the default level, warnings are held until the outcome is known: a failed run prints only
     # its one-line error. Asking for info/debug streams everything as it happens.
-    held = HeldStream() if ns.log_level in ("warning", "error") and not ns.debug else None
-    configure_logging(ns.log_format, ns.log_level, held)
+    level = getattr(ns, "log_level", "warning")  # explain/audit/models log nothing of their own
+    held = HeldStream() if level in ("warning", "error") and not ns.debug else None
+    configure_logging(getattr(ns, "log_format", "console"), level, held)
     ok = False
     try:
         code = ns.func(ns)
         ok = code == 0
         return code
     except KvloadError as exc:
-        if ns.debug:
-            raise
+        if ns.debug:  # the traceback, then the same line and exit status as without --debug
+            traceback.print_exc()
         print(f"error: {_cli_message(exc)}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
@@ -237,10 +380,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         return 0
     except Exception as exc:  # a bug or a runtime failure: one line unless --debug
-        if ns.debug:
-            raise
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        print(f"error: {type(exc).__name__}: {detail} (run with --debug for the traceback)", file=sys.stderr)
+        if ns.debug:
+            traceback.print_exc()
+            print(f"error: {type(exc).__name__}: {detail}", file=sys.stderr)
+        else:
+            print(f"error: {type(exc).__name__}: {detail} (run with --debug for the traceback)", file=sys.stderr)
         return 1
     finally:
         if held is not None:

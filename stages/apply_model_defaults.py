@@ -77,7 +77,12 @@ class ApplyModelDefaults:
                                    reason=f"{what}; using the generic decoder spec (geometry from the config, "
                                           "no model defaults)"))
         spec = spec_cls(hf_config)
-        spec.kv_layers()  # a model whose geometry kvload cannot read fails here, before any default applies
+        try:
+            spec.kv_layers()  # a model whose geometry kvload cannot read fails here, before any default applies
+        except ModelError as exc:
+            generic = " (no registered spec; the generic decoder spec read the config)" \
+                if spec_cls is GenericDecoderSpec else ""
+            raise ModelError(f"{checkpoint.path / 'config.json'}: {exc}{generic}") from None
         ctx.checkpoint, ctx.hf_config, ctx.spec = checkpoint, hf_config, spec
         ctx.model = ModelInfo(
             name=checkpoint.name, kind=checkpoint.kind, path=str(checkpoint.path), architecture=spec.architecture,

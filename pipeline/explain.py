@@ -1,0 +1,306 @@
+"""Reading an audit log back: each field's chain of changes, a run summary, and verification.
+
+``kvload explain`` and ``kvload audit`` are thin wrappers over :func:`field_chain`,
+:func:`summarize` and :func:`verify_log`; each returns plain dicts (the ``--json`` form) and has a
+``render_*`` twin for the readable table. Nothing here needs torch or transformers.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from typing import Any
+
+from pipeline.audit import AuditLog
+from pipeline.config import framework_defaults
+from pipeline.errors import ConfigError
+from pipeline.events import is_value_event
+from pipeline.paths import flatten
+
+V2 = "kv_cache_config.use_kv_cache_manager_v2"
+
+_SOURCE_WORDS = {
+    "cli": "set on the command line",
+    "config_file": "set in the config file",
+    "api": "passed to the Python API",
+}
+
+
+def literal(value: Any) -> str:
+    """A value as JSON spells it (``"auto"``, ``true``, ``null``), so strings and booleans never blur."""
+    return json.dumps(value, default=str)
+
+
+def resolve_field(name: str, aliases: dict[str, str] | None = None) -> str:
+    """Map a field name to its dotted path: an exact path, an alias (a CLI flag's name), or a unique leaf name."""
+    known = list(flatten(framework_defaults()))
+    if name in known:
+        return name
+    if aliases and name in aliases:
+        return aliases[name]
+    by_leaf = [p for p in known if p.rsplit(".", 1)[-1] == name]
+    if len(by_leaf) == 1:
+        return by_leaf[0]
+    close = difflib.get_close_matches(name, known + [p.rsplit(".", 1)[-1] for p in known], n=1, cutoff=0.6)
+    hint = f"did you mean '{close[0]}'?" if close else f"fields: {', '.join(known)}"
+    raise ConfigError(f"explain: {name!r} is not an LlmArgs field; {hint}", path=None)
+
+
+# --- one field's chain ---------------------------------------------------------------------
+
+
+def _final_args(audit: AuditLog) -> dict[str, Any]:
+    """The recorded final args when the run finished, else what the events replay to."""
+    final = audit.final_args()
+    return flatten(final if final is not None else audit.replay())
+
+
+def _step(record: dict[str, Any], **changes: Any) -> dict[str, Any]:
+    step = {
+        "event": record["event"],
+        "stage": record.get("stage"),
+        "seq": record.get("seq"),
+        "source": record.get("source"),
+        "old": record.get("old"),
+        "new": record.get("new"),
+        "changed": True,
+        "reason": record.get("reason", ""),
+    }
+    step.update(changes)
+    return step
+
+
+def field_chain(audit: AuditLog, path: str) -> dict[str, Any]:
+    """Everything that happened to one field, from its framework default to the route.
+
+    Steps: the framework default, ``auto_captured`` (an ``"auto"`` remembered before anything could
+    change it), each value-changing event (config file, CLI/API, model default, auto, derived,
+    route fallback), a skipped model default, an ignored setting, and for the V2 tri-state the
+    route it led to. ``changed`` is False for steps that recorded a decision without a new value.
+    """
+    defaults = flatten(framework_defaults())
+    conflicts = {(e["field"], e["kept_source"]): e for e in audit.of("source_conflict") if e.get("field") == path}
+    steps: list[dict[str, Any]] = [{
+        "event": "framework_default", "stage": None, "seq": None, "source": "default", "old": None,
+        "new": defaults.get(path), "changed": False, "reason": "the framework default",
+    }]
+    for e in audit.events:
+        name = e["event"]
+        if name == "executor_routed" and path == V2:
+            value = e.get("use_kv_cache_manager_v2")
+            steps.append(_step(e, source="route", old=value, new=f"{e.get('kv_manager')} + {e.get('scheduler')}",
+                               changed=False))
+            continue
+        if e.get("field") != path:
+            continue
+        if name == "args_parsed":
+            reason = _SOURCE_WORDS.get(e.get("source"), f"given by {e.get('source')}")
+            clash = conflicts.get((path, e.get("source")))
+            if clash is not None:
+                reason += (f"; overrides {literal(clash['overridden'])} from {clash['overridden_source']} "
+                           f"(the command line and the Python API beat the config file)")
+            steps.append(_step(e, reason=reason))
+        elif name == "model_default_applied":
+            steps.append(_step(e, reason=f"model default of {e.get('spec')}"))
+        elif name == "auto_captured":
+            who = f"explicitly, via {e.get('source')}" if e.get("explicit") else "by default, not set by the user"
+            steps.append(_step(e, old=e.get("original"), new=e.get("original"), changed=False,
+                               reason=f"\"auto\" ({who}) remembered before any stage could replace it"))
+        elif name == "model_default_skipped":
+            steps.append(_step(e, source=e.get("kept_source"), old=e.get("kept"), new=e.get("kept"), changed=False,
+                               reason=f"{e.get('spec')} proposed {literal(e.get('proposed'))}, not applied: "
+                                      f"{e.get('reason')}"))
+        elif name == "setting_ignored":
+            steps.append(_step(e, source="route", old=e.get("value"), new=e.get("value"), changed=False))
+        elif is_value_event(e):
+            steps.append(_step(e))
+    return {"field": path, "final": _final_args(audit).get(path, defaults.get(path)), "chain": steps}
+
+
+def explain(audit: AuditLog, fields: list[str] | None = None,
+            aliases: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """Chains for the named fields (see :func:`resolve_field`), or for every field some event changed."""
+    paths = [resolve_field(f, aliases) for f in fields] if fields else audit.changed_fields()
+    return [field_chain(audit, p) for p in dict.fromkeys(paths)]
+
+
+def _change(step: dict[str, Any]) -> str:
+    if step["event"] == "framework_default":
+        return literal(step["new"])
+    if step["event"] == "executor_routed":
+        return f"{literal(step['old'])} → {step['new']}"
+    if not step["changed"]:
+        return f"{literal(step['new'])} (kept)" if step["event"] != "auto_captured" else '"auto" captured'
+    old = step["old"]
+    if step["event"] == "auto_resolved":
+        old = "auto"  # the captured original; a model default may already have replaced the value
+    return f"{literal(old)} → {literal(step['new'])}"
+
+
+def render_chain(chain: dict[str, Any]) -> list[str]:
+    """One field's chain as a small table under a ``field = value`` heading."""
+    rows = [["stage", "source", "change", "why"]]
+    for step in chain["chain"]:
+        rows.append([step["stage"] or "(framework)", step["source"] or "", _change(step), step["reason"]])
+    return [f"{chain['field']} = {literal(chain['final'])}", *table(rows)]
+
+
+def render_explain(chains: list[dict[str, Any]]) -> str:
+    """Every chain, separated by blank lines."""
+    blocks = ["\n".join(render_chain(c)) for c in chains]
+    return "\n\n".join(blocks) if blocks else "no field changed in this audit log"
+
+
+def table(rows: list[list[str]], indent: str = "  ") -> list[str]:
+    """Left-aligned columns; the last column is not padded."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+
+
+# --- the whole run -------------------------------------------------------------------------
+
+
+def _payload(record: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in record.items() if k not in ("event", "level", "stage", "seq")}
+
+
+def warning_text(record: dict[str, Any]) -> str:
+    """One line for a warning or error event."""
+    name = record["event"]
+    if name == "source_conflict":
+        return (f"{record['field']}: {record['kept_source']} {literal(record['kept'])} beats "
+                f"{record['overridden_source']} {literal(record['overridden'])}")
+    if name == "stage_failed":
+        return f"stage {record.get('stage')} failed: {record.get('error')}: {record.get('message')}"
+    subject = record.get("field") or record.get("architecture") or record.get("stage") or ""
+    detail = record.get("reason") or record.get("message") or json.dumps(_payload(record), default=str)
+    return f"{subject}: {detail}" if subject else detail
+
+
+def summarize(audit: AuditLog, source: str = "") -> dict[str, Any]:
+    """Model, user-set fields, route, auto resolutions, model defaults applied/skipped, warnings, outcome."""
+    models = audit.of("model_resolved")
+    routes = audit.of("executor_routed")
+    snapshot = audit.of("user_fields_snapshotted")
+    finished = audit.of("pipeline_finished")
+    failed = audit.of("stage_failed")
+    captured = {e["field"]: e for e in audit.of("auto_captured")}
+    autos = []
+    for e in audit.of("auto_resolved"):
+        cap = captured.get(e["field"], {})
+        autos.append({**_payload(e), "explicit": bool(cap.get("explicit")),
+                      "captured_from": cap.get("source", "default")})
+    return {
+        "file": source,
+        "kvload_version": audit.header.get("kvload_version"),
+        "schema_version": audit.header.get("schema_version"),
+        "events": len(audit),
+        "model": _payload(models[-1]) if models else None,
+        "user_fields": snapshot[-1]["fields"] if snapshot else {},
+        "route": _payload(routes[-1]) if routes else None,
+        "route_fallbacks": [_payload(e) for e in audit.of("route_fallback")],
+        "auto_resolutions": autos,
+        "model_defaults": {
+            "applied": [_payload(e) for e in audit.of("model_default_applied")],
+            "skipped": [_payload(e) for e in audit.of("model_default_skipped")],
+        },
+        "derived": [_payload(e) for e in audit.of("field_derived")],
+        "warnings": [{"event": e["event"], "level": e["level"], "stage": e.get("stage"), "message": warning_text(e)}
+                     for e in audit.events if e.get("level") in ("warning", "error")],
+        "outcome": {
+            "finished": bool(finished),
+            "stages": finished[-1].get("stages", []) if finished else [],
+            "failed": {"stage": failed[-1].get("stage"), "error": failed[-1].get("error"),
+                       "message": failed[-1].get("message")} if failed else None,
+        },
+    }
+
+
+def verify_log(audit: AuditLog) -> dict[str, Any]:
+    """Check a log is what kvload wrote: replay equals the recorded args, seq is unbroken, the route agrees."""
+    problems = list(audit.verify())
+    seqs = [e.get("seq") for e in audit.events]
+    for i, seq in enumerate(seqs):
+        if seq != i:
+            problems.append(f"event {i + 1} has seq {seq!r}, expected {i}: events were removed, added or reordered")
+            break
+    finished = audit.of("pipeline_finished")
+    routes = audit.of("executor_routed")
+    recorded = finished[-1].get("route") if finished else None
+    if recorded and routes:
+        for key in ("kv_manager", "scheduler", "use_kv_cache_manager_v2"):
+            if recorded.get(key) != routes[-1].get(key):
+                problems.append(f"route.{key}: executor_routed says {routes[-1].get(key)!r}, "
+                                f"pipeline_finished records {recorded.get(key)!r}")
+        final = audit.final_args() or {}
+        v2 = final.get("kv_cache_config", {}).get("use_kv_cache_manager_v2")
+        if "use_kv_cache_manager_v2" in recorded and v2 is not recorded["use_kv_cache_manager_v2"]:
+            problems.append(f"{V2}: final args say {v2!r}, the route was chosen for "
+                            f"{recorded['use_kv_cache_manager_v2']!r}")
+    value_events = sum(1 for e in audit.events if is_value_event(e))
+    return {
+        "ok": not problems,
+        "value_events": value_events,
+        "fields": len(flatten(audit.final_args() or {})),
+        "problems": problems,
+    }
+
+
+def _route_line(route: dict[str, Any] | None) -> list[str]:
+    if route is None:
+        return ["route   (not reached)"]
+    return [f"route   {route['kv_manager']} + {route['scheduler']}", f"        {route['reason']}"]
+
+
+def render_summary(summary: dict[str, Any], check: dict[str, Any] | None = None) -> str:
+    """The readable ``kvload audit`` report."""
+    outcome = summary["outcome"]
+    if outcome["finished"]:
+        state = f"finished ({len(outcome['stages'])} stages)"
+    elif outcome["failed"]:
+        state = f"failed in {outcome['failed']['stage']}"
+    else:
+        state = "did not finish"
+    lines = [f"audit   {summary['file']}: kvload {summary['kvload_version']}, schema {summary['schema_version']}, "
+             f"{summary['events']} events, {state}"]
+    m = summary["model"]
+    lines.append(f"model   {m['model']}  ({m['kind']}: {m['architecture']} → {m['spec']})" if m else
+                 "model   (not resolved)")
+    users = summary["user_fields"]
+    lines.append("user    " + (", ".join(f"{p}={literal(v['value'])} ({v['source']})" for p, v in users.items())
+                               or "(nothing set)"))
+    lines += _route_line(summary["route"])
+
+    lines += ["", "auto resolutions:"]
+    if summary["auto_resolutions"]:
+        rows = [["field", "change", "source", "why"]]
+        for a in summary["auto_resolutions"]:
+            origin = f"explicit via {a['captured_from']}" if a["explicit"] else "default"
+            rows.append([a["field"], f'"auto" ({origin}) → {literal(a["new"])}', a["source"], a["reason"]])
+        lines += table(rows)
+    else:
+        lines.append("  (none)")
+
+    lines += ["", "model defaults:"]
+    applied, skipped = summary["model_defaults"]["applied"], summary["model_defaults"]["skipped"]
+    rows = [["", "field", "value", "why"]]
+    rows += [["applied", d["field"], f"{literal(d['old'])} → {literal(d['new'])}", f"model default of {d['spec']}"]
+             for d in applied]
+    rows += [["skipped", d["field"], f"{literal(d['proposed'])} proposed, {literal(d['kept'])} kept",
+              f"{d['spec']}: {d['reason']}"] for d in skipped]
+    lines += table(rows) if len(rows) > 1 else ["  (none proposed)"]
+
+    lines += ["", "warnings:"]
+    lines += [f"  {w['event']}  {w['message']}" for w in summary["warnings"]] or ["  (none)"]
+    if check is not None:
+        lines.append("")
+        lines += render_verify(check)
+    return "\n".join(lines)
+
+
+def render_verify(check: dict[str, Any]) -> list[str]:
+    """The verdict of :func:`verify_log`, one line when it passes."""
+    if check["ok"]:
+        return [f"verify  ok: replaying {check['value_events']} value-changing events over the framework defaults "
+                f"reproduces the recorded final args ({check['fields']} fields)"]
+    return [f"verify  FAILED ({len(check['problems'])} problem(s)):", *(f"  {p}" for p in check["problems"])]

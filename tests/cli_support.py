@@ -1,0 +1,71 @@
+"""Running the ``kvload`` CLI from tests: in-process (fast, most cases) and as a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import attrs
+import structlog
+
+from pipeline.cli import main
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+REPO = Path(__file__).resolve().parents[1]
+
+
+@attrs.frozen
+class CliResult:
+    """Exit status and the two output streams of one ``kvload`` invocation."""
+
+    code: int
+    out: str
+    err: str
+
+    def json(self) -> Any:
+        """stdout parsed as one JSON document."""
+        return json.loads(self.out)
+
+    @property
+    def one_error_line(self) -> bool:
+        """stderr is exactly one ``error: ...`` line and no traceback."""
+        return self.err.startswith("error: ") and self.err.count("\n") == 1 and "Traceback" not in self.err
+
+
+def run_cli(capsys: Any, *argv: str) -> CliResult:
+    """Call ``pipeline.cli.main`` in this process; restore structlog's global config afterwards."""
+    saved, was_configured = structlog.get_config(), structlog.is_configured()
+    capsys.readouterr()
+    try:
+        try:
+            code = main([str(a) for a in argv])
+        except SystemExit as exc:  # argparse: --help, usage errors
+            code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        if was_configured:
+            structlog.configure(**saved)
+        else:
+            structlog.reset_defaults()
+    out, err = capsys.readouterr()
+    return CliResult(code, out, err)
+
+
+def kvload(*argv: str, cwd: Path | None = None, python_flags: tuple[str, ...] = ()) -> CliResult:
+    """Run ``python -m pipeline.cli`` in a subprocess, from the repository root unless ``cwd`` is given."""
+    r = subprocess.run([sys.executable, *python_flags, "-m", "pipeline.cli", *map(str, argv)], capture_output=True,
+                       text=True, env={**ENV, "PYTHONPATH": str(REPO)}, cwd=cwd or REPO, timeout=180)
+    return CliResult(r.returncode, r.stdout, r.stderr)
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    """The records of an audit file, header first."""
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def write_events(path: Path, records: list[dict[str, Any]]) -> None:
+    """Write records back as JSON Lines (for tampering tests)."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
