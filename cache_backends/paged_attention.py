@@ -10,8 +10,9 @@ A step runs every scheduled token of every sequence in one packed row (the execu
   chunk then attends to itself through the pool exactly like to its cached prefix.
 * **gathers** — per sequence, the slots of the keys its queries may see: positions
   ``max(0, s_b - W + 1) .. s_b + n_b - 1`` for a layer with window ``W`` (all from 0 without one),
-  padded to ``(B, max_k)``. A window layer never touches blocks that fell out of its window, so
-  a released block (``-1``) there is fine; a ``-1`` where a needed key lives is an error.
+  padded to ``(B, max_k)`` with the sequence's first key (pools are not zero-filled, and a masked
+  NaN would still poison the output). A window layer never touches blocks that fell out of its
+  window, so a released block (``-1``) there is fine; a ``-1`` where a needed key lives is an error.
 * **masks** — queries are padded per sequence to ``(B, H, max_q, d)``; the boolean mask
   ``(B, 1, max_q, max_k)`` lets query ``i`` see key ``j`` when the key is real (not padding), not
   after the query (causal), and, with a window, ``key_pos > query_pos - W`` (the query itself and
@@ -74,7 +75,7 @@ class LayerRoute:
 class KeyGather:
     """The keys one (group, window) pair gathers per sequence, and the mask over them."""
 
-    slots: torch.Tensor  # (B, max_k) int64 flat slots into layer_slots(group, ·); 0 under padding
+    slots: torch.Tensor  # (B, max_k) int64 flat slots into layer_slots(group, ·); the row's first key under padding
     mask: torch.Tensor  # (B, 1, max_q, max_k) bool: True = the query sees the key
     max_k: int
 
@@ -183,7 +184,11 @@ class PagedBatch:
             raise ValueError(f"sequence {b}: group {group!r} has no block for position {p}, which {what} needs "
                              f"(logical block {p // g.tokens_per_block} is -1: released or never allocated)")
         slots = blocks * g.entries_per_block + pos % g.tokens_per_block
-        return torch.where(need, slots, torch.zeros_like(slots))
+        if need.all():
+            return slots
+        # Padding must read a written entry: pools come from torch.empty, and a masked key whose value
+        # is NaN still poisons the output (0 * NaN). Each row's first key is always real.
+        return torch.where(need, slots, slots[..., :1].expand_as(slots))
 
     def write_slots(self, group: str) -> torch.Tensor:
         """(N,) flat slots of the new tokens in a group, in packed order."""

@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 
 from models.checkpoint import Checkpoint
-from pipeline.errors import ModelError
+from pipeline.errors import KvRuntimeError, ModelError
 
 #: Model dtypes transformers can load weights in (float8 is a KV cache dtype only).
 WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
@@ -77,9 +77,8 @@ def random_model(hf_config: Any, *, device: str, dtype: str, seed: int = 0) -> A
         torch.manual_seed(seed)
         try:
             model = AutoModelForCausalLM.from_config(cfg, dtype=tdtype)
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ModelError(f"transformers cannot build {type(cfg).__name__} for causal LM: {_first_line(exc)}") \
-                from exc
+        except Exception as exc:
+            raise _load_error(f"transformers cannot build a causal LM from {type(cfg).__name__}", exc) from exc
     return model.to(device).eval()
 
 
@@ -97,9 +96,18 @@ def pretrained_model(path: Path, *, device: str, dtype: str) -> Any:
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=tdtype, device_map=device,
                                                      trust_remote_code=False, local_files_only=True)
-    except (ValueError, KeyError, TypeError, OSError, RuntimeError) as exc:
-        raise ModelError(f"{path}: transformers cannot load the weights: {_first_line(exc)}") from exc
+    except Exception as exc:  # loaders raise their own types (SafetensorError, struct.error, ...)
+        raise _load_error(f"{path}: transformers cannot load the weights", exc) from exc
     return model.eval()
+
+
+def _load_error(what: str, exc: Exception) -> Exception:
+    """Out of memory is a runtime failure (exit 1); anything else means the checkpoint cannot be used."""
+    import torch
+
+    if isinstance(exc, torch.OutOfMemoryError):
+        return KvRuntimeError(f"{what}: out of memory ({_first_line(exc)})")
+    return ModelError(f"{what}: {_first_line(exc)}")
 
 
 def load_tokenizer(path: Path) -> Any:
