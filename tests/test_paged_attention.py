@@ -46,7 +46,7 @@ def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: i
 
 
 def run_steps(pools: BlockPools, lengths: list[int], chunk: int, arrivals: list[int], seed: int,
-              release_windows: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor], list[dict]]:
+              release_windows: bool = True) -> list[dict]:
     """Feed random q/k/v for every sequence through paged attention in chunks; return paged and dense outputs."""
     gen = torch.Generator().manual_seed(seed)
     seqs = [{"q": torch.randn(L, HEADS, HEAD_DIM, generator=gen),
