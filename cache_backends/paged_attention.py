@@ -17,7 +17,8 @@ A step runs every scheduled token of every sequence in one packed row (the execu
   ``(B, 1, max_q, max_k)`` lets query ``i`` see key ``j`` when the key is real (not padding), not
   after the query (causal), and, with a window, ``key_pos > query_pos - W`` (the query itself and
   the ``W - 1`` before it, as transformers' sliding masks do). Padded query rows see one key so
-  softmax stays finite; they are dropped when unpadding.
+  softmax stays finite; they are dropped when unpadding. A decode step whose sequences all gather
+  the same number of keys needs no mask at all (``None``: SDPA's faster unmasked path).
 
 Layers that share a group and a window share the gather slots and the mask (computed once per step).
 The layer's window comes from the model's geometry (``KvLayout.layers``), not from the pool: V1 keeps
@@ -76,7 +77,7 @@ class KeyGather:
     """The keys one (group, window) pair gathers per sequence, and the mask over them."""
 
     slots: torch.Tensor  # (B, max_k) int64 flat slots into layer_slots(group, ·); the row's first key under padding
-    mask: torch.Tensor  # (B, 1, max_q, max_k) bool: True = the query sees the key
+    mask: torch.Tensor | None  # (B, 1, max_q, max_k) bool: True = the query sees the key; None: sees all
     max_k: int
 
 
@@ -216,6 +217,12 @@ class PagedBatch:
         slots = self._slots(r.group, seq, torch.where(k_valid, k_pos, lo[:, None]), k_valid, "attention")
 
         dev = self.device
+        if self.max_q == 1 and bool((k_len == max_k).all()):
+            # one query per sequence at its last position, every key real: it sees them all (the window
+            # already bounded the gather), so no mask — SDPA's unmasked path is the faster one
+            plan = KeyGather(slots.to(dev), None, max_k)
+            self._gathers[key] = plan
+            return plan
         k_pos, k_valid = k_pos.to(dev), k_valid.to(dev)
         i = torch.arange(self.max_q, device=dev)
         q_pos = self._start.to(dev)[:, None] + i[None, :]  # (B, max_q)
@@ -251,8 +258,8 @@ class PagedBatch:
         out = out.view(self.num_seqs, plan.max_k, r.entry_elems)
         return out if dtype is None else out.to(dtype)
 
-    def mask(self, layer: int) -> torch.Tensor:
-        """``(B, 1, max_q, max_k)`` bool: which gathered key each padded query sees."""
+    def mask(self, layer: int) -> torch.Tensor | None:
+        """``(B, 1, max_q, max_k)`` bool: which gathered key each padded query sees; None when it sees every key."""
         return self._gather(layer).mask
 
     def pad_queries(self, q: torch.Tensor) -> torch.Tensor:
@@ -284,7 +291,7 @@ def write_kv(batch: PagedBatch, layer: int, key: torch.Tensor, value: torch.Tens
     batch.write(layer, entries)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
            softcap: float | None = None) -> torch.Tensor:
     """Masked attention of padded queries ``(B, H, max_q, d)`` over keys ``(B, Hkv, max_k, d)`` (GQA when H > Hkv)."""
     heads, kv_heads = q.shape[1], k.shape[1]
@@ -298,7 +305,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         v = v.repeat_interleave(heads // kv_heads, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, v)
 

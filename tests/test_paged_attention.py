@@ -204,3 +204,17 @@ def test_softcap_caps_scores_before_the_mask():
     scores = scores.masked_fill(~torch.ones(5, 5, dtype=torch.bool).tril(), -math.inf)
     ref = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.repeat_interleave(rep, 1))
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_steps_whose_sequences_see_equal_key_counts_skip_the_mask():
+    pools = make_pools(window=4, tokens_per_block=2)
+    # lengths 9 and 14, decoded one token at a time: past the window both gather exactly 4 keys
+    seqs = run_steps(pools, [9, 14], chunk=1, arrivals=[0, 0], seed=5)
+    tables = {g: list(range(8)) for g in pools.groups}
+    batch = PagedBatch.build([SeqChunk([1], 8, tables), SeqChunk([1], 13, {g: list(range(8, 15))
+                                                                           for g in pools.groups})], pools)
+    assert batch.mask(1) is None  # sliding layer: 4 keys each
+    assert batch.mask(0) is not None  # full layer: 9 and 14 keys, so padding needs a mask
+    for s in seqs:
+        torch.testing.assert_close(torch.cat(s["out"][1]), dense_reference(s["q"], s["k"], s["v"], 4))
+        torch.testing.assert_close(torch.cat(s["out"][0]), dense_reference(s["q"], s["k"], s["v"], None))
