@@ -2,8 +2,8 @@
 
 Sources, in the order ``resolve_checkpoint`` tries them:
 
-* a local path: a directory holding ``config.json`` (safetensors weights), a directory holding one
-  ``.gguf`` file and no ``config.json``, or a ``.gguf`` file itself;
+* a local path: a directory holding ``config.json`` (safetensors weights; it wins over any ``.gguf``
+  beside it), a directory holding one ``.gguf`` file and no ``config.json``, or a ``.gguf`` file itself;
 * an embedded preset (``models/presets/<name>/config.json``): a config only; weights are random;
 * a packaged model (``smollm2-135m``): a GGUF file shipped inside an installed Python distribution.
 
@@ -52,11 +52,6 @@ class Checkpoint:
     kind: str  # "preset" | "directory" | "package"
     path: Path
     gguf_file: str | None = None
-
-    @property
-    def has_weights(self) -> bool:
-        """Whether the checkpoint carries weights (presets get deterministic random ones)."""
-        return self.kind != "preset"
 
     @property
     def gguf_path(self) -> Path | None:

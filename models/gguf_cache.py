@@ -90,9 +90,10 @@ def convert_gguf(checkpoint: Checkpoint) -> Path:
         }, indent=2))
         try:
             tmp.rename(target)
-        except OSError:
+        except OSError as exc:
             if cached_conversion(checkpoint) is None:  # not a concurrent winner: a real failure
-                raise
+                raise ModelError(f"cannot finish the GGUF conversion cache at {target} ({exc.strerror or exc}); "
+                                 "remove it or set KVLOAD_CACHE to another directory") from None
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

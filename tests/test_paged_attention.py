@@ -218,3 +218,24 @@ def test_decode_steps_whose_sequences_see_equal_key_counts_skip_the_mask():
     for s in seqs:
         torch.testing.assert_close(torch.cat(s["out"][1]), dense_reference(s["q"], s["k"], s["v"], 4))
         torch.testing.assert_close(torch.cat(s["out"][0]), dense_reference(s["q"], s["k"], s["v"], None))
+
+
+def test_v1_uniform_pool_serves_layers_narrower_than_its_entry():
+    """V1 sizes its one pool for the widest layer; a narrower layer uses the front of each entry."""
+    narrow = 2 * 1 * HEAD_DIM  # one KV head
+    layout = build_layout([LayerKV(0, "full", ENTRY), LayerKV(1, "full", narrow)], "v1", 4, "float32")
+    pools = BlockPools(layout, {"uniform": 8}, "cpu")
+    pools.tensors["uniform"].fill_(float("nan"))
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(7, HEADS, HEAD_DIM, generator=gen)
+    k, v = (torch.randn(7, 1, HEAD_DIM, generator=gen) for _ in range(2))
+    out = []
+    for start, n in ((0, 4), (4, 3)):
+        batch = PagedBatch.build([SeqChunk([0] * n, start, {"uniform": [6, 1]})], pools)
+        out.append(paged_attention(batch, 1, q[start:start + n], k[start:start + n], v[start:start + n],
+                                   HEAD_DIM**-0.5))
+    mask = torch.ones(7, 7, dtype=torch.bool).tril()
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1).expand(HEADS, -1, -1),
+                                         v.transpose(0, 1).expand(HEADS, -1, -1), attn_mask=mask,
+                                         scale=HEAD_DIM**-0.5).transpose(0, 1)
+    torch.testing.assert_close(torch.cat(out), ref)

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from cache_backends.paged_attention import PagedBatch, SeqChunk
 from models.checkpoint import load_hf_config, resolve_checkpoint
 from models.paged_forward import ATTN_IMPLEMENTATION, run_forward, use_paged_attention
 from models.weights import random_model
@@ -131,8 +132,6 @@ def test_run_forward_needs_the_paged_attention():
     model = copy.deepcopy(tiny_model("llama"))
     driver_model = copy.deepcopy(model)
     driver = RefDriver(driver_model)
-    from cache_backends.paged_attention import PagedBatch, SeqChunk
-
     batch = PagedBatch.build([SeqChunk([5, 6], 0, {g: [0] for g in driver.pools.groups})], driver.pools)
     with pytest.raises(RuntimeError, match="the model's attention is 'sdpa'; call .*use_paged_attention"):
         run_forward(model, batch)
@@ -150,4 +149,21 @@ def test_a_layout_whose_window_disagrees_with_the_model_is_refused():
     with pytest.raises(RuntimeError, match=rf"layer 0: the model slides over {WINDOW + 1} tokens but the KV geometry "
                                            rf"says window={WINDOW}"):
         driver.generate([[5, 6, 7]], 1)
+    driver.close()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_request_reading_another_requests_prefix_blocks_skips_their_prefill(family):
+    """What V2 prefix reuse will do: B's table starts with A's full blocks, and B computes only its suffix."""
+    sdpa_model = tiny_model(family)
+    vocab = sdpa_model.config.vocab_size
+    shared, suffix = prompts(vocab)[2][:12], [7, 8, 9, 10, 11]  # 12 shared tokens = 3 blocks of 4
+    driver = RefDriver(copy.deepcopy(sdpa_model), tokens_per_block=4)
+    a_tables = {g: [10, 11, 12, 13] for g in driver.pools.groups}
+    run_forward(driver.model, PagedBatch.build([SeqChunk(shared, 0, a_tables)], driver.pools))
+    b_tables = {g: [10, 11, 12, 20, 21] for g in driver.pools.groups}  # A's three full blocks, then B's own
+    logits = run_forward(driver.model, PagedBatch.build([SeqChunk(suffix, len(shared), b_tables)], driver.pools))
+    with torch.inference_mode():
+        ref = sdpa_model(torch.tensor([shared + suffix])).logits[0, -1]
+    torch.testing.assert_close(logits[0], ref, rtol=1e-4, atol=1e-4)
     driver.close()

@@ -95,3 +95,8 @@ def test_corrupt_weights_are_one_clear_line(tmp_path):
     (tmp_path / "ckpt" / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ModelError, match="transformers cannot load the weights"):
         load_through_stages(str(tmp_path / "ckpt"))
+
+
+def test_a_non_integer_weights_seed_is_a_config_error():
+    with pytest.raises(pipeline.ConfigError, match=r"^weights_seed: expected an integer, got '3'$"):
+        load_through_stages("tiny-llama", options={"weights_seed": "3"})
