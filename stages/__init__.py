@@ -1,9 +1,10 @@
 """Pipeline stages, one per module, named after the stage."""
 
 from stages.apply_model_defaults import ApplyModelDefaults
+from stages.load_weights import LoadWeights
 from stages.parse_args import ParseArgs
 from stages.resolve_auto import ResolveAuto
 from stages.route_executor import RouteExecutor
 from stages.snapshot_user_fields import SnapshotUserFields
 
-__all__ = ["ApplyModelDefaults", "ParseArgs", "ResolveAuto", "RouteExecutor", "SnapshotUserFields"]
+__all__ = ["ApplyModelDefaults", "LoadWeights", "ParseArgs", "ResolveAuto", "RouteExecutor", "SnapshotUserFields"]

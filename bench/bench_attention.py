@@ -1,0 +1,130 @@
+"""Decode attention: kvload's paged gather + SDPA against SDPA over a contiguous cache.
+
+Run from the repository root::
+
+    python -m bench.bench_attention                       # small CPU sizes, a few seconds
+    python -m bench.bench_attention --device cuda --batch 1,8,32,64 --lengths 512,2048,8192 \\
+        --heads 32 --kv-heads 8 --head-dim 128 --dtype bfloat16
+
+One decode step of one layer per point: every sequence brings one new token at position ``L - 1``
+(``--ragged``: sequences of unequal lengths up to ``L``, so both sides need a padding mask).
+``paged`` writes the new K/V into the block pool and gathers each sequence's blocks (physical blocks
+shuffled, as a real pool hands them out) before SDPA; ``contiguous`` writes into a dense
+``(B, kv_heads, L, head_dim)`` cache and runs SDPA over it. ``plan`` is the per-step ``PagedBatch``
+build (block tables → slots, masks), paid once per step and shared by every layer, so it is reported
+apart. Medians over ``--reps`` runs after warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from cache_backends.layout import LayerKV, build_layout
+from cache_backends.paged_attention import PagedBatch, SeqChunk, paged_attention
+from cache_backends.pools import TORCH_DTYPES, BlockPools
+
+
+def median_us(fn: Callable[[], object], reps: int, device: torch.device) -> float:
+    """Median wall time of ``fn`` in microseconds (synchronising CUDA around each run)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(times)
+
+
+def bench_point(batch: int, length: int, args: argparse.Namespace, device: torch.device) -> dict[str, float]:
+    """Time one (batch, context length) point."""
+    dtype = TORCH_DTYPES[args.dtype]
+    hkv, hd, h, T = args.kv_heads, args.head_dim, args.heads, args.block
+    layout = build_layout([LayerKV(0, "full", 2 * hkv * hd)], "v2", T, args.dtype)
+    blocks_per_seq = -(-length // T)
+    pools = BlockPools(layout, {"full": batch * blocks_per_seq}, device)
+    pools.tensors["full"].normal_()
+    ids = list(range(batch * blocks_per_seq))
+    random.Random(0).shuffle(ids)
+    tables = [ids[b * blocks_per_seq:(b + 1) * blocks_per_seq] for b in range(batch)]
+    # --ragged: sequence b holds length - b * length // (2 * batch) tokens, so padding needs masks
+    lens = [length - (b * length // (2 * batch) if args.ragged else 0) for b in range(batch)]
+    chunks = [SeqChunk([1], n - 1, {"full": t}) for n, t in zip(lens, tables, strict=True)]
+    pad_mask = None
+    if args.ragged:
+        pad_mask = (torch.arange(length, device=device)[None, :] < torch.tensor(lens, device=device)[:, None])
+        pad_mask = pad_mask[:, None, None, :]
+    last = torch.tensor(lens, device=device) - 1
+    rows = torch.arange(batch, device=device)
+
+    q = torch.randn(batch, h, hd, device=device, dtype=dtype)
+    k_new = torch.randn(batch, hkv, hd, device=device, dtype=dtype)
+    v_new = torch.randn(batch, hkv, hd, device=device, dtype=dtype)
+    step = PagedBatch.build(chunks, pools)
+    scale = hd**-0.5
+
+    k_dense = torch.randn(batch, hkv, length, hd, device=device, dtype=dtype)
+    v_dense = torch.randn(batch, hkv, length, hd, device=device, dtype=dtype)
+
+    def contiguous() -> torch.Tensor:
+        k_dense[rows, :, last] = k_new
+        v_dense[rows, :, last] = v_new
+        return F.scaled_dot_product_attention(q.unsqueeze(2), k_dense, v_dense, attn_mask=pad_mask, scale=scale,
+                                              enable_gqa=h != hkv)
+
+    def paged() -> torch.Tensor:
+        return paged_attention(step, 0, q, k_new, v_new, scale)
+
+    def plan() -> None:
+        fresh = PagedBatch.build(chunks, pools)
+        fresh.mask(0)  # gathers and masks are planned on first use
+
+    with torch.inference_mode():
+        torch.testing.assert_close(paged()[0].float(), paged()[0].float())  # a smoke check: deterministic
+        result = {"contiguous": median_us(contiguous, args.reps, device), "paged": median_us(paged, args.reps, device),
+                  "plan": median_us(plan, args.reps, device)}
+    pools.release()
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse flags, run every point, print a table of medians and ratios."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
+    p.add_argument("--lengths", default="128,512,1024", help="comma-separated context lengths")
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--block", type=int, default=16, help="tokens per block")
+    p.add_argument("--dtype", default="float32", choices=sorted(TORCH_DTYPES))
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--ragged", action="store_true", help="unequal sequence lengths (both sides then use a mask)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    print(f"device={device} dtype={args.dtype} heads={args.heads} kv_heads={args.kv_heads} head_dim={args.head_dim} "
+          f"block={args.block} reps={args.reps} ragged={args.ragged} threads={torch.get_num_threads()} "
+          f"torch={torch.__version__}")
+    print(f"{'batch':>5} {'len':>6} {'contiguous_us':>14} {'paged_us':>10} {'paged/contig':>12} {'plan_us':>9}")
+    for b in (int(x) for x in args.batch.split(",")):
+        for n in (int(x) for x in args.lengths.split(",")):
+            r = bench_point(b, n, args, device)
+            print(f"{b:>5} {n:>6} {r['contiguous']:>14.1f} {r['paged']:>10.1f} {r['paged'] / r['contiguous']:>12.2f} "
+                  f"{r['plan']:>9.1f}")
+
+
+if __name__ == "__main__":
+    main()

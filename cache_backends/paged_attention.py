@@ -1,0 +1,320 @@
+"""Paged attention over the block pools, in plain torch: one step's batch plan, K/V writes, gathers, masks.
+
+A step runs every scheduled token of every sequence in one packed row (the executor's forward):
+
+* **packed tokens** — sequence ``b`` brings ``n_b`` new tokens at positions ``s_b .. s_b + n_b - 1``;
+  all ``N = Σ n_b`` tokens go through the model as ``input_ids``/``position_ids`` of shape ``(1, N)``,
+  so the rotary embedding sees each token's own position.
+* **writes** — before attending, a layer writes the new tokens' entries into its pool at the slots
+  its block table gives (``pools.py``: slot = ``physical_block * entries_per_block + pos % T``). The
+  chunk then attends to itself through the pool exactly like to its cached prefix.
+* **gathers** — per sequence, the slots of the keys its queries may see: positions
+  ``max(0, s_b - W + 1) .. s_b + n_b - 1`` for a layer with window ``W`` (all from 0 without one),
+  padded to ``(B, max_k)`` with the sequence's first key (pools are not zero-filled, and a masked
+  NaN would still poison the output). A window layer never touches blocks that fell out of its
+  window, so a released block (``-1``) there is fine; a ``-1`` where a needed key lives is an error.
+* **masks** — queries are padded per sequence to ``(B, H, max_q, d)``; the boolean mask
+  ``(B, 1, max_q, max_k)`` lets query ``i`` see key ``j`` when the key is real (not padding), not
+  after the query (causal), and, with a window, ``key_pos > query_pos - W`` (the query itself and
+  the ``W - 1`` before it, as transformers' sliding masks do). Padded query rows see one key so
+  softmax stays finite; they are dropped when unpadding. A decode step whose sequences all gather
+  the same number of keys needs no mask at all (``None``: SDPA's faster unmasked path).
+
+Layers that share a group and a window share the gather slots and the mask (computed once per step).
+The layer's window comes from the model's geometry (``KvLayout.layers``), not from the pool: V1 keeps
+every token of a sliding layer in its uniform pool, and the mask still applies the window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from cache_backends.layout import LayerKV
+from cache_backends.pools import BlockPools
+
+#: Layer kinds whose entries this module reads and writes (compressed DeepSeek V4 layers are not served).
+SERVED_KINDS = ("full", "sliding", "mla")
+
+
+@attrs.frozen
+class SeqChunk:
+    """This step's new tokens of one sequence: ids, the position of the first, and a block table per group."""
+
+    token_ids: tuple[int, ...] = attrs.field(converter=tuple)
+    start_pos: int
+    block_tables: Mapping[str, Sequence[int]]
+
+    def __attrs_post_init__(self) -> None:
+        if not self.token_ids:
+            raise ValueError("a chunk needs at least one new token")
+        if self.start_pos < 0:
+            raise ValueError(f"start_pos must be >= 0, got {self.start_pos}")
+
+    @property
+    def end_pos(self) -> int:
+        """One past the position of the last new token (the sequence length after this step)."""
+        return self.start_pos + len(self.token_ids)
+
+
+@attrs.frozen
+class LayerRoute:
+    """Where one layer's entries live, and the window its attention applies."""
+
+    layer: int
+    kind: str
+    window: int | None
+    group: str
+    layer_pos: int
+    entry_elems: int
+
+
+@attrs.frozen
+class KeyGather:
+    """The keys one (group, window) pair gathers per sequence, and the mask over them."""
+
+    slots: torch.Tensor  # (B, max_k) int64 flat slots into layer_slots(group, ·); the row's first key under padding
+    mask: torch.Tensor | None  # (B, 1, max_q, max_k) bool: True = the query sees the key; None: sees all
+    max_k: int
+
+
+class PagedBatch:
+    """One step's plan: packed inputs, per-group write slots, and per (group, window) gathers and masks.
+
+    Build it with :meth:`build`; the model code reaches it through the attention function
+    (``models.paged_forward``), which calls :meth:`write`, :meth:`gather`, :meth:`mask`,
+    :meth:`pad_queries` and :meth:`unpad`.
+    """
+
+    def __init__(self, chunks: Sequence[SeqChunk], pools: BlockPools) -> None:
+        if not chunks:
+            raise ValueError("a step needs at least one chunk")
+        if pools.released:
+            raise ValueError("the block pools were released")
+        self.chunks = tuple(chunks)
+        self.pools = pools
+        self.device = pools.device
+        self._layers: dict[int, LayerKV] = {layer.index: layer for layer in pools.layout.layers}
+        self._routes: dict[int, LayerRoute] = {}
+        self._gathers: dict[tuple[str, int | None], KeyGather] = {}
+
+        n = [len(c.token_ids) for c in self.chunks]
+        self.num_seqs = len(n)
+        self.num_tokens = sum(n)
+        self.max_q = max(n)
+        cpu = torch.device("cpu")
+        self._n = torch.tensor(n, dtype=torch.long)
+        self._start = torch.tensor([c.start_pos for c in self.chunks], dtype=torch.long)
+        self._end = self._start + self._n
+        seq = torch.repeat_interleave(torch.arange(self.num_seqs), self._n)
+        offset = torch.arange(self.num_tokens) - torch.repeat_interleave(torch.cumsum(self._n, 0) - self._n, self._n)
+        self._seq, self._pos = seq, self._start[seq] + offset
+        ids = [t for c in self.chunks for t in c.token_ids]
+        self.input_ids = torch.tensor([ids], dtype=torch.long, device=cpu).to(self.device)
+        self.position_ids = self._pos.unsqueeze(0).to(self.device)
+        #: index of each sequence's last new token in the packed row (where its next-token logits are)
+        self.last_token_index = (torch.cumsum(self._n, 0) - 1).to(self.device)
+        #: row of each packed token in the padded (B * max_q) query layout
+        self._q_row = (seq * self.max_q + offset).to(self.device)
+        self._tables: dict[str, torch.Tensor] = {}
+        self._write_slots: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def build(cls, chunks: Sequence[SeqChunk], pools: BlockPools) -> PagedBatch:
+        """Plan a step; checks every group's tables cover the new tokens (gathers are planned lazily per layer)."""
+        batch = cls(chunks, pools)
+        for group in pools.groups:
+            batch.write_slots(group)
+        return batch
+
+    # --- routing -------------------------------------------------------------------------
+
+    def route(self, layer: int) -> LayerRoute:
+        """Group, position in the group and window of a decoder layer."""
+        cached = self._routes.get(layer)
+        if cached is not None:
+            return cached
+        kv = self._layers.get(layer)
+        if kv is None:
+            raise ValueError(f"layer {layer} is not in the KV layout (layers 0..{len(self._layers) - 1})")
+        if kv.kind not in SERVED_KINDS or kv.compress_rate is not None:
+            raise ValueError(f"layer {layer} is a {kv.kind!r} layer; paged attention serves "
+                             f"{', '.join(SERVED_KINDS)} layers only")
+        (group, pos), *rest = self.pools.layer_index[layer]
+        if rest:
+            raise ValueError(f"layer {layer} has entries in several pools; paged attention reads one")
+        route = LayerRoute(layer, kv.kind, kv.window, group, pos, kv.entry_elems)
+        self._routes[layer] = route
+        return route
+
+    def _table(self, group: str) -> torch.Tensor:
+        """Block tables of a group as a (B, max_blocks) CPU tensor, padded with -1."""
+        table = self._tables.get(group)
+        if table is None:
+            rows = []
+            for b, c in enumerate(self.chunks):
+                try:
+                    rows.append(list(c.block_tables[group]))
+                except KeyError:
+                    raise ValueError(f"sequence {b}: no block table for group {group!r}") from None
+            width = max(1, max(len(r) for r in rows))
+            table = torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.long)
+            tpb = self.pools.groups[group].tokens_per_block
+            short = (torch.tensor([len(r) for r in rows]) * tpb) < self._end
+            if short.any():
+                b = int(short.nonzero()[0])
+                raise ValueError(f"sequence {b}: block table of group {group!r} has {len(rows[b])} blocks of {tpb} "
+                                 f"tokens; position {int(self._end[b]) - 1} needs "
+                                 f"{(int(self._end[b]) + tpb - 1) // tpb}")
+            self._tables[group] = table
+        return table
+
+    def _slots(self, group: str, seq: torch.Tensor, pos: torch.Tensor, need: torch.Tensor, what: str) -> torch.Tensor:
+        """Flat slots of (sequence, position) pairs; -1 blocks are an error where ``need`` is set."""
+        g = self.pools.groups[group]
+        if g.compress_rate is not None:
+            raise ValueError(f"group {group!r} is compressed; paged attention does not read compressed entries")
+        blocks = self._table(group)[seq, pos // g.tokens_per_block]
+        missing = need & (blocks < 0)
+        if missing.any():
+            i = missing.nonzero()[0].tolist()
+            b, p = int(seq[tuple(i)]), int(pos[tuple(i)])
+            raise ValueError(f"sequence {b}: group {group!r} has no block for position {p}, which {what} needs "
+                             f"(logical block {p // g.tokens_per_block} is -1: released or never allocated)")
+        slots = blocks * g.entries_per_block + pos % g.tokens_per_block
+        if need.all():
+            return slots
+        # Padding must read a written entry: pools come from torch.empty, and a masked key whose value
+        # is NaN still poisons the output (0 * NaN). Each row's first key is always real.
+        return torch.where(need, slots, slots[..., :1].expand_as(slots))
+
+    def write_slots(self, group: str) -> torch.Tensor:
+        """(N,) flat slots of the new tokens in a group, in packed order."""
+        slots = self._write_slots.get(group)
+        if slots is None:
+            need = torch.ones(self.num_tokens, dtype=torch.bool)
+            slots = self._slots(group, self._seq, self._pos, need, "a new token").to(self.device)
+            self._write_slots[group] = slots
+        return slots
+
+    def _gather(self, layer: int) -> KeyGather:
+        r = self.route(layer)
+        key = (r.group, r.window)
+        plan = self._gathers.get(key)
+        if plan is not None:
+            return plan
+        lo = self._start - r.window + 1 if r.window else torch.zeros_like(self._start)
+        lo = lo.clamp(min=0)
+        k_len = self._end - lo
+        max_k = int(k_len.max())
+        j = torch.arange(max_k)
+        k_valid = j[None, :] < k_len[:, None]  # (B, max_k)
+        k_pos = lo[:, None] + j[None, :]
+        seq = torch.arange(self.num_seqs)[:, None].expand(-1, max_k)
+        slots = self._slots(r.group, seq, torch.where(k_valid, k_pos, lo[:, None]), k_valid, "attention")
+
+        dev = self.device
+        if self.max_q == 1 and bool((k_len == max_k).all()):
+            # one query per sequence at its last position, every key real: it sees them all (the window
+            # already bounded the gather), so no mask — SDPA's unmasked path is the faster one
+            plan = KeyGather(slots.to(dev), None, max_k)
+            self._gathers[key] = plan
+            return plan
+        k_pos, k_valid = k_pos.to(dev), k_valid.to(dev)
+        i = torch.arange(self.max_q, device=dev)
+        q_pos = self._start.to(dev)[:, None] + i[None, :]  # (B, max_q)
+        q_valid = i[None, :] < self._n.to(dev)[:, None]
+        seen = k_valid[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])
+        if r.window:
+            seen &= k_pos[:, None, :] > q_pos[:, :, None] - r.window
+        # padded query rows see key 0 only, so their softmax stays finite; unpad drops them
+        seen |= (~q_valid)[:, :, None] & (torch.arange(max_k, device=dev) == 0)[None, None, :]
+        plan = KeyGather(slots.to(dev), seen.unsqueeze(1), max_k)
+        self._gathers[key] = plan
+        return plan
+
+    # --- what the attention function calls -----------------------------------------------
+
+    def write(self, layer: int, entries: torch.Tensor) -> None:
+        """Store the new tokens' entries ``(N, entry_elems)`` of a layer at their slots (cast to the pool dtype)."""
+        r = self.route(layer)
+        if entries.shape != (self.num_tokens, r.entry_elems):
+            raise ValueError(f"layer {layer}: entries of shape {tuple(entries.shape)}, expected "
+                             f"({self.num_tokens}, {r.entry_elems}) from the KV layout")
+        view = self.pools.layer_slots(r.group, r.layer_pos)
+        if view.shape[1] != r.entry_elems:  # V1's uniform pool is as wide as the widest layer
+            view = view[:, : r.entry_elems]
+        view.index_copy_(0, self.write_slots(r.group), entries.to(view.dtype))
+
+    def gather(self, layer: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The entries of the keys a layer's queries may see: ``(B, max_k, entry_elems)``."""
+        r = self.route(layer)
+        plan = self._gather(layer)
+        view = self.pools.layer_slots(r.group, r.layer_pos)
+        out = view.index_select(0, plan.slots.reshape(-1))[:, : r.entry_elems]
+        out = out.view(self.num_seqs, plan.max_k, r.entry_elems)
+        return out if dtype is None else out.to(dtype)
+
+    def mask(self, layer: int) -> torch.Tensor | None:
+        """``(B, 1, max_q, max_k)`` bool: which gathered key each padded query sees; None when it sees every key."""
+        return self._gather(layer).mask
+
+    def pad_queries(self, q: torch.Tensor) -> torch.Tensor:
+        """Packed ``(N, H, d)`` → padded ``(B, H, max_q, d)``."""
+        if self.max_q == 1:  # pure decode: one query per sequence, no padding
+            return q.unsqueeze(2)
+        padded = q.new_zeros(self.num_seqs * self.max_q, *q.shape[1:])
+        padded.index_copy_(0, self._q_row, q)
+        return padded.view(self.num_seqs, self.max_q, *q.shape[1:]).transpose(1, 2)
+
+    def unpad(self, out: torch.Tensor) -> torch.Tensor:
+        """Padded ``(B, H, max_q, d)`` → packed ``(N, H, d)``."""
+        if self.max_q == 1:
+            return out.squeeze(2)
+        rows = out.transpose(1, 2).reshape(self.num_seqs * self.max_q, out.shape[1], out.shape[3])
+        return rows.index_select(0, self._q_row)
+
+
+def split_kv(entries: torch.Tensor, kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gathered ``(B, max_k, 2 * kv_heads * head_dim)`` entries → K and V of ``(B, kv_heads, max_k, head_dim)``."""
+    b, k, _ = entries.shape
+    kv = entries.view(b, k, 2, kv_heads, head_dim)
+    return kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+
+
+def write_kv(batch: PagedBatch, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Store new K and V ``(N, kv_heads, head_dim)`` as one ``(2, kv_heads, head_dim)`` entry per token."""
+    entries = torch.stack((key, value), dim=1).reshape(key.shape[0], -1)
+    batch.write(layer, entries)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+           softcap: float | None = None) -> torch.Tensor:
+    """Masked attention of padded queries ``(B, H, max_q, d)`` over keys ``(B, Hkv, max_k, d)`` (GQA when H > Hkv)."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads cannot share {kv_heads} KV heads")
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=heads != kv_heads)
+    # SDPA has no logit soft-capping (Gemma 2): tanh-cap the scores before the mask
+    if heads != kv_heads:
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
+        v = v.repeat_interleave(heads // kv_heads, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+def paged_attention(batch: PagedBatch, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    scale: float, softcap: float | None = None) -> torch.Tensor:
+    """One layer of a step: write the new K/V, gather the visible K/V, attend. Packed ``(N, heads, d)`` in and out."""
+    write_kv(batch, layer, key, value)
+    k, v = split_kv(batch.gather(layer, query.dtype), key.shape[1], key.shape[2])
+    out = attend(batch.pad_queries(query), k, v, batch.mask(layer), scale, softcap)
+    return batch.unpad(out)

@@ -1,0 +1,121 @@
+"""Run a transformers model over kvload's block pools: the ``kvload_paged`` attention and one packed forward.
+
+How the pieces meet in transformers 5.x:
+
+* ``AttentionInterface.register("kvload_paged", fn)`` makes ``fn`` the attention of every layer of a
+  model whose ``config._attn_implementation`` is ``"kvload_paged"`` (:func:`use_paged_attention`).
+  The layer calls it as ``fn(module, query, key, value, attention_mask, scaling=..., dropout=...,
+  [sliding_window=..., softcap=...,] **kwargs)``, where ``kwargs`` are the forward's extra keyword
+  arguments passed down unchanged; :func:`run_forward` passes the step's ``PagedBatch`` that way
+  (``kvload_batch=``), and ``module.layer_idx`` names the layer.
+* transformers' own mask creation returns ``None`` for an attention implementation that has no
+  registered mask function (``masking_utils._preprocess_mask_arguments``); kvload registers none
+  and builds its masks itself (causal per sequence, sliding windows from the KV geometry).
+* ``use_cache=False`` and no ``cache`` keep transformers' ``DynamicCache`` out of the way — except
+  for multi-head latent attention (DeepSeek V3): there :class:`PagedLatentCache` is passed as
+  ``cache`` because ``cache.update`` is the one place that sees the latent before ``kv_b_proj``
+  expands it, so kvload stores the latent (the MLA pool entry) and hands back the gathered latents.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from cache_backends.paged_attention import PagedBatch, attend, split_kv, write_kv
+
+ATTN_IMPLEMENTATION = "kvload_paged"
+
+
+def paged_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: Any, scaling: float | None = None, dropout: float = 0.0,
+                            sliding_window: int | None = None, softcap: float | None = None,
+                            kvload_batch: PagedBatch | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """The ``kvload_paged`` attention: write the new K/V into the pools, attend over the cached K/V.
+
+    ``query`` is ``(1, H, N, d)`` (one packed row); ``key``/``value`` are the new tokens' ``(1, Hkv, N, d)``,
+    or for MLA the already gathered ``(B, H, max_k, d)`` that :class:`PagedLatentCache` returned.
+    Returns ``(1, N, H, d_v)`` and no attention weights.
+    """
+    batch = kvload_batch
+    if batch is None:
+        raise RuntimeError("kvload_paged attention needs the step's PagedBatch: run the model through "
+                           "models.paged_forward.run_forward (or pass kvload_batch=)")
+    if attention_mask is not None:
+        raise RuntimeError("kvload_paged attention builds its own masks; transformers passed one (a mask function "
+                           "registered for kvload_paged?)")
+    if not getattr(module, "is_causal", True):
+        raise RuntimeError(f"{type(module).__name__} is bidirectional; kvload_paged serves causal attention only")
+    layer = module.layer_idx
+    route = batch.route(layer)
+    if sliding_window is not None and sliding_window != route.window:
+        raise RuntimeError(f"layer {layer}: the model slides over {sliding_window} tokens but the KV geometry says "
+                           f"window={route.window}; the layout does not match this model")
+    if query.shape[0] != 1 or query.shape[2] != batch.num_tokens:
+        raise RuntimeError(f"layer {layer}: expected one packed row of {batch.num_tokens} queries, got "
+                           f"{tuple(query.shape)}")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    q = query[0].transpose(0, 1)  # (N, H, d)
+    if route.kind == "mla":  # the cache route stored the latent and expanded the gathered keys already
+        k, v = key, value
+    else:
+        write_kv(batch, layer, key[0].transpose(0, 1), value[0].transpose(0, 1))
+        k, v = split_kv(batch.gather(layer, query.dtype), key.shape[1], key.shape[3])
+    out = attend(batch.pad_queries(q), k, v, batch.mask(layer), scale, softcap)
+    return batch.unpad(out).unsqueeze(0), None
+
+
+class PagedLatentCache:
+    """The ``cache`` a DeepSeek V3 (MLA) forward gets: stores latents in the pools, returns them gathered.
+
+    transformers calls ``cache.update(kv_latent, k_rope, layer_idx, kwargs=...)`` with the normalised
+    latent ``(1, 1, N, kv_lora_rank)`` and the roped key part ``(1, 1, N, qk_rope_head_dim)`` of the new
+    tokens, before expanding them into per-head K/V. The pool entry is ``[latent, rope]`` (kv-geometry's
+    MLA entry); the return is every visible token's latent and rope part, ``(B, 1, max_k, ·)`` each.
+    Only ``update`` is used: mask creation exits before touching a cache for a custom attention.
+    """
+
+    def __init__(self, batch: PagedBatch) -> None:
+        self.batch = batch
+
+    def update(self, latent: torch.Tensor, rope: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new tokens' ``[latent, rope]`` entries; return the gathered latents and rope parts."""
+        rank = latent.shape[-1]
+        self.batch.write(layer_idx, torch.cat((latent[0, 0], rope[0, 0]), dim=-1))
+        entries = self.batch.gather(layer_idx, latent.dtype)
+        return entries[..., :rank].unsqueeze(1), entries[..., rank:].unsqueeze(1)
+
+
+def register_paged_attention() -> str:
+    """Register ``kvload_paged`` with transformers' ``AttentionInterface`` (idempotent); return its name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    return ATTN_IMPLEMENTATION
+
+
+def use_paged_attention(model: Any) -> Any:
+    """Switch a loaded model's attention to ``kvload_paged`` (its ``generate`` then needs kvload's driver)."""
+    register_paged_attention()
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return model
+
+
+def uses_latent_cache(batch: PagedBatch) -> bool:
+    """Whether the layout has MLA layers (their entries go through :class:`PagedLatentCache`)."""
+    return any(layer.kind == "mla" for layer in batch.pools.layout.layers)
+
+
+def run_forward(model: Any, batch: PagedBatch) -> torch.Tensor:
+    """One packed forward of a step; returns ``(num_chunks, vocab)`` logits at each chunk's last token."""
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl != ATTN_IMPLEMENTATION:
+        raise RuntimeError(f"the model's attention is {impl!r}; call models.paged_forward.use_paged_attention(model) "
+                           "first")
+    cache = PagedLatentCache(batch) if uses_latent_cache(batch) else None
+    with torch.inference_mode():
+        out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, cache=cache, use_cache=False,
+                    logits_to_keep=batch.last_token_index, kvload_batch=batch)
+    return out.logits[0]

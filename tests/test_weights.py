@@ -1,0 +1,102 @@
+"""The load_weights stage: seeded random weights for presets, safetensors directories, dtype, release."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pipeline
+from models.checkpoint import load_hf_config, resolve_checkpoint
+from models.weights import random_model
+from pipeline import LoadRequest, ModelError
+from stages import LoadWeights
+
+
+def load_through_stages(model: str, *, load_weights: bool = True, options: dict | None = None, **overrides):
+    """Stages 1–5 plus load_weights (build_kv_manager lives on another branch; weights come before it)."""
+    request = LoadRequest(model=model, overrides=overrides, load_weights=load_weights, options=options or {})
+    return pipeline.execute(request, [*pipeline.plan_stages(), LoadWeights()], log=False)
+
+
+def state(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_preset_weights_are_deterministic_per_seed_and_leave_the_global_rng_alone():
+    cfg = load_hf_config(resolve_checkpoint("tiny-llama"))
+    torch.manual_seed(7)
+    expected_next = torch.rand(3)
+    torch.manual_seed(7)
+    a = state(random_model(cfg, device="cpu", dtype="float32", seed=0))
+    assert torch.equal(torch.rand(3), expected_next)
+    b = state(random_model(cfg, device="cpu", dtype="float32", seed=0))
+    c = state(random_model(cfg, device="cpu", dtype="float32", seed=1))
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], c[k]) for k in a)
+
+
+def test_load_weights_runs_after_routing_and_reports_what_it_loaded():
+    result = load_through_stages("tiny-llama", options={"weights_seed": 3})
+    model = result.hf_model
+    assert model is not None and result.tokenizer is None  # presets carry no tokenizer
+    assert next(model.parameters()).device.type == "cpu"
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    [event] = result.audit.of("weights_loaded")
+    assert event["source"] == "random" and event["seed"] == 3 and event["stage"] == "load_weights"
+    assert event["bytes"] == sum(t.numel() * 4 for t in [*model.parameters(), *model.buffers()])
+    assert event["parameters"] == sum(p.numel() for p in model.parameters())
+    names = [e["event"] for e in result.audit.events]
+    assert names.index("executor_routed") < names.index("weights_loaded")
+    expected = random_model(result.context.hf_config, device="cpu", dtype="float32", seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), expected.state_dict().values(),
+                                                    strict=True))
+    result.close()
+    assert result.hf_model is None
+
+
+def test_load_weights_does_nothing_unless_asked():
+    result = load_through_stages("tiny-llama", load_weights=False)
+    assert result.hf_model is None
+    assert not result.audit.of("weights_loaded")
+
+
+def test_weights_follow_the_resolved_dtype():
+    result = load_through_stages("tiny-gemma3", dtype="bfloat16")
+    assert {p.dtype for p in result.hf_model.parameters()} == {torch.bfloat16}
+    assert result.audit.of("weights_loaded")[0]["dtype"] == "bfloat16"
+
+
+def test_a_float8_model_dtype_cannot_carry_weights():
+    with pytest.raises(ModelError, match=r"^dtype 'float8_e4m3fn': weights load in float32, float16, bfloat16 only"):
+        load_through_stages("tiny-llama", dtype="float8_e4m3fn")
+
+
+def test_safetensors_directory_loads_its_own_weights(tmp_path):
+    cfg = load_hf_config(resolve_checkpoint("tiny-qwen3"))
+    saved = random_model(cfg, device="cpu", dtype="float32", seed=11)
+    saved.save_pretrained(tmp_path / "ckpt")
+    result = load_through_stages(str(tmp_path / "ckpt"))
+    [event] = result.audit.of("weights_loaded")
+    assert event["source"] == "safetensors" and event["seed"] is None
+    loaded = result.hf_model.state_dict()
+    assert all(torch.equal(v, loaded[k]) for k, v in saved.state_dict().items())
+
+
+def test_a_directory_without_weights_is_one_clear_line(checkpoint_dir):
+    ckpt = checkpoint_dir()
+    with pytest.raises(ModelError, match=r"no weights \(\*\.safetensors or pytorch_model\*\.bin\) in the checkpoint"):
+        load_through_stages(str(ckpt))
+
+
+def test_corrupt_weights_are_one_clear_line(tmp_path):
+    cfg = load_hf_config(resolve_checkpoint("tiny-llama"))
+    random_model(cfg, device="cpu", dtype="float32").save_pretrained(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ModelError, match="transformers cannot load the weights"):
+        load_through_stages(str(tmp_path / "ckpt"))
+
+
+def test_a_non_integer_weights_seed_is_a_config_error():
+    with pytest.raises(pipeline.ConfigError, match=r"^weights_seed: expected an integer, got '3'$"):
+        load_through_stages("tiny-llama", options={"weights_seed": "3"})
