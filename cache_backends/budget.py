@@ -113,7 +113,7 @@ def compute_budget(
     else:
         limited_by, budget = None, None
         unbounded = (f"the free memory of {device} cannot be measured (no CUDA device)" if is_cuda(device)
-                     else f"{device} has no free-memory rule; max_tokens or max_gpu_total_bytes must bound it")
+                     else f"{device} has no free-memory rule to size it from")
     return KvBudget(
         device=str(device), free_bytes=free_bytes, weights_bytes=int(weights_bytes),
         free_gpu_memory_fraction=float(free_gpu_memory_fraction), max_gpu_total_bytes=int(max_gpu_total_bytes),

@@ -174,7 +174,7 @@ def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
     ))
     pools, problem = None, None
     if budget.budget_bytes is None:
-        problem = (f"no KV cache budget on {device}: {budget.unbounded_reason}; set kv_cache_config.max_tokens or "
+        problem = (f"no KV cache budget: {budget.unbounded_reason}; set kv_cache_config.max_tokens or "
                    "kv_cache_config.max_gpu_total_bytes (--max_tokens / --max_gpu_total_bytes)")
     else:
         try:

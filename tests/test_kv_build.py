@@ -94,7 +94,7 @@ def test_cpu_without_a_bound_plans_with_nulls_but_load_says_what_to_set(track_po
         pipeline.load("tiny-llama", log=False, device="cpu")
     msg = str(err.value)
     assert "\n" not in msg
-    assert msg.startswith("no KV cache budget on cpu") and "kv_cache_config.max_tokens" in msg
+    assert msg.startswith("no KV cache budget: cpu has no free-memory rule") and "kv_cache_config.max_tokens" in msg
     assert "kv_cache_config.max_gpu_total_bytes" in msg
     assert not track_pools
 
