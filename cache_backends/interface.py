@@ -17,13 +17,15 @@ Driving loop, one iteration::
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
 from cache_backends.layout import KvLayout
-from cache_backends.pools import BlockPools
 from cache_backends.request import Request
+
+if TYPE_CHECKING:  # pools import torch; the protocol itself must stay importable without it
+    from cache_backends.pools import BlockPools
 
 
 @attrs.frozen

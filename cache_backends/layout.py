@@ -130,28 +130,40 @@ class KvLayout:
         """The smallest pool set: one block per group."""
         return sum(g.bytes_per_block for g in self.groups)
 
-    def split_budget(self, budget_bytes: int, seq_len: int) -> dict[str, int]:
-        """Blocks per group for a byte budget, shared in proportion to one sequence of ``seq_len``.
+    def bytes_for_tokens(self, tokens: int, seq_len: int) -> int:
+        """Bytes of pools that hold ``tokens`` tokens as sequences of ``seq_len`` (the last one shorter).
 
-        Each group gets at least one block when the budget allows; the split keeps the pools
-        balanced so that the number of ``seq_len`` sequences that fit is as large as possible.
+        V1: ``ceil(tokens / T)`` blocks. V2: every growing group holds ``tokens`` tokens, and each
+        window group holds the windows of the ``ceil(tokens / seq_len)`` sequences those tokens make.
         """
-        need = self.blocks_for_sequence(max(seq_len, 1))
-        per_seq = sum(need[g.name] * g.bytes_per_block for g in self.groups)
-        sequences = budget_bytes // per_seq if per_seq else 0
-        blocks = {g.name: max(1, sequences * need[g.name]) for g in self.groups}
-        spent = sum(blocks[g.name] * g.bytes_per_block for g in self.groups)
-        # Hand the remainder to the groups that grow with length, one block at a time, widest need first.
-        growing = sorted((g for g in self.groups if g.keeps_all_tokens), key=lambda g: -need[g.name])
-        progress = True
-        while growing and progress:
-            progress = False
-            for g in growing:
-                if spent + g.bytes_per_block <= budget_bytes:
-                    blocks[g.name] += 1
-                    spent += g.bytes_per_block
-                    progress = True
-        return blocks
+        length = max(seq_len, 1)
+        full, part = divmod(max(tokens, 0), length)
+        return full * self.bytes_for_sequence(length) + self.bytes_for_sequence(part)
+
+    def split_budget(self, budget_bytes: int, seq_len: int) -> dict[str, int]:
+        """Blocks per group for a byte budget, shared in proportion to sequences of ``seq_len``.
+
+        The budget holds as many whole ``seq_len`` sequences as fit plus the longest partial one
+        the rest allows, so a budget below one sequence still gets whole windows, and a one-group
+        (V1) layout gets ``budget // bytes_per_block`` blocks. Each group gets at least one block
+        (a budget below :meth:`min_bytes` then exceeds itself: callers check).
+        """
+        length = max(seq_len, 1)
+        need = self.blocks_for_sequence(length)
+        per_seq = self.bytes_for_sequence(length)
+        full = max(budget_bytes, 0) // per_seq
+        rest = max(budget_bytes, 0) - full * per_seq
+        # bytes_for_sequence is non-decreasing in the length: bisect the longest partial sequence.
+        lo, hi = 0, length - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.bytes_for_sequence(mid) <= rest:
+                lo = mid
+            else:
+                hi = mid - 1
+        # What is left is less than one more token costs: extra blocks in some groups only would
+        # overstate the capacity (a window group could not follow), so it stays unspent.
+        return {g.name: max(1, full * need[g.name] + g.blocks_for(lo)) for g in self.groups}
 
     def max_sequences(self, blocks: dict[str, int], seq_len: int) -> int:
         """How many sequences of ``seq_len`` tokens fit in pools of these block counts."""
@@ -201,8 +213,8 @@ def build_layout(layers: list[LayerKV] | tuple[LayerKV, ...], manager: ManagerKi
                 key = ("mla", "mla", None, None, layer.entry_elems)
             elif layer.window is None:
                 key = ("full", "full", None, None, layer.entry_elems)
-            else:
-                key = ("sliding", layer.kind, layer.window, None, layer.entry_elems)
+            else:  # one life cycle per (window, width): DeepSeek V4's raw windows share a pool
+                key = ("sliding", "sliding", layer.window, None, layer.entry_elems)
             buckets.setdefault(key, []).append(layer.index)
             if layer.compress_rate is not None:
                 ckey = ("compressed", layer.kind, None, layer.compress_rate, layer.compressed_elems)

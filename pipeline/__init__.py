@@ -1,6 +1,6 @@
 """kvload's pipeline: config classes, events, the audit log, the stage runner and the public API."""
 
-from pipeline.api import LoadResult, execute, load, load_stages, plan, plan_stages
+from pipeline.api import LoadResult, execute, load, load_stages, plan, plan_stages, resolve_stages
 from pipeline.audit import AuditLog, JsonlSink
 from pipeline.bus import EventBus
 from pipeline.config import AUTO, KvCacheConfig, LlmArgs, explicit_fields
@@ -36,4 +36,5 @@ __all__ = [
     "load_stages",
     "plan",
     "plan_stages",
+    "resolve_stages",
 ]

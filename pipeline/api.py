@@ -1,4 +1,4 @@
-"""The Python API: ``plan`` (stages 1–5, no allocation) and ``load`` (all stages)."""
+"""The Python API: ``plan`` (stages 1–5 and the KV plan, no allocation) and ``load`` (all six stages)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,18 @@ from pipeline.logs import StructlogSubscriber
 from pipeline.runner import Pipeline, Stage
 
 
-def plan_stages() -> list[Stage]:
-    """Stages 1–5: resolve and route, allocate nothing."""
+def resolve_stages() -> list[Stage]:
+    """Stages 1–5: resolve the arguments and route the executor."""
     from stages import ApplyModelDefaults, ParseArgs, ResolveAuto, RouteExecutor, SnapshotUserFields
 
     return [ParseArgs(), SnapshotUserFields(), ApplyModelDefaults(), ResolveAuto(), RouteExecutor()]
+
+
+def plan_stages() -> list[Stage]:
+    """Stages 1–5, then ``plan_kv``: the KV layout, budget and pools ``load`` would build, allocating nothing."""
+    from stages import PlanKv
+
+    return [*resolve_stages(), PlanKv()]
 
 
 def load_stages() -> list[Stage]:
@@ -30,7 +37,7 @@ def load_stages() -> list[Stage]:
     """
     from stages import BuildKvManager, LoadWeights
 
-    return [*plan_stages(), LoadWeights(), BuildKvManager()]
+    return [*resolve_stages(), LoadWeights(), BuildKvManager()]
 
 
 @attrs.define
@@ -119,7 +126,7 @@ def plan(
     log: bool = True,
     **overrides: Any,
 ) -> LoadResult:
-    """Resolve a model's arguments and route (stages 1–5); allocates nothing.
+    """Resolve a model's arguments and route (stages 1–5), and plan the KV cache; allocates nothing.
 
     ``overrides`` are ``LlmArgs`` fields; ``kv_cache_config`` may be a dict or a ``KvCacheConfig``
     (only the fields passed to it count as user-set). Precedence: defaults < ``config_file`` < overrides.

@@ -220,6 +220,21 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run(ns: argparse.Namespace) -> int:
+    """Run all six stages: build the KV cache manager, print the plan and what was allocated, release it."""
+    from pipeline.api import execute, load_stages
+    from pipeline.render import allocation_document, render_allocation, render_result, run_document
+
+    _check_audit_path(ns.audit_log)
+    with execute(_request(ns), load_stages(), audit_log=ns.audit_log) as result:
+        if ns.json:
+            print(json.dumps({**run_document(result), "allocated": allocation_document(result)}, indent=2,
+                             default=str))
+        else:
+            print("\n".join([render_result(result), "", *render_allocation(result)]))
+    return 0
+
+
 def _read_audit(path: str) -> Any:
     from pipeline.audit import AuditLog
 
@@ -349,6 +364,11 @@ def build_parser() -> argparse.ArgumentParser:
                                    "source, the route and why; nothing is allocated.")
     add_model_flags(p)
     p.set_defaults(func=cmd_plan)
+    p = sub.add_parser("run", help="resolve, route and build the KV cache manager (allocates the pools)",
+                       description="Run all six stages: resolve the arguments, route, compute the KV budget and "
+                                   "allocate the pools on the device; print the plan and what was allocated.")
+    add_model_flags(p)
+    p.set_defaults(func=cmd_run)
     add_inspection_commands(sub)
     return parser
 

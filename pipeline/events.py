@@ -292,3 +292,42 @@ class RequestFinished(Event):
     prompt_tokens: int
     output_tokens: int
     reused_prompt_tokens: int
+
+
+# --- KV cache ------------------------------------------------------------------------------
+
+
+@event("kv_budget_computed")
+class KvBudgetComputed(Event):
+    """The KV memory budget: every input (measured free memory, caps, geometry) and the result."""
+
+    manager: str  # "v1" | "v2": the layout the budget was computed for
+    device: str
+    free_bytes: int | None
+    weights_bytes: int
+    free_gpu_memory_fraction: float
+    max_gpu_total_bytes: int
+    max_tokens: int | None
+    max_seq_len: int
+    tokens_cap_bytes: int | None
+    bytes_per_token: float
+    min_bytes: int
+    budget_bytes: int | None
+    limited_by: str | None
+    reason: str
+
+
+@event("kv_manager_built")
+class KvManagerBuilt(Event):
+    """The KV cache manager and its pools exist on the device: per-group blocks and bytes, capacity."""
+
+    kv_manager: str
+    scheduler: str
+    device: str
+    dtype: str
+    tokens_per_block: int
+    groups: dict[str, dict[str, Any]]
+    total_bytes: int
+    capacity_tokens: int
+    max_seq_len: int
+    max_concurrency: int

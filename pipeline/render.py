@@ -78,3 +78,32 @@ def render_result(result: LoadResult) -> str:
     if kv is not None and hasattr(kv, "render"):
         lines += ["", *kv.render()]
     return "\n".join(lines)
+
+
+def allocation_document(result: LoadResult) -> dict[str, Any]:
+    """What ``run`` allocated: the manager, its pools as built on the device, and its stats."""
+    m = result.kv_manager
+    return {
+        "kv_manager": type(m).__name__,
+        "scheduler": type(result.scheduler).__name__,
+        "device": str(m.pools.device),
+        "pools": m.pools.describe(),
+        "total_bytes": m.pools.nbytes,
+        "stats": m.stats(),
+    }
+
+
+def render_allocation(result: LoadResult) -> list[str]:
+    """The ``run`` table's last section: one row per pool tensor actually allocated."""
+    doc = allocation_document(result)
+    dtype = str(result.kv_manager.pools.dtype).removeprefix("torch.")
+    rows = [["pool", "shape (layers, blocks, entries, elems)", "dtype", "bytes"]]
+    rows += [[name, "×".join(str(d) for d in pool["shape"]), dtype, f"{pool['bytes']:,}"]
+             for name, pool in doc["pools"].items()]
+    kv = result.kv
+    return [
+        f"allocated  {doc['kv_manager']} + {doc['scheduler']} on {doc['device']}",
+        *_table(rows),
+        f"  total {doc['total_bytes']:,} B; capacity {kv.capacity_tokens:,} tokens; "
+        f"{kv.max_concurrency} sequence(s) of max_seq_len {kv.max_seq_len} at once",
+    ]

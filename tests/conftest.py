@@ -64,3 +64,17 @@ def spec_with_defaults(checkpoint_dir) -> Iterator[Any]:
 
     yield make
     unregister_model(*registered)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip ``@pytest.mark.cuda`` tests, saying why, when torch sees no CUDA device."""
+    cuda_items = [item for item in items if item.get_closest_marker("cuda")]
+    if not cuda_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason=f"needs a CUDA device; torch {torch.__version__} sees none on this machine")
+    for item in cuda_items:
+        item.add_marker(skip)

@@ -1,0 +1,216 @@
+"""A pool of fixed-size KV blocks: O(1) free list, reference counts, and a hash → block prefix cache.
+
+Shaped after vLLM v1's ``block_pool.py``. One :class:`BlockPool` manages the ids ``0 .. num_blocks-1``
+of one device pool (one layer group); it never touches tensors.
+
+A block is in exactly one of three states:
+
+* **used**: ``ref_cnt > 0``; owned by one or more requests; not in the free queue.
+* **evictable**: ``ref_cnt == 0`` and ``block_hash`` set; in the free queue *and* in the hash
+  map, so a later request with the same prefix can take it back (:meth:`touch`) until it is
+  popped for new data, which evicts it.
+* **empty**: ``ref_cnt == 0``, no hash; in the free queue.
+
+Invariants (checked by :meth:`check_invariants`, relied on by every method):
+
+1. ``block in free queue  ⇔  block.ref_cnt == 0``; the queue holds each block at most once.
+2. ``cached[h] is b  ⇒  b.block_hash == h``; a block with a hash is in the map under that hash
+   (one block per hash: a second block computed with the same content stays unhashed).
+3. ``num_evictable`` == free blocks with a hash; ``num_empty + num_evictable + num_used == num_blocks``.
+4. The free queue is ordered by release time: :meth:`allocate` pops the head (the least recently
+   freed), :meth:`free` appends to the tail. Callers free a sequence's blocks tail first, so the
+   tail of a finished sequence is evicted before its prefix (a prefix is shared more often).
+
+Every operation is O(1) per block: the queue is a doubly linked list threaded through the blocks
+(with sentinels), so a cached free block hit by a new request leaves the middle of the queue in O(1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+
+class NoFreeBlocksError(RuntimeError):
+    """More blocks were asked for than the pool has free."""
+
+
+class KVBlock:
+    """One block id with its reference count, prefix-cache key and free-queue links."""
+
+    __slots__ = ("block_hash", "block_id", "next_free", "prev_free", "ref_cnt")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: bytes | None = None
+        self.prev_free: KVBlock | None = None
+        self.next_free: KVBlock | None = None
+
+    def __repr__(self) -> str:
+        key = self.block_hash.hex()[:8] if self.block_hash else None
+        return f"KVBlock({self.block_id}, ref={self.ref_cnt}, hash={key})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks between two sentinels: O(1) pop from the head, append, remove."""
+
+    def __init__(self, blocks: Iterable[KVBlock]) -> None:
+        self._head = KVBlock(-1)
+        self._tail = KVBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self._len = 0
+        for block in blocks:
+            self.append(block)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def popleft(self) -> KVBlock:
+        """Take the least recently freed block."""
+        block = self._head.next_free
+        if block is self._tail or block is None:
+            raise NoFreeBlocksError("the free queue is empty")
+        self.remove(block)
+        return block
+
+    def append(self, block: KVBlock) -> None:
+        """Put a block at the tail (most recently freed)."""
+        if block.prev_free is not None or block.next_free is not None:
+            raise ValueError(f"{block!r} is already in the free queue")
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self._len += 1
+
+    def remove(self, block: KVBlock) -> None:
+        """Unlink a block from wherever it is in the queue."""
+        prev, nxt = block.prev_free, block.next_free
+        if prev is None or nxt is None:
+            raise ValueError(f"{block!r} is not in the free queue")
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self._len -= 1
+
+    def __iter__(self) -> Iterator[KVBlock]:
+        node = self._head.next_free
+        while node is not None and node is not self._tail:
+            yield node
+            node = node.next_free
+
+
+class BlockPool:
+    """Block ids of one pool: allocate, share (touch), free, and cache full blocks by hash."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[bytes, KVBlock] = {}
+        self.num_evictable = 0
+        self.evictions = 0  # cached blocks whose content was dropped to make room
+
+    # --- counts -----------------------------------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        """Blocks that :meth:`allocate` can hand out now (empty + evictable)."""
+        return len(self.free_queue)
+
+    @property
+    def num_empty(self) -> int:
+        """Free blocks that hold nothing reusable."""
+        return len(self.free_queue) - self.num_evictable
+
+    @property
+    def num_used(self) -> int:
+        """Blocks with at least one owner."""
+        return self.num_blocks - len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use (evictable blocks count as free)."""
+        return self.num_used / self.num_blocks
+
+    # --- operations -------------------------------------------------------------------------
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        """Take ``n`` free blocks (least recently freed first, evicting cached content), each with one owner."""
+        if n > len(self.free_queue):
+            raise NoFreeBlocksError(f"asked for {n} blocks, {len(self.free_queue)} free of {self.num_blocks}")
+        out = []
+        for _ in range(n):
+            block = self.free_queue.popleft()
+            if block.block_hash is not None:
+                self._uncache(block)
+                self.num_evictable -= 1
+                self.evictions += 1
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Add one owner to each block (prefix-cache hits); an evictable block leaves the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+                if block.block_hash is not None:
+                    self.num_evictable -= 1
+            block.ref_cnt += 1
+
+    def free(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one owner from each block, in the order given; a block nobody owns joins the free tail."""
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise ValueError(f"{block!r} freed more often than it was owned")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+                if block.block_hash is not None:
+                    self.num_evictable += 1
+
+    def lookup(self, block_hash: bytes) -> KVBlock | None:
+        """The cached block holding this prefix key, used or evictable, or None."""
+        return self.cached.get(block_hash)
+
+    def cache(self, block: KVBlock, block_hash: bytes) -> bool:
+        """Register a used, full block under its prefix key; False when another block already holds the key."""
+        if block.ref_cnt <= 0:
+            raise ValueError(f"{block!r}: only a block in use can be cached")
+        if block.block_hash is not None:
+            if block.block_hash != block_hash:
+                raise ValueError(f"{block!r} is already cached under another key")
+            return True
+        if block_hash in self.cached:
+            return False
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+        return True
+
+    def _uncache(self, block: KVBlock) -> None:
+        assert block.block_hash is not None
+        if self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+        block.block_hash = None
+
+    def check_invariants(self) -> None:
+        """Assert the invariants of the module docstring (O(num_blocks); for tests and debugging)."""
+        in_queue = [b.block_id for b in self.free_queue]
+        assert len(in_queue) == len(self.free_queue) == len(set(in_queue)), "free queue length or duplicates"
+        queued = set(in_queue)
+        for b in self.blocks:
+            assert (b.block_id in queued) == (b.ref_cnt == 0), f"{b!r}: in queue iff unowned"
+            assert b.ref_cnt >= 0, f"{b!r}: negative reference count"
+            if b.block_hash is not None:
+                assert self.cached.get(b.block_hash) is b, f"{b!r}: hashed but not in the map"
+        for h, b in self.cached.items():
+            assert b.block_hash == h, f"{b!r}: mapped under a key it does not carry"
+        evictable = sum(1 for b in self.blocks if b.ref_cnt == 0 and b.block_hash is not None)
+        assert evictable == self.num_evictable, "evictable count"
+        assert self.num_empty + self.num_evictable + self.num_used == self.num_blocks

@@ -1,0 +1,146 @@
+"""The KV memory budget, and the plan of pools it buys (blocks per group, capacity), computed without allocating.
+
+Budget rules (TensorRT-LLM's, made explicit):
+
+* On CUDA: the device's free memory *when the budget is computed* (after the weights, when they
+  are loaded) × ``free_gpu_memory_fraction``.
+* Capped by ``max_gpu_total_bytes`` (0 = no cap) and by the bytes that hold ``max_tokens`` tokens
+  (:meth:`KvLayout.bytes_for_tokens`: ``max_tokens × bytes_per_token`` rounded up to blocks, plus
+  the windows of the sequences those tokens make).
+* On CPU there is no free-memory rule: ``max_tokens`` or ``max_gpu_total_bytes`` must bound the
+  budget; otherwise it is unbounded (``budget_bytes`` is None) and only a plan can be reported.
+* A budget below one block per group cannot hold anything: :class:`BudgetError`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import attrs
+
+from cache_backends.layout import KvLayout
+
+
+class BudgetError(ValueError):
+    """The budget cannot hold the smallest pool set (one block per group)."""
+
+
+@attrs.frozen
+class KvBudget:
+    """Every input of the budget and the result; ``limited_by`` names the rule that set it."""
+
+    device: str
+    free_bytes: int | None  # free device memory measured when the budget was computed (CUDA only)
+    weights_bytes: int  # bytes of weights already resident (already excluded from free_bytes)
+    free_gpu_memory_fraction: float
+    max_gpu_total_bytes: int
+    max_tokens: int | None
+    max_seq_len: int
+    tokens_cap_bytes: int | None  # bytes that hold max_tokens tokens
+    bytes_per_token: float
+    min_bytes: int  # one block per group
+    budget_bytes: int | None
+    limited_by: str | None  # "free_gpu_memory_fraction" | "max_gpu_total_bytes" | "max_tokens" | None
+    unbounded_reason: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain form for events and ``--json``."""
+        return attrs.asdict(self)
+
+
+def is_cuda(device: str) -> bool:
+    """Whether a device name ("cuda", "cuda:1") names a CUDA device."""
+    return str(device).split(":")[0] == "cuda"
+
+
+def measure_free_bytes(device: str) -> int | None:
+    """Free memory of a CUDA device now (``torch.cuda.mem_get_info``); None for CPU or without CUDA."""
+    if not is_cuda(device):
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    free, _total = torch.cuda.mem_get_info(torch.device(device))
+    return int(free)
+
+
+def host_available_bytes() -> int | None:
+    """Memory the host can give without swapping (``MemAvailable``), when the OS says."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def compute_budget(
+    layout: KvLayout,
+    *,
+    device: str,
+    max_seq_len: int,
+    free_gpu_memory_fraction: float,
+    max_gpu_total_bytes: int = 0,
+    max_tokens: int | None = None,
+    free_bytes: int | None = None,
+    weights_bytes: int = 0,
+) -> KvBudget:
+    """The KV budget in bytes from the rules above (None when nothing bounds it); never allocates.
+
+    ``free_bytes`` is the device's free memory measured now (:func:`measure_free_bytes`); it is
+    used on CUDA only. ``weights_bytes`` is recorded for the report: weights already loaded are
+    not free, so they are already excluded from ``free_bytes``.
+    """
+    candidates: dict[str, int] = {}
+    if is_cuda(device) and free_bytes is not None:
+        candidates["free_gpu_memory_fraction"] = int(free_bytes * free_gpu_memory_fraction)
+    if max_gpu_total_bytes:
+        candidates["max_gpu_total_bytes"] = int(max_gpu_total_bytes)
+    tokens_cap = layout.bytes_for_tokens(max_tokens, max_seq_len) if max_tokens else None
+    if tokens_cap is not None:
+        candidates["max_tokens"] = tokens_cap
+    unbounded = None
+    if candidates:
+        limited_by: str | None = min(candidates, key=lambda k: candidates[k])
+        budget: int | None = candidates[limited_by]
+    else:
+        limited_by, budget = None, None
+        unbounded = (f"the free memory of {device} cannot be measured (no CUDA device)" if is_cuda(device)
+                     else f"{device} has no free-memory rule to size it from")
+    return KvBudget(
+        device=str(device), free_bytes=free_bytes, weights_bytes=int(weights_bytes),
+        free_gpu_memory_fraction=float(free_gpu_memory_fraction), max_gpu_total_bytes=int(max_gpu_total_bytes),
+        max_tokens=max_tokens, max_seq_len=max_seq_len, tokens_cap_bytes=tokens_cap,
+        bytes_per_token=layout.bytes_per_token, min_bytes=layout.min_bytes(), budget_bytes=budget,
+        limited_by=limited_by, unbounded_reason=unbounded,
+    )
+
+
+@attrs.frozen
+class PoolPlan:
+    """The pools a budget buys: blocks per group, bytes, capacity in tokens, sequences at ``max_seq_len``."""
+
+    num_blocks: dict[str, int]
+    total_bytes: int
+    capacity_tokens: int
+    max_concurrency: int  # sequences of max_seq_len that fit at once
+
+
+def plan_pools(layout: KvLayout, budget_bytes: int, max_seq_len: int) -> PoolPlan:
+    """Split a budget over the layout's groups (:meth:`KvLayout.split_budget`); :class:`BudgetError` if too small."""
+    if budget_bytes < layout.min_bytes():
+        per_group = ", ".join(f"{g.name} {g.bytes_per_block}" for g in layout.groups)
+        raise BudgetError(
+            f"a KV budget of {budget_bytes} bytes cannot hold one block per layer group: "
+            f"at least {layout.min_bytes()} bytes are needed (bytes per block: {per_group})"
+        )
+    blocks = layout.split_budget(budget_bytes, max_seq_len)
+    total = sum(blocks[g.name] * g.bytes_per_block for g in layout.groups)
+    return PoolPlan(blocks, total, layout.capacity_tokens(blocks), layout.max_sequences(blocks, max_seq_len))

@@ -1,0 +1,236 @@
+"""``KVCacheManager`` (V1): one pool of uniform blocks, per-request block tables, full-block prefix reuse.
+
+Every layer keeps every token at one entry size, so a request needs ``ceil(tokens / T)`` blocks and
+one block table serves all layers. With ``enable_block_reuse`` each full block is keyed by the
+chained hash of ``cache_backends.hashing`` (parent key, its tokens, the request's salt); a new
+request takes back the longest run of cached blocks matching its prompt, in use by others or
+evictable (freed, not yet overwritten). Reuse never covers the whole prompt: at least the last
+prompt token is computed, so the forward has logits to sample from. V1 reuses full blocks only.
+
+Allocation API for a scheduler, in the order it is used::
+
+    hit = manager.find_prefix(request)           # pure: what the prefix cache holds for the prompt
+    manager.blocks_needed(request, hit)          # worst-case blocks admission would take from the free pool
+    manager.admit(request, hit)                  # take the hit; num_computed/num_reused_tokens = hit tokens
+    manager.allocate_slots(request, n) -> bool   # blocks for the next n tokens (False: not enough free)
+    manager.blocks_to_completion(request)        # blocks still to allocate before max_total_tokens
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+
+from cache_backends.block_pool import BlockPool, KVBlock
+from cache_backends.hashing import block_hash
+from cache_backends.interface import ManagerOptions
+from cache_backends.pools import BlockPools
+from cache_backends.request import Request
+
+
+@attrs.frozen
+class PrefixHit:
+    """Cached blocks matching the start of a prompt, with their chained keys."""
+
+    blocks: tuple[KVBlock, ...] = ()
+    keys: tuple[bytes, ...] = ()
+    tokens_per_block: int = 1
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt tokens whose KV the hit holds."""
+        return len(self.blocks) * self.tokens_per_block
+
+
+@attrs.define
+class _Sequence:
+    blocks: list[KVBlock] = attrs.Factory(list)
+    keys: list[bytes] = attrs.Factory(list)  # chained keys of the leading full, computed blocks
+
+
+class KVCacheManager:
+    """V1 manager over a one-group uniform layout; implements ``KVCacheManagerProtocol``."""
+
+    def __init__(self, pools: BlockPools, options: ManagerOptions) -> None:
+        layout = pools.layout
+        groups = layout.groups
+        if len(groups) != 1 or not groups[0].keeps_all_tokens or groups[0].compress_rate is not None:
+            names = ", ".join(f"{g.name} ({g.kind})" for g in groups)
+            raise ValueError(f"KVCacheManager (V1) needs one uniform layer group (a 'v1' layout), got {names}")
+        self.layout = layout
+        self.pools = pools
+        self.options = options
+        self.group = groups[0].name
+        self.tokens_per_block = groups[0].tokens_per_block
+        self.pool = BlockPool(pools.num_blocks[self.group])
+        self._seqs: dict[Request, _Sequence] = {}
+        self.reuse_hit_tokens = 0  # prompt tokens served from the prefix cache
+        self.reuse_query_tokens = 0  # prompt tokens of admitted requests (the hit rate's denominator)
+        self.closed = False
+
+    # --- sizes --------------------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the pool."""
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks allocation can take now (empty + evictable)."""
+        return self.pool.num_free
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        """Blocks that hold ``num_tokens`` tokens of one sequence."""
+        return math.ceil(max(num_tokens, 0) / self.tokens_per_block)
+
+    def max_blocks(self, request: Request) -> int:
+        """Blocks the request holds at its longest (prompt + max_new_tokens): the no-evict worst case."""
+        return self.blocks_for_tokens(request.max_total_tokens)
+
+    def knows(self, request: Request) -> bool:
+        """Whether the request was admitted and not freed."""
+        return request in self._seqs
+
+    # --- admission ----------------------------------------------------------------------------
+
+    def find_prefix(self, request: Request) -> PrefixHit:
+        """The longest run of cached full blocks matching the prompt, leaving at least its last token to compute."""
+        T = self.tokens_per_block
+        if not self.options.enable_block_reuse:
+            return PrefixHit(tokens_per_block=T)
+        prompt = request.prompt_token_ids
+        blocks: list[KVBlock] = []
+        keys: list[bytes] = []
+        parent = None
+        for i in range((len(prompt) - 1) // T):
+            key = block_hash(parent, prompt[i * T:(i + 1) * T], request.salt)
+            block = self.pool.lookup(key)
+            if block is None:
+                break
+            blocks.append(block)
+            keys.append(key)
+            parent = key
+        return PrefixHit(tuple(blocks), tuple(keys), T)
+
+    def blocks_needed(self, request: Request, hit: PrefixHit | None = None) -> int:
+        """Free blocks admitting ``request`` with ``hit`` costs at worst: new blocks plus evictable hits it revives."""
+        hit = hit or PrefixHit(tokens_per_block=self.tokens_per_block)
+        revived = sum(1 for b in hit.blocks if b.ref_cnt == 0)
+        return max(0, self.max_blocks(request) - len(hit.blocks)) + revived
+
+    def admit(self, request: Request, hit: PrefixHit | None = None) -> None:
+        """Start tracking ``request`` and take its prefix hit: its KV counts as computed (and reused)."""
+        if request in self._seqs:
+            raise ValueError(f"request {request.req_id} is already admitted")
+        if self.closed:
+            raise RuntimeError("the KV cache manager is closed")
+        hit = hit or PrefixHit(tokens_per_block=self.tokens_per_block)
+        for block, key in zip(hit.blocks, hit.keys, strict=True):
+            if block.block_hash != key:  # something was allocated between find_prefix and admit
+                raise ValueError(f"request {request.req_id}: stale prefix hit (block {block.block_id} was evicted)")
+        self.pool.touch(hit.blocks)
+        self._seqs[request] = _Sequence(list(hit.blocks), list(hit.keys))
+        request.num_computed_tokens = request.num_reused_tokens = hit.num_tokens
+        self.reuse_hit_tokens += hit.num_tokens
+        self.reuse_query_tokens += request.num_prompt_tokens
+
+    def can_allocate(self, request: Request, num_new_tokens: int) -> bool:
+        """Whether :meth:`allocate_slots` would succeed now."""
+        return self._new_blocks(request, num_new_tokens) <= self.pool.num_free
+
+    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
+        """Blocks for the next ``num_new_tokens`` tokens after ``num_computed_tokens``; False (no change) if short."""
+        need = self._new_blocks(request, num_new_tokens)
+        if need > self.pool.num_free:
+            return False
+        if need > 0:
+            self._seqs[request].blocks.extend(self.pool.allocate(need))
+        return True
+
+    def blocks_to_completion(self, request: Request) -> int:
+        """Blocks the request may still allocate before reaching ``max_total_tokens``."""
+        return max(0, self.max_blocks(request) - len(self._seq(request).blocks))
+
+    def _new_blocks(self, request: Request, num_new_tokens: int) -> int:
+        if num_new_tokens < 0:
+            raise ValueError(f"request {request.req_id}: num_new_tokens must be >= 0, got {num_new_tokens}")
+        held = len(self._seq(request).blocks)
+        return max(0, self.blocks_for_tokens(request.num_computed_tokens + num_new_tokens) - held)
+
+    def _seq(self, request: Request) -> _Sequence:
+        try:
+            return self._seqs[request]
+        except KeyError:
+            raise KeyError(f"request {request.req_id} is not admitted in this KV cache manager") from None
+
+    # --- protocol -----------------------------------------------------------------------------
+
+    def block_table(self, request: Request, group: str) -> list[int]:
+        """Physical block per logical block of ``request`` (empty when it holds none)."""
+        if group != self.group:
+            raise KeyError(f"V1 has one layer group, {self.group!r}; no group {group!r}")
+        seq = self._seqs.get(request)
+        return [b.block_id for b in seq.blocks] if seq is not None else []
+
+    def commit(self, request: Request, num_tokens: int) -> None:
+        """The next ``num_tokens`` tokens' KV is written: advance the count and cache newly full blocks."""
+        seq = self._seq(request)
+        done = request.num_computed_tokens + num_tokens
+        if num_tokens < 0 or done > request.num_tokens:
+            raise ValueError(f"request {request.req_id}: cannot commit {num_tokens} tokens "
+                             f"({request.num_computed_tokens} computed of {request.num_tokens})")
+        if done > len(seq.blocks) * self.tokens_per_block:
+            raise ValueError(f"request {request.req_id}: commit of {num_tokens} tokens beyond its allocated slots "
+                             f"({len(seq.blocks)} blocks of {self.tokens_per_block})")
+        request.num_computed_tokens = done
+        if not self.options.enable_block_reuse:
+            return
+        T = self.tokens_per_block
+        full = done // T
+        if full <= len(seq.keys):
+            return
+        tokens = request.all_token_ids
+        parent = seq.keys[-1] if seq.keys else None
+        for i in range(len(seq.keys), full):
+            parent = block_hash(parent, tokens[i * T:(i + 1) * T], request.salt)
+            seq.keys.append(parent)
+            self.pool.cache(seq.blocks[i], parent)  # False: an equal block is cached already; keep that one
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first (cached ones stay evictable, the tail evicted first)."""
+        seq = self._seqs.pop(request, None)
+        if seq is not None:
+            self.pool.free(reversed(seq.blocks))
+
+    def stats(self) -> dict[str, Any]:
+        """Usage, free/evictable/used blocks, reuse hits in tokens (V1 never suspends or resumes)."""
+        p = self.pool
+        return {
+            "groups": {
+                self.group: {
+                    "blocks": p.num_blocks,
+                    "free": p.num_empty,
+                    "evictable": p.num_evictable,
+                    "used": p.num_used,
+                    "usage": round(p.usage, 6),
+                    "tokens_per_block": self.tokens_per_block,
+                }
+            },
+            "usage": round(p.usage, 6),
+            "requests": len(self._seqs),
+            "reuse_hit_tokens": self.reuse_hit_tokens,
+            "reuse_query_tokens": self.reuse_query_tokens,
+            "evictions": p.evictions,
+            "suspends": 0,
+            "resumes": 0,
+        }
+
+    def close(self) -> None:
+        """Free every request's blocks and release the device pools (idempotent)."""
+        for request in list(self._seqs):
+            self.free(request)
+        self.pools.release()
+        self.closed = True

@@ -1,0 +1,128 @@
+"""Stage 6: compute the KV plan, allocate the pools on the device, build the routed manager and scheduler.
+
+Everything it allocates is registered with ``ctx.on_close`` as soon as it exists, so a failure
+here or in a later stage (the runner closes the context) and ``LoadResult.close()`` free it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from cache_backends.budget import host_available_bytes, is_cuda
+from cache_backends.interface import ManagerOptions
+from pipeline.bus import Emit
+from pipeline.context import Context
+from pipeline.errors import KvBuildError, KvRuntimeError
+from pipeline.events import KvManagerBuilt
+from stages.plan_kv import RULE_FIELDS, KvPlan, compute_kv_plan
+
+if TYPE_CHECKING:
+    from cache_backends.pools import BlockPools
+
+
+def check_device(device: str) -> None:
+    """``KvBuildError`` when the resolved device cannot hold pools here (CUDA asked for, none present)."""
+    if not is_cuda(device):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise KvBuildError(f"device={device}: no CUDA device is available on this machine; "
+                           "set device to cpu (or auto)")
+    index = torch.device(device).index
+    if index is not None and index >= torch.cuda.device_count():
+        raise KvBuildError(f"device={device}: only {torch.cuda.device_count()} CUDA device(s) present "
+                           f"(cuda:0..cuda:{torch.cuda.device_count() - 1})")
+
+
+def manager_classes(manager: str) -> tuple[type, type]:
+    """The (manager, scheduler) classes of a route; V2 is imported only when routed to."""
+    if manager == "v1":
+        from cache_backends.v1 import GuaranteedNoEvictScheduler, KVCacheManager
+
+        return KVCacheManager, GuaranteedNoEvictScheduler
+    try:
+        from cache_backends.v2 import KVCacheManagerV2, KVCacheV2Scheduler
+    except ImportError as exc:
+        raise KvBuildError(f"KVCacheManagerV2 is not available in this installation ({exc}); "
+                           "set kv_cache_config.use_kv_cache_manager_v2 to false if the model allows it") from None
+    return KVCacheManagerV2, KVCacheV2Scheduler
+
+
+def manager_options(ctx: Context) -> ManagerOptions:
+    """The manager settings from the resolved args, as the library's plain values."""
+    kv = ctx.args.kv_cache_config
+    return ManagerOptions(
+        max_seq_len=ctx.args.max_seq_len,
+        enable_block_reuse=kv.enable_block_reuse,
+        enable_partial_reuse=kv.enable_partial_reuse,
+        host_cache_size=kv.host_cache_size,
+        max_util_for_resume=kv.max_util_for_resume,
+        enable_swa_scratch_reuse=kv.enable_swa_scratch_reuse,
+    )
+
+
+class BuildKvManager:
+    """Writes ``ctx.kv``, ``ctx.kv_manager``, ``ctx.scheduler``; emits ``kv_budget_computed``, ``kv_manager_built``."""
+
+    name = "build_kv_manager"
+    error = KvBuildError
+
+    def run(self, ctx: Context, emit: Emit) -> None:
+        """Plan, check the device and the budget, allocate, construct; free everything on failure."""
+        plan = compute_kv_plan(ctx, emit)
+        ctx.kv = plan
+        if plan.pools is None:
+            raise KvBuildError(plan.problem)
+        check_device(plan.device)
+        if not is_cuda(plan.device):
+            self._check_host_memory(plan)
+        manager_cls, scheduler_cls = manager_classes(plan.manager)
+
+        try:
+            from cache_backends.pools import BlockPools  # torch: only when something is allocated
+
+            pools = BlockPools(plan.layout, plan.pools.num_blocks, plan.device)
+        except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise KvRuntimeError(f"allocating {plan.pools.total_bytes} B of KV pools on {plan.device} failed: "
+                                 f"{detail}") from exc
+        ctx.on_close(pools.release)
+        manager = manager_cls(pools, manager_options(ctx))
+        ctx.on_close(manager.close)
+        args = ctx.args
+        scheduler = scheduler_cls(manager, args.max_batch_size, args.max_num_tokens)
+        ctx.kv_manager, ctx.scheduler = manager, scheduler
+        emit(KvManagerBuilt(
+            kv_manager=type(manager).__name__, scheduler=type(scheduler).__name__, device=str(pools.device),
+            dtype=plan.dtype, tokens_per_block=plan.tokens_per_block, groups=self._groups(plan, pools),
+            total_bytes=pools.nbytes, capacity_tokens=plan.pools.capacity_tokens, max_seq_len=plan.max_seq_len,
+            max_concurrency=plan.pools.max_concurrency,
+        ))
+
+    @staticmethod
+    def _groups(plan: KvPlan, pools: BlockPools) -> dict[str, dict[str, Any]]:
+        described = pools.describe()
+        return {
+            g.name: {
+                "kind": g.kind,
+                "layers": list(g.layers),
+                "window": g.window,
+                "compress_rate": g.compress_rate,
+                "tokens_per_block": g.tokens_per_block,
+                "bytes_per_block": g.bytes_per_block,
+                "blocks": described[g.name]["blocks"],
+                "bytes": described[g.name]["bytes"],
+                "shape": described[g.name]["shape"],
+            }
+            for g in plan.layout.groups
+        }
+
+    @staticmethod
+    def _check_host_memory(plan: KvPlan) -> None:
+        available = host_available_bytes()
+        assert plan.pools is not None
+        if available is not None and plan.pools.total_bytes > available:
+            field = RULE_FIELDS.get(plan.budget.limited_by or "", "the budget")
+            raise KvBuildError(f"KV pools of {plan.pools.total_bytes} B exceed the {available} B of memory this "
+                               f"host has available; lower {field}")

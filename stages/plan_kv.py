@@ -1,0 +1,218 @@
+"""Stage ``plan_kv`` (what ``plan`` runs after routing): the KV layout, budget and pools, without allocating.
+
+:func:`compute_kv_plan` is the one place the numbers come from; ``build_kv_manager`` calls it too
+and allocates exactly what it returns, so ``plan`` reports what ``load`` would build.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from cache_backends.budget import BudgetError, KvBudget, PoolPlan, compute_budget, measure_free_bytes, plan_pools
+from cache_backends.layout import KvLayout, build_layout
+from pipeline.bus import Emit
+from pipeline.context import Context
+from pipeline.errors import KvBuildError
+from pipeline.events import KvBudgetComputed
+
+#: What each budget rule is called in messages: the field a user changes to move it.
+RULE_FIELDS = {
+    "free_gpu_memory_fraction": "kv_cache_config.free_gpu_memory_fraction",
+    "max_gpu_total_bytes": "kv_cache_config.max_gpu_total_bytes",
+    "max_tokens": "kv_cache_config.max_tokens",
+}
+
+
+@attrs.frozen
+class KvPlan:
+    """Geometry, budget and pools of the routed manager: ``kv`` in ``--json`` and the table's KV section."""
+
+    manager: str  # "v1" | "v2"
+    kv_manager: str
+    scheduler: str
+    device: str
+    dtype: str
+    tokens_per_block: int
+    max_seq_len: int
+    layout: KvLayout
+    budget: KvBudget
+    pools: PoolPlan | None  # None when the budget is unbounded or too small (``problem`` says which)
+    problem: str | None = None  # why ``load`` cannot build these pools; None when it can
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Asymptotic bytes per token of the routed layout (``kv-geometry.md``)."""
+        return self.layout.bytes_per_token
+
+    @property
+    def budget_bytes(self) -> int | None:
+        """The KV budget in bytes, or None when unbounded."""
+        return self.budget.budget_bytes
+
+    @property
+    def capacity_tokens(self) -> int | None:
+        """Tokens the pools hold, or None when unbounded."""
+        return self.pools.capacity_tokens if self.pools else None
+
+    @property
+    def max_concurrency(self) -> int | None:
+        """Sequences of ``max_seq_len`` that fit at once, or None when unbounded."""
+        return self.pools.max_concurrency if self.pools else None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``kv`` object of ``plan --json`` / ``run --json``."""
+        blocks = self.pools.num_blocks if self.pools else {}
+        groups = []
+        for g in self.layout.groups:
+            n = blocks.get(g.name)
+            groups.append({**g.to_dict(), "blocks": n, "bytes": n * g.bytes_per_block if n is not None else None})
+        return {
+            "manager": self.manager,
+            "kv_manager": self.kv_manager,
+            "scheduler": self.scheduler,
+            "device": self.device,
+            "dtype": self.dtype,
+            "tokens_per_block": self.tokens_per_block,
+            "max_seq_len": self.max_seq_len,
+            "layer_groups": groups,
+            "bytes_per_token": self.bytes_per_token,
+            "bytes_per_sequence": self.layout.bytes_for_sequence(self.max_seq_len),
+            "budget_bytes": self.budget_bytes,
+            "budget_limited_by": self.budget.limited_by,
+            "budget": self.budget.to_dict(),
+            "total_bytes": self.pools.total_bytes if self.pools else None,
+            "capacity_tokens": self.capacity_tokens,
+            "max_concurrency": self.max_concurrency,
+            "problem": self.problem,
+        }
+
+    def render(self) -> list[str]:
+        """The table's KV section: one row per layer group, then budget and capacity."""
+        lines = [f"kv cache  {self.kv_manager} ({self.manager}) on {self.device}, {self.dtype}, "
+                 f"{self.tokens_per_block} tokens/block, max_seq_len {self.max_seq_len}"]
+        blocks = self.pools.num_blocks if self.pools else {}
+        rows = [["group", "kind", "layers", "window", "rate", "bytes/block", "blocks", "bytes"]]
+        for g in self.layout.groups:
+            n = blocks.get(g.name)
+            rows.append([g.name, g.kind, layer_ranges(g.layers), _opt(g.window), _opt(g.compress_rate),
+                         f"{g.bytes_per_block:,}", _opt(n), _opt(None if n is None else n * g.bytes_per_block)])
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+        lines.append(f"  bytes/token {self.bytes_per_token:,.6g} (each token past every window); "
+                     f"one max_seq_len sequence {self.layout.bytes_for_sequence(self.max_seq_len):,} B")
+        if self.pools is None:
+            lines.append(f"  cannot build: {self.problem}")
+        else:
+            b = self.budget
+            lines.append(f"  budget  {b.budget_bytes:,} B (set by {RULE_FIELDS.get(b.limited_by or '', b.limited_by)})"
+                         f"; pools {self.pools.total_bytes:,} B")
+            lines.append(f"  capacity  {self.pools.capacity_tokens:,} tokens; {self.pools.max_concurrency} "
+                         f"sequence(s) of max_seq_len at once")
+            if self.pools.max_concurrency == 0:
+                lines.append(f"  note: the pools hold less than one sequence of max_seq_len {self.max_seq_len}; "
+                             "longer requests will never be admitted")
+        return lines
+
+
+def _opt(value: Any) -> str:
+    if value is None:
+        return "-"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def layer_ranges(layers: tuple[int, ...]) -> str:
+    """``(0, 1, 2, 5)`` → ``"0-2,5"``."""
+    parts: list[str] = []
+    run: list[int] = []
+    for i in layers:
+        if run and i != run[-1] + 1:
+            parts.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+            run = []
+        run.append(i)
+    if run:
+        parts.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(parts)
+
+
+def weights_bytes(ctx: Context) -> int:
+    """Bytes of the weights already loaded into ``ctx.hf_model`` (0 when none are)."""
+    model = ctx.hf_model
+    if model is None or not hasattr(model, "parameters"):
+        return 0
+    tensors = [*model.parameters(), *(model.buffers() if hasattr(model, "buffers") else ())]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
+    """Layout of the routed manager, budget (``kv_budget_computed``) and pools; allocates nothing.
+
+    Raises ``KvBuildError`` when the geometry cannot be laid out. A budget that is unbounded or too
+    small for one block per layer group is not an error here: the plan says so in ``problem``
+    (``plan`` reports the geometry with null capacity; ``build_kv_manager`` raises it).
+    """
+    args, route = ctx.args, ctx.route
+    kv = args.kv_cache_config
+    manager = "v2" if route.use_kv_cache_manager_v2 is True else "v1"
+    try:
+        layout = build_layout(ctx.spec.kv_layers(), manager, kv.tokens_per_block, kv.dtype)
+    except ValueError as exc:
+        raise KvBuildError(f"{ctx.model.name}: cannot lay out the KV cache: {exc}") from None
+    device = str(args.device)
+    budget = compute_budget(
+        layout, device=device, max_seq_len=args.max_seq_len,
+        free_gpu_memory_fraction=kv.free_gpu_memory_fraction, max_gpu_total_bytes=kv.max_gpu_total_bytes,
+        max_tokens=kv.max_tokens, free_bytes=measure_free_bytes(device), weights_bytes=weights_bytes(ctx),
+    )
+    emit(KvBudgetComputed(
+        manager=manager, device=device, free_bytes=budget.free_bytes, weights_bytes=budget.weights_bytes,
+        free_gpu_memory_fraction=budget.free_gpu_memory_fraction, max_gpu_total_bytes=budget.max_gpu_total_bytes,
+        max_tokens=budget.max_tokens, max_seq_len=budget.max_seq_len, tokens_cap_bytes=budget.tokens_cap_bytes,
+        bytes_per_token=budget.bytes_per_token, min_bytes=budget.min_bytes, budget_bytes=budget.budget_bytes,
+        limited_by=budget.limited_by, reason=budget_reason(budget),
+    ))
+    pools, problem = None, None
+    if budget.budget_bytes is None:
+        problem = (f"no KV cache budget: {budget.unbounded_reason}; set kv_cache_config.max_tokens or "
+                   "kv_cache_config.max_gpu_total_bytes (--max_tokens / --max_gpu_total_bytes)")
+    else:
+        try:
+            pools = plan_pools(layout, budget.budget_bytes, args.max_seq_len)
+        except BudgetError:
+            problem = too_small_message(layout, budget)
+    return KvPlan(manager, route.kv_manager, route.scheduler, device, kv.dtype, kv.tokens_per_block,
+                  args.max_seq_len, layout, budget, pools, problem)
+
+
+def budget_reason(budget: KvBudget) -> str:
+    """One line saying which rule set the budget and from what."""
+    if budget.budget_bytes is None:
+        return f"unbounded: {budget.unbounded_reason}"
+    if budget.limited_by == "free_gpu_memory_fraction":
+        return (f"free device memory {budget.free_bytes} B × free_gpu_memory_fraction "
+                f"{budget.free_gpu_memory_fraction}")
+    if budget.limited_by == "max_tokens":
+        return (f"max_tokens {budget.max_tokens} as sequences of max_seq_len {budget.max_seq_len} "
+                f"need {budget.tokens_cap_bytes} B")
+    return f"max_gpu_total_bytes caps it at {budget.max_gpu_total_bytes} B"
+
+
+def too_small_message(layout: KvLayout, budget: KvBudget) -> str:
+    """The error for a budget below one block per group: the rule, the numbers, what to change."""
+    field = RULE_FIELDS.get(budget.limited_by or "", "the budget")
+    per_group = ", ".join(f"{g.name} {g.bytes_per_block}" for g in layout.groups)
+    return (f"KV budget {budget.budget_bytes} B ({budget_reason(budget)}) cannot hold one block per layer group: "
+            f"at least {layout.min_bytes()} B needed (bytes per block: {per_group}); "
+            f"raise {field} or lower kv_cache_config.tokens_per_block")
+
+
+class PlanKv:
+    """Writes ``ctx.kv`` (a :class:`KvPlan`) and emits ``kv_budget_computed``; allocates nothing."""
+
+    name = "plan_kv"
+    error = KvBuildError
+
+    def run(self, ctx: Context, emit: Emit) -> None:
+        """Compute the KV plan of the routed manager."""
+        ctx.kv = compute_kv_plan(ctx, emit)

@@ -1,0 +1,65 @@
+"""The shared chained block hash: what prefix reuse (V1 and V2) relies on."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cache_backends.hashing import HASH_BYTES, block_hash, chain_hashes
+
+tokens = st.lists(st.integers(min_value=0, max_value=2**31), min_size=1, max_size=16)
+
+
+def test_key_is_a_full_sha256_digest_and_deterministic():
+    key = block_hash(None, [1, 2, 3], None)
+    assert len(key) == HASH_BYTES == hashlib.sha256().digest_size
+    assert key == block_hash(None, [1, 2, 3], None)
+
+
+@given(tokens, tokens)
+def test_different_tokens_give_different_keys(a, b):
+    assert (block_hash(None, a, None) == block_hash(None, b, None)) == (a == b)
+
+
+def test_salt_separates_tenants_and_none_differs_from_empty():
+    keys = {block_hash(None, [7, 8], s) for s in (None, "", "tenant-a", "tenant-b")}
+    assert len(keys) == 4
+
+
+def test_parent_is_part_of_the_key_so_equal_blocks_after_different_prefixes_differ():
+    p1, p2 = block_hash(None, [1], None), block_hash(None, [2], None)
+    assert block_hash(p1, [5, 6], None) != block_hash(p2, [5, 6], None)
+    assert block_hash(None, [5, 6], None) != block_hash(p1, [5, 6], None)
+
+
+def test_encoding_cannot_shift_tokens_into_the_salt():
+    # Without length prefixes, (tokens=[1], salt="\x02...") could collide with (tokens=[1, 2], salt=...).
+    extra = struct.pack("<q", 2).decode("latin-1")
+    assert block_hash(None, [1, 2], "s") != block_hash(None, [1], extra + "s")
+
+
+def test_bad_parent_and_out_of_range_tokens_are_rejected():
+    with pytest.raises(ValueError, match="parent hash must be 32 bytes"):
+        block_hash(b"short", [1], None)
+    with pytest.raises(ValueError, match="64-bit"):
+        block_hash(None, [2**64], None)
+
+
+@given(st.lists(st.integers(0, 1000), max_size=40), st.integers(1, 8), st.one_of(st.none(), st.text(max_size=4)))
+def test_chain_covers_full_blocks_only_and_each_key_is_the_parent_of_the_next(toks, size, salt):
+    keys = chain_hashes(toks, size, salt)
+    assert len(keys) == len(toks) // size
+    parent = None
+    for i, key in enumerate(keys):
+        assert key == block_hash(parent, toks[i * size:(i + 1) * size], salt)
+        parent = key
+
+
+def test_shared_prefix_shares_keys_until_the_first_differing_block():
+    a = chain_hashes([1, 2, 3, 4, 5, 6], 2, None)
+    b = chain_hashes([1, 2, 3, 4, 9, 6], 2, None)
+    assert a[:2] == b[:2] and a[2] != b[2]

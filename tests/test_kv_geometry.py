@@ -1,0 +1,220 @@
+"""KV geometry: bytes per token and per sequence, checked against kv-geometry.md computed here from the configs.
+
+The expected numbers are worked out in this file from the config fields with the formulas of
+``reference/kv-geometry.md`` (not by calling the code under test), for every preset and for real
+published configs vendored in ``tests/data/configs/`` (see SOURCES.md there).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import pipeline
+from cache_backends import LayerKV, build_layout
+from models import presets
+
+CONFIGS = Path(__file__).parent / "data" / "configs"
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+V4_COMPRESSED = {"compressed_sparse_attention", "heavily_compressed_attention"}
+
+
+def _text(cfg):
+    return getattr(cfg, "text_config", None) or cfg
+
+
+def expected_bytes_per_token(cfg, b: int) -> tuple[float, float]:
+    """(V1, V2) bytes per token by kv-geometry.md, from a transformers config object."""
+    c = _text(cfg)
+    n = c.num_hidden_layers
+    if getattr(c, "kv_lora_rank", None):  # MLA: one latent + rope part, no separate V; head_dim is not the width
+        e = (c.kv_lora_rank + c.qk_rope_head_dim) * b
+        return n * e, n * e
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    types = getattr(c, "layer_types", None)
+    if types and V4_COMPRESSED & set(types):  # DeepSeek V4: raw window K=V, compressed entries per c tokens
+        raw = kv_heads * head_dim * b
+        v2 = 0.0
+        for t in types:
+            if t == "compressed_sparse_attention":
+                v2 += (head_dim + c.index_head_dim) * b / c.compress_rates[t]
+            elif t == "heavily_compressed_attention":
+                v2 += head_dim * b / c.compress_rates[t]
+        return n * raw, v2
+    e = 2 * kv_heads * head_dim * b
+    if types:
+        sliding = sum(t == "sliding_attention" for t in types)
+    elif getattr(c, "sliding_window", None) and getattr(c, "use_sliding_window", True) is not False:
+        sliding = n  # Mistral style: every layer slides
+    else:
+        sliding = 0
+    return n * e, (n - sliding) * e
+
+
+def plan_kv(model: str, v2: bool, dtype: str = "bfloat16"):
+    result = pipeline.plan(model, log=False, device="cpu",
+                           kv_cache_config={"use_kv_cache_manager_v2": v2, "dtype": dtype})
+    return result
+
+
+# --- presets ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset", presets())
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_bytes_per_token_of_every_preset_matches_the_formulas(preset, dtype):
+    v2_only = preset == "tiny-deepseek-v4"
+    for v2 in ([True] if v2_only else [False, True]):
+        result = plan_kv(preset, v2, dtype)
+        want_v1, want_v2 = expected_bytes_per_token(result.context.hf_config, DTYPE_BYTES[dtype])
+        assert result.kv.manager == ("v2" if v2 else "v1")
+        assert result.kv.bytes_per_token == pytest.approx(want_v2 if v2 else want_v1)
+        assert result.kv.to_dict()["bytes_per_token"] == pytest.approx(want_v2 if v2 else want_v1)
+    if v2_only:  # V1 cannot route V4, but its uniform layout still follows the V1 rule (raw entries)
+        spec = result.context.spec
+        v1 = build_layout(spec.kv_layers(), "v1", 128, dtype)
+        assert v1.bytes_per_token == want_v1
+
+
+def test_gemma3_v1_and_v2_differ_by_exactly_the_sliding_layers():
+    v1, v2 = plan_kv("tiny-gemma3", False), plan_kv("tiny-gemma3", True)
+    cfg = v1.context.hf_config
+    sliding = sum(t == "sliding_attention" for t in cfg.layer_types)
+    per_layer = 2 * cfg.num_key_value_heads * cfg.head_dim * 2
+    assert sliding == 5
+    assert v1.kv.bytes_per_token - v2.kv.bytes_per_token == sliding * per_layer
+    groups = {g["name"]: g for g in v2.kv.to_dict()["layer_groups"]}
+    assert groups["sliding_w512"]["layers"] == [0, 1, 2, 3, 4] and groups["sliding_w512"]["window"] == 512
+    assert groups["full"]["layers"] == [5]
+    assert [g["name"] for g in v1.kv.to_dict()["layer_groups"]] == ["uniform"]
+
+
+def test_deepseek_v4_groups_windows_together_and_compressed_layers_by_rate():
+    result = plan_kv("tiny-deepseek-v4", True)
+    groups = {g["name"]: g for g in result.kv.to_dict()["layer_groups"]}
+    assert set(groups) == {"sliding_w128", "hca_c128", "csa_c4"}
+    # every V4 layer keeps a raw window of the same width: one life cycle, one pool
+    assert groups["sliding_w128"]["layers"] == [0, 1, 2, 3, 4, 5]
+    assert groups["hca_c128"]["layers"] == [0, 1, 3] and groups["hca_c128"]["compress_rate"] == 128
+    assert groups["csa_c4"]["layers"] == [2, 4] and groups["csa_c4"]["compress_rate"] == 4
+    # T = 128 (model default): a csa block holds 128 / 4 = 32 entries of head_dim + index_head_dim
+    cfg = result.context.hf_config
+    assert groups["csa_c4"]["bytes_per_block"] == 2 * (128 // 4) * (cfg.head_dim + cfg.index_head_dim) * 2
+    assert groups["hca_c128"]["bytes_per_block"] == 3 * 1 * cfg.head_dim * 2
+
+
+# --- real published configs ------------------------------------------------------------------
+
+#: name -> (architecture, V1 B/token, V2 B/token, {window: sliding layers}) in bfloat16, by hand from the files.
+REAL = {
+    "llama-3.1-8b-instruct": ("LlamaForCausalLM", 131_072, 131_072, {}),  # 32 × 2·8·128·2
+    "qwen3-8b": ("Qwen3ForCausalLM", 147_456, 147_456, {}),  # 36 × 2·8·128·2
+    "qwen2.5-7b-instruct": ("Qwen2ForCausalLM", 57_344, 57_344, {}),  # use_sliding_window false; 28 × 2·4·128·2
+    "gemma-3-27b-it": ("Gemma3ForConditionalGeneration", 507_904, 81_920, {1024: 52}),  # 62 × 8192; 10 full
+    "gemma-2-9b-it": ("Gemma2ForCausalLM", 344_064, 172_032, {4096: 21}),  # 42 × 2·8·256·2; 21 full
+    "gpt-oss-20b": ("GptOssForCausalLM", 49_152, 24_576, {128: 12}),  # 24 × 2·8·64·2; 12 full
+    "gpt-oss-120b": ("GptOssForCausalLM", 73_728, 36_864, {128: 18}),
+    "deepseek-v2-lite": ("DeepseekV2ForCausalLM", 31_104, 31_104, {}),  # 27 × (512 + 64) × 2
+    "deepseek-r1-0528": ("DeepseekV3ForCausalLM", 70_272, 70_272, {}),  # 61 × (512 + 64) × 2
+}
+
+
+@pytest.mark.parametrize("name", sorted(REAL))
+def test_real_published_configs_through_autoconfig(name):
+    arch, want_v1, want_v2, windows = REAL[name]
+    path = CONFIGS / name
+    assert json.loads((path / "config.json").read_text())["architectures"] == [arch]
+    v1 = plan_kv(str(path), False)
+    v2 = plan_kv(str(path), True)
+    assert v1.model.architecture == arch
+    assert v1.kv.bytes_per_token == want_v1
+    assert v2.kv.bytes_per_token == want_v2
+    # the hand-written table agrees with the formulas applied to what AutoConfig loaded
+    assert expected_bytes_per_token(v1.context.hf_config, 2) == (want_v1, want_v2)
+    sliding = {}
+    for g in v2.kv.layout.groups:
+        if g.window is not None:
+            sliding[g.window] = sliding.get(g.window, 0) + len(g.layers)
+    assert sliding == windows
+    # nothing is allocated by plan and the CPU has no budget rule: geometry only
+    assert v1.kv.budget_bytes is None and v1.kv.capacity_tokens is None and v1.kv_manager is None
+
+
+def test_unregistered_architectures_use_the_generic_spec_with_their_own_geometry():
+    result = plan_kv(str(CONFIGS / "gpt-oss-20b"), True)
+    assert result.model.spec == "GenericDecoderSpec"
+    assert result.audit.of("model_spec_fallback")
+    head_dim = result.context.hf_config.head_dim
+    assert head_dim == 64 != result.context.hf_config.hidden_size // result.context.hf_config.num_attention_heads
+
+
+# --- per-sequence bytes, windows, block rounding ------------------------------------------------
+
+
+@given(length=st.integers(0, 5000), T=st.sampled_from([1, 16, 32, 100, 128]))
+def test_bytes_for_sequence_is_exact_with_block_rounding_and_windows(length, T):
+    W, e = 512, 2 * 2 * 16  # elements per entry
+    layers = [LayerKV(i, "sliding", e, window=W) for i in range(5)] + [LayerKV(5, "full", e)]
+    b = 2
+    v1 = build_layout(layers, "v1", T, "bfloat16")
+    v2 = build_layout(layers, "v2", T, "bfloat16")
+    blocks = math.ceil(length / T)
+    window_blocks = min(blocks, math.ceil((W - 1) / T) + 1)
+    assert v1.bytes_for_sequence(length) == blocks * T * 6 * e * b
+    assert v2.bytes_for_sequence(length) == blocks * T * e * b + window_blocks * T * 5 * e * b
+
+
+def test_compressed_group_bytes_for_sequence_counts_one_entry_per_rate():
+    layers = [LayerKV(0, "hca", 8, window=16, compressed_elems=4, compress_rate=8)]
+    layout = build_layout(layers, "v2", 32, "float32")
+    comp = next(g for g in layout.groups if g.kind == "compressed")
+    assert (comp.entries_per_block, comp.tokens_per_block) == (4, 32)
+    # 100 tokens -> 13 compressed entries -> 4 blocks of 4 entries; the window keeps ceil(15/32)+1 = 2 blocks
+    assert layout.bytes_for_sequence(100) == 4 * 4 * 4 * 4 + 2 * 32 * 8 * 4
+    assert layout.bytes_per_token == 4 * 4 / 8
+
+
+# --- splitting a budget across groups ---------------------------------------------------------
+
+
+def _gemma_like(T=16):
+    layers = [LayerKV(i, "sliding", 64, window=64) for i in range(5)] + [LayerKV(5, "full", 64)]
+    return build_layout(layers, "v2", T, "float32")
+
+
+@given(budget=st.integers(0, 5_000_000), seq_len=st.integers(1, 4096))
+def test_split_budget_stays_within_the_budget_and_gives_windows_whole(budget, seq_len):
+    layout = _gemma_like()
+    if budget < layout.min_bytes():
+        return
+    blocks = layout.split_budget(budget, seq_len)
+    spent = sum(blocks[g.name] * g.bytes_per_block for g in layout.groups)
+    assert spent <= budget
+    # at least one whole sequence of the length the growing pool holds fits in the window pool too
+    sliding = next(g for g in layout.groups if g.window)
+    held = layout.capacity_tokens(blocks)
+    assert blocks[sliding.name] >= sliding.blocks_for(min(held, seq_len))
+    # the sequences of seq_len that fit use the budget: one more would not fit
+    fits = layout.max_sequences(blocks, seq_len)
+    assert (fits + 1) * layout.bytes_for_sequence(seq_len) > budget
+
+
+def test_bytes_for_tokens_then_split_gives_back_at_least_those_tokens():
+    layout = _gemma_like()
+    for tokens, seq_len in [(4096, 1024), (1000, 4096), (65536, 65536), (17, 16)]:
+        blocks = layout.split_budget(layout.bytes_for_tokens(tokens, seq_len), seq_len)
+        assert tokens <= layout.capacity_tokens(blocks) < tokens + layout.tokens_per_block
+        assert layout.max_sequences(blocks, seq_len) >= tokens // seq_len
+
+
+def test_a_one_group_layout_spends_the_budget_in_whole_blocks():
+    layout = build_layout([LayerKV(i, "full", 64) for i in range(4)], "v1", 16, "float32")
+    bpb = layout.groups[0].bytes_per_block
+    for budget in (bpb, 10 * bpb + 1, 12_345_678):
+        assert layout.split_budget(budget, 1000) == {"uniform": budget // bpb}
