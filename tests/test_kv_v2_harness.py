@@ -46,14 +46,17 @@ def _slots(manager: KVCacheManagerV2, request: Request, group: str, positions: l
     blocks = [table[p // g.entries_per_block] for p in positions]
     if any(b < 0 for b in blocks):
         raise AssertionError(f"{request.req_id}: group {group} has no block for entries {positions}")
-    return torch.tensor(blocks), torch.tensor([p % g.entries_per_block for p in positions])
+    device = manager.pools.device
+    return (torch.tensor(blocks, device=device),
+            torch.tensor([p % g.entries_per_block for p in positions], device=device))
 
 
 def _expected(manager: KVCacheManagerV2, group: str, values: list[int]) -> torch.Tensor:
     g = manager.pools.groups[group]
     layer_offsets = torch.arange(len(g.layers), dtype=torch.float64) * LAYER_STRIDE
     vals = torch.tensor(values, dtype=torch.float64)
-    return (vals[None, :] + layer_offsets[:, None]).to(manager.pools.dtype)  # (layers, positions)
+    expected = (vals[None, :] + layer_offsets[:, None]).to(manager.pools.dtype)  # (layers, positions)
+    return expected.to(manager.pools.device)
 
 
 def _entries(group, start: int, end: int) -> list[int]:
@@ -102,7 +105,7 @@ def check_kv(manager: KVCacheManagerV2, request: Request) -> None:
         want = _expected(manager, g.name, [_entry_value(vals, g, e) for e in entries])
         bad = (got != want[:, :, None]).any(dim=-1).any(dim=0)
         if bad.any():
-            first = int(bad.nonzero()[0])
+            first = int(bad.nonzero()[0].item())
             raise AssertionError(
                 f"{request.req_id}: group {g.name} entry {entries[first]} holds {got[:, first, 0].tolist()}, "
                 f"expected {want[:, first].tolist()}"
