@@ -349,8 +349,13 @@ def test_cancel_admission_undoes_the_claim():
     b = Request("b", list(range(1, 10)), 0)
     admit(m, b)
     assert b.num_computed_tokens == 8 and m.stats()["reuse_hit_tokens"] == 8
+    c = Request("c", [*range(1, 7), 60, 61], 0)
+    admit(m, c)
+    assert c.num_computed_tokens == 6 and m.stats()["reuse_partial_hits"] == 1
+    m.cancel_admission(c)
     m.cancel_admission(b)
-    assert not m.has_cache(b) and b.num_computed_tokens == 0 and m.stats()["reuse_hit_tokens"] == 0
+    assert not m.has_cache(b) and b.num_computed_tokens == 0 and b.num_reused_tokens == 0
+    assert m.stats()["reuse_hit_tokens"] == 0 and m.stats()["reuse_partial_hits"] == 0
     assert m.stats()["groups"]["full"]["used"] == 0
     admit(m, b)
     compute(m, b, 1)
@@ -494,3 +499,20 @@ def test_stats_add_up():
     assert stats["groups"]["full"]["used"] == 4 and stats["groups"]["sliding_w8"]["used"] == 3  # block 0 left
     assert stats["reuse"]["enabled"] and stats["reuse"]["radix_nodes"] == 3
     assert {"suspends", "resumes", "preemptions", "reuse_hit_tokens"} <= stats.keys()
+
+
+def test_reuse_is_off_with_a_reason_when_group_blocks_do_not_align_with_token_blocks():
+    layers = [LayerKV(0, "full", 4), LayerKV(1, "csa", 4, window=8, compressed_elems=2, compress_rate=3)]
+    m = make_manager(layers, 16, T=4)  # csa: one entry per block, so its blocks span 3 tokens
+    reuse = m.stats()["reuse"]
+    assert reuse["enabled"] is False and "not all multiples of tokens_per_block=4" in reuse["disabled_reason"]
+    a = Request("a", list(range(1, 14)), 0)
+    prefill(m, a)
+    m.free(a)
+    b = Request("b", list(range(1, 14)), 0)
+    admit(m, b)
+    assert b.num_computed_tokens == 0
+    compute(m, b, 13)
+    check_kv(m, b)
+    assert make_manager(FULL, 4, enable_block_reuse=False).stats()["reuse"]["disabled_reason"] == (
+        "enable_block_reuse is false")

@@ -88,14 +88,15 @@ class KVCacheManagerV2:
         self._pool = {g.name: GroupPool(g.name, pools.num_blocks[g.name]) for g in self.groups}
         self._sliding = [g for g in self.groups if g.window is not None]
         spans = [g.tokens_per_block for g in self.groups]
-        if all(s % self.T == 0 for s in spans):
-            self.reuse_unit: int | None = math.lcm(*spans)
-            self.reuse_off_reason: str | None = None if options.enable_block_reuse else "enable_block_reuse is false"
-        else:
-            self.reuse_unit = None
+        aligned = all(s % self.T == 0 for s in spans)
+        self.reuse_unit: int | None = math.lcm(*spans) if aligned else None
+        self.reuse_off_reason: str | None = None
+        if not options.enable_block_reuse:
+            self.reuse_off_reason = "enable_block_reuse is false"
+        elif not aligned:
             self.reuse_off_reason = (
-                f"a layer group's block spans {spans} tokens, not a multiple of tokens_per_block={self.T}, "
-                "so blocks cannot be keyed by token blocks"
+                f"layer group blocks span {spans} tokens, not all multiples of tokens_per_block={self.T}, "
+                "so they cannot be keyed by token blocks"
             )
         self._reuse = self.reuse_off_reason is None
         rates = [g.compress_rate for g in self.groups if g.compress_rate]
@@ -242,6 +243,7 @@ class KVCacheManagerV2:
         if not cache.admitted or cache.committed != cache.reused_tokens or cache.host is not None:
             raise ValueError(f"request {request.req_id}: only a just-admitted cache can be cancelled")
         self.counters["reuse_hit_tokens"] -= cache.reused_tokens
+        self.counters["reuse_partial_hits"] -= cache.partial_hit
         self.counters["reuse_lookup_tokens"] -= request.num_tokens if self._reuse else 0
         self.free(request)
         request.num_computed_tokens = 0
@@ -644,6 +646,7 @@ class KVCacheManagerV2:
                 self.pools.tensors[g.name][:, b].copy_(self.pools.tensors[g.name][:, src])
                 cache.tables[g.name].append(b)
             gained = best_k
+            cache.partial_hit = True
             self.counters["reuse_partial_hits"] += 1
         for g in self.groups:
             pool, src = self._pool[g.name], best.blocks[g.name]

@@ -48,6 +48,7 @@ class SequenceCache:
     host: dict[str, list[int]] | None = None
     reclaim: dict[str, dict[int, tuple[int, int]]] = attrs.Factory(dict)
     reused_tokens: int = 0
+    partial_hit: bool = False
 
     @property
     def is_active(self) -> bool:
