@@ -1,0 +1,709 @@
+"""``KVCacheManagerV2``: per-group pools, radix-tree prefix reuse, a host tier, priority + LRU eviction.
+
+How the pieces fit (TensorRT-LLM's V2 ideas, this project's code):
+
+* **Layer groups.** One :class:`~cache_backends.v2.group_pool.GroupPool` per group of the layout. Token
+  position ``p`` of a sequence lives in logical block ``p // tpb(g)`` of group ``g`` (``tpb`` =
+  ``group.tokens_per_block``; compressed groups hold ``tpb / c`` entries per block).
+* **Windows.** After each commit a sliding group releases every block that lies wholly before
+  ``committed - window + 1`` (the oldest key the next query can see). Released blocks go to the free
+  list; with ``enable_swa_scratch_reuse`` a released block that is a cached prefix block stays
+  cached (evictable) instead, so later requests can still reuse prefixes longer than the window.
+* **Prefix reuse.** Full committed ``T``-token blocks are keyed by chained SHA-256 with the request's
+  salt and hung in a :class:`~cache_backends.v2.radix.RadixTree`. A new request walks it over its
+  tokens and takes the longest prefix ``m`` that (a) is a multiple of the *reuse unit* — the lcm of
+  every group's block span, so compressed groups reuse whole blocks only — (b) leaves at least one
+  token to compute (logits), (c) has every block of every growing group below ``m`` still cached and
+  (d) for a sliding group, every block the window at ``m`` covers. With ``enable_partial_reuse`` (and
+  every group spanning exactly ``T`` tokens) the next block may be matched in part: the child with
+  the longest common token prefix (rounded down to the compress rates) is copied into a fresh block
+  (copy-on-write); the cached original is never written.
+* **Host tier.** ``suspend`` copies every page of the request to host slots and drops its device
+  blocks (cached ones stay cached); ``resume`` takes back cached blocks that were never evicted and
+  copies the rest back, byte-exact, into fresh blocks. ``resume`` is refused when it would lift any
+  group's device use above ``max_util_for_resume`` — unless nothing else holds device blocks, since
+  waiting could not help then.
+* **Eviction.** Cached blocks nobody owns are evicted lowest priority first (the priority of the
+  last request that held them), then least recently released; a request's blocks are released tail
+  first, so the tail of a cached prefix goes before its head.
+
+The first ``resume`` of a cache is its admission: it claims the cached prefix and sets
+``request.num_computed_tokens`` to its length (never the whole sequence). That one is never
+refused for utilisation; the scheduler decides admission.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from cache_backends.hashing import block_hash
+from cache_backends.interface import ManagerOptions
+from cache_backends.layout import KvLayout, LayerGroup
+from cache_backends.pools import BlockPools
+from cache_backends.request import Request
+from cache_backends.v2.group_pool import GroupPool
+from cache_backends.v2.host_tier import HostTier, host_slots
+from cache_backends.v2.radix import RadixNode, RadixTree
+from cache_backends.v2.sequence import CacheState, SequenceCache
+
+
+def _tokens(request: Request, start: int, end: int) -> list[int]:
+    """``request.all_token_ids[start:end]`` without concatenating the whole sequence."""
+    prompt = request.prompt_token_ids
+    n = len(prompt)
+    if end <= n:
+        return prompt[start:end]
+    if start >= n:
+        return request.output_token_ids[start - n : end - n]
+    return prompt[start:] + request.output_token_ids[: end - n]
+
+
+def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class KVCacheManagerV2:
+    """KV cache manager V2 over ``BlockPools`` built from a ``"v2"`` layout; see the module docstring."""
+
+    def __init__(self, pools: BlockPools, options: ManagerOptions) -> None:
+        if pools.layout.manager != "v2":
+            raise ValueError(f"KVCacheManagerV2 needs pools built from a 'v2' layout, got {pools.layout.manager!r}")
+        if pools.released:
+            raise ValueError("KVCacheManagerV2: the block pools were already released")
+        if options.max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be >= 1, got {options.max_seq_len}")
+        if not 0 < options.max_util_for_resume <= 1:
+            raise ValueError(f"max_util_for_resume must be in (0, 1], got {options.max_util_for_resume}")
+        self.layout: KvLayout = pools.layout
+        self.pools = pools
+        self.options = options
+        self.T = self.layout.tokens_per_block
+        self.groups: tuple[LayerGroup, ...] = self.layout.groups
+        self._pool = {g.name: GroupPool(g.name, pools.num_blocks[g.name]) for g in self.groups}
+        self._sliding = [g for g in self.groups if g.window is not None]
+        spans = [g.tokens_per_block for g in self.groups]
+        aligned = all(s % self.T == 0 for s in spans)
+        self.reuse_unit: int | None = math.lcm(*spans) if aligned else None
+        self.reuse_off_reason: str | None = None
+        if not options.enable_block_reuse:
+            self.reuse_off_reason = "enable_block_reuse is false"
+        elif not aligned:
+            self.reuse_off_reason = (
+                f"layer group blocks span {spans} tokens, not all multiples of tokens_per_block={self.T}, "
+                "so they cannot be keyed by token blocks"
+            )
+        self._reuse = self.reuse_off_reason is None
+        rates = [g.compress_rate for g in self.groups if g.compress_rate]
+        self._partial_unit = math.lcm(*rates) if rates else 1
+        self._partial = self._reuse and options.enable_partial_reuse and self.reuse_unit == self.T
+        self._tree = RadixTree()
+        self.host: HostTier | None = None
+        slots = host_slots(pools, options.host_cache_size)
+        if slots:
+            self.host = HostTier(pools, slots)
+        self._caches: dict[Request, SequenceCache] = {}
+        self._closed = False
+        self.counters = {"suspends": 0, "resumes": 0, "preemptions": 0, "reuse_hit_tokens": 0,
+                         "reuse_partial_hits": 0, "reuse_lookup_tokens": 0}
+
+    # --- life cycle ----------------------------------------------------------------------------
+
+    def create(self, request: Request) -> SequenceCache:
+        """Register a suspended, empty cache for ``request``; :meth:`resume` admits it."""
+        self._check_open()
+        if request in self._caches:
+            raise ValueError(f"request {request.req_id}: already has a KV cache")
+        if request.num_computed_tokens:
+            raise ValueError(f"request {request.req_id}: claims {request.num_computed_tokens} computed tokens "
+                             "but has no KV cache here")
+        if request.num_tokens > self.options.max_seq_len:
+            raise ValueError(f"request {request.req_id}: {request.num_tokens} tokens exceed max_seq_len="
+                             f"{self.options.max_seq_len}")
+        cache = SequenceCache(request, {g.name: [] for g in self.groups}, {g.name: 0 for g in self.groups})
+        self._caches[request] = cache
+        return cache
+
+    def cache(self, request: Request) -> SequenceCache:
+        """The cache of ``request`` (read its lengths and state; do not mutate)."""
+        self._check_open()
+        cache = self._caches.get(request)
+        if cache is None:
+            raise ValueError(f"request {request.req_id}: has no KV cache in this manager (create() it first)")
+        return cache
+
+    def has_cache(self, request: Request) -> bool:
+        """Whether ``request`` has a cache here (active or suspended)."""
+        return request in self._caches
+
+    def resume(self, request: Request) -> bool:
+        """Admit a new cache (claim its cached prefix) or bring a suspended one back; False when refused."""
+        cache = self.cache(request)
+        if cache.is_active:
+            raise ValueError(f"request {request.req_id}: cache is already active")
+        if not cache.admitted:
+            self._admit(cache)
+            return True
+        if self.resume_refusal(request) is not None:
+            return False
+        self._restore(cache)
+        return True
+
+    def resume_refusal(self, request: Request) -> str | None:
+        """Why :meth:`resume` would refuse a suspended cache now (room or ``max_util_for_resume``), or None."""
+        cache = self.cache(request)
+        if cache.is_active or not cache.admitted:
+            return None
+        needs = self._restore_needs(cache)
+        for name, (new, reclaim_cached) in needs.items():
+            pool = self._pool[name]
+            if new > pool.available - reclaim_cached:
+                return (f"resuming {request.req_id} needs {new} blocks of group {name}; "
+                        f"{pool.available - reclaim_cached} are free or evictable")
+        if all(p.num_used == 0 for p in self._pool.values()):
+            return None  # nothing else on the device: waiting for room could never help
+        limit = self.options.max_util_for_resume
+        for name, (new, reclaim_cached) in needs.items():
+            pool = self._pool[name]
+            after = pool.num_used + new + reclaim_cached
+            if after > limit * pool.num_blocks:
+                return (f"resuming {request.req_id} would use {after}/{pool.num_blocks} blocks of group {name}, "
+                        f"above max_util_for_resume={limit}")
+        return None
+
+    def suspend(self, request: Request) -> bool:
+        """Move an active cache's pages to the host tier and free its device blocks; False when no room there.
+
+        Tokens scheduled but not committed are dropped (``history`` falls back to ``committed``).
+        """
+        cache = self._active(request)
+        if self.host is None:
+            return False
+        keep = {g.name: math.ceil(cache.committed / g.tokens_per_block) for g in self.groups}
+        for g in self.groups:
+            held = sum(1 for b in cache.tables[g.name][: keep[g.name]] if b >= 0)
+            if held > self.host.num_free(g.name):
+                return False
+        host: dict[str, list[int]] = {}
+        reclaim: dict[str, dict[int, tuple[int, int]]] = {}
+        for g in self.groups:
+            pool = self._pool[g.name]
+            slots = [-1] * keep[g.name]
+            marks: dict[int, tuple[int, int]] = {}
+            for j, b in enumerate(cache.tables[g.name][: keep[g.name]]):
+                if b >= 0:
+                    slots[j] = self.host.store(g.name, b)
+                    if pool.node[b] is not None:
+                        marks[j] = (b, pool.gen[b])
+            host[g.name] = slots
+            reclaim[g.name] = marks
+        self.host.sync()  # the pages are on the host before any device block changes hands
+        self._release_blocks(cache)
+        cache.host, cache.reclaim = host, reclaim
+        cache.state = CacheState.SUSPENDED
+        cache.history = cache.capacity = cache.committed
+        self.counters["suspends"] += 1
+        return True
+
+    def free(self, request: Request) -> None:
+        """Close ``request``'s cache: device blocks released (cached ones stay reusable), host slots freed.
+
+        A request without a cache is ignored, so finishing a never-admitted request is safe.
+        """
+        self._check_open()
+        cache = self._caches.pop(request, None)
+        if cache is None:
+            return
+        if cache.is_active:
+            self._release_blocks(cache)
+        if cache.host is not None and self.host is not None:
+            for name, slots in cache.host.items():
+                self.host.free(name, slots)
+            cache.host = None
+        for node in reversed(cache.nodes):
+            node.users -= 1
+            self._tree.prune(node)
+        cache.nodes.clear()
+
+    def preempt(self, request: Request) -> None:
+        """Drop ``request``'s cache so it is recomputed later (its prefix stays cached for reuse)."""
+        self.free(request)
+        request.num_computed_tokens = 0
+        request.num_reused_tokens = 0
+        self.counters["preemptions"] += 1
+
+    def cancel_admission(self, request: Request) -> None:
+        """Undo an admission that computed nothing yet: drop the cache as if it had never been created."""
+        cache = self.cache(request)
+        if not cache.admitted or cache.committed != cache.reused_tokens or cache.host is not None:
+            raise ValueError(f"request {request.req_id}: only a just-admitted cache can be cancelled")
+        self.counters["reuse_hit_tokens"] -= cache.reused_tokens
+        self.counters["reuse_partial_hits"] -= cache.partial_hit
+        self.counters["reuse_lookup_tokens"] -= request.num_tokens if self._reuse else 0
+        self.free(request)
+        request.num_computed_tokens = 0
+        request.num_reused_tokens = 0
+
+    # --- growth ----------------------------------------------------------------------------------
+
+    def allocate(self, request: Request, num_tokens: int) -> bool:
+        """Reserve slots for the next ``num_tokens`` tokens and count them in ``history``; False when no room.
+
+        All-or-nothing: on False nothing changed.
+        """
+        cache = self._active(request)
+        if num_tokens < 0:
+            raise ValueError(f"request {request.req_id}: num_tokens must be >= 0, got {num_tokens}")
+        target = cache.committed + num_tokens
+        if target > request.num_tokens:
+            raise ValueError(f"request {request.req_id}: cannot schedule {num_tokens} tokens from "
+                             f"{cache.committed}; it has {request.num_tokens}")
+        if target > cache.capacity and not self.resize(request, target):
+            return False
+        cache.history = max(cache.history, target)
+        return True
+
+    def resize(self, request: Request, capacity: int) -> bool:
+        """Reserve (or give back) blocks so exactly ``capacity`` token slots are held; False when no room."""
+        cache = self._active(request)
+        if capacity < cache.history:
+            raise ValueError(f"request {request.req_id}: capacity {capacity} is below history {cache.history}")
+        if capacity > self.options.max_seq_len:
+            raise ValueError(f"request {request.req_id}: capacity {capacity} exceeds max_seq_len="
+                             f"{self.options.max_seq_len}")
+        need = {g.name: math.ceil(capacity / g.tokens_per_block) - len(cache.tables[g.name]) for g in self.groups}
+        if any(n > self._pool[name].available for name, n in need.items()):
+            return False
+        for name, n in need.items():
+            pool, table = self._pool[name], cache.tables[name]
+            for _ in range(n):
+                table.append(pool.allocate(self._detach))
+            while n < 0:  # shrinking: the tail blocks hold no committed token, so they were never cached
+                b = table.pop()
+                if b >= 0:
+                    pool.decref(b, request.priority, True, self._detach)
+                n += 1
+        cache.capacity = capacity
+        return True
+
+    def fit_tokens(self, request: Request, want: int) -> int:
+        """The most tokens, up to ``want``, that :meth:`allocate` could reserve now (0: not even one)."""
+        cache = self._active(request)
+        want = min(want, self.options.max_seq_len - cache.committed, request.num_tokens - cache.committed)
+        if want <= 0:
+            return 0
+
+        def fits(n: int) -> bool:
+            target = cache.committed + n
+            return all(
+                math.ceil(target / g.tokens_per_block) - len(cache.tables[g.name]) <= self._pool[g.name].available
+                for g in self.groups
+            )
+
+        if fits(want):
+            return want
+        lo, hi = 0, want  # fits(lo) holds, fits(hi) does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def never_fits(self, request: Request) -> str | None:
+        """Why ``request`` could not run even alone in empty pools, or None."""
+        n = request.num_tokens
+        if n > self.options.max_seq_len:
+            return f"request {request.req_id} has {n} tokens, more than max_seq_len={self.options.max_seq_len}"
+        for g in self.groups:
+            need, have = g.blocks_for(n), self._pool[g.name].num_blocks
+            if need > have:
+                return (f"request {request.req_id} needs {need} blocks of group {g.name} for {n} tokens; "
+                        f"the pool has {have}")
+        return None
+
+    def commit(self, request: Request, num_tokens: int) -> None:
+        """The next ``num_tokens`` scheduled tokens have their KV written: advance, key full blocks, slide windows."""
+        cache = self._active(request)
+        if num_tokens < 0 or cache.committed + num_tokens > cache.history:
+            raise ValueError(f"request {request.req_id}: cannot commit {num_tokens} tokens; "
+                             f"{cache.history - cache.committed} are scheduled")
+        cache.committed += num_tokens
+        request.num_computed_tokens = cache.committed
+        if self._reuse:
+            self._key_full_blocks(cache)
+        self._release_window(cache)
+
+    def block_table(self, request: Request, group: str) -> list[int]:
+        """Physical block per logical block of ``request`` in ``group``; -1 where a window released it."""
+        cache = self._active(request)
+        if group not in cache.tables:
+            raise ValueError(f"no layer group {group!r}; groups: {', '.join(cache.tables)}")
+        return list(cache.tables[group])
+
+    # --- reporting -------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Usage, per-group free/evictable/used blocks, host slots, reuse hits in tokens, suspends/resumes."""
+        self._check_open()
+        groups = {}
+        used_bytes = total_bytes = 0
+        for g in self.groups:
+            pool = self._pool[g.name]
+            groups[g.name] = {
+                "total": pool.num_blocks,
+                "free": pool.num_free,
+                "evictable": pool.num_evictable,
+                "used": pool.num_used,
+                "usage": pool.num_used / pool.num_blocks,
+                "evictions": pool.evictions,
+            }
+            used_bytes += pool.num_used * g.bytes_per_block
+            total_bytes += pool.num_blocks * g.bytes_per_block
+        host = None
+        if self.host is not None:
+            host = {name: {"total": n, "used": n - self.host.num_free(name)} for name, n in self.host.num_slots.items()}
+        active = sum(1 for c in self._caches.values() if c.is_active)
+        return {
+            "manager": "v2",
+            "usage": used_bytes / total_bytes if total_bytes else 0.0,
+            "groups": groups,
+            "host": host,
+            "host_bytes": self.host.nbytes if self.host is not None else 0,
+            "reuse": {"enabled": self._reuse, "disabled_reason": self.reuse_off_reason,
+                      "unit_tokens": self.reuse_unit if self._reuse else None, "partial": self._partial,
+                      "radix_nodes": self._tree.num_nodes},
+            "caches": {"active": active, "suspended": len(self._caches) - active},
+            **self.counters,
+        }
+
+    def close(self) -> None:
+        """Release the device pools and the host tier (idempotent); the manager is unusable afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        self._caches.clear()
+        self._tree = RadixTree()
+        if self.host is not None:
+            self.host.release()
+        self.pools.release()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran."""
+        return self._closed
+
+    def check_invariants(self) -> None:
+        """Verify the bookkeeping (O(blocks + tokens)); raise ``AssertionError`` listing what is broken."""
+        problems: list[str] = []
+        owners: dict[str, dict[int, int]] = {g.name: {} for g in self.groups}
+        for cache in self._caches.values():
+            rid = cache.request.req_id
+            if not cache.committed <= cache.history <= cache.capacity:
+                problems.append(f"{rid}: lengths {cache.committed}/{cache.history}/{cache.capacity}")
+            if self._reuse and len(cache.hashes) != cache.committed // self.T:
+                problems.append(f"{rid}: {len(cache.hashes)} hashes for {cache.committed} committed tokens")
+            if not cache.is_active:
+                continue
+            for g in self.groups:
+                table = cache.tables[g.name]
+                held = [b for b in table if b >= 0]
+                if len(set(held)) != len(held):
+                    problems.append(f"{rid}: group {g.name} holds a block twice")
+                if len(table) != math.ceil(cache.capacity / g.tokens_per_block):
+                    problems.append(f"{rid}: group {g.name} has {len(table)} blocks for capacity {cache.capacity}")
+                for j, b in enumerate(table):
+                    if b < 0 and j >= cache.released[g.name]:
+                        problems.append(f"{rid}: group {g.name} block {j} missing above the window")
+                    if b >= 0:
+                        owners[g.name][b] = owners[g.name].get(b, 0) + 1
+        for g in self.groups:
+            pool = self._pool[g.name]
+            free, evictable = set(pool.free_ids()), set(pool.evictable.blocks())
+            if free & evictable:
+                problems.append(f"group {g.name}: blocks both free and evictable: {sorted(free & evictable)}")
+            used = {b for b in range(pool.num_blocks) if pool.ref[b] > 0}
+            if len(free) + len(evictable) + len(used) != pool.num_blocks or len(used) != pool.num_used:
+                problems.append(f"group {g.name}: free {len(free)} + evictable {len(evictable)} + used {len(used)} "
+                                f"!= {pool.num_blocks} (num_used {pool.num_used})")
+            for b in range(pool.num_blocks):
+                n_owners = owners[g.name].get(b, 0)
+                if pool.ref[b] != n_owners:
+                    problems.append(f"group {g.name}: block {b} ref {pool.ref[b]} but {n_owners} owners")
+                if pool.ref[b] > 1 and pool.node[b] is None:
+                    problems.append(f"group {g.name}: block {b} shared but not a cached prefix block")
+                if b in evictable and pool.node[b] is None:
+                    problems.append(f"group {g.name}: evictable block {b} is not in the radix tree")
+                if b in free and pool.node[b] is not None:
+                    problems.append(f"group {g.name}: free block {b} still in the radix tree")
+                if pool.node[b] is not None and pool.node[b].blocks.get(g.name) != b:
+                    problems.append(f"group {g.name}: block {b} and its radix node disagree")
+        for node in self._tree.nodes():
+            for name, b in node.blocks.items():
+                if self._pool[name].node[b] is not node:
+                    problems.append(f"radix node at depth {node.depth} holds block {b} of {name} it does not own")
+        if self.host is not None:
+            held: dict[str, list[int]] = {name: [] for name in self.host.num_slots}
+            for cache in self._caches.values():
+                for name, slots in (cache.host or {}).items():
+                    held[name].extend(s for s in slots if s >= 0)
+            for name, n in self.host.num_slots.items():
+                free = self.host.free_slots(name)
+                if sorted(free + held[name]) != list(range(n)):
+                    problems.append(f"host group {name}: {len(free)} free + {len(held[name])} held slots != {n}")
+        if problems:
+            raise AssertionError("; ".join(problems))
+
+    # --- internals -------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("KVCacheManagerV2 is closed")
+
+    def _active(self, request: Request) -> SequenceCache:
+        cache = self.cache(request)
+        if not cache.is_active:
+            raise ValueError(f"request {request.req_id}: cache is suspended; resume() it first")
+        return cache
+
+    def _detach(self, node: RadixNode, group: str, block: int) -> None:
+        """Unhook an evicted or dropped block from its radix node (pool side is the caller's)."""
+        del node.blocks[group]
+        self._tree.prune(node)
+
+    def _attach(self, node: RadixNode, group: str, block: int) -> None:
+        pool = self._pool[group]
+        if group not in node.blocks and pool.node[block] is None:
+            node.blocks[group] = block
+            pool.node[block] = node
+
+    def _release_blocks(self, cache: SequenceCache) -> None:
+        """Let go of every device block, tail first so the tail is evicted before the head."""
+        priority = cache.request.priority
+        for g in self.groups:
+            pool, table = self._pool[g.name], cache.tables[g.name]
+            for b in reversed(table):
+                if b >= 0:
+                    pool.decref(b, priority, True, self._detach)
+            cache.tables[g.name] = []
+
+    def _release_window(self, cache: SequenceCache) -> None:
+        """Release sliding-group blocks that lie wholly before the oldest key the next query sees."""
+        keep_cached = self.options.enable_swa_scratch_reuse
+        priority = cache.request.priority
+        for g in self._sliding:
+            start = max(0, cache.committed - g.window + 1)
+            table = cache.tables[g.name]
+            upto = min(start // g.tokens_per_block, len(table))
+            pool = self._pool[g.name]
+            for j in range(cache.released[g.name], upto):
+                if table[j] >= 0:
+                    pool.decref(table[j], priority, keep_cached, self._detach)
+                    table[j] = -1
+            cache.released[g.name] = max(cache.released[g.name], upto)
+
+    def _key_full_blocks(self, cache: SequenceCache) -> None:
+        """Hash newly full committed blocks into the radix tree and offer the cache's blocks to it."""
+        first, full = len(cache.hashes), cache.committed // self.T
+        if first >= full:
+            return
+        request, T = cache.request, self.T
+        tokens = _tokens(request, first * T, full * T)
+        parent = cache.nodes[-1] if cache.nodes else None
+        parent_hash = cache.hashes[-1] if cache.hashes else None
+        for i in range(first, full):
+            block_tokens = tuple(tokens[(i - first) * T : (i - first + 1) * T])
+            key = block_hash(parent_hash, block_tokens, request.salt)
+            node = self._tree.child(parent, request.salt, key, block_tokens)
+            node.users += 1
+            cache.hashes.append(key)
+            cache.nodes.append(node)
+            end = (i + 1) * T
+            for g in self.groups:
+                if end % g.tokens_per_block == 0:
+                    b = cache.tables[g.name][end // g.tokens_per_block - 1]
+                    if b >= 0:
+                        self._attach(node, g.name, b)
+            parent, parent_hash = node, key
+
+    def _match(self, request: Request) -> tuple[int, list[RadixNode], list[bytes], list[int]]:
+        """Walk the radix tree over the request's full blocks: (usable prefix, path, hashes, tokens)."""
+        limit = request.num_tokens - 1  # at least the last token is computed, so there are logits
+        root = self._tree.root(request.salt)
+        if root is None or limit < 1:
+            return 0, [], [], []
+        tokens = request.all_token_ids
+        path: list[RadixNode] = []
+        hashes: list[bytes] = []
+        node, parent_hash = root, None
+        T = self.T
+        for j in range(limit // T):
+            key = block_hash(parent_hash, tokens[j * T : (j + 1) * T], request.salt)
+            child = node.children.get(key)
+            if child is None:
+                break
+            path.append(child)
+            hashes.append(key)
+            node, parent_hash = child, key
+        return self._usable_prefix(path), path, hashes, tokens
+
+    def _usable_prefix(self, path: list[RadixNode]) -> int:
+        """The longest multiple of the reuse unit, within ``path``, whose blocks every group still holds."""
+        T, unit = self.T, self.reuse_unit or self.T
+        top = len(path) * T // unit * unit
+        if top == 0:
+            return 0
+        covered: dict[str, int] = {}  # growing groups: group blocks present from 0
+        counts: dict[str, list[int]] = {}  # sliding groups: prefix counts of present blocks
+        for g in self.groups:
+            step = g.tokens_per_block // T
+            present = [g.name in path[(j + 1) * step - 1].blocks for j in range(len(path) // step)]
+            if g.window is None:
+                covered[g.name] = next((j for j, p in enumerate(present) if not p), len(present))
+            else:
+                acc = [0]
+                for p in present:
+                    acc.append(acc[-1] + p)
+                counts[g.name] = acc
+        for m in range(top, 0, -unit):
+            ok = True
+            for g in self.groups:
+                tpb = g.tokens_per_block
+                if g.window is None:
+                    ok = m // tpb <= covered[g.name]
+                else:
+                    lo, hi = max(0, m - g.window + 1) // tpb, m // tpb
+                    ok = counts[g.name][hi] - counts[g.name][lo] == hi - lo
+                if not ok:
+                    break
+            if ok:
+                return m
+        return 0
+
+    def _admit(self, cache: SequenceCache) -> None:
+        """First resume: claim the longest usable cached prefix (plus a partial block), activate."""
+        request, T = cache.request, self.T
+        m = 0
+        if self._reuse:
+            self.counters["reuse_lookup_tokens"] += request.num_tokens
+            m, path, hashes, tokens = self._match(request)
+            for g in self.groups:
+                tpb, step = g.tokens_per_block, g.tokens_per_block // T
+                lo = 0 if g.window is None else max(0, m - g.window + 1) // tpb
+                table = [-1] * lo
+                for j in range(lo, m // tpb):
+                    b = path[(j + 1) * step - 1].blocks[g.name]
+                    self._pool[g.name].incref(b)
+                    table.append(b)
+                cache.tables[g.name] = table
+                cache.released[g.name] = lo
+            cache.nodes = path[: m // T]
+            cache.hashes = hashes[: m // T]
+            for node in cache.nodes:
+                node.users += 1
+            if self._partial:
+                m += self._claim_partial(cache, m, path, tokens)
+        cache.committed = cache.history = cache.capacity = m
+        cache.state = CacheState.ACTIVE
+        cache.admitted = True
+        cache.reused_tokens = m
+        request.num_computed_tokens = m
+        request.num_reused_tokens = min(m, request.num_prompt_tokens)
+        self.counters["reuse_hit_tokens"] += m
+        self._release_window(cache)
+
+    def _claim_partial(self, cache: SequenceCache, m: int, path: list[RadixNode], tokens: list[int]) -> int:
+        """Copy the best partially matching next block into fresh blocks (copy-on-write); tokens gained."""
+        request = cache.request
+        parent = path[m // self.T - 1] if m else self._tree.root(request.salt)
+        if parent is None or not tokens:
+            return 0
+        limit = min(self.T - 1, request.num_tokens - 1 - m)
+        want = tokens[m : m + self.T]
+        best, best_k = None, 0
+        for child in parent.children.values():
+            if len(child.blocks) != len(self.groups):
+                continue
+            k = min(_common_prefix(child.tokens, want), limit)
+            k -= k % self._partial_unit
+            if k > best_k:
+                best, best_k = child, k
+        if best is None:
+            return 0
+        for g in self.groups:  # hold the source so our own allocation cannot evict it
+            self._pool[g.name].incref(best.blocks[g.name])
+        gained = 0
+        if all(self._pool[g.name].available >= 1 for g in self.groups):
+            for g in self.groups:
+                b = self._pool[g.name].allocate(self._detach)
+                src = best.blocks[g.name]
+                self.pools.tensors[g.name][:, b].copy_(self.pools.tensors[g.name][:, src])
+                cache.tables[g.name].append(b)
+            gained = best_k
+            cache.partial_hit = True
+            self.counters["reuse_partial_hits"] += 1
+        for g in self.groups:
+            pool, src = self._pool[g.name], best.blocks[g.name]
+            pool.decref(src, pool.priority[src], True, self._detach)
+        return gained
+
+    def _restore_needs(self, cache: SequenceCache) -> dict[str, tuple[int, int]]:
+        """Per group: (blocks to allocate and copy, cached unowned blocks to take back as they are)."""
+        needs = {}
+        for g in self.groups:
+            pool = self._pool[g.name]
+            new = reclaim_cached = 0
+            for j, slot in enumerate(cache.host[g.name]):
+                if slot < 0:
+                    continue
+                b = self._reclaimable(cache, g.name, j)
+                if b is None:
+                    new += 1
+                elif pool.ref[b] == 0:
+                    reclaim_cached += 1
+            needs[g.name] = (new, reclaim_cached)
+        return needs
+
+    def _reclaimable(self, cache: SequenceCache, group: str, j: int) -> int | None:
+        """The device block logical block ``j`` had at suspend, if it is still cached untouched."""
+        mark = cache.reclaim[group].get(j)
+        if mark is None:
+            return None
+        b, gen = mark
+        pool = self._pool[group]
+        return b if pool.node[b] is not None and pool.gen[b] == gen else None
+
+    def _restore(self, cache: SequenceCache) -> None:
+        """Bring a suspended cache's pages back: take back untouched cached blocks, copy the rest from host."""
+        assert self.host is not None and cache.host is not None
+        T = self.T
+        for g in self.groups:
+            pool, slots = self._pool[g.name], cache.host[g.name]
+            table = [-1] * len(slots)
+            for j, slot in enumerate(slots):  # first take back, so allocating below cannot evict them
+                if slot >= 0:
+                    b = self._reclaimable(cache, g.name, j)
+                    if b is not None:
+                        pool.incref(b)
+                        table[j] = b
+            for j, slot in enumerate(slots):
+                if slot >= 0 and table[j] < 0:
+                    b = pool.allocate(self._detach)
+                    self.host.load(g.name, slot, b)
+                    table[j] = b
+                    end = (j + 1) * g.tokens_per_block
+                    if self._reuse and end <= cache.committed and end % T == 0:
+                        self._attach(cache.nodes[end // T - 1], g.name, b)
+            cache.tables[g.name] = table
+        self.host.sync()  # the copies are done before the slots can be overwritten
+        for name, slots in cache.host.items():
+            self.host.free(name, slots)
+        cache.host, cache.reclaim = None, {}
+        cache.state = CacheState.ACTIVE
+        self.counters["resumes"] += 1

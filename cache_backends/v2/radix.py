@@ -1,0 +1,81 @@
+"""The prefix-reuse radix tree: one node per full block of ``T`` tokens, keyed by its chained hash.
+
+One root per reuse salt, so tenants never see each other's nodes (the salt is also inside every
+hash). A node at depth ``d`` stands for tokens ``[d*T, (d+1)*T)`` of every sequence whose first
+``(d+1)*T`` tokens hash to its key, and holds, per layer group, at most one physical block that
+ends exactly at ``(d+1)*T`` (compressed groups with blocks of ``k*T`` tokens hold one on every
+k-th node). Invariants:
+
+* ``node.blocks[g] == b`` if and only if the group pool's ``node[b] is node``.
+* ``node.users`` counts the live caches whose path runs through the node; a node is pruned when
+  it has no blocks, no children and no users, and pruning walks up towards the root.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+
+class RadixNode:
+    """One full token block of a cached prefix."""
+
+    __slots__ = ("blocks", "children", "depth", "key", "parent", "salt", "tokens", "users")
+
+    def __init__(self, key: bytes | None, parent: RadixNode | None, tokens: tuple[int, ...], salt: str | None) -> None:
+        self.key = key
+        self.parent = parent
+        self.tokens = tokens
+        self.salt = salt
+        self.depth = -1 if parent is None else parent.depth + 1
+        self.children: dict[bytes, RadixNode] = {}
+        self.blocks: dict[str, int] = {}
+        self.users = 0
+
+    @property
+    def is_root(self) -> bool:
+        """Whether this is a salt's root (no tokens of its own)."""
+        return self.parent is None
+
+
+class RadixTree:
+    """Nodes of all reuse scopes; lookups are dict hits, pruning is O(depth removed)."""
+
+    def __init__(self) -> None:
+        self.roots: dict[str | None, RadixNode] = {}
+        self.num_nodes = 0
+
+    def root(self, salt: str | None) -> RadixNode | None:
+        """The root of a reuse scope, if it has any node."""
+        return self.roots.get(salt)
+
+    def child(self, parent: RadixNode | None, salt: str | None, key: bytes, tokens: tuple[int, ...]) -> RadixNode:
+        """The child of ``parent`` (``None``: the salt's root) with ``key``, created when missing."""
+        if parent is None:
+            parent = self.roots.get(salt)
+            if parent is None:
+                parent = self.roots[salt] = RadixNode(None, None, (), salt)
+        node = parent.children.get(key)
+        if node is None:
+            node = parent.children[key] = RadixNode(key, parent, tokens, salt)
+            self.num_nodes += 1
+        return node
+
+    def prune(self, node: RadixNode) -> None:
+        """Remove ``node`` and then its ancestors while they hold nothing and nobody uses them."""
+        while node.parent is not None and not node.blocks and not node.children and node.users == 0:
+            parent = node.parent
+            del parent.children[node.key]
+            node.parent = None
+            self.num_nodes -= 1
+            node = parent
+        if node.parent is None and not node.children and self.roots.get(node.salt) is node:
+            del self.roots[node.salt]
+
+    def nodes(self) -> Iterator[RadixNode]:
+        """Every non-root node (for checks and tests)."""
+        stack = list(self.roots.values())
+        while stack:
+            node = stack.pop()
+            for child in node.children.values():
+                yield child
+                stack.append(child)

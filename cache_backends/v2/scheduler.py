@@ -1,0 +1,176 @@
+"""``KVCacheV2Scheduler``: greedy admission, suspend-to-host under pressure, resume when room returns.
+
+One :meth:`~KVCacheV2Scheduler.step`:
+
+1. **Running requests**, ranked by priority (high first) then arrival (early first); decodes (one
+   pending token) before prefill chunks, within ``max_num_tokens`` tokens. A prefill chunk shrinks
+   to what fits. When even one token does not fit, the *lowest-ranked* running request is moved
+   out — suspended to the host tier (``SchedulerOutput.suspended``) or, when the host tier is
+   absent or full, preempted for recompute (``preempted``: its blocks stay in the prefix cache, so
+   the recompute mostly reuses them) — and its chunk, if it had one this step, is withdrawn. This
+   repeats until the chunk fits or the request itself is the lowest-ranked one, which then goes.
+2. If nobody had to move out this step: **resume** suspended requests, best-ranked first, while
+   the batch has room and the manager accepts (``max_util_for_resume``); then, once none is left
+   suspended, **admit** waiting requests first come first served while the batch has room and
+   their first chunk fits. A request that could never fit the pools, even alone, is skipped.
+3. If nothing was scheduled while requests remain, ``stalled`` says why. It happens only when a
+   request cannot grow although it runs alone, or cannot fit at all; the scheduler never loops.
+
+Why every request that fits the pools alone completes: the best-ranked running request is never
+moved out while another runs, so it advances every step until it finishes; then the next one
+does. Suspended and waiting requests sit at the front of ``waiting`` in state ``SUSPENDED`` /
+``WAITING``, so a driver that loops ``while waiting or running`` sees them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from cache_backends.interface import ScheduledChunk, SchedulerOutput
+from cache_backends.request import Request, RequestState
+from cache_backends.v2.manager import KVCacheManagerV2
+
+
+def _rank(request: Request) -> tuple[int, int]:
+    return (-request.priority, request.arrival)
+
+
+def _pending(request: Request) -> int:
+    return request.num_tokens - request.num_computed_tokens
+
+
+class KVCacheV2Scheduler:
+    """Max-utilisation scheduler for :class:`KVCacheManagerV2`; see the module docstring for one step."""
+
+    def __init__(self, manager: KVCacheManagerV2, max_batch_size: int, max_num_tokens: int) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if max_num_tokens < 1:
+            raise ValueError(f"max_num_tokens must be >= 1, got {max_num_tokens}")
+        self.manager = manager
+        self.max_batch_size = max_batch_size
+        self.max_num_tokens = max_num_tokens
+
+    def step(self, waiting: deque[Request], running: list[Request]) -> SchedulerOutput:
+        """Decide this iteration: move requests between ``waiting`` and ``running``, allocate, report."""
+        m = self.manager
+        for r in running:
+            if not m.has_cache(r) or not m.cache(r).is_active:
+                raise ValueError(f"request {r.req_id} is in running but has no active KV cache; "
+                                 "only the scheduler moves requests into running")
+        out = SchedulerOutput()
+        reasons: list[str] = []
+        chunks: dict[Request, ScheduledChunk] = {}
+        budget = self.max_num_tokens
+        running.sort(key=_rank)
+        moved_out = False
+
+        order = [r for r in running if _pending(r) == 1] + [r for r in running if _pending(r) > 1]
+        for r in order:
+            if budget == 0:
+                break
+            if r.state is not RequestState.RUNNING:  # moved out earlier in this loop
+                continue
+            want = min(_pending(r), budget)
+            n = m.fit_tokens(r, want)
+            while n == 0:
+                if r.num_computed_tokens >= m.options.max_seq_len:
+                    reasons.append(f"request {r.req_id} reached max_seq_len={m.options.max_seq_len}")
+                    break
+                if len(running) == 1:
+                    reasons.append(m.never_fits(r) or (
+                        f"request {r.req_id} cannot grow past {r.num_computed_tokens} tokens although it runs "
+                        "alone: the pools are full of its own blocks"))
+                    break
+                victim = running[-1]  # lowest priority, latest arrival
+                if victim in chunks:
+                    budget += chunks.pop(victim).num_tokens
+                self._move_out(victim, waiting, running, out)
+                moved_out = True
+                if victim is r:
+                    break
+                n = m.fit_tokens(r, want)
+            if n > 0 and r.state is RequestState.RUNNING:
+                budget -= self._schedule(r, n, chunks)
+
+        if not moved_out:
+            budget = self._resume(waiting, running, out, chunks, budget, reasons)
+            if not any(r.state is RequestState.SUSPENDED for r in waiting):
+                self._admit(waiting, running, out, chunks, budget, reasons)
+
+        out.scheduled = list(chunks.values())
+        if not out.scheduled and (waiting or running):
+            out.stalled = "; ".join(dict.fromkeys(reasons)) or "no request has a token to compute"
+        return out
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Mark finished and free its blocks (reusable ones stay cached); the caller removes it from running."""
+        request.state = RequestState.FINISHED
+        request.finish_reason = reason
+        self.manager.free(request)
+
+    # --- internals -------------------------------------------------------------------------------
+
+    def _schedule(self, request: Request, n: int, chunks: dict[Request, ScheduledChunk]) -> int:
+        if not self.manager.allocate(request, n):  # fit_tokens said it fits; this is a bookkeeping bug
+            raise RuntimeError(f"request {request.req_id}: allocation of {n} tokens failed after fitting")
+        chunks[request] = ScheduledChunk(request, n)
+        return n
+
+    def _move_out(self, victim: Request, waiting: deque[Request], running: list[Request],
+                  out: SchedulerOutput) -> None:
+        """Suspend ``victim`` to the host tier, or preempt it for recompute when the tier cannot take it."""
+        if self.manager.suspend(victim):
+            victim.state = RequestState.SUSPENDED
+            out.suspended.append(victim)
+        else:
+            self.manager.preempt(victim)
+            victim.state = RequestState.WAITING
+            out.preempted.append(victim)
+        running.remove(victim)
+        waiting.appendleft(victim)
+
+    def _resume(self, waiting: deque[Request], running: list[Request], out: SchedulerOutput,
+                chunks: dict[Request, ScheduledChunk], budget: int, reasons: list[str]) -> int:
+        m = self.manager
+        for r in sorted((r for r in waiting if r.state is RequestState.SUSPENDED), key=_rank):
+            if len(running) >= self.max_batch_size:
+                break
+            refusal = m.resume_refusal(r)
+            if refusal is not None:
+                reasons.append(refusal)
+                break
+            m.resume(r)
+            r.state = RequestState.RUNNING
+            waiting.remove(r)
+            running.append(r)
+            out.resumed.append(r)
+            n = m.fit_tokens(r, min(_pending(r), budget)) if budget else 0
+            if n:
+                budget -= self._schedule(r, n, chunks)
+        return budget
+
+    def _admit(self, waiting: deque[Request], running: list[Request], out: SchedulerOutput,
+               chunks: dict[Request, ScheduledChunk], budget: int, reasons: list[str]) -> None:
+        m = self.manager
+        for r in list(waiting):
+            if r.state is not RequestState.WAITING:
+                continue
+            if len(running) >= self.max_batch_size or budget == 0:
+                break
+            why = m.never_fits(r)
+            if why is not None:
+                reasons.append(why)
+                continue
+            m.create(r)
+            m.resume(r)
+            n = m.fit_tokens(r, min(_pending(r), budget))
+            if n == 0:
+                m.cancel_admission(r)
+                reasons.append(f"no room to admit request {r.req_id} until running requests free blocks")
+                break
+            budget -= self._schedule(r, n, chunks)
+            r.state = RequestState.RUNNING
+            waiting.remove(r)
+            running.append(r)
+            out.admitted.append(r)

@@ -1,0 +1,56 @@
+"""One request's V2 cache: block tables per layer group, the three lengths, and its life-cycle state."""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+from cache_backends.request import Request
+from cache_backends.v2.radix import RadixNode
+
+
+class CacheState(enum.Enum):
+    """Where a cache's pages are."""
+
+    SUSPENDED = "suspended"  # no device blocks: new (not admitted yet) or moved to the host tier
+    ACTIVE = "active"  # block tables point at device blocks
+
+
+@attrs.define(eq=False)
+class SequenceCache:
+    """Per-request cache. Life cycle: create (suspended) → resume → allocate/commit/resize → suspend → resume → close.
+
+    Invariants (checked by ``KVCacheManagerV2.check_invariants``):
+
+    * ``committed <= history <= capacity``: committed tokens have their KV written and final;
+      ``history`` also counts tokens scheduled this step (KV being written); ``capacity`` is the
+      number of token slots reserved.
+    * While active, ``tables[g]`` has ``ceil(capacity / tokens_per_block(g))`` entries: a physical block
+      id, or -1 for a sliding group's block that fell wholly out of the window (logical blocks below
+      ``released[g]``).
+    * ``hashes``/``nodes``: chained hash and radix node of every full committed ``T``-token block,
+      ``len == committed // T`` (only when prefix reuse is on).
+    * While suspended after admission, ``host[g]`` maps each logical block to its host slot (-1: none),
+      and ``reclaim[g][j] = (block, gen)`` remembers cached device blocks that can be taken back as-is.
+    """
+
+    request: Request
+    tables: dict[str, list[int]]
+    released: dict[str, int]
+    state: CacheState = CacheState.SUSPENDED
+    admitted: bool = False
+    committed: int = 0
+    history: int = 0
+    capacity: int = 0
+    hashes: list[bytes] = attrs.Factory(list)
+    nodes: list[RadixNode] = attrs.Factory(list)
+    host: dict[str, list[int]] | None = None
+    reclaim: dict[str, dict[int, tuple[int, int]]] = attrs.Factory(dict)
+    reused_tokens: int = 0
+    partial_hit: bool = False
+
+    @property
+    def is_active(self) -> bool:
+        """Whether the cache holds device blocks."""
+        return self.state is CacheState.ACTIVE

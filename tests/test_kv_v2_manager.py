@@ -1,0 +1,518 @@
+"""KVCacheManagerV2 with real tensors: life cycle, windows, prefix reuse and salts, host tier, eviction."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cache_backends import LayerKV, build_layout
+from cache_backends.interface import ManagerOptions
+from cache_backends.pools import BlockPools
+from cache_backends.request import Request
+from cache_backends.v2 import CacheState, KVCacheManagerV2
+from tests.test_kv_v2_harness import check_kv, full_sliding_layers, make_manager, write_kv
+
+FULL = [LayerKV(0, "full", 4)]
+
+
+def admit(manager: KVCacheManagerV2, request: Request) -> None:
+    manager.create(request)
+    assert manager.resume(request)
+
+
+def compute(manager: KVCacheManagerV2, request: Request, n: int) -> None:
+    """Schedule, 'run the forward' (write synthetic KV) and commit ``n`` tokens."""
+    assert manager.allocate(request, n)
+    write_kv(manager, request, request.num_computed_tokens, n)
+    manager.commit(request, n)
+
+
+def prefill(manager: KVCacheManagerV2, request: Request) -> None:
+    admit(manager, request)
+    compute(manager, request, request.num_tokens - request.num_computed_tokens)
+
+
+def lengths(manager: KVCacheManagerV2, request: Request) -> tuple[int, int, int]:
+    c = manager.cache(request)
+    return c.committed, c.history, c.capacity
+
+
+def held(table: list[int]) -> list[int]:
+    return [b for b in table if b >= 0]
+
+
+# --- life cycle ------------------------------------------------------------------------------------
+
+
+def test_life_cycle_keeps_committed_le_history_le_capacity():
+    m = make_manager(full_sliding_layers(), 16)
+    r = Request("a", list(range(10)), 4)
+    cache = m.create(r)
+    assert cache.state is CacheState.SUSPENDED and not cache.admitted
+    assert m.stats()["caches"] == {"active": 0, "suspended": 1}
+    with pytest.raises(ValueError, match="suspended; resume"):
+        m.block_table(r, "full")
+
+    assert m.resume(r) and cache.is_active and lengths(m, r) == (0, 0, 0)
+    assert m.allocate(r, 6)
+    assert lengths(m, r) == (0, 6, 6) and len(m.block_table(r, "full")) == 2
+    write_kv(m, r, 0, 6)
+    m.commit(r, 4)
+    assert lengths(m, r) == (4, 6, 6) and r.num_computed_tokens == 4
+    with pytest.raises(ValueError, match="cannot commit 3 tokens; 2 are scheduled"):
+        m.commit(r, 3)
+
+    assert m.resize(r, 12) and lengths(m, r) == (4, 6, 12) and len(m.block_table(r, "full")) == 3
+    with pytest.raises(ValueError, match="below history"):
+        m.resize(r, 5)
+    assert m.resize(r, 6) and len(m.block_table(r, "full")) == 2
+    m.commit(r, 2)
+    check_kv(m, r)
+
+    assert m.suspend(r)
+    assert cache.state is CacheState.SUSPENDED
+    stats = m.stats()
+    assert all(g["used"] == 0 for g in stats["groups"].values())
+    assert stats["host"]["full"]["used"] == 2 and stats["suspends"] == 1
+
+    assert m.resume(r) and lengths(m, r) == (6, 6, 6)
+    check_kv(m, r)
+    assert m.stats()["resumes"] == 1
+    m.check_invariants()
+
+    m.free(r)
+    stats = m.stats()
+    assert not m.has_cache(r)
+    assert all(g["used"] == 0 and g["free"] + g["evictable"] == g["total"] for g in stats["groups"].values())
+    assert all(h["used"] == 0 for h in stats["host"].values())
+    m.check_invariants()
+
+
+def test_suspend_drops_tokens_scheduled_but_not_committed():
+    m = make_manager(FULL, 8)
+    r = Request("a", list(range(10)), 0)
+    admit(m, r)
+    compute(m, r, 5)
+    assert m.allocate(r, 5) and lengths(m, r) == (5, 10, 10)
+    assert m.suspend(r)
+    assert m.stats()["host"]["full"]["used"] == 2  # the 5 committed tokens' blocks only
+    assert m.resume(r) and lengths(m, r) == (5, 5, 5)
+    check_kv(m, r)
+
+
+def test_bad_inputs_get_one_clear_error():
+    layout_v1 = build_layout(FULL, "v1", 4, "float32")
+    with pytest.raises(ValueError, match="'v2' layout"):
+        KVCacheManagerV2(BlockPools(layout_v1, {"uniform": 4}, "cpu"), ManagerOptions(max_seq_len=64))
+    with pytest.raises(ValueError, match="max_util_for_resume"):
+        make_manager(FULL, 4, max_util_for_resume=0.0)
+    m = make_manager(FULL, 4, max_seq_len=16)
+    r = Request("a", [1, 2, 3], 5)
+    admit(m, r)
+    with pytest.raises(ValueError, match="already has a KV cache"):
+        m.create(r)
+    with pytest.raises(ValueError, match="already active"):
+        m.resume(r)
+    with pytest.raises(ValueError, match="no layer group 'sliding'; groups: full"):
+        m.block_table(r, "sliding")
+    with pytest.raises(ValueError, match="cannot schedule 4 tokens from 0; it has 3"):
+        m.allocate(r, 4)
+    with pytest.raises(ValueError, match="exceed max_seq_len=16"):
+        m.create(Request("long", list(range(17)), 0))
+    with pytest.raises(ValueError, match="no KV cache in this manager"):
+        m.commit(Request("stranger", [1], 0), 1)
+
+
+def test_close_releases_pools_and_host_tier_and_is_idempotent():
+    m = make_manager(FULL, 4)
+    assert m.host is not None and m.host.nbytes > 0
+    r = Request("a", [1, 2, 3], 0)
+    prefill(m, r)
+    m.close()
+    m.close()
+    assert m.closed and m.pools.released and m.host.nbytes == 0
+    with pytest.raises(RuntimeError, match="closed"):
+        m.stats()
+    with pytest.raises(RuntimeError, match="closed"):
+        m.create(Request("b", [1], 0))
+
+
+def test_check_invariants_reports_a_broken_reference_count():
+    m = make_manager(FULL, 4)
+    r = Request("a", list(range(6)), 0)
+    prefill(m, r)
+    m.check_invariants()
+    m._pool["full"].ref[m.block_table(r, "full")[0]] += 1
+    with pytest.raises(AssertionError, match="ref 2 but 1 owners"):
+        m.check_invariants()
+
+
+# --- suspend / resume byte-exact ---------------------------------------------------------------------
+
+
+def _fill_random(m: KVCacheManagerV2, r: Request) -> None:
+    """Random bits in every page ``r`` holds."""
+    for g in m.groups:
+        for b in held(m.block_table(r, g.name)):
+            page = m.pools.tensors[g.name][:, b]
+            page.copy_(torch.randn(page.shape, dtype=torch.float32).to(page.dtype))
+
+
+def _snapshot(m: KVCacheManagerV2, r: Request) -> dict[str, list[torch.Tensor | None]]:
+    """A copy of every page of ``r`` (None where a window released it)."""
+    return {
+        g.name: [None if b < 0 else m.pools.tensors[g.name][:, b].clone() for b in m.block_table(r, g.name)]
+        for g in m.groups
+    }
+
+
+def _assert_pages_equal(m: KVCacheManagerV2, r: Request, saved: dict[str, list[torch.Tensor | None]]) -> None:
+    for g in m.groups:
+        table = m.block_table(r, g.name)
+        assert [b < 0 for b in table] == [p is None for p in saved[g.name]], g.name
+        for j, (b, page) in enumerate(zip(table, saved[g.name], strict=True)):
+            if page is not None:
+                got = m.pools.tensors[g.name][:, b]
+                assert torch.equal(got.view(torch.int16), page.view(torch.int16)), f"{g.name} block {j} differs"
+
+
+def test_suspend_then_resume_restores_every_page_byte_exact_after_the_device_was_reused():
+    m = make_manager(full_sliding_layers(window=10), 12, dtype="bfloat16")
+    r = Request("a", list(range(1, 23)), 0)  # 22 tokens: 5 full blocks + a partial one
+    admit(m, r)
+    assert m.allocate(r, 22)
+    _fill_random(m, r)
+    m.commit(r, 22)
+    saved = _snapshot(m, r)
+    assert sum(b < 0 for b in m.block_table(r, "sliding_w10")) == 3  # the window released blocks 0..2
+    assert m.suspend(r)
+
+    hog = Request("hog", [500 + i for i in range(48)], 0)  # needs every block: evicts r's cached pages
+    admit(m, hog)
+    assert m.allocate(hog, 48)
+    for t in m.pools.tensors.values():
+        t.copy_(torch.randn(t.shape).to(t.dtype))
+    m.free(hog)
+    assert m.stats()["groups"]["full"]["evictions"] > 0
+
+    assert m.resume(r)
+    _assert_pages_equal(m, r, saved)
+    m.check_invariants()
+
+
+def test_resume_takes_back_untouched_cached_blocks_without_copying_them():
+    m = make_manager(full_sliding_layers(window=64), 16, dtype="bfloat16")
+    r = Request("a", list(range(1, 15)), 0)  # 3 full blocks (cached prefix blocks) + a private tail
+    admit(m, r)
+    assert m.allocate(r, 14)
+    _fill_random(m, r)
+    m.commit(r, 14)
+    saved = _snapshot(m, r)
+    before = m.block_table(r, "full")
+    assert m.suspend(r)
+    assert m.resume(r)
+    after = m.block_table(r, "full")
+    assert after[:3] == before[:3]  # still cached and never evicted: taken back in place
+    _assert_pages_equal(m, r, saved)
+
+
+# --- sliding windows -------------------------------------------------------------------------------
+
+
+def test_sliding_group_releases_blocks_that_left_the_window():
+    m = make_manager(full_sliding_layers(window=8), 16, enable_block_reuse=False)
+    r = Request("a", list(range(20)), 40)
+    prefill(m, r)
+    # next query is position 20: it sees keys 13..20, so blocks 0..2 (tokens 0..11) are out
+    assert m.block_table(r, "sliding_w8")[:3] == [-1, -1, -1]
+    assert len(held(m.block_table(r, "sliding_w8"))) == 2
+    assert len(held(m.block_table(r, "full"))) == 5
+    groups = m.stats()["groups"]
+    assert groups["sliding_w8"]["used"] == 2 and groups["sliding_w8"]["free"] == 14
+    check_kv(m, r)
+    group = m.pools.groups["sliding_w8"]
+    for _ in range(30):  # decode: the window never holds more than its bound
+        r.output_token_ids.append(3)
+        compute(m, r, 1)
+        assert len(held(m.block_table(r, "sliding_w8"))) <= group.max_blocks_per_sequence
+    check_kv(m, r)
+    assert len(held(m.block_table(r, "full"))) == 13
+
+
+@pytest.mark.parametrize("scratch", [False, True])
+def test_swa_scratch_reuse_keeps_released_window_blocks_reusable(scratch):
+    m = make_manager(full_sliding_layers(window=8), 32, enable_swa_scratch_reuse=scratch)
+    prompt = list(range(1, 25))
+    a = Request("a", prompt, 0)
+    prefill(m, a)
+    sliding = m.stats()["groups"]["sliding_w8"]
+    # blocks 0..3 left the window; as full prefix blocks they stay cached only with scratch reuse
+    assert sliding["evictable"] == (4 if scratch else 0)
+    assert sliding["free"] == (26 if scratch else 30)
+    m.free(a)
+
+    b = Request("b", [*prompt[:20], 77, 78, 79, 80], 0)
+    admit(m, b)
+    # Rule: a prefix of m tokens is reusable only if the sliding group still holds every block the
+    # window at m covers; without scratch reuse those blocks were freed as a ran past them.
+    assert b.num_computed_tokens == (20 if scratch else 0)
+    if scratch:
+        check_kv(m, b)
+
+
+# --- prefix reuse ------------------------------------------------------------------------------------
+
+
+def test_salts_isolate_reuse():
+    m = make_manager(full_sliding_layers(window=64), 32)
+    prompt = list(range(1, 18))
+    a = Request("a", prompt, 0, salt="tenant-a")
+    prefill(m, a)
+    m.free(a)
+    others = []
+    for rid, salt in (("b", "tenant-b"), ("c", None)):
+        r = Request(rid, prompt, 0, salt=salt)
+        admit(m, r)
+        assert r.num_computed_tokens == 0 and r.num_reused_tokens == 0
+        compute(m, r, r.num_tokens)
+        check_kv(m, r)
+        others.append(r)
+    d = Request("d", prompt, 0, salt="tenant-a")
+    admit(m, d)
+    assert d.num_computed_tokens == 16 and d.num_reused_tokens == 16
+    check_kv(m, d)
+    d_blocks = set(held(m.block_table(d, "full")))
+    for r in others:
+        assert not d_blocks & set(held(m.block_table(r, "full")))
+    assert m.stats()["reuse_hit_tokens"] == 16
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_reuse_never_covers_the_whole_prompt(partial):
+    m = make_manager(FULL, 16, enable_partial_reuse=partial)
+    prompt = list(range(1, 9))  # exactly two full blocks
+    a = Request("a", prompt, 0)
+    prefill(m, a)
+    m.free(a)
+    b = Request("b", list(prompt), 3)
+    admit(m, b)
+    assert b.num_computed_tokens == (7 if partial else 4)  # the last prompt token is always computed
+    check_kv(m, b)
+    compute(m, b, 1)
+    check_kv(m, b)
+
+
+def test_partial_reuse_copies_the_matching_block_and_never_writes_the_original():
+    m = make_manager(full_sliding_layers(window=64), 16)
+    a = Request("a", list(range(1, 13)), 4)  # three full blocks, still running
+    prefill(m, a)
+    b = Request("b", [*a.prompt_token_ids[:6], 90, 91, 92], 0)
+    admit(m, b)
+    assert b.num_computed_tokens == 6  # block 0 shared, 2 tokens of block 1 copied
+    a_full, b_full = m.block_table(a, "full"), m.block_table(b, "full")
+    assert b_full[0] == a_full[0] and b_full[1] != a_full[1]
+    check_kv(m, b)
+    compute(m, b, 3)  # writes tokens 6..8 into b's copy of block 1
+    check_kv(m, a)
+    check_kv(m, b)
+    assert m.stats()["reuse_partial_hits"] == 1
+    m.check_invariants()
+
+
+def test_compressed_groups_reuse_whole_blocks_of_their_span_only():
+    from models import load_hf_config, resolve_checkpoint, spec_class_for
+
+    cfg = load_hf_config(resolve_checkpoint("tiny-deepseek-v4"))
+    layers = spec_class_for(cfg.architectures[0])(cfg).kv_layers()
+    m = make_manager(layers, 64, T=8, enable_swa_scratch_reuse=True)
+    stats = m.stats()["reuse"]
+    assert stats["unit_tokens"] == 128 and stats["partial"] is False  # hca blocks span 128 tokens
+    prompt = [(7 * i) % 101 for i in range(300)]
+    a = Request("a", prompt, 0)
+    prefill(m, a)
+    check_kv(m, a)
+    m.free(a)
+    b = Request("b", [*prompt, 5], 0)
+    admit(m, b)
+    assert b.num_computed_tokens == 256  # 2 whole hca blocks; not 296 (T-aligned) nor 300
+    check_kv(m, b)
+    compute(m, b, b.num_tokens - 256)
+    check_kv(m, b)
+    m.check_invariants()
+
+
+def test_cancel_admission_undoes_the_claim():
+    m = make_manager(FULL, 8)
+    a = Request("a", list(range(1, 10)), 0)
+    prefill(m, a)
+    m.free(a)
+    b = Request("b", list(range(1, 10)), 0)
+    admit(m, b)
+    assert b.num_computed_tokens == 8 and m.stats()["reuse_hit_tokens"] == 8
+    c = Request("c", [*range(1, 7), 60, 61], 0)
+    admit(m, c)
+    assert c.num_computed_tokens == 6 and m.stats()["reuse_partial_hits"] == 1
+    m.cancel_admission(c)
+    m.cancel_admission(b)
+    assert not m.has_cache(b) and b.num_computed_tokens == 0 and b.num_reused_tokens == 0
+    assert m.stats()["reuse_hit_tokens"] == 0 and m.stats()["reuse_partial_hits"] == 0
+    assert m.stats()["groups"]["full"]["used"] == 0
+    admit(m, b)
+    compute(m, b, 1)
+    with pytest.raises(ValueError, match="just-admitted"):
+        m.cancel_admission(b)
+
+
+# --- eviction ----------------------------------------------------------------------------------------
+
+
+def test_eviction_takes_lowest_priority_first_and_the_tail_of_a_prefix_before_its_head():
+    m = make_manager(FULL, 12, enable_partial_reuse=False)
+    low = Request("low", list(range(100, 113)), 0, priority=0)  # 3 full blocks + a private tail
+    high = Request("high", list(range(200, 213)), 0, priority=5)
+    prefill(m, high)
+    prefill(m, low)
+    m.free(high)
+    m.free(low)  # released last, so the most recently used: LRU alone would evict high first
+    assert m.stats()["groups"]["full"] == {**m.stats()["groups"]["full"], "free": 6, "evictable": 6}
+
+    new = Request("new", list(range(300, 332)), 0)
+    prefill(m, new)  # 8 blocks: the 6 free ones, then 2 evicted
+    assert m.stats()["groups"]["full"]["evictions"] == 2
+
+    probe_low = Request("probe-low", low.prompt_token_ids, 0)
+    probe_high = Request("probe-high", high.prompt_token_ids, 0)
+    admit(m, probe_low)
+    admit(m, probe_high)
+    assert probe_low.num_computed_tokens == 4  # low's blocks 2 and 1 went, its head survived
+    assert probe_high.num_computed_tokens == 12
+    check_kv(m, probe_low)
+    check_kv(m, probe_high)
+
+
+def test_eviction_within_a_priority_is_least_recently_released_first():
+    m = make_manager(FULL, 8, enable_partial_reuse=False)
+    first = Request("first", list(range(100, 109)), 0)  # 2 full blocks + tail
+    second = Request("second", list(range(200, 209)), 0)
+    prefill(m, first)
+    prefill(m, second)
+    m.free(first)
+    m.free(second)
+    fresh = Request("fresh", list(range(300, 318)), 0)  # 5 blocks: 4 free + 1 evicted
+    prefill(m, fresh)
+    probes = [Request(f"probe-{r.req_id}", r.prompt_token_ids, 0) for r in (first, second)]
+    for p in probes:
+        admit(m, p)
+    assert [p.num_computed_tokens for p in probes] == [4, 8]
+
+
+# --- resume gate and host tier ---------------------------------------------------------------------
+
+
+def test_resume_is_refused_above_max_util_for_resume_unless_nothing_else_runs():
+    m = make_manager(FULL, 10, max_util_for_resume=0.5, enable_block_reuse=False)
+    a = Request("a", list(range(24)), 0)  # 6 blocks
+    prefill(m, a)
+    assert m.suspend(a)
+    b = Request("b", list(range(4)), 0)  # 1 block
+    prefill(m, b)
+    reason = m.resume_refusal(a)
+    assert reason and "7/10 blocks of group full, above max_util_for_resume=0.5" in reason
+    assert m.resume(a) is False and m.cache(a).state is CacheState.SUSPENDED
+    m.free(b)
+    assert m.resume_refusal(a) is None  # idle device: waiting could never help
+    assert m.resume(a)
+    check_kv(m, a)
+
+
+def test_resume_is_refused_without_room():
+    m = make_manager(FULL, 6, enable_block_reuse=False)
+    a = Request("a", list(range(16)), 0)
+    prefill(m, a)
+    assert m.suspend(a)
+    b = Request("b", list(range(12)), 0)
+    prefill(m, b)
+    assert "needs 4 blocks of group full; 3 are free or evictable" in m.resume_refusal(a)
+    assert not m.resume(a)
+
+
+def test_host_cache_size_zero_means_no_tier_and_suspend_declines():
+    m = make_manager(FULL, 4, host_cache_size=0)
+    assert m.host is None and m.stats()["host"] is None
+    r = Request("a", list(range(6)), 0)
+    prefill(m, r)
+    assert m.suspend(r) is False
+    assert m.cache(r).is_active
+    check_kv(m, r)
+
+
+def test_host_cache_size_in_bytes_is_split_like_the_pools():
+    # full: 1 layer x 4 elems x 4 B x 4 tokens = 64 B/block; sliding: 2 layers -> 128 B/block
+    m = make_manager(full_sliding_layers(), 16, host_cache_size=192 + 1000)
+    host = m.stats()["host"]
+    assert host == {"full": {"total": 6, "used": 0}, "sliding_w8": {"total": 6, "used": 0}}
+    assert m.host.nbytes <= 1192
+    with pytest.raises(ValueError, match="host_cache_size=100 bytes cannot hold one block of every layer group"):
+        make_manager(full_sliding_layers(), 16, host_cache_size=100)
+
+
+def test_auto_host_tier_mirrors_the_device_pools():
+    m = make_manager(full_sliding_layers(), 16, host_cache_size=None)
+    assert {name: h["total"] for name, h in m.stats()["host"].items()} == m.pools.num_blocks
+    assert m.host.nbytes == m.pools.nbytes
+
+
+def test_suspend_declines_when_the_host_tier_is_full():
+    m = make_manager(FULL, 8, host_cache_size=3 * 64)  # 3 host slots
+    a, b = Request("a", list(range(8)), 0), Request("b", list(range(100, 108)), 0)
+    prefill(m, a)
+    prefill(m, b)
+    assert m.suspend(a)
+    assert m.suspend(b) is False and m.cache(b).is_active
+    check_kv(m, b)
+
+
+# --- sizing helpers and stats -----------------------------------------------------------------------
+
+
+def test_fit_tokens_and_never_fits():
+    m = make_manager(FULL, 4)
+    too_big = Request("big", list(range(17)), 0)
+    assert m.never_fits(too_big) == "request big needs 5 blocks of group full for 17 tokens; the pool has 4"
+    a = Request("a", list(range(8)), 0)
+    prefill(m, a)
+    b = Request("b", list(range(100, 112)), 0)
+    admit(m, b)
+    assert m.never_fits(b) is None
+    assert m.fit_tokens(b, 12) == 8  # two blocks left
+    assert m.allocate(b, 9) is False and lengths(m, b) == (0, 0, 0)  # all or nothing
+
+
+def test_stats_add_up():
+    m = make_manager(full_sliding_layers(), 16)
+    r = Request("a", list(range(14)), 0)
+    prefill(m, r)
+    stats = m.stats()
+    assert stats["manager"] == "v2" and 0 < stats["usage"] < 1
+    for g in stats["groups"].values():
+        assert g["free"] + g["evictable"] + g["used"] == g["total"] == 16
+    assert stats["groups"]["full"]["used"] == 4 and stats["groups"]["sliding_w8"]["used"] == 3  # block 0 left
+    assert stats["reuse"]["enabled"] and stats["reuse"]["radix_nodes"] == 3
+    assert {"suspends", "resumes", "preemptions", "reuse_hit_tokens"} <= stats.keys()
+
+
+def test_reuse_is_off_with_a_reason_when_group_blocks_do_not_align_with_token_blocks():
+    layers = [LayerKV(0, "full", 4), LayerKV(1, "csa", 4, window=8, compressed_elems=2, compress_rate=3)]
+    m = make_manager(layers, 16, T=4)  # csa: one entry per block, so its blocks span 3 tokens
+    reuse = m.stats()["reuse"]
+    assert reuse["enabled"] is False and "not all multiples of tokens_per_block=4" in reuse["disabled_reason"]
+    a = Request("a", list(range(1, 14)), 0)
+    prefill(m, a)
+    m.free(a)
+    b = Request("b", list(range(1, 14)), 0)
+    admit(m, b)
+    assert b.num_computed_tokens == 0
+    compute(m, b, 13)
+    check_kv(m, b)
+    assert make_manager(FULL, 4, enable_block_reuse=False).stats()["reuse"]["disabled_reason"] == (
+        "enable_block_reuse is false")

@@ -1,0 +1,160 @@
+"""KVCacheV2Scheduler driven by the interface's loop, with every running request's KV checked each step."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+
+from cache_backends import LayerKV
+from cache_backends.request import Request, RequestState
+from cache_backends.v2 import KVCacheV2Scheduler
+from tests.test_kv_v2_harness import drive, full_sliding_layers, make_manager
+
+FULL = [LayerKV(0, "full", 4)]
+
+
+def batch(n: int, prompt_len: int, new: int, **kw) -> list[Request]:
+    """``n`` requests with distinct prompts, arriving in order."""
+    return [Request(f"r{i}", [(i * 31 + j) % 97 for j in range(prompt_len)], new, arrival=i, **kw) for i in range(n)]
+
+
+def test_every_request_completes_through_the_host_tier_when_fewer_fit_than_wait():
+    m = make_manager(full_sliding_layers(window=8), 12)
+    s = KVCacheV2Scheduler(m, max_batch_size=8, max_num_tokens=16)
+    reqs = batch(6, 10, 12)  # 22 tokens each at the end: 6 full blocks, so only 2 fit at once
+    res = drive(m, s, reqs)
+    assert res.stalled is None
+    assert sorted(r.req_id for r in res.finished) == [r.req_id for r in reqs]
+    assert all(len(r.output_token_ids) == 12 and r.state is RequestState.FINISHED for r in reqs)
+    assert res.max_running > 2  # greedy admission: more run than would fit at full length
+    assert res.count("suspended") > 0 and res.count("resumed") == res.count("suspended")
+    assert res.count("preempted") == 0
+    stats = m.stats()
+    assert stats["suspends"] == res.count("suspended") and stats["resumes"] == res.count("resumed")
+    assert all(g["used"] == 0 for g in stats["groups"].values())
+    assert all(h["used"] == 0 for h in stats["host"].values())
+
+
+def test_without_a_host_tier_pressure_preempts_for_recompute_and_every_request_completes():
+    m = make_manager(full_sliding_layers(window=8), 16, host_cache_size=0, enable_swa_scratch_reuse=True)
+    s = KVCacheV2Scheduler(m, max_batch_size=8, max_num_tokens=16)
+    reqs = batch(6, 10, 12)
+    res = drive(m, s, reqs)
+    assert res.stalled is None and len(res.finished) == 6
+    assert res.count("suspended") == 0 and res.count("preempted") > 0
+    assert m.stats()["preemptions"] == res.count("preempted")
+    assert m.stats()["reuse_hit_tokens"] > 0  # the recompute took its cached prefix back
+
+
+def test_a_full_host_tier_falls_back_to_recompute():
+    m = make_manager(FULL, 12, host_cache_size=3 * 64)  # three host blocks
+    s = KVCacheV2Scheduler(m, max_batch_size=8, max_num_tokens=32)
+    res = drive(m, s, batch(6, 10, 12))
+    assert res.stalled is None and len(res.finished) == 6
+    assert res.count("suspended") > 0 and res.count("preempted") > 0
+
+
+@pytest.mark.parametrize(("priorities", "victim"), [((1, 0, 0), "r2"), ((1, 0, 2), "r1"), ((0, 0, 0), "r2")])
+def test_pressure_moves_out_the_lowest_priority_then_latest_arrival_first(priorities, victim):
+    m = make_manager(FULL, 9)
+    s = KVCacheV2Scheduler(m, max_batch_size=8, max_num_tokens=32)
+    reqs = [Request(f"r{i}", [i * 10 + j for j in range(8)], 8, priority=p, arrival=i)
+            for i, p in enumerate(priorities)]
+    res = drive(m, s, reqs)
+    first = next(o for o in res.outputs if o.suspended)
+    assert [r.req_id for r in first.suspended] == [victim]
+    assert res.stalled is None and len(res.finished) == 3
+
+
+def test_a_prompt_that_can_never_fit_is_reported_not_looped_on():
+    m = make_manager(FULL, 4)
+    s = KVCacheV2Scheduler(m, max_batch_size=4, max_num_tokens=64)
+    big = Request("big", list(range(20)), 4, arrival=0)
+    small = Request("small", list(range(100, 106)), 3, arrival=1)
+    res = drive(m, s, [big, small])
+    assert [r.req_id for r in res.finished] == ["small"]  # the impossible one does not block the rest
+    assert res.stalled == "request big needs 5 blocks of group full for 20 tokens; the pool has 4"
+    assert big.state is RequestState.WAITING and not m.has_cache(big)
+
+
+@pytest.mark.parametrize("host", [None, 0])
+def test_a_lone_request_that_outgrows_the_pool_is_reported_as_stalled(host):
+    m = make_manager(FULL, 4, host_cache_size=host)
+    s = KVCacheV2Scheduler(m, max_batch_size=4, max_num_tokens=64)
+    r = Request("grower", list(range(10)), 20)
+    res = drive(m, s, [r])
+    assert res.stalled == "request grower needs 5 blocks of group full for 17 tokens; the pool has 4"
+    assert r.num_computed_tokens == 16 and r.state is RequestState.RUNNING
+    assert res.count("suspended") == res.count("preempted") == 0  # moving itself out could not help
+
+
+def test_decodes_go_first_and_prefill_is_chunked_to_the_token_budget():
+    m = make_manager(FULL, 32)
+    s = KVCacheV2Scheduler(m, max_batch_size=4, max_num_tokens=6)
+    a = Request("a", [1, 2, 3], 5, arrival=0)
+    b = Request("b", list(range(50, 70)), 2, arrival=1, priority=1)  # ranked first, yet a's decode goes first
+    res = drive(m, s, [a, b])
+    first, second = res.outputs[0], res.outputs[1]
+    assert [(c.request.req_id, c.num_tokens) for c in first.scheduled] == [("a", 3), ("b", 3)]
+    assert [(c.request.req_id, c.num_tokens) for c in second.scheduled] == [("a", 1), ("b", 5)]
+    assert [r.req_id for r in first.admitted] == ["a", "b"]
+    assert len(res.finished) == 2
+
+
+def test_max_batch_size_caps_the_running_set():
+    m = make_manager(FULL, 64)
+    s = KVCacheV2Scheduler(m, max_batch_size=2, max_num_tokens=64)
+    res = drive(m, s, batch(5, 6, 4))
+    assert res.max_running == 2 and len(res.finished) == 5
+
+
+def test_a_strict_max_util_for_resume_still_lets_every_request_finish():
+    m = make_manager(FULL, 12, max_util_for_resume=0.3)
+    s = KVCacheV2Scheduler(m, max_batch_size=8, max_num_tokens=32)
+    res = drive(m, s, batch(5, 10, 12))
+    assert res.stalled is None and len(res.finished) == 5
+    assert res.count("resumed") > 0
+
+
+def test_a_later_request_reuses_the_prefix_an_earlier_one_left_cached():
+    m = make_manager(full_sliding_layers(window=64), 32)
+    s = KVCacheV2Scheduler(m, max_batch_size=4, max_num_tokens=64)
+    system = list(range(1, 18))
+    first = Request("first", [*system, 40, 41], 3)
+    drive(m, s, [first])
+    second = Request("second", [*system, 50, 51, 52], 3)
+    res = drive(m, s, [second])
+    assert second.num_reused_tokens == 17 and len(res.finished) == 1  # 4 full blocks + 1 token of the next
+    assert res.outputs[0].scheduled[0].num_tokens == second.num_prompt_tokens - 17
+
+
+def test_step_refuses_a_running_request_it_never_admitted():
+    m = make_manager(FULL, 8)
+    s = KVCacheV2Scheduler(m, max_batch_size=4, max_num_tokens=8)
+    with pytest.raises(ValueError, match="request x is in running but has no active KV cache"):
+        s.step(deque(), [Request("x", [1, 2], 1)])
+
+
+def test_finish_frees_the_blocks_and_marks_the_request():
+    m = make_manager(FULL, 8)
+    s = KVCacheV2Scheduler(m, max_batch_size=4, max_num_tokens=8)
+    r = Request("r", list(range(6)), 5)
+    waiting, running = deque([r]), []
+    s.step(waiting, running)
+    assert running == [r] and m.stats()["groups"]["full"]["used"] == 2
+    s.finish(r, "stop")
+    assert r.state is RequestState.FINISHED and r.finish_reason == "stop"
+    assert m.stats()["groups"]["full"]["used"] == 0 and not m.has_cache(r)
+
+
+def test_empty_queues_are_not_a_stall():
+    m = make_manager(FULL, 8)
+    out = KVCacheV2Scheduler(m, max_batch_size=4, max_num_tokens=8).step(deque(), [])
+    assert out.stalled is None and out.scheduled == []
+
+
+@pytest.mark.parametrize(("batch_size", "tokens", "match"), [(0, 8, "max_batch_size"), (4, 0, "max_num_tokens")])
+def test_scheduler_limits_must_be_positive(batch_size, tokens, match):
+    with pytest.raises(ValueError, match=match):
+        KVCacheV2Scheduler(make_manager(FULL, 8), batch_size, tokens)

@@ -1,0 +1,280 @@
+"""Hypothesis state machine: random V2 life cycles keep the block bookkeeping and the KV bytes right.
+
+Random create / fork-by-prefix / resume / grow (allocate, write, commit) / suspend / preempt / close
+sequences over small pools (so allocation fails, blocks get evicted, the host tier fills), with a
+full group, two sliding groups and a compressed group. After every step:
+
+* no block is owned twice by one cache, reference counts equal the number of owning caches, and
+  only cached prefix blocks are shared;
+* per group ``free + used + cached == total``, and the stats agree;
+* ``committed <= history <= capacity`` for every cache;
+* every active cache reads back, through its block tables, exactly the KV written for its tokens
+  (reused, copied, restored and windowed pages included).
+
+At the end, with everything closed, no block is used and every host slot is free.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, currently_in_test_context, settings
+from hypothesis import event as hypothesis_event
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from cache_backends import LayerKV
+from cache_backends.request import Request
+from cache_backends.v2 import CacheState
+from tests.test_kv_v2_harness import check_kv, make_manager, write_kv
+
+BLOCKS = 5
+MAX_SEQ = 48
+TOKENS = st.lists(st.integers(0, 5), min_size=1, max_size=14)
+SALTS = st.sampled_from([None, "tenant"])
+
+
+def event(name: str) -> None:
+    """Count a path in ``--hypothesis-show-statistics`` (a no-op when the machine is driven by hand)."""
+    if currently_in_test_context():
+        hypothesis_event(name)
+
+
+class V2CacheMachine(RuleBasedStateMachine):
+    """Drives one manager through random life cycles."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.m = None
+        self.live: list[Request] = []
+        self.seen: list[tuple[list[int], str | None]] = []
+        self.count = 0
+
+    @initialize(partial=st.booleans(), scratch=st.booleans(), window=st.sampled_from([3, 6, 64]),
+                host=st.sampled_from(["none", "small", "auto"]), seeds=st.lists(TOKENS, min_size=2, max_size=2))
+    def build(self, partial, scratch, window, host, seeds=()):
+        layers = [LayerKV(0, "full", 2), LayerKV(1, "sliding", 2, window=window),
+                  LayerKV(2, "csa", 2, window=window, compressed_elems=2, compress_rate=2)]
+        per_block = 2 * 4 * 4  # entry elems x float32 x tokens (csa: 2 entries of 2 elems per block: 16)
+        host_size = {"none": 0, "auto": None, "small": 2 * (3 * per_block + 16)}[host]
+        self.m = make_manager(layers, BLOCKS, max_seq_len=MAX_SEQ, enable_partial_reuse=partial,
+                              enable_swa_scratch_reuse=scratch, host_cache_size=host_size)
+        for tokens in seeds:  # start with admitted caches so every rule has something to act on
+            self.m.resume(self._new(tokens, None, 0))
+
+    # --- helpers -------------------------------------------------------------------------------
+
+    def _new(self, tokens: list[int], salt: str | None, priority: int) -> Request:
+        self.count += 1
+        r = Request(f"r{self.count}", tokens[:MAX_SEQ], 0, priority=priority, salt=salt, arrival=self.count)
+        self.m.create(r)
+        self.live.append(r)
+        self.seen.append((list(r.all_token_ids), salt))
+        return r
+
+    def _with(self, state: CacheState, admitted: bool | None = None) -> list[Request]:
+        out = []
+        for r in self.live:
+            c = self.m.cache(r)
+            if c.state is state and (admitted is None or c.admitted == admitted):
+                out.append(r)
+        return out
+
+    def _pick_active(self, data) -> Request | None:
+        active = self._with(CacheState.ACTIVE)
+        return data.draw(st.sampled_from(active)) if active else None
+
+    # --- rules ---------------------------------------------------------------------------------
+
+    @rule(tokens=TOKENS, salt=SALTS, priority=st.integers(0, 2))
+    def create(self, tokens, salt, priority):
+        self._new(tokens, salt, priority)
+
+    @rule(data=st.data(), suffix=TOKENS, priority=st.integers(0, 2), same_salt=st.booleans())
+    def fork_by_prefix(self, data, suffix, priority, same_salt):
+        if not self.seen:
+            return
+        tokens, salt = data.draw(st.sampled_from(self.seen))
+        k = data.draw(st.integers(1, len(tokens)))
+        r = self._new(tokens[:k] + suffix, salt if same_salt else ("other" if salt is None else None), priority)
+        assert self.m.resume(r)
+        assert r.num_computed_tokens < r.num_tokens  # reuse leaves at least one token to compute
+        event("fork reused a prefix" if r.num_computed_tokens else "fork reused nothing")
+
+    @rule(data=st.data())
+    def resume(self, data):
+        candidates = [r for r in self.live if not self.m.cache(r).is_active]
+        if not candidates:
+            return
+        r = data.draw(st.sampled_from(candidates))
+        cache = self.m.cache(r)
+        fresh = not cache.admitted
+        committed = cache.committed
+        refusal = self.m.resume_refusal(r)
+        ok = self.m.resume(r)
+        assert ok == (refusal is None)
+        event("admit" if fresh else "restore" if ok else "restore refused")
+        if fresh:
+            assert ok and r.num_computed_tokens < r.num_tokens
+        elif ok:
+            assert cache.committed == committed
+        else:
+            assert cache.state is CacheState.SUSPENDED
+
+    @rule(data=st.data(), n=st.integers(1, 10), new_tokens=st.lists(st.integers(0, 5), max_size=10))
+    def grow(self, data, n, new_tokens):
+        r = self._pick_active(data)
+        if r is None:
+            return
+        cache = self.m.cache(r)
+        room = MAX_SEQ - r.num_tokens
+        r.output_token_ids.extend(new_tokens[:room])  # generated tokens arrive
+        n = min(n, r.num_tokens - cache.committed)
+        if n == 0:
+            return
+        before = (cache.committed, cache.history, cache.capacity)
+        if not self.m.allocate(r, n):
+            assert (cache.committed, cache.history, cache.capacity) == before
+            event("allocation refused")
+            return
+        write_kv(self.m, r, cache.committed, n)
+        self.m.commit(r, data.draw(st.integers(0, n)))
+        if cache.committed:
+            self.seen.append((list(r.all_token_ids[: cache.committed]), r.salt))
+
+    @rule(data=st.data())
+    def suspend(self, data):
+        r = self._pick_active(data)
+        if r is None:
+            return
+        cache = self.m.cache(r)
+        committed = cache.committed
+        if self.m.suspend(r):
+            assert cache.state is CacheState.SUSPENDED and cache.history == committed
+            event("suspended")
+        else:
+            assert cache.is_active
+
+    @rule(data=st.data())
+    def preempt(self, data):
+        r = self._pick_active(data)
+        if r is None:
+            return
+        self.m.preempt(r)
+        self.live.remove(r)
+        assert r.num_computed_tokens == 0 and not self.m.has_cache(r)
+
+    @rule(data=st.data())
+    def close(self, data):
+        if not self.live:
+            return
+        r = data.draw(st.sampled_from(self.live))
+        self.m.free(r)
+        self.live.remove(r)
+
+    # --- invariants ----------------------------------------------------------------------------
+
+    @invariant()
+    def bookkeeping_holds(self):
+        if self.m is None:
+            return
+        self.m.check_invariants()
+        stats = self.m.stats()["groups"]
+        for g in self.m.groups:
+            owners: dict[int, int] = {}
+            for r in self._with(CacheState.ACTIVE):
+                table = [b for b in self.m.block_table(r, g.name) if b >= 0]
+                assert len(table) == len(set(table)), f"{r.req_id} owns a block of {g.name} twice"
+                for b in table:
+                    owners[b] = owners.get(b, 0) + 1
+            pool = self.m._pool[g.name]
+            for b in range(BLOCKS):
+                assert pool.ref[b] == owners.get(b, 0)
+                if owners.get(b, 0) > 1:
+                    assert pool.node[b] is not None, "only cached prefix blocks are shared"
+            s = stats[g.name]
+            assert s["free"] + s["used"] + s["evictable"] == s["total"] == BLOCKS
+            assert s["used"] == len(owners)
+
+    @invariant()
+    def lengths_are_ordered(self):
+        for r in self.live:
+            c = self.m.cache(r)
+            assert c.committed <= c.history <= c.capacity
+            if c.is_active:
+                for g in self.m.groups:
+                    assert len(self.m.block_table(r, g.name)) == math.ceil(c.capacity / g.tokens_per_block)
+
+    @invariant()
+    def kv_reads_back(self):
+        for r in self._with(CacheState.ACTIVE):
+            check_kv(self.m, r)
+
+    def teardown(self):
+        if self.m is None:
+            return
+        for r in list(self.live):
+            self.m.free(r)
+        stats = self.m.stats()
+        if any(g["evictions"] for g in stats["groups"].values()):
+            event("evicted")
+        if stats["reuse_partial_hits"]:
+            event("partial reuse")
+        assert all(g["used"] == 0 and g["free"] + g["evictable"] == g["total"] for g in stats["groups"].values())
+        assert all(h["used"] == 0 for h in (stats["host"] or {}).values())
+        self.m.check_invariants()
+        self.m.close()
+
+
+V2CacheMachine.TestCase.settings = settings(
+    max_examples=80, stateful_step_count=80, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+test_v2_cache_life_cycles = V2CacheMachine.TestCase
+
+
+@pytest.mark.parametrize("seed", [0])
+def test_machine_exercises_reuse_suspend_and_eviction(seed):
+    """The machine's moves reach the interesting paths (guards against a machine that tests nothing)."""
+    import random
+
+    rng = random.Random(seed)
+    totals = {"reuse_hit_tokens": 0, "suspends": 0, "resumes": 0, "evictions": 0, "reuse_partial_hits": 0}
+    for _ in range(20):
+        machine = V2CacheMachine()
+        machine.build(partial=True, scratch=rng.random() < 0.5, window=6, host="auto")
+        for _ in range(60):
+            active = machine._with(CacheState.ACTIVE)
+            move = rng.random()
+            if move < 0.25 or not machine.live:
+                tokens = [rng.randrange(3) for _ in range(rng.randrange(4, 14))]
+                if machine.seen and rng.random() < 0.7:
+                    src, _ = rng.choice(machine.seen)
+                    tokens = src[: rng.randrange(1, len(src) + 1)] + tokens[:3]
+                r = machine._new(tokens, None, rng.randrange(3))
+                machine.m.resume(r)
+            elif move < 0.7 and active:
+                r = rng.choice(active)
+                r.output_token_ids.append(rng.randrange(3))
+                n = r.num_tokens - machine.m.cache(r).committed
+                if machine.m.allocate(r, n):
+                    write_kv(machine.m, r, machine.m.cache(r).committed, n)
+                    machine.m.commit(r, n)
+                    machine.seen.append((list(r.all_token_ids), None))
+            elif move < 0.8 and active:
+                machine.m.suspend(rng.choice(active))
+            elif move < 0.9:
+                suspended = [r for r in machine.live if not machine.m.cache(r).is_active]
+                if suspended:
+                    machine.m.resume(rng.choice(suspended))
+            else:
+                r = rng.choice(machine.live)
+                machine.m.free(r)
+                machine.live.remove(r)
+            machine.bookkeeping_holds()
+            machine.kv_reads_back()
+        stats = machine.m.stats()
+        for key in totals:
+            totals[key] += stats[key] if key != "evictions" else sum(g["evictions"] for g in stats["groups"].values())
+        machine.teardown()
+    assert all(v > 0 for v in totals.values()), totals
