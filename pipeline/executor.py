@@ -259,12 +259,15 @@ class GenerationExecutor:
     @classmethod
     def from_result(cls, result: Any) -> GenerationExecutor:
         """An executor over a ``pipeline.load(..., load_weights=True)`` result, emitting into its audit log."""
+        if result.kv_manager is not None and getattr(result.kv_manager, "closed", False):
+            raise GenerationError("generate: this result was closed (LoadResult.close released its KV pools and "
+                                  "weights); load the model again")
         if result.kv_manager is None or result.scheduler is None:
             raise GenerationError("generate: this result has no KV cache manager (it came from pipeline.plan); "
                                   "use pipeline.load(MODEL, load_weights=True, ...)")
         if result.hf_model is None:
-            raise GenerationError("generate: this result has no model weights; use "
-                                  "pipeline.load(MODEL, load_weights=True, ...)")
+            raise GenerationError("generate: this result has no model weights (loaded without load_weights=True); "
+                                  "use pipeline.load(MODEL, load_weights=True, ...)")
         bus = result.bus
         emit = bus.emitter("generate") if bus is not None else None
         return cls(result.hf_model, result.kv_manager, result.scheduler, tokenizer=result.tokenizer, emit=emit,
@@ -445,8 +448,8 @@ class GenerationExecutor:
 
     def _check_open(self) -> None:
         if getattr(self.manager, "closed", False) or self.pools.released:
-            raise GenerationError("generate: the KV cache pools were released (LoadResult.close ran); "
-                                  "load the model again")
+            raise GenerationError("generate: this result was closed (LoadResult.close released its KV pools and "
+                                  "weights); load the model again")
 
     def _prompts(self, prompts: Any, chat: bool) -> list[tuple[str | None, list[int]]]:
         """Each prompt as (text or None, token ids), validated."""
