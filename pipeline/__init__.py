@@ -5,7 +5,15 @@ from pipeline.audit import AuditLog, JsonlSink
 from pipeline.bus import EventBus
 from pipeline.config import AUTO, KvCacheConfig, LlmArgs, explicit_fields
 from pipeline.context import Context, LoadRequest, ModelInfo, Route
-from pipeline.errors import AuditError, ConfigError, KvBuildError, KvloadError, ModelError, RouteError
+from pipeline.errors import (
+    AuditError,
+    ConfigError,
+    GenerationError,
+    KvBuildError,
+    KvloadError,
+    ModelError,
+    RouteError,
+)
 from pipeline.runner import Pipeline, Stage
 from pipeline.version import __version__
 
@@ -16,6 +24,7 @@ __all__ = [
     "ConfigError",
     "Context",
     "EventBus",
+    "GenerationError",
     "JsonlSink",
     "KvBuildError",
     "KvCacheConfig",

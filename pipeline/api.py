@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -49,6 +49,8 @@ class LoadResult:
     model: ModelInfo
     audit: AuditLog
     context: Context
+    bus: EventBus | None = None  # the run's bus: generate calls emit on it, continuing the audit's seq
+    _executor: Any = attrs.field(default=None, init=False, repr=False)
 
     @property
     def kv(self) -> Any:
@@ -74,6 +76,41 @@ class LoadResult:
     def scheduler(self) -> Any:
         """The scheduler paired with the manager (``load`` only)."""
         return self.context.scheduler
+
+    @property
+    def executor(self) -> Any:
+        """The generation executor over this result's model, KV manager and scheduler (built on first use)."""
+        if self._executor is None:
+            from pipeline.executor import GenerationExecutor  # torch: only when generating
+
+            self._executor = GenerationExecutor.from_result(self)
+        return self._executor
+
+    def generate(
+        self,
+        prompts: Any,
+        *,
+        max_new_tokens: int = 16,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        salt: str | None = None,
+        chat: bool = False,
+        ignore_eos: bool = False,
+        stream: Callable[[Any], Any] | None = None,
+        arrival_steps: Sequence[int] | None = None,
+    ) -> list[Any]:
+        """Generate through the routed KV manager with continuous batching; one output per prompt, in order.
+
+        Needs ``load(..., load_weights=True)``. ``prompts``: a string or a list of strings (tokenized;
+        ``chat=True`` applies the chat template) and/or lists of token ids. Each output has ``text``
+        (None without a tokenizer), ``token_ids`` (generated only), ``prompt_token_ids``,
+        ``reused_prompt_tokens``, ``finish_reason`` ("eos" or "length") and ``timings``; the call's
+        totals are in ``executor.last_stats``. See :meth:`pipeline.executor.GenerationExecutor.generate`.
+        """
+        return self.executor.generate(
+            prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, salt=salt,
+            chat=chat, ignore_eos=ignore_eos, stream=stream, arrival_steps=arrival_steps)
 
     def close(self) -> None:
         """Release the pools and anything else the run allocated."""
@@ -105,15 +142,17 @@ def execute(
         subs.append(sink)
     subs.extend(subscribers)
     ctx = Context(request=request)
+    bus = EventBus(subs)
     try:
-        pipeline.run(ctx, EventBus(subs))
+        pipeline.run(ctx, bus)
     except BaseException:
         if sink is not None:
             sink.close(ok=False)
         raise
-    if sink is not None:
+    if sink is not None:  # the file is complete; later events (generate) reach the in-memory log only
         sink.close(ok=True)
-    return LoadResult(args=ctx.args, route=ctx.route, model=ctx.model, audit=audit, context=ctx)
+        bus.unsubscribe(sink)
+    return LoadResult(args=ctx.args, route=ctx.route, model=ctx.model, audit=audit, context=ctx, bus=bus)
 
 
 def plan(

@@ -24,6 +24,10 @@ class EventBus:
         """Add a subscriber; it sees events emitted from now on."""
         self._subscribers.append(subscriber)
 
+    def unsubscribe(self, subscriber: Subscriber) -> None:
+        """Stop sending events to a subscriber (a closed file sink)."""
+        self._subscribers.remove(subscriber)
+
     def emit(self, event: Event, stage: str) -> dict[str, Any]:
         """Publish one event as ``stage``; returns its wire dict."""
         record = attrs.evolve(event, stage=stage, seq=self._seq).to_dict()

@@ -235,6 +235,139 @@ def cmd_run(ns: argparse.Namespace) -> int:
     return 0
 
 
+#: Prompt tokens per request that ``kvload generate`` budgets for on CPU when no KV bound is given.
+GENERATE_PROMPT_ALLOWANCE = 1024
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    """Load the weights, build the routed KV manager, generate for every prompt, stream, end with throughput."""
+    from pipeline.api import execute, load_stages
+
+    _check_audit_path(ns.audit_log)
+    prompts = ns.prompts or []
+    if not prompts:
+        raise ConfigError("--prompt: give at least one --prompt TEXT (or --prompt-ids IDS for a model without a "
+                          "tokenizer)")
+    request = _request(ns, load_weights=True)
+    # Applies only when nothing else bounds the KV budget (CPU without --max_tokens/--max_gpu_total_bytes).
+    request.options["default_max_tokens"] = len(prompts) * (ns.max_new_tokens + GENERATE_PROMPT_ALLOWANCE)
+    with execute(request, load_stages()) as result:
+        printer = None if ns.json else _TokenPrinter(result.tokenizer, several=len(prompts) > 1)
+        outputs = result.generate(prompts, max_new_tokens=ns.max_new_tokens, temperature=ns.temperature,
+                                  top_p=ns.top_p, seed=ns.seed, salt=ns.salt, chat=ns.chat, ignore_eos=ns.ignore_eos,
+                                  stream=printer)
+        stats = result.executor.last_stats
+        if ns.json:
+            print(json.dumps({"model": result.model.to_dict(), "route": result.route.to_dict(),
+                              "outputs": [o.to_dict() for o in outputs], "stats": stats.to_dict()},
+                             indent=2, default=str))
+        else:
+            print(stats.line())
+        if ns.audit_log:  # written once the run closed cleanly: the load's events, then the generation's
+            result.audit.to_jsonl(ns.audit_log)
+    return 0
+
+
+class _TokenPrinter:
+    """``stream`` callback of ``kvload generate``: one prompt streams token by token; several print as each ends."""
+
+    def __init__(self, tokenizer: Any, several: bool) -> None:
+        self.tokenizer = tokenizer
+        self.several = several
+        self.streams: dict[int, Any] = {}
+
+    def __call__(self, event: Any) -> None:
+        if self.several:
+            if event.output is not None:
+                body = event.output.text if event.output.text is not None else " ".join(map(str, event.token_ids))
+                print(f"[{event.index}] {body}", flush=True)
+            return
+        if self.tokenizer is None:
+            piece = f"{event.token_id} "
+        else:
+            from pipeline.executor import TextStream
+
+            piece = self.streams.setdefault(event.index, TextStream(self.tokenizer)).push(event.token_ids)
+        sys.stdout.write(piece + ("\n" if event.output is not None else ""))
+        sys.stdout.flush()
+
+
+class _PromptAction(argparse.Action):
+    """Appends ``--prompt`` and ``--prompt-ids`` values to one list, in command-line order."""
+
+    def __call__(self, parser: Any, ns: argparse.Namespace, values: Any, option_string: str | None = None) -> None:
+        setattr(ns, self.dest, [*(getattr(ns, self.dest) or []), values])
+
+
+def token_ids(text: str) -> list[int]:
+    """``1,2,3`` or ``"1 2 3"`` → ``[1, 2, 3]``."""
+    parts = text.replace(",", " ").split()
+    if not parts or not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"expected token ids such as 1,2,3, got {text!r}")
+    return [int(p) for p in parts]
+
+
+def _bounded(kind: Callable[[str], Any], ok: Callable[[Any], bool], expected: str) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    return parse
+
+
+_GENERATE_EPILOG = """\
+Output: with one prompt, the reply streams to stdout as it is generated (token ids, space separated,
+for a model without a tokenizer); with several, each reply is printed as soon as it finishes, as
+"[i] text" (i = the prompt's position). The last line gives prompt, reused and generated tokens,
+wall time and tokens/s. --json prints one document instead (outputs, timings, stats).
+
+KV budget: on CPU with neither --max_tokens nor --max_gpu_total_bytes, generate sizes the pools for
+prompts x (max_new_tokens + 1024) tokens (the kv_budget_computed event says so); requests that do not
+fit at once wait (V1) or are suspended to the host tier (V2).
+
+examples:
+  kvload generate smollm2-135m --chat --prompt "What is the capital of France?"
+  kvload generate smollm2-135m --prompt "Once upon a time" --prompt "The sky is" --max_new_tokens 32
+  kvload generate tiny-llama --prompt-ids 1,2,3,4 --temperature 0.8 --top_p 0.9 --seed 7
+  kvload generate ./ckpt --use_kv_cache_manager_v2 true --max_tokens 4096 --audit-log gen.jsonl
+"""
+
+
+def add_generate_command(sub: Any) -> None:
+    """``generate``: load weights, build the routed KV manager, generate with continuous batching."""
+    p = sub.add_parser(
+        "generate", help="load the weights and generate text through the routed KV cache manager",
+        formatter_class=HelpFormatter, epilog=_GENERATE_EPILOG,
+        description="Run all stages with weights, then generate for every prompt at once through the routed "
+                    "KV cache manager and scheduler (continuous batching: prefill chunks and decodes share "
+                    "each forward). Generation events join the audit log.")
+    add_model_flags(p)
+    g = p.add_argument_group("generation")
+    g.add_argument("--prompt", dest="prompts", action=_PromptAction, metavar="TEXT",
+                   help="a prompt (repeat for several; needs a tokenizer)")
+    g.add_argument("--prompt-ids", "--prompt_ids", dest="prompts", action=_PromptAction, type=token_ids,
+                   metavar="IDS", help="a prompt as token ids, e.g. 1,2,3 (repeatable)")
+    g.add_argument("--chat", action="store_true", help="wrap each --prompt in the tokenizer's chat template")
+    g.add_argument("--max_new_tokens", "--max-new-tokens", dest="max_new_tokens", default=64, metavar="N",
+                   type=_bounded(integer, lambda v: v >= 1, "an integer >= 1"),
+                   help="most tokens generated per prompt (default: 64)")
+    g.add_argument("--temperature", default=0.0, metavar="T",
+                   type=_bounded(number, lambda v: v >= 0, "a number >= 0"),
+                   help="sampling temperature; 0 = greedy (default)")
+    g.add_argument("--top_p", "--top-p", dest="top_p", default=1.0, metavar="P",
+                   type=_bounded(number, lambda v: 0 < v <= 1, "a number in (0, 1]"),
+                   help="nucleus sampling: keep the most likely tokens up to this probability (default: 1)")
+    g.add_argument("--seed", default=None, metavar="S", type=_bounded(integer, lambda v: v >= 0, "an integer >= 0"),
+                   help="sampling seed (prompt i uses S + i); absent = a fresh random seed")
+    g.add_argument("--salt", default=None, metavar="TEXT",
+                   help="prefix-reuse scope: prompts under different salts never share cached blocks")
+    g.add_argument("--ignore_eos", "--ignore-eos", dest="ignore_eos", action="store_true",
+                   help="keep generating past end-of-sequence until --max_new_tokens (benchmarks)")
+    p.set_defaults(func=cmd_generate, prompts=None)
+
+
 def _read_audit(path: str) -> Any:
     from pipeline.audit import AuditLog
 
@@ -369,6 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "allocate the pools on the device; print the plan and what was allocated.")
     add_model_flags(p)
     p.set_defaults(func=cmd_run)
+    add_generate_command(sub)
     add_inspection_commands(sub)
     return parser
 

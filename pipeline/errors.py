@@ -42,5 +42,9 @@ class KvRuntimeError(KvBuildError):
     exit_code = 1
 
 
+class GenerationError(KvloadError, ValueError):
+    """A generate call cannot run as asked: a bad prompt or sampling value, a result without weights, closed pools."""
+
+
 class AuditError(KvloadError):
     """An audit log file is unreadable, truncated or from an unknown schema."""

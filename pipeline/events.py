@@ -294,6 +294,48 @@ class RequestFinished(Event):
     reused_prompt_tokens: int
 
 
+@event("generation_started")
+class GenerationStarted(Event):
+    """A ``generate`` call begins: its prompts and sampling settings (each call is one audit segment)."""
+
+    call: int  # 0 for the first generate call on a loaded result, then 1, 2, ...
+    requests: int
+    prompt_tokens: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    salted: bool  # a reuse-scope salt was given (the salt itself is not logged)
+    kv_manager: str
+
+
+@event("generation_finished")
+class GenerationFinished(Event):
+    """A ``generate`` call ended: every request finished; totals and throughput."""
+
+    call: int
+    requests: int
+    prompt_tokens: int
+    reused_prompt_tokens: int
+    generated_tokens: int
+    steps: int
+    suspends: int
+    resumes: int
+    preemptions: int
+    duration_ms: float
+    tokens_per_s: float  # generated tokens per second of wall time
+
+
+@event("generation_failed", level="error")
+class GenerationFailed(Event):
+    """A ``generate`` call raised; its requests were aborted and their blocks freed."""
+
+    call: int
+    error: str
+    message: str
+    finished: int  # requests that had finished before the failure
+
+
 # --- KV cache ------------------------------------------------------------------------------
 
 

@@ -160,17 +160,31 @@ def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
     except ValueError as exc:
         raise KvBuildError(f"{ctx.model.name}: cannot lay out the KV cache: {exc}") from None
     device = str(args.device)
-    budget = compute_budget(
-        layout, device=device, max_seq_len=args.max_seq_len,
-        free_gpu_memory_fraction=kv.free_gpu_memory_fraction, max_gpu_total_bytes=kv.max_gpu_total_bytes,
-        max_tokens=kv.max_tokens, free_bytes=measure_free_bytes(device), weights_bytes=weights_bytes(ctx),
-    )
+    def budget_for(max_tokens: int | None) -> KvBudget:
+        return compute_budget(
+            layout, device=device, max_seq_len=args.max_seq_len,
+            free_gpu_memory_fraction=kv.free_gpu_memory_fraction, max_gpu_total_bytes=kv.max_gpu_total_bytes,
+            max_tokens=max_tokens, free_bytes=measure_free_bytes(device), weights_bytes=weights_bytes(ctx),
+        )
+
+    budget = budget_for(kv.max_tokens)
+    reason = budget_reason(budget)
+    fallback = ctx.request.options.get("default_max_tokens")
+    if budget.budget_bytes is None and fallback is not None:
+        # kvload generate's default when no rule bounds the budget (CPU without max_tokens or
+        # max_gpu_total_bytes); the args keep max_tokens null, this event says what sized the pools
+        if not isinstance(fallback, int) or isinstance(fallback, bool) or fallback < 1:
+            raise KvBuildError(f"default_max_tokens: expected an integer >= 1, got {fallback!r}")
+        unbounded = budget.unbounded_reason
+        budget = budget_for(fallback)
+        reason = (f"{unbounded}, so the generate default of {fallback} tokens applies ({budget_reason(budget)}); "
+                  "set kv_cache_config.max_tokens to choose")
     emit(KvBudgetComputed(
         manager=manager, device=device, free_bytes=budget.free_bytes, weights_bytes=budget.weights_bytes,
         free_gpu_memory_fraction=budget.free_gpu_memory_fraction, max_gpu_total_bytes=budget.max_gpu_total_bytes,
         max_tokens=budget.max_tokens, max_seq_len=budget.max_seq_len, tokens_cap_bytes=budget.tokens_cap_bytes,
         bytes_per_token=budget.bytes_per_token, min_bytes=budget.min_bytes, budget_bytes=budget.budget_bytes,
-        limited_by=budget.limited_by, reason=budget_reason(budget),
+        limited_by=budget.limited_by, reason=reason,
     ))
     pools, problem = None, None
     if budget.budget_bytes is None:

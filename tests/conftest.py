@@ -66,6 +66,24 @@ def spec_with_defaults(checkpoint_dir) -> Iterator[Any]:
     unregister_model(*registered)
 
 
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory):
+    """Factory: a saved tiny random checkpoint (safetensors) per family of ``test_paged_generation``, built once."""
+    made: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in made:
+            from models.weights import random_model
+            from tests.test_paged_generation import tiny_config
+
+            path = tmp_path_factory.mktemp(f"ckpt-{family}")
+            random_model(tiny_config(family), device="cpu", dtype="float32", seed=0).save_pretrained(path)
+            made[family] = path
+        return made[family]
+
+    return get
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip ``@pytest.mark.cuda`` tests, saying why, when torch sees no CUDA device."""
     cuda_items = [item for item in items if item.get_closest_marker("cuda")]

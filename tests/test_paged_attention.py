@@ -20,8 +20,9 @@ KV_HEADS, HEADS, HEAD_DIM = 2, 4, 8
 ENTRY = 2 * KV_HEADS * HEAD_DIM
 
 
-def make_pools(window: int | None, manager: str = "v2", tokens_per_block: int = 4, blocks: int = 64,
+def make_pools(window: int | None, manager: str = "v2", tokens_per_block: int = 4, blocks: int = 96,
                dtype: str = "float32") -> BlockPools:
+    # 96 blocks: the property test's worst case, 4 sequences of 23 tokens at 1 token per block, never windowed
     layers = [LayerKV(0, "full", ENTRY), LayerKV(1, "sliding", ENTRY, window=window) if window else
               LayerKV(1, "full", ENTRY)]
     layout = build_layout(layers, manager, tokens_per_block, dtype)

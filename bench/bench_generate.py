@@ -1,0 +1,192 @@
+"""Generation throughput: kvload's executor against transformers' ``model.generate``, side by side in one run.
+
+Run from the repository root::
+
+    python -m bench.bench_generate                     # SmolLM2-135M on CPU: 1 prompt, then 8 of mixed lengths
+    python -m bench.bench_generate --manager v2 --new-tokens 64 --repeats 5
+    python -m bench.bench_generate --model random-llama-1b --device cuda --dtype bfloat16 --batches 1,8,32
+
+Each scenario generates exactly ``--new-tokens`` tokens per prompt on both sides (kvload with
+``ignore_eos``, ``model.generate`` with ``min_new_tokens``), greedy, from the same token-id prompts
+(seeded random ids: throughput does not depend on what the text says). ``model.generate`` gets the
+prompts as one left-padded batch with an attention mask; kvload gets them as a list and batches them
+continuously (prefill chunks of ``--max-num-tokens`` beside decodes). Tokens/s = generated tokens /
+wall time of the call; medians over ``--repeats`` runs after one warm-up, kvload and transformers
+interleaved so both see the same machine. Each kvload repeat uses its own reuse salt, so no run
+reads prefixes a previous run cached.
+
+``--model`` is anything ``kvload generate`` takes (a preset, a checkpoint directory, ``smollm2-135m``),
+or ``random-llama-1b``: a Llama-3.2-1B-shaped checkpoint with random weights, written once under the
+kvload cache (``$KVLOAD_CACHE`` or ``~/.cache/kvload``) — meant for a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import pipeline
+
+#: Prompt lengths of the mixed scenarios, cycled to the batch size (short chats to long documents).
+MIXED_LENGTHS = (12, 200, 45, 90, 7, 150, 30, 64)
+SINGLE_LENGTH = 64
+
+#: Llama-3.2-1B's shape (about 1.2 B parameters with the tied 128k vocabulary).
+LLAMA_1B = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256, "max_position_embeddings": 8192,
+            "tie_word_embeddings": True, "rms_norm_eps": 1e-5}
+
+
+def random_llama_dir(root: Path, name: str = "random-llama-1b", dtype: str = "bfloat16", **shape: Any) -> Path:
+    """A Llama checkpoint directory with seeded random weights (built once; later calls reuse it)."""
+    path = root / f"bench-{name}-{dtype}"
+    if (path / "config.json").exists() and any(path.glob("*.safetensors")):
+        return path
+    from transformers import LlamaConfig
+
+    from models.weights import random_model
+
+    config = LlamaConfig(**{**LLAMA_1B, **shape})
+    config.architectures = ["LlamaForCausalLM"]
+    model = random_model(config, device="cpu", dtype=dtype, seed=0)
+    tmp = path.with_name(path.name + ".tmp")
+    model.save_pretrained(tmp)
+    tmp.rename(path)
+    return path
+
+
+def model_argument(name: str, dtype: str) -> str:
+    """What ``pipeline.load`` gets for ``--model``."""
+    if name != "random-llama-1b":
+        return name
+    from models.gguf_cache import cache_root
+
+    return str(random_llama_dir(cache_root(), dtype="bfloat16" if dtype == "auto" else dtype))
+
+
+def prompts_for(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
+    """Seeded random token-id prompts (ids from 10 up, clear of the usual special ids)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def sync(device: torch.device) -> None:
+    """Wait for queued CUDA work, so wall times cover it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def hf_generate(model: Any, prompts: list[list[int]], new_tokens: int, pad_id: int) -> int:
+    """``model.generate`` over the prompts as one left-padded batch; returns the tokens generated."""
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    with torch.inference_mode():
+        out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id)
+    return (out.shape[1] - width) * len(prompts)
+
+
+def bench_scenario(result: pipeline.LoadResult, prompts: list[list[int]], args: argparse.Namespace,
+                   device: torch.device) -> dict[str, Any]:
+    """Median tokens/s of kvload and of ``model.generate`` on one prompt set."""
+    model = result.hf_model
+    pad_id = model.generation_config.pad_token_id
+    if not isinstance(pad_id, int):
+        pad_id = 0
+    kv_rates: list[float] = []
+    hf_rates: list[float] = []
+    kv_stats = None
+    for rep in range(args.repeats + 1):  # the first round warms both up and is not counted
+        sync(device)
+        start = time.perf_counter()
+        outs = result.generate(prompts, max_new_tokens=args.new_tokens, ignore_eos=True, salt=f"bench-{rep}")
+        sync(device)
+        kv_time = time.perf_counter() - start
+        generated = sum(len(o.token_ids) for o in outs)
+        start = time.perf_counter()
+        hf_generated = hf_generate(model, prompts, args.new_tokens, pad_id)
+        sync(device)
+        hf_time = time.perf_counter() - start
+        if rep:
+            kv_rates.append(generated / kv_time)
+            hf_rates.append(hf_generated / hf_time)
+            kv_stats = result.executor.last_stats
+    kv, hf = statistics.median(kv_rates), statistics.median(hf_rates)
+    return {
+        "prompts": len(prompts),
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "new_tokens": args.new_tokens,
+        "kvload_tokens_per_s": kv,
+        "hf_tokens_per_s": hf,
+        "ratio": kv / hf,
+        "kvload_runs": kv_rates,
+        "hf_runs": hf_rates,
+        "kvload_steps": kv_stats.steps if kv_stats else None,
+        "kvload_forward_share": kv_stats.forward_s / kv_stats.wall_s if kv_stats else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse flags, load once, run each scenario, print a table (or ``--json``)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m", help="a kvload model argument, or random-llama-1b")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", help="model dtype (auto: the checkpoint's)")
+    p.add_argument("--manager", default="auto", choices=("auto", "v1", "v2"), help="KV cache manager")
+    p.add_argument("--batches", default="1,8", help="comma-separated prompt counts: 1 = one prompt of "
+                                                     f"{SINGLE_LENGTH} tokens; more = mixed lengths {MIXED_LENGTHS}")
+    p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per prompt")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per scenario (after one warm-up)")
+    p.add_argument("--max-num-tokens", type=int, default=512, help="most tokens in one kvload forward")
+    p.add_argument("--tokens-per-block", type=int, default=32)
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batches.split(",")]
+    lengths = {b: [SINGLE_LENGTH] if b == 1 else [MIXED_LENGTHS[i % len(MIXED_LENGTHS)] for i in range(b)]
+               for b in batches}
+    T = args.tokens_per_block  # pools that hold every prompt of a scenario at once, block rounding included
+    max_tokens = max(sum(-(-(n + args.new_tokens) // T) * T for n in ls) for ls in lengths.values())
+    kv: dict[str, Any] = {"max_tokens": max_tokens, "tokens_per_block": args.tokens_per_block}
+    if args.manager != "auto":
+        kv["use_kv_cache_manager_v2"] = args.manager == "v2"
+    overrides: dict[str, Any] = {"device": args.device, "max_num_tokens": args.max_num_tokens,
+                                 "max_seq_len": max(*MIXED_LENGTHS, SINGLE_LENGTH) + args.new_tokens}
+    if args.dtype != "auto":
+        overrides["dtype"] = args.dtype
+    with pipeline.load(model_argument(args.model, args.dtype), load_weights=True, kv_cache_config=kv, log=False,
+                       **overrides) as result:
+        device = result.kv_manager.pools.device
+        vocab = result.hf_model.get_input_embeddings().num_embeddings
+        rows = [bench_scenario(result, prompts_for(lengths[b], vocab, seed=b), args, device) for b in batches]
+        head = {"model": args.model, "device": str(device), "dtype": str(result.args.dtype),
+                "kv_manager": result.route.kv_manager, "threads": torch.get_num_threads(),
+                "new_tokens": args.new_tokens, "repeats": args.repeats}
+    if args.json:
+        print(json.dumps({**head, "scenarios": rows}, indent=2))
+        return
+    print(f"{head['model']} on {head['device']} ({head['dtype']}, {head['threads']} threads), {head['kv_manager']}, "
+          f"{args.new_tokens} new tokens per prompt, median of {args.repeats}")
+    print(f"{'prompts':>7} {'prompt_tok':>10} {'kvload_tok/s':>12} {'generate_tok/s':>14} {'ratio':>6} "
+          f"{'kv_steps':>8} {'forward%':>8}")
+    for r in rows:
+        print(f"{r['prompts']:>7} {r['prompt_tokens']:>10} {r['kvload_tokens_per_s']:>12.1f} "
+              f"{r['hf_tokens_per_s']:>14.1f} {r['ratio']:>6.2f} {r['kvload_steps']:>8} "
+              f"{100 * r['kvload_forward_share']:>7.1f}%")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,553 @@
+"""The generation executor: continuous batching over the routed KV cache manager and scheduler.
+
+One step (:meth:`pipeline.driver.Driver.step`): the scheduler admits, suspends, resumes and allocates;
+the executor packs every scheduled chunk — prefill pieces (chunked by ``max_num_tokens``) and decode
+tokens of many requests — into one forward with per-token positions (``PagedBatch``), each layer
+writing and reading K/V through the request's block tables (``manager.block_table(req, group)`` for
+every layer group); it samples the next token of each request whose known tokens are all in the cache
+after this step (greedy = argmax; temperature + top-p with a per-request seeded ``torch.Generator``);
+the driver commits the KV, appends the tokens, and finishes requests on EOS or ``max_new_tokens``
+(their blocks return to the pool; with reuse on, full blocks stay cached for later prompts).
+
+A prompt whose prefix is cached (V2's radix tree, V1's full blocks) is admitted with that prefix
+already computed: its prefill starts after it, and the output reports ``reused_prompt_tokens``.
+
+Every ``generate`` call is one segment of the loaded result's audit log: ``generation_started``,
+the driver's ``request_admitted`` / ``request_suspended`` / ``request_resumed`` / ``request_finished``,
+then ``generation_finished`` (or ``generation_failed``), all with stage ``generate``, numbered on
+from the load's own events.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from cache_backends.interface import SchedulerOutput
+from cache_backends.paged_attention import SERVED_KINDS, PagedBatch, SeqChunk
+from cache_backends.request import Request
+from models.paged_forward import ATTN_IMPLEMENTATION, register_paged_attention, run_forward
+from pipeline.driver import Driver, StalledError
+from pipeline.errors import GenerationError, KvBuildError, KvRuntimeError
+from pipeline.events import Event, GenerationFailed, GenerationFinished, GenerationStarted
+
+#: A prompt: text (needs a tokenizer) or token ids.
+Prompt = str | Sequence[int]
+
+#: Steps in a row that may schedule nothing before the executor gives up (the schedulers report stalls
+#: themselves; this only guards against a scheduler that breaks that promise).
+MAX_IDLE_STEPS = 64
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _check(ok: bool, name: str, expected: str, value: Any) -> None:
+    if not ok:
+        raise GenerationError(f"generate: {name}: expected {expected}, got {value!r}")
+
+
+@attrs.frozen
+class SamplingParams:
+    """How a call picks tokens. ``temperature == 0`` is greedy; otherwise softmax(logits / T) within top-p."""
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None  # prompt i of a call samples from a generator seeded with seed + i
+    ignore_eos: bool = False  # keep going past EOS until max_new_tokens (benchmarks)
+
+    def __attrs_post_init__(self) -> None:
+        _check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1, "max_new_tokens", "an integer >= 1",
+               self.max_new_tokens)
+        _check(_is_number(self.temperature) and self.temperature >= 0 and self.temperature == self.temperature,
+               "temperature", "a number >= 0 (0 = greedy)", self.temperature)
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]", self.top_p)
+        _check(self.seed is None or (_is_int(self.seed) and self.seed >= 0), "seed", "an integer >= 0 or None",
+               self.seed)
+        _check(isinstance(self.ignore_eos, bool), "ignore_eos", "true or false", self.ignore_eos)
+
+    @property
+    def greedy(self) -> bool:
+        """Whether tokens are picked by argmax."""
+        return self.temperature == 0
+
+
+@attrs.frozen
+class GenerationTimings:
+    """Seconds from the moment a request was queued to its first generated token, and to its end."""
+
+    first_token_s: float
+    total_s: float
+
+
+@attrs.frozen
+class GenerationOutput:
+    """One prompt's result; ``token_ids`` are the generated ids only (an EOS that ended it included)."""
+
+    index: int  # position of the prompt in the call
+    req_id: str
+    prompt: str | None  # the text, when the prompt was text
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None  # decoded without special tokens; None without a tokenizer
+    finish_reason: str  # "eos" or "length" (max_new_tokens, or max_seq_len reached)
+    reused_prompt_tokens: int  # prompt tokens whose KV came from the prefix cache
+    timings: GenerationTimings
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain form for ``--json``."""
+        return attrs.asdict(self)
+
+
+@attrs.frozen
+class GenerationStats:
+    """Totals of one ``generate`` call; ``forward_s`` is model time, ``kv_s`` scheduler and manager time."""
+
+    requests: int
+    prompt_tokens: int
+    reused_prompt_tokens: int
+    generated_tokens: int
+    steps: int
+    wall_s: float
+    forward_s: float
+    kv_s: float
+    suspends: int
+    resumes: int
+    preemptions: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second of wall time."""
+        return self.generated_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        """Prompt tokens computed plus generated tokens, per second of wall time."""
+        computed = self.prompt_tokens - self.reused_prompt_tokens + self.generated_tokens
+        return computed / self.wall_s if self.wall_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain form for ``--json`` and benchmarks."""
+        return {**attrs.asdict(self), "tokens_per_s": self.tokens_per_s, "total_tokens_per_s": self.total_tokens_per_s}
+
+    def line(self) -> str:
+        """The one-line throughput summary ``kvload generate`` ends with."""
+        n = self.requests
+        moves = f"; {self.suspends} suspended, {self.resumes} resumed" if self.suspends or self.resumes else ""
+        return (f"-- {n} prompt{'s' if n != 1 else ''}: {self.prompt_tokens} prompt tokens ({self.reused_prompt_tokens}"
+                f" reused), {self.generated_tokens} generated in {self.wall_s:.2f} s, {self.steps} steps: "
+                f"{self.tokens_per_s:.1f} generated tokens/s, {self.total_tokens_per_s:.1f} tokens/s with prefill"
+                f"{moves}")
+
+
+@attrs.frozen
+class StreamEvent:
+    """What a ``stream`` callback receives for every generated token; ``output`` is set on the last one."""
+
+    index: int
+    token_id: int
+    token_ids: tuple[int, ...]
+    output: GenerationOutput | None = None
+
+
+def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
+    """One token from ``(vocab,)`` logits: softmax at ``temperature``, cut to the top-p nucleus, drawn by ``generator``.
+
+    The nucleus is the smallest set of most likely tokens whose probability reaches ``top_p`` (the
+    most likely token is always in it).
+    """
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of the more likely tokens
+        sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
+        pick = torch.multinomial(sorted_probs, 1, generator=generator)
+        return int(order[pick])
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def eos_token_ids(model: Any, tokenizer: Any = None) -> frozenset[int]:
+    """End-of-sequence ids from the generation config, the model config and the tokenizer (each may give a list)."""
+    sources = [getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer]
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        sources.append(config.get_text_config())
+    ids: set[int] = set()
+    for source in sources:
+        value = getattr(source, "eos_token_id", None)
+        if _is_int(value):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if _is_int(v))
+    return frozenset(ids)
+
+
+class TextStream:
+    """Turns the growing token ids of one output into text deltas, holding back an incomplete character."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._text = ""
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """The text the new tokens add (may be empty while a multi-byte character is incomplete)."""
+        text = self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        delta = text[len(self._text):]  # a tokenizer that rewrites earlier text cannot unprint it
+        self._text = text
+        return delta
+
+
+@attrs.define(eq=False)
+class _Live:
+    """Executor-side state of one request of the current call."""
+
+    index: int
+    request: Request
+    prompt: str | None
+    arrival_step: int
+    generator: torch.Generator | None = None
+    queued_at: float = 0.0
+    first_token_at: float | None = None
+    reported: int = 0  # generated tokens already reported (streamed)
+
+
+class GenerationExecutor:
+    """Runs ``generate`` calls over a loaded model, its KV cache manager and scheduler (V1 or V2).
+
+    Build it with :meth:`from_result` (``LoadResult.generate`` does). The model's attention is
+    switched to kvload's paged attention for the duration of each call and switched back after, so
+    ``model.generate`` keeps working between calls.
+    """
+
+    def __init__(self, model: Any, manager: Any, scheduler: Any, *, tokenizer: Any = None,
+                 emit: Callable[[Event], Any] | None = None, name: str = "model") -> None:
+        self.model = model
+        self.manager = manager
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.name = name
+        self.pools = manager.pools
+        self.groups = [g.name for g in manager.layout.groups]
+        self.max_seq_len = manager.options.max_seq_len
+        self.eos_token_ids = eos_token_ids(model, tokenizer)
+        self.vocab_size = int(model.get_input_embeddings().num_embeddings)
+        self._emit = emit
+        self._calls = 0
+        self._live: dict[str, _Live] = {}
+        self.last_stats: GenerationStats | None = None
+        unserved = sorted({layer.kind for layer in manager.layout.layers
+                           if layer.kind not in SERVED_KINDS or layer.compress_rate is not None})
+        if unserved:
+            raise GenerationError(f"generate: {name} has {', '.join(unserved)} attention layers; kvload's paged "
+                                  f"attention serves {', '.join(SERVED_KINDS)} layers only, so this model is "
+                                  "plan/build only (DeepSeek V4)")
+
+    @classmethod
+    def from_result(cls, result: Any) -> GenerationExecutor:
+        """An executor over a ``pipeline.load(..., load_weights=True)`` result, emitting into its audit log."""
+        if result.kv_manager is not None and getattr(result.kv_manager, "closed", False):
+            raise GenerationError("generate: this result was closed (LoadResult.close released its KV pools and "
+                                  "weights); load the model again")
+        if result.kv_manager is None or result.scheduler is None:
+            raise GenerationError("generate: this result has no KV cache manager (it came from pipeline.plan); "
+                                  "use pipeline.load(MODEL, load_weights=True, ...)")
+        if result.hf_model is None:
+            raise GenerationError("generate: this result has no model weights (loaded without load_weights=True); "
+                                  "use pipeline.load(MODEL, load_weights=True, ...)")
+        bus = result.bus
+        emit = bus.emitter("generate") if bus is not None else None
+        return cls(result.hf_model, result.kv_manager, result.scheduler, tokenizer=result.tokenizer, emit=emit,
+                   name=result.model.name if result.model is not None else "model")
+
+    # --- the call ----------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        *,
+        max_new_tokens: int = 16,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        salt: str | None = None,
+        chat: bool = False,
+        ignore_eos: bool = False,
+        stream: Callable[[StreamEvent], Any] | None = None,
+        arrival_steps: Sequence[int] | None = None,
+    ) -> list[GenerationOutput]:
+        """Generate for every prompt, batched continuously; one :class:`GenerationOutput` per prompt, in order.
+
+        ``prompts``: one string, or a list of strings (tokenized; ``chat=True`` applies the tokenizer's
+        chat template) and/or lists of token ids. ``salt`` scopes prefix reuse: prompts under
+        different salts never share cached blocks. ``stream`` is called with a :class:`StreamEvent`
+        for every token as it is produced. ``arrival_steps[i]`` (default 0) is the step at which
+        prompt ``i`` joins, to exercise requests arriving while others run.
+        """
+        self._check_open()
+        params = SamplingParams(max_new_tokens, temperature, top_p, seed, ignore_eos)
+        _check(salt is None or isinstance(salt, str), "salt", "a string or None", salt)
+        _check(isinstance(chat, bool), "chat", "true or false", chat)
+        items = self._prompts(prompts, chat)
+        arrivals = self._arrivals(arrival_steps, len(items))
+        call = self._calls
+        self._calls += 1
+        base_seed = seed if seed is not None else random.SystemRandom().getrandbits(62)
+        lives = []
+        for i, (text, ids) in enumerate(items):
+            room = self.max_seq_len - len(ids)  # a sequence never grows past max_seq_len
+            request = Request(f"{call}.{i}", ids, min(params.max_new_tokens, room), salt=salt)
+            self._check_fits(i, request)
+            gen = None
+            if not params.greedy:
+                gen = torch.Generator(device=self.pools.device).manual_seed(base_seed + i)
+            lives.append(_Live(i, request, text, arrivals[i], gen))
+
+        before = self._counters()
+        driver = Driver(self.manager, self.scheduler,
+                        eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids, emit=self._emit)
+        self._event(GenerationStarted(
+            call=call, requests=len(lives), prompt_tokens=sum(len(ids) for _, ids in items),
+            max_new_tokens=params.max_new_tokens, temperature=float(params.temperature), top_p=float(params.top_p),
+            seed=seed, salted=salt is not None, kv_manager=type(self.manager).__name__))
+        outputs: dict[int, GenerationOutput] = {}
+        start = time.perf_counter()
+        steps = idle = 0
+        forward_s = kv_s = 0.0
+        self._live = {live.request.req_id: live for live in lives}
+        pending = sorted(lives, key=lambda lv: (lv.arrival_step, lv.index))
+        try:
+            with self.paged_attention():
+                clock = 0
+                while pending or driver.has_work:
+                    while pending and pending[0].arrival_step <= clock:
+                        live = pending.pop(0)
+                        live.queued_at = time.perf_counter()
+                        driver.add(live.request)
+                    clock += 1
+                    if not driver.has_work:
+                        continue
+                    try:
+                        st = driver.step(lambda out: self._compute(out, params))
+                    except StalledError as exc:
+                        raise KvRuntimeError(f"generate: the {type(self.scheduler).__name__} cannot make progress: "
+                                             f"{exc}") from None
+                    steps += 1
+                    forward_s += st.compute_seconds
+                    kv_s += st.kv_seconds
+                    idle = idle + 1 if st.scheduled_tokens == 0 else 0
+                    if idle > MAX_IDLE_STEPS:
+                        raise KvRuntimeError(f"generate: {idle} steps in a row scheduled nothing while "
+                                             f"{len(driver.running)} running and {len(driver.waiting)} waiting "
+                                             "requests remain")
+                    self._report_tokens(st.finished, outputs, stream)
+        except BaseException as exc:
+            self._abort(driver)
+            self._live = {}
+            self._event(GenerationFailed(call=call, error=type(exc).__name__,
+                                         message=str(exc).strip().splitlines()[0] if str(exc).strip() else "",
+                                         finished=len(outputs)))
+            raise
+        self._live = {}
+        wall = time.perf_counter() - start
+        after = self._counters()
+        ordered = [outputs[i] for i in range(len(lives))]
+        stats = GenerationStats(
+            requests=len(ordered), prompt_tokens=sum(len(o.prompt_token_ids) for o in ordered),
+            reused_prompt_tokens=sum(o.reused_prompt_tokens for o in ordered),
+            generated_tokens=sum(len(o.token_ids) for o in ordered), steps=steps, wall_s=wall, forward_s=forward_s,
+            kv_s=kv_s, **{k: after[k] - before[k] for k in after})
+        self.last_stats = stats
+        self._event(GenerationFinished(
+            call=call, requests=stats.requests, prompt_tokens=stats.prompt_tokens,
+            reused_prompt_tokens=stats.reused_prompt_tokens, generated_tokens=stats.generated_tokens, steps=steps,
+            suspends=stats.suspends, resumes=stats.resumes, preemptions=stats.preemptions,
+            duration_ms=round(wall * 1000, 3), tokens_per_s=round(stats.tokens_per_s, 3)))
+        return ordered
+
+    @contextlib.contextmanager
+    def paged_attention(self) -> Iterator[None]:
+        """Switch the model to kvload's paged attention for a block; restore its own attention after."""
+        previous = getattr(self.model.config, "_attn_implementation", None)
+        if previous == ATTN_IMPLEMENTATION:
+            yield
+            return
+        register_paged_attention()
+        self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        try:
+            yield
+        finally:
+            self.model.set_attn_implementation(previous)
+
+    # --- one step ----------------------------------------------------------------------------
+
+    def _compute(self, out: SchedulerOutput, params: SamplingParams) -> dict[str, int]:
+        """The step's forward: every scheduled chunk packed into one row; next tokens of requests that reach the end."""
+        chunks = []
+        for scheduled in out.scheduled:
+            req = scheduled.request
+            start = req.num_computed_tokens
+            ids = req.all_token_ids[start:start + scheduled.num_tokens]
+            chunks.append(SeqChunk(ids, start, {g: self.manager.block_table(req, g) for g in self.groups}))
+        logits = run_forward(self.model, PagedBatch.build(chunks, self.pools))
+        rows = [i for i, s in enumerate(out.scheduled)
+                if s.request.num_computed_tokens + s.num_tokens == s.request.num_tokens]
+        if not rows:
+            return {}
+        picked = logits[rows] if len(rows) < len(out.scheduled) else logits
+        reqs = [out.scheduled[i].request for i in rows]
+        if params.greedy:
+            return dict(zip((r.req_id for r in reqs), picked.argmax(dim=-1).tolist(), strict=True))
+        return {r.req_id: sample_token(row, params.temperature, params.top_p, self._live[r.req_id].generator)
+                for r, row in zip(reqs, picked, strict=True)}
+
+    def _report_tokens(self, finished: list[Request], outputs: dict[int, GenerationOutput],
+                       stream: Callable[[StreamEvent], Any] | None) -> None:
+        """After a step: first-token times, outputs of finished requests, ``stream`` for each new token."""
+        now = time.perf_counter()
+        done = {r.req_id for r in finished}
+        for live in self._live.values():
+            tokens = live.request.output_token_ids
+            if len(tokens) == live.reported:  # no token this step (mid-prefill, waiting, or finished earlier)
+                continue
+            live.reported = len(tokens)
+            if live.first_token_at is None:
+                live.first_token_at = now
+            output = None
+            if live.request.req_id in done:
+                output = outputs[live.index] = self._output(live, now)
+            if stream is not None:
+                stream(StreamEvent(live.index, tokens[-1], tuple(tokens), output))
+
+    def _output(self, live: _Live, now: float) -> GenerationOutput:
+        req = live.request
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+        first = (live.first_token_at or now) - live.queued_at
+        return GenerationOutput(
+            index=live.index, req_id=req.req_id, prompt=live.prompt, prompt_token_ids=list(req.prompt_token_ids),
+            token_ids=list(req.output_token_ids), text=text, finish_reason=req.finish_reason or "length",
+            reused_prompt_tokens=req.num_reused_tokens,
+            timings=GenerationTimings(first_token_s=first, total_s=now - live.queued_at))
+
+    # --- checks and bookkeeping ----------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if getattr(self.manager, "closed", False) or self.pools.released:
+            raise GenerationError("generate: this result was closed (LoadResult.close released its KV pools and "
+                                  "weights); load the model again")
+
+    def _prompts(self, prompts: Any, chat: bool) -> list[tuple[str | None, list[int]]]:
+        """Each prompt as (text or None, token ids), validated."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)):
+            raise GenerationError(f"generate: prompts: expected a string or a list of prompts (strings or lists "
+                                  f"of token ids), got {type(prompts).__name__}")
+        if not prompts:
+            raise GenerationError("generate: prompts: expected at least one prompt, got an empty list")
+        if any(_is_int(p) for p in prompts):
+            raise GenerationError("generate: prompts: expected a list of prompts; wrap one prompt of token ids "
+                                  "in a list: [[1, 2, 3]]")
+        items = []
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                items.append((prompt, self._tokenize(i, prompt, chat)))
+                continue
+            if chat:
+                raise GenerationError(f"generate: prompt {i}: chat=True needs text prompts, got token ids")
+            if not isinstance(prompt, Sequence) or not all(_is_int(t) for t in prompt):
+                raise GenerationError(f"generate: prompt {i}: expected a string or a list of token ids (ints), "
+                                      f"got {prompt!r}"[:200])
+            items.append((None, list(prompt)))
+        for i, (_, ids) in enumerate(items):
+            if not ids:
+                raise GenerationError(f"generate: prompt {i}: empty (no tokens)")
+            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise GenerationError(f"generate: prompt {i}: token id {bad} is outside the vocabulary "
+                                      f"(0..{self.vocab_size - 1})")
+            if len(ids) >= self.max_seq_len:
+                raise GenerationError(f"generate: prompt {i}: {len(ids)} tokens leave no room to generate under "
+                                      f"max_seq_len={self.max_seq_len}; shorten it or raise max_seq_len")
+        return items
+
+    def _tokenize(self, i: int, text: str, chat: bool) -> list[int]:
+        tok = self.tokenizer
+        if tok is None:
+            raise GenerationError(f"generate: prompt {i} is text, but {self.name} has no tokenizer (presets have "
+                                  "random weights and none); pass token ids instead")
+        if chat:
+            if not getattr(tok, "chat_template", None):
+                raise GenerationError(f"generate: chat=True: the tokenizer of {self.name} has no chat template")
+            ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        else:
+            ids = tok(text)["input_ids"]
+        return [int(t) for t in ids]
+
+    @staticmethod
+    def _arrivals(arrival_steps: Sequence[int] | None, n: int) -> list[int]:
+        if arrival_steps is None:
+            return [0] * n
+        steps = list(arrival_steps)
+        if len(steps) != n or not all(_is_int(s) and s >= 0 for s in steps):
+            raise GenerationError(f"generate: arrival_steps: expected {n} integers >= 0 (one per prompt), "
+                                  f"got {arrival_steps!r}")
+        return steps
+
+    def _check_fits(self, index: int, request: Request) -> None:
+        """``KvBuildError`` when a request could not complete even alone in empty pools (it would never run)."""
+        total = request.max_total_tokens
+        for g in self.manager.layout.groups:
+            need, have = g.blocks_for(total), self.pools.num_blocks[g.name]
+            if need > have:
+                raise KvBuildError(
+                    f"generate: prompt {index}: {request.num_prompt_tokens} prompt tokens + max_new_tokens "
+                    f"{request.max_new_tokens} need {need} blocks of layer group {g.name!r} ({g.tokens_per_block} "
+                    f"tokens each) but the KV pools hold {have}; raise kv_cache_config.max_tokens (--max_tokens) "
+                    "or lower max_new_tokens")
+
+    def _counters(self) -> dict[str, int]:
+        stats = self.manager.stats()
+        return {k: int(stats.get(k, 0)) for k in ("suspends", "resumes", "preemptions")}
+
+    def _abort(self, driver: Driver) -> None:
+        """Free every request of a failed call, so the pools hold nothing of it."""
+        for req in [*driver.running, *driver.waiting]:
+            if not req.is_finished:
+                with contextlib.suppress(Exception):  # freeing must not hide the original error
+                    self.scheduler.finish(req, "aborted")
+        driver.running.clear()
+        driver.waiting.clear()
+
+    def _event(self, event: Event) -> None:
+        if self._emit is not None:
+            self._emit(event)
+
+
+__all__ = [
+    "GenerationExecutor",
+    "GenerationOutput",
+    "GenerationStats",
+    "GenerationTimings",
+    "SamplingParams",
+    "StreamEvent",
+    "TextStream",
+    "eos_token_ids",
+    "sample_token",
+]

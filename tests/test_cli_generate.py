@@ -1,0 +1,116 @@
+"""``kvload generate``: streamed output, the throughput line, --json, the audit log, one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import pipeline
+from pipeline.audit import AuditLog
+from pipeline.explain import verify_log
+from tests.cli_support import kvload, read_events, run_cli
+
+TINY = ("generate", "tiny-llama", "--device", "cpu")
+
+
+def api_tokens(prompts: list[list[int]], n: int, **kv) -> list[list[int]]:
+    """What the Python API generates for the preset (same seeded random weights)."""
+    with pipeline.load("tiny-llama", load_weights=True, device="cpu", kv_cache_config={"max_tokens": 512, **kv},
+                       log=False) as result:
+        return [o.token_ids for o in result.generate(prompts, max_new_tokens=n, ignore_eos=True)]
+
+
+def test_one_prompt_streams_token_ids_then_the_throughput_line(capsys):
+    r = run_cli(capsys, *TINY, "--prompt-ids", "1,2,3,4", "--max_new_tokens", "5", "--ignore_eos")
+    assert r.code == 0, r.err
+    tokens, stats = r.out.rstrip("\n").split("\n")
+    assert [int(t) for t in tokens.split()] == api_tokens([[1, 2, 3, 4]], 5)[0]
+    assert stats.startswith("-- 1 prompt: 4 prompt tokens (0 reused), 5 generated in ")
+    assert "5 steps" in stats and "generated tokens/s" in stats
+
+
+def test_several_prompts_print_each_reply_with_its_index(capsys):
+    r = run_cli(capsys, *TINY, "--prompt-ids", "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20",
+                "--prompt-ids", "7,8", "--max_new_tokens", "3", "--ignore_eos", "--use_kv_cache_manager_v2", "true",
+                "--max_num_tokens", "8")
+    assert r.code == 0, r.err
+    lines = r.out.rstrip("\n").split("\n")
+    expected = api_tokens([list(range(1, 21)), [7, 8]], 3, use_kv_cache_manager_v2=True)
+    assert sorted(lines[:2]) == [f"[{i}] " + " ".join(map(str, ids)) for i, ids in enumerate(expected)]
+    assert lines[2].startswith("-- 2 prompts: 22 prompt tokens (0 reused), 6 generated in ")
+
+
+def test_cpu_without_a_budget_gets_generates_default_and_the_audit_log_says_why(capsys, tmp_path):
+    audit = tmp_path / "gen.jsonl"
+    r = run_cli(capsys, *TINY, "--prompt-ids", "5,6,7", "--max_new_tokens", "4", "--audit-log", audit)
+    assert r.code == 0, r.err
+    events = read_events(audit)
+    budget = next(e for e in events if e["event"] == "kv_budget_computed")
+    assert budget["max_tokens"] == 1 * (4 + 1024) and budget["limited_by"] == "max_tokens"
+    assert "the generate default of 1028 tokens applies" in budget["reason"]
+    names = [e["event"] for e in events]
+    assert names[names.index("pipeline_finished") + 1:] == [
+        "generation_started", "request_admitted", "request_finished", "generation_finished"]
+    log = AuditLog.from_jsonl(audit)
+    assert verify_log(log)["ok"]
+    assert log.final_args()["kv_cache_config"]["max_tokens"] is None  # the user's args are untouched
+    check = run_cli(capsys, "audit", audit, "--verify")
+    assert check.code == 0, check.out + check.err
+
+
+def test_json_prints_outputs_and_stats(capsys):
+    r = run_cli(capsys, *TINY, "--prompt-ids", "9,9,9", "--max_new_tokens", "2", "--ignore_eos", "--max_tokens",
+                "256", "--json")
+    assert r.code == 0, r.err
+    doc = json.loads(r.out)
+    assert set(doc) == {"model", "route", "outputs", "stats"}
+    (out,) = doc["outputs"]
+    assert out["prompt_token_ids"] == [9, 9, 9] and len(out["token_ids"]) == 2 and out["finish_reason"] == "length"
+    assert out["text"] is None and set(out["timings"]) == {"first_token_s", "total_s"}
+    assert doc["stats"]["generated_tokens"] == 2 and doc["stats"]["tokens_per_s"] > 0
+    assert doc["route"]["kv_manager"] == "KVCacheManager"
+
+
+def test_v2_under_pressure_reports_suspends_in_the_throughput_line(capsys):
+    ids = ["--prompt-ids", ",".join(map(str, range(10, 40)))] * 3
+    r = run_cli(capsys, *TINY, *ids, "--max_new_tokens", "40", "--ignore_eos", "--use_kv_cache_manager_v2", "true",
+                "--tokens_per_block", "8", "--max_tokens", "160", "--max_seq_len", "80")
+    assert r.code == 0, r.err
+    assert "suspended" in r.out.rstrip("\n").split("\n")[-1]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ((), "error: --prompt: give at least one --prompt TEXT"),
+    (("--prompt", "hello"), "error: generate: prompt 0 is text, but tiny-llama has no tokenizer"),
+    (("--prompt-ids", "1,x"), "error: --prompt-ids: expected token ids such as 1,2,3, got '1,x'"),
+    (("--prompt-ids", "1", "--chat"), "error: generate: prompt 0: chat=True needs text prompts"),
+    (("--prompt-ids", "1", "--max_new_tokens", "0"), "error: --max_new_tokens: expected an integer >= 1, got '0'"),
+    (("--prompt-ids", "1", "--temperature", "-1"), "error: --temperature: expected a number >= 0, got '-1'"),
+    (("--prompt-ids", "1", "--top-p", "1.5"), r"error: --top_p: expected a number in (0, 1], got '1.5'"),
+    (("--prompt-ids", "1", "--max_tokens", "32", "--max_new_tokens", "64"),
+     "error: generate: prompt 0: 1 prompt tokens + max_new_tokens 64 need 3 blocks"),
+])
+def test_bad_input_is_one_line_exit_2_and_no_audit_file(capsys, tmp_path, args, message):
+    audit = tmp_path / "a.jsonl"
+    r = run_cli(capsys, *TINY, *args, "--audit-log", audit)
+    assert r.code == 2 and r.one_error_line, r.err
+    assert r.err.startswith(message)
+    assert not audit.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_a_real_process_streams_and_writes_the_audit(tmp_path):
+    audit = tmp_path / "g.jsonl"
+    r = kvload(*TINY, "--prompt-ids", "3,4,5", "--max_new_tokens", "3", "--temperature", "0.7", "--seed", "11",
+               "--audit-log", audit)
+    assert r.code == 0, r.err
+    assert len(r.out.split("\n")[0].split()) <= 3
+    started = next(e for e in read_events(audit) if e["event"] == "generation_started")
+    assert (started["temperature"], started["seed"], started["stage"]) == (0.7, 11, "generate")
+
+
+def test_help_explains_the_output_and_the_cpu_budget(capsys):
+    r = run_cli(capsys, "generate", "--help")
+    assert r.code == 0
+    assert "--prompt TEXT" in r.out and "--prompt-ids IDS" in r.out and "--chat" in r.out
+    assert "prompts x (max_new_tokens + 1024) tokens" in r.out
