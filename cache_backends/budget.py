@@ -5,8 +5,9 @@ Budget rules (TensorRT-LLM's, made explicit):
 * On CUDA: the device's free memory *when the budget is computed* (after the weights, when they
   are loaded) × ``free_gpu_memory_fraction``.
 * Capped by ``max_gpu_total_bytes`` (0 = no cap) and by the bytes that hold ``max_tokens`` tokens
-  (:meth:`KvLayout.bytes_for_tokens`: ``max_tokens × bytes_per_token`` rounded up to blocks, plus
-  the windows of the sequences those tokens make).
+  (:meth:`KvLayout.blocks_for_tokens`: each growing group ``ceil(max_tokens / T)`` blocks, plus the
+  windows of the ``ceil(max_tokens / max_seq_len)`` sequences those tokens make). When that cap sets
+  the budget, the pools get exactly those blocks.
 * On CPU there is no free-memory rule: ``max_tokens`` or ``max_gpu_total_bytes`` must bound the
   budget; otherwise it is unbounded (``budget_bytes`` is None) and only a plan can be reported.
 * A budget below one block per group cannot hold anything: :class:`BudgetError`.
@@ -133,14 +134,23 @@ class PoolPlan:
     max_concurrency: int  # sequences of max_seq_len that fit at once
 
 
-def plan_pools(layout: KvLayout, budget_bytes: int, max_seq_len: int) -> PoolPlan:
-    """Split a budget over the layout's groups (:meth:`KvLayout.split_budget`); :class:`BudgetError` if too small."""
+def plan_pools(layout: KvLayout, budget_bytes: int, max_seq_len: int, max_tokens: int | None = None) -> PoolPlan:
+    """The pools a budget buys; :class:`BudgetError` if it cannot hold one block per group.
+
+    With ``max_tokens`` (pass it when the ``max_tokens`` cap set the budget) the blocks are the ones
+    :meth:`KvLayout.blocks_for_tokens` derives, so the pools hold ``max_tokens`` rounded up to one
+    block per group, never a block per sequence more. Otherwise the budget is split over the groups
+    by :meth:`KvLayout.split_budget`.
+    """
     if budget_bytes < layout.min_bytes():
         per_group = ", ".join(f"{g.name} {g.bytes_per_block}" for g in layout.groups)
         raise BudgetError(
             f"a KV budget of {budget_bytes} bytes cannot hold one block per layer group: "
             f"at least {layout.min_bytes()} bytes are needed (bytes per block: {per_group})"
         )
-    blocks = layout.split_budget(budget_bytes, max_seq_len)
+    if max_tokens:
+        blocks = layout.blocks_for_tokens(max_tokens, max_seq_len)
+    else:
+        blocks = layout.split_budget(budget_bytes, max_seq_len)
     total = sum(blocks[g.name] * g.bytes_per_block for g in layout.groups)
     return PoolPlan(blocks, total, layout.capacity_tokens(blocks), layout.max_sequences(blocks, max_seq_len))

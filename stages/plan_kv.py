@@ -178,7 +178,8 @@ def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
                    "kv_cache_config.max_gpu_total_bytes (--max_tokens / --max_gpu_total_bytes)")
     else:
         try:
-            pools = plan_pools(layout, budget.budget_bytes, args.max_seq_len)
+            pools = plan_pools(layout, budget.budget_bytes, args.max_seq_len,
+                               max_tokens=budget.max_tokens if budget.limited_by == "max_tokens" else None)
         except BudgetError:
             problem = too_small_message(layout, budget)
     return KvPlan(manager, route.kv_manager, route.scheduler, device, kv.dtype, kv.tokens_per_block,
