@@ -260,11 +260,23 @@ def is_value_event(record: dict[str, Any]) -> bool:
 
 @event("request_admitted")
 class RequestAdmitted(Event):
-    """A request got device blocks; ``reused_prompt_tokens`` came from the prefix cache."""
+    """A request got device blocks; ``reused_prompt_tokens`` came from the prefix cache.
+
+    ``readmitted``: it was admitted before and preempted (its KV is being recomputed).
+    """
 
     req_id: str
     prompt_tokens: int
     reused_prompt_tokens: int
+    readmitted: bool = False
+
+
+@event("request_preempted")
+class RequestPreempted(Event):
+    """A running request lost its device blocks and went back to waiting, to be recomputed (V2, no host room)."""
+
+    req_id: str
+    tokens: int  # prompt + generated tokens it holds, to recompute when readmitted
 
 
 @event("request_suspended")
