@@ -82,6 +82,46 @@ def host_available_bytes() -> int | None:
         return None
 
 
+#: ``host_cache_size=None`` sizes the V2 host tier like the device pools, capped at this share of the
+#: host memory available (less the pools themselves when they live on the host).
+AUTO_HOST_FRACTION = 0.5
+
+
+def host_tier_slots(layout: KvLayout, num_blocks: dict[str, int], host_cache_size: int | None,
+                    available_bytes: int | None) -> dict[str, int]:
+    """Host-tier slots per group: ``None`` = auto, ``0`` = no tier, else bytes split like the pools.
+
+    Auto: one slot per device block, scaled down to fit ``AUTO_HOST_FRACTION`` of ``available_bytes``
+    (host memory the tier may take; unknown or <= 0: not capped), at least one slot per group. A byte
+    budget gives every group one slot first, then shares the rest in proportion to each group's device
+    bytes; ``ValueError`` when it cannot hold one block of every group. Allocates nothing.
+    """
+    groups = layout.groups
+    if host_cache_size == 0:
+        return {}
+    if host_cache_size is not None and host_cache_size < 0:
+        raise ValueError(f"host_cache_size must be >= 0 bytes (0 = no host tier, null = auto), got {host_cache_size}")
+    device_bytes = {g.name: num_blocks[g.name] * g.bytes_per_block for g in groups}
+    total_device = sum(device_bytes.values())
+    if host_cache_size is None:
+        cap = int((available_bytes or 0) * AUTO_HOST_FRACTION)
+        scale = 1.0 if cap >= total_device or cap <= 0 else cap / total_device
+        return {g.name: max(1, int(num_blocks[g.name] * scale)) for g in groups}
+    minimum = layout.min_bytes()
+    if host_cache_size < minimum:
+        raise ValueError(
+            f"host_cache_size={host_cache_size} bytes cannot hold one block of every layer group "
+            f"(needs at least {minimum}); use 0 for no host tier or null to size it automatically"
+        )
+    rest = host_cache_size - minimum
+    return {g.name: 1 + int(rest * device_bytes[g.name] / total_device) // g.bytes_per_block for g in groups}
+
+
+def host_tier_bytes(layout: KvLayout, slots: dict[str, int]) -> int:
+    """Host bytes a tier of ``slots`` holds (one block of every layer of its group per slot)."""
+    return sum(slots.get(g.name, 0) * g.bytes_per_block for g in layout.groups)
+
+
 def compute_budget(
     layout: KvLayout,
     *,

@@ -343,3 +343,4 @@ class KvManagerBuilt(Event):
     capacity_tokens: int
     max_seq_len: int
     max_concurrency: int
+    host_bytes: int = 0  # V2 host tier (host memory, pinned on CUDA); not part of total_bytes

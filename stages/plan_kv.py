@@ -10,7 +10,18 @@ from typing import Any
 
 import attrs
 
-from cache_backends.budget import BudgetError, KvBudget, PoolPlan, compute_budget, measure_free_bytes, plan_pools
+from cache_backends.budget import (
+    BudgetError,
+    KvBudget,
+    PoolPlan,
+    compute_budget,
+    host_available_bytes,
+    host_tier_bytes,
+    host_tier_slots,
+    is_cuda,
+    measure_free_bytes,
+    plan_pools,
+)
 from cache_backends.layout import KvLayout, build_layout
 from pipeline.bus import Emit
 from pipeline.context import Context
@@ -23,6 +34,8 @@ RULE_FIELDS = {
     "max_gpu_total_bytes": "kv_cache_config.max_gpu_total_bytes",
     "max_tokens": "kv_cache_config.max_tokens",
 }
+
+HOST_FIELD = "kv_cache_config.host_cache_size"
 
 
 @attrs.frozen
@@ -40,6 +53,9 @@ class KvPlan:
     budget: KvBudget
     pools: PoolPlan | None  # None when the budget is unbounded or too small (``problem`` says which)
     problem: str | None = None  # why ``load`` cannot build these pools; None when it can
+    host_cache_size: int | None = None  # the setting: bytes, 0 = no host tier, None = auto-size (V2)
+    host_slots: dict[str, int] | None = None  # V2 host tier slots per group ({} = none); None when unknown
+    host_bytes: int | None = None  # host memory of the V2 host tier (0 = none); None when unknown
 
     @property
     def bytes_per_token(self) -> float:
@@ -83,6 +99,8 @@ class KvPlan:
             "budget_limited_by": self.budget.limited_by,
             "budget": self.budget.to_dict(),
             "total_bytes": self.pools.total_bytes if self.pools else None,
+            "host_bytes": self.host_bytes,
+            "host_slots": self.host_slots,
             "capacity_tokens": self.capacity_tokens,
             "max_concurrency": self.max_concurrency,
             "problem": self.problem,
@@ -102,9 +120,7 @@ class KvPlan:
         lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
         lines.append(f"  bytes/token {self.bytes_per_token:,.6g} (each token past every window); "
                      f"one max_seq_len sequence {self.layout.bytes_for_sequence(self.max_seq_len):,} B")
-        if self.pools is None:
-            lines.append(f"  cannot build: {self.problem}")
-        else:
+        if self.pools is not None:
             b = self.budget
             lines.append(f"  budget  {b.budget_bytes:,} B (set by {RULE_FIELDS.get(b.limited_by or '', b.limited_by)})"
                          f"; pools {self.pools.total_bytes:,} B")
@@ -113,7 +129,17 @@ class KvPlan:
             if self.pools.max_concurrency == 0:
                 lines.append(f"  note: the pools hold less than one sequence of max_seq_len {self.max_seq_len}; "
                              "longer requests will never be admitted")
+            if self.manager == "v2" and self.host_bytes is not None:
+                lines.append(f"  host tier  {self.host_bytes:,} B of host memory ({self._host_origin()})")
+        if self.problem is not None:
+            lines.append(f"  cannot build: {self.problem}")
         return lines
+
+    def _host_origin(self) -> str:
+        if not self.host_slots:
+            return f"none: {HOST_FIELD}=0"
+        size = self.host_cache_size
+        return "auto-sized" if size is None else f"{HOST_FIELD}={size:,} B"
 
 
 def _opt(value: Any) -> str:
@@ -182,8 +208,39 @@ def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
                                max_tokens=budget.max_tokens if budget.limited_by == "max_tokens" else None)
         except BudgetError:
             problem = too_small_message(layout, budget)
+    host_slots, host_bytes = ({}, 0) if manager == "v1" else (None, None)
+    if manager == "v2" and pools is not None:
+        host_slots, host_bytes, host_problem = plan_host_tier(layout, pools, kv.host_cache_size, device)
+        problem = problem or host_problem
     return KvPlan(manager, route.kv_manager, route.scheduler, device, kv.dtype, kv.tokens_per_block,
-                  args.max_seq_len, layout, budget, pools, problem)
+                  args.max_seq_len, layout, budget, pools, problem, kv.host_cache_size, host_slots, host_bytes)
+
+
+def plan_host_tier(layout: KvLayout, pools: PoolPlan, host_cache_size: int | None,
+                   device: str) -> tuple[dict[str, int] | None, int | None, str | None]:
+    """The V2 host tier ``load`` would allocate: (slots per group, bytes, problem naming the setting, or None).
+
+    Sized by the same function as the manager's, against the host memory available now
+    (``MemAvailable``), less the pools when they live on the host.
+    """
+    available = host_available_bytes()
+    on_host = not is_cuda(device)
+    if available is not None and on_host:
+        available -= pools.total_bytes
+    beside = " beside the KV pools" if on_host else ""
+    accepted = "0 (no host tier), null (auto-size)"
+    try:
+        slots = host_tier_slots(layout, pools.num_blocks, host_cache_size, available)
+    except ValueError:
+        minimum = layout.min_bytes()
+        return None, None, (f"{HOST_FIELD}={host_cache_size} B cannot hold one block of every layer group "
+                            f"(at least {minimum} B); accepted: {accepted} or a size of at least {minimum} B")
+    nbytes = host_tier_bytes(layout, slots)
+    if host_cache_size and available is not None and nbytes > available:
+        return slots, nbytes, (f"{HOST_FIELD}={host_cache_size} B: a host tier of {nbytes} B exceeds the "
+                               f"{max(available, 0)} B of host memory available{beside}; accepted: {accepted} "
+                               f"or at most {max(available, 0)} B")
+    return slots, nbytes, None
 
 
 def budget_reason(budget: KvBudget) -> str:

@@ -91,3 +91,107 @@ def test_preemption_is_reported_and_a_readmission_says_so():
         assert admissions == [False] + [True] * times
     assert all(p.tokens > 4 for p in preempted)  # it had generated tokens, all to recompute
     assert d.manager.stats()["preemptions"] == len(preempted)
+
+
+# --- 5. plan and load agree on host_cache_size; 6. the host tier is counted and reported --------------------
+
+V4 = {"device": "cpu", "kv_cache_config": {"max_tokens": 65536}}
+V4_POOL_BYTES = 6_684_672  # tiny-deepseek-v4 at max_tokens=65536 (float32)
+
+
+@pytest.fixture
+def track_pools(monkeypatch):
+    """Every BlockPools built during the test."""
+    built: list[BlockPools] = []
+    original = BlockPools.__init__
+
+    def init(self, *args, **kwargs):
+        built.append(self)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(BlockPools, "__init__", init)
+    return built
+
+
+def _v4(host_cache_size):
+    return {"device": "cpu", "kv_cache_config": {"max_tokens": 65536, "host_cache_size": host_cache_size}}
+
+
+def test_a_host_cache_size_below_one_block_is_a_plan_problem_and_the_same_load_error(track_pools):
+    import pipeline
+    from pipeline import KvBuildError
+
+    want = ("kv_cache_config.host_cache_size=100 B cannot hold one block of every layer group (at least 110976 B); "
+            "accepted: 0 (no host tier), null (auto-size) or a size of at least 110976 B")
+    planned = pipeline.plan("tiny-deepseek-v4", log=False, **_v4(100))
+    assert planned.kv.problem == want and planned.kv.to_dict()["problem"] == want
+    assert any(line == f"  cannot build: {want}" for line in planned.kv.render())
+    with pytest.raises(KvBuildError) as err:
+        pipeline.load("tiny-deepseek-v4", log=False, **_v4(100))
+    assert str(err.value) == want  # one line, the field named: not the allocator's or the constructor's message
+    assert not track_pools
+
+
+def test_a_host_cache_size_larger_than_host_memory_is_refused_before_allocating(monkeypatch, track_pools):
+    import pipeline
+    from pipeline import KvBuildError
+
+    monkeypatch.setattr("stages.plan_kv.host_available_bytes", lambda: 20_000_000)
+    available = 20_000_000 - V4_POOL_BYTES  # the pools live on the host too (device cpu)
+    planned = pipeline.plan("tiny-deepseek-v4", log=False, **_v4(16_000_000))
+    assert planned.kv.problem.startswith("kv_cache_config.host_cache_size=16000000 B: a host tier of ")
+    assert planned.kv.problem.endswith(f"exceeds the {available} B of host memory available beside the KV pools; "
+                                       f"accepted: 0 (no host tier), null (auto-size) or at most {available} B")
+    with pytest.raises(KvBuildError) as err:
+        pipeline.load("tiny-deepseek-v4", log=False, **_v4(16_000_000))
+    assert str(err.value) == planned.kv.problem
+    assert not track_pools
+
+
+def test_the_host_tier_is_in_the_plan_the_built_event_and_the_run_report():
+    import pipeline
+    from pipeline.render import allocation_document, render_allocation
+
+    planned = pipeline.plan("tiny-deepseek-v4", log=False, **V4).kv
+    with pipeline.load("tiny-deepseek-v4", log=False, **V4) as loaded:
+        m = loaded.kv_manager
+        assert m.host is not None and m.host.nbytes == V4_POOL_BYTES  # auto: one slot per device block
+        assert planned.host_bytes == loaded.kv.host_bytes == m.host.nbytes == m.stats()["host_bytes"]
+        assert planned.host_slots == m.host.num_slots
+        assert planned.to_dict()["host_bytes"] == V4_POOL_BYTES
+        assert "  host tier  6,684,672 B of host memory (auto-sized)" in planned.render()
+        (built,) = loaded.audit.of("kv_manager_built")
+        assert built["host_bytes"] == V4_POOL_BYTES and built["total_bytes"] == V4_POOL_BYTES
+        assert allocation_document(loaded)["host_bytes"] == V4_POOL_BYTES
+        assert render_allocation(loaded)[-1] == "  host tier 6,684,672 B of host memory (suspended requests' pages)"
+    with pipeline.load("tiny-llama", log=False, device="cpu", kv_cache_config={"max_tokens": 64}) as v1:
+        assert v1.kv.host_bytes == 0 and v1.audit.of("kv_manager_built")[0]["host_bytes"] == 0
+
+
+def test_the_build_stage_counts_the_host_tier_against_host_memory(monkeypatch, track_pools):
+    import pipeline
+    from pipeline import KvBuildError
+
+    monkeypatch.setattr("stages.build_kv_manager.host_available_bytes", lambda: 2 * V4_POOL_BYTES - 1)
+    with pytest.raises(KvBuildError) as err:  # the pools alone fit; pools + host tier do not
+        pipeline.load("tiny-deepseek-v4", log=False, **V4)
+    assert str(err.value) == (f"KV pools of {V4_POOL_BYTES} B plus a host tier of {V4_POOL_BYTES} B exceed the "
+                              f"{2 * V4_POOL_BYTES - 1} B of memory this host has available; lower "
+                              "kv_cache_config.max_tokens or kv_cache_config.host_cache_size")
+    assert not track_pools
+    with pipeline.load("tiny-deepseek-v4", log=False, **_v4(0)) as loaded:  # no tier: the pools fit
+        assert loaded.kv_manager.host is None and loaded.kv.host_bytes == 0
+
+
+def test_plan_and_manager_size_the_auto_host_tier_from_the_same_memory_probe(monkeypatch):
+    import pipeline
+
+    available = V4_POOL_BYTES + V4_POOL_BYTES // 2  # half of what is left beside the pools: a quarter of them
+    monkeypatch.setattr("stages.plan_kv.host_available_bytes", lambda: available)
+    monkeypatch.setattr("cache_backends.v2.host_tier.host_available_bytes", lambda: available)
+    monkeypatch.setattr("stages.build_kv_manager.host_available_bytes", lambda: available)
+    with pipeline.load("tiny-deepseek-v4", log=False, **V4) as loaded:
+        host = loaded.kv_manager.host
+        assert host.num_slots == loaded.kv.host_slots and host.nbytes == loaded.kv.host_bytes
+        # scaled to half of what is left beside the pools (each group keeps at least one slot)
+        assert host.nbytes <= (available - V4_POOL_BYTES) // 2 + loaded.kv.layout.min_bytes() < V4_POOL_BYTES
