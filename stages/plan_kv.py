@@ -23,10 +23,11 @@ from cache_backends.budget import (
     plan_pools,
 )
 from cache_backends.layout import KvLayout, build_layout
+from cache_backends.reuse import partial_reuse_off_reason
 from pipeline.bus import Emit
 from pipeline.context import Context
 from pipeline.errors import KvBuildError
-from pipeline.events import KvBudgetComputed
+from pipeline.events import KvBudgetComputed, SettingIgnored
 
 #: What each budget rule is called in messages: the field a user changes to move it.
 RULE_FIELDS = {
@@ -208,12 +209,25 @@ def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
                                max_tokens=budget.max_tokens if budget.limited_by == "max_tokens" else None)
         except BudgetError:
             problem = too_small_message(layout, budget)
+    if manager == "v2":
+        warn_inert_partial_reuse(ctx, layout, emit)
     host_slots, host_bytes = ({}, 0) if manager == "v1" else (None, None)
     if manager == "v2" and pools is not None:
         host_slots, host_bytes, host_problem = plan_host_tier(layout, pools, kv.host_cache_size, device)
         problem = problem or host_problem
     return KvPlan(manager, route.kv_manager, route.scheduler, device, kv.dtype, kv.tokens_per_block,
                   args.max_seq_len, layout, budget, pools, problem, kv.host_cache_size, host_slots, host_bytes)
+
+
+def warn_inert_partial_reuse(ctx: Context, layout: KvLayout, emit: Emit) -> None:
+    """``setting_ignored`` when the user asked for partial reuse and the V2 geometry makes it gain nothing."""
+    kv = ctx.args.kv_cache_config
+    field = "kv_cache_config.enable_partial_reuse"
+    if field not in ctx.user_fields or kv.enable_partial_reuse is not True or kv.enable_block_reuse is not True:
+        return  # not asked for by the user, or route_executor already said why it is off
+    reason = partial_reuse_off_reason(layout)
+    if reason is not None:
+        emit(SettingIgnored(field=field, value=True, reason=f"partial-block reuse is off: {reason}"))
 
 
 def plan_host_tier(layout: KvLayout, pools: PoolPlan, host_cache_size: int | None,

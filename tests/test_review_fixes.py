@@ -195,3 +195,50 @@ def test_plan_and_manager_size_the_auto_host_tier_from_the_same_memory_probe(mon
         assert host.num_slots == loaded.kv.host_slots and host.nbytes == loaded.kv.host_bytes
         # scaled to half of what is left beside the pools (each group keeps at least one slot)
         assert host.nbytes <= (available - V4_POOL_BYTES) // 2 + loaded.kv.layout.min_bytes() < V4_POOL_BYTES
+
+
+# --- 7. partial-block reuse that can never gain a token is off, and a user who asked for it hears why ---------
+
+V4_PARTIAL_REASON = ("partial-block reuse is off: compressed groups match in steps of 128 tokens (the lcm of their "
+                     "compress rates), not below tokens_per_block=128, so a partial block could never gain a token")
+
+
+def test_deepseek_v4_turns_inert_partial_reuse_off_with_the_reason():
+    import pipeline
+    from cache_backends.reuse import partial_reuse_off_reason
+
+    with pipeline.load("tiny-deepseek-v4", log=False, device="cpu", max_seq_len=512,
+                       kv_cache_config={"max_tokens": 4096}) as loaded:
+        m = loaded.kv_manager
+        reuse = m.stats()["reuse"]
+        assert reuse["enabled"] is True and reuse["partial"] is False
+        assert reuse["partial_disabled_reason"] == partial_reuse_off_reason(m.layout) is not None
+        assert not loaded.audit.of("setting_ignored")  # the model's default, not the user's request: no warning
+
+
+@pytest.mark.parametrize("run", ["plan", "load"])
+def test_an_explicit_enable_partial_reuse_that_cannot_work_is_a_setting_ignored_warning(run):
+    import pipeline
+
+    kw = {"device": "cpu", "kv_cache_config": {"max_tokens": 4096, "enable_partial_reuse": True}}
+    result = getattr(pipeline, run)("tiny-deepseek-v4", log=False, **kw)
+    try:
+        (ignored,) = result.audit.of("setting_ignored")
+        assert (ignored["field"], ignored["value"], ignored["reason"]) == (
+            "kv_cache_config.enable_partial_reuse", True, V4_PARTIAL_REASON)
+    finally:
+        result.close()
+
+
+def test_partial_reuse_stays_on_where_it_can_gain_tokens():
+    from tests.test_kv_v2_harness import make_manager
+
+    on = make_manager([LayerKV(0, "full", 2)], 8).stats()["reuse"]
+    assert on["partial"] is True and on["partial_disabled_reason"] is None
+    off = make_manager([LayerKV(0, "full", 2)], 8, enable_partial_reuse=False).stats()["reuse"]
+    assert off["partial"] is False and off["partial_disabled_reason"] == "enable_partial_reuse is false"
+    import pipeline
+
+    planned = pipeline.plan("tiny-gemma3", log=False, device="cpu", kv_cache_config={
+        "use_kv_cache_manager_v2": True, "max_tokens": 4096, "enable_partial_reuse": True})
+    assert not planned.audit.of("setting_ignored")

@@ -17,7 +17,10 @@ How the pieces fit (TensorRT-LLM's V2 ideas, this project's code):
   (d) for a sliding group, every block the window at ``m`` covers. With ``enable_partial_reuse`` (and
   every group spanning exactly ``T`` tokens) the next block may be matched in part: the child with
   the longest common token prefix (rounded down to the compress rates) is copied into a fresh block
-  (copy-on-write); the cached original is never written.
+  (copy-on-write); the cached original is never written. When the geometry rules that out — some
+  group spans more than ``T``, or the compress rates' lcm is not below ``T`` (DeepSeek V4) — partial
+  reuse is off and ``stats()["reuse"]["partial_disabled_reason"]`` says why
+  (:func:`cache_backends.reuse.partial_reuse_off_reason`, which the plan stage asks too).
 * **Host tier.** ``suspend`` copies every page of the request to host slots and drops its device
   blocks (cached ones stay cached); ``resume`` takes back cached blocks that were never evicted and
   copies the rest back, byte-exact, into fresh blocks. ``resume`` is refused when the pools lack room
@@ -43,6 +46,7 @@ from cache_backends.interface import ManagerOptions
 from cache_backends.layout import KvLayout, LayerGroup
 from cache_backends.pools import BlockPools
 from cache_backends.request import Request
+from cache_backends.reuse import partial_reuse_off_reason, partial_reuse_unit, reuse_unit
 from cache_backends.v2.group_pool import GroupPool
 from cache_backends.v2.host_tier import HostTier, host_slots
 from cache_backends.v2.radix import RadixNode, RadixTree
@@ -89,20 +93,25 @@ class KVCacheManagerV2:
         self._pool = {g.name: GroupPool(g.name, pools.num_blocks[g.name]) for g in self.groups}
         self._sliding = [g for g in self.groups if g.window is not None]
         spans = [g.tokens_per_block for g in self.groups]
-        aligned = all(s % self.T == 0 for s in spans)
-        self.reuse_unit: int | None = math.lcm(*spans) if aligned else None
+        self.reuse_unit: int | None = reuse_unit(self.layout)
         self.reuse_off_reason: str | None = None
         if not options.enable_block_reuse:
             self.reuse_off_reason = "enable_block_reuse is false"
-        elif not aligned:
+        elif self.reuse_unit is None:
             self.reuse_off_reason = (
                 f"layer group blocks span {spans} tokens, not all multiples of tokens_per_block={self.T}, "
                 "so they cannot be keyed by token blocks"
             )
         self._reuse = self.reuse_off_reason is None
-        rates = [g.compress_rate for g in self.groups if g.compress_rate]
-        self._partial_unit = math.lcm(*rates) if rates else 1
-        self._partial = self._reuse and options.enable_partial_reuse and self.reuse_unit == self.T
+        self._partial_unit = partial_reuse_unit(self.layout)
+        self.partial_off_reason: str | None = None  # why partial-block reuse is off, None when it is on
+        if not self._reuse:
+            self.partial_off_reason = "prefix reuse is off"
+        elif not options.enable_partial_reuse:
+            self.partial_off_reason = "enable_partial_reuse is false"
+        else:
+            self.partial_off_reason = partial_reuse_off_reason(self.layout)
+        self._partial = self.partial_off_reason is None
         self._tree = RadixTree()
         self.host: HostTier | None = None
         slots = host_slots(pools, options.host_cache_size)
@@ -399,6 +408,7 @@ class KVCacheManagerV2:
             "host_bytes": self.host.nbytes if self.host is not None else 0,
             "reuse": {"enabled": self._reuse, "disabled_reason": self.reuse_off_reason,
                       "unit_tokens": self.reuse_unit if self._reuse else None, "partial": self._partial,
+                      "partial_disabled_reason": self.partial_off_reason,
                       "radix_nodes": self._tree.num_nodes},
             "caches": {"active": active, "suspended": len(self._caches) - active},
             **self.counters,
