@@ -56,13 +56,19 @@ def is_cuda(device: str) -> bool:
 
 
 def measure_free_bytes(device: str) -> int | None:
-    """Free memory of a CUDA device now (``torch.cuda.mem_get_info``); None for CPU or without CUDA."""
+    """Free memory of a CUDA device now (``torch.cuda.mem_get_info``); None for CPU or without CUDA.
+
+    The caching allocator's unused blocks (left by loading the weights, say) are handed back first:
+    ``mem_get_info`` counts them as taken although the pools could use them. Callers check that the
+    device exists first (an index past the last device is an error here, not None).
+    """
     if not is_cuda(device):
         return None
     import torch
 
     if not torch.cuda.is_available():
         return None
+    torch.cuda.empty_cache()
     free, _total = torch.cuda.mem_get_info(torch.device(device))
     return int(free)
 

@@ -14,7 +14,7 @@ from pipeline.bus import Emit
 from pipeline.context import Context
 from pipeline.errors import KvBuildError, KvRuntimeError
 from pipeline.events import KvManagerBuilt
-from stages.plan_kv import HOST_FIELD, RULE_FIELDS, KvPlan, compute_kv_plan
+from stages.plan_kv import HOST_FIELD, RULE_FIELDS, KvPlan, compute_kv_plan, device_problem
 
 if TYPE_CHECKING:
     from cache_backends.pools import BlockPools
@@ -22,17 +22,9 @@ if TYPE_CHECKING:
 
 def check_device(device: str) -> None:
     """``KvBuildError`` when the resolved device cannot hold pools here (CUDA asked for, none present)."""
-    if not is_cuda(device):
-        return
-    import torch
-
-    if not torch.cuda.is_available():
-        raise KvBuildError(f"device={device}: no CUDA device is available on this machine; "
-                           "set device to cpu (or auto)")
-    index = torch.device(device).index
-    if index is not None and index >= torch.cuda.device_count():
-        raise KvBuildError(f"device={device}: only {torch.cuda.device_count()} CUDA device(s) present "
-                           f"(cuda:0..cuda:{torch.cuda.device_count() - 1})")
+    problem = device_problem(device)
+    if problem is not None:
+        raise KvBuildError(problem)
 
 
 def manager_classes(manager: str) -> tuple[type, type]:

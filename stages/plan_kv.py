@@ -172,12 +172,28 @@ def weights_bytes(ctx: Context) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def device_problem(device: str) -> str | None:
+    """Why the resolved device cannot hold pools on this machine (CUDA asked for, none or not that one), or None."""
+    if not is_cuda(device):
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return f"device={device}: no CUDA device is available on this machine; set device to cpu (or auto)"
+    index = torch.device(device).index
+    count = torch.cuda.device_count()
+    if index is not None and index >= count:
+        return f"device={device}: only {count} CUDA device(s) present (cuda:0..cuda:{count - 1})"
+    return None
+
+
 def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
     """Layout of the routed manager, budget (``kv_budget_computed``) and pools; allocates nothing.
 
-    Raises ``KvBuildError`` when the geometry cannot be laid out. A budget that is unbounded or too
-    small for one block per layer group is not an error here: the plan says so in ``problem``
-    (``plan`` reports the geometry with null capacity; ``build_kv_manager`` raises it).
+    Raises ``KvBuildError`` when the geometry cannot be laid out. A device that is not there, a budget
+    that is unbounded or too small for one block per layer group, or a host tier that cannot be built
+    is not an error here: the plan says so in ``problem`` (the device's message first; ``plan``
+    reports the geometry; ``build_kv_manager`` raises it before allocating anything).
     """
     args, route = ctx.args, ctx.route
     kv = args.kv_cache_config
@@ -187,10 +203,12 @@ def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
     except ValueError as exc:
         raise KvBuildError(f"{ctx.model.name}: cannot lay out the KV cache: {exc}") from None
     device = str(args.device)
+    device_issue = device_problem(device)  # before measuring: a device that is not there has no free memory
     budget = compute_budget(
         layout, device=device, max_seq_len=args.max_seq_len,
         free_gpu_memory_fraction=kv.free_gpu_memory_fraction, max_gpu_total_bytes=kv.max_gpu_total_bytes,
-        max_tokens=kv.max_tokens, free_bytes=measure_free_bytes(device), weights_bytes=weights_bytes(ctx),
+        max_tokens=kv.max_tokens, free_bytes=None if device_issue else measure_free_bytes(device),
+        weights_bytes=weights_bytes(ctx),
     )
     emit(KvBudgetComputed(
         manager=manager, device=device, free_bytes=budget.free_bytes, weights_bytes=budget.weights_bytes,
@@ -199,16 +217,16 @@ def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
         bytes_per_token=budget.bytes_per_token, min_bytes=budget.min_bytes, budget_bytes=budget.budget_bytes,
         limited_by=budget.limited_by, reason=budget_reason(budget),
     ))
-    pools, problem = None, None
+    pools, problem = None, device_issue
     if budget.budget_bytes is None:
-        problem = (f"no KV cache budget: {budget.unbounded_reason}; set kv_cache_config.max_tokens or "
-                   "kv_cache_config.max_gpu_total_bytes (--max_tokens / --max_gpu_total_bytes)")
+        problem = problem or (f"no KV cache budget: {budget.unbounded_reason}; set kv_cache_config.max_tokens or "
+                              "kv_cache_config.max_gpu_total_bytes (--max_tokens / --max_gpu_total_bytes)")
     else:
         try:
             pools = plan_pools(layout, budget.budget_bytes, args.max_seq_len,
                                max_tokens=budget.max_tokens if budget.limited_by == "max_tokens" else None)
         except BudgetError:
-            problem = too_small_message(layout, budget)
+            problem = problem or too_small_message(layout, budget)
     if manager == "v2":
         warn_inert_partial_reuse(ctx, layout, emit)
     host_slots, host_bytes = ({}, 0) if manager == "v1" else (None, None)

@@ -242,3 +242,60 @@ def test_partial_reuse_stays_on_where_it_can_gain_tokens():
     planned = pipeline.plan("tiny-gemma3", log=False, device="cpu", kv_cache_config={
         "use_kv_cache_manager_v2": True, "max_tokens": 4096, "enable_partial_reuse": True})
     assert not planned.audit.of("setting_ignored")
+
+
+# --- 9. an absent CUDA device is reported by the device check, not by the free-memory probe ------------------
+
+
+@pytest.fixture
+def one_gpu_whose_probe_fails_on_a_bad_index(monkeypatch):
+    """Pretend one CUDA device exists; measuring any device records the calls (and a bad index raises)."""
+    import torch
+
+    calls: list[str] = []
+
+    def mem_get_info(device):
+        calls.append("mem_get_info")
+        if torch.device(device).index not in (None, 0):
+            raise RuntimeError("CUDA error: invalid device ordinal")
+        return (10**9, 2 * 10**9)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    return calls
+
+
+def test_a_cuda_index_past_the_last_device_gets_the_device_message_from_plan_and_load(
+        one_gpu_whose_probe_fails_on_a_bad_index):
+    import pipeline
+    from pipeline import KvBuildError
+
+    want = "device=cuda:5: only 1 CUDA device(s) present (cuda:0..cuda:0)"
+    kw = {"device": "cuda:5", "kv_cache_config": {"max_tokens": 64}}
+    planned = pipeline.plan("tiny-llama", log=False, **kw)
+    assert planned.kv.problem == want and planned.kv.budget.free_bytes is None
+    with pytest.raises(KvBuildError) as err:
+        pipeline.load("tiny-llama", log=False, **kw)
+    assert str(err.value) == want
+    assert "mem_get_info" not in one_gpu_whose_probe_fails_on_a_bad_index  # never probed the absent device
+
+
+def test_free_memory_is_measured_after_the_caching_allocator_hands_back_its_unused_blocks(
+        one_gpu_whose_probe_fails_on_a_bad_index):
+    from cache_backends.budget import measure_free_bytes
+
+    assert measure_free_bytes("cuda:0") == 10**9
+    assert one_gpu_whose_probe_fails_on_a_bad_index == ["empty_cache", "mem_get_info"]
+
+
+@pytest.mark.cuda
+def test_on_a_real_gpu_an_index_past_the_last_device_is_the_device_message():
+    import torch
+
+    import pipeline
+
+    n = torch.cuda.device_count()
+    planned = pipeline.plan("tiny-llama", log=False, device=f"cuda:{n}", kv_cache_config={"max_tokens": 64})
+    assert planned.kv.problem == f"device=cuda:{n}: only {n} CUDA device(s) present (cuda:0..cuda:{n - 1})"
