@@ -159,6 +159,15 @@ class KvLayout:
         the rest allows, so a budget below one sequence still gets whole windows, and a one-group
         (V1) layout gets ``budget // bytes_per_block`` blocks. Each group gets at least one block
         (a budget below :meth:`min_bytes` then exceeds itself: callers check).
+
+        Known limitation (by design, not redesigned): window groups are sized for the number of
+        ``seq_len`` sequences the budget holds — one window per sequence of ``max_seq_len`` — not
+        for the number of sequences that will actually run. Every running sequence needs its own
+        window, however short it is, so many sequences much shorter than ``max_seq_len`` can be
+        limited by the window pools while the growing pools still have room (DeepSeek V4 at
+        ``max_tokens == max_seq_len``: two window blocks, so two short requests at a time).
+        Lower ``max_seq_len`` to the longest sequence expected to get more windows for the same
+        tokens. :meth:`blocks_for_tokens` (the ``max_tokens`` rule) has the same property.
         """
         length = max(seq_len, 1)
         need = self.blocks_for_sequence(length)
