@@ -5,8 +5,9 @@ Budget rules (TensorRT-LLM's, made explicit):
 * On CUDA: the device's free memory *when the budget is computed* (after the weights, when they
   are loaded) × ``free_gpu_memory_fraction``.
 * Capped by ``max_gpu_total_bytes`` (0 = no cap) and by the bytes that hold ``max_tokens`` tokens
-  (:meth:`KvLayout.bytes_for_tokens`: ``max_tokens × bytes_per_token`` rounded up to blocks, plus
-  the windows of the sequences those tokens make).
+  (:meth:`KvLayout.blocks_for_tokens`: each growing group ``ceil(max_tokens / T)`` blocks, plus the
+  windows of the ``ceil(max_tokens / max_seq_len)`` sequences those tokens make). When that cap sets
+  the budget, the pools get exactly those blocks.
 * On CPU there is no free-memory rule: ``max_tokens`` or ``max_gpu_total_bytes`` must bound the
   budget; otherwise it is unbounded (``budget_bytes`` is None) and only a plan can be reported.
 * A budget below one block per group cannot hold anything: :class:`BudgetError`.
@@ -55,13 +56,19 @@ def is_cuda(device: str) -> bool:
 
 
 def measure_free_bytes(device: str) -> int | None:
-    """Free memory of a CUDA device now (``torch.cuda.mem_get_info``); None for CPU or without CUDA."""
+    """Free memory of a CUDA device now (``torch.cuda.mem_get_info``); None for CPU or without CUDA.
+
+    The caching allocator's unused blocks (left by loading the weights, say) are handed back first:
+    ``mem_get_info`` counts them as taken although the pools could use them. Callers check that the
+    device exists first (an index past the last device is an error here, not None).
+    """
     if not is_cuda(device):
         return None
     import torch
 
     if not torch.cuda.is_available():
         return None
+    torch.cuda.empty_cache()
     free, _total = torch.cuda.mem_get_info(torch.device(device))
     return int(free)
 
@@ -79,6 +86,46 @@ def host_available_bytes() -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+#: ``host_cache_size=None`` sizes the V2 host tier like the device pools, capped at this share of the
+#: host memory available (less the pools themselves when they live on the host).
+AUTO_HOST_FRACTION = 0.5
+
+
+def host_tier_slots(layout: KvLayout, num_blocks: dict[str, int], host_cache_size: int | None,
+                    available_bytes: int | None) -> dict[str, int]:
+    """Host-tier slots per group: ``None`` = auto, ``0`` = no tier, else bytes split like the pools.
+
+    Auto: one slot per device block, scaled down to fit ``AUTO_HOST_FRACTION`` of ``available_bytes``
+    (host memory the tier may take; unknown or <= 0: not capped), at least one slot per group. A byte
+    budget gives every group one slot first, then shares the rest in proportion to each group's device
+    bytes; ``ValueError`` when it cannot hold one block of every group. Allocates nothing.
+    """
+    groups = layout.groups
+    if host_cache_size == 0:
+        return {}
+    if host_cache_size is not None and host_cache_size < 0:
+        raise ValueError(f"host_cache_size must be >= 0 bytes (0 = no host tier, null = auto), got {host_cache_size}")
+    device_bytes = {g.name: num_blocks[g.name] * g.bytes_per_block for g in groups}
+    total_device = sum(device_bytes.values())
+    if host_cache_size is None:
+        cap = int((available_bytes or 0) * AUTO_HOST_FRACTION)
+        scale = 1.0 if cap >= total_device or cap <= 0 else cap / total_device
+        return {g.name: max(1, int(num_blocks[g.name] * scale)) for g in groups}
+    minimum = layout.min_bytes()
+    if host_cache_size < minimum:
+        raise ValueError(
+            f"host_cache_size={host_cache_size} bytes cannot hold one block of every layer group "
+            f"(needs at least {minimum}); use 0 for no host tier or null to size it automatically"
+        )
+    rest = host_cache_size - minimum
+    return {g.name: 1 + int(rest * device_bytes[g.name] / total_device) // g.bytes_per_block for g in groups}
+
+
+def host_tier_bytes(layout: KvLayout, slots: dict[str, int]) -> int:
+    """Host bytes a tier of ``slots`` holds (one block of every layer of its group per slot)."""
+    return sum(slots.get(g.name, 0) * g.bytes_per_block for g in layout.groups)
 
 
 def compute_budget(
@@ -133,14 +180,23 @@ class PoolPlan:
     max_concurrency: int  # sequences of max_seq_len that fit at once
 
 
-def plan_pools(layout: KvLayout, budget_bytes: int, max_seq_len: int) -> PoolPlan:
-    """Split a budget over the layout's groups (:meth:`KvLayout.split_budget`); :class:`BudgetError` if too small."""
+def plan_pools(layout: KvLayout, budget_bytes: int, max_seq_len: int, max_tokens: int | None = None) -> PoolPlan:
+    """The pools a budget buys; :class:`BudgetError` if it cannot hold one block per group.
+
+    With ``max_tokens`` (pass it when the ``max_tokens`` cap set the budget) the blocks are the ones
+    :meth:`KvLayout.blocks_for_tokens` derives, so the pools hold ``max_tokens`` rounded up to one
+    block per group, never a block per sequence more. Otherwise the budget is split over the groups
+    by :meth:`KvLayout.split_budget`.
+    """
     if budget_bytes < layout.min_bytes():
         per_group = ", ".join(f"{g.name} {g.bytes_per_block}" for g in layout.groups)
         raise BudgetError(
             f"a KV budget of {budget_bytes} bytes cannot hold one block per layer group: "
             f"at least {layout.min_bytes()} bytes are needed (bytes per block: {per_group})"
         )
-    blocks = layout.split_budget(budget_bytes, max_seq_len)
+    if max_tokens:
+        blocks = layout.blocks_for_tokens(max_tokens, max_seq_len)
+    else:
+        blocks = layout.split_budget(budget_bytes, max_seq_len)
     total = sum(blocks[g.name] * g.bytes_per_block for g in layout.groups)
     return PoolPlan(blocks, total, layout.capacity_tokens(blocks), layout.max_sequences(blocks, max_seq_len))

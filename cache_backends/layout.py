@@ -130,15 +130,27 @@ class KvLayout:
         """The smallest pool set: one block per group."""
         return sum(g.bytes_per_block for g in self.groups)
 
-    def bytes_for_tokens(self, tokens: int, seq_len: int) -> int:
-        """Bytes of pools that hold ``tokens`` tokens as sequences of ``seq_len`` (the last one shorter).
+    def blocks_for_tokens(self, tokens: int, seq_len: int) -> dict[str, int]:
+        """Blocks per group that hold ``tokens`` tokens cut into sequences of ``seq_len`` (the last one shorter).
 
-        V1: ``ceil(tokens / T)`` blocks. V2: every growing group holds ``tokens`` tokens, and each
-        window group holds the windows of the ``ceil(tokens / seq_len)`` sequences those tokens make.
+        A growing group gets ``ceil(tokens / tokens_per_block)`` blocks (its own ``tokens_per_block``),
+        so the pools hold ``tokens`` rounded up to one block, not one block per sequence. A window group
+        gets the windows of the ``ceil(tokens / seq_len)`` sequences those tokens make (each at most
+        ``min(tokens, seq_len)`` long).
         """
-        length = max(seq_len, 1)
-        full, part = divmod(max(tokens, 0), length)
-        return full * self.bytes_for_sequence(length) + self.bytes_for_sequence(part)
+        tokens, length = max(tokens, 0), max(seq_len, 1)
+        sequences = math.ceil(tokens / length)
+        longest = min(tokens, length)
+        return {
+            g.name: math.ceil(tokens / g.tokens_per_block) if g.keeps_all_tokens
+            else sequences * g.blocks_for(longest)
+            for g in self.groups
+        }
+
+    def bytes_for_tokens(self, tokens: int, seq_len: int) -> int:
+        """Bytes of the pools :meth:`blocks_for_tokens` gives (V1: ``ceil(tokens / T)`` blocks)."""
+        blocks = self.blocks_for_tokens(tokens, seq_len)
+        return sum(blocks[g.name] * g.bytes_per_block for g in self.groups)
 
     def split_budget(self, budget_bytes: int, seq_len: int) -> dict[str, int]:
         """Blocks per group for a byte budget, shared in proportion to sequences of ``seq_len``.
@@ -147,6 +159,15 @@ class KvLayout:
         the rest allows, so a budget below one sequence still gets whole windows, and a one-group
         (V1) layout gets ``budget // bytes_per_block`` blocks. Each group gets at least one block
         (a budget below :meth:`min_bytes` then exceeds itself: callers check).
+
+        Known limitation (by design, not redesigned): window groups are sized for the number of
+        ``seq_len`` sequences the budget holds — one window per sequence of ``max_seq_len`` — not
+        for the number of sequences that will actually run. Every running sequence needs its own
+        window, however short it is, so many sequences much shorter than ``max_seq_len`` can be
+        limited by the window pools while the growing pools still have room (DeepSeek V4 at
+        ``max_tokens == max_seq_len``: two window blocks, so two short requests at a time).
+        Lower ``max_seq_len`` to the longest sequence expected to get more windows for the same
+        tokens. :meth:`blocks_for_tokens` (the ``max_tokens`` rule) has the same property.
         """
         length = max(seq_len, 1)
         need = self.blocks_for_sequence(length)

@@ -28,7 +28,7 @@ class Request:
     req_id: str
     prompt_token_ids: list[int]
     max_new_tokens: int
-    priority: int = 0  # higher is more important; the V2 scheduler suspends the lowest first
+    priority: int = 0  # higher is more important; the V2 scheduler suspends the lowest first (admission is FCFS)
     salt: str | None = None  # reuse scope: requests with different salts never share blocks
     arrival: int = 0  # admission order tie-breaker (later arrivals are suspended first)
     output_token_ids: list[int] = attrs.Factory(list)

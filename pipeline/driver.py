@@ -18,7 +18,14 @@ import attrs
 
 from cache_backends.interface import SchedulerOutput
 from cache_backends.request import Request, RequestState
-from pipeline.events import Event, RequestAdmitted, RequestFinished, RequestResumed, RequestSuspended
+from pipeline.events import (
+    Event,
+    RequestAdmitted,
+    RequestFinished,
+    RequestPreempted,
+    RequestResumed,
+    RequestSuspended,
+)
 
 #: compute(output) -> {req_id: next token} for each scheduled request that reaches its last known token.
 Compute = Callable[[SchedulerOutput], dict[str, int]]
@@ -53,9 +60,25 @@ class Driver:
         self.finished: list[Request] = []
         self._emit = emit
         self._arrivals = 0
+        self._admitted_before: set[Request] = set()  # so a re-admission after preemption says so
+
+    @property
+    def max_seq_len(self) -> int:
+        """The manager's ``max_seq_len``: prompt + generated tokens never exceed it."""
+        return self.manager.options.max_seq_len
 
     def add(self, request: Request) -> None:
-        """Queue a request; arrival order breaks scheduling ties."""
+        """Queue a request; arrival order breaks scheduling ties.
+
+        ``ValueError`` when it could not generate a token: ``max_new_tokens`` below 1, or a prompt that
+        leaves no room under ``max_seq_len``. Generation ends ("length") at ``max_new_tokens`` or when
+        prompt + output reach ``max_seq_len``, whichever comes first.
+        """
+        if request.max_new_tokens < 1:
+            raise ValueError(f"request {request.req_id}: max_new_tokens must be >= 1, got {request.max_new_tokens}")
+        if request.num_prompt_tokens >= self.max_seq_len:
+            raise ValueError(f"request {request.req_id}: its prompt of {request.num_prompt_tokens} tokens leaves no "
+                             f"room to generate within max_seq_len={self.max_seq_len}")
         request.arrival = self._arrivals
         self._arrivals += 1
         request.state = RequestState.WAITING
@@ -99,6 +122,7 @@ class Driver:
                 done.append(req)
         kv_seconds += time.perf_counter() - t2
         for req in done:
+            self._admitted_before.discard(req)
             self.finished.append(req)
             if self._emit:
                 self._emit(RequestFinished(req_id=req.req_id, reason=req.finish_reason,
@@ -109,16 +133,20 @@ class Driver:
     def _finish_reason(self, req: Request, token: int) -> str | None:
         if token in self.eos_token_ids:
             return "eos"
-        if len(req.output_token_ids) >= req.max_new_tokens:
+        if len(req.output_token_ids) >= req.max_new_tokens or req.num_tokens >= self.max_seq_len:
             return "length"
         return None
 
     def _report(self, out: SchedulerOutput) -> None:
+        readmitted = [req in self._admitted_before for req in out.admitted]
+        self._admitted_before.update(out.admitted)
         if self._emit is None:
             return
-        for req in out.admitted:
+        for req, again in zip(out.admitted, readmitted, strict=True):
             self._emit(RequestAdmitted(req_id=req.req_id, prompt_tokens=req.num_prompt_tokens,
-                                       reused_prompt_tokens=req.num_reused_tokens))
+                                       reused_prompt_tokens=req.num_reused_tokens, readmitted=again))
+        for req in out.preempted:
+            self._emit(RequestPreempted(req_id=req.req_id, tokens=req.num_tokens))
         for req in out.suspended:
             self._emit(RequestSuspended(req_id=req.req_id, tokens=req.num_computed_tokens))
         for req in out.resumed:

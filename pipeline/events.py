@@ -260,11 +260,23 @@ def is_value_event(record: dict[str, Any]) -> bool:
 
 @event("request_admitted")
 class RequestAdmitted(Event):
-    """A request got device blocks; ``reused_prompt_tokens`` came from the prefix cache."""
+    """A request got device blocks; ``reused_prompt_tokens`` came from the prefix cache.
+
+    ``readmitted``: it was admitted before and preempted (its KV is being recomputed).
+    """
 
     req_id: str
     prompt_tokens: int
     reused_prompt_tokens: int
+    readmitted: bool = False
+
+
+@event("request_preempted")
+class RequestPreempted(Event):
+    """A running request lost its device blocks and went back to waiting, to be recomputed (V2, no host room)."""
+
+    req_id: str
+    tokens: int  # prompt + generated tokens it holds, to recompute when readmitted
 
 
 @event("request_suspended")
@@ -373,3 +385,4 @@ class KvManagerBuilt(Event):
     capacity_tokens: int
     max_seq_len: int
     max_concurrency: int
+    host_bytes: int = 0  # V2 host tier (host memory, pinned on CUDA); not part of total_bytes

@@ -89,6 +89,7 @@ def allocation_document(result: LoadResult) -> dict[str, Any]:
         "device": str(m.pools.device),
         "pools": m.pools.describe(),
         "total_bytes": m.pools.nbytes,
+        "host_bytes": host.nbytes if (host := getattr(m, "host", None)) is not None else 0,
         "stats": m.stats(),
     }
 
@@ -101,9 +102,12 @@ def render_allocation(result: LoadResult) -> list[str]:
     rows += [[name, "×".join(str(d) for d in pool["shape"]), dtype, f"{pool['bytes']:,}"]
              for name, pool in doc["pools"].items()]
     kv = result.kv
-    return [
+    lines = [
         f"allocated  {doc['kv_manager']} + {doc['scheduler']} on {doc['device']}",
         *_table(rows),
         f"  total {doc['total_bytes']:,} B; capacity {kv.capacity_tokens:,} tokens; "
         f"{kv.max_concurrency} sequence(s) of max_seq_len {kv.max_seq_len} at once",
     ]
+    if doc["host_bytes"]:
+        lines.append(f"  host tier {doc['host_bytes']:,} B of host memory (suspended requests' pages)")
+    return lines

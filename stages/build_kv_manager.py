@@ -14,7 +14,7 @@ from pipeline.bus import Emit
 from pipeline.context import Context
 from pipeline.errors import KvBuildError, KvRuntimeError
 from pipeline.events import KvManagerBuilt
-from stages.plan_kv import RULE_FIELDS, KvPlan, compute_kv_plan
+from stages.plan_kv import HOST_FIELD, RULE_FIELDS, KvPlan, compute_kv_plan, device_problem
 
 if TYPE_CHECKING:
     from cache_backends.pools import BlockPools
@@ -22,17 +22,9 @@ if TYPE_CHECKING:
 
 def check_device(device: str) -> None:
     """``KvBuildError`` when the resolved device cannot hold pools here (CUDA asked for, none present)."""
-    if not is_cuda(device):
-        return
-    import torch
-
-    if not torch.cuda.is_available():
-        raise KvBuildError(f"device={device}: no CUDA device is available on this machine; "
-                           "set device to cpu (or auto)")
-    index = torch.device(device).index
-    if index is not None and index >= torch.cuda.device_count():
-        raise KvBuildError(f"device={device}: only {torch.cuda.device_count()} CUDA device(s) present "
-                           f"(cuda:0..cuda:{torch.cuda.device_count() - 1})")
+    problem = device_problem(device)
+    if problem is not None:
+        raise KvBuildError(problem)
 
 
 def manager_classes(manager: str) -> tuple[type, type]:
@@ -72,11 +64,10 @@ class BuildKvManager:
         """Plan, check the device and the budget, allocate, construct; free everything on failure."""
         plan = compute_kv_plan(ctx, emit)
         ctx.kv = plan
-        if plan.pools is None:
+        if plan.problem is not None or plan.pools is None:
             raise KvBuildError(plan.problem)
         check_device(plan.device)
-        if not is_cuda(plan.device):
-            self._check_host_memory(plan)
+        self._check_host_memory(plan)
         manager_cls, scheduler_cls = manager_classes(plan.manager)
 
         try:
@@ -97,7 +88,7 @@ class BuildKvManager:
             kv_manager=type(manager).__name__, scheduler=type(scheduler).__name__, device=str(pools.device),
             dtype=plan.dtype, tokens_per_block=plan.tokens_per_block, groups=self._groups(plan, pools),
             total_bytes=pools.nbytes, capacity_tokens=plan.pools.capacity_tokens, max_seq_len=plan.max_seq_len,
-            max_concurrency=plan.pools.max_concurrency,
+            max_concurrency=plan.pools.max_concurrency, host_bytes=host_bytes(manager),
         ))
 
     @staticmethod
@@ -120,9 +111,25 @@ class BuildKvManager:
 
     @staticmethod
     def _check_host_memory(plan: KvPlan) -> None:
+        """``KvBuildError`` when host memory cannot take what lives there: the pools on CPU, the V2 host tier."""
         available = host_available_bytes()
         assert plan.pools is not None
-        if available is not None and plan.pools.total_bytes > available:
-            field = RULE_FIELDS.get(plan.budget.limited_by or "", "the budget")
-            raise KvBuildError(f"KV pools of {plan.pools.total_bytes} B exceed the {available} B of memory this "
-                               f"host has available; lower {field}")
+        pools = 0 if is_cuda(plan.device) else plan.pools.total_bytes
+        host = plan.host_bytes or 0
+        if available is None or pools + host <= available:
+            return
+        parts, fields = [], []
+        if pools:
+            parts.append(f"KV pools of {pools} B")
+            fields.append(RULE_FIELDS.get(plan.budget.limited_by or "", "the budget"))
+        if host:
+            parts.append(f"a host tier of {host} B")
+            fields.append(HOST_FIELD)
+        raise KvBuildError(f"{' plus '.join(parts)} exceed the {available} B of memory this host has available; "
+                           f"lower {' or '.join(fields)}")
+
+
+def host_bytes(manager: Any) -> int:
+    """Host memory of a manager's host tier (0 for V1 or without a tier)."""
+    host = getattr(manager, "host", None)
+    return int(host.nbytes) if host is not None else 0

@@ -10,12 +10,24 @@ from typing import Any
 
 import attrs
 
-from cache_backends.budget import BudgetError, KvBudget, PoolPlan, compute_budget, measure_free_bytes, plan_pools
+from cache_backends.budget import (
+    BudgetError,
+    KvBudget,
+    PoolPlan,
+    compute_budget,
+    host_available_bytes,
+    host_tier_bytes,
+    host_tier_slots,
+    is_cuda,
+    measure_free_bytes,
+    plan_pools,
+)
 from cache_backends.layout import KvLayout, build_layout
+from cache_backends.reuse import partial_reuse_off_reason
 from pipeline.bus import Emit
 from pipeline.context import Context
 from pipeline.errors import KvBuildError
-from pipeline.events import KvBudgetComputed
+from pipeline.events import KvBudgetComputed, SettingIgnored
 
 #: What each budget rule is called in messages: the field a user changes to move it.
 RULE_FIELDS = {
@@ -23,6 +35,8 @@ RULE_FIELDS = {
     "max_gpu_total_bytes": "kv_cache_config.max_gpu_total_bytes",
     "max_tokens": "kv_cache_config.max_tokens",
 }
+
+HOST_FIELD = "kv_cache_config.host_cache_size"
 
 
 @attrs.frozen
@@ -40,6 +54,9 @@ class KvPlan:
     budget: KvBudget
     pools: PoolPlan | None  # None when the budget is unbounded or too small (``problem`` says which)
     problem: str | None = None  # why ``load`` cannot build these pools; None when it can
+    host_cache_size: int | None = None  # the setting: bytes, 0 = no host tier, None = auto-size (V2)
+    host_slots: dict[str, int] | None = None  # V2 host tier slots per group ({} = none); None when unknown
+    host_bytes: int | None = None  # host memory of the V2 host tier (0 = none); None when unknown
 
     @property
     def bytes_per_token(self) -> float:
@@ -83,6 +100,8 @@ class KvPlan:
             "budget_limited_by": self.budget.limited_by,
             "budget": self.budget.to_dict(),
             "total_bytes": self.pools.total_bytes if self.pools else None,
+            "host_bytes": self.host_bytes,
+            "host_slots": self.host_slots,
             "capacity_tokens": self.capacity_tokens,
             "max_concurrency": self.max_concurrency,
             "problem": self.problem,
@@ -102,9 +121,7 @@ class KvPlan:
         lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
         lines.append(f"  bytes/token {self.bytes_per_token:,.6g} (each token past every window); "
                      f"one max_seq_len sequence {self.layout.bytes_for_sequence(self.max_seq_len):,} B")
-        if self.pools is None:
-            lines.append(f"  cannot build: {self.problem}")
-        else:
+        if self.pools is not None:
             b = self.budget
             lines.append(f"  budget  {b.budget_bytes:,} B (set by {RULE_FIELDS.get(b.limited_by or '', b.limited_by)})"
                          f"; pools {self.pools.total_bytes:,} B")
@@ -113,7 +130,17 @@ class KvPlan:
             if self.pools.max_concurrency == 0:
                 lines.append(f"  note: the pools hold less than one sequence of max_seq_len {self.max_seq_len}; "
                              "longer requests will never be admitted")
+            if self.manager == "v2" and self.host_bytes is not None:
+                lines.append(f"  host tier  {self.host_bytes:,} B of host memory ({self._host_origin()})")
+        if self.problem is not None:
+            lines.append(f"  cannot build: {self.problem}")
         return lines
+
+    def _host_origin(self) -> str:
+        if not self.host_slots:
+            return f"none: {HOST_FIELD}=0"
+        size = self.host_cache_size
+        return "auto-sized" if size is None else f"{HOST_FIELD}={size:,} B"
 
 
 def _opt(value: Any) -> str:
@@ -145,12 +172,28 @@ def weights_bytes(ctx: Context) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def device_problem(device: str) -> str | None:
+    """Why the resolved device cannot hold pools on this machine (CUDA asked for, none or not that one), or None."""
+    if not is_cuda(device):
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return f"device={device}: no CUDA device is available on this machine; set device to cpu (or auto)"
+    index = torch.device(device).index
+    count = torch.cuda.device_count()
+    if index is not None and index >= count:
+        return f"device={device}: only {count} CUDA device(s) present (cuda:0..cuda:{count - 1})"
+    return None
+
+
 def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
     """Layout of the routed manager, budget (``kv_budget_computed``) and pools; allocates nothing.
 
-    Raises ``KvBuildError`` when the geometry cannot be laid out. A budget that is unbounded or too
-    small for one block per layer group is not an error here: the plan says so in ``problem``
-    (``plan`` reports the geometry with null capacity; ``build_kv_manager`` raises it).
+    Raises ``KvBuildError`` when the geometry cannot be laid out. A device that is not there, a budget
+    that is unbounded or too small for one block per layer group, or a host tier that cannot be built
+    is not an error here: the plan says so in ``problem`` (the device's message first; ``plan``
+    reports the geometry; ``build_kv_manager`` raises it before allocating anything).
     """
     args, route = ctx.args, ctx.route
     kv = args.kv_cache_config
@@ -160,11 +203,14 @@ def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
     except ValueError as exc:
         raise KvBuildError(f"{ctx.model.name}: cannot lay out the KV cache: {exc}") from None
     device = str(args.device)
+    device_issue = device_problem(device)  # before measuring: a device that is not there has no free memory
+
     def budget_for(max_tokens: int | None) -> KvBudget:
         return compute_budget(
             layout, device=device, max_seq_len=args.max_seq_len,
             free_gpu_memory_fraction=kv.free_gpu_memory_fraction, max_gpu_total_bytes=kv.max_gpu_total_bytes,
-            max_tokens=max_tokens, free_bytes=measure_free_bytes(device), weights_bytes=weights_bytes(ctx),
+            max_tokens=max_tokens, free_bytes=None if device_issue else measure_free_bytes(device),
+            weights_bytes=weights_bytes(ctx),
         )
 
     budget = budget_for(kv.max_tokens)
@@ -186,17 +232,62 @@ def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
         bytes_per_token=budget.bytes_per_token, min_bytes=budget.min_bytes, budget_bytes=budget.budget_bytes,
         limited_by=budget.limited_by, reason=reason,
     ))
-    pools, problem = None, None
+    pools, problem = None, device_issue
     if budget.budget_bytes is None:
-        problem = (f"no KV cache budget: {budget.unbounded_reason}; set kv_cache_config.max_tokens or "
-                   "kv_cache_config.max_gpu_total_bytes (--max_tokens / --max_gpu_total_bytes)")
+        problem = problem or (f"no KV cache budget: {budget.unbounded_reason}; set kv_cache_config.max_tokens or "
+                              "kv_cache_config.max_gpu_total_bytes (--max_tokens / --max_gpu_total_bytes)")
     else:
         try:
-            pools = plan_pools(layout, budget.budget_bytes, args.max_seq_len)
+            pools = plan_pools(layout, budget.budget_bytes, args.max_seq_len,
+                               max_tokens=budget.max_tokens if budget.limited_by == "max_tokens" else None)
         except BudgetError:
-            problem = too_small_message(layout, budget)
+            problem = problem or too_small_message(layout, budget)
+    if manager == "v2":
+        warn_inert_partial_reuse(ctx, layout, emit)
+    host_slots, host_bytes = ({}, 0) if manager == "v1" else (None, None)
+    if manager == "v2" and pools is not None:
+        host_slots, host_bytes, host_problem = plan_host_tier(layout, pools, kv.host_cache_size, device)
+        problem = problem or host_problem
     return KvPlan(manager, route.kv_manager, route.scheduler, device, kv.dtype, kv.tokens_per_block,
-                  args.max_seq_len, layout, budget, pools, problem)
+                  args.max_seq_len, layout, budget, pools, problem, kv.host_cache_size, host_slots, host_bytes)
+
+
+def warn_inert_partial_reuse(ctx: Context, layout: KvLayout, emit: Emit) -> None:
+    """``setting_ignored`` when the user asked for partial reuse and the V2 geometry makes it gain nothing."""
+    kv = ctx.args.kv_cache_config
+    field = "kv_cache_config.enable_partial_reuse"
+    if field not in ctx.user_fields or kv.enable_partial_reuse is not True or kv.enable_block_reuse is not True:
+        return  # not asked for by the user, or route_executor already said why it is off
+    reason = partial_reuse_off_reason(layout)
+    if reason is not None:
+        emit(SettingIgnored(field=field, value=True, reason=f"partial-block reuse is off: {reason}"))
+
+
+def plan_host_tier(layout: KvLayout, pools: PoolPlan, host_cache_size: int | None,
+                   device: str) -> tuple[dict[str, int] | None, int | None, str | None]:
+    """The V2 host tier ``load`` would allocate: (slots per group, bytes, problem naming the setting, or None).
+
+    Sized by the same function as the manager's, against the host memory available now
+    (``MemAvailable``), less the pools when they live on the host.
+    """
+    available = host_available_bytes()
+    on_host = not is_cuda(device)
+    if available is not None and on_host:
+        available -= pools.total_bytes
+    beside = " beside the KV pools" if on_host else ""
+    accepted = "0 (no host tier), null (auto-size)"
+    try:
+        slots = host_tier_slots(layout, pools.num_blocks, host_cache_size, available)
+    except ValueError:
+        minimum = layout.min_bytes()
+        return None, None, (f"{HOST_FIELD}={host_cache_size} B cannot hold one block of every layer group "
+                            f"(at least {minimum} B); accepted: {accepted} or a size of at least {minimum} B")
+    nbytes = host_tier_bytes(layout, slots)
+    if host_cache_size and available is not None and nbytes > available:
+        return slots, nbytes, (f"{HOST_FIELD}={host_cache_size} B: a host tier of {nbytes} B exceeds the "
+                               f"{max(available, 0)} B of host memory available{beside}; accepted: {accepted} "
+                               f"or at most {max(available, 0)} B")
+    return slots, nbytes, None
 
 
 def budget_reason(budget: KvBudget) -> str:

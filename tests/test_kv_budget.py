@@ -64,3 +64,26 @@ def test_device_names_and_host_memory():
     assert is_cuda("cuda") and is_cuda("cuda:3") and not is_cuda("cpu")
     available = host_available_bytes()
     assert available is None or available > 0
+
+
+def test_max_tokens_buys_max_tokens_rounded_up_to_a_block_whatever_max_seq_len_is():
+    # Review fix: max_seq_len=100 with T=32 used to round every sequence up (41 × 4 blocks = 5,216 tokens).
+    layout = build_layout([LayerKV(i, "full", 2 * 8 * 128) for i in range(32)], "v1", 32, "bfloat16")
+    for seq_len in (100, 4000, 4096, 10_000):
+        b = compute_budget(layout, device="cpu", max_seq_len=seq_len, free_gpu_memory_fraction=0.9, max_tokens=4096)
+        pools = plan_pools(layout, b.budget_bytes, seq_len, max_tokens=4096)
+        assert pools.num_blocks == {"uniform": 128} and pools.capacity_tokens == 4096
+        assert b.budget_bytes == b.tokens_cap_bytes == 128 * layout.groups[0].bytes_per_block
+    b = compute_budget(layout, device="cpu", max_seq_len=100, free_gpu_memory_fraction=0.9, max_tokens=4000)
+    assert b.budget_bytes == 125 * layout.groups[0].bytes_per_block  # ceil(4000 / 32)
+
+
+def test_max_tokens_gives_growing_groups_their_tokens_and_window_groups_one_window_per_sequence():
+    layers = [LayerKV(i, "sliding", 64, window=64) for i in range(5)] + [LayerKV(5, "full", 64)]
+    layout = build_layout(layers, "v2", 16, "float32")
+    sliding = next(g for g in layout.groups if g.window)
+    blocks = layout.blocks_for_tokens(4096, 100)  # 41 sequences of at most 100 tokens
+    assert blocks == {"full": 256, sliding.name: 41 * sliding.blocks_for(100)}
+    pools = plan_pools(layout, layout.bytes_for_tokens(4096, 100), 100, max_tokens=4096)
+    assert pools.num_blocks == blocks and pools.capacity_tokens == 4096 and pools.max_concurrency == 256 // 7
+    assert layout.blocks_for_tokens(50, 100) == {"full": 4, sliding.name: sliding.blocks_for(50)}  # one short sequence

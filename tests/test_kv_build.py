@@ -262,3 +262,10 @@ def test_cuda_data_written_through_a_block_table_reads_back():
         m.pools.layer_slots("uniform", 1)[slots] = data
         m.commit(r, 40)
         assert torch.equal(m.pools.layer_slots("uniform", 1)[slots], data)
+
+
+def test_plan_capacity_is_max_tokens_when_max_seq_len_is_not_a_multiple_of_the_block():
+    kv = pipeline.plan("tiny-llama", log=False, device="cpu", max_seq_len=100,
+                       kv_cache_config={"max_tokens": 4096}).kv
+    assert kv.pools.num_blocks == {"uniform": 128} and kv.capacity_tokens == 4096
+    assert kv.pools.total_bytes == kv.budget_bytes == 128 * 32 * 1024

@@ -18,10 +18,11 @@ T = 4
 KV_HEADS, HEAD_DIM, LAYERS = 2, 3, 2
 
 
-def make_manager(num_blocks: int = 16, reuse: bool = True, T: int = T, dtype: str = "float32") -> KVCacheManager:
+def make_manager(num_blocks: int = 16, reuse: bool = True, T: int = T, dtype: str = "float32",
+                 max_seq_len: int = 1024) -> KVCacheManager:
     layers = [LayerKV(i, "full", 2 * KV_HEADS * HEAD_DIM) for i in range(LAYERS)]
     pools = BlockPools(build_layout(layers, "v1", T, dtype), {"uniform": num_blocks}, "cpu")
-    return KVCacheManager(pools, ManagerOptions(max_seq_len=1024, enable_block_reuse=reuse))
+    return KVCacheManager(pools, ManagerOptions(max_seq_len=max_seq_len, enable_block_reuse=reuse))
 
 
 def run_prefill(m: KVCacheManager, r: Request) -> None:

@@ -118,3 +118,47 @@ def test_finish_frees_blocks_and_marks_the_request():
     running.remove(r)
     assert (r.state, r.finish_reason) == (RequestState.FINISHED, "stop")
     assert m.pool.num_used == 0 and m.block_table(r, "uniform") == []
+
+
+# --- review fixes: never-fitting requests and max_seq_len ------------------------------------------------
+
+
+def test_a_never_fitting_request_is_skipped_so_the_ones_behind_it_run_then_it_is_reported():
+    m = make_manager(num_blocks=4)  # 16 tokens
+    sched = GuaranteedNoEvictScheduler(m, 4, 64)
+    big, small = Request("big", [1, 2, 3, 4], 16), Request("small", [5, 6], 2)  # big: 20 tokens = 5 blocks
+    out = sched.step(deque([big, small]), running := [])
+    assert [r.req_id for r in out.admitted] == ["small"] and out.stalled is None and running == [small]
+    trace = drive(sched, m, [big, Request("later", [7, 8], 2)])
+    assert trace.finished == ["later"]  # FCFS among the others; big never blocks them
+    assert trace.stalled == ("request big needs 5 blocks for 20 tokens (prompt + max_new_tokens) but the pool "
+                             "holds 4 blocks of 4 tokens; it can never be admitted")
+    assert big.state is RequestState.WAITING and not m.knows(big)
+
+
+def test_a_prompt_longer_than_max_seq_len_is_refused_at_admission():
+    m = make_manager(num_blocks=16, max_seq_len=8)
+    sched = GuaranteedNoEvictScheduler(m, 4, 64)
+    long, short = Request("long", list(range(1, 31)), 10), Request("short", [1, 2], 2)
+    trace = drive(sched, m, [long, short])
+    assert trace.admitted == ["short"] and trace.finished == ["short"]
+    assert trace.stalled == "request long has a 30-token prompt, longer than max_seq_len=8; it can never be admitted"
+    assert long.num_computed_tokens == 0 and m.pool.num_used == 0
+
+
+def test_the_worst_case_is_capped_at_max_seq_len():
+    m = make_manager(num_blocks=4, max_seq_len=8)  # 8 tokens = 2 blocks per request at most
+    sched = GuaranteedNoEvictScheduler(m, 4, 64)
+    a, b = Request("a", [1, 2, 3, 4], 100), Request("b", [5, 6, 7, 8], 100)
+    assert m.max_blocks(a) == 2 and m.never_fits(a) is None
+    out = sched.step(deque([a, b]), running := [])
+    assert [r.req_id for r in out.admitted] == ["a", "b"] and len(running) == 2
+
+
+def test_a_running_request_is_never_scheduled_past_max_seq_len():
+    m = make_manager(num_blocks=8, max_seq_len=8)
+    sched = GuaranteedNoEvictScheduler(m, 4, 64)
+    r = Request("r", [1, 2, 3, 4, 5, 6], 10)  # this driver ignores max_seq_len and keeps sampling
+    trace = drive(sched, m, [r])
+    assert r.num_computed_tokens == 8 and len(m.block_table(r, "uniform")) == 2
+    assert trace.stalled == "request r reached max_seq_len=8; finish it (reason 'length')"

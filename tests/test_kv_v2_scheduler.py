@@ -74,19 +74,22 @@ def test_a_prompt_that_can_never_fit_is_reported_not_looped_on():
     small = Request("small", list(range(100, 106)), 3, arrival=1)
     res = drive(m, s, [big, small])
     assert [r.req_id for r in res.finished] == ["small"]  # the impossible one does not block the rest
-    assert res.stalled == "request big needs 5 blocks of group full for 20 tokens; the pool has 4"
+    assert res.stalled == ("request big needs 6 blocks of group full for 24 tokens (prompt + max_new_tokens); "
+                           "the pool has 4")
     assert big.state is RequestState.WAITING and not m.has_cache(big)
 
 
 @pytest.mark.parametrize("host", [None, 0])
-def test_a_lone_request_that_outgrows_the_pool_is_reported_as_stalled(host):
+def test_a_request_whose_generation_would_outgrow_the_pool_is_never_admitted(host):
+    # Review fix: the prompt fits, prompt + max_new_tokens does not; it used to be admitted and stall the run.
     m = make_manager(FULL, 4, host_cache_size=host)
     s = KVCacheV2Scheduler(m, max_batch_size=4, max_num_tokens=64)
     r = Request("grower", list(range(10)), 20)
     res = drive(m, s, [r])
-    assert res.stalled == "request grower needs 5 blocks of group full for 17 tokens; the pool has 4"
-    assert r.num_computed_tokens == 16 and r.state is RequestState.RUNNING
-    assert res.count("suspended") == res.count("preempted") == 0  # moving itself out could not help
+    assert res.stalled == ("request grower needs 8 blocks of group full for 30 tokens (prompt + max_new_tokens); "
+                           "the pool has 4")
+    assert r.num_computed_tokens == 0 and r.state is RequestState.WAITING and not m.has_cache(r)
+    assert res.count("suspended") == res.count("preempted") == res.count("admitted") == 0
 
 
 def test_decodes_go_first_and_prefill_is_chunked_to_the_token_budget():
@@ -158,3 +161,116 @@ def test_empty_queues_are_not_a_stall():
 def test_scheduler_limits_must_be_positive(batch_size, tokens, match):
     with pytest.raises(ValueError, match=match):
         KVCacheV2Scheduler(make_manager(FULL, 8), batch_size, tokens)
+
+
+# --- review fixes: worst-case admission, requests that outgrow it, resumes that must run ----------------
+
+
+def test_a_request_that_outgrew_its_worst_case_is_moved_out_for_good_and_the_others_finish():
+    m = make_manager(FULL, 4)  # 16 tokens
+    s = KVCacheV2Scheduler(m, max_batch_size=4, max_num_tokens=64)
+    a = Request("a", [1, 2, 3, 4], 4, arrival=0)
+    b = Request("b", [5, 6, 7, 8], 6, arrival=1)
+    waiting, running = deque([a, b]), []
+    out = s.step(waiting, running)
+    assert out.admitted == [a, b]
+    a.max_new_tokens = 40  # a driver that feeds `a` far past what it asked for at admission
+    for _ in range(50):
+        for c in out.scheduled:
+            m.commit(c.request, c.num_tokens)
+            r = c.request
+            if r.num_computed_tokens == r.num_tokens:
+                if len(r.output_token_ids) >= r.max_new_tokens:
+                    s.finish(r, "length")
+                    running.remove(r)
+                else:
+                    r.output_token_ids.append(7)
+        out = s.step(waiting, running)
+        if out.stalled:
+            break
+    assert b.is_finished  # a never pushed b out, although a ranks first
+    assert a in waiting and a.state is RequestState.WAITING and not m.has_cache(a)
+    assert out.stalled == ("request a needs 11 blocks of group full for 44 tokens (prompt + max_new_tokens); "
+                           "the pool has 4")
+    m.check_invariants()
+
+
+def test_a_resume_needs_room_for_the_next_token_too():
+    m = make_manager(FULL, 4, enable_block_reuse=False, max_util_for_resume=1.0)
+    a = Request("a", list(range(8)), 4)
+    m.create(a)
+    m.resume(a)
+    assert m.allocate(a, 8)
+    m.commit(a, 8)
+    a.output_token_ids.append(9)  # its next token starts a third block
+    assert m.suspend(a)
+    b = Request("b", list(range(50, 58)), 0)
+    m.create(b)
+    m.resume(b)
+    assert m.allocate(b, 8)
+    m.commit(b, 8)
+    assert m.resume_refusal(a) == ("resuming a needs 3 blocks of group full (2 for its pages, 1 for its next token); "
+                                   "2 are free or evictable")
+    assert not m.resume(a)
+    m.free(b)
+    assert m.resume(a) and m.fit_tokens(a, 1) == 1
+
+
+def _fuzz_case(seed: int):
+    """A random workload as the reviewer's fuzzer built it (full / sliding / compressed layers, tiny pools)."""
+    import random
+
+    rng = random.Random(seed)
+    kind, W = rng.choice(["full", "swa", "csa"]), rng.choice([3, 5, 9, 64])
+    layers = {"full": [LayerKV(0, "full", 2), LayerKV(1, "full", 2)],
+              "swa": [LayerKV(0, "full", 2), LayerKV(1, "sliding", 2, window=W)],
+              "csa": [LayerKV(0, "full", 2), LayerKV(1, "sliding", 2, window=W),
+                      LayerKV(2, "csa", 2, window=W, compressed_elems=2, compress_rate=2)]}[kind]
+    blocks, host = rng.randint(4, 14), rng.choice([0, None])
+    opts = dict(enable_partial_reuse=rng.random() < .7, enable_swa_scratch_reuse=rng.random() < .5,
+                max_util_for_resume=rng.choice([1.0, 0.95, 0.5]), host_cache_size=host, max_seq_len=64,
+                enable_block_reuse=rng.random() < .8)
+    m = make_manager(layers, blocks, T=4, **opts)
+    s = KVCacheV2Scheduler(m, rng.randint(1, 5), rng.randint(1, 16))
+    prefixes = [[rng.randint(0, 3) for _ in range(rng.randint(0, 10))] for _ in range(2)]
+    reqs = []
+    for i in range(rng.randint(1, 7)):
+        p = rng.choice(prefixes) + [rng.randint(0, 3) for _ in range(rng.randint(1, 6))]
+        reqs.append(Request(f"r{i}", p, rng.randint(0, 8), priority=rng.randint(0, 2),
+                            salt=rng.choice([None, None, "t"]), arrival=i))
+    return m, s, reqs
+
+
+# Seeds where, before the review fixes, a request admitted on its prompt outgrew the pool and stalled the
+# run although the others each fit alone (0, 22, 42, 46, 62), or a resume scheduled nothing (3, 4, 40, 123).
+@pytest.mark.parametrize("seed", [0, 22, 42, 46, 62, 3, 4, 40, 123])
+def test_every_request_that_fits_alone_finishes_and_every_resume_runs(seed):
+    m, s, reqs = _fuzz_case(seed)
+    res = drive(m, s, reqs, max_steps=3000)
+    done = set(res.finished)
+    never = [r for r in reqs if m.never_fits(r) is not None]
+    assert done == set(reqs) - set(never)
+    if never:
+        assert res.stalled and all(r.req_id in res.stalled for r in never)
+    else:
+        assert res.stalled is None
+    for o in res.outputs:
+        assert set(o.resumed) <= {c.request for c in o.scheduled}, "a resumed request computes in its step"
+
+
+def test_no_resume_when_the_token_budget_is_spent():
+    m = make_manager(FULL, 8, enable_block_reuse=False)
+    s = KVCacheV2Scheduler(m, max_batch_size=4, max_num_tokens=1)
+    a, b = Request("a", [1, 2, 3], 4, arrival=0), Request("b", [4, 5, 6], 4, arrival=1)
+    for r in (a, b):
+        m.create(r)
+        m.resume(r)
+        assert m.allocate(r, 3)
+        m.commit(r, 3)
+        r.output_token_ids.append(7)
+    assert m.suspend(b)
+    a.state, b.state = RequestState.RUNNING, RequestState.SUSPENDED
+    waiting, running = deque([b]), [a]
+    out = s.step(waiting, running)
+    assert [(c.request.req_id, c.num_tokens) for c in out.scheduled] == [("a", 1)]
+    assert out.resumed == [] and b.state is RequestState.SUSPENDED  # it could not have run this step

@@ -13,7 +13,7 @@ Allocation API for a scheduler, in the order it is used::
     manager.blocks_needed(request, hit)          # worst-case blocks admission would take from the free pool
     manager.admit(request, hit)                  # take the hit; num_computed/num_reused_tokens = hit tokens
     manager.allocate_slots(request, n) -> bool   # blocks for the next n tokens (False: not enough free)
-    manager.blocks_to_completion(request)        # blocks still to allocate before max_total_tokens
+    manager.blocks_to_completion(request)        # blocks still to allocate before the worst case
 """
 
 from __future__ import annotations
@@ -86,9 +86,28 @@ class KVCacheManager:
         """Blocks that hold ``num_tokens`` tokens of one sequence."""
         return math.ceil(max(num_tokens, 0) / self.tokens_per_block)
 
+    def worst_case_tokens(self, request: Request) -> int:
+        """Tokens the request holds at its longest: prompt + max_new_tokens, capped at ``max_seq_len``."""
+        return min(request.max_total_tokens, self.options.max_seq_len)
+
     def max_blocks(self, request: Request) -> int:
-        """Blocks the request holds at its longest (prompt + max_new_tokens): the no-evict worst case."""
-        return self.blocks_for_tokens(request.max_total_tokens)
+        """Blocks the request holds at its longest (:meth:`worst_case_tokens`): the no-evict worst case."""
+        return self.blocks_for_tokens(self.worst_case_tokens(request))
+
+    def never_fits(self, request: Request) -> str | None:
+        """Why ``request`` could never be admitted, even into an empty pool, or None."""
+        limit = self.options.max_seq_len
+        if request.num_prompt_tokens > limit:
+            return (f"request {request.req_id} has a {request.num_prompt_tokens}-token prompt, longer than "
+                    f"max_seq_len={limit}; it can never be admitted")
+        need = self.max_blocks(request)
+        if need > self.num_blocks:
+            tokens = self.worst_case_tokens(request)
+            capped = f", capped at max_seq_len={limit}" if tokens < request.max_total_tokens else ""
+            return (f"request {request.req_id} needs {need} blocks for {tokens} tokens (prompt + max_new_tokens"
+                    f"{capped}) but the pool holds {self.num_blocks} blocks of {self.tokens_per_block} tokens; "
+                    "it can never be admitted")
+        return None
 
     def knows(self, request: Request) -> bool:
         """Whether the request was admitted and not freed."""
@@ -151,7 +170,7 @@ class KVCacheManager:
         return True
 
     def blocks_to_completion(self, request: Request) -> int:
-        """Blocks the request may still allocate before reaching ``max_total_tokens``."""
+        """Blocks the request may still allocate before reaching its worst case (:meth:`worst_case_tokens`)."""
         return max(0, self.max_blocks(request) - len(self._seq(request).blocks))
 
     def _new_blocks(self, request: Request, num_new_tokens: int) -> int:

@@ -1,12 +1,20 @@
 """``GuaranteedNoEvictScheduler``: admit a request only when its worst case fits, so nothing is ever evicted.
 
-A request's worst case is ``ceil((prompt + max_new_tokens) / T)`` blocks. Blocks that running
-requests may still allocate are reserved; a waiting request is admitted (in arrival order, never
-skipping the head) when its own worst case fits in what is free minus those reservations. Hence
-every later ``allocate_slots`` of an admitted request succeeds, and no request is ever preempted.
+A request's worst case is ``ceil(min(prompt + max_new_tokens, max_seq_len) / T)`` blocks. Blocks that
+running requests may still allocate are reserved; a waiting request is admitted (first come first
+served) when its own worst case fits in what is free minus those reservations. Hence every later
+``allocate_slots`` of an admitted request succeeds, and no request is ever preempted.
 
-Each step: running requests first (a decode token, or the next prefill chunk), then admissions,
-within ``max_num_tokens`` tokens and ``max_batch_size`` running requests.
+A request that could never be admitted, even into an empty pool (its prompt is longer than
+``max_seq_len``, or its worst case needs more blocks than the pool has), is skipped and stays in
+``waiting``; the requests behind it keep their order and are admitted as if it were not there. It is
+reported in ``stalled`` once nothing else can run. A request whose first-come turn has come but
+does not fit *yet* is never skipped: it waits for running requests to finish.
+
+Each step: running requests first (a decode token, or the next prefill chunk, never past
+``max_seq_len``), then admissions, within ``max_num_tokens`` tokens and ``max_batch_size`` running
+requests. A running request that reached ``max_seq_len`` is not scheduled again: its driver must
+finish it (reason ``"length"``).
 """
 
 from __future__ import annotations
@@ -29,26 +37,39 @@ class GuaranteedNoEvictScheduler:
         self.max_num_tokens = max_num_tokens
 
     def step(self, waiting: deque[Request], running: list[Request]) -> SchedulerOutput:
-        """Schedule running requests, then admit from the head of ``waiting`` while worst cases fit."""
+        """Schedule running requests, then admit in arrival order while worst cases fit (never-fitting ones skipped)."""
         out = SchedulerOutput()
+        reasons: list[str] = []
         budget = self.max_num_tokens
+        limit = self.manager.options.max_seq_len
         for request in running:
             if budget == 0:
                 break
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            pending = request.num_tokens - request.num_computed_tokens
+            n = min(pending, budget, limit - request.num_computed_tokens)
             if n > 0:
                 self._allocate(request, n)
                 out.scheduled.append(ScheduledChunk(request, n))
                 budget -= n
+            elif pending > 0:
+                reasons.append(f"request {request.req_id} reached max_seq_len={limit}; finish it (reason 'length')")
 
         available = self.manager.num_free_blocks - sum(self.manager.blocks_to_completion(r) for r in running)
-        while waiting and len(running) < self.max_batch_size and budget > 0:
-            request = waiting[0]
+        i = 0
+        while i < len(waiting) and len(running) < self.max_batch_size and budget > 0:
+            request = waiting[i]
+            why = self.manager.never_fits(request)
+            if why is not None:  # skipped, not a head-of-line block: it would wait forever
+                reasons.append(why)
+                i += 1
+                continue
             hit = self.manager.find_prefix(request)
             need = self.manager.blocks_needed(request, hit)
             if need > available:
+                reasons.append(f"request {request.req_id} does not fit yet ({need} blocks, {available} free "
+                               "beyond what running requests may still take)")
                 break
-            waiting.popleft()
+            del waiting[i]
             self.manager.admit(request, hit)
             request.state = RequestState.RUNNING
             running.append(request)
@@ -61,7 +82,10 @@ class GuaranteedNoEvictScheduler:
                 budget -= n
 
         if not out.scheduled and (waiting or running):
-            out.stalled = self._why_stalled(waiting, running)
+            idle = sum(1 for r in running if r.num_computed_tokens == r.num_tokens)
+            if idle:
+                reasons.append(f"{idle} running request(s) have no token to compute (append the sampled tokens first)")
+            out.stalled = "; ".join(dict.fromkeys(reasons)) or "no request has a token to compute"
         return out
 
     def finish(self, request: Request, reason: str) -> None:
@@ -74,14 +98,3 @@ class GuaranteedNoEvictScheduler:
         if not self.manager.allocate_slots(request, n):  # the reservation makes this impossible
             raise RuntimeError(f"request {request.req_id}: no free block for an admitted request "
                                "(the no-evict reservation was broken)")
-
-    def _why_stalled(self, waiting: deque[Request], running: list[Request]) -> str:
-        if running:
-            return f"{len(running)} running request(s) have no token to compute (append the sampled tokens first)"
-        head = waiting[0]
-        need = self.manager.max_blocks(head)
-        if need > self.manager.num_blocks:
-            return (f"request {head.req_id} needs {need} blocks for {head.max_total_tokens} tokens "
-                    f"(prompt + max_new_tokens) but the pool holds {self.manager.num_blocks} blocks of "
-                    f"{self.manager.tokens_per_block} tokens; it can never be admitted")
-        return f"request {head.req_id} does not fit ({need} blocks, {self.manager.num_free_blocks} free)"

@@ -9,49 +9,32 @@ callers sync before a slot or a device block is handed to anyone else.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from cache_backends.budget import AUTO_HOST_FRACTION, host_available_bytes, host_tier_slots
 from cache_backends.pools import BlockPools
 
-#: ``host_cache_size=None`` sizes the tier like the device pools, capped at this share of free host RAM.
-AUTO_HOST_FRACTION = 0.5
+__all__ = ["AUTO_HOST_FRACTION", "HostTier", "available_host_bytes", "host_slots"]
 
 
 def available_host_bytes() -> int:
-    """Free physical memory of this machine (0 when the OS does not say)."""
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 0
+    """Memory this machine can give without swapping (``MemAvailable``; 0 when the OS does not say).
+
+    The same probe the build stage checks host memory with, so the two agree.
+    """
+    return host_available_bytes() or 0
 
 
 def host_slots(pools: BlockPools, host_cache_size: int | None) -> dict[str, int]:
-    """Slots per group for a host budget: ``None`` = auto, ``0`` = no tier, else bytes split like the pools.
+    """Slots per group for a host budget (:func:`cache_backends.budget.host_tier_slots`).
 
-    A byte budget gives every group one block first, then shares the rest in proportion to each
-    group's device bytes; ``ValueError`` when it cannot hold one block of every group.
+    For the auto size, pools that live on the host count against the memory available to the tier,
+    as the plan counts them (``torch.empty`` has not touched their pages yet, so the OS does not).
     """
-    groups = pools.layout.groups
-    if host_cache_size == 0:
-        return {}
-    if host_cache_size is not None and host_cache_size < 0:
-        raise ValueError(f"host_cache_size must be >= 0 bytes (0 = no host tier, null = auto), got {host_cache_size}")
-    device_bytes = {g.name: pools.num_blocks[g.name] * g.bytes_per_block for g in groups}
-    total_device = sum(device_bytes.values())
-    if host_cache_size is None:
-        cap = int(available_host_bytes() * AUTO_HOST_FRACTION)
-        scale = 1.0 if cap >= total_device or cap <= 0 else cap / total_device
-        return {g.name: max(1, int(pools.num_blocks[g.name] * scale)) for g in groups}
-    minimum = sum(g.bytes_per_block for g in groups)
-    if host_cache_size < minimum:
-        raise ValueError(
-            f"host_cache_size={host_cache_size} bytes cannot hold one block of every layer group "
-            f"(needs at least {minimum}); use 0 for no host tier or null to size it automatically"
-        )
-    rest = host_cache_size - minimum
-    return {g.name: 1 + int(rest * device_bytes[g.name] / total_device) // g.bytes_per_block for g in groups}
+    available = available_host_bytes()
+    if pools.device.type == "cpu":
+        available -= pools.nbytes
+    return host_tier_slots(pools.layout, pools.num_blocks, host_cache_size, available)
 
 
 class HostTier:

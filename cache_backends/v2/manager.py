@@ -17,12 +17,16 @@ How the pieces fit (TensorRT-LLM's V2 ideas, this project's code):
   (d) for a sliding group, every block the window at ``m`` covers. With ``enable_partial_reuse`` (and
   every group spanning exactly ``T`` tokens) the next block may be matched in part: the child with
   the longest common token prefix (rounded down to the compress rates) is copied into a fresh block
-  (copy-on-write); the cached original is never written.
+  (copy-on-write); the cached original is never written. When the geometry rules that out — some
+  group spans more than ``T``, or the compress rates' lcm is not below ``T`` (DeepSeek V4) — partial
+  reuse is off and ``stats()["reuse"]["partial_disabled_reason"]`` says why
+  (:func:`cache_backends.reuse.partial_reuse_off_reason`, which the plan stage asks too).
 * **Host tier.** ``suspend`` copies every page of the request to host slots and drops its device
   blocks (cached ones stay cached); ``resume`` takes back cached blocks that were never evicted and
-  copies the rest back, byte-exact, into fresh blocks. ``resume`` is refused when it would lift any
-  group's device use above ``max_util_for_resume`` — unless nothing else holds device blocks, since
-  waiting could not help then.
+  copies the rest back, byte-exact, into fresh blocks. ``resume`` is refused when the pools lack room
+  for the pages plus the block the next token starts (a resumed request must be able to run), or
+  when it would lift any group's device use above ``max_util_for_resume`` — the latter unless nothing
+  else holds device blocks, since waiting could not help then.
 * **Eviction.** Cached blocks nobody owns are evicted lowest priority first (the priority of the
   last request that held them), then least recently released; a request's blocks are released tail
   first, so the tail of a cached prefix goes before its head.
@@ -42,6 +46,7 @@ from cache_backends.interface import ManagerOptions
 from cache_backends.layout import KvLayout, LayerGroup
 from cache_backends.pools import BlockPools
 from cache_backends.request import Request
+from cache_backends.reuse import partial_reuse_off_reason, partial_reuse_unit, reuse_unit
 from cache_backends.v2.group_pool import GroupPool
 from cache_backends.v2.host_tier import HostTier, host_slots
 from cache_backends.v2.radix import RadixNode, RadixTree
@@ -88,20 +93,25 @@ class KVCacheManagerV2:
         self._pool = {g.name: GroupPool(g.name, pools.num_blocks[g.name]) for g in self.groups}
         self._sliding = [g for g in self.groups if g.window is not None]
         spans = [g.tokens_per_block for g in self.groups]
-        aligned = all(s % self.T == 0 for s in spans)
-        self.reuse_unit: int | None = math.lcm(*spans) if aligned else None
+        self.reuse_unit: int | None = reuse_unit(self.layout)
         self.reuse_off_reason: str | None = None
         if not options.enable_block_reuse:
             self.reuse_off_reason = "enable_block_reuse is false"
-        elif not aligned:
+        elif self.reuse_unit is None:
             self.reuse_off_reason = (
                 f"layer group blocks span {spans} tokens, not all multiples of tokens_per_block={self.T}, "
                 "so they cannot be keyed by token blocks"
             )
         self._reuse = self.reuse_off_reason is None
-        rates = [g.compress_rate for g in self.groups if g.compress_rate]
-        self._partial_unit = math.lcm(*rates) if rates else 1
-        self._partial = self._reuse and options.enable_partial_reuse and self.reuse_unit == self.T
+        self._partial_unit = partial_reuse_unit(self.layout)
+        self.partial_off_reason: str | None = None  # why partial-block reuse is off, None when it is on
+        if not self._reuse:
+            self.partial_off_reason = "prefix reuse is off"
+        elif not options.enable_partial_reuse:
+            self.partial_off_reason = "enable_partial_reuse is false"
+        else:
+            self.partial_off_reason = partial_reuse_off_reason(self.layout)
+        self._partial = self.partial_off_reason is None
         self._tree = RadixTree()
         self.host: HostTier | None = None
         slots = host_slots(pools, options.host_cache_size)
@@ -155,22 +165,28 @@ class KVCacheManagerV2:
         return True
 
     def resume_refusal(self, request: Request) -> str | None:
-        """Why :meth:`resume` would refuse a suspended cache now (room or ``max_util_for_resume``), or None."""
+        """Why :meth:`resume` would refuse a suspended cache now, or None.
+
+        Resuming needs room for the cache's pages *and* its next token (a resumed request must be able
+        to run at once, or the resume only churns the host tier), and must keep every group's device
+        use within ``max_util_for_resume``.
+        """
         cache = self.cache(request)
         if cache.is_active or not cache.admitted:
             return None
         needs = self._restore_needs(cache)
-        for name, (new, reclaim_cached) in needs.items():
+        for name, (pages, reclaim_cached, nxt) in needs.items():
             pool = self._pool[name]
-            if new > pool.available - reclaim_cached:
-                return (f"resuming {request.req_id} needs {new} blocks of group {name}; "
+            if pages + nxt > pool.available - reclaim_cached:
+                why = f" ({pages} for its pages, {nxt} for its next token)" if nxt else ""
+                return (f"resuming {request.req_id} needs {pages + nxt} blocks of group {name}{why}; "
                         f"{pool.available - reclaim_cached} are free or evictable")
         if all(p.num_used == 0 for p in self._pool.values()):
             return None  # nothing else on the device: waiting for room could never help
         limit = self.options.max_util_for_resume
-        for name, (new, reclaim_cached) in needs.items():
+        for name, (pages, reclaim_cached, nxt) in needs.items():
             pool = self._pool[name]
-            after = pool.num_used + new + reclaim_cached
+            after = pool.num_used + pages + reclaim_cached + nxt
             if after > limit * pool.num_blocks:
                 return (f"resuming {request.req_id} would use {after}/{pool.num_blocks} blocks of group {name}, "
                         f"above max_util_for_resume={limit}")
@@ -316,16 +332,30 @@ class KVCacheManagerV2:
                 hi = mid
         return lo
 
+    def worst_case_tokens(self, request: Request) -> int:
+        """Tokens ``request`` holds at its longest: prompt + max_new_tokens capped at ``max_seq_len``
+        (or what it holds now, if a driver already fed it more)."""
+        return max(request.num_tokens, min(request.max_total_tokens, self.options.max_seq_len))
+
     def never_fits(self, request: Request) -> str | None:
-        """Why ``request`` could not run even alone in empty pools, or None."""
+        """Why ``request`` could not reach its worst case (:meth:`worst_case_tokens`) even alone in empty pools."""
+        limit = self.options.max_seq_len
+        if request.num_prompt_tokens > limit:
+            return (f"request {request.req_id} has a {request.num_prompt_tokens}-token prompt, "
+                    f"longer than max_seq_len={limit}")
         n = request.num_tokens
-        if n > self.options.max_seq_len:
-            return f"request {request.req_id} has {n} tokens, more than max_seq_len={self.options.max_seq_len}"
+        if n > limit:
+            return f"request {request.req_id} has {n} tokens, more than max_seq_len={limit}"
+        n = self.worst_case_tokens(request)
+        what = ""
+        if n > request.num_tokens:
+            capped = f" capped at max_seq_len={limit}" if n < request.max_total_tokens else ""
+            what = f" (prompt + max_new_tokens{capped})"
         for g in self.groups:
             need, have = g.blocks_for(n), self._pool[g.name].num_blocks
             if need > have:
-                return (f"request {request.req_id} needs {need} blocks of group {g.name} for {n} tokens; "
-                        f"the pool has {have}")
+                return f"request {request.req_id} needs {need} blocks of group {g.name} for {n} tokens{what}; " \
+                       f"the pool has {have}"
         return None
 
     def commit(self, request: Request, num_tokens: int) -> None:
@@ -378,6 +408,7 @@ class KVCacheManagerV2:
             "host_bytes": self.host.nbytes if self.host is not None else 0,
             "reuse": {"enabled": self._reuse, "disabled_reason": self.reuse_off_reason,
                       "unit_tokens": self.reuse_unit if self._reuse else None, "partial": self._partial,
+                      "partial_disabled_reason": self.partial_off_reason,
                       "radix_nodes": self._tree.num_nodes},
             "caches": {"active": active, "suspended": len(self._caches) - active},
             **self.counters,
@@ -653,8 +684,11 @@ class KVCacheManagerV2:
             pool.decref(src, pool.priority[src], True, self._detach)
         return gained
 
-    def _restore_needs(self, cache: SequenceCache) -> dict[str, tuple[int, int]]:
-        """Per group: (blocks to allocate and copy, cached unowned blocks to take back as they are)."""
+    def _restore_needs(self, cache: SequenceCache) -> dict[str, tuple[int, int, int]]:
+        """Per group: (pages to allocate and copy back, cached unowned blocks to take back as they are,
+        new blocks the next token needs — 1 when it starts a block, else 0)."""
+        request = cache.request
+        next_len = cache.committed + (1 if request.num_tokens > cache.committed else 0)
         needs = {}
         for g in self.groups:
             pool = self._pool[g.name]
@@ -667,7 +701,8 @@ class KVCacheManagerV2:
                     new += 1
                 elif pool.ref[b] == 0:
                     reclaim_cached += 1
-            needs[g.name] = (new, reclaim_cached)
+            nxt = max(0, math.ceil(next_len / g.tokens_per_block) - len(cache.host[g.name]))
+            needs[g.name] = (new, reclaim_cached, nxt)
         return needs
 
     def _reclaimable(self, cache: SequenceCache, group: str, j: int) -> int | None:

@@ -9,17 +9,26 @@ One :meth:`~KVCacheV2Scheduler.step`:
    absent or full, preempted for recompute (``preempted``: its blocks stay in the prefix cache, so
    the recompute mostly reuses them) — and its chunk, if it had one this step, is withdrawn. This
    repeats until the chunk fits or the request itself is the lowest-ranked one, which then goes.
+   A request that reached ``max_seq_len`` is not scheduled again (its driver must finish it, reason
+   ``"length"``); one that has outgrown its worst case so far that it could not grow even alone
+   (only a driver that feeds it past ``max_new_tokens`` does that) is preempted for good — it waits
+   in ``waiting``, skipped like any never-fitting request — so it never pushes the others out.
 2. If nobody had to move out this step: **resume** suspended requests, best-ranked first, while
-   the batch has room and the manager accepts (``max_util_for_resume``); then, once none is left
-   suspended, **admit** waiting requests first come first served while the batch has room and
-   their first chunk fits. A request that could never fit the pools, even alone, is skipped.
-3. If nothing was scheduled while requests remain, ``stalled`` says why. It happens only when a
-   request cannot grow although it runs alone, or cannot fit at all; the scheduler never loops.
+   the batch and the token budget have room and the manager accepts (room for the pages and the
+   next token, ``max_util_for_resume``); then, once none is left suspended, **admit** waiting
+   requests first come first served while the batch has room and their first chunk fits.
+   Priority orders suspensions only; admission is FCFS and never displaces a running request.
+3. A waiting request that could never fit the pools even alone — its worst case,
+   ``min(prompt + max_new_tokens, max_seq_len)`` tokens, needs more blocks than a pool has, or its
+   prompt is longer than ``max_seq_len`` — is skipped and stays in ``waiting``; it is reported in
+   ``stalled`` once nothing else can run. If nothing was scheduled while requests remain, ``stalled``
+   says why; the scheduler never loops.
 
 Why every request that fits the pools alone completes: the best-ranked running request is never
-moved out while another runs, so it advances every step until it finishes; then the next one
-does. Suspended and waiting requests sit at the front of ``waiting`` in state ``SUSPENDED`` /
-``WAITING``, so a driver that loops ``while waiting or running`` sees them.
+moved out while another runs, and it was admitted only if its worst case fits the pools alone, so
+it advances every step until it finishes; then the next one does. Suspended and waiting requests sit
+at the front of ``waiting`` in state ``SUSPENDED`` / ``WAITING``, so a driver that loops
+``while waiting or running`` sees them.
 """
 
 from __future__ import annotations
@@ -75,12 +84,17 @@ class KVCacheV2Scheduler:
             n = m.fit_tokens(r, want)
             while n == 0:
                 if r.num_computed_tokens >= m.options.max_seq_len:
-                    reasons.append(f"request {r.req_id} reached max_seq_len={m.options.max_seq_len}")
+                    reasons.append(f"request {r.req_id} reached max_seq_len={m.options.max_seq_len}; "
+                                   "finish it (reason 'length')")
                     break
-                if len(running) == 1:
-                    reasons.append(m.never_fits(r) or (
-                        f"request {r.req_id} cannot grow past {r.num_computed_tokens} tokens although it runs "
-                        "alone: the pools are full of its own blocks"))
+                why = m.never_fits(r)
+                if why is not None:  # outgrew its worst case: it could never finish, so it must not push others out
+                    reasons.append(why)
+                    self._move_out(r, waiting, running, out, suspend=False)
+                    break
+                if len(running) == 1:  # cannot happen for a request whose worst case fits the pools alone
+                    reasons.append(f"request {r.req_id} cannot grow past {r.num_computed_tokens} tokens although it "
+                                   "runs alone")
                     break
                 victim = running[-1]  # lowest priority, latest arrival
                 if victim in chunks:
@@ -100,6 +114,9 @@ class KVCacheV2Scheduler:
 
         out.scheduled = list(chunks.values())
         if not out.scheduled and (waiting or running):
+            idle = sum(1 for r in running if _pending(r) == 0)
+            if idle:
+                reasons.append(f"{idle} running request(s) have no token to compute (append the sampled tokens first)")
             out.stalled = "; ".join(dict.fromkeys(reasons)) or "no request has a token to compute"
         return out
 
@@ -118,9 +135,10 @@ class KVCacheV2Scheduler:
         return n
 
     def _move_out(self, victim: Request, waiting: deque[Request], running: list[Request],
-                  out: SchedulerOutput) -> None:
-        """Suspend ``victim`` to the host tier, or preempt it for recompute when the tier cannot take it."""
-        if self.manager.suspend(victim):
+                  out: SchedulerOutput, suspend: bool = True) -> None:
+        """Suspend ``victim`` to the host tier, or preempt it for recompute when the tier cannot take it (or
+        ``suspend`` is False)."""
+        if suspend and self.manager.suspend(victim):
             victim.state = RequestState.SUSPENDED
             out.suspended.append(victim)
         else:
@@ -134,7 +152,7 @@ class KVCacheV2Scheduler:
                 chunks: dict[Request, ScheduledChunk], budget: int, reasons: list[str]) -> int:
         m = self.manager
         for r in sorted((r for r in waiting if r.state is RequestState.SUSPENDED), key=_rank):
-            if len(running) >= self.max_batch_size:
+            if len(running) >= self.max_batch_size or budget == 0:  # it could not run this step
                 break
             refusal = m.resume_refusal(r)
             if refusal is not None:

@@ -1,0 +1,301 @@
+"""Regression tests for the code review of the KV managers, schedulers, budget, plan/build stages and driver.
+
+Each test reproduces one finding (the reviewer's scripts) and fails without its fix. Scheduler-only
+findings live next to their suites (``test_kv_v1_scheduler.py``, ``test_kv_v2_scheduler.py``,
+``test_kv_budget.py``); these are the ones that cross the driver, the stages and the API.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cache_backends import LayerKV, build_layout
+from cache_backends.interface import ManagerOptions
+from cache_backends.pools import BlockPools
+from cache_backends.request import Request
+from cache_backends.v1 import GuaranteedNoEvictScheduler, KVCacheManager
+from cache_backends.v2 import KVCacheManagerV2, KVCacheV2Scheduler
+from pipeline.driver import Driver
+
+KINDS = [("v1", KVCacheManager, GuaranteedNoEvictScheduler), ("v2", KVCacheManagerV2, KVCacheV2Scheduler)]
+
+
+def make_driver(kind: str, blocks: int = 16, max_seq_len: int = 8, events: list | None = None, **options) -> Driver:
+    manager_cls, scheduler_cls = {k: (m, s) for k, m, s in KINDS}[kind]
+    layout = build_layout([LayerKV(0, "full", 2)], kind, 4, "float32")
+    m = manager_cls(BlockPools(layout, {layout.groups[0].name: blocks}, "cpu"),
+                    ManagerOptions(max_seq_len=max_seq_len, **options))
+    return Driver(m, scheduler_cls(m, 4, 64), emit=events.append if events is not None else None)
+
+
+def run(driver: Driver) -> None:
+    def compute(out):
+        return {c.request.req_id: 7 for c in out.scheduled
+                if c.request.num_computed_tokens + c.num_tokens == c.request.num_tokens}
+
+    for _ in range(500):
+        if not driver.has_work:
+            return
+        driver.step(compute)
+    raise AssertionError("the driver did not finish")
+
+
+# --- 1. max_seq_len while requests run ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["v1", "v2"])
+def test_the_driver_ends_generation_at_max_seq_len(kind):
+    d = make_driver(kind, max_seq_len=8)
+    long, short = Request("long", [1, 2, 3, 4, 5, 6], 10), Request("short", [9, 9], 3)
+    d.add(long)
+    d.add(short)
+    run(d)  # V2 used to raise StalledError ("reached max_seq_len"); V1 ran 'long' to 16 tokens
+    assert {r.req_id for r in d.finished} == {"long", "short"}
+    assert (long.num_tokens, long.finish_reason, len(long.output_token_ids)) == (8, "length", 2)
+    assert (short.finish_reason, len(short.output_token_ids)) == ("length", 3)
+    assert d.manager.stats()["usage"] == 0
+
+
+@pytest.mark.parametrize("kind", ["v1", "v2"])
+@pytest.mark.parametrize("prompt_len", [8, 30])
+def test_a_prompt_that_leaves_no_room_under_max_seq_len_is_refused_by_the_driver(kind, prompt_len):
+    d = make_driver(kind, max_seq_len=8)
+    with pytest.raises(ValueError, match=rf"^request p: its prompt of {prompt_len} tokens leaves no room to generate "
+                                         r"within max_seq_len=8$"):
+        d.add(Request("p", list(range(1, prompt_len + 1)), 4))
+    assert not d.has_work
+
+
+# --- 10. driver nits --------------------------------------------------------------------------------------
+
+
+def test_max_new_tokens_zero_is_refused_instead_of_generating_one_token():
+    d = make_driver("v1")
+    with pytest.raises(ValueError, match=r"^request z: max_new_tokens must be >= 1, got 0$"):
+        d.add(Request("z", [1, 2], 0))
+
+
+def test_preemption_is_reported_and_a_readmission_says_so():
+    events: list = []
+    d = make_driver("v2", blocks=4, max_seq_len=64, events=events, host_cache_size=0, enable_block_reuse=False)
+    for i in range(2):
+        d.add(Request(f"r{i}", [i + 1] * 4, 8))  # 12 tokens = 3 blocks each; 4 blocks hold both prompts only
+    run(d)
+    assert len(d.finished) == 2
+    names = [e.name for e in events]
+    preempted = [e for e in events if e.name == "request_preempted"]
+    assert preempted and names.count("request_admitted") == 2 + len(preempted)
+    for r in d.finished:
+        admissions = [e.readmitted for e in events if e.name == "request_admitted" and e.req_id == r.req_id]
+        times = sum(1 for p in preempted if p.req_id == r.req_id)
+        assert admissions == [False] + [True] * times
+    assert all(p.tokens > 4 for p in preempted)  # it had generated tokens, all to recompute
+    assert d.manager.stats()["preemptions"] == len(preempted)
+
+
+# --- 5. plan and load agree on host_cache_size; 6. the host tier is counted and reported --------------------
+
+V4 = {"device": "cpu", "kv_cache_config": {"max_tokens": 65536}}
+V4_POOL_BYTES = 6_684_672  # tiny-deepseek-v4 at max_tokens=65536 (float32)
+
+
+@pytest.fixture
+def track_pools(monkeypatch):
+    """Every BlockPools built during the test."""
+    built: list[BlockPools] = []
+    original = BlockPools.__init__
+
+    def init(self, *args, **kwargs):
+        built.append(self)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(BlockPools, "__init__", init)
+    return built
+
+
+def _v4(host_cache_size):
+    return {"device": "cpu", "kv_cache_config": {"max_tokens": 65536, "host_cache_size": host_cache_size}}
+
+
+def test_a_host_cache_size_below_one_block_is_a_plan_problem_and_the_same_load_error(track_pools):
+    import pipeline
+    from pipeline import KvBuildError
+
+    want = ("kv_cache_config.host_cache_size=100 B cannot hold one block of every layer group (at least 110976 B); "
+            "accepted: 0 (no host tier), null (auto-size) or a size of at least 110976 B")
+    planned = pipeline.plan("tiny-deepseek-v4", log=False, **_v4(100))
+    assert planned.kv.problem == want and planned.kv.to_dict()["problem"] == want
+    assert any(line == f"  cannot build: {want}" for line in planned.kv.render())
+    with pytest.raises(KvBuildError) as err:
+        pipeline.load("tiny-deepseek-v4", log=False, **_v4(100))
+    assert str(err.value) == want  # one line, the field named: not the allocator's or the constructor's message
+    assert not track_pools
+
+
+def test_a_host_cache_size_larger_than_host_memory_is_refused_before_allocating(monkeypatch, track_pools):
+    import pipeline
+    from pipeline import KvBuildError
+
+    monkeypatch.setattr("stages.plan_kv.host_available_bytes", lambda: 20_000_000)
+    available = 20_000_000 - V4_POOL_BYTES  # the pools live on the host too (device cpu)
+    planned = pipeline.plan("tiny-deepseek-v4", log=False, **_v4(16_000_000))
+    assert planned.kv.problem.startswith("kv_cache_config.host_cache_size=16000000 B: a host tier of ")
+    assert planned.kv.problem.endswith(f"exceeds the {available} B of host memory available beside the KV pools; "
+                                       f"accepted: 0 (no host tier), null (auto-size) or at most {available} B")
+    with pytest.raises(KvBuildError) as err:
+        pipeline.load("tiny-deepseek-v4", log=False, **_v4(16_000_000))
+    assert str(err.value) == planned.kv.problem
+    assert not track_pools
+
+
+def test_the_host_tier_is_in_the_plan_the_built_event_and_the_run_report():
+    import pipeline
+    from pipeline.render import allocation_document, render_allocation
+
+    planned = pipeline.plan("tiny-deepseek-v4", log=False, **V4).kv
+    with pipeline.load("tiny-deepseek-v4", log=False, **V4) as loaded:
+        m = loaded.kv_manager
+        assert m.host is not None and m.host.nbytes == V4_POOL_BYTES  # auto: one slot per device block
+        assert planned.host_bytes == loaded.kv.host_bytes == m.host.nbytes == m.stats()["host_bytes"]
+        assert planned.host_slots == m.host.num_slots
+        assert planned.to_dict()["host_bytes"] == V4_POOL_BYTES
+        assert "  host tier  6,684,672 B of host memory (auto-sized)" in planned.render()
+        (built,) = loaded.audit.of("kv_manager_built")
+        assert built["host_bytes"] == V4_POOL_BYTES and built["total_bytes"] == V4_POOL_BYTES
+        assert allocation_document(loaded)["host_bytes"] == V4_POOL_BYTES
+        assert render_allocation(loaded)[-1] == "  host tier 6,684,672 B of host memory (suspended requests' pages)"
+    with pipeline.load("tiny-llama", log=False, device="cpu", kv_cache_config={"max_tokens": 64}) as v1:
+        assert v1.kv.host_bytes == 0 and v1.audit.of("kv_manager_built")[0]["host_bytes"] == 0
+
+
+def test_the_build_stage_counts_the_host_tier_against_host_memory(monkeypatch, track_pools):
+    import pipeline
+    from pipeline import KvBuildError
+
+    monkeypatch.setattr("stages.build_kv_manager.host_available_bytes", lambda: 2 * V4_POOL_BYTES - 1)
+    with pytest.raises(KvBuildError) as err:  # the pools alone fit; pools + host tier do not
+        pipeline.load("tiny-deepseek-v4", log=False, **V4)
+    assert str(err.value) == (f"KV pools of {V4_POOL_BYTES} B plus a host tier of {V4_POOL_BYTES} B exceed the "
+                              f"{2 * V4_POOL_BYTES - 1} B of memory this host has available; lower "
+                              "kv_cache_config.max_tokens or kv_cache_config.host_cache_size")
+    assert not track_pools
+    with pipeline.load("tiny-deepseek-v4", log=False, **_v4(0)) as loaded:  # no tier: the pools fit
+        assert loaded.kv_manager.host is None and loaded.kv.host_bytes == 0
+
+
+def test_plan_and_manager_size_the_auto_host_tier_from_the_same_memory_probe(monkeypatch):
+    import pipeline
+
+    available = V4_POOL_BYTES + V4_POOL_BYTES // 2  # half of what is left beside the pools: a quarter of them
+    monkeypatch.setattr("stages.plan_kv.host_available_bytes", lambda: available)
+    monkeypatch.setattr("cache_backends.v2.host_tier.host_available_bytes", lambda: available)
+    monkeypatch.setattr("stages.build_kv_manager.host_available_bytes", lambda: available)
+    with pipeline.load("tiny-deepseek-v4", log=False, **V4) as loaded:
+        host = loaded.kv_manager.host
+        assert host.num_slots == loaded.kv.host_slots and host.nbytes == loaded.kv.host_bytes
+        # scaled to half of what is left beside the pools (each group keeps at least one slot)
+        assert host.nbytes <= (available - V4_POOL_BYTES) // 2 + loaded.kv.layout.min_bytes() < V4_POOL_BYTES
+
+
+# --- 7. partial-block reuse that can never gain a token is off, and a user who asked for it hears why ---------
+
+V4_PARTIAL_REASON = ("partial-block reuse is off: compressed groups match in steps of 128 tokens (the lcm of their "
+                     "compress rates), not below tokens_per_block=128, so a partial block could never gain a token")
+
+
+def test_deepseek_v4_turns_inert_partial_reuse_off_with_the_reason():
+    import pipeline
+    from cache_backends.reuse import partial_reuse_off_reason
+
+    with pipeline.load("tiny-deepseek-v4", log=False, device="cpu", max_seq_len=512,
+                       kv_cache_config={"max_tokens": 4096}) as loaded:
+        m = loaded.kv_manager
+        reuse = m.stats()["reuse"]
+        assert reuse["enabled"] is True and reuse["partial"] is False
+        assert reuse["partial_disabled_reason"] == partial_reuse_off_reason(m.layout) is not None
+        assert not loaded.audit.of("setting_ignored")  # the model's default, not the user's request: no warning
+
+
+@pytest.mark.parametrize("run", ["plan", "load"])
+def test_an_explicit_enable_partial_reuse_that_cannot_work_is_a_setting_ignored_warning(run):
+    import pipeline
+
+    kw = {"device": "cpu", "kv_cache_config": {"max_tokens": 4096, "enable_partial_reuse": True}}
+    result = getattr(pipeline, run)("tiny-deepseek-v4", log=False, **kw)
+    try:
+        (ignored,) = result.audit.of("setting_ignored")
+        assert (ignored["field"], ignored["value"], ignored["reason"]) == (
+            "kv_cache_config.enable_partial_reuse", True, V4_PARTIAL_REASON)
+    finally:
+        result.close()
+
+
+def test_partial_reuse_stays_on_where_it_can_gain_tokens():
+    from tests.test_kv_v2_harness import make_manager
+
+    on = make_manager([LayerKV(0, "full", 2)], 8).stats()["reuse"]
+    assert on["partial"] is True and on["partial_disabled_reason"] is None
+    off = make_manager([LayerKV(0, "full", 2)], 8, enable_partial_reuse=False).stats()["reuse"]
+    assert off["partial"] is False and off["partial_disabled_reason"] == "enable_partial_reuse is false"
+    import pipeline
+
+    planned = pipeline.plan("tiny-gemma3", log=False, device="cpu", kv_cache_config={
+        "use_kv_cache_manager_v2": True, "max_tokens": 4096, "enable_partial_reuse": True})
+    assert not planned.audit.of("setting_ignored")
+
+
+# --- 9. an absent CUDA device is reported by the device check, not by the free-memory probe ------------------
+
+
+@pytest.fixture
+def one_gpu_whose_probe_fails_on_a_bad_index(monkeypatch):
+    """Pretend one CUDA device exists; measuring any device records the calls (and a bad index raises)."""
+    import torch
+
+    calls: list[str] = []
+
+    def mem_get_info(device):
+        calls.append("mem_get_info")
+        if torch.device(device).index not in (None, 0):
+            raise RuntimeError("CUDA error: invalid device ordinal")
+        return (10**9, 2 * 10**9)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    return calls
+
+
+def test_a_cuda_index_past_the_last_device_gets_the_device_message_from_plan_and_load(
+        one_gpu_whose_probe_fails_on_a_bad_index):
+    import pipeline
+    from pipeline import KvBuildError
+
+    want = "device=cuda:5: only 1 CUDA device(s) present (cuda:0..cuda:0)"
+    kw = {"device": "cuda:5", "kv_cache_config": {"max_tokens": 64}}
+    planned = pipeline.plan("tiny-llama", log=False, **kw)
+    assert planned.kv.problem == want and planned.kv.budget.free_bytes is None
+    with pytest.raises(KvBuildError) as err:
+        pipeline.load("tiny-llama", log=False, **kw)
+    assert str(err.value) == want
+    assert "mem_get_info" not in one_gpu_whose_probe_fails_on_a_bad_index  # never probed the absent device
+
+
+def test_free_memory_is_measured_after_the_caching_allocator_hands_back_its_unused_blocks(
+        one_gpu_whose_probe_fails_on_a_bad_index):
+    from cache_backends.budget import measure_free_bytes
+
+    assert measure_free_bytes("cuda:0") == 10**9
+    assert one_gpu_whose_probe_fails_on_a_bad_index == ["empty_cache", "mem_get_info"]
+
+
+@pytest.mark.cuda
+def test_on_a_real_gpu_an_index_past_the_last_device_is_the_device_message():
+    import torch
+
+    import pipeline
+
+    n = torch.cuda.device_count()
+    planned = pipeline.plan("tiny-llama", log=False, device=f"cuda:{n}", kv_cache_config={"max_tokens": 64})
+    assert planned.kv.problem == f"device=cuda:{n}: only {n} CUDA device(s) present (cuda:0..cuda:{n - 1})"
