@@ -182,3 +182,16 @@ def test_bad_input_is_one_config_error(kwargs, match):
 def test_nearest_rank_percentile():
     values = [float(v) for v in range(1, 101)]
     assert percentile(values, 99) == 99.0 and percentile(values, 100) == 100.0 and percentile([5.0], 99) == 5.0
+
+
+@pytest.mark.cuda
+def test_on_cuda_both_managers_finish_a_pressured_workload_with_device_pools():
+    report = simulate("tiny-gemma3", "long-context", compare=True, requests=6, max_seq_len=1024,
+                      params={"prompt_len": 1000, "answer_len": 24}, kv_cache_config={"max_tokens": 2 * 1024},
+                      device="cuda", log=False, progress=False)
+    assert report.settings["device"].startswith("cuda")
+    for r in report.results.values():
+        assert r.status == "ok"
+        accounted(r.metrics, report.workload)
+    v1, v2 = report.results["KVCacheManager"], report.results["KVCacheManagerV2"]
+    assert v2.metrics.max_concurrency > v1.metrics.max_concurrency
