@@ -337,8 +337,6 @@ examples:
   kvload explain plan.jsonl use_kv_cache_manager_v2    the chain: default → file → CLI → model → auto → route
   kvload audit plan.jsonl --verify                     summary; exit 1 if the events do not replay
   kvload models                                        architectures, spec classes, model defaults, presets
-  kvload plan tiny-gemma3 --compare --chart cap.png    V1 vs V2 capacity at one budget
-  kvload simulate tiny-llama --workload shared-prefix --compare   replay a workload through V1 and V2
 
 exit status: 0 ok, 2 bad input (usage, config, model, route, audit file), 1 runtime failure or a log
 that does not verify. Results go to stdout, logs to stderr.
