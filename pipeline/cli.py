@@ -215,9 +215,50 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     from pipeline.render import render_result, run_document
 
     _check_audit_path(ns.audit_log)
+    compare = ns.compare or ns.chart is not None
+    if ns.chart is not None:
+        _check_output_path("--chart", ns.chart)
     result = execute(_request(ns), plan_stages(), audit_log=ns.audit_log)
-    print(json.dumps(run_document(result), indent=2, default=str) if ns.json else render_result(result))
+    comparison = None
+    if compare:
+        from pipeline.capacity import compare_capacity, draw_chart
+
+        comparison = compare_capacity(result)
+        if ns.chart is not None:
+            draw_chart(comparison, ns.chart)
+    if ns.json:
+        doc = run_document(result)
+        if comparison is not None:
+            doc["compare"] = comparison.to_dict()
+        print(json.dumps(doc, indent=2, default=str))
+    else:
+        text = render_result(result)
+        if comparison is not None:
+            text += "\n\n" + "\n".join(comparison.render())
+        print(text)
     return 0
+
+
+def cmd_simulate(ns: argparse.Namespace) -> int:
+    """Replay a synthetic workload through the routed manager (or V1 and V2) and print the metrics."""
+    from pipeline.simulator import simulate
+
+    _check_audit_path(ns.audit_log)
+    report = simulate(ns.model, ns.workload, requests=ns.requests, seed=ns.seed, params=dict(ns.workload_args),
+                      compare=ns.compare, config_file=ns.config, source="cli", audit_log=ns.audit_log,
+                      progress=ns.progress, **cli_overrides(ns))
+    print(json.dumps(report.to_dict(), indent=2, default=str) if ns.json else report.render())
+    return 0
+
+
+def _check_output_path(flag: str, path: str) -> None:
+    from pathlib import Path
+
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{flag} {path}: is a directory, expected a file path")
+    if not p.parent.is_dir():
+        raise ConfigError(f"{flag} {path}: directory {p.parent} does not exist")
 
 
 def cmd_run(ns: argparse.Namespace) -> int:
@@ -496,6 +537,14 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Resolve a model's arguments (stages 1-5) and show each field with its "
                                    "source, the route and why; nothing is allocated.")
     add_model_flags(p)
+    cap = p.add_argument_group("capacity report")
+    cap.add_argument("--compare", action="store_true",
+                     help="also plan V1 and V2 at one budget: bytes per token, tokens that fit, and sequences that "
+                          "fit at 1k/4k/16k/64k tokens (capped at max_seq_len). The budget is the routed plan's; "
+                          "when nothing bounds it (CPU without --max_tokens/--max_gpu_total_bytes) it is what "
+                          "holds 16 sequences of max_seq_len in the routed layout")
+    cap.add_argument("--chart", metavar="FILE.png", default=None,
+                     help="draw the comparison as a PNG (implies --compare; needs matplotlib: kvload[chart])")
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("run", help="resolve, route and build the KV cache manager (allocates the pools)",
                        description="Run all six stages: resolve the arguments, route, compute the KV budget and "
@@ -503,8 +552,75 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_flags(p)
     p.set_defaults(func=cmd_run)
     add_generate_command(sub)
+    add_simulate_command(sub)
     add_inspection_commands(sub)
     return parser
+
+
+def workload_arg(text: str) -> tuple[str, int]:
+    """``KEY=INT`` → (key, int)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=INTEGER, got {text!r}")
+    return key.strip(), integer(value)
+
+
+_SIMULATE_EPILOG = """\
+workloads (sizes: --requests, and --workload-arg KEY=N for the rest):
+  shared-prefix  groups of prompts sharing a system prompt; one arrival per step
+                 (1024 requests; group_size=16 prefix_len=2048 question_len=128 answer_len=256)
+  multi-turn     conversations whose each turn extends the last; a turn arrives when the previous ends
+                 (256 requests; turns=4 first_len=512 user_len=64 answer_len=128)
+  long-context   a few long unrelated sequences arriving together; memory bounds concurrency
+                 (16 requests; prompt_len=7936 answer_len=256)
+  no-reuse       unique prompts, one arrival per step: prefix-reuse bookkeeping is pure overhead
+                 (512 requests; prompt_len=512 answer_len=128)
+
+budget: the same for every manager simulated. With --max_tokens or --max_gpu_total_bytes it is the
+routed manager's budget from those; otherwise the default holds N of the workload's longest sequences
+in the routed layout: N = answer_len + 1 for shared-prefix and no-reuse (the requests running at once),
+one per conversation for multi-turn, 2 for long-context (memory-bound on purpose). V2 splits the budget
+among its layer groups for sequences of max_seq_len (the checkpoint's unless --max_seq_len): with much
+shorter requests its sliding-window pools can fill first, so set --max_seq_len near the workload's longest
+sequence to size them for it.
+
+metrics: hit rate = reused prompt tokens / prompt tokens (first admission of each request); usage =
+used / total blocks (bytes-weighted over layer groups for V2) after each step's scheduling; waits =
+request-steps spent arrived but not running; step time = scheduler.step + commits + finishes.
+
+examples:
+  kvload simulate tiny-llama --workload shared-prefix --compare
+  kvload simulate tiny-gemma3 --workload long-context --compare --json | jq '.results[].max_concurrency'
+  kvload simulate tiny-llama --workload no-reuse --use_kv_cache_manager_v2 true --disable_kv_cache_reuse
+"""
+
+
+def add_simulate_command(sub: Any) -> None:
+    """``simulate``: replay a synthetic workload through the KV manager(s); no forward pass."""
+    from pipeline.workloads import WORKLOADS
+
+    p = sub.add_parser(
+        "simulate", help="replay a synthetic workload through the KV manager (V1 and V2 with --compare)",
+        formatter_class=HelpFormatter, epilog=_SIMULATE_EPILOG,
+        description="Build the routed KV cache manager and scheduler and replay a deterministic synthetic "
+                    "workload through them, with no forward pass: each step commits one token per running "
+                    "decode and prefill chunks up to max_num_tokens. Reports prefix-reuse hit rate (and the "
+                    "ideal), peak and mean usage, concurrency, suspends/resumes, waits, steps to finish, and "
+                    "manager + scheduler time per step. --compare runs V1 and V2 at the same budget.")
+    add_model_flags(p)
+    g = p.add_argument_group("workload")
+    g.add_argument("--workload", required=True, choices=tuple(WORKLOADS), help="which synthetic workload")
+    g.add_argument("--requests", type=integer, default=None, metavar="N",
+                   help="number of requests (default: the workload's, see below)")
+    g.add_argument("--seed", type=integer, default=0, metavar="S", help="random seed of the token ids (default 0)")
+    g.add_argument("--workload-arg", "--workload_arg", dest="workload_args", type=workload_arg, action="append",
+                   default=[], metavar="KEY=N", help="a workload size parameter, e.g. prefix_len=512 (repeatable)")
+    g.add_argument("--compare", action="store_true",
+                   help="simulate KVCacheManager (V1) and KVCacheManagerV2 at the same budget; a manager the model "
+                        "cannot be routed to is reported with the reason")
+    g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bar on stderr (default: only when stderr is a terminal)")
+    p.set_defaults(func=cmd_simulate)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -5,10 +5,28 @@ A workload is a list of :class:`SimRequest` — prompt token ids, a scripted ans
 conversation's next turn arrives once the previous one finished). The same seed gives the same
 workload, token for token. Each workload also knows its *ideal* prefix-reuse: the prompt tokens an
 unbounded cache with token-granular reuse could skip, given the arrival order.
+
+Ideal reuse, per workload (what ``ideal_reuse`` counts for one request):
+
+* ``shared-prefix``: the shared prefix (``prefix_len`` tokens) for every prompt but the first of its
+  group; the first computes it. Assumes the first prompt's prefill is done when the next arrives
+  (true unless ``max_num_tokens`` chops it into chunks longer than one step between arrivals).
+* ``multi-turn``: turn ``k > 0`` extends turn ``k - 1``'s prompt and answer; everything of that
+  history was computed except its last answer token (sampled, never fed back), so the ideal is
+  ``len(history) - 1``. Block-granular caches get this rounded down to whole blocks.
+* ``long-context`` and ``no-reuse``: 0 (unrelated random prompts).
+
+An ideal never counts a prompt's last token: it is always computed, for the logits.
+
+Unrelated token runs never share a prefix by chance: every fresh segment that starts where prompts
+branch (a group's prefix, a question, a conversation's first turn, a unique prompt) begins with a
+marker token unique within the workload (for up to ``vocab - 1`` segments), so a cache that reuses
+partial blocks cannot "hit" a random first token and beat the ideal.
 """
 
 from __future__ import annotations
 
+import inspect
 import random
 from collections.abc import Callable
 
@@ -64,16 +82,29 @@ def _tokens(rng: random.Random, n: int, vocab: int) -> tuple[int, ...]:
     return tuple(rng.randrange(1, vocab) for _ in range(n))
 
 
+class _Segments:
+    """Fresh token runs for branch points: a unique marker token, then random tokens."""
+
+    def __init__(self, rng: random.Random, vocab: int) -> None:
+        self.rng, self.vocab, self.count = rng, vocab, 0
+
+    def __call__(self, n: int) -> tuple[int, ...]:
+        marker = 1 + self.count % (self.vocab - 1)
+        self.count += 1
+        return (marker, *_tokens(self.rng, n - 1, self.vocab))
+
+
 def shared_prefix(requests: int = 1024, seed: int = 0, *, group_size: int = 16, prefix_len: int = 2048,
                   question_len: int = 128, answer_len: int = 256, vocab: int = 32000) -> Workload:
     """Groups of prompts sharing a long system prompt; one arrival per step, group after group."""
     rng = random.Random(seed)
+    fresh = _Segments(rng, vocab)
     out = []
     prefix: tuple[int, ...] = ()
     for i in range(requests):
         if i % group_size == 0:
-            prefix = _tokens(rng, prefix_len, vocab)
-        prompt = prefix + _tokens(rng, question_len, vocab)
+            prefix = fresh(prefix_len)
+        prompt = prefix + fresh(question_len)
         reuse = 0 if i % group_size == 0 else min(prefix_len, len(prompt) - 1)
         out.append(SimRequest(f"sp-{i}", prompt, _tokens(rng, answer_len, vocab), arrival_step=i, ideal_reuse=reuse))
     params = {"group_size": group_size, "prefix_len": prefix_len, "question_len": question_len,
@@ -85,6 +116,7 @@ def multi_turn(requests: int = 256, seed: int = 0, *, turns: int = 4, first_len:
                answer_len: int = 128, vocab: int = 32000) -> Workload:
     """Conversations whose each turn's prompt extends the previous prompt and answer; turn k waits for k-1."""
     rng = random.Random(seed)
+    fresh = _Segments(rng, vocab)
     conversations = max(1, requests // turns)
     out = []
     for c in range(conversations):
@@ -93,7 +125,7 @@ def multi_turn(requests: int = 256, seed: int = 0, *, turns: int = 4, first_len:
         for t in range(turns):
             if len(out) >= requests:
                 break
-            prompt = history + _tokens(rng, first_len if t == 0 else user_len, vocab)
+            prompt = fresh(first_len) if t == 0 else history + _tokens(rng, user_len, vocab)
             answer = _tokens(rng, answer_len, vocab)
             # The previous prompt and answer were computed, except the last answer token (never fed back).
             reuse = 0 if t == 0 else min(len(history) - 1, len(prompt) - 1)
@@ -109,8 +141,8 @@ def long_context(requests: int = 16, seed: int = 0, *, prompt_len: int = 7936, a
                  vocab: int = 32000) -> Workload:
     """A few long, unrelated sequences arriving together: what bounds concurrency is memory per sequence."""
     rng = random.Random(seed)
-    out = [SimRequest(f"lc-{i}", _tokens(rng, prompt_len, vocab), _tokens(rng, answer_len, vocab))
-           for i in range(requests)]
+    fresh = _Segments(rng, vocab)
+    out = [SimRequest(f"lc-{i}", fresh(prompt_len), _tokens(rng, answer_len, vocab)) for i in range(requests)]
     return Workload("long-context", tuple(out), seed, {"prompt_len": prompt_len, "answer_len": answer_len})
 
 
@@ -118,7 +150,8 @@ def no_reuse(requests: int = 512, seed: int = 0, *, prompt_len: int = 512, answe
              vocab: int = 32000) -> Workload:
     """Unique prompts, one arrival per step: nothing to reuse, so reuse bookkeeping is pure overhead."""
     rng = random.Random(seed)
-    out = [SimRequest(f"nr-{i}", _tokens(rng, prompt_len, vocab), _tokens(rng, answer_len, vocab), arrival_step=i)
+    fresh = _Segments(rng, vocab)
+    out = [SimRequest(f"nr-{i}", fresh(prompt_len), _tokens(rng, answer_len, vocab), arrival_step=i)
            for i in range(requests)]
     return Workload("no-reuse", tuple(out), seed, {"prompt_len": prompt_len, "answer_len": answer_len})
 
@@ -131,9 +164,49 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
 }
 
 
-def make_workload(name: str, requests: int | None = None, seed: int = 0, **params: int) -> Workload:
-    """Build a workload by name; ``requests`` None keeps the workload's default size."""
+def workload_params(name: str) -> dict[str, int]:
+    """The tunable size parameters of a workload (keyword-only arguments) with their defaults."""
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
+    sig = inspect.signature(WORKLOADS[name])
+    return {p.name: p.default for p in sig.parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def make_workload(name: str, requests: int | None = None, seed: int = 0, **params: int) -> Workload:
+    """Build a workload by name; ``requests`` None keeps the workload's default size.
+
+    ``ValueError`` names an unknown workload or parameter, or a size below 1.
+    """
+    known = workload_params(name)
+    for key, value in params.items():
+        if key not in known:
+            raise ValueError(f"workload {name} has no parameter {key!r}; known: {', '.join(known)}")
+        least = 2 if key == "vocab" else 1
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ValueError(f"workload {name}: {key} must be an integer >= {least}, got {value!r}")
+    if requests is not None and (not isinstance(requests, int) or requests < 1):
+        raise ValueError(f"workload {name}: requests must be an integer >= 1, got {requests!r}")
     factory = WORKLOADS[name]
     return factory(seed=seed, **params) if requests is None else factory(requests, seed, **params)
+
+
+def default_budget_sequences(workload: Workload) -> int:
+    """How many of the workload's longest sequences the default ``simulate`` budget holds.
+
+    * ``shared-prefix``, ``no-reuse``: ``answer_len + 1`` — one request arrives per step and lives
+      about ``answer_len + 1`` steps, so that many run at once; the budget holds every running
+      request's worst case even without sharing (the working set, with room to spare).
+    * ``multi-turn``: one per conversation (all conversations are open at once).
+    * ``long-context``: 2 — memory-bound on purpose: concurrency is then decided by what one
+      sequence costs each manager (sliding windows, compression).
+
+    Never more than the number of requests.
+    """
+    p = workload.params
+    if workload.name in ("shared-prefix", "no-reuse"):
+        n = p["answer_len"] + 1
+    elif workload.name == "multi-turn":
+        n = len({r.req_id.rsplit("-", 1)[0] for r in workload.requests})
+    else:
+        n = 2
+    return max(1, min(n, len(workload.requests)))

@@ -82,6 +82,24 @@ def test_one_block_per_key_and_double_free_is_an_error():
         pool.cache(b, key(3))
 
 
+def test_run_moves_keep_queue_order_and_a_bad_free_leaves_the_pool_consistent():
+    blocks = [KVBlock(i) for i in range(5)]
+    q = FreeBlockQueue(blocks)
+    taken = q.popleft_many(3)
+    assert [b.block_id for b in taken] == [0, 1, 2] and [b.block_id for b in q] == [3, 4] and len(q) == 2
+    q.extend([taken[2], taken[0]])
+    assert [b.block_id for b in q] == [3, 4, 2, 0] and len(q) == 4
+    with pytest.raises(NoFreeBlocksError):
+        q.popleft_many(5)
+    pool = BlockPool(4)
+    a, b, c = pool.allocate(3)
+    pool.free([b])
+    with pytest.raises(ValueError, match="freed more often"):
+        pool.free([a, b, c])  # a is released before the error; c is untouched
+    assert (a.ref_cnt, c.ref_cnt) == (0, 1) and pool.num_free == 3
+    pool.check_invariants()
+
+
 class PoolMachine(RuleBasedStateMachine):
     """Random allocate / cache / touch / free sequences against a model of who owns what."""
 

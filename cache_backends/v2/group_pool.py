@@ -129,6 +129,30 @@ class GroupPool:
         self.num_used += 1
         return b
 
+    def allocate_many(self, n: int, detach) -> list[int]:
+        """``n`` × :meth:`allocate` in one call (same blocks, same order); ``IndexError`` if fewer are available.
+
+        Free blocks first (as :meth:`allocate` pops them), then evictions; nothing changes on error.
+        """
+        if n > self.available:
+            raise IndexError(f"group {self.name}: {n} blocks asked, {self.available} free or evictable")
+        free = self._free
+        k = min(n, len(free))
+        out = free[len(free) - k:][::-1]  # what k pops would return, in that order
+        del free[len(free) - k:]
+        for _ in range(n - k):
+            b = self.evictable.pop()
+            detach(self.node[b], self.name, b)
+            self.node[b] = None
+            out.append(b)
+        self.evictions += n - k
+        gen, ref = self.gen, self.ref
+        for b in out:
+            gen[b] += 1
+            ref[b] = 1
+        self.num_used += n
+        return out
+
     def incref(self, b: int) -> None:
         """One more cache holds ``b`` (a reused or reclaimed cached block)."""
         if self.ref[b] == 0:

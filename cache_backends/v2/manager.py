@@ -91,6 +91,7 @@ class KVCacheManagerV2:
         self.T = self.layout.tokens_per_block
         self.groups: tuple[LayerGroup, ...] = self.layout.groups
         self._pool = {g.name: GroupPool(g.name, pools.num_blocks[g.name]) for g in self.groups}
+        self._group_pools = [(g.name, g.tokens_per_block, self._pool[g.name]) for g in self.groups]
         self._sliding = [g for g in self.groups if g.window is not None]
         spans = [g.tokens_per_block for g in self.groups]
         self.reuse_unit: int | None = reuse_unit(self.layout)
@@ -243,7 +244,8 @@ class KVCacheManagerV2:
             cache.host = None
         for node in reversed(cache.nodes):
             node.users -= 1
-            self._tree.prune(node)
+            if not node.blocks and not node.children and node.users == 0:  # else prune() would keep it
+                self._tree.prune(node)
         cache.nodes.clear()
 
     def preempt(self, request: Request) -> None:
@@ -297,8 +299,8 @@ class KVCacheManagerV2:
             return False
         for name, n in need.items():
             pool, table = self._pool[name], cache.tables[name]
-            for _ in range(n):
-                table.append(pool.allocate(self._detach))
+            if n > 0:
+                table.extend(pool.allocate_many(n, self._detach))
             while n < 0:  # shrinking: the tail blocks hold no committed token, so they were never cached
                 b = table.pop()
                 if b >= 0:
@@ -366,9 +368,10 @@ class KVCacheManagerV2:
                              f"{cache.history - cache.committed} are scheduled")
         cache.committed += num_tokens
         request.num_computed_tokens = cache.committed
-        if self._reuse:
+        if self._reuse and cache.committed // self.T > len(cache.hashes):  # a block just filled up
             self._key_full_blocks(cache)
-        self._release_window(cache)
+        if self._sliding:
+            self._release_window(cache)
 
     def block_table(self, request: Request, group: str) -> list[int]:
         """Physical block per logical block of ``request`` in ``group``; -1 where a window released it."""
@@ -475,6 +478,11 @@ class KVCacheManagerV2:
                     problems.append(f"group {g.name}: free block {b} still in the radix tree")
                 if pool.node[b] is not None and pool.node[b].blocks.get(g.name) != b:
                     problems.append(f"group {g.name}: block {b} and its radix node disagree")
+        for node in [*self._tree.roots.values(), *self._tree.nodes()]:
+            indexed = {key: child for group in node.by_first.values() for key, child in group.items()}
+            if indexed != node.children or any(child.tokens[0] != t for t, group in node.by_first.items()
+                                                for child in group.values()):
+                problems.append(f"radix node at depth {node.depth}: first-token index disagrees with its children")
         for node in self._tree.nodes():
             for name, b in node.blocks.items():
                 if self._pool[name].node[b] is not node:
@@ -544,23 +552,26 @@ class KVCacheManagerV2:
         first, full = len(cache.hashes), cache.committed // self.T
         if first >= full:
             return
-        request, T = cache.request, self.T
+        request, T, salt = cache.request, self.T, cache.request.salt
         tokens = _tokens(request, first * T, full * T)
         parent = cache.nodes[-1] if cache.nodes else None
         parent_hash = cache.hashes[-1] if cache.hashes else None
-        for i in range(first, full):
-            block_tokens = tuple(tokens[(i - first) * T : (i - first + 1) * T])
-            key = block_hash(parent_hash, block_tokens, request.salt)
-            node = self._tree.child(parent, request.salt, key, block_tokens)
+        hashes, nodes, tables, child = cache.hashes, cache.nodes, cache.tables, self._tree.child
+        # One pass per block: this runs for every block a request fills, so the attach is inlined.
+        for off in range(0, (full - first) * T, T):
+            block_tokens = tuple(tokens[off : off + T])
+            key = block_hash(parent_hash, block_tokens, salt)
+            node = child(parent, salt, key, block_tokens)
             node.users += 1
-            cache.hashes.append(key)
-            cache.nodes.append(node)
-            end = (i + 1) * T
-            for g in self.groups:
-                if end % g.tokens_per_block == 0:
-                    b = cache.tables[g.name][end // g.tokens_per_block - 1]
-                    if b >= 0:
-                        self._attach(node, g.name, b)
+            hashes.append(key)
+            nodes.append(node)
+            end = first * T + off + T
+            for name, tpb, pool in self._group_pools:
+                if end % tpb == 0:
+                    b = tables[name][end // tpb - 1]
+                    if b >= 0 and name not in node.blocks and pool.node[b] is None:  # = _attach
+                        node.blocks[name] = b
+                        pool.node[b] = node
             parent, parent_hash = node, key
 
     def _match(self, request: Request) -> tuple[int, list[RadixNode], list[bytes], list[int]]:
@@ -658,7 +669,7 @@ class KVCacheManagerV2:
         limit = min(self.T - 1, request.num_tokens - 1 - m)
         want = tokens[m : m + self.T]
         best, best_k = None, 0
-        for child in parent.children.values():
+        for child in parent.children_starting_with(want[0]):  # any other child shares no token
             if len(child.blocks) != len(self.groups):
                 continue
             k = min(_common_prefix(child.tokens, want), limit)

@@ -9,6 +9,9 @@ k-th node). Invariants:
 * ``node.blocks[g] == b`` if and only if the group pool's ``node[b] is node``.
 * ``node.users`` counts the live caches whose path runs through the node; a node is pruned when
   it has no blocks, no children and no users, and pruning walks up towards the root.
+* ``node.by_first[t]`` holds exactly the children whose block starts with token ``t``, in the order
+  of ``node.children``: partial matching only looks at children that share the first token (any
+  other child matches zero tokens), so it does not scan every child of a wide node.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from collections.abc import Iterator
 class RadixNode:
     """One full token block of a cached prefix."""
 
-    __slots__ = ("blocks", "children", "depth", "key", "parent", "salt", "tokens", "users")
+    __slots__ = ("blocks", "by_first", "children", "depth", "key", "parent", "salt", "tokens", "users")
 
     def __init__(self, key: bytes | None, parent: RadixNode | None, tokens: tuple[int, ...], salt: str | None) -> None:
         self.key = key
@@ -28,6 +31,7 @@ class RadixNode:
         self.salt = salt
         self.depth = -1 if parent is None else parent.depth + 1
         self.children: dict[bytes, RadixNode] = {}
+        self.by_first: dict[int, dict[bytes, RadixNode]] = {}
         self.blocks: dict[str, int] = {}
         self.users = 0
 
@@ -35,6 +39,11 @@ class RadixNode:
     def is_root(self) -> bool:
         """Whether this is a salt's root (no tokens of its own)."""
         return self.parent is None
+
+    def children_starting_with(self, token: int) -> list[RadixNode]:
+        """The children whose block starts with ``token``, in insertion order."""
+        group = self.by_first.get(token)
+        return list(group.values()) if group else []
 
 
 class RadixTree:
@@ -57,6 +66,7 @@ class RadixTree:
         node = parent.children.get(key)
         if node is None:
             node = parent.children[key] = RadixNode(key, parent, tokens, salt)
+            parent.by_first.setdefault(tokens[0], {})[key] = node
             self.num_nodes += 1
         return node
 
@@ -65,6 +75,10 @@ class RadixTree:
         while node.parent is not None and not node.blocks and not node.children and node.users == 0:
             parent = node.parent
             del parent.children[node.key]
+            siblings = parent.by_first[node.tokens[0]]
+            del siblings[node.key]
+            if not siblings:
+                del parent.by_first[node.tokens[0]]
             node.parent = None
             self.num_nodes -= 1
             node = parent

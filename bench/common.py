@@ -1,0 +1,105 @@
+"""Shared pieces of the benchmarks: result tables (markdown), statistics, and what machine ran them."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+
+
+@attrs.define
+class Table:
+    """One benchmark's result: a markdown table with the command that produced it and notes."""
+
+    title: str
+    command: str
+    headers: list[str]
+    rows: list[list[str]] = attrs.Factory(list)
+    notes: list[str] = attrs.Factory(list)
+
+    def markdown(self) -> str:
+        """``### title``, the command, the table, then the notes as a list."""
+        lines = [f"### {self.title}", "", f"`{self.command}`", ""]
+        lines.append("| " + " | ".join(self.headers) + " |")
+        lines.append("|" + "|".join("---" if i == 0 else "--:" for i in range(len(self.headers))) + "|")
+        lines += ["| " + " | ".join(row) + " |" for row in self.rows]
+        if self.notes:
+            lines.append("")
+            lines += [f"- {n}" for n in self.notes]
+        return "\n".join(lines) + "\n"
+
+
+def median(values: Sequence[float]) -> float:
+    """The median."""
+    return statistics.median(values)
+
+
+def p99(values: Sequence[float]) -> float:
+    """Nearest-rank 99th percentile."""
+    ordered = sorted(values)
+    return ordered[max(0, -(-99 * len(ordered) // 100) - 1)]
+
+
+def timed_us(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """Wall time of one call in microseconds, and its result."""
+    start = time.perf_counter_ns()
+    out = fn()
+    return (time.perf_counter_ns() - start) / 1e3, out
+
+
+def us(value: float) -> str:
+    """A duration in µs for a table cell."""
+    return f"{value:,.2f}" if value < 10 else f"{value:,.1f}" if value < 1000 else f"{value:,.0f}"
+
+
+def ratio(value: float) -> str:
+    """A ratio for a table cell."""
+    return f"{value:.2f}x"
+
+
+def verdict(ok: bool) -> str:
+    """Met / missed, for a target row."""
+    return "met" if ok else "**missed**"
+
+
+def cpu_model() -> str:
+    """The CPU model name from /proc/cpuinfo (or platform's guess)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> dict[str, str]:
+    """What ran the benchmarks: CPU, cores, memory, Python, torch, date."""
+    info = {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu": f"{cpu_model()}, {os.cpu_count()} logical cores",
+        "python": f"{platform.python_implementation()} {sys.version.split()[0]}",
+        "os": f"{platform.system()} {platform.release()}",
+    }
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+    except ImportError:
+        info["torch"] = "not installed"
+    try:
+        pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+        info["memory"] = f"{pages * size / 2**30:.0f} GiB"
+    except (ValueError, OSError, AttributeError):
+        pass
+    return info

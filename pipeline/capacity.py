@@ -1,0 +1,286 @@
+"""V1 against V2 at one KV budget (``kvload plan --compare``), and the rule that picks that budget.
+
+One budget for both managers, so the comparison is about geometry alone:
+
+* The routed manager's budget rules decide it (``kv_cache_config.max_tokens`` in the routed layout,
+  ``max_gpu_total_bytes``, and on CUDA the free memory × ``free_gpu_memory_fraction``).
+* When those leave it unbounded (CPU without ``--max_tokens`` / ``--max_gpu_total_bytes``), a
+  default is priced in the routed layout instead: the exact bytes of ``N`` sequences of ``L`` tokens
+  (block rounding and windows included; ``plan --compare``: :data:`DEFAULT_PLAN_SEQUENCES` sequences
+  of ``max_seq_len``; ``simulate``: the workload's default).
+* Each manager is then planned (or built) with ``max_gpu_total_bytes`` = that budget and no
+  ``max_tokens``, through the same stages as ``plan``/``load``: a manager the model cannot be routed
+  to (DeepSeek V4 on V1, beam search on V2) is reported with the router's reason.
+
+Capacity at a sequence length ``L`` splits the budget for sequences of ``L`` tokens, as the pools
+would be split with ``max_seq_len = L`` (:meth:`KvLayout.split_budget`), and counts how many fit.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import attrs
+
+from cache_backends.budget import BudgetError, plan_pools
+from pipeline.api import LoadResult, execute, plan_stages
+from pipeline.context import LoadRequest
+from pipeline.errors import ConfigError, KvBuildError, RouteError
+from pipeline.paths import flatten, unflatten
+from pipeline.sources import overrides_to_tree
+from stages.plan_kv import KvPlan, budget_reason
+
+#: ``plan --compare`` without a bounded budget prices this many sequences of max_seq_len in the routed layout.
+DEFAULT_PLAN_SEQUENCES = 16
+#: Sequence lengths of the capacity table (those below max_seq_len, then max_seq_len itself).
+LENGTHS = (1024, 4096, 16384, 65536)
+#: The managers compared, by class name, and the tri-state value that routes to each.
+MANAGERS = {"KVCacheManager": False, "KVCacheManagerV2": True}
+USER_BUDGET_FIELDS = ("kv_cache_config.max_tokens", "kv_cache_config.max_gpu_total_bytes")
+
+
+@attrs.frozen
+class Budget:
+    """The one KV budget both managers get, and where it came from."""
+
+    bytes: int
+    source: str  # one line: the rule and the numbers
+    default: bool  # True when no user setting bounded it and a documented default was used
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return attrs.asdict(self)
+
+
+def user_gave_budget(result: LoadResult) -> bool:
+    """Whether the user set ``max_tokens`` or a nonzero ``max_gpu_total_bytes`` (any source)."""
+    fields = result.context.user_fields
+    return any(fields[p].value for p in USER_BUDGET_FIELDS if p in fields)
+
+
+def variant_request(request: LoadRequest, **kv_fields: Any) -> LoadRequest:
+    """A copy of ``request`` whose overrides also set these ``kv_cache_config`` fields (they win over the file)."""
+    leaves = flatten(overrides_to_tree(request.overrides))
+    for name, value in kv_fields.items():
+        leaves[f"kv_cache_config.{name}"] = value
+    out = copy.copy(request)
+    out.overrides = unflatten(leaves)
+    return out
+
+
+def routed_budget(result: LoadResult, default_sequences: int, default_len: int, *,
+                  prefer_default: bool = False) -> Budget:
+    """The budget of the routed plan in ``result``; when unbounded, ``default_sequences`` × ``default_len`` tokens.
+
+    The default is the exact bytes those sequences hold in the routed layout. ``prefer_default``
+    also uses it when the budget is bounded only by the device's free memory (the user set no
+    budget field). ``KvBuildError`` when the routed plan cannot be built at the budget.
+    """
+    kv: KvPlan = result.kv
+    if kv.budget_bytes is not None and not (prefer_default and not user_gave_budget(result)):
+        if kv.pools is None:
+            raise KvBuildError(kv.problem)
+        return Budget(kv.budget_bytes, f"{budget_reason(kv.budget)}; routed {kv.kv_manager}", False)
+    nbytes = default_sequences * kv.layout.bytes_for_sequence(default_len)
+    return Budget(nbytes, f"default: {default_sequences:,} sequence(s) of {default_len:,} tokens in the "
+                          f"routed {kv.kv_manager} layout", True)
+
+
+def manager_lengths(max_seq_len: int) -> tuple[int, ...]:
+    """The table's sequence lengths: :data:`LENGTHS` below ``max_seq_len``, then ``max_seq_len``."""
+    return (*(n for n in LENGTHS if n < max_seq_len), max_seq_len)
+
+
+@attrs.frozen
+class ManagerCapacity:
+    """One manager at the shared budget: its plan, or why it has none."""
+
+    kv_manager: str
+    status: str  # "ok" | "not_routable" | "not_buildable"
+    reason: str | None
+    plan: KvPlan | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Whether the manager has a plan at this budget."""
+        return self.plan is not None
+
+    def max_concurrency(self, seq_len: int) -> int | None:
+        """Sequences of ``seq_len`` tokens the budget holds when split for that length."""
+        if self.plan is None:
+            return None
+        try:
+            return plan_pools(self.plan.layout, self.plan.budget_bytes, seq_len).max_concurrency
+        except BudgetError:
+            return 0
+
+    def bytes_per_sequence(self, seq_len: int) -> int | None:
+        """Exact bytes one sequence of ``seq_len`` tokens holds (block rounding, windows)."""
+        return None if self.plan is None else self.plan.layout.bytes_for_sequence(seq_len)
+
+    def to_dict(self, lengths: tuple[int, ...]) -> dict[str, Any]:
+        """JSON form, with one row per sequence length."""
+        p = self.plan
+        return {
+            "status": self.status,
+            "reason": self.reason,
+            "bytes_per_token": p.bytes_per_token if p else None,
+            "capacity_tokens": p.capacity_tokens if p else None,
+            "pool_bytes": p.pools.total_bytes if p and p.pools else None,
+            "layer_groups": {g["name"]: g["blocks"] for g in p.to_dict()["layer_groups"]} if p else None,
+            "lengths": [{"seq_len": n, "max_concurrency": self.max_concurrency(n),
+                         "bytes_per_sequence": self.bytes_per_sequence(n)} for n in lengths],
+        }
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+@attrs.frozen
+class CapacityComparison:
+    """V1 and V2 plans at one budget: bytes per token, tokens that fit, concurrency per sequence length."""
+
+    model: str
+    max_seq_len: int
+    budget: Budget
+    lengths: tuple[int, ...]
+    managers: dict[str, ManagerCapacity]
+
+    @property
+    def v1(self) -> ManagerCapacity:
+        """The V1 column."""
+        return self.managers["KVCacheManager"]
+
+    @property
+    def v2(self) -> ManagerCapacity:
+        """The V2 column."""
+        return self.managers["KVCacheManagerV2"]
+
+    def ratios(self) -> dict[str, Any]:
+        """V2 / V1 for tokens that fit and for concurrency at each length (None when either is missing)."""
+        v1, v2 = self.v1, self.v2
+        return {
+            "capacity_tokens": _ratio(v2.plan.capacity_tokens if v2.ok else None,
+                                      v1.plan.capacity_tokens if v1.ok else None),
+            "max_concurrency": [{"seq_len": n, "ratio": _ratio(v2.max_concurrency(n), v1.max_concurrency(n))}
+                                for n in self.lengths],
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``compare`` object of ``plan --compare --json``."""
+        return {
+            "budget_bytes": self.budget.bytes,
+            "budget": self.budget.to_dict(),
+            "max_seq_len": self.max_seq_len,
+            "lengths": list(self.lengths),
+            "managers": {name: m.to_dict(self.lengths) for name, m in self.managers.items()},
+            "v2_over_v1": self.ratios(),
+        }
+
+    def render(self) -> list[str]:
+        """The capacity table: one column per manager plus V2/V1."""
+        names = list(self.managers)
+        lines = [f"capacity at one budget: {self.budget.bytes:,} B ({self.budget.source})"]
+        rows = [["", *names, "V2/V1"]]
+
+        def row(label: str, values: list[float | int | None], fmt: str = "{:,}") -> None:
+            cells = ["-" if v is None else fmt.format(v) for v in values]
+            ratio = _ratio(values[1], values[0]) if len(values) == 2 else None
+            rows.append([label, *cells, "-" if ratio is None else f"{ratio:.2f}x"])
+
+        ms = [self.managers[n] for n in names]
+        row("bytes/token", [m.plan.bytes_per_token if m.ok else None for m in ms], "{:,.6g}")
+        row("tokens that fit", [m.plan.capacity_tokens if m.ok else None for m in ms])
+        for n in self.lengths:
+            row(f"sequences of {n:,}", [m.max_concurrency(n) for m in ms])
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+        for m in ms:
+            if not m.ok:
+                lines.append(f"  {m.kv_manager}: {m.status.replace('_', ' ')}: {m.reason}")
+        lines.append("  (sequences of L: the budget split for sequences of L tokens, as with max_seq_len = L)")
+        return lines
+
+
+def refusal_reason(routed: LoadResult, name: str, exc: RouteError) -> str:
+    """Why the router refuses manager ``name`` for this model, without advice about a setting nobody typed."""
+    if name == "KVCacheManager" and routed.model.v2_required:
+        return f"V1 cannot serve this model: {routed.model.v2_required}"
+    if name == "KVCacheManagerV2" and routed.args.max_beam_width > 1:
+        return f"V2 has no beam support and max_beam_width={routed.args.max_beam_width}"
+    return str(exc)
+
+
+def plan_manager(routed: LoadResult, name: str, budget_bytes: int, *, log: bool = False) -> ManagerCapacity:
+    """Plan one manager at ``budget_bytes`` through the stages; the router's refusal becomes ``not_routable``."""
+    variant = variant_request(routed.context.request, use_kv_cache_manager_v2=MANAGERS[name],
+                              max_gpu_total_bytes=budget_bytes, max_tokens=None)
+    try:
+        result = execute(variant, plan_stages(), log=log)
+    except RouteError as exc:
+        return ManagerCapacity(name, "not_routable", refusal_reason(routed, name, exc))
+    kv: KvPlan = result.kv
+    if kv.pools is None:
+        return ManagerCapacity(name, "not_buildable", kv.problem)
+    return ManagerCapacity(name, "ok", None, kv)
+
+
+def compare_capacity(result: LoadResult, *, log: bool = False) -> CapacityComparison:
+    """Plan V1 and V2 at the routed plan's budget (see the module docstring); allocates nothing."""
+    request = result.context.request
+    if "kv_cache_config.use_kv_cache_manager_v2" in flatten(overrides_to_tree(request.overrides)):
+        raise ConfigError("--compare plans both managers; drop --use_kv_cache_manager_v2",
+                          path="kv_cache_config.use_kv_cache_manager_v2")
+    max_seq_len = result.args.max_seq_len
+    budget = routed_budget(result, DEFAULT_PLAN_SEQUENCES, max_seq_len)
+    managers = {name: plan_manager(result, name, budget.bytes, log=log) for name in MANAGERS}
+    return CapacityComparison(result.model.name, max_seq_len, budget, manager_lengths(max_seq_len), managers)
+
+
+def draw_chart(comparison: CapacityComparison, path: str) -> None:
+    """Write a PNG: concurrent sequences per length and bytes per sequence, V1 beside V2 (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError("--chart needs matplotlib: pip install 'kvload[chart]' (or matplotlib>=3.8)",
+                          path="chart") from None
+    lengths = comparison.lengths
+    xs = range(len(lengths))
+    width = 0.38
+    colors = {"KVCacheManager": "#4C72B0", "KVCacheManagerV2": "#DD8452"}
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.4))
+    v1 = comparison.v1
+    for i, (name, m) in enumerate(comparison.managers.items()):
+        offset = (i - 0.5) * width
+        label = name if m.ok else f"{name} ({m.status.replace('_', ' ')})"
+        conc = [m.max_concurrency(n) or 0 for n in lengths]
+        bars = ax1.bar([x + offset for x in xs], conc, width, label=label, color=colors.get(name))
+        texts = []
+        for n, c in zip(lengths, conc, strict=True):
+            ratio = _ratio(c, v1.max_concurrency(n)) if name != "KVCacheManager" else None
+            texts.append("" if not m.ok else f"{c:,} ({ratio:.2f}x)" if ratio else f"{c:,}")
+        ax1.bar_label(bars, labels=texts, fontsize=8, padding=2)
+        per_seq = [(m.bytes_per_sequence(n) or 0) / 2**20 for n in lengths]
+        bars = ax2.bar([x + offset for x in xs], per_seq, width, label=label, color=colors.get(name))
+        ax2.bar_label(bars, labels=[f"{b:,.1f}" if m.ok else "" for b in per_seq], fontsize=8, padding=2)
+    ticks = [f"{n:,}" for n in lengths]
+    ax1.set(title="sequences that fit the budget", xlabel="sequence length (tokens)", ylabel="sequences")
+    ax2.set(title="KV bytes per sequence", xlabel="sequence length (tokens)", ylabel="MiB")
+    for ax in (ax1, ax2):
+        ax.set_xticks(list(xs), ticks)
+        ax.legend(fontsize=8)
+        ax.margins(y=0.15)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(f"{comparison.model}: V1 vs V2 at a budget of {comparison.budget.bytes / 2**20:,.1f} MiB")
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as exc:
+        raise ConfigError(f"--chart {path}: cannot write ({exc.strerror or exc})", path="chart") from None
+    finally:
+        plt.close(fig)

@@ -1,0 +1,424 @@
+"""The workload simulator behind ``kvload simulate``: replay a workload through a built KV manager + scheduler.
+
+No forward pass: :class:`~pipeline.driver.Driver` runs the real scheduler and manager, and the
+``compute`` step is scripted — a request whose known tokens are all in the cache after a step
+"samples" the next token of its scripted answer. Each step therefore commits one token per running
+decode and prefill chunks up to ``max_num_tokens``, exactly as the generation executor would.
+
+Clock: one engine step per :meth:`Driver.step`. A request is added before the step numbered its
+``arrival_step``; one that comes ``after`` another is added before the step following the one in
+which that request finished. When nothing is waiting or running, the clock jumps to the next
+arrival (idle steps cost nothing and are not timed, but they count in ``steps``).
+
+Metrics of one run (:class:`RunMetrics`), precisely:
+
+* ``hit_rate`` = reused prompt tokens / prompt tokens, where a request's reused tokens are the
+  prompt tokens its *first* admission took from the prefix cache (a V2 re-admission after a
+  preemption does not count twice). ``ideal_hit_rate`` is the workload's (``pipeline.workloads``).
+* ``peak_usage`` / ``mean_usage``: the manager's ``stats()["usage"]`` right after the scheduler's
+  decision of each engine step (all of the step's blocks allocated, none freed yet): used blocks /
+  blocks for V1, used bytes / pool bytes over every layer group for V2. Evictable (cached, unowned)
+  blocks count as free.
+* ``max_concurrency`` / ``mean_concurrency``: requests running (holding device blocks) at that point.
+* ``waits``: request-steps spent waiting after arrival — the sum over engine steps of requests that
+  had arrived but were not running after the scheduler's decision (not yet admitted, suspended or
+  preempted). ``admission_delay_mean``: mean steps from arrival to first admission.
+* ``steps``: engine steps from step 0 until the last request finished (idle steps included);
+  ``engine_steps`` leaves idle steps out.
+* ``suspends``/``resumes``/``preemptions``/``evictions``: the manager's counters (V1: 0 except evictions).
+* ``step_time_us_median``/``_p99``: manager + scheduler time per engine step — ``scheduler.step``,
+  the commits and the finishes (:attr:`StepStats.kv_seconds`); p99 is the nearest-rank percentile.
+* ``computed_tokens``: tokens whose KV was computed (sum of scheduled chunks); without preemption it
+  equals the sum of ``prompt + answer - 1`` minus the reused tokens (the last answer token is never fed).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from cache_backends.interface import SchedulerOutput
+from cache_backends.request import Request
+from pipeline.api import LoadResult, execute, load_stages, plan_stages
+from pipeline.capacity import MANAGERS, Budget, refusal_reason, routed_budget, variant_request
+from pipeline.context import LoadRequest
+from pipeline.driver import Driver, StalledError
+from pipeline.errors import ConfigError, KvBuildError, RouteError
+from pipeline.events import Event, RequestAdmitted
+from pipeline.paths import flatten
+from pipeline.sources import overrides_to_tree
+from pipeline.workloads import Workload, default_budget_sequences, make_workload
+
+#: The metric fields of one result, in report order (None when the manager did not run).
+METRIC_FIELDS = (
+    "hit_rate", "ideal_hit_rate", "reused_tokens", "prompt_tokens", "computed_tokens", "output_tokens",
+    "peak_usage", "mean_usage", "max_concurrency", "mean_concurrency", "steps", "engine_steps", "finished",
+    "suspends", "resumes", "preemptions", "evictions", "waits", "admission_delay_mean",
+    "step_time_us_median", "step_time_us_p99", "step_time_us_mean", "kv_seconds",
+)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in (0, 100]) of a non-empty list."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+@attrs.frozen
+class RunMetrics:
+    """What one replay measured; see the module docstring for each definition."""
+
+    hit_rate: float
+    ideal_hit_rate: float
+    reused_tokens: int
+    prompt_tokens: int
+    computed_tokens: int
+    output_tokens: int
+    peak_usage: float
+    mean_usage: float
+    max_concurrency: int
+    mean_concurrency: float
+    steps: int
+    engine_steps: int
+    finished: int
+    suspends: int
+    resumes: int
+    preemptions: int
+    evictions: int
+    waits: int
+    admission_delay_mean: float
+    step_time_us_median: float
+    step_time_us_p99: float
+    step_time_us_mean: float
+    kv_seconds: float
+    step_times_us: list[float] = attrs.field(repr=False, eq=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The metric fields (without the per-step times)."""
+        return {name: getattr(self, name) for name in METRIC_FIELDS}
+
+
+class WorkloadMismatch(AssertionError):
+    """A finished request's output differs from its scripted answer: the replay's bookkeeping is broken."""
+
+
+def replay(manager: Any, scheduler: Any, workload: Workload, *,
+           on_finish: Callable[[int], None] | None = None) -> RunMetrics:
+    """Run ``workload`` to completion through ``manager`` + ``scheduler``; :class:`StalledError` if it cannot."""
+    answers = {r.req_id: r.answer for r in workload.requests}
+    dependents: dict[str, list[tuple[int, Any]]] = {}
+    ready: list[tuple[int, int, Any]] = []  # (step it may arrive, workload order, SimRequest)
+    for i, sr in enumerate(workload.requests):
+        if sr.after is None:
+            ready.append((sr.arrival_step, i, sr))
+        else:
+            dependents.setdefault(sr.after, []).append((i, sr))
+    heapq.heapify(ready)
+
+    arrived_at: dict[str, int] = {}
+    first_reuse: dict[str, int] = {}
+    admission_delay: list[int] = []
+    clock = 0
+
+    def collect(event: Event) -> None:
+        if isinstance(event, RequestAdmitted) and event.req_id not in first_reuse:
+            first_reuse[event.req_id] = event.reused_prompt_tokens
+            admission_delay.append(clock - arrived_at[event.req_id])
+
+    driver = Driver(manager, scheduler, emit=collect)
+    usage: list[float] = []
+    running: list[int] = []
+    waits = 0
+    step_times: list[float] = []
+    computed = 0
+    finished: list[Request] = []
+
+    def compute(out: SchedulerOutput) -> dict[str, int]:
+        nonlocal waits
+        # Sampled here: the step's blocks are allocated and nothing is freed yet (the step's peak).
+        usage.append(manager.stats()["usage"])
+        running.append(len(driver.running))
+        waits += len(driver.waiting)
+        tokens = {}
+        for chunk in out.scheduled:
+            r = chunk.request
+            if r.num_computed_tokens + chunk.num_tokens == r.num_tokens:
+                tokens[r.req_id] = answers[r.req_id][len(r.output_token_ids)]
+        return tokens
+
+    while ready or driver.has_work:
+        while ready and ready[0][0] <= clock:
+            _, _, sr = heapq.heappop(ready)
+            driver.add(Request(sr.req_id, list(sr.prompt), len(sr.answer), priority=sr.priority, salt=sr.salt))
+            arrived_at[sr.req_id] = clock
+        if not driver.has_work:
+            clock = ready[0][0]
+            continue
+        before = len(usage)
+        stats = driver.step(compute)
+        if len(usage) == before:  # nothing scheduled: compute was not called
+            usage.append(manager.stats()["usage"])
+            running.append(len(driver.running))
+            waits += len(driver.waiting)
+        step_times.append(stats.kv_seconds * 1e6)
+        computed += stats.scheduled_tokens
+        for req in stats.finished:
+            finished.append(req)
+            for i, sr in dependents.pop(req.req_id, ()):
+                heapq.heappush(ready, (max(sr.arrival_step, clock + 1), i, sr))
+        if stats.finished and on_finish is not None:
+            on_finish(len(stats.finished))
+        clock += 1
+
+    for req in finished:
+        if tuple(req.output_token_ids) != answers[req.req_id]:
+            raise WorkloadMismatch(f"request {req.req_id}: output differs from its scripted answer")
+    s = manager.stats()
+    evictions = (s["evictions"] if "evictions" in s
+                 else sum(g.get("evictions", 0) for g in s["groups"].values()))
+    prompt_tokens = workload.prompt_tokens
+    reused = sum(first_reuse.values())
+    return RunMetrics(
+        hit_rate=round(reused / prompt_tokens, 6) if prompt_tokens else 0.0,
+        ideal_hit_rate=round(workload.ideal_hit_rate, 6),
+        reused_tokens=reused,
+        prompt_tokens=prompt_tokens,
+        computed_tokens=computed,
+        output_tokens=sum(len(r.output_token_ids) for r in finished),
+        peak_usage=round(max(usage, default=0.0), 6),
+        mean_usage=round(statistics.fmean(usage), 6) if usage else 0.0,
+        max_concurrency=max(running, default=0),
+        mean_concurrency=round(statistics.fmean(running), 3) if running else 0.0,
+        steps=clock,
+        engine_steps=len(step_times),
+        finished=len(finished),
+        suspends=s.get("suspends", 0),
+        resumes=s.get("resumes", 0),
+        preemptions=s.get("preemptions", 0),
+        evictions=evictions,
+        waits=waits,
+        admission_delay_mean=round(statistics.fmean(admission_delay), 3) if admission_delay else 0.0,
+        step_time_us_median=round(statistics.median(step_times), 2) if step_times else 0.0,
+        step_time_us_p99=round(percentile(step_times, 99), 2) if step_times else 0.0,
+        step_time_us_mean=round(statistics.fmean(step_times), 2) if step_times else 0.0,
+        kv_seconds=round(sum(step_times) / 1e6, 6),
+        step_times_us=step_times,
+    )
+
+
+@attrs.frozen
+class ManagerResult:
+    """One manager's replay of the workload, or why it did not run."""
+
+    kv_manager: str
+    status: str  # "ok" | "not_routable" | "not_buildable" | "stalled"
+    reason: str | None = None
+    scheduler: str | None = None
+    budget_bytes: int | None = None
+    pool_bytes: int | None = None
+    capacity_tokens: int | None = None
+    layer_groups: dict[str, int] | None = None
+    metrics: RunMetrics | None = None
+    wall_seconds: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object under ``results[kv_manager]``: status, budget, and every metric (None if not run)."""
+        metrics = self.metrics.to_dict() if self.metrics else dict.fromkeys(METRIC_FIELDS)
+        return {
+            "status": self.status,
+            "reason": self.reason,
+            "kv_manager": self.kv_manager,
+            "scheduler": self.scheduler,
+            "budget_bytes": self.budget_bytes,
+            "pool_bytes": self.pool_bytes,
+            "capacity_tokens": self.capacity_tokens,
+            "layer_groups": self.layer_groups,
+            **metrics,
+            "wall_seconds": self.wall_seconds,
+        }
+
+
+@attrs.frozen
+class SimulationReport:
+    """The whole ``simulate`` result: the workload, the shared budget, one :class:`ManagerResult` per manager."""
+
+    model: str
+    workload: Workload
+    budget: Budget
+    settings: dict[str, Any]
+    results: dict[str, ManagerResult]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``--json`` document."""
+        w = self.workload
+        return {
+            "model": self.model,
+            "workload": w.name,
+            "requests": len(w.requests),
+            "seed": w.seed,
+            "params": dict(w.params),
+            "prompt_tokens": w.prompt_tokens,
+            "ideal_hit_rate": round(w.ideal_hit_rate, 6),
+            "budget_bytes": self.budget.bytes,
+            "budget": self.budget.to_dict(),
+            "settings": self.settings,
+            "results": {name: r.to_dict() for name, r in self.results.items()},
+        }
+
+    def render(self) -> str:
+        """A readable table: one column per manager."""
+        w = self.workload
+        params = ", ".join(f"{k}={v}" for k, v in w.params.items())
+        s = self.settings
+        lines = [
+            f"simulate  {self.model}  workload {w.name} ({len(w.requests)} requests, seed {w.seed}; {params})",
+            f"  {w.prompt_tokens:,} prompt tokens; ideal prefix-reuse hit rate {w.ideal_hit_rate:.2%}",
+            f"  budget {self.budget.bytes:,} B for each manager ({self.budget.source})",
+            f"  device {s['device']}, max_seq_len {s['max_seq_len']:,}, max_batch_size {s['max_batch_size']:,}, "
+            f"max_num_tokens {s['max_num_tokens']:,}, tokens_per_block {s['tokens_per_block']}, "
+            f"block reuse {'on' if s['enable_block_reuse'] else 'off'}",
+            "",
+        ]
+        names = list(self.results)
+        rows = [["", *names]]
+
+        def fmt(value: Any, kind: str) -> str:
+            if value is None:
+                return "-"
+            if kind == "pct":
+                return f"{value:.2%}"
+            if kind == "us":
+                return f"{value:,.1f} µs"
+            return f"{value:,}" if isinstance(value, int) else f"{value:,.3g}"
+
+        spec = [("hit rate (reused / prompt tokens)", "hit_rate", "pct"), ("ideal hit rate", "ideal_hit_rate", "pct"),
+                ("peak usage", "peak_usage", "pct"), ("mean usage", "mean_usage", "pct"),
+                ("max concurrency", "max_concurrency", ""), ("mean concurrency", "mean_concurrency", ""),
+                ("steps to finish", "steps", ""), ("suspends / resumes", None, ""),
+                ("preemptions", "preemptions", ""), ("evictions", "evictions", ""),
+                ("waits (request-steps)", "waits", ""), ("mean admission delay (steps)", "admission_delay_mean", ""),
+                ("step time median", "step_time_us_median", "us"), ("step time p99", "step_time_us_p99", "us")]
+        rows.append(["pool bytes", *(fmt(self.results[n].pool_bytes, "") for n in names)])
+        for label, key, kind in spec:
+            cells = []
+            for n in names:
+                m = self.results[n].metrics
+                if m is None:
+                    cells.append("-")
+                elif key is None:
+                    cells.append(f"{m.suspends:,} / {m.resumes:,}")
+                else:
+                    cells.append(fmt(getattr(m, key), kind))
+            rows.append([label, *cells])
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines += ["  " + "  ".join(c.ljust(wd) for c, wd in zip(r, widths, strict=True)).rstrip() for r in rows]
+        for n in names:
+            r = self.results[n]
+            if r.status != "ok":
+                lines.append(f"  {n}: {r.status.replace('_', ' ')}: {r.reason}")
+        lines.append("  (step time: scheduler.step + commits + finishes per engine step; usage sampled after "
+                     "the scheduler's decision)")
+        return "\n".join(lines)
+
+
+def _progress(total: int, desc: str, enabled: bool | None) -> Any:
+    """A tqdm bar on stderr; ``enabled`` None shows it only when stderr is a terminal."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, disable=None if enabled is None else not enabled,
+                leave=False, dynamic_ncols=True)
+
+
+def run_manager(routed: LoadResult, name: str, v2: bool | None, budget: Budget, workload: Workload, *,
+                progress: bool | None = None, keep_going: bool = False) -> ManagerResult:
+    """Build one manager at the shared budget (``v2`` None: as routed) and replay the workload through it.
+
+    ``keep_going``: a route refusal, a build failure or a stall becomes the result's ``status``
+    instead of an error (the other manager of a comparison still runs).
+    """
+    fields: dict[str, Any] = {"max_gpu_total_bytes": budget.bytes, "max_tokens": None}
+    if v2 is not None:
+        fields["use_kv_cache_manager_v2"] = v2
+    try:
+        result = execute(variant_request(routed.context.request, **fields), load_stages(), log=False)
+    except RouteError as exc:
+        if not keep_going:
+            raise
+        return ManagerResult(name, "not_routable", refusal_reason(routed, name, exc))
+    except KvBuildError as exc:
+        if not keep_going or exc.exit_code != 2:
+            raise
+        return ManagerResult(name, "not_buildable", str(exc))
+    with result:
+        manager, scheduler, kv = result.kv_manager, result.scheduler, result.kv
+        name = type(manager).__name__
+        base = {"scheduler": type(scheduler).__name__, "budget_bytes": kv.budget_bytes,
+                "pool_bytes": kv.pools.total_bytes, "capacity_tokens": kv.capacity_tokens,
+                "layer_groups": dict(kv.pools.num_blocks)}
+        bar = _progress(len(workload.requests), f"{name} {workload.name}", progress)
+        start = time.perf_counter()
+        try:
+            metrics = replay(manager, scheduler, workload, on_finish=bar.update)
+        except StalledError as exc:
+            if not keep_going:
+                raise KvBuildError(f"{name} cannot finish workload {workload.name} at a budget of "
+                                   f"{budget.bytes:,} B: {exc}; raise --max_tokens or --max_gpu_total_bytes") from None
+            return ManagerResult(name, "stalled", str(exc), **base)
+        finally:
+            bar.close()
+        return ManagerResult(name, "ok", None, metrics=metrics, wall_seconds=round(time.perf_counter() - start, 3),
+                             **base)
+
+
+def simulate(model: str, workload: str | Workload, *, requests: int | None = None, seed: int = 0,
+             params: dict[str, int] | None = None, compare: bool = False, config_file: str | None = None,
+             source: str = "api", audit_log: str | None = None, progress: bool | None = None, log: bool = True,
+             **overrides: Any) -> SimulationReport:
+    """Replay a synthetic workload (a name, or a built :class:`Workload`) through the routed manager, or V1 and V2.
+
+    Both managers get the same KV budget (:func:`pipeline.capacity.routed_budget`): the user's
+    ``max_tokens`` / ``max_gpu_total_bytes`` priced in the routed layout, else the bytes of the workload's
+    default number of its longest sequences (:func:`pipeline.workloads.default_budget_sequences`) in the
+    routed layout. ``overrides`` are ``LlmArgs`` fields as for
+    :func:`pipeline.load`; ``audit_log`` records the routed resolution that set the budget.
+    """
+    if isinstance(workload, Workload):  # built once by the caller (benchmarks repeat one workload)
+        if requests is not None or params:
+            raise ConfigError("pass requests and params to make_workload, not with a built Workload",
+                              path="workload")
+        wl = workload
+    else:
+        try:
+            wl = make_workload(workload, requests, seed, **(params or {}))
+        except ValueError as exc:
+            raise ConfigError(str(exc), path="workload") from None
+    request = LoadRequest(model=model, overrides=overrides, source=source, config_file=config_file)
+    if compare and "kv_cache_config.use_kv_cache_manager_v2" in flatten(overrides_to_tree(overrides)):
+        raise ConfigError("--compare simulates both managers; drop --use_kv_cache_manager_v2",
+                          path="kv_cache_config.use_kv_cache_manager_v2")
+    routed = execute(request, plan_stages(), audit_log=audit_log, log=log)
+    args = routed.args
+    if wl.max_sequence_tokens > args.max_seq_len:
+        raise ConfigError(f"max_seq_len={args.max_seq_len} is below the longest sequence of workload {wl.name} "
+                          f"({wl.max_sequence_tokens} tokens); raise --max_seq_len or shrink the workload",
+                          path="max_seq_len")
+    budget = routed_budget(routed, default_budget_sequences(wl), wl.max_sequence_tokens, prefer_default=True)
+    kv = args.kv_cache_config
+    settings = {"device": str(args.device), "max_seq_len": args.max_seq_len, "max_batch_size": args.max_batch_size,
+                "max_num_tokens": args.max_num_tokens, "tokens_per_block": kv.tokens_per_block,
+                "enable_block_reuse": kv.enable_block_reuse, "enable_partial_reuse": kv.enable_partial_reuse,
+                "routed": routed.route.kv_manager}
+    if compare:
+        results = {name: run_manager(routed, name, v2, budget, wl, progress=progress, keep_going=True)
+                   for name, v2 in MANAGERS.items()}
+    else:
+        one = run_manager(routed, routed.route.kv_manager, None, budget, wl, progress=progress)
+        results = {one.kv_manager: one}
+    return SimulationReport(routed.model.name, wl, budget, settings, results)

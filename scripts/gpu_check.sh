@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# GPU check for kvload: the CUDA-marked tests and the GPU benchmarks, in under 5 minutes on one H200.
+#
+# Run from anywhere (it moves to the repository root):   scripts/gpu_check.sh
+# Output: one log per step and a markdown summary (gpu_check.md, for BENCHMARKS.md) in $OUT when set,
+# else in ./gpu-check-out. Exits 2 when CUDA is unavailable, 1 when any step failed, 0 otherwise.
+#
+# On a machine with its own Python (torch + CUDA preinstalled), the project's pure-Python wheels
+# in .whl/ (if present) are installed into /tmp/site and put first on PYTHONPATH.
+# Each step has a time limit so the whole run stays under 5 minutes:
+#   cuda tests 100 s, paged attention 50 s, generation bench 100 s (when bench/bench_generate.py exists),
+#   simulate on cuda 40 s.
+set -uo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+PY="${PYTHON:-python3}"
+OUT_DIR="${OUT:-$PWD/gpu-check-out}"
+mkdir -p "$OUT_DIR" || exit 1
+SUMMARY="$OUT_DIR/gpu_check.md"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error PYTHONUNBUFFERED=1
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  echo "== installing .whl/*.whl into /tmp/site"
+  "$PY" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || { echo "gpu_check: wheel install failed" >&2; exit 1; }
+  export PYTHONPATH="/tmp/site:$PWD"
+else
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+# Self-check: refuse to report anything when there is no CUDA device to measure.
+if ! "$PY" - >"$OUT_DIR/device.txt" 2>&1 <<'PYEOF'
+import sys
+import torch
+if not torch.cuda.is_available():
+    print(f"gpu_check: CUDA is not available (torch {torch.__version__}, built for CUDA {torch.version.cuda})")
+    sys.exit(2)
+p = torch.cuda.get_device_properties(0)
+print(f"device: {p.name}, {p.total_memory / 2**30:.0f} GiB, compute capability {p.major}.{p.minor}")
+print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), python {sys.version.split()[0]}")
+PYEOF
+then
+  cat "$OUT_DIR/device.txt" >&2
+  exit 2
+fi
+
+status=0
+started=$(date +%s)
+{
+  echo "## GPU check ($(date -u '+%Y-%m-%d %H:%M UTC'))"
+  echo
+  sed 's/^/- /' "$OUT_DIR/device.txt"
+  echo "- command: \`scripts/gpu_check.sh\`"
+  echo
+} >"$SUMMARY"
+
+# step NAME LIMIT_SECONDS COMMAND...: run with a time limit, keep the log, note the outcome in the summary
+step() {
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name (limit ${limit}s): $*"
+  local t0=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" >"$OUT_DIR/$name.log" 2>&1
+  local rc=$?
+  local took=$((SECONDS - t0))
+  tail -n 40 "$OUT_DIR/$name.log"
+  local outcome="ok"
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then outcome="timed out after ${limit}s"; status=1
+  elif [ "$rc" -ne 0 ]; then outcome="failed (exit $rc)"; status=1; fi
+  {
+    echo "### $name: $outcome (${took}s)"
+    echo
+    echo "\`$*\`"
+    echo
+    echo '```'
+    tail -n 60 "$OUT_DIR/$name.log"
+    echo '```'
+    echo
+  } >>"$SUMMARY"
+}
+
+step cuda_tests 100 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests
+step paged_attention 50 "$PY" -m bench.bench_attention --device cuda --batch 1,8,32,64 --lengths 512,2048,8192 \
+  --heads 32 --kv-heads 8 --head-dim 128 --dtype bfloat16 --reps 20
+if [ -f bench/bench_generate.py ]; then
+  step generate 100 "$PY" -m bench.bench_generate --device cuda
+else
+  echo "== generate: bench/bench_generate.py is not in this tree; skipped" | tee -a "$SUMMARY"
+fi
+# The managers on the device: pools in GPU memory, V2's pinned host tier, suspend/resume copies.
+step simulate_cuda 40 "$PY" -m pipeline.cli simulate tiny-gemma3 --workload long-context --compare --device cuda
+
+echo "total: $(( $(date +%s) - started ))s; summary: $SUMMARY" | tee -a "$SUMMARY"
+exit "$status"

@@ -1,0 +1,145 @@
+"""`kvload simulate` and `kvload plan --compare [--chart]` from the command line (in process)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.cli_support import run_cli
+
+SMALL_SP = ("--requests", "8", "--workload-arg", "group_size=4", "--workload-arg", "prefix_len=64",
+            "--workload-arg", "question_len=8", "--workload-arg", "answer_len=4")
+REQUIRED = {"hit_rate", "ideal_hit_rate", "peak_usage", "max_concurrency", "steps", "suspends", "waits",
+            "step_time_us_median", "step_time_us_p99", "budget_bytes"}
+
+
+def test_simulate_compare_json_has_both_managers_at_one_budget(capsys):
+    r = run_cli(capsys, "simulate", "tiny-llama", "--workload", "shared-prefix", *SMALL_SP, "--compare",
+                "--device", "cpu", "--max_tokens", "4096", "--json")
+    assert r.code == 0, r.err
+    doc = r.json()
+    assert {"model", "workload", "requests", "results"} <= set(doc)
+    assert (doc["model"], doc["workload"], doc["requests"]) == ("tiny-llama", "shared-prefix", 8)
+    assert set(doc["results"]) == {"KVCacheManager", "KVCacheManagerV2"}
+    budgets = set()
+    for name, res in doc["results"].items():
+        assert set(res) >= REQUIRED, name
+        assert res["status"] == "ok" and res["kv_manager"] == name
+        assert res["hit_rate"] == res["ideal_hit_rate"] == doc["ideal_hit_rate"]  # prefix of 2 whole blocks
+        budgets.add(res["budget_bytes"])
+    assert budgets == {doc["budget_bytes"]} == {4096 * 1024}
+
+
+def test_simulate_without_compare_runs_the_routed_manager_and_prints_a_table(capsys):
+    r = run_cli(capsys, "simulate", "tiny-llama", "--workload", "no-reuse", "--requests", "4",
+                "--workload-arg", "prompt_len=40", "--workload-arg", "answer_len=3", "--device", "cpu")
+    assert r.code == 0, r.err
+    assert "simulate  tiny-llama  workload no-reuse (4 requests, seed 0; prompt_len=40, answer_len=3)" in r.out
+    assert "KVCacheManager" in r.out and "KVCacheManagerV2" not in r.out
+    for label in ("hit rate (reused / prompt tokens)", "peak usage", "max concurrency", "steps to finish",
+                  "suspends / resumes", "waits (request-steps)", "step time median", "step time p99"):
+        assert label in r.out
+    assert "default: 4 sequence(s) of 43 tokens in the routed KVCacheManager layout" in r.out
+
+
+def test_simulate_reports_v1_not_routable_for_deepseek_v4(capsys):
+    r = run_cli(capsys, "simulate", "tiny-deepseek-v4", "--workload", "no-reuse", "--requests", "2",
+                "--workload-arg", "prompt_len=200", "--workload-arg", "answer_len=2", "--max_seq_len", "512",
+                "--device", "cpu", "--compare", "--json")
+    assert r.code == 0, r.err
+    v1, v2 = r.json()["results"]["KVCacheManager"], r.json()["results"]["KVCacheManagerV2"]
+    assert v1["status"] == "not_routable" and "V1 cannot serve this model" in v1["reason"]
+    assert v1["hit_rate"] is None and v2["status"] == "ok" and v2["steps"] > 0
+
+
+def test_simulate_progress_bar_goes_to_stderr_only_when_asked(capsys):
+    args = ("simulate", "tiny-llama", "--workload", "no-reuse", "--requests", "3", "--workload-arg",
+            "prompt_len=10", "--workload-arg", "answer_len=2", "--device", "cpu", "--json")
+    shown = run_cli(capsys, *args, "--progress")
+    assert shown.code == 0 and "KVCacheManager no-reuse" in shown.err
+    hidden = run_cli(capsys, *args)  # stderr is not a terminal here
+    assert hidden.code == 0 and hidden.err == ""
+    assert shown.json()["results"]["KVCacheManager"]["finished"] == 3
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("--workload", "chat"), "error: --workload: invalid choice: 'chat'"),
+    (("--workload", "no-reuse", "--requests", "0"), "error: workload no-reuse: requests must be an integer >= 1"),
+    (("--workload", "no-reuse", "--workload-arg", "depth=3"), "error: workload no-reuse has no parameter 'depth'"),
+    (("--workload", "no-reuse", "--workload-arg", "prompt_len"), "error: --workload-arg: expected KEY=INTEGER"),
+    (("--workload", "long-context", "--max_seq_len", "1024"), "error: max_seq_len=1024 is below the longest"),
+    (("--workload", "no-reuse", "--compare", "--use_kv_cache_manager_v2", "true"),
+     "error: --compare simulates both managers; drop --use_kv_cache_manager_v2"),
+    (("--workload", "long-context", "--workload-arg", "prompt_len=100", "--max_tokens", "32"),
+     "error: KVCacheManager cannot finish workload long-context at a budget of 32,768 B"),
+])
+def test_simulate_bad_input_is_one_line_and_exit_2(capsys, args, message):
+    r = run_cli(capsys, "simulate", "tiny-llama", "--device", "cpu", *args)
+    assert r.code == 2, r.err
+    assert r.one_error_line and r.err.startswith(message), r.err
+
+
+def test_plan_compare_prints_v1_against_v2_at_the_routed_budget(capsys):
+    r = run_cli(capsys, "plan", "tiny-gemma3", "--device", "cpu", "--max_tokens", "16384", "--compare")
+    assert r.code == 0, r.err
+    # 16,384 tokens in the routed V1 layout: 6 layers x 64 elems x 4 B per token = 25,165,824 B for both
+    assert "capacity at one budget: 25,165,824 B (max_tokens 16384" in r.out
+    table = r.out[r.out.index("capacity at one budget"):]
+    assert "bytes/token" in table and "1,536" in table and "256" in table
+    assert "sequences of 8,192  2" in table
+
+
+def test_plan_compare_json_numbers_follow_the_layouts(capsys):
+    r = run_cli(capsys, "plan", "tiny-gemma3", "--device", "cpu", "--max_tokens", "16384", "--compare", "--json")
+    assert r.code == 0, r.err
+    cmp = r.json()["compare"]
+    assert cmp["budget_bytes"] == 16384 * 1536 and cmp["lengths"] == [1024, 4096, 8192]
+    v1, v2 = cmp["managers"]["KVCacheManager"], cmp["managers"]["KVCacheManagerV2"]
+    assert (v1["bytes_per_token"], v2["bytes_per_token"]) == (1536, 256)
+    assert v1["pool_bytes"] <= cmp["budget_bytes"] and v2["pool_bytes"] <= cmp["budget_bytes"]
+    budget = cmp["budget_bytes"]
+    for row in v1["lengths"]:  # one uniform pool: whole sequences of ceil(L / 32) blocks of 49,152 B
+        assert row["max_concurrency"] == budget // (-(-row["seq_len"] // 32) * 49152)
+    # V2 at 8,192: one full layer (256 blocks of 8,192 B) plus five 512-token windows (17 blocks of 40,960 B)
+    at_8k = next(row for row in v2["lengths"] if row["seq_len"] == 8192)
+    assert at_8k["bytes_per_sequence"] == 256 * 8192 + 17 * 40960
+    assert at_8k["max_concurrency"] == budget // at_8k["bytes_per_sequence"] == 9
+    ratio = next(x["ratio"] for x in cmp["v2_over_v1"]["max_concurrency"] if x["seq_len"] == 8192)
+    assert ratio == 4.5
+
+
+def test_plan_compare_without_a_budget_uses_the_documented_default(capsys):
+    r = run_cli(capsys, "plan", "tiny-llama", "--device", "cpu", "--compare", "--json")
+    assert r.code == 0, r.err
+    cmp = r.json()["compare"]
+    assert cmp["budget"]["default"] and cmp["budget_bytes"] == 16 * 8192 * 1024
+    assert "16 sequence(s) of 8,192 tokens" in cmp["budget"]["source"]
+
+
+def test_plan_compare_names_why_v1_cannot_serve_deepseek_v4(capsys):
+    r = run_cli(capsys, "plan", "tiny-deepseek-v4", "--device", "cpu", "--max_tokens", "65536", "--compare")
+    assert r.code == 0, r.err
+    assert "KVCacheManager: not routable: V1 cannot serve this model" in r.out
+
+
+def test_plan_chart_writes_a_png(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "cap.png"
+    r = run_cli(capsys, "plan", "tiny-gemma3", "--device", "cpu", "--max_tokens", "16384", "--chart", out)
+    assert r.code == 0, r.err
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    assert "capacity at one budget" in r.out  # --chart implies --compare
+
+
+def test_plan_chart_errors_are_one_line(capsys, tmp_path, monkeypatch):
+    r = run_cli(capsys, "plan", "tiny-llama", "--device", "cpu", "--chart", tmp_path / "missing" / "c.png")
+    assert r.code == 2 and r.one_error_line and "--chart" in r.err and "does not exist" in r.err
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    r = run_cli(capsys, "plan", "tiny-llama", "--device", "cpu", "--chart", tmp_path / "c.png")
+    assert r.code == 2 and r.one_error_line and "--chart needs matplotlib" in r.err
+
+
+def test_plan_compare_refuses_a_forced_manager(capsys):
+    r = run_cli(capsys, "plan", "tiny-llama", "--compare", "--use_kv_cache_manager_v2", "true")
+    assert r.code == 2 and r.one_error_line and "drop --use_kv_cache_manager_v2" in r.err

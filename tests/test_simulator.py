@@ -1,0 +1,197 @@
+"""The workload simulator's accounting: what it reports equals what the workloads' construction implies."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.errors import ConfigError, KvBuildError
+from pipeline.simulator import METRIC_FIELDS, percentile, simulate
+from pipeline.workloads import Workload, make_workload
+
+CPU = {"device": "cpu", "log": False, "progress": False}
+T = 32  # tokens_per_block of the tiny presets
+SMALL = {
+    "shared-prefix": (12, {"group_size": 4, "prefix_len": 64, "question_len": 8, "answer_len": 6}),
+    "multi-turn": (8, {"turns": 4, "first_len": 40, "user_len": 9, "answer_len": 7}),
+    "long-context": (3, {"prompt_len": 100, "answer_len": 5}),
+    "no-reuse": (10, {"prompt_len": 40, "answer_len": 5}),
+}
+
+
+def small(name: str, **kw) -> dict:
+    requests, params = SMALL[name]
+    return {"requests": requests, "params": params, **kw}
+
+
+def block_granular_hits(w: Workload) -> int:
+    """Reused tokens a full-block prefix cache gets when nothing is evicted: the ideal rounded down to blocks.
+
+    Every ideal here is a prefix the cache holds whole (a shared prefix, or the previous turn's
+    computed tokens), so the cache reuses its full blocks, leaving the last prompt token to compute.
+    """
+    return sum(min(r.ideal_reuse, len(r.prompt) - 1) // T * T for r in w.requests)
+
+
+def accounted(m, w: Workload) -> None:
+    """Every request finished with its scripted answer, and each computed token is accounted for."""
+    assert m.finished == len(w.requests)
+    assert m.output_tokens == sum(len(r.answer) for r in w.requests)
+    assert m.prompt_tokens == w.prompt_tokens
+    # each request computes prompt + answer - 1 tokens (the last answer token is never fed), minus reuse
+    if m.preemptions == 0:
+        assert m.computed_tokens == sum(len(r.prompt) + len(r.answer) - 1 for r in w.requests) - m.reused_tokens
+    assert 0 < m.peak_usage <= 1 and 0 < m.mean_usage <= m.peak_usage
+    assert 1 <= m.max_concurrency <= len(w.requests)
+    assert m.engine_steps <= m.steps and len(m.step_times_us) == m.engine_steps
+    assert m.step_time_us_median <= m.step_time_us_p99
+
+
+@pytest.mark.parametrize("name", list(SMALL))
+def test_each_workload_replays_completely_on_both_managers_with_exact_accounting(name):
+    report = simulate("tiny-llama", name, compare=True, kv_cache_config={"max_tokens": 1 << 16}, **small(name), **CPU)
+    w = report.workload
+    v1, v2 = report.results["KVCacheManager"], report.results["KVCacheManagerV2"]
+    assert (v1.status, v2.status) == ("ok", "ok")
+    assert v1.budget_bytes == v2.budget_bytes == report.budget.bytes
+    for r in (v1, v2):
+        accounted(r.metrics, w)
+        assert r.metrics.waits == 0 and r.metrics.suspends == r.metrics.preemptions == 0  # ample memory
+        assert r.metrics.reused_tokens == block_granular_hits(w)
+        assert r.metrics.hit_rate == round(r.metrics.reused_tokens / w.prompt_tokens, 6)
+        assert r.metrics.ideal_hit_rate == round(w.ideal_hit_rate, 6)
+
+
+def test_v2_hit_rate_on_shared_prefix_equals_the_ideal_when_memory_is_ample():
+    report = simulate("tiny-llama", "shared-prefix", kv_cache_config={"use_kv_cache_manager_v2": True,
+                      "max_tokens": 1 << 16}, **small("shared-prefix"), **CPU)
+    (v2,) = report.results.values()
+    w = report.workload
+    # 3 groups of 4: the 3 later prompts of each group reuse the 64-token prefix
+    assert v2.kv_manager == "KVCacheManagerV2" and w.ideal_reused_tokens == 3 * 3 * 64
+    assert v2.metrics.reused_tokens == w.ideal_reused_tokens
+    assert v2.metrics.hit_rate == v2.metrics.ideal_hit_rate == round(9 * 64 / (12 * 72), 6)
+
+
+def test_multi_turn_reuses_each_previous_turn_rounded_down_to_whole_blocks():
+    report = simulate("tiny-llama", "multi-turn", compare=True, kv_cache_config={"max_tokens": 1 << 16},
+                      **small("multi-turn"), **CPU)
+    w = report.workload
+    # turn k reuses turn k-1's prompt + answer except its last answer token: 39+7, then +9+7 per turn
+    histories = [40 + 7, 40 + 7 + 9 + 7, 40 + 2 * (7 + 9) + 7]
+    assert sorted({r.ideal_reuse for r in w.requests if r.after}) == [h - 1 for h in histories]
+    expected = 2 * sum((h - 1) // T * T for h in histories)  # two conversations
+    for r in report.results.values():
+        assert r.metrics.reused_tokens == expected < w.ideal_reused_tokens
+        assert r.metrics.hit_rate < r.metrics.ideal_hit_rate
+
+
+@pytest.mark.parametrize("v2", [False, True])
+def test_reuse_disabled_hits_nothing(v2):
+    report = simulate("tiny-llama", "shared-prefix", kv_cache_config={
+        "use_kv_cache_manager_v2": v2, "max_tokens": 1 << 16, "enable_block_reuse": False}, **small("shared-prefix"),
+        **CPU)
+    (r,) = report.results.values()
+    assert report.workload.ideal_reused_tokens > 0
+    assert r.metrics.reused_tokens == 0 and r.metrics.hit_rate == 0.0
+    accounted(r.metrics, report.workload)
+
+
+def test_gemma3_long_context_at_one_tight_budget_v2_runs_more_sequences_than_v1():
+    # sequences of 1,024 tokens; V1 keeps 6 layers x 1,024 tokens each, V2 one full layer plus five
+    # 512-token windows (17 blocks), so the same bytes hold about 6*32 / (32 + 5*17) = 1.6x more.
+    report = simulate("tiny-gemma3", "long-context", compare=True, requests=6, max_seq_len=1024,
+                      params={"prompt_len": 1000, "answer_len": 24}, kv_cache_config={"max_tokens": 2 * 1024},
+                      **CPU)
+    v1, v2 = report.results["KVCacheManager"], report.results["KVCacheManagerV2"]
+    assert v1.budget_bytes == v2.budget_bytes == 2 * 6 * 1024 * 256  # 2 sequences in V1's layout
+    assert v1.metrics.max_concurrency == 2
+    assert v2.metrics.max_concurrency >= 3
+    assert v2.metrics.steps < v1.metrics.steps
+    for r in (v1, v2):
+        accounted(r.metrics, report.workload)
+        assert r.metrics.waits > 0  # requests arrive together and queue
+
+
+def test_v2_under_pressure_suspends_and_resumes_and_still_finishes_everything():
+    report = simulate("tiny-llama", "long-context", requests=4, max_seq_len=256,
+                      params={"prompt_len": 40, "answer_len": 200},
+                      kv_cache_config={"use_kv_cache_manager_v2": True, "max_tokens": 2 * 256}, **CPU)
+    (r,) = report.results.values()
+    m = r.metrics
+    assert m.suspends >= 1 and m.resumes == m.suspends
+    accounted(m, report.workload)
+    assert m.peak_usage == 1.0
+
+
+def test_a_model_v1_cannot_serve_is_reported_not_routable_and_v2_still_runs():
+    report = simulate("tiny-deepseek-v4", "no-reuse", compare=True, requests=3, max_seq_len=1024,
+                      params={"prompt_len": 300, "answer_len": 4}, **CPU)
+    v1, v2 = report.results["KVCacheManager"], report.results["KVCacheManagerV2"]
+    assert v1.status == "not_routable" and v1.metrics is None
+    assert "V1 cannot serve this model" in v1.reason and "compressed" in v1.reason
+    assert v2.status == "ok" and v2.metrics.finished == 3
+    doc = report.to_dict()["results"]["KVCacheManager"]
+    assert doc["status"] == "not_routable" and all(doc[k] is None for k in METRIC_FIELDS)
+
+
+def test_the_default_budget_holds_the_workloads_sequences_in_the_routed_layout():
+    report = simulate("tiny-llama", "no-reuse", **small("no-reuse"), **CPU)
+    w = report.workload
+    # no-reuse: answer_len + 1 = 6 sequences of 45 tokens, priced in V1's layout (1,024 B per token)
+    assert report.budget.default and "6 sequence(s) of 45 tokens" in report.budget.source
+    assert report.budget.bytes == 6 * 2 * 32 * 1024 == report.results["KVCacheManager"].budget_bytes  # 2 blocks each
+    assert w.max_sequence_tokens == 45
+
+
+def test_a_stall_names_the_budget_flags_and_in_a_comparison_becomes_a_status():
+    kw = {"requests": 2, "params": {"prompt_len": 100, "answer_len": 4}, "kv_cache_config": {"max_tokens": 64}}
+    with pytest.raises(KvBuildError, match=r"cannot finish workload long-context.*--max_tokens"):
+        simulate("tiny-llama", "long-context", **kw, **CPU)
+    report = simulate("tiny-llama", "long-context", compare=True, **kw, **CPU)
+    assert {r.status for r in report.results.values()} == {"stalled"}
+    assert all(r.metrics is None and r.reason for r in report.results.values())
+
+
+def test_same_seed_same_result_and_another_seed_other_tokens():
+    def run(seed):
+        r = simulate("tiny-llama", "shared-prefix", seed=seed, compare=True, kv_cache_config={"max_tokens": 1 << 16},
+                     **small("shared-prefix"), **CPU)
+        timing = {"step_time_us_median", "step_time_us_p99", "step_time_us_mean", "kv_seconds"}
+        return {n: {k: v for k, v in x.metrics.to_dict().items() if k not in timing} for n, x in r.results.items()}
+
+    assert run(3) == run(3)
+    a = make_workload("shared-prefix", 12, 3, **SMALL["shared-prefix"][1])
+    b = make_workload("shared-prefix", 12, 4, **SMALL["shared-prefix"][1])
+    assert a == make_workload("shared-prefix", 12, 3, **SMALL["shared-prefix"][1]) and a != b
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"workload": "chat"}, "unknown workload 'chat'"),
+    ({"workload": "no-reuse", "requests": 0}, "requests must be an integer >= 1"),
+    ({"workload": "no-reuse", "params": {"prefix_len": 8}}, "no parameter 'prefix_len'; known: prompt_len"),
+    ({"workload": "no-reuse", "params": {"vocab": 1}}, "vocab must be an integer >= 2"),
+    ({"workload": "long-context", "max_seq_len": 512}, r"max_seq_len=512 is below the longest sequence .*8192"),
+    ({"workload": "no-reuse", "compare": True, "kv_cache_config": {"use_kv_cache_manager_v2": True}},
+     "drop --use_kv_cache_manager_v2"),
+])
+def test_bad_input_is_one_config_error(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        simulate("tiny-llama", **kwargs, **CPU)
+
+
+def test_nearest_rank_percentile():
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 99) == 99.0 and percentile(values, 100) == 100.0 and percentile([5.0], 99) == 5.0
+
+
+@pytest.mark.cuda
+def test_on_cuda_both_managers_finish_a_pressured_workload_with_device_pools():
+    report = simulate("tiny-gemma3", "long-context", compare=True, requests=6, max_seq_len=1024,
+                      params={"prompt_len": 1000, "answer_len": 24}, kv_cache_config={"max_tokens": 2 * 1024},
+                      device="cuda", log=False, progress=False)
+    assert report.settings["device"].startswith("cuda")
+    for r in report.results.values():
+        assert r.status == "ok"
+        accounted(r.metrics, report.workload)
+    v1, v2 = report.results["KVCacheManager"], report.results["KVCacheManagerV2"]
+    assert v2.metrics.max_concurrency > v1.metrics.max_concurrency

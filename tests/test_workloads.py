@@ -1,0 +1,57 @@
+"""The synthetic workloads: deterministic, honest ideals, no accidental shared prefixes."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.workloads import (
+    WORKLOADS,
+    default_budget_sequences,
+    make_workload,
+    workload_params,
+)
+
+
+def test_shared_prefix_groups_share_exactly_their_prefix_and_the_ideal_skips_it_after_the_first():
+    w = make_workload("shared-prefix", 8, group_size=4, prefix_len=64, question_len=8, answer_len=3)
+    assert [r.arrival_step for r in w.requests] == list(range(8))
+    for g in range(2):
+        group = w.requests[4 * g:4 * g + 4]
+        assert len({r.prompt[:64] for r in group}) == 1
+        assert len({r.prompt[64] for r in group}) == 4  # questions branch at once
+        assert [r.ideal_reuse for r in group] == [0, 64, 64, 64]
+    assert w.requests[0].prompt[0] != w.requests[4].prompt[0]
+    assert w.ideal_hit_rate == 6 * 64 / (8 * 72)
+
+
+def test_multi_turn_each_turn_extends_the_last_prompt_and_answer_and_waits_for_it():
+    w = make_workload("multi-turn", 6, turns=3, first_len=10, user_len=4, answer_len=5)
+    assert [r.req_id for r in w.requests] == ["mt-0-0", "mt-0-1", "mt-0-2", "mt-1-0", "mt-1-1", "mt-1-2"]
+    first, second, third = w.requests[:3]
+    assert second.after == first.req_id and third.after == second.req_id and first.after is None
+    assert second.prompt[:15] == first.prompt + first.answer and len(second.prompt) == 19
+    assert second.ideal_reuse == 14 and third.ideal_reuse == 19 + 5 - 1
+    assert w.requests[3].arrival_step == 1
+
+
+@pytest.mark.parametrize("name", ["long-context", "no-reuse"])
+def test_unrelated_prompts_share_not_even_a_first_token(name):
+    w = make_workload(name, 50, prompt_len=16, answer_len=2)
+    assert len({r.prompt[0] for r in w.requests}) == 50
+    assert w.ideal_reused_tokens == 0
+
+
+def test_same_seed_same_tokens():
+    for name in WORKLOADS:
+        assert make_workload(name, 4, 7) == make_workload(name, 4, 7)
+        assert make_workload(name, 4, 7) != make_workload(name, 4, 8)
+
+
+def test_default_budgets_follow_the_documented_rule():
+    sp = make_workload("shared-prefix", 300, group_size=4, prefix_len=32, question_len=8, answer_len=16)
+    assert default_budget_sequences(sp) == 17
+    assert default_budget_sequences(make_workload("shared-prefix", 5, answer_len=16)) == 5  # capped by requests
+    assert default_budget_sequences(make_workload("multi-turn", 12, turns=4, first_len=8, user_len=2,
+                                                  answer_len=2)) == 3
+    assert default_budget_sequences(make_workload("long-context", 16, prompt_len=8, answer_len=2)) == 2
+    assert workload_params("no-reuse") == {"prompt_len": 512, "answer_len": 128, "vocab": 32000}
