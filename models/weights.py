@@ -9,8 +9,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -94,11 +96,26 @@ def pretrained_model(path: Path, *, device: str, dtype: str) -> Any:
     if not _weight_files(path):
         raise ModelError(f"{path}: no weights (*.safetensors or pytorch_model*.bin) in the checkpoint directory")
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=tdtype, device_map=device,
-                                                     trust_remote_code=False, local_files_only=True)
+        with _quiet_progress():  # the weights_loaded event reports the load; no tqdm bar on stderr
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=tdtype, device_map=device,
+                                                         trust_remote_code=False, local_files_only=True)
     except Exception as exc:  # loaders raise their own types (SafetensorError, struct.error, ...)
         raise _load_error(f"{path}: transformers cannot load the weights", exc) from exc
     return model.eval()
+
+
+@contextlib.contextmanager
+def _quiet_progress() -> Iterator[None]:
+    """Silence transformers' progress bars for the duration, restoring the caller's setting."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
 
 
 def _load_error(what: str, exc: Exception) -> Exception:

@@ -133,7 +133,7 @@ class KvPlan:
             if self.manager == "v2" and self.host_bytes is not None:
                 lines.append(f"  host tier  {self.host_bytes:,} B of host memory ({self._host_origin()})")
         if self.problem is not None:
-            lines.append(f"  cannot build: {self.problem}")
+            lines.append(f"  load/run would stop here: {self.problem}")
         return lines
 
     def _host_origin(self) -> str:

@@ -125,7 +125,7 @@ def test_a_host_cache_size_below_one_block_is_a_plan_problem_and_the_same_load_e
             "accepted: 0 (no host tier), null (auto-size) or a size of at least 110976 B")
     planned = pipeline.plan("tiny-deepseek-v4", log=False, **_v4(100))
     assert planned.kv.problem == want and planned.kv.to_dict()["problem"] == want
-    assert any(line == f"  cannot build: {want}" for line in planned.kv.render())
+    assert any(line == f"  load/run would stop here: {want}" for line in planned.kv.render())
     with pytest.raises(KvBuildError) as err:
         pipeline.load("tiny-deepseek-v4", log=False, **_v4(100))
     assert str(err.value) == want  # one line, the field named: not the allocator's or the constructor's message
