@@ -470,6 +470,10 @@ examples:
   kvload explain plan.jsonl use_kv_cache_manager_v2    the chain: default → file → CLI → model → auto → route
   kvload audit plan.jsonl --verify                     summary; exit 1 if the events do not replay
   kvload models                                        architectures, spec classes, model defaults, presets
+  kvload run tiny-deepseek-v4 --max_tokens 65536       build the V2 pools, one per layer group, and show them
+  kvload plan tiny-gemma3 --max_tokens 16384 --compare V1 vs V2 at one budget (--chart FILE.png draws it)
+  kvload generate smollm2-135m --chat --prompt "What is the capital of France?"
+  kvload simulate tiny-llama --workload shared-prefix --compare --requests 256 --max_tokens 65536
 
 exit status: 0 ok, 2 bad input (usage, config, model, route, audit file), 1 runtime failure or a log
 that does not verify. Results go to stdout, logs to stderr.

@@ -268,6 +268,10 @@ class GenerationExecutor:
         if result.hf_model is None:
             raise GenerationError("generate: this result has no model weights (loaded without load_weights=True); "
                                   "use pipeline.load(MODEL, load_weights=True, ...)")
+        beams = result.args.max_beam_width
+        if beams != 1:  # never silently serve one beam when the user asked for several
+            raise GenerationError(f"generate: max_beam_width={beams}: kvload's executor generates one sequence per "
+                                  "prompt (no beam search); load with max_beam_width=1")
         bus = result.bus
         emit = bus.emitter("generate") if bus is not None else None
         return cls(result.hf_model, result.kv_manager, result.scheduler, tokenizer=result.tokenizer, emit=emit,
