@@ -103,8 +103,10 @@ def test_step_with_nothing_to_do_is_not_a_stall_and_bad_limits_are_refused():
     sched = GuaranteedNoEvictScheduler(m, 1, 1)
     out = sched.step(deque(), [])
     assert isinstance(out, SchedulerOutput) and out.scheduled == [] and out.stalled is None
-    with pytest.raises(ValueError, match="max_batch_size and max_num_tokens must be >= 1"):
+    with pytest.raises(ValueError, match="max_batch_size must be >= 1, got 0"):
         GuaranteedNoEvictScheduler(m, 0, 8)
+    with pytest.raises(ValueError, match="max_num_tokens must be >= 1, got 0"):
+        GuaranteedNoEvictScheduler(m, 8, 0)
 
 
 def test_finish_frees_blocks_and_marks_the_request():

@@ -23,18 +23,14 @@ from collections import deque
 
 from cache_backends.interface import ScheduledChunk, SchedulerOutput
 from cache_backends.request import Request, RequestState
+from cache_backends.scheduler_base import SchedulerBase
 from cache_backends.v1.manager import KVCacheManager
 
 
-class GuaranteedNoEvictScheduler:
+class GuaranteedNoEvictScheduler(SchedulerBase):
     """FIFO admission by worst-case blocks over a :class:`KVCacheManager`; implements ``SchedulerProtocol``."""
 
-    def __init__(self, manager: KVCacheManager, max_batch_size: int, max_num_tokens: int) -> None:
-        if max_batch_size < 1 or max_num_tokens < 1:
-            raise ValueError(f"max_batch_size and max_num_tokens must be >= 1, got {max_batch_size}, {max_num_tokens}")
-        self.manager = manager
-        self.max_batch_size = max_batch_size
-        self.max_num_tokens = max_num_tokens
+    manager: KVCacheManager
 
     def step(self, waiting: deque[Request], running: list[Request]) -> SchedulerOutput:
         """Schedule running requests, then admit in arrival order while worst cases fit (never-fitting ones skipped)."""
@@ -81,18 +77,8 @@ class GuaranteedNoEvictScheduler:
                 out.scheduled.append(ScheduledChunk(request, n))
                 budget -= n
 
-        if not out.scheduled and (waiting or running):
-            idle = sum(1 for r in running if r.num_computed_tokens == r.num_tokens)
-            if idle:
-                reasons.append(f"{idle} running request(s) have no token to compute (append the sampled tokens first)")
-            out.stalled = "; ".join(dict.fromkeys(reasons)) or "no request has a token to compute"
+        self.report_stall(out, reasons, waiting, running)
         return out
-
-    def finish(self, request: Request, reason: str) -> None:
-        """Mark the request finished and free its blocks (they stay cached for reuse)."""
-        request.state = RequestState.FINISHED
-        request.finish_reason = reason
-        self.manager.free(request)
 
     def _allocate(self, request: Request, n: int) -> None:
         if not self.manager.allocate_slots(request, n):  # the reservation makes this impossible

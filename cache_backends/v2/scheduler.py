@@ -37,6 +37,7 @@ from collections import deque
 
 from cache_backends.interface import ScheduledChunk, SchedulerOutput
 from cache_backends.request import Request, RequestState
+from cache_backends.scheduler_base import SchedulerBase
 from cache_backends.v2.manager import KVCacheManagerV2
 
 
@@ -48,17 +49,10 @@ def _pending(request: Request) -> int:
     return request.num_tokens - request.num_computed_tokens
 
 
-class KVCacheV2Scheduler:
+class KVCacheV2Scheduler(SchedulerBase):
     """Max-utilisation scheduler for :class:`KVCacheManagerV2`; see the module docstring for one step."""
 
-    def __init__(self, manager: KVCacheManagerV2, max_batch_size: int, max_num_tokens: int) -> None:
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        if max_num_tokens < 1:
-            raise ValueError(f"max_num_tokens must be >= 1, got {max_num_tokens}")
-        self.manager = manager
-        self.max_batch_size = max_batch_size
-        self.max_num_tokens = max_num_tokens
+    manager: KVCacheManagerV2
 
     def step(self, waiting: deque[Request], running: list[Request]) -> SchedulerOutput:
         """Decide this iteration: move requests between ``waiting`` and ``running``, allocate, report."""
@@ -113,18 +107,8 @@ class KVCacheV2Scheduler:
                 self._admit(waiting, running, out, chunks, budget, reasons)
 
         out.scheduled = list(chunks.values())
-        if not out.scheduled and (waiting or running):
-            idle = sum(1 for r in running if _pending(r) == 0)
-            if idle:
-                reasons.append(f"{idle} running request(s) have no token to compute (append the sampled tokens first)")
-            out.stalled = "; ".join(dict.fromkeys(reasons)) or "no request has a token to compute"
+        self.report_stall(out, reasons, waiting, running)
         return out
-
-    def finish(self, request: Request, reason: str) -> None:
-        """Mark finished and free its blocks (reusable ones stay cached); the caller removes it from running."""
-        request.state = RequestState.FINISHED
-        request.finish_reason = reason
-        self.manager.free(request)
 
     # --- internals -------------------------------------------------------------------------------
 

@@ -1,0 +1,39 @@
+"""What the V1 and V2 schedulers share: construction checks, finishing a request, the stall report."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from cache_backends.interface import SchedulerOutput
+from cache_backends.request import Request, RequestState
+
+
+class SchedulerBase:
+    """Holds the manager and the per-step limits; subclasses implement ``step``."""
+
+    def __init__(self, manager: Any, max_batch_size: int, max_num_tokens: int) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if max_num_tokens < 1:
+            raise ValueError(f"max_num_tokens must be >= 1, got {max_num_tokens}")
+        self.manager = manager
+        self.max_batch_size = max_batch_size
+        self.max_num_tokens = max_num_tokens
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Mark finished and free its blocks (reusable ones stay cached); the caller removes it from running."""
+        request.state = RequestState.FINISHED
+        request.finish_reason = reason
+        self.manager.free(request)
+
+    @staticmethod
+    def report_stall(out: SchedulerOutput, reasons: list[str], waiting: deque[Request],
+                     running: list[Request]) -> None:
+        """Set ``out.stalled`` when nothing was scheduled though work remains, saying why."""
+        if out.scheduled or not (waiting or running):
+            return
+        idle = sum(1 for r in running if r.num_tokens == r.num_computed_tokens)
+        if idle:
+            reasons.append(f"{idle} running request(s) have no token to compute (append the sampled tokens first)")
+        out.stalled = "; ".join(dict.fromkeys(reasons)) or "no request has a token to compute"
