@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from cache_backends.hashing import block_hash
+from cache_backends.hashing import block_hash, chain_hashes
 from cache_backends.interface import ManagerOptions
 from cache_backends.layout import KvLayout, LayerGroup
 from cache_backends.pools import BlockPools
@@ -555,13 +555,12 @@ class KVCacheManagerV2:
         request, T, salt = cache.request, self.T, cache.request.salt
         tokens = _tokens(request, first * T, full * T)
         parent = cache.nodes[-1] if cache.nodes else None
-        parent_hash = cache.hashes[-1] if cache.hashes else None
+        keys = chain_hashes(tokens, T, salt, cache.hashes[-1] if cache.hashes else None)  # one pass over the run
         hashes, nodes, tables, child = cache.hashes, cache.nodes, cache.tables, self._tree.child
         # One pass per block: this runs for every block a request fills, so the attach is inlined.
-        for off in range(0, (full - first) * T, T):
-            block_tokens = tuple(tokens[off : off + T])
-            key = block_hash(parent_hash, block_tokens, salt)
-            node = child(parent, salt, key, block_tokens)
+        for i, key in enumerate(keys):
+            off = i * T
+            node = child(parent, salt, key, tuple(tokens[off : off + T]))
             node.users += 1
             hashes.append(key)
             nodes.append(node)
@@ -572,7 +571,7 @@ class KVCacheManagerV2:
                     if b >= 0 and name not in node.blocks and pool.node[b] is None:  # = _attach
                         node.blocks[name] = b
                         pool.node[b] = node
-            parent, parent_hash = node, key
+            parent = node
 
     def _match(self, request: Request) -> tuple[int, list[RadixNode], list[bytes], list[int]]:
         """Walk the radix tree over the request's full blocks: (usable prefix, path, hashes, tokens)."""
