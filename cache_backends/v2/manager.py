@@ -511,10 +511,15 @@ class KVCacheManagerV2:
             raise ValueError(f"request {request.req_id}: cache is suspended; resume() it first")
         return cache
 
-    def _detach(self, node: RadixNode, group: str, block: int) -> None:
-        """Unhook an evicted or dropped block from its radix node (pool side is the caller's)."""
-        del node.blocks[group]
-        self._tree.prune(node)
+    def _detach(self, group: str, nodes: list[RadixNode]) -> None:
+        """Unhook evicted or dropped blocks of ``group`` from their radix nodes (pool side is the caller's),
+        pruning each node left with no block, child or user."""
+        prune = self._tree.prune
+        for node in nodes:
+            blocks = node.blocks
+            del blocks[group]
+            if not blocks and not node.children and not node.users:
+                prune(node)
 
     def _attach(self, node: RadixNode, group: str, block: int) -> None:
         pool = self._pool[group]
@@ -525,12 +530,9 @@ class KVCacheManagerV2:
     def _release_blocks(self, cache: SequenceCache) -> None:
         """Let go of every device block, tail first so the tail is evicted before the head."""
         priority = cache.request.priority
-        for g in self.groups:
-            pool, table = self._pool[g.name], cache.tables[g.name]
-            for b in reversed(table):
-                if b >= 0:
-                    pool.decref(b, priority, True, self._detach)
-            cache.tables[g.name] = []
+        for name, _, pool in self._group_pools:
+            pool.release(reversed(cache.tables[name]), priority, True, self._detach)
+            cache.tables[name] = []
 
     def _release_window(self, cache: SequenceCache) -> None:
         """Release sliding-group blocks that lie wholly before the oldest key the next query sees."""
@@ -554,24 +556,23 @@ class KVCacheManagerV2:
             return
         request, T, salt = cache.request, self.T, cache.request.salt
         tokens = _tokens(request, first * T, full * T)
-        parent = cache.nodes[-1] if cache.nodes else None
         keys = chain_hashes(tokens, T, salt, cache.hashes[-1] if cache.hashes else None)  # one pass over the run
-        hashes, nodes, tables, child = cache.hashes, cache.nodes, cache.tables, self._tree.child
-        # One pass per block: this runs for every block a request fills, so the attach is inlined.
-        for i, key in enumerate(keys):
-            off = i * T
-            node = child(parent, salt, key, tuple(tokens[off : off + T]))
+        new = self._tree.extend(cache.nodes[-1] if cache.nodes else None, salt, keys, tokens, T)
+        cache.hashes += keys
+        cache.nodes += new
+        tables = cache.tables
+        # This runs for every block a request fills, so the attach is inlined (= _attach per group).
+        for name, tpb, pool in self._group_pools:
+            step = tpb // T  # a group block ends on every step-th token block
+            table, owner = tables[name], pool.node
+            # token blocks j in [first, full) where one of this group's blocks ends: (j + 1) % step == 0
+            for j in range(-(-(first + 1) // step) * step - 1, full, step):
+                node, b = new[j - first], table[(j + 1) // step - 1]
+                if b >= 0 and name not in node.blocks and owner[b] is None:
+                    node.blocks[name] = b
+                    owner[b] = node
+        for node in new:
             node.users += 1
-            hashes.append(key)
-            nodes.append(node)
-            end = first * T + off + T
-            for name, tpb, pool in self._group_pools:
-                if end % tpb == 0:
-                    b = tables[name][end // tpb - 1]
-                    if b >= 0 and name not in node.blocks and pool.node[b] is None:  # = _attach
-                        node.blocks[name] = b
-                        pool.node[b] = node
-            parent = node
 
     def _match(self, request: Request) -> tuple[int, list[RadixNode], list[bytes], list[int]]:
         """Walk the radix tree over the request's full blocks: (usable prefix, path, hashes, tokens)."""

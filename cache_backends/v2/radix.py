@@ -16,7 +16,12 @@ k-th node). Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
+from types import MappingProxyType
+
+#: What a node without children holds in ``children`` and ``by_first``: most nodes are leaves (a
+#: prompt's last blocks), so they get their dicts only when a first child arrives.
+_NONE: Mapping = MappingProxyType({})
 
 
 class RadixNode:
@@ -30,8 +35,8 @@ class RadixNode:
         self.tokens = tokens
         self.salt = salt
         self.depth = -1 if parent is None else parent.depth + 1
-        self.children: dict[bytes, RadixNode] = {}
-        self.by_first: dict[int, dict[bytes, RadixNode]] = {}
+        self.children: Mapping[bytes, RadixNode] = _NONE  # a dict once it has a child
+        self.by_first: Mapping[int, dict[bytes, RadixNode]] = _NONE
         self.blocks: dict[str, int] = {}
         self.users = 0
 
@@ -59,26 +64,49 @@ class RadixTree:
 
     def child(self, parent: RadixNode | None, salt: str | None, key: bytes, tokens: tuple[int, ...]) -> RadixNode:
         """The child of ``parent`` (``None``: the salt's root) with ``key``, created when missing."""
+        return self.extend(parent, salt, [key], tokens, len(tokens))[0]
+
+    def extend(self, parent: RadixNode | None, salt: str | None, keys: Sequence[bytes], tokens: Sequence[int],
+               tokens_per_block: int) -> list[RadixNode]:
+        """The chain of nodes below ``parent`` (``None``: the salt's root) for consecutive blocks: ``keys[i]``
+        with ``tokens[i*T:(i+1)*T]``; missing ones are created. One call per run of blocks a request filled."""
         if parent is None:
             parent = self.roots.get(salt)
             if parent is None:
                 parent = self.roots[salt] = RadixNode(None, None, (), salt)
-        node = parent.children.get(key)
-        if node is None:
-            node = parent.children[key] = RadixNode(key, parent, tokens, salt)
-            parent.by_first.setdefault(tokens[0], {})[key] = node
-            self.num_nodes += 1
-        return node
+        run = tokens if isinstance(tokens, tuple) else tuple(tokens)
+        T = tokens_per_block
+        out: list[RadixNode] = []
+        for i, key in enumerate(keys):
+            children = parent.children
+            node = children.get(key)
+            if node is None:
+                block_tokens = run[i * T:(i + 1) * T]
+                node = RadixNode(key, parent, block_tokens, salt)
+                if children is _NONE:
+                    parent.children = {key: node}
+                    parent.by_first = {block_tokens[0]: {key: node}}
+                else:
+                    children[key] = node  # type: ignore[index]
+                    siblings = parent.by_first.get(block_tokens[0])
+                    if siblings is None:
+                        parent.by_first[block_tokens[0]] = {key: node}  # type: ignore[index]
+                    else:
+                        siblings[key] = node
+                self.num_nodes += 1
+            out.append(node)
+            parent = node
+        return out
 
     def prune(self, node: RadixNode) -> None:
         """Remove ``node`` and then its ancestors while they hold nothing and nobody uses them."""
         while node.parent is not None and not node.blocks and not node.children and node.users == 0:
             parent = node.parent
-            del parent.children[node.key]
+            del parent.children[node.key]  # type: ignore[attr-defined]
             siblings = parent.by_first[node.tokens[0]]
             del siblings[node.key]
             if not siblings:
-                del parent.by_first[node.tokens[0]]
+                del parent.by_first[node.tokens[0]]  # type: ignore[attr-defined]
             node.parent = None
             self.num_nodes -= 1
             node = parent
