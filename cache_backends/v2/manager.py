@@ -50,7 +50,7 @@ from cache_backends.reuse import partial_reuse_off_reason, partial_reuse_unit, r
 from cache_backends.v2.group_pool import GroupPool
 from cache_backends.v2.host_tier import HostTier, host_slots
 from cache_backends.v2.radix import RadixNode, RadixTree
-from cache_backends.v2.sequence import CacheState, SequenceCache
+from cache_backends.v2.sequence import NEVER, CacheState, SequenceCache
 
 
 def _tokens(request: Request, start: int, end: int) -> list[int]:
@@ -136,7 +136,8 @@ class KVCacheManagerV2:
         if request.num_tokens > self.options.max_seq_len:
             raise ValueError(f"request {request.req_id}: {request.num_tokens} tokens exceed max_seq_len="
                              f"{self.options.max_seq_len}")
-        cache = SequenceCache(request, {g.name: [] for g in self.groups}, {g.name: 0 for g in self.groups})
+        cache = SequenceCache(request, {g.name: [] for g in self.groups}, {g.name: 0 for g in self.groups},
+                              key_at=self.T if self._reuse else NEVER)
         self._caches[request] = cache
         return cache
 
@@ -368,7 +369,7 @@ class KVCacheManagerV2:
                              f"{cache.history - cache.committed} are scheduled")
         cache.committed += num_tokens
         request.num_computed_tokens = cache.committed
-        if self._reuse and cache.committed // self.T > len(cache.hashes):  # a block just filled up
+        if cache.committed >= cache.key_at:  # a block just filled up (never true with reuse off)
             self._key_full_blocks(cache)
         if self._sliding:
             self._release_window(cache)
@@ -443,6 +444,8 @@ class KVCacheManagerV2:
                 problems.append(f"{rid}: lengths {cache.committed}/{cache.history}/{cache.capacity}")
             if self._reuse and len(cache.hashes) != cache.committed // self.T:
                 problems.append(f"{rid}: {len(cache.hashes)} hashes for {cache.committed} committed tokens")
+            if cache.key_at != ((len(cache.hashes) + 1) * self.T if self._reuse else NEVER):
+                problems.append(f"{rid}: next block keyed at {cache.key_at} tokens with {len(cache.hashes)} hashes")
             if not cache.is_active:
                 continue
             for g in self.groups:
@@ -479,9 +482,12 @@ class KVCacheManagerV2:
                 if pool.node[b] is not None and pool.node[b].blocks.get(g.name) != b:
                     problems.append(f"group {g.name}: block {b} and its radix node disagree")
         for node in [*self._tree.roots.values(), *self._tree.nodes()]:
-            indexed = {key: child for group in node.by_first.values() for key, child in group.items()}
-            if indexed != node.children or any(child.tokens[0] != t for t, group in node.by_first.items()
-                                                for child in group.values()):
+            if node.by_first is None:
+                continue
+            expected: dict[int, list[RadixNode]] = {}
+            for child in node.children.values():
+                expected.setdefault(child.tokens[0], []).append(child)
+            if {t: list(group.values()) for t, group in node.by_first.items()} != expected:
                 problems.append(f"radix node at depth {node.depth}: first-token index disagrees with its children")
         for node in self._tree.nodes():
             for name, b in node.blocks.items():
@@ -551,15 +557,23 @@ class KVCacheManagerV2:
 
     def _key_full_blocks(self, cache: SequenceCache) -> None:
         """Hash newly full committed blocks into the radix tree and offer the cache's blocks to it."""
-        first, full = len(cache.hashes), cache.committed // self.T
+        T = self.T
+        hashes = cache.hashes
+        first, full = len(hashes), cache.committed // T
         if first >= full:
             return
-        request, T, salt = cache.request, self.T, cache.request.salt
+        request, salt = cache.request, cache.request.salt
         tokens = _tokens(request, first * T, full * T)
-        keys = chain_hashes(tokens, T, salt, cache.hashes[-1] if cache.hashes else None)  # one pass over the run
+        keys = cache.ahead[: full - first]  # keys the admission's lookup already computed
+        if keys:
+            del cache.ahead[: len(keys)]
+        if len(keys) < full - first:  # the rest in one pass over the run
+            rest = tokens[len(keys) * T:] if keys else tokens
+            keys += chain_hashes(rest, T, salt, keys[-1] if keys else hashes[-1] if hashes else None)
         new = self._tree.extend(cache.nodes[-1] if cache.nodes else None, salt, keys, tokens, T)
-        cache.hashes += keys
+        hashes += keys
         cache.nodes += new
+        cache.key_at = (full + 1) * T
         tables = cache.tables
         # This runs for every block a request fills, so the attach is inlined (= _attach per group).
         for name, tpb, pool in self._group_pools:
@@ -571,29 +585,28 @@ class KVCacheManagerV2:
                 if b >= 0 and name not in node.blocks and owner[b] is None:
                     node.blocks[name] = b
                     owner[b] = node
-        for node in new:
-            node.users += 1
 
-    def _match(self, request: Request) -> tuple[int, list[RadixNode], list[bytes], list[int]]:
-        """Walk the radix tree over the request's full blocks: (usable prefix, path, hashes, tokens)."""
+    def _match(self, request: Request) -> tuple[int, list[RadixNode], list[bytes]]:
+        """Walk the radix tree over the request's full blocks: (usable prefix, path, keys).
+
+        ``keys`` are the path's block keys, then the key of the first block not found, if any.
+        """
         limit = request.num_tokens - 1  # at least the last token is computed, so there are logits
         root = self._tree.root(request.salt)
         if root is None or limit < 1:
-            return 0, [], [], []
-        tokens = request.all_token_ids
+            return 0, [], []
         path: list[RadixNode] = []
-        hashes: list[bytes] = []
-        node, parent_hash = root, None
-        T = self.T
+        keys: list[bytes] = []
+        children, parent_hash, T, salt = root.children, None, self.T, request.salt
         for j in range(limit // T):
-            key = block_hash(parent_hash, tokens[j * T : (j + 1) * T], request.salt)
-            child = node.children.get(key)
+            key = block_hash(parent_hash, _tokens(request, j * T, (j + 1) * T), salt)
+            keys.append(key)
+            child = children.get(key)
             if child is None:
                 break
             path.append(child)
-            hashes.append(key)
-            node, parent_hash = child, key
-        return self._usable_prefix(path), path, hashes, tokens
+            children, parent_hash = child.children, key
+        return self._usable_prefix(path), path, keys
 
     def _usable_prefix(self, path: list[RadixNode]) -> int:
         """The longest multiple of the reuse unit, within ``path``, whose blocks every group still holds."""
@@ -634,7 +647,7 @@ class KVCacheManagerV2:
         m = 0
         if self._reuse:
             self.counters["reuse_lookup_tokens"] += request.num_tokens
-            m, path, hashes, tokens = self._match(request)
+            m, path, keys = self._match(request)
             for g in self.groups:
                 tpb, step = g.tokens_per_block, g.tokens_per_block // T
                 lo = 0 if g.window is None else max(0, m - g.window + 1) // tpb
@@ -646,11 +659,13 @@ class KVCacheManagerV2:
                 cache.tables[g.name] = table
                 cache.released[g.name] = lo
             cache.nodes = path[: m // T]
-            cache.hashes = hashes[: m // T]
+            cache.hashes = keys[: m // T]
+            cache.ahead = keys[m // T :]  # the next blocks' keys: _key_full_blocks takes them when they fill
+            cache.key_at = (m // T + 1) * T
             for node in cache.nodes:
                 node.users += 1
             if self._partial:
-                m += self._claim_partial(cache, m, path, tokens)
+                m += self._claim_partial(cache, m, path)
         cache.committed = cache.history = cache.capacity = m
         cache.state = CacheState.ACTIVE
         cache.admitted = True
@@ -660,14 +675,14 @@ class KVCacheManagerV2:
         self.counters["reuse_hit_tokens"] += m
         self._release_window(cache)
 
-    def _claim_partial(self, cache: SequenceCache, m: int, path: list[RadixNode], tokens: list[int]) -> int:
+    def _claim_partial(self, cache: SequenceCache, m: int, path: list[RadixNode]) -> int:
         """Copy the best partially matching next block into fresh blocks (copy-on-write); tokens gained."""
         request = cache.request
         parent = path[m // self.T - 1] if m else self._tree.root(request.salt)
-        if parent is None or not tokens:
+        if parent is None or request.num_tokens < 2:  # nothing cached, or nothing to match (_match's limit)
             return 0
         limit = min(self.T - 1, request.num_tokens - 1 - m)
-        want = tokens[m : m + self.T]
+        want = _tokens(request, m, m + self.T)
         best, best_k = None, 0
         for child in parent.children_starting_with(want[0]):  # any other child shares no token
             if len(child.blocks) != len(self.groups):

@@ -9,9 +9,12 @@ k-th node). Invariants:
 * ``node.blocks[g] == b`` if and only if the group pool's ``node[b] is node``.
 * ``node.users`` counts the live caches whose path runs through the node; a node is pruned when
   it has no blocks, no children and no users, and pruning walks up towards the root.
-* ``node.by_first[t]`` holds exactly the children whose block starts with token ``t``, in the order
-  of ``node.children``: partial matching only looks at children that share the first token (any
-  other child matches zero tokens), so it does not scan every child of a wide node.
+* ``node.by_first``, once built, maps each token ``t`` to exactly the children whose block starts
+  with ``t``, in the order of ``node.children``: partial matching only looks at children that share
+  the first token (any other child matches zero tokens), so it does not scan every child of a wide
+  node. It is built the first time partial matching asks a node with more than
+  ``INDEX_CHILDREN_AFTER`` children, and kept from then on; other nodes (most: the blocks of one
+  prompt have a single child each, and only nodes where a lookup ends are asked) never pay for it.
 """
 
 from __future__ import annotations
@@ -19,9 +22,12 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from types import MappingProxyType
 
-#: What a node without children holds in ``children`` and ``by_first``: most nodes are leaves (a
-#: prompt's last blocks), so they get their dicts only when a first child arrives.
+#: What a node without children holds in ``children``: most nodes are leaves (a prompt's last
+#: blocks), so they get a dict only when a first child arrives.
 _NONE: Mapping = MappingProxyType({})
+
+#: A node indexes its children by first token once partial matching asks it with more children than this.
+INDEX_CHILDREN_AFTER = 8
 
 
 class RadixNode:
@@ -36,7 +42,7 @@ class RadixNode:
         self.salt = salt
         self.depth = -1 if parent is None else parent.depth + 1
         self.children: Mapping[bytes, RadixNode] = _NONE  # a dict once it has a child
-        self.by_first: Mapping[int, dict[bytes, RadixNode]] = _NONE
+        self.by_first: dict[int, dict[bytes, RadixNode]] | None = None  # built on demand, see the module doc
         self.blocks: dict[str, int] = {}
         self.users = 0
 
@@ -47,6 +53,13 @@ class RadixNode:
 
     def children_starting_with(self, token: int) -> list[RadixNode]:
         """The children whose block starts with ``token``, in insertion order."""
+        if self.by_first is None:
+            if len(self.children) <= INDEX_CHILDREN_AFTER:
+                return [child for child in self.children.values() if child.tokens[0] == token]
+            by_first: dict[int, dict[bytes, RadixNode]] = {}
+            for key, child in self.children.items():
+                by_first.setdefault(child.tokens[0], {})[key] = child
+            self.by_first = by_first
         group = self.by_first.get(token)
         return list(group.values()) if group else []
 
@@ -62,14 +75,10 @@ class RadixTree:
         """The root of a reuse scope, if it has any node."""
         return self.roots.get(salt)
 
-    def child(self, parent: RadixNode | None, salt: str | None, key: bytes, tokens: tuple[int, ...]) -> RadixNode:
-        """The child of ``parent`` (``None``: the salt's root) with ``key``, created when missing."""
-        return self.extend(parent, salt, [key], tokens, len(tokens))[0]
-
     def extend(self, parent: RadixNode | None, salt: str | None, keys: Sequence[bytes], tokens: Sequence[int],
                tokens_per_block: int) -> list[RadixNode]:
-        """The chain of nodes below ``parent`` (``None``: the salt's root) for consecutive blocks: ``keys[i]``
-        with ``tokens[i*T:(i+1)*T]``; missing ones are created. One call per run of blocks a request filled."""
+        """The chain of nodes below ``parent`` (``None``: the salt's root) for consecutive blocks, each with one
+        more user: ``keys[i]`` with ``tokens[i*T:(i+1)*T]``, created when missing. One call per run of blocks."""
         if parent is None:
             parent = self.roots.get(salt)
             if parent is None:
@@ -77,6 +86,7 @@ class RadixTree:
         run = tokens if isinstance(tokens, tuple) else tuple(tokens)
         T = tokens_per_block
         out: list[RadixNode] = []
+        created = 0
         for i, key in enumerate(keys):
             children = parent.children
             node = children.get(key)
@@ -85,17 +95,19 @@ class RadixTree:
                 node = RadixNode(key, parent, block_tokens, salt)
                 if children is _NONE:
                     parent.children = {key: node}
-                    parent.by_first = {block_tokens[0]: {key: node}}
                 else:
                     children[key] = node  # type: ignore[index]
-                    siblings = parent.by_first.get(block_tokens[0])
-                    if siblings is None:
-                        parent.by_first[block_tokens[0]] = {key: node}  # type: ignore[index]
-                    else:
-                        siblings[key] = node
-                self.num_nodes += 1
+                    if parent.by_first is not None:
+                        siblings = parent.by_first.get(block_tokens[0])
+                        if siblings is None:
+                            parent.by_first[block_tokens[0]] = {key: node}
+                        else:
+                            siblings[key] = node
+                created += 1
+            node.users += 1
             out.append(node)
             parent = node
+        self.num_nodes += created
         return out
 
     def prune(self, node: RadixNode) -> None:
@@ -103,10 +115,11 @@ class RadixTree:
         while node.parent is not None and not node.blocks and not node.children and node.users == 0:
             parent = node.parent
             del parent.children[node.key]  # type: ignore[attr-defined]
-            siblings = parent.by_first[node.tokens[0]]
-            del siblings[node.key]
-            if not siblings:
-                del parent.by_first[node.tokens[0]]  # type: ignore[attr-defined]
+            if parent.by_first is not None:
+                siblings = parent.by_first[node.tokens[0]]
+                del siblings[node.key]
+                if not siblings:
+                    del parent.by_first[node.tokens[0]]
             node.parent = None
             self.num_nodes -= 1
             node = parent
