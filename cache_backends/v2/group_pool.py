@@ -31,9 +31,9 @@ class EvictionQueue:
     ``add_many`` / ``pop_many`` do the same for a run of blocks in one call.
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, priority: list[int]) -> None:
         self._by_prio: dict[int, OrderedDict[int, None]] = {}
-        self._prio_of: list[int | None] = [None] * num_blocks  # priority of a queued block, None if not queued
+        self._prio = priority  # priority[b]: what a queued block was queued with (the pool's list, shared)
         self._heap: list[int] = []  # distinct priorities; an entry whose bucket emptied is dropped lazily
         self._in_heap: set[int] = set()
         self._len = 0
@@ -42,7 +42,8 @@ class EvictionQueue:
         return self._len
 
     def __contains__(self, block: int) -> bool:
-        return 0 <= block < len(self._prio_of) and self._prio_of[block] is not None
+        bucket = self._by_prio.get(self._prio[block]) if 0 <= block < len(self._prio) else None
+        return bucket is not None and block in bucket
 
     def _bucket(self, priority: int) -> OrderedDict[int, None]:
         bucket = self._by_prio.get(priority)
@@ -59,18 +60,17 @@ class EvictionQueue:
 
     def add_many(self, blocks: Sequence[int], priority: int) -> None:
         """Queue ``blocks`` (none of them queued) in order, as the most recently released of their priority."""
-        bucket, prio_of = self._bucket(priority), self._prio_of
+        bucket, prio = self._bucket(priority), self._prio
         for b in blocks:
             bucket[b] = None
-            prio_of[b] = priority
+            prio[b] = priority
         self._len += len(blocks)
 
     def remove(self, block: int) -> None:
         """Take ``block`` out of the queue (it is being reused); ``KeyError`` if it is not queued."""
-        priority = self._prio_of[block]
-        if priority is None:
+        if block not in self:
             raise KeyError(block)
-        self._prio_of[block] = None
+        priority = self._prio[block]
         bucket = self._by_prio[priority]
         del bucket[block]
         if not bucket:
@@ -102,9 +102,6 @@ class EvictionQueue:
                 popitem = bucket.popitem
                 for _ in range(need):
                     out.append(popitem(last=False)[0])
-        prio_of = self._prio_of
-        for b in out:
-            prio_of[b] = None
         self._len -= n
         return out
 
@@ -129,7 +126,7 @@ class GroupPool:
         self.node: list[RadixNode | None] = [None] * num_blocks  # radix node holding the block, if any
         self.priority = [0] * num_blocks  # eviction priority, set when the last owner lets go
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: pop() hands out low ids first
-        self.evictable = EvictionQueue(num_blocks)
+        self.evictable = EvictionQueue(self.priority)
         self.num_used = 0
         self.evictions = 0
 
@@ -202,7 +199,7 @@ class GroupPool:
         Blocks that reach zero are queued for eviction (attached, ``keep_cached``) in that order with
         ``priority``, or go to the free list in that order (attached ones are detached first).
         """
-        ref, owner, prio, free = self.ref, self.node, self.priority, self._free
+        ref, owner, free = self.ref, self.node, self._free
         cached: list[int] = []
         dropped: list[RadixNode] = []
         released = 0
@@ -220,8 +217,7 @@ class GroupPool:
                 if node is None:
                     free.append(b)
                 elif keep_cached:
-                    prio[b] = priority
-                    cached.append(b)
+                    cached.append(b)  # add_many records its priority
                 else:
                     dropped.append(node)
                     owner[b] = None

@@ -518,14 +518,8 @@ class KVCacheManagerV2:
         return cache
 
     def _detach(self, group: str, nodes: list[RadixNode]) -> None:
-        """Unhook evicted or dropped blocks of ``group`` from their radix nodes (pool side is the caller's),
-        pruning each node left with no block, child or user."""
-        prune = self._tree.prune
-        for node in nodes:
-            blocks = node.blocks
-            del blocks[group]
-            if not blocks and not node.children and not node.users:
-                prune(node)
+        """Unhook evicted or dropped blocks of ``group`` from their radix nodes (pool side is the caller's)."""
+        self._tree.detach(group, nodes)
 
     def _attach(self, node: RadixNode, group: str, block: int) -> None:
         pool = self._pool[group]
@@ -562,17 +556,19 @@ class KVCacheManagerV2:
         first, full = len(hashes), cache.committed // T
         if first >= full:
             return
-        request, salt = cache.request, cache.request.salt
-        tokens = _tokens(request, first * T, full * T)
-        keys = cache.ahead[: full - first]  # keys the admission's lookup already computed
-        if keys:
-            del cache.ahead[: len(keys)]
-        if len(keys) < full - first:  # the rest in one pass over the run
-            rest = tokens[len(keys) * T:] if keys else tokens
-            keys += chain_hashes(rest, T, salt, keys[-1] if keys else hashes[-1] if hashes else None)
-        new = self._tree.extend(cache.nodes[-1] if cache.nodes else None, salt, keys, tokens, T)
+        salt = cache.request.salt
+        tokens = _tokens(cache.request, first * T, full * T)
+        ahead, nodes = cache.ahead, cache.nodes
+        if ahead:  # keys the admission's lookup already computed, then the rest
+            keys = ahead[: full - first]
+            del ahead[: len(keys)]
+            if len(keys) < full - first:
+                keys += chain_hashes(tokens[len(keys) * T :], T, salt, keys[-1])
+        else:  # one pass over the run
+            keys = chain_hashes(tokens, T, salt, hashes[-1] if hashes else None)
+        new = self._tree.extend(nodes[-1] if nodes else None, salt, keys, tokens, T)
         hashes += keys
-        cache.nodes += new
+        nodes += new
         cache.key_at = (full + 1) * T
         tables = cache.tables
         # This runs for every block a request fills, so the attach is inlined (= _attach per group).
@@ -648,7 +644,7 @@ class KVCacheManagerV2:
         if self._reuse:
             self.counters["reuse_lookup_tokens"] += request.num_tokens
             m, path, keys = self._match(request)
-            for g in self.groups:
+            for g in self.groups if m else ():  # nothing matched: the tables stay as create() left them
                 tpb, step = g.tokens_per_block, g.tokens_per_block // T
                 lo = 0 if g.window is None else max(0, m - g.window + 1) // tpb
                 table = [-1] * lo

@@ -19,7 +19,7 @@ k-th node). Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 
 #: What a node without children holds in ``children``: most nodes are leaves (a prompt's last
@@ -109,6 +109,28 @@ class RadixTree:
             parent = node
         self.num_nodes += created
         return out
+
+    def detach(self, group: str, nodes: Iterable[RadixNode]) -> None:
+        """Unhook ``group``'s block from each node (evicted or dropped blocks) and prune every node left
+        with no block, child or user, walking up as :meth:`prune` does; one pass for a run of blocks."""
+        roots, removed = self.roots, 0
+        for node in nodes:
+            blocks = node.blocks
+            del blocks[group]
+            while not blocks and not node.children and not node.users and node.parent is not None:
+                parent = node.parent
+                del parent.children[node.key]  # type: ignore[attr-defined]
+                if parent.by_first is not None:
+                    siblings = parent.by_first[node.tokens[0]]
+                    del siblings[node.key]
+                    if not siblings:
+                        del parent.by_first[node.tokens[0]]
+                node.parent = None
+                removed += 1
+                node, blocks = parent, parent.blocks
+            if node.parent is None and not node.children and roots.get(node.salt) is node:
+                del roots[node.salt]
+        self.num_nodes -= removed
 
     def prune(self, node: RadixNode) -> None:
         """Remove ``node`` and then its ancestors while they hold nothing and nobody uses them."""
