@@ -52,6 +52,16 @@ def _packer(n: int) -> struct.Struct:
     return packer
 
 
+def pack_tokens(tokens: Sequence[int]) -> bytes:
+    """Token ids as a block key encodes them: int64, little-endian, 8 bytes each (no count)."""
+    n = len(tokens)
+    packer = _RUN_PACKERS.get(n) or _run_packer(n)
+    try:
+        return packer.pack(*tokens)
+    except struct.error as exc:
+        raise ValueError(f"token ids must be 64-bit integers: {exc}") from None
+
+
 def chain_hashes(tokens: Sequence[int], tokens_per_block: int, salt: str | None,
                  parent: bytes | None = None) -> list[bytes]:
     """Keys of every full block of ``tokens`` in order, chained from ``parent`` (a partial tail gets none).
@@ -62,31 +72,38 @@ def chain_hashes(tokens: Sequence[int], tokens_per_block: int, salt: str | None,
     """
     if tokens_per_block < 1:
         raise ValueError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
+    n = len(tokens) // tokens_per_block * tokens_per_block
     if parent is not None and len(parent) != HASH_BYTES:
         raise ValueError(f"parent hash must be {HASH_BYTES} bytes, got {len(parent)}")
-    n = len(tokens) // tokens_per_block * tokens_per_block
     if n == 0:
         return []
-    packer = _RUN_PACKERS.get(n) or _run_packer(n)
-    try:
-        body = packer.pack(*(tokens if len(tokens) == n else tokens[:n]))
-    except struct.error as exc:
-        raise ValueError(f"token ids must be 64-bit integers: {exc}") from None
+    return chain_packed_hashes(pack_tokens(tokens if len(tokens) == n else tokens[:n]), tokens_per_block, salt,
+                               parent)
+
+
+def chain_packed_hashes(packed: bytes, tokens_per_block: int, salt: str | None,
+                        parent: bytes | None = None) -> list[bytes]:
+    """:func:`chain_hashes` of token ids already packed by :func:`pack_tokens` (full blocks only)."""
+    if tokens_per_block < 1:
+        raise ValueError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
+    if parent is not None and len(parent) != HASH_BYTES:
+        raise ValueError(f"parent hash must be {HASH_BYTES} bytes, got {len(parent)}")
+    stride = 8 * tokens_per_block
+    end = len(packed) // stride * stride
     # Bytes after the parent and before the token ids: the same for every block of the run.
     middle = _MIDDLES.get((salt, tokens_per_block)) or _middle(salt, tokens_per_block)
     sha256, join = hashlib.sha256, b"".join
-    if n == tokens_per_block:  # one block (a decode filled it): no slicing
-        return [sha256(join((_NO_PARENT, middle, body) if parent is None else
-                            (_WITH_PARENT, parent, middle, body))).digest()]
-    body = memoryview(body)
-    stride = 8 * tokens_per_block
+    if end == len(packed) == stride:  # one block (a decode filled it): no slicing
+        return [sha256(join((_NO_PARENT, middle, packed) if parent is None else
+                            (_WITH_PARENT, parent, middle, packed))).digest()]
+    body = memoryview(packed)
     keys: list[bytes] = []
     start = 0
-    if parent is None:
+    if parent is None and end:
         parent = sha256(join((_NO_PARENT, middle, body[:stride]))).digest()
         keys.append(parent)
         start = stride
-    for off in range(start, 8 * n, stride):
+    for off in range(start, end, stride):
         parent = sha256(join((_WITH_PARENT, parent, middle, body[off:off + stride]))).digest()
         keys.append(parent)
     return keys

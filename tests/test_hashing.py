@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cache_backends.hashing import HASH_BYTES, block_hash, chain_hashes
+from cache_backends.hashing import HASH_BYTES, block_hash, chain_hashes, chain_packed_hashes, pack_tokens
 
 tokens = st.lists(st.integers(min_value=0, max_value=2**31), min_size=1, max_size=16)
 
@@ -116,3 +116,18 @@ def test_chain_hashes_rejects_what_block_hash_rejects():
         chain_hashes([1, 2, 3, -(2**63) - 1], 2, None)
     with pytest.raises(ValueError, match="tokens_per_block"):
         chain_hashes([1], 0, None)
+
+
+def test_pack_tokens_is_the_int64_little_endian_encoding_and_chain_packed_hashes_match():
+    toks = [0, 1, -1, 2**63 - 1, -(2**63), 12345]
+    assert pack_tokens(toks) == b"".join(struct.pack("<q", t) for t in toks)
+    with pytest.raises(ValueError, match="64-bit"):
+        pack_tokens([2**63])
+    run = list(range(7, 7 + 3 * 4 + 2))  # three blocks of 4 and a partial tail
+    parent = block_hash(None, [1], "t")
+    for p in (None, parent):
+        assert chain_packed_hashes(pack_tokens(run), 4, "t", p) == chain_hashes(run, 4, "t", p)
+        assert chain_packed_hashes(pack_tokens(run[:4]), 4, "t", p) == chain_hashes(run[:4], 4, "t", p)
+    assert chain_packed_hashes(b"", 4, None) == []
+    with pytest.raises(ValueError, match="parent hash must be 32 bytes"):
+        chain_packed_hashes(pack_tokens(run), 4, None, b"x")

@@ -39,9 +39,10 @@ refused for utilisation; the scheduler decides admission.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
-from cache_backends.hashing import block_hash, chain_hashes
+from cache_backends.hashing import block_hash, chain_packed_hashes, pack_tokens
 from cache_backends.interface import ManagerOptions
 from cache_backends.layout import KvLayout, LayerGroup
 from cache_backends.pools import BlockPools
@@ -64,9 +65,10 @@ def _tokens(request: Request, start: int, end: int) -> list[int]:
     return prompt[start:] + request.output_token_ids[: end - n]
 
 
-def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
+def _common_prefix(a: bytes, b: bytes) -> int:
+    """How many token ids two packed runs (8 bytes each) share at the start."""
     n = 0
-    for x, y in zip(a, b, strict=False):
+    for x, y in zip(memoryview(a).cast("q"), memoryview(b).cast("q"), strict=False):  # equal bytes, equal ids
         if x != y:
             break
         n += 1
@@ -92,6 +94,10 @@ class KVCacheManagerV2:
         self.groups: tuple[LayerGroup, ...] = self.layout.groups
         self._pool = {g.name: GroupPool(g.name, pools.num_blocks[g.name]) for g in self.groups}
         self._group_pools = [(g.name, g.tokens_per_block, self._pool[g.name]) for g in self.groups]
+        # (group, token blocks per group block, pool's block -> node list) for keying; with reuse on,
+        # every group block spans a whole number of token blocks.
+        self._attach_steps = [(g.name, max(1, g.tokens_per_block // self.T), self._pool[g.name].node)
+                              for g in self.groups]
         self._sliding = [g for g in self.groups if g.window is not None]
         spans = [g.tokens_per_block for g in self.groups]
         self.reuse_unit: int | None = reuse_unit(self.layout)
@@ -484,9 +490,9 @@ class KVCacheManagerV2:
         for node in [*self._tree.roots.values(), *self._tree.nodes()]:
             if node.by_first is None:
                 continue
-            expected: dict[int, list[RadixNode]] = {}
+            expected: dict[bytes, list[RadixNode]] = {}
             for child in node.children.values():
-                expected.setdefault(child.tokens[0], []).append(child)
+                expected.setdefault(child.tokens[:8], []).append(child)
             if {t: list(group.values()) for t, group in node.by_first.items()} != expected:
                 problems.append(f"radix node at depth {node.depth}: first-token index disagrees with its children")
         for node in self._tree.nodes():
@@ -557,28 +563,30 @@ class KVCacheManagerV2:
         if first >= full:
             return
         salt = cache.request.salt
-        tokens = _tokens(cache.request, first * T, full * T)
+        packed = pack_tokens(_tokens(cache.request, first * T, full * T))  # once: the keys and the nodes use it
         ahead, nodes = cache.ahead, cache.nodes
         if ahead:  # keys the admission's lookup already computed, then the rest
             keys = ahead[: full - first]
             del ahead[: len(keys)]
             if len(keys) < full - first:
-                keys += chain_hashes(tokens[len(keys) * T :], T, salt, keys[-1])
+                keys += chain_packed_hashes(packed[len(keys) * 8 * T :], T, salt, keys[-1])
         else:  # one pass over the run
-            keys = chain_hashes(tokens, T, salt, hashes[-1] if hashes else None)
-        new = self._tree.extend(nodes[-1] if nodes else None, salt, keys, tokens, T)
+            keys = chain_packed_hashes(packed, T, salt, hashes[-1] if hashes else None)
+        new = self._tree.extend(nodes[-1] if nodes else None, salt, keys, packed, T)
         hashes += keys
         nodes += new
         cache.key_at = (full + 1) * T
         tables = cache.tables
-        # This runs for every block a request fills, so the attach is inlined (= _attach per group).
-        for name, tpb, pool in self._group_pools:
-            step = tpb // T  # a group block ends on every step-th token block
-            table, owner = tables[name], pool.node
-            # token blocks j in [first, full) where one of this group's blocks ends: (j + 1) % step == 0
-            for j in range(-(-(first + 1) // step) * step - 1, full, step):
-                node, b = new[j - first], table[(j + 1) // step - 1]
-                if b >= 0 and name not in node.blocks and owner[b] is None:
+        # Offer every group block that ends on a new node to it (= _attach; inlined, it runs for every block).
+        for name, step, owner in self._attach_steps:
+            table = tables[name]
+            if step == 1:  # a group block per token block
+                pairs: Iterable[tuple[RadixNode, int]] = zip(new, table[first:full], strict=True)
+            else:  # token blocks j whose end is a group block's end: (j + 1) % step == 0
+                pairs = ((new[j - first], table[(j + 1) // step - 1])
+                         for j in range(-(-(first + 1) // step) * step - 1, full, step))
+            for node, b in pairs:
+                if b >= 0 and owner[b] is None and name not in node.blocks:
                     node.blocks[name] = b
                     owner[b] = node
 
@@ -678,9 +686,10 @@ class KVCacheManagerV2:
         if parent is None or request.num_tokens < 2:  # nothing cached, or nothing to match (_match's limit)
             return 0
         limit = min(self.T - 1, request.num_tokens - 1 - m)
-        want = _tokens(request, m, m + self.T)
+        want_ids = _tokens(request, m, m + self.T)
+        want = pack_tokens(want_ids)
         best, best_k = None, 0
-        for child in parent.children_starting_with(want[0]):  # any other child shares no token
+        for child in parent.children_starting_with(want_ids[0]):  # any other child shares no token
             if len(child.blocks) != len(self.groups):
                 continue
             k = min(_common_prefix(child.tokens, want), limit)
