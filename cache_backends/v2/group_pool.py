@@ -191,7 +191,20 @@ class GroupPool:
 
     def decref(self, b: int, priority: int, keep_cached: bool, detach: Detach) -> None:
         """One holder lets go of ``b``; at zero an attached block is cached (or dropped), others go free."""
-        self.release((b,), priority, keep_cached, detach)
+        if self.ref[b] <= 0:
+            raise RuntimeError(f"group {self.name}: block {b} released more often than held")
+        self.ref[b] -= 1
+        if self.ref[b]:
+            return
+        self.num_used -= 1
+        node = self.node[b]
+        if node is not None and keep_cached:
+            self.evictable.add(b, priority)
+            return
+        if node is not None:
+            self.node[b] = None
+            detach(self.name, [node])
+        self._free.append(b)
 
     def release(self, blocks: Iterable[int], priority: int, keep_cached: bool, detach: Detach) -> None:
         """:meth:`decref` each block of ``blocks`` in order (ids below 0 are skipped), in one pass.
