@@ -249,10 +249,7 @@ class KVCacheManagerV2:
             for name, slots in cache.host.items():
                 self.host.free(name, slots)
             cache.host = None
-        for node in reversed(cache.nodes):
-            node.users -= 1
-            if not node.blocks and not node.children and node.users == 0:  # else prune() would keep it
-                self._tree.prune(node)
+        self._tree.leave(reversed(cache.nodes))
         cache.nodes.clear()
 
     def preempt(self, request: Request) -> None:
@@ -610,7 +607,7 @@ class KVCacheManagerV2:
                 break
             path.append(child)
             children, parent_hash = child.children, key
-        return self._usable_prefix(path), path, keys
+        return (self._usable_prefix(path) if path else 0), path, keys
 
     def _usable_prefix(self, path: list[RadixNode]) -> int:
         """The longest multiple of the reuse unit, within ``path``, whose blocks every group still holds."""
@@ -687,9 +684,12 @@ class KVCacheManagerV2:
             return 0
         limit = min(self.T - 1, request.num_tokens - 1 - m)
         want_ids = _tokens(request, m, m + self.T)
+        candidates = parent.children_starting_with(want_ids[0])  # any other child shares no token
+        if not candidates:
+            return 0
         want = pack_tokens(want_ids)
         best, best_k = None, 0
-        for child in parent.children_starting_with(want_ids[0]):  # any other child shares no token
+        for child in candidates:
             if len(child.blocks) != len(self.groups):
                 continue
             k = min(_common_prefix(child.tokens, want), limit)

@@ -143,6 +143,14 @@ class RadixTree:
                 del roots[node.salt]
         self.num_nodes -= removed
 
+    def leave(self, nodes: Iterable[RadixNode]) -> None:
+        """A cache lets go of its path (pass it deepest first): each node loses a user; nodes left with no
+        block, child or user are pruned."""
+        for node in nodes:
+            node.users -= 1
+            if not node.users and not node.blocks and not node.children:  # else prune() would keep it
+                self.prune(node)
+
     def prune(self, node: RadixNode) -> None:
         """Remove ``node`` and then its ancestors while they hold nothing and nobody uses them."""
         while node.parent is not None and not node.blocks and not node.children and node.users == 0:
