@@ -8,7 +8,7 @@ Run from the repository root::
 Each iteration allocates ``n`` blocks (10, 100, 1,000) from a pool of 100,000 and frees them again,
 timing each call. ``deque`` is the floor for a Python allocator: ``popleft`` ``n`` ids, then
 ``append`` them back. V1: ``BlockPool.allocate(n)`` / ``free(blocks)`` (reference counts, prefix
-keys, LRU queue). V2: ``GroupPool.allocate_many(n)`` / ``decref`` per block (what the manager calls).
+keys, LRU queue). V2: ``GroupPool.allocate_many(n)`` / ``release(blocks)`` (what the manager calls).
 Per repeat, the median and max of each call; reported: the median over repeats of the medians,
 the max of the maxes, and V1/V2 over ``deque`` (allocate + free medians, median over repeats).
 The three allocators take turns inside each repeat so drift hits them alike.
@@ -62,9 +62,7 @@ def _v2_impl(pool_blocks: int):
         return pool.allocate_many(n, _no_detach)
 
     def free(ids: list[int]) -> None:
-        decref = pool.decref
-        for b in ids:
-            decref(b, 0, True, _no_detach)
+        pool.release(ids, 0, True, _no_detach)
 
     return alloc, free
 

@@ -154,17 +154,22 @@ def reuse_cost_breakdown(quick: bool) -> Table:
     """Where reuse's extra step time goes: cProfile of ``Driver.step`` on no-reuse, reuse on minus off, by function.
 
     Profiling inflates small calls, so the table gives each function's share of the difference,
-    not absolute times.
+    not absolute times. Each setting is profiled 3 times (1 with ``quick``), alternating, after a
+    full collection, and each function's own time is the median over its runs: one run's garbage
+    collection pause, charged to whatever allocated at the time, cannot swing the table.
     """
     import cProfile
+    import gc
     import pstats
 
     import pipeline.driver as driver_module
 
     wl = make_workload("no-reuse", 128 if quick else None, 0)
-    own: dict[bool, dict[str, float]] = {}
+    runs: dict[bool, list[dict[str, float]]] = {True: [], False: []}
     original = driver_module.Driver.step
-    for reuse in (True, False):
+    repeats = 1 if quick else 3
+    for reuse in [r for i in range(repeats) for r in ((True, False) if i % 2 == 0 else (False, True))]:
+        gc.collect()
         prof = cProfile.Profile()
 
         def step(self, compute, _prof=prof):
@@ -181,19 +186,24 @@ def reuse_cost_breakdown(quick: bool) -> Table:
         finally:
             driver_module.Driver.step = original
         stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, ncalls, tottime, cumtime, callers)
-        own[reuse] = {}
+        own: dict[str, float] = {}
         for (file, _line, name), row in stats.items():
             key = f"{os.path.basename(file)}:{name}" if file != "~" else name
-            own[reuse][key] = own[reuse].get(key, 0.0) + row[2]
-    diff = {k: own[True].get(k, 0.0) - own[False].get(k, 0.0) for k in set(own[True]) | set(own[False])}
+            own[key] = own.get(key, 0.0) + row[2]
+        runs[reuse].append(own)
+    names = {k for r in runs[True] + runs[False] for k in r}
+    diff = {k: median([r.get(k, 0.0) for r in runs[True]]) - median([r.get(k, 0.0) for r in runs[False]])
+            for k in names}
     total = sum(diff.values())
     table = Table("Where prefix reuse's extra manager time goes on no-reuse (V2, profiled)",
                   "python -m bench.bench_simulate --only breakdown" + (" --quick" if quick else ""),
                   ["function (own time)", "share of the extra time"])
     for key, value in sorted(diff.items(), key=lambda kv: -kv[1])[:12]:
         table.rows.append([f"`{key}`", f"{value / total:.1%}"])
-    table.notes.append("Own (exclusive) time under cProfile, reuse on minus reuse off, over every engine step; "
-                       "profiling inflates per-call costs, so read shares, not microseconds.")
+    table.notes.append(f"Own (exclusive) time under cProfile, reuse on minus reuse off, over every engine step, "
+                       f"median of {repeats} alternating run(s) per setting; profiling inflates per-call costs, so "
+                       f"read shares, not microseconds" + ("." if total > 0 else
+                                                          "; the runs did not resolve a positive difference (noise)."))
     return table
 
 

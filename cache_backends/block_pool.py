@@ -16,16 +16,18 @@ Invariants (checked by :meth:`check_invariants`, relied on by every method):
 1. ``block in free queue  ⇔  block.ref_cnt == 0``; the queue holds each block at most once.
 2. ``cached[h] is b  ⇒  b.block_hash == h``; a block with a hash is in the map under that hash
    (one block per hash: a second block computed with the same content stays unhashed).
-3. ``num_evictable`` == free blocks with a hash; ``num_empty + num_evictable + num_used == num_blocks``.
+3. ``num_evictable`` == free blocks with a hash (the queue counts them: ``FreeBlockQueue.num_keyed``);
+   ``num_empty + num_evictable + num_used == num_blocks``.
 4. The free queue is ordered by release time: :meth:`allocate` pops the head (the least recently
    freed), :meth:`free` appends to the tail. Callers free a sequence's blocks tail first, so the
    tail of a finished sequence is evicted before its prefix (a prefix is shared more often).
 
 Every operation is O(1) per block: the queue is a doubly linked list threaded through the blocks
 (with sentinels), so a cached free block hit by a new request leaves the middle of the queue in O(1).
-:meth:`BlockPool.allocate` and :meth:`BlockPool.free` move whole runs (``popleft_many``/``extend``:
-one relinking per call, no method call per block), which keeps them within about 3x of a bare
-``deque`` of ids (``bench/bench_block_pool.py``).
+:meth:`BlockPool.allocate` and :meth:`BlockPool.free` move whole runs (``FreeBlockQueue.take`` /
+``release``: each block is touched once, its reference count and its links in the same pass, and the
+run is relinked once per call), which keeps them within about 3x of a bare ``deque`` of ids
+(``bench/bench_block_pool.py``).
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class FreeBlockQueue:
         self._head.next_free = self._tail
         self._tail.prev_free = self._head
         self._len = 0
+        self.num_keyed = 0  # queued blocks that hold a prefix key (the pool's evictable blocks)
         for block in blocks:
             self.append(block)
 
@@ -87,11 +90,63 @@ class FreeBlockQueue:
             block = node
             node = block.next_free
             block.prev_free = block.next_free = None
+            if block.block_hash is not None:
+                self.num_keyed -= 1
             out.append(block)
         self._head.next_free = node
         node.prev_free = self._head
         self._len -= n
         return out
+
+    def take(self, n: int) -> list[KVBlock]:
+        """:meth:`popleft_many` for an allocation: each block also gets its first owner (``ref_cnt = 1``), same pass."""
+        if n > self._len:
+            raise NoFreeBlocksError(f"asked for {n} blocks, {self._len} in the free queue")
+        out = []
+        keyed = 0
+        node = self._head.next_free
+        for _ in range(n):
+            block = node
+            node = block.next_free
+            block.prev_free = block.next_free = None
+            block.ref_cnt = 1
+            if block.block_hash is not None:
+                keyed += 1
+            out.append(block)
+        self._head.next_free = node
+        node.prev_free = self._head
+        self._len -= n
+        self.num_keyed -= keyed
+        return out
+
+    def release(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one owner from each block, in order; the blocks left unowned join the tail in that order.
+
+        One pass: the reference count and the links of each block together. ``ValueError`` for a block
+        with no owner; the blocks released before it are queued, so the queue stays consistent.
+        """
+        tail = self._tail
+        last = tail.prev_free
+        assert last is not None
+        joined = keyed = 0
+        try:
+            for block in blocks:
+                left = block.ref_cnt - 1
+                if left < 0:
+                    raise ValueError(f"{block!r} freed more often than it was owned")
+                block.ref_cnt = left
+                if not left:  # unowned now, so not in the queue yet (invariant 1)
+                    last.next_free = block
+                    block.prev_free = last
+                    last = block
+                    joined += 1
+                    if block.block_hash is not None:
+                        keyed += 1
+        finally:
+            last.next_free = tail
+            tail.prev_free = last
+            self._len += joined
+            self.num_keyed += keyed
 
     def extend(self, blocks: list[KVBlock]) -> None:
         """Append blocks at the tail in order; each must be out of the queue (the caller's invariant)."""
@@ -101,6 +156,8 @@ class FreeBlockQueue:
             last.next_free = block
             block.prev_free = last
             last = block
+            if block.block_hash is not None:
+                self.num_keyed += 1
         last.next_free = tail
         tail.prev_free = last
         self._len += len(blocks)
@@ -116,6 +173,8 @@ class FreeBlockQueue:
         block.next_free = self._tail
         self._tail.prev_free = block
         self._len += 1
+        if block.block_hash is not None:
+            self.num_keyed += 1
 
     def remove(self, block: KVBlock) -> None:
         """Unlink a block from wherever it is in the queue."""
@@ -126,6 +185,8 @@ class FreeBlockQueue:
         nxt.prev_free = prev
         block.prev_free = block.next_free = None
         self._len -= 1
+        if block.block_hash is not None:
+            self.num_keyed -= 1
 
     def __iter__(self) -> Iterator[KVBlock]:
         node = self._head.next_free
@@ -144,7 +205,6 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVBlock] = {}
-        self.num_evictable = 0
         self.evictions = 0  # cached blocks whose content was dropped to make room
 
     # --- counts -----------------------------------------------------------------------------
@@ -153,6 +213,11 @@ class BlockPool:
     def num_free(self) -> int:
         """Blocks that :meth:`allocate` can hand out now (empty + evictable)."""
         return len(self.free_queue)
+
+    @property
+    def num_evictable(self) -> int:
+        """Free blocks that still hold a reusable prefix (cached, reclaimable by :meth:`touch`)."""
+        return self.free_queue.num_keyed
 
     @property
     def num_empty(self) -> int:
@@ -175,13 +240,15 @@ class BlockPool:
         """Take ``n`` free blocks (least recently freed first, evicting cached content), each with one owner."""
         if n > len(self.free_queue):
             raise NoFreeBlocksError(f"asked for {n} blocks, {len(self.free_queue)} free of {self.num_blocks}")
-        out = self.free_queue.popleft_many(n)
-        for block in out:
-            if block.block_hash is not None:
-                self._uncache(block)
-                self.num_evictable -= 1
-                self.evictions += 1
-            block.ref_cnt = 1
+        queue = self.free_queue
+        keyed = queue.num_keyed
+        out = queue.take(n)
+        evicted = keyed - queue.num_keyed
+        if evicted:  # some taken blocks held a prefix: their content is dropped now
+            for block in out:
+                if block.block_hash is not None:
+                    self._uncache(block)
+            self.evictions += evicted
         return out
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
@@ -189,24 +256,11 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
-                if block.block_hash is not None:
-                    self.num_evictable -= 1
             block.ref_cnt += 1
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one owner from each block, in the order given; a block nobody owns joins the free tail."""
-        released: list[KVBlock] = []
-        try:
-            for block in blocks:
-                if block.ref_cnt <= 0:
-                    raise ValueError(f"{block!r} freed more often than it was owned")
-                block.ref_cnt -= 1
-                if block.ref_cnt == 0:  # unowned now, so not in the queue (invariant 1)
-                    released.append(block)
-                    if block.block_hash is not None:
-                        self.num_evictable += 1
-        finally:  # blocks released before an error still join the queue: the invariants hold either way
-            self.free_queue.extend(released)
+        self.free_queue.release(blocks)  # blocks released before an error still join: the invariants hold
 
     def lookup(self, block_hash: bytes) -> KVBlock | None:
         """The cached block holding this prefix key, used or evictable, or None."""

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 HASH_BYTES = 32
 
 _DOMAIN = b"kvload/block/v1\x00"
+_NO_PARENT = _DOMAIN + b"\x00"
+_WITH_PARENT = _DOMAIN + b"\x01"
 
 
 def block_hash(parent: bytes | None, tokens: Sequence[int], salt: str | None) -> bytes:
@@ -32,15 +34,11 @@ def block_hash(parent: bytes | None, tokens: Sequence[int], salt: str | None) ->
         body = packer.pack(n, *tokens)
     except struct.error as exc:
         raise ValueError(f"token ids must be 64-bit integers: {exc}") from None
-    if salt is None:
-        salt_part = b"\x00"
-    else:
-        raw = salt.encode("utf-8")
-        salt_part = b"\x01" + struct.pack("<Q", len(raw)) + raw
-    # One update of the concatenation: the same bytes as hashing each part in turn, fewer calls
-    # (this runs for every full block a request fills).
-    return hashlib.sha256(b"".join((_DOMAIN, b"\x00" if parent is None else b"\x01" + parent, salt_part,
-                                    body))).digest()
+    # One hash of the concatenation: the same bytes as hashing each part in turn, fewer calls.
+    salt_part = _SALT_PARTS.get(salt) or _salt_part(salt)
+    if parent is None:
+        return hashlib.sha256(b"".join((_NO_PARENT, salt_part, body))).digest()
+    return hashlib.sha256(b"".join((_WITH_PARENT, parent, salt_part, body))).digest()
 
 
 _PACKERS: dict[int, struct.Struct] = {}
@@ -54,13 +52,97 @@ def _packer(n: int) -> struct.Struct:
     return packer
 
 
+def pack_tokens(tokens: Sequence[int]) -> bytes:
+    """Token ids as a block key encodes them: int64, little-endian, 8 bytes each (no count)."""
+    n = len(tokens)
+    packer = _RUN_PACKERS.get(n) or _run_packer(n)
+    try:
+        return packer.pack(*tokens)
+    except struct.error as exc:
+        raise ValueError(f"token ids must be 64-bit integers: {exc}") from None
+
+
 def chain_hashes(tokens: Sequence[int], tokens_per_block: int, salt: str | None,
                  parent: bytes | None = None) -> list[bytes]:
-    """Keys of every full block of ``tokens`` in order, chained from ``parent`` (a partial tail gets none)."""
+    """Keys of every full block of ``tokens`` in order, chained from ``parent`` (a partial tail gets none).
+
+    Exactly ``block_hash`` applied block after block, computed in one pass: the token ids of the
+    whole run are packed once and each block hashes its slice of that buffer (packing token by
+    token costs more than the SHA-256 of a block, and this runs for every block a request fills).
+    """
     if tokens_per_block < 1:
         raise ValueError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
+    n = len(tokens) // tokens_per_block * tokens_per_block
+    if parent is not None and len(parent) != HASH_BYTES:
+        raise ValueError(f"parent hash must be {HASH_BYTES} bytes, got {len(parent)}")
+    if n == 0:
+        return []
+    return chain_packed_hashes(pack_tokens(tokens if len(tokens) == n else tokens[:n]), tokens_per_block, salt,
+                               parent)
+
+
+def chain_packed_hashes(packed: bytes, tokens_per_block: int, salt: str | None,
+                        parent: bytes | None = None) -> list[bytes]:
+    """:func:`chain_hashes` of token ids already packed by :func:`pack_tokens` (full blocks only)."""
+    if tokens_per_block < 1:
+        raise ValueError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
+    if parent is not None and len(parent) != HASH_BYTES:
+        raise ValueError(f"parent hash must be {HASH_BYTES} bytes, got {len(parent)}")
+    stride = 8 * tokens_per_block
+    end = len(packed) // stride * stride
+    # Bytes after the parent and before the token ids: the same for every block of the run.
+    middle = _MIDDLES.get((salt, tokens_per_block)) or _middle(salt, tokens_per_block)
+    sha256, join = hashlib.sha256, b"".join
+    if end == len(packed) == stride:  # one block (a decode filled it): no slicing
+        return [sha256(join((_NO_PARENT, middle, packed) if parent is None else
+                            (_WITH_PARENT, parent, middle, packed))).digest()]
+    body = memoryview(packed)
     keys: list[bytes] = []
-    for start in range(0, len(tokens) - tokens_per_block + 1, tokens_per_block):
-        parent = block_hash(parent, tokens[start:start + tokens_per_block], salt)
+    start = 0
+    if parent is None and end:
+        parent = sha256(join((_NO_PARENT, middle, body[:stride]))).digest()
+        keys.append(parent)
+        start = stride
+    for off in range(start, end, stride):
+        parent = sha256(join((_WITH_PARENT, parent, middle, body[off:off + stride]))).digest()
         keys.append(parent)
     return keys
+
+
+_RUN_PACKERS: dict[int, struct.Struct] = {}
+
+
+def _run_packer(n: int) -> struct.Struct:
+    """``<{n}q``: a run of ``n`` token ids as int64, without the count (cached per run length)."""
+    if len(_RUN_PACKERS) >= 256:
+        _RUN_PACKERS.clear()
+    packer = _RUN_PACKERS[n] = struct.Struct(f"<{n}q")
+    return packer
+
+
+_MIDDLES: dict[tuple[str | None, int], bytes] = {}
+
+
+def _middle(salt: str | None, tokens_per_block: int) -> bytes:
+    """The salt part then the token count (cached per salt and block length)."""
+    if len(_MIDDLES) >= 1024:  # one entry per tenant salt: keep the cache bounded
+        _MIDDLES.clear()
+    middle = _MIDDLES[(salt, tokens_per_block)] = (_SALT_PARTS.get(salt) or _salt_part(salt)) + struct.pack(
+        "<Q", tokens_per_block)
+    return middle
+
+
+_SALT_PARTS: dict[str | None, bytes] = {}
+
+
+def _salt_part(salt: str | None) -> bytes:
+    """The tagged, length-prefixed salt of the key encoding (cached per salt)."""
+    if salt is None:
+        part = b"\x00"
+    else:
+        raw = salt.encode("utf-8")
+        part = b"\x01" + struct.pack("<Q", len(raw)) + raw
+    if len(_SALT_PARTS) >= 1024:  # one entry per tenant salt: keep the cache bounded
+        _SALT_PARTS.clear()
+    _SALT_PARTS[salt] = part
+    return part

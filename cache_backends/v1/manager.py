@@ -24,7 +24,7 @@ from typing import Any
 import attrs
 
 from cache_backends.block_pool import BlockPool, KVBlock
-from cache_backends.hashing import block_hash
+from cache_backends.hashing import block_hash, chain_hashes
 from cache_backends.interface import ManagerOptions
 from cache_backends.pools import BlockPools
 from cache_backends.request import Request
@@ -211,12 +211,12 @@ class KVCacheManager:
         full = done // T
         if full <= len(seq.keys):
             return
-        tokens = request.all_token_ids
-        parent = seq.keys[-1] if seq.keys else None
-        for i in range(len(seq.keys), full):
-            parent = block_hash(parent, tokens[i * T:(i + 1) * T], request.salt)
-            seq.keys.append(parent)
-            self.pool.cache(seq.blocks[i], parent)  # False: an equal block is cached already; keep that one
+        first = len(seq.keys)
+        tokens = request.all_token_ids[first * T:full * T]
+        keys = chain_hashes(tokens, T, request.salt, seq.keys[-1] if seq.keys else None)  # = block_hash chained
+        for block, key in zip(seq.blocks[first:full], keys, strict=True):
+            self.pool.cache(block, key)  # False: an equal block is cached already; keep that one
+        seq.keys.extend(keys)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (cached ones stay evictable, the tail evicted first)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -26,59 +27,92 @@ if TYPE_CHECKING:
 class EvictionQueue:
     """Reusable blocks with no owner, in eviction order: lowest priority first, then least recently released.
 
-    Add, remove and ``pop`` are O(1) apart from a heap over the distinct priorities present (O(log p)).
+    Add, remove and ``pop`` are O(1) apart from a heap over the distinct priorities present (O(log p));
+    ``add_many`` / ``pop_many`` do the same for a run of blocks in one call.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, priority: list[int]) -> None:
         self._by_prio: dict[int, OrderedDict[int, None]] = {}
-        self._prio_of: dict[int, int] = {}
+        self._prio = priority  # priority[b]: what a queued block was queued with (the pool's list, shared)
         self._heap: list[int] = []  # distinct priorities; an entry whose bucket emptied is dropped lazily
         self._in_heap: set[int] = set()
+        self._len = 0
 
     def __len__(self) -> int:
-        return len(self._prio_of)
+        return self._len
 
     def __contains__(self, block: int) -> bool:
-        return block in self._prio_of
+        bucket = self._by_prio.get(self._prio[block]) if 0 <= block < len(self._prio) else None
+        return bucket is not None and block in bucket
 
-    def add(self, block: int, priority: int) -> None:
-        """Queue ``block`` as the most recently released of its priority."""
+    def _bucket(self, priority: int) -> OrderedDict[int, None]:
         bucket = self._by_prio.get(priority)
         if bucket is None:
             bucket = self._by_prio[priority] = OrderedDict()
             if priority not in self._in_heap:
                 heapq.heappush(self._heap, priority)
                 self._in_heap.add(priority)
-        bucket[block] = None
-        self._prio_of[block] = priority
+        return bucket
+
+    def add(self, block: int, priority: int) -> None:
+        """Queue ``block`` as the most recently released of its priority."""
+        self.add_many((block,), priority)
+
+    def add_many(self, blocks: Sequence[int], priority: int) -> None:
+        """Queue ``blocks`` (none of them queued) in order, as the most recently released of their priority."""
+        bucket, prio = self._bucket(priority), self._prio
+        for b in blocks:
+            bucket[b] = None
+            prio[b] = priority
+        self._len += len(blocks)
 
     def remove(self, block: int) -> None:
-        """Take ``block`` out of the queue (it is being reused)."""
-        priority = self._prio_of.pop(block)
+        """Take ``block`` out of the queue (it is being reused); ``KeyError`` if it is not queued."""
+        if block not in self:
+            raise KeyError(block)
+        priority = self._prio[block]
         bucket = self._by_prio[priority]
         del bucket[block]
         if not bucket:
             del self._by_prio[priority]
+        self._len -= 1
 
     def pop(self) -> int:
         """The next block to evict; ``IndexError`` when empty."""
-        while self._heap:
-            priority = self._heap[0]
-            bucket = self._by_prio.get(priority)
+        return self.pop_many(1)[0]
+
+    def pop_many(self, n: int) -> list[int]:
+        """The next ``n`` blocks to evict, in order (``n`` × :meth:`pop`); ``IndexError`` if fewer are queued."""
+        if n > self._len:
+            raise IndexError("no evictable block" if not self._len else f"{n} blocks asked, {self._len} evictable")
+        out: list[int] = []
+        heap, by_prio = self._heap, self._by_prio
+        while len(out) < n:
+            priority = heap[0]
+            bucket = by_prio.get(priority)
             if bucket is None:
-                heapq.heappop(self._heap)
+                heapq.heappop(heap)
                 self._in_heap.discard(priority)
                 continue
-            block, _ = bucket.popitem(last=False)
-            del self._prio_of[block]
-            if not bucket:
-                del self._by_prio[priority]
-            return block
-        raise IndexError("no evictable block")
+            need = n - len(out)
+            if need >= len(bucket):  # the whole bucket goes, oldest first
+                out += bucket
+                del by_prio[priority]
+            else:
+                popitem = bucket.popitem
+                for _ in range(need):
+                    out.append(popitem(last=False)[0])
+        self._len -= n
+        return out
 
     def blocks(self) -> list[int]:
         """Every queued block, in eviction order (for checks and tests)."""
         return [b for p in sorted(self._by_prio) for b in self._by_prio[p]]
+
+
+#: ``detach(group, nodes)``: the manager unhooks a group's evicted or dropped blocks from their radix
+#: nodes (one node per block, in eviction order); the pool has already cleared ``node[b]``.
+Detach = Callable[[str, "list[RadixNode]"], None]
 
 
 class GroupPool:
@@ -92,7 +126,7 @@ class GroupPool:
         self.node: list[RadixNode | None] = [None] * num_blocks  # radix node holding the block, if any
         self.priority = [0] * num_blocks  # eviction priority, set when the last owner lets go
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: pop() hands out low ids first
-        self.evictable = EvictionQueue()
+        self.evictable = EvictionQueue(self.priority)
         self.num_used = 0
         self.evictions = 0
 
@@ -111,41 +145,34 @@ class GroupPool:
         """Blocks an allocation can get: free plus evictable."""
         return len(self._free) + len(self.evictable)
 
-    def allocate(self, detach) -> int:
+    def allocate(self, detach: Detach) -> int:
         """Hand out one block with ``ref == 1``: a free one, else evict the next cached one.
 
-        ``detach(node, group, block)`` unhooks an evicted block from its radix node. Raises
-        ``IndexError`` when nothing is available (callers check :attr:`available` first).
+        ``detach`` unhooks an evicted block from its radix node. Raises ``IndexError`` when nothing is
+        available (callers check :attr:`available` first).
         """
-        if self._free:
-            b = self._free.pop()
-        else:
-            b = self.evictable.pop()
-            detach(self.node[b], self.name, b)
-            self.node[b] = None
-            self.evictions += 1
-        self.gen[b] += 1
-        self.ref[b] = 1
-        self.num_used += 1
-        return b
+        return self.allocate_many(1, detach)[0]
 
-    def allocate_many(self, n: int, detach) -> list[int]:
+    def allocate_many(self, n: int, detach: Detach) -> list[int]:
         """``n`` × :meth:`allocate` in one call (same blocks, same order); ``IndexError`` if fewer are available.
 
         Free blocks first (as :meth:`allocate` pops them), then evictions; nothing changes on error.
         """
-        if n > self.available:
+        if n > len(self._free) + len(self.evictable):
             raise IndexError(f"group {self.name}: {n} blocks asked, {self.available} free or evictable")
         free = self._free
         k = min(n, len(free))
         out = free[len(free) - k:][::-1]  # what k pops would return, in that order
         del free[len(free) - k:]
-        for _ in range(n - k):
-            b = self.evictable.pop()
-            detach(self.node[b], self.name, b)
-            self.node[b] = None
-            out.append(b)
-        self.evictions += n - k
+        if n > k:  # evict the rest in one pass; their nodes are unhooked together
+            evicted = self.evictable.pop_many(n - k)
+            owner = self.node
+            nodes = [owner[b] for b in evicted]
+            for b in evicted:
+                owner[b] = None
+            detach(self.name, nodes)  # type: ignore[arg-type]
+            self.evictions += n - k
+            out += evicted
         gen, ref = self.gen, self.ref
         for b in out:
             gen[b] += 1
@@ -162,7 +189,7 @@ class GroupPool:
             self.num_used += 1
         self.ref[b] += 1
 
-    def decref(self, b: int, priority: int, keep_cached: bool, detach) -> None:
+    def decref(self, b: int, priority: int, keep_cached: bool, detach: Detach) -> None:
         """One holder lets go of ``b``; at zero an attached block is cached (or dropped), others go free."""
         if self.ref[b] <= 0:
             raise RuntimeError(f"group {self.name}: block {b} released more often than held")
@@ -170,14 +197,50 @@ class GroupPool:
         if self.ref[b]:
             return
         self.num_used -= 1
-        if self.node[b] is not None and keep_cached:
-            self.priority[b] = priority
+        node = self.node[b]
+        if node is not None and keep_cached:
             self.evictable.add(b, priority)
             return
-        if self.node[b] is not None:
-            detach(self.node[b], self.name, b)
+        if node is not None:
             self.node[b] = None
+            detach(self.name, [node])
         self._free.append(b)
+
+    def release(self, blocks: Iterable[int], priority: int, keep_cached: bool, detach: Detach) -> None:
+        """:meth:`decref` each block of ``blocks`` in order (ids below 0 are skipped), in one pass.
+
+        Blocks that reach zero are queued for eviction (attached, ``keep_cached``) in that order with
+        ``priority``, or go to the free list in that order (attached ones are detached first).
+        """
+        ref, owner, free = self.ref, self.node, self._free
+        cached: list[int] = []
+        dropped: list[RadixNode] = []
+        released = 0
+        try:
+            for b in blocks:
+                if b < 0:
+                    continue
+                if ref[b] <= 0:
+                    raise RuntimeError(f"group {self.name}: block {b} released more often than held")
+                ref[b] -= 1
+                if ref[b]:
+                    continue
+                released += 1
+                node = owner[b]
+                if node is None:
+                    free.append(b)
+                elif keep_cached:
+                    cached.append(b)  # add_many records its priority
+                else:
+                    dropped.append(node)
+                    owner[b] = None
+                    free.append(b)
+        finally:  # what was released before an error stays consistent
+            self.num_used -= released
+            if cached:
+                self.evictable.add_many(cached, priority)
+            if dropped:
+                detach(self.name, dropped)
 
     def free_ids(self) -> list[int]:
         """The free list's blocks (for checks and tests)."""

@@ -39,9 +39,10 @@ refused for utilisation; the scheduler decides admission.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
-from cache_backends.hashing import block_hash
+from cache_backends.hashing import block_hash, chain_packed_hashes, pack_tokens
 from cache_backends.interface import ManagerOptions
 from cache_backends.layout import KvLayout, LayerGroup
 from cache_backends.pools import BlockPools
@@ -50,7 +51,7 @@ from cache_backends.reuse import partial_reuse_off_reason, partial_reuse_unit, r
 from cache_backends.v2.group_pool import GroupPool
 from cache_backends.v2.host_tier import HostTier, host_slots
 from cache_backends.v2.radix import RadixNode, RadixTree
-from cache_backends.v2.sequence import CacheState, SequenceCache
+from cache_backends.v2.sequence import NEVER, CacheState, SequenceCache
 
 
 def _tokens(request: Request, start: int, end: int) -> list[int]:
@@ -64,9 +65,10 @@ def _tokens(request: Request, start: int, end: int) -> list[int]:
     return prompt[start:] + request.output_token_ids[: end - n]
 
 
-def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
+def _common_prefix(a: bytes, b: bytes) -> int:
+    """How many token ids two packed runs (8 bytes each) share at the start."""
     n = 0
-    for x, y in zip(a, b, strict=False):
+    for x, y in zip(memoryview(a).cast("q"), memoryview(b).cast("q"), strict=False):  # equal bytes, equal ids
         if x != y:
             break
         n += 1
@@ -92,6 +94,10 @@ class KVCacheManagerV2:
         self.groups: tuple[LayerGroup, ...] = self.layout.groups
         self._pool = {g.name: GroupPool(g.name, pools.num_blocks[g.name]) for g in self.groups}
         self._group_pools = [(g.name, g.tokens_per_block, self._pool[g.name]) for g in self.groups]
+        # (group, token blocks per group block, pool's block -> node list) for keying; with reuse on,
+        # every group block spans a whole number of token blocks.
+        self._attach_steps = [(g.name, max(1, g.tokens_per_block // self.T), self._pool[g.name].node)
+                              for g in self.groups]
         self._sliding = [g for g in self.groups if g.window is not None]
         spans = [g.tokens_per_block for g in self.groups]
         self.reuse_unit: int | None = reuse_unit(self.layout)
@@ -136,7 +142,8 @@ class KVCacheManagerV2:
         if request.num_tokens > self.options.max_seq_len:
             raise ValueError(f"request {request.req_id}: {request.num_tokens} tokens exceed max_seq_len="
                              f"{self.options.max_seq_len}")
-        cache = SequenceCache(request, {g.name: [] for g in self.groups}, {g.name: 0 for g in self.groups})
+        cache = SequenceCache(request, {g.name: [] for g in self.groups}, {g.name: 0 for g in self.groups},
+                              key_at=self.T if self._reuse else NEVER)
         self._caches[request] = cache
         return cache
 
@@ -242,10 +249,7 @@ class KVCacheManagerV2:
             for name, slots in cache.host.items():
                 self.host.free(name, slots)
             cache.host = None
-        for node in reversed(cache.nodes):
-            node.users -= 1
-            if not node.blocks and not node.children and node.users == 0:  # else prune() would keep it
-                self._tree.prune(node)
+        self._tree.leave(reversed(cache.nodes))
         cache.nodes.clear()
 
     def preempt(self, request: Request) -> None:
@@ -368,7 +372,7 @@ class KVCacheManagerV2:
                              f"{cache.history - cache.committed} are scheduled")
         cache.committed += num_tokens
         request.num_computed_tokens = cache.committed
-        if self._reuse and cache.committed // self.T > len(cache.hashes):  # a block just filled up
+        if cache.committed >= cache.key_at:  # a block just filled up (never true with reuse off)
             self._key_full_blocks(cache)
         if self._sliding:
             self._release_window(cache)
@@ -443,6 +447,8 @@ class KVCacheManagerV2:
                 problems.append(f"{rid}: lengths {cache.committed}/{cache.history}/{cache.capacity}")
             if self._reuse and len(cache.hashes) != cache.committed // self.T:
                 problems.append(f"{rid}: {len(cache.hashes)} hashes for {cache.committed} committed tokens")
+            if cache.key_at != ((len(cache.hashes) + 1) * self.T if self._reuse else NEVER):
+                problems.append(f"{rid}: next block keyed at {cache.key_at} tokens with {len(cache.hashes)} hashes")
             if not cache.is_active:
                 continue
             for g in self.groups:
@@ -479,9 +485,12 @@ class KVCacheManagerV2:
                 if pool.node[b] is not None and pool.node[b].blocks.get(g.name) != b:
                     problems.append(f"group {g.name}: block {b} and its radix node disagree")
         for node in [*self._tree.roots.values(), *self._tree.nodes()]:
-            indexed = {key: child for group in node.by_first.values() for key, child in group.items()}
-            if indexed != node.children or any(child.tokens[0] != t for t, group in node.by_first.items()
-                                                for child in group.values()):
+            if node.by_first is None:
+                continue
+            expected: dict[bytes, list[RadixNode]] = {}
+            for child in node.children.values():
+                expected.setdefault(child.tokens[:8], []).append(child)
+            if {t: list(group.values()) for t, group in node.by_first.items()} != expected:
                 problems.append(f"radix node at depth {node.depth}: first-token index disagrees with its children")
         for node in self._tree.nodes():
             for name, b in node.blocks.items():
@@ -511,10 +520,9 @@ class KVCacheManagerV2:
             raise ValueError(f"request {request.req_id}: cache is suspended; resume() it first")
         return cache
 
-    def _detach(self, node: RadixNode, group: str, block: int) -> None:
-        """Unhook an evicted or dropped block from its radix node (pool side is the caller's)."""
-        del node.blocks[group]
-        self._tree.prune(node)
+    def _detach(self, group: str, nodes: list[RadixNode]) -> None:
+        """Unhook evicted or dropped blocks of ``group`` from their radix nodes (pool side is the caller's)."""
+        self._tree.detach(group, nodes)
 
     def _attach(self, node: RadixNode, group: str, block: int) -> None:
         pool = self._pool[group]
@@ -525,12 +533,9 @@ class KVCacheManagerV2:
     def _release_blocks(self, cache: SequenceCache) -> None:
         """Let go of every device block, tail first so the tail is evicted before the head."""
         priority = cache.request.priority
-        for g in self.groups:
-            pool, table = self._pool[g.name], cache.tables[g.name]
-            for b in reversed(table):
-                if b >= 0:
-                    pool.decref(b, priority, True, self._detach)
-            cache.tables[g.name] = []
+        for name, _, pool in self._group_pools:
+            pool.release(reversed(cache.tables[name]), priority, True, self._detach)
+            cache.tables[name] = []
 
     def _release_window(self, cache: SequenceCache) -> None:
         """Release sliding-group blocks that lie wholly before the oldest key the next query sees."""
@@ -549,51 +554,60 @@ class KVCacheManagerV2:
 
     def _key_full_blocks(self, cache: SequenceCache) -> None:
         """Hash newly full committed blocks into the radix tree and offer the cache's blocks to it."""
-        first, full = len(cache.hashes), cache.committed // self.T
+        T = self.T
+        hashes = cache.hashes
+        first, full = len(hashes), cache.committed // T
         if first >= full:
             return
-        request, T, salt = cache.request, self.T, cache.request.salt
-        tokens = _tokens(request, first * T, full * T)
-        parent = cache.nodes[-1] if cache.nodes else None
-        parent_hash = cache.hashes[-1] if cache.hashes else None
-        hashes, nodes, tables, child = cache.hashes, cache.nodes, cache.tables, self._tree.child
-        # One pass per block: this runs for every block a request fills, so the attach is inlined.
-        for off in range(0, (full - first) * T, T):
-            block_tokens = tuple(tokens[off : off + T])
-            key = block_hash(parent_hash, block_tokens, salt)
-            node = child(parent, salt, key, block_tokens)
-            node.users += 1
-            hashes.append(key)
-            nodes.append(node)
-            end = first * T + off + T
-            for name, tpb, pool in self._group_pools:
-                if end % tpb == 0:
-                    b = tables[name][end // tpb - 1]
-                    if b >= 0 and name not in node.blocks and pool.node[b] is None:  # = _attach
-                        node.blocks[name] = b
-                        pool.node[b] = node
-            parent, parent_hash = node, key
+        salt = cache.request.salt
+        packed = pack_tokens(_tokens(cache.request, first * T, full * T))  # once: the keys and the nodes use it
+        ahead, nodes = cache.ahead, cache.nodes
+        if ahead:  # keys the admission's lookup already computed, then the rest
+            keys = ahead[: full - first]
+            del ahead[: len(keys)]
+            if len(keys) < full - first:
+                keys += chain_packed_hashes(packed[len(keys) * 8 * T :], T, salt, keys[-1])
+        else:  # one pass over the run
+            keys = chain_packed_hashes(packed, T, salt, hashes[-1] if hashes else None)
+        new = self._tree.extend(nodes[-1] if nodes else None, salt, keys, packed, T)
+        hashes += keys
+        nodes += new
+        cache.key_at = (full + 1) * T
+        tables = cache.tables
+        # Offer every group block that ends on a new node to it (= _attach; inlined, it runs for every block).
+        for name, step, owner in self._attach_steps:
+            table = tables[name]
+            if step == 1:  # a group block per token block
+                pairs: Iterable[tuple[RadixNode, int]] = zip(new, table[first:full], strict=True)
+            else:  # token blocks j whose end is a group block's end: (j + 1) % step == 0
+                pairs = ((new[j - first], table[(j + 1) // step - 1])
+                         for j in range(-(-(first + 1) // step) * step - 1, full, step))
+            for node, b in pairs:
+                if b >= 0 and owner[b] is None and name not in node.blocks:
+                    node.blocks[name] = b
+                    owner[b] = node
 
-    def _match(self, request: Request) -> tuple[int, list[RadixNode], list[bytes], list[int]]:
-        """Walk the radix tree over the request's full blocks: (usable prefix, path, hashes, tokens)."""
+    def _match(self, request: Request) -> tuple[int, list[RadixNode], list[bytes]]:
+        """Walk the radix tree over the request's full blocks: (usable prefix, path, keys).
+
+        ``keys`` are the path's block keys, then the key of the first block not found, if any.
+        """
         limit = request.num_tokens - 1  # at least the last token is computed, so there are logits
         root = self._tree.root(request.salt)
         if root is None or limit < 1:
-            return 0, [], [], []
-        tokens = request.all_token_ids
+            return 0, [], []
         path: list[RadixNode] = []
-        hashes: list[bytes] = []
-        node, parent_hash = root, None
-        T = self.T
+        keys: list[bytes] = []
+        children, parent_hash, T, salt = root.children, None, self.T, request.salt
         for j in range(limit // T):
-            key = block_hash(parent_hash, tokens[j * T : (j + 1) * T], request.salt)
-            child = node.children.get(key)
+            key = block_hash(parent_hash, _tokens(request, j * T, (j + 1) * T), salt)
+            keys.append(key)
+            child = children.get(key)
             if child is None:
                 break
             path.append(child)
-            hashes.append(key)
-            node, parent_hash = child, key
-        return self._usable_prefix(path), path, hashes, tokens
+            children, parent_hash = child.children, key
+        return (self._usable_prefix(path) if path else 0), path, keys
 
     def _usable_prefix(self, path: list[RadixNode]) -> int:
         """The longest multiple of the reuse unit, within ``path``, whose blocks every group still holds."""
@@ -634,8 +648,8 @@ class KVCacheManagerV2:
         m = 0
         if self._reuse:
             self.counters["reuse_lookup_tokens"] += request.num_tokens
-            m, path, hashes, tokens = self._match(request)
-            for g in self.groups:
+            m, path, keys = self._match(request)
+            for g in self.groups if m else ():  # nothing matched: the tables stay as create() left them
                 tpb, step = g.tokens_per_block, g.tokens_per_block // T
                 lo = 0 if g.window is None else max(0, m - g.window + 1) // tpb
                 table = [-1] * lo
@@ -646,11 +660,13 @@ class KVCacheManagerV2:
                 cache.tables[g.name] = table
                 cache.released[g.name] = lo
             cache.nodes = path[: m // T]
-            cache.hashes = hashes[: m // T]
+            cache.hashes = keys[: m // T]
+            cache.ahead = keys[m // T :]  # the next blocks' keys: _key_full_blocks takes them when they fill
+            cache.key_at = (m // T + 1) * T
             for node in cache.nodes:
                 node.users += 1
             if self._partial:
-                m += self._claim_partial(cache, m, path, tokens)
+                m += self._claim_partial(cache, m, path)
         cache.committed = cache.history = cache.capacity = m
         cache.state = CacheState.ACTIVE
         cache.admitted = True
@@ -660,16 +676,20 @@ class KVCacheManagerV2:
         self.counters["reuse_hit_tokens"] += m
         self._release_window(cache)
 
-    def _claim_partial(self, cache: SequenceCache, m: int, path: list[RadixNode], tokens: list[int]) -> int:
+    def _claim_partial(self, cache: SequenceCache, m: int, path: list[RadixNode]) -> int:
         """Copy the best partially matching next block into fresh blocks (copy-on-write); tokens gained."""
         request = cache.request
         parent = path[m // self.T - 1] if m else self._tree.root(request.salt)
-        if parent is None or not tokens:
+        if parent is None or request.num_tokens < 2:  # nothing cached, or nothing to match (_match's limit)
             return 0
         limit = min(self.T - 1, request.num_tokens - 1 - m)
-        want = tokens[m : m + self.T]
+        want_ids = _tokens(request, m, m + self.T)
+        candidates = parent.children_starting_with(want_ids[0])  # any other child shares no token
+        if not candidates:
+            return 0
+        want = pack_tokens(want_ids)
         best, best_k = None, 0
-        for child in parent.children_starting_with(want[0]):  # any other child shares no token
+        for child in candidates:
             if len(child.blocks) != len(self.groups):
                 continue
             k = min(_common_prefix(child.tokens, want), limit)

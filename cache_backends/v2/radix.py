@@ -9,14 +9,30 @@ k-th node). Invariants:
 * ``node.blocks[g] == b`` if and only if the group pool's ``node[b] is node``.
 * ``node.users`` counts the live caches whose path runs through the node; a node is pruned when
   it has no blocks, no children and no users, and pruning walks up towards the root.
-* ``node.by_first[t]`` holds exactly the children whose block starts with token ``t``, in the order
-  of ``node.children``: partial matching only looks at children that share the first token (any
-  other child matches zero tokens), so it does not scan every child of a wide node.
+* ``node.tokens`` is the block's token ids packed as the key encodes them
+  (:func:`cache_backends.hashing.pack_tokens`: 8 bytes each): no per-token objects to hold or free.
+* ``node.by_first``, once built, maps each first token (its 8 packed bytes) to exactly the children
+  whose block starts with it, in the order of ``node.children``: partial matching only looks at children that share
+  the first token (any other child matches zero tokens), so it does not scan every child of a wide
+  node. It is built the first time partial matching asks a node with more than
+  ``INDEX_CHILDREN_AFTER`` children, and kept from then on; other nodes (most: the blocks of one
+  prompt have a single child each, and only nodes where a lookup ends are asked) never pay for it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import struct
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from types import MappingProxyType
+
+from cache_backends.hashing import pack_tokens
+
+#: What a node without children holds in ``children``: most nodes are leaves (a prompt's last
+#: blocks), so they get a dict only when a first child arrives.
+_NONE: Mapping = MappingProxyType({})
+
+#: A node indexes its children by first token once partial matching asks it with more children than this.
+INDEX_CHILDREN_AFTER = 8
 
 
 class RadixNode:
@@ -24,14 +40,14 @@ class RadixNode:
 
     __slots__ = ("blocks", "by_first", "children", "depth", "key", "parent", "salt", "tokens", "users")
 
-    def __init__(self, key: bytes | None, parent: RadixNode | None, tokens: tuple[int, ...], salt: str | None) -> None:
+    def __init__(self, key: bytes | None, parent: RadixNode | None, tokens: bytes, salt: str | None) -> None:
         self.key = key
         self.parent = parent
         self.tokens = tokens
         self.salt = salt
         self.depth = -1 if parent is None else parent.depth + 1
-        self.children: dict[bytes, RadixNode] = {}
-        self.by_first: dict[int, dict[bytes, RadixNode]] = {}
+        self.children: Mapping[bytes, RadixNode] = _NONE  # a dict once it has a child
+        self.by_first: dict[bytes, dict[bytes, RadixNode]] | None = None  # built on demand, see the module doc
         self.blocks: dict[str, int] = {}
         self.users = 0
 
@@ -40,9 +56,22 @@ class RadixNode:
         """Whether this is a salt's root (no tokens of its own)."""
         return self.parent is None
 
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        """The block's token ids (unpacked from :attr:`tokens`)."""
+        return struct.unpack(f"<{len(self.tokens) // 8}q", self.tokens)
+
     def children_starting_with(self, token: int) -> list[RadixNode]:
         """The children whose block starts with ``token``, in insertion order."""
-        group = self.by_first.get(token)
+        first = pack_tokens((token,))
+        if self.by_first is None:
+            if len(self.children) <= INDEX_CHILDREN_AFTER:
+                return [child for child in self.children.values() if child.tokens.startswith(first)]
+            by_first: dict[bytes, dict[bytes, RadixNode]] = {}
+            for key, child in self.children.items():
+                by_first.setdefault(child.tokens[:8], {})[key] = child
+            self.by_first = by_first
+        group = self.by_first.get(first)
         return list(group.values()) if group else []
 
 
@@ -57,28 +86,81 @@ class RadixTree:
         """The root of a reuse scope, if it has any node."""
         return self.roots.get(salt)
 
-    def child(self, parent: RadixNode | None, salt: str | None, key: bytes, tokens: tuple[int, ...]) -> RadixNode:
-        """The child of ``parent`` (``None``: the salt's root) with ``key``, created when missing."""
+    def extend(self, parent: RadixNode | None, salt: str | None, keys: Sequence[bytes], packed: bytes,
+               tokens_per_block: int) -> list[RadixNode]:
+        """The chain of nodes below ``parent`` (``None``: the salt's root) for consecutive blocks, each with one
+        more user: ``keys[i]`` with tokens ``[i*T, (i+1)*T)`` of ``packed`` (:func:`~cache_backends.hashing.
+        pack_tokens`), created when missing. One call per run of blocks."""
         if parent is None:
             parent = self.roots.get(salt)
             if parent is None:
-                parent = self.roots[salt] = RadixNode(None, None, (), salt)
-        node = parent.children.get(key)
-        if node is None:
-            node = parent.children[key] = RadixNode(key, parent, tokens, salt)
-            parent.by_first.setdefault(tokens[0], {})[key] = node
-            self.num_nodes += 1
-        return node
+                parent = self.roots[salt] = RadixNode(None, None, b"", salt)
+        stride = 8 * tokens_per_block
+        out: list[RadixNode] = []
+        created = 0
+        for i, key in enumerate(keys):
+            children = parent.children
+            node = children.get(key)
+            if node is None:
+                block_tokens = packed[i * stride:(i + 1) * stride]
+                node = RadixNode(key, parent, block_tokens, salt)
+                if children is _NONE:
+                    parent.children = {key: node}
+                else:
+                    children[key] = node  # type: ignore[index]
+                    if parent.by_first is not None:
+                        siblings = parent.by_first.get(block_tokens[:8])
+                        if siblings is None:
+                            parent.by_first[block_tokens[:8]] = {key: node}
+                        else:
+                            siblings[key] = node
+                created += 1
+            node.users += 1
+            out.append(node)
+            parent = node
+        self.num_nodes += created
+        return out
+
+    def detach(self, group: str, nodes: Iterable[RadixNode]) -> None:
+        """Unhook ``group``'s block from each node (evicted or dropped blocks) and prune every node left
+        with no block, child or user, walking up as :meth:`prune` does; one pass for a run of blocks."""
+        roots, removed = self.roots, 0
+        for node in nodes:
+            blocks = node.blocks
+            del blocks[group]
+            while not blocks and not node.children and not node.users and node.parent is not None:
+                parent = node.parent
+                del parent.children[node.key]  # type: ignore[attr-defined]
+                if parent.by_first is not None:
+                    siblings = parent.by_first[node.tokens[:8]]
+                    del siblings[node.key]
+                    if not siblings:
+                        del parent.by_first[node.tokens[:8]]
+                node.parent = None
+                removed += 1
+                node, blocks = parent, parent.blocks
+            if node.parent is None and not node.children and roots.get(node.salt) is node:
+                del roots[node.salt]
+        self.num_nodes -= removed
+
+    def leave(self, nodes: Iterable[RadixNode]) -> None:
+        """A cache lets go of its path (pass it deepest first): each node loses a user; nodes left with no
+        block, child or user are pruned."""
+        for node in nodes:
+            node.users -= 1
+            if not node.users and not node.blocks and not node.children:  # else prune() would keep it
+                self.prune(node)
 
     def prune(self, node: RadixNode) -> None:
         """Remove ``node`` and then its ancestors while they hold nothing and nobody uses them."""
         while node.parent is not None and not node.blocks and not node.children and node.users == 0:
             parent = node.parent
-            del parent.children[node.key]
-            siblings = parent.by_first[node.tokens[0]]
-            del siblings[node.key]
-            if not siblings:
-                del parent.by_first[node.tokens[0]]
+            del parent.children[node.key]  # type: ignore[attr-defined]
+            if parent.by_first is not None:
+                siblings = parent.by_first[node.tokens[:8]]
+                del siblings[node.key]
+                if not siblings:
+                    del parent.by_first[node.tokens[:8]]
             node.parent = None
             self.num_nodes -= 1
             node = parent

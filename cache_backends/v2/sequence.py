@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import enum
+import sys
 
 import attrs
 
 from cache_backends.request import Request
 from cache_backends.v2.radix import RadixNode
+
+#: ``SequenceCache.key_at`` when prefix reuse is off: no commit ever reaches it.
+NEVER = sys.maxsize
 
 
 class CacheState(enum.Enum):
@@ -30,7 +34,9 @@ class SequenceCache:
       id, or -1 for a sliding group's block that fell wholly out of the window (logical blocks below
       ``released[g]``).
     * ``hashes``/``nodes``: chained hash and radix node of every full committed ``T``-token block,
-      ``len == committed // T`` (only when prefix reuse is on).
+      ``len == committed // T`` (only when prefix reuse is on). ``key_at == (len(hashes) + 1) * T``:
+      the commit that reaches it fills a block to key (:data:`NEVER` with reuse off). ``ahead``: keys
+      of the next blocks that the admission's lookup already computed (the tokens never change).
     * While suspended after admission, ``host[g]`` maps each logical block to its host slot (-1: none),
       and ``reclaim[g][j] = (block, gen)`` remembers cached device blocks that can be taken back as-is.
     """
@@ -44,6 +50,8 @@ class SequenceCache:
     history: int = 0
     capacity: int = 0
     hashes: list[bytes] = attrs.Factory(list)
+    key_at: int = NEVER
+    ahead: list[bytes] = attrs.Factory(list)
     nodes: list[RadixNode] = attrs.Factory(list)
     host: dict[str, list[int]] | None = None
     reclaim: dict[str, dict[int, tuple[int, int]]] = attrs.Factory(dict)
