@@ -96,3 +96,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason=f"needs a CUDA device; torch {torch.__version__} sees none on this machine")
     for item in cuda_items:
         item.add_marker(skip)
+
+
+@pytest.fixture
+def track_pools(monkeypatch):
+    """Every BlockPools built during the test, to check what was allocated and released."""
+    from cache_backends.pools import BlockPools
+
+    built: list[BlockPools] = []
+    original = BlockPools.__init__
+
+    def init(self, *args, **kwargs):
+        built.append(self)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(BlockPools, "__init__", init)
+    return built

@@ -9,27 +9,12 @@ import pytest
 import torch
 
 import pipeline
-from cache_backends.pools import BlockPools
 from cache_backends.request import Request
 from pipeline import KvBuildError
 from pipeline.errors import KvRuntimeError
 from tests.kv_driver import drive
 
 CPU4K = {"device": "cpu", "kv_cache_config": {"max_tokens": 4096}}
-
-
-@pytest.fixture
-def track_pools(monkeypatch):
-    """Every BlockPools built during the test, to check what was released."""
-    built: list[BlockPools] = []
-    original = BlockPools.__init__
-
-    def init(self, *args, **kwargs):
-        built.append(self)
-        original(self, *args, **kwargs)
-
-    monkeypatch.setattr(BlockPools, "__init__", init)
-    return built
 
 
 def test_load_builds_v1_with_the_planned_pools_and_reports_it(track_pools):

@@ -99,20 +99,6 @@ V4 = {"device": "cpu", "kv_cache_config": {"max_tokens": 65536}}
 V4_POOL_BYTES = 6_684_672  # tiny-deepseek-v4 at max_tokens=65536 (float32)
 
 
-@pytest.fixture
-def track_pools(monkeypatch):
-    """Every BlockPools built during the test."""
-    built: list[BlockPools] = []
-    original = BlockPools.__init__
-
-    def init(self, *args, **kwargs):
-        built.append(self)
-        original(self, *args, **kwargs)
-
-    monkeypatch.setattr(BlockPools, "__init__", init)
-    return built
-
-
 def _v4(host_cache_size):
     return {"device": "cpu", "kv_cache_config": {"max_tokens": 65536, "host_cache_size": host_cache_size}}
 

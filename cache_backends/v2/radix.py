@@ -124,23 +124,15 @@ class RadixTree:
     def detach(self, group: str, nodes: Iterable[RadixNode]) -> None:
         """Unhook ``group``'s block from each node (evicted or dropped blocks) and prune every node left
         with no block, child or user, walking up as :meth:`prune` does; one pass for a run of blocks."""
-        roots, removed = self.roots, 0
+        removed = 0
         for node in nodes:
             blocks = node.blocks
             del blocks[group]
             while not blocks and not node.children and not node.users and node.parent is not None:
-                parent = node.parent
-                del parent.children[node.key]  # type: ignore[attr-defined]
-                if parent.by_first is not None:
-                    siblings = parent.by_first[node.tokens[:8]]
-                    del siblings[node.key]
-                    if not siblings:
-                        del parent.by_first[node.tokens[:8]]
-                node.parent = None
+                node = self._unhook(node)
                 removed += 1
-                node, blocks = parent, parent.blocks
-            if node.parent is None and not node.children and roots.get(node.salt) is node:
-                del roots[node.salt]
+                blocks = node.blocks
+            self._drop_empty_root(node)
         self.num_nodes -= removed
 
     def leave(self, nodes: Iterable[RadixNode]) -> None:
@@ -154,16 +146,25 @@ class RadixTree:
     def prune(self, node: RadixNode) -> None:
         """Remove ``node`` and then its ancestors while they hold nothing and nobody uses them."""
         while node.parent is not None and not node.blocks and not node.children and node.users == 0:
-            parent = node.parent
-            del parent.children[node.key]  # type: ignore[attr-defined]
-            if parent.by_first is not None:
-                siblings = parent.by_first[node.tokens[:8]]
-                del siblings[node.key]
-                if not siblings:
-                    del parent.by_first[node.tokens[:8]]
-            node.parent = None
+            node = self._unhook(node)
             self.num_nodes -= 1
-            node = parent
+        self._drop_empty_root(node)
+
+    @staticmethod
+    def _unhook(node: RadixNode) -> RadixNode:
+        """Remove ``node`` from its parent's child indexes; return the parent."""
+        parent = node.parent
+        del parent.children[node.key]  # type: ignore[attr-defined]
+        if parent.by_first is not None:
+            siblings = parent.by_first[node.tokens[:8]]
+            del siblings[node.key]
+            if not siblings:
+                del parent.by_first[node.tokens[:8]]
+        node.parent = None
+        return parent
+
+    def _drop_empty_root(self, node: RadixNode) -> None:
+        """Forget a salt's root once it has no child left."""
         if node.parent is None and not node.children and self.roots.get(node.salt) is node:
             del self.roots[node.salt]
 
