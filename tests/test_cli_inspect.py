@@ -10,9 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvload.explain import field_chain, verify_log
 from models import ModelSpec, register_model, unregister_model
 from pipeline.audit import AuditLog
-from pipeline.explain import field_chain, verify_log
 from tests.cli_support import read_events, run_cli, write_events
 
 V2 = "kv_cache_config.use_kv_cache_manager_v2"
@@ -314,7 +314,7 @@ def test_unexpected_failure_is_one_line_exit_1_and_debug_shows_the_traceback(cap
     def boom(*_a, **_k):
         raise RuntimeError("disk on fire\nsecond line")
 
-    monkeypatch.setattr("pipeline.explain.summarize", boom)
+    monkeypatch.setattr("kvload.explain.summarize", boom)
     r = run_cli(capsys, "audit", log)
     assert r.code == 1 and r.one_error_line and r.out == ""
     assert r.err == "error: RuntimeError: disk on fire (run with --debug for the traceback)\n"

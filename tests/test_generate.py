@@ -11,7 +11,7 @@ import pytest
 
 import pipeline
 from tests.generate_support import NEW_TOKENS, hf_greedy, load, prompts_for, used_blocks
-from tests.test_paged_generation import CUDA, FAMILIES
+from tests.paged_support import CUDA, FAMILIES
 
 STAGGER = [0, 1, 2, 5]
 

@@ -13,16 +13,7 @@ from cache_backends.interface import KVCacheManagerProtocol, ManagerOptions
 from cache_backends.pools import BlockPools
 from cache_backends.request import Request
 from cache_backends.v1 import KVCacheManager
-
-T = 4
-KV_HEADS, HEAD_DIM, LAYERS = 2, 3, 2
-
-
-def make_manager(num_blocks: int = 16, reuse: bool = True, T: int = T, dtype: str = "float32",
-                 max_seq_len: int = 1024) -> KVCacheManager:
-    layers = [LayerKV(i, "full", 2 * KV_HEADS * HEAD_DIM) for i in range(LAYERS)]
-    pools = BlockPools(build_layout(layers, "v1", T, dtype), {"uniform": num_blocks}, "cpu")
-    return KVCacheManager(pools, ManagerOptions(max_seq_len=max_seq_len, enable_block_reuse=reuse))
+from tests.kv_v1_support import HEAD_DIM, KV_HEADS, LAYERS, T, make_manager
 
 
 def run_prefill(m: KVCacheManager, r: Request) -> None:

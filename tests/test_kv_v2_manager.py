@@ -10,26 +10,7 @@ from cache_backends.interface import ManagerOptions
 from cache_backends.pools import BlockPools
 from cache_backends.request import Request
 from cache_backends.v2 import CacheState, KVCacheManagerV2
-from tests.test_kv_v2_harness import check_kv, full_sliding_layers, make_manager, write_kv
-
-FULL = [LayerKV(0, "full", 4)]
-
-
-def admit(manager: KVCacheManagerV2, request: Request) -> None:
-    manager.create(request)
-    assert manager.resume(request)
-
-
-def compute(manager: KVCacheManagerV2, request: Request, n: int) -> None:
-    """Schedule, 'run the forward' (write synthetic KV) and commit ``n`` tokens."""
-    assert manager.allocate(request, n)
-    write_kv(manager, request, request.num_computed_tokens, n)
-    manager.commit(request, n)
-
-
-def prefill(manager: KVCacheManagerV2, request: Request) -> None:
-    admit(manager, request)
-    compute(manager, request, request.num_tokens - request.num_computed_tokens)
+from tests.kv_v2_support import FULL, admit, check_kv, compute, full_sliding_layers, make_manager, prefill, write_kv
 
 
 def lengths(manager: KVCacheManagerV2, request: Request) -> tuple[int, int, int]:

@@ -27,7 +27,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from cache_backends import LayerKV
 from cache_backends.request import Request
 from cache_backends.v2 import CacheState
-from tests.test_kv_v2_harness import check_kv, make_manager, write_kv
+from tests.kv_v2_support import check_kv, make_manager, write_kv
 
 BLOCKS = 5
 MAX_SEQ = 48

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from engine.simulator import METRIC_FIELDS, percentile, simulate
+from engine.workloads import Workload, make_workload
 from pipeline.errors import ConfigError, KvBuildError
-from pipeline.simulator import METRIC_FIELDS, percentile, simulate
-from pipeline.workloads import Workload, make_workload
 
 CPU = {"device": "cpu", "log": False, "progress": False}
 T = 32  # tokens_per_block of the tiny presets
