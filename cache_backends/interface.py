@@ -37,7 +37,7 @@ class ManagerOptions:
     enable_partial_reuse: bool = True
     host_cache_size: int | None = None  # V2: None = auto-size a host tier, 0 = none
     max_util_for_resume: float = 0.95  # V2: refuse to resume above this device utilisation
-    enable_swa_scratch_reuse: bool = False  # V2
+    enable_swa_scratch_reuse: bool = True  # V2: out-of-window blocks stay in the prefix cache (False: dropped)
 
 
 @attrs.frozen

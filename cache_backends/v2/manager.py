@@ -6,9 +6,13 @@ How the pieces fit (TensorRT-LLM's V2 ideas, this project's code):
   position ``p`` of a sequence lives in logical block ``p // tpb(g)`` of group ``g`` (``tpb`` =
   ``group.tokens_per_block``; compressed groups hold ``tpb / c`` entries per block).
 * **Windows.** After each commit a sliding group releases every block that lies wholly before
-  ``committed - window + 1`` (the oldest key the next query can see). Released blocks go to the free
-  list; with ``enable_swa_scratch_reuse`` a released block that is a cached prefix block stays
-  cached (evictable) instead, so later requests can still reuse prefixes longer than the window.
+  ``committed - window + 1`` (the oldest key the next query can see). A released block that is a
+  keyed prefix block stays in the prefix cache (evictable, like any cached block nobody holds), so a
+  later request whose prefix is longer than the window still hits: a sliding group's part of a hit at
+  ``m`` tokens needs only the blocks the window at ``m`` reads (``[m - window + 1, m)``), not the ones
+  before it (vLLM's sliding-window manager matches the same way). ``enable_swa_scratch_reuse`` (on
+  by default) is that keeping; set to false, out-of-window blocks go straight to the free list instead
+  (their memory is never held by the cache, and prefixes longer than a window are not reused).
 * **Prefix reuse.** Full committed ``T``-token blocks are keyed by chained SHA-256 with the request's
   salt and hung in a :class:`~cache_backends.v2.radix.RadixTree`. A new request walks it over its
   tokens and takes the longest prefix ``m`` that (a) is a multiple of the *reuse unit* — the lcm of
