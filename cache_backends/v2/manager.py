@@ -47,7 +47,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from cache_backends.hashing import block_hash, chain_packed_hashes, pack_tokens
-from cache_backends.interface import ManagerOptions
+from cache_backends.interface import ManagerOptions, prefix_cache_in_use
 from cache_backends.layout import KvLayout, LayerGroup
 from cache_backends.pools import BlockPools
 from cache_backends.request import Request
@@ -387,6 +387,19 @@ class KVCacheManagerV2:
         if group not in cache.tables:
             raise ValueError(f"no layer group {group!r}; groups: {', '.join(cache.tables)}")
         return list(cache.tables[group])
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix: the radix tree is emptied and every block of every group is free.
+
+        Refused (``PrefixCacheInUseError``) while any request has a cache here, active or suspended: their
+        paths run through the tree, and a suspended one may take cached blocks back on resume.
+        """
+        self._check_open()
+        if self._caches:
+            raise prefix_cache_in_use([r.req_id for r in self._caches])
+        for pool in self._pool.values():
+            pool.reset()
+        self._tree = RadixTree()
 
     # --- reporting -------------------------------------------------------------------------------
 
