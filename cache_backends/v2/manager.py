@@ -342,6 +342,39 @@ class KVCacheManagerV2:
                 hi = mid
         return lo
 
+    def growth_blocks(self, request: Request, ratio: float, scheduled: int = 0) -> dict[str, int]:
+        """Blocks per group ``request`` would still take for ``scheduled`` more tokens, then ``ratio`` of the way on
+        to its worst case (:meth:`worst_case_tokens`); a sliding group never needs more than its window's blocks.
+        An estimate for admission (block rounding per group, windows as whole), never an allocation."""
+        cache = self._active(request)
+        now = cache.capacity
+        start = max(now, cache.committed + scheduled)
+        target = start + math.ceil(ratio * max(0, self.worst_case_tokens(request) - start))
+        return {g.name: max(0, g.blocks_for(target) - g.blocks_for(now)) for g in self.groups}
+
+    def headroom_blocks(self, requests: Iterable[Request], ratio: float) -> dict[str, int]:
+        """:meth:`growth_blocks` summed over active ``requests`` (one pass, no per-request dicts: it runs every
+        step that admits)."""
+        spec = [(g.tokens_per_block, g.max_blocks_per_sequence) for g in self.groups]
+        out = [0] * len(spec)
+        limit, caches, ceil = self.options.max_seq_len, self._caches, math.ceil
+        for r in requests:
+            now = caches[r].capacity
+            worst = max(r.num_tokens, min(r.max_total_tokens, limit))
+            if worst <= now:
+                continue
+            target = now + ceil(ratio * (worst - now))
+            for i, (tpb, cap) in enumerate(spec):
+                a, b = -(-target // tpb), -(-now // tpb)
+                if cap is not None:
+                    a, b = min(a, cap), min(b, cap)
+                out[i] += a - b
+        return {g.name: k for g, k in zip(self.groups, out, strict=True)}
+
+    def available_blocks(self) -> dict[str, int]:
+        """Blocks per group an allocation could take now (free plus evictable)."""
+        return {name: pool.available for name, pool in self._pool.items()}
+
     def worst_case_tokens(self, request: Request) -> int:
         """Tokens ``request`` holds at its longest: prompt + max_new_tokens capped at ``max_seq_len``
         (or what it holds now, if a driver already fed it more)."""
