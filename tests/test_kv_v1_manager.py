@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
 from cache_backends import LayerKV, build_layout
-from cache_backends.interface import KVCacheManagerProtocol, ManagerOptions
+from cache_backends.interface import KVCacheManagerProtocol, ManagerOptions, PrefixCacheInUseError
 from cache_backends.pools import BlockPools
 from cache_backends.request import Request
 from cache_backends.v1 import KVCacheManager
@@ -263,6 +263,16 @@ class V1Machine(RuleBasedStateMachine):
             self.live.remove(r)
         self.m.free(r)
 
+    @rule()
+    def reset_prefix_cache(self):
+        if self.live:
+            with pytest.raises(PrefixCacheInUseError):
+                self.m.reset_prefix_cache()
+            return
+        self.m.reset_prefix_cache()
+        assert self.m.pool.num_evictable == 0 and not self.m.pool.cached
+        assert self.m.find_prefix(Request("probe", [1, 2, 3, 4, 5, 6, 7, 8, 0], 0)).num_tokens == 0
+
     @invariant()
     def invariants(self):
         pool = self.m.pool
@@ -279,6 +289,8 @@ class V1Machine(RuleBasedStateMachine):
                     tokens = (r.salt, tuple(r.all_token_ids[: (i + 1) * T]))
                     assert content.setdefault(bid, tokens) == tokens, "a block shared by different prefixes"
         assert {b.block_id: b.ref_cnt for b in pool.blocks if b.ref_cnt} == owners
+        keyed = [b.block_hash is not None for b in pool.free_queue]
+        assert keyed == sorted(keyed), "an empty block queued behind a cached one would evict the cached one first"
         s = self.m.stats()["groups"]["uniform"]
         assert s["free"] + s["evictable"] + s["used"] == s["blocks"] == 12
 
