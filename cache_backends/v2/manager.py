@@ -335,7 +335,7 @@ class KVCacheManagerV2:
             needs = []
             for name, tpb, pool in self._group_pools:
                 k = -(-target // tpb) - len(tables[name])
-                if k > len(pool._free) + len(pool.evictable):
+                if k > len(pool._free) + len(pool.evictable):  # pool.available, inlined (hot path)
                     n = self.fit_tokens(request, want)
                     if n and not self.allocate(request, n):
                         raise RuntimeError(f"request {request.req_id}: allocation of {n} tokens failed after fitting")
