@@ -21,6 +21,7 @@ from the load's own events.
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -71,11 +72,11 @@ class SamplingParams:
     def __attrs_post_init__(self) -> None:
         _check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1, "max_new_tokens", "an integer >= 1",
                self.max_new_tokens)
-        _check(_is_number(self.temperature) and self.temperature >= 0 and self.temperature == self.temperature,
-               "temperature", "a number >= 0 (0 = greedy)", self.temperature)
+        _check(_is_number(self.temperature) and self.temperature >= 0 and math.isfinite(self.temperature),
+               "temperature", "a finite number >= 0 (0 = greedy)", self.temperature)
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]", self.top_p)
-        _check(self.seed is None or (_is_int(self.seed) and self.seed >= 0), "seed", "an integer >= 0 or None",
-               self.seed)
+        _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed <= 2**63 - 1), "seed",
+               "an integer in [0, 2**63 - 1] or None", self.seed)
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", "true or false", self.ignore_eos)
 
     @property
@@ -168,11 +169,16 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generat
     The nucleus is the smallest set of most likely tokens whose probability reaches ``top_p`` (the
     most likely token is always in it).
     """
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    # float64, and the largest logit subtracted first: a tiny temperature (1e-300) then sharpens to
+    # argmax instead of overflowing float32 to inf/nan; a huge one flattens to uniform.
+    scaled = logits.double()
+    probs = torch.softmax((scaled - scaled.max()) / temperature, dim=-1)
     if top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of the more likely tokens
-        sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
+        cut = before >= top_p
+        cut[..., 0] = False  # the most likely token is always kept, however small top_p is (1e-50)
+        sorted_probs = sorted_probs.masked_fill(cut, 0.0)
         pick = torch.multinomial(sorted_probs, 1, generator=generator)
         return int(order[pick])
     return int(torch.multinomial(probs, 1, generator=generator))
