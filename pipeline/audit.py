@@ -134,7 +134,7 @@ class AuditLog:
         version = header.get("schema_version")
         if not isinstance(version, int) or isinstance(version, bool) or version != AUDIT_SCHEMA_VERSION:
             raise AuditError(
-                f"{p}: schema_version {short(version)} is not supported "
+                f"{p}: line 1: schema_version {short(version)} is not supported "
                 f"(this kvload reads {AUDIT_SCHEMA_VERSION}, an integer)"
             )
         known = frozenset(flatten(framework_defaults()))
@@ -248,6 +248,7 @@ class JsonlSink:
         self._file: Any = None
         self._tmp: str | None = None
         self._pending: dict[str, Any] | None = None
+        self._closed = False
 
     def _open(self) -> None:
         parent = self.path.parent if str(self.path.parent) else Path(".")
@@ -259,7 +260,7 @@ class JsonlSink:
                 raise ConfigError(f"{self.flag} {self.path}: cannot create a file in {parent} "
                                   f"({exc.strerror or exc.__class__.__name__})") from None
             self._tmp = name
-        self._file = os.fdopen(fd, "w", encoding="utf-8")
+            self._file = os.fdopen(fd, "w", encoding="utf-8")
         self._hold({**header_record(), "chain": self._chain.kind})
 
     def _hold(self, record: dict[str, Any]) -> None:
@@ -278,8 +279,10 @@ class JsonlSink:
 
     def close(self, ok: bool = True) -> None:
         """Publish the file (``ok``) or discard it; ``ConfigError`` when the target appeared meanwhile."""
+        if self._closed:
+            return
         if self._file is None:
-            if not ok or self._tmp is not None:
+            if not ok:
                 return
             self._open()
         with deferred():
@@ -290,7 +293,7 @@ class JsonlSink:
                 if ok:
                     self._publish()
             finally:
-                self._file = None
+                self._file, self._closed = None, True
                 if self._tmp is not None and os.path.lexists(self._tmp):
                     os.unlink(self._tmp)
                 self._tmp = None

@@ -626,7 +626,7 @@ def add_simulate_command(sub: Any) -> None:
     add_model_flags(p)
     g = p.add_argument_group("workload")
     g.add_argument("--workload", required=True, choices=tuple(WORKLOADS), help="which synthetic workload")
-    g.add_argument("--requests", type=integer, default=None, metavar="N",
+    g.add_argument("--requests", type=_bounded(integer, lambda v: v >= 1, "an integer >= 1"), default=None, metavar="N",
                    help="number of requests (default: the workload's, see below)")
     g.add_argument("--seed", type=_bounded(integer, lambda v: v >= 0, "an integer >= 0"), default=0, metavar="S",
                    help="random seed of the token ids (default 0)")
