@@ -517,7 +517,9 @@ def add_inspection_commands(sub: Any) -> None:
                     "\"auto\" resolution, every model default applied or skipped, and the warnings.",
         epilog="--verify folds the value-changing events over the framework defaults and compares the\n"
                "result with the final args recorded by pipeline_finished; it also checks that no event\n"
-               "was removed or reordered and that the recorded route matches executor_routed.\n"
+               "was removed or reordered, that the recorded route matches executor_routed, that events\n"
+               "restating each other agree, and the hash chain (the 'chain' line says what it proved:\n"
+               "sha256, hmac-sha256 with KVLOAD_AUDIT_KEY, or no chain for logs written before chaining).\n"
                "Exit status: 0 verified, 1 does not verify, 2 unreadable or not a kvload audit log.")
     p.add_argument("audit", metavar="AUDIT.jsonl", help="an audit log written with --audit-log")
     p.add_argument("--verify", action="store_true", help="replay the events; exit 1 if they disagree with the log")

@@ -30,8 +30,8 @@ def int_text(value: int) -> str:
 
 def short(value: Any, width: int = 60) -> str:
     """``repr`` of a value cut to ``width`` characters, safe for huge integers and shared (alias bomb) containers."""
-    if isinstance(value, bool) or value is None:
-        return repr(value)
+    if isinstance(value, bool) or value is None:  # as JSON and YAML spell them: what the user wrote
+        return "null" if value is None else "true" if value else "false"
     if isinstance(value, int):
         return int_text(value)
     if isinstance(value, Mapping):
