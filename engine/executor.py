@@ -38,7 +38,7 @@ from engine.sampling import eos_token_ids, sample_token
 from engine.sampling_params import SamplingParams, check, is_int
 from models.paged_forward import ATTN_IMPLEMENTATION, register_paged_attention, run_forward
 from pipeline.errors import GenerationError, KvBuildError, KvRuntimeError, first_line
-from pipeline.events import Event, GenerationFailed, GenerationFinished, GenerationStarted
+from pipeline.events import Event, GenerationFailed, GenerationFinished, GenerationStarted, SettingIgnored
 
 #: A prompt: text (needs a tokenizer) or token ids.
 Prompt = str | Sequence[int]
@@ -160,6 +160,11 @@ class GenerationExecutor:
             call=call, requests=len(lives), prompt_tokens=sum(len(ids) for _, ids in items),
             max_new_tokens=params.max_new_tokens, temperature=float(params.temperature), top_p=float(params.top_p),
             seed=seed, salted=salt is not None, kv_manager=type(self.manager).__name__))
+        if params.greedy:  # greedy draws nothing: a seed or a nucleus the caller gave would silently do nothing
+            for name, value, unset in (("seed", seed, None), ("top_p", params.top_p, 1.0)):
+                if value != unset:
+                    self._event(SettingIgnored(field=f"generate.{name}", value=value,
+                                               reason="temperature is 0 (greedy): nothing is sampled"))
         outputs: dict[int, GenerationOutput] = {}
         start = time.perf_counter()
         forward_s = kv_s = 0.0
