@@ -28,6 +28,7 @@ every token of a sliding layer in its uniform pool, and the mask still applies t
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -89,7 +90,8 @@ class PagedBatch:
     :meth:`pad_queries` and :meth:`unpad`.
     """
 
-    def __init__(self, chunks: Sequence[SeqChunk], pools: BlockPools) -> None:
+    def __init__(self, chunks: Sequence[SeqChunk], pools: BlockPools,
+                 tables: Mapping[str, torch.Tensor] | None = None) -> None:
         if not chunks:
             raise ValueError("a step needs at least one chunk")
         if pools.released:
@@ -119,13 +121,25 @@ class PagedBatch:
         self.last_token_index = (torch.cumsum(self._n, 0) - 1).to(self.device)
         #: row of each packed token in the padded (B * max_q) query layout
         self._q_row = (seq * self.max_q + offset).to(self.device)
-        self._tables: dict[str, torch.Tensor] = {}
+        self._tables: dict[str, torch.Tensor] = dict(tables) if tables is not None else {}
+        for group, table in self._tables.items():
+            self._check_table(group, table)
+        #: the compiled path (``cache_backends.flex_paged``) when the step runs on it; None: gather + SDPA
+        self.flex: Any = None
         self._write_slots: dict[str, torch.Tensor] = {}
 
     @classmethod
-    def build(cls, chunks: Sequence[SeqChunk], pools: BlockPools) -> PagedBatch:
-        """Plan a step; checks every group's tables cover the new tokens (gathers are planned lazily per layer)."""
-        batch = cls(chunks, pools)
+    def build(cls, chunks: Sequence[SeqChunk], pools: BlockPools, tables: Mapping[str, torch.Tensor] | None = None,
+              flex: Any = None) -> PagedBatch:
+        """Plan a step; checks every group's tables cover the new tokens (gathers are planned lazily per layer).
+
+        ``tables`` gives each group's block tables as a ``(B, width)`` tensor padded with -1 (kept across
+        steps by ``cache_backends.block_tables.BlockTableStore``); without it they come from the chunks'
+        lists. ``flex`` (a ``cache_backends.flex_paged.FlexPagedAttention``) runs the step's attention
+        on the compiled path.
+        """
+        batch = cls(chunks, pools, tables)
+        batch.flex = flex
         for group in pools.groups:
             batch.write_slots(group)
         return batch
@@ -149,6 +163,24 @@ class PagedBatch:
         route = LayerRoute(layer, kv.kind, kv.window, group, pos, kv.entry_elems)
         self._routes[layer] = route
         return route
+
+    def _check_table(self, group: str, table: torch.Tensor) -> None:
+        """A given table: one row per sequence, wide enough for every new token's block."""
+        if group not in self.pools.groups:
+            raise ValueError(f"block tables for group {group!r}, which the pools do not have")
+        if table.dim() != 2 or table.shape[0] != self.num_seqs:
+            raise ValueError(f"group {group!r}: block tables of shape {tuple(table.shape)}, expected "
+                             f"({self.num_seqs}, blocks)")
+        tpb = self.pools.groups[group].tokens_per_block
+        short = (self._end - 1) // tpb >= table.shape[1]
+        if short.any():
+            b = int(short.nonzero()[0])
+            raise ValueError(f"sequence {b}: block table of group {group!r} has {table.shape[1]} blocks of {tpb} "
+                             f"tokens; position {int(self._end[b]) - 1} needs {(int(self._end[b]) + tpb - 1) // tpb}")
+
+    def table(self, group: str) -> torch.Tensor:
+        """Block tables of a group as a ``(B, width)`` CPU int64 tensor, padded with -1."""
+        return self._table(group)
 
     def _table(self, group: str) -> torch.Tensor:
         """Block tables of a group as a (B, max_blocks) CPU tensor, padded with -1."""

@@ -29,6 +29,7 @@ from typing import Any
 import attrs
 import torch
 
+from cache_backends.block_tables import BlockTableStore
 from cache_backends.interface import SchedulerOutput
 from cache_backends.paged_attention import SERVED_KINDS, PagedBatch, SeqChunk
 from cache_backends.request import Request
@@ -248,6 +249,11 @@ class GenerationExecutor:
         self._emit = emit
         self._calls = 0
         self._live: dict[str, _Live] = {}
+        width = max(-(-self.max_seq_len // g.tokens_per_block) for g in manager.layout.groups)
+        #: every live request's block tables as tensor rows, appended to step by step
+        self._block_tables = BlockTableStore(self.groups, width)
+        #: the compiled attention path (None: gather + SDPA), set by ``from_result`` from ``attention_backend``
+        self.flex: Any = None
         self.last_stats: GenerationStats | None = None
         unserved = sorted({layer.kind for layer in manager.layout.layers
                            if layer.kind not in SERVED_KINDS or layer.compress_rate is not None})
@@ -361,11 +367,13 @@ class GenerationExecutor:
         except BaseException as exc:
             self._abort(driver)
             self._live = {}
+            self._block_tables.keep_only(())
             self._event(GenerationFailed(call=call, error=type(exc).__name__,
                                          message=str(exc).strip().splitlines()[0] if str(exc).strip() else "",
                                          finished=len(outputs)))
             raise
         self._live = {}
+        self._block_tables.keep_only(())
         wall = time.perf_counter() - start
         after = self._counters()
         ordered = [outputs[i] for i in range(len(lives))]
@@ -400,13 +408,20 @@ class GenerationExecutor:
 
     def _compute(self, out: SchedulerOutput, params: SamplingParams) -> dict[str, int]:
         """The step's forward: every scheduled chunk packed into one row; next tokens of requests that reach the end."""
-        chunks = []
+        chunks, rows = [], []
+        store = self._block_tables
         for scheduled in out.scheduled:
             req = scheduled.request
             start = req.num_computed_tokens
             ids = req.all_token_ids[start:start + scheduled.num_tokens]
-            chunks.append(SeqChunk(ids, start, {g: self.manager.block_table(req, g) for g in self.groups}))
-        logits = run_forward(self.model, PagedBatch.build(chunks, self.pools))
+            chunks.append(SeqChunk(ids, start, {}))
+            for g in self.groups:  # only what changed since the last step is written
+                store.update(req.req_id, g, self.manager.block_table(req, g))
+            rows.append(store.row(req.req_id))
+        if len(store) > 2 * len(self._live) + 8:  # rows of requests finished in earlier steps go back
+            store.keep_only(self._live)
+        batch = PagedBatch.build(chunks, self.pools, store.tables(rows), flex=self.flex)
+        logits = run_forward(self.model, batch)
         rows = [i for i, s in enumerate(out.scheduled)
                 if s.request.num_computed_tokens + s.num_tokens == s.request.num_tokens]
         if not rows:
