@@ -345,8 +345,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 def paged_attention(batch: PagedBatch, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     scale: float, softcap: float | None = None) -> torch.Tensor:
-    """One layer of a step: write the new K/V, gather the visible K/V, attend. Packed ``(N, heads, d)`` in and out."""
+    """One layer of a step: write the new K/V, gather the visible K/V, attend. Packed ``(N, heads, d)`` in and out.
+
+    A batch planned with ``flex=`` attends on the compiled path instead (no gather).
+    """
     write_kv(batch, layer, key, value)
+    if batch.flex is not None:
+        return batch.flex.attend(batch, layer, query, key.shape[1], key.shape[2], scale, softcap)
     k, v = split_kv(batch.gather(layer, query.dtype), key.shape[1], key.shape[2])
     out = attend(batch.pad_queries(query), k, v, batch.mask(layer), scale, softcap)
     return batch.unpad(out)

@@ -61,6 +61,8 @@ def paged_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor,
         k, v = key, value
     else:
         write_kv(batch, layer, key[0].transpose(0, 1), value[0].transpose(0, 1))
+        if batch.flex is not None:  # the compiled path reads the pools in place
+            return batch.flex.attend(batch, layer, q, key.shape[1], key.shape[3], scale, softcap).unsqueeze(0), None
         k, v = split_kv(batch.gather(layer, query.dtype), key.shape[1], key.shape[3])
     out = attend(batch.pad_queries(q), k, v, batch.mask(layer), scale, softcap)
     return batch.unpad(out).unsqueeze(0), None

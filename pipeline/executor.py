@@ -36,7 +36,7 @@ from cache_backends.request import Request
 from models.paged_forward import ATTN_IMPLEMENTATION, register_paged_attention, run_forward
 from pipeline.driver import Driver, StalledError
 from pipeline.errors import GenerationError, KvBuildError, KvRuntimeError
-from pipeline.events import Event, GenerationFailed, GenerationFinished, GenerationStarted
+from pipeline.events import Event, GenerationFailed, GenerationFinished, GenerationStarted, SettingIgnored
 
 #: A prompt: text (needs a tokenizer) or token ids.
 Prompt = str | Sequence[int]
@@ -114,7 +114,11 @@ class GenerationOutput:
 
 @attrs.frozen
 class GenerationStats:
-    """Totals of one ``generate`` call; ``forward_s`` is model time, ``kv_s`` scheduler and manager time."""
+    """Totals of one ``generate`` call; ``forward_s`` is model time, ``kv_s`` scheduler and manager time.
+
+    ``warmup_s`` is the time spent compiling attention shapes this call met first (the compiled path
+    pays it once per shape per process); ``wall_s`` and ``forward_s`` leave it out.
+    """
 
     requests: int
     prompt_tokens: int
@@ -127,6 +131,7 @@ class GenerationStats:
     suspends: int
     resumes: int
     preemptions: int
+    warmup_s: float = 0.0  # compiling attention shapes first seen in this call; not in wall_s/forward_s
 
     @property
     def tokens_per_s(self) -> float:
@@ -280,8 +285,27 @@ class GenerationExecutor:
                                   "prompt (no beam search); load with max_beam_width=1")
         bus = result.bus
         emit = bus.emitter("generate") if bus is not None else None
-        return cls(result.hf_model, result.kv_manager, result.scheduler, tokenizer=result.tokenizer, emit=emit,
-                   name=result.model.name if result.model is not None else "model")
+        executor = cls(result.hf_model, result.kv_manager, result.scheduler, tokenizer=result.tokenizer, emit=emit,
+                       name=result.model.name if result.model is not None else "model")
+        executor.use_attention(getattr(result.args, "attention_backend", "sdpa"), result.args.max_num_tokens)
+        return executor
+
+    def use_attention(self, backend: str, max_num_tokens: int) -> None:
+        """Run attention on ``"flex"`` (compiled, over the pools) or ``"sdpa"`` (gather + SDPA, the reference)."""
+        from cache_backends.flex_paged import FlexPagedAttention, flex_unsupported
+
+        if backend not in ("flex", "sdpa"):
+            raise GenerationError(f"generate: attention_backend: expected \"flex\" or \"sdpa\" (resolved), got "
+                                  f"{backend!r}")
+        self.flex = None
+        if backend == "sdpa":
+            return
+        why = flex_unsupported(self.manager.layout)
+        if why is not None:  # say so: an accepted setting never silently does nothing
+            self._event(SettingIgnored(field="attention_backend", value="flex",
+                                       reason=f"{why}; generate attends through gather + SDPA"))
+            return
+        self.flex = FlexPagedAttention(self.pools, max_num_tokens)
 
     # --- the call ----------------------------------------------------------------------------
 
@@ -334,6 +358,7 @@ class GenerationExecutor:
             max_new_tokens=params.max_new_tokens, temperature=float(params.temperature), top_p=float(params.top_p),
             seed=seed, salted=salt is not None, kv_manager=type(self.manager).__name__))
         outputs: dict[int, GenerationOutput] = {}
+        warm_before = self.flex.warmup_s if self.flex is not None else 0.0
         start = time.perf_counter()
         steps = idle = 0
         forward_s = kv_s = 0.0
@@ -374,14 +399,17 @@ class GenerationExecutor:
             raise
         self._live = {}
         self._block_tables.keep_only(())
-        wall = time.perf_counter() - start
+        # compiling a new attention shape is a one-off (later calls reuse it): reported apart, not as generation
+        warmup = (self.flex.warmup_s if self.flex is not None else 0.0) - warm_before
+        wall = time.perf_counter() - start - warmup
         after = self._counters()
         ordered = [outputs[i] for i in range(len(lives))]
         stats = GenerationStats(
             requests=len(ordered), prompt_tokens=sum(len(o.prompt_token_ids) for o in ordered),
             reused_prompt_tokens=sum(o.reused_prompt_tokens for o in ordered),
-            generated_tokens=sum(len(o.token_ids) for o in ordered), steps=steps, wall_s=wall, forward_s=forward_s,
-            kv_s=kv_s, **{k: after[k] - before[k] for k in after})
+            generated_tokens=sum(len(o.token_ids) for o in ordered), steps=steps, wall_s=wall,
+            forward_s=max(0.0, forward_s - warmup), kv_s=kv_s, warmup_s=warmup,
+            **{k: after[k] - before[k] for k in after})
         self.last_stats = stats
         self._event(GenerationFinished(
             call=call, requests=stats.requests, prompt_tokens=stats.prompt_tokens,
