@@ -38,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 import attrs
+import numpy as np
 import torch
 
 from cache_backends.pools import BlockPools
@@ -100,14 +101,14 @@ def dynamo_graphs() -> int:
 
 @attrs.define(eq=False)
 class _Buffers:
-    """Persistent block-mask inputs of one (group, window, bucket, q-block) shape, rewritten each step."""
+    """Persistent block-mask inputs of one (group, window, bucket) shape, rewritten each step.
 
-    kv_num: torch.Tensor  # (1, 1, NB) int32: partial blocks per token
-    kv_idx: torch.Tensor  # (1, 1, NB, num_blocks) int32
-    full_num: torch.Tensor
-    full_idx: torch.Tensor
-    tok_pos: torch.Tensor  # (NB,) int64: position of each packed token
-    window: torch.Tensor  # () int64
+    ``host`` holds numpy arrays the plan writes; ``dev`` the tensors the kernel reads (on a CPU the
+    same memory, through ``torch.from_numpy``; on a GPU copies of the rows a step wrote).
+    """
+
+    host: dict[str, np.ndarray]
+    dev: dict[str, torch.Tensor]
 
 
 class FlexPagedAttention:
@@ -133,9 +134,17 @@ class FlexPagedAttention:
         #: seconds spent in first calls of new shapes (compilation), kept apart from generation time
         self.warmup_s = 0.0
         self.calls = 0
-        self._block_pos = {g: torch.zeros(n, dtype=torch.long, device=self.device)
-                           for g, n in pools.num_blocks.items()}
+        self._on_cpu = self.device.type == "cpu"
+        # physical block -> logical block index, per group (numpy on the host; the kernel reads `_block_pos`)
+        self._block_pos_np = {g: np.zeros(n, dtype=np.int64) for g, n in pools.num_blocks.items()}
+        self._block_pos = {g: self._device(a) for g, a in self._block_pos_np.items()}
         self._buffers: dict[tuple, _Buffers] = {}
+        self._views: dict[tuple, tuple] = {}
+
+    def _device(self, host: np.ndarray) -> torch.Tensor:
+        """A device tensor for a host array: the same memory on a CPU, a copy elsewhere."""
+        t = torch.from_numpy(host)
+        return t if self._on_cpu else t.to(self.device)
 
     def bucket(self, n: int) -> int:
         """The bucket a step of ``n`` packed tokens is padded to (past the largest: the next power, a new shape)."""
@@ -153,14 +162,13 @@ class FlexPagedAttention:
         key = (group, window, nb)
         buf = self._buffers.get(key)
         if buf is None:
-            nblk, dev = self.pools.num_blocks[group], self.device
-            def i32(*shape: int) -> torch.Tensor:
-                return torch.zeros(*shape, dtype=torch.int32, device=dev)
-
-            buf = _Buffers(i32(1, 1, nb), i32(1, 1, nb, nblk), i32(1, 1, nb), i32(1, 1, nb, nblk),
-                           torch.zeros(nb, dtype=torch.long, device=dev),
-                           torch.tensor(window or NO_WINDOW, dtype=torch.long, device=dev))
-            self._buffers[key] = buf
+            nblk = self.pools.num_blocks[group]
+            host = {"kv_num": np.zeros((1, 1, nb), dtype=np.int32),
+                    "kv_idx": np.zeros((1, 1, nb, nblk), dtype=np.int32),
+                    "full_num": np.zeros((1, 1, nb), dtype=np.int32),
+                    "full_idx": np.zeros((1, 1, nb, nblk), dtype=np.int32),
+                    "tok_pos": np.zeros(nb, dtype=np.int64), "window": np.array(window or NO_WINDOW, dtype=np.int64)}
+            buf = self._buffers[key] = _Buffers(host, {k: self._device(v) for k, v in host.items()})
         return buf
 
     def block_mask(self, batch: Any, group: str, window: int | None, g: int) -> Any:
@@ -179,72 +187,92 @@ class FlexPagedAttention:
         if pg.compress_rate is not None:
             raise ValueError(f"group {group!r} is compressed; paged attention does not read compressed entries")
         T, nblk = pg.tokens_per_block, self.pools.num_blocks[group]
-        table = batch.table(group)
+        table = batch.table(group).numpy()
         n_tok = batch.num_tokens
         nb = self.bucket(n_tok)
-        seq, pos = batch._seq, batch._pos
-        lo = (pos - window + 1).clamp(min=0) if window else torch.zeros_like(pos)
+        seq, pos = batch._seq_np, batch._pos_np
+        lo = np.maximum(pos - window + 1, 0) if window else np.zeros_like(pos)
         lo_blk, hi_blk = lo // T, pos // T
-        rows = table.index_select(0, seq)  # (N, W): each token's sequence's table
-        j = torch.arange(table.shape[1])
-        needed = (j[None, :] >= lo_blk[:, None]) & (j[None, :] <= hi_blk[:, None])
-        missing = needed & (rows < 0)
+        rows = table[seq]  # (N, W): each token's sequence's table
+        j = np.arange(table.shape[1])
+        missing = (j[None, :] >= lo_blk[:, None]) & (j[None, :] <= hi_blk[:, None]) & (rows < 0)
         if missing.any():
-            t, blk = missing.nonzero()[0].tolist()
+            t, blk = (int(x[0]) for x in missing.nonzero())
             raise ValueError(f"sequence {int(seq[t])}: group {group!r} has no block for position {blk * T}.., which "
                              f"attention needs (logical block {blk} is -1: released or never allocated)")
         # physical block -> logical block, for the mask function; a block is at one position in every table
         valid = table >= 0
-        phys = table[valid]
-        logical = j.expand_as(table)[valid]
-        block_pos = self._block_pos[group]
-        block_pos.index_copy_(0, phys.to(self.device), logical.to(self.device))
-        if not torch.equal(block_pos.index_select(0, phys.to(self.device)).cpu(), logical):
+        phys, logical = table[valid], np.broadcast_to(j, table.shape)[valid]
+        block_pos = self._block_pos_np[group]
+        block_pos[phys] = logical
+        if (block_pos[phys] != logical).any():
             raise ValueError(f"group {group!r}: a physical block sits at two logical positions in this step's "
                              "tables; the compiled path needs one position per block")
-        partial_num = 1 + (hi_blk > lo_blk).to(torch.int32)
-        full_num = (hi_blk - lo_blk - 1).clamp(min=0)
-        width = int(full_num.max()) if n_tok else 0
+        if not self._on_cpu:
+            self._block_pos[group].copy_(torch.from_numpy(block_pos))
+        full_num = np.maximum(hi_blk - lo_blk - 1, 0)
+        width = int(full_num.max())
         buf = self._buffers_for(group, window, nb)
-        buf.kv_num.zero_()
-        buf.full_num.zero_()
-        buf.kv_num[0, 0, :n_tok] = partial_num.to(self.device)
-        ends = torch.stack((rows.gather(1, hi_blk[:, None])[:, 0], rows.gather(1, lo_blk[:, None])[:, 0]), dim=1)
-        buf.kv_idx[0, 0, :n_tok, :2] = ends.to(torch.int32).to(self.device)
+        h = buf.host
+        h["kv_num"][0, 0, :] = 0
+        h["full_num"][0, 0, :] = 0
+        h["kv_num"][0, 0, :n_tok] = 1 + (hi_blk > lo_blk)
+        t = np.arange(n_tok)
+        h["kv_idx"][0, 0, :n_tok, 0] = rows[t, hi_blk]
+        h["kv_idx"][0, 0, :n_tok, 1] = rows[t, lo_blk]
         if width:
-            cols = (lo_blk[:, None] + 1 + torch.arange(width)[None, :]).clamp(max=table.shape[1] - 1)
-            buf.full_idx[0, 0, :n_tok, :width] = rows.gather(1, cols).clamp(min=0).to(torch.int32).to(self.device)
-            buf.full_num[0, 0, :n_tok] = full_num.to(torch.int32).to(self.device)
-        buf.tok_pos[:n_tok] = pos.to(self.device)
-        tok_pos, win = buf.tok_pos, buf.window
+            cols = np.minimum(lo_blk[:, None] + 1 + np.arange(width)[None, :], table.shape[1] - 1)
+            h["full_idx"][0, 0, :n_tok, :width] = np.maximum(rows[t[:, None], cols], 0)
+            h["full_num"][0, 0, :n_tok] = full_num
+        h["tok_pos"][:n_tok] = pos
+        d = buf.dev
+        if not self._on_cpu:  # copy what this step wrote
+            for name in ("kv_num", "full_num", "tok_pos"):
+                d[name].copy_(torch.from_numpy(h[name]))
+            d["kv_idx"][0, 0, :n_tok, :2].copy_(torch.from_numpy(h["kv_idx"][0, 0, :n_tok, :2]))
+            if width:
+                d["full_idx"][0, 0, :n_tok, :width].copy_(torch.from_numpy(h["full_idx"][0, 0, :n_tok, :width]))
+        tok_pos, win, bpos = d["tok_pos"], d["window"], self._block_pos[group]
 
         def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
             q_pos = tok_pos[q_idx // g]
-            kv_pos = block_pos[kv_idx // T] * T + kv_idx % T
+            kv_pos = bpos[kv_idx // T] * T + kv_idx % T
             return (kv_pos <= q_pos) & (kv_pos > q_pos - win)
 
-        return BlockMask.from_kv_blocks(buf.kv_num, buf.kv_idx, buf.full_num, buf.full_idx, BLOCK_SIZE=(g, T),
+        return BlockMask.from_kv_blocks(d["kv_num"], d["kv_idx"], d["full_num"], d["full_idx"], BLOCK_SIZE=(g, T),
                                         mask_mod=mask_mod, seq_lengths=(nb * g, nblk * T), compute_q_blocks=False)
 
     # --- one layer ---------------------------------------------------------------------------
+
+    def _kv_views(self, group: str, layer_pos: int, kv_heads: int, head_dim: int) -> tuple:
+        """K and V of one layer as ``(1, Hkv, slots, d)`` views of its pool, and their shape signature (cached)."""
+        key = (group, layer_pos, kv_heads, head_dim)
+        views = self._views.get(key)
+        if views is None:
+            view = self.pools.layer_slots(group, layer_pos)
+            entries = view[:, : 2 * kv_heads * head_dim].unflatten(1, (2, kv_heads, head_dim))
+            k = entries[:, 0].permute(1, 0, 2).unsqueeze(0)
+            v = entries[:, 1].permute(1, 0, 2).unsqueeze(0)
+            views = self._views[key] = (k, v, (tuple(k.shape), k.stride(), v.stride(), k.dtype, str(k.device)))
+        return views
 
     def attend(self, batch: Any, layer: int, query: torch.Tensor, kv_heads: int, head_dim: int, scale: float,
                softcap: float | None = None) -> torch.Tensor:
         """Attention of the packed queries ``(N, H, d)`` over the layer's pool (its new K/V already written)."""
         r = batch.route(layer)
-        n, heads, _ = query.shape
+        n, heads, qd = query.shape
         if heads % kv_heads:
             raise ValueError(f"{heads} query heads cannot share {kv_heads} KV heads")
         g = heads // kv_heads
-        view = self.pools.layer_slots(r.group, r.layer_pos)
-        entries = view[:, : 2 * kv_heads * head_dim].unflatten(1, (2, kv_heads, head_dim))
-        k = entries[:, 0].permute(1, 0, 2).unsqueeze(0)  # (1, Hkv, slots, d): a view of the pool
-        v = entries[:, 1].permute(1, 0, 2).unsqueeze(0)
+        k, v, signature = self._kv_views(r.group, r.layer_pos, kv_heads, head_dim)
         nb = self.bucket(n)
-        q = torch.empty(1, kv_heads, nb * g, query.shape[2], dtype=k.dtype, device=query.device)
-        rows = q[0].view(kv_heads, nb, g, query.shape[2])
-        rows[:, :n] = query.view(n, kv_heads, g, -1).permute(1, 0, 2, 3)
-        rows[:, n:] = 0  # padding rows list no blocks; keep them finite anyway
+        packed = query.view(n, kv_heads, g, qd).transpose(0, 1)  # (Hkv, N, g, d): a token's g heads together
+        if n == nb:
+            q = packed.reshape(1, kv_heads, n * g, qd).to(k.dtype)
+        else:  # padding rows list no blocks; zeros keep them finite anyway
+            q = query.new_zeros((kv_heads, nb, g, qd), dtype=k.dtype)
+            q[:, :n] = packed
+            q = q.view(1, kv_heads, nb * g, qd)
         mask = self.block_mask(batch, r.group, r.window, g)
         score_mod = None
         if softcap is not None:
@@ -253,15 +281,14 @@ class FlexPagedAttention:
             def score_mod(score: torch.Tensor, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> torch.Tensor:
                 return torch.tanh(score / cap) * cap
 
-        key = (nb, heads, kv_heads, head_dim, tuple(k.shape), k.stride(), v.stride(), k.dtype, str(k.device), g,
-               softcap)
+        key = (signature, nb, heads, softcap)
         first = key not in _COMPILED
-        start = time.perf_counter()
+        start = time.perf_counter() if first else 0.0
         out = compiled_flex()(q, k, v, score_mod=score_mod, block_mask=mask, scale=scale)
         if first:
             _COMPILED.add(key)
             self.compiles += 1
             self.warmup_s += time.perf_counter() - start
         self.calls += 1
-        out = out[0].view(kv_heads, nb, g, -1)[:, :n].permute(1, 0, 2, 3).reshape(n, heads, -1)
-        return out.to(query.dtype)
+        out = out[0].view(kv_heads, nb, g, -1)[:, :n].transpose(0, 1).reshape(n, heads, -1)
+        return out if out.dtype == query.dtype else out.to(query.dtype)
