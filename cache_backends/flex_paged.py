@@ -73,6 +73,10 @@ def compiled_flex() -> Callable[..., torch.Tensor]:
     return torch.compile(flex_attention, dynamic=False, fullgraph=True)
 
 
+class FlexUnavailable(RuntimeError):
+    """torch.compile could not build the kernel for a shape; the caller falls back to gather + SDPA."""
+
+
 #: Pool dtypes the compiled kernel reads (float8 pools stay on gather + SDPA).
 FLEX_DTYPES = ("float32", "float16", "bfloat16")
 
@@ -134,6 +138,8 @@ class FlexPagedAttention:
         #: seconds spent in first calls of new shapes (compilation), kept apart from generation time
         self.warmup_s = 0.0
         self.calls = 0
+        #: why compiling failed (the path then stays off for this object), or None
+        self.failed: str | None = None
         self._on_cpu = self.device.type == "cpu"
         # physical block -> logical block index, per group (numpy on the host; the kernel reads `_block_pos`)
         self._block_pos_np = {g: np.zeros(n, dtype=np.int64) for g, n in pools.num_blocks.items()}
@@ -284,7 +290,15 @@ class FlexPagedAttention:
         key = (signature, nb, heads, softcap)
         first = key not in _COMPILED
         start = time.perf_counter() if first else 0.0
-        out = compiled_flex()(q, k, v, score_mod=score_mod, block_mask=mask, scale=scale)
+        if self.failed is not None:
+            raise FlexUnavailable(self.failed)
+        try:
+            out = compiled_flex()(q, k, v, score_mod=score_mod, block_mask=mask, scale=scale)
+        except Exception as exc:  # a backend that cannot build this shape (no compiler, an unsupported block size)
+            if not first:
+                raise
+            self.failed = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+            raise FlexUnavailable(self.failed) from exc
         if first:
             _COMPILED.add(key)
             self.compiles += 1

@@ -363,6 +363,18 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return torch.matmul(probs, v)
 
 
+def attend_compiled(batch: PagedBatch, layer: int, query: torch.Tensor, kv_heads: int, head_dim: int, scale: float,
+                    softcap: float | None) -> torch.Tensor | None:
+    """The compiled path's output, or None when it could not compile (the batch then stays on gather + SDPA)."""
+    from cache_backends.flex_paged import FlexUnavailable
+
+    try:
+        return batch.flex.attend(batch, layer, query, kv_heads, head_dim, scale, softcap)
+    except FlexUnavailable:
+        batch.flex = None  # its ``failed`` says why; the executor reports it
+        return None
+
+
 def paged_attention(batch: PagedBatch, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     scale: float, softcap: float | None = None) -> torch.Tensor:
     """One layer of a step: write the new K/V, gather the visible K/V, attend. Packed ``(N, heads, d)`` in and out.
@@ -371,7 +383,9 @@ def paged_attention(batch: PagedBatch, layer: int, query: torch.Tensor, key: tor
     """
     write_kv(batch, layer, key, value)
     if batch.flex is not None:
-        return batch.flex.attend(batch, layer, query, key.shape[1], key.shape[2], scale, softcap)
+        out = attend_compiled(batch, layer, query, key.shape[1], key.shape[2], scale, softcap)
+        if out is not None:
+            return out
     k, v = split_kv(batch.gather(layer, query.dtype), key.shape[1], key.shape[2])
     out = attend(batch.pad_queries(query), k, v, batch.mask(layer), scale, softcap)
     return batch.unpad(out)

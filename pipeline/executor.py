@@ -152,6 +152,8 @@ class GenerationStats:
         """The one-line throughput summary ``kvload generate`` ends with."""
         n = self.requests
         moves = f"; {self.suspends} suspended, {self.resumes} resumed" if self.suspends or self.resumes else ""
+        if self.warmup_s:
+            moves += f"; {self.warmup_s:.1f} s compiling attention, not counted"
         return (f"-- {n} prompt{'s' if n != 1 else ''}: {self.prompt_tokens} prompt tokens ({self.reused_prompt_tokens}"
                 f" reused), {self.generated_tokens} generated in {self.wall_s:.2f} s, {self.steps} steps: "
                 f"{self.tokens_per_s:.1f} generated tokens/s, {self.total_tokens_per_s:.1f} tokens/s with prefill"
@@ -393,6 +395,7 @@ class GenerationExecutor:
             self._abort(driver)
             self._live = {}
             self._block_tables.keep_only(())
+            self._check_flex()
             self._event(GenerationFailed(call=call, error=type(exc).__name__,
                                          message=str(exc).strip().splitlines()[0] if str(exc).strip() else "",
                                          finished=len(outputs)))
@@ -401,6 +404,7 @@ class GenerationExecutor:
         self._block_tables.keep_only(())
         # compiling a new attention shape is a one-off (later calls reuse it): reported apart, not as generation
         warmup = (self.flex.warmup_s if self.flex is not None else 0.0) - warm_before
+        self._check_flex()
         wall = time.perf_counter() - start - warmup
         after = self._counters()
         ordered = [outputs[i] for i in range(len(lives))]
@@ -417,6 +421,14 @@ class GenerationExecutor:
             suspends=stats.suspends, resumes=stats.resumes, preemptions=stats.preemptions,
             duration_ms=round(wall * 1000, 3), tokens_per_s=round(stats.tokens_per_s, 3)))
         return ordered
+
+    def _check_flex(self) -> None:
+        """A compiled path that failed to build a shape is switched off, and the audit says why."""
+        if self.flex is not None and self.flex.failed is not None:
+            self._event(SettingIgnored(field="attention_backend", value="flex",
+                                       reason=f"torch.compile failed ({self.flex.failed}); generate attends through "
+                                              "gather + SDPA"))
+            self.flex = None
 
     @contextlib.contextmanager
     def paged_attention(self) -> Iterator[None]:

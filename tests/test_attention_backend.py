@@ -64,3 +64,23 @@ def test_flex_on_an_mla_model_says_it_is_ignored(tiny_checkpoints):
         assert result.executor.flex is None
         (ignored,) = [e for e in result.audit.of("setting_ignored") if e["field"] == "attention_backend"]
         assert "multi-head latent attention" in ignored["reason"] and "gather + SDPA" in ignored["reason"]
+
+
+def test_a_shape_that_fails_to_compile_falls_back_to_gather_and_says_so(tiny_checkpoints, monkeypatch):
+    import cache_backends.flex_paged as fp
+
+    def broken():
+        def call(*args, **kwargs):
+            raise RuntimeError("InductorError: no C++ compiler\nmore detail")
+        return call
+
+    monkeypatch.setattr(fp, "compiled_flex", broken)
+    monkeypatch.setattr(fp, "_COMPILED", set())  # every shape is new, so its first call is a compile
+    with load(tiny_checkpoints("llama"), "v2", max_num_tokens=8, attention_backend="flex") as result:
+        ps = prompts_for(result.hf_model.config.vocab_size)
+        outs = result.generate(ps, max_new_tokens=NEW_TOKENS)
+        assert [o.token_ids for o in outs] == [hf_greedy(result.hf_model, p) for p in ps]
+        assert result.executor.flex is None
+        (ignored,) = [e for e in result.audit.of("setting_ignored") if e["field"] == "attention_backend"]
+        assert ignored["reason"] == ("torch.compile failed (RuntimeError: InductorError: no C++ compiler); generate "
+                                     "attends through gather + SDPA")

@@ -179,9 +179,10 @@ FLEX_FAMILIES = ["llama", "qwen3", "mistral", "gemma3"]
 
 @pytest.mark.parametrize("manager", ["v2", "v1"])
 @pytest.mark.parametrize("family", FLEX_FAMILIES)
-def test_compiled_path_greedy_tokens_and_logits_equal_transformers_generate(family, manager):
-    _, ref_tokens, ref_logits = reference(family)
-    reqs, driver = paged_greedy(family, manager=manager, flex=True, max_num_tokens=8, **FLEX_MODE)
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_compiled_path_greedy_tokens_and_logits_equal_transformers_generate(family, manager, device):
+    _, ref_tokens, ref_logits = reference(family, device)
+    reqs, driver = paged_greedy(family, device, manager=manager, flex=True, max_num_tokens=8, **FLEX_MODE)
     assert driver.flex.calls > 0  # the compiled kernel really ran
     for req, tokens, logits in zip(reqs, ref_tokens, ref_logits, strict=True):
         assert req.output == tokens
