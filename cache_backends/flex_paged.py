@@ -287,7 +287,7 @@ class FlexPagedAttention:
             def score_mod(score: torch.Tensor, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> torch.Tensor:
                 return torch.tanh(score / cap) * cap
 
-        key = (signature, nb, heads, softcap)
+        key = (signature, self.pools.groups[r.group].tokens_per_block, nb, heads, softcap)
         first = key not in _COMPILED
         start = time.perf_counter() if first else 0.0
         if self.failed is not None:

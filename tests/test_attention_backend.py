@@ -45,10 +45,13 @@ def test_generate_on_flex_equals_transformers_and_reuses_its_compiled_shapes(tin
     with load(tiny_checkpoints("mistral"), manager, max_num_tokens=8, attention_backend="flex") as result:
         ps = prompts_for(result.hf_model.config.vocab_size)
         ref = [hf_greedy(result.hf_model, p) for p in ps]
+        graphs_before = dynamo_graphs()
         first = result.generate(ps, max_new_tokens=NEW_TOKENS)
         assert [o.token_ids for o in first] == ref
         flex = result.executor.flex
         assert flex is not None and flex.calls > 0
+        # dozens of steps (prefill chunks and decodes of ragged lengths), one bucket, one pool: at most one graph
+        assert result.executor.last_stats.steps > 8 and dynamo_graphs() - graphs_before <= 1
         compiles, graphs, calls = flex.compiles, dynamo_graphs(), flex.calls
         again = result.generate(ps, max_new_tokens=NEW_TOKENS, arrival_steps=[0, 1, 2, 5])
         assert [o.token_ids for o in again] == ref
