@@ -113,7 +113,7 @@ def bench_point(batch: int, length: int, args: argparse.Namespace, device: torch
         for b, t in enumerate(tables):
             store.update(f"r{b}", "full", t)
         fresh = PagedBatch.build(bare, pools, store.tables(rows), flex=flex)
-        flex.block_mask(fresh, "full", None, h // hkv)
+        flex.block_mask(fresh, "full", None, flex.rows_per_token(h // hkv))
         flex_step[0] = fresh
 
     def compiled() -> torch.Tensor:

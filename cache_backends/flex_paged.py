@@ -14,7 +14,10 @@ Layout of one call (one layer, one step of ``N`` packed tokens):
   are rows ``t*g .. t*g + g - 1`` of ``Q[0, h]`` (``(1, Hkv, NB * g, d)``), and the flex Q block
   size is ``g``: one Q block per token, so each token reads only its own sequence's blocks and the
   ``g`` heads share every key load. ``NB`` is ``N`` rounded up to a bucket (:data:`BUCKET_BASE`
-  powers); padding rows list no blocks and cost nothing.
+  powers); padding rows list no blocks and cost nothing. On CUDA a token's rows are padded to a
+  multiple of 16 (triton's smallest tile; the kernel needs the Q block to divide into ``BLOCK_M``),
+  with ``BLOCK_M=16`` and ``BLOCK_N`` dividing the block size — not yet run on a GPU: a shape that
+  fails to compile falls back to gather + SDPA (:class:`FlexUnavailable`).
 * **block mask** — per token: the blocks from the window's first (``max(0, pos - W + 1)``, or 0) to
   the token's own. The first and last are *partial* (the mask function decides per key: causal,
   window); the ones between are *full* (no mask work). A window's released blocks (``-1``) lie
@@ -94,6 +97,8 @@ def flex_unsupported(layout: Any) -> str | None:
 
 #: Shapes compiled in this process (torch.compile's graph cache is process-wide, so this set is too).
 _COMPILED: set[tuple] = set()
+#: Shapes that failed to compile in this process, and why (never retried: a failed compile can take minutes).
+_FAILED: dict[tuple, str] = {}
 
 
 def dynamo_graphs() -> int:
@@ -176,6 +181,15 @@ class FlexPagedAttention:
                     "tok_pos": np.zeros(nb, dtype=np.int64), "window": np.array(window or NO_WINDOW, dtype=np.int64)}
             buf = self._buffers[key] = _Buffers(host, {k: self._device(v) for k, v in host.items()})
         return buf
+
+    def rows_per_token(self, g: int) -> int:
+        """Q rows a token takes: its ``g`` heads of one KV head (on CUDA padded to a multiple of 16)."""
+        return g if self._on_cpu else -(-g // 16) * 16
+
+    def _kernel_options(self, block_size: int) -> dict[str, int] | None:
+        if self._on_cpu:
+            return None
+        return {"BLOCK_M": 16, "BLOCK_N": next(b for b in (64, 32, 16, block_size) if block_size % b == 0)}
 
     def block_mask(self, batch: Any, group: str, window: int | None, g: int) -> Any:
         """The step's ``BlockMask`` for a (group, window) pair with Q blocks of ``g`` rows (cached in the batch)."""
@@ -272,14 +286,16 @@ class FlexPagedAttention:
         g = heads // kv_heads
         k, v, signature = self._kv_views(r.group, r.layer_pos, kv_heads, head_dim)
         nb = self.bucket(n)
+        rows = self.rows_per_token(g)
         packed = query.view(n, kv_heads, g, qd).transpose(0, 1)  # (Hkv, N, g, d): a token's g heads together
-        if n == nb:
+        if n == nb and rows == g:
             q = packed.reshape(1, kv_heads, n * g, qd).to(k.dtype)
-        else:  # padding rows list no blocks; zeros keep them finite anyway
-            q = query.new_zeros((kv_heads, nb, g, qd), dtype=k.dtype)
-            q[:, :n] = packed
-            q = q.view(1, kv_heads, nb * g, qd)
-        mask = self.block_mask(batch, r.group, r.window, g)
+        else:  # padding rows list no blocks (or belong to no head); zeros keep them finite anyway
+            q = query.new_zeros((kv_heads, nb, rows, qd), dtype=k.dtype)
+            q[:, :n, :g] = packed
+            q = q.view(1, kv_heads, nb * rows, qd)
+        block_size = self.pools.groups[r.group].tokens_per_block
+        mask = self.block_mask(batch, r.group, r.window, rows)
         score_mod = None
         if softcap is not None:
             cap = float(softcap)
@@ -287,22 +303,26 @@ class FlexPagedAttention:
             def score_mod(score: torch.Tensor, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> torch.Tensor:
                 return torch.tanh(score / cap) * cap
 
-        key = (signature, self.pools.groups[r.group].tokens_per_block, nb, heads, softcap)
+        key = (signature, block_size, nb, heads, softcap)
         first = key not in _COMPILED
         start = time.perf_counter() if first else 0.0
+        if self.failed is None and key in _FAILED:
+            self.failed = _FAILED[key]
         if self.failed is not None:
             raise FlexUnavailable(self.failed)
         try:
-            out = compiled_flex()(q, k, v, score_mod=score_mod, block_mask=mask, scale=scale)
+            out = compiled_flex()(q, k, v, score_mod=score_mod, block_mask=mask, scale=scale,
+                                  kernel_options=self._kernel_options(block_size))
         except Exception as exc:  # a backend that cannot build this shape (no compiler, an unsupported block size)
             if not first:
                 raise
             self.failed = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+            _FAILED[key] = self.failed
             raise FlexUnavailable(self.failed) from exc
         if first:
             _COMPILED.add(key)
             self.compiles += 1
             self.warmup_s += time.perf_counter() - start
         self.calls += 1
-        out = out[0].view(kv_heads, nb, g, -1)[:, :n].transpose(0, 1).reshape(n, heads, -1)
+        out = out[0].view(kv_heads, nb, rows, -1)[:, :n, :g].transpose(0, 1).reshape(n, heads, -1)
         return out if out.dtype == query.dtype else out.to(query.dtype)

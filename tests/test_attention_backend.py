@@ -79,6 +79,7 @@ def test_a_shape_that_fails_to_compile_falls_back_to_gather_and_says_so(tiny_che
 
     monkeypatch.setattr(fp, "compiled_flex", broken)
     monkeypatch.setattr(fp, "_COMPILED", set())  # every shape is new, so its first call is a compile
+    monkeypatch.setattr(fp, "_FAILED", {})
     with load(tiny_checkpoints("llama"), "v2", max_num_tokens=8, attention_backend="flex") as result:
         ps = prompts_for(result.hf_model.config.vocab_size)
         outs = result.generate(ps, max_new_tokens=NEW_TOKENS)
