@@ -5,7 +5,7 @@ Run from the repository root::
     python -m bench.bench_scheduler [--quick] [--running 256]
 
 Each manager gets its own pool (one layer, 32 tokens per block, room for every request) and the
-shared :class:`~pipeline.driver.Driver`: 256 requests with prompts of 512-543 tokens (staggered, so
+shared :class:`~engine.driver.Driver`: 256 requests with prompts of 512-543 tokens (staggered, so
 block boundaries do not all fall on the same step) are prefilled, then ``--steps`` decode steps are
 timed. A step's time is what the simulator reports: ``scheduler.step`` + one commit per request +
 finishes (none here). Median and p99 per step over the decode steps; median over ``--repeats``.
@@ -22,7 +22,7 @@ from cache_backends.interface import ManagerOptions, SchedulerOutput
 from cache_backends.layout import LayerKV, build_layout
 from cache_backends.pools import BlockPools
 from cache_backends.request import Request
-from pipeline.driver import Driver
+from engine.driver import Driver
 
 T = 32
 VARIANTS = {"V1 (GuaranteedNoEvictScheduler)": ("v1", True), "V2 reuse on (KVCacheV2Scheduler)": ("v2", True),

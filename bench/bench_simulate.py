@@ -23,8 +23,8 @@ import argparse
 import os
 
 from bench.common import Table, median, ratio, us, verdict
-from pipeline.simulator import simulate
-from pipeline.workloads import make_workload
+from engine.simulator import simulate
+from engine.workloads import make_workload
 
 CPU = {"device": "cpu", "log": False, "progress": False}
 OVERHEAD_TARGET = 0.10
@@ -36,7 +36,7 @@ def reuse_overhead(quick: bool) -> Table:
     """Target 1: V2 step time with prefix reuse on vs off on no-reuse."""
     pairs = 3 if quick else 7
     wl = make_workload("no-reuse", 128 if quick else None, 0)
-    cmd = ("python -m pipeline.cli simulate tiny-llama --workload no-reuse --use_kv_cache_manager_v2 true "
+    cmd = ("python -m kvload.cli simulate tiny-llama --workload no-reuse --use_kv_cache_manager_v2 true "
            "[--disable_kv_cache_reuse] --json" + (" --requests 128" if quick else ""))
     runs: dict[bool, list] = {True: [], False: []}
     for i in range(pairs):
@@ -74,7 +74,7 @@ def shared_prefix_hits(quick: bool) -> Table:
         budgets = budgets[:2]
     table = Table(f"Target: hit rate on shared-prefix ({requests} requests, tiny-llama, seeds "
                   + ", ".join(map(str, seeds)) + ")",
-                  "python -m pipeline.cli simulate tiny-llama --workload shared-prefix --compare [--max_tokens N] "
+                  "python -m kvload.cli simulate tiny-llama --workload shared-prefix --compare [--max_tokens N] "
                   "[--seed S] --json" + (f" --requests {requests}" if quick else ""),
                   ["budget", "manager", "hit rate", "ideal", "hit / ideal", "peak usage", "max concurrency",
                    "waits", "suspends", "steps", "step µs (median)"])
@@ -108,8 +108,8 @@ def shared_prefix_hits(quick: bool) -> Table:
 
 def gemma_concurrency(quick: bool) -> Table:
     """Target 3: concurrent sequences of V2 over V1 on long-context, Gemma 3 preset, same budget."""
-    from pipeline.api import execute, plan_stages
-    from pipeline.capacity import compare_capacity
+    from engine.capacity import compare_capacity
+    from kvload.api import execute, plan_stages
     from pipeline.context import LoadRequest
 
     seeds = (0,) if quick else (0, 1, 2)
@@ -126,7 +126,7 @@ def gemma_concurrency(quick: bool) -> Table:
     predicted = {name: m.max_concurrency(8192) for name, m in compare_capacity(plan).managers.items()}
     table = Table(f"Target: Gemma 3 long-context concurrency ({requests} requests of 8,192 tokens, budget "
                   f"{budget.bytes:,} B = two V1 sequences, seeds " + ", ".join(map(str, seeds)) + ")",
-                  "python -m pipeline.cli simulate tiny-gemma3 --workload long-context --compare [--seed S] --json"
+                  "python -m kvload.cli simulate tiny-gemma3 --workload long-context --compare [--seed S] --json"
                   + (f" --requests {requests}" if quick else ""),
                   ["manager", "max concurrency", "mean concurrency", "planned sequences of 8,192", "steps",
                    "suspends", "waits", "peak usage", "step µs (median)"])
@@ -162,7 +162,7 @@ def reuse_cost_breakdown(quick: bool) -> Table:
     import gc
     import pstats
 
-    import pipeline.driver as driver_module
+    import engine.driver as driver_module
 
     wl = make_workload("no-reuse", 128 if quick else None, 0)
     runs: dict[bool, list[dict[str, float]]] = {True: [], False: []}

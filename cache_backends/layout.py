@@ -1,6 +1,6 @@
 """KV geometry: what each layer keeps per token, and how layers group into block pools.
 
-The formulas follow ``reference/kv-geometry.md`` and are a public contract (``kvload plan --json``
+The formulas follow ``docs/kv-geometry.md`` and are a public contract (``kvload plan --json``
 reports them). V1 knows one geometry: every layer keeps every token at the widest layer's entry
 size, in one pool. V2 groups layers by life cycle (full, sliding window W, MLA latent,
 compressed at rate c) with one pool per group.

@@ -22,7 +22,7 @@ from typing import Any
 
 import attrs
 
-from pipeline.errors import ModelError
+from pipeline.errors import ModelError, first_line
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 
@@ -149,9 +149,6 @@ def read_config_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else exc.__class__.__name__
 
 
 def load_hf_config(checkpoint: Checkpoint) -> Any:
@@ -166,7 +163,7 @@ def load_hf_config(checkpoint: Checkpoint) -> Any:
     except (ValueError, KeyError, TypeError, OSError) as exc:
         raise ModelError(
             f"{checkpoint.path / 'config.json'}: transformers cannot load model_type {raw['model_type']!r}: "
-            f"{_first_line(exc)}"
+            f"{first_line(exc)}"
         ) from exc
 
 
@@ -183,10 +180,10 @@ def _load_gguf_config(checkpoint: Checkpoint) -> Any:
         cfg = AutoConfig.from_pretrained(str(checkpoint.path), gguf_file=checkpoint.gguf_file,
                                          trust_remote_code=False, local_files_only=True)
     except ImportError as exc:
-        raise ModelError(f"{file}: reading GGUF needs the 'gguf' package ({_first_line(exc)}); "
+        raise ModelError(f"{file}: reading GGUF needs the 'gguf' package ({first_line(exc)}); "
                          "install it with: pip install gguf") from exc
     except Exception as exc:  # the GGUF reader raises whatever its parser hits (struct.error, ValueError, ...)
-        raise ModelError(f"{file}: transformers cannot read this GGUF file: {_first_line(exc)}") from exc
+        raise ModelError(f"{file}: transformers cannot read this GGUF file: {first_line(exc)}") from exc
     name_architecture(cfg)
     return cfg
 

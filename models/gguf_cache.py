@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.errors import ModelError
+from pipeline.errors import ModelError, first_line
 
 if TYPE_CHECKING:
     from models.checkpoint import Checkpoint
@@ -115,7 +115,7 @@ def _write_conversion(checkpoint: Checkpoint, out: Path) -> bool:
                          f"install it with: pip install gguf ({exc})") from exc
     except Exception as exc:  # the GGUF reader raises whatever its parser hits
         raise ModelError(f"{checkpoint.gguf_path}: transformers cannot load these GGUF weights: "
-                         f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}") from exc
+                         f"{first_line(exc)}") from exc
     name_architecture(model.config)
     # transformers refuses save_pretrained on a GGUF-loaded model (it counts as quantized); the
     # dequantized tensors are plain, so write them with safetensors (tied tensors stored once).

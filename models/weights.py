@@ -19,7 +19,7 @@ from typing import Any
 import attrs
 
 from models.checkpoint import Checkpoint
-from pipeline.errors import KvRuntimeError, ModelError
+from pipeline.errors import KvRuntimeError, ModelError, first_line
 
 #: Model dtypes transformers can load weights in (float8 is a KV cache dtype only).
 WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
@@ -123,8 +123,8 @@ def _load_error(what: str, exc: Exception) -> Exception:
     import torch
 
     if isinstance(exc, torch.OutOfMemoryError):
-        return KvRuntimeError(f"{what}: out of memory ({_first_line(exc)})")
-    return ModelError(f"{what}: {_first_line(exc)}")
+        return KvRuntimeError(f"{what}: out of memory ({first_line(exc)})")
+    return ModelError(f"{what}: {first_line(exc)}")
 
 
 def load_tokenizer(path: Path) -> Any:
@@ -136,7 +136,7 @@ def load_tokenizer(path: Path) -> Any:
     try:
         return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False, local_files_only=True)
     except (ValueError, KeyError, TypeError, OSError) as exc:
-        raise ModelError(f"{path}: transformers cannot load the tokenizer: {_first_line(exc)}") from exc
+        raise ModelError(f"{path}: transformers cannot load the tokenizer: {first_line(exc)}") from exc
 
 
 def load_weights(checkpoint: Checkpoint, hf_config: Any, *, device: str, dtype: str, seed: int = 0) -> LoadedWeights:
@@ -164,6 +164,3 @@ def load_weights(checkpoint: Checkpoint, hf_config: Any, *, device: str, dtype: 
     return loaded
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else exc.__class__.__name__

@@ -1,49 +1,64 @@
-"""kvload's pipeline: config classes, events, the audit log, the stage runner and the public API."""
+"""kvload's resolution core: config classes, the converter, events, bus, audit log, context, errors, runner.
 
-from pipeline.api import LoadResult, execute, load, load_stages, plan, plan_stages, resolve_stages
-from pipeline.audit import AuditLog, JsonlSink
-from pipeline.bus import EventBus
-from pipeline.config import AUTO, KvCacheConfig, LlmArgs, explicit_fields
-from pipeline.context import Context, LoadRequest, ModelInfo, Route
-from pipeline.errors import (
-    AuditError,
-    ConfigError,
-    GenerationError,
-    KvBuildError,
-    KvloadError,
-    ModelError,
-    RouteError,
-)
-from pipeline.runner import Pipeline, Stage
-from pipeline.version import __version__
+Importing ``pipeline`` (or any module of it) loads nothing else: each name below is imported on first
+use. ``pipeline.plan`` / ``pipeline.load`` / ``pipeline.LoadResult`` are the public API, which lives
+in the face layer (:mod:`kvload.api`); they are re-exported here, lazily, so ``pipeline.plan(...)``
+keeps working while ``import models`` (which uses :mod:`pipeline.errors`) stays light.
+"""
 
-__all__ = [
-    "AUTO",
-    "AuditError",
-    "AuditLog",
-    "ConfigError",
-    "Context",
-    "EventBus",
-    "GenerationError",
-    "JsonlSink",
-    "KvBuildError",
-    "KvCacheConfig",
-    "KvloadError",
-    "LlmArgs",
-    "LoadRequest",
-    "LoadResult",
-    "ModelError",
-    "ModelInfo",
-    "Pipeline",
-    "Route",
-    "RouteError",
-    "Stage",
-    "__version__",
-    "execute",
-    "explicit_fields",
-    "load",
-    "load_stages",
-    "plan",
-    "plan_stages",
-    "resolve_stages",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+#: public name -> module that defines it
+_EXPORTS = {
+    "AUTO": "pipeline.config",
+    "KvCacheConfig": "pipeline.config",
+    "LlmArgs": "pipeline.config",
+    "explicit_fields": "pipeline.config",
+    "AuditLog": "pipeline.audit",
+    "JsonlSink": "pipeline.audit",
+    "EventBus": "pipeline.bus",
+    "Context": "pipeline.context",
+    "LoadRequest": "pipeline.context",
+    "ModelInfo": "pipeline.context",
+    "Route": "pipeline.context",
+    "AuditError": "pipeline.errors",
+    "ConfigError": "pipeline.errors",
+    "GenerationError": "pipeline.errors",
+    "KvBuildError": "pipeline.errors",
+    "KvloadError": "pipeline.errors",
+    "ModelError": "pipeline.errors",
+    "RouteError": "pipeline.errors",
+    "Pipeline": "pipeline.runner",
+    "Stage": "pipeline.runner",
+    "RunResult": "pipeline.run",
+    "__version__": "pipeline.version",
+    # the public API (face layer), re-exported for ``pipeline.plan`` / ``pipeline.load``
+    "LoadResult": "kvload.api",
+    "execute": "kvload.api",
+    "load": "kvload.api",
+    "plan": "kvload.api",
+    "load_stages": "stages",
+    "plan_stages": "stages",
+    "resolve_stages": "stages",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        try:  # a submodule, e.g. ``pipeline.converter.unstructure``
+            return importlib.import_module(f"pipeline.{name}")
+        except ModuleNotFoundError:
+            raise AttributeError(f"module 'pipeline' has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

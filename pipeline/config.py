@@ -12,6 +12,7 @@ from typing import Any, Literal, NewType, Union
 
 import attrs
 
+from cache_backends.layout import DTYPE_SIZES
 from pipeline.errors import ConfigError
 
 AUTO = "auto"
@@ -25,13 +26,8 @@ DTypeName = NewType("DTypeName", str)
 #: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
 DeviceName = NewType("DeviceName", str)
 
-DTYPE_BYTES: dict[str, int] = {
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-}
+#: Bytes per element of each dtype name kvload accepts: the KV library's own table (one table, one truth).
+DTYPE_BYTES: dict[str, int] = DTYPE_SIZES
 DTYPE_ALIASES: dict[str, str] = {
     "fp32": "float32",
     "float": "float32",
@@ -226,11 +222,16 @@ class KvCacheConfig:
     enable_partial_reuse: bool = attrs.field(default=True, validator=strict_bool)
     free_gpu_memory_fraction: float = attrs.field(default=0.9, validator=fraction)
     max_tokens: int | None = attrs.field(default=None, validator=opt_pos_int)
+    # tokens the pools hold when no rule bounds the budget (CPU without max_tokens/max_gpu_total_bytes);
+    # null: such a load is refused. kvload generate sets it for its prompts.
+    default_max_tokens: int | None = attrs.field(default=None, validator=opt_pos_int)
     max_gpu_total_bytes: Bytes = attrs.field(default=0, validator=non_neg_int)
     host_cache_size: Bytes | None = attrs.field(default=None, validator=opt_non_neg_int)
     dtype: DTypeName = attrs.field(default=AUTO, converter=_norm_dtype, validator=dtype_name)
     max_util_for_resume: float = attrs.field(default=0.95, validator=fraction)
-    enable_swa_scratch_reuse: bool = attrs.field(default=False, validator=strict_bool)
+    # Not TensorRT-LLM's default (False): blocks that leave a sliding window stay in the prefix cache, so
+    # sliding-window models get prefix hits (issue 10); False drops them as they leave the window.
+    enable_swa_scratch_reuse: bool = attrs.field(default=True, validator=strict_bool)
     event_buffer_max_size: int = attrs.field(default=0, validator=non_neg_int)
     _explicit: set[str] = _internal(set)
     _frozen: bool = _internal(bool)
@@ -247,6 +248,7 @@ class LlmArgs:
     max_seq_len: int | None = attrs.field(default=None, validator=opt_pos_int)
     max_num_tokens: int = attrs.field(default=8192, validator=pos_int)
     max_beam_width: int = attrs.field(default=1, validator=pos_int)
+    weights_seed: int = attrs.field(default=0, validator=non_neg_int)  # random weights of presets
     attention_backend: str = attrs.field(default=AUTO, validator=attention_backend_name)
     kv_cache_config: KvCacheConfig = attrs.field(factory=KvCacheConfig)
     _explicit: set[str] = _internal(set)
@@ -258,9 +260,11 @@ class LlmArgs:
             raise FieldError(attribute.name, f"expected a mapping of KvCacheConfig fields, got {describe(value)}")
 
 
+#: The dotted path of the decision at kvload's heart.
+V2_FIELD = "kv_cache_config.use_kv_cache_manager_v2"
+
 #: Fields whose value may be ``"auto"`` and that ``resolve_auto`` turns into a concrete value.
-AUTO_FIELDS: tuple[str, ...] = ("dtype", "device", "kv_cache_config.use_kv_cache_manager_v2", "kv_cache_config.dtype",
-                                 "attention_backend")
+AUTO_FIELDS: tuple[str, ...] = ("dtype", "device", V2_FIELD, "kv_cache_config.dtype", "attention_backend")
 
 
 def framework_defaults() -> dict[str, Any]:

@@ -37,7 +37,6 @@ class LoadRequest:
     source: str = "api"  # label of ``overrides``: "api" from Python, "cli" from the command line
     config_file: str | None = None
     load_weights: bool = False
-    options: dict[str, Any] = attrs.Factory(dict)  # stage options that are not args (e.g. weights)
 
 
 @attrs.frozen

@@ -3,6 +3,14 @@
 from __future__ import annotations
 
 
+def first_line(exc: BaseException, default: str | None = None) -> str:
+    """The first line of an exception's message; ``default`` (else the class name) when it has none."""
+    text = str(exc).strip()
+    if text:
+        return text.splitlines()[0]
+    return default if default is not None else type(exc).__name__
+
+
 class KvloadError(Exception):
     """Base of every error kvload raises on purpose; its message is one line for the user."""
 

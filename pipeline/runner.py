@@ -9,7 +9,7 @@ from typing import Any, Protocol
 from pipeline.bus import Emit, EventBus
 from pipeline.context import Context
 from pipeline.converter import unstructure
-from pipeline.errors import KvloadError
+from pipeline.errors import KvloadError, first_line
 from pipeline.events import PipelineFinished, StageFailed, StageFinished, StageStarted
 
 
@@ -73,5 +73,5 @@ def _typed(stage: Any, exc: BaseException) -> BaseException:
     error_type = getattr(stage, "error", None)
     if error_type is None:
         return exc
-    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    detail = first_line(exc)
     return error_type(f"{stage.name}: {type(exc).__name__}: {detail}")

@@ -92,7 +92,7 @@ else
   echo "== generate: bench/bench_generate.py is not in this tree; skipped" | tee -a "$SUMMARY"
 fi
 # The managers on the device: pools in GPU memory, V2's pinned host tier, suspend/resume copies.
-step simulate_cuda 40 "$PY" -m pipeline.cli simulate tiny-gemma3 --workload long-context --compare --device cuda
+step simulate_cuda 40 "$PY" -m kvload.cli simulate tiny-gemma3 --workload long-context --compare --device cuda
 
 echo "total: $(( $(date +%s) - started ))s; summary: $SUMMARY" | tee -a "$SUMMARY"
 exit "$status"

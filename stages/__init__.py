@@ -1,4 +1,6 @@
-"""Pipeline stages, one per module, named after the stage."""
+"""Pipeline stages, one per module, named after the stage, and the stage lists ``plan`` and ``load`` run."""
+
+from __future__ import annotations
 
 from stages.apply_model_defaults import ApplyModelDefaults
 from stages.build_kv_manager import BuildKvManager
@@ -8,6 +10,25 @@ from stages.plan_kv import KvPlan, PlanKv
 from stages.resolve_auto import ResolveAuto
 from stages.route_executor import RouteExecutor
 from stages.snapshot_user_fields import SnapshotUserFields
+
+
+def resolve_stages() -> list:
+    """Stages 1–5: resolve the arguments and route the executor."""
+    return [ParseArgs(), SnapshotUserFields(), ApplyModelDefaults(), ResolveAuto(), RouteExecutor()]
+
+
+def plan_stages() -> list:
+    """Stages 1–5, then ``plan_kv``: the KV layout, budget and pools ``load`` would build, allocating nothing."""
+    return [*resolve_stages(), PlanKv()]
+
+
+def load_stages() -> list:
+    """All stages: resolve, route, load the weights (when asked), and build the KV cache manager.
+
+    Weights come before the KV manager so the memory budget sees what they took.
+    """
+    return [*resolve_stages(), LoadWeights(), BuildKvManager()]
+
 
 __all__ = [
     "ApplyModelDefaults",
@@ -19,4 +40,7 @@ __all__ = [
     "ResolveAuto",
     "RouteExecutor",
     "SnapshotUserFields",
+    "load_stages",
+    "plan_stages",
+    "resolve_stages",
 ]

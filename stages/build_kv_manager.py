@@ -10,9 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 from cache_backends.budget import host_available_bytes, is_cuda
 from cache_backends.interface import ManagerOptions
+from cache_backends.kinds import kind_named
 from pipeline.bus import Emit
 from pipeline.context import Context
-from pipeline.errors import KvBuildError, KvRuntimeError
+from pipeline.errors import KvBuildError, KvRuntimeError, first_line
 from pipeline.events import KvManagerBuilt
 from stages.plan_kv import HOST_FIELD, RULE_FIELDS, KvPlan, compute_kv_plan, device_problem
 
@@ -28,17 +29,14 @@ def check_device(device: str) -> None:
 
 
 def manager_classes(manager: str) -> tuple[type, type]:
-    """The (manager, scheduler) classes of a route; V2 is imported only when routed to."""
-    if manager == "v1":
-        from cache_backends.v1 import GuaranteedNoEvictScheduler, KVCacheManager
-
-        return KVCacheManager, GuaranteedNoEvictScheduler
+    """The (manager, scheduler) classes of a plan's manager kind (``"v1"``/``"v2"``), imported when built."""
+    kind = kind_named(manager)
     try:
-        from cache_backends.v2 import KVCacheManagerV2, KVCacheV2Scheduler
+        return kind.classes()
     except ImportError as exc:
-        raise KvBuildError(f"KVCacheManagerV2 is not available in this installation ({exc}); "
-                           "set kv_cache_config.use_kv_cache_manager_v2 to false if the model allows it") from None
-    return KVCacheManagerV2, KVCacheV2Scheduler
+        raise KvBuildError(f"{kind.manager} is not available in this installation ({exc}); "
+                           "set kv_cache_config.use_kv_cache_manager_v2 to the other value if the model allows it"
+                           ) from None
 
 
 def manager_options(ctx: Context) -> ManagerOptions:
@@ -75,7 +73,7 @@ class BuildKvManager:
 
             pools = BlockPools(plan.layout, plan.pools.num_blocks, plan.device)
         except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
-            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            detail = first_line(exc)
             raise KvRuntimeError(f"allocating {plan.pools.total_bytes} B of KV pools on {plan.device} failed: "
                                  f"{detail}") from exc
         ctx.on_close(pools.release)

@@ -11,7 +11,7 @@ import gc
 from models.weights import load_weights
 from pipeline.bus import Emit
 from pipeline.context import Context
-from pipeline.errors import ConfigError, ModelError
+from pipeline.errors import ModelError
 from pipeline.events import WeightsLoaded
 
 
@@ -22,12 +22,10 @@ class LoadWeights:
     error = ModelError
 
     def run(self, ctx: Context, emit: Emit) -> None:
-        """Load weights (random for presets, seeded by the ``weights_seed`` option) and the tokenizer."""
+        """Load weights (random for presets, seeded by ``weights_seed``) and the tokenizer."""
         if not ctx.request.load_weights:
             return
-        seed = ctx.request.options.get("weights_seed", 0)
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise ConfigError(f"weights_seed: expected an integer, got {seed!r}", path="weights_seed")
+        seed = ctx.args.weights_seed
         device, dtype = str(ctx.args.device), str(ctx.args.dtype)
         loaded = load_weights(ctx.checkpoint, ctx.hf_config, device=device, dtype=dtype, seed=seed)
         ctx.hf_model, ctx.tokenizer = loaded.model, loaded.tokenizer

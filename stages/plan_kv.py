@@ -22,12 +22,14 @@ from cache_backends.budget import (
     measure_free_bytes,
     plan_pools,
 )
+from cache_backends.kinds import kind_for
 from cache_backends.layout import KvLayout, build_layout
 from cache_backends.reuse import partial_reuse_off_reason
 from pipeline.bus import Emit
 from pipeline.context import Context
 from pipeline.errors import KvBuildError
 from pipeline.events import KvBudgetComputed, SettingIgnored
+from pipeline.text import cell, table
 
 #: What each budget rule is called in messages: the field a user changes to move it.
 RULE_FIELDS = {
@@ -115,10 +117,9 @@ class KvPlan:
         rows = [["group", "kind", "layers", "window", "rate", "bytes/block", "blocks", "bytes"]]
         for g in self.layout.groups:
             n = blocks.get(g.name)
-            rows.append([g.name, g.kind, layer_ranges(g.layers), _opt(g.window), _opt(g.compress_rate),
-                         f"{g.bytes_per_block:,}", _opt(n), _opt(None if n is None else n * g.bytes_per_block)])
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+            rows.append([g.name, g.kind, layer_ranges(g.layers), cell(g.window), cell(g.compress_rate),
+                         f"{g.bytes_per_block:,}", cell(n), cell(None if n is None else n * g.bytes_per_block)])
+        lines += table(rows)
         lines.append(f"  bytes/token {self.bytes_per_token:,.6g} (each token past every window); "
                      f"one max_seq_len sequence {self.layout.bytes_for_sequence(self.max_seq_len):,} B")
         if self.pools is not None:
@@ -141,12 +142,6 @@ class KvPlan:
             return f"none: {HOST_FIELD}=0"
         size = self.host_cache_size
         return "auto-sized" if size is None else f"{HOST_FIELD}={size:,} B"
-
-
-def _opt(value: Any) -> str:
-    if value is None:
-        return "-"
-    return f"{value:,}" if isinstance(value, int) else str(value)
 
 
 def layer_ranges(layers: tuple[int, ...]) -> str:
@@ -197,7 +192,7 @@ def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
     """
     args, route = ctx.args, ctx.route
     kv = args.kv_cache_config
-    manager = "v2" if route.use_kv_cache_manager_v2 is True else "v1"
+    manager = kind_for(route.use_kv_cache_manager_v2).name
     try:
         layout = build_layout(ctx.spec.kv_layers(), manager, kv.tokens_per_block, kv.dtype)
     except ValueError as exc:
@@ -215,15 +210,13 @@ def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
 
     budget = budget_for(kv.max_tokens)
     reason = budget_reason(budget)
-    fallback = ctx.request.options.get("default_max_tokens")
+    fallback = kv.default_max_tokens
     if budget.budget_bytes is None and fallback is not None:
-        # kvload generate's default when no rule bounds the budget (CPU without max_tokens or
-        # max_gpu_total_bytes); the args keep max_tokens null, this event says what sized the pools
-        if not isinstance(fallback, int) or isinstance(fallback, bool) or fallback < 1:
-            raise KvBuildError(f"default_max_tokens: expected an integer >= 1, got {fallback!r}")
+        # the default when no rule bounds the budget (CPU without max_tokens or max_gpu_total_bytes);
+        # max_tokens stays null, this event says what sized the pools
         unbounded = budget.unbounded_reason
         budget = budget_for(fallback)
-        reason = (f"{unbounded}, so the generate default of {fallback} tokens applies ({budget_reason(budget)}); "
+        reason = (f"{unbounded}, so kv_cache_config.default_max_tokens={fallback} applies ({budget_reason(budget)}); "
                   "set kv_cache_config.max_tokens to choose")
     emit(KvBudgetComputed(
         manager=manager, device=device, free_bytes=budget.free_bytes, weights_bytes=budget.weights_bytes,

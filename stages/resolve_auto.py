@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.bus import Emit
-from pipeline.config import AUTO, DTYPE_BYTES, normalize_dtype, set_field
+from pipeline.config import AUTO, DTYPE_BYTES, V2_FIELD, normalize_dtype, set_field
 from pipeline.context import AutoOrigin, Context
 from pipeline.errors import ConfigError
 from pipeline.events import AutoResolved, FieldDerived
 from pipeline.paths import get_in
 
-V2 = "kv_cache_config.use_kv_cache_manager_v2"
+V2 = V2_FIELD
 
 
 def cuda_available() -> bool:

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
+from cache_backends.kinds import kind_for
 from pipeline.bus import Emit
+from pipeline.config import V2_FIELD as V2
 from pipeline.config import freeze, set_field
 from pipeline.context import Context, Route
 from pipeline.errors import RouteError
 from pipeline.events import ExecutorRouted, RouteFallback, SettingIgnored
-
-V2 = "kv_cache_config.use_kv_cache_manager_v2"
-V1_ROUTE = ("KVCacheManager", "GuaranteedNoEvictScheduler")
-V2_ROUTE = ("KVCacheManagerV2", "KVCacheV2Scheduler")
 
 #: V2-only settings: harmless under V1, but a user who set them should hear they do nothing.
 _V2_ONLY = {
@@ -28,7 +26,7 @@ class RouteExecutor:
     error = RouteError
 
     def run(self, ctx: Context, emit: Emit) -> None:
-        """Apply the routing rules in DESIGN.md, each with its reason, then freeze ``ctx.args``."""
+        """Apply the routing rules (true: V2; false: V1; beam search: V1 unless V2 was the user's), then freeze args."""
         kv = ctx.args.kv_cache_config
         v2 = kv.use_kv_cache_manager_v2
         if v2 is not True and v2 is not False:  # identity, never truthiness: "auto" is a truthy string
@@ -59,12 +57,9 @@ class RouteExecutor:
             emit(RouteFallback(field=V2, old=True, new=False, source="route", reason=fallback_reason))
             v2 = False
 
-        if v2 is True:
-            manager, scheduler = V2_ROUTE
-            reason = f"{V2}=true ({origin}): per-group pools, prefix reuse, suspend/resume"
-        else:
-            manager, scheduler = V1_ROUTE
-            reason = fallback_reason or f"{V2}=false ({origin}): one uniform pool, no-evict admission"
+        kind = kind_for(v2)
+        manager, scheduler = kind.manager, kind.scheduler
+        reason = fallback_reason or f"{V2}={'true' if v2 else 'false'} ({origin}): {kind.summary}"
         ctx.route = Route(manager, scheduler, v2, reason, fallback_reason is not None)
         emit(ExecutorRouted(kv_manager=manager, scheduler=scheduler, use_kv_cache_manager_v2=v2, reason=reason))
         self._warn_ignored(ctx, emit, v2)

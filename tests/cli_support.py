@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 import structlog
 
-from pipeline.cli import main
+from kvload.cli import main
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
 REPO = Path(__file__).resolve().parents[1]
@@ -37,7 +37,7 @@ class CliResult:
 
 
 def run_cli(capsys: Any, *argv: str) -> CliResult:
-    """Call ``pipeline.cli.main`` in this process; restore structlog's global config afterwards."""
+    """Call ``kvload.cli.main`` in this process; restore structlog's global config afterwards."""
     saved, was_configured = structlog.get_config(), structlog.is_configured()
     capsys.readouterr()
     try:
@@ -55,10 +55,16 @@ def run_cli(capsys: Any, *argv: str) -> CliResult:
 
 
 def kvload(*argv: str, cwd: Path | None = None, python_flags: tuple[str, ...] = ()) -> CliResult:
-    """Run ``python -m pipeline.cli`` in a subprocess, from the repository root unless ``cwd`` is given."""
-    r = subprocess.run([sys.executable, *python_flags, "-m", "pipeline.cli", *map(str, argv)], capture_output=True,
+    """Run ``python -m kvload.cli`` in a subprocess, from the repository root unless ``cwd`` is given."""
+    r = subprocess.run([sys.executable, *python_flags, "-m", "kvload.cli", *map(str, argv)], capture_output=True,
                        text=True, env={**ENV, "PYTHONPATH": str(REPO)}, cwd=cwd or REPO, timeout=180)
     return CliResult(r.returncode, r.stdout, r.stderr)
+
+
+def kvload_process(*args: Any, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``python -m kvload`` as a subprocess (return code, stdout, stderr), for tests that need a real process."""
+    return subprocess.run([sys.executable, "-m", "kvload", *map(str, args)], capture_output=True, text=True, env=ENV,
+                          cwd=cwd, timeout=120)
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:

@@ -89,7 +89,7 @@ def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory):
     def get(family: str) -> Path:
         if family not in made:
             from models.weights import random_model
-            from tests.test_paged_generation import tiny_config
+            from tests.paged_support import tiny_config
 
             path = tmp_path_factory.mktemp(f"ckpt-{family}")
             random_model(tiny_config(family), device="cpu", dtype="float32", seed=0).save_pretrained(path)

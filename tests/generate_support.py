@@ -44,3 +44,9 @@ def used_blocks(result: pipeline.LoadResult) -> int:
     """Device blocks some request still owns (cached, evictable blocks are not counted)."""
     stats = result.kv_manager.stats()
     return sum(g["used"] for g in stats["groups"].values())
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    """The token ids of ``text`` as one user turn of the tokenizer's chat template, ready to generate."""
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

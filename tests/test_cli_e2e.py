@@ -83,7 +83,7 @@ def test_models_and_help_stay_light():
     assert models.code == 0
     assert "DeepseekV4ForCausalLM" in models.out and "DeepseekV4Spec" in models.out
     imported = {line.rsplit("|", 1)[-1].strip() for line in models.err.splitlines() if "|" in line}
-    assert "pipeline.catalog" in imported  # the measurement saw our modules
+    assert "kvload.catalog" in imported  # the measurement saw our modules
     assert not {m for m in imported if m.split(".")[0] in ("torch", "transformers")}
 
     doc = json.loads(kvload("models", "--json").out)

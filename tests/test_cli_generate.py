@@ -7,8 +7,8 @@ import json
 import pytest
 
 import pipeline
+from kvload.explain import verify_log
 from pipeline.audit import AuditLog
-from pipeline.explain import verify_log
 from tests.cli_support import kvload, read_events, run_cli
 
 TINY = ("generate", "tiny-llama", "--device", "cpu")
@@ -48,13 +48,15 @@ def test_cpu_without_a_budget_gets_generates_default_and_the_audit_log_says_why(
     events = read_events(audit)
     budget = next(e for e in events if e["event"] == "kv_budget_computed")
     assert budget["max_tokens"] == 1 * (4 + 1024) and budget["limited_by"] == "max_tokens"
-    assert "the generate default of 1028 tokens applies" in budget["reason"]
+    assert "kv_cache_config.default_max_tokens=1028 applies" in budget["reason"]
     names = [e["event"] for e in events]
     assert names[names.index("pipeline_finished") + 1:] == [
         "generation_started", "request_admitted", "request_finished", "generation_finished"]
     log = AuditLog.from_jsonl(audit)
     assert verify_log(log)["ok"]
     assert log.final_args()["kv_cache_config"]["max_tokens"] is None  # the user's args are untouched
+    # the default budget is an argument like any other: recorded, and replayed by --verify
+    assert log.final_args()["kv_cache_config"]["default_max_tokens"] == 1028
     check = run_cli(capsys, "audit", audit, "--verify")
     assert check.code == 0, check.out + check.err
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pipeline.cli import FLAGS, build_parser, cli_overrides
+from kvload.cli import FLAGS, build_parser, cli_overrides
 from pipeline.paths import flatten, get_in
 from tests.cli_support import read_events, run_cli
 

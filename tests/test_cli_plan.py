@@ -3,18 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
-
-
-def kvload(*args: str, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, env=ENV,
-                          cwd=cwd, timeout=120)
+from tests.cli_support import kvload_process as kvload
 
 
 def test_plan_deepseek_v4_shows_auto_to_true_and_why():

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.test_cli_plan import kvload
+from tests.cli_support import kvload_process as kvload
 
 
 def test_run_builds_v1_and_prints_the_plan_and_what_was_allocated(tmp_path):

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 import pipeline
+from engine.executor import GenerationExecutor
+from engine.sampling import sample_token
+from kvload.explain import verify_log
 from pipeline.errors import GenerationError, KvBuildError
-from pipeline.executor import GenerationExecutor, sample_token
-from pipeline.explain import verify_log
 from tests.generate_support import NEW_TOKENS, hf_greedy, load, prompts_for, used_blocks
 
 # --- sampling -------------------------------------------------------------------------------------

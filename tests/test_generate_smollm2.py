@@ -11,7 +11,7 @@ import torch
 import pipeline
 from tests.cli_support import run_cli
 from tests.conftest import needs_smollm2
-from tests.test_paged_smollm2 import chat_ids
+from tests.generate_support import chat_ids
 
 pytestmark = needs_smollm2
 

@@ -12,7 +12,7 @@ import pipeline
 from cache_backends.request import Request
 from pipeline import KvBuildError
 from pipeline.errors import KvRuntimeError
-from tests.kv_driver import drive
+from tests.kv_v1_support import drive
 
 CPU4K = {"device": "cpu", "kv_cache_config": {"max_tokens": 4096}}
 

@@ -1,7 +1,7 @@
 """KV geometry: bytes per token and per sequence, checked against kv-geometry.md computed here from the configs.
 
 The expected numbers are worked out in this file from the config fields with the formulas of
-``reference/kv-geometry.md`` (not by calling the code under test), for every preset and for real
+``docs/kv-geometry.md`` (not by calling the code under test), for every preset and for real
 published configs vendored in ``tests/data/configs/`` (see SOURCES.md there).
 """
 

@@ -9,8 +9,7 @@ import pytest
 from cache_backends.interface import SchedulerOutput
 from cache_backends.request import Request, RequestState
 from cache_backends.v1 import GuaranteedNoEvictScheduler
-from tests.kv_driver import drive
-from tests.test_kv_v1_manager import make_manager
+from tests.kv_v1_support import drive, make_manager
 
 
 def requests(n: int, prompt_len: int = 6, max_new: int = 6, shared: bool = False) -> list[Request]:
@@ -142,10 +141,16 @@ def test_a_prompt_longer_than_max_seq_len_is_refused_at_admission():
     m = make_manager(num_blocks=16, max_seq_len=8)
     sched = GuaranteedNoEvictScheduler(m, 4, 64)
     long, short = Request("long", list(range(1, 31)), 10), Request("short", [1, 2], 2)
-    trace = drive(sched, m, [long, short])
-    assert trace.admitted == ["short"] and trace.finished == ["short"]
-    assert trace.stalled == "request long has a 30-token prompt, longer than max_seq_len=8; it can never be admitted"
-    assert long.num_computed_tokens == 0 and m.pool.num_used == 0
+    # the engine refuses it before it is queued ...
+    with pytest.raises(ValueError, match="prompt of 30 tokens leaves no room to generate within max_seq_len=8"):
+        drive(sched, m, [long, short])
+    # ... and the scheduler, driven directly, refuses to admit it and says why
+    waiting = deque([long, short])
+    out = sched.step(waiting, running := [])
+    assert [r.req_id for r in out.admitted] == ["short"] and list(waiting) == [long]
+    out = sched.step(waiting, running)
+    assert out.stalled is None or "longer than max_seq_len=8" in out.stalled
+    assert long.num_computed_tokens == 0
 
 
 def test_the_worst_case_is_capped_at_max_seq_len():
@@ -160,7 +165,19 @@ def test_the_worst_case_is_capped_at_max_seq_len():
 def test_a_running_request_is_never_scheduled_past_max_seq_len():
     m = make_manager(num_blocks=8, max_seq_len=8)
     sched = GuaranteedNoEvictScheduler(m, 4, 64)
-    r = Request("r", [1, 2, 3, 4, 5, 6], 10)  # this driver ignores max_seq_len and keeps sampling
+    r = Request("r", [1, 2, 3, 4, 5, 6], 10)  # max_new_tokens would take it past max_seq_len
     trace = drive(sched, m, [r])
-    assert r.num_computed_tokens == 8 and len(m.block_table(r, "uniform")) == 2
-    assert trace.stalled == "request r reached max_seq_len=8; finish it (reason 'length')"
+    # the engine ends it at max_seq_len ("length"); the last sampled token is never fed, so 7 are computed
+    assert trace.stalled is None and trace.finished == ["r"] and r.finish_reason == "length"
+    assert r.num_tokens == 8 and r.num_computed_tokens == 7 and m.stats()["groups"]["uniform"]["used"] == 0
+    # and the scheduler itself never schedules past max_seq_len, whoever drives it
+    r2 = Request("r2", [1, 2, 3, 4, 5, 6, 7], 10)
+    waiting, running = deque([r2]), []
+    for _ in range(3):  # a driver that ignores max_seq_len and keeps sampling
+        out = sched.step(waiting, running)
+        if not out.scheduled:
+            break
+        m.commit(r2, out.scheduled[0].num_tokens)
+        r2.output_token_ids.append(9)
+    assert r2.num_computed_tokens == 8 and out.scheduled == []
+    assert out.stalled == "request r2 reached max_seq_len=8; finish it (reason 'length')"

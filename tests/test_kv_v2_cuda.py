@@ -7,7 +7,7 @@ import torch
 
 from cache_backends.request import Request
 from cache_backends.v2 import KVCacheV2Scheduler
-from tests.test_kv_v2_harness import drive, full_sliding_layers, make_manager
+from tests.kv_v2_support import drive, full_sliding_layers, make_manager
 
 pytestmark = [
     pytest.mark.cuda,

@@ -10,26 +10,7 @@ from cache_backends.interface import ManagerOptions
 from cache_backends.pools import BlockPools
 from cache_backends.request import Request
 from cache_backends.v2 import CacheState, KVCacheManagerV2
-from tests.test_kv_v2_harness import check_kv, full_sliding_layers, make_manager, write_kv
-
-FULL = [LayerKV(0, "full", 4)]
-
-
-def admit(manager: KVCacheManagerV2, request: Request) -> None:
-    manager.create(request)
-    assert manager.resume(request)
-
-
-def compute(manager: KVCacheManagerV2, request: Request, n: int) -> None:
-    """Schedule, 'run the forward' (write synthetic KV) and commit ``n`` tokens."""
-    assert manager.allocate(request, n)
-    write_kv(manager, request, request.num_computed_tokens, n)
-    manager.commit(request, n)
-
-
-def prefill(manager: KVCacheManagerV2, request: Request) -> None:
-    admit(manager, request)
-    compute(manager, request, request.num_tokens - request.num_computed_tokens)
+from tests.kv_v2_support import FULL, admit, check_kv, compute, full_sliding_layers, make_manager, prefill, write_kv
 
 
 def lengths(manager: KVCacheManagerV2, request: Request) -> tuple[int, int, int]:
@@ -239,9 +220,12 @@ def test_sliding_group_releases_blocks_that_left_the_window():
     assert len(held(m.block_table(r, "full"))) == 13
 
 
-@pytest.mark.parametrize("scratch", [False, True])
+@pytest.mark.parametrize("scratch", [False, True, None])
 def test_swa_scratch_reuse_keeps_released_window_blocks_reusable(scratch):
-    m = make_manager(full_sliding_layers(window=8), 32, enable_swa_scratch_reuse=scratch)
+    """Out-of-window blocks stay in the prefix cache unless enable_swa_scratch_reuse is false (None: the default)."""
+    options = {} if scratch is None else {"enable_swa_scratch_reuse": scratch}
+    m = make_manager(full_sliding_layers(window=8), 32, **options)
+    scratch = scratch is not False
     prompt = list(range(1, 25))
     a = Request("a", prompt, 0)
     prefill(m, a)

@@ -10,8 +10,7 @@ from hypothesis import strategies as st
 from cache_backends.hashing import chain_hashes, pack_tokens
 from cache_backends.request import Request
 from cache_backends.v2.radix import INDEX_CHILDREN_AFTER, RadixTree
-from tests.test_kv_v2_harness import make_manager
-from tests.test_kv_v2_manager import FULL, admit, compute, prefill
+from tests.kv_v2_support import FULL, admit, compute, make_manager, prefill
 
 T = 4
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from cache_backends.layout import LayerKV, build_layout
 from cache_backends.paged_attention import PagedBatch, SeqChunk, paged_attention
 from cache_backends.pools import BlockPools
-from tests.paged_driver import ToyAllocator
+from tests.paged_support import ToyAllocator
 
 KV_HEADS, HEADS, HEAD_DIM = 2, 4, 8
 ENTRY = 2 * KV_HEADS * HEAD_DIM

@@ -16,34 +16,12 @@ import pytest
 import torch
 
 from cache_backends.paged_attention import PagedBatch, SeqChunk
-from models.checkpoint import load_hf_config, resolve_checkpoint
 from models.paged_forward import ATTN_IMPLEMENTATION, run_forward, use_paged_attention
 from models.weights import random_model
-from tests.paged_driver import RefDriver
+from tests.paged_support import CUDA, FAMILIES, WINDOW, RefDriver, tiny_config
 
-WINDOW = 8
 NEW_TOKENS = 8
 PROMPT_LENGTHS = (5, 13, 21, 2)
-
-FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
-    "llama": ("tiny-llama", {}),
-    "qwen3": ("tiny-qwen3", {}),
-    "mistral": ("tiny-mistral", {"sliding_window": WINDOW}),
-    "gemma3": ("tiny-gemma3", {"sliding_window": WINDOW}),
-    "deepseek-v3": ("tiny-deepseek-v3", {}),
-}
-
-CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                         reason="needs a CUDA device")])
-
-
-def tiny_config(family: str, **extra: Any) -> Any:
-    preset, overrides = FAMILIES[family]
-    cfg = load_hf_config(resolve_checkpoint(preset))
-    for key, value in {"initializer_range": 0.2, **overrides, **extra}.items():
-        setattr(cfg, key, value)
-    return cfg
-
 
 @functools.cache
 def tiny_model(family: str, device: str = "cpu") -> Any:

@@ -12,14 +12,10 @@ import pipeline
 from pipeline import LoadRequest
 from stages import LoadWeights
 from tests.conftest import needs_smollm2
-from tests.paged_driver import RefDriver
+from tests.generate_support import chat_ids
+from tests.paged_support import RefDriver
 
 pytestmark = needs_smollm2
-
-
-def chat_ids(tokenizer, text: str) -> list[int]:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def test_smollm2_says_paris_through_the_paged_path():

@@ -12,9 +12,9 @@ from pipeline import LoadRequest, ModelError
 from stages import LoadWeights
 
 
-def load_through_stages(model: str, *, load_weights: bool = True, options: dict | None = None, **overrides):
-    """Stages 1–5 plus load_weights (build_kv_manager lives on another branch; weights come before it)."""
-    request = LoadRequest(model=model, overrides=overrides, load_weights=load_weights, options=options or {})
+def load_through_stages(model: str, *, load_weights: bool = True, **overrides):
+    """Stages 1–5 plus load_weights (weights come before build_kv_manager)."""
+    request = LoadRequest(model=model, overrides=overrides, load_weights=load_weights)
     return pipeline.execute(request, [*pipeline.plan_stages(), LoadWeights()], log=False)
 
 
@@ -37,7 +37,7 @@ def test_preset_weights_are_deterministic_per_seed_and_leave_the_global_rng_alon
 
 
 def test_load_weights_runs_after_routing_and_reports_what_it_loaded():
-    result = load_through_stages("tiny-llama", options={"weights_seed": 3})
+    result = load_through_stages("tiny-llama", weights_seed=3)
     model = result.hf_model
     assert model is not None and result.tokenizer is None  # presets carry no tokenizer
     assert next(model.parameters()).device.type == "cpu"
@@ -98,5 +98,12 @@ def test_corrupt_weights_are_one_clear_line(tmp_path):
 
 
 def test_a_non_integer_weights_seed_is_a_config_error():
-    with pytest.raises(pipeline.ConfigError, match=r"^weights_seed: expected an integer, got '3'$"):
-        load_through_stages("tiny-llama", options={"weights_seed": "3"})
+    with pytest.raises(pipeline.ConfigError, match=r"^weights_seed: expected an integer >= 0, got '3'"):
+        load_through_stages("tiny-llama", weights_seed="3")
+
+
+def test_the_weights_seed_is_an_argument_the_audit_replays():
+    result = load_through_stages("tiny-llama", weights_seed=5)
+    assert result.args.weights_seed == 5
+    assert [e["new"] for e in result.audit.provenance("weights_seed")] == [5]
+    assert result.audit.replay() == pipeline.converter.unstructure(result.args)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.workloads import (
+from engine.workloads import (
     WORKLOADS,
     default_budget_sequences,
     make_workload,

@@ -1,4 +1,9 @@
-"""The driving loop shared by the generation executor and the workload simulator.
+"""The driving loop shared by the generation executor, the workload simulator and the test harnesses.
+
+:meth:`Driver.run` is the only loop: it adds each :class:`Arrival` when the clock reaches its step (or
+the step after the request it waits for finished), runs :meth:`Driver.step` while anything waits or
+runs, jumps the clock over idle stretches, and stops with :class:`StalledError` when the scheduler
+reports that nothing can make progress or schedules nothing for ``max_idle_steps`` steps in a row.
 
 One :meth:`Driver.step`: the scheduler decides (admit / suspend / resume / allocate), a ``compute``
 callable produces the next token of every request whose known tokens are all in the cache after
@@ -9,9 +14,10 @@ scheduler work is kept separately from ``compute`` so benchmarks can report it a
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import attrs
@@ -31,8 +37,31 @@ from pipeline.events import (
 Compute = Callable[[SchedulerOutput], dict[str, int]]
 
 
+#: Steps in a row that may schedule nothing before :meth:`Driver.run` gives up (the schedulers report
+#: stalls themselves; this only guards against a scheduler that breaks that promise).
+MAX_IDLE_STEPS = 64
+
+
 class StalledError(RuntimeError):
     """Nothing can run and nothing can be made to run; the message says why."""
+
+
+@attrs.frozen
+class Arrival:
+    """A request and when it joins: at step ``step``, or after request ``after`` finished (whichever is later)."""
+
+    request: Request
+    step: int = 0
+    after: str | None = None
+
+
+@attrs.define
+class RunStats:
+    """What :meth:`Driver.run` did: the clock at the end (idle steps included), engine steps, finished requests."""
+
+    steps: int = 0
+    engine_steps: int = 0
+    finished: list[Request] = attrs.Factory(list)
 
 
 @attrs.define
@@ -45,6 +74,7 @@ class StepStats:
     kv_seconds: float  # scheduler.step + commits + finishes
     compute_seconds: float
     finished: list[Request]
+    output: SchedulerOutput | None = None  # the scheduler's decision of this step
 
 
 class Driver:
@@ -98,7 +128,7 @@ class Driver:
         if not out.scheduled:
             if out.stalled and self.has_work:
                 raise StalledError(out.stalled)
-            return StepStats(0, len(self.running), len(self.waiting), kv_seconds, 0.0, [])
+            return StepStats(0, len(self.running), len(self.waiting), kv_seconds, 0.0, [], out)
 
         t1 = time.perf_counter()
         next_tokens = compute(out)
@@ -128,7 +158,58 @@ class Driver:
                 self._emit(RequestFinished(req_id=req.req_id, reason=req.finish_reason,
                                            prompt_tokens=req.num_prompt_tokens, output_tokens=len(req.output_token_ids),
                                            reused_prompt_tokens=req.num_reused_tokens))
-        return StepStats(out.num_tokens, len(self.running), len(self.waiting), kv_seconds, compute_seconds, done)
+        return StepStats(out.num_tokens, len(self.running), len(self.waiting), kv_seconds, compute_seconds, done, out)
+
+    def run(self, arrivals: Iterable[Arrival | Request], compute: Compute, *,
+            on_arrival: Callable[[Request, int], Any] | None = None,
+            on_step: Callable[[int, StepStats], Any] | None = None,
+            max_steps: int | None = None, max_idle_steps: int = MAX_IDLE_STEPS) -> RunStats:
+        """Drive every arrival to completion; a plain :class:`Request` arrives at step 0.
+
+        ``on_arrival(request, clock)`` runs as a request is queued, ``on_step(clock, stats)`` after
+        each engine step. :class:`StalledError` when no progress is possible (the scheduler says so,
+        nothing is scheduled for ``max_idle_steps`` steps in a row, or ``max_steps`` engine steps pass).
+        """
+        ready: list[tuple[int, int, Request]] = []  # (step it may arrive, order, request)
+        dependents: dict[str, list[tuple[int, int, Request]]] = {}
+        for order, item in enumerate(arrivals):
+            a = item if isinstance(item, Arrival) else Arrival(item)
+            if a.after is None:
+                ready.append((a.step, order, a.request))
+            else:
+                dependents.setdefault(a.after, []).append((a.step, order, a.request))
+        heapq.heapify(ready)
+        stats = RunStats()
+        clock = idle = 0
+        while ready or self.has_work:
+            while ready and ready[0][0] <= clock:
+                _, _, request = heapq.heappop(ready)
+                self.add(request)
+                if on_arrival is not None:
+                    on_arrival(request, clock)
+            if not self.has_work:
+                clock = ready[0][0]  # idle until the next arrival
+                continue
+            if max_steps is not None and stats.engine_steps >= max_steps:
+                raise StalledError(f"no completion after {max_steps} engine steps")
+            st = self.step(compute)
+            stats.engine_steps += 1
+            idle = idle + 1 if st.scheduled_tokens == 0 else 0
+            if idle > max_idle_steps:
+                raise StalledError(f"{idle} steps in a row scheduled nothing while {len(self.running)} running and "
+                                   f"{len(self.waiting)} waiting requests remain")
+            for req in st.finished:
+                stats.finished.append(req)
+                for step, order, request in dependents.pop(req.req_id, ()):
+                    heapq.heappush(ready, (max(step, clock + 1), order, request))
+            if on_step is not None:
+                on_step(clock, st)
+            clock += 1
+        if dependents:
+            waiting_on = ", ".join(sorted(dependents))
+            raise StalledError(f"requests wait for {waiting_on}, which never arrived or finished")
+        stats.steps = clock
+        return stats
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         if token in self.eos_token_ids:

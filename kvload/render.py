@@ -2,24 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from pipeline.api import LoadResult
+from kvload.api import LoadResult
 from pipeline.config import framework_defaults
 from pipeline.converter import unstructure
 from pipeline.paths import flatten
-
-
-def show(value: Any) -> str:
-    """A value as a user would type it: true/false/null, strings bare."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return value
-    return json.dumps(value)
+from pipeline.text import show, table
 
 
 def provenance_map(result: LoadResult) -> dict[str, list[dict[str, Any]]]:
@@ -39,11 +28,6 @@ def run_document(result: LoadResult) -> dict[str, Any]:
     }
 
 
-def _table(rows: list[list[str]], indent: str = "  ") -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-
-
 def render_args(result: LoadResult) -> list[str]:
     """Rows for every resolved field that is not a plain framework default: value, source, why."""
     final = flatten(unstructure(result.args))
@@ -60,7 +44,7 @@ def render_args(result: LoadResult) -> list[str]:
         elif last["event"] == "args_parsed" and final[path] == defaults.get(path):
             why = "explicit, equal to the default"
         rows.append([path, show(final[path]), last["source"], why])
-    return ["resolved arguments (fields not at a plain framework default):", *_table(rows)]
+    return ["resolved arguments (fields not at a plain framework default):", *table(rows)]
 
 
 def render_result(result: LoadResult) -> str:
@@ -104,7 +88,7 @@ def render_allocation(result: LoadResult) -> list[str]:
     kv = result.kv
     lines = [
         f"allocated  {doc['kv_manager']} + {doc['scheduler']} on {doc['device']}",
-        *_table(rows),
+        *table(rows),
         f"  total {doc['total_bytes']:,} B; capacity {kv.capacity_tokens:,} tokens; "
         f"{kv.max_concurrency} sequence(s) of max_seq_len {kv.max_seq_len} at once",
     ]

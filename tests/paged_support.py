@@ -1,4 +1,6 @@
-"""A minimal reference driver for tests: toy block allocation + prefill/decode through kvload's paged path.
+"""Test support for the paged path: the tiny model families, and a minimal reference driver.
+
+The driver does toy block allocation + prefill/decode through kvload's paged path.
 
 Not the executor: no scheduler, no budget, no sampling — greedy only. It gives each request a block
 table per layer group from a free list over a ``BlockPools``, runs every active request's next chunk
@@ -12,12 +14,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import attrs
+import pytest
 import torch
 
 from cache_backends.flex_paged import FlexPagedAttention
 from cache_backends.layout import build_layout
 from cache_backends.paged_attention import PagedBatch, SeqChunk
 from cache_backends.pools import BlockPools
+from models.checkpoint import load_hf_config, resolve_checkpoint
 from models.geometry import layers_from_config
 from models.paged_forward import run_forward, use_paged_attention
 
@@ -126,3 +130,26 @@ class RefDriver:
 
     def close(self) -> None:
         self.pools.release()
+
+
+WINDOW = 8
+
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("tiny-llama", {}),
+    "qwen3": ("tiny-qwen3", {}),
+    "mistral": ("tiny-mistral", {"sliding_window": WINDOW}),
+    "gemma3": ("tiny-gemma3", {"sliding_window": WINDOW}),
+    "deepseek-v3": ("tiny-deepseek-v3", {}),
+}
+
+CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                         reason="needs a CUDA device")])
+
+
+def tiny_config(family: str, **extra: Any) -> Any:
+    """The preset config of a family with a raised initializer range (and its window shrunk to ``WINDOW``)."""
+    preset, overrides = FAMILIES[family]
+    cfg = load_hf_config(resolve_checkpoint(preset))
+    for key, value in {"initializer_range": 0.2, **overrides, **extra}.items():
+        setattr(cfg, key, value)
+    return cfg

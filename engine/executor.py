@@ -1,6 +1,6 @@
 """The generation executor: continuous batching over the routed KV cache manager and scheduler.
 
-One step (:meth:`pipeline.driver.Driver.step`): the scheduler admits, suspends, resumes and allocates;
+One step (:meth:`engine.driver.Driver.step`): the scheduler admits, suspends, resumes and allocates;
 the executor packs every scheduled chunk — prefill pieces (chunked by ``max_num_tokens``) and decode
 tokens of many requests — into one forward with per-token positions (``PagedBatch``), each layer
 writing and reading K/V through the request's block tables (``manager.block_table(req, group)`` for
@@ -33,190 +33,16 @@ from cache_backends.block_tables import BlockTableStore
 from cache_backends.interface import SchedulerOutput
 from cache_backends.paged_attention import SERVED_KINDS, PagedBatch, SeqChunk
 from cache_backends.request import Request
+from engine.driver import Arrival, Driver, StalledError
+from engine.outputs import GenerationOutput, GenerationStats, GenerationTimings, StreamEvent
+from engine.sampling import eos_token_ids, sample_token
+from engine.sampling_params import SamplingParams, check, is_int
 from models.paged_forward import ATTN_IMPLEMENTATION, register_paged_attention, run_forward
-from pipeline.driver import Driver, StalledError
-from pipeline.errors import GenerationError, KvBuildError, KvRuntimeError
+from pipeline.errors import GenerationError, KvBuildError, KvRuntimeError, first_line
 from pipeline.events import Event, GenerationFailed, GenerationFinished, GenerationStarted, SettingIgnored
 
 #: A prompt: text (needs a tokenizer) or token ids.
 Prompt = str | Sequence[int]
-
-#: Steps in a row that may schedule nothing before the executor gives up (the schedulers report stalls
-#: themselves; this only guards against a scheduler that breaks that promise).
-MAX_IDLE_STEPS = 64
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _check(ok: bool, name: str, expected: str, value: Any) -> None:
-    if not ok:
-        raise GenerationError(f"generate: {name}: expected {expected}, got {value!r}")
-
-
-@attrs.frozen
-class SamplingParams:
-    """How a call picks tokens. ``temperature == 0`` is greedy; otherwise softmax(logits / T) within top-p."""
-
-    max_new_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None  # prompt i of a call samples from a generator seeded with seed + i
-    ignore_eos: bool = False  # keep going past EOS until max_new_tokens (benchmarks)
-
-    def __attrs_post_init__(self) -> None:
-        _check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1, "max_new_tokens", "an integer >= 1",
-               self.max_new_tokens)
-        _check(_is_number(self.temperature) and self.temperature >= 0 and self.temperature == self.temperature,
-               "temperature", "a number >= 0 (0 = greedy)", self.temperature)
-        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]", self.top_p)
-        _check(self.seed is None or (_is_int(self.seed) and self.seed >= 0), "seed", "an integer >= 0 or None",
-               self.seed)
-        _check(isinstance(self.ignore_eos, bool), "ignore_eos", "true or false", self.ignore_eos)
-
-    @property
-    def greedy(self) -> bool:
-        """Whether tokens are picked by argmax."""
-        return self.temperature == 0
-
-
-@attrs.frozen
-class GenerationTimings:
-    """Seconds from the moment a request was queued to its first generated token, and to its end."""
-
-    first_token_s: float
-    total_s: float
-
-
-@attrs.frozen
-class GenerationOutput:
-    """One prompt's result; ``token_ids`` are the generated ids only (an EOS that ended it included)."""
-
-    index: int  # position of the prompt in the call
-    req_id: str
-    prompt: str | None  # the text, when the prompt was text
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str | None  # decoded without special tokens; None without a tokenizer
-    finish_reason: str  # "eos" or "length" (max_new_tokens, or max_seq_len reached)
-    reused_prompt_tokens: int  # prompt tokens whose KV came from the prefix cache
-    timings: GenerationTimings
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain form for ``--json``."""
-        return attrs.asdict(self)
-
-
-@attrs.frozen
-class GenerationStats:
-    """Totals of one ``generate`` call; ``forward_s`` is model time, ``kv_s`` scheduler and manager time.
-
-    ``warmup_s`` is the time spent compiling attention shapes this call met first (the compiled path
-    pays it once per shape per process); ``wall_s`` and ``forward_s`` leave it out.
-    """
-
-    requests: int
-    prompt_tokens: int
-    reused_prompt_tokens: int
-    generated_tokens: int
-    steps: int
-    wall_s: float
-    forward_s: float
-    kv_s: float
-    suspends: int
-    resumes: int
-    preemptions: int
-    warmup_s: float = 0.0  # compiling attention shapes first seen in this call; not in wall_s/forward_s
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Generated tokens per second of wall time."""
-        return self.generated_tokens / self.wall_s if self.wall_s > 0 else 0.0
-
-    @property
-    def total_tokens_per_s(self) -> float:
-        """Prompt tokens computed plus generated tokens, per second of wall time."""
-        computed = self.prompt_tokens - self.reused_prompt_tokens + self.generated_tokens
-        return computed / self.wall_s if self.wall_s > 0 else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain form for ``--json`` and benchmarks."""
-        return {**attrs.asdict(self), "tokens_per_s": self.tokens_per_s, "total_tokens_per_s": self.total_tokens_per_s}
-
-    def line(self) -> str:
-        """The one-line throughput summary ``kvload generate`` ends with."""
-        n = self.requests
-        moves = f"; {self.suspends} suspended, {self.resumes} resumed" if self.suspends or self.resumes else ""
-        if self.warmup_s:
-            moves += f"; {self.warmup_s:.1f} s compiling attention, not counted"
-        return (f"-- {n} prompt{'s' if n != 1 else ''}: {self.prompt_tokens} prompt tokens ({self.reused_prompt_tokens}"
-                f" reused), {self.generated_tokens} generated in {self.wall_s:.2f} s, {self.steps} steps: "
-                f"{self.tokens_per_s:.1f} generated tokens/s, {self.total_tokens_per_s:.1f} tokens/s with prefill"
-                f"{moves}")
-
-
-@attrs.frozen
-class StreamEvent:
-    """What a ``stream`` callback receives for every generated token; ``output`` is set on the last one."""
-
-    index: int
-    token_id: int
-    token_ids: tuple[int, ...]
-    output: GenerationOutput | None = None
-
-
-def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
-    """One token from ``(vocab,)`` logits: softmax at ``temperature``, cut to the top-p nucleus, drawn by ``generator``.
-
-    The nucleus is the smallest set of most likely tokens whose probability reaches ``top_p`` (the
-    most likely token is always in it).
-    """
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of the more likely tokens
-        sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
-        pick = torch.multinomial(sorted_probs, 1, generator=generator)
-        return int(order[pick])
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
-def eos_token_ids(model: Any, tokenizer: Any = None) -> frozenset[int]:
-    """End-of-sequence ids from the generation config, the model config and the tokenizer (each may give a list)."""
-    sources = [getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer]
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "get_text_config"):
-        sources.append(config.get_text_config())
-    ids: set[int] = set()
-    for source in sources:
-        value = getattr(source, "eos_token_id", None)
-        if _is_int(value):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(v for v in value if _is_int(v))
-    return frozenset(ids)
-
-
-class TextStream:
-    """Turns the growing token ids of one output into text deltas, holding back an incomplete character."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self._text = ""
-
-    def push(self, token_ids: Sequence[int]) -> str:
-        """The text the new tokens add (may be empty while a multi-byte character is incomplete)."""
-        text = self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return ""
-        delta = text[len(self._text):]  # a tokenizer that rewrites earlier text cannot unprint it
-        self._text = text
-        return delta
 
 
 @attrs.define(eq=False)
@@ -314,33 +140,33 @@ class GenerationExecutor:
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | None = None,
         *,
-        max_new_tokens: int = 16,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
         salt: str | None = None,
         chat: bool = False,
-        ignore_eos: bool = False,
         stream: Callable[[StreamEvent], Any] | None = None,
         arrival_steps: Sequence[int] | None = None,
+        **sampling: Any,
     ) -> list[GenerationOutput]:
         """Generate for every prompt, batched continuously; one :class:`GenerationOutput` per prompt, in order.
 
         ``prompts``: one string, or a list of strings (tokenized; ``chat=True`` applies the tokenizer's
-        chat template) and/or lists of token ids. ``salt`` scopes prefix reuse: prompts under
-        different salts never share cached blocks. ``stream`` is called with a :class:`StreamEvent`
-        for every token as it is produced. ``arrival_steps[i]`` (default 0) is the step at which
-        prompt ``i`` joins, to exercise requests arriving while others run.
+        chat template) and/or lists of token ids. ``sampling_params`` says how tokens are picked; its
+        fields may instead be given as keywords (``max_new_tokens=32, temperature=0.8``), not both.
+        ``salt`` scopes prefix reuse: prompts under different salts never share cached blocks.
+        ``stream`` is called with a :class:`StreamEvent` for every token as it is produced.
+        ``arrival_steps[i]`` (default 0) is the step at which prompt ``i`` joins, to exercise requests
+        arriving while others run.
         """
         self._check_open()
-        params = SamplingParams(max_new_tokens, temperature, top_p, seed, ignore_eos)
-        _check(salt is None or isinstance(salt, str), "salt", "a string or None", salt)
-        _check(isinstance(chat, bool), "chat", "true or false", chat)
+        params = SamplingParams.build(sampling_params, sampling)
+        check(salt is None or isinstance(salt, str), "salt", "a string or None", salt)
+        check(isinstance(chat, bool), "chat", "true or false", chat)
         items = self._prompts(prompts, chat)
         arrivals = self._arrivals(arrival_steps, len(items))
         call = self._calls
         self._calls += 1
+        seed = params.seed
         base_seed = seed if seed is not None else random.SystemRandom().getrandbits(62)
         lives = []
         for i, (text, ids) in enumerate(items):
@@ -362,42 +188,33 @@ class GenerationExecutor:
         outputs: dict[int, GenerationOutput] = {}
         warm_before = self.flex.warmup_s if self.flex is not None else 0.0
         start = time.perf_counter()
-        steps = idle = 0
         forward_s = kv_s = 0.0
         self._live = {live.request.req_id: live for live in lives}
-        pending = sorted(lives, key=lambda lv: (lv.arrival_step, lv.index))
+
+        def queued(request: Request, clock: int) -> None:
+            self._live[request.req_id].queued_at = time.perf_counter()
+
+        def stepped(clock: int, st: Any) -> None:
+            nonlocal forward_s, kv_s
+            forward_s += st.compute_seconds
+            kv_s += st.kv_seconds
+            self._report_tokens(st.finished, outputs, stream)
+
         try:
             with self.paged_attention():
-                clock = 0
-                while pending or driver.has_work:
-                    while pending and pending[0].arrival_step <= clock:
-                        live = pending.pop(0)
-                        live.queued_at = time.perf_counter()
-                        driver.add(live.request)
-                    clock += 1
-                    if not driver.has_work:
-                        continue
-                    try:
-                        st = driver.step(lambda out: self._compute(out, params))
-                    except StalledError as exc:
-                        raise KvRuntimeError(f"generate: the {type(self.scheduler).__name__} cannot make progress: "
-                                             f"{exc}") from None
-                    steps += 1
-                    forward_s += st.compute_seconds
-                    kv_s += st.kv_seconds
-                    idle = idle + 1 if st.scheduled_tokens == 0 else 0
-                    if idle > MAX_IDLE_STEPS:
-                        raise KvRuntimeError(f"generate: {idle} steps in a row scheduled nothing while "
-                                             f"{len(driver.running)} running and {len(driver.waiting)} waiting "
-                                             "requests remain")
-                    self._report_tokens(st.finished, outputs, stream)
+                try:
+                    run = driver.run([Arrival(lv.request, lv.arrival_step) for lv in lives],
+                                     lambda out: self._compute(out, params), on_arrival=queued, on_step=stepped)
+                except StalledError as exc:
+                    raise KvRuntimeError(f"generate: the {type(self.scheduler).__name__} cannot make progress: "
+                                         f"{exc}") from None
         except BaseException as exc:
             self._abort(driver)
             self._live = {}
             self._block_tables.keep_only(())
             self._check_flex()
             self._event(GenerationFailed(call=call, error=type(exc).__name__,
-                                         message=str(exc).strip().splitlines()[0] if str(exc).strip() else "",
+                                         message=first_line(exc, ""),
                                          finished=len(outputs)))
             raise
         self._live = {}
@@ -408,6 +225,7 @@ class GenerationExecutor:
         wall = time.perf_counter() - start - warmup
         after = self._counters()
         ordered = [outputs[i] for i in range(len(lives))]
+        steps = run.engine_steps
         stats = GenerationStats(
             requests=len(ordered), prompt_tokens=sum(len(o.prompt_token_ids) for o in ordered),
             reused_prompt_tokens=sum(o.reused_prompt_tokens for o in ordered),
@@ -519,7 +337,7 @@ class GenerationExecutor:
                                   f"of token ids), got {type(prompts).__name__}")
         if not prompts:
             raise GenerationError("generate: prompts: expected at least one prompt, got an empty list")
-        if any(_is_int(p) for p in prompts):
+        if any(is_int(p) for p in prompts):
             raise GenerationError("generate: prompts: expected a list of prompts; wrap one prompt of token ids "
                                   "in a list: [[1, 2, 3]]")
         items = []
@@ -529,7 +347,7 @@ class GenerationExecutor:
                 continue
             if chat:
                 raise GenerationError(f"generate: prompt {i}: chat=True needs text prompts, got token ids")
-            if not isinstance(prompt, Sequence) or not all(_is_int(t) for t in prompt):
+            if not isinstance(prompt, Sequence) or not all(is_int(t) for t in prompt):
                 raise GenerationError(f"generate: prompt {i}: expected a string or a list of token ids (ints), "
                                       f"got {prompt!r}"[:200])
             items.append((None, list(prompt)))
@@ -564,7 +382,7 @@ class GenerationExecutor:
         if arrival_steps is None:
             return [0] * n
         steps = list(arrival_steps)
-        if len(steps) != n or not all(_is_int(s) and s >= 0 for s in steps):
+        if len(steps) != n or not all(is_int(s) and s >= 0 for s in steps):
             raise GenerationError(f"generate: arrival_steps: expected {n} integers >= 0 (one per prompt), "
                                   f"got {arrival_steps!r}")
         return steps
@@ -599,14 +417,4 @@ class GenerationExecutor:
             self._emit(event)
 
 
-__all__ = [
-    "GenerationExecutor",
-    "GenerationOutput",
-    "GenerationStats",
-    "GenerationTimings",
-    "SamplingParams",
-    "StreamEvent",
-    "TextStream",
-    "eos_token_ids",
-    "sample_token",
-]
+__all__ = ["GenerationExecutor", "Prompt"]

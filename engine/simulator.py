@@ -1,6 +1,6 @@
 """The workload simulator behind ``kvload simulate``: replay a workload through a built KV manager + scheduler.
 
-No forward pass: :class:`~pipeline.driver.Driver` runs the real scheduler and manager, and the
+No forward pass: :class:`~engine.driver.Driver` runs the real scheduler and manager, and the
 ``compute`` step is scripted — a request whose known tokens are all in the cache after a step
 "samples" the next token of its scripted answer. Each step therefore commits one token per running
 decode and prefill chunks up to ``max_num_tokens``, exactly as the generation executor would.
@@ -14,7 +14,7 @@ Metrics of one run (:class:`RunMetrics`), precisely:
 
 * ``hit_rate`` = reused prompt tokens / prompt tokens, where a request's reused tokens are the
   prompt tokens its *first* admission took from the prefix cache (a V2 re-admission after a
-  preemption does not count twice). ``ideal_hit_rate`` is the workload's (``pipeline.workloads``).
+  preemption does not count twice). ``ideal_hit_rate`` is the workload's (``engine.workloads``).
 * ``peak_usage`` / ``mean_usage``: the manager's ``stats()["usage"]`` right after the scheduler's
   decision of each engine step (all of the step's blocks allocated, none freed yet): used blocks /
   blocks for V1, used bytes / pool bytes over every layer group for V2. Evictable (cached, unowned)
@@ -34,7 +34,6 @@ Metrics of one run (:class:`RunMetrics`), precisely:
 
 from __future__ import annotations
 
-import heapq
 import math
 import statistics
 import sys
@@ -46,15 +45,18 @@ import attrs
 
 from cache_backends.interface import SchedulerOutput
 from cache_backends.request import Request
-from pipeline.api import LoadResult, execute, load_stages, plan_stages
-from pipeline.capacity import MANAGERS, Budget, refusal_reason, routed_budget, variant_request
+from engine.capacity import MANAGERS, Budget, refusal_reason, routed_budget, variant_request
+from engine.driver import Arrival, Driver, StalledError
+from engine.workloads import Workload, default_budget_sequences, make_workload
+from pipeline.config import V2_FIELD
 from pipeline.context import LoadRequest
-from pipeline.driver import Driver, StalledError
 from pipeline.errors import ConfigError, KvBuildError, RouteError
 from pipeline.events import Event, RequestAdmitted
 from pipeline.paths import flatten
+from pipeline.run import RunResult, execute
 from pipeline.sources import overrides_to_tree
-from pipeline.workloads import Workload, default_budget_sequences, make_workload
+from pipeline.text import table
+from stages import load_stages, plan_stages
 
 #: The metric fields of one result, in report order (None when the manager did not run).
 METRIC_FIELDS = (
@@ -113,15 +115,8 @@ def replay(manager: Any, scheduler: Any, workload: Workload, *,
            on_finish: Callable[[int], None] | None = None) -> RunMetrics:
     """Run ``workload`` to completion through ``manager`` + ``scheduler``; :class:`StalledError` if it cannot."""
     answers = {r.req_id: r.answer for r in workload.requests}
-    dependents: dict[str, list[tuple[int, Any]]] = {}
-    ready: list[tuple[int, int, Any]] = []  # (step it may arrive, workload order, SimRequest)
-    for i, sr in enumerate(workload.requests):
-        if sr.after is None:
-            ready.append((sr.arrival_step, i, sr))
-        else:
-            dependents.setdefault(sr.after, []).append((i, sr))
-    heapq.heapify(ready)
-
+    arrivals = [Arrival(Request(sr.req_id, list(sr.prompt), len(sr.answer), priority=sr.priority, salt=sr.salt),
+                        sr.arrival_step, sr.after) for sr in workload.requests]
     arrived_at: dict[str, int] = {}
     first_reuse: dict[str, int] = {}
     admission_delay: list[int] = []
@@ -138,14 +133,16 @@ def replay(manager: Any, scheduler: Any, workload: Workload, *,
     waits = 0
     step_times: list[float] = []
     computed = 0
-    finished: list[Request] = []
 
-    def compute(out: SchedulerOutput) -> dict[str, int]:
+    def sample() -> None:
+        # After the scheduler's decision: the step's blocks are allocated and nothing is freed yet (its peak).
         nonlocal waits
-        # Sampled here: the step's blocks are allocated and nothing is freed yet (the step's peak).
         usage.append(manager.stats()["usage"])
         running.append(len(driver.running))
         waits += len(driver.waiting)
+
+    def compute(out: SchedulerOutput) -> dict[str, int]:
+        sample()
         tokens = {}
         for chunk in out.scheduled:
             r = chunk.request
@@ -153,29 +150,23 @@ def replay(manager: Any, scheduler: Any, workload: Workload, *,
                 tokens[r.req_id] = answers[r.req_id][len(r.output_token_ids)]
         return tokens
 
-    while ready or driver.has_work:
-        while ready and ready[0][0] <= clock:
-            _, _, sr = heapq.heappop(ready)
-            driver.add(Request(sr.req_id, list(sr.prompt), len(sr.answer), priority=sr.priority, salt=sr.salt))
-            arrived_at[sr.req_id] = clock
-        if not driver.has_work:
-            clock = ready[0][0]
-            continue
-        before = len(usage)
-        stats = driver.step(compute)
-        if len(usage) == before:  # nothing scheduled: compute was not called
-            usage.append(manager.stats()["usage"])
-            running.append(len(driver.running))
-            waits += len(driver.waiting)
+    def arrived(request: Request, now: int) -> None:
+        nonlocal clock
+        clock = now
+        arrived_at[request.req_id] = now
+
+    def stepped(now: int, stats: Any) -> None:
+        nonlocal clock, computed
+        clock = now + 1  # request_admitted fires inside the next step: it must see that step's clock
+        if not stats.output.scheduled:  # nothing scheduled: compute was not called
+            sample()
         step_times.append(stats.kv_seconds * 1e6)
         computed += stats.scheduled_tokens
-        for req in stats.finished:
-            finished.append(req)
-            for i, sr in dependents.pop(req.req_id, ()):
-                heapq.heappush(ready, (max(sr.arrival_step, clock + 1), i, sr))
         if stats.finished and on_finish is not None:
             on_finish(len(stats.finished))
-        clock += 1
+
+    run = driver.run(arrivals, compute, on_arrival=arrived, on_step=stepped)
+    finished = run.finished
 
     for req in finished:
         if tuple(req.output_token_ids) != answers[req.req_id]:
@@ -196,7 +187,7 @@ def replay(manager: Any, scheduler: Any, workload: Workload, *,
         mean_usage=round(statistics.fmean(usage), 6) if usage else 0.0,
         max_concurrency=max(running, default=0),
         mean_concurrency=round(statistics.fmean(running), 3) if running else 0.0,
-        steps=clock,
+        steps=run.steps,
         engine_steps=len(step_times),
         finished=len(finished),
         suspends=s.get("suspends", 0),
@@ -317,8 +308,7 @@ class SimulationReport:
                 else:
                     cells.append(fmt(getattr(m, key), kind))
             rows.append([label, *cells])
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines += ["  " + "  ".join(c.ljust(wd) for c, wd in zip(r, widths, strict=True)).rstrip() for r in rows]
+        lines += table(rows)
         for n in names:
             r = self.results[n]
             if r.status != "ok":
@@ -336,7 +326,7 @@ def _progress(total: int, desc: str, enabled: bool | None) -> Any:
                 leave=False, dynamic_ncols=True)
 
 
-def run_manager(routed: LoadResult, name: str, v2: bool | None, budget: Budget, workload: Workload, *,
+def run_manager(routed: RunResult, name: str, v2: bool | None, budget: Budget, workload: Workload, *,
                 progress: bool | None = None, keep_going: bool = False) -> ManagerResult:
     """Build one manager at the shared budget (``v2`` None: as routed) and replay the workload through it.
 
@@ -383,9 +373,9 @@ def simulate(model: str, workload: str | Workload, *, requests: int | None = Non
              **overrides: Any) -> SimulationReport:
     """Replay a synthetic workload (a name, or a built :class:`Workload`) through the routed manager, or V1 and V2.
 
-    Both managers get the same KV budget (:func:`pipeline.capacity.routed_budget`): the user's
+    Both managers get the same KV budget (:func:`engine.capacity.routed_budget`): the user's
     ``max_tokens`` / ``max_gpu_total_bytes`` priced in the routed layout, else the bytes of the workload's
-    default number of its longest sequences (:func:`pipeline.workloads.default_budget_sequences`) in the
+    default number of its longest sequences (:func:`engine.workloads.default_budget_sequences`) in the
     routed layout. ``overrides`` are ``LlmArgs`` fields as for
     :func:`pipeline.load`; ``audit_log`` records the routed resolution that set the budget.
     """
@@ -400,9 +390,9 @@ def simulate(model: str, workload: str | Workload, *, requests: int | None = Non
         except ValueError as exc:
             raise ConfigError(str(exc), path="workload") from None
     request = LoadRequest(model=model, overrides=overrides, source=source, config_file=config_file)
-    if compare and "kv_cache_config.use_kv_cache_manager_v2" in flatten(overrides_to_tree(overrides)):
+    if compare and V2_FIELD in flatten(overrides_to_tree(overrides)):
         raise ConfigError("--compare simulates both managers; drop --use_kv_cache_manager_v2",
-                          path="kv_cache_config.use_kv_cache_manager_v2")
+                          path=V2_FIELD)
     routed = execute(request, plan_stages(), audit_log=audit_log, log=log)
     args = routed.args
     if wl.max_sequence_tokens > args.max_seq_len:

@@ -12,7 +12,8 @@ import json
 from typing import Any
 
 from pipeline.config import LlmArgs, freeze
-from pipeline.errors import KvloadError
+from pipeline.errors import KvloadError, first_line
+from pipeline.text import literal, table
 
 
 def _defaults_of(spec_cls: type) -> tuple[dict[str, Any] | None, str | None]:
@@ -26,7 +27,7 @@ def _defaults_of(spec_cls: type) -> tuple[dict[str, Any] | None, str | None]:
     except KvloadError as exc:
         return None, str(exc)
     except Exception as exc:  # a user spec may read its checkpoint config, which a listing does not have
-        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        detail = first_line(exc, "")
         raised = f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
         return None, (f"{spec_cls.__name__}.get_model_defaults raised {raised} "
                       "(they may depend on the checkpoint; `kvload plan MODEL` shows them)")
@@ -80,13 +81,10 @@ def catalog() -> dict[str, Any]:
     }
 
 
-def _literal(value: Any) -> str:
-    return json.dumps(value, default=str)
 
 
 def render_catalog(doc: dict[str, Any]) -> str:
     """The readable ``kvload models`` listing."""
-    from pipeline.explain import table
 
     rows = [["architecture", "spec", "model defaults"]]
     for row in doc["architectures"]:
@@ -99,7 +97,7 @@ def render_catalog(doc: dict[str, Any]) -> str:
             continue
         for i, (path, value) in enumerate(leaves):
             head = [row["architecture"], row["spec"]] if i == 0 else ["", ""]
-            rows.append([*head, f"{path} = {_literal(value)}"])
+            rows.append([*head, f"{path} = {literal(value)}"])
     rows.append(["(any other)", doc["fallback_spec"], "(none; geometry from config.json, with a warning)"])
     lines = ["registered architectures (architectures[0] of config.json picks the spec):", *table(rows)]
     prows = [["preset", "architecture", "model_type"]]

@@ -24,11 +24,15 @@ from typing import Any
 import attrs
 
 from cache_backends.budget import BudgetError, plan_pools
-from pipeline.api import LoadResult, execute, plan_stages
+from cache_backends.kinds import KINDS, V1, V2
+from pipeline.config import V2_FIELD
 from pipeline.context import LoadRequest
 from pipeline.errors import ConfigError, KvBuildError, RouteError
 from pipeline.paths import flatten, unflatten
+from pipeline.run import RunResult, execute
 from pipeline.sources import overrides_to_tree
+from pipeline.text import table
+from stages import plan_stages
 from stages.plan_kv import KvPlan, budget_reason
 
 #: ``plan --compare`` without a bounded budget prices this many sequences of max_seq_len in the routed layout.
@@ -36,7 +40,8 @@ DEFAULT_PLAN_SEQUENCES = 16
 #: Sequence lengths of the capacity table (those below max_seq_len, then max_seq_len itself).
 LENGTHS = (1024, 4096, 16384, 65536)
 #: The managers compared, by class name, and the tri-state value that routes to each.
-MANAGERS = {"KVCacheManager": False, "KVCacheManagerV2": True}
+#: manager class name -> the use_kv_cache_manager_v2 value that routes to it, V1 first
+MANAGERS = {kind.manager: kind.use_v2 for kind in KINDS}
 USER_BUDGET_FIELDS = ("kv_cache_config.max_tokens", "kv_cache_config.max_gpu_total_bytes")
 
 
@@ -53,7 +58,7 @@ class Budget:
         return attrs.asdict(self)
 
 
-def user_gave_budget(result: LoadResult) -> bool:
+def user_gave_budget(result: RunResult) -> bool:
     """Whether the user set ``max_tokens`` or a nonzero ``max_gpu_total_bytes`` (any source)."""
     fields = result.context.user_fields
     return any(fields[p].value for p in USER_BUDGET_FIELDS if p in fields)
@@ -69,7 +74,7 @@ def variant_request(request: LoadRequest, **kv_fields: Any) -> LoadRequest:
     return out
 
 
-def routed_budget(result: LoadResult, default_sequences: int, default_len: int, *,
+def routed_budget(result: RunResult, default_sequences: int, default_len: int, *,
                   prefer_default: bool = False) -> Budget:
     """The budget of the routed plan in ``result``; when unbounded, ``default_sequences`` × ``default_len`` tokens.
 
@@ -151,12 +156,12 @@ class CapacityComparison:
     @property
     def v1(self) -> ManagerCapacity:
         """The V1 column."""
-        return self.managers["KVCacheManager"]
+        return self.managers[V1.manager]
 
     @property
     def v2(self) -> ManagerCapacity:
         """The V2 column."""
-        return self.managers["KVCacheManagerV2"]
+        return self.managers[V2.manager]
 
     def ratios(self) -> dict[str, Any]:
         """V2 / V1 for tokens that fit and for concurrency at each length (None when either is missing)."""
@@ -195,8 +200,7 @@ class CapacityComparison:
         row("tokens that fit", [m.plan.capacity_tokens if m.ok else None for m in ms])
         for n in self.lengths:
             row(f"sequences of {n:,}", [m.max_concurrency(n) for m in ms])
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+        lines += table(rows)
         for m in ms:
             if not m.ok:
                 lines.append(f"  {m.kv_manager}: {m.status.replace('_', ' ')}: {m.reason}")
@@ -204,16 +208,16 @@ class CapacityComparison:
         return lines
 
 
-def refusal_reason(routed: LoadResult, name: str, exc: RouteError) -> str:
+def refusal_reason(routed: RunResult, name: str, exc: RouteError) -> str:
     """Why the router refuses manager ``name`` for this model, without advice about a setting nobody typed."""
-    if name == "KVCacheManager" and routed.model.v2_required:
+    if name == V1.manager and routed.model.v2_required:
         return f"V1 cannot serve this model: {routed.model.v2_required}"
-    if name == "KVCacheManagerV2" and routed.args.max_beam_width > 1:
+    if name == V2.manager and routed.args.max_beam_width > 1:
         return f"V2 has no beam support and max_beam_width={routed.args.max_beam_width}"
     return str(exc)
 
 
-def plan_manager(routed: LoadResult, name: str, budget_bytes: int, *, log: bool = False) -> ManagerCapacity:
+def plan_manager(routed: RunResult, name: str, budget_bytes: int, *, log: bool = False) -> ManagerCapacity:
     """Plan one manager at ``budget_bytes`` through the stages; the router's refusal becomes ``not_routable``."""
     variant = variant_request(routed.context.request, use_kv_cache_manager_v2=MANAGERS[name],
                               max_gpu_total_bytes=budget_bytes, max_tokens=None)
@@ -227,12 +231,12 @@ def plan_manager(routed: LoadResult, name: str, budget_bytes: int, *, log: bool 
     return ManagerCapacity(name, "ok", None, kv)
 
 
-def compare_capacity(result: LoadResult, *, log: bool = False) -> CapacityComparison:
+def compare_capacity(result: RunResult, *, log: bool = False) -> CapacityComparison:
     """Plan V1 and V2 at the routed plan's budget (see the module docstring); allocates nothing."""
     request = result.context.request
-    if "kv_cache_config.use_kv_cache_manager_v2" in flatten(overrides_to_tree(request.overrides)):
+    if V2_FIELD in flatten(overrides_to_tree(request.overrides)):
         raise ConfigError("--compare plans both managers; drop --use_kv_cache_manager_v2",
-                          path="kv_cache_config.use_kv_cache_manager_v2")
+                          path=V2_FIELD)
     max_seq_len = result.args.max_seq_len
     budget = routed_budget(result, DEFAULT_PLAN_SEQUENCES, max_seq_len)
     managers = {name: plan_manager(result, name, budget.bytes, log=log) for name in MANAGERS}
@@ -252,7 +256,7 @@ def draw_chart(comparison: CapacityComparison, path: str) -> None:
     lengths = comparison.lengths
     xs = range(len(lengths))
     width = 0.38
-    colors = {"KVCacheManager": "#4C72B0", "KVCacheManagerV2": "#DD8452"}
+    colors = {V1.manager: "#4C72B0", V2.manager: "#DD8452"}
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.4))
     v1 = comparison.v1
     for i, (name, m) in enumerate(comparison.managers.items()):
@@ -262,7 +266,7 @@ def draw_chart(comparison: CapacityComparison, path: str) -> None:
         bars = ax1.bar([x + offset for x in xs], conc, width, label=label, color=colors.get(name))
         texts = []
         for n, c in zip(lengths, conc, strict=True):
-            ratio = _ratio(c, v1.max_concurrency(n)) if name != "KVCacheManager" else None
+            ratio = _ratio(c, v1.max_concurrency(n)) if name != V1.manager else None
             texts.append("" if not m.ok else f"{c:,} ({ratio:.2f}x)" if ratio else f"{c:,}")
         ax1.bar_label(bars, labels=texts, fontsize=8, padding=2)
         per_seq = [(m.bytes_per_sequence(n) or 0) / 2**20 for n in lengths]

@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 import attrs
 
 from pipeline.config import parse_size
-from pipeline.errors import ConfigError, KvloadError
+from pipeline.errors import ConfigError, KvloadError, first_line
 
 # --- text-layer value parsers (argparse `type=`) ---------------------------------------------
 
@@ -213,8 +213,9 @@ def _check_audit_path(path: str | None) -> None:
 
 def cmd_plan(ns: argparse.Namespace) -> int:
     """Resolve (stages 1–5) and print the result; allocate nothing."""
-    from pipeline.api import execute, plan_stages
-    from pipeline.render import render_result, run_document
+    from kvload.api import execute
+    from kvload.render import render_result, run_document
+    from stages import plan_stages
 
     _check_audit_path(ns.audit_log)
     compare = ns.compare or ns.chart is not None
@@ -223,7 +224,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     result = execute(_request(ns), plan_stages(), audit_log=ns.audit_log)
     comparison = None
     if compare:
-        from pipeline.capacity import compare_capacity, draw_chart
+        from engine.capacity import compare_capacity, draw_chart
 
         comparison = compare_capacity(result)
         if ns.chart is not None:
@@ -243,7 +244,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 
 def cmd_simulate(ns: argparse.Namespace) -> int:
     """Replay a synthetic workload through the routed manager (or V1 and V2) and print the metrics."""
-    from pipeline.simulator import simulate
+    from engine.simulator import simulate
 
     _check_audit_path(ns.audit_log)
     report = simulate(ns.model, ns.workload, requests=ns.requests, seed=ns.seed, params=dict(ns.workload_args),
@@ -265,8 +266,9 @@ def _check_output_path(flag: str, path: str) -> None:
 
 def cmd_run(ns: argparse.Namespace) -> int:
     """Run all six stages: build the KV cache manager, print the plan and what was allocated, release it."""
-    from pipeline.api import execute, load_stages
-    from pipeline.render import allocation_document, render_allocation, render_result, run_document
+    from kvload.api import execute
+    from kvload.render import allocation_document, render_allocation, render_result, run_document
+    from stages import load_stages
 
     _check_audit_path(ns.audit_log)
     with execute(_request(ns), load_stages(), audit_log=ns.audit_log) as result:
@@ -284,21 +286,24 @@ GENERATE_PROMPT_ALLOWANCE = 1024
 
 def cmd_generate(ns: argparse.Namespace) -> int:
     """Load the weights, build the routed KV manager, generate for every prompt, stream, end with throughput."""
-    from pipeline.api import execute, load_stages
+    from engine.sampling_params import SamplingParams
+    from kvload.api import execute
+    from stages import load_stages
 
     _check_audit_path(ns.audit_log)
     prompts = ns.prompts or []
     if not prompts:
         raise ConfigError("--prompt: give at least one --prompt TEXT (or --prompt-ids IDS for a model without a "
                           "tokenizer)")
+    params = SamplingParams(max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, top_p=ns.top_p,
+                            seed=ns.seed, ignore_eos=ns.ignore_eos)  # checked before anything loads
     request = _request(ns, load_weights=True)
     # Applies only when nothing else bounds the KV budget (CPU without --max_tokens/--max_gpu_total_bytes).
-    request.options["default_max_tokens"] = len(prompts) * (ns.max_new_tokens + GENERATE_PROMPT_ALLOWANCE)
+    request.overrides.setdefault("kv_cache_config", {}).setdefault(
+        "default_max_tokens", len(prompts) * (ns.max_new_tokens + GENERATE_PROMPT_ALLOWANCE))
     with execute(request, load_stages()) as result:
         printer = None if ns.json else _TokenPrinter(result.tokenizer, several=len(prompts) > 1)
-        outputs = result.generate(prompts, max_new_tokens=ns.max_new_tokens, temperature=ns.temperature,
-                                  top_p=ns.top_p, seed=ns.seed, salt=ns.salt, chat=ns.chat, ignore_eos=ns.ignore_eos,
-                                  stream=printer)
+        outputs = result.generate(prompts, params, salt=ns.salt, chat=ns.chat, stream=printer)
         stats = result.executor.last_stats
         if ns.json:
             print(json.dumps({"model": result.model.to_dict(), "route": result.route.to_dict(),
@@ -328,7 +333,7 @@ class _TokenPrinter:
         if self.tokenizer is None:
             piece = f"{event.token_id} "
         else:
-            from pipeline.executor import TextStream
+            from engine.outputs import TextStream
 
             piece = self.streams.setdefault(event.index, TextStream(self.tokenizer)).push(event.token_ids)
         sys.stdout.write(piece + ("\n" if event.output is not None else ""))
@@ -428,7 +433,7 @@ def flag_aliases() -> dict[str, str]:
 
 def cmd_explain(ns: argparse.Namespace) -> int:
     """Print each field's chain of changes recorded in an audit log."""
-    from pipeline.explain import explain, render_explain
+    from kvload.explain import explain, render_explain
 
     chains = explain(_read_audit(ns.audit), ns.fields or None, aliases=flag_aliases())
     print(json.dumps({c["field"]: c for c in chains}, indent=2, default=str) if ns.json else render_explain(chains))
@@ -437,7 +442,7 @@ def cmd_explain(ns: argparse.Namespace) -> int:
 
 def cmd_audit(ns: argparse.Namespace) -> int:
     """Summarize an audit log; with ``--verify`` exit 1 when its events do not reproduce the final args."""
-    from pipeline.explain import render_summary, summarize, verify_log
+    from kvload.explain import render_summary, summarize, verify_log
 
     log = _read_audit(ns.audit)
     summary = summarize(log, ns.audit)
@@ -457,7 +462,7 @@ def cmd_audit(ns: argparse.Namespace) -> int:
 
 def cmd_models(ns: argparse.Namespace) -> int:
     """List registered architectures, their spec classes and model defaults, and the presets."""
-    from pipeline.catalog import catalog, render_catalog
+    from kvload.catalog import catalog, render_catalog
 
     doc = catalog()
     print(json.dumps(doc, indent=2, default=str) if ns.json else render_catalog(doc))
@@ -603,7 +608,7 @@ examples:
 
 def add_simulate_command(sub: Any) -> None:
     """``simulate``: replay a synthetic workload through the KV manager(s); no forward pass."""
-    from pipeline.workloads import WORKLOADS
+    from engine.workloads import WORKLOADS
 
     p = sub.add_parser(
         "simulate", help="replay a synthetic workload through the KV manager (V1 and V2 with --compare)",
@@ -656,7 +661,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         return 0
     except Exception as exc:  # a bug or a runtime failure: one line unless --debug
-        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        detail = first_line(exc, "")
         if ns.debug:
             traceback.print_exc()
             print(f"error: {type(exc).__name__}: {detail}", file=sys.stderr)

@@ -12,23 +12,19 @@ import json
 from typing import Any
 
 from pipeline.audit import AuditLog
-from pipeline.config import framework_defaults
+from pipeline.config import V2_FIELD, framework_defaults
 from pipeline.errors import ConfigError
 from pipeline.events import is_value_event
 from pipeline.paths import flatten
+from pipeline.text import literal, table
 
-V2 = "kv_cache_config.use_kv_cache_manager_v2"
+V2 = V2_FIELD
 
 _SOURCE_WORDS = {
     "cli": "set on the command line",
     "config_file": "set in the config file",
     "api": "passed to the Python API",
 }
-
-
-def literal(value: Any) -> str:
-    """A value as JSON spells it (``"auto"``, ``true``, ``null``), so strings and booleans never blur."""
-    return json.dumps(value, default=str)
 
 
 def resolve_field(name: str, aliases: dict[str, str] | None = None) -> str:
@@ -149,12 +145,6 @@ def render_explain(chains: list[dict[str, Any]]) -> str:
     """Every chain, separated by blank lines."""
     blocks = ["\n".join(render_chain(c)) for c in chains]
     return "\n\n".join(blocks) if blocks else "no field changed in this audit log"
-
-
-def table(rows: list[list[str]], indent: str = "  ") -> list[str]:
-    """Left-aligned columns; the last column is not padded."""
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
 
 
 # --- the whole run -------------------------------------------------------------------------

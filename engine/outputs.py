@@ -1,0 +1,113 @@
+"""What a generate call returns: per-prompt outputs, timings, call totals, stream events, text deltas."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+
+@attrs.frozen
+class GenerationTimings:
+    """Seconds from the moment a request was queued to its first generated token, and to its end."""
+
+    first_token_s: float
+    total_s: float
+
+
+@attrs.frozen
+class GenerationOutput:
+    """One prompt's result; ``token_ids`` are the generated ids only (an EOS that ended it included)."""
+
+    index: int  # position of the prompt in the call
+    req_id: str
+    prompt: str | None  # the text, when the prompt was text
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None  # decoded without special tokens; None without a tokenizer
+    finish_reason: str  # "eos" or "length" (max_new_tokens, or max_seq_len reached)
+    reused_prompt_tokens: int  # prompt tokens whose KV came from the prefix cache
+    timings: GenerationTimings
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain form for ``--json``."""
+        return attrs.asdict(self)
+
+
+@attrs.frozen
+class GenerationStats:
+    """Totals of one ``generate`` call; ``forward_s`` is model time, ``kv_s`` scheduler and manager time.
+
+    ``warmup_s`` is the time spent compiling attention shapes this call met first (the compiled path
+    pays it once per shape per process); ``wall_s`` and ``forward_s`` leave it out.
+    """
+
+    requests: int
+    prompt_tokens: int
+    reused_prompt_tokens: int
+    generated_tokens: int
+    steps: int
+    wall_s: float
+    forward_s: float
+    kv_s: float
+    suspends: int
+    resumes: int
+    preemptions: int
+    warmup_s: float = 0.0  # compiling attention shapes first seen in this call; not in wall_s/forward_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second of wall time."""
+        return self.generated_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        """Prompt tokens computed plus generated tokens, per second of wall time."""
+        computed = self.prompt_tokens - self.reused_prompt_tokens + self.generated_tokens
+        return computed / self.wall_s if self.wall_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain form for ``--json`` and benchmarks."""
+        return {**attrs.asdict(self), "tokens_per_s": self.tokens_per_s, "total_tokens_per_s": self.total_tokens_per_s}
+
+    def line(self) -> str:
+        """The one-line throughput summary ``kvload generate`` ends with."""
+        n = self.requests
+        moves = f"; {self.suspends} suspended, {self.resumes} resumed" if self.suspends or self.resumes else ""
+        if self.warmup_s:
+            moves += f"; {self.warmup_s:.1f} s compiling attention, not counted"
+        return (f"-- {n} prompt{'s' if n != 1 else ''}: {self.prompt_tokens} prompt tokens ({self.reused_prompt_tokens}"
+                f" reused), {self.generated_tokens} generated in {self.wall_s:.2f} s, {self.steps} steps: "
+                f"{self.tokens_per_s:.1f} generated tokens/s, {self.total_tokens_per_s:.1f} tokens/s with prefill"
+                f"{moves}")
+
+
+@attrs.frozen
+class StreamEvent:
+    """What a ``stream`` callback receives for every generated token; ``output`` is set on the last one."""
+
+    index: int
+    token_id: int
+    token_ids: tuple[int, ...]
+    output: GenerationOutput | None = None
+
+
+class TextStream:
+    """Turns the growing token ids of one output into text deltas, holding back an incomplete character."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._text = ""
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """The text the new tokens add (may be empty while a multi-byte character is incomplete)."""
+        text = self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        delta = text[len(self._text):]  # a tokenizer that rewrites earlier text cannot unprint it
+        self._text = text
+        return delta
+
+
+__all__ = ["GenerationOutput", "GenerationStats", "GenerationTimings", "StreamEvent", "TextStream"]

@@ -1,0 +1,44 @@
+"""Picking the next token: temperature + top-p sampling, and the end-of-sequence ids of a model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engine.sampling_params import is_int
+
+
+def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
+    """One token from ``(vocab,)`` logits: softmax at ``temperature``, cut to the top-p nucleus, drawn by ``generator``.
+
+    The nucleus is the smallest set of most likely tokens whose probability reaches ``top_p`` (the
+    most likely token is always in it).
+    """
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of the more likely tokens
+        sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
+        pick = torch.multinomial(sorted_probs, 1, generator=generator)
+        return int(order[pick])
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def eos_token_ids(model: Any, tokenizer: Any = None) -> frozenset[int]:
+    """End-of-sequence ids from the generation config, the model config and the tokenizer (each may give a list)."""
+    sources = [getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer]
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        sources.append(config.get_text_config())
+    ids: set[int] = set()
+    for source in sources:
+        value = getattr(source, "eos_token_id", None)
+        if is_int(value):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if is_int(v))
+    return frozenset(ids)
+
+
+__all__ = ["eos_token_ids", "sample_token"]

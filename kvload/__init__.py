@@ -1,0 +1,45 @@
+"""kvload: load an LLM the way a serving engine does, with explicit stages and an audit log.
+
+The front door: ``kvload.plan`` / ``kvload.load`` (the pipeline API) and ``kvload.SamplingParams``.
+Names are imported on first use, so ``import kvload`` (and the CLI) stays quick: torch and
+transformers load only when something needs them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "LoadResult": "kvload.api",
+    "execute": "kvload.api",
+    "load": "kvload.api",
+    "plan": "kvload.api",
+    "SamplingParams": "engine.sampling_params",
+    "KvCacheConfig": "pipeline.config",
+    "LlmArgs": "pipeline.config",
+    "AUTO": "pipeline.config",
+    "KvloadError": "pipeline.errors",
+    "ConfigError": "pipeline.errors",
+    "ModelError": "pipeline.errors",
+    "RouteError": "pipeline.errors",
+    "KvBuildError": "pipeline.errors",
+    "GenerationError": "pipeline.errors",
+    "AuditError": "pipeline.errors",
+    "__version__": "pipeline.version",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvload' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

@@ -1,0 +1,106 @@
+"""The Python API: ``plan`` (stages 1–5 and the KV plan, no allocation) and ``load`` (all stages); ``LoadResult``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import attrs
+
+from engine.sampling_params import SamplingParams
+from pipeline.bus import Subscriber
+from pipeline.context import LoadRequest
+from pipeline.run import RunResult
+from pipeline.run import execute as run_stages
+from pipeline.runner import Pipeline, Stage
+from stages import load_stages, plan_stages, resolve_stages
+
+
+@attrs.define
+class LoadResult(RunResult):
+    """What ``plan``/``load`` produced (args, route, model, audit, context), and generation over a loaded model."""
+
+    _executor: Any = attrs.field(default=None, init=False, repr=False)
+
+    @property
+    def executor(self) -> Any:
+        """The generation executor over this result's model, KV manager and scheduler (built on first use)."""
+        if self._executor is None:
+            from engine.executor import GenerationExecutor  # torch: only when generating
+
+            self._executor = GenerationExecutor.from_result(self)
+        return self._executor
+
+    def generate(self, prompts: Any, sampling_params: SamplingParams | None = None, **kwargs: Any) -> list[Any]:
+        """Generate through the routed KV manager with continuous batching; one output per prompt, in order.
+
+        Needs ``load(..., load_weights=True)``. ``prompts``: a string or a list of strings (tokenized;
+        ``chat=True`` applies the chat template) and/or lists of token ids. ``sampling_params`` (or its
+        fields as keywords: ``max_new_tokens``, ``temperature``, ``top_p``, ``seed``, ``ignore_eos``)
+        says how tokens are picked; ``salt``, ``chat``, ``stream`` and ``arrival_steps`` as in
+        :meth:`engine.executor.GenerationExecutor.generate`. Each output has ``text`` (None without a
+        tokenizer), ``token_ids`` (generated only), ``prompt_token_ids``, ``reused_prompt_tokens``,
+        ``finish_reason`` ("eos" or "length") and ``timings``; the call's totals are in ``executor.last_stats``.
+        """
+        return self.executor.generate(prompts, sampling_params, **kwargs)
+
+    def __enter__(self) -> LoadResult:
+        return self
+
+
+def execute(
+    request: LoadRequest,
+    stages: Sequence[Stage] | Pipeline,
+    *,
+    audit_log: str | os.PathLike[str] | None = None,
+    subscribers: Iterable[Subscriber] = (),
+    log: bool = True,
+) -> LoadResult:
+    """Run a request through stages with the standard subscribers (see :func:`pipeline.run.execute`)."""
+    return run_stages(request, stages, audit_log=audit_log, subscribers=subscribers, log=log, result_type=LoadResult)
+
+
+def plan(
+    model: str,
+    *,
+    config_file: str | os.PathLike[str] | None = None,
+    audit_log: str | os.PathLike[str] | None = None,
+    subscribers: Iterable[Subscriber] = (),
+    stages: Sequence[Stage] | Pipeline | None = None,
+    log: bool = True,
+    **overrides: Any,
+) -> LoadResult:
+    """Resolve a model's arguments and route (stages 1–5), and plan the KV cache; allocates nothing.
+
+    ``overrides`` are ``LlmArgs`` fields; ``kv_cache_config`` may be a dict or a ``KvCacheConfig``
+    (only the fields passed to it count as user-set). Precedence: defaults < ``config_file`` < overrides.
+    """
+    request = LoadRequest(model=model, overrides=overrides, source="api",
+                          config_file=os.fspath(config_file) if config_file is not None else None)
+    return execute(request, stages or plan_stages(), audit_log=audit_log, subscribers=subscribers, log=log)
+
+
+def load(
+    model: str,
+    *,
+    config_file: str | os.PathLike[str] | None = None,
+    load_weights: bool = False,
+    audit_log: str | os.PathLike[str] | None = None,
+    subscribers: Iterable[Subscriber] = (),
+    stages: Sequence[Stage] | Pipeline | None = None,
+    log: bool = True,
+    **overrides: Any,
+) -> LoadResult:
+    """Run all stages: resolve, route, load weights (``load_weights=True``), build the KV cache manager.
+
+    Weights load on the resolved device and dtype before the KV budget is computed; presets get
+    deterministic random weights.
+    """
+    request = LoadRequest(model=model, overrides=overrides, source="api",
+                          config_file=os.fspath(config_file) if config_file is not None else None,
+                          load_weights=load_weights)
+    return execute(request, stages or load_stages(), audit_log=audit_log, subscribers=subscribers, log=log)
+
+
+__all__ = ["LoadResult", "execute", "load", "load_stages", "plan", "plan_stages", "resolve_stages"]

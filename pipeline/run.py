@@ -1,0 +1,108 @@
+"""Run one request through stages with the standard subscribers, and what the run produced (:class:`RunResult`)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any, TypeVar
+
+import attrs
+
+from pipeline.audit import AuditLog, JsonlSink
+from pipeline.bus import EventBus, Subscriber
+from pipeline.config import LlmArgs
+from pipeline.context import Context, LoadRequest, ModelInfo, Route
+from pipeline.logs import StructlogSubscriber
+from pipeline.runner import Pipeline, Stage
+
+
+@attrs.define
+class RunResult:
+    """What a run produced: frozen resolved args, the route, the model, the audit log, the context."""
+
+    args: LlmArgs
+    route: Route
+    model: ModelInfo
+    audit: AuditLog
+    context: Context
+    bus: EventBus | None = None  # the run's bus: later events (generate) continue the audit's seq
+
+    @property
+    def kv(self) -> Any:
+        """The KV plan (geometry, budget, capacity) when the run computed one."""
+        return self.context.kv
+
+    @property
+    def kv_manager(self) -> Any:
+        """The built KV cache manager (``load`` only)."""
+        return self.context.kv_manager
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the KV manager's cached prefixes (``load`` only); refused while requests hold a cache."""
+        if self.kv_manager is None:
+            raise RuntimeError("reset_prefix_cache: this result has no KV cache manager (use load, not plan)")
+        self.kv_manager.reset_prefix_cache()
+
+    @property
+    def hf_model(self) -> Any:
+        """The transformers model with weights (``load(..., load_weights=True)`` only)."""
+        return self.context.hf_model
+
+    @property
+    def tokenizer(self) -> Any:
+        """The checkpoint's tokenizer, when it has one and weights were loaded."""
+        return self.context.tokenizer
+
+    @property
+    def scheduler(self) -> Any:
+        """The scheduler paired with the manager (``load`` only)."""
+        return self.context.scheduler
+
+    def close(self) -> None:
+        """Release the pools and anything else the run allocated."""
+        self.context.close()
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+R = TypeVar("R", bound=RunResult)
+
+
+def execute(
+    request: LoadRequest,
+    stages: Sequence[Stage] | Pipeline,
+    *,
+    audit_log: str | os.PathLike[str] | None = None,
+    subscribers: Iterable[Subscriber] = (),
+    log: bool = True,
+    result_type: type[R] = RunResult,  # type: ignore[assignment]
+) -> R:
+    """Run a request through stages with the standard subscribers; the CLI, the API and the engine use this."""
+    pipeline = stages if isinstance(stages, Pipeline) else Pipeline(stages)
+    audit = AuditLog()
+    sink = JsonlSink(audit_log) if audit_log is not None else None
+    subs: list[Subscriber] = [audit]
+    if log:
+        subs.append(StructlogSubscriber())
+    if sink is not None:
+        subs.append(sink)
+    subs.extend(subscribers)
+    ctx = Context(request=request)
+    bus = EventBus(subs)
+    try:
+        pipeline.run(ctx, bus)
+    except BaseException:
+        if sink is not None:
+            sink.close(ok=False)
+        raise
+    if sink is not None:  # the file is complete; later events (generate) reach the in-memory log only
+        sink.close(ok=True)
+        bus.unsubscribe(sink)
+    return result_type(args=ctx.args, route=ctx.route, model=ctx.model, audit=audit, context=ctx, bus=bus)
+
+
+__all__ = ["RunResult", "execute"]

@@ -1,0 +1,203 @@
+"""Test support for the V2 manager and scheduler: synthetic KV written through block tables, checked back.
+
+Every token position gets a value that depends on the whole prefix up to it and on the reuse salt
+(a rolling hash), plus the layer's position in its group, so a page that holds the wrong prefix,
+the wrong salt, the wrong layer or stale bytes reads back wrong. Compressed groups get one value per
+complete entry of ``c`` tokens. Values stay below 2**24, exact in float32.
+
+``drive`` runs requests through the production loop (:meth:`engine.driver.Driver.run`): the "forward"
+writes the scheduled chunks' synthetic KV and samples a token when a chunk reached the end, and every
+running request's KV is checked after every step. ``tests/test_kv_v2_harness.py`` proves the checker
+fails on corrupted pages.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import attrs
+import torch
+
+from cache_backends import LayerKV, build_layout
+from cache_backends.interface import ManagerOptions, SchedulerOutput
+from cache_backends.pools import BlockPools
+from cache_backends.request import Request
+from cache_backends.v2 import KVCacheManagerV2, KVCacheV2Scheduler
+from engine.driver import Driver, StalledError
+
+LAYER_STRIDE = 1 << 20
+
+
+def prefix_values(tokens: list[int], salt: str | None) -> list[int]:
+    """A value per position that depends on every token up to it and on the salt (all < 2**20)."""
+    h = zlib.crc32((salt or "").encode()) % 997
+    out = []
+    for t in tokens:
+        h = (h * 31 + t + 1) % LAYER_STRIDE
+        out.append(h)
+    return out
+
+
+def _slots(manager: KVCacheManagerV2, request: Request, group: str, positions: list[int]):
+    """(block ids, offsets) of ``positions`` — token positions, or entry indices for compressed groups."""
+    g = manager.pools.groups[group]
+    table = manager.block_table(request, group)
+    blocks = [table[p // g.entries_per_block] for p in positions]
+    if any(b < 0 for b in blocks):
+        raise AssertionError(f"{request.req_id}: group {group} has no block for entries {positions}")
+    device = manager.pools.device
+    return (torch.tensor(blocks, device=device),
+            torch.tensor([p % g.entries_per_block for p in positions], device=device))
+
+
+def _expected(manager: KVCacheManagerV2, group: str, values: list[int]) -> torch.Tensor:
+    g = manager.pools.groups[group]
+    layer_offsets = torch.arange(len(g.layers), dtype=torch.float64) * LAYER_STRIDE
+    vals = torch.tensor(values, dtype=torch.float64)
+    expected = (vals[None, :] + layer_offsets[:, None]).to(manager.pools.dtype)  # (layers, positions)
+    return expected.to(manager.pools.device)
+
+
+def _entries(group, start: int, end: int) -> list[int]:
+    """Indices of a group's entries (tokens, or compressed entries) completed by positions [start, end)."""
+    c = group.compress_rate or 1
+    return list(range(start // c, end // c)) if c > 1 else list(range(start, end))
+
+
+def _entry_value(vals: list[int], group, e: int) -> int:
+    c = group.compress_rate or 1
+    return vals[(e + 1) * c - 1] if c > 1 else vals[e]
+
+
+def write_kv(manager: KVCacheManagerV2, request: Request, start: int, n: int) -> None:
+    """Write the synthetic KV of positions ``[start, start + n)`` of ``request`` (what a forward would)."""
+    vals = prefix_values(request.all_token_ids[: start + n], request.salt)
+    for g in manager.groups:
+        entries = _entries(g, start, start + n)  # compressed: the entries whose last token is in the chunk
+        if not entries:
+            continue
+        blocks, offs = _slots(manager, request, g.name, entries)
+        expected = _expected(manager, g.name, [_entry_value(vals, g, e) for e in entries])
+        t = manager.pools.tensors[g.name]
+        t[:, blocks, offs] = expected[:, :, None].expand(-1, -1, g.entry_elems)
+
+
+def live_entries(manager: KVCacheManagerV2, request: Request, group) -> list[int]:
+    """The entries of ``group`` an attention step would read now: all, or the window's."""
+    committed = manager.cache(request).committed
+    if group.compress_rate:
+        return _entries(group, 0, committed)
+    start = 0 if group.window is None else max(0, committed - group.window + 1)
+    return list(range(start, committed))
+
+
+def check_kv(manager: KVCacheManagerV2, request: Request) -> None:
+    """Assert that every live entry of ``request`` holds its synthetic value, in every group and layer."""
+    committed = manager.cache(request).committed
+    vals = prefix_values(request.all_token_ids[:committed], request.salt)
+    for g in manager.groups:
+        entries = live_entries(manager, request, g)
+        if not entries:
+            continue
+        blocks, offs = _slots(manager, request, g.name, entries)
+        got = manager.pools.tensors[g.name][:, blocks, offs]  # (layers, entries, elems)
+        want = _expected(manager, g.name, [_entry_value(vals, g, e) for e in entries])
+        bad = (got != want[:, :, None]).any(dim=-1).any(dim=0)
+        if bad.any():
+            first = int(bad.nonzero()[0].item())
+            raise AssertionError(
+                f"{request.req_id}: group {g.name} entry {entries[first]} holds {got[:, first, 0].tolist()}, "
+                f"expected {want[:, first].tolist()}"
+            )
+
+
+def next_token(request: Request) -> int:
+    """A deterministic 'sampled' token."""
+    return (zlib.crc32(request.req_id.encode()) + 7 * request.num_tokens) % 50
+
+
+def make_manager(layers: list[LayerKV], blocks: int | dict[str, int], *, T: int = 4, dtype: str = "float32",
+                 device: str = "cpu", **options: Any) -> KVCacheManagerV2:
+    """A V2 manager over fresh pools; ``blocks`` per group (an int gives every group that many)."""
+    layout = build_layout(layers, "v2", T, dtype)
+    counts = blocks if isinstance(blocks, dict) else {g.name: blocks for g in layout.groups}
+    options.setdefault("max_seq_len", 4096)
+    return KVCacheManagerV2(BlockPools(layout, counts, device), ManagerOptions(**options))
+
+
+def full_sliding_layers(window: int = 8) -> list[LayerKV]:
+    """One full layer and two sliding layers (two layers in one group) with 4-element entries."""
+    return [LayerKV(0, "full", 4), LayerKV(1, "sliding", 4, window=window), LayerKV(2, "sliding", 4, window=window)]
+
+
+@attrs.define
+class DriveResult:
+    """What a driven run did."""
+
+    steps: int = 0
+    outputs: list[SchedulerOutput] = attrs.Factory(list)
+    finished: list[Request] = attrs.Factory(list)
+    stalled: str | None = None
+    max_running: int = 0
+
+    def count(self, field: str) -> int:
+        """Total of one ``SchedulerOutput`` list field over the run."""
+        return sum(len(getattr(o, field)) for o in self.outputs)
+
+
+def drive(manager: KVCacheManagerV2, scheduler: KVCacheV2Scheduler, requests: list[Request],
+          max_steps: int = 5000, check: bool = True) -> DriveResult:
+    """Run requests through the engine's driving loop to completion or a stall, verifying KV and the step limits."""
+    result = DriveResult()
+    driver = Driver(manager, scheduler)
+
+    def compute(out: SchedulerOutput) -> dict[str, int]:
+        result.max_running = max(result.max_running, len(driver.running))
+        assert len(driver.running) <= scheduler.max_batch_size
+        assert out.num_tokens <= scheduler.max_num_tokens
+        tokens = {}
+        for chunk in out.scheduled:
+            r = chunk.request
+            assert r in driver.running
+            write_kv(manager, r, r.num_computed_tokens, chunk.num_tokens)
+            if r.num_computed_tokens + chunk.num_tokens == r.num_tokens:
+                tokens[r.req_id] = next_token(r)
+        return tokens
+
+    def stepped(clock: int, stats: Any) -> None:
+        result.steps += 1
+        result.outputs.append(stats.output)
+        result.finished += stats.finished
+        if result.steps >= max_steps and driver.has_work:
+            raise AssertionError(f"no completion after {max_steps} steps")
+        if check:
+            for r in driver.running:
+                check_kv(manager, r)
+            manager.check_invariants()
+
+    try:
+        driver.run(requests, compute, on_step=stepped)
+    except StalledError as exc:
+        result.stalled = str(exc)
+    return result
+
+
+FULL = [LayerKV(0, "full", 4)]
+
+
+def admit(manager: KVCacheManagerV2, request: Request) -> None:
+    manager.create(request)
+    assert manager.resume(request)
+
+
+def compute(manager: KVCacheManagerV2, request: Request, n: int) -> None:
+    """Allocate, 'run the forward' (write synthetic KV) and commit ``n`` tokens."""
+    assert manager.allocate(request, n)
+    write_kv(manager, request, request.num_computed_tokens, n)
+    manager.commit(request, n)
+
+
+def prefill(manager: KVCacheManagerV2, request: Request) -> None:
+    admit(manager, request)
+    compute(manager, request, request.num_tokens - request.num_computed_tokens)
