@@ -4,8 +4,9 @@ One step (:meth:`engine.driver.Driver.step`): the scheduler admits, suspends, re
 the executor packs every scheduled chunk — prefill pieces (chunked by ``max_num_tokens``) and decode
 tokens of many requests — into one forward with per-token positions (``PagedBatch``), each layer
 writing and reading K/V through the request's block tables (``manager.block_table(req, group)`` for
-every layer group); it samples the next token of each request whose known tokens are all in the cache
-after this step (greedy = argmax; temperature + top-p with a per-request seeded ``torch.Generator``);
+every layer group, kept as tensor rows across steps in a ``BlockTableStore``) on the attention path
+``attention_backend`` chose (compiled flex over the pools, or gather + SDPA); it samples the next
+token of each request whose known tokens are all in the cache after this step (greedy = argmax; temperature + top-p with a per-request seeded ``torch.Generator``);
 the driver commits the KV, appends the tokens, and finishes requests on EOS or ``max_new_tokens``
 (their blocks return to the pool; with reuse on, full blocks stay cached for later prompts).
 
@@ -29,6 +30,7 @@ from typing import Any
 import attrs
 import torch
 
+from cache_backends.block_tables import BlockTableStore
 from cache_backends.interface import SchedulerOutput
 from cache_backends.paged_attention import SERVED_KINDS, PagedBatch, SeqChunk
 from cache_backends.request import Request
@@ -81,6 +83,11 @@ class GenerationExecutor:
         self._emit = emit
         self._calls = 0
         self._live: dict[str, _Live] = {}
+        width = max(-(-self.max_seq_len // g.tokens_per_block) for g in manager.layout.groups)
+        #: every live request's block tables as tensor rows, appended to step by step
+        self._block_tables = BlockTableStore(self.groups, width)
+        #: the compiled attention path (None: gather + SDPA), set by ``from_result`` from ``attention_backend``
+        self.flex: Any = None
         self.last_stats: GenerationStats | None = None
         unserved = sorted({layer.kind for layer in manager.layout.layers
                            if layer.kind not in SERVED_KINDS or layer.compress_rate is not None})
@@ -107,8 +114,27 @@ class GenerationExecutor:
                                   "prompt (no beam search); load with max_beam_width=1")
         bus = result.bus
         emit = bus.emitter("generate") if bus is not None else None
-        return cls(result.hf_model, result.kv_manager, result.scheduler, tokenizer=result.tokenizer, emit=emit,
-                   name=result.model.name if result.model is not None else "model")
+        executor = cls(result.hf_model, result.kv_manager, result.scheduler, tokenizer=result.tokenizer, emit=emit,
+                       name=result.model.name if result.model is not None else "model")
+        executor.use_attention(getattr(result.args, "attention_backend", "sdpa"), result.args.max_num_tokens)
+        return executor
+
+    def use_attention(self, backend: str, max_num_tokens: int) -> None:
+        """Run attention on ``"flex"`` (compiled, over the pools) or ``"sdpa"`` (gather + SDPA, the reference)."""
+        from cache_backends.flex_paged import FlexPagedAttention, flex_unsupported
+
+        if backend not in ("flex", "sdpa"):
+            raise GenerationError(f"generate: attention_backend: expected \"flex\" or \"sdpa\" (resolved), got "
+                                  f"{backend!r}")
+        self.flex = None
+        if backend == "sdpa":
+            return
+        why = flex_unsupported(self.manager.layout)
+        if why is not None:  # say so: an accepted setting never silently does nothing
+            self._event(SettingIgnored(field="attention_backend", value="flex",
+                                       reason=f"{why}; generate attends through gather + SDPA"))
+            return
+        self.flex = FlexPagedAttention(self.pools, max_num_tokens)
 
     # --- the call ----------------------------------------------------------------------------
 
@@ -166,6 +192,7 @@ class GenerationExecutor:
                     self._event(SettingIgnored(field=f"generate.{name}", value=value,
                                                reason="temperature is 0 (greedy): nothing is sampled"))
         outputs: dict[int, GenerationOutput] = {}
+        warm_before = self.flex.warmup_s if self.flex is not None else 0.0
         start = time.perf_counter()
         forward_s = kv_s = 0.0
         self._live = {live.request.req_id: live for live in lives}
@@ -190,20 +217,27 @@ class GenerationExecutor:
         except BaseException as exc:
             self._abort(driver)
             self._live = {}
+            self._block_tables.keep_only(())
+            self._check_flex()
             self._event(GenerationFailed(call=call, error=type(exc).__name__,
                                          message=first_line(exc, ""),
                                          finished=len(outputs)))
             raise
         self._live = {}
-        wall = time.perf_counter() - start
+        self._block_tables.keep_only(())
+        # compiling a new attention shape is a one-off (later calls reuse it): reported apart, not as generation
+        warmup = (self.flex.warmup_s if self.flex is not None else 0.0) - warm_before
+        self._check_flex()
+        wall = time.perf_counter() - start - warmup
         after = self._counters()
         ordered = [outputs[i] for i in range(len(lives))]
         steps = run.engine_steps
         stats = GenerationStats(
             requests=len(ordered), prompt_tokens=sum(len(o.prompt_token_ids) for o in ordered),
             reused_prompt_tokens=sum(o.reused_prompt_tokens for o in ordered),
-            generated_tokens=sum(len(o.token_ids) for o in ordered), steps=steps, wall_s=wall, forward_s=forward_s,
-            kv_s=kv_s, **{k: after[k] - before[k] for k in after})
+            generated_tokens=sum(len(o.token_ids) for o in ordered), steps=steps, wall_s=wall,
+            forward_s=max(0.0, forward_s - warmup), kv_s=kv_s, warmup_s=warmup,
+            **{k: after[k] - before[k] for k in after})
         self.last_stats = stats
         self._event(GenerationFinished(
             call=call, requests=stats.requests, prompt_tokens=stats.prompt_tokens,
@@ -211,6 +245,14 @@ class GenerationExecutor:
             suspends=stats.suspends, resumes=stats.resumes, preemptions=stats.preemptions,
             duration_ms=round(wall * 1000, 3), tokens_per_s=round(stats.tokens_per_s, 3)))
         return ordered
+
+    def _check_flex(self) -> None:
+        """A compiled path that failed to build a shape is switched off, and the audit says why."""
+        if self.flex is not None and self.flex.failed is not None:
+            self._event(SettingIgnored(field="attention_backend", value="flex",
+                                       reason=f"torch.compile failed ({self.flex.failed}); generate attends through "
+                                              "gather + SDPA"))
+            self.flex = None
 
     @contextlib.contextmanager
     def paged_attention(self) -> Iterator[None]:
@@ -230,13 +272,20 @@ class GenerationExecutor:
 
     def _compute(self, out: SchedulerOutput, params: SamplingParams) -> dict[str, int]:
         """The step's forward: every scheduled chunk packed into one row; next tokens of requests that reach the end."""
-        chunks = []
+        chunks, rows = [], []
+        store = self._block_tables
         for scheduled in out.scheduled:
             req = scheduled.request
             start = req.num_computed_tokens
             ids = req.all_token_ids[start:start + scheduled.num_tokens]
-            chunks.append(SeqChunk(ids, start, {g: self.manager.block_table(req, g) for g in self.groups}))
-        logits = run_forward(self.model, PagedBatch.build(chunks, self.pools))
+            chunks.append(SeqChunk(ids, start, {}))
+            for g in self.groups:  # only what changed since the last step is written
+                store.update(req.req_id, g, self.manager.block_table(req, g))
+            rows.append(store.row(req.req_id))
+        if len(store) > 2 * len(self._live) + 8:  # rows of requests finished in earlier steps go back
+            store.keep_only(self._live)
+        batch = PagedBatch.build(chunks, self.pools, store.tables(rows), flex=self.flex)
+        logits = run_forward(self.model, batch)
         rows = [i for i, s in enumerate(out.scheduled)
                 if s.request.num_computed_tokens + s.num_tokens == s.request.num_tokens]
         if not rows:

@@ -108,6 +108,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--max_seq_len", "max_seq_len", "longest sequence (default: the checkpoint's)", integer, metavar="N"),
     Flag("--max_num_tokens", "max_num_tokens", "most tokens in one forward (prefill chunk)", integer, metavar="N"),
     Flag("--max_beam_width", "max_beam_width", "beam width (V2 serves only 1)", integer, metavar="N"),
+    Flag("--attention_backend", "attention_backend", "paged attention of generate: auto, flex (compiled "
+         "FlexAttention over the pools) or sdpa (gather + SDPA)", str, choices=("auto", "flex", "sdpa")),
 )
 FLAG_FOR_PATH: dict[str, str] = {f.path: f.name for f in FLAGS}
 

@@ -70,6 +70,7 @@ SAMPLES = {
     "--disable_kv_cache_reuse": ([], False),
     "--host_cache_size": (["512MiB"], 512 << 20),
     "--kv_cache_dtype": (["bf16"], "bfloat16"),
+    "--attention_backend": (["flex"], "flex"),
     "--dtype": (["fp16"], "float16"),
     "--device": (["cpu"], "cpu"),
     "--max_batch_size": (["8"], 8),
