@@ -6,7 +6,8 @@ tokens of many requests — into one forward with per-token positions (``PagedBa
 writing and reading K/V through the request's block tables (``manager.block_table(req, group)`` for
 every layer group, kept as tensor rows across steps in a ``BlockTableStore``) on the attention path
 ``attention_backend`` chose (compiled flex over the pools, or gather + SDPA); it samples the next
-token of each request whose known tokens are all in the cache after this step (greedy = argmax; temperature + top-p with a per-request seeded ``torch.Generator``);
+token of each request whose known tokens are all in the cache after this step (greedy = argmax;
+temperature + top-p with a per-request seeded ``torch.Generator``);
 the driver commits the KV, appends the tokens, and finishes requests on EOS or ``max_new_tokens``
 (their blocks return to the pool; with reuse on, full blocks stay cached for later prompts).
 
