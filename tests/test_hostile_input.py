@@ -552,7 +552,12 @@ def test_audit_log_at_a_fifo_or_device_is_refused_and_left_alone(capsys, tmp_pat
         assert_refused(r, "--audit-log", str(target), "not a regular file")
         assert not stat.S_ISREG(os.stat(target).st_mode)
     assert stat.S_ISFIFO(os.stat(fifo).st_mode)
-    assert_refused(run_cli(capsys, "audit", fifo), str(fifo), "not a regular file")  # reading it would block
+    # reading one would block forever: refused as an audit file and as a config file
+    assert_refused(run_cli(capsys, "audit", fifo), str(fifo), "not a regular file")
+    assert_refused(_plan(capsys, "tiny-llama", "--config", fifo), str(fifo), "not a regular file")
+    dangling = tmp_path / "dangling.jsonl"
+    dangling.symlink_to(tmp_path / "nowhere")
+    assert_refused(_plan(capsys, "tiny-llama", audit=dangling), "--audit-log", "symbolic link to nothing")
 
 
 def test_an_existing_audit_log_is_kept_unless_force(capsys, tmp_path):
