@@ -352,6 +352,18 @@ def test_settings_that_do_nothing_say_so(capsys, out):
     assert "setting_ignored" in r.err  # the held warnings are released on success
 
 
+def test_v2_settings_with_nothing_to_act_on_say_so(capsys, tmp_path, out):
+    cfg = tmp_path / "v2.yaml"
+    cfg.write_text("kv_cache_config:\n  use_kv_cache_manager_v2: true\n  host_cache_size: 0\n"
+                   "  max_util_for_resume: 0.5\n  enable_swa_scratch_reuse: true\n")
+    log = out / "a.jsonl"
+    r = _plan(capsys, "tiny-llama", "--config", cfg, "--max_tokens", "4096", audit=log)  # no sliding layers
+    assert r.code == 0, r.err
+    ignored = {e["field"]: e["reason"] for e in read_events(log) if e["event"] == "setting_ignored"}
+    assert "host tier" in ignored["kv_cache_config.max_util_for_resume"]
+    assert "no sliding-window layers" in ignored["kv_cache_config.enable_swa_scratch_reuse"]
+
+
 def test_sampling_settings_under_greedy_say_they_do_nothing(capsys, out):
     log = out / "g.jsonl"
     r = run_cli(capsys, "generate", "tiny-llama", "--prompt-ids", "1,2,3", "--max_new_tokens", "2", "--max_tokens",
