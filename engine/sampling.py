@@ -17,8 +17,9 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generat
     """
     # float64, and the largest logit subtracted first: a tiny temperature (1e-300) then sharpens to
     # argmax instead of overflowing float32 to inf/nan; a huge one flattens to uniform.
+    # The probabilities themselves are fine in float32 (sorting them there is the cost of top-p).
     scaled = logits.double()
-    probs = torch.softmax((scaled - scaled.max()) / temperature, dim=-1)
+    probs = torch.softmax((scaled - scaled.max()) / temperature, dim=-1).float()
     if top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of the more likely tokens

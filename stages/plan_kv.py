@@ -246,8 +246,24 @@ def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
     if manager == "v2" and pools is not None:
         host_slots, host_bytes, host_problem = plan_host_tier(layout, pools, kv.host_cache_size, device)
         problem = problem or host_problem
+    if manager == "v2":
+        warn_inert_v2_settings(ctx, layout, host_bytes, emit)
     return KvPlan(manager, route.kv_manager, route.scheduler, device, kv.dtype, kv.tokens_per_block,
                   args.max_seq_len, layout, budget, pools, problem, kv.host_cache_size, host_slots, host_bytes)
+
+
+def warn_inert_v2_settings(ctx: Context, layout: KvLayout, host_bytes: int | None, emit: Emit) -> None:
+    """``setting_ignored`` for V2 settings the user set that this geometry or host tier leaves with nothing to do."""
+    kv = ctx.args.kv_cache_config
+    resume = "kv_cache_config.max_util_for_resume"
+    if resume in ctx.user_fields and host_bytes == 0:
+        emit(SettingIgnored(field=resume, value=kv.max_util_for_resume,
+                            reason="there is no host tier (host_cache_size 0), so nothing is suspended or resumed"))
+    scratch = "kv_cache_config.enable_swa_scratch_reuse"
+    if scratch in ctx.user_fields and kv.enable_swa_scratch_reuse is True \
+            and all(g.window is None for g in layout.groups):
+        emit(SettingIgnored(field=scratch, value=True,
+                            reason="the model has no sliding-window layers, so there is no window scratch to reuse"))
 
 
 def warn_inert_partial_reuse(ctx: Context, layout: KvLayout, emit: Emit) -> None:
