@@ -67,6 +67,7 @@ class Flag:
     choices: tuple[str, ...] | None = None
     const: Any = None  # for switches: the value the flag sets when present
     metavar: str | None = None
+    aliases: tuple[str, ...] = ()  # other spellings (each also accepted dashed)
 
     @property
     def dest(self) -> str:
@@ -96,6 +97,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--max_seq_len", "max_seq_len", "longest sequence (default: the checkpoint's)", integer, metavar="N"),
     Flag("--max_num_tokens", "max_num_tokens", "most tokens in one forward (prefill chunk)", integer, metavar="N"),
     Flag("--max_beam_width", "max_beam_width", "beam width (V2 serves only 1)", integer, metavar="N"),
+    Flag("--tp_size", "tensor_parallel_size",
+         "tensor-parallel ranks (launch that many with torchrun; plan alone shows rank 0's view)", integer,
+         metavar="N", aliases=("--tensor_parallel_size",)),
 )
 FLAG_FOR_PATH: dict[str, str] = {f.path: f.name for f in FLAGS}
 
@@ -149,7 +153,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL", help="a preset name (see `kvload models`) or a checkpoint directory")
     group = p.add_argument_group("configuration (TensorRT-LLM spelling; dashed aliases accepted)")
     for f in FLAGS:
-        names = [f.name] if _dashed(f.name) == f.name else [f.name, _dashed(f.name)]
+        names = list(dict.fromkeys(n for name in (f.name, *f.aliases) for n in (name, _dashed(name))))
         if f.const is not None:
             group.add_argument(*names, dest=f.dest, action="store_const", const=f.const, default=None, help=f.help)
         else:
@@ -209,6 +213,12 @@ def _check_audit_path(path: str | None) -> None:
         raise ConfigError(f"--audit-log {path}: directory {p.parent} does not exist")
 
 
+def prints(result: Any) -> bool:
+    """Whether this process prints the result: always alone; under torchrun only rank 0 (the others log)."""
+    ranks = result.context.ranks
+    return ranks is None or ranks.is_first
+
+
 def cmd_plan(ns: argparse.Namespace) -> int:
     """Resolve (stages 1–5) and print the result; allocate nothing."""
     from kvload.api import execute
@@ -220,6 +230,8 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     if ns.chart is not None:
         _check_output_path("--chart", ns.chart)
     result = execute(_request(ns), plan_stages(), audit_log=ns.audit_log)
+    if not prints(result):
+        return 0
     comparison = None
     if compare:
         from engine.capacity import compare_capacity, draw_chart
@@ -270,6 +282,8 @@ def cmd_run(ns: argparse.Namespace) -> int:
 
     _check_audit_path(ns.audit_log)
     with execute(_request(ns), load_stages(), audit_log=ns.audit_log) as result:
+        if not prints(result):
+            return 0
         if ns.json:
             print(json.dumps({**run_document(result), "allocated": allocation_document(result)}, indent=2,
                              default=str))
@@ -300,17 +314,22 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     request.overrides.setdefault("kv_cache_config", {}).setdefault(
         "default_max_tokens", len(prompts) * (ns.max_new_tokens + GENERATE_PROMPT_ALLOWANCE))
     with execute(request, load_stages()) as result:
-        printer = None if ns.json else _TokenPrinter(result.tokenizer, several=len(prompts) > 1)
+        first = prints(result)  # under torchrun every rank generates; rank 0 prints
+        printer = None if ns.json or not first else _TokenPrinter(result.tokenizer, several=len(prompts) > 1)
         outputs = result.generate(prompts, params, salt=ns.salt, chat=ns.chat, stream=printer)
         stats = result.executor.last_stats
-        if ns.json:
+        if not first:
+            pass
+        elif ns.json:
             print(json.dumps({"model": result.model.to_dict(), "route": result.route.to_dict(),
                               "outputs": [o.to_dict() for o in outputs], "stats": stats.to_dict()},
                              indent=2, default=str))
         else:
             print(stats.line())
         if ns.audit_log:  # written once the run closed cleanly: the load's events, then the generation's
-            result.audit.to_jsonl(ns.audit_log)
+            from pipeline.ranks import rank_audit_path
+
+            result.audit.to_jsonl(rank_audit_path(ns.audit_log, result.context.ranks))
     return 0
 
 
@@ -424,7 +443,7 @@ def flag_aliases() -> dict[str, str]:
     """Each flag's name, with and without dashes, in either spelling → the field it sets."""
     out: dict[str, str] = {}
     for f in FLAGS:
-        for name in (f.name, _dashed(f.name)):
+        for name in (f.name, _dashed(f.name), *f.aliases, *map(_dashed, f.aliases)):
             out[name] = out[name[2:]] = f.path
     return out
 

@@ -244,6 +244,8 @@ class LlmArgs:
     max_num_tokens: int = attrs.field(default=8192, validator=pos_int)
     max_beam_width: int = attrs.field(default=1, validator=pos_int)
     weights_seed: int = attrs.field(default=0, validator=non_neg_int)  # random weights of presets
+    # ranks the attention heads (and KV heads) are split over; the operator's, never a model's
+    tensor_parallel_size: int = attrs.field(default=1, validator=pos_int)
     kv_cache_config: KvCacheConfig = attrs.field(factory=KvCacheConfig)
     _explicit: set[str] = _internal(set)
     _frozen: bool = _internal(bool)
