@@ -106,3 +106,39 @@ def test_a_single_process_run_records_rank_zero_of_one():
     joined = result.audit.of("rank_joined")
     assert [(e["rank"], e["world_size"], e["tensor_parallel_size"]) for e in joined] == [(0, 1, 1)]
     assert result.audit.of("ranks_agreed") == []  # alone: nothing to compare
+
+
+def test_loading_weights_refuses_kv_heads_transformers_cannot_replicate(checkpoint_dir):
+    from stages.load_weights import check_plan_matches_pools
+
+    ok = pipeline.plan(str(checkpoint_dir()), tensor_parallel_size=2, log=False)  # 2 KV heads: 1 per rank
+    check_plan_matches_pools(ok.context)
+    one = pipeline.plan(str(checkpoint_dir(name="one", num_key_value_heads=1)), tensor_parallel_size=2, log=False)
+    assert one.kv.heads["mode"] == "replicate"  # plan accepts it: the pools replicate the head
+    with pytest.raises(ModelError, match="cannot split its 1 KV heads over 2 ranks .* divides the KV heads \\(1\\)"):
+        check_plan_matches_pools(one.context)
+
+
+class FakeRanks:
+    """Two ranks in one process: rank 1 reports whatever the test says it decided."""
+
+    distributed = True
+
+    def __init__(self, other):
+        self.other = other
+
+    def all_gather(self, obj):
+        return [obj, self.other(obj)]
+
+
+def test_a_diverging_schedule_fails_before_the_forward():
+    from cache_backends.interface import ScheduledChunk, SchedulerOutput
+    from cache_backends.request import Request
+    from engine.executor import RankLockstep
+    from pipeline.errors import KvRuntimeError
+
+    out = SchedulerOutput(scheduled=[ScheduledChunk(Request("0.0", [1, 2, 3], 4), 3)])
+    RankLockstep(FakeRanks(lambda mine: mine)).check_schedule(out, [{"uniform": [0]}])  # the same: no error
+    other = RankLockstep(FakeRanks(lambda mine: []))
+    with pytest.raises(KvRuntimeError, match="step 1: the ranks' schedulers diverged: rank 1 scheduled nothing"):
+        other.check_schedule(out, [{"uniform": [0]}])

@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+import pipeline
 from tests.tp_support import run_scenarios, torchrun
 
 
@@ -84,3 +85,30 @@ def test_torchrun_run_builds_agreeing_pools_and_prints_one_summary(tmp_path):
         by_event = {e["event"]: e for e in logs[name]}
         assert by_event["rank_joined"]["rank"] == rank and by_event["ranks_agreed"]["rank"] == rank
         assert by_event["kv_manager_built"]["total_bytes"] == 2 * 1024 * 1024
+
+
+def test_weights_shard_by_transformers_plan_and_greedy_output_equals_one_process(ranks):
+    r0, r1 = scenario(ranks, "generate")
+    assert r0["k_proj_local_rows"] == r1["k_proj_local_rows"] == 16  # 1 of the 2 KV heads (head_dim 16) per rank
+    assert r0["pool_shape"] == [4, 32, 32, 32]  # (layers, blocks, tokens, 2 x 1 head x 16): the rank's heads only
+    with pipeline.load("tiny-llama", load_weights=True, kv_cache_config={"max_tokens": 1024}, log=False) as alone:
+        want = [o.token_ids for o in alone.generate([[1, 2, 3, 4, 5], [9, 8, 7]], max_new_tokens=8)]
+    assert r0["greedy"] == r1["greedy"] == want
+    assert r0["sampled"] == r1["sampled"]  # one seed (rank 0's) and rank 0's tokens on every rank
+    assert r0["weights_event"]["bytes"] < alone.audit.of("weights_loaded")[0]["bytes"]  # a shard, not the model
+
+
+def test_torchrun_generate_prints_what_one_process_prints(tmp_path, capsys):
+    from tests.cli_support import run_cli
+
+    argv = ["generate", "tiny-llama", "--prompt-ids", "1,2,3,4,5", "--prompt-ids", "7,8,9", "--max_new_tokens", "12",
+            "--max_tokens", "4096"]
+    alone = run_cli(capsys, *argv)
+    assert alone.code == 0, alone.err
+    r = torchrun("-m", "kvload", *argv, "--tp_size", "2", "--audit-log", str(tmp_path / "gen.jsonl"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.splitlines()[:2] == alone.out.splitlines()[:2]  # the replies; the last line has timings
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gen.jsonl", "gen.rank1.jsonl"]
+    rank1 = [json.loads(line) for line in (tmp_path / "gen.rank1.jsonl").read_text().splitlines()]
+    assert [e["rank"] for e in rank1 if e["event"] == "rank_joined"] == [1]
+    assert any(e["event"] == "generation_finished" for e in rank1)

@@ -37,8 +37,8 @@ def free_port() -> int:
 def torchrun(*argv: str, nproc: int = 2, timeout: float = LAUNCH_TIMEOUT_S,
              env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """``torchrun --nproc-per-node N ARGV...`` from the repository root; the whole process group dies on timeout."""
-    torchrun_bin = Path(sys.executable).with_name("torchrun")
-    cmd = [str(torchrun_bin), "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
+    # torchrun is torch.distributed.run's console script; the module form needs no PATH lookup
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), *argv]
     full_env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
                 "TRANSFORMERS_VERBOSITY": "error", "KVLOAD_DIST_TIMEOUT_S": str(DIST_TIMEOUT_S), **(env or {})}
@@ -163,8 +163,24 @@ def block_tables(out: Path, rank: int) -> dict[str, Any]:
     return found
 
 
+def generate(out: Path, rank: int) -> dict[str, Any]:
+    """Weights sharded by transformers' TP plan: each rank's shard and pools, and what it generates."""
+    import pipeline
+
+    with pipeline.load("tiny-llama", load_weights=True, tensor_parallel_size=2, kv_cache_config={"max_tokens": 1024},
+                       log=False) as loaded:
+        k_proj = loaded.hf_model.model.layers[0].self_attn.k_proj.weight
+        greedy = loaded.generate([[1, 2, 3, 4, 5], [9, 8, 7]], max_new_tokens=8)
+        sampled = loaded.generate([[1, 2, 3]], max_new_tokens=8, temperature=1.0)  # seed=None: rank 0's seed
+        return {"k_proj_local_rows": k_proj.to_local().shape[0] if hasattr(k_proj, "to_local") else None,
+                "pool_shape": loaded.kv_manager.pools.describe()["uniform"]["shape"],
+                "greedy": [o.token_ids for o in greedy], "sampled": sampled[0].token_ids,
+                "weights_event": loaded.audit.of("weights_loaded")[0]}
+
+
 SCENARIOS: dict[str, Callable[[Path, int], dict[str, Any]]] = {
     "agree": agree, "disagree": disagree, "geometry": geometry, "budget": budget, "block_tables": block_tables,
+    "generate": generate,
 }
 
 
