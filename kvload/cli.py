@@ -230,15 +230,15 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     if ns.chart is not None:
         _check_output_path("--chart", ns.chart)
     result = execute(_request(ns), plan_stages(), audit_log=ns.audit_log)
-    if not prints(result):
-        return 0
     comparison = None
-    if compare:
+    if compare:  # on every rank: planning the variants runs the ranks' collectives (agree_ranks, the budget)
         from engine.capacity import compare_capacity, draw_chart
 
         comparison = compare_capacity(result)
-        if ns.chart is not None:
+        if ns.chart is not None and prints(result):
             draw_chart(comparison, ns.chart)
+    if not prints(result):
+        return 0
     if ns.json:
         doc = run_document(result)
         if comparison is not None:
@@ -260,7 +260,10 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     report = simulate(ns.model, ns.workload, requests=ns.requests, seed=ns.seed, params=dict(ns.workload_args),
                       compare=ns.compare, config_file=ns.config, source="cli", audit_log=ns.audit_log,
                       progress=ns.progress, **cli_overrides(ns))
-    print(json.dumps(report.to_dict(), indent=2, default=str) if ns.json else report.render())
+    from pipeline.ranks import ranks_from_env
+
+    if ranks_from_env().is_first:  # under torchrun every rank simulates in lockstep; rank 0 prints
+        print(json.dumps(report.to_dict(), indent=2, default=str) if ns.json else report.render())
     return 0
 
 
