@@ -72,6 +72,14 @@ def test_block_tables_stay_identical_on_every_rank(ranks):
     assert r0["v1"]["waits"] > 0 and r0["v2"]["suspends"] > 0  # the budget was tight enough to make decisions
 
 
+def test_plan_compare_runs_on_every_rank_and_only_rank_0_prints(ranks):
+    r0, r1 = scenario(ranks, "compare_cli")
+    assert r0["code"] == r1["code"] == 0 and r1["stdout"] == ""
+    doc = json.loads(r0["stdout"])
+    assert doc["kv"]["tensor_parallel"]["size"] == 2
+    assert doc["compare"]["managers"]["KVCacheManager"]["bytes_per_token"] == 512  # one rank's (1,024 alone)
+
+
 def test_torchrun_run_builds_agreeing_pools_and_prints_one_summary(tmp_path):
     audit = tmp_path / "audit.jsonl"
     r = torchrun("-m", "kvload", "run", "tiny-llama", "--tp_size", "2", "--max_tokens", "4096", "--json",

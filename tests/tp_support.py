@@ -178,9 +178,22 @@ def generate(out: Path, rank: int) -> dict[str, Any]:
                 "weights_event": loaded.audit.of("weights_loaded")[0]}
 
 
+def compare_cli(out: Path, rank: int) -> dict[str, Any]:
+    """``kvload plan --compare`` on both ranks (its variant plans run the collectives too): rank 0 prints."""
+    import contextlib
+    import io
+
+    from kvload.cli import main
+
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        code = main(["plan", "tiny-llama", "--tp_size", "2", "--max_tokens", "4096", "--compare", "--json"])
+    return {"code": code, "stdout": stdout.getvalue()}
+
+
 SCENARIOS: dict[str, Callable[[Path, int], dict[str, Any]]] = {
     "agree": agree, "disagree": disagree, "geometry": geometry, "budget": budget, "block_tables": block_tables,
-    "generate": generate,
+    "generate": generate, "compare_cli": compare_cli,
 }
 
 
