@@ -101,11 +101,15 @@ def is_latent(cfg: Any) -> bool:
 def head_sharding(cfg: Any, tp_size: int, arch: str = "model") -> HeadSharding:
     """The heads each of ``tp_size`` ranks holds; ``ModelError`` (one line, the sizes accepted) if they cannot."""
     cfg = text_config(cfg)
-    heads = _required(cfg, "num_attention_heads", arch)
     latent = is_latent(cfg)
-    n_kv = 1 if latent else kv_heads(cfg, arch)
-    if tp_size == 1:
+    if tp_size == 1:  # nothing to split: report what the config says, require nothing
+        given = getattr(cfg, "num_attention_heads", None)
+        heads = given if isinstance(given, int) and given > 0 else 0
+        n = getattr(cfg, "num_key_value_heads", None)
+        n_kv = 1 if latent else (n if isinstance(n, int) and n > 0 else heads)
         return HeadSharding(1, heads, n_kv, "none", n_kv)
+    heads = _required(cfg, "num_attention_heads", arch)
+    n_kv = 1 if latent else kv_heads(cfg, arch)
     what = f"tensor_parallel_size={tp_size}: {arch}"
     if heads % tp_size:
         raise ModelError(f"{what} has {heads} attention heads, which do not divide by {tp_size} ranks; "
@@ -135,7 +139,8 @@ def layers_from_config(cfg: Any, arch: str = "model", tp_size: int = 1) -> list[
     cfg = text_config(cfg)
     n_layers = _required(cfg, "num_hidden_layers", arch)
     layer_types = getattr(cfg, "layer_types", None)
-    sharding = head_sharding(cfg, tp_size, arch)
+    # one rank: every KV head (and no check that needs num_attention_heads, which kv_heads may do without)
+    sharding = head_sharding(cfg, tp_size, arch) if tp_size > 1 else None
 
     if layer_types and any(t in ("compressed_sparse_attention", "heavily_compressed_attention") for t in layer_types):
         return _deepseek_v4_layers(cfg, layer_types, arch)
@@ -144,7 +149,8 @@ def layers_from_config(cfg: Any, arch: str = "model", tp_size: int = 1) -> list[
         latent = _required(cfg, "kv_lora_rank", arch) + _required(cfg, "qk_rope_head_dim", arch)
         return [LayerKV(i, "mla", latent) for i in range(n_layers)]
 
-    entry = 2 * sharding.kv_heads_per_rank * head_dim(cfg, arch)
+    heads = sharding.kv_heads_per_rank if sharding is not None else kv_heads(cfg, arch)
+    entry = 2 * heads * head_dim(cfg, arch)
     window = getattr(cfg, "sliding_window", None)
     if getattr(cfg, "use_sliding_window", True) is False:
         window = None

@@ -142,3 +142,4 @@ def test_a_diverging_schedule_fails_before_the_forward():
     other = RankLockstep(FakeRanks(lambda mine: []))
     with pytest.raises(KvRuntimeError, match="step 1: the ranks' schedulers diverged: rank 1 scheduled nothing"):
         other.check_schedule(out, [{"uniform": [0]}])
+
