@@ -262,6 +262,8 @@ class LlmArgs:
     max_beam_width: int = attrs.field(default=1, validator=pos_int)
     weights_seed: int = attrs.field(default=0, validator=non_neg_int)  # random weights of presets
     attention_backend: str = attrs.field(default=AUTO, validator=attention_backend_name)
+    # ranks the attention heads (and KV heads) are split over; the operator's, never a model's
+    tensor_parallel_size: int = attrs.field(default=1, validator=pos_int)
     kv_cache_config: KvCacheConfig = attrs.field(factory=KvCacheConfig)
     _explicit: set[str] = _internal(set)
     _frozen: bool = _internal(bool)

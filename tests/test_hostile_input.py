@@ -393,7 +393,7 @@ def test_every_record_mutation_is_caught(real_log, tmp_path):
     replaced by a wrong value (~1,200 cases).
     Each one is either refused on reading (AuditError naming the file and the line) or fails --verify;
     none passes, none crashes."""
-    from pipeline.explain import explain, render_explain, render_summary, summarize
+    from kvload.explain import explain, render_explain, render_summary, summarize
 
     records = read_events(real_log)
     path = tmp_path / "m.jsonl"
