@@ -12,7 +12,7 @@ from engine.executor import GenerationExecutor
 from engine.sampling import sample_token
 from kvload.explain import verify_log
 from pipeline.errors import GenerationError, KvBuildError
-from tests.generate_support import NEW_TOKENS, hf_greedy, load, prompts_for, used_blocks
+from tests.generate_support import NEW_TOKENS, greedy_admission, hf_greedy, load, prompts_for, used_blocks
 
 # --- sampling -------------------------------------------------------------------------------------
 
@@ -157,7 +157,7 @@ def test_a_failing_call_frees_its_requests_and_the_executor_stays_usable(tiny_ch
         model = result.hf_model
         ps = prompts_for(model.config.vocab_size)
         if manager == "v2":  # greedy admission (no growth headroom), so the pressure suspends a request
-            result.scheduler.init_ratio = result.scheduler.new_token_ratio = 0.0
+            greedy_admission(result)
 
         seen = []
 
