@@ -162,14 +162,14 @@ class GenerationExecutor:
         arrivals = self._arrivals(arrival_steps, len(items))
         call = self._calls
         self._calls += 1
-        lives = self._lives(call, items, params, per_prompt, salt)
+        lives = self._lives(call, items, params, per_prompt, salt, arrivals)
         stagger = bool(self.manager.options.enable_block_reuse)  # without reuse, samples gain nothing by waiting
         now_arrivals, later = [], {}
         for live in lives:
             if live.sample > 0 and stagger:
                 later.setdefault(live.parent.request.req_id, []).append(live)
             else:
-                now_arrivals.append(Arrival(live.request, arrivals[live.index]))
+                now_arrivals.append(Arrival(live.request, live.arrival_step))
 
         before = self._counters()
         driver = Driver(self.manager, self.scheduler, emit=self._emit, stop=self._stops)
@@ -225,7 +225,7 @@ class GenerationExecutor:
             forward_s=forward_s, kv_s=kv_s, **{k: after[k] - before[k] for k in after}, samples=len(lives))
         self.last_stats = stats
         self._event(GenerationFinished(
-            call=call, requests=stats.requests, prompt_tokens=stats.prompt_tokens,
+            call=call, requests=stats.samples, prompt_tokens=stats.prompt_tokens,
             reused_prompt_tokens=stats.reused_prompt_tokens, generated_tokens=stats.generated_tokens, steps=steps,
             suspends=stats.suspends, resumes=stats.resumes, preemptions=stats.preemptions,
             duration_ms=round(wall * 1000, 3), tokens_per_s=round(stats.tokens_per_s, 3)))
@@ -292,7 +292,7 @@ class GenerationExecutor:
         return params
 
     def _lives(self, call: int, items: list[tuple[str | None, list[int]]], params: list[SamplingParams],
-               per_prompt: bool, salt: str | None) -> list[_Live]:
+               per_prompt: bool, salt: str | None, arrivals: list[int]) -> list[_Live]:
         """Every sample of every prompt as a request, with its generator (seeded as SamplingParams says)."""
         lives = []
         random_base = random.SystemRandom().getrandbits(62)
@@ -309,7 +309,7 @@ class GenerationExecutor:
                 if not p.greedy:  # shared params: prompt i's sample j is seed + i*n + j; per prompt: seed_i + j
                     offset = j if per_prompt else i * p.n + j
                     gen = torch.Generator(device=self.pools.device).manual_seed(base + offset)
-                live = _Live(i, request, text, 0, gen, params=p, sample=j, parent=parent)
+                live = _Live(i, request, text, arrivals[i], gen, params=p, sample=j, parent=parent)
                 if self.tokenizer is not None:
                     live.text = SampleText(self.tokenizer, p.stop)
                 if p.logprobs is not None:

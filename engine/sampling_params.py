@@ -76,10 +76,11 @@ class SamplingParams:
     logprobs: int | None = None
     ignore_eos: bool = False
 
-    def __init__(self, max_tokens: int | None = None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                 seed: int | None = None, stop: str | Sequence[str] | None = None,
+    def __init__(self, *, max_tokens: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
+                 top_k: int = 0, seed: int | None = None, stop: str | Sequence[str] | None = None,
                  stop_token_ids: Sequence[int] | None = None, n: int = 1, logprobs: int | None = None,
-                 ignore_eos: bool = False, *, max_new_tokens: int | None = None) -> None:
+                 ignore_eos: bool = False, max_new_tokens: int | None = None) -> None:
+        """Keywords only (the field order may grow); ``max_new_tokens`` is an alias of ``max_tokens``."""
         length_name = "max_tokens"
         if max_new_tokens is not None:
             if max_tokens is not None and max_tokens != max_new_tokens:

@@ -311,7 +311,7 @@ class GenerationStarted(Event):
     """A ``generate`` call begins: its prompts and sampling settings (each call is one audit segment)."""
 
     call: int  # 0 for the first generate call on a loaded result, then 1, 2, ...
-    requests: int
+    requests: int  # sequences: every sample of every prompt
     prompt_tokens: int
     max_new_tokens: int
     temperature: float
@@ -332,7 +332,7 @@ class GenerationFinished(Event):
     """A ``generate`` call ended: every request finished; totals and throughput."""
 
     call: int
-    requests: int
+    requests: int  # sequences: every sample of every prompt
     prompt_tokens: int
     reused_prompt_tokens: int
     generated_tokens: int

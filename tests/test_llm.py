@@ -117,6 +117,9 @@ def test_n_samples_share_one_prefill_and_are_reproducible_per_seed(llm):
     # the first sample computes the 13 prompt tokens; the others reuse its blocks (V1: the 3 full blocks)
     assert out.computed_prompt_tokens <= 13 + 3 * 1
     assert out.reused_prompt_tokens >= 3 * 12 and out.computed_prompt_tokens + out.reused_prompt_tokens == 4 * 13
+    started, finished = llm.audit.of("generation_started")[-1], llm.audit.of("generation_finished")[-1]
+    assert (started["n"], started["requests"], finished["requests"]) == (4, 4, 4)
+    assert finished["reused_prompt_tokens"] == out.reused_prompt_tokens
     again = llm.generate(PROMPT, params, salt=salt + "-again")[0]
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
     other = llm.generate(PROMPT, SamplingParams(max_tokens=6, temperature=1.5, n=4, seed=12, ignore_eos=True))[0]
