@@ -38,3 +38,21 @@ def test_a_readme_python_block_runs(line, code, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # blocks may write files (serve.yaml)
     # padded so a traceback points at the README's own line numbers
     exec(compile("\n" * (line - 1) + code, str(README), "exec"), {"__name__": "__readme__"})
+
+
+def test_a_user_package_named_like_a_kvload_layer_shadows_it_as_the_readme_says(tmp_path):
+    import subprocess
+    import sys
+    import tomllib
+
+    include = tomllib.loads((README.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    names = sorted(p.rstrip("*") for p in include["include"])
+    limitation = next(p for p in README.read_text().split("\n- ") if "top-level packages" in p)
+    assert all(f"`{name}`" in limitation for name in names)  # the README names every package kvload installs
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "__init__.py").write_text("")
+    code = "import kvload; kvload.plan('tiny-llama', log=False)"
+    env = {"PYTHONPATH": str(README.parent), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                       env=env)
+    assert r.returncode != 0 and "from 'models'" in r.stderr  # what the README's limitation describes
