@@ -299,7 +299,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     request = _request(ns, load_weights=True)
     # Applies only when nothing else bounds the KV budget (CPU without --max_tokens/--max_gpu_total_bytes).
     request.overrides.setdefault("kv_cache_config", {}).setdefault(
-        "default_max_tokens", len(prompts) * (ns.max_new_tokens + GENERATE_PROMPT_ALLOWANCE))
+        "default_max_tokens", len(prompts) * (ns.n * ns.max_new_tokens + GENERATE_PROMPT_ALLOWANCE))
     with execute(request, load_stages()) as result:
         printer = None if ns.json else _TokenPrinter(result.tokenizer is not None, several=len(prompts) > 1 or ns.n > 1,
                                                      labelled_samples=ns.n > 1)
@@ -371,13 +371,14 @@ for a model without a tokenizer); with several, each reply is printed as soon as
 reused and generated tokens, wall time and tokens/s. --json prints one document instead (outputs, timings, stats).
 
 KV budget: on CPU with neither --max_tokens nor --max_gpu_total_bytes, generate sizes the pools for
-prompts x (max_new_tokens + 1024) tokens (the kv_budget_computed event says so); requests that do not
+prompts x (n x max_new_tokens + 1024) tokens (the kv_budget_computed event says so); requests that do not
 fit at once wait (V1) or are suspended to the host tier (V2).
 
 examples:
   kvload generate smollm2-135m --chat --prompt "What is the capital of France?"
   kvload generate smollm2-135m --prompt "Once upon a time" --prompt "The sky is" --max_new_tokens 32
   kvload generate tiny-llama --prompt-ids 1,2,3,4 --temperature 0.8 --top_p 0.9 --seed 7
+  kvload generate smollm2-135m --prompt "The sky is" --n 3 --temperature 0.8 --top_k 50 --stop .
   kvload generate ./ckpt --use_kv_cache_manager_v2 true --max_tokens 4096 --audit-log gen.jsonl
 """
 

@@ -146,4 +146,4 @@ def test_help_explains_the_output_and_the_cpu_budget(capsys):
     r = run_cli(capsys, "generate", "--help")
     assert r.code == 0
     assert "--prompt TEXT" in r.out and "--prompt-ids IDS" in r.out and "--chat" in r.out
-    assert "prompts x (max_new_tokens + 1024) tokens" in r.out
+    assert "prompts x (n x max_new_tokens + 1024) tokens" in r.out
