@@ -47,7 +47,7 @@ from engine.sampling_params import SamplingParams, check, is_int
 from engine.stopping import SampleText
 from models.paged_forward import ATTN_IMPLEMENTATION, register_paged_attention, run_forward
 from pipeline.errors import GenerationError, KvBuildError, KvRuntimeError, first_line
-from pipeline.events import Event, GenerationFailed, GenerationFinished, GenerationStarted
+from pipeline.events import Event, GenerationFailed, GenerationFinished, GenerationStarted, SettingIgnored
 
 #: A prompt: text (needs a tokenizer) or token ids.
 Prompt = str | Sequence[int]
@@ -180,6 +180,13 @@ class GenerationExecutor:
             seed=p0.seed, salted=salt is not None, kv_manager=type(self.manager).__name__, top_k=p0.top_k, n=p0.n,
             stop_strings=len(p0.stop), stop_token_ids=list(p0.stop_token_ids), logprobs=p0.logprobs,
             per_prompt_params=per_prompt))
+        for p in {id(p): p for p in params}.values():
+            if p.greedy:  # greedy draws nothing: a seed, nucleus or top-k the caller gave would silently do nothing
+                ignored = (("seed", p.seed, None), ("top_p", p.top_p, 1.0), ("top_k", max(p.top_k, 0), 0))
+                for name, value, unset in ignored:
+                    if value != unset:
+                        self._event(SettingIgnored(field=f"generate.{name}", value=value,
+                                                   reason="temperature is 0 (greedy): nothing is sampled"))
         outputs: dict[int, RequestOutput] = {}
         start = time.perf_counter()
         forward_s = kv_s = 0.0

@@ -32,7 +32,11 @@ def sample_rows(logits: torch.Tensor, params: SamplingParams,
     """One token per row of ``(rows, vocab)`` logits; row ``i`` draws from ``generators[i]`` (greedy: argmax)."""
     if params.greedy:
         return logits.argmax(dim=-1).tolist()
-    scores = warpers(params.temperature, params.top_k, params.top_p)(None, logits.float())
+    # float64, and each row's largest logit subtracted first: a tiny temperature (1e-300) then sharpens
+    # to argmax instead of overflowing to inf/nan, a huge one flattens to uniform
+    scores = logits.double()
+    scores = scores - scores.max(dim=-1, keepdim=True).values
+    scores = warpers(params.temperature, params.top_k, params.top_p)(None, scores)
     probs = torch.softmax(scores, dim=-1)
     return [int(torch.multinomial(row, 1, generator=gen)) for row, gen in zip(probs, generators, strict=True)]
 

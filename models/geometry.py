@@ -23,6 +23,8 @@ _PLAIN_LAYER_KINDS = {"full_attention": "full", "sliding_attention": "sliding"}
 def text_config(cfg: Any) -> Any:
     """The decoder's config: ``text_config`` for multimodal wrappers, else the config itself."""
     inner = getattr(cfg, "text_config", None)
+    if inner is not None and not hasattr(inner, "num_hidden_layers") and not isinstance(inner, dict):
+        raise ModelError(f"text_config: expected the decoder's config, got {type(inner).__name__}")
     return inner if inner is not None else cfg
 
 
@@ -41,17 +43,21 @@ def _required(cfg: Any, name: str, arch: str) -> int:
 
 
 def head_dim(cfg: Any, arch: str = "model") -> int:
-    """``head_dim`` when the config gives one, else ``hidden_size / num_attention_heads``."""
-    hd = getattr(cfg, "head_dim", None)
-    if isinstance(hd, int) and hd > 0:
-        return hd
+    """``head_dim`` when the config gives one, else ``hidden_size / num_attention_heads``.
+
+    A ``head_dim`` that is there but unusable (0, negative, not an integer) is an error, never
+    silently replaced by the division.
+    """
+    if getattr(cfg, "head_dim", None) is not None:
+        return _required(cfg, "head_dim", arch)
     return _required(cfg, "hidden_size", arch) // _required(cfg, "num_attention_heads", arch)
 
 
 def kv_heads(cfg: Any, arch: str = "model") -> int:
-    """``num_key_value_heads``, or ``num_attention_heads`` when absent (GPT-2 style)."""
-    n = getattr(cfg, "num_key_value_heads", None)
-    return n if isinstance(n, int) and n > 0 else _required(cfg, "num_attention_heads", arch)
+    """``num_key_value_heads``, or ``num_attention_heads`` when absent (GPT-2 style); an unusable value is an error."""
+    if getattr(cfg, "num_key_value_heads", None) is not None:
+        return _required(cfg, "num_key_value_heads", arch)
+    return _required(cfg, "num_attention_heads", arch)
 
 
 def layers_from_config(cfg: Any, arch: str = "model") -> list[LayerKV]:

@@ -37,6 +37,12 @@ class RunResult:
         """The built KV cache manager (``load`` only)."""
         return self.context.kv_manager
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the KV manager's cached prefixes (``load`` only); refused while requests hold a cache."""
+        if self.kv_manager is None:
+            raise RuntimeError("reset_prefix_cache: this result has no KV cache manager (use load, not plan)")
+        self.kv_manager.reset_prefix_cache()
+
     @property
     def hf_model(self) -> Any:
         """The transformers model with weights (``load(..., load_weights=True)`` only)."""

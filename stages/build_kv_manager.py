@@ -65,7 +65,7 @@ class BuildKvManager:
         if plan.problem is not None or plan.pools is None:
             raise KvBuildError(plan.problem)
         check_device(plan.device)
-        self._check_host_memory(plan)
+        self._check_host_memory(plan, ctx)
         manager_cls, scheduler_cls = manager_classes(plan.manager)
 
         try:
@@ -108,7 +108,7 @@ class BuildKvManager:
         }
 
     @staticmethod
-    def _check_host_memory(plan: KvPlan) -> None:
+    def _check_host_memory(plan: KvPlan, ctx: Context) -> None:
         """``KvBuildError`` when host memory cannot take what lives there: the pools on CPU, the V2 host tier."""
         available = host_available_bytes()
         assert plan.pools is not None
@@ -119,12 +119,27 @@ class BuildKvManager:
         parts, fields = [], []
         if pools:
             parts.append(f"KV pools of {pools} B")
-            fields.append(RULE_FIELDS.get(plan.budget.limited_by or "", "the budget"))
+            fields.extend(_pool_culprits(plan, ctx))
         if host:
             parts.append(f"a host tier of {host} B")
             fields.append(HOST_FIELD)
         raise KvBuildError(f"{' plus '.join(parts)} exceed the {available} B of memory this host has available; "
                            f"lower {' or '.join(fields)}")
+
+
+def _pool_culprits(plan: KvPlan, ctx: Context) -> list[str]:
+    """The settings that made the pools this big, as the user can change them (never one they did not set)."""
+    kv = ctx.args.kv_cache_config
+    out: list[str] = []
+    if plan.tokens_per_block > plan.max_seq_len:  # every sequence holds at least one whole block
+        return [f"kv_cache_config.tokens_per_block ({plan.tokens_per_block}, above max_seq_len {plan.max_seq_len})"]
+    rule = plan.budget.limited_by or ""
+    if rule == "max_tokens" and kv.max_tokens is None and kv.default_max_tokens is not None:
+        out.append(f"--max_new_tokens or the number of prompts (generate sizes the pools for prompts x "
+                   f"(max_new_tokens + 1024) = {plan.budget.max_tokens} tokens when no --max_tokens is given)")
+    elif rule in RULE_FIELDS:
+        out.append(RULE_FIELDS[rule])
+    return out or ["the budget"]
 
 
 def host_bytes(manager: Any) -> int:

@@ -210,6 +210,11 @@ def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
 
     budget = budget_for(kv.max_tokens)
     reason = budget_reason(budget)
+    fraction = RULE_FIELDS["free_gpu_memory_fraction"]
+    if fraction in ctx.user_fields and not is_cuda(device):
+        emit(SettingIgnored(field=fraction, value=kv.free_gpu_memory_fraction,
+                            reason=f"a fraction of free CUDA memory; on {device} the budget comes from "
+                                   "kv_cache_config.max_tokens or max_gpu_total_bytes"))
     fallback = kv.default_max_tokens
     if budget.budget_bytes is None and fallback is not None:
         # the default when no rule bounds the budget (CPU without max_tokens or max_gpu_total_bytes);
