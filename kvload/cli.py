@@ -79,6 +79,7 @@ class Flag:
     choices: tuple[str, ...] | None = None
     const: Any = None  # for switches: the value the flag sets when present
     metavar: str | None = None
+    aliases: tuple[str, ...] = ()  # other spellings (each also accepted dashed)
 
     @property
     def dest(self) -> str:
@@ -108,6 +109,11 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--max_seq_len", "max_seq_len", "longest sequence (default: the checkpoint's)", integer, metavar="N"),
     Flag("--max_num_tokens", "max_num_tokens", "most tokens in one forward (prefill chunk)", integer, metavar="N"),
     Flag("--max_beam_width", "max_beam_width", "beam width (V2 serves only 1)", integer, metavar="N"),
+    Flag("--attention_backend", "attention_backend", "paged attention of generate: auto, flex (compiled "
+         "FlexAttention over the pools) or sdpa (gather + SDPA)", str, choices=("auto", "flex", "sdpa")),
+    Flag("--tp_size", "tensor_parallel_size",
+         "tensor-parallel ranks (launch that many with torchrun; plan alone shows rank 0's view)", integer,
+         metavar="N", aliases=("--tensor_parallel_size",)),
 )
 FLAG_FOR_PATH: dict[str, str] = {f.path: f.name for f in FLAGS}
 
@@ -161,7 +167,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL", help="a preset name (see `kvload models`) or a checkpoint directory")
     group = p.add_argument_group("configuration (TensorRT-LLM spelling; dashed aliases accepted)")
     for f in FLAGS:
-        names = [f.name] if _dashed(f.name) == f.name else [f.name, _dashed(f.name)]
+        names = list(dict.fromkeys(n for name in (f.name, *f.aliases) for n in (name, _dashed(name))))
         if f.const is not None:
             group.add_argument(*names, dest=f.dest, action="store_const", const=f.const, default=None, help=f.help)
         else:
@@ -221,10 +227,18 @@ def _audit_subscribers(ns: argparse.Namespace) -> list[Any]:
     if ns.audit_log is None:
         return []
     from pipeline.audit import JsonlSink, check_output_path
+    from pipeline.ranks import rank_audit_path, ranks_from_env
 
-    check_output_path(ns.audit_log, "--audit-log", replace=ns.force)
-    ns.audit_sink = JsonlSink(ns.audit_log, replace=ns.force, flag="--audit-log")
+    path = rank_audit_path(ns.audit_log, ranks_from_env())  # under torchrun rank N writes <stem>.rankN<suffix>
+    check_output_path(path, "--audit-log", replace=ns.force)
+    ns.audit_sink = JsonlSink(path, replace=ns.force, flag="--audit-log")
     return [ns.audit_sink]
+
+
+def prints(result: Any) -> bool:
+    """Whether this process prints the result: always alone; under torchrun only rank 0 (the others log)."""
+    ranks = result.context.ranks
+    return ranks is None or ranks.is_first
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:
@@ -239,12 +253,14 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         _check_output_path("--chart", ns.chart)
     result = execute(_request(ns), plan_stages(), subscribers=audit)
     comparison = None
-    if compare:
+    if compare:  # on every rank: planning the variants runs the ranks' collectives (agree_ranks, the budget)
         from engine.capacity import compare_capacity, draw_chart
 
         comparison = compare_capacity(result)
-        if ns.chart is not None:
+        if ns.chart is not None and prints(result):
             draw_chart(comparison, ns.chart)
+    if not prints(result):
+        return 0
     if ns.json:
         doc = run_document(result)
         if comparison is not None:
@@ -266,7 +282,10 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     report = simulate(ns.model, ns.workload, requests=ns.requests, seed=ns.seed, params=dict(ns.workload_args),
                       compare=ns.compare, config_file=ns.config, source="cli", subscribers=audit,
                       progress=ns.progress, **cli_overrides(ns))
-    print(json.dumps(report.to_dict(), indent=2, default=str) if ns.json else report.render())
+    from pipeline.ranks import ranks_from_env
+
+    if ranks_from_env().is_first:  # under torchrun every rank simulates in lockstep; rank 0 prints
+        print(json.dumps(report.to_dict(), indent=2, default=str) if ns.json else report.render())
     return 0
 
 
@@ -284,6 +303,8 @@ def cmd_run(ns: argparse.Namespace) -> int:
 
     audit = _audit_subscribers(ns)
     with execute(_request(ns), load_stages(), subscribers=audit) as result:
+        if not prints(result):
+            return 0
         if ns.json:
             print(json.dumps({**run_document(result), "allocated": allocation_document(result)}, indent=2,
                              default=str))
@@ -315,11 +336,15 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     request.overrides.setdefault("kv_cache_config", {}).setdefault(
         "default_max_tokens", len(prompts) * (ns.n * ns.max_new_tokens + GENERATE_PROMPT_ALLOWANCE))
     with execute(request, load_stages(), subscribers=audit) as result:  # generation events reach the audit too
-        printer = None if ns.json else _TokenPrinter(result.tokenizer is not None, several=len(prompts) > 1 or ns.n > 1,
-                                                     labelled_samples=ns.n > 1)
+        first = prints(result)  # under torchrun every rank generates; rank 0 prints
+        printer = None if ns.json or not first else _TokenPrinter(result.tokenizer is not None,
+                                                                  several=len(prompts) > 1 or ns.n > 1,
+                                                                  labelled_samples=ns.n > 1)
         outputs = result.executor.run(prompts, params, salt=ns.salt, chat=ns.chat, on_delta=printer)
         stats = result.executor.last_stats
-        if ns.json:
+        if not first:
+            pass
+        elif ns.json:
             print(json.dumps({"model": result.model.to_dict(), "route": result.route.to_dict(),
                               "outputs": [o.to_dict() for o in outputs], "stats": stats.to_dict()},
                              indent=2, default=str))
@@ -453,7 +478,7 @@ def flag_aliases() -> dict[str, str]:
     """Each flag's name, with and without dashes, in either spelling → the field it sets."""
     out: dict[str, str] = {}
     for f in FLAGS:
-        for name in (f.name, _dashed(f.name)):
+        for name in (f.name, _dashed(f.name), *f.aliases, *map(_dashed, f.aliases)):
             out[name] = out[name[2:]] = f.path
     return out
 

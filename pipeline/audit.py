@@ -209,6 +209,8 @@ def check_output_path(path: str | os.PathLike[str], flag: str = "audit log", rep
     try:
         st = p.stat()
     except FileNotFoundError:
+        if os.path.lexists(p):
+            raise ConfigError(f"{flag} {text}: is a symbolic link to nothing; give a file path") from None
         st = None
     except OSError as exc:
         raise ConfigError(f"{flag} {text}: cannot be used ({exc.strerror or exc.__class__.__name__})") from None

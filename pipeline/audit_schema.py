@@ -80,7 +80,46 @@ def record_problem(record: dict[str, Any], known_fields: frozenset[str]) -> str 
             return f"{name}: '{field}' must be {_expected(hint)}, got {short(record[field])}"
     if is_value_event(record) and record["field"] not in known_fields:
         return f"{name}: 'field' {short(record['field'])} is not an LlmArgs field"
+    nested = _NESTED.get(name)
+    return nested(record, known_fields) if nested is not None else None
+
+
+def _snapshot_fields(record: dict[str, Any], known: frozenset[str]) -> str | None:
+    for path, entry in record["fields"].items():
+        if path not in known:
+            return f"user_fields_snapshotted: {short(path)} is not an LlmArgs field"
+        if not isinstance(entry, dict) or "value" not in entry or not isinstance(entry.get("source"), str):
+            return f"user_fields_snapshotted: {path} must be an object with 'value' and 'source', got {short(entry)}"
     return None
+
+
+_ROUTE = {"kv_manager": str, "scheduler": str, "use_kv_cache_manager_v2": bool, "reason": str}
+
+
+def _finished(record: dict[str, Any], known: frozenset[str]) -> str | None:
+    args = record["args"]
+    stack = [("", args)]
+    while stack:
+        prefix, node = stack.pop()
+        for key, value in node.items():
+            path = prefix + key
+            if isinstance(value, dict):
+                stack.append((path + ".", value))
+            elif path not in known:
+                return f"pipeline_finished: args.{short(path)} is not an LlmArgs field"
+    route = record.get("route")
+    if route is not None:
+        for key, kind in _ROUTE.items():
+            if not isinstance(route.get(key), kind):
+                return f"pipeline_finished: route.{key} must be {_JSON_TYPES[kind]}, got {short(route.get(key))}"
+    stages = record.get("stages", [])
+    if not all(isinstance(x, str) for x in stages):
+        return "pipeline_finished: 'stages' must be a list of stage names"
+    return None
+
+
+#: Checks inside the object-valued fields that the reports read (``audit``, ``explain``, ``--verify``).
+_NESTED = {"user_fields_snapshotted": _snapshot_fields, "pipeline_finished": _finished}
 
 
 def cross_check(events: list[dict[str, Any]], final: dict[str, Any] | None,

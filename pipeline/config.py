@@ -133,6 +133,9 @@ def _is_device(v: Any) -> bool:
 
 
 device_name = _check(_is_device, '"auto", "cpu", "cuda" or "cuda:N"')
+#: Paged attention of ``generate``: compiled FlexAttention over the pools, or gather + SDPA (the reference).
+ATTENTION_BACKENDS = ("auto", "flex", "sdpa")
+attention_backend_name = _check(lambda v: v in ATTENTION_BACKENDS, '"auto", "flex" or "sdpa"')
 model_name = _check(lambda v: isinstance(v, str) and v.strip() != "", "a preset name or a checkpoint directory")
 
 
@@ -258,6 +261,9 @@ class LlmArgs:
     max_num_tokens: int = attrs.field(default=8192, validator=pos_int)
     max_beam_width: int = attrs.field(default=1, validator=pos_int)
     weights_seed: int = attrs.field(default=0, validator=non_neg_int)  # random weights of presets
+    attention_backend: str = attrs.field(default=AUTO, validator=attention_backend_name)
+    # ranks the attention heads (and KV heads) are split over; the operator's, never a model's
+    tensor_parallel_size: int = attrs.field(default=1, validator=pos_int)
     kv_cache_config: KvCacheConfig = attrs.field(factory=KvCacheConfig)
     _explicit: set[str] = _internal(set)
     _frozen: bool = _internal(bool)
@@ -272,7 +278,7 @@ class LlmArgs:
 V2_FIELD = "kv_cache_config.use_kv_cache_manager_v2"
 
 #: Fields whose value may be ``"auto"`` and that ``resolve_auto`` turns into a concrete value.
-AUTO_FIELDS: tuple[str, ...] = ("dtype", "device", V2_FIELD, "kv_cache_config.dtype")
+AUTO_FIELDS: tuple[str, ...] = ("dtype", "device", V2_FIELD, "kv_cache_config.dtype", "attention_backend")
 
 
 def framework_defaults() -> dict[str, Any]:

@@ -15,6 +15,7 @@ from pipeline.bus import Emit
 from pipeline.context import Context
 from pipeline.errors import KvBuildError, KvRuntimeError, first_line
 from pipeline.events import KvManagerBuilt
+from stages.check_parallel import require_all_ranks
 from stages.plan_kv import HOST_FIELD, RULE_FIELDS, KvPlan, compute_kv_plan, device_problem
 
 if TYPE_CHECKING:
@@ -46,7 +47,8 @@ def manager_options(ctx: Context) -> ManagerOptions:
         max_seq_len=ctx.args.max_seq_len,
         enable_block_reuse=kv.enable_block_reuse,
         enable_partial_reuse=kv.enable_partial_reuse,
-        host_cache_size=kv.host_cache_size,
+        # the plan's: with several ranks it is the size every rank agreed on (pipeline.ranks)
+        host_cache_size=ctx.kv.host_cache_size if isinstance(ctx.kv, KvPlan) else kv.host_cache_size,
         max_util_for_resume=kv.max_util_for_resume,
         enable_swa_scratch_reuse=kv.enable_swa_scratch_reuse,
     )
@@ -60,6 +62,7 @@ class BuildKvManager:
 
     def run(self, ctx: Context, emit: Emit) -> None:
         """Plan, check the device and the budget, allocate, construct; free everything on failure."""
+        require_all_ranks(ctx, "building the KV pools")
         plan = compute_kv_plan(ctx, emit)
         ctx.kv = plan
         if plan.problem is not None or plan.pools is None:

@@ -352,6 +352,18 @@ def test_settings_that_do_nothing_say_so(capsys, out):
     assert "setting_ignored" in r.err  # the held warnings are released on success
 
 
+def test_v2_settings_with_nothing_to_act_on_say_so(capsys, tmp_path, out):
+    cfg = tmp_path / "v2.yaml"
+    cfg.write_text("kv_cache_config:\n  use_kv_cache_manager_v2: true\n  host_cache_size: 0\n"
+                   "  max_util_for_resume: 0.5\n  enable_swa_scratch_reuse: true\n")
+    log = out / "a.jsonl"
+    r = _plan(capsys, "tiny-llama", "--config", cfg, "--max_tokens", "4096", audit=log)  # no sliding layers
+    assert r.code == 0, r.err
+    ignored = {e["field"]: e["reason"] for e in read_events(log) if e["event"] == "setting_ignored"}
+    assert "host tier" in ignored["kv_cache_config.max_util_for_resume"]
+    assert "no sliding-window layers" in ignored["kv_cache_config.enable_swa_scratch_reuse"]
+
+
 def test_sampling_settings_under_greedy_say_they_do_nothing(capsys, out):
     log = out / "g.jsonl"
     r = run_cli(capsys, "generate", "tiny-llama", "--prompt-ids", "1,2,3", "--max_new_tokens", "2", "--max_tokens",
@@ -377,22 +389,34 @@ REPLACEMENTS = [5, "x", {}, None, True]
 
 
 def test_every_record_mutation_is_caught(real_log, tmp_path):
-    """The record mutator: each field of each record deleted or replaced by a wrong value (~1,000 cases).
+    """The record mutator: each field of each record (and each key one level inside an object field) deleted or
+    replaced by a wrong value (~1,200 cases).
     Each one is either refused on reading (AuditError naming the file and the line) or fails --verify;
     none passes, none crashes."""
+    from kvload.explain import explain, render_explain, render_summary, summarize
+
     records = read_events(real_log)
     path = tmp_path / "m.jsonl"
     cases = refused = 0
-    for i, record in enumerate(records[1:], 1):
+
+    def places(record):  # (container, key) for every field, and every key one level inside an object field
         for key in [k for k in record if k not in (PREV, HEAD)]:
+            yield record, key
+            if isinstance(record[key], dict):
+                for sub in list(record[key])[:6]:
+                    yield record[key], sub
+
+    for i in range(1, len(records)):
+        for n_place in range(len(list(places(records[i])))):
             for value in [..., *REPLACEMENTS]:
-                if value is not ... and record[key] == value:
-                    continue
                 mutated = copy.deepcopy(records)
+                holder, key = list(places(mutated[i]))[n_place]
+                if value is not ... and holder[key] == value:
+                    continue
                 if value is ...:
-                    del mutated[i][key]
+                    del holder[key]
                 else:
-                    mutated[i][key] = value
+                    holder[key] = value
                 write_events(path, mutated)
                 cases += 1
                 try:
@@ -401,8 +425,12 @@ def test_every_record_mutation_is_caught(real_log, tmp_path):
                     assert str(exc).startswith(f"{path}: line {i + 1}: "), (key, value, str(exc))
                     refused += 1
                     continue
-                assert not verify_log(log)["ok"], (i, key, value)
-    assert cases >= 900 and refused >= cases // 3
+                check = verify_log(log)
+                assert not check["ok"], (i, key, value)
+                # what was not refused is still readable by every report, without a crash
+                render_summary(summarize(log, str(path)), check)
+                render_explain(explain(log))
+    assert cases >= 1100 and refused >= cases // 2, (cases, refused)
 
 
 @pytest.mark.parametrize(("name", "edit", "needle"), [
@@ -536,7 +564,12 @@ def test_audit_log_at_a_fifo_or_device_is_refused_and_left_alone(capsys, tmp_pat
         assert_refused(r, "--audit-log", str(target), "not a regular file")
         assert not stat.S_ISREG(os.stat(target).st_mode)
     assert stat.S_ISFIFO(os.stat(fifo).st_mode)
-    assert_refused(run_cli(capsys, "audit", fifo), str(fifo), "not a regular file")  # reading it would block
+    # reading one would block forever: refused as an audit file and as a config file
+    assert_refused(run_cli(capsys, "audit", fifo), str(fifo), "not a regular file")
+    assert_refused(_plan(capsys, "tiny-llama", "--config", fifo), str(fifo), "not a regular file")
+    dangling = tmp_path / "dangling.jsonl"
+    dangling.symlink_to(tmp_path / "nowhere")
+    assert_refused(_plan(capsys, "tiny-llama", audit=dangling), "--audit-log", "symbolic link to nothing")
 
 
 def test_an_existing_audit_log_is_kept_unless_force(capsys, tmp_path):
