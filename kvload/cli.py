@@ -479,6 +479,7 @@ examples:
   kvload plan tiny-gemma3 --max_tokens 16384 --compare V1 vs V2 at one budget (--chart FILE.png draws it)
   kvload generate smollm2-135m --chat --prompt "What is the capital of France?"
   kvload simulate tiny-llama --workload shared-prefix --compare --requests 256 --max_tokens 65536
+  kvload serve smollm2-135m --port 8000                OpenAI-compatible server (needs kvload[serve])
 
 exit status: 0 ok, 2 bad input (usage, config, model, route, audit file), 1 runtime failure or a log
 that does not verify. Results go to stdout, logs to stderr.
@@ -561,6 +562,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_flags(p)
     p.set_defaults(func=cmd_run)
     add_generate_command(sub)
+    from kvload.serve.command import add_serve_command
+
+    add_serve_command(sub)
     add_simulate_command(sub)
     add_inspection_commands(sub)
     return parser
