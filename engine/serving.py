@@ -33,6 +33,7 @@ from engine.sampling import sample_token
 from engine.sampling_params import SamplingParams
 from models.paged_forward import run_forward
 from pipeline.errors import GenerationError, KvBuildError
+from pipeline.events import RequestFinished
 
 
 @attrs.frozen
@@ -367,6 +368,11 @@ class ServingEngine:
         with contextlib.suppress(ValueError):
             self.driver.waiting.remove(req)
         self._retire(live, reason)
+        if self.executor._emit is not None:  # the audit log sees every end, not only the driver's
+            with contextlib.suppress(Exception):
+                self.executor._emit(RequestFinished(req_id=req_id, reason=reason, prompt_tokens=req.num_prompt_tokens,
+                                                    output_tokens=len(req.output_token_ids),
+                                                    reused_prompt_tokens=req.num_reused_tokens))
         tokens = req.output_token_ids
         self._send(live, ServeEvent(req_id, tuple(tokens[live.reported:]), tuple(tokens), finish_reason=reason,
                                     error=error, prompt_tokens=req.num_prompt_tokens,

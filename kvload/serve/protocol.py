@@ -23,7 +23,7 @@ MAX_LOGPROBS = 20
 MAX_N = 16
 
 
-class BadRequest(Exception):  # noqa: N818 (an HTTP status, not an error class of kvload's)
+class BadRequest(Exception):
     """A request the server refuses: HTTP ``status`` with OpenAI's error body."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400,
