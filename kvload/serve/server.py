@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import contextlib
+import signal
 import socket
 import threading
 import time
@@ -61,11 +62,18 @@ def serve(state: ServeState, host: str, port: int, *, log_level: str = "warning"
     sock = bind(host, port)
     server = _server(state, log_level)
     state.engine.start()
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal to the handler it found:
+    # that is the normal way to stop a server, so it ends the call instead of the process.
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, lambda *_: None) if main else None
     try:
         if ready is not None:
             ready(f"http://{host}:{sock.getsockname()[1]}")
-        server.run(sockets=[sock])
+        with contextlib.suppress(KeyboardInterrupt):
+            server.run(sockets=[sock])
     finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
         state.engine.stop()
         sock.close()
 

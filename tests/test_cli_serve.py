@@ -1,0 +1,52 @@
+"""``kvload serve`` as a real process: listens, answers, stops on SIGINT; bad flags exit 2 with one line."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+from tests.cli_support import ENV, REPO, run_cli
+
+
+def test_serve_process_answers_then_stops_cleanly_on_sigterm():
+    proc = subprocess.Popen([sys.executable, "-m", "kvload", "serve", "tiny-llama", "--port", "0", "--max_tokens",
+                             "1024"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 120
+        line = ""
+        while " at http://" not in line:
+            assert time.monotonic() < deadline and proc.poll() is None, f"server did not start: {line}"
+            line = proc.stderr.readline()
+        url = line.split(" at ", 1)[1].split(" ", 1)[0]
+        with httpx.Client(base_url=url, timeout=30) as http:
+            assert http.get("/health").json() == {"status": "ok"}
+            r = http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4, "ignore_eos": True})
+            assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 4
+            assert "kvload_generation_tokens_total" in http.get("/metrics").text
+        proc.send_signal(signal.SIGTERM)  # what service managers send
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        proc.stdout.close()
+        proc.stderr.close()
+
+
+def test_a_taken_port_or_a_bad_one_exits_2_with_one_line(capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        r = run_cli(capsys, "serve", "tiny-llama", "--port", port, "--max_tokens", "1024")
+    assert r.code == 2 and r.one_error_line, r.err
+    assert f"--port {port}: cannot listen" in r.err
+    r = run_cli(capsys, "serve", "tiny-llama", "--port", "70000")
+    assert r.code == 2 and "--port" in r.err and "65535" in r.err
