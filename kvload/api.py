@@ -45,6 +45,12 @@ class LoadResult(RunResult):
         """
         return self.executor.generate(prompts, sampling_params, **kwargs)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the KV manager's cached prefixes (``load`` only); refused while requests hold a cache."""
+        if self.kv_manager is None:
+            raise RuntimeError("reset_prefix_cache: this result has no KV cache manager (use load, not plan)")
+        self.kv_manager.reset_prefix_cache()
+
     def __enter__(self) -> LoadResult:
         return self
 

@@ -226,7 +226,9 @@ class KvCacheConfig:
     host_cache_size: Bytes | None = attrs.field(default=None, validator=opt_non_neg_int)
     dtype: DTypeName = attrs.field(default=AUTO, converter=_norm_dtype, validator=dtype_name)
     max_util_for_resume: float = attrs.field(default=0.95, validator=fraction)
-    enable_swa_scratch_reuse: bool = attrs.field(default=False, validator=strict_bool)
+    # Not TensorRT-LLM's default (False): blocks that leave a sliding window stay in the prefix cache, so
+    # sliding-window models get prefix hits (issue 10); False drops them as they leave the window.
+    enable_swa_scratch_reuse: bool = attrs.field(default=True, validator=strict_bool)
     event_buffer_max_size: int = attrs.field(default=0, validator=non_neg_int)
     _explicit: set[str] = _internal(set)
     _frozen: bool = _internal(bool)

@@ -6,9 +6,13 @@ How the pieces fit (TensorRT-LLM's V2 ideas, this project's code):
   position ``p`` of a sequence lives in logical block ``p // tpb(g)`` of group ``g`` (``tpb`` =
   ``group.tokens_per_block``; compressed groups hold ``tpb / c`` entries per block).
 * **Windows.** After each commit a sliding group releases every block that lies wholly before
-  ``committed - window + 1`` (the oldest key the next query can see). Released blocks go to the free
-  list; with ``enable_swa_scratch_reuse`` a released block that is a cached prefix block stays
-  cached (evictable) instead, so later requests can still reuse prefixes longer than the window.
+  ``committed - window + 1`` (the oldest key the next query can see). A released block that is a
+  keyed prefix block stays in the prefix cache (evictable, like any cached block nobody holds), so a
+  later request whose prefix is longer than the window still hits: a sliding group's part of a hit at
+  ``m`` tokens needs only the blocks the window at ``m`` reads (``[m - window + 1, m)``), not the ones
+  before it (vLLM's sliding-window manager matches the same way). ``enable_swa_scratch_reuse`` (on
+  by default) is that keeping; set to false, out-of-window blocks go straight to the free list instead
+  (their memory is never held by the cache, and prefixes longer than a window are not reused).
 * **Prefix reuse.** Full committed ``T``-token blocks are keyed by chained SHA-256 with the request's
   salt and hung in a :class:`~cache_backends.v2.radix.RadixTree`. A new request walks it over its
   tokens and takes the longest prefix ``m`` that (a) is a multiple of the *reuse unit* — the lcm of
@@ -43,7 +47,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from cache_backends.hashing import block_hash, chain_packed_hashes, pack_tokens
-from cache_backends.interface import ManagerOptions
+from cache_backends.interface import ManagerOptions, prefix_cache_in_use
 from cache_backends.layout import KvLayout, LayerGroup
 from cache_backends.pools import BlockPools
 from cache_backends.request import Request
@@ -338,6 +342,39 @@ class KVCacheManagerV2:
                 hi = mid
         return lo
 
+    def growth_blocks(self, request: Request, ratio: float, scheduled: int = 0) -> dict[str, int]:
+        """Blocks per group ``request`` would still take for ``scheduled`` more tokens, then ``ratio`` of the way on
+        to its worst case (:meth:`worst_case_tokens`); a sliding group never needs more than its window's blocks.
+        An estimate for admission (block rounding per group, windows as whole), never an allocation."""
+        cache = self._active(request)
+        now = cache.capacity
+        start = max(now, cache.committed + scheduled)
+        target = start + math.ceil(ratio * max(0, self.worst_case_tokens(request) - start))
+        return {g.name: max(0, g.blocks_for(target) - g.blocks_for(now)) for g in self.groups}
+
+    def headroom_blocks(self, requests: Iterable[Request], ratio: float) -> dict[str, int]:
+        """:meth:`growth_blocks` summed over active ``requests`` (one pass, no per-request dicts: it runs every
+        step that admits)."""
+        spec = [(g.tokens_per_block, g.max_blocks_per_sequence) for g in self.groups]
+        out = [0] * len(spec)
+        limit, caches, ceil = self.options.max_seq_len, self._caches, math.ceil
+        for r in requests:
+            now = caches[r].capacity
+            worst = max(r.num_tokens, min(r.max_total_tokens, limit))
+            if worst <= now:
+                continue
+            target = now + ceil(ratio * (worst - now))
+            for i, (tpb, cap) in enumerate(spec):
+                a, b = -(-target // tpb), -(-now // tpb)
+                if cap is not None:
+                    a, b = min(a, cap), min(b, cap)
+                out[i] += a - b
+        return {g.name: k for g, k in zip(self.groups, out, strict=True)}
+
+    def available_blocks(self) -> dict[str, int]:
+        """Blocks per group an allocation could take now (free plus evictable)."""
+        return {name: pool.available for name, pool in self._pool.items()}
+
     def worst_case_tokens(self, request: Request) -> int:
         """Tokens ``request`` holds at its longest: prompt + max_new_tokens capped at ``max_seq_len``
         (or what it holds now, if a driver already fed it more)."""
@@ -383,6 +420,19 @@ class KVCacheManagerV2:
         if group not in cache.tables:
             raise ValueError(f"no layer group {group!r}; groups: {', '.join(cache.tables)}")
         return list(cache.tables[group])
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix: the radix tree is emptied and every block of every group is free.
+
+        Refused (``PrefixCacheInUseError``) while any request has a cache here, active or suspended: their
+        paths run through the tree, and a suspended one may take cached blocks back on resume.
+        """
+        self._check_open()
+        if self._caches:
+            raise prefix_cache_in_use([r.req_id for r in self._caches])
+        for pool in self._pool.values():
+            pool.reset()
+        self._tree = RadixTree()
 
     # --- reporting -------------------------------------------------------------------------------
 
