@@ -88,6 +88,8 @@ FLAGS: tuple[Flag, ...] = (
          "turn prefix (block) reuse off", const=False),
     Flag("--host_cache_size", "kv_cache_config.host_cache_size",
          "V2 host tier size in bytes (0 = none; absent = auto-size)", size, metavar="BYTES"),
+    Flag("--event_buffer_max_size", "kv_cache_config.event_buffer_max_size",
+         "KV cache events (block stored/removed/cleared) kept for readers; 0 = off (default)", integer, metavar="N"),
     Flag("--kv_cache_dtype", "kv_cache_config.dtype", "KV cache dtype: auto or a dtype name", str, metavar="DTYPE"),
     Flag("--dtype", "dtype", "model dtype: auto, float32, float16, bfloat16", str, metavar="DTYPE"),
     Flag("--device", "device", "where to build: auto (cuda when available), cuda or cpu", str,

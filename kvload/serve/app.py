@@ -95,6 +95,15 @@ def create_app(state: ServeState) -> FastAPI:
             raise BadRequest(f"field: {str(exc).removeprefix('explain: ')}", param="field") from None
         return field_chain(state.result.audit, path)
 
+    @app.get("/v1/kvload/kv_events")
+    async def kv_events() -> dict[str, Any]:
+        from pipeline.errors import ConfigError as Off
+
+        try:
+            return state.result.kv_cache_events()  # drains: each event is served once
+        except Off as exc:
+            raise BadRequest(str(exc).removeprefix("kv_cache_events: "), param="event_buffer_max_size") from None
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await _serve(state, request, "completion")

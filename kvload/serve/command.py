@@ -52,6 +52,9 @@ def add_serve_command(sub: Any) -> None:
     g.add_argument("--default-max-tokens", "--default_max_tokens", dest="default_max_tokens", default=256,
                    metavar="N", type=cli._bounded(cli.integer, lambda v: v >= 1, "an integer >= 1"),
                    help="max_tokens of a request that gives none (default 256; never past max_seq_len)")
+    g.add_argument("--kv-events-file", "--kv_events_file", dest="kv_events_file", default=None, metavar="FILE.jsonl",
+                   help="also append every KV cache event to this file as it happens (needs "
+                        "--event_buffer_max_size N > 0)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -72,19 +75,34 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from stages import load_stages
 
     cli._check_audit_path(ns.audit_log)
+    if ns.kv_events_file is not None:
+        cli._check_output_path("--kv-events-file", ns.kv_events_file)
+        if not ns.event_buffer_max_size:
+            from pipeline.errors import ConfigError
+
+            raise ConfigError("--kv-events-file: KV cache events are off; add --event_buffer_max_size N (N > 0)")
     bind(ns.host, ns.port).close()  # a taken port fails now, before minutes of loading
     request = cli._request(ns, load_weights=True)
     request.overrides.setdefault("kv_cache_config", {}).setdefault(
         "default_max_tokens", SERVE_DEFAULT_SEQUENCES * (ns.default_max_tokens + SERVE_PROMPT_ALLOWANCE))
     with execute(request, load_stages(), audit_log=ns.audit_log) as result:
         state = build_state(result, model_name=ns.served_model_name, default_max_tokens=ns.default_max_tokens)
+        events_file = None
+        if ns.kv_events_file is not None:
+            events_file = open(ns.kv_events_file, "a", encoding="utf-8")  # noqa: SIM115 (closed below)
+            result.kv_manager.kv_events.jsonl = events_file
 
         def ready(url: str) -> None:
             kv = result.kv
             print(f"kvload serve: {state.model_name} at {url} ({type(result.kv_manager).__name__}, "
                   f"{kv.capacity_tokens:,} KV tokens); Ctrl-C stops", file=sys.stderr, flush=True)
 
-        serve(state, ns.host, ns.port, log_level=ns.log_level, ready=ready)
+        try:
+            serve(state, ns.host, ns.port, log_level=ns.log_level, ready=ready)
+        finally:
+            if events_file is not None:
+                result.kv_manager.kv_events.jsonl = None
+                events_file.close()
         if ns.audit_log:
             result.audit.to_jsonl(ns.audit_log)
     return 0
