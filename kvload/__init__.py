@@ -1,6 +1,8 @@
 """kvload: load an LLM the way a serving engine does, with explicit stages and an audit log.
 
-The front door: ``kvload.plan`` / ``kvload.load`` (the pipeline API) and ``kvload.SamplingParams``.
+The front door: ``kvload.LLM`` (load a model, ``.generate`` / ``.generate_stream``), ``kvload.SamplingParams``
+and the outputs (``RequestOutput``, ``CompletionOutput``, ``TokenDelta``); ``kvload.plan`` / ``kvload.load``
+(the pipeline API).
 Names are imported on first use, so ``import kvload`` (and the CLI) stays quick: torch and
 transformers load only when something needs them.
 """
@@ -15,7 +17,11 @@ _EXPORTS = {
     "execute": "kvload.api",
     "load": "kvload.api",
     "plan": "kvload.api",
+    "LLM": "kvload.llm",
     "SamplingParams": "engine.sampling_params",
+    "RequestOutput": "engine.outputs",
+    "CompletionOutput": "engine.outputs",
+    "TokenDelta": "engine.outputs",
     "KvCacheConfig": "pipeline.config",
     "LlmArgs": "pipeline.config",
     "AUTO": "pipeline.config",

@@ -295,15 +295,17 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     if not prompts:
         raise ConfigError("--prompt: give at least one --prompt TEXT (or --prompt-ids IDS for a model without a "
                           "tokenizer)")
-    params = SamplingParams(max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, top_p=ns.top_p,
-                            seed=ns.seed, ignore_eos=ns.ignore_eos)  # checked before anything loads
+    params = SamplingParams(max_tokens=ns.max_new_tokens, temperature=ns.temperature, top_p=ns.top_p,
+                            top_k=ns.top_k, seed=ns.seed, stop=ns.stop, stop_token_ids=ns.stop_token_ids, n=ns.n,
+                            logprobs=ns.logprobs, ignore_eos=ns.ignore_eos)  # checked before anything loads
     request = _request(ns, load_weights=True)
     # Applies only when nothing else bounds the KV budget (CPU without --max_tokens/--max_gpu_total_bytes).
     request.overrides.setdefault("kv_cache_config", {}).setdefault(
         "default_max_tokens", len(prompts) * (ns.max_new_tokens + GENERATE_PROMPT_ALLOWANCE))
     with execute(request, load_stages()) as result:
-        printer = None if ns.json else _TokenPrinter(result.tokenizer, several=len(prompts) > 1)
-        outputs = result.generate(prompts, params, salt=ns.salt, chat=ns.chat, stream=printer)
+        printer = None if ns.json else _TokenPrinter(result.tokenizer is not None, several=len(prompts) > 1 or ns.n > 1,
+                                                     labelled_samples=ns.n > 1)
+        outputs = result.executor.run(prompts, params, salt=ns.salt, chat=ns.chat, on_delta=printer)
         stats = result.executor.last_stats
         if ns.json:
             print(json.dumps({"model": result.model.to_dict(), "route": result.route.to_dict(),
@@ -317,27 +319,26 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 
 class _TokenPrinter:
-    """``stream`` callback of ``kvload generate``: one prompt streams token by token; several print as each ends."""
+    """``on_delta`` of ``kvload generate``: one sample streams token by token; several print as each ends."""
 
-    def __init__(self, tokenizer: Any, several: bool) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, has_text: bool, several: bool, labelled_samples: bool) -> None:
+        self.has_text = has_text  # False: a model without a tokenizer prints token ids
         self.several = several
-        self.streams: dict[int, Any] = {}
+        self.labelled_samples = labelled_samples  # "[i.j]" rather than "[i]"
+        self.parts: dict[tuple[int, int], list[str]] = {}  # each sample's token ids (no tokenizer) or text pieces
 
-    def __call__(self, event: Any) -> None:
-        if self.several:
-            if event.output is not None:
-                body = event.output.text if event.output.text is not None else " ".join(map(str, event.token_ids))
-                print(f"[{event.index}] {body}", flush=True)
+    def __call__(self, delta: Any) -> None:
+        if not self.several:
+            piece = delta.text if self.has_text else " ".join(map(str, delta.token_ids)) + " "
+            sys.stdout.write(piece + ("\n" if delta.finish_reason is not None else ""))
+            sys.stdout.flush()
             return
-        if self.tokenizer is None:
-            piece = f"{event.token_id} "
-        else:
-            from engine.outputs import TextStream
-
-            piece = self.streams.setdefault(event.index, TextStream(self.tokenizer)).push(event.token_ids)
-        sys.stdout.write(piece + ("\n" if event.output is not None else ""))
-        sys.stdout.flush()
+        parts = self.parts.setdefault((delta.index, delta.sample), [])
+        parts.extend([delta.text] if self.has_text else map(str, delta.token_ids))
+        if delta.finish_reason is None:
+            return
+        label = f"{delta.index}.{delta.sample}" if self.labelled_samples else f"{delta.index}"
+        print(f"[{label}] {('' if self.has_text else ' ').join(parts)}", flush=True)
 
 
 class _PromptAction(argparse.Action):
@@ -368,8 +369,8 @@ def _bounded(kind: Callable[[str], Any], ok: Callable[[Any], bool], expected: st
 _GENERATE_EPILOG = """\
 Output: with one prompt, the reply streams to stdout as it is generated (token ids, space separated,
 for a model without a tokenizer); with several, each reply is printed as soon as it finishes, as
-"[i] text" (i = the prompt's position). The last line gives prompt, reused and generated tokens,
-wall time and tokens/s. --json prints one document instead (outputs, timings, stats).
+"[i] text" (i = the prompt's position; "[i.j]" for its sample j with --n). The last line gives prompt,
+reused and generated tokens, wall time and tokens/s. --json prints one document instead (outputs, timings, stats).
 
 KV budget: on CPU with neither --max_tokens nor --max_gpu_total_bytes, generate sizes the pools for
 prompts x (max_new_tokens + 1024) tokens (the kv_budget_computed event says so); requests that do not
@@ -398,17 +399,32 @@ def add_generate_command(sub: Any) -> None:
     g.add_argument("--prompt-ids", "--prompt_ids", dest="prompts", action=_PromptAction, type=token_ids,
                    metavar="IDS", help="a prompt as token ids, e.g. 1,2,3 (repeatable)")
     g.add_argument("--chat", action="store_true", help="wrap each --prompt in the tokenizer's chat template")
-    g.add_argument("--max_new_tokens", "--max-new-tokens", dest="max_new_tokens", default=64, metavar="N",
-                   type=_bounded(integer, lambda v: v >= 1, "an integer >= 1"),
-                   help="most tokens generated per prompt (default: 64)")
+    from engine.sampling_params import DEFAULT_MAX_TOKENS  # one default length for the CLI and Python
+
+    g.add_argument("--max_new_tokens", "--max-new-tokens", dest="max_new_tokens", default=DEFAULT_MAX_TOKENS,
+                   metavar="N", type=_bounded(integer, lambda v: v >= 1, "an integer >= 1"),
+                   help=f"most tokens generated per sample (SamplingParams.max_tokens; default: {DEFAULT_MAX_TOKENS}); "
+                        "--max_tokens is the KV cache budget")
     g.add_argument("--temperature", default=0.0, metavar="T",
                    type=_bounded(number, lambda v: v >= 0, "a number >= 0"),
                    help="sampling temperature; 0 = greedy (default)")
     g.add_argument("--top_p", "--top-p", dest="top_p", default=1.0, metavar="P",
                    type=_bounded(number, lambda v: 0 < v <= 1, "a number in (0, 1]"),
                    help="nucleus sampling: keep the most likely tokens up to this probability (default: 1)")
+    g.add_argument("--top_k", "--top-k", dest="top_k", default=0, metavar="K",
+                   type=_bounded(integer, lambda v: v >= -1, "an integer >= 1, or 0 / -1 for all tokens"),
+                   help="sample among the K most likely tokens only (default: 0 = all)")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end a sample when its text contains TEXT (repeatable; TEXT is not printed)")
+    g.add_argument("--stop_token_ids", "--stop-token-ids", dest="stop_token_ids", default=[], metavar="IDS",
+                   type=token_ids, help="end a sample at any of these token ids, e.g. 2,7")
+    g.add_argument("--n", default=1, metavar="N", type=_bounded(integer, lambda v: v >= 1, "an integer >= 1"),
+                   help="samples per prompt, sharing the prompt's KV blocks (one prefill); with --temperature > 0")
+    g.add_argument("--logprobs", default=None, metavar="K", type=_bounded(integer, lambda v: v >= 0,
+                                                                          "an integer >= 0"),
+                   help="report the K most likely tokens' log-probabilities per generated token (--json)")
     g.add_argument("--seed", default=None, metavar="S", type=_bounded(integer, lambda v: v >= 0, "an integer >= 0"),
-                   help="sampling seed (prompt i uses S + i); absent = a fresh random seed")
+                   help="sampling seed (prompt i's sample j uses S + i*n + j); absent = a fresh random seed")
     g.add_argument("--salt", default=None, metavar="TEXT",
                    help="prefix-reuse scope: prompts under different salts never share cached blocks")
     g.add_argument("--ignore_eos", "--ignore-eos", dest="ignore_eos", action="store_true",

@@ -297,7 +297,7 @@ class RequestResumed(Event):
 
 @event("request_finished")
 class RequestFinished(Event):
-    """A request ended ("eos" or "length") and released its blocks."""
+    """A request ended ("stop": EOS, stop string or stop token; or "length") and released its blocks."""
 
     req_id: str
     reason: str | None
@@ -319,6 +319,12 @@ class GenerationStarted(Event):
     seed: int | None
     salted: bool  # a reuse-scope salt was given (the salt itself is not logged)
     kv_manager: str
+    top_k: int = 0
+    n: int = 1  # samples per prompt (``requests`` counts every sample)
+    stop_strings: int = 0  # how many stop strings (their text is not logged)
+    stop_token_ids: list[int] = attrs.Factory(list)
+    logprobs: int | None = None
+    per_prompt_params: bool = False  # one SamplingParams per prompt: the sampling fields above are prompt 0's
 
 
 @event("generation_finished")

@@ -67,9 +67,12 @@ def test_json_prints_outputs_and_stats(capsys):
     assert r.code == 0, r.err
     doc = json.loads(r.out)
     assert set(doc) == {"model", "route", "outputs", "stats"}
-    (out,) = doc["outputs"]
-    assert out["prompt_token_ids"] == [9, 9, 9] and len(out["token_ids"]) == 2 and out["finish_reason"] == "length"
-    assert out["text"] is None and set(out["timings"]) == {"first_token_s", "total_s"}
+    (out,) = doc["outputs"]  # one RequestOutput per prompt, its samples in "outputs"
+    (sample,) = out["outputs"]
+    assert out["prompt_token_ids"] == [9, 9, 9] and len(sample["token_ids"]) == 2
+    assert sample["finish_reason"] == "length" and sample["text"] is None and sample["logprobs"] is None
+    assert out["computed_prompt_tokens"] == 3 and out["reused_prompt_tokens"] == 0
+    assert set(out["timings"]) == {"first_token_s", "total_s"}
     assert doc["stats"]["generated_tokens"] == 2 and doc["stats"]["tokens_per_s"] > 0
     assert doc["route"]["kv_manager"] == "KVCacheManager"
 

@@ -36,7 +36,7 @@ def test_greedy_equals_transformers_generate_together_and_staggered(tiny_checkpo
         assert [o.token_ids for o in staggered] == ref
         for out, p in zip(staggered, ps, strict=True):
             assert out.prompt_token_ids == p and out.text is None
-            assert out.finish_reason == ("eos" if len(out.token_ids) < NEW_TOKENS else "length")
+            assert out.finish_reason == ("stop" if len(out.token_ids) < NEW_TOKENS else "length")
             assert 0 <= out.timings.first_token_s <= out.timings.total_s
         assert used_blocks(result) == 0  # finished requests gave their blocks back
         assert model.config._attn_implementation == "sdpa"  # model.generate still works after generate
