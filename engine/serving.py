@@ -29,8 +29,9 @@ from cache_backends.paged_attention import PagedBatch, SeqChunk
 from cache_backends.request import Request
 from engine.driver import Driver, StalledError, StepStats
 from engine.executor import GenerationExecutor
-from engine.sampling import sample_token
+from engine.sampling import sample_rows, top_logprobs
 from engine.sampling_params import SamplingParams
+from engine.stopping import SampleText
 from models.paged_forward import run_forward
 from pipeline.errors import GenerationError, KvBuildError
 from pipeline.events import RequestFinished
@@ -74,7 +75,7 @@ class _Live:
     sink: Callable[[ServeEvent], Any]
     generator: torch.Generator | None
     stop_token_ids: frozenset[int]
-    stop: tuple[str, ...]
+    text: SampleText | None  # with stop strings: the text they are looked for in
     logprobs: int | None
     queued_at: float
     token_times: list[float] = attrs.Factory(list)
@@ -91,12 +92,17 @@ class _ServeDriver(Driver):
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         live = self._live_map.get(req.req_id)
-        if live is not None and token in live.stop_token_ids:
+        if live is None:
+            return super()._finish_reason(req, token)
+        if token in self.eos_token_ids and not live.params.ignore_eos:
             return "stop"
-        reason = super()._finish_reason(req, token)
-        if reason == "eos":
-            return None if live is not None and live.params.ignore_eos else "stop"
-        return reason
+        if token in live.stop_token_ids:
+            return "stop"
+        if live.text is not None and live.text.update(req.output_token_ids) is not None:
+            return "stop"  # a stop string appeared in the text (the face cuts the text there)
+        if len(req.output_token_ids) >= req.max_new_tokens or req.num_tokens >= self.max_seq_len:
+            return "length"
+        return None
 
 
 class ServingEngine:
@@ -196,14 +202,15 @@ class ServingEngine:
         return request
 
     def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams, sink: Callable[[ServeEvent], Any], *,
-               salt: str | None = None, seed_offset: int = 0, stop: Sequence[str] = (),
-               stop_token_ids: Sequence[int] = (), logprobs: int | None = None) -> str:
+               salt: str | None = None, seed_offset: int = 0) -> str:
         """Queue one request; its id. ``GenerationError``/``KvBuildError`` (nothing queued) when it could never run.
 
         ``max_new_tokens`` is cut to what ``max_seq_len`` leaves. ``sink`` is called on the loop thread.
-        The request ends with ``"stop"`` on EOS (unless ``ignore_eos``), on a token of ``stop_token_ids``,
-        or once its text holds one of ``stop`` (the caller trims the text there). ``logprobs=k`` reports,
-        per generated token, its log-probability and the top ``k`` alternatives'.
+        One sample per request (``params.n`` is the caller's: submit n requests, ``seed_offset`` 0..n-1).
+        It ends with ``"stop"`` on EOS (unless ``params.ignore_eos``), on a token of
+        ``params.stop_token_ids``, or once its text holds one of ``params.stop`` (the caller cuts the
+        text there). ``params.logprobs=k`` reports, per generated token, its log-probability and the
+        top ``k`` tokens' (``engine.sampling.top_logprobs``).
         """
         if self._stopping:
             raise GenerationError("the engine is shutting down")
@@ -214,7 +221,8 @@ class ServingEngine:
         if not params.greedy:
             seed = params.seed if params.seed is not None else random.SystemRandom().getrandbits(62)
             gen = torch.Generator(device=self.executor.pools.device).manual_seed(seed + seed_offset)
-        live = _Live(request, params, sink, gen, frozenset(stop_token_ids), tuple(stop), logprobs,
+        text = SampleText(self.tokenizer, params.stop) if params.stop and self.tokenizer is not None else None
+        live = _Live(request, params, sink, gen, frozenset(params.stop_token_ids), text, params.logprobs,
                      time.perf_counter())
         with self._cond:
             self._inbox.append(live)
@@ -279,7 +287,6 @@ class ServingEngine:
                 return True
             self.steps += 1
             new_tokens = self._deliver(st)
-            self._check_stop_strings()
         if self.observer is not None:
             with contextlib.suppress(Exception):
                 self.observer.on_step(st, new_tokens)
@@ -309,15 +316,15 @@ class ServingEngine:
             picked.update((reqs[i].req_id, t) for i, t in zip(greedy, ids, strict=True))
         for i, lv in enumerate(lives):
             if not lv.params.greedy:
-                picked[reqs[i].req_id] = sample_token(logits[i], lv.params.temperature, lv.params.top_p,
-                                                      lv.generator)
-        for i, lv in enumerate(lives):
-            if lv.logprobs is not None:
-                lp = torch.log_softmax(logits[i].float(), dim=-1)
-                token = picked[reqs[i].req_id]
-                top = lp.topk(lv.logprobs) if lv.logprobs else None
-                alts = dict(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top is not None else {}
-                lv.token_logprobs.append((float(lp[token]), alts))
+                picked[reqs[i].req_id] = sample_rows(logits[i:i + 1], lv.params, [lv.generator])[0]
+        asked = [i for i, lv in enumerate(lives) if lv.logprobs is not None]
+        if asked:
+            k = max(lives[i].logprobs or 0 for i in asked)
+            tokens = [picked[reqs[i].req_id] for i in asked]
+            for i, token, top in zip(asked, tokens, top_logprobs(logits[asked], k, tokens), strict=True):
+                n = lives[i].logprobs or 0
+                alts = dict(sorted(top.items(), key=lambda kv: -kv[1])[:n])
+                lives[i].token_logprobs.append((top[token], alts))
         return picked
 
     def _deliver(self, st: StepStats) -> int:
@@ -342,16 +349,6 @@ class ServingEngine:
                 self._retire(live, live.request.finish_reason or "length")
             self._send(live, event)
         return total
-
-    def _check_stop_strings(self) -> None:
-        """End requests whose text now holds one of their stop strings (the face trims the text)."""
-        for req_id, live in list(self._live.items()):
-            stops = live.stop
-            if not stops or self.tokenizer is None or not live.request.output_token_ids:
-                continue
-            text = self.tokenizer.decode(live.request.output_token_ids, skip_special_tokens=True)
-            if any(s in text for s in stops):
-                self._finish_early(req_id, "stop")
 
     def _finish_early(self, req_id: str, reason: str, error: str | None = None) -> None:
         """Finish a queued or running request now (abort, stop string, failure): blocks freed, sink told."""

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.serving import ServeEvent, ServingEngine
+from engine.stopping import SampleText
 from kvload.serve.metrics import ServeMetrics
 from kvload.serve.protocol import BadRequest, Job, parse
 from pipeline.errors import ConfigError, GenerationError, KvBuildError
@@ -158,7 +159,7 @@ class _Choice:
 
     index: int
     engine: ServingEngine
-    stop: tuple[str, ...]
+    sample: SampleText | None  # None without a tokenizer (token ids only)
     req_id: str = ""
     token_ids: list[int] = attrs.Factory(list)
     logprobs: list[tuple[float, dict[int, float]]] = attrs.Factory(list)
@@ -176,22 +177,12 @@ class _Choice:
         if ev.finish_reason is not None:
             self.finish_reason = ev.finish_reason
             self.error = ev.error
-        full = self.engine.decode(self.token_ids) or ""
-        final = self.finish_reason is not None
-        if self.stop:
-            cuts = [full.find(s) for s in self.stop if s in full]
-            if cuts:
-                full = full[:min(cuts)]
-                final = True
-        if final:
-            end = len(full)
-        elif full.endswith("\ufffd"):
-            end = len(self.text)
-        else:
-            hold = max((len(s) for s in self.stop), default=1) - 1
-            end = max(len(self.text), len(full) - hold)
-        delta = full[len(self.text):end] if full.startswith(self.text) else ""
-        self.text = self.text + delta
+        delta = ""
+        if self.sample is not None:  # the same text rules as LLM.generate: stop strings cut, never shown
+            final = self.finish_reason is not None
+            self.sample.update(self.token_ids, final=final)
+            delta = self.sample.delta(final=final)
+            self.text += delta
         return delta, list(ev.new_token_ids), list(ev.logprobs)
 
     @property
@@ -210,7 +201,9 @@ class _Run:
         self.request = request
         self.prompts = prompts
         self.queue: asyncio.Queue[tuple[int, ServeEvent]] = asyncio.Queue()
-        self.choices = [_Choice(i, self.engine, job.stop) for i in range(len(prompts) * job.n)]
+        tok = self.engine.tokenizer
+        self.choices = [_Choice(i, self.engine, SampleText(tok, job.stop) if tok is not None else None)
+                        for i in range(len(prompts) * job.n)]
         self.id = ("chatcmpl-" if job.kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.open: set[int] = set()
@@ -222,7 +215,7 @@ class _Run:
         for i, ids in enumerate(self.prompts):
             params = job.params
             if not job.max_tokens_given:  # the default never asks for more than max_seq_len leaves
-                params = attrs.evolve(params, max_new_tokens=max(1, min(params.max_new_tokens, self.engine.room(ids))))
+                params = attrs.evolve(params, max_tokens=max(1, min(params.max_tokens, self.engine.room(ids))))
             try:
                 self.engine.check(ids, params)
             except KvBuildError as exc:
@@ -241,8 +234,7 @@ class _Run:
                 for j in range(job.n):
                     index = i * job.n + j
                     sink = functools.partial(_post, loop, self.queue, index)
-                    rid = self.engine.submit(ids, params, sink, salt=job.salt, seed_offset=j, stop=job.stop,
-                                             stop_token_ids=job.stop_token_ids, logprobs=job.logprobs)
+                    rid = self.engine.submit(ids, params, sink, salt=job.salt, seed_offset=j)
                     self.choices[index].req_id = rid
                     self.open.add(index)
         except BaseException:

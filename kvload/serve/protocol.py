@@ -73,7 +73,7 @@ def _need(ok: bool, field: str, expected: str, value: Any) -> None:
 
 #: Fields both endpoints accept and act on.
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options", "user",
-           "presence_penalty", "frequency_penalty", "ignore_eos", "stop_token_ids", "salt", "logprobs"}
+           "presence_penalty", "frequency_penalty", "ignore_eos", "stop_token_ids", "salt", "logprobs", "top_k"}
 _COMPLETION = _COMMON | {"prompt", "echo"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
 
@@ -111,6 +111,9 @@ def parse(body: Any, kind: str, *, default_max_tokens: int) -> Job:
     top_p = body.get("top_p", 1.0)
     top_p = 1.0 if top_p is None else top_p
     _need(_is_num(top_p) and 0 < top_p <= 1, "top_p", "a number in (0, 1]", top_p)
+    top_k = body.get("top_k", 0)
+    top_k = 0 if top_k is None else top_k
+    _need(_is_int(top_k) and top_k >= -1, "top_k", "an integer >= 1, or 0 / -1 for all tokens", top_k)
     seed = body.get("seed")
     _need(seed is None or (_is_int(seed) and seed >= 0), "seed", "an integer >= 0", seed)
     n = body.get("n", 1)
@@ -154,8 +157,9 @@ def parse(body: Any, kind: str, *, default_max_tokens: int) -> Job:
     if echo:
         raise BadRequest("echo: kvload serve does not echo the prompt; only false is accepted", param="echo")
     try:
-        params = SamplingParams(max_new_tokens=max_tokens if given else default_max_tokens,
-                                temperature=float(temperature), top_p=float(top_p), seed=seed, ignore_eos=ignore_eos)
+        params = SamplingParams(max_tokens=max_tokens if given else default_max_tokens,
+                                temperature=float(temperature), top_p=float(top_p), top_k=top_k, seed=seed,
+                                stop=stops, stop_token_ids=stop_ids, logprobs=logprobs, ignore_eos=ignore_eos)
     except GenerationError as exc:  # the API's own checks, should the two ever disagree
         raise BadRequest(str(exc).removeprefix("generate: ")) from None
     return Job(kind=kind, prompts=prompts, params=params, n=n, stream=stream, include_usage=include_usage,
