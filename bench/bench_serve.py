@@ -11,7 +11,9 @@ all sent at once. The Python API side loads the same model in this process (one 
 generates the same chat prompts in one ``generate`` call. Both use greedy decoding with ``ignore_eos``
 so every request generates exactly ``--tokens`` tokens. Per request: TTFT (request sent → first token;
 for the API: queued → first token) and TPOT ((last − first token) / (tokens − 1)); total generated
-tokens/s = all tokens / wall time of the batch. Runs alternate API / server; medians over repeats.
+tokens/s = all tokens / wall time of the batch. A third side submits the same prompts straight to the
+server's engine loop (``engine.serving.ServingEngine``) in this process, to separate the loop's cost from
+HTTP and client costs. Sides alternate order each repeat; medians over repeats.
 """
 
 from __future__ import annotations
@@ -106,6 +108,44 @@ def api_batch(llm: Any, questions: list[str], tokens: int) -> dict[str, Any]:
     return {"ttft": ttft, "tpot": tpot, "tokens_per_s": total / wall}
 
 
+def engine_batch(llm: Any, questions: list[str], tokens: int) -> dict[str, Any]:
+    """The same prompts submitted straight to a ``ServingEngine`` (the server's loop, no HTTP, no client)."""
+    import threading
+
+    from engine.sampling_params import SamplingParams
+    from engine.serving import ServingEngine
+
+    engine = ServingEngine.from_result(llm)
+    prompts = [engine.encode_messages([{"role": "user", "content": q}]) for q in questions]
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    seen: dict[int, list[float]] = {i: [] for i in range(len(prompts))}
+    sent: dict[int, float] = {}
+    left = [len(prompts)]
+    done = threading.Event()
+
+    def sink(i: int, ev: Any) -> None:
+        seen[i].extend([time.perf_counter()] * len(ev.new_token_ids))
+        if ev.finished:
+            left[0] -= 1
+            if not left[0]:
+                done.set()
+
+    engine.start()
+    try:
+        start = time.perf_counter()
+        for i, ids in enumerate(prompts):
+            sent[i] = time.perf_counter()
+            engine.submit(ids, params, lambda ev, i=i: sink(i, ev))
+        if not done.wait(1800):
+            raise RuntimeError("the engine did not finish within 30 minutes")
+    finally:
+        engine.stop()
+    wall = max(t[-1] for t in seen.values()) - start
+    return {"ttft": [seen[i][0] - sent[i] for i in seen],
+            "tpot": [(t[-1] - t[0]) / max(len(t) - 1, 1) for t in seen.values()],
+            "tokens_per_s": sum(len(t) for t in seen.values()) / wall}
+
+
 def main() -> None:
     """Print the side-by-side table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -127,7 +167,7 @@ def main() -> None:
                   f"python -m bench.bench_serve --model {ns.model} --clients {' '.join(map(str, ns.clients))} "
                   f"--tokens {ns.tokens} --repeats {ns.repeats}",
                   ["clients", "side", "TTFT p50 (s)", "TTFT p99 (s)", "TPOT p50 (ms)", "TPOT p99 (ms)",
-                   "generated tokens/s", "server / API"])
+                   "generated tokens/s", "vs API"])
     try:
         with kvload.load(ns.model, load_weights=True, kv_cache_config={"max_tokens": ns.max_tokens},
                          log=False) as llm:
@@ -135,22 +175,25 @@ def main() -> None:
                 questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(n)]
                 asyncio.run(server_batch(url, ns.model, questions[:1], 4))  # warm-up: first-call costs
                 api_batch(llm, questions[:1], 4)
-                runs: dict[str, list[dict[str, Any]]] = {"API": [], "server": []}
+                runs: dict[str, list[dict[str, Any]]] = {"API": [], "engine loop (no HTTP)": [], "server": []}
+                order = list(runs)
                 for i in range(ns.repeats):
-                    for side in (("API", "server") if i % 2 == 0 else ("server", "API")):
+                    for side in (order if i % 2 == 0 else order[::-1]):
                         if side == "API":
                             runs[side].append(api_batch(llm, questions, ns.tokens))
-                        else:
+                        elif side == "server":
                             runs[side].append(asyncio.run(server_batch(url, ns.model, questions, ns.tokens)))
+                        else:
+                            runs[side].append(engine_batch(llm, questions, ns.tokens))
                 speed = {side: median([r["tokens_per_s"] for r in rs]) for side, rs in runs.items()}
-                for side in ("API", "server"):
+                for side in order:
                     rs = runs[side]
                     ttft = [t for r in rs for t in r["ttft"]]
                     tpot = [t for r in rs for t in r["tpot"]]
                     table.rows.append([str(n), side, f"{median(ttft):.3f}", f"{p99(ttft):.3f}",
                                        f"{median(tpot) * 1000:.1f}", f"{p99(tpot) * 1000:.1f}",
                                        f"{speed[side]:.1f}",
-                                       f"{speed['server'] / speed['API']:.2f}x" if side == "server" else ""])
+                                       f"{speed[side] / speed['API']:.2f}x" if side != "API" else ""])
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
