@@ -286,10 +286,12 @@ class ServingEngine:
                 self._fail_all(f"{type(exc).__name__}: {exc}")
                 return True
             self.steps += 1
-            new_tokens = self._deliver(st)
-        if self.observer is not None:
-            with contextlib.suppress(Exception):
-                self.observer.on_step(st, new_tokens)
+            outbox = self._collect(st)
+            if self.observer is not None:  # counted before any client can see the tokens (and scrape)
+                with contextlib.suppress(Exception):
+                    self.observer.on_step(st, sum(len(ev.new_token_ids) for _, ev in outbox))
+            for live, event in outbox:
+                self._send(live, event)
         return True
 
     def _compute(self, out: SchedulerOutput) -> dict[str, int]:
@@ -327,10 +329,10 @@ class ServingEngine:
                 lives[i].token_logprobs.append((top[token], alts))
         return picked
 
-    def _deliver(self, st: StepStats) -> int:
-        """Send each request its new tokens (and its end); the number of tokens generated this step."""
+    def _collect(self, st: StepStats) -> list[tuple[_Live, ServeEvent]]:
+        """Each request's new tokens (and its end) after a step, to send; finished ones are retired."""
         now = time.perf_counter()
-        total = 0
+        outbox = []
         done = {r.req_id for r in st.finished}
         for req_id, live in list(self._live.items()):
             tokens = live.request.output_token_ids
@@ -338,7 +340,6 @@ class ServingEngine:
             if new <= 0 and req_id not in done:
                 continue
             live.token_times.extend([now] * max(new, 0))
-            total += max(new, 0)
             event = ServeEvent(req_id, tuple(tokens[live.reported:]), tuple(tokens),
                                finish_reason=live.request.finish_reason if req_id in done else None,
                                prompt_tokens=live.request.num_prompt_tokens,
@@ -347,8 +348,8 @@ class ServingEngine:
             live.reported = len(tokens)
             if req_id in done:
                 self._retire(live, live.request.finish_reason or "length")
-            self._send(live, event)
-        return total
+            outbox.append((live, event))
+        return outbox
 
     def _finish_early(self, req_id: str, reason: str, error: str | None = None) -> None:
         """Finish a queued or running request now (abort, stop string, failure): blocks freed, sink told."""

@@ -97,6 +97,18 @@ def test_a_late_request_joins_a_running_one_and_a_client_that_hangs_up_has_its_b
     assert finished and finished[-1]["output_tokens"] < 1500
 
 
+def test_a_client_that_gives_up_on_a_plain_request_has_it_aborted(served):
+    aborted = served.metrics().get("kvload_request_success_total{finished_reason=abort}", 0)
+    body = {"model": "tiny-llama", "prompt": [2, 7, 1, 8], "max_tokens": 1900, "ignore_eos": True}
+    with httpx.Client(base_url=served.url, timeout=0.5) as impatient, pytest.raises(httpx.ReadTimeout):
+        impatient.post("/v1/completions", json=body)
+    wait_for(lambda: served.metrics().get("kvload_request_success_total{finished_reason=abort}", 0) == aborted + 1,
+             what="the abandoned request was aborted")
+    m = served.metrics()
+    assert m["kvload_num_requests_running"] == 0
+    assert m["kvload_kv_cache_blocks{layer_group=uniform,state=used}"] == 0
+
+
 @pytest.mark.parametrize("body, param, words", [
     ({"prompt": [1, 2], "max_tokens": 0}, "max_tokens", "integer >= 1"),
     ({"prompt": [1, 2], "temperature": -1}, "temperature", "[0, 2]"),

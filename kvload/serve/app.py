@@ -29,9 +29,6 @@ from kvload.serve.metrics import ServeMetrics
 from kvload.serve.protocol import BadRequest, Job, parse
 from pipeline.errors import ConfigError, GenerationError, KvBuildError
 
-#: Seconds a waiting handler sleeps between checks that its client is still connected.
-DISCONNECT_POLL_S = 0.5
-
 
 @attrs.define
 class ServeState:
@@ -200,7 +197,7 @@ class _Run:
         self.job = job
         self.request = request
         self.prompts = prompts
-        self.queue: asyncio.Queue[tuple[int, ServeEvent]] = asyncio.Queue()
+        self.queue: asyncio.Queue[tuple[int, ServeEvent] | None] = asyncio.Queue()  # None: the client left
         tok = self.engine.tokenizer
         self.choices = [_Choice(i, self.engine, SampleText(tok, job.stop) if tok is not None else None)
                         for i in range(len(prompts) * job.n)]
@@ -249,16 +246,25 @@ class _Run:
 
     async def _next(self) -> tuple[int, ServeEvent] | None:
         """The next engine event; None when the client disconnected (its requests are then aborted)."""
+        item = await self.queue.get()
+        if item is None:
+            self.abort()
+        return item
+
+    async def _watch_disconnect(self) -> None:
+        """Wait for the client to go away (ASGI ``http.disconnect``), then wake :meth:`collect` to abort.
+
+        Only for plain responses: a streaming response has Starlette listen and cancel the stream itself.
+        """
         while True:
-            try:
-                return await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
-            except TimeoutError:
-                if await self.request.is_disconnected():
-                    self.abort()
-                    return None
+            message = await self.request.receive()
+            if message["type"] == "http.disconnect":
+                self.queue.put_nowait(None)  # type: ignore[arg-type]
+                return
 
     async def collect(self) -> dict[str, Any]:
         """Wait for every choice; the whole response document."""
+        watcher = asyncio.create_task(self._watch_disconnect())
         try:
             while self.open:
                 item = await self._next()
@@ -269,6 +275,7 @@ class _Run:
                 if ev.finished:
                     self.open.discard(index)
         finally:
+            watcher.cancel()
             self.abort()
         failed = next((c for c in self.choices if c.finish_reason == "error"), None)
         if failed is not None:

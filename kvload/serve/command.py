@@ -77,7 +77,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     cli._check_audit_path(ns.audit_log)
     if ns.kv_events_file is not None:
         cli._check_output_path("--kv-events-file", ns.kv_events_file)
-        if not ns.event_buffer_max_size:
+        if not cli.cli_overrides(ns).get("kv_cache_config", {}).get("event_buffer_max_size"):
             from pipeline.errors import ConfigError
 
             raise ConfigError("--kv-events-file: KV cache events are off; add --event_buffer_max_size N (N > 0)")
