@@ -5,6 +5,7 @@ Run from the repository root (one thread is enough: nothing here runs torch kern
     python -m bench.bench_grid            # default workload sizes (what BENCHMARKS.md records; a few minutes)
     python -m bench.bench_grid --quick    # a quarter of the requests, for a smoke run
     python -m bench.bench_grid --presets tiny-gemma3 --workloads no-reuse --budgets default
+    python -m bench.bench_grid --only timing   # the step-time target alone (interleaved V1/V2 pairs)
 
 Each cell is one ``kvload simulate <preset> --workload <w> --compare`` (:func:`engine.simulator.simulate`,
 the same replay loop), at three budgets: ``default`` (the simulator's default, sized for the workload in
@@ -139,9 +140,38 @@ def _target_notes(rows: list[dict[str, Any]]) -> list[str]:
     return notes
 
 
+def step_time(quick: bool = False, pairs: int = 3) -> Table:
+    """The step-time target, measured fairly: V1 and V2 runs interleaved (alternating order), one manager per
+    run, median of the per-pair ratios of median step time (tiny-llama, shared-prefix and multi-turn)."""
+    from engine.simulator import simulate
+    from engine.workloads import make_workload
+
+    cmd = "python -m bench.bench_grid --only timing" + (" --quick" if quick else "")
+    table = Table(f"Step time, V2 / V1 (tiny-llama, default budget, {pairs} interleaved pairs)", cmd,
+                  ["workload", "V1 step µs (median of medians)", "V2 step µs", "V2 / V1 (median of pairs)",
+                   "per pair", "target <= 1.25x"])
+    for name in ("shared-prefix", "multi-turn"):
+        wl = make_workload(name, None, 0)
+        if quick:
+            wl = make_workload(name, max(4, len(wl.requests) // 4), 0)
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for i in range(pairs):
+            for v2 in ((False, True) if i % 2 == 0 else (True, False)):
+                report = simulate("tiny-llama", wl, kv_cache_config={"use_kv_cache_manager_v2": v2}, **CPU)
+                (result,) = report.results.values()
+                times[v2].append(result.metrics.step_time_us_median)
+        per = [b / a for a, b in zip(times[False], times[True], strict=True)]
+        mid = sorted(per)[len(per) // 2]
+        table.rows.append([name, f"{sorted(times[False])[pairs // 2]:,.0f}", f"{sorted(times[True])[pairs // 2]:,.0f}",
+                           ratio(mid), ", ".join(ratio(x) for x in per), verdict(mid <= 1.25)])
+    table.notes.append("Manager + scheduler time per engine step (scheduler.step, commits, finishes), median over "
+                       "the run's engine steps; both managers at the simulator's default budget for the workload.")
+    return table
+
+
 def run(quick: bool = False) -> list[Table]:
-    """The grid table (``bench.run_all`` entry point)."""
-    return [grid(quick=quick)[1]]
+    """The grid table and the step-time table (``bench.run_all`` entry point)."""
+    return [grid(quick=quick)[1], step_time(quick)]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -151,6 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--presets", default=",".join(PRESETS), help="comma-separated presets")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated workloads")
     p.add_argument("--budgets", default=",".join(BUDGETS), help=f"comma-separated subset of {', '.join(BUDGETS)}")
+    p.add_argument("--only", choices=("grid", "timing"), help="run one part (default: both)")
     args = p.parse_args(argv)
     budgets = tuple(b.strip() for b in args.budgets.split(",") if b.strip())
     unknown = [b for b in budgets if b not in BUDGETS]
@@ -160,8 +191,11 @@ def main(argv: list[str] | None = None) -> None:
     for key, value in machine().items():
         print(f"- {key}: {value}")
     print()
-    _, table = grid(tuple(args.presets.split(",")), tuple(args.workloads.split(",")), budgets, args.quick)
-    print(table.markdown())
+    if args.only in (None, "grid"):
+        _, table = grid(tuple(args.presets.split(",")), tuple(args.workloads.split(",")), budgets, args.quick)
+        print(table.markdown())
+    if args.only in (None, "timing"):
+        print(step_time(args.quick).markdown())
 
 
 if __name__ == "__main__":

@@ -4,10 +4,14 @@ One step (:meth:`engine.driver.Driver.step`): the scheduler admits, suspends, re
 the executor packs every scheduled chunk — prefill pieces (chunked by ``max_num_tokens``) and decode
 tokens of many requests — into one forward with per-token positions (``PagedBatch``), each layer
 writing and reading K/V through the request's block tables (``manager.block_table(req, group)`` for
-every layer group); it samples the next token of each request whose known tokens are all in the cache
-after this step (greedy = argmax; temperature + top-p with a per-request seeded ``torch.Generator``);
-the driver commits the KV, appends the tokens, and finishes requests on EOS or ``max_new_tokens``
-(their blocks return to the pool; with reuse on, full blocks stay cached for later prompts).
+every layer group, kept as tensor rows across steps in a ``BlockTableStore``) on the attention path
+``attention_backend`` chose (compiled flex over the pools, or gather + SDPA); it samples the next
+token of each request whose known tokens are all in the cache after this step (greedy = argmax;
+else transformers' temperature, top-k and top-p warpers and a per-request seeded ``torch.Generator``,
+with top-``logprobs`` kept when asked); the driver commits the KV, appends the tokens, and finishes
+requests with "stop" (EOS, a stop token id, a stop string in the text) or "length" (``max_tokens``,
+``max_seq_len``); their blocks return to the pool (with reuse on, full blocks stay cached for later
+prompts, which is how the ``n`` samples of a prompt share its prefill).
 
 A prompt whose prefix is cached (V2's radix tree, V1's full blocks) is admitted with that prefix
 already computed: its prefill starts after it, and the output reports ``reused_prompt_tokens``.
@@ -23,12 +27,13 @@ from __future__ import annotations
 import contextlib
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import attrs
 import torch
 
+from cache_backends.block_tables import BlockTableStore
 from cache_backends.interface import SchedulerOutput
 from cache_backends.paged_attention import SERVED_KINDS, PagedBatch, SeqChunk
 from cache_backends.request import Request
@@ -47,7 +52,7 @@ from engine.sampling_params import SamplingParams, check, is_int
 from engine.stopping import SampleText
 from models.paged_forward import ATTN_IMPLEMENTATION, register_paged_attention, run_forward
 from pipeline.errors import GenerationError, KvBuildError, KvRuntimeError, first_line
-from pipeline.events import Event, GenerationFailed, GenerationFinished, GenerationStarted
+from pipeline.events import Event, GenerationFailed, GenerationFinished, GenerationStarted, SettingIgnored
 
 #: A prompt: text (needs a tokenizer) or token ids.
 Prompt = str | Sequence[int]
@@ -84,8 +89,10 @@ class GenerationExecutor:
     """
 
     def __init__(self, model: Any, manager: Any, scheduler: Any, *, tokenizer: Any = None,
-                 emit: Callable[[Event], Any] | None = None, name: str = "model") -> None:
+                 emit: Callable[[Event], Any] | None = None, name: str = "model", ranks: Any = None) -> None:
         self.model = model
+        # tensor parallel: every rank runs this loop; RankLockstep keeps their decisions identical
+        self.lockstep = RankLockstep(ranks) if ranks is not None and ranks.distributed else None
         self.manager = manager
         self.scheduler = scheduler
         self.tokenizer = tokenizer
@@ -98,6 +105,11 @@ class GenerationExecutor:
         self._emit = emit
         self._calls = 0
         self._live: dict[str, _Live] = {}
+        width = max(-(-self.max_seq_len // g.tokens_per_block) for g in manager.layout.groups)
+        #: every live request's block tables as tensor rows, appended to step by step
+        self._block_tables = BlockTableStore(self.groups, width)
+        #: the compiled attention path (None: gather + SDPA), set by ``from_result`` from ``attention_backend``
+        self.flex: Any = None
         self.last_stats: GenerationStats | None = None
         unserved = sorted({layer.kind for layer in manager.layout.layers
                            if layer.kind not in SERVED_KINDS or layer.compress_rate is not None})
@@ -124,8 +136,27 @@ class GenerationExecutor:
                                   "prompt (no beam search); load with max_beam_width=1")
         bus = result.bus
         emit = bus.emitter("generate") if bus is not None else None
-        return cls(result.hf_model, result.kv_manager, result.scheduler, tokenizer=result.tokenizer, emit=emit,
-                   name=result.model.name if result.model is not None else "model")
+        executor = cls(result.hf_model, result.kv_manager, result.scheduler, tokenizer=result.tokenizer, emit=emit,
+                       name=result.model.name if result.model is not None else "model", ranks=result.context.ranks)
+        executor.use_attention(getattr(result.args, "attention_backend", "sdpa"), result.args.max_num_tokens)
+        return executor
+
+    def use_attention(self, backend: str, max_num_tokens: int) -> None:
+        """Run attention on ``"flex"`` (compiled, over the pools) or ``"sdpa"`` (gather + SDPA, the reference)."""
+        from cache_backends.flex_paged import FlexPagedAttention, flex_unsupported
+
+        if backend not in ("flex", "sdpa"):
+            raise GenerationError(f"generate: attention_backend: expected \"flex\" or \"sdpa\" (resolved), got "
+                                  f"{backend!r}")
+        self.flex = None
+        if backend == "sdpa":
+            return
+        why = flex_unsupported(self.manager.layout)
+        if why is not None:  # say so: an accepted setting never silently does nothing
+            self._event(SettingIgnored(field="attention_backend", value="flex",
+                                       reason=f"{why}; generate attends through gather + SDPA"))
+            return
+        self.flex = FlexPagedAttention(self.pools, max_num_tokens)
 
     # --- the call ----------------------------------------------------------------------------
 
@@ -162,14 +193,14 @@ class GenerationExecutor:
         arrivals = self._arrivals(arrival_steps, len(items))
         call = self._calls
         self._calls += 1
-        lives = self._lives(call, items, params, per_prompt, salt)
+        lives = self._lives(call, items, params, per_prompt, salt, arrivals)
         stagger = bool(self.manager.options.enable_block_reuse)  # without reuse, samples gain nothing by waiting
         now_arrivals, later = [], {}
         for live in lives:
             if live.sample > 0 and stagger:
                 later.setdefault(live.parent.request.req_id, []).append(live)
             else:
-                now_arrivals.append(Arrival(live.request, arrivals[live.index]))
+                now_arrivals.append(Arrival(live.request, live.arrival_step))
 
         before = self._counters()
         driver = Driver(self.manager, self.scheduler, emit=self._emit, stop=self._stops)
@@ -180,7 +211,15 @@ class GenerationExecutor:
             seed=p0.seed, salted=salt is not None, kv_manager=type(self.manager).__name__, top_k=p0.top_k, n=p0.n,
             stop_strings=len(p0.stop), stop_token_ids=list(p0.stop_token_ids), logprobs=p0.logprobs,
             per_prompt_params=per_prompt))
+        for p in {id(p): p for p in params}.values():
+            if p.greedy:  # greedy draws nothing: a seed, nucleus or top-k the caller gave would silently do nothing
+                ignored = (("seed", p.seed, None), ("top_p", p.top_p, 1.0), ("top_k", max(p.top_k, 0), 0))
+                for name, value, unset in ignored:
+                    if value != unset:
+                        self._event(SettingIgnored(field=f"generate.{name}", value=value,
+                                                   reason="temperature is 0 (greedy): nothing is sampled"))
         outputs: dict[int, RequestOutput] = {}
+        warm_before = self.flex.warmup_s if self.flex is not None else 0.0
         start = time.perf_counter()
         forward_s = kv_s = 0.0
         self._live = {live.request.req_id: live for live in lives}
@@ -208,12 +247,18 @@ class GenerationExecutor:
         except BaseException as exc:
             self._abort(driver)
             self._live = {}
+            self._block_tables.keep_only(())
+            self._check_flex()
             self._event(GenerationFailed(call=call, error=type(exc).__name__,
                                          message=first_line(exc, ""),
                                          finished=len(outputs)))
             raise
         self._live = {}
-        wall = time.perf_counter() - start
+        self._block_tables.keep_only(())
+        # compiling a new attention shape is a one-off (later calls reuse it): reported apart, not as generation
+        warmup = (self.flex.warmup_s if self.flex is not None else 0.0) - warm_before
+        self._check_flex()
+        wall = time.perf_counter() - start - warmup
         after = self._counters()
         ordered = [outputs[i] for i in range(len(items))]
         steps = run.engine_steps
@@ -222,10 +267,11 @@ class GenerationExecutor:
             prompt_tokens=sum(o.computed_prompt_tokens + o.reused_prompt_tokens for o in ordered),
             reused_prompt_tokens=sum(o.reused_prompt_tokens for o in ordered),
             generated_tokens=sum(len(c.token_ids) for o in ordered for c in o.outputs), steps=steps, wall_s=wall,
-            forward_s=forward_s, kv_s=kv_s, **{k: after[k] - before[k] for k in after}, samples=len(lives))
+            forward_s=max(0.0, forward_s - warmup), kv_s=kv_s, warmup_s=warmup,
+            **{k: after[k] - before[k] for k in after}, samples=len(lives))
         self.last_stats = stats
         self._event(GenerationFinished(
-            call=call, requests=stats.requests, prompt_tokens=stats.prompt_tokens,
+            call=call, requests=stats.samples, prompt_tokens=stats.prompt_tokens,
             reused_prompt_tokens=stats.reused_prompt_tokens, generated_tokens=stats.generated_tokens, steps=steps,
             suspends=stats.suspends, resumes=stats.resumes, preemptions=stats.preemptions,
             duration_ms=round(wall * 1000, 3), tokens_per_s=round(stats.tokens_per_s, 3)))
@@ -292,10 +338,12 @@ class GenerationExecutor:
         return params
 
     def _lives(self, call: int, items: list[tuple[str | None, list[int]]], params: list[SamplingParams],
-               per_prompt: bool, salt: str | None) -> list[_Live]:
+               per_prompt: bool, salt: str | None, arrivals: list[int]) -> list[_Live]:
         """Every sample of every prompt as a request, with its generator (seeded as SamplingParams says)."""
         lives = []
         random_base = random.SystemRandom().getrandbits(62)
+        if self.lockstep is not None:
+            random_base = self.lockstep.ranks.broadcast(random_base)  # one fresh seed, rank 0's, on every rank
         for i, ((text, ids), p) in enumerate(zip(items, params, strict=True)):
             room = self.max_seq_len - len(ids)  # a sequence never grows past max_seq_len
             base = p.seed if p.seed is not None else random_base
@@ -309,7 +357,7 @@ class GenerationExecutor:
                 if not p.greedy:  # shared params: prompt i's sample j is seed + i*n + j; per prompt: seed_i + j
                     offset = j if per_prompt else i * p.n + j
                     gen = torch.Generator(device=self.pools.device).manual_seed(base + offset)
-                live = _Live(i, request, text, 0, gen, params=p, sample=j, parent=parent)
+                live = _Live(i, request, text, arrivals[i], gen, params=p, sample=j, parent=parent)
                 if self.tokenizer is not None:
                     live.text = SampleText(self.tokenizer, p.stop)
                 if p.logprobs is not None:
@@ -338,6 +386,14 @@ class GenerationExecutor:
                 return True
         return False
 
+    def _check_flex(self) -> None:
+        """A compiled path that failed to build a shape is switched off, and the audit says why."""
+        if self.flex is not None and self.flex.failed is not None:
+            self._event(SettingIgnored(field="attention_backend", value="flex",
+                                       reason=f"torch.compile failed ({self.flex.failed}); generate attends through "
+                                              "gather + SDPA"))
+            self.flex = None
+
     @contextlib.contextmanager
     def paged_attention(self) -> Iterator[None]:
         """Switch the model to kvload's paged attention for a block; restore its own attention after."""
@@ -356,20 +412,41 @@ class GenerationExecutor:
 
     def _compute(self, out: SchedulerOutput) -> dict[str, int]:
         """The step's forward: every scheduled chunk packed into one row; next tokens of requests that reach the end."""
-        chunks = []
+        picked, rows = self.forward(out, self._live)
+        if not rows:
+            return {}
+        lives = [self._live[out.scheduled[i].request.req_id] for i in rows]
+        tokens = self._sample(picked, lives)
+        if self.lockstep is not None:
+            tokens = self.lockstep.ranks.broadcast(tokens)  # rank 0's tokens: the next step's inputs everywhere
+        return tokens
+
+    def forward(self, out: SchedulerOutput, live: Collection[str]) -> tuple[Any, list[int]]:
+        """One packed forward of the scheduled chunks: (logits of the chunks that reach their request's last
+        token, their indices in ``out.scheduled``); ``(None, [])`` when none does. ``live``: the request ids
+        whose block-table rows must be kept (the serving loop shares this with ``generate``)."""
+        chunks, rows = [], []
+        store = self._block_tables
         for scheduled in out.scheduled:
             req = scheduled.request
             start = req.num_computed_tokens
             ids = req.all_token_ids[start:start + scheduled.num_tokens]
-            chunks.append(SeqChunk(ids, start, {g: self.manager.block_table(req, g) for g in self.groups}))
-        logits = run_forward(self.model, PagedBatch.build(chunks, self.pools))
+            chunks.append(SeqChunk(ids, start, {}))
+            for g in self.groups:  # only what changed since the last step is written
+                store.update(req.req_id, g, self.manager.block_table(req, g))
+            rows.append(store.row(req.req_id))
+        if len(store) > 2 * len(live) + 8:  # rows of requests finished in earlier steps go back
+            store.keep_only(live)
+        if self.lockstep is not None:  # before the forward's collectives: a divergence fails here, never hangs
+            self.lockstep.check_schedule(out, [{g: self.manager.block_table(s.request, g) for g in self.groups}
+                                               for s in out.scheduled])
+        batch = PagedBatch.build(chunks, self.pools, store.tables(rows), flex=self.flex)
+        logits = run_forward(self.model, batch)
         rows = [i for i, s in enumerate(out.scheduled)
                 if s.request.num_computed_tokens + s.num_tokens == s.request.num_tokens]
         if not rows:
-            return {}
-        picked = logits[rows] if len(rows) < len(out.scheduled) else logits
-        lives = [self._live[out.scheduled[i].request.req_id] for i in rows]
-        return self._sample(picked, lives)
+            return None, []
+        return (logits[rows] if len(rows) < len(out.scheduled) else logits), rows
 
     def _sample(self, logits: Any, lives: list[_Live]) -> dict[str, int]:
         """Next token of each live request from its logits row, drawn as its SamplingParams say; logprobs kept."""
@@ -551,4 +628,33 @@ def _flat(out: RequestOutput) -> GenerationOutput:
         logprobs=c.logprobs)
 
 
-__all__ = ["GenerationExecutor", "Prompt"]
+
+class RankLockstep:
+    """Tensor parallel: every rank's scheduler must decide the same; the sampled tokens are rank 0's.
+
+    The schedulers are deterministic and get identical inputs (agreed args, min-reduced pools, the same
+    prompts, rank 0's tokens), so their decisions match; :meth:`check_schedule` proves it each step
+    before the forward's collectives run, so a divergence fails every rank with one line instead of
+    hanging them or mixing different batches' activations.
+    """
+
+    def __init__(self, ranks: Any) -> None:
+        self.ranks = ranks
+        self.steps = 0
+
+    def check_schedule(self, out: SchedulerOutput, tables: list[Any]) -> None:
+        """All-gather this step's decision (requests, chunk sizes, block tables); raise if any rank differs."""
+        decision = [(s.request.req_id, s.request.num_computed_tokens, s.num_tokens, t)
+                    for s, t in zip(out.scheduled, tables, strict=True)]
+        everyone = self.ranks.all_gather(decision)
+        self.steps += 1
+        if any(d != everyone[0] for d in everyone[1:]):
+            other = next(r for r, d in enumerate(everyone) if d != everyone[0])
+            def brief(d: list[Any]) -> str:
+                return ", ".join(f"{req} +{n}" for req, _, n, _ in d) or "nothing"
+
+            raise KvRuntimeError(f"generate: step {self.steps}: the ranks' schedulers diverged: rank {other} scheduled "
+                                 f"{brief(everyone[other])} (or other blocks), rank 0 {brief(everyone[0])}")
+
+
+__all__ = ["GenerationExecutor", "Prompt", "RankLockstep"]

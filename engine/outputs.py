@@ -126,7 +126,11 @@ class TokenDelta:
 
 @attrs.frozen
 class GenerationStats:
-    """Totals of one ``generate`` call; ``forward_s`` is model time, ``kv_s`` scheduler and manager time."""
+    """Totals of one ``generate`` call; ``forward_s`` is model time, ``kv_s`` scheduler and manager time.
+
+    ``warmup_s`` is the time spent compiling attention shapes this call met first (the compiled path
+    pays it once per shape per process); ``wall_s`` and ``forward_s`` leave it out.
+    """
 
     requests: int
     prompt_tokens: int
@@ -140,6 +144,7 @@ class GenerationStats:
     resumes: int
     preemptions: int
     samples: int = 0  # sequences generated (prompts x n); 0 = one per prompt
+    warmup_s: float = 0.0  # compiling attention shapes first seen in this call; not in wall_s/forward_s
 
     @property
     def tokens_per_s(self) -> float:
@@ -161,6 +166,8 @@ class GenerationStats:
         n = self.requests
         samples = f" ({self.samples} samples)" if self.samples > n else ""
         moves = f"; {self.suspends} suspended, {self.resumes} resumed" if self.suspends or self.resumes else ""
+        if self.warmup_s:
+            moves += f"; {self.warmup_s:.1f} s compiling attention, not counted"
         return (f"-- {n} prompt{'s' if n != 1 else ''}{samples}: {self.prompt_tokens} prompt tokens "
                 f"({self.reused_prompt_tokens} reused), {self.generated_tokens} generated in {self.wall_s:.2f} s, "
                 f"{self.steps} steps: "

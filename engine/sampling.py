@@ -11,15 +11,13 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 from engine.sampling_params import SamplingParams, is_int
 
 
-def warpers(temperature: float, top_k: int = 0, top_p: float = 1.0) -> LogitsProcessorList:
-    """transformers' warpers in ``generate``'s order: temperature, then top-k, then the top-p nucleus.
+def warpers(top_k: int = 0, top_p: float = 1.0) -> LogitsProcessorList:
+    """transformers' top-k then top-p warpers (``generate``'s order; temperature comes first, in float64).
 
     The nucleus is the smallest set of most likely tokens whose probability reaches ``top_p`` (the
     most likely token is always in it); ``top_k`` of 0 or -1 keeps every token.
     """
     procs = LogitsProcessorList()
-    if temperature != 1.0:
-        procs.append(TemperatureLogitsWarper(float(temperature)))
     if top_k > 0:
         procs.append(TopKLogitsWarper(top_k))
     if top_p < 1.0:
@@ -32,7 +30,14 @@ def sample_rows(logits: torch.Tensor, params: SamplingParams,
     """One token per row of ``(rows, vocab)`` logits; row ``i`` draws from ``generators[i]`` (greedy: argmax)."""
     if params.greedy:
         return logits.argmax(dim=-1).tolist()
-    scores = warpers(params.temperature, params.top_k, params.top_p)(None, logits.float())
+    # transformers' temperature warper in float64 on max-subtracted logits: a tiny temperature (1e-300)
+    # then sharpens to argmax instead of overflowing float32 to inf/nan, a huge one flattens to uniform;
+    # the scaled scores are fine in float32, where the top-p sort is cheaper
+    scores = logits.double()
+    scores = scores - scores.max(dim=-1, keepdim=True).values
+    if params.temperature != 1.0:
+        scores = TemperatureLogitsWarper(float(params.temperature))(None, scores)
+    scores = warpers(params.top_k, params.top_p)(None, scores.float())
     probs = torch.softmax(scores, dim=-1)
     return [int(torch.multinomial(row, 1, generator=gen)) for row, gen in zip(probs, generators, strict=True)]
 

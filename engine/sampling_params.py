@@ -8,6 +8,7 @@ as a property, so both spellings keep working.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -76,10 +77,11 @@ class SamplingParams:
     logprobs: int | None = None
     ignore_eos: bool = False
 
-    def __init__(self, max_tokens: int | None = None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                 seed: int | None = None, stop: str | Sequence[str] | None = None,
+    def __init__(self, *, max_tokens: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
+                 top_k: int = 0, seed: int | None = None, stop: str | Sequence[str] | None = None,
                  stop_token_ids: Sequence[int] | None = None, n: int = 1, logprobs: int | None = None,
-                 ignore_eos: bool = False, *, max_new_tokens: int | None = None) -> None:
+                 ignore_eos: bool = False, max_new_tokens: int | None = None) -> None:
+        """Keywords only (the field order may grow); ``max_new_tokens`` is an alias of ``max_tokens``."""
         length_name = "max_tokens"
         if max_new_tokens is not None:
             if max_tokens is not None and max_tokens != max_new_tokens:
@@ -93,13 +95,13 @@ class SamplingParams:
                             logprobs, ignore_eos)
 
     def __attrs_post_init__(self) -> None:
-        check(is_number(self.temperature) and self.temperature >= 0 and self.temperature == self.temperature,
-              "temperature", "a number >= 0 (0 = greedy)", self.temperature)
+        check(is_number(self.temperature) and self.temperature >= 0 and math.isfinite(self.temperature),
+              "temperature", "a finite number >= 0 (0 = greedy)", self.temperature)
         check(is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]", self.top_p)
         check(is_int(self.top_k) and self.top_k >= -1, "top_k", "an integer >= 1, or 0 / -1 for all tokens",
               self.top_k)
-        check(self.seed is None or (is_int(self.seed) and self.seed >= 0), "seed", "an integer >= 0 or None",
-              self.seed)
+        check(self.seed is None or (is_int(self.seed) and 0 <= self.seed <= 2**63 - 1), "seed",
+              "an integer in [0, 2**63 - 1] or None", self.seed)
         check(isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop), "stop",
               "a non-empty string or a list of them", self.stop)
         check(isinstance(self.stop_token_ids, tuple) and all(is_int(t) and t >= 0 for t in self.stop_token_ids),

@@ -25,14 +25,12 @@ import attrs
 import torch
 
 from cache_backends.interface import SchedulerOutput
-from cache_backends.paged_attention import PagedBatch, SeqChunk
 from cache_backends.request import Request
 from engine.driver import Driver, StalledError, StepStats
 from engine.executor import GenerationExecutor
 from engine.sampling import sample_rows, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.stopping import SampleText
-from models.paged_forward import run_forward
 from pipeline.errors import GenerationError, KvBuildError
 from pipeline.events import RequestFinished
 
@@ -115,6 +113,9 @@ class ServingEngine:
 
     def __init__(self, executor: GenerationExecutor, *, observer: EngineObserver | None = None,
                  idle_wait_s: float = 0.5) -> None:
+        if getattr(executor, "lockstep", None) is not None:
+            raise GenerationError("serve: the model is loaded across several ranks (tensor parallel); the serving "
+                                  "loop runs on one rank only")
         self.executor = executor
         self.manager = executor.manager
         self.scheduler = executor.scheduler
@@ -260,6 +261,7 @@ class ServingEngine:
             raise
         finally:
             self._fail_all("the engine stopped", reason="abort")
+            self.executor._block_tables.keep_only(())  # generate() may use the executor after the server
 
     def _loop_once(self) -> bool:
         with self._cond:
@@ -296,19 +298,9 @@ class ServingEngine:
 
     def _compute(self, out: SchedulerOutput) -> dict[str, int]:
         """The step's forward (the executor's packing), then each request's own pick: argmax or its generator."""
-        ex = self.executor
-        chunks = []
-        for scheduled in out.scheduled:
-            req = scheduled.request
-            start = req.num_computed_tokens
-            ids = req.all_token_ids[start:start + scheduled.num_tokens]
-            chunks.append(SeqChunk(ids, start, {g: self.manager.block_table(req, g) for g in ex.groups}))
-        logits = run_forward(ex.model, PagedBatch.build(chunks, ex.pools))
-        rows = [i for i, s in enumerate(out.scheduled)
-                if s.request.num_computed_tokens + s.num_tokens == s.request.num_tokens]
+        logits, rows = self.executor.forward(out, self._live)
         if not rows:
             return {}
-        logits = logits[rows]
         reqs = [out.scheduled[i].request for i in rows]
         lives = [self._live[r.req_id] for r in reqs]
         picked: dict[str, int] = {}

@@ -37,11 +37,14 @@ class LoadResult(RunResult):
 
         Needs ``load(..., load_weights=True)``. ``prompts``: a string or a list of strings (tokenized;
         ``chat=True`` applies the chat template) and/or lists of token ids. ``sampling_params`` (or its
-        fields as keywords: ``max_new_tokens``, ``temperature``, ``top_p``, ``seed``, ``ignore_eos``)
-        says how tokens are picked; ``salt``, ``chat``, ``stream`` and ``arrival_steps`` as in
+        fields as keywords: ``max_tokens``/``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``,
+        ``seed``, ``stop``, ``stop_token_ids``, ``logprobs``, ``ignore_eos``) says how tokens are picked;
+        ``salt``, ``chat``, ``stream`` and ``arrival_steps`` as in
         :meth:`engine.executor.GenerationExecutor.generate`. Each output has ``text`` (None without a
         tokenizer), ``token_ids`` (generated only), ``prompt_token_ids``, ``reused_prompt_tokens``,
-        ``finish_reason`` ("eos" or "length") and ``timings``; the call's totals are in ``executor.last_stats``.
+        ``finish_reason`` ("stop" or "length"), ``stop_reason``, ``logprobs`` and ``timings``; the call's
+        totals are in ``executor.last_stats``. One sample per prompt: for ``n > 1`` use ``kvload.LLM`` (or
+        ``executor.run``), which return ``RequestOutput``s.
         """
         return self.executor.generate(prompts, sampling_params, **kwargs)
 

@@ -40,7 +40,7 @@ def _with_default_budget(kv: Any, tokens: int) -> Any:
     return kv  # anything else: the pipeline's own check names it
 
 
-class _StreamClosed(Exception):
+class StreamClosed(Exception):
     """Raised inside the generation thread when the consumer of ``generate_stream`` went away."""
 
 
@@ -136,7 +136,7 @@ class LLM:
 
             def on_delta(delta: TokenDelta) -> None:
                 if closed.is_set():
-                    raise _StreamClosed("the generate_stream consumer stopped reading")
+                    raise StreamClosed("the generate_stream consumer stopped reading")
                 items.put(delta)
 
             def work() -> None:

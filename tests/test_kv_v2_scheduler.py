@@ -38,7 +38,7 @@ def test_every_request_completes_through_the_host_tier_when_fewer_fit_than_wait(
 
 def test_without_a_host_tier_pressure_preempts_for_recompute_and_every_request_completes():
     m = make_manager(full_sliding_layers(window=8), 16, host_cache_size=0, enable_swa_scratch_reuse=True)
-    s = KVCacheV2Scheduler(m, max_batch_size=8, max_num_tokens=16)
+    s = KVCacheV2Scheduler(m, max_batch_size=8, max_num_tokens=16, init_ratio=0.0)  # greedy: pressure comes
     reqs = batch(6, 10, 12)
     res = drive(m, s, reqs)
     assert res.stalled is None and len(res.finished) == 6

@@ -7,11 +7,10 @@ import pytest
 from cache_backends.block_pool import BlockPool
 from cache_backends.interface import PrefixCacheInUseError
 from cache_backends.request import Request
-from tests.test_kv_v1_manager import make_manager as make_v1
-from tests.test_kv_v1_manager import run_prefill
-from tests.test_kv_v2_harness import full_sliding_layers
-from tests.test_kv_v2_harness import make_manager as make_v2
-from tests.test_kv_v2_manager import admit, prefill
+from tests.kv_v1_support import make_manager as make_v1
+from tests.kv_v1_support import run_prefill
+from tests.kv_v2_support import admit, full_sliding_layers, prefill
+from tests.kv_v2_support import make_manager as make_v2
 
 # --- V1 eviction order -------------------------------------------------------------------------------
 

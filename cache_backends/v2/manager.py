@@ -319,6 +319,39 @@ class KVCacheManagerV2:
         cache.capacity = capacity
         return True
 
+    def schedule_tokens(self, request: Request, want: int) -> int:
+        """Reserve the most tokens, up to ``want``, that fit now (:meth:`fit_tokens` then :meth:`allocate`); how many.
+
+        The scheduler's per-request call: one lookup, and when everything fits (the common case) no search.
+        """
+        cache = self._caches.get(request)
+        if cache is None or cache.state is not CacheState.ACTIVE:
+            return self.fit_tokens(request, want)  # raises the usual error
+        committed = cache.committed
+        want = min(want, self.options.max_seq_len - committed, request.num_tokens - committed)
+        if want <= 0:
+            return 0
+        target = committed + want
+        if target > cache.capacity:
+            tables = cache.tables
+            needs = []
+            for name, tpb, pool in self._group_pools:
+                k = -(-target // tpb) - len(tables[name])
+                if k > len(pool._free) + len(pool.evictable):  # pool.available, inlined (hot path)
+                    n = self.fit_tokens(request, want)
+                    if n and not self.allocate(request, n):
+                        raise RuntimeError(f"request {request.req_id}: allocation of {n} tokens failed after fitting")
+                    return n
+                needs.append(k)
+            detach = self._detach
+            for (name, _, pool), k in zip(self._group_pools, needs, strict=True):
+                if k > 0:
+                    tables[name].extend(pool.allocate_many(k, detach))
+            cache.capacity = target
+        if target > cache.history:
+            cache.history = target
+        return want
+
     def fit_tokens(self, request: Request, want: int) -> int:
         """The most tokens, up to ``want``, that :meth:`allocate` could reserve now (0: not even one)."""
         cache = self._active(request)
@@ -357,21 +390,33 @@ class KVCacheManagerV2:
     def headroom_blocks(self, requests: Iterable[Request], ratio: float) -> dict[str, int]:
         """:meth:`growth_blocks` summed over active ``requests`` (one pass, no per-request dicts: it runs every
         step that admits)."""
-        spec = [(g.tokens_per_block, g.max_blocks_per_sequence) for g in self.groups]
-        out = [0] * len(spec)
         limit, caches, ceil = self.options.max_seq_len, self._caches, math.ceil
+        spans: list[tuple[int, int]] = []  # (tokens held now, tokens after growing ``ratio`` of the way)
         for r in requests:
-            now = caches[r].capacity
-            worst = max(r.num_tokens, min(r.max_total_tokens, limit))
-            if worst <= now:
-                continue
-            target = now + ceil(ratio * (worst - now))
-            for i, (tpb, cap) in enumerate(spec):
-                a, b = -(-target // tpb), -(-now // tpb)
-                if cap is not None:
-                    a, b = min(a, cap), min(b, cap)
-                out[i] += a - b
-        return {g.name: k for g, k in zip(self.groups, out, strict=True)}
+            cache = caches[r]
+            now = cache.capacity
+            worst = cache.worst
+            if worst < 0:  # once per request: prompt + max_new_tokens within max_seq_len (it never changes)
+                worst = cache.worst = min(r.max_total_tokens, limit)
+            if worst > now:
+                spans.append((now, now + ceil(ratio * (worst - now))))
+        out = {}
+        for g in self.groups:
+            tpb, cap = g.tokens_per_block, g.max_blocks_per_sequence
+            if cap is None:
+                out[g.name] = sum(-(-target // tpb) + (now // -tpb) for now, target in spans)
+            else:
+                out[g.name] = sum(min(-(-target // tpb), cap) - min(-(-now // tpb), cap) for now, target in spans)
+        return out
+
+    def check_running(self, requests: Iterable[Request]) -> None:
+        """``ValueError`` unless every request has an active cache here (the scheduler's guard, one pass)."""
+        caches = self._caches
+        for r in requests:
+            cache = caches.get(r)
+            if cache is None or cache.state is not CacheState.ACTIVE:
+                raise ValueError(f"request {r.req_id} is in running but has no active KV cache; "
+                                 "only the scheduler moves requests into running")
 
     def available_blocks(self) -> dict[str, int]:
         """Blocks per group an allocation could take now (free plus evictable)."""
@@ -405,7 +450,9 @@ class KVCacheManagerV2:
 
     def commit(self, request: Request, num_tokens: int) -> None:
         """The next ``num_tokens`` scheduled tokens have their KV written: advance, key full blocks, slide windows."""
-        cache = self._active(request)
+        cache = self._caches.get(request)
+        if cache is None or cache.state is not CacheState.ACTIVE:
+            cache = self._active(request)  # raises the usual error
         if num_tokens < 0 or cache.committed + num_tokens > cache.history:
             raise ValueError(f"request {request.req_id}: cannot commit {num_tokens} tokens; "
                              f"{cache.history - cache.committed} are scheduled")

@@ -79,10 +79,7 @@ class KVCacheV2Scheduler(SchedulerBase):
     def step(self, waiting: deque[Request], running: list[Request]) -> SchedulerOutput:
         """Decide this iteration: move requests between ``waiting`` and ``running``, allocate, report."""
         m = self.manager
-        for r in running:
-            if not m.has_cache(r) or not m.cache(r).is_active:
-                raise ValueError(f"request {r.req_id} is in running but has no active KV cache; "
-                                 "only the scheduler moves requests into running")
+        m.check_running(running)
         out = SchedulerOutput()
         reasons: list[str] = []
         chunks: dict[Request, ScheduledChunk] = {}
@@ -90,14 +87,20 @@ class KVCacheV2Scheduler(SchedulerBase):
         running.sort(key=_rank)
         moved_out = False
 
-        order = [r for r in running if _pending(r) == 1] + [r for r in running if _pending(r) > 1]
-        for r in order:
+        pending = [(r, r.num_tokens - r.num_computed_tokens) for r in running]
+        order = [rp for rp in pending if rp[1] == 1] + [rp for rp in pending if rp[1] > 1]
+        running_state = RequestState.RUNNING
+        for r, p in order:
             if budget == 0:
                 break
-            if r.state is not RequestState.RUNNING:  # moved out earlier in this loop
+            if r.state is not running_state:  # moved out earlier in this loop
                 continue
-            want = min(_pending(r), budget)
-            n = m.fit_tokens(r, want)
+            want = min(p, budget)
+            n = m.schedule_tokens(r, want)
+            if n:  # reserved: the common case
+                budget -= n
+                chunks[r] = ScheduledChunk(r, n)
+                continue
             while n == 0:
                 if r.num_computed_tokens >= m.options.max_seq_len:
                     reasons.append(f"request {r.req_id} reached max_seq_len={m.options.max_seq_len}; "
