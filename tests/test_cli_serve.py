@@ -18,7 +18,8 @@ from tests.cli_support import ENV, REPO, run_cli
 def test_serve_process_answers_then_stops_cleanly_on_sigterm(tmp_path):
     events = tmp_path / "kv_events.jsonl"
     proc = subprocess.Popen([sys.executable, "-m", "kvload", "serve", "tiny-llama", "--port", "0", "--max_tokens",
-                             "1024", "--event_buffer_max_size", "100", "--kv-events-file", str(events)],
+                             "1024", "--event_buffer_max_size", "100", "--kv-events-file", str(events),
+                             "--audit-log", str(tmp_path / "audit.jsonl")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, cwd=REPO)
     try:
@@ -37,6 +38,8 @@ def test_serve_process_answers_then_stops_cleanly_on_sigterm(tmp_path):
             assert "kvload_generation_tokens_total" in http.get("/metrics").text
         proc.send_signal(signal.SIGTERM)  # what service managers send
         assert proc.wait(timeout=30) == 0
+        audit = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+        assert any(r["event"] == "request_finished" for r in audit)  # the served requests joined the audit log
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)

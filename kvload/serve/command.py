@@ -74,7 +74,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from kvload.serve.server import bind, build_state, serve
     from stages import load_stages
 
-    cli._check_audit_path(ns.audit_log)
+    audit = cli._audit_subscribers(ns)  # published by main once the server stopped cleanly
     if ns.kv_events_file is not None:
         cli._check_output_path("--kv-events-file", ns.kv_events_file)
         if not cli.cli_overrides(ns).get("kv_cache_config", {}).get("event_buffer_max_size"):
@@ -85,7 +85,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     request = cli._request(ns, load_weights=True)
     request.overrides.setdefault("kv_cache_config", {}).setdefault(
         "default_max_tokens", SERVE_DEFAULT_SEQUENCES * (ns.default_max_tokens + SERVE_PROMPT_ALLOWANCE))
-    with execute(request, load_stages(), audit_log=ns.audit_log) as result:
+    with execute(request, load_stages(), subscribers=audit) as result:  # request events reach the audit too
         state = build_state(result, model_name=ns.served_model_name, default_max_tokens=ns.default_max_tokens)
         events_file = None
         if ns.kv_events_file is not None:
@@ -103,8 +103,6 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             if events_file is not None:
                 result.kv_manager.kv_events.jsonl = None
                 events_file.close()
-        if ns.audit_log:
-            result.audit.to_jsonl(ns.audit_log)
     return 0
 
 
