@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -412,6 +412,19 @@ class GenerationExecutor:
 
     def _compute(self, out: SchedulerOutput) -> dict[str, int]:
         """The step's forward: every scheduled chunk packed into one row; next tokens of requests that reach the end."""
+        picked, rows = self.forward(out, self._live)
+        if not rows:
+            return {}
+        lives = [self._live[out.scheduled[i].request.req_id] for i in rows]
+        tokens = self._sample(picked, lives)
+        if self.lockstep is not None:
+            tokens = self.lockstep.ranks.broadcast(tokens)  # rank 0's tokens: the next step's inputs everywhere
+        return tokens
+
+    def forward(self, out: SchedulerOutput, live: Collection[str]) -> tuple[Any, list[int]]:
+        """One packed forward of the scheduled chunks: (logits of the chunks that reach their request's last
+        token, their indices in ``out.scheduled``); ``(None, [])`` when none does. ``live``: the request ids
+        whose block-table rows must be kept (the serving loop shares this with ``generate``)."""
         chunks, rows = [], []
         store = self._block_tables
         for scheduled in out.scheduled:
@@ -422,8 +435,8 @@ class GenerationExecutor:
             for g in self.groups:  # only what changed since the last step is written
                 store.update(req.req_id, g, self.manager.block_table(req, g))
             rows.append(store.row(req.req_id))
-        if len(store) > 2 * len(self._live) + 8:  # rows of requests finished in earlier steps go back
-            store.keep_only(self._live)
+        if len(store) > 2 * len(live) + 8:  # rows of requests finished in earlier steps go back
+            store.keep_only(live)
         if self.lockstep is not None:  # before the forward's collectives: a divergence fails here, never hangs
             self.lockstep.check_schedule(out, [{g: self.manager.block_table(s.request, g) for g in self.groups}
                                                for s in out.scheduled])
@@ -432,13 +445,8 @@ class GenerationExecutor:
         rows = [i for i, s in enumerate(out.scheduled)
                 if s.request.num_computed_tokens + s.num_tokens == s.request.num_tokens]
         if not rows:
-            return {}
-        picked = logits[rows] if len(rows) < len(out.scheduled) else logits
-        lives = [self._live[out.scheduled[i].request.req_id] for i in rows]
-        tokens = self._sample(picked, lives)
-        if self.lockstep is not None:
-            tokens = self.lockstep.ranks.broadcast(tokens)  # rank 0's tokens: the next step's inputs everywhere
-        return tokens
+            return None, []
+        return (logits[rows] if len(rows) < len(out.scheduled) else logits), rows
 
     def _sample(self, logits: Any, lives: list[_Live]) -> dict[str, int]:
         """Next token of each live request from its logits row, drawn as its SamplingParams say; logprobs kept."""

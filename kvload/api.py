@@ -48,6 +48,30 @@ class LoadResult(RunResult):
         """
         return self.executor.generate(prompts, sampling_params, **kwargs)
 
+    def kv_cache_events(self, jsonl: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+        """Drain the KV cache events recorded since the last call: ``{"events": [...], "dropped": n}``.
+
+        Needs ``load`` with ``kv_cache_config.event_buffer_max_size > 0`` (the buffer keeps that many
+        events; older ones are dropped and counted). ``jsonl`` appends the drained events to that file,
+        one JSON object per line. Event types: ``kv_block_stored``, ``kv_block_removed``,
+        ``kv_all_blocks_cleared`` (see :mod:`cache_backends.kv_events`).
+        """
+        from pipeline.errors import ConfigError
+
+        manager = self.kv_manager
+        buffer = getattr(manager, "kv_events", None)
+        if buffer is None:
+            raise ConfigError("kv_cache_events: KV cache events are off; load with "
+                              "kv_cache_config.event_buffer_max_size > 0 (a load, not a plan)",
+                              path="kv_cache_config.event_buffer_max_size")
+        batch = buffer.drain()
+        if jsonl is not None:
+            import json
+
+            with open(jsonl, "a", encoding="utf-8") as f:
+                f.writelines(json.dumps(e, separators=(",", ":")) + "\n" for e in batch["events"])
+        return batch
+
     def __enter__(self) -> LoadResult:
         return self
 

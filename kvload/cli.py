@@ -101,6 +101,8 @@ FLAGS: tuple[Flag, ...] = (
          "turn prefix (block) reuse off", const=False),
     Flag("--host_cache_size", "kv_cache_config.host_cache_size",
          "V2 host tier size in bytes (0 = none; absent = auto-size)", size, metavar="BYTES"),
+    Flag("--event_buffer_max_size", "kv_cache_config.event_buffer_max_size",
+         "KV cache events (block stored/removed/cleared) kept for readers; 0 = off (default)", integer, metavar="N"),
     Flag("--kv_cache_dtype", "kv_cache_config.dtype", "KV cache dtype: auto or a dtype name", str, metavar="DTYPE"),
     Flag("--dtype", "dtype", "model dtype: auto, float32, float16, bfloat16", str, metavar="DTYPE"),
     Flag("--device", "device", "where to build: auto (cuda when available), cuda or cpu", str,
@@ -533,6 +535,7 @@ examples:
   kvload plan tiny-gemma3 --max_tokens 16384 --compare V1 vs V2 at one budget (--chart FILE.png draws it)
   kvload generate smollm2-135m --chat --prompt "What is the capital of France?"
   kvload simulate tiny-llama --workload shared-prefix --compare --requests 256 --max_tokens 65536
+  kvload serve smollm2-135m --port 8000                OpenAI-compatible server (needs kvload[serve])
 
 exit status: 0 ok, 2 bad input (usage, config, model, route, audit file), 1 runtime failure or a log
 that does not verify. Results go to stdout, logs to stderr.
@@ -617,6 +620,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_flags(p)
     p.set_defaults(func=cmd_run)
     add_generate_command(sub)
+    from kvload.serve.command import add_serve_command
+
+    add_serve_command(sub)
     add_simulate_command(sub)
     add_inspection_commands(sub)
     return parser

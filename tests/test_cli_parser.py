@@ -69,6 +69,7 @@ SAMPLES = {
     "--tokens_per_block": (["64"], 64),
     "--disable_kv_cache_reuse": ([], False),
     "--host_cache_size": (["512MiB"], 512 << 20),
+    "--event_buffer_max_size": (["1000"], 1000),
     "--kv_cache_dtype": (["bf16"], "bfloat16"),
     "--attention_backend": (["flex"], "flex"),
     "--dtype": (["fp16"], "float16"),

@@ -48,6 +48,7 @@ from typing import Any
 
 from cache_backends.hashing import block_hash, chain_packed_hashes, pack_tokens
 from cache_backends.interface import ManagerOptions, prefix_cache_in_use
+from cache_backends.kv_events import KvEventBuffer
 from cache_backends.layout import KvLayout, LayerGroup
 from cache_backends.pools import BlockPools
 from cache_backends.request import Request
@@ -130,6 +131,7 @@ class KVCacheManagerV2:
             self.host = HostTier(pools, slots)
         self._caches: dict[Request, SequenceCache] = {}
         self._closed = False
+        self.kv_events: KvEventBuffer | None = None
         self.counters = {"suspends": 0, "resumes": 0, "preemptions": 0, "reuse_hit_tokens": 0,
                          "reuse_partial_hits": 0, "reuse_lookup_tokens": 0}
 
@@ -480,6 +482,8 @@ class KVCacheManagerV2:
         for pool in self._pool.values():
             pool.reset()
         self._tree = RadixTree()
+        if self.kv_events is not None:
+            self.kv_events.cleared()
 
     # --- reporting -------------------------------------------------------------------------------
 
@@ -619,6 +623,8 @@ class KVCacheManagerV2:
 
     def _detach(self, group: str, nodes: list[RadixNode]) -> None:
         """Unhook evicted or dropped blocks of ``group`` from their radix nodes (pool side is the caller's)."""
+        if self.kv_events is not None:
+            self.kv_events.removed([n.key for n in nodes], group)
         self._tree.detach(group, nodes)
 
     def _attach(self, node: RadixNode, group: str, block: int) -> None:
@@ -626,6 +632,27 @@ class KVCacheManagerV2:
         if group not in node.blocks and pool.node[block] is None:
             node.blocks[group] = block
             pool.node[block] = node
+            if self.kv_events is not None:
+                self._stored(group, [node])
+
+    def _stored(self, group: str, nodes: list[RadixNode]) -> None:
+        """``kv_block_stored`` for ``group``'s blocks now held by ``nodes`` (a chain, parent first)."""
+        events = self.kv_events
+        assert events is not None
+        chain: list[RadixNode] = []
+        for node in [*nodes, None]:  # one event per run of nodes that chain parent to child
+            if node is not None and (not chain or node.parent is chain[-1]):
+                chain.append(node)
+                continue
+            if chain:
+                parent = chain[0].parent
+                events.stored([n.key for n in chain if n.key is not None], parent.key if parent is not None else None,
+                              [t for n in chain for t in n.token_ids], self.T, group)
+            chain = [node] if node is not None else []
+
+    def enable_kv_events(self, buffer: KvEventBuffer) -> None:
+        """Record stored / removed / cleared prefix-cache blocks into ``buffer`` from now on."""
+        self.kv_events = buffer
 
     def _release_blocks(self, cache: SequenceCache) -> None:
         """Let go of every device block, tail first so the tail is evicted before the head."""
@@ -679,10 +706,15 @@ class KVCacheManagerV2:
             else:  # token blocks j whose end is a group block's end: (j + 1) % step == 0
                 pairs = ((new[j - first], table[(j + 1) // step - 1])
                          for j in range(-(-(first + 1) // step) * step - 1, full, step))
+            stored = [] if self.kv_events is not None else None
             for node, b in pairs:
                 if b >= 0 and owner[b] is None and name not in node.blocks:
                     node.blocks[name] = b
                     owner[b] = node
+                    if stored is not None:
+                        stored.append(node)
+            if stored:
+                self._stored(name, stored)
 
     def _match(self, request: Request) -> tuple[int, list[RadixNode], list[bytes]]:
         """Walk the radix tree over the request's full blocks: (usable prefix, path, keys).
