@@ -134,9 +134,10 @@ def _target_notes(rows: list[dict[str, Any]]) -> list[str]:
     timed = [r for r in rows if r["preset"] == "tiny-llama" and r["workload"] in ("shared-prefix", "multi-turn")
              and r["budget"] == "default" and "time_ratio" in r]
     if timed:
-        notes.append("tiny-llama step time V2/V1 (default budget): " + ", ".join(
-            f"{r['workload']} {ratio(r['time_ratio'])}" for r in timed)
-            + f"; target <= 1.25x: {verdict(all(r['time_ratio'] <= 1.25 for r in timed))}.")
+        notes.append("tiny-llama step time V2/V1 in this table (default budget; wall time, one run each, so other "
+                     "jobs on the machine swing it): " + ", ".join(f"{r['workload']} {ratio(r['time_ratio'])}"
+                                                              for r in timed)
+                     + "; the step-time target is judged by the interleaved CPU-time table (--only timing).")
     return notes
 
 

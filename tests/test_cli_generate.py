@@ -73,9 +73,11 @@ def test_json_prints_outputs_and_stats(capsys):
 
 
 def test_v2_under_pressure_reports_suspends_in_the_throughput_line(capsys):
-    ids = ["--prompt-ids", ",".join(map(str, range(10, 40)))] * 3
+    # Three distinct 30-token prompts growing to 70 tokens (9 blocks of 8) in 16 blocks: admission's headroom
+    # estimate (70% of the remaining growth) lets two run, and running to max_new_tokens outgrows it.
+    ids = [a for start in (10, 40, 70) for a in ("--prompt-ids", ",".join(map(str, range(start, start + 30))))]
     r = run_cli(capsys, *TINY, *ids, "--max_new_tokens", "40", "--ignore_eos", "--use_kv_cache_manager_v2", "true",
-                "--tokens_per_block", "8", "--max_tokens", "160", "--max_seq_len", "80")
+                "--tokens_per_block", "8", "--max_tokens", "128", "--max_seq_len", "80")
     assert r.code == 0, r.err
     assert "suspended" in r.out.rstrip("\n").split("\n")[-1]
 
