@@ -1,4 +1,4 @@
-"""``KVCacheV2Scheduler``: greedy admission, suspend-to-host under pressure, resume when room returns.
+"""``KVCacheV2Scheduler``: admission with headroom for growth, suspend-to-host under pressure, resume later.
 
 One :meth:`~KVCacheV2Scheduler.step`:
 
