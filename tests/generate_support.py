@@ -25,6 +25,18 @@ def load(path: Path | str, manager: str, *, device: str = "cpu", max_tokens: int
                          max_seq_len=max_seq_len, kv_cache_config=kv_config, log=False)
 
 
+def greedy_v2_admission(result: pipeline.LoadResult) -> None:
+    """Give a V2 result greedy admission (no headroom for growth), so a tight pool is certain to see pressure.
+
+    The default V2 scheduler admits only while the pools keep room for the running requests' estimated
+    growth; tests of suspension and recompute need the over-admission that rule prevents.
+    """
+    from cache_backends.v2 import KVCacheV2Scheduler
+
+    result.context.scheduler = KVCacheV2Scheduler(result.kv_manager, result.args.max_batch_size,
+                                                  result.args.max_num_tokens, init_ratio=0.0)
+
+
 def prompts_for(vocab: int, lengths: tuple[int, ...] = PROMPT_LENGTHS, seed: int = 1234) -> list[list[int]]:
     """Random prompts of the given lengths (ids from 3 up, clear of the usual special ids)."""
     gen = torch.Generator().manual_seed(seed)

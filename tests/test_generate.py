@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 import pipeline
-from tests.generate_support import NEW_TOKENS, hf_greedy, load, prompts_for, used_blocks
+from tests.generate_support import NEW_TOKENS, greedy_v2_admission, hf_greedy, load, prompts_for, used_blocks
 from tests.test_paged_generation import CUDA, FAMILIES
 
 STAGGER = [0, 1, 2, 5]
@@ -137,6 +137,7 @@ def test_v1_under_pressure_makes_requests_wait_and_all_complete(tiny_checkpoints
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_v2_under_pressure_suspends_to_the_host_tier_and_resumes_exactly(tiny_checkpoints, family):
     with load(tiny_checkpoints(family), "v2", max_tokens=40) as result:
+        greedy_v2_admission(result)
         model = result.hf_model
         ps = prompts_for(model.config.vocab_size)
         outs = result.generate(ps, max_new_tokens=NEW_TOKENS)
@@ -149,6 +150,7 @@ def test_v2_under_pressure_suspends_to_the_host_tier_and_resumes_exactly(tiny_ch
 
 def test_v2_without_a_host_tier_recomputes_preempted_requests(tiny_checkpoints):
     with load(tiny_checkpoints("llama"), "v2", max_tokens=40, host_cache_size=0) as result:
+        greedy_v2_admission(result)
         model = result.hf_model
         ps = prompts_for(model.config.vocab_size)
         outs = result.generate(ps, max_new_tokens=NEW_TOKENS)
