@@ -11,7 +11,7 @@ import pipeline
 from pipeline.errors import GenerationError, KvBuildError
 from pipeline.executor import GenerationExecutor, sample_token
 from pipeline.explain import verify_log
-from tests.generate_support import NEW_TOKENS, hf_greedy, load, prompts_for, used_blocks
+from tests.generate_support import NEW_TOKENS, greedy_v2_admission, hf_greedy, load, prompts_for, used_blocks
 
 # --- sampling -------------------------------------------------------------------------------------
 
@@ -153,6 +153,8 @@ def test_deepseek_v4_is_plan_and_build_only():
 @pytest.mark.parametrize("manager", ["v1", "v2"])
 def test_a_failing_call_frees_its_requests_and_the_executor_stays_usable(tiny_checkpoints, manager):
     with load(tiny_checkpoints("gemma3"), manager, max_tokens=40) as result:
+        if manager == "v2":
+            greedy_v2_admission(result)  # so some request is suspended when the interrupt strikes
         model = result.hf_model
         ps = prompts_for(model.config.vocab_size)
 

@@ -78,6 +78,7 @@ def test_max_new_tokens_zero_is_refused_instead_of_generating_one_token():
 def test_preemption_is_reported_and_a_readmission_says_so():
     events: list = []
     d = make_driver("v2", blocks=4, max_seq_len=64, events=events, host_cache_size=0, enable_block_reuse=False)
+    d.scheduler = KVCacheV2Scheduler(d.manager, 4, 64, init_ratio=0.0)  # greedy admission: pressure is certain
     for i in range(2):
         d.add(Request(f"r{i}", [i + 1] * 4, 8))  # 12 tokens = 3 blocks each; 4 blocks hold both prompts only
     run(d)
