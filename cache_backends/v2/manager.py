@@ -130,6 +130,8 @@ class KVCacheManagerV2:
         if slots:
             self.host = HostTier(pools, slots)
         self._caches: dict[Request, SequenceCache] = {}
+        # per group: sum over active caches of the blocks each holds at its worst case (growth_bound's cheap bound)
+        self._worst_blocks = [0] * len(self.groups)
         self._closed = False
         self.kv_events: KvEventBuffer | None = None
         self.counters = {"suspends": 0, "resumes": 0, "preemptions": 0, "reuse_hit_tokens": 0,
@@ -418,6 +420,12 @@ class KVCacheManagerV2:
                 raise ValueError(f"request {r.req_id} is in running but has no active KV cache; "
                                  "only the scheduler moves requests into running")
 
+    def growth_bound(self) -> dict[str, int]:
+        """Per group, an upper bound of :meth:`headroom_blocks` over every active cache at any ratio, in O(groups):
+        the blocks active caches hold at their worst cases minus the blocks in use (shared ones count once)."""
+        return {name: max(0, w - pool.num_used)
+                for (name, _, pool), w in zip(self._group_pools, self._worst_blocks, strict=True)}
+
     def available_blocks(self) -> dict[str, int]:
         """Blocks per group an allocation could take now (free plus evictable)."""
         return {name: pool.available for name, pool in self._pool.items()}
@@ -564,6 +572,9 @@ class KVCacheManagerV2:
                         problems.append(f"{rid}: group {g.name} block {j} missing above the window")
                     if b >= 0:
                         owners[g.name][b] = owners[g.name].get(b, 0) + 1
+        worst = [sum(g.blocks_for(c.worst) for c in self._caches.values() if c.is_active) for g in self.groups]
+        if worst != self._worst_blocks:
+            problems.append(f"worst-case blocks of active caches {self._worst_blocks}, recomputed {worst}")
         for g in self.groups:
             pool = self._pool[g.name]
             free, evictable = set(pool.free_ids()), set(pool.evictable.blocks())
@@ -654,8 +665,17 @@ class KVCacheManagerV2:
         """Record stored / removed / cleared prefix-cache blocks into ``buffer`` from now on."""
         self.kv_events = buffer
 
+    def _count_worst(self, cache: SequenceCache, sign: int) -> None:
+        """Add (``sign`` 1, on activation) or remove (-1, on release) a cache's worst-case blocks."""
+        if cache.worst < 0:
+            cache.worst = min(cache.request.max_total_tokens, self.options.max_seq_len)
+        worst, totals = cache.worst, self._worst_blocks
+        for i, g in enumerate(self.groups):
+            totals[i] += sign * g.blocks_for(worst)
+
     def _release_blocks(self, cache: SequenceCache) -> None:
         """Let go of every device block, tail first so the tail is evicted before the head."""
+        self._count_worst(cache, -1)
         priority = cache.request.priority
         for name, _, pool in self._group_pools:
             pool.release(reversed(cache.tables[name]), priority, True, self._detach)
@@ -798,6 +818,7 @@ class KVCacheManagerV2:
                 m += self._claim_partial(cache, m, path)
         cache.committed = cache.history = cache.capacity = m
         cache.state = CacheState.ACTIVE
+        self._count_worst(cache, 1)
         cache.admitted = True
         cache.reused_tokens = m
         request.num_computed_tokens = m
@@ -901,4 +922,5 @@ class KVCacheManagerV2:
             self.host.free(name, slots)
         cache.host, cache.reclaim = None, {}
         cache.state = CacheState.ACTIVE
+        self._count_worst(cache, 1)
         self.counters["resumes"] += 1
