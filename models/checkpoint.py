@@ -66,6 +66,17 @@ class Checkpoint:
         return data
 
 
+#: Beside each packaged model: the config transformers reads from its GGUF, so ``kvload models`` can
+#: say what it supports without reading the GGUF (seconds). tests/test_models_listing.py checks it
+#: against the installed file's own config.
+PACKAGED_CONFIGS = Path(__file__).parent / "packaged"
+
+
+def packaged_config(name: str) -> dict[str, Any]:
+    """The stored config of a packaged model (see :data:`PACKAGED_CONFIGS`)."""
+    return json.loads((PACKAGED_CONFIGS / f"{name}.config.json").read_text(encoding="utf-8"))
+
+
 def presets() -> list[str]:
     """Names of the embedded presets (configs only; random weights)."""
     return sorted(p.name for p in PRESETS_DIR.iterdir() if (p / "config.json").is_file())
@@ -152,10 +163,16 @@ def read_config_json(path: Path) -> dict[str, Any]:
 
 
 def load_hf_config(checkpoint: Checkpoint) -> Any:
-    """Read the config through ``transformers.AutoConfig`` (never ``trust_remote_code``)."""
+    """Read the config: a preset's as a :class:`~models.config_view.ConfigView` (no transformers
+    import: presets store transformers' complete ``to_dict()``), any other through
+    ``transformers.AutoConfig`` (never ``trust_remote_code``), which fills in what a file leaves out."""
     if checkpoint.gguf_file:
         return _load_gguf_config(checkpoint)
     raw = read_config_json(checkpoint.path)
+    if checkpoint.kind == "preset":
+        from models.config_view import ConfigView
+
+        return ConfigView(raw, checkpoint.path)
     from transformers import AutoConfig  # deferred: importing transformers costs seconds
 
     try:

@@ -73,8 +73,12 @@ def random_model(hf_config: Any, *, device: str, dtype: str, seed: int = 0) -> A
     import torch
     from transformers import AutoModelForCausalLM
 
+    from models.config_view import transformers_config
+
     tdtype = torch_dtype(dtype)
-    cfg = copy.deepcopy(hf_config)  # from_config writes attention settings into the config it gets
+    # a preset's plan read its config without transformers; building a model needs the real object.
+    # from_config writes attention settings into the config it gets, hence the copy.
+    cfg = copy.deepcopy(transformers_config(hf_config))
     with torch.random.fork_rng(devices=[]):  # leave the caller's RNG stream untouched
         torch.manual_seed(seed)
         try:

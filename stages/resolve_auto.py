@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from pipeline.bus import Emit
@@ -14,8 +15,23 @@ from pipeline.paths import get_in
 V2 = V2_FIELD
 
 
+def _no_gpu_driver() -> bool:
+    """True when this machine certainly has no GPU torch could use: no NVIDIA or ROCm device node.
+
+    Lets ``device: auto`` resolve to cpu without importing torch (seconds) on a machine without a GPU.
+    """
+    import os
+
+    if "torch" in sys.modules:
+        return False  # already paid for: ask torch itself
+    nodes = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd", "/dev/dxg")
+    return not any(os.path.exists(p) for p in nodes)
+
+
 def cuda_available() -> bool:
-    """Whether torch sees a CUDA device (False when torch is missing)."""
+    """Whether torch sees a CUDA device (False when torch is missing, or no GPU driver is there)."""
+    if _no_gpu_driver():
+        return False
     try:
         import torch
     except ImportError:
