@@ -5,7 +5,9 @@ Sources, in the order ``resolve_checkpoint`` tries them:
 * a local path: a directory holding ``config.json`` (safetensors weights; it wins over any ``.gguf``
   beside it), a directory holding one ``.gguf`` file and no ``config.json``, or a ``.gguf`` file itself;
 * an embedded preset (``models/presets/<name>/config.json``): a config only; weights are random;
-* a packaged model (``smollm2-135m``): a GGUF file shipped inside an installed Python distribution.
+* a packaged model (``smollm2-135m``): a GGUF file shipped inside an installed Python distribution;
+* a Hugging Face model id (``org/name``, optionally ``@revision``) whose snapshot is already in the local
+  Hugging Face cache (``models.hub_cache``; never a download).
 
 A GGUF checkpoint keeps its config in the GGUF header; transformers reads it (``gguf_file=``) but
 names no architecture, so kvload fills ``architectures`` from transformers' causal-LM mapping.
@@ -49,7 +51,7 @@ class Checkpoint:
     """Where a model's config and weights live; ``gguf_file`` names the GGUF file inside ``path``."""
 
     name: str
-    kind: str  # "preset" | "directory" | "package"
+    kind: str  # "preset" | "directory" | "package" | "hub" (a snapshot in the local Hugging Face cache)
     path: Path
     gguf_file: str | None = None
 
@@ -133,11 +135,24 @@ def resolve_checkpoint(name: str) -> Checkpoint:
         return Checkpoint(name, "preset", PRESETS_DIR / name)
     if name in PACKAGED:
         return _packaged_checkpoint(name)
+    from models.hub_cache import cached_snapshot, looks_like_model_id
+
+    if looks_like_model_id(name):
+        snapshot, folder = cached_snapshot(name)
+        if snapshot is not None:
+            found = _directory_checkpoint(name, snapshot)
+            return Checkpoint(name, "hub", found.path, gguf_file=found.gguf_file)
+        raise ModelError(
+            f"model {name!r}: not a preset or a directory; presets: {', '.join(presets())}; packaged models: "
+            f"{', '.join(packaged_models())}; nor a model in the local Hugging Face cache (looked for {folder}); "
+            f"kvload never downloads: fetch it first (hf download {name.partition('@')[0]}) or point HF_HOME / "
+            "HF_HUB_CACHE at the cache that holds it"
+        )
     if _looks_like_path(name):
         raise ModelError(f"model {name!r}: no such directory")
     raise ModelError(
         f"model {name!r}: not a preset or a directory; presets: {', '.join(presets())}; packaged models: "
-        f"{', '.join(packaged_models())} (or give a checkpoint directory or .gguf file)"
+        f"{', '.join(packaged_models())} (or give a checkpoint directory, .gguf file or Hugging Face model id)"
     )
 
 
@@ -178,6 +193,10 @@ def load_hf_config(checkpoint: Checkpoint) -> Any:
     try:
         return AutoConfig.from_pretrained(str(checkpoint.path), trust_remote_code=False, local_files_only=True)
     except (ValueError, KeyError, TypeError, OSError) as exc:
+        if raw.get("auto_map"):  # the config names classes shipped as code inside the checkpoint
+            raise ModelError(f"{checkpoint.path / 'config.json'}: model_type {raw['model_type']!r} needs code shipped "
+                             "with the checkpoint (auto_map); kvload never runs it (trust_remote_code stays off)"
+                             ) from exc
         raise ModelError(
             f"{checkpoint.path / 'config.json'}: transformers cannot load model_type {raw['model_type']!r}: "
             f"{first_line(exc)}"
