@@ -191,10 +191,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
 
 def add_log_flags(p: Any) -> None:
     """``--log-format``, ``--log-level`` and ``--debug``."""
-    p.add_argument("--log-format", "--log_format", dest="log_format", choices=("console", "json"), default="console",
-                   help="how events are logged on stderr")
+    p.add_argument("--log-format", "--log_format", dest="log_format", choices=("console", "json"), default=None,
+                   help="how events are logged on stderr (default: $KVLOAD_LOG_FORMAT, else console)")
     p.add_argument("--log-level", "--log_level", dest="log_level", choices=("debug", "info", "warning", "error"),
-                   default="warning", help="least severe event logged on stderr (default: warning)")
+                   default=None, help="least severe event logged on stderr (default: $KVLOAD_LOG_LEVEL, else warning)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
@@ -663,13 +663,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvload`` console script."""
     parser = build_parser()
     ns = parser.parse_args(argv)
-    from pipeline.logs import HeldStream, configure_logging
+    from pipeline.logs import HeldStream, configure_logging, env_log_settings
 
+    try:  # flags win over KVLOAD_LOG_LEVEL / KVLOAD_LOG_FORMAT, which win over the defaults
+        env_level, env_format = env_log_settings()
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
     # At the default level, warnings are held until the outcome is known: a failed run prints only
     # its one-line error. Asking for info/debug streams everything as it happens.
-    level = getattr(ns, "log_level", "warning")  # explain/audit/models log nothing of their own
+    level = getattr(ns, "log_level", None) or env_level or "warning"  # explain/audit/models log nothing
     held = HeldStream() if level in ("warning", "error") and not ns.debug else None
-    configure_logging(getattr(ns, "log_format", "console"), level, held)
+    configure_logging(getattr(ns, "log_format", None) or env_format or "console", level, held)
     ok = False
     try:
         code = ns.func(ns)
