@@ -50,11 +50,16 @@ def _imports_after(code: str) -> dict:
     return json.loads(r.stderr.strip().splitlines()[-1])
 
 
+@pytest.mark.parametrize("device", ["cpu", "auto"])
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-deepseek-v4"])
-def test_plan_of_a_preset_imports_neither_torch_nor_transformers(preset):
+def test_plan_of_a_preset_imports_neither_torch_nor_transformers(preset, device):
+    from stages.resolve_auto import _no_gpu_driver
+
+    if device == "auto" and not _no_gpu_driver():
+        pytest.skip("a GPU driver is present: device auto asks torch whether CUDA works, as it must")
     loaded = _imports_after(f"""
         from kvload.cli import main
-        assert main(["plan", "{preset}", "--max_tokens", "65536"]) == 0
+        assert main(["plan", "{preset}", "--max_tokens", "65536", "--device", "{device}"]) == 0
     """)
     assert loaded == {"torch": False, "transformers": False}
 
@@ -63,7 +68,7 @@ def test_models_and_explain_import_neither_torch_nor_transformers(tmp_path):
     log = tmp_path / "plan.jsonl"
     loaded = _imports_after(f"""
         from kvload.cli import main
-        assert main(["plan", "tiny-gemma3", "--max_tokens", "8192", "--audit-log", r"{log}"]) == 0
+        assert main(["plan", "tiny-gemma3", "--max_tokens", "8192", "--device", "cpu", "--audit-log", r"{log}"]) == 0
         assert main(["explain", r"{log}", "use_kv_cache_manager_v2"]) == 0
         assert main(["models"]) == 0
     """)
