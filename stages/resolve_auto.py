@@ -15,17 +15,22 @@ from pipeline.paths import get_in
 V2 = V2_FIELD
 
 
+def gpu_driver_present() -> bool:
+    """Whether this machine has an NVIDIA or ROCm device node (a GPU torch might use)."""
+    import os
+
+    nodes = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd", "/dev/dxg")
+    return any(os.path.exists(p) for p in nodes)
+
+
 def _no_gpu_driver() -> bool:
-    """True when this machine certainly has no GPU torch could use: no NVIDIA or ROCm device node.
+    """True when this machine certainly has no GPU torch could use, and torch is not imported yet.
 
     Lets ``device: auto`` resolve to cpu without importing torch (seconds) on a machine without a GPU.
     """
-    import os
-
     if "torch" in sys.modules:
         return False  # already paid for: ask torch itself
-    nodes = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd", "/dev/dxg")
-    return not any(os.path.exists(p) for p in nodes)
+    return not gpu_driver_present()
 
 
 def cuda_available() -> bool:
