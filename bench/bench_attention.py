@@ -8,11 +8,14 @@ Run from the repository root::
 
 One decode step of one layer per point: every sequence brings one new token at position ``L - 1``
 (``--ragged``: sequences of unequal lengths up to ``L``, so both sides need a padding mask).
-``paged`` writes the new K/V into the block pool and gathers each sequence's blocks (physical blocks
-shuffled, as a real pool hands them out) before SDPA; ``contiguous`` writes into a dense
-``(B, kv_heads, L, head_dim)`` cache and runs SDPA over it. ``plan`` is the per-step ``PagedBatch``
-build (block tables → slots, masks), paid once per step and shared by every layer, so it is reported
-apart. Medians over ``--reps`` runs after warm-up.
+``gather`` writes the new K/V into the block pool and gathers each sequence's blocks (physical blocks
+shuffled, as a real pool hands them out) before SDPA; ``flex`` writes the same way and runs the
+compiled FlexAttention straight over the pool (``cache_backends.flex_paged``); ``contiguous`` writes
+into a dense ``(B, kv_heads, L, head_dim)`` cache and runs SDPA over it. ``plan_old`` is the per-step
+``PagedBatch`` build from block-table lists; ``plan`` the same from the executor's tensor rows
+(``BlockTableStore``); ``plan_flex`` the compiled path's plan (tables + block mask). A plan is paid
+once per step and shared by every layer; the ``_x`` ratios add it to one layer's attention (the
+worst case: a one-layer model). Medians over ``--reps`` runs after warm-up.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from cache_backends.block_tables import BlockTableStore
+from cache_backends.flex_paged import FlexPagedAttention
 from cache_backends.layout import LayerKV, build_layout
 from cache_backends.paged_attention import PagedBatch, SeqChunk, paged_attention
 from cache_backends.pools import TORCH_DTYPES, BlockPools
@@ -72,6 +77,13 @@ def bench_point(batch: int, length: int, args: argparse.Namespace, device: torch
     v_new = torch.randn(batch, hkv, hd, device=device, dtype=dtype)
     step = PagedBatch.build(chunks, pools)
     scale = hd**-0.5
+    # the executor's way: tables kept as tensor rows across steps; a decode step only diffs the lists
+    store = BlockTableStore(["full"], blocks_per_seq)
+    rows = [store.update(f"r{b}", "full", t) for b, t in enumerate(tables)]
+    bare = [SeqChunk([1], n - 1, {}) for n in lens]
+    flex = FlexPagedAttention(pools, batch) if args.flex else None
+    if flex is not None:
+        pools.tensors["full"].normal_()  # FlexPagedAttention zero-filled the pool
 
     k_dense = torch.randn(batch, hkv, length, hd, device=device, dtype=dtype)
     v_dense = torch.randn(batch, hkv, length, hd, device=device, dtype=dtype)
@@ -85,14 +97,37 @@ def bench_point(batch: int, length: int, args: argparse.Namespace, device: torch
     def paged() -> torch.Tensor:
         return paged_attention(step, 0, q, k_new, v_new, scale)
 
-    def plan() -> None:
+    def plan_lists() -> None:  # before: lists -> padded tensors every step, then gathers and masks
         fresh = PagedBatch.build(chunks, pools)
         fresh.mask(0)  # gathers and masks are planned on first use
+
+    def plan() -> None:  # after: the tables from the store (the lists diffed), then gathers and masks
+        for b, t in enumerate(tables):
+            store.update(f"r{b}", "full", t)
+        fresh = PagedBatch.build(bare, pools, store.tables(rows))
+        fresh.mask(0)
+
+    flex_step = [PagedBatch.build(bare, pools, store.tables(rows), flex=flex)]
+
+    def plan_flex() -> None:  # the compiled path's plan: tables from the store, then the block mask
+        for b, t in enumerate(tables):
+            store.update(f"r{b}", "full", t)
+        fresh = PagedBatch.build(bare, pools, store.tables(rows), flex=flex)
+        flex.block_mask(fresh, "full", None, flex.rows_per_token(h // hkv))
+        flex_step[0] = fresh
+
+    def compiled() -> torch.Tensor:
+        return paged_attention(flex_step[0], 0, q, k_new, v_new, scale)
 
     with torch.inference_mode():
         torch.testing.assert_close(paged()[0].float(), paged()[0].float())  # a smoke check: deterministic
         result = {"contiguous": median_us(contiguous, args.reps, device), "paged": median_us(paged, args.reps, device),
-                  "plan": median_us(plan, args.reps, device)}
+                  "plan_lists": median_us(plan_lists, args.reps, device), "plan": median_us(plan, args.reps, device)}
+        if flex is not None:
+            plan_flex()
+            torch.testing.assert_close(compiled().float(), paged().float(), rtol=1e-4, atol=1e-4)
+            result["flex"] = median_us(compiled, args.reps, device)
+            result["plan_flex"] = median_us(plan_flex, args.reps, device)
     pools.release()
     return result
 
@@ -111,6 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--ragged", action="store_true", help="unequal sequence lengths (both sides then use a mask)")
+    p.add_argument("--no-flex", dest="flex", action="store_false",
+                   help="skip the compiled path (its first shape compiles for ~10-25 s on a CPU)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -118,12 +155,20 @@ def main(argv: list[str] | None = None) -> None:
     print(f"device={device} dtype={args.dtype} heads={args.heads} kv_heads={args.kv_heads} head_dim={args.head_dim} "
           f"block={args.block} reps={args.reps} ragged={args.ragged} threads={torch.get_num_threads()} "
           f"torch={torch.__version__}")
-    print(f"{'batch':>5} {'len':>6} {'contiguous_us':>14} {'paged_us':>10} {'paged/contig':>12} {'plan_us':>9}")
+    print("times in us (medians); x = contiguous / path (>= 1: the path is as fast as SDPA over a contiguous "
+          "cache), plan included on the paged paths")
+    print(f"{'batch':>5} {'len':>6} {'contig':>8} {'gather':>8} {'plan_old':>8} {'plan':>6} {'gather_x':>8} "
+          f"{'flex':>8} {'plan_flex':>9} {'flex_x':>6}")
     for b in (int(x) for x in args.batch.split(",")):
         for n in (int(x) for x in args.lengths.split(",")):
             r = bench_point(b, n, args, device)
-            print(f"{b:>5} {n:>6} {r['contiguous']:>14.1f} {r['paged']:>10.1f} {r['paged'] / r['contiguous']:>12.2f} "
-                  f"{r['plan']:>9.1f}")
+            line = (f"{b:>5} {n:>6} {r['contiguous']:>8.1f} {r['paged']:>8.1f} {r['plan_lists']:>8.1f} "
+                    f"{r['plan']:>6.1f} "
+                    f"{r['contiguous'] / (r['paged'] + r['plan']):>8.2f}")
+            if "flex" in r:
+                line += (f" {r['flex']:>8.1f} {r['plan_flex']:>9.1f} "
+                         f"{r['contiguous'] / (r['flex'] + r['plan_flex']):>6.2f}")
+            print(line, flush=True)
 
 
 if __name__ == "__main__":

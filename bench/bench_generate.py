@@ -151,6 +151,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-num-tokens", type=int, default=512, help="most tokens in one kvload forward")
     p.add_argument("--tokens-per-block", type=int, default=32)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--attention", default="auto", choices=("auto", "flex", "sdpa"),
+                   help="kvload's attention_backend (flex compiles each new shape once, in the warm-up round)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     args = p.parse_args(argv)
     if args.threads:
@@ -164,6 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.manager != "auto":
         kv["use_kv_cache_manager_v2"] = args.manager == "v2"
     overrides: dict[str, Any] = {"device": args.device, "max_num_tokens": args.max_num_tokens,
+                                 "attention_backend": args.attention,
                                  "max_seq_len": max(*MIXED_LENGTHS, SINGLE_LENGTH) + args.new_tokens}
     if args.dtype != "auto":
         overrides["dtype"] = args.dtype
@@ -172,14 +175,21 @@ def main(argv: list[str] | None = None) -> None:
         device = result.kv_manager.pools.device
         vocab = result.hf_model.get_input_embeddings().num_embeddings
         rows = [bench_scenario(result, prompts_for(lengths[b], vocab, seed=b), args, device) for b in batches]
+        flex = result.executor.flex
         head = {"model": args.model, "device": str(device), "dtype": str(result.args.dtype),
                 "kv_manager": result.route.kv_manager, "threads": torch.get_num_threads(),
+                "attention": result.args.attention_backend if flex is not None else "sdpa",
+                "compiled_shapes": flex.compiles if flex is not None else 0,
+                "warmup_s": flex.warmup_s if flex is not None else 0.0,
                 "new_tokens": args.new_tokens, "repeats": args.repeats}
     if args.json:
         print(json.dumps({**head, "scenarios": rows}, indent=2))
         return
     print(f"{head['model']} on {head['device']} ({head['dtype']}, {head['threads']} threads), {head['kv_manager']}, "
-          f"{args.new_tokens} new tokens per prompt, median of {args.repeats}")
+          f"attention {head['attention']}, {args.new_tokens} new tokens per prompt, median of {args.repeats}")
+    if head["compiled_shapes"]:
+        print(f"compiled {head['compiled_shapes']} attention shapes in {head['warmup_s']:.1f} s (warm-up round, "
+              "not in tokens/s)")
     print(f"{'prompts':>7} {'prompt_tok':>10} {'kvload_tok/s':>12} {'generate_tok/s':>14} {'ratio':>6} "
           f"{'kv_steps':>8} {'forward%':>8}")
     for r in rows:

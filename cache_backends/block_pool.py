@@ -18,9 +18,12 @@ Invariants (checked by :meth:`check_invariants`, relied on by every method):
    (one block per hash: a second block computed with the same content stays unhashed).
 3. ``num_evictable`` == free blocks with a hash (the queue counts them: ``FreeBlockQueue.num_keyed``);
    ``num_empty + num_evictable + num_used == num_blocks``.
-4. The free queue is ordered by release time: :meth:`allocate` pops the head (the least recently
-   freed), :meth:`free` appends to the tail. Callers free a sequence's blocks tail first, so the
-   tail of a finished sequence is evicted before its prefix (a prefix is shared more often).
+4. The free queue holds the empty blocks first, then the evictable ones ordered by release time:
+   :meth:`allocate` pops the head, so it hands out a block that holds nothing before it evicts a
+   cached prefix, and among cached blocks the least recently freed goes first. :meth:`free` puts a
+   block without a key at the head and a keyed one at the tail. Callers free a sequence's blocks
+   tail first, so the tail of a finished sequence is evicted before its prefix (a prefix is shared
+   more often).
 
 Every operation is O(1) per block: the queue is a doubly linked list threaded through the blocks
 (with sentinels), so a cached free block hit by a new request leaves the middle of the queue in O(1).
@@ -120,12 +123,13 @@ class FreeBlockQueue:
         return out
 
     def release(self, blocks: Iterable[KVBlock]) -> None:
-        """Drop one owner from each block, in order; the blocks left unowned join the tail in that order.
+        """Drop one owner from each block, in order; an unowned keyed block joins the tail (in that order), an
+        unowned block without a key the head (handed out before any cached block is evicted).
 
         One pass: the reference count and the links of each block together. ``ValueError`` for a block
         with no owner; the blocks released before it are queued, so the queue stays consistent.
         """
-        tail = self._tail
+        head, tail = self._head, self._tail
         last = tail.prev_free
         assert last is not None
         joined = keyed = 0
@@ -136,12 +140,19 @@ class FreeBlockQueue:
                     raise ValueError(f"{block!r} freed more often than it was owned")
                 block.ref_cnt = left
                 if not left:  # unowned now, so not in the queue yet (invariant 1)
-                    last.next_free = block
-                    block.prev_free = last
-                    last = block
                     joined += 1
                     if block.block_hash is not None:
                         keyed += 1
+                    elif last is not head:  # empty: to the head, ahead of every cached block
+                        first = head.next_free
+                        head.next_free = block
+                        block.prev_free = head
+                        block.next_free = first
+                        first.prev_free = block  # a queued block: the queue is not empty (last is not head)
+                        continue
+                    last.next_free = block  # keyed (or the queue's first block): to the tail
+                    block.prev_free = last
+                    last = block
         finally:
             last.next_free = tail
             tail.prev_free = last
@@ -279,6 +290,16 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached[block_hash] = block
         return True
+
+    def reset(self) -> None:
+        """Forget every cached prefix and queue every block as empty; only when no block has an owner."""
+        if len(self.free_queue) != self.num_blocks:
+            raise RuntimeError(f"{self.num_used} blocks are in use; the prefix cache cannot be reset")
+        for block in self.blocks:
+            block.block_hash = None
+            block.prev_free = block.next_free = None
+        self.cached.clear()
+        self.free_queue = FreeBlockQueue(self.blocks)
 
     def _uncache(self, block: KVBlock) -> None:
         assert block.block_hash is not None

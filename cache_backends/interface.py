@@ -28,6 +28,17 @@ if TYPE_CHECKING:  # pools import torch; the protocol itself must stay importabl
     from cache_backends.pools import BlockPools
 
 
+class PrefixCacheInUseError(RuntimeError):
+    """``reset_prefix_cache`` was asked while requests still hold KV blocks (or host pages)."""
+
+
+def prefix_cache_in_use(req_ids: list[str]) -> PrefixCacheInUseError:
+    """The refusal of ``reset_prefix_cache``: which requests still hold a KV cache."""
+    shown = ", ".join(req_ids[:5]) + (f" and {len(req_ids) - 5} more" if len(req_ids) > 5 else "")
+    return PrefixCacheInUseError(f"reset_prefix_cache: {len(req_ids)} request(s) still hold a KV cache ({shown}); "
+                                 "finish or free them first")
+
+
 @attrs.frozen
 class ManagerOptions:
     """Manager settings, as plain values (this library does not import the pipeline's config)."""
@@ -37,7 +48,7 @@ class ManagerOptions:
     enable_partial_reuse: bool = True
     host_cache_size: int | None = None  # V2: None = auto-size a host tier, 0 = none
     max_util_for_resume: float = 0.95  # V2: refuse to resume above this device utilisation
-    enable_swa_scratch_reuse: bool = False  # V2
+    enable_swa_scratch_reuse: bool = True  # V2: out-of-window blocks stay in the prefix cache (False: dropped)
 
 
 @attrs.frozen
@@ -81,6 +92,10 @@ class KVCacheManagerProtocol(Protocol):
 
     def free(self, request: Request) -> None:
         """Release a finished request's blocks (reusable ones stay cached, tail evicted first)."""
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix: no later hit, every block free; ``PrefixCacheInUseError`` while requests
+        hold a cache."""
 
     def stats(self) -> dict[str, Any]:
         """Usage, free/evictable/used blocks per group, reuse hits in tokens, suspends/resumes."""

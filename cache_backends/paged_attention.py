@@ -28,8 +28,10 @@ every token of a sliding layer in its uniform pool, and the mask still applies t
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import attrs
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -86,7 +88,8 @@ class PagedBatch:
     :meth:`pad_queries` and :meth:`unpad`.
     """
 
-    def __init__(self, chunks: Sequence[SeqChunk], pools: BlockPools) -> None:
+    def __init__(self, chunks: Sequence[SeqChunk], pools: BlockPools,
+                 tables: Mapping[str, torch.Tensor] | None = None) -> None:
         if not chunks:
             raise ValueError("a step needs at least one chunk")
         if pools.released:
@@ -98,31 +101,50 @@ class PagedBatch:
         self._routes: dict[int, LayerRoute] = {}
         self._gathers: dict[tuple[str, int | None], KeyGather] = {}
 
-        n = [len(c.token_ids) for c in self.chunks]
-        self.num_seqs = len(n)
-        self.num_tokens = sum(n)
-        self.max_q = max(n)
-        cpu = torch.device("cpu")
-        self._n = torch.tensor(n, dtype=torch.long)
-        self._start = torch.tensor([c.start_pos for c in self.chunks], dtype=torch.long)
-        self._end = self._start + self._n
-        seq = torch.repeat_interleave(torch.arange(self.num_seqs), self._n)
-        offset = torch.arange(self.num_tokens) - torch.repeat_interleave(torch.cumsum(self._n, 0) - self._n, self._n)
-        self._seq, self._pos = seq, self._start[seq] + offset
+        # Index arithmetic in numpy, wrapped with torch.from_numpy (no copy): at a few hundred tokens each
+        # torch CPU op costs its dispatch overhead (~5 us) and a plan is dozens of them, every step.
+        B = len(self.chunks)
+        n = np.fromiter((len(c.token_ids) for c in self.chunks), dtype=np.int64, count=B)
+        start = np.fromiter((c.start_pos for c in self.chunks), dtype=np.int64, count=B)
+        self.num_seqs = B
+        self.num_tokens = int(n.sum())
+        self.max_q = int(n.max())
+        if self.max_q == 1:  # pure decode: token b is sequence b's only one
+            seq, offset = np.arange(B), np.zeros(B, dtype=np.int64)
+        else:
+            seq = np.repeat(np.arange(B), n)
+            offset = np.arange(self.num_tokens) - np.repeat(np.cumsum(n) - n, n)
+        pos = start[seq] + offset
+        self._n_np, self._start_np, self._end_np = n, start, start + n
+        self._seq_np, self._pos_np = seq, pos
+        self._n, self._start, self._end = torch.from_numpy(n), torch.from_numpy(start), torch.from_numpy(start + n)
+        self._seq, self._pos = torch.from_numpy(seq), torch.from_numpy(pos)
         ids = [t for c in self.chunks for t in c.token_ids]
-        self.input_ids = torch.tensor([ids], dtype=torch.long, device=cpu).to(self.device)
+        self.input_ids = torch.tensor([ids], dtype=torch.long).to(self.device)
         self.position_ids = self._pos.unsqueeze(0).to(self.device)
         #: index of each sequence's last new token in the packed row (where its next-token logits are)
-        self.last_token_index = (torch.cumsum(self._n, 0) - 1).to(self.device)
+        self.last_token_index = torch.from_numpy(np.cumsum(n) - 1).to(self.device)
         #: row of each packed token in the padded (B * max_q) query layout
-        self._q_row = (seq * self.max_q + offset).to(self.device)
-        self._tables: dict[str, torch.Tensor] = {}
+        self._q_row = torch.from_numpy(seq * self.max_q + offset).to(self.device)
+        self._tables: dict[str, torch.Tensor] = dict(tables) if tables is not None else {}
+        for group, table in self._tables.items():
+            self._check_table(group, table)
+        #: the compiled path (``cache_backends.flex_paged``) when the step runs on it; None: gather + SDPA
+        self.flex: Any = None
         self._write_slots: dict[str, torch.Tensor] = {}
 
     @classmethod
-    def build(cls, chunks: Sequence[SeqChunk], pools: BlockPools) -> PagedBatch:
-        """Plan a step; checks every group's tables cover the new tokens (gathers are planned lazily per layer)."""
-        batch = cls(chunks, pools)
+    def build(cls, chunks: Sequence[SeqChunk], pools: BlockPools, tables: Mapping[str, torch.Tensor] | None = None,
+              flex: Any = None) -> PagedBatch:
+        """Plan a step; checks every group's tables cover the new tokens (gathers are planned lazily per layer).
+
+        ``tables`` gives each group's block tables as a ``(B, width)`` tensor padded with -1 (kept across
+        steps by ``cache_backends.block_tables.BlockTableStore``); without it they come from the chunks'
+        lists. ``flex`` (a ``cache_backends.flex_paged.FlexPagedAttention``) runs the step's attention
+        on the compiled path.
+        """
+        batch = cls(chunks, pools, tables)
+        batch.flex = flex
         for group in pools.groups:
             batch.write_slots(group)
         return batch
@@ -146,6 +168,25 @@ class PagedBatch:
         route = LayerRoute(layer, kv.kind, kv.window, group, pos, kv.entry_elems)
         self._routes[layer] = route
         return route
+
+    def _check_table(self, group: str, table: torch.Tensor) -> None:
+        """A given table: one row per sequence, wide enough for every new token's block."""
+        if group not in self.pools.groups:
+            raise ValueError(f"block tables for group {group!r}, which the pools do not have")
+        if table.dim() != 2 or table.shape[0] != self.num_seqs:
+            raise ValueError(f"group {group!r}: block tables of shape {tuple(table.shape)}, expected "
+                             f"({self.num_seqs}, blocks)")
+        tpb = self.pools.groups[group].tokens_per_block
+        short = (self._end_np - 1) // tpb >= table.shape[1]
+        if short.any():
+            b = int(short.nonzero()[0][0])
+            end = int(self._end_np[b])
+            raise ValueError(f"sequence {b}: block table of group {group!r} has {table.shape[1]} blocks of {tpb} "
+                             f"tokens; position {end - 1} needs {(end + tpb - 1) // tpb}")
+
+    def table(self, group: str) -> torch.Tensor:
+        """Block tables of a group as a ``(B, width)`` CPU int64 tensor, padded with -1."""
+        return self._table(group)
 
     def _table(self, group: str) -> torch.Tensor:
         """Block tables of a group as a (B, max_blocks) CPU tensor, padded with -1."""
@@ -192,8 +233,19 @@ class PagedBatch:
         """(N,) flat slots of the new tokens in a group, in packed order."""
         slots = self._write_slots.get(group)
         if slots is None:
-            need = torch.ones(self.num_tokens, dtype=torch.bool)
-            slots = self._slots(group, self._seq, self._pos, need, "a new token").to(self.device)
+            g = self.pools.groups[group]
+            if g.compress_rate is not None:
+                raise ValueError(f"group {group!r} is compressed; paged attention does not read compressed entries")
+            T = g.tokens_per_block
+            seq, pos = self._seq_np, self._pos_np
+            blocks = self._table(group).numpy()[seq, pos // T]
+            missing = blocks < 0
+            if missing.any():
+                i = int(missing.nonzero()[0][0])
+                b, p = int(seq[i]), int(pos[i])
+                raise ValueError(f"sequence {b}: group {group!r} has no block for position {p}, which a new token "
+                                 f"needs (logical block {p // T} is -1: released or never allocated)")
+            slots = torch.from_numpy(blocks * g.entries_per_block + pos % T).to(self.device)
             self._write_slots[group] = slots
         return slots
 
@@ -308,10 +360,29 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return torch.matmul(probs, v)
 
 
+def attend_compiled(batch: PagedBatch, layer: int, query: torch.Tensor, kv_heads: int, head_dim: int, scale: float,
+                    softcap: float | None) -> torch.Tensor | None:
+    """The compiled path's output, or None when it could not compile (the batch then stays on gather + SDPA)."""
+    from cache_backends.flex_paged import FlexUnavailable
+
+    try:
+        return batch.flex.attend(batch, layer, query, kv_heads, head_dim, scale, softcap)
+    except FlexUnavailable:
+        batch.flex = None  # its ``failed`` says why; the executor reports it
+        return None
+
+
 def paged_attention(batch: PagedBatch, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     scale: float, softcap: float | None = None) -> torch.Tensor:
-    """One layer of a step: write the new K/V, gather the visible K/V, attend. Packed ``(N, heads, d)`` in and out."""
+    """One layer of a step: write the new K/V, gather the visible K/V, attend. Packed ``(N, heads, d)`` in and out.
+
+    A batch planned with ``flex=`` attends on the compiled path instead (no gather).
+    """
     write_kv(batch, layer, key, value)
+    if batch.flex is not None:
+        out = attend_compiled(batch, layer, query, key.shape[1], key.shape[2], scale, softcap)
+        if out is not None:
+            return out
     k, v = split_kv(batch.gather(layer, query.dtype), key.shape[1], key.shape[2])
     out = attend(batch.pad_queries(query), k, v, batch.mask(layer), scale, softcap)
     return batch.unpad(out)

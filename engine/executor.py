@@ -4,8 +4,10 @@ One step (:meth:`engine.driver.Driver.step`): the scheduler admits, suspends, re
 the executor packs every scheduled chunk — prefill pieces (chunked by ``max_num_tokens``) and decode
 tokens of many requests — into one forward with per-token positions (``PagedBatch``), each layer
 writing and reading K/V through the request's block tables (``manager.block_table(req, group)`` for
-every layer group); it samples the next token of each request whose known tokens are all in the cache
-after this step (greedy = argmax; temperature + top-p with a per-request seeded ``torch.Generator``);
+every layer group, kept as tensor rows across steps in a ``BlockTableStore``) on the attention path
+``attention_backend`` chose (compiled flex over the pools, or gather + SDPA); it samples the next
+token of each request whose known tokens are all in the cache after this step (greedy = argmax;
+temperature + top-p with a per-request seeded ``torch.Generator``);
 the driver commits the KV, appends the tokens, and finishes requests on EOS or ``max_new_tokens``
 (their blocks return to the pool; with reuse on, full blocks stay cached for later prompts).
 
@@ -29,6 +31,7 @@ from typing import Any
 import attrs
 import torch
 
+from cache_backends.block_tables import BlockTableStore
 from cache_backends.interface import SchedulerOutput
 from cache_backends.paged_attention import SERVED_KINDS, PagedBatch, SeqChunk
 from cache_backends.request import Request
@@ -38,7 +41,7 @@ from engine.sampling import eos_token_ids, sample_token
 from engine.sampling_params import SamplingParams, check, is_int
 from models.paged_forward import ATTN_IMPLEMENTATION, register_paged_attention, run_forward
 from pipeline.errors import GenerationError, KvBuildError, KvRuntimeError, first_line
-from pipeline.events import Event, GenerationFailed, GenerationFinished, GenerationStarted
+from pipeline.events import Event, GenerationFailed, GenerationFinished, GenerationStarted, SettingIgnored
 
 #: A prompt: text (needs a tokenizer) or token ids.
 Prompt = str | Sequence[int]
@@ -67,8 +70,10 @@ class GenerationExecutor:
     """
 
     def __init__(self, model: Any, manager: Any, scheduler: Any, *, tokenizer: Any = None,
-                 emit: Callable[[Event], Any] | None = None, name: str = "model") -> None:
+                 emit: Callable[[Event], Any] | None = None, name: str = "model", ranks: Any = None) -> None:
         self.model = model
+        # tensor parallel: every rank runs this loop; RankLockstep keeps their decisions identical
+        self.lockstep = RankLockstep(ranks) if ranks is not None and ranks.distributed else None
         self.manager = manager
         self.scheduler = scheduler
         self.tokenizer = tokenizer
@@ -81,6 +86,11 @@ class GenerationExecutor:
         self._emit = emit
         self._calls = 0
         self._live: dict[str, _Live] = {}
+        width = max(-(-self.max_seq_len // g.tokens_per_block) for g in manager.layout.groups)
+        #: every live request's block tables as tensor rows, appended to step by step
+        self._block_tables = BlockTableStore(self.groups, width)
+        #: the compiled attention path (None: gather + SDPA), set by ``from_result`` from ``attention_backend``
+        self.flex: Any = None
         self.last_stats: GenerationStats | None = None
         unserved = sorted({layer.kind for layer in manager.layout.layers
                            if layer.kind not in SERVED_KINDS or layer.compress_rate is not None})
@@ -107,8 +117,27 @@ class GenerationExecutor:
                                   "prompt (no beam search); load with max_beam_width=1")
         bus = result.bus
         emit = bus.emitter("generate") if bus is not None else None
-        return cls(result.hf_model, result.kv_manager, result.scheduler, tokenizer=result.tokenizer, emit=emit,
-                   name=result.model.name if result.model is not None else "model")
+        executor = cls(result.hf_model, result.kv_manager, result.scheduler, tokenizer=result.tokenizer, emit=emit,
+                       name=result.model.name if result.model is not None else "model", ranks=result.context.ranks)
+        executor.use_attention(getattr(result.args, "attention_backend", "sdpa"), result.args.max_num_tokens)
+        return executor
+
+    def use_attention(self, backend: str, max_num_tokens: int) -> None:
+        """Run attention on ``"flex"`` (compiled, over the pools) or ``"sdpa"`` (gather + SDPA, the reference)."""
+        from cache_backends.flex_paged import FlexPagedAttention, flex_unsupported
+
+        if backend not in ("flex", "sdpa"):
+            raise GenerationError(f"generate: attention_backend: expected \"flex\" or \"sdpa\" (resolved), got "
+                                  f"{backend!r}")
+        self.flex = None
+        if backend == "sdpa":
+            return
+        why = flex_unsupported(self.manager.layout)
+        if why is not None:  # say so: an accepted setting never silently does nothing
+            self._event(SettingIgnored(field="attention_backend", value="flex",
+                                       reason=f"{why}; generate attends through gather + SDPA"))
+            return
+        self.flex = FlexPagedAttention(self.pools, max_num_tokens)
 
     # --- the call ----------------------------------------------------------------------------
 
@@ -143,6 +172,8 @@ class GenerationExecutor:
         self._calls += 1
         seed = params.seed
         base_seed = seed if seed is not None else random.SystemRandom().getrandbits(62)
+        if self.lockstep is not None:
+            base_seed = self.lockstep.ranks.broadcast(base_seed)  # one fresh seed, rank 0's, on every rank
         lives = []
         for i, (text, ids) in enumerate(items):
             room = self.max_seq_len - len(ids)  # a sequence never grows past max_seq_len
@@ -160,7 +191,13 @@ class GenerationExecutor:
             call=call, requests=len(lives), prompt_tokens=sum(len(ids) for _, ids in items),
             max_new_tokens=params.max_new_tokens, temperature=float(params.temperature), top_p=float(params.top_p),
             seed=seed, salted=salt is not None, kv_manager=type(self.manager).__name__))
+        if params.greedy:  # greedy draws nothing: a seed or a nucleus the caller gave would silently do nothing
+            for name, value, unset in (("seed", seed, None), ("top_p", params.top_p, 1.0)):
+                if value != unset:
+                    self._event(SettingIgnored(field=f"generate.{name}", value=value,
+                                               reason="temperature is 0 (greedy): nothing is sampled"))
         outputs: dict[int, GenerationOutput] = {}
+        warm_before = self.flex.warmup_s if self.flex is not None else 0.0
         start = time.perf_counter()
         forward_s = kv_s = 0.0
         self._live = {live.request.req_id: live for live in lives}
@@ -185,20 +222,27 @@ class GenerationExecutor:
         except BaseException as exc:
             self._abort(driver)
             self._live = {}
+            self._block_tables.keep_only(())
+            self._check_flex()
             self._event(GenerationFailed(call=call, error=type(exc).__name__,
                                          message=first_line(exc, ""),
                                          finished=len(outputs)))
             raise
         self._live = {}
-        wall = time.perf_counter() - start
+        self._block_tables.keep_only(())
+        # compiling a new attention shape is a one-off (later calls reuse it): reported apart, not as generation
+        warmup = (self.flex.warmup_s if self.flex is not None else 0.0) - warm_before
+        self._check_flex()
+        wall = time.perf_counter() - start - warmup
         after = self._counters()
         ordered = [outputs[i] for i in range(len(lives))]
         steps = run.engine_steps
         stats = GenerationStats(
             requests=len(ordered), prompt_tokens=sum(len(o.prompt_token_ids) for o in ordered),
             reused_prompt_tokens=sum(o.reused_prompt_tokens for o in ordered),
-            generated_tokens=sum(len(o.token_ids) for o in ordered), steps=steps, wall_s=wall, forward_s=forward_s,
-            kv_s=kv_s, **{k: after[k] - before[k] for k in after})
+            generated_tokens=sum(len(o.token_ids) for o in ordered), steps=steps, wall_s=wall,
+            forward_s=max(0.0, forward_s - warmup), kv_s=kv_s, warmup_s=warmup,
+            **{k: after[k] - before[k] for k in after})
         self.last_stats = stats
         self._event(GenerationFinished(
             call=call, requests=stats.requests, prompt_tokens=stats.prompt_tokens,
@@ -206,6 +250,14 @@ class GenerationExecutor:
             suspends=stats.suspends, resumes=stats.resumes, preemptions=stats.preemptions,
             duration_ms=round(wall * 1000, 3), tokens_per_s=round(stats.tokens_per_s, 3)))
         return ordered
+
+    def _check_flex(self) -> None:
+        """A compiled path that failed to build a shape is switched off, and the audit says why."""
+        if self.flex is not None and self.flex.failed is not None:
+            self._event(SettingIgnored(field="attention_backend", value="flex",
+                                       reason=f"torch.compile failed ({self.flex.failed}); generate attends through "
+                                              "gather + SDPA"))
+            self.flex = None
 
     @contextlib.contextmanager
     def paged_attention(self) -> Iterator[None]:
@@ -225,13 +277,23 @@ class GenerationExecutor:
 
     def _compute(self, out: SchedulerOutput, params: SamplingParams) -> dict[str, int]:
         """The step's forward: every scheduled chunk packed into one row; next tokens of requests that reach the end."""
-        chunks = []
+        chunks, rows = [], []
+        store = self._block_tables
         for scheduled in out.scheduled:
             req = scheduled.request
             start = req.num_computed_tokens
             ids = req.all_token_ids[start:start + scheduled.num_tokens]
-            chunks.append(SeqChunk(ids, start, {g: self.manager.block_table(req, g) for g in self.groups}))
-        logits = run_forward(self.model, PagedBatch.build(chunks, self.pools))
+            chunks.append(SeqChunk(ids, start, {}))
+            for g in self.groups:  # only what changed since the last step is written
+                store.update(req.req_id, g, self.manager.block_table(req, g))
+            rows.append(store.row(req.req_id))
+        if len(store) > 2 * len(self._live) + 8:  # rows of requests finished in earlier steps go back
+            store.keep_only(self._live)
+        if self.lockstep is not None:  # before the forward's collectives: a divergence fails here, never hangs
+            self.lockstep.check_schedule(out, [{g: self.manager.block_table(s.request, g) for g in self.groups}
+                                               for s in out.scheduled])
+        batch = PagedBatch.build(chunks, self.pools, store.tables(rows), flex=self.flex)
+        logits = run_forward(self.model, batch)
         rows = [i for i, s in enumerate(out.scheduled)
                 if s.request.num_computed_tokens + s.num_tokens == s.request.num_tokens]
         if not rows:
@@ -239,9 +301,13 @@ class GenerationExecutor:
         picked = logits[rows] if len(rows) < len(out.scheduled) else logits
         reqs = [out.scheduled[i].request for i in rows]
         if params.greedy:
-            return dict(zip((r.req_id for r in reqs), picked.argmax(dim=-1).tolist(), strict=True))
-        return {r.req_id: sample_token(row, params.temperature, params.top_p, self._live[r.req_id].generator)
-                for r, row in zip(reqs, picked, strict=True)}
+            tokens = dict(zip((r.req_id for r in reqs), picked.argmax(dim=-1).tolist(), strict=True))
+        else:
+            tokens = {r.req_id: sample_token(row, params.temperature, params.top_p, self._live[r.req_id].generator)
+                      for r, row in zip(reqs, picked, strict=True)}
+        if self.lockstep is not None:
+            tokens = self.lockstep.ranks.broadcast(tokens)  # rank 0's tokens: the next step's inputs everywhere
+        return tokens
 
     def _report_tokens(self, finished: list[Request], outputs: dict[int, GenerationOutput],
                        stream: Callable[[StreamEvent], Any] | None) -> None:
@@ -369,4 +435,32 @@ class GenerationExecutor:
             self._emit(event)
 
 
-__all__ = ["GenerationExecutor", "Prompt"]
+class RankLockstep:
+    """Tensor parallel: every rank's scheduler must decide the same; the sampled tokens are rank 0's.
+
+    The schedulers are deterministic and get identical inputs (agreed args, min-reduced pools, the same
+    prompts, rank 0's tokens), so their decisions match; :meth:`check_schedule` proves it each step
+    before the forward's collectives run, so a divergence fails every rank with one line instead of
+    hanging them or mixing different batches' activations.
+    """
+
+    def __init__(self, ranks: Any) -> None:
+        self.ranks = ranks
+        self.steps = 0
+
+    def check_schedule(self, out: SchedulerOutput, tables: list[Any]) -> None:
+        """All-gather this step's decision (requests, chunk sizes, block tables); raise if any rank differs."""
+        decision = [(s.request.req_id, s.request.num_computed_tokens, s.num_tokens, t)
+                    for s, t in zip(out.scheduled, tables, strict=True)]
+        everyone = self.ranks.all_gather(decision)
+        self.steps += 1
+        if any(d != everyone[0] for d in everyone[1:]):
+            other = next(r for r, d in enumerate(everyone) if d != everyone[0])
+            def brief(d: list[Any]) -> str:
+                return ", ".join(f"{req} +{n}" for req, _, n, _ in d) or "nothing"
+
+            raise KvRuntimeError(f"generate: step {self.steps}: the ranks' schedulers diverged: rank {other} scheduled "
+                                 f"{brief(everyone[other])} (or other blocks), rank 0 {brief(everyone[0])}")
+
+
+__all__ = ["GenerationExecutor", "Prompt", "RankLockstep"]

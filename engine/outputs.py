@@ -37,7 +37,11 @@ class GenerationOutput:
 
 @attrs.frozen
 class GenerationStats:
-    """Totals of one ``generate`` call; ``forward_s`` is model time, ``kv_s`` scheduler and manager time."""
+    """Totals of one ``generate`` call; ``forward_s`` is model time, ``kv_s`` scheduler and manager time.
+
+    ``warmup_s`` is the time spent compiling attention shapes this call met first (the compiled path
+    pays it once per shape per process); ``wall_s`` and ``forward_s`` leave it out.
+    """
 
     requests: int
     prompt_tokens: int
@@ -50,6 +54,7 @@ class GenerationStats:
     suspends: int
     resumes: int
     preemptions: int
+    warmup_s: float = 0.0  # compiling attention shapes first seen in this call; not in wall_s/forward_s
 
     @property
     def tokens_per_s(self) -> float:
@@ -70,6 +75,8 @@ class GenerationStats:
         """The one-line throughput summary ``kvload generate`` ends with."""
         n = self.requests
         moves = f"; {self.suspends} suspended, {self.resumes} resumed" if self.suspends or self.resumes else ""
+        if self.warmup_s:
+            moves += f"; {self.warmup_s:.1f} s compiling attention, not counted"
         return (f"-- {n} prompt{'s' if n != 1 else ''}: {self.prompt_tokens} prompt tokens ({self.reused_prompt_tokens}"
                 f" reused), {self.generated_tokens} generated in {self.wall_s:.2f} s, {self.steps} steps: "
                 f"{self.tokens_per_s:.1f} generated tokens/s, {self.total_tokens_per_s:.1f} tokens/s with prefill"

@@ -13,11 +13,10 @@ class DeepseekV4Spec(ModelSpec):
     """Opts in to KV cache manager V2: its compressed layers need per-group pools."""
 
     def get_model_defaults(self, args: Any) -> dict[str, Any]:
-        """V2 with 128-token blocks (one hca entry per block) and SWA scratch reuse."""
+        """V2 with 128-token blocks (one hca entry per block)."""
         return {
             "kv_cache_config": {
                 "use_kv_cache_manager_v2": True,
                 "tokens_per_block": 128,
-                "enable_swa_scratch_reuse": True,
             }
         }

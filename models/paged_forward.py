@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from cache_backends.paged_attention import PagedBatch, attend, split_kv, write_kv
+from cache_backends.paged_attention import PagedBatch, attend, attend_compiled, split_kv, write_kv
 
 ATTN_IMPLEMENTATION = "kvload_paged"
 
@@ -61,6 +61,10 @@ def paged_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor,
         k, v = key, value
     else:
         write_kv(batch, layer, key[0].transpose(0, 1), value[0].transpose(0, 1))
+        if batch.flex is not None:  # the compiled path reads the pools in place
+            out = attend_compiled(batch, layer, q, key.shape[1], key.shape[3], scale, softcap)
+            if out is not None:
+                return out.unsqueeze(0), None
         k, v = split_kv(batch.gather(layer, query.dtype), key.shape[1], key.shape[3])
     out = attend(batch.pad_queries(q), k, v, batch.mask(layer), scale, softcap)
     return batch.unpad(out).unsqueeze(0), None

@@ -36,12 +36,12 @@ IGNORED_LLM_ARGS: dict[str, str] = {
         "enable_early_first_token_response", "garbage_collection_gen0_threshold",
     ), "scheduling knob: kvload's driver always chunks prefill up to max_num_tokens and has no overlap scheduler"),
     **dict.fromkeys((
-        "tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size", "gpus_per_node",
+        "pipeline_parallel_size", "context_parallel_size", "gpus_per_node",
         "moe_cluster_parallel_size", "moe_tensor_parallel_size", "moe_expert_parallel_size",
         "enable_attention_dp", "attention_dp_config", "enable_lm_head_tp_in_adp", "pp_partition", "cp_config",
         "allreduce_strategy", "orchestrator_type", "dwdp_config", "ray_worker_extension_cls",
         "ray_placement_config", "ray_worker_nsight_options", "num_serve_frontends",
-    ), "parallelism: kvload runs on one device"),
+    ), "parallelism beyond tensor parallel (tensor_parallel_size, which kvload acts on)"),
     **dict.fromkeys((
         "speculative_config", "decoding_config", "guided_decoding_backend", "batched_logits_processor",
         "reasoning_parser", "gather_generation_logits", "generation_config", "sampler_type",

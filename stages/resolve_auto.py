@@ -44,8 +44,21 @@ def cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+def resolve_attention_backend(device: str) -> tuple[str, str, str]:
+    """``"auto"`` attention: flex on CUDA where torch.compile can build it, sdpa otherwise (no torch import)."""
+    import importlib.util
+
+    if device.startswith("cuda"):
+        if importlib.util.find_spec("triton") is None:
+            return "sdpa", "auto", "torch.compile needs triton on CUDA and it is not installed"
+        return "flex", "auto", "CUDA with triton: the compiled FlexAttention reads the pools in place"
+    return "sdpa", "auto", ("on CPU the compiled FlexAttention is slower than gather + SDPA at every measured "
+                            "size (BENCHMARKS.md) and compiles for 10-25 s per shape; \"flex\" still selects it")
+
+
 class ResolveAuto:
-    """Resolves ``device``, ``dtype``, ``kv_cache_config.dtype`` and ``use_kv_cache_manager_v2``, in that order.
+    """Resolves ``device``, ``dtype``, ``kv_cache_config.dtype``, ``use_kv_cache_manager_v2`` and
+    ``attention_backend``, in that order.
 
     ``auto_resolved`` fires for every field captured as ``"auto"`` by the snapshot, also when a
     model default already replaced the value: then ``old`` is the model's value and the reason says so.
@@ -56,7 +69,7 @@ class ResolveAuto:
 
     def run(self, ctx: Context, emit: Emit) -> None:
         """Resolve in dependency order (the dtype rule needs the device, the KV dtype needs the dtype)."""
-        for path in ("device", "dtype", "kv_cache_config.dtype", V2):
+        for path in ("device", "dtype", "kv_cache_config.dtype", V2, "attention_backend"):
             origin = ctx.auto_originals.get(path)
             if origin is None:
                 continue
@@ -93,6 +106,8 @@ class ResolveAuto:
                     why += f"; the explicit \"auto\" (via {origin.source}) lets the model decide"
                 return proposed, "model_default", why
             return False, "auto", f"{spec_name} proposes no V2 default, so \"auto\" means false"
+        if path == "attention_backend":
+            return resolve_attention_backend(str(ctx.args.device))
         raise AssertionError(f"no rule resolves {path}")
 
     @staticmethod

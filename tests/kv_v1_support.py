@@ -29,6 +29,14 @@ def make_manager(num_blocks: int = 16, reuse: bool = True, T: int = T, dtype: st
     return KVCacheManager(pools, ManagerOptions(max_seq_len=max_seq_len, enable_block_reuse=reuse))
 
 
+def run_prefill(m: KVCacheManager, r: Request) -> None:
+    """Admit ``r`` with its cached prefix and compute the rest of its prompt."""
+    m.admit(r, m.find_prefix(r))
+    n = r.num_tokens - r.num_computed_tokens
+    assert m.allocate_slots(r, n)
+    m.commit(r, n)
+
+
 @attrs.define
 class Trace:
     """What happened, step by step."""

@@ -17,6 +17,7 @@ import attrs
 import pytest
 import torch
 
+from cache_backends.flex_paged import FlexPagedAttention
 from cache_backends.layout import build_layout
 from cache_backends.paged_attention import PagedBatch, SeqChunk
 from cache_backends.pools import BlockPools
@@ -80,13 +81,15 @@ class RefDriver:
     """Greedy generation over a model switched to ``kvload_paged`` attention, with toy block tables."""
 
     def __init__(self, model: Any, *, manager: str = "v2", tokens_per_block: int = 4, blocks_per_group: int = 128,
-                 kv_dtype: str | None = None) -> None:
+                 kv_dtype: str | None = None, flex: bool = False, max_num_tokens: int = 64) -> None:
         self.model = use_paged_attention(model)
         device = next(model.parameters()).device
         dtype = kv_dtype or str(next(model.parameters()).dtype).removeprefix("torch.")
         self.layout = build_layout(layers_from_config(model.config), manager, tokens_per_block, dtype)
         self.pools = BlockPools(self.layout, {g.name: blocks_per_group for g in self.layout.groups}, device)
         self.allocator = ToyAllocator(self.pools)
+        #: the compiled attention path (``flex=True``); None runs gather + SDPA
+        self.flex = FlexPagedAttention(self.pools, max_num_tokens) if flex else None
         self.steps = 0
         self.max_tokens_in_step = 0
 
@@ -108,7 +111,7 @@ class RefDriver:
                     new = new[:chunk_size]
                 self.allocator.cover(r.tables, r.computed + len(new))
                 chunks.append(SeqChunk(new, r.computed, {g: list(t) for g, t in r.tables.items()}))
-            logits = run_forward(self.model, PagedBatch.build(chunks, self.pools))
+            logits = run_forward(self.model, PagedBatch.build(chunks, self.pools, flex=self.flex))
             self.steps += 1
             self.max_tokens_in_step = max(self.max_tokens_in_step, sum(len(c.token_ids) for c in chunks))
             for r, chunk, row in zip(active, chunks, logits, strict=True):

@@ -28,13 +28,13 @@ def test_free_queue_pops_in_order_and_removes_from_the_middle():
         q.remove(blocks[0])
 
 
-def test_allocate_hands_out_least_recently_freed_first_and_refuses_beyond_free():
+def test_allocate_hands_out_most_recently_freed_empty_blocks_first_and_refuses_beyond_free():
     pool = BlockPool(4)
     a = pool.allocate(3)
     assert [b.block_id for b in a] == [0, 1, 2] and all(b.ref_cnt == 1 for b in a)
     pool.free([a[1]])
     pool.free([a[0]])
-    assert [b.block_id for b in pool.allocate(3)] == [3, 1, 0]
+    assert [b.block_id for b in pool.allocate(3)] == [0, 1, 3]  # empty blocks join the head (LIFO)
     with pytest.raises(NoFreeBlocksError, match="asked for 1 blocks, 0 free of 4"):
         pool.allocate(1)
 

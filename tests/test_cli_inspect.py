@@ -116,14 +116,14 @@ def test_audit_summary_names_model_route_autos_defaults_and_warnings(capsys, tmp
     doc = r.json()
     assert doc["model"]["spec"] == "DeepseekV4Spec" and doc["route"]["kv_manager"] == "KVCacheManagerV2"
     autos = {a["field"]: a for a in doc["auto_resolutions"]}
-    assert set(autos) == {"device", "dtype", "kv_cache_config.dtype", V2}
+    assert set(autos) == {"device", "dtype", "kv_cache_config.dtype", V2, "attention_backend"}
     assert autos[V2]["new"] is True and autos[V2]["explicit"] is True and autos[V2]["captured_from"] == "cli"
-    assert [d["field"] for d in doc["model_defaults"]["applied"]] == ["kv_cache_config.enable_swa_scratch_reuse"]
+    assert doc["model_defaults"]["applied"] == []  # the user's two settings win over both model defaults
     assert {d["field"] for d in doc["model_defaults"]["skipped"]} == {V2, "kv_cache_config.tokens_per_block"}
     assert doc["user_fields"]["kv_cache_config.tokens_per_block"] == {"value": 64, "source": "cli"}
     assert doc["outcome"]["finished"] is True and "verify" not in doc
     text = run_cli(capsys, "audit", log).out
-    for needle in ("DeepseekV4Spec", "KVCacheManagerV2 + KVCacheV2Scheduler", "skipped", "applied",
+    for needle in ("DeepseekV4Spec", "KVCacheManagerV2 + KVCacheV2Scheduler", "skipped",
                    '"auto" (explicit via cli) → true', "warnings:\n  (none)"):
         assert needle in text
 
@@ -214,7 +214,7 @@ def _tamper_final(records):
 
 def _drop_value_event(records):
     return [r for r in records if not (r["event"] == "model_default_applied"
-                                       and r["field"] == "kv_cache_config.enable_swa_scratch_reuse")]
+                                       and r["field"] == "kv_cache_config.tokens_per_block")]
 
 
 def _drop_stage_event(records):
@@ -239,7 +239,7 @@ def _drop_finish(records):
 TAMPERS = {
     "value event edited": (_tamper_value, "kv_cache_config.tokens_per_block"),
     "final args edited": (_tamper_final, V2),
-    "value event removed": (_drop_value_event, "enable_swa_scratch_reuse"),
+    "value event removed": (_drop_value_event, "tokens_per_block"),
     "stage event removed": (_drop_stage_event, "seq"),
     "events reordered": (_swap_two, "reordered"),
     "route edited": (_tamper_route, "route.kv_manager"),
@@ -271,7 +271,7 @@ def test_models_lists_specs_defaults_and_presets(capsys):
     rows = {row["architecture"]: row for row in doc["architectures"]}
     assert rows["DeepseekV4ForCausalLM"]["spec"] == "DeepseekV4Spec"
     assert rows["DeepseekV4ForCausalLM"]["model_defaults"] == {
-        V2: True, "kv_cache_config.tokens_per_block": 128, "kv_cache_config.enable_swa_scratch_reuse": True}
+        V2: True, "kv_cache_config.tokens_per_block": 128}
     for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Gemma3ForCausalLM", "DeepseekV3ForCausalLM"):
         assert rows[arch]["model_defaults"] == {} and rows[arch]["error"] is None
     assert {p["name"] for p in doc["presets"]} >= {"tiny-llama", "tiny-deepseek-v4"}

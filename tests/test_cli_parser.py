@@ -70,12 +70,14 @@ SAMPLES = {
     "--disable_kv_cache_reuse": ([], False),
     "--host_cache_size": (["512MiB"], 512 << 20),
     "--kv_cache_dtype": (["bf16"], "bfloat16"),
+    "--attention_backend": (["flex"], "flex"),
     "--dtype": (["fp16"], "float16"),
     "--device": (["cpu"], "cpu"),
     "--max_batch_size": (["8"], 8),
     "--max_seq_len": (["512"], 512),
     "--max_num_tokens": (["256"], 256),
     "--max_beam_width": (["2"], 2),
+    "--tp_size": (["2"], 2),
 }
 
 

@@ -16,7 +16,7 @@ def test_defaults_follow_tensorrt_llm():
     assert (kv.tokens_per_block, kv.enable_block_reuse, kv.enable_partial_reuse) == (32, True, True)
     assert (kv.free_gpu_memory_fraction, kv.max_tokens, kv.max_gpu_total_bytes) == (0.9, None, 0)
     assert (kv.host_cache_size, kv.dtype, kv.max_util_for_resume) == (None, "auto", 0.95)
-    assert (kv.enable_swa_scratch_reuse, kv.event_buffer_max_size) == (False, 0)
+    assert (kv.enable_swa_scratch_reuse, kv.event_buffer_max_size) == (True, 0)  # kvload's default, not TRT-LLM's
     args = LlmArgs(model="m")
     assert (args.dtype, args.device, args.max_seq_len, args.max_beam_width) == ("auto", "auto", None, 1)
 

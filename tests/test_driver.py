@@ -117,7 +117,8 @@ def make_driver(kind: str, blocks: int = 16, max_seq_len: int = 8, events: list 
     layout = build_layout([LayerKV(0, "full", 2)], kind, 4, "float32")
     m = manager_cls(BlockPools(layout, {layout.groups[0].name: blocks}, "cpu"),
                     ManagerOptions(max_seq_len=max_seq_len, **options))
-    return Driver(m, scheduler_cls(m, 4, 64), emit=events.append if events is not None else None)
+    greedy = {"init_ratio": 0.0} if kind == "v2" else {}  # V2 admits without headroom: pressure must happen
+    return Driver(m, scheduler_cls(m, 4, 64, **greedy), emit=events.append if events is not None else None)
 
 
 def run(driver: Driver) -> None:

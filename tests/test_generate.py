@@ -102,9 +102,10 @@ def test_reuse_within_one_call_for_a_later_arrival(tiny_checkpoints):
         assert outs[1].reused_prompt_tokens >= 16
 
 
-def test_sliding_window_prefix_reuse_keeps_tokens_exact(tiny_checkpoints):
-    """Gemma 3 (sliding + full) on V2 with scratch reuse: the reused prefix is longer than the window."""
-    with load(tiny_checkpoints("gemma3"), "v2", enable_swa_scratch_reuse=True) as result:
+@pytest.mark.parametrize("family", ["gemma3", "mistral"])
+def test_sliding_window_prefix_reuse_keeps_tokens_exact(tiny_checkpoints, family):
+    """Sliding-window models on V2 with the default settings: the reused prefix is longer than the window."""
+    with load(tiny_checkpoints(family), "v2") as result:
         model = result.hf_model
         first, tail = prompts_for(model.config.vocab_size, (24, 6), seed=7)
         second = first[:20] + tail

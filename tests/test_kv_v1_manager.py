@@ -9,18 +9,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
 from cache_backends import LayerKV, build_layout
-from cache_backends.interface import KVCacheManagerProtocol, ManagerOptions
+from cache_backends.interface import KVCacheManagerProtocol, ManagerOptions, PrefixCacheInUseError
 from cache_backends.pools import BlockPools
 from cache_backends.request import Request
 from cache_backends.v1 import KVCacheManager
-from tests.kv_v1_support import HEAD_DIM, KV_HEADS, LAYERS, T, make_manager
-
-
-def run_prefill(m: KVCacheManager, r: Request) -> None:
-    m.admit(r, m.find_prefix(r))
-    n = r.num_tokens - r.num_computed_tokens
-    assert m.allocate_slots(r, n)
-    m.commit(r, n)
+from tests.kv_v1_support import HEAD_DIM, KV_HEADS, LAYERS, T, make_manager, run_prefill
 
 
 def test_is_a_kv_cache_manager_and_refuses_a_v2_layout():
@@ -254,6 +247,16 @@ class V1Machine(RuleBasedStateMachine):
             self.live.remove(r)
         self.m.free(r)
 
+    @rule()
+    def reset_prefix_cache(self):
+        if self.live:
+            with pytest.raises(PrefixCacheInUseError):
+                self.m.reset_prefix_cache()
+            return
+        self.m.reset_prefix_cache()
+        assert self.m.pool.num_evictable == 0 and not self.m.pool.cached
+        assert self.m.find_prefix(Request("probe", [1, 2, 3, 4, 5, 6, 7, 8, 0], 0)).num_tokens == 0
+
     @invariant()
     def invariants(self):
         pool = self.m.pool
@@ -270,6 +273,8 @@ class V1Machine(RuleBasedStateMachine):
                     tokens = (r.salt, tuple(r.all_token_ids[: (i + 1) * T]))
                     assert content.setdefault(bid, tokens) == tokens, "a block shared by different prefixes"
         assert {b.block_id: b.ref_cnt for b in pool.blocks if b.ref_cnt} == owners
+        keyed = [b.block_hash is not None for b in pool.free_queue]
+        assert keyed == sorted(keyed), "an empty block queued behind a cached one would evict the cached one first"
         s = self.m.stats()["groups"]["uniform"]
         assert s["free"] + s["evictable"] + s["used"] == s["blocks"] == 12
 

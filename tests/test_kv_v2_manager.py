@@ -220,9 +220,12 @@ def test_sliding_group_releases_blocks_that_left_the_window():
     assert len(held(m.block_table(r, "full"))) == 13
 
 
-@pytest.mark.parametrize("scratch", [False, True])
+@pytest.mark.parametrize("scratch", [False, True, None])
 def test_swa_scratch_reuse_keeps_released_window_blocks_reusable(scratch):
-    m = make_manager(full_sliding_layers(window=8), 32, enable_swa_scratch_reuse=scratch)
+    """Out-of-window blocks stay in the prefix cache unless enable_swa_scratch_reuse is false (None: the default)."""
+    options = {} if scratch is None else {"enable_swa_scratch_reuse": scratch}
+    m = make_manager(full_sliding_layers(window=8), 32, **options)
+    scratch = scratch is not False
     prompt = list(range(1, 25))
     a = Request("a", prompt, 0)
     prefill(m, a)

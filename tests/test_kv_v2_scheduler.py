@@ -21,7 +21,7 @@ def batch(n: int, prompt_len: int, new: int, **kw) -> list[Request]:
 
 def test_every_request_completes_through_the_host_tier_when_fewer_fit_than_wait():
     m = make_manager(full_sliding_layers(window=8), 12)
-    s = KVCacheV2Scheduler(m, max_batch_size=8, max_num_tokens=16)
+    s = KVCacheV2Scheduler(m, max_batch_size=8, max_num_tokens=16, init_ratio=0.0)
     reqs = batch(6, 10, 12)  # 22 tokens each at the end: 6 full blocks, so only 2 fit at once
     res = drive(m, s, reqs)
     assert res.stalled is None
@@ -38,7 +38,7 @@ def test_every_request_completes_through_the_host_tier_when_fewer_fit_than_wait(
 
 def test_without_a_host_tier_pressure_preempts_for_recompute_and_every_request_completes():
     m = make_manager(full_sliding_layers(window=8), 16, host_cache_size=0, enable_swa_scratch_reuse=True)
-    s = KVCacheV2Scheduler(m, max_batch_size=8, max_num_tokens=16)
+    s = KVCacheV2Scheduler(m, max_batch_size=8, max_num_tokens=16, init_ratio=0.0)  # greedy: pressure comes
     reqs = batch(6, 10, 12)
     res = drive(m, s, reqs)
     assert res.stalled is None and len(res.finished) == 6
@@ -51,7 +51,7 @@ def test_without_a_host_tier_pressure_preempts_for_recompute_and_every_request_c
 
 def test_a_full_host_tier_falls_back_to_recompute():
     m = make_manager(FULL, 12, host_cache_size=3 * 64)  # three host blocks
-    s = KVCacheV2Scheduler(m, max_batch_size=8, max_num_tokens=32)
+    s = KVCacheV2Scheduler(m, max_batch_size=8, max_num_tokens=32, init_ratio=0.0)
     res = drive(m, s, batch(6, 10, 12))
     assert res.stalled is None and len(res.finished) == 6
     assert res.count("suspended") > 0 and res.count("preempted") > 0
@@ -60,7 +60,7 @@ def test_a_full_host_tier_falls_back_to_recompute():
 @pytest.mark.parametrize(("priorities", "victim"), [((1, 0, 0), "r2"), ((1, 0, 2), "r1"), ((0, 0, 0), "r2")])
 def test_pressure_moves_out_the_lowest_priority_then_latest_arrival_first(priorities, victim):
     m = make_manager(FULL, 9)
-    s = KVCacheV2Scheduler(m, max_batch_size=8, max_num_tokens=32)
+    s = KVCacheV2Scheduler(m, max_batch_size=8, max_num_tokens=32, init_ratio=0.0)
     reqs = [Request(f"r{i}", [i * 10 + j for j in range(8)], 8, priority=p, arrival=i)
             for i, p in enumerate(priorities)]
     res = drive(m, s, reqs)
@@ -116,7 +116,7 @@ def test_max_batch_size_caps_the_running_set():
 
 def test_a_strict_max_util_for_resume_still_lets_every_request_finish():
     m = make_manager(FULL, 12, max_util_for_resume=0.3)
-    s = KVCacheV2Scheduler(m, max_batch_size=8, max_num_tokens=32)
+    s = KVCacheV2Scheduler(m, max_batch_size=8, max_num_tokens=32, init_ratio=0.0)
     res = drive(m, s, batch(5, 10, 12))
     assert res.stalled is None and len(res.finished) == 5
     assert res.count("resumed") > 0
@@ -170,7 +170,7 @@ def test_scheduler_limits_must_be_positive(batch_size, tokens, match):
 
 def test_a_request_that_outgrew_its_worst_case_is_moved_out_for_good_and_the_others_finish():
     m = make_manager(FULL, 4)  # 16 tokens
-    s = KVCacheV2Scheduler(m, max_batch_size=4, max_num_tokens=64)
+    s = KVCacheV2Scheduler(m, max_batch_size=4, max_num_tokens=64, init_ratio=0.0)
     a = Request("a", [1, 2, 3, 4], 4, arrival=0)
     b = Request("b", [5, 6, 7, 8], 6, arrival=1)
     waiting, running = deque([a, b]), []

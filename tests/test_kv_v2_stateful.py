@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from cache_backends import LayerKV
+from cache_backends.interface import PrefixCacheInUseError
 from cache_backends.request import Request
 from cache_backends.v2 import CacheState
 from tests.kv_v2_support import check_kv, make_manager, write_kv
@@ -172,6 +173,29 @@ class V2CacheMachine(RuleBasedStateMachine):
         r = data.draw(st.sampled_from(self.live))
         self.m.free(r)
         self.live.remove(r)
+
+    @rule(free_all=st.booleans())
+    def reset_prefix_cache(self, free_all):
+        if free_all:
+            for r in self.live:
+                self.m.free(r)
+            self.live.clear()
+        if self.live:
+            nodes = self.m.stats()["reuse"]["radix_nodes"]
+            with pytest.raises(PrefixCacheInUseError, match="still hold a KV cache"):
+                self.m.reset_prefix_cache()
+            assert self.m.stats()["reuse"]["radix_nodes"] == nodes  # the refusal changed nothing
+            event("reset refused")
+            return
+        self.m.reset_prefix_cache()
+        stats = self.m.stats()
+        assert stats["reuse"]["radix_nodes"] == 0
+        assert all(g["free"] == g["total"] for g in stats["groups"].values())
+        if self.seen:  # nothing seen before hits any more
+            tokens, salt = self.seen[-1]
+            r = self._new(tokens, salt, 0)
+            assert self.m.resume(r) and r.num_computed_tokens == 0
+        event("reset")
 
     # --- invariants ----------------------------------------------------------------------------
 

@@ -47,7 +47,7 @@ def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: i
 
 
 def run_steps(pools: BlockPools, lengths: list[int], chunk: int, arrivals: list[int], seed: int,
-              release_windows: bool = True) -> list[dict]:
+              release_windows: bool = True, flex: object = None) -> list[dict]:
     """Feed random q/k/v for every sequence through paged attention in chunks; return paged and dense outputs."""
     gen = torch.Generator().manual_seed(seed)
     seqs = [{"q": torch.randn(L, HEADS, HEAD_DIM, generator=gen),
@@ -69,7 +69,7 @@ def run_steps(pools: BlockPools, lengths: list[int], chunk: int, arrivals: list[
             s, n = seqs[b], min(chunk, lengths[b] - seqs[b]["done"])
             alloc.cover(s["tables"], s["done"] + n)
             chunks.append(SeqChunk([0] * n, s["done"], {g: list(t) for g, t in s["tables"].items()}))
-        batch = PagedBatch.build(chunks, pools)
+        batch = PagedBatch.build(chunks, pools, flex=flex)
         for layer in (0, 1):
             q = torch.cat([seqs[b]["q"][c.start_pos:c.end_pos] for b, c in zip(active, chunks, strict=True)])
             k = torch.cat([seqs[b]["k"][c.start_pos:c.end_pos] for b, c in zip(active, chunks, strict=True)])
@@ -240,3 +240,50 @@ def test_v1_uniform_pool_serves_layers_narrower_than_its_entry():
                                          v.transpose(0, 1).expand(HEADS, -1, -1), attn_mask=mask,
                                          scale=HEAD_DIM**-0.5).transpose(0, 1)
     torch.testing.assert_close(torch.cat(out), ref)
+
+
+# --- the compiled path against the reference -----------------------------------------------------
+# One pool shape (4-token blocks, 96 blocks, the two layers above) and steps of at most 36 tokens:
+# two compiled shapes (buckets 8 and 36) serve every example.
+FLEX_MAX_TOKENS = 36
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lengths=st.lists(st.integers(1, 23), min_size=1, max_size=4),
+    chunk=st.integers(1, 9),
+    window=st.one_of(st.none(), st.integers(1, 11)),
+    manager=st.sampled_from(["v1", "v2"]),
+    stagger=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_compiled_paged_attention_equals_the_reference(lengths, chunk, window, manager, stagger, seed):
+    """Random block tables (shuffled free lists), windows releasing blocks to -1, ragged prefill chunks and decodes."""
+    from cache_backends.flex_paged import FlexPagedAttention
+
+    arrivals = list(range(len(lengths))) if stagger else [0] * len(lengths)
+    ref = run_steps(make_pools(window, manager), lengths, chunk, arrivals, seed)
+    pools = make_pools(window, manager)
+    flex = FlexPagedAttention(pools, FLEX_MAX_TOKENS)
+    for t in pools.tensors.values():
+        t.fill_(1e4)  # finite garbage in unwritten slots: only the mask keeps it out of the result
+    got = run_steps(pools, lengths, chunk, arrivals, seed, flex=flex)
+    assert flex.calls > 0
+    for s_ref, s_got in zip(ref, got, strict=True):
+        for layer in (0, 1):
+            torch.testing.assert_close(torch.cat(s_got["out"][layer]), torch.cat(s_ref["out"][layer]), rtol=1e-5,
+                                       atol=1e-5)
+
+
+def test_the_compiled_path_refuses_a_needed_block_that_was_released():
+    from cache_backends.flex_paged import FlexPagedAttention
+
+    pools = make_pools(None)
+    flex = FlexPagedAttention(pools, 8)
+    tables = {g: [3, -1, 5] for g in pools.groups}  # position 4..7 live in logical block 1, released
+    batch = PagedBatch.build([SeqChunk([1], 10, tables)], pools, flex=flex)
+    q = torch.zeros(1, HEADS, HEAD_DIM)
+    kv = torch.zeros(1, KV_HEADS, HEAD_DIM)
+    with pytest.raises(ValueError, match=r"sequence 0: group '.*' has no block for position 4\.\., which attention "
+                                         r"needs \(logical block 1 is -1"):
+        paged_attention(batch, 0, q, kv, kv, 1.0)

@@ -51,7 +51,8 @@ def reference(family: str, device: str = "cpu") -> tuple[list[list[int]], list[l
 
 def paged_greedy(family: str, device: str = "cpu", **kwargs: Any) -> tuple[list, RefDriver]:
     ps, _, _ = reference(family, device)
-    driver = RefDriver(copy.deepcopy(tiny_model(family, device)), manager=kwargs.pop("manager", "v2"))
+    driver = RefDriver(copy.deepcopy(tiny_model(family, device)), manager=kwargs.pop("manager", "v2"),
+                       flex=kwargs.pop("flex", False), max_num_tokens=kwargs.pop("max_num_tokens", 64))
     try:
         return driver.generate(ps, NEW_TOKENS, **kwargs), driver
     finally:
@@ -145,3 +146,29 @@ def test_a_request_reading_another_requests_prefix_blocks_skips_their_prefill(fa
         ref = sdpa_model(torch.tensor([shared + suffix])).logits[0, -1]
     torch.testing.assert_close(logits[0], ref, rtol=1e-4, atol=1e-4)
     driver.close()
+
+
+# --- the compiled path (FlexAttention over the pools) ------------------------------------------
+# Compiling costs ~10-25 s per shape on a CPU, so these runs share one shape per family: at most
+# 8 tokens a step (chunks of 2 for 4 staggered prompts), one bucket, pools of the same size.
+FLEX_MODE = {"chunk_size": 2, "arrivals": [0, 1, 2, 5]}
+FLEX_FAMILIES = ["llama", "qwen3", "mistral", "gemma3"]
+
+
+@pytest.mark.parametrize("manager", ["v2", "v1"])
+@pytest.mark.parametrize("family", FLEX_FAMILIES)
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_compiled_path_greedy_tokens_and_logits_equal_transformers_generate(family, manager, device):
+    _, ref_tokens, ref_logits = reference(family, device)
+    reqs, driver = paged_greedy(family, device, manager=manager, flex=True, max_num_tokens=8, **FLEX_MODE)
+    assert driver.flex.calls > 0  # the compiled kernel really ran
+    for req, tokens, logits in zip(reqs, ref_tokens, ref_logits, strict=True):
+        assert req.output == tokens
+        torch.testing.assert_close(torch.stack(req.logits), logits, rtol=1e-4, atol=1e-4)
+
+
+def test_deepseek_v3_mla_cannot_take_the_compiled_path():
+    from cache_backends.flex_paged import flex_unsupported
+
+    layout = RefDriver(copy.deepcopy(tiny_model("deepseek-v3"))).layout
+    assert "multi-head latent attention" in flex_unsupported(layout)

@@ -25,7 +25,7 @@ import attrs
 
 from cache_backends.block_pool import BlockPool, KVBlock
 from cache_backends.hashing import block_hash, chain_hashes
-from cache_backends.interface import ManagerOptions
+from cache_backends.interface import ManagerOptions, prefix_cache_in_use
 from cache_backends.pools import BlockPools
 from cache_backends.request import Request
 
@@ -223,6 +223,15 @@ class KVCacheManager:
         seq = self._seqs.pop(request, None)
         if seq is not None:
             self.pool.free(reversed(seq.blocks))
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (no later hit; every block empty); ``PrefixCacheInUseError`` while any
+        request holds blocks."""
+        if self.closed:
+            raise RuntimeError("the KV cache manager is closed")
+        if self._seqs:
+            raise prefix_cache_in_use([r.req_id for r in self._seqs])
+        self.pool.reset()
 
     def stats(self) -> dict[str, Any]:
         """Usage, free/evictable/used blocks, reuse hits in tokens (V1 never suspends or resumes)."""

@@ -242,6 +242,14 @@ class GroupPool:
             if dropped:
                 detach(self.name, dropped)
 
+    def reset(self) -> None:
+        """Drop every cached block to the free list (the manager empties the radix tree); none may be in use."""
+        if self.num_used:
+            raise RuntimeError(f"group {self.name}: {self.num_used} blocks are in use; the cache cannot be reset")
+        self.node[:] = [None] * self.num_blocks  # in place: the manager keeps references to these lists
+        self._free[:] = range(self.num_blocks - 1, -1, -1)
+        self.evictable = EvictionQueue(self.priority)
+
     def free_ids(self) -> list[int]:
         """The free list's blocks (for checks and tests)."""
         return list(self._free)

@@ -6,9 +6,13 @@ How the pieces fit (TensorRT-LLM's V2 ideas, this project's code):
   position ``p`` of a sequence lives in logical block ``p // tpb(g)`` of group ``g`` (``tpb`` =
   ``group.tokens_per_block``; compressed groups hold ``tpb / c`` entries per block).
 * **Windows.** After each commit a sliding group releases every block that lies wholly before
-  ``committed - window + 1`` (the oldest key the next query can see). Released blocks go to the free
-  list; with ``enable_swa_scratch_reuse`` a released block that is a cached prefix block stays
-  cached (evictable) instead, so later requests can still reuse prefixes longer than the window.
+  ``committed - window + 1`` (the oldest key the next query can see). A released block that is a
+  keyed prefix block stays in the prefix cache (evictable, like any cached block nobody holds), so a
+  later request whose prefix is longer than the window still hits: a sliding group's part of a hit at
+  ``m`` tokens needs only the blocks the window at ``m`` reads (``[m - window + 1, m)``), not the ones
+  before it (vLLM's sliding-window manager matches the same way). ``enable_swa_scratch_reuse`` (on
+  by default) is that keeping; set to false, out-of-window blocks go straight to the free list instead
+  (their memory is never held by the cache, and prefixes longer than a window are not reused).
 * **Prefix reuse.** Full committed ``T``-token blocks are keyed by chained SHA-256 with the request's
   salt and hung in a :class:`~cache_backends.v2.radix.RadixTree`. A new request walks it over its
   tokens and takes the longest prefix ``m`` that (a) is a multiple of the *reuse unit* — the lcm of
@@ -43,7 +47,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from cache_backends.hashing import block_hash, chain_packed_hashes, pack_tokens
-from cache_backends.interface import ManagerOptions
+from cache_backends.interface import ManagerOptions, prefix_cache_in_use
 from cache_backends.layout import KvLayout, LayerGroup
 from cache_backends.pools import BlockPools
 from cache_backends.request import Request
@@ -313,6 +317,39 @@ class KVCacheManagerV2:
         cache.capacity = capacity
         return True
 
+    def schedule_tokens(self, request: Request, want: int) -> int:
+        """Reserve the most tokens, up to ``want``, that fit now (:meth:`fit_tokens` then :meth:`allocate`); how many.
+
+        The scheduler's per-request call: one lookup, and when everything fits (the common case) no search.
+        """
+        cache = self._caches.get(request)
+        if cache is None or cache.state is not CacheState.ACTIVE:
+            return self.fit_tokens(request, want)  # raises the usual error
+        committed = cache.committed
+        want = min(want, self.options.max_seq_len - committed, request.num_tokens - committed)
+        if want <= 0:
+            return 0
+        target = committed + want
+        if target > cache.capacity:
+            tables = cache.tables
+            needs = []
+            for name, tpb, pool in self._group_pools:
+                k = -(-target // tpb) - len(tables[name])
+                if k > len(pool._free) + len(pool.evictable):  # pool.available, inlined (hot path)
+                    n = self.fit_tokens(request, want)
+                    if n and not self.allocate(request, n):
+                        raise RuntimeError(f"request {request.req_id}: allocation of {n} tokens failed after fitting")
+                    return n
+                needs.append(k)
+            detach = self._detach
+            for (name, _, pool), k in zip(self._group_pools, needs, strict=True):
+                if k > 0:
+                    tables[name].extend(pool.allocate_many(k, detach))
+            cache.capacity = target
+        if target > cache.history:
+            cache.history = target
+        return want
+
     def fit_tokens(self, request: Request, want: int) -> int:
         """The most tokens, up to ``want``, that :meth:`allocate` could reserve now (0: not even one)."""
         cache = self._active(request)
@@ -337,6 +374,51 @@ class KVCacheManagerV2:
             else:
                 hi = mid
         return lo
+
+    def growth_blocks(self, request: Request, ratio: float, scheduled: int = 0) -> dict[str, int]:
+        """Blocks per group ``request`` would still take for ``scheduled`` more tokens, then ``ratio`` of the way on
+        to its worst case (:meth:`worst_case_tokens`); a sliding group never needs more than its window's blocks.
+        An estimate for admission (block rounding per group, windows as whole), never an allocation."""
+        cache = self._active(request)
+        now = cache.capacity
+        start = max(now, cache.committed + scheduled)
+        target = start + math.ceil(ratio * max(0, self.worst_case_tokens(request) - start))
+        return {g.name: max(0, g.blocks_for(target) - g.blocks_for(now)) for g in self.groups}
+
+    def headroom_blocks(self, requests: Iterable[Request], ratio: float) -> dict[str, int]:
+        """:meth:`growth_blocks` summed over active ``requests`` (one pass, no per-request dicts: it runs every
+        step that admits)."""
+        limit, caches, ceil = self.options.max_seq_len, self._caches, math.ceil
+        spans: list[tuple[int, int]] = []  # (tokens held now, tokens after growing ``ratio`` of the way)
+        for r in requests:
+            cache = caches[r]
+            now = cache.capacity
+            worst = cache.worst
+            if worst < 0:  # once per request: prompt + max_new_tokens within max_seq_len (it never changes)
+                worst = cache.worst = min(r.max_total_tokens, limit)
+            if worst > now:
+                spans.append((now, now + ceil(ratio * (worst - now))))
+        out = {}
+        for g in self.groups:
+            tpb, cap = g.tokens_per_block, g.max_blocks_per_sequence
+            if cap is None:
+                out[g.name] = sum(-(-target // tpb) + (now // -tpb) for now, target in spans)
+            else:
+                out[g.name] = sum(min(-(-target // tpb), cap) - min(-(-now // tpb), cap) for now, target in spans)
+        return out
+
+    def check_running(self, requests: Iterable[Request]) -> None:
+        """``ValueError`` unless every request has an active cache here (the scheduler's guard, one pass)."""
+        caches = self._caches
+        for r in requests:
+            cache = caches.get(r)
+            if cache is None or cache.state is not CacheState.ACTIVE:
+                raise ValueError(f"request {r.req_id} is in running but has no active KV cache; "
+                                 "only the scheduler moves requests into running")
+
+    def available_blocks(self) -> dict[str, int]:
+        """Blocks per group an allocation could take now (free plus evictable)."""
+        return {name: pool.available for name, pool in self._pool.items()}
 
     def worst_case_tokens(self, request: Request) -> int:
         """Tokens ``request`` holds at its longest: prompt + max_new_tokens capped at ``max_seq_len``
@@ -366,7 +448,9 @@ class KVCacheManagerV2:
 
     def commit(self, request: Request, num_tokens: int) -> None:
         """The next ``num_tokens`` scheduled tokens have their KV written: advance, key full blocks, slide windows."""
-        cache = self._active(request)
+        cache = self._caches.get(request)
+        if cache is None or cache.state is not CacheState.ACTIVE:
+            cache = self._active(request)  # raises the usual error
         if num_tokens < 0 or cache.committed + num_tokens > cache.history:
             raise ValueError(f"request {request.req_id}: cannot commit {num_tokens} tokens; "
                              f"{cache.history - cache.committed} are scheduled")
@@ -383,6 +467,19 @@ class KVCacheManagerV2:
         if group not in cache.tables:
             raise ValueError(f"no layer group {group!r}; groups: {', '.join(cache.tables)}")
         return list(cache.tables[group])
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix: the radix tree is emptied and every block of every group is free.
+
+        Refused (``PrefixCacheInUseError``) while any request has a cache here, active or suspended: their
+        paths run through the tree, and a suspended one may take cached blocks back on resume.
+        """
+        self._check_open()
+        if self._caches:
+            raise prefix_cache_in_use([r.req_id for r in self._caches])
+        for pool in self._pool.values():
+            pool.reset()
+        self._tree = RadixTree()
 
     # --- reporting -------------------------------------------------------------------------------
 

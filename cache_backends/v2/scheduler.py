@@ -18,6 +18,15 @@ One :meth:`~KVCacheV2Scheduler.step`:
    next token, ``max_util_for_resume``); then, once none is left suspended, **admit** waiting
    requests first come first served while the batch has room and their first chunk fits.
    Priority orders suspensions only; admission is FCFS and never displaces a running request.
+   **Headroom** (SGLang's new-token ratio): while others run, a request is admitted only if every
+   group keeps, beyond the new request's first chunk and its own estimated growth, room for the
+   running requests' estimated growth: ``ratio`` of the way from the tokens each holds to its worst
+   case (:meth:`KVCacheManagerV2.growth_blocks`). ``ratio`` starts at ``INIT_RATIO``, decays by
+   ``RATIO_DECAY`` every step nobody had to move out, down to ``MIN_RATIO`` (requests usually stop
+   well before their worst case, so admission grows bolder while that holds), and jumps back to at
+   least ``INIT_RATIO`` (plus ``RATIO_BUMP``) whenever a request is suspended or preempted: real
+   pressure makes admission cautious again instead of admitting and suspending in a loop.
+   ``init_ratio=0`` turns the rule off (greedy admission, TensorRT-LLM's max-utilisation policy).
 3. A waiting request that could never fit the pools even alone — its worst case,
    ``min(prompt + max_new_tokens, max_seq_len)`` tokens, needs more blocks than a pool has, or its
    prompt is longer than ``max_seq_len`` — is skipped and stays in ``waiting``; it is reported in
@@ -49,18 +58,28 @@ def _pending(request: Request) -> int:
     return request.num_tokens - request.num_computed_tokens
 
 
+#: The new-token ratio's start, floor, decay per calm step and bump on a suspension (module docstring).
+INIT_RATIO, MIN_RATIO, RATIO_DECAY, RATIO_BUMP = 0.7, 0.1, 0.001, 0.1
+
+
 class KVCacheV2Scheduler(SchedulerBase):
     """Max-utilisation scheduler for :class:`KVCacheManagerV2`; see the module docstring for one step."""
 
     manager: KVCacheManagerV2
 
+    def __init__(self, manager: KVCacheManagerV2, max_batch_size: int, max_num_tokens: int, *,
+                 init_ratio: float = INIT_RATIO, min_ratio: float | None = None) -> None:
+        super().__init__(manager, max_batch_size, max_num_tokens)
+        min_ratio = min(MIN_RATIO, init_ratio) if min_ratio is None else min_ratio
+        if not 0 <= min_ratio <= init_ratio <= 1:
+            raise ValueError(f"need 0 <= min_ratio <= init_ratio <= 1, got {min_ratio} and {init_ratio}")
+        self.init_ratio, self.min_ratio = init_ratio, min_ratio  # init_ratio 0: greedy admission (no headroom)
+        self.new_token_ratio = init_ratio  # share of running requests' remaining growth admission keeps room for
+
     def step(self, waiting: deque[Request], running: list[Request]) -> SchedulerOutput:
         """Decide this iteration: move requests between ``waiting`` and ``running``, allocate, report."""
         m = self.manager
-        for r in running:
-            if not m.has_cache(r) or not m.cache(r).is_active:
-                raise ValueError(f"request {r.req_id} is in running but has no active KV cache; "
-                                 "only the scheduler moves requests into running")
+        m.check_running(running)
         out = SchedulerOutput()
         reasons: list[str] = []
         chunks: dict[Request, ScheduledChunk] = {}
@@ -68,14 +87,20 @@ class KVCacheV2Scheduler(SchedulerBase):
         running.sort(key=_rank)
         moved_out = False
 
-        order = [r for r in running if _pending(r) == 1] + [r for r in running if _pending(r) > 1]
-        for r in order:
+        pending = [(r, r.num_tokens - r.num_computed_tokens) for r in running]
+        order = [rp for rp in pending if rp[1] == 1] + [rp for rp in pending if rp[1] > 1]
+        running_state = RequestState.RUNNING
+        for r, p in order:
             if budget == 0:
                 break
-            if r.state is not RequestState.RUNNING:  # moved out earlier in this loop
+            if r.state is not running_state:  # moved out earlier in this loop
                 continue
-            want = min(_pending(r), budget)
-            n = m.fit_tokens(r, want)
+            want = min(p, budget)
+            n = m.schedule_tokens(r, want)
+            if n:  # reserved: the common case
+                budget -= n
+                chunks[r] = ScheduledChunk(r, n)
+                continue
             while n == 0:
                 if r.num_computed_tokens >= m.options.max_seq_len:
                     reasons.append(f"request {r.req_id} reached max_seq_len={m.options.max_seq_len}; "
@@ -101,7 +126,11 @@ class KVCacheV2Scheduler(SchedulerBase):
             if n > 0 and r.state is RequestState.RUNNING:
                 budget -= self._schedule(r, n, chunks)
 
-        if not moved_out:
+        if moved_out:
+            if self.init_ratio:
+                self.new_token_ratio = min(1.0, max(self.new_token_ratio, self.init_ratio) + RATIO_BUMP)
+        else:
+            self.new_token_ratio = max(self.min_ratio, self.new_token_ratio - RATIO_DECAY)
             budget = self._resume(waiting, running, out, chunks, budget, reasons)
             if not any(r.state is RequestState.SUSPENDED for r in waiting):
                 self._admit(waiting, running, out, chunks, budget, reasons)
@@ -155,6 +184,8 @@ class KVCacheV2Scheduler(SchedulerBase):
     def _admit(self, waiting: deque[Request], running: list[Request], out: SchedulerOutput,
                chunks: dict[Request, ScheduledChunk], budget: int, reasons: list[str]) -> None:
         m = self.manager
+        ratio = self.new_token_ratio
+        headroom: dict[str, int] | None = None  # running requests' estimated growth, per group (on first use)
         for r in list(waiting):
             if r.state is not RequestState.WAITING:
                 continue
@@ -171,6 +202,20 @@ class KVCacheV2Scheduler(SchedulerBase):
                 m.cancel_admission(r)
                 reasons.append(f"no room to admit request {r.req_id} until running requests free blocks")
                 break
+            if running and ratio:
+                if headroom is None:
+                    headroom = m.headroom_blocks(running, ratio)
+                own = m.growth_blocks(r, ratio, n)
+                available = m.available_blocks()
+                short = [name for name, k in own.items() if k + headroom[name] > available[name]]
+                if short:
+                    m.cancel_admission(r)
+                    reasons.append(f"request {r.req_id} waits: admitting it would leave group {short[0]} less than "
+                                   f"the running requests' estimated growth (new-token ratio {ratio:.2f})")
+                    break
+                chunk = m.growth_blocks(r, 0.0, n)  # allocated below; the rest of its growth joins the headroom
+                for name, k in own.items():
+                    headroom[name] += k - chunk[name]
             budget -= self._schedule(r, n, chunks)
             r.state = RequestState.RUNNING
             waiting.remove(r)

@@ -57,6 +57,7 @@ class SequenceCache:
     reclaim: dict[str, dict[int, tuple[int, int]]] = attrs.Factory(dict)
     reused_tokens: int = 0
     partial_hit: bool = False
+    worst: int = -1  # the request's worst-case tokens, for admission's headroom estimate (-1: not computed yet)
 
     @property
     def is_active(self) -> bool:

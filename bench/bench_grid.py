@@ -1,0 +1,202 @@
+"""The V1-vs-V2 grid: both managers at the same budget over presets x workloads x budgets, one row per cell.
+
+Run from the repository root (one thread is enough: nothing here runs torch kernels)::
+
+    python -m bench.bench_grid            # default workload sizes (what BENCHMARKS.md records; a few minutes)
+    python -m bench.bench_grid --quick    # a quarter of the requests, for a smoke run
+    python -m bench.bench_grid --presets tiny-gemma3 --workloads no-reuse --budgets default
+    python -m bench.bench_grid --only timing   # the step-time target alone (interleaved V1/V2 pairs)
+
+Each cell is one ``kvload simulate <preset> --workload <w> --compare`` (:func:`engine.simulator.simulate`,
+the same replay loop), at three budgets: ``default`` (the simulator's default, sized for the workload in
+the routed layout), ``tight`` (a quarter of it) and ``generous`` (four times it), passed to both
+managers as ``max_gpu_total_bytes``. Per cell: V2 steps to finish over V1's, each manager's hit rate
+against the ideal, mean concurrency, V2's suspends, and the step-time ratio (median manager +
+scheduler time per engine step, V2 / V1). A manager that cannot run the cell says so (``stalled``:
+the budget cannot hold one of the workload's sequences).
+
+Targets (issue 10), checked per cell: V2 steps <= 1.02x V1's and V2 hit rate >= V1's - 0.5 points;
+sliding-window presets (tiny-mistral, tiny-gemma3) on shared-prefix and multi-turn: V2 hit rate >= 95%
+of the ideal; tiny-gemma3 long-context: V2 >= 3x V1's concurrency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+from bench.common import Table, machine, ratio, verdict
+
+PRESETS = ("tiny-llama", "tiny-mistral", "tiny-gemma3", "tiny-deepseek-v3")
+WORKLOADS = ("shared-prefix", "multi-turn", "long-context", "no-reuse")
+BUDGETS = {"default": 1.0, "tight": 0.25, "generous": 4.0}
+SLIDING = ("tiny-mistral", "tiny-gemma3")
+STEPS_TARGET = 1.02
+HIT_SLACK = 0.005
+SLIDING_HIT_TARGET = 0.95
+CONCURRENCY_TARGET = 3.0
+CPU = {"device": "cpu", "log": False, "progress": False}
+
+
+def _cell(preset: str, workload: Any, budget_bytes: int | None) -> tuple[int, dict[str, Any]]:
+    """One ``simulate --compare`` run: (the budget it used, {manager: ManagerResult})."""
+    from engine.simulator import simulate
+
+    kv = {"max_gpu_total_bytes": budget_bytes} if budget_bytes else {}
+    report = simulate(preset, workload, compare=True, kv_cache_config=kv, **CPU)
+    return report.budget.bytes, report.results
+
+
+def _hit(m: Any) -> str:
+    if m.ideal_hit_rate <= 0:
+        return f"{m.hit_rate:.1%}"
+    return f"{m.hit_rate:.1%} ({m.hit_rate / m.ideal_hit_rate:.0%})"
+
+
+def grid(presets: tuple[str, ...] = PRESETS, workloads: tuple[str, ...] = WORKLOADS,
+         budgets: tuple[str, ...] = tuple(BUDGETS), quick: bool = False) -> tuple[list[dict[str, Any]], Table]:
+    """Run the grid: the per-cell records (for checks) and the markdown table."""
+    from engine.workloads import make_workload
+
+    rows: list[dict[str, Any]] = []
+    cmd = "python -m bench.bench_grid" + (" --quick" if quick else "")
+    table = Table("V1 vs V2 at the same budget: presets x workloads x budgets", cmd,
+                  ["preset", "workload", "budget", "V2/V1 steps", "hit V1 (of ideal)", "hit V2 (of ideal)",
+                   "mean conc. V1 / V2", "V2 suspends", "V2/V1 step time", "cell target"])
+    for preset in presets:
+        for name in workloads:
+            wl = make_workload(name, None, 0)
+            if quick:
+                wl = make_workload(name, max(4, len(wl.requests) // 4), 0)
+            base: int | None = None
+            for label in budgets:
+                start = time.perf_counter()
+                if label == "default" or base is None:
+                    base, default_results = _cell(preset, wl, None)
+                results = default_results if label == "default" else _cell(preset, wl, int(base * BUDGETS[label]))[1]
+                row: dict[str, Any] = {"preset": preset, "workload": name, "budget": label}
+                v1, v2 = results["KVCacheManager"], results["KVCacheManagerV2"]
+                row["status"] = {"v1": v1.status, "v2": v2.status}
+                m1, m2 = v1.metrics, v2.metrics
+                row["v1"], row["v2"] = m1, m2
+                cells = [preset, name, label]
+                if m1 is None or m2 is None:
+                    cells += [f"V1 {v1.status} / V2 {v2.status}", _hit(m1) if m1 else "-", _hit(m2) if m2 else "-",
+                              f"{m1.mean_concurrency if m1 else '-'} / {m2.mean_concurrency if m2 else '-'}",
+                              str(m2.suspends) if m2 else "-", "-",
+                              "V2 runs where V1 cannot" if m2 is not None else "-"]
+                    row["ok"] = m2 is not None or m1 is None
+                else:
+                    steps = m2.steps / m1.steps
+                    t = m2.step_time_us_median / m1.step_time_us_median if m1.step_time_us_median else float("nan")
+                    ok = steps <= STEPS_TARGET and m2.hit_rate >= m1.hit_rate - HIT_SLACK
+                    row.update(steps_ratio=steps, time_ratio=t, ok=ok)
+                    conc = f"{m1.mean_concurrency:.1f} / {m2.mean_concurrency:.1f}"
+                    cells += [ratio(steps), _hit(m1), _hit(m2), conc, f"{m2.suspends:,}", ratio(t), verdict(ok)]
+                table.rows.append(cells)
+                rows.append(row)
+                print(f"  {preset} {name} {label}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    table.notes += _target_notes(rows)
+    table.notes.append("steps: engine steps until the last request finished (idle steps included); hit: reused "
+                       "prompt tokens / prompt tokens, in brackets against the workload's ideal; step time: median "
+                       "manager + scheduler time per engine step (kvload simulate's step_time_us_median). Budgets: "
+                       "default = simulate's default for the workload, tight = 1/4, generous = 4x, for both managers "
+                       "as max_gpu_total_bytes.")
+    return rows, table
+
+
+def _target_notes(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per target: met or which cells miss."""
+    notes = []
+    cells = [r for r in rows if "ok" in r]
+    misses = [f"{r['preset']} {r['workload']} {r['budget']}" for r in cells if not r["ok"]]
+    notes.append(f"Every cell, V2 steps <= {STEPS_TARGET}x V1 and V2 hit >= V1 - {HIT_SLACK * 100:.1f} points: "
+                 f"{verdict(not misses)}" + (f" (missed: {', '.join(misses)})" if misses else "") + ".")
+    sw = [r for r in rows if r["preset"] in SLIDING and r["workload"] in ("shared-prefix", "multi-turn")
+          and r["v2"] is not None and r["v2"].ideal_hit_rate > 0]
+    if sw:
+        worst = min(sw, key=lambda r: r["v2"].hit_rate / r["v2"].ideal_hit_rate)
+        w = worst["v2"].hit_rate / worst["v2"].ideal_hit_rate
+        notes.append(f"Sliding-window presets on shared-prefix / multi-turn, V2 hit >= {SLIDING_HIT_TARGET:.0%} of "
+                     f"the ideal: worst {w:.1%} ({worst['preset']} {worst['workload']} {worst['budget']}): "
+                     f"{verdict(w >= SLIDING_HIT_TARGET)}.")
+    lc = [r for r in rows if r["preset"] == "tiny-gemma3" and r["workload"] == "long-context"
+          and r["budget"] == "default" and r["v1"] is not None and r["v2"] is not None]
+    for r in lc:
+        c = r["v2"].max_concurrency / r["v1"].max_concurrency
+        notes.append(f"tiny-gemma3 long-context (default budget), V2 max concurrency {r['v2'].max_concurrency} vs V1 "
+                     f"{r['v1'].max_concurrency} = {ratio(c)} (mean {r['v2'].mean_concurrency:.2f} vs "
+                     f"{r['v1'].mean_concurrency:.2f}); target >= {CONCURRENCY_TARGET:.0f}x: "
+                     f"{verdict(c >= CONCURRENCY_TARGET)}.")
+    timed = [r for r in rows if r["preset"] == "tiny-llama" and r["workload"] in ("shared-prefix", "multi-turn")
+             and r["budget"] == "default" and "time_ratio" in r]
+    if timed:
+        notes.append("tiny-llama step time V2/V1 (default budget): " + ", ".join(
+            f"{r['workload']} {ratio(r['time_ratio'])}" for r in timed)
+            + f"; target <= 1.25x: {verdict(all(r['time_ratio'] <= 1.25 for r in timed))}.")
+    return notes
+
+
+def step_time(quick: bool = False, pairs: int = 3) -> Table:
+    """The step-time target, measured fairly: V1 and V2 runs interleaved (alternating order), one manager per
+    run, median of the per-pair ratios of median step time (tiny-llama, shared-prefix and multi-turn)."""
+    from engine.simulator import simulate
+    from engine.workloads import make_workload
+
+    cmd = "python -m bench.bench_grid --only timing" + (" --quick" if quick else "")
+    table = Table(f"Step time, V2 / V1 (tiny-llama, default budget, {pairs} interleaved pairs)", cmd,
+                  ["workload", "V1 step µs (median of medians)", "V2 step µs", "V2 / V1 (median of pairs)",
+                   "per pair", "target <= 1.25x"])
+    for name in ("shared-prefix", "multi-turn"):
+        wl = make_workload(name, None, 0)
+        if quick:
+            wl = make_workload(name, max(4, len(wl.requests) // 4), 0)
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for i in range(pairs):
+            for v2 in ((False, True) if i % 2 == 0 else (True, False)):
+                report = simulate("tiny-llama", wl, kv_cache_config={"use_kv_cache_manager_v2": v2}, **CPU)
+                (result,) = report.results.values()
+                times[v2].append(result.metrics.step_time_us_median)
+        per = [b / a for a, b in zip(times[False], times[True], strict=True)]
+        mid = sorted(per)[len(per) // 2]
+        table.rows.append([name, f"{sorted(times[False])[pairs // 2]:,.0f}", f"{sorted(times[True])[pairs // 2]:,.0f}",
+                           ratio(mid), ", ".join(ratio(x) for x in per), verdict(mid <= 1.25)])
+    table.notes.append("Manager + scheduler time per engine step (scheduler.step, commits, finishes), median over "
+                       "the run's engine steps; both managers at the simulator's default budget for the workload.")
+    return table
+
+
+def run(quick: bool = False) -> list[Table]:
+    """The grid table and the step-time table (``bench.run_all`` entry point)."""
+    return [grid(quick=quick)[1], step_time(quick)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print the machine and the grid as markdown."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="a quarter of each workload's requests")
+    p.add_argument("--presets", default=",".join(PRESETS), help="comma-separated presets")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated workloads")
+    p.add_argument("--budgets", default=",".join(BUDGETS), help=f"comma-separated subset of {', '.join(BUDGETS)}")
+    p.add_argument("--only", choices=("grid", "timing"), help="run one part (default: both)")
+    args = p.parse_args(argv)
+    budgets = tuple(b.strip() for b in args.budgets.split(",") if b.strip())
+    unknown = [b for b in budgets if b not in BUDGETS]
+    if unknown:
+        p.error(f"--budgets: unknown budget {unknown[0]!r}; known: {', '.join(BUDGETS)}")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    for key, value in machine().items():
+        print(f"- {key}: {value}")
+    print()
+    if args.only in (None, "grid"):
+        _, table = grid(tuple(args.presets.split(",")), tuple(args.workloads.split(",")), budgets, args.quick)
+        print(table.markdown())
+    if args.only in (None, "timing"):
+        print(step_time(args.quick).markdown())
+
+
+if __name__ == "__main__":
+    main()

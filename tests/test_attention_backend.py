@@ -1,0 +1,90 @@
+"""The attention_backend setting: validated, resolved from "auto" with a reason, a CLI flag, and acted on."""
+
+from __future__ import annotations
+
+import pytest
+
+import pipeline
+from pipeline.config import ConfigError
+from tests.cli_support import run_cli
+from tests.generate_support import NEW_TOKENS, hf_greedy, load, prompts_for
+
+
+def test_auto_resolves_with_a_reason_in_the_audit():
+    planned = pipeline.plan("tiny-llama", log=False, device="cpu")
+    assert planned.args.attention_backend == "sdpa"
+    (event,) = [e for e in planned.audit.of("auto_resolved") if e["field"] == "attention_backend"]
+    assert event["new"] == "sdpa" and "on CPU the compiled FlexAttention is slower" in event["reason"]
+
+
+def test_an_explicit_backend_is_kept():
+    planned = pipeline.plan("tiny-llama", log=False, device="cpu", attention_backend="flex")
+    assert planned.args.attention_backend == "flex"
+    assert not [e for e in planned.audit.of("auto_resolved") if e["field"] == "attention_backend"]
+
+
+def test_a_bad_backend_names_the_field_and_the_choices():
+    with pytest.raises(ConfigError, match=r'attention_backend.*"auto", "flex" or "sdpa"'):
+        pipeline.plan("tiny-llama", log=False, device="cpu", attention_backend="paged")
+
+
+def test_the_cli_flag_sets_it_and_refuses_other_values(capsys):
+    ok = run_cli(capsys, "plan", "tiny-llama", "--device", "cpu", "--attention_backend", "flex", "--json")
+    assert ok.code == 0, ok.err
+    assert '"attention_backend": "flex"' in ok.out
+    bad = run_cli(capsys, "plan", "tiny-llama", "--attention_backend", "paged")
+    assert bad.code == 2 and bad.one_error_line
+    assert "--attention_backend: invalid choice: 'paged'" in bad.err
+
+
+@pytest.mark.parametrize("manager", ["v2", "v1"])
+def test_generate_on_flex_equals_transformers_and_reuses_its_compiled_shapes(tiny_checkpoints, manager):
+    from cache_backends.flex_paged import dynamo_graphs
+
+    # max_num_tokens=8: every step fits one bucket, so the whole test compiles one shape per pool layout
+    with load(tiny_checkpoints("mistral"), manager, max_num_tokens=8, attention_backend="flex") as result:
+        ps = prompts_for(result.hf_model.config.vocab_size)
+        ref = [hf_greedy(result.hf_model, p) for p in ps]
+        graphs_before = dynamo_graphs()
+        first = result.generate(ps, max_new_tokens=NEW_TOKENS)
+        assert [o.token_ids for o in first] == ref
+        flex = result.executor.flex
+        assert flex is not None and flex.calls > 0
+        # dozens of steps (prefill chunks and decodes of ragged lengths), one bucket, one pool: at most one graph
+        assert result.executor.last_stats.steps > 8 and dynamo_graphs() - graphs_before <= 1
+        compiles, graphs, calls = flex.compiles, dynamo_graphs(), flex.calls
+        again = result.generate(ps, max_new_tokens=NEW_TOKENS, arrival_steps=[0, 1, 2, 5])
+        assert [o.token_ids for o in again] == ref
+        assert flex.calls > calls  # the second call ran on the compiled path...
+        assert (flex.compiles, dynamo_graphs()) == (compiles, graphs)  # ...and compiled nothing new
+        assert result.executor.last_stats.warmup_s == 0.0
+
+
+def test_flex_on_an_mla_model_says_it_is_ignored(tiny_checkpoints):
+    with load(tiny_checkpoints("deepseek-v3"), "v2", attention_backend="flex") as result:
+        outs = result.generate([[5, 6, 7]], max_new_tokens=2)
+        assert len(outs[0].token_ids) == 2
+        assert result.executor.flex is None
+        (ignored,) = [e for e in result.audit.of("setting_ignored") if e["field"] == "attention_backend"]
+        assert "multi-head latent attention" in ignored["reason"] and "gather + SDPA" in ignored["reason"]
+
+
+def test_a_shape_that_fails_to_compile_falls_back_to_gather_and_says_so(tiny_checkpoints, monkeypatch):
+    import cache_backends.flex_paged as fp
+
+    def broken():
+        def call(*args, **kwargs):
+            raise RuntimeError("InductorError: no C++ compiler\nmore detail")
+        return call
+
+    monkeypatch.setattr(fp, "compiled_flex", broken)
+    monkeypatch.setattr(fp, "_COMPILED", set())  # every shape is new, so its first call is a compile
+    monkeypatch.setattr(fp, "_FAILED", {})
+    with load(tiny_checkpoints("llama"), "v2", max_num_tokens=8, attention_backend="flex") as result:
+        ps = prompts_for(result.hf_model.config.vocab_size)
+        outs = result.generate(ps, max_new_tokens=NEW_TOKENS)
+        assert [o.token_ids for o in outs] == [hf_greedy(result.hf_model, p) for p in ps]
+        assert result.executor.flex is None
+        (ignored,) = [e for e in result.audit.of("setting_ignored") if e["field"] == "attention_backend"]
+        assert ignored["reason"] == ("torch.compile failed (RuntimeError: InductorError: no C++ compiler); generate "
+                                     "attends through gather + SDPA")
