@@ -186,14 +186,31 @@ class StreamEvent:
 
 
 class TextStream:
-    """Turns the growing token ids of one output into text deltas, holding back an incomplete character."""
+    """Turns the growing token ids of one output into text deltas, holding back an incomplete character.
+
+    A fast (Rust-backed) tokenizer streams through ``tokenizers``' own ``DecodeStream``, which decodes
+    each new token against a short window of the previous ones (constant work per token); a slow
+    tokenizer re-decodes the whole output and prints what it adds.
+    """
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._text = ""
+        self._fed = 0
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._backend = backend
+        self._stream = None
+        if backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(skip_special_tokens=True)
 
     def push(self, token_ids: Sequence[int]) -> str:
         """The text the new tokens add (may be empty while a multi-byte character is incomplete)."""
+        if self._stream is not None:
+            new = list(token_ids[self._fed:])
+            self._fed = len(token_ids)
+            return "".join(piece for t in new if (piece := self._stream.step(self._backend, t)) is not None)
         text = self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
         if text.endswith("\ufffd"):
             return ""

@@ -12,6 +12,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from kvload.shadowing import check_top_level_packages
+
+check_top_level_packages()  # a project's own models/ (or pipeline/, ...) package would hide kvload's
+
 _EXPORTS = {
     "LoadResult": "kvload.api",
     "execute": "kvload.api",

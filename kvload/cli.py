@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 
 import attrs
 
-from pipeline.config import parse_size
+from pipeline.config import SIZE_HELP, parse_size
 from pipeline.errors import ConfigError, KvloadError, first_line
 from pipeline.limits import MAX_INT, MAX_INT_DIGITS, short_text
 
@@ -60,12 +60,11 @@ def number(text: str) -> float:
 
 
 def size(text: str) -> int:
-    """A byte count: ``8589934592``, ``8GiB``, ``512MB`` (at most 2**63 - 1)."""
+    """A byte count: ``8589934592``, ``8GiB`` (= ``8G``), ``512MB`` (at most 2**63 - 1)."""
     try:
         return parse_size(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a byte count such as 8589934592 or 8GiB (at most 2**63 - 1), "
-                                         f"got {short_text(text)}") from None
+        raise argparse.ArgumentTypeError(f"expected {SIZE_HELP} (at most 2**63 - 1), got {short_text(text)}") from None
 
 
 @attrs.frozen
@@ -79,7 +78,7 @@ class Flag:
     choices: tuple[str, ...] | None = None
     const: Any = None  # for switches: the value the flag sets when present
     metavar: str | None = None
-    aliases: tuple[str, ...] = ()  # other spellings (each also accepted dashed)
+    aliases: tuple[str, ...] = ()  # other spellings users bring (trtllm-serve, trtllm-bench; each also dashed)
 
     @property
     def dest(self) -> str:
@@ -91,11 +90,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--use_kv_cache_manager_v2", "kv_cache_config.use_kv_cache_manager_v2",
          "KV cache manager V2: auto (let the model decide), true or false; absent = unset", tri_state,
          metavar="{auto,true,false}"),
-    Flag("--kv_cache_fraction", "kv_cache_config.free_gpu_memory_fraction",
-         "fraction of free device memory for the KV cache, in (0, 1]", number, metavar="F"),
+    Flag("--kv_cache_free_gpu_memory_fraction", "kv_cache_config.free_gpu_memory_fraction",
+         "fraction of free device memory for the KV cache, in (0, 1]", number, metavar="F",
+         aliases=("--kv_cache_fraction", "--kv_cache_free_gpu_mem_fraction")),
     Flag("--max_tokens", "kv_cache_config.max_tokens", "cap the KV cache at this many tokens", integer, metavar="N"),
     Flag("--max_gpu_total_bytes", "kv_cache_config.max_gpu_total_bytes",
-         "cap the KV cache at this many bytes (0 = no cap; 8GiB style accepted)", size, metavar="BYTES"),
+         "cap the KV cache at this many bytes (0 = no cap; 8GiB = 8G = 8*2**30, 8GB = 8*10**9)", size,
+         metavar="BYTES"),
     Flag("--tokens_per_block", "kv_cache_config.tokens_per_block", "tokens per KV block", integer, metavar="N"),
     Flag("--disable_kv_cache_reuse", "kv_cache_config.enable_block_reuse",
          "turn prefix (block) reuse off", const=False),
@@ -105,8 +106,8 @@ FLAGS: tuple[Flag, ...] = (
          "KV cache events (block stored/removed/cleared) kept for readers; 0 = off (default)", integer, metavar="N"),
     Flag("--kv_cache_dtype", "kv_cache_config.dtype", "KV cache dtype: auto or a dtype name", str, metavar="DTYPE"),
     Flag("--dtype", "dtype", "model dtype: auto, float32, float16, bfloat16", str, metavar="DTYPE"),
-    Flag("--device", "device", "where to build: auto (cuda when available), cuda or cpu", str,
-         choices=("auto", "cuda", "cpu")),
+    Flag("--device", "device", "where to build: auto (cuda when available), cuda, cuda:N or cpu", str,
+         metavar="{auto,cuda,cuda:N,cpu}"),
     Flag("--max_batch_size", "max_batch_size", "most requests scheduled at once", integer, metavar="N"),
     Flag("--max_seq_len", "max_seq_len", "longest sequence (default: the checkpoint's)", integer, metavar="N"),
     Flag("--max_num_tokens", "max_num_tokens", "most tokens in one forward (prefill chunk)", integer, metavar="N"),
@@ -123,11 +124,16 @@ FLAG_FOR_PATH: dict[str, str] = {f.path: f.name for f in FLAGS}
 class OneLineParser(argparse.ArgumentParser):
     """argparse that reports a usage error as one line (``error: ...``) and exits 2."""
 
+    def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:
+        """Remember the arguments so an error can name the spelling the user typed."""
+        self._argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str) -> NoReturn:
         """Print ``error: <flag>: <what>`` on one line; no usage dump."""
         if message.startswith("argument "):
             head, _, rest = message[len("argument "):].partition(": ")
-            message = f"{head.split('/')[0]}: {rest}"
+            message = f"{typed_spelling(head.split('/'), getattr(self, '_argv', []))}: {rest}"
         elif message.startswith("unrecognized arguments: "):
             message += self._suggestion(message.split(": ", 1)[1].split()[0])
         self.exit(2, f"error: {message}\n")
@@ -149,6 +155,22 @@ class OneLineParser(argparse.ArgumentParser):
             return f"; {name} belongs to another command (see kvload --help)"
         close = difflib.get_close_matches(name, sorted(options), n=1, cutoff=0.75)
         return f"; did you mean {close[0]}?" if close else ""
+
+
+def _norm(option: str) -> str:
+    return option.replace("-", "_")
+
+
+def typed_spelling(spellings: Sequence[str], argv: Sequence[str]) -> str:
+    """The name of an option as the user wrote it (an alias stays an alias), in its first-listed form.
+
+    ``--kv-cache-fraction`` reports as ``--kv_cache_fraction``; with nothing typed, the first spelling.
+    """
+    typed = {_norm(a.split("=", 1)[0]) for a in argv if a.startswith("--")}
+    for name in spellings:
+        if _norm(name) in typed:
+            return next(s for s in spellings if _norm(s) == _norm(name))
+    return spellings[0]
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -175,7 +197,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         else:
             group.add_argument(*names, dest=f.dest, type=f.type, choices=f.choices, metavar=f.metavar,
                                default=None, help=f.help)
-    group.add_argument("--config", metavar="FILE.yaml", help="YAML file of LlmArgs fields (CLI flags win)")
+    group.add_argument("--config", "--extra_llm_api_options", "--extra-llm-api-options", dest="config",
+                       metavar="FILE.yaml", help="YAML file of LlmArgs fields (CLI flags win); TensorRT-LLM options "
+                                                 "kvload does not act on are accepted with a warning each")
     out = p.add_argument_group("output")
     out.add_argument("--audit-log", "--audit_log", dest="audit_log", metavar="FILE.jsonl",
                      help="write every event as JSON Lines, hash-chained (HMAC with KVLOAD_AUDIT_KEY when set); "
@@ -188,10 +212,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
 
 def add_log_flags(p: Any) -> None:
     """``--log-format``, ``--log-level`` and ``--debug``."""
-    p.add_argument("--log-format", "--log_format", dest="log_format", choices=("console", "json"), default="console",
-                   help="how events are logged on stderr")
+    p.add_argument("--log-format", "--log_format", dest="log_format", choices=("console", "json"), default=None,
+                   help="how events are logged on stderr (default: $KVLOAD_LOG_FORMAT, else console)")
     p.add_argument("--log-level", "--log_level", dest="log_level", choices=("debug", "info", "warning", "error"),
-                   default="warning", help="least severe event logged on stderr (default: warning)")
+                   default=None, help="least severe event logged on stderr (default: $KVLOAD_LOG_LEVEL, else warning)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
@@ -699,16 +723,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvload`` console script."""
     parser = build_parser()
     ns = parser.parse_args(argv)
-    from pipeline.logs import HeldStream, configure_logging
+    from pipeline.logs import HeldStream, configure_logging, env_log_settings
     from pipeline.signals import handle_sigterm
 
     handle_sigterm()  # kill (SIGTERM) cleans up like Ctrl-C: no temporary file, no half-built pools
 
+    try:  # flags win over KVLOAD_LOG_LEVEL / KVLOAD_LOG_FORMAT, which win over the defaults
+        env_level, env_format = env_log_settings()
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
     # At the default level, warnings are held until the outcome is known: a failed run prints only
     # its one-line error. Asking for info/debug streams everything as it happens.
-    level = getattr(ns, "log_level", "warning")  # explain/audit/models log nothing of their own
+    level = getattr(ns, "log_level", None) or env_level or "warning"  # explain/audit/models log nothing
     held = HeldStream() if level in ("warning", "error") and not ns.debug else None
-    configure_logging(getattr(ns, "log_format", "console"), level, held)
+    configure_logging(getattr(ns, "log_format", None) or env_format or "console", level, held)
     ok = False
     try:
         code = _run(ns)
@@ -717,7 +746,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KvloadError as exc:
         if ns.debug:  # the traceback, then the same line and exit status as without --debug
             traceback.print_exc()
-        print(f"error: {_cli_message(exc)}", file=sys.stderr)
+        print(f"error: {_cli_message(exc, sys.argv[1:] if argv is None else argv)}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt as exc:
         from pipeline.signals import Terminated
@@ -758,10 +787,11 @@ def _close_audit(ns: argparse.Namespace, ok: bool) -> None:
         sink.close(ok=ok)
 
 
-def _cli_message(exc: KvloadError) -> str:
-    """Name the flag instead of the dotted path when the bad value came from the command line."""
+def _cli_message(exc: KvloadError, argv: Sequence[str] = ()) -> str:
+    """Name the flag (as typed) instead of the dotted path when the bad value came from the command line."""
     if isinstance(exc, ConfigError) and exc.source == "cli" and exc.path in FLAG_FOR_PATH:
-        return f"{FLAG_FOR_PATH[exc.path]}: {exc.detail}"
+        flag = next(f for f in FLAGS if f.path == exc.path)
+        return f"{typed_spelling((flag.name, *flag.aliases), argv)}: {exc.detail}"
     return str(exc)
 
 

@@ -381,6 +381,18 @@ class KvBudgetComputed(Event):
     rank_budget_bytes: list[int | None] | None = None
 
 
+@event("kv_budget_short", level="warning")
+class KvBudgetShort(Event):
+    """The KV pools hold no whole sequence of ``max_seq_len``: a request that long would never be admitted."""
+
+    capacity_tokens: int
+    max_seq_len: int
+    sequence_bytes: int  # what one sequence of max_seq_len needs
+    budget_bytes: int
+    limited_by: str | None  # the dotted field whose rule set the budget
+    advice: str
+
+
 @event("kv_manager_built")
 class KvManagerBuilt(Event):
     """The KV cache manager and its pools exist on the device: per-group blocks and bytes, capacity."""

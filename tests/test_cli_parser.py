@@ -63,7 +63,7 @@ def test_absent_and_explicit_auto_differ_only_in_the_audit_log(capsys, tmp_path,
 #: One sample per flag: the text typed, and the value the field must then hold.
 SAMPLES = {
     "--use_kv_cache_manager_v2": (["true"], True),
-    "--kv_cache_fraction": (["0.5"], 0.5),
+    "--kv_cache_free_gpu_memory_fraction": (["0.5"], 0.5),
     "--max_tokens": (["4096"], 4096),
     "--max_gpu_total_bytes": (["1GiB"], 1 << 30),
     "--tokens_per_block": (["64"], 64),
