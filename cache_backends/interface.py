@@ -17,12 +17,13 @@ Driving loop, one iteration::
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
 
 from cache_backends.layout import KvLayout
 from cache_backends.request import Request
+from cache_backends.stats import ManagerStats
 
 if TYPE_CHECKING:  # pools import torch; the protocol itself must stay importable without it
     from cache_backends.pools import BlockPools
@@ -97,8 +98,8 @@ class KVCacheManagerProtocol(Protocol):
         """Forget every cached prefix: no later hit, every block free; ``PrefixCacheInUseError`` while requests
         hold a cache."""
 
-    def stats(self) -> dict[str, Any]:
-        """Usage, free/evictable/used blocks per group, reuse hits in tokens, suspends/resumes."""
+    def stats(self) -> ManagerStats:
+        """Usage, free/evictable/used blocks per group, reuse hits in tokens, suspends/resumes (one shape for both)."""
 
     def close(self) -> None:
         """Release the device pools and the host tier (idempotent)."""

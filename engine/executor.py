@@ -602,7 +602,7 @@ class GenerationExecutor:
 
     def _counters(self) -> dict[str, int]:
         stats = self.manager.stats()
-        return {k: int(stats.get(k, 0)) for k in ("suspends", "resumes", "preemptions")}
+        return {"suspends": stats.suspends, "resumes": stats.resumes, "preemptions": stats.preemptions}
 
     def _abort(self, driver: Driver) -> None:
         """Free every request of a failed call, so the pools hold nothing of it."""

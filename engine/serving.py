@@ -244,7 +244,7 @@ class ServingEngine:
             running = len(self.driver.running)
             waiting = sum(1 for r in self.driver.waiting if r.state.value == "waiting")
             suspended = len(self.driver.waiting) - waiting
-            stats = self.manager.stats() if not getattr(self.manager, "closed", False) else {}
+            stats = None if getattr(self.manager, "closed", False) else self.manager.stats()
         return {"running": running, "waiting": waiting, "suspended": suspended, "manager": stats,
                 "steps": self.steps}
 

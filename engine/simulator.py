@@ -15,7 +15,7 @@ Metrics of one run (:class:`RunMetrics`), precisely:
 * ``hit_rate`` = reused prompt tokens / prompt tokens, where a request's reused tokens are the
   prompt tokens its *first* admission took from the prefix cache (a V2 re-admission after a
   preemption does not count twice). ``ideal_hit_rate`` is the workload's (``engine.workloads``).
-* ``peak_usage`` / ``mean_usage``: the manager's ``stats()["usage"]`` right after the scheduler's
+* ``peak_usage`` / ``mean_usage``: the manager's ``stats().usage`` right after the scheduler's
   decision of each engine step (all of the step's blocks allocated, none freed yet): used blocks /
   blocks for V1, used bytes / pool bytes over every layer group for V2. Evictable (cached, unowned)
   blocks count as free.
@@ -139,7 +139,7 @@ def replay(manager: Any, scheduler: Any, workload: Workload, *,
     def sample() -> None:
         # After the scheduler's decision: the step's blocks are allocated and nothing is freed yet (its peak).
         nonlocal waits
-        usage.append(manager.stats()["usage"])
+        usage.append(manager.stats().usage)
         running.append(len(driver.running))
         waits += len(driver.waiting)
 
@@ -174,8 +174,6 @@ def replay(manager: Any, scheduler: Any, workload: Workload, *,
         if tuple(req.output_token_ids) != answers[req.req_id]:
             raise WorkloadMismatch(f"request {req.req_id}: output differs from its scripted answer")
     s = manager.stats()
-    evictions = (s["evictions"] if "evictions" in s
-                 else sum(g.get("evictions", 0) for g in s["groups"].values()))
     prompt_tokens = workload.prompt_tokens
     reused = sum(first_reuse.values())
     return RunMetrics(
@@ -192,10 +190,10 @@ def replay(manager: Any, scheduler: Any, workload: Workload, *,
         steps=run.steps,
         engine_steps=len(step_times),
         finished=len(finished),
-        suspends=s.get("suspends", 0),
-        resumes=s.get("resumes", 0),
-        preemptions=s.get("preemptions", 0),
-        evictions=evictions,
+        suspends=s.suspends,
+        resumes=s.resumes,
+        preemptions=s.preemptions,
+        evictions=s.evictions,
         waits=waits,
         admission_delay_mean=round(statistics.fmean(admission_delay), 3) if admission_delay else 0.0,
         step_time_us_median=round(statistics.median(step_times), 2) if step_times else 0.0,

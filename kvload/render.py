@@ -74,7 +74,7 @@ def allocation_document(result: LoadResult) -> dict[str, Any]:
         "pools": m.pools.describe(),
         "total_bytes": m.pools.nbytes,
         "host_bytes": host.nbytes if (host := getattr(m, "host", None)) is not None else 0,
-        "stats": m.stats(),
+        "stats": m.stats().to_dict(),
     }
 
 

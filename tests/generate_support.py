@@ -48,7 +48,7 @@ def greedy_admission(result: pipeline.LoadResult) -> None:
 def used_blocks(result: pipeline.LoadResult) -> int:
     """Device blocks some request still owns (cached, evictable blocks are not counted)."""
     stats = result.kv_manager.stats()
-    return sum(g["used"] for g in stats["groups"].values())
+    return sum(g.used for g in stats.groups.values())
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:

@@ -36,7 +36,7 @@ def test_requests_run_to_max_new_tokens_and_give_their_blocks_back():
     assert {r.req_id: r.output_token_ids for r in reqs} == {"a": [5] * 4, "b": [5] * 2}
     assert all(r.finish_reason == "length" for r in reqs)
     assert [r.req_id for r in stats.finished] == ["b", "a"] and stats.engine_steps == stats.steps == 4
-    assert d.manager.stats()["groups"]["uniform"]["used"] == 0 and not d.has_work
+    assert d.manager.stats().groups["uniform"].used == 0 and not d.has_work
 
 
 def test_eos_and_max_seq_len_end_a_request_early():
@@ -138,7 +138,7 @@ def test_the_driver_ends_generation_at_max_seq_len(kind):
     assert {r.req_id for r in d.finished} == {"long", "short"}
     assert (long.num_tokens, long.finish_reason, len(long.output_token_ids)) == (8, "length", 2)
     assert (short.finish_reason, len(short.output_token_ids)) == ("length", 3)
-    assert d.manager.stats()["usage"] == 0
+    assert d.manager.stats().usage == 0
 
 
 @pytest.mark.parametrize("kind", ["v1", "v2"])
@@ -175,4 +175,4 @@ def test_preemption_is_reported_and_a_readmission_says_so():
         times = sum(1 for p in preempted if p.req_id == r.req_id)
         assert admissions == [False] + [True] * times
     assert all(p.tokens > 4 for p in preempted)  # it had generated tokens, all to recompute
-    assert d.manager.stats()["preemptions"] == len(preempted)
+    assert d.manager.stats().preemptions == len(preempted)

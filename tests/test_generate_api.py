@@ -164,7 +164,7 @@ def test_a_failing_call_frees_its_requests_and_the_executor_stays_usable(tiny_ch
         def explode(event):
             seen.append(event)
             # V2: strike while a request's pages sit in the host tier; V1: while requests still wait
-            suspended = result.kv_manager.stats()["caches"]["suspended"] if manager == "v2" else 0
+            suspended = result.kv_manager.stats().suspended if manager == "v2" else 0
             if suspended or (manager == "v1" and len(seen) == 3):
                 raise KeyboardInterrupt  # what ^C during a long generate looks like
 
@@ -173,8 +173,8 @@ def test_a_failing_call_frees_its_requests_and_the_executor_stays_usable(tiny_ch
         assert used_blocks(result) == 0
         if manager == "v2":
             stats = result.kv_manager.stats()
-            assert all(g["used"] == 0 for g in stats["host"].values())  # no suspended pages left in the host tier
-            assert stats["caches"] == {"active": 0, "suspended": 0}
+            assert all(g.used == 0 for g in stats.host.values())  # no suspended pages left in the host tier
+            assert (stats.active, stats.suspended) == (0, 0)
         failed = result.audit.of("generation_failed")[-1]
         assert failed["error"] == "KeyboardInterrupt" and failed["level"] == "error"
         outs = result.generate(ps, max_new_tokens=NEW_TOKENS)

@@ -163,7 +163,7 @@ def test_the_built_manager_serves_requests_end_to_end():
         reqs = [Request(f"r{i}", list(range(30)), 20) for i in range(6)]  # 50 tokens = 4 blocks each; 16 blocks
         trace = drive(result.scheduler, m, reqs)
         assert trace.stalled is None and len(trace.finished) == 6 and trace.max_running <= 4
-        assert m.stats()["reuse_hit_tokens"] > 0 and m.stats()["groups"]["uniform"]["used"] == 0
+        assert m.stats().reuse_hit_tokens > 0 and m.stats().groups["uniform"].used == 0
 
 
 def test_v2_is_built_through_the_agreed_construction_contract():

@@ -65,9 +65,8 @@ def test_eviction_reports_removed_blocks_that_were_stored(v2, tmp_path):
         removed = [h for e in events if e["type"] == "kv_block_removed" for h in e["block_hashes"]]
         assert removed and set(removed) <= stored
         assert set(_keys(list(range(100, 160)))) & set(removed)  # the oldest prompt went first
-        evictions = r.kv_manager.stats()
-        n = evictions["evictions"] if not v2 else sum(g["evictions"] for g in evictions["groups"].values())
-        assert len(removed) == n
+        stats = r.kv_manager.stats()
+        assert len(removed) == stats.evictions == sum(g.evictions for g in stats.groups.values())
         assert [json.loads(line) for line in log.read_text().splitlines()] == events
 
 

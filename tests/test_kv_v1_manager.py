@@ -71,7 +71,7 @@ def test_a_shared_prefix_is_reused_in_whole_blocks_and_counted():
     assert (b.num_reused_tokens, b.num_computed_tokens) == (8, 11)
     assert m.block_table(b, "uniform")[:2] == m.block_table(a, "uniform")[:2]
     assert m.block_table(b, "uniform")[2] != m.block_table(a, "uniform")[2]
-    assert m.stats()["reuse_hit_tokens"] == 8 and m.stats()["reuse_query_tokens"] == 21
+    assert m.stats().reuse_hit_tokens == 8 and m.stats().reuse_query_tokens == 21
 
 
 def test_reuse_never_covers_the_whole_prompt_and_a_fully_cached_prompt_stays_consistent():
@@ -105,10 +105,10 @@ def test_freed_blocks_stay_cached_and_the_tail_is_evicted_first():
     a = Request("a", list(range(16)), 0)  # 4 full blocks, all cached
     run_prefill(m, a)
     m.free(a)
-    assert m.stats()["groups"]["uniform"]["evictable"] == 4
+    assert m.stats().groups["uniform"].evictable == 4
     other = Request("x", [7, 7, 7, 7], 0)  # needs one block: evicts a's tail block
     run_prefill(m, other)
-    assert m.stats()["evictions"] == 1
+    assert m.stats().evictions == 1
     again = Request("a2", [*range(16), 0], 0)
     assert m.find_prefix(again).num_tokens == 12  # the first three blocks survived
 
@@ -133,7 +133,7 @@ def test_without_block_reuse_nothing_is_hashed_or_reused():
     a = Request("a", list(range(9)), 0)
     run_prefill(m, a)
     m.free(a)
-    assert m.pool.cached == {} and m.stats()["groups"]["uniform"]["evictable"] == 0
+    assert m.pool.cached == {} and m.stats().groups["uniform"].evictable == 0
     assert m.find_prefix(Request("b", list(range(9)), 0)).num_tokens == 0
 
 
@@ -275,8 +275,8 @@ class V1Machine(RuleBasedStateMachine):
         assert {b.block_id: b.ref_cnt for b in pool.blocks if b.ref_cnt} == owners
         keyed = [b.block_hash is not None for b in pool.free_queue]
         assert keyed == sorted(keyed), "an empty block queued behind a cached one would evict the cached one first"
-        s = self.m.stats()["groups"]["uniform"]
-        assert s["free"] + s["evictable"] + s["used"] == s["blocks"] == 12
+        s = self.m.stats().groups["uniform"]
+        assert s.free + s.evictable + s.used == s.total == 12
 
     def teardown(self):
         for r in self.live:

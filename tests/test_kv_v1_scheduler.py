@@ -84,7 +84,7 @@ def test_shared_prefixes_let_more_requests_run_at_once():
     shared = drive(GuaranteedNoEvictScheduler(m2 := make_manager(7), 64, 6), m2, requests(4, shared=True))
     assert alone.max_running == 2
     assert shared.max_running == 3
-    assert m2.stats()["reuse_hit_tokens"] > 0 and len(shared.finished) == 4
+    assert m2.stats().reuse_hit_tokens > 0 and len(shared.finished) == 4
 
 
 def test_a_request_that_can_never_fit_stalls_with_the_reason_instead_of_hanging():
@@ -169,7 +169,7 @@ def test_a_running_request_is_never_scheduled_past_max_seq_len():
     trace = drive(sched, m, [r])
     # the engine ends it at max_seq_len ("length"); the last sampled token is never fed, so 7 are computed
     assert trace.stalled is None and trace.finished == ["r"] and r.finish_reason == "length"
-    assert r.num_tokens == 8 and r.num_computed_tokens == 7 and m.stats()["groups"]["uniform"]["used"] == 0
+    assert r.num_tokens == 8 and r.num_computed_tokens == 7 and m.stats().groups["uniform"].used == 0
     # and the scheduler itself never schedules past max_seq_len, whoever drives it
     r2 = Request("r2", [1, 2, 3, 4, 5, 6, 7], 10)
     waiting, running = deque([r2]), []

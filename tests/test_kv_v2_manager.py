@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 
@@ -9,6 +10,7 @@ from cache_backends import LayerKV, build_layout
 from cache_backends.interface import ManagerOptions
 from cache_backends.pools import BlockPools
 from cache_backends.request import Request
+from cache_backends.stats import HostStats, ManagerStats
 from cache_backends.v2 import CacheState, KVCacheManagerV2
 from tests.kv_v2_support import FULL, admit, check_kv, compute, full_sliding_layers, make_manager, prefill, write_kv
 
@@ -30,7 +32,7 @@ def test_life_cycle_keeps_committed_le_history_le_capacity():
     r = Request("a", list(range(10)), 4)
     cache = m.create(r)
     assert cache.state is CacheState.SUSPENDED and not cache.admitted
-    assert m.stats()["caches"] == {"active": 0, "suspended": 1}
+    assert (m.stats().active, m.stats().suspended) == (0, 1)
     with pytest.raises(ValueError, match="suspended; resume"):
         m.block_table(r, "full")
 
@@ -53,19 +55,19 @@ def test_life_cycle_keeps_committed_le_history_le_capacity():
     assert m.suspend(r)
     assert cache.state is CacheState.SUSPENDED
     stats = m.stats()
-    assert all(g["used"] == 0 for g in stats["groups"].values())
-    assert stats["host"]["full"]["used"] == 2 and stats["suspends"] == 1
+    assert all(g.used == 0 for g in stats.groups.values())
+    assert stats.host["full"].used == 2 and stats.suspends == 1
 
     assert m.resume(r) and lengths(m, r) == (6, 6, 6)
     check_kv(m, r)
-    assert m.stats()["resumes"] == 1
+    assert m.stats().resumes == 1
     m.check_invariants()
 
     m.free(r)
     stats = m.stats()
     assert not m.has_cache(r)
-    assert all(g["used"] == 0 and g["free"] + g["evictable"] == g["total"] for g in stats["groups"].values())
-    assert all(h["used"] == 0 for h in stats["host"].values())
+    assert all(g.used == 0 and g.free + g.evictable == g.total for g in stats.groups.values())
+    assert all(h.used == 0 for h in stats.host.values())
     m.check_invariants()
 
 
@@ -76,7 +78,7 @@ def test_suspend_drops_tokens_scheduled_but_not_committed():
     compute(m, r, 5)
     assert m.allocate(r, 5) and lengths(m, r) == (5, 10, 10)
     assert m.suspend(r)
-    assert m.stats()["host"]["full"]["used"] == 2  # the 5 committed tokens' blocks only
+    assert m.stats().host["full"].used == 2  # the 5 committed tokens' blocks only
     assert m.resume(r) and lengths(m, r) == (5, 5, 5)
     check_kv(m, r)
 
@@ -174,7 +176,7 @@ def test_suspend_then_resume_restores_every_page_byte_exact_after_the_device_was
     for t in m.pools.tensors.values():
         t.copy_(torch.randn(t.shape).to(t.dtype))
     m.free(hog)
-    assert m.stats()["groups"]["full"]["evictions"] > 0
+    assert m.stats().groups["full"].evictions > 0
 
     assert m.resume(r)
     _assert_pages_equal(m, r, saved)
@@ -208,8 +210,8 @@ def test_sliding_group_releases_blocks_that_left_the_window():
     assert m.block_table(r, "sliding_w8")[:3] == [-1, -1, -1]
     assert len(held(m.block_table(r, "sliding_w8"))) == 2
     assert len(held(m.block_table(r, "full"))) == 5
-    groups = m.stats()["groups"]
-    assert groups["sliding_w8"]["used"] == 2 and groups["sliding_w8"]["free"] == 14
+    groups = m.stats().groups
+    assert groups["sliding_w8"].used == 2 and groups["sliding_w8"].free == 14
     check_kv(m, r)
     group = m.pools.groups["sliding_w8"]
     for _ in range(30):  # decode: the window never holds more than its bound
@@ -229,10 +231,10 @@ def test_swa_scratch_reuse_keeps_released_window_blocks_reusable(scratch):
     prompt = list(range(1, 25))
     a = Request("a", prompt, 0)
     prefill(m, a)
-    sliding = m.stats()["groups"]["sliding_w8"]
+    sliding = m.stats().groups["sliding_w8"]
     # blocks 0..3 left the window; as full prefix blocks they stay cached only with scratch reuse
-    assert sliding["evictable"] == (4 if scratch else 0)
-    assert sliding["free"] == (26 if scratch else 30)
+    assert sliding.evictable == (4 if scratch else 0)
+    assert sliding.free == (26 if scratch else 30)
     m.free(a)
 
     b = Request("b", [*prompt[:20], 77, 78, 79, 80], 0)
@@ -268,7 +270,7 @@ def test_salts_isolate_reuse():
     d_blocks = set(held(m.block_table(d, "full")))
     for r in others:
         assert not d_blocks & set(held(m.block_table(r, "full")))
-    assert m.stats()["reuse_hit_tokens"] == 16
+    assert m.stats().reuse_hit_tokens == 16
 
 
 @pytest.mark.parametrize("partial", [False, True])
@@ -299,7 +301,7 @@ def test_partial_reuse_copies_the_matching_block_and_never_writes_the_original()
     compute(m, b, 3)  # writes tokens 6..8 into b's copy of block 1
     check_kv(m, a)
     check_kv(m, b)
-    assert m.stats()["reuse_partial_hits"] == 1
+    assert m.stats().reuse_partial_hits == 1
     m.check_invariants()
 
 
@@ -309,8 +311,8 @@ def test_compressed_groups_reuse_whole_blocks_of_their_span_only():
     cfg = load_hf_config(resolve_checkpoint("tiny-deepseek-v4"))
     layers = spec_class_for(cfg.architectures[0])(cfg).kv_layers()
     m = make_manager(layers, 64, T=8, enable_swa_scratch_reuse=True)
-    stats = m.stats()["reuse"]
-    assert stats["unit_tokens"] == 128 and stats["partial"] is False  # hca blocks span 128 tokens
+    stats = m.stats().reuse
+    assert stats.unit_tokens == 128 and stats.partial is False  # hca blocks span 128 tokens
     prompt = [(7 * i) % 101 for i in range(300)]
     a = Request("a", prompt, 0)
     prefill(m, a)
@@ -332,15 +334,15 @@ def test_cancel_admission_undoes_the_claim():
     m.free(a)
     b = Request("b", list(range(1, 10)), 0)
     admit(m, b)
-    assert b.num_computed_tokens == 8 and m.stats()["reuse_hit_tokens"] == 8
+    assert b.num_computed_tokens == 8 and m.stats().reuse_hit_tokens == 8
     c = Request("c", [*range(1, 7), 60, 61], 0)
     admit(m, c)
-    assert c.num_computed_tokens == 6 and m.stats()["reuse_partial_hits"] == 1
+    assert c.num_computed_tokens == 6 and m.stats().reuse_partial_hits == 1
     m.cancel_admission(c)
     m.cancel_admission(b)
     assert not m.has_cache(b) and b.num_computed_tokens == 0 and b.num_reused_tokens == 0
-    assert m.stats()["reuse_hit_tokens"] == 0 and m.stats()["reuse_partial_hits"] == 0
-    assert m.stats()["groups"]["full"]["used"] == 0
+    assert m.stats().reuse_hit_tokens == 0 and m.stats().reuse_partial_hits == 0
+    assert m.stats().groups["full"].used == 0
     admit(m, b)
     compute(m, b, 1)
     with pytest.raises(ValueError, match="just-admitted"):
@@ -358,11 +360,11 @@ def test_eviction_takes_lowest_priority_first_and_the_tail_of_a_prefix_before_it
     prefill(m, low)
     m.free(high)
     m.free(low)  # released last, so the most recently used: LRU alone would evict high first
-    assert m.stats()["groups"]["full"] == {**m.stats()["groups"]["full"], "free": 6, "evictable": 6}
+    assert (m.stats().groups["full"].free, m.stats().groups["full"].evictable) == (6, 6)
 
     new = Request("new", list(range(300, 332)), 0)
     prefill(m, new)  # 8 blocks: the 6 free ones, then 2 evicted
-    assert m.stats()["groups"]["full"]["evictions"] == 2
+    assert m.stats().groups["full"].evictions == 2
 
     probe_low = Request("probe-low", low.prompt_token_ids, 0)
     probe_high = Request("probe-high", high.prompt_token_ids, 0)
@@ -422,7 +424,7 @@ def test_resume_is_refused_without_room():
 
 def test_host_cache_size_zero_means_no_tier_and_suspend_declines():
     m = make_manager(FULL, 4, host_cache_size=0)
-    assert m.host is None and m.stats()["host"] is None
+    assert m.host is None and m.stats().host is None
     r = Request("a", list(range(6)), 0)
     prefill(m, r)
     assert m.suspend(r) is False
@@ -433,8 +435,8 @@ def test_host_cache_size_zero_means_no_tier_and_suspend_declines():
 def test_host_cache_size_in_bytes_is_split_like_the_pools():
     # full: 1 layer x 4 elems x 4 B x 4 tokens = 64 B/block; sliding: 2 layers -> 128 B/block
     m = make_manager(full_sliding_layers(), 16, host_cache_size=192 + 1000)
-    host = m.stats()["host"]
-    assert host == {"full": {"total": 6, "used": 0}, "sliding_w8": {"total": 6, "used": 0}}
+    host = m.stats().host
+    assert host == {"full": HostStats(total=6, used=0), "sliding_w8": HostStats(total=6, used=0)}
     assert m.host.nbytes <= 1192
     with pytest.raises(ValueError, match="host_cache_size=100 bytes cannot hold one block of every layer group"):
         make_manager(full_sliding_layers(), 16, host_cache_size=100)
@@ -442,7 +444,7 @@ def test_host_cache_size_in_bytes_is_split_like_the_pools():
 
 def test_auto_host_tier_mirrors_the_device_pools():
     m = make_manager(full_sliding_layers(), 16, host_cache_size=None)
-    assert {name: h["total"] for name, h in m.stats()["host"].items()} == m.pools.num_blocks
+    assert {name: h.total for name, h in m.stats().host.items()} == m.pools.num_blocks
     assert m.host.nbytes == m.pools.nbytes
 
 
@@ -477,19 +479,19 @@ def test_stats_add_up():
     r = Request("a", list(range(14)), 0)
     prefill(m, r)
     stats = m.stats()
-    assert stats["manager"] == "v2" and 0 < stats["usage"] < 1
-    for g in stats["groups"].values():
-        assert g["free"] + g["evictable"] + g["used"] == g["total"] == 16
-    assert stats["groups"]["full"]["used"] == 4 and stats["groups"]["sliding_w8"]["used"] == 3  # block 0 left
-    assert stats["reuse"]["enabled"] and stats["reuse"]["radix_nodes"] == 3
-    assert {"suspends", "resumes", "preemptions", "reuse_hit_tokens"} <= stats.keys()
+    assert stats.kind == "v2" and 0 < stats.usage < 1
+    for g in stats.groups.values():
+        assert g.free + g.evictable + g.used == g.total == 16
+    assert stats.groups["full"].used == 4 and stats.groups["sliding_w8"].used == 3  # block 0 left
+    assert stats.reuse.enabled and stats.reuse.radix_nodes == 3
+    assert {"suspends", "resumes", "preemptions", "reuse_hit_tokens"} <= set(attrs.fields_dict(ManagerStats))
 
 
 def test_reuse_is_off_with_a_reason_when_group_blocks_do_not_align_with_token_blocks():
     layers = [LayerKV(0, "full", 4), LayerKV(1, "csa", 4, window=8, compressed_elems=2, compress_rate=3)]
     m = make_manager(layers, 16, T=4)  # csa: one entry per block, so its blocks span 3 tokens
-    reuse = m.stats()["reuse"]
-    assert reuse["enabled"] is False and "not all multiples of tokens_per_block=4" in reuse["disabled_reason"]
+    reuse = m.stats().reuse
+    assert reuse.enabled is False and "not all multiples of tokens_per_block=4" in reuse.disabled_reason
     a = Request("a", list(range(1, 14)), 0)
     prefill(m, a)
     m.free(a)
@@ -498,5 +500,5 @@ def test_reuse_is_off_with_a_reason_when_group_blocks_do_not_align_with_token_bl
     assert b.num_computed_tokens == 0
     compute(m, b, 13)
     check_kv(m, b)
-    assert make_manager(FULL, 4, enable_block_reuse=False).stats()["reuse"]["disabled_reason"] == (
+    assert make_manager(FULL, 4, enable_block_reuse=False).stats().reuse.disabled_reason == (
         "enable_block_reuse is false")

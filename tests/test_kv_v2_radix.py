@@ -84,11 +84,11 @@ def test_partial_reuse_on_a_wide_node_picks_the_longest_match_among_children_sha
         prefill(m, cached)
         m.free(cached)  # its full block stays cached (evictable) below the root
     assert len(m._tree.root(None).children) > INDEX_CHILDREN_AFTER
-    hits = m.stats()["reuse_partial_hits"]
+    hits = m.stats().reuse_partial_hits
     source = next(c for c in m._tree.root(None).children.values() if c.token_ids == (7, 1, 2, 9))
     r = Request("r", [7, 1, 2, 8, 80, 81], 2)
     admit(m, r)
-    assert r.num_computed_tokens == 3 and m.stats()["reuse_partial_hits"] == hits + 1  # [7, 1, 2] of p1
+    assert r.num_computed_tokens == 3 and m.stats().reuse_partial_hits == hits + 1  # [7, 1, 2] of p1
     assert m.block_table(r, "full")[0] != source.blocks["full"]  # copied: the cached block is never written
     compute(m, r, r.num_tokens - r.num_computed_tokens)
     m.check_invariants()

@@ -31,9 +31,9 @@ def test_every_request_completes_through_the_host_tier_when_fewer_fit_than_wait(
     assert res.count("suspended") > 0 and res.count("resumed") == res.count("suspended")
     assert res.count("preempted") == 0
     stats = m.stats()
-    assert stats["suspends"] == res.count("suspended") and stats["resumes"] == res.count("resumed")
-    assert all(g["used"] == 0 for g in stats["groups"].values())
-    assert all(h["used"] == 0 for h in stats["host"].values())
+    assert stats.suspends == res.count("suspended") and stats.resumes == res.count("resumed")
+    assert all(g.used == 0 for g in stats.groups.values())
+    assert all(h.used == 0 for h in stats.host.values())
 
 
 def test_without_a_host_tier_pressure_preempts_for_recompute_and_every_request_completes():
@@ -43,7 +43,7 @@ def test_without_a_host_tier_pressure_preempts_for_recompute_and_every_request_c
     res = drive(m, s, reqs)
     assert res.stalled is None and len(res.finished) == 6
     assert res.count("suspended") == 0 and res.count("preempted") > 0
-    assert m.stats()["preemptions"] == res.count("preempted")
+    assert m.stats().preemptions == res.count("preempted")
     # (Under the engine's life cycle the preempted requests' freed blocks go straight to the requests that
     # caused the pressure, so the recompute finds nothing cached here; reuse across a preemption is
     # checked where its blocks survive: test_kv_v2_manager's prefix-reuse tests.)
@@ -147,10 +147,10 @@ def test_finish_frees_the_blocks_and_marks_the_request():
     r = Request("r", list(range(6)), 5)
     waiting, running = deque([r]), []
     s.step(waiting, running)
-    assert running == [r] and m.stats()["groups"]["full"]["used"] == 2
+    assert running == [r] and m.stats().groups["full"].used == 2
     s.finish(r, "stop")
     assert r.state is RequestState.FINISHED and r.finish_reason == "stop"
-    assert m.stats()["groups"]["full"]["used"] == 0 and not m.has_cache(r)
+    assert m.stats().groups["full"].used == 0 and not m.has_cache(r)
 
 
 def test_empty_queues_are_not_a_stall():

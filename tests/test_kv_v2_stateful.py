@@ -181,16 +181,16 @@ class V2CacheMachine(RuleBasedStateMachine):
                 self.m.free(r)
             self.live.clear()
         if self.live:
-            nodes = self.m.stats()["reuse"]["radix_nodes"]
+            nodes = self.m.stats().reuse.radix_nodes
             with pytest.raises(PrefixCacheInUseError, match="still hold a KV cache"):
                 self.m.reset_prefix_cache()
-            assert self.m.stats()["reuse"]["radix_nodes"] == nodes  # the refusal changed nothing
+            assert self.m.stats().reuse.radix_nodes == nodes  # the refusal changed nothing
             event("reset refused")
             return
         self.m.reset_prefix_cache()
         stats = self.m.stats()
-        assert stats["reuse"]["radix_nodes"] == 0
-        assert all(g["free"] == g["total"] for g in stats["groups"].values())
+        assert stats.reuse.radix_nodes == 0
+        assert all(g.free == g.total for g in stats.groups.values())
         if self.seen:  # nothing seen before hits any more
             tokens, salt = self.seen[-1]
             r = self._new(tokens, salt, 0)
@@ -204,7 +204,7 @@ class V2CacheMachine(RuleBasedStateMachine):
         if self.m is None:
             return
         self.m.check_invariants()
-        stats = self.m.stats()["groups"]
+        stats = self.m.stats().groups
         for g in self.m.groups:
             owners: dict[int, int] = {}
             for r in self._with(CacheState.ACTIVE):
@@ -218,8 +218,8 @@ class V2CacheMachine(RuleBasedStateMachine):
                 if owners.get(b, 0) > 1:
                     assert pool.node[b] is not None, "only cached prefix blocks are shared"
             s = stats[g.name]
-            assert s["free"] + s["used"] + s["evictable"] == s["total"] == BLOCKS
-            assert s["used"] == len(owners)
+            assert s.free + s.used + s.evictable == s.total == BLOCKS
+            assert s.used == len(owners)
 
     @invariant()
     def lengths_are_ordered(self):
@@ -241,12 +241,12 @@ class V2CacheMachine(RuleBasedStateMachine):
         for r in list(self.live):
             self.m.free(r)
         stats = self.m.stats()
-        if any(g["evictions"] for g in stats["groups"].values()):
+        if any(g.evictions for g in stats.groups.values()):
             event("evicted")
-        if stats["reuse_partial_hits"]:
+        if stats.reuse_partial_hits:
             event("partial reuse")
-        assert all(g["used"] == 0 and g["free"] + g["evictable"] == g["total"] for g in stats["groups"].values())
-        assert all(h["used"] == 0 for h in (stats["host"] or {}).values())
+        assert all(g.used == 0 and g.free + g.evictable == g.total for g in stats.groups.values())
+        assert all(h.used == 0 for h in (stats.host or {}).values())
         self.m.check_invariants()
         self.m.close()
 
@@ -299,6 +299,6 @@ def test_machine_exercises_reuse_suspend_and_eviction(seed):
             machine.kv_reads_back()
         stats = machine.m.stats()
         for key in totals:
-            totals[key] += stats[key] if key != "evictions" else sum(g["evictions"] for g in stats["groups"].values())
+            totals[key] += getattr(stats, key)  # evictions: the sum over the groups
         machine.teardown()
     assert all(v > 0 for v in totals.values()), totals

@@ -59,7 +59,7 @@ def test_the_host_tier_is_in_the_plan_the_built_event_and_the_run_report():
     with pipeline.load("tiny-deepseek-v4", log=False, **V4) as loaded:
         m = loaded.kv_manager
         assert m.host is not None and m.host.nbytes == V4_POOL_BYTES  # auto: one slot per device block
-        assert planned.host_bytes == loaded.kv.host_bytes == m.host.nbytes == m.stats()["host_bytes"]
+        assert planned.host_bytes == loaded.kv.host_bytes == m.host.nbytes == m.stats().host_bytes
         assert planned.host_slots == m.host.num_slots
         assert planned.to_dict()["host_bytes"] == V4_POOL_BYTES
         assert "  host tier  6,684,672 B of host memory (auto-sized)" in planned.render()
@@ -113,9 +113,9 @@ def test_deepseek_v4_turns_inert_partial_reuse_off_with_the_reason():
     with pipeline.load("tiny-deepseek-v4", log=False, device="cpu", max_seq_len=512,
                        kv_cache_config={"max_tokens": 4096}) as loaded:
         m = loaded.kv_manager
-        reuse = m.stats()["reuse"]
-        assert reuse["enabled"] is True and reuse["partial"] is False
-        assert reuse["partial_disabled_reason"] == partial_reuse_off_reason(m.layout) is not None
+        reuse = m.stats().reuse
+        assert reuse.enabled is True and reuse.partial is False
+        assert reuse.partial_disabled_reason == partial_reuse_off_reason(m.layout) is not None
         assert not loaded.audit.of("setting_ignored")  # the model's default, not the user's request: no warning
 
 
@@ -136,10 +136,10 @@ def test_an_explicit_enable_partial_reuse_that_cannot_work_is_a_setting_ignored_
 def test_partial_reuse_stays_on_where_it_can_gain_tokens():
     from tests.kv_v2_support import make_manager
 
-    on = make_manager([LayerKV(0, "full", 2)], 8).stats()["reuse"]
-    assert on["partial"] is True and on["partial_disabled_reason"] is None
-    off = make_manager([LayerKV(0, "full", 2)], 8, enable_partial_reuse=False).stats()["reuse"]
-    assert off["partial"] is False and off["partial_disabled_reason"] == "enable_partial_reuse is false"
+    on = make_manager([LayerKV(0, "full", 2)], 8).stats().reuse
+    assert on.partial is True and on.partial_disabled_reason is None
+    off = make_manager([LayerKV(0, "full", 2)], 8, enable_partial_reuse=False).stats().reuse
+    assert off.partial is False and off.partial_disabled_reason == "enable_partial_reuse is false"
     import pipeline
 
     planned = pipeline.plan("tiny-gemma3", log=False, device="cpu", kv_cache_config={

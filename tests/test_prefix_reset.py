@@ -57,8 +57,8 @@ def test_v1_reset_is_refused_while_a_request_holds_blocks_then_forgets_every_pre
     assert m.find_prefix(Request("x", list(range(1, 10)), 1)).num_tokens == 8  # refusal changed nothing
     m.free(a)
     m.reset_prefix_cache()
-    stats = m.stats()["groups"]["uniform"]
-    assert (stats["free"], stats["evictable"], stats["used"]) == (8, 0, 0)
+    stats = m.stats().groups["uniform"]
+    assert (stats.free, stats.evictable, stats.used) == (8, 0, 0)
     assert m.find_prefix(Request("y", list(range(1, 10)), 1)).num_tokens == 0
     m.pool.check_invariants()
     run_prefill(m, Request("z", list(range(1, 30)), 1))  # the pool still works
@@ -74,12 +74,12 @@ def test_v2_reset_is_refused_while_any_cache_exists_then_every_block_is_free():
     with pytest.raises(PrefixCacheInUseError, match=r"still hold a KV cache \(a\)"):
         m.reset_prefix_cache()  # a suspended request still has a path through the tree
     m.free(a)
-    assert m.stats()["reuse"]["radix_nodes"] > 0
+    assert m.stats().reuse.radix_nodes > 0
     m.reset_prefix_cache()
     s = m.stats()
-    assert s["reuse"]["radix_nodes"] == 0
-    for name, g in s["groups"].items():
-        assert (g["free"], g["evictable"], g["used"]) == (16, 0, 0), name
+    assert s.reuse.radix_nodes == 0
+    for name, g in s.groups.items():
+        assert (g.free, g.evictable, g.used) == (16, 0, 0), name
     m.check_invariants()
     b = Request("b", prompt, 2)
     admit(m, b)

@@ -29,6 +29,7 @@ from cache_backends.interface import ManagerOptions, prefix_cache_in_use
 from cache_backends.kv_events import KvEventBuffer
 from cache_backends.pools import BlockPools
 from cache_backends.request import Request
+from cache_backends.stats import GroupStats, ManagerStats, ReuseStats
 
 
 @attrs.frozen
@@ -261,28 +262,37 @@ class KVCacheManager:
         if self.kv_events is not None:
             self.kv_events.cleared()
 
-    def stats(self) -> dict[str, Any]:
-        """Usage, free/evictable/used blocks, reuse hits in tokens (V1 never suspends or resumes)."""
+    def stats(self) -> ManagerStats:
+        """Usage, free/evictable/used blocks, reuse hits in tokens (V1 never suspends, has no host tier)."""
         p = self.pool
-        return {
-            "groups": {
-                self.group: {
-                    "blocks": p.num_blocks,
-                    "free": p.num_empty,
-                    "evictable": p.num_evictable,
-                    "used": p.num_used,
-                    "usage": round(p.usage, 6),
-                    "tokens_per_block": self.tokens_per_block,
-                }
-            },
-            "usage": round(p.usage, 6),
-            "requests": len(self._seqs),
-            "reuse_hit_tokens": self.reuse_hit_tokens,
-            "reuse_query_tokens": self.reuse_query_tokens,
-            "evictions": p.evictions,
-            "suspends": 0,
-            "resumes": 0,
-        }
+        reuse = self.options.enable_block_reuse
+        group = GroupStats(total=p.num_blocks, free=p.num_empty, evictable=p.num_evictable, used=p.num_used,
+                           usage=round(p.usage, 6), evictions=p.evictions, tokens_per_block=self.tokens_per_block)
+        return ManagerStats(
+            kind="v1",
+            usage=round(p.usage, 6),
+            groups={self.group: group},
+            requests=len(self._seqs),
+            active=len(self._seqs),
+            suspended=0,
+            reuse_hit_tokens=self.reuse_hit_tokens,
+            reuse_query_tokens=self.reuse_query_tokens,
+            reuse_partial_hits=0,
+            evictions=p.evictions,
+            suspends=0,
+            resumes=0,
+            preemptions=0,
+            host=None,
+            host_bytes=0,
+            reuse=ReuseStats(
+                enabled=reuse,
+                disabled_reason=None if reuse else "enable_block_reuse is false",
+                unit_tokens=self.tokens_per_block if reuse else None,
+                partial=False,
+                partial_disabled_reason="V1 reuses full blocks only" if reuse else "prefix reuse is off",
+                radix_nodes=0,
+            ),
+        )
 
     def close(self) -> None:
         """Free every request's blocks and release the device pools (idempotent)."""

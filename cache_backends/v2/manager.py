@@ -23,7 +23,7 @@ How the pieces fit (TensorRT-LLM's V2 ideas, this project's code):
   the longest common token prefix (rounded down to the compress rates) is copied into a fresh block
   (copy-on-write); the cached original is never written. When the geometry rules that out — some
   group spans more than ``T``, or the compress rates' lcm is not below ``T`` (DeepSeek V4) — partial
-  reuse is off and ``stats()["reuse"]["partial_disabled_reason"]`` says why
+  reuse is off and ``stats().reuse.partial_disabled_reason`` says why
   (:func:`cache_backends.reuse.partial_reuse_off_reason`, which the plan stage asks too).
 * **Host tier.** ``suspend`` copies every page of the request to host slots and drops its device
   blocks (cached ones stay cached); ``resume`` takes back cached blocks that were never evicted and
@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
 
 from cache_backends.hashing import block_hash, chain_packed_hashes, pack_tokens
 from cache_backends.interface import ManagerOptions, prefix_cache_in_use
@@ -53,6 +52,7 @@ from cache_backends.layout import KvLayout, LayerGroup
 from cache_backends.pools import BlockPools
 from cache_backends.request import Request
 from cache_backends.reuse import partial_reuse_off_reason, partial_reuse_unit, reuse_unit
+from cache_backends.stats import GroupStats, HostStats, ManagerStats, ReuseStats
 from cache_backends.v2.group_pool import GroupPool
 from cache_backends.v2.host_tier import HostTier, host_slots
 from cache_backends.v2.radix import RadixNode, RadixTree
@@ -135,7 +135,7 @@ class KVCacheManagerV2:
         self._closed = False
         self.kv_events: KvEventBuffer | None = None
         self.counters = {"suspends": 0, "resumes": 0, "preemptions": 0, "reuse_hit_tokens": 0,
-                         "reuse_partial_hits": 0, "reuse_lookup_tokens": 0}
+                         "reuse_partial_hits": 0, "reuse_query_tokens": 0}
 
     # --- life cycle ----------------------------------------------------------------------------
 
@@ -274,7 +274,7 @@ class KVCacheManagerV2:
             raise ValueError(f"request {request.req_id}: only a just-admitted cache can be cancelled")
         self.counters["reuse_hit_tokens"] -= cache.reused_tokens
         self.counters["reuse_partial_hits"] -= cache.partial_hit
-        self.counters["reuse_lookup_tokens"] -= request.num_tokens if self._reuse else 0
+        self.counters["reuse_query_tokens"] -= request.num_tokens if self._reuse else 0
         self.free(request)
         request.num_computed_tokens = 0
         request.num_reused_tokens = 0
@@ -495,40 +495,44 @@ class KVCacheManagerV2:
 
     # --- reporting -------------------------------------------------------------------------------
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> ManagerStats:
         """Usage, per-group free/evictable/used blocks, host slots, reuse hits in tokens, suspends/resumes."""
         self._check_open()
         groups = {}
         used_bytes = total_bytes = 0
         for g in self.groups:
             pool = self._pool[g.name]
-            groups[g.name] = {
-                "total": pool.num_blocks,
-                "free": pool.num_free,
-                "evictable": pool.num_evictable,
-                "used": pool.num_used,
-                "usage": pool.num_used / pool.num_blocks,
-                "evictions": pool.evictions,
-            }
+            groups[g.name] = GroupStats(total=pool.num_blocks, free=pool.num_free, evictable=pool.num_evictable,
+                                        used=pool.num_used, usage=pool.num_used / pool.num_blocks,
+                                        evictions=pool.evictions, tokens_per_block=g.tokens_per_block)
             used_bytes += pool.num_used * g.bytes_per_block
             total_bytes += pool.num_blocks * g.bytes_per_block
         host = None
         if self.host is not None:
-            host = {name: {"total": n, "used": n - self.host.num_free(name)} for name, n in self.host.num_slots.items()}
+            host = {name: HostStats(total=n, used=n - self.host.num_free(name))
+                    for name, n in self.host.num_slots.items()}
         active = sum(1 for c in self._caches.values() if c.is_active)
-        return {
-            "manager": "v2",
-            "usage": used_bytes / total_bytes if total_bytes else 0.0,
-            "groups": groups,
-            "host": host,
-            "host_bytes": self.host.nbytes if self.host is not None else 0,
-            "reuse": {"enabled": self._reuse, "disabled_reason": self.reuse_off_reason,
-                      "unit_tokens": self.reuse_unit if self._reuse else None, "partial": self._partial,
-                      "partial_disabled_reason": self.partial_off_reason,
-                      "radix_nodes": self._tree.num_nodes},
-            "caches": {"active": active, "suspended": len(self._caches) - active},
-            **self.counters,
-        }
+        c = self.counters
+        return ManagerStats(
+            kind="v2",
+            usage=used_bytes / total_bytes if total_bytes else 0.0,
+            groups=groups,
+            requests=len(self._caches),
+            active=active,
+            suspended=len(self._caches) - active,
+            reuse_hit_tokens=c["reuse_hit_tokens"],
+            reuse_query_tokens=c["reuse_query_tokens"],
+            reuse_partial_hits=c["reuse_partial_hits"],
+            evictions=sum(g.evictions for g in groups.values()),
+            suspends=c["suspends"],
+            resumes=c["resumes"],
+            preemptions=c["preemptions"],
+            host=host,
+            host_bytes=self.host.nbytes if self.host is not None else 0,
+            reuse=ReuseStats(enabled=self._reuse, disabled_reason=self.reuse_off_reason,
+                             unit_tokens=self.reuse_unit if self._reuse else None, partial=self._partial,
+                             partial_disabled_reason=self.partial_off_reason, radix_nodes=self._tree.num_nodes),
+        )
 
     def close(self) -> None:
         """Release the device pools and the host tier (idempotent); the manager is unusable afterwards."""
@@ -796,7 +800,7 @@ class KVCacheManagerV2:
         request, T = cache.request, self.T
         m = 0
         if self._reuse:
-            self.counters["reuse_lookup_tokens"] += request.num_tokens
+            self.counters["reuse_query_tokens"] += request.num_tokens
             m, path, keys = self._match(request)
             for g in self.groups if m else ():  # nothing matched: the tables stay as create() left them
                 tpb, step = g.tokens_per_block, g.tokens_per_block // T

@@ -103,24 +103,24 @@ class _EngineCollector:
             g = GaugeMetricFamily(f"kvload_num_requests_{key}", text, labels=["model_name"])
             g.add_metric(name, snap[key])
             yield g
-        stats = snap["manager"]
+        stats = snap["manager"]  # a cache_backends.stats.ManagerStats, None once the manager is closed
         usage = GaugeMetricFamily("kvload_kv_cache_usage_perc", "Fraction of KV blocks in use, per layer group",
                                   labels=["model_name", "layer_group"])
         blocks = GaugeMetricFamily("kvload_kv_cache_blocks", "KV blocks per layer group and state",
                                    labels=["model_name", "layer_group", "state"])
-        for group, g in (stats.get("groups") or {}).items():
-            usage.add_metric([*name, group], float(g.get("usage", 0.0)))
-            for state in ("free", "evictable", "used"):
-                blocks.add_metric([*name, group, state], float(g.get(state, 0)))
+        for group, g in (stats.groups if stats is not None else {}).items():
+            usage.add_metric([*name, group], float(g.usage))
+            for state, n in (("free", g.free), ("evictable", g.evictable), ("used", g.used)):
+                blocks.add_metric([*name, group, state], float(n))
         yield usage
         yield blocks
         queries = CounterMetricFamily("kvload_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                                       labels=["model_name"])
-        queries.add_metric(name, float(stats.get("reuse_query_tokens", stats.get("reuse_lookup_tokens", 0))))
+        queries.add_metric(name, float(stats.reuse_query_tokens if stats is not None else 0))
         yield queries
         hits = CounterMetricFamily("kvload_prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache",
                                    labels=["model_name"])
-        hits.add_metric(name, float(stats.get("reuse_hit_tokens", 0)))
+        hits.add_metric(name, float(stats.reuse_hit_tokens if stats is not None else 0))
         yield hits
 
 

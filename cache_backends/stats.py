@@ -1,0 +1,76 @@
+"""What ``stats()`` of either KV cache manager returns: one shape for V1 and V2.
+
+The simulator, the executor, the server's metrics and ``kvload run --json`` read these attributes
+without asking which manager they hold; what a manager does not do reads as zero, ``None`` or
+disabled with a reason (V1 never suspends, has no host tier and no radix tree). Counters count since
+the manager was built (a ``reset_prefix_cache`` does not zero them). :meth:`ManagerStats.to_dict`
+is the JSON form.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+
+@attrs.frozen
+class GroupStats:
+    """Blocks of one layer group's device pool, by state."""
+
+    total: int  # blocks in the pool
+    free: int  # blocks holding nothing (neither used nor cached)
+    evictable: int  # blocks nobody uses that hold a cached prefix (allocation may take them back)
+    used: int  # blocks with at least one owner; free + evictable + used == total
+    usage: float  # used / total (evictable blocks count as not used)
+    evictions: int  # cached blocks overwritten by allocation since the manager was built
+    tokens_per_block: int  # tokens one block of this group spans
+
+
+@attrs.frozen
+class HostStats:
+    """Slots of one layer group's host tier (suspended requests' pages)."""
+
+    total: int  # host slots, one block each
+    used: int  # slots holding a suspended request's block
+
+
+@attrs.frozen
+class ReuseStats:
+    """Whether prefix reuse is on, at what granularity, and why not."""
+
+    enabled: bool  # full-block prefix reuse is on
+    disabled_reason: str | None  # why it is off, None when on
+    unit_tokens: int | None  # tokens a reusable unit spans, None when reuse is off
+    partial: bool  # partial-block reuse (a hit ending inside a block) is on
+    partial_disabled_reason: str | None  # why partial reuse is off, None when on
+    radix_nodes: int  # nodes of the prefix tree (V1 keys blocks in a flat table: 0)
+
+
+@attrs.frozen
+class ManagerStats:
+    """A manager's pools, requests and counters at one moment, in the same shape for V1 and V2."""
+
+    kind: str  # "v1" or "v2" (cache_backends.kinds)
+    usage: float  # fraction of device KV memory in use (bytes-weighted across groups)
+    groups: dict[str, GroupStats]  # per layer group, by group name
+    requests: int  # requests holding a cache: active + suspended
+    active: int  # requests whose blocks are on the device
+    suspended: int  # requests whose cache is suspended (V2; pages on the host tier or dropped)
+    reuse_hit_tokens: int  # prompt tokens served from the prefix cache
+    reuse_query_tokens: int  # prompt tokens looked up in the prefix cache (the hit rate's denominator)
+    reuse_partial_hits: int  # hits that ended inside a block (V2 partial reuse)
+    evictions: int  # sum of the groups' evictions
+    suspends: int  # caches suspended (V2)
+    resumes: int  # suspended caches resumed (V2)
+    preemptions: int  # caches dropped to be recomputed (V2; V1 never preempts: 0)
+    host: dict[str, HostStats] | None  # host tier per layer group, None without a host tier
+    host_bytes: int  # bytes of host memory the host tier holds, 0 without one
+    reuse: ReuseStats  # prefix reuse settings
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dicts, lists and numbers (JSON-ready)."""
+        return attrs.asdict(self)
+
+
+__all__ = ["GroupStats", "HostStats", "ManagerStats", "ReuseStats"]
