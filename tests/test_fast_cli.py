@@ -81,7 +81,7 @@ def test_run_of_a_preset_still_builds_with_the_real_config(capsys):
     r = run_cli(capsys, "generate", "tiny-llama", "--prompt-ids", "1,2,3", "--max_new_tokens", "2",
                 "--device", "cpu", "--json")
     assert r.code == 0, r.err
-    assert len(r.json()["outputs"][0]["token_ids"]) == 2
+    assert len(r.json()["outputs"][0]["outputs"][0]["token_ids"]) == 2
 
 
 def test_fields_assigned_on_a_view_reach_the_transformers_config():

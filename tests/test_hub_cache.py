@@ -84,7 +84,7 @@ def test_a_cached_checkpoint_generates(hf_home, tiny_checkpoints, capsys):
     r = run_cli(capsys, "generate", "acme/llama-weights", "--prompt-ids", "1,2,3", "--max_new_tokens", "2",
                 "--device", "cpu", "--json")
     assert r.code == 0, r.err
-    assert len(r.json()["outputs"][0]["token_ids"]) == 2
+    assert len(r.json()["outputs"][0]["outputs"][0]["token_ids"]) == 2
 
 
 def test_code_shipped_with_a_checkpoint_is_never_run(hf_home, capsys):
