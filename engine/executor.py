@@ -5,8 +5,9 @@ the executor packs every scheduled chunk — prefill pieces (chunked by ``max_nu
 tokens of many requests — into one forward with per-token positions (``PagedBatch``), each layer
 writing and reading K/V through the request's block tables (``manager.block_table(req, group)`` for
 every layer group, kept as tensor rows across steps in a ``BlockTableStore``) on the attention path
-``attention_backend`` chose (compiled flex over the pools, or gather + SDPA); it samples the next token of each request whose known tokens are all in the cache
-after this step (greedy = argmax; temperature + top-p with a per-request seeded ``torch.Generator``);
+``attention_backend`` chose (compiled flex over the pools, or gather + SDPA); it samples the next
+token of each request whose known tokens are all in the cache after this step (greedy = argmax;
+temperature + top-p with a per-request seeded ``torch.Generator``);
 the driver commits the KV, appends the tokens, and finishes requests on EOS or ``max_new_tokens``
 (their blocks return to the pool; with reuse on, full blocks stay cached for later prompts).
 
@@ -69,8 +70,10 @@ class GenerationExecutor:
     """
 
     def __init__(self, model: Any, manager: Any, scheduler: Any, *, tokenizer: Any = None,
-                 emit: Callable[[Event], Any] | None = None, name: str = "model") -> None:
+                 emit: Callable[[Event], Any] | None = None, name: str = "model", ranks: Any = None) -> None:
         self.model = model
+        # tensor parallel: every rank runs this loop; RankLockstep keeps their decisions identical
+        self.lockstep = RankLockstep(ranks) if ranks is not None and ranks.distributed else None
         self.manager = manager
         self.scheduler = scheduler
         self.tokenizer = tokenizer
@@ -115,7 +118,7 @@ class GenerationExecutor:
         bus = result.bus
         emit = bus.emitter("generate") if bus is not None else None
         executor = cls(result.hf_model, result.kv_manager, result.scheduler, tokenizer=result.tokenizer, emit=emit,
-                       name=result.model.name if result.model is not None else "model")
+                       name=result.model.name if result.model is not None else "model", ranks=result.context.ranks)
         executor.use_attention(getattr(result.args, "attention_backend", "sdpa"), result.args.max_num_tokens)
         return executor
 
@@ -169,6 +172,8 @@ class GenerationExecutor:
         self._calls += 1
         seed = params.seed
         base_seed = seed if seed is not None else random.SystemRandom().getrandbits(62)
+        if self.lockstep is not None:
+            base_seed = self.lockstep.ranks.broadcast(base_seed)  # one fresh seed, rank 0's, on every rank
         lives = []
         for i, (text, ids) in enumerate(items):
             room = self.max_seq_len - len(ids)  # a sequence never grows past max_seq_len
@@ -186,6 +191,11 @@ class GenerationExecutor:
             call=call, requests=len(lives), prompt_tokens=sum(len(ids) for _, ids in items),
             max_new_tokens=params.max_new_tokens, temperature=float(params.temperature), top_p=float(params.top_p),
             seed=seed, salted=salt is not None, kv_manager=type(self.manager).__name__))
+        if params.greedy:  # greedy draws nothing: a seed or a nucleus the caller gave would silently do nothing
+            for name, value, unset in (("seed", seed, None), ("top_p", params.top_p, 1.0)):
+                if value != unset:
+                    self._event(SettingIgnored(field=f"generate.{name}", value=value,
+                                               reason="temperature is 0 (greedy): nothing is sampled"))
         outputs: dict[int, GenerationOutput] = {}
         warm_before = self.flex.warmup_s if self.flex is not None else 0.0
         start = time.perf_counter()
@@ -279,6 +289,9 @@ class GenerationExecutor:
             rows.append(store.row(req.req_id))
         if len(store) > 2 * len(self._live) + 8:  # rows of requests finished in earlier steps go back
             store.keep_only(self._live)
+        if self.lockstep is not None:  # before the forward's collectives: a divergence fails here, never hangs
+            self.lockstep.check_schedule(out, [{g: self.manager.block_table(s.request, g) for g in self.groups}
+                                               for s in out.scheduled])
         batch = PagedBatch.build(chunks, self.pools, store.tables(rows), flex=self.flex)
         logits = run_forward(self.model, batch)
         rows = [i for i, s in enumerate(out.scheduled)
@@ -288,9 +301,13 @@ class GenerationExecutor:
         picked = logits[rows] if len(rows) < len(out.scheduled) else logits
         reqs = [out.scheduled[i].request for i in rows]
         if params.greedy:
-            return dict(zip((r.req_id for r in reqs), picked.argmax(dim=-1).tolist(), strict=True))
-        return {r.req_id: sample_token(row, params.temperature, params.top_p, self._live[r.req_id].generator)
-                for r, row in zip(reqs, picked, strict=True)}
+            tokens = dict(zip((r.req_id for r in reqs), picked.argmax(dim=-1).tolist(), strict=True))
+        else:
+            tokens = {r.req_id: sample_token(row, params.temperature, params.top_p, self._live[r.req_id].generator)
+                      for r, row in zip(reqs, picked, strict=True)}
+        if self.lockstep is not None:
+            tokens = self.lockstep.ranks.broadcast(tokens)  # rank 0's tokens: the next step's inputs everywhere
+        return tokens
 
     def _report_tokens(self, finished: list[Request], outputs: dict[int, GenerationOutput],
                        stream: Callable[[StreamEvent], Any] | None) -> None:
@@ -418,4 +435,32 @@ class GenerationExecutor:
             self._emit(event)
 
 
-__all__ = ["GenerationExecutor", "Prompt"]
+class RankLockstep:
+    """Tensor parallel: every rank's scheduler must decide the same; the sampled tokens are rank 0's.
+
+    The schedulers are deterministic and get identical inputs (agreed args, min-reduced pools, the same
+    prompts, rank 0's tokens), so their decisions match; :meth:`check_schedule` proves it each step
+    before the forward's collectives run, so a divergence fails every rank with one line instead of
+    hanging them or mixing different batches' activations.
+    """
+
+    def __init__(self, ranks: Any) -> None:
+        self.ranks = ranks
+        self.steps = 0
+
+    def check_schedule(self, out: SchedulerOutput, tables: list[Any]) -> None:
+        """All-gather this step's decision (requests, chunk sizes, block tables); raise if any rank differs."""
+        decision = [(s.request.req_id, s.request.num_computed_tokens, s.num_tokens, t)
+                    for s, t in zip(out.scheduled, tables, strict=True)]
+        everyone = self.ranks.all_gather(decision)
+        self.steps += 1
+        if any(d != everyone[0] for d in everyone[1:]):
+            other = next(r for r, d in enumerate(everyone) if d != everyone[0])
+            def brief(d: list[Any]) -> str:
+                return ", ".join(f"{req} +{n}" for req, _, n, _ in d) or "nothing"
+
+            raise KvRuntimeError(f"generate: step {self.steps}: the ranks' schedulers diverged: rank {other} scheduled "
+                                 f"{brief(everyone[other])} (or other blocks), rank 0 {brief(everyone[0])}")
+
+
+__all__ = ["GenerationExecutor", "Prompt", "RankLockstep"]

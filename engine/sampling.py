@@ -15,11 +15,17 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generat
     The nucleus is the smallest set of most likely tokens whose probability reaches ``top_p`` (the
     most likely token is always in it).
     """
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    # float64, and the largest logit subtracted first: a tiny temperature (1e-300) then sharpens to
+    # argmax instead of overflowing float32 to inf/nan; a huge one flattens to uniform.
+    # The probabilities themselves are fine in float32 (sorting them there is the cost of top-p).
+    scaled = logits.double()
+    probs = torch.softmax((scaled - scaled.max()) / temperature, dim=-1).float()
     if top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of the more likely tokens
-        sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
+        cut = before >= top_p
+        cut[..., 0] = False  # the most likely token is always kept, however small top_p is (1e-50)
+        sorted_probs = sorted_probs.masked_fill(cut, 0.0)
         pick = torch.multinomial(sorted_probs, 1, generator=generator)
         return int(order[pick])
     return int(torch.multinomial(probs, 1, generator=generator))

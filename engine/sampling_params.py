@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import attrs
@@ -35,11 +36,11 @@ class SamplingParams:
     def __attrs_post_init__(self) -> None:
         check(is_int(self.max_new_tokens) and self.max_new_tokens >= 1, "max_new_tokens", "an integer >= 1",
                self.max_new_tokens)
-        check(is_number(self.temperature) and self.temperature >= 0 and self.temperature == self.temperature,
-               "temperature", "a number >= 0 (0 = greedy)", self.temperature)
+        check(is_number(self.temperature) and self.temperature >= 0 and math.isfinite(self.temperature),
+              "temperature", "a finite number >= 0 (0 = greedy)", self.temperature)
         check(is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]", self.top_p)
-        check(self.seed is None or (is_int(self.seed) and self.seed >= 0), "seed", "an integer >= 0 or None",
-               self.seed)
+        check(self.seed is None or (is_int(self.seed) and 0 <= self.seed <= 2**63 - 1), "seed",
+              "an integer in [0, 2**63 - 1] or None", self.seed)
         check(isinstance(self.ignore_eos, bool), "ignore_eos", "true or false", self.ignore_eos)
 
     @classmethod

@@ -38,7 +38,7 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import attrs
@@ -48,6 +48,8 @@ from cache_backends.request import Request
 from engine.capacity import MANAGERS, Budget, refusal_reason, routed_budget, variant_request
 from engine.driver import Arrival, Driver, StalledError
 from engine.workloads import Workload, default_budget_sequences, make_workload
+from pipeline.audit import JsonlSink
+from pipeline.bus import Subscriber
 from pipeline.config import V2_FIELD
 from pipeline.context import LoadRequest
 from pipeline.errors import ConfigError, KvBuildError, RouteError
@@ -370,15 +372,33 @@ def run_manager(routed: RunResult, name: str, v2: bool | None, budget: Budget, w
 def simulate(model: str, workload: str | Workload, *, requests: int | None = None, seed: int = 0,
              params: dict[str, int] | None = None, compare: bool = False, config_file: str | None = None,
              source: str = "api", audit_log: str | None = None, progress: bool | None = None, log: bool = True,
-             **overrides: Any) -> SimulationReport:
+             subscribers: Iterable[Subscriber] = (), **overrides: Any) -> SimulationReport:
     """Replay a synthetic workload (a name, or a built :class:`Workload`) through the routed manager, or V1 and V2.
 
     Both managers get the same KV budget (:func:`engine.capacity.routed_budget`): the user's
     ``max_tokens`` / ``max_gpu_total_bytes`` priced in the routed layout, else the bytes of the workload's
     default number of its longest sequences (:func:`engine.workloads.default_budget_sequences`) in the
     routed layout. ``overrides`` are ``LlmArgs`` fields as for
-    :func:`pipeline.load`; ``audit_log`` records the routed resolution that set the budget.
+    :func:`pipeline.load`; ``audit_log`` records the routed resolution that set the budget, and is
+    written only once every manager has run (an interrupted or failing simulation leaves none);
+    ``subscribers`` receive the same events (the CLI's own audit sink, published when it succeeds).
     """
+    sink = JsonlSink(audit_log) if audit_log is not None else None
+    try:
+        report = _simulate(model, workload, requests, seed, params, compare, config_file, source, progress, log,
+                           [*subscribers, *([sink] if sink is not None else [])], overrides)
+    except BaseException:
+        if sink is not None:
+            sink.close(ok=False)
+        raise
+    if sink is not None:
+        sink.close(ok=True)
+    return report
+
+
+def _simulate(model: str, workload: str | Workload, requests: int | None, seed: int, params: dict[str, int] | None,
+              compare: bool, config_file: str | None, source: str, progress: bool | None, log: bool,
+              subscribers: list[Subscriber], overrides: dict[str, Any]) -> SimulationReport:
     if isinstance(workload, Workload):  # built once by the caller (benchmarks repeat one workload)
         if requests is not None or params:
             raise ConfigError("pass requests and params to make_workload, not with a built Workload",
@@ -393,7 +413,7 @@ def simulate(model: str, workload: str | Workload, *, requests: int | None = Non
     if compare and V2_FIELD in flatten(overrides_to_tree(overrides)):
         raise ConfigError("--compare simulates both managers; drop --use_kv_cache_manager_v2",
                           path=V2_FIELD)
-    routed = execute(request, plan_stages(), audit_log=audit_log, log=log)
+    routed = execute(request, plan_stages(), subscribers=subscribers, log=log)
     args = routed.args
     if wl.max_sequence_tokens > args.max_seq_len:
         raise ConfigError(f"max_seq_len={args.max_seq_len} is below the longest sequence of workload {wl.name} "

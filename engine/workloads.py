@@ -172,10 +172,31 @@ def workload_params(name: str) -> dict[str, int]:
     return {p.name: p.default for p in sig.parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY}
 
 
+#: Most token ids a workload may hold (prompts + answers, counted per request): about 40 bytes each in
+#: Python tuples, so ~700 MB at the limit; the default shared-prefix workload holds 2.5M.
+MAX_WORKLOAD_TOKENS = 2**24
+#: Most requests a workload may have, and the largest vocabulary its token ids are drawn from.
+MAX_REQUESTS = 1_000_000
+MAX_VOCAB = 2**31 - 1
+
+
+def planned_tokens(name: str, requests: int, params: dict[str, int]) -> int:
+    """Token ids the workload will hold (sum over requests of prompt + answer), computed without building it."""
+    p = {**workload_params(name), **params}
+    if name == "shared-prefix":
+        return requests * (p["prefix_len"] + p["question_len"] + p["answer_len"])
+    if name == "multi-turn":
+        turns, step = p["turns"], p["answer_len"] + p["user_len"]
+        per_conversation = turns * (p["first_len"] + p["answer_len"]) + step * turns * (turns - 1) // 2
+        return max(1, requests // turns) * per_conversation
+    return requests * (p["prompt_len"] + p["answer_len"])
+
+
 def make_workload(name: str, requests: int | None = None, seed: int = 0, **params: int) -> Workload:
     """Build a workload by name; ``requests`` None keeps the workload's default size.
 
-    ``ValueError`` names an unknown workload or parameter, or a size below 1.
+    ``ValueError`` names an unknown workload or parameter, a size below 1, or sizes that would hold
+    more than :data:`MAX_WORKLOAD_TOKENS` token ids (checked before anything is built).
     """
     known = workload_params(name)
     for key, value in params.items():
@@ -184,9 +205,22 @@ def make_workload(name: str, requests: int | None = None, seed: int = 0, **param
         least = 2 if key == "vocab" else 1
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
             raise ValueError(f"workload {name}: {key} must be an integer >= {least}, got {value!r}")
-    if requests is not None and (not isinstance(requests, int) or requests < 1):
+    if "vocab" in params and params["vocab"] > MAX_VOCAB:
+        raise ValueError(f"workload {name}: vocab must be at most {MAX_VOCAB:,}, got {params['vocab']:,}")
+    if requests is not None and (not isinstance(requests, int) or isinstance(requests, bool) or requests < 1):
         raise ValueError(f"workload {name}: requests must be an integer >= 1, got {requests!r}")
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"workload {name}: seed must be an integer >= 0, got {seed!r}")
     factory = WORKLOADS[name]
+    count = requests if requests is not None else inspect.signature(factory).parameters["requests"].default
+    if count > MAX_REQUESTS:
+        raise ValueError(f"workload {name}: requests={count:,} is more than {MAX_REQUESTS:,}; lower --requests")
+    tokens = planned_tokens(name, count, params)
+    if tokens > MAX_WORKLOAD_TOKENS:
+        sizes = ", ".join(f"{k}={v:,}" for k, v in {**workload_params(name), **params}.items() if k != "vocab")
+        raise ValueError(f"workload {name}: requests={count:,} with {sizes} holds {tokens:,} token ids, more than "
+                         f"the {MAX_WORKLOAD_TOKENS:,} a simulation keeps in memory; lower --requests or the "
+                         "--workload-arg sizes")
     return factory(seed=seed, **params) if requests is None else factory(requests, seed, **params)
 
 

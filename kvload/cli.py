@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -18,6 +19,7 @@ import attrs
 
 from pipeline.config import parse_size
 from pipeline.errors import ConfigError, KvloadError, first_line
+from pipeline.limits import MAX_INT, MAX_INT_DIGITS, short_text
 
 # --- text-layer value parsers (argparse `type=`) ---------------------------------------------
 
@@ -33,27 +35,37 @@ def tri_state(text: str) -> bool | str:
 
 
 def integer(text: str) -> int:
-    """A whole number (``1_000`` allowed)."""
+    """A whole number (``1_000`` allowed), at most 2**63 - 1 in size (what torch and the budget arithmetic take)."""
+    digits = text.replace("_", "").strip()
     try:
-        return int(text.replace("_", ""))
+        if len(digits.lstrip("+-")) > MAX_INT_DIGITS:  # never hand int() a 5,000-digit string
+            raise ValueError(text)
+        value = int(digits)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected an integer, got {short_text(text)}") from None
+    if abs(value) > MAX_INT:
+        raise argparse.ArgumentTypeError(f"expected an integer of at most 2**63 - 1, got {short_text(text)}")
+    return value
 
 
 def number(text: str) -> float:
-    """A decimal number."""
+    """A finite decimal number (``inf``, ``nan`` and overflowing exponents such as ``1e400`` refused)."""
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a number, got {short_text(text)}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {short_text(text)}")
+    return value
 
 
 def size(text: str) -> int:
-    """A byte count: ``8589934592``, ``8GiB``, ``512MB``."""
+    """A byte count: ``8589934592``, ``8GiB``, ``512MB`` (at most 2**63 - 1)."""
     try:
         return parse_size(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a byte count such as 8589934592 or 8GiB, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a byte count such as 8589934592 or 8GiB (at most 2**63 - 1), "
+                                         f"got {short_text(text)}") from None
 
 
 @attrs.frozen
@@ -67,6 +79,7 @@ class Flag:
     choices: tuple[str, ...] | None = None
     const: Any = None  # for switches: the value the flag sets when present
     metavar: str | None = None
+    aliases: tuple[str, ...] = ()  # other spellings (each also accepted dashed)
 
     @property
     def dest(self) -> str:
@@ -98,6 +111,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--max_beam_width", "max_beam_width", "beam width (V2 serves only 1)", integer, metavar="N"),
     Flag("--attention_backend", "attention_backend", "paged attention of generate: auto, flex (compiled "
          "FlexAttention over the pools) or sdpa (gather + SDPA)", str, choices=("auto", "flex", "sdpa")),
+    Flag("--tp_size", "tensor_parallel_size",
+         "tensor-parallel ranks (launch that many with torchrun; plan alone shows rank 0's view)", integer,
+         metavar="N", aliases=("--tensor_parallel_size",)),
 )
 FLAG_FOR_PATH: dict[str, str] = {f.path: f.name for f in FLAGS}
 
@@ -151,7 +167,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL", help="a preset name (see `kvload models`) or a checkpoint directory")
     group = p.add_argument_group("configuration (TensorRT-LLM spelling; dashed aliases accepted)")
     for f in FLAGS:
-        names = [f.name] if _dashed(f.name) == f.name else [f.name, _dashed(f.name)]
+        names = list(dict.fromkeys(n for name in (f.name, *f.aliases) for n in (name, _dashed(name))))
         if f.const is not None:
             group.add_argument(*names, dest=f.dest, action="store_const", const=f.const, default=None, help=f.help)
         else:
@@ -160,7 +176,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     group.add_argument("--config", metavar="FILE.yaml", help="YAML file of LlmArgs fields (CLI flags win)")
     out = p.add_argument_group("output")
     out.add_argument("--audit-log", "--audit_log", dest="audit_log", metavar="FILE.jsonl",
-                     help="write every event as JSON Lines")
+                     help="write every event as JSON Lines, hash-chained (HMAC with KVLOAD_AUDIT_KEY when set); "
+                          "written only when the command succeeds")
+    out.add_argument("--force", action="store_true",
+                     help="replace an --audit-log file that already exists (without it, an existing file is refused)")
     out.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     add_log_flags(out)
 
@@ -199,16 +218,27 @@ def _request(ns: argparse.Namespace, load_weights: bool = False) -> Any:
                        load_weights=load_weights)
 
 
-def _check_audit_path(path: str | None) -> None:
-    from pathlib import Path
+def _audit_subscribers(ns: argparse.Namespace) -> list[Any]:
+    """The ``--audit-log`` sink, checked before any work; ``main`` publishes it only when the command succeeds.
 
-    if path is None:
-        return
-    p = Path(path)
-    if p.is_dir():
-        raise ConfigError(f"--audit-log {path}: is a directory, expected a file path")
-    if not p.parent.is_dir():
-        raise ConfigError(f"--audit-log {path}: directory {p.parent} does not exist")
+    An existing file is refused unless ``--force`` (an audit log is evidence: it is never replaced
+    without being asked); a FIFO, device or directory is refused even with ``--force``.
+    """
+    if ns.audit_log is None:
+        return []
+    from pipeline.audit import JsonlSink, check_output_path
+    from pipeline.ranks import rank_audit_path, ranks_from_env
+
+    path = rank_audit_path(ns.audit_log, ranks_from_env())  # under torchrun rank N writes <stem>.rankN<suffix>
+    check_output_path(path, "--audit-log", replace=ns.force)
+    ns.audit_sink = JsonlSink(path, replace=ns.force, flag="--audit-log")
+    return [ns.audit_sink]
+
+
+def prints(result: Any) -> bool:
+    """Whether this process prints the result: always alone; under torchrun only rank 0 (the others log)."""
+    ranks = result.context.ranks
+    return ranks is None or ranks.is_first
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:
@@ -217,18 +247,20 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     from kvload.render import render_result, run_document
     from stages import plan_stages
 
-    _check_audit_path(ns.audit_log)
+    audit = _audit_subscribers(ns)
     compare = ns.compare or ns.chart is not None
     if ns.chart is not None:
         _check_output_path("--chart", ns.chart)
-    result = execute(_request(ns), plan_stages(), audit_log=ns.audit_log)
+    result = execute(_request(ns), plan_stages(), subscribers=audit)
     comparison = None
-    if compare:
+    if compare:  # on every rank: planning the variants runs the ranks' collectives (agree_ranks, the budget)
         from engine.capacity import compare_capacity, draw_chart
 
         comparison = compare_capacity(result)
-        if ns.chart is not None:
+        if ns.chart is not None and prints(result):
             draw_chart(comparison, ns.chart)
+    if not prints(result):
+        return 0
     if ns.json:
         doc = run_document(result)
         if comparison is not None:
@@ -246,22 +278,21 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     """Replay a synthetic workload through the routed manager (or V1 and V2) and print the metrics."""
     from engine.simulator import simulate
 
-    _check_audit_path(ns.audit_log)
+    audit = _audit_subscribers(ns)
     report = simulate(ns.model, ns.workload, requests=ns.requests, seed=ns.seed, params=dict(ns.workload_args),
-                      compare=ns.compare, config_file=ns.config, source="cli", audit_log=ns.audit_log,
+                      compare=ns.compare, config_file=ns.config, source="cli", subscribers=audit,
                       progress=ns.progress, **cli_overrides(ns))
-    print(json.dumps(report.to_dict(), indent=2, default=str) if ns.json else report.render())
+    from pipeline.ranks import ranks_from_env
+
+    if ranks_from_env().is_first:  # under torchrun every rank simulates in lockstep; rank 0 prints
+        print(json.dumps(report.to_dict(), indent=2, default=str) if ns.json else report.render())
     return 0
 
 
 def _check_output_path(flag: str, path: str) -> None:
-    from pathlib import Path
+    from pipeline.audit import check_output_path
 
-    p = Path(path)
-    if p.is_dir():
-        raise ConfigError(f"{flag} {path}: is a directory, expected a file path")
-    if not p.parent.is_dir():
-        raise ConfigError(f"{flag} {path}: directory {p.parent} does not exist")
+    check_output_path(path, flag, replace=True)
 
 
 def cmd_run(ns: argparse.Namespace) -> int:
@@ -270,8 +301,10 @@ def cmd_run(ns: argparse.Namespace) -> int:
     from kvload.render import allocation_document, render_allocation, render_result, run_document
     from stages import load_stages
 
-    _check_audit_path(ns.audit_log)
-    with execute(_request(ns), load_stages(), audit_log=ns.audit_log) as result:
+    audit = _audit_subscribers(ns)
+    with execute(_request(ns), load_stages(), subscribers=audit) as result:
+        if not prints(result):
+            return 0
         if ns.json:
             print(json.dumps({**run_document(result), "allocated": allocation_document(result)}, indent=2,
                              default=str))
@@ -290,7 +323,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     from kvload.api import execute
     from stages import load_stages
 
-    _check_audit_path(ns.audit_log)
+    audit = _audit_subscribers(ns)
     prompts = ns.prompts or []
     if not prompts:
         raise ConfigError("--prompt: give at least one --prompt TEXT (or --prompt-ids IDS for a model without a "
@@ -301,18 +334,19 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     # Applies only when nothing else bounds the KV budget (CPU without --max_tokens/--max_gpu_total_bytes).
     request.overrides.setdefault("kv_cache_config", {}).setdefault(
         "default_max_tokens", len(prompts) * (ns.max_new_tokens + GENERATE_PROMPT_ALLOWANCE))
-    with execute(request, load_stages()) as result:
-        printer = None if ns.json else _TokenPrinter(result.tokenizer, several=len(prompts) > 1)
+    with execute(request, load_stages(), subscribers=audit) as result:  # generation events reach the audit too
+        first = prints(result)  # under torchrun every rank generates; rank 0 prints
+        printer = None if ns.json or not first else _TokenPrinter(result.tokenizer, several=len(prompts) > 1)
         outputs = result.generate(prompts, params, salt=ns.salt, chat=ns.chat, stream=printer)
         stats = result.executor.last_stats
-        if ns.json:
+        if not first:
+            pass
+        elif ns.json:
             print(json.dumps({"model": result.model.to_dict(), "route": result.route.to_dict(),
                               "outputs": [o.to_dict() for o in outputs], "stats": stats.to_dict()},
                              indent=2, default=str))
         else:
             print(stats.line())
-        if ns.audit_log:  # written once the run closed cleanly: the load's events, then the generation's
-            result.audit.to_jsonl(ns.audit_log)
     return 0
 
 
@@ -426,7 +460,7 @@ def flag_aliases() -> dict[str, str]:
     """Each flag's name, with and without dashes, in either spelling → the field it sets."""
     out: dict[str, str] = {}
     for f in FLAGS:
-        for name in (f.name, _dashed(f.name)):
+        for name in (f.name, _dashed(f.name), *f.aliases, *map(_dashed, f.aliases)):
             out[name] = out[name[2:]] = f.path
     return out
 
@@ -512,7 +546,9 @@ def add_inspection_commands(sub: Any) -> None:
                     "\"auto\" resolution, every model default applied or skipped, and the warnings.",
         epilog="--verify folds the value-changing events over the framework defaults and compares the\n"
                "result with the final args recorded by pipeline_finished; it also checks that no event\n"
-               "was removed or reordered and that the recorded route matches executor_routed.\n"
+               "was removed or reordered, that the recorded route matches executor_routed, that events\n"
+               "restating each other agree, and the hash chain (the 'chain' line says what it proved:\n"
+               "sha256, hmac-sha256 with KVLOAD_AUDIT_KEY, or no chain for logs written before chaining).\n"
                "Exit status: 0 verified, 1 does not verify, 2 unreadable or not a kvload audit log.")
     p.add_argument("audit", metavar="AUDIT.jsonl", help="an audit log written with --audit-log")
     p.add_argument("--verify", action="store_true", help="replay the events; exit 1 if they disagree with the log")
@@ -621,9 +657,10 @@ def add_simulate_command(sub: Any) -> None:
     add_model_flags(p)
     g = p.add_argument_group("workload")
     g.add_argument("--workload", required=True, choices=tuple(WORKLOADS), help="which synthetic workload")
-    g.add_argument("--requests", type=integer, default=None, metavar="N",
+    g.add_argument("--requests", type=_bounded(integer, lambda v: v >= 1, "an integer >= 1"), default=None, metavar="N",
                    help="number of requests (default: the workload's, see below)")
-    g.add_argument("--seed", type=integer, default=0, metavar="S", help="random seed of the token ids (default 0)")
+    g.add_argument("--seed", type=_bounded(integer, lambda v: v >= 0, "an integer >= 0"), default=0, metavar="S",
+                   help="random seed of the token ids (default 0)")
     g.add_argument("--workload-arg", "--workload_arg", dest="workload_args", type=workload_arg, action="append",
                    default=[], metavar="KEY=N", help="a workload size parameter, e.g. prefix_len=512 (repeatable)")
     g.add_argument("--compare", action="store_true",
@@ -639,6 +676,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
     from pipeline.logs import HeldStream, configure_logging
+    from pipeline.signals import handle_sigterm
+
+    handle_sigterm()  # kill (SIGTERM) cleans up like Ctrl-C: no temporary file, no half-built pools
 
     # At the default level, warnings are held until the outcome is known: a failed run prints only
     # its one-line error. Asking for info/debug streams everything as it happens.
@@ -647,7 +687,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(getattr(ns, "log_format", "console"), level, held)
     ok = False
     try:
-        code = ns.func(ns)
+        code = _run(ns)
         ok = code == 0
         return code
     except KvloadError as exc:
@@ -655,9 +695,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         print(f"error: {_cli_message(exc)}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        from pipeline.signals import Terminated
+
+        term = isinstance(exc, Terminated)
+        print(f"error: {'terminated (SIGTERM)' if term else 'interrupted'}; nothing was written", file=sys.stderr)
+        return 143 if term else 130
     except BrokenPipeError:
         return 0
     except Exception as exc:  # a bug or a runtime failure: one line unless --debug
@@ -671,6 +714,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if held is not None:
             held.release(ok)
+
+
+def _run(ns: argparse.Namespace) -> int:
+    """Run the subcommand, then publish its ``--audit-log`` only if it succeeded (discard it otherwise)."""
+    try:
+        code = ns.func(ns)
+    except BaseException:
+        _close_audit(ns, ok=False)
+        raise
+    _close_audit(ns, ok=code == 0)
+    return code
+
+
+def _close_audit(ns: argparse.Namespace, ok: bool) -> None:
+    sink = getattr(ns, "audit_sink", None)
+    if sink is not None:
+        ns.audit_sink = None
+        sink.close(ok=ok)
 
 
 def _cli_message(exc: KvloadError) -> str:

@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 from pipeline.audit import AuditLog
+from pipeline.audit_schema import cross_check
 from pipeline.config import V2_FIELD, framework_defaults
 from pipeline.errors import ConfigError
 from pipeline.events import is_value_event
@@ -227,12 +228,17 @@ def verify_log(audit: AuditLog) -> dict[str, Any]:
         if "use_kv_cache_manager_v2" in recorded and v2 is not recorded["use_kv_cache_manager_v2"]:
             problems.append(f"{V2}: final args say {v2!r}, the route was chosen for "
                             f"{recorded['use_kv_cache_manager_v2']!r}")
+    problems += cross_check(audit.events, audit.final_args(), flatten(framework_defaults()))
+    chain = audit.chain
+    if chain is not None and not chain["ok"]:
+        problems.append(f"chain: {chain['problem']}")
     value_events = sum(1 for e in audit.events if is_value_event(e))
     return {
         "ok": not problems,
         "value_events": value_events,
         "fields": len(flatten(audit.final_args() or {})),
         "problems": problems,
+        "chain": chain,
     }
 
 
@@ -290,7 +296,11 @@ def render_summary(summary: dict[str, Any], check: dict[str, Any] | None = None)
 
 def render_verify(check: dict[str, Any]) -> list[str]:
     """The verdict of :func:`verify_log`, one line when it passes."""
+    chain = check.get("chain")
+    guarantee = [f"chain   {chain['guarantee']}"] if chain is not None and chain["ok"] else []
     if check["ok"]:
         return [f"verify  ok: replaying {check['value_events']} value-changing events over the framework defaults "
-                f"reproduces the recorded final args ({check['fields']} fields)"]
-    return [f"verify  FAILED ({len(check['problems'])} problem(s)):", *(f"  {p}" for p in check["problems"])]
+                f"reproduces the recorded final args ({check['fields']} fields); the events that restate each "
+                "other agree", *guarantee]
+    return [f"verify  FAILED ({len(check['problems'])} problem(s)):", *(f"  {p}" for p in check["problems"]),
+            *guarantee]

@@ -22,7 +22,9 @@ from typing import Any
 
 import attrs
 
+from models.config_check import check_fields
 from pipeline.errors import ModelError, first_line
+from pipeline.limits import MAX_DEPTH, nesting_depth, short
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 
@@ -134,21 +136,49 @@ def read_config_json(path: Path) -> dict[str, Any]:
     """Parse ``config.json`` ourselves first so a malformed file gets a message with line and column."""
     file = path / "config.json"
     try:
-        data = json.loads(file.read_text(encoding="utf-8"))
+        if not file.is_file():
+            raise ModelError(f"{file}: not a regular file")
+        if file.stat().st_size > MAX_CONFIG_BYTES:  # read nothing huge: real configs are a few KB
+            raise ModelError(f"{file}: {file.stat().st_size:,} bytes; a config.json is at most "
+                             f"{MAX_CONFIG_BYTES:,}")
+        data = json.loads(file.read_text(encoding="utf-8"), object_pairs_hook=_unique_keys(file))
     except json.JSONDecodeError as exc:
         raise ModelError(f"{file}: malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+    except RecursionError:
+        raise ModelError(f"{file}: nested too deeply to be a model config") from None
+    except ValueError as exc:  # an integer past Python's 4,300-digit conversion limit
+        raise ModelError(f"{file}: {first_line(exc)}") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ModelError(f"{file}: cannot read ({exc.__class__.__name__})") from None
     if not isinstance(data, dict):
         raise ModelError(f"{file}: expected a JSON object, got {type(data).__name__}")
+    if nesting_depth(data) > MAX_DEPTH:
+        raise ModelError(f"{file}: nested deeper than {MAX_DEPTH} levels; a model config nests a few")
     if not isinstance(data.get("model_type"), str):
         raise ModelError(f"{file}: no 'model_type' key; transformers needs it to pick the config class")
     archs = data.get("architectures")
     if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
-        raise ModelError(f"{file}: 'architectures' must be a list of class names, got {archs!r}")
+        raise ModelError(f"{file}: 'architectures' must be a list of class names, got {short(archs)}")
+    check_fields(data, file)
     return data
 
 
+#: The largest config.json read (real ones are a few KB; a tokenizer's vocabulary does not live there).
+MAX_CONFIG_BYTES = 4 * 1024 * 1024
+
+
+def _unique_keys(file: Path) -> Any:
+    """``object_pairs_hook`` refusing a key given twice in one object (``json`` would keep the last silently)."""
+
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise ModelError(f"{file}: key {key!r} appears twice in one object; keep one")
+            out[key] = value
+        return out
+
+    return hook
 
 
 def load_hf_config(checkpoint: Checkpoint) -> Any:
@@ -160,7 +190,7 @@ def load_hf_config(checkpoint: Checkpoint) -> Any:
 
     try:
         return AutoConfig.from_pretrained(str(checkpoint.path), trust_remote_code=False, local_files_only=True)
-    except (ValueError, KeyError, TypeError, OSError) as exc:
+    except Exception as exc:  # transformers' own checks raise ValueError, strict-dataclass errors, ZeroDivisionError
         raise ModelError(
             f"{checkpoint.path / 'config.json'}: transformers cannot load model_type {raw['model_type']!r}: "
             f"{first_line(exc)}"

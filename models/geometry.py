@@ -7,7 +7,9 @@ architecture with no spec of its own still gets the right geometry.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
+
+import attrs
 
 from cache_backends.layout import LayerKV
 from pipeline.errors import ModelError
@@ -23,6 +25,8 @@ _PLAIN_LAYER_KINDS = {"full_attention": "full", "sliding_attention": "sliding"}
 def text_config(cfg: Any) -> Any:
     """The decoder's config: ``text_config`` for multimodal wrappers, else the config itself."""
     inner = getattr(cfg, "text_config", None)
+    if inner is not None and not hasattr(inner, "num_hidden_layers") and not isinstance(inner, dict):
+        raise ModelError(f"text_config: expected the decoder's config, got {type(inner).__name__}")
     return inner if inner is not None else cfg
 
 
@@ -41,24 +45,108 @@ def _required(cfg: Any, name: str, arch: str) -> int:
 
 
 def head_dim(cfg: Any, arch: str = "model") -> int:
-    """``head_dim`` when the config gives one, else ``hidden_size / num_attention_heads``."""
-    hd = getattr(cfg, "head_dim", None)
-    if isinstance(hd, int) and hd > 0:
-        return hd
+    """``head_dim`` when the config gives one, else ``hidden_size / num_attention_heads``.
+
+    A ``head_dim`` that is there but unusable (0, negative, not an integer) is an error, never
+    silently replaced by the division.
+    """
+    if getattr(cfg, "head_dim", None) is not None:
+        return _required(cfg, "head_dim", arch)
     return _required(cfg, "hidden_size", arch) // _required(cfg, "num_attention_heads", arch)
 
 
 def kv_heads(cfg: Any, arch: str = "model") -> int:
-    """``num_key_value_heads``, or ``num_attention_heads`` when absent (GPT-2 style)."""
-    n = getattr(cfg, "num_key_value_heads", None)
-    return n if isinstance(n, int) and n > 0 else _required(cfg, "num_attention_heads", arch)
+    """``num_key_value_heads``, or ``num_attention_heads`` when absent (GPT-2 style); an unusable value is an error."""
+    if getattr(cfg, "num_key_value_heads", None) is not None:
+        return _required(cfg, "num_key_value_heads", arch)
+    return _required(cfg, "num_attention_heads", arch)
 
 
-def layers_from_config(cfg: Any, arch: str = "model") -> list[LayerKV]:
-    """One :class:`LayerKV` per decoder layer, per the rules of ``kv-geometry.md``."""
+@attrs.frozen
+class HeadSharding:
+    """How tensor parallelism splits a model's attention over ``tp_size`` ranks (TensorRT-LLM's and vLLM's rule).
+
+    Query heads always shard (they must divide by the ranks). KV heads shard when their count divides by
+    the ranks, and are replicated when the ranks are a multiple of their count (each rank keeps one head,
+    ``tp_size / kv_heads`` ranks share it); an MLA latent (or DeepSeek V4's single KV head) is whole on
+    every rank. Any other combination is refused.
+    """
+
+    tp_size: int
+    attention_heads: int
+    kv_heads: int  # heads of K/V in the checkpoint (1 for an MLA latent)
+    mode: Literal["none", "shard", "replicate", "latent"]
+    kv_heads_per_rank: int
+
+    @property
+    def attention_heads_per_rank(self) -> int:
+        """Query heads each rank computes."""
+        return self.attention_heads // self.tp_size
+
+    @property
+    def kv_replicas(self) -> int:
+        """How many ranks hold a copy of each KV head (1 when they shard)."""
+        if self.mode in ("replicate",):
+            return self.tp_size // self.kv_heads
+        return self.tp_size if self.mode == "latent" else 1
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain form for events and ``--json``."""
+        return {**attrs.asdict(self), "attention_heads_per_rank": self.attention_heads_per_rank,
+                "kv_replicas": self.kv_replicas}
+
+
+def is_latent(cfg: Any) -> bool:
+    """Whether the KV cache holds one latent per token shared by every head (MLA, DeepSeek V4)."""
+    cfg = text_config(cfg)
+    layer_types = getattr(cfg, "layer_types", None) or []
+    return bool(getattr(cfg, "kv_lora_rank", None)) or any(t in V4_LAYER_KINDS and t != "sliding_attention"
+                                                            for t in layer_types)
+
+
+def head_sharding(cfg: Any, tp_size: int, arch: str = "model") -> HeadSharding:
+    """The heads each of ``tp_size`` ranks holds; ``ModelError`` (one line, the sizes accepted) if they cannot."""
+    cfg = text_config(cfg)
+    latent = is_latent(cfg)
+    if tp_size == 1:  # nothing to split: report what the config says, require nothing
+        given = getattr(cfg, "num_attention_heads", None)
+        heads = given if isinstance(given, int) and given > 0 else 0
+        n = getattr(cfg, "num_key_value_heads", None)
+        n_kv = 1 if latent else (n if isinstance(n, int) and n > 0 else heads)
+        return HeadSharding(1, heads, n_kv, "none", n_kv)
+    heads = _required(cfg, "num_attention_heads", arch)
+    n_kv = 1 if latent else kv_heads(cfg, arch)
+    what = f"tensor_parallel_size={tp_size}: {arch}"
+    if heads % tp_size:
+        raise ModelError(f"{what} has {heads} attention heads, which do not divide by {tp_size} ranks; "
+                         f"accepted: {_accepted(heads, None if latent else n_kv)}")
+    if latent:
+        return HeadSharding(tp_size, heads, 1, "latent", 1)
+    if n_kv % tp_size == 0:
+        return HeadSharding(tp_size, heads, n_kv, "shard", n_kv // tp_size)
+    if tp_size % n_kv == 0:
+        return HeadSharding(tp_size, heads, n_kv, "replicate", 1)
+    raise ModelError(f"{what} has {n_kv} KV heads: {tp_size} ranks neither divide them nor are a multiple of them; "
+                     f"accepted: {_accepted(heads, n_kv)}")
+
+
+def _accepted(heads: int, n_kv: int | None) -> str:
+    """The tensor-parallel sizes a model accepts, for error messages."""
+    ok = [t for t in range(1, heads + 1)
+          if heads % t == 0 and (n_kv is None or n_kv % t == 0 or t % n_kv == 0)]
+    return ", ".join(map(str, ok))
+
+
+def layers_from_config(cfg: Any, arch: str = "model", tp_size: int = 1) -> list[LayerKV]:
+    """One :class:`LayerKV` per decoder layer (``kv-geometry.md``), as one of ``tp_size`` ranks holds it.
+
+    With tensor parallelism a rank keeps only its KV heads (:func:`head_sharding`); an MLA latent is whole.
+    """
     cfg = text_config(cfg)
     n_layers = _required(cfg, "num_hidden_layers", arch)
     layer_types = getattr(cfg, "layer_types", None)
+    # one rank: every KV head (and no check that needs num_attention_heads, which kv_heads may do without)
+    sharding = head_sharding(cfg, tp_size, arch) if tp_size > 1 else None
 
     if layer_types and any(t in ("compressed_sparse_attention", "heavily_compressed_attention") for t in layer_types):
         return _deepseek_v4_layers(cfg, layer_types, arch)
@@ -67,7 +155,8 @@ def layers_from_config(cfg: Any, arch: str = "model") -> list[LayerKV]:
         latent = _required(cfg, "kv_lora_rank", arch) + _required(cfg, "qk_rope_head_dim", arch)
         return [LayerKV(i, "mla", latent) for i in range(n_layers)]
 
-    entry = 2 * kv_heads(cfg, arch) * head_dim(cfg, arch)
+    heads = sharding.kv_heads_per_rank if sharding is not None else kv_heads(cfg, arch)
+    entry = 2 * heads * head_dim(cfg, arch)
     window = getattr(cfg, "sliding_window", None)
     if getattr(cfg, "use_sliding_window", True) is False:
         window = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from cache_backends.layout import LayerKV
-from models.geometry import layers_from_config, text_config
+from models.geometry import HeadSharding, head_sharding, layers_from_config, text_config
 
 
 class ModelSpec:
@@ -42,9 +42,13 @@ class ModelSpec:
         """Nested, partial dict of arg values this model proposes; ``args`` is a frozen read-only view."""
         return {}
 
-    def kv_layers(self) -> list[LayerKV]:
-        """Per-layer KV geometry of the decoder."""
-        return layers_from_config(self.hf_config, self.architecture)
+    def kv_layers(self, tp_size: int = 1) -> list[LayerKV]:
+        """Per-layer KV geometry of the decoder, as one of ``tp_size`` tensor-parallel ranks holds it."""
+        return layers_from_config(self.hf_config, self.architecture, tp_size)
+
+    def head_sharding(self, tp_size: int) -> HeadSharding:
+        """How ``tp_size`` ranks split the attention heads; ``ModelError`` when they cannot."""
+        return head_sharding(self.hf_config, tp_size, self.architecture)
 
     def v2_required_reason(self) -> str | None:
         """Why only KV cache manager V2 can hold this model's cache, or None when V1 can."""

@@ -54,7 +54,8 @@ def model_nbytes(model: Any) -> int:
     for t in [*model.parameters(), *model.buffers()]:
         if id(t) not in seen:
             seen.add(id(t))
-            total += t.numel() * t.element_size()
+            local = t.to_local() if hasattr(t, "to_local") else t  # a tensor-parallel shard: this rank's bytes
+            total += local.numel() * local.element_size()
     return total
 
 
@@ -88,17 +89,69 @@ def _weight_files(path: Path) -> list[Path]:
     return sorted([*path.glob("*.safetensors"), *path.glob("pytorch_model*.bin")])
 
 
-def pretrained_model(path: Path, *, device: str, dtype: str) -> Any:
-    """Load a directory's weights with ``from_pretrained`` (never ``trust_remote_code``)."""
-    from transformers import AutoModelForCausalLM
+def tensor_parallel_options(hf_config: Any, tp_size: int) -> dict[str, Any]:
+    """``from_pretrained`` keywords that shard a model over ``tp_size`` ranks with transformers' own TP plan.
+
+    ``ModelError`` when the architecture has no plan in this transformers (kvload does not write plans).
+    """
+    from models.geometry import text_config
+
+    plan = getattr(text_config(hf_config), "base_model_tp_plan", None) or getattr(hf_config, "base_model_tp_plan", None)
+    if not plan:
+        arch = (getattr(hf_config, "architectures", None) or [type(hf_config).__name__])[0]
+        raise ModelError(f"tensor_parallel_size={tp_size}: transformers has no tensor-parallel plan for {arch}; "
+                         "run it with tensor_parallel_size=1")
+    try:
+        from transformers.distributed import DistributedConfig
+    except ImportError:  # transformers before DistributedConfig: the plan is named directly
+        return {"tp_plan": "auto", "tp_size": tp_size}
+    return {"distributed_config": DistributedConfig(tp_size=tp_size)}
+
+
+def plan_kv_heads_per_rank(hf_config: Any, tp_size: int) -> int | None:
+    """KV heads per rank under transformers' own TP plan for this config; None when that plan cannot split them.
+
+    The plan shards K/V heads when it splits ``k_proj`` by columns (``colwise``); otherwise every rank
+    computes every KV head. kvload's pools must hold exactly what the model computes.
+    """
+    from models.geometry import kv_heads, text_config
+
+    cfg = text_config(hf_config)
+    plan = getattr(cfg, "base_model_tp_plan", None) or getattr(hf_config, "base_model_tp_plan", None) or {}
+    n = kv_heads(cfg)
+    if not any(key.rsplit(".", 1)[-1] in ("k_proj", "qkv_proj") and style.startswith("colwise")
+               for key, style in plan.items()):
+        return n
+    return n // tp_size if n % tp_size == 0 else None
+
+
+def save_random_model(hf_config: Any, path: Path, *, dtype: str, seed: int = 0) -> Path:
+    """Write a preset's deterministic random weights as safetensors (how ranks share weights ``from_config`` makes)."""
+    model = random_model(hf_config, device="cpu", dtype=dtype, seed=seed)
+    with _quiet_progress():
+        model.save_pretrained(str(path))
+    return path
+
+
+def pretrained_model(path: Path, *, device: str, dtype: str, tp_size: int = 1) -> Any:
+    """Load a directory's weights with ``from_pretrained`` (never ``trust_remote_code``).
+
+    With ``tp_size > 1`` (every rank calling it under torch.distributed) transformers shards the model by
+    its own tensor-parallel plan and places each rank's shard on the rank's device.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     tdtype = torch_dtype(dtype)
     if not _weight_files(path):
         raise ModelError(f"{path}: no weights (*.safetensors or pytorch_model*.bin) in the checkpoint directory")
+    placement: dict[str, Any] = {"device_map": device}
+    if tp_size > 1:
+        cfg = AutoConfig.from_pretrained(str(path), trust_remote_code=False, local_files_only=True)
+        placement = tensor_parallel_options(cfg, tp_size)
     try:
         with _quiet_progress():  # the weights_loaded event reports the load; no tqdm bar on stderr
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=tdtype, device_map=device,
-                                                         trust_remote_code=False, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=tdtype, trust_remote_code=False,
+                                                         local_files_only=True, **placement)
     except Exception as exc:  # loaders raise their own types (SafetensorError, struct.error, ...)
         raise _load_error(f"{path}: transformers cannot load the weights", exc) from exc
     return model.eval()
@@ -139,11 +192,21 @@ def load_tokenizer(path: Path) -> Any:
         raise ModelError(f"{path}: transformers cannot load the tokenizer: {first_line(exc)}") from exc
 
 
-def load_weights(checkpoint: Checkpoint, hf_config: Any, *, device: str, dtype: str, seed: int = 0) -> LoadedWeights:
-    """Weights and tokenizer of a checkpoint on ``device`` in ``dtype`` (see the module docstring)."""
+def load_weights(checkpoint: Checkpoint, hf_config: Any, *, device: str, dtype: str, seed: int = 0,
+                 tp_size: int = 1, random_dir: Path | None = None) -> LoadedWeights:
+    """Weights and tokenizer of a checkpoint on ``device`` in ``dtype`` (see the module docstring).
+
+    ``tp_size > 1``: this rank's shard (every rank calls it); a preset's random weights are read from
+    ``random_dir``, where one rank saved them (:func:`save_random_model`), since ``from_config`` cannot shard.
+    """
     start = time.perf_counter()
     converted = False
-    if checkpoint.kind == "preset":
+    if checkpoint.kind == "preset" and tp_size > 1:
+        if random_dir is None:
+            raise ValueError("a preset sharded over several ranks loads from the directory one rank saved it to")
+        model = pretrained_model(random_dir, device=device, dtype=dtype, tp_size=tp_size)
+        loaded = LoadedWeights(model, None, "random", str(checkpoint.path))
+    elif checkpoint.kind == "preset":
         model = random_model(hf_config, device=device, dtype=dtype, seed=seed)
         loaded = LoadedWeights(model, None, "random", str(checkpoint.path))
     else:
@@ -153,7 +216,7 @@ def load_weights(checkpoint: Checkpoint, hf_config: Any, *, device: str, dtype: 
 
             converted = cached_conversion(checkpoint) is None
             path, source = convert_gguf(checkpoint), "gguf"
-        model = pretrained_model(path, device=device, dtype=dtype)
+        model = pretrained_model(path, device=device, dtype=dtype, tp_size=tp_size)
         try:
             tokenizer = load_tokenizer(path)
         except BaseException:

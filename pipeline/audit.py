@@ -9,15 +9,20 @@ from __future__ import annotations
 import copy
 import json
 import os
-import tempfile
+import secrets
+import stat
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from pipeline.audit_chain import HEAD, PREV, Chain, audit_key, check_chain
+from pipeline.audit_schema import record_problem
 from pipeline.config import framework_defaults
-from pipeline.errors import AuditError
+from pipeline.errors import AuditError, ConfigError
 from pipeline.events import is_value_event
+from pipeline.limits import MAX_DEPTH, nesting_depth, short
 from pipeline.paths import flatten, set_in
+from pipeline.signals import deferred
 from pipeline.version import AUDIT_SCHEMA_VERSION, __version__
 
 HEADER_EVENT = "audit_header"
@@ -38,6 +43,8 @@ class AuditLog:
     def __init__(self, events: Iterable[dict[str, Any]] = (), header: dict[str, Any] | None = None) -> None:
         self.events: list[dict[str, Any]] = list(events)
         self.header = header or header_record()
+        #: The verdict on a file's hash chain (:func:`pipeline.audit_chain.check_chain`); None in memory.
+        self.chain: dict[str, Any] | None = None
 
     def __call__(self, record: dict[str, Any]) -> None:
         self.events.append(record)
@@ -105,83 +112,207 @@ class AuditLog:
 
     @classmethod
     def from_jsonl(cls, path: str | os.PathLike[str]) -> AuditLog:
-        """Read an audit file; raise ``AuditError`` naming the file and line when it is unusable."""
+        """Read an audit file; raise ``AuditError`` naming the file and line when it is unusable.
+
+        Every record is checked against its event's schema (:mod:`pipeline.audit_schema`); the hash
+        chain is checked too, its verdict kept in :attr:`chain` for ``audit --verify``.
+        """
         p = Path(path)
-        try:
-            text = p.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise AuditError(f"{p}: audit file not found") from None
-        except IsADirectoryError:
-            raise AuditError(f"{p}: is a directory, expected an audit .jsonl file") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise AuditError(f"{p}: cannot read audit file ({exc.__class__.__name__})") from None
+        text = _read_text(p)
         lines = text.splitlines()
         if not lines:
             raise AuditError(f"{p}: empty file, expected a kvload audit log (JSON Lines)")
-        records = []
+        records: list[tuple[int, dict[str, Any]]] = []
         for n, line in enumerate(lines, 1):
             if not line.strip():
                 continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                last = n == len(lines)
-                why = "truncated (the last line is incomplete)" if last else f"not valid JSON ({exc.msg})"
-                raise AuditError(f"{p}: line {n}: {why}") from None
-            if not isinstance(record, dict) or "event" not in record:
-                raise AuditError(f"{p}: line {n}: expected a JSON object with an 'event' key")
-            records.append(record)
-        header = records[0]
+            record = _parse_line(p, n, line, last=n == len(lines))
+            records.append((n, record))
+        _, header = records[0]
         if header.get("event") != HEADER_EVENT:
             raise AuditError(f"{p}: line 1: not a kvload audit log (no {HEADER_EVENT} line)")
-        if header.get("schema_version") != AUDIT_SCHEMA_VERSION:
+        version = header.get("schema_version")
+        if not isinstance(version, int) or isinstance(version, bool) or version != AUDIT_SCHEMA_VERSION:
             raise AuditError(
-                f"{p}: schema_version {header.get('schema_version')!r} is not supported "
-                f"(this kvload reads {AUDIT_SCHEMA_VERSION})"
+                f"{p}: line 1: schema_version {short(version)} is not supported "
+                f"(this kvload reads {AUDIT_SCHEMA_VERSION}, an integer)"
             )
-        for n, record in enumerate(records[1:], 2):
-            if is_value_event(record) and not isinstance(record.get("field"), str):
-                raise AuditError(f"{p}: record {n}: {record['event']} without a 'field'")
-        return cls(records[1:], header=header)
+        known = frozenset(flatten(framework_defaults()))
+        events = []
+        for n, record in records[1:]:
+            problem = record_problem(record, known)
+            if problem is not None:
+                raise AuditError(f"{p}: line {n}: {problem}")
+            events.append({k: v for k, v in record.items() if k not in (PREV, HEAD)})
+        log = cls(events, header={k: v for k, v in header.items() if k != HEAD})
+        log.chain = check_chain(header, records[1:], audit_key())
+        return log
+
+
+#: The largest audit file read (a long generation logs a few hundred bytes per request).
+MAX_AUDIT_BYTES = 512 * 1024 * 1024
+
+
+def _read_text(p: Path) -> str:
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        raise AuditError(f"{p}: audit file not found") from None
+    except OSError as exc:
+        raise AuditError(f"{p}: cannot read audit file ({exc.__class__.__name__})") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise AuditError(f"{p}: is a directory, expected an audit .jsonl file")
+    if not stat.S_ISREG(st.st_mode):  # a FIFO would block the read forever, a device never ends
+        raise AuditError(f"{p}: not a regular file (a FIFO or device?), expected an audit .jsonl file")
+    if st.st_size > MAX_AUDIT_BYTES:
+        raise AuditError(f"{p}: {st.st_size:,} bytes, larger than any kvload audit log ({MAX_AUDIT_BYTES:,})")
+    try:
+        return p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise AuditError(f"{p}: cannot read audit file ({exc.__class__.__name__})") from None
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key!r} appears twice in one object")
+        out[key] = value
+    return out
+
+
+def _parse_line(p: Path, n: int, line: str, last: bool) -> dict[str, Any]:
+    """One line as a JSON object with an ``event`` key, or ``AuditError`` naming the file and line."""
+    try:
+        record = json.loads(line, object_pairs_hook=_unique)
+    except json.JSONDecodeError as exc:
+        why = "truncated (the last line is incomplete)" if last else f"not valid JSON ({exc.msg})"
+        raise AuditError(f"{p}: line {n}: {why}") from None
+    except RecursionError:
+        raise AuditError(f"{p}: line {n}: nested too deeply to be an audit record") from None
+    except ValueError as exc:  # a repeated key, an integer past Python's digit limit
+        raise AuditError(f"{p}: line {n}: {str(exc).splitlines()[0][:120]}") from None
+    if not isinstance(record, dict) or "event" not in record:
+        raise AuditError(f"{p}: line {n}: expected a JSON object with an 'event' key")
+    if nesting_depth(record) > MAX_DEPTH:
+        raise AuditError(f"{p}: line {n}: nested deeper than {MAX_DEPTH} levels; audit records nest a few")
+    return record
+
+
+def check_output_path(path: str | os.PathLike[str], flag: str = "audit log", replace: bool = True) -> Path:
+    """Refuse an output path before any work: empty, a directory, a FIFO or device, an unwritable
+    directory, or (unless ``replace``) a file that exists. ``ConfigError`` names ``flag``."""
+    text = os.fspath(path)
+    if text == "":
+        raise ConfigError(f"{flag}: empty path, expected a file path")
+    p = Path(text)
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        if os.path.lexists(p):
+            raise ConfigError(f"{flag} {text}: is a symbolic link to nothing; give a file path") from None
+        st = None
+    except OSError as exc:
+        raise ConfigError(f"{flag} {text}: cannot be used ({exc.strerror or exc.__class__.__name__})") from None
+    if st is not None:
+        if stat.S_ISDIR(st.st_mode):
+            raise ConfigError(f"{flag} {text}: is a directory, expected a file path")
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"{flag} {text}: exists and is not a regular file (a FIFO, device or socket); "
+                              "give a file path")
+        if not replace:
+            raise ConfigError(f"{flag} {text}: exists; pass --force to replace it, or choose another path")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise ConfigError(f"{flag} {text}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {text}: directory {parent} is not writable")
+    return p
 
 
 class JsonlSink:
     """Streams records to a JSON Lines file; the file appears only when the run closes cleanly.
 
-    Lines go to a temporary file beside the target, renamed into place by ``close(ok=True)`` and
-    removed by ``close(ok=False)``, so a failed run never leaves a half-written audit behind.
+    Lines go to a temporary file beside the target, published by ``close(ok=True)`` and removed by
+    ``close(ok=False)``, so a failed or interrupted run never leaves a half-written audit behind.
+    Records are hash-chained (:mod:`pipeline.audit_chain`; keyed by ``KVLOAD_AUDIT_KEY`` when set).
+    ``replace=False`` refuses to publish over a file that exists (checked again at publication, so
+    a file created meanwhile is not clobbered either). Files are created with mode 0666 less the
+    umask, as any file the user creates.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, replace: bool = True, flag: str = "audit log",
+                 key: object = ...) -> None:
         self.path = Path(path)
-        self._file = None
+        self.replace = replace
+        self.flag = flag
+        self._chain = Chain(audit_key() if key is ... else key)  # type: ignore[arg-type]
+        self._file: Any = None
         self._tmp: str | None = None
+        self._pending: dict[str, Any] | None = None
+        self._closed = False
 
     def _open(self) -> None:
         parent = self.path.parent if str(self.path.parent) else Path(".")
-        fd, self._tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=parent)
-        self._file = os.fdopen(fd, "w", encoding="utf-8")
-        self._file.write(_dumps(header_record()) + "\n")
+        name = str(parent / f".{self.path.name}.{secrets.token_hex(6)}.tmp")
+        with deferred():  # no signal between creating the file and remembering to remove it
+            try:
+                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+            except OSError as exc:
+                raise ConfigError(f"{self.flag} {self.path}: cannot create a file in {parent} "
+                                  f"({exc.strerror or exc.__class__.__name__})") from None
+            self._tmp = name
+            self._file = os.fdopen(fd, "w", encoding="utf-8")
+        self._hold({**header_record(), "chain": self._chain.kind})
+
+    def _hold(self, record: dict[str, Any]) -> None:
+        """Write the record held back, then hold this one (the last record is sealed at close)."""
+        if self._pending is not None:
+            self._file.write(_dumps(self._pending) + "\n")
+        if self._chain.head is not None:
+            record = {**record, PREV: self._chain.head}
+        self._chain.link(record)
+        self._pending = record
 
     def __call__(self, record: dict[str, Any]) -> None:
         if self._file is None:
             self._open()
-        self._file.write(_dumps(record) + "\n")
+        self._hold(record)
 
     def close(self, ok: bool = True) -> None:
-        """Publish the file (``ok``) or discard it."""
+        """Publish the file (``ok``) or discard it; ``ConfigError`` when the target appeared meanwhile."""
+        if self._closed:
+            return
         if self._file is None:
-            if ok:
-                self._open()
-            else:
+            if not ok:
                 return
-        self._file.close()
-        self._file = None
-        if ok:
+            self._open()
+        with deferred():
+            try:
+                if ok:
+                    self._file.write(_dumps({**self._pending, HEAD: self._chain.head}) + "\n")
+                self._file.close()
+                if ok:
+                    self._publish()
+            finally:
+                self._file, self._closed = None, True
+                if self._tmp is not None and os.path.lexists(self._tmp):
+                    os.unlink(self._tmp)
+                self._tmp = None
+
+    def _publish(self) -> None:
+        if self.replace:
             os.replace(self._tmp, self.path)
-        else:
-            os.unlink(self._tmp)
-        self._tmp = None
+            return
+        try:
+            os.link(self._tmp, self.path)  # atomic, and never over a file that exists
+        except FileExistsError:
+            raise ConfigError(f"{self.flag} {self.path}: appeared while the run was going; not replaced "
+                              "(pass --force to replace it)") from None
+        except OSError:  # a filesystem without hard links
+            if os.path.lexists(self.path):
+                raise ConfigError(f"{self.flag} {self.path}: exists; pass --force to replace it") from None
+            os.replace(self._tmp, self.path)
 
     def __enter__(self) -> JsonlSink:
         return self

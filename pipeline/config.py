@@ -8,12 +8,14 @@ assigned explicitly: explicitness is recorded, never inferred by comparing with 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Literal, NewType, Union
 
 import attrs
 
 from cache_backends.layout import DTYPE_SIZES
 from pipeline.errors import ConfigError
+from pipeline.limits import MAX_INT, short
 
 AUTO = "auto"
 
@@ -52,7 +54,7 @@ def describe(value: Any) -> str:
         return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
-    return repr(value)
+    return short(value)
 
 
 def normalize_dtype(value: str) -> str:
@@ -74,10 +76,18 @@ def parse_size(text: str) -> int:
     unit = s[len(num):].strip()
     if unit not in _SIZE_UNITS or not num:
         raise ValueError(text)
-    value = float(num) * _SIZE_UNITS[unit]
-    if value != int(value) or value < 0:
+    if len(num) > 40:  # int("9" * 5000) raises past 4300 digits, float() overflows to inf
         raise ValueError(text)
-    return int(value)
+    try:  # whole numbers exactly (float would round 2**63 - 1), decimals and exponents through float
+        value: float | int = int(num) * _SIZE_UNITS[unit]
+    except ValueError:
+        value = float(num) * _SIZE_UNITS[unit]
+        if not math.isfinite(value) or value != int(value):
+            raise ValueError(text) from None
+        value = int(value)
+    if value < 0 or value > MAX_INT:
+        raise ValueError(text)
+    return value
 
 
 # --- validators: strict on type first, then range -------------------------------------------
@@ -91,6 +101,8 @@ def _check(pred, expected: str):
     def validator(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
         if not pred(value):
             raise FieldError(attribute.name, f"expected {expected}, got {describe(value)}")
+        if _is_int(value) and value > MAX_INT:  # past int64: torch and the budget arithmetic cannot take it
+            raise FieldError(attribute.name, f"expected {expected} and at most 2**63 - 1, got {describe(value)}")
 
     validator.expected = expected  # type: ignore[attr-defined]  # shown by `kvload models` and errors
     return validator
@@ -250,6 +262,8 @@ class LlmArgs:
     max_beam_width: int = attrs.field(default=1, validator=pos_int)
     weights_seed: int = attrs.field(default=0, validator=non_neg_int)  # random weights of presets
     attention_backend: str = attrs.field(default=AUTO, validator=attention_backend_name)
+    # ranks the attention heads (and KV heads) are split over; the operator's, never a model's
+    tensor_parallel_size: int = attrs.field(default=1, validator=pos_int)
     kv_cache_config: KvCacheConfig = attrs.field(factory=KvCacheConfig)
     _explicit: set[str] = _internal(set)
     _frozen: bool = _internal(bool)

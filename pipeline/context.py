@@ -86,6 +86,8 @@ class Context:
     model: ModelInfo | None = None  # apply_model_defaults
     model_defaults: dict[str, Any] = attrs.Factory(dict)  # apply_model_defaults: proposals, flat
     route: Route | None = None  # route_executor
+    ranks: Any = None  # pipeline.ranks.Ranks: this process among the run's ranks (set by execute)
+    heads: Any = None  # check_parallel: models.geometry.HeadSharding, the heads this rank holds
     kv: Any = None  # KV plan (geometry, budget), for plan and load
     kv_manager: Any = None  # build_kv_manager
     scheduler: Any = None  # build_kv_manager

@@ -56,3 +56,7 @@ class GenerationError(KvloadError, ValueError):
 
 class AuditError(KvloadError):
     """An audit log file is unreadable, truncated or from an unknown schema."""
+
+
+class RankError(KvloadError):
+    """The ranks of a tensor-parallel run do not match: the launch and the settings, or what each rank resolved."""

@@ -369,6 +369,10 @@ class KvBudgetComputed(Event):
     budget_bytes: int | None
     limited_by: str | None
     reason: str
+    # tensor parallel: every rank takes the smallest budget; which rank set it, and each rank's own budget
+    rank: int = 0
+    limited_by_rank: int | None = None
+    rank_budget_bytes: list[int | None] | None = None
 
 
 @event("kv_manager_built")
@@ -386,3 +390,37 @@ class KvManagerBuilt(Event):
     max_seq_len: int
     max_concurrency: int
     host_bytes: int = 0  # V2 host tier (host memory, pinned on CUDA); not part of total_bytes
+
+
+# --- ranks (tensor parallel) ---------------------------------------------------------------
+
+
+@event("rank_joined")
+class RankJoined(Event):
+    """This process's rank in the run and the attention heads it holds (rank 0 of 1 without torchrun)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    tensor_parallel_size: int
+    heads: dict[str, Any]  # models.geometry.HeadSharding.to_dict(): mode, heads and KV heads per rank
+
+
+@event("ranks_agreed")
+class RanksAgreed(Event):
+    """Every rank resolved the same arguments (byte caps aside) and route: their digests match."""
+
+    rank: int
+    world_size: int
+    digest: str  # sha256 of the compared fields, the same on every rank
+    fields: int  # how many fields were compared
+    excluded: list[str]  # fields not compared (byte caps: min-reduced instead)
+
+
+@event("ranks_disagreed", level="error")
+class RanksDisagreed(Event):
+    """Ranks resolved different values: each differing field with every rank's value, in rank order."""
+
+    rank: int
+    world_size: int
+    differences: dict[str, list[Any]]

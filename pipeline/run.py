@@ -13,6 +13,7 @@ from pipeline.bus import EventBus, Subscriber
 from pipeline.config import LlmArgs
 from pipeline.context import Context, LoadRequest, ModelInfo, Route
 from pipeline.logs import StructlogSubscriber
+from pipeline.ranks import rank_audit_path, ranks_from_env
 from pipeline.runner import Pipeline, Stage
 
 
@@ -81,17 +82,22 @@ def execute(
     log: bool = True,
     result_type: type[R] = RunResult,  # type: ignore[assignment]
 ) -> R:
-    """Run a request through stages with the standard subscribers; the CLI, the API and the engine use this."""
+    """Run a request through stages with the standard subscribers; the CLI, the API and the engine use this.
+
+    Under torchrun each rank runs the stages; rank 0 writes ``audit_log`` as given, rank N writes
+    ``<stem>.rankN<suffix>`` beside it (:func:`pipeline.ranks.rank_audit_path`).
+    """
     pipeline = stages if isinstance(stages, Pipeline) else Pipeline(stages)
     audit = AuditLog()
-    sink = JsonlSink(audit_log) if audit_log is not None else None
+    ranks = ranks_from_env()
+    sink = JsonlSink(rank_audit_path(audit_log, ranks)) if audit_log is not None else None
     subs: list[Subscriber] = [audit]
     if log:
         subs.append(StructlogSubscriber())
     if sink is not None:
         subs.append(sink)
     subs.extend(subscribers)
-    ctx = Context(request=request)
+    ctx = Context(request=request, ranks=ranks)
     bus = EventBus(subs)
     try:
         pipeline.run(ctx, bus)

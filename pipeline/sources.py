@@ -12,10 +12,43 @@ import yaml
 
 from pipeline.config import explicit_fields
 from pipeline.errors import ConfigError
+from pipeline.limits import MAX_DEPTH, MAX_INT_DIGITS, MAX_YAML_NODES, nesting_depth, node_count
 
 
 class StrictLoader(yaml.SafeLoader):
-    """YAML 1.2-style booleans: only true/false (any case) are bools; ``yes``/``on`` stay strings."""
+    """YAML 1.2-style booleans: only true/false (any case) are bools; ``yes``/``on`` stay strings.
+
+    Also strict where PyYAML is lenient: a key given twice in one mapping (a repeated
+    ``kv_cache_config:`` section included) is an error instead of the last one silently winning,
+    and an integer literal longer than any setting can hold is refused before it is converted.
+    """
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        """Refuse a key repeated in one mapping (merge keys ``<<`` may still be overridden, as YAML intends)."""
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, yaml.Node] = {}
+            for key_node, _ in node.value:
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = key_node.value
+                if key in seen:
+                    first = seen[key].start_mark.line + 1
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} appears twice in one mapping (first on line {first}); "
+                        "keep one", key_node.start_mark)
+                seen[key] = key_node
+        return super().construct_mapping(node, deep=deep)
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        """An integer, refused with its line when it has more digits than any setting could hold."""
+        if len(node.value) > MAX_INT_DIGITS:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"integer of {len(node.value)} digits is out of range (settings are at most 2**63 - 1)",
+                node.start_mark)
+        return super().construct_yaml_int(node)
+
+
+StrictLoader.add_constructor("tag:yaml.org,2002:int", StrictLoader.construct_yaml_int)
 
 
 StrictLoader.yaml_implicit_resolvers = {
@@ -29,7 +62,12 @@ StrictLoader.add_implicit_resolver(
 
 def read_yaml(path: str) -> dict[str, Any]:
     """Load a YAML config file as nested dicts; ``ConfigError`` names the file (and line) otherwise."""
+    if str(path) == "":
+        raise ConfigError("config file: empty path; give a YAML file (or leave --config out)", source="config_file")
     p = Path(path)
+    if p.exists() and not p.is_dir() and not p.is_file():
+        raise ConfigError(f"config file {path}: not a regular file (a FIFO or device?); give a YAML file",
+                          source="config_file")
     try:
         text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -38,8 +76,14 @@ def read_yaml(path: str) -> dict[str, Any]:
         raise ConfigError(f"config file {path}: is a directory, expected a YAML file", source="config_file") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config file {path}: cannot read ({exc.__class__.__name__})", source="config_file") from None
+    if len(text) > 1_000_000:
+        raise ConfigError(f"config file {path}: {len(text):,} characters; a config of LlmArgs fields is a few "
+                          "hundred", source="config_file")
     try:
         data = yaml.load(text, Loader=StrictLoader)
+    except RecursionError:
+        raise ConfigError(f"config file {path}: nested too deeply (LlmArgs nests 2 levels)",
+                          source="config_file") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1} column {mark.column + 1}:" if mark else ""
@@ -52,6 +96,14 @@ def read_yaml(path: str) -> dict[str, Any]:
             f"config file {path}: expected a mapping of LlmArgs fields at the top level, got {type(data).__name__}",
             source="config_file",
         )
+    # Before anything walks or prints the tree: aliases can make a small file expand exponentially.
+    if node_count(data, MAX_YAML_NODES) > MAX_YAML_NODES:
+        raise ConfigError(f"config file {path}: expands to more than {MAX_YAML_NODES:,} values (anchors and "
+                          "aliases counted at each use); a config of LlmArgs fields has a few dozen",
+                          source="config_file")
+    if nesting_depth(data) > MAX_DEPTH:
+        raise ConfigError(f"config file {path}: nested deeper than {MAX_DEPTH} levels (LlmArgs nests 2)",
+                          source="config_file")
     bad = [k for k in _all_keys(data) if not isinstance(k, str)]
     if bad:
         raise ConfigError(f"config file {path}: keys must be strings, got {bad[0]!r}", source="config_file")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from stages.agree_ranks import AgreeRanks
 from stages.apply_model_defaults import ApplyModelDefaults
 from stages.build_kv_manager import BuildKvManager
+from stages.check_parallel import CheckParallel
 from stages.load_weights import LoadWeights
 from stages.parse_args import ParseArgs
 from stages.plan_kv import KvPlan, PlanKv
@@ -13,8 +15,13 @@ from stages.snapshot_user_fields import SnapshotUserFields
 
 
 def resolve_stages() -> list:
-    """Stages 1–5: resolve the arguments and route the executor."""
-    return [ParseArgs(), SnapshotUserFields(), ApplyModelDefaults(), ResolveAuto(), RouteExecutor()]
+    """Stages 1–5: resolve the arguments and route the executor; with several ranks, check they all agree.
+
+    ``check_parallel`` (the tensor-parallel size against the checkpoint and the ranks launched) runs
+    before routing; ``agree_ranks`` (every rank resolved the same) after it, once the args are frozen.
+    """
+    return [ParseArgs(), SnapshotUserFields(), ApplyModelDefaults(), ResolveAuto(), CheckParallel(), RouteExecutor(),
+            AgreeRanks()]
 
 
 def plan_stages() -> list:
@@ -31,8 +38,10 @@ def load_stages() -> list:
 
 
 __all__ = [
+    "AgreeRanks",
     "ApplyModelDefaults",
     "BuildKvManager",
+    "CheckParallel",
     "KvPlan",
     "LoadWeights",
     "ParseArgs",

@@ -15,6 +15,7 @@ from pipeline.bus import Emit
 from pipeline.context import Context
 from pipeline.errors import KvBuildError, KvRuntimeError, first_line
 from pipeline.events import KvManagerBuilt
+from stages.check_parallel import require_all_ranks
 from stages.plan_kv import HOST_FIELD, RULE_FIELDS, KvPlan, compute_kv_plan, device_problem
 
 if TYPE_CHECKING:
@@ -46,7 +47,8 @@ def manager_options(ctx: Context) -> ManagerOptions:
         max_seq_len=ctx.args.max_seq_len,
         enable_block_reuse=kv.enable_block_reuse,
         enable_partial_reuse=kv.enable_partial_reuse,
-        host_cache_size=kv.host_cache_size,
+        # the plan's: with several ranks it is the size every rank agreed on (pipeline.ranks)
+        host_cache_size=ctx.kv.host_cache_size if isinstance(ctx.kv, KvPlan) else kv.host_cache_size,
         max_util_for_resume=kv.max_util_for_resume,
         enable_swa_scratch_reuse=kv.enable_swa_scratch_reuse,
     )
@@ -60,12 +62,13 @@ class BuildKvManager:
 
     def run(self, ctx: Context, emit: Emit) -> None:
         """Plan, check the device and the budget, allocate, construct; free everything on failure."""
+        require_all_ranks(ctx, "building the KV pools")
         plan = compute_kv_plan(ctx, emit)
         ctx.kv = plan
         if plan.problem is not None or plan.pools is None:
             raise KvBuildError(plan.problem)
         check_device(plan.device)
-        self._check_host_memory(plan)
+        self._check_host_memory(plan, ctx)
         manager_cls, scheduler_cls = manager_classes(plan.manager)
 
         try:
@@ -108,7 +111,7 @@ class BuildKvManager:
         }
 
     @staticmethod
-    def _check_host_memory(plan: KvPlan) -> None:
+    def _check_host_memory(plan: KvPlan, ctx: Context) -> None:
         """``KvBuildError`` when host memory cannot take what lives there: the pools on CPU, the V2 host tier."""
         available = host_available_bytes()
         assert plan.pools is not None
@@ -119,12 +122,27 @@ class BuildKvManager:
         parts, fields = [], []
         if pools:
             parts.append(f"KV pools of {pools} B")
-            fields.append(RULE_FIELDS.get(plan.budget.limited_by or "", "the budget"))
+            fields.extend(_pool_culprits(plan, ctx))
         if host:
             parts.append(f"a host tier of {host} B")
             fields.append(HOST_FIELD)
         raise KvBuildError(f"{' plus '.join(parts)} exceed the {available} B of memory this host has available; "
                            f"lower {' or '.join(fields)}")
+
+
+def _pool_culprits(plan: KvPlan, ctx: Context) -> list[str]:
+    """The settings that made the pools this big, as the user can change them (never one they did not set)."""
+    kv = ctx.args.kv_cache_config
+    out: list[str] = []
+    if plan.tokens_per_block > plan.max_seq_len:  # every sequence holds at least one whole block
+        return [f"kv_cache_config.tokens_per_block ({plan.tokens_per_block}, above max_seq_len {plan.max_seq_len})"]
+    rule = plan.budget.limited_by or ""
+    if rule == "max_tokens" and kv.max_tokens is None and kv.default_max_tokens is not None:
+        out.append(f"--max_new_tokens or the number of prompts (generate sizes the pools for prompts x "
+                   f"(max_new_tokens + 1024) = {plan.budget.max_tokens} tokens when no --max_tokens is given)")
+    elif rule in RULE_FIELDS:
+        out.append(RULE_FIELDS[rule])
+    return out or ["the budget"]
 
 
 def host_bytes(manager: Any) -> int:

@@ -6,13 +6,19 @@ never runs it; ``load`` runs it and it does work only when ``load_weights=True``
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
-from models.weights import load_weights
+from models.weights import load_weights, plan_kv_heads_per_rank, save_random_model
 from pipeline.bus import Emit
 from pipeline.context import Context
 from pipeline.errors import ModelError
 from pipeline.events import WeightsLoaded
+from stages.check_parallel import require_all_ranks
 
 
 class LoadWeights:
@@ -27,7 +33,13 @@ class LoadWeights:
             return
         seed = ctx.args.weights_seed
         device, dtype = str(ctx.args.device), str(ctx.args.dtype)
-        loaded = load_weights(ctx.checkpoint, ctx.hf_config, device=device, dtype=dtype, seed=seed)
+        tp = ctx.args.tensor_parallel_size
+        if tp > 1:
+            require_all_ranks(ctx, "loading sharded weights")
+            check_plan_matches_pools(ctx)
+        with _shared_weights(ctx, dtype, seed) as random_dir:
+            loaded = load_weights(ctx.checkpoint, ctx.hf_config, device=device, dtype=dtype, seed=seed, tp_size=tp,
+                                  random_dir=random_dir)
         ctx.hf_model, ctx.tokenizer = loaded.model, loaded.tokenizer
         ctx.on_close(lambda: _release(ctx))
         emit(WeightsLoaded(
@@ -36,6 +48,58 @@ class LoadWeights:
             converted=loaded.converted, seed=seed if loaded.source == "random" else None,
             duration_ms=loaded.duration_ms,
         ))
+
+
+def check_plan_matches_pools(ctx: Context) -> None:
+    """``ModelError`` when transformers' TP plan would compute other KV heads per rank than the pools hold."""
+    heads, tp = ctx.heads, ctx.args.tensor_parallel_size
+    if heads is None or heads.mode == "latent":  # the latent is whole; MLA plans leave the attention whole
+        return
+    computed = plan_kv_heads_per_rank(ctx.hf_config, tp)
+    if computed == heads.kv_heads_per_rank:
+        return
+    arch = ctx.model.architecture if ctx.model is not None else "the model"
+    why = (f"cannot split its {heads.kv_heads} KV heads over {tp} ranks (it shards k_proj/v_proj by columns and "
+           "does not replicate heads)" if computed is None else
+           f"computes {computed} KV heads per rank, the pools hold {heads.kv_heads_per_rank}")
+    accepted = ", ".join(str(t) for t in range(1, heads.kv_heads + 1)
+                         if heads.kv_heads % t == 0 and heads.attention_heads % t == 0)
+    raise ModelError(f"tensor_parallel_size={tp}: transformers' tensor-parallel plan for {arch} {why}; plan and run "
+                     f"accept this size, loading weights needs one that divides the KV heads ({accepted})")
+
+
+@contextlib.contextmanager
+def _shared_weights(ctx: Context, dtype: str, seed: int) -> Iterator[Path | None]:
+    """With several ranks: what one rank must write before the others read (their order is set here).
+
+    A preset's random weights are saved by rank 0 to a temporary directory every rank loads its shard from
+    (``from_config`` takes no tensor-parallel plan), removed once all have loaded; a GGUF is converted by
+    rank 0 into the cache the others then find. One process: nothing to share.
+    """
+    ranks = ctx.ranks
+    if ranks is None or not ranks.distributed or ctx.args.tensor_parallel_size == 1:
+        yield None
+        return
+    tmp = None
+    if ctx.checkpoint.kind == "preset":
+        if ranks.is_first:
+            tmp = Path(tempfile.mkdtemp(prefix="kvload-tp-"))
+            save_random_model(ctx.hf_config, tmp, dtype=dtype, seed=seed)
+        shared = ranks.broadcast(str(tmp) if tmp is not None else None)
+        try:
+            yield Path(shared)
+            ranks.barrier()  # every rank has read its shard
+        finally:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+        return
+    if ctx.checkpoint.gguf_file:
+        from models.gguf_cache import convert_gguf
+
+        if ranks.is_first:
+            convert_gguf(ctx.checkpoint)
+        ranks.barrier()  # the conversion is in the cache: the other ranks find it
+    yield None
 
 
 def _release(ctx: Context) -> None:

@@ -26,7 +26,7 @@ class ParseArgs:
         """Validate each source alone (so errors name it), then merge and emit the changes."""
         req = ctx.request
         sources: list[tuple[str, dict[str, Any]]] = []
-        if req.config_file:
+        if req.config_file is not None:  # "" is a mistake to report, not "no file"
             sources.append(("config_file", read_yaml(req.config_file)))
         tree = overrides_to_tree(req.overrides)
         if req.model is not None:

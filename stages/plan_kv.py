@@ -30,6 +30,7 @@ from pipeline.context import Context
 from pipeline.errors import KvBuildError
 from pipeline.events import KvBudgetComputed, SettingIgnored
 from pipeline.text import cell, table
+from stages.rank_budget import agree_rest, min_budget
 
 #: What each budget rule is called in messages: the field a user changes to move it.
 RULE_FIELDS = {
@@ -59,11 +60,20 @@ class KvPlan:
     host_cache_size: int | None = None  # the setting: bytes, 0 = no host tier, None = auto-size (V2)
     host_slots: dict[str, int] | None = None  # V2 host tier slots per group ({} = none); None when unknown
     host_bytes: int | None = None  # host memory of the V2 host tier (0 = none); None when unknown
+    tensor_parallel_size: int = 1
+    heads: dict[str, Any] | None = None  # HeadSharding.to_dict(): the KV heads each rank holds
+    limited_by_rank: int | None = None  # with several ranks: whose budget (the smallest) every rank took
+    rank_budget_bytes: list[int | None] | None = None  # with several ranks: each rank's own budget
 
     @property
     def bytes_per_token(self) -> float:
-        """Asymptotic bytes per token of the routed layout (``kv-geometry.md``)."""
+        """Asymptotic bytes per token of the routed layout on one rank (``kv-geometry.md``)."""
         return self.layout.bytes_per_token
+
+    @property
+    def bytes_per_token_total(self) -> float:
+        """Bytes per token over every tensor-parallel rank (replicated KV heads and latents counted per copy)."""
+        return self.layout.bytes_per_token * self.tensor_parallel_size
 
     @property
     def budget_bytes(self) -> int | None:
@@ -97,6 +107,10 @@ class KvPlan:
             "max_seq_len": self.max_seq_len,
             "layer_groups": groups,
             "bytes_per_token": self.bytes_per_token,
+            "bytes_per_token_per_rank": self.bytes_per_token,
+            "bytes_per_token_total": self.bytes_per_token_total,
+            "tensor_parallel": {"size": self.tensor_parallel_size, "heads": self.heads,
+                                "limited_by_rank": self.limited_by_rank, "rank_budget_bytes": self.rank_budget_bytes},
             "bytes_per_sequence": self.layout.bytes_for_sequence(self.max_seq_len),
             "budget_bytes": self.budget_bytes,
             "budget_limited_by": self.budget.limited_by,
@@ -122,10 +136,20 @@ class KvPlan:
         lines += table(rows)
         lines.append(f"  bytes/token {self.bytes_per_token:,.6g} (each token past every window); "
                      f"one max_seq_len sequence {self.layout.bytes_for_sequence(self.max_seq_len):,} B")
+        if self.tensor_parallel_size > 1:
+            lines.append(f"  tensor parallel  {self.tensor_parallel_size} ranks, {self._heads_text()}; every table "
+                         f"above is one rank's; bytes/token {self.bytes_per_token:,.6g} per rank, "
+                         f"{self.bytes_per_token_total:,.6g} in total")
         if self.pools is not None:
             b = self.budget
-            lines.append(f"  budget  {b.budget_bytes:,} B (set by {RULE_FIELDS.get(b.limited_by or '', b.limited_by)})"
-                         f"; pools {self.pools.total_bytes:,} B")
+            per_rank = self.rank_budget_bytes or []
+            by_rank = ""
+            if len(set(per_rank)) > 1:
+                by_rank = f" of rank {self.limited_by_rank}, the smallest of the ranks'"
+            elif per_rank:
+                by_rank = f", the same on all {len(per_rank)} ranks"
+            lines.append(f"  budget  {b.budget_bytes:,} B (set by {RULE_FIELDS.get(b.limited_by or '', b.limited_by)}"
+                         f"{by_rank}); pools {self.pools.total_bytes:,} B")
             lines.append(f"  capacity  {self.pools.capacity_tokens:,} tokens; {self.pools.max_concurrency} "
                          f"sequence(s) of max_seq_len at once")
             if self.pools.max_concurrency == 0:
@@ -136,6 +160,16 @@ class KvPlan:
         if self.problem is not None:
             lines.append(f"  load/run would stop here: {self.problem}")
         return lines
+
+    def _heads_text(self) -> str:
+        h = self.heads or {}
+        mode = h.get("mode")
+        if mode == "latent":
+            return "the MLA latent whole on every rank"
+        kv = f"{h.get('kv_heads_per_rank')} of {h.get('kv_heads')} KV heads per rank"
+        if mode == "replicate":
+            kv += f" (each replicated on {h.get('kv_replicas')} ranks)"
+        return f"{h.get('attention_heads_per_rank')} of {h.get('attention_heads')} query heads and {kv}"
 
     def _host_origin(self) -> str:
         if not self.host_slots:
@@ -193,8 +227,9 @@ def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
     args, route = ctx.args, ctx.route
     kv = args.kv_cache_config
     manager = kind_for(route.use_kv_cache_manager_v2).name
+    tp = args.tensor_parallel_size
     try:
-        layout = build_layout(ctx.spec.kv_layers(), manager, kv.tokens_per_block, kv.dtype)
+        layout = build_layout(ctx.spec.kv_layers(tp), manager, kv.tokens_per_block, kv.dtype)
     except ValueError as exc:
         raise KvBuildError(f"{ctx.model.name}: cannot lay out the KV cache: {exc}") from None
     device = str(args.device)
@@ -210,6 +245,11 @@ def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
 
     budget = budget_for(kv.max_tokens)
     reason = budget_reason(budget)
+    fraction = RULE_FIELDS["free_gpu_memory_fraction"]
+    if fraction in ctx.user_fields and not is_cuda(device):
+        emit(SettingIgnored(field=fraction, value=kv.free_gpu_memory_fraction,
+                            reason=f"a fraction of free CUDA memory; on {device} the budget comes from "
+                                   "kv_cache_config.max_tokens or max_gpu_total_bytes"))
     fallback = kv.default_max_tokens
     if budget.budget_bytes is None and fallback is not None:
         # the default when no rule bounds the budget (CPU without max_tokens or max_gpu_total_bytes);
@@ -218,12 +258,18 @@ def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
         budget = budget_for(fallback)
         reason = (f"{unbounded}, so kv_cache_config.default_max_tokens={fallback} applies ({budget_reason(budget)}); "
                   "set kv_cache_config.max_tokens to choose")
+    ranks = ctx.ranks
+    agreed = min_budget(ranks, budget, reason) if ranks is not None and ranks.distributed else None
+    if agreed is not None:
+        budget, reason = agreed.budget, agreed.reason
     emit(KvBudgetComputed(
         manager=manager, device=device, free_bytes=budget.free_bytes, weights_bytes=budget.weights_bytes,
         free_gpu_memory_fraction=budget.free_gpu_memory_fraction, max_gpu_total_bytes=budget.max_gpu_total_bytes,
         max_tokens=budget.max_tokens, max_seq_len=budget.max_seq_len, tokens_cap_bytes=budget.tokens_cap_bytes,
         bytes_per_token=budget.bytes_per_token, min_bytes=budget.min_bytes, budget_bytes=budget.budget_bytes,
-        limited_by=budget.limited_by, reason=reason,
+        limited_by=budget.limited_by, reason=reason, rank=ranks.rank if ranks is not None else 0,
+        limited_by_rank=agreed.limited_by_rank if agreed is not None else None,
+        rank_budget_bytes=agreed.rank_budget_bytes if agreed is not None else None,
     ))
     pools, problem = None, device_issue
     if budget.budget_bytes is None:
@@ -238,11 +284,34 @@ def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
     if manager == "v2":
         warn_inert_partial_reuse(ctx, layout, emit)
     host_slots, host_bytes = ({}, 0) if manager == "v1" else (None, None)
+    host_size = kv.host_cache_size
     if manager == "v2" and pools is not None:
         host_slots, host_bytes, host_problem = plan_host_tier(layout, pools, kv.host_cache_size, device)
         problem = problem or host_problem
+    if ranks is not None and ranks.distributed:
+        problem, host_size, host_slots, host_bytes = agree_rest(ranks, layout, pools, problem, host_size, host_slots,
+                                                                host_bytes)
+    if manager == "v2":
+        warn_inert_v2_settings(ctx, layout, host_bytes, emit)
     return KvPlan(manager, route.kv_manager, route.scheduler, device, kv.dtype, kv.tokens_per_block,
-                  args.max_seq_len, layout, budget, pools, problem, kv.host_cache_size, host_slots, host_bytes)
+                  args.max_seq_len, layout, budget, pools, problem, host_size, host_slots, host_bytes,
+                  tensor_parallel_size=tp, heads=ctx.heads.to_dict() if ctx.heads is not None else None,
+                  limited_by_rank=agreed.limited_by_rank if agreed is not None else None,
+                  rank_budget_bytes=agreed.rank_budget_bytes if agreed is not None else None)
+
+
+def warn_inert_v2_settings(ctx: Context, layout: KvLayout, host_bytes: int | None, emit: Emit) -> None:
+    """``setting_ignored`` for V2 settings the user set that this geometry or host tier leaves with nothing to do."""
+    kv = ctx.args.kv_cache_config
+    resume = "kv_cache_config.max_util_for_resume"
+    if resume in ctx.user_fields and host_bytes == 0:
+        emit(SettingIgnored(field=resume, value=kv.max_util_for_resume,
+                            reason="there is no host tier (host_cache_size 0), so nothing is suspended or resumed"))
+    scratch = "kv_cache_config.enable_swa_scratch_reuse"
+    if scratch in ctx.user_fields and kv.enable_swa_scratch_reuse is True \
+            and all(g.window is None for g in layout.groups):
+        emit(SettingIgnored(field=scratch, value=True,
+                            reason="the model has no sliding-window layers, so there is no window scratch to reuse"))
 
 
 def warn_inert_partial_reuse(ctx: Context, layout: KvLayout, emit: Emit) -> None:

@@ -117,7 +117,7 @@ CASES = [
     ("config-linear-attention", "plan {in}/ckpt-linear", 2,
      ["ckpt-linear/config.json", "HybridForCausalLM", "linear_attention", "no registered spec"]),
     ("config-no-layers", "plan {in}/ckpt-no-layers", 2,
-     ["ckpt-no-layers/config.json", "num_hidden_layers", "KV geometry"]),
+     ["ckpt-no-layers/config.json", "num_hidden_layers", "an integer in [1, 16,384], got 0"]),
     # audit files
     ("audit-missing", "audit {in}/audit/none.jsonl", 2, ["none.jsonl", "not found"]),
     ("audit-dir", "explain {in}/empty-dir", 2, ["empty-dir", "is a directory"]),

@@ -65,7 +65,7 @@ def test_simulate_progress_bar_goes_to_stderr_only_when_asked(capsys):
 
 @pytest.mark.parametrize(("args", "message"), [
     (("--workload", "chat"), "error: --workload: invalid choice: 'chat'"),
-    (("--workload", "no-reuse", "--requests", "0"), "error: workload no-reuse: requests must be an integer >= 1"),
+    (("--workload", "no-reuse", "--requests", "0"), "error: --requests: expected an integer >= 1, got '0'"),
     (("--workload", "no-reuse", "--workload-arg", "depth=3"), "error: workload no-reuse has no parameter 'depth'"),
     (("--workload", "no-reuse", "--workload-arg", "prompt_len"), "error: --workload-arg: expected KEY=INTEGER"),
     (("--workload", "long-context", "--max_seq_len", "1024"), "error: max_seq_len=1024 is below the longest"),

@@ -15,8 +15,9 @@ ROOT = Path(__file__).resolve().parent.parent
 #: Bottom to top. A module may import its own layer and the layers below it, never one above.
 LAYERS = ["cache_backends", "models", "pipeline", "stages", "engine", "kvload"]
 
-#: The one shared module every layer above the backends may use: the typed errors (it imports nothing).
-SHARED = {"pipeline.errors"}
+#: Leaf modules every layer above the backends may use (they import nothing of kvload): the typed errors
+#: and the bounds every input is checked against.
+SHARED = {"pipeline.errors", "pipeline.limits"}
 
 
 def layer_of(module: str) -> int | None:

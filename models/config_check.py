@@ -1,0 +1,79 @@
+"""Check the fields of a ``config.json`` that size the KV geometry, before transformers or kvload use them.
+
+transformers builds a config object from whatever the file says (a billion ``num_hidden_layers``
+become a billion ``layer_types`` entries; ``num_attention_heads: 0`` divides by zero), so each
+field kvload reads is checked here first: its type, and a range that real checkpoints fit with
+room to spare. The error names the file and the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import ModelError
+from pipeline.limits import short
+
+#: field -> (least, most, may be null). The upper bounds are far above any published model
+#: (the largest have ~130 layers, 128 heads, head_dim 256, hidden 16k, 10M positions).
+INT_FIELDS: dict[str, tuple[int, int, bool]] = {
+    "num_hidden_layers": (1, 16_384, False),
+    "num_attention_heads": (1, 65_536, False),
+    "num_key_value_heads": (1, 65_536, True),
+    "head_dim": (1, 65_536, True),
+    "hidden_size": (1, 1_048_576, False),
+    "sliding_window": (1, 2**32, True),
+    "kv_lora_rank": (1, 1_048_576, True),
+    "qk_rope_head_dim": (1, 65_536, True),
+    "index_head_dim": (0, 65_536, True),
+    "max_position_embeddings": (1, 2**32, True),
+    "vocab_size": (1, 2**24, True),
+}
+BOOL_FIELDS = ("use_sliding_window",)
+
+
+def _int_problem(value: Any, least: int, most: int, nullable: bool) -> str | None:
+    if value is None and nullable:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or not least <= value <= most:
+        accepted = f"an integer in [{least}, {most:,}]" + (" or null" if nullable else "")
+        return f"expected {accepted}, got {short(value)}"
+    return None
+
+
+def check_fields(data: Mapping[str, Any], file: Path, prefix: str = "") -> None:
+    """``ModelError`` naming ``file`` and the first KV-geometry field with a wrong type or an implausible size."""
+
+    def fail(field: str, problem: str) -> None:
+        raise ModelError(f"{file}: {prefix}{field}: {problem}")
+
+    for field, (least, most, nullable) in INT_FIELDS.items():
+        if field in data:
+            problem = _int_problem(data[field], least, most, nullable)
+            if problem:
+                fail(field, problem)
+    for field in BOOL_FIELDS:
+        if field in data and data[field] is not None and not isinstance(data[field], bool):
+            fail(field, f"expected true, false or null, got {short(data[field])}")
+    layer_types = data.get("layer_types")
+    if layer_types is not None:
+        if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
+            fail("layer_types", f"expected a list of layer type names, got {short(layer_types)}")
+        layers = data.get("num_hidden_layers")
+        if isinstance(layers, int) and len(layer_types) != layers:
+            fail("layer_types", f"has {len(layer_types)} entries but num_hidden_layers is {layers}; "
+                                "give one type per layer")
+    rates = data.get("compress_rates")
+    if rates is not None:
+        if not isinstance(rates, Mapping):
+            fail("compress_rates", f"expected a mapping of layer type to rate, got {short(rates)}")
+        for kind, rate in rates.items():
+            problem = _int_problem(rate, 1, 1_048_576, False)
+            if problem:
+                fail(f"compress_rates.{kind}", problem)
+    if not prefix and "text_config" in data and data["text_config"] is not None:
+        inner = data["text_config"]
+        if not isinstance(inner, Mapping):
+            fail("text_config", f"expected an object of the decoder's config fields (or null), got {short(inner)}")
+        check_fields(inner, file, prefix="text_config.")

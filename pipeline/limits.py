@@ -1,0 +1,85 @@
+"""Bounds on what a user's input may make kvload build, checked before anything is built.
+
+Every size a user controls (a flag, a YAML value, a ``config.json`` field, an audit record) is
+checked against these limits first, so a hostile value gets one line naming it instead of an
+out-of-memory kill, a hang in walking a YAML alias bomb, or a traceback from an overflow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+#: The largest integer any setting may hold: values reach torch as int64 (seeds, sizes, counts).
+MAX_INT = 2**63 - 1
+#: Deepest nesting accepted in a YAML config, a ``config.json`` or an audit record (real ones nest < 6).
+MAX_DEPTH = 32
+#: Most nodes a YAML config may expand to, aliases counted at every use (LlmArgs has ~20 leaves).
+MAX_YAML_NODES = 10_000
+#: Longest integer literal a text input may hold before it is refused unparsed (int64 has 19 digits).
+MAX_INT_DIGITS = 40
+
+
+def int_text(value: int) -> str:
+    """An integer for an error message: its digits when short, its size when long (never a 5,000-digit line)."""
+    if abs(value) < 10**24:
+        return str(value)
+    digits = int(abs(value).bit_length() * 0.30103) + 1
+    return f"an integer of about {digits} digits"
+
+
+def short(value: Any, width: int = 60) -> str:
+    """``repr`` of a value cut to ``width`` characters, safe for huge integers and shared (alias bomb) containers."""
+    if isinstance(value, bool) or value is None:  # as JSON and YAML spell them: what the user wrote
+        return "null" if value is None else "true" if value else "false"
+    if isinstance(value, int):
+        return int_text(value)
+    if isinstance(value, Mapping):
+        return f"a mapping of {len(value)} keys"
+    if isinstance(value, (list, tuple)):
+        return f"a list of {len(value)} items"
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def short_text(text: str, width: int = 60) -> str:
+    """A user's text quoted for a message, cut to ``width`` characters."""
+    return repr(text) if len(text) <= width else repr(text[: width - 3]) + "..."
+
+
+def nesting_depth(value: Any, limit: int = MAX_DEPTH) -> int:
+    """How deep containers nest in ``value``, counting no further than ``limit + 1`` (iterative: no recursion)."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    seen = 0
+    while stack:
+        node, depth = stack.pop()
+        if depth > deepest:
+            deepest = depth
+            if deepest > limit:
+                return deepest
+        children = node.values() if isinstance(node, Mapping) else node if isinstance(node, (list, tuple)) else ()
+        for child in children:
+            seen += 1
+            if isinstance(child, (Mapping, list, tuple)):
+                stack.append((child, depth + 1))
+            if seen > MAX_YAML_NODES * 100:  # a shared-reference bomb: stop walking, it is too big anyway
+                return limit + 1
+    return deepest
+
+
+def node_count(value: Any, limit: int) -> int:
+    """Nodes in ``value`` counted at every occurrence (shared references each time), stopping past ``limit``."""
+    count = 0
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        count += 1
+        if count > limit:
+            return count
+        if isinstance(node, Mapping):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+    return count

@@ -1,0 +1,166 @@
+"""This process's place among the ranks of a run, and the collectives kvload needs (``torch.distributed``).
+
+torchrun (or any launcher of torch's) sets ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``; a process without
+them is rank 0 of 1 and never touches ``torch.distributed``. With several ranks the default process group
+is initialised on first use (NCCL on CUDA, gloo on CPU) with a timeout, so a rank that never arrives
+fails the collective instead of hanging it; kvload's own small messages (digests, budgets) always travel
+over a gloo group. Importing this module imports no torch.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from pipeline.errors import RankError
+
+#: Seconds a collective waits for the other ranks before failing (weights load between two of them).
+TIMEOUT_ENV = "KVLOAD_DIST_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 600.0
+
+_groups: dict[str, Any] = {}
+
+
+def _env_int(environ: Mapping[str, str], name: str, default: int) -> int:
+    text = environ.get(name)
+    if text is None or text == "":
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise RankError(f"environment {name}={text!r}: expected an integer (torchrun sets it)") from None
+
+
+def timeout_s(environ: Mapping[str, str] = os.environ) -> float:
+    """The collective timeout: ``$KVLOAD_DIST_TIMEOUT_S`` or :data:`DEFAULT_TIMEOUT_S`."""
+    text = environ.get(TIMEOUT_ENV)
+    if not text:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise RankError(f"environment {TIMEOUT_ENV}={text!r}: expected a number of seconds > 0")
+    return value
+
+
+@attrs.frozen
+class Ranks:
+    """Who this process is (``rank`` of ``world_size``; ``local_rank`` on its node) and how it talks to the others."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def distributed(self) -> bool:
+        """Whether other ranks take part (``world_size > 1``)."""
+        return self.world_size > 1
+
+    @property
+    def is_first(self) -> bool:
+        """Rank 0: the one that prints and writes shared files."""
+        return self.rank == 0
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (picklable), in rank order; ``[obj]`` alone."""
+        if not self.distributed:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=object_group())
+        return out
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` on every rank."""
+        if not self.distributed:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=object_group())
+        return box[0]
+
+    def barrier(self) -> None:
+        """Wait until every rank arrives (bounded by the timeout)."""
+        if self.distributed:
+            import torch.distributed as dist
+
+            dist.monitored_barrier(group=object_group(), timeout=_timedelta())
+
+    def to_dict(self) -> dict[str, int]:
+        """Plain form for events."""
+        return attrs.asdict(self)
+
+
+def ranks_from_env(environ: Mapping[str, str] = os.environ) -> Ranks:
+    """This process's :class:`Ranks` from torchrun's variables (rank 0 of 1 without them)."""
+    world = _env_int(environ, "WORLD_SIZE", 1)
+    rank = _env_int(environ, "RANK", 0)
+    local = _env_int(environ, "LOCAL_RANK", rank)
+    if world < 1 or not 0 <= rank < world:
+        raise RankError(f"environment RANK={rank} WORLD_SIZE={world}: expected 0 <= RANK < WORLD_SIZE")
+    return Ranks(rank, world, local)
+
+
+def rank_audit_path(path: str | os.PathLike[str], ranks: Ranks) -> str:
+    """Where this rank writes the audit log asked for at ``path``: rank 0 at ``path``, rank N ``<stem>.rankN<suffix>``.
+
+    Every rank gets the same ``--audit-log``; rank 0's file is the one whose run printed the summary.
+    """
+    from pathlib import Path
+
+    p = Path(path)
+    if ranks.rank == 0:
+        return os.fspath(p)
+    return os.fspath(p.with_name(f"{p.stem}.rank{ranks.rank}{p.suffix}"))
+
+
+def _timedelta() -> Any:
+    import datetime
+
+    return datetime.timedelta(seconds=timeout_s())
+
+
+def object_group() -> Any:
+    """The gloo group kvload's own messages travel on; initialises the default group when nobody has."""
+    group = _groups.get("objects")
+    if group is not None:
+        return group
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        try:
+            dist.init_process_group("nccl" if cuda else "gloo", timeout=_timedelta())
+        except (RuntimeError, ValueError) as exc:
+            raise RankError(f"torch.distributed cannot start ({str(exc).splitlines()[0] if str(exc) else exc!r}); "
+                            "launch the ranks with torchrun") from exc
+        atexit.register(shutdown)
+    group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo", timeout=_timedelta())
+    _groups["objects"] = group if group is not None else dist.group.WORLD
+    return _groups["objects"]
+
+
+def shutdown() -> None:
+    """Destroy the process group this module started (run at exit)."""
+    _groups.clear()
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+__all__ = ["DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "Ranks", "object_group", "rank_audit_path", "ranks_from_env", "shutdown",
+           "timeout_s"]

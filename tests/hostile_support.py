@@ -1,0 +1,139 @@
+"""Hostile inputs for tests: generators (YAML bombs, config.json mutations, bad numbers), a ``kvload``
+process under memory and CPU limits, and the one assertion every bad input must pass."""
+
+from __future__ import annotations
+
+import json
+import resource
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from tests.cli_support import ENV, REPO, CliResult
+
+#: Address space and CPU seconds a hostile run may use: a plan/simulate of a tiny preset needs
+#: well under 1 GiB and 10 s; a run that builds what the input asks for (a billion layers, an
+#: expanded alias bomb, a billion requests) runs into these instead of finishing with exit 2.
+LIMIT_AS_BYTES = 1536 * 1024**2
+LIMIT_CPU_SECONDS = 40
+
+
+def _limits() -> None:  # runs in the child before exec
+    resource.setrlimit(resource.RLIMIT_AS, (LIMIT_AS_BYTES, LIMIT_AS_BYTES))
+    resource.setrlimit(resource.RLIMIT_CPU, (LIMIT_CPU_SECONDS, LIMIT_CPU_SECONDS))
+
+
+def limited_kvload(*argv: Any, cwd: Path | None = None, env: dict[str, str] | None = None) -> CliResult:
+    """``python -m kvload`` in a subprocess under :data:`LIMIT_AS_BYTES` and :data:`LIMIT_CPU_SECONDS`.
+
+    A run killed by a limit shows as a negative code (SIGXCPU/SIGKILL) or a MemoryError exit 1.
+    """
+    r = subprocess.run([sys.executable, "-m", "kvload", *map(str, argv)], capture_output=True, text=True,
+                       env={**ENV, "PYTHONPATH": str(REPO), **(env or {})}, cwd=cwd or REPO, preexec_fn=_limits,
+                       timeout=300)
+    return CliResult(r.returncode, r.stdout, r.stderr)
+
+
+def start_kvload(*argv: Any, cwd: Path) -> subprocess.Popen[str]:
+    """A ``kvload`` process left running (for the signal tests)."""
+    return subprocess.Popen([sys.executable, "-m", "kvload", *map(str, argv)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**ENV, "PYTHONPATH": str(REPO)}, cwd=cwd,
+                            preexec_fn=_limits)
+
+
+def wait_for_temporary(proc: subprocess.Popen[str], folder: Path, timeout: float = 120.0) -> bool:
+    """Poll until a ``.tmp`` file appears in ``folder`` (the run has started writing its audit); False if the
+    process ended first or ``timeout`` passed (a bounded loop: never hangs the suite)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(p.name.endswith(".tmp") for p in folder.iterdir()):
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.005)
+    return False
+
+
+def interrupt(proc: subprocess.Popen[str], signum: int) -> CliResult:
+    """Send ``signum`` and collect the exit status and output (killing the process if it ignores it)."""
+    proc.send_signal(signum)
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    return CliResult(proc.returncode, out, err)
+
+
+def assert_refused(r: CliResult, *needles: str, folder: Path | None = None, code: int = 2) -> None:
+    """Exit ``code``, exactly one ``error:`` line on stderr naming every needle, no traceback, empty stdout,
+    nothing left in ``folder`` (no audit file, no temporary)."""
+    assert r.code == code, (r.code, r.err[-2000:])
+    assert r.err.startswith("error: ") and r.err.count("\n") == 1, r.err[-2000:]
+    assert "Traceback" not in r.err
+    assert len(r.err) < 600, r.err  # one readable line, not a dump of the hostile value
+    for needle in needles:
+        assert needle in r.err, (needle, r.err)
+    assert r.out == "", r.out[:500]
+    if folder is not None:
+        assert sorted(p.name for p in folder.iterdir()) == []
+
+
+# --- generators ------------------------------------------------------------------------------
+
+
+def yaml_bomb(fanout: int, depth: int, kind: str, at: str = "kv_cache_config") -> str:
+    """A billion-laughs YAML: ``depth`` anchors, each ``fanout`` aliases of the one before, as lists or mappings,
+    the last one placed under the key ``at`` (a real LlmArgs key, so nothing rejects it by name first)."""
+    lines = ["a0: &a0 " + ("[" + ", ".join(["lol"] * fanout) + "]" if kind == "list"
+                           else "{" + ", ".join(f"k{j}: lol" for j in range(fanout)) + "}")]
+    for i in range(1, depth):
+        refs = [f"*a{i - 1}"] * fanout
+        body = "[" + ", ".join(refs) + "]" if kind == "list" else "{" + ", ".join(
+            f"k{j}: {r}" for j, r in enumerate(refs)) + "}"
+        lines.append(f"a{i}: &a{i} {body}")
+    lines.append(f"{at}: *a{depth - 1}")
+    return "\n".join(lines) + "\n"
+
+
+def deep_yaml(depth: int, kind: str) -> str:
+    """Flow-style nesting ``depth`` levels deep under ``kv_cache_config``."""
+    if kind == "list":
+        return "kv_cache_config: " + "[" * depth + "]" * depth + "\n"
+    return "kv_cache_config: " + "{a: " * depth + "1" + "}" * depth + "\n"
+
+
+#: Values no geometry field of config.json accepts (the field's own range is added per field).
+BAD_GEOMETRY_VALUES: list[Any] = [0, -1, -(2**63), 10**9, 2**64, 10**40, 1e9, 4.0, "4", True, [], {}, [4]]
+
+
+def config_mutations(base: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any], str]]:
+    """(case id, mutated config.json, the field its error must name), for every geometry field and bad value,
+    plus layer_types of the wrong length and shape, and text_config that is not an object."""
+    from models.config_check import INT_FIELDS
+
+    for field, (least, most, nullable) in INT_FIELDS.items():
+        for value in [*BAD_GEOMETRY_VALUES, least - 1, most + 1, *([] if nullable else [None])]:
+            if isinstance(value, int) and not isinstance(value, bool) and least <= value <= most:
+                continue
+            yield f"{field}={json.dumps(value)}", {**base, field: value}, field
+    layers = base["num_hidden_layers"]
+    for n in (0, 1, layers - 1, layers + 1, 1000):
+        yield f"layer_types[{n}]", {**base, "layer_types": ["full_attention"] * n}, "layer_types"
+    for value in (5, "full_attention", [1, 2], {"a": 1}):
+        yield f"layer_types={json.dumps(value)}", {**base, "layer_types": value}, "layer_types"
+    for value in (5, "x", [1], True):
+        yield f"text_config={json.dumps(value)}", {**base, "text_config": value}, "text_config"
+    yield "text_config.heads=0", {**base, "text_config": {**base, "num_attention_heads": 0}}, \
+        "text_config.num_attention_heads"
+    for value in ("yes", 1):
+        yield f"use_sliding_window={json.dumps(value)}", {**base, "use_sliding_window": value}, "use_sliding_window"
+
+
+def exit_signal_name(code: int) -> str:
+    """``SIGXCPU`` for a negative return code (a process killed by a signal), else the code."""
+    return signal.Signals(-code).name if code < 0 else str(code)

@@ -1,0 +1,679 @@
+"""Hostile input and faults (issue 11): every bad value gets one line naming it, nothing hangs,
+nothing is left behind.
+
+Classes, each with generated cases where the class is large:
+
+* bounds before work: config.json sizes (mutator), YAML alias bombs and nesting (generator),
+  simulate --requests / --workload-arg (Hypothesis); the worst run under memory and CPU limits;
+* numbers at the edges: every numeric flag and YAML field (Hypothesis), sampling at tiny
+  temperature / top_p (Hypothesis over logits);
+* the line names the culprit: generate's pool-size errors;
+* silent acceptance: --config "", duplicated keys (generator), setting_ignored;
+* audit files as input: a record mutator over a real log, consistent forgeries, the hash chain;
+* files: FIFOs, devices, read-only directories, existing files, umask;
+* faults: SIGINT and SIGTERM sent to real kvload processes, a failing simulate.
+
+Most cases run in-process (``run_cli``); subprocesses only where a real process matters (signals,
+resource limits, a real stderr).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import stat
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvload.explain import verify_log
+from pipeline.audit import AuditLog
+from pipeline.audit_chain import HEAD, KEY_ENV, PREV, Chain
+from pipeline.errors import AuditError
+from tests.cli_support import read_events, run_cli, write_events
+from tests.conftest import llama_config, write_config
+from tests.hostile_support import (
+    assert_refused,
+    config_mutations,
+    deep_yaml,
+    exit_signal_name,
+    interrupt,
+    limited_kvload,
+    start_kvload,
+    wait_for_temporary,
+    yaml_bomb,
+)
+
+FAST = settings(suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None, max_examples=60,
+                derandomize=True)
+
+
+@pytest.fixture
+def out(tmp_path: Path) -> Path:
+    """An empty folder for outputs: after a refused run it must still be empty."""
+    folder = tmp_path / "out"
+    folder.mkdir()
+    return folder
+
+
+def _plan(capsys, *argv, audit: Path | None = None):
+    extra = ["--audit-log", str(audit)] if audit is not None else []
+    return run_cli(capsys, "plan", *argv, *extra)
+
+
+# --- bounds before work: config.json -------------------------------------------------------------
+
+BASE = llama_config(num_hidden_layers=4, head_dim=8)
+MUTATIONS = list(config_mutations(BASE))
+
+
+def test_the_config_mutator_is_big_enough():
+    assert len(MUTATIONS) >= 150
+
+
+def test_every_config_json_mutation_is_refused_naming_file_and_field(capsys, tmp_path, out):
+    """The mutator's cases (~170): wrong types, zero, negative, past int64, implausibly large, wrong shapes."""
+    for case, config, field in MUTATIONS:
+        ckpt = write_config(tmp_path / "ckpt", config)
+        r = _plan(capsys, ckpt, audit=out / "a.jsonl")
+        try:
+            assert_refused(r, f"{ckpt}/config.json", f"{field}:", folder=out)
+        except AssertionError as exc:
+            raise AssertionError(f"case {case}: {exc}") from None
+
+
+@pytest.mark.parametrize(("name", "text", "needle"), [
+    ("nesting", '{"model_type": "llama", "x": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
+    ("nesting-64", '{"model_type": "llama", "x": ' + "[" * 64 + "]" * 64 + "}", "nested deeper than 32"),
+    ("duplicate-key", json.dumps(BASE)[:-1] + ', "num_hidden_layers": 2}', "'num_hidden_layers' appears twice"),
+    ("5000-digits", '{"model_type": "llama", "num_hidden_layers": ' + "9" * 5000 + "}", "config.json"),
+])
+def test_config_json_shapes_that_crash_parsers_are_refused(capsys, tmp_path, out, name, text, needle):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(text)
+    assert_refused(_plan(capsys, ckpt, audit=out / "a.jsonl"), "config.json", needle, folder=out)
+
+
+def test_a_usable_config_still_plans(capsys, tmp_path):
+    r = _plan(capsys, write_config(tmp_path / "ok", BASE))
+    assert r.code == 0, r.err
+
+
+# --- bounds before work: YAML ---------------------------------------------------------------------
+
+BOMBS = [(fan, depth, kind, at) for fan in (3, 9, 30) for depth in (4, 8, 12) for kind in ("list", "dict")
+         for at in ("kv_cache_config", "max_batch_size")]
+
+
+def test_yaml_alias_bombs_are_refused_before_they_are_walked(capsys, tmp_path, out):
+    """36 generated bombs, from 81 to 10^17 expanded nodes; the 24 past 10,000 refused by size, none walked or
+    printed; the small ones refused for their content."""
+    cfg = tmp_path / "bomb.yaml"
+    refused = 0
+    for fan, depth, kind, at in BOMBS:
+        cfg.write_text(yaml_bomb(fan, depth, kind, at))
+        r = _plan(capsys, "tiny-llama", "--config", cfg, audit=out / "a.jsonl")
+        if fan**depth > 10_000:
+            assert_refused(r, "bomb.yaml", "expands to more than 10,000 values", folder=out)
+            refused += 1
+        else:  # a small one is an ordinary bad config: refused for its content, still one line
+            assert_refused(r, "bomb.yaml", folder=out)
+    assert refused == sum(1 for fan, depth, _, _ in BOMBS if fan**depth > 10_000) == 24
+
+
+@pytest.mark.parametrize("depth", [40, 5000])
+@pytest.mark.parametrize("kind", ["list", "dict"])
+def test_deeply_nested_yaml_is_refused(capsys, tmp_path, out, depth, kind):
+    cfg = tmp_path / "deep.yaml"
+    cfg.write_text(deep_yaml(depth, kind))
+    assert_refused(_plan(capsys, "tiny-llama", "--config", cfg, audit=out / "a.jsonl"), "deep.yaml", "nested",
+                   folder=out)
+
+
+# --- bounds before work: simulate sizes -----------------------------------------------------------
+
+SIZES = {"shared-prefix": ["prefix_len", "question_len", "answer_len"],
+         "multi-turn": ["turns", "first_len", "user_len", "answer_len"],
+         "long-context": ["prompt_len", "answer_len"], "no-reuse": ["prompt_len", "answer_len"]}
+
+
+@FAST
+@given(workload=st.sampled_from(sorted(SIZES)), data=st.data())
+def test_simulate_sizes_are_bounded_before_the_workload_is_built(capsys, workload, data):
+    """Hypothesis: --requests and one --workload-arg, at least one of them far too large."""
+    key = data.draw(st.sampled_from(SIZES[workload]))
+    big = st.integers(min_value=10**6 + 1, max_value=2**63 - 1)
+    requests, value = data.draw(st.one_of(st.tuples(big, st.integers(1, 64)),
+                                          st.tuples(st.integers(1, 10**6), st.integers(10**8, 2**63 - 1))))
+    r = run_cli(capsys, "simulate", "tiny-llama", "--workload", workload, "--requests", requests,
+                "--workload-arg", f"{key}={value}")
+    assert_refused(r, f"workload {workload}", "--requests")
+
+
+# --- the worst of each class under memory and CPU limits (real processes) ----------------------------
+
+def _limited_cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
+    write_config(tmp / "billion", {**BASE, "num_hidden_layers": 10**9})
+    (tmp / "list-bomb.yaml").write_text(yaml_bomb(9, 12, "list"))
+    (tmp / "dict-bomb.yaml").write_text(yaml_bomb(9, 12, "dict"))
+    header = {"event": "audit_header", "kvload_version": "0.1.0", "schema_version": 1}
+    (tmp / "deep.jsonl").write_text(json.dumps(header) + '\n{"event": "stage_started", "x": '
+                                    + "[" * 100_000 + "]" * 100_000 + "}\n")
+    return {
+        "config.json num_hidden_layers 1e9": (["plan", tmp / "billion"], ["num_hidden_layers", "16,384"]),
+        "YAML list bomb": (["plan", "tiny-llama", "--config", tmp / "list-bomb.yaml"], ["list-bomb.yaml"]),
+        "YAML dict bomb": (["plan", "tiny-llama", "--config", tmp / "dict-bomb.yaml"], ["dict-bomb.yaml"]),
+        "simulate --requests 1e9": (["simulate", "tiny-llama", "--workload", "no-reuse", "--requests", 10**9],
+                                    ["--requests"]),
+        "simulate prompt_len 1e12": (["simulate", "tiny-llama", "--workload", "long-context", "--workload-arg",
+                                      f"prompt_len={10**12}"], ["--workload-arg"]),
+        "audit 100000-deep": (["audit", tmp / "deep.jsonl", "--verify"], ["deep.jsonl", "line 2"]),
+        "--max_gpu_total_bytes 1e400": (["plan", "tiny-llama", "--max_gpu_total_bytes", "1e400"],
+                                        ["--max_gpu_total_bytes", "'1e400'"]),
+    }
+
+
+@pytest.mark.parametrize("case", [
+    "config.json num_hidden_layers 1e9", "YAML list bomb", "YAML dict bomb", "simulate --requests 1e9",
+    "simulate prompt_len 1e12", "audit 100000-deep", "--max_gpu_total_bytes 1e400"])
+def test_hostile_input_ends_within_memory_and_cpu_limits(tmp_path, case):
+    """A real process under RLIMIT_AS 1.5 GiB and RLIMIT_CPU 40 s: refused with exit 2, not killed by a limit."""
+    argv, needles = _limited_cases(tmp_path)[case]
+    out = tmp_path / "out"
+    out.mkdir()
+    if argv[0] == "plan":
+        argv = [*argv, "--audit-log", out / "a.jsonl"]
+    r = limited_kvload(*argv)
+    assert r.code == 2, f"exit {exit_signal_name(r.code)}: {r.err[-1500:]}"
+    assert_refused(r, *needles, folder=out)
+
+
+# --- numbers at the edges --------------------------------------------------------------------------
+
+INT_FLAGS = ["--max_tokens", "--tokens_per_block", "--max_batch_size", "--max_seq_len", "--max_num_tokens",
+             "--max_beam_width"]
+SIZE_FLAGS = ["--max_gpu_total_bytes", "--host_cache_size"]
+
+too_big = st.integers(min_value=2**63, max_value=10**60).map(str)
+huge_digits = st.integers(min_value=41, max_value=6000).map(lambda n: "9" * n)
+not_finite = st.sampled_from(["1e400", "-1e400", "inf", "-inf", "nan", "NaN", "Infinity"])
+non_positive = st.integers(min_value=-(2**70), max_value=0).map(str)
+words = st.sampled_from(["", "four", "1e3", "0x10", "1.5", "2**64", "1_0_0_0_0_0_0_0_0_0_0_0_0_0_0_0_0_0_0_0_0"])
+
+
+@FAST
+@given(flag=st.sampled_from(INT_FLAGS), text=st.one_of(too_big, huge_digits, not_finite, non_positive, words))
+def test_integer_flags_at_the_edges(capsys, flag, text):
+    r = _plan(capsys, "tiny-llama", f"{flag}={text}")
+    assert_refused(r, flag)
+
+
+@FAST
+@given(flag=st.sampled_from(SIZE_FLAGS),
+       text=st.one_of(too_big, huge_digits, not_finite, st.sampled_from(["-1", "1.5", "8XB", "-8GiB", "1e30GiB"])))
+def test_byte_count_flags_at_the_edges(capsys, flag, text):
+    assert_refused(_plan(capsys, "tiny-llama", f"{flag}={text}"), flag)
+
+
+@FAST
+@given(text=st.one_of(not_finite, st.sampled_from(["0", "-0.5", "1.0000001", "1e-400", "2"]), huge_digits))
+def test_kv_cache_fraction_at_the_edges(capsys, text):
+    assert_refused(_plan(capsys, "tiny-llama", f"--kv_cache_fraction={text}"), "--kv_cache_fraction")
+
+
+GENERATE_EDGES = {
+    "--temperature": st.one_of(not_finite, st.sampled_from(["-1", "-1e-300", "hot"])),
+    "--top_p": st.one_of(not_finite, st.sampled_from(["0", "1e-400", "-1", "1.5"])),
+    "--seed": st.one_of(too_big, huge_digits, st.integers(max_value=-1).map(str)),
+    "--max_new_tokens": st.one_of(too_big, huge_digits, non_positive),
+}
+
+
+@FAST
+@given(data=st.data())
+def test_generate_sampling_flags_at_the_edges(capsys, data):
+    flag = data.draw(st.sampled_from(sorted(GENERATE_EDGES)))
+    text = data.draw(GENERATE_EDGES[flag])
+    r = run_cli(capsys, "generate", "tiny-llama", "--prompt-ids", "1,2,3", f"{flag}={text}")
+    assert_refused(r, flag)
+
+
+@FAST
+@given(flag=st.sampled_from(["--requests", "--seed"]), text=st.one_of(too_big, huge_digits, non_positive))
+def test_simulate_numbers_at_the_edges(capsys, flag, text):
+    if flag == "--seed" and text == "0":
+        text = "-1"  # 0 is a good seed
+    r = run_cli(capsys, "simulate", "tiny-llama", "--workload", "no-reuse", f"{flag}={text}")
+    assert_refused(r, flag)
+
+
+YAML_NUMBERS = ["9" * 5000, str(2**64), "-1", "1e400", ".inf", ".nan", "0x7fffffffffffffffff", "4.5"]
+
+
+@pytest.mark.parametrize("field", ["max_batch_size", "kv_cache_config.max_tokens", "kv_cache_config.tokens_per_block",
+                                   "kv_cache_config.max_gpu_total_bytes", "max_seq_len"])
+def test_yaml_numbers_at_the_edges(capsys, tmp_path, out, field):
+    cfg = tmp_path / "n.yaml"
+    for text in YAML_NUMBERS:
+        *parents, leaf = field.split(".")
+        body = f"{leaf}: {text}\n" if not parents else f"{parents[0]}:\n  {leaf}: {text}\n"
+        cfg.write_text(body)
+        r = _plan(capsys, "tiny-llama", "--config", cfg, audit=out / "a.jsonl")
+        needle = "5000 digits" if len(text) > 40 else leaf
+        try:
+            assert_refused(r, "n.yaml", needle, folder=out)
+        except AssertionError as exc:
+            raise AssertionError(f"{field}: {text[:20]}: {exc}") from None
+
+
+@settings(deadline=None, max_examples=100, derandomize=True)
+@given(logits=st.lists(st.integers(-50, 50), min_size=2, max_size=64, unique=True),
+       temperature=st.floats(min_value=5e-324, max_value=1e-30), top_p=st.floats(min_value=5e-324, max_value=1.0))
+def test_tiny_temperature_samples_the_argmax_and_top_p_always_keeps_it(logits, temperature, top_p):
+    """Hypothesis over logits: 1e-300-like temperatures act as greedy (no float32 overflow to NaN), and a top_p
+    that rounds to 0 in float32 (1e-50) still keeps the most likely token."""
+    import torch
+
+    from engine.sampling import sample_token
+
+    t = torch.tensor(logits, dtype=torch.float32)  # distinct by >= 1: one argmax, whatever the rounding
+    gen = torch.Generator().manual_seed(0)
+    assert sample_token(t, temperature, top_p, gen) == int(t.argmax())
+    assert sample_token(t, 1.0, min(top_p, 1e-50), gen) == int(t.argmax())
+    assert 0 <= sample_token(t, 1e300, 1.0, gen) < len(logits)
+
+
+def test_generate_at_a_1e_300_temperature_and_1e_50_top_p_equals_greedy(capsys):
+    base = ["generate", "tiny-llama", "--prompt-ids", "1,2,3", "--max_new_tokens", "4", "--max_tokens", "512"]
+    greedy = run_cli(capsys, *base)
+    tiny = run_cli(capsys, *base, "--temperature", "1e-300", "--top_p", "1e-50", "--seed", str(2**63 - 1))
+    assert greedy.code == 0 and tiny.code == 0, tiny.err
+    assert tiny.out.splitlines()[0] == greedy.out.splitlines()[0]
+
+
+# --- the line names the culprit --------------------------------------------------------------------
+
+def test_huge_tokens_per_block_is_named_not_max_tokens(capsys, out):
+    r = run_cli(capsys, "generate", "tiny-llama", "--prompt-ids", "1,2,3", "--tokens_per_block", "99999999999",
+                "--audit-log", out / "a.jsonl")
+    assert_refused(r, "tokens_per_block", folder=out)
+    assert "max_tokens" not in r.err
+
+
+def test_huge_max_new_tokens_is_named_not_max_tokens(capsys, out):
+    r = run_cli(capsys, "generate", "tiny-llama", "--prompt-ids", "1,2,3", "--max_new_tokens", "99999999999999",
+                "--audit-log", out / "a.jsonl")
+    assert_refused(r, "--max_new_tokens", folder=out)
+    assert "kv_cache_config.max_tokens" not in r.err
+
+
+# --- silent acceptance -----------------------------------------------------------------------------
+
+def test_an_empty_config_path_is_an_error(capsys, out):
+    assert_refused(_plan(capsys, "tiny-llama", "--config", "", audit=out / "a.jsonl"), "--config", "empty path",
+                   folder=out)
+
+
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None, max_examples=40,
+          derandomize=True)
+@given(key=st.sampled_from(["max_batch_size", "kv_cache_config", "tokens_per_block", "max_tokens", "dtype"]),
+       same=st.booleans(), gap=st.integers(0, 3))
+def test_a_key_given_twice_in_yaml_is_an_error(capsys, tmp_path_factory, key, same, gap):
+    """Generated: top-level and nested duplicates, equal or different values, other keys in between."""
+    values = {"max_batch_size": ("4", "8"), "tokens_per_block": ("16", "64"), "max_tokens": ("64", "128"),
+              "dtype": ("float32", "float16"), "kv_cache_config": ("{max_tokens: 64}", "{tokens_per_block: 16}")}
+    first, second = values[key]
+    filler = ["enable_block_reuse: true", "enable_partial_reuse: true", "max_util_for_resume: 0.9"][:gap]
+    if key in ("tokens_per_block", "max_tokens"):
+        lines = ["kv_cache_config:", f"  {key}: {first}", *(f"  {f}" for f in filler),
+                 f"  {key}: {first if same else second}"]
+    else:
+        lines = [f"{key}: {first}", *["max_num_tokens: 1000", "max_seq_len: 512", "device: cpu"][:gap],
+                 f"{key}: {first if same else second}"]
+    cfg = tmp_path_factory.mktemp("dup") / "dup.yaml"
+    cfg.write_text("\n".join(lines) + "\n")
+    r = _plan(capsys, "tiny-llama", "--config", cfg)
+    assert_refused(r, "dup.yaml", f"'{key}' appears twice", f"line {len(lines)}")
+
+
+def test_settings_that_do_nothing_say_so(capsys, out):
+    log = out / "a.jsonl"
+    r = _plan(capsys, "tiny-llama", "--kv_cache_fraction", "0.5", "--max_beam_width", "2", audit=log)
+    assert r.code == 0, r.err
+    ignored = {e["field"]: e for e in read_events(log) if e["event"] == "setting_ignored"}
+    assert "kv_cache_config.free_gpu_memory_fraction" in ignored and "max_beam_width" in ignored
+    assert "setting_ignored" in r.err  # the held warnings are released on success
+
+
+def test_v2_settings_with_nothing_to_act_on_say_so(capsys, tmp_path, out):
+    cfg = tmp_path / "v2.yaml"
+    cfg.write_text("kv_cache_config:\n  use_kv_cache_manager_v2: true\n  host_cache_size: 0\n"
+                   "  max_util_for_resume: 0.5\n  enable_swa_scratch_reuse: true\n")
+    log = out / "a.jsonl"
+    r = _plan(capsys, "tiny-llama", "--config", cfg, "--max_tokens", "4096", audit=log)  # no sliding layers
+    assert r.code == 0, r.err
+    ignored = {e["field"]: e["reason"] for e in read_events(log) if e["event"] == "setting_ignored"}
+    assert "host tier" in ignored["kv_cache_config.max_util_for_resume"]
+    assert "no sliding-window layers" in ignored["kv_cache_config.enable_swa_scratch_reuse"]
+
+
+def test_sampling_settings_under_greedy_say_they_do_nothing(capsys, out):
+    log = out / "g.jsonl"
+    r = run_cli(capsys, "generate", "tiny-llama", "--prompt-ids", "1,2,3", "--max_new_tokens", "2", "--max_tokens",
+                "512", "--seed", "7", "--top_p", "0.5", "--audit-log", log)
+    assert r.code == 0, r.err
+    ignored = {e["field"]: e["reason"] for e in read_events(log) if e["event"] == "setting_ignored"}
+    assert set(ignored) == {"generate.seed", "generate.top_p"} and "greedy" in ignored["generate.seed"]
+    assert verify_log(AuditLog.from_jsonl(log))["ok"]
+
+
+# --- audit files as input --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def real_log(tmp_path_factory) -> Path:
+    import pipeline
+
+    path = tmp_path_factory.mktemp("real") / "real.jsonl"
+    pipeline.plan("tiny-deepseek-v4", audit_log=path, log=False)
+    return path
+
+
+REPLACEMENTS = [5, "x", {}, None, True]
+
+
+def test_every_record_mutation_is_caught(real_log, tmp_path):
+    """The record mutator: each field of each record (and each key one level inside an object field) deleted or
+    replaced by a wrong value (~1,200 cases).
+    Each one is either refused on reading (AuditError naming the file and the line) or fails --verify;
+    none passes, none crashes."""
+    from kvload.explain import explain, render_explain, render_summary, summarize
+
+    records = read_events(real_log)
+    path = tmp_path / "m.jsonl"
+    cases = refused = 0
+
+    def places(record):  # (container, key) for every field, and every key one level inside an object field
+        for key in [k for k in record if k not in (PREV, HEAD)]:
+            yield record, key
+            if isinstance(record[key], dict):
+                for sub in list(record[key])[:6]:
+                    yield record[key], sub
+
+    for i in range(1, len(records)):
+        for n_place in range(len(list(places(records[i])))):
+            for value in [..., *REPLACEMENTS]:
+                mutated = copy.deepcopy(records)
+                holder, key = list(places(mutated[i]))[n_place]
+                if value is not ... and holder[key] == value:
+                    continue
+                if value is ...:
+                    del holder[key]
+                else:
+                    holder[key] = value
+                write_events(path, mutated)
+                cases += 1
+                try:
+                    log = AuditLog.from_jsonl(path)
+                except AuditError as exc:
+                    assert str(exc).startswith(f"{path}: line {i + 1}: "), (key, value, str(exc))
+                    refused += 1
+                    continue
+                check = verify_log(log)
+                assert not check["ok"], (i, key, value)
+                # what was not refused is still readable by every report, without a crash
+                render_summary(summarize(log, str(path)), check)
+                render_explain(explain(log))
+    assert cases >= 1100 and refused >= cases // 2, (cases, refused)
+
+
+@pytest.mark.parametrize(("name", "edit", "needle"), [
+    ("schema_version true", lambda r: r[0].update(schema_version=True), "schema_version true"),
+    ("schema_version '1'", lambda r: r[0].update(schema_version="1"), "schema_version '1'"),
+    ("args: 5", lambda r: r[-1].update(args=5), "'args' must be an object"),
+    ("field into a string", lambda r: next(e for e in r if e["event"] == "args_parsed").update(field="model.x"),
+     "not an LlmArgs field"),
+    ("no kv_manager", lambda r: next(e for e in r if e["event"] == "executor_routed").pop("kv_manager"),
+     "executor_routed without 'kv_manager'"),
+    ("list for a dict", lambda r: next(e for e in r if e["event"] == "user_fields_snapshotted").update(fields=[1]),
+     "'fields' must be an object"),
+    ("unknown event", lambda r: r[3].update(event="made_up"), "unknown event 'made_up'"),
+])
+def test_malformed_records_name_the_file_and_line(capsys, real_log, tmp_path, name, edit, needle):
+    records = read_events(real_log)
+    edit(records)
+    path = tmp_path / "bad.jsonl"
+    write_events(path, records)
+    r = run_cli(capsys, "audit", path, "--verify")
+    assert_refused(r, str(path), "line ", needle)
+
+
+def _rechain(records: list[dict], key: bytes | None = None) -> list[dict]:
+    """What a forger does after editing: recompute every link (possible without a key, impossible with one)."""
+    chain = Chain(key)
+    out = []
+    header = {k: v for k, v in records[0].items() if k not in (PREV, HEAD)}
+    header["chain"] = chain.kind
+    chain.link(header)
+    out.append(header)
+    for record in records[1:]:
+        r = {k: v for k, v in record.items() if k not in (PREV, HEAD)}
+        r[PREV] = chain.head
+        chain.link(r)
+        out.append(r)
+    out[-1][HEAD] = chain.head
+    return out
+
+
+def _forge_v2_true(records: list[dict]) -> list[dict]:
+    """Claim a tiny-llama plan resolved use_kv_cache_manager_v2 to true and routed V2, consistently everywhere."""
+    v2 = "kv_cache_config.use_kv_cache_manager_v2"
+    for r in records:
+        if r["event"] == "auto_resolved" and r["field"] == v2:
+            r["new"] = True
+        if r["event"] == "executor_routed":
+            r.update(kv_manager="KVCacheManagerV2", scheduler="KVCacheV2Scheduler", use_kv_cache_manager_v2=True)
+        if r["event"] == "pipeline_finished":
+            r["args"]["kv_cache_config"]["use_kv_cache_manager_v2"] = True
+            r["route"].update(kv_manager="KVCacheManagerV2", scheduler="KVCacheV2Scheduler",
+                              use_kv_cache_manager_v2=True)
+    return records
+
+
+def test_an_edited_args_parsed_contradicting_the_snapshot_fails_even_rechained(capsys, tmp_path):
+    import pipeline
+
+    log = tmp_path / "a.jsonl"
+    pipeline.plan("tiny-llama", max_batch_size=8, audit_log=log, log=False)
+    records = read_events(log)
+    for r in records:
+        if r["event"] == "args_parsed" and r["field"] == "max_batch_size":
+            r["new"] = 16
+        if r["event"] == "pipeline_finished":
+            r["args"]["max_batch_size"] = 16
+    write_events(log, _rechain(records))
+    check = verify_log(AuditLog.from_jsonl(log))
+    assert not check["ok"] and any("user_fields_snapshotted" in p for p in check["problems"]), check["problems"]
+
+
+def test_a_consistent_forgery_passes_sha256_but_not_the_hmac_key(capsys, tmp_path, monkeypatch):
+    """The limit of an unkeyed chain, and what the key adds: a forgery that edits a value event and the final
+    args consistently and recomputes the chain verifies without a key; with KVLOAD_AUDIT_KEY it cannot."""
+    import pipeline
+
+    plain = tmp_path / "plain.jsonl"
+    pipeline.plan("tiny-llama", audit_log=plain, log=False)
+    forged = _rechain(_forge_v2_true(read_events(plain)))
+    write_events(plain, forged)
+    check = verify_log(AuditLog.from_jsonl(plain))
+    assert check["ok"], check["problems"]  # sha256 alone cannot tell: said so in the guarantee
+    assert "anyone can recompute" in check["chain"]["guarantee"]
+
+    monkeypatch.setenv(KEY_ENV, "the operator's secret")
+    signed = tmp_path / "signed.jsonl"
+    pipeline.plan("tiny-llama", audit_log=signed, log=False)
+    ok = run_cli(capsys, "audit", signed, "--verify")
+    assert ok.code == 0 and "hmac-sha256 chain verified with KVLOAD_AUDIT_KEY" in ok.out
+    for forger_key in (None, b"a guess"):
+        write_events(signed, _rechain(_forge_v2_true(read_events(signed)), forger_key))
+        r = run_cli(capsys, "audit", signed, "--verify")
+        assert r.code == 1 and "does not verify" in r.err and "chain" in r.out, (forger_key, r.out)
+
+
+def test_old_logs_without_a_chain_read_and_say_no_chain(capsys, real_log, tmp_path, monkeypatch):
+    old = tmp_path / "old.jsonl"
+    records = [{k: v for k, v in r.items() if k not in (PREV, HEAD, "chain")} for r in read_events(real_log)]
+    write_events(old, records)
+    r = run_cli(capsys, "audit", old, "--verify")
+    assert r.code == 0, r.err
+    assert "chain   no chain: this log predates hash chaining" in r.out
+    monkeypatch.setenv(KEY_ENV, "k")  # a key means "prove the origin": an unchained log cannot
+    r = run_cli(capsys, "audit", old, "--verify")
+    assert r.code == 1 and "no hash chain" in r.out
+
+
+@pytest.mark.parametrize(("name", "edit", "needle"), [
+    ("record removed", lambda r: r.pop(5), "chain broken"),
+    ("cut short", lambda r: r.pop(), "not sealed"),
+    ("appended after the seal", lambda r: r.append({**r[-1], "seq": 999}), "sealed before the end"),
+    ("reordered", lambda r: r.insert(6, r.pop(7)), "chain broken"),
+    ("value edited", lambda r: r[9].update(stage="x"), "chain broken"),
+])
+def test_the_chain_catches_what_the_replay_cannot(real_log, tmp_path, name, edit, needle):
+    records = read_events(real_log)
+    edit(records)
+    path = tmp_path / "t.jsonl"
+    write_events(path, records)
+    check = verify_log(AuditLog.from_jsonl(path))
+    assert not check["ok"] and any(needle in p for p in check["problems"]), check["problems"]
+
+
+# --- files -----------------------------------------------------------------------------------------
+
+def test_audit_log_at_a_fifo_or_device_is_refused_and_left_alone(capsys, tmp_path):
+    fifo = tmp_path / "pipe.jsonl"
+    os.mkfifo(fifo)
+    for target in (fifo, Path("/dev/null")):
+        r = _plan(capsys, "tiny-llama", audit=target)
+        assert_refused(r, "--audit-log", str(target), "not a regular file")
+        assert not stat.S_ISREG(os.stat(target).st_mode)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    # reading one would block forever: refused as an audit file and as a config file
+    assert_refused(run_cli(capsys, "audit", fifo), str(fifo), "not a regular file")
+    assert_refused(_plan(capsys, "tiny-llama", "--config", fifo), str(fifo), "not a regular file")
+    dangling = tmp_path / "dangling.jsonl"
+    dangling.symlink_to(tmp_path / "nowhere")
+    assert_refused(_plan(capsys, "tiny-llama", audit=dangling), "--audit-log", "symbolic link to nothing")
+
+
+def test_an_existing_audit_log_is_kept_unless_force(capsys, tmp_path):
+    log = tmp_path / "a.jsonl"
+    log.write_text("precious\n")
+    assert_refused(_plan(capsys, "tiny-llama", audit=log), "--audit-log", "exists", "--force")
+    assert log.read_text() == "precious\n" and [p.name for p in tmp_path.iterdir()] == ["a.jsonl"]
+    r = _plan(capsys, "tiny-llama", "--force", audit=log)
+    assert r.code == 0 and verify_log(AuditLog.from_jsonl(log))["ok"]
+
+
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_audit_log_follows_the_umask(capsys, tmp_path, umask, mode):
+    log = tmp_path / "a.jsonl"
+    old = os.umask(umask)
+    try:
+        assert _plan(capsys, "tiny-llama", audit=log).code == 0
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(log).st_mode) == mode
+
+
+def test_an_unwritable_directory_names_the_flag_not_a_temporary(capsys, tmp_path, monkeypatch):
+    """Root writes anywhere, so the refusal at creation is forced here; the next test uses a real read-only dir."""
+    import pipeline.audit
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(pipeline.audit.os, "open", refuse)
+    r = _plan(capsys, "tiny-llama", audit=tmp_path / "a.jsonl")
+    assert_refused(r, "--audit-log", "Permission denied")
+    assert ".tmp" not in r.err
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root bypasses directory permissions")
+def test_a_read_only_directory_is_refused_before_any_work(capsys, tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        assert_refused(_plan(capsys, "tiny-llama", audit=ro / "a.jsonl"), "--audit-log", "not writable")
+    finally:
+        ro.chmod(0o755)
+
+
+# --- faults: real signals to real processes ------------------------------------------------------------
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_during_run_leaves_nothing(tmp_path, signum, code):
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = start_kvload("run", "tiny-llama", "--max_tokens", "4096", "--audit-log", out / "a.jsonl", cwd=tmp_path)
+    assert wait_for_temporary(proc, out), "the run never started writing its audit log"
+    r = interrupt(proc, signum)
+    assert_refused(r, "terminated (SIGTERM)" if signum == signal.SIGTERM else "interrupted", folder=out, code=code)
+
+
+def _wait_for_progress(proc, timeout: float = 120.0) -> str:
+    """Read stderr until the simulation's progress bar shows (replay under way); return what was read."""
+    seen: list[str] = []
+
+    def read() -> None:
+        while True:
+            ch = proc.stderr.read(1)
+            if not ch:
+                return
+            seen.append(ch)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and "req" not in "".join(seen) and proc.poll() is None:
+        time.sleep(0.01)
+    proc.stderr_reader, proc.stderr_seen = reader, seen
+    return "".join(seen)
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_during_simulate_replay_leaves_no_audit_file(tmp_path, signum, code):
+    """The old simulate published its audit right after planning: interrupting the replay left a complete
+    audit for a run that never finished."""
+    out = tmp_path / "out"
+    out.mkdir()
+    # long enough to interrupt (thousands of steps), small enough to start fast (4096-token pools)
+    proc = start_kvload("simulate", "tiny-llama", "--workload", "no-reuse", "--requests", "5000", "--workload-arg",
+                        "prompt_len=16", "--workload-arg", "answer_len=128", "--max_tokens", "4096", "--progress",
+                        "--audit-log", out / "a.jsonl", cwd=tmp_path)
+    text = _wait_for_progress(proc)
+    assert "req" in text, text[-2000:]
+    assert any(p.name.endswith(".tmp") for p in out.iterdir())  # the audit is held until the end
+    proc.send_signal(signum)
+    proc.wait(timeout=120)
+    stdout = proc.stdout.read()
+    proc.stderr_reader.join(timeout=30)
+    err = "".join(proc.stderr_seen)
+    assert proc.returncode == code, err[-2000:]
+    assert stdout == "" and "Traceback" not in err
+    line = "terminated (SIGTERM)" if signum == signal.SIGTERM else "interrupted"
+    assert err.count("error: ") == 1 and err.endswith(f"error: {line}; nothing was written\n"), err[-500:]
+    assert list(out.iterdir()) == []
+
+
+def test_a_failing_simulate_leaves_no_audit_file(capsys, out):
+    r = run_cli(capsys, "simulate", "tiny-llama", "--workload", "long-context", "--max_seq_len", "1024",
+                "--audit-log", out / "a.jsonl")
+    assert_refused(r, "max_seq_len", folder=out)

@@ -1,0 +1,145 @@
+"""Tensor parallel in one process: the setting, its checks against the checkpoint, and each rank's KV geometry."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import pipeline
+from models import load_hf_config, resolve_checkpoint
+from models.geometry import head_sharding, layers_from_config
+from pipeline.errors import ConfigError, ModelError, RankError
+from pipeline.ranks import Ranks, rank_audit_path, ranks_from_env
+from stages.apply_model_defaults import validate_model_defaults
+from tests.cli_support import run_cli
+
+CONFIGS = Path(__file__).parent / "data" / "configs"
+
+
+def hf(name: str):
+    return load_hf_config(resolve_checkpoint(str(CONFIGS / name)))
+
+
+def per_layer_elems(name: str, tp: int) -> int:
+    return layers_from_config(hf(name), name, tp)[0].entry_elems
+
+
+def test_tensor_parallel_size_defaults_to_one_and_is_checked_where_set():
+    assert pipeline.LlmArgs(model="m").tensor_parallel_size == 1
+    with pytest.raises(ConfigError, match="tensor_parallel_size: expected an integer >= 1, got 0"):
+        pipeline.LlmArgs(model="m", tensor_parallel_size=0)
+
+
+def test_a_model_may_not_set_the_tensor_parallel_size():
+    with pytest.raises(ModelError, match="key 'tensor_parallel_size' may not be set by a model"):
+        validate_model_defaults({"tensor_parallel_size": 2}, "SomeSpec")
+
+
+@pytest.mark.parametrize(("name", "tp", "mode", "kv_per_rank"), [
+    ("llama-3.1-8b-instruct", 2, "shard", 4),  # 8 KV heads over 2 ranks
+    ("qwen2.5-7b-instruct", 2, "shard", 2),  # 4 KV heads over 2 ranks
+    ("qwen2.5-7b-instruct", 4, "shard", 1),
+    ("llama-3.1-8b-instruct", 16, "replicate", 1),  # 8 KV heads, 16 ranks: each head on 2 ranks
+    ("deepseek-r1-0528", 8, "latent", 1),  # the MLA latent is whole on every rank
+])
+def test_kv_heads_shard_replicate_or_stay_whole(name, tp, mode, kv_per_rank):
+    heads = head_sharding(hf(name), tp, name)
+    assert (heads.mode, heads.kv_heads_per_rank) == (mode, kv_per_rank)
+    if mode == "latent":
+        assert per_layer_elems(name, tp) == per_layer_elems(name, 1)
+    else:
+        assert per_layer_elems(name, tp) * heads.kv_heads == per_layer_elems(name, 1) * kv_per_rank
+
+
+@pytest.mark.parametrize(("name", "tp", "message"), [
+    ("qwen2.5-7b-instruct", 8, "Qwen2ForCausalLM has 28 attention heads, which do not divide by 8 ranks; "
+                               "accepted: 1, 2, 4, 28"),
+    ("qwen2.5-7b-instruct", 7, "has 4 KV heads: 7 ranks neither divide them nor are a multiple of them; "
+                               "accepted: 1, 2, 4, 28"),
+])
+def test_other_combinations_are_refused_in_one_line(name, tp, message):
+    with pytest.raises(ModelError, match=message) as info:
+        head_sharding(hf(name), tp, hf(name).architectures[0])
+    assert "\n" not in str(info.value)
+
+
+def test_plan_json_reports_bytes_per_token_per_rank_and_in_total(capsys):
+    one = run_cli(capsys, "plan", str(CONFIGS / "llama-3.1-8b-instruct"), "--json").json()["kv"]
+    two = run_cli(capsys, "plan", str(CONFIGS / "llama-3.1-8b-instruct"), "--tp_size", "2", "--json").json()["kv"]
+    assert two["bytes_per_token_per_rank"] == one["bytes_per_token"] / 2
+    assert two["bytes_per_token_total"] == one["bytes_per_token"]
+    assert two["tensor_parallel"]["heads"]["kv_heads_per_rank"] == 4
+    assert two["tensor_parallel"]["size"] == 2
+
+
+def test_plan_table_and_aliases_in_one_process(capsys):
+    for flag in ("--tp_size", "--tp-size", "--tensor_parallel_size", "--tensor-parallel-size"):
+        r = run_cli(capsys, "plan", "tiny-llama", flag, "2")
+        assert r.code == 0, r.err
+        assert "tensor parallel  2 ranks, 2 of 4 query heads and 1 of 2 KV heads per rank" in r.out
+        assert "bytes/token 512 per rank, 1,024 in total" in r.out
+
+
+def test_bad_sizes_are_one_line_exit_2(capsys):
+    r = run_cli(capsys, "plan", "tiny-llama", "--tp_size", "3")
+    assert (r.code, r.one_error_line) == (2, True)
+    assert "tensor_parallel_size=3: LlamaForCausalLM has 4 attention heads" in r.err
+    r = run_cli(capsys, "run", "tiny-llama", "--tp_size", "2", "--max_tokens", "4096")
+    assert (r.code, r.one_error_line, r.out) == (2, True, "")
+    assert "needs all 2 ranks, and this process runs alone; launch it with torchrun --nproc-per-node 2" in r.err
+
+
+def test_rank_from_the_environment_and_audit_file_per_rank():
+    assert ranks_from_env({}) == Ranks(0, 1, 0)
+    assert ranks_from_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}) == Ranks(1, 2, 1)
+    with pytest.raises(RankError, match="RANK=2 WORLD_SIZE=2: expected 0 <= RANK < WORLD_SIZE"):
+        ranks_from_env({"RANK": "2", "WORLD_SIZE": "2"})
+    with pytest.raises(RankError, match="WORLD_SIZE='two': expected an integer"):
+        ranks_from_env({"WORLD_SIZE": "two"})
+    assert rank_audit_path("logs/audit.jsonl", Ranks(0, 2, 0)) == "logs/audit.jsonl"
+    assert rank_audit_path("logs/audit.jsonl", Ranks(1, 2, 1)) == "logs/audit.rank1.jsonl"
+
+
+def test_a_single_process_run_records_rank_zero_of_one():
+    result = pipeline.plan("tiny-llama", log=False)
+    joined = result.audit.of("rank_joined")
+    assert [(e["rank"], e["world_size"], e["tensor_parallel_size"]) for e in joined] == [(0, 1, 1)]
+    assert result.audit.of("ranks_agreed") == []  # alone: nothing to compare
+
+
+def test_loading_weights_refuses_kv_heads_transformers_cannot_replicate(checkpoint_dir):
+    from stages.load_weights import check_plan_matches_pools
+
+    ok = pipeline.plan(str(checkpoint_dir()), tensor_parallel_size=2, log=False)  # 2 KV heads: 1 per rank
+    check_plan_matches_pools(ok.context)
+    one = pipeline.plan(str(checkpoint_dir(name="one", num_key_value_heads=1)), tensor_parallel_size=2, log=False)
+    assert one.kv.heads["mode"] == "replicate"  # plan accepts it: the pools replicate the head
+    with pytest.raises(ModelError, match="cannot split its 1 KV heads over 2 ranks .* divides the KV heads \\(1\\)"):
+        check_plan_matches_pools(one.context)
+
+
+class FakeRanks:
+    """Two ranks in one process: rank 1 reports whatever the test says it decided."""
+
+    distributed = True
+
+    def __init__(self, other):
+        self.other = other
+
+    def all_gather(self, obj):
+        return [obj, self.other(obj)]
+
+
+def test_a_diverging_schedule_fails_before_the_forward():
+    from cache_backends.interface import ScheduledChunk, SchedulerOutput
+    from cache_backends.request import Request
+    from engine.executor import RankLockstep
+    from pipeline.errors import KvRuntimeError
+
+    out = SchedulerOutput(scheduled=[ScheduledChunk(Request("0.0", [1, 2, 3], 4), 3)])
+    RankLockstep(FakeRanks(lambda mine: mine)).check_schedule(out, [{"uniform": [0]}])  # the same: no error
+    other = RankLockstep(FakeRanks(lambda mine: []))
+    with pytest.raises(KvRuntimeError, match="step 1: the ranks' schedulers diverged: rank 1 scheduled nothing"):
+        other.check_schedule(out, [{"uniform": [0]}])
+

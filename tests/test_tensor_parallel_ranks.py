@@ -1,0 +1,122 @@
+"""Tensor parallel on 2 real ranks (torchrun, gloo): agreement, refusal on disagreement, per-rank geometry,
+the min-reduced budget, identical block tables, and the CLI printing one summary.
+
+Every scenario runs in one 2-process launch (``tests.tp_support``), bounded by timeouts; the tests read
+what each rank recorded.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import pipeline
+from tests.tp_support import run_scenarios, torchrun
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """Both ranks' results of every scenario (one torchrun launch for the module)."""
+    return run_scenarios(tmp_path_factory.mktemp("tp"))
+
+
+def scenario(ranks, name):
+    found = [r[name] for r in ranks]
+    for r in found:
+        assert "exception" not in r, r.get("traceback")
+    return found
+
+
+def test_ranks_with_the_same_inputs_agree_and_record_their_rank(ranks):
+    r0, r1 = scenario(ranks, "agree")
+    assert [(e["rank"], e["world_size"]) for e in r0["joined"] + r1["joined"]] == [(0, 2), (1, 2)]
+    assert r0["agreed"][0]["digest"] == r1["agreed"][0]["digest"]
+    assert "kv_cache_config.max_gpu_total_bytes" in r0["agreed"][0]["excluded"]
+    assert r0["kv"]["bytes_per_token_per_rank"] * 2 == r0["kv"]["bytes_per_token_total"]
+
+
+def test_a_rank_local_override_fails_every_rank_naming_the_field(ranks):
+    for rank, r in enumerate(scenario(ranks, "disagree")):
+        assert r["error"] == ("the 2 ranks resolved different values: max_seq_len (rank 0: 2048, rank 1: 1024); "
+                              "every rank must get the same arguments, checkpoint and device kind")
+        assert r["events"][0]["rank"] == rank and r["events"][0]["differences"] == {"max_seq_len": [2048, 1024]}
+        assert r["audit_written"] == []  # a failed run leaves no audit file behind, on any rank
+
+
+def test_each_rank_holds_its_share_of_the_kv_heads(ranks):
+    r0, r1 = scenario(ranks, "geometry")
+    assert r0 == r1
+    llama, qwen, one = r0["llama"], r0["qwen"], r0["one_kv_head"]
+    assert (llama["heads"]["kv_heads"], llama["heads"]["kv_heads_per_rank"], llama["heads"]["mode"]) == (8, 4, "shard")
+    assert (qwen["heads"]["kv_heads"], qwen["heads"]["kv_heads_per_rank"], qwen["heads"]["mode"]) == (4, 2, "shard")
+    assert (one["heads"]["kv_heads_per_rank"], one["heads"]["mode"], one["heads"]["kv_replicas"]) == (1, "replicate", 2)
+    # bfloat16 checkpoints: layers x (K, V) x KV heads on the rank x head_dim 128 x 2 bytes
+    assert llama["per_rank"] == 32 * 2 * 4 * 128 * 2 and qwen["per_rank"] == 28 * 2 * 2 * 128 * 2
+    assert llama["total"] == 2 * llama["per_rank"] and one["total"] == 2 * one["per_rank"]
+
+
+def test_the_budget_is_the_smallest_ranks_and_the_event_names_it(ranks):
+    r0, r1 = scenario(ranks, "budget")
+    assert r0["blocks"] == r1["blocks"] and r0["pool_bytes"] == r1["pool_bytes"] == 1 << 20
+    for rank, r in enumerate((r0, r1)):
+        event = r["event"]
+        assert (event["rank"], event["limited_by_rank"], event["limited_by"]) == (rank, 1, "max_gpu_total_bytes")
+        assert event["rank_budget_bytes"] == [2 << 20, 1 << 20]
+        assert "rank 1 has the smallest budget of the 2 ranks" in event["reason"]
+
+
+def test_block_tables_stay_identical_on_every_rank(ranks):
+    r0, r1 = scenario(ranks, "block_tables")
+    assert r0 == r1
+    assert r0["v1"]["waits"] > 0 and r0["v2"]["suspends"] > 0  # the budget was tight enough to make decisions
+
+
+def test_plan_compare_runs_on_every_rank_and_only_rank_0_prints(ranks):
+    r0, r1 = scenario(ranks, "compare_cli")
+    assert r0["code"] == r1["code"] == 0 and r1["stdout"] == ""
+    doc = json.loads(r0["stdout"])
+    assert doc["kv"]["tensor_parallel"]["size"] == 2
+    assert doc["compare"]["managers"]["KVCacheManager"]["bytes_per_token"] == 512  # one rank's (1,024 alone)
+
+
+def test_torchrun_run_builds_agreeing_pools_and_prints_one_summary(tmp_path):
+    audit = tmp_path / "audit.jsonl"
+    r = torchrun("-m", "kvload", "run", "tiny-llama", "--tp_size", "2", "--max_tokens", "4096", "--json",
+                 "--audit-log", str(audit))
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout)  # one document: rank 1 printed nothing
+    assert doc["kv"]["tensor_parallel"]["size"] == 2 and doc["allocated"]["total_bytes"] == 2 * 1024 * 1024
+    logs = {p.name: [json.loads(line) for line in p.read_text().splitlines()] for p in tmp_path.glob("*.jsonl")}
+    assert set(logs) == {"audit.jsonl", "audit.rank1.jsonl"}
+    for name, rank in (("audit.jsonl", 0), ("audit.rank1.jsonl", 1)):
+        by_event = {e["event"]: e for e in logs[name]}
+        assert by_event["rank_joined"]["rank"] == rank and by_event["ranks_agreed"]["rank"] == rank
+        assert by_event["kv_manager_built"]["total_bytes"] == 2 * 1024 * 1024
+
+
+def test_weights_shard_by_transformers_plan_and_greedy_output_equals_one_process(ranks):
+    r0, r1 = scenario(ranks, "generate")
+    assert r0["k_proj_local_rows"] == r1["k_proj_local_rows"] == 16  # 1 of the 2 KV heads (head_dim 16) per rank
+    assert r0["pool_shape"] == [4, 32, 32, 32]  # (layers, blocks, tokens, 2 x 1 head x 16): the rank's heads only
+    with pipeline.load("tiny-llama", load_weights=True, kv_cache_config={"max_tokens": 1024}, log=False) as alone:
+        want = [o.token_ids for o in alone.generate([[1, 2, 3, 4, 5], [9, 8, 7]], max_new_tokens=8)]
+    assert r0["greedy"] == r1["greedy"] == want
+    assert r0["sampled"] == r1["sampled"]  # one seed (rank 0's) and rank 0's tokens on every rank
+    assert r0["weights_event"]["bytes"] < alone.audit.of("weights_loaded")[0]["bytes"]  # a shard, not the model
+
+
+def test_torchrun_generate_prints_what_one_process_prints(tmp_path, capsys):
+    from tests.cli_support import run_cli
+
+    argv = ["generate", "tiny-llama", "--prompt-ids", "1,2,3,4,5", "--prompt-ids", "7,8,9", "--max_new_tokens", "12",
+            "--max_tokens", "4096"]
+    alone = run_cli(capsys, *argv)
+    assert alone.code == 0, alone.err
+    r = torchrun("-m", "kvload", *argv, "--tp_size", "2", "--audit-log", str(tmp_path / "gen.jsonl"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.splitlines()[:2] == alone.out.splitlines()[:2]  # the replies; the last line has timings
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gen.jsonl", "gen.rank1.jsonl"]
+    rank1 = [json.loads(line) for line in (tmp_path / "gen.rank1.jsonl").read_text().splitlines()]
+    assert [e["rank"] for e in rank1 if e["event"] == "rank_joined"] == [1]
+    assert any(e["event"] == "generation_finished" for e in rank1)
