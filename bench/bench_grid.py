@@ -134,18 +134,34 @@ def _target_notes(rows: list[dict[str, Any]]) -> list[str]:
     timed = [r for r in rows if r["preset"] == "tiny-llama" and r["workload"] in ("shared-prefix", "multi-turn")
              and r["budget"] == "default" and "time_ratio" in r]
     if timed:
-        notes.append("tiny-llama step time V2/V1 (default budget): " + ", ".join(
-            f"{r['workload']} {ratio(r['time_ratio'])}" for r in timed)
-            + f"; target <= 1.25x: {verdict(all(r['time_ratio'] <= 1.25 for r in timed))}.")
+        notes.append("tiny-llama step time V2/V1 in this table (default budget; wall time, one run each, so other "
+                     "jobs on the machine swing it): " + ", ".join(f"{r['workload']} {ratio(r['time_ratio'])}"
+                                                              for r in timed)
+                     + "; the step-time target is judged by the interleaved CPU-time table (--only timing).")
     return notes
 
 
 def step_time(quick: bool = False, pairs: int = 3) -> Table:
     """The step-time target, measured fairly: V1 and V2 runs interleaved (alternating order), one manager per
     run, median of the per-pair ratios of median step time (tiny-llama, shared-prefix and multi-turn)."""
+    import types
+
+    from engine.driver import Driver
     from engine.simulator import simulate
     from engine.workloads import make_workload
 
+    # Thread CPU time instead of wall time for the driver's kv_seconds: on a machine shared with other jobs
+    # wall time counts their time slices too (ratios of wall times swung 1.7x-7x between pairs under load).
+    clock = Driver.step.__globals__
+    saved = clock["time"]
+    clock["time"] = types.SimpleNamespace(perf_counter=time.thread_time)
+    try:
+        return _step_time(quick, pairs, simulate, make_workload)
+    finally:
+        clock["time"] = saved
+
+
+def _step_time(quick: bool, pairs: int, simulate: Any, make_workload: Any) -> Table:
     cmd = "python -m bench.bench_grid --only timing" + (" --quick" if quick else "")
     table = Table(f"Step time, V2 / V1 (tiny-llama, default budget, {pairs} interleaved pairs)", cmd,
                   ["workload", "V1 step µs (median of medians)", "V2 step µs", "V2 / V1 (median of pairs)",
@@ -165,7 +181,8 @@ def step_time(quick: bool = False, pairs: int = 3) -> Table:
         table.rows.append([name, f"{sorted(times[False])[pairs // 2]:,.0f}", f"{sorted(times[True])[pairs // 2]:,.0f}",
                            ratio(mid), ", ".join(ratio(x) for x in per), verdict(mid <= 1.25)])
     table.notes.append("Manager + scheduler time per engine step (scheduler.step, commits, finishes), median over "
-                       "the run's engine steps; both managers at the simulator's default budget for the workload.")
+                       "the run's engine steps, measured as this thread's CPU time (time.thread_time), not wall time; "
+                       "both managers at the simulator's default budget for the workload.")
     return table
 
 

@@ -35,7 +35,7 @@ run is relinked once per call), which keeps them within about 3x of a bare ``deq
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -217,6 +217,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVBlock] = {}
         self.evictions = 0  # cached blocks whose content was dropped to make room
+        self.on_evict: Callable[[list[bytes]], None] | None = None  # KV events: the keys an allocation evicted
 
     # --- counts -----------------------------------------------------------------------------
 
@@ -256,10 +257,15 @@ class BlockPool:
         out = queue.take(n)
         evicted = keyed - queue.num_keyed
         if evicted:  # some taken blocks held a prefix: their content is dropped now
+            gone: list[bytes] | None = [] if self.on_evict is not None else None
             for block in out:
                 if block.block_hash is not None:
+                    if gone is not None:
+                        gone.append(block.block_hash)
                     self._uncache(block)
             self.evictions += evicted
+            if gone:
+                self.on_evict(gone)  # type: ignore[misc]
         return out
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:

@@ -12,11 +12,23 @@ and ``bytes_per_block == len(layers) * entry_elems * dtype_bytes * entries_per_b
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Literal
 
 import attrs
 
 #: Bytes per element of each KV dtype this library stores.
+#: Layer kinds whose entries the paged attention reads and writes (``paged_attention`` imports this
+#: torch-free copy, so ``kvload models`` can say what generates without importing torch). Compressed
+#: DeepSeek V4 layers are not served.
+SERVED_KINDS: tuple[str, ...] = ("full", "sliding", "mla")
+
+
+def unserved_kinds(layers: Iterable[LayerKV]) -> list[str]:
+    """Kinds among ``layers`` the paged attention cannot serve (compressed layers included), sorted."""
+    return sorted({layer.kind for layer in layers if layer.kind not in SERVED_KINDS or layer.compress_rate is not None})
+
+
 DTYPE_SIZES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 LayerKindName = Literal["full", "sliding", "mla", "v4_sliding", "csa", "hca"]

@@ -35,11 +35,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from cache_backends.layout import LayerKV
+from cache_backends.layout import SERVED_KINDS, LayerKV  # SERVED_KINDS: the kinds this module serves
 from cache_backends.pools import BlockPools
-
-#: Layer kinds whose entries this module reads and writes (compressed DeepSeek V4 layers are not served).
-SERVED_KINDS = ("full", "sliding", "mla")
 
 
 @attrs.frozen

@@ -81,10 +81,12 @@ class Driver:
     """Owns the waiting queue and the running list; feeds a scheduler step by step."""
 
     def __init__(self, manager: Any, scheduler: Any, *, eos_token_ids: frozenset[int] = frozenset(),
-                 emit: Callable[[Event], Any] | None = None) -> None:
+                 emit: Callable[[Event], Any] | None = None,
+                 stop: Callable[[Request, int], bool] | None = None) -> None:
         self.manager = manager
         self.scheduler = scheduler
         self.eos_token_ids = eos_token_ids
+        self.stop = stop  # stop(request, token just appended): True ends it with "stop" (stop strings, stop ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: list[Request] = []
@@ -101,8 +103,9 @@ class Driver:
         """Queue a request; arrival order breaks scheduling ties.
 
         ``ValueError`` when it could not generate a token: ``max_new_tokens`` below 1, or a prompt that
-        leaves no room under ``max_seq_len``. Generation ends ("length") at ``max_new_tokens`` or when
-        prompt + output reach ``max_seq_len``, whichever comes first.
+        leaves no room under ``max_seq_len``. Generation ends ("stop") at EOS or when the ``stop`` hook says
+        so, or ("length") at ``max_new_tokens`` or when prompt + output reach ``max_seq_len``, whichever
+        comes first.
         """
         if request.max_new_tokens < 1:
             raise ValueError(f"request {request.req_id}: max_new_tokens must be >= 1, got {request.max_new_tokens}")
@@ -212,8 +215,11 @@ class Driver:
         return stats
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
+        """"stop" (EOS or the ``stop`` hook), "length" (max_new_tokens or max_seq_len), else None (vLLM's names)."""
         if token in self.eos_token_ids:
-            return "eos"
+            return "stop"
+        if self.stop is not None and self.stop(req, token):
+            return "stop"
         if len(req.output_token_ids) >= req.max_new_tokens or req.num_tokens >= self.max_seq_len:
             return "length"
         return None

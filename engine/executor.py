@@ -7,9 +7,11 @@ writing and reading K/V through the request's block tables (``manager.block_tabl
 every layer group, kept as tensor rows across steps in a ``BlockTableStore``) on the attention path
 ``attention_backend`` chose (compiled flex over the pools, or gather + SDPA); it samples the next
 token of each request whose known tokens are all in the cache after this step (greedy = argmax;
-temperature + top-p with a per-request seeded ``torch.Generator``);
-the driver commits the KV, appends the tokens, and finishes requests on EOS or ``max_new_tokens``
-(their blocks return to the pool; with reuse on, full blocks stay cached for later prompts).
+else transformers' temperature, top-k and top-p warpers and a per-request seeded ``torch.Generator``,
+with top-``logprobs`` kept when asked); the driver commits the KV, appends the tokens, and finishes
+requests with "stop" (EOS, a stop token id, a stop string in the text) or "length" (``max_tokens``,
+``max_seq_len``); their blocks return to the pool (with reuse on, full blocks stay cached for later
+prompts, which is how the ``n`` samples of a prompt share its prefill).
 
 A prompt whose prefix is cached (V2's radix tree, V1's full blocks) is admitted with that prefix
 already computed: its prefill starts after it, and the output reports ``reused_prompt_tokens``.
@@ -25,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -36,9 +38,18 @@ from cache_backends.interface import SchedulerOutput
 from cache_backends.paged_attention import SERVED_KINDS, PagedBatch, SeqChunk
 from cache_backends.request import Request
 from engine.driver import Arrival, Driver, StalledError
-from engine.outputs import GenerationOutput, GenerationStats, GenerationTimings, StreamEvent
-from engine.sampling import eos_token_ids, sample_token
+from engine.outputs import (
+    CompletionOutput,
+    GenerationOutput,
+    GenerationStats,
+    GenerationTimings,
+    RequestOutput,
+    StreamEvent,
+    TokenDelta,
+)
+from engine.sampling import eos_token_ids, sample_rows, top_logprobs
 from engine.sampling_params import SamplingParams, check, is_int
+from engine.stopping import SampleText
 from models.paged_forward import ATTN_IMPLEMENTATION, register_paged_attention, run_forward
 from pipeline.errors import GenerationError, KvBuildError, KvRuntimeError, first_line
 from pipeline.events import Event, GenerationFailed, GenerationFinished, GenerationStarted, SettingIgnored
@@ -56,8 +67,16 @@ class _Live:
     prompt: str | None
     arrival_step: int
     generator: torch.Generator | None = None
+    params: SamplingParams = attrs.Factory(SamplingParams)
+    sample: int = 0  # which of the prompt's n samples
+    parent: _Live | None = None  # the prompt's first sample (which prefills for the others)
+    text: SampleText | None = None  # None without a tokenizer
+    logprobs: list[dict[int, float]] | None = None  # one entry per generated token, with SamplingParams.logprobs
+    stop_reason: str | int | None = None
+    finish_reason: str | None = None
     queued_at: float = 0.0
     first_token_at: float | None = None
+    finished_at: float = 0.0
     reported: int = 0  # generated tokens already reported (streamed)
 
 
@@ -141,62 +160,65 @@ class GenerationExecutor:
 
     # --- the call ----------------------------------------------------------------------------
 
-    def generate(
+    def run(
         self,
         prompts: Prompt | Sequence[Prompt],
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         salt: str | None = None,
         chat: bool = False,
-        stream: Callable[[StreamEvent], Any] | None = None,
+        on_delta: Callable[[TokenDelta], Any] | None = None,
         arrival_steps: Sequence[int] | None = None,
         **sampling: Any,
-    ) -> list[GenerationOutput]:
-        """Generate for every prompt, batched continuously; one :class:`GenerationOutput` per prompt, in order.
+    ) -> list[RequestOutput]:
+        """Generate for every prompt, batched continuously; one :class:`RequestOutput` per prompt, in order.
 
         ``prompts``: one string, or a list of strings (tokenized; ``chat=True`` applies the tokenizer's
-        chat template) and/or lists of token ids. ``sampling_params`` says how tokens are picked; its
-        fields may instead be given as keywords (``max_new_tokens=32, temperature=0.8``), not both.
-        ``salt`` scopes prefix reuse: prompts under different salts never share cached blocks.
-        ``stream`` is called with a :class:`StreamEvent` for every token as it is produced.
-        ``arrival_steps[i]`` (default 0) is the step at which prompt ``i`` joins, to exercise requests
-        arriving while others run.
+        chat template) and/or lists of token ids. ``sampling_params``: one :class:`SamplingParams` for
+        every prompt, or a list of them (one per prompt); its fields may instead be given as keywords
+        (``max_tokens=32, temperature=0.8``), not both. ``salt`` scopes prefix reuse: prompts under
+        different salts never share cached blocks. ``on_delta`` is called with a :class:`TokenDelta` for
+        every token of every sample as it is produced. ``arrival_steps[i]`` (default 0) is the step at
+        which prompt ``i`` joins, to exercise requests arriving while others run.
+
+        With ``n > 1`` (and prefix reuse on) a prompt's first sample prefills alone; the others are
+        queued once its prompt is in the cache and reuse those blocks, so the prompt is computed once.
         """
         self._check_open()
-        params = SamplingParams.build(sampling_params, sampling)
         check(salt is None or isinstance(salt, str), "salt", "a string or None", salt)
         check(isinstance(chat, bool), "chat", "true or false", chat)
         items = self._prompts(prompts, chat)
+        per_prompt = isinstance(sampling_params, Sequence)
+        params = self._params(sampling_params, sampling, len(items))
         arrivals = self._arrivals(arrival_steps, len(items))
         call = self._calls
         self._calls += 1
-        seed = params.seed
-        base_seed = seed if seed is not None else random.SystemRandom().getrandbits(62)
-        if self.lockstep is not None:
-            base_seed = self.lockstep.ranks.broadcast(base_seed)  # one fresh seed, rank 0's, on every rank
-        lives = []
-        for i, (text, ids) in enumerate(items):
-            room = self.max_seq_len - len(ids)  # a sequence never grows past max_seq_len
-            request = Request(f"{call}.{i}", ids, min(params.max_new_tokens, room), salt=salt)
-            self._check_fits(i, request)
-            gen = None
-            if not params.greedy:
-                gen = torch.Generator(device=self.pools.device).manual_seed(base_seed + i)
-            lives.append(_Live(i, request, text, arrivals[i], gen))
+        lives = self._lives(call, items, params, per_prompt, salt, arrivals)
+        stagger = bool(self.manager.options.enable_block_reuse)  # without reuse, samples gain nothing by waiting
+        now_arrivals, later = [], {}
+        for live in lives:
+            if live.sample > 0 and stagger:
+                later.setdefault(live.parent.request.req_id, []).append(live)
+            else:
+                now_arrivals.append(Arrival(live.request, live.arrival_step))
 
         before = self._counters()
-        driver = Driver(self.manager, self.scheduler,
-                        eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids, emit=self._emit)
+        driver = Driver(self.manager, self.scheduler, emit=self._emit, stop=self._stops)
+        p0 = params[0]
         self._event(GenerationStarted(
             call=call, requests=len(lives), prompt_tokens=sum(len(ids) for _, ids in items),
-            max_new_tokens=params.max_new_tokens, temperature=float(params.temperature), top_p=float(params.top_p),
-            seed=seed, salted=salt is not None, kv_manager=type(self.manager).__name__))
-        if params.greedy:  # greedy draws nothing: a seed or a nucleus the caller gave would silently do nothing
-            for name, value, unset in (("seed", seed, None), ("top_p", params.top_p, 1.0)):
-                if value != unset:
-                    self._event(SettingIgnored(field=f"generate.{name}", value=value,
-                                               reason="temperature is 0 (greedy): nothing is sampled"))
-        outputs: dict[int, GenerationOutput] = {}
+            max_new_tokens=p0.max_tokens, temperature=float(p0.temperature), top_p=float(p0.top_p),
+            seed=p0.seed, salted=salt is not None, kv_manager=type(self.manager).__name__, top_k=p0.top_k, n=p0.n,
+            stop_strings=len(p0.stop), stop_token_ids=list(p0.stop_token_ids), logprobs=p0.logprobs,
+            per_prompt_params=per_prompt))
+        for p in {id(p): p for p in params}.values():
+            if p.greedy:  # greedy draws nothing: a seed, nucleus or top-k the caller gave would silently do nothing
+                ignored = (("seed", p.seed, None), ("top_p", p.top_p, 1.0), ("top_k", max(p.top_k, 0), 0))
+                for name, value, unset in ignored:
+                    if value != unset:
+                        self._event(SettingIgnored(field=f"generate.{name}", value=value,
+                                                   reason="temperature is 0 (greedy): nothing is sampled"))
+        outputs: dict[int, RequestOutput] = {}
         warm_before = self.flex.warmup_s if self.flex is not None else 0.0
         start = time.perf_counter()
         forward_s = kv_s = 0.0
@@ -209,13 +231,16 @@ class GenerationExecutor:
             nonlocal forward_s, kv_s
             forward_s += st.compute_seconds
             kv_s += st.kv_seconds
-            self._report_tokens(st.finished, outputs, stream)
+            self._report_tokens(st.finished, lives, outputs, on_delta)
+            for parent_id in [p for p in later if self._prefilled(self._live[p].request)]:
+                for live in later.pop(parent_id):  # the prompt's blocks are cached now: reuse them
+                    driver.add(live.request)
+                    queued(live.request, clock)
 
         try:
             with self.paged_attention():
                 try:
-                    run = driver.run([Arrival(lv.request, lv.arrival_step) for lv in lives],
-                                     lambda out: self._compute(out, params), on_arrival=queued, on_step=stepped)
+                    run = driver.run(now_arrivals, self._compute, on_arrival=queued, on_step=stepped)
                 except StalledError as exc:
                     raise KvRuntimeError(f"generate: the {type(self.scheduler).__name__} cannot make progress: "
                                          f"{exc}") from None
@@ -235,21 +260,131 @@ class GenerationExecutor:
         self._check_flex()
         wall = time.perf_counter() - start - warmup
         after = self._counters()
-        ordered = [outputs[i] for i in range(len(lives))]
+        ordered = [outputs[i] for i in range(len(items))]
         steps = run.engine_steps
         stats = GenerationStats(
-            requests=len(ordered), prompt_tokens=sum(len(o.prompt_token_ids) for o in ordered),
+            requests=len(ordered),
+            prompt_tokens=sum(o.computed_prompt_tokens + o.reused_prompt_tokens for o in ordered),
             reused_prompt_tokens=sum(o.reused_prompt_tokens for o in ordered),
-            generated_tokens=sum(len(o.token_ids) for o in ordered), steps=steps, wall_s=wall,
+            generated_tokens=sum(len(c.token_ids) for o in ordered for c in o.outputs), steps=steps, wall_s=wall,
             forward_s=max(0.0, forward_s - warmup), kv_s=kv_s, warmup_s=warmup,
-            **{k: after[k] - before[k] for k in after})
+            **{k: after[k] - before[k] for k in after}, samples=len(lives))
         self.last_stats = stats
         self._event(GenerationFinished(
-            call=call, requests=stats.requests, prompt_tokens=stats.prompt_tokens,
+            call=call, requests=stats.samples, prompt_tokens=stats.prompt_tokens,
             reused_prompt_tokens=stats.reused_prompt_tokens, generated_tokens=stats.generated_tokens, steps=steps,
             suspends=stats.suspends, resumes=stats.resumes, preemptions=stats.preemptions,
             duration_ms=round(wall * 1000, 3), tokens_per_s=round(stats.tokens_per_s, 3)))
         return ordered
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        salt: str | None = None,
+        chat: bool = False,
+        stream: Callable[[StreamEvent], Any] | None = None,
+        arrival_steps: Sequence[int] | None = None,
+        **sampling: Any,
+    ) -> list[GenerationOutput]:
+        """:meth:`run` with one sample per prompt, as flat :class:`GenerationOutput`s (the original shape).
+
+        ``stream`` is called with a :class:`StreamEvent` for every token as it is produced. ``n > 1``
+        is refused here: use :meth:`run` (or ``kvload.LLM.generate``), which returns ``RequestOutput``s.
+        """
+        on_delta = None
+        if stream is not None:
+            tokens: dict[int, list[int]] = {}
+
+            def on_delta(d: TokenDelta) -> None:
+                ids = tokens.setdefault(d.index, [])
+                ids.extend(d.token_ids)
+                stream(StreamEvent(d.index, ids[-1], tuple(ids), _flat(d.output) if d.output is not None else None))
+
+        self._check_open()
+        n = self._params(sampling_params, dict(sampling), 0 if isinstance(sampling_params, Sequence) else 1)
+        if any(p.n != 1 for p in n):
+            raise GenerationError(f"generate: n={max(p.n for p in n)}: LoadResult.generate returns one output per "
+                                  "prompt; use kvload.LLM(...).generate (or result.executor.run), whose "
+                                  "RequestOutputs hold n samples each")
+        outs = self.run(prompts, sampling_params, salt=salt, chat=chat, on_delta=on_delta, arrival_steps=arrival_steps,
+                        **sampling)
+        return [_flat(o) for o in outs]
+
+    def _params(self, sampling_params: Any, keywords: dict[str, Any], count: int) -> list[SamplingParams]:
+        """One SamplingParams per prompt (``count`` of them; 0: as many as a given list holds), checked."""
+        if isinstance(sampling_params, Sequence) and not isinstance(sampling_params, (str, bytes)):
+            if keywords:
+                raise GenerationError("generate: pass sampling settings either as sampling_params or as keywords "
+                                      f"({', '.join(sorted(keywords))}), not both")
+            params = [SamplingParams.build(p, {}) for p in sampling_params]
+            if count and len(params) != count:
+                raise GenerationError(f"generate: sampling_params: expected one SamplingParams or a list of {count} "
+                                      f"(one per prompt), got a list of {len(params)}")
+        else:
+            params = [SamplingParams.build(sampling_params, keywords)] * max(count, 1)
+        for p in params:
+            if p.stop and self.tokenizer is None:
+                raise GenerationError(f"generate: stop: stop strings are matched on the text, but {self.name} has no "
+                                      "tokenizer; use stop_token_ids")
+            if p.logprobs is not None and p.logprobs > self.vocab_size:
+                raise GenerationError(f"generate: logprobs: expected at most the vocabulary size "
+                                      f"({self.vocab_size}), got {p.logprobs}")
+            bad = next((t for t in p.stop_token_ids if t >= self.vocab_size), None)
+            if bad is not None:
+                raise GenerationError(f"generate: stop_token_ids: token id {bad} is outside the vocabulary "
+                                      f"(0..{self.vocab_size - 1})")
+        return params
+
+    def _lives(self, call: int, items: list[tuple[str | None, list[int]]], params: list[SamplingParams],
+               per_prompt: bool, salt: str | None, arrivals: list[int]) -> list[_Live]:
+        """Every sample of every prompt as a request, with its generator (seeded as SamplingParams says)."""
+        lives = []
+        random_base = random.SystemRandom().getrandbits(62)
+        if self.lockstep is not None:
+            random_base = self.lockstep.ranks.broadcast(random_base)  # one fresh seed, rank 0's, on every rank
+        for i, ((text, ids), p) in enumerate(zip(items, params, strict=True)):
+            room = self.max_seq_len - len(ids)  # a sequence never grows past max_seq_len
+            base = p.seed if p.seed is not None else random_base
+            parent = None
+            for j in range(p.n):
+                req_id = f"{call}.{i}" if p.n == 1 else f"{call}.{i}.{j}"
+                request = Request(req_id, ids, min(p.max_tokens, room), salt=salt)
+                if j == 0:
+                    self._check_fits(i, request)
+                gen = None
+                if not p.greedy:  # shared params: prompt i's sample j is seed + i*n + j; per prompt: seed_i + j
+                    offset = j if per_prompt else i * p.n + j
+                    gen = torch.Generator(device=self.pools.device).manual_seed(base + offset)
+                live = _Live(i, request, text, arrivals[i], gen, params=p, sample=j, parent=parent)
+                if self.tokenizer is not None:
+                    live.text = SampleText(self.tokenizer, p.stop)
+                if p.logprobs is not None:
+                    live.logprobs = []
+                lives.append(live)
+                parent = parent or live
+        return lives
+
+    @staticmethod
+    def _prefilled(request: Request) -> bool:
+        return request.is_finished or request.num_computed_tokens >= request.num_prompt_tokens
+
+    def _stops(self, request: Request, token: int) -> bool:
+        """The driver's stop hook: EOS (unless ignored), a stop token id, or a stop string in the text."""
+        live = self._live[request.req_id]
+        p = live.params
+        if token in self.eos_token_ids and not p.ignore_eos:
+            return True
+        if token in p.stop_token_ids:
+            live.stop_reason = token
+            return True
+        if p.stop:
+            hit = live.text.update(request.output_token_ids)
+            if hit is not None:
+                live.stop_reason = hit
+                return True
+        return False
 
     def _check_flex(self) -> None:
         """A compiled path that failed to build a shape is switched off, and the audit says why."""
@@ -275,8 +410,21 @@ class GenerationExecutor:
 
     # --- one step ----------------------------------------------------------------------------
 
-    def _compute(self, out: SchedulerOutput, params: SamplingParams) -> dict[str, int]:
+    def _compute(self, out: SchedulerOutput) -> dict[str, int]:
         """The step's forward: every scheduled chunk packed into one row; next tokens of requests that reach the end."""
+        picked, rows = self.forward(out, self._live)
+        if not rows:
+            return {}
+        lives = [self._live[out.scheduled[i].request.req_id] for i in rows]
+        tokens = self._sample(picked, lives)
+        if self.lockstep is not None:
+            tokens = self.lockstep.ranks.broadcast(tokens)  # rank 0's tokens: the next step's inputs everywhere
+        return tokens
+
+    def forward(self, out: SchedulerOutput, live: Collection[str]) -> tuple[Any, list[int]]:
+        """One packed forward of the scheduled chunks: (logits of the chunks that reach their request's last
+        token, their indices in ``out.scheduled``); ``(None, [])`` when none does. ``live``: the request ids
+        whose block-table rows must be kept (the serving loop shares this with ``generate``)."""
         chunks, rows = [], []
         store = self._block_tables
         for scheduled in out.scheduled:
@@ -287,8 +435,8 @@ class GenerationExecutor:
             for g in self.groups:  # only what changed since the last step is written
                 store.update(req.req_id, g, self.manager.block_table(req, g))
             rows.append(store.row(req.req_id))
-        if len(store) > 2 * len(self._live) + 8:  # rows of requests finished in earlier steps go back
-            store.keep_only(self._live)
+        if len(store) > 2 * len(live) + 8:  # rows of requests finished in earlier steps go back
+            store.keep_only(live)
         if self.lockstep is not None:  # before the forward's collectives: a divergence fails here, never hangs
             self.lockstep.check_schedule(out, [{g: self.manager.block_table(s.request, g) for g in self.groups}
                                                for s in out.scheduled])
@@ -297,47 +445,82 @@ class GenerationExecutor:
         rows = [i for i, s in enumerate(out.scheduled)
                 if s.request.num_computed_tokens + s.num_tokens == s.request.num_tokens]
         if not rows:
-            return {}
-        picked = logits[rows] if len(rows) < len(out.scheduled) else logits
-        reqs = [out.scheduled[i].request for i in rows]
-        if params.greedy:
-            tokens = dict(zip((r.req_id for r in reqs), picked.argmax(dim=-1).tolist(), strict=True))
-        else:
-            tokens = {r.req_id: sample_token(row, params.temperature, params.top_p, self._live[r.req_id].generator)
-                      for r, row in zip(reqs, picked, strict=True)}
-        if self.lockstep is not None:
-            tokens = self.lockstep.ranks.broadcast(tokens)  # rank 0's tokens: the next step's inputs everywhere
-        return tokens
+            return None, []
+        return (logits[rows] if len(rows) < len(out.scheduled) else logits), rows
 
-    def _report_tokens(self, finished: list[Request], outputs: dict[int, GenerationOutput],
-                       stream: Callable[[StreamEvent], Any] | None) -> None:
-        """After a step: first-token times, outputs of finished requests, ``stream`` for each new token."""
+    def _sample(self, logits: Any, lives: list[_Live]) -> dict[str, int]:
+        """Next token of each live request from its logits row, drawn as its SamplingParams say; logprobs kept."""
+        groups: dict[int, list[int]] = {}  # rows sharing one SamplingParams are warped together
+        for row, live in enumerate(lives):
+            groups.setdefault(id(live.params), []).append(row)
+        tokens = [0] * len(lives)
+        for rows in groups.values():
+            params = lives[rows[0]].params
+            block = logits if len(rows) == len(lives) else logits[rows]
+            picked = sample_rows(block, params, [lives[r].generator for r in rows])
+            for r, token in zip(rows, picked, strict=True):
+                tokens[r] = token
+            if params.logprobs is not None:
+                for r, entry in zip(rows, top_logprobs(block, params.logprobs, picked), strict=True):
+                    lives[r].logprobs.append(entry)
+        return {live.request.req_id: token for live, token in zip(lives, tokens, strict=True)}
+
+    def _report_tokens(self, finished: list[Request], lives: list[_Live], outputs: dict[int, RequestOutput],
+                       on_delta: Callable[[TokenDelta], Any] | None) -> None:
+        """After a step: first-token times, finished samples and prompts, ``on_delta`` for each new token."""
         now = time.perf_counter()
         done = {r.req_id for r in finished}
         for live in self._live.values():
             tokens = live.request.output_token_ids
             if len(tokens) == live.reported:  # no token this step (mid-prefill, waiting, or finished earlier)
                 continue
+            new = tokens[live.reported:]
+            new_logprobs = live.logprobs[live.reported:] if live.logprobs is not None else None
             live.reported = len(tokens)
             if live.first_token_at is None:
                 live.first_token_at = now
+            ended = live.request.req_id in done
+            if ended:
+                live.finished_at = now
+                live.finish_reason = live.request.finish_reason or "length"
+            if live.text is not None:
+                ids = tokens
+                if ended and live.finish_reason == "stop" and not isinstance(live.stop_reason, str):
+                    ids = tokens[:-1]  # the EOS or stop token that ended it is not part of the text
+                if ended:
+                    live.text.update(ids, final=True)
+                elif on_delta is not None:
+                    live.text.update(ids)
             output = None
-            if live.request.req_id in done:
-                output = outputs[live.index] = self._output(live, now)
-            if stream is not None:
-                stream(StreamEvent(live.index, tokens[-1], tuple(tokens), output))
+            if ended and all(s.finish_reason is not None for s in lives if s.index == live.index):
+                output = outputs[live.index] = self._output([s for s in lives if s.index == live.index])
+            if on_delta is not None:
+                text = live.text.delta(final=ended) if live.text is not None else ""
+                on_delta(TokenDelta(live.index, live.sample, list(new), text, new_logprobs,
+                                    live.finish_reason if ended else None,
+                                    live.stop_reason if ended else None, output))
 
-    def _output(self, live: _Live, now: float) -> GenerationOutput:
-        req = live.request
-        text = None
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
-        first = (live.first_token_at or now) - live.queued_at
-        return GenerationOutput(
-            index=live.index, req_id=req.req_id, prompt=live.prompt, prompt_token_ids=list(req.prompt_token_ids),
-            token_ids=list(req.output_token_ids), text=text, finish_reason=req.finish_reason or "length",
-            reused_prompt_tokens=req.num_reused_tokens,
-            timings=GenerationTimings(first_token_s=first, total_s=now - live.queued_at))
+    def _output(self, samples: list[_Live]) -> RequestOutput:
+        """The RequestOutput of one prompt whose samples all finished."""
+        first = samples[0]
+        completions = []
+        for s in samples:
+            req = s.request
+            cumulative = sum(lp[t] for lp, t in zip(s.logprobs, req.output_token_ids, strict=True)) \
+                if s.logprobs is not None else None
+            completions.append(CompletionOutput(
+                index=s.sample, text=s.text.text if s.text is not None else None,
+                token_ids=list(req.output_token_ids), cumulative_logprob=cumulative, logprobs=s.logprobs,
+                finish_reason=s.finish_reason, stop_reason=s.stop_reason))
+        started = [s.first_token_at for s in samples if s.first_token_at is not None]
+        end = max(s.finished_at for s in samples)
+        return RequestOutput(
+            request_id=first.request.req_id.rsplit(".", 1)[0] if first.params.n > 1 else first.request.req_id,
+            prompt=first.prompt, prompt_token_ids=list(first.request.prompt_token_ids), outputs=completions,
+            computed_prompt_tokens=sum(s.request.num_prompt_tokens - s.request.num_reused_tokens for s in samples),
+            reused_prompt_tokens=sum(s.request.num_reused_tokens for s in samples),
+            timings=GenerationTimings(first_token_s=(min(started) if started else end) - first.queued_at,
+                                      total_s=end - first.queued_at))
 
     # --- checks and bookkeeping ----------------------------------------------------------------
 
@@ -433,6 +616,17 @@ class GenerationExecutor:
     def _event(self, event: Event) -> None:
         if self._emit is not None:
             self._emit(event)
+
+
+def _flat(out: RequestOutput) -> GenerationOutput:
+    """The one-sample GenerationOutput form of a RequestOutput (``LoadResult.generate``'s shape)."""
+    c = out.outputs[0]
+    return GenerationOutput(
+        index=int(out.request_id.rsplit(".", 1)[-1]), req_id=out.request_id, prompt=out.prompt,
+        prompt_token_ids=out.prompt_token_ids, token_ids=c.token_ids, text=c.text, finish_reason=c.finish_reason,
+        reused_prompt_tokens=out.reused_prompt_tokens, timings=out.timings, stop_reason=c.stop_reason,
+        logprobs=c.logprobs)
+
 
 
 class RankLockstep:

@@ -1,9 +1,16 @@
-"""What a generate call returns: per-prompt outputs, timings, call totals, stream events, text deltas."""
+"""What a generate call returns: request outputs (vLLM/TensorRT-LLM shaped), timings, call totals, stream deltas.
+
+``RequestOutput`` (one per prompt) holds ``CompletionOutput``s (one per sample, ``n`` of them), the
+prompt, how many prompt tokens were computed and how many reused from the prefix cache, and timings.
+``GenerationOutput`` is the flat one-sample form ``LoadResult.generate`` has returned from the start.
+``finish_reason`` is ``"stop"`` (EOS, a stop string or a stop token id) or ``"length"`` (``max_tokens``
+or ``max_seq_len`` reached), as in vLLM and the OpenAI API.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 
@@ -26,13 +33,95 @@ class GenerationOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str | None  # decoded without special tokens; None without a tokenizer
-    finish_reason: str  # "eos" or "length" (max_new_tokens, or max_seq_len reached)
+    finish_reason: str  # "stop" (EOS, stop string, stop token) or "length" (max_tokens, or max_seq_len reached)
     reused_prompt_tokens: int  # prompt tokens whose KV came from the prefix cache
     timings: GenerationTimings
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None: EOS or length)
+    logprobs: list[dict[int, float]] | None = None  # per generated token, with SamplingParams.logprobs
 
     def to_dict(self) -> dict[str, Any]:
         """Plain form for ``--json``."""
         return attrs.asdict(self)
+
+
+FinishReason = Literal["stop", "length"]
+
+
+@attrs.frozen
+class CompletionOutput:
+    """One sample of a prompt, as vLLM's and TensorRT-LLM's ``CompletionOutput``.
+
+    ``token_ids`` are every generated id (an EOS or stop token that ended the sample included);
+    ``text`` is their decoded text without special tokens, cut before a stop string (None without a
+    tokenizer). ``logprobs[t]`` maps the top token ids at generated token ``t`` (the sampled one
+    included) to log-probabilities; ``cumulative_logprob`` sums the sampled tokens' (both None unless
+    ``SamplingParams.logprobs`` is set).
+    """
+
+    index: int  # sample number within the prompt, 0 .. n-1
+    text: str | None
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, float]] | None
+    finish_reason: FinishReason | None  # None while the sample is still running (streaming)
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None: EOS or length)
+
+    @property
+    def finished(self) -> bool:
+        """Whether the sample ended."""
+        return self.finish_reason is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain form for ``--json``."""
+        return attrs.asdict(self)
+
+
+@attrs.frozen
+class RequestOutput:
+    """One prompt's result: its samples (``outputs``), the prompt, prompt-token reuse, and timings.
+
+    ``computed_prompt_tokens`` + ``reused_prompt_tokens`` count over all ``n`` samples: with one
+    prefill shared by the samples, ``computed_prompt_tokens`` stays near one prompt's length and the
+    rest is ``reused_prompt_tokens`` (KV found in the prefix cache). ``timings`` run from the moment
+    the prompt was queued to its first generated token and to its last sample's end.
+    """
+
+    request_id: str
+    prompt: str | None  # the text, when the prompt was text
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    computed_prompt_tokens: int
+    reused_prompt_tokens: int
+    timings: GenerationTimings
+    finished: bool = True
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """vLLM's name for :attr:`reused_prompt_tokens`."""
+        return self.reused_prompt_tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain form for ``--json``."""
+        return attrs.asdict(self)
+
+
+@attrs.frozen
+class TokenDelta:
+    """One step of one sample while streaming: the token it produced and the text that token adds.
+
+    Concatenating a sample's ``text`` deltas gives its final ``CompletionOutput.text`` (text that
+    could still turn out to be part of a stop string is held back until it cannot). The last delta of
+    a sample has ``finish_reason`` set; the last delta of a prompt carries its ``RequestOutput``.
+    """
+
+    index: int  # the prompt's position in the call
+    sample: int  # the sample (CompletionOutput.index)
+    token_ids: list[int]  # the new token(s)
+    text: str  # the text they add ("" without a tokenizer or while it is held back)
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    output: RequestOutput | None = None  # set on the prompt's very last delta
 
 
 @attrs.frozen
@@ -54,6 +143,7 @@ class GenerationStats:
     suspends: int
     resumes: int
     preemptions: int
+    samples: int = 0  # sequences generated (prompts x n); 0 = one per prompt
     warmup_s: float = 0.0  # compiling attention shapes first seen in this call; not in wall_s/forward_s
 
     @property
@@ -74,11 +164,13 @@ class GenerationStats:
     def line(self) -> str:
         """The one-line throughput summary ``kvload generate`` ends with."""
         n = self.requests
+        samples = f" ({self.samples} samples)" if self.samples > n else ""
         moves = f"; {self.suspends} suspended, {self.resumes} resumed" if self.suspends or self.resumes else ""
         if self.warmup_s:
             moves += f"; {self.warmup_s:.1f} s compiling attention, not counted"
-        return (f"-- {n} prompt{'s' if n != 1 else ''}: {self.prompt_tokens} prompt tokens ({self.reused_prompt_tokens}"
-                f" reused), {self.generated_tokens} generated in {self.wall_s:.2f} s, {self.steps} steps: "
+        return (f"-- {n} prompt{'s' if n != 1 else ''}{samples}: {self.prompt_tokens} prompt tokens "
+                f"({self.reused_prompt_tokens} reused), {self.generated_tokens} generated in {self.wall_s:.2f} s, "
+                f"{self.steps} steps: "
                 f"{self.tokens_per_s:.1f} generated tokens/s, {self.total_tokens_per_s:.1f} tokens/s with prefill"
                 f"{moves}")
 
@@ -94,14 +186,31 @@ class StreamEvent:
 
 
 class TextStream:
-    """Turns the growing token ids of one output into text deltas, holding back an incomplete character."""
+    """Turns the growing token ids of one output into text deltas, holding back an incomplete character.
+
+    A fast (Rust-backed) tokenizer streams through ``tokenizers``' own ``DecodeStream``, which decodes
+    each new token against a short window of the previous ones (constant work per token); a slow
+    tokenizer re-decodes the whole output and prints what it adds.
+    """
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._text = ""
+        self._fed = 0
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._backend = backend
+        self._stream = None
+        if backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(skip_special_tokens=True)
 
     def push(self, token_ids: Sequence[int]) -> str:
         """The text the new tokens add (may be empty while a multi-byte character is incomplete)."""
+        if self._stream is not None:
+            new = list(token_ids[self._fed:])
+            self._fed = len(token_ids)
+            return "".join(piece for t in new if (piece := self._stream.step(self._backend, t)) is not None)
         text = self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
         if text.endswith("\ufffd"):
             return ""
@@ -110,4 +219,5 @@ class TextStream:
         return delta
 
 
-__all__ = ["GenerationOutput", "GenerationStats", "GenerationTimings", "StreamEvent", "TextStream"]
+__all__ = ["CompletionOutput", "FinishReason", "GenerationOutput", "GenerationStats", "GenerationTimings",
+           "RequestOutput", "StreamEvent", "TextStream", "TokenDelta"]

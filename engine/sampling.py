@@ -1,34 +1,69 @@
-"""Picking the next token: temperature + top-p sampling, and the end-of-sequence ids of a model."""
+"""Picking the next token (transformers' logits warpers + a seeded draw), log-probabilities, and EOS ids."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from engine.sampling_params import is_int
+from engine.sampling_params import SamplingParams, is_int
 
 
-def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
-    """One token from ``(vocab,)`` logits: softmax at ``temperature``, cut to the top-p nucleus, drawn by ``generator``.
+def warpers(top_k: int = 0, top_p: float = 1.0) -> LogitsProcessorList:
+    """transformers' top-k then top-p warpers (``generate``'s order; temperature comes first, in float64).
 
     The nucleus is the smallest set of most likely tokens whose probability reaches ``top_p`` (the
-    most likely token is always in it).
+    most likely token is always in it); ``top_k`` of 0 or -1 keeps every token.
     """
-    # float64, and the largest logit subtracted first: a tiny temperature (1e-300) then sharpens to
-    # argmax instead of overflowing float32 to inf/nan; a huge one flattens to uniform.
-    # The probabilities themselves are fine in float32 (sorting them there is the cost of top-p).
-    scaled = logits.double()
-    probs = torch.softmax((scaled - scaled.max()) / temperature, dim=-1).float()
+    procs = LogitsProcessorList()
+    if top_k > 0:
+        procs.append(TopKLogitsWarper(top_k))
     if top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of the more likely tokens
-        cut = before >= top_p
-        cut[..., 0] = False  # the most likely token is always kept, however small top_p is (1e-50)
-        sorted_probs = sorted_probs.masked_fill(cut, 0.0)
-        pick = torch.multinomial(sorted_probs, 1, generator=generator)
-        return int(order[pick])
-    return int(torch.multinomial(probs, 1, generator=generator))
+        procs.append(TopPLogitsWarper(float(top_p)))
+    return procs
+
+
+def sample_rows(logits: torch.Tensor, params: SamplingParams,
+                generators: Sequence[torch.Generator | None]) -> list[int]:
+    """One token per row of ``(rows, vocab)`` logits; row ``i`` draws from ``generators[i]`` (greedy: argmax)."""
+    if params.greedy:
+        return logits.argmax(dim=-1).tolist()
+    # transformers' temperature warper in float64 on max-subtracted logits: a tiny temperature (1e-300)
+    # then sharpens to argmax instead of overflowing float32 to inf/nan, a huge one flattens to uniform;
+    # the scaled scores are fine in float32, where the top-p sort is cheaper
+    scores = logits.double()
+    scores = scores - scores.max(dim=-1, keepdim=True).values
+    if params.temperature != 1.0:
+        scores = TemperatureLogitsWarper(float(params.temperature))(None, scores)
+    scores = warpers(params.top_k, params.top_p)(None, scores.float())
+    probs = torch.softmax(scores, dim=-1)
+    return [int(torch.multinomial(row, 1, generator=gen)) for row, gen in zip(probs, generators, strict=True)]
+
+
+def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator,
+                 top_k: int = 0) -> int:
+    """One token from ``(vocab,)`` logits: softmax at ``temperature`` within top-k and the top-p nucleus."""
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+    return sample_rows(logits[None], params, [generator])[0]
+
+
+def top_logprobs(logits: torch.Tensor, k: int, sampled: Sequence[int]) -> list[dict[int, float]]:
+    """Per row: the ``k`` most likely token ids → log-probability, plus the sampled token (as vLLM reports them).
+
+    Log-probabilities are of the model's own distribution (log-softmax of the raw logits, before
+    temperature, top-k or top-p), so a sample's tokens can be scored whatever the sampling settings.
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    k = min(k, logp.shape[-1])
+    values, ids = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
+    out = []
+    for row, (vals, idx, token) in enumerate(zip(values.tolist(), ids.tolist(), sampled, strict=True)):
+        entry = dict(zip(idx, vals, strict=True))
+        entry.setdefault(int(token), float(logp[row, token]))
+        out.append(entry)
+    return out
 
 
 def eos_token_ids(model: Any, tokenizer: Any = None) -> frozenset[int]:
@@ -47,4 +82,4 @@ def eos_token_ids(model: Any, tokenizer: Any = None) -> frozenset[int]:
     return frozenset(ids)
 
 
-__all__ = ["eos_token_ids", "sample_token"]
+__all__ = ["eos_token_ids", "sample_rows", "sample_token", "top_logprobs", "warpers"]

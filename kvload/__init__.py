@@ -1,6 +1,8 @@
 """kvload: load an LLM the way a serving engine does, with explicit stages and an audit log.
 
-The front door: ``kvload.plan`` / ``kvload.load`` (the pipeline API) and ``kvload.SamplingParams``.
+The front door: ``kvload.LLM`` (load a model, ``.generate`` / ``.generate_stream``), ``kvload.SamplingParams``
+and the outputs (``RequestOutput``, ``CompletionOutput``, ``TokenDelta``); ``kvload.plan`` / ``kvload.load``
+(the pipeline API).
 Names are imported on first use, so ``import kvload`` (and the CLI) stays quick: torch and
 transformers load only when something needs them.
 """
@@ -10,12 +12,20 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from kvload.shadowing import check_top_level_packages
+
+check_top_level_packages()  # a project's own models/ (or pipeline/, ...) package would hide kvload's
+
 _EXPORTS = {
     "LoadResult": "kvload.api",
     "execute": "kvload.api",
     "load": "kvload.api",
     "plan": "kvload.api",
+    "LLM": "kvload.llm",
     "SamplingParams": "engine.sampling_params",
+    "RequestOutput": "engine.outputs",
+    "CompletionOutput": "engine.outputs",
+    "TokenDelta": "engine.outputs",
     "KvCacheConfig": "pipeline.config",
     "LlmArgs": "pipeline.config",
     "AUTO": "pipeline.config",

@@ -37,13 +37,40 @@ class LoadResult(RunResult):
 
         Needs ``load(..., load_weights=True)``. ``prompts``: a string or a list of strings (tokenized;
         ``chat=True`` applies the chat template) and/or lists of token ids. ``sampling_params`` (or its
-        fields as keywords: ``max_new_tokens``, ``temperature``, ``top_p``, ``seed``, ``ignore_eos``)
-        says how tokens are picked; ``salt``, ``chat``, ``stream`` and ``arrival_steps`` as in
+        fields as keywords: ``max_tokens``/``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``,
+        ``seed``, ``stop``, ``stop_token_ids``, ``logprobs``, ``ignore_eos``) says how tokens are picked;
+        ``salt``, ``chat``, ``stream`` and ``arrival_steps`` as in
         :meth:`engine.executor.GenerationExecutor.generate`. Each output has ``text`` (None without a
         tokenizer), ``token_ids`` (generated only), ``prompt_token_ids``, ``reused_prompt_tokens``,
-        ``finish_reason`` ("eos" or "length") and ``timings``; the call's totals are in ``executor.last_stats``.
+        ``finish_reason`` ("stop" or "length"), ``stop_reason``, ``logprobs`` and ``timings``; the call's
+        totals are in ``executor.last_stats``. One sample per prompt: for ``n > 1`` use ``kvload.LLM`` (or
+        ``executor.run``), which return ``RequestOutput``s.
         """
         return self.executor.generate(prompts, sampling_params, **kwargs)
+
+    def kv_cache_events(self, jsonl: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+        """Drain the KV cache events recorded since the last call: ``{"events": [...], "dropped": n}``.
+
+        Needs ``load`` with ``kv_cache_config.event_buffer_max_size > 0`` (the buffer keeps that many
+        events; older ones are dropped and counted). ``jsonl`` appends the drained events to that file,
+        one JSON object per line. Event types: ``kv_block_stored``, ``kv_block_removed``,
+        ``kv_all_blocks_cleared`` (see :mod:`cache_backends.kv_events`).
+        """
+        from pipeline.errors import ConfigError
+
+        manager = self.kv_manager
+        buffer = getattr(manager, "kv_events", None)
+        if buffer is None:
+            raise ConfigError("kv_cache_events: KV cache events are off; load with "
+                              "kv_cache_config.event_buffer_max_size > 0 (a load, not a plan)",
+                              path="kv_cache_config.event_buffer_max_size")
+        batch = buffer.drain()
+        if jsonl is not None:
+            import json
+
+            with open(jsonl, "a", encoding="utf-8") as f:
+                f.writelines(json.dumps(e, separators=(",", ":")) + "\n" for e in batch["events"])
+        return batch
 
     def __enter__(self) -> LoadResult:
         return self

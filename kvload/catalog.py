@@ -1,4 +1,9 @@
-"""What ``kvload models`` lists: registered architectures, their spec class and model defaults, and presets.
+"""What ``kvload models`` lists: registered architectures, their spec class and model defaults, and every
+preset and packaged model with what kvload can do with it (plan, build, generate).
+
+What a model supports is derived, never tabulated: its spec reads the layer geometry from its config,
+the manager registry says which kinds can hold it (``v2_required_reason``), and the paged attention's
+served kinds say whether it generates: the same rules ``route_executor`` and the executor apply.
 
 Defaults are read by calling each spec's ``get_model_defaults`` with a frozen default ``LlmArgs``
 and no checkpoint config, then checked by the same rules ``apply_model_defaults`` applies. A spec
@@ -49,13 +54,40 @@ def architectures() -> list[dict[str, Any]]:
             "module": spec_cls.__module__,
             "model_defaults": defaults,
             "error": error,
-            "supports_generation": bool(getattr(spec_cls, "supports_generation", False)),
         })
     return rows
 
 
+def _support_row(name: str, kind: str, data: dict[str, Any], note: str | None = None) -> dict[str, Any]:
+    """What kvload can do with one model, by the rules the stages and the executor apply to its config."""
+    from cache_backends.kinds import KINDS
+    from cache_backends.layout import SERVED_KINDS, unserved_kinds
+    from models import GenericDecoderSpec, spec_class_for
+    from models.config_view import ConfigView
+
+    archs = data.get("architectures") or [None]
+    row: dict[str, Any] = {"name": name, "kind": kind, "architecture": archs[0], "model_type": data.get("model_type"),
+                           "spec": None, "layer_kinds": [], "managers": [], "plan": False, "build": False,
+                           "generate": False, "why_not": None, "note": note, "error": None}
+    try:
+        spec_cls = spec_class_for(archs[0]) if archs[0] else None
+        spec = (spec_cls or GenericDecoderSpec)(ConfigView(data))
+        layers = spec.kv_layers()
+        v2_only = spec.v2_required_reason()
+    except Exception as exc:  # a config kvload cannot read geometry from: reported on the row, never fatal
+        row["error"] = first_line(exc, type(exc).__name__)
+        return row
+    unserved = unserved_kinds(layers)
+    row.update(spec=spec.name, layer_kinds=sorted({layer.kind for layer in layers}),
+               managers=[k.manager for k in KINDS if k.use_v2 or v2_only is None], plan=True, build=True,
+               generate=not unserved,
+               why_not=(f"{', '.join(unserved)} layers: the paged attention serves "
+                        f"{', '.join(SERVED_KINDS)} only") if unserved else None)
+    return row
+
+
 def preset_rows() -> list[dict[str, Any]]:
-    """The embedded presets with the architecture and model_type their config.json declares."""
+    """The embedded presets: architecture, spec, layer kinds, and whether plan/build/generate work."""
     from models.checkpoint import PRESETS_DIR, presets
 
     rows = []
@@ -63,10 +95,27 @@ def preset_rows() -> list[dict[str, Any]]:
         try:
             data = json.loads((PRESETS_DIR / name / "config.json").read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
-            rows.append({"name": name, "architecture": None, "model_type": None, "error": type(exc).__name__})
+            rows.append({"name": name, "kind": "preset", "architecture": None, "model_type": None,
+                         "error": type(exc).__name__, "plan": False, "build": False, "generate": False})
             continue
-        archs = data.get("architectures") or [None]
-        rows.append({"name": name, "architecture": archs[0], "model_type": data.get("model_type"), "error": None})
+        rows.append(_support_row(name, "preset", data, "random weights"))
+    return rows
+
+
+def packaged_rows() -> list[dict[str, Any]]:
+    """The packaged real models, from the config kvload keeps beside each (checked against the file in tests)."""
+    import importlib.metadata
+
+    from models.checkpoint import PACKAGED, packaged_config
+
+    rows = []
+    for name, entry in sorted(PACKAGED.items()):
+        try:
+            importlib.metadata.distribution(entry.distribution)
+            note = f"weights from the installed {entry.distribution}"
+        except importlib.metadata.PackageNotFoundError:
+            note = f"not installed: {entry.install_hint}"
+        rows.append(_support_row(name, "package", packaged_config(name), note))
     return rows
 
 
@@ -74,13 +123,13 @@ def catalog() -> dict[str, Any]:
     """The ``kvload models --json`` document."""
     from models import GenericDecoderSpec
 
+    presets = preset_rows()
     return {
         "architectures": architectures(),
         "fallback_spec": GenericDecoderSpec.__name__,
-        "presets": preset_rows(),
+        "presets": presets,
+        "models": [*presets, *packaged_rows()],
     }
-
-
 
 
 def render_catalog(doc: dict[str, Any]) -> str:
@@ -100,8 +149,17 @@ def render_catalog(doc: dict[str, Any]) -> str:
             rows.append([*head, f"{path} = {literal(value)}"])
     rows.append(["(any other)", doc["fallback_spec"], "(none; geometry from config.json, with a warning)"])
     lines = ["registered architectures (architectures[0] of config.json picks the spec):", *table(rows)]
-    prows = [["preset", "architecture", "model_type"]]
-    prows += [[p["name"], p["architecture"] or f"(unreadable: {p['error']})", p["model_type"] or ""]
-              for p in doc["presets"]]
-    lines += ["", "presets (use the name as MODEL; or give a checkpoint directory):", *table(prows)]
+    yes = {True: "yes", False: "no"}
+    mrows = [["model", "architecture", "layers", "managers", "plan", "build", "generate", "note"]]
+    for m in doc["models"]:
+        if m.get("error"):
+            mrows.append([m["name"], m["architecture"] or "", "", "", "no", "no", "no", f"error: {m['error']}"])
+            continue
+        note = "; ".join(x for x in (m.get("note"), m.get("why_not")) if x)
+        mrows.append([m["name"], m["architecture"] or "", ",".join(m["layer_kinds"]),
+                      ",".join(m["managers"]), yes[m["plan"]], yes[m["build"]], yes[m["generate"]], note])
+    lines += ["", "models (use the name as MODEL; or give a checkpoint directory, a .gguf file or a Hugging Face "
+              "id in the local cache):", *table(mrows),
+              "plan: resolve and size the KV cache; build: allocate the pools (kvload run); generate: run the "
+              "model through them"]
     return "\n".join(lines)

@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 
 import attrs
 
-from pipeline.config import parse_size
+from pipeline.config import SIZE_HELP, parse_size
 from pipeline.errors import ConfigError, KvloadError, first_line
 from pipeline.limits import MAX_INT, MAX_INT_DIGITS, short_text
 
@@ -60,12 +60,11 @@ def number(text: str) -> float:
 
 
 def size(text: str) -> int:
-    """A byte count: ``8589934592``, ``8GiB``, ``512MB`` (at most 2**63 - 1)."""
+    """A byte count: ``8589934592``, ``8GiB`` (= ``8G``), ``512MB`` (at most 2**63 - 1)."""
     try:
         return parse_size(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a byte count such as 8589934592 or 8GiB (at most 2**63 - 1), "
-                                         f"got {short_text(text)}") from None
+        raise argparse.ArgumentTypeError(f"expected {SIZE_HELP} (at most 2**63 - 1), got {short_text(text)}") from None
 
 
 @attrs.frozen
@@ -79,7 +78,7 @@ class Flag:
     choices: tuple[str, ...] | None = None
     const: Any = None  # for switches: the value the flag sets when present
     metavar: str | None = None
-    aliases: tuple[str, ...] = ()  # other spellings (each also accepted dashed)
+    aliases: tuple[str, ...] = ()  # other spellings users bring (trtllm-serve, trtllm-bench; each also dashed)
 
     @property
     def dest(self) -> str:
@@ -91,20 +90,24 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--use_kv_cache_manager_v2", "kv_cache_config.use_kv_cache_manager_v2",
          "KV cache manager V2: auto (let the model decide), true or false; absent = unset", tri_state,
          metavar="{auto,true,false}"),
-    Flag("--kv_cache_fraction", "kv_cache_config.free_gpu_memory_fraction",
-         "fraction of free device memory for the KV cache, in (0, 1]", number, metavar="F"),
+    Flag("--kv_cache_free_gpu_memory_fraction", "kv_cache_config.free_gpu_memory_fraction",
+         "fraction of free device memory for the KV cache, in (0, 1]", number, metavar="F",
+         aliases=("--kv_cache_fraction", "--kv_cache_free_gpu_mem_fraction")),
     Flag("--max_tokens", "kv_cache_config.max_tokens", "cap the KV cache at this many tokens", integer, metavar="N"),
     Flag("--max_gpu_total_bytes", "kv_cache_config.max_gpu_total_bytes",
-         "cap the KV cache at this many bytes (0 = no cap; 8GiB style accepted)", size, metavar="BYTES"),
+         "cap the KV cache at this many bytes (0 = no cap; 8GiB = 8G = 8*2**30, 8GB = 8*10**9)", size,
+         metavar="BYTES"),
     Flag("--tokens_per_block", "kv_cache_config.tokens_per_block", "tokens per KV block", integer, metavar="N"),
     Flag("--disable_kv_cache_reuse", "kv_cache_config.enable_block_reuse",
          "turn prefix (block) reuse off", const=False),
     Flag("--host_cache_size", "kv_cache_config.host_cache_size",
          "V2 host tier size in bytes (0 = none; absent = auto-size)", size, metavar="BYTES"),
+    Flag("--event_buffer_max_size", "kv_cache_config.event_buffer_max_size",
+         "KV cache events (block stored/removed/cleared) kept for readers; 0 = off (default)", integer, metavar="N"),
     Flag("--kv_cache_dtype", "kv_cache_config.dtype", "KV cache dtype: auto or a dtype name", str, metavar="DTYPE"),
     Flag("--dtype", "dtype", "model dtype: auto, float32, float16, bfloat16", str, metavar="DTYPE"),
-    Flag("--device", "device", "where to build: auto (cuda when available), cuda or cpu", str,
-         choices=("auto", "cuda", "cpu")),
+    Flag("--device", "device", "where to build: auto (cuda when available), cuda, cuda:N or cpu", str,
+         metavar="{auto,cuda,cuda:N,cpu}"),
     Flag("--max_batch_size", "max_batch_size", "most requests scheduled at once", integer, metavar="N"),
     Flag("--max_seq_len", "max_seq_len", "longest sequence (default: the checkpoint's)", integer, metavar="N"),
     Flag("--max_num_tokens", "max_num_tokens", "most tokens in one forward (prefill chunk)", integer, metavar="N"),
@@ -121,11 +124,16 @@ FLAG_FOR_PATH: dict[str, str] = {f.path: f.name for f in FLAGS}
 class OneLineParser(argparse.ArgumentParser):
     """argparse that reports a usage error as one line (``error: ...``) and exits 2."""
 
+    def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:
+        """Remember the arguments so an error can name the spelling the user typed."""
+        self._argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str) -> NoReturn:
         """Print ``error: <flag>: <what>`` on one line; no usage dump."""
         if message.startswith("argument "):
             head, _, rest = message[len("argument "):].partition(": ")
-            message = f"{head.split('/')[0]}: {rest}"
+            message = f"{typed_spelling(head.split('/'), getattr(self, '_argv', []))}: {rest}"
         elif message.startswith("unrecognized arguments: "):
             message += self._suggestion(message.split(": ", 1)[1].split()[0])
         self.exit(2, f"error: {message}\n")
@@ -147,6 +155,22 @@ class OneLineParser(argparse.ArgumentParser):
             return f"; {name} belongs to another command (see kvload --help)"
         close = difflib.get_close_matches(name, sorted(options), n=1, cutoff=0.75)
         return f"; did you mean {close[0]}?" if close else ""
+
+
+def _norm(option: str) -> str:
+    return option.replace("-", "_")
+
+
+def typed_spelling(spellings: Sequence[str], argv: Sequence[str]) -> str:
+    """The name of an option as the user wrote it (an alias stays an alias), in its first-listed form.
+
+    ``--kv-cache-fraction`` reports as ``--kv_cache_fraction``; with nothing typed, the first spelling.
+    """
+    typed = {_norm(a.split("=", 1)[0]) for a in argv if a.startswith("--")}
+    for name in spellings:
+        if _norm(name) in typed:
+            return next(s for s in spellings if _norm(s) == _norm(name))
+    return spellings[0]
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -173,7 +197,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         else:
             group.add_argument(*names, dest=f.dest, type=f.type, choices=f.choices, metavar=f.metavar,
                                default=None, help=f.help)
-    group.add_argument("--config", metavar="FILE.yaml", help="YAML file of LlmArgs fields (CLI flags win)")
+    group.add_argument("--config", "--extra_llm_api_options", "--extra-llm-api-options", dest="config",
+                       metavar="FILE.yaml", help="YAML file of LlmArgs fields (CLI flags win); TensorRT-LLM options "
+                                                 "kvload does not act on are accepted with a warning each")
     out = p.add_argument_group("output")
     out.add_argument("--audit-log", "--audit_log", dest="audit_log", metavar="FILE.jsonl",
                      help="write every event as JSON Lines, hash-chained (HMAC with KVLOAD_AUDIT_KEY when set); "
@@ -186,10 +212,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
 
 def add_log_flags(p: Any) -> None:
     """``--log-format``, ``--log-level`` and ``--debug``."""
-    p.add_argument("--log-format", "--log_format", dest="log_format", choices=("console", "json"), default="console",
-                   help="how events are logged on stderr")
+    p.add_argument("--log-format", "--log_format", dest="log_format", choices=("console", "json"), default=None,
+                   help="how events are logged on stderr (default: $KVLOAD_LOG_FORMAT, else console)")
     p.add_argument("--log-level", "--log_level", dest="log_level", choices=("debug", "info", "warning", "error"),
-                   default="warning", help="least severe event logged on stderr (default: warning)")
+                   default=None, help="least severe event logged on stderr (default: $KVLOAD_LOG_LEVEL, else warning)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
@@ -328,16 +354,19 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     if not prompts:
         raise ConfigError("--prompt: give at least one --prompt TEXT (or --prompt-ids IDS for a model without a "
                           "tokenizer)")
-    params = SamplingParams(max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, top_p=ns.top_p,
-                            seed=ns.seed, ignore_eos=ns.ignore_eos)  # checked before anything loads
+    params = SamplingParams(max_tokens=ns.max_new_tokens, temperature=ns.temperature, top_p=ns.top_p,
+                            top_k=ns.top_k, seed=ns.seed, stop=ns.stop, stop_token_ids=ns.stop_token_ids, n=ns.n,
+                            logprobs=ns.logprobs, ignore_eos=ns.ignore_eos)  # checked before anything loads
     request = _request(ns, load_weights=True)
     # Applies only when nothing else bounds the KV budget (CPU without --max_tokens/--max_gpu_total_bytes).
     request.overrides.setdefault("kv_cache_config", {}).setdefault(
-        "default_max_tokens", len(prompts) * (ns.max_new_tokens + GENERATE_PROMPT_ALLOWANCE))
+        "default_max_tokens", len(prompts) * (ns.n * ns.max_new_tokens + GENERATE_PROMPT_ALLOWANCE))
     with execute(request, load_stages(), subscribers=audit) as result:  # generation events reach the audit too
         first = prints(result)  # under torchrun every rank generates; rank 0 prints
-        printer = None if ns.json or not first else _TokenPrinter(result.tokenizer, several=len(prompts) > 1)
-        outputs = result.generate(prompts, params, salt=ns.salt, chat=ns.chat, stream=printer)
+        printer = None if ns.json or not first else _TokenPrinter(result.tokenizer is not None,
+                                                                  several=len(prompts) > 1 or ns.n > 1,
+                                                                  labelled_samples=ns.n > 1)
+        outputs = result.executor.run(prompts, params, salt=ns.salt, chat=ns.chat, on_delta=printer)
         stats = result.executor.last_stats
         if not first:
             pass
@@ -351,27 +380,26 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 
 class _TokenPrinter:
-    """``stream`` callback of ``kvload generate``: one prompt streams token by token; several print as each ends."""
+    """``on_delta`` of ``kvload generate``: one sample streams token by token; several print as each ends."""
 
-    def __init__(self, tokenizer: Any, several: bool) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, has_text: bool, several: bool, labelled_samples: bool) -> None:
+        self.has_text = has_text  # False: a model without a tokenizer prints token ids
         self.several = several
-        self.streams: dict[int, Any] = {}
+        self.labelled_samples = labelled_samples  # "[i.j]" rather than "[i]"
+        self.parts: dict[tuple[int, int], list[str]] = {}  # each sample's token ids (no tokenizer) or text pieces
 
-    def __call__(self, event: Any) -> None:
-        if self.several:
-            if event.output is not None:
-                body = event.output.text if event.output.text is not None else " ".join(map(str, event.token_ids))
-                print(f"[{event.index}] {body}", flush=True)
+    def __call__(self, delta: Any) -> None:
+        if not self.several:
+            piece = delta.text if self.has_text else " ".join(map(str, delta.token_ids)) + " "
+            sys.stdout.write(piece + ("\n" if delta.finish_reason is not None else ""))
+            sys.stdout.flush()
             return
-        if self.tokenizer is None:
-            piece = f"{event.token_id} "
-        else:
-            from engine.outputs import TextStream
-
-            piece = self.streams.setdefault(event.index, TextStream(self.tokenizer)).push(event.token_ids)
-        sys.stdout.write(piece + ("\n" if event.output is not None else ""))
-        sys.stdout.flush()
+        parts = self.parts.setdefault((delta.index, delta.sample), [])
+        parts.extend([delta.text] if self.has_text else map(str, delta.token_ids))
+        if delta.finish_reason is None:
+            return
+        label = f"{delta.index}.{delta.sample}" if self.labelled_samples else f"{delta.index}"
+        print(f"[{label}] {('' if self.has_text else ' ').join(parts)}", flush=True)
 
 
 class _PromptAction(argparse.Action):
@@ -402,17 +430,18 @@ def _bounded(kind: Callable[[str], Any], ok: Callable[[Any], bool], expected: st
 _GENERATE_EPILOG = """\
 Output: with one prompt, the reply streams to stdout as it is generated (token ids, space separated,
 for a model without a tokenizer); with several, each reply is printed as soon as it finishes, as
-"[i] text" (i = the prompt's position). The last line gives prompt, reused and generated tokens,
-wall time and tokens/s. --json prints one document instead (outputs, timings, stats).
+"[i] text" (i = the prompt's position; "[i.j]" for its sample j with --n). The last line gives prompt,
+reused and generated tokens, wall time and tokens/s. --json prints one document instead (outputs, timings, stats).
 
 KV budget: on CPU with neither --max_tokens nor --max_gpu_total_bytes, generate sizes the pools for
-prompts x (max_new_tokens + 1024) tokens (the kv_budget_computed event says so); requests that do not
+prompts x (n x max_new_tokens + 1024) tokens (the kv_budget_computed event says so); requests that do not
 fit at once wait (V1) or are suspended to the host tier (V2).
 
 examples:
   kvload generate smollm2-135m --chat --prompt "What is the capital of France?"
   kvload generate smollm2-135m --prompt "Once upon a time" --prompt "The sky is" --max_new_tokens 32
   kvload generate tiny-llama --prompt-ids 1,2,3,4 --temperature 0.8 --top_p 0.9 --seed 7
+  kvload generate smollm2-135m --prompt "The sky is" --n 3 --temperature 0.8 --top_k 50 --stop .
   kvload generate ./ckpt --use_kv_cache_manager_v2 true --max_tokens 4096 --audit-log gen.jsonl
 """
 
@@ -432,17 +461,32 @@ def add_generate_command(sub: Any) -> None:
     g.add_argument("--prompt-ids", "--prompt_ids", dest="prompts", action=_PromptAction, type=token_ids,
                    metavar="IDS", help="a prompt as token ids, e.g. 1,2,3 (repeatable)")
     g.add_argument("--chat", action="store_true", help="wrap each --prompt in the tokenizer's chat template")
-    g.add_argument("--max_new_tokens", "--max-new-tokens", dest="max_new_tokens", default=64, metavar="N",
-                   type=_bounded(integer, lambda v: v >= 1, "an integer >= 1"),
-                   help="most tokens generated per prompt (default: 64)")
+    from engine.sampling_params import DEFAULT_MAX_TOKENS  # one default length for the CLI and Python
+
+    g.add_argument("--max_new_tokens", "--max-new-tokens", dest="max_new_tokens", default=DEFAULT_MAX_TOKENS,
+                   metavar="N", type=_bounded(integer, lambda v: v >= 1, "an integer >= 1"),
+                   help=f"most tokens generated per sample (SamplingParams.max_tokens; default: {DEFAULT_MAX_TOKENS}); "
+                        "--max_tokens is the KV cache budget")
     g.add_argument("--temperature", default=0.0, metavar="T",
                    type=_bounded(number, lambda v: v >= 0, "a number >= 0"),
                    help="sampling temperature; 0 = greedy (default)")
     g.add_argument("--top_p", "--top-p", dest="top_p", default=1.0, metavar="P",
                    type=_bounded(number, lambda v: 0 < v <= 1, "a number in (0, 1]"),
                    help="nucleus sampling: keep the most likely tokens up to this probability (default: 1)")
+    g.add_argument("--top_k", "--top-k", dest="top_k", default=0, metavar="K",
+                   type=_bounded(integer, lambda v: v >= -1, "an integer >= 1, or 0 / -1 for all tokens"),
+                   help="sample among the K most likely tokens only (default: 0 = all)")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end a sample when its text contains TEXT (repeatable; TEXT is not printed)")
+    g.add_argument("--stop_token_ids", "--stop-token-ids", dest="stop_token_ids", default=[], metavar="IDS",
+                   type=token_ids, help="end a sample at any of these token ids, e.g. 2,7")
+    g.add_argument("--n", default=1, metavar="N", type=_bounded(integer, lambda v: v >= 1, "an integer >= 1"),
+                   help="samples per prompt, sharing the prompt's KV blocks (one prefill); with --temperature > 0")
+    g.add_argument("--logprobs", default=None, metavar="K", type=_bounded(integer, lambda v: v >= 0,
+                                                                          "an integer >= 0"),
+                   help="report the K most likely tokens' log-probabilities per generated token (--json)")
     g.add_argument("--seed", default=None, metavar="S", type=_bounded(integer, lambda v: v >= 0, "an integer >= 0"),
-                   help="sampling seed (prompt i uses S + i); absent = a fresh random seed")
+                   help="sampling seed (prompt i's sample j uses S + i*n + j); absent = a fresh random seed")
     g.add_argument("--salt", default=None, metavar="TEXT",
                    help="prefix-reuse scope: prompts under different salts never share cached blocks")
     g.add_argument("--ignore_eos", "--ignore-eos", dest="ignore_eos", action="store_true",
@@ -515,6 +559,7 @@ examples:
   kvload plan tiny-gemma3 --max_tokens 16384 --compare V1 vs V2 at one budget (--chart FILE.png draws it)
   kvload generate smollm2-135m --chat --prompt "What is the capital of France?"
   kvload simulate tiny-llama --workload shared-prefix --compare --requests 256 --max_tokens 65536
+  kvload serve smollm2-135m --port 8000                OpenAI-compatible server (needs kvload[serve])
 
 exit status: 0 ok, 2 bad input (usage, config, model, route, audit file), 1 runtime failure or a log
 that does not verify. Results go to stdout, logs to stderr.
@@ -599,6 +644,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_flags(p)
     p.set_defaults(func=cmd_run)
     add_generate_command(sub)
+    from kvload.serve.command import add_serve_command
+
+    add_serve_command(sub)
     add_simulate_command(sub)
     add_inspection_commands(sub)
     return parser
@@ -675,16 +723,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvload`` console script."""
     parser = build_parser()
     ns = parser.parse_args(argv)
-    from pipeline.logs import HeldStream, configure_logging
+    from pipeline.logs import HeldStream, configure_logging, env_log_settings
     from pipeline.signals import handle_sigterm
 
     handle_sigterm()  # kill (SIGTERM) cleans up like Ctrl-C: no temporary file, no half-built pools
 
+    try:  # flags win over KVLOAD_LOG_LEVEL / KVLOAD_LOG_FORMAT, which win over the defaults
+        env_level, env_format = env_log_settings()
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
     # At the default level, warnings are held until the outcome is known: a failed run prints only
     # its one-line error. Asking for info/debug streams everything as it happens.
-    level = getattr(ns, "log_level", "warning")  # explain/audit/models log nothing of their own
+    level = getattr(ns, "log_level", None) or env_level or "warning"  # explain/audit/models log nothing
     held = HeldStream() if level in ("warning", "error") and not ns.debug else None
-    configure_logging(getattr(ns, "log_format", "console"), level, held)
+    configure_logging(getattr(ns, "log_format", None) or env_format or "console", level, held)
     ok = False
     try:
         code = _run(ns)
@@ -693,7 +746,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KvloadError as exc:
         if ns.debug:  # the traceback, then the same line and exit status as without --debug
             traceback.print_exc()
-        print(f"error: {_cli_message(exc)}", file=sys.stderr)
+        print(f"error: {_cli_message(exc, sys.argv[1:] if argv is None else argv)}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt as exc:
         from pipeline.signals import Terminated
@@ -734,10 +787,11 @@ def _close_audit(ns: argparse.Namespace, ok: bool) -> None:
         sink.close(ok=ok)
 
 
-def _cli_message(exc: KvloadError) -> str:
-    """Name the flag instead of the dotted path when the bad value came from the command line."""
+def _cli_message(exc: KvloadError, argv: Sequence[str] = ()) -> str:
+    """Name the flag (as typed) instead of the dotted path when the bad value came from the command line."""
     if isinstance(exc, ConfigError) and exc.source == "cli" and exc.path in FLAG_FOR_PATH:
-        return f"{FLAG_FOR_PATH[exc.path]}: {exc.detail}"
+        flag = next(f for f in FLAGS if f.path == exc.path)
+        return f"{typed_spelling((flag.name, *flag.aliases), argv)}: {exc.detail}"
     return str(exc)
 
 

@@ -152,7 +152,7 @@ def render_explain(chains: list[dict[str, Any]]) -> str:
 
 
 def _payload(record: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in record.items() if k not in ("event", "level", "stage", "seq")}
+    return {k: v for k, v in record.items() if k not in ("event", "level", "stage", "seq", "ts")}
 
 
 def warning_text(record: dict[str, Any]) -> str:

@@ -5,7 +5,9 @@ Sources, in the order ``resolve_checkpoint`` tries them:
 * a local path: a directory holding ``config.json`` (safetensors weights; it wins over any ``.gguf``
   beside it), a directory holding one ``.gguf`` file and no ``config.json``, or a ``.gguf`` file itself;
 * an embedded preset (``models/presets/<name>/config.json``): a config only; weights are random;
-* a packaged model (``smollm2-135m``): a GGUF file shipped inside an installed Python distribution.
+* a packaged model (``smollm2-135m``): a GGUF file shipped inside an installed Python distribution;
+* a Hugging Face model id (``org/name``, optionally ``@revision``) whose snapshot is already in the local
+  Hugging Face cache (``models.hub_cache``; never a download).
 
 A GGUF checkpoint keeps its config in the GGUF header; transformers reads it (``gguf_file=``) but
 names no architecture, so kvload fills ``architectures`` from transformers' causal-LM mapping.
@@ -51,7 +53,7 @@ class Checkpoint:
     """Where a model's config and weights live; ``gguf_file`` names the GGUF file inside ``path``."""
 
     name: str
-    kind: str  # "preset" | "directory" | "package"
+    kind: str  # "preset" | "directory" | "package" | "hub" (a snapshot in the local Hugging Face cache)
     path: Path
     gguf_file: str | None = None
 
@@ -66,6 +68,17 @@ class Checkpoint:
         if self.gguf_file:
             data["gguf_file"] = self.gguf_file
         return data
+
+
+#: Beside each packaged model: the config transformers reads from its GGUF, so ``kvload models`` can
+#: say what it supports without reading the GGUF (seconds). tests/test_models_listing.py checks it
+#: against the installed file's own config.
+PACKAGED_CONFIGS = Path(__file__).parent / "packaged"
+
+
+def packaged_config(name: str) -> dict[str, Any]:
+    """The stored config of a packaged model (see :data:`PACKAGED_CONFIGS`)."""
+    return json.loads((PACKAGED_CONFIGS / f"{name}.config.json").read_text(encoding="utf-8"))
 
 
 def presets() -> list[str]:
@@ -124,11 +137,24 @@ def resolve_checkpoint(name: str) -> Checkpoint:
         return Checkpoint(name, "preset", PRESETS_DIR / name)
     if name in PACKAGED:
         return _packaged_checkpoint(name)
+    from models.hub_cache import cached_snapshot, looks_like_model_id
+
+    if looks_like_model_id(name):
+        snapshot, folder = cached_snapshot(name)
+        if snapshot is not None:
+            found = _directory_checkpoint(name, snapshot)
+            return Checkpoint(name, "hub", found.path, gguf_file=found.gguf_file)
+        raise ModelError(
+            f"model {name!r}: not a preset or a directory; presets: {', '.join(presets())}; packaged models: "
+            f"{', '.join(packaged_models())}; nor a model in the local Hugging Face cache (looked for {folder}); "
+            f"kvload never downloads: fetch it first (hf download {name.partition('@')[0]}) or point HF_HOME / "
+            "HF_HUB_CACHE at the cache that holds it"
+        )
     if _looks_like_path(name):
         raise ModelError(f"model {name!r}: no such directory")
     raise ModelError(
         f"model {name!r}: not a preset or a directory; presets: {', '.join(presets())}; packaged models: "
-        f"{', '.join(packaged_models())} (or give a checkpoint directory or .gguf file)"
+        f"{', '.join(packaged_models())} (or give a checkpoint directory, .gguf file or Hugging Face model id)"
     )
 
 
@@ -182,15 +208,25 @@ def _unique_keys(file: Path) -> Any:
 
 
 def load_hf_config(checkpoint: Checkpoint) -> Any:
-    """Read the config through ``transformers.AutoConfig`` (never ``trust_remote_code``)."""
+    """Read the config: a preset's as a :class:`~models.config_view.ConfigView` (no transformers
+    import: presets store transformers' complete ``to_dict()``), any other through
+    ``transformers.AutoConfig`` (never ``trust_remote_code``), which fills in what a file leaves out."""
     if checkpoint.gguf_file:
         return _load_gguf_config(checkpoint)
     raw = read_config_json(checkpoint.path)
+    if checkpoint.kind == "preset":
+        from models.config_view import ConfigView
+
+        return ConfigView(raw, checkpoint.path)
     from transformers import AutoConfig  # deferred: importing transformers costs seconds
 
     try:
         return AutoConfig.from_pretrained(str(checkpoint.path), trust_remote_code=False, local_files_only=True)
     except Exception as exc:  # transformers' own checks raise ValueError, strict-dataclass errors, ZeroDivisionError
+        if raw.get("auto_map"):  # the config names classes shipped as code inside the checkpoint
+            raise ModelError(f"{checkpoint.path / 'config.json'}: model_type {raw['model_type']!r} needs code shipped "
+                             "with the checkpoint (auto_map); kvload never runs it (trust_remote_code stays off)"
+                             ) from exc
         raise ModelError(
             f"{checkpoint.path / 'config.json'}: transformers cannot load model_type {raw['model_type']!r}: "
             f"{first_line(exc)}"

@@ -2,15 +2,21 @@
 
 Dequantizing a GGUF file through transformers takes far longer than reading safetensors (SmolLM2-135M
 Q4_1: ~13 s against ~1 s), and reading its header alone costs seconds. The first load writes the
-dequantized float32 weights, the config and the tokenizer to ``<cache>/<stem>-<key>/``; the cache
-root is ``$KVLOAD_CACHE`` or ``~/.cache/kvload``.
+dequantized float32 weights, the config and the tokenizer to ``<cache>/<stem>-<key>/`` and says so on
+stderr (a line when it starts, one when it is done). The cache root is ``$KVLOAD_CACHE``, else
+``$XDG_CACHE_HOME/kvload``, else ``~/.cache/kvload``.
 
-The key hashes the GGUF file's resolved path, size and modification time and the transformers
-version, so a changed file or a different converter gets a fresh directory. The directory appears
-atomically: everything is written under a temporary name in the same root and renamed when complete,
-so a crashed or concurrent conversion never leaves a half-written cache that looks finished.
-The config is saved without a ``dtype``: a GGUF declares none, and float32 is only the storage choice,
-so ``dtype: auto`` resolves the same with or without the cache.
+The key hashes the GGUF file's *content* (SHA-256) and the transformers version: the same file
+installed in two virtual environments shares one conversion, and a changed file or a different
+converter gets a fresh directory. Hashing a file costs a fraction of a second per 100 MB, so the
+content key of a (path, size, mtime) is remembered under ``<cache>/.state/keys/``.
+
+Two processes that convert the same file at once take turns on a lock (``filelock``, under
+``<cache>/.state/locks/``): the second waits, saying so, and finds the first one's result. The
+directory itself appears atomically: everything is written under a temporary name in the same root
+and renamed when complete, so a crashed conversion never leaves a half-written cache that looks
+finished. The config is saved without a ``dtype``: a GGUF declares none, and float32 is only the
+storage choice, so ``dtype: auto`` resolves the same with or without the cache.
 """
 
 from __future__ import annotations
@@ -20,7 +26,10 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,12 +40,19 @@ if TYPE_CHECKING:
 
 #: Written last, inside the directory before the rename; its presence marks a complete conversion.
 MARKER = "kvload-conversion.json"
+#: Bookkeeping beside the conversions (remembered content keys, locks); never a conversion itself.
+STATE = ".state"
+#: How long a second process waits for another one's conversion before giving up.
+LOCK_TIMEOUT_S = 3600.0
 
 
 def cache_root() -> Path:
-    """``$KVLOAD_CACHE`` when set, else ``~/.cache/kvload``."""
+    """``$KVLOAD_CACHE``, else ``$XDG_CACHE_HOME/kvload``, else ``~/.cache/kvload``."""
     env = os.environ.get("KVLOAD_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvload"
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kvload"
 
 
 def _transformers_version() -> str:
@@ -45,16 +61,56 @@ def _transformers_version() -> str:
     return importlib.metadata.version("transformers")
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def content_key(gguf: Path) -> str:
+    """SHA-256 of the file's bytes, remembered per (resolved path, size, mtime) so it is computed once."""
+    st = gguf.stat()
+    ident = hashlib.sha256(f"{gguf.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:32]
+    memo = cache_root() / STATE / "keys" / ident
+    try:
+        known = memo.read_text(encoding="ascii").strip()
+        if re.fullmatch(r"[0-9a-f]{64}", known):
+            return known
+    except OSError:
+        pass
+    key = _sha256(gguf)
+    try:  # best effort: an unwritable cache only costs the hash next time
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_name(f".{memo.name}.{os.getpid()}")
+        tmp.write_text(key, encoding="ascii")
+        tmp.replace(memo)
+    except OSError:
+        pass
+    return key
+
+
 def cache_dir(checkpoint: Checkpoint) -> Path:
     """Where the converted copy of a GGUF checkpoint lives (whether or not it exists yet)."""
     gguf = checkpoint.gguf_path
     if gguf is None:
         raise ValueError(f"checkpoint {checkpoint.name!r} is not a GGUF file")
-    st = gguf.stat()
-    ident = f"{gguf.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{_transformers_version()}"
-    key = hashlib.sha256(ident.encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{content_key(gguf)}\0{_transformers_version()}".encode()).hexdigest()[:16]
     stem = re.sub(r"[^A-Za-z0-9._-]+", "_", gguf.stem)
     return cache_root() / f"{stem}-{key}"
+
+
+def _legacy_dir(checkpoint: Checkpoint) -> Path | None:
+    """Where kvload before content keys put this file's conversion (keyed by path, size and mtime)."""
+    gguf = checkpoint.gguf_path
+    try:
+        st = gguf.stat()
+    except (OSError, AttributeError):
+        return None
+    ident = f"{gguf.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{_transformers_version()}"
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", gguf.stem)
+    return cache_root() / f"{stem}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
 
 
 def cached_conversion(checkpoint: Checkpoint) -> Path | None:
@@ -66,24 +122,84 @@ def cached_conversion(checkpoint: Checkpoint) -> Path | None:
     return target if (target / MARKER).is_file() else None
 
 
-def convert_gguf(checkpoint: Checkpoint) -> Path:
-    """Dequantize a GGUF checkpoint to float32 safetensors (plus config and tokenizer), once; return the directory."""
+def _say(line: str) -> None:
+    """A progress line on stderr: the conversion takes long enough that silence looks like a hang."""
+    print(f"kvload: {line}", file=sys.stderr, flush=True)
+
+
+def convert_gguf(checkpoint: Checkpoint, progress: Callable[[str], None] | None = _say) -> Path:
+    """Dequantize a GGUF checkpoint to float32 safetensors (plus config and tokenizer), once; return the directory.
+
+    ``progress`` receives a line when a conversion starts, when this process waits for another
+    one's, and when it is done (None: silent).
+    """
+    say = progress or (lambda _line: None)
     done = cached_conversion(checkpoint)
     if done is not None:
         return done
     target = cache_dir(checkpoint)
     root = target.parent
     try:
-        root.mkdir(parents=True, exist_ok=True)
+        (root / STATE / "locks").mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ModelError(f"cannot write the GGUF conversion cache under {root} ({exc.strerror or exc}); "
+                         "set KVLOAD_CACHE to a writable directory") from None
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(str(root / STATE / "locks" / f"{target.name}.lock"))
+    try:
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            say(f"waiting for another process converting {checkpoint.gguf_path.name} into {target}")
+            lock.acquire(timeout=LOCK_TIMEOUT_S)
+    except Timeout:
+        raise ModelError(f"gave up after {LOCK_TIMEOUT_S:.0f} s waiting for another process converting "
+                         f"{checkpoint.gguf_path} (lock {lock.lock_file})") from None
+    try:
+        if (target / MARKER).is_file():  # the process we waited for finished it
+            return target
+        legacy = _legacy_dir(checkpoint)
+        if legacy is not None and (legacy / MARKER).is_file() and _adopt(legacy, target):
+            return target
+        return _convert_locked(checkpoint, target, say)
+    finally:
+        lock.release()
+
+
+def _adopt(legacy: Path, target: Path) -> bool:
+    """Share an older kvload's conversion of this very file under the content key (hard links: no copy,
+    and the older kvload keeps finding its own); False when the links cannot be made."""
+    tmp = target.with_name(f".{target.name}.adopt.{os.getpid()}")
+    try:
+        tmp.mkdir()
+        for f in legacy.iterdir():
+            if f.is_file():
+                os.link(f, tmp / f.name)
+        tmp.rename(target)
+        return True
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return False
+
+
+def _convert_locked(checkpoint: Checkpoint, target: Path, say: Callable[[str], None]) -> Path:
+    root = target.parent
+    gguf = checkpoint.gguf_path
+    try:
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
         tmp.chmod(0o755)  # mkdtemp makes it private; the finished cache is an ordinary directory
     except OSError as exc:
         raise ModelError(f"cannot write the GGUF conversion cache under {root} ({exc.strerror or exc}); "
                          "set KVLOAD_CACHE to a writable directory") from None
+    start = time.perf_counter()
+    say(f"converting {gguf.name} ({gguf.stat().st_size / 1e6:.0f} MB) to float32 safetensors in {target} "
+        "(once per file; later loads read the converted copy)")
     try:
         tokenizer_saved = _write_conversion(checkpoint, tmp)
         (tmp / MARKER).write_text(json.dumps({
-            "source": str(checkpoint.gguf_path),
+            "source": str(gguf),
+            "sha256": content_key(gguf),
             "transformers": _transformers_version(),
             "dtype": "float32",
             "tokenizer": tokenizer_saved,
@@ -91,12 +207,13 @@ def convert_gguf(checkpoint: Checkpoint) -> Path:
         try:
             tmp.rename(target)
         except OSError as exc:
-            if cached_conversion(checkpoint) is None:  # not a concurrent winner: a real failure
-                raise ModelError(f"cannot finish the GGUF conversion cache at {target} ({exc.strerror or exc}); "
-                                 "remove it or set KVLOAD_CACHE to another directory") from None
+            raise ModelError(f"cannot finish the GGUF conversion cache at {target} ({exc.strerror or exc}); "
+                             "remove it or set KVLOAD_CACHE to another directory") from None
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+    size = sum(p.stat().st_size for p in target.iterdir() if p.is_file())
+    say(f"converted {gguf.name} in {time.perf_counter() - start:.1f} s ({size / 1e6:.0f} MB)")
     return target
 
 

@@ -74,8 +74,12 @@ def random_model(hf_config: Any, *, device: str, dtype: str, seed: int = 0) -> A
     import torch
     from transformers import AutoModelForCausalLM
 
+    from models.config_view import transformers_config
+
     tdtype = torch_dtype(dtype)
-    cfg = copy.deepcopy(hf_config)  # from_config writes attention settings into the config it gets
+    # a preset's plan read its config without transformers; building a model needs the real object.
+    # from_config writes attention settings into the config it gets, hence the copy.
+    cfg = copy.deepcopy(transformers_config(hf_config))
     with torch.random.fork_rng(devices=[]):  # leave the caller's RNG stream untouched
         torch.manual_seed(seed)
         try:
@@ -94,8 +98,10 @@ def tensor_parallel_options(hf_config: Any, tp_size: int) -> dict[str, Any]:
 
     ``ModelError`` when the architecture has no plan in this transformers (kvload does not write plans).
     """
+    from models.config_view import transformers_config
     from models.geometry import text_config
 
+    hf_config = transformers_config(hf_config)  # the TP plan is a class attribute of transformers' config
     plan = getattr(text_config(hf_config), "base_model_tp_plan", None) or getattr(hf_config, "base_model_tp_plan", None)
     if not plan:
         arch = (getattr(hf_config, "architectures", None) or [type(hf_config).__name__])[0]
@@ -114,8 +120,10 @@ def plan_kv_heads_per_rank(hf_config: Any, tp_size: int) -> int | None:
     The plan shards K/V heads when it splits ``k_proj`` by columns (``colwise``); otherwise every rank
     computes every KV head. kvload's pools must hold exactly what the model computes.
     """
+    from models.config_view import transformers_config
     from models.geometry import kv_heads, text_config
 
+    hf_config = transformers_config(hf_config)  # the TP plan is a class attribute of transformers' config
     cfg = text_config(hf_config)
     plan = getattr(cfg, "base_model_tp_plan", None) or getattr(hf_config, "base_model_tp_plan", None) or {}
     n = kv_heads(cfg)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Callable
 from typing import Any
 
@@ -29,8 +30,10 @@ class EventBus:
         self._subscribers.remove(subscriber)
 
     def emit(self, event: Event, stage: str) -> dict[str, Any]:
-        """Publish one event as ``stage``; returns its wire dict."""
+        """Publish one event as ``stage``; returns its wire dict, stamped with ``ts`` (ISO 8601, UTC)."""
         record = attrs.evolve(event, stage=stage, seq=self._seq).to_dict()
+        # when it happened: metadata beside the event, never part of what a replay or --verify compares
+        record["ts"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="microseconds")
         self._seq += 1
         for subscriber in self._subscribers:
             subscriber(record)

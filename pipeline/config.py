@@ -62,15 +62,21 @@ def normalize_dtype(value: str) -> str:
     return DTYPE_ALIASES.get(value, value)
 
 
+#: One convention for byte counts (README "Memory sizes"): SI suffixes (kB, MB, GB, TB) are powers of
+#: 1000, IEC suffixes (KiB, MiB, GiB, TiB) powers of 1024, and a bare letter (K, M, G, T) is binary,
+#: as vLLM reads it: ``8G`` = ``8GiB``. Case does not matter.
 _SIZE_UNITS = {
     "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
     "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+    "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4,
 }
+#: How a byte count may be written, for help texts and error messages.
+SIZE_HELP = "a byte count such as 8589934592, 8GiB (= 8G = 8*2**30) or 8GB (= 8*10**9)"
 
 
 def parse_size(text: str) -> int:
-    """Parse ``"8GiB"``, ``"512MB"``, ``"1e9"`` or ``"4096"`` into bytes; raise ``ValueError`` otherwise."""
+    """Parse ``"8GiB"``, ``"8G"`` (GiB), ``"512MB"``, ``"1e9"`` or ``"4096"`` into bytes; ``ValueError`` otherwise."""
     s = text.strip().lower().replace("_", "")
     num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = s[len(num):].strip()
@@ -120,6 +126,13 @@ fraction = _check(
 dtype_name = _check(
     lambda v: isinstance(v, str) and (v == AUTO or v in DTYPE_BYTES),
     '"auto" or one of ' + ", ".join(DTYPE_BYTES) + " (aliases: " + ", ".join(DTYPE_ALIASES) + ")",
+)
+#: Dtypes a model's weights (and so its forward pass) can take; float8 is a KV cache dtype only,
+#: so ``dtype: fp8`` is refused here, from every source, before anything is planned.
+MODEL_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
+model_dtype_name = _check(
+    lambda v: isinstance(v, str) and (v == AUTO or v in MODEL_DTYPES),
+    '"auto", ' + ", ".join(MODEL_DTYPES) + " (float8 is a KV cache dtype only: kv_cache_config.dtype)",
 )
 
 
@@ -254,7 +267,7 @@ class LlmArgs:
     """Everything a load is configured by; ``model`` names a preset or a checkpoint directory."""
 
     model: str = attrs.field(validator=model_name)
-    dtype: DTypeName = attrs.field(default=AUTO, converter=_norm_dtype, validator=dtype_name)
+    dtype: DTypeName = attrs.field(default=AUTO, converter=_norm_dtype, validator=model_dtype_name)
     device: DeviceName = attrs.field(default=AUTO, validator=device_name)
     max_batch_size: int = attrs.field(default=2048, validator=pos_int)
     max_seq_len: int | None = attrs.field(default=None, validator=opt_pos_int)

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import attrs
 import cattrs
-from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
+from cattrs.errors import ForbiddenExtraKeysError
 from cattrs.gen import make_dict_unstructure_fn, override
 
 from pipeline.config import (
@@ -77,37 +77,31 @@ for _cls in (KvCacheConfig, LlmArgs):
     )
 
 
-def _nested_class(cls: type, name: str) -> type | None:
-    for a in public_fields(cls):
-        if a.name == name and isinstance(a.type, type) and attrs.has(a.type):
-            return a.type
-    return None
+#: Separates the leaf field from the message inside one of cattrs' ``"{message} @ {path}"`` lines.
+_SEP = "\x1f"
 
 
-def _first_error(exc: BaseException, cls: type | None, path: tuple[str, ...]) -> tuple[str, str]:
-    """Walk cattrs' exception tree to the first leaf; return its dotted path and message."""
-    if isinstance(exc, (ClassValidationError, IterableValidationError)):
-        for sub in exc.exceptions:
-            child_path, child_cls = path, cls
-            for note in getattr(sub, "__notes__", []):
-                # cattrs notes look like "Structuring class LlmArgs @ attribute kv_cache_config".
-                if "@ attribute " in note:
-                    attr = note.rsplit("@ attribute ", 1)[1].strip()
-                    child_path = (*path, attr)
-                    child_cls = _nested_class(cls, attr) if cls else None
-            return _first_error(sub, child_cls, child_path)
-        return ".".join(path), "invalid"
+def _describe(exc: BaseException, _type: Any) -> str:
+    """``format_exception`` for ``cattrs.transform_error``: ``leaf<SEP>message`` in kvload's words."""
     if isinstance(exc, ForbiddenExtraKeysError):
         known = [a.name for a in public_fields(exc.cl)]
         key = sorted(exc.extra_fields)[0]
         close = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
         hint = f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(known)}"
-        return ".".join((*path, key)), f"unknown key; {hint}"
+        return f"{key}{_SEP}unknown key; {hint}"
     if isinstance(exc, FieldError):
-        return ".".join((*path, exc.field)), exc.detail
+        return f"{exc.field}{_SEP}{exc.detail}"
     if isinstance(exc, KeyError):  # cattrs already noted the missing attribute in the path
-        return ".".join(path) or str(exc.args[0]), "required"
-    return ".".join(path), str(exc)
+        return f"{_SEP}required"
+    return f"{_SEP}{exc}"
+
+
+def _first_error(exc: BaseException) -> tuple[str, str]:
+    """The first leaf of cattrs' exception tree (``cattrs.transform_error`` walks it): dotted path, message."""
+    line = cattrs.transform_error(exc, path="", format_exception=_describe)[0]
+    message, _, where = line.rpartition(" @ ")
+    leaf, _, detail = message.partition(_SEP)
+    return ".".join(p for p in (*where.split(".")[1:], leaf) if p), detail
 
 
 def structure(raw: Mapping[str, Any], cls: type[T]) -> T:
@@ -117,7 +111,7 @@ def structure(raw: Mapping[str, Any], cls: type[T]) -> T:
     except ConfigError:
         raise
     except Exception as exc:  # cattrs wraps every leaf error; render the first one
-        path, detail = _first_error(exc, cls, ())
+        path, detail = _first_error(exc)
         raise ConfigError(f"{path or cls.__name__}: {detail}", path=path or None, detail=detail) from exc
 
 

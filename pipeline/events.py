@@ -297,7 +297,7 @@ class RequestResumed(Event):
 
 @event("request_finished")
 class RequestFinished(Event):
-    """A request ended ("eos" or "length") and released its blocks."""
+    """A request ended ("stop": EOS, stop string or stop token; or "length") and released its blocks."""
 
     req_id: str
     reason: str | None
@@ -311,7 +311,7 @@ class GenerationStarted(Event):
     """A ``generate`` call begins: its prompts and sampling settings (each call is one audit segment)."""
 
     call: int  # 0 for the first generate call on a loaded result, then 1, 2, ...
-    requests: int
+    requests: int  # sequences: every sample of every prompt
     prompt_tokens: int
     max_new_tokens: int
     temperature: float
@@ -319,6 +319,12 @@ class GenerationStarted(Event):
     seed: int | None
     salted: bool  # a reuse-scope salt was given (the salt itself is not logged)
     kv_manager: str
+    top_k: int = 0
+    n: int = 1  # samples per prompt (``requests`` counts every sample)
+    stop_strings: int = 0  # how many stop strings (their text is not logged)
+    stop_token_ids: list[int] = attrs.Factory(list)
+    logprobs: int | None = None
+    per_prompt_params: bool = False  # one SamplingParams per prompt: the sampling fields above are prompt 0's
 
 
 @event("generation_finished")
@@ -326,7 +332,7 @@ class GenerationFinished(Event):
     """A ``generate`` call ended: every request finished; totals and throughput."""
 
     call: int
-    requests: int
+    requests: int  # sequences: every sample of every prompt
     prompt_tokens: int
     reused_prompt_tokens: int
     generated_tokens: int
@@ -373,6 +379,18 @@ class KvBudgetComputed(Event):
     rank: int = 0
     limited_by_rank: int | None = None
     rank_budget_bytes: list[int | None] | None = None
+
+
+@event("kv_budget_short", level="warning")
+class KvBudgetShort(Event):
+    """The KV pools hold no whole sequence of ``max_seq_len``: a request that long would never be admitted."""
+
+    capacity_tokens: int
+    max_seq_len: int
+    sequence_bytes: int  # what one sequence of max_seq_len needs
+    budget_bytes: int
+    limited_by: str | None  # the dotted field whose rule set the budget
+    advice: str
 
 
 @event("kv_manager_built")

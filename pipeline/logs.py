@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Any, TextIO
 
@@ -58,16 +59,78 @@ def configure_logging(fmt: str = "console", level: str = "info", stream: TextIO 
     )
 
 
+#: Environment variables a library user (or the CLI, as its flags' defaults) sets kvload's logging with.
+LEVEL_ENV, FORMAT_ENV = "KVLOAD_LOG_LEVEL", "KVLOAD_LOG_FORMAT"
+FORMATS = ("console", "json")
+
+
+def env_log_settings() -> tuple[str | None, str | None]:
+    """``(level, format)`` from ``KVLOAD_LOG_LEVEL`` / ``KVLOAD_LOG_FORMAT`` (None when unset).
+
+    A value that is not accepted is a ``ConfigError`` naming the variable.
+    """
+    from pipeline.errors import ConfigError
+
+    level = os.environ.get(LEVEL_ENV, "").strip().lower() or None
+    fmt = os.environ.get(FORMAT_ENV, "").strip().lower() or None
+    if level is not None and level not in _LEVELS:
+        raise ConfigError(f"{LEVEL_ENV}={os.environ[LEVEL_ENV]!r}: expected one of {', '.join(_LEVELS)}")
+    if fmt is not None and fmt not in FORMATS:
+        raise ConfigError(f"{FORMAT_ENV}={os.environ[FORMAT_ENV]!r}: expected one of {', '.join(FORMATS)}")
+    return level, fmt
+
+
+def logging_configured() -> bool:
+    """Whether the application set up the standard library's ``logging`` (a handler on root or ``kvload``)."""
+    return bool(logging.getLogger().handlers or logging.getLogger(LOGGER_NAME).handlers)
+
+
+#: The standard-library logger kvload's events go to when an application configured ``logging``.
+LOGGER_NAME = "kvload"
+
+
+def _renderer(fmt: str | None) -> Any:
+    if fmt == "json":
+        return structlog.processors.JSONRenderer(sort_keys=False)
+    return structlog.dev.ConsoleRenderer(colors=False, sort_keys=False)
+
+
 def _library_logger() -> Any:
-    # An application that configured structlog (or pytest-structlog) gets our events as is; one
-    # that did not should not see every info event on stdout, so we default to warnings on stderr.
+    """Where kvload's events go when kvload is used as a library, first match wins:
+
+    1. an application that configured structlog (or pytest-structlog) gets them as structlog events;
+    2. one that configured the standard library's ``logging`` gets them as records of the ``kvload``
+       logger (message = the event name, the payload in ``extra`` and in the message), at the
+       event's level, so its handlers, formatters and levels decide;
+    3. otherwise warnings and errors go to stderr, one line each, as the CLI prints them.
+    ``KVLOAD_LOG_LEVEL`` sets the least severe event passed on in routes 2 (default: every event; the
+    handlers' levels still apply) and 3 (default: warning); ``KVLOAD_LOG_FORMAT`` (console, json) the
+    format of route 3. In route 1 the structlog configuration decides (the CLI reads both variables as
+    the defaults of ``--log-level`` / ``--log-format``).
+    """
     if structlog.is_configured():
-        return structlog.get_logger("kvload")
+        return structlog.get_logger(LOGGER_NAME)
+    level, fmt = env_log_settings()
+    if logging_configured():
+        std = logging.getLogger(LOGGER_NAME)
+        return structlog.wrap_logger(
+            std, processors=[_StdlibRecord()],
+            wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level] if level else logging.DEBUG))
     return structlog.wrap_logger(
         structlog.PrintLogger(sys.stderr),
-        processors=[structlog.processors.add_log_level, structlog.dev.ConsoleRenderer(colors=False)],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+        processors=[structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso", utc=True),
+                    _renderer(fmt)],
+        wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level or "warning"]),
     )
+
+
+class _StdlibRecord:
+    """structlog processor: hand an event to a ``logging.Logger`` as ``msg`` plus ``extra``."""
+
+    def __call__(self, logger: Any, method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+        event = event_dict.pop("event")
+        detail = " ".join(f"{k}={v!r}" for k, v in event_dict.items())
+        return {"msg": f"{event} {detail}".rstrip(), "extra": {"kvload_event": event, "kvload": dict(event_dict)}}
 
 
 class StructlogSubscriber:
@@ -77,5 +140,5 @@ class StructlogSubscriber:
         self._logger = logger if logger is not None else _library_logger()
 
     def __call__(self, record: dict[str, Any]) -> None:
-        payload = {k: v for k, v in record.items() if k not in ("event", "level")}
+        payload = {k: v for k, v in record.items() if k not in ("event", "level", "ts")}
         getattr(self._logger, record.get("level", "info"))(record["event"], **payload)

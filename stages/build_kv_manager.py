@@ -82,6 +82,11 @@ class BuildKvManager:
         ctx.on_close(pools.release)
         manager = manager_cls(pools, manager_options(ctx))
         ctx.on_close(manager.close)
+        events = ctx.args.kv_cache_config.event_buffer_max_size
+        if events > 0:  # KV cache events: off (no buffer, no cost) unless asked for
+            from cache_backends.kv_events import KvEventBuffer
+
+            manager.enable_kv_events(KvEventBuffer(events))
         args = ctx.args
         scheduler = scheduler_cls(manager, args.max_batch_size, args.max_num_tokens)
         ctx.kv_manager, ctx.scheduler = manager, scheduler

@@ -9,9 +9,10 @@ from pipeline.config import LlmArgs, framework_defaults
 from pipeline.context import Context, UserValue
 from pipeline.converter import structure
 from pipeline.errors import ConfigError
-from pipeline.events import ArgsParsed, SourceConflict
+from pipeline.events import ArgsParsed, SettingIgnored, SourceConflict
 from pipeline.paths import flatten, get_in, unflatten
 from pipeline.sources import overrides_to_tree, read_yaml
+from pipeline.trtllm_compat import split_ignored
 
 _PLACEHOLDER_MODEL = "<model>"
 
@@ -32,6 +33,7 @@ class ParseArgs:
         if req.model is not None:
             tree = {"model": req.model, **tree}
         sources.append((req.source, tree))
+        sources = [(label, self._drop_ignored(label, tree, req.config_file, emit)) for label, tree in sources]
 
         # Normalised leaves per source (e.g. dtype "bf16" -> "bfloat16"), checked one source at a time.
         checked = [(label, self._check(label, tree, req.config_file)) for label, tree in sources]
@@ -56,6 +58,18 @@ class ParseArgs:
                 current[path] = value
                 seen[path] = UserValue(value, label)
         ctx.user_values = merged
+
+    @staticmethod
+    def _drop_ignored(label: str, tree: dict[str, Any], config_file: str | None, emit: Emit) -> dict[str, Any]:
+        """Take out TensorRT-LLM keys kvload does not act on; one ``setting_ignored`` (a warning) for each."""
+        try:
+            kept, ignored = split_ignored(tree)
+        except ConfigError as exc:
+            where = f"config file {config_file}: " if label == "config_file" else ""
+            raise ConfigError(f"{where}{exc}", path=exc.path, detail=exc.detail, source=label) from None
+        for path, value, reason in ignored:
+            emit(SettingIgnored(field=path, value=value, reason=f"{reason} (from {label})"))
+        return kept
 
     @staticmethod
     def _check(label: str, tree: dict[str, Any], config_file: str | None) -> dict[str, Any]:

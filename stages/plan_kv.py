@@ -28,7 +28,7 @@ from cache_backends.reuse import partial_reuse_off_reason
 from pipeline.bus import Emit
 from pipeline.context import Context
 from pipeline.errors import KvBuildError
-from pipeline.events import KvBudgetComputed, SettingIgnored
+from pipeline.events import KvBudgetComputed, KvBudgetShort, SettingIgnored
 from pipeline.text import cell, table
 from stages.rank_budget import agree_rest, min_budget
 
@@ -251,7 +251,8 @@ def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
                             reason=f"a fraction of free CUDA memory; on {device} the budget comes from "
                                    "kv_cache_config.max_tokens or max_gpu_total_bytes"))
     fallback = kv.default_max_tokens
-    if budget.budget_bytes is None and fallback is not None:
+    defaulted = budget.budget_bytes is None and fallback is not None
+    if defaulted:
         # the default when no rule bounds the budget (CPU without max_tokens or max_gpu_total_bytes);
         # max_tokens stays null, this event says what sized the pools
         unbounded = budget.unbounded_reason
@@ -293,11 +294,17 @@ def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
                                                                 host_bytes)
     if manager == "v2":
         warn_inert_v2_settings(ctx, layout, host_bytes, emit)
-    return KvPlan(manager, route.kv_manager, route.scheduler, device, kv.dtype, kv.tokens_per_block,
+    plan = KvPlan(manager, route.kv_manager, route.scheduler, device, kv.dtype, kv.tokens_per_block,
                   args.max_seq_len, layout, budget, pools, problem, host_size, host_slots, host_bytes,
                   tensor_parallel_size=tp, heads=ctx.heads.to_dict() if ctx.heads is not None else None,
                   limited_by_rank=agreed.limited_by_rank if agreed is not None else None,
                   rank_budget_bytes=agreed.rank_budget_bytes if agreed is not None else None)
+    # plan and run both say it as a warning, not only as a note in the table; a budget sized by
+    # default_max_tokens (generate, for its own prompts) was chosen for shorter requests on purpose
+    short = None if defaulted else budget_short(plan)
+    if short is not None:
+        emit(short)
+    return plan
 
 
 def warn_inert_v2_settings(ctx: Context, layout: KvLayout, host_bytes: int | None, emit: Emit) -> None:
@@ -383,3 +390,29 @@ class PlanKv:
     def run(self, ctx: Context, emit: Emit) -> None:
         """Compute the KV plan of the routed manager."""
         ctx.kv = compute_kv_plan(ctx, emit)
+
+
+#: The flag that sets each budget rule's field, for advice a CLI user can act on.
+_RULE_FLAGS = {"max_tokens": "--max_tokens", "max_gpu_total_bytes": "--max_gpu_total_bytes",
+               "free_gpu_memory_fraction": "--kv_cache_free_gpu_memory_fraction"}
+
+
+def budget_short(plan: KvPlan) -> KvBudgetShort | None:
+    """``kv_budget_short`` when the planned pools hold less than one sequence of ``max_seq_len``, else None."""
+    pools = plan.pools
+    if pools is None or pools.max_concurrency > 0:
+        return None
+    need = plan.layout.bytes_for_sequence(plan.max_seq_len)
+    rule = plan.budget.limited_by or ""
+    field = RULE_FIELDS.get(rule, rule or "the KV budget")
+    flag = _RULE_FLAGS.get(rule)
+    if rule == "max_tokens":
+        raise_to = f"raise {field} ({flag}) to at least {plan.max_seq_len}"
+    elif rule == "max_gpu_total_bytes":
+        raise_to = f"raise {field} ({flag}) to at least {need} B"
+    else:
+        raise_to = f"raise {field}" + (f" ({flag})" if flag else "") + f" so the pools get at least {need} B"
+    advice = (f"{raise_to}, or lower max_seq_len (--max_seq_len) to the longest request you serve; "
+              f"requests longer than {pools.capacity_tokens} tokens will never be admitted")
+    return KvBudgetShort(capacity_tokens=pools.capacity_tokens, max_seq_len=plan.max_seq_len, sequence_bytes=need,
+                         budget_bytes=pools.total_bytes, limited_by=RULE_FIELDS.get(rule), advice=advice)

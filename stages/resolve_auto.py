@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from pipeline.bus import Emit
@@ -14,8 +15,28 @@ from pipeline.paths import get_in
 V2 = V2_FIELD
 
 
+def gpu_driver_present() -> bool:
+    """Whether this machine has an NVIDIA or ROCm device node (a GPU torch might use)."""
+    import os
+
+    nodes = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd", "/dev/dxg")
+    return any(os.path.exists(p) for p in nodes)
+
+
+def _no_gpu_driver() -> bool:
+    """True when this machine certainly has no GPU torch could use, and torch is not imported yet.
+
+    Lets ``device: auto`` resolve to cpu without importing torch (seconds) on a machine without a GPU.
+    """
+    if "torch" in sys.modules:
+        return False  # already paid for: ask torch itself
+    return not gpu_driver_present()
+
+
 def cuda_available() -> bool:
-    """Whether torch sees a CUDA device (False when torch is missing)."""
+    """Whether torch sees a CUDA device (False when torch is missing, or no GPU driver is there)."""
+    if _no_gpu_driver():
+        return False
     try:
         import torch
     except ImportError:

@@ -40,6 +40,11 @@ def hf_greedy(model: Any, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+def greedy_admission(result: pipeline.LoadResult) -> None:
+    """Make a V2 result's scheduler admit greedily (no growth headroom), so a tight budget really suspends."""
+    result.scheduler.init_ratio = result.scheduler.new_token_ratio = 0.0
+
+
 def used_blocks(result: pipeline.LoadResult) -> int:
     """Device blocks some request still owns (cached, evictable blocks are not counted)."""
     stats = result.kv_manager.stats()

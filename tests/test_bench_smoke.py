@@ -24,3 +24,14 @@ def test_run_all_writes_the_markdown_report(tmp_path, capsys):
     assert "### Prefix hashing" in text and "| 32 |" in text
     assert text in capsys.readouterr().out
     assert bench_hashing.run(True)[0].rows
+
+
+def test_grid_compares_v1_and_v2_per_cell_and_judges_the_targets():
+    from bench import bench_grid
+
+    rows, table = bench_grid.grid(("tiny-llama",), ("no-reuse",), ("default",), quick=True)
+    (row,) = rows
+    assert row["status"] == {"v1": "ok", "v2": "ok"} and row["v1"].finished == row["v2"].finished == 128
+    assert row["steps_ratio"] == row["v2"].steps / row["v1"].steps and "ok" in row
+    assert table.rows[0][:3] == ["tiny-llama", "no-reuse", "default"]
+    assert any(note.startswith("Every cell") for note in table.notes)

@@ -86,9 +86,12 @@ def test_conversion_happens_once_into_a_keyed_directory(fake_gguf, tmp_path):
     assert first.parent == tmp_path / "cache" and first.name.startswith("m-")
     assert (first / gguf_cache.MARKER).is_file()
     assert gguf_cache.convert_gguf(ckpt) == first and len(calls) == 1
-    assert sorted(p.name for p in first.parent.iterdir()) == [first.name]  # no temporary left behind
+    # no temporary left behind: the conversion and kvload's bookkeeping only
+    assert sorted(p.name for p in first.parent.iterdir()) == [gguf_cache.STATE, first.name]
     st = ckpt.gguf_path.stat()
-    os.utime(ckpt.gguf_path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a changed file gets a fresh conversion
+    os.utime(ckpt.gguf_path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # touched, same bytes: same conversion
+    assert gguf_cache.convert_gguf(ckpt) == first and len(calls) == 1
+    ckpt.gguf_path.write_bytes(b"other weights")  # a changed file gets a fresh conversion
     assert gguf_cache.convert_gguf(ckpt) != first and len(calls) == 2
 
 
@@ -102,7 +105,7 @@ def test_a_failed_conversion_leaves_no_directory(fake_gguf, monkeypatch, tmp_pat
     monkeypatch.setattr(gguf_cache, "_write_conversion", boom)
     with pytest.raises(ModelError, match="conversion failed"):
         gguf_cache.convert_gguf(ckpt)
-    assert list((tmp_path / "cache").iterdir()) == []
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [gguf_cache.STATE]
     assert gguf_cache.cached_conversion(ckpt) is None
 
 

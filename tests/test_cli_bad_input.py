@@ -67,7 +67,7 @@ CASES = [
     ("block-zero", "plan tiny-llama --tokens_per_block 0", 2, ["--tokens_per_block", ">= 1, got 0"]),
     ("dtype", "plan tiny-llama --dtype int3", 2, ["--dtype", "bfloat16", "'int3'"]),
     ("kv-dtype", "plan tiny-llama --kv_cache_dtype int8", 2, ["--kv_cache_dtype", "float8_e4m3fn", "'int8'"]),
-    ("device", "plan tiny-llama --device tpu", 2, ["--device", "'tpu'", "'cpu'"]),
+    ("device", "plan tiny-llama --device tpu", 2, ["--device", "'tpu'", "\"cpu\"", "\"cuda:N\""]),
     ("batch-zero", "plan tiny-llama --max_batch_size 0", 2, ["--max_batch_size", ">= 1"]),
     ("seq-len-word", "plan tiny-llama --max_seq_len long", 2, ["--max_seq_len", "'long'"]),
     ("num-tokens-zero", "plan tiny-llama --max_num_tokens 0", 2, ["--max_num_tokens", ">= 1"]),

@@ -67,9 +67,12 @@ def test_json_prints_outputs_and_stats(capsys):
     assert r.code == 0, r.err
     doc = json.loads(r.out)
     assert set(doc) == {"model", "route", "outputs", "stats"}
-    (out,) = doc["outputs"]
-    assert out["prompt_token_ids"] == [9, 9, 9] and len(out["token_ids"]) == 2 and out["finish_reason"] == "length"
-    assert out["text"] is None and set(out["timings"]) == {"first_token_s", "total_s"}
+    (out,) = doc["outputs"]  # one RequestOutput per prompt, its samples in "outputs"
+    (sample,) = out["outputs"]
+    assert out["prompt_token_ids"] == [9, 9, 9] and len(sample["token_ids"]) == 2
+    assert sample["finish_reason"] == "length" and sample["text"] is None and sample["logprobs"] is None
+    assert out["computed_prompt_tokens"] == 3 and out["reused_prompt_tokens"] == 0
+    assert set(out["timings"]) == {"first_token_s", "total_s"}
     assert doc["stats"]["generated_tokens"] == 2 and doc["stats"]["tokens_per_s"] > 0
     assert doc["route"]["kv_manager"] == "KVCacheManager"
 
@@ -82,6 +85,29 @@ def test_v2_under_pressure_reports_suspends_in_the_throughput_line(capsys):
     assert "suspended" in r.out.rstrip("\n").split("\n")[-1]
 
 
+def test_n_samples_print_each_as_i_dot_j_and_share_the_prompt(capsys):
+    ids = ",".join(map(str, range(10, 30)))  # 20 tokens: 4 full blocks (16 tokens) reusable by each later sample
+    r = run_cli(capsys, *TINY, "--prompt-ids", ids, "--n", "3", "--temperature", "1.5", "--seed", "2",
+                "--max_new_tokens", "4", "--ignore_eos", "--tokens_per_block", "4", "--max_tokens", "512")
+    assert r.code == 0, r.err
+    lines = r.out.rstrip("\n").split("\n")
+    assert sorted(line.split(" ")[0] for line in lines[:3]) == ["[0.0]", "[0.1]", "[0.2]"]
+    assert lines[3].startswith("-- 1 prompt (3 samples): 60 prompt tokens (32 reused), 12 generated in ")
+
+
+def test_json_carries_logprobs_stop_token_ids_and_top_k(capsys):
+    ref = api_tokens([[9, 9, 9]], 6)[0]
+    stop = ref[3]
+    r = run_cli(capsys, *TINY, "--prompt-ids", "9,9,9", "--max_new_tokens", "6", "--ignore_eos", "--max_tokens", "256",
+                "--stop_token_ids", str(stop), "--logprobs", "2", "--top_k", "1", "--temperature", "0.9", "--json")
+    assert r.code == 0, r.err
+    (sample,) = r.json()["outputs"][0]["outputs"]
+    assert sample["token_ids"] == ref[:ref.index(stop) + 1]  # top_k 1 samples the greedy tokens
+    assert (sample["finish_reason"], sample["stop_reason"]) == ("stop", stop)
+    assert all(str(t) in entry and len(entry) >= 2 for t, entry in zip(sample["token_ids"], sample["logprobs"],
+                                                                        strict=True))
+
+
 @pytest.mark.parametrize(("args", "message"), [
     ((), "error: --prompt: give at least one --prompt TEXT"),
     (("--prompt", "hello"), "error: generate: prompt 0 is text, but tiny-llama has no tokenizer"),
@@ -90,6 +116,11 @@ def test_v2_under_pressure_reports_suspends_in_the_throughput_line(capsys):
     (("--prompt-ids", "1", "--max_new_tokens", "0"), "error: --max_new_tokens: expected an integer >= 1, got '0'"),
     (("--prompt-ids", "1", "--temperature", "-1"), "error: --temperature: expected a number >= 0, got '-1'"),
     (("--prompt-ids", "1", "--top-p", "1.5"), r"error: --top_p: expected a number in (0, 1], got '1.5'"),
+    (("--prompt-ids", "1", "--top_k", "-3"), "error: --top_k: expected an integer >= 1, or 0 / -1 for all tokens"),
+    (("--prompt-ids", "1", "--n", "0"), "error: --n: expected an integer >= 1, got '0'"),
+    (("--prompt-ids", "1", "--stop", "x"), "error: generate: stop: stop strings are matched on the text, but "
+                                           "tiny-llama has no tokenizer"),
+    (("--prompt-ids", "1", "--stop_token_ids", "1,a"), "error: --stop_token_ids: expected token ids"),
     (("--prompt-ids", "1", "--max_tokens", "32", "--max_new_tokens", "64"),
      "error: generate: prompt 0: 1 prompt tokens + max_new_tokens 64 need 3 blocks"),
 ])
@@ -115,4 +146,4 @@ def test_help_explains_the_output_and_the_cpu_budget(capsys):
     r = run_cli(capsys, "generate", "--help")
     assert r.code == 0
     assert "--prompt TEXT" in r.out and "--prompt-ids IDS" in r.out and "--chat" in r.out
-    assert "prompts x (max_new_tokens + 1024) tokens" in r.out
+    assert "prompts x (n x max_new_tokens + 1024) tokens" in r.out

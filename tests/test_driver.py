@@ -44,7 +44,7 @@ def test_eos_and_max_seq_len_end_a_request_early():
     eos, long = Request("eos", [1, 2], 10), Request("long", [3, 4, 5], 10)
     d.run([eos], answer(7))
     d.run([long], answer(5))
-    assert (eos.finish_reason, eos.output_token_ids) == ("eos", [7])
+    assert (eos.finish_reason, eos.output_token_ids) == ("stop", [7])
     assert (long.finish_reason, long.num_tokens) == ("length", 6)  # stopped at max_seq_len, not max_new_tokens
 
 

@@ -12,7 +12,7 @@ from engine.executor import GenerationExecutor
 from engine.sampling import sample_token
 from kvload.explain import verify_log
 from pipeline.errors import GenerationError, KvBuildError
-from tests.generate_support import NEW_TOKENS, hf_greedy, load, prompts_for, used_blocks
+from tests.generate_support import NEW_TOKENS, greedy_admission, hf_greedy, load, prompts_for, used_blocks
 
 # --- sampling -------------------------------------------------------------------------------------
 
@@ -68,7 +68,7 @@ def test_eos_ends_a_request_unless_ignored(tiny_checkpoints):
         model.generation_config.eos_token_id = stop
         model.config.eos_token_id = stop
         out = result.generate([prompt], max_new_tokens=NEW_TOKENS)[0]
-        assert out.finish_reason == "eos" and out.token_ids == ref[: ref.index(stop) + 1]
+        assert out.finish_reason == "stop" and out.token_ids == ref[: ref.index(stop) + 1]
         out = result.generate([prompt], max_new_tokens=NEW_TOKENS, ignore_eos=True)[0]
         assert out.finish_reason == "length" and out.token_ids == ref
 
@@ -157,7 +157,7 @@ def test_a_failing_call_frees_its_requests_and_the_executor_stays_usable(tiny_ch
         model = result.hf_model
         ps = prompts_for(model.config.vocab_size)
         if manager == "v2":  # greedy admission (no growth headroom), so the pressure suspends a request
-            result.scheduler.init_ratio = result.scheduler.new_token_ratio = 0.0
+            greedy_admission(result)
 
         seen = []
 
@@ -216,5 +216,5 @@ def test_an_executor_without_a_bus_still_generates(tiny_checkpoints):
     with load(tiny_checkpoints("qwen3"), "v1") as result:
         executor = GenerationExecutor(result.hf_model, result.kv_manager, result.scheduler)
         p = prompts_for(result.hf_model.config.vocab_size, (5,))[0]
-        assert executor.generate([p])[0].token_ids == hf_greedy(result.hf_model, p, 16)
+        assert executor.generate([p], max_tokens=16)[0].token_ids == hf_greedy(result.hf_model, p, 16)
         assert result.audit.of("generation_started") == []

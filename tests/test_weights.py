@@ -7,8 +7,8 @@ import torch
 
 import pipeline
 from models.checkpoint import load_hf_config, resolve_checkpoint
-from models.weights import random_model
-from pipeline import LoadRequest, ModelError
+from models.weights import random_model, torch_dtype
+from pipeline import ConfigError, LoadRequest, ModelError
 from stages import LoadWeights
 
 
@@ -67,9 +67,12 @@ def test_weights_follow_the_resolved_dtype():
     assert result.audit.of("weights_loaded")[0]["dtype"] == "bfloat16"
 
 
-def test_a_float8_model_dtype_cannot_carry_weights():
-    with pytest.raises(ModelError, match=r"^dtype 'float8_e4m3fn': weights load in float32, float16, bfloat16 only"):
+def test_a_float8_model_dtype_is_refused_before_anything_loads():
+    # float8 is a KV cache dtype only: the args refuse it as the model dtype, from every source
+    with pytest.raises(ConfigError, match=r"^dtype: expected .*float8 is a KV cache dtype only"):
         load_through_stages("tiny-llama", dtype="float8_e4m3fn")
+    with pytest.raises(ModelError, match=r"^dtype 'float8_e4m3fn': weights load in float32, float16, bfloat16 only"):
+        torch_dtype("float8_e4m3fn")  # the weights' own guard stays for callers that skip the args
 
 
 def test_safetensors_directory_loads_its_own_weights(tmp_path):

@@ -26,6 +26,7 @@ import attrs
 from cache_backends.block_pool import BlockPool, KVBlock
 from cache_backends.hashing import block_hash, chain_hashes
 from cache_backends.interface import ManagerOptions, prefix_cache_in_use
+from cache_backends.kv_events import KvEventBuffer
 from cache_backends.pools import BlockPools
 from cache_backends.request import Request
 
@@ -69,6 +70,12 @@ class KVCacheManager:
         self.reuse_hit_tokens = 0  # prompt tokens served from the prefix cache
         self.reuse_query_tokens = 0  # prompt tokens of admitted requests (the hit rate's denominator)
         self.closed = False
+        self.kv_events: KvEventBuffer | None = None
+
+    def enable_kv_events(self, buffer: KvEventBuffer) -> None:
+        """Record stored / removed / cleared prefix-cache blocks into ``buffer`` from now on."""
+        self.kv_events = buffer
+        self.pool.on_evict = lambda keys: buffer.removed(keys, self.group)
 
     # --- sizes --------------------------------------------------------------------------------
 
@@ -214,9 +221,28 @@ class KVCacheManager:
         first = len(seq.keys)
         tokens = request.all_token_ids[first * T:full * T]
         keys = chain_hashes(tokens, T, request.salt, seq.keys[-1] if seq.keys else None)  # = block_hash chained
+        events = self.kv_events
+        fresh = [block.block_hash is None for block in seq.blocks[first:full]] if events is not None else None
         for block, key in zip(seq.blocks[first:full], keys, strict=True):
             self.pool.cache(block, key)  # False: an equal block is cached already; keep that one
+        if events is not None:
+            self._stored(events, seq, first, keys, fresh, tokens)
         seq.keys.extend(keys)
+
+    def _stored(self, events: KvEventBuffer, seq: _Sequence, first: int, keys: list[bytes], fresh: Any,
+                tokens: list[int]) -> None:
+        """One ``kv_block_stored`` per run of blocks this commit newly cached (an equal block cached before is not)."""
+        T = self.tokens_per_block
+        run: list[int] = []
+        for i in [*range(len(keys)), None]:
+            if i is not None and fresh[i] and seq.blocks[first + i].block_hash == keys[i]:
+                run.append(i)
+                continue
+            if run:
+                start = first + run[0]
+                parent = keys[run[0] - 1] if run[0] > 0 else (seq.keys[start - 1] if start > 0 else None)
+                events.stored([keys[r] for r in run], parent, tokens[run[0] * T:(run[-1] + 1) * T], T, self.group)
+            run = []
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (cached ones stay evictable, the tail evicted first)."""
@@ -232,6 +258,8 @@ class KVCacheManager:
         if self._seqs:
             raise prefix_cache_in_use([r.req_id for r in self._seqs])
         self.pool.reset()
+        if self.kv_events is not None:
+            self.kv_events.cleared()
 
     def stats(self) -> dict[str, Any]:
         """Usage, free/evictable/used blocks, reuse hits in tokens (V1 never suspends or resumes)."""

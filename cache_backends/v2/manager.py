@@ -48,6 +48,7 @@ from typing import Any
 
 from cache_backends.hashing import block_hash, chain_packed_hashes, pack_tokens
 from cache_backends.interface import ManagerOptions, prefix_cache_in_use
+from cache_backends.kv_events import KvEventBuffer
 from cache_backends.layout import KvLayout, LayerGroup
 from cache_backends.pools import BlockPools
 from cache_backends.request import Request
@@ -129,7 +130,10 @@ class KVCacheManagerV2:
         if slots:
             self.host = HostTier(pools, slots)
         self._caches: dict[Request, SequenceCache] = {}
+        # per group: sum over active caches of the blocks each holds at its worst case (growth_bound's cheap bound)
+        self._worst_blocks = [0] * len(self.groups)
         self._closed = False
+        self.kv_events: KvEventBuffer | None = None
         self.counters = {"suspends": 0, "resumes": 0, "preemptions": 0, "reuse_hit_tokens": 0,
                          "reuse_partial_hits": 0, "reuse_lookup_tokens": 0}
 
@@ -416,6 +420,12 @@ class KVCacheManagerV2:
                 raise ValueError(f"request {r.req_id} is in running but has no active KV cache; "
                                  "only the scheduler moves requests into running")
 
+    def growth_bound(self) -> dict[str, int]:
+        """Per group, an upper bound of :meth:`headroom_blocks` over every active cache at any ratio, in O(groups):
+        the blocks active caches hold at their worst cases minus the blocks in use (shared ones count once)."""
+        return {name: max(0, w - pool.num_used)
+                for (name, _, pool), w in zip(self._group_pools, self._worst_blocks, strict=True)}
+
     def available_blocks(self) -> dict[str, int]:
         """Blocks per group an allocation could take now (free plus evictable)."""
         return {name: pool.available for name, pool in self._pool.items()}
@@ -480,6 +490,8 @@ class KVCacheManagerV2:
         for pool in self._pool.values():
             pool.reset()
         self._tree = RadixTree()
+        if self.kv_events is not None:
+            self.kv_events.cleared()
 
     # --- reporting -------------------------------------------------------------------------------
 
@@ -560,6 +572,9 @@ class KVCacheManagerV2:
                         problems.append(f"{rid}: group {g.name} block {j} missing above the window")
                     if b >= 0:
                         owners[g.name][b] = owners[g.name].get(b, 0) + 1
+        worst = [sum(g.blocks_for(c.worst) for c in self._caches.values() if c.is_active) for g in self.groups]
+        if worst != self._worst_blocks:
+            problems.append(f"worst-case blocks of active caches {self._worst_blocks}, recomputed {worst}")
         for g in self.groups:
             pool = self._pool[g.name]
             free, evictable = set(pool.free_ids()), set(pool.evictable.blocks())
@@ -619,6 +634,8 @@ class KVCacheManagerV2:
 
     def _detach(self, group: str, nodes: list[RadixNode]) -> None:
         """Unhook evicted or dropped blocks of ``group`` from their radix nodes (pool side is the caller's)."""
+        if self.kv_events is not None:
+            self.kv_events.removed([n.key for n in nodes], group)
         self._tree.detach(group, nodes)
 
     def _attach(self, node: RadixNode, group: str, block: int) -> None:
@@ -626,9 +643,39 @@ class KVCacheManagerV2:
         if group not in node.blocks and pool.node[block] is None:
             node.blocks[group] = block
             pool.node[block] = node
+            if self.kv_events is not None:
+                self._stored(group, [node])
+
+    def _stored(self, group: str, nodes: list[RadixNode]) -> None:
+        """``kv_block_stored`` for ``group``'s blocks now held by ``nodes`` (a chain, parent first)."""
+        events = self.kv_events
+        assert events is not None
+        chain: list[RadixNode] = []
+        for node in [*nodes, None]:  # one event per run of nodes that chain parent to child
+            if node is not None and (not chain or node.parent is chain[-1]):
+                chain.append(node)
+                continue
+            if chain:
+                parent = chain[0].parent
+                events.stored([n.key for n in chain if n.key is not None], parent.key if parent is not None else None,
+                              [t for n in chain for t in n.token_ids], self.T, group)
+            chain = [node] if node is not None else []
+
+    def enable_kv_events(self, buffer: KvEventBuffer) -> None:
+        """Record stored / removed / cleared prefix-cache blocks into ``buffer`` from now on."""
+        self.kv_events = buffer
+
+    def _count_worst(self, cache: SequenceCache, sign: int) -> None:
+        """Add (``sign`` 1, on activation) or remove (-1, on release) a cache's worst-case blocks."""
+        if cache.worst < 0:
+            cache.worst = min(cache.request.max_total_tokens, self.options.max_seq_len)
+        worst, totals = cache.worst, self._worst_blocks
+        for i, g in enumerate(self.groups):
+            totals[i] += sign * g.blocks_for(worst)
 
     def _release_blocks(self, cache: SequenceCache) -> None:
         """Let go of every device block, tail first so the tail is evicted before the head."""
+        self._count_worst(cache, -1)
         priority = cache.request.priority
         for name, _, pool in self._group_pools:
             pool.release(reversed(cache.tables[name]), priority, True, self._detach)
@@ -679,10 +726,15 @@ class KVCacheManagerV2:
             else:  # token blocks j whose end is a group block's end: (j + 1) % step == 0
                 pairs = ((new[j - first], table[(j + 1) // step - 1])
                          for j in range(-(-(first + 1) // step) * step - 1, full, step))
+            stored = [] if self.kv_events is not None else None
             for node, b in pairs:
                 if b >= 0 and owner[b] is None and name not in node.blocks:
                     node.blocks[name] = b
                     owner[b] = node
+                    if stored is not None:
+                        stored.append(node)
+            if stored:
+                self._stored(name, stored)
 
     def _match(self, request: Request) -> tuple[int, list[RadixNode], list[bytes]]:
         """Walk the radix tree over the request's full blocks: (usable prefix, path, keys).
@@ -766,6 +818,7 @@ class KVCacheManagerV2:
                 m += self._claim_partial(cache, m, path)
         cache.committed = cache.history = cache.capacity = m
         cache.state = CacheState.ACTIVE
+        self._count_worst(cache, 1)
         cache.admitted = True
         cache.reused_tokens = m
         request.num_computed_tokens = m
@@ -869,4 +922,5 @@ class KVCacheManagerV2:
             self.host.free(name, slots)
         cache.host, cache.reclaim = None, {}
         cache.state = CacheState.ACTIVE
+        self._count_worst(cache, 1)
         self.counters["resumes"] += 1

@@ -1,4 +1,4 @@
-"""``KVCacheV2Scheduler``: greedy admission, suspend-to-host under pressure, resume when room returns.
+"""``KVCacheV2Scheduler``: admission with headroom for growth, suspend-to-host under pressure, resume later.
 
 One :meth:`~KVCacheV2Scheduler.step`:
 
@@ -203,19 +203,22 @@ class KVCacheV2Scheduler(SchedulerBase):
                 reasons.append(f"no room to admit request {r.req_id} until running requests free blocks")
                 break
             if running and ratio:
-                if headroom is None:
-                    headroom = m.headroom_blocks(running, ratio)
                 own = m.growth_blocks(r, ratio, n)
                 available = m.available_blocks()
-                short = [name for name, k in own.items() if k + headroom[name] > available[name]]
+                bound = m.growth_bound()  # cheap: when even the bound fits, the estimate is not needed
+                if headroom is None and any(k + bound[name] > available[name] for name, k in own.items()):
+                    headroom = m.headroom_blocks(running, ratio)
+                short = [] if headroom is None else [name for name, k in own.items()
+                                                     if k + headroom[name] > available[name]]
                 if short:
                     m.cancel_admission(r)
                     reasons.append(f"request {r.req_id} waits: admitting it would leave group {short[0]} less than "
                                    f"the running requests' estimated growth (new-token ratio {ratio:.2f})")
                     break
-                chunk = m.growth_blocks(r, 0.0, n)  # allocated below; the rest of its growth joins the headroom
-                for name, k in own.items():
-                    headroom[name] += k - chunk[name]
+                if headroom is not None:
+                    chunk = m.growth_blocks(r, 0.0, n)  # allocated below; the rest of its growth joins the headroom
+                    for name, k in own.items():
+                        headroom[name] += k - chunk[name]
             budget -= self._schedule(r, n, chunks)
             r.state = RequestState.RUNNING
             waiting.remove(r)

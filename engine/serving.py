@@ -1,0 +1,398 @@
+"""The serving engine: one loop thread doing continuous batching for requests that arrive at any time.
+
+``kvload serve`` (the face) submits requests from its HTTP handlers; the loop thread adds them to the
+one :class:`~engine.driver.Driver` between steps, so a request that arrives while others decode joins
+the next step's forward. Each request carries its own :class:`SamplingParams` (greedy or seeded
+sampling per request) and a ``sink`` the loop calls with a :class:`ServeEvent` after every step that
+gave it tokens, and once more when it ends. :meth:`ServingEngine.abort` (a client that went away)
+finishes a request between steps, which frees its blocks.
+
+The loop never dies on one request's failure: an error inside a step fails the requests of that step
+(their sinks get the error, their blocks are freed) and the loop goes on with the next arrivals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import attrs
+import torch
+
+from cache_backends.interface import SchedulerOutput
+from cache_backends.request import Request
+from engine.driver import Driver, StalledError, StepStats
+from engine.executor import GenerationExecutor
+from engine.sampling import sample_rows, top_logprobs
+from engine.sampling_params import SamplingParams
+from engine.stopping import SampleText
+from pipeline.errors import GenerationError, KvBuildError
+from pipeline.events import RequestFinished
+
+
+@attrs.frozen
+class ServeEvent:
+    """What a request's sink receives: its new tokens, and on the last event why it ended (or the error)."""
+
+    req_id: str
+    new_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]  # every generated token so far
+    finish_reason: str | None = None  # "stop" (EOS or a stop token), "length", "abort" or "error"
+    error: str | None = None
+    prompt_tokens: int = 0
+    reused_prompt_tokens: int = 0
+    #: per new token, when asked: (its log-probability, {token id: log-probability} of the top alternatives)
+    logprobs: tuple[tuple[float, dict[int, float]], ...] = ()
+
+    @property
+    def finished(self) -> bool:
+        """Whether this is the request's last event."""
+        return self.finish_reason is not None
+
+
+class EngineObserver(Protocol):
+    """Receives what metrics need, on the loop thread (keep it cheap)."""
+
+    def on_step(self, stats: StepStats, new_tokens: int) -> None:
+        """After every step: what it did (``stats.output`` is the scheduler's decision), tokens it generated."""
+
+    def on_finished(self, prompt_tokens: int, output_tokens: int, ttft_s: float | None, tpot_s: list[float],
+                    reason: str) -> None:
+        """When a request ends (finished, aborted or failed)."""
+
+
+@attrs.define(eq=False)
+class _Live:
+    request: Request
+    params: SamplingParams
+    sink: Callable[[ServeEvent], Any]
+    generator: torch.Generator | None
+    stop_token_ids: frozenset[int]
+    text: SampleText | None  # with stop strings: the text they are looked for in
+    logprobs: int | None
+    queued_at: float
+    token_times: list[float] = attrs.Factory(list)
+    token_logprobs: list[tuple[float, dict[int, float]]] = attrs.Factory(list)
+    reported: int = 0
+
+
+class _ServeDriver(Driver):
+    """The driver with per-request end-of-sequence rules (``ignore_eos``, stop token ids)."""
+
+    def __init__(self, *args: Any, live: dict[str, _Live], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._live_map = live
+
+    def _finish_reason(self, req: Request, token: int) -> str | None:
+        live = self._live_map.get(req.req_id)
+        if live is None:
+            return super()._finish_reason(req, token)
+        if token in self.eos_token_ids and not live.params.ignore_eos:
+            return "stop"
+        if token in live.stop_token_ids:
+            return "stop"
+        if live.text is not None and live.text.update(req.output_token_ids) is not None:
+            return "stop"  # a stop string appeared in the text (the face cuts the text there)
+        if len(req.output_token_ids) >= req.max_new_tokens or req.num_tokens >= self.max_seq_len:
+            return "length"
+        return None
+
+
+class ServingEngine:
+    """Continuous batching over a loaded model for requests submitted from any thread.
+
+    Build it over a ``GenerationExecutor`` (``ServingEngine.from_result(load_result)``), call
+    :meth:`start`, then :meth:`submit` / :meth:`abort` from anywhere; :meth:`stop` ends the loop and
+    aborts what is left.
+    """
+
+    def __init__(self, executor: GenerationExecutor, *, observer: EngineObserver | None = None,
+                 idle_wait_s: float = 0.5) -> None:
+        if getattr(executor, "lockstep", None) is not None:
+            raise GenerationError("serve: the model is loaded across several ranks (tensor parallel); the serving "
+                                  "loop runs on one rank only")
+        self.executor = executor
+        self.manager = executor.manager
+        self.scheduler = executor.scheduler
+        self.tokenizer = executor.tokenizer
+        self.observer = observer
+        self.idle_wait_s = idle_wait_s
+        self._live: dict[str, _Live] = {}
+        self.driver = _ServeDriver(self.manager, self.scheduler, eos_token_ids=executor.eos_token_ids,
+                                   emit=executor._emit, live=self._live)
+        self._cond = threading.Condition()
+        self._inbox: list[_Live] = []
+        self._aborts: set[str] = set()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count()
+        #: held by the loop during a step; readers (metrics) take it to see a consistent manager
+        self.state_lock = threading.Lock()
+        self.steps = 0
+        self.loop_error: str | None = None
+
+    @classmethod
+    def from_result(cls, result: Any, **kwargs: Any) -> ServingEngine:
+        """An engine over a ``load(..., load_weights=True)`` result (its executor, manager and scheduler)."""
+        executor = result.executor if hasattr(result, "executor") else GenerationExecutor.from_result(result)
+        return cls(executor, **kwargs)
+
+    # --- the thread --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the loop thread (idempotent)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kvload-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """End the loop; requests still queued or running end with reason ``"abort"``."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        """Whether the loop thread runs."""
+        return self._thread is not None and self._thread.is_alive()
+
+    # --- requests ----------------------------------------------------------------------------
+
+    def encode(self, prompt: str | Sequence[int], *, chat: bool = False) -> list[int]:
+        """Token ids of one prompt (text through the tokenizer, ``chat`` wraps it as one user message)."""
+        ((_, ids),) = self.executor._prompts([prompt], chat)
+        return ids
+
+    def encode_messages(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a chat conversation through the tokenizer's chat template, ready for the reply."""
+        tok = self.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise GenerationError(f"messages: the model {self.executor.name} has no tokenizer with a chat template; "
+                                  "use /v1/completions with token ids")
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        ids = [int(t) for t in ids]
+        if len(ids) >= self.executor.max_seq_len:
+            raise GenerationError(f"messages: {len(ids)} tokens leave no room to generate under "
+                                  f"max_seq_len={self.executor.max_seq_len}")
+        return ids
+
+    def decode(self, token_ids: Sequence[int]) -> str | None:
+        """Text of token ids without special tokens; None without a tokenizer."""
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def room(self, prompt_token_ids: Sequence[int]) -> int:
+        """Tokens a request with this prompt may generate before ``max_seq_len``."""
+        return self.executor.max_seq_len - len(prompt_token_ids)
+
+    def check(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> Request:
+        """The request these would make; ``GenerationError``/``KvBuildError`` when it could never run."""
+        ((_, ids),) = self.executor._prompts([[int(t) for t in prompt_token_ids]], False)  # vocabulary, length
+        request = Request(f"srv-{next(self._ids)}", ids, min(params.max_new_tokens, self.room(ids)))
+        self.executor._check_fits(0, request)  # KvBuildError with the numbers
+        return request
+
+    def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams, sink: Callable[[ServeEvent], Any], *,
+               salt: str | None = None, seed_offset: int = 0) -> str:
+        """Queue one request; its id. ``GenerationError``/``KvBuildError`` (nothing queued) when it could never run.
+
+        ``max_new_tokens`` is cut to what ``max_seq_len`` leaves. ``sink`` is called on the loop thread.
+        One sample per request (``params.n`` is the caller's: submit n requests, ``seed_offset`` 0..n-1).
+        It ends with ``"stop"`` on EOS (unless ``params.ignore_eos``), on a token of
+        ``params.stop_token_ids``, or once its text holds one of ``params.stop`` (the caller cuts the
+        text there). ``params.logprobs=k`` reports, per generated token, its log-probability and the
+        top ``k`` tokens' (``engine.sampling.top_logprobs``).
+        """
+        if self._stopping:
+            raise GenerationError("the engine is shutting down")
+        request = self.check(prompt_token_ids, params)
+        request.salt = salt
+        req_id = request.req_id
+        gen = None
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else random.SystemRandom().getrandbits(62)
+            gen = torch.Generator(device=self.executor.pools.device).manual_seed(seed + seed_offset)
+        text = SampleText(self.tokenizer, params.stop) if params.stop and self.tokenizer is not None else None
+        live = _Live(request, params, sink, gen, frozenset(params.stop_token_ids), text, params.logprobs,
+                     time.perf_counter())
+        with self._cond:
+            self._inbox.append(live)
+            self._cond.notify_all()
+        return req_id
+
+    def abort(self, req_id: str) -> None:
+        """Finish a request between steps (its blocks are freed); unknown or finished ids are ignored."""
+        with self._cond:
+            self._aborts.add(req_id)
+            self._cond.notify_all()
+
+    # --- metrics' view -----------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """Queue lengths and the manager's stats, consistent with one step boundary."""
+        with self.state_lock:
+            running = len(self.driver.running)
+            waiting = sum(1 for r in self.driver.waiting if r.state.value == "waiting")
+            suspended = len(self.driver.waiting) - waiting
+            stats = self.manager.stats() if not getattr(self.manager, "closed", False) else {}
+        return {"running": running, "waiting": waiting, "suspended": suspended, "manager": stats,
+                "steps": self.steps}
+
+    # --- the loop ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            with self.executor.paged_attention():
+                while self._loop_once():
+                    pass
+        except BaseException as exc:  # a bug in the loop itself: say so on every request, never hang them
+            self.loop_error = f"{type(exc).__name__}: {exc}"
+            self._fail_all(self.loop_error)
+            raise
+        finally:
+            self._fail_all("the engine stopped", reason="abort")
+            self.executor._block_tables.keep_only(())  # generate() may use the executor after the server
+
+    def _loop_once(self) -> bool:
+        with self._cond:
+            while not (self._stopping or self._inbox or self._aborts or self.driver.has_work):
+                self._cond.wait(self.idle_wait_s)
+            if self._stopping:
+                return False
+            inbox, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, set()
+        with self.state_lock:
+            for live in inbox:
+                self._live[live.request.req_id] = live
+                self.driver.add(live.request)
+            for req_id in aborts:
+                self._finish_early(req_id, "abort")
+            if not self.driver.has_work:
+                return True
+            try:
+                st = self.driver.step(self._compute)
+            except StalledError as exc:
+                self._fail_all(f"the {type(self.scheduler).__name__} cannot make progress: {exc}")
+                return True
+            except Exception as exc:
+                self._fail_all(f"{type(exc).__name__}: {exc}")
+                return True
+            self.steps += 1
+            outbox = self._collect(st)
+            if self.observer is not None:  # counted before any client can see the tokens (and scrape)
+                with contextlib.suppress(Exception):
+                    self.observer.on_step(st, sum(len(ev.new_token_ids) for _, ev in outbox))
+            for live, event in outbox:
+                self._send(live, event)
+        return True
+
+    def _compute(self, out: SchedulerOutput) -> dict[str, int]:
+        """The step's forward (the executor's packing), then each request's own pick: argmax or its generator."""
+        logits, rows = self.executor.forward(out, self._live)
+        if not rows:
+            return {}
+        reqs = [out.scheduled[i].request for i in rows]
+        lives = [self._live[r.req_id] for r in reqs]
+        picked: dict[str, int] = {}
+        greedy = [i for i, lv in enumerate(lives) if lv.params.greedy]
+        if greedy:
+            ids = logits[greedy].argmax(dim=-1).tolist()
+            picked.update((reqs[i].req_id, t) for i, t in zip(greedy, ids, strict=True))
+        for i, lv in enumerate(lives):
+            if not lv.params.greedy:
+                picked[reqs[i].req_id] = sample_rows(logits[i:i + 1], lv.params, [lv.generator])[0]
+        asked = [i for i, lv in enumerate(lives) if lv.logprobs is not None]
+        if asked:
+            k = max(lives[i].logprobs or 0 for i in asked)
+            tokens = [picked[reqs[i].req_id] for i in asked]
+            for i, token, top in zip(asked, tokens, top_logprobs(logits[asked], k, tokens), strict=True):
+                n = lives[i].logprobs or 0
+                alts = dict(sorted(top.items(), key=lambda kv: -kv[1])[:n])
+                lives[i].token_logprobs.append((top[token], alts))
+        return picked
+
+    def _collect(self, st: StepStats) -> list[tuple[_Live, ServeEvent]]:
+        """Each request's new tokens (and its end) after a step, to send; finished ones are retired."""
+        now = time.perf_counter()
+        outbox = []
+        done = {r.req_id for r in st.finished}
+        for req_id, live in list(self._live.items()):
+            tokens = live.request.output_token_ids
+            new = len(tokens) - live.reported
+            if new <= 0 and req_id not in done:
+                continue
+            live.token_times.extend([now] * max(new, 0))
+            event = ServeEvent(req_id, tuple(tokens[live.reported:]), tuple(tokens),
+                               finish_reason=live.request.finish_reason if req_id in done else None,
+                               prompt_tokens=live.request.num_prompt_tokens,
+                               reused_prompt_tokens=live.request.num_reused_tokens,
+                               logprobs=tuple(live.token_logprobs[live.reported:len(tokens)]))
+            live.reported = len(tokens)
+            if req_id in done:
+                self._retire(live, live.request.finish_reason or "length")
+            outbox.append((live, event))
+        return outbox
+
+    def _finish_early(self, req_id: str, reason: str, error: str | None = None) -> None:
+        """Finish a queued or running request now (abort, stop string, failure): blocks freed, sink told."""
+        live = self._live.get(req_id)
+        if live is None:
+            return
+        req = live.request
+        if not req.is_finished:
+            with contextlib.suppress(Exception):  # freeing must not take the loop down
+                self.scheduler.finish(req, reason)
+        req.finish_reason = reason
+        if req in self.driver.running:
+            self.driver.running.remove(req)
+        with contextlib.suppress(ValueError):
+            self.driver.waiting.remove(req)
+        self._retire(live, reason)
+        if self.executor._emit is not None:  # the audit log sees every end, not only the driver's
+            with contextlib.suppress(Exception):
+                self.executor._emit(RequestFinished(req_id=req_id, reason=reason, prompt_tokens=req.num_prompt_tokens,
+                                                    output_tokens=len(req.output_token_ids),
+                                                    reused_prompt_tokens=req.num_reused_tokens))
+        tokens = req.output_token_ids
+        self._send(live, ServeEvent(req_id, tuple(tokens[live.reported:]), tuple(tokens), finish_reason=reason,
+                                    error=error, prompt_tokens=req.num_prompt_tokens,
+                                    reused_prompt_tokens=req.num_reused_tokens,
+                                    logprobs=tuple(live.token_logprobs[live.reported:len(tokens)])))
+        live.reported = len(tokens)
+
+    def _retire(self, live: _Live, reason: str) -> None:
+        self._live.pop(live.request.req_id, None)
+        if self.observer is None:
+            return
+        times = live.token_times
+        ttft = times[0] - live.queued_at if times else None
+        tpot = [b - a for a, b in itertools.pairwise(times) if b > a]
+        with contextlib.suppress(Exception):
+            self.observer.on_finished(live.request.num_prompt_tokens, len(live.request.output_token_ids), ttft, tpot,
+                                      reason)
+
+    def _fail_all(self, message: str, reason: str = "error") -> None:
+        with self._cond:
+            pending, self._inbox = self._inbox, []
+        for live in pending:
+            self._live[live.request.req_id] = live
+        for req_id in list(self._live):
+            self._finish_early(req_id, reason, error=message if reason == "error" else None)
+
+    @staticmethod
+    def _send(live: _Live, event: ServeEvent) -> None:
+        with contextlib.suppress(Exception):  # a broken sink is its client's problem, not the loop's
+            live.sink(event)
+
+
+__all__ = ["EngineObserver", "KvBuildError", "ServeEvent", "ServingEngine"]

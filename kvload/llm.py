@@ -1,0 +1,205 @@
+"""``kvload.LLM``: the front door shaped like vLLM's and TensorRT-LLM's ``LLM`` class.
+
+``LLM(model, **llm_args)`` runs every stage with weights (``kvload.load(..., load_weights=True)``)
+and keeps the result: ``.generate`` returns ``RequestOutput``s, ``.generate_stream`` yields
+``TokenDelta``s as tokens are produced, ``.audit`` / ``.args`` / ``.route`` say what was decided and
+why. On CPU with neither ``kv_cache_config.max_tokens`` nor ``max_gpu_total_bytes``, the pools hold
+:data:`DEFAULT_CPU_MAX_TOKENS` tokens (``kv_cache_config.default_max_tokens``, an argument the audit
+log records and replays); pass either bound, or ``default_max_tokens``, to choose.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+from engine.outputs import GenerationStats, RequestOutput, TokenDelta
+from engine.sampling_params import SamplingParams
+from kvload.api import LoadResult, load
+from pipeline.bus import Subscriber
+from pipeline.config import KvCacheConfig, explicit_fields
+from pipeline.errors import GenerationError
+
+#: Tokens the KV pools hold on CPU when no bound is given: one SmolLM2 sequence of its full 8192-token
+#: context, or many short ones (SmolLM2-135M: 46 KB per token in float32, so ~380 MB).
+DEFAULT_CPU_MAX_TOKENS = 8192
+
+
+def _with_default_budget(kv: Any, tokens: int) -> Any:
+    """``kv_cache_config`` (None, a dict or a KvCacheConfig) with ``default_max_tokens`` set unless given."""
+    if kv is None:
+        return {"default_max_tokens": tokens}
+    if isinstance(kv, KvCacheConfig):  # keep "only the fields passed count as user-set"
+        kv = {name: getattr(kv, name) for name in explicit_fields(kv)}
+    if isinstance(kv, dict):
+        return {"default_max_tokens": tokens, **kv}
+    return kv  # anything else: the pipeline's own check names it
+
+
+class StreamClosed(Exception):
+    """Raised inside the generation thread when the consumer of ``generate_stream`` went away."""
+
+
+class LLM:
+    """A loaded model that generates through kvload's KV cache manager (``with LLM(...) as llm:``).
+
+    ``llm_args`` are ``LlmArgs`` fields (``kv_cache_config`` as a dict or ``KvCacheConfig``,
+    ``max_seq_len``, ``device``, ``dtype``, ...); ``config_file`` is a YAML of them (arguments win).
+    ``audit_log``: the load's events go there, and on :meth:`close` the file is rewritten with the
+    generation events too. ``log=False`` keeps kvload's event lines off stderr.
+    """
+
+    def __init__(self, model: str, *, config_file: str | os.PathLike[str] | None = None,
+                 audit_log: str | os.PathLike[str] | None = None, subscribers: Iterable[Subscriber] = (),
+                 log: bool = True, **llm_args: Any) -> None:
+        llm_args["kv_cache_config"] = _with_default_budget(llm_args.get("kv_cache_config"), DEFAULT_CPU_MAX_TOKENS)
+        self._audit_log = audit_log
+        self._busy = threading.Lock()
+        self.result: LoadResult = load(model, load_weights=True, config_file=config_file, audit_log=audit_log,
+                                       subscribers=subscribers, log=log, **llm_args)
+        self._closed = False
+
+    # --- what was loaded ------------------------------------------------------------------------
+
+    @property
+    def args(self) -> Any:
+        """The resolved, frozen ``LlmArgs``."""
+        return self.result.args
+
+    @property
+    def route(self) -> Any:
+        """The routing decision: KV cache manager and scheduler, and why."""
+        return self.result.route
+
+    @property
+    def audit(self) -> Any:
+        """The audit log: the load's events, then one segment per generate call."""
+        return self.result.audit
+
+    @property
+    def tokenizer(self) -> Any:
+        """The checkpoint's tokenizer (None for presets, which take token ids)."""
+        return self.result.tokenizer
+
+    def get_tokenizer(self) -> Any:
+        """The tokenizer (vLLM's spelling)."""
+        return self.tokenizer
+
+    @property
+    def last_stats(self) -> GenerationStats | None:
+        """Totals of the last generate call: tokens, reuse, steps, wall time, tokens/s."""
+        return self.result.executor.last_stats
+
+    # --- generating -----------------------------------------------------------------------------
+
+    def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 salt: str | None = None, chat: bool = False, **sampling: Any) -> list[RequestOutput]:
+        """One :class:`RequestOutput` per prompt, in order (a single prompt still gives a list of one).
+
+        ``prompts``: a string, a list of strings (``chat=True`` applies the chat template) and/or lists
+        of token ids. ``sampling_params``: one :class:`SamplingParams` for all prompts, a list of one per
+        prompt, or None (defaults; its fields may be given as keywords instead). ``salt`` scopes prefix
+        reuse (prompts under different salts never share cached blocks).
+        """
+        with self._exclusive("generate"):
+            return self.result.executor.run(prompts, sampling_params, salt=salt, chat=chat, **sampling)
+
+    def generate_stream(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                        *, salt: str | None = None, chat: bool = False, **sampling: Any) -> Iterator[TokenDelta]:
+        """Yield a :class:`TokenDelta` per generated token of every sample, as the tokens are produced.
+
+        A sample's ``delta.text`` pieces concatenate to its final text; its last delta has
+        ``finish_reason`` set, and a prompt's last delta carries the prompt's ``RequestOutput``.
+        Generation runs in a background thread; leaving the loop early (``break``, an exception)
+        stops it and frees its KV blocks. Sampling settings are checked here, the prompts on the
+        first ``next()``.
+        """
+        self._check_open()
+        if isinstance(sampling_params, Sequence):
+            if sampling:
+                raise GenerationError("generate: pass sampling settings either as sampling_params or as keywords "
+                                      f"({', '.join(sorted(sampling))}), not both")
+            params: Any = [SamplingParams.build(p, {}) for p in sampling_params]
+        else:
+            params = SamplingParams.build(sampling_params, sampling)
+        return self._stream(prompts, params, salt, chat)
+
+    def _stream(self, prompts: Any, params: Any, salt: str | None, chat: bool) -> Iterator[TokenDelta]:
+        with self._exclusive("generate_stream"):
+            items: queue.SimpleQueue[Any] = queue.SimpleQueue()
+            closed = threading.Event()
+            done = object()
+
+            def on_delta(delta: TokenDelta) -> None:
+                if closed.is_set():
+                    raise StreamClosed("the generate_stream consumer stopped reading")
+                items.put(delta)
+
+            def work() -> None:
+                try:
+                    self.result.executor.run(prompts, params, salt=salt, chat=chat, on_delta=on_delta)
+                except BaseException as exc:  # handed to the consumer, which raises it
+                    items.put(exc)
+                else:
+                    items.put(done)
+
+            worker = threading.Thread(target=work, name="kvload-generate-stream", daemon=True)
+            worker.start()
+            try:
+                while True:
+                    item = items.get()
+                    if item is done:
+                        return
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield item
+            finally:
+                closed.set()
+                worker.join()
+
+    # --- lifetime -------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise GenerationError("generate: this LLM was closed (its KV pools and weights were released); "
+                                  "create a new kvload.LLM")
+
+    @contextlib.contextmanager
+    def _exclusive(self, what: str) -> Iterator[None]:
+        """One generate call at a time: the executor drives one batch of requests per call."""
+        self._check_open()
+        if not self._busy.acquire(blocking=False):
+            raise GenerationError(f"{what}: this LLM is already generating (a generate_stream is still open, or "
+                                  "another thread is generating); finish or close it first")
+        try:
+            yield
+        finally:
+            self._busy.release()
+
+    def close(self) -> None:
+        """Release the KV pools and weights; with ``audit_log``, rewrite it with the generation events too."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._audit_log is not None:
+                self.result.audit.to_jsonl(self._audit_log)
+        finally:
+            self.result.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{self.route.kv_manager} on {self.args.device}"
+        return f"LLM({self.args.model!r}, {state})"
+
+
+__all__ = ["DEFAULT_CPU_MAX_TOKENS", "LLM"]

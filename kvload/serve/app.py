@@ -1,0 +1,379 @@
+"""The HTTP face of ``kvload serve``: OpenAI's completions and chat completions, metrics, kvload's audit.
+
+Handlers turn a request body into engine requests (one per prompt and choice), wait on an asyncio
+queue the engine loop feeds, and answer as one JSON document or as server-sent events. A client that
+goes away (a closed stream, or a dropped connection while waiting) has its requests aborted, which
+frees their KV blocks. Every refusal is HTTP 400 with OpenAI's error body naming the field; an error
+inside the engine is 500 for that request only — the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import attrs
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from engine.serving import ServeEvent, ServingEngine
+from engine.stopping import SampleText
+from kvload.serve.metrics import ServeMetrics
+from kvload.serve.protocol import BadRequest, Job, parse
+from pipeline.errors import ConfigError, GenerationError, KvBuildError
+
+
+@attrs.define
+class ServeState:
+    """What the app serves: the loaded result, its engine and metrics, the served model name and defaults."""
+
+    result: Any
+    engine: ServingEngine
+    metrics: ServeMetrics
+    model_name: str
+    default_max_tokens: int = 256
+    created: int = attrs.Factory(lambda: int(time.time()))
+
+
+def create_app(state: ServeState) -> FastAPI:
+    """The FastAPI app over a started (or about to start) engine."""
+    app = FastAPI(title="kvload serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.serve = state
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(_: Request, exc: BadRequest) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(Exception)
+    async def failure(_: Request, exc: Exception) -> JSONResponse:  # never a dead server over one request
+        return JSONResponse(BadRequest(f"{type(exc).__name__}: {exc}", status=500, kind="server_error").body(),
+                            status_code=500)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.engine.alive:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "down", "error": state.engine.loop_error}, status_code=503)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": state.model_name, "object": "model", "created": state.created, "owned_by": "kvload",
+            "max_model_len": state.engine.executor.max_seq_len,
+        }]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body = await asyncio.to_thread(state.metrics.render)  # a scrape may wait for the step in flight
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/kvload/audit")
+    async def audit() -> Response:
+        log = state.result.audit
+        lines = [json.dumps(r, default=str, separators=(",", ":")) for r in [log.header, *list(log.events)]]
+        return Response("\n".join(lines) + "\n", media_type="application/x-ndjson")
+
+    @app.get("/v1/kvload/explain")
+    async def explain(field: str | None = None) -> dict[str, Any]:
+        from kvload.cli import flag_aliases
+        from kvload.explain import field_chain, resolve_field
+
+        if not field:
+            raise BadRequest("field: required, e.g. ?field=use_kv_cache_manager_v2", param="field")
+        try:
+            path = resolve_field(field, flag_aliases())
+        except ConfigError as exc:
+            raise BadRequest(f"field: {str(exc).removeprefix('explain: ')}", param="field") from None
+        return field_chain(state.result.audit, path)
+
+    @app.get("/v1/kvload/kv_events")
+    async def kv_events() -> dict[str, Any]:
+        from pipeline.errors import ConfigError as Off
+
+        try:
+            return state.result.kv_cache_events()  # drains: each event is served once
+        except Off as exc:
+            raise BadRequest(str(exc).removeprefix("kv_cache_events: "), param="event_buffer_max_size") from None
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _serve(state, request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _serve(state, request, "chat")
+
+    return app
+
+
+async def _serve(state: ServeState, request: Request, kind: str) -> Response:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    job = parse(body, kind, default_max_tokens=state.default_max_tokens)
+    model = body.get("model")
+    if model is not None and model != state.model_name:
+        raise BadRequest(f"model: {model!r} is not served here; this server serves {state.model_name!r}",
+                         param="model", status=404, code="model_not_found")
+    prompts = _encode(state.engine, job)
+    run = _Run(state, job, request, prompts)
+    run.submit()
+    if job.stream:
+        return StreamingResponse(run.stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return JSONResponse(await run.collect())
+
+
+def _encode(engine: ServingEngine, job: Job) -> list[list[int]]:
+    """Token ids of every prompt; ``BadRequest`` naming the prompt or the messages when one is unusable."""
+    if job.kind == "chat":
+        try:
+            return [engine.encode_messages(job.prompts[0])]
+        except GenerationError as exc:
+            raise BadRequest(str(exc).removeprefix("generate: "), param="messages") from None
+    out = []
+    for i, prompt in enumerate(job.prompts):
+        field = "prompt" if len(job.prompts) == 1 else f"prompt[{i}]"
+        try:
+            out.append(engine.encode(prompt))
+        except GenerationError as exc:
+            detail = str(exc).removeprefix("generate: ").removeprefix("prompt 0: ").removeprefix("prompt 0 ")
+            raise BadRequest(f"{field}: {detail}", param=field) from None
+    return out
+
+
+@attrs.define(eq=False)
+class _Choice:
+    """One choice's growing text: stop strings cut it, an incomplete character or a possible stop is held back."""
+
+    index: int
+    engine: ServingEngine
+    sample: SampleText | None  # None without a tokenizer (token ids only)
+    req_id: str = ""
+    token_ids: list[int] = attrs.Factory(list)
+    logprobs: list[tuple[float, dict[int, float]]] = attrs.Factory(list)
+    text: str = ""
+    finish_reason: str | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    reused: int = 0
+
+    def update(self, ev: ServeEvent) -> tuple[str, list[int], list[tuple[float, dict[int, float]]]]:
+        """Take one engine event; the new text, token ids and logprobs to report."""
+        self.token_ids = list(ev.token_ids)
+        self.logprobs.extend(ev.logprobs)
+        self.prompt_tokens, self.reused = ev.prompt_tokens, ev.reused_prompt_tokens
+        if ev.finish_reason is not None:
+            self.finish_reason = ev.finish_reason
+            self.error = ev.error
+        delta = ""
+        if self.sample is not None:  # the same text rules as LLM.generate: stop strings cut, never shown
+            final = self.finish_reason is not None
+            self.sample.update(self.token_ids, final=final)
+            delta = self.sample.delta(final=final)
+            self.text += delta
+        return delta, list(ev.new_token_ids), list(ev.logprobs)
+
+    @property
+    def reason(self) -> str:
+        """OpenAI's finish reason."""
+        return {"stop": "stop", "length": "length"}.get(self.finish_reason or "", self.finish_reason or "stop")
+
+
+class _Run:
+    """The engine requests of one HTTP request, and their answer."""
+
+    def __init__(self, state: ServeState, job: Job, request: Request, prompts: list[list[int]]) -> None:
+        self.state = state
+        self.engine = state.engine
+        self.job = job
+        self.request = request
+        self.prompts = prompts
+        self.queue: asyncio.Queue[tuple[int, ServeEvent] | None] = asyncio.Queue()  # None: the client left
+        tok = self.engine.tokenizer
+        self.choices = [_Choice(i, self.engine, SampleText(tok, job.stop) if tok is not None else None)
+                        for i in range(len(prompts) * job.n)]
+        self.id = ("chatcmpl-" if job.kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.open: set[int] = set()
+
+    def submit(self) -> None:
+        """Check every engine request fits, then queue them all (nothing queued when one is refused)."""
+        job = self.job
+        plan = []
+        for i, ids in enumerate(self.prompts):
+            params = job.params
+            if not job.max_tokens_given:  # the default never asks for more than max_seq_len leaves
+                params = attrs.evolve(params, max_tokens=max(1, min(params.max_tokens, self.engine.room(ids))))
+            try:
+                self.engine.check(ids, params)
+            except KvBuildError as exc:
+                field = "max_tokens" if job.max_tokens_given else ("messages" if job.kind == "chat" else "prompt")
+                where = "" if len(self.prompts) == 1 else f"prompt {i}: "
+                msg = (str(exc).removeprefix("generate: ").removeprefix("prompt 0: ")
+                       .replace("max_new_tokens", "max_tokens")
+                       .replace("; raise kv_cache_config.max_tokens (--max_tokens) or lower max_tokens",
+                                "; lower max_tokens, or serve with a larger KV budget (--max_tokens)"))
+                raise BadRequest(f"{field}: this request could never fit the KV cache: {where}{msg}",
+                                 param=field) from None
+            plan.append((ids, params))
+        loop = asyncio.get_running_loop()
+        try:
+            for i, (ids, params) in enumerate(plan):
+                for j in range(job.n):
+                    index = i * job.n + j
+                    sink = functools.partial(_post, loop, self.queue, index)
+                    rid = self.engine.submit(ids, params, sink, salt=job.salt, seed_offset=j)
+                    self.choices[index].req_id = rid
+                    self.open.add(index)
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """Abort every engine request still open (the client went away or something failed)."""
+        for index in self.open:
+            self.engine.abort(self.choices[index].req_id)
+        self.open.clear()
+
+    async def _next(self) -> tuple[int, ServeEvent] | None:
+        """The next engine event; None when the client disconnected (its requests are then aborted)."""
+        item = await self.queue.get()
+        if item is None:
+            self.abort()
+        return item
+
+    async def _watch_disconnect(self) -> None:
+        """Wait for the client to go away (ASGI ``http.disconnect``), then wake :meth:`collect` to abort.
+
+        Only for plain responses: a streaming response has Starlette listen and cancel the stream itself.
+        """
+        while True:
+            message = await self.request.receive()
+            if message["type"] == "http.disconnect":
+                self.queue.put_nowait(None)  # type: ignore[arg-type]
+                return
+
+    async def collect(self) -> dict[str, Any]:
+        """Wait for every choice; the whole response document."""
+        watcher = asyncio.create_task(self._watch_disconnect())
+        try:
+            while self.open:
+                item = await self._next()
+                if item is None:
+                    return {}
+                index, ev = item
+                self.choices[index].update(ev)
+                if ev.finished:
+                    self.open.discard(index)
+        finally:
+            watcher.cancel()
+            self.abort()
+        failed = next((c for c in self.choices if c.finish_reason == "error"), None)
+        if failed is not None:
+            raise RuntimeError(failed.error or "the engine failed this request")
+        return {"id": self.id, "object": "chat.completion" if self.job.kind == "chat" else "text_completion",
+                "created": self.created, "model": self.state.model_name,
+                "choices": [self._choice(c) for c in self.choices], "usage": self._usage()}
+
+    async def stream(self) -> AsyncIterator[str]:
+        """Server-sent events: a chunk per step with new text, a last chunk with the finish reason, [DONE]."""
+        try:
+            if self.job.kind == "chat":
+                for c in self.choices:
+                    yield _sse(self._chunk(c.index, {"role": "assistant", "content": ""}, [], [], None))
+            while self.open:
+                item = await self._next()
+                if item is None:
+                    return
+                index, ev = item
+                c = self.choices[index]
+                delta, ids, lps = c.update(ev)
+                if ev.finished:
+                    self.open.discard(index)
+                if c.finish_reason == "error":
+                    err = BadRequest(c.error or "the engine failed this request", status=500, kind="server_error")
+                    yield _sse(err.body())
+                    return
+                if delta or ids or ev.finished:
+                    yield _sse(self._chunk(index, delta, ids, lps, c.reason if ev.finished else None))
+            if self.job.include_usage:
+                yield _sse({"id": self.id, "object": self._chunk_object, "created": self.created,
+                            "model": self.state.model_name, "choices": [], "usage": self._usage()})
+            yield "data: [DONE]\n\n"
+        finally:  # a closed connection cancels this generator: free what it still holds
+            self.abort()
+
+    # --- documents ---------------------------------------------------------------------------
+
+    @property
+    def _chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.job.kind == "chat" else "text_completion"
+
+    def _chunk(self, index: int, delta: Any, ids: list[int], lps: list[Any], reason: str | None) -> dict[str, Any]:
+        if self.job.kind == "chat":
+            body = delta if isinstance(delta, dict) else {"content": delta}
+            choice = {"index": index, "delta": body, "logprobs": self._chat_logprobs(ids, lps),
+                      "finish_reason": reason, "token_ids": ids}
+        else:
+            choice = {"index": index, "text": delta, "logprobs": self._completion_logprobs(ids, lps),
+                      "finish_reason": reason, "token_ids": ids}
+        return {"id": self.id, "object": self._chunk_object, "created": self.created, "model": self.state.model_name,
+                "choices": [choice]}
+
+    def _choice(self, c: _Choice) -> dict[str, Any]:
+        ids = c.token_ids
+        if self.job.kind == "chat":
+            return {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self._chat_logprobs(ids, c.logprobs), "finish_reason": c.reason, "token_ids": ids}
+        return {"index": c.index, "text": c.text, "logprobs": self._completion_logprobs(ids, c.logprobs),
+                "finish_reason": c.reason, "token_ids": ids}
+
+    def _usage(self) -> dict[str, Any]:
+        per_prompt = self.choices[::self.job.n]
+        prompt = sum(c.prompt_tokens for c in per_prompt)
+        completion = sum(len(c.token_ids) for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(c.reused for c in per_prompt)}}
+
+    def _token(self, token_id: int) -> str:
+        text = self.engine.decode([token_id])
+        return text if text is not None else str(token_id)
+
+    def _completion_logprobs(self, ids: list[int], lps: list[Any]) -> dict[str, Any] | None:
+        if self.job.logprobs is None or not lps:
+            return None
+        return {"tokens": [self._token(t) for t in ids], "token_logprobs": [lp for lp, _ in lps],
+                "top_logprobs": [{self._token(t): v for t, v in alts.items()} for _, alts in lps]}
+
+    def _chat_logprobs(self, ids: list[int], lps: list[Any]) -> dict[str, Any] | None:
+        if self.job.logprobs is None or not lps:
+            return None
+        content = []
+        for t, (lp, alts) in zip(ids, lps, strict=False):
+            token = self._token(t)
+            content.append({"token": token, "logprob": lp, "bytes": list(token.encode()),
+                            "top_logprobs": [{"token": self._token(a), "logprob": v,
+                                              "bytes": list(self._token(a).encode())} for a, v in alts.items()]})
+        return {"content": content}
+
+
+def _post(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Any], index: int, ev: ServeEvent) -> None:
+    """The engine's sink: hand the event to the request's queue on the server's event loop."""
+    with contextlib.suppress(RuntimeError):  # the loop closed: the server is going away
+        loop.call_soon_threadsafe(queue.put_nowait, (index, ev))
+
+
+def _sse(doc: dict[str, Any]) -> str:
+    return f"data: {json.dumps(doc, separators=(',', ':'))}\n\n"
+
+
+__all__ = ["ServeState", "create_app"]

@@ -1,0 +1,109 @@
+"""``kvload serve``: the subcommand's flags and what it does (imports the web stack only when it runs)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+#: Sequences of ``--default-max-tokens`` + this many prompt tokens that the CPU default KV budget holds.
+SERVE_DEFAULT_SEQUENCES = 8
+SERVE_PROMPT_ALLOWANCE = 1024
+
+_EPILOG = """\
+Endpoints (OpenAI-compatible): POST /v1/completions, POST /v1/chat/completions (stream=true for
+server-sent events), GET /v1/models, /health, /metrics (Prometheus, kvload_*), and kvload's own
+GET /v1/kvload/audit (the load's audit log as JSON Lines, generation events included),
+GET /v1/kvload/explain?field=NAME (one field's provenance chain), GET /v1/kvload/kv_events.
+
+Sampling defaults follow kvload generate: greedy (temperature 0) unless the request sets a
+temperature; max_tokens defaults to --default-max-tokens. Every request joins one engine loop
+(continuous batching); a client that disconnects has its request aborted and its KV blocks freed.
+
+KV budget: on CPU with neither --max_tokens nor --max_gpu_total_bytes, the pools hold
+8 x (--default-max-tokens + 1024) tokens (the kv_budget_computed event says so).
+
+examples:
+  kvload serve smollm2-135m --port 8000
+  curl -s localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+       -d '{"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi"}]}'
+  kvload serve tiny-llama --max_tokens 8192 --use_kv_cache_manager_v2 true
+"""
+
+
+def add_serve_command(sub: Any) -> None:
+    """``serve``: load, build the routed KV manager, answer OpenAI-style HTTP requests."""
+    from kvload import cli
+
+    p = sub.add_parser(
+        "serve", help="serve the model over an OpenAI-compatible HTTP API (continuous batching)",
+        formatter_class=cli.HelpFormatter, epilog=_EPILOG,
+        description="Run all stages with weights, then serve OpenAI-compatible completions and chat "
+                    "completions through the routed KV cache manager, with Prometheus metrics and the audit "
+                    "log over HTTP. Needs the serve extra: pip install 'kvload[serve]'.")
+    cli.add_model_flags(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    g.add_argument("--port", default=8000, metavar="N",
+                   type=cli._bounded(cli.integer, lambda v: 0 <= v <= 65535, "an integer in [0, 65535]"),
+                   help="TCP port (default 8000; 0 = any free port)")
+    g.add_argument("--served-model-name", "--served_model_name", dest="served_model_name", default=None,
+                   metavar="NAME", help="the model name clients send and /v1/models lists (default: MODEL's name)")
+    g.add_argument("--default-max-tokens", "--default_max_tokens", dest="default_max_tokens", default=256,
+                   metavar="N", type=cli._bounded(cli.integer, lambda v: v >= 1, "an integer >= 1"),
+                   help="max_tokens of a request that gives none (default 256; never past max_seq_len)")
+    g.add_argument("--kv-events-file", "--kv_events_file", dest="kv_events_file", default=None, metavar="FILE.jsonl",
+                   help="also append every KV cache event to this file as it happens (needs "
+                        "--event_buffer_max_size N > 0)")
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    """Load with weights, build the engine, serve until interrupted."""
+    from kvload import cli
+
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        from pipeline.errors import ConfigError
+
+        raise ConfigError(f"serve: {exc.name} is not installed; pip install 'kvload[serve]'") from None
+    from kvload.api import execute
+    from kvload.serve.server import bind, build_state, serve
+    from stages import load_stages
+
+    audit = cli._audit_subscribers(ns)  # published by main once the server stopped cleanly
+    if ns.kv_events_file is not None:
+        cli._check_output_path("--kv-events-file", ns.kv_events_file)
+        if not cli.cli_overrides(ns).get("kv_cache_config", {}).get("event_buffer_max_size"):
+            from pipeline.errors import ConfigError
+
+            raise ConfigError("--kv-events-file: KV cache events are off; add --event_buffer_max_size N (N > 0)")
+    bind(ns.host, ns.port).close()  # a taken port fails now, before minutes of loading
+    request = cli._request(ns, load_weights=True)
+    request.overrides.setdefault("kv_cache_config", {}).setdefault(
+        "default_max_tokens", SERVE_DEFAULT_SEQUENCES * (ns.default_max_tokens + SERVE_PROMPT_ALLOWANCE))
+    with execute(request, load_stages(), subscribers=audit) as result:  # request events reach the audit too
+        state = build_state(result, model_name=ns.served_model_name, default_max_tokens=ns.default_max_tokens)
+        events_file = None
+        if ns.kv_events_file is not None:
+            events_file = open(ns.kv_events_file, "a", encoding="utf-8")  # noqa: SIM115 (closed below)
+            result.kv_manager.kv_events.jsonl = events_file
+
+        def ready(url: str) -> None:
+            kv = result.kv
+            print(f"kvload serve: {state.model_name} at {url} ({type(result.kv_manager).__name__}, "
+                  f"{kv.capacity_tokens:,} KV tokens); Ctrl-C stops", file=sys.stderr, flush=True)
+
+        try:
+            serve(state, ns.host, ns.port, log_level=ns.log_level, ready=ready)
+        finally:
+            if events_file is not None:
+                result.kv_manager.kv_events.jsonl = None
+                events_file.close()
+    return 0
+
+
+__all__ = ["add_serve_command", "cmd_serve"]

@@ -1,0 +1,127 @@
+"""Prometheus metrics of ``kvload serve``, named like vLLM's with a ``kvload_`` prefix.
+
+Counters and histograms move as the engine loop reports steps and finished requests; gauges (queue
+lengths, KV usage per layer group) and the manager's own counters (prefix-cache queries and hits,
+evictions) are read from one consistent engine snapshot at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+#: Buckets in seconds (vLLM's, which span GPU and CPU latencies).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                   480.0, 960.0)
+
+
+class ServeMetrics:
+    """The server's registry; an :class:`engine.serving.EngineObserver` for the loop's reports."""
+
+    def __init__(self, model_name: str) -> None:
+        disable_created_metrics()  # no *_created series: scrapers of vLLM-style metrics do not expect them
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name"]
+        r = self.registry
+        self.prompt_tokens = Counter("kvload_prompt_tokens", "Prompt tokens of finished requests (reused included)",
+                                     labels, registry=r).labels(model_name)
+        self.generation_tokens = Counter("kvload_generation_tokens", "Generated tokens", labels,
+                                         registry=r).labels(model_name)
+        self.preemptions = Counter("kvload_num_preemptions", "Requests preempted for recompute", labels,
+                                   registry=r).labels(model_name)
+        self.suspensions = Counter("kvload_num_suspensions", "Requests suspended to the host tier (V2)", labels,
+                                   registry=r).labels(model_name)
+        self.steps = Counter("kvload_engine_steps", "Engine steps run", labels, registry=r).labels(model_name)
+        self.success = Counter("kvload_request_success", "Requests that ended, by finish reason",
+                               [*labels, "finished_reason"], registry=r)
+        self.ttft = Histogram("kvload_time_to_first_token_seconds", "Time from queueing to the first token",
+                              labels, buckets=TTFT_BUCKETS, registry=r).labels(model_name)
+        self.tpot = Histogram("kvload_time_per_output_token_seconds", "Time between consecutive output tokens",
+                              labels, buckets=TPOT_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram("kvload_e2e_request_latency_seconds", "Time from queueing to the last token", labels,
+                             buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.engine: Any = None
+
+    def attach(self, engine: Any) -> None:
+        """Read queue lengths and KV usage from ``engine.snapshot()`` at scrape time."""
+        self.engine = engine
+        self.registry.register(_EngineCollector(self))
+
+    # --- EngineObserver ------------------------------------------------------------------------
+
+    def on_step(self, stats: Any, new_tokens: int) -> None:
+        """Count the step, its generated tokens, its preemptions and suspensions."""
+        self.steps.inc()
+        if new_tokens:
+            self.generation_tokens.inc(new_tokens)
+        out = stats.output
+        if out is not None:
+            if out.preempted:
+                self.preemptions.inc(len(out.preempted))
+            if out.suspended:
+                self.suspensions.inc(len(out.suspended))
+
+    def on_finished(self, prompt_tokens: int, output_tokens: int, ttft_s: float | None, tpot_s: list[float],
+                    reason: str) -> None:
+        """Count a request that ended and observe its latencies."""
+        self.prompt_tokens.inc(prompt_tokens)
+        self.success.labels(self.model_name, reason).inc()
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+            self.e2e.observe(ttft_s + sum(tpot_s))
+        for t in tpot_s:
+            self.tpot.observe(t)
+
+    def render(self) -> bytes:
+        """The text exposition format."""
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """Gauges and manager counters from one engine snapshot per scrape."""
+
+    def __init__(self, metrics: ServeMetrics) -> None:
+        self.metrics = metrics
+
+    def describe(self) -> list[Metric]:
+        return []  # unchecked: names come from collect() only
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.metrics.engine.snapshot()
+        name = [self.metrics.model_name]
+        for key, text in (("running", "Requests in the running batch"),
+                          ("waiting", "Requests waiting for admission"),
+                          ("suspended", "Requests suspended to the host tier (V2)")):
+            g = GaugeMetricFamily(f"kvload_num_requests_{key}", text, labels=["model_name"])
+            g.add_metric(name, snap[key])
+            yield g
+        stats = snap["manager"]
+        usage = GaugeMetricFamily("kvload_kv_cache_usage_perc", "Fraction of KV blocks in use, per layer group",
+                                  labels=["model_name", "layer_group"])
+        blocks = GaugeMetricFamily("kvload_kv_cache_blocks", "KV blocks per layer group and state",
+                                   labels=["model_name", "layer_group", "state"])
+        for group, g in (stats.get("groups") or {}).items():
+            usage.add_metric([*name, group], float(g.get("usage", 0.0)))
+            for state in ("free", "evictable", "used"):
+                blocks.add_metric([*name, group, state], float(g.get(state, 0)))
+        yield usage
+        yield blocks
+        queries = CounterMetricFamily("kvload_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      labels=["model_name"])
+        queries.add_metric(name, float(stats.get("reuse_query_tokens", stats.get("reuse_lookup_tokens", 0))))
+        yield queries
+        hits = CounterMetricFamily("kvload_prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache",
+                                   labels=["model_name"])
+        hits.add_metric(name, float(stats.get("reuse_hit_tokens", 0)))
+        yield hits
+
+
+__all__ = ["ServeMetrics"]

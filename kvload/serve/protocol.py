@@ -1,0 +1,232 @@
+"""OpenAI request bodies → what the engine needs, checked field by field (no web framework needed here).
+
+Every problem raises :class:`BadRequest` naming the field (``param``) and what is accepted; the app
+turns it into HTTP 400 with OpenAI's error body. Fields kvload cannot honour are refused, never
+silently dropped: an accepted setting must act.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+
+from engine.sampling_params import SamplingParams
+from pipeline.errors import GenerationError
+
+#: Most stop strings a request may give (OpenAI's limit).
+MAX_STOP = 4
+#: Most alternatives per token ``logprobs`` may ask for (OpenAI's limit for completions).
+MAX_LOGPROBS = 20
+#: Most choices one request may ask for.
+MAX_N = 16
+
+
+class BadRequest(Exception):
+    """A request the server refuses: HTTP ``status`` with OpenAI's error body."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 kind: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.kind = kind
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        """OpenAI's error document."""
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@attrs.frozen
+class Job:
+    """One parsed request: prompts (text, token ids or chat messages), sampling, and the options around it."""
+
+    kind: str  # "completion" or "chat"
+    prompts: list[Any]  # completion: str or list[int] each; chat: one list of messages
+    params: SamplingParams
+    n: int
+    stream: bool
+    include_usage: bool
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    logprobs: int | None  # top alternatives per token; None = not asked
+    echo: bool = False
+    salt: str | None = None
+    max_tokens_given: bool = True
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _need(ok: bool, field: str, expected: str, value: Any) -> None:
+    if not ok:
+        raise BadRequest(f"{field}: expected {expected}, got {value!r}"[:300], param=field)
+
+
+#: Fields both endpoints accept and act on.
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options", "user",
+           "presence_penalty", "frequency_penalty", "ignore_eos", "stop_token_ids", "salt", "logprobs", "top_k"}
+_COMPLETION = _COMMON | {"prompt", "echo"}
+_CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+
+
+def parse(body: Any, kind: str, *, default_max_tokens: int) -> Job:
+    """Check an OpenAI ``/v1/completions`` (``kind="completion"``) or ``/v1/chat/completions`` body."""
+    if not isinstance(body, dict):
+        raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+    allowed = _COMPLETION if kind == "completion" else _CHAT
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise BadRequest(f"{unknown[0]}: not supported by kvload serve; accepted fields: {', '.join(sorted(allowed))}",
+                         param=unknown[0])
+    for penalty in ("presence_penalty", "frequency_penalty"):
+        value = body.get(penalty)
+        if value not in (None, 0, 0.0):
+            raise BadRequest(f"{penalty}: kvload does not apply penalties; only 0 (or absent) is accepted, "
+                             f"got {value!r}", param=penalty)
+    prompts = _prompts(body) if kind == "completion" else [_messages(body)]
+
+    max_tokens = body.get("max_tokens")
+    field = "max_tokens"
+    if kind == "chat" and body.get("max_completion_tokens") is not None:
+        if max_tokens is not None:
+            raise BadRequest("max_completion_tokens: give max_tokens or max_completion_tokens, not both",
+                             param="max_completion_tokens")
+        max_tokens, field = body["max_completion_tokens"], "max_completion_tokens"
+    given = max_tokens is not None
+    if given:
+        _need(_is_int(max_tokens) and max_tokens >= 1, field, "an integer >= 1", max_tokens)
+    temperature = body.get("temperature", 0.0)
+    temperature = 0.0 if temperature is None else temperature
+    _need(_is_num(temperature) and 0 <= temperature <= 2, "temperature", "a number in [0, 2] (0 = greedy)",
+          temperature)
+    top_p = body.get("top_p", 1.0)
+    top_p = 1.0 if top_p is None else top_p
+    _need(_is_num(top_p) and 0 < top_p <= 1, "top_p", "a number in (0, 1]", top_p)
+    top_k = body.get("top_k", 0)
+    top_k = 0 if top_k is None else top_k
+    _need(_is_int(top_k) and top_k >= -1, "top_k", "an integer >= 1, or 0 / -1 for all tokens", top_k)
+    seed = body.get("seed")
+    _need(seed is None or (_is_int(seed) and seed >= 0), "seed", "an integer >= 0", seed)
+    n = body.get("n", 1)
+    n = 1 if n is None else n
+    _need(_is_int(n) and 1 <= n <= MAX_N, "n", f"an integer in [1, {MAX_N}]", n)
+    if n > 1 and temperature == 0:
+        raise BadRequest("n: several choices need sampling (temperature > 0); greedy would give the same text "
+                         f"{n} times", param="n")
+    stream = body.get("stream", False)
+    stream = False if stream is None else stream
+    _need(isinstance(stream, bool), "stream", "true or false", stream)
+    include_usage = False
+    options = body.get("stream_options")
+    if options is not None:
+        _need(isinstance(options, dict) and set(options) <= {"include_usage"}, "stream_options",
+              'an object {"include_usage": bool}', options)
+        if not stream:
+            raise BadRequest("stream_options: only allowed with stream=true", param="stream_options")
+        include_usage = options.get("include_usage", False)
+        _need(isinstance(include_usage, bool), "stream_options.include_usage", "true or false", include_usage)
+    stop = body.get("stop")
+    if stop is None:
+        stops: tuple[str, ...] = ()
+    elif isinstance(stop, str):
+        stops = (stop,)
+    else:
+        _need(isinstance(stop, list) and all(isinstance(s, str) for s in stop), "stop", "a string or a list of strings",
+              stop)
+        stops = tuple(stop)
+    _need(len(stops) <= MAX_STOP and all(stops), "stop", f"at most {MAX_STOP} non-empty strings", stop)
+    stop_ids = body.get("stop_token_ids") or []
+    _need(isinstance(stop_ids, list) and all(_is_int(t) and t >= 0 for t in stop_ids), "stop_token_ids",
+          "a list of token ids (integers >= 0)", stop_ids)
+    ignore_eos = body.get("ignore_eos", False)
+    _need(isinstance(ignore_eos, bool), "ignore_eos", "true or false", ignore_eos)
+    salt = body.get("salt")
+    _need(salt is None or isinstance(salt, str), "salt", "a string", salt)
+    logprobs = _logprobs(body, kind)
+    echo = body.get("echo", False)
+    _need(isinstance(echo, bool), "echo", "true or false", echo)
+    if echo:
+        raise BadRequest("echo: kvload serve does not echo the prompt; only false is accepted", param="echo")
+    try:
+        params = SamplingParams(max_tokens=max_tokens if given else default_max_tokens,
+                                temperature=float(temperature), top_p=float(top_p), top_k=top_k, seed=seed,
+                                stop=stops, stop_token_ids=stop_ids, logprobs=logprobs, ignore_eos=ignore_eos)
+    except GenerationError as exc:  # the API's own checks, should the two ever disagree
+        raise BadRequest(str(exc).removeprefix("generate: ")) from None
+    return Job(kind=kind, prompts=prompts, params=params, n=n, stream=stream, include_usage=include_usage,
+               stop=stops, stop_token_ids=tuple(stop_ids), logprobs=logprobs, echo=echo, salt=salt,
+               max_tokens_given=given)
+
+
+def _prompts(body: dict[str, Any]) -> list[Any]:
+    if "prompt" not in body:
+        raise BadRequest("prompt: required (a string, a list of strings, token ids, or a list of token id lists)",
+                         param="prompt")
+    prompt = body["prompt"]
+    expected = "a non-empty string, a list of strings, a list of token ids, or a list of token id lists"
+    if isinstance(prompt, str):
+        _need(bool(prompt), "prompt", expected, prompt)
+        return [prompt]
+    _need(isinstance(prompt, list) and bool(prompt), "prompt", expected, prompt)
+    if all(_is_int(t) for t in prompt):
+        return [list(prompt)]
+    for i, p in enumerate(prompt):
+        ok = (isinstance(p, str) and bool(p)) or (isinstance(p, list) and bool(p) and all(_is_int(t) for t in p))
+        _need(ok, f"prompt[{i}]", "a non-empty string or a non-empty list of token ids", p)
+    return list(prompt)
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    messages = body.get("messages")
+    _need(isinstance(messages, list) and bool(messages), "messages", "a non-empty list of {role, content} objects",
+          messages)
+    out = []
+    for i, m in enumerate(messages):
+        _need(isinstance(m, dict) and isinstance(m.get("role"), str), f"messages[{i}]",
+              "an object with a string role", m)
+        _need(m["role"] in ("system", "user", "assistant", "developer"), f"messages[{i}].role",
+              "system, user, assistant or developer", m["role"])
+        content = m.get("content")
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]: text parts only
+            parts = []
+            for j, part in enumerate(content):
+                _need(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str),
+                      f"messages[{i}].content[{j}]", 'a {"type": "text", "text": ...} part (text only)', part)
+                parts.append(part["text"])
+            content = "".join(parts)
+        _need(isinstance(content, str), f"messages[{i}].content", "a string or a list of text parts", content)
+        extra = sorted(set(m) - {"role", "content", "name"})
+        if extra:
+            raise BadRequest(f"messages[{i}].{extra[0]}: not supported (text messages only)",
+                             param=f"messages[{i}].{extra[0]}")
+        role = "system" if m["role"] == "developer" else m["role"]
+        out.append({"role": role, "content": content})
+    return out
+
+
+def _logprobs(body: dict[str, Any], kind: str) -> int | None:
+    value = body.get("logprobs")
+    if kind == "completion":
+        if value is None:
+            return None
+        _need(_is_int(value) and 0 <= value <= MAX_LOGPROBS, "logprobs", f"an integer in [0, {MAX_LOGPROBS}]", value)
+        return value
+    top = body.get("top_logprobs")
+    _need(value is None or isinstance(value, bool), "logprobs", "true or false", value)
+    if top is not None:
+        _need(_is_int(top) and 0 <= top <= MAX_LOGPROBS, "top_logprobs", f"an integer in [0, {MAX_LOGPROBS}]", top)
+        if not value:
+            raise BadRequest("top_logprobs: needs logprobs=true", param="top_logprobs")
+    return (top or 0) if value else None
+
+
+__all__ = ["MAX_LOGPROBS", "MAX_N", "MAX_STOP", "BadRequest", "Job", "parse"]

@@ -1,0 +1,126 @@
+"""Running the app: build engine + metrics over a loaded result, bind a socket, serve with uvicorn.
+
+:func:`serve` blocks until SIGINT/SIGTERM (uvicorn's own handling), then stops the engine.
+:class:`ServerThread` runs the same server in a background thread (tests, ``bench_serve``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import threading
+import time
+from typing import Any
+
+import uvicorn
+
+from engine.serving import ServingEngine
+from kvload.serve.app import ServeState, create_app
+from kvload.serve.metrics import ServeMetrics
+from pipeline.errors import ConfigError
+
+
+def build_state(result: Any, *, model_name: str | None = None, default_max_tokens: int = 256) -> ServeState:
+    """Engine (not started) and metrics over a ``load(..., load_weights=True)`` result."""
+    name = model_name or (result.model.name if result.model is not None else str(result.args.model))
+    metrics = ServeMetrics(name)
+    engine = ServingEngine.from_result(result, observer=metrics)
+    metrics.attach(engine)
+    return ServeState(result=result, engine=engine, metrics=metrics, model_name=name,
+                      default_max_tokens=default_max_tokens)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket; ``ConfigError`` naming ``--host``/``--port`` when it cannot be had."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ConfigError(f"--host {host}: cannot resolve it ({exc.strerror})") from None
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"--port {port}: cannot listen on {host}:{port} ({exc.strerror})") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _server(state: ServeState, log_level: str) -> uvicorn.Server:
+    config = uvicorn.Config(create_app(state), log_level=log_level, access_log=log_level in ("debug", "info"),
+                            timeout_graceful_shutdown=5, lifespan="off")
+    return uvicorn.Server(config)
+
+
+def serve(state: ServeState, host: str, port: int, *, log_level: str = "warning",
+          ready: Any = None) -> None:
+    """Serve until interrupted; the engine loop runs for exactly as long. ``ready(url)`` once listening."""
+    sock = bind(host, port)
+    server = _server(state, log_level)
+    state.engine.start()
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal to the handler it found:
+    # that is the normal way to stop a server, so it ends the call instead of the process.
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, lambda *_: None) if main else None
+    try:
+        if ready is not None:
+            ready(f"http://{host}:{sock.getsockname()[1]}")
+        with contextlib.suppress(KeyboardInterrupt):
+            server.run(sockets=[sock])
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+        state.engine.stop()
+        sock.close()
+
+
+class ServerThread:
+    """The server on 127.0.0.1 (a free port by default) in a background thread; ``stop()`` ends both loops."""
+
+    def __init__(self, state: ServeState, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
+        self.state = state
+        self.sock = bind(host, port)
+        self.host = host
+        self.port = self.sock.getsockname()[1]
+        self.server = _server(state, log_level)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name="kvload-http", daemon=True)
+
+    @property
+    def url(self) -> str:
+        """``http://host:port``."""
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> ServerThread:
+        """Start the engine and the HTTP server; return once it accepts connections."""
+        self.state.engine.start()
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                self.stop()
+                raise RuntimeError(f"the server did not start within {timeout} s")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """Stop accepting, finish the HTTP loop, stop the engine (idempotent)."""
+        self.server.should_exit = True
+        if self.thread.is_alive():
+            self.thread.join(timeout)
+        self.state.engine.stop(timeout)
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+__all__ = ["ServerThread", "bind", "build_state", "serve"]

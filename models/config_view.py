@@ -1,0 +1,73 @@
+"""A preset's ``config.json`` read without transformers: what ``plan`` needs, at no import cost.
+
+Importing transformers (and through it torch) costs seconds; a plan reads a dozen config fields.
+The embedded presets store transformers' complete ``to_dict()`` output, so their JSON already holds
+every field ``AutoConfig`` would fill in, and a read-only attribute view of it answers the same.
+``tests/test_config_view.py`` checks that each preset plans identically through this view and
+through ``AutoConfig``. Anything that builds a model (weights, generation) asks for the real
+transformers config with :func:`transformers_config`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+class ConfigView:
+    """Attribute access to a config dict; nested ``*_config`` dicts become views too.
+
+    Assigning a field (as code that tweaks a transformers config does) changes the view and is
+    carried over to the transformers config :func:`transformers_config` builds.
+    """
+
+    def __init__(self, data: dict[str, Any], path: Path | None = None) -> None:
+        self.__dict__.update(_data=dict(data), _path=path, _changed={})
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self._data[name] = value
+        self._changed[name] = value
+
+    @property
+    def source_dir(self) -> Path | None:
+        """The directory whose ``config.json`` this view reads (None for a nested config)."""
+        return self._path
+
+    def __getattr__(self, name: str) -> Any:
+        data = self.__dict__.get("_data")
+        if data is None or name.startswith("__"):
+            raise AttributeError(name)
+        if name == "dtype" and "dtype" not in data and "torch_dtype" in data:
+            return data["torch_dtype"]  # transformers 5 reads an older file's torch_dtype into dtype
+        if name not in data:
+            raise AttributeError(f"config has no {name!r}")
+        value = data[name]
+        if name.endswith("_config") and isinstance(value, dict) and "model_type" in value:
+            return ConfigView(value)
+        return value
+
+    def get_text_config(self) -> Any:
+        """The decoder's config, as transformers' ``PretrainedConfig.get_text_config`` gives it."""
+        inner = self._data.get("text_config")
+        return ConfigView(inner) if isinstance(inner, dict) else self
+
+    def to_dict(self) -> dict[str, Any]:
+        """A copy of the config's fields."""
+        return dict(self._data)
+
+    def __repr__(self) -> str:
+        return f"ConfigView({self._data.get('model_type')!r}, {self._path})"
+
+
+def transformers_config(cfg: Any) -> Any:
+    """The transformers config object for ``cfg``: a :class:`ConfigView` is read through ``AutoConfig``."""
+    if not isinstance(cfg, ConfigView):
+        return cfg
+    from transformers import AutoConfig  # deferred: only what builds a model pays for it
+
+    if cfg.source_dir is None:
+        raise ValueError("a nested ConfigView has no directory to read through AutoConfig")
+    real = AutoConfig.from_pretrained(str(cfg.source_dir), trust_remote_code=False, local_files_only=True)
+    for name, value in cfg._changed.items():  # what code assigned on the view
+        setattr(real, name, value)
+    return real

@@ -1,0 +1,144 @@
+"""TensorRT-LLM ``LlmArgs`` keys kvload accepts without acting on them, so a real options YAML loads.
+
+A TensorRT-LLM ``extra_llm_api_options`` file mixes keys kvload acts on (``max_batch_size``,
+``kv_cache_config.free_gpu_memory_fraction``, ...) with engine knobs kvload has no counterpart for
+(CUDA graphs, overlap scheduler, attention DP, speculative decoding, ...). The known ones are taken
+out of the tree before validation and reported as ``setting_ignored`` (one warning line each); a key
+that is neither kvload's nor TensorRT-LLM's still fails with a suggestion.
+
+The names come from TensorRT-LLM's ``tensorrt_llm/llmapi/llm_args.py`` (``BaseLlmArgs``,
+``TorchLlmArgs``, ``KvCacheConfig``; read at commit 0004396 of NVIDIA/TensorRT-LLM), plus a few
+keys older releases accepted that still appear in published YAML files. A name kvload itself
+defines is never ignored: when kvload gains a field, its key starts to act.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from typing import Any
+
+from pipeline.config import KvCacheConfig, LlmArgs, public_fields
+from pipeline.errors import ConfigError
+
+_ENGINE = "a TensorRT-LLM option kvload does not act on"
+
+#: Top-level ``LlmArgs`` keys → why kvload does not act on them.
+IGNORED_LLM_ARGS: dict[str, str] = {
+    **dict.fromkeys((
+        "cuda_graph_config", "encoder_cuda_graph_config", "enable_encoder_decoder_mixed_cuda_graph",
+        "torch_compile_config", "prefill_cuda_graph_backend", "prefill_capture_num_tokens",
+        "use_cuda_graph", "cuda_graph_batch_sizes", "cuda_graph_padding_enabled",
+    ), "CUDA graphs / torch.compile: kvload runs the forward eagerly"),
+    **dict.fromkeys((
+        "disable_overlap_scheduler", "enable_chunked_prefill", "scheduler_config", "batch_wait_timeout_ms",
+        "batch_wait_timeout_iters", "batch_wait_max_tokens_ratio", "reorder_policy_config", "stream_interval",
+        "enable_early_first_token_response", "garbage_collection_gen0_threshold",
+    ), "scheduling knob: kvload's driver always chunks prefill up to max_num_tokens and has no overlap scheduler"),
+    **dict.fromkeys((
+        "pipeline_parallel_size", "context_parallel_size", "gpus_per_node",
+        "moe_cluster_parallel_size", "moe_tensor_parallel_size", "moe_expert_parallel_size",
+        "enable_attention_dp", "attention_dp_config", "enable_lm_head_tp_in_adp", "pp_partition", "cp_config",
+        "allreduce_strategy", "orchestrator_type", "dwdp_config", "ray_worker_extension_cls",
+        "ray_placement_config", "ray_worker_nsight_options", "num_serve_frontends",
+    ), "parallelism beyond tensor parallel (tensor_parallel_size, which kvload acts on)"),
+    **dict.fromkeys((
+        "speculative_config", "decoding_config", "guided_decoding_backend", "batched_logits_processor",
+        "reasoning_parser", "gather_generation_logits", "generation_config", "sampler_type",
+        "enable_trtllm_sampler", "sampler_force_async_worker", "enable_in_graph_sampling",
+        "enable_speculative_beam_history_d2h", "post_processor_hook",
+    ), "decoding feature kvload's sampler does not have"),
+    **dict.fromkeys((
+        "moe_config", "nvfp4_gemm_config", "attn_backend", "enable_mla_skip_correction",
+        "mla_skip_correction_threshold", "enable_autotuner", "use_fine_grained_sync", "enable_min_latency",
+        "force_dynamic_quantization", "enable_low_latency_host_dispatch", "use_cute_dsl_blockscaling_mm",
+        "use_cute_dsl_blockscaling_bmm", "use_cute_dsl_bf16_bmm", "use_cute_dsl_bf16_gemm",
+        "sparse_attention_config", "kv_cache_compression_config", "quant_config", "build_config",
+    ), "kernel / quantization choice: kvload runs transformers' modules"),
+    **dict.fromkeys((
+        "print_iter_log", "enable_iter_perf_stats", "enable_iter_req_stats", "iter_stats_max_iterations",
+        "request_stats_max_iterations", "max_stats_len", "return_perf_metrics", "perf_metrics_output_dir",
+        "perf_metrics_max_requests", "prometheus_metrics_config", "enable_energy_metrics",
+        "otlp_traces_endpoint", "enable_layerwise_nvtx_marker", "telemetry_config",
+        "layer_wise_benchmarks_config",
+    ), "statistics / tracing: kvload records events in its audit log instead"),
+    **dict.fromkeys((
+        "tokenizer", "tokenizer_mode", "custom_tokenizer", "skip_tokenizer_init", "tokenizer_revision",
+        "revision", "model_kwargs", "load_format", "checkpoint_loader", "checkpoint_format",
+        "checkpoint_io_policy", "mx_config", "gms_config", "enable_lora", "lora_config", "peft_cache_config",
+        "multimodal_config", "mm_encoder_only", "disable_mm_encoder", "encode_only", "encoder_max_batch_size",
+        "encoder_max_num_tokens", "max_input_len", "num_postprocess_workers", "postprocess_tokenizer_dir",
+        "backend", "env_overrides", "sleep_config", "enable_resource_governor",
+        "cache_transceiver_config", "kv_connector_config",
+    ), "loading / serving feature kvload does not have (it loads the checkpoint's own tokenizer and weights)"),
+}
+
+#: ``kv_cache_config`` keys of TensorRT-LLM's ``KvCacheConfig`` that kvload does not act on.
+IGNORED_KV_CACHE_CONFIG: dict[str, str] = {
+    **dict.fromkeys((
+        "max_attention_window", "sink_token_length", "cross_kv_cache_fraction",
+    ), "kvload takes attention windows from the checkpoint config and serves decoder-only models"),
+    **dict.fromkeys((
+        "disk_cache_size", "disk_cache_path", "secondary_offload_min_priority", "use_uvm", "copy_on_partial_reuse",
+        "block_reuse_config", "onboard_blocks",
+    ), "memory tier / reuse policy kvload's managers do not have (host tier: host_cache_size)"),
+    **dict.fromkeys((
+        "kv_events_config", "attention_dp_events_gather_period_ms", "iteration_stats_interval",
+        "kv_cache_event_hash_algo",
+    ), "KV event publishing: kvload records events in its audit log instead"),
+    **dict.fromkeys((
+        "enable_kv_pool_rebalance", "kv_pool_rebalance_min_sampled_kv_caches", "kv_pool_rebalance_cooldown_secs",
+        "kv_pool_rebalance_target_ratio_update_interval", "kv_pool_rebalance_ratio_threshold",
+    ), "V2 pool rebalancing: kvload's V2 pools keep the split they were planned with"),
+    **dict.fromkeys((
+        "mamba_ssm_cache_dtype", "mamba_ssm_stochastic_rounding", "mamba_ssm_philox_rounds",
+        "mamba_state_cache_interval", "mamba_state_config",
+    ), "Mamba state cache: kvload serves attention layers only"),
+}
+
+
+def _known(cls: type) -> set[str]:
+    return {a.name for a in public_fields(cls)}
+
+
+def split_ignored(tree: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[str, Any, str]]]:
+    """Take the TensorRT-LLM keys kvload does not act on out of a source's tree.
+
+    Returns the tree kvload validates and ``(dotted path, value, reason)`` for each key taken out.
+    ``trust_remote_code: true`` is refused: kvload never runs code shipped with a checkpoint.
+    """
+    kept: dict[str, Any] = {}
+    ignored: list[tuple[str, Any, str]] = []
+    own = _known(LlmArgs)
+    for key, value in tree.items():
+        if key == "trust_remote_code" and key not in own:
+            if value is not False:
+                raise ConfigError("trust_remote_code: kvload never runs code shipped with a checkpoint; "
+                                  f"accepted: false, got {value!r}", path="trust_remote_code", detail="refused")
+            ignored.append((key, value, "kvload never runs a checkpoint's own code (false is its only setting)"))
+        elif key in IGNORED_LLM_ARGS and key not in own:
+            ignored.append((key, value, f"{_ENGINE}: {IGNORED_LLM_ARGS[key]}"))
+        elif key == "kv_cache_config" and isinstance(value, Mapping):
+            kv_own = _known(KvCacheConfig)
+            sub: dict[str, Any] = {}
+            for k, v in value.items():
+                if k in IGNORED_KV_CACHE_CONFIG and k not in kv_own:
+                    ignored.append((f"{key}.{k}", v, f"{_ENGINE}: {IGNORED_KV_CACHE_CONFIG[k]}"))
+                else:
+                    _near_miss(f"{key}.", k, kv_own, IGNORED_KV_CACHE_CONFIG)
+                    sub[k] = v
+            kept[key] = sub
+        else:
+            _near_miss("", key, own, IGNORED_LLM_ARGS)
+            kept[key] = value
+    return kept, ignored
+
+
+def _near_miss(prefix: str, key: Any, own: set[str], ignored: Mapping[str, str]) -> None:
+    """A mistyped TensorRT-LLM key gets a suggestion of that key (the converter suggests kvload's own)."""
+    if not isinstance(key, str) or key in own:
+        return
+    close = difflib.get_close_matches(key, sorted(own | set(ignored)), n=1, cutoff=0.75)
+    if close and close[0] in ignored:
+        raise ConfigError(f"{prefix}{key}: unknown key; did you mean '{close[0]}' (a TensorRT-LLM option kvload "
+                          "accepts and ignores)?", path=prefix + key, detail="unknown key")

@@ -1,0 +1,74 @@
+"""Running ``kvload serve`` inside a test: a loaded result, its server on a free 127.0.0.1 port, clients."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import attrs
+import httpx
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+
+import pipeline
+
+#: Seconds any single HTTP call of a test may take.
+TIMEOUT = 60.0
+
+
+@attrs.define
+class Served:
+    """A running server and what it serves."""
+
+    result: Any
+    state: Any
+    server: Any
+    client: openai.OpenAI
+    http: httpx.Client
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample of /metrics as ``name{label=value,...}`` → value, parsed by prometheus_client."""
+        text = self.http.get("/metrics").text
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+        return out
+
+
+@contextlib.contextmanager
+def serving(model: str = "tiny-llama", *, before: Callable[[Any], Any] | None = None,
+            **load_kwargs: Any) -> Iterator[Served]:
+    """Load ``model`` with weights, run ``before(result)`` (e.g. reference generations), then serve it."""
+    from kvload.serve.server import ServerThread, build_state
+
+    load_kwargs.setdefault("kv_cache_config", {"max_tokens": 2048})
+    result = pipeline.load(model, load_weights=True, log=False, **load_kwargs)
+    try:
+        if before is not None:
+            before(result)
+        state = build_state(result)
+        with ServerThread(state) as server, httpx.Client(base_url=server.url, timeout=TIMEOUT) as http:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)
+            try:
+                yield Served(result, state, server, client, http)
+            finally:
+                client.close()
+    finally:
+        result.close()
+
+
+def wait_for(check: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
+    """Poll ``check`` until it holds; AssertionError after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not hold within {timeout} s")
+        time.sleep(0.05)

@@ -1,0 +1,68 @@
+"""``kvload serve`` as a real process: listens, answers, stops on SIGINT; bad flags exit 2 with one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+from tests.cli_support import ENV, REPO, run_cli
+
+
+def test_serve_process_answers_then_stops_cleanly_on_sigterm(tmp_path):
+    events = tmp_path / "kv_events.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "kvload", "serve", "tiny-llama", "--port", "0", "--max_tokens",
+                             "1024", "--event_buffer_max_size", "100", "--kv-events-file", str(events),
+                             "--audit-log", str(tmp_path / "audit.jsonl")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 120
+        line = ""
+        while " at http://" not in line:
+            assert time.monotonic() < deadline and proc.poll() is None, f"server did not start: {line}"
+            line = proc.stderr.readline()
+        url = line.split(" at ", 1)[1].split(" ", 1)[0]
+        with httpx.Client(base_url=url, timeout=30) as http:
+            assert http.get("/health").json() == {"status": "ok"}
+            r = http.post("/v1/completions", json={"prompt": list(range(1, 41)), "max_tokens": 4, "ignore_eos": True})
+            assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 4
+            written = [json.loads(line) for line in events.read_text().splitlines()]
+            assert written[0]["type"] == "kv_block_stored" and written[0]["token_ids"] == list(range(1, 33))
+            assert "kvload_generation_tokens_total" in http.get("/metrics").text
+        proc.send_signal(signal.SIGTERM)  # what service managers send
+        assert proc.wait(timeout=30) == 0
+        audit = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+        assert any(r["event"] == "request_finished" for r in audit)  # the served requests joined the audit log
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        proc.stdout.close()
+        proc.stderr.close()
+
+
+def test_a_taken_port_or_a_bad_one_exits_2_with_one_line(capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        r = run_cli(capsys, "serve", "tiny-llama", "--port", port, "--max_tokens", "1024")
+    assert r.code == 2 and r.one_error_line, r.err
+    assert f"--port {port}: cannot listen" in r.err
+    r = run_cli(capsys, "serve", "tiny-llama", "--port", "70000")
+    assert r.code == 2 and "--port" in r.err and "65535" in r.err
+
+
+def test_kv_events_file_needs_events_on(capsys, tmp_path):
+    r = run_cli(capsys, "serve", "tiny-llama", "--kv-events-file", tmp_path / "ev.jsonl")
+    assert r.code == 2 and r.one_error_line and "--event_buffer_max_size" in r.err, r.err
+    r = run_cli(capsys, "serve", "tiny-llama", "--kv-events-file", tmp_path / "no" / "ev.jsonl",
+                "--event_buffer_max_size", "10")
+    assert r.code == 2 and r.one_error_line and "does not exist" in r.err, r.err

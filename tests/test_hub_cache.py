@@ -1,0 +1,97 @@
+"""Hugging Face model ids resolve through the local Hugging Face cache, never the network."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+
+from models.checkpoint import PRESETS_DIR, resolve_checkpoint
+from pipeline.errors import ModelError
+from tests.cli_support import run_cli
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def cache_entry(hf_home: Path, repo_id: str, files: dict[str, Path | str], ref: str = "main") -> Path:
+    """A model repository laid out as huggingface_hub caches it: refs/<ref> → snapshots/<commit>/files."""
+    repo = hf_home / "hub" / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / COMMIT
+    snapshot.mkdir(parents=True, exist_ok=True)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / ref).write_text(COMMIT)
+    for name, content in files.items():
+        if isinstance(content, Path):
+            shutil.copyfile(content, snapshot / name)
+        else:
+            (snapshot / name).write_text(content)
+    return snapshot
+
+
+@pytest.fixture
+def hf_home(tmp_path, monkeypatch):
+    """A private HF_HOME, offline, where any network connection fails the test."""
+    home = tmp_path / "hf"
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("kvload tried to reach the network")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    return home
+
+
+def test_a_cached_model_id_resolves_to_its_snapshot(hf_home, capsys):
+    snapshot = cache_entry(hf_home, "acme/tiny-llama", {"config.json": PRESETS_DIR / "tiny-llama" / "config.json"})
+    cp = resolve_checkpoint("acme/tiny-llama")
+    assert (cp.kind, cp.path) == ("hub", snapshot.resolve())
+    r = run_cli(capsys, "plan", "acme/tiny-llama", "--json")
+    assert r.code == 0, r.err
+    doc = r.json()
+    assert doc["model"]["kind"] == "hub" and doc["model"]["architecture"] == "LlamaForCausalLM"
+
+
+def test_a_revision_resolves_through_its_ref(hf_home):
+    snapshot = cache_entry(hf_home, "acme/tiny", {"config.json": PRESETS_DIR / "tiny-qwen3" / "config.json"}, ref="v1")
+    assert resolve_checkpoint("acme/tiny@v1").path == snapshot.resolve()
+    with pytest.raises(ModelError, match="nor a model in the local Hugging Face cache"):
+        resolve_checkpoint("acme/tiny")  # no refs/main: that revision is not cached
+
+
+def test_a_missing_id_says_where_it_looked_and_never_downloads(hf_home, capsys):
+    r = run_cli(capsys, "plan", "acme/not-cached")
+    assert r.code == 2 and r.one_error_line, r.err
+    assert str(hf_home / "hub" / "models--acme--not-cached") in r.err
+    assert "kvload never downloads" in r.err and "hf download acme/not-cached" in r.err
+
+
+def test_hf_hub_cache_wins_over_hf_home(hf_home, tmp_path, monkeypatch):
+    other = tmp_path / "elsewhere"
+    monkeypatch.setenv("HF_HUB_CACHE", str(other))
+    cache_entry(hf_home, "acme/tiny-llama", {"config.json": PRESETS_DIR / "tiny-llama" / "config.json"})
+    with pytest.raises(ModelError, match=str(other / "models--acme--tiny-llama")):
+        resolve_checkpoint("acme/tiny-llama")
+
+
+def test_a_cached_checkpoint_generates(hf_home, tiny_checkpoints, capsys):
+    src = tiny_checkpoints("llama")
+    cache_entry(hf_home, "acme/llama-weights", {p.name: p for p in src.iterdir() if p.is_file()})
+    r = run_cli(capsys, "generate", "acme/llama-weights", "--prompt-ids", "1,2,3", "--max_new_tokens", "2",
+                "--device", "cpu", "--json")
+    assert r.code == 0, r.err
+    assert len(r.json()["outputs"][0]["token_ids"]) == 2
+
+
+def test_code_shipped_with_a_checkpoint_is_never_run(hf_home, capsys):
+    config = {"model_type": "acme_custom", "architectures": ["AcmeForCausalLM"],
+              "auto_map": {"AutoConfig": "configuration_acme.AcmeConfig"}}
+    cache_entry(hf_home, "acme/custom", {"config.json": json.dumps(config),
+                                         "configuration_acme.py": "raise SystemExit('remote code ran')\n"})
+    r = run_cli(capsys, "plan", "acme/custom")
+    assert r.code == 2 and r.one_error_line, r.err
+    assert "kvload never runs it (trust_remote_code stays off)" in r.err

@@ -1,0 +1,105 @@
+"""KV cache events from both managers: stored blocks are the ones later requests hit; eviction and reset report."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+import pipeline
+from cache_backends.hashing import block_hash
+from pipeline.errors import ConfigError
+
+T = 16
+PREFIX = list(range(100, 164))  # 64 tokens: four full blocks
+
+
+def _load(v2: bool, max_tokens: int = 1024, events: int = 10_000, **kv):
+    config = {"max_tokens": max_tokens, "tokens_per_block": T, "use_kv_cache_manager_v2": v2,
+              "event_buffer_max_size": events, "host_cache_size": 0, **kv}
+    return pipeline.load("tiny-llama", load_weights=True, kv_cache_config=config, max_seq_len=256, log=False)
+
+
+def _keys(tokens):
+    keys, parent = [], None
+    for i in range(len(tokens) // T):
+        parent = block_hash(parent, tokens[i * T:(i + 1) * T], None)
+        keys.append(parent.hex())
+    return keys
+
+
+@pytest.mark.parametrize("v2", [False, True], ids=["v1", "v2"])
+def test_stored_blocks_are_the_ones_a_later_request_hits_and_reset_clears(v2):
+    with _load(v2) as r:
+        first = r.generate([[*PREFIX, 1, 2, 3]], max_new_tokens=4, ignore_eos=True)[0]
+        batch = r.kv_cache_events()
+        stored = [e for e in batch["events"] if e["type"] == "kv_block_stored"]
+        assert batch["dropped"] == 0 and stored
+        assert {e["medium"] for e in stored} == {"device"} and {e["tokens_per_block"] for e in stored} == {T}
+        hashes = [h for e in stored if e["layer_group"] == stored[0]["layer_group"] for h in e["block_hashes"]]
+        tokens = [t for e in stored if e["layer_group"] == stored[0]["layer_group"] for t in e["token_ids"]]
+        full = (len(PREFIX) + 3 + 4 - 1) // T  # KV is written for every token but the last sampled one
+        assert hashes == _keys((first.prompt_token_ids + first.token_ids)[:full * T])
+        assert tokens == (first.prompt_token_ids + first.token_ids)[:full * T]
+        assert stored[0]["parent_block_hash"] is None
+        assert all(e["parent_block_hash"] == prev["block_hashes"][-1]
+                   for prev, e in itertools.pairwise(stored) if e["layer_group"] == prev["layer_group"])
+        # a later request with the same prefix hits exactly the stored blocks of its prompt
+        again = r.generate([[*PREFIX, 9, 9]], max_new_tokens=2, ignore_eos=True)[0]
+        assert again.reused_prompt_tokens == len(PREFIX)
+        assert _keys(PREFIX) == hashes[:len(PREFIX) // T]
+        assert {e["type"] for e in r.kv_cache_events()["events"]} <= {"kv_block_stored"}  # nothing evicted
+        r.reset_prefix_cache()
+        assert r.kv_cache_events()["events"][-1]["type"] == "kv_all_blocks_cleared"
+
+
+@pytest.mark.parametrize("v2", [False, True], ids=["v1", "v2"])
+def test_eviction_reports_removed_blocks_that_were_stored(v2, tmp_path):
+    with _load(v2, max_tokens=128) as r:  # 8 blocks: the third prompt evicts the first ones
+        for base in (100, 200, 300):
+            r.generate([list(range(base, base + 60))], max_new_tokens=2, ignore_eos=True)
+        log = tmp_path / "events.jsonl"
+        events = r.kv_cache_events(jsonl=log)["events"]
+        stored = {h for e in events if e["type"] == "kv_block_stored" for h in e["block_hashes"]}
+        removed = [h for e in events if e["type"] == "kv_block_removed" for h in e["block_hashes"]]
+        assert removed and set(removed) <= stored
+        assert set(_keys(list(range(100, 160)))) & set(removed)  # the oldest prompt went first
+        evictions = r.kv_manager.stats()
+        n = evictions["evictions"] if not v2 else sum(g["evictions"] for g in evictions["groups"].values())
+        assert len(removed) == n
+        assert [json.loads(line) for line in log.read_text().splitlines()] == events
+
+
+def test_a_full_buffer_drops_the_oldest_and_says_how_many():
+    with _load(False, events=2) as r:
+        r.generate([[*PREFIX, 1]], max_new_tokens=2, ignore_eos=True)
+        r.reset_prefix_cache()
+        r.generate([list(range(400, 440))], max_new_tokens=2, ignore_eos=True)
+        batch = r.kv_cache_events()
+        assert len(batch["events"]) == 2 and batch["dropped"] >= 1
+        assert batch["events"][0]["seq"] == batch["events"][1]["seq"] - 1
+        assert r.kv_cache_events() == {"events": [], "dropped": 0}
+
+
+def test_off_by_default_with_no_buffer_and_a_clear_error():
+    with pipeline.load("tiny-llama", kv_cache_config={"max_tokens": 256}, log=False) as r:
+        assert r.kv_manager.kv_events is None and r.kv_manager.pool.on_evict is None
+        with pytest.raises(ConfigError, match="event_buffer_max_size > 0"):
+            r.kv_cache_events()
+
+
+def test_served_at_the_kv_events_endpoint():
+    from tests.serve_support import serving
+
+    kv = {"max_tokens": 1024, "tokens_per_block": T, "event_buffer_max_size": 100}
+    with serving("tiny-llama", kv_cache_config=kv) as s:
+        r = s.client.completions.create(model="tiny-llama", prompt=PREFIX, max_tokens=2)
+        events = s.http.get("/v1/kvload/kv_events").json()
+        stored = [h for e in events["events"] if e["type"] == "kv_block_stored" for h in e["block_hashes"]]
+        assert stored[:3] == _keys(PREFIX)[:3] and events["dropped"] == 0
+        assert r.usage.completion_tokens == 2
+        assert s.http.get("/v1/kvload/kv_events").json() == {"events": [], "dropped": 0}  # drained
+    with serving("tiny-llama") as s:
+        r = s.http.get("/v1/kvload/kv_events")
+        assert r.status_code == 400 and r.json()["error"]["param"] == "event_buffer_max_size"

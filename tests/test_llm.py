@@ -1,0 +1,263 @@
+"""``kvload.LLM``: RequestOutputs, top-k, stop strings and ids, n samples on one prefill, logprobs, streaming."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import kvload
+from engine.sampling_params import SamplingParams
+from kvload.llm import DEFAULT_CPU_MAX_TOKENS
+from pipeline.errors import GenerationError
+from tests.generate_support import hf_greedy, used_blocks
+from tests.llm_support import llm_kwargs, with_tokenizer
+
+VOCAB = 512  # the tiny llama's
+
+
+@pytest.fixture(scope="module")
+def words(tiny_checkpoints, tmp_path_factory):
+    """The tiny llama checkpoint with a word-level tokenizer (token i is the text "w<i>")."""
+    return with_tokenizer(tiny_checkpoints("llama"), tmp_path_factory.mktemp("words") / "ckpt", VOCAB)
+
+
+@pytest.fixture(scope="module", params=["v1", "v2"])
+def llm(request, words):
+    with kvload.LLM(str(words), **llm_kwargs(request.param)) as loaded:
+        yield loaded
+
+
+PROMPT = "w5 w17 w300 w42 w9 w88 w123 w7 w64 w256 w11 w3 w400"  # 13 tokens: 3 full 4-token blocks + 1
+
+
+def greedy(llm, n: int = 12, **kw) -> kvload.CompletionOutput:
+    return llm.generate(PROMPT, SamplingParams(max_tokens=n, ignore_eos=True, **kw))[0].outputs[0]
+
+
+# --- the request output ---------------------------------------------------------------------------
+
+
+def test_generate_returns_request_outputs_shaped_like_vllm(llm):
+    (out,) = llm.generate([PROMPT], SamplingParams(max_tokens=5, ignore_eos=True))
+    assert isinstance(out, kvload.RequestOutput) and out.finished
+    assert out.prompt == PROMPT and out.prompt_token_ids == llm.tokenizer(PROMPT)["input_ids"]
+    (c,) = out.outputs
+    assert c.index == 0 and len(c.token_ids) == 5 and c.finish_reason == "length" and c.stop_reason is None
+    assert c.text == " ".join(f"w{t}" for t in c.token_ids)
+    assert c.logprobs is None and c.cumulative_logprob is None
+    assert out.computed_prompt_tokens + out.reused_prompt_tokens == 13
+    assert 0 <= out.timings.first_token_s <= out.timings.total_s
+    assert c.token_ids == hf_greedy(llm.result.hf_model, out.prompt_token_ids, 5)  # greedy is transformers' greedy
+
+
+def test_top_k_1_is_greedy_whatever_the_temperature(llm):
+    ref = greedy(llm)
+    assert greedy(llm, temperature=1.5, top_k=1, seed=4).token_ids == ref.token_ids
+    sampled = greedy(llm, temperature=1.5, seed=4)
+    assert sampled.token_ids != ref.token_ids  # the same temperature without top-k does sample
+
+
+def test_top_k_draws_only_among_the_k_most_likely_tokens(llm):
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=10, temperature=3.0, top_k=3, seed=1, ignore_eos=True))[0]
+    seq = out.prompt_token_ids + out.outputs[0].token_ids
+    with torch.inference_mode():
+        logits = llm.result.hf_model(torch.tensor([seq])).logits[0, len(out.prompt_token_ids) - 1:-1]
+    top3 = logits.topk(3, dim=-1).indices
+    assert all(t in top3[i].tolist() for i, t in enumerate(out.outputs[0].token_ids))
+
+
+# --- stopping -------------------------------------------------------------------------------------
+
+
+def test_a_stop_token_id_ends_with_stop_and_stays_in_token_ids_not_in_text(llm):
+    ref = greedy(llm)
+    stop = next(t for t in ref.token_ids[2:] if t not in ref.token_ids[:2])
+    out = greedy(llm, stop_token_ids=[stop])
+    end = ref.token_ids.index(stop) + 1
+    assert out.token_ids == ref.token_ids[:end]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    assert out.text == " ".join(f"w{t}" for t in ref.token_ids[:end - 1])
+
+
+def test_a_stop_string_ends_with_stop_and_is_cut_from_the_text(llm):
+    ref = greedy(llm)
+    words = ref.text.split(" ")
+    stop = f"{words[3]} {words[4][:2]}"  # spans two tokens, ends inside the second
+    out = greedy(llm, stop=["never-there", stop])
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    assert out.text == ref.text[:ref.text.index(stop)] and stop not in out.text
+    assert out.token_ids == ref.token_ids[:5]  # generation ended on the token that completed the stop string
+
+
+def test_eos_ends_with_stop_and_ignore_eos_runs_to_length(llm):
+    ref = greedy(llm)
+    eos = ref.token_ids[3]
+    executor = llm.result.executor
+    saved = executor.eos_token_ids
+    executor.eos_token_ids = frozenset({eos})
+    try:
+        out = llm.generate(PROMPT, SamplingParams(max_tokens=12))[0].outputs[0]
+        assert out.finish_reason == "stop" and out.stop_reason is None and out.token_ids[-1] == eos
+        assert greedy(llm).finish_reason == "length"  # ignore_eos
+    finally:
+        executor.eos_token_ids = saved
+
+
+# --- n samples ------------------------------------------------------------------------------------
+
+
+def test_n_samples_share_one_prefill_and_are_reproducible_per_seed(llm):
+    params = SamplingParams(max_tokens=6, temperature=1.5, n=4, seed=11, ignore_eos=True)
+    salt = f"n-{llm.route.kv_manager}"  # a fresh reuse scope: nothing cached before this call
+    (out,) = llm.generate(PROMPT, params, salt=salt)
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # independent draws
+    # the first sample computes the 13 prompt tokens; the others reuse its blocks (V1: the 3 full blocks)
+    assert out.computed_prompt_tokens <= 13 + 3 * 1
+    assert out.reused_prompt_tokens >= 3 * 12 and out.computed_prompt_tokens + out.reused_prompt_tokens == 4 * 13
+    started, finished = llm.audit.of("generation_started")[-1], llm.audit.of("generation_finished")[-1]
+    assert (started["n"], started["requests"], finished["requests"]) == (4, 4, 4)
+    assert finished["reused_prompt_tokens"] == out.reused_prompt_tokens
+    again = llm.generate(PROMPT, params, salt=salt + "-again")[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+    other = llm.generate(PROMPT, SamplingParams(max_tokens=6, temperature=1.5, n=4, seed=12, ignore_eos=True))[0]
+    assert [c.token_ids for c in other.outputs] != [c.token_ids for c in out.outputs]
+    assert used_blocks(llm.result) == 0
+
+
+def test_without_reuse_each_sample_computes_its_prompt(words):
+    with kvload.LLM(str(words), **llm_kwargs("v1", enable_block_reuse=False)) as llm:
+        out = llm.generate(PROMPT, SamplingParams(max_tokens=3, temperature=1.0, n=3, seed=0))[0]
+        assert (out.computed_prompt_tokens, out.reused_prompt_tokens) == (3 * 13, 0)
+
+
+def test_load_result_generate_keeps_one_flat_output_per_prompt_and_refuses_n(llm):
+    out = llm.result.generate([[5, 6, 7]], max_new_tokens=3, ignore_eos=True)[0]
+    assert out.token_ids and out.finish_reason == "length" and out.index == 0
+    with pytest.raises(GenerationError, match=r"n=2: LoadResult\.generate returns one output per prompt"):
+        llm.result.generate([[5, 6, 7]], n=2)
+
+
+# --- logprobs -------------------------------------------------------------------------------------
+
+
+def test_logprobs_give_the_top_k_and_the_sampled_token_per_generated_token(llm):
+    k = 3
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=8, temperature=2.0, seed=5, logprobs=k,
+                                              ignore_eos=True))[0]
+    c = out.outputs[0]
+    assert len(c.logprobs) == len(c.token_ids) == 8
+    seq = out.prompt_token_ids + c.token_ids
+    with torch.inference_mode():
+        logits = llm.result.hf_model(torch.tensor([seq])).logits[0, len(out.prompt_token_ids) - 1:-1]
+    ref = torch.log_softmax(logits.float(), dim=-1)
+    for step, (entry, token) in enumerate(zip(c.logprobs, c.token_ids, strict=True)):
+        top = set(ref[step].topk(k).indices.tolist())
+        assert top <= set(entry) and token in entry and set(entry) <= top | {token}
+        for tid, lp in entry.items():
+            assert lp == pytest.approx(float(ref[step, tid]), abs=1e-4) and lp <= 0
+        assert sum(torch.tensor(list(entry.values())).exp().tolist()) <= 1 + 1e-5
+    assert c.cumulative_logprob == pytest.approx(sum(e[t] for e, t in zip(c.logprobs, c.token_ids, strict=True)))
+
+
+# --- streaming ------------------------------------------------------------------------------------
+
+
+def test_stream_deltas_concatenate_to_the_final_text_and_tokens(llm):
+    ref = greedy(llm)
+    stop = ref.text.split(" ")[6]
+    params = SamplingParams(max_tokens=12, ignore_eos=True, stop=stop, n=2, temperature=0.0)
+    deltas = list(llm.generate_stream([PROMPT, "w1 w2 w3"], params))
+    finals = {(d.index, d.sample): d for d in deltas if d.finish_reason is not None}
+    outputs = {d.index: d.output for d in deltas if d.output is not None}
+    assert set(finals) == {(0, 0), (0, 1), (1, 0), (1, 1)} and set(outputs) == {0, 1}
+    for (i, j), last in finals.items():
+        mine = [d for d in deltas if (d.index, d.sample) == (i, j)]
+        assert mine[-1] is last  # nothing after a sample's last delta
+        final = outputs[i].outputs[j]
+        assert "".join(d.text for d in mine) == final.text
+        assert [t for d in mine for t in d.token_ids] == final.token_ids
+    assert outputs[0].outputs[0].text == ref.text[:ref.text.index(stop)]
+
+
+def test_leaving_a_stream_early_frees_its_blocks_and_the_llm_generates_again(llm):
+    stream = llm.generate_stream(PROMPT, SamplingParams(max_tokens=30, ignore_eos=True))
+    first = next(stream)
+    assert first.token_ids and first.finish_reason is None
+    with pytest.raises(GenerationError, match="already generating"):
+        llm.generate(PROMPT)
+    stream.close()
+    assert used_blocks(llm.result) == 0
+    assert llm.audit.of("generation_failed")[-1]["error"] == "StreamClosed"
+    assert greedy(llm, n=3).token_ids == greedy(llm).token_ids[:3]
+
+
+def test_stream_errors_surface_in_the_loop(llm):
+    with pytest.raises(GenerationError, match=r"prompt 0: token id 9999 is outside the vocabulary"):
+        list(llm.generate_stream([[9999]]))
+    with pytest.raises(GenerationError, match="top_k: expected"):
+        llm.generate_stream(PROMPT, top_k=-5)  # sampling settings are checked at the call
+
+
+# --- bad input ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"top_k": -2}, "generate: top_k: expected"),
+    ({"n": 0}, "generate: n: expected an integer >= 1"),
+    ({"logprobs": 10_000}, r"generate: logprobs: expected at most the vocabulary size \(512\)"),
+    ({"stop_token_ids": [600]}, r"generate: stop_token_ids: token id 600 is outside the vocabulary"),
+    ({"max_tokens": 0}, "generate: max_tokens: expected an integer >= 1"),
+    ({"best_of": 2}, "generate: unknown argument 'best_of'"),
+])
+def test_bad_sampling_settings_name_the_field_and_nothing_runs(llm, kwargs, message):
+    before = len(llm.audit.of("generation_started"))
+    with pytest.raises(GenerationError, match=message):
+        llm.generate(PROMPT, **kwargs)
+    assert len(llm.audit.of("generation_started")) == before
+
+
+def test_one_sampling_params_per_prompt(llm):
+    outs = llm.generate([PROMPT, PROMPT], [SamplingParams(max_tokens=2, ignore_eos=True),
+                                           SamplingParams(max_tokens=4, ignore_eos=True, n=2)])
+    assert [len(o.outputs) for o in outs] == [1, 2] and len(outs[1].outputs[1].token_ids) == 4
+    with pytest.raises(GenerationError, match="expected one SamplingParams or a list of 2"):
+        llm.generate([PROMPT, PROMPT], [SamplingParams()])
+
+
+# --- the LLM itself -------------------------------------------------------------------------------
+
+
+def test_cpu_without_a_bound_gets_the_default_budget_and_the_audit_says_so(tiny_checkpoints, tmp_path):
+    audit = tmp_path / "llm.jsonl"
+    with kvload.LLM(str(tiny_checkpoints("llama")), device="cpu", log=False, audit_log=audit) as llm:
+        (budget,) = llm.audit.of("kv_budget_computed")
+        assert budget["max_tokens"] == DEFAULT_CPU_MAX_TOKENS and budget["limited_by"] == "max_tokens"
+        assert f"kv_cache_config.default_max_tokens={DEFAULT_CPU_MAX_TOKENS} applies" in budget["reason"]
+        assert llm.args.kv_cache_config.max_tokens is None  # the user's bound stays unset
+        assert llm.route.kv_manager == "KVCacheManager" and repr(llm).startswith("LLM(")
+        assert llm.generate([[4, 5, 6]], max_tokens=2)[0].outputs[0].token_ids
+    events = [json.loads(line)["event"] for line in audit.read_text().splitlines()]
+    assert "generation_finished" in events  # close() wrote the generation segment too
+    with pytest.raises(GenerationError, match="this LLM was closed"):
+        llm.generate([[4, 5, 6]])
+
+
+def test_an_explicit_bound_wins_over_the_default(tiny_checkpoints):
+    kv = kvload.KvCacheConfig(max_tokens=256, tokens_per_block=4)
+    with kvload.LLM(str(tiny_checkpoints("llama")), device="cpu", log=False, kv_cache_config=kv) as llm:
+        (budget,) = llm.audit.of("kv_budget_computed")
+        assert budget["max_tokens"] == 256 and "default_max_tokens" not in budget["reason"]
+        assert llm.args.kv_cache_config.tokens_per_block == 4
+
+
+def test_prompts_of_token_ids_work_on_a_preset_and_text_needs_a_tokenizer():
+    with kvload.LLM("tiny-llama", device="cpu", log=False, kv_cache_config={"max_tokens": 256}) as llm:
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+        assert out.outputs[0].text is None and len(out.outputs[0].token_ids) == 3
+        with pytest.raises(GenerationError, match="stop: stop strings are matched on the text, but tiny-llama has "
+                                                  "no tokenizer; use stop_token_ids"):
+            llm.generate([[1, 2, 3]], stop="x")
+

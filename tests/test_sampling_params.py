@@ -1,0 +1,63 @@
+"""``SamplingParams``: vLLM/TensorRT-LLM field names, the ``max_new_tokens`` alias, one-line errors naming the field."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import attrs
+import pytest
+
+from engine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
+from pipeline.errors import GenerationError
+
+
+def test_defaults_match_the_cli_and_the_alias_reads_and_writes_max_tokens():
+    from kvload.cli import build_parser
+
+    ns = build_parser().parse_args(["generate", "tiny-llama", "--prompt-ids", "1"])
+    assert SamplingParams().max_tokens == ns.max_new_tokens == DEFAULT_MAX_TOKENS
+    p = SamplingParams(max_new_tokens=7)
+    assert p.max_tokens == p.max_new_tokens == 7 and p == SamplingParams(max_tokens=7)
+    assert SamplingParams.build(None, {"max_new_tokens": 3}).max_tokens == 3
+    assert attrs.evolve(p, n=2).max_tokens == 7  # evolve goes through the same constructor
+
+
+def test_stop_and_stop_token_ids_take_one_or_many():
+    assert SamplingParams(stop="\n").stop == ("\n",)
+    assert SamplingParams(stop=["a", "bc"], stop_token_ids=[2, 7]).to_dict()["stop_token_ids"] == [2, 7]
+    assert SamplingParams().stop == () and SamplingParams().stop_token_ids == ()
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"max_tokens": 0}, "max_tokens: expected an integer >= 1, got 0"),
+    ({"max_new_tokens": 0}, "max_new_tokens: expected an integer >= 1, got 0"),
+    ({"max_tokens": 3, "max_new_tokens": 4}, "max_tokens=3 and max_new_tokens=4: they are one setting"),
+    ({"temperature": -1}, r"temperature: expected a finite number >= 0 \(0 = greedy\), got -1"),
+    ({"top_p": 1.5}, r"top_p: expected a number in \(0, 1\], got 1.5"),
+    ({"top_k": -2}, "top_k: expected an integer >= 1, or 0 / -1 for all tokens, got -2"),
+    ({"top_k": 2.5}, "top_k: expected an integer"),
+    ({"seed": -1}, r"seed: expected an integer in \[0, 2\*\*63 - 1\] or None, got -1"),
+    ({"stop": ""}, "stop: expected a non-empty string or a list of them"),
+    ({"stop": 5}, "stop: expected a non-empty string or a list of them, got 5"),
+    ({"stop_token_ids": [1, -3]}, r"stop_token_ids: expected a list of token ids \(integers >= 0\)"),
+    ({"n": 0}, "n: expected an integer >= 1, got 0"),
+    ({"logprobs": -1}, "logprobs: expected an integer >= 0"),
+    ({"ignore_eos": "yes"}, "ignore_eos: expected true or false, got 'yes'"),
+])
+def test_bad_values_are_one_line_naming_the_field(kwargs, message):
+    with pytest.raises(GenerationError, match=message) as info:
+        SamplingParams(**kwargs)
+    assert "\n" not in str(info.value)
+
+
+def test_unknown_keyword_names_the_known_fields():
+    with pytest.raises(GenerationError, match="unknown argument 'best_of'; sampling fields are .*max_tokens.*top_k"):
+        SamplingParams.build(None, {"best_of": 2})
+
+
+def test_the_front_door_names_load_lazily_without_torch():
+    code = ("import sys, kvload; kvload.SamplingParams; kvload.RequestOutput; kvload.TokenDelta; "
+            "kvload.CompletionOutput; assert 'torch' not in sys.modules, 'torch imported'; "
+            "assert callable(kvload.LLM)")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -1,0 +1,205 @@
+"""``kvload serve`` on a preset (token-id prompts), through the real ``openai`` client and raw HTTP.
+
+One server per module (one load): completions and streaming against the Python API's tokens,
+overlapping requests, a client that disconnects mid-stream, bad requests, metrics, audit and explain.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.serve_support import TIMEOUT, serving, wait_for
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [11, 12, 13, 14, 15, 16, 17], [20, 21]]
+MAX_TOKENS = [12, 20, 8, 16]
+REFERENCE: dict[int, list[int]] = {}
+
+
+def _reference(result):
+    outs = [result.generate([p], max_new_tokens=n, ignore_eos=True)[0]
+            for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)]
+    REFERENCE.update({i: o.token_ids for i, o in enumerate(outs)})
+
+
+@pytest.fixture(scope="module")
+def served():
+    with serving("tiny-llama", before=_reference, max_num_tokens=64) as s:
+        yield s
+
+
+def _complete(served, i, **kw):
+    r = served.client.completions.create(model="tiny-llama", prompt=PROMPTS[i], max_tokens=MAX_TOKENS[i],
+                                         extra_body={"ignore_eos": True}, **kw)
+    return r
+
+
+def test_completion_gives_the_python_apis_greedy_tokens(served):
+    r = _complete(served, 0)
+    choice = r.choices[0]
+    assert choice.model_extra["token_ids"] == REFERENCE[0]
+    assert choice.finish_reason == "length"
+    assert r.usage.prompt_tokens == len(PROMPTS[0]) and r.usage.completion_tokens == MAX_TOKENS[0]
+    assert r.object == "text_completion" and r.model == "tiny-llama"
+
+
+def test_streamed_completion_gives_the_same_tokens_one_chunk_per_token(served):
+    chunks = list(_complete(served, 1, stream=True, stream_options={"include_usage": True}))
+    ids = [t for c in chunks if c.choices for t in c.choices[0].model_extra["token_ids"]]
+    assert ids == REFERENCE[1]
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert reasons[-1] == "length" and set(reasons[:-1]) == {None}
+    assert chunks[-1].usage.completion_tokens == MAX_TOKENS[1]
+
+
+def test_overlapping_requests_give_the_same_tokens_as_one_at_a_time(served):
+    audit_before = len(served.result.audit.events)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(_complete, served, i % 4, stream=bool(i % 2)) for i in range(8)]
+        results = [f.result(timeout=TIMEOUT) for f in futures]
+    for i, r in enumerate(results):
+        ids = ([t for c in r for t in c.choices[0].model_extra["token_ids"]] if i % 2
+               else r.choices[0].model_extra["token_ids"])
+        assert ids == REFERENCE[i % 4], i
+    # they overlapped in the engine: several were admitted and unfinished at once
+    events = served.result.audit.events[audit_before:]
+    in_flight = peak = 0
+    for e in events:
+        in_flight += {"request_admitted": 1, "request_finished": -1}.get(e["event"], 0)
+        peak = max(peak, in_flight)
+    assert peak >= 4
+
+
+def test_a_late_request_joins_a_running_one_and_a_client_that_hangs_up_has_its_blocks_freed(served):
+    body = {"model": "tiny-llama", "prompt": [3, 1, 4, 1, 5], "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=served.url, timeout=TIMEOUT) as http, \
+            http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        got = []
+        for line in lines:
+            if line.startswith("data: {"):
+                got.append(json.loads(line[6:]))
+            if len(got) == 3:
+                break
+        # a request sent now joins the long one's batch and finishes first, with its own greedy tokens
+        assert _complete(served, 2).choices[0].model_extra["token_ids"] == REFERENCE[2]
+        assert served.metrics()["kvload_num_requests_running"] == 1  # the long one still generates
+    wait_for(lambda: served.metrics()["kvload_num_requests_running"] == 0, what="the request was aborted")
+    m = served.metrics()
+    assert m["kvload_kv_cache_blocks{layer_group=uniform,state=used}"] == 0
+    assert m["kvload_request_success_total{finished_reason=abort}"] >= 1
+    finished = [e for e in served.result.audit.of("request_finished") if e["reason"] == "abort"]
+    assert finished and finished[-1]["output_tokens"] < 1500
+
+
+def test_a_client_that_gives_up_on_a_plain_request_has_it_aborted(served):
+    aborted = served.metrics().get("kvload_request_success_total{finished_reason=abort}", 0)
+    body = {"model": "tiny-llama", "prompt": [2, 7, 1, 8], "max_tokens": 1900, "ignore_eos": True}
+    with httpx.Client(base_url=served.url, timeout=0.5) as impatient, pytest.raises(httpx.ReadTimeout):
+        impatient.post("/v1/completions", json=body)
+    wait_for(lambda: served.metrics().get("kvload_request_success_total{finished_reason=abort}", 0) == aborted + 1,
+             what="the abandoned request was aborted")
+    m = served.metrics()
+    assert m["kvload_num_requests_running"] == 0
+    assert m["kvload_kv_cache_blocks{layer_group=uniform,state=used}"] == 0
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"prompt": [1, 2], "max_tokens": 0}, "max_tokens", "integer >= 1"),
+    ({"prompt": [1, 2], "temperature": -1}, "temperature", "[0, 2]"),
+    ({"prompt": [1, 2], "top_p": 0}, "top_p", "(0, 1]"),
+    ({"prompt": [1, 2], "n": 2}, "n", "temperature > 0"),
+    ({"prompt": [1, 2], "best_of": 2}, "best_of", "not supported"),
+    ({"prompt": [1, 2], "presence_penalty": 0.5}, "presence_penalty", "penalties"),
+    ({"prompt": [1, 2], "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
+    ({"prompt": [1, 2], "logprobs": 99}, "logprobs", "[0, 20]"),
+    ({"prompt": []}, "prompt", "non-empty"),
+    ({"prompt": [[1, 2], "x", [3.5]]}, "prompt[2]", "token ids"),
+    ({}, "prompt", "required"),
+    ({"prompt": [1, 99999]}, "prompt", "outside the vocabulary"),
+    ({"prompt": "hello"}, "prompt", "no tokenizer"),
+    ({"prompt": [1, 2], "max_tokens": 5000}, "max_tokens", "KV pools hold 64"),
+])
+def test_bad_requests_get_400_naming_the_field(served, body, param, words):
+    r = served.http.post("/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert words in error["message"]
+
+
+def test_other_refusals_and_the_server_keeps_serving(served):
+    r = served.http.post("/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = served.http.post("/v1/completions", json={"model": "gpt-4", "prompt": [1]})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = served.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"  # a preset has no tokenizer
+    with pytest.raises(openai.BadRequestError) as info:
+        served.client.completions.create(model="tiny-llama", prompt=[1, 2], max_tokens=-3)
+    assert info.value.body["param"] == "max_tokens"
+    assert served.http.get("/health").json() == {"status": "ok"}
+    assert _complete(served, 2).choices[0].model_extra["token_ids"] == REFERENCE[2]
+
+
+def test_logprobs_sampling_seeds_and_n(served):
+    r = served.client.completions.create(model="tiny-llama", prompt=PROMPTS[0], max_tokens=6, logprobs=3,
+                                         extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == 6 and all(len(top) == 3 for top in lp.top_logprobs)
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert chosen == pytest.approx(max(top.values()))  # greedy picks the most likely token
+    kw = {"model": "tiny-llama", "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 1.5, "seed": 5, "n": 3,
+          "extra_body": {"ignore_eos": True}}
+    a, b = served.client.completions.create(**kw), served.client.completions.create(**kw)
+    ids = [c.model_extra["token_ids"] for c in a.choices]
+    assert ids == [c.model_extra["token_ids"] for c in b.choices]  # same seed, same samples
+    assert [c.index for c in a.choices] == [0, 1, 2] and len({tuple(x) for x in ids}) > 1
+    assert a.usage.completion_tokens == 24
+
+
+def test_metrics_parse_and_move_as_requests_run(served):
+    before = served.metrics()
+    _complete(served, 3)
+    _complete(served, 3)  # the same prompt again: its full blocks... (2 tokens: nothing to reuse), still a query
+    after = served.metrics()
+    assert after["kvload_generation_tokens_total"] - before["kvload_generation_tokens_total"] == 2 * MAX_TOKENS[3]
+    assert after["kvload_prompt_tokens_total"] - before["kvload_prompt_tokens_total"] == 2 * len(PROMPTS[3])
+    assert after["kvload_time_to_first_token_seconds_count"] - before["kvload_time_to_first_token_seconds_count"] == 2
+    assert (after["kvload_time_per_output_token_seconds_count"]
+            - before["kvload_time_per_output_token_seconds_count"]) == 2 * (MAX_TOKENS[3] - 1)
+    assert after["kvload_prefix_cache_queries_total"] > before["kvload_prefix_cache_queries_total"]
+    assert after["kvload_engine_steps_total"] > before["kvload_engine_steps_total"]
+    for key in ("kvload_num_requests_running", "kvload_num_requests_waiting", "kvload_num_requests_suspended",
+                "kvload_num_preemptions_total", "kvload_kv_cache_usage_perc{layer_group=uniform}"):
+        assert key in after
+
+
+def test_prefix_cache_hits_show_in_metrics(served):
+    long_prompt = list(range(100, 180))  # 80 tokens: two full blocks of 32 to reuse
+    before = served.metrics()["kvload_prefix_cache_hits_total"]
+    for _ in range(2):
+        served.client.completions.create(model="tiny-llama", prompt=long_prompt, max_tokens=2)
+    r = served.client.completions.create(model="tiny-llama", prompt=long_prompt, max_tokens=2)
+    assert r.usage.prompt_tokens_details.cached_tokens >= 64
+    assert served.metrics()["kvload_prefix_cache_hits_total"] - before >= 64
+
+
+def test_models_audit_and_explain(served):
+    models = served.client.models.list()
+    assert [m.id for m in models.data] == ["tiny-llama"]
+    lines = served.http.get("/v1/kvload/audit").text.strip().split("\n")
+    records = [json.loads(line) for line in lines]
+    assert records[0]["event"] == "audit_header"
+    assert any(r["event"] == "pipeline_finished" for r in records)
+    assert any(r["event"] == "request_finished" for r in records)  # generation events join the log
+    chain = served.http.get("/v1/kvload/explain", params={"field": "max_tokens"}).json()
+    assert chain["field"] == "kv_cache_config.max_tokens" and chain["final"] == 2048
+    assert chain["chain"][-1]["source"] == "api"
+    r = served.http.get("/v1/kvload/explain", params={"field": "no_such_field"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "field"

@@ -1,0 +1,55 @@
+"""The request checks of ``kvload serve`` alone: any JSON body is either a Job or a BadRequest naming a field."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvload.serve.protocol import BadRequest, parse
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=True) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12)
+FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
+          "stream", "stream_options", "logprobs", "top_logprobs", "stop_token_ids", "ignore_eos", "echo", "salt"]
+bodies = st.dictionaries(st.sampled_from(FIELDS), json_values, max_size=6)
+
+
+@settings(max_examples=100, deadline=None)
+@given(body=bodies, kind=st.sampled_from(["completion", "chat"]))
+def test_any_body_is_a_job_or_a_400_naming_a_field(body, kind):
+    try:
+        job = parse(body, kind, default_max_tokens=16)
+    except BadRequest as exc:
+        assert exc.status == 400 and exc.message
+        assert exc.param is None or exc.param.split("[")[0].split(".")[0] in (*FIELDS, "max_completion_tokens")
+        return
+    assert job.params.max_tokens >= 1 and job.n >= 1 and job.prompts
+
+
+def test_a_good_chat_body_becomes_sampling_params():
+    job = parse({"model": "m", "messages": [{"role": "developer", "content": [{"type": "text", "text": "be brief"}]},
+                                            {"role": "user", "content": "hi"}],
+                 "max_completion_tokens": 5, "temperature": 0.7, "top_p": 0.9, "seed": 3, "stop": "x", "n": 2,
+                 "logprobs": True, "top_logprobs": 2, "stream": True, "stream_options": {"include_usage": True}},
+                "chat", default_max_tokens=16)
+    assert job.prompts == [[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]]
+    p = job.params
+    assert (p.max_tokens, p.temperature, p.top_p, p.seed, p.stop, p.logprobs) == (5, 0.7, 0.9, 3, ("x",), 2)
+    assert job.n == 2 and job.stream and job.include_usage and job.max_tokens_given
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "max_completion_tokens": 3},
+     "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}}, "stream_options"),
+])
+def test_chat_refusals_name_the_field(body, param):
+    with pytest.raises(BadRequest) as info:
+        parse(body, "chat", default_max_tokens=16)
+    assert info.value.param == param

@@ -1,0 +1,196 @@
+"""TensorRT-LLM users' inputs: their flag spellings, their options YAML, one memory-size convention,
+and the same verdict on a value whichever source (CLI, YAML, Python) gave it."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvload.api import plan
+from pipeline.config import parse_size
+from pipeline.errors import ConfigError
+from pipeline.trtllm_compat import IGNORED_KV_CACHE_CONFIG, IGNORED_LLM_ARGS
+from tests.cli_support import read_events, run_cli
+
+FRACTION = "kv_cache_config.free_gpu_memory_fraction"
+
+#: What a TensorRT-LLM user's ``extra_llm_api_options`` file typically holds.
+TRTLLM_YAML = """\
+max_batch_size: 16
+max_num_tokens: 4096
+cuda_graph_config:
+  enable_padding: true
+  max_batch_size: 16
+enable_chunked_prefill: true
+print_iter_log: true
+disable_overlap_scheduler: false
+enable_attention_dp: false
+moe_config:
+  backend: CUTLASS
+trust_remote_code: false
+kv_cache_config:
+  free_gpu_memory_fraction: 0.8
+  enable_block_reuse: true
+  copy_on_partial_reuse: false
+"""
+IGNORED_IN_YAML = {"cuda_graph_config", "enable_chunked_prefill", "print_iter_log", "disable_overlap_scheduler",
+                   "enable_attention_dp", "moe_config", "trust_remote_code", "kv_cache_config.copy_on_partial_reuse"}
+
+
+@pytest.mark.parametrize("spelling", ["--kv_cache_free_gpu_memory_fraction", "--kv-cache-free-gpu-memory-fraction",
+                                      "--kv_cache_fraction", "--kv_cache_free_gpu_mem_fraction"])
+def test_trtllm_flag_spellings_set_the_same_field(capsys, spelling):
+    r = run_cli(capsys, "plan", "tiny-llama", spelling, "0.5", "--json")
+    assert r.code == 0, r.err
+    assert r.json()["args"]["kv_cache_config"]["free_gpu_memory_fraction"] == 0.5
+
+
+@pytest.mark.parametrize("spelling", ["--kv_cache_fraction", "--kv_cache_free_gpu_memory_fraction"])
+def test_an_error_names_the_spelling_the_user_typed(capsys, spelling):
+    r = run_cli(capsys, "plan", "tiny-llama", spelling, "1.5")
+    assert r.code == 2 and r.one_error_line
+    assert r.err.startswith(f"error: {spelling}: expected a number in (0, 1]")
+
+
+def test_a_trtllm_options_yaml_loads_with_one_warning_per_ignored_key(capsys, tmp_path):
+    cfg = tmp_path / "extra.yaml"
+    cfg.write_text(TRTLLM_YAML)
+    log = tmp_path / "a.jsonl"
+    r = run_cli(capsys, "plan", "tiny-llama", "--extra_llm_api_options", cfg, "--json", "--audit-log", log)
+    assert r.code == 0, r.err
+    args = r.json()["args"]
+    assert (args["max_batch_size"], args["max_num_tokens"]) == (16, 4096)
+    assert args["kv_cache_config"]["free_gpu_memory_fraction"] == 0.8
+    ignored = [e for e in read_events(log) if e["event"] == "setting_ignored"]
+    from_file = [e for e in ignored if e["stage"] == "parse_args"]  # later stages may ignore others (CPU fraction)
+    assert {e["field"] for e in from_file} == IGNORED_IN_YAML
+    assert all(e["level"] == "warning" and "config_file" in e["reason"] for e in from_file)
+    warning_lines = [line for line in r.err.splitlines() if "setting_ignored" in line]
+    assert len(warning_lines) == len(ignored)  # one line each, on stderr; stdout stays JSON
+
+
+def test_an_audit_log_with_ignored_trtllm_keys_still_verifies(capsys, tmp_path):
+    cfg = tmp_path / "extra.yaml"
+    cfg.write_text(TRTLLM_YAML)
+    log = tmp_path / "a.jsonl"
+    assert run_cli(capsys, "plan", "tiny-llama", "--config", cfg, "--audit-log", log).code == 0
+    assert run_cli(capsys, "audit", log, "--verify").code == 0
+
+
+@pytest.mark.parametrize(("yaml_text", "needle"), [
+    ("cuda_graph_confg: {}\n", "cuda_graph_confg: unknown key; did you mean 'cuda_graph_config'"),
+    ("max_batch_sise: 4\n", "max_batch_sise: unknown key; did you mean 'max_batch_size'"),
+    ("kv_cache_config:\n  copy_on_partial_reuze: true\n",
+     "kv_cache_config.copy_on_partial_reuze: unknown key; did you mean 'copy_on_partial_reuse'"),
+    ("no_such_option_anywhere: 1\n", "no_such_option_anywhere: unknown key"),
+    ("trust_remote_code: true\n", "trust_remote_code: kvload never runs code shipped with a checkpoint"),
+])
+def test_truly_unknown_keys_still_fail_with_a_suggestion(capsys, tmp_path, yaml_text, needle):
+    cfg = tmp_path / "extra.yaml"
+    cfg.write_text(yaml_text)
+    r = run_cli(capsys, "plan", "tiny-llama", "--config", cfg)
+    assert r.code == 2 and r.one_error_line, r.err
+    assert needle in r.err and str(cfg) in r.err
+
+
+def test_python_overrides_get_the_same_treatment():
+    result = plan("tiny-llama", cuda_graph_config={"enable_padding": True},
+                  kv_cache_config={"max_tokens": 4096, "use_uvm": False}, log=False)
+    fields = {r["field"] for r in result.audit.of("setting_ignored")}
+    assert {"cuda_graph_config", "kv_cache_config.use_uvm"} <= fields
+    assert result.args.kv_cache_config.max_tokens == 4096
+
+
+def test_ignored_lists_never_shadow_a_kvload_field():
+    from pipeline.config import KvCacheConfig, LlmArgs, public_fields
+
+    assert not set(IGNORED_LLM_ARGS) & {a.name for a in public_fields(LlmArgs)}
+    assert not set(IGNORED_KV_CACHE_CONFIG) & {a.name for a in public_fields(KvCacheConfig)}
+
+
+# --- memory sizes: one convention ----------------------------------------------------------
+
+
+@given(st.integers(min_value=0, max_value=4096), st.sampled_from(["", "K", "M", "G", "T"]))
+def test_bare_and_iec_suffixes_are_binary_si_are_decimal(n, unit):
+    power = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit]
+    if unit:
+        binary = n * 1024**power
+        assert parse_size(f"{n}{unit}") == parse_size(f"{n}{unit}iB") == parse_size(f"{n}{unit.lower()}") == binary
+        assert parse_size(f"{n}{unit}B") == n * 1000**power
+    else:
+        assert parse_size(str(n)) == n
+
+
+def test_8g_means_8_gib_on_the_command_line_and_in_yaml(capsys, tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("kv_cache_config:\n  max_gpu_total_bytes: 8G\n")
+    from_yaml = run_cli(capsys, "plan", "tiny-llama", "--config", cfg, "--json")
+    from_cli = run_cli(capsys, "plan", "tiny-llama", "--max_gpu_total_bytes", "8G", "--json")
+    for r in (from_yaml, from_cli):
+        assert r.code == 0, r.err
+        assert r.json()["args"]["kv_cache_config"]["max_gpu_total_bytes"] == 8 * 2**30
+
+
+def test_the_size_convention_is_in_the_help(capsys):
+    r = run_cli(capsys, "plan", "--help")
+    assert "8GiB = 8G = 8*2**30" in " ".join(r.out.split())
+
+
+# --- one verdict per value, whatever its source --------------------------------------------
+
+
+def _verdicts(capsys, tmp_path, flag: str, key: str, value: str) -> list[tuple[int, str]]:
+    """(exit status, message) for the value given on the CLI, in YAML, and through Python."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"{key}: {value}\n")
+    cli = run_cli(capsys, "plan", "tiny-llama", flag, value, "--max_tokens", "8192")
+    yml = run_cli(capsys, "plan", "tiny-llama", "--config", cfg, "--max_tokens", "8192")
+    try:
+        plan("tiny-llama", log=False, kv_cache_config={"max_tokens": 8192}, **{key: value})
+        api = (0, "")
+    except ConfigError as exc:
+        api = (2, str(exc))
+    return [(cli.code, cli.err), (yml.code, yml.err), api]
+
+
+def test_cuda_index_device_is_accepted_from_every_source(capsys, tmp_path):
+    verdicts = _verdicts(capsys, tmp_path, "--device", "device", "cuda:0")
+    assert [code for code, _ in verdicts] == [0, 0, 0], verdicts
+
+
+def test_unknown_device_is_refused_from_every_source_with_one_message(capsys, tmp_path):
+    verdicts = _verdicts(capsys, tmp_path, "--device", "device", "tpu")
+    assert [code for code, _ in verdicts] == [2, 2, 2]
+    assert all('expected "auto", "cpu", "cuda" or "cuda:N"' in msg for _, msg in verdicts)
+
+
+def test_fp8_model_dtype_is_refused_from_every_source_before_generate(capsys, tmp_path):
+    verdicts = _verdicts(capsys, tmp_path, "--dtype", "dtype", "fp8")
+    assert [code for code, _ in verdicts] == [2, 2, 2]
+    assert all("float8 is a KV cache dtype only" in msg for _, msg in verdicts)
+
+
+def test_fp8_kv_cache_dtype_stays_valid(capsys):
+    r = run_cli(capsys, "plan", "tiny-llama", "--kv_cache_dtype", "fp8", "--max_tokens", "8192", "--json")
+    assert r.code == 0, r.err
+    assert r.json()["args"]["kv_cache_config"]["dtype"] == "float8_e4m3fn"
+
+
+# --- a budget that holds no whole sequence is a warning that says what to raise ------------
+
+
+def test_a_budget_below_one_sequence_warns_and_says_what_to_raise(capsys, tmp_path):
+    log = tmp_path / "a.jsonl"
+    r = run_cli(capsys, "run", "tiny-llama", "--device", "cpu", "--max_tokens", "1024", "--audit-log", log)
+    assert r.code == 0, r.err
+    [short] = [e for e in read_events(log) if e["event"] == "kv_budget_short"]
+    assert (short["capacity_tokens"], short["max_seq_len"]) == (1024, 8192)
+    assert "raise kv_cache_config.max_tokens (--max_tokens) to at least 8192" in short["advice"]
+    assert sum("kv_budget_short" in line for line in r.err.splitlines()) == 1
+
+
+def test_a_budget_that_holds_a_sequence_does_not_warn(capsys):
+    r = run_cli(capsys, "plan", "tiny-llama", "--max_tokens", "1024", "--max_seq_len", "1024")
+    assert r.code == 0 and "kv_budget_short" not in r.err
