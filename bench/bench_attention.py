@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--ragged", action="store_true", help="unequal sequence lengths (both sides then use a mask)")
     p.add_argument("--no-flex", dest="flex", action="store_false",
-                   help="skip the compiled path (its first shape compiles for ~10-25 s on a CPU)")
+                   help="skip the compiled path (each new shape compiles for 10-50 s on a CPU)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -52,8 +52,9 @@ def resolve_attention_backend(device: str) -> tuple[str, str, str]:
         if importlib.util.find_spec("triton") is None:
             return "sdpa", "auto", "torch.compile needs triton on CUDA and it is not installed"
         return "flex", "auto", "CUDA with triton: the compiled FlexAttention reads the pools in place"
-    return "sdpa", "auto", ("on CPU the compiled FlexAttention is slower than gather + SDPA at every measured "
-                            "size (BENCHMARKS.md) and compiles for 10-25 s per shape; \"flex\" still selects it")
+    return "sdpa", "auto", ("on CPU the compiled FlexAttention costs 10-50 s of compiling per new shape and "
+                            "measured no faster end to end than gather + SDPA (BENCHMARKS.md); \"flex\" still "
+                            "selects it")
 
 
 class ResolveAuto:
