@@ -9,10 +9,8 @@ transformers load only when something needs them.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 from kvload.shadowing import check_top_level_packages
+from pipeline.lazy import lazy_exports
 
 check_top_level_packages()  # a project's own models/ (or pipeline/, ...) package would hide kvload's
 
@@ -42,14 +40,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvload' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

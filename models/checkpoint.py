@@ -26,7 +26,7 @@ import attrs
 
 from models.config_check import check_fields
 from pipeline.errors import ModelError, first_line
-from pipeline.limits import MAX_DEPTH, nesting_depth, short
+from pipeline.limits import MAX_DEPTH, nesting_depth, short, unique_keys
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 
@@ -167,7 +167,8 @@ def read_config_json(path: Path) -> dict[str, Any]:
         if file.stat().st_size > MAX_CONFIG_BYTES:  # read nothing huge: real configs are a few KB
             raise ModelError(f"{file}: {file.stat().st_size:,} bytes; a config.json is at most "
                              f"{MAX_CONFIG_BYTES:,}")
-        data = json.loads(file.read_text(encoding="utf-8"), object_pairs_hook=_unique_keys(file))
+        twice = unique_keys(lambda message: ModelError(f"{file}: {message}; keep one"))
+        data = json.loads(file.read_text(encoding="utf-8"), object_pairs_hook=twice)
     except json.JSONDecodeError as exc:
         raise ModelError(f"{file}: malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
     except RecursionError:
@@ -191,20 +192,6 @@ def read_config_json(path: Path) -> dict[str, Any]:
 
 #: The largest config.json read (real ones are a few KB; a tokenizer's vocabulary does not live there).
 MAX_CONFIG_BYTES = 4 * 1024 * 1024
-
-
-def _unique_keys(file: Path) -> Any:
-    """``object_pairs_hook`` refusing a key given twice in one object (``json`` would keep the last silently)."""
-
-    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key, value in pairs:
-            if key in out:
-                raise ModelError(f"{file}: key {key!r} appears twice in one object; keep one")
-            out[key] = value
-        return out
-
-    return hook
 
 
 def load_hf_config(checkpoint: Checkpoint) -> Any:

@@ -8,8 +8,7 @@ keeps working while ``import models`` (which uses :mod:`pipeline.errors`) stays 
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from pipeline.lazy import lazy_exports
 
 #: public name -> module that defines it
 _EXPORTS = {
@@ -48,17 +47,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        try:  # a submodule, e.g. ``pipeline.converter.unstructure``
-            return importlib.import_module(f"pipeline.{name}")
-        except ModuleNotFoundError:
-            raise AttributeError(f"module 'pipeline' has no attribute {name!r}") from None
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals(), submodules=True)

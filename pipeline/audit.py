@@ -20,7 +20,7 @@ from pipeline.audit_schema import record_problem
 from pipeline.config import framework_defaults
 from pipeline.errors import AuditError, ConfigError
 from pipeline.events import is_value_event
-from pipeline.limits import MAX_DEPTH, nesting_depth, short
+from pipeline.limits import MAX_DEPTH, nesting_depth, short, unique_keys
 from pipeline.paths import flatten, set_in
 from pipeline.signals import deferred
 from pipeline.version import AUDIT_SCHEMA_VERSION, __version__
@@ -172,19 +172,10 @@ def _read_text(p: Path) -> str:
         raise AuditError(f"{p}: cannot read audit file ({exc.__class__.__name__})") from None
 
 
-def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"key {key!r} appears twice in one object")
-        out[key] = value
-    return out
-
-
 def _parse_line(p: Path, n: int, line: str, last: bool) -> dict[str, Any]:
     """One line as a JSON object with an ``event`` key, or ``AuditError`` naming the file and line."""
     try:
-        record = json.loads(line, object_pairs_hook=_unique)
+        record = json.loads(line, object_pairs_hook=unique_keys(ValueError))
     except json.JSONDecodeError as exc:
         why = "truncated (the last line is incomplete)" if last else f"not valid JSON ({exc.msg})"
         raise AuditError(f"{p}: line {n}: {why}") from None

@@ -7,7 +7,7 @@ out-of-memory kill, a hang in walking a YAML alias bomb, or a traceback from an 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 #: The largest integer any setting may hold: values reach torch as int64 (seeds, sizes, counts).
@@ -83,3 +83,20 @@ def node_count(value: Any, limit: int) -> int:
         elif isinstance(node, (list, tuple)):
             stack.extend(node)
     return count
+
+
+def unique_keys(error: Callable[[str], Exception]) -> Callable[[list[tuple[str, Any]]], dict[str, Any]]:
+    """A ``json`` ``object_pairs_hook`` refusing a key given twice in one object (``json`` keeps the last silently).
+
+    ``error(message)`` builds the exception to raise, so each reader names its own file.
+    """
+
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise error(f"key {key!r} appears twice in one object")
+            out[key] = value
+        return out
+
+    return hook
