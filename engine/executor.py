@@ -213,11 +213,13 @@ class GenerationExecutor:
             per_prompt_params=per_prompt))
         for p in {id(p): p for p in params}.values():
             if p.greedy:  # greedy draws nothing: a seed, nucleus or top-k the caller gave would silently do nothing
-                ignored = (("seed", p.seed, None), ("top_p", p.top_p, 1.0), ("top_k", max(p.top_k, 0), 0))
+                ignored = (("seed", p.seed, None), ("top_p", p.top_p, 1.0), ("top_k", max(p.top_k, 0), 0),
+                           ("n", p.n, 1))  # greedy samples are all the same sequence
                 for name, value, unset in ignored:
                     if value != unset:
-                        self._event(SettingIgnored(field=f"generate.{name}", value=value,
-                                                   reason="temperature is 0 (greedy): nothing is sampled"))
+                        why = ("temperature is 0 (greedy): the samples are identical" if name == "n"
+                               else "temperature is 0 (greedy): nothing is sampled")
+                        self._event(SettingIgnored(field=f"generate.{name}", value=value, reason=why))
         outputs: dict[int, RequestOutput] = {}
         warm_before = self.flex.warmup_s if self.flex is not None else 0.0
         start = time.perf_counter()

@@ -198,6 +198,7 @@ class ServingEngine:
     def check(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> Request:
         """The request these would make; ``GenerationError``/``KvBuildError`` when it could never run."""
         ((_, ids),) = self.executor._prompts([[int(t) for t in prompt_token_ids]], False)  # vocabulary, length
+        self.executor._params(params, {}, 1)  # the same checks as generate: stop ids in the vocabulary, logprobs
         request = Request(f"srv-{next(self._ids)}", ids, min(params.max_new_tokens, self.room(ids)))
         self.executor._check_fits(0, request)  # KvBuildError with the numbers
         return request

@@ -411,8 +411,9 @@ class _PromptAction(argparse.Action):
 
 def token_ids(text: str) -> list[int]:
     """``1,2,3`` or ``"1 2 3"`` → ``[1, 2, 3]``."""
-    parts = text.replace(",", " ").split()
-    if not parts or not all(p.isdigit() for p in parts):
+    parts = text.split(",") if "," in text else text.split()
+    parts = [p.strip() for p in parts]
+    if not parts or not all(p.isdigit() for p in parts):  # an empty item (1,,3) is a typo, not a skip
         raise argparse.ArgumentTypeError(f"expected token ids such as 1,2,3, got {text!r}")
     return [int(p) for p in parts]
 

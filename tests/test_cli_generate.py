@@ -112,6 +112,7 @@ def test_json_carries_logprobs_stop_token_ids_and_top_k(capsys):
     ((), "error: --prompt: give at least one --prompt TEXT"),
     (("--prompt", "hello"), "error: generate: prompt 0 is text, but tiny-llama has no tokenizer"),
     (("--prompt-ids", "1,x"), "error: --prompt-ids: expected token ids such as 1,2,3, got '1,x'"),
+    (("--prompt-ids", "1,,3"), "error: --prompt-ids: expected token ids such as 1,2,3, got '1,,3'"),
     (("--prompt-ids", "1", "--chat"), "error: generate: prompt 0: chat=True needs text prompts"),
     (("--prompt-ids", "1", "--max_new_tokens", "0"), "error: --max_new_tokens: expected an integer >= 1, got '0'"),
     (("--prompt-ids", "1", "--temperature", "-1"), "error: --temperature: expected a number >= 0, got '-1'"),
@@ -147,3 +148,14 @@ def test_help_explains_the_output_and_the_cpu_budget(capsys):
     assert r.code == 0
     assert "--prompt TEXT" in r.out and "--prompt-ids IDS" in r.out and "--chat" in r.out
     assert "prompts x (n x max_new_tokens + 1024) tokens" in r.out
+
+
+def test_greedy_n_samples_are_identical_and_the_audit_says_n_did_nothing(capsys, tmp_path):
+    audit = tmp_path / "n.jsonl"
+    r = run_cli(capsys, *TINY, "--prompt-ids", "9,9,9", "--n", "2", "--max_new_tokens", "3", "--ignore_eos",
+                "--max_tokens", "256", "--json", "--audit-log", audit)
+    assert r.code == 0, r.err
+    a, b = r.json()["outputs"][0]["outputs"]
+    assert a["token_ids"] == b["token_ids"]
+    ignored = [e for e in read_events(audit) if e["event"] == "setting_ignored" and e["field"] == "generate.n"]
+    assert ignored and "identical" in ignored[0]["reason"]

@@ -66,3 +66,9 @@ def test_kv_events_file_needs_events_on(capsys, tmp_path):
     r = run_cli(capsys, "serve", "tiny-llama", "--kv-events-file", tmp_path / "no" / "ev.jsonl",
                 "--event_buffer_max_size", "10")
     assert r.code == 2 and r.one_error_line and "does not exist" in r.err, r.err
+
+
+def test_serve_refuses_tensor_parallel_up_front_instead_of_advising_torchrun(capsys):
+    r = run_cli(capsys, "serve", "tiny-llama", "--tp_size", "2")
+    assert r.code == 2 and r.one_error_line, r.err
+    assert "--tp_size 2: kvload serve runs on one rank only" in r.err and "torchrun --nproc" not in r.err

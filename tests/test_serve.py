@@ -122,6 +122,7 @@ def test_a_client_that_gives_up_on_a_plain_request_has_it_aborted(served):
     ({"prompt": [[1, 2], "x", [3.5]]}, "prompt[2]", "token ids"),
     ({}, "prompt", "required"),
     ({"prompt": [1, 99999]}, "prompt", "outside the vocabulary"),
+    ({"prompt": [1, 2], "stop_token_ids": [99999]}, "stop_token_ids", "outside the vocabulary"),
     ({"prompt": "hello"}, "prompt", "no tokenizer"),
     ({"prompt": [1, 2], "max_tokens": 5000}, "max_tokens", "KV pools hold 64"),
 ])

@@ -215,6 +215,10 @@ class _Run:
                 params = attrs.evolve(params, max_tokens=max(1, min(params.max_tokens, self.engine.room(ids))))
             try:
                 self.engine.check(ids, params)
+            except GenerationError as exc:  # a sampling value the model cannot take (stop_token_ids, logprobs)
+                msg = str(exc).removeprefix("generate: ")
+                head = msg.split(":", 1)[0]
+                raise BadRequest(msg, param=head if head.isidentifier() else "prompt") from None
             except KvBuildError as exc:
                 field = "max_tokens" if job.max_tokens_given else ("messages" if job.kind == "chat" else "prompt")
                 where = "" if len(self.prompts) == 1 else f"prompt {i}: "

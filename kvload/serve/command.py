@@ -74,6 +74,12 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from kvload.serve.server import bind, build_state, serve
     from stages import load_stages
 
+    tp = cli.cli_overrides(ns).get("tensor_parallel_size", 1)
+    if tp != 1:  # refused before the torchrun advice of check_parallel, which serve could never follow
+        from pipeline.errors import ConfigError
+
+        raise ConfigError(f"--tp_size {tp}: kvload serve runs on one rank only; drop --tp_size "
+                          "(tensor parallel works with plan, run and generate under torchrun)")
     audit = cli._audit_subscribers(ns)  # published by main once the server stopped cleanly
     if ns.kv_events_file is not None:
         cli._check_output_path("--kv-events-file", ns.kv_events_file)
