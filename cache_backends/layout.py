@@ -33,7 +33,9 @@ DTYPE_SIZES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float
 
 LayerKindName = Literal["full", "sliding", "mla", "v4_sliding", "csa", "hca"]
 GroupKind = Literal["full", "sliding", "mla", "compressed"]
-ManagerKind = Literal["v1", "v2"]
+#: A layout's shape: "v1" (one uniform pool) or "v2" (a pool per life cycle); the kinds
+#: themselves (classes, route values) are :mod:`cache_backends.kinds`.
+LayoutName = Literal["v1", "v2"]
 
 
 @attrs.frozen
@@ -118,7 +120,7 @@ class LayerGroup:
 class KvLayout:
     """The layer groups one manager kind would build for a model, at a dtype and block size."""
 
-    manager: ManagerKind
+    manager: LayoutName
     dtype: str
     dtype_bytes: int
     tokens_per_block: int
@@ -221,7 +223,7 @@ def _group_name(kind: str, layer_kind: str, window: int | None, rate: int | None
     return kind
 
 
-def build_layout(layers: list[LayerKV] | tuple[LayerKV, ...], manager: ManagerKind, tokens_per_block: int,
+def build_layout(layers: list[LayerKV] | tuple[LayerKV, ...], manager: LayoutName, tokens_per_block: int,
                  dtype: str) -> KvLayout:
     """Group layers into pools for ``manager`` ("v1": one uniform pool; "v2": one pool per life cycle)."""
     if not layers:
