@@ -122,6 +122,15 @@ class KVCacheManagerV2:
         self._attach_steps = [(g.name, max(1, g.tokens_per_block // self.T), self._pool[g.name].node)
                               for g in self.groups]
         self._sliding = [g for g in self.groups if g.window is not None]
+        # sliding groups by (window, block span): they release in lockstep, so one bound serves them all
+        windows: dict[tuple[int, int], list[tuple[str, GroupPool | GroupShare]]] = {}
+        for g in self._sliding:
+            windows.setdefault((g.window, g.tokens_per_block), []).append((g.name, self._pool[g.name]))  # type: ignore[arg-type]
+        self._window_sets = [(w, tpb, members) for (w, tpb), members in windows.items()]
+        spans: dict[int, int] = {}
+        for g in self.groups:
+            spans[g.tokens_per_block] = spans.get(g.tokens_per_block, 0) + 1
+        self._spans = list(spans.items())  # (block span, groups with it): a shared arena's joint need per span
         spans = [g.tokens_per_block for g in self.groups]
         self.reuse_unit: int | None = reuse_unit(self.layout)
         self.reuse_off_reason: str | None = None
@@ -360,6 +369,8 @@ class KVCacheManagerV2:
 
         The scheduler's per-request call: one lookup, and when everything fits (the common case) no search.
         """
+        if self._arena is not None:
+            return self._schedule_shared(request, want)
         cache = self._caches.get(request)
         if cache is None or cache.state is not CacheState.ACTIVE:
             return self.fit_tokens(request, want)  # raises the usual error
@@ -379,15 +390,47 @@ class KVCacheManagerV2:
                         raise RuntimeError(f"request {request.req_id}: allocation of {n} tokens failed after fitting")
                     return n
                 needs.append(k)
-            if self._arena is not None and sum(k for k in needs if k > 0) > self._arena.available:
-                n = self.fit_tokens(request, want)  # each group fits alone, not all together: search
-                if n and not self.allocate(request, n):
-                    raise RuntimeError(f"request {request.req_id}: allocation of {n} tokens failed after fitting")
-                return n
             detach = self._detach
             for (name, _, pool), k in zip(self._group_pools, needs, strict=True):
                 if k > 0:
                     tables[name].extend(pool.allocate_many(k, detach))
+            cache.capacity = target
+        if target > cache.history:
+            cache.history = target
+        return want
+
+    def _schedule_shared(self, request: Request, want: int) -> int:
+        """:meth:`schedule_tokens` for a shared arena: the groups' new blocks together against the arena.
+
+        Every group's table holds ``ceil(capacity / tokens_per_block)`` blocks (``check_invariants``), so
+        the new blocks depend only on the block span: one sum per distinct span, not one per group.
+        """
+        cache = self._caches.get(request)
+        if cache is None or cache.state is not CacheState.ACTIVE:
+            return self.fit_tokens(request, want)  # raises the usual error
+        committed = cache.committed
+        want = min(want, self.options.max_seq_len - committed, request.num_tokens - committed)
+        if want <= 0:
+            return 0
+        target = committed + want
+        capacity = cache.capacity
+        if target > capacity:
+            total = 0
+            for tpb, count in self._spans:
+                total += (-(-target // tpb) + capacity // -tpb) * count
+            if total:
+                arena = self._arena
+                assert arena is not None
+                if total > len(arena._free) + len(arena.evictable):
+                    n = self.fit_tokens(request, want)  # not all of it fits: search
+                    if n and not self.allocate(request, n):
+                        raise RuntimeError(f"request {request.req_id}: allocation of {n} tokens failed after fitting")
+                    return n
+                tables, detach = cache.tables, self._detach
+                for name, tpb, pool in self._group_pools:
+                    k = -(-target // tpb) + capacity // -tpb
+                    if k > 0:
+                        tables[name].extend(arena.take(pool.index, k, detach))  # type: ignore[union-attr]
             cache.capacity = target
         if target > cache.history:
             cache.history = target
@@ -746,16 +789,19 @@ class KVCacheManagerV2:
         """Release sliding-group blocks that lie wholly before the oldest key the next query sees."""
         keep_cached = self.options.enable_swa_scratch_reuse
         priority = cache.request.priority
-        for g in self._sliding:
-            start = max(0, cache.committed - g.window + 1)
-            table = cache.tables[g.name]
-            upto = min(start // g.tokens_per_block, len(table))
-            pool = self._pool[g.name]
-            for j in range(cache.released[g.name], upto):
-                if table[j] >= 0:
-                    pool.decref(table[j], priority, keep_cached, self._detach)
-                    table[j] = -1
-            cache.released[g.name] = max(cache.released[g.name], upto)
+        tables, released = cache.tables, cache.released
+        for window, tpb, members in self._window_sets:
+            start = max(0, cache.committed - window + 1)
+            upto = min(start // tpb, len(tables[members[0][0]]))
+            if upto <= released[members[0][0]]:  # the common case: nothing left this window (any member)
+                continue
+            for name, pool in members:
+                table = tables[name]
+                for j in range(released[name], upto):
+                    if table[j] >= 0:
+                        pool.decref(table[j], priority, keep_cached, self._detach)
+                        table[j] = -1
+                released[name] = max(released[name], upto)
 
     def _key_full_blocks(self, cache: SequenceCache) -> None:
         """Hash newly full committed blocks into the radix tree and offer the cache's blocks to it."""
