@@ -258,6 +258,19 @@ class KvLayout:
             return self.arena_blocks(blocks) // max(1, sum(need.values()))
         return min((blocks[name] // n for name, n in need.items() if n), default=0)
 
+    def sequence_shortfall(self, length: int, blocks: dict[str, int]) -> tuple[str, int, int] | None:
+        """(which pool, blocks needed, blocks it has) when one sequence of ``length`` tokens cannot fit pools of
+        these block counts even alone; None when it fits. A shared arena counts every group's blocks together."""
+        if self.shared:
+            need = sum(g.blocks_for(length) for g in self.groups)
+            have = self.arena_blocks(blocks)
+            return None if need <= have else (f"the arena shared by {len(self.groups)} layer groups", need, have)
+        for g in self.groups:
+            if g.blocks_for(length) > blocks[g.name]:
+                return (f"layer group {g.name!r} ({g.tokens_per_block} tokens each)", g.blocks_for(length),
+                        blocks[g.name])
+        return None
+
     def capacity_tokens(self, blocks: dict[str, int]) -> int:
         """Tokens the pools hold: the tightest group that keeps all tokens, in tokens.
 

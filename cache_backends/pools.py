@@ -100,6 +100,7 @@ class BlockPools:
     def describe(self) -> dict[str, Any]:
         """Per-group blocks and bytes, for events and reports (a shared arena's groups each show the whole arena)."""
         return {
-            name: {"blocks": self.num_blocks[name], "bytes": t.numel() * t.element_size(), "shape": list(t.shape)}
+            name: {"blocks": self.num_blocks[name], "bytes": t.numel() * t.element_size(), "shape": list(t.shape),
+                   "shared": self.shared}
             for name, t in self.tensors.items()
         }
