@@ -100,7 +100,9 @@ def host_tier_slots(layout: KvLayout, num_blocks: dict[str, int], host_cache_siz
     Auto: one slot per device block, scaled down to fit ``AUTO_HOST_FRACTION`` of ``available_bytes``
     (host memory the tier may take; unknown or <= 0: not capped), at least one slot per group. A byte
     budget gives every group one slot first, then shares the rest in proportion to each group's device
-    bytes; ``ValueError`` when it cannot hold one block of every group. Allocates nothing.
+    bytes; ``ValueError`` when it cannot hold one block of every group. A shared arena gets one set of
+    page slots that every group counts (auto: one per arena page; bytes: ``host_cache_size // page``),
+    so host memory is not counted once per group. Allocates nothing.
     """
     groups = layout.groups
     if host_cache_size == 0:
@@ -199,7 +201,8 @@ def plan_pools(layout: KvLayout, budget_bytes: int, max_seq_len: int, max_tokens
     With ``max_tokens`` (pass it when the ``max_tokens`` cap set the budget) the blocks are the ones
     :meth:`KvLayout.blocks_for_tokens` derives, so the pools hold ``max_tokens`` rounded up to one
     block per group, never a block per sequence more. Otherwise the budget is split over the groups
-    by :meth:`KvLayout.split_budget`.
+    by :meth:`KvLayout.split_budget` (a shared arena: ``budget // page_bytes`` pages every group counts).
+    ``total_bytes`` counts a shared arena once.
     """
     if budget_bytes < layout.min_bytes():
         per_group = ", ".join(f"{g.name} {g.bytes_per_block}" for g in layout.groups)

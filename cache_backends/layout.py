@@ -161,7 +161,7 @@ class KvLayout:
         text = f"memory: one arena shared by {len(self.groups)} groups"
         if blocks:
             text += (f", {self.arena_blocks(blocks):,} pages of {self.groups[0].bytes_per_block:,} B "
-                     "(each group's blocks column is what it could hold alone)")
+                     "(each group's block count is the whole arena: what it could hold alone)")
             if seq_len:
                 text += f"; {self.max_sequences(blocks, seq_len):,} sequence(s) of {seq_len:,} tokens fit jointly"
         return text
