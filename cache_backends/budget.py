@@ -100,13 +100,26 @@ def host_tier_slots(layout: KvLayout, num_blocks: dict[str, int], host_cache_siz
     Auto: one slot per device block, scaled down to fit ``AUTO_HOST_FRACTION`` of ``available_bytes``
     (host memory the tier may take; unknown or <= 0: not capped), at least one slot per group. A byte
     budget gives every group one slot first, then shares the rest in proportion to each group's device
-    bytes; ``ValueError`` when it cannot hold one block of every group. Allocates nothing.
+    bytes; ``ValueError`` when it cannot hold one block of every group. A shared arena gets one set of
+    page slots that every group counts (auto: one per arena page; bytes: ``host_cache_size // page``),
+    so host memory is not counted once per group. Allocates nothing.
     """
     groups = layout.groups
     if host_cache_size == 0:
         return {}
     if host_cache_size is not None and host_cache_size < 0:
         raise ValueError(f"host_cache_size must be >= 0 bytes (0 = no host tier, null = auto), got {host_cache_size}")
+    if layout.shared:  # one host tensor of pages for the one arena: sized once, every group counts all of it
+        page, pages = layout.groups[0].bytes_per_block, layout.arena_blocks(num_blocks)
+        if host_cache_size is None:
+            cap = int((available_bytes or 0) * AUTO_HOST_FRACTION)
+            slots = pages if cap >= pages * page or cap <= 0 else max(len(groups), cap // page)
+        elif host_cache_size < layout.min_bytes():
+            slots = 0
+        else:
+            slots = host_cache_size // page
+        if slots:
+            return {g.name: slots for g in groups}
     device_bytes = {g.name: num_blocks[g.name] * g.bytes_per_block for g in groups}
     total_device = sum(device_bytes.values())
     if host_cache_size is None:
@@ -114,7 +127,7 @@ def host_tier_slots(layout: KvLayout, num_blocks: dict[str, int], host_cache_siz
         scale = 1.0 if cap >= total_device or cap <= 0 else cap / total_device
         return {g.name: max(1, int(num_blocks[g.name] * scale)) for g in groups}
     minimum = layout.min_bytes()
-    if host_cache_size < minimum:
+    if host_cache_size is None or host_cache_size < minimum:
         raise ValueError(
             f"host_cache_size={host_cache_size} bytes cannot hold one block of every layer group "
             f"(needs at least {minimum}); use 0 for no host tier or null to size it automatically"
@@ -124,7 +137,9 @@ def host_tier_slots(layout: KvLayout, num_blocks: dict[str, int], host_cache_siz
 
 
 def host_tier_bytes(layout: KvLayout, slots: dict[str, int]) -> int:
-    """Host bytes a tier of ``slots`` holds (one block of every layer of its group per slot)."""
+    """Host bytes a tier of ``slots`` holds (one block of every layer of its group per slot; shared: once)."""
+    if layout.shared and slots:
+        return max(slots.values()) * layout.groups[0].bytes_per_block
     return sum(slots.get(g.name, 0) * g.bytes_per_block for g in layout.groups)
 
 
@@ -186,7 +201,8 @@ def plan_pools(layout: KvLayout, budget_bytes: int, max_seq_len: int, max_tokens
     With ``max_tokens`` (pass it when the ``max_tokens`` cap set the budget) the blocks are the ones
     :meth:`KvLayout.blocks_for_tokens` derives, so the pools hold ``max_tokens`` rounded up to one
     block per group, never a block per sequence more. Otherwise the budget is split over the groups
-    by :meth:`KvLayout.split_budget`.
+    by :meth:`KvLayout.split_budget` (a shared arena: ``budget // page_bytes`` pages every group counts).
+    ``total_bytes`` counts a shared arena once.
     """
     if budget_bytes < layout.min_bytes():
         per_group = ", ".join(f"{g.name} {g.bytes_per_block}" for g in layout.groups)
@@ -198,5 +214,5 @@ def plan_pools(layout: KvLayout, budget_bytes: int, max_seq_len: int, max_tokens
         blocks = layout.blocks_for_tokens(max_tokens, max_seq_len)
     else:
         blocks = layout.split_budget(budget_bytes, max_seq_len)
-    total = sum(blocks[g.name] * g.bytes_per_block for g in layout.groups)
+    total = layout.pool_bytes(blocks)
     return PoolPlan(blocks, total, layout.capacity_tokens(blocks), layout.max_sequences(blocks, max_seq_len))

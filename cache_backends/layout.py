@@ -3,7 +3,13 @@
 The formulas follow ``docs/kv-geometry.md`` and are a public contract (``kvload plan --json``
 reports them). V1 knows one geometry: every layer keeps every token at the widest layer's entry
 size, in one pool. V2 groups layers by life cycle (full, sliding window W, MLA latent,
-compressed at rate c) with one pool per group.
+compressed at rate c) with one block table per group.
+
+V2 memory shared between groups (vLLM's hybrid allocator; see :func:`share_pages`): when every group's
+page — one block of one layer, ``entries_per_block * entry_elems`` — has the same shape, each group
+is cut into sub-groups of ``G = gcd(layer counts)`` layers, so every group's block is the same
+``G``-layer page, and all groups take pages from one arena with one free list. Otherwise (DeepSeek
+V4's compressed groups) each group keeps a pool of its own, split once by :meth:`KvLayout.split_budget`.
 
 Invariants of a :class:`LayerGroup`: ``tokens_per_block == entries_per_block * (compress_rate or 1)``
 and ``bytes_per_block == len(layers) * entry_elems * dtype_bytes * entries_per_block``.
@@ -126,6 +132,39 @@ class KvLayout:
     tokens_per_block: int
     layers: tuple[LayerKV, ...]
     groups: tuple[LayerGroup, ...]
+    #: V2: every group takes its blocks from one arena of equal pages (see :func:`share_pages`)
+    shared: bool = False
+    #: V2 with several groups that cannot share: why (one line); None otherwise
+    unshared_reason: str | None = None
+
+    @property
+    def page_bytes(self) -> int | None:
+        """Bytes of one page of a shared arena (every group's block); None when the memory is not shared."""
+        return self.groups[0].bytes_per_block if self.shared else None
+
+    def arena_blocks(self, blocks: dict[str, int]) -> int:
+        """Pages of a shared arena given the per-group block counts (every group counts the whole arena)."""
+        return max(blocks[g.name] for g in self.groups)
+
+    def pool_bytes(self, blocks: dict[str, int]) -> int:
+        """Device bytes of pools with these block counts (a shared arena counted once)."""
+        if self.shared:
+            return self.arena_blocks(blocks) * self.groups[0].bytes_per_block
+        return sum(blocks[g.name] * g.bytes_per_block for g in self.groups)
+
+    def memory_text(self, blocks: dict[str, int] | None = None, seq_len: int | None = None) -> str | None:
+        """One line saying how the groups hold their memory (None for a single group)."""
+        if len(self.groups) < 2:
+            return None
+        if not self.shared:
+            return f"memory: split between groups ({self.unshared_reason})"
+        text = f"memory: one arena shared by {len(self.groups)} groups"
+        if blocks:
+            text += (f", {self.arena_blocks(blocks):,} pages of {self.groups[0].bytes_per_block:,} B "
+                     "(each group's block count is the whole arena: what it could hold alone)")
+            if seq_len:
+                text += f"; {self.max_sequences(blocks, seq_len):,} sequence(s) of {seq_len:,} tokens fit jointly"
+        return text
 
     @property
     def bytes_per_token(self) -> float:
@@ -151,7 +190,15 @@ class KvLayout:
         so the pools hold ``tokens`` rounded up to one block, not one block per sequence. A window group
         gets the windows of the ``ceil(tokens / seq_len)`` sequences those tokens make (each at most
         ``min(tokens, seq_len)`` long).
+        A shared arena gets the sum of those blocks, and every group counts all of them.
         """
+        own = self._own_blocks_for_tokens(tokens, seq_len)
+        if self.shared:
+            arena = max(1, sum(own.values()))
+            return {g.name: arena for g in self.groups}
+        return own
+
+    def _own_blocks_for_tokens(self, tokens: int, seq_len: int) -> dict[str, int]:
         tokens, length = max(tokens, 0), max(seq_len, 1)
         sequences = math.ceil(tokens / length)
         longest = min(tokens, length)
@@ -163,8 +210,8 @@ class KvLayout:
 
     def bytes_for_tokens(self, tokens: int, seq_len: int) -> int:
         """Bytes of the pools :meth:`blocks_for_tokens` gives (V1: ``ceil(tokens / T)`` blocks)."""
-        blocks = self.blocks_for_tokens(tokens, seq_len)
-        return sum(blocks[g.name] * g.bytes_per_block for g in self.groups)
+        own = self._own_blocks_for_tokens(tokens, seq_len)
+        return sum(own[g.name] * g.bytes_per_block for g in self.groups)
 
     def split_budget(self, budget_bytes: int, seq_len: int) -> dict[str, int]:
         """Blocks per group for a byte budget, shared in proportion to sequences of ``seq_len``.
@@ -174,15 +221,19 @@ class KvLayout:
         (V1) layout gets ``budget // bytes_per_block`` blocks. Each group gets at least one block
         (a budget below :meth:`min_bytes` then exceeds itself: callers check).
 
-        Known limitation (by design, not redesigned): window groups are sized for the number of
-        ``seq_len`` sequences the budget holds — one window per sequence of ``max_seq_len`` — not
-        for the number of sequences that will actually run. Every running sequence needs its own
-        window, however short it is, so many sequences much shorter than ``max_seq_len`` can be
-        limited by the window pools while the growing pools still have room (DeepSeek V4 at
-        ``max_tokens == max_seq_len``: two window blocks, so two short requests at a time).
-        Lower ``max_seq_len`` to the longest sequence expected to get more windows for the same
-        tokens. :meth:`blocks_for_tokens` (the ``max_tokens`` rule) has the same property.
+        A shared arena (:attr:`shared`) is not split: it gets ``budget // page_bytes`` pages, and every
+        group counts all of them, since any group can take any page; ``seq_len`` does not matter.
+
+        Only layouts that cannot share (DeepSeek V4: its compressed groups have other page sizes) are
+        split, and there window groups are sized for the number of ``seq_len`` sequences the budget
+        holds — one window per sequence of ``max_seq_len`` — not for the number that will actually
+        run, so many sequences much shorter than ``max_seq_len`` can be limited by the window pool
+        while the growing pools still have room. Lower ``max_seq_len`` to the longest sequence
+        expected to get more windows for the same tokens; :meth:`blocks_for_tokens` is alike.
         """
+        if self.shared:
+            arena = max(1, max(budget_bytes, 0) // self.groups[0].bytes_per_block)
+            return {g.name: arena for g in self.groups}
         length = max(seq_len, 1)
         need = self.blocks_for_sequence(length)
         per_seq = self.bytes_for_sequence(length)
@@ -203,16 +254,87 @@ class KvLayout:
     def max_sequences(self, blocks: dict[str, int], seq_len: int) -> int:
         """How many sequences of ``seq_len`` tokens fit in pools of these block counts."""
         need = self.blocks_for_sequence(max(seq_len, 1))
+        if self.shared:  # every group takes its blocks from the one arena: the sum must fit
+            return self.arena_blocks(blocks) // max(1, sum(need.values()))
         return min((blocks[name] // n for name, n in need.items() if n), default=0)
 
+    def sequence_shortfall(self, length: int, blocks: dict[str, int]) -> tuple[str, int, int] | None:
+        """(which pool, blocks needed, blocks it has) when one sequence of ``length`` tokens cannot fit pools of
+        these block counts even alone; None when it fits. A shared arena counts every group's blocks together."""
+        if self.shared:
+            need = sum(g.blocks_for(length) for g in self.groups)
+            have = self.arena_blocks(blocks)
+            return None if need <= have else (f"the arena shared by {len(self.groups)} layer groups", need, have)
+        for g in self.groups:
+            if g.blocks_for(length) > blocks[g.name]:
+                return (f"layer group {g.name!r} ({g.tokens_per_block} tokens each)", g.blocks_for(length),
+                        blocks[g.name])
+        return None
+
     def capacity_tokens(self, blocks: dict[str, int]) -> int:
-        """Tokens the pools hold: the tightest group that keeps all tokens, in tokens."""
+        """Tokens the pools hold: the tightest group that keeps all tokens, in tokens.
+
+        A shared arena: the longest single sequence its pages hold (every group's blocks, windows included).
+        """
+        if self.shared:
+            return self._arena_capacity_tokens(self.arena_blocks(blocks))
         growing = [blocks[g.name] * g.tokens_per_block for g in self.groups if g.keeps_all_tokens]
         if growing:
             return min(growing)
         # Only windows: every sequence costs a bounded number of blocks, so report the tokens
         # those blocks can hold at once.
         return min(blocks[g.name] * g.tokens_per_block for g in self.groups)
+
+    def _arena_capacity_tokens(self, pages: int) -> int:
+        if not any(g.keeps_all_tokens for g in self.groups):  # windows only: tokens all groups hold at once
+            return pages // len(self.groups) * min(g.tokens_per_block for g in self.groups)
+        lo, hi = 0, pages * max(g.tokens_per_block for g in self.groups)
+        while lo < hi:  # the blocks of one sequence grow with its length: bisect the longest that fits
+            mid = (lo + hi + 1) // 2
+            if sum(g.blocks_for(mid) for g in self.groups) <= pages:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+
+def share_pages(groups: list[LayerGroup], dtype_bytes: int) -> tuple[list[LayerGroup], str | None]:
+    """Cut V2 groups into groups of equal pages so one arena can serve them all; (groups, why not or None).
+
+    Why equal pages: one free list can hand any block to any group only if every group's block is the
+    same bytes in the same shape; then a block id is an index into one ``(G, P, entries, elems)``
+    tensor that every group views whole (``pools.BlockPools``), and many short requests can take the
+    pages a long one would have used in the full-attention group (and the other way round), instead of
+    a split fixed once for ``max_seq_len`` sequences.
+
+    Why gcd: a group of ``n`` layers whose per-layer page has the same shape as everyone else's is cut
+    into ``n / G`` groups of ``G = gcd(layer counts)`` consecutive layers, the largest size that divides
+    every group exactly (no padding layers, no wasted bytes): tiny-gemma3 5 sliding + 1 full gives
+    ``G = 1`` (six 1-layer groups), GPT-OSS 12 + 12 gives ``G = 12`` (no cut), Gemma 3 27B 52 + 10
+    gives ``G = 2``. A cut group keeps its name with ``.0``, ``.1``, ... appended.
+
+    What falls back: groups whose per-layer pages differ in shape (DeepSeek V4's compressed groups,
+    MLA beside other widths) keep one pool each, split by :meth:`KvLayout.split_budget`.
+    """
+    if len(groups) < 2:
+        return groups, None
+    pages = {(g.entries_per_block, g.entry_elems) for g in groups}
+    if len(pages) > 1:
+        sizes = [f"{n:,} B" for n in sorted({g.entries_per_block * g.entry_elems * dtype_bytes for g in groups})]
+        what = ("compressed groups have other page sizes" if any(g.kind == "compressed" for g in groups)
+                else "the groups' pages differ in shape")
+        return groups, f"{what}: {', '.join(sizes)} per layer"
+    size = math.gcd(*(len(g.layers) for g in groups))
+    out: list[LayerGroup] = []
+    for g in groups:
+        parts = len(g.layers) // size
+        if parts == 1:
+            out.append(g)
+            continue
+        for i in range(parts):
+            out.append(attrs.evolve(g, name=f"{g.name}.{i}", layers=g.layers[i * size:(i + 1) * size],
+                                    bytes_per_block=g.bytes_per_block // parts))
+    return out, None
 
 
 def _group_name(kind: str, layer_kind: str, window: int | None, rate: int | None) -> str:
@@ -265,4 +387,7 @@ def build_layout(layers: list[LayerKV] | tuple[LayerKV, ...], manager: LayoutNam
             else:
                 names[name] = 0
             groups.append(LayerGroup(name, kind, tuple(idx), elems, window, rate, epb, tpb, len(idx) * elems * b * epb))
+        groups, unshared = share_pages(groups, b)
+        return KvLayout(manager, dtype, b, T, layers, tuple(groups), shared=len(groups) > 1 and unshared is None,
+                        unshared_reason=unshared)
     return KvLayout(manager, dtype, b, T, layers, tuple(groups))

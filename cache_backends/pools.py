@@ -8,6 +8,10 @@ The memory contract, shared by the managers, the host tier and the paged attenti
   ``group.tokens_per_block``); the group's block table maps logical block → physical block id, and
   the flat slot inside ``layer_slots`` is ``physical * entries_per_block + offset``.
   Compressed groups store entry ``e = p // compress_rate`` at logical block ``e // entries_per_block``.
+* A shared layout (:attr:`KvLayout.shared`: every group's block is the same ``G``-layer page) gets ONE
+  arena tensor ``(G, P, entries_per_block, entry_elems)`` and every group's ``tensors[g]`` *is* that
+  arena, with ``num_blocks[g] == P``: block ids are global (a block belongs to whichever group the
+  manager handed it to), and the layer-major contract above holds unchanged for every group.
 * Attention layers (full, sliding): ``entry_elems == 2 * kv_heads * head_dim``, viewed as
   ``(2, kv_heads, head_dim)``: K at index 0, V at index 1. MLA: the latent, then the rope part.
 """
@@ -42,10 +46,17 @@ class BlockPools:
         self.dtype = TORCH_DTYPES[layout.dtype]
         self.groups: dict[str, LayerGroup] = {g.name: g for g in layout.groups}
         self.tensors: dict[str, torch.Tensor] = {}
+        if layout.shared and len({self.num_blocks[g.name] for g in layout.groups}) > 1:
+            raise ValueError("a shared arena has one block count for every group, got "
+                             + ", ".join(f"{g.name} {self.num_blocks[g.name]}" for g in layout.groups))
         try:
+            arena: torch.Tensor | None = None
             for g in layout.groups:
                 shape = (len(g.layers), self.num_blocks[g.name], g.entries_per_block, g.entry_elems)
-                self.tensors[g.name] = torch.empty(shape, dtype=self.dtype, device=self.device)
+                if layout.shared and arena is not None:
+                    self.tensors[g.name] = arena  # every group views the one arena (block ids are global)
+                    continue
+                self.tensors[g.name] = arena = torch.empty(shape, dtype=self.dtype, device=self.device)
         except BaseException:
             self.release()
             raise
@@ -56,9 +67,15 @@ class BlockPools:
                 self.layer_index.setdefault(layer, []).append((g.name, pos))
 
     @property
+    def shared(self) -> bool:
+        """Whether every group's blocks come from one arena (:attr:`KvLayout.shared`)."""
+        return self.layout.shared
+
+    @property
     def nbytes(self) -> int:
-        """Bytes held on the device."""
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+        """Bytes held on the device (a shared arena counted once)."""
+        unique = {id(t): t for t in self.tensors.values()}
+        return sum(t.numel() * t.element_size() for t in unique.values())
 
     def layer_slots(self, group: str, layer_pos: int) -> torch.Tensor:
         """One layer's entries in a group as a ``(num_blocks * entries_per_block, entry_elems)`` view."""
@@ -81,8 +98,9 @@ class BlockPools:
         return not self.tensors
 
     def describe(self) -> dict[str, Any]:
-        """Per-group blocks and bytes, for events and reports."""
+        """Per-group blocks and bytes, for events and reports (a shared arena's groups each show the whole arena)."""
         return {
-            name: {"blocks": self.num_blocks[name], "bytes": t.numel() * t.element_size(), "shape": list(t.shape)}
+            name: {"blocks": self.num_blocks[name], "bytes": t.numel() * t.element_size(), "shape": list(t.shape),
+                   "shared": self.shared}
             for name, t in self.tensors.items()
         }

@@ -18,10 +18,11 @@ import attrs
 class GroupStats:
     """Blocks of one layer group's device pool, by state."""
 
-    total: int  # blocks in the pool
-    free: int  # blocks holding nothing (neither used nor cached)
+    total: int  # blocks in the pool (a shared arena: all its pages, what the group could hold alone)
+    free: int  # blocks holding nothing (neither used nor cached; a shared arena: the arena's free pages)
     evictable: int  # blocks nobody uses that hold a cached prefix (allocation may take them back)
-    used: int  # blocks with at least one owner; free + evictable + used == total
+    used: int  # blocks with at least one owner; free + evictable + used == total (a shared arena:
+    #            free + the sum of every group's evictable + used == total)
     usage: float  # used / total (evictable blocks count as not used)
     evictions: int  # cached blocks overwritten by allocation since the manager was built
     tokens_per_block: int  # tokens one block of this group spans
@@ -31,8 +32,8 @@ class GroupStats:
 class HostStats:
     """Slots of one layer group's host tier (suspended requests' pages)."""
 
-    total: int  # host slots, one block each
-    used: int  # slots holding a suspended request's block
+    total: int  # host slots, one block each (a shared arena's tier: every group's, what it could hold alone)
+    used: int  # slots holding a suspended request's block of this group
 
 
 @attrs.frozen
@@ -67,6 +68,7 @@ class ManagerStats:
     host: dict[str, HostStats] | None  # host tier per layer group, None without a host tier
     host_bytes: int  # bytes of host memory the host tier holds, 0 without one
     reuse: ReuseStats  # prefix reuse settings
+    memory: str | None = None  # V2 with several groups: one arena shared by all, or split between them (why)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dicts, lists and numbers (JSON-ready)."""

@@ -13,7 +13,10 @@ One budget for both managers, so the comparison is about geometry alone:
   to (DeepSeek V4 on V1, beam search on V2) is reported with the router's reason.
 
 Capacity at a sequence length ``L`` splits the budget for sequences of ``L`` tokens, as the pools
-would be split with ``max_seq_len = L`` (:meth:`KvLayout.split_budget`), and counts how many fit.
+would be split with ``max_seq_len = L`` (:meth:`KvLayout.split_budget`), and counts how many fit. A V2
+layout whose groups share one arena is not split: the sequences of ``L`` that fit jointly are the arena's
+pages over the pages one sequence takes in all groups, and "tokens that fit" is the longest single
+sequence the arena holds (:meth:`KvLayout.capacity_tokens`).
 """
 
 from __future__ import annotations

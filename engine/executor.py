@@ -592,15 +592,13 @@ class GenerationExecutor:
 
     def _check_fits(self, index: int, request: Request) -> None:
         """``KvBuildError`` when a request could not complete even alone in empty pools (it would never run)."""
-        total = request.max_total_tokens
-        for g in self.manager.layout.groups:
-            need, have = g.blocks_for(total), self.pools.num_blocks[g.name]
-            if need > have:
-                raise KvBuildError(
-                    f"generate: prompt {index}: {request.num_prompt_tokens} prompt tokens + max_new_tokens "
-                    f"{request.max_new_tokens} need {need} blocks of layer group {g.name!r} ({g.tokens_per_block} "
-                    f"tokens each) but the KV pools hold {have}; raise kv_cache_config.max_tokens (--max_tokens) "
-                    "or lower max_new_tokens")
+        short = self.manager.layout.sequence_shortfall(request.max_total_tokens, self.pools.num_blocks)
+        if short is not None:  # a shared arena: every group's blocks together
+            where, need, have = short
+            raise KvBuildError(
+                f"generate: prompt {index}: {request.num_prompt_tokens} prompt tokens + max_new_tokens "
+                f"{request.max_new_tokens} need {need} blocks of {where} but the KV pools hold {have}; "
+                "raise kv_cache_config.max_tokens (--max_tokens) or lower max_new_tokens")
 
     def _counters(self) -> dict[str, int]:
         stats = self.manager.stats()

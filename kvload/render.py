@@ -83,8 +83,12 @@ def render_allocation(result: LoadResult) -> list[str]:
     doc = allocation_document(result)
     dtype = str(result.kv_manager.pools.dtype).removeprefix("torch.")
     rows = [["pool", "shape (layers, blocks, entries, elems)", "dtype", "bytes"]]
+    pools = doc["pools"]
+    if result.kv_manager.pools.shared:  # one tensor every group views: one row
+        first = next(iter(pools.values()))
+        pools = {f"arena ({len(pools)} groups)": first}
     rows += [[name, "×".join(str(d) for d in pool["shape"]), dtype, f"{pool['bytes']:,}"]
-             for name, pool in doc["pools"].items()]
+             for name, pool in pools.items()]
     kv = result.kv
     lines = [
         f"allocated  {doc['kv_manager']} + {doc['scheduler']} on {doc['device']}",
@@ -92,6 +96,8 @@ def render_allocation(result: LoadResult) -> list[str]:
         f"  total {doc['total_bytes']:,} B; capacity {kv.capacity_tokens:,} tokens; "
         f"{kv.max_concurrency} sequence(s) of max_seq_len {kv.max_seq_len} at once",
     ]
+    if doc["stats"].get("memory"):
+        lines.append(f"  {doc['stats']['memory']}")
     if doc["host_bytes"]:
         lines.append(f"  host tier {doc['host_bytes']:,} B of host memory (suspended requests' pages)")
     return lines

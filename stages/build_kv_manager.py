@@ -111,6 +111,7 @@ class BuildKvManager:
                 "blocks": described[g.name]["blocks"],
                 "bytes": described[g.name]["bytes"],
                 "shape": described[g.name]["shape"],
+                "shared": pools.shared,  # True: one arena every group views (bytes: the arena's, counted once)
             }
             for g in plan.layout.groups
         }

@@ -106,6 +106,7 @@ class KvPlan:
             "tokens_per_block": self.tokens_per_block,
             "max_seq_len": self.max_seq_len,
             "layer_groups": groups,
+            "memory": self.memory_dict(),
             "bytes_per_token": self.bytes_per_token,
             "bytes_per_token_per_rank": self.bytes_per_token,
             "bytes_per_token_total": self.bytes_per_token_total,
@@ -123,6 +124,18 @@ class KvPlan:
             "problem": self.problem,
         }
 
+    def memory_dict(self) -> dict[str, Any]:
+        """How the groups hold device memory: one arena shared by all (each group's ``blocks`` is the whole
+        arena, what it could hold alone), or split between them, and why."""
+        layout, blocks = self.layout, (self.pools.num_blocks if self.pools else None)
+        return {
+            "shared": layout.shared,
+            "unshared_reason": layout.unshared_reason,
+            "arena_blocks": layout.arena_blocks(blocks) if layout.shared and blocks else None,
+            "page_bytes": layout.page_bytes,
+            "text": layout.memory_text(blocks, self.max_seq_len),
+        }
+
     def render(self) -> list[str]:
         """The table's KV section: one row per layer group, then budget and capacity."""
         lines = [f"kv cache  {self.kv_manager} ({self.manager}) on {self.device}, {self.dtype}, "
@@ -131,9 +144,15 @@ class KvPlan:
         rows = [["group", "kind", "layers", "window", "rate", "bytes/block", "blocks", "bytes"]]
         for g in self.layout.groups:
             n = blocks.get(g.name)
+            nbytes = cell(None if n is None else n * g.bytes_per_block)
+            if self.layout.shared and n is not None:
+                nbytes = "shared"  # the arena's bytes are counted once, in the memory line
             rows.append([g.name, g.kind, layer_ranges(g.layers), cell(g.window), cell(g.compress_rate),
-                         f"{g.bytes_per_block:,}", cell(n), cell(None if n is None else n * g.bytes_per_block)])
+                         f"{g.bytes_per_block:,}", cell(n), nbytes])
         lines += table(rows)
+        memory = self.layout.memory_text(blocks or None, self.max_seq_len if blocks else None)
+        if memory is not None:
+            lines.append(f"  {memory}")
         lines.append(f"  bytes/token {self.bytes_per_token:,.6g} (each token past every window); "
                      f"one max_seq_len sequence {self.layout.bytes_for_sequence(self.max_seq_len):,} B")
         if self.tensor_parallel_size > 1:

@@ -1,8 +1,9 @@
 """Test support for the V2 manager and scheduler: synthetic KV written through block tables, checked back.
 
 Every token position gets a value that depends on the whole prefix up to it and on the reuse salt
-(a rolling hash), plus the layer's position in its group, so a page that holds the wrong prefix,
-the wrong salt, the wrong layer or stale bytes reads back wrong. Compressed groups get one value per
+(a rolling hash), plus the layer's index, so a page that holds the wrong prefix, the wrong salt, the
+wrong layer (or another group's page of a shared arena) or stale bytes reads back wrong (layer indices
+stay below 16 so values stay exact in float32). Compressed groups get one value per
 complete entry of ``c`` tokens. Values stay below 2**24, exact in float32.
 
 ``drive`` runs requests through the production loop (:meth:`engine.driver.Driver.run`): the "forward"
@@ -53,7 +54,9 @@ def _slots(manager: KVCacheManagerV2, request: Request, group: str, positions: l
 
 def _expected(manager: KVCacheManagerV2, group: str, values: list[int]) -> torch.Tensor:
     g = manager.pools.groups[group]
-    layer_offsets = torch.arange(len(g.layers), dtype=torch.float64) * LAYER_STRIDE
+    # the layer's index (not its position in the group): in a shared arena every group's page is the
+    # same G-layer shape, so a page of another group holding the same prefix must still read back wrong
+    layer_offsets = torch.tensor(g.layers, dtype=torch.float64) * LAYER_STRIDE
     vals = torch.tensor(values, dtype=torch.float64)
     expected = (vals[None, :] + layer_offsets[:, None]).to(manager.pools.dtype)  # (layers, positions)
     return expected.to(manager.pools.device)
@@ -119,16 +122,34 @@ def next_token(request: Request) -> int:
 
 def make_manager(layers: list[LayerKV], blocks: int | dict[str, int], *, T: int = 4, dtype: str = "float32",
                  device: str = "cpu", **options: Any) -> KVCacheManagerV2:
-    """A V2 manager over fresh pools; ``blocks`` per group (an int gives every group that many)."""
+    """A V2 manager over fresh pools; ``blocks`` per group (an int gives every group that many; a shared arena
+    then gets that many pages per group, the bytes the groups would have had apart)."""
     layout = build_layout(layers, "v2", T, dtype)
+    if isinstance(blocks, int) and layout.shared:
+        blocks = blocks * len(layout.groups)
     counts = blocks if isinstance(blocks, dict) else {g.name: blocks for g in layout.groups}
     options.setdefault("max_seq_len", 4096)
     return KVCacheManagerV2(BlockPools(layout, counts, device), ManagerOptions(**options))
 
 
 def full_sliding_layers(window: int = 8) -> list[LayerKV]:
-    """One full layer and two sliding layers (two layers in one group) with 4-element entries."""
+    """One full layer and two sliding layers with 4-element entries: equal pages, so the layout shares one arena
+    between groups ``full``, ``sliding_w{window}.0`` and ``sliding_w{window}.1`` (one layer each)."""
     return [LayerKV(0, "full", 4), LayerKV(1, "sliding", 4, window=window), LayerKV(2, "sliding", 4, window=window)]
+
+
+def split_sliding_layers(window: int = 8) -> list[LayerKV]:
+    """One full layer with 4-element entries and two sliding layers with 8: other page shapes, so the layout
+    keeps a pool per group (``full``, ``sliding_w{window}`` of two layers), split once."""
+    return [LayerKV(0, "full", 4), LayerKV(1, "sliding", 8, window=window), LayerKV(2, "sliding", 8, window=window)]
+
+
+def blocks_add_up(stats: Any, shared: bool) -> bool:
+    """free + evictable + used == total: per group, or for a shared arena its free pages plus every group's."""
+    groups = list(stats.groups.values())
+    if shared:
+        return groups[0].free + sum(g.evictable + g.used for g in groups) == groups[0].total
+    return all(g.free + g.evictable + g.used == g.total for g in groups)
 
 
 @attrs.define

@@ -45,11 +45,15 @@ class ToyRequest:
 
 
 class ToyAllocator:
-    """A LIFO free list per group; blocks are handed out as sequences grow and returned on release."""
+    """A LIFO free list per group (one for all groups of a shared arena, whose block ids are global); blocks are
+    handed out as sequences grow and returned on release."""
 
     def __init__(self, pools: BlockPools) -> None:
         self.pools = pools
         self.free = {g: list(range(n - 1, -1, -1)) for g, n in pools.num_blocks.items()}
+        if pools.shared:
+            one = next(iter(self.free.values()))
+            self.free = dict.fromkeys(self.free, one)
 
     def cover(self, tables: dict[str, list[int]], length: int) -> None:
         for name, g in self.pools.groups.items():
@@ -86,7 +90,9 @@ class RefDriver:
         device = next(model.parameters()).device
         dtype = kv_dtype or str(next(model.parameters()).dtype).removeprefix("torch.")
         self.layout = build_layout(layers_from_config(model.config), manager, tokens_per_block, dtype)
-        self.pools = BlockPools(self.layout, {g.name: blocks_per_group for g in self.layout.groups}, device)
+        # a shared arena gets the pages the groups would have had apart
+        blocks = blocks_per_group * (len(self.layout.groups) if self.layout.shared else 1)
+        self.pools = BlockPools(self.layout, {g.name: blocks for g in self.layout.groups}, device)
         self.allocator = ToyAllocator(self.pools)
         #: the compiled attention path (``flex=True``); None runs gather + SDPA
         self.flex = FlexPagedAttention(self.pools, max_num_tokens) if flex else None

@@ -44,8 +44,10 @@ def test_plan_json_reports_kv_geometry_with_null_budget_on_cpu():
     kv = json.loads(r.stdout)["kv"]
     assert kv["budget_bytes"] is None and kv["capacity_tokens"] is None
     assert kv["bytes_per_token"] == 256.0
+    # equal pages: the five sliding layers become five 1-layer groups sharing one arena with the full one
     assert [(g["name"], g["kind"], g["layers"], g["window"], g["blocks"]) for g in kv["layer_groups"]] == [
-        ("sliding_w512", "sliding", [0, 1, 2, 3, 4], 512, None), ("full", "full", [5], None, None)]
+        *[(f"sliding_w512.{i}", "sliding", [i], 512, None) for i in range(5)], ("full", "full", [5], None, None)]
+    assert kv["memory"]["shared"] and kv["memory"]["arena_blocks"] is None  # no budget, no pages yet
 
 
 @pytest.mark.parametrize(

@@ -106,6 +106,7 @@ def test_reuse_within_one_call_for_a_later_arrival(tiny_checkpoints):
 def test_sliding_window_prefix_reuse_keeps_tokens_exact(tiny_checkpoints, family):
     """Sliding-window models on V2 with the default settings: the reused prefix is longer than the window."""
     with load(tiny_checkpoints(family), "v2") as result:
+        assert result.kv_manager.layout.shared == (family == "gemma3")  # gemma3: one arena for its 1-layer groups
         model = result.hf_model
         first, tail = prompts_for(model.config.vocab_size, (24, 6), seed=7)
         second = first[:20] + tail
@@ -137,6 +138,7 @@ def test_v1_under_pressure_makes_requests_wait_and_all_complete(tiny_checkpoints
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_v2_under_pressure_suspends_to_the_host_tier_and_resumes_exactly(tiny_checkpoints, family):
     with load(tiny_checkpoints(family), "v2", max_tokens=40) as result:
+        assert result.kv_manager.layout.shared == (family == "gemma3")  # suspend/resume through the shared arena
         model = result.hf_model
         ps = prompts_for(model.config.vocab_size)
         greedy_admission(result)  # the default headroom avoids this pressure; the mechanics are under test

@@ -79,11 +79,22 @@ def test_max_tokens_buys_max_tokens_rounded_up_to_a_block_whatever_max_seq_len_i
 
 
 def test_max_tokens_gives_growing_groups_their_tokens_and_window_groups_one_window_per_sequence():
-    layers = [LayerKV(i, "sliding", 64, window=64) for i in range(5)] + [LayerKV(5, "full", 64)]
-    layout = build_layout(layers, "v2", 16, "float32")
+    layers = [LayerKV(i, "sliding", 64, window=64) for i in range(5)] + [LayerKV(5, "full", 128)]
+    layout = build_layout(layers, "v2", 16, "float32")  # other page shapes: pools split between the groups
     sliding = next(g for g in layout.groups if g.window)
     blocks = layout.blocks_for_tokens(4096, 100)  # 41 sequences of at most 100 tokens
     assert blocks == {"full": 256, sliding.name: 41 * sliding.blocks_for(100)}
     pools = plan_pools(layout, layout.bytes_for_tokens(4096, 100), 100, max_tokens=4096)
     assert pools.num_blocks == blocks and pools.capacity_tokens == 4096 and pools.max_concurrency == 256 // 7
     assert layout.blocks_for_tokens(50, 100) == {"full": 4, sliding.name: sliding.blocks_for(50)}  # one short sequence
+
+
+def test_max_tokens_gives_a_shared_arena_the_blocks_the_groups_would_take_apart():
+    layers = [LayerKV(i, "sliding", 64, window=64) for i in range(5)] + [LayerKV(5, "full", 64)]
+    layout = build_layout(layers, "v2", 16, "float32")  # equal pages: six 1-layer groups, one arena
+    window = layout.groups[0].blocks_for(100)  # 5 blocks: the window of a 100-token sequence
+    pages = 256 + 5 * 41 * window  # the full group's tokens + every sliding group's 41 windows
+    pools = plan_pools(layout, layout.bytes_for_tokens(4096, 100), 100, max_tokens=4096)
+    assert set(pools.num_blocks.values()) == {pages}  # every group can take any of them
+    assert pools.total_bytes == pages * layout.page_bytes == layout.bytes_for_tokens(4096, 100)
+    assert pools.max_concurrency == pages // (7 + 5 * window)  # sequences of 100 tokens, jointly

@@ -64,9 +64,15 @@ def test_plan_json_fields_for_the_kv_plan():
                         kv_cache_config={"use_kv_cache_manager_v2": True, "max_tokens": 8192}).kv.to_dict()
     groups = {g["name"]: g for g in doc["layer_groups"]}
     assert set(groups["full"]) >= {"name", "kind", "layers", "window", "compress_rate", "bytes_per_block", "blocks"}
-    # 8192 tokens as 4 sequences of 2048: full holds them all, the window pool holds 4 windows of 17 blocks
-    assert groups["full"]["blocks"] == 8192 // 32 and groups["sliding_w512"]["blocks"] == 4 * 17
-    assert doc["capacity_tokens"] == 8192 and doc["max_concurrency"] == 4
+    # 8192 tokens as 4 sequences of 2048: full's 256 blocks and, for each of the five 1-layer sliding groups,
+    # 4 windows of 17 blocks, in one arena every group counts whole
+    arena = 8192 // 32 + 5 * 4 * 17
+    assert {g["blocks"] for g in groups.values()} == {arena} and doc["memory"]["arena_blocks"] == arena
+    assert doc["memory"]["shared"] and "4 sequence(s) of 2,048 tokens fit jointly" in doc["memory"]["text"]
+    assert doc["max_concurrency"] == arena // (2048 // 32 + 5 * 17) == 4
+    # one sequence alone could hold more: its five windows cost 5 x 17 pages, the rest goes to the full layer
+    assert doc["capacity_tokens"] == (arena - 5 * 17) * 32
+    assert doc["total_bytes"] == arena * groups["full"]["bytes_per_block"]
     assert doc["bytes_per_token"] == 256.0 and doc["budget_bytes"] == doc["budget"]["budget_bytes"]
 
 

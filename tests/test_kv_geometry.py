@@ -90,8 +90,13 @@ def test_gemma3_v1_and_v2_differ_by_exactly_the_sliding_layers():
     assert sliding == 5
     assert v1.kv.bytes_per_token - v2.kv.bytes_per_token == sliding * per_layer
     groups = {g["name"]: g for g in v2.kv.to_dict()["layer_groups"]}
-    assert groups["sliding_w512"]["layers"] == [0, 1, 2, 3, 4] and groups["sliding_w512"]["window"] == 512
-    assert groups["full"]["layers"] == [5]
+    # equal pages: 5 sliding + 1 full layer -> gcd 1 -> five 1-layer sliding groups and the full one, one arena
+    assert [g["layers"] for name, g in groups.items() if name.startswith("sliding_w512.")] == [[0], [1], [2], [3], [4]]
+    assert all(g["window"] == 512 for name, g in groups.items() if name != "full")
+    assert groups["full"]["layers"] == [5] and len(groups) == 6
+    assert len({g["blocks"] for g in groups.values()}) == 1  # every group counts the whole arena
+    memory = v2.kv.to_dict()["memory"]
+    assert memory["shared"] and memory["arena_blocks"] == groups["full"]["blocks"]
     assert [g["name"] for g in v1.kv.to_dict()["layer_groups"]] == ["uniform"]
 
 
@@ -184,8 +189,56 @@ def test_compressed_group_bytes_for_sequence_counts_one_entry_per_rate():
 
 
 def _gemma_like(T=16):
+    """Gemma-like but with a wider full layer: other page shapes, so the pools are split (the fallback)."""
+    layers = [LayerKV(i, "sliding", 64, window=64) for i in range(5)] + [LayerKV(5, "full", 128)]
+    layout = build_layout(layers, "v2", T, "float32")
+    assert not layout.shared and "pages differ in shape" in layout.unshared_reason
+    return layout
+
+
+def _gemma_shared(T=16):
+    """Gemma-like with equal entries: six 1-layer groups sharing one arena."""
     layers = [LayerKV(i, "sliding", 64, window=64) for i in range(5)] + [LayerKV(5, "full", 64)]
-    return build_layout(layers, "v2", T, "float32")
+    layout = build_layout(layers, "v2", T, "float32")
+    assert layout.shared and [g.name for g in layout.groups][-1] == "full" and len(layout.groups) == 6
+    return layout
+
+
+@pytest.mark.parametrize(("counts", "size"), [((5, 1), 1), ((12, 12), 12), ((52, 10), 2), ((4, 6), 2)])
+def test_equal_pages_cut_groups_into_gcd_sized_groups_in_layer_order(counts, size):
+    sliding, full = counts
+    layers = [LayerKV(i, "sliding", 8, window=16) for i in range(sliding)]
+    layers += [LayerKV(sliding + i, "full", 8) for i in range(full)]
+    layout = build_layout(layers, "v2", 4, "float32")
+    assert layout.shared and {len(g.layers) for g in layout.groups} == {size}
+    assert len({g.bytes_per_block for g in layout.groups}) == 1
+    assert [i for g in layout.groups for i in g.layers] == list(range(sliding + full))  # every layer once, in order
+    if size == sliding:  # not cut: the name stays
+        assert layout.groups[0].name == "sliding_w16"
+    else:
+        assert layout.groups[0].name == "sliding_w16.0" and layout.groups[1].name == "sliding_w16.1"
+    assert layout.bytes_per_token == build_layout(layers, "v1", 4, "float32").bytes_per_token * full / (sliding + full)
+
+
+@given(budget=st.integers(0, 5_000_000), seq_len=st.integers(1, 4096), tokens=st.integers(1, 100_000))
+def test_a_shared_arena_takes_the_whole_budget_and_counts_sequences_jointly(budget, seq_len, tokens):
+    layout = _gemma_shared()
+    page = layout.page_bytes
+    if budget >= layout.min_bytes():
+        blocks = layout.split_budget(budget, seq_len)
+        pages = blocks["full"]
+        assert set(blocks.values()) == {pages} and pages * page <= budget < (pages + 1) * page
+        assert layout.pool_bytes(blocks) == pages * page
+        per_seq = sum(layout.blocks_for_sequence(seq_len).values())
+        fits = layout.max_sequences(blocks, seq_len)
+        assert fits * per_seq <= pages < (fits + 1) * per_seq
+        held = layout.capacity_tokens(blocks)  # the longest single sequence the pages hold
+        one = [sum(g.blocks_for(n) for g in layout.groups) for n in (held, held + 1)]
+        assert one[0] <= pages < one[1]
+    need = layout.blocks_for_tokens(tokens, seq_len)
+    assert layout.pool_bytes(need) == layout.bytes_for_tokens(tokens, seq_len)
+    if seq_len % layout.tokens_per_block == 0:  # else the full group rounds the tokens, not each sequence, up
+        assert layout.max_sequences(need, seq_len) >= tokens // seq_len
 
 
 @given(budget=st.integers(0, 5_000_000), seq_len=st.integers(1, 4096))

@@ -7,7 +7,14 @@ import pytest
 from cache_backends import LayerKV
 from cache_backends.request import Request
 from cache_backends.v2 import KVCacheManagerV2
-from tests.kv_v2_support import check_kv, full_sliding_layers, make_manager, prefix_values, write_kv
+from tests.kv_v2_support import (
+    check_kv,
+    full_sliding_layers,
+    make_manager,
+    prefix_values,
+    split_sliding_layers,
+    write_kv,
+)
 
 # --- the harness must be able to fail ----------------------------------------------------------
 
@@ -26,9 +33,30 @@ def test_check_kv_passes_on_written_pages_and_fails_on_a_corrupted_one():
     manager = make_manager(full_sliding_layers(), 8)
     r = _one_request(manager)
     check_kv(manager, r)
+    table = manager.block_table(r, "sliding_w8.1")
+    manager.pools.tensors["sliding_w8.1"][0, table[-1], 0, 2] += 1  # one element of the second sliding layer
+    with pytest.raises(AssertionError, match="sliding_w8.1"):
+        check_kv(manager, r)
+
+
+def test_check_kv_fails_on_a_split_layout_when_one_layer_of_a_page_is_corrupted():
+    manager = make_manager(split_sliding_layers(), 8)
+    r = _one_request(manager)
+    check_kv(manager, r)
     table = manager.block_table(r, "sliding_w8")
     manager.pools.tensors["sliding_w8"][1, table[-1], 0, 2] += 1  # one element, second layer
     with pytest.raises(AssertionError, match="sliding_w8"):
+        check_kv(manager, r)
+
+
+def test_check_kv_fails_when_a_shared_page_belongs_to_another_group():
+    """In a shared arena every group's page has the same shape: a table pointing at another group's page
+    holding the same prefix must still read back wrong (values depend on the layer index)."""
+    manager = make_manager(full_sliding_layers(window=64), 8, enable_block_reuse=False)
+    r = _one_request(manager)
+    tables = manager.cache(r).tables
+    tables["sliding_w64.0"][0] = tables["full"][0]  # same tokens, another group's (layer's) page
+    with pytest.raises(AssertionError, match="sliding_w64.0 entry 0"):
         check_kv(manager, r)
 
 

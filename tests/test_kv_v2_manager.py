@@ -12,7 +12,18 @@ from cache_backends.pools import BlockPools
 from cache_backends.request import Request
 from cache_backends.stats import HostStats, ManagerStats
 from cache_backends.v2 import CacheState, KVCacheManagerV2
-from tests.kv_v2_support import FULL, admit, check_kv, compute, full_sliding_layers, make_manager, prefill, write_kv
+from tests.kv_v2_support import (
+    FULL,
+    admit,
+    blocks_add_up,
+    check_kv,
+    compute,
+    full_sliding_layers,
+    make_manager,
+    prefill,
+    split_sliding_layers,
+    write_kv,
+)
 
 
 def lengths(manager: KVCacheManagerV2, request: Request) -> tuple[int, int, int]:
@@ -66,7 +77,7 @@ def test_life_cycle_keeps_committed_le_history_le_capacity():
     m.free(r)
     stats = m.stats()
     assert not m.has_cache(r)
-    assert all(g.used == 0 and g.free + g.evictable == g.total for g in stats.groups.values())
+    assert all(g.used == 0 for g in stats.groups.values()) and blocks_add_up(stats, shared=True)
     assert all(h.used == 0 for h in stats.host.values())
     m.check_invariants()
 
@@ -167,7 +178,7 @@ def test_suspend_then_resume_restores_every_page_byte_exact_after_the_device_was
     _fill_random(m, r)
     m.commit(r, 22)
     saved = _snapshot(m, r)
-    assert sum(b < 0 for b in m.block_table(r, "sliding_w10")) == 3  # the window released blocks 0..2
+    assert sum(b < 0 for b in m.block_table(r, "sliding_w10.0")) == 3  # the window released blocks 0..2
     assert m.suspend(r)
 
     hog = Request("hog", [500 + i for i in range(48)], 0)  # needs every block: evicts r's cached pages
@@ -176,7 +187,7 @@ def test_suspend_then_resume_restores_every_page_byte_exact_after_the_device_was
     for t in m.pools.tensors.values():
         t.copy_(torch.randn(t.shape).to(t.dtype))
     m.free(hog)
-    assert m.stats().groups["full"].evictions > 0
+    assert m.stats().evictions > 0
 
     assert m.resume(r)
     _assert_pages_equal(m, r, saved)
@@ -207,17 +218,17 @@ def test_sliding_group_releases_blocks_that_left_the_window():
     r = Request("a", list(range(20)), 40)
     prefill(m, r)
     # next query is position 20: it sees keys 13..20, so blocks 0..2 (tokens 0..11) are out
-    assert m.block_table(r, "sliding_w8")[:3] == [-1, -1, -1]
-    assert len(held(m.block_table(r, "sliding_w8"))) == 2
+    assert m.block_table(r, "sliding_w8.0")[:3] == [-1, -1, -1]
+    assert len(held(m.block_table(r, "sliding_w8.1"))) == 2
     assert len(held(m.block_table(r, "full"))) == 5
     groups = m.stats().groups
-    assert groups["sliding_w8"].used == 2 and groups["sliding_w8"].free == 14
+    assert groups["sliding_w8.0"].used == 2 and groups["sliding_w8.0"].free == 48 - 5 - 2 * 2  # the arena's free
     check_kv(m, r)
-    group = m.pools.groups["sliding_w8"]
+    group = m.pools.groups["sliding_w8.0"]
     for _ in range(30):  # decode: the window never holds more than its bound
         r.output_token_ids.append(3)
         compute(m, r, 1)
-        assert len(held(m.block_table(r, "sliding_w8"))) <= group.max_blocks_per_sequence
+        assert len(held(m.block_table(r, "sliding_w8.0"))) <= group.max_blocks_per_sequence
     check_kv(m, r)
     assert len(held(m.block_table(r, "full"))) == 13
 
@@ -231,10 +242,10 @@ def test_swa_scratch_reuse_keeps_released_window_blocks_reusable(scratch):
     prompt = list(range(1, 25))
     a = Request("a", prompt, 0)
     prefill(m, a)
-    sliding = m.stats().groups["sliding_w8"]
+    sliding = m.stats().groups["sliding_w8.0"]
     # blocks 0..3 left the window; as full prefix blocks they stay cached only with scratch reuse
     assert sliding.evictable == (4 if scratch else 0)
-    assert sliding.free == (26 if scratch else 30)
+    assert sliding.free == 96 - 6 - 2 * (2 + (4 if scratch else 0))  # the arena's: full holds 6, each sliding 2
     m.free(a)
 
     b = Request("b", [*prompt[:20], 77, 78, 79, 80], 0)
@@ -433,11 +444,23 @@ def test_host_cache_size_zero_means_no_tier_and_suspend_declines():
 
 
 def test_host_cache_size_in_bytes_is_split_like_the_pools():
-    # full: 1 layer x 4 elems x 4 B x 4 tokens = 64 B/block; sliding: 2 layers -> 128 B/block
-    m = make_manager(full_sliding_layers(), 16, host_cache_size=192 + 1000)
+    # full: 1 layer x 4 elems x 4 B x 4 tokens = 64 B/block; sliding: 2 layers x 8 elems -> 256 B/block
+    m = make_manager(split_sliding_layers(), 16, host_cache_size=320 + 1000)
     host = m.stats().host
-    assert host == {"full": HostStats(total=6, used=0), "sliding_w8": HostStats(total=6, used=0)}
-    assert m.host.nbytes <= 1192
+    # one slot each, then the 1,000 B rest in proportion to the device pools (1,024 B : 4,096 B)
+    assert host == {"full": HostStats(total=1 + 200 // 64, used=0),
+                    "sliding_w8": HostStats(total=1 + 800 // 256, used=0)}
+    assert m.host.nbytes <= 1320
+    with pytest.raises(ValueError, match="host_cache_size=100 bytes cannot hold one block of every layer group"):
+        make_manager(split_sliding_layers(), 16, host_cache_size=100)
+
+
+def test_host_cache_size_of_a_shared_arena_is_pages_every_group_can_use():
+    # three groups of one layer: 64 B pages; the host tier is one set of pages, counted once
+    m = make_manager(full_sliding_layers(), 16, host_cache_size=192 + 1000)
+    names = ("full", "sliding_w8.0", "sliding_w8.1")
+    assert m.stats().host == {name: HostStats(total=1192 // 64, used=0) for name in names}
+    assert m.host.nbytes == 1192 // 64 * 64
     with pytest.raises(ValueError, match="host_cache_size=100 bytes cannot hold one block of every layer group"):
         make_manager(full_sliding_layers(), 16, host_cache_size=100)
 
@@ -480,9 +503,8 @@ def test_stats_add_up():
     prefill(m, r)
     stats = m.stats()
     assert stats.kind == "v2" and 0 < stats.usage < 1
-    for g in stats.groups.values():
-        assert g.free + g.evictable + g.used == g.total == 16
-    assert stats.groups["full"].used == 4 and stats.groups["sliding_w8"].used == 3  # block 0 left
+    assert all(g.total == 48 for g in stats.groups.values()) and blocks_add_up(stats, shared=True)
+    assert stats.groups["full"].used == 4 and stats.groups["sliding_w8.1"].used == 3  # block 0 left
     assert stats.reuse.enabled and stats.reuse.radix_nodes == 3
     assert {"suspends", "resumes", "preemptions", "reuse_hit_tokens"} <= set(attrs.fields_dict(ManagerStats))
 

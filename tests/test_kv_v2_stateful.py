@@ -1,12 +1,15 @@
 """Hypothesis state machine: random V2 life cycles keep the block bookkeeping and the KV bytes right.
 
 Random create / fork-by-prefix / resume / grow (allocate, write, commit) / suspend / preempt / close
-sequences over small pools (so allocation fails, blocks get evicted, the host tier fills), with a
-full group, two sliding groups and a compressed group. After every step:
+sequences over small pools (so allocation fails, blocks get evicted, the host tier fills), on two
+layouts: ``split`` — a full group, a sliding group and a compressed group, each with a pool of its own
+(their pages differ) — and ``shared`` — a full layer and two sliding layers with equal pages, so three
+1-layer groups take their blocks from one arena (one free list, global eviction). After every step:
 
 * no block is owned twice by one cache, reference counts equal the number of owning caches, and
   only cached prefix blocks are shared;
-* per group ``free + used + cached == total``, and the stats agree;
+* per group ``free + used + cached == total`` (a shared arena: its free pages plus every group's used
+  and cached ones), and the stats agree;
 * ``committed <= history <= capacity`` for every cache;
 * every active cache reads back, through its block tables, exactly the KV written for its tokens
   (reused, copied, restored and windowed pages included).
@@ -28,7 +31,7 @@ from cache_backends import LayerKV
 from cache_backends.interface import PrefixCacheInUseError
 from cache_backends.request import Request
 from cache_backends.v2 import CacheState
-from tests.kv_v2_support import check_kv, make_manager, write_kv
+from tests.kv_v2_support import blocks_add_up, check_kv, make_manager, write_kv
 
 BLOCKS = 5
 MAX_SEQ = 48
@@ -53,14 +56,22 @@ class V2CacheMachine(RuleBasedStateMachine):
         self.count = 0
 
     @initialize(partial=st.booleans(), scratch=st.booleans(), window=st.sampled_from([3, 6, 64]),
-                host=st.sampled_from(["none", "small", "auto"]), seeds=st.lists(TOKENS, min_size=2, max_size=2))
-    def build(self, partial, scratch, window, host, seeds=()):
-        layers = [LayerKV(0, "full", 2), LayerKV(1, "sliding", 2, window=window),
-                  LayerKV(2, "csa", 2, window=window, compressed_elems=2, compress_rate=2)]
+                host=st.sampled_from(["none", "small", "auto"]), seeds=st.lists(TOKENS, min_size=2, max_size=2),
+                layout=st.sampled_from(["split", "shared"]))
+    def build(self, partial, scratch, window, host, seeds=(), layout="split"):
         per_block = 2 * 4 * 4  # entry elems x float32 x tokens (csa: 2 entries of 2 elems per block: 16)
-        host_size = {"none": 0, "auto": None, "small": 2 * (3 * per_block + 16)}[host]
+        if layout == "split":
+            layers = [LayerKV(0, "full", 2), LayerKV(1, "sliding", 2, window=window),
+                      LayerKV(2, "csa", 2, window=window, compressed_elems=2, compress_rate=2)]
+            small = 2 * (3 * per_block + 16)
+        else:  # equal pages: full, sliding_w.0, sliding_w.1 share BLOCKS * 3 pages
+            layers = [LayerKV(0, "full", 2), LayerKV(1, "sliding", 2, window=window),
+                      LayerKV(2, "sliding", 2, window=window)]
+            small = 2 * (3 * per_block + per_block)
+        host_size = {"none": 0, "auto": None, "small": small}[host]
         self.m = make_manager(layers, BLOCKS, max_seq_len=MAX_SEQ, enable_partial_reuse=partial,
                               enable_swa_scratch_reuse=scratch, host_cache_size=host_size)
+        assert self.m.layout.shared == (layout == "shared")
         for tokens in seeds:  # start with admitted caches so every rule has something to act on
             self.m.resume(self._new(tokens, None, 0))
 
@@ -190,7 +201,7 @@ class V2CacheMachine(RuleBasedStateMachine):
         self.m.reset_prefix_cache()
         stats = self.m.stats()
         assert stats.reuse.radix_nodes == 0
-        assert all(g.free == g.total for g in stats.groups.values())
+        assert all(g.free == g.total and g.evictable == g.used == 0 for g in stats.groups.values())
         if self.seen:  # nothing seen before hits any more
             tokens, salt = self.seen[-1]
             r = self._new(tokens, salt, 0)
@@ -213,13 +224,17 @@ class V2CacheMachine(RuleBasedStateMachine):
                 for b in table:
                     owners[b] = owners.get(b, 0) + 1
             pool = self.m._pool[g.name]
-            for b in range(BLOCKS):
+            shared = self.m.layout.shared
+            mine = [b for b in range(pool.num_blocks) if not shared or pool.holds(b)]  # a shared arena: this group's
+            assert set(owners) <= set(mine), f"a table of {g.name} holds another group's block"
+            for b in mine:
                 assert pool.ref[b] == owners.get(b, 0)
                 if owners.get(b, 0) > 1:
                     assert pool.node[b] is not None, "only cached prefix blocks are shared"
             s = stats[g.name]
-            assert s.free + s.used + s.evictable == s.total == BLOCKS
+            assert s.total == BLOCKS * (len(self.m.groups) if shared else 1)
             assert s.used == len(owners)
+        assert blocks_add_up(self.m.stats(), self.m.layout.shared)
 
     @invariant()
     def lengths_are_ordered(self):
@@ -245,7 +260,7 @@ class V2CacheMachine(RuleBasedStateMachine):
             event("evicted")
         if stats.reuse_partial_hits:
             event("partial reuse")
-        assert all(g.used == 0 and g.free + g.evictable == g.total for g in stats.groups.values())
+        assert all(g.used == 0 for g in stats.groups.values()) and blocks_add_up(stats, self.m.layout.shared)
         assert all(h.used == 0 for h in (stats.host or {}).values())
         self.m.check_invariants()
         self.m.close()
@@ -257,8 +272,9 @@ V2CacheMachine.TestCase.settings = settings(
 test_v2_cache_life_cycles = V2CacheMachine.TestCase
 
 
+@pytest.mark.parametrize("layout", ["split", "shared"])
 @pytest.mark.parametrize("seed", [0])
-def test_machine_exercises_reuse_suspend_and_eviction(seed):
+def test_machine_exercises_reuse_suspend_and_eviction(seed, layout):
     """The machine's moves reach the interesting paths (guards against a machine that tests nothing)."""
     import random
 
@@ -266,7 +282,7 @@ def test_machine_exercises_reuse_suspend_and_eviction(seed):
     totals = {"reuse_hit_tokens": 0, "suspends": 0, "resumes": 0, "evictions": 0, "reuse_partial_hits": 0}
     for _ in range(20):
         machine = V2CacheMachine()
-        machine.build(partial=True, scratch=rng.random() < 0.5, window=6, host="auto")
+        machine.build(partial=True, scratch=rng.random() < 0.5, window=6, host="auto", layout=layout)
         for _ in range(60):
             active = machine._with(CacheState.ACTIVE)
             move = rng.random()

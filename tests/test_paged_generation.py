@@ -138,9 +138,11 @@ def test_a_request_reading_another_requests_prefix_blocks_skips_their_prefill(fa
     vocab = sdpa_model.config.vocab_size
     shared, suffix = prompts(vocab)[2][:12], [7, 8, 9, 10, 11]  # 12 shared tokens = 3 blocks of 4
     driver = RefDriver(copy.deepcopy(sdpa_model), tokens_per_block=4)
-    a_tables = {g: [10, 11, 12, 13] for g in driver.pools.groups}
+    # block ids 40 apart per group: a shared arena's groups (gemma3) must not write each other's pages
+    a_tables = {g: [40 * i + b for b in (10, 11, 12, 13)] for i, g in enumerate(driver.pools.groups)}
     run_forward(driver.model, PagedBatch.build([SeqChunk(shared, 0, a_tables)], driver.pools))
-    b_tables = {g: [10, 11, 12, 20, 21] for g in driver.pools.groups}  # A's three full blocks, then B's own
+    # A's three full blocks, then B's own
+    b_tables = {g: [40 * i + b for b in (10, 11, 12, 20, 21)] for i, g in enumerate(driver.pools.groups)}
     logits = run_forward(driver.model, PagedBatch.build([SeqChunk(suffix, len(shared), b_tables)], driver.pools))
     with torch.inference_mode():
         ref = sdpa_model(torch.tensor([shared + suffix])).logits[0, -1]

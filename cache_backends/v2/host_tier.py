@@ -2,7 +2,9 @@
 
 One tensor per layer group, block-major — ``tensors[g]`` has shape
 ``(slots, len(group.layers), entries_per_block, entry_elems)`` so each slot is one contiguous page —
-and a free list of slots. Copies are whole blocks, every layer, so a round trip is byte-exact.
+and a free list of slots. A shared layout (one device arena for every group) gets one host tensor and
+one free list too, which every group's ``tensors[g]`` / slots name, sized for the arena once. Copies
+are whole blocks, every layer, so a round trip is byte-exact.
 On CUDA the copies are ``non_blocking`` from/to pinned memory and :meth:`sync` waits for them;
 callers sync before a slot or a device block is handed to anyone else.
 """
@@ -46,8 +48,16 @@ class HostTier:
         self.num_slots = dict(slots)
         self.tensors: dict[str, torch.Tensor] = {}
         self._free: dict[str, list[int]] = {}
+        self._used = dict.fromkeys(self.num_slots, 0)  # slots each group's suspended pages hold
+        self.shared = pools.shared and len(self.num_slots) > 1
+        if self.shared and len(set(self.num_slots.values())) > 1:
+            raise ValueError(f"a shared host tier has one slot count for every group, got {self.num_slots}")
         try:
             for name, n in self.num_slots.items():
+                if self.shared and self.tensors:  # the first group's tensor and free list serve every group
+                    first = next(iter(self.tensors))
+                    self.tensors[name], self._free[name] = self.tensors[first], self._free[first]
+                    continue
                 g = pools.groups[name]
                 shape = (n, len(g.layers), g.entries_per_block, g.entry_elems)
                 self.tensors[name] = torch.empty(shape, dtype=pools.dtype, device="cpu", pin_memory=self.pinned)
@@ -58,8 +68,20 @@ class HostTier:
 
     @property
     def nbytes(self) -> int:
-        """Host bytes held."""
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+        """Host bytes held (a shared tensor counted once)."""
+        unique = {id(t): t for t in self.tensors.values()}
+        return sum(t.numel() * t.element_size() for t in unique.values())
+
+    def slot_sets(self) -> list[list[str]]:
+        """Groups per distinct set of slots: all groups together when shared, else one group each."""
+        names = list(self.num_slots)
+        return [names] if self.shared else [[n] for n in names]
+
+    def has_room(self, pages: dict[str, int]) -> bool:
+        """Whether free slots can take ``pages`` per group at once (a shared tier: their sum)."""
+        if self.shared:
+            return sum(pages.values()) <= len(next(iter(self._free.values()), ()))
+        return all(n <= self.num_free(name) for name, n in pages.items())
 
     def num_free(self, group: str) -> int:
         """Free slots of a group (0 for a group without a tier)."""
@@ -68,6 +90,7 @@ class HostTier:
     def store(self, group: str, block: int) -> int:
         """Copy device ``block`` into a free slot and return the slot (call :meth:`sync` before reuse)."""
         slot = self._free[group].pop()
+        self._used[group] += 1
         self.tensors[group][slot].copy_(self.pools.tensors[group][:, block], non_blocking=self.pinned)
         return slot
 
@@ -77,7 +100,13 @@ class HostTier:
 
     def free(self, group: str, slots: list[int]) -> None:
         """Give slots back."""
-        self._free[group].extend(s for s in slots if s >= 0)
+        back = [s for s in slots if s >= 0]
+        self._free[group].extend(back)
+        self._used[group] -= len(back)
+
+    def num_used(self, group: str) -> int:
+        """Slots holding pages of ``group`` (0 for a group without a tier)."""
+        return self._used.get(group, 0)
 
     def sync(self) -> None:
         """Wait for the copies queued on the device's current stream."""
@@ -92,3 +121,4 @@ class HostTier:
         """Drop the host tensors (idempotent)."""
         self.tensors.clear()
         self._free.clear()
+        self._used.clear()

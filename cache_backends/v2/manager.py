@@ -5,6 +5,11 @@ How the pieces fit (TensorRT-LLM's V2 ideas, this project's code):
 * **Layer groups.** One :class:`~cache_backends.v2.group_pool.GroupPool` per group of the layout. Token
   position ``p`` of a sequence lives in logical block ``p // tpb(g)`` of group ``g`` (``tpb`` =
   ``group.tokens_per_block``; compressed groups hold ``tpb / c`` entries per block).
+* **Shared memory.** When the layout is shared (:attr:`KvLayout.shared`: every group's block is the
+  same page), every group takes its blocks from one :class:`~cache_backends.v2.shared_pool.SharedPool`
+  (one free list, one eviction queue, global block ids) through a per-group view, and every check of
+  room is joint: :meth:`shortfall` sums what the groups of one pool need against that pool's
+  ``available``. Layouts that cannot share keep one ``GroupPool`` per group.
 * **Windows.** After each commit a sliding group releases every block that lies wholly before
   ``committed - window + 1`` (the oldest key the next query can see). A released block that is a
   keyed prefix block stays in the prefix cache (evictable, like any cached block nobody holds), so a
@@ -57,6 +62,7 @@ from cache_backends.v2.group_pool import GroupPool
 from cache_backends.v2.host_tier import HostTier, host_slots
 from cache_backends.v2.radix import RadixNode, RadixTree
 from cache_backends.v2.sequence import NEVER, CacheState, SequenceCache
+from cache_backends.v2.shared_pool import GroupShare, SharedPool
 
 
 def _tokens(request: Request, start: int, end: int) -> list[int]:
@@ -97,13 +103,34 @@ class KVCacheManagerV2:
         self.options = options
         self.T = self.layout.tokens_per_block
         self.groups: tuple[LayerGroup, ...] = self.layout.groups
-        self._pool = {g.name: GroupPool(g.name, pools.num_blocks[g.name]) for g in self.groups}
+        self._group = {g.name: g for g in self.groups}
+        self._arena: SharedPool | None = None
+        # (pool, its groups' names) per distinct pool: one SharedPool for a shared layout, else a GroupPool per group
+        self._pool_sets: list[tuple[GroupPool | SharedPool, list[str]]]
+        if self.layout.shared:
+            names = [g.name for g in self.groups]
+            self._arena = SharedPool(names, pools.num_blocks[names[0]])
+            self._pool: dict[str, GroupPool | GroupShare] = dict(zip(names, self._arena.shares, strict=True))
+            self._pool_sets = [(self._arena, names)]
+        else:
+            own = {g.name: GroupPool(g.name, pools.num_blocks[g.name]) for g in self.groups}
+            self._pool = dict(own)
+            self._pool_sets = [(pool, [name]) for name, pool in own.items()]
         self._group_pools = [(g.name, g.tokens_per_block, self._pool[g.name]) for g in self.groups]
         # (group, token blocks per group block, pool's block -> node list) for keying; with reuse on,
         # every group block spans a whole number of token blocks.
         self._attach_steps = [(g.name, max(1, g.tokens_per_block // self.T), self._pool[g.name].node)
                               for g in self.groups]
         self._sliding = [g for g in self.groups if g.window is not None]
+        # sliding groups by (window, block span): they release in lockstep, so one bound serves them all
+        windows: dict[tuple[int, int], list[tuple[str, GroupPool | GroupShare]]] = {}
+        for g in self._sliding:
+            windows.setdefault((g.window, g.tokens_per_block), []).append((g.name, self._pool[g.name]))  # type: ignore[arg-type]
+        self._window_sets = [(w, tpb, members) for (w, tpb), members in windows.items()]
+        spans: dict[int, int] = {}
+        for g in self.groups:
+            spans[g.tokens_per_block] = spans.get(g.tokens_per_block, 0) + 1
+        self._spans = list(spans.items())  # (block span, groups with it): a shared arena's joint need per span
         spans = [g.tokens_per_block for g in self.groups]
         self.reuse_unit: int | None = reuse_unit(self.layout)
         self.reuse_off_reason: str | None = None
@@ -191,21 +218,38 @@ class KVCacheManagerV2:
         if cache.is_active or not cache.admitted:
             return None
         needs = self._restore_needs(cache)
-        for name, (pages, reclaim_cached, nxt) in needs.items():
-            pool = self._pool[name]
+        for pool, names in self._pool_sets:  # a shared arena: the groups' needs together
+            pages = sum(needs[n][0] for n in names)
+            reclaim_cached = sum(needs[n][1] for n in names)
+            nxt = sum(needs[n][2] for n in names)
             if pages + nxt > pool.available - reclaim_cached:
                 why = f" ({pages} for its pages, {nxt} for its next token)" if nxt else ""
-                return (f"resuming {request.req_id} needs {pages + nxt} blocks of group {name}{why}; "
+                return (f"resuming {request.req_id} needs {pages + nxt} blocks of {self._where(names)}{why}; "
                         f"{pool.available - reclaim_cached} are free or evictable")
-        if all(p.num_used == 0 for p in self._pool.values()):
+        if all(pool.num_used == 0 for pool, _ in self._pool_sets):
             return None  # nothing else on the device: waiting for room could never help
         limit = self.options.max_util_for_resume
-        for name, (pages, reclaim_cached, nxt) in needs.items():
-            pool = self._pool[name]
-            after = pool.num_used + pages + reclaim_cached + nxt
+        for pool, names in self._pool_sets:
+            after = pool.num_used + sum(sum(needs[n]) for n in names)
             if after > limit * pool.num_blocks:
-                return (f"resuming {request.req_id} would use {after}/{pool.num_blocks} blocks of group {name}, "
-                        f"above max_util_for_resume={limit}")
+                return (f"resuming {request.req_id} would use {after}/{pool.num_blocks} blocks of "
+                        f"{self._where(names)}, above max_util_for_resume={limit}")
+        return None
+
+    def _where(self, names: list[str]) -> str:
+        """How messages name a pool: its group, or the arena the groups share."""
+        return f"group {names[0]}" if len(names) == 1 else f"the arena shared by {len(names)} groups"
+
+    def shortfall(self, need: dict[str, int]) -> str | None:
+        """Why blocks per group ``need`` (negative counts as 0) cannot all be allocated now, or None when they can.
+
+        The one feasibility rule: the needs of the groups that share a pool are summed against that pool's
+        free plus evictable blocks (a shared arena: every group's need together; otherwise each group alone).
+        """
+        for pool, names in self._pool_sets:
+            n = sum(max(0, need.get(name, 0)) for name in names)
+            if n > pool.available:
+                return f"{n} blocks of {self._where(names)} needed, {pool.available} free or evictable"
         return None
 
     def suspend(self, request: Request) -> bool:
@@ -217,10 +261,9 @@ class KVCacheManagerV2:
         if self.host is None:
             return False
         keep = {g.name: math.ceil(cache.committed / g.tokens_per_block) for g in self.groups}
-        for g in self.groups:
-            held = sum(1 for b in cache.tables[g.name][: keep[g.name]] if b >= 0)
-            if held > self.host.num_free(g.name):
-                return False
+        held = {g.name: sum(1 for b in cache.tables[g.name][: keep[g.name]] if b >= 0) for g in self.groups}
+        if not self.host.has_room(held):
+            return False
         host: dict[str, list[int]] = {}
         reclaim: dict[str, dict[int, tuple[int, int]]] = {}
         for g in self.groups:
@@ -307,7 +350,7 @@ class KVCacheManagerV2:
             raise ValueError(f"request {request.req_id}: capacity {capacity} exceeds max_seq_len="
                              f"{self.options.max_seq_len}")
         need = {g.name: math.ceil(capacity / g.tokens_per_block) - len(cache.tables[g.name]) for g in self.groups}
-        if any(n > self._pool[name].available for name, n in need.items()):
+        if self.shortfall(need) is not None:
             return False
         for name, n in need.items():
             pool, table = self._pool[name], cache.tables[name]
@@ -326,6 +369,8 @@ class KVCacheManagerV2:
 
         The scheduler's per-request call: one lookup, and when everything fits (the common case) no search.
         """
+        if self._arena is not None:
+            return self._schedule_shared(request, want)
         cache = self._caches.get(request)
         if cache is None or cache.state is not CacheState.ACTIVE:
             return self.fit_tokens(request, want)  # raises the usual error
@@ -354,6 +399,43 @@ class KVCacheManagerV2:
             cache.history = target
         return want
 
+    def _schedule_shared(self, request: Request, want: int) -> int:
+        """:meth:`schedule_tokens` for a shared arena: the groups' new blocks together against the arena.
+
+        Every group's table holds ``ceil(capacity / tokens_per_block)`` blocks (``check_invariants``), so
+        the new blocks depend only on the block span: one sum per distinct span, not one per group.
+        """
+        cache = self._caches.get(request)
+        if cache is None or cache.state is not CacheState.ACTIVE:
+            return self.fit_tokens(request, want)  # raises the usual error
+        committed = cache.committed
+        want = min(want, self.options.max_seq_len - committed, request.num_tokens - committed)
+        if want <= 0:
+            return 0
+        target = committed + want
+        capacity = cache.capacity
+        if target > capacity:
+            total = 0
+            for tpb, count in self._spans:
+                total += (-(-target // tpb) + capacity // -tpb) * count
+            if total:
+                arena = self._arena
+                assert arena is not None
+                if total > len(arena._free) + len(arena.evictable):
+                    n = self.fit_tokens(request, want)  # not all of it fits: search
+                    if n and not self.allocate(request, n):
+                        raise RuntimeError(f"request {request.req_id}: allocation of {n} tokens failed after fitting")
+                    return n
+                tables, detach = cache.tables, self._detach
+                for name, tpb, pool in self._group_pools:
+                    k = -(-target // tpb) + capacity // -tpb
+                    if k > 0:
+                        tables[name].extend(arena.take(pool.index, k, detach))  # type: ignore[union-attr]
+            cache.capacity = target
+        if target > cache.history:
+            cache.history = target
+        return want
+
     def fit_tokens(self, request: Request, want: int) -> int:
         """The most tokens, up to ``want``, that :meth:`allocate` could reserve now (0: not even one)."""
         cache = self._active(request)
@@ -363,10 +445,8 @@ class KVCacheManagerV2:
 
         def fits(n: int) -> bool:
             target = cache.committed + n
-            return all(
-                math.ceil(target / g.tokens_per_block) - len(cache.tables[g.name]) <= self._pool[g.name].available
-                for g in self.groups
-            )
+            return self.shortfall({g.name: math.ceil(target / g.tokens_per_block) - len(cache.tables[g.name])
+                                   for g in self.groups}) is None
 
         if fits(want):
             return want
@@ -427,7 +507,8 @@ class KVCacheManagerV2:
                 for (name, _, pool), w in zip(self._group_pools, self._worst_blocks, strict=True)}
 
     def available_blocks(self) -> dict[str, int]:
-        """Blocks per group an allocation could take now (free plus evictable)."""
+        """Blocks per group an allocation could take now (free plus evictable); the groups of a shared arena each
+        show the arena's, so check several groups' needs together with :meth:`shortfall`."""
         return {name: pool.available for name, pool in self._pool.items()}
 
     def worst_case_tokens(self, request: Request) -> int:
@@ -449,11 +530,11 @@ class KVCacheManagerV2:
         if n > request.num_tokens:
             capped = f" capped at max_seq_len={limit}" if n < request.max_total_tokens else ""
             what = f" (prompt + max_new_tokens{capped})"
-        for g in self.groups:
-            need, have = g.blocks_for(n), self._pool[g.name].num_blocks
-            if need > have:
-                return f"request {request.req_id} needs {need} blocks of group {g.name} for {n} tokens{what}; " \
-                       f"the pool has {have}"
+        for pool, names in self._pool_sets:
+            need = sum(self._group[name].blocks_for(n) for name in names)
+            if need > pool.num_blocks:
+                return f"request {request.req_id} needs {need} blocks of {self._where(names)} for {n} tokens{what}; " \
+                       f"the pool has {pool.num_blocks}"
         return None
 
     def commit(self, request: Request, num_tokens: int) -> None:
@@ -487,7 +568,7 @@ class KVCacheManagerV2:
         self._check_open()
         if self._caches:
             raise prefix_cache_in_use([r.req_id for r in self._caches])
-        for pool in self._pool.values():
+        for pool, _ in self._pool_sets:
             pool.reset()
         self._tree = RadixTree()
         if self.kv_events is not None:
@@ -499,17 +580,17 @@ class KVCacheManagerV2:
         """Usage, per-group free/evictable/used blocks, host slots, reuse hits in tokens, suspends/resumes."""
         self._check_open()
         groups = {}
-        used_bytes = total_bytes = 0
+        used_bytes = 0
         for g in self.groups:
             pool = self._pool[g.name]
             groups[g.name] = GroupStats(total=pool.num_blocks, free=pool.num_free, evictable=pool.num_evictable,
                                         used=pool.num_used, usage=pool.num_used / pool.num_blocks,
                                         evictions=pool.evictions, tokens_per_block=g.tokens_per_block)
             used_bytes += pool.num_used * g.bytes_per_block
-            total_bytes += pool.num_blocks * g.bytes_per_block
+        total_bytes = self.layout.pool_bytes(self.pools.num_blocks)
         host = None
         if self.host is not None:
-            host = {name: HostStats(total=n, used=n - self.host.num_free(name))
+            host = {name: HostStats(total=n, used=self.host.num_used(name))
                     for name, n in self.host.num_slots.items()}
         active = sum(1 for c in self._caches.values() if c.is_active)
         c = self.counters
@@ -532,6 +613,7 @@ class KVCacheManagerV2:
             reuse=ReuseStats(enabled=self._reuse, disabled_reason=self.reuse_off_reason,
                              unit_tokens=self.reuse_unit if self._reuse else None, partial=self._partial,
                              partial_disabled_reason=self.partial_off_reason, radix_nodes=self._tree.num_nodes),
+            memory=self.layout.memory_text(self.pools.num_blocks, self.options.max_seq_len),
         )
 
     def close(self) -> None:
@@ -579,16 +661,29 @@ class KVCacheManagerV2:
         worst = [sum(g.blocks_for(c.worst) for c in self._caches.values() if c.is_active) for g in self.groups]
         if worst != self._worst_blocks:
             problems.append(f"worst-case blocks of active caches {self._worst_blocks}, recomputed {worst}")
+        for pool, names in self._pool_sets:  # per distinct pool: free + every group's used + evictable == blocks
+            free, evictable = set(pool._free), set(pool.evictable.blocks())
+            if free & evictable:
+                problems.append(f"{self._where(names)}: blocks both free and evictable: {sorted(free & evictable)}")
+            used = {b for b in range(pool.num_blocks) if pool.ref[b] > 0}
+            if len(free) + len(evictable) + len(used) != pool.num_blocks or len(free) != len(pool._free) \
+                    or len(used) != pool.num_used:
+                problems.append(f"{self._where(names)}: free {len(free)} + evictable {len(evictable)} + used "
+                                f"{len(used)} != {pool.num_blocks} (num_used {pool.num_used})")
         for g in self.groups:
             pool = self._pool[g.name]
+            holds = pool.holds if isinstance(pool, GroupShare) else None
             free, evictable = set(pool.free_ids()), set(pool.evictable.blocks())
-            if free & evictable:
-                problems.append(f"group {g.name}: blocks both free and evictable: {sorted(free & evictable)}")
-            used = {b for b in range(pool.num_blocks) if pool.ref[b] > 0}
-            if len(free) + len(evictable) + len(used) != pool.num_blocks or len(used) != pool.num_used:
-                problems.append(f"group {g.name}: free {len(free)} + evictable {len(evictable)} + used {len(used)} "
-                                f"!= {pool.num_blocks} (num_used {pool.num_used})")
-            for b in range(pool.num_blocks):
+            mine = range(pool.num_blocks) if holds is None else [b for b in range(pool.num_blocks) if holds(b)]
+            used = {b for b in mine if pool.ref[b] > 0}
+            if len(used) != pool.num_used or len(evictable.intersection(mine)) != pool.num_evictable:
+                problems.append(f"group {g.name}: used {len(used)} (num_used {pool.num_used}), evictable "
+                                f"{len(evictable.intersection(mine))} (num_evictable {pool.num_evictable})")
+            if holds is not None:
+                stray = [b for b in range(pool.num_blocks) if b not in free and pool.arena.group_of[b] < 0]
+                if stray:
+                    problems.append(f"shared arena: blocks neither free nor in a group: {stray}")
+            for b in mine:
                 n_owners = owners[g.name].get(b, 0)
                 if pool.ref[b] != n_owners:
                     problems.append(f"group {g.name}: block {b} ref {pool.ref[b]} but {n_owners} owners")
@@ -600,6 +695,9 @@ class KVCacheManagerV2:
                     problems.append(f"group {g.name}: free block {b} still in the radix tree")
                 if pool.node[b] is not None and pool.node[b].blocks.get(g.name) != b:
                     problems.append(f"group {g.name}: block {b} and its radix node disagree")
+            for b in owners[g.name]:
+                if holds is not None and not holds(b):
+                    problems.append(f"group {g.name}: block {b} in its tables belongs to another group")
         for node in [*self._tree.roots.values(), *self._tree.nodes()]:
             if node.by_first is None:
                 continue
@@ -617,10 +715,12 @@ class KVCacheManagerV2:
             for cache in self._caches.values():
                 for name, slots in (cache.host or {}).items():
                     held[name].extend(s for s in slots if s >= 0)
-            for name, n in self.host.num_slots.items():
-                free = self.host.free_slots(name)
-                if sorted(free + held[name]) != list(range(n)):
-                    problems.append(f"host group {name}: {len(free)} free + {len(held[name])} held slots != {n}")
+            for names in self.host.slot_sets():  # a shared host tier: every group's slots together
+                n = self.host.num_slots[names[0]]
+                free = self.host.free_slots(names[0])
+                taken = [s for name in names for s in held[name]]
+                if sorted(free + taken) != list(range(n)):
+                    problems.append(f"host {self._where(names)}: {len(free)} free + {len(taken)} held slots != {n}")
         if problems:
             raise AssertionError("; ".join(problems))
 
@@ -689,16 +789,19 @@ class KVCacheManagerV2:
         """Release sliding-group blocks that lie wholly before the oldest key the next query sees."""
         keep_cached = self.options.enable_swa_scratch_reuse
         priority = cache.request.priority
-        for g in self._sliding:
-            start = max(0, cache.committed - g.window + 1)
-            table = cache.tables[g.name]
-            upto = min(start // g.tokens_per_block, len(table))
-            pool = self._pool[g.name]
-            for j in range(cache.released[g.name], upto):
-                if table[j] >= 0:
-                    pool.decref(table[j], priority, keep_cached, self._detach)
-                    table[j] = -1
-            cache.released[g.name] = max(cache.released[g.name], upto)
+        tables, released = cache.tables, cache.released
+        for window, tpb, members in self._window_sets:
+            start = max(0, cache.committed - window + 1)
+            upto = min(start // tpb, len(tables[members[0][0]]))
+            if upto <= released[members[0][0]]:  # the common case: nothing left this window (any member)
+                continue
+            for name, pool in members:
+                table = tables[name]
+                for j in range(released[name], upto):
+                    if table[j] >= 0:
+                        pool.decref(table[j], priority, keep_cached, self._detach)
+                        table[j] = -1
+                released[name] = max(released[name], upto)
 
     def _key_full_blocks(self, cache: SequenceCache) -> None:
         """Hash newly full committed blocks into the radix tree and offer the cache's blocks to it."""
@@ -855,7 +958,7 @@ class KVCacheManagerV2:
         for g in self.groups:  # hold the source so our own allocation cannot evict it
             self._pool[g.name].incref(best.blocks[g.name])
         gained = 0
-        if all(self._pool[g.name].available >= 1 for g in self.groups):
+        if self.shortfall({g.name: 1 for g in self.groups}) is None:
             for g in self.groups:
                 b = self._pool[g.name].allocate(self._detach)
                 src = best.blocks[g.name]
@@ -903,15 +1006,18 @@ class KVCacheManagerV2:
         """Bring a suspended cache's pages back: take back untouched cached blocks, copy the rest from host."""
         assert self.host is not None and cache.host is not None
         T = self.T
-        for g in self.groups:
+        tables: dict[str, list[int]] = {}
+        for g in self.groups:  # first take back, in every group, so allocating below cannot evict them
             pool, slots = self._pool[g.name], cache.host[g.name]
-            table = [-1] * len(slots)
-            for j, slot in enumerate(slots):  # first take back, so allocating below cannot evict them
+            table = tables[g.name] = [-1] * len(slots)
+            for j, slot in enumerate(slots):
                 if slot >= 0:
                     b = self._reclaimable(cache, g.name, j)
                     if b is not None:
                         pool.incref(b)
                         table[j] = b
+        for g in self.groups:
+            pool, slots, table = self._pool[g.name], cache.host[g.name], tables[g.name]
             for j, slot in enumerate(slots):
                 if slot >= 0 and table[j] < 0:
                     b = pool.allocate(self._detach)

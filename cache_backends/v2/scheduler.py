@@ -20,7 +20,8 @@ One :meth:`~KVCacheV2Scheduler.step`:
    Priority orders suspensions only; admission is FCFS and never displaces a running request.
    **Headroom** (SGLang's new-token ratio): while others run, a request is admitted only if every
    group keeps, beyond the new request's first chunk and its own estimated growth, room for the
-   running requests' estimated growth: ``ratio`` of the way from the tokens each holds to its worst
+   running requests' estimated growth (the groups of a shared arena together: ``shortfall``):
+   ``ratio`` of the way from the tokens each holds to its worst
    case (:meth:`KVCacheManagerV2.growth_blocks`). ``ratio`` starts at ``INIT_RATIO``, decays by
    ``RATIO_DECAY`` every step nobody had to move out, down to ``MIN_RATIO`` (requests usually stop
    well before their worst case, so admission grows bolder while that holds), and jumps back to at
@@ -204,16 +205,15 @@ class KVCacheV2Scheduler(SchedulerBase):
                 break
             if running and ratio:
                 own = m.growth_blocks(r, ratio, n)
-                available = m.available_blocks()
                 bound = m.growth_bound()  # cheap: when even the bound fits, the estimate is not needed
-                if headroom is None and any(k + bound[name] > available[name] for name, k in own.items()):
+                if headroom is None and m.shortfall({name: k + bound[name] for name, k in own.items()}):
                     headroom = m.headroom_blocks(running, ratio)
-                short = [] if headroom is None else [name for name, k in own.items()
-                                                     if k + headroom[name] > available[name]]
+                short = None if headroom is None else m.shortfall({name: k + headroom[name]
+                                                                   for name, k in own.items()})
                 if short:
                     m.cancel_admission(r)
-                    reasons.append(f"request {r.req_id} waits: admitting it would leave group {short[0]} less than "
-                                   f"the running requests' estimated growth (new-token ratio {ratio:.2f})")
+                    reasons.append(f"request {r.req_id} waits: admitting it would leave less than the running "
+                                   f"requests' estimated growth ({short}; new-token ratio {ratio:.2f})")
                     break
                 if headroom is not None:
                     chunk = m.growth_blocks(r, 0.0, n)  # allocated below; the rest of its growth joins the headroom

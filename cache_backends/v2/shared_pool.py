@@ -1,0 +1,223 @@
+"""One free list and one eviction queue for every layer group of a shared arena (V2, equal pages).
+
+Why: with a pool per group, the budget is split between the groups once, for sequences of
+``max_seq_len`` tokens. Many short requests on a sliding-window model then fill the window pool while
+the full-attention pool stays mostly empty (and the out-of-window blocks a prefix hit needs are
+evicted at once). vLLM's hybrid allocator instead cuts the groups into groups of equal pages
+(:func:`cache_backends.layout.share_pages`), so any block can serve any group, and keeps one free
+list for all of them; this module is that free list.
+
+:class:`SharedPool` holds what :class:`~cache_backends.v2.group_pool.GroupPool` holds for one group —
+reference counts, generations, radix owners, eviction priorities, the free list and the
+:class:`~cache_backends.v2.group_pool.EvictionQueue` — once for the arena, with block ids global, plus
+``group_of[b]``: the group a used or cached block belongs to, so an eviction unhooks the right group
+of its radix node. Eviction order is global (lowest priority, then least recently released, whatever
+the group): a cached full-attention block can be evicted to give a sliding group a page, and the
+other way round. Each group sees the arena through a :class:`GroupShare`, which has GroupPool's
+interface (the manager's per-group code is unchanged) and keeps the group's own used, cached and
+evicted counts for stats. So per group ``used`` and ``evictable`` are its own, ``free`` and
+``available`` are the arena's, and ``free + sum(used) + sum(evictable) == num_blocks``.
+
+Feasibility is joint: what several groups need at once must fit the arena's ``available`` together
+(``KVCacheManagerV2.shortfall``), not each group's need on its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from cache_backends.v2.group_pool import Detach, EvictionQueue
+
+if TYPE_CHECKING:
+    from cache_backends.v2.radix import RadixNode
+
+
+class SharedPool:
+    """Free list, reference counts, radix owners and eviction queue of an arena shared by ``names``."""
+
+    def __init__(self, names: Sequence[str], num_blocks: int) -> None:
+        self.names = list(names)
+        self.num_blocks = num_blocks
+        self.ref = [0] * num_blocks
+        self.gen = [0] * num_blocks
+        self.node: list[RadixNode | None] = [None] * num_blocks
+        self.priority = [0] * num_blocks
+        self.group_of = [-1] * num_blocks  # index of the group a used or cached block belongs to
+        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: pop() hands out low ids first
+        self.evictable = EvictionQueue(self.priority)
+        self.used = [0] * len(self.names)
+        self.cached = [0] * len(self.names)
+        self.evicted = [0] * len(self.names)
+        self.shares = [GroupShare(self, i) for i in range(len(self.names))]
+
+    @property
+    def available(self) -> int:
+        """Pages any group can get: free plus evictable."""
+        return len(self._free) + len(self.evictable)
+
+    @property
+    def num_used(self) -> int:
+        """Pages in use by any group."""
+        return sum(self.used)
+
+    def take(self, group: int, n: int, detach: Detach) -> list[int]:
+        """``n`` pages for ``group`` with ``ref == 1``: free ones first, then the globally next to evict."""
+        free = self._free
+        if n > len(free) + len(self.evictable):
+            raise IndexError(f"shared arena: {n} blocks asked for group {self.names[group]}, "
+                             f"{self.available} free or evictable")
+        k = min(n, len(free))
+        out = free[len(free) - k:][::-1]
+        del free[len(free) - k:]
+        if n > k:
+            evicted = self.evictable.pop_many(n - k)
+            owner, group_of = self.node, self.group_of
+            by_group: dict[int, list[RadixNode]] = {}
+            for b in evicted:
+                g = group_of[b]
+                by_group.setdefault(g, []).append(owner[b])  # type: ignore[arg-type]
+                owner[b] = None
+                self.cached[g] -= 1
+                self.evicted[g] += 1
+            for g, nodes in by_group.items():
+                detach(self.names[g], nodes)
+            out += evicted
+        gen, ref, group_of = self.gen, self.ref, self.group_of
+        for b in out:
+            gen[b] += 1
+            ref[b] = 1
+            group_of[b] = group
+        self.used[group] += n
+        return out
+
+    def incref(self, group: int, b: int) -> None:
+        """One more cache of ``group`` holds ``b`` (a reused or reclaimed cached block of that group)."""
+        if self.group_of[b] != group or (self.ref[b] == 0 and b not in self.evictable):
+            raise RuntimeError(f"group {self.names[group]}: block {b} is not one of its used or cached blocks")
+        if self.ref[b] == 0:
+            self.evictable.remove(b)
+            self.cached[group] -= 1
+            self.used[group] += 1
+        self.ref[b] += 1
+
+    def release(self, group: int, blocks: Iterable[int], priority: int, keep_cached: bool, detach: Detach) -> None:
+        """``group`` lets go of ``blocks`` (ids below 0 skipped), as ``GroupPool.release``."""
+        ref, owner, free, group_of = self.ref, self.node, self._free, self.group_of
+        cached: list[int] = []
+        dropped: list[RadixNode] = []
+        released = 0
+        name = self.names[group]
+        try:
+            for b in blocks:
+                if b < 0:
+                    continue
+                if ref[b] <= 0 or group_of[b] != group:
+                    raise RuntimeError(f"group {name}: block {b} released more often than held")
+                ref[b] -= 1
+                if ref[b]:
+                    continue
+                released += 1
+                node = owner[b]
+                if node is None:
+                    free.append(b)
+                    group_of[b] = -1
+                elif keep_cached:
+                    cached.append(b)
+                else:
+                    dropped.append(node)
+                    owner[b] = None
+                    free.append(b)
+                    group_of[b] = -1
+        finally:
+            self.used[group] -= released
+            if cached:
+                self.evictable.add_many(cached, priority)
+                self.cached[group] += len(cached)
+            if dropped:
+                detach(name, dropped)
+
+    def reset(self) -> None:
+        """Drop every cached page to the free list (the manager empties the radix tree); none may be in use."""
+        if self.num_used:
+            raise RuntimeError(f"shared arena: {self.num_used} blocks are in use; the cache cannot be reset")
+        self.node[:] = [None] * self.num_blocks
+        self.group_of[:] = [-1] * self.num_blocks
+        self._free[:] = range(self.num_blocks - 1, -1, -1)
+        self.evictable = EvictionQueue(self.priority)
+        self.cached[:] = [0] * len(self.names)
+
+
+class GroupShare:
+    """One group's view of a :class:`SharedPool`, with :class:`GroupPool`'s interface (ids are the arena's)."""
+
+    def __init__(self, arena: SharedPool, index: int) -> None:
+        self.arena = arena
+        self.index = index
+        self.name = arena.names[index]
+        self.num_blocks = arena.num_blocks  # what the group could hold alone
+        # the arena's lists themselves (never rebound), so the manager's inlined hot paths read them directly
+        self.ref, self.gen, self.node, self.priority, self._free = (
+            arena.ref, arena.gen, arena.node, arena.priority, arena._free)
+
+    @property
+    def evictable(self) -> EvictionQueue:
+        """The arena's eviction queue (every group's cached blocks)."""
+        return self.arena.evictable
+
+    @property
+    def num_free(self) -> int:
+        """The arena's free pages."""
+        return len(self._free)
+
+    @property
+    def num_evictable(self) -> int:
+        """This group's cached blocks nobody owns."""
+        return self.arena.cached[self.index]
+
+    @property
+    def available(self) -> int:
+        """Pages this group could get now: the arena's free plus evictable (shared with every group)."""
+        return len(self._free) + len(self.arena.evictable)
+
+    @property
+    def num_used(self) -> int:
+        """This group's blocks in use."""
+        return self.arena.used[self.index]
+
+    @property
+    def evictions(self) -> int:
+        """This group's cached blocks evicted (for any group's allocation)."""
+        return self.arena.evicted[self.index]
+
+    def holds(self, b: int) -> bool:
+        """Whether ``b`` is one of this group's used or cached blocks."""
+        return self.arena.group_of[b] == self.index
+
+    def allocate(self, detach: Detach) -> int:
+        """One page for this group (see :meth:`SharedPool.take`)."""
+        return self.arena.take(self.index, 1, detach)[0]
+
+    def allocate_many(self, n: int, detach: Detach) -> list[int]:
+        """``n`` pages for this group (see :meth:`SharedPool.take`)."""
+        return self.arena.take(self.index, n, detach)
+
+    def incref(self, b: int) -> None:
+        """One more cache of this group holds ``b``."""
+        self.arena.incref(self.index, b)
+
+    def decref(self, b: int, priority: int, keep_cached: bool, detach: Detach) -> None:
+        """One holder lets go of ``b`` (as ``GroupPool.decref``)."""
+        self.arena.release(self.index, (b,), priority, keep_cached, detach)
+
+    def release(self, blocks: Iterable[int], priority: int, keep_cached: bool, detach: Detach) -> None:
+        """Let go of ``blocks`` (as ``GroupPool.release``)."""
+        self.arena.release(self.index, blocks, priority, keep_cached, detach)
+
+    def reset(self) -> None:
+        """Reset the whole arena (every group's view shares it)."""
+        self.arena.reset()
+
+    def free_ids(self) -> list[int]:
+        """The arena's free list."""
+        return list(self._free)

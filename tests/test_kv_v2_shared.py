@@ -1,0 +1,161 @@
+"""V2 memory shared between layer groups: one arena, one free list, global eviction, joint room checks.
+
+Issue 10 item 2: with a pool per group split once for ``max_seq_len`` sequences, many short requests on a
+sliding-window model filled the window pool while the full-attention pool stayed mostly empty. These
+tests pin what sharing promises a user: short requests reach V1's concurrency at the same bytes, a long
+request uses the pages short ones freed, eviction takes the least recently used cached page whatever
+its group, the plan says how the memory is held, and layouts that cannot share say why.
+"""
+
+from __future__ import annotations
+
+import pipeline
+from cache_backends import LayerKV, build_layout
+from cache_backends.pools import BlockPools
+from cache_backends.request import Request
+from cache_backends.v2.shared_pool import SharedPool
+from engine.simulator import simulate
+from engine.workloads import make_workload
+from tests.kv_v2_support import admit, blocks_add_up, check_kv, compute, make_manager, prefill
+
+CPU = {"device": "cpu", "log": False, "progress": False}
+
+
+def held(table: list[int]) -> list[int]:
+    return [b for b in table if b >= 0]
+
+
+def gemma_like(window: int = 8) -> list[LayerKV]:
+    """Five sliding layers and one full layer with equal entries, as tiny-gemma3: six 1-layer groups."""
+    return [LayerKV(i, "sliding", 4, window=window) for i in range(5)] + [LayerKV(5, "full", 4)]
+
+
+def test_every_group_views_one_arena_tensor_counted_once():
+    layout = build_layout(gemma_like(), "v2", 4, "float32")
+    pools = BlockPools(layout, {g.name: 30 for g in layout.groups}, "cpu")
+    arena = pools.tensors["full"]
+    assert all(t is arena for t in pools.tensors.values()) and tuple(arena.shape) == (1, 30, 4, 4)
+    assert pools.nbytes == 30 * layout.page_bytes == layout.pool_bytes(pools.num_blocks)
+    assert pools.layer_slots("sliding_w8.3", 0).data_ptr() == pools.layer_slots("full", 0).data_ptr()
+    pools.release()
+
+
+def test_many_short_requests_reach_v1_concurrency_at_the_same_budget():
+    """tiny-gemma3, 72-token requests at 24 V1 blocks: the old split sized the five window pools for one
+    8,192-token sequence (17 blocks each: 5 requests at once, 519 steps against V1's 391); the shared arena
+    gives every group whatever pages are free."""
+    workload = make_workload("no-reuse", 48, 0, prompt_len=8, answer_len=64)
+    v1_block = 6 * 32 * 256  # 6 layers x 32 tokens x 256 B
+    report = simulate("tiny-gemma3", workload, compare=True, kv_cache_config={"max_gpu_total_bytes": 24 * v1_block},
+                      **CPU)
+    v1, v2 = (report.results[n].metrics for n in ("KVCacheManager", "KVCacheManagerV2"))
+    assert v1.finished == v2.finished == 48
+    assert v2.max_concurrency >= v1.max_concurrency == 8
+    assert v2.steps <= v1.steps
+
+
+def test_a_long_request_uses_the_pages_short_ones_freed():
+    m = make_manager(gemma_like(window=8), {name: 60 for name in _names()}, enable_block_reuse=False)
+    shorts = [Request(f"s{i}", [100 * i + t for t in range(8)], 0) for i in range(5)]
+    sliding_pages = set()
+    for r in shorts:  # 5 x (2 full + 5 x 2 sliding) = 60 pages: the arena is full of mostly sliding pages
+        prefill(m, r)
+        for name in _names()[:5]:
+            sliding_pages |= set(held(m.block_table(r, name)))
+    assert m.stats().groups["full"].free == 0
+    for r in shorts:
+        m.free(r)
+    long = Request("long", list(range(1, 141)), 0)  # 140 tokens: 35 full blocks, more than the 10 shorts held
+    admit(m, long)
+    for _ in range(0, 140, 4):
+        compute(m, long, 4)
+    check_kv(m, long)
+    full = set(held(m.block_table(long, "full")))
+    assert len(full) == 35 and full & sliding_pages  # the full layer now holds pages sliding layers held
+    m.check_invariants()
+
+
+def test_eviction_is_global_a_cached_full_page_serves_a_sliding_group():
+    m = make_manager(gemma_like(window=8), {name: 24 for name in _names()})
+    a = Request("a", list(range(1, 17)), 0)  # 16 tokens: 4 full blocks + 5 x 4 sliding, all keyed
+    prefill(m, a)
+    a_full = set(held(m.block_table(a, "full")))
+    m.free(a)  # a's pages stay cached: 4 full + 5 x 2 in-window sliding + 5 x 2 out-of-window
+    stats = m.stats()
+    assert stats.groups["full"].evictable == 4 and blocks_add_up(stats, shared=True)
+    b = Request("b", list(range(500, 516)), 0)  # another prefix: needs every page, so every cached one goes
+    admit(m, b)
+    for _ in range(4):  # chunks of one block: each takes a page per group, oldest cached first; a's full
+        compute(m, b, 4)  # pages (released last) come in the fourth chunk, partly to sliding groups
+    b_sliding = {blk for name in _names()[:5] for blk in held(m.block_table(b, name))}
+    assert a_full & b_sliding, "a cached full-attention page was evicted to give a sliding group a page"
+    stats = m.stats()
+    assert stats.groups["full"].evictions == 4 and stats.evictions == 24
+    check_kv(m, b)
+    m.check_invariants()
+
+
+def test_shared_pool_evicts_least_recently_released_first_whatever_the_group():
+    pool = SharedPool(["full", "sliding"], 3)
+    detached: list[tuple[str, list[object]]] = []
+    nodes = [object() for _ in range(3)]
+    old = pool.take(0, 2, lambda g, n: detached.append((g, n)))  # full takes 2, sliding 1
+    new = pool.take(1, 1, lambda g, n: detached.append((g, n)))
+    for b, node in zip([*old, *new], nodes, strict=True):
+        pool.node[b] = node  # type: ignore[assignment]
+    pool.release(0, old, 0, True, lambda g, n: None)  # full's pages cached first (least recently)
+    pool.release(1, new, 0, True, lambda g, n: None)
+    assert (pool.cached, pool.used, pool.available) == ([2, 1], [0, 0], 3)
+    got = pool.take(1, 1, lambda g, n: detached.append((g, n)))  # sliding needs a page: full's oldest goes
+    assert got == [old[0]] and detached == [("full", [nodes[0]])]
+    assert pool.group_of[old[0]] == 1 and pool.evicted == [1, 0] and pool.cached == [1, 1]
+
+
+def test_room_is_checked_jointly_for_the_groups_of_the_arena():
+    m = make_manager(gemma_like(window=64), {name: 11 for name in _names(64)})
+    r = Request("r", list(range(1, 9)), 0)
+    admit(m, r)
+    # 8 tokens need 2 blocks in each of 6 groups = 12 pages; each group alone would fit its 2 in 11
+    assert m.fit_tokens(r, 8) == 4 and m.allocate(r, 8) is False
+    assert m.shortfall({"full": 6, "sliding_w64.0": 6}) == "12 blocks of the arena shared by 6 groups needed, " \
+                                                           "11 free or evictable"
+    too_long = Request("x", list(range(1, 9)), 0)
+    assert "needs 12 blocks of the arena shared by 6 groups for 8 tokens; the pool has 11" in m.never_fits(too_long)
+    assert m.allocate(r, 4) and m.stats().groups["full"].used == 1
+    m.check_invariants()
+
+
+def test_plan_reports_the_arena_and_the_joint_sequence_count():
+    kv = pipeline.plan("tiny-gemma3", log=False, device="cpu", max_seq_len=1024,
+                       kv_cache_config={"use_kv_cache_manager_v2": True, "max_tokens": 4096}).kv
+    doc = kv.to_dict()
+    arena = doc["memory"]["arena_blocks"]
+    assert doc["memory"]["shared"] and doc["memory"]["unshared_reason"] is None
+    assert [g["blocks"] for g in doc["layer_groups"]] == [arena] * 6  # what each group could hold alone
+    per_sequence = 1024 // 32 + 5 * 17  # the full layer's blocks + five windows of 17
+    assert doc["max_concurrency"] == arena // per_sequence
+    assert doc["total_bytes"] == arena * doc["memory"]["page_bytes"]
+    text = "\n".join(kv.render())
+    assert f"memory: one arena shared by 6 groups, {arena:,} pages" in text
+    assert f"{arena // per_sequence} sequence(s) of 1,024 tokens fit jointly" in text
+
+
+def test_a_layout_whose_pages_differ_keeps_the_split_and_says_why():
+    kv = pipeline.plan("tiny-deepseek-v4", log=False, device="cpu",
+                       kv_cache_config={"max_tokens": 65536}).kv
+    memory = kv.to_dict()["memory"]
+    assert memory["shared"] is False and memory["arena_blocks"] is None
+    assert memory["unshared_reason"].startswith("compressed groups have other page sizes")
+    assert "memory: split between groups (compressed groups have other page sizes" in "\n".join(kv.render())
+    blocks = {g["name"]: g["blocks"] for g in kv.to_dict()["layer_groups"]}
+    assert len(set(blocks.values())) > 1  # each group's own pool
+
+
+def test_manager_stats_say_the_memory_is_shared():
+    m = make_manager(gemma_like(), 10)
+    assert m.stats().memory.startswith("memory: one arena shared by 6 groups, 60 pages")
+    assert make_manager([LayerKV(0, "full", 4)], 10).stats().memory is None
+
+
+def _names(window: int = 8) -> list[str]:
+    return [g.name for g in build_layout(gemma_like(window), "v2", 4, "float32").groups]
