@@ -26,6 +26,7 @@ class GroupStats:
     usage: float  # used / total (evictable blocks count as not used)
     evictions: int  # cached blocks overwritten by allocation since the manager was built
     tokens_per_block: int  # tokens one block of this group spans
+    shared: bool = False  # its pages come from an arena shared with other groups (``free`` is the arena's)
 
 
 @attrs.frozen

@@ -585,7 +585,8 @@ class KVCacheManagerV2:
             pool = self._pool[g.name]
             groups[g.name] = GroupStats(total=pool.num_blocks, free=pool.num_free, evictable=pool.num_evictable,
                                         used=pool.num_used, usage=pool.num_used / pool.num_blocks,
-                                        evictions=pool.evictions, tokens_per_block=g.tokens_per_block)
+                                        evictions=pool.evictions, tokens_per_block=g.tokens_per_block,
+                                        shared=self.layout.shared)
             used_bytes += pool.num_used * g.bytes_per_block
         total_bytes = self.layout.pool_bytes(self.pools.num_blocks)
         host = None

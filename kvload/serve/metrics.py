@@ -13,6 +13,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+#: ``layer_group`` label of the free pages of an arena shared by several layer groups (V2, equal pages)
+SHARED_ARENA_LABEL = "shared_arena"
+
 #: Buckets in seconds (vLLM's, which span GPU and CPU latencies).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0)
@@ -108,10 +111,18 @@ class _EngineCollector:
                                   labels=["model_name", "layer_group"])
         blocks = GaugeMetricFamily("kvload_kv_cache_blocks", "KV blocks per layer group and state",
                                    labels=["model_name", "layer_group", "state"])
+        arena_free: int | None = None
         for group, g in (stats.groups if stats is not None else {}).items():
             usage.add_metric([*name, group], float(g.usage))
-            for state, n in (("free", g.free), ("evictable", g.evictable), ("used", g.used)):
+            states = [("evictable", g.evictable), ("used", g.used)]
+            if g.shared:  # the arena's free pages belong to no group: reported once, so sums stay right
+                arena_free = g.free
+            else:
+                states.insert(0, ("free", g.free))
+            for state, n in states:
                 blocks.add_metric([*name, group, state], float(n))
+        if arena_free is not None:
+            blocks.add_metric([*name, SHARED_ARENA_LABEL, "free"], float(arena_free))
         yield usage
         yield blocks
         queries = CounterMetricFamily("kvload_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
