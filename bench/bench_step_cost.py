@@ -23,11 +23,9 @@ import json
 import os
 import subprocess
 import sys
-import time
-import types
 from typing import Any
 
-from bench.common import Table, machine, median, ratio, verdict
+from bench.common import Table, machine, median, ratio, thread_cpu_step_clock, verdict
 
 CPU = {"device": "cpu", "log": False, "progress": False}
 STEP_TARGET, OVERHEAD_TARGET = 1.25, 0.10
@@ -42,14 +40,10 @@ FIGURES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
 
 def measure(pairs: int, quick: bool) -> dict[str, dict[str, list[float]]]:
     """Per figure: the median step µs of each run of side ``a`` and ``b``, pairs interleaved (order alternating)."""
-    from engine.driver import Driver
     from engine.simulator import simulate
     from engine.workloads import make_workload
 
-    clock = Driver.step.__globals__
-    saved = clock["time"]
-    clock["time"] = types.SimpleNamespace(perf_counter=time.thread_time)  # CPU time of this thread, not wall time
-    try:
+    with thread_cpu_step_clock():
         out: dict[str, dict[str, list[float]]] = {}
         for figure, (name, a, b) in FIGURES.items():
             wl = make_workload(name, None, 0)
@@ -62,8 +56,6 @@ def measure(pairs: int, quick: bool) -> dict[str, dict[str, list[float]]]:
                     (result,) = report.results.values()
                     runs[side].append(result.metrics.step_time_us_median)
             out[figure] = runs
-    finally:
-        clock["time"] = saved
     return out
 
 
