@@ -38,7 +38,7 @@ FIGURES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
 }
 
 
-def measure(pairs: int, quick: bool) -> dict[str, dict[str, list[float]]]:
+def measure(pairs: int, quick: bool, only: list[str] | None = None) -> dict[str, dict[str, list[float]]]:
     """Per figure: the median step µs of each run of side ``a`` and ``b``, pairs interleaved (order alternating)."""
     from engine.simulator import simulate
     from engine.workloads import make_workload
@@ -46,6 +46,8 @@ def measure(pairs: int, quick: bool) -> dict[str, dict[str, list[float]]]:
     with thread_cpu_step_clock():
         out: dict[str, dict[str, list[float]]] = {}
         for figure, (name, a, b) in FIGURES.items():
+            if only is not None and figure not in only:
+                continue
             wl = make_workload(name, None, 0)
             if quick:
                 wl = make_workload(name, max(4, len(wl.requests) // 4), 0)
@@ -82,10 +84,10 @@ def table(results: dict[str, dict[str, dict[str, list[float]]]], command: str) -
     return t
 
 
-def _child(tree: str, pairs: int, quick: bool) -> dict[str, dict[str, list[float]]]:
+def _child(tree: str, pairs: int, quick: bool, only: str | None) -> dict[str, dict[str, list[float]]]:
     env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    args = [sys.executable, "-m", "bench.bench_step_cost", "--json", "--pairs", str(pairs)] + (["--quick"] if quick
-                                                                                               else [])
+    args = [sys.executable, "-m", "bench.bench_step_cost", "--json", "--pairs", str(pairs)]
+    args += (["--quick"] if quick else []) + (["--only", only] if only else [])
     done = subprocess.run(args, cwd=tree, env=env, capture_output=True, text=True, timeout=1800, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -97,23 +99,26 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true", help="a quarter of each workload's requests")
     p.add_argument("--against", help="another source tree (e.g. main's): alternate processes of both trees")
     p.add_argument("--rounds", type=int, default=2, help="with --against: processes per tree")
+    p.add_argument("--only", help="comma-separated figure numbers, 1-based: " + ", ".join(
+        f"{i} = {name}" for i, name in enumerate(FIGURES, 1)))
     p.add_argument("--json", action="store_true", help="print this process's raw figures as one JSON line")
     args = p.parse_args(argv)
+    only = [list(FIGURES)[int(i) - 1] for i in args.only.split(",")] if args.only else None
     if args.json:
-        print(json.dumps(measure(args.pairs, args.quick)))
+        print(json.dumps(measure(args.pairs, args.quick, only)))
         return
     here = os.getcwd()
     command = "python -m bench.bench_step_cost" + (f" --pairs {args.pairs}" if args.pairs != 3 else "") + (
-        " --quick" if args.quick else "")
+        " --quick" if args.quick else "") + (f" --only {args.only}" if args.only else "")
     if args.against is None:
-        results = {"this tree": measure(args.pairs, args.quick)}
+        results = {"this tree": measure(args.pairs, args.quick, only)}
     else:
         command += f" --against <tree> --rounds {args.rounds}"
         trees = {"before (--against)": os.path.abspath(args.against), "after (this tree)": here}
-        results = {name: {f: {"a": [], "b": []} for f in FIGURES} for name in trees}
+        results = {name: {f: {"a": [], "b": []} for f in only or FIGURES} for name in trees}
         for i in range(args.rounds):
             for name in (list(trees) if i % 2 == 0 else list(trees)[::-1]):
-                for f, runs in _child(trees[name], args.pairs, args.quick).items():
+                for f, runs in _child(trees[name], args.pairs, args.quick, args.only).items():
                     results[name][f]["a"] += runs["a"]
                     results[name][f]["b"] += runs["b"]
     print(machine())
