@@ -121,43 +121,70 @@ class RadixTree:
             if parent is None:
                 parent = self.roots[salt] = RadixNode(None, b"", salt)
         stride = 8 * tokens_per_block
+        end = len(packed) // stride * stride
         out: list[RadixNode] = []
-        created = 0
-        for start in range(0, len(packed) // stride * stride, stride):
+        start = 0
+        while start < end:  # the nodes that exist already
             block_tokens = packed[start:start + stride]
-            children = parent.children
-            node = children.get(block_tokens)
+            node = parent.children.get(block_tokens)
             if node is None:
-                node = RadixNode(parent, block_tokens, salt)
-                if children is _NONE:
-                    parent.children = {block_tokens: node}
-                else:
-                    children[block_tokens] = node  # type: ignore[index]
-                    if parent.by_first is not None:
-                        siblings = parent.by_first.get(block_tokens[:8])
-                        if siblings is None:
-                            parent.by_first[block_tokens[:8]] = {block_tokens: node}
-                        else:
-                            siblings[block_tokens] = node
-                created += 1
+                break
             node.users += 1
             out.append(node)
             parent = node
-        self.num_nodes += created
+            start += stride
+        if start == end:
+            return out
+        # The first missing block: a new child of ``parent`` (which may have others and a first-token index) ...
+        node = RadixNode(parent, block_tokens, salt)
+        children = parent.children
+        if children is _NONE:
+            parent.children = {block_tokens: node}
+        else:
+            children[block_tokens] = node  # type: ignore[index]
+            if parent.by_first is not None:
+                siblings = parent.by_first.get(block_tokens[:8])
+                if siblings is None:
+                    parent.by_first[block_tokens[:8]] = {block_tokens: node}
+                else:
+                    siblings[block_tokens] = node
+        node.users = 1
+        out.append(node)
+        self.num_nodes += (end - start) // stride
+        # ... then every later block is the only child of the node just created: no lookup, no index.
+        for at in range(start + stride, end, stride):
+            block_tokens = packed[at:at + stride]
+            parent, node = node, RadixNode(node, block_tokens, salt)
+            parent.children = {block_tokens: node}
+            node.users = 1
+            out.append(node)
         return out
 
     def detach(self, group: str, nodes: Iterable[RadixNode]) -> None:
         """Unhook ``group``'s block from each node (evicted or dropped blocks) and prune every node left
         with no block, child or user, walking up as :meth:`prune` does; one pass for a run of blocks."""
         removed = 0
+        roots = self.roots
         for node in nodes:
             blocks = node.blocks
             del blocks[group]
-            while not blocks and not node.children and not node.users and node.parent is not None:
-                node = self._unhook(node)
+            if blocks or node.children or node.users:
+                continue
+            parent = node.parent
+            while parent is not None:  # = _unhook, inlined (this runs for every evicted block), then walk up
+                del parent.children[node.tokens]  # type: ignore[attr-defined]
+                if parent.by_first is not None:
+                    siblings = parent.by_first[node.tokens[:8]]
+                    del siblings[node.tokens]
+                    if not siblings:
+                        del parent.by_first[node.tokens[:8]]
+                node.parent = None
                 removed += 1
-                blocks = node.blocks
-            self._drop_empty_root(node)
+                node, parent = parent, parent.parent
+                if node.blocks or node.children or node.users:
+                    break
+            if parent is None and not node.children and roots.get(node.salt) is node:  # = _drop_empty_root
+                del roots[node.salt]
         self.num_nodes -= removed
 
     def leave(self, nodes: Iterable[RadixNode]) -> None:
