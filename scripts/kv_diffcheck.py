@@ -49,7 +49,9 @@ def _v2_state(m: Any) -> Any:
         nodes = [None if n is None else (n.depth, crc32(n.tokens)) for n in p.node]
         pools.append((name, list(p._free), p.evictable.blocks(), list(p.ref), list(p.gen), list(p.priority),
                       p.num_used, p.evictions, nodes))
-    return caches, pools, sorted(m.counters.items()), m._tree.num_nodes
+    arena = getattr(m, "_arena", None)  # a shared arena: which group each block belongs to, per-group counts
+    shared = None if arena is None else (list(arena.group_of), arena.used, arena.cached, arena.evicted)
+    return caches, pools, shared, sorted(m.counters.items()), m._tree.num_nodes
 
 
 def _v1_state(m: Any) -> Any:
