@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Any
 
-from bench.common import Table, machine, ratio, verdict
+from bench.common import Table, machine, ratio, thread_cpu_step_clock, verdict
 
 PRESETS = ("tiny-llama", "tiny-mistral", "tiny-gemma3", "tiny-deepseek-v3")
 WORKLOADS = ("shared-prefix", "multi-turn", "long-context", "no-reuse")
@@ -144,21 +144,11 @@ def _target_notes(rows: list[dict[str, Any]]) -> list[str]:
 def step_time(quick: bool = False, pairs: int = 3) -> Table:
     """The step-time target, measured fairly: V1 and V2 runs interleaved (alternating order), one manager per
     run, median of the per-pair ratios of median step time (tiny-llama, shared-prefix and multi-turn)."""
-    import types
-
-    from engine.driver import Driver
     from engine.simulator import simulate
     from engine.workloads import make_workload
 
-    # Thread CPU time instead of wall time for the driver's kv_seconds: on a machine shared with other jobs
-    # wall time counts their time slices too (ratios of wall times swung 1.7x-7x between pairs under load).
-    clock = Driver.step.__globals__
-    saved = clock["time"]
-    clock["time"] = types.SimpleNamespace(perf_counter=time.thread_time)
-    try:
+    with thread_cpu_step_clock():  # thread CPU time, not wall time (see the helper)
         return _step_time(quick, pairs, simulate, make_workload)
-    finally:
-        clock["time"] = saved
 
 
 def _step_time(quick: bool, pairs: int, simulate: Any, make_workload: Any) -> Table:

@@ -35,3 +35,18 @@ def test_grid_compares_v1_and_v2_per_cell_and_judges_the_targets():
     assert row["steps_ratio"] == row["v2"].steps / row["v1"].steps and "ok" in row
     assert table.rows[0][:3] == ["tiny-llama", "no-reuse", "default"]
     assert any(note.startswith("Every cell") for note in table.notes)
+
+
+def test_step_cost_bench_pairs_both_sides_of_every_figure_and_restores_the_wall_clock():
+    import time
+
+    from bench import bench_step_cost
+    from engine.driver import Driver
+
+    figures = bench_step_cost.measure(pairs=1, quick=True)
+    assert set(figures) == set(bench_step_cost.FIGURES)
+    assert all(len(r["a"]) == len(r["b"]) == 1 and r["a"][0] > 0 and r["b"][0] > 0 for r in figures.values())
+    assert Driver.step.__globals__["time"] is time  # thread CPU time only inside the measurement
+    table = bench_step_cost.table({"this tree": figures}, "cmd")
+    assert [row[1] for row in table.rows] == list(bench_step_cost.FIGURES)
+    assert all(row[-1] in ("met", "**missed**") for row in table.rows)

@@ -16,7 +16,7 @@ T = 4
 
 
 def _chain(tree: RadixTree, tokens: list[int], salt: str | None = None):
-    return tree.extend(None, salt, chain_hashes(tokens, T, salt), pack_tokens(tokens), T)
+    return tree.extend(None, salt, pack_tokens(tokens), T)
 
 
 def test_extend_builds_a_chain_with_one_more_user_each_and_finds_existing_nodes():
@@ -27,7 +27,8 @@ def test_extend_builds_a_chain_with_one_more_user_each_and_finds_existing_nodes(
     assert [n.users for n in a] == [1, 1, 1] and tree.num_nodes == 3
     b = _chain(tree, [*range(8), 20, 21, 22, 23])
     assert b[:2] == a[:2] and b[2] is not a[2] and [n.users for n in b] == [2, 2, 1] and tree.num_nodes == 4
-    assert a[1].children == {a[2].key: a[2], b[2].key: b[2]} and not a[2].children
+    assert a[1].children == {a[2].tokens: a[2], b[2].tokens: b[2]} and not a[2].children
+    assert [n.key for n in a] == chain_hashes(list(range(12)), T, None)  # chained SHA-256, computed on demand
     assert a[2].tokens == pack_tokens([8, 9, 10, 11])  # packed as the key encodes them, 8 bytes per id
 
 
@@ -93,3 +94,17 @@ def test_partial_reuse_on_a_wide_node_picks_the_longest_match_among_children_sha
     compute(m, r, r.num_tokens - r.num_computed_tokens)
     m.check_invariants()
     assert m._tree.root(None).by_first is not None  # the wide root got its index and keeps it consistent
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 2**40), min_size=T, max_size=12 * T), st.sampled_from([None, "", "tenant"]),
+       st.integers(0, 11))
+def test_keys_are_the_chained_block_hashes_whichever_node_is_asked_first(tokens, salt, ask):
+    # Keys are computed on demand from the deepest node asked up to the nearest keyed ancestor; the result must
+    # be the chained SHA-256 of the prefix whatever the order of the questions.
+    tree = RadixTree()
+    nodes = _chain(tree, tokens, salt)
+    want = chain_hashes(tokens, T, salt)
+    assert nodes[min(ask, len(nodes) - 1)].key == want[min(ask, len(nodes) - 1)]
+    assert [n.key for n in nodes] == want
+    assert tree.root(salt).key is None

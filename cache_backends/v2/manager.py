@@ -18,8 +18,9 @@ How the pieces fit (TensorRT-LLM's V2 ideas, this project's code):
   before it (vLLM's sliding-window manager matches the same way). ``enable_swa_scratch_reuse`` (on
   by default) is that keeping; set to false, out-of-window blocks go straight to the free list instead
   (their memory is never held by the cache, and prefixes longer than a window are not reused).
-* **Prefix reuse.** Full committed ``T``-token blocks are keyed by chained SHA-256 with the request's
-  salt and hung in a :class:`~cache_backends.v2.radix.RadixTree`. A new request walks it over its
+* **Prefix reuse.** Full committed ``T``-token blocks are hung in a :class:`~cache_backends.v2.radix.RadixTree`
+  under the request's salt, found by their tokens; their chained SHA-256 keys are computed only when
+  something reports them (KV cache events). A new request walks it over its
   tokens and takes the longest prefix ``m`` that (a) is a multiple of the *reuse unit* — the lcm of
   every group's block span, so compressed groups reuse whole blocks only — (b) leaves at least one
   token to compute (logits), (c) has every block of every growing group below ``m`` still cached and
@@ -50,7 +51,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from cache_backends.hashing import block_hash, chain_packed_hashes, pack_tokens
+from cache_backends.hashing import pack_tokens
 from cache_backends.interface import ManagerOptions, prefix_cache_in_use
 from cache_backends.kv_events import KvEventBuffer
 from cache_backends.layout import KvLayout, LayerGroup
@@ -362,6 +363,7 @@ class KVCacheManagerV2:
                     pool.decref(b, request.priority, True, self._detach)
                 n += 1
         cache.capacity = capacity
+        cache.room = min(len(cache.tables[name]) * tpb for name, tpb, _ in self._group_pools)
         return True
 
     def schedule_tokens(self, request: Request, want: int) -> int:
@@ -379,7 +381,7 @@ class KVCacheManagerV2:
         if want <= 0:
             return 0
         target = committed + want
-        if target > cache.capacity:
+        if target > cache.room:  # some group needs a block (else the tables already hold the slots)
             tables = cache.tables
             needs = []
             for name, tpb, pool in self._group_pools:
@@ -394,6 +396,8 @@ class KVCacheManagerV2:
             for (name, _, pool), k in zip(self._group_pools, needs, strict=True):
                 if k > 0:
                     tables[name].extend(pool.allocate_many(k, detach))
+            cache.room = min(len(tables[name]) * tpb for name, tpb, _ in self._group_pools)
+        if target > cache.capacity:
             cache.capacity = target
         if target > cache.history:
             cache.history = target
@@ -641,10 +645,10 @@ class KVCacheManagerV2:
             rid = cache.request.req_id
             if not cache.committed <= cache.history <= cache.capacity:
                 problems.append(f"{rid}: lengths {cache.committed}/{cache.history}/{cache.capacity}")
-            if self._reuse and len(cache.hashes) != cache.committed // self.T:
-                problems.append(f"{rid}: {len(cache.hashes)} hashes for {cache.committed} committed tokens")
-            if cache.key_at != ((len(cache.hashes) + 1) * self.T if self._reuse else NEVER):
-                problems.append(f"{rid}: next block keyed at {cache.key_at} tokens with {len(cache.hashes)} hashes")
+            if self._reuse and len(cache.nodes) != cache.committed // self.T:
+                problems.append(f"{rid}: {len(cache.nodes)} radix nodes for {cache.committed} committed tokens")
+            if cache.key_at != ((len(cache.nodes) + 1) * self.T if self._reuse else NEVER):
+                problems.append(f"{rid}: next block keyed at {cache.key_at} tokens with {len(cache.nodes)} nodes")
             if not cache.is_active:
                 continue
             for g in self.groups:
@@ -654,6 +658,8 @@ class KVCacheManagerV2:
                     problems.append(f"{rid}: group {g.name} holds a block twice")
                 if len(table) != math.ceil(cache.capacity / g.tokens_per_block):
                     problems.append(f"{rid}: group {g.name} has {len(table)} blocks for capacity {cache.capacity}")
+                if cache.room > len(table) * g.tokens_per_block:
+                    problems.append(f"{rid}: room {cache.room} beyond the {len(table)} blocks of group {g.name}")
                 for j, b in enumerate(table):
                     if b < 0 and j >= cache.released[g.name]:
                         problems.append(f"{rid}: group {g.name} block {j} missing above the window")
@@ -785,6 +791,7 @@ class KVCacheManagerV2:
         for name, _, pool in self._group_pools:
             pool.release(reversed(cache.tables[name]), priority, True, self._detach)
             cache.tables[name] = []
+        cache.room = 0
 
     def _release_window(self, cache: SequenceCache) -> None:
         """Release sliding-group blocks that lie wholly before the oldest key the next query sees."""
@@ -805,24 +812,15 @@ class KVCacheManagerV2:
                 released[name] = max(released[name], upto)
 
     def _key_full_blocks(self, cache: SequenceCache) -> None:
-        """Hash newly full committed blocks into the radix tree and offer the cache's blocks to it."""
+        """Hang newly full committed blocks in the radix tree (found by their tokens) and offer the cache's blocks
+        to their nodes."""
         T = self.T
-        hashes = cache.hashes
-        first, full = len(hashes), cache.committed // T
+        nodes = cache.nodes
+        first, full = len(nodes), cache.committed // T
         if first >= full:
             return
-        salt = cache.request.salt
-        packed = pack_tokens(_tokens(cache.request, first * T, full * T))  # once: the keys and the nodes use it
-        ahead, nodes = cache.ahead, cache.nodes
-        if ahead:  # keys the admission's lookup already computed, then the rest
-            keys = ahead[: full - first]
-            del ahead[: len(keys)]
-            if len(keys) < full - first:
-                keys += chain_packed_hashes(packed[len(keys) * 8 * T :], T, salt, keys[-1])
-        else:  # one pass over the run
-            keys = chain_packed_hashes(packed, T, salt, hashes[-1] if hashes else None)
-        new = self._tree.extend(nodes[-1] if nodes else None, salt, keys, packed, T)
-        hashes += keys
+        packed = pack_tokens(_tokens(cache.request, first * T, full * T))  # once for the run
+        new = self._tree.extend(nodes[-1] if nodes else None, cache.request.salt, packed, T)
         nodes += new
         cache.key_at = (full + 1) * T
         tables = cache.tables
@@ -844,27 +842,21 @@ class KVCacheManagerV2:
             if stored:
                 self._stored(name, stored)
 
-    def _match(self, request: Request) -> tuple[int, list[RadixNode], list[bytes]]:
-        """Walk the radix tree over the request's full blocks: (usable prefix, path, keys).
-
-        ``keys`` are the path's block keys, then the key of the first block not found, if any.
-        """
+    def _match(self, request: Request) -> tuple[int, list[RadixNode]]:
+        """Walk the radix tree over the request's full blocks, comparing tokens: (usable prefix, path)."""
         limit = request.num_tokens - 1  # at least the last token is computed, so there are logits
         root = self._tree.root(request.salt)
         if root is None or limit < 1:
-            return 0, [], []
+            return 0, []
         path: list[RadixNode] = []
-        keys: list[bytes] = []
-        children, parent_hash, T, salt = root.children, None, self.T, request.salt
+        children, T = root.children, self.T
         for j in range(limit // T):
-            key = block_hash(parent_hash, _tokens(request, j * T, (j + 1) * T), salt)
-            keys.append(key)
-            child = children.get(key)
+            child = children.get(pack_tokens(_tokens(request, j * T, (j + 1) * T)))
             if child is None:
                 break
             path.append(child)
-            children, parent_hash = child.children, key
-        return (self._usable_prefix(path) if path else 0), path, keys
+            children = child.children
+        return (self._usable_prefix(path) if path else 0), path
 
     def _usable_prefix(self, path: list[RadixNode]) -> int:
         """The longest multiple of the reuse unit, within ``path``, whose blocks every group still holds."""
@@ -905,7 +897,7 @@ class KVCacheManagerV2:
         m = 0
         if self._reuse:
             self.counters["reuse_query_tokens"] += request.num_tokens
-            m, path, keys = self._match(request)
+            m, path = self._match(request)
             for g in self.groups if m else ():  # nothing matched: the tables stay as create() left them
                 tpb, step = g.tokens_per_block, g.tokens_per_block // T
                 lo = 0 if g.window is None else max(0, m - g.window + 1) // tpb
@@ -917,8 +909,6 @@ class KVCacheManagerV2:
                 cache.tables[g.name] = table
                 cache.released[g.name] = lo
             cache.nodes = path[: m // T]
-            cache.hashes = keys[: m // T]
-            cache.ahead = keys[m // T :]  # the next blocks' keys: _key_full_blocks takes them when they fill
             cache.key_at = (m // T + 1) * T
             for node in cache.nodes:
                 node.users += 1

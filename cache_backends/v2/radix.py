@@ -1,8 +1,8 @@
-"""The prefix-reuse radix tree: one node per full block of ``T`` tokens, keyed by its chained hash.
+"""The prefix-reuse radix tree: one node per full block of ``T`` tokens, found by its tokens, keyed lazily.
 
 One root per reuse salt, so tenants never see each other's nodes (the salt is also inside every
-hash). A node at depth ``d`` stands for tokens ``[d*T, (d+1)*T)`` of every sequence whose first
-``(d+1)*T`` tokens hash to its key, and holds, per layer group, at most one physical block that
+key). A node at depth ``d`` stands for tokens ``[d*T, (d+1)*T)`` of every sequence whose first
+``(d+1)*T`` tokens are the path's tokens, and holds, per layer group, at most one physical block that
 ends exactly at ``(d+1)*T`` (compressed groups with blocks of ``k*T`` tokens hold one on every
 k-th node). Invariants:
 
@@ -11,6 +11,12 @@ k-th node). Invariants:
   it has no blocks, no children and no users, and pruning walks up towards the root.
 * ``node.tokens`` is the block's token ids packed as the key encodes them
   (:func:`cache_backends.hashing.pack_tokens`: 8 bytes each): no per-token objects to hold or free.
+  ``parent.children`` maps exactly those bytes to the node: a lookup compares a block's tokens (under
+  its parent, under its salt's root), which is the prefix equality the chained key stands for, exactly.
+* ``node.key`` is the chained SHA-256 key of the prefix up to the node
+  (:func:`cache_backends.hashing.block_hash` of the parent's key, the tokens and the salt), computed on
+  first use and kept: lookups never need it, only what names blocks to the outside (KV cache events),
+  so a block that nobody reports is never hashed (the hashing was most of what reuse cost per block).
 * ``node.by_first``, once built, maps each first token (its 8 packed bytes) to exactly the children
   whose block starts with it, in the order of ``node.children``: partial matching only looks at children that share
   the first token (any other child matches zero tokens), so it does not scan every child of a wide
@@ -22,10 +28,10 @@ k-th node). Invariants:
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from types import MappingProxyType
 
-from cache_backends.hashing import pack_tokens
+from cache_backends.hashing import chain_packed_hashes, pack_tokens
 
 #: What a node without children holds in ``children``: most nodes are leaves (a prompt's last
 #: blocks), so they get a dict only when a first child arrives.
@@ -38,18 +44,37 @@ INDEX_CHILDREN_AFTER = 8
 class RadixNode:
     """One full token block of a cached prefix."""
 
-    __slots__ = ("blocks", "by_first", "children", "depth", "key", "parent", "salt", "tokens", "users")
+    __slots__ = ("_key", "blocks", "by_first", "children", "depth", "parent", "salt", "tokens", "users")
 
-    def __init__(self, key: bytes | None, parent: RadixNode | None, tokens: bytes, salt: str | None) -> None:
-        self.key = key
+    def __init__(self, parent: RadixNode | None, tokens: bytes, salt: str | None) -> None:
+        self._key: bytes | None = None  # computed by ``key`` on first use
         self.parent = parent
         self.tokens = tokens
         self.salt = salt
         self.depth = -1 if parent is None else parent.depth + 1
-        self.children: Mapping[bytes, RadixNode] = _NONE  # a dict once it has a child
+        self.children: Mapping[bytes, RadixNode] = _NONE  # tokens -> child; a dict once it has a child
         self.by_first: dict[bytes, dict[bytes, RadixNode]] | None = None  # built on demand, see the module doc
         self.blocks: dict[str, int] = {}
         self.users = 0
+
+    @property
+    def key(self) -> bytes | None:
+        """The chained SHA-256 key of the prefix ending with this block (None for a root); computed once, on demand.
+
+        Iterative: the ancestors without a key yet are hashed from the nearest keyed one down (chains can be
+        thousands of blocks deep).
+        """
+        if self._key is not None or self.parent is None:
+            return self._key
+        todo: list[RadixNode] = []
+        node: RadixNode | None = self
+        while node is not None and node.parent is not None and node._key is None:
+            todo.append(node)
+            node = node.parent
+        parent_key = node._key if node is not None else None
+        for n in reversed(todo):
+            parent_key = n._key = chain_packed_hashes(n.tokens, len(n.tokens) // 8, n.salt, parent_key)[0]
+        return self._key
 
     @property
     def is_root(self) -> bool:
@@ -68,8 +93,8 @@ class RadixNode:
             if len(self.children) <= INDEX_CHILDREN_AFTER:
                 return [child for child in self.children.values() if child.tokens.startswith(first)]
             by_first: dict[bytes, dict[bytes, RadixNode]] = {}
-            for key, child in self.children.items():
-                by_first.setdefault(child.tokens[:8], {})[key] = child
+            for tokens, child in self.children.items():
+                by_first.setdefault(tokens[:8], {})[tokens] = child
             self.by_first = by_first
         group = self.by_first.get(first)
         return list(group.values()) if group else []
@@ -86,53 +111,80 @@ class RadixTree:
         """The root of a reuse scope, if it has any node."""
         return self.roots.get(salt)
 
-    def extend(self, parent: RadixNode | None, salt: str | None, keys: Sequence[bytes], packed: bytes,
+    def extend(self, parent: RadixNode | None, salt: str | None, packed: bytes,
                tokens_per_block: int) -> list[RadixNode]:
-        """The chain of nodes below ``parent`` (``None``: the salt's root) for consecutive blocks, each with one
-        more user: ``keys[i]`` with tokens ``[i*T, (i+1)*T)`` of ``packed`` (:func:`~cache_backends.hashing.
-        pack_tokens`), created when missing. One call per run of blocks."""
+        """The chain of nodes below ``parent`` (``None``: the salt's root) for the consecutive full blocks of
+        ``packed`` (:func:`~cache_backends.hashing.pack_tokens`; block ``i`` is tokens ``[i*T, (i+1)*T)``), each
+        with one more user, created when missing. One call per run of blocks."""
         if parent is None:
             parent = self.roots.get(salt)
             if parent is None:
-                parent = self.roots[salt] = RadixNode(None, None, b"", salt)
+                parent = self.roots[salt] = RadixNode(None, b"", salt)
         stride = 8 * tokens_per_block
+        end = len(packed) // stride * stride
         out: list[RadixNode] = []
-        created = 0
-        for i, key in enumerate(keys):
-            children = parent.children
-            node = children.get(key)
+        start = 0
+        while start < end:  # the nodes that exist already
+            block_tokens = packed[start:start + stride]
+            node = parent.children.get(block_tokens)
             if node is None:
-                block_tokens = packed[i * stride:(i + 1) * stride]
-                node = RadixNode(key, parent, block_tokens, salt)
-                if children is _NONE:
-                    parent.children = {key: node}
-                else:
-                    children[key] = node  # type: ignore[index]
-                    if parent.by_first is not None:
-                        siblings = parent.by_first.get(block_tokens[:8])
-                        if siblings is None:
-                            parent.by_first[block_tokens[:8]] = {key: node}
-                        else:
-                            siblings[key] = node
-                created += 1
+                break
             node.users += 1
             out.append(node)
             parent = node
-        self.num_nodes += created
+            start += stride
+        if start == end:
+            return out
+        # The first missing block: a new child of ``parent`` (which may have others and a first-token index) ...
+        node = RadixNode(parent, block_tokens, salt)
+        children = parent.children
+        if children is _NONE:
+            parent.children = {block_tokens: node}
+        else:
+            children[block_tokens] = node  # type: ignore[index]
+            if parent.by_first is not None:
+                siblings = parent.by_first.get(block_tokens[:8])
+                if siblings is None:
+                    parent.by_first[block_tokens[:8]] = {block_tokens: node}
+                else:
+                    siblings[block_tokens] = node
+        node.users = 1
+        out.append(node)
+        self.num_nodes += (end - start) // stride
+        # ... then every later block is the only child of the node just created: no lookup, no index.
+        for at in range(start + stride, end, stride):
+            block_tokens = packed[at:at + stride]
+            parent, node = node, RadixNode(node, block_tokens, salt)
+            parent.children = {block_tokens: node}
+            node.users = 1
+            out.append(node)
         return out
 
     def detach(self, group: str, nodes: Iterable[RadixNode]) -> None:
         """Unhook ``group``'s block from each node (evicted or dropped blocks) and prune every node left
         with no block, child or user, walking up as :meth:`prune` does; one pass for a run of blocks."""
         removed = 0
+        roots = self.roots
         for node in nodes:
             blocks = node.blocks
             del blocks[group]
-            while not blocks and not node.children and not node.users and node.parent is not None:
-                node = self._unhook(node)
+            if blocks or node.children or node.users:
+                continue
+            parent = node.parent
+            while parent is not None:  # = _unhook, inlined (this runs for every evicted block), then walk up
+                del parent.children[node.tokens]  # type: ignore[attr-defined]
+                if parent.by_first is not None:
+                    siblings = parent.by_first[node.tokens[:8]]
+                    del siblings[node.tokens]
+                    if not siblings:
+                        del parent.by_first[node.tokens[:8]]
+                node.parent = None
                 removed += 1
-                blocks = node.blocks
-            self._drop_empty_root(node)
+                node, parent = parent, parent.parent
+                if node.blocks or node.children or node.users:
+                    break
+            if parent is None and not node.children and roots.get(node.salt) is node:  # = _drop_empty_root
+                del roots[node.salt]
         self.num_nodes -= removed
 
     def leave(self, nodes: Iterable[RadixNode]) -> None:
@@ -154,10 +206,10 @@ class RadixTree:
     def _unhook(node: RadixNode) -> RadixNode:
         """Remove ``node`` from its parent's child indexes; return the parent."""
         parent = node.parent
-        del parent.children[node.key]  # type: ignore[attr-defined]
+        del parent.children[node.tokens]  # type: ignore[attr-defined]
         if parent.by_first is not None:
             siblings = parent.by_first[node.tokens[:8]]
-            del siblings[node.key]
+            del siblings[node.tokens]
             if not siblings:
                 del parent.by_first[node.tokens[:8]]
         node.parent = None

@@ -44,6 +44,7 @@ at the front of ``waiting`` in state ``SUSPENDED`` / ``WAITING``, so a driver th
 from __future__ import annotations
 
 from collections import deque
+from operator import attrgetter
 
 from cache_backends.interface import ScheduledChunk, SchedulerOutput
 from cache_backends.request import Request, RequestState
@@ -53,6 +54,16 @@ from cache_backends.v2.manager import KVCacheManagerV2
 
 def _rank(request: Request) -> tuple[int, int]:
     return (-request.priority, request.arrival)
+
+
+_ARRIVAL, _PRIORITY = attrgetter("arrival"), attrgetter("priority")
+
+
+def _sort_by_rank(requests: list[Request]) -> None:
+    """``requests.sort(key=_rank)`` in two stable sorts with C key functions (a third of the cost per step):
+    by arrival, then by priority, high first (``reverse`` keeps equal priorities in arrival order)."""
+    requests.sort(key=_ARRIVAL)
+    requests.sort(key=_PRIORITY, reverse=True)
 
 
 def _pending(request: Request) -> int:
@@ -85,7 +96,7 @@ class KVCacheV2Scheduler(SchedulerBase):
         reasons: list[str] = []
         chunks: dict[Request, ScheduledChunk] = {}
         budget = self.max_num_tokens
-        running.sort(key=_rank)
+        _sort_by_rank(running)
         moved_out = False
 
         pending = [(r, r.num_tokens - r.num_computed_tokens) for r in running]

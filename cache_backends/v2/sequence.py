@@ -33,10 +33,11 @@ class SequenceCache:
     * While active, ``tables[g]`` has ``ceil(capacity / tokens_per_block(g))`` entries: a physical block
       id, or -1 for a sliding group's block that fell wholly out of the window (logical blocks below
       ``released[g]``).
-    * ``hashes``/``nodes``: chained hash and radix node of every full committed ``T``-token block,
-      ``len == committed // T`` (only when prefix reuse is on). ``key_at == (len(hashes) + 1) * T``:
-      the commit that reaches it fills a block to key (:data:`NEVER` with reuse off). ``ahead``: keys
-      of the next blocks that the admission's lookup already computed (the tokens never change).
+    * ``room <= min over groups of len(tables[g]) * tokens_per_block(g)``: growing ``capacity`` up to
+      ``room`` needs no block (``schedule_tokens`` and ``resize`` set it exactly, releasing resets it to 0).
+    * ``nodes``: the radix node of every full committed ``T``-token block, ``len == committed // T``
+      (only when prefix reuse is on). ``key_at == (len(nodes) + 1) * T``: the commit that reaches it
+      fills a block to hang in the tree (:data:`NEVER` with reuse off).
     * While suspended after admission, ``host[g]`` maps each logical block to its host slot (-1: none),
       and ``reclaim[g][j] = (block, gen)`` remembers cached device blocks that can be taken back as-is.
     """
@@ -49,9 +50,8 @@ class SequenceCache:
     committed: int = 0
     history: int = 0
     capacity: int = 0
-    hashes: list[bytes] = attrs.Factory(list)
+    room: int = 0  # a lower bound of the token slots every group's table holds (so growing up to it allocates nothing)
     key_at: int = NEVER
-    ahead: list[bytes] = attrs.Factory(list)
     nodes: list[RadixNode] = attrs.Factory(list)
     host: dict[str, list[int]] | None = None
     reclaim: dict[str, dict[int, tuple[int, int]]] = attrs.Factory(dict)

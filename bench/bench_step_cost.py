@@ -1,0 +1,132 @@
+"""Issue 10 item 4 in one place: V2/V1 step time (tiny-llama shared-prefix, multi-turn) and V2's reuse overhead on
+no-reuse, in thread CPU time, with interleaved pairs; optionally against another source tree, process by process.
+
+Run from the repository root (nothing here runs torch kernels)::
+
+    python -m bench.bench_step_cost                      # this tree: 3 pairs per figure
+    python -m bench.bench_step_cost --pairs 5 --quick    # a quarter of each workload's requests
+    python -m bench.bench_step_cost --against /tmp/base --rounds 4   # before/after: alternating processes
+
+A *pair* runs both sides of one figure back to back (order alternating), each a whole
+:func:`engine.simulator.simulate` replay; a side's figure is the median over the run's engine steps of
+manager + scheduler time (``scheduler.step``, commits, finishes: the driver's ``kv_seconds``), taken as
+this thread's CPU time (``time.thread_time``) so other jobs on a shared machine do not count. A ratio is
+the median of the per-pair ratios. ``--against`` alternates processes of this tree and the other (each
+process runs ``--pairs`` pairs of every figure) and reports both trees' medians side by side: the same
+session, the same load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+from bench.common import Table, machine, median, ratio, thread_cpu_step_clock, verdict
+
+CPU = {"device": "cpu", "log": False, "progress": False}
+STEP_TARGET, OVERHEAD_TARGET = 1.25, 0.10
+#: figure -> (workload, side A settings, side B settings); the figure is B / A
+FIGURES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    "shared-prefix V2/V1": ("shared-prefix", {"use_kv_cache_manager_v2": False}, {"use_kv_cache_manager_v2": True}),
+    "multi-turn V2/V1": ("multi-turn", {"use_kv_cache_manager_v2": False}, {"use_kv_cache_manager_v2": True}),
+    "no-reuse V2 reuse on/off": ("no-reuse", {"use_kv_cache_manager_v2": True, "enable_block_reuse": False},
+                                 {"use_kv_cache_manager_v2": True, "enable_block_reuse": True}),
+}
+
+
+def measure(pairs: int, quick: bool, only: list[str] | None = None) -> dict[str, dict[str, list[float]]]:
+    """Per figure: the median step µs of each run of side ``a`` and ``b``, pairs interleaved (order alternating)."""
+    from engine.simulator import simulate
+    from engine.workloads import make_workload
+
+    with thread_cpu_step_clock():
+        out: dict[str, dict[str, list[float]]] = {}
+        for figure, (name, a, b) in FIGURES.items():
+            if only is not None and figure not in only:
+                continue
+            wl = make_workload(name, None, 0)
+            if quick:
+                wl = make_workload(name, max(4, len(wl.requests) // 4), 0)
+            runs: dict[str, list[float]] = {"a": [], "b": []}
+            for i in range(pairs):
+                for side in (("a", "b") if i % 2 == 0 else ("b", "a")):
+                    report = simulate("tiny-llama", wl, kv_cache_config=a if side == "a" else b, **CPU)
+                    (result,) = report.results.values()
+                    runs[side].append(result.metrics.step_time_us_median)
+            out[figure] = runs
+    return out
+
+
+def _per_pair(runs: dict[str, list[float]]) -> list[float]:
+    return [b / a for a, b in zip(runs["a"], runs["b"], strict=True)]
+
+
+def table(results: dict[str, dict[str, dict[str, list[float]]]], command: str) -> Table:
+    """One row per (tree, figure): side medians, the ratio (median of pairs) and the target verdict."""
+    t = Table("V2 per-step cost (tiny-llama, thread CPU time, interleaved pairs)", command,
+              ["tree", "figure", "A step µs (median)", "B step µs (median)", "B / A (median of pairs)",
+               "pairs (min-max)", "target"])
+    for tree, figures in results.items():
+        for figure, runs in figures.items():
+            per = _per_pair(runs)
+            mid = median(per)
+            ok = mid <= STEP_TARGET if "V1" in figure else mid - 1 < OVERHEAD_TARGET
+            def show(x: float, v1: bool = "V1" in figure) -> str:
+                return ratio(x) if v1 else f"{x - 1:+.1%}"
+
+            t.rows.append([tree, figure, f"{median(runs['a']):,.0f}", f"{median(runs['b']):,.0f}", show(mid),
+                           f"{len(per)} ({show(min(per))} to {show(max(per))})", verdict(ok)])
+    t.notes.append("A/B: V1/V2 for the step-time figures (target <= 1.25x), V2 reuse off/on for no-reuse (target "
+                   "under +10%); each side's figure is the median over a run's engine steps of manager + scheduler "
+                   "thread CPU time; the ratio is the median of per-pair ratios.")
+    return t
+
+
+def _child(tree: str, pairs: int, quick: bool, only: str | None) -> dict[str, dict[str, list[float]]]:
+    env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    args = [sys.executable, "-m", "bench.bench_step_cost", "--json", "--pairs", str(pairs)]
+    args += (["--quick"] if quick else []) + (["--only", only] if only else [])
+    done = subprocess.run(args, cwd=tree, env=env, capture_output=True, text=True, timeout=1800, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print the table (or, with ``--json``, this process's raw figures)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--pairs", type=int, default=3, help="interleaved pairs per figure (per process)")
+    p.add_argument("--quick", action="store_true", help="a quarter of each workload's requests")
+    p.add_argument("--against", help="another source tree (e.g. main's): alternate processes of both trees")
+    p.add_argument("--rounds", type=int, default=2, help="with --against: processes per tree")
+    p.add_argument("--only", help="comma-separated figure numbers, 1-based: " + ", ".join(
+        f"{i} = {name}" for i, name in enumerate(FIGURES, 1)))
+    p.add_argument("--json", action="store_true", help="print this process's raw figures as one JSON line")
+    args = p.parse_args(argv)
+    only = [list(FIGURES)[int(i) - 1] for i in args.only.split(",")] if args.only else None
+    if args.json:
+        print(json.dumps(measure(args.pairs, args.quick, only)))
+        return
+    here = os.getcwd()
+    command = "python -m bench.bench_step_cost" + (f" --pairs {args.pairs}" if args.pairs != 3 else "") + (
+        " --quick" if args.quick else "") + (f" --only {args.only}" if args.only else "")
+    if args.against is None:
+        results = {"this tree": measure(args.pairs, args.quick, only)}
+    else:
+        command += f" --against <tree> --rounds {args.rounds}"
+        trees = {"before (--against)": os.path.abspath(args.against), "after (this tree)": here}
+        results = {name: {f: {"a": [], "b": []} for f in only or FIGURES} for name in trees}
+        for i in range(args.rounds):
+            for name in (list(trees) if i % 2 == 0 else list(trees)[::-1]):
+                for f, runs in _child(trees[name], args.pairs, args.quick, args.only).items():
+                    results[name][f]["a"] += runs["a"]
+                    results[name][f]["b"] += runs["b"]
+    print(machine())
+    print(f"load average {os.getloadavg()[0]:.2f} at the end\n")
+    print(table(results, command).markdown())
+
+
+if __name__ == "__main__":
+    main()
