@@ -213,25 +213,6 @@ class PagedBatch:
             self._tables[group] = table
         return table
 
-    def _slots(self, group: str, seq: torch.Tensor, pos: torch.Tensor, need: torch.Tensor, what: str) -> torch.Tensor:
-        """Flat slots of (sequence, position) pairs; -1 blocks are an error where ``need`` is set."""
-        g = self.pools.groups[group]
-        if g.compress_rate is not None:
-            raise ValueError(f"group {group!r} is compressed; paged attention does not read compressed entries")
-        blocks = self._table(group)[seq, pos // g.tokens_per_block]
-        missing = need & (blocks < 0)
-        if missing.any():
-            i = missing.nonzero()[0].tolist()
-            b, p = int(seq[tuple(i)]), int(pos[tuple(i)])
-            raise ValueError(f"sequence {b}: group {group!r} has no block for position {p}, which {what} needs "
-                             f"(logical block {p // g.tokens_per_block} is -1: released or never allocated)")
-        slots = blocks * g.entries_per_block + pos % g.tokens_per_block
-        if need.all():
-            return slots
-        # Padding must read a written entry: pools come from torch.empty, and a masked key whose value
-        # is NaN still poisons the output (0 * NaN). Each row's first key is always real.
-        return torch.where(need, slots, slots[..., :1].expand_as(slots))
-
     def write_slots(self, group: str) -> torch.Tensor:
         """(N,) flat slots of the new tokens in a group, in packed order."""
         slots = self._write_slots.get(group)
@@ -253,39 +234,71 @@ class PagedBatch:
         return slots
 
     def _gather(self, layer: int) -> KeyGather:
+        """The slots and mask of a layer's (group, window) pair, planned once per step in numpy.
+
+        Per sequence the visible keys are the contiguous positions ``lo .. end - 1``; a key's slot is
+        ``table[b, pos // T] * entries_per_block + pos % T``. numpy does this ``(B, max_k)`` arithmetic
+        in a few vector operations where torch paid its per-op dispatch a dozen times (about 8x less
+        plan time at 8 x 2,048 keys).
+        """
         r = self.route(layer)
         key = (r.group, r.window)
         plan = self._gathers.get(key)
         if plan is not None:
             return plan
-        lo = self._start - r.window + 1 if r.window else torch.zeros_like(self._start)
-        lo = lo.clamp(min=0)
-        k_len = self._end - lo
-        k_len_np, lo_np = k_len.numpy().copy(), lo.numpy().copy()
+        g = self.pools.groups[r.group]
+        if g.compress_rate is not None:
+            raise ValueError(f"group {r.group!r} is compressed; paged attention does not read compressed entries")
+        T = g.tokens_per_block
+        start, end = self._start_np, self._end_np
+        lo = np.maximum(start - r.window + 1, 0) if r.window else np.zeros_like(start)
+        k_len = end - lo
         max_k = int(k_len.max())
-        j = torch.arange(max_k)
-        k_valid = j[None, :] < k_len[:, None]  # (B, max_k)
-        k_pos = lo[:, None] + j[None, :]
-        seq = torch.arange(self.num_seqs)[:, None].expand(-1, max_k)
-        slots = self._slots(r.group, seq, torch.where(k_valid, k_pos, lo[:, None]), k_valid, "attention")
-
+        j = np.arange(max_k)
+        k_pos = lo[:, None] + j[None, :]  # (B, max_k)
+        k_valid = j[None, :] < k_len[:, None]
+        padded = not bool(k_valid.all())
+        table = self._table(r.group).numpy()
+        if not lo.any():  # every sequence reads from position 0: whole blocks, T slots at a time
+            nblk = -(-max_k // T)
+            blocks = table[:, :nblk]
+            need = np.arange(nblk)[None, :] < -(-k_len // T)[:, None]
+            missing = need & (blocks < 0)
+            if missing.any():
+                b, i = (int(x[0]) for x in missing.nonzero())
+                raise ValueError(f"sequence {b}: group {r.group!r} has no block for position {i * T}, which "
+                                 f"attention needs (logical block {i} is -1: released or never allocated)")
+            slots = (blocks[:, :, None] * g.entries_per_block + np.arange(T)).reshape(self.num_seqs, -1)[:, :max_k]
+            if padded:
+                slots = np.where(k_valid, slots, slots[:, :1])
+        else:
+            pos = np.where(k_valid, k_pos, lo[:, None]) if padded else k_pos
+            blocks = np.take_along_axis(table, pos // T, axis=1)
+            missing = blocks < 0  # padding reads the row's first key, which is always needed
+            if missing.any():
+                b, i = (int(x[0]) for x in missing.nonzero())
+                p = int(pos[b, i])
+                raise ValueError(f"sequence {b}: group {r.group!r} has no block for position {p}, which attention "
+                                 f"needs (logical block {p // T} is -1: released or never allocated)")
+            slots = blocks * g.entries_per_block + pos % T
+        # Padding reads the row's first key: pools come from torch.empty, and a masked key whose value
+        # is NaN still poisons the output (0 * NaN). Each row's first key is always real.
         dev = self.device
-        if self.max_q == 1 and bool((k_len == max_k).all()):
+        if self.max_q == 1 and not padded:
             # one query per sequence at its last position, every key real: it sees them all (the window
             # already bounded the gather), so no mask — SDPA's unmasked path is the faster one
-            plan = KeyGather(slots.to(dev), None, max_k, k_len_np, lo_np)
+            plan = KeyGather(torch.from_numpy(slots).to(dev), None, max_k, k_len, lo)
             self._gathers[key] = plan
             return plan
-        k_pos, k_valid = k_pos.to(dev), k_valid.to(dev)
-        i = torch.arange(self.max_q, device=dev)
-        q_pos = self._start.to(dev)[:, None] + i[None, :]  # (B, max_q)
-        q_valid = i[None, :] < self._n.to(dev)[:, None]
+        i = np.arange(self.max_q)
+        q_pos = start[:, None] + i[None, :]  # (B, max_q)
+        q_valid = i[None, :] < self._n_np[:, None]
         seen = k_valid[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])
         if r.window:
             seen &= k_pos[:, None, :] > q_pos[:, :, None] - r.window
         # padded query rows see key 0 only, so their softmax stays finite; unpad drops them
-        seen |= (~q_valid)[:, :, None] & (torch.arange(max_k, device=dev) == 0)[None, None, :]
-        plan = KeyGather(slots.to(dev), seen.unsqueeze(1), max_k, k_len_np, lo_np)
+        seen[:, :, 0] |= ~q_valid
+        plan = KeyGather(torch.from_numpy(slots).to(dev), torch.from_numpy(seen[:, None]).to(dev), max_k, k_len, lo)
         self._gathers[key] = plan
         return plan
 
