@@ -35,19 +35,24 @@ from cache_backends.layout import LayerKV, build_layout
 from cache_backends.paged_attention import PagedBatch, SeqChunk, paged_attention
 from cache_backends.pools import TORCH_DTYPES, BlockPools
 
+#: what ``median_us`` reads: "cpu" = the calling thread's CPU time (``--threads 1`` on a CPU: torch computes on
+#: this thread, so other processes on a shared machine barely move it), "wall" = elapsed time
+CLOCK = {"name": "wall"}
+
 
 def median_us(fn: Callable[[], object], reps: int, device: torch.device) -> float:
-    """Median wall time of ``fn`` in microseconds (synchronising CUDA around each run)."""
+    """Median time of ``fn`` in microseconds (synchronising CUDA around each run), on ``CLOCK``'s clock."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    clock = time.thread_time if CLOCK["name"] == "cpu" else time.perf_counter
     for _ in range(3):
         fn()
     times = []
     for _ in range(reps):
         sync()
-        start = time.perf_counter()
+        start = clock()
         fn()
         sync()
-        times.append((time.perf_counter() - start) * 1e6)
+        times.append((clock() - start) * 1e6)
     return statistics.median(times)
 
 
@@ -145,6 +150,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="float32", choices=sorted(TORCH_DTYPES))
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--clock", choices=("auto", "cpu", "wall"), default="auto",
+                   help="cpu: CPU time of the calling thread (right with --threads 1 on a shared machine); "
+                        "auto: cpu with --threads 1 on a CPU device, else wall")
     p.add_argument("--ragged", action="store_true", help="unequal sequence lengths (both sides then use a mask)")
     p.add_argument("--no-flex", dest="flex", action="store_false",
                    help="skip the compiled path (each new shape compiles for 10-50 s on a CPU)")
@@ -152,7 +160,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    print(f"device={device} dtype={args.dtype} heads={args.heads} kv_heads={args.kv_heads} head_dim={args.head_dim} "
+    CLOCK["name"] = args.clock if args.clock != "auto" else (
+        "cpu" if device.type == "cpu" and torch.get_num_threads() == 1 else "wall")
+    print(f"clock={CLOCK['name']} device={device} dtype={args.dtype} heads={args.heads} kv_heads={args.kv_heads} "
+          f"head_dim={args.head_dim} "
           f"block={args.block} reps={args.reps} ragged={args.ragged} threads={torch.get_num_threads()} "
           f"torch={torch.__version__}")
     print("times in us (medians); x = contiguous / path (>= 1: the path is as fast as SDPA over a contiguous "

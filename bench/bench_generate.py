@@ -11,7 +11,9 @@ Each scenario generates exactly ``--new-tokens`` tokens per prompt on both sides
 (seeded random ids: throughput does not depend on what the text says). ``model.generate`` gets the
 prompts as one left-padded batch with an attention mask; kvload gets them as a list and batches them
 continuously (prefill chunks of ``--max-num-tokens`` beside decodes). Tokens/s = generated tokens /
-wall time of the call; medians over ``--repeats`` runs after one warm-up, kvload and transformers
+wall time of the call, and also generated tokens / CPU time of the calling thread (``time.thread_time``;
+with ``--threads 1`` torch computes on that thread, so other processes on a shared machine barely move
+it); medians over ``--repeats`` runs after one warm-up, kvload and transformers
 interleaved so both see the same machine. Each kvload repeat uses its own reuse salt, so no run
 reads prefixes a previous run cached.
 
@@ -106,23 +108,28 @@ def bench_scenario(result: pipeline.LoadResult, prompts: list[list[int]], args: 
         pad_id = 0
     kv_rates: list[float] = []
     hf_rates: list[float] = []
+    kv_cpu: list[float] = []
+    hf_cpu: list[float] = []
     kv_stats = None
     for rep in range(args.repeats + 1):  # the first round warms both up and is not counted
         sync(device)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         outs = result.generate(prompts, max_new_tokens=args.new_tokens, ignore_eos=True, salt=f"bench-{rep}")
         sync(device)
-        kv_time = time.perf_counter() - start
+        kv_time, kv_thread = time.perf_counter() - start, time.thread_time() - cpu
         generated = sum(len(o.token_ids) for o in outs)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         hf_generated = hf_generate(model, prompts, args.new_tokens, pad_id)
         sync(device)
-        hf_time = time.perf_counter() - start
+        hf_time, hf_thread = time.perf_counter() - start, time.thread_time() - cpu
         if rep:
             kv_rates.append(generated / kv_time)
             hf_rates.append(hf_generated / hf_time)
+            kv_cpu.append(generated / kv_thread)
+            hf_cpu.append(hf_generated / hf_thread)
             kv_stats = result.executor.last_stats
     kv, hf = statistics.median(kv_rates), statistics.median(hf_rates)
+    kvc, hfc = statistics.median(kv_cpu), statistics.median(hf_cpu)
     return {
         "prompts": len(prompts),
         "prompt_tokens": sum(len(p) for p in prompts),
@@ -132,6 +139,13 @@ def bench_scenario(result: pipeline.LoadResult, prompts: list[list[int]], args: 
         "ratio": kv / hf,
         "kvload_runs": kv_rates,
         "hf_runs": hf_rates,
+        # tokens per second of the calling thread's CPU time: with --threads 1 torch computes on this
+        # thread, so this is the figure that other processes on a shared machine do not move
+        "kvload_cpu_tokens_per_s": kvc,
+        "hf_cpu_tokens_per_s": hfc,
+        "cpu_ratio": kvc / hfc,
+        "kvload_cpu_runs": kv_cpu,
+        "hf_cpu_runs": hf_cpu,
         "kvload_steps": kv_stats.steps if kv_stats else None,
         "kvload_forward_share": kv_stats.forward_s / kv_stats.wall_s if kv_stats else None,
     }
@@ -190,11 +204,13 @@ def main(argv: list[str] | None = None) -> None:
     if head["compiled_shapes"]:
         print(f"compiled {head['compiled_shapes']} attention shapes in {head['warmup_s']:.1f} s (warm-up round, "
               "not in tokens/s)")
+    print("wall: tokens / wall time; cpu: tokens / CPU time of the calling thread (--threads 1: all of torch's work)")
     print(f"{'prompts':>7} {'prompt_tok':>10} {'kvload_tok/s':>12} {'generate_tok/s':>14} {'ratio':>6} "
-          f"{'kv_steps':>8} {'forward%':>8}")
+          f"{'kv_cpu_tok/s':>12} {'gen_cpu_tok/s':>13} {'cpu_ratio':>9} {'kv_steps':>8} {'forward%':>8}")
     for r in rows:
         print(f"{r['prompts']:>7} {r['prompt_tokens']:>10} {r['kvload_tokens_per_s']:>12.1f} "
-              f"{r['hf_tokens_per_s']:>14.1f} {r['ratio']:>6.2f} {r['kvload_steps']:>8} "
+              f"{r['hf_tokens_per_s']:>14.1f} {r['ratio']:>6.2f} {r['kvload_cpu_tokens_per_s']:>12.1f} "
+              f"{r['hf_cpu_tokens_per_s']:>13.1f} {r['cpu_ratio']:>9.2f} {r['kvload_steps']:>8} "
               f"{100 * r['kvload_forward_share']:>7.1f}%")
 
 

@@ -4,12 +4,23 @@ Stop strings are matched on the detokenized text (a stop string may span tokens,
 one), as vLLM does; the text is cut before the first match and the stop string is not part of it.
 While streaming, the last ``len(longest stop) - 1`` characters are held back, because the next
 token could complete a stop string that begins there; the final delta releases what remains.
+
+The text grows incrementally: each step decodes only a short window — a few tokens already
+decoded (at least :data:`CONTEXT_TOKENS` that are not special) plus the new ones — and appends
+what the new tokens add to the window's text, so a step costs the same at token 10 and at token
+10,000 (re-decoding the whole output every step made a sample's text quadratic in its length).
+The window's leading tokens give the decoder the context a token's text depends on (SentencePiece's
+leading space, a byte-level character split over tokens, the spaces a word-level decoder joins
+with). The final text of a sample is one full decode, as before.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+
+#: already decoded, non-special tokens each window starts with (vLLM's incremental detokenizer uses 5)
+CONTEXT_TOKENS = 6
 
 
 class SampleText:
@@ -21,9 +32,36 @@ class SampleText:
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.text = ""
         self.stop_hit: str | None = None
-        self._decoded = 0  # token count of the last decode
+        self._decoded = 0  # token count of the last update
         self._searched = 0  # characters of text already searched for stop strings
         self._emitted = 0  # characters handed out as deltas
+        self._ids: list[int] = []  # the tokens whose text is in _full
+        self._full = ""  # the decoded text of _ids (before any stop cut)
+        self._start = 0  # the first token of the next window
+        special = getattr(tokenizer, "all_special_ids", None) or ()
+        self._special = frozenset(int(t) for t in special)
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        # no clean-up pass: it rewrites earlier text (" ." → "."), which a stream could not take back
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def _window_start(self) -> int:
+        """Where the next window begins: far enough back to hold CONTEXT_TOKENS non-special tokens."""
+        seen, i = 0, len(self._ids)
+        while i > 0 and seen < CONTEXT_TOKENS:
+            i -= 1
+            if self._ids[i] not in self._special:
+                seen += 1
+        return i
+
+    def _grow(self, token_ids: Sequence[int]) -> str | None:
+        """The text of ``token_ids`` (which extend ``_ids``) from a window decode; None if it needs a full one."""
+        window = self._ids[self._start:]
+        before = self._decode(window)
+        after = self._decode(window + list(token_ids[len(self._ids):]))
+        if not after.startswith(before):  # the decoder rewrote context text: only a full decode is safe
+            return None
+        return self._full + after[len(before):]
 
     def update(self, token_ids: Sequence[int], final: bool = False) -> str | None:
         """Decode ``token_ids`` (the sample's tokens that count as text); the stop string found, else None.
@@ -33,10 +71,17 @@ class SampleText:
         if self.stop_hit is not None or (len(token_ids) == self._decoded and not final):
             return self.stop_hit
         self._decoded = len(token_ids)
-        # no clean-up pass: it rewrites earlier text (" ." → "."), which a stream could not take back
-        text = self.tokenizer.decode(list(token_ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        n = len(self._ids)
+        text = None
+        if not final and len(token_ids) > n and list(token_ids[:n]) == self._ids:
+            text = self._grow(token_ids)
+        if text is None:  # the first tokens, the final text, or tokens that do not extend the decoded ones
+            text = self._decode(token_ids)
         if text.endswith("\ufffd") and not final:  # wait for the token that completes the character
             return None
+        self._ids = list(token_ids)
+        self._full = text
+        self._start = self._window_start()
         self.text = text
         if self.stop:
             start = max(0, self._searched - self.hold)
@@ -57,4 +102,4 @@ class SampleText:
         return out
 
 
-__all__ = ["SampleText"]
+__all__ = ["CONTEXT_TOKENS", "SampleText"]

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from cache_backends.paged_attention import PagedBatch, attend, attend_compiled, split_kv, write_kv
+from cache_backends.paged_attention import PagedBatch, attend_compiled, attend_packed, split_kv, write_kv
 
 ATTN_IMPLEMENTATION = "kvload_paged"
 
@@ -66,8 +66,7 @@ def paged_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor,
             if out is not None:
                 return out.unsqueeze(0), None
         k, v = split_kv(batch.gather(layer, query.dtype), key.shape[1], key.shape[3])
-    out = attend(batch.pad_queries(q), k, v, batch.mask(layer), scale, softcap)
-    return batch.unpad(out).unsqueeze(0), None
+    return attend_packed(batch, layer, q, k, v, scale, softcap).unsqueeze(0), None
 
 
 class PagedLatentCache:

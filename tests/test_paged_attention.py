@@ -287,3 +287,38 @@ def test_the_compiled_path_refuses_a_needed_block_that_was_released():
     with pytest.raises(ValueError, match=r"sequence 0: group '.*' has no block for position 4\.\., which attention "
                                          r"needs \(logical block 1 is -1"):
         paged_attention(batch, 0, q, kv, kv, 1.0)
+
+
+def test_unequal_chunks_attend_without_padding_and_match_the_padded_call(monkeypatch):
+    # one long prefill from position 0, a short chunk after a prefix, and two decode rows: padding the
+    # queries to 12 and the keys to 12 would be ~3x the scores needed, so each chunk attends on its own
+    pools = make_pools(window=5, tokens_per_block=4)
+    gen = torch.Generator().manual_seed(3)
+    tables = [{g: [4 * b + i for i in range(4)] for g in pools.groups} for b in range(4)]
+    chunks = [SeqChunk([1] * 12, 0, tables[0]), SeqChunk([1], 9, tables[1]), SeqChunk([1], 10, tables[2]),
+              SeqChunk([1] * 2, 3, tables[3])]
+    for t in pools.tensors.values():  # every slot a chunk's prefix may read holds a real entry
+        t.normal_(generator=gen)
+    q = torch.randn(16, HEADS, HEAD_DIM, generator=gen)
+    k, v = torch.randn(16, KV_HEADS, HEAD_DIM, generator=gen), torch.randn(16, KV_HEADS, HEAD_DIM, generator=gen)
+    for softcap in (None, 2.0):
+        for layer in (0, 1):
+            split = PagedBatch.build(chunks, pools)
+            parts = split.split_plan(layer)
+            assert parts is not None
+            # the decode rows (sequences 1 and 2) attend in one call; the long chunk as a causal triangle
+            assert [(p[1], p[3]) for p in parts] == [(12, 1), (2, 2), (2, 1)]
+            assert parts[0][4] is (layer == 0)  # the sliding layer's window is not a plain triangle
+            got = paged_attention(split, layer, q, k, v, HEAD_DIM**-0.5, softcap=softcap)
+            with monkeypatch.context() as m:
+                m.setattr(PagedBatch, "split_plan", lambda self, layer: None)
+                padded = paged_attention(PagedBatch.build(chunks, pools), layer, q, k, v, HEAD_DIM**-0.5,
+                                         softcap=softcap)
+            torch.testing.assert_close(got, padded, rtol=1e-5, atol=1e-5)
+
+
+def test_a_step_that_pads_little_attends_in_one_padded_call():
+    pools = make_pools(window=None)
+    tables = [{g: [2 * b, 2 * b + 1] for g in pools.groups} for b in range(2)]
+    batch = PagedBatch.build([SeqChunk([1] * 4, 0, tables[0]), SeqChunk([1] * 3, 1, tables[1])], pools)
+    assert batch.split_plan(0) is None  # 2 x 4 x 4 padded scores against 16 + 12 needed
