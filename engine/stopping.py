@@ -73,13 +73,20 @@ class SampleText:
         self._decoded = len(token_ids)
         n = len(self._ids)
         text = None
-        if not final and len(token_ids) > n and list(token_ids[:n]) == self._ids:
+        start = self._start
+        # token_ids grows by appending: checking the window's tokens (what the next decode reads) keeps a
+        # step's work independent of the output's length; a list that changed inside them gets a full decode
+        if not final and len(token_ids) > n and list(token_ids[start:n]) == self._ids[start:]:
             text = self._grow(token_ids)
+        grown = text is not None
         if text is None:  # the first tokens, the final text, or tokens that do not extend the decoded ones
             text = self._decode(token_ids)
         if text.endswith("\ufffd") and not final:  # wait for the token that completes the character
             return None
-        self._ids = list(token_ids)
+        if grown:
+            self._ids.extend(token_ids[n:])  # the tokens before n are the ones decoded before
+        else:
+            self._ids = list(token_ids)
         self._full = text
         self._start = self._window_start()
         self.text = text
