@@ -215,4 +215,5 @@ def plan_pools(layout: KvLayout, budget_bytes: int, max_seq_len: int, max_tokens
     else:
         blocks = layout.split_budget(budget_bytes, max_seq_len)
     total = layout.pool_bytes(blocks)
-    return PoolPlan(blocks, total, layout.capacity_tokens(blocks), layout.max_sequences(blocks, max_seq_len))
+    return PoolPlan(blocks, total, layout.capacity_tokens(blocks, max_seq_len),
+                    layout.max_sequences(blocks, max_seq_len))

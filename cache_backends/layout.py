@@ -271,13 +271,21 @@ class KvLayout:
                         blocks[g.name])
         return None
 
-    def capacity_tokens(self, blocks: dict[str, int]) -> int:
+    def capacity_tokens(self, blocks: dict[str, int], seq_len: int | None = None) -> int:
         """Tokens the pools hold: the tightest group that keeps all tokens, in tokens.
 
-        A shared arena: the longest single sequence its pages hold (every group's blocks, windows included).
+        A shared arena: the tokens of the ``seq_len`` sequences that fit jointly plus the longest shorter
+        sequence the pages left over hold (windows included) — the tokens served at once, as V1 counts
+        them; without ``seq_len``, the longest single sequence the pages hold.
         """
         if self.shared:
-            return self._arena_capacity_tokens(self.arena_blocks(blocks))
+            pages = self.arena_blocks(blocks)
+            if seq_len is None:
+                return self._arena_capacity_tokens(pages)
+            length = max(seq_len, 1)
+            fits = self.max_sequences(blocks, length)
+            rest = pages - fits * sum(self.blocks_for_sequence(length).values())
+            return fits * length + min(self._arena_capacity_tokens(rest), length - 1)
         growing = [blocks[g.name] * g.tokens_per_block for g in self.groups if g.keeps_all_tokens]
         if growing:
             return min(growing)

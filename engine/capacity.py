@@ -15,8 +15,9 @@ One budget for both managers, so the comparison is about geometry alone:
 Capacity at a sequence length ``L`` splits the budget for sequences of ``L`` tokens, as the pools
 would be split with ``max_seq_len = L`` (:meth:`KvLayout.split_budget`), and counts how many fit. A V2
 layout whose groups share one arena is not split: the sequences of ``L`` that fit jointly are the arena's
-pages over the pages one sequence takes in all groups, and "tokens that fit" is the longest single
-sequence the arena holds (:meth:`KvLayout.capacity_tokens`).
+pages over the pages one sequence takes in all groups, and "tokens that fit" is the tokens of those
+``max_seq_len`` sequences plus the longest shorter one the pages left over hold
+(:meth:`KvLayout.capacity_tokens`), as V1 counts the tokens it serves at once.
 """
 
 from __future__ import annotations

@@ -96,7 +96,10 @@ class KvPlan:
         groups = []
         for g in self.layout.groups:
             n = blocks.get(g.name)
-            groups.append({**g.to_dict(), "blocks": n, "bytes": n * g.bytes_per_block if n is not None else None})
+            # a shared arena's groups all view the same pages: their bytes are the arena's, counted once in
+            # total_bytes, so a group has none of its own to add up
+            own = n * g.bytes_per_block if n is not None and not self.layout.shared else None
+            groups.append({**g.to_dict(), "blocks": n, "bytes": own, "shared": self.layout.shared})
         return {
             "manager": self.manager,
             "kv_manager": self.kv_manager,

@@ -70,8 +70,10 @@ def test_plan_json_fields_for_the_kv_plan():
     assert {g["blocks"] for g in groups.values()} == {arena} and doc["memory"]["arena_blocks"] == arena
     assert doc["memory"]["shared"] and "4 sequence(s) of 2,048 tokens fit jointly" in doc["memory"]["text"]
     assert doc["max_concurrency"] == arena // (2048 // 32 + 5 * 17) == 4
-    # one sequence alone could hold more: its five windows cost 5 x 17 pages, the rest goes to the full layer
-    assert doc["capacity_tokens"] == (arena - 5 * 17) * 32
+    # the tokens served at once, as V1 counts them: the four 2,048-token sequences, no pages left for a fifth
+    assert doc["capacity_tokens"] == 4 * 2048
+    # the groups view one arena: no group has bytes of its own, the arena's are counted once
+    assert all(g["shared"] and g["bytes"] is None for g in groups.values())
     assert doc["total_bytes"] == arena * groups["full"]["bytes_per_block"]
     assert doc["bytes_per_token"] == 256.0 and doc["budget_bytes"] == doc["budget"]["budget_bytes"]
 

@@ -235,6 +235,13 @@ def test_a_shared_arena_takes_the_whole_budget_and_counts_sequences_jointly(budg
         held = layout.capacity_tokens(blocks)  # the longest single sequence the pages hold
         one = [sum(g.blocks_for(n) for g in layout.groups) for n in (held, held + 1)]
         assert one[0] <= pages < one[1]
+        # what plan reports: the max_seq_len sequences that fit jointly, plus the longest shorter one after them
+        served = layout.capacity_tokens(blocks, seq_len)
+        assert fits * seq_len <= served < (fits + 1) * seq_len
+        rest = served - fits * seq_len
+        left = pages - fits * per_seq
+        assert sum(g.blocks_for(rest) for g in layout.groups) <= left
+        assert rest == seq_len - 1 or sum(g.blocks_for(rest + 1) for g in layout.groups) > left
     need = layout.blocks_for_tokens(tokens, seq_len)
     assert layout.pool_bytes(need) == layout.bytes_for_tokens(tokens, seq_len)
     if seq_len % layout.tokens_per_block == 0:  # else the full group rounds the tokens, not each sequence, up
