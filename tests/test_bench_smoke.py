@@ -50,3 +50,17 @@ def test_step_cost_bench_pairs_both_sides_of_every_figure_and_restores_the_wall_
     table = bench_step_cost.table({"this tree": figures}, "cmd")
     assert [row[1] for row in table.rows] == list(bench_step_cost.FIGURES)
     assert all(row[-1] in ("met", "**missed**") for row in table.rows)
+
+
+def test_radix_runs_prototype_evicts_exactly_as_the_block_queue_on_the_no_reuse_pattern():
+    from bench import proto_radix_runs as proto
+
+    nblocks = 20 * (proto.PROMPT_BLOCKS + proto.DECODE_BLOCKS) + 50
+    ops = proto.lifecycle_ops(3, 120, 20)  # 2,400 blocks through a pool of 450: most allocations evict
+    handed = {}
+    for impl in (proto.Main(nblocks), proto.Runs(nblocks), proto.RunsBlockQueue(nblocks)):
+        assert proto.replay(impl, ops) >= 0
+        handed[type(impl).__name__] = impl.handed
+    assert len(handed["Main"]) == 120 * (proto.PROMPT_BLOCKS + proto.DECODE_BLOCKS)
+    assert handed["Main"] == handed["Runs"] == handed["RunsBlockQueue"]
+    assert len(set(handed["Main"])) == nblocks  # every block handed out, the cached ones evicted and reused
