@@ -6,7 +6,8 @@ user; an eviction queue of runs, lowest priority then least recently released, t
 raises ``NotImplementedError`` on anything the no-reuse workload does not do (a prefix hit, a branch, several
 layer groups, a shared arena, sliding windows, KV events, a suspend). Each round simulates tiny-llama
 no-reuse four ways in one process — reuse off, main's manager, the runs manager, and the runs manager keeping
-token ids unpacked (``runs_ids``) — in alternating order, times
+token ids unpacked (``runs_ids``), and runs over main's block-exact eviction queue (``runs_bq``) — in
+alternating order, times
 manager + scheduler per step in thread CPU (as ``bench_step_cost``), and checks that the runs manager takes
 the same steps and evicts as many blocks as main's.
 
@@ -143,6 +144,57 @@ class RunsPool(GroupPool):
         raise NotImplementedError("sharing a cached block")
 
 
+class RunsBlockQueuePool(GroupPool):
+    """GroupPool keeping main's block-exact eviction queue over runs: an evicted block leaves a hole in its run,
+    and a run nobody uses loses its empty tail (eviction order is main's, block for block)."""
+
+    def __init__(self, name: str, num_blocks: int, tree: RunsTree) -> None:
+        super().__init__(name, num_blocks)
+        self.tree = tree
+        self.pos = [0] * num_blocks  # a cached block's index in its run's block list
+
+    def allocate_many(self, n: int, detach: Any) -> list[int]:
+        """Free blocks, then the queue's next blocks, each unhooked from its run."""
+        free = self._free
+        if n > len(free) + len(self.evictable):
+            raise IndexError(f"group {self.name}: {n} blocks asked")
+        k = min(n, len(free))
+        out = free[len(free) - k:][::-1]
+        del free[len(free) - k:]
+        if n > k:
+            evicted = self.evictable.pop_many(n - k)
+            owner, pos = self.node, self.pos
+            for b in evicted:
+                run = owner[b]
+                owner[b] = None
+                blocks = run.blocks["_list"]  # type: ignore[union-attr]
+                blocks[pos[b]] = -1
+                if not run.users:  # type: ignore[union-attr]
+                    while blocks and blocks[-1] < 0:
+                        blocks.pop()
+                    if not blocks:
+                        self.tree.unhook(run)  # type: ignore[arg-type]
+            self.tree.num_nodes -= n - k
+            self.evictions += n - k
+            out += evicted
+        gen, ref = self.gen, self.ref
+        for b in out:
+            gen[b] += 1
+            ref[b] = 1
+        self.num_used += n
+        return out
+
+    def release(self, blocks: Iterable[int], priority: int, keep_cached: bool, detach: Any) -> None:
+        """As GroupPool's (cached blocks queued block by block)."""
+        if not keep_cached:
+            raise NotImplementedError("dropping cached blocks")
+        super().release(blocks, priority, keep_cached, detach)
+
+    def incref(self, b: int) -> None:
+        """Never needed without prefix hits."""
+        raise NotImplementedError("sharing a cached block")
+
+
 class RunsTree:
     """Roots (real radix nodes, so partial matching's probe runs as in main) over runs."""
 
@@ -180,11 +232,15 @@ class RunsTree:
                 del root.by_first[run.tokens[:8]]
 
     def leave(self, nodes: Iterable[Run]) -> None:
-        """A cache lets go of its run."""
+        """A cache lets go of its run (an unused run keeps only up to its last cached block)."""
         for run in nodes:
             run.users -= 1
-            if not run.users and not run.blocks["_list"]:
-                self.unhook(run)
+            blocks = run.blocks["_list"]
+            if not run.users:
+                while blocks and blocks[-1] < 0:
+                    blocks.pop()
+                if not blocks:
+                    self.unhook(run)
 
 
 class RunsManagerV2(KVCacheManagerV2):
@@ -192,6 +248,8 @@ class RunsManagerV2(KVCacheManagerV2):
 
     #: pack a run's tokens as main does (True), or keep the token ids and pack only a run's first block (False)
     PACK = True
+    #: the pool: a queue of runs, or main's block-exact queue over runs
+    POOL: type = RunsPool
 
     def __init__(self, pools: Any, options: Any) -> None:
         super().__init__(pools, options)
@@ -201,7 +259,7 @@ class RunsManagerV2(KVCacheManagerV2):
                                       f"sliding {bool(self._sliding)}, reuse {self._reuse}")
         self._tree = RunsTree()  # type: ignore[assignment]
         name = self.groups[0].name
-        pool = RunsPool(name, pools.num_blocks[name], self._tree)
+        pool = self.POOL(name, pools.num_blocks[name], self._tree)
         self._pool = {name: pool}
         self._pool_sets = [(pool, [name])]
         self._group_pools = [(name, self.groups[0].tokens_per_block, pool)]
@@ -236,6 +294,10 @@ class RunsManagerV2(KVCacheManagerV2):
             if b < 0 or owner[b] is not None:
                 raise NotImplementedError("a released or shared block")
             owner[b] = run
+        pos = getattr(self._pool[name], "pos", None)
+        if pos is not None:
+            for j, b in enumerate(blocks, len(run.blocks["_list"])):
+                pos[b] = j
         run.blocks["_list"] += blocks
         self._tree.num_nodes += full - first
 
@@ -259,6 +321,12 @@ class RunsIdsManagerV2(RunsManagerV2):
     PACK = False
 
 
+class RunsBlockQueueManagerV2(RunsManagerV2):
+    """:class:`RunsManagerV2` over main's block-exact eviction queue (:class:`RunsBlockQueuePool`)."""
+
+    POOL = RunsBlockQueuePool
+
+
 def main(argv: list[str] | None = None) -> None:
     """Interleaved rounds of reuse off, main's manager and the runs manager on tiny-llama no-reuse."""
     from bench.common import thread_cpu_step_clock
@@ -269,8 +337,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args(argv)
     wl = make_workload("no-reuse", None, 0)
-    sides = ("off", "main", "runs", "runs_ids")
-    classes = {"runs": RunsManagerV2, "runs_ids": RunsIdsManagerV2}
+    sides = ("off", "main", "runs", "runs_ids", "runs_bq")
+    classes = {"runs": RunsManagerV2, "runs_ids": RunsIdsManagerV2, "runs_bq": RunsBlockQueueManagerV2}
     res: dict[str, list[float]] = {s: [] for s in sides}
     mean: dict[str, list[float]] = {s: [] for s in sides}  # kv_seconds per step: every step counted
     facts: dict[str, tuple] = {}
@@ -290,7 +358,7 @@ def main(argv: list[str] | None = None) -> None:
                 res[side].append(m.step_time_us_median)
                 mean[side].append(m.kv_seconds / m.engine_steps * 1e6)
                 facts[side] = (m.engine_steps, m.evictions, m.finished, m.hit_rate)
-    if not facts["runs"] == facts["runs_ids"] == facts["main"]:
+    if not facts["runs"] == facts["runs_ids"] == facts["runs_bq"] == facts["main"]:
         raise SystemExit(f"the runs managers differ from main's: {facts}")
 
     def med(xs: list[float]) -> float:
@@ -301,9 +369,10 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"tiny-llama no-reuse, median step µs (thread CPU) over {args.rounds} rounds: off {med(res['off']):.0f}, "
           f"main {med(res['main']):.0f}, runs {med(res['runs']):.0f}, "
-          f"runs_ids {med(res['runs_ids']):.0f}; (steps, evictions, finished, hit rate) "
+          f"runs_ids {med(res['runs_ids']):.0f}, runs_bq {med(res['runs_bq']):.0f}; "
+          f"(steps, evictions, finished, hit rate) "
           f"{facts['main']} all")
-    for side in ("main", "runs", "runs_ids"):
+    for side in ("main", "runs", "runs_ids", "runs_bq"):
         o = over(side)
         a = over(side, mean)
         print(f"  reuse overhead, {side}: median step {o[len(o) // 2]:+.1%} (median of rounds; {o[0]:+.1%} to "

@@ -74,7 +74,8 @@ def test_radix_runs_manager_prototype_steps_and_evicts_as_main_on_no_reuse():
 
     wl = make_workload("no-reuse", 128, 0)  # at this budget cached blocks are evicted and nothing is suspended
     facts = {}
-    for name, cls in (("main", v2.KVCacheManagerV2), ("runs", sim.RunsManagerV2), ("ids", sim.RunsIdsManagerV2)):
+    for name, cls in (("main", v2.KVCacheManagerV2), ("runs", sim.RunsManagerV2), ("ids", sim.RunsIdsManagerV2),
+                      ("bq", sim.RunsBlockQueueManagerV2)):
         saved, v2.KVCacheManagerV2 = v2.KVCacheManagerV2, cls
         try:
             report = simulate("tiny-llama", wl, device="cpu", log=False, progress=False,
@@ -85,4 +86,4 @@ def test_radix_runs_manager_prototype_steps_and_evicts_as_main_on_no_reuse():
         m = result.metrics
         facts[name] = (m.engine_steps, m.evictions, m.finished)
     assert facts["main"][1] > 0 and facts["main"][2] == 128  # the pool filled up and cached blocks were evicted
-    assert facts["runs"] == facts["ids"] == facts["main"]
+    assert facts["runs"] == facts["ids"] == facts["bq"] == facts["main"]
