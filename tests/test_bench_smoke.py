@@ -50,3 +50,40 @@ def test_step_cost_bench_pairs_both_sides_of_every_figure_and_restores_the_wall_
     table = bench_step_cost.table({"this tree": figures}, "cmd")
     assert [row[1] for row in table.rows] == list(bench_step_cost.FIGURES)
     assert all(row[-1] in ("met", "**missed**") for row in table.rows)
+
+
+def test_radix_runs_prototype_evicts_exactly_as_the_block_queue_on_the_no_reuse_pattern():
+    from bench import proto_radix_runs as proto
+
+    nblocks = 20 * (proto.PROMPT_BLOCKS + proto.DECODE_BLOCKS) + 50
+    ops = proto.lifecycle_ops(3, 120, 20)  # 2,400 blocks through a pool of 450: most allocations evict
+    handed = {}
+    for impl in (proto.Main(nblocks), proto.Runs(nblocks), proto.RunsBlockQueue(nblocks)):
+        assert proto.replay(impl, ops) >= 0
+        handed[type(impl).__name__] = impl.handed
+    assert len(handed["Main"]) == 120 * (proto.PROMPT_BLOCKS + proto.DECODE_BLOCKS)
+    assert handed["Main"] == handed["Runs"] == handed["RunsBlockQueue"]
+    assert len(set(handed["Main"])) == nblocks  # every block handed out, the cached ones evicted and reused
+
+
+def test_radix_runs_manager_prototype_steps_and_evicts_as_main_on_no_reuse():
+    import cache_backends.v2 as v2
+    from bench import proto_radix_runs_sim as sim
+    from engine.simulator import simulate
+    from engine.workloads import make_workload
+
+    wl = make_workload("no-reuse", 128, 0)  # at this budget cached blocks are evicted and nothing is suspended
+    facts = {}
+    for name, cls in (("main", v2.KVCacheManagerV2), ("runs", sim.RunsManagerV2), ("ids", sim.RunsIdsManagerV2),
+                      ("bq", sim.RunsBlockQueueManagerV2)):
+        saved, v2.KVCacheManagerV2 = v2.KVCacheManagerV2, cls
+        try:
+            report = simulate("tiny-llama", wl, device="cpu", log=False, progress=False,
+                              kv_cache_config={"use_kv_cache_manager_v2": True, "max_tokens": 49152})
+        finally:
+            v2.KVCacheManagerV2 = saved
+        (result,) = report.results.values()
+        m = result.metrics
+        facts[name] = (m.engine_steps, m.evictions, m.finished)
+    assert facts["main"][1] > 0 and facts["main"][2] == 128  # the pool filled up and cached blocks were evicted
+    assert facts["runs"] == facts["ids"] == facts["bq"] == facts["main"]
