@@ -84,6 +84,12 @@ class FlexUnavailable(RuntimeError):
 FLEX_DTYPES = ("float32", "float16", "bfloat16")
 
 
+#: The most host memory the compiled path's mask indices may take (a GPU holds a copy as well): they
+#: are ``(tokens, pool blocks)`` per distinct (pool, window), so a big pool and a large token budget
+#: per step can ask for gigabytes; past this, gather + SDPA runs instead.
+MAX_INDEX_BYTES = 1 << 30
+
+
 def flex_unsupported(layout: Any) -> str | None:
     """Why a KV layout cannot run on the compiled path, or None when it can."""
     kinds = {layer.kind for layer in layout.layers}
@@ -169,8 +175,15 @@ class FlexPagedAttention:
 
     # --- the per-step plan -------------------------------------------------------------------
 
+    def _buffer_key(self, group: str, window: int | None, nb: int) -> tuple:
+        # Groups of one arena have the same block count and block size: the groups of one window share
+        # one buffer set (the kernel wants indices as wide as the pool, so a set per group would grow
+        # with groups x arena); a mask is rebuilt when another group wrote the set since (block_mask).
+        pg = self.pools.groups[group]
+        return (self.pools.num_blocks[group], pg.tokens_per_block, window, nb)
+
     def _buffers_for(self, group: str, window: int | None, nb: int) -> _Buffers:
-        key = (group, window, nb)
+        key = self._buffer_key(group, window, nb)
         buf = self._buffers.get(key)
         if buf is None:
             nblk = self.pools.num_blocks[group]
@@ -194,11 +207,18 @@ class FlexPagedAttention:
     def block_mask(self, batch: Any, group: str, window: int | None, g: int) -> Any:
         """The step's ``BlockMask`` for a (group, window) pair with Q blocks of ``g`` rows (cached in the batch)."""
         cache = batch.__dict__.setdefault("_flex_masks", {})
-        key = (group, window, g)
-        mask = cache.get(key)
-        if mask is None:
-            mask = cache[key] = self._build_mask(batch, group, window, g)
-        return mask
+        key = (self._buffer_key(group, window, self.bucket(batch.num_tokens)), g)
+        built = cache.get(key)
+        if built is None or built[0] != group:  # none yet, or another group's mask now owns the buffers
+            built = cache[key] = (group, self._build_mask(batch, group, window, g))
+        return built[1]
+
+    @staticmethod
+    def index_bytes(pools: BlockPools, max_num_tokens: int) -> int:
+        """Host bytes of the mask index buffers at worst (every bucket used; a GPU holds a copy too)."""
+        keys = {(pools.num_blocks[g.name], g.tokens_per_block, g.window) for g in pools.layout.groups}
+        per_token = sum(2 * 4 * n for n, _, _ in keys)  # kv_idx + full_idx, int32, one row per packed token
+        return per_token * sum(buckets_up_to(max_num_tokens))
 
     def _build_mask(self, batch: Any, group: str, window: int | None, g: int) -> Any:
         from torch.nn.attention.flex_attention import BlockMask

@@ -143,7 +143,7 @@ class GenerationExecutor:
 
     def use_attention(self, backend: str, max_num_tokens: int) -> None:
         """Run attention on ``"flex"`` (compiled, over the pools) or ``"sdpa"`` (gather + SDPA, the reference)."""
-        from cache_backends.flex_paged import FlexPagedAttention, flex_unsupported
+        from cache_backends.flex_paged import MAX_INDEX_BYTES, FlexPagedAttention, flex_unsupported
 
         if backend not in ("flex", "sdpa"):
             raise GenerationError(f"generate: attention_backend: expected \"flex\" or \"sdpa\" (resolved), got "
@@ -155,6 +155,15 @@ class GenerationExecutor:
         if why is not None:  # say so: an accepted setting never silently does nothing
             self._event(SettingIgnored(field="attention_backend", value="flex",
                                        reason=f"{why}; generate attends through gather + SDPA"))
+            return
+        need = FlexPagedAttention.index_bytes(self.pools, max_num_tokens)
+        if need > MAX_INDEX_BYTES:
+            self._event(SettingIgnored(
+                field="attention_backend", value="flex",
+                reason=f"the compiled kernel's block-mask indices would take {need:,} B of memory (more than "
+                       f"{MAX_INDEX_BYTES:,} B: one row of pool-block ids per packed token, for up to "
+                       f"max_num_tokens={max_num_tokens} tokens); lower max_num_tokens or the KV budget, "
+                       "or let generate attend through gather + SDPA"))
             return
         self.flex = FlexPagedAttention(self.pools, max_num_tokens)
 

@@ -88,3 +88,15 @@ def test_a_shape_that_fails_to_compile_falls_back_to_gather_and_says_so(tiny_che
         (ignored,) = [e for e in result.audit.of("setting_ignored") if e["field"] == "attention_backend"]
         assert ignored["reason"] == ("torch.compile failed (RuntimeError: InductorError: no C++ compiler); generate "
                                      "attends through gather + SDPA")
+
+
+def test_flex_whose_mask_indices_would_outgrow_the_bound_falls_back_and_says_why(tiny_checkpoints, monkeypatch):
+    import cache_backends.flex_paged as fp
+
+    with load(tiny_checkpoints("llama"), "v2", max_num_tokens=8, attention_backend="flex") as result:
+        need = fp.FlexPagedAttention.index_bytes(result.kv_manager.pools, 8)
+        monkeypatch.setattr(fp, "MAX_INDEX_BYTES", need - 1)  # one byte short of what this budget asks for
+        outs = result.generate([[5, 6, 7]], max_new_tokens=2)
+        assert len(outs[0].token_ids) == 2 and result.executor.flex is None
+        (ignored,) = [e for e in result.audit.of("setting_ignored") if e["field"] == "attention_backend"]
+        assert f"{need:,} B" in ignored["reason"] and "max_num_tokens=8" in ignored["reason"]

@@ -164,6 +164,11 @@ def test_compiled_path_greedy_tokens_and_logits_equal_transformers_generate(fami
     _, ref_tokens, ref_logits = reference(family, device)
     reqs, driver = paged_greedy(family, device, manager=manager, flex=True, max_num_tokens=8, **FLEX_MODE)
     assert driver.flex.calls > 0  # the compiled kernel really ran
+    layout = driver.layout
+    if layout.shared:  # the groups of one window take turns in one set of mask buffers, and stay right
+        windows = {g.window for g in layout.groups}
+        assert len(layout.groups) > len(windows)
+        assert len(driver.flex._buffers) <= len(windows) * len(driver.flex.buckets)
     for req, tokens, logits in zip(reqs, ref_tokens, ref_logits, strict=True):
         assert req.output == tokens
         torch.testing.assert_close(torch.stack(req.logits), logits, rtol=1e-4, atol=1e-4)
