@@ -82,6 +82,19 @@ class KeyGather:
     lo: np.ndarray | None = None  # (B,) position of each sequence's first gathered key
 
 
+@attrs.frozen
+class _WindowKeys:
+    """The keys a window reads per sequence in one step, for every group with that window."""
+
+    lo: np.ndarray  # (B,) position of each sequence's first visible key
+    k_len: np.ndarray  # (B,) visible keys per sequence
+    max_k: int
+    k_pos: np.ndarray  # (B, max_k) key positions (past k_len: padding)
+    k_valid: np.ndarray  # (B, max_k) bool: a real key
+    padded: bool  # some row has padding
+    mask: torch.Tensor | None  # (B, 1, max_q, max_k) bool on the device; None: every query sees every key
+
+
 class PagedBatch:
     """One step's plan: packed inputs, per-group write slots, and per (group, window) gathers and masks.
 
@@ -102,6 +115,8 @@ class PagedBatch:
         self._layers: dict[int, LayerKV] = {layer.index: layer for layer in pools.layout.layers}
         self._routes: dict[int, LayerRoute] = {}
         self._gathers: dict[tuple[str, int | None], KeyGather] = {}
+        self._windows: dict[int | None, _WindowKeys] = {}
+        self._split_pos: dict[tuple[int | None, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
         # Index arithmetic in numpy, wrapped with torch.from_numpy (no copy): at a few hundred tokens each
         # torch CPU op costs its dispatch overhead (~5 us) and a plan is dozens of them, every step.
@@ -233,6 +248,39 @@ class PagedBatch:
             self._write_slots[group] = slots
         return slots
 
+    def _window_keys(self, window: int | None) -> _WindowKeys:
+        """What a window's gather is, whatever the group: visible key positions per sequence and the mask.
+
+        The groups a shared arena cuts from one group (``sliding_w512.0`` ... ``.4``) read the same
+        positions through different tables: this part is computed once per window, only the slots per group.
+        """
+        keys = self._windows.get(window)
+        if keys is not None:
+            return keys
+        start, end = self._start_np, self._end_np
+        lo = np.maximum(start - window + 1, 0) if window else np.zeros_like(start)
+        k_len = end - lo
+        max_k = int(k_len.max())
+        j = np.arange(max_k)
+        k_pos = lo[:, None] + j[None, :]  # (B, max_k)
+        k_valid = j[None, :] < k_len[:, None]
+        padded = not bool(k_valid.all())
+        mask = None
+        if not (self.max_q == 1 and not padded):
+            # (one query per sequence at its last position with every key real sees them all — the window
+            # already bounded the gather — so no mask: SDPA's unmasked path is the faster one)
+            i = np.arange(self.max_q)
+            q_pos = start[:, None] + i[None, :]  # (B, max_q)
+            q_valid = i[None, :] < self._n_np[:, None]
+            seen = k_valid[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])
+            if window:
+                seen &= k_pos[:, None, :] > q_pos[:, :, None] - window
+            # padded query rows see key 0 only, so their softmax stays finite; unpad drops them
+            seen[:, :, 0] |= ~q_valid
+            mask = torch.from_numpy(seen[:, None]).to(self.device)
+        keys = self._windows[window] = _WindowKeys(lo, k_len, max_k, k_pos, k_valid, padded, mask)
+        return keys
+
     def _gather(self, layer: int) -> KeyGather:
         """The slots and mask of a layer's (group, window) pair, planned once per step in numpy.
 
@@ -250,14 +298,8 @@ class PagedBatch:
         if g.compress_rate is not None:
             raise ValueError(f"group {r.group!r} is compressed; paged attention does not read compressed entries")
         T = g.tokens_per_block
-        start, end = self._start_np, self._end_np
-        lo = np.maximum(start - r.window + 1, 0) if r.window else np.zeros_like(start)
-        k_len = end - lo
-        max_k = int(k_len.max())
-        j = np.arange(max_k)
-        k_pos = lo[:, None] + j[None, :]  # (B, max_k)
-        k_valid = j[None, :] < k_len[:, None]
-        padded = not bool(k_valid.all())
+        w = self._window_keys(r.window)
+        lo, k_len, max_k, k_valid = w.lo, w.k_len, w.max_k, w.k_valid
         table = self._table(r.group).numpy()
         if not lo.any():  # every sequence reads from position 0: whole blocks, T slots at a time
             nblk = -(-max_k // T)
@@ -269,36 +311,25 @@ class PagedBatch:
                 raise ValueError(f"sequence {b}: group {r.group!r} has no block for position {i * T}, which "
                                  f"attention needs (logical block {i} is -1: released or never allocated)")
             slots = (blocks[:, :, None] * g.entries_per_block + np.arange(T)).reshape(self.num_seqs, -1)[:, :max_k]
-            if padded:
+            if w.padded:
                 slots = np.where(k_valid, slots, slots[:, :1])
         else:
-            pos = np.where(k_valid, k_pos, lo[:, None]) if padded else k_pos
-            blocks = np.take_along_axis(table, pos // T, axis=1)
+            split = self._split_pos.get((r.window, T))
+            if split is None:  # the same for every group of the window: block index and offset of each key
+                pos = np.where(k_valid, w.k_pos, lo[:, None]) if w.padded else w.k_pos
+                split = self._split_pos[(r.window, T)] = (pos, pos // T, pos % T)
+            pos, blk, off = split
+            blocks = np.take_along_axis(table, blk, axis=1)
             missing = blocks < 0  # padding reads the row's first key, which is always needed
             if missing.any():
                 b, i = (int(x[0]) for x in missing.nonzero())
                 p = int(pos[b, i])
                 raise ValueError(f"sequence {b}: group {r.group!r} has no block for position {p}, which attention "
                                  f"needs (logical block {p // T} is -1: released or never allocated)")
-            slots = blocks * g.entries_per_block + pos % T
+            slots = blocks * g.entries_per_block + off
         # Padding reads the row's first key: pools come from torch.empty, and a masked key whose value
         # is NaN still poisons the output (0 * NaN). Each row's first key is always real.
-        dev = self.device
-        if self.max_q == 1 and not padded:
-            # one query per sequence at its last position, every key real: it sees them all (the window
-            # already bounded the gather), so no mask — SDPA's unmasked path is the faster one
-            plan = KeyGather(torch.from_numpy(slots).to(dev), None, max_k, k_len, lo)
-            self._gathers[key] = plan
-            return plan
-        i = np.arange(self.max_q)
-        q_pos = start[:, None] + i[None, :]  # (B, max_q)
-        q_valid = i[None, :] < self._n_np[:, None]
-        seen = k_valid[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])
-        if r.window:
-            seen &= k_pos[:, None, :] > q_pos[:, :, None] - r.window
-        # padded query rows see key 0 only, so their softmax stays finite; unpad drops them
-        seen[:, :, 0] |= ~q_valid
-        plan = KeyGather(torch.from_numpy(slots).to(dev), torch.from_numpy(seen[:, None]).to(dev), max_k, k_len, lo)
+        plan = KeyGather(torch.from_numpy(slots).to(self.device), w.mask, max_k, k_len, lo)
         self._gathers[key] = plan
         return plan
 
