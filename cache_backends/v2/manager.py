@@ -132,6 +132,13 @@ class KVCacheManagerV2:
         for g in self.groups:
             spans[g.tokens_per_block] = spans.get(g.tokens_per_block, 0) + 1
         self._spans = list(spans.items())  # (block span, groups with it): a shared arena's joint need per span
+        # a shared arena: every group's index in it and the slot of its span in _spans (one take_each per step)
+        self._share_index = [self._pool[g.name].index for g in self.groups] if self.layout.shared else []  # type: ignore[union-attr]
+        self._span_slot = [list(spans).index(g.tokens_per_block) for g in self.groups]
+        self._span_first = [next(g.name for g in self.groups if g.tokens_per_block == tpb) for tpb in spans]
+        # a shared arena's window sets as (window, span, first member, [(arena index, member name)]): released at once
+        self._arena_windows = [(w, tpb, members[0][0], [(pool.index, name) for name, pool in members])  # type: ignore[union-attr]
+                               for w, tpb, members in self._window_sets] if self.layout.shared else []
         spans = [g.tokens_per_block for g in self.groups]
         self.reuse_unit: int | None = reuse_unit(self.layout)
         self.reuse_off_reason: str | None = None
@@ -353,6 +360,9 @@ class KVCacheManagerV2:
         need = {g.name: math.ceil(capacity / g.tokens_per_block) - len(cache.tables[g.name]) for g in self.groups}
         if self.shortfall(need) is not None:
             return False
+        if self._arena is not None and all(n >= 0 for n in need.values()):  # growing: the arena's blocks in one pass
+            self._take_shared(cache.tables, [need[name] for name in self._span_first])
+            need = {}
         for name, n in need.items():
             pool, table = self._pool[name], cache.tables[name]
             if n > 0:
@@ -430,15 +440,23 @@ class KVCacheManagerV2:
                     if n and not self.allocate(request, n):
                         raise RuntimeError(f"request {request.req_id}: allocation of {n} tokens failed after fitting")
                     return n
-                tables, detach = cache.tables, self._detach
-                for name, tpb, pool in self._group_pools:
-                    k = -(-target // tpb) + capacity // -tpb
-                    if k > 0:
-                        tables[name].extend(arena.take(pool.index, k, detach))  # type: ignore[union-attr]
+                self._take_shared(cache.tables, [-(-target // tpb) + capacity // -tpb for tpb, _ in self._spans])
             cache.capacity = target
         if target > cache.history:
             cache.history = target
         return want
+
+    def _take_shared(self, tables: dict[str, list[int]], per_span: list[int]) -> None:
+        """Extend every group's table by its span's count of new arena blocks (``per_span`` follows ``_spans``),
+        in one :meth:`SharedPool.take_each` (the groups of one span share a life cycle: they grow together)."""
+        arena = self._arena
+        assert arena is not None
+        one = len(per_span) == 1
+        counts = [per_span[0]] * len(self.groups) if one else [per_span[s] for s in self._span_slot]
+        pieces = arena.take_each(self._share_index, counts, self._detach)
+        for (name, _, _), piece in zip(self._group_pools, pieces, strict=True):
+            if piece:
+                tables[name] += piece
 
     def fit_tokens(self, request: Request, want: int) -> int:
         """The most tokens, up to ``want``, that :meth:`allocate` could reserve now (0: not even one)."""
@@ -788,6 +806,15 @@ class KVCacheManagerV2:
         """Let go of every device block, tail first so the tail is evicted before the head."""
         self._count_worst(cache, -1)
         priority = cache.request.priority
+        if self._arena is not None:
+            tables = cache.tables
+            self._arena.release_tables([(i, tables[name]) for i, (name, _, _) in zip(self._share_index,
+                                                                                      self._group_pools, strict=True)],
+                                       priority)
+            for name in tables:
+                tables[name] = []
+            cache.room = 0
+            return
         for name, _, pool in self._group_pools:
             pool.release(reversed(cache.tables[name]), priority, True, self._detach)
             cache.tables[name] = []
@@ -798,6 +825,17 @@ class KVCacheManagerV2:
         keep_cached = self.options.enable_swa_scratch_reuse
         priority = cache.request.priority
         tables, released = cache.tables, cache.released
+        if keep_cached and self._arena is not None:  # a window set's sub-groups leave the window together
+            for window, tpb, first, shares in self._arena_windows:
+                start = max(0, cache.committed - window + 1)
+                upto = min(start // tpb, len(tables[first]))
+                lo = released[first]
+                if upto <= lo:  # the common case: nothing left this window
+                    continue
+                self._arena.release_slices([(i, tables[name]) for i, name in shares], lo, upto, priority)
+                for _, name in shares:
+                    released[name] = upto
+            return
         for window, tpb, members in self._window_sets:
             start = max(0, cache.committed - window + 1)
             upto = min(start // tpb, len(tables[members[0][0]]))
