@@ -939,12 +939,9 @@ class KVCacheManagerV2:
             for g in self.groups if m else ():  # nothing matched: the tables stay as create() left them
                 tpb, step = g.tokens_per_block, g.tokens_per_block // T
                 lo = 0 if g.window is None else max(0, m - g.window + 1) // tpb
-                table = [-1] * lo
-                for j in range(lo, m // tpb):
-                    b = path[(j + 1) * step - 1].blocks[g.name]
-                    self._pool[g.name].incref(b)
-                    table.append(b)
-                cache.tables[g.name] = table
+                claimed = [path[(j + 1) * step - 1].blocks[g.name] for j in range(lo, m // tpb)]
+                self._pool[g.name].incref_many(claimed)
+                cache.tables[g.name] = [-1] * lo + claimed
                 cache.released[g.name] = lo
             cache.nodes = path[: m // T]
             cache.key_at = (m // T + 1) * T

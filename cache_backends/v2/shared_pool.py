@@ -337,6 +337,10 @@ class GroupShare:
         """One more cache of this group holds ``b``."""
         self.arena.incref(self.index, b)
 
+    def incref_many(self, blocks: Iterable[int]) -> None:
+        """:meth:`incref` for each of ``blocks``, in one pass (:meth:`SharedPool.incref_many`)."""
+        self.arena.incref_many(self.index, blocks)
+
     def decref(self, b: int, priority: int, keep_cached: bool, detach: Detach) -> None:
         """One holder lets go of ``b`` (as ``GroupPool.decref``)."""
         self.arena.release(self.index, (b,), priority, keep_cached, detach)
