@@ -135,6 +135,13 @@ class KVCacheManagerV2:
         # a shared arena: every group's index in it and the slot of its span in _spans (one take_each per step)
         self._share_index = [self._pool[g.name].index for g in self.groups] if self.layout.shared else []  # type: ignore[union-attr]
         self._span_slot = [list(spans).index(g.tokens_per_block) for g in self.groups]
+        # life cycles: groups of one block span and window hold the same blocks for any length (blocks_for), so the
+        # admission estimates are computed once per cycle; (a group of it, its groups' indexes), and each group's cycle
+        cycles: dict[tuple[int, int | None], list[int]] = {}
+        for i, g in enumerate(self.groups):
+            cycles.setdefault((g.tokens_per_block, g.window), []).append(i)
+        self._cycles = [(self.groups[members[0]], members) for members in cycles.values()]
+        self._cycle_of = [list(cycles).index((g.tokens_per_block, g.window)) for g in self.groups]
         self._span_first = [next(g.name for g in self.groups if g.tokens_per_block == tpb) for tpb in spans]
         # a shared arena's window sets as (window, span, first member, [(arena index, member name)]): released at once
         self._arena_windows = [(w, tpb, members[0][0], [(pool.index, name) for name, pool in members])  # type: ignore[union-attr]
@@ -357,12 +364,19 @@ class KVCacheManagerV2:
         if capacity > self.options.max_seq_len:
             raise ValueError(f"request {request.req_id}: capacity {capacity} exceeds max_seq_len="
                              f"{self.options.max_seq_len}")
+        if self._arena is not None:  # a span's groups need the same blocks: check and take them per span
+            per_span = self._span_need(cache, capacity)
+            if all(k >= 0 for k in per_span):
+                if sum(k * count for k, (_, count) in zip(per_span, self._spans, strict=True)) > self._arena.available:
+                    return False
+                self._take_shared(cache.tables, per_span)
+                cache.capacity = capacity
+                cache.room = min(len(cache.tables[first]) * tpb
+                                 for first, (tpb, _) in zip(self._span_first, self._spans, strict=True))
+                return True
         need = {g.name: math.ceil(capacity / g.tokens_per_block) - len(cache.tables[g.name]) for g in self.groups}
         if self.shortfall(need) is not None:
             return False
-        if self._arena is not None and all(n >= 0 for n in need.values()):  # growing: the arena's blocks in one pass
-            self._take_shared(cache.tables, [need[name] for name in self._span_first])
-            need = {}
         for name, n in need.items():
             pool, table = self._pool[name], cache.tables[name]
             if n > 0:
@@ -446,6 +460,13 @@ class KVCacheManagerV2:
             cache.history = target
         return want
 
+    def _span_need(self, cache: SequenceCache, capacity: int) -> list[int]:
+        """Per block span (``_spans``): blocks each of its groups needs for ``capacity`` (below 0: to give back).
+        Every group's table holds ``ceil(capacity / tokens_per_block)`` blocks, so a span's groups need the same."""
+        tables = cache.tables
+        return [-(-capacity // tpb) - len(tables[first]) for first, (tpb, _) in zip(self._span_first, self._spans,
+                                                                                      strict=True)]
+
     def _take_shared(self, tables: dict[str, list[int]], per_span: list[int]) -> None:
         """Extend every group's table by its span's count of new arena blocks (``per_span`` follows ``_spans``),
         in one :meth:`SharedPool.take_each` (the groups of one span share a life cycle: they grow together)."""
@@ -465,8 +486,13 @@ class KVCacheManagerV2:
         if want <= 0:
             return 0
 
+        arena, spans = self._arena, self._spans
+
         def fits(n: int) -> bool:
             target = cache.committed + n
+            if arena is not None:  # the shortfall rule per span: a span's groups need the same blocks
+                return sum(max(0, k) * count for k, (_, count) in zip(self._span_need(cache, target), spans,
+                                                                       strict=True)) <= arena.available
             return self.shortfall({g.name: math.ceil(target / g.tokens_per_block) - len(cache.tables[g.name])
                                    for g in self.groups}) is None
 
@@ -489,7 +515,8 @@ class KVCacheManagerV2:
         now = cache.capacity
         start = max(now, cache.committed + scheduled)
         target = start + math.ceil(ratio * max(0, self.worst_case_tokens(request) - start))
-        return {g.name: max(0, g.blocks_for(target) - g.blocks_for(now)) for g in self.groups}
+        per = [max(0, g.blocks_for(target) - g.blocks_for(now)) for g, _ in self._cycles]
+        return {g.name: per[c] for g, c in zip(self.groups, self._cycle_of, strict=True)}
 
     def headroom_blocks(self, requests: Iterable[Request], ratio: float) -> dict[str, int]:
         """:meth:`growth_blocks` summed over active ``requests`` (one pass, no per-request dicts: it runs every
@@ -504,14 +531,14 @@ class KVCacheManagerV2:
                 worst = cache.worst = min(r.max_total_tokens, limit)
             if worst > now:
                 spans.append((now, now + ceil(ratio * (worst - now))))
-        out = {}
-        for g in self.groups:
+        per = []
+        for g, _ in self._cycles:  # once per life cycle, not per group
             tpb, cap = g.tokens_per_block, g.max_blocks_per_sequence
             if cap is None:
-                out[g.name] = sum(-(-target // tpb) + (now // -tpb) for now, target in spans)
+                per.append(sum(-(-target // tpb) + (now // -tpb) for now, target in spans))
             else:
-                out[g.name] = sum(min(-(-target // tpb), cap) - min(-(-now // tpb), cap) for now, target in spans)
-        return out
+                per.append(sum(min(-(-target // tpb), cap) - min(-(-now // tpb), cap) for now, target in spans))
+        return {g.name: per[c] for g, c in zip(self.groups, self._cycle_of, strict=True)}
 
     def check_running(self, requests: Iterable[Request]) -> None:
         """``ValueError`` unless every request has an active cache here (the scheduler's guard, one pass)."""
@@ -799,8 +826,10 @@ class KVCacheManagerV2:
         if cache.worst < 0:
             cache.worst = min(cache.request.max_total_tokens, self.options.max_seq_len)
         worst, totals = cache.worst, self._worst_blocks
-        for i, g in enumerate(self.groups):
-            totals[i] += sign * g.blocks_for(worst)
+        for g, members in self._cycles:
+            n = sign * g.blocks_for(worst)
+            for i in members:
+                totals[i] += n
 
     def _release_blocks(self, cache: SequenceCache) -> None:
         """Let go of every device block, tail first so the tail is evicted before the head."""
@@ -985,8 +1014,10 @@ class KVCacheManagerV2:
             self._pool[g.name].incref(best.blocks[g.name])
         gained = 0
         if self.shortfall({g.name: 1 for g in self.groups}) is None:
-            for g in self.groups:
-                b = self._pool[g.name].allocate(self._detach)
+            fresh = ([piece[0] for piece in self._arena.take_each(self._share_index, [1] * len(self.groups),
+                                                                  self._detach)]
+                     if self._arena is not None else [self._pool[g.name].allocate(self._detach) for g in self.groups])
+            for g, b in zip(self.groups, fresh, strict=True):
                 src = best.blocks[g.name]
                 self.pools.tensors[g.name][:, b].copy_(self.pools.tensors[g.name][:, src])
                 cache.tables[g.name].append(b)
