@@ -598,7 +598,7 @@ class KVCacheManagerV2:
         request.num_computed_tokens = cache.committed
         if cache.committed >= cache.key_at:  # a block just filled up (never true with reuse off)
             self._key_full_blocks(cache)
-        if self._sliding:
+        if self._sliding and cache.committed >= cache.slide_at:  # some window may have a block to let go
             self._release_window(cache)
 
     def block_table(self, request: Request, group: str) -> list[int]:
@@ -696,6 +696,12 @@ class KVCacheManagerV2:
                 problems.append(f"{rid}: next block keyed at {cache.key_at} tokens with {len(cache.nodes)} nodes")
             if not cache.is_active:
                 continue
+            for window, tpb, members in self._window_sets:  # commits below slide_at skip the window check: safely
+                start = max(0, cache.committed - window + 1)
+                if cache.committed < cache.slide_at and any(
+                        min(start // tpb, len(cache.tables[name])) > cache.released[name] for name, _ in members):
+                    problems.append(f"{rid}: a window releases a block at {cache.committed} tokens, before slide_at "
+                                    f"{cache.slide_at}")
             for g in self.groups:
                 table = cache.tables[g.name]
                 held = [b for b in table if b >= 0]
@@ -864,6 +870,8 @@ class KVCacheManagerV2:
                 self._arena.release_slices([(i, tables[name]) for i, name in shares], lo, upto, priority)
                 for _, name in shares:
                     released[name] = upto
+            cache.slide_at = min(((released[first] + 1) * tpb + window - 1
+                                  for window, tpb, first, _ in self._arena_windows), default=NEVER)
             return
         for window, tpb, members in self._window_sets:
             start = max(0, cache.committed - window + 1)
@@ -877,6 +885,8 @@ class KVCacheManagerV2:
                         pool.decref(table[j], priority, keep_cached, self._detach)
                         table[j] = -1
                 released[name] = max(released[name], upto)
+        cache.slide_at = min(((released[name] + 1) * tpb + window - 1
+                              for window, tpb, members in self._window_sets for name, _ in members), default=NEVER)
 
     def _key_full_blocks(self, cache: SequenceCache) -> None:
         """Hang newly full committed blocks in the radix tree (found by their tokens) and offer the cache's blocks

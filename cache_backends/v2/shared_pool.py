@@ -199,26 +199,26 @@ class SharedPool:
         """Let go of every block of every ``(group, table)``, each table tail first (ids below 0 skipped); blocks in
         the prefix cache stay cached. :meth:`release` group by group with ``keep_cached``, in one pass."""
         ref, owner, free, group_of = self.ref, self.node, self._free, self.group_of
+        used, kept = self.used, self.cached
         cached: list[int] = []
         for group, table in tables:
-            released = kept = 0
-            for b in reversed(table):
+            n_free, n_cached = len(free), len(cached)
+            for b in reversed(table):  # this loop runs for every block of every group: kept lean
                 if b < 0:
                     continue
-                if ref[b] <= 0 or group_of[b] != group:
+                r = ref[b] - 1
+                if r < 0 or group_of[b] != group:
                     raise RuntimeError(f"group {self.names[group]}: block {b} released more often than held")
-                ref[b] -= 1
-                if ref[b]:
+                ref[b] = r
+                if r:
                     continue
-                released += 1
                 if owner[b] is None:
                     free.append(b)
                     group_of[b] = -1
                 else:
                     cached.append(b)
-                    kept += 1
-            self.used[group] -= released
-            self.cached[group] += kept
+            used[group] -= len(free) - n_free + len(cached) - n_cached
+            kept[group] += len(cached) - n_cached
         if cached:
             self.evictable.add_many(cached, priority)
 
