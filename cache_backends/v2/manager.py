@@ -1027,9 +1027,13 @@ class KVCacheManagerV2:
             fresh = ([piece[0] for piece in self._arena.take_each(self._share_index, [1] * len(self.groups),
                                                                   self._detach)]
                      if self._arena is not None else [self._pool[g.name].allocate(self._detach) for g in self.groups])
+            if self._arena is not None:  # every group's tensor is the one arena: copy all the pages in one go
+                arena = self.pools.tensors[self.groups[0].name]
+                arena[:, fresh] = arena[:, [best.blocks[g.name] for g in self.groups]]
             for g, b in zip(self.groups, fresh, strict=True):
-                src = best.blocks[g.name]
-                self.pools.tensors[g.name][:, b].copy_(self.pools.tensors[g.name][:, src])
+                if self._arena is None:
+                    src = best.blocks[g.name]
+                    self.pools.tensors[g.name][:, b].copy_(self.pools.tensors[g.name][:, src])
                 cache.tables[g.name].append(b)
             gained = best_k
             cache.partial_hit = True
