@@ -442,7 +442,7 @@ class KVCacheManagerV2:
             return 0
         target = committed + want
         capacity = cache.capacity
-        if target > capacity:
+        if target > cache.room:  # some group needs a block (else the tables already hold the slots)
             total = 0
             for tpb, count in self._spans:
                 total += (-(-target // tpb) + capacity // -tpb) * count
@@ -455,6 +455,10 @@ class KVCacheManagerV2:
                         raise RuntimeError(f"request {request.req_id}: allocation of {n} tokens failed after fitting")
                     return n
                 self._take_shared(cache.tables, [-(-target // tpb) + capacity // -tpb for tpb, _ in self._spans])
+            tables = cache.tables
+            cache.room = min(len(tables[first]) * tpb for first, (tpb, _) in zip(self._span_first, self._spans,
+                                                                                   strict=True))
+        if target > capacity:
             cache.capacity = target
         if target > cache.history:
             cache.history = target
