@@ -6,6 +6,7 @@ Run from the repository root (nothing here runs torch kernels)::
     python -m bench.bench_step_cost                      # this tree: 3 pairs per figure
     python -m bench.bench_step_cost --pairs 5 --quick    # a quarter of each workload's requests
     python -m bench.bench_step_cost --against /tmp/base --rounds 4   # before/after: alternating processes
+    python -m bench.bench_step_cost --model tests/data/configs/gemma-3-27b-it --only 2,4   # many layer groups
 
 A *pair* runs both sides of one figure back to back (order alternating), each a whole
 :func:`engine.simulator.simulate` replay; a side's figure is the median over the run's engine steps of
@@ -35,10 +36,12 @@ FIGURES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "multi-turn V2/V1": ("multi-turn", {"use_kv_cache_manager_v2": False}, {"use_kv_cache_manager_v2": True}),
     "no-reuse V2 reuse on/off": ("no-reuse", {"use_kv_cache_manager_v2": True, "enable_block_reuse": False},
                                  {"use_kv_cache_manager_v2": True, "enable_block_reuse": True}),
+    "no-reuse V2/V1": ("no-reuse", {"use_kv_cache_manager_v2": False}, {"use_kv_cache_manager_v2": True}),
 }
 
 
-def measure(pairs: int, quick: bool, only: list[str] | None = None) -> dict[str, dict[str, list[float]]]:
+def measure(pairs: int, quick: bool, only: list[str] | None = None,
+            model: str = "tiny-llama", requests: int | None = None) -> dict[str, dict[str, list[float]]]:
     """Per figure: the median step µs of each run of side ``a`` and ``b``, pairs interleaved (order alternating)."""
     from engine.simulator import simulate
     from engine.workloads import make_workload
@@ -49,12 +52,12 @@ def measure(pairs: int, quick: bool, only: list[str] | None = None) -> dict[str,
             if only is not None and figure not in only:
                 continue
             wl = make_workload(name, None, 0)
-            if quick:
-                wl = make_workload(name, max(4, len(wl.requests) // 4), 0)
+            if quick or requests:
+                wl = make_workload(name, requests or max(4, len(wl.requests) // 4), 0)
             runs: dict[str, list[float]] = {"a": [], "b": []}
             for i in range(pairs):
                 for side in (("a", "b") if i % 2 == 0 else ("b", "a")):
-                    report = simulate("tiny-llama", wl, kv_cache_config=a if side == "a" else b, **CPU)
+                    report = simulate(model, wl, kv_cache_config=a if side == "a" else b, **CPU)
                     (result,) = report.results.values()
                     runs[side].append(result.metrics.step_time_us_median)
             out[figure] = runs
@@ -65,9 +68,9 @@ def _per_pair(runs: dict[str, list[float]]) -> list[float]:
     return [b / a for a, b in zip(runs["a"], runs["b"], strict=True)]
 
 
-def table(results: dict[str, dict[str, dict[str, list[float]]]], command: str) -> Table:
+def table(results: dict[str, dict[str, dict[str, list[float]]]], command: str, model: str = "tiny-llama") -> Table:
     """One row per (tree, figure): side medians, the ratio (median of pairs) and the target verdict."""
-    t = Table("V2 per-step cost (tiny-llama, thread CPU time, interleaved pairs)", command,
+    t = Table(f"V2 per-step cost ({model}, thread CPU time, interleaved pairs)", command,
               ["tree", "figure", "A step µs (median)", "B step µs (median)", "B / A (median of pairs)",
                "pairs (min-max)", "target"])
     for tree, figures in results.items():
@@ -86,10 +89,13 @@ def table(results: dict[str, dict[str, dict[str, list[float]]]], command: str) -
     return t
 
 
-def _child(tree: str, pairs: int, quick: bool, only: str | None) -> dict[str, dict[str, list[float]]]:
+def _child(tree: str, pairs: int, quick: bool, only: str | None, model: str,
+           requests: int | None) -> dict[str, dict[str, list[float]]]:
     env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    args = [sys.executable, "-m", "bench.bench_step_cost", "--json", "--pairs", str(pairs)]
+    # this file, run against the tree's packages: the other tree may predate --model and the 4th figure
+    args = [sys.executable, os.path.abspath(__file__), "--json", "--pairs", str(pairs), "--model", model]
     args += (["--quick"] if quick else []) + (["--only", only] if only else [])
+    args += ["--requests", str(requests)] if requests else []
     done = subprocess.run(args, cwd=tree, env=env, capture_output=True, text=True, timeout=1800, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -104,28 +110,35 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--only", help="comma-separated figure numbers, 1-based: " + ", ".join(
         f"{i} = {name}" for i, name in enumerate(FIGURES, 1)))
     p.add_argument("--json", action="store_true", help="print this process's raw figures as one JSON line")
+    p.add_argument("--model", default="tiny-llama", help="preset or config directory to simulate (default tiny-llama; "
+                   "tests/data/configs/gemma-3-27b-it for a shared arena of 31 layer groups)")
+    p.add_argument("--requests", type=int, help="requests per workload (instead of its default or --quick's quarter; "
+                   "the simulated pools are sized for them in host memory)")
     args = p.parse_args(argv)
     only = [list(FIGURES)[int(i) - 1] for i in args.only.split(",")] if args.only else None
     if args.json:
-        print(json.dumps(measure(args.pairs, args.quick, only)))
+        print(json.dumps(measure(args.pairs, args.quick, only, args.model, args.requests)))
         return
     here = os.getcwd()
     command = "python -m bench.bench_step_cost" + (f" --pairs {args.pairs}" if args.pairs != 3 else "") + (
-        " --quick" if args.quick else "") + (f" --only {args.only}" if args.only else "")
+        " --quick" if args.quick else "") + (f" --only {args.only}" if args.only else "") + (
+        f" --model {args.model}" if args.model != "tiny-llama" else "") + (
+        f" --requests {args.requests}" if args.requests else "")
     if args.against is None:
-        results = {"this tree": measure(args.pairs, args.quick, only)}
+        results = {"this tree": measure(args.pairs, args.quick, only, args.model, args.requests)}
     else:
         command += f" --against <tree> --rounds {args.rounds}"
         trees = {"before (--against)": os.path.abspath(args.against), "after (this tree)": here}
         results = {name: {f: {"a": [], "b": []} for f in only or FIGURES} for name in trees}
         for i in range(args.rounds):
             for name in (list(trees) if i % 2 == 0 else list(trees)[::-1]):
-                for f, runs in _child(trees[name], args.pairs, args.quick, args.only).items():
+                for f, runs in _child(trees[name], args.pairs, args.quick, args.only, args.model,
+                                      args.requests).items():
                     results[name][f]["a"] += runs["a"]
                     results[name][f]["b"] += runs["b"]
     print(machine())
     print(f"load average {os.getloadavg()[0]:.2f} at the end\n")
-    print(table(results, command).markdown())
+    print(table(results, command, args.model).markdown())
 
 
 if __name__ == "__main__":

@@ -35,6 +35,15 @@ for _preset in ("tiny-llama", "tiny-gemma3", "tiny-mistral", "tiny-deepseek-v3",
                                               "host_cache_size": 1 << 26}))
     SCENARIOS.append((_preset, "shared-prefix", 1.0, {"use_kv_cache_manager_v2": False}))
     SCENARIOS.append((_preset, "multi-turn", 0.25, {"use_kv_cache_manager_v2": False}))
+# Gemma 3 27B: a shared arena cut into 31 groups (26 sliding sub-groups of 2 layers + 5 full), the many-groups paths
+# (not shared-prefix: its default budget, 83 GB of pools, exceeds a small host's memory; run from the repo root)
+_GEMMA27 = "tests/data/configs/gemma-3-27b-it"
+for _wl in ("multi-turn", "no-reuse"):
+    for _scale in (1.0, 0.25):
+        SCENARIOS.append((_GEMMA27, _wl, _scale, {"use_kv_cache_manager_v2": True}))
+    SCENARIOS.append((_GEMMA27, _wl, 0.25, {"use_kv_cache_manager_v2": True, "enable_swa_scratch_reuse": False}))
+    SCENARIOS.append((_GEMMA27, _wl, 0.5, {"use_kv_cache_manager_v2": True, "enable_partial_reuse": False,
+                                           "host_cache_size": 1 << 28}))
 
 
 def _v2_state(m: Any) -> Any:

@@ -9,6 +9,8 @@ its group, the plan says how the memory is held, and layouts that cannot share s
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pipeline
 from cache_backends import LayerKV, build_layout
 from cache_backends.pools import BlockPools
@@ -159,3 +161,62 @@ def test_manager_stats_say_the_memory_is_shared():
 
 def _names(window: int = 8) -> list[str]:
     return [g.name for g in build_layout(gemma_like(window), "v2", 4, "float32").groups]
+
+
+def _pool_state(pool: SharedPool) -> tuple:
+    return (list(pool._free), pool.evictable.blocks(), list(pool.ref), list(pool.gen), list(pool.group_of),
+            list(pool.node), list(pool.used), list(pool.cached), list(pool.evicted))
+
+
+def _filled(seed: int) -> tuple[SharedPool, list[list[int]]]:
+    """An arena of 4 groups with some blocks used, some cached (keyed, evictable, mixed priorities), some free."""
+    import random
+
+    rng = random.Random(seed)
+    pool = SharedPool(["s.0", "s.1", "s.2", "full"], 40)
+    keep = lambda g, n: None  # noqa: E731
+    tables = [pool.take(g, rng.randint(8, 10), keep) for g in range(4)]  # the arena nearly full
+    for g, table in enumerate(tables):
+        for b in table:
+            if rng.random() < 0.7:
+                pool.node[b] = f"node{b}"  # type: ignore[assignment]
+        pool.release(g, table[: len(table) // 2][::-1], rng.randint(0, 2), True, keep)
+        del table[: len(table) // 2]
+    return pool, tables
+
+
+def _recorder(seen: list) -> Callable[[str, list], None]:
+    return lambda group, nodes: seen.append((group, list(nodes)))
+
+
+def test_batched_arena_calls_do_exactly_what_the_per_group_calls_do():
+    # take_each / release_tables / release_slices / incref_many hand out and take back the same blocks in the
+    # same order, with the same detaches, as take / release / decref / incref called group by group
+    for seed in range(20):
+        for counts in ([2, 2, 2, 2], [4, 4, 4, 4], [0, 5, 0, 9], [1, 1, 1, 12]):  # most evict from several groups
+            a, tables_a = _filled(seed)
+            b, tables_b = _filled(seed)
+            if sum(counts) > a.available:
+                continue
+            seen_a: list = []
+            seen_b: list = []
+            record_a, record_b = _recorder(seen_a), _recorder(seen_b)
+            got_a = [a.take(g, k, record_a) if k else [] for g, k in enumerate(counts)]
+            got_b = b.take_each(range(4), counts, record_b)
+            assert got_a == got_b and seen_a == seen_b and _pool_state(a) == _pool_state(b)
+            for g, table in enumerate(tables_a):  # a window of every group slides past 2 blocks
+                for j in range(2):
+                    a.release(g, (table[j],), 1, True, lambda n, x: None)
+                    table[j] = -1
+            b.release_slices(list(enumerate(tables_b)), 0, 2, 1)
+            assert tables_a == tables_b and _pool_state(a) == _pool_state(b)
+            cached = a.evictable.blocks()[:6]
+            for bl in cached:  # a hit claims cached blocks of their groups
+                a.incref(a.group_of[bl], bl)
+            for g in range(4):
+                b.incref_many(g, [bl for bl in cached if b.group_of[bl] == g])
+            assert _pool_state(a) == _pool_state(b)
+            for g, (table, got) in enumerate(zip(tables_a, got_a, strict=True)):
+                a.release(g, reversed(table + got), 2, True, lambda n, x: None)
+            b.release_tables([(g, t + got) for g, (t, got) in enumerate(zip(tables_b, got_b, strict=True))], 2)
+            assert _pool_state(a) == _pool_state(b)

@@ -189,6 +189,11 @@ class GroupPool:
             self.num_used += 1
         self.ref[b] += 1
 
+    def incref_many(self, blocks: Iterable[int]) -> None:
+        """:meth:`incref` for each of ``blocks`` (a prefix hit's blocks), in order."""
+        for b in blocks:
+            self.incref(b)
+
     def decref(self, b: int, priority: int, keep_cached: bool, detach: Detach) -> None:
         """One holder lets go of ``b``; at zero an attached block is cached (or dropped), others go free."""
         if self.ref[b] <= 0:

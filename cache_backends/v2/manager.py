@@ -132,6 +132,20 @@ class KVCacheManagerV2:
         for g in self.groups:
             spans[g.tokens_per_block] = spans.get(g.tokens_per_block, 0) + 1
         self._spans = list(spans.items())  # (block span, groups with it): a shared arena's joint need per span
+        # a shared arena: every group's index in it and the slot of its span in _spans (one take_each per step)
+        self._share_index = [self._pool[g.name].index for g in self.groups] if self.layout.shared else []  # type: ignore[union-attr]
+        self._span_slot = [list(spans).index(g.tokens_per_block) for g in self.groups]
+        # life cycles: groups of one block span and window hold the same blocks for any length (blocks_for), so the
+        # admission estimates are computed once per cycle; (a group of it, its groups' indexes), and each group's cycle
+        cycles: dict[tuple[int, int | None], list[int]] = {}
+        for i, g in enumerate(self.groups):
+            cycles.setdefault((g.tokens_per_block, g.window), []).append(i)
+        self._cycles = [(self.groups[members[0]], members) for members in cycles.values()]
+        self._cycle_of = [list(cycles).index((g.tokens_per_block, g.window)) for g in self.groups]
+        self._span_first = [next(g.name for g in self.groups if g.tokens_per_block == tpb) for tpb in spans]
+        # a shared arena's window sets as (window, span, first member, [(arena index, member name)]): released at once
+        self._arena_windows = [(w, tpb, members[0][0], [(pool.index, name) for name, pool in members])  # type: ignore[union-attr]
+                               for w, tpb, members in self._window_sets] if self.layout.shared else []
         spans = [g.tokens_per_block for g in self.groups]
         self.reuse_unit: int | None = reuse_unit(self.layout)
         self.reuse_off_reason: str | None = None
@@ -350,6 +364,16 @@ class KVCacheManagerV2:
         if capacity > self.options.max_seq_len:
             raise ValueError(f"request {request.req_id}: capacity {capacity} exceeds max_seq_len="
                              f"{self.options.max_seq_len}")
+        if self._arena is not None:  # a span's groups need the same blocks: check and take them per span
+            per_span = self._span_need(cache, capacity)
+            if all(k >= 0 for k in per_span):
+                if sum(k * count for k, (_, count) in zip(per_span, self._spans, strict=True)) > self._arena.available:
+                    return False
+                self._take_shared(cache.tables, per_span)
+                cache.capacity = capacity
+                cache.room = min(len(cache.tables[first]) * tpb
+                                 for first, (tpb, _) in zip(self._span_first, self._spans, strict=True))
+                return True
         need = {g.name: math.ceil(capacity / g.tokens_per_block) - len(cache.tables[g.name]) for g in self.groups}
         if self.shortfall(need) is not None:
             return False
@@ -418,7 +442,7 @@ class KVCacheManagerV2:
             return 0
         target = committed + want
         capacity = cache.capacity
-        if target > capacity:
+        if target > cache.room:  # some group needs a block (else the tables already hold the slots)
             total = 0
             for tpb, count in self._spans:
                 total += (-(-target // tpb) + capacity // -tpb) * count
@@ -430,15 +454,34 @@ class KVCacheManagerV2:
                     if n and not self.allocate(request, n):
                         raise RuntimeError(f"request {request.req_id}: allocation of {n} tokens failed after fitting")
                     return n
-                tables, detach = cache.tables, self._detach
-                for name, tpb, pool in self._group_pools:
-                    k = -(-target // tpb) + capacity // -tpb
-                    if k > 0:
-                        tables[name].extend(arena.take(pool.index, k, detach))  # type: ignore[union-attr]
+                self._take_shared(cache.tables, [-(-target // tpb) + capacity // -tpb for tpb, _ in self._spans])
+            tables = cache.tables
+            cache.room = min(len(tables[first]) * tpb for first, (tpb, _) in zip(self._span_first, self._spans,
+                                                                                   strict=True))
+        if target > capacity:
             cache.capacity = target
         if target > cache.history:
             cache.history = target
         return want
+
+    def _span_need(self, cache: SequenceCache, capacity: int) -> list[int]:
+        """Per block span (``_spans``): blocks each of its groups needs for ``capacity`` (below 0: to give back).
+        Every group's table holds ``ceil(capacity / tokens_per_block)`` blocks, so a span's groups need the same."""
+        tables = cache.tables
+        return [-(-capacity // tpb) - len(tables[first]) for first, (tpb, _) in zip(self._span_first, self._spans,
+                                                                                      strict=True)]
+
+    def _take_shared(self, tables: dict[str, list[int]], per_span: list[int]) -> None:
+        """Extend every group's table by its span's count of new arena blocks (``per_span`` follows ``_spans``),
+        in one :meth:`SharedPool.take_each` (the groups of one span share a life cycle: they grow together)."""
+        arena = self._arena
+        assert arena is not None
+        one = len(per_span) == 1
+        counts = [per_span[0]] * len(self.groups) if one else [per_span[s] for s in self._span_slot]
+        pieces = arena.take_each(self._share_index, counts, self._detach)
+        for (name, _, _), piece in zip(self._group_pools, pieces, strict=True):
+            if piece:
+                tables[name] += piece
 
     def fit_tokens(self, request: Request, want: int) -> int:
         """The most tokens, up to ``want``, that :meth:`allocate` could reserve now (0: not even one)."""
@@ -447,8 +490,13 @@ class KVCacheManagerV2:
         if want <= 0:
             return 0
 
+        arena, spans = self._arena, self._spans
+
         def fits(n: int) -> bool:
             target = cache.committed + n
+            if arena is not None:  # the shortfall rule per span: a span's groups need the same blocks
+                return sum(max(0, k) * count for k, (_, count) in zip(self._span_need(cache, target), spans,
+                                                                       strict=True)) <= arena.available
             return self.shortfall({g.name: math.ceil(target / g.tokens_per_block) - len(cache.tables[g.name])
                                    for g in self.groups}) is None
 
@@ -471,7 +519,8 @@ class KVCacheManagerV2:
         now = cache.capacity
         start = max(now, cache.committed + scheduled)
         target = start + math.ceil(ratio * max(0, self.worst_case_tokens(request) - start))
-        return {g.name: max(0, g.blocks_for(target) - g.blocks_for(now)) for g in self.groups}
+        per = [max(0, g.blocks_for(target) - g.blocks_for(now)) for g, _ in self._cycles]
+        return {g.name: per[c] for g, c in zip(self.groups, self._cycle_of, strict=True)}
 
     def headroom_blocks(self, requests: Iterable[Request], ratio: float) -> dict[str, int]:
         """:meth:`growth_blocks` summed over active ``requests`` (one pass, no per-request dicts: it runs every
@@ -486,14 +535,14 @@ class KVCacheManagerV2:
                 worst = cache.worst = min(r.max_total_tokens, limit)
             if worst > now:
                 spans.append((now, now + ceil(ratio * (worst - now))))
-        out = {}
-        for g in self.groups:
+        per = []
+        for g, _ in self._cycles:  # once per life cycle, not per group
             tpb, cap = g.tokens_per_block, g.max_blocks_per_sequence
             if cap is None:
-                out[g.name] = sum(-(-target // tpb) + (now // -tpb) for now, target in spans)
+                per.append(sum(-(-target // tpb) + (now // -tpb) for now, target in spans))
             else:
-                out[g.name] = sum(min(-(-target // tpb), cap) - min(-(-now // tpb), cap) for now, target in spans)
-        return out
+                per.append(sum(min(-(-target // tpb), cap) - min(-(-now // tpb), cap) for now, target in spans))
+        return {g.name: per[c] for g, c in zip(self.groups, self._cycle_of, strict=True)}
 
     def check_running(self, requests: Iterable[Request]) -> None:
         """``ValueError`` unless every request has an active cache here (the scheduler's guard, one pass)."""
@@ -553,7 +602,7 @@ class KVCacheManagerV2:
         request.num_computed_tokens = cache.committed
         if cache.committed >= cache.key_at:  # a block just filled up (never true with reuse off)
             self._key_full_blocks(cache)
-        if self._sliding:
+        if self._sliding and cache.committed >= cache.slide_at:  # some window may have a block to let go
             self._release_window(cache)
 
     def block_table(self, request: Request, group: str) -> list[int]:
@@ -651,6 +700,12 @@ class KVCacheManagerV2:
                 problems.append(f"{rid}: next block keyed at {cache.key_at} tokens with {len(cache.nodes)} nodes")
             if not cache.is_active:
                 continue
+            for window, tpb, members in self._window_sets:  # commits below slide_at skip the window check: safely
+                start = max(0, cache.committed - window + 1)
+                if cache.committed < cache.slide_at and any(
+                        min(start // tpb, len(cache.tables[name])) > cache.released[name] for name, _ in members):
+                    problems.append(f"{rid}: a window releases a block at {cache.committed} tokens, before slide_at "
+                                    f"{cache.slide_at}")
             for g in self.groups:
                 table = cache.tables[g.name]
                 held = [b for b in table if b >= 0]
@@ -781,13 +836,24 @@ class KVCacheManagerV2:
         if cache.worst < 0:
             cache.worst = min(cache.request.max_total_tokens, self.options.max_seq_len)
         worst, totals = cache.worst, self._worst_blocks
-        for i, g in enumerate(self.groups):
-            totals[i] += sign * g.blocks_for(worst)
+        for g, members in self._cycles:
+            n = sign * g.blocks_for(worst)
+            for i in members:
+                totals[i] += n
 
     def _release_blocks(self, cache: SequenceCache) -> None:
         """Let go of every device block, tail first so the tail is evicted before the head."""
         self._count_worst(cache, -1)
         priority = cache.request.priority
+        if self._arena is not None:
+            tables = cache.tables
+            self._arena.release_tables([(i, tables[name]) for i, (name, _, _) in zip(self._share_index,
+                                                                                      self._group_pools, strict=True)],
+                                       priority)
+            for name in tables:
+                tables[name] = []
+            cache.room = 0
+            return
         for name, _, pool in self._group_pools:
             pool.release(reversed(cache.tables[name]), priority, True, self._detach)
             cache.tables[name] = []
@@ -798,6 +864,19 @@ class KVCacheManagerV2:
         keep_cached = self.options.enable_swa_scratch_reuse
         priority = cache.request.priority
         tables, released = cache.tables, cache.released
+        if keep_cached and self._arena is not None:  # a window set's sub-groups leave the window together
+            for window, tpb, first, shares in self._arena_windows:
+                start = max(0, cache.committed - window + 1)
+                upto = min(start // tpb, len(tables[first]))
+                lo = released[first]
+                if upto <= lo:  # the common case: nothing left this window
+                    continue
+                self._arena.release_slices([(i, tables[name]) for i, name in shares], lo, upto, priority)
+                for _, name in shares:
+                    released[name] = upto
+            cache.slide_at = min(((released[first] + 1) * tpb + window - 1
+                                  for window, tpb, first, _ in self._arena_windows), default=NEVER)
+            return
         for window, tpb, members in self._window_sets:
             start = max(0, cache.committed - window + 1)
             upto = min(start // tpb, len(tables[members[0][0]]))
@@ -810,6 +889,8 @@ class KVCacheManagerV2:
                         pool.decref(table[j], priority, keep_cached, self._detach)
                         table[j] = -1
                 released[name] = max(released[name], upto)
+        cache.slide_at = min(((released[name] + 1) * tpb + window - 1
+                              for window, tpb, members in self._window_sets for name, _ in members), default=NEVER)
 
     def _key_full_blocks(self, cache: SequenceCache) -> None:
         """Hang newly full committed blocks in the radix tree (found by their tokens) and offer the cache's blocks
@@ -901,12 +982,9 @@ class KVCacheManagerV2:
             for g in self.groups if m else ():  # nothing matched: the tables stay as create() left them
                 tpb, step = g.tokens_per_block, g.tokens_per_block // T
                 lo = 0 if g.window is None else max(0, m - g.window + 1) // tpb
-                table = [-1] * lo
-                for j in range(lo, m // tpb):
-                    b = path[(j + 1) * step - 1].blocks[g.name]
-                    self._pool[g.name].incref(b)
-                    table.append(b)
-                cache.tables[g.name] = table
+                claimed = [path[(j + 1) * step - 1].blocks[g.name] for j in range(lo, m // tpb)]
+                self._pool[g.name].incref_many(claimed)
+                cache.tables[g.name] = [-1] * lo + claimed
                 cache.released[g.name] = lo
             cache.nodes = path[: m // T]
             cache.key_at = (m // T + 1) * T
@@ -950,10 +1028,16 @@ class KVCacheManagerV2:
             self._pool[g.name].incref(best.blocks[g.name])
         gained = 0
         if self.shortfall({g.name: 1 for g in self.groups}) is None:
-            for g in self.groups:
-                b = self._pool[g.name].allocate(self._detach)
-                src = best.blocks[g.name]
-                self.pools.tensors[g.name][:, b].copy_(self.pools.tensors[g.name][:, src])
+            fresh = ([piece[0] for piece in self._arena.take_each(self._share_index, [1] * len(self.groups),
+                                                                  self._detach)]
+                     if self._arena is not None else [self._pool[g.name].allocate(self._detach) for g in self.groups])
+            if self._arena is not None:  # every group's tensor is the one arena: copy all the pages in one go
+                arena = self.pools.tensors[self.groups[0].name]
+                arena[:, fresh] = arena[:, [best.blocks[g.name] for g in self.groups]]
+            for g, b in zip(self.groups, fresh, strict=True):
+                if self._arena is None:
+                    src = best.blocks[g.name]
+                    self.pools.tensors[g.name][:, b].copy_(self.pools.tensors[g.name][:, src])
                 cache.tables[g.name].append(b)
             gained = best_k
             cache.partial_hit = True

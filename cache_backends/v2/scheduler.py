@@ -143,8 +143,10 @@ class KVCacheV2Scheduler(SchedulerBase):
                 self.new_token_ratio = min(1.0, max(self.new_token_ratio, self.init_ratio) + RATIO_BUMP)
         else:
             self.new_token_ratio = max(self.min_ratio, self.new_token_ratio - RATIO_DECAY)
-            budget = self._resume(waiting, running, out, chunks, budget, reasons)
-            if not any(r.state is RequestState.SUSPENDED for r in waiting):
+            suspended = [r for r in waiting if r.state is RequestState.SUSPENDED]  # one scan of a long queue
+            if suspended:
+                budget = self._resume(suspended, waiting, running, out, chunks, budget, reasons)
+            if not any(r.state is RequestState.SUSPENDED for r in suspended):
                 self._admit(waiting, running, out, chunks, budget, reasons)
 
         out.scheduled = list(chunks.values())
@@ -173,10 +175,10 @@ class KVCacheV2Scheduler(SchedulerBase):
         running.remove(victim)
         waiting.appendleft(victim)
 
-    def _resume(self, waiting: deque[Request], running: list[Request], out: SchedulerOutput,
+    def _resume(self, suspended: list[Request], waiting: deque[Request], running: list[Request], out: SchedulerOutput,
                 chunks: dict[Request, ScheduledChunk], budget: int, reasons: list[str]) -> int:
         m = self.manager
-        for r in sorted((r for r in waiting if r.state is RequestState.SUSPENDED), key=_rank):
+        for r in sorted(suspended, key=_rank):
             if len(running) >= self.max_batch_size or budget == 0:  # it could not run this step
                 break
             refusal = m.resume_refusal(r)

@@ -38,6 +38,8 @@ class SequenceCache:
     * ``nodes``: the radix node of every full committed ``T``-token block, ``len == committed // T``
       (only when prefix reuse is on). ``key_at == (len(nodes) + 1) * T``: the commit that reaches it
       fills a block to hang in the tree (:data:`NEVER` with reuse off).
+    * ``slide_at``: no sliding group releases a block before ``committed`` reaches it (the smallest
+      ``(released[g] + 1) * tokens_per_block(g) + window(g) - 1``), so commits below it skip the window check.
     * While suspended after admission, ``host[g]`` maps each logical block to its host slot (-1: none),
       and ``reclaim[g][j] = (block, gen)`` remembers cached device blocks that can be taken back as-is.
     """
@@ -52,6 +54,7 @@ class SequenceCache:
     capacity: int = 0
     room: int = 0  # a lower bound of the token slots every group's table holds (so growing up to it allocates nothing)
     key_at: int = NEVER
+    slide_at: int = 0  # the commit that may let a window release a block (0: check at the next commit)
     nodes: list[RadixNode] = attrs.Factory(list)
     host: dict[str, list[int]] | None = None
     reclaim: dict[str, dict[int, tuple[int, int]]] = attrs.Factory(dict)
