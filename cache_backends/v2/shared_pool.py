@@ -70,33 +70,7 @@ class SharedPool:
 
     def take(self, group: int, n: int, detach: Detach) -> list[int]:
         """``n`` pages for ``group`` with ``ref == 1``: free ones first, then the globally next to evict."""
-        free = self._free
-        if n > len(free) + len(self.evictable):
-            raise IndexError(f"shared arena: {n} blocks asked for group {self.names[group]}, "
-                             f"{self.available} free or evictable")
-        k = min(n, len(free))
-        out = free[len(free) - k:][::-1]
-        del free[len(free) - k:]
-        if n > k:
-            evicted = self.evictable.pop_many(n - k)
-            owner, group_of = self.node, self.group_of
-            by_group: dict[int, list[RadixNode]] = {}
-            for b in evicted:
-                g = group_of[b]
-                by_group.setdefault(g, []).append(owner[b])  # type: ignore[arg-type]
-                owner[b] = None
-                self.cached[g] -= 1
-                self.evicted[g] += 1
-            for g, nodes in by_group.items():
-                detach(self.names[g], nodes)
-            out += evicted
-        gen, ref, group_of = self.gen, self.ref, self.group_of
-        for b in out:
-            gen[b] += 1
-            ref[b] = 1
-            group_of[b] = group
-        self.used[group] += n
-        return out
+        return self.take_each((group,), (n,), detach)[0]
 
     def take_each(self, groups: Sequence[int], counts: Sequence[int], detach: Detach) -> list[list[int]]:
         """``counts[i]`` pages for ``groups[i]`` each, exactly as :meth:`take` called group by group in this order
@@ -111,8 +85,8 @@ class SharedPool:
         free = self._free
         total = sum(counts)
         if total > len(free) + len(self.evictable):
-            raise IndexError(f"shared arena: {total} blocks asked for {len(groups)} groups, "
-                             f"{self.available} free or evictable")
+            whom = f"group {self.names[groups[0]]}" if len(groups) == 1 else f"{len(groups)} groups"
+            raise IndexError(f"shared arena: {total} blocks asked for {whom}, {self.available} free or evictable")
         k = min(total, len(free))
         out = free[len(free) - k:][::-1]
         del free[len(free) - k:]
