@@ -65,7 +65,10 @@ def test_children_starting_with_matches_a_scan_of_the_children_in_order(ops):
         if root is None:
             continue
         want = [c for c in root.children.values() if c.token_ids[0] == ask]
+        if add and first % 2:  # the admission's yes/no question, asked before (it may build the index too)
+            assert root.has_child_starting_with(pack_tokens((ask,))) == bool(want)
         assert root.children_starting_with(ask) == want
+        assert root.has_child_starting_with(pack_tokens((ask,))) == bool(want)
         if root.by_first is not None:
             assert {t: list(g.values()) for t, g in root.by_first.items()} == {
                 t: [c for c in root.children.values() if c.tokens[:8] == t] for t in {c.tokens[:8] for c in
@@ -94,6 +97,18 @@ def test_partial_reuse_on_a_wide_node_picks_the_longest_match_among_children_sha
     compute(m, r, r.num_tokens - r.num_computed_tokens)
     m.check_invariants()
     assert m._tree.root(None).by_first is not None  # the wide root got its index and keeps it consistent
+    # A request whose first token starts no cached block claims nothing (the cheap admission miss), even if
+    # every later token matches; the same tokens behind a cached first token still find the partial block.
+    miss = Request("miss", [8, 1, 2, 9, 80, 81], 2)
+    admit(m, miss)
+    assert miss.num_computed_tokens == 0 and m.stats().reuse_partial_hits == hits + 1
+    other_salt = Request("salted", [7, 1, 2, 9, 80, 81], 2, salt="other")  # another scope: nothing cached there
+    admit(m, other_salt)
+    assert other_salt.num_computed_tokens == 0
+    full = Request("full", [7, 1, 2, 9, 80, 81], 2)
+    admit(m, full)
+    assert full.num_computed_tokens == 4 and m.stats().reuse_partial_hits == hits + 1  # p1's whole block
+    m.check_invariants()
 
 
 @settings(max_examples=40, deadline=None)

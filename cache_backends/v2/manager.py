@@ -978,6 +978,11 @@ class KVCacheManagerV2:
         m = 0
         if self._reuse:
             self.counters["reuse_query_tokens"] += request.num_tokens
+            if self._cheap_miss(request):  # nothing to claim, whole or partial: skip the lookups
+                cache.nodes = []
+                cache.key_at = T
+                self._activate(cache, 0)
+                return
             m, path = self._match(request)
             for g in self.groups if m else ():  # nothing matched: the tables stay as create() left them
                 tpb, step = g.tokens_per_block, g.tokens_per_block // T
@@ -992,6 +997,19 @@ class KVCacheManagerV2:
                 node.users += 1
             if self._partial:
                 m += self._claim_partial(cache, m, path)
+        self._activate(cache, m)
+
+    def _cheap_miss(self, request: Request) -> bool:
+        """Whether no cached block of the request's scope starts with its first token, so that neither a full
+        block nor part of one can match (what :meth:`_match` and :meth:`_claim_partial` would find then, without
+        packing and looking up a whole block twice: every request of a no-reuse workload takes this path)."""
+        root = self._tree.root(request.salt)
+        return (root is None or request.num_tokens < 2
+                or not root.has_child_starting_with(pack_tokens(_tokens(request, 0, 1))))
+
+    def _activate(self, cache: SequenceCache, m: int) -> None:
+        """Admission's end: ``m`` tokens are cached; the cache becomes active and its window is released."""
+        request = cache.request
         cache.committed = cache.history = cache.capacity = m
         cache.state = CacheState.ACTIVE
         self._count_worst(cache, 1)

@@ -20,9 +20,9 @@ k-th node). Invariants:
 * ``node.by_first``, once built, maps each first token (its 8 packed bytes) to exactly the children
   whose block starts with it, in the order of ``node.children``: partial matching only looks at children that share
   the first token (any other child matches zero tokens), so it does not scan every child of a wide
-  node. It is built the first time partial matching asks a node with more than
-  ``INDEX_CHILDREN_AFTER`` children, and kept from then on; other nodes (most: the blocks of one
-  prompt have a single child each, and only nodes where a lookup ends are asked) never pay for it.
+  node. It is built the first time partial matching (or an admission's first-token check, at a root) asks a
+  node with more than ``INDEX_CHILDREN_AFTER`` children, and kept from then on; other nodes (most: the blocks
+  of one prompt have a single child each, and only nodes where a lookup ends are asked) never pay for it.
 """
 
 from __future__ import annotations
@@ -86,17 +86,30 @@ class RadixNode:
         """The block's token ids (unpacked from :attr:`tokens`)."""
         return struct.unpack(f"<{len(self.tokens) // 8}q", self.tokens)
 
+    def has_child_starting_with(self, first: bytes) -> bool:
+        """Whether any child's block starts with the token packed as ``first`` (8 bytes): an admission that
+        matches nothing, not even part of a block, is told so without packing or comparing a whole block."""
+        if self.by_first is None:
+            if len(self.children) <= INDEX_CHILDREN_AFTER:
+                return any(tokens.startswith(first) for tokens in self.children)
+            self._index_by_first()
+        return first in self.by_first  # type: ignore[operator]
+
+    def _index_by_first(self) -> None:
+        """Build :attr:`by_first` (see the module doc); kept up to date by the tree from then on."""
+        by_first: dict[bytes, dict[bytes, RadixNode]] = {}
+        for tokens, child in self.children.items():
+            by_first.setdefault(tokens[:8], {})[tokens] = child
+        self.by_first = by_first
+
     def children_starting_with(self, token: int) -> list[RadixNode]:
         """The children whose block starts with ``token``, in insertion order."""
         first = pack_tokens((token,))
         if self.by_first is None:
             if len(self.children) <= INDEX_CHILDREN_AFTER:
                 return [child for child in self.children.values() if child.tokens.startswith(first)]
-            by_first: dict[bytes, dict[bytes, RadixNode]] = {}
-            for tokens, child in self.children.items():
-                by_first.setdefault(tokens[:8], {})[tokens] = child
-            self.by_first = by_first
-        group = self.by_first.get(first)
+            self._index_by_first()
+        group = self.by_first.get(first)  # type: ignore[union-attr]
         return list(group.values()) if group else []
 
 
