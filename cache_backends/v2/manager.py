@@ -395,8 +395,6 @@ class KVCacheManagerV2:
 
         The scheduler's per-request call: one lookup, and when everything fits (the common case) no search.
         """
-        if self._arena is not None:
-            return self._schedule_shared(request, want)
         cache = self._caches.get(request)
         if cache is None or cache.state is not CacheState.ACTIVE:
             return self.fit_tokens(request, want)  # raises the usual error
@@ -406,63 +404,55 @@ class KVCacheManagerV2:
             return 0
         target = committed + want
         if target > cache.room:  # some group needs a block (else the tables already hold the slots)
-            tables = cache.tables
-            needs = []
-            for name, tpb, pool in self._group_pools:
-                k = -(-target // tpb) - len(tables[name])
-                if k > len(pool._free) + len(pool.evictable):  # pool.available, inlined (hot path)
-                    n = self.fit_tokens(request, want)
-                    if n and not self.allocate(request, n):
-                        raise RuntimeError(f"request {request.req_id}: allocation of {n} tokens failed after fitting")
-                    return n
-                needs.append(k)
-            detach = self._detach
-            for (name, _, pool), k in zip(self._group_pools, needs, strict=True):
-                if k > 0:
-                    tables[name].extend(pool.allocate_many(k, detach))
-            cache.room = min(len(tables[name]) * tpb for name, tpb, _ in self._group_pools)
+            reserve = self._reserve_split if self._arena is None else self._reserve_shared
+            if not reserve(cache, target):  # not all of it fits now: search
+                n = self.fit_tokens(request, want)
+                if n and not self.allocate(request, n):
+                    raise RuntimeError(f"request {request.req_id}: allocation of {n} tokens failed after fitting")
+                return n
         if target > cache.capacity:
             cache.capacity = target
         if target > cache.history:
             cache.history = target
         return want
 
-    def _schedule_shared(self, request: Request, want: int) -> int:
-        """:meth:`schedule_tokens` for a shared arena: the groups' new blocks together against the arena.
+    def _reserve_split(self, cache: SequenceCache, target: int) -> bool:
+        """Grow every group's table to hold ``target`` tokens when all of it fits now (else change nothing); whether
+        it did. Pools per group: each group's new blocks against its own pool."""
+        tables = cache.tables
+        needs = []
+        for name, tpb, pool in self._group_pools:
+            k = -(-target // tpb) - len(tables[name])
+            if k > len(pool._free) + len(pool.evictable):  # pool.available, inlined (hot path)
+                return False
+            needs.append(k)
+        detach = self._detach
+        for (name, _, pool), k in zip(self._group_pools, needs, strict=True):
+            if k > 0:
+                tables[name].extend(pool.allocate_many(k, detach))
+        cache.room = min(len(tables[name]) * tpb for name, tpb, _ in self._group_pools)
+        return True
+
+    def _reserve_shared(self, cache: SequenceCache, target: int) -> bool:
+        """:meth:`_reserve_split` for a shared arena: the groups' new blocks together against the arena.
 
         Every group's table holds ``ceil(capacity / tokens_per_block)`` blocks (``check_invariants``), so
         the new blocks depend only on the block span: one sum per distinct span, not one per group.
         """
-        cache = self._caches.get(request)
-        if cache is None or cache.state is not CacheState.ACTIVE:
-            return self.fit_tokens(request, want)  # raises the usual error
-        committed = cache.committed
-        want = min(want, self.options.max_seq_len - committed, request.num_tokens - committed)
-        if want <= 0:
-            return 0
-        target = committed + want
         capacity = cache.capacity
-        if target > cache.room:  # some group needs a block (else the tables already hold the slots)
-            total = 0
-            for tpb, count in self._spans:
-                total += (-(-target // tpb) + capacity // -tpb) * count
-            if total:
-                arena = self._arena
-                assert arena is not None
-                if total > len(arena._free) + len(arena.evictable):
-                    n = self.fit_tokens(request, want)  # not all of it fits: search
-                    if n and not self.allocate(request, n):
-                        raise RuntimeError(f"request {request.req_id}: allocation of {n} tokens failed after fitting")
-                    return n
-                self._take_shared(cache.tables, [-(-target // tpb) + capacity // -tpb for tpb, _ in self._spans])
-            tables = cache.tables
-            cache.room = min(len(tables[first]) * tpb for first, (tpb, _) in zip(self._span_first, self._spans,
-                                                                                   strict=True))
-        if target > capacity:
-            cache.capacity = target
-        if target > cache.history:
-            cache.history = target
-        return want
+        total = 0
+        for tpb, count in self._spans:
+            total += (-(-target // tpb) + capacity // -tpb) * count
+        if total:
+            arena = self._arena
+            assert arena is not None
+            if total > len(arena._free) + len(arena.evictable):
+                return False
+            self._take_shared(cache.tables, [-(-target // tpb) + capacity // -tpb for tpb, _ in self._spans])
+        tables = cache.tables
+        cache.room = min(len(tables[first]) * tpb for first, (tpb, _) in zip(self._span_first, self._spans,
+                                                                               strict=True))
+        return True
 
     def _span_need(self, cache: SequenceCache, capacity: int) -> list[int]:
         """Per block span (``_spans``): blocks each of its groups needs for ``capacity`` (below 0: to give back).
