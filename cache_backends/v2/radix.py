@@ -175,30 +175,12 @@ class RadixTree:
 
     def detach(self, group: str, nodes: Iterable[RadixNode]) -> None:
         """Unhook ``group``'s block from each node (evicted or dropped blocks) and prune every node left
-        with no block, child or user, walking up as :meth:`prune` does; one pass for a run of blocks."""
-        removed = 0
-        roots = self.roots
+        with no block, child or user, as :meth:`prune` does; one call for a run of blocks."""
         for node in nodes:
             blocks = node.blocks
             del blocks[group]
-            if blocks or node.children or node.users:
-                continue
-            parent = node.parent
-            while parent is not None:  # = _unhook, inlined (this runs for every evicted block), then walk up
-                del parent.children[node.tokens]  # type: ignore[attr-defined]
-                if parent.by_first is not None:
-                    siblings = parent.by_first[node.tokens[:8]]
-                    del siblings[node.tokens]
-                    if not siblings:
-                        del parent.by_first[node.tokens[:8]]
-                node.parent = None
-                removed += 1
-                node, parent = parent, parent.parent
-                if node.blocks or node.children or node.users:
-                    break
-            if parent is None and not node.children and roots.get(node.salt) is node:  # = _drop_empty_root
-                del roots[node.salt]
-        self.num_nodes -= removed
+            if not blocks and not node.children and not node.users:
+                self.prune(node)
 
     def leave(self, nodes: Iterable[RadixNode]) -> None:
         """A cache lets go of its path (pass it deepest first): each node loses a user; nodes left with no
