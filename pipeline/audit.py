@@ -45,9 +45,40 @@ class AuditLog:
         self.header = header or header_record()
         #: The verdict on a file's hash chain (:func:`pipeline.audit_chain.check_chain`); None in memory.
         self.chain: dict[str, Any] | None = None
+        #: Set by :meth:`keep_tail`: records before ``pinned`` are always kept, at most ``max_tail`` after them.
+        self.pinned = 0
+        self.max_tail: int | None = None
+        #: Records :meth:`keep_tail` let go of (oldest first); the sinks of the bus still got them.
+        self.dropped = 0
 
     def __call__(self, record: dict[str, Any]) -> None:
-        self.events.append(record)
+        events = self.events
+        events.append(record)
+        if self.max_tail is not None:
+            over = len(events) - self.pinned - self.max_tail
+            # Trimmed in slices of an eighth of the tail: an append stays amortised O(1).
+            if over > self.max_tail // 8:
+                del events[self.pinned:self.pinned + over]
+                self.dropped += over
+
+    def keep_tail(self, max_records: int) -> None:
+        """Bound the memory of a long-lived log (``kvload serve``): keep every record so far (the load's) and
+        at most about ``max_records`` later ones, the newest; :meth:`tail` reads exactly the last ``max_records``."""
+        if max_records < 0:
+            raise ValueError(f"max_records: must be >= 0, got {max_records}")
+        self.pinned = len(self.events)
+        self.max_tail = max_records
+
+    def tail(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
+        """(the pinned records, the newest kept records after them, how many were let go) — one consistent copy."""
+        while True:  # the engine's thread may append (and trim) meanwhile: copy until no trim came between
+            dropped = self.dropped
+            events = list(self.events)
+            if dropped == self.dropped:
+                break
+        head, rest = events[:self.pinned], events[self.pinned:]
+        extra = 0 if self.max_tail is None else max(0, len(rest) - self.max_tail)
+        return head, rest[extra:], dropped + extra
 
     def __len__(self) -> int:
         return len(self.events)

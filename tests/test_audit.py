@@ -157,3 +157,27 @@ def test_user_leaves_never_change_and_replay_reproduces(property_checkpoint, use
             assert final[f"kv_cache_config.{key}"] == want
     assert result.audit.replay() == unstructure(result.args)
     assert "auto" not in final.values()
+
+
+@settings(max_examples=60, deadline=None)
+@given(pinned=st.integers(0, 5), keep=st.integers(0, 40), appended=st.integers(0, 200))
+def test_a_bounded_log_keeps_its_pinned_records_and_exactly_the_newest_tail(pinned, keep, appended):
+    log = AuditLog({"event": "load", "i": i} for i in range(pinned))
+    log.keep_tail(keep)
+    for i in range(appended):
+        log({"event": "request_finished", "i": i})
+    head, tail, dropped = log.tail()
+    assert [r["i"] for r in head] == list(range(pinned))  # a server's load records are never let go
+    assert [r["i"] for r in tail] == list(range(appended))[max(0, appended - keep):]
+    assert dropped == appended - len(tail)
+    assert len(log.events) <= pinned + keep + keep // 8 + 1  # memory stays bounded
+
+
+def test_an_unbounded_log_drops_nothing():
+    log = AuditLog()
+    for i in range(50):
+        log({"event": "e", "i": i})
+    head, tail, dropped = log.tail()
+    assert len(head) + len(tail) == 50 and dropped == 0
+    with pytest.raises(ValueError, match="max_records"):
+        log.keep_tail(-1)

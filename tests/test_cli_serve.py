@@ -19,7 +19,7 @@ def test_serve_process_answers_then_stops_cleanly_on_sigterm(tmp_path):
     events = tmp_path / "kv_events.jsonl"
     proc = subprocess.Popen([sys.executable, "-m", "kvload", "serve", "tiny-llama", "--port", "0", "--max_tokens",
                              "1024", "--event_buffer_max_size", "100", "--kv-events-file", str(events),
-                             "--audit-log", str(tmp_path / "audit.jsonl")],
+                             "--audit-log", str(tmp_path / "audit.jsonl"), "--audit-keep", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, cwd=REPO)
     try:
@@ -36,10 +36,20 @@ def test_serve_process_answers_then_stops_cleanly_on_sigterm(tmp_path):
             written = [json.loads(line) for line in events.read_text().splitlines()]
             assert written[0]["type"] == "kv_block_stored" and written[0]["token_ids"] == list(range(1, 33))
             assert "kvload_generation_tokens_total" in http.get("/metrics").text
+            r = http.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2, "ignore_eos": True})
+            assert r.status_code == 200
+            # --audit-keep 1: the load's records and the newest request-time record, and a line saying what is not
+            served = http.get("/v1/kvload/audit")
+            records = [json.loads(line) for line in served.text.splitlines()]
+            names = [r["event"] for r in records]
+            at = names.index("audit_records_dropped")
+            assert names[at - 1] == "pipeline_finished" and names[at + 1:] == ["request_finished"]
+            assert records[at]["dropped"] == 3 == int(served.headers["X-Kvload-Audit-Dropped"])
         proc.send_signal(signal.SIGTERM)  # what service managers send
         assert proc.wait(timeout=30) == 0
         audit = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
-        assert any(r["event"] == "request_finished" for r in audit)  # the served requests joined the audit log
+        # the served requests joined the audit log, every one of them (--audit-keep bounds only the memory)
+        assert [r["event"] for r in audit].count("request_finished") == 2
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)

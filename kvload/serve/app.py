@@ -77,8 +77,14 @@ def create_app(state: ServeState) -> FastAPI:
     @app.get("/v1/kvload/audit")
     async def audit() -> Response:
         log = state.result.audit
-        lines = [json.dumps(r, default=str, separators=(",", ":")) for r in [log.header, *list(log.events)]]
-        return Response("\n".join(lines) + "\n", media_type="application/x-ndjson")
+        head, tail, dropped = log.tail()
+        if dropped:  # said where the records are missing, so no reader takes the log for complete
+            head.append({"event": "audit_records_dropped", "dropped": dropped, "kept": len(tail),
+                         "reason": f"the server keeps the newest {log.max_tail} request-time records in memory "
+                                   "(--audit-keep); --audit-log FILE has them all"})
+        lines = [json.dumps(r, default=str, separators=(",", ":")) for r in [log.header, *head, *tail]]
+        return Response("\n".join(lines) + "\n", media_type="application/x-ndjson",
+                        headers={"X-Kvload-Audit-Dropped": str(dropped)})
 
     @app.get("/v1/kvload/explain")
     async def explain(field: str | None = None) -> dict[str, Any]:

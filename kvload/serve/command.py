@@ -9,6 +9,8 @@ from typing import Any
 #: Sequences of ``--default-max-tokens`` + this many prompt tokens that the CPU default KV budget holds.
 SERVE_DEFAULT_SEQUENCES = 8
 SERVE_PROMPT_ALLOWANCE = 1024
+#: Request-time audit records a server keeps in memory by default (a few hundred bytes each).
+AUDIT_KEEP_DEFAULT = 100_000
 
 _EPILOG = """\
 Endpoints (OpenAI-compatible): POST /v1/completions, POST /v1/chat/completions (stream=true for
@@ -55,6 +57,11 @@ def add_serve_command(sub: Any) -> None:
     g.add_argument("--kv-events-file", "--kv_events_file", dest="kv_events_file", default=None, metavar="FILE.jsonl",
                    help="also append every KV cache event to this file as it happens (needs "
                         "--event_buffer_max_size N > 0)")
+    g.add_argument("--audit-keep", "--audit_keep", dest="audit_keep", default=AUDIT_KEEP_DEFAULT, metavar="N",
+                   type=cli._bounded(cli.integer, lambda v: v >= 0, "an integer >= 0"),
+                   help="request-time audit records (request_admitted, request_finished, ...) kept in memory for "
+                        "GET /v1/kvload/audit, the newest; the load's are always kept and --audit-log FILE gets "
+                        "every record (default %(default)s, a few hundred bytes each)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -92,7 +99,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     request.overrides.setdefault("kv_cache_config", {}).setdefault(
         "default_max_tokens", SERVE_DEFAULT_SEQUENCES * (ns.default_max_tokens + SERVE_PROMPT_ALLOWANCE))
     with execute(request, load_stages(), subscribers=audit) as result:  # request events reach the audit too
-        state = build_state(result, model_name=ns.served_model_name, default_max_tokens=ns.default_max_tokens)
+        state = build_state(result, model_name=ns.served_model_name, default_max_tokens=ns.default_max_tokens,
+                            audit_keep=ns.audit_keep)
         events_file = None
         if ns.kv_events_file is not None:
             events_file = open(ns.kv_events_file, "a", encoding="utf-8")  # noqa: SIM115 (closed below)

@@ -17,12 +17,16 @@ import uvicorn
 
 from engine.serving import ServingEngine
 from kvload.serve.app import ServeState, create_app
+from kvload.serve.command import AUDIT_KEEP_DEFAULT
 from kvload.serve.metrics import ServeMetrics
 from pipeline.errors import ConfigError
 
 
-def build_state(result: Any, *, model_name: str | None = None, default_max_tokens: int = 256) -> ServeState:
-    """Engine (not started) and metrics over a ``load(..., load_weights=True)`` result."""
+def build_state(result: Any, *, model_name: str | None = None, default_max_tokens: int = 256,
+                audit_keep: int = AUDIT_KEEP_DEFAULT) -> ServeState:
+    """Engine (not started) and metrics over a ``load(..., load_weights=True)`` result; from now on its audit log
+    keeps the load's records and the newest ``audit_keep`` (``/v1/kvload/audit`` serves them)."""
+    result.audit.keep_tail(audit_keep)
     name = model_name or (result.model.name if result.model is not None else str(result.args.model))
     metrics = ServeMetrics(name)
     engine = ServingEngine.from_result(result, observer=metrics)
