@@ -5,9 +5,10 @@ Budget rules (TensorRT-LLM's, made explicit):
 * On CUDA: the device's free memory *when the budget is computed* (after the weights, when they
   are loaded) × ``free_gpu_memory_fraction``.
 * Capped by ``max_gpu_total_bytes`` (0 = no cap) and by the bytes that hold ``max_tokens`` tokens
-  (:meth:`KvLayout.blocks_for_tokens`: each growing group ``ceil(max_tokens / T)`` blocks, plus the
-  windows of the ``ceil(max_tokens / max_seq_len)`` sequences those tokens make). When that cap sets
-  the budget, the pools get exactly those blocks.
+  (:meth:`KvLayout.blocks_for_tokens`: ``ceil(max_tokens / T)`` blocks in every layer group, window
+  groups too, as TensorRT-LLM caps tokens per window size, so V1 and V2 get the same bytes for one
+  ``max_tokens``; pools split between groups price a window group for ``max_seq_len`` sequences
+  instead). When that cap sets the budget, the pools get exactly those blocks.
 * On CPU there is no free-memory rule: ``max_tokens`` or ``max_gpu_total_bytes`` must bound the
   budget; otherwise it is unbounded (``budget_bytes`` is None) and only a plan can be reported.
 * A budget below one block per group cannot hold anything: :class:`BudgetError`.

@@ -184,13 +184,19 @@ class KvLayout:
         return sum(g.bytes_per_block for g in self.groups)
 
     def blocks_for_tokens(self, tokens: int, seq_len: int) -> dict[str, int]:
-        """Blocks per group that hold ``tokens`` tokens cut into sequences of ``seq_len`` (the last one shorter).
+        """Blocks per group that hold ``tokens`` tokens: ``ceil(tokens / tokens_per_block)`` in every group.
 
-        A growing group gets ``ceil(tokens / tokens_per_block)`` blocks (its own ``tokens_per_block``),
-        so the pools hold ``tokens`` rounded up to one block, not one block per sequence. A window group
-        gets the windows of the ``ceil(tokens / seq_len)`` sequences those tokens make (each at most
-        ``min(tokens, seq_len)`` long).
+        TensorRT-LLM's rule (``max_tokens`` caps the tokens *per window size*): a window group gets as
+        many token slots as a growing one, so ``max_tokens`` buys V2 the bytes it buys V1 — a window only
+        makes each sequence take fewer of them, so more sequences run, never fewer. (Pricing a window group
+        as one window per ``max_seq_len`` sequence gave a sliding-window model 9 blocks where V1 got 128.)
         A shared arena gets the sum of those blocks, and every group counts all of them.
+
+        Pools split between groups (:attr:`shared` false with several groups: DeepSeek V4) cannot lend each
+        other pages, so there a window group gets the windows of the ``ceil(tokens / seq_len)`` sequences of
+        ``seq_len`` those tokens make (each at most ``min(tokens, seq_len)`` long), as :meth:`split_budget`
+        prices a byte budget: ``max_tokens`` window slots would sit idle while long sequences fill the
+        growing pools (7.5x the bytes for tiny-deepseek-v4 at 65,536 tokens, for the same one sequence).
         """
         own = self._own_blocks_for_tokens(tokens, seq_len)
         if self.shared:
@@ -199,14 +205,13 @@ class KvLayout:
         return own
 
     def _own_blocks_for_tokens(self, tokens: int, seq_len: int) -> dict[str, int]:
-        tokens, length = max(tokens, 0), max(seq_len, 1)
-        sequences = math.ceil(tokens / length)
-        longest = min(tokens, length)
-        return {
-            g.name: math.ceil(tokens / g.tokens_per_block) if g.keeps_all_tokens
-            else sequences * g.blocks_for(longest)
-            for g in self.groups
-        }
+        tokens = max(tokens, 0)
+        if self.shared or len(self.groups) == 1:
+            return {g.name: max(1, math.ceil(tokens / g.tokens_per_block)) for g in self.groups}
+        length = max(seq_len, 1)
+        sequences, longest = math.ceil(tokens / length), min(tokens, length)
+        return {g.name: math.ceil(tokens / g.tokens_per_block) if g.keeps_all_tokens
+                else sequences * g.blocks_for(longest) for g in self.groups}
 
     def bytes_for_tokens(self, tokens: int, seq_len: int) -> int:
         """Bytes of the pools :meth:`blocks_for_tokens` gives (V1: ``ceil(tokens / T)`` blocks)."""
@@ -229,7 +234,7 @@ class KvLayout:
         holds — one window per sequence of ``max_seq_len`` — not for the number that will actually
         run, so many sequences much shorter than ``max_seq_len`` can be limited by the window pool
         while the growing pools still have room. Lower ``max_seq_len`` to the longest sequence
-        expected to get more windows for the same tokens; :meth:`blocks_for_tokens` is alike.
+        expected to get more windows for the same tokens; :meth:`blocks_for_tokens` is alike for them.
         """
         if self.shared:
             arena = max(1, max(budget_bytes, 0) // self.groups[0].bytes_per_block)
@@ -289,9 +294,24 @@ class KvLayout:
         growing = [blocks[g.name] * g.tokens_per_block for g in self.groups if g.keeps_all_tokens]
         if growing:
             return min(growing)
-        # Only windows: every sequence costs a bounded number of blocks, so report the tokens
-        # those blocks can hold at once.
-        return min(blocks[g.name] * g.tokens_per_block for g in self.groups)
+        # Only windows: every sequence costs a bounded number of blocks. With ``seq_len``, the tokens of the
+        # sequences of that length that fit at once (as for an arena, and as V1 counts what it serves);
+        # without, the token slots of the tightest group.
+        slots = min(blocks[g.name] * g.tokens_per_block for g in self.groups)
+        if seq_len is None:
+            return slots
+        length = max(seq_len, 1)
+        fits = self.max_sequences(blocks, length)
+        need = self.blocks_for_sequence(length)
+        left = {g.name: blocks[g.name] - fits * need[g.name] for g in self.groups}
+        lo, hi = 0, length - 1
+        while lo < hi:  # the longest shorter sequence the blocks left over hold
+            mid = (lo + hi + 1) // 2
+            if all(g.blocks_for(mid) <= left[g.name] for g in self.groups):
+                lo = mid
+            else:
+                hi = mid - 1
+        return fits * length + lo
 
     def _arena_capacity_tokens(self, pages: int) -> int:
         if not any(g.keeps_all_tokens for g in self.groups):  # windows only: tokens all groups hold at once

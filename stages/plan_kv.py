@@ -389,8 +389,7 @@ def budget_reason(budget: KvBudget) -> str:
         return (f"free device memory {budget.free_bytes} B × free_gpu_memory_fraction "
                 f"{budget.free_gpu_memory_fraction}")
     if budget.limited_by == "max_tokens":
-        return (f"max_tokens {budget.max_tokens} as sequences of max_seq_len {budget.max_seq_len} "
-                f"need {budget.tokens_cap_bytes} B")
+        return f"max_tokens {budget.max_tokens} need {budget.tokens_cap_bytes} B"
     return f"max_gpu_total_bytes caps it at {budget.max_gpu_total_bytes} B"
 
 

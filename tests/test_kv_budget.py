@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+import pipeline
 from cache_backends import LayerKV, build_layout
 from cache_backends.budget import BudgetError, compute_budget, host_available_bytes, is_cuda, plan_pools
 
@@ -78,7 +79,8 @@ def test_max_tokens_buys_max_tokens_rounded_up_to_a_block_whatever_max_seq_len_i
     assert b.budget_bytes == 125 * layout.groups[0].bytes_per_block  # ceil(4000 / 32)
 
 
-def test_max_tokens_gives_growing_groups_their_tokens_and_window_groups_one_window_per_sequence():
+def test_split_pools_give_growing_groups_their_tokens_and_window_groups_one_window_per_sequence():
+    # pools that cannot lend each other pages (DeepSeek V4): max_tokens window slots would sit idle
     layers = [LayerKV(i, "sliding", 64, window=64) for i in range(5)] + [LayerKV(5, "full", 128)]
     layout = build_layout(layers, "v2", 16, "float32")  # other page shapes: pools split between the groups
     sliding = next(g for g in layout.groups if g.window)
@@ -89,12 +91,35 @@ def test_max_tokens_gives_growing_groups_their_tokens_and_window_groups_one_wind
     assert layout.blocks_for_tokens(50, 100) == {"full": 4, sliding.name: sliding.blocks_for(50)}  # one short sequence
 
 
+def test_a_one_group_sliding_layout_gets_max_tokens_slots_as_v1_does():
+    layout = build_layout([LayerKV(i, "sliding", 64, window=64) for i in range(4)], "v2", 16, "float32")
+    v1 = build_layout([LayerKV(i, "full", 64) for i in range(4)], "v1", 16, "float32")
+    assert layout.blocks_for_tokens(4096, 8192) == {layout.groups[0].name: 256}  # not one 8192-token window
+    assert layout.bytes_for_tokens(4096, 8192) == v1.bytes_for_tokens(4096, 8192)
+    pools = plan_pools(layout, layout.bytes_for_tokens(4096, 8192), 8192, max_tokens=4096)
+    assert pools.max_concurrency == 256 // layout.groups[0].blocks_for(8192)  # 51 windows of 5 blocks
+
+
 def test_max_tokens_gives_a_shared_arena_the_blocks_the_groups_would_take_apart():
     layers = [LayerKV(i, "sliding", 64, window=64) for i in range(5)] + [LayerKV(5, "full", 64)]
     layout = build_layout(layers, "v2", 16, "float32")  # equal pages: six 1-layer groups, one arena
-    window = layout.groups[0].blocks_for(100)  # 5 blocks: the window of a 100-token sequence
-    pages = 256 + 5 * 41 * window  # the full group's tokens + every sliding group's 41 windows
+    pages = 6 * 256  # every group's 4096 tokens
     pools = plan_pools(layout, layout.bytes_for_tokens(4096, 100), 100, max_tokens=4096)
     assert set(pools.num_blocks.values()) == {pages}  # every group can take any of them
     assert pools.total_bytes == pages * layout.page_bytes == layout.bytes_for_tokens(4096, 100)
+    window = layout.groups[0].blocks_for(100)  # 5 blocks: the window of a 100-token sequence
     assert pools.max_concurrency == pages // (7 + 5 * window)  # sequences of 100 tokens, jointly
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mistral", "tiny-qwen3", "tiny-gemma3", "tiny-deepseek-v3"])
+@pytest.mark.parametrize("max_tokens", [1024, 4096, 65536])
+def test_one_max_tokens_buys_v2_no_fewer_bytes_tokens_or_sequences_than_v1(preset, max_tokens):
+    # "auto" may route either manager: the same --max_tokens must not shrink the KV memory when it picks V2
+    # (a sliding-window model once got 9 blocks on V2 where V1 got 128)
+    plans = {v2: pipeline.plan(preset, log=False, kv_cache_config={"max_tokens": max_tokens,
+                                                                   "use_kv_cache_manager_v2": v2}).kv
+             for v2 in (False, True)}
+    v1, v2 = plans[False], plans[True]
+    assert v2.budget_bytes == v1.budget_bytes  # the same bytes: every layer holds max_tokens tokens in both
+    assert v2.capacity_tokens >= v1.capacity_tokens >= max_tokens
+    assert v2.max_concurrency >= v1.max_concurrency

@@ -64,14 +64,16 @@ def test_plan_json_fields_for_the_kv_plan():
                         kv_cache_config={"use_kv_cache_manager_v2": True, "max_tokens": 8192}).kv.to_dict()
     groups = {g["name"]: g for g in doc["layer_groups"]}
     assert set(groups["full"]) >= {"name", "kind", "layers", "window", "compress_rate", "bytes_per_block", "blocks"}
-    # 8192 tokens as 4 sequences of 2048: full's 256 blocks and, for each of the five 1-layer sliding groups,
-    # 4 windows of 17 blocks, in one arena every group counts whole
-    arena = 8192 // 32 + 5 * 4 * 17
+    # 8192 tokens in every group (TensorRT-LLM's max_tokens per window size): 256 blocks for each of the six
+    # groups, in one arena every group counts whole
+    arena = 6 * (8192 // 32)
     assert {g["blocks"] for g in groups.values()} == {arena} and doc["memory"]["arena_blocks"] == arena
-    assert doc["memory"]["shared"] and "4 sequence(s) of 2,048 tokens fit jointly" in doc["memory"]["text"]
-    assert doc["max_concurrency"] == arena // (2048 // 32 + 5 * 17) == 4
-    # the tokens served at once, as V1 counts them: the four 2,048-token sequences, no pages left for a fifth
-    assert doc["capacity_tokens"] == 4 * 2048
+    per_seq = 2048 // 32 + 5 * 17  # a 2,048-token sequence: 64 full blocks, a 17-block window in each sliding group
+    assert doc["max_concurrency"] == arena // per_seq == 10
+    assert doc["memory"]["shared"] and "10 sequence(s) of 2,048 tokens fit jointly" in doc["memory"]["text"]
+    # the tokens served at once, as V1 counts them: ten 2,048-token sequences, then the 46 pages left hold one of
+    # 224 tokens (7 blocks in each of the six groups)
+    assert doc["capacity_tokens"] == 10 * 2048 + 224
     # the groups view one arena: no group has bytes of its own, the arena's are counted once
     assert all(g["shared"] and g["bytes"] is None for g in groups.values())
     assert doc["total_bytes"] == arena * groups["full"]["bytes_per_block"]
