@@ -98,6 +98,7 @@ def test_a_one_group_sliding_layout_gets_max_tokens_slots_as_v1_does():
     assert layout.bytes_for_tokens(4096, 8192) == v1.bytes_for_tokens(4096, 8192)
     pools = plan_pools(layout, layout.bytes_for_tokens(4096, 8192), 8192, max_tokens=4096)
     assert pools.max_concurrency == 256 // layout.groups[0].blocks_for(8192)  # 51 windows of 5 blocks
+    assert pools.capacity_tokens == 51 * 8192 + 16  # served at once; the block left over holds 16 more tokens
 
 
 def test_max_tokens_gives_a_shared_arena_the_blocks_the_groups_would_take_apart():
