@@ -152,12 +152,17 @@ class ServingEngine:
 
     def stop(self, timeout: float = 30.0) -> None:
         """End the loop; requests still queued or running end with reason ``"abort"``."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
+        self.request_stop()
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+
+    def request_stop(self) -> None:
+        """Tell the loop to end after its step (every request left then ends with ``"abort"``); returns at once,
+        so a server's shutdown can call it before waiting for its open streams, which then end promptly."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
 
     @property
     def alive(self) -> bool:

@@ -739,6 +739,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     level = getattr(ns, "log_level", None) or env_level or "warning"  # explain/audit/models log nothing
     held = HeldStream() if level in ("warning", "error") and not ns.debug else None
     configure_logging(getattr(ns, "log_format", None) or env_format or "console", level, held)
+    ns.held_log = held  # a command that runs on after its set-up (serve) lets the warnings through then
     ok = False
     try:
         code = _run(ns)

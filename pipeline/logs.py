@@ -22,14 +22,26 @@ class HeldStream:
     def __init__(self, target: TextIO | None = None) -> None:
         self._target = target
         self._held: list[str] = []
+        self._through = False
 
     def write(self, text: str) -> int:
-        """Hold ``text``."""
-        self._held.append(text)
+        """Hold ``text`` (or write it at once, after :meth:`pass_through`)."""
+        if self._through:
+            target = self._target or sys.stderr
+            target.write(text)
+            target.flush()
+        else:
+            self._held.append(text)
         return len(text)
 
     def flush(self) -> None:
         """Nothing to do until :meth:`release`."""
+
+    def pass_through(self) -> None:
+        """The outcome that holding waits for is known early (a server that loaded and now serves): write what
+        was held and, from now on, every line as it comes — an operator sees a warning while it matters."""
+        self.release(True)
+        self._through = True
 
     def release(self, ok: bool) -> None:
         """Write what was held (``ok``) or drop it."""

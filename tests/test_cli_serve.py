@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -24,10 +25,14 @@ def test_serve_process_answers_then_stops_cleanly_on_sigterm(tmp_path):
                             env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, cwd=REPO)
     try:
         deadline = time.monotonic() + 120
-        line = ""
+        line, before = "", []
         while " at http://" not in line:
             assert time.monotonic() < deadline and proc.poll() is None, f"server did not start: {line}"
             line = proc.stderr.readline()
+            before.append(line)
+        # the load's warnings reach the operator while the server runs, not when it stops (--max_tokens 1024 is
+        # shorter than tiny-llama's 8,192-token max_seq_len)
+        assert any("kv_budget_short" in b for b in before), before
         url = line.split(" at ", 1)[1].split(" ", 1)[0]
         with httpx.Client(base_url=url, timeout=30) as http:
             assert http.get("/health").json() == {"status": "ok"}
@@ -45,11 +50,30 @@ def test_serve_process_answers_then_stops_cleanly_on_sigterm(tmp_path):
             at = names.index("audit_records_dropped")
             assert names[at - 1] == "pipeline_finished" and names[at + 1:] == ["request_finished"]
             assert records[at]["dropped"] == 3 == int(served.headers["X-Kvload-Audit-Dropped"])
+            # a long stream in flight when the service manager stops the server: it ends properly, not cut off
+            lines, first = [], threading.Event()
+
+            def stream():
+                body = {"prompt": [9, 8, 7], "max_tokens": 900, "ignore_eos": True, "stream": True}
+                with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+                    for chunk in r.iter_lines():
+                        if chunk:
+                            lines.append(chunk)
+                            first.set()
+
+            reader = threading.Thread(target=stream)
+            reader.start()
+            assert first.wait(60)
         proc.send_signal(signal.SIGTERM)  # what service managers send
         assert proc.wait(timeout=30) == 0
+        reader.join(30)
+        data = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+        assert lines[-1] == "data: [DONE]" and data[-1]["choices"][0]["finish_reason"] == "abort"
+        assert len(data) < 900  # ended by the stop, not run to its end
+        assert "Traceback" not in proc.stderr.read()
         audit = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
         # the served requests joined the audit log, every one of them (--audit-keep bounds only the memory)
-        assert [r["event"] for r in audit].count("request_finished") == 2
+        assert [r["event"] for r in audit].count("request_finished") == 3  # the aborted stream too
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)

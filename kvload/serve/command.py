@@ -107,6 +107,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             result.kv_manager.kv_events.jsonl = events_file
 
         def ready(url: str) -> None:
+            if getattr(ns, "held_log", None) is not None:  # loaded: the load's warnings now, later ones as they come
+                ns.held_log.pass_through()
             kv = result.kv
             print(f"kvload serve: {state.model_name} at {url} ({type(result.kv_manager).__name__}, "
                   f"{kv.capacity_tokens:,} KV tokens); Ctrl-C stops", file=sys.stderr, flush=True)

@@ -54,10 +54,28 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _server(state: ServeState, log_level: str) -> uvicorn.Server:
+class _Server(uvicorn.Server):
+    """uvicorn's server, ending the engine's requests as soon as a stop is asked for.
+
+    uvicorn's graceful shutdown waits for open connections; a stream of thousands of tokens would hold it
+    until the timeout, then be cancelled mid-body (a traceback, a client cut off without ``[DONE]``). Asking
+    the engine to stop first ends every request with ``finish_reason: "abort"``, so streams close properly
+    and the process exits at once.
+    """
+
+    def __init__(self, config: uvicorn.Config, state: ServeState) -> None:
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig: int, frame: Any) -> None:  # the SIGINT/SIGTERM handler uvicorn installs
+        self.state.engine.request_stop()
+        super().handle_exit(sig, frame)
+
+
+def _server(state: ServeState, log_level: str) -> _Server:
     config = uvicorn.Config(create_app(state), log_level=log_level, access_log=log_level in ("debug", "info"),
                             timeout_graceful_shutdown=5, lifespan="off")
-    return uvicorn.Server(config)
+    return _Server(config, state)
 
 
 def serve(state: ServeState, host: str, port: int, *, log_level: str = "warning",
@@ -112,7 +130,8 @@ class ServerThread:
         return self
 
     def stop(self, timeout: float = 15.0) -> None:
-        """Stop accepting, finish the HTTP loop, stop the engine (idempotent)."""
+        """Stop accepting, end the engine's requests, finish the HTTP loop, stop the engine (idempotent)."""
+        self.state.engine.request_stop()
         self.server.should_exit = True
         if self.thread.is_alive():
             self.thread.join(timeout)
