@@ -87,6 +87,9 @@ class KVCacheManagerProtocol(Protocol):
     def block_table(self, request: Request, group: str) -> list[int]:
         """Physical block per logical block of ``request`` in ``group``; -1 where released (window) or absent."""
 
+    def block_tables(self, request: Request) -> list[list[int]]:
+        """``block_table`` of every group, in ``layout.groups`` order (one call per request and step)."""
+
     def commit(self, request: Request, num_tokens: int) -> None:
         """The KV of the next ``num_tokens`` tokens is written: advance ``num_computed_tokens``, hash full blocks,
         release blocks that fell out of a window."""

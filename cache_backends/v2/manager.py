@@ -602,6 +602,11 @@ class KVCacheManagerV2:
             raise ValueError(f"no layer group {group!r}; groups: {', '.join(cache.tables)}")
         return list(cache.tables[group])
 
+    def block_tables(self, request: Request) -> list[list[int]]:
+        """``block_table`` of every group, in ``layout.groups`` order (one call where a shared arena cut many)."""
+        tables = self._active(request).tables
+        return [list(tables[g.name]) for g in self.groups]
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix: the radix tree is emptied and every block of every group is free.
 
