@@ -16,6 +16,14 @@ into a dense ``(B, kv_heads, L, head_dim)`` cache and runs SDPA over it. ``plan_
 (``BlockTableStore``); ``plan_flex`` the compiled path's plan (tables + block mask). A plan is paid
 once per step and shared by every layer; the ``_x`` ratios add it to one layer's attention (the
 worst case: a one-layer model). Medians over ``--reps`` runs after warm-up.
+
+``--plan-groups 5+1,52+10`` times only the per-step plan of a whole model instead: ``S`` sliding-window
+(``--window``) and ``F`` full layers on a V2 layout, once with every layer's page the same shape (one
+shared arena, the layers cut into ``gcd(S, F)``-layer groups: tiny-gemma3 is 5+1 → 6 groups, Gemma 3 27B
+52+10 → 31) and once with the full layers' entries twice as wide (pages differ: the same layers stay two
+groups). A plan is what the executor does per step before the forward: every request's block tables
+into the store (``update_all``), the step's tables, ``PagedBatch.build`` and every layer's gather slots
+and mask. The ``cut / 2 groups`` column is what the cut costs the plan.
 """
 
 from __future__ import annotations
@@ -137,6 +145,58 @@ def bench_point(batch: int, length: int, args: argparse.Namespace, device: torch
     return result
 
 
+def plan_point(sliding: int, full: int, cut: bool, batch: int, length: int,
+               args: argparse.Namespace) -> tuple[int, float]:
+    """(groups, median µs) of one step's plan for ``sliding`` + ``full`` layers, decode of ``batch`` x ``length``."""
+    T, E = args.block, 1  # the plan never reads entries: one-element entries keep the arena small
+    layers = [LayerKV(i, "sliding", E, window=args.window) for i in range(sliding)]
+    layers += [LayerKV(sliding + i, "full", E if cut else 2 * E) for i in range(full)]
+    layout = build_layout(layers, "v2", T, "float32")
+    names = [g.name for g in layout.groups]
+    nblk = -(-length // T)
+    total = batch * nblk * len(names) + 1
+    pools = BlockPools(layout, dict.fromkeys(names, total), "cpu")
+    ids = list(range(total))
+    random.Random(0).shuffle(ids)
+    lens = [length - (b * length // (2 * batch) if args.ragged else 0) for b in range(batch)]
+    lists: list[list[list[int]]] = []  # per request, every group's list (what manager.block_tables returns)
+    for n in lens:
+        own = []
+        for g in layout.groups:
+            t = [ids.pop() for _ in range(-(-n // T))]
+            if g.window:  # V2 releases the blocks wholly before the window
+                first = max(0, n - g.window) // T
+                t[:first] = [-1] * first
+            own.append(t)
+        lists.append(own)
+    store = BlockTableStore(names, max(nblk, 1))
+    chunks = [SeqChunk([1], n - 1, {}) for n in lens]
+
+    def plan() -> None:
+        rows = [store.update_all(f"r{b}", own) for b, own in enumerate(lists)]  # V2 hands its own lists
+        step = PagedBatch.build(chunks, pools, store.tables(rows))
+        for layer in range(sliding + full):
+            step.mask(layer)
+
+    us = median_us(plan, args.reps, torch.device("cpu"))
+    pools.release()
+    return len(names), us
+
+
+def plan_groups(args: argparse.Namespace) -> None:
+    """``--plan-groups``: the per-step plan, cut into groups and not, for each layer mix and point."""
+    print(f"plan only: clock={CLOCK['name']} block={args.block} window={args.window} ragged={args.ragged} "
+          f"reps={args.reps}; µs per step (medians)")
+    print(f"{'layers':>8} {'batch':>5} {'len':>6} {'2 groups':>9} {'cut':>9} {'groups':>6} {'cut / 2 groups':>14}")
+    for spec in args.plan_groups.split(","):
+        sliding, full = (int(x) for x in spec.split("+"))
+        for b in (int(x) for x in args.batch.split(",")):
+            for n in (int(x) for x in args.lengths.split(",")):
+                _, whole = plan_point(sliding, full, False, b, n, args)
+                groups, cut = plan_point(sliding, full, True, b, n, args)
+                print(f"{spec:>8} {b:>5} {n:>6} {whole:>9.1f} {cut:>9.1f} {groups:>6} {cut / whole:>14.2f}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parse flags, run every point, print a table of medians and ratios."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -156,12 +216,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ragged", action="store_true", help="unequal sequence lengths (both sides then use a mask)")
     p.add_argument("--no-flex", dest="flex", action="store_false",
                    help="skip the compiled path (each new shape compiles for 10-50 s on a CPU)")
+    p.add_argument("--plan-groups", default="", metavar="S+F,...",
+                   help="time only the per-step plan of S sliding + F full layers, cut into groups and not")
+    p.add_argument("--window", type=int, default=512, help="--plan-groups: the sliding layers' window")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     CLOCK["name"] = args.clock if args.clock != "auto" else (
         "cpu" if device.type == "cpu" and torch.get_num_threads() == 1 else "wall")
+    if args.plan_groups:
+        plan_groups(args)
+        return
     print(f"clock={CLOCK['name']} device={device} dtype={args.dtype} heads={args.heads} kv_heads={args.kv_heads} "
           f"head_dim={args.head_dim} "
           f"block={args.block} reps={args.reps} ragged={args.ragged} threads={torch.get_num_threads()} "

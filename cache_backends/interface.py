@@ -88,7 +88,8 @@ class KVCacheManagerProtocol(Protocol):
         """Physical block per logical block of ``request`` in ``group``; -1 where released (window) or absent."""
 
     def block_tables(self, request: Request) -> list[list[int]]:
-        """``block_table`` of every group, in ``layout.groups`` order (one call per request and step)."""
+        """Every group's ``block_table``, in ``layout.groups`` order, for one read (may be the manager's own lists:
+        read them before the next call into the manager, never modify them)."""
 
     def commit(self, request: Request, num_tokens: int) -> None:
         """The KV of the next ``num_tokens`` tokens is written: advance ``num_computed_tokens``, hash full blocks,

@@ -131,8 +131,8 @@ def test_store_rows_follow_every_groups_lists():
     assert store.writes == before
     store.update_all("r", [[-1, 2, 5], [3, 4]])  # a window released a block, both grew
     step = store.tables([store.row("r")])
-    assert step["a"].tolist() == [[-1, 2, 5, -1, -1, -1]]
-    assert step["b"].tolist() == [[3, 4, -1, -1, -1, -1]]
+    assert step["a"].tolist() == [[-1, 2, 5]]
+    assert step["b"].tolist() == [[3, 4, -1]]
     assert torch.equal(torch.from_numpy(step.stack(["b", "a"])), torch.stack([step["b"], step["a"]]))
     with pytest.raises(ValueError, match="request r: 1 block tables for 2 groups"):
         store.update_all("r", [[1]])
