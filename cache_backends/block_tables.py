@@ -31,13 +31,21 @@ class StepTables(Mapping[str, torch.Tensor]):
     several groups' tables as one array for the plan's vectorized slot arithmetic.
     """
 
-    def __init__(self, groups: Sequence[str], array: np.ndarray) -> None:
+    def __init__(self, groups: Sequence[str], array: np.ndarray, index: Mapping[str, int] | None = None) -> None:
         if array.ndim != 3 or array.shape[0] != len(groups):
             raise ValueError(f"expected a (groups={len(groups)}, rows, width) array, got shape {array.shape}")
         self.groups = tuple(groups)
-        self.index = {g: i for i, g in enumerate(self.groups)}
+        #: group -> its position in ``array`` (the store passes its own, built once)
+        self.index = index if index is not None else {g: i for i, g in enumerate(self.groups)}
         self.array = array
-        self.tensor = torch.from_numpy(array)
+        self._tensor: torch.Tensor | None = None
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """``array`` as a tensor (the same memory)."""
+        if self._tensor is None:
+            self._tensor = torch.from_numpy(self.array)
+        return self._tensor
 
     def __getitem__(self, group: str) -> torch.Tensor:
         return self.tensor[self.index[group]]
@@ -150,7 +158,7 @@ class BlockTableStore:
         index = rows.numpy() if isinstance(rows, torch.Tensor) else np.asarray(rows, dtype=np.int64)
         used = self._used
         width = max(1, max((used[r] for r in index.tolist()), default=0))
-        return StepTables(self.groups, np.take(self._data[:, :, :width], index, axis=1))
+        return StepTables(self.groups, np.take(self._data[:, :, :width], index, axis=1), self._index)
 
     def drop(self, req_id: str) -> None:
         """Forget a finished request; its row goes back to the free list."""
