@@ -50,6 +50,10 @@ _FAMILIES: weakref.WeakKeyDictionary[BlockPools, tuple[dict[str, tuple[str, ...]
     weakref.WeakKeyDictionary()
 
 
+#: per pools: layer -> its LayerRoute (PagedBatch.route), shared by every step over those pools
+_ROUTES: weakref.WeakKeyDictionary[BlockPools, dict[int, LayerRoute]] = weakref.WeakKeyDictionary()
+
+
 def _families(pools: BlockPools) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]:
     """Which groups a step plans together: ``(for writes, for gathers)``, each group -> its family, in pool order.
 
@@ -145,7 +149,8 @@ class PagedBatch:
         self.pools = pools
         self.device = pools.device
         self._layers: dict[int, LayerKV] = {layer.index: layer for layer in pools.layout.layers}
-        self._routes: dict[int, LayerRoute] = {}
+        #: routes depend on the pools only: kept across steps (a layer's route is checked once per pools)
+        self._routes: dict[int, LayerRoute] = _ROUTES.setdefault(pools, {})
         self._gathers: dict[tuple[str, int | None], KeyGather] = {}
         self._windows: dict[int | None, _WindowKeys] = {}
         self._split_pos: dict[tuple[int | None, int, int], tuple[np.ndarray, ...]] = {}
