@@ -24,8 +24,9 @@ Layers that share a group and a window share the gather slots and the mask (comp
 Groups that differ only in their block ids — the groups a V2 shared arena cuts from one life cycle
 (tiny-gemma3's ``sliding_w512.0`` ... ``.4``, Gemma 3 27B's 26 + 5) — are planned together: their
 tables are stacked into one ``(groups, B, width)`` array (``block_tables.StepTables``) and every
-group's write and gather slots come from one ``table * T + offset`` operation over it, so a step's
-plan costs about the same whether a life cycle is one group or thirty.
+group's write and gather slots come from one ``table * T + offset`` operation over it: a step pays the
+plan's per-operation costs once per life cycle, not once per cut group (the slots themselves are still
+each group's own, so their bytes grow with the groups).
 The layer's window comes from the model's geometry (``KvLayout.layers``), not from the pool: V1 keeps
 every token of a sliding layer in its uniform pool, and the mask still applies the window.
 """

@@ -3,8 +3,8 @@
 One step (:meth:`engine.driver.Driver.step`): the scheduler admits, suspends, resumes and allocates;
 the executor packs every scheduled chunk — prefill pieces (chunked by ``max_num_tokens``) and decode
 tokens of many requests — into one forward with per-token positions (``PagedBatch``), each layer
-writing and reading K/V through the request's block tables (``manager.block_table(req, group)`` for
-every layer group, kept as tensor rows across steps in a ``BlockTableStore``) on the attention path
+writing and reading K/V through the request's block tables (``manager.block_tables(req)``, every layer
+group's at once, kept as array rows across steps in a ``BlockTableStore``) on the attention path
 ``attention_backend`` chose (compiled flex over the pools, or gather + SDPA); it samples the next
 token of each request whose known tokens are all in the cache after this step (greedy = argmax;
 else transformers' temperature, top-k and top-p warpers and a per-request seeded ``torch.Generator``,
