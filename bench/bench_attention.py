@@ -16,15 +16,27 @@ into a dense ``(B, kv_heads, L, head_dim)`` cache and runs SDPA over it. ``plan_
 (``BlockTableStore``); ``plan_flex`` the compiled path's plan (tables + block mask). A plan is paid
 once per step and shared by every layer; the ``_x`` ratios add it to one layer's attention (the
 worst case: a one-layer model). Medians over ``--reps`` runs after warm-up.
+
+``--plan-groups 5+1,52+10`` times only the per-step plan of a whole model instead: ``S`` sliding-window
+(``--window``) and ``F`` full layers on a V2 layout, once with every layer's page the same shape (one
+shared arena, the layers cut into ``gcd(S, F)``-layer groups: tiny-gemma3 is 5+1 → 6 groups, Gemma 3 27B
+52+10 → 31) and once with the full layers' entries twice as wide (pages differ: the same layers stay two
+groups). A plan is what the executor does per step before the forward: every request's block tables
+into the store (``update_all``), the step's tables, ``PagedBatch.build`` and every layer's gather slots
+and mask (``--clock`` does not apply: always the thread's CPU time). ``cut/2`` is what the cut costs the
+plan. ``--against TREE`` (e.g. a checkout of main) times that tree's plan too, in interleaved pairs.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -137,6 +149,117 @@ def bench_point(batch: int, length: int, args: argparse.Namespace, device: torch
     return result
 
 
+def other_tree(root: str) -> tuple[Any, Any]:
+    """Another source tree's ``paged_attention`` and ``block_tables`` modules (e.g. main's), imported beside ours."""
+    import importlib.util
+
+    mods = []
+    for name in ("paged_attention", "block_tables"):
+        path = os.path.join(root, "cache_backends", f"{name}.py")
+        spec = importlib.util.spec_from_file_location(f"against_{name}", path)
+        if spec is None or spec.loader is None:
+            raise SystemExit(f"--against: no {path}")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        mods.append(mod)
+    return mods[0], mods[1]
+
+
+def plan_point(sliding: int, full: int, cut: bool, batch: int, length: int, args: argparse.Namespace,
+               against: tuple[Any, Any] | None) -> tuple[int, float, float | None]:
+    """(groups, median µs here, median µs of ``against`` or None) of one step's plan, decode of batch x length.
+
+    With ``against``, the two trees' plans run as interleaved pairs (A, B, A, B, ...) on the same tables,
+    and their slots and masks are checked equal first.
+    """
+    T, E = args.block, 1  # the plan never reads entries: one-element entries keep the arena small
+    layers = [LayerKV(i, "sliding", E, window=args.window) for i in range(sliding)]
+    layers += [LayerKV(sliding + i, "full", E if cut else 2 * E) for i in range(full)]
+    layout = build_layout(layers, "v2", T, "float32")
+    names = [g.name for g in layout.groups]
+    nblk = -(-length // T)
+    total = batch * nblk * len(names) + 1
+    pools = BlockPools(layout, dict.fromkeys(names, total), "cpu")
+    ids = list(range(total))
+    random.Random(0).shuffle(ids)
+    lens = [length - (b * length // (2 * batch) if args.ragged else 0) for b in range(batch)]
+    lists: list[list[list[int]]] = []  # per request, every group's list (what manager.block_tables returns)
+    for n in lens:
+        own = []
+        for g in layout.groups:
+            t = [ids.pop() for _ in range(-(-n // T))]
+            if g.window:  # V2 releases the blocks wholly before the window
+                first = max(0, n - g.window) // T
+                t[:first] = [-1] * first
+            own.append(t)
+        lists.append(own)
+    width = max(-(-8192 // T), nblk)  # the executor's store: max_seq_len's worth of blocks per row
+
+    def planner(pa: Any, bt: Any) -> Callable[[], Any]:
+        store = bt.BlockTableStore(names, width)
+        chunks = [pa.SeqChunk([1], n - 1, {}) for n in lens]
+        per_group = not hasattr(store, "update_all")  # an older tree: its executor updated group by group
+
+        def plan() -> Any:
+            if per_group:
+                for b, own in enumerate(lists):
+                    for g, t in zip(names, own, strict=True):
+                        store.update(f"r{b}", g, list(t))  # (its manager's block_table copied each list)
+                rows = [store.row(f"r{b}") for b in range(len(lists))]
+            else:
+                rows = [store.update_all(f"r{b}", own) for b, own in enumerate(lists)]  # V2 hands its own lists
+            step = pa.PagedBatch.build(chunks, pools, store.tables(rows))
+            for layer in range(sliding + full):
+                step.mask(layer)
+            return step
+
+        return plan
+
+    here = planner(sys.modules[PagedBatch.__module__], sys.modules[BlockTableStore.__module__])
+    if against is None:
+        us = median_us(here, args.reps, torch.device("cpu"))
+        pools.release()
+        return len(names), us, None
+    there = planner(*against)
+    a, b = there(), here()
+    for layer in range(sliding + full):
+        if not torch.equal(a._gather(layer).slots, b._gather(layer).slots):
+            raise SystemExit(f"--against: layer {layer}'s gather slots differ between the trees")
+    for _ in range(3):
+        there(), here()
+    times: dict[str, list[float]] = {"there": [], "here": []}
+    for _ in range(args.reps):
+        for side, fn in (("there", there), ("here", here)):
+            start = time.thread_time()
+            fn()
+            times[side].append((time.thread_time() - start) * 1e6)
+    pools.release()
+    return len(names), statistics.median(times["here"]), statistics.median(times["there"])
+
+
+def plan_groups(args: argparse.Namespace) -> None:
+    """``--plan-groups``: the per-step plan, cut into groups and not, for each layer mix and point."""
+    CLOCK["name"] = "cpu"
+    against = other_tree(args.against) if args.against else None
+    print(f"plan only: clock=cpu (thread) block={args.block} window={args.window} ragged={args.ragged} "
+          f"reps={args.reps}; µs per step (medians){'; against ' + args.against if against else ''}; "
+          f"load {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    head = f"{'layers':>8} {'batch':>5} {'len':>6} {'groups':>6} {'2 groups':>9} {'cut':>9} {'cut/2':>6}"
+    if against:
+        head += f" {'2 groups (against)':>18} {'cut (against)':>13} {'cut/2 (against)':>15} {'cut: here/against':>17}"
+    print(head)
+    for spec in args.plan_groups.split(","):
+        sliding, full = (int(x) for x in spec.split("+"))
+        for b in (int(x) for x in args.batch.split(",")):
+            for n in (int(x) for x in args.lengths.split(",")):
+                _, whole, whole_a = plan_point(sliding, full, False, b, n, args, against)
+                groups, cut, cut_a = plan_point(sliding, full, True, b, n, args, against)
+                line = f"{spec:>8} {b:>5} {n:>6} {groups:>6} {whole:>9.1f} {cut:>9.1f} {cut / whole:>6.2f}"
+                if whole_a is not None and cut_a is not None:
+                    line += f" {whole_a:>18.1f} {cut_a:>13.1f} {cut_a / whole_a:>15.2f} {cut / cut_a:>17.2f}"
+                print(line, flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parse flags, run every point, print a table of medians and ratios."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -156,12 +279,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ragged", action="store_true", help="unequal sequence lengths (both sides then use a mask)")
     p.add_argument("--no-flex", dest="flex", action="store_false",
                    help="skip the compiled path (each new shape compiles for 10-50 s on a CPU)")
+    p.add_argument("--plan-groups", default="", metavar="S+F,...",
+                   help="time only the per-step plan of S sliding + F full layers, cut into groups and not")
+    p.add_argument("--window", type=int, default=512, help="--plan-groups: the sliding layers' window")
+    p.add_argument("--against", default="", metavar="TREE",
+                   help="--plan-groups: also time another source tree's plan (e.g. a checkout of main), in "
+                        "interleaved pairs in this process")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     CLOCK["name"] = args.clock if args.clock != "auto" else (
         "cpu" if device.type == "cpu" and torch.get_num_threads() == 1 else "wall")
+    if args.plan_groups:
+        plan_groups(args)
+        return
     print(f"clock={CLOCK['name']} device={device} dtype={args.dtype} heads={args.heads} kv_heads={args.kv_heads} "
           f"head_dim={args.head_dim} "
           f"block={args.block} reps={args.reps} ragged={args.ragged} threads={torch.get_num_threads()} "

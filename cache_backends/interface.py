@@ -87,6 +87,10 @@ class KVCacheManagerProtocol(Protocol):
     def block_table(self, request: Request, group: str) -> list[int]:
         """Physical block per logical block of ``request`` in ``group``; -1 where released (window) or absent."""
 
+    def block_tables(self, request: Request) -> list[list[int]]:
+        """Every group's ``block_table``, in ``layout.groups`` order, for one read (may be the manager's own lists:
+        read them before the next call into the manager, never modify them)."""
+
     def commit(self, request: Request, num_tokens: int) -> None:
         """The KV of the next ``num_tokens`` tokens is written: advance ``num_computed_tokens``, hash full blocks,
         release blocks that fell out of a window."""

@@ -3,8 +3,8 @@
 One step (:meth:`engine.driver.Driver.step`): the scheduler admits, suspends, resumes and allocates;
 the executor packs every scheduled chunk — prefill pieces (chunked by ``max_num_tokens``) and decode
 tokens of many requests — into one forward with per-token positions (``PagedBatch``), each layer
-writing and reading K/V through the request's block tables (``manager.block_table(req, group)`` for
-every layer group, kept as tensor rows across steps in a ``BlockTableStore``) on the attention path
+writing and reading K/V through the request's block tables (``manager.block_tables(req)``, every layer
+group's at once, kept as array rows across steps in a ``BlockTableStore``) on the attention path
 ``attention_backend`` chose (compiled flex over the pools, or gather + SDPA); it samples the next
 token of each request whose known tokens are all in the cache after this step (greedy = argmax;
 else transformers' temperature, top-k and top-p warpers and a per-request seeded ``torch.Generator``,
@@ -436,21 +436,20 @@ class GenerationExecutor:
         """One packed forward of the scheduled chunks: (logits of the chunks that reach their request's last
         token, their indices in ``out.scheduled``); ``(None, [])`` when none does. ``live``: the request ids
         whose block-table rows must be kept (the serving loop shares this with ``generate``)."""
-        chunks, rows = [], []
+        chunks, rows, step_tables = [], [], []
         store = self._block_tables
         for scheduled in out.scheduled:
             req = scheduled.request
             start = req.num_computed_tokens
             ids = req.all_token_ids[start:start + scheduled.num_tokens]
             chunks.append(SeqChunk(ids, start, {}))
-            for g in self.groups:  # only what changed since the last step is written
-                store.update(req.req_id, g, self.manager.block_table(req, g))
-            rows.append(store.row(req.req_id))
+            tables = self.manager.block_tables(req)  # every group's list, in self.groups order
+            step_tables.append(tables)
+            rows.append(store.update_all(req.req_id, tables))  # only what changed since the last step is written
         if len(store) > 2 * len(live) + 8:  # rows of requests finished in earlier steps go back
             store.keep_only(live)
         if self.lockstep is not None:  # before the forward's collectives: a divergence fails here, never hangs
-            self.lockstep.check_schedule(out, [{g: self.manager.block_table(s.request, g) for g in self.groups}
-                                               for s in out.scheduled])
+            self.lockstep.check_schedule(out, [dict(zip(self.groups, t, strict=True)) for t in step_tables])
         batch = PagedBatch.build(chunks, self.pools, store.tables(rows), flex=self.flex)
         logits = run_forward(self.model, batch)
         rows = [i for i, s in enumerate(out.scheduled)

@@ -202,6 +202,10 @@ class KVCacheManager:
         seq = self._seqs.get(request)
         return [b.block_id for b in seq.blocks] if seq is not None else []
 
+    def block_tables(self, request: Request) -> list[list[int]]:
+        """``block_table`` of every group (V1 has one), in ``layout.groups`` order."""
+        return [self.block_table(request, self.group)]
+
     def commit(self, request: Request, num_tokens: int) -> None:
         """The next ``num_tokens`` tokens' KV is written: advance the count and cache newly full blocks."""
         seq = self._seq(request)

@@ -602,6 +602,17 @@ class KVCacheManagerV2:
             raise ValueError(f"no layer group {group!r}; groups: {', '.join(cache.tables)}")
         return list(cache.tables[group])
 
+    def block_tables(self, request: Request) -> list[list[int]]:
+        """Every group's block table, in ``layout.groups`` order: the manager's own lists, not copies.
+
+        Read them before the next call into the manager and never modify them. The executor calls this
+        for every request every step and compares the lists with the ones it holds (most steps change
+        none), so copying them would cost more than the comparison: ~1 µs per list, 31 lists per request
+        on Gemma 3 27B's shared arena.
+        """
+        tables = self._active(request).tables
+        return [tables[g.name] for g in self.groups]
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix: the radix tree is emptied and every block of every group is free.
 
