@@ -110,9 +110,10 @@ class EvictionQueue:
         return [b for p in sorted(self._by_prio) for b in self._by_prio[p]]
 
 
-#: ``detach(group, nodes)``: the manager unhooks a group's evicted or dropped blocks from their radix
-#: nodes (one node per block, in eviction order); the pool has already cleared ``node[b]``.
-Detach = Callable[[str, "list[RadixNode]"], None]
+#: ``detach(group, nodes, positions)``: the manager unhooks a group's evicted or dropped blocks from their radix
+#: runs (per block, in eviction order: its run and its block position ``pos[b]``); the pool has already cleared
+#: ``node[b]``.
+Detach = Callable[[str, "list[RadixNode]", "list[int]"], None]
 
 
 class GroupPool:
@@ -123,7 +124,8 @@ class GroupPool:
         self.num_blocks = num_blocks
         self.ref = [0] * num_blocks
         self.gen = [0] * num_blocks
-        self.node: list[RadixNode | None] = [None] * num_blocks  # radix node holding the block, if any
+        self.node: list[RadixNode | None] = [None] * num_blocks  # radix run holding the block, if any
+        self.pos = [0] * num_blocks  # an attached block's position in the prefix (meaningless when node[b] is None)
         self.priority = [0] * num_blocks  # eviction priority, set when the last owner lets go
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: pop() hands out low ids first
         self.evictable = EvictionQueue(self.priority)
@@ -166,11 +168,11 @@ class GroupPool:
         del free[len(free) - k:]
         if n > k:  # evict the rest in one pass; their nodes are unhooked together
             evicted = self.evictable.pop_many(n - k)
-            owner = self.node
+            owner, pos = self.node, self.pos
             nodes = [owner[b] for b in evicted]
             for b in evicted:
                 owner[b] = None
-            detach(self.name, nodes)  # type: ignore[arg-type]
+            detach(self.name, nodes, [pos[b] for b in evicted])  # type: ignore[arg-type]
             self.evictions += n - k
             out += evicted
         gen, ref = self.gen, self.ref
@@ -208,7 +210,7 @@ class GroupPool:
             return
         if node is not None:
             self.node[b] = None
-            detach(self.name, [node])
+            detach(self.name, [node], [self.pos[b]])
         self._free.append(b)
 
     def release(self, blocks: Iterable[int], priority: int, keep_cached: bool, detach: Detach) -> None:
@@ -220,6 +222,7 @@ class GroupPool:
         ref, owner, free = self.ref, self.node, self._free
         cached: list[int] = []
         dropped: list[RadixNode] = []
+        dropped_at: list[int] = []
         released = 0
         try:
             for b in blocks:
@@ -238,6 +241,7 @@ class GroupPool:
                     cached.append(b)  # add_many records its priority
                 else:
                     dropped.append(node)
+                    dropped_at.append(self.pos[b])
                     owner[b] = None
                     free.append(b)
         finally:  # what was released before an error stays consistent
@@ -245,7 +249,7 @@ class GroupPool:
             if cached:
                 self.evictable.add_many(cached, priority)
             if dropped:
-                detach(self.name, dropped)
+                detach(self.name, dropped, dropped_at)
 
     def reset(self) -> None:
         """Drop every cached block to the free list (the manager empties the radix tree); none may be in use."""

@@ -49,6 +49,7 @@ class SharedPool:
         self.ref = [0] * num_blocks
         self.gen = [0] * num_blocks
         self.node: list[RadixNode | None] = [None] * num_blocks
+        self.pos = [0] * num_blocks  # an attached block's position in the prefix
         self.priority = [0] * num_blocks
         self.group_of = [-1] * num_blocks  # index of the group a used or cached block belongs to
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: pop() hands out low ids first
@@ -99,15 +100,18 @@ class SharedPool:
                     continue
                 end = start + c
                 if end > k:  # this group's take() would evict out[max(start, k):end]
-                    by_group: dict[int, list[RadixNode]] = {}
+                    by_group: dict[int, tuple[list[RadixNode], list[int]]] = {}
+                    pos = self.pos
                     for b in evicted[max(start, k) - k:end - k]:
                         g = group_of[b]
-                        by_group.setdefault(g, []).append(owner[b])  # type: ignore[arg-type]
+                        nodes, at = by_group.setdefault(g, ([], []))
+                        nodes.append(owner[b])  # type: ignore[arg-type]
+                        at.append(pos[b])
                         owner[b] = None
                         self.cached[g] -= 1
                         self.evicted[g] += 1
-                    for g, nodes in by_group.items():
-                        detach(names[g], nodes)
+                    for g, (nodes, at) in by_group.items():
+                        detach(names[g], nodes, at)
                 start = end
             out += evicted
         gen, ref, group_of, used = self.gen, self.ref, self.group_of, self.used
@@ -218,6 +222,7 @@ class SharedPool:
         ref, owner, free, group_of = self.ref, self.node, self._free, self.group_of
         cached: list[int] = []
         dropped: list[RadixNode] = []
+        dropped_at: list[int] = []
         released = 0
         name = self.names[group]
         try:
@@ -238,6 +243,7 @@ class SharedPool:
                     cached.append(b)
                 else:
                     dropped.append(node)
+                    dropped_at.append(self.pos[b])
                     owner[b] = None
                     free.append(b)
                     group_of[b] = -1
@@ -247,7 +253,7 @@ class SharedPool:
                 self.evictable.add_many(cached, priority)
                 self.cached[group] += len(cached)
             if dropped:
-                detach(name, dropped)
+                detach(name, dropped, dropped_at)
 
     def reset(self) -> None:
         """Drop every cached page to the free list (the manager empties the radix tree); none may be in use."""
@@ -269,8 +275,8 @@ class GroupShare:
         self.name = arena.names[index]
         self.num_blocks = arena.num_blocks  # what the group could hold alone
         # the arena's lists themselves (never rebound), so the manager's inlined hot paths read them directly
-        self.ref, self.gen, self.node, self.priority, self._free = (
-            arena.ref, arena.gen, arena.node, arena.priority, arena._free)
+        self.ref, self.gen, self.node, self.pos, self.priority, self._free = (
+            arena.ref, arena.gen, arena.node, arena.pos, arena.priority, arena._free)
 
     @property
     def evictable(self) -> EvictionQueue:
