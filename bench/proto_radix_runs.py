@@ -43,7 +43,7 @@ class Main:
 
     def __init__(self, nblocks: int) -> None:
         self.pool = GroupPool("g", nblocks)
-        self.tree = RadixTree({"g": self.pool.node})
+        self.tree = RadixTree({"g": (self.pool.node, self.pool.pos)})
         self.handed: list[int] = []
 
     def admit(self, c: dict[str, Any], packed0: bytes) -> None:

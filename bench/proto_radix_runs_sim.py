@@ -210,7 +210,7 @@ class RunsTree:
         """A run below the salt's root starting with block ``first`` (NotImplementedError if one exists)."""
         root = self.roots.get(salt)
         if root is None:
-            root = self.roots[salt] = RadixNode(None, salt, 0, ())
+            root = self.roots[salt] = RadixNode(None, salt, 0, (), 0)
         if first in root.children:
             raise NotImplementedError("a branch below an existing run")
         run = Run(root, first)

@@ -59,7 +59,7 @@ def _prefix_block(pool: Any, b: int) -> tuple[int, int] | None:
     pos = getattr(pool, "pos", None)
     if pos is None:  # a radix node per block
         return node.depth, crc32(node.tokens)
-    return pos[b], crc32(node.tokens[pos[b] - node.start])
+    return pos[b], crc32(node.block(pos[b] - node.start))
 
 
 def _v2_state(m: Any) -> Any:

@@ -17,7 +17,7 @@ T = 4
 
 
 def _tree(num_blocks: int = 64) -> RadixTree:
-    return RadixTree({"full": [None] * num_blocks})
+    return RadixTree({"full": ([None] * num_blocks, [0] * num_blocks)})
 
 
 def _chain(tree: RadixTree, tokens: list[int], salt: str | None = None, last: RadixNode | None = None):
@@ -39,14 +39,14 @@ def test_extend_builds_one_run_and_a_branch_splits_it_keeping_users_and_child_or
     a, segs = _chain(tree, list(range(12)))
     assert segs == [(a, 0, 3)] and a.start == 0 and len(a) == 3 and a.users == 1 and tree.num_nodes == 3
     assert [a.token_ids(i) for i in range(3)] == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11)]
-    assert a.tokens[2] == pack_tokens([8, 9, 10, 11])  # packed as the key encodes them, 8 bytes per id
+    assert a.block(2) == pack_tokens([8, 9, 10, 11])  # packed as the key encodes them, 8 bytes per id
     b, segs = _chain(tree, [*range(8), 20, 21, 22, 23])  # shares two blocks, then branches inside a's run
     head = a.parent
     assert head is not None and head is not tree.root(None) and segs == [(head, 0, 2), (b, 0, 1)]
     assert (head.start, len(head), head.users) == (0, 2, 2) and (a.start, len(a), a.users) == (2, 1, 1)
     assert (b.start, len(b), b.users, b.parent) == (2, 1, 1, head) and tree.num_nodes == 4
     assert list(head.children.values()) == [a, b]  # the old continuation first, as a node per block would keep
-    assert tree.root(None).children == {head.tokens[0]: head}
+    assert tree.root(None).children == {head.block(0): head}
     assert [tree.key(r, i) for r, i in _positions(tree, a)] == chain_hashes(list(range(12)), T, None)
     assert tree.parent_key(b, 0) == tree.key(head, 1)
 
@@ -65,22 +65,22 @@ def test_a_runs_only_user_extends_it_in_place_and_a_shared_run_gets_a_child():
 
 def test_claim_splits_a_run_where_the_path_ends_and_leave_trims_unused_empty_tails_up_to_the_root():
     tree = _tree()
-    owners = tree.owners["full"]
+    owners, pos = tree.owners["full"], tree.positions["full"]
     a, _ = _chain(tree, list(range(16)), "s")
     for i, b in enumerate([10, 11, 12, 13]):  # blocks 10..13 at positions 0..3
         a.blocks["full"][i], a.held[i] = b, 1
-        owners[b] = a
+        owners[b], pos[b] = a, i
     tree.leave(a)  # unused, but every position holds a block: nothing goes
     assert a.users == 0 and tree.num_nodes == 4
     last = tree.claim(a, 1)  # a cache takes the first two positions: the run splits there
     assert last is a.parent and (len(last), last.users, owners[10], owners[12]) == (2, 1, last, a)
-    tree.detach("full", [a, a], [3, 2])  # evicted tail first: a is trimmed away
-    assert a.parent is None and not last.children and tree.num_nodes == 2
-    tree.detach("full", [last], [0])  # a hole at the head of a used run: kept
+    tree.detach("full", [13, 12])  # evicted tail first: a is trimmed away
+    assert a.parent is None and not last.children and tree.num_nodes == 2 and owners[12] is None
+    tree.detach("full", [10])  # a hole at the head of a used run: kept
     assert len(last) == 2 and tree.num_nodes == 2
     tree.leave(last)  # position 1 still holds block 11: the run keeps it and its empty head
     assert len(last) == 2 and tree.root("s") is not None
-    tree.detach("full", [last], [1])
+    tree.detach("full", [11])
     assert tree.num_nodes == 0 and tree.root("s") is None
 
 
@@ -109,8 +109,8 @@ def test_children_starting_with_matches_a_scan_of_the_children_in_order(ops):
         assert root.has_child_starting_with(pack_tokens((ask,))) == bool(want)
         if root.by_first is not None:
             assert {t: list(g.values()) for t, g in root.by_first.items()} == {
-                t: [c for c in root.children.values() if c.tokens[0][:8] == t]
-                for t in {c.tokens[0][:8] for c in root.children.values()}}
+                t: [c for c in root.children.values() if c.block(0)[:8] == t]
+                for t in {c.block(0)[:8] for c in root.children.values()}}
         if len(root.children) > INDEX_CHILDREN_AFTER:
             assert root.by_first is not None  # asked just now with more children than the threshold
 
@@ -127,7 +127,7 @@ def test_runs_answer_every_lookup_as_a_node_per_block_tree_would(ops):
     # descendant), with the same users, blocks, tokens and chained keys, and a walk over any token list must stop
     # where the reference's does.
     tree = _tree(4096)
-    owners = tree.owners["full"]
+    owners, pos = tree.owners["full"], tree.positions["full"]
     ref: dict[tuple, list] = {}  # prefix -> [users, block]
     paths: list[tuple[RadixNode, tuple]] = []  # live caches: (last run, their prefix)
     next_block = iter(range(4096))
@@ -157,7 +157,7 @@ def test_runs_answer_every_lookup_as_a_node_per_block_tree_would(ops):
             run, i = tree.position(last, p)
             if run.blocks["full"][i] < 0:
                 b = next(next_block)
-                run.blocks["full"][i], run.held[i], owners[b] = b, 1, run
+                run.blocks["full"][i], run.held[i], owners[b], pos[b] = b, 1, run, p
                 ref[prefix[:p + 1]][1] = b
         else:  # detach a random attached block, as an eviction does
             held = sorted(k for k, v in ref.items() if v[1] >= 0)
@@ -165,9 +165,8 @@ def test_runs_answer_every_lookup_as_a_node_per_block_tree_would(ops):
                 key = held[pick % len(held)]
                 b = ref[key][1]
                 ref[key][1] = -1
-                run = owners[b]
-                owners[b] = None
-                tree.detach("full", [run], [len(key) - 1])
+                tree.detach("full", [b])
+                assert owners[b] is None
         # the reference prunes: a prefix stays while it or a longer one has a user or a block
         alive = {k for k, (u, b) in ref.items() if u or b >= 0}
         alive = {k[:n] for k in alive for n in range(1, len(k) + 1)}

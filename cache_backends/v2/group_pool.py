@@ -110,10 +110,9 @@ class EvictionQueue:
         return [b for p in sorted(self._by_prio) for b in self._by_prio[p]]
 
 
-#: ``detach(group, nodes, positions)``: the manager unhooks a group's evicted or dropped blocks from their radix
-#: runs (per block, in eviction order: its run and its block position ``pos[b]``); the pool has already cleared
-#: ``node[b]``.
-Detach = Callable[[str, "list[RadixNode]", "list[int]"], None]
+#: ``detach(group, blocks)``: the manager unhooks a group's evicted or dropped blocks (in eviction order) from their
+#: radix runs (``node[b]`` at position ``pos[b]``) and clears ``node[b]``; the pool's other bookkeeping is its own.
+Detach = Callable[[str, "list[int]"], None]
 
 
 class GroupPool:
@@ -168,11 +167,7 @@ class GroupPool:
         del free[len(free) - k:]
         if n > k:  # evict the rest in one pass; their nodes are unhooked together
             evicted = self.evictable.pop_many(n - k)
-            owner, pos = self.node, self.pos
-            nodes = [owner[b] for b in evicted]
-            for b in evicted:
-                owner[b] = None
-            detach(self.name, nodes, [pos[b] for b in evicted])  # type: ignore[arg-type]
+            detach(self.name, evicted)
             self.evictions += n - k
             out += evicted
         gen, ref = self.gen, self.ref
@@ -209,8 +204,7 @@ class GroupPool:
             self.evictable.add(b, priority)
             return
         if node is not None:
-            self.node[b] = None
-            detach(self.name, [node], [self.pos[b]])
+            detach(self.name, [b])
         self._free.append(b)
 
     def release(self, blocks: Iterable[int], priority: int, keep_cached: bool, detach: Detach) -> None:
@@ -221,8 +215,7 @@ class GroupPool:
         """
         ref, owner, free = self.ref, self.node, self._free
         cached: list[int] = []
-        dropped: list[RadixNode] = []
-        dropped_at: list[int] = []
+        dropped: list[int] = []
         released = 0
         try:
             for b in blocks:
@@ -240,16 +233,14 @@ class GroupPool:
                 elif keep_cached:
                     cached.append(b)  # add_many records its priority
                 else:
-                    dropped.append(node)
-                    dropped_at.append(self.pos[b])
-                    owner[b] = None
+                    dropped.append(b)
                     free.append(b)
         finally:  # what was released before an error stays consistent
             self.num_used -= released
             if cached:
                 self.evictable.add_many(cached, priority)
             if dropped:
-                detach(self.name, dropped, dropped_at)
+                detach(self.name, dropped)
 
     def reset(self) -> None:
         """Drop every cached block to the free list (the manager empties the radix tree); none may be in use."""

@@ -20,7 +20,10 @@ How the pieces fit (TensorRT-LLM's V2 ideas, this project's code):
   (their memory is never held by the cache, and prefixes longer than a window are not reused).
 * **Prefix reuse.** Full committed ``T``-token blocks are hung in a :class:`~cache_backends.v2.radix.RadixTree`
   under the request's salt, found by their tokens; their chained SHA-256 keys are computed only when
-  something reports them (KV cache events). A new request walks it over its
+  something reports them (KV cache events). The tree keeps one node per unbranched *run* of blocks (path
+  compression): a cache's path ends at the end of ``cache.last``, keying appends to that run while the cache is
+  its only user, and a match or branch that ends inside a run splits it; a pool's ``node[b]`` / ``pos[b]`` name
+  the run and block position holding ``b``. A new request walks it over its
   tokens and takes the longest prefix ``m`` that (a) is a multiple of the *reuse unit* — the lcm of
   every group's block span, so compressed groups reuse whole blocks only — (b) leaves at least one
   token to compute (logits), (c) has every block of every growing group below ``m`` still cached and
@@ -790,18 +793,19 @@ class KVCacheManagerV2:
             if node.by_first is not None:
                 expected: dict[bytes, list[RadixNode]] = {}
                 for child in node.children.values():
-                    expected.setdefault(child.tokens[0][:8], []).append(child)
+                    expected.setdefault(child.block(0)[:8], []).append(child)
                 if {t: list(group.values()) for t, group in node.by_first.items()} != expected:
                     problems.append(f"{where}: first-token index disagrees with its children")
             for first, child in node.children.items():
-                if child.parent is not node or not child.tokens or child.tokens[0] != first \
+                if child.parent is not node or not child.held or child.block(0) != first \
                         or child.start != (node.start + len(node) if node.parent is not None else 0):
                     problems.append(f"{where}: child at block {child.start} is not hooked where it belongs")
             if node.parent is None:
                 continue
             n = len(node)
             positions += n
-            if not n or len(node.keys) != n or len(node.held) != n or set(node.blocks) != set(self._pool):
+            if not n or len(node.tokens) != n * node.width or node.width != 8 * self.T \
+                    or any(not 0 <= j < n for j in node.keys) or set(node.blocks) != set(self._pool):
                 problems.append(f"{where}: {n} positions but per-position lists of other lengths or groups")
                 continue
             if node.users != users.get(id(node), 0):
@@ -841,14 +845,16 @@ class KVCacheManagerV2:
 
     def _new_tree(self) -> RadixTree:
         """An empty radix tree over this manager's pools (a split rewrites their block -> run lists)."""
-        return RadixTree({g.name: self._pool[g.name].node for g in self.groups})
+        return RadixTree({g.name: (self._pool[g.name].node, self._pool[g.name].pos) for g in self.groups})
 
-    def _detach(self, group: str, nodes: list[RadixNode], positions: list[int]) -> None:
-        """Unhook evicted or dropped blocks of ``group`` from their radix runs (pool side is the caller's)."""
+    def _detach(self, group: str, blocks: list[int]) -> None:
+        """Unhook evicted or dropped blocks of ``group`` from their radix runs (the pool's other bookkeeping is the
+        caller's)."""
         if self.kv_events is not None:
-            key = self._tree.key
-            self.kv_events.removed([key(n, p - n.start) for n, p in zip(nodes, positions, strict=True)], group)
-        self._tree.detach(group, nodes, positions)
+            key, pool = self._tree.key, self._pool[group]
+            self.kv_events.removed([key(pool.node[b], pool.pos[b] - pool.node[b].start)  # type: ignore[union-attr]
+                                    for b in blocks], group)
+        self._tree.detach(group, blocks)
 
     def _attach(self, run: RadixNode, i: int, group: str, block: int) -> None:
         """Hang ``group``'s ``block`` at position ``i`` of ``run`` unless either already has a partner."""
@@ -956,31 +962,28 @@ class KVCacheManagerV2:
         tables = cache.tables
         events = self.kv_events
         last = cache.last
-        if last is not None and last.users == 1 and not last.children and events is None:
-            # The common case: the cache's own leaf run grows in place (what extend() would do) by fresh positions.
-            lo = self._tree.append(last, packed, T)
-            shift = last.start
-            held = last.held
-            for name, step, owner, pos in self._attach_steps:
-                blocks = last.blocks[name]
-                if step == 1:
-                    for i, b in enumerate(tables[name][first:full], lo):
+        if last is not None and last.users == 1 and not last.children:
+            # The common case: the cache's own leaf run grows in place (what extend() would do there).
+            if full == first + 1 and events is None:  # a decode filled one block: no slicing, no bulk checks
+                i = len(last.held)
+                last.tokens += packed
+                for blocks in last.blocks.values():
+                    blocks.append(-1)
+                self._tree.num_nodes += 1
+                held = 0
+                for name, step, owner, pos in self._attach_steps:
+                    if step == 1 or not full % step:  # a group block ends at this position
+                        b = tables[name][full // step - 1]
                         if b >= 0 and owner[b] is None:
-                            blocks[i] = b
-                            held[i] += 1
+                            last.blocks[name][i] = b
                             owner[b] = last
-                            pos[b] = shift + i
-                    continue
-                table = tables[name]
-                for i in range(-(-(first + 1) // step) * step - 1 - shift, len(held), step):
-                    b = table[(i + shift + 1) // step - 1]
-                    if b >= 0 and owner[b] is None:
-                        blocks[i] = b
-                        held[i] += 1
-                        owner[b] = last
-                        pos[b] = shift + i
-            return
-        cache.last, segs = self._tree.extend(last, cache.request.salt, packed, T)
+                            pos[b] = first
+                            held += 1
+                last.held.append(held)
+                return
+            segs = [(last, self._tree.append(last, packed, T), len(last.held))]
+        else:
+            cache.last, segs = self._tree.extend(last, cache.request.salt, packed, T)
         # Offer every group block that ends on a new position to it (= _attach; inlined, it runs for every block).
         for name, step, owner, pos in self._attach_steps:
             table = tables[name]
@@ -988,11 +991,26 @@ class KVCacheManagerV2:
             d = first  # block position of the segment's first entry
             for run, lo, hi in segs:
                 blocks, held, shift = run.blocks[name], run.held, run.start
+                k = hi - lo
                 if step == 1:  # a group block per token block
-                    pairs: Iterable[tuple[int, int]] = enumerate(table[d:d + hi - lo], lo)
+                    got = table[d:d + k]
+                    d += k
+                    # Fresh positions and the cache's own blocks (the usual case): checked at C speed, set in bulk.
+                    if -1 not in got and blocks[lo:hi].count(-1) == k \
+                            and list(map(owner.__getitem__, got)).count(None) == k:
+                        blocks[lo:hi] = got
+                        held[lo:hi] = [h + 1 for h in held[lo:hi]]
+                        for i, b in enumerate(got, shift + lo):
+                            owner[b] = run
+                            pos[b] = i
+                        if stored is not None:
+                            stored += [(run, i) for i in range(lo, hi)]
+                        continue
+                    pairs: Iterable[tuple[int, int]] = enumerate(got, lo)
                 else:  # positions p whose end is a group block's end: (p + 1) % step == 0
                     pairs = ((i, table[(i + shift + 1) // step - 1])
                              for i in range(-(-(d + 1) // step) * step - 1 - shift, hi, step))
+                    d += k
                 for i, b in pairs:
                     if b >= 0 and owner[b] is None and blocks[i] < 0:
                         blocks[i] = b
@@ -1001,7 +1019,6 @@ class KVCacheManagerV2:
                         pos[b] = shift + i
                         if stored is not None:
                             stored.append((run, i))
-                d += hi - lo
             if stored:
                 self._stored(name, stored)
 
@@ -1015,10 +1032,11 @@ class KVCacheManagerV2:
         run: RadixNode | None = None
         i = n = 0
         T = self.T
+        w = 8 * T
         for j in range(limit // T):
             block = pack_tokens(_tokens(request, j * T, (j + 1) * T))
-            if run is not None and i + 1 < len(run.tokens):  # inside a run: its next position or nothing
-                if run.tokens[i + 1] != block:
+            if run is not None and i + 1 < len(run.held):  # inside a run: its next position or nothing
+                if run.tokens[(i + 1) * w:(i + 2) * w] != block:
                     break
                 i += 1
             else:
@@ -1138,7 +1156,7 @@ class KVCacheManagerV2:
         for child in candidates:
             if child.held[0] != len(self.groups):
                 continue
-            k = min(_common_prefix(child.tokens[0], want), limit)
+            k = min(_common_prefix(child.block(0), want), limit)
             k -= k % self._partial_unit
             if k > best_k:
                 best, best_k = child, k

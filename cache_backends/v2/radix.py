@@ -18,11 +18,12 @@ exactly there (compressed groups with blocks of ``k*T`` tokens hold one at every
   every position of a run has the run's users, exactly as a node per block would. A run nobody uses and with
   no children loses its tail positions that hold no block; emptied, it is unhooked, and the same goes on up
   towards the root (the per-block tree's pruning, run by run). Runs are never merged back.
-* ``run.tokens[i]`` is position ``i``'s token ids packed as the key encodes them
-  (:func:`cache_backends.hashing.pack_tokens`: 8 bytes each). ``parent.children`` maps a child's
-  ``tokens[0]`` to it: a lookup compares a block's tokens (under its parent, under its salt's root), which is
-  the prefix equality the chained key stands for, exactly.
-* ``run.keys[i]`` is the chained SHA-256 key of the prefix up to position ``i``
+* ``run.tokens`` is every position's token ids packed as the key encodes them
+  (:func:`cache_backends.hashing.pack_tokens`: 8 bytes each), ``width`` bytes a position, in one ``bytearray``
+  (so growing a run appends bytes, not an object per block); :meth:`RadixNode.block` is position ``i``'s.
+  ``parent.children`` maps a child's first block to it: a lookup compares a block's tokens (under its parent,
+  under its salt's root), which is the prefix equality the chained key stands for, exactly.
+* ``run.keys[i]``, when present, is the chained SHA-256 key of the prefix up to position ``i``
   (:func:`cache_backends.hashing.block_hash` of the previous position's key, the tokens and the salt), computed on
   first use (:meth:`RadixTree.key`) and kept: lookups never need it, only what names blocks to the outside (KV
   cache events).
@@ -52,14 +53,17 @@ INDEX_CHILDREN_AFTER = 8
 class RadixNode:
     """A run of full token blocks of a cached prefix (a root: a salt's empty run)."""
 
-    __slots__ = ("blocks", "by_first", "children", "held", "keys", "parent", "salt", "start", "tokens", "users")
+    __slots__ = ("blocks", "by_first", "children", "held", "keys", "parent", "salt", "start", "tokens", "users",
+                 "width")
 
-    def __init__(self, parent: RadixNode | None, salt: str | None, start: int, groups: Sequence[str]) -> None:
+    def __init__(self, parent: RadixNode | None, salt: str | None, start: int, groups: Sequence[str],
+                 width: int) -> None:
         self.parent = parent
         self.salt = salt
         self.start = start
-        self.tokens: list[bytes] = []
-        self.keys: list[bytes | None] = []  # computed by RadixTree.key on first use
+        self.width = width  # bytes of packed tokens per position
+        self.tokens = bytearray()
+        self.keys: dict[int, bytes] = {}  # offset -> key, computed by RadixTree.key on first use
         self.held: list[int] = []
         self.blocks: dict[str, list[int]] = {g: [] for g in groups} if parent is not None else {}
         self.children: Mapping[bytes, RadixNode] = _NONE  # first block's tokens -> child; a dict once it has one
@@ -67,7 +71,12 @@ class RadixNode:
         self.users = 0
 
     def __len__(self) -> int:
-        return len(self.tokens)
+        return len(self.held)
+
+    def block(self, i: int) -> bytes:
+        """Position ``i``'s packed token ids."""
+        w = self.width
+        return bytes(self.tokens[i * w:(i + 1) * w])
 
     @property
     def is_root(self) -> bool:
@@ -76,7 +85,7 @@ class RadixNode:
 
     def token_ids(self, i: int) -> tuple[int, ...]:
         """Position ``i``'s token ids (unpacked from :attr:`tokens`)."""
-        return struct.unpack(f"<{len(self.tokens[i]) // 8}q", self.tokens[i])
+        return struct.unpack_from(f"<{self.width // 8}q", self.tokens, i * self.width)
 
     def has_child_starting_with(self, first: bytes) -> bool:
         """Whether any child's first block starts with the token packed as ``first`` (8 bytes): an admission that
@@ -99,7 +108,7 @@ class RadixNode:
         first = pack_tokens((token,))
         if self.by_first is None:
             if len(self.children) <= INDEX_CHILDREN_AFTER:
-                return [child for child in self.children.values() if child.tokens[0].startswith(first)]
+                return [child for child in self.children.values() if child.tokens.startswith(first)]
             self._index_by_first()
         group = self.by_first.get(first)  # type: ignore[union-attr]
         return list(group.values()) if group else []
@@ -112,14 +121,16 @@ Segment = tuple[RadixNode, int, int]
 class RadixTree:
     """Runs of all reuse scopes; lookups are dict hits and token compares, pruning is O(positions removed).
 
-    ``owners`` maps each layer group to its pool's block -> run list (a shared arena's groups share one), which a
-    split rewrites for the positions that move to the new head run.
+    ``owners`` maps each layer group to its pool's block -> run list and block -> position list (a shared arena's
+    groups share them): a split rewrites the runs of the positions that move to the new head run, a detach clears
+    a block's run.
     """
 
-    def __init__(self, owners: Mapping[str, MutableSequence[RadixNode | None]]) -> None:
+    def __init__(self, owners: Mapping[str, tuple[MutableSequence[RadixNode | None], Sequence[int]]]) -> None:
         self.roots: dict[str | None, RadixNode] = {}
         self.num_nodes = 0  # block positions
-        self.owners = dict(owners)
+        self.owners = {g: node for g, (node, _) in owners.items()}
+        self.positions = {g: pos for g, (_, pos) in owners.items()}
         self.groups = list(owners)
 
     def root(self, salt: str | None) -> RadixNode | None:
@@ -129,7 +140,7 @@ class RadixTree:
     def _root(self, salt: str | None) -> RadixNode:
         root = self.roots.get(salt)
         if root is None:
-            root = self.roots[salt] = RadixNode(None, salt, 0, ())
+            root = self.roots[salt] = RadixNode(None, salt, 0, (), 0)
         return root
 
     # --- a cache's path --------------------------------------------------------------------------
@@ -151,9 +162,9 @@ class RadixTree:
             if child is None:
                 break
             child.users += 1
-            toks, i, n = child.tokens, 1, len(child.tokens)
+            toks, i, n = child.tokens, 1, len(child.held)
             at += stride
-            while i < n and at < end and toks[i] == packed[at:at + stride]:
+            while i < n and at < end and toks[i * stride:(i + 1) * stride] == packed[at:at + stride]:
                 i += 1
                 at += stride
             if i < n:  # the path ends inside ``child``: its head becomes a run of its own
@@ -167,7 +178,7 @@ class RadixTree:
         if at == end:
             return node, segs
         if node.parent is None or node.users != 1 or node.children:  # a new child run
-            run = RadixNode(node, salt, node.start + len(node.tokens), self.groups)
+            run = RadixNode(node, salt, node.start + len(node.held), self.groups, stride)
             first = packed[at:at + stride]
             children = node.children
             if children is _NONE:
@@ -179,17 +190,15 @@ class RadixTree:
             run.users = 1
             node = run
         lo = self.append(node, packed[at:end], tokens_per_block)
-        segs.append((node, lo, len(node.tokens)))
+        segs.append((node, lo, len(node.held)))
         return node, segs
 
     def append(self, run: RadixNode, packed: bytes, tokens_per_block: int) -> int:
         """Add the full blocks of ``packed`` as new, empty positions at ``run``'s end (its one user's path grows and
         nothing branches from it: :meth:`extend`'s in-place case); the offset of the first one."""
-        stride = 8 * tokens_per_block
-        lo = len(run.tokens)
-        run.tokens += [packed[a:a + stride] for a in range(0, len(packed) // stride * stride, stride)]
-        k = len(run.tokens) - lo
-        run.keys += [None] * k
+        k = len(packed) // (8 * tokens_per_block)
+        lo = len(run.held)
+        run.tokens += packed[:k * 8 * tokens_per_block]
         run.held += [0] * k
         empty = [-1] * k
         for blocks in run.blocks.values():
@@ -200,7 +209,7 @@ class RadixTree:
     def claim(self, run: RadixNode, i: int) -> RadixNode:
         """A cache takes the path ending at position ``i`` of ``run`` (split there if it is not the run's last):
         every run on it gains a user. Returns the run the path ends at."""
-        if i + 1 < len(run.tokens):
+        if i + 1 < len(run.held):
             run = self._split(run, i + 1)
         node: RadixNode | None = run
         while node is not None and node.parent is not None:
@@ -240,17 +249,20 @@ class RadixTree:
 
     # --- blocks -----------------------------------------------------------------------------------
 
-    def detach(self, group: str, nodes: Sequence[RadixNode], positions: Sequence[int]) -> None:
-        """Unhook ``group``'s block from each (run, block position) (evicted or dropped blocks; the pool has
-        cleared its side) and trim every run left with an empty, unused, childless tail, as :meth:`trim` does."""
+    def detach(self, group: str, blocks: Sequence[int]) -> None:
+        """Unhook ``group``'s evicted or dropped ``blocks`` from their runs (the pool's ``node[b]`` at ``pos[b]``,
+        cleared here) and trim every run left with an empty, unused, childless tail, as :meth:`trim` does."""
+        owner, pos = self.owners[group], self.positions[group]
         runs: list[RadixNode] = []  # each run once per stretch of its blocks, trimmed after the loop
         prev = None
-        for run, p in zip(nodes, positions, strict=True):
-            i = p - run.start
-            run.blocks[group][i] = -1
-            run.held[i] -= 1
+        for b in blocks:
+            run = owner[b]
+            owner[b] = None
+            i = pos[b] - run.start  # type: ignore[union-attr]
+            run.blocks[group][i] = -1  # type: ignore[union-attr]
+            run.held[i] -= 1  # type: ignore[union-attr]
             if run is not prev:
-                runs.append(run)
+                runs.append(run)  # type: ignore[arg-type]
                 prev = run
         for run in runs:  # trimming is confluent: once after the batch leaves what once per block would
             if run.parent is not None and not run.users and not run.children and not run.held[-1]:
@@ -268,9 +280,11 @@ class RadixTree:
             self.num_nodes -= len(held) - k
             if k:
                 if k < len(held):
-                    del node.tokens[k:], node.keys[k:], held[k:]
+                    del node.tokens[k * node.width:], held[k:]
                     for blocks in node.blocks.values():
                         del blocks[k:]
+                    if node.keys:
+                        node.keys = {j: key for j, key in node.keys.items() if j < k}
                 return
             parent = node.parent
             self._unhook(node)
@@ -283,9 +297,14 @@ class RadixTree:
     def _split(self, run: RadixNode, i: int) -> RadixNode:
         """Cut ``run`` before its position ``i`` (0 < i < len): the head becomes a new run in its place (the same
         users, the same place among its parent's children), ``run`` keeps the tail as its only child."""
-        top = RadixNode(run.parent, run.salt, run.start, ())
-        top.tokens, run.tokens = run.tokens[:i], run.tokens[i:]
-        top.keys, run.keys = run.keys[:i], run.keys[i:]
+        w = run.width
+        top = RadixNode(run.parent, run.salt, run.start, (), w)
+        top.tokens = run.tokens[:i * w]
+        del run.tokens[:i * w]
+        if run.keys:
+            keys = run.keys
+            top.keys = {j: key for j, key in keys.items() if j < i}
+            run.keys = {j - i: key for j, key in keys.items() if j >= i}
         top.held, run.held = run.held[:i], run.held[i:]
         owners = self.owners
         for g, blocks in run.blocks.items():
@@ -299,11 +318,11 @@ class RadixTree:
         run.start += i
         parent = run.parent
         assert parent is not None
-        first = top.tokens[0]
+        first = top.block(0)
         parent.children[first] = top  # type: ignore[index]  # an existing key: its place is kept
         if parent.by_first is not None:
             parent.by_first[first[:8]][first] = top
-        top.children = {run.tokens[0]: run}
+        top.children = {run.block(0): run}
         run.parent = top
         return top
 
@@ -311,7 +330,7 @@ class RadixTree:
         """Remove ``node`` from its parent's child indexes."""
         parent = node.parent
         assert parent is not None
-        first = node.tokens[0]
+        first = node.block(0)
         del parent.children[first]  # type: ignore[attr-defined]
         if parent.by_first is not None:
             siblings = parent.by_first[first[:8]]
@@ -325,29 +344,36 @@ class RadixTree:
     def key(self, run: RadixNode, i: int) -> bytes:
         """The chained SHA-256 key of the prefix ending with position ``i`` of ``run``; computed once, on demand.
 
-        Iterative: the positions before it without a key yet are hashed from the nearest keyed one on (chains can
-        be thousands of blocks deep)."""
-        got = run.keys[i]
+        Iterative: the positions before it without a key yet are hashed from the nearest keyed one on, a run's
+        stretch in one :func:`~cache_backends.hashing.chain_packed_hashes` call (chains can be thousands of blocks
+        deep)."""
+        got = run.keys.get(i)
         if got is not None:
             return got
-        todo: list[tuple[RadixNode, int]] = []
+        todo: list[tuple[RadixNode, int, int]] = []  # (run, first offset to hash, last offset), deepest first
         node, j = run, i
         parent_key: bytes | None = None
         while True:
-            todo.append((node, j))
-            if j:
-                j -= 1
-            else:
-                node = node.parent  # type: ignore[assignment]
-                if node.parent is None:
-                    break
-                j = len(node.tokens) - 1
-            if node.keys[j] is not None:
+            lo = j
+            keys = node.keys
+            while lo > 0 and (lo - 1) not in keys:
+                lo -= 1
+            todo.append((node, lo, j))
+            if lo > 0:
+                parent_key = keys[lo - 1]
+                break
+            node = node.parent  # type: ignore[assignment]
+            if node.parent is None:
+                break
+            j = len(node.held) - 1
+            if j in node.keys:
                 parent_key = node.keys[j]
                 break
-        for node, j in reversed(todo):
-            tokens = node.tokens[j]
-            parent_key = node.keys[j] = chain_packed_hashes(tokens, len(tokens) // 8, node.salt, parent_key)[0]
+        for node, lo, hi in reversed(todo):
+            w = node.width
+            got_keys = chain_packed_hashes(node.tokens[lo * w:(hi + 1) * w], w // 8, node.salt, parent_key)
+            node.keys.update(zip(range(lo, hi + 1), got_keys, strict=True))
+            parent_key = got_keys[-1]
         return parent_key  # type: ignore[return-value]
 
     def parent_key(self, run: RadixNode, i: int) -> bytes | None:
@@ -357,7 +383,7 @@ class RadixTree:
         parent = run.parent
         if parent is None or parent.parent is None:
             return None
-        return self.key(parent, len(parent.tokens) - 1)
+        return self.key(parent, len(parent.held) - 1)
 
     def nodes(self) -> Iterator[RadixNode]:
         """Every non-root run (for checks and tests)."""

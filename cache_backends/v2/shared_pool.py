@@ -93,25 +93,21 @@ class SharedPool:
         del free[len(free) - k:]
         if total > k:
             evicted = self.evictable.pop_many(total - k)
-            owner, group_of, names = self.node, self.group_of, self.names
+            group_of, names = self.group_of, self.names
             start = 0
             for c in counts:
                 if c <= 0:
                     continue
                 end = start + c
                 if end > k:  # this group's take() would evict out[max(start, k):end]
-                    by_group: dict[int, tuple[list[RadixNode], list[int]]] = {}
-                    pos = self.pos
+                    by_group: dict[int, list[int]] = {}
                     for b in evicted[max(start, k) - k:end - k]:
                         g = group_of[b]
-                        nodes, at = by_group.setdefault(g, ([], []))
-                        nodes.append(owner[b])  # type: ignore[arg-type]
-                        at.append(pos[b])
-                        owner[b] = None
+                        by_group.setdefault(g, []).append(b)
                         self.cached[g] -= 1
                         self.evicted[g] += 1
-                    for g, (nodes, at) in by_group.items():
-                        detach(names[g], nodes, at)
+                    for g, blocks in by_group.items():
+                        detach(names[g], blocks)
                 start = end
             out += evicted
         gen, ref, group_of, used = self.gen, self.ref, self.group_of, self.used
@@ -221,8 +217,7 @@ class SharedPool:
         """``group`` lets go of ``blocks`` (ids below 0 skipped), as ``GroupPool.release``."""
         ref, owner, free, group_of = self.ref, self.node, self._free, self.group_of
         cached: list[int] = []
-        dropped: list[RadixNode] = []
-        dropped_at: list[int] = []
+        dropped: list[int] = []
         released = 0
         name = self.names[group]
         try:
@@ -242,9 +237,7 @@ class SharedPool:
                 elif keep_cached:
                     cached.append(b)
                 else:
-                    dropped.append(node)
-                    dropped_at.append(self.pos[b])
-                    owner[b] = None
+                    dropped.append(b)
                     free.append(b)
                     group_of[b] = -1
         finally:
@@ -253,7 +246,7 @@ class SharedPool:
                 self.evictable.add_many(cached, priority)
                 self.cached[group] += len(cached)
             if dropped:
-                detach(name, dropped, dropped_at)
+                detach(name, dropped)
 
     def reset(self) -> None:
         """Drop every cached page to the free list (the manager empties the radix tree); none may be in use."""
