@@ -241,3 +241,36 @@ def test_keys_are_the_chained_block_hashes_whichever_position_is_asked_first(tok
     assert len(at) == n
     assert tree.key(*at[min(ask, n - 1)]) == want[min(ask, n - 1)]
     assert [tree.key(r, i) for r, i in at] == want
+
+
+def test_kv_events_through_a_split_run_name_every_block_by_its_chained_key():
+    # A second request shares one block of the first one's run and then branches: the run splits, the new blocks'
+    # stored event chains from the shared block's key, and evictions name exactly keys that were stored.
+    from cache_backends.kv_events import KvEventBuffer
+
+    m = make_manager(FULL, 10, enable_partial_reuse=False)
+    events = KvEventBuffer(1000)
+    m.enable_kv_events(events)
+    a_tokens = list(range(1, 14))  # 3 full blocks + 1 token
+    a = Request("a", a_tokens, 0)
+    prefill(m, a)
+    b_tokens = [*a_tokens[:4], 50, 51, 52, 53, 54, 55, 56, 57, 58]
+    b = Request("b", b_tokens, 0)
+    prefill(m, b)
+    assert b.num_reused_tokens == 4
+    (head,) = m._tree.root(None).children.values()
+    assert len(head) == 1 and [len(c) for c in head.children.values()] == [2, 2]  # a's run split after block 0
+    m.check_invariants()
+    got = events.drain()["events"]
+    stored = [e for e in got if e["type"] == "kv_block_stored"]
+    assert [e["block_hashes"] for e in stored] == [[k.hex() for k in chain_hashes(a_tokens[:12], T, None)],
+                                                   [k.hex() for k in chain_hashes(b_tokens[:12], T, None)[1:]]]
+    assert stored[1]["parent_block_hash"] == stored[0]["block_hashes"][0]
+    assert stored[1]["token_ids"] == b_tokens[4:12]
+    m.free(a)
+    m.free(b)
+    c = Request("c", list(range(100, 129)), 0)  # 8 blocks: 5 are free, 3 cached ones are evicted
+    prefill(m, c)
+    m.check_invariants()
+    removed = [h for e in events.drain()["events"] if e["type"] == "kv_block_removed" for h in e["block_hashes"]]
+    assert len(removed) == 3 and set(removed) <= {h for e in stored for h in e["block_hashes"]}
