@@ -6,7 +6,8 @@ on a pool already full of cached blocks, so every allocation evicts, three ways,
 
 * ``main``: the real :class:`~cache_backends.v2.radix.RadixTree` and
   :class:`~cache_backends.v2.group_pool.GroupPool`, driven as ``KVCacheManagerV2`` drives them (keying as
-  ``_key_full_blocks``, release tail first as ``_release_blocks``, ``leave``);
+  ``_key_full_blocks``, release tail first as ``_release_blocks``, ``leave``); since branch ``v2-runs3`` the real
+  tree keeps a node per run too, over the block-exact eviction queue (``runs_bq`` below, built in);
 * ``runs``: a node per run of blocks (extended in place while its one user keeps filling it), an eviction
   queue of runs (priority, then least recently released run), eviction trimming the LRU run's tail;
 * ``off``: reuse off (the same pool, nothing keyed, blocks back to the free list).
@@ -41,7 +42,8 @@ class Main:
     """The real tree and pool, driven as the manager drives them."""
 
     def __init__(self, nblocks: int) -> None:
-        self.tree, self.pool = RadixTree(), GroupPool("g", nblocks)
+        self.pool = GroupPool("g", nblocks)
+        self.tree = RadixTree({"g": (self.pool.node, self.pool.pos)})
         self.handed: list[int] = []
 
     def admit(self, c: dict[str, Any], packed0: bytes) -> None:
@@ -49,7 +51,7 @@ class Main:
         root = self.tree.root(None)
         if root is not None:
             root.children.get(packed0)
-        c["nodes"], c["table"] = [], []
+        c["last"], c["keyed"], c["table"] = None, 0, []
 
     def alloc(self, c: dict[str, Any], n: int) -> None:
         """``n`` blocks, evicting when the free list is dry."""
@@ -58,21 +60,26 @@ class Main:
         self.handed += out
 
     def key(self, c: dict[str, Any], packed: bytes, full: int) -> None:
-        """Hang the newly full blocks (as ``_key_full_blocks``)."""
-        nodes = c["nodes"]
-        first = len(nodes)
-        new = self.tree.extend(nodes[-1] if nodes else None, None, packed, T)
-        nodes += new
-        owner = self.pool.node
-        for node, b in zip(new, c["table"][first:full], strict=True):
-            if b >= 0 and owner[b] is None and "g" not in node.blocks:
-                node.blocks["g"] = b
-                owner[b] = node
+        """Hang the newly full blocks (as ``_key_full_blocks``: the real tree keeps a run per unbranched stretch)."""
+        d = c["keyed"]
+        c["last"], segs = self.tree.extend(c["last"], None, packed, T)
+        c["keyed"] = full
+        owner, pos, table = self.pool.node, self.pool.pos, c["table"]
+        for run, lo, hi in segs:
+            blocks = run.blocks["g"]
+            for i, b in enumerate(table[d:d + hi - lo], lo):
+                if b >= 0 and owner[b] is None and blocks[i] < 0:
+                    blocks[i] = b
+                    run.held[i] += 1
+                    owner[b] = run
+                    pos[b] = run.start + i
+            d += hi - lo
 
     def finish(self, c: dict[str, Any]) -> None:
         """Release tail first, leave the path."""
         self.pool.release(reversed(c["table"]), 0, True, self.tree.detach)
-        self.tree.leave(reversed(c["nodes"]))
+        if c["last"] is not None:
+            self.tree.leave(c["last"])
 
 
 class Run:

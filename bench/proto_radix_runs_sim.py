@@ -210,7 +210,7 @@ class RunsTree:
         """A run below the salt's root starting with block ``first`` (NotImplementedError if one exists)."""
         root = self.roots.get(salt)
         if root is None:
-            root = self.roots[salt] = RadixNode(None, b"", salt)
+            root = self.roots[salt] = RadixNode(None, salt, 0, (), 0)
         if first in root.children:
             raise NotImplementedError("a branch below an existing run")
         run = Run(root, first)
@@ -231,16 +231,15 @@ class RunsTree:
             if not siblings:
                 del root.by_first[run.tokens[:8]]
 
-    def leave(self, nodes: Iterable[Run]) -> None:
+    def leave(self, run: Run) -> None:
         """A cache lets go of its run (an unused run keeps only up to its last cached block)."""
-        for run in nodes:
-            run.users -= 1
-            blocks = run.blocks["_list"]
-            if not run.users:
-                while blocks and blocks[-1] < 0:
-                    blocks.pop()
-                if not blocks:
-                    self.unhook(run)
+        run.users -= 1
+        blocks = run.blocks["_list"]
+        if not run.users:
+            while blocks and blocks[-1] < 0:
+                blocks.pop()
+            if not blocks:
+                self.unhook(run)
 
 
 class RunsManagerV2(KVCacheManagerV2):
@@ -263,15 +262,14 @@ class RunsManagerV2(KVCacheManagerV2):
         self._pool = {name: pool}
         self._pool_sets = [(pool, [name])]
         self._group_pools = [(name, self.groups[0].tokens_per_block, pool)]
-        self._attach_steps = [(name, 1, pool.node)]
+        self._attach_steps = [(name, 1, pool.node, pool.pos)]
 
     def _key_full_blocks(self, cache: Any) -> None:
         """Extend the cache's run in place (a new run for its first blocks)."""
         if self.kv_events is not None:
             raise NotImplementedError("KV events")
         T = self.T
-        nodes = cache.nodes
-        run = nodes[0] if nodes else None
+        run = cache.last
         first, full = (run.n if run is not None else 0), cache.committed // T
         if first >= full:
             return
@@ -282,13 +280,13 @@ class RunsManagerV2(KVCacheManagerV2):
             first_block = ids[:8 * T] if self.PACK else pack_tokens(ids[:T])
             run = self._tree.new_run(cache.request.salt, first_block)  # type: ignore[attr-defined]
             run.blocks["_list"] = []
-            nodes.append(run)
+            cache.last = run
         elif run.users != 1 or run.children:
             raise NotImplementedError("a shared run")
         run.chunks.append(ids)
         run.n = full
         cache.key_at = (full + 1) * T
-        name, _, owner = self._attach_steps[0]
+        name, _, owner, _ = self._attach_steps[0]
         blocks = cache.tables[name][first:full]
         for b in blocks:
             if b < 0 or owner[b] is not None:

@@ -6,9 +6,10 @@ digest the managers' observable state after every engine step; compare the diges
 
 What is digested after each step: the scheduler's decision (admitted, resumed, suspended, preempted requests,
 scheduled chunks, stall text), and V2's state — per request cache: state, lengths, block tables, released
-window marks, reused tokens, host slots; per group pool: free list order, eviction order, reference counts,
-generations, priorities, which blocks a prefix node holds (with the node's depth and tokens), use and
-eviction counters; the manager's counters and the number of radix nodes; the scheduler's new-token ratio —
+window marks, reused tokens, host slots, the next keying point; per group pool: free list order, eviction
+order, reference counts, generations, priorities, which blocks the prefix cache holds (each with its block
+position and tokens), use and eviction counters; the manager's counters and the number of cached prefix
+blocks (radix positions); the scheduler's new-token ratio —
 or V1's block tables, free queue order and per-block keys. Internal representations that a refactor may
 change (how keys are computed, node objects) are not digested, what they decide is.
 """
@@ -46,16 +47,31 @@ for _wl in ("multi-turn", "no-reuse"):
                                            "host_cache_size": 1 << 28}))
 
 
+def _prefix_block(pool: Any, b: int) -> tuple[int, int] | None:
+    """What the prefix cache holds block ``b`` as: (its block position in the prefix, crc of its tokens), or None.
+
+    Whatever the tree's nodes are (a node per block, or a node per run of blocks with the block's position in
+    ``pool.pos``), this is what a user can observe, so digests of both representations compare.
+    """
+    node = pool.node[b]
+    if node is None:
+        return None
+    pos = getattr(pool, "pos", None)
+    if pos is None:  # a radix node per block
+        return node.depth, crc32(node.tokens)
+    return pos[b], crc32(node.block(pos[b] - node.start))
+
+
 def _v2_state(m: Any) -> Any:
     caches = []
     for req, c in m._caches.items():
         caches.append((req.req_id, c.state.value, c.admitted, c.committed, c.history, c.capacity,
                        sorted(c.tables.items()), sorted(c.released.items()), c.reused_tokens, c.partial_hit,
                        sorted(c.host.items()) if c.host is not None else None,
-                       sorted((k, sorted(v.items())) for k, v in c.reclaim.items()), len(c.nodes)))
+                       sorted((k, sorted(v.items())) for k, v in c.reclaim.items()), c.key_at))
     pools = []
     for name, p in sorted(m._pool.items()):
-        nodes = [None if n is None else (n.depth, crc32(n.tokens)) for n in p.node]
+        nodes = [_prefix_block(p, b) for b in range(len(p.node))]
         pools.append((name, list(p._free), p.evictable.blocks(), list(p.ref), list(p.gen), list(p.priority),
                       p.num_used, p.evictions, nodes))
     arena = getattr(m, "_arena", None)  # a shared arena: which group each block belongs to, per-group counts

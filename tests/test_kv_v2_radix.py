@@ -1,4 +1,5 @@
-"""The V2 radix tree: node chains, pruning, the first-token index that partial matching uses."""
+"""The V2 radix tree: runs of blocks (split on a branch or a match inside a run), trimming, the first-token index
+that partial matching uses, lazy keys; lookups checked against a node-per-block reference."""
 
 from __future__ import annotations
 
@@ -9,72 +10,185 @@ from hypothesis import strategies as st
 
 from cache_backends.hashing import chain_hashes, pack_tokens
 from cache_backends.request import Request
-from cache_backends.v2.radix import INDEX_CHILDREN_AFTER, RadixTree
+from cache_backends.v2.radix import INDEX_CHILDREN_AFTER, RadixNode, RadixTree
 from tests.kv_v2_support import FULL, admit, compute, make_manager, prefill
 
 T = 4
 
 
-def _chain(tree: RadixTree, tokens: list[int], salt: str | None = None):
-    return tree.extend(None, salt, pack_tokens(tokens), T)
+def _tree(num_blocks: int = 64) -> RadixTree:
+    return RadixTree({"full": ([None] * num_blocks, [0] * num_blocks)})
 
 
-def test_extend_builds_a_chain_with_one_more_user_each_and_finds_existing_nodes():
-    tree = RadixTree()
-    a = _chain(tree, list(range(12)))
-    assert [n.depth for n in a] == [0, 1, 2]
-    assert [n.token_ids for n in a] == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11)]
-    assert [n.users for n in a] == [1, 1, 1] and tree.num_nodes == 3
-    b = _chain(tree, [*range(8), 20, 21, 22, 23])
-    assert b[:2] == a[:2] and b[2] is not a[2] and [n.users for n in b] == [2, 2, 1] and tree.num_nodes == 4
-    assert a[1].children == {a[2].tokens: a[2], b[2].tokens: b[2]} and not a[2].children
-    assert [n.key for n in a] == chain_hashes(list(range(12)), T, None)  # chained SHA-256, computed on demand
-    assert a[2].tokens == pack_tokens([8, 9, 10, 11])  # packed as the key encodes them, 8 bytes per id
+def _chain(tree: RadixTree, tokens: list[int], salt: str | None = None, last: RadixNode | None = None):
+    return tree.extend(last, salt, pack_tokens(tokens), T)
 
 
-def test_prune_removes_empty_unused_nodes_up_to_the_root_and_then_the_root():
-    tree = RadixTree()
-    nodes = _chain(tree, list(range(8)), "s")
-    nodes[0].blocks["full"] = 7  # the head holds a block: pruning stops below it
-    for n in nodes:
-        n.users = 0
-    tree.prune(nodes[1])
-    assert tree.num_nodes == 1 and not nodes[0].children and tree.root("s") is not None
-    del nodes[0].blocks["full"]
-    tree.prune(nodes[0])
+def _positions(tree: RadixTree, last: RadixNode) -> list[tuple[RadixNode, int]]:
+    """The (run, offset) of every position on the path that ends at ``last``, root first."""
+    out: list[tuple[RadixNode, int]] = []
+    node: RadixNode | None = last
+    while node is not None and node.parent is not None:
+        out[:0] = [(node, i) for i in range(len(node))]
+        node = node.parent
+    return out
+
+
+def test_extend_builds_one_run_and_a_branch_splits_it_keeping_users_and_child_order():
+    tree = _tree()
+    a, segs = _chain(tree, list(range(12)))
+    assert segs == [(a, 0, 3)] and a.start == 0 and len(a) == 3 and a.users == 1 and tree.num_nodes == 3
+    assert [a.token_ids(i) for i in range(3)] == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11)]
+    assert a.block(2) == pack_tokens([8, 9, 10, 11])  # packed as the key encodes them, 8 bytes per id
+    b, segs = _chain(tree, [*range(8), 20, 21, 22, 23])  # shares two blocks, then branches inside a's run
+    head = a.parent
+    assert head is not None and head is not tree.root(None) and segs == [(head, 0, 2), (b, 0, 1)]
+    assert (head.start, len(head), head.users) == (0, 2, 2) and (a.start, len(a), a.users) == (2, 1, 1)
+    assert (b.start, len(b), b.users, b.parent) == (2, 1, 1, head) and tree.num_nodes == 4
+    assert list(head.children.values()) == [a, b]  # the old continuation first, as a node per block would keep
+    assert tree.root(None).children == {head.block(0): head}
+    assert [tree.key(r, i) for r, i in _positions(tree, a)] == chain_hashes(list(range(12)), T, None)
+    assert tree.parent_key(b, 0) == tree.key(head, 1)
+
+
+def test_a_runs_only_user_extends_it_in_place_and_a_shared_run_gets_a_child():
+    tree = _tree()
+    a, _ = _chain(tree, list(range(8)))
+    a2, segs = _chain(tree, list(range(8, 12)), last=a)
+    assert a2 is a and segs == [(a, 2, 3)] and len(a) == 3 and tree.num_nodes == 3
+    # a second user of the whole run: the first user's next block must not go into the shared run
+    other, _ = _chain(tree, list(range(12)))
+    assert other is a and a.users == 2
+    a3, segs = _chain(tree, list(range(12, 16)), last=a)
+    assert a3 is not a and a3.parent is a and segs == [(a3, 0, 1)] and len(a) == 3 and a3.users == 1
+
+
+def test_claim_splits_a_run_where_the_path_ends_and_leave_trims_unused_empty_tails_up_to_the_root():
+    tree = _tree()
+    owners, pos = tree.owners["full"], tree.positions["full"]
+    a, _ = _chain(tree, list(range(16)), "s")
+    for i, b in enumerate([10, 11, 12, 13]):  # blocks 10..13 at positions 0..3
+        a.blocks["full"][i], a.held[i] = b, 1
+        owners[b], pos[b] = a, i
+    tree.leave(a)  # unused, but every position holds a block: nothing goes
+    assert a.users == 0 and tree.num_nodes == 4
+    last = tree.claim(a, 1)  # a cache takes the first two positions: the run splits there
+    assert last is a.parent and (len(last), last.users, owners[10], owners[12]) == (2, 1, last, a)
+    tree.detach("full", [13, 12])  # evicted tail first: a is trimmed away
+    assert a.parent is None and not last.children and tree.num_nodes == 2 and owners[12] is None
+    tree.detach("full", [10])  # a hole at the head of a used run: kept
+    assert len(last) == 2 and tree.num_nodes == 2
+    tree.leave(last)  # position 1 still holds block 11: the run keeps it and its empty head
+    assert len(last) == 2 and tree.root("s") is not None
+    tree.detach("full", [11])
     assert tree.num_nodes == 0 and tree.root("s") is None
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.booleans(), st.integers(0, 40), st.integers(0, 3)), min_size=1, max_size=120))
 def test_children_starting_with_matches_a_scan_of_the_children_in_order(ops):
-    # Wide nodes build the first-token index on the first question and keep it through inserts and prunes;
+    # Wide runs build the first-token index on the first question and keep it through inserts and trims;
     # the answer must always be what scanning the children in insertion order gives.
-    tree = RadixTree()
-    live: dict[tuple[int, int], object] = {}
+    tree = _tree()
+    live: dict[tuple[int, int], RadixNode] = {}
     for add, first, ask in ops:
         if add or not live:
-            (node,) = _chain(tree, [first % 5, first, 99, 99])
-            live[(first % 5, first)] = node
+            key = (first % 5, first)
+            if key not in live:
+                live[key], _ = _chain(tree, [first % 5, first, 99, 99])
         else:
             key = sorted(live)[first % len(live)]
-            node = live.pop(key)
-            node.users = 0
-            tree.prune(node)
+            tree.leave(live.pop(key))
         root = tree.root(None)
         if root is None:
             continue
-        want = [c for c in root.children.values() if c.token_ids[0] == ask]
+        want = [c for c in root.children.values() if c.token_ids(0)[0] == ask]
         if add and first % 2:  # the admission's yes/no question, asked before (it may build the index too)
             assert root.has_child_starting_with(pack_tokens((ask,))) == bool(want)
         assert root.children_starting_with(ask) == want
         assert root.has_child_starting_with(pack_tokens((ask,))) == bool(want)
         if root.by_first is not None:
             assert {t: list(g.values()) for t, g in root.by_first.items()} == {
-                t: [c for c in root.children.values() if c.tokens[:8] == t] for t in {c.tokens[:8] for c in
-                                                                                      root.children.values()}}
+                t: [c for c in root.children.values() if c.block(0)[:8] == t]
+                for t in {c.block(0)[:8] for c in root.children.values()}}
         if len(root.children) > INDEX_CHILDREN_AFTER:
             assert root.by_first is not None  # asked just now with more children than the threshold
+
+
+_OP = st.tuples(st.sampled_from(["add", "grow", "claim", "leave", "attach", "detach"]),
+                st.lists(st.integers(0, 2), min_size=T, max_size=6 * T), st.integers(0, 2**16))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(_OP, min_size=1, max_size=40))
+def test_runs_answer_every_lookup_as_a_node_per_block_tree_would(ops):
+    # A reference keeps a node per block: prefix (tuple of blocks) -> users and block. After every operation the
+    # tree must hold exactly the positions the reference holds (a node stays while it has a user, a block or a
+    # descendant), with the same users, blocks, tokens and chained keys, and a walk over any token list must stop
+    # where the reference's does.
+    tree = _tree(4096)
+    owners, pos = tree.owners["full"], tree.positions["full"]
+    ref: dict[tuple, list] = {}  # prefix -> [users, block]
+    paths: list[tuple[RadixNode, tuple]] = []  # live caches: (last run, their prefix)
+    next_block = iter(range(4096))
+    for op, tokens, pick in ops:
+        blocks = tuple(tuple(tokens[i:i + T]) for i in range(0, len(tokens) // T * T, T))
+        if op in ("add", "grow") or not paths:
+            base_last, base = (None, ()) if op == "add" or not paths else paths.pop(pick % len(paths))
+            last, _ = _chain(tree, [t for blk in blocks for t in blk], last=base_last)
+            for k in range(len(base) + 1, len(base) + len(blocks) + 1):
+                ref.setdefault((base + blocks)[:k], [0, -1])[0] += 1
+            paths.append((last, base + blocks))
+        elif op == "claim":  # a new cache takes part of a live path (as an admission does)
+            last, prefix = paths[pick % len(paths)]
+            n = 1 + pick % len(prefix)
+            run, i = tree.position(last, n - 1)
+            paths.append((tree.claim(run, i), prefix[:n]))
+            for k in range(1, n + 1):
+                ref[prefix[:k]][0] += 1
+        elif op == "leave":
+            last, prefix = paths.pop(pick % len(paths))
+            tree.leave(last)
+            for k in range(1, len(prefix) + 1):
+                ref[prefix[:k]][0] -= 1
+        elif op == "attach":
+            last, prefix = paths[pick % len(paths)]
+            p = pick % len(prefix)
+            run, i = tree.position(last, p)
+            if run.blocks["full"][i] < 0:
+                b = next(next_block)
+                run.blocks["full"][i], run.held[i], owners[b], pos[b] = b, 1, run, p
+                ref[prefix[:p + 1]][1] = b
+        else:  # detach a random attached block, as an eviction does
+            held = sorted(k for k, v in ref.items() if v[1] >= 0)
+            if held:
+                key = held[pick % len(held)]
+                b = ref[key][1]
+                ref[key][1] = -1
+                tree.detach("full", [b])
+                assert owners[b] is None
+        # the reference prunes: a prefix stays while it or a longer one has a user or a block
+        alive = {k for k, (u, b) in ref.items() if u or b >= 0}
+        alive = {k[:n] for k in alive for n in range(1, len(k) + 1)}
+        ref = {k: v for k, v in ref.items() if k in alive}
+        got: dict[tuple, list] = {}
+        for run in tree.nodes():
+            prefix: tuple = ()
+            node = run.parent
+            chain: list[RadixNode] = []
+            while node is not None and node.parent is not None:
+                chain.append(node)
+                node = node.parent
+            prefix = tuple(run_tok for r in reversed(chain) for run_tok in (r.token_ids(i) for i in range(len(r))))
+            for i in range(len(run)):
+                prefix += (run.token_ids(i),)
+                got[prefix] = [run.users, run.blocks["full"][i]]
+                assert run.held[i] == (run.blocks["full"][i] >= 0)
+                assert tree.key(run, i) == chain_hashes([t for blk in prefix for t in blk], T, None)[-1]
+        assert got == ref and tree.num_nodes == len(ref)
+        for last, prefix in paths:  # every live path ends at its run's end and reads back its tokens
+            assert last.start + len(last) == len(prefix)
+            assert tuple(r.token_ids(i) for r, i in _positions(tree, last)) == prefix
 
 
 def test_partial_reuse_on_a_wide_node_picks_the_longest_match_among_children_sharing_the_first_token():
@@ -89,11 +203,11 @@ def test_partial_reuse_on_a_wide_node_picks_the_longest_match_among_children_sha
         m.free(cached)  # its full block stays cached (evictable) below the root
     assert len(m._tree.root(None).children) > INDEX_CHILDREN_AFTER
     hits = m.stats().reuse_partial_hits
-    source = next(c for c in m._tree.root(None).children.values() if c.token_ids == (7, 1, 2, 9))
+    source = next(c for c in m._tree.root(None).children.values() if c.token_ids(0) == (7, 1, 2, 9))
     r = Request("r", [7, 1, 2, 8, 80, 81], 2)
     admit(m, r)
     assert r.num_computed_tokens == 3 and m.stats().reuse_partial_hits == hits + 1  # [7, 1, 2] of p1
-    assert m.block_table(r, "full")[0] != source.blocks["full"]  # copied: the cached block is never written
+    assert m.block_table(r, "full")[0] != source.blocks["full"][0]  # copied: the cached block is never written
     compute(m, r, r.num_tokens - r.num_computed_tokens)
     m.check_invariants()
     assert m._tree.root(None).by_first is not None  # the wide root got its index and keeps it consistent
@@ -113,13 +227,50 @@ def test_partial_reuse_on_a_wide_node_picks_the_longest_match_among_children_sha
 
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.integers(0, 2**40), min_size=T, max_size=12 * T), st.sampled_from([None, "", "tenant"]),
-       st.integers(0, 11))
-def test_keys_are_the_chained_block_hashes_whichever_node_is_asked_first(tokens, salt, ask):
-    # Keys are computed on demand from the deepest node asked up to the nearest keyed ancestor; the result must
-    # be the chained SHA-256 of the prefix whatever the order of the questions.
-    tree = RadixTree()
-    nodes = _chain(tree, tokens, salt)
+       st.integers(0, 11), st.integers(1, 11))
+def test_keys_are_the_chained_block_hashes_whichever_position_is_asked_first(tokens, salt, ask, cut):
+    # Keys are computed on demand from the position asked back to the nearest keyed one (across runs, here split
+    # at ``cut``); the result must be the chained SHA-256 of the prefix whatever the order of the questions.
+    tree = _tree()
+    last, _ = _chain(tree, tokens, salt)
+    n = len(last)
+    if cut < n:
+        tree.claim(last, cut - 1)  # a path ending inside: the run splits
     want = chain_hashes(tokens, T, salt)
-    assert nodes[min(ask, len(nodes) - 1)].key == want[min(ask, len(nodes) - 1)]
-    assert [n.key for n in nodes] == want
-    assert tree.root(salt).key is None
+    at = _positions(tree, last)
+    assert len(at) == n
+    assert tree.key(*at[min(ask, n - 1)]) == want[min(ask, n - 1)]
+    assert [tree.key(r, i) for r, i in at] == want
+
+
+def test_kv_events_through_a_split_run_name_every_block_by_its_chained_key():
+    # A second request shares one block of the first one's run and then branches: the run splits, the new blocks'
+    # stored event chains from the shared block's key, and evictions name exactly keys that were stored.
+    from cache_backends.kv_events import KvEventBuffer
+
+    m = make_manager(FULL, 10, enable_partial_reuse=False)
+    events = KvEventBuffer(1000)
+    m.enable_kv_events(events)
+    a_tokens = list(range(1, 14))  # 3 full blocks + 1 token
+    a = Request("a", a_tokens, 0)
+    prefill(m, a)
+    b_tokens = [*a_tokens[:4], 50, 51, 52, 53, 54, 55, 56, 57, 58]
+    b = Request("b", b_tokens, 0)
+    prefill(m, b)
+    assert b.num_reused_tokens == 4
+    (head,) = m._tree.root(None).children.values()
+    assert len(head) == 1 and [len(c) for c in head.children.values()] == [2, 2]  # a's run split after block 0
+    m.check_invariants()
+    got = events.drain()["events"]
+    stored = [e for e in got if e["type"] == "kv_block_stored"]
+    assert [e["block_hashes"] for e in stored] == [[k.hex() for k in chain_hashes(a_tokens[:12], T, None)],
+                                                   [k.hex() for k in chain_hashes(b_tokens[:12], T, None)[1:]]]
+    assert stored[1]["parent_block_hash"] == stored[0]["block_hashes"][0]
+    assert stored[1]["token_ids"] == b_tokens[4:12]
+    m.free(a)
+    m.free(b)
+    c = Request("c", list(range(100, 129)), 0)  # 8 blocks: 5 are free, 3 cached ones are evicted
+    prefill(m, c)
+    m.check_invariants()
+    removed = [h for e in events.drain()["events"] if e["type"] == "kv_block_removed" for h in e["block_hashes"]]
+    assert len(removed) == 3 and set(removed) <= {h for e in stored for h in e["block_hashes"]}

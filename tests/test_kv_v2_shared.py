@@ -101,15 +101,16 @@ def test_shared_pool_evicts_least_recently_released_first_whatever_the_group():
     pool = SharedPool(["full", "sliding"], 3)
     detached: list[tuple[str, list[object]]] = []
     nodes = [object() for _ in range(3)]
-    old = pool.take(0, 2, lambda g, n: detached.append((g, n)))  # full takes 2, sliding 1
-    new = pool.take(1, 1, lambda g, n: detached.append((g, n)))
+    record = _recorder(detached, pool)
+    old = pool.take(0, 2, record)  # full takes 2, sliding 1
+    new = pool.take(1, 1, record)
     for b, node in zip([*old, *new], nodes, strict=True):
         pool.node[b] = node  # type: ignore[assignment]
-    pool.release(0, old, 0, True, lambda g, n: None)  # full's pages cached first (least recently)
-    pool.release(1, new, 0, True, lambda g, n: None)
+    pool.release(0, old, 0, True, record)  # full's pages cached first (least recently)
+    pool.release(1, new, 0, True, record)
     assert (pool.cached, pool.used, pool.available) == ([2, 1], [0, 0], 3)
-    got = pool.take(1, 1, lambda g, n: detached.append((g, n)))  # sliding needs a page: full's oldest goes
-    assert got == [old[0]] and detached == [("full", [nodes[0]])]
+    got = pool.take(1, 1, record)  # sliding needs a page: full's oldest goes
+    assert got == [old[0]] and detached == [("full", [old[0]], [nodes[0]])] and pool.node[old[0]] is None
     assert pool.group_of[old[0]] == 1 and pool.evicted == [1, 0] and pool.cached == [1, 1]
 
 
@@ -174,7 +175,7 @@ def _filled(seed: int) -> tuple[SharedPool, list[list[int]]]:
 
     rng = random.Random(seed)
     pool = SharedPool(["s.0", "s.1", "s.2", "full"], 40)
-    keep = lambda g, n: None  # noqa: E731
+    keep = lambda g, blocks: None  # noqa: E731
     tables = [pool.take(g, rng.randint(8, 10), keep) for g in range(4)]  # the arena nearly full
     for g, table in enumerate(tables):
         for b in table:
@@ -185,8 +186,15 @@ def _filled(seed: int) -> tuple[SharedPool, list[list[int]]]:
     return pool, tables
 
 
-def _recorder(seen: list) -> Callable[[str, list], None]:
-    return lambda group, nodes: seen.append((group, list(nodes)))
+def _recorder(seen: list, pool: SharedPool) -> Callable[[str, list], None]:
+    """A detach callback that records (group, blocks, their radix nodes) and clears the nodes, as the manager's."""
+
+    def detach(group: str, blocks: list) -> None:
+        seen.append((group, list(blocks), [pool.node[b] for b in blocks]))
+        for b in blocks:
+            pool.node[b] = None
+
+    return detach
 
 
 def test_batched_arena_calls_do_exactly_what_the_per_group_calls_do():
@@ -200,7 +208,7 @@ def test_batched_arena_calls_do_exactly_what_the_per_group_calls_do():
                 continue
             seen_a: list = []
             seen_b: list = []
-            record_a, record_b = _recorder(seen_a), _recorder(seen_b)
+            record_a, record_b = _recorder(seen_a, a), _recorder(seen_b, b)
             got_a = [a.take(g, k, record_a) if k else [] for g, k in enumerate(counts)]
             got_b = b.take_each(range(4), counts, record_b)
             assert got_a == got_b and seen_a == seen_b and _pool_state(a) == _pool_state(b)

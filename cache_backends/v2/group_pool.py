@@ -110,9 +110,9 @@ class EvictionQueue:
         return [b for p in sorted(self._by_prio) for b in self._by_prio[p]]
 
 
-#: ``detach(group, nodes)``: the manager unhooks a group's evicted or dropped blocks from their radix
-#: nodes (one node per block, in eviction order); the pool has already cleared ``node[b]``.
-Detach = Callable[[str, "list[RadixNode]"], None]
+#: ``detach(group, blocks)``: the manager unhooks a group's evicted or dropped blocks (in eviction order) from their
+#: radix runs (``node[b]`` at position ``pos[b]``) and clears ``node[b]``; the pool's other bookkeeping is its own.
+Detach = Callable[[str, "list[int]"], None]
 
 
 class GroupPool:
@@ -123,7 +123,8 @@ class GroupPool:
         self.num_blocks = num_blocks
         self.ref = [0] * num_blocks
         self.gen = [0] * num_blocks
-        self.node: list[RadixNode | None] = [None] * num_blocks  # radix node holding the block, if any
+        self.node: list[RadixNode | None] = [None] * num_blocks  # radix run holding the block, if any
+        self.pos = [0] * num_blocks  # an attached block's position in the prefix (meaningless when node[b] is None)
         self.priority = [0] * num_blocks  # eviction priority, set when the last owner lets go
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: pop() hands out low ids first
         self.evictable = EvictionQueue(self.priority)
@@ -166,11 +167,7 @@ class GroupPool:
         del free[len(free) - k:]
         if n > k:  # evict the rest in one pass; their nodes are unhooked together
             evicted = self.evictable.pop_many(n - k)
-            owner = self.node
-            nodes = [owner[b] for b in evicted]
-            for b in evicted:
-                owner[b] = None
-            detach(self.name, nodes)  # type: ignore[arg-type]
+            detach(self.name, evicted)
             self.evictions += n - k
             out += evicted
         gen, ref = self.gen, self.ref
@@ -207,8 +204,7 @@ class GroupPool:
             self.evictable.add(b, priority)
             return
         if node is not None:
-            self.node[b] = None
-            detach(self.name, [node])
+            detach(self.name, [b])
         self._free.append(b)
 
     def release(self, blocks: Iterable[int], priority: int, keep_cached: bool, detach: Detach) -> None:
@@ -219,7 +215,7 @@ class GroupPool:
         """
         ref, owner, free = self.ref, self.node, self._free
         cached: list[int] = []
-        dropped: list[RadixNode] = []
+        dropped: list[int] = []
         released = 0
         try:
             for b in blocks:
@@ -237,8 +233,7 @@ class GroupPool:
                 elif keep_cached:
                     cached.append(b)  # add_many records its priority
                 else:
-                    dropped.append(node)
-                    owner[b] = None
+                    dropped.append(b)
                     free.append(b)
         finally:  # what was released before an error stays consistent
             self.num_used -= released

@@ -20,7 +20,10 @@ How the pieces fit (TensorRT-LLM's V2 ideas, this project's code):
   (their memory is never held by the cache, and prefixes longer than a window are not reused).
 * **Prefix reuse.** Full committed ``T``-token blocks are hung in a :class:`~cache_backends.v2.radix.RadixTree`
   under the request's salt, found by their tokens; their chained SHA-256 keys are computed only when
-  something reports them (KV cache events). A new request walks it over its
+  something reports them (KV cache events). The tree keeps one node per unbranched *run* of blocks (path
+  compression): a cache's path ends at the end of ``cache.last``, keying appends to that run while the cache is
+  its only user, and a match or branch that ends inside a run splits it; a pool's ``node[b]`` / ``pos[b]`` name
+  the run and block position holding ``b``. A new request walks it over its
   tokens and takes the longest prefix ``m`` that (a) is a multiple of the *reuse unit* — the lcm of
   every group's block span, so compressed groups reuse whole blocks only — (b) leaves at least one
   token to compute (logits), (c) has every block of every growing group below ``m`` still cached and
@@ -118,10 +121,10 @@ class KVCacheManagerV2:
             self._pool = dict(own)
             self._pool_sets = [(pool, [name]) for name, pool in own.items()]
         self._group_pools = [(g.name, g.tokens_per_block, self._pool[g.name]) for g in self.groups]
-        # (group, token blocks per group block, pool's block -> node list) for keying; with reuse on,
-        # every group block spans a whole number of token blocks.
-        self._attach_steps = [(g.name, max(1, g.tokens_per_block // self.T), self._pool[g.name].node)
-                              for g in self.groups]
+        # (group, token blocks per group block, pool's block -> run list, pool's block -> position list) for keying;
+        # with reuse on, every group block spans a whole number of token blocks.
+        self._attach_steps = [(g.name, max(1, g.tokens_per_block // self.T), self._pool[g.name].node,
+                               self._pool[g.name].pos) for g in self.groups]
         self._sliding = [g for g in self.groups if g.window is not None]
         # sliding groups by (window, block span): they release in lockstep, so one bound serves them all
         windows: dict[tuple[int, int], list[tuple[str, GroupPool | GroupShare]]] = {}
@@ -166,7 +169,7 @@ class KVCacheManagerV2:
         else:
             self.partial_off_reason = partial_reuse_off_reason(self.layout)
         self._partial = self.partial_off_reason is None
-        self._tree = RadixTree()
+        self._tree = self._new_tree()
         self.host: HostTier | None = None
         slots = host_slots(pools, options.host_cache_size)
         if slots:
@@ -315,8 +318,9 @@ class KVCacheManagerV2:
             for name, slots in cache.host.items():
                 self.host.free(name, slots)
             cache.host = None
-        self._tree.leave(reversed(cache.nodes))
-        cache.nodes.clear()
+        if cache.last is not None:
+            self._tree.leave(cache.last)
+            cache.last = None
 
     def preempt(self, request: Request) -> None:
         """Drop ``request``'s cache so it is recomputed later (its prefix stays cached for reuse)."""
@@ -624,7 +628,7 @@ class KVCacheManagerV2:
             raise prefix_cache_in_use([r.req_id for r in self._caches])
         for pool, _ in self._pool_sets:
             pool.reset()
-        self._tree = RadixTree()
+        self._tree = self._new_tree()
         if self.kv_events is not None:
             self.kv_events.cleared()
 
@@ -677,7 +681,7 @@ class KVCacheManagerV2:
             return
         self._closed = True
         self._caches.clear()
-        self._tree = RadixTree()
+        self._tree = self._new_tree()
         if self.host is not None:
             self.host.release()
         self.pools.release()
@@ -691,14 +695,21 @@ class KVCacheManagerV2:
         """Verify the bookkeeping (O(blocks + tokens)); raise ``AssertionError`` listing what is broken."""
         problems: list[str] = []
         owners: dict[str, dict[int, int]] = {g.name: {} for g in self.groups}
+        on_path: dict[str, RadixNode] = {}  # each cache's last radix run
         for cache in self._caches.values():
             rid = cache.request.req_id
             if not cache.committed <= cache.history <= cache.capacity:
                 problems.append(f"{rid}: lengths {cache.committed}/{cache.history}/{cache.capacity}")
-            if self._reuse and len(cache.nodes) != cache.committed // self.T:
-                problems.append(f"{rid}: {len(cache.nodes)} radix nodes for {cache.committed} committed tokens")
-            if cache.key_at != ((len(cache.nodes) + 1) * self.T if self._reuse else NEVER):
-                problems.append(f"{rid}: next block keyed at {cache.key_at} tokens with {len(cache.nodes)} nodes")
+            if self._reuse and cache.keyed != cache.committed // self.T:
+                problems.append(f"{rid}: {cache.keyed} radix positions for {cache.committed} committed tokens")
+            if cache.key_at != ((cache.keyed + 1) * self.T if self._reuse else NEVER):
+                problems.append(f"{rid}: next block keyed at {cache.key_at} tokens with {cache.keyed} keyed")
+            last = cache.last
+            if (last.start + len(last) if last is not None else 0) != cache.keyed or (
+                    last is not None and last.parent is None):
+                problems.append(f"{rid}: its radix path does not end at its {cache.keyed} keyed blocks")
+            if last is not None:
+                on_path[rid] = last
             if not cache.is_active:
                 continue
             for window, tpb, members in self._window_sets:  # commits below slide_at skip the window check: safely
@@ -756,23 +767,14 @@ class KVCacheManagerV2:
                     problems.append(f"group {g.name}: evictable block {b} is not in the radix tree")
                 if b in free and pool.node[b] is not None:
                     problems.append(f"group {g.name}: free block {b} still in the radix tree")
-                if pool.node[b] is not None and pool.node[b].blocks.get(g.name) != b:
-                    problems.append(f"group {g.name}: block {b} and its radix node disagree")
+                run = pool.node[b]
+                if run is not None and not (0 <= pool.pos[b] - run.start < len(run)
+                                            and run.blocks[g.name][pool.pos[b] - run.start] == b):
+                    problems.append(f"group {g.name}: block {b} and its radix run disagree")
             for b in owners[g.name]:
                 if holds is not None and not holds(b):
                     problems.append(f"group {g.name}: block {b} in its tables belongs to another group")
-        for node in [*self._tree.roots.values(), *self._tree.nodes()]:
-            if node.by_first is None:
-                continue
-            expected: dict[bytes, list[RadixNode]] = {}
-            for child in node.children.values():
-                expected.setdefault(child.tokens[:8], []).append(child)
-            if {t: list(group.values()) for t, group in node.by_first.items()} != expected:
-                problems.append(f"radix node at depth {node.depth}: first-token index disagrees with its children")
-        for node in self._tree.nodes():
-            for name, b in node.blocks.items():
-                if self._pool[name].node[b] is not node:
-                    problems.append(f"radix node at depth {node.depth} holds block {b} of {name} it does not own")
+        problems += self._check_tree(on_path)
         if self.host is not None:
             held: dict[str, list[int]] = {name: [] for name in self.host.num_slots}
             for cache in self._caches.values():
@@ -787,6 +789,59 @@ class KVCacheManagerV2:
         if problems:
             raise AssertionError("; ".join(problems))
 
+    def _check_tree(self, on_path: dict[str, RadixNode]) -> list[str]:
+        """The radix tree's invariants (:mod:`cache_backends.v2.radix`); ``on_path``: each cache's last run."""
+        problems: list[str] = []
+        users: dict[int, int] = {}
+        for last in on_path.values():
+            node: RadixNode | None = last
+            while node is not None and node.parent is not None:
+                users[id(node)] = users.get(id(node), 0) + 1
+                node = node.parent
+        positions = 0
+        for node in [*self._tree.roots.values(), *self._tree.nodes()]:
+            where = f"radix run at block {node.start}"
+            if node.by_first is not None:
+                expected: dict[bytes, list[RadixNode]] = {}
+                for child in node.children.values():
+                    expected.setdefault(child.block(0)[:8], []).append(child)
+                if {t: list(group.values()) for t, group in node.by_first.items()} != expected:
+                    problems.append(f"{where}: first-token index disagrees with its children")
+            for first, child in node.children.items():
+                if child.parent is not node or not child.held or child.block(0) != first \
+                        or child.start != (node.start + len(node) if node.parent is not None else 0):
+                    problems.append(f"{where}: child at block {child.start} is not hooked where it belongs")
+            if node.parent is None:
+                continue
+            n = len(node)
+            positions += n
+            if not n or len(node.tokens) != n * node.width or node.width != 8 * self.T \
+                    or any(not 0 <= j < n for j in node.keys) or set(node.blocks) != set(self._pool):
+                problems.append(f"{where}: {n} positions but per-position lists of other lengths or groups")
+                continue
+            if node.users != users.get(id(node), 0):
+                problems.append(f"{where}: {node.users} users, {users.get(id(node), 0)} cache paths through it")
+            if not node.users and not node.children and not node.held[-1]:
+                problems.append(f"{where}: unused, childless, with an empty tail position (not trimmed)")
+            held = [0] * n
+            for name, blocks in node.blocks.items():
+                pool = self._pool[name]
+                if len(blocks) != n:
+                    problems.append(f"{where}: group {name} has {len(blocks)} entries for {n} positions")
+                    continue
+                for i, b in enumerate(blocks):
+                    if b < 0:
+                        continue
+                    held[i] += 1
+                    if pool.node[b] is not node or pool.pos[b] != node.start + i:
+                        problems.append(f"{where} holds block {b} of {name} at position {node.start + i} "
+                                        "it does not own")
+            if held != node.held:
+                problems.append(f"{where}: held counts {node.held}, recomputed {held}")
+        if positions != self._tree.num_nodes:
+            problems.append(f"radix tree: {self._tree.num_nodes} positions counted, {positions} found")
+        return problems
+
     # --- internals -------------------------------------------------------------------------------
 
     def _check_open(self) -> None:
@@ -799,34 +854,46 @@ class KVCacheManagerV2:
             raise ValueError(f"request {request.req_id}: cache is suspended; resume() it first")
         return cache
 
-    def _detach(self, group: str, nodes: list[RadixNode]) -> None:
-        """Unhook evicted or dropped blocks of ``group`` from their radix nodes (pool side is the caller's)."""
+    def _new_tree(self) -> RadixTree:
+        """An empty radix tree over this manager's pools (a split rewrites their block -> run lists)."""
+        return RadixTree({g.name: (self._pool[g.name].node, self._pool[g.name].pos) for g in self.groups})
+
+    def _detach(self, group: str, blocks: list[int]) -> None:
+        """Unhook evicted or dropped blocks of ``group`` from their radix runs (the pool's other bookkeeping is the
+        caller's)."""
         if self.kv_events is not None:
-            self.kv_events.removed([n.key for n in nodes], group)
-        self._tree.detach(group, nodes)
+            key, pool = self._tree.key, self._pool[group]
+            self.kv_events.removed([key(pool.node[b], pool.pos[b] - pool.node[b].start)  # type: ignore[union-attr]
+                                    for b in blocks], group)
+        self._tree.detach(group, blocks)
 
-    def _attach(self, node: RadixNode, group: str, block: int) -> None:
+    def _attach(self, run: RadixNode, i: int, group: str, block: int) -> None:
+        """Hang ``group``'s ``block`` at position ``i`` of ``run`` unless either already has a partner."""
         pool = self._pool[group]
-        if group not in node.blocks and pool.node[block] is None:
-            node.blocks[group] = block
-            pool.node[block] = node
+        if run.blocks[group][i] < 0 and pool.node[block] is None:
+            run.blocks[group][i] = block
+            run.held[i] += 1
+            pool.node[block] = run
+            pool.pos[block] = run.start + i
             if self.kv_events is not None:
-                self._stored(group, [node])
+                self._stored(group, [(run, i)])
 
-    def _stored(self, group: str, nodes: list[RadixNode]) -> None:
-        """``kv_block_stored`` for ``group``'s blocks now held by ``nodes`` (a chain, parent first)."""
+    def _stored(self, group: str, at: list[tuple[RadixNode, int]]) -> None:
+        """``kv_block_stored`` for ``group``'s blocks now held at the (run, offset) positions ``at`` (along one path,
+        in order): one event per stretch of consecutive positions."""
         events = self.kv_events
         assert events is not None
-        chain: list[RadixNode] = []
-        for node in [*nodes, None]:  # one event per run of nodes that chain parent to child
-            if node is not None and (not chain or node.parent is chain[-1]):
-                chain.append(node)
+        tree = self._tree
+        chain: list[tuple[RadixNode, int]] = []
+        for item in [*at, None]:
+            if item is not None and (not chain or item[0].start + item[1] == chain[-1][0].start + chain[-1][1] + 1):
+                chain.append(item)
                 continue
             if chain:
-                parent = chain[0].parent
-                events.stored([n.key for n in chain if n.key is not None], parent.key if parent is not None else None,
-                              [t for n in chain for t in n.token_ids], self.T, group)
-            chain = [node] if node is not None else []
+                run, i = chain[0]
+                events.stored([tree.key(r, j) for r, j in chain], tree.parent_key(run, i),
+                              [t for r, j in chain for t in r.token_ids(j)], self.T, group)
+            chain = [item] if item is not None else []
 
     def enable_kv_events(self, buffer: KvEventBuffer) -> None:
         """Record stored / removed / cleared prefix-cache blocks into ``buffer`` from now on."""
@@ -894,63 +961,118 @@ class KVCacheManagerV2:
                               for window, tpb, members in self._window_sets for name, _ in members), default=NEVER)
 
     def _key_full_blocks(self, cache: SequenceCache) -> None:
-        """Hang newly full committed blocks in the radix tree (found by their tokens) and offer the cache's blocks
-        to their nodes."""
+        """Hang newly full committed blocks in the radix tree (found by their tokens: appended to the cache's own
+        run when it is the run's only user) and offer the cache's blocks to their positions."""
         T = self.T
-        nodes = cache.nodes
-        first, full = len(nodes), cache.committed // T
+        first, full = cache.keyed, cache.committed // T
         if first >= full:
             return
         packed = pack_tokens(_tokens(cache.request, first * T, full * T))  # once for the run
-        new = self._tree.extend(nodes[-1] if nodes else None, cache.request.salt, packed, T)
-        nodes += new
+        cache.keyed = full
         cache.key_at = (full + 1) * T
         tables = cache.tables
-        # Offer every group block that ends on a new node to it (= _attach; inlined, it runs for every block).
-        for name, step, owner in self._attach_steps:
+        events = self.kv_events
+        last = cache.last
+        if last is not None and last.users == 1 and not last.children:
+            # The common case: the cache's own leaf run grows in place (what extend() would do there).
+            if full == first + 1 and events is None:  # a decode filled one block: no slicing, no bulk checks
+                i = len(last.held)
+                last.tokens += packed
+                for blocks in last.blocks.values():
+                    blocks.append(-1)
+                self._tree.num_nodes += 1
+                held = 0
+                for name, step, owner, pos in self._attach_steps:
+                    if step == 1 or not full % step:  # a group block ends at this position
+                        b = tables[name][full // step - 1]
+                        if b >= 0 and owner[b] is None:
+                            last.blocks[name][i] = b
+                            owner[b] = last
+                            pos[b] = first
+                            held += 1
+                last.held.append(held)
+                return
+            segs = [(last, self._tree.append(last, packed, T), len(last.held))]
+        else:
+            cache.last, segs = self._tree.extend(last, cache.request.salt, packed, T)
+        # Offer every group block that ends on a new position to it (= _attach; inlined, it runs for every block).
+        for name, step, owner, pos in self._attach_steps:
             table = tables[name]
-            if step == 1:  # a group block per token block
-                pairs: Iterable[tuple[RadixNode, int]] = zip(new, table[first:full], strict=True)
-            else:  # token blocks j whose end is a group block's end: (j + 1) % step == 0
-                pairs = ((new[j - first], table[(j + 1) // step - 1])
-                         for j in range(-(-(first + 1) // step) * step - 1, full, step))
-            stored = [] if self.kv_events is not None else None
-            for node, b in pairs:
-                if b >= 0 and owner[b] is None and name not in node.blocks:
-                    node.blocks[name] = b
-                    owner[b] = node
-                    if stored is not None:
-                        stored.append(node)
+            stored: list[tuple[RadixNode, int]] | None = [] if events is not None else None
+            d = first  # block position of the segment's first entry
+            for run, lo, hi in segs:
+                blocks, held, shift = run.blocks[name], run.held, run.start
+                k = hi - lo
+                if step == 1:  # a group block per token block
+                    got = table[d:d + k]
+                    d += k
+                    # Fresh positions and the cache's own blocks (the usual case): checked at C speed, set in bulk.
+                    if -1 not in got and blocks[lo:hi].count(-1) == k \
+                            and list(map(owner.__getitem__, got)).count(None) == k:
+                        blocks[lo:hi] = got
+                        held[lo:hi] = [h + 1 for h in held[lo:hi]]
+                        for i, b in enumerate(got, shift + lo):
+                            owner[b] = run
+                            pos[b] = i
+                        if stored is not None:
+                            stored += [(run, i) for i in range(lo, hi)]
+                        continue
+                    pairs: Iterable[tuple[int, int]] = enumerate(got, lo)
+                else:  # positions p whose end is a group block's end: (p + 1) % step == 0
+                    pairs = ((i, table[(i + shift + 1) // step - 1])
+                             for i in range(-(-(d + 1) // step) * step - 1 - shift, hi, step))
+                    d += k
+                for i, b in pairs:
+                    if b >= 0 and owner[b] is None and blocks[i] < 0:
+                        blocks[i] = b
+                        held[i] += 1
+                        owner[b] = run
+                        pos[b] = shift + i
+                        if stored is not None:
+                            stored.append((run, i))
             if stored:
                 self._stored(name, stored)
 
-    def _match(self, request: Request) -> tuple[int, list[RadixNode]]:
-        """Walk the radix tree over the request's full blocks, comparing tokens: (usable prefix, path)."""
+    def _match(self, request: Request) -> tuple[int, RadixNode | None, int]:
+        """Walk the radix tree over the request's full blocks, comparing tokens: (usable prefix, the run and offset
+        of the last matched position)."""
         limit = request.num_tokens - 1  # at least the last token is computed, so there are logits
         root = self._tree.root(request.salt)
         if root is None or limit < 1:
-            return 0, []
-        path: list[RadixNode] = []
-        children, T = root.children, self.T
+            return 0, None, 0
+        run: RadixNode | None = None
+        i = n = 0
+        T = self.T
+        w = 8 * T
         for j in range(limit // T):
-            child = children.get(pack_tokens(_tokens(request, j * T, (j + 1) * T)))
-            if child is None:
-                break
-            path.append(child)
-            children = child.children
-        return (self._usable_prefix(path) if path else 0), path
+            block = pack_tokens(_tokens(request, j * T, (j + 1) * T))
+            if run is not None and i + 1 < len(run.held):  # inside a run: its next position or nothing
+                if run.tokens[(i + 1) * w:(i + 2) * w] != block:
+                    break
+                i += 1
+            else:
+                child = (run if run is not None else root).children.get(block)
+                if child is None:
+                    break
+                run, i = child, 0
+            n += 1
+        if run is None:
+            return 0, None, 0
+        return self._usable_prefix(run, n), run, i
 
-    def _usable_prefix(self, path: list[RadixNode]) -> int:
-        """The longest multiple of the reuse unit, within ``path``, whose blocks every group still holds."""
+    def _usable_prefix(self, last: RadixNode, n: int) -> int:
+        """The longest multiple of the reuse unit, within the first ``n`` positions of the path through ``last``
+        (which holds position ``n - 1``), whose blocks every group still holds."""
         T, unit = self.T, self.reuse_unit or self.T
-        top = len(path) * T // unit * unit
+        top = n * T // unit * unit
         if top == 0:
             return 0
         covered: dict[str, int] = {}  # growing groups: group blocks present from 0
         counts: dict[str, list[int]] = {}  # sliding groups: prefix counts of present blocks
         for g in self.groups:
             step = g.tokens_per_block // T
-            present = [g.name in path[(j + 1) * step - 1].blocks for j in range(len(path) // step)]
+            along = self._tree.path_blocks(last, n, g.name)
+            present = [along[(j + 1) * step - 1] >= 0 for j in range(n // step)]
             if g.window is None:
                 covered[g.name] = next((j for j, p in enumerate(present) if not p), len(present))
             else:
@@ -980,24 +1102,29 @@ class KVCacheManagerV2:
         if self._reuse:
             self.counters["reuse_query_tokens"] += request.num_tokens
             if self._cheap_miss(request):  # nothing to claim, whole or partial: skip the lookups
-                cache.nodes = []
+                cache.last = None
+                cache.keyed = 0
                 cache.key_at = T
                 self._activate(cache, 0)
                 return
-            m, path = self._match(request)
-            for g in self.groups if m else ():  # nothing matched: the tables stay as create() left them
-                tpb, step = g.tokens_per_block, g.tokens_per_block // T
-                lo = 0 if g.window is None else max(0, m - g.window + 1) // tpb
-                claimed = [path[(j + 1) * step - 1].blocks[g.name] for j in range(lo, m // tpb)]
-                self._pool[g.name].incref_many(claimed)
-                cache.tables[g.name] = [-1] * lo + claimed
-                cache.released[g.name] = lo
-            cache.nodes = path[: m // T]
+            m, run, i = self._match(request)
+            cache.last = None
+            if m:  # else nothing matched: the tables stay as create() left them
+                assert run is not None
+                run, i = self._tree.position(run, m // T - 1)
+                for g in self.groups:
+                    tpb, step = g.tokens_per_block, g.tokens_per_block // T
+                    lo = 0 if g.window is None else max(0, m - g.window + 1) // tpb
+                    along = self._tree.path_blocks(run, i + run.start + 1, g.name)
+                    claimed = [along[(j + 1) * step - 1] for j in range(lo, m // tpb)]
+                    self._pool[g.name].incref_many(claimed)
+                    cache.tables[g.name] = [-1] * lo + claimed
+                    cache.released[g.name] = lo
+                cache.last = self._tree.claim(run, i)
+            cache.keyed = m // T
             cache.key_at = (m // T + 1) * T
-            for node in cache.nodes:
-                node.users += 1
             if self._partial:
-                m += self._claim_partial(cache, m, path)
+                m += self._claim_partial(cache, m)
         self._activate(cache, m)
 
     def _cheap_miss(self, request: Request) -> bool:
@@ -1021,10 +1148,13 @@ class KVCacheManagerV2:
         self.counters["reuse_hit_tokens"] += m
         self._release_window(cache)
 
-    def _claim_partial(self, cache: SequenceCache, m: int, path: list[RadixNode]) -> int:
-        """Copy the best partially matching next block into fresh blocks (copy-on-write); tokens gained."""
+    def _claim_partial(self, cache: SequenceCache, m: int) -> int:
+        """Copy the best partially matching next block into fresh blocks (copy-on-write); tokens gained.
+
+        The candidates are the first positions of the children of the run the cache's claimed path ends at
+        (:meth:`RadixTree.claim` split it there): a node per block's children, exactly."""
         request = cache.request
-        parent = path[m // self.T - 1] if m else self._tree.root(request.salt)
+        parent = cache.last if m else self._tree.root(request.salt)
         if parent is None or request.num_tokens < 2:  # nothing cached, or nothing to match (_match's limit)
             return 0
         limit = min(self.T - 1, request.num_tokens - 1 - m)
@@ -1035,16 +1165,17 @@ class KVCacheManagerV2:
         want = pack_tokens(want_ids)
         best, best_k = None, 0
         for child in candidates:
-            if len(child.blocks) != len(self.groups):
+            if child.held[0] != len(self.groups):
                 continue
-            k = min(_common_prefix(child.tokens, want), limit)
+            k = min(_common_prefix(child.block(0), want), limit)
             k -= k % self._partial_unit
             if k > best_k:
                 best, best_k = child, k
         if best is None:
             return 0
+        src_of = {g.name: best.blocks[g.name][0] for g in self.groups}
         for g in self.groups:  # hold the source so our own allocation cannot evict it
-            self._pool[g.name].incref(best.blocks[g.name])
+            self._pool[g.name].incref(src_of[g.name])
         gained = 0
         if self.shortfall({g.name: 1 for g in self.groups}) is None:
             fresh = ([piece[0] for piece in self._arena.take_each(self._share_index, [1] * len(self.groups),
@@ -1052,17 +1183,17 @@ class KVCacheManagerV2:
                      if self._arena is not None else [self._pool[g.name].allocate(self._detach) for g in self.groups])
             if self._arena is not None:  # every group's tensor is the one arena: copy all the pages in one go
                 arena = self.pools.tensors[self.groups[0].name]
-                arena[:, fresh] = arena[:, [best.blocks[g.name] for g in self.groups]]
+                arena[:, fresh] = arena[:, [src_of[g.name] for g in self.groups]]
             for g, b in zip(self.groups, fresh, strict=True):
                 if self._arena is None:
-                    src = best.blocks[g.name]
+                    src = src_of[g.name]
                     self.pools.tensors[g.name][:, b].copy_(self.pools.tensors[g.name][:, src])
                 cache.tables[g.name].append(b)
             gained = best_k
             cache.partial_hit = True
             self.counters["reuse_partial_hits"] += 1
         for g in self.groups:
-            pool, src = self._pool[g.name], best.blocks[g.name]
+            pool, src = self._pool[g.name], src_of[g.name]
             pool.decref(src, pool.priority[src], True, self._detach)
         return gained
 
@@ -1119,7 +1250,8 @@ class KVCacheManagerV2:
                     table[j] = b
                     end = (j + 1) * g.tokens_per_block
                     if self._reuse and end <= cache.committed and end % T == 0:
-                        self._attach(cache.nodes[end // T - 1], g.name, b)
+                        assert cache.last is not None
+                        self._attach(*self._tree.position(cache.last, end // T - 1), g.name, b)
             cache.tables[g.name] = table
         self.host.sync()  # the copies are done before the slots can be overwritten
         for name, slots in cache.host.items():

@@ -1,93 +1,94 @@
-"""The prefix-reuse radix tree: one node per full block of ``T`` tokens, found by its tokens, keyed lazily.
+"""The prefix-reuse radix tree: one node per unbranched run of full ``T``-token blocks, found by their tokens.
 
-One root per reuse salt, so tenants never see each other's nodes (the salt is also inside every
-key). A node at depth ``d`` stands for tokens ``[d*T, (d+1)*T)`` of every sequence whose first
-``(d+1)*T`` tokens are the path's tokens, and holds, per layer group, at most one physical block that
-ends exactly at ``(d+1)*T`` (compressed groups with blocks of ``k*T`` tokens hold one on every
-k-th node). Invariants:
+Path compression, as SGLang's radix cache: a node (a *run*) holds every block *position* of a stretch of prefix
+that nothing branches from, so keying a request's blocks appends to its own run instead of creating an object
+per block. One root per reuse salt, so tenants never see each other's nodes (the salt is also inside every key).
+Position ``i`` of a run stands for tokens ``[(start+i)*T, (start+i+1)*T)`` of every sequence whose first
+``(start+i+1)*T`` tokens are the path's tokens; it holds, per layer group, at most one physical block that ends
+exactly there (compressed groups with blocks of ``k*T`` tokens hold one at every k-th position). Invariants
+(``KVCacheManagerV2.check_invariants`` checks them):
 
-* ``node.blocks[g] == b`` if and only if the group pool's ``node[b] is node``.
-* ``node.users`` counts the live caches whose path runs through the node; a node is pruned when
-  it has no blocks, no children and no users, and pruning walks up towards the root.
-* ``node.tokens`` is the block's token ids packed as the key encodes them
-  (:func:`cache_backends.hashing.pack_tokens`: 8 bytes each): no per-token objects to hold or free.
-  ``parent.children`` maps exactly those bytes to the node: a lookup compares a block's tokens (under
-  its parent, under its salt's root), which is the prefix equality the chained key stands for, exactly.
-* ``node.key`` is the chained SHA-256 key of the prefix up to the node
-  (:func:`cache_backends.hashing.block_hash` of the parent's key, the tokens and the salt), computed on
-  first use and kept: lookups never need it, only what names blocks to the outside (KV cache events),
-  so a block that nobody reports is never hashed (the hashing was most of what reuse cost per block).
-* ``node.by_first``, once built, maps each first token (its 8 packed bytes) to exactly the children
-  whose block starts with it, in the order of ``node.children``: partial matching only looks at children that share
-  the first token (any other child matches zero tokens), so it does not scan every child of a wide
-  node. It is built the first time partial matching (or an admission's first-token check, at a root) asks a
-  node with more than ``INDEX_CHILDREN_AFTER`` children, and kept from then on; other nodes (most: the blocks
-  of one prompt have a single child each, and only nodes where a lookup ends are asked) never pay for it.
+* A non-root run has at least one position; ``run.start`` is its first position's block index in the prefix
+  (``parent.start + len(parent)``, 0 below a root). A run's children hang off its last position, keyed by
+  their first block's packed tokens; a position that is not a run's last has exactly one child: the next one.
+* ``run.blocks[g][i] == b >= 0`` if and only if the group pool's ``node[b] is run`` and ``pos[b] == start + i``
+  (``-1``: no block of ``g`` there). ``run.held[i]`` counts the groups holding a block at position ``i``.
+* ``run.users`` counts the live caches whose path runs through the run. A cache's path always ends at a run's
+  end (:meth:`RadixTree.claim` and :meth:`RadixTree.extend` split a run where a path would end inside it), so
+  every position of a run has the run's users, exactly as a node per block would. A run nobody uses and with
+  no children loses its tail positions that hold no block; emptied, it is unhooked, and the same goes on up
+  towards the root (the per-block tree's pruning, run by run). Runs are never merged back.
+* ``run.tokens`` is every position's token ids packed as the key encodes them
+  (:func:`cache_backends.hashing.pack_tokens`: 8 bytes each), ``width`` bytes a position, in one ``bytearray``
+  (so growing a run appends bytes, not an object per block); :meth:`RadixNode.block` is position ``i``'s.
+  ``parent.children`` maps a child's first block to it: a lookup compares a block's tokens (under its parent,
+  under its salt's root), which is the prefix equality the chained key stands for, exactly.
+* ``run.keys[i]``, when present, is the chained SHA-256 key of the prefix up to position ``i``
+  (:func:`cache_backends.hashing.block_hash` of the previous position's key, the tokens and the salt), computed on
+  first use (:meth:`RadixTree.key`) and kept: lookups never need it, only what names blocks to the outside (KV
+  cache events).
+* ``run.by_first``, once built, maps each first token (its 8 packed bytes) to exactly the children whose first
+  block starts with it, in the order of ``run.children``: partial matching only looks at children that share the
+  first token. It is built the first time partial matching (or an admission's first-token check, at a root)
+  asks a run with more than ``INDEX_CHILDREN_AFTER`` children, and kept from then on.
+* ``RadixTree.num_nodes`` counts block positions (what a node per block would count), not runs.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping, MutableSequence, Sequence
 from types import MappingProxyType
 
 from cache_backends.hashing import chain_packed_hashes, pack_tokens
 
-#: What a node without children holds in ``children``: most nodes are leaves (a prompt's last
-#: blocks), so they get a dict only when a first child arrives.
+#: What a run without children holds in ``children``: most runs are leaves (a prompt's last blocks), so they
+#: get a dict only when a first child arrives.
 _NONE: Mapping = MappingProxyType({})
 
-#: A node indexes its children by first token once partial matching asks it with more children than this.
+#: A run indexes its children by first token once partial matching asks it with more children than this.
 INDEX_CHILDREN_AFTER = 8
 
 
 class RadixNode:
-    """One full token block of a cached prefix."""
+    """A run of full token blocks of a cached prefix (a root: a salt's empty run)."""
 
-    __slots__ = ("_key", "blocks", "by_first", "children", "depth", "parent", "salt", "tokens", "users")
+    __slots__ = ("blocks", "by_first", "children", "held", "keys", "parent", "salt", "start", "tokens", "users",
+                 "width")
 
-    def __init__(self, parent: RadixNode | None, tokens: bytes, salt: str | None) -> None:
-        self._key: bytes | None = None  # computed by ``key`` on first use
+    def __init__(self, parent: RadixNode | None, salt: str | None, start: int, groups: Sequence[str],
+                 width: int) -> None:
         self.parent = parent
-        self.tokens = tokens
         self.salt = salt
-        self.depth = -1 if parent is None else parent.depth + 1
-        self.children: Mapping[bytes, RadixNode] = _NONE  # tokens -> child; a dict once it has a child
+        self.start = start
+        self.width = width  # bytes of packed tokens per position
+        self.tokens = bytearray()
+        self.keys: dict[int, bytes] = {}  # offset -> key, computed by RadixTree.key on first use
+        self.held: list[int] = []
+        self.blocks: dict[str, list[int]] = {g: [] for g in groups} if parent is not None else {}
+        self.children: Mapping[bytes, RadixNode] = _NONE  # first block's tokens -> child; a dict once it has one
         self.by_first: dict[bytes, dict[bytes, RadixNode]] | None = None  # built on demand, see the module doc
-        self.blocks: dict[str, int] = {}
         self.users = 0
 
-    @property
-    def key(self) -> bytes | None:
-        """The chained SHA-256 key of the prefix ending with this block (None for a root); computed once, on demand.
+    def __len__(self) -> int:
+        return len(self.held)
 
-        Iterative: the ancestors without a key yet are hashed from the nearest keyed one down (chains can be
-        thousands of blocks deep).
-        """
-        if self._key is not None or self.parent is None:
-            return self._key
-        todo: list[RadixNode] = []
-        node: RadixNode | None = self
-        while node is not None and node.parent is not None and node._key is None:
-            todo.append(node)
-            node = node.parent
-        parent_key = node._key if node is not None else None
-        for n in reversed(todo):
-            parent_key = n._key = chain_packed_hashes(n.tokens, len(n.tokens) // 8, n.salt, parent_key)[0]
-        return self._key
+    def block(self, i: int) -> bytes:
+        """Position ``i``'s packed token ids."""
+        w = self.width
+        return bytes(self.tokens[i * w:(i + 1) * w])
 
     @property
     def is_root(self) -> bool:
-        """Whether this is a salt's root (no tokens of its own)."""
+        """Whether this is a salt's root (no positions of its own)."""
         return self.parent is None
 
-    @property
-    def token_ids(self) -> tuple[int, ...]:
-        """The block's token ids (unpacked from :attr:`tokens`)."""
-        return struct.unpack(f"<{len(self.tokens) // 8}q", self.tokens)
+    def token_ids(self, i: int) -> tuple[int, ...]:
+        """Position ``i``'s token ids (unpacked from :attr:`tokens`)."""
+        return struct.unpack_from(f"<{self.width // 8}q", self.tokens, i * self.width)
 
     def has_child_starting_with(self, first: bytes) -> bool:
-        """Whether any child's block starts with the token packed as ``first`` (8 bytes): an admission that
+        """Whether any child's first block starts with the token packed as ``first`` (8 bytes): an admission that
         matches nothing, not even part of a block, is told so without packing or comparing a whole block."""
         if self.by_first is None:
             if len(self.children) <= INDEX_CHILDREN_AFTER:
@@ -103,7 +104,7 @@ class RadixNode:
         self.by_first = by_first
 
     def children_starting_with(self, token: int) -> list[RadixNode]:
-        """The children whose block starts with ``token``, in insertion order."""
+        """The children whose first block starts with ``token``, in insertion order."""
         first = pack_tokens((token,))
         if self.by_first is None:
             if len(self.children) <= INDEX_CHILDREN_AFTER:
@@ -113,110 +114,279 @@ class RadixNode:
         return list(group.values()) if group else []
 
 
-class RadixTree:
-    """Nodes of all reuse scopes; lookups are dict hits, pruning is O(depth removed)."""
+#: A stretch of new positions: (run, first offset, end offset).
+Segment = tuple[RadixNode, int, int]
 
-    def __init__(self) -> None:
+
+class RadixTree:
+    """Runs of all reuse scopes; lookups are dict hits and token compares, pruning is O(positions removed).
+
+    ``owners`` maps each layer group to its pool's block -> run list and block -> position list (a shared arena's
+    groups share them): a split rewrites the runs of the positions that move to the new head run, a detach clears
+    a block's run.
+    """
+
+    def __init__(self, owners: Mapping[str, tuple[MutableSequence[RadixNode | None], Sequence[int]]]) -> None:
         self.roots: dict[str | None, RadixNode] = {}
-        self.num_nodes = 0
+        self.num_nodes = 0  # block positions
+        self.owners = {g: node for g, (node, _) in owners.items()}
+        self.positions = {g: pos for g, (_, pos) in owners.items()}
+        self.groups = list(owners)
 
     def root(self, salt: str | None) -> RadixNode | None:
-        """The root of a reuse scope, if it has any node."""
+        """The root of a reuse scope, if it has any run."""
         return self.roots.get(salt)
 
-    def extend(self, parent: RadixNode | None, salt: str | None, packed: bytes,
-               tokens_per_block: int) -> list[RadixNode]:
-        """The chain of nodes below ``parent`` (``None``: the salt's root) for the consecutive full blocks of
-        ``packed`` (:func:`~cache_backends.hashing.pack_tokens`; block ``i`` is tokens ``[i*T, (i+1)*T)``), each
-        with one more user, created when missing. One call per run of blocks."""
-        if parent is None:
-            parent = self.roots.get(salt)
-            if parent is None:
-                parent = self.roots[salt] = RadixNode(None, b"", salt)
+    def _root(self, salt: str | None) -> RadixNode:
+        root = self.roots.get(salt)
+        if root is None:
+            root = self.roots[salt] = RadixNode(None, salt, 0, (), 0)
+        return root
+
+    # --- a cache's path --------------------------------------------------------------------------
+
+    def extend(self, last: RadixNode | None, salt: str | None, packed: bytes,
+               tokens_per_block: int) -> tuple[RadixNode, list[Segment]]:
+        """Continue the path that ends at ``last``'s end (``None``: the salt's root) with the consecutive full blocks
+        of ``packed`` (:func:`~cache_backends.hashing.pack_tokens`): existing positions are followed, missing ones
+        appended (to ``last`` itself when the path is its only user and nothing branches from it, else as a new
+        child run). Every run the path newly enters gains a user; a run the path would end inside is split.
+        Returns the run the path now ends at and the new positions' segments, in order."""
+        node = last if last is not None else self._root(salt)
         stride = 8 * tokens_per_block
         end = len(packed) // stride * stride
-        out: list[RadixNode] = []
-        start = 0
-        while start < end:  # the nodes that exist already
-            block_tokens = packed[start:start + stride]
-            node = parent.children.get(block_tokens)
-            if node is None:
+        segs: list[Segment] = []
+        at = 0
+        while at < end:  # the positions that exist already
+            child = node.children.get(packed[at:at + stride])
+            if child is None:
                 break
+            child.users += 1
+            toks, i, n = child.tokens, 1, len(child.held)
+            at += stride
+            while i < n and at < end and toks[i * stride:(i + 1) * stride] == packed[at:at + stride]:
+                i += 1
+                at += stride
+            if i < n:  # the path ends inside ``child``: its head becomes a run of its own
+                top = self._split(child, i)
+                child.users -= 1
+                segs.append((top, 0, i))
+                node = top
+                break
+            segs.append((child, 0, i))
+            node = child
+        if at == end:
+            return node, segs
+        if node.parent is None or node.users != 1 or node.children:  # a new child run
+            run = RadixNode(node, salt, node.start + len(node.held), self.groups, stride)
+            first = packed[at:at + stride]
+            children = node.children
+            if children is _NONE:
+                node.children = {first: run}
+            else:
+                children[first] = run  # type: ignore[index]
+                if node.by_first is not None:
+                    node.by_first.setdefault(first[:8], {})[first] = run
+            run.users = 1
+            node = run
+        lo = self.append(node, packed[at:end], tokens_per_block)
+        segs.append((node, lo, len(node.held)))
+        return node, segs
+
+    def append(self, run: RadixNode, packed: bytes, tokens_per_block: int) -> int:
+        """Add the full blocks of ``packed`` as new, empty positions at ``run``'s end (its one user's path grows and
+        nothing branches from it: :meth:`extend`'s in-place case); the offset of the first one."""
+        k = len(packed) // (8 * tokens_per_block)
+        lo = len(run.held)
+        run.tokens += packed[:k * 8 * tokens_per_block]
+        run.held += [0] * k
+        empty = [-1] * k
+        for blocks in run.blocks.values():
+            blocks += empty
+        self.num_nodes += k
+        return lo
+
+    def claim(self, run: RadixNode, i: int) -> RadixNode:
+        """A cache takes the path ending at position ``i`` of ``run`` (split there if it is not the run's last):
+        every run on it gains a user. Returns the run the path ends at."""
+        if i + 1 < len(run.held):
+            run = self._split(run, i + 1)
+        node: RadixNode | None = run
+        while node is not None and node.parent is not None:
             node.users += 1
-            out.append(node)
-            parent = node
-            start += stride
-        if start == end:
-            return out
-        # The first missing block: a new child of ``parent`` (which may have others and a first-token index) ...
-        node = RadixNode(parent, block_tokens, salt)
-        children = parent.children
-        if children is _NONE:
-            parent.children = {block_tokens: node}
-        else:
-            children[block_tokens] = node  # type: ignore[index]
-            if parent.by_first is not None:
-                siblings = parent.by_first.get(block_tokens[:8])
-                if siblings is None:
-                    parent.by_first[block_tokens[:8]] = {block_tokens: node}
-                else:
-                    siblings[block_tokens] = node
-        node.users = 1
-        out.append(node)
-        self.num_nodes += (end - start) // stride
-        # ... then every later block is the only child of the node just created: no lookup, no index.
-        for at in range(start + stride, end, stride):
-            block_tokens = packed[at:at + stride]
-            parent, node = node, RadixNode(node, block_tokens, salt)
-            parent.children = {block_tokens: node}
-            node.users = 1
-            out.append(node)
-        return out
+            node = node.parent
+        return run
 
-    def detach(self, group: str, nodes: Iterable[RadixNode]) -> None:
-        """Unhook ``group``'s block from each node (evicted or dropped blocks) and prune every node left
-        with no block, child or user, as :meth:`prune` does; one call for a run of blocks."""
-        for node in nodes:
-            blocks = node.blocks
-            del blocks[group]
-            if not blocks and not node.children and not node.users:
-                self.prune(node)
-
-    def leave(self, nodes: Iterable[RadixNode]) -> None:
-        """A cache lets go of its path (pass it deepest first): each node loses a user; nodes left with no
-        block, child or user are pruned."""
-        for node in nodes:
+    def leave(self, last: RadixNode) -> None:
+        """A cache lets go of the path ending at ``last``: each run loses a user, and the ones left unused and
+        childless are trimmed as :meth:`trim` does."""
+        node: RadixNode | None = last
+        while node is not None and node.parent is not None:
             node.users -= 1
-            if not node.users and not node.blocks and not node.children:  # else prune() would keep it
-                self.prune(node)
+            parent = node.parent
+            if not node.users and not node.children:
+                self.trim(node)
+            node = parent
 
-    def prune(self, node: RadixNode) -> None:
-        """Remove ``node`` and then its ancestors while they hold nothing and nobody uses them."""
-        while node.parent is not None and not node.blocks and not node.children and node.users == 0:
-            node = self._unhook(node)
-            self.num_nodes -= 1
-        self._drop_empty_root(node)
+    def position(self, last: RadixNode, p: int) -> tuple[RadixNode, int]:
+        """The (run, offset) of block position ``p`` on the path that ends at ``last``."""
+        node = last
+        while node.start > p:
+            node = node.parent  # type: ignore[assignment]
+        return node, p - node.start
 
-    @staticmethod
-    def _unhook(node: RadixNode) -> RadixNode:
-        """Remove ``node`` from its parent's child indexes; return the parent."""
-        parent = node.parent
-        del parent.children[node.tokens]  # type: ignore[attr-defined]
-        if parent.by_first is not None:
-            siblings = parent.by_first[node.tokens[:8]]
-            del siblings[node.tokens]
-            if not siblings:
-                del parent.by_first[node.tokens[:8]]
-        node.parent = None
-        return parent
+    def path_blocks(self, last: RadixNode, n: int, group: str) -> list[int]:
+        """``group``'s block (-1: none) at each of the first ``n`` positions of the path that ends at ``last``
+        (which holds position ``n - 1``)."""
+        parts = [last.blocks[group][: n - last.start]]
+        node = last.parent
+        while node is not None and node.parent is not None:
+            parts.append(node.blocks[group])
+            node = node.parent
+        if len(parts) == 1:
+            return parts[0]
+        return [b for part in reversed(parts) for b in part]
 
-    def _drop_empty_root(self, node: RadixNode) -> None:
-        """Forget a salt's root once it has no child left."""
-        if node.parent is None and not node.children and self.roots.get(node.salt) is node:
+    # --- blocks -----------------------------------------------------------------------------------
+
+    def detach(self, group: str, blocks: Sequence[int]) -> None:
+        """Unhook ``group``'s evicted or dropped ``blocks`` from their runs (the pool's ``node[b]`` at ``pos[b]``,
+        cleared here) and trim every run left with an empty, unused, childless tail, as :meth:`trim` does."""
+        owner, pos = self.owners[group], self.positions[group]
+        runs: list[RadixNode] = []  # each run once per stretch of its blocks, trimmed after the loop
+        prev = None
+        for b in blocks:
+            run = owner[b]
+            owner[b] = None
+            i = pos[b] - run.start  # type: ignore[union-attr]
+            run.blocks[group][i] = -1  # type: ignore[union-attr]
+            run.held[i] -= 1  # type: ignore[union-attr]
+            if run is not prev:
+                runs.append(run)  # type: ignore[arg-type]
+                prev = run
+        for run in runs:  # trimming is confluent: once after the batch leaves what once per block would
+            if run.parent is not None and not run.users and not run.children and not run.held[-1]:
+                self.trim(run)
+
+    def trim(self, run: RadixNode) -> None:
+        """Drop ``run``'s tail positions that hold no block (it has no user and no child); emptied, unhook it and
+        go on with its parent while that is left unused and childless; forget a root left without children."""
+        node = run
+        while node.parent is not None:
+            held = node.held
+            k = len(held)
+            while k and not held[k - 1]:
+                k -= 1
+            self.num_nodes -= len(held) - k
+            if k:
+                if k < len(held):
+                    del node.tokens[k * node.width:], held[k:]
+                    for blocks in node.blocks.values():
+                        del blocks[k:]
+                    if node.keys:
+                        node.keys = {j: key for j, key in node.keys.items() if j < k}
+                return
+            parent = node.parent
+            self._unhook(node)
+            if parent.users or parent.children:
+                return
+            node = parent
+        if not node.children and self.roots.get(node.salt) is node:
             del self.roots[node.salt]
 
+    def _split(self, run: RadixNode, i: int) -> RadixNode:
+        """Cut ``run`` before its position ``i`` (0 < i < len): the head becomes a new run in its place (the same
+        users, the same place among its parent's children), ``run`` keeps the tail as its only child."""
+        w = run.width
+        top = RadixNode(run.parent, run.salt, run.start, (), w)
+        top.tokens = run.tokens[:i * w]
+        del run.tokens[:i * w]
+        if run.keys:
+            keys = run.keys
+            top.keys = {j: key for j, key in keys.items() if j < i}
+            run.keys = {j - i: key for j, key in keys.items() if j >= i}
+        top.held, run.held = run.held[:i], run.held[i:]
+        owners = self.owners
+        for g, blocks in run.blocks.items():
+            head = top.blocks[g] = blocks[:i]
+            del blocks[:i]
+            owner = owners[g]
+            for b in head:
+                if b >= 0:
+                    owner[b] = top
+        top.users = run.users
+        run.start += i
+        parent = run.parent
+        assert parent is not None
+        first = top.block(0)
+        parent.children[first] = top  # type: ignore[index]  # an existing key: its place is kept
+        if parent.by_first is not None:
+            parent.by_first[first[:8]][first] = top
+        top.children = {run.block(0): run}
+        run.parent = top
+        return top
+
+    def _unhook(self, node: RadixNode) -> None:
+        """Remove ``node`` from its parent's child indexes."""
+        parent = node.parent
+        assert parent is not None
+        first = node.block(0)
+        del parent.children[first]  # type: ignore[attr-defined]
+        if parent.by_first is not None:
+            siblings = parent.by_first[first[:8]]
+            del siblings[first]
+            if not siblings:
+                del parent.by_first[first[:8]]
+        node.parent = None
+
+    # --- keys ------------------------------------------------------------------------------------
+
+    def key(self, run: RadixNode, i: int) -> bytes:
+        """The chained SHA-256 key of the prefix ending with position ``i`` of ``run``; computed once, on demand.
+
+        Iterative: the positions before it without a key yet are hashed from the nearest keyed one on, a run's
+        stretch in one :func:`~cache_backends.hashing.chain_packed_hashes` call (chains can be thousands of blocks
+        deep)."""
+        got = run.keys.get(i)
+        if got is not None:
+            return got
+        todo: list[tuple[RadixNode, int, int]] = []  # (run, first offset to hash, last offset), deepest first
+        node, j = run, i
+        parent_key: bytes | None = None
+        while True:
+            lo = j
+            keys = node.keys
+            while lo > 0 and (lo - 1) not in keys:
+                lo -= 1
+            todo.append((node, lo, j))
+            if lo > 0:
+                parent_key = keys[lo - 1]
+                break
+            node = node.parent  # type: ignore[assignment]
+            if node.parent is None:
+                break
+            j = len(node.held) - 1
+            if j in node.keys:
+                parent_key = node.keys[j]
+                break
+        for node, lo, hi in reversed(todo):
+            w = node.width
+            got_keys = chain_packed_hashes(node.tokens[lo * w:(hi + 1) * w], w // 8, node.salt, parent_key)
+            node.keys.update(zip(range(lo, hi + 1), got_keys, strict=True))
+            parent_key = got_keys[-1]
+        return parent_key  # type: ignore[return-value]
+
+    def parent_key(self, run: RadixNode, i: int) -> bytes | None:
+        """The key of the position before position ``i`` of ``run`` (None at a prefix's first block)."""
+        if i:
+            return self.key(run, i - 1)
+        parent = run.parent
+        if parent is None or parent.parent is None:
+            return None
+        return self.key(parent, len(parent.held) - 1)
+
     def nodes(self) -> Iterator[RadixNode]:
-        """Every non-root node (for checks and tests)."""
+        """Every non-root run (for checks and tests)."""
         stack = list(self.roots.values())
         while stack:
             node = stack.pop()

@@ -35,9 +35,10 @@ class SequenceCache:
       ``released[g]``).
     * ``room <= min over groups of len(tables[g]) * tokens_per_block(g)``: growing ``capacity`` up to
       ``room`` needs no block (``schedule_tokens`` and ``resize`` set it exactly, releasing resets it to 0).
-    * ``nodes``: the radix node of every full committed ``T``-token block, ``len == committed // T``
-      (only when prefix reuse is on). ``key_at == (len(nodes) + 1) * T``: the commit that reaches it
-      fills a block to hang in the tree (:data:`NEVER` with reuse off).
+    * ``keyed == committed // T`` full committed ``T``-token blocks are on the cache's radix path, which ends at
+      the end of run ``last`` (``None``: no block yet, or prefix reuse off): ``last.start + len(last) == keyed``.
+      ``key_at == (keyed + 1) * T``: the commit that reaches it fills a block to hang in the tree (:data:`NEVER`
+      with reuse off).
     * ``slide_at``: no sliding group releases a block before ``committed`` reaches it (the smallest
       ``(released[g] + 1) * tokens_per_block(g) + window(g) - 1``), so commits below it skip the window check.
     * While suspended after admission, ``host[g]`` maps each logical block to its host slot (-1: none),
@@ -55,7 +56,8 @@ class SequenceCache:
     room: int = 0  # a lower bound of the token slots every group's table holds (so growing up to it allocates nothing)
     key_at: int = NEVER
     slide_at: int = 0  # the commit that may let a window release a block (0: check at the next commit)
-    nodes: list[RadixNode] = attrs.Factory(list)
+    last: RadixNode | None = None  # the radix run where the cache's path ends
+    keyed: int = 0  # blocks on that path
     host: dict[str, list[int]] | None = None
     reclaim: dict[str, dict[int, tuple[int, int]]] = attrs.Factory(dict)
     reused_tokens: int = 0

@@ -49,6 +49,7 @@ class SharedPool:
         self.ref = [0] * num_blocks
         self.gen = [0] * num_blocks
         self.node: list[RadixNode | None] = [None] * num_blocks
+        self.pos = [0] * num_blocks  # an attached block's position in the prefix
         self.priority = [0] * num_blocks
         self.group_of = [-1] * num_blocks  # index of the group a used or cached block belongs to
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: pop() hands out low ids first
@@ -92,22 +93,21 @@ class SharedPool:
         del free[len(free) - k:]
         if total > k:
             evicted = self.evictable.pop_many(total - k)
-            owner, group_of, names = self.node, self.group_of, self.names
+            group_of, names = self.group_of, self.names
             start = 0
             for c in counts:
                 if c <= 0:
                     continue
                 end = start + c
                 if end > k:  # this group's take() would evict out[max(start, k):end]
-                    by_group: dict[int, list[RadixNode]] = {}
+                    by_group: dict[int, list[int]] = {}
                     for b in evicted[max(start, k) - k:end - k]:
                         g = group_of[b]
-                        by_group.setdefault(g, []).append(owner[b])  # type: ignore[arg-type]
-                        owner[b] = None
+                        by_group.setdefault(g, []).append(b)
                         self.cached[g] -= 1
                         self.evicted[g] += 1
-                    for g, nodes in by_group.items():
-                        detach(names[g], nodes)
+                    for g, blocks in by_group.items():
+                        detach(names[g], blocks)
                 start = end
             out += evicted
         gen, ref, group_of, used = self.gen, self.ref, self.group_of, self.used
@@ -217,7 +217,7 @@ class SharedPool:
         """``group`` lets go of ``blocks`` (ids below 0 skipped), as ``GroupPool.release``."""
         ref, owner, free, group_of = self.ref, self.node, self._free, self.group_of
         cached: list[int] = []
-        dropped: list[RadixNode] = []
+        dropped: list[int] = []
         released = 0
         name = self.names[group]
         try:
@@ -237,8 +237,7 @@ class SharedPool:
                 elif keep_cached:
                     cached.append(b)
                 else:
-                    dropped.append(node)
-                    owner[b] = None
+                    dropped.append(b)
                     free.append(b)
                     group_of[b] = -1
         finally:
@@ -269,8 +268,8 @@ class GroupShare:
         self.name = arena.names[index]
         self.num_blocks = arena.num_blocks  # what the group could hold alone
         # the arena's lists themselves (never rebound), so the manager's inlined hot paths read them directly
-        self.ref, self.gen, self.node, self.priority, self._free = (
-            arena.ref, arena.gen, arena.node, arena.priority, arena._free)
+        self.ref, self.gen, self.node, self.pos, self.priority, self._free = (
+            arena.ref, arena.gen, arena.node, arena.pos, arena.priority, arena._free)
 
     @property
     def evictable(self) -> EvictionQueue:
