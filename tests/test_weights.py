@@ -182,3 +182,25 @@ def test_the_cli_refuses_a_bad_checkpoint_in_one_line_without_transformers_repor
     assert r.returncode == 2
     assert r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
     assert "lacks 20 of the model's tensors" in r.stderr and "LOAD REPORT" not in r.stderr
+
+
+def test_a_float8_kv_cache_on_the_cpu_is_refused_before_weights_or_pools():
+    # torch has no CPU float8 index_copy: generate built the pools, then failed on the first token (exit 1)
+    with pytest.raises(ConfigError, match=r"^kv_cache_config\.dtype: float8_e4m3fn \(set via api\) cannot run on "
+                                          r"the CPU: .*use float32, float16, bfloat16 or auto") as info:
+        load_through_stages("tiny-llama", device="cpu", kv_cache_config={"dtype": "fp8"})
+    assert info.value.path == "kv_cache_config.dtype"
+
+
+def test_a_float8_kv_cache_still_plans_on_the_cpu():
+    result = load_through_stages("tiny-llama", load_weights=False, device="cpu", kv_cache_config={"dtype": "fp8"})
+    assert result.args.kv_cache_config.dtype == "float8_e4m3fn"
+
+
+def test_generate_with_a_float8_kv_cache_on_the_cpu_names_the_flag(capsys):
+    from tests.cli_support import run_cli
+
+    r = run_cli(capsys, "generate", "tiny-llama", "--prompt-ids", "1,2,3", "--max_new_tokens", "4", "--device", "cpu",
+                "--kv_cache_dtype", "fp8")
+    assert r.code == 2 and r.one_error_line, r.err
+    assert r.err.startswith("error: --kv_cache_dtype: float8_e4m3fn")
