@@ -361,6 +361,9 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     # Applies only when nothing else bounds the KV budget (CPU without --max_tokens/--max_gpu_total_bytes).
     request.overrides.setdefault("kv_cache_config", {}).setdefault(
         "default_max_tokens", len(prompts) * (ns.n * ns.max_new_tokens + GENERATE_PROMPT_ALLOWANCE))
+    request.sized_by = (f"--max_new_tokens, --n or the number of prompts (generate sizes the pools for prompts x "
+                        f"(n x max_new_tokens + {GENERATE_PROMPT_ALLOWANCE}) = {{tokens}} tokens when no --max_tokens "
+                        "is given)")
     with execute(request, load_stages(), subscribers=audit) as result:  # generation events reach the audit too
         first = prints(result)  # under torchrun every rank generates; rank 0 prints
         printer = None if ns.json or not first else _TokenPrinter(result.tokenizer is not None,
