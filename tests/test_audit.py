@@ -75,6 +75,19 @@ def test_failed_run_leaves_no_audit_file(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("call", ["plan", "load", "LLM"])
+def test_an_api_audit_log_that_is_a_directory_is_refused_before_anything_runs(tmp_path, call, track_pools):
+    # the API raised a raw IsADirectoryError at publication, after the whole load (weights and pools)
+    import kvload
+
+    events: list[dict] = []
+    fn = {"plan": kvload.plan, "load": kvload.load, "LLM": kvload.LLM}[call]
+    (tmp_path / "adir").mkdir()
+    with pytest.raises(pipeline.ConfigError, match=r"^audit_log .*adir: is a directory, expected a file path$"):
+        fn("tiny-llama", audit_log=tmp_path / "adir", subscribers=[events.append], log=False)
+    assert events == [] and not track_pools
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [
