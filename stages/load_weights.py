@@ -17,7 +17,7 @@ from models.weights import load_weights, plan_kv_heads_per_rank, save_random_mod
 from pipeline.bus import Emit
 from pipeline.context import Context
 from pipeline.errors import ConfigError, ModelError
-from pipeline.events import WeightsLoaded
+from pipeline.events import SettingIgnored, WeightsLoaded
 from stages.check_parallel import require_all_ranks
 
 
@@ -43,6 +43,11 @@ class LoadWeights:
                                   random_dir=random_dir)
         ctx.hf_model, ctx.tokenizer = loaded.model, loaded.tokenizer
         ctx.on_close(lambda: _release(ctx))
+        user_seed = ctx.user_fields.get("weights_seed")
+        if user_seed is not None and loaded.source != "random":  # only a preset's random weights take a seed
+            emit(SettingIgnored(field="weights_seed", value=seed,
+                                reason=f"the weights come from the checkpoint ({loaded.source} at {loaded.path}); "
+                                       "weights_seed seeds a preset's random weights only"))
         emit(WeightsLoaded(
             model=ctx.checkpoint.name, source=loaded.source, path=loaded.path, device=device, dtype=dtype,
             parameters=loaded.num_parameters, bytes=loaded.nbytes, tokenizer=loaded.tokenizer is not None,

@@ -204,3 +204,15 @@ def test_generate_with_a_float8_kv_cache_on_the_cpu_names_the_flag(capsys):
                 "--kv_cache_dtype", "fp8")
     assert r.code == 2 and r.one_error_line, r.err
     assert r.err.startswith("error: --kv_cache_dtype: float8_e4m3fn")
+
+
+def test_a_weights_seed_for_a_checkpoint_with_weights_says_it_is_ignored(tmp_path):
+    ckpt = _llama_checkpoint(tmp_path / "ckpt")
+    result = load_through_stages(str(ckpt), weights_seed=5)
+    [ignored] = [e for e in result.audit.of("setting_ignored") if e["field"] == "weights_seed"]
+    assert ignored["value"] == 5 and "the weights come from the checkpoint (safetensors at" in ignored["reason"]
+    assert result.audit.of("weights_loaded")[0]["seed"] is None
+    result.close()
+    preset = load_through_stages("tiny-llama", weights_seed=5)  # a preset uses it: nothing to report
+    assert not [e for e in preset.audit.of("setting_ignored") if e["field"] == "weights_seed"]
+    preset.close()
