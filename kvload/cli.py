@@ -205,7 +205,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                      help="write every event as JSON Lines, hash-chained (HMAC with KVLOAD_AUDIT_KEY when set); "
                           "written only when the command succeeds")
     out.add_argument("--force", action="store_true",
-                     help="replace an --audit-log file that already exists (without it, an existing file is refused)")
+                     help="replace an --audit-log (or plan --chart) file that already exists (without it, an "
+                          "existing file is refused)")
     out.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     add_log_flags(out)
 
@@ -275,8 +276,10 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 
     audit = _audit_subscribers(ns)
     compare = ns.compare or ns.chart is not None
-    if ns.chart is not None:
-        _check_output_path("--chart", ns.chart)
+    if ns.chart is not None:  # before planning: a bad extension or an existing file (without --force) fails now
+        from engine.capacity import check_chart_path
+
+        check_chart_path(ns.chart, replace=ns.force)
     result = execute(_request(ns), plan_stages(), subscribers=audit)
     comparison = None
     if compare:  # on every rank: planning the variants runs the ranks' collectives (agree_ranks, the budget)
