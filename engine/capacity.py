@@ -247,8 +247,8 @@ def compare_capacity(result: RunResult, *, log: bool = False) -> CapacityCompari
     return CapacityComparison(result.model.name, max_seq_len, budget, manager_lengths(max_seq_len), managers)
 
 
-def draw_chart(comparison: CapacityComparison, path: str) -> None:
-    """Write a PNG: concurrent sequences per length and bytes per sequence, V1 beside V2 (needs matplotlib)."""
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend; ``ConfigError`` naming ``--chart`` when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -257,6 +257,31 @@ def draw_chart(comparison: CapacityComparison, path: str) -> None:
     except ImportError:
         raise ConfigError("--chart needs matplotlib: pip install 'kvload[chart]' (or matplotlib>=3.8)",
                           path="chart") from None
+    return plt
+
+
+def check_chart_path(path: str, *, replace: bool) -> None:
+    """``ConfigError`` naming ``--chart`` before any planning: no matplotlib, an extension it cannot write,
+    or an output path ``check_output_path`` refuses (an existing file unless ``replace``, as ``--audit-log``)."""
+    from pathlib import Path
+
+    from pipeline.audit import check_output_path
+
+    _pyplot()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    accepted = sorted(FigureCanvasAgg.get_supported_filetypes())
+    suffix = Path(path).suffix.lower().lstrip(".")
+    if suffix not in accepted:
+        what = f"extension .{suffix}" if suffix else "a file name without an extension"
+        raise ConfigError(f"--chart {path}: cannot draw to {what}; accepted extensions: .{', .'.join(accepted)}",
+                          path="chart")
+    check_output_path(path, "--chart", replace=replace)
+
+
+def draw_chart(comparison: CapacityComparison, path: str) -> None:
+    """Write a PNG: concurrent sequences per length and bytes per sequence, V1 beside V2 (needs matplotlib)."""
+    plt = _pyplot()
     lengths = comparison.lengths
     xs = range(len(lengths))
     width = 0.38

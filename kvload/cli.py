@@ -205,7 +205,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                      help="write every event as JSON Lines, hash-chained (HMAC with KVLOAD_AUDIT_KEY when set); "
                           "written only when the command succeeds")
     out.add_argument("--force", action="store_true",
-                     help="replace an --audit-log file that already exists (without it, an existing file is refused)")
+                     help="replace an --audit-log (or plan --chart) file that already exists (without it, an "
+                          "existing file is refused)")
     out.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     add_log_flags(out)
 
@@ -275,8 +276,10 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 
     audit = _audit_subscribers(ns)
     compare = ns.compare or ns.chart is not None
-    if ns.chart is not None:
-        _check_output_path("--chart", ns.chart)
+    if ns.chart is not None:  # before planning: a bad extension or an existing file (without --force) fails now
+        from engine.capacity import check_chart_path
+
+        check_chart_path(ns.chart, replace=ns.force)
     result = execute(_request(ns), plan_stages(), subscribers=audit)
     comparison = None
     if compare:  # on every rank: planning the variants runs the ranks' collectives (agree_ranks, the budget)
@@ -361,6 +364,9 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     # Applies only when nothing else bounds the KV budget (CPU without --max_tokens/--max_gpu_total_bytes).
     request.overrides.setdefault("kv_cache_config", {}).setdefault(
         "default_max_tokens", len(prompts) * (ns.n * ns.max_new_tokens + GENERATE_PROMPT_ALLOWANCE))
+    request.sized_by = (f"--max_new_tokens, --n or the number of prompts (generate sizes the pools for prompts x "
+                        f"(n x max_new_tokens + {GENERATE_PROMPT_ALLOWANCE}) = {{tokens}} tokens when no --max_tokens "
+                        "is given)")
     with execute(request, load_stages(), subscribers=audit) as result:  # generation events reach the audit too
         first = prints(result)  # under torchrun every rank generates; rank 0 prints
         printer = None if ns.json or not first else _TokenPrinter(result.tokenizer is not None,

@@ -157,12 +157,61 @@ def pretrained_model(path: Path, *, device: str, dtype: str, tp_size: int = 1) -
         cfg = AutoConfig.from_pretrained(str(path), trust_remote_code=False, local_files_only=True)
         placement = tensor_parallel_options(cfg, tp_size)
     try:
-        with _quiet_progress():  # the weights_loaded event reports the load; no tqdm bar on stderr
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=tdtype, trust_remote_code=False,
-                                                         local_files_only=True, **placement)
+        # the weights_loaded event reports the load and check_loading_info below refuses what is wrong in one
+        # line, so transformers' progress bar and multi-line LOAD REPORT stay off stderr. Mismatched shapes
+        # are reinitialised instead of raised so the report names them; the model is then refused anyway.
+        with _quiet_progress(), _quiet_load_report():
+            model, info = AutoModelForCausalLM.from_pretrained(
+                str(path), dtype=tdtype, trust_remote_code=False, local_files_only=True,
+                output_loading_info=True, ignore_mismatched_sizes=True, **placement)
     except Exception as exc:  # loaders raise their own types (SafetensorError, struct.error, ...)
         raise _load_error(f"{path}: transformers cannot load the weights", exc) from exc
+    try:
+        check_loading_info(path, info)
+    except BaseException:
+        del model
+        raise
     return model.eval()
+
+
+def check_loading_info(path: Path, info: dict[str, Any]) -> None:
+    """``ModelError`` when the checkpoint left parameters uninitialised: missing or of the wrong shape.
+
+    A serving engine refuses a checkpoint that does not cover the model (vLLM raises on uninitialised
+    weights); transformers fills them with random values and only logs it. Keys transformers ties or
+    derives (a tied ``lm_head.weight``, non-persistent buffers) never reach ``missing_keys``. Unexpected
+    keys are ignored, as transformers does (a checkpoint may carry heads or buffers this class does not use).
+    """
+    files = ", ".join(p.name for p in _weight_files(path))
+    mismatched = sorted(info.get("mismatched_keys") or [])
+    if mismatched:
+        key, found, expected = mismatched[0]
+        more = f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else ""
+        raise ModelError(f"{path}: tensor {key} in {files} has shape {_shape(found)}, the model expects "
+                         f"{_shape(expected)}{more}; the checkpoint does not match its config.json")
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        shown = ", ".join(missing[:3])
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise ModelError(f"{path}: {files} lacks {len(missing)} of the model's tensors ({shown}{more}); "
+                         "kvload does not run uninitialised weights")
+
+
+def _shape(shape: Any) -> str:
+    return "[" + ", ".join(str(int(d)) for d in shape) + "]"
+
+
+@contextlib.contextmanager
+def _quiet_load_report() -> Iterator[None]:
+    """Keep transformers' warnings (its LOAD REPORT table) off stderr for the duration, restoring its verbosity."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(was)
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ import json
 import os
 import secrets
 import stat
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -157,7 +158,8 @@ class AuditLog:
         for n, line in enumerate(lines, 1):
             if not line.strip():
                 continue
-            record = _parse_line(p, n, line, last=n == len(lines))
+            # only an unterminated last line can be cut short: every record is written with its newline
+            record = _parse_line(p, n, line, last=n == len(lines) and not text.endswith(("\n", "\r")))
             records.append((n, record))
         _, header = records[0]
         if header.get("event") != HEADER_EVENT:
@@ -208,11 +210,17 @@ def _parse_line(p: Path, n: int, line: str, last: bool) -> dict[str, Any]:
     try:
         record = json.loads(line, object_pairs_hook=unique_keys(ValueError))
     except json.JSONDecodeError as exc:
-        why = "truncated (the last line is incomplete)" if last else f"not valid JSON ({exc.msg})"
+        # the JSON ran out where the file did (or inside a string the cut left open)
+        cut = last and (exc.pos >= len(line.rstrip()) or exc.msg.startswith("Unterminated string"))
+        why = ("truncated (the last line is incomplete)" if cut
+               else f"not JSON ({exc.msg} at column {exc.colno}); each line must be one JSON record")
         raise AuditError(f"{p}: line {n}: {why}") from None
     except RecursionError:
         raise AuditError(f"{p}: line {n}: nested too deeply to be an audit record") from None
     except ValueError as exc:  # a repeated key, an integer past Python's digit limit
+        if "integer string conversion" in str(exc):
+            raise AuditError(f"{p}: line {n}: a number is too long (over {sys.get_int_max_str_digits()} digits) "
+                             "to be an audit value") from None
         raise AuditError(f"{p}: line {n}: {str(exc).splitlines()[0][:120]}") from None
     if not isinstance(record, dict) or "event" not in record:
         raise AuditError(f"{p}: line {n}: expected a JSON object with an 'event' key")

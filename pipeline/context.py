@@ -37,6 +37,10 @@ class LoadRequest:
     source: str = "api"  # label of ``overrides``: "api" from Python, "cli" from the command line
     config_file: str | None = None
     load_weights: bool = False
+    # In the caller's own words, what set kv_cache_config.default_max_tokens when the caller derived it
+    # (generate: prompts and --max_new_tokens); "{tokens}" stands for the tokens it came to. Errors about
+    # pools too big name it; None: the field itself (an API or config-file value).
+    sized_by: str | None = None
 
 
 @attrs.frozen

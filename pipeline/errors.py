@@ -4,11 +4,17 @@ from __future__ import annotations
 
 
 def first_line(exc: BaseException, default: str | None = None) -> str:
-    """The first line of an exception's message; ``default`` (else the class name) when it has none."""
-    text = str(exc).strip()
-    if text:
-        return text.splitlines()[0]
-    return default if default is not None else type(exc).__name__
+    """The first line of an exception's message; ``default`` (else the class name) when it has none.
+
+    A first line that ends in ``:`` only introduces the reason (transformers' "Class validation error for
+    validator 'validate_architecture':"), so the next non-empty line is joined to it: one line, with the why.
+    """
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if not lines:
+        return default if default is not None else type(exc).__name__
+    if lines[0].endswith(":") and len(lines) > 1:
+        return f"{lines[0]} {lines[1]}"
+    return lines[0]
 
 
 class KvloadError(Exception):

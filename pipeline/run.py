@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 import attrs
 
-from pipeline.audit import AuditLog, JsonlSink
+from pipeline.audit import AuditLog, JsonlSink, check_output_path
 from pipeline.bus import EventBus, Subscriber
 from pipeline.config import LlmArgs
 from pipeline.context import Context, LoadRequest, ModelInfo, Route
@@ -90,7 +90,10 @@ def execute(
     pipeline = stages if isinstance(stages, Pipeline) else Pipeline(stages)
     audit = AuditLog()
     ranks = ranks_from_env()
-    sink = JsonlSink(rank_audit_path(audit_log, ranks)) if audit_log is not None else None
+    sink = None
+    if audit_log is not None:  # a directory or missing parent fails now, not after the whole load
+        check_output_path(audit_log, flag="audit_log")
+        sink = JsonlSink(rank_audit_path(audit_log, ranks), flag="audit_log")
     subs: list[Subscriber] = [audit]
     if log:
         subs.append(StructlogSubscriber())

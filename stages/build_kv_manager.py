@@ -144,8 +144,12 @@ def _pool_culprits(plan: KvPlan, ctx: Context) -> list[str]:
         return [f"kv_cache_config.tokens_per_block ({plan.tokens_per_block}, above max_seq_len {plan.max_seq_len})"]
     rule = plan.budget.limited_by or ""
     if rule == "max_tokens" and kv.max_tokens is None and kv.default_max_tokens is not None:
-        out.append(f"--max_new_tokens or the number of prompts (generate sizes the pools for prompts x "
-                   f"(max_new_tokens + 1024) = {plan.budget.max_tokens} tokens when no --max_tokens is given)")
+        # name what sized the pools as the caller knows it: generate's and serve's flags, else the field
+        sized_by = ctx.request.sized_by if ctx.request is not None else None
+        if sized_by is None:
+            sized_by = ("kv_cache_config.default_max_tokens (the pools hold {tokens} tokens when neither max_tokens "
+                        "nor max_gpu_total_bytes bounds them)")
+        out.append(sized_by.replace("{tokens}", str(plan.budget.max_tokens)))
     elif rule in RULE_FIELDS:
         out.append(RULE_FIELDS[rule])
     return out or ["the budget"]

@@ -75,6 +75,19 @@ def test_failed_run_leaves_no_audit_file(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("call", ["plan", "load", "LLM"])
+def test_an_api_audit_log_that_is_a_directory_is_refused_before_anything_runs(tmp_path, call, track_pools):
+    # the API raised a raw IsADirectoryError at publication, after the whole load (weights and pools)
+    import kvload
+
+    events: list[dict] = []
+    fn = {"plan": kvload.plan, "load": kvload.load, "LLM": kvload.LLM}[call]
+    (tmp_path / "adir").mkdir()
+    with pytest.raises(pipeline.ConfigError, match=r"^audit_log .*adir: is a directory, expected a file path$"):
+        fn("tiny-llama", audit_log=tmp_path / "adir", subscribers=[events.append], log=False)
+    assert events == [] and not track_pools
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [
@@ -83,6 +96,13 @@ def test_failed_run_leaves_no_audit_file(tmp_path):
         ('{"event": "stage_started"}\n', "not a kvload audit log"),
         ('{"event": "audit_header", "schema_version": 99}\n', "schema_version 99 is not supported"),
         ('[1, 2]\n', "expected a JSON object"),
+        # a complete line that is not JSON is not "truncated", last line or not
+        ("notjson\n", r"line 1: not JSON \(Expecting value at column 1\); each line must be one JSON record$"),
+        ("notjson", r"line 1: not JSON \(Expecting value"),
+        ('{"event": "audit_header", "schema_version": 1}\n{"event": "args_parsed", "x": 1',
+         "line 2: truncated"),
+        ('{"event": "audit_header", "schema_version": 1}\n{"event": "x", "v": ' + "9" * 5000 + "}\n",
+         r"line 2: a number is too long \(over \d+ digits\) to be an audit value$"),
     ],
 )
 def test_unusable_audit_files(tmp_path, content, message):

@@ -12,6 +12,7 @@ from models import checkpoint as checkpoint_mod
 from models import gguf_cache
 from models.checkpoint import load_hf_config, resolve_checkpoint
 from pipeline import ModelError
+from pipeline.errors import first_line
 from tests.conftest import needs_smollm2
 
 
@@ -126,3 +127,19 @@ def test_gguf_config_comes_from_the_converted_copy_once_it_exists():
     assert cfg.architectures == ["LlamaForCausalLM"]
     assert getattr(cfg, "dtype", None) is None
     assert (converted / "model.safetensors").is_file() and (converted / "tokenizer.json").is_file()
+
+
+def test_a_config_transformers_rejects_is_one_line_with_its_reason(checkpoint_dir):
+    # transformers puts the reason on the line after "Class validation error for validator ...:"
+    ckpt = checkpoint_dir(hidden_size=64, num_attention_heads=3, num_key_value_heads=1)
+    with pytest.raises(ModelError, match=r"config\.json: transformers cannot load model_type 'llama': .*"
+                                         r"The hidden size \(64\) is not a multiple of the number of attention "
+                                         r"heads \(3\)") as info:
+        load_hf_config(resolve_checkpoint(str(ckpt)))
+    assert "\n" not in str(info.value)
+
+
+def test_first_line_keeps_the_reason_an_introducing_line_announces():
+    assert first_line(ValueError("bad thing:\n    ValueError: why\n more")) == "bad thing: ValueError: why"
+    assert first_line(ValueError("one line\nsecond")) == "one line"
+    assert first_line(ValueError("  \n")) == "ValueError"

@@ -123,7 +123,7 @@ CASES = [
     ("audit-dir", "explain {in}/empty-dir", 2, ["empty-dir", "is a directory"]),
     ("audit-empty", "audit {in}/audit/empty.jsonl --verify", 2, ["empty.jsonl", "empty file"]),
     ("audit-truncated", "explain {in}/audit/truncated.jsonl", 2, ["truncated.jsonl", "line 2", "truncated"]),
-    ("audit-bad-line", "audit {in}/audit/middle.jsonl", 2, ["middle.jsonl", "line 2", "not valid JSON"]),
+    ("audit-bad-line", "audit {in}/audit/middle.jsonl", 2, ["middle.jsonl", "line 2", "not JSON"]),
     ("audit-no-header", "audit {in}/audit/no-header.jsonl", 2, ["no-header.jsonl", "not a kvload audit log"]),
     ("audit-schema", "audit {in}/audit/schema.jsonl --verify", 2,
      ["schema.jsonl", "schema_version 99", "reads 1"]),

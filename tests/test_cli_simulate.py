@@ -140,6 +140,29 @@ def test_plan_chart_errors_are_one_line(capsys, tmp_path, monkeypatch):
     assert r.code == 2 and r.one_error_line and "--chart needs matplotlib" in r.err
 
 
+def test_plan_chart_extension_is_checked_before_planning(capsys, tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import engine.capacity
+
+    monkeypatch.setattr(engine.capacity, "compare_capacity", lambda *a, **k: pytest.fail("planned before the check"))
+    r = run_cli(capsys, "plan", "tiny-llama", "--device", "cpu", "--compare", "--chart", tmp_path / "x.txt")
+    assert r.code == 2 and r.one_error_line, r.err
+    assert r.err.startswith("error: --chart ") and "cannot draw to extension .txt; accepted extensions: " in r.err
+    assert ".png" in r.err and ".svg" in r.err and not (tmp_path / "x.txt").exists()
+
+
+def test_plan_chart_refuses_an_existing_file_unless_forced(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "cap.png"
+    out.write_bytes(b"keep me")
+    r = run_cli(capsys, "plan", "tiny-llama", "--device", "cpu", "--chart", out)
+    assert r.code == 2 and r.one_error_line and "--chart" in r.err and "pass --force to replace it" in r.err
+    assert out.read_bytes() == b"keep me"
+    r = run_cli(capsys, "plan", "tiny-llama", "--device", "cpu", "--chart", out, "--force")
+    assert r.code == 0, r.err
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_plan_compare_refuses_a_forced_manager(capsys):
     r = run_cli(capsys, "plan", "tiny-llama", "--compare", "--use_kv_cache_manager_v2", "true")
     assert r.code == 2 and r.one_error_line and "drop --use_kv_cache_manager_v2" in r.err

@@ -202,3 +202,41 @@ def test_on_a_real_gpu_an_index_past_the_last_device_is_the_device_message():
     n = torch.cuda.device_count()
     planned = pipeline.plan("tiny-llama", log=False, device=f"cuda:{n}", kv_cache_config={"max_tokens": 64})
     assert planned.kv.problem == f"device=cuda:{n}: only {n} CUDA device(s) present (cuda:0..cuda:{n - 1})"
+
+
+# --- pools too big for host memory name what sized them, in the caller's vocabulary --------------------------
+
+
+def test_pools_too_big_name_generates_flags_including_n(monkeypatch, capsys, track_pools):
+    from tests.cli_support import run_cli
+
+    monkeypatch.setattr("stages.build_kv_manager.host_available_bytes", lambda: 1000)
+    r = run_cli(capsys, "generate", "tiny-llama", "--prompt-ids", "1,2,3", "--max_new_tokens", "4", "--n", "3",
+                "--device", "cpu")
+    assert r.code == 2 and r.one_error_line, r.err
+    assert ("lower --max_new_tokens, --n or the number of prompts (generate sizes the pools for prompts x "
+            "(n x max_new_tokens + 1024) = 1036 tokens when no --max_tokens is given)") in r.err
+    assert not track_pools
+
+
+def test_pools_too_big_name_serves_default_max_tokens_flag(monkeypatch, capsys, track_pools):
+    from tests.cli_support import run_cli
+
+    monkeypatch.setattr("stages.build_kv_manager.host_available_bytes", lambda: 1000)
+    r = run_cli(capsys, "serve", "tiny-llama", "--default-max-tokens", "16", "--device", "cpu", "--port", "0")
+    assert r.code == 2 and r.one_error_line, r.err
+    assert ("lower --default-max-tokens (serve sizes the pools for 8 x (default-max-tokens + 1024) = 8320 tokens"
+            in r.err)
+    assert "--max_new_tokens" not in r.err
+    assert not track_pools
+
+
+def test_pools_too_big_name_the_api_field(monkeypatch, track_pools):
+    import kvload
+    from pipeline import KvBuildError
+
+    monkeypatch.setattr("stages.build_kv_manager.host_available_bytes", lambda: 1000)
+    with pytest.raises(KvBuildError, match=r"lower kv_cache_config\.default_max_tokens \(the pools hold 4096 tokens "
+                                           r"when neither max_tokens nor max_gpu_total_bytes bounds them\)$"):
+        kvload.LLM("tiny-llama", device="cpu", kv_cache_config={"default_max_tokens": 4096}, log=False)
+    assert not track_pools

@@ -110,3 +110,109 @@ def test_the_weights_seed_is_an_argument_the_audit_replays():
     assert result.args.weights_seed == 5
     assert [e["new"] for e in result.audit.provenance("weights_seed")] == [5]
     assert result.audit.replay() == pipeline.converter.unstructure(result.args)
+
+
+def _llama_checkpoint(path, *, tied: bool = False):
+    """A tiny Llama directory saved by transformers (config.json + model.safetensors)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=100, max_position_embeddings=128,
+                      tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def _keep_tensors(path, keep) -> None:
+    """Rewrite the directory's model.safetensors with only the tensors ``keep`` accepts."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path / "model.safetensors")
+    save_file({k: v for k, v in tensors.items() if keep(k, v)}, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_a_checkpoint_missing_tensors_is_refused_naming_the_file_and_tensors(tmp_path):
+    # transformers fills missing tensors with random values and only logs a report; a serving engine
+    # refuses to run uninitialised weights, so kvload does too
+    ckpt = _llama_checkpoint(tmp_path / "ckpt")
+    _keep_tensors(ckpt, lambda k, v: k == "model.embed_tokens.weight")
+    with pytest.raises(ModelError, match=r"ckpt: model\.safetensors lacks 20 of the model's tensors \(lm_head\.weight, "
+                                         r"model\.layers\.0\.input_layernorm\.weight, .* and 17 more\)") as info:
+        load_through_stages(str(ckpt))
+    assert "\n" not in str(info.value)
+
+
+def test_a_tied_lm_head_absent_from_the_file_is_not_missing(tmp_path):
+    ckpt = _llama_checkpoint(tmp_path / "ckpt", tied=True)
+    _keep_tensors(ckpt, lambda k, v: k != "lm_head.weight")  # save_pretrained already leaves it out
+    result = load_through_stages(str(ckpt))
+    model = result.hf_model
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    result.close()
+
+
+def test_a_tensor_of_the_wrong_shape_is_one_line_naming_it_and_both_shapes(tmp_path):
+    ckpt = _llama_checkpoint(tmp_path / "ckpt")
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(ckpt / "model.safetensors")
+    tensors["model.embed_tokens.weight"] = torch.zeros(7, 3)
+    save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelError, match=r"tensor model\.embed_tokens\.weight in model\.safetensors has shape "
+                                         r"\[7, 3\], "
+                                         r"the model expects \[100, 64\]"):
+        load_through_stages(str(ckpt))
+
+
+def test_the_cli_refuses_a_bad_checkpoint_in_one_line_without_transformers_report(tmp_path):
+    # transformers logs an 18-line ANSI LOAD REPORT at warning level; the user sees kvload's one line only
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    ckpt = _llama_checkpoint(tmp_path / "ckpt")
+    _keep_tensors(ckpt, lambda k, v: k == "model.embed_tokens.weight")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "warning",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    r = subprocess.run([sys.executable, "-m", "kvload", "generate", str(ckpt), "--prompt-ids", "1,2,3",
+                        "--max_new_tokens", "2", "--max_tokens", "1024"], capture_output=True, text=True, env=env,
+                       timeout=180)
+    assert r.returncode == 2
+    assert r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
+    assert "lacks 20 of the model's tensors" in r.stderr and "LOAD REPORT" not in r.stderr
+
+
+def test_a_float8_kv_cache_on_the_cpu_is_refused_before_weights_or_pools():
+    # torch has no CPU float8 index_copy: generate built the pools, then failed on the first token (exit 1)
+    with pytest.raises(ConfigError, match=r"^kv_cache_config\.dtype: float8_e4m3fn \(set via api\) cannot run on "
+                                          r"the CPU: .*use float32, float16, bfloat16 or auto") as info:
+        load_through_stages("tiny-llama", device="cpu", kv_cache_config={"dtype": "fp8"})
+    assert info.value.path == "kv_cache_config.dtype"
+
+
+def test_a_float8_kv_cache_still_plans_on_the_cpu():
+    result = load_through_stages("tiny-llama", load_weights=False, device="cpu", kv_cache_config={"dtype": "fp8"})
+    assert result.args.kv_cache_config.dtype == "float8_e4m3fn"
+
+
+def test_generate_with_a_float8_kv_cache_on_the_cpu_names_the_flag(capsys):
+    from tests.cli_support import run_cli
+
+    r = run_cli(capsys, "generate", "tiny-llama", "--prompt-ids", "1,2,3", "--max_new_tokens", "4", "--device", "cpu",
+                "--kv_cache_dtype", "fp8")
+    assert r.code == 2 and r.one_error_line, r.err
+    assert r.err.startswith("error: --kv_cache_dtype: float8_e4m3fn")
+
+
+def test_a_weights_seed_for_a_checkpoint_with_weights_says_it_is_ignored(tmp_path):
+    ckpt = _llama_checkpoint(tmp_path / "ckpt")
+    result = load_through_stages(str(ckpt), weights_seed=5)
+    [ignored] = [e for e in result.audit.of("setting_ignored") if e["field"] == "weights_seed"]
+    assert ignored["value"] == 5 and "the weights come from the checkpoint (safetensors at" in ignored["reason"]
+    assert result.audit.of("weights_loaded")[0]["seed"] is None
+    result.close()
+    preset = load_through_stages("tiny-llama", weights_seed=5)  # a preset uses it: nothing to report
+    assert not [e for e in preset.audit.of("setting_ignored") if e["field"] == "weights_seed"]
+    preset.close()

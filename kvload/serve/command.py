@@ -98,6 +98,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     request = cli._request(ns, load_weights=True)
     request.overrides.setdefault("kv_cache_config", {}).setdefault(
         "default_max_tokens", SERVE_DEFAULT_SEQUENCES * (ns.default_max_tokens + SERVE_PROMPT_ALLOWANCE))
+    request.sized_by = (f"--default-max-tokens (serve sizes the pools for {SERVE_DEFAULT_SEQUENCES} x "
+                        f"(default-max-tokens + {SERVE_PROMPT_ALLOWANCE}) = {{tokens}} tokens when no --max_tokens "
+                        "is given)")
     with execute(request, load_stages(), subscribers=audit) as result:  # request events reach the audit too
         state = build_state(result, model_name=ns.served_model_name, default_max_tokens=ns.default_max_tokens,
                             audit_keep=ns.audit_keep)
