@@ -19,7 +19,7 @@ import attrs
 
 from pipeline.config import SIZE_HELP, parse_size
 from pipeline.errors import ConfigError, KvloadError, first_line
-from pipeline.limits import MAX_INT, MAX_INT_DIGITS, short_text
+from pipeline.limits import MAX_INT, MAX_INT_DIGITS, MAX_N, short_text
 
 # --- text-layer value parsers (argparse `type=`) ---------------------------------------------
 
@@ -487,8 +487,10 @@ def add_generate_command(sub: Any) -> None:
                    help="end a sample when its text contains TEXT (repeatable; TEXT is not printed)")
     g.add_argument("--stop_token_ids", "--stop-token-ids", dest="stop_token_ids", default=[], metavar="IDS",
                    type=token_ids, help="end a sample at any of these token ids, e.g. 2,7")
-    g.add_argument("--n", default=1, metavar="N", type=_bounded(integer, lambda v: v >= 1, "an integer >= 1"),
-                   help="samples per prompt, sharing the prompt's KV blocks (one prefill); with --temperature > 0")
+    g.add_argument("--n", default=1, metavar="N", type=_bounded(integer, lambda v: 1 <= v <= MAX_N,
+                                                                f"an integer in [1, {MAX_N}]"),
+                   help=f"samples per prompt (at most {MAX_N}), sharing the prompt's KV blocks (one prefill); "
+                        "with --temperature > 0")
     g.add_argument("--logprobs", default=None, metavar="K", type=_bounded(integer, lambda v: v >= 0,
                                                                           "an integer >= 0"),
                    help="report the K most likely tokens' log-probabilities per generated token (--json)")
