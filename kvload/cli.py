@@ -162,15 +162,26 @@ def _norm(option: str) -> str:
 
 
 def typed_spelling(spellings: Sequence[str], argv: Sequence[str]) -> str:
-    """The name of an option as the user wrote it (an alias stays an alias), in its first-listed form.
+    """The name of an option as the user wrote it (an alias stays an alias, ``--max-tokens`` stays dashed).
 
-    ``--kv-cache-fraction`` reports as ``--kv_cache_fraction``; with nothing typed, the first spelling.
+    With nothing typed, the first spelling.
     """
-    typed = {_norm(a.split("=", 1)[0]) for a in argv if a.startswith("--")}
+    typed = {_norm(a.split("=", 1)[0]): a.split("=", 1)[0] for a in argv if a.startswith("--")}
     for name in spellings:
         if _norm(name) in typed:
-            return next(s for s in spellings if _norm(s) == _norm(name))
+            return typed[_norm(name)]
     return spellings[0]
+
+
+def typed_value(spellings: Sequence[str], argv: Sequence[str]) -> str | None:
+    """The value last given to an option on the command line (``--x V`` or ``--x=V``), as typed; None if absent."""
+    names = {_norm(s) for s in spellings}
+    value = None
+    for i, arg in enumerate(argv):
+        name, eq, rest = arg.partition("=")
+        if arg.startswith("--") and _norm(name) in names:
+            value = rest if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+    return value
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -801,7 +812,13 @@ def _cli_message(exc: KvloadError, argv: Sequence[str] = ()) -> str:
     """Name the flag (as typed) instead of the dotted path when the bad value came from the command line."""
     if isinstance(exc, ConfigError) and exc.source == "cli" and exc.path in FLAG_FOR_PATH:
         flag = next(f for f in FLAGS if f.path == exc.path)
-        return f"{typed_spelling((flag.name, *flag.aliases), argv)}: {exc.detail}"
+        spellings = (flag.name, *flag.aliases)
+        detail = exc.detail
+        typed = typed_value(spellings, argv) if flag.type is str else None
+        head, got, _ = detail.rpartition(" got ")
+        if typed is not None and got:  # a name the config normalised (fp8 → float8_e4m3fn): quote what was typed
+            detail = f"{head} got {short_text(typed)}"
+        return f"{typed_spelling(spellings, argv)}: {detail}"
     return str(exc)
 
 
