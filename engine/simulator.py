@@ -263,6 +263,16 @@ class SimulationReport:
             "results": {name: r.to_dict() for name, r in self.results.items()},
         }
 
+    def check_finished(self) -> None:
+        """``KvBuildError`` (exit 2) when no manager finished the workload, as a single manager's stall is."""
+        if any(r.status == "ok" for r in self.results.values()):
+            return
+        names = list(self.results)
+        who = names[0] if len(names) == 1 else "neither " + " nor ".join(names)
+        why = "; ".join(f"{n}: {r.status}" + (f" ({r.reason})" if r.reason else "") for n, r in self.results.items())
+        raise KvBuildError(f"{who} can finish workload {self.workload.name} at a budget of {self.budget.bytes:,} B: "
+                           f"{why}; raise --max_tokens or --max_gpu_total_bytes")
+
     def render(self) -> str:
         """A readable table: one column per manager."""
         w = self.workload

@@ -322,6 +322,7 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     report = simulate(ns.model, ns.workload, requests=ns.requests, seed=ns.seed, params=dict(ns.workload_args),
                       compare=ns.compare, config_file=ns.config, source="cli", subscribers=audit,
                       progress=ns.progress, **cli_overrides(ns))
+    report.check_finished()  # --compare where no manager finished: exit 2, as one manager's stall does
     from pipeline.ranks import ranks_from_env
 
     if ranks_from_env().is_first:  # under torchrun every rank simulates in lockstep; rank 0 prints
