@@ -269,7 +269,11 @@ class SimulationReport:
             return
         names = list(self.results)
         who = names[0] if len(names) == 1 else "neither " + " nor ".join(names)
-        why = "; ".join(f"{n}: {r.status}" + (f" ({r.reason})" if r.reason else "") for n, r in self.results.items())
+        def brief(reason: str) -> str:  # a stall lists every request: the first ones say enough on one line
+            return reason if len(reason) <= 240 else reason[:237] + "..."
+
+        why = "; ".join(f"{n}: {r.status}" + (f" ({brief(r.reason)})" if r.reason else "")
+                        for n, r in self.results.items())
         raise KvBuildError(f"{who} can finish workload {self.workload.name} at a budget of {self.budget.bytes:,} B: "
                            f"{why}; raise --max_tokens or --max_gpu_total_bytes")
 
