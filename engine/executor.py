@@ -47,6 +47,7 @@ from engine.outputs import (
     StreamEvent,
     TokenDelta,
 )
+from engine.prompts import check_messages, check_text, is_conversation, normalize
 from engine.sampling import eos_token_ids, sample_rows, top_logprobs
 from engine.sampling_params import SamplingParams, check, is_int
 from engine.stopping import SampleText
@@ -195,6 +196,8 @@ class GenerationExecutor:
         """
         self._check_open()
         check(salt is None or isinstance(salt, str), "salt", "a string or None", salt)
+        if salt is not None:
+            check_text("salt", salt)  # hashed as UTF-8 into every block key
         check(isinstance(chat, bool), "chat", "true or false", chat)
         items = self._prompts(prompts, chat)
         per_prompt = isinstance(sampling_params, Sequence)
@@ -363,7 +366,7 @@ class GenerationExecutor:
                 req_id = f"{call}.{i}" if p.n == 1 else f"{call}.{i}.{j}"
                 request = Request(req_id, ids, min(p.max_tokens, room), salt=salt)
                 if j == 0:
-                    self._check_fits(i, request)
+                    self._check_fits(i, request, p.max_tokens)
                 gen = None
                 if not p.greedy:  # shared params: prompt i's sample j is seed + i*n + j; per prompt: seed_i + j
                     offset = j if per_prompt else i * p.n + j
@@ -540,28 +543,21 @@ class GenerationExecutor:
                                   "weights); load the model again")
 
     def _prompts(self, prompts: Any, chat: bool) -> list[tuple[str | None, list[int]]]:
-        """Each prompt as (text or None, token ids), validated."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)):
-            raise GenerationError(f"generate: prompts: expected a string or a list of prompts (strings or lists "
-                                  f"of token ids), got {type(prompts).__name__}")
-        if not prompts:
-            raise GenerationError("generate: prompts: expected at least one prompt, got an empty list")
-        if any(is_int(p) for p in prompts):
-            raise GenerationError("generate: prompts: expected a list of prompts; wrap one prompt of token ids "
-                                  "in a list: [[1, 2, 3]]")
-        items = []
-        for i, prompt in enumerate(prompts):
+        """Each prompt as (text or None, token ids), validated (``engine.prompts.normalize`` says what is taken)."""
+        items: list[tuple[str | None, list[int]]] = []
+        for i, prompt in enumerate(normalize(prompts)):
             if isinstance(prompt, str):
                 items.append((prompt, self._tokenize(i, prompt, chat)))
                 continue
+            if is_conversation(prompt):
+                if not chat:
+                    raise GenerationError(f"generate: prompt {i}: a conversation (a list of messages) needs "
+                                          "chat=True (or LLM.chat)")
+                items.append(self._converse(i, prompt))
+                continue
             if chat:
                 raise GenerationError(f"generate: prompt {i}: chat=True needs text prompts, got token ids")
-            if not isinstance(prompt, Sequence) or not all(is_int(t) for t in prompt):
-                raise GenerationError(f"generate: prompt {i}: expected a string or a list of token ids (ints), "
-                                      f"got {prompt!r}"[:200])
-            items.append((None, list(prompt)))
+            items.append((None, prompt))
         for i, (_, ids) in enumerate(items):
             if not ids:
                 raise GenerationError(f"generate: prompt {i}: empty (no tokens)")
@@ -575,6 +571,7 @@ class GenerationExecutor:
         return items
 
     def _tokenize(self, i: int, text: str, chat: bool) -> list[int]:
+        check_text(f"prompt {i}", text)  # a lone surrogate would reach the tokenizer as a TypeError
         tok = self.tokenizer
         if tok is None:
             raise GenerationError(f"generate: prompt {i} is text, but {self.name} has no tokenizer (presets have "
@@ -588,6 +585,17 @@ class GenerationExecutor:
             ids = tok(text)["input_ids"]
         return [int(t) for t in ids]
 
+    def _converse(self, i: int, messages: Any) -> tuple[str, list[int]]:
+        """A conversation through the tokenizer's chat template: (the templated text, its token ids)."""
+        messages = check_messages(f"prompt {i}", messages)
+        tok = self.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise GenerationError(f"generate: prompt {i}: a conversation needs a tokenizer with a chat template; "
+                                  f"{self.name} has none")
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        # what apply_chat_template(tokenize=True) does: the template already holds the special tokens
+        return text, [int(t) for t in tok(text, add_special_tokens=False)["input_ids"]]
+
     @staticmethod
     def _arrivals(arrival_steps: Sequence[int] | None, n: int) -> list[int]:
         if arrival_steps is None:
@@ -598,14 +606,22 @@ class GenerationExecutor:
                                   f"got {arrival_steps!r}")
         return steps
 
-    def _check_fits(self, index: int, request: Request) -> None:
-        """``KvBuildError`` when a request could not complete even alone in empty pools (it would never run)."""
+    def _check_fits(self, index: int, request: Request, asked: int | None = None) -> None:
+        """``KvBuildError`` when a request could not complete even alone in empty pools (it would never run).
+
+        ``asked``: the max_new_tokens the caller gave, when max_seq_len cut it to the request's (the
+        message quotes what was sent, then the cut).
+        """
         short = self.manager.layout.sequence_shortfall(request.max_total_tokens, self.pools.num_blocks)
         if short is not None:  # a shared arena: every group's blocks together
             where, need, have = short
+            length = f"max_new_tokens {request.max_new_tokens}"
+            if asked is not None and asked > request.max_new_tokens:
+                length = (f"max_new_tokens {asked} (cut to {request.max_new_tokens} by "
+                          f"max_seq_len={self.max_seq_len})")
             raise KvBuildError(
-                f"generate: prompt {index}: {request.num_prompt_tokens} prompt tokens + max_new_tokens "
-                f"{request.max_new_tokens} need {need} blocks of {where} but the KV pools hold {have}; "
+                f"generate: prompt {index}: {request.num_prompt_tokens} prompt tokens + {length} "
+                f"need {need} blocks of {where} but the KV pools hold {have}; "
                 "raise kv_cache_config.max_tokens (--max_tokens) or lower max_new_tokens")
 
     def _counters(self) -> dict[str, int]:

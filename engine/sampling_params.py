@@ -15,6 +15,7 @@ from typing import Any
 import attrs
 
 from pipeline.errors import GenerationError
+from pipeline.limits import MAX_N
 
 #: Tokens generated per prompt when nothing says otherwise: the Python API and ``kvload generate``
 #: share it (vLLM defaults to 16, TensorRT-LLM to 32; 64 lets a short chat reply finish).
@@ -61,9 +62,10 @@ class SamplingParams:
     most likely tokens (0 or -1: all). ``seed``: prompt ``i``'s sample ``j`` draws from a generator
     seeded with ``seed + i * n + j`` (None: a fresh random seed per call). ``stop``: strings that end a
     sample when they appear in its text (not included in ``.text``); ``stop_token_ids``: ids that end
-    it (kept in ``token_ids``, as EOS is). ``n``: samples per prompt, sharing the prompt's KV blocks.
-    ``logprobs``: per generated token, the log-probabilities of the ``logprobs`` most likely tokens
-    plus the sampled one (None: none). ``ignore_eos``: keep going past EOS (stop strings/ids still end).
+    it (kept in ``token_ids``, as EOS is). ``n``: samples per prompt (at most ``pipeline.limits.MAX_N``),
+    sharing the prompt's KV blocks. ``logprobs``: per generated token, the log-probabilities of the
+    ``logprobs`` most likely tokens plus the sampled one (None: none). ``ignore_eos``: keep going past
+    EOS (stop strings/ids still end).
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -106,7 +108,7 @@ class SamplingParams:
               "a non-empty string or a list of them", self.stop)
         check(isinstance(self.stop_token_ids, tuple) and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
               "stop_token_ids", "a list of token ids (integers >= 0)", self.stop_token_ids)
-        check(is_int(self.n) and self.n >= 1, "n", "an integer >= 1", self.n)
+        check(is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"an integer in [1, {MAX_N}]", self.n)
         check(self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0), "logprobs",
               "an integer >= 0 (top tokens to report per generated token) or None", self.logprobs)
         check(isinstance(self.ignore_eos, bool), "ignore_eos", "true or false", self.ignore_eos)

@@ -28,6 +28,7 @@ from cache_backends.interface import SchedulerOutput
 from cache_backends.request import Request
 from engine.driver import Driver, StalledError, StepStats
 from engine.executor import GenerationExecutor
+from engine.prompts import check_text
 from engine.sampling import sample_rows, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.stopping import SampleText
@@ -178,6 +179,8 @@ class ServingEngine:
 
     def encode_messages(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a chat conversation through the tokenizer's chat template, ready for the reply."""
+        for j, m in enumerate(messages):  # a lone surrogate would reach the tokenizer as a TypeError
+            check_text(f"messages[{j}].content", m["content"])
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise GenerationError(f"messages: the model {self.executor.name} has no tokenizer with a chat template; "
@@ -205,7 +208,7 @@ class ServingEngine:
         ((_, ids),) = self.executor._prompts([[int(t) for t in prompt_token_ids]], False)  # vocabulary, length
         self.executor._params(params, {}, 1)  # the same checks as generate: stop ids in the vocabulary, logprobs
         request = Request(f"srv-{next(self._ids)}", ids, min(params.max_new_tokens, self.room(ids)))
-        self.executor._check_fits(0, request)  # KvBuildError with the numbers
+        self.executor._check_fits(0, request, params.max_new_tokens)  # KvBuildError with the numbers
         return request
 
     def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams, sink: Callable[[ServeEvent], Any], *,

@@ -263,6 +263,20 @@ class SimulationReport:
             "results": {name: r.to_dict() for name, r in self.results.items()},
         }
 
+    def check_finished(self) -> None:
+        """``KvBuildError`` (exit 2) when no manager finished the workload, as a single manager's stall is."""
+        if any(r.status == "ok" for r in self.results.values()):
+            return
+        names = list(self.results)
+        who = names[0] if len(names) == 1 else "neither " + " nor ".join(names)
+        def brief(reason: str) -> str:  # a stall lists every request: the first ones say enough on one line
+            return reason if len(reason) <= 240 else reason[:237] + "..."
+
+        why = "; ".join(f"{n}: {r.status}" + (f" ({brief(r.reason)})" if r.reason else "")
+                        for n, r in self.results.items())
+        raise KvBuildError(f"{who} can finish workload {self.workload.name} at a budget of {self.budget.bytes:,} B: "
+                           f"{why}; raise --max_tokens or --max_gpu_total_bytes")
+
     def render(self) -> str:
         """A readable table: one column per manager."""
         w = self.workload

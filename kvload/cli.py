@@ -19,7 +19,7 @@ import attrs
 
 from pipeline.config import SIZE_HELP, parse_size
 from pipeline.errors import ConfigError, KvloadError, first_line
-from pipeline.limits import MAX_INT, MAX_INT_DIGITS, short_text
+from pipeline.limits import MAX_INT, MAX_INT_DIGITS, MAX_N, short_text
 
 # --- text-layer value parsers (argparse `type=`) ---------------------------------------------
 
@@ -162,15 +162,26 @@ def _norm(option: str) -> str:
 
 
 def typed_spelling(spellings: Sequence[str], argv: Sequence[str]) -> str:
-    """The name of an option as the user wrote it (an alias stays an alias), in its first-listed form.
+    """The name of an option as the user wrote it (an alias stays an alias, ``--max-tokens`` stays dashed).
 
-    ``--kv-cache-fraction`` reports as ``--kv_cache_fraction``; with nothing typed, the first spelling.
+    With nothing typed, the first spelling.
     """
-    typed = {_norm(a.split("=", 1)[0]) for a in argv if a.startswith("--")}
+    typed = {_norm(a.split("=", 1)[0]): a.split("=", 1)[0] for a in argv if a.startswith("--")}
     for name in spellings:
         if _norm(name) in typed:
-            return next(s for s in spellings if _norm(s) == _norm(name))
+            return typed[_norm(name)]
     return spellings[0]
+
+
+def typed_value(spellings: Sequence[str], argv: Sequence[str]) -> str | None:
+    """The value last given to an option on the command line (``--x V`` or ``--x=V``), as typed; None if absent."""
+    names = {_norm(s) for s in spellings}
+    value = None
+    for i, arg in enumerate(argv):
+        name, eq, rest = arg.partition("=")
+        if arg.startswith("--") and _norm(name) in names:
+            value = rest if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+    return value
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -311,6 +322,7 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     report = simulate(ns.model, ns.workload, requests=ns.requests, seed=ns.seed, params=dict(ns.workload_args),
                       compare=ns.compare, config_file=ns.config, source="cli", subscribers=audit,
                       progress=ns.progress, **cli_overrides(ns))
+    report.check_finished()  # --compare where no manager finished: exit 2, as one manager's stall does
     from pipeline.ranks import ranks_from_env
 
     if ranks_from_env().is_first:  # under torchrun every rank simulates in lockstep; rank 0 prints
@@ -487,8 +499,10 @@ def add_generate_command(sub: Any) -> None:
                    help="end a sample when its text contains TEXT (repeatable; TEXT is not printed)")
     g.add_argument("--stop_token_ids", "--stop-token-ids", dest="stop_token_ids", default=[], metavar="IDS",
                    type=token_ids, help="end a sample at any of these token ids, e.g. 2,7")
-    g.add_argument("--n", default=1, metavar="N", type=_bounded(integer, lambda v: v >= 1, "an integer >= 1"),
-                   help="samples per prompt, sharing the prompt's KV blocks (one prefill); with --temperature > 0")
+    g.add_argument("--n", default=1, metavar="N", type=_bounded(integer, lambda v: 1 <= v <= MAX_N,
+                                                                f"an integer in [1, {MAX_N}]"),
+                   help=f"samples per prompt (at most {MAX_N}), sharing the prompt's KV blocks (one prefill); "
+                        "with --temperature > 0")
     g.add_argument("--logprobs", default=None, metavar="K", type=_bounded(integer, lambda v: v >= 0,
                                                                           "an integer >= 0"),
                    help="report the K most likely tokens' log-probabilities per generated token (--json)")
@@ -799,7 +813,13 @@ def _cli_message(exc: KvloadError, argv: Sequence[str] = ()) -> str:
     """Name the flag (as typed) instead of the dotted path when the bad value came from the command line."""
     if isinstance(exc, ConfigError) and exc.source == "cli" and exc.path in FLAG_FOR_PATH:
         flag = next(f for f in FLAGS if f.path == exc.path)
-        return f"{typed_spelling((flag.name, *flag.aliases), argv)}: {exc.detail}"
+        spellings = (flag.name, *flag.aliases)
+        detail = exc.detail
+        typed = typed_value(spellings, argv) if flag.type is str else None
+        head, got, _ = detail.rpartition(" got ")
+        if typed is not None and got:  # a name the config normalised (fp8 → float8_e4m3fn): quote what was typed
+            detail = f"{head} got {short_text(typed)}"
+        return f"{typed_spelling(spellings, argv)}: {detail}"
     return str(exc)
 
 

@@ -18,11 +18,13 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from engine.outputs import GenerationStats, RequestOutput, TokenDelta
+from engine.prompts import is_conversation
 from engine.sampling_params import SamplingParams
 from kvload.api import LoadResult, load
 from pipeline.bus import Subscriber
 from pipeline.config import KvCacheConfig, explicit_fields
 from pipeline.errors import GenerationError
+from pipeline.events import SettingIgnored
 
 #: Tokens the KV pools hold on CPU when no bound is given: one SmolLM2 sequence of its full 8192-token
 #: context, or many short ones (SmolLM2-135M: 46 KB per token in float32, so ~380 MB).
@@ -62,6 +64,7 @@ class LLM:
         self.result: LoadResult = load(model, load_weights=True, config_file=config_file, audit_log=audit_log,
                                        subscribers=subscribers, log=log, **llm_args)
         self._closed = False
+        self._said_no_tqdm = False  # use_tqdm=True is reported once per LLM, not once per call
 
     # --- what was loaded ------------------------------------------------------------------------
 
@@ -97,16 +100,48 @@ class LLM:
     # --- generating -----------------------------------------------------------------------------
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 salt: str | None = None, chat: bool = False, **sampling: Any) -> list[RequestOutput]:
+                 use_tqdm: Any = None, salt: str | None = None, chat: bool = False,
+                 **sampling: Any) -> list[RequestOutput]:
         """One :class:`RequestOutput` per prompt, in order (a single prompt still gives a list of one).
 
-        ``prompts``: a string, a list of strings (``chat=True`` applies the chat template) and/or lists
-        of token ids. ``sampling_params``: one :class:`SamplingParams` for all prompts, a list of one per
-        prompt, or None (defaults; its fields may be given as keywords instead). ``salt`` scopes prefix
-        reuse (prompts under different salts never share cached blocks).
+        ``prompts``: a string, a list of strings (``chat=True`` applies the chat template), lists of
+        token ids (or 1-D integer numpy arrays / torch tensors), and vLLM's ``{"prompt": TEXT}`` /
+        ``{"prompt_token_ids": IDS}`` dicts. ``sampling_params``: one :class:`SamplingParams` for all
+        prompts, a list of one per prompt, or None (defaults; its fields may be given as keywords
+        instead). ``use_tqdm``: taken for vLLM compatibility; kvload draws no progress bar, so a true
+        value is reported once as ``setting_ignored``. ``salt`` scopes prefix reuse (prompts under
+        different salts never share cached blocks).
         """
         with self._exclusive("generate"):
+            self._no_progress_bar(use_tqdm)
             return self.result.executor.run(prompts, sampling_params, salt=salt, chat=chat, **sampling)
+
+    def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             use_tqdm: Any = None, salt: str | None = None, **sampling: Any) -> list[RequestOutput]:
+        """Reply to a conversation through the tokenizer's chat template (vLLM's ``LLM.chat``).
+
+        ``messages``: one conversation (a list of ``{"role": ..., "content": ...}`` dicts) or a list of
+        conversations; one :class:`RequestOutput` per conversation, whose ``prompt`` is the templated
+        text. The other arguments are :meth:`generate`'s.
+        """
+        conversations = [messages] if is_conversation(messages) else messages
+        if isinstance(conversations, (str, bytes)) or not isinstance(conversations, Sequence) or not conversations \
+                or not all(is_conversation(c) for c in conversations):
+            raise GenerationError("chat: messages: expected a conversation (a non-empty list of "
+                                  "{'role': ..., 'content': ...} dicts) or a list of conversations, got "
+                                  f"{messages!r}"[:200])
+        return self.generate(list(conversations), sampling_params, use_tqdm=use_tqdm, salt=salt, chat=True,
+                             **sampling)
+
+    def _no_progress_bar(self, use_tqdm: Any) -> None:
+        """vLLM's ``use_tqdm``: false needs nothing; true (or a tqdm factory) is said to be ignored, once."""
+        if not use_tqdm or self._said_no_tqdm:
+            return
+        self._said_no_tqdm = True
+        if self.result.bus is not None:
+            self.result.bus.emitter("generate")(SettingIgnored(
+                field="generate.use_tqdm", value=use_tqdm if isinstance(use_tqdm, bool) else repr(use_tqdm),
+                reason="kvload.LLM draws no progress bar; llm.last_stats has the call's totals"))
 
     def generate_stream(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                         *, salt: str | None = None, chat: bool = False, **sampling: Any) -> Iterator[TokenDelta]:

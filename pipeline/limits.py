@@ -18,6 +18,9 @@ MAX_DEPTH = 32
 MAX_YAML_NODES = 10_000
 #: Longest integer literal a text input may hold before it is refused unparsed (int64 has 19 digits).
 MAX_INT_DIGITS = 40
+#: Most samples one prompt may ask for (``n``): each is a request with its own state, so ``n`` is
+#: checked before any is built. OpenAI's API caps ``n`` at 128; the Python API, the CLI and the server share it.
+MAX_N = 128
 
 
 def int_text(value: int) -> str:

@@ -56,9 +56,11 @@ CASES = [
     # flags
     ("tri-state-yes", "plan tiny-llama --use_kv_cache_manager_v2 yes", 2,
      ["error: --use_kv_cache_manager_v2: expected auto, true or false, got 'yes'"]),
-    ("tri-state-1", "plan tiny-llama --use-kv-cache-manager-v2 1", 2, ["--use_kv_cache_manager_v2", "'1'"]),
+    ("tri-state-1", "plan tiny-llama --use-kv-cache-manager-v2 1", 2, ["error: --use-kv-cache-manager-v2:", "'1'"]),
+    ("dashed-as-typed", "plan tiny-llama --max-tokens -5", 2, ["error: --max-tokens: expected", "got -5"]),
+    ("dtype-as-typed", "plan tiny-llama --dtype=fp8", 2, ["error: --dtype: expected", "got 'fp8'"]),
     ("fraction-zero", "plan tiny-llama --kv_cache_fraction 0", 2, ["--kv_cache_fraction", "(0, 1]"]),
-    ("fraction-big", "plan tiny-llama --kv-cache-fraction 1.5", 2, ["--kv_cache_fraction", "(0, 1]", "1.5"]),
+    ("fraction-big", "plan tiny-llama --kv-cache-fraction 1.5", 2, ["--kv-cache-fraction", "(0, 1]", "1.5"]),
     ("fraction-word", "plan tiny-llama --kv_cache_fraction half", 2, ["--kv_cache_fraction", "'half'"]),
     ("max-tokens-negative", "plan tiny-llama --max_tokens -5", 2, ["--max_tokens", ">= 1"]),
     ("max-tokens-unit", "plan tiny-llama --max_tokens 4k", 2, ["--max_tokens", "an integer", "'4k'"]),

@@ -116,9 +116,13 @@ def test_json_carries_logprobs_stop_token_ids_and_top_k(capsys):
     (("--prompt-ids", "1", "--chat"), "error: generate: prompt 0: chat=True needs text prompts"),
     (("--prompt-ids", "1", "--max_new_tokens", "0"), "error: --max_new_tokens: expected an integer >= 1, got '0'"),
     (("--prompt-ids", "1", "--temperature", "-1"), "error: --temperature: expected a number >= 0, got '-1'"),
-    (("--prompt-ids", "1", "--top-p", "1.5"), r"error: --top_p: expected a number in (0, 1], got '1.5'"),
+    (("--prompt-ids", "1", "--top-p", "1.5"), r"error: --top-p: expected a number in (0, 1], got '1.5'"),
     (("--prompt-ids", "1", "--top_k", "-3"), "error: --top_k: expected an integer >= 1, or 0 / -1 for all tokens"),
-    (("--prompt-ids", "1", "--n", "0"), "error: --n: expected an integer >= 1, got '0'"),
+    (("--prompt-ids", "1", "--n", "0"), "error: --n: expected an integer in [1, 128], got '0'"),
+    (("--prompt-ids", "1", "--n", "10000000", "--temperature", "1"),
+     "error: --n: expected an integer in [1, 128], got '10000000'"),
+    (("--prompt", "ok\udced\udca0\udc80"),  # the bytes ED A0 80 on a command line (not UTF-8), as Python gets them
+     "error: generate: prompt 0: not valid Unicode text (a lone surrogate at character 2; text must be UTF-8)"),
     (("--prompt-ids", "1", "--stop", "x"), "error: generate: stop: stop strings are matched on the text, but "
                                            "tiny-llama has no tokenizer"),
     (("--prompt-ids", "1", "--stop_token_ids", "1,a"), "error: --stop_token_ids: expected token ids"),

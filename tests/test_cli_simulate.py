@@ -73,6 +73,9 @@ def test_simulate_progress_bar_goes_to_stderr_only_when_asked(capsys):
      "error: --compare simulates both managers; drop --use_kv_cache_manager_v2"),
     (("--workload", "long-context", "--workload-arg", "prompt_len=100", "--max_tokens", "32"),
      "error: KVCacheManager cannot finish workload long-context at a budget of 32,768 B"),
+    (("--workload", "long-context", "--workload-arg", "prompt_len=100", "--max_tokens", "32", "--compare"),
+     "error: neither KVCacheManager nor KVCacheManagerV2 can finish workload long-context at a budget of 32,768 B: "
+     "KVCacheManager: stalled"),
 ])
 def test_simulate_bad_input_is_one_line_and_exit_2(capsys, args, message):
     r = run_cli(capsys, "simulate", "tiny-llama", "--device", "cpu", *args)

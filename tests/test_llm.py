@@ -206,7 +206,8 @@ def test_stream_errors_surface_in_the_loop(llm):
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"top_k": -2}, "generate: top_k: expected"),
-    ({"n": 0}, "generate: n: expected an integer >= 1"),
+    ({"n": 0}, r"generate: n: expected an integer in \[1, 128\]"),
+    ({"n": 100_000}, r"generate: n: expected an integer in \[1, 128\], got 100000"),
     ({"logprobs": 10_000}, r"generate: logprobs: expected at most the vocabulary size \(512\)"),
     ({"stop_token_ids": [600]}, r"generate: stop_token_ids: token id 600 is outside the vocabulary"),
     ({"max_tokens": 0}, "generate: max_tokens: expected an integer >= 1"),
@@ -217,6 +218,73 @@ def test_bad_sampling_settings_name_the_field_and_nothing_runs(llm, kwargs, mess
     with pytest.raises(GenerationError, match=message):
         llm.generate(PROMPT, **kwargs)
     assert len(llm.audit.of("generation_started")) == before
+
+
+def test_text_that_is_not_valid_unicode_is_refused_before_the_tokenizer(llm):
+    with pytest.raises(GenerationError, match=r"^generate: prompt 1: not valid Unicode text \(a lone surrogate at "
+                                              r"character 3; text must be UTF-8\)$"):
+        llm.generate([PROMPT, "w5 \ud800"], max_tokens=2)
+    with pytest.raises(GenerationError, match="generate: prompt 0: message 0: not valid Unicode text"):
+        llm.chat([{"role": "user", "content": "\udfff"}])
+    with pytest.raises(GenerationError, match="generate: salt: not valid Unicode text"):
+        llm.generate(PROMPT, max_tokens=2, salt="\ud800")
+
+
+# --- vLLM's front door ----------------------------------------------------------------------------
+
+
+def test_vllm_prompt_forms_give_what_a_list_of_token_ids_gives(llm):
+    import numpy as np
+
+    ids = llm.tokenizer(PROMPT)["input_ids"]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    (ref,) = llm.generate([ids], params)
+    forms = [{"prompt_token_ids": ids}, [{"prompt_token_ids": ids}], {"prompt": PROMPT}, [{"prompt": PROMPT}],
+             [np.array(ids)], [torch.tensor(ids)], [[np.int64(t) for t in ids]], np.array([ids]),
+             [{"prompt_token_ids": torch.tensor(ids)}]]
+    for form in forms:
+        (out,) = llm.generate(form, params)
+        assert out.prompt_token_ids == ids and out.outputs[0].token_ids == ref.outputs[0].token_ids, form
+    assert llm.generate({"prompt": PROMPT}, params)[0].prompt == PROMPT
+    for bad, message in [([torch.tensor([1.0, 2.0])], "prompt 0: expected a string or a list of token ids"),
+                         ([{"prompt_token_ids": ids, "multi_modal_data": {}}], "key 'multi_modal_data' is not "
+                                                                                "supported"),
+                         ([{"prompt": 5}], "'prompt' must be a string"),
+                         ([[{"role": "user", "content": "w5"}]], "a conversation .* needs chat=True")]:
+        with pytest.raises(GenerationError, match=message):
+            llm.generate(bad, params)
+
+
+def test_use_tqdm_is_accepted_and_a_progress_bar_is_said_to_be_ignored_once(llm):
+    ignored = lambda: [e for e in llm.audit.of("setting_ignored") if e["field"] == "generate.use_tqdm"]  # noqa: E731
+    before = len(ignored())
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    assert llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert len(ignored()) == before  # no bar asked, none drawn: nothing to say
+    llm.generate([[1, 2, 3]], params, use_tqdm=True)
+    llm.generate([[1, 2, 3]], params, use_tqdm=True)
+    assert len(ignored()) == 1 and "no progress bar" in ignored()[0]["reason"]
+
+
+def test_chat_applies_the_chat_template_to_one_conversation_or_several(llm):
+    tok = llm.tokenizer
+    tok.chat_template = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
+                         "{% if add_generation_prompt %}w1{% endif %}")
+    try:
+        conv = [{"role": "system", "content": "w5 w17"}, {"role": "user", "content": "w300 w42"}]
+        params = SamplingParams(max_tokens=3, ignore_eos=True)
+        (one,) = llm.chat(conv, params)
+        assert one.prompt == "w5 w17 w300 w42 w1" and one.prompt_token_ids == [5, 17, 300, 42, 1]
+        assert one.outputs[0].token_ids == llm.generate([[5, 17, 300, 42, 1]], params)[0].outputs[0].token_ids
+        both = llm.chat([conv, [{"role": "user", "content": "w9"}]], params, use_tqdm=False)
+        assert [o.prompt_token_ids for o in both] == [[5, 17, 300, 42, 1], [9, 1]]
+        for bad in ([], "w5", [{"role": "user", "content": "w5"}, "w6"]):
+            with pytest.raises(GenerationError, match="chat: messages: expected a conversation"):
+                llm.chat(bad)
+        with pytest.raises(GenerationError, match="message 0: role: expected one of"):
+            llm.chat([{"role": "robot", "content": "w5"}])
+    finally:
+        tok.chat_template = None
 
 
 def test_one_sampling_params_per_prompt(llm):

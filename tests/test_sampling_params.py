@@ -41,7 +41,8 @@ def test_stop_and_stop_token_ids_take_one_or_many():
     ({"stop": ""}, "stop: expected a non-empty string or a list of them"),
     ({"stop": 5}, "stop: expected a non-empty string or a list of them, got 5"),
     ({"stop_token_ids": [1, -3]}, r"stop_token_ids: expected a list of token ids \(integers >= 0\)"),
-    ({"n": 0}, "n: expected an integer >= 1, got 0"),
+    ({"n": 0}, r"n: expected an integer in \[1, 128\], got 0"),
+    ({"n": 100_000}, r"n: expected an integer in \[1, 128\], got 100000"),  # refused before a request is built
     ({"logprobs": -1}, "logprobs: expected an integer >= 0"),
     ({"ignore_eos": "yes"}, "ignore_eos: expected true or false, got 'yes'"),
 ])

@@ -113,7 +113,11 @@ def test_a_client_that_gives_up_on_a_plain_request_has_it_aborted(served):
     ({"prompt": [1, 2], "max_tokens": 0}, "max_tokens", "integer >= 1"),
     ({"prompt": [1, 2], "temperature": -1}, "temperature", "[0, 2]"),
     ({"prompt": [1, 2], "top_p": 0}, "top_p", "(0, 1]"),
-    ({"prompt": [1, 2], "n": 2}, "n", "temperature > 0"),
+    ({"prompt": [1, 2], "n": 129, "temperature": 1}, "n", "an integer in [1, 128]"),
+    ({"prompt": [[5]] * 100_000, "max_tokens": 1}, "prompt", "at most 1024 per request"),
+    ({"prompt": [[5]] * 100, "n": 11, "temperature": 1}, "n", "1,100 choices; at most 1024"),
+    ({"prompt": [1, 2], "max_tokens": 10_000_000}, "max_tokens",
+     "max_tokens 10000000 (cut to 8190 by max_seq_len=8192)"),
     ({"prompt": [1, 2], "best_of": 2}, "best_of", "not supported"),
     ({"prompt": [1, 2], "presence_penalty": 0.5}, "presence_penalty", "penalties"),
     ({"prompt": [1, 2], "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
@@ -146,6 +150,35 @@ def test_other_refusals_and_the_server_keeps_serving(served):
     assert info.value.body["param"] == "max_tokens"
     assert served.http.get("/health").json() == {"status": "ok"}
     assert _complete(served, 2).choices[0].model_extra["token_ids"] == REFERENCE[2]
+
+
+@pytest.mark.parametrize("path, body, param, words", [
+    ("/v1/completions", b'{"prompt": "\\ud800", "max_tokens": 2}', "prompt",
+     "prompt: not valid Unicode text (a lone surrogate at character 0"),
+    ("/v1/completions", b'{"prompt": ["a\\udfff", "ok"], "max_tokens": 2}', "prompt[0]",
+     "prompt[0]: not valid Unicode text (a lone surrogate at character 1"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x\\ud800"}]}', "messages",
+     "messages[0].content: not valid Unicode text (a lone surrogate at character 1"),
+    ("/v1/completions", b'{"prompt": [1, 2], "salt": "\\ud800"}', "salt", "valid Unicode"),
+    ("/v1/completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None, "nests too deeply"),
+    ("/v1/completions", b'{"prompt": ' + b"[" * 40 + b"1" + b"]" * 40 + b"}", None, "at most 32 levels"),
+])
+def test_bodies_the_tokenizer_or_json_cannot_take_get_400_and_the_server_keeps_serving(served, path, body, param,
+                                                                                      words):
+    r = served.http.post(path, content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert words in error["message"]
+    assert _complete(served, 3).choices[0].model_extra["token_ids"] == REFERENCE[3]
+
+
+def test_greedy_n_gives_n_identical_choices_as_openai_and_vllm_do(served):
+    r = served.client.completions.create(model="tiny-llama", prompt=PROMPTS[1], max_tokens=MAX_TOKENS[1], n=3,
+                                         extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.model_extra["token_ids"] for c in r.choices] == [REFERENCE[1]] * 3
+    assert r.usage.completion_tokens == 3 * MAX_TOKENS[1]
 
 
 def test_logprobs_sampling_seeds_and_n(served):

@@ -159,6 +159,10 @@ def test_a_stall_names_the_budget_flags_and_in_a_comparison_becomes_a_status():
     report = simulate("tiny-llama", "long-context", compare=True, **kw, **CPU)
     assert {r.status for r in report.results.values()} == {"stalled"}
     assert all(r.metrics is None and r.reason for r in report.results.values())
+    with pytest.raises(KvBuildError, match=r"^neither KVCacheManager nor KVCacheManagerV2 can finish workload "
+                                           r"long-context at a budget of .* B: KVCacheManager: stalled \(.*"
+                                           r"--max_tokens"):
+        report.check_finished()
 
 
 def test_same_seed_same_result_and_another_seed_other_tokens():

@@ -14,13 +14,17 @@ import attrs
 
 from engine.sampling_params import SamplingParams
 from pipeline.errors import GenerationError
+from pipeline.limits import MAX_N
 
 #: Most stop strings a request may give (OpenAI's limit).
 MAX_STOP = 4
 #: Most alternatives per token ``logprobs`` may ask for (OpenAI's limit for completions).
 MAX_LOGPROBS = 20
-#: Most choices one request may ask for.
-MAX_N = 16
+#: Most prompts one completions request may hold: each becomes engine requests checked and queued
+#: before the reply starts, so one body must not keep the server busy for minutes.
+MAX_PROMPTS = 1024
+#: Most choices (prompts x n) one request may ask for, for the same reason.
+MAX_CHOICES = 1024
 
 
 class BadRequest(Exception):
@@ -64,6 +68,15 @@ def _is_int(v: Any) -> bool:
 
 def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _unicode(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8 (JSON's ``\\ud800`` escapes decode to lone surrogates, which do not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _need(ok: bool, field: str, expected: str, value: Any) -> None:
@@ -119,9 +132,9 @@ def parse(body: Any, kind: str, *, default_max_tokens: int) -> Job:
     n = body.get("n", 1)
     n = 1 if n is None else n
     _need(_is_int(n) and 1 <= n <= MAX_N, "n", f"an integer in [1, {MAX_N}]", n)
-    if n > 1 and temperature == 0:
-        raise BadRequest("n: several choices need sampling (temperature > 0); greedy would give the same text "
-                         f"{n} times", param="n")
+    if len(prompts) * n > MAX_CHOICES:  # greedy n > 1 is accepted, as OpenAI and vLLM do: identical choices
+        raise BadRequest(f"n: {len(prompts)} prompts x n={n} ask for {len(prompts) * n:,} choices; at most "
+                         f"{MAX_CHOICES} per request", param="n")
     stream = body.get("stream", False)
     stream = False if stream is None else stream
     _need(isinstance(stream, bool), "stream", "true or false", stream)
@@ -150,7 +163,7 @@ def parse(body: Any, kind: str, *, default_max_tokens: int) -> Job:
     ignore_eos = body.get("ignore_eos", False)
     _need(isinstance(ignore_eos, bool), "ignore_eos", "true or false", ignore_eos)
     salt = body.get("salt")
-    _need(salt is None or isinstance(salt, str), "salt", "a string", salt)
+    _need(salt is None or (isinstance(salt, str) and _unicode(salt)), "salt", "a string of valid Unicode text", salt)
     logprobs = _logprobs(body, kind)
     echo = body.get("echo", False)
     _need(isinstance(echo, bool), "echo", "true or false", echo)
@@ -177,6 +190,9 @@ def _prompts(body: dict[str, Any]) -> list[Any]:
         _need(bool(prompt), "prompt", expected, prompt)
         return [prompt]
     _need(isinstance(prompt, list) and bool(prompt), "prompt", expected, prompt)
+    if len(prompt) > MAX_PROMPTS and not all(_is_int(t) for t in prompt):
+        raise BadRequest(f"prompt: a list of {len(prompt):,} prompts; at most {MAX_PROMPTS} per request (send "
+                         "several requests)", param="prompt")
     if all(_is_int(t) for t in prompt):
         return [list(prompt)]
     for i, p in enumerate(prompt):
@@ -229,4 +245,4 @@ def _logprobs(body: dict[str, Any], kind: str) -> int | None:
     return (top or 0) if value else None
 
 
-__all__ = ["MAX_LOGPROBS", "MAX_N", "MAX_STOP", "BadRequest", "Job", "parse"]
+__all__ = ["MAX_CHOICES", "MAX_LOGPROBS", "MAX_N", "MAX_PROMPTS", "MAX_STOP", "BadRequest", "Job", "parse"]

@@ -1,0 +1,129 @@
+"""Prompts as callers pass them → text or token ids, checked before any reaches the tokenizer or the model.
+
+Accepted, as vLLM's ``LLM.generate`` takes them: a string, a list of token ids (ints, numpy integers, or
+a 1-D integer numpy array / torch tensor), vLLM's prompt dicts ``{"prompt": "..."}`` (TextPrompt) and
+``{"prompt_token_ids": [...]}`` (TokensPrompt), and, with ``chat=True``, a conversation (a list of
+``{"role", "content"}`` messages). No torch or numpy import here: arrays are recognised by their
+``tolist`` and ``ndim``.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pipeline.errors import GenerationError
+
+#: Keys of vLLM's prompt dicts kvload acts on; any other key (multi_modal_data, ...) is refused.
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
+#: Message roles a chat template takes.
+ROLES = ("system", "user", "assistant", "developer", "tool")
+
+
+def is_token_id(value: Any) -> bool:
+    """An integer token id: ``int`` or a numpy integer, never a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and type(value).__name__ != "bool_"
+
+
+def _array_ids(value: Any) -> Any:
+    """A 1-D integer array or tensor → a list of ints; anything else is returned unchanged."""
+    if not hasattr(value, "tolist") or getattr(value, "ndim", None) != 1:
+        return value
+    dtype = str(getattr(value, "dtype", ""))
+    if "int" not in dtype or dtype.startswith("torch.bool"):  # int64, torch.int32, uint16: not float, not bool
+        return value
+    return value.tolist()
+
+
+def is_conversation(value: Any) -> bool:
+    """A chat conversation: a non-empty list of message mappings."""
+    return (isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray)) and len(value) > 0
+            and all(isinstance(m, Mapping) for m in value))
+
+
+def normalize(prompts: Any) -> list[Any]:
+    """Every prompt as a ``str``, a ``list[int]`` or (chat) a list of messages; ``GenerationError`` naming one."""
+    prompts = _array_ids(prompts)
+    if isinstance(prompts, (str, Mapping)):
+        prompts = [prompts]
+    if hasattr(prompts, "tolist") and getattr(prompts, "ndim", None) == 2:  # a batch of equal-length id rows
+        prompts = [_array_ids(row) for row in prompts]
+    if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)):
+        raise GenerationError(f"generate: prompts: expected a string or a list of prompts (strings, lists of token "
+                              f"ids, or {{'prompt': ...}} / {{'prompt_token_ids': [...]}} dicts), got "
+                              f"{type(prompts).__name__}")
+    if not prompts:
+        raise GenerationError("generate: prompts: expected at least one prompt, got an empty list")
+    if any(is_token_id(p) for p in prompts):
+        raise GenerationError("generate: prompts: expected a list of prompts; wrap one prompt of token ids "
+                              "in a list: [[1, 2, 3]]")
+    out = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, Mapping):
+            prompt = _from_dict(i, prompt)
+        prompt = _array_ids(prompt)
+        if isinstance(prompt, str) or is_conversation(prompt):
+            out.append(prompt)
+            continue
+        if not isinstance(prompt, Sequence) or isinstance(prompt, (bytes, bytearray)) \
+                or not all(is_token_id(t) for t in prompt):
+            raise GenerationError(f"generate: prompt {i}: expected a string or a list of token ids (ints), "
+                                  f"got {prompt!r}"[:200])
+        out.append([int(t) for t in prompt])
+    return out
+
+
+def _from_dict(i: int, prompt: Mapping[str, Any]) -> Any:
+    """vLLM's TextPrompt / TokensPrompt → its text or token ids."""
+    unknown = sorted(str(k) for k in prompt if k not in PROMPT_KEYS)
+    if unknown or len(prompt) != 1:
+        what = f"key {unknown[0]!r} is not supported" if unknown else f"has keys {sorted(prompt)}"
+        raise GenerationError(f"generate: prompt {i}: a prompt dict {what}; give exactly one of "
+                              "{'prompt': TEXT} or {'prompt_token_ids': [IDS]}")
+    if "prompt" in prompt:
+        text = prompt["prompt"]
+        if not isinstance(text, str):
+            raise GenerationError(f"generate: prompt {i}: 'prompt' must be a string, got {type(text).__name__}")
+        return text
+    ids = _array_ids(prompt["prompt_token_ids"])
+    if isinstance(ids, (str, bytes, Mapping)) or not isinstance(ids, Sequence) \
+            or not all(is_token_id(t) for t in ids):
+        raise GenerationError(f"generate: prompt {i}: 'prompt_token_ids' must be a list of token ids (ints), "
+                              f"got {ids!r}"[:200])
+    return list(ids)
+
+
+def check_text(where: str, text: str) -> None:
+    """``GenerationError`` when ``text`` is not valid Unicode (a lone surrogate: no tokenizer can encode it).
+
+    ``where`` names it (``prompt 0``, ``messages[1].content``). Bytes that were not UTF-8 on a command
+    line arrive as lone surrogates too (Python's surrogateescape), so they are refused the same way.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise GenerationError(f"generate: {where}: not valid Unicode text (a lone surrogate at character "
+                              f"{exc.start}; text must be UTF-8)") from None
+
+
+def check_messages(where: str, messages: Any) -> list[dict[str, str]]:
+    """A conversation checked: a non-empty list of ``{"role", "content"}`` with string content, valid Unicode."""
+    if not is_conversation(messages):
+        raise GenerationError(f"generate: {where}: expected a conversation (a non-empty list of "
+                              f"{{'role': ..., 'content': ...}} messages), got {messages!r}"[:200])
+    out = []
+    for j, m in enumerate(messages):
+        role, content = m.get("role"), m.get("content")
+        if role not in ROLES:
+            raise GenerationError(f"generate: {where}: message {j}: role: expected one of {', '.join(ROLES)}, "
+                                  f"got {role!r}"[:200])
+        if not isinstance(content, str):
+            raise GenerationError(f"generate: {where}: message {j}: content: expected a string, got "
+                                  f"{type(content).__name__}")
+        check_text(f"{where}: message {j}", content)
+        out.append({**m})
+    return out
+
+
+__all__ = ["PROMPT_KEYS", "ROLES", "check_messages", "check_text", "is_conversation", "is_token_id", "normalize"]
