@@ -187,8 +187,8 @@ class KvLayout:
         """Blocks per group that hold ``tokens`` tokens: ``ceil(tokens / tokens_per_block)`` in every group.
 
         TensorRT-LLM's rule (``max_tokens`` caps the tokens *per window size*): a window group gets as
-        many token slots as a growing one, so ``max_tokens`` buys V2 the bytes it buys V1 — a window only
-        makes each sequence take fewer of them, so more sequences run, never fewer. (Pricing a window group
+        many token slots as a growing one, so on one group or a shared arena ``max_tokens`` buys V2 the bytes
+        it buys V1 — a window only makes each sequence take fewer of them, so more sequences run, never fewer. (Pricing a window group
         as one window per ``max_seq_len`` sequence gave a sliding-window model 9 blocks where V1 got 128.)
         A shared arena gets the sum of those blocks, and every group counts all of them.
 
@@ -196,7 +196,9 @@ class KvLayout:
         other pages, so there a window group gets the windows of the ``ceil(tokens / seq_len)`` sequences of
         ``seq_len`` those tokens make (each at most ``min(tokens, seq_len)`` long), as :meth:`split_budget`
         prices a byte budget: ``max_tokens`` window slots would sit idle while long sequences fill the
-        growing pools (7.5x the bytes for tiny-deepseek-v4 at 65,536 tokens, for the same one sequence).
+        growing pools (7.5x the bytes for tiny-deepseek-v4 at 65,536 tokens, for the same one sequence). Such a
+        split layout can then get fewer bytes than V1 would at one ``max_tokens`` (no supported model that V1
+        can serve is split: their layers share an arena).
         """
         own = self._own_blocks_for_tokens(tokens, seq_len)
         if self.shared:

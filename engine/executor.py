@@ -47,7 +47,7 @@ from engine.outputs import (
     StreamEvent,
     TokenDelta,
 )
-from engine.prompts import check_messages, check_text, is_conversation, normalize
+from engine.prompts import apply_template, check_messages, check_text, is_conversation, normalize
 from engine.sampling import eos_token_ids, sample_rows, top_logprobs
 from engine.sampling_params import SamplingParams, check, is_int
 from engine.stopping import SampleText
@@ -592,7 +592,7 @@ class GenerationExecutor:
         if tok is None or not getattr(tok, "chat_template", None):
             raise GenerationError(f"generate: prompt {i}: a conversation needs a tokenizer with a chat template; "
                                   f"{self.name} has none")
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = apply_template(tok, f"prompt {i}", messages, tokenize=False)
         # what apply_chat_template(tokenize=True) does: the template already holds the special tokens
         return text, [int(t) for t in tok(text, add_special_tokens=False)["input_ids"]]
 

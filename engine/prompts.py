@@ -13,7 +13,7 @@ import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pipeline.errors import GenerationError
+from pipeline.errors import GenerationError, first_line
 
 #: Keys of vLLM's prompt dicts kvload acts on; any other key (multi_modal_data, ...) is refused.
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
@@ -108,7 +108,9 @@ def check_text(where: str, text: str) -> None:
 
 
 def check_messages(where: str, messages: Any) -> list[dict[str, str]]:
-    """A conversation checked: a non-empty list of ``{"role", "content"}`` with string content, valid Unicode."""
+    """A conversation checked as the server's ``/v1/chat/completions`` takes it: a non-empty list of
+    ``{"role", "content"}``; content a string, a list of ``{"type": "text", "text": ...}`` parts (joined) or, for an
+    assistant turn, None (empty); ``developer`` read as ``system``; valid Unicode."""
     if not is_conversation(messages):
         raise GenerationError(f"generate: {where}: expected a conversation (a non-empty list of "
                               f"{{'role': ..., 'content': ...}} messages), got {messages!r}"[:200])
@@ -118,12 +120,28 @@ def check_messages(where: str, messages: Any) -> list[dict[str, str]]:
         if role not in ROLES:
             raise GenerationError(f"generate: {where}: message {j}: role: expected one of {', '.join(ROLES)}, "
                                   f"got {role!r}"[:200])
+        if isinstance(content, list) and all(isinstance(p, Mapping) and p.get("type") == "text"
+                                             and isinstance(p.get("text"), str) for p in content):
+            content = "".join(p["text"] for p in content)
+        elif content is None and role == "assistant":  # OpenAI's assistant turn that only called tools
+            content = ""
         if not isinstance(content, str):
-            raise GenerationError(f"generate: {where}: message {j}: content: expected a string, got "
-                                  f"{type(content).__name__}")
+            raise GenerationError(f"generate: {where}: message {j}: content: expected a string or a list of "
+                                  f'{{"type": "text", "text": ...}} parts, got {type(content).__name__}')
         check_text(f"{where}: message {j}", content)
-        out.append({**m})
+        out.append({**m, "role": "system" if role == "developer" else role, "content": content})
     return out
 
 
-__all__ = ["PROMPT_KEYS", "ROLES", "check_messages", "check_text", "is_conversation", "is_token_id", "normalize"]
+def apply_template(tokenizer: Any, where: str, messages: list[dict[str, str]], **kwargs: Any) -> Any:
+    """``tokenizer.apply_chat_template``; a template that refuses the conversation (Mistral's and Llama 2's raise
+    when roles do not alternate) is a ``GenerationError`` naming it, not a jinja2 traceback."""
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+    except Exception as exc:  # jinja2.TemplateError from raise_exception(), or a template's own TypeError
+        raise GenerationError(f"generate: {where}: the model's chat template refused the conversation: "
+                              f"{first_line(exc, type(exc).__name__)}"[:300]) from None
+
+
+__all__ = ["PROMPT_KEYS", "ROLES", "apply_template", "check_messages", "check_text", "is_conversation", "is_token_id",
+           "normalize"]

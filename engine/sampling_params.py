@@ -9,6 +9,7 @@ as a property, so both spellings keep working.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,6 +25,13 @@ DEFAULT_MAX_TOKENS = 64
 
 def is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _plain_int(v: Any) -> Any:
+    """A numpy integer as a Python int; anything else unchanged (the checks then judge it)."""
+    if isinstance(v, numbers.Integral) and not isinstance(v, (int, bool)) and type(v).__name__ != "bool_":
+        return int(v)
+    return v
 
 
 def is_number(v: Any) -> bool:
@@ -92,6 +100,8 @@ class SamplingParams:
             max_tokens, length_name = max_new_tokens, "max_new_tokens"
         if max_tokens is None:
             max_tokens = DEFAULT_MAX_TOKENS
+        # numpy integers (an n or a seed taken from an array) count as integers, stored as Python ints
+        max_tokens, top_k, seed, n, logprobs = map(_plain_int, (max_tokens, top_k, seed, n, logprobs))
         check(is_int(max_tokens) and max_tokens >= 1, length_name, "an integer >= 1", max_tokens)
         self.__attrs_init__(max_tokens, temperature, top_p, top_k, seed, _strings(stop), _ints(stop_token_ids), n,
                             logprobs, ignore_eos)

@@ -28,7 +28,7 @@ from cache_backends.interface import SchedulerOutput
 from cache_backends.request import Request
 from engine.driver import Driver, StalledError, StepStats
 from engine.executor import GenerationExecutor
-from engine.prompts import check_text
+from engine.prompts import apply_template, check_text
 from engine.sampling import sample_rows, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.stopping import SampleText
@@ -185,7 +185,7 @@ class ServingEngine:
         if tok is None or not getattr(tok, "chat_template", None):
             raise GenerationError(f"messages: the model {self.executor.name} has no tokenizer with a chat template; "
                                   "use /v1/completions with token ids")
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True)
+        ids = apply_template(tok, "messages", messages)
         ids = ids["input_ids"] if hasattr(ids, "keys") else ids
         ids = [int(t) for t in ids]
         if len(ids) >= self.executor.max_seq_len:

@@ -287,6 +287,58 @@ def test_chat_applies_the_chat_template_to_one_conversation_or_several(llm):
         tok.chat_template = None
 
 
+def test_chat_takes_the_message_forms_the_server_takes_and_a_refusing_template_is_one_error(llm):
+    tok = llm.tokenizer
+    # Mistral's and Llama 2's templates raise when roles do not alternate
+    tok.chat_template = ("{% for m in messages %}{% if loop.index0 > 0 and m['role'] == messages[loop.index0 - 1]"
+                         "['role'] %}{{ raise_exception('Conversation roles must alternate user/assistant') }}"
+                         "{% endif %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w1{% endif %}")
+    try:
+        params = SamplingParams(max_tokens=2, ignore_eos=True)
+        parts = [{"role": "developer", "content": "w5"},  # read as system, as the server does
+                 {"role": "user", "content": [{"type": "text", "text": "w17 "}, {"type": "text", "text": "w3"}]},
+                 {"role": "assistant", "content": None},  # a turn that only called tools
+                 {"role": "user", "content": "w9"}]
+        (out,) = llm.chat(parts, params)
+        assert out.prompt == "w5 w17 w3  w9 w1"
+        with pytest.raises(GenerationError, match="chat template refused the conversation: Conversation roles must"):
+            llm.chat([{"role": "user", "content": "w2"}, {"role": "user", "content": "w3"}], params)
+        (again,) = llm.chat([{"role": "user", "content": "w2"}], params)  # the LLM is still usable
+        assert again.prompt_token_ids == [2, 1]
+    finally:
+        tok.chat_template = None
+
+
+def test_the_server_answers_a_refusing_chat_template_with_400_and_keeps_the_connection(llm):
+    httpx = pytest.importorskip("httpx")
+    from kvload.serve.server import ServerThread, build_state
+
+    tok = llm.tokenizer
+    tok.chat_template = ("{% for m in messages %}{% if loop.index0 > 0 and m['role'] == messages[loop.index0 - 1]"
+                         "['role'] %}{{ raise_exception('Conversation roles must alternate') }}{% endif %}"
+                         "{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w1{% endif %}")
+    try:
+        with ServerThread(build_state(llm.result)) as server, httpx.Client(base_url=server.url, timeout=60) as http:
+            twice = [{"role": "user", "content": "w2"}, {"role": "user", "content": "w3"}]
+            for stream in (False, True):
+                r = http.post("/v1/chat/completions", json={"messages": twice, "max_tokens": 2, "stream": stream})
+                assert r.status_code == 400, r.text
+                err = r.json()["error"]
+                assert err["param"] == "messages" and "Conversation roles must alternate" in err["message"]
+            # the same keep-alive connection serves the next request
+            ok = http.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2, "ignore_eos": True})
+            assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 2
+    finally:
+        tok.chat_template = None
+
+
+def test_numpy_integers_are_integers_for_sampling_settings(llm):
+    np = pytest.importorskip("numpy")
+    params = SamplingParams(max_tokens=np.int32(2), n=np.int64(2), temperature=1.0, seed=np.int64(3))
+    assert type(params.n) is int and params.n == 2 and type(params.seed) is int
+    assert len(llm.generate([PROMPT], params)[0].outputs) == 2
+
+
 def test_one_sampling_params_per_prompt(llm):
     outs = llm.generate([PROMPT, PROMPT], [SamplingParams(max_tokens=2, ignore_eos=True),
                                            SamplingParams(max_tokens=4, ignore_eos=True, n=2)])

@@ -209,9 +209,11 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
     for i, m in enumerate(messages):
         _need(isinstance(m, dict) and isinstance(m.get("role"), str), f"messages[{i}]",
               "an object with a string role", m)
-        _need(m["role"] in ("system", "user", "assistant", "developer"), f"messages[{i}].role",
-              "system, user, assistant or developer", m["role"])
+        _need(m["role"] in ("system", "user", "assistant", "developer", "tool"), f"messages[{i}].role",
+              "system, user, assistant, developer or tool", m["role"])
         content = m.get("content")
+        if content is None and m["role"] == "assistant":  # OpenAI's assistant turn that only called tools
+            content = ""
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]: text parts only
             parts = []
             for j, part in enumerate(content):
