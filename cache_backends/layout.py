@@ -188,8 +188,9 @@ class KvLayout:
 
         TensorRT-LLM's rule (``max_tokens`` caps the tokens *per window size*): a window group gets as
         many token slots as a growing one, so on one group or a shared arena ``max_tokens`` buys V2 the bytes
-        it buys V1 — a window only makes each sequence take fewer of them, so more sequences run, never fewer. (Pricing a window group
-        as one window per ``max_seq_len`` sequence gave a sliding-window model 9 blocks where V1 got 128.)
+        it buys V1 — a window only makes each sequence take fewer of them, so more sequences run, never fewer.
+        (Pricing a window group as one window per ``max_seq_len`` sequence gave a sliding-window model 9 blocks
+        where V1 got 128.)
         A shared arena gets the sum of those blocks, and every group counts all of them.
 
         Pools split between groups (:attr:`shared` false with several groups: DeepSeek V4) cannot lend each
