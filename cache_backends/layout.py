@@ -18,7 +18,7 @@ and ``bytes_per_block == len(layers) * entry_elems * dtype_bytes * entries_per_b
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Literal
 
 import attrs
@@ -248,13 +248,7 @@ class KvLayout:
         full = max(budget_bytes, 0) // per_seq
         rest = max(budget_bytes, 0) - full * per_seq
         # bytes_for_sequence is non-decreasing in the length: bisect the longest partial sequence.
-        lo, hi = 0, length - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self.bytes_for_sequence(mid) <= rest:
-                lo = mid
-            else:
-                hi = mid - 1
+        lo = _longest(lambda n: self.bytes_for_sequence(n) <= rest, length - 1)
         # What is left is less than one more token costs: extra blocks in some groups only would
         # overstate the capacity (a window group could not follow), so it stays unspent.
         return {g.name: max(1, full * need[g.name] + g.blocks_for(lo)) for g in self.groups}
@@ -307,26 +301,28 @@ class KvLayout:
         fits = self.max_sequences(blocks, length)
         need = self.blocks_for_sequence(length)
         left = {g.name: blocks[g.name] - fits * need[g.name] for g in self.groups}
-        lo, hi = 0, length - 1
-        while lo < hi:  # the longest shorter sequence the blocks left over hold
-            mid = (lo + hi + 1) // 2
-            if all(g.blocks_for(mid) <= left[g.name] for g in self.groups):
-                lo = mid
-            else:
-                hi = mid - 1
-        return fits * length + lo
+        # the longest shorter sequence the blocks left over hold
+        return fits * length + _longest(lambda n: all(g.blocks_for(n) <= left[g.name] for g in self.groups),
+                                        length - 1)
 
     def _arena_capacity_tokens(self, pages: int) -> int:
         if not any(g.keeps_all_tokens for g in self.groups):  # windows only: tokens all groups hold at once
             return pages // len(self.groups) * min(g.tokens_per_block for g in self.groups)
-        lo, hi = 0, pages * max(g.tokens_per_block for g in self.groups)
-        while lo < hi:  # the blocks of one sequence grow with its length: bisect the longest that fits
-            mid = (lo + hi + 1) // 2
-            if sum(g.blocks_for(mid) for g in self.groups) <= pages:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return _longest(lambda n: sum(g.blocks_for(n) for g in self.groups) <= pages,
+                        pages * max(g.tokens_per_block for g in self.groups))
+
+
+def _longest(fits: Callable[[int], bool], most: int) -> int:
+    """The largest length in ``[0, most]`` that ``fits`` (bisection: what a sequence needs never shrinks as it
+    grows, so ``fits`` holds up to some length and not past it); 0 when none longer does."""
+    lo, hi = 0, most
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def share_pages(groups: list[LayerGroup], dtype_bytes: int) -> tuple[list[LayerGroup], str | None]:
