@@ -7,6 +7,7 @@ out-of-memory kill, a hang in walking a YAML alias bomb, or a traceback from an 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -69,6 +70,30 @@ def nesting_depth(value: Any, limit: int = MAX_DEPTH) -> int:
             if seen > MAX_YAML_NODES * 100:  # a shared-reference bomb: stop walking, it is too big anyway
                 return limit + 1
     return deepest
+
+
+#: A JSON string literal (escapes included): brackets inside one do not nest anything.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+#: Every byte but JSON's brackets, for ``bytes.translate`` to delete.
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def json_depth(raw: bytes, limit: int = MAX_DEPTH) -> int:
+    """:func:`nesting_depth` of the value JSON text holds (the top level is 0), read from its brackets outside
+    strings before any parsing, counting no further than ``limit + 1``. The bulk runs in C: walking a parsed
+    request visits every token id of its prompts (0.4 s for a million), this reads ~2 brackets a prompt.
+    """
+    depth, deepest = 0, 1
+    for b in _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS):
+        if b in b"[{":
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > limit + 1:
+                    break
+        else:
+            depth -= 1
+    return deepest - 1
 
 
 def node_count(value: Any, limit: int) -> int:

@@ -28,7 +28,7 @@ from engine.stopping import SampleText
 from kvload.serve.metrics import ServeMetrics
 from kvload.serve.protocol import BadRequest, Job, parse
 from pipeline.errors import ConfigError, GenerationError, KvBuildError
-from pipeline.limits import MAX_DEPTH, nesting_depth
+from pipeline.limits import MAX_DEPTH, json_depth
 
 
 @attrs.define
@@ -121,16 +121,14 @@ def create_app(state: ServeState) -> FastAPI:
 
 
 async def _serve(state: ServeState, request: Request, kind: str) -> Response:
+    raw = await request.body()
+    if json_depth(raw) > MAX_DEPTH:  # before parsing: json's decoder recurses once per level
+        raise BadRequest(f"the request body nests too deeply: at most {MAX_DEPTH} levels of arrays and objects "
+                         "are accepted (an OpenAI request needs about 5)")
     try:
-        body = await request.json()
-        too_deep = nesting_depth(body) > MAX_DEPTH
+        body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from None
-    except RecursionError:  # json's decoder recurses once per level: [[[[...]]]] 100,000 deep ends here
-        too_deep = True
-    if too_deep:
-        raise BadRequest(f"the request body nests too deeply: at most {MAX_DEPTH} levels of arrays and objects "
-                         "are accepted (an OpenAI request needs about 5)") from None
     job = parse(body, kind, default_max_tokens=state.default_max_tokens)
     model = body.get("model")
     if model is not None and model != state.model_name:
