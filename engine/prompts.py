@@ -100,11 +100,19 @@ def check_text(where: str, text: str) -> None:
     ``where`` names it (``prompt 0``, ``messages[1].content``). Bytes that were not UTF-8 on a command
     line arrive as lone surrogates too (Python's surrogateescape), so they are refused the same way.
     """
+    at = lone_surrogate(text)
+    if at is not None:
+        raise GenerationError(f"generate: {where}: not valid Unicode text (a lone surrogate at character "
+                              f"{at}; text must be UTF-8)")
+
+
+def lone_surrogate(text: str) -> int | None:
+    """Where ``text`` stops encoding as UTF-8 (JSON's ``\\ud800`` escapes decode to lone surrogates), or None."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise GenerationError(f"generate: {where}: not valid Unicode text (a lone surrogate at character "
-                              f"{exc.start}; text must be UTF-8)") from None
+        return exc.start
+    return None
 
 
 def check_messages(where: str, messages: Any) -> list[dict[str, str]]:
@@ -144,4 +152,4 @@ def apply_template(tokenizer: Any, where: str, messages: list[dict[str, str]], *
 
 
 __all__ = ["PROMPT_KEYS", "ROLES", "apply_template", "check_messages", "check_text", "is_conversation", "is_token_id",
-           "normalize"]
+           "lone_surrogate", "normalize"]

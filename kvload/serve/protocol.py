@@ -12,6 +12,7 @@ from typing import Any
 
 import attrs
 
+from engine.prompts import ROLES, lone_surrogate
 from engine.sampling_params import SamplingParams
 from pipeline.errors import GenerationError
 from pipeline.limits import MAX_N
@@ -68,15 +69,6 @@ def _is_int(v: Any) -> bool:
 
 def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _unicode(text: str) -> bool:
-    """Whether ``text`` encodes as UTF-8 (JSON's ``\\ud800`` escapes decode to lone surrogates, which do not)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _need(ok: bool, field: str, expected: str, value: Any) -> None:
@@ -163,7 +155,8 @@ def parse(body: Any, kind: str, *, default_max_tokens: int) -> Job:
     ignore_eos = body.get("ignore_eos", False)
     _need(isinstance(ignore_eos, bool), "ignore_eos", "true or false", ignore_eos)
     salt = body.get("salt")
-    _need(salt is None or (isinstance(salt, str) and _unicode(salt)), "salt", "a string of valid Unicode text", salt)
+    _need(salt is None or (isinstance(salt, str) and lone_surrogate(salt) is None), "salt",
+          "a string of valid Unicode text", salt)
     logprobs = _logprobs(body, kind)
     echo = body.get("echo", False)
     _need(isinstance(echo, bool), "echo", "true or false", echo)
@@ -209,8 +202,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
     for i, m in enumerate(messages):
         _need(isinstance(m, dict) and isinstance(m.get("role"), str), f"messages[{i}]",
               "an object with a string role", m)
-        _need(m["role"] in ("system", "user", "assistant", "developer", "tool"), f"messages[{i}].role",
-              "system, user, assistant, developer or tool", m["role"])
+        _need(m["role"] in ROLES, f"messages[{i}].role", f"{', '.join(ROLES[:-1])} or {ROLES[-1]}", m["role"])
         content = m.get("content")
         if content is None and m["role"] == "assistant":  # OpenAI's assistant turn that only called tools
             content = ""
