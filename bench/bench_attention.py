@@ -142,7 +142,9 @@ def bench_point(batch: int, length: int, args: argparse.Namespace, device: torch
                   "plan_lists": median_us(plan_lists, args.reps, device), "plan": median_us(plan, args.reps, device)}
         if flex is not None:
             plan_flex()
-            torch.testing.assert_close(compiled().float(), paged().float(), rtol=1e-4, atol=1e-4)
+            # float32 agrees to 1e-4; half types only to their rounding (bf16 keeps 8 bits of mantissa)
+            tol = 1e-4 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(compiled().float(), paged().float(), rtol=tol, atol=tol)
             result["flex"] = median_us(compiled, args.reps, device)
             result["plan_flex"] = median_us(plan_flex, args.reps, device)
     pools.release()

@@ -16,8 +16,9 @@ Layout of one call (one layer, one step of ``N`` packed tokens):
   ``g`` heads share every key load. ``NB`` is ``N`` rounded up to a bucket (:data:`BUCKET_BASE`
   powers); padding rows list no blocks and cost nothing. On CUDA a token's rows are padded to a
   multiple of 16 (triton's smallest tile; the kernel needs the Q block to divide into ``BLOCK_M``),
-  with ``BLOCK_M=16`` and ``BLOCK_N`` dividing the block size — not yet run on a GPU: a shape that
-  fails to compile falls back to gather + SDPA (:class:`FlexUnavailable`).
+  with ``BLOCK_M=16`` and ``BLOCK_N`` dividing the block size, so the block size must be a multiple
+  of 16 there (:data:`CUDA_MIN_BLOCK`; checked before compiling). A shape that still fails to compile
+  falls back to gather + SDPA (:class:`FlexUnavailable`).
 * **block mask** — per token: the blocks from the window's first (``max(0, pos - W + 1)``, or 0) to
   the token's own. The first and last are *partial* (the mask function decides per key: causal,
   window); the ones between are *full* (no mask work). A window's released blocks (``-1``) lie
@@ -90,14 +91,24 @@ FLEX_DTYPES = ("float32", "float16", "bfloat16")
 MAX_INDEX_BYTES = 1 << 30
 
 
-def flex_unsupported(layout: Any) -> str | None:
-    """Why a KV layout cannot run on the compiled path, or None when it can."""
+#: On CUDA the kernel reads a block in tiles of at least this many tokens (triton's smallest ``tl.dot``);
+#: on an H200 blocks of 4 and 8 tokens failed to compile and 16 and 32 ran.
+CUDA_MIN_BLOCK = 16
+
+
+def flex_unsupported(layout: Any, device: str | torch.device = "cpu") -> str | None:
+    """Why a KV layout cannot run on the compiled path on ``device``, or None when it can."""
     kinds = {layer.kind for layer in layout.layers}
     if "mla" in kinds:
         return ("multi-head latent attention (MLA) expands the cached latents per step before attending, so "
                 "there is no per-head K/V in the pools for the compiled kernel to read")
     if layout.dtype not in FLEX_DTYPES:
         return f"the KV cache dtype {layout.dtype} is not one the compiled kernel reads ({', '.join(FLEX_DTYPES)})"
+    if torch.device(device).type == "cuda":
+        sizes = sorted({g.tokens_per_block for g in layout.groups if g.tokens_per_block % CUDA_MIN_BLOCK})
+        if sizes:
+            return (f"on CUDA the compiled kernel reads a block in tiles of {CUDA_MIN_BLOCK} tokens, and "
+                    f"tokens_per_block={sizes[0]} is not a multiple of {CUDA_MIN_BLOCK}")
     return None
 
 

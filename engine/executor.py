@@ -152,7 +152,7 @@ class GenerationExecutor:
         self.flex = None
         if backend == "sdpa":
             return
-        why = flex_unsupported(self.manager.layout)
+        why = flex_unsupported(self.manager.layout, self.pools.device)
         if why is not None:  # say so: an accepted setting never silently does nothing
             self._event(SettingIgnored(field="attention_backend", value="flex",
                                        reason=f"{why}; generate attends through gather + SDPA"))

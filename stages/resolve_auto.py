@@ -45,13 +45,12 @@ def cuda_available() -> bool:
 
 
 def resolve_attention_backend(device: str) -> tuple[str, str, str]:
-    """``"auto"`` attention: flex on CUDA where torch.compile can build it, sdpa otherwise (no torch import)."""
-    import importlib.util
-
+    """``"auto"`` attention: gather + SDPA on every device, as measured (no torch import)."""
     if device.startswith("cuda"):
-        if importlib.util.find_spec("triton") is None:
-            return "sdpa", "auto", "torch.compile needs triton on CUDA and it is not installed"
-        return "flex", "auto", "CUDA with triton: the compiled FlexAttention reads the pools in place"
+        return "sdpa", "auto", ("on an H200 (BENCHMARKS.md, \"GPU check\") generate ran at 0.77-0.85x of "
+                                "model.generate on gather + SDPA and 0.65-0.71x on the compiled FlexAttention, "
+                                "whose kernel is no faster than the gather at batch 32 and 5x slower at batch 1; "
+                                "\"flex\" still selects it")
     return "sdpa", "auto", ("on CPU the compiled FlexAttention costs 10-50 s of compiling per new shape and "
                             "measured no faster end to end than gather + SDPA (BENCHMARKS.md); \"flex\" still "
                             "selects it")

@@ -17,6 +17,16 @@ def test_auto_resolves_with_a_reason_in_the_audit():
     assert event["new"] == "sdpa" and "on CPU the compiled FlexAttention costs 10-50 s" in event["reason"]
 
 
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_auto_on_cuda_takes_the_measured_faster_path_and_says_why(device):
+    # measured on an H200: generate 0.77-0.85x of model.generate on gather + SDPA, 0.65-0.71x on flex
+    from stages.resolve_auto import resolve_attention_backend
+
+    value, old, reason = resolve_attention_backend(device)
+    assert (value, old) == ("sdpa", "auto")
+    assert "H200" in reason and '"flex" still selects it' in reason
+
+
 def test_an_explicit_backend_is_kept():
     planned = pipeline.plan("tiny-llama", log=False, device="cpu", attention_backend="flex")
     assert planned.args.attention_backend == "flex"
