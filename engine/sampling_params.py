@@ -9,12 +9,12 @@ as a property, so both spellings keep working.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Sequence
 from typing import Any
 
 import attrs
 
+from engine.prompts import is_token_id
 from pipeline.errors import GenerationError
 from pipeline.limits import MAX_N
 
@@ -29,9 +29,7 @@ def is_int(v: Any) -> bool:
 
 def _plain_int(v: Any) -> Any:
     """A numpy integer as a Python int; anything else unchanged (the checks then judge it)."""
-    if isinstance(v, numbers.Integral) and not isinstance(v, (int, bool)) and type(v).__name__ != "bool_":
-        return int(v)
-    return v
+    return int(v) if is_token_id(v) and not isinstance(v, int) else v
 
 
 def is_number(v: Any) -> bool:
