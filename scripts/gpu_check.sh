@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU check for kvload: the CUDA-marked tests and the GPU benchmarks, in about 3–4 minutes on one H200 (every step's limit
-# added up: 13).
+# GPU check for kvload: the CUDA-marked tests and the GPU benchmarks, in about 3–4 minutes on one H200
+# (the steps' time limits add up to 12.5 minutes).
 #
 # Run from anywhere (it moves to the repository root):   scripts/gpu_check.sh
 # Output: a markdown summary (gpu_check.md, for BENCHMARKS.md; each step's outcome and the tail of its log)
