@@ -117,6 +117,7 @@ class KeyGather:
     max_k: int
     k_len: np.ndarray | None = None  # (B,) real keys per sequence (the rest of max_k is padding)
     lo: np.ndarray | None = None  # (B,) position of each sequence's first gathered key
+    flat: torch.Tensor | None = None  # slots as (B * max_k,): what index_select takes (flattened once per step)
 
 
 @attrs.frozen
@@ -437,10 +438,34 @@ class PagedBatch:
         # Padding reads the row's first key: pools come from torch.empty, and a masked key whose value
         # is NaN still poisons the output (0 * NaN). Each row's first key is always real.
         for name, one in zip(family, self._per_group(slots), strict=True):
-            self._gathers[(name, r.window)] = KeyGather(one, w.mask, max_k, k_len, lo)
+            self._gathers[(name, r.window)] = KeyGather(one, w.mask, max_k, k_len, lo, one.view(-1))
         return self._gathers[key]
 
     # --- what the attention function calls -----------------------------------------------
+
+    def _views(self, r: LayerRoute, kv_heads: int = 0, head_dim: int = 0) -> tuple[torch.Tensor, ...]:
+        """A layer's pool as ``(slots, entry_elems)``, and with ``kv_heads`` its K and V as ``(1, kv_heads, slots, d)``.
+
+        Views of the pool tensors, built once per pools and layer and kept on the pools (``BlockPools.views``,
+        dropped by ``release``): a step used to slice and view every layer's pool again for its write and
+        for its gather, 4-6 dispatched torch calls per layer per step for the same views.
+        """
+        key = (r.layer, kv_heads, head_dim)
+        views = self.pools.views.get(key)
+        if views is not None:
+            return views
+        entries = self.pools.layer_slots(r.group, r.layer_pos)
+        if entries.shape[1] != r.entry_elems:  # V1's uniform pool is as wide as the widest layer
+            entries = entries[:, : r.entry_elems]
+        views = (entries,)
+        if kv_heads:
+            if 2 * kv_heads * head_dim != r.entry_elems:
+                raise ValueError(f"layer {r.layer}: K/V of {kv_heads} heads x {head_dim} need entries of "
+                                 f"{2 * kv_heads * head_dim} elements; the KV layout gives {r.entry_elems}")
+            kv = entries.view(entries.shape[0], 2, kv_heads, head_dim)  # pools.py: K at index 0, V at 1
+            views = (entries, kv[:, 0].transpose(0, 1).unsqueeze(0), kv[:, 1].transpose(0, 1).unsqueeze(0))
+        self.pools.views[key] = views
+        return views
 
     def write(self, layer: int, entries: torch.Tensor) -> None:
         """Store the new tokens' entries ``(N, entry_elems)`` of a layer at their slots (cast to the pool dtype)."""
@@ -448,19 +473,42 @@ class PagedBatch:
         if entries.shape != (self.num_tokens, r.entry_elems):
             raise ValueError(f"layer {layer}: entries of shape {tuple(entries.shape)}, expected "
                              f"({self.num_tokens}, {r.entry_elems}) from the KV layout")
-        view = self.pools.layer_slots(r.group, r.layer_pos)
-        if view.shape[1] != r.entry_elems:  # V1's uniform pool is as wide as the widest layer
-            view = view[:, : r.entry_elems]
-        view.index_copy_(0, self.write_slots(r.group), entries.to(view.dtype))
+        view = self._views(r)[0]
+        view.index_copy_(0, self.write_slots(r.group), entries if entries.dtype == view.dtype else
+                         entries.to(view.dtype))
+
+    def write_kv(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store the new tokens' K and V as the model made them, ``(1, kv_heads, N, head_dim)`` each.
+
+        One ``index_copy_`` each, straight into the pool's K and V views: no stacking of K and V into
+        entries first (a copy, and three more dispatched calls per layer).
+        """
+        r = self.route(layer)
+        if key.shape[0] != 1 or key.shape[2] != self.num_tokens or value.shape != key.shape:
+            raise ValueError(f"layer {layer}: K/V of shapes {tuple(key.shape)} and {tuple(value.shape)}, expected "
+                             f"(1, kv_heads, {self.num_tokens}, head_dim) each")
+        _, k, v = self._views(r, key.shape[1], key.shape[3])
+        slots = self.write_slots(r.group)
+        k.index_copy_(2, slots, key if key.dtype == k.dtype else key.to(k.dtype))
+        v.index_copy_(2, slots, value if value.dtype == v.dtype else value.to(v.dtype))
 
     def gather(self, layer: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The entries of the keys a layer's queries may see: ``(B, max_k, entry_elems)``."""
         r = self.route(layer)
         plan = self._gather(layer)
-        view = self.pools.layer_slots(r.group, r.layer_pos)
-        out = view.index_select(0, plan.slots.reshape(-1))[:, : r.entry_elems]
-        out = out.view(self.num_seqs, plan.max_k, r.entry_elems)
-        return out if dtype is None else out.to(dtype)
+        out = self._views(r)[0].index_select(0, plan.flat).view(self.num_seqs, plan.max_k, r.entry_elems)
+        return out if dtype is None or out.dtype == dtype else out.to(dtype)
+
+    def gather_kv(self, layer: int, kv_heads: int, head_dim: int,
+                  dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the keys a layer's queries may see: ``(B, kv_heads, max_k, head_dim)`` each, from one gather."""
+        r = self.route(layer)
+        plan = self._gather(layer)
+        out = self._views(r)[0].index_select(0, plan.flat).view(self.num_seqs, plan.max_k, 2, kv_heads, head_dim)
+        if dtype is not None and out.dtype != dtype:
+            out = out.to(dtype)
+        k, v = out.unbind(2)
+        return k.transpose(1, 2), v.transpose(1, 2)
 
     def mask(self, layer: int) -> torch.Tensor | None:
         """``(B, 1, max_q, max_k)`` bool: which gathered key each padded query sees; None when it sees every key."""
@@ -517,17 +565,9 @@ class PagedBatch:
         return rows.index_select(0, self._q_row)
 
 
-def split_kv(entries: torch.Tensor, kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gathered ``(B, max_k, 2 * kv_heads * head_dim)`` entries → K and V of ``(B, kv_heads, max_k, head_dim)``."""
-    b, k, _ = entries.shape
-    kv = entries.view(b, k, 2, kv_heads, head_dim)
-    return kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
-
-
 def write_kv(batch: PagedBatch, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
     """Store new K and V ``(N, kv_heads, head_dim)`` as one ``(2, kv_heads, head_dim)`` entry per token."""
-    entries = torch.stack((key, value), dim=1).reshape(key.shape[0], -1)
-    batch.write(layer, entries)
+    batch.write_kv(layer, key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
@@ -609,5 +649,5 @@ def paged_attention(batch: PagedBatch, layer: int, query: torch.Tensor, key: tor
         out = attend_compiled(batch, layer, query, key.shape[1], key.shape[2], scale, softcap)
         if out is not None:
             return out
-    k, v = split_kv(batch.gather(layer, query.dtype), key.shape[1], key.shape[2])
+    k, v = batch.gather_kv(layer, key.shape[1], key.shape[2], query.dtype)
     return attend_packed(batch, layer, query, k, v, scale, softcap)
