@@ -175,13 +175,12 @@ class PagedBatch:
         self._seq_np, self._pos_np = seq, pos
         self._n, self._start, self._end = torch.from_numpy(n), torch.from_numpy(start), torch.from_numpy(start + n)
         self._seq, self._pos = torch.from_numpy(seq), torch.from_numpy(pos)
-        ids = [t for c in self.chunks for t in c.token_ids]
-        self.input_ids = torch.tensor([ids], dtype=torch.long).to(self.device)
-        self.position_ids = self._pos.unsqueeze(0).to(self.device)
-        #: index of each sequence's last new token in the packed row (where its next-token logits are)
-        self.last_token_index = torch.from_numpy(np.cumsum(n) - 1).to(self.device)
-        #: row of each packed token in the padded (B * max_q) query layout
-        self._q_row = torch.from_numpy(seq * self.max_q + offset).to(self.device)
+        self._offset_np = offset
+        ids = np.fromiter((t for c in self.chunks for t in c.token_ids), dtype=np.int64, count=self.num_tokens)
+        self.input_ids = self._to_device(ids[None])
+        self.position_ids = self._to_device(pos[None])
+        self._last_token_index: torch.Tensor | None = None
+        self._q_row_t: torch.Tensor | None = None
         #: the executor's stacked tables (every group in one array), or None
         self._step: StepTables | None = tables if isinstance(tables, StepTables) else None
         self._tables: dict[str, torch.Tensor] = {}
@@ -197,6 +196,42 @@ class PagedBatch:
         self.flex: Any = None
         self._write_slots: dict[str, torch.Tensor] = {}
         self._splits: dict[int, list[tuple[int, int, int, int, bool]] | None] = {}
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A plan array on the pools' device; to a GPU through pinned memory without blocking.
+
+        A plain ``.to("cuda")`` of CPU memory synchronizes the stream after the copy: each of a step's
+        plan uploads (inputs, positions, write slots, the gather slots planned at the first layer,
+        masks) stalled the host until the GPU had drained its queue, in the middle of a launch-bound
+        decode. From pinned memory the copy is queued like any kernel (the caching host allocator keeps
+        the pinned buffer until the copy has run).
+        """
+        t = torch.from_numpy(array)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
+    @property
+    def last_token_index(self) -> torch.Tensor:
+        """Index of each sequence's last new token in the packed row (where its next-token logits are)."""
+        if self._last_token_index is None:
+            self._last_token_index = self._to_device(np.cumsum(self._n_np) - 1)
+        return self._last_token_index
+
+    @property
+    def logits_to_keep(self) -> int | torch.Tensor:
+        """What a transformers forward's ``logits_to_keep`` gets: every token (0) when each one is its sequence's last.
+
+        A decode step's tokens are all last tokens: no index tensor to upload, no index op on the hidden states.
+        """
+        return 0 if self.max_q == 1 else self.last_token_index
+
+    @property
+    def _q_row(self) -> torch.Tensor:
+        """Row of each packed token in the padded ``(B * max_q)`` query layout (only a step with max_q > 1 pads)."""
+        if self._q_row_t is None:
+            self._q_row_t = self._to_device(self._seq_np * self.max_q + self._offset_np)
+        return self._q_row_t
 
     @classmethod
     def build(cls, chunks: Sequence[SeqChunk], pools: BlockPools, tables: Mapping[str, torch.Tensor] | None = None,
@@ -314,8 +349,8 @@ class PagedBatch:
     def _per_group(self, arrays: np.ndarray) -> tuple[torch.Tensor, ...]:
         """One ``(groups, ...)`` array as a device tensor per group (one copy to the device for all of them)."""
         if arrays.shape[0] == 1:
-            return (torch.from_numpy(arrays[0]).to(self.device),)
-        return torch.from_numpy(arrays).to(self.device).unbind(0)
+            return (self._to_device(arrays[0]),)
+        return self._to_device(arrays).unbind(0)
 
     def write_slots(self, group: str) -> torch.Tensor:
         """(N,) flat slots of the new tokens in a group, in packed order."""
@@ -371,7 +406,7 @@ class PagedBatch:
                 seen &= k_pos[:, None, :] > q_pos[:, :, None] - window
             # padded query rows see key 0 only, so their softmax stays finite; unpad drops them
             seen[:, :, 0] |= ~q_valid
-            mask = torch.from_numpy(seen[:, None]).to(self.device)
+            mask = self._to_device(seen[:, None])
         keys = self._windows[window] = _WindowKeys(lo, k_len, max_k, k_pos, k_valid, padded, mask)
         return keys
 

@@ -124,5 +124,5 @@ def run_forward(model: Any, batch: PagedBatch) -> torch.Tensor:
     cache = PagedLatentCache(batch) if uses_latent_cache(batch) else None
     with torch.inference_mode():
         out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, cache=cache, use_cache=False,
-                    logits_to_keep=batch.last_token_index, kvload_batch=batch)
+                    logits_to_keep=batch.logits_to_keep, kvload_batch=batch)
     return out.logits[0]
