@@ -196,6 +196,7 @@ class PagedBatch:
         self.flex: Any = None
         self._write_slots: dict[str, torch.Tensor] = {}
         self._splits: dict[int, list[tuple[int, int, int, int, bool]] | None] = {}
+        self._biases: dict[tuple[int | None, torch.dtype], torch.Tensor] = {}
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """A plan array on the pools' device; to a GPU through pinned memory without blocking.
@@ -549,6 +550,23 @@ class PagedBatch:
         """``(B, 1, max_q, max_k)`` bool: which gathered key each padded query sees; None when it sees every key."""
         return self._gather(layer).mask
 
+    def bias(self, layer: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """:meth:`mask` as SDPA's additive form in ``dtype`` (0 where a query sees a key, -inf elsewhere), or None.
+
+        SDPA turns a boolean mask into this form itself, on every call: 2 ``scalar_tensor`` + ``where``
+        + a cast per layer of a step whose sequences see unequal key counts. Built once per step and
+        window here instead.
+        """
+        mask = self._gather(layer).mask
+        if mask is None:
+            return None
+        key = (self.route(layer).window, dtype)
+        bias = self._biases.get(key)
+        if bias is None:
+            bias = self._biases[key] = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+                mask.logical_not(), float("-inf"))
+        return bias
+
     def pad_queries(self, q: torch.Tensor) -> torch.Tensor:
         """Packed ``(N, H, d)`` → padded ``(B, H, max_q, d)``."""
         if self.max_q == 1:  # pure decode: one query per sequence, no padding
@@ -607,7 +625,10 @@ def write_kv(batch: PagedBatch, layer: int, key: torch.Tensor, value: torch.Tens
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
            softcap: float | None = None) -> torch.Tensor:
-    """Masked attention of padded queries ``(B, H, max_q, d)`` over keys ``(B, Hkv, max_k, d)`` (GQA when H > Hkv)."""
+    """Masked attention of padded queries ``(B, H, max_q, d)`` over keys ``(B, Hkv, max_k, d)`` (GQA when H > Hkv).
+
+    ``mask``: boolean (True = the query sees the key) or additive (:meth:`PagedBatch.bias`), or None.
+    """
     heads, kv_heads = q.shape[1], k.shape[1]
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads cannot share {kv_heads} KV heads")
@@ -620,7 +641,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, v)
 
@@ -635,7 +656,7 @@ def attend_packed(batch: PagedBatch, layer: int, q: torch.Tensor, k: torch.Tenso
     and runs of decode rows attend together.
     """
     parts = batch.split_plan(layer)
-    mask = batch.mask(layer)
+    mask = batch.bias(layer, q.dtype)
     if parts is None:
         return batch.unpad(attend(batch.pad_queries(q), k, v, mask, scale, softcap))
     k_len = batch._gather(layer).k_len
