@@ -68,7 +68,8 @@ def paged_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor,
         if batch.max_q == 1:
             # decode: sequence b's one query is packed token b, so (1, H, B, d) -> (B, H, 1, d) is one transpose,
             # and the output (B, H, 1, d) -> (1, B, H, d) one permute (no pad/unpad, no squeeze/unsqueeze)
-            out = attend(query.transpose(0, 2), k, v, batch.bias(layer, query.dtype), scale, softcap)
+            q = query if batch.num_seqs == 1 else query.transpose(0, 2)  # one sequence: (1, H, 1, d) already
+            out = attend(q, k, v, batch.bias(layer, query.dtype), scale, softcap)
             return out.permute(2, 0, 1, 3), None
     return attend_packed(batch, layer, query[0].transpose(0, 1), k, v, scale, softcap).unsqueeze(0), None
 
