@@ -117,6 +117,7 @@ class KeyGather:
     max_k: int
     k_len: np.ndarray | None = None  # (B,) real keys per sequence (the rest of max_k is padding)
     lo: np.ndarray | None = None  # (B,) position of each sequence's first gathered key
+    flat: torch.Tensor | None = None  # slots as (B * max_k,): what index_select takes (flattened once per step)
 
 
 @attrs.frozen
@@ -174,13 +175,12 @@ class PagedBatch:
         self._seq_np, self._pos_np = seq, pos
         self._n, self._start, self._end = torch.from_numpy(n), torch.from_numpy(start), torch.from_numpy(start + n)
         self._seq, self._pos = torch.from_numpy(seq), torch.from_numpy(pos)
-        ids = [t for c in self.chunks for t in c.token_ids]
-        self.input_ids = torch.tensor([ids], dtype=torch.long).to(self.device)
-        self.position_ids = self._pos.unsqueeze(0).to(self.device)
-        #: index of each sequence's last new token in the packed row (where its next-token logits are)
-        self.last_token_index = torch.from_numpy(np.cumsum(n) - 1).to(self.device)
-        #: row of each packed token in the padded (B * max_q) query layout
-        self._q_row = torch.from_numpy(seq * self.max_q + offset).to(self.device)
+        self._offset_np = offset
+        ids = np.fromiter((t for c in self.chunks for t in c.token_ids), dtype=np.int64, count=self.num_tokens)
+        self.input_ids = self._to_device(ids[None])
+        self.position_ids = self._to_device(pos[None])
+        self._last_token_index: torch.Tensor | None = None
+        self._q_row_t: torch.Tensor | None = None
         #: the executor's stacked tables (every group in one array), or None
         self._step: StepTables | None = tables if isinstance(tables, StepTables) else None
         self._tables: dict[str, torch.Tensor] = {}
@@ -196,6 +196,43 @@ class PagedBatch:
         self.flex: Any = None
         self._write_slots: dict[str, torch.Tensor] = {}
         self._splits: dict[int, list[tuple[int, int, int, int, bool]] | None] = {}
+        self._biases: dict[tuple[int | None, torch.dtype], torch.Tensor] = {}
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A plan array on the pools' device; to a GPU through pinned memory without blocking.
+
+        A plain ``.to("cuda")`` of CPU memory synchronizes the stream after the copy: each of a step's
+        plan uploads (inputs, positions, write slots, the gather slots planned at the first layer,
+        masks) stalled the host until the GPU had drained its queue, in the middle of a launch-bound
+        decode. From pinned memory the copy is queued like any kernel (the caching host allocator keeps
+        the pinned buffer until the copy has run).
+        """
+        t = torch.from_numpy(array)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
+    @property
+    def last_token_index(self) -> torch.Tensor:
+        """Index of each sequence's last new token in the packed row (where its next-token logits are)."""
+        if self._last_token_index is None:
+            self._last_token_index = self._to_device(np.cumsum(self._n_np) - 1)
+        return self._last_token_index
+
+    @property
+    def logits_to_keep(self) -> int | torch.Tensor:
+        """What a transformers forward's ``logits_to_keep`` gets: every token (0) when each one is its sequence's last.
+
+        A decode step's tokens are all last tokens: no index tensor to upload, no index op on the hidden states.
+        """
+        return 0 if self.max_q == 1 else self.last_token_index
+
+    @property
+    def _q_row(self) -> torch.Tensor:
+        """Row of each packed token in the padded ``(B * max_q)`` query layout (only a step with max_q > 1 pads)."""
+        if self._q_row_t is None:
+            self._q_row_t = self._to_device(self._seq_np * self.max_q + self._offset_np)
+        return self._q_row_t
 
     @classmethod
     def build(cls, chunks: Sequence[SeqChunk], pools: BlockPools, tables: Mapping[str, torch.Tensor] | None = None,
@@ -313,8 +350,8 @@ class PagedBatch:
     def _per_group(self, arrays: np.ndarray) -> tuple[torch.Tensor, ...]:
         """One ``(groups, ...)`` array as a device tensor per group (one copy to the device for all of them)."""
         if arrays.shape[0] == 1:
-            return (torch.from_numpy(arrays[0]).to(self.device),)
-        return torch.from_numpy(arrays).to(self.device).unbind(0)
+            return (self._to_device(arrays[0]),)
+        return self._to_device(arrays).unbind(0)
 
     def write_slots(self, group: str) -> torch.Tensor:
         """(N,) flat slots of the new tokens in a group, in packed order."""
@@ -370,7 +407,7 @@ class PagedBatch:
                 seen &= k_pos[:, None, :] > q_pos[:, :, None] - window
             # padded query rows see key 0 only, so their softmax stays finite; unpad drops them
             seen[:, :, 0] |= ~q_valid
-            mask = torch.from_numpy(seen[:, None]).to(self.device)
+            mask = self._to_device(seen[:, None])
         keys = self._windows[window] = _WindowKeys(lo, k_len, max_k, k_pos, k_valid, padded, mask)
         return keys
 
@@ -437,10 +474,34 @@ class PagedBatch:
         # Padding reads the row's first key: pools come from torch.empty, and a masked key whose value
         # is NaN still poisons the output (0 * NaN). Each row's first key is always real.
         for name, one in zip(family, self._per_group(slots), strict=True):
-            self._gathers[(name, r.window)] = KeyGather(one, w.mask, max_k, k_len, lo)
+            self._gathers[(name, r.window)] = KeyGather(one, w.mask, max_k, k_len, lo, one.view(-1))
         return self._gathers[key]
 
     # --- what the attention function calls -----------------------------------------------
+
+    def _views(self, r: LayerRoute, kv_heads: int = 0, head_dim: int = 0) -> tuple[torch.Tensor, ...]:
+        """A layer's pool as ``(slots, entry_elems)``, and with ``kv_heads`` its K and V as ``(1, kv_heads, slots, d)``.
+
+        Views of the pool tensors, built once per pools and layer and kept on the pools (``BlockPools.views``,
+        dropped by ``release``): a step used to slice and view every layer's pool again for its write and
+        for its gather, 4-6 dispatched torch calls per layer per step for the same views.
+        """
+        key = (r.layer, kv_heads, head_dim)
+        views = self.pools.views.get(key)
+        if views is not None:
+            return views
+        entries = self.pools.layer_slots(r.group, r.layer_pos)
+        if entries.shape[1] != r.entry_elems:  # V1's uniform pool is as wide as the widest layer
+            entries = entries[:, : r.entry_elems]
+        views = (entries,)
+        if kv_heads:
+            if 2 * kv_heads * head_dim != r.entry_elems:
+                raise ValueError(f"layer {r.layer}: K/V of {kv_heads} heads x {head_dim} need entries of "
+                                 f"{2 * kv_heads * head_dim} elements; the KV layout gives {r.entry_elems}")
+            kv = entries.view(entries.shape[0], 2, kv_heads, head_dim)  # pools.py: K at index 0, V at 1
+            views = (entries, kv[:, 0].transpose(0, 1).unsqueeze(0), kv[:, 1].transpose(0, 1).unsqueeze(0))
+        self.pools.views[key] = views
+        return views
 
     def write(self, layer: int, entries: torch.Tensor) -> None:
         """Store the new tokens' entries ``(N, entry_elems)`` of a layer at their slots (cast to the pool dtype)."""
@@ -448,23 +509,63 @@ class PagedBatch:
         if entries.shape != (self.num_tokens, r.entry_elems):
             raise ValueError(f"layer {layer}: entries of shape {tuple(entries.shape)}, expected "
                              f"({self.num_tokens}, {r.entry_elems}) from the KV layout")
-        view = self.pools.layer_slots(r.group, r.layer_pos)
-        if view.shape[1] != r.entry_elems:  # V1's uniform pool is as wide as the widest layer
-            view = view[:, : r.entry_elems]
-        view.index_copy_(0, self.write_slots(r.group), entries.to(view.dtype))
+        view = self._views(r)[0]
+        view.index_copy_(0, self.write_slots(r.group), entries if entries.dtype == view.dtype else
+                         entries.to(view.dtype))
+
+    def write_kv(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store the new tokens' K and V as the model made them, ``(1, kv_heads, N, head_dim)`` each.
+
+        One ``index_copy_`` each, straight into the pool's K and V views: no stacking of K and V into
+        entries first (a copy, and three more dispatched calls per layer).
+        """
+        r = self.route(layer)
+        if key.shape[0] != 1 or key.shape[2] != self.num_tokens or value.shape != key.shape:
+            raise ValueError(f"layer {layer}: K/V of shapes {tuple(key.shape)} and {tuple(value.shape)}, expected "
+                             f"(1, kv_heads, {self.num_tokens}, head_dim) each")
+        _, k, v = self._views(r, key.shape[1], key.shape[3])
+        slots = self.write_slots(r.group)
+        k.index_copy_(2, slots, key if key.dtype == k.dtype else key.to(k.dtype))
+        v.index_copy_(2, slots, value if value.dtype == v.dtype else value.to(v.dtype))
 
     def gather(self, layer: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The entries of the keys a layer's queries may see: ``(B, max_k, entry_elems)``."""
         r = self.route(layer)
         plan = self._gather(layer)
-        view = self.pools.layer_slots(r.group, r.layer_pos)
-        out = view.index_select(0, plan.slots.reshape(-1))[:, : r.entry_elems]
-        out = out.view(self.num_seqs, plan.max_k, r.entry_elems)
-        return out if dtype is None else out.to(dtype)
+        out = self._views(r)[0].index_select(0, plan.flat).view(self.num_seqs, plan.max_k, r.entry_elems)
+        return out if dtype is None or out.dtype == dtype else out.to(dtype)
+
+    def gather_kv(self, layer: int, kv_heads: int, head_dim: int,
+                  dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the keys a layer's queries may see: ``(B, kv_heads, max_k, head_dim)`` each, from one gather."""
+        r = self.route(layer)
+        plan = self._gather(layer)
+        out = self._views(r)[0].index_select(0, plan.flat).view(self.num_seqs, plan.max_k, 2, kv_heads, head_dim)
+        if dtype is not None and out.dtype != dtype:
+            out = out.to(dtype)
+        k, v = out.unbind(2)
+        return k.transpose(1, 2), v.transpose(1, 2)
 
     def mask(self, layer: int) -> torch.Tensor | None:
         """``(B, 1, max_q, max_k)`` bool: which gathered key each padded query sees; None when it sees every key."""
         return self._gather(layer).mask
+
+    def bias(self, layer: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """:meth:`mask` as SDPA's additive form in ``dtype`` (0 where a query sees a key, -inf elsewhere), or None.
+
+        SDPA turns a boolean mask into this form itself, on every call: 2 ``scalar_tensor`` + ``where``
+        + a cast per layer of a step whose sequences see unequal key counts. Built once per step and
+        window here instead.
+        """
+        mask = self._gather(layer).mask
+        if mask is None:
+            return None
+        key = (self.route(layer).window, dtype)
+        bias = self._biases.get(key)
+        if bias is None:
+            bias = self._biases[key] = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+                mask.logical_not(), float("-inf"))
+        return bias
 
     def pad_queries(self, q: torch.Tensor) -> torch.Tensor:
         """Packed ``(N, H, d)`` → padded ``(B, H, max_q, d)``."""
@@ -517,22 +618,17 @@ class PagedBatch:
         return rows.index_select(0, self._q_row)
 
 
-def split_kv(entries: torch.Tensor, kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gathered ``(B, max_k, 2 * kv_heads * head_dim)`` entries → K and V of ``(B, kv_heads, max_k, head_dim)``."""
-    b, k, _ = entries.shape
-    kv = entries.view(b, k, 2, kv_heads, head_dim)
-    return kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
-
-
 def write_kv(batch: PagedBatch, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
     """Store new K and V ``(N, kv_heads, head_dim)`` as one ``(2, kv_heads, head_dim)`` entry per token."""
-    entries = torch.stack((key, value), dim=1).reshape(key.shape[0], -1)
-    batch.write(layer, entries)
+    batch.write_kv(layer, key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
            softcap: float | None = None) -> torch.Tensor:
-    """Masked attention of padded queries ``(B, H, max_q, d)`` over keys ``(B, Hkv, max_k, d)`` (GQA when H > Hkv)."""
+    """Masked attention of padded queries ``(B, H, max_q, d)`` over keys ``(B, Hkv, max_k, d)`` (GQA when H > Hkv).
+
+    ``mask``: boolean (True = the query sees the key) or additive (:meth:`PagedBatch.bias`), or None.
+    """
     heads, kv_heads = q.shape[1], k.shape[1]
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads cannot share {kv_heads} KV heads")
@@ -545,7 +641,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, v)
 
@@ -560,7 +656,7 @@ def attend_packed(batch: PagedBatch, layer: int, q: torch.Tensor, k: torch.Tenso
     and runs of decode rows attend together.
     """
     parts = batch.split_plan(layer)
-    mask = batch.mask(layer)
+    mask = batch.bias(layer, q.dtype)
     if parts is None:
         return batch.unpad(attend(batch.pad_queries(q), k, v, mask, scale, softcap))
     k_len = batch._gather(layer).k_len
@@ -609,5 +705,5 @@ def paged_attention(batch: PagedBatch, layer: int, query: torch.Tensor, key: tor
         out = attend_compiled(batch, layer, query, key.shape[1], key.shape[2], scale, softcap)
         if out is not None:
             return out
-    k, v = split_kv(batch.gather(layer, query.dtype), key.shape[1], key.shape[2])
+    k, v = batch.gather_kv(layer, key.shape[1], key.shape[2], query.dtype)
     return attend_packed(batch, layer, query, k, v, scale, softcap)

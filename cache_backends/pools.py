@@ -46,6 +46,9 @@ class BlockPools:
         self.dtype = TORCH_DTYPES[layout.dtype]
         self.groups: dict[str, LayerGroup] = {g.name: g for g in layout.groups}
         self.tensors: dict[str, torch.Tensor] = {}
+        #: views of these tensors that readers build once and keep (paged attention's per-layer K/V views);
+        #: :meth:`release` drops them with the tensors, so no kept view holds the memory
+        self.views: dict[Any, Any] = {}
         if layout.shared and len({self.num_blocks[g.name] for g in layout.groups}) > 1:
             raise ValueError("a shared arena has one block count for every group, got "
                              + ", ".join(f"{g.name} {self.num_blocks[g.name]}" for g in layout.groups))
@@ -89,6 +92,7 @@ class BlockPools:
     def release(self) -> None:
         """Drop the device tensors (idempotent); the caching allocator gets the memory back."""
         self.tensors.clear()
+        self.views.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from cache_backends.paged_attention import PagedBatch, attend_compiled, attend_packed, split_kv, write_kv
+from cache_backends.paged_attention import PagedBatch, attend, attend_compiled, attend_packed
 
 ATTN_IMPLEMENTATION = "kvload_paged"
 
@@ -56,17 +56,22 @@ def paged_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor,
         raise RuntimeError(f"layer {layer}: expected one packed row of {batch.num_tokens} queries, got "
                            f"{tuple(query.shape)}")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    q = query[0].transpose(0, 1)  # (N, H, d)
     if route.kind == "mla":  # the cache route stored the latent and expanded the gathered keys already
         k, v = key, value
     else:
-        write_kv(batch, layer, key[0].transpose(0, 1), value[0].transpose(0, 1))
+        batch.write_kv(layer, key, value)
         if batch.flex is not None:  # the compiled path reads the pools in place
-            out = attend_compiled(batch, layer, q, key.shape[1], key.shape[3], scale, softcap)
+            out = attend_compiled(batch, layer, query[0].transpose(0, 1), key.shape[1], key.shape[3], scale, softcap)
             if out is not None:
                 return out.unsqueeze(0), None
-        k, v = split_kv(batch.gather(layer, query.dtype), key.shape[1], key.shape[3])
-    return attend_packed(batch, layer, q, k, v, scale, softcap).unsqueeze(0), None
+        k, v = batch.gather_kv(layer, key.shape[1], key.shape[3], query.dtype)
+        if batch.max_q == 1:
+            # decode: sequence b's one query is packed token b, so (1, H, B, d) -> (B, H, 1, d) is one transpose,
+            # and the output (B, H, 1, d) -> (1, B, H, d) one permute (no pad/unpad, no squeeze/unsqueeze)
+            q = query if batch.num_seqs == 1 else query.transpose(0, 2)  # one sequence: (1, H, 1, d) already
+            out = attend(q, k, v, batch.bias(layer, query.dtype), scale, softcap)
+            return out.permute(2, 0, 1, 3), None
+    return attend_packed(batch, layer, query[0].transpose(0, 1), k, v, scale, softcap).unsqueeze(0), None
 
 
 class PagedLatentCache:
@@ -120,5 +125,5 @@ def run_forward(model: Any, batch: PagedBatch) -> torch.Tensor:
     cache = PagedLatentCache(batch) if uses_latent_cache(batch) else None
     with torch.inference_mode():
         out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, cache=cache, use_cache=False,
-                    logits_to_keep=batch.last_token_index, kvload_batch=batch)
+                    logits_to_keep=batch.logits_to_keep, kvload_batch=batch)
     return out.logits[0]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import random
+import weakref
 
 import pytest
 import torch
@@ -322,3 +324,17 @@ def test_a_step_that_pads_little_attends_in_one_padded_call():
     tables = [{g: [2 * b, 2 * b + 1] for g in pools.groups} for b in range(2)]
     batch = PagedBatch.build([SeqChunk([1] * 4, 0, tables[0]), SeqChunk([1] * 3, 1, tables[1])], pools)
     assert batch.split_plan(0) is None  # 2 x 4 x 4 padded scores against 16 + 12 needed
+
+
+def test_releasing_the_pools_frees_the_views_attention_kept():
+    # the attention keeps per-layer views of the pools across steps; release must not leave them holding the memory
+    pools = make_pools(None)
+    batch = PagedBatch.build([SeqChunk([1, 2, 3], 0, {g: [0] for g in pools.groups})], pools)
+    k = torch.randn(3, KV_HEADS, HEAD_DIM)
+    paged_attention(batch, 0, torch.randn(3, HEADS, HEAD_DIM), k, k, HEAD_DIM**-0.5)
+    assert pools.views, "the step kept no views: this test no longer exercises what release must drop"
+    tensors = [weakref.ref(t) for t in pools.tensors.values()]
+    del batch
+    pools.release()
+    gc.collect()
+    assert all(ref() is None for ref in tensors)
