@@ -47,6 +47,21 @@ from cache_backends.layout import SERVED_KINDS, LayerKV  # SERVED_KINDS: the kin
 from cache_backends.pools import BlockPools
 
 #: per pools: group -> the groups whose slots are computed with it, for writes and for gathers (see _families)
+#: Pool dtypes written through a ``uint8`` view of the same bytes: torch's CPU ``index_copy`` has no float8 kernel,
+#: and a byte copy of values already cast to the pool's dtype stores exactly the bits a float8 copy would.
+_BYTE_WRITTEN = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _store(dst: torch.Tensor, dim: int, slots: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.index_copy_(dim, slots, src)`` with ``src`` cast to ``dst``'s dtype (float8 through byte views)."""
+    if src.dtype != dst.dtype:
+        src = src.to(dst.dtype)
+    if dst.dtype in _BYTE_WRITTEN:
+        dst.view(torch.uint8).index_copy_(dim, slots, src.view(torch.uint8))
+    else:
+        dst.index_copy_(dim, slots, src)
+
+
 _FAMILIES: weakref.WeakKeyDictionary[BlockPools, tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]] = \
     weakref.WeakKeyDictionary()
 
@@ -509,9 +524,7 @@ class PagedBatch:
         if entries.shape != (self.num_tokens, r.entry_elems):
             raise ValueError(f"layer {layer}: entries of shape {tuple(entries.shape)}, expected "
                              f"({self.num_tokens}, {r.entry_elems}) from the KV layout")
-        view = self._views(r)[0]
-        view.index_copy_(0, self.write_slots(r.group), entries if entries.dtype == view.dtype else
-                         entries.to(view.dtype))
+        _store(self._views(r)[0], 0, self.write_slots(r.group), entries)
 
     def write_kv(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store the new tokens' K and V as the model made them, ``(1, kv_heads, N, head_dim)`` each.
@@ -525,8 +538,8 @@ class PagedBatch:
                              f"(1, kv_heads, {self.num_tokens}, head_dim) each")
         _, k, v = self._views(r, key.shape[1], key.shape[3])
         slots = self.write_slots(r.group)
-        k.index_copy_(2, slots, key if key.dtype == k.dtype else key.to(k.dtype))
-        v.index_copy_(2, slots, value if value.dtype == v.dtype else value.to(v.dtype))
+        _store(k, 2, slots, key)
+        _store(v, 2, slots, value)
 
     def gather(self, layer: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The entries of the keys a layer's queries may see: ``(B, max_k, entry_elems)``."""

@@ -16,7 +16,7 @@ from pathlib import Path
 from models.weights import load_weights, plan_kv_heads_per_rank, save_random_model
 from pipeline.bus import Emit
 from pipeline.context import Context
-from pipeline.errors import ConfigError, ModelError
+from pipeline.errors import ModelError
 from pipeline.events import SettingIgnored, WeightsLoaded
 from stages.check_parallel import require_all_ranks
 
@@ -31,7 +31,6 @@ class LoadWeights:
         """Load weights (random for presets, seeded by ``weights_seed``) and the tokenizer."""
         if not ctx.request.load_weights:
             return
-        check_kv_dtype_runs(ctx)
         seed = ctx.args.weights_seed
         device, dtype = str(ctx.args.device), str(ctx.args.dtype)
         tp = ctx.args.tensor_parallel_size
@@ -54,25 +53,6 @@ class LoadWeights:
             converted=loaded.converted, seed=seed if loaded.source == "random" else None,
             duration_ms=loaded.duration_ms,
         ))
-
-
-def check_kv_dtype_runs(ctx: Context) -> None:
-    """``ConfigError`` for a float8 KV cache on the CPU once weights load: nothing could run attention over it.
-
-    torch has no CPU kernels that write or gather float8 tensors (``index_copy``), so generate, serve and
-    ``LLM`` would build the pools and then fail on the first token. Planning float8 pools on the CPU is
-    fine (plan and run without weights only size memory), so only loads that will run attention refuse.
-    """
-    kv_dtype, device = str(ctx.args.kv_cache_config.dtype), str(ctx.args.device)
-    if not kv_dtype.startswith("float8") or device != "cpu":
-        return
-    path = "kv_cache_config.dtype"
-    user = ctx.user_fields.get(path)
-    origin = f" (set via {user.source})" if user is not None else " (a model default)"
-    detail = (f"{kv_dtype}{origin} cannot run on the CPU: torch has no CPU kernels for float8 KV pools; use float32, "
-              "float16, bfloat16 or auto there (float8 runs on CUDA; plan/run without weights size float8 pools "
-              "on any device)")
-    raise ConfigError(f"{path}: {detail}", path=path, detail=detail, source=user.source if user else None)
 
 
 def check_plan_matches_pools(ctx: Context) -> None:
