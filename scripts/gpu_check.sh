@@ -93,13 +93,16 @@ step cuda_tests 150 "$PY" -m pytest -q -p no:cacheprovider -m cuda --continue-on
 # The managers on the device: pools in GPU memory, V2's pinned host tier, suspend/resume copies.
 step simulate_cuda 40 "$PY" -m kvload.cli simulate tiny-gemma3 --workload long-context --compare --device cuda
 # The main job on the device: all six stages, the routed V2 manager built in GPU memory (default sizing:
-# the free-memory fraction), then generation through the CLI on a sliding-window preset, V1 and V2.
+# the free-memory fraction), then generation through the CLI on a sliding-window preset, V1 and V2, and on an
+# MLA preset with float8 pools (written through byte views, as on the CPU).
 # (and a budget past the card's memory: one line naming the flag, exit 2, nothing allocated)
 step cli_run 60 bash -c "'$PY' -m kvload.cli run tiny-deepseek-v4 --device cuda && { '$PY' -m kvload.cli run tiny-llama \
   --device cuda --max_gpu_total_bytes 400000000000; test \$? -eq 2; }"
 step cli_generate 60 bash -c "'$PY' -m kvload.cli generate tiny-gemma3 --device cuda --prompt-ids 5,6,7,8,9,10,11,12 \
   --max_new_tokens 16 --max_tokens 4096 --json && '$PY' -m kvload.cli generate tiny-gemma3 --device cuda \
-  --prompt-ids 5,6,7,8,9,10,11,12 --max_new_tokens 16 --max_tokens 4096 --use_kv_cache_manager_v2 true --json"
+  --prompt-ids 5,6,7,8,9,10,11,12 --max_new_tokens 16 --max_tokens 4096 --use_kv_cache_manager_v2 true --json \
+  && '$PY' -m kvload.cli generate tiny-deepseek-v3 --device cuda --prompt-ids 5,6,7,8,9,10,11,12 --max_new_tokens 16 \
+  --max_tokens 4096 --kv_cache_dtype fp8 --json"
 step paged_attention 50 "$PY" -m bench.bench_attention --device cuda --batch 1,8,32,64 --lengths 512,2048,8192 \
   --heads 32 --kv-heads 8 --head-dim 128 --dtype bfloat16 --reps 20 --no-flex
 # Generation: a Llama-3.2-1B-shaped checkpoint with random weights (written once under $KVLOAD_CACHE; no
