@@ -10,7 +10,9 @@ One decode step of one layer per point: every sequence brings one new token at p
 (``--ragged``: sequences of unequal lengths up to ``L``, so both sides need a padding mask).
 ``gather`` writes the new K/V into the block pool and gathers each sequence's blocks (physical blocks
 shuffled, as a real pool hands them out) before SDPA; ``flex`` writes the same way and runs the
-compiled FlexAttention straight over the pool (``cache_backends.flex_paged``); ``contiguous`` writes
+compiled FlexAttention straight over the pool (``cache_backends.flex_paged``); ``triton`` the paged decode
+kernel (``cache_backends.paged_decode``; on CUDA, or in Triton's interpreter with ``--triton on``), ``tri_step``
+the same with its whole per-step cost (tables, uploads); ``contiguous`` writes
 into a dense ``(B, kv_heads, L, head_dim)`` cache and runs SDPA over it. ``plan_old`` is the per-step
 ``PagedBatch`` build from block-table lists; ``plan`` the same from the executor's tensor rows
 (``BlockTableStore``); ``plan_flex`` the compiled path's plan (tables + block mask). A plan is paid
@@ -136,6 +138,17 @@ def bench_point(batch: int, length: int, args: argparse.Namespace, device: torch
     def compiled() -> torch.Tensor:
         return paged_attention(flex_step[0], 0, q, k_new, v_new, scale)
 
+    def triton_step() -> torch.Tensor:  # the paged decode kernel, its whole step: tables, uploads, write, attend
+        for b, t in enumerate(tables):
+            store.update(f"r{b}", "full", t)
+        fresh = PagedBatch.build(bare, pools, store.tables(rows), decode_kernel=True)
+        return paged_attention(fresh, 0, q, k_new, v_new, scale)
+
+    kernel_step = PagedBatch.build(bare, pools, store.tables(rows), decode_kernel=True)
+
+    def triton_kernel() -> torch.Tensor:  # the same batch again: its uploads are kept, so write + kernel only
+        return paged_attention(kernel_step, 0, q, k_new, v_new, scale)
+
     with torch.inference_mode():
         torch.testing.assert_close(paged()[0].float(), paged()[0].float())  # a smoke check: deterministic
         result = {"contiguous": median_us(contiguous, args.reps, device), "paged": median_us(paged, args.reps, device),
@@ -147,6 +160,11 @@ def bench_point(batch: int, length: int, args: argparse.Namespace, device: torch
             torch.testing.assert_close(compiled().float(), paged().float(), rtol=tol, atol=tol)
             result["flex"] = median_us(compiled, args.reps, device)
             result["plan_flex"] = median_us(plan_flex, args.reps, device)
+        if args.triton:
+            tol = 1e-4 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(triton_step().float(), paged().float(), rtol=tol, atol=tol)
+            result["triton"] = median_us(triton_kernel, args.reps, device)
+            result["triton_step"] = median_us(triton_step, args.reps, device)
     pools.release()
     return result
 
@@ -287,10 +305,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--against", default="", metavar="TREE",
                    help="--plan-groups: also time another source tree's plan (e.g. a checkout of main), in "
                         "interleaved pairs in this process")
+    p.add_argument("--triton", choices=("auto", "on", "off"), default="auto",
+                   help="time the Triton paged decode kernel (auto: where it runs, i.e. on CUDA with triton)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    if args.triton != "off":
+        from cache_backends.paged_decode import paged_decode_unsupported
+
+        why = paged_decode_unsupported(device, args.block, args.head_dim)
+        if why is not None and args.triton == "on":
+            raise SystemExit(f"--triton on: {why}")
+        args.triton = why is None
     CLOCK["name"] = args.clock if args.clock != "auto" else (
         "cpu" if device.type == "cpu" and torch.get_num_threads() == 1 else "wall")
     if args.plan_groups:
@@ -303,7 +330,7 @@ def main(argv: list[str] | None = None) -> None:
     print("times in us (medians); x = contiguous / path (>= 1: the path is as fast as SDPA over a contiguous "
           "cache), plan included on the paged paths")
     print(f"{'batch':>5} {'len':>6} {'contig':>8} {'gather':>8} {'plan_old':>8} {'plan':>6} {'gather_x':>8} "
-          f"{'flex':>8} {'plan_flex':>9} {'flex_x':>6}")
+          f"{'flex':>8} {'plan_flex':>9} {'flex_x':>6} {'triton':>8} {'tri_step':>8} {'triton_x':>8}")
     for b in (int(x) for x in args.batch.split(",")):
         for n in (int(x) for x in args.lengths.split(",")):
             r = bench_point(b, n, args, device)
@@ -313,6 +340,10 @@ def main(argv: list[str] | None = None) -> None:
             if "flex" in r:
                 line += (f" {r['flex']:>8.1f} {r['plan_flex']:>9.1f} "
                          f"{r['contiguous'] / (r['flex'] + r['plan_flex']):>6.2f}")
+            elif "triton" in r:
+                line += f" {'-':>8} {'-':>9} {'-':>6}"
+            if "triton" in r:  # triton_x: the whole step (tables, uploads, write, kernel) against contiguous
+                line += f" {r['triton']:>8.1f} {r['triton_step']:>8.1f} {r['contiguous'] / r['triton_step']:>8.2f}"
             print(line, flush=True)
 
 

@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-num-tokens", type=int, default=512, help="most tokens in one kvload forward")
     p.add_argument("--tokens-per-block", type=int, default=32)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    p.add_argument("--attention", default="auto", choices=("auto", "flex", "sdpa"),
+    p.add_argument("--attention", default="auto", choices=("auto", "flex", "sdpa", "triton"),
                    help="kvload's attention_backend (flex compiles each new shape once, in the warm-up round)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     args = p.parse_args(argv)

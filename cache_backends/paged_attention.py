@@ -209,9 +209,38 @@ class PagedBatch:
         self._stacks: dict[tuple[str, ...], np.ndarray] = {}
         #: the compiled path (``cache_backends.flex_paged``) when the step runs on it; None: gather + SDPA
         self.flex: Any = None
+        #: whether a decode-only step attends through the Triton paged decode kernel (``cache_backends.paged_decode``)
+        self.decode_kernel = False
+        self._decode_inputs: dict[str | None, torch.Tensor] = {}
         self._write_slots: dict[str, torch.Tensor] = {}
         self._splits: dict[int, list[tuple[int, int, int, int, bool]] | None] = {}
         self._biases: dict[tuple[int | None, torch.dtype], torch.Tensor] = {}
+
+    def attend_decode(self, layer: int, query: torch.Tensor, kv_heads: int, head_dim: int, scale: float,
+                      softcap: float | None) -> torch.Tensor | None:
+        """A decode-only step's attention of a full or sliding layer on the paged decode kernel, reading the pool in
+        place: packed ``(B, heads, d)``; None when the kernel does not serve this step or layer."""
+        from cache_backends.paged_decode import paged_decode
+
+        r = self.route(layer)
+        if self.max_q != 1 or r.kind not in ("full", "sliding"):
+            return None
+        inputs = self._decode_inputs
+        tables = inputs.get(r.group)
+        if tables is None:  # one upload per step: every group's tables at once when the executor stacked them
+            if self._step is not None and r.group in self._step.index:
+                stacked = inputs.get(None)
+                if stacked is None:
+                    stacked = inputs[None] = self._to_device(self._step.array)
+                tables = stacked[self._step.index[r.group]]
+            else:
+                tables = self._to_device(self._table(r.group).numpy())
+            inputs[r.group] = tables
+        lens = inputs.get("")
+        if lens is None:
+            lens = inputs[""] = self._to_device(self._end_np)
+        T = self.pools.groups[r.group].tokens_per_block
+        return paged_decode(query, self._views(r)[0], tables, lens, kv_heads, T, scale, r.window, softcap)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """A plan array on the pools' device; to a GPU through pinned memory without blocking.
@@ -251,16 +280,18 @@ class PagedBatch:
 
     @classmethod
     def build(cls, chunks: Sequence[SeqChunk], pools: BlockPools, tables: Mapping[str, torch.Tensor] | None = None,
-              flex: Any = None) -> PagedBatch:
+              flex: Any = None, decode_kernel: bool = False) -> PagedBatch:
         """Plan a step; checks every group's tables cover the new tokens (gathers are planned lazily per layer).
 
         ``tables`` gives each group's block tables as a ``(B, width)`` tensor padded with -1 (kept across
         steps by ``cache_backends.block_tables.BlockTableStore``); without it they come from the chunks'
         lists. ``flex`` (a ``cache_backends.flex_paged.FlexPagedAttention``) runs the step's attention
-        on the compiled path.
+        on the compiled path; ``decode_kernel`` runs a decode-only step's full and sliding layers on the Triton
+        paged decode kernel.
         """
         batch = cls(chunks, pools, tables)
         batch.flex = flex
+        batch.decode_kernel = decode_kernel
         for group in pools.groups:
             batch.write_slots(group)
         return batch
@@ -711,11 +742,16 @@ def paged_attention(batch: PagedBatch, layer: int, query: torch.Tensor, key: tor
                     scale: float, softcap: float | None = None) -> torch.Tensor:
     """One layer of a step: write the new K/V, gather the visible K/V, attend. Packed ``(N, heads, d)`` in and out.
 
-    A batch planned with ``flex=`` attends on the compiled path instead (no gather).
+    A batch planned with ``flex=`` attends on the compiled path instead (no gather); one planned with
+    ``decode_kernel=True`` attends a decode-only step's full and sliding layers on the paged decode kernel.
     """
     write_kv(batch, layer, key, value)
     if batch.flex is not None:
         out = attend_compiled(batch, layer, query, key.shape[1], key.shape[2], scale, softcap)
+        if out is not None:
+            return out
+    if batch.decode_kernel:
+        out = batch.attend_decode(layer, query, key.shape[1], key.shape[2], scale, softcap)
         if out is not None:
             return out
     k, v = batch.gather_kv(layer, key.shape[1], key.shape[2], query.dtype)

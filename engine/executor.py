@@ -111,6 +111,8 @@ class GenerationExecutor:
         self._block_tables = BlockTableStore(self.groups, width)
         #: the compiled attention path (None: gather + SDPA), set by ``from_result`` from ``attention_backend``
         self.flex: Any = None
+        #: decode steps on the Triton paged decode kernel (``attention_backend: triton``, where it runs)
+        self.decode_kernel = False
         self.last_stats: GenerationStats | None = None
         unserved = sorted({layer.kind for layer in manager.layout.layers
                            if layer.kind not in SERVED_KINDS or layer.compress_rate is not None})
@@ -143,14 +145,24 @@ class GenerationExecutor:
         return executor
 
     def use_attention(self, backend: str, max_num_tokens: int) -> None:
-        """Run attention on ``"flex"`` (compiled, over the pools) or ``"sdpa"`` (gather + SDPA, the reference)."""
+        """Run attention on ``"flex"`` (compiled, over the pools), ``"sdpa"`` (gather + SDPA, the reference) or
+        ``"triton"`` (decode steps on the paged decode kernel, the rest on gather + SDPA)."""
         from cache_backends.flex_paged import MAX_INDEX_BYTES, FlexPagedAttention, flex_unsupported
 
-        if backend not in ("flex", "sdpa"):
-            raise GenerationError(f"generate: attention_backend: expected \"flex\" or \"sdpa\" (resolved), got "
-                                  f"{backend!r}")
+        if backend not in ("flex", "sdpa", "triton"):
+            raise GenerationError(f"generate: attention_backend: expected \"flex\", \"sdpa\" or \"triton\" "
+                                  f"(resolved), got {backend!r}")
         self.flex = None
+        self.decode_kernel = False
         if backend == "sdpa":
+            return
+        if backend == "triton":
+            why = self._decode_kernel_unsupported()
+            if why is not None:
+                self._event(SettingIgnored(field="attention_backend", value="triton",
+                                           reason=f"{why}; generate attends through gather + SDPA"))
+                return
+            self.decode_kernel = True
             return
         why = flex_unsupported(self.manager.layout, self.pools.device)
         if why is not None:  # say so: an accepted setting never silently does nothing
@@ -167,6 +179,23 @@ class GenerationExecutor:
                        "or let generate attend through gather + SDPA"))
             return
         self.flex = FlexPagedAttention(self.pools, max_num_tokens)
+
+    def _decode_kernel_unsupported(self) -> str | None:
+        """Why the paged decode kernel cannot serve this model's attention layers here, or None."""
+        from cache_backends.paged_decode import paged_decode_unsupported
+
+        kinds = {layer.kind for layer in self.manager.layout.layers}
+        if not kinds & {"full", "sliding"}:
+            return f"the paged decode kernel serves full and sliding-window layers; this model has {sorted(kinds)}"
+        config = self.model.config
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        for group in self.manager.layout.groups:
+            if group.kind in ("full", "sliding"):
+                why = paged_decode_unsupported(self.pools.device, group.tokens_per_block, head_dim)
+                if why is not None:
+                    return why
+        return None
 
     # --- the call ----------------------------------------------------------------------------
 
@@ -453,7 +482,8 @@ class GenerationExecutor:
             store.keep_only(live)
         if self.lockstep is not None:  # before the forward's collectives: a divergence fails here, never hangs
             self.lockstep.check_schedule(out, [dict(zip(self.groups, t, strict=True)) for t in step_tables])
-        batch = PagedBatch.build(chunks, self.pools, store.tables(rows), flex=self.flex)
+        batch = PagedBatch.build(chunks, self.pools, store.tables(rows), flex=self.flex,
+                                 decode_kernel=self.decode_kernel)
         logits = run_forward(self.model, batch)
         rows = [i for i, s in enumerate(out.scheduled)
                 if s.request.num_computed_tokens + s.num_tokens == s.request.num_tokens]

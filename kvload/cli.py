@@ -113,7 +113,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--max_num_tokens", "max_num_tokens", "most tokens in one forward (prefill chunk)", integer, metavar="N"),
     Flag("--max_beam_width", "max_beam_width", "beam width (V2 serves only 1)", integer, metavar="N"),
     Flag("--attention_backend", "attention_backend", "paged attention of generate: auto, flex (compiled "
-         "FlexAttention over the pools) or sdpa (gather + SDPA)", str, choices=("auto", "flex", "sdpa")),
+         "FlexAttention over the pools), sdpa (gather + SDPA) or triton (decode steps on a paged decode kernel, "
+         "CUDA)", str, choices=("auto", "flex", "sdpa", "triton")),
     Flag("--tp_size", "tensor_parallel_size",
          "tensor-parallel ranks (launch that many with torchrun; plan alone shows rank 0's view)", integer,
          metavar="N", aliases=("--tensor_parallel_size",)),

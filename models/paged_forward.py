@@ -64,6 +64,10 @@ def paged_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor,
             out = attend_compiled(batch, layer, query[0].transpose(0, 1), key.shape[1], key.shape[3], scale, softcap)
             if out is not None:
                 return out.unsqueeze(0), None
+        if batch.decode_kernel:  # a decode step's pages read in place by the Triton kernel
+            out = batch.attend_decode(layer, query[0].transpose(0, 1), key.shape[1], key.shape[3], scale, softcap)
+            if out is not None:
+                return out.unsqueeze(0), None
         k, v = batch.gather_kv(layer, key.shape[1], key.shape[3], query.dtype)
         if batch.max_q == 1:
             # decode: sequence b's one query is packed token b, so (1, H, B, d) -> (B, H, 1, d) is one transpose,

@@ -10,11 +10,13 @@
 # On a machine with its own Python (torch + CUDA preinstalled), the project's pure-Python wheels
 # in .whl/ (if present) are installed into /tmp/site and put first on PYTHONPATH.
 # Each step has a time limit, so a hung step cannot take the whole lease:
-#   cuda tests 150 s (the compiled-attention equality tests compile on the GPU too), paged attention 50 s
-#   (gather + SDPA vs contiguous), compiled paged attention 120 s (flex at batch 1 and 32 x 4,096: the issue's
-#   target is flex >= 0.7x contiguous at 32 x 4,096; each shape compiles once, inside the step),
+#   cuda tests 150 s (the compiled-attention equality tests compile on the GPU too), paged attention 80 s
+#   (gather + SDPA and the Triton paged decode kernel vs contiguous), compiled paged attention 120 s (flex at
+#   batch 1 and 32 x 4,096: the issue's target is flex >= 0.7x contiguous at 32 x 4,096; each shape compiles
+#   once, inside the step),
 #   generation bench 120 s (sdpa) and 150 s (flex: compiles per shape) on a random Llama-1B, simulate on cuda 40 s,
-#   `kvload run` and `kvload generate` on the device 60 s each.
+#   `kvload run` and `kvload generate` on the device 60 s each, the paged decode kernel's tests 120 s and
+#   generation through it 120 s.
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -103,7 +105,7 @@ step cli_generate 60 bash -c "'$PY' -m kvload.cli generate tiny-gemma3 --device 
   --prompt-ids 5,6,7,8,9,10,11,12 --max_new_tokens 16 --max_tokens 4096 --use_kv_cache_manager_v2 true --json \
   && '$PY' -m kvload.cli generate tiny-deepseek-v3 --device cuda --prompt-ids 5,6,7,8,9,10,11,12 --max_new_tokens 16 \
   --max_tokens 4096 --kv_cache_dtype fp8 --json"
-step paged_attention 50 "$PY" -m bench.bench_attention --device cuda --batch 1,8,32,64 --lengths 512,2048,8192 \
+step paged_attention 80 "$PY" -m bench.bench_attention --device cuda --batch 1,8,32,64 --lengths 512,2048,8192 \
   --heads 32 --kv-heads 8 --head-dim 128 --dtype bfloat16 --reps 20 --no-flex
 # Generation: a Llama-3.2-1B-shaped checkpoint with random weights (written once under $KVLOAD_CACHE; no
 # download), kvload's executor against transformers' model.generate, 1 / 8 / 32 prompts of 32 new tokens.
@@ -113,6 +115,10 @@ step generate 120 "$PY" "${GEN[@]}" --attention sdpa
 step paged_attention_flex 120 "$PY" -m bench.bench_attention --device cuda --batch 1,32 --lengths 4096 \
   --heads 32 --kv-heads 8 --head-dim 128 --dtype bfloat16 --block 32 --reps 50
 step generate_flex 150 "$PY" "${GEN[@]}" --attention flex
+# The Triton paged decode kernel (attention_backend: triton): its tests natively (on a CPU they run in Triton's
+# interpreter), then generation through it. (The paged_attention step above times it per layer: triton_x.)
+step triton_tests 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_paged_decode.py
+step generate_triton 120 "$PY" "${GEN[@]}" --attention triton
 
 echo "total: $(( $(date +%s) - started ))s; summary: $SUMMARY" | tee -a "$SUMMARY"
 tar czf "$OUT_DIR/logs.tar.gz" -C "$LOG_DIR" . && rm -rf "$LOG_DIR"
