@@ -116,7 +116,31 @@ def _kernel() -> Any:
         tl.store(l_ptr + out, l_sum)
         tl.store(acc_ptr + out[:, None] * D + d[None, :], acc)
 
-    return decode_pages
+    @triton.jit
+    def merge_splits(acc_ptr, m_ptr, l_ptr, out_ptr, stride_ob, stride_oh, splits,
+                     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, S_PAD: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        sp = tl.arange(0, S_PAD)
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, D)
+        base = (b * tl.num_programs(1) + h) * splits
+        rows = (base + sp)[:, None] * G_PAD + g[None, :]  # (S_PAD, G_PAD)
+        real = (sp < splits)[:, None]
+        top = tl.max(tl.load(m_ptr + rows, mask=real, other=float("-inf")), 0)  # (G_PAD,)
+        num = tl.zeros([G_PAD, D], tl.float32)
+        den = tl.zeros([G_PAD], tl.float32)
+        for i in range(0, splits):  # one split's (G_PAD, D) tile at a time: a whole 3-D load would spill
+            row = (base + i) * G_PAD + g
+            m = tl.load(m_ptr + row)
+            w = tl.where(m > float("-inf"), tl.exp(m - top), 0.0)  # a split that read no page weighs 0
+            den += w * tl.load(l_ptr + row)
+            num += w[:, None] * tl.load(acc_ptr + row[:, None] * D + d[None, :])
+        out = num / den[:, None]
+        tl.store(out_ptr + b * stride_ob + (h * G + g)[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=(g < G)[:, None])
+
+    return decode_pages, merge_splits
 
 
 def paged_decode(query: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
@@ -142,14 +166,15 @@ def paged_decode(query: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
     acc = torch.empty(B, kv_heads, splits, G_PAD, D, device=query.device, dtype=torch.float32)
     m = torch.empty(B, kv_heads, splits, G_PAD, device=query.device, dtype=torch.float32)
     l_sum = torch.empty_like(m)
-    _kernel()[(B, kv_heads, splits)](
+    decode_pages, merge_splits = _kernel()
+    decode_pages[(B, kv_heads, splits)](
         q, slots, tables, lens, acc, m, l_sum,
         q.stride(0), q.stride(1), slots.stride(0), tables.stride(0), kv_heads * D,
         window or 0, splits, scale, softcap or 0.0,
         G=G, G_PAD=G_PAD, D=D, T=tokens_per_block, HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
         IEEE=query.dtype == torch.float32)
-    # merge the splits: each partial is (acc, m, l) of an online softmax over its pages (-inf m: no page)
-    top = m.amax(2, keepdim=True)
-    w = torch.exp(m - top).nan_to_num_(0.0)
-    out = (acc * w.unsqueeze(-1)).sum(2) / (l_sum * w).sum(2).unsqueeze(-1)
-    return out[:, :, :G].reshape(B, H, D).to(query.dtype)
+    # merge the splits (each an online softmax's (acc, m, l) over its pages) in one more launch, not ~10 torch ops
+    out = torch.empty(B, H, D, device=query.device, dtype=query.dtype)
+    merge_splits[(B, kv_heads)](acc, m, l_sum, out, out.stride(0), out.stride(1), splits,
+                                G=G, G_PAD=G_PAD, D=D, S_PAD=max(2, 1 << (splits - 1).bit_length()))
+    return out
