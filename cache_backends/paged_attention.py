@@ -240,7 +240,10 @@ class PagedBatch:
         if lens is None:
             lens = inputs[""] = self._to_device(self._end_np)
         T = self.pools.groups[r.group].tokens_per_block
-        return paged_decode(query, self._views(r)[0], tables, lens, kv_heads, T, scale, r.window, softcap)
+        # the most pages one sequence reads this step (sizes the splits; the table is max_seq_len wide)
+        longest = int(self._end_np.max())
+        pages = -(-longest // T) if r.window is None else min(-(-longest // T), -(-r.window // T) + 1)
+        return paged_decode(query, self._views(r)[0], tables, lens, kv_heads, T, scale, r.window, softcap, pages)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """A plan array on the pools' device; to a GPU through pinned memory without blocking.
