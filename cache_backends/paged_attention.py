@@ -212,6 +212,7 @@ class PagedBatch:
         #: whether a decode-only step attends through the Triton paged decode kernel (``cache_backends.paged_decode``)
         self.decode_kernel = False
         self._decode_inputs: dict[str | None, torch.Tensor] = {}
+        self._decode_scratch: dict[tuple, torch.Tensor] = {}  # the kernel's partials, shared by the step's layers
         self._write_slots: dict[str, torch.Tensor] = {}
         self._splits: dict[int, list[tuple[int, int, int, int, bool]] | None] = {}
         self._biases: dict[tuple[int | None, torch.dtype], torch.Tensor] = {}
@@ -243,7 +244,8 @@ class PagedBatch:
         # the most pages one sequence reads this step (sizes the splits; the table is max_seq_len wide)
         longest = int(self._end_np.max())
         pages = -(-longest // T) if r.window is None else min(-(-longest // T), -(-r.window // T) + 1)
-        return paged_decode(query, self._views(r)[0], tables, lens, kv_heads, T, scale, r.window, softcap, pages)
+        return paged_decode(query, self._views(r)[0], tables, lens, kv_heads, T, scale, r.window, softcap, pages,
+                            self._decode_scratch)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """A plan array on the pools' device; to a GPU through pinned memory without blocking.

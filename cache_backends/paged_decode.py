@@ -145,13 +145,15 @@ def _kernel() -> Any:
 
 def paged_decode(query: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
                  kv_heads: int, tokens_per_block: int, scale: float, window: int | None = None,
-                 softcap: float | None = None, max_pages: int | None = None) -> torch.Tensor:
+                 softcap: float | None = None, max_pages: int | None = None,
+                 scratch: dict[tuple, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention of one new query per sequence over its pages: ``(B, heads, d)`` out, like ``query``.
 
     ``slots``: the layer's ``(num_blocks * T, entry_elems)`` pool view (rows ``(2, kv_heads, d)``); ``tables``:
     ``(B, width)`` physical block per logical block (int32/int64, -1 past the end); ``lens``: ``(B,)`` keys per
     sequence including the new token's (already written); ``window``: sliding window (keys ``[len - window, len)``).
-    ``max_pages``: the most pages a sequence reads (sizes the splits; default: the table's width).
+    ``max_pages``: the most pages a sequence reads (sizes the splits; default: the table's width). ``scratch``: a
+    dict kept across calls that run one after another on one stream (a step's layers) to reuse the partials' buffer.
     """
     B, H, D = query.shape
     if H % kv_heads:
@@ -163,9 +165,14 @@ def paged_decode(query: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
     pages = max_pages if max_pages is not None else tables.shape[1]
     splits = max(1, min(MAX_SPLITS, pages // MIN_PAGES_PER_SPLIT))
     q = query if query.stride(2) == 1 else query.contiguous()
-    acc = torch.empty(B, kv_heads, splits, G_PAD, D, device=query.device, dtype=torch.float32)
-    m = torch.empty(B, kv_heads, splits, G_PAD, device=query.device, dtype=torch.float32)
-    l_sum = torch.empty_like(m)
+    shape = (B, kv_heads, splits, G_PAD)
+    buf = scratch.get(shape) if scratch is not None else None
+    if buf is None:  # one buffer: acc (..., D), then m and l (...) for every (sequence, KV head, split, head row)
+        buf = torch.empty(B * kv_heads * splits * G_PAD * (D + 2), device=query.device, dtype=torch.float32)
+        if scratch is not None:
+            scratch[shape] = buf
+    n = B * kv_heads * splits * G_PAD
+    acc, m, l_sum = buf[: n * D], buf[n * D: n * (D + 1)], buf[n * (D + 1):]
     decode_pages, merge_splits = _kernel()
     decode_pages[(B, kv_heads, splits)](
         q, slots, tables, lens, acc, m, l_sum,
