@@ -113,6 +113,8 @@ class GenerationExecutor:
         self.flex: Any = None
         #: decode steps on the Triton paged decode kernel (``attention_backend: triton``, where it runs)
         self.decode_kernel = False
+        #: the widest beam search this load serves (``max_beam_width``; :meth:`beam_search`)
+        self.max_beam_width = 1
         self.last_stats: GenerationStats | None = None
         unserved = sorted({layer.kind for layer in manager.layout.layers
                            if layer.kind not in SERVED_KINDS or layer.compress_rate is not None})
@@ -133,15 +135,12 @@ class GenerationExecutor:
         if result.hf_model is None:
             raise GenerationError("generate: this result has no model weights (loaded without load_weights=True); "
                                   "use pipeline.load(MODEL, load_weights=True, ...)")
-        beams = result.args.max_beam_width
-        if beams != 1:  # never silently serve one beam when the user asked for several
-            raise GenerationError(f"generate: max_beam_width={beams}: kvload's executor generates one sequence per "
-                                  "prompt (no beam search); load with max_beam_width=1")
         bus = result.bus
         emit = bus.emitter("generate") if bus is not None else None
         executor = cls(result.hf_model, result.kv_manager, result.scheduler, tokenizer=result.tokenizer, emit=emit,
                        name=result.model.name if result.model is not None else "model", ranks=result.context.ranks)
         executor.use_attention(getattr(result.args, "attention_backend", "sdpa"), result.args.max_num_tokens)
+        executor.max_beam_width = result.args.max_beam_width
         return executor
 
     def use_attention(self, backend: str, max_num_tokens: int) -> None:
@@ -319,6 +318,14 @@ class GenerationExecutor:
             suspends=stats.suspends, resumes=stats.resumes, preemptions=stats.preemptions,
             duration_ms=round(wall * 1000, 3), tokens_per_s=round(stats.tokens_per_s, 3)))
         return ordered
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: Any, *,
+                    salt: str | None = None) -> list[Any]:
+        """Beam search (``engine.beam_search``): the best ``params.beam_width`` hypotheses of every prompt."""
+        from engine.beam_search import beam_search
+
+        self._check_open()
+        return beam_search(self, prompts, params, max_beam_width=self.max_beam_width, salt=salt)
 
     def generate(
         self,

@@ -17,6 +17,7 @@ import threading
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+from engine.beam_search import BeamSearchOutput, BeamSearchParams
 from engine.outputs import GenerationStats, RequestOutput, TokenDelta
 from engine.prompts import is_conversation
 from engine.sampling_params import SamplingParams
@@ -115,6 +116,15 @@ class LLM:
         with self._exclusive("generate"):
             self._no_progress_bar(use_tqdm)
             return self.result.executor.run(prompts, sampling_params, salt=salt, chat=chat, **sampling)
+
+    def beam_search(self, prompts: Any, params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search``: the best ``params.beam_width`` hypotheses of every prompt, best first.
+
+        One generate step per token (``engine.beam_search``); the width is bounded by the load's ``max_beam_width``
+        (``LLM(model, max_beam_width=4)``).
+        """
+        with self._exclusive("beam_search"):
+            return self.result.executor.beam_search(prompts, params)
 
     def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              use_tqdm: Any = None, salt: str | None = None, **sampling: Any) -> list[RequestOutput]:

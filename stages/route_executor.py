@@ -76,11 +76,12 @@ class RouteExecutor:
         kv = ctx.args.kv_cache_config
         asked = set(ctx.user_fields) | set(ctx.model_defaults)
         if "max_beam_width" in ctx.user_fields and ctx.args.max_beam_width > 1:
-            # routed (V1 can hold beams), but nothing kvload runs uses it: the pools are not sized by
-            # it and generate refuses it, so the user must hear that it does nothing here
+            # routed (V1 can hold beams) and it bounds LLM.beam_search, but the pools are not sized by it as
+            # TensorRT-LLM's would be, and generate still returns one sequence per prompt: the user must hear that
             emit(SettingIgnored(field="max_beam_width", value=ctx.args.max_beam_width,
-                                reason="kvload routes beam search but runs no beams: the pools are not sized for "
-                                       "them and generate refuses max_beam_width > 1"))
+                                reason="the KV pools are not sized for beams (beams share their prompt through the "
+                                       "prefix cache) and generate returns one sequence per prompt; it bounds "
+                                       "LLM.beam_search's beam_width"))
         if not v2:
             for path, why in _V2_ONLY.items():
                 value = getattr(kv, path.rsplit(".", 1)[1])

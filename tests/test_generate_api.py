@@ -133,15 +133,6 @@ def test_results_without_a_model_or_closed_cannot_generate(tiny_checkpoints):
         result.generate([[1, 2]])
 
 
-def test_beam_search_is_refused_rather_than_served_with_one_beam(tiny_checkpoints):
-    path = tiny_checkpoints("llama")
-    with pipeline.load(str(path), load_weights=True, max_beam_width=2, kv_cache_config={"max_tokens": 64},
-                       max_seq_len=64, log=False) as result:
-        assert result.route.kv_manager == "KVCacheManager"  # beams route to V1, which the executor serves
-        with pytest.raises(GenerationError, match=r"max_beam_width=2: .*no beam search.*max_beam_width=1"):
-            result.generate([[1, 2]])
-
-
 def test_deepseek_v4_is_plan_and_build_only():
     with pipeline.load("tiny-deepseek-v4", load_weights=True, kv_cache_config={"max_tokens": 256}, log=False) as r, \
             pytest.raises(GenerationError, match=r"csa, hca, v4_sliding attention layers; .* plan/build only"):

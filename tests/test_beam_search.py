@@ -1,0 +1,98 @@
+"""Beam search (``LLM.beam_search``, ``Executor.beam_search``): transformers' beams, bounded by max_beam_width."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvload
+import pipeline
+from engine.beam_search import BeamSearchParams
+from pipeline.errors import GenerationError
+from tests.generate_support import prompts_for
+from tests.llm_support import llm_kwargs, with_tokenizer
+
+WIDTH, NEW = 3, 7
+
+
+def hf_beams(model, prompt: list[int], width: int, new: int) -> list[tuple[int, ...]]:
+    """transformers' beam search without an EOS token: its ``width`` sequences, best first."""
+    saved = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = None
+    try:
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([prompt]), num_beams=width, num_return_sequences=width, do_sample=False,
+                                 max_new_tokens=new, pad_token_id=0, early_stopping=False, length_penalty=1.0)
+    finally:
+        model.generation_config.eos_token_id = saved
+    return [tuple(row[len(prompt):].tolist()) for row in out]
+
+
+def load_beams(path, width: int = WIDTH, **kw):
+    return pipeline.load(str(path), load_weights=True, max_beam_width=width, max_seq_len=96, log=False,
+                         kv_cache_config={"max_tokens": 2048, "tokens_per_block": 4, **kw})
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma3"])
+def test_beams_equal_transformers_num_beams(tiny_checkpoints, family):
+    with load_beams(tiny_checkpoints(family)) as result:
+        assert result.route.kv_manager == "KVCacheManager"  # beam search routes to V1 (TensorRT-LLM's rule)
+        ps = prompts_for(result.hf_model.config.vocab_size, lengths=(5, 14))
+        outs = result.executor.beam_search(ps, BeamSearchParams(beam_width=WIDTH, max_tokens=NEW, ignore_eos=True))
+        for p, out in zip(ps, outs, strict=True):
+            assert [s.token_ids for s in out.sequences] == hf_beams(result.hf_model, p, WIDTH, NEW)
+            assert out.prompt_token_ids == tuple(p)
+            scores = [s.score for s in out.sequences]
+            assert scores == sorted(scores, reverse=True)
+            for s in out.sequences:  # equal lengths: the score is the mean log-probability
+                assert s.finish_reason == "length" and s.score == pytest.approx(s.cumulative_logprob / NEW)
+
+
+def test_a_beam_that_emits_eos_ends_there_as_a_hypothesis_of_its_own(tiny_checkpoints):
+    with load_beams(tiny_checkpoints("llama")) as result:
+        p = prompts_for(result.hf_model.config.vocab_size, lengths=(9,))[0]
+        free = result.executor.beam_search([p], BeamSearchParams(beam_width=WIDTH, max_tokens=NEW, ignore_eos=True))
+        best = free[0].sequences[0].token_ids
+        result.executor.eos_token_ids = {best[2]}  # the best beam's third token now ends a sequence
+        ended = result.executor.beam_search([p], BeamSearchParams(beam_width=WIDTH, max_tokens=NEW))
+        seqs = ended[0].sequences
+        stopped = [s for s in seqs if s.finish_reason == "stop"]
+        assert stopped and all(s.token_ids[-1] == best[2] and best[2] not in s.token_ids[:-1] for s in stopped)
+        assert best[:3] in [s.token_ids for s in stopped]  # its prefix ended at the EOS
+        assert all(best[2] not in s.token_ids for s in seqs if s.finish_reason == "length")
+        scores = [s.score for s in seqs]
+        assert scores == sorted(scores, reverse=True) and len(seqs) == WIDTH
+
+
+def test_the_width_is_bounded_by_max_beam_width_and_generate_still_serves_one_sequence(tiny_checkpoints):
+    with load_beams(tiny_checkpoints("llama"), width=2) as result:
+        [one] = result.generate([[5, 6, 7]], max_new_tokens=3)
+        assert len(one.token_ids) == 3
+        with pytest.raises(GenerationError, match=r"^beam_search: beam_width=3 exceeds max_beam_width=2, .*load it "
+                                                  r"with max_beam_width >= 3$"):
+            result.executor.beam_search([[5, 6, 7]], BeamSearchParams(beam_width=3, max_tokens=2))
+        (ignored,) = [e for e in result.audit.of("setting_ignored") if e["field"] == "max_beam_width"]
+        assert "bounds LLM.beam_search's beam_width" in ignored["reason"]
+
+
+@pytest.mark.parametrize(("kwargs", "says"), [
+    ({"beam_width": 0}, r"beam_width: expected an integer in \[1, 128\], got 0"),
+    ({"beam_width": 2, "max_tokens": 0}, r"max_tokens: expected an integer >= 1, got 0"),
+    ({"beam_width": 2, "temperature": 0.7}, r"temperature: expected 0 \(beam search keeps the most likely"),
+    ({"beam_width": 2, "length_penalty": float("nan")}, r"length_penalty: expected a finite number, got nan"),
+    ({"beam_width": True}, r"beam_width: expected an integer"),
+])
+def test_bad_params_name_the_field(kwargs, says):
+    with pytest.raises(GenerationError, match=says):
+        BeamSearchParams(**kwargs)
+
+
+def test_llm_beam_search_returns_texts_like_vllm(tiny_checkpoints, tmp_path):
+    words = with_tokenizer(tiny_checkpoints("llama"), tmp_path / "ckpt", 512)
+    with kvload.LLM(str(words), max_beam_width=2, **llm_kwargs("v1")) as llm:
+        (out,) = llm.beam_search(["w5 w17 w300 w42"], kvload.BeamSearchParams(beam_width=2, max_tokens=4,
+                                                                             ignore_eos=True))
+        assert isinstance(out, kvload.BeamSearchOutput) and out.prompt == "w5 w17 w300 w42"
+        assert len(out.sequences) == 2 and out.sequences[0].token_ids != out.sequences[1].token_ids
+        for s in out.sequences:
+            assert s.text == " ".join(f"w{t}" for t in s.token_ids)
