@@ -213,6 +213,9 @@ class PagedBatch:
         self.decode_kernel = False
         self._decode_inputs: dict[str | None, torch.Tensor] = {}
         self._decode_scratch: dict[tuple, torch.Tensor] = {}  # the kernel's partials, shared by the step's layers
+        #: MLA layers whose latent cache stored this step's entries and gathered nothing (the compiled path
+        #: attends over the latents in place; ``models.paged_forward``)
+        self.latent_in_place: set[int] = set()
         self._write_slots: dict[str, torch.Tensor] = {}
         self._splits: dict[int, list[tuple[int, int, int, int, bool]] | None] = {}
         self._biases: dict[tuple[int | None, torch.dtype], torch.Tensor] = {}
@@ -761,3 +764,51 @@ def paged_attention(batch: PagedBatch, layer: int, query: torch.Tensor, key: tor
             return out
     k, v = batch.gather_kv(layer, key.shape[1], key.shape[2], query.dtype)
     return attend_packed(batch, layer, query, k, v, scale, softcap)
+
+
+def attend_latent(batch: PagedBatch, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor,
+                  w_uv: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """MLA on the compiled path in the absorbed form: packed ``(N, H, d_v)``, or None when it could not compile.
+
+    ``q_nope`` ``(N, H, nope)`` and ``q_pe`` ``(N, H, rope)`` are the queries' two parts; ``w_uk``
+    ``(H, nope, rank)`` and ``w_uv`` ``(H, d_v, rank)`` are ``kv_b_proj``'s key and value halves per head.
+    A head's score against a cached token is ``q_nope · (W_UK latent) + q_pe · rope`` =
+    ``[q_nope W_UK | q_pe] · [latent | rope]``, and its output ``W_UV Σ p latent``: so the kernel reads the
+    cached ``[latent | rope]`` rows as one shared KV head (keys; their latents as values) and nothing is
+    expanded per cached token — the per-token work is on the new queries only (DeepSeek's "absorbed" MLA).
+    """
+    from cache_backends.flex_paged import FlexUnavailable
+
+    rank = w_uk.shape[-1]
+    q_lat = torch.matmul(q_nope.transpose(0, 1), w_uk)  # (H, N, rank)
+    query = torch.cat((q_lat.transpose(0, 1), q_pe.to(q_lat.dtype)), dim=-1)  # (N, H, rank + rope)
+    try:
+        out = batch.flex.attend_latent(batch, layer, query, rank, scale)  # (N, H, rank)
+    except FlexUnavailable:
+        batch.flex = None  # its ``failed`` says why; the executor reports it
+        return None
+    return torch.matmul(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # (N, H, d_v)
+
+
+def mla_paged_attention(batch: PagedBatch, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor,
+                        latent: torch.Tensor, rope: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """One MLA layer of a step: write the new ``[latent | rope]`` entries, attend. Packed ``(N, H, d_v)`` out.
+
+    ``latent`` ``(N, rank)`` and ``rope`` ``(N, rope)`` are the new tokens' cache parts (the roped key part
+    shared by every head). On the compiled path (a batch planned with ``flex=``) the absorbed form
+    (:func:`attend_latent`); otherwise the latents are gathered and expanded into per-head K/V, as the
+    model does, for gather + SDPA.
+    """
+    batch.write(layer, torch.cat((latent, rope), dim=-1))
+    if batch.flex is not None:
+        out = attend_latent(batch, layer, q_nope, q_pe, w_uk, w_uv, scale)
+        if out is not None:
+            return out
+    rank = w_uk.shape[-1]
+    entries = batch.gather(layer, q_nope.dtype)  # (B, max_k, rank + rope)
+    lat, pe = entries[..., :rank], entries[..., rank:]
+    k_nope = torch.einsum("bkr,hdr->bhkd", lat, w_uk)
+    k = torch.cat((k_nope, pe.unsqueeze(1).expand(-1, w_uk.shape[0], -1, -1)), dim=-1)
+    v = torch.einsum("bkr,hdr->bhkd", lat, w_uv)
+    return attend_packed(batch, layer, torch.cat((q_nope, q_pe), dim=-1), k, v, scale)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from cache_backends.paged_attention import PagedBatch, attend, attend_compiled, attend_packed
+from cache_backends.paged_attention import PagedBatch, attend, attend_compiled, attend_latent, attend_packed
 
 ATTN_IMPLEMENTATION = "kvload_paged"
 
@@ -56,6 +56,8 @@ def paged_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor,
         raise RuntimeError(f"layer {layer}: expected one packed row of {batch.num_tokens} queries, got "
                            f"{tuple(query.shape)}")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if route.kind == "mla" and layer in batch.latent_in_place:  # the cache route stored the latent, gathered none
+        return latent_attention(module, batch, layer, query[0].transpose(0, 1), scale).unsqueeze(0), None
     if route.kind == "mla":  # the cache route stored the latent and expanded the gathered keys already
         k, v = key, value
     else:
@@ -93,11 +95,58 @@ class PagedLatentCache:
 
     def update(self, latent: torch.Tensor, rope: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the new tokens' ``[latent, rope]`` entries; return the gathered latents and rope parts."""
+        """Write the new tokens' ``[latent, rope]`` entries; return the gathered latents and rope parts.
+
+        On the compiled path nothing is gathered: the attention reads the latents in place (absorbed
+        MLA, :func:`latent_attention`), so this returns the first new token's parts only — the model
+        expands them into K/V of one token, which the attention ignores (the model's code has no way
+        to skip its ``expand_kv``; one token keeps that waste to one row of ``kv_b_proj``).
+        """
         rank = latent.shape[-1]
         self.batch.write(layer_idx, torch.cat((latent[0, 0], rope[0, 0]), dim=-1))
+        if self.batch.flex is not None:
+            self.batch.latent_in_place.add(layer_idx)
+            return latent[:, :, :1], rope[:, :, :1]
         entries = self.batch.gather(layer_idx, latent.dtype)
         return entries[..., :rank].unsqueeze(1), entries[..., rank:].unsqueeze(1)
+
+
+def absorbed_weights(module: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``kv_b_proj``'s key and value halves per head, ``(H, nope, rank)`` and ``(H, d_v, rank)`` (views), or None.
+
+    None when the projection is not a plain floating-point matrix of the expected shape (a quantized
+    checkpoint's, for one): the absorbed form folds the weight into queries and outputs as it is.
+    """
+    proj = getattr(module, "kv_b_proj", None)
+    weight = getattr(proj, "weight", None)
+    heads, nope = getattr(module, "num_heads", None), getattr(module, "qk_nope_head_dim", None)
+    dv, rank = getattr(module, "v_head_dim", None), getattr(module, "kv_lora_rank", None)
+    if (not isinstance(proj, torch.nn.Linear) or getattr(proj, "bias", None) is not None
+            or not isinstance(weight, torch.Tensor) or not weight.is_floating_point()
+            or None in (heads, nope, dv, rank) or tuple(weight.shape) != (heads * (nope + dv), rank)):
+        return None
+    w = weight.view(heads, nope + dv, rank)
+    return w[:, :nope], w[:, nope:]
+
+
+def latent_attention(module: Any, batch: PagedBatch, layer: int, query: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """MLA attention over latents the cache route stored in place: packed ``(N, H, d)`` in, ``(N, H, d_v)`` out.
+
+    The compiled path in the absorbed form (``paged_attention.attend_latent``); when the projection
+    cannot be folded (:func:`absorbed_weights`) or the kernel could not compile, the latents are gathered
+    and expanded by the model's own ``expand_kv`` for gather + SDPA, as on the reference path.
+    """
+    weights = absorbed_weights(module)
+    if weights is not None and batch.flex is not None:
+        nope = module.qk_nope_head_dim
+        out = attend_latent(batch, layer, query[..., :nope], query[..., nope:], *weights, scale)
+        if out is not None:
+            return out
+    rank = module.kv_lora_rank
+    entries = batch.gather(layer, query.dtype)
+    k, v = module.expand_kv(entries[..., :rank].unsqueeze(1), entries[..., rank:].unsqueeze(1))
+    return attend_packed(batch, layer, query, k, v, scale)
 
 
 def register_paged_attention() -> str:

@@ -70,13 +70,23 @@ def test_generate_on_flex_equals_transformers_and_reuses_its_compiled_shapes(tin
         assert result.executor.last_stats.warmup_s == 0.0
 
 
-def test_flex_on_an_mla_model_says_it_is_ignored(tiny_checkpoints):
-    with load(tiny_checkpoints("deepseek-v3"), "v2", attention_backend="flex") as result:
-        outs = result.generate([[5, 6, 7]], max_new_tokens=2)
-        assert len(outs[0].token_ids) == 2
-        assert result.executor.flex is None
-        (ignored,) = [e for e in result.audit.of("setting_ignored") if e["field"] == "attention_backend"]
-        assert "multi-head latent attention" in ignored["reason"] and "gather + SDPA" in ignored["reason"]
+@pytest.mark.parametrize("manager", ["v2", "v1"])
+def test_generate_on_flex_runs_mla_absorbed_and_equals_transformers(tiny_checkpoints, manager):
+    # DeepSeek V3's latent pools on the compiled path: no setting_ignored, the kernel ran, tokens unchanged
+    from cache_backends.flex_paged import dynamo_graphs
+
+    with load(tiny_checkpoints("deepseek-v3"), manager, max_num_tokens=8, attention_backend="flex") as result:
+        ps = prompts_for(result.hf_model.config.vocab_size)
+        ref = [hf_greedy(result.hf_model, p) for p in ps]
+        graphs_before = dynamo_graphs()
+        outs = result.generate(ps, max_new_tokens=NEW_TOKENS, arrival_steps=[0, 1, 2, 5])
+        assert [o.token_ids for o in outs] == ref
+        flex = result.executor.flex
+        assert flex is not None and flex.calls > 0 and flex.failed is None
+        # every MLA layer of every step went through the absorbed kernel (3 layers), and one shape served them
+        assert flex.calls == 3 * result.executor.last_stats.steps
+        assert dynamo_graphs() - graphs_before <= 1
+        assert not [e for e in result.audit.of("setting_ignored") if e["field"] == "attention_backend"]
 
 
 def test_a_shape_that_fails_to_compile_falls_back_to_gather_and_says_so(tiny_checkpoints, monkeypatch):
