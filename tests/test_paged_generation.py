@@ -187,6 +187,27 @@ def test_deepseek_v3_mla_is_not_refused_by_the_compiled_path():
     assert flex_unsupported(layout) is None
 
 
+def test_deepseek_v3_with_yarn_mscale_on_the_compiled_path_equals_transformers_generate():
+    # DeepSeek V3's own checkpoints use yarn with mscale_all_dim, which scales the softmax by mscale^2; the
+    # absorbed kernel takes the layer's scaling as it is (same shapes as above: nothing new to compile)
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 128, "beta_fast": 32.0, "beta_slow": 1.0}
+    model = random_model(tiny_config("deepseek-v3", rope_parameters=yarn), device="cpu", dtype="float32", seed=0)
+    attn = model.model.layers[0].self_attn
+    assert attn.scaling > 1.5 * attn.qk_head_dim**-0.5  # the mscale really applies
+    ps = prompts(model.config.vocab_size)
+    refs = [hf_greedy(model, p) for p in ps]
+    driver = RefDriver(copy.deepcopy(model), flex=True, max_num_tokens=8, tokens_per_block=4)
+    try:
+        reqs = driver.generate(ps, NEW_TOKENS, **FLEX_MODE)
+        assert driver.flex.calls > 0 and driver.flex.failed is None
+    finally:
+        driver.close()
+    for req, (tokens, logits) in zip(reqs, refs, strict=True):
+        assert req.output == tokens
+        torch.testing.assert_close(torch.stack(req.logits), logits, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize(("block", "refused"), [(4, True), (8, True), (16, False), (32, False)])
 def test_on_cuda_blocks_the_kernel_cannot_tile_are_refused_before_compiling(block, refused):
     # measured on an H200: 4- and 8-token blocks failed to compile (after a long try), 16 and 32 ran; the
