@@ -806,9 +806,9 @@ def mla_paged_attention(batch: PagedBatch, layer: int, q_nope: torch.Tensor, q_p
         if out is not None:
             return out
     rank = w_uk.shape[-1]
-    entries = batch.gather(layer, q_nope.dtype)  # (B, max_k, rank + rope)
+    entries = batch.gather(layer, q_nope.dtype).unsqueeze(1)  # (B, 1, max_k, rank + rope)
     lat, pe = entries[..., :rank], entries[..., rank:]
-    k_nope = torch.einsum("bkr,hdr->bhkd", lat, w_uk)
-    k = torch.cat((k_nope, pe.unsqueeze(1).expand(-1, w_uk.shape[0], -1, -1)), dim=-1)
-    v = torch.einsum("bkr,hdr->bhkd", lat, w_uv)
+    k_nope = torch.matmul(lat, w_uk.transpose(1, 2))  # (B, H, max_k, nope): every cached latent, every step
+    k = torch.cat((k_nope, pe.expand(-1, w_uk.shape[0], -1, -1)), dim=-1)
+    v = torch.matmul(lat, w_uv.transpose(1, 2))
     return attend_packed(batch, layer, torch.cat((q_nope, q_pe), dim=-1), k, v, scale)
