@@ -208,7 +208,8 @@ def bench_mla_point(batch: int, length: int, args: argparse.Namespace, device: t
         return torch.randn(*shape, device=device, dtype=dtype)
 
     w = randn(h * (nope + dv), rank) / rank**0.5  # kv_b_proj.weight
-    w_uk, w_uv = w.view(h, nope + dv, rank)[:, :nope], w.view(h, nope + dv, rank)[:, nope:]
+    w_kv = w.view(h, nope + dv, rank)
+    w_uk, w_uv = w_kv[:, :nope], w_kv[:, nope:]
     q_nope, q_pe, lat_new, pe_new = randn(batch, h, nope), randn(batch, h, rope), randn(batch, rank), randn(batch, rope)
     scale = (nope + rope) ** -0.5
     dense = randn(batch, length, width)
@@ -224,18 +225,23 @@ def bench_mla_point(batch: int, length: int, args: argparse.Namespace, device: t
         return F.scaled_dot_product_attention(q, k, v, attn_mask=pad_mask, scale=scale).squeeze(2)
 
     def gather() -> torch.Tensor:
-        return mla_paged_attention(step, 0, q_nope, q_pe, lat_new, pe_new, w_uk, w_uv, scale)
+        return mla_paged_attention(step, 0, q_nope, q_pe, lat_new, pe_new, w_kv, scale)
 
     def gather_absorbed() -> torch.Tensor:
+        # plain matmuls: one KV head, so a sequence's H queries are the rows of one (H, D) x (D, max_k) product
+        # (SDPA with enable_gqa and a V head dim unlike K's takes its slow math path: ~30x this at 1024 keys)
         step.write(0, torch.cat((lat_new, pe_new), dim=-1))
-        e = step.gather(0).unsqueeze(1)  # (B, 1, max_k, rank + rope)
-        q = torch.cat((torch.matmul(q_nope.transpose(0, 1), w_uk).transpose(0, 1), q_pe), dim=-1).unsqueeze(2)
-        o = F.scaled_dot_product_attention(q, e, e[..., :rank], attn_mask=step.bias(0, dtype), scale=scale,
-                                           enable_gqa=True)  # (B, H, 1, rank)
-        return torch.matmul(o.squeeze(2).transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        e = step.gather(0)  # (B, max_k, rank + rope)
+        q = torch.cat((torch.matmul(q_nope.transpose(0, 1), w_uk).transpose(0, 1), q_pe), dim=-1)  # (B, H, D)
+        scores = torch.matmul(q, e.transpose(1, 2)) * scale  # (B, H, max_k)
+        bias = step.bias(0, dtype)
+        if bias is not None:
+            scores = scores + bias[:, 0]
+        o = torch.matmul(torch.softmax(scores, dim=-1), e[..., :rank])  # (B, H, rank)
+        return torch.matmul(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
     def compiled() -> torch.Tensor:
-        return mla_paged_attention(flex_step, 0, q_nope, q_pe, lat_new, pe_new, w_uk, w_uv, scale)
+        return mla_paged_attention(flex_step, 0, q_nope, q_pe, lat_new, pe_new, w_kv, scale)
 
     def plan() -> None:
         for b, t in enumerate(tables):

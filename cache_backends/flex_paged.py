@@ -19,6 +19,13 @@ Layout of one call (one layer, one step of ``N`` packed tokens):
   with ``BLOCK_M=16`` and ``BLOCK_N`` dividing the block size, so the block size must be a multiple
   of 16 there (:data:`CUDA_MIN_BLOCK`; checked before compiling). A shape that still fails to compile
   falls back to gather + SDPA (:class:`FlexUnavailable`).
+* **MLA layers** (DeepSeek V2/V3) — the pool holds one ``[latent | rope]`` row per token, shared by
+  every head, so the kernel runs the absorbed form (:meth:`FlexPagedAttention.attend_latent`): the
+  caller folds ``kv_b_proj``'s key half into the queries (``q_nope W_UK`` per head, then ``q_pe``), the
+  rows are the keys of one KV head (all ``H`` query heads of a token in one Q block), their latents the
+  values (a V head dim unlike K's, a strided view of the same rows), and the caller up-projects the
+  output through the value half. Nothing is expanded per cached token (gather + SDPA expands every
+  visible latent into per-head K/V at every step and layer, as transformers' DeepSeek does).
 * **block mask** — per token: the blocks from the window's first (``max(0, pos - W + 1)``, or 0) to
   the token's own. The first and last are *partial* (the mask function decides per key: causal,
   window); the ones between are *full* (no mask work). A window's released blocks (``-1``) lie

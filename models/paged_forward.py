@@ -111,8 +111,8 @@ class PagedLatentCache:
         return entries[..., :rank].unsqueeze(1), entries[..., rank:].unsqueeze(1)
 
 
-def absorbed_weights(module: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``kv_b_proj``'s key and value halves per head, ``(H, nope, rank)`` and ``(H, d_v, rank)`` (views), or None.
+def absorbed_weights(module: Any) -> torch.Tensor | None:
+    """``kv_b_proj.weight`` per head, ``(H, nope + d_v, rank)`` (a view), or None when it cannot be folded.
 
     None when the projection is not a plain floating-point matrix of the expected shape (a quantized
     checkpoint's, for one): the absorbed form folds the weight into queries and outputs as it is.
@@ -125,8 +125,7 @@ def absorbed_weights(module: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
             or not isinstance(weight, torch.Tensor) or not weight.is_floating_point()
             or None in (heads, nope, dv, rank) or tuple(weight.shape) != (heads * (nope + dv), rank)):
         return None
-    w = weight.view(heads, nope + dv, rank)
-    return w[:, :nope], w[:, nope:]
+    return weight.view(heads, nope + dv, rank)
 
 
 def latent_attention(module: Any, batch: PagedBatch, layer: int, query: torch.Tensor,
@@ -137,10 +136,10 @@ def latent_attention(module: Any, batch: PagedBatch, layer: int, query: torch.Te
     cannot be folded (:func:`absorbed_weights`) or the kernel could not compile, the latents are gathered
     and expanded by the model's own ``expand_kv`` for gather + SDPA, as on the reference path.
     """
-    weights = absorbed_weights(module)
-    if weights is not None and batch.flex is not None:
+    w_kv = absorbed_weights(module)
+    if w_kv is not None and batch.flex is not None:
         nope = module.qk_nope_head_dim
-        out = attend_latent(batch, layer, query[..., :nope], query[..., nope:], *weights, scale)
+        out = attend_latent(batch, layer, query[..., :nope], query[..., nope:], w_kv, scale)
         if out is not None:
             return out
     rank = module.kv_lora_rank

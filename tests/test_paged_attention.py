@@ -308,11 +308,10 @@ def mla_pools(manager: str) -> BlockPools:
 
 
 def run_mla_steps(pools: BlockPools, lengths: list[int], chunk: int, arrivals: list[int], seed: int,
-                  flex: object = None) -> tuple[list[dict], dict[str, torch.Tensor]]:
+                  flex: object = None) -> tuple[list[dict], torch.Tensor]:
     """Random queries, latents and ``kv_b_proj`` halves through both MLA layers in chunks; outputs per sequence."""
     gen = torch.Generator().manual_seed(seed)
-    w = {"uk": torch.randn(2, MLA_HEADS, NOPE, RANK, generator=gen) / RANK**0.5,
-         "uv": torch.randn(2, MLA_HEADS, DV, RANK, generator=gen) / RANK**0.5}
+    w = torch.randn(2, MLA_HEADS, NOPE + DV, RANK, generator=gen) / RANK**0.5  # kv_b_proj per layer and head
     seqs = [{"q_nope": torch.randn(2, L, MLA_HEADS, NOPE, generator=gen),
              "q_pe": torch.randn(2, L, MLA_HEADS, ROPE, generator=gen),
              "latent": torch.randn(2, L, RANK, generator=gen), "rope": torch.randn(2, L, ROPE, generator=gen),
@@ -338,7 +337,7 @@ def run_mla_steps(pools: BlockPools, lengths: list[int], chunk: int, arrivals: l
                                      for b, c in zip(active, chunks, strict=True)])
                     for name in ("q_nope", "q_pe", "latent", "rope")}
             out = mla_paged_attention(batch, layer, part["q_nope"], part["q_pe"], part["latent"], part["rope"],
-                                      w["uk"][layer], w["uv"][layer], MLA_SCALE)
+                                      w[layer], MLA_SCALE)
             row = 0
             for b, c in zip(active, chunks, strict=True):
                 seqs[b]["out"].setdefault(layer, []).append(out[row:row + len(c.token_ids)])
@@ -348,12 +347,13 @@ def run_mla_steps(pools: BlockPools, lengths: list[int], chunk: int, arrivals: l
     return seqs, w
 
 
-def mla_dense(s: dict, w: dict[str, torch.Tensor], layer: int) -> torch.Tensor:
+def mla_dense(s: dict, w: torch.Tensor, layer: int) -> torch.Tensor:
     """One whole sequence's MLA as DeepSeek writes it: latents expanded per head, causal SDPA. ``(L, H, d_v)``."""
     latent, rope = s["latent"][layer], s["rope"][layer]
     L = latent.shape[0]
-    k = torch.cat((torch.einsum("lr,hdr->hld", latent, w["uk"][layer]), rope.expand(MLA_HEADS, L, ROPE)), dim=-1)
-    v = torch.einsum("lr,hdr->hld", latent, w["uv"][layer])
+    kv = torch.einsum("lr,hdr->hld", latent, w[layer])
+    k = torch.cat((kv[..., :NOPE], rope.expand(MLA_HEADS, L, ROPE)), dim=-1)
+    v = kv[..., NOPE:]
     q = torch.cat((s["q_nope"][layer], s["q_pe"][layer]), dim=-1).transpose(0, 1)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=MLA_SCALE).transpose(0, 1)
 
