@@ -28,6 +28,8 @@ def make_pools(window: int | None, manager: str = "v2", tokens_per_block: int = 
     layers = [LayerKV(0, "full", ENTRY), LayerKV(1, "sliding", ENTRY, window=window) if window else
               LayerKV(1, "full", ENTRY)]
     layout = build_layout(layers, manager, tokens_per_block, dtype)
+    if layout.shared:  # one arena (and one toy free list) for both groups: each group's worst case, together
+        blocks *= len(layout.groups)
     pools = BlockPools(layout, {g.name: blocks for g in layout.groups}, "cpu")
     for t in pools.tensors.values():
         t.fill_(float("nan"))  # unwritten slots must never reach a result
