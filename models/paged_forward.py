@@ -15,6 +15,8 @@ How the pieces meet in transformers 5.x:
   for multi-head latent attention (DeepSeek V3): there :class:`PagedLatentCache` is passed as
   ``cache`` because ``cache.update`` is the one place that sees the latent before ``kv_b_proj``
   expands it, so kvload stores the latent (the MLA pool entry) and hands back the gathered latents.
+  On the compiled path it gathers nothing: the attention reads the latents in place in the absorbed
+  form (:func:`latent_attention`), folding ``kv_b_proj`` into the queries and the output.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ def paged_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor,
     """The ``kvload_paged`` attention: write the new K/V into the pools, attend over the cached K/V.
 
     ``query`` is ``(1, H, N, d)`` (one packed row); ``key``/``value`` are the new tokens' ``(1, Hkv, N, d)``,
-    or for MLA the already gathered ``(B, H, max_k, d)`` that :class:`PagedLatentCache` returned.
+    or for MLA the already gathered ``(B, H, max_k, d)`` that :class:`PagedLatentCache` returned (on the
+    compiled path one token's, which are ignored: the layer attends over the latents in place).
     Returns ``(1, N, H, d_v)`` and no attention weights.
     """
     batch = kvload_batch
