@@ -131,6 +131,18 @@ def absorbed_weights(module: Any) -> torch.Tensor | None:
     return weight.view(heads, nope + dv, rank)
 
 
+def unfoldable_mla(model: Any) -> str | None:
+    """Why the model's MLA layers cannot run in the absorbed form (:func:`absorbed_weights`), or None when they can."""
+    for name, module in model.named_modules():
+        if hasattr(module, "kv_b_proj") and absorbed_weights(module) is None:
+            weight = getattr(module.kv_b_proj, "weight", None)
+            what = f"a {type(module.kv_b_proj).__name__}" + (f" of {weight.dtype}" if isinstance(weight, torch.Tensor)
+                                                             else "")
+            return (f"the MLA layer {name}'s kv_b_proj is {what}, not a plain floating-point matrix the compiled "
+                    "path can fold into its queries and outputs")
+    return None
+
+
 def latent_attention(module: Any, batch: PagedBatch, layer: int, query: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """MLA attention over latents the cache route stored in place: packed ``(N, H, d)`` in, ``(N, H, d_v)`` out.

@@ -89,6 +89,21 @@ def test_generate_on_flex_runs_mla_absorbed_and_equals_transformers(tiny_checkpo
         assert not [e for e in result.audit.of("setting_ignored") if e["field"] == "attention_backend"]
 
 
+def test_flex_on_mla_whose_projection_cannot_be_folded_says_it_is_ignored(tiny_checkpoints):
+    # a quantized checkpoint's kv_b_proj (here: an int8 weight) cannot be folded into queries and outputs
+    import torch
+
+    with load(tiny_checkpoints("deepseek-v3"), "v2", max_num_tokens=8, attention_backend="sdpa") as result:
+        proj = result.hf_model.model.layers[1].self_attn.kv_b_proj
+        proj.weight = torch.nn.Parameter(proj.weight.detach().to(torch.int8), requires_grad=False)
+        result.executor.use_attention("flex", 8)
+        assert result.executor.flex is None
+        (ignored,) = [e for e in result.audit.of("setting_ignored") if e["field"] == "attention_backend"]
+        assert ignored["reason"] == ("the MLA layer model.layers.1.self_attn's kv_b_proj is a Linear of torch.int8, "
+                                     "not a plain floating-point matrix the compiled path can fold into its queries "
+                                     "and outputs; generate attends through gather + SDPA")
+
+
 @pytest.mark.parametrize("family", ["llama", "deepseek-v3"])  # deepseek-v3: an MLA layer falls back mid-step
 def test_a_shape_that_fails_to_compile_falls_back_to_gather_and_says_so(tiny_checkpoints, monkeypatch, family):
     import cache_backends.flex_paged as fp

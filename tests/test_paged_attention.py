@@ -360,7 +360,7 @@ def mla_dense(s: dict, w: torch.Tensor, layer: int) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=MLA_SCALE).transpose(0, 1)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     lengths=st.lists(st.integers(1, 19), min_size=1, max_size=4),
     chunk=st.integers(1, 2),
