@@ -87,6 +87,10 @@ def test_generate_on_flex_runs_mla_absorbed_and_equals_transformers(tiny_checkpo
         assert flex.calls == 3 * result.executor.last_stats.steps
         assert dynamo_graphs() - graphs_before <= 1
         assert not [e for e in result.audit.of("setting_ignored") if e["field"] == "attention_backend"]
+        # a prompt extending an earlier one reads its cached blocks (shared by two tables) on the kernel too
+        longer = ps[2] + [7, 8, 9]
+        (again,) = result.generate([longer], max_new_tokens=NEW_TOKENS)
+        assert again.reused_prompt_tokens >= 16 and again.token_ids == hf_greedy(result.hf_model, longer)
 
 
 def test_flex_on_mla_whose_projection_cannot_be_folded_says_it_is_ignored(tiny_checkpoints):
