@@ -27,7 +27,9 @@ over a contiguous latent cache (transformers' DeepSeek: every cached latent expa
 latents, expand them the same way, SDPA); ``gather_abs`` the gathered latents in the absorbed form
 over SDPA (queries folded into latent space, one shared KV head; no expansion); ``flex`` the compiled
 path (absorbed, the kernel reading the pool in place). Each includes the new token's write and, on
-the absorbed paths, the query fold and the output's up-projection.
+the absorbed paths, the query fold and the output's up-projection. ``--mla --mla-prefill 64@0,64@512``
+times one sequence's chunk of 64 tokens from position 0 and 512 instead, absorbed (flex) against expanded
+(gather + SDPA), and prints which the executor's rule (``absorbed_pays``) picks for that step.
 
 ``--plan-groups 5+1,52+10`` times only the per-step plan of a whole model instead: ``S`` sliding-window
 (``--window``) and ``F`` full layers on a V2 layout, once with every layer's page the same shape (one
@@ -290,6 +292,52 @@ def mla_table(args: argparse.Namespace, device: torch.device) -> None:
             print(line, flush=True)
 
 
+def mla_prefill(args: argparse.Namespace, device: torch.device) -> None:
+    """``--mla-prefill N@S,...``: one sequence's chunk of N tokens from position S, absorbed (flex) vs expanded.
+
+    Times ``mla_paged_attention`` on the compiled path (absorbed) and on gather + SDPA (the gathered latents
+    expanded through ``kv_b_proj``), and prints which one ``models.paged_forward.absorbed_pays`` picks for
+    that step. Plans excluded.
+    """
+    from types import SimpleNamespace
+
+    from models.paged_forward import absorbed_pays
+
+    dtype = TORCH_DTYPES[args.dtype]
+    h, nope, rope, rank, dv, T = args.heads, args.nope_dim, args.rope_dim, args.kv_rank, args.v_dim, args.block
+    config = SimpleNamespace(kv_lora_rank=rank, qk_rope_head_dim=rope, qk_nope_head_dim=nope, v_head_dim=dv)
+    print(f"MLA chunk (one sequence), one layer: clock={CLOCK['name']} device={device} dtype={args.dtype} heads={h} "
+          f"nope={nope} rope={rope} kv_rank={rank} v={dv} block={T} reps={args.reps} threads={torch.get_num_threads()}")
+    print(f"{'tokens':>6} {'from':>6} {'expanded_us':>12} {'absorbed_us':>12} {'abs/exp':>8} {'picked':>9}")
+    for spec in args.mla_prefill.split(","):
+        n, start = (int(x) for x in spec.split("@"))
+        layout = build_layout([LayerKV(0, "mla", rank + rope)], "v2", T, args.dtype)
+        group = layout.groups[0].name
+        blocks = -(-(start + n) // T)
+        pools = BlockPools(layout, {group: blocks + 2}, device)  # the compiled path wants 2 blocks or more
+        flex = FlexPagedAttention(pools, max(n, 8))
+        pools.tensors[group].normal_()
+        ids = list(range(blocks))
+        random.Random(0).shuffle(ids)
+        chunk = [SeqChunk([1] * n, start, {group: ids})]
+        w = torch.randn(h, nope + dv, rank, device=device, dtype=dtype) / rank**0.5
+        qn, qp = (torch.randn(n, h, d, device=device, dtype=dtype) for d in (nope, rope))
+        lat, pe = (torch.randn(n, d, device=device, dtype=dtype) for d in (rank, rope))
+        expanded, absorbed = PagedBatch.build(chunk, pools), PagedBatch.build(chunk, pools, flex=flex)
+        scale = (nope + rope) ** -0.5
+
+        def run(step: PagedBatch, inputs: tuple = (qn, qp, lat, pe, w, scale)) -> Callable[[], torch.Tensor]:
+            return lambda: mla_paged_attention(step, 0, *inputs)
+
+        with torch.inference_mode():
+            tol = 1e-4 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(run(absorbed)().float(), run(expanded)().float(), rtol=tol, atol=tol)
+            e, a = median_us(run(expanded), args.reps, device), median_us(run(absorbed), args.reps, device)
+        picked = "absorbed" if absorbed_pays(absorbed, config) else "expanded"
+        print(f"{n:>6} {start:>6} {e:>12.1f} {a:>12.1f} {a / e:>8.2f} {picked:>9}", flush=True)
+        pools.release()
+
+
 def other_tree(root: str) -> tuple[Any, Any]:
     """Another source tree's ``paged_attention`` and ``block_tables`` modules (e.g. main's), imported beside ours."""
     import importlib.util
@@ -425,6 +473,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rope-dim", type=int, default=64, help="--mla: qk_rope_head_dim")
     p.add_argument("--kv-rank", type=int, default=512, help="--mla: kv_lora_rank")
     p.add_argument("--v-dim", type=int, default=128, help="--mla: v_head_dim")
+    p.add_argument("--mla-prefill", default="", metavar="N@S,...",
+                   help="with --mla: one sequence's chunk of N tokens from position S, absorbed vs expanded")
     p.add_argument("--plan-groups", default="", metavar="S+F,...",
                    help="time only the per-step plan of S sliding + F full layers, cut into groups and not")
     p.add_argument("--window", type=int, default=512, help="--plan-groups: the sliding layers' window")
@@ -451,6 +501,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.heads is None:
         args.heads = 16 if args.mla else 8  # with --mla: DeepSeek-V2-Lite's, as the other --mla defaults
+    if args.mla and args.mla_prefill:
+        mla_prefill(args, device)
+        return
     if args.mla:
         mla_table(args, device)
         return

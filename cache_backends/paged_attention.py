@@ -264,6 +264,10 @@ class PagedBatch:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t.to(self.device)
 
+    def attention_work(self) -> tuple[int, int]:
+        """``(Σ queries x visible keys, Σ visible keys)`` over the step's sequences, for a layer with no window."""
+        return int((self._n_np * self._end_np).sum()), int(self._end_np.sum())
+
     @property
     def last_token_index(self) -> torch.Tensor:
         """Index of each sequence's last new token in the packed row (where its next-token logits are)."""

@@ -83,6 +83,34 @@ def paged_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor,
     return attend_packed(batch, layer, query[0].transpose(0, 1), k, v, scale, softcap).unsqueeze(0), None
 
 
+#: How fast the compiled kernel does an absorbed query-key pair's multiply-adds against a GEMM's (``kv_b_proj``
+#: expanding latents, SDPA), fitted on the 2-core CPU of BENCHMARKS.md ("MLA prefill: absorbed or expanded"):
+#: one sequence's chunk of DeepSeek-V2-Lite's shape after 512 cached tokens ran faster absorbed up to 64
+#: tokens and slower from 128; this rate puts the switch at ~70. (Chunks from position 0 ran 1.1-1.5x faster
+#: expanded at every length: the rule picks absorbed up to ~70 there, costing up to 1.22x in that band.)
+ABSORBED_RATE = 0.5
+
+
+def absorbed_pays(batch: PagedBatch, config: Any) -> bool:
+    """Whether a step's MLA layers cost less absorbed (per query-key pair) than expanded (per key), by multiply-adds.
+
+    Absorbed, each (query, visible key) pair costs ``2 * kv_lora_rank + qk_rope_head_dim`` per head (the
+    latent row's dot product and its latent's share of the output), at :data:`ABSORBED_RATE` of a GEMM's
+    speed; expanded, each visible key costs ``kv_lora_rank * (qk_nope_head_dim + v_head_dim)`` per head to
+    expand, once per step, plus ``qk_head_dim + v_head_dim`` per pair. Decode steps and short chunks pay
+    absorbed; a long prefill chunk pays expanded (its keys are expanded once for all its queries).
+    """
+    from models.geometry import text_config
+
+    cfg = text_config(config)
+    dims = [getattr(cfg, name, None) for name in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")]
+    if any(not isinstance(d, int) for d in dims):
+        return True
+    rank, rope, nope, dv = dims
+    pairs, keys = batch.attention_work()
+    return pairs * (2 * rank + rope) <= ABSORBED_RATE * (keys * rank * (nope + dv) + pairs * (nope + rope + dv))
+
+
 class PagedLatentCache:
     """The ``cache`` a DeepSeek V3 (MLA) forward gets: stores latents in the pools, returns them gathered.
 
@@ -93,8 +121,10 @@ class PagedLatentCache:
     Only ``update`` is used: mask creation exits before touching a cache for a custom attention.
     """
 
-    def __init__(self, batch: PagedBatch) -> None:
+    def __init__(self, batch: PagedBatch, config: Any = None) -> None:
         self.batch = batch
+        #: whether this step's MLA layers attend absorbed on the compiled path (:func:`absorbed_pays`)
+        self.absorbed = batch.flex is not None and (config is None or absorbed_pays(batch, config))
 
     def update(self, latent: torch.Tensor, rope: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,11 +133,12 @@ class PagedLatentCache:
         On the compiled path nothing is gathered: the attention reads the latents in place (absorbed
         MLA, :func:`latent_attention`), so this returns the first new token's parts only — the model
         expands them into K/V of one token, which the attention ignores (the model's code has no way
-        to skip its ``expand_kv``; one token keeps that waste to one row of ``kv_b_proj``).
+        to skip its ``expand_kv``; one token keeps that waste to one row of ``kv_b_proj``). A step whose
+        long prefill chunks make expanding cheaper (:func:`absorbed_pays`) gathers as on gather + SDPA.
         """
         rank = latent.shape[-1]
         self.batch.write(layer_idx, torch.cat((latent[0, 0], rope[0, 0]), dim=-1))
-        if self.batch.flex is not None:
+        if self.absorbed and self.batch.flex is not None:
             self.batch.latent_in_place.add(layer_idx)
             return latent[:, :, :1], rope[:, :, :1]
         entries = self.batch.gather(layer_idx, latent.dtype)
@@ -189,7 +220,7 @@ def run_forward(model: Any, batch: PagedBatch) -> torch.Tensor:
     if impl != ATTN_IMPLEMENTATION:
         raise RuntimeError(f"the model's attention is {impl!r}; call models.paged_forward.use_paged_attention(model) "
                            "first")
-    cache = PagedLatentCache(batch) if uses_latent_cache(batch) else None
+    cache = PagedLatentCache(batch, model.config) if uses_latent_cache(batch) else None
     with torch.inference_mode():
         out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, cache=cache, use_cache=False,
                     logits_to_keep=batch.logits_to_keep, kvload_batch=batch)

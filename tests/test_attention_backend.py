@@ -93,6 +93,40 @@ def test_generate_on_flex_runs_mla_absorbed_and_equals_transformers(tiny_checkpo
         assert again.reused_prompt_tokens >= 16 and again.token_ids == hf_greedy(result.hf_model, longer)
 
 
+@pytest.mark.parametrize(("chunks", "absorbed"), [
+    ([(1, 600)] * 8, True),  # decode: one query per sequence, every key expanded for it otherwise
+    ([(8, 512)], True), ([(64, 512)], True),  # short chunks after a cached prefix
+    ([(128, 512)], False), ([(512, 0)], False),  # long prefill chunks: each key expanded once for many queries
+    ([(512, 0)] + [(1, 600)] * 32, True),  # a prompt beside 32 decodes: the decodes' keys outweigh it
+])
+def test_a_step_attends_absorbed_where_that_costs_fewer_multiply_adds(chunks, absorbed):
+    # DeepSeek-V2-Lite's MLA dims; the switch sits near 70 queries per sequence (BENCHMARKS.md, "MLA prefill")
+    from types import SimpleNamespace
+
+    from cache_backends.layout import LayerKV, build_layout
+    from cache_backends.paged_attention import PagedBatch, SeqChunk
+    from cache_backends.pools import BlockPools
+    from models.paged_forward import absorbed_pays
+
+    config = SimpleNamespace(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
+    layout = build_layout([LayerKV(0, "mla", 576)], "v2", 16, "float32")
+    pools = BlockPools(layout, {layout.groups[0].name: 40}, "cpu")
+    table = {layout.groups[0].name: list(range(40))}
+    batch = PagedBatch.build([SeqChunk([1] * n, start, table) for n, start in chunks], pools)
+    assert absorbed_pays(batch, config) is absorbed
+
+
+def test_flex_expands_mla_for_a_long_prefill_chunk_and_stays_token_equal(tiny_checkpoints):
+    # tiny-deepseek-v3's dims switch to expanding above ~10 queries per sequence: the 16-token prefill chunk
+    # gathers and expands (as on sdpa), the decode steps attend absorbed on the kernel
+    with load(tiny_checkpoints("deepseek-v3"), "v2", max_num_tokens=16, attention_backend="flex") as result:
+        prompt = prompts_for(result.hf_model.config.vocab_size)[1]  # 13 tokens: one chunk
+        (out,) = result.generate([prompt], max_new_tokens=NEW_TOKENS)
+        assert out.token_ids == hf_greedy(result.hf_model, prompt)
+        steps, calls = result.executor.last_stats.steps, result.executor.flex.calls
+        assert calls == 3 * (steps - 1)  # every step but the prefill, on all 3 layers
+
+
 def test_flex_on_mla_whose_projection_cannot_be_folded_says_it_is_ignored(tiny_checkpoints):
     # a quantized checkpoint's kv_b_proj (here: an int8 weight) cannot be folded into queries and outputs
     import torch
