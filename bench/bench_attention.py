@@ -19,6 +19,18 @@ into a dense ``(B, kv_heads, L, head_dim)`` cache and runs SDPA over it. ``plan_
 once per step and shared by every layer; the ``_x`` ratios add it to one layer's attention (the
 worst case: a one-layer model). Medians over ``--reps`` runs after warm-up.
 
+``--mla`` times one multi-head latent attention layer (DeepSeek V2/V3; ``--heads``, ``--nope-dim``,
+``--rope-dim``, ``--kv-rank``, ``--v-dim``: DeepSeek-V2-Lite's 16, 128, 64, 512, 128 by default there)
+instead: the pool holds one ``[latent | rope]`` row per token. ``contig`` is the model's own attention
+over a contiguous latent cache (transformers' DeepSeek: every cached latent expanded through
+``kv_b_proj`` into per-head K/V each step, then SDPA); ``gather`` kvload's reference (gather the
+latents, expand them the same way, SDPA); ``gather_abs`` the gathered latents in the absorbed form
+over SDPA (queries folded into latent space, one shared KV head; no expansion); ``flex`` the compiled
+path (absorbed, the kernel reading the pool in place). Each includes the new token's write and, on
+the absorbed paths, the query fold and the output's up-projection. ``--mla --mla-prefill 64@0,64@512``
+times one sequence's chunk of 64 tokens from position 0 and 512 instead, absorbed (flex) against expanded
+(gather + SDPA), and prints which the executor's rule (``absorbed_pays``) picks for that step.
+
 ``--plan-groups 5+1,52+10`` times only the per-step plan of a whole model instead: ``S`` sliding-window
 (``--window``) and ``F`` full layers on a V2 layout, once with every layer's page the same shape (one
 shared arena, the layers cut into ``gcd(S, F)``-layer groups: tiny-gemma3 is 5+1 → 6 groups, Gemma 3 27B
@@ -46,7 +58,7 @@ import torch.nn.functional as F
 from cache_backends.block_tables import BlockTableStore
 from cache_backends.flex_paged import FlexPagedAttention
 from cache_backends.layout import LayerKV, build_layout
-from cache_backends.paged_attention import PagedBatch, SeqChunk, paged_attention
+from cache_backends.paged_attention import PagedBatch, SeqChunk, mla_paged_attention, paged_attention
 from cache_backends.pools import TORCH_DTYPES, BlockPools
 
 #: what ``median_us`` reads: "cpu" = the calling thread's CPU time (``--threads 1`` on a CPU: torch computes on
@@ -169,6 +181,163 @@ def bench_point(batch: int, length: int, args: argparse.Namespace, device: torch
     return result
 
 
+def bench_mla_point(batch: int, length: int, args: argparse.Namespace, device: torch.device) -> dict[str, float]:
+    """Time one (batch, context length) point of an MLA layer's decode (see ``--mla``)."""
+    dtype = TORCH_DTYPES[args.dtype]
+    h, nope, rope, rank, dv, T = args.heads, args.nope_dim, args.rope_dim, args.kv_rank, args.v_dim, args.block
+    width = rank + rope
+    layout = build_layout([LayerKV(0, "mla", width)], "v2", T, args.dtype)
+    group = layout.groups[0].name
+    blocks_per_seq = -(-length // T)
+    pools = BlockPools(layout, {group: batch * blocks_per_seq}, device)
+    ids = list(range(batch * blocks_per_seq))
+    random.Random(0).shuffle(ids)
+    tables = [ids[b * blocks_per_seq:(b + 1) * blocks_per_seq] for b in range(batch)]
+    lens = [length - (b * length // (2 * batch) if args.ragged else 0) for b in range(batch)]
+    store = BlockTableStore([group], blocks_per_seq)
+    rows = [store.update(f"r{b}", group, t) for b, t in enumerate(tables)]
+    bare = [SeqChunk([1], n - 1, {}) for n in lens]
+    flex = FlexPagedAttention(pools, batch) if args.flex else None  # zero-fills the pool: fill it after
+    pools.tensors[group].normal_()
+    pad_mask = None
+    if args.ragged:
+        pad_mask = (torch.arange(length, device=device)[None, :] < torch.tensor(lens, device=device)[:, None])
+        pad_mask = pad_mask[:, None, None, :]
+    last = torch.tensor(lens, device=device) - 1
+    seq = torch.arange(batch, device=device)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device, dtype=dtype)
+
+    w = randn(h * (nope + dv), rank) / rank**0.5  # kv_b_proj.weight
+    w_kv = w.view(h, nope + dv, rank)
+    w_uk, w_uv = w_kv[:, :nope], w_kv[:, nope:]
+    q_nope, q_pe, lat_new, pe_new = randn(batch, h, nope), randn(batch, h, rope), randn(batch, rank), randn(batch, rope)
+    scale = (nope + rope) ** -0.5
+    dense = randn(batch, length, width)
+    step = PagedBatch.build(bare, pools, store.tables(rows))
+    flex_step = PagedBatch.build(bare, pools, store.tables(rows), flex=flex)
+
+    def contiguous() -> torch.Tensor:  # transformers' DeepseekV3Attention over a contiguous latent cache
+        dense[seq, last] = torch.cat((lat_new, pe_new), dim=-1)
+        kv = F.linear(dense[..., :rank], w).view(batch, length, h, nope + dv).transpose(1, 2)
+        k_nope, v = kv.split([nope, dv], dim=-1)
+        k = torch.cat((k_nope, dense[:, None, :, rank:].expand(-1, h, -1, -1)), dim=-1)
+        q = torch.cat((q_nope, q_pe), dim=-1).unsqueeze(2)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=pad_mask, scale=scale).squeeze(2)
+
+    def gather() -> torch.Tensor:
+        return mla_paged_attention(step, 0, q_nope, q_pe, lat_new, pe_new, w_kv, scale)
+
+    def gather_absorbed() -> torch.Tensor:
+        # plain matmuls: one KV head, so a sequence's H queries are the rows of one (H, D) x (D, max_k) product
+        # (SDPA with enable_gqa and a V head dim unlike K's takes its slow math path: ~30x this at 1024 keys)
+        step.write(0, torch.cat((lat_new, pe_new), dim=-1))
+        e = step.gather(0)  # (B, max_k, rank + rope)
+        q = torch.cat((torch.matmul(q_nope.transpose(0, 1), w_uk).transpose(0, 1), q_pe), dim=-1)  # (B, H, D)
+        scores = torch.matmul(q, e.transpose(1, 2)) * scale  # (B, H, max_k)
+        bias = step.bias(0, dtype)
+        if bias is not None:
+            scores = scores + bias[:, 0]
+        o = torch.matmul(torch.softmax(scores, dim=-1), e[..., :rank])  # (B, H, rank)
+        return torch.matmul(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+    def compiled() -> torch.Tensor:
+        return mla_paged_attention(flex_step, 0, q_nope, q_pe, lat_new, pe_new, w_kv, scale)
+
+    def plan() -> None:
+        for b, t in enumerate(tables):
+            store.update(f"r{b}", group, t)
+        PagedBatch.build(bare, pools, store.tables(rows)).mask(0)
+
+    def plan_flex() -> None:
+        for b, t in enumerate(tables):
+            store.update(f"r{b}", group, t)
+        fresh = PagedBatch.build(bare, pools, store.tables(rows), flex=flex)
+        flex.block_mask(fresh, group, None, flex.rows_per_token(h))
+
+    with torch.inference_mode():
+        # the paths agree (the dense cache holds other numbers than the pool: compare the paged ones only)
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        ref = gather()
+        torch.testing.assert_close(gather_absorbed().float(), ref.float(), rtol=tol, atol=tol)
+        result = {"contiguous": median_us(contiguous, args.reps, device), "paged": median_us(gather, args.reps, device),
+                  "absorbed": median_us(gather_absorbed, args.reps, device), "plan": median_us(plan, args.reps, device)}
+        if flex is not None:
+            torch.testing.assert_close(compiled().float(), ref.float(), rtol=tol, atol=tol)
+            result["flex"] = median_us(compiled, args.reps, device)
+            result["plan_flex"] = median_us(plan_flex, args.reps, device)
+            result["compile_s"] = flex.warmup_s
+    pools.release()
+    return result
+
+
+def mla_table(args: argparse.Namespace, device: torch.device) -> None:
+    """``--mla``: one MLA layer's decode per (batch, length) point, every path side by side."""
+    print(f"MLA decode, one layer: clock={CLOCK['name']} device={device} dtype={args.dtype} heads={args.heads} "
+          f"nope={args.nope_dim} rope={args.rope_dim} kv_rank={args.kv_rank} v={args.v_dim} block={args.block} "
+          f"reps={args.reps} ragged={args.ragged} threads={torch.get_num_threads()} torch={torch.__version__}")
+    print("times in us (medians), plan excluded (shown apart: once per step, shared by the layers); "
+          "x = contig / path (> 1: faster than the model's own attention)")
+    print(f"{'batch':>5} {'len':>6} {'contig':>9} {'gather':>9} {'gather_abs':>10} {'flex':>8} {'plan':>6} "
+          f"{'plan_flex':>9} {'gather_x':>8} {'abs_x':>6} {'flex_x':>6} {'flex/abs':>8} {'compile_s':>9}")
+    for b in (int(x) for x in args.batch.split(",")):
+        for n in (int(x) for x in args.lengths.split(",")):
+            r = bench_mla_point(b, n, args, device)
+            c = r["contiguous"]
+            line = (f"{b:>5} {n:>6} {c:>9.1f} {r['paged']:>9.1f} {r['absorbed']:>10.1f} {r.get('flex', 0):>8.1f} "
+                    f"{r['plan']:>6.1f} {r.get('plan_flex', 0):>9.1f} {c / r['paged']:>8.2f} {c / r['absorbed']:>6.2f}")
+            if "flex" in r:
+                line += f" {c / r['flex']:>6.2f} {r['flex'] / r['absorbed']:>8.2f} {r['compile_s']:>9.1f}"
+            print(line, flush=True)
+
+
+def mla_prefill(args: argparse.Namespace, device: torch.device) -> None:
+    """``--mla-prefill N@S,...``: one sequence's chunk of N tokens from position S, absorbed (flex) vs expanded.
+
+    Times ``mla_paged_attention`` on the compiled path (absorbed) and on gather + SDPA (the gathered latents
+    expanded through ``kv_b_proj``), and prints which one ``models.paged_forward.absorbed_pays`` picks for
+    that step. Plans excluded.
+    """
+    from types import SimpleNamespace
+
+    from models.paged_forward import absorbed_pays
+
+    dtype = TORCH_DTYPES[args.dtype]
+    h, nope, rope, rank, dv, T = args.heads, args.nope_dim, args.rope_dim, args.kv_rank, args.v_dim, args.block
+    config = SimpleNamespace(kv_lora_rank=rank, qk_rope_head_dim=rope, qk_nope_head_dim=nope, v_head_dim=dv)
+    print(f"MLA chunk (one sequence), one layer: clock={CLOCK['name']} device={device} dtype={args.dtype} heads={h} "
+          f"nope={nope} rope={rope} kv_rank={rank} v={dv} block={T} reps={args.reps} threads={torch.get_num_threads()}")
+    print(f"{'tokens':>6} {'from':>6} {'expanded_us':>12} {'absorbed_us':>12} {'abs/exp':>8} {'picked':>9}")
+    for spec in args.mla_prefill.split(","):
+        n, start = (int(x) for x in spec.split("@"))
+        layout = build_layout([LayerKV(0, "mla", rank + rope)], "v2", T, args.dtype)
+        group = layout.groups[0].name
+        blocks = -(-(start + n) // T)
+        pools = BlockPools(layout, {group: blocks + 2}, device)  # the compiled path wants 2 blocks or more
+        flex = FlexPagedAttention(pools, max(n, 8))
+        pools.tensors[group].normal_()
+        ids = list(range(blocks))
+        random.Random(0).shuffle(ids)
+        chunk = [SeqChunk([1] * n, start, {group: ids})]
+        w = torch.randn(h, nope + dv, rank, device=device, dtype=dtype) / rank**0.5
+        qn, qp = (torch.randn(n, h, d, device=device, dtype=dtype) for d in (nope, rope))
+        lat, pe = (torch.randn(n, d, device=device, dtype=dtype) for d in (rank, rope))
+        expanded, absorbed = PagedBatch.build(chunk, pools), PagedBatch.build(chunk, pools, flex=flex)
+        scale = (nope + rope) ** -0.5
+
+        def run(step: PagedBatch, inputs: tuple = (qn, qp, lat, pe, w, scale)) -> Callable[[], torch.Tensor]:
+            return lambda: mla_paged_attention(step, 0, *inputs)
+
+        with torch.inference_mode():
+            tol = 1e-4 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(run(absorbed)().float(), run(expanded)().float(), rtol=tol, atol=tol)
+            e, a = median_us(run(expanded), args.reps, device), median_us(run(absorbed), args.reps, device)
+        picked = "absorbed" if absorbed_pays(absorbed, config) else "expanded"
+        print(f"{n:>6} {start:>6} {e:>12.1f} {a:>12.1f} {a / e:>8.2f} {picked:>9}", flush=True)
+        pools.release()
+
+
 def other_tree(root: str) -> tuple[Any, Any]:
     """Another source tree's ``paged_attention`` and ``block_tables`` modules (e.g. main's), imported beside ours."""
     import importlib.util
@@ -286,7 +455,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
     p.add_argument("--lengths", default="128,512,1024", help="comma-separated context lengths")
-    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--heads", type=int, default=None, help="query heads (8; with --mla 16)")
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--block", type=int, default=16, help="tokens per block")
@@ -299,6 +468,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ragged", action="store_true", help="unequal sequence lengths (both sides then use a mask)")
     p.add_argument("--no-flex", dest="flex", action="store_false",
                    help="skip the compiled path (each new shape compiles for 10-50 s on a CPU)")
+    p.add_argument("--mla", action="store_true", help="time one MLA (latent) layer's decode instead")
+    p.add_argument("--nope-dim", type=int, default=128, help="--mla: qk_nope_head_dim")
+    p.add_argument("--rope-dim", type=int, default=64, help="--mla: qk_rope_head_dim")
+    p.add_argument("--kv-rank", type=int, default=512, help="--mla: kv_lora_rank")
+    p.add_argument("--v-dim", type=int, default=128, help="--mla: v_head_dim")
+    p.add_argument("--mla-prefill", default="", metavar="N@S,...",
+                   help="with --mla: one sequence's chunk of N tokens from position S, absorbed vs expanded")
     p.add_argument("--plan-groups", default="", metavar="S+F,...",
                    help="time only the per-step plan of S sliding + F full layers, cut into groups and not")
     p.add_argument("--window", type=int, default=512, help="--plan-groups: the sliding layers' window")
@@ -322,6 +498,14 @@ def main(argv: list[str] | None = None) -> None:
         "cpu" if device.type == "cpu" and torch.get_num_threads() == 1 else "wall")
     if args.plan_groups:
         plan_groups(args)
+        return
+    if args.heads is None:
+        args.heads = 16 if args.mla else 8  # with --mla: DeepSeek-V2-Lite's, as the other --mla defaults
+    if args.mla and args.mla_prefill:
+        mla_prefill(args, device)
+        return
+    if args.mla:
+        mla_table(args, device)
         return
     print(f"clock={CLOCK['name']} device={device} dtype={args.dtype} heads={args.heads} kv_heads={args.kv_heads} "
           f"head_dim={args.head_dim} "

@@ -19,7 +19,10 @@ reads prefixes a previous run cached.
 
 ``--model`` is anything ``kvload generate`` takes (a preset, a checkpoint directory, ``smollm2-135m``),
 or ``random-llama-1b``: a Llama-3.2-1B-shaped checkpoint with random weights, written once under the
-kvload cache (``$KVLOAD_CACHE`` or ``~/.cache/kvload``) — meant for a GPU.
+kvload cache (``$KVLOAD_CACHE`` or ``~/.cache/kvload``) — meant for a GPU; or ``random-deepseek-mla``: a
+DeepSeek V3 checkpoint (multi-head latent attention) with DeepSeek-V2-Lite's attention shape (hidden 2048,
+16 heads, ``kv_lora_rank`` 512, rope 64, nope 128, v 128) but 2 dense layers and a 32k vocabulary
+(~210 M parameters), random weights, written there too — small enough for a CPU.
 """
 
 from __future__ import annotations
@@ -45,17 +48,31 @@ LLAMA_1B = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers":
             "tie_word_embeddings": True, "rms_norm_eps": 1e-5}
 
 
+#: DeepSeek-V2-Lite's attention (MLA) in a DeepSeek V3 checkpoint of 2 dense layers and a 32k vocabulary.
+DEEPSEEK_MLA = {"hidden_size": 2048, "intermediate_size": 4096, "num_hidden_layers": 2, "first_k_dense_replace": 2,
+                "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": None, "kv_lora_rank": 512,
+                "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "head_dim": 64,
+                "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 256, "n_group": 1,
+                "topk_group": 1, "vocab_size": 32000, "max_position_embeddings": 8192, "tie_word_embeddings": False,
+                "rms_norm_eps": 1e-6}
+
+#: ``--model`` names that build a random-weights checkpoint: (transformers config class, architecture, shape)
+RANDOM_MODELS = {"random-llama-1b": ("LlamaConfig", "LlamaForCausalLM", LLAMA_1B),
+                 "random-deepseek-mla": ("DeepseekV3Config", "DeepseekV3ForCausalLM", DEEPSEEK_MLA)}
+
+
 def random_llama_dir(root: Path, name: str = "random-llama-1b", dtype: str = "bfloat16", **shape: Any) -> Path:
-    """A Llama checkpoint directory with seeded random weights (built once; later calls reuse it)."""
+    """A checkpoint of ``RANDOM_MODELS[name]`` with seeded random weights (built once; later calls reuse it)."""
     path = root / f"bench-{name}-{dtype}"
     if (path / "config.json").exists() and any(path.glob("*.safetensors")):
         return path
-    from transformers import LlamaConfig
+    import transformers
 
     from models.weights import random_model
 
-    config = LlamaConfig(**{**LLAMA_1B, **shape})
-    config.architectures = ["LlamaForCausalLM"]
+    config_class, architecture, base = RANDOM_MODELS[name]
+    config = getattr(transformers, config_class)(**{**base, **shape})
+    config.architectures = [architecture]
     model = random_model(config, device="cpu", dtype=dtype, seed=0)
     tmp = path.with_name(path.name + ".tmp")
     model.save_pretrained(tmp)
@@ -65,11 +82,11 @@ def random_llama_dir(root: Path, name: str = "random-llama-1b", dtype: str = "bf
 
 def model_argument(name: str, dtype: str) -> str:
     """What ``pipeline.load`` gets for ``--model``."""
-    if name != "random-llama-1b":
+    if name not in RANDOM_MODELS:
         return name
     from models.gguf_cache import cache_root
 
-    return str(random_llama_dir(cache_root(), dtype="bfloat16" if dtype == "auto" else dtype))
+    return str(random_llama_dir(cache_root(), name, dtype="bfloat16" if dtype == "auto" else dtype))
 
 
 def prompts_for(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
@@ -154,7 +171,8 @@ def bench_scenario(result: pipeline.LoadResult, prompts: list[list[int]], args: 
 def main(argv: list[str] | None = None) -> None:
     """Parse flags, load once, run each scenario, print a table (or ``--json``)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="smollm2-135m", help="a kvload model argument, or random-llama-1b")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="a kvload model argument, random-llama-1b or random-deepseek-mla")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", help="model dtype (auto: the checkpoint's)")
     p.add_argument("--manager", default="auto", choices=("auto", "v1", "v2"), help="KV cache manager")

@@ -19,6 +19,13 @@ Layout of one call (one layer, one step of ``N`` packed tokens):
   with ``BLOCK_M=16`` and ``BLOCK_N`` dividing the block size, so the block size must be a multiple
   of 16 there (:data:`CUDA_MIN_BLOCK`; checked before compiling). A shape that still fails to compile
   falls back to gather + SDPA (:class:`FlexUnavailable`).
+* **MLA layers** (DeepSeek V2/V3) — the pool holds one ``[latent | rope]`` row per token, shared by
+  every head, so the kernel runs the absorbed form (:meth:`FlexPagedAttention.attend_latent`): the
+  caller folds ``kv_b_proj``'s key half into the queries (``q_nope W_UK`` per head, then ``q_pe``), the
+  rows are the keys of one KV head (all ``H`` query heads of a token in one Q block), their latents the
+  values (a V head dim unlike K's, a strided view of the same rows), and the caller up-projects the
+  output through the value half. Nothing is expanded per cached token (gather + SDPA expands every
+  visible latent into per-head K/V at every step and layer, as transformers' DeepSeek does).
 * **block mask** — per token: the blocks from the window's first (``max(0, pos - W + 1)``, or 0) to
   the token's own. The first and last are *partial* (the mask function decides per key: causal,
   window); the ones between are *full* (no mask work). A window's released blocks (``-1``) lie
@@ -98,10 +105,6 @@ CUDA_MIN_BLOCK = 16
 
 def flex_unsupported(layout: Any, device: str | torch.device = "cpu") -> str | None:
     """Why a KV layout cannot run on the compiled path on ``device``, or None when it can."""
-    kinds = {layer.kind for layer in layout.layers}
-    if "mla" in kinds:
-        return ("multi-head latent attention (MLA) expands the cached latents per step before attending, so "
-                "there is no per-head K/V in the pools for the compiled kernel to read")
     if layout.dtype not in FLEX_DTYPES:
         return f"the KV cache dtype {layout.dtype} is not one the compiled kernel reads ({', '.join(FLEX_DTYPES)})"
     if torch.device(device).type == "cuda":
@@ -123,6 +126,11 @@ def dynamo_graphs() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+def _signature(k: torch.Tensor, v: torch.Tensor) -> tuple:
+    """What makes a compiled graph of one layer's K/V views: shapes, strides, dtype, device."""
+    return (tuple(k.shape), k.stride(), tuple(v.shape), v.stride(), k.dtype, str(k.device))
 
 
 @attrs.define(eq=False)
@@ -304,18 +312,50 @@ class FlexPagedAttention:
             entries = view[:, : 2 * kv_heads * head_dim].unflatten(1, (2, kv_heads, head_dim))
             k = entries[:, 0].permute(1, 0, 2).unsqueeze(0)
             v = entries[:, 1].permute(1, 0, 2).unsqueeze(0)
-            views = self._views[key] = (k, v, (tuple(k.shape), k.stride(), v.stride(), k.dtype, str(k.device)))
+            views = self._views[key] = (k, v, _signature(k, v))
+        return views
+
+    def _latent_views(self, group: str, layer_pos: int, width: int, rank: int) -> tuple:
+        """An MLA pool as one KV head: K = its ``[latent | rope]`` rows ``(1, 1, slots, width)``, V = the latents."""
+        key = (group, layer_pos, "latent", width, rank)
+        views = self._views.get(key)
+        if views is None:
+            k = self.pools.layer_slots(group, layer_pos)[:, :width].unsqueeze(0).unsqueeze(0)
+            v = k[..., :rank]  # a strided view of the same rows: the kernel takes a V head dim unlike K's
+            views = self._views[key] = (k, v, _signature(k, v))
         return views
 
     def attend(self, batch: Any, layer: int, query: torch.Tensor, kv_heads: int, head_dim: int, scale: float,
                softcap: float | None = None) -> torch.Tensor:
         """Attention of the packed queries ``(N, H, d)`` over the layer's pool (its new K/V already written)."""
         r = batch.route(layer)
+        k, v, signature = self._kv_views(r.group, r.layer_pos, kv_heads, head_dim)
+        return self._attend(batch, r, query, kv_heads, k, v, signature, scale, softcap)
+
+    def attend_latent(self, batch: Any, layer: int, query: torch.Tensor, rank: int, scale: float) -> torch.Tensor:
+        """Absorbed MLA: queries ``(N, H, rank + rope)`` in latent space over an MLA layer's pool, out ``(N, H, rank)``.
+
+        Every query head reads the one cached ``[latent | rope]`` row per token as its key (MQA: all ``H``
+        heads of a token in one Q block, sharing each key load) and the row's latent as its value; the
+        caller folds ``kv_b_proj``'s per-head key and value halves into the query and the output
+        (``paged_attention.attend_latent``).
+        """
+        r = batch.route(layer)
+        if r.kind != "mla":
+            raise ValueError(f"layer {layer} is a {r.kind!r} layer; attend_latent reads MLA latents")
+        if query.shape[-1] != r.entry_elems or not 0 < rank < r.entry_elems:
+            raise ValueError(f"layer {layer}: latent queries of width {query.shape[-1]} and rank {rank} do not fit "
+                             f"entries of {r.entry_elems} elements")
+        k, v, signature = self._latent_views(r.group, r.layer_pos, r.entry_elems, rank)
+        return self._attend(batch, r, query, 1, k, v, signature, scale, None)
+
+    def _attend(self, batch: Any, r: Any, query: torch.Tensor, kv_heads: int, k: torch.Tensor, v: torch.Tensor,
+                signature: tuple, scale: float, softcap: float | None) -> torch.Tensor:
+        """Packed queries ``(N, H, d)`` over the pool views ``k``/``v`` of one layer: ``(N, H, d_v)``."""
         n, heads, qd = query.shape
         if heads % kv_heads:
             raise ValueError(f"{heads} query heads cannot share {kv_heads} KV heads")
         g = heads // kv_heads
-        k, v, signature = self._kv_views(r.group, r.layer_pos, kv_heads, head_dim)
         nb = self.bucket(n)
         rows = self.rows_per_token(g)
         packed = query.view(n, kv_heads, g, qd).transpose(0, 1)  # (Hkv, N, g, d): a token's g heads together

@@ -213,6 +213,9 @@ class PagedBatch:
         self.decode_kernel = False
         self._decode_inputs: dict[str | None, torch.Tensor] = {}
         self._decode_scratch: dict[tuple, torch.Tensor] = {}  # the kernel's partials, shared by the step's layers
+        #: MLA layers whose latent cache stored this step's entries and gathered nothing (the compiled path
+        #: attends over the latents in place; ``models.paged_forward``)
+        self.latent_in_place: set[int] = set()
         self._write_slots: dict[str, torch.Tensor] = {}
         self._splits: dict[int, list[tuple[int, int, int, int, bool]] | None] = {}
         self._biases: dict[tuple[int | None, torch.dtype], torch.Tensor] = {}
@@ -260,6 +263,10 @@ class PagedBatch:
         if self.device.type == "cuda":
             return t.pin_memory().to(self.device, non_blocking=True)
         return t.to(self.device)
+
+    def attention_work(self) -> tuple[int, int]:
+        """``(Σ queries x visible keys, Σ visible keys)`` over the step's sequences, for a layer with no window."""
+        return int((self._n_np * self._end_np).sum()), int(self._end_np.sum())
 
     @property
     def last_token_index(self) -> torch.Tensor:
@@ -761,3 +768,50 @@ def paged_attention(batch: PagedBatch, layer: int, query: torch.Tensor, key: tor
             return out
     k, v = batch.gather_kv(layer, key.shape[1], key.shape[2], query.dtype)
     return attend_packed(batch, layer, query, k, v, scale, softcap)
+
+
+def attend_latent(batch: PagedBatch, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, w_kv: torch.Tensor,
+                  scale: float) -> torch.Tensor | None:
+    """MLA on the compiled path in the absorbed form: packed ``(N, H, d_v)``, or None when it could not compile.
+
+    ``q_nope`` ``(N, H, nope)`` and ``q_pe`` ``(N, H, rope)`` are the queries' two parts; ``w_kv`` is
+    ``kv_b_proj.weight`` per head, ``(H, nope + d_v, rank)``: its key half ``W_UK`` then its value half
+    ``W_UV``. A head's score against a cached token is ``q_nope · (W_UK latent) + q_pe · rope`` =
+    ``[q_nope W_UK | q_pe] · [latent | rope]``, and its output ``W_UV Σ p latent``: so the kernel reads the
+    cached ``[latent | rope]`` rows as one shared KV head (keys; their latents as values) and nothing is
+    expanded per cached token — the per-token work is on the new queries only (DeepSeek's "absorbed" MLA).
+    """
+    from cache_backends.flex_paged import FlexUnavailable
+
+    nope, rank = q_nope.shape[-1], w_kv.shape[-1]
+    q_lat = torch.matmul(q_nope.transpose(0, 1), w_kv[:, :nope])  # (H, N, rank)
+    query = torch.cat((q_lat.transpose(0, 1), q_pe.to(q_lat.dtype)), dim=-1)  # (N, H, rank + rope)
+    try:
+        out = batch.flex.attend_latent(batch, layer, query, rank, scale)  # (N, H, rank)
+    except FlexUnavailable:
+        batch.flex = None  # its ``failed`` says why; the executor reports it
+        return None
+    return torch.matmul(out.transpose(0, 1), w_kv[:, nope:].transpose(1, 2)).transpose(0, 1)  # (N, H, d_v)
+
+
+def mla_paged_attention(batch: PagedBatch, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor,
+                        latent: torch.Tensor, rope: torch.Tensor, w_kv: torch.Tensor, scale: float) -> torch.Tensor:
+    """One MLA layer of a step: write the new ``[latent | rope]`` entries, attend. Packed ``(N, H, d_v)`` out.
+
+    ``latent`` ``(N, rank)`` and ``rope`` ``(N, rope)`` are the new tokens' cache parts (the roped key part
+    shared by every head); ``w_kv`` is ``kv_b_proj.weight`` per head, ``(H, nope + d_v, rank)``. On the
+    compiled path (a batch planned with ``flex=``) the absorbed form (:func:`attend_latent`); otherwise
+    the gathered latents are expanded into per-head K/V as transformers' DeepSeek does (one ``kv_b_proj``
+    over every visible latent), for gather + SDPA.
+    """
+    batch.write(layer, torch.cat((latent, rope), dim=-1))
+    if batch.flex is not None:
+        out = attend_latent(batch, layer, q_nope, q_pe, w_kv, scale)
+        if out is not None:
+            return out
+    heads, nope, rank = w_kv.shape[0], q_nope.shape[-1], w_kv.shape[-1]
+    entries = batch.gather(layer, q_nope.dtype)  # (B, max_k, rank + rope)
+    kv = F.linear(entries[..., :rank], w_kv.view(-1, rank)).unflatten(-1, (heads, -1)).transpose(1, 2)
+    k_nope, v = kv[..., :nope], kv[..., nope:]  # (B, H, max_k, ·)
+    k = torch.cat((k_nope, entries[:, None, :, rank:].expand(-1, heads, -1, -1)), dim=-1)
+    return attend_packed(batch, layer, torch.cat((q_nope, q_pe), dim=-1), k, v, scale)

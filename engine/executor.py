@@ -51,7 +51,7 @@ from engine.prompts import apply_template, check_messages, check_text, is_conver
 from engine.sampling import eos_token_ids, sample_rows, top_logprobs
 from engine.sampling_params import SamplingParams, check, is_int
 from engine.stopping import SampleText
-from models.paged_forward import ATTN_IMPLEMENTATION, register_paged_attention, run_forward
+from models.paged_forward import ATTN_IMPLEMENTATION, register_paged_attention, run_forward, unfoldable_mla
 from pipeline.errors import GenerationError, KvBuildError, KvRuntimeError, first_line
 from pipeline.events import Event, GenerationFailed, GenerationFinished, GenerationStarted, SettingIgnored
 
@@ -164,6 +164,8 @@ class GenerationExecutor:
             self.decode_kernel = True
             return
         why = flex_unsupported(self.manager.layout, self.pools.device)
+        if why is None and any(layer.kind == "mla" for layer in self.manager.layout.layers):
+            why = unfoldable_mla(self.model)
         if why is not None:  # say so: an accepted setting never silently does nothing
             self._event(SettingIgnored(field="attention_backend", value="flex",
                                        reason=f"{why}; generate attends through gather + SDPA"))

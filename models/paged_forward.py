@@ -15,6 +15,8 @@ How the pieces meet in transformers 5.x:
   for multi-head latent attention (DeepSeek V3): there :class:`PagedLatentCache` is passed as
   ``cache`` because ``cache.update`` is the one place that sees the latent before ``kv_b_proj``
   expands it, so kvload stores the latent (the MLA pool entry) and hands back the gathered latents.
+  On the compiled path it gathers nothing: the attention reads the latents in place in the absorbed
+  form (:func:`latent_attention`), folding ``kv_b_proj`` into the queries and the output.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 
 import torch
 
-from cache_backends.paged_attention import PagedBatch, attend, attend_compiled, attend_packed
+from cache_backends.paged_attention import PagedBatch, attend, attend_compiled, attend_latent, attend_packed
 
 ATTN_IMPLEMENTATION = "kvload_paged"
 
@@ -35,7 +37,8 @@ def paged_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor,
     """The ``kvload_paged`` attention: write the new K/V into the pools, attend over the cached K/V.
 
     ``query`` is ``(1, H, N, d)`` (one packed row); ``key``/``value`` are the new tokens' ``(1, Hkv, N, d)``,
-    or for MLA the already gathered ``(B, H, max_k, d)`` that :class:`PagedLatentCache` returned.
+    or for MLA the already gathered ``(B, H, max_k, d)`` that :class:`PagedLatentCache` returned (on the
+    compiled path one token's, which are ignored: the layer attends over the latents in place).
     Returns ``(1, N, H, d_v)`` and no attention weights.
     """
     batch = kvload_batch
@@ -56,6 +59,8 @@ def paged_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor,
         raise RuntimeError(f"layer {layer}: expected one packed row of {batch.num_tokens} queries, got "
                            f"{tuple(query.shape)}")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if route.kind == "mla" and layer in batch.latent_in_place:  # the cache route stored the latent, gathered none
+        return latent_attention(module, batch, layer, query[0].transpose(0, 1), scale).unsqueeze(0), None
     if route.kind == "mla":  # the cache route stored the latent and expanded the gathered keys already
         k, v = key, value
     else:
@@ -78,6 +83,34 @@ def paged_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor,
     return attend_packed(batch, layer, query[0].transpose(0, 1), k, v, scale, softcap).unsqueeze(0), None
 
 
+#: How fast the compiled kernel does an absorbed query-key pair's multiply-adds against a GEMM's (``kv_b_proj``
+#: expanding latents, SDPA), fitted on the 2-core CPU of BENCHMARKS.md ("MLA prefill: absorbed or expanded"):
+#: one sequence's chunk of DeepSeek-V2-Lite's shape after 512 cached tokens ran faster absorbed up to 64
+#: tokens and slower from 128; this rate puts the switch at ~70. (Chunks from position 0 ran 1.1-1.5x faster
+#: expanded at every length: the rule picks absorbed up to ~70 there, costing up to 1.22x in that band.)
+ABSORBED_RATE = 0.5
+
+
+def absorbed_pays(batch: PagedBatch, config: Any) -> bool:
+    """Whether a step's MLA layers cost less absorbed (per query-key pair) than expanded (per key), by multiply-adds.
+
+    Absorbed, each (query, visible key) pair costs ``2 * kv_lora_rank + qk_rope_head_dim`` per head (the
+    latent row's dot product and its latent's share of the output), at :data:`ABSORBED_RATE` of a GEMM's
+    speed; expanded, each visible key costs ``kv_lora_rank * (qk_nope_head_dim + v_head_dim)`` per head to
+    expand, once per step, plus ``qk_head_dim + v_head_dim`` per pair. Decode steps and short chunks pay
+    absorbed; a long prefill chunk pays expanded (its keys are expanded once for all its queries).
+    """
+    from models.geometry import text_config
+
+    cfg = text_config(config)
+    dims = [getattr(cfg, name, None) for name in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")]
+    if any(not isinstance(d, int) for d in dims):
+        return True
+    rank, rope, nope, dv = dims
+    pairs, keys = batch.attention_work()
+    return pairs * (2 * rank + rope) <= ABSORBED_RATE * (keys * rank * (nope + dv) + pairs * (nope + rope + dv))
+
+
 class PagedLatentCache:
     """The ``cache`` a DeepSeek V3 (MLA) forward gets: stores latents in the pools, returns them gathered.
 
@@ -88,16 +121,77 @@ class PagedLatentCache:
     Only ``update`` is used: mask creation exits before touching a cache for a custom attention.
     """
 
-    def __init__(self, batch: PagedBatch) -> None:
+    def __init__(self, batch: PagedBatch, config: Any = None) -> None:
         self.batch = batch
+        #: whether this step's MLA layers attend absorbed on the compiled path (:func:`absorbed_pays`)
+        self.absorbed = batch.flex is not None and (config is None or absorbed_pays(batch, config))
 
     def update(self, latent: torch.Tensor, rope: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the new tokens' ``[latent, rope]`` entries; return the gathered latents and rope parts."""
+        """Write the new tokens' ``[latent, rope]`` entries; return the gathered latents and rope parts.
+
+        On the compiled path nothing is gathered: the attention reads the latents in place (absorbed
+        MLA, :func:`latent_attention`), so this returns the first new token's parts only — the model
+        expands them into K/V of one token, which the attention ignores (the model's code has no way
+        to skip its ``expand_kv``; one token keeps that waste to one row of ``kv_b_proj``). A step whose
+        long prefill chunks make expanding cheaper (:func:`absorbed_pays`) gathers as on gather + SDPA.
+        """
         rank = latent.shape[-1]
         self.batch.write(layer_idx, torch.cat((latent[0, 0], rope[0, 0]), dim=-1))
+        if self.absorbed and self.batch.flex is not None:
+            self.batch.latent_in_place.add(layer_idx)
+            return latent[:, :, :1], rope[:, :, :1]
         entries = self.batch.gather(layer_idx, latent.dtype)
         return entries[..., :rank].unsqueeze(1), entries[..., rank:].unsqueeze(1)
+
+
+def absorbed_weights(module: Any) -> torch.Tensor | None:
+    """``kv_b_proj.weight`` per head, ``(H, nope + d_v, rank)`` (a view), or None when it cannot be folded.
+
+    None when the projection is not a plain floating-point matrix of the expected shape (a quantized
+    checkpoint's, for one): the absorbed form folds the weight into queries and outputs as it is.
+    """
+    proj = getattr(module, "kv_b_proj", None)
+    weight = getattr(proj, "weight", None)
+    heads, nope = getattr(module, "num_heads", None), getattr(module, "qk_nope_head_dim", None)
+    dv, rank = getattr(module, "v_head_dim", None), getattr(module, "kv_lora_rank", None)
+    if (not isinstance(proj, torch.nn.Linear) or getattr(proj, "bias", None) is not None
+            or not isinstance(weight, torch.Tensor) or not weight.is_floating_point()
+            or None in (heads, nope, dv, rank) or tuple(weight.shape) != (heads * (nope + dv), rank)):
+        return None
+    return weight.view(heads, nope + dv, rank)
+
+
+def unfoldable_mla(model: Any) -> str | None:
+    """Why the model's MLA layers cannot run in the absorbed form (:func:`absorbed_weights`), or None when they can."""
+    for name, module in model.named_modules():
+        if hasattr(module, "kv_b_proj") and absorbed_weights(module) is None:
+            weight = getattr(module.kv_b_proj, "weight", None)
+            what = f"a {type(module.kv_b_proj).__name__}" + (f" of {weight.dtype}" if isinstance(weight, torch.Tensor)
+                                                             else "")
+            return (f"the MLA layer {name}'s kv_b_proj is {what}, not a plain floating-point matrix the compiled "
+                    "path can fold into its queries and outputs")
+    return None
+
+
+def latent_attention(module: Any, batch: PagedBatch, layer: int, query: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """MLA attention over latents the cache route stored in place: packed ``(N, H, d)`` in, ``(N, H, d_v)`` out.
+
+    The compiled path in the absorbed form (``paged_attention.attend_latent``); when the projection
+    cannot be folded (:func:`absorbed_weights`) or the kernel could not compile, the latents are gathered
+    and expanded by the model's own ``expand_kv`` for gather + SDPA, as on the reference path.
+    """
+    w_kv = absorbed_weights(module)
+    if w_kv is not None and batch.flex is not None:
+        nope = module.qk_nope_head_dim
+        out = attend_latent(batch, layer, query[..., :nope], query[..., nope:], w_kv, scale)
+        if out is not None:
+            return out
+    rank = module.kv_lora_rank
+    entries = batch.gather(layer, query.dtype)
+    k, v = module.expand_kv(entries[..., :rank].unsqueeze(1), entries[..., rank:].unsqueeze(1))
+    return attend_packed(batch, layer, query, k, v, scale)
 
 
 def register_paged_attention() -> str:
@@ -126,7 +220,7 @@ def run_forward(model: Any, batch: PagedBatch) -> torch.Tensor:
     if impl != ATTN_IMPLEMENTATION:
         raise RuntimeError(f"the model's attention is {impl!r}; call models.paged_forward.use_paged_attention(model) "
                            "first")
-    cache = PagedLatentCache(batch) if uses_latent_cache(batch) else None
+    cache = PagedLatentCache(batch, model.config) if uses_latent_cache(batch) else None
     with torch.inference_mode():
         out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, cache=cache, use_cache=False,
                     logits_to_keep=batch.logits_to_keep, kvload_batch=batch)

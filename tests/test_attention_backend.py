@@ -70,16 +70,80 @@ def test_generate_on_flex_equals_transformers_and_reuses_its_compiled_shapes(tin
         assert result.executor.last_stats.warmup_s == 0.0
 
 
-def test_flex_on_an_mla_model_says_it_is_ignored(tiny_checkpoints):
-    with load(tiny_checkpoints("deepseek-v3"), "v2", attention_backend="flex") as result:
-        outs = result.generate([[5, 6, 7]], max_new_tokens=2)
-        assert len(outs[0].token_ids) == 2
+@pytest.mark.parametrize("manager", ["v2", "v1"])
+def test_generate_on_flex_runs_mla_absorbed_and_equals_transformers(tiny_checkpoints, manager):
+    # DeepSeek V3's latent pools on the compiled path: no setting_ignored, the kernel ran, tokens unchanged
+    from cache_backends.flex_paged import dynamo_graphs
+
+    with load(tiny_checkpoints("deepseek-v3"), manager, max_num_tokens=8, attention_backend="flex") as result:
+        ps = prompts_for(result.hf_model.config.vocab_size)
+        ref = [hf_greedy(result.hf_model, p) for p in ps]
+        graphs_before = dynamo_graphs()
+        outs = result.generate(ps, max_new_tokens=NEW_TOKENS, arrival_steps=[0, 1, 2, 5])
+        assert [o.token_ids for o in outs] == ref
+        flex = result.executor.flex
+        assert flex is not None and flex.calls > 0 and flex.failed is None
+        # every MLA layer of every step went through the absorbed kernel (3 layers), and one shape served them
+        assert flex.calls == 3 * result.executor.last_stats.steps
+        assert dynamo_graphs() - graphs_before <= 1
+        assert not [e for e in result.audit.of("setting_ignored") if e["field"] == "attention_backend"]
+        # a prompt extending an earlier one reads its cached blocks (shared by two tables) on the kernel too
+        longer = ps[2] + [7, 8, 9]
+        (again,) = result.generate([longer], max_new_tokens=NEW_TOKENS)
+        assert again.reused_prompt_tokens >= 16 and again.token_ids == hf_greedy(result.hf_model, longer)
+
+
+@pytest.mark.parametrize(("chunks", "absorbed"), [
+    ([(1, 600)] * 8, True),  # decode: one query per sequence, every key expanded for it otherwise
+    ([(8, 512)], True), ([(64, 512)], True),  # short chunks after a cached prefix
+    ([(128, 512)], False), ([(512, 0)], False),  # long prefill chunks: each key expanded once for many queries
+    ([(512, 0)] + [(1, 600)] * 32, True),  # a prompt beside 32 decodes: the decodes' keys outweigh it
+])
+def test_a_step_attends_absorbed_where_that_costs_fewer_multiply_adds(chunks, absorbed):
+    # DeepSeek-V2-Lite's MLA dims; the switch sits near 70 queries per sequence (BENCHMARKS.md, "MLA prefill")
+    from types import SimpleNamespace
+
+    from cache_backends.layout import LayerKV, build_layout
+    from cache_backends.paged_attention import PagedBatch, SeqChunk
+    from cache_backends.pools import BlockPools
+    from models.paged_forward import absorbed_pays
+
+    config = SimpleNamespace(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
+    layout = build_layout([LayerKV(0, "mla", 576)], "v2", 16, "float32")
+    pools = BlockPools(layout, {layout.groups[0].name: 40}, "cpu")
+    table = {layout.groups[0].name: list(range(40))}
+    batch = PagedBatch.build([SeqChunk([1] * n, start, table) for n, start in chunks], pools)
+    assert absorbed_pays(batch, config) is absorbed
+
+
+def test_flex_expands_mla_for_a_long_prefill_chunk_and_stays_token_equal(tiny_checkpoints):
+    # tiny-deepseek-v3's dims switch to expanding above ~10 queries per sequence: the 16-token prefill chunk
+    # gathers and expands (as on sdpa), the decode steps attend absorbed on the kernel
+    with load(tiny_checkpoints("deepseek-v3"), "v2", max_num_tokens=16, attention_backend="flex") as result:
+        prompt = prompts_for(result.hf_model.config.vocab_size)[1]  # 13 tokens: one chunk
+        (out,) = result.generate([prompt], max_new_tokens=NEW_TOKENS)
+        assert out.token_ids == hf_greedy(result.hf_model, prompt)
+        steps, calls = result.executor.last_stats.steps, result.executor.flex.calls
+        assert calls == 3 * (steps - 1)  # every step but the prefill, on all 3 layers
+
+
+def test_flex_on_mla_whose_projection_cannot_be_folded_says_it_is_ignored(tiny_checkpoints):
+    # a quantized checkpoint's kv_b_proj (here: an int8 weight) cannot be folded into queries and outputs
+    import torch
+
+    with load(tiny_checkpoints("deepseek-v3"), "v2", max_num_tokens=8, attention_backend="sdpa") as result:
+        proj = result.hf_model.model.layers[1].self_attn.kv_b_proj
+        proj.weight = torch.nn.Parameter(proj.weight.detach().to(torch.int8), requires_grad=False)
+        result.executor.use_attention("flex", 8)
         assert result.executor.flex is None
         (ignored,) = [e for e in result.audit.of("setting_ignored") if e["field"] == "attention_backend"]
-        assert "multi-head latent attention" in ignored["reason"] and "gather + SDPA" in ignored["reason"]
+        assert ignored["reason"] == ("the MLA layer model.layers.1.self_attn's kv_b_proj is a Linear of torch.int8, "
+                                     "not a plain floating-point matrix the compiled path can fold into its queries "
+                                     "and outputs; generate attends through gather + SDPA")
 
 
-def test_a_shape_that_fails_to_compile_falls_back_to_gather_and_says_so(tiny_checkpoints, monkeypatch):
+@pytest.mark.parametrize("family", ["llama", "deepseek-v3"])  # deepseek-v3: an MLA layer falls back mid-step
+def test_a_shape_that_fails_to_compile_falls_back_to_gather_and_says_so(tiny_checkpoints, monkeypatch, family):
     import cache_backends.flex_paged as fp
 
     def broken():
@@ -90,7 +154,7 @@ def test_a_shape_that_fails_to_compile_falls_back_to_gather_and_says_so(tiny_che
     monkeypatch.setattr(fp, "compiled_flex", broken)
     monkeypatch.setattr(fp, "_COMPILED", set())  # every shape is new, so its first call is a compile
     monkeypatch.setattr(fp, "_FAILED", {})
-    with load(tiny_checkpoints("llama"), "v2", max_num_tokens=8, attention_backend="flex") as result:
+    with load(tiny_checkpoints(family), "v2", max_num_tokens=8, attention_backend="flex") as result:
         ps = prompts_for(result.hf_model.config.vocab_size)
         outs = result.generate(ps, max_new_tokens=NEW_TOKENS)
         assert [o.token_ids for o in outs] == [hf_greedy(result.hf_model, p) for p in ps]

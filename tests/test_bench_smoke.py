@@ -87,3 +87,16 @@ def test_radix_runs_manager_prototype_steps_and_evicts_as_main_on_no_reuse():
         facts[name] = (m.engine_steps, m.evictions, m.finished)
     assert facts["main"][1] > 0 and facts["main"][2] == 128  # the pool filled up and cached blocks were evicted
     assert facts["runs"] == facts["ids"] == facts["bq"] == facts["main"]
+
+
+def test_bench_attention_mla_paths_agree_and_print_a_row(capsys):
+    # the bench checks gather + expand + SDPA against the absorbed form before timing (no compile: --no-flex)
+    from bench import bench_attention
+
+    bench_attention.main(["--mla", "--no-flex", "--batch", "2", "--lengths", "24", "--heads", "2", "--nope-dim", "8",
+                          "--rope-dim", "4", "--kv-rank", "16", "--v-dim", "8", "--block", "4", "--reps", "1",
+                          "--ragged"])
+    out = capsys.readouterr().out
+    assert "MLA decode, one layer" in out and "heads=2 nope=8 rope=4 kv_rank=16 v=8" in out
+    (row,) = [line for line in out.splitlines() if line.split()[:2] == ["2", "24"]]
+    assert len(row.split()) == 10  # batch, len, 6 times (flex 0), gather_x, abs_x

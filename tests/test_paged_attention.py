@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cache_backends.layout import LayerKV, build_layout
-from cache_backends.paged_attention import PagedBatch, SeqChunk, paged_attention
+from cache_backends.paged_attention import PagedBatch, SeqChunk, mla_paged_attention, paged_attention
 from cache_backends.pools import BlockPools
 from tests.paged_support import ToyAllocator
 
@@ -101,7 +101,8 @@ def run_steps(pools: BlockPools, lengths: list[int], chunk: int, arrivals: list[
 )
 def test_paged_attention_equals_dense_causal_attention(lengths, chunk, window, tokens_per_block, manager, stagger,
                                                        seed):
-    pools = make_pools(window, manager, tokens_per_block)
+    # V2 may put both groups in one arena (one toy free list): twice the one-group worst case
+    pools = make_pools(window, manager, tokens_per_block, blocks=192)
     arrivals = list(range(len(lengths))) if stagger else [0] * len(lengths)
     seqs = run_steps(pools, lengths, chunk, arrivals, seed)
     for s in seqs:
@@ -289,6 +290,100 @@ def test_compiled_paged_attention_equals_the_reference(lengths, chunk, window, m
         for layer in (0, 1):
             torch.testing.assert_close(torch.cat(s_got["out"][layer]), torch.cat(s_ref["out"][layer]), rtol=1e-5,
                                        atol=1e-5)
+
+
+# --- MLA (DeepSeek V3's latent pools) on the compiled path, absorbed, against the expanded reference --------------
+MLA_HEADS, NOPE, ROPE, RANK, DV = 4, 8, 4, 16, 8
+MLA_SCALE = (NOPE + ROPE) ** -0.5
+# steps of at most 8 tokens (4 sequences, chunks of up to 2): one bucket, so one compiled shape per manager
+MLA_MAX_TOKENS = 8
+
+
+def mla_pools(manager: str) -> BlockPools:
+    layers = [LayerKV(i, "mla", RANK + ROPE) for i in (0, 1)]
+    layout = build_layout(layers, manager, 4, "float32")
+    pools = BlockPools(layout, {g.name: 48 for g in layout.groups}, "cpu")
+    for t in pools.tensors.values():
+        t.fill_(float("nan"))
+    return pools
+
+
+def run_mla_steps(pools: BlockPools, lengths: list[int], chunk: int, arrivals: list[int], seed: int,
+                  flex: object = None) -> tuple[list[dict], torch.Tensor]:
+    """Random queries, latents and ``kv_b_proj`` halves through both MLA layers in chunks; outputs per sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(2, MLA_HEADS, NOPE + DV, RANK, generator=gen) / RANK**0.5  # kv_b_proj per layer and head
+    seqs = [{"q_nope": torch.randn(2, L, MLA_HEADS, NOPE, generator=gen),
+             "q_pe": torch.randn(2, L, MLA_HEADS, ROPE, generator=gen),
+             "latent": torch.randn(2, L, RANK, generator=gen), "rope": torch.randn(2, L, ROPE, generator=gen),
+             "done": 0, "tables": {}, "out": {}} for L in lengths]
+    alloc = ToyAllocator(pools)
+    rng = random.Random(seed)
+    for free in alloc.free.values():
+        rng.shuffle(free)
+    step = 0
+    while any(s["done"] < L for s, L in zip(seqs, lengths, strict=True)):
+        active = [b for b, L in enumerate(lengths) if arrivals[b] <= step and seqs[b]["done"] < L]
+        step += 1
+        if not active:
+            continue
+        chunks = []
+        for b in active:
+            s, n = seqs[b], min(chunk, lengths[b] - seqs[b]["done"])
+            alloc.cover(s["tables"], s["done"] + n)
+            chunks.append(SeqChunk([0] * n, s["done"], {g: list(t) for g, t in s["tables"].items()}))
+        batch = PagedBatch.build(chunks, pools, flex=flex)
+        for layer in (0, 1):
+            part = {name: torch.cat([seqs[b][name][layer, c.start_pos:c.end_pos]
+                                     for b, c in zip(active, chunks, strict=True)])
+                    for name in ("q_nope", "q_pe", "latent", "rope")}
+            out = mla_paged_attention(batch, layer, part["q_nope"], part["q_pe"], part["latent"], part["rope"],
+                                      w[layer], MLA_SCALE)
+            row = 0
+            for b, c in zip(active, chunks, strict=True):
+                seqs[b]["out"].setdefault(layer, []).append(out[row:row + len(c.token_ids)])
+                row += len(c.token_ids)
+        for b, c in zip(active, chunks, strict=True):
+            seqs[b]["done"] = c.end_pos
+    return seqs, w
+
+
+def mla_dense(s: dict, w: torch.Tensor, layer: int) -> torch.Tensor:
+    """One whole sequence's MLA as DeepSeek writes it: latents expanded per head, causal SDPA. ``(L, H, d_v)``."""
+    latent, rope = s["latent"][layer], s["rope"][layer]
+    L = latent.shape[0]
+    kv = torch.einsum("lr,hdr->hld", latent, w[layer])
+    k = torch.cat((kv[..., :NOPE], rope.expand(MLA_HEADS, L, ROPE)), dim=-1)
+    v = kv[..., NOPE:]
+    q = torch.cat((s["q_nope"][layer], s["q_pe"][layer]), dim=-1).transpose(0, 1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=MLA_SCALE).transpose(0, 1)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lengths=st.lists(st.integers(1, 19), min_size=1, max_size=4),
+    chunk=st.integers(1, 2),
+    manager=st.sampled_from(["v1", "v2"]),
+    stagger=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_compiled_mla_in_absorbed_form_equals_the_expanded_reference(lengths, chunk, manager, stagger, seed):
+    """Shuffled block tables, ragged lengths, prefill chunks beside decodes; garbage in unwritten slots."""
+    from cache_backends.flex_paged import FlexPagedAttention
+
+    arrivals = list(range(len(lengths))) if stagger else [0] * len(lengths)
+    ref, w = run_mla_steps(mla_pools(manager), lengths, chunk, arrivals, seed)
+    pools = mla_pools(manager)
+    flex = FlexPagedAttention(pools, MLA_MAX_TOKENS)
+    for t in pools.tensors.values():
+        t.fill_(1e4)  # finite garbage in unwritten slots: only the mask keeps it out of the result
+    got, _ = run_mla_steps(pools, lengths, chunk, arrivals, seed, flex=flex)
+    assert flex.calls > 0 and flex.failed is None
+    for s_ref, s_got in zip(ref, got, strict=True):
+        for layer in (0, 1):
+            dense = mla_dense(s_ref, w, layer)
+            torch.testing.assert_close(torch.cat(s_ref["out"][layer]), dense, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(torch.cat(s_got["out"][layer]), dense, rtol=1e-5, atol=1e-5)
 
 
 def test_the_compiled_path_refuses_a_needed_block_that_was_released():

@@ -156,7 +156,7 @@ def test_a_request_reading_another_requests_prefix_blocks_skips_their_prefill(fa
 # Compiling costs ~10-50 s per shape on a CPU, so these runs share one shape per family: at most
 # 8 tokens a step (chunks of 2 for 4 staggered prompts), one bucket, pools of the same size.
 FLEX_MODE = {"chunk_size": 2, "arrivals": [0, 1, 2, 5]}
-FLEX_FAMILIES = ["llama", "qwen3", "mistral", "gemma3"]
+FLEX_FAMILIES = ["llama", "qwen3", "mistral", "gemma3", "deepseek-v3"]  # deepseek-v3: MLA, absorbed
 
 
 @pytest.mark.parametrize("manager", ["v2", "v1"])
@@ -178,11 +178,34 @@ def test_compiled_path_greedy_tokens_and_logits_equal_transformers_generate(fami
         torch.testing.assert_close(torch.stack(req.logits), logits, rtol=1e-4, atol=1e-4)
 
 
-def test_deepseek_v3_mla_cannot_take_the_compiled_path():
+def test_deepseek_v3_mla_is_not_refused_by_the_compiled_path():
+    # it runs there in the absorbed form (FLEX_FAMILIES above checks its tokens and logits)
     from cache_backends.flex_paged import flex_unsupported
 
     layout = RefDriver(copy.deepcopy(tiny_model("deepseek-v3"))).layout
-    assert "multi-head latent attention" in flex_unsupported(layout)
+    assert {layer.kind for layer in layout.layers} == {"mla"}
+    assert flex_unsupported(layout) is None
+
+
+def test_deepseek_v3_with_yarn_mscale_on_the_compiled_path_equals_transformers_generate():
+    # DeepSeek V3's own checkpoints use yarn with mscale_all_dim, which scales the softmax by mscale^2; the
+    # absorbed kernel takes the layer's scaling as it is (same shapes as above: nothing new to compile)
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 128, "beta_fast": 32.0, "beta_slow": 1.0}
+    model = random_model(tiny_config("deepseek-v3", rope_parameters=yarn), device="cpu", dtype="float32", seed=0)
+    attn = model.model.layers[0].self_attn
+    assert attn.scaling > 1.5 * attn.qk_head_dim**-0.5  # the mscale really applies
+    ps = prompts(model.config.vocab_size)
+    refs = [hf_greedy(model, p) for p in ps]
+    driver = RefDriver(copy.deepcopy(model), flex=True, max_num_tokens=8, tokens_per_block=4)
+    try:
+        reqs = driver.generate(ps, NEW_TOKENS, **FLEX_MODE)
+        assert driver.flex.calls > 0 and driver.flex.failed is None
+    finally:
+        driver.close()
+    for req, (tokens, logits) in zip(reqs, refs, strict=True):
+        assert req.output == tokens
+        torch.testing.assert_close(torch.stack(req.logits), logits, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize(("block", "refused"), [(4, True), (8, True), (16, False), (32, False)])
