@@ -114,13 +114,13 @@ step paged_attention 80 "$PY" -m bench.bench_attention --device cuda --batch 1,8
 export KVLOAD_CACHE="${KVLOAD_CACHE:-/tmp/kvload-cache}"
 GEN=(-m bench.bench_generate --model random-llama-1b --dtype bfloat16 --device cuda --batches 1,8,32 --new-tokens 32 --repeats 3)
 step generate 120 "$PY" "${GEN[@]}" --attention sdpa
-step paged_attention_flex 120 "$PY" -m bench.bench_attention --device cuda --batch 1,32 --lengths 4096 \
-  --heads 32 --kv-heads 8 --head-dim 128 --dtype bfloat16 --block 32 --reps 50
-step generate_flex 150 "$PY" "${GEN[@]}" --attention flex
-# The Triton paged decode kernel (attention_backend: triton): its tests natively (on a CPU they run in Triton's
+# Never measured yet, so before the flex steps (measured once): the Triton paged decode kernel (attention_backend: triton): its tests natively (on a CPU they run in Triton's
 # interpreter), then generation through it. (The paged_attention step above times it per layer: triton_x.)
 step triton_tests 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_paged_decode.py
 step generate_triton 120 "$PY" "${GEN[@]}" --attention triton
+step paged_attention_flex 120 "$PY" -m bench.bench_attention --device cuda --batch 1,32 --lengths 4096 \
+  --heads 32 --kv-heads 8 --head-dim 128 --dtype bfloat16 --block 32 --reps 50
+step generate_flex 150 "$PY" "${GEN[@]}" --attention flex
 
 # MLA (DeepSeek V3) on the compiled path, absorbed: tokens and logits against model.generate on the GPU (a shape that
 # fails to compile fails this step: the test asserts the kernel ran), then one layer's decode at DeepSeek V3's 128
