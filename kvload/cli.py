@@ -373,9 +373,11 @@ def cmd_generate(ns: argparse.Namespace) -> int:
                             top_k=ns.top_k, seed=ns.seed, stop=ns.stop, stop_token_ids=ns.stop_token_ids, n=ns.n,
                             logprobs=ns.logprobs, ignore_eos=ns.ignore_eos)  # checked before anything loads
     request = _request(ns, load_weights=True)
-    # Applies only when nothing else bounds the KV budget (CPU without --max_tokens/--max_gpu_total_bytes).
+    # Applies only when nothing else bounds the KV budget (CPU without --max_tokens/--max_gpu_total_bytes). Capped at
+    # the integer bound: a product past it is refused by the budget naming --max_new_tokens (sized_by), not as a field
+    # the user never typed, and it must not fail a run whose --max_tokens leaves the default unused.
     request.overrides.setdefault("kv_cache_config", {}).setdefault(
-        "default_max_tokens", len(prompts) * (ns.n * ns.max_new_tokens + GENERATE_PROMPT_ALLOWANCE))
+        "default_max_tokens", min(MAX_INT, len(prompts) * (ns.n * ns.max_new_tokens + GENERATE_PROMPT_ALLOWANCE)))
     request.sized_by = (f"--max_new_tokens, --n or the number of prompts (generate sizes the pools for prompts x "
                         f"(n x max_new_tokens + {GENERATE_PROMPT_ALLOWANCE}) = {{tokens}} tokens when no --max_tokens "
                         "is given)")

@@ -314,6 +314,24 @@ def test_huge_max_new_tokens_is_named_not_max_tokens(capsys, out):
     assert "kv_cache_config.max_tokens" not in r.err
 
 
+@pytest.mark.parametrize("budget", [(), ("--max_tokens", "1024")])
+def test_max_new_tokens_at_2_63_is_named_not_the_pool_default_it_derives(capsys, out, budget):
+    """generate sizes its CPU default pools from --max_new_tokens; a product past 2**63 - 1 must not surface as an
+    internal field the user never typed (nor fail a run whose --max_tokens makes that default unused)."""
+    r = run_cli(capsys, "generate", "tiny-llama", "--prompt-ids", "1,2,3", "--max_new_tokens", str(2**63 - 1),
+                *budget, "--audit-log", out / "a.jsonl")
+    assert "default_max_tokens" not in r.err, r.err
+    # with --max_tokens: the request check (max_new_tokens cut to max_seq_len does not fit 1024 tokens)
+    assert_refused(r, "max_new_tokens" if budget else "--max_new_tokens", folder=out)
+
+
+def test_default_max_tokens_at_2_63_is_named_not_the_pool_default_it_derives(capsys, out):
+    r = run_cli(capsys, "serve", "tiny-llama", "--port", "0", "--default-max-tokens", str(2**63 - 1),
+                "--audit-log", out / "a.jsonl")
+    assert_refused(r, "--default-max-tokens", folder=out)
+    assert "kv_cache_config.default_max_tokens" not in r.err
+
+
 # --- silent acceptance -----------------------------------------------------------------------------
 
 def test_an_empty_config_path_is_an_error(capsys, out):

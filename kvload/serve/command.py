@@ -6,6 +6,8 @@ import argparse
 import sys
 from typing import Any
 
+from pipeline.limits import MAX_INT
+
 #: Sequences of ``--default-max-tokens`` + this many prompt tokens that the CPU default KV budget holds.
 SERVE_DEFAULT_SEQUENCES = 8
 SERVE_PROMPT_ALLOWANCE = 1024
@@ -97,7 +99,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     bind(ns.host, ns.port).close()  # a taken port fails now, before minutes of loading
     request = cli._request(ns, load_weights=True)
     request.overrides.setdefault("kv_cache_config", {}).setdefault(
-        "default_max_tokens", SERVE_DEFAULT_SEQUENCES * (ns.default_max_tokens + SERVE_PROMPT_ALLOWANCE))
+        "default_max_tokens",  # capped like generate's: past 2**63 - 1 the budget names --default-max-tokens
+        min(MAX_INT, SERVE_DEFAULT_SEQUENCES * (ns.default_max_tokens + SERVE_PROMPT_ALLOWANCE)))
     request.sized_by = (f"--default-max-tokens (serve sizes the pools for {SERVE_DEFAULT_SEQUENCES} x "
                         f"(default-max-tokens + {SERVE_PROMPT_ALLOWANCE}) = {{tokens}} tokens when no --max_tokens "
                         "is given)")
