@@ -237,3 +237,29 @@ def test_models_audit_and_explain(served):
     assert chain["chain"][-1]["source"] == "api"
     r = served.http.get("/v1/kvload/explain", params={"field": "no_such_field"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "field"
+
+
+def test_a_client_that_hangs_up_while_sending_its_body_is_not_a_server_error(served):
+    """A dropped upload is the client's doing: the app answers it without raising (uvicorn logs what escapes an app
+    as "Exception in ASGI application" with a traceback) and submits nothing."""
+    import asyncio
+
+    from kvload.serve.app import create_app
+
+    app = create_app(served.state)
+    incoming = [{"type": "http.request", "body": b'{"prompt": [1, 2', "more_body": True}, {"type": "http.disconnect"}]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return incoming.pop(0) if incoming else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", b"1000")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    asyncio.run(app(scope, receive, send))  # raised ClientDisconnect before
+    assert sent and sent[0]["type"] == "http.response.start"
+    assert served.metrics()["kvload_num_requests_running"] == 0

@@ -22,6 +22,7 @@ import attrs
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.requests import ClientDisconnect
 
 from engine.serving import ServeEvent, ServingEngine
 from engine.stopping import SampleText
@@ -120,8 +121,15 @@ def create_app(state: ServeState) -> FastAPI:
     return app
 
 
+#: The status nginx logs for a client that closed the connection before the answer; nobody receives it.
+CLIENT_CLOSED = 499
+
+
 async def _serve(state: ServeState, request: Request, kind: str) -> Response:
-    raw = await request.body()
+    try:
+        raw = await request.body()
+    except ClientDisconnect:  # hung up mid-upload: the client's doing, not a server error with a traceback
+        return Response(status_code=CLIENT_CLOSED)
     if json_depth(raw) > MAX_DEPTH:  # before parsing: json's decoder recurses once per level
         raise BadRequest(f"the request body nests too deeply: at most {MAX_DEPTH} levels of arrays and objects "
                          "are accepted (an OpenAI request needs about 5)")
