@@ -122,6 +122,7 @@ def test_a_client_that_gives_up_on_a_plain_request_has_it_aborted(served):
     ({"prompt": [1, 2], "presence_penalty": 0.5}, "presence_penalty", "penalties"),
     ({"prompt": [1, 2], "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
     ({"prompt": [1, 2], "logprobs": 99}, "logprobs", "[0, 20]"),
+    ({"prompt": [1, 2], "seed": 2**64}, "seed", "an integer in [0, 2**63 - 1]"),
     ({"prompt": []}, "prompt", "non-empty"),
     ({"prompt": [[1, 2], "x", [3.5]]}, "prompt[2]", "token ids"),
     ({}, "prompt", "required"),

@@ -15,7 +15,7 @@ import attrs
 from engine.prompts import ROLES, lone_surrogate
 from engine.sampling_params import SamplingParams
 from pipeline.errors import GenerationError
-from pipeline.limits import MAX_N
+from pipeline.limits import MAX_INT, MAX_N
 
 #: Most stop strings a request may give (OpenAI's limit).
 MAX_STOP = 4
@@ -120,7 +120,7 @@ def parse(body: Any, kind: str, *, default_max_tokens: int) -> Job:
     top_k = 0 if top_k is None else top_k
     _need(_is_int(top_k) and top_k >= -1, "top_k", "an integer >= 1, or 0 / -1 for all tokens", top_k)
     seed = body.get("seed")
-    _need(seed is None or (_is_int(seed) and seed >= 0), "seed", "an integer >= 0", seed)
+    _need(seed is None or (_is_int(seed) and 0 <= seed <= MAX_INT), "seed", "an integer in [0, 2**63 - 1]", seed)
     n = body.get("n", 1)
     n = 1 if n is None else n
     _need(_is_int(n) and 1 <= n <= MAX_N, "n", f"an integer in [1, {MAX_N}]", n)
