@@ -124,6 +124,12 @@ FLAG_FOR_PATH: dict[str, str] = {f.path: f.name for f in FLAGS}
 class OneLineParser(argparse.ArgumentParser):
     """argparse that reports a usage error as one line (``error: ...``) and exits 2."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # No prefix matching: YAML and Python refuse a key that is only a prefix of a field, and argparse expanded
+        # `--host_ 0` to --host_cache_size silently (a later flag could change what a prefix means, too).
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
     def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:
         """Remember the arguments so an error can name the spelling the user typed."""
         self._argv = list(sys.argv[1:] if args is None else args)
@@ -153,6 +159,9 @@ class OneLineParser(argparse.ArgumentParser):
         name = unknown.split("=", 1)[0]
         if name in options:  # an option of another subcommand
             return f"; {name} belongs to another command (see kvload --help)"
+        prefixed = {_norm(o): o for o in sorted(options) if o.startswith(name)}  # "_" sorts after "-": kept
+        if len(prefixed) == 1:  # what argparse's prefix matching used to expand it to
+            return f"; did you mean {next(iter(prefixed.values()))}?"
         close = difflib.get_close_matches(name, sorted(options), n=1, cutoff=0.75)
         return f"; did you mean {close[0]}?" if close else ""
 
