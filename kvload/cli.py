@@ -133,7 +133,24 @@ class OneLineParser(argparse.ArgumentParser):
     def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:
         """Remember the arguments so an error can name the spelling the user typed."""
         self._argv = list(sys.argv[1:] if args is None else args)
+        self._refuse_repeats(self._argv)
         return super().parse_known_args(args, namespace)
+
+    def _refuse_repeats(self, argv: Sequence[str]) -> None:
+        """One line for a one-value flag given twice (any spelling): argparse keeps the last and drops the first
+        silently. Repeatable flags (--prompt, --stop, --workload-arg) and plain switches (--json) may repeat."""
+        seen: dict[str, list[str]] = {}
+        for arg in argv:
+            if arg == "--":
+                break
+            action = self._option_string_actions.get(arg.split("=", 1)[0]) if arg.startswith("--") else None
+            if action is None or not _single_valued(action):
+                continue
+            seen.setdefault(action.dest, []).append(arg.split("=", 1)[0])
+            if len(seen[action.dest]) == 2:
+                first, again = seen[action.dest]
+                also = "" if again == first else f" (also as {again})"
+                self.error(f"{first}: given more than once{also}; give it once")
 
     def error(self, message: str) -> NoReturn:
         """Print ``error: <flag>: <what>`` on one line; no usage dump."""
@@ -164,6 +181,13 @@ class OneLineParser(argparse.ArgumentParser):
             return f"; did you mean {next(iter(prefixed.values()))}?"
         close = difflib.get_close_matches(name, sorted(options), n=1, cutoff=0.75)
         return f"; did you mean {close[0]}?" if close else ""
+
+
+def _single_valued(action: argparse.Action) -> bool:
+    """A flag whose second occurrence would replace the first: one value, or an on/off pair (--[no-]progress)."""
+    if isinstance(action, argparse.BooleanOptionalAction):
+        return True
+    return type(action).__name__ == "_StoreAction"
 
 
 def _norm(option: str) -> str:
