@@ -124,6 +124,16 @@ def test_checkpoint_dtype_wins_over_the_cpu_default(checkpoint_dir):
     assert result.audit.provenance("dtype")[-1]["source"] == "checkpoint"
 
 
+@pytest.mark.parametrize("declared", ["float64", "int4", "float8_e4m3fn"])
+def test_a_checkpoint_dtype_kvload_cannot_run_falls_back_and_says_what_was_declared(checkpoint_dir, declared):
+    """Not "the checkpoint declares no dtype" (it does), and not a refusal of a dtype field the user never set."""
+    result = pipeline.plan(str(checkpoint_dir(dtype=declared)), log=False)
+    assert result.args.dtype == "float32"  # the CPU default, as for a checkpoint that declares none
+    (event,) = [e for e in result.audit.of("auto_resolved") if e["field"] == "dtype"]
+    assert f"declares dtype {declared}" in event["reason"] and "no dtype" not in event["reason"]
+    assert "float32, float16, bfloat16" in event["reason"]
+
+
 def test_unknown_architecture_uses_the_generic_spec_with_a_warning(log, checkpoint_dir):
     result = pipeline.plan(str(checkpoint_dir("MysteryForCausalLM")))
     assert result.model.spec == "GenericDecoderSpec"
