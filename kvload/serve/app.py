@@ -29,7 +29,7 @@ from engine.stopping import SampleText
 from kvload.serve.metrics import ServeMetrics
 from kvload.serve.protocol import BadRequest, Job, parse
 from pipeline.errors import ConfigError, GenerationError, KvBuildError
-from pipeline.limits import MAX_DEPTH, json_depth
+from pipeline.limits import MAX_DEPTH, json_depth, unique_keys
 
 
 @attrs.define
@@ -134,7 +134,9 @@ async def _serve(state: ServeState, request: Request, kind: str) -> Response:
         raise BadRequest(f"the request body nests too deeply: at most {MAX_DEPTH} levels of arrays and objects "
                          "are accepted (an OpenAI request needs about 5)")
     try:
-        body = json.loads(raw)
+        # json keeps the last of a key given twice: refused, as in config.json and audit files
+        body = json.loads(raw, object_pairs_hook=unique_keys(lambda m: BadRequest(f"the request body is ambiguous: "
+                                                                                   f"{m}; keep one")))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from None
     job = parse(body, kind, default_max_tokens=state.default_max_tokens)
