@@ -636,7 +636,8 @@ def add_inspection_commands(sub: Any) -> None:
                "example:\n  kvload plan tiny-deepseek-v4 --audit-log v4.jsonl\n"
                "  kvload explain v4.jsonl use_kv_cache_manager_v2")
     p.add_argument("audit", metavar="AUDIT.jsonl", help="an audit log written with --audit-log")
-    p.add_argument("fields", metavar="FIELD", nargs="*", help="fields to explain (default: every changed field)")
+    p.add_argument("fields", metavar="FIELD", nargs="*", default=[],  # a default: argparse lists it as required
+                   help="fields to explain (default: every changed field)")
     p.add_argument("--json", action="store_true", help="print {field: {final, chain: [...]}} as JSON")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.set_defaults(func=cmd_explain)
