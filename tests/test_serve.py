@@ -161,6 +161,8 @@ def test_other_refusals_and_the_server_keeps_serving(served):
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x\\ud800"}]}', "messages",
      "messages[0].content: not valid Unicode text (a lone surrogate at character 1"),
     ("/v1/completions", b'{"prompt": [1, 2], "salt": "\\ud800"}', "salt", "valid Unicode"),
+    ("/v1/completions", b'{"prompt": [1, 2], "stop": ["ok", "\\udfff"]}', "stop",
+     "stop[1]: not valid Unicode text (a lone surrogate at character 0"),
     ("/v1/completions", b'{"prompt": [1, 2], "max_tokens": 2, "max_tokens": 3}', None,  # json keeps the last
      "key 'max_tokens' appears twice in one object"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a", "content": "b"}]}', None,

@@ -149,6 +149,11 @@ def parse(body: Any, kind: str, *, default_max_tokens: int) -> Job:
               stop)
         stops = tuple(stop)
     _need(len(stops) <= MAX_STOP and all(stops), "stop", f"at most {MAX_STOP} non-empty strings", stop)
+    for i, text in enumerate(stops):  # as prompts and salt: a stop string no decoded text could ever contain
+        at = lone_surrogate(text)
+        if at is not None:
+            raise BadRequest(f"stop[{i}]: not valid Unicode text (a lone surrogate at character {at}; text must be "
+                             "UTF-8)", param="stop")
     stop_ids = body.get("stop_token_ids") or []
     _need(isinstance(stop_ids, list) and all(_is_int(t) and t >= 0 for t in stop_ids), "stop_token_ids",
           "a list of token ids (integers >= 0)", stop_ids)
