@@ -224,7 +224,12 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
             raise BadRequest(f"messages[{i}].{extra[0]}: not supported (text messages only)",
                              param=f"messages[{i}].{extra[0]}")
         role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": content})
+        message = {"role": role, "content": content}
+        if m.get("name") is not None:  # passed to the chat template, as llm.chat does (templates that use it act)
+            _need(isinstance(m["name"], str) and lone_surrogate(m["name"]) is None, f"messages[{i}].name",
+                  "a string of valid Unicode text", m["name"])
+            message["name"] = m["name"]
+        out.append(message)
     return out
 
 
