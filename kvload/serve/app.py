@@ -28,6 +28,7 @@ from engine.serving import ServeEvent, ServingEngine
 from engine.stopping import SampleText
 from kvload.serve.metrics import ServeMetrics
 from kvload.serve.protocol import BadRequest, Job, parse
+from pipeline.audit import dropped_record
 from pipeline.errors import ConfigError, GenerationError, KvBuildError
 from pipeline.limits import MAX_DEPTH, json_depth, unique_keys
 
@@ -81,9 +82,7 @@ def create_app(state: ServeState) -> FastAPI:
         log = state.result.audit
         head, tail, dropped = log.tail()
         if dropped:  # said where the records are missing, so no reader takes the log for complete
-            head.append({"event": "audit_records_dropped", "dropped": dropped, "kept": len(tail),
-                         "reason": f"the server keeps the newest {log.max_tail} request-time records in memory "
-                                   "(--audit-keep); --audit-log FILE has them all"})
+            head.append(dropped_record(dropped, kept=len(tail), keep=log.max_tail))
         lines = [json.dumps(r, default=str, separators=(",", ":")) for r in [log.header, *head, *tail]]
         return Response("\n".join(lines) + "\n", media_type="application/x-ndjson",
                         headers={"X-Kvload-Audit-Dropped": str(dropped)})
