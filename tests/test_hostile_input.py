@@ -163,6 +163,8 @@ def _limited_cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
     write_config(tmp / "billion", {**BASE, "num_hidden_layers": 10**9})
     (tmp / "list-bomb.yaml").write_text(yaml_bomb(9, 12, "list"))
     (tmp / "dict-bomb.yaml").write_text(yaml_bomb(9, 12, "dict"))
+    with open(tmp / "sparse.yaml", "wb") as f:  # 8 GiB of zeros that take no disk: read whole, they took memory
+        f.truncate(8 * 1024**3)
     header = {"event": "audit_header", "kvload_version": "0.1.0", "schema_version": 1}
     (tmp / "deep.jsonl").write_text(json.dumps(header) + '\n{"event": "stage_started", "x": '
                                     + "[" * 100_000 + "]" * 100_000 + "}\n")
@@ -170,6 +172,7 @@ def _limited_cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
         "config.json num_hidden_layers 1e9": (["plan", tmp / "billion"], ["num_hidden_layers", "16,384"]),
         "YAML list bomb": (["plan", "tiny-llama", "--config", tmp / "list-bomb.yaml"], ["list-bomb.yaml"]),
         "YAML dict bomb": (["plan", "tiny-llama", "--config", tmp / "dict-bomb.yaml"], ["dict-bomb.yaml"]),
+        "YAML 8 GiB file": (["plan", "tiny-llama", "--config", tmp / "sparse.yaml"], ["sparse.yaml", "bytes"]),
         "simulate --requests 1e9": (["simulate", "tiny-llama", "--workload", "no-reuse", "--requests", 10**9],
                                     ["--requests"]),
         "simulate prompt_len 1e12": (["simulate", "tiny-llama", "--workload", "long-context", "--workload-arg",
@@ -181,7 +184,8 @@ def _limited_cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
 
 
 @pytest.mark.parametrize("case", [
-    "config.json num_hidden_layers 1e9", "YAML list bomb", "YAML dict bomb", "simulate --requests 1e9",
+    "config.json num_hidden_layers 1e9", "YAML list bomb", "YAML dict bomb", "YAML 8 GiB file",
+    "simulate --requests 1e9",
     "simulate prompt_len 1e12", "audit 100000-deep", "--max_gpu_total_bytes 1e400"])
 def test_hostile_input_ends_within_memory_and_cpu_limits(tmp_path, case):
     """A real process under RLIMIT_AS 1.5 GiB and RLIMIT_CPU 40 s: refused with exit 2, not killed by a limit."""
