@@ -134,6 +134,15 @@ def test_a_checkpoint_dtype_kvload_cannot_run_falls_back_and_says_what_was_decla
     assert "float32, float16, bfloat16" in event["reason"]
 
 
+def test_a_checkpoint_directory_may_be_a_path_object(checkpoint_dir):
+    """os.PathLike, as from_pretrained takes it: a pathlib.Path was refused as 'expected a preset name or a
+    checkpoint directory, got PosixPath(...)' although it names one."""
+    ckpt = checkpoint_dir()
+    by_path = pipeline.plan(ckpt, log=False)
+    assert by_path.args.model == str(ckpt) and by_path.model.architecture == "LlamaForCausalLM"
+    assert by_path.audit.replay() == pipeline.plan(str(ckpt), log=False).audit.replay()
+
+
 def test_unknown_architecture_uses_the_generic_spec_with_a_warning(log, checkpoint_dir):
     result = pipeline.plan(str(checkpoint_dir("MysteryForCausalLM")))
     assert result.model.spec == "GenericDecoderSpec"
