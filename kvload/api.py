@@ -11,7 +11,7 @@ import attrs
 from engine.sampling_params import SamplingParams
 from pipeline.bus import Subscriber
 from pipeline.context import LoadRequest
-from pipeline.run import RunResult
+from pipeline.run import RunResult, path_argument
 from pipeline.run import execute as run_stages
 from pipeline.runner import Pipeline, Stage
 from stages import load_stages, plan_stages, resolve_stages
@@ -110,7 +110,7 @@ def plan(
     (only the fields passed to it count as user-set). Precedence: defaults < ``config_file`` < overrides.
     """
     request = LoadRequest(model=model_argument(model), overrides=overrides, source="api",
-                          config_file=os.fspath(config_file) if config_file is not None else None)
+                          config_file=path_argument("config_file", config_file) if config_file is not None else None)
     return execute(request, stages or plan_stages(), audit_log=audit_log, subscribers=subscribers, log=log)
 
 
@@ -131,7 +131,7 @@ def load(
     deterministic random weights.
     """
     request = LoadRequest(model=model_argument(model), overrides=overrides, source="api",
-                          config_file=os.fspath(config_file) if config_file is not None else None,
+                          config_file=path_argument("config_file", config_file) if config_file is not None else None,
                           load_weights=load_weights)
     return execute(request, stages or load_stages(), audit_log=audit_log, subscribers=subscribers, log=log)
 

@@ -189,3 +189,12 @@ def test_model_errors_are_one_clear_line(tmp_path):
 def test_bad_override_is_a_config_error():
     with pytest.raises(ConfigError, match="^kv_cache_config.enable_block_reuse: expected true or false, got 'yes'"):
         pipeline.plan("tiny-llama", kv_cache_config={"enable_block_reuse": "yes"}, log=False)
+
+
+@pytest.mark.parametrize("argument", ["config_file", "audit_log"])
+@pytest.mark.parametrize("value", [5, b"serve.yaml", ["a.yaml"]])
+def test_a_path_argument_of_the_wrong_type_is_a_config_error_naming_it(argument, value):
+    """Not Python's bare TypeError ('expected str, bytes or os.PathLike object, not int'), which names no argument."""
+    with pytest.raises(ConfigError, match=f"^{argument}: expected a path") as info:
+        pipeline.plan("tiny-llama", log=False, **{argument: value})
+    assert str(info.value).endswith(f"got {value!r}")
