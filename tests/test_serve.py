@@ -270,3 +270,13 @@ def test_a_client_that_hangs_up_while_sending_its_body_is_not_a_server_error(ser
     asyncio.run(app(scope, receive, send))  # raised ClientDisconnect before
     assert sent and sent[0]["type"] == "http.response.start"
     assert served.metrics()["kvload_num_requests_running"] == 0
+
+
+@pytest.mark.parametrize("name", ["", "  ", 5])
+def test_build_state_refuses_a_blank_model_name_instead_of_using_the_models(served, name):
+    """The API side of --served-model-name '': `model_name or MODEL's name` dropped it without a word."""
+    from kvload.serve.server import build_state
+    from pipeline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="^model_name: expected a non-empty name"):
+        build_state(served.result, model_name=name)
