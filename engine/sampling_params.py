@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 
-from engine.prompts import is_token_id
+from engine.prompts import check_text, is_token_id
 from pipeline.errors import GenerationError
 from pipeline.limits import MAX_N
 
@@ -114,6 +114,8 @@ class SamplingParams:
               "an integer in [0, 2**63 - 1] or None", self.seed)
         check(isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop), "stop",
               "a non-empty string or a list of them", self.stop)
+        for i, text in enumerate(self.stop):  # decoded text is valid Unicode: a lone surrogate could never match
+            check_text(f"stop[{i}]", text)
         check(isinstance(self.stop_token_ids, tuple) and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
               "stop_token_ids", "a list of token ids (integers >= 0)", self.stop_token_ids)
         check(is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"an integer in [1, {MAX_N}]", self.n)

@@ -59,6 +59,7 @@ from pipeline.run import RunResult, execute
 from pipeline.sources import overrides_to_tree
 from pipeline.text import table
 from stages import load_stages, plan_stages
+from stages.build_kv_manager import check_host_memory
 
 #: The metric fields of one result, in report order (None when the manager did not run).
 METRIC_FIELDS = (
@@ -432,6 +433,8 @@ def _simulate(model: str, workload: str | Workload, requests: int | None, seed: 
                           f"({wl.max_sequence_tokens} tokens); raise --max_seq_len or shrink the workload",
                           path="max_seq_len")
     budget = routed_budget(routed, default_budget_sequences(wl), wl.max_sequence_tokens, prefer_default=True)
+    if not budget.default:  # every manager gets it as max_gpu_total_bytes: too big is said of the setting given
+        check_host_memory(routed.kv, routed.context)
     kv = args.kv_cache_config
     settings = {"device": str(args.device), "max_seq_len": args.max_seq_len, "max_batch_size": args.max_batch_size,
                 "max_num_tokens": args.max_num_tokens, "tokens_per_block": kv.tokens_per_block,

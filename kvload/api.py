@@ -11,7 +11,7 @@ import attrs
 from engine.sampling_params import SamplingParams
 from pipeline.bus import Subscriber
 from pipeline.context import LoadRequest
-from pipeline.run import RunResult
+from pipeline.run import RunResult, path_argument
 from pipeline.run import execute as run_stages
 from pipeline.runner import Pipeline, Stage
 from stages import load_stages, plan_stages, resolve_stages
@@ -88,8 +88,14 @@ def execute(
     return run_stages(request, stages, audit_log=audit_log, subscribers=subscribers, log=log, result_type=LoadResult)
 
 
+def model_argument(model: Any) -> Any:
+    """A checkpoint directory given as a ``pathlib.Path`` (any ``os.PathLike``) as its string; anything else as is,
+    for the ``model`` check to name."""
+    return os.fspath(model) if isinstance(model, os.PathLike) else model
+
+
 def plan(
-    model: str,
+    model: str | os.PathLike[str],
     *,
     config_file: str | os.PathLike[str] | None = None,
     audit_log: str | os.PathLike[str] | None = None,
@@ -103,13 +109,13 @@ def plan(
     ``overrides`` are ``LlmArgs`` fields; ``kv_cache_config`` may be a dict or a ``KvCacheConfig``
     (only the fields passed to it count as user-set). Precedence: defaults < ``config_file`` < overrides.
     """
-    request = LoadRequest(model=model, overrides=overrides, source="api",
-                          config_file=os.fspath(config_file) if config_file is not None else None)
+    request = LoadRequest(model=model_argument(model), overrides=overrides, source="api",
+                          config_file=path_argument("config_file", config_file) if config_file is not None else None)
     return execute(request, stages or plan_stages(), audit_log=audit_log, subscribers=subscribers, log=log)
 
 
 def load(
-    model: str,
+    model: str | os.PathLike[str],
     *,
     config_file: str | os.PathLike[str] | None = None,
     load_weights: bool = False,
@@ -124,8 +130,8 @@ def load(
     Weights load on the resolved device and dtype before the KV budget is computed; presets get
     deterministic random weights.
     """
-    request = LoadRequest(model=model, overrides=overrides, source="api",
-                          config_file=os.fspath(config_file) if config_file is not None else None,
+    request = LoadRequest(model=model_argument(model), overrides=overrides, source="api",
+                          config_file=path_argument("config_file", config_file) if config_file is not None else None,
                           load_weights=load_weights)
     return execute(request, stages or load_stages(), audit_log=audit_log, subscribers=subscribers, log=log)
 

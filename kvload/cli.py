@@ -125,10 +125,33 @@ FLAG_FOR_PATH: dict[str, str] = {f.path: f.name for f in FLAGS}
 class OneLineParser(argparse.ArgumentParser):
     """argparse that reports a usage error as one line (``error: ...``) and exits 2."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # No prefix matching: YAML and Python refuse a key that is only a prefix of a field, and argparse expanded
+        # `--host_ 0` to --host_cache_size silently (a later flag could change what a prefix means, too).
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
     def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:
         """Remember the arguments so an error can name the spelling the user typed."""
         self._argv = list(sys.argv[1:] if args is None else args)
+        self._refuse_repeats(self._argv)
         return super().parse_known_args(args, namespace)
+
+    def _refuse_repeats(self, argv: Sequence[str]) -> None:
+        """One line for a one-value flag given twice (any spelling): argparse keeps the last and drops the first
+        silently. Repeatable flags (--prompt, --stop, --workload-arg) and plain switches (--json) may repeat."""
+        seen: dict[str, list[str]] = {}
+        for arg in argv:
+            if arg == "--":
+                break
+            action = self._option_string_actions.get(arg.split("=", 1)[0]) if arg.startswith("--") else None
+            if action is None or not _single_valued(action):
+                continue
+            seen.setdefault(action.dest, []).append(arg.split("=", 1)[0])
+            if len(seen[action.dest]) == 2:
+                first, again = seen[action.dest]
+                also = "" if again == first else f" (also as {again})"
+                self.error(f"{first}: given more than once{also}; give it once")
 
     def error(self, message: str) -> NoReturn:
         """Print ``error: <flag>: <what>`` on one line; no usage dump."""
@@ -154,8 +177,18 @@ class OneLineParser(argparse.ArgumentParser):
         name = unknown.split("=", 1)[0]
         if name in options:  # an option of another subcommand
             return f"; {name} belongs to another command (see kvload --help)"
+        prefixed = {_norm(o): o for o in sorted(options) if o.startswith(name)}  # "_" sorts after "-": kept
+        if len(prefixed) == 1:  # what argparse's prefix matching used to expand it to
+            return f"; did you mean {next(iter(prefixed.values()))}?"
         close = difflib.get_close_matches(name, sorted(options), n=1, cutoff=0.75)
         return f"; did you mean {close[0]}?" if close else ""
+
+
+def _single_valued(action: argparse.Action) -> bool:
+    """A flag whose second occurrence would replace the first: one value, or an on/off pair (--[no-]progress)."""
+    if isinstance(action, argparse.BooleanOptionalAction):
+        return True
+    return type(action).__name__ == "_StoreAction"
 
 
 def _norm(option: str) -> str:
@@ -374,9 +407,11 @@ def cmd_generate(ns: argparse.Namespace) -> int:
                             top_k=ns.top_k, seed=ns.seed, stop=ns.stop, stop_token_ids=ns.stop_token_ids, n=ns.n,
                             logprobs=ns.logprobs, ignore_eos=ns.ignore_eos)  # checked before anything loads
     request = _request(ns, load_weights=True)
-    # Applies only when nothing else bounds the KV budget (CPU without --max_tokens/--max_gpu_total_bytes).
+    # Applies only when nothing else bounds the KV budget (CPU without --max_tokens/--max_gpu_total_bytes). Capped at
+    # the integer bound: a product past it is refused by the budget naming --max_new_tokens (sized_by), not as a field
+    # the user never typed, and it must not fail a run whose --max_tokens leaves the default unused.
     request.overrides.setdefault("kv_cache_config", {}).setdefault(
-        "default_max_tokens", len(prompts) * (ns.n * ns.max_new_tokens + GENERATE_PROMPT_ALLOWANCE))
+        "default_max_tokens", min(MAX_INT, len(prompts) * (ns.n * ns.max_new_tokens + GENERATE_PROMPT_ALLOWANCE)))
     request.sized_by = (f"--max_new_tokens, --n or the number of prompts (generate sizes the pools for prompts x "
                         f"(n x max_new_tokens + {GENERATE_PROMPT_ALLOWANCE}) = {{tokens}} tokens when no --max_tokens "
                         "is given)")
@@ -602,7 +637,8 @@ def add_inspection_commands(sub: Any) -> None:
                "example:\n  kvload plan tiny-deepseek-v4 --audit-log v4.jsonl\n"
                "  kvload explain v4.jsonl use_kv_cache_manager_v2")
     p.add_argument("audit", metavar="AUDIT.jsonl", help="an audit log written with --audit-log")
-    p.add_argument("fields", metavar="FIELD", nargs="*", help="fields to explain (default: every changed field)")
+    p.add_argument("fields", metavar="FIELD", nargs="*", default=[],  # a default: argparse lists it as required
+                   help="fields to explain (default: every changed field)")
     p.add_argument("--json", action="store_true", help="print {field: {final, chain: [...]}} as JSON")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.set_defaults(func=cmd_explain)

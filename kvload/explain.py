@@ -212,8 +212,11 @@ def verify_log(audit: AuditLog) -> dict[str, Any]:
     problems = list(audit.verify())
     seqs = [e.get("seq") for e in audit.events]
     for i, seq in enumerate(seqs):
-        if seq != i:
-            problems.append(f"event {i + 1} has seq {seq!r}, expected {i}: events were removed, added or reordered")
+        # a served log says how many records it let go where (--audit-keep): seq skips exactly that many there
+        expected = i + (audit.dropped if audit.dropped_at is not None and i >= audit.dropped_at else 0)
+        if seq != expected:
+            problems.append(f"event {i + 1} has seq {seq!r}, expected {expected}: events were removed, added or "
+                            "reordered")
             break
     finished = audit.of("pipeline_finished")
     routes = audit.of("executor_routed")
@@ -235,6 +238,7 @@ def verify_log(audit: AuditLog) -> dict[str, Any]:
     value_events = sum(1 for e in audit.events if is_value_event(e))
     return {
         "ok": not problems,
+        "dropped": audit.dropped,
         "value_events": value_events,
         "fields": len(flatten(audit.final_args() or {})),
         "problems": problems,
@@ -298,6 +302,9 @@ def render_verify(check: dict[str, Any]) -> list[str]:
     """The verdict of :func:`verify_log`, one line when it passes."""
     chain = check.get("chain")
     guarantee = [f"chain   {chain['guarantee']}"] if chain is not None and chain["ok"] else []
+    if check.get("dropped"):
+        guarantee.append(f"gap     {check['dropped']:,} request-time records the server dropped (--audit-keep) are "
+                         "not in this file, so not checked")
     if check["ok"]:
         return [f"verify  ok: replaying {check['value_events']} value-changing events over the framework defaults "
                 f"reproduces the recorded final args ({check['fields']} fields); the events that restate each "

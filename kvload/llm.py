@@ -56,7 +56,7 @@ class LLM:
     generation events too. ``log=False`` keeps kvload's event lines off stderr.
     """
 
-    def __init__(self, model: str, *, config_file: str | os.PathLike[str] | None = None,
+    def __init__(self, model: str | os.PathLike[str], *, config_file: str | os.PathLike[str] | None = None,
                  audit_log: str | os.PathLike[str] | None = None, subscribers: Iterable[Subscriber] = (),
                  log: bool = True, **llm_args: Any) -> None:
         llm_args["kv_cache_config"] = _with_default_budget(llm_args.get("kv_cache_config"), DEFAULT_CPU_MAX_TOKENS)

@@ -27,6 +27,16 @@ from pipeline.signals import deferred
 from pipeline.version import AUDIT_SCHEMA_VERSION, __version__
 
 HEADER_EVENT = "audit_header"
+#: The line ``GET /v1/kvload/audit`` puts where ``--audit-keep`` let request-time records go: not an event (no
+#: stage, no seq), so a reader takes it out of the events and lets seq skip the records it says are missing.
+DROPPED_EVENT = "audit_records_dropped"
+
+
+def dropped_record(dropped: int, *, kept: int, keep: int) -> dict[str, Any]:
+    """The marker of ``dropped`` records let go, ``kept`` request-time records after it (``--audit-keep keep``)."""
+    return {"event": DROPPED_EVENT, "dropped": dropped, "kept": kept,
+            "reason": f"the server keeps the newest {keep} request-time records in memory (--audit-keep); "
+                      "--audit-log FILE has them all"}
 
 
 def header_record() -> dict[str, Any]:
@@ -46,6 +56,10 @@ class AuditLog:
         self.header = header or header_record()
         #: The verdict on a file's hash chain (:func:`pipeline.audit_chain.check_chain`); None in memory.
         self.chain: dict[str, Any] | None = None
+        #: A file read with a DROPPED_EVENT line: records missing there (a served log), and the index of the event
+        #: after the gap.
+        self.dropped = 0
+        self.dropped_at: int | None = None
         #: Set by :meth:`keep_tail`: records before ``pinned`` are always kept, at most ``max_tail`` after them.
         self.pinned = 0
         self.max_tail: int | None = None
@@ -172,13 +186,22 @@ class AuditLog:
             )
         known = frozenset(flatten(framework_defaults()))
         events = []
+        dropped: tuple[int, int] | None = None  # (index of the first event after the gap, records missing)
         for n, record in records[1:]:
+            if record.get("event") == DROPPED_EVENT:
+                count = record.get("dropped")
+                if dropped is not None or not (isinstance(count, int) and not isinstance(count, bool) and count > 0):
+                    raise AuditError(f"{p}: line {n}: {DROPPED_EVENT}: expected one such line with 'dropped' an "
+                                     f"integer >= 1, got {short(count)}")
+                dropped = (len(events), count)
+                continue
             problem = record_problem(record, known)
             if problem is not None:
                 raise AuditError(f"{p}: line {n}: {problem}")
             events.append({k: v for k, v in record.items() if k not in (PREV, HEAD)})
         log = cls(events, header={k: v for k, v in header.items() if k != HEAD})
         log.chain = check_chain(header, records[1:], audit_key())
+        log.dropped_at, log.dropped = dropped if dropped is not None else (None, 0)
         return log
 
 

@@ -12,6 +12,7 @@ from pipeline.audit import AuditLog, JsonlSink, check_output_path
 from pipeline.bus import EventBus, Subscriber
 from pipeline.config import LlmArgs
 from pipeline.context import Context, LoadRequest, ModelInfo, Route
+from pipeline.errors import ConfigError
 from pipeline.logs import StructlogSubscriber
 from pipeline.ranks import rank_audit_path, ranks_from_env
 from pipeline.runner import Pipeline, Stage
@@ -73,6 +74,16 @@ class RunResult:
 R = TypeVar("R", bound=RunResult)
 
 
+def path_argument(name: str, value: Any) -> str:
+    """A file argument of the Python API (``config_file``, ``audit_log``) as a string: a ``str`` or an ``os.PathLike``
+    giving one; anything else (an int, bytes, a list) is a ``ConfigError`` naming the argument, where ``os.fspath``
+    raised a bare ``TypeError`` that named none."""
+    text = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if not isinstance(text, str):
+        raise ConfigError(f"{name}: expected a path (a str or os.PathLike), got {value!r}"[:300])
+    return text
+
+
 def execute(
     request: LoadRequest,
     stages: Sequence[Stage] | Pipeline,
@@ -92,6 +103,7 @@ def execute(
     ranks = ranks_from_env()
     sink = None
     if audit_log is not None:  # a directory or missing parent fails now, not after the whole load
+        audit_log = path_argument("audit_log", audit_log)
         check_output_path(audit_log, flag="audit_log")
         sink = JsonlSink(rank_audit_path(audit_log, ranks), flag="audit_log")
     subs: list[Subscriber] = [audit]

@@ -60,6 +60,10 @@ StrictLoader.add_implicit_resolver(
 )
 
 
+#: The longest YAML config read, in characters (UTF-8: at most four bytes each).
+MAX_CONFIG_CHARS = 1_000_000
+
+
 def read_yaml(path: str) -> dict[str, Any]:
     """Load a YAML config file as nested dicts; ``ConfigError`` names the file (and line) otherwise."""
     if str(path) == "":
@@ -67,6 +71,10 @@ def read_yaml(path: str) -> dict[str, Any]:
     p = Path(path)
     if p.exists() and not p.is_dir() and not p.is_file():
         raise ConfigError(f"config file {path}: not a regular file (a FIFO or device?); give a YAML file",
+                          source="config_file")
+    size = p.stat().st_size if p.is_file() else 0
+    if size > 4 * MAX_CONFIG_CHARS:  # before reading: a huge (or sparse) file would be read into memory whole
+        raise ConfigError(f"config file {path}: {size:,} bytes; a config of LlmArgs fields is a few hundred",
                           source="config_file")
     try:
         text = p.read_text(encoding="utf-8")
@@ -76,7 +84,7 @@ def read_yaml(path: str) -> dict[str, Any]:
         raise ConfigError(f"config file {path}: is a directory, expected a YAML file", source="config_file") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config file {path}: cannot read ({exc.__class__.__name__})", source="config_file") from None
-    if len(text) > 1_000_000:
+    if len(text) > MAX_CONFIG_CHARS:
         raise ConfigError(f"config file {path}: {len(text):,} characters; a config of LlmArgs fields is a few "
                           "hundred", source="config_file")
     try:

@@ -118,22 +118,26 @@ class BuildKvManager:
 
     @staticmethod
     def _check_host_memory(plan: KvPlan, ctx: Context) -> None:
-        """``KvBuildError`` when host memory cannot take what lives there: the pools on CPU, the V2 host tier."""
-        available = host_available_bytes()
-        assert plan.pools is not None
-        pools = 0 if is_cuda(plan.device) else plan.pools.total_bytes
-        host = plan.host_bytes or 0
-        if available is None or pools + host <= available:
-            return
-        parts, fields = [], []
-        if pools:
-            parts.append(f"KV pools of {pools} B")
-            fields.extend(_pool_culprits(plan, ctx))
-        if host:
-            parts.append(f"a host tier of {host} B")
-            fields.append(HOST_FIELD)
-        raise KvBuildError(f"{' plus '.join(parts)} exceed the {available} B of memory this host has available; "
-                           f"lower {' or '.join(fields)}")
+        check_host_memory(plan, ctx)
+
+
+def check_host_memory(plan: KvPlan, ctx: Context) -> None:
+    """``KvBuildError`` when host memory cannot take what lives there: the pools on CPU, the V2 host tier."""
+    available = host_available_bytes()
+    assert plan.pools is not None
+    pools = 0 if is_cuda(plan.device) else plan.pools.total_bytes
+    host = plan.host_bytes or 0
+    if available is None or pools + host <= available:
+        return
+    parts, fields = [], []
+    if pools:
+        parts.append(f"KV pools of {pools} B")
+        fields.extend(_pool_culprits(plan, ctx))
+    if host:
+        parts.append(f"a host tier of {host} B")
+        fields.append(HOST_FIELD)
+    raise KvBuildError(f"{' plus '.join(parts)} exceed the {available} B of memory this host has available; "
+                       f"lower {' or '.join(fields)}")
 
 
 def _pool_culprits(plan: KvPlan, ctx: Context) -> list[str]:

@@ -16,9 +16,10 @@ from pathlib import Path
 from models.weights import load_weights, plan_kv_heads_per_rank, save_random_model
 from pipeline.bus import Emit
 from pipeline.context import Context
-from pipeline.errors import ModelError
+from pipeline.errors import KvBuildError, ModelError
 from pipeline.events import SettingIgnored, WeightsLoaded
 from stages.check_parallel import require_all_ranks
+from stages.plan_kv import device_problem
 
 
 class LoadWeights:
@@ -33,6 +34,9 @@ class LoadWeights:
             return
         seed = ctx.args.weights_seed
         device, dtype = str(ctx.args.device), str(ctx.args.dtype)
+        problem = device_problem(device)  # build_kv_manager's check, before torch fails inside the weights' .to()
+        if problem is not None:
+            raise KvBuildError(problem)
         tp = ctx.args.tensor_parallel_size
         if tp > 1:
             require_all_ranks(ctx, "loading sharded weights")

@@ -6,7 +6,7 @@ import sys
 from typing import Any
 
 from pipeline.bus import Emit
-from pipeline.config import AUTO, DTYPE_BYTES, V2_FIELD, normalize_dtype, set_field
+from pipeline.config import AUTO, MODEL_DTYPES, V2_FIELD, normalize_dtype, set_field
 from pipeline.context import AutoOrigin, Context
 from pipeline.errors import ConfigError
 from pipeline.events import AutoResolved, FieldDerived
@@ -91,11 +91,16 @@ class ResolveAuto:
             return "cpu", "auto", "no CUDA device is available"
         if path == "dtype":
             declared = ctx.spec.checkpoint_dtype() if ctx.spec is not None else None
-            if declared is not None and normalize_dtype(declared) in DTYPE_BYTES:
+            if declared is not None and normalize_dtype(declared) in MODEL_DTYPES:
                 return normalize_dtype(declared), "checkpoint", f"the checkpoint declares dtype {declared}"
+            # A declared dtype kvload cannot run a model in (float64, int4, float8: a KV cache dtype only) is named,
+            # not passed on to fail as if the user had set it, nor reported as no dtype at all.
+            why = ("the checkpoint declares no dtype" if declared is None else
+                   f"the checkpoint declares dtype {declared}, which kvload does not run models in "
+                   f"({', '.join(MODEL_DTYPES)})")
             if str(ctx.args.device).startswith("cuda"):
-                return "bfloat16", "auto", "the checkpoint declares no dtype; bfloat16 on CUDA"
-            return "float32", "auto", "the checkpoint declares no dtype; float32 on CPU"
+                return "bfloat16", "auto", f"{why}; bfloat16 on CUDA"
+            return "float32", "auto", f"{why}; float32 on CPU"
         if path == "kv_cache_config.dtype":
             return ctx.args.dtype, "auto", f"follows the model dtype ({ctx.args.dtype})"
         if path == V2:

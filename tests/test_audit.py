@@ -201,3 +201,40 @@ def test_an_unbounded_log_drops_nothing():
     assert len(head) + len(tail) == 50 and dropped == 0
     with pytest.raises(ValueError, match="max_records"):
         log.keep_tail(-1)
+
+
+def _served_audit(dropped: int) -> str:
+    """The body of GET /v1/kvload/audit after --audit-keep let ``dropped`` request-time records go (as the app
+    builds it): header, the load's records, the marker, then the newest record kept."""
+    from pipeline.audit import dropped_record
+
+    log = pipeline.plan("tiny-llama", log=False).audit
+    last = log.events[-1]["seq"]
+    kept = {"event": "request_finished", "stage": "generate", "seq": last + 1 + dropped, "req_id": "srv-9",
+            "reason": "length", "prompt_tokens": 3, "output_tokens": 2, "reused_prompt_tokens": 0}
+    records = [log.header, *log.events, dropped_record(dropped, kept=1, keep=1), kept]
+    return "".join(json.dumps(r) + "\n" for r in records)
+
+
+def test_a_served_audit_with_dropped_records_reads_and_verifies(capsys, tmp_path):
+    """kvload serve's own /v1/kvload/audit was refused by kvload audit/explain once --audit-keep dropped records
+    ('unknown event audit_records_dropped'); the marker says where the gap is, so seq is unbroken around it."""
+    from tests.cli_support import run_cli
+
+    path = tmp_path / "served.jsonl"
+    path.write_text(_served_audit(dropped=3))
+    log = AuditLog.from_jsonl(path)
+    assert log.dropped == 3 and log.events[-1]["event"] == "request_finished"
+    r = run_cli(capsys, "audit", path, "--verify")
+    assert r.code == 0, r.err
+    assert "3 request-time records the server dropped" in r.out
+    assert run_cli(capsys, "explain", path, "max_tokens").code == 0
+
+
+def test_a_dropped_marker_hides_no_more_than_it_says(tmp_path):
+    text = _served_audit(dropped=3).replace('"dropped": 3', '"dropped": 2')  # the gap is one record wider
+    path = tmp_path / "served.jsonl"
+    path.write_text(text)
+    from kvload.explain import verify_log
+
+    assert not verify_log(AuditLog.from_jsonl(path))["ok"]

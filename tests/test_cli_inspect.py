@@ -108,6 +108,13 @@ def test_explain_every_changed_field_by_default_and_names_in_any_spelling(capsys
 # --- audit -----------------------------------------------------------------------------------
 
 
+def test_explain_without_arguments_asks_for_the_log_only(capsys):
+    """FIELD is optional (default: every changed field); the usage error said it was required too."""
+    r = run_cli(capsys, "explain")
+    assert r.code == 2 and r.one_error_line, r.err
+    assert r.err == "error: the following arguments are required: AUDIT.jsonl\n"
+
+
 def test_audit_summary_names_model_route_autos_defaults_and_warnings(capsys, tmp_path):
     log = plan_log(capsys, tmp_path, "tiny-deepseek-v4", "--use_kv_cache_manager_v2", "auto",
                    "--tokens_per_block", "64")

@@ -122,6 +122,43 @@ def test_cli_beats_config_file_with_a_source_conflict(capsys, tmp_path):
     assert [(s["source"], s["new"]) for s in chain] == [("config_file", 16), ("cli", 64)]
 
 
+@pytest.mark.parametrize(("argv", "typed", "meant"), [
+    (("plan", "tiny-llama", "--max_tok", "5"), "--max_tok", "--max_tokens"),
+    (("plan", "tiny-llama", "--host_", "0"), "--host_", None),  # a prefix of --host_cache_size
+    (("generate", "tiny-llama", "--prompt-ids", "1", "--max_new", "3"), "--max_new", "--max_new_tokens"),
+])
+def test_an_abbreviated_flag_is_refused_not_expanded(capsys, argv, typed, meant):
+    """YAML and Python refuse a key that is only a prefix of a field; so does the command line (argparse expanded
+    it silently, so `--host_ 0` set host_cache_size)."""
+    r = run_cli(capsys, *argv)
+    assert r.code == 2 and r.one_error_line, r.err
+    assert r.err.startswith(f"error: unrecognized arguments: {typed}"), r.err
+    if meant:
+        assert f"did you mean {meant}?" in r.err
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    (("plan", "tiny-llama", "--max_tokens", "1", "--max_tokens", "2"), "--max_tokens"),
+    (("plan", "tiny-llama", "--max_tokens", "64", "--max-tokens=64"), "--max_tokens"),  # an alias, the same value
+    (("plan", "tiny-llama", "--kv_cache_fraction", "0.5", "--kv_cache_free_gpu_memory_fraction", "0.6"),
+     "--kv_cache_fraction"),
+    (("generate", "tiny-llama", "--prompt-ids", "1", "--seed", "1", "--seed", "2"), "--seed"),
+    (("simulate", "tiny-llama", "--workload", "no-reuse", "--progress", "--no-progress"), "--progress"),
+])
+def test_a_flag_given_twice_is_refused_naming_both_spellings(capsys, argv, named):
+    """argparse kept the last value and dropped the first without a word; YAML refuses a key given twice too."""
+    r = run_cli(capsys, *argv)
+    assert r.code == 2 and r.one_error_line, r.err
+    assert r.err.startswith(f"error: {named}: given more than once"), r.err
+
+
+def test_repeatable_flags_and_switches_still_repeat(capsys):
+    r = run_cli(capsys, "generate", "tiny-llama", "--prompt-ids", "1,2", "--prompt-ids", "3", "--stop_token_ids", "5",
+                "--max_new_tokens", "2", "--ignore_eos", "--ignore_eos", "--json", "--json")
+    assert r.code == 0, r.err
+    assert len(r.json()["outputs"]) == 2
+
+
 def test_log_format_json_keeps_stdout_a_json_document(capsys):
     r = run_cli(capsys, "plan", "tiny-llama", "--json", "--log-format", "json", "--log-level", "info")
     assert r.code == 0

@@ -12,6 +12,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from tests.cli_support import ENV, REPO, run_cli
 
@@ -106,3 +107,11 @@ def test_serve_refuses_tensor_parallel_up_front_instead_of_advising_torchrun(cap
     r = run_cli(capsys, "serve", "tiny-llama", "--tp_size", "2")
     assert r.code == 2 and r.one_error_line, r.err
     assert "--tp_size 2: kvload serve runs on one rank only" in r.err and "torchrun --nproc" not in r.err
+
+
+@pytest.mark.parametrize("name", ["", "   "])
+def test_an_empty_served_model_name_is_refused_not_replaced_by_the_model(capsys, name):
+    """It fell back to MODEL's name without a word: a setting accepted that did nothing."""
+    r = run_cli(capsys, "serve", "tiny-llama", "--port", "0", "--served-model-name", name)
+    assert r.code == 2 and r.one_error_line, r.err
+    assert r.err.startswith("error: --served-model-name: expected a non-empty name"), r.err

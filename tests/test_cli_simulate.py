@@ -83,6 +83,17 @@ def test_simulate_bad_input_is_one_line_and_exit_2(capsys, args, message):
     assert r.one_error_line and r.err.startswith(message), r.err
 
 
+@pytest.mark.parametrize("compare", [(), ("--compare",)])
+def test_a_budget_past_host_memory_names_the_flag_given_not_the_bytes_it_became(capsys, compare):
+    """simulate hands every manager the budget as max_gpu_total_bytes; the advice named that field (never typed) and,
+    with --compare, ended in 'raise --max_tokens' for pools that were too big."""
+    r = run_cli(capsys, "simulate", "tiny-llama", "--device", "cpu", "--workload", "no-reuse", "--requests", "8",
+                "--max_tokens", str(2**40), *compare)  # 1 PiB of pools
+    assert r.code == 2 and r.one_error_line, r.err
+    assert "exceed the" in r.err and r.err.rstrip().endswith("lower kv_cache_config.max_tokens"), r.err
+    assert "max_gpu_total_bytes" not in r.err and "raise" not in r.err
+
+
 def test_plan_compare_prints_v1_against_v2_at_the_routed_budget(capsys):
     r = run_cli(capsys, "plan", "tiny-gemma3", "--device", "cpu", "--max_tokens", "16384", "--compare")
     assert r.code == 0, r.err

@@ -163,6 +163,8 @@ def _limited_cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
     write_config(tmp / "billion", {**BASE, "num_hidden_layers": 10**9})
     (tmp / "list-bomb.yaml").write_text(yaml_bomb(9, 12, "list"))
     (tmp / "dict-bomb.yaml").write_text(yaml_bomb(9, 12, "dict"))
+    with open(tmp / "sparse.yaml", "wb") as f:  # 8 GiB of zeros that take no disk: read whole, they took memory
+        f.truncate(8 * 1024**3)
     header = {"event": "audit_header", "kvload_version": "0.1.0", "schema_version": 1}
     (tmp / "deep.jsonl").write_text(json.dumps(header) + '\n{"event": "stage_started", "x": '
                                     + "[" * 100_000 + "]" * 100_000 + "}\n")
@@ -170,6 +172,7 @@ def _limited_cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
         "config.json num_hidden_layers 1e9": (["plan", tmp / "billion"], ["num_hidden_layers", "16,384"]),
         "YAML list bomb": (["plan", "tiny-llama", "--config", tmp / "list-bomb.yaml"], ["list-bomb.yaml"]),
         "YAML dict bomb": (["plan", "tiny-llama", "--config", tmp / "dict-bomb.yaml"], ["dict-bomb.yaml"]),
+        "YAML 8 GiB file": (["plan", "tiny-llama", "--config", tmp / "sparse.yaml"], ["sparse.yaml", "bytes"]),
         "simulate --requests 1e9": (["simulate", "tiny-llama", "--workload", "no-reuse", "--requests", 10**9],
                                     ["--requests"]),
         "simulate prompt_len 1e12": (["simulate", "tiny-llama", "--workload", "long-context", "--workload-arg",
@@ -181,7 +184,8 @@ def _limited_cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
 
 
 @pytest.mark.parametrize("case", [
-    "config.json num_hidden_layers 1e9", "YAML list bomb", "YAML dict bomb", "simulate --requests 1e9",
+    "config.json num_hidden_layers 1e9", "YAML list bomb", "YAML dict bomb", "YAML 8 GiB file",
+    "simulate --requests 1e9",
     "simulate prompt_len 1e12", "audit 100000-deep", "--max_gpu_total_bytes 1e400"])
 def test_hostile_input_ends_within_memory_and_cpu_limits(tmp_path, case):
     """A real process under RLIMIT_AS 1.5 GiB and RLIMIT_CPU 40 s: refused with exit 2, not killed by a limit."""
@@ -312,6 +316,24 @@ def test_huge_max_new_tokens_is_named_not_max_tokens(capsys, out):
                 "--audit-log", out / "a.jsonl")
     assert_refused(r, "--max_new_tokens", folder=out)
     assert "kv_cache_config.max_tokens" not in r.err
+
+
+@pytest.mark.parametrize("budget", [(), ("--max_tokens", "1024")])
+def test_max_new_tokens_at_2_63_is_named_not_the_pool_default_it_derives(capsys, out, budget):
+    """generate sizes its CPU default pools from --max_new_tokens; a product past 2**63 - 1 must not surface as an
+    internal field the user never typed (nor fail a run whose --max_tokens makes that default unused)."""
+    r = run_cli(capsys, "generate", "tiny-llama", "--prompt-ids", "1,2,3", "--max_new_tokens", str(2**63 - 1),
+                *budget, "--audit-log", out / "a.jsonl")
+    assert "default_max_tokens" not in r.err, r.err
+    # with --max_tokens: the request check (max_new_tokens cut to max_seq_len does not fit 1024 tokens)
+    assert_refused(r, "max_new_tokens" if budget else "--max_new_tokens", folder=out)
+
+
+def test_default_max_tokens_at_2_63_is_named_not_the_pool_default_it_derives(capsys, out):
+    r = run_cli(capsys, "serve", "tiny-llama", "--port", "0", "--default-max-tokens", str(2**63 - 1),
+                "--audit-log", out / "a.jsonl")
+    assert_refused(r, "--default-max-tokens", folder=out)
+    assert "kv_cache_config.default_max_tokens" not in r.err
 
 
 # --- silent acceptance -----------------------------------------------------------------------------

@@ -124,6 +124,25 @@ def test_checkpoint_dtype_wins_over_the_cpu_default(checkpoint_dir):
     assert result.audit.provenance("dtype")[-1]["source"] == "checkpoint"
 
 
+@pytest.mark.parametrize("declared", ["float64", "int4", "float8_e4m3fn"])
+def test_a_checkpoint_dtype_kvload_cannot_run_falls_back_and_says_what_was_declared(checkpoint_dir, declared):
+    """Not "the checkpoint declares no dtype" (it does), and not a refusal of a dtype field the user never set."""
+    result = pipeline.plan(str(checkpoint_dir(dtype=declared)), log=False)
+    assert result.args.dtype == "float32"  # the CPU default, as for a checkpoint that declares none
+    (event,) = [e for e in result.audit.of("auto_resolved") if e["field"] == "dtype"]
+    assert f"declares dtype {declared}" in event["reason"] and "no dtype" not in event["reason"]
+    assert "float32, float16, bfloat16" in event["reason"]
+
+
+def test_a_checkpoint_directory_may_be_a_path_object(checkpoint_dir):
+    """os.PathLike, as from_pretrained takes it: a pathlib.Path was refused as 'expected a preset name or a
+    checkpoint directory, got PosixPath(...)' although it names one."""
+    ckpt = checkpoint_dir()
+    by_path = pipeline.plan(ckpt, log=False)
+    assert by_path.args.model == str(ckpt) and by_path.model.architecture == "LlamaForCausalLM"
+    assert by_path.audit.replay() == pipeline.plan(str(ckpt), log=False).audit.replay()
+
+
 def test_unknown_architecture_uses_the_generic_spec_with_a_warning(log, checkpoint_dir):
     result = pipeline.plan(str(checkpoint_dir("MysteryForCausalLM")))
     assert result.model.spec == "GenericDecoderSpec"
@@ -170,3 +189,12 @@ def test_model_errors_are_one_clear_line(tmp_path):
 def test_bad_override_is_a_config_error():
     with pytest.raises(ConfigError, match="^kv_cache_config.enable_block_reuse: expected true or false, got 'yes'"):
         pipeline.plan("tiny-llama", kv_cache_config={"enable_block_reuse": "yes"}, log=False)
+
+
+@pytest.mark.parametrize("argument", ["config_file", "audit_log"])
+@pytest.mark.parametrize("value", [5, b"serve.yaml", ["a.yaml"]])
+def test_a_path_argument_of_the_wrong_type_is_a_config_error_naming_it(argument, value):
+    """Not Python's bare TypeError ('expected str, bytes or os.PathLike object, not int'), which names no argument."""
+    with pytest.raises(ConfigError, match=f"^{argument}: expected a path") as info:
+        pipeline.plan("tiny-llama", log=False, **{argument: value})
+    assert str(info.value).endswith(f"got {value!r}")

@@ -40,6 +40,8 @@ def test_stop_and_stop_token_ids_take_one_or_many():
     ({"seed": -1}, r"seed: expected an integer in \[0, 2\*\*63 - 1\] or None, got -1"),
     ({"stop": ""}, "stop: expected a non-empty string or a list of them"),
     ({"stop": 5}, "stop: expected a non-empty string or a list of them, got 5"),
+    # decoded text is valid Unicode, so a stop string with a lone surrogate could never match: a silent no-op
+    ({"stop": ["ok", "x\ud800"]}, r"stop\[1\]: not valid Unicode text \(a lone surrogate at character 1"),
     ({"stop_token_ids": [1, -3]}, r"stop_token_ids: expected a list of token ids \(integers >= 0\)"),
     ({"n": 0}, r"n: expected an integer in \[1, 128\], got 0"),
     ({"n": 100_000}, r"n: expected an integer in \[1, 128\], got 100000"),  # refused before a request is built

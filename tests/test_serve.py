@@ -122,6 +122,7 @@ def test_a_client_that_gives_up_on_a_plain_request_has_it_aborted(served):
     ({"prompt": [1, 2], "presence_penalty": 0.5}, "presence_penalty", "penalties"),
     ({"prompt": [1, 2], "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
     ({"prompt": [1, 2], "logprobs": 99}, "logprobs", "[0, 20]"),
+    ({"prompt": [1, 2], "seed": 2**64}, "seed", "an integer in [0, 2**63 - 1]"),
     ({"prompt": []}, "prompt", "non-empty"),
     ({"prompt": [[1, 2], "x", [3.5]]}, "prompt[2]", "token ids"),
     ({}, "prompt", "required"),
@@ -160,6 +161,12 @@ def test_other_refusals_and_the_server_keeps_serving(served):
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x\\ud800"}]}', "messages",
      "messages[0].content: not valid Unicode text (a lone surrogate at character 1"),
     ("/v1/completions", b'{"prompt": [1, 2], "salt": "\\ud800"}', "salt", "valid Unicode"),
+    ("/v1/completions", b'{"prompt": [1, 2], "stop": ["ok", "\\udfff"]}', "stop",
+     "stop[1]: not valid Unicode text (a lone surrogate at character 0"),
+    ("/v1/completions", b'{"prompt": [1, 2], "max_tokens": 2, "max_tokens": 3}', None,  # json keeps the last
+     "key 'max_tokens' appears twice in one object"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a", "content": "b"}]}', None,
+     "key 'content' appears twice"),
     ("/v1/completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None, "nests too deeply"),
     ("/v1/completions", b'{"prompt": ' + b"[" * 40 + b"1" + b"]" * 40 + b"}", None, "at most 32 levels"),
 ])
@@ -237,3 +244,39 @@ def test_models_audit_and_explain(served):
     assert chain["chain"][-1]["source"] == "api"
     r = served.http.get("/v1/kvload/explain", params={"field": "no_such_field"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "field"
+
+
+def test_a_client_that_hangs_up_while_sending_its_body_is_not_a_server_error(served):
+    """A dropped upload is the client's doing: the app answers it without raising (uvicorn logs what escapes an app
+    as "Exception in ASGI application" with a traceback) and submits nothing."""
+    import asyncio
+
+    from kvload.serve.app import create_app
+
+    app = create_app(served.state)
+    incoming = [{"type": "http.request", "body": b'{"prompt": [1, 2', "more_body": True}, {"type": "http.disconnect"}]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return incoming.pop(0) if incoming else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", b"1000")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    asyncio.run(app(scope, receive, send))  # raised ClientDisconnect before
+    assert sent and sent[0]["type"] == "http.response.start"
+    assert served.metrics()["kvload_num_requests_running"] == 0
+
+
+@pytest.mark.parametrize("name", ["", "  ", 5])
+def test_build_state_refuses_a_blank_model_name_instead_of_using_the_models(served, name):
+    """The API side of --served-model-name '': `model_name or MODEL's name` dropped it without a word."""
+    from kvload.serve.server import build_state
+    from pipeline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="^model_name: expected a non-empty name"):
+        build_state(served.result, model_name=name)

@@ -48,8 +48,15 @@ def test_a_good_chat_body_becomes_sampling_params():
      "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"messages": [{"role": "user", "content": "x", "name": 5}]}, "messages[0].name"),
 ])
 def test_chat_refusals_name_the_field(body, param):
     with pytest.raises(BadRequest) as info:
         parse(body, "chat", default_max_tokens=16)
     assert info.value.param == param
+
+
+def test_a_message_name_reaches_the_chat_template_as_in_the_python_api():
+    """llm.chat passes a message's other keys to the template; the server accepted `name` and dropped it."""
+    job = parse({"messages": [{"role": "user", "content": "hi", "name": "ada"}]}, "chat", default_max_tokens=16)
+    assert job.prompts == [[{"role": "user", "content": "hi", "name": "ada"}]]

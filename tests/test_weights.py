@@ -225,3 +225,15 @@ def test_a_weights_seed_for_a_checkpoint_with_weights_says_it_is_ignored(tmp_pat
     preset = load_through_stages("tiny-llama", weights_seed=5)  # a preset uses it: nothing to report
     assert not [e for e in preset.audit.of("setting_ignored") if e["field"] == "weights_seed"]
     preset.close()
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_a_cuda_device_that_is_not_there_is_refused_before_weights_load(capsys, command):
+    """As `run` refuses it (the pools' check), not as torch's AssertionError from inside load_weights."""
+    from tests.cli_support import run_cli
+
+    extra = ("--prompt-ids", "1,2,3") if command == "generate" else ("--port", "0")
+    r = run_cli(capsys, command, "tiny-llama", *extra, "--device", "cuda:999", "--max_tokens", "1024")
+    assert r.code == 2 and r.one_error_line, r.err
+    assert r.err.startswith("error: device=cuda:999: "), r.err  # none at all, or not that many
+    assert "load_weights" not in r.err and "Error" not in r.err

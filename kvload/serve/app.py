@@ -22,13 +22,15 @@ import attrs
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.requests import ClientDisconnect
 
 from engine.serving import ServeEvent, ServingEngine
 from engine.stopping import SampleText
 from kvload.serve.metrics import ServeMetrics
 from kvload.serve.protocol import BadRequest, Job, parse
+from pipeline.audit import dropped_record
 from pipeline.errors import ConfigError, GenerationError, KvBuildError
-from pipeline.limits import MAX_DEPTH, json_depth
+from pipeline.limits import MAX_DEPTH, json_depth, unique_keys
 
 
 @attrs.define
@@ -80,9 +82,7 @@ def create_app(state: ServeState) -> FastAPI:
         log = state.result.audit
         head, tail, dropped = log.tail()
         if dropped:  # said where the records are missing, so no reader takes the log for complete
-            head.append({"event": "audit_records_dropped", "dropped": dropped, "kept": len(tail),
-                         "reason": f"the server keeps the newest {log.max_tail} request-time records in memory "
-                                   "(--audit-keep); --audit-log FILE has them all"})
+            head.append(dropped_record(dropped, kept=len(tail), keep=log.max_tail))
         lines = [json.dumps(r, default=str, separators=(",", ":")) for r in [log.header, *head, *tail]]
         return Response("\n".join(lines) + "\n", media_type="application/x-ndjson",
                         headers={"X-Kvload-Audit-Dropped": str(dropped)})
@@ -120,13 +120,22 @@ def create_app(state: ServeState) -> FastAPI:
     return app
 
 
+#: The status nginx logs for a client that closed the connection before the answer; nobody receives it.
+CLIENT_CLOSED = 499
+
+
 async def _serve(state: ServeState, request: Request, kind: str) -> Response:
-    raw = await request.body()
+    try:
+        raw = await request.body()
+    except ClientDisconnect:  # hung up mid-upload: the client's doing, not a server error with a traceback
+        return Response(status_code=CLIENT_CLOSED)
     if json_depth(raw) > MAX_DEPTH:  # before parsing: json's decoder recurses once per level
         raise BadRequest(f"the request body nests too deeply: at most {MAX_DEPTH} levels of arrays and objects "
                          "are accepted (an OpenAI request needs about 5)")
     try:
-        body = json.loads(raw)
+        # json keeps the last of a key given twice: refused, as in config.json and audit files
+        body = json.loads(raw, object_pairs_hook=unique_keys(lambda m: BadRequest(f"the request body is ambiguous: "
+                                                                                   f"{m}; keep one")))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from None
     job = parse(body, kind, default_max_tokens=state.default_max_tokens)

@@ -6,6 +6,8 @@ import argparse
 import sys
 from typing import Any
 
+from pipeline.limits import MAX_INT
+
 #: Sequences of ``--default-max-tokens`` + this many prompt tokens that the CPU default KV budget holds.
 SERVE_DEFAULT_SEQUENCES = 8
 SERVE_PROMPT_ALLOWANCE = 1024
@@ -50,7 +52,8 @@ def add_serve_command(sub: Any) -> None:
                    type=cli._bounded(cli.integer, lambda v: 0 <= v <= 65535, "an integer in [0, 65535]"),
                    help="TCP port (default 8000; 0 = any free port)")
     g.add_argument("--served-model-name", "--served_model_name", dest="served_model_name", default=None,
-                   metavar="NAME", help="the model name clients send and /v1/models lists (default: MODEL's name)")
+                   metavar="NAME", type=_model_name,
+                   help="the model name clients send and /v1/models lists (default: MODEL's name)")
     g.add_argument("--default-max-tokens", "--default_max_tokens", dest="default_max_tokens", default=256,
                    metavar="N", type=cli._bounded(cli.integer, lambda v: v >= 1, "an integer >= 1"),
                    help="max_tokens of a request that gives none (default 256; never past max_seq_len)")
@@ -63,6 +66,14 @@ def add_serve_command(sub: Any) -> None:
                         "GET /v1/kvload/audit, the newest; the load's are always kept and --audit-log FILE gets "
                         "every record (default %(default)s, a few hundred bytes each)")
     p.set_defaults(func=cmd_serve)
+
+
+def _model_name(text: str) -> str:
+    """``--served-model-name``: a blank name fell back to MODEL's without a word, so it is refused."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a non-empty name (or leave the flag out to serve as MODEL's "
+                                         f"name), got {text!r}")
+    return text
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
@@ -97,7 +108,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     bind(ns.host, ns.port).close()  # a taken port fails now, before minutes of loading
     request = cli._request(ns, load_weights=True)
     request.overrides.setdefault("kv_cache_config", {}).setdefault(
-        "default_max_tokens", SERVE_DEFAULT_SEQUENCES * (ns.default_max_tokens + SERVE_PROMPT_ALLOWANCE))
+        "default_max_tokens",  # capped like generate's: past 2**63 - 1 the budget names --default-max-tokens
+        min(MAX_INT, SERVE_DEFAULT_SEQUENCES * (ns.default_max_tokens + SERVE_PROMPT_ALLOWANCE)))
     request.sized_by = (f"--default-max-tokens (serve sizes the pools for {SERVE_DEFAULT_SEQUENCES} x "
                         f"(default-max-tokens + {SERVE_PROMPT_ALLOWANCE}) = {{tokens}} tokens when no --max_tokens "
                         "is given)")

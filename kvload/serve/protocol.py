@@ -15,7 +15,7 @@ import attrs
 from engine.prompts import ROLES, lone_surrogate
 from engine.sampling_params import SamplingParams
 from pipeline.errors import GenerationError
-from pipeline.limits import MAX_N
+from pipeline.limits import MAX_INT, MAX_N
 
 #: Most stop strings a request may give (OpenAI's limit).
 MAX_STOP = 4
@@ -120,7 +120,7 @@ def parse(body: Any, kind: str, *, default_max_tokens: int) -> Job:
     top_k = 0 if top_k is None else top_k
     _need(_is_int(top_k) and top_k >= -1, "top_k", "an integer >= 1, or 0 / -1 for all tokens", top_k)
     seed = body.get("seed")
-    _need(seed is None or (_is_int(seed) and seed >= 0), "seed", "an integer >= 0", seed)
+    _need(seed is None or (_is_int(seed) and 0 <= seed <= MAX_INT), "seed", "an integer in [0, 2**63 - 1]", seed)
     n = body.get("n", 1)
     n = 1 if n is None else n
     _need(_is_int(n) and 1 <= n <= MAX_N, "n", f"an integer in [1, {MAX_N}]", n)
@@ -149,6 +149,11 @@ def parse(body: Any, kind: str, *, default_max_tokens: int) -> Job:
               stop)
         stops = tuple(stop)
     _need(len(stops) <= MAX_STOP and all(stops), "stop", f"at most {MAX_STOP} non-empty strings", stop)
+    for i, text in enumerate(stops):  # as prompts and salt: a stop string no decoded text could ever contain
+        at = lone_surrogate(text)
+        if at is not None:
+            raise BadRequest(f"stop[{i}]: not valid Unicode text (a lone surrogate at character {at}; text must be "
+                             "UTF-8)", param="stop")
     stop_ids = body.get("stop_token_ids") or []
     _need(isinstance(stop_ids, list) and all(_is_int(t) and t >= 0 for t in stop_ids), "stop_token_ids",
           "a list of token ids (integers >= 0)", stop_ids)
@@ -219,7 +224,12 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
             raise BadRequest(f"messages[{i}].{extra[0]}: not supported (text messages only)",
                              param=f"messages[{i}].{extra[0]}")
         role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": content})
+        message = {"role": role, "content": content}
+        if m.get("name") is not None:  # passed to the chat template, as llm.chat does (templates that use it act)
+            _need(isinstance(m["name"], str) and lone_surrogate(m["name"]) is None, f"messages[{i}].name",
+                  "a string of valid Unicode text", m["name"])
+            message["name"] = m["name"]
+        out.append(message)
     return out
 
 

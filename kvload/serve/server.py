@@ -26,6 +26,8 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
                 audit_keep: int = AUDIT_KEEP_DEFAULT) -> ServeState:
     """Engine (not started) and metrics over a ``load(..., load_weights=True)`` result; from now on its audit log
     keeps the load's records and the newest ``audit_keep`` (``/v1/kvload/audit`` serves them)."""
+    if model_name is not None and not (isinstance(model_name, str) and model_name.strip()):
+        raise ConfigError(f"model_name: expected a non-empty name (or None: the model's own), got {model_name!r}")
     result.audit.keep_tail(audit_keep)
     name = model_name or (result.model.name if result.model is not None else str(result.args.model))
     metrics = ServeMetrics(name)
