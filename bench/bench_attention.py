@@ -28,8 +28,9 @@ latents, expand them the same way, SDPA); ``gather_abs`` the gathered latents in
 over SDPA (queries folded into latent space, one shared KV head; no expansion); ``flex`` the compiled
 path (absorbed, the kernel reading the pool in place). Each includes the new token's write and, on
 the absorbed paths, the query fold and the output's up-projection. ``--mla --mla-prefill 64@0,64@512``
-times one sequence's chunk of 64 tokens from position 0 and 512 instead, absorbed (flex) against expanded
-(gather + SDPA), and prints which the executor's rule (``absorbed_pays``) picks for that step.
+times one sequence's chunk of 64 tokens from position 0 and 512 instead, absorbed (flex; with ``--no-flex``
+absorbed over the gathered latents) against expanded (gather + SDPA), and prints which the executor's rule
+(``absorbed_pays``) picks for that step.
 
 ``--plan-groups 5+1,52+10`` times only the per-step plan of a whole model instead: ``S`` sliding-window
 (``--window``) and ``F`` full layers on a V2 layout, once with every layer's page the same shape (one
@@ -301,6 +302,7 @@ def mla_prefill(args: argparse.Namespace, device: torch.device) -> None:
     """
     from types import SimpleNamespace
 
+    from cache_backends.paged_attention import GATHERED_ABSORBED_RATE
     from models.paged_forward import absorbed_pays
 
     dtype = TORCH_DTYPES[args.dtype]
@@ -315,7 +317,7 @@ def mla_prefill(args: argparse.Namespace, device: torch.device) -> None:
         group = layout.groups[0].name
         blocks = -(-(start + n) // T)
         pools = BlockPools(layout, {group: blocks + 2}, device)  # the compiled path wants 2 blocks or more
-        flex = FlexPagedAttention(pools, max(n, 8))
+        flex = FlexPagedAttention(pools, max(n, 8)) if args.flex else None
         pools.tensors[group].normal_()
         ids = list(range(blocks))
         random.Random(0).shuffle(ids)
@@ -326,14 +328,17 @@ def mla_prefill(args: argparse.Namespace, device: torch.device) -> None:
         expanded, absorbed = PagedBatch.build(chunk, pools), PagedBatch.build(chunk, pools, flex=flex)
         scale = (nope + rope) ** -0.5
 
-        def run(step: PagedBatch, inputs: tuple = (qn, qp, lat, pe, w, scale)) -> Callable[[], torch.Tensor]:
-            return lambda: mla_paged_attention(step, 0, *inputs)
+        def run(step: PagedBatch, form: bool, inputs: tuple = (qn, qp, lat, pe, w, scale)) -> Callable[[], Any]:
+            # form: absorbed or expanded on gather + SDPA (a flex step is absorbed on the kernel whatever it says)
+            return lambda: mla_paged_attention(step, 0, *inputs, absorbed=form)
 
         with torch.inference_mode():
             tol = 1e-4 if dtype == torch.float32 else 2e-2
-            torch.testing.assert_close(run(absorbed)().float(), run(expanded)().float(), rtol=tol, atol=tol)
-            e, a = median_us(run(expanded), args.reps, device), median_us(run(absorbed), args.reps, device)
-        picked = "absorbed" if absorbed_pays(absorbed, config) else "expanded"
+            got, want = run(absorbed, True)(), run(expanded, False)()
+            torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+            e, a = median_us(run(expanded, False), args.reps, device), median_us(run(absorbed, True), args.reps, device)
+        rule = {} if args.flex else {"rate": GATHERED_ABSORBED_RATE, "padded": True}
+        picked = "absorbed" if absorbed_pays(absorbed, config, **rule) else "expanded"
         print(f"{n:>6} {start:>6} {e:>12.1f} {a:>12.1f} {a / e:>8.2f} {picked:>9}", flush=True)
         pools.release()
 
