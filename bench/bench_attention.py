@@ -23,9 +23,11 @@ worst case: a one-layer model). Medians over ``--reps`` runs after warm-up.
 ``--rope-dim``, ``--kv-rank``, ``--v-dim``: DeepSeek-V2-Lite's 16, 128, 64, 512, 128 by default there)
 instead: the pool holds one ``[latent | rope]`` row per token. ``contig`` is the model's own attention
 over a contiguous latent cache (transformers' DeepSeek: every cached latent expanded through
-``kv_b_proj`` into per-head K/V each step, then SDPA); ``gather`` kvload's reference (gather the
-latents, expand them the same way, SDPA); ``gather_abs`` the gathered latents in the absorbed form
-over SDPA (queries folded into latent space, one shared KV head; no expansion); ``flex`` the compiled
+``kv_b_proj`` into per-head K/V each step, then SDPA); ``gather`` kvload's ``sdpa`` path as built (for
+a decode step: the latents gathered once and attended in the absorbed form, ``attend_latent_gathered``;
+before that form was built there, expanded the model's way); ``gather_abs`` the gathered latents in the
+absorbed form written out in the bench (queries folded into latent space, one shared KV head; no
+expansion), the reference ``gather`` is checked against; ``flex`` the compiled
 path (absorbed, the kernel reading the pool in place). Each includes the new token's write and, on
 the absorbed paths, the query fold and the output's up-projection. ``--mla --mla-prefill 64@0,64@512``
 times one sequence's chunk of 64 tokens from position 0 and 512 instead, absorbed (flex; with ``--no-flex``
