@@ -815,8 +815,30 @@ def absorbed_costs_less(batch: PagedBatch, rank: int, rope: int, nope: int, dv: 
     queries against the longest context (gather + SDPA pads; the compiled kernel skips what no query sees).
     """
     pairs, keys = batch.attention_work()
-    absorbed = batch.num_seqs * batch.max_q * int(batch._end_np.max()) if padded else pairs
+    absorbed = pairs
+    if padded:  # what attend_latent_gathered scores: padded, unless padding would double the work (split_plan)
+        square = batch.num_seqs * batch.max_q * int(batch._end_np.max())
+        absorbed = square if square < 2 * pairs else pairs
     return absorbed * (2 * rank + rope) <= rate * (keys * rank * (nope + dv) + pairs * (nope + rope + dv))
+
+
+def _absorbed(query: torch.Tensor, entries: torch.Tensor, bias: torch.Tensor | None, scale: float,
+              rank: int) -> torch.Tensor:
+    """Folded queries ``(B, q, H, rank + rope)`` over gathered rows ``(B, k, rank + rope)``: ``(B, q, H, rank)``.
+
+    ``bias``: ``(B, 1, q, k)`` additive (:meth:`PagedBatch.bias`), one row per query shared by its heads, or None.
+    A sequence's ``q * H`` query rows (query i, head h: row ``i * H + h``) are the rows of one matmul.
+    """
+    B, q, H, _ = query.shape
+    scores = torch.matmul(query.reshape(B, q * H, -1), entries.transpose(1, 2)).view(B, q, H, -1)
+    scores.mul_(scale)
+    if bias is not None:
+        scores.add_(bias.transpose(1, 2))
+    if scores.dtype in (torch.float16, torch.bfloat16):  # softmax in float32, as SDPA's math does
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs.view(B, q * H, -1), entries[..., :rank]).view(B, q, H, rank)
 
 
 def attend_latent_gathered(batch: PagedBatch, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor,
@@ -827,30 +849,34 @@ def attend_latent_gathered(batch: PagedBatch, layer: int, q_nope: torch.Tensor, 
     ``(B, max_k, rank + rope)``, and serve as one KV head shared by every query head, so a sequence's
     ``max_q * H`` folded queries are the rows of one ``(rows, rank + rope) x (rank + rope, max_k)`` product
     and their softmax the rows of one product with the latents; nothing is expanded per cached token.
-    Padded query rows are dropped at the end (the mask lets each see one key, so they stay finite).
+    Padded query rows are dropped at the end (the mask lets each see one key, so they stay finite); where
+    padding would at least double the work (:meth:`PagedBatch.split_plan`) each prefill chunk attends alone
+    over its own keys and the decode rows together, as :func:`attend_packed` does.
     """
     nope, rank = q_nope.shape[-1], w_kv.shape[-1]
     entries = batch.gather(layer, q_nope.dtype)  # (B, max_k, rank + rope)
     q_lat = torch.matmul(q_nope.transpose(0, 1), w_kv[:, :nope])  # (H, N, rank)
     query = torch.cat((q_lat.transpose(0, 1), q_pe.to(q_lat.dtype)), dim=-1)  # (N, H, rank + rope)
     B, H, max_q = batch.num_seqs, query.shape[1], batch.max_q
-    if max_q > 1:  # pad to (B * max_q, H, ·): sequence b's query i is row b * max_q + i
-        padded = query.new_zeros(B * max_q, H, query.shape[-1])
-        padded.index_copy_(0, batch._q_row, query)
-        query = padded
-    # rows (query i, head h) of sequence b: i * H + h; scores (B, max_q, H, max_k)
-    scores = torch.matmul(query.view(B, max_q * H, -1), entries.transpose(1, 2)).view(B, max_q, H, -1)
-    scores.mul_(scale)
-    bias = batch.bias(layer, scores.dtype)  # (B, 1, max_q, max_k): one row per query, shared by the heads
-    if bias is not None:
-        scores.add_(bias.transpose(1, 2))
-    if scores.dtype in (torch.float16, torch.bfloat16):  # softmax in float32, as SDPA's math does
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
+    bias = batch.bias(layer, query.dtype)  # (B, 1, max_q, max_k): one row per query, shared by the heads
+    parts = batch.split_plan(layer)
+    if parts is not None:  # padding would at least double the work: each chunk alone, decode rows together
+        k_len = batch._gather(layer).k_len
+        out = query.new_empty(query.shape[0], H, rank)
+        for first, tokens, s0, count, _ in parts:
+            rows = 1 if tokens == count else tokens  # decode rows: one query per sequence
+            width = int(k_len[s0:s0 + count].max())
+            q = query[first:first + tokens].view(count, rows, H, -1)
+            b = bias[s0:s0 + count, :, :rows, :width] if bias is not None else None
+            out[first:first + tokens] = _absorbed(q, entries[s0:s0 + count, :width], b, scale, rank).flatten(0, 1)
     else:
-        probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs.view(B, max_q * H, -1), entries[..., :rank]).view(B * max_q, H, rank)
-    if max_q > 1:
-        out = out.index_select(0, batch._q_row)
+        if max_q > 1:  # pad to (B * max_q, H, ·): sequence b's query i is row b * max_q + i
+            padded = query.new_zeros(B * max_q, H, query.shape[-1])
+            padded.index_copy_(0, batch._q_row, query)
+            query = padded
+        out = _absorbed(query.view(B, max_q, H, -1), entries, bias, scale, rank).view(B * max_q, H, rank)
+        if max_q > 1:
+            out = out.index_select(0, batch._q_row)
     MLA_CALLS["absorbed"] += 1
     return torch.matmul(out.transpose(0, 1), w_kv[:, nope:].transpose(1, 2)).transpose(0, 1)  # (N, H, d_v)
 
