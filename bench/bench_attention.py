@@ -339,7 +339,7 @@ def mla_prefill(args: argparse.Namespace, device: torch.device) -> None:
             got, want = run(absorbed, True)(), run(expanded, False)()
             torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
             e, a = median_us(run(expanded, False), args.reps, device), median_us(run(absorbed, True), args.reps, device)
-        rule = {} if args.flex else {"rate": GATHERED_ABSORBED_RATE, "padded": True}
+        rule = {} if args.flex else {"rate": GATHERED_ABSORBED_RATE, "padded": True, "fold": True}
         picked = "absorbed" if absorbed_pays(absorbed, config, **rule) else "expanded"
         print(f"{n:>6} {start:>6} {e:>12.1f} {a:>12.1f} {a / e:>8.2f} {picked:>9}", flush=True)
         pools.release()

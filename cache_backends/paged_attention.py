@@ -806,20 +806,25 @@ GATHERED_ABSORBED_RATE = 1.0
 
 
 def absorbed_costs_less(batch: PagedBatch, rank: int, rope: int, nope: int, dv: int, rate: float,
-                        padded: bool = False) -> bool:
+                        padded: bool = False, fold: bool = False) -> bool:
     """Whether a step's MLA layers cost fewer multiply-adds absorbed than expanded (``rate``: absorbed's speed).
 
     Absorbed, each (query, key) pair costs ``2 * rank + rope`` per head (the latent row's dot product and
     its latent's share of the output); expanded, each key costs ``rank * (nope + dv)`` per head once per
     step, plus ``nope + rope + dv`` per pair. ``padded``: the absorbed form scores every sequence's padded
     queries against the longest context (gather + SDPA pads; the compiled kernel skips what no query sees).
+    ``fold``: count the absorbed form's per-query work too, ``rank * (nope + dv)`` per head (folding the query
+    through ``W_UK``, up-projecting its output through ``W_UV``) — as much as expanding one key, so a chunk
+    from position 0 (as many queries as keys) never pays absorbed, as gather + SDPA measured.
     """
     pairs, keys = batch.attention_work()
     absorbed = pairs
     if padded:  # what attend_latent_gathered scores: padded, unless padding would double the work (split_plan)
         square = batch.num_seqs * batch.max_q * int(batch._end_np.max())
         absorbed = square if square < 2 * pairs else pairs
-    return absorbed * (2 * rank + rope) <= rate * (keys * rank * (nope + dv) + pairs * (nope + rope + dv))
+    per_query = batch.num_tokens * rank * (nope + dv) if fold else 0
+    return (per_query + absorbed * (2 * rank + rope)
+            <= rate * (keys * rank * (nope + dv) + pairs * (nope + rope + dv)))
 
 
 def _absorbed(query: torch.Tensor, entries: torch.Tensor, bias: torch.Tensor | None, scale: float,
@@ -901,7 +906,8 @@ def mla_paged_attention(batch: PagedBatch, layer: int, q_nope: torch.Tensor, q_p
     heads, nope, rank = w_kv.shape[0], q_nope.shape[-1], w_kv.shape[-1]
     if absorbed is None:
         dv = w_kv.shape[1] - nope
-        absorbed = absorbed_costs_less(batch, rank, q_pe.shape[-1], nope, dv, GATHERED_ABSORBED_RATE, padded=True)
+        absorbed = absorbed_costs_less(batch, rank, q_pe.shape[-1], nope, dv, GATHERED_ABSORBED_RATE, padded=True,
+                                       fold=True)
     if absorbed:
         return attend_latent_gathered(batch, layer, q_nope, q_pe, w_kv, scale)
     MLA_CALLS["expanded"] += 1

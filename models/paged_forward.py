@@ -104,7 +104,8 @@ def paged_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor,
 ABSORBED_RATE = 0.5
 
 
-def absorbed_pays(batch: PagedBatch, config: Any, rate: float = ABSORBED_RATE, padded: bool = False) -> bool:
+def absorbed_pays(batch: PagedBatch, config: Any, rate: float = ABSORBED_RATE, padded: bool = False,
+                  fold: bool = False) -> bool:
     """Whether a step's MLA layers cost less absorbed (per query-key pair) than expanded (per key), by multiply-adds.
 
     Absorbed, each (query, visible key) pair costs ``2 * kv_lora_rank + qk_rope_head_dim`` per head (the
@@ -112,7 +113,7 @@ def absorbed_pays(batch: PagedBatch, config: Any, rate: float = ABSORBED_RATE, p
     speed; expanded, each visible key costs ``kv_lora_rank * (qk_nope_head_dim + v_head_dim)`` per head to
     expand, once per step, plus ``qk_head_dim + v_head_dim`` per pair. Decode steps and short chunks pay
     absorbed; a long prefill chunk pays expanded (its keys are expanded once for all its queries).
-    ``rate`` and ``padded`` as in ``paged_attention.absorbed_costs_less`` (gather + SDPA passes its own).
+    ``rate``, ``padded`` and ``fold`` as in ``paged_attention.absorbed_costs_less`` (gather + SDPA passes its own).
     """
     from models.geometry import text_config
 
@@ -121,7 +122,7 @@ def absorbed_pays(batch: PagedBatch, config: Any, rate: float = ABSORBED_RATE, p
     if any(not isinstance(d, int) for d in dims):
         return True
     rank, rope, nope, dv = dims
-    return absorbed_costs_less(batch, rank, rope, nope, dv, rate, padded)
+    return absorbed_costs_less(batch, rank, rope, nope, dv, rate, padded, fold)
 
 
 class PagedLatentCache:
@@ -141,7 +142,8 @@ class PagedLatentCache:
         if batch.flex is not None:
             self.absorbed = config is None or absorbed_pays(batch, config)
         else:
-            self.absorbed = config is None or absorbed_pays(batch, config, GATHERED_ABSORBED_RATE, padded=True)
+            self.absorbed = config is None or absorbed_pays(batch, config, GATHERED_ABSORBED_RATE, padded=True,
+                                                            fold=True)
 
     def update(self, latent: torch.Tensor, rope: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:

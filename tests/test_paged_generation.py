@@ -180,10 +180,9 @@ def test_compiled_path_greedy_tokens_and_logits_equal_transformers_generate(fami
 
 @pytest.mark.parametrize("manager", ["v2", "v1"])
 @pytest.mark.parametrize(("rate", "mode", "forms"), [
-    (None, "staggered-chunked", {"absorbed"}),  # the rule: chunks of 6 beside decodes are short enough to absorb
-    # at half the rate tiny-deepseek-v3's dims expand the first step's whole prompts (up to 21 tokens; at the
-    # default rate the switch is ~34, past these prompts) and absorb the decodes: both forms in one generation
-    (0.5, "together", {"absorbed", "expanded"}),
+    # the rule: chunks from position 0 expanded (as many queries to fold as keys to expand), decodes absorbed
+    (None, "together", {"absorbed", "expanded"}),
+    (None, "staggered-chunked", {"absorbed", "expanded"}),
     (1e9, "together", {"absorbed"}),  # every step absorbed, whole prompts too (padded queries, causal masks)
     (0.0, "staggered-chunked", {"expanded"}),  # every step expanded, as before the absorbed form
 ])
