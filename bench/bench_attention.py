@@ -23,13 +23,16 @@ worst case: a one-layer model). Medians over ``--reps`` runs after warm-up.
 ``--rope-dim``, ``--kv-rank``, ``--v-dim``: DeepSeek-V2-Lite's 16, 128, 64, 512, 128 by default there)
 instead: the pool holds one ``[latent | rope]`` row per token. ``contig`` is the model's own attention
 over a contiguous latent cache (transformers' DeepSeek: every cached latent expanded through
-``kv_b_proj`` into per-head K/V each step, then SDPA); ``gather`` kvload's reference (gather the
-latents, expand them the same way, SDPA); ``gather_abs`` the gathered latents in the absorbed form
-over SDPA (queries folded into latent space, one shared KV head; no expansion); ``flex`` the compiled
+``kv_b_proj`` into per-head K/V each step, then SDPA); ``gather`` kvload's ``sdpa`` path as built (for
+a decode step: the latents gathered once and attended in the absorbed form, ``attend_latent_gathered``;
+before that form was built there, expanded the model's way); ``gather_abs`` the gathered latents in the
+absorbed form written out in the bench (queries folded into latent space, one shared KV head; no
+expansion), the reference ``gather`` is checked against; ``flex`` the compiled
 path (absorbed, the kernel reading the pool in place). Each includes the new token's write and, on
 the absorbed paths, the query fold and the output's up-projection. ``--mla --mla-prefill 64@0,64@512``
-times one sequence's chunk of 64 tokens from position 0 and 512 instead, absorbed (flex) against expanded
-(gather + SDPA), and prints which the executor's rule (``absorbed_pays``) picks for that step.
+times one sequence's chunk of 64 tokens from position 0 and 512 instead, absorbed (flex; with ``--no-flex``
+absorbed over the gathered latents) against expanded (gather + SDPA), and prints which the executor's rule
+(``absorbed_pays``) picks for that step.
 
 ``--plan-groups 5+1,52+10`` times only the per-step plan of a whole model instead: ``S`` sliding-window
 (``--window``) and ``F`` full layers on a V2 layout, once with every layer's page the same shape (one
@@ -301,6 +304,7 @@ def mla_prefill(args: argparse.Namespace, device: torch.device) -> None:
     """
     from types import SimpleNamespace
 
+    from cache_backends.paged_attention import GATHERED_ABSORBED_RATE
     from models.paged_forward import absorbed_pays
 
     dtype = TORCH_DTYPES[args.dtype]
@@ -315,7 +319,7 @@ def mla_prefill(args: argparse.Namespace, device: torch.device) -> None:
         group = layout.groups[0].name
         blocks = -(-(start + n) // T)
         pools = BlockPools(layout, {group: blocks + 2}, device)  # the compiled path wants 2 blocks or more
-        flex = FlexPagedAttention(pools, max(n, 8))
+        flex = FlexPagedAttention(pools, max(n, 8)) if args.flex else None
         pools.tensors[group].normal_()
         ids = list(range(blocks))
         random.Random(0).shuffle(ids)
@@ -326,14 +330,17 @@ def mla_prefill(args: argparse.Namespace, device: torch.device) -> None:
         expanded, absorbed = PagedBatch.build(chunk, pools), PagedBatch.build(chunk, pools, flex=flex)
         scale = (nope + rope) ** -0.5
 
-        def run(step: PagedBatch, inputs: tuple = (qn, qp, lat, pe, w, scale)) -> Callable[[], torch.Tensor]:
-            return lambda: mla_paged_attention(step, 0, *inputs)
+        def run(step: PagedBatch, form: bool, inputs: tuple = (qn, qp, lat, pe, w, scale)) -> Callable[[], Any]:
+            # form: absorbed or expanded on gather + SDPA (a flex step is absorbed on the kernel whatever it says)
+            return lambda: mla_paged_attention(step, 0, *inputs, absorbed=form)
 
         with torch.inference_mode():
             tol = 1e-4 if dtype == torch.float32 else 2e-2
-            torch.testing.assert_close(run(absorbed)().float(), run(expanded)().float(), rtol=tol, atol=tol)
-            e, a = median_us(run(expanded), args.reps, device), median_us(run(absorbed), args.reps, device)
-        picked = "absorbed" if absorbed_pays(absorbed, config) else "expanded"
+            got, want = run(absorbed, True)(), run(expanded, False)()
+            torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+            e, a = median_us(run(expanded, False), args.reps, device), median_us(run(absorbed, True), args.reps, device)
+        rule = {} if args.flex else {"rate": GATHERED_ABSORBED_RATE, "padded": True, "fold": True}
+        picked = "absorbed" if absorbed_pays(absorbed, config, **rule) else "expanded"
         print(f"{n:>6} {start:>6} {e:>12.1f} {a:>12.1f} {a / e:>8.2f} {picked:>9}", flush=True)
         pools.release()
 

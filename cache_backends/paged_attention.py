@@ -794,15 +794,109 @@ def attend_latent(batch: PagedBatch, layer: int, q_nope: torch.Tensor, q_pe: tor
     return torch.matmul(out.transpose(0, 1), w_kv[:, nope:].transpose(1, 2)).transpose(0, 1)  # (N, H, d_v)
 
 
+#: How many MLA layer calls gather + SDPA served absorbed (:func:`attend_latent_gathered`) and expanded (the latents
+#: through ``kv_b_proj``), since the process started: tests read it to see which form really ran.
+MLA_CALLS: dict[str, int] = {"absorbed": 0, "expanded": 0}
+
+#: How fast absorbed MLA over gathered latents does a query-key pair's multiply-adds (small batched matmuls:
+#: each sequence's ``H * max_q`` query rows against its own latents) against the expanded form's GEMMs
+#: (``kv_b_proj`` over every gathered latent, then SDPA). Both run as plain matmuls here, so near 1; see
+#: BENCHMARKS.md ("MLA on gather + SDPA, absorbed").
+GATHERED_ABSORBED_RATE = 1.0
+
+
+def absorbed_costs_less(batch: PagedBatch, rank: int, rope: int, nope: int, dv: int, rate: float,
+                        padded: bool = False, fold: bool = False) -> bool:
+    """Whether a step's MLA layers cost fewer multiply-adds absorbed than expanded (``rate``: absorbed's speed).
+
+    Absorbed, each (query, key) pair costs ``2 * rank + rope`` per head (the latent row's dot product and
+    its latent's share of the output); expanded, each key costs ``rank * (nope + dv)`` per head once per
+    step, plus ``nope + rope + dv`` per pair. ``padded``: the absorbed form scores every sequence's padded
+    queries against the longest context (gather + SDPA pads; the compiled kernel skips what no query sees).
+    ``fold``: count the absorbed form's per-query work too, ``rank * (nope + dv)`` per head (folding the query
+    through ``W_UK``, up-projecting its output through ``W_UV``) — as much as expanding one key, so a chunk
+    from position 0 (as many queries as keys) never pays absorbed, as gather + SDPA measured.
+    """
+    pairs, keys = batch.attention_work()
+    absorbed = pairs
+    if padded:  # what attend_latent_gathered scores: padded, unless padding would double the work (split_plan)
+        square = batch.num_seqs * batch.max_q * int(batch._end_np.max())
+        absorbed = square if square < 2 * pairs else pairs
+    per_query = batch.num_tokens * rank * (nope + dv) if fold else 0
+    return (per_query + absorbed * (2 * rank + rope)
+            <= rate * (keys * rank * (nope + dv) + pairs * (nope + rope + dv)))
+
+
+def _absorbed(query: torch.Tensor, entries: torch.Tensor, bias: torch.Tensor | None, scale: float,
+              rank: int) -> torch.Tensor:
+    """Folded queries ``(B, q, H, rank + rope)`` over gathered rows ``(B, k, rank + rope)``: ``(B, q, H, rank)``.
+
+    ``bias``: ``(B, 1, q, k)`` additive (:meth:`PagedBatch.bias`), one row per query shared by its heads, or None.
+    A sequence's ``q * H`` query rows (query i, head h: row ``i * H + h``) are the rows of one matmul.
+    """
+    B, q, H, _ = query.shape
+    scores = torch.matmul(query.reshape(B, q * H, -1), entries.transpose(1, 2)).view(B, q, H, -1)
+    scores.mul_(scale)
+    if bias is not None:
+        scores.add_(bias.transpose(1, 2))
+    if scores.dtype in (torch.float16, torch.bfloat16):  # softmax in float32, as SDPA's math does
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs.view(B, q * H, -1), entries[..., :rank]).view(B, q, H, rank)
+
+
+def attend_latent_gathered(batch: PagedBatch, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor,
+                           w_kv: torch.Tensor, scale: float) -> torch.Tensor:
+    """MLA over the gathered latents in the absorbed form, in plain matmuls: packed ``(N, H, d_v)``.
+
+    The form of :func:`attend_latent` without a compiled kernel: the latents are gathered once,
+    ``(B, max_k, rank + rope)``, and serve as one KV head shared by every query head, so a sequence's
+    ``max_q * H`` folded queries are the rows of one ``(rows, rank + rope) x (rank + rope, max_k)`` product
+    and their softmax the rows of one product with the latents; nothing is expanded per cached token.
+    Padded query rows are dropped at the end (the mask lets each see one key, so they stay finite); where
+    padding would at least double the work (:meth:`PagedBatch.split_plan`) each prefill chunk attends alone
+    over its own keys and the decode rows together, as :func:`attend_packed` does.
+    """
+    nope, rank = q_nope.shape[-1], w_kv.shape[-1]
+    entries = batch.gather(layer, q_nope.dtype)  # (B, max_k, rank + rope)
+    q_lat = torch.matmul(q_nope.transpose(0, 1), w_kv[:, :nope])  # (H, N, rank)
+    query = torch.cat((q_lat.transpose(0, 1), q_pe.to(q_lat.dtype)), dim=-1)  # (N, H, rank + rope)
+    B, H, max_q = batch.num_seqs, query.shape[1], batch.max_q
+    bias = batch.bias(layer, query.dtype)  # (B, 1, max_q, max_k): one row per query, shared by the heads
+    parts = batch.split_plan(layer)
+    if parts is not None:  # padding would at least double the work: each chunk alone, decode rows together
+        k_len = batch._gather(layer).k_len
+        out = query.new_empty(query.shape[0], H, rank)
+        for first, tokens, s0, count, _ in parts:
+            rows = 1 if tokens == count else tokens  # decode rows: one query per sequence
+            width = int(k_len[s0:s0 + count].max())
+            q = query[first:first + tokens].view(count, rows, H, -1)
+            b = bias[s0:s0 + count, :, :rows, :width] if bias is not None else None
+            out[first:first + tokens] = _absorbed(q, entries[s0:s0 + count, :width], b, scale, rank).flatten(0, 1)
+    else:
+        if max_q > 1:  # pad to (B * max_q, H, ·): sequence b's query i is row b * max_q + i
+            padded = query.new_zeros(B * max_q, H, query.shape[-1])
+            padded.index_copy_(0, batch._q_row, query)
+            query = padded
+        out = _absorbed(query.view(B, max_q, H, -1), entries, bias, scale, rank).view(B * max_q, H, rank)
+        if max_q > 1:
+            out = out.index_select(0, batch._q_row)
+    MLA_CALLS["absorbed"] += 1
+    return torch.matmul(out.transpose(0, 1), w_kv[:, nope:].transpose(1, 2)).transpose(0, 1)  # (N, H, d_v)
+
+
 def mla_paged_attention(batch: PagedBatch, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor,
-                        latent: torch.Tensor, rope: torch.Tensor, w_kv: torch.Tensor, scale: float) -> torch.Tensor:
+                        latent: torch.Tensor, rope: torch.Tensor, w_kv: torch.Tensor, scale: float,
+                        absorbed: bool | None = None) -> torch.Tensor:
     """One MLA layer of a step: write the new ``[latent | rope]`` entries, attend. Packed ``(N, H, d_v)`` out.
 
     ``latent`` ``(N, rank)`` and ``rope`` ``(N, rope)`` are the new tokens' cache parts (the roped key part
     shared by every head); ``w_kv`` is ``kv_b_proj.weight`` per head, ``(H, nope + d_v, rank)``. On the
-    compiled path (a batch planned with ``flex=``) the absorbed form (:func:`attend_latent`); otherwise
-    the gathered latents are expanded into per-head K/V as transformers' DeepSeek does (one ``kv_b_proj``
-    over every visible latent), for gather + SDPA.
+    compiled path (a batch planned with ``flex=``) the absorbed form (:func:`attend_latent`); on gather + SDPA
+    the absorbed form over the gathered latents (:func:`attend_latent_gathered`) where it costs less
+    (:func:`absorbed_costs_less`; ``absorbed`` forces the choice), else the gathered latents are expanded into
+    per-head K/V as transformers' DeepSeek does (one ``kv_b_proj`` over every visible latent) for SDPA.
     """
     batch.write(layer, torch.cat((latent, rope), dim=-1))
     if batch.flex is not None:
@@ -810,6 +904,13 @@ def mla_paged_attention(batch: PagedBatch, layer: int, q_nope: torch.Tensor, q_p
         if out is not None:
             return out
     heads, nope, rank = w_kv.shape[0], q_nope.shape[-1], w_kv.shape[-1]
+    if absorbed is None:
+        dv = w_kv.shape[1] - nope
+        absorbed = absorbed_costs_less(batch, rank, q_pe.shape[-1], nope, dv, GATHERED_ABSORBED_RATE, padded=True,
+                                       fold=True)
+    if absorbed:
+        return attend_latent_gathered(batch, layer, q_nope, q_pe, w_kv, scale)
+    MLA_CALLS["expanded"] += 1
     entries = batch.gather(layer, q_nope.dtype)  # (B, max_k, rank + rope)
     kv = F.linear(entries[..., :rank], w_kv.view(-1, rank)).unflatten(-1, (heads, -1)).transpose(1, 2)
     k_nope, v = kv[..., :nope], kv[..., nope:]  # (B, H, max_k, ·)

@@ -16,7 +16,9 @@ How the pieces meet in transformers 5.x:
   ``cache`` because ``cache.update`` is the one place that sees the latent before ``kv_b_proj``
   expands it, so kvload stores the latent (the MLA pool entry) and hands back the gathered latents.
   On the compiled path it gathers nothing: the attention reads the latents in place in the absorbed
-  form (:func:`latent_attention`), folding ``kv_b_proj`` into the queries and the output.
+  form (:func:`latent_attention`), folding ``kv_b_proj`` into the queries and the output. On gather +
+  SDPA, decode steps and short chunks take the same absorbed form over the latents gathered once per
+  layer (plain matmuls); long prefill chunks expand the gathered latents as the model does.
 """
 
 from __future__ import annotations
@@ -25,7 +27,17 @@ from typing import Any
 
 import torch
 
-from cache_backends.paged_attention import PagedBatch, attend, attend_compiled, attend_latent, attend_packed
+from cache_backends.paged_attention import (
+    GATHERED_ABSORBED_RATE,
+    MLA_CALLS,
+    PagedBatch,
+    absorbed_costs_less,
+    attend,
+    attend_compiled,
+    attend_latent,
+    attend_latent_gathered,
+    attend_packed,
+)
 
 ATTN_IMPLEMENTATION = "kvload_paged"
 
@@ -62,6 +74,7 @@ def paged_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor,
     if route.kind == "mla" and layer in batch.latent_in_place:  # the cache route stored the latent, gathered none
         return latent_attention(module, batch, layer, query[0].transpose(0, 1), scale).unsqueeze(0), None
     if route.kind == "mla":  # the cache route stored the latent and expanded the gathered keys already
+        MLA_CALLS["expanded"] += 1
         k, v = key, value
     else:
         batch.write_kv(layer, key, value)
@@ -91,7 +104,8 @@ def paged_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor,
 ABSORBED_RATE = 0.5
 
 
-def absorbed_pays(batch: PagedBatch, config: Any) -> bool:
+def absorbed_pays(batch: PagedBatch, config: Any, rate: float = ABSORBED_RATE, padded: bool = False,
+                  fold: bool = False) -> bool:
     """Whether a step's MLA layers cost less absorbed (per query-key pair) than expanded (per key), by multiply-adds.
 
     Absorbed, each (query, visible key) pair costs ``2 * kv_lora_rank + qk_rope_head_dim`` per head (the
@@ -99,6 +113,7 @@ def absorbed_pays(batch: PagedBatch, config: Any) -> bool:
     speed; expanded, each visible key costs ``kv_lora_rank * (qk_nope_head_dim + v_head_dim)`` per head to
     expand, once per step, plus ``qk_head_dim + v_head_dim`` per pair. Decode steps and short chunks pay
     absorbed; a long prefill chunk pays expanded (its keys are expanded once for all its queries).
+    ``rate``, ``padded`` and ``fold`` as in ``paged_attention.absorbed_costs_less`` (gather + SDPA passes its own).
     """
     from models.geometry import text_config
 
@@ -107,8 +122,7 @@ def absorbed_pays(batch: PagedBatch, config: Any) -> bool:
     if any(not isinstance(d, int) for d in dims):
         return True
     rank, rope, nope, dv = dims
-    pairs, keys = batch.attention_work()
-    return pairs * (2 * rank + rope) <= ABSORBED_RATE * (keys * rank * (nope + dv) + pairs * (nope + rope + dv))
+    return absorbed_costs_less(batch, rank, rope, nope, dv, rate, padded, fold)
 
 
 class PagedLatentCache:
@@ -123,22 +137,28 @@ class PagedLatentCache:
 
     def __init__(self, batch: PagedBatch, config: Any = None) -> None:
         self.batch = batch
-        #: whether this step's MLA layers attend absorbed on the compiled path (:func:`absorbed_pays`)
-        self.absorbed = batch.flex is not None and (config is None or absorbed_pays(batch, config))
+        #: whether this step's MLA layers attend absorbed (:func:`absorbed_pays`): on the compiled path over the
+        #: pools in place, on gather + SDPA over the latents gathered in the attention (at its own rate, padded)
+        if batch.flex is not None:
+            self.absorbed = config is None or absorbed_pays(batch, config)
+        else:
+            self.absorbed = config is None or absorbed_pays(batch, config, GATHERED_ABSORBED_RATE, padded=True,
+                                                            fold=True)
 
     def update(self, latent: torch.Tensor, rope: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new tokens' ``[latent, rope]`` entries; return the gathered latents and rope parts.
 
-        On the compiled path nothing is gathered: the attention reads the latents in place (absorbed
-        MLA, :func:`latent_attention`), so this returns the first new token's parts only — the model
-        expands them into K/V of one token, which the attention ignores (the model's code has no way
-        to skip its ``expand_kv``; one token keeps that waste to one row of ``kv_b_proj``). A step whose
-        long prefill chunks make expanding cheaper (:func:`absorbed_pays`) gathers as on gather + SDPA.
+        A step that attends absorbed (:func:`latent_attention`) gathers nothing here (the compiled path
+        reads the latents in place; gather + SDPA gathers them in the attention, unexpanded), so this
+        returns the first new token's parts only — the model expands them into K/V of one token, which
+        the attention ignores (the model's code has no way to skip its ``expand_kv``; one token keeps
+        that waste to one row of ``kv_b_proj``). A step whose long prefill chunks make expanding cheaper
+        (:func:`absorbed_pays`) gathers here, and the model expands every gathered latent.
         """
         rank = latent.shape[-1]
         self.batch.write(layer_idx, torch.cat((latent[0, 0], rope[0, 0]), dim=-1))
-        if self.absorbed and self.batch.flex is not None:
+        if self.absorbed:
             self.batch.latent_in_place.add(layer_idx)
             return latent[:, :, :1], rope[:, :, :1]
         entries = self.batch.gather(layer_idx, latent.dtype)
@@ -178,16 +198,22 @@ def latent_attention(module: Any, batch: PagedBatch, layer: int, query: torch.Te
                      scale: float) -> torch.Tensor:
     """MLA attention over latents the cache route stored in place: packed ``(N, H, d)`` in, ``(N, H, d_v)`` out.
 
-    The compiled path in the absorbed form (``paged_attention.attend_latent``); when the projection
-    cannot be folded (:func:`absorbed_weights`) or the kernel could not compile, the latents are gathered
-    and expanded by the model's own ``expand_kv`` for gather + SDPA, as on the reference path.
+    The absorbed form: on the compiled path over the pools in place (``paged_attention.attend_latent``);
+    otherwise over the gathered latents in plain matmuls (``paged_attention.attend_latent_gathered``, also
+    when the kernel could not compile). When the projection cannot be folded (:func:`absorbed_weights`:
+    a quantized checkpoint's), the latents are gathered and expanded by the model's own ``expand_kv``
+    for SDPA, as on the reference path.
     """
     w_kv = absorbed_weights(module)
-    if w_kv is not None and batch.flex is not None:
+    if w_kv is not None:
         nope = module.qk_nope_head_dim
-        out = attend_latent(batch, layer, query[..., :nope], query[..., nope:], w_kv, scale)
-        if out is not None:
-            return out
+        q_nope, q_pe = query[..., :nope], query[..., nope:]
+        if batch.flex is not None:
+            out = attend_latent(batch, layer, q_nope, q_pe, w_kv, scale)
+            if out is not None:
+                return out
+        return attend_latent_gathered(batch, layer, q_nope, q_pe, w_kv, scale)
+    MLA_CALLS["expanded"] += 1
     rank = module.kv_lora_rank
     entries = batch.gather(layer, query.dtype)
     k, v = module.expand_kv(entries[..., :rank].unsqueeze(1), entries[..., rank:].unsqueeze(1))

@@ -116,6 +116,32 @@ def test_a_step_attends_absorbed_where_that_costs_fewer_multiply_adds(chunks, ab
     assert absorbed_pays(batch, config) is absorbed
 
 
+@pytest.mark.parametrize(("chunks", "absorbed"), [
+    ([(1, 600)] * 8, True), ([(1, 600), (1, 100)], True),  # decode rows, equal and ragged
+    ([(64, 512)], True), ([(128, 512)], True),  # short chunks after a cached prefix (measured: 0.53x, 0.88x)
+    ([(256, 512)], False), ([(512, 0)], False),  # long chunks (measured: 1.28x, 1.71x at 256 from 0)
+    ([(8, 0)], False), ([(8, 0), (1, 600)], True),  # from 0 expanding wins (1.13x at 8); decodes beside tip it
+    ([(512, 0)] + [(1, 600)] * 32, True),  # a prompt beside 32 decodes: attended apart, their keys outweigh it
+    ([(200, 512), (150, 512)], False),  # padded together (< 2x the work): the padded square is counted
+])
+def test_gather_attends_mla_absorbed_where_its_matmuls_cost_less(chunks, absorbed):
+    # gather + SDPA's rule at DeepSeek-V2-Lite's dims: its plain matmuls at a GEMM's rate, the absorbed side padded
+    # as attend_latent_gathered pads (BENCHMARKS.md, "MLA on gather + SDPA in the absorbed form")
+    from types import SimpleNamespace
+
+    from cache_backends.layout import LayerKV, build_layout
+    from cache_backends.paged_attention import PagedBatch, SeqChunk
+    from cache_backends.pools import BlockPools
+    from models.paged_forward import PagedLatentCache
+
+    config = SimpleNamespace(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
+    layout = build_layout([LayerKV(0, "mla", 576)], "v2", 16, "float32")
+    pools = BlockPools(layout, {layout.groups[0].name: 60}, "cpu")
+    table = {layout.groups[0].name: list(range(60))}
+    batch = PagedBatch.build([SeqChunk([1] * n, start, table) for n, start in chunks], pools)
+    assert PagedLatentCache(batch, config).absorbed is absorbed
+
+
 def test_flex_expands_mla_for_a_long_prefill_chunk_and_stays_token_equal(tiny_checkpoints):
     # tiny-deepseek-v3's dims switch to expanding above ~10 queries per sequence: the 16-token prefill chunk
     # gathers and expands (as on sdpa), the decode steps attend absorbed on the kernel

@@ -309,7 +309,7 @@ def mla_pools(manager: str) -> BlockPools:
 
 
 def run_mla_steps(pools: BlockPools, lengths: list[int], chunk: int, arrivals: list[int], seed: int,
-                  flex: object = None) -> tuple[list[dict], torch.Tensor]:
+                  flex: object = None, absorbed: bool | None = None) -> tuple[list[dict], torch.Tensor]:
     """Random queries, latents and ``kv_b_proj`` halves through both MLA layers in chunks; outputs per sequence."""
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(2, MLA_HEADS, NOPE + DV, RANK, generator=gen) / RANK**0.5  # kv_b_proj per layer and head
@@ -338,7 +338,7 @@ def run_mla_steps(pools: BlockPools, lengths: list[int], chunk: int, arrivals: l
                                      for b, c in zip(active, chunks, strict=True)])
                     for name in ("q_nope", "q_pe", "latent", "rope")}
             out = mla_paged_attention(batch, layer, part["q_nope"], part["q_pe"], part["latent"], part["rope"],
-                                      w[layer], MLA_SCALE)
+                                      w[layer], MLA_SCALE, absorbed=absorbed)
             row = 0
             for b, c in zip(active, chunks, strict=True):
                 seqs[b]["out"].setdefault(layer, []).append(out[row:row + len(c.token_ids)])
@@ -384,6 +384,35 @@ def test_compiled_mla_in_absorbed_form_equals_the_expanded_reference(lengths, ch
             dense = mla_dense(s_ref, w, layer)
             torch.testing.assert_close(torch.cat(s_ref["out"][layer]), dense, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(torch.cat(s_got["out"][layer]), dense, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lengths=st.lists(st.integers(1, 19), min_size=1, max_size=4),
+    chunk=st.integers(1, 5),
+    manager=st.sampled_from(["v1", "v2"]),
+    stagger=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_gathered_mla_absorbed_and_expanded_both_equal_the_dense_reference(lengths, chunk, manager, stagger, seed):
+    """gather + SDPA in either form, every step forced: padded chunks beside decodes, garbage in unwritten slots."""
+    from cache_backends.paged_attention import MLA_CALLS
+
+    arrivals = list(range(len(lengths))) if stagger else [0] * len(lengths)
+    outs = {}
+    for absorbed in (True, False):
+        pools = mla_pools(manager)
+        for t in pools.tensors.values():
+            t.fill_(1e4)  # finite garbage in unwritten slots: only the mask keeps it out of the result
+        before = dict(MLA_CALLS)
+        outs[absorbed], w = run_mla_steps(pools, lengths, chunk, arrivals, seed, absorbed=absorbed)
+        ran = {k: MLA_CALLS[k] - before[k] for k in MLA_CALLS}
+        assert ran["absorbed" if absorbed else "expanded"] > 0 and ran["expanded" if absorbed else "absorbed"] == 0
+    for s_abs, s_exp in zip(outs[True], outs[False], strict=True):
+        for layer in (0, 1):
+            dense = mla_dense(s_exp, w, layer)
+            torch.testing.assert_close(torch.cat(s_exp["out"][layer]), dense, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(torch.cat(s_abs["out"][layer]), dense, rtol=1e-5, atol=1e-5)
 
 
 def test_the_compiled_path_refuses_a_needed_block_that_was_released():

@@ -178,6 +178,56 @@ def test_compiled_path_greedy_tokens_and_logits_equal_transformers_generate(fami
         torch.testing.assert_close(torch.stack(req.logits), logits, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("manager", ["v2", "v1"])
+@pytest.mark.parametrize(("rate", "mode", "forms"), [
+    # the rule: chunks from position 0 expanded (as many queries to fold as keys to expand), decodes absorbed
+    (None, "together", {"absorbed", "expanded"}),
+    (None, "staggered-chunked", {"absorbed", "expanded"}),
+    (1e9, "together", {"absorbed"}),  # every step absorbed, whole prompts too (padded queries, causal masks)
+    (0.0, "staggered-chunked", {"expanded"}),  # every step expanded, as before the absorbed form
+])
+def test_deepseek_v3_on_gather_attends_absorbed_and_equals_transformers_generate(manager, rate, mode, forms,
+                                                                                 monkeypatch):
+    import models.paged_forward as pf
+    from cache_backends.paged_attention import MLA_CALLS
+
+    if rate is not None:
+        monkeypatch.setattr(pf, "GATHERED_ABSORBED_RATE", rate)
+    _, ref_tokens, ref_logits = reference("deepseek-v3")
+    before = dict(MLA_CALLS)
+    reqs, _ = paged_greedy("deepseek-v3", manager=manager, **MODES[mode])
+    assert {k for k in MLA_CALLS if MLA_CALLS[k] > before[k]} == forms  # which forms really ran
+    for req, tokens, logits in zip(reqs, ref_tokens, ref_logits, strict=True):
+        assert req.output == tokens
+        torch.testing.assert_close(torch.stack(req.logits), logits, rtol=1e-4, atol=1e-4)
+
+
+def test_deepseek_v3_whose_projection_cannot_be_folded_expands_on_gather():
+    # a kv_b_proj that is not a plain Linear (a quantized checkpoint's) stays on the model's own expansion
+    from cache_backends.paged_attention import MLA_CALLS
+
+    class Opaque(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Linear) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x)
+
+    model = copy.deepcopy(tiny_model("deepseek-v3"))
+    for layer in model.model.layers:
+        layer.self_attn.kv_b_proj = Opaque(layer.self_attn.kv_b_proj)
+    ps, ref_tokens, _ = reference("deepseek-v3")
+    driver = RefDriver(model, tokens_per_block=4)
+    before = dict(MLA_CALLS)
+    try:
+        reqs = driver.generate(ps, NEW_TOKENS)
+    finally:
+        driver.close()
+    assert MLA_CALLS["absorbed"] == before["absorbed"] and MLA_CALLS["expanded"] > before["expanded"]
+    assert [r.output for r in reqs] == ref_tokens
+
+
 def test_deepseek_v3_mla_is_not_refused_by_the_compiled_path():
     # it runs there in the absorbed form (FLEX_FAMILIES above checks its tokens and logits)
     from cache_backends.flex_paged import flex_unsupported
