@@ -98,6 +98,8 @@ def execute(
     Under torchrun each rank runs the stages; rank 0 writes ``audit_log`` as given, rank N writes
     ``<stem>.rankN<suffix>`` beside it (:func:`pipeline.ranks.rank_audit_path`).
     """
+    if not isinstance(log, bool):  # "no" or 0 would silently mean the opposite of what was meant
+        raise ConfigError(f"log: expected true or false, got {log!r}"[:300])
     pipeline = stages if isinstance(stages, Pipeline) else Pipeline(stages)
     audit = AuditLog()
     ranks = ranks_from_env()

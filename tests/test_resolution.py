@@ -198,3 +198,10 @@ def test_a_path_argument_of_the_wrong_type_is_a_config_error_naming_it(argument,
     with pytest.raises(ConfigError, match=f"^{argument}: expected a path") as info:
         pipeline.plan("tiny-llama", log=False, **{argument: value})
     assert str(info.value).endswith(f"got {value!r}")
+
+
+@pytest.mark.parametrize("value", ["no", 0, None])
+def test_log_takes_true_or_false_only(value):
+    # log="no" is truthy: it used to print the event lines it was meant to silence
+    with pytest.raises(ConfigError, match=f"^log: expected true or false, got {value!r}$"):
+        pipeline.plan("tiny-llama", log=value)
