@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
 import random
 import weakref
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -48,14 +50,20 @@ def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: i
     return out.transpose(0, 1)
 
 
-def run_steps(pools: BlockPools, lengths: list[int], chunk: int, arrivals: list[int], seed: int,
-              release_windows: bool = True, flex: object = None) -> list[dict]:
-    """Feed random q/k/v for every sequence through paged attention in chunks; return paged and dense outputs."""
-    gen = torch.Generator().manual_seed(seed)
-    seqs = [{"q": torch.randn(L, HEADS, HEAD_DIM, generator=gen),
-             "k": torch.randn(L, KV_HEADS, HEAD_DIM, generator=gen),
-             "v": torch.randn(L, KV_HEADS, HEAD_DIM, generator=gen), "done": 0, "tables": {}, "out": {}}
-            for L in lengths]
+def _take(seqs: list[dict], step: list[tuple[int, SeqChunk]], name: str, layer: int | None = None) -> torch.Tensor:
+    """The step's slices of ``seq[name]`` (of its ``layer`` first, for a per-layer tensor), packed."""
+    return torch.cat([(seqs[b][name] if layer is None else seqs[b][name][layer])[c.start_pos:c.end_pos]
+                      for b, c in step])
+
+
+def drive(pools: BlockPools, seqs: list[dict], lengths: list[int], chunk: int, arrivals: list[int], seed: int,
+          flex: object, attend_layer: Callable[..., torch.Tensor], release_windows: bool = False) -> None:
+    """Feed every sequence's chunks (toy pages, shuffled) through layers 0 and 1 step by step, into ``seq["out"]``.
+
+    ``attend_layer(batch, layer, take)`` returns the step's packed output of a layer; ``take(name)`` packs the
+    step's slice of each active sequence's ``seq[name]`` (indexed by position; ``take(name, layer)`` first picks
+    that layer of a per-layer tensor).
+    """
     alloc = ToyAllocator(pools)
     rng = random.Random(seed)
     for free in alloc.free.values():
@@ -72,11 +80,9 @@ def run_steps(pools: BlockPools, lengths: list[int], chunk: int, arrivals: list[
             alloc.cover(s["tables"], s["done"] + n)
             chunks.append(SeqChunk([0] * n, s["done"], {g: list(t) for g, t in s["tables"].items()}))
         batch = PagedBatch.build(chunks, pools, flex=flex)
+        take = functools.partial(_take, seqs, list(zip(active, chunks, strict=True)))
         for layer in (0, 1):
-            q = torch.cat([seqs[b]["q"][c.start_pos:c.end_pos] for b, c in zip(active, chunks, strict=True)])
-            k = torch.cat([seqs[b]["k"][c.start_pos:c.end_pos] for b, c in zip(active, chunks, strict=True)])
-            v = torch.cat([seqs[b]["v"][c.start_pos:c.end_pos] for b, c in zip(active, chunks, strict=True)])
-            out = paged_attention(batch, layer, q, k, v, HEAD_DIM**-0.5)
+            out = attend_layer(batch, layer, take)
             row = 0
             for b, c in zip(active, chunks, strict=True):
                 n = len(c.token_ids)
@@ -86,6 +92,19 @@ def run_steps(pools: BlockPools, lengths: list[int], chunk: int, arrivals: list[
             seqs[b]["done"] = c.end_pos
             if release_windows:
                 alloc.drop_out_of_window(seqs[b]["tables"], c.end_pos)
+
+
+def run_steps(pools: BlockPools, lengths: list[int], chunk: int, arrivals: list[int], seed: int,
+              release_windows: bool = True, flex: object = None) -> list[dict]:
+    """Feed random q/k/v for every sequence through paged attention in chunks; return paged and dense outputs."""
+    gen = torch.Generator().manual_seed(seed)
+    seqs = [{"q": torch.randn(L, HEADS, HEAD_DIM, generator=gen),
+             "k": torch.randn(L, KV_HEADS, HEAD_DIM, generator=gen),
+             "v": torch.randn(L, KV_HEADS, HEAD_DIM, generator=gen), "done": 0, "tables": {}, "out": {}}
+            for L in lengths]
+    drive(pools, seqs, lengths, chunk, arrivals, seed, flex,
+          lambda batch, layer, take: paged_attention(batch, layer, take("q"), take("k"), take("v"), HEAD_DIM**-0.5),
+          release_windows)
     return seqs
 
 
@@ -317,34 +336,12 @@ def run_mla_steps(pools: BlockPools, lengths: list[int], chunk: int, arrivals: l
              "q_pe": torch.randn(2, L, MLA_HEADS, ROPE, generator=gen),
              "latent": torch.randn(2, L, RANK, generator=gen), "rope": torch.randn(2, L, ROPE, generator=gen),
              "done": 0, "tables": {}, "out": {}} for L in lengths]
-    alloc = ToyAllocator(pools)
-    rng = random.Random(seed)
-    for free in alloc.free.values():
-        rng.shuffle(free)
-    step = 0
-    while any(s["done"] < L for s, L in zip(seqs, lengths, strict=True)):
-        active = [b for b, L in enumerate(lengths) if arrivals[b] <= step and seqs[b]["done"] < L]
-        step += 1
-        if not active:
-            continue
-        chunks = []
-        for b in active:
-            s, n = seqs[b], min(chunk, lengths[b] - seqs[b]["done"])
-            alloc.cover(s["tables"], s["done"] + n)
-            chunks.append(SeqChunk([0] * n, s["done"], {g: list(t) for g, t in s["tables"].items()}))
-        batch = PagedBatch.build(chunks, pools, flex=flex)
-        for layer in (0, 1):
-            part = {name: torch.cat([seqs[b][name][layer, c.start_pos:c.end_pos]
-                                     for b, c in zip(active, chunks, strict=True)])
-                    for name in ("q_nope", "q_pe", "latent", "rope")}
-            out = mla_paged_attention(batch, layer, part["q_nope"], part["q_pe"], part["latent"], part["rope"],
-                                      w[layer], MLA_SCALE, absorbed=absorbed)
-            row = 0
-            for b, c in zip(active, chunks, strict=True):
-                seqs[b]["out"].setdefault(layer, []).append(out[row:row + len(c.token_ids)])
-                row += len(c.token_ids)
-        for b, c in zip(active, chunks, strict=True):
-            seqs[b]["done"] = c.end_pos
+
+    def attend_layer(batch: PagedBatch, layer: int, take: Callable[..., torch.Tensor]) -> torch.Tensor:
+        return mla_paged_attention(batch, layer, take("q_nope", layer), take("q_pe", layer), take("latent", layer),
+                                   take("rope", layer), w[layer], MLA_SCALE, absorbed=absorbed)
+
+    drive(pools, seqs, lengths, chunk, arrivals, seed, flex, attend_layer)
     return seqs, w
 
 
