@@ -93,6 +93,21 @@ def test_generate_on_flex_runs_mla_absorbed_and_equals_transformers(tiny_checkpo
         assert again.reused_prompt_tokens >= 16 and again.token_ids == hf_greedy(result.hf_model, longer)
 
 
+def v2_lite_mla_step(chunks: list[tuple[int, int]], blocks: int) -> tuple:
+    """A step of ``(new tokens, start)`` chunks over one MLA layer of DeepSeek-V2-Lite's dims, and those dims."""
+    from types import SimpleNamespace
+
+    from cache_backends.layout import LayerKV, build_layout
+    from cache_backends.paged_attention import PagedBatch, SeqChunk
+    from cache_backends.pools import BlockPools
+
+    config = SimpleNamespace(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
+    layout = build_layout([LayerKV(0, "mla", 576)], "v2", 16, "float32")
+    pools = BlockPools(layout, {layout.groups[0].name: blocks}, "cpu")
+    table = {layout.groups[0].name: list(range(blocks))}
+    return PagedBatch.build([SeqChunk([1] * n, start, table) for n, start in chunks], pools), config
+
+
 @pytest.mark.parametrize(("chunks", "absorbed"), [
     ([(1, 600)] * 8, True),  # decode: one query per sequence, every key expanded for it otherwise
     ([(8, 512)], True), ([(64, 512)], True),  # short chunks after a cached prefix
@@ -101,18 +116,9 @@ def test_generate_on_flex_runs_mla_absorbed_and_equals_transformers(tiny_checkpo
 ])
 def test_a_step_attends_absorbed_where_that_costs_fewer_multiply_adds(chunks, absorbed):
     # DeepSeek-V2-Lite's MLA dims; the switch sits near 70 queries per sequence (BENCHMARKS.md, "MLA prefill")
-    from types import SimpleNamespace
-
-    from cache_backends.layout import LayerKV, build_layout
-    from cache_backends.paged_attention import PagedBatch, SeqChunk
-    from cache_backends.pools import BlockPools
     from models.paged_forward import absorbed_pays
 
-    config = SimpleNamespace(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
-    layout = build_layout([LayerKV(0, "mla", 576)], "v2", 16, "float32")
-    pools = BlockPools(layout, {layout.groups[0].name: 40}, "cpu")
-    table = {layout.groups[0].name: list(range(40))}
-    batch = PagedBatch.build([SeqChunk([1] * n, start, table) for n, start in chunks], pools)
+    batch, config = v2_lite_mla_step(chunks, 40)
     assert absorbed_pays(batch, config) is absorbed
 
 
@@ -127,18 +133,9 @@ def test_a_step_attends_absorbed_where_that_costs_fewer_multiply_adds(chunks, ab
 def test_gather_attends_mla_absorbed_where_its_matmuls_cost_less(chunks, absorbed):
     # gather + SDPA's rule at DeepSeek-V2-Lite's dims: its plain matmuls at a GEMM's rate, the absorbed side padded
     # as attend_latent_gathered pads (BENCHMARKS.md, "MLA on gather + SDPA in the absorbed form")
-    from types import SimpleNamespace
-
-    from cache_backends.layout import LayerKV, build_layout
-    from cache_backends.paged_attention import PagedBatch, SeqChunk
-    from cache_backends.pools import BlockPools
     from models.paged_forward import PagedLatentCache
 
-    config = SimpleNamespace(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
-    layout = build_layout([LayerKV(0, "mla", 576)], "v2", 16, "float32")
-    pools = BlockPools(layout, {layout.groups[0].name: 60}, "cpu")
-    table = {layout.groups[0].name: list(range(60))}
-    batch = PagedBatch.build([SeqChunk([1] * n, start, table) for n, start in chunks], pools)
+    batch, config = v2_lite_mla_step(chunks, 60)
     assert PagedLatentCache(batch, config).absorbed is absorbed
 
 
