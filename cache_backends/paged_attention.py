@@ -46,7 +46,6 @@ from cache_backends.block_tables import StepTables
 from cache_backends.layout import SERVED_KINDS, LayerKV  # SERVED_KINDS: the kinds this module serves
 from cache_backends.pools import BlockPools
 
-#: per pools: group -> the groups whose slots are computed with it, for writes and for gathers (see _families)
 #: Pool dtypes written through a ``uint8`` view of the same bytes: torch's CPU ``index_copy`` has no float8 kernel,
 #: and a byte copy of values already cast to the pool's dtype stores exactly the bits a float8 copy would.
 _BYTE_WRITTEN = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -62,6 +61,7 @@ def _store(dst: torch.Tensor, dim: int, slots: torch.Tensor, src: torch.Tensor) 
         dst.index_copy_(dim, slots, src)
 
 
+#: per pools: group -> the groups whose slots are computed with it, for writes and for gathers (see _families)
 _FAMILIES: weakref.WeakKeyDictionary[BlockPools, tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]] = \
     weakref.WeakKeyDictionary()
 
@@ -211,7 +211,9 @@ class PagedBatch:
         self.flex: Any = None
         #: whether a decode-only step attends through the Triton paged decode kernel (``cache_backends.paged_decode``)
         self.decode_kernel = False
-        self._decode_inputs: dict[str | None, torch.Tensor] = {}
+        self._decode_tables: dict[str, torch.Tensor] = {}  # per group, on the device (uploaded once a step)
+        self._decode_stack: torch.Tensor | None = None  # the executor's stacked tables, on the device
+        self._decode_lens: torch.Tensor | None = None  # keys per sequence, on the device
         self._decode_scratch: dict[tuple, torch.Tensor] = {}  # the kernel's partials, shared by the step's layers
         #: MLA layers whose latent cache stored this step's entries and gathered nothing (the compiled path
         #: attends over the latents in place; ``models.paged_forward``)
@@ -229,26 +231,23 @@ class PagedBatch:
         r = self.route(layer)
         if self.max_q != 1 or r.kind not in ("full", "sliding"):
             return None
-        inputs = self._decode_inputs
-        tables = inputs.get(r.group)
+        tables = self._decode_tables.get(r.group)
         if tables is None:  # one upload per step: every group's tables at once when the executor stacked them
             if self._step is not None and r.group in self._step.index:
-                stacked = inputs.get(None)
-                if stacked is None:
-                    stacked = inputs[None] = self._to_device(self._step.array)
-                tables = stacked[self._step.index[r.group]]
+                if self._decode_stack is None:
+                    self._decode_stack = self._to_device(self._step.array)
+                tables = self._decode_stack[self._step.index[r.group]]
             else:
                 tables = self._to_device(self._table(r.group).numpy())
-            inputs[r.group] = tables
-        lens = inputs.get("")
-        if lens is None:
-            lens = inputs[""] = self._to_device(self._end_np)
+            self._decode_tables[r.group] = tables
+        if self._decode_lens is None:
+            self._decode_lens = self._to_device(self._end_np)
         T = self.pools.groups[r.group].tokens_per_block
         # the most pages one sequence reads this step (sizes the splits; the table is max_seq_len wide)
         longest = int(self._end_np.max())
         pages = -(-longest // T) if r.window is None else min(-(-longest // T), -(-r.window // T) + 1)
-        return paged_decode(query, self._views(r)[0], tables, lens, kv_heads, T, scale, r.window, softcap, pages,
-                            self._decode_scratch)
+        return paged_decode(query, self._views(r)[0], tables, self._decode_lens, kv_heads, T, scale, r.window,
+                            softcap, pages, self._decode_scratch)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """A plan array on the pools' device; to a GPU through pinned memory without blocking.
@@ -783,15 +782,24 @@ def attend_latent(batch: PagedBatch, layer: int, q_nope: torch.Tensor, q_pe: tor
     """
     from cache_backends.flex_paged import FlexUnavailable
 
-    nope, rank = q_nope.shape[-1], w_kv.shape[-1]
-    q_lat = torch.matmul(q_nope.transpose(0, 1), w_kv[:, :nope])  # (H, N, rank)
-    query = torch.cat((q_lat.transpose(0, 1), q_pe.to(q_lat.dtype)), dim=-1)  # (N, H, rank + rope)
+    query = _fold_queries(q_nope, q_pe, w_kv)
     try:
-        out = batch.flex.attend_latent(batch, layer, query, rank, scale)  # (N, H, rank)
+        out = batch.flex.attend_latent(batch, layer, query, w_kv.shape[-1], scale)  # (N, H, rank)
     except FlexUnavailable:
         batch.flex = None  # its ``failed`` says why; the executor reports it
         return None
-    return torch.matmul(out.transpose(0, 1), w_kv[:, nope:].transpose(1, 2)).transpose(0, 1)  # (N, H, d_v)
+    return _unfold_outputs(out, w_kv, q_nope.shape[-1])
+
+
+def _fold_queries(q_nope: torch.Tensor, q_pe: torch.Tensor, w_kv: torch.Tensor) -> torch.Tensor:
+    """Queries folded into latent space, ``[q_nope W_UK | q_pe]``: ``(N, H, rank + rope)``."""
+    q_lat = torch.matmul(q_nope.transpose(0, 1), w_kv[:, :q_nope.shape[-1]])  # (H, N, rank)
+    return torch.cat((q_lat.transpose(0, 1), q_pe.to(q_lat.dtype)), dim=-1)
+
+
+def _unfold_outputs(out: torch.Tensor, w_kv: torch.Tensor, nope: int) -> torch.Tensor:
+    """Latent-space outputs ``(N, H, rank)`` up-projected through ``W_UV``, the value half: ``(N, H, d_v)``."""
+    return torch.matmul(out.transpose(0, 1), w_kv[:, nope:].transpose(1, 2)).transpose(0, 1)
 
 
 #: How many MLA layer calls gather + SDPA served absorbed (:func:`attend_latent_gathered`) and expanded (the latents
@@ -858,10 +866,9 @@ def attend_latent_gathered(batch: PagedBatch, layer: int, q_nope: torch.Tensor, 
     padding would at least double the work (:meth:`PagedBatch.split_plan`) each prefill chunk attends alone
     over its own keys and the decode rows together, as :func:`attend_packed` does.
     """
-    nope, rank = q_nope.shape[-1], w_kv.shape[-1]
+    rank = w_kv.shape[-1]
     entries = batch.gather(layer, q_nope.dtype)  # (B, max_k, rank + rope)
-    q_lat = torch.matmul(q_nope.transpose(0, 1), w_kv[:, :nope])  # (H, N, rank)
-    query = torch.cat((q_lat.transpose(0, 1), q_pe.to(q_lat.dtype)), dim=-1)  # (N, H, rank + rope)
+    query = _fold_queries(q_nope, q_pe, w_kv)  # (N, H, rank + rope)
     B, H, max_q = batch.num_seqs, query.shape[1], batch.max_q
     bias = batch.bias(layer, query.dtype)  # (B, 1, max_q, max_k): one row per query, shared by the heads
     parts = batch.split_plan(layer)
@@ -883,7 +890,7 @@ def attend_latent_gathered(batch: PagedBatch, layer: int, q_nope: torch.Tensor, 
         if max_q > 1:
             out = out.index_select(0, batch._q_row)
     MLA_CALLS["absorbed"] += 1
-    return torch.matmul(out.transpose(0, 1), w_kv[:, nope:].transpose(1, 2)).transpose(0, 1)  # (N, H, d_v)
+    return _unfold_outputs(out, w_kv, q_nope.shape[-1])
 
 
 def mla_paged_attention(batch: PagedBatch, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor,

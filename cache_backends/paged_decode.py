@@ -5,7 +5,7 @@ mask as wide as the pool; on a GPU both leave decode far below contiguous SDPA (
 kernel is the serving engines' answer (vLLM's and FlashInfer's paged decode): a program per (sequence, KV head,
 split of the sequence's pages) walks the sequence's block table, loads each page's K and V straight from the pool,
 scores the KV head's whole group of query heads against it (GQA: the K/V page is read once for all of them) with an
-online softmax, and writes a partial result; a few torch ops merge the splits (split-KV, so a few long sequences
+online softmax, and writes a partial result; a second launch merges the splits (split-KV, so a few long sequences
 still fill the GPU).
 
 What it serves: decode-only steps (one new token per sequence) of full and sliding-window attention layers, pools of

@@ -51,6 +51,8 @@ from engine.prompts import apply_template, check_messages, check_text, is_conver
 from engine.sampling import eos_token_ids, sample_rows, top_logprobs
 from engine.sampling_params import SamplingParams, check, is_int
 from engine.stopping import SampleText
+from models.geometry import head_dim as config_head_dim
+from models.geometry import text_config
 from models.paged_forward import ATTN_IMPLEMENTATION, register_paged_attention, run_forward, unfoldable_mla
 from pipeline.errors import GenerationError, KvBuildError, KvRuntimeError, first_line
 from pipeline.events import Event, GenerationFailed, GenerationFinished, GenerationStarted, SettingIgnored
@@ -188,9 +190,7 @@ class GenerationExecutor:
         kinds = {layer.kind for layer in self.manager.layout.layers}
         if not kinds & {"full", "sliding"}:
             return f"the paged decode kernel serves full and sliding-window layers; this model has {sorted(kinds)}"
-        config = self.model.config
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        head_dim = config_head_dim(text_config(self.model.config))
         for group in self.manager.layout.groups:
             if group.kind in ("full", "sliding"):
                 why = paged_decode_unsupported(self.pools.device, group.tokens_per_block, head_dim)
