@@ -6,12 +6,13 @@ digest the managers' observable state after every engine step; compare the diges
 
 What is digested after each step: the scheduler's decision (admitted, resumed, suspended, preempted requests,
 scheduled chunks, stall text), and V2's state — per request cache: state, lengths, block tables, released
-window marks, reused tokens, host slots, the next keying point; per group pool: free list order, eviction
-order, reference counts, generations, priorities, which blocks the prefix cache holds (each with its block
-position and tokens), use and eviction counters; the manager's counters and the number of cached prefix
-blocks (radix positions); the scheduler's new-token ratio —
+window marks, reused tokens, host slots; per group pool: free list order, eviction order, reference counts,
+generations, priorities, which blocks the prefix cache holds (each with its block position and tokens, whether
+keyed in the tree or pending a first lookup), use and eviction counters; the manager's counters; the scheduler's
+new-token ratio —
 or V1's block tables, free queue order and per-block keys. Internal representations that a refactor may
-change (how keys are computed, node objects) are not digested, what they decide is.
+change (how keys are computed, node objects, when a block is hung in the radix tree: lazy keying hangs a prefix
+only when a lookup reaches it) are not digested, what they decide is.
 """
 
 from __future__ import annotations
@@ -68,15 +69,17 @@ def _v2_state(m: Any) -> Any:
         caches.append((req.req_id, c.state.value, c.admitted, c.committed, c.history, c.capacity,
                        sorted(c.tables.items()), sorted(c.released.items()), c.reused_tokens, c.partial_hit,
                        sorted(c.host.items()) if c.host is not None else None,
-                       sorted((k, sorted(v.items())) for k, v in c.reclaim.items()), c.key_at))
+                       sorted((k, sorted(v.items())) for k, v in c.reclaim.items())))
     pools = []
     for name, p in sorted(m._pool.items()):
-        nodes = [_prefix_block(p, b) for b in range(len(p.node))]
+        # what the prefix cache holds of the blocks nobody uses (a used block's keying is internal: lazy keying
+        # hangs a running request's blocks in the tree only when a lookup reaches them)
+        nodes = [_prefix_block(p, b) if not p.ref[b] else None for b in range(len(p.node))]
         pools.append((name, list(p._free), p.evictable.blocks(), list(p.ref), list(p.gen), list(p.priority),
                       p.num_used, p.evictions, nodes))
     arena = getattr(m, "_arena", None)  # a shared arena: which group each block belongs to, per-group counts
     shared = None if arena is None else (list(arena.group_of), arena.used, arena.cached, arena.evicted)
-    return caches, pools, shared, sorted(m.counters.items()), m._tree.num_nodes
+    return caches, pools, shared, sorted(m.counters.items())
 
 
 def _v1_state(m: Any) -> Any:

@@ -201,6 +201,7 @@ def test_partial_reuse_on_a_wide_node_picks_the_longest_match_among_children_sha
         cached = Request(f"p{i}", p, 0)
         prefill(m, cached)
         m.free(cached)  # its full block stays cached (evictable) below the root
+    m.key_pending()  # the prompts that shared no first token are pending (lazy keying): hang them all now
     assert len(m._tree.root(None).children) > INDEX_CHILDREN_AFTER
     hits = m.stats().reuse_partial_hits
     source = next(c for c in m._tree.root(None).children.values() if c.token_ids(0) == (7, 1, 2, 9))

@@ -4,7 +4,9 @@ Random create / fork-by-prefix / resume / grow (allocate, write, commit) / suspe
 sequences over small pools (so allocation fails, blocks get evicted, the host tier fills), on two
 layouts: ``split`` — a full group, a sliding group and a compressed group, each with a pool of its own
 (their pages differ) — and ``shared`` — a full layer and two sliding layers with equal pages, so three
-1-layer groups take their blocks from one arena (one free list, global eviction). After every step:
+1-layer groups take their blocks from one arena (one free list, global eviction) — and ``uniform`` — full layers
+only, in two groups of different pages, where requests that share no first token are keyed lazily (pending
+prefixes hung in the radix tree only when a later lookup reaches them). After every step:
 
 * no block is owned twice by one cache, reference counts equal the number of owning caches, and
   only cached prefix blocks are shared;
@@ -57,13 +59,16 @@ class V2CacheMachine(RuleBasedStateMachine):
 
     @initialize(partial=st.booleans(), scratch=st.booleans(), window=st.sampled_from([3, 6, 64]),
                 host=st.sampled_from(["none", "small", "auto"]), seeds=st.lists(TOKENS, min_size=2, max_size=2),
-                layout=st.sampled_from(["split", "shared"]))
+                layout=st.sampled_from(["split", "shared", "uniform"]))
     def build(self, partial, scratch, window, host, seeds=(), layout="split"):
         per_block = 2 * 4 * 4  # entry elems x float32 x tokens (csa: 2 entries of 2 elems per block: 16)
         if layout == "split":
             layers = [LayerKV(0, "full", 2), LayerKV(1, "sliding", 2, window=window),
                       LayerKV(2, "csa", 2, window=window, compressed_elems=2, compress_rate=2)]
             small = 2 * (3 * per_block + 16)
+        elif layout == "uniform":  # no window: groups full (4-element entries) and full_1 (8), lazy keying
+            layers = [LayerKV(0, "full", 2), LayerKV(1, "full", 4), LayerKV(2, "full", 4)]
+            small = 2 * (per_block + 2 * per_block)
         else:  # equal pages: full, sliding_w.0, sliding_w.1 share BLOCKS * 3 pages
             layers = [LayerKV(0, "full", 2), LayerKV(1, "sliding", 2, window=window),
                       LayerKV(2, "sliding", 2, window=window)]
@@ -71,7 +76,7 @@ class V2CacheMachine(RuleBasedStateMachine):
         host_size = {"none": 0, "auto": None, "small": small}[host]
         self.m = make_manager(layers, BLOCKS, max_seq_len=MAX_SEQ, enable_partial_reuse=partial,
                               enable_swa_scratch_reuse=scratch, host_cache_size=host_size)
-        assert self.m.layout.shared == (layout == "shared")
+        assert self.m.layout.shared == (layout == "shared") and self.m._lazy == (layout == "uniform")
         for tokens in seeds:  # start with admitted caches so every rule has something to act on
             self.m.resume(self._new(tokens, None, 0))
 
@@ -272,7 +277,7 @@ V2CacheMachine.TestCase.settings = settings(
 test_v2_cache_life_cycles = V2CacheMachine.TestCase
 
 
-@pytest.mark.parametrize("layout", ["split", "shared"])
+@pytest.mark.parametrize("layout", ["split", "shared", "uniform"])
 @pytest.mark.parametrize("seed", [0])
 def test_machine_exercises_reuse_suspend_and_eviction(seed, layout):
     """The machine's moves reach the interesting paths (guards against a machine that tests nothing)."""
@@ -280,14 +285,28 @@ def test_machine_exercises_reuse_suspend_and_eviction(seed, layout):
 
     rng = random.Random(seed)
     totals = {"reuse_hit_tokens": 0, "suspends": 0, "resumes": 0, "evictions": 0, "reuse_partial_hits": 0}
+    lazy = {"hung while running": 0, "hung after release": 0, "evicted unhung": 0}
     for _ in range(20):
         machine = V2CacheMachine()
         machine.build(partial=True, scratch=rng.random() < 0.5, window=6, host="auto", layout=layout)
+        m = machine.m
+        materialize, drop = m._materialize, m._tree.drop_pending
+
+        def counted_materialize(prefix, materialize=materialize):
+            lazy["hung while running" if prefix.cache is not None else "hung after release"] += 1
+            materialize(prefix)
+
+        def counted_drop(prefix, drop=drop):
+            lazy["evicted unhung"] += prefix.cache is None and not any(prefix.held)
+            drop(prefix)
+
+        m._materialize, m._tree.drop_pending = counted_materialize, counted_drop
         for _ in range(60):
             active = machine._with(CacheState.ACTIVE)
             move = rng.random()
             if move < 0.25 or not machine.live:
                 tokens = [rng.randrange(3) for _ in range(rng.randrange(4, 14))]
+                tokens[0] = rng.randrange(9)  # first tokens that collide sometimes, not always (lazy keying)
                 if machine.seen and rng.random() < 0.7:
                     src, _ = rng.choice(machine.seen)
                     tokens = src[: rng.randrange(1, len(src) + 1)] + tokens[:3]
@@ -318,3 +337,4 @@ def test_machine_exercises_reuse_suspend_and_eviction(seed, layout):
             totals[key] += getattr(stats, key)  # evictions: the sum over the groups
         machine.teardown()
     assert all(v > 0 for v in totals.values()), totals
+    assert all(v > 0 for v in lazy.values()) == (layout == "uniform"), lazy

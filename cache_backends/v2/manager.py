@@ -64,7 +64,7 @@ from cache_backends.reuse import partial_reuse_off_reason, partial_reuse_unit, r
 from cache_backends.stats import GroupStats, HostStats, ManagerStats, ReuseStats
 from cache_backends.v2.group_pool import GroupPool
 from cache_backends.v2.host_tier import HostTier, host_slots
-from cache_backends.v2.radix import RadixNode, RadixTree
+from cache_backends.v2.radix import PendingPrefix, RadixNode, RadixTree
 from cache_backends.v2.sequence import NEVER, CacheState, SequenceCache
 from cache_backends.v2.shared_pool import GroupShare, SharedPool
 
@@ -169,6 +169,9 @@ class KVCacheManagerV2:
         else:
             self.partial_off_reason = partial_reuse_off_reason(self.layout)
         self._partial = self.partial_off_reason is None
+        # lazy keying (cache_backends.v2.radix): where a request's blocks stay as they are until it lets go of them
+        self._lazy = (self._reuse and not self._sliding and not self.layout.shared
+                      and all(g.tokens_per_block == self.T for g in self.groups))
         self._tree = self._new_tree()
         self.host: HostTier | None = None
         slots = host_slots(pools, options.host_cache_size)
@@ -282,6 +285,8 @@ class KVCacheManagerV2:
         held = {g.name: sum(1 for b in cache.tables[g.name][: keep[g.name]] if b >= 0) for g in self.groups}
         if not self.host.has_room(held):
             return False
+        if cache.pending is not None:  # its blocks are taken back on resume only if they are in the tree
+            self._materialize(cache.pending)
         host: dict[str, list[int]] = {}
         reclaim: dict[str, dict[int, tuple[int, int]]] = {}
         for g in self.groups:
@@ -312,6 +317,10 @@ class KVCacheManagerV2:
         cache = self._caches.pop(request, None)
         if cache is None:
             return
+        if cache.pending is not None:
+            self._park(cache)
+        elif cache.latent is not None:
+            self._drop_latent(cache)
         if cache.is_active:
             self._release_blocks(cache)
         if cache.host is not None and self.host is not None:
@@ -700,9 +709,13 @@ class KVCacheManagerV2:
             rid = cache.request.req_id
             if not cache.committed <= cache.history <= cache.capacity:
                 problems.append(f"{rid}: lengths {cache.committed}/{cache.history}/{cache.capacity}")
-            if self._reuse and cache.keyed != cache.committed // self.T:
+            lazy = cache.pending is not None
+            if lazy and (not self._lazy or cache.pending.cache is not cache or cache.keyed or cache.key_at != NEVER
+                         or self._tree.pending_prefix(cache.request.salt, cache.pending.first) is not cache.pending):
+                problems.append(f"{rid}: keyed lazily but not noted as a pending prefix, or keyed too")
+            if self._reuse and not lazy and cache.keyed != cache.committed // self.T:
                 problems.append(f"{rid}: {cache.keyed} radix positions for {cache.committed} committed tokens")
-            if cache.key_at != ((cache.keyed + 1) * self.T if self._reuse else NEVER):
+            if not lazy and cache.key_at != ((cache.keyed + 1) * self.T if self._reuse else NEVER):
                 problems.append(f"{rid}: next block keyed at {cache.key_at} tokens with {cache.keyed} keyed")
             last = cache.last
             if (last.start + len(last) if last is not None else 0) != cache.keyed or (
@@ -840,6 +853,45 @@ class KVCacheManagerV2:
                 problems.append(f"{where}: held counts {node.held}, recomputed {held}")
         if positions != self._tree.num_nodes:
             problems.append(f"radix tree: {self._tree.num_nodes} positions counted, {positions} found")
+        latent: dict[tuple[str | None, bytes], int] = {}
+        for cache in self._caches.values():
+            if cache.latent is not None:
+                key = (cache.request.salt, cache.latent)
+                latent[key] = latent.get(key, 0) + 1
+                if not self._lazy or cache.keyed or cache.pending is not None \
+                        or cache.latent != pack_tokens(_tokens(cache.request, 0, 1)):
+                    problems.append(f"{cache.request.req_id}: counted as latent but keyed, pending or mis-keyed")
+            elif self._lazy and cache.admitted and cache.pending is None and not cache.keyed:
+                problems.append(f"{cache.request.req_id}: no block in the tree, neither pending nor latent")
+        if latent != self._tree.latent:
+            problems.append(f"latent first tokens {self._tree.latent}, recomputed {latent}")
+        for salt, by_first in self._tree.pending.items():
+            root = self._tree.root(salt)
+            for first, prefix in by_first.items():
+                where = f"pending prefix {first.hex()}"
+                if not by_first or prefix.first != first or prefix.salt != salt or len(first) != 8 \
+                        or (root is not None and root.has_child_starting_with(first)) \
+                        or (salt, first) in self._tree.latent:
+                    problems.append(f"{where}: not noted under its own first token, or a run or a cache without "
+                                    "blocks in the tree starts with it too")
+                if prefix.cache is not None:
+                    if prefix.cache.pending is not prefix or prefix.held or prefix.blocks \
+                            or self._caches.get(prefix.request) is not prefix.cache:  # type: ignore[call-overload]
+                        problems.append(f"{where}: a running request's note that holds blocks or lost its cache")
+                    continue
+                held = [0] * len(prefix.held)
+                for name, blocks in prefix.blocks.items():
+                    pool = self._pool[name]
+                    if len(blocks) != len(held):
+                        problems.append(f"{where}: group {name} has {len(blocks)} entries for {len(held)} positions")
+                        continue
+                    for i, b in enumerate(blocks):
+                        if b >= 0:
+                            held[i] += 1
+                            if pool.node[b] is not prefix or pool.pos[b] != i or pool.ref[b]:
+                                problems.append(f"{where} holds block {b} of {name} at {i} that is not its cached one")
+                if held != prefix.held or not any(held):
+                    problems.append(f"{where}: held counts {prefix.held}, recomputed {held}")
         return problems
 
     # --- internals -------------------------------------------------------------------------------
@@ -897,7 +949,14 @@ class KVCacheManagerV2:
 
     def enable_kv_events(self, buffer: KvEventBuffer) -> None:
         """Record stored / removed / cleared prefix-cache blocks into ``buffer`` from now on."""
+        self.key_pending()  # events report blocks as they are stored: none may stay unkeyed
         self.kv_events = buffer
+
+    def key_pending(self) -> None:
+        """Hang every pending prefix in the radix tree now (lazy keying: :mod:`cache_backends.v2.radix`)."""
+        for by_first in list(self._tree.pending.values()):
+            for prefix in list(by_first.values()):
+                self._materialize(prefix)
 
     def _count_worst(self, cache: SequenceCache, sign: int) -> None:
         """Add (``sign`` 1, on activation) or remove (-1, on release) a cache's worst-case blocks."""
@@ -994,6 +1053,8 @@ class KVCacheManagerV2:
                 return
             segs = [(last, self._tree.append(last, packed, T), len(last.held))]
         else:
+            if cache.latent is not None:  # its path's first block: no longer latent
+                self._drop_latent(cache)
             cache.last, segs = self._tree.extend(last, cache.request.salt, packed, T)
         # Offer every group block that ends on a new position to it (= _attach; inlined, it runs for every block).
         for name, step, owner, pos in self._attach_steps:
@@ -1101,10 +1162,24 @@ class KVCacheManagerV2:
         m = 0
         if self._reuse:
             self.counters["reuse_query_tokens"] += request.num_tokens
-            if self._cheap_miss(request):  # nothing to claim, whole or partial: skip the lookups
+            first = pack_tokens(_tokens(request, 0, 1))
+            pending = self._tree.pending
+            if pending:
+                prefix = self._tree.pending_prefix(request.salt, first)
+                if prefix is not None:  # a prefix that starts like this one: in the tree before the lookup
+                    self._materialize(prefix)
+            if self._cheap_miss(request, first):  # nothing to claim, whole or partial: skip the lookups
                 cache.last = None
                 cache.keyed = 0
                 cache.key_at = T
+                if self._lazy and first:
+                    if self.kv_events is None and (request.salt, first) not in self._tree.latent and (
+                            request.num_tokens >= 2 or not self._starts_cached(request, first)):
+                        cache.pending = PendingPrefix(request.salt, first, request, cache, 8 * T)
+                        self._tree.add_pending(cache.pending)
+                        cache.key_at = NEVER
+                    else:
+                        self._add_latent(cache, first)
                 self._activate(cache, 0)
                 return
             m, run, i = self._match(request)
@@ -1123,17 +1198,87 @@ class KVCacheManagerV2:
                 cache.last = self._tree.claim(run, i)
             cache.keyed = m // T
             cache.key_at = (m // T + 1) * T
+            if self._lazy and not cache.keyed and first:
+                self._add_latent(cache, first)
             if self._partial:
                 m += self._claim_partial(cache, m)
         self._activate(cache, m)
 
-    def _cheap_miss(self, request: Request) -> bool:
-        """Whether no cached block of the request's scope starts with its first token, so that neither a full
-        block nor part of one can match (what :meth:`_match` and :meth:`_claim_partial` would find then, without
-        packing and looking up a whole block twice: every request of a no-reuse workload takes this path)."""
+    def _cheap_miss(self, request: Request, first: bytes) -> bool:
+        """Whether no cached block of the request's scope starts with its first token (``first``, packed), so that
+        neither a full block nor part of one can match (what :meth:`_match` and :meth:`_claim_partial` would find
+        then, without packing and looking up a whole block twice: every request of a no-reuse workload takes this
+        path)."""
+        return request.num_tokens < 2 or not self._starts_cached(request, first)
+
+    def _starts_cached(self, request: Request, first: bytes) -> bool:
+        """Whether a run hung under the request's salt starts with the token packed as ``first``."""
         root = self._tree.root(request.salt)
-        return (root is None or request.num_tokens < 2
-                or not root.has_child_starting_with(pack_tokens(_tokens(request, 0, 1))))
+        return root is not None and root.has_child_starting_with(first)
+
+    def _materialize(self, prefix: PendingPrefix) -> None:
+        """Hang a pending prefix in the tree as keying it all along would have (lazy keying: radix module doc)."""
+        tree, T = self._tree, self.T
+        tree.drop_pending(prefix)
+        cache = prefix.cache
+        if cache is not None:  # still running: key its full blocks now, and from now on as they fill
+            cache.pending = None
+            cache.key_at = T
+            if cache.committed >= T:
+                self._key_full_blocks(cache)
+            else:
+                self._add_latent(cache, prefix.first)
+            return
+        held = prefix.held
+        n = len(held)
+        while n and not held[n - 1]:
+            n -= 1
+        if not n:
+            return
+        run, segs = tree.extend(None, prefix.salt, pack_tokens(_tokens(prefix.request, 0, n * T)), T)  # type: ignore[arg-type]
+        assert segs == [(run, 0, n)], "a pending prefix's first token starts no run"
+        counts = run.held
+        for name, _, owner, _ in self._attach_steps:
+            dst = run.blocks[name]
+            for i, b in enumerate(prefix.blocks[name][:n]):
+                if b >= 0:
+                    dst[i] = b
+                    owner[b] = run  # its position (pos[b] == i) stays
+                    counts[i] += 1
+        tree.leave(run)  # nobody's path: trimmed like any unused run
+
+    def _add_latent(self, cache: SequenceCache, first: bytes) -> None:
+        """Count a keyed-eagerly cache with no block in the tree yet: it may hang a run starting with ``first``."""
+        latent, key = self._tree.latent, (cache.request.salt, first)
+        latent[key] = latent.get(key, 0) + 1
+        cache.latent = first
+
+    def _drop_latent(self, cache: SequenceCache) -> None:
+        """The cache hung its first block, or let go: it no longer stops ``first`` from being noted as pending."""
+        latent, key = self._tree.latent, (cache.request.salt, cache.latent)
+        cache.latent = None
+        if latent[key] == 1:  # type: ignore[index]
+            del latent[key]  # type: ignore[arg-type]
+        else:
+            latent[key] -= 1  # type: ignore[index]
+
+    def _park(self, cache: SequenceCache) -> None:
+        """A lazily keyed cache lets go: its full committed blocks stay cached under its pending prefix."""
+        prefix = cache.pending
+        assert prefix is not None
+        cache.pending = None
+        n = cache.committed // self.T
+        if not n or not cache.is_active:
+            self._tree.drop_pending(prefix)
+            return
+        prefix.cache = None
+        blocks = prefix.blocks
+        for name, _, owner, pos in self._attach_steps:
+            got = blocks[name] = cache.tables[name][:n]
+            for i, b in enumerate(got):
+                owner[b] = prefix  # type: ignore[call-overload]
+                pos[b] = i
+        prefix.held = [len(self.groups)] * n
 
     def _activate(self, cache: SequenceCache, m: int) -> None:
         """Admission's end: ``m`` tokens are cached; the cache becomes active and its window is released."""

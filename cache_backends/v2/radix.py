@@ -32,6 +32,26 @@ exactly there (compressed groups with blocks of ``k*T`` tokens hold one at every
   first token. It is built the first time partial matching (or an admission's first-token check, at a root)
   asks a run with more than ``INDEX_CHILDREN_AFTER`` children, and kept from then on.
 * ``RadixTree.num_nodes`` counts block positions (what a node per block would count), not runs.
+
+**Lazy keying** (:class:`PendingPrefix`). Most prompts share nothing (a no-reuse workload shares nothing at all), and
+hanging every block of every request in the tree, then pruning it again when the block is evicted, was most of what
+prefix reuse cost a step. So a request whose first token starts no cached prefix is not keyed at all while it runs:
+the tree only notes it under its first token (``RadixTree.pending``); when it lets go of its blocks, its full
+committed blocks stay cached (evictable, in the same eviction order as keyed ones) owned by that note instead of by
+runs. The first admission whose first token is a pending prefix's hangs that prefix in the tree, exactly as keying
+it all along would have (:meth:`KVCacheManagerV2._materialize`), before it looks anything up. Invariants:
+
+* A salt's pending prefixes have distinct first tokens, no child of the salt's root starts with one of them, and
+  no running cache keyed eagerly whose path is still empty (``RadixTree.latent``: it may hang such a child later)
+  starts with one. An admission with that first token hangs the pending prefix first, and only a cheap miss with
+  no such cache notes a new one; so a pending prefix is the only thing with its first token, and hanging it late
+  leaves the tree as keying it all along would have.
+* A pending prefix of a running request owns no block (``cache`` is the request's cache). One of a request that let
+  go owns its full committed blocks: ``blocks[g][i] == b >= 0`` if and only if the pool's ``node[b]`` is the
+  pending prefix and ``pos[b] == i``; ``held[i]`` counts them. It leaves ``pending`` when its last block is evicted.
+* Lazy keying is used only where a request's blocks never change before it lets go of them: no sliding window
+  (which releases blocks while the request runs), no block spanning several token blocks, no shared arena, and no
+  KV cache events (which report blocks as they are stored).
 """
 
 from __future__ import annotations
@@ -114,6 +134,35 @@ class RadixNode:
         return list(group.values()) if group else []
 
 
+class PendingPrefix:
+    """A prefix not hung in the tree yet: a running request's, or the blocks a request left cached (module doc)."""
+
+    __slots__ = ("blocks", "cache", "children", "first", "held", "parent", "request", "salt", "start", "users",
+                 "width")
+
+    def __init__(self, salt: str | None, first: bytes, request: object, cache: object, width: int) -> None:
+        self.salt = salt
+        self.first = first  # the first token, packed
+        self.request = request  # its tokens are the prefix's (cache_backends.request.Request)
+        self.cache = cache  # the running request's SequenceCache; None once it let go
+        self.width = width
+        self.blocks: dict[str, list[int]] = {}
+        self.held: list[int] = []
+        # what RadixTree.detach reads of a run: a pending prefix is never trimmed, never a child, never used
+        self.start = 0
+        self.parent = None
+        self.users = 0
+        self.children: Mapping = _NONE
+
+    def __len__(self) -> int:
+        return len(self.held)
+
+    def block(self, i: int) -> bytes:
+        """Position ``i``'s packed token ids."""
+        n = self.width // 8
+        return pack_tokens(self.request.all_token_ids[i * n:(i + 1) * n])  # type: ignore[attr-defined]
+
+
 #: A stretch of new positions: (run, first offset, end offset).
 Segment = tuple[RadixNode, int, int]
 
@@ -128,6 +177,10 @@ class RadixTree:
 
     def __init__(self, owners: Mapping[str, tuple[MutableSequence[RadixNode | None], Sequence[int]]]) -> None:
         self.roots: dict[str | None, RadixNode] = {}
+        self.pending: dict[str | None, dict[bytes, PendingPrefix]] = {}  # salt -> first token -> pending prefix
+        # (salt, first token) -> caches keyed eagerly with no block in the tree yet (lazy keying: they may hang a
+        # run starting with that token later, so no pending prefix may be noted under it meanwhile)
+        self.latent: dict[tuple[str | None, bytes], int] = {}
         self.num_nodes = 0  # block positions
         self.owners = {g: node for g, (node, _) in owners.items()}
         self.positions = {g: pos for g, (_, pos) in owners.items()}
@@ -265,8 +318,12 @@ class RadixTree:
                 runs.append(run)  # type: ignore[arg-type]
                 prev = run
         for run in runs:  # trimming is confluent: once after the batch leaves what once per block would
-            if run.parent is not None and not run.users and not run.children and not run.held[-1]:
-                self.trim(run)
+            if run.parent is not None:
+                if not run.users and not run.children and not run.held[-1]:
+                    self.trim(run)
+            elif type(run) is PendingPrefix and not run.held[0] and not any(run.held):  # nothing of it left
+                self.drop_pending(run)
+            # (else a run a trim above unhooked: emptied, nothing left to do)
 
     def trim(self, run: RadixNode) -> None:
         """Drop ``run``'s tail positions that hold no block (it has no user and no child); emptied, unhook it and
@@ -338,6 +395,28 @@ class RadixTree:
             if not siblings:
                 del parent.by_first[first[:8]]
         node.parent = None
+
+    # --- pending prefixes (lazy keying) ---------------------------------------------------------------
+
+    def pending_prefix(self, salt: str | None, first: bytes) -> PendingPrefix | None:
+        """The pending prefix of ``salt`` whose first token is ``first`` (packed), if any."""
+        by_first = self.pending.get(salt)
+        return by_first.get(first) if by_first else None
+
+    def add_pending(self, prefix: PendingPrefix) -> None:
+        """Note a new pending prefix (its first token is nobody else's: the caller checked)."""
+        by_first = self.pending.get(prefix.salt)
+        if by_first is None:
+            self.pending[prefix.salt] = {prefix.first: prefix}
+        else:
+            by_first[prefix.first] = prefix
+
+    def drop_pending(self, prefix: PendingPrefix) -> None:
+        """Forget a pending prefix (hung in the tree, or nothing of it left)."""
+        by_first = self.pending[prefix.salt]
+        del by_first[prefix.first]
+        if not by_first:
+            del self.pending[prefix.salt]
 
     # --- keys ------------------------------------------------------------------------------------
 

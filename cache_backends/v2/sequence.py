@@ -8,7 +8,7 @@ import sys
 import attrs
 
 from cache_backends.request import Request
-from cache_backends.v2.radix import RadixNode
+from cache_backends.v2.radix import PendingPrefix, RadixNode
 
 #: ``SequenceCache.key_at`` when prefix reuse is off: no commit ever reaches it.
 NEVER = sys.maxsize
@@ -38,7 +38,8 @@ class SequenceCache:
     * ``keyed == committed // T`` full committed ``T``-token blocks are on the cache's radix path, which ends at
       the end of run ``last`` (``None``: no block yet, or prefix reuse off): ``last.start + len(last) == keyed``.
       ``key_at == (keyed + 1) * T``: the commit that reaches it fills a block to hang in the tree (:data:`NEVER`
-      with reuse off).
+      with reuse off). A cache keyed lazily (``pending``, see :mod:`cache_backends.v2.radix`) has none: ``keyed``
+      is 0, ``last`` None and ``key_at`` :data:`NEVER` until a later admission hangs its prefix in the tree.
     * ``slide_at``: no sliding group releases a block before ``committed`` reaches it (the smallest
       ``(released[g] + 1) * tokens_per_block(g) + window(g) - 1``), so commits below it skip the window check.
     * While suspended after admission, ``host[g]`` maps each logical block to its host slot (-1: none),
@@ -58,6 +59,8 @@ class SequenceCache:
     slide_at: int = 0  # the commit that may let a window release a block (0: check at the next commit)
     last: RadixNode | None = None  # the radix run where the cache's path ends
     keyed: int = 0  # blocks on that path
+    pending: PendingPrefix | None = None  # keyed lazily: its note in the tree's pending prefixes
+    latent: bytes | None = None  # with lazy keying, keyed eagerly but no block in the tree yet: its first token
     host: dict[str, list[int]] | None = None
     reclaim: dict[str, dict[int, tuple[int, int]]] = attrs.Factory(dict)
     reused_tokens: int = 0
