@@ -201,6 +201,8 @@ class RunsTree:
     def __init__(self) -> None:
         self.roots: dict[str | None, RadixNode] = {}
         self.num_nodes = 0
+        self.pending: dict = {}  # main's lazy keying is off here (the prototype keys every block, as main then did)
+        self.latent: dict = {}
 
     def root(self, salt: str | None) -> RadixNode | None:
         """A salt's root."""
@@ -257,6 +259,7 @@ class RunsManagerV2(KVCacheManagerV2):
                                       f"{len(self.groups)} groups, arena {self._arena is not None}, "
                                       f"sliding {bool(self._sliding)}, reuse {self._reuse}")
         self._tree = RunsTree()  # type: ignore[assignment]
+        self._lazy = False  # the round-3 comparison: every block keyed
         name = self.groups[0].name
         pool = self.POOL(name, pools.num_blocks[name], self._tree)
         self._pool = {name: pool}

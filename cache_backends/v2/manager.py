@@ -23,7 +23,12 @@ How the pieces fit (TensorRT-LLM's V2 ideas, this project's code):
   something reports them (KV cache events). The tree keeps one node per unbranched *run* of blocks (path
   compression): a cache's path ends at the end of ``cache.last``, keying appends to that run while the cache is
   its only user, and a match or branch that ends inside a run splits it; a pool's ``node[b]`` / ``pos[b]`` name
-  the run and block position holding ``b``. A new request walks it over its
+  the run and block position holding ``b``. **Lazy keying**: where a request's blocks do not change while it
+  runs (no window, no multi-block span, no shared arena, no KV events), a request whose first token starts no
+  cached prefix is only noted as pending; its blocks stay cached under the note when it lets go, and the first
+  admission with that first token hangs it in the tree before looking up
+  (:class:`~cache_backends.v2.radix.PendingPrefix`; a user sees what keying every block at once gives).
+  A new request walks it over its
   tokens and takes the longest prefix ``m`` that (a) is a multiple of the *reuse unit* — the lcm of
   every group's block span, so compressed groups reuse whole blocks only — (b) leaves at least one
   token to compute (logits), (c) has every block of every growing group below ``m`` still cached and
