@@ -26,19 +26,35 @@ MAX_LOGPROBS = 20
 MAX_PROMPTS = 1024
 #: Most choices (prompts x n) one request may ask for, for the same reason.
 MAX_CHOICES = 1024
+#: Bytes of request body a prompt token may take in the default cap on a body: a token id is at most 7
+#: characters and its ", " for vocabularies under a million; text averages under 5 bytes a token in
+#: English and code, and under 12 as JSON escapes (``\\u4e2d``, an emoji's surrogate pair) in any script.
+BODY_BYTES_PER_TOKEN = 16
+#: What the rest of a body may add to its prompts: the other fields, brackets, whitespace.
+BODY_SLACK = 1 << 20
+
+
+def default_max_request_bytes(max_seq_len: int, vocab_size: int) -> int:
+    """The largest body a server with this ``max_seq_len`` accepts by default: :data:`MAX_PROMPTS` prompts of
+    ``max_seq_len`` tokens each, as token ids or as text, plus :data:`BODY_SLACK`. A body that could hold
+    more than any request the server would serve is refused before it is read (``--max-request-bytes``)."""
+    per_token = max(BODY_BYTES_PER_TOKEN, len(str(max(vocab_size - 1, 0))) + 2)
+    return MAX_PROMPTS * max_seq_len * per_token + BODY_SLACK
 
 
 class BadRequest(Exception):
     """A request the server refuses: HTTP ``status`` with OpenAI's error body."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error", code: str | None = None) -> None:
+                 kind: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.status = status
         self.kind = kind
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         """OpenAI's error document."""
@@ -249,4 +265,5 @@ def _logprobs(body: dict[str, Any], kind: str) -> int | None:
     return (top or 0) if value else None
 
 
-__all__ = ["MAX_CHOICES", "MAX_LOGPROBS", "MAX_N", "MAX_PROMPTS", "MAX_STOP", "BadRequest", "Job", "parse"]
+__all__ = ["BODY_BYTES_PER_TOKEN", "BODY_SLACK", "MAX_CHOICES", "MAX_LOGPROBS", "MAX_N", "MAX_PROMPTS", "MAX_STOP",
+           "BadRequest", "Job", "default_max_request_bytes", "parse"]
