@@ -208,7 +208,7 @@ def test_stream_errors_surface_in_the_loop(llm):
     ({"top_k": -2}, "generate: top_k: expected"),
     ({"n": 0}, r"generate: n: expected an integer in \[1, 128\]"),
     ({"n": 100_000}, r"generate: n: expected an integer in \[1, 128\], got 100000"),
-    ({"logprobs": 10_000}, r"generate: logprobs: expected at most the vocabulary size \(512\)"),
+    ({"logprobs": 10_000}, r"generate: logprobs: expected an integer in \[0, 20\]"),
     ({"stop_token_ids": [600]}, r"generate: stop_token_ids: token id 600 is outside the vocabulary"),
     ({"max_tokens": 0}, "generate: max_tokens: expected an integer >= 1"),
     ({"best_of": 2}, "generate: unknown argument 'best_of'"),

@@ -13,14 +13,10 @@ from typing import Any
 import attrs
 
 from engine.prompts import ROLES, lone_surrogate
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, check_logprobs, check_stop_sizes, check_stop_token_ids_count
 from pipeline.errors import GenerationError
-from pipeline.limits import MAX_INT, MAX_N
+from pipeline.limits import MAX_INT, MAX_LOGPROBS, MAX_N, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS
 
-#: Most stop strings a request may give (OpenAI's limit).
-MAX_STOP = 4
-#: Most alternatives per token ``logprobs`` may ask for (OpenAI's limit for completions).
-MAX_LOGPROBS = 20
 #: Most prompts one completions request may hold: each becomes engine requests checked and queued
 #: before the reply starts, so one body must not keep the server busy for minutes.
 MAX_PROMPTS = 1024
@@ -90,6 +86,20 @@ def _is_num(v: Any) -> bool:
 def _need(ok: bool, field: str, expected: str, value: Any) -> None:
     if not ok:
         raise BadRequest(f"{field}: expected {expected}, got {value!r}"[:300], param=field)
+
+
+def _as_api(check: Any, value: Any) -> None:
+    """Run one of ``SamplingParams``' own size checks: the same bound, refused in the same words, naming the field."""
+    try:
+        check(value)
+    except GenerationError as exc:
+        raise _bad(exc) from None
+
+
+def _bad(exc: GenerationError) -> BadRequest:
+    msg = str(exc).removeprefix("generate: ")
+    head = msg.split(":", 1)[0].split("[", 1)[0]
+    return BadRequest(msg, param=head if head.isidentifier() else None)
 
 
 #: Fields both endpoints accept and act on.
@@ -164,15 +174,18 @@ def parse(body: Any, kind: str, *, default_max_tokens: int) -> Job:
         _need(isinstance(stop, list) and all(isinstance(s, str) for s in stop), "stop", "a string or a list of strings",
               stop)
         stops = tuple(stop)
-    _need(len(stops) <= MAX_STOP and all(stops), "stop", f"at most {MAX_STOP} non-empty strings", stop)
+    _need(all(stops), "stop", "non-empty strings", stop)
+    _as_api(check_stop_sizes, stops)  # the Python API's bounds, in its words
     for i, text in enumerate(stops):  # as prompts and salt: a stop string no decoded text could ever contain
         at = lone_surrogate(text)
         if at is not None:
             raise BadRequest(f"stop[{i}]: not valid Unicode text (a lone surrogate at character {at}; text must be "
                              "UTF-8)", param="stop")
     stop_ids = body.get("stop_token_ids") or []
-    _need(isinstance(stop_ids, list) and all(_is_int(t) and t >= 0 for t in stop_ids), "stop_token_ids",
-          "a list of token ids (integers >= 0)", stop_ids)
+    _need(isinstance(stop_ids, list), "stop_token_ids", "a list of token ids (integers >= 0)", stop_ids)
+    _as_api(check_stop_token_ids_count, len(stop_ids))
+    _need(all(_is_int(t) and t >= 0 for t in stop_ids), "stop_token_ids", "a list of token ids (integers >= 0)",
+          stop_ids)
     ignore_eos = body.get("ignore_eos", False)
     _need(isinstance(ignore_eos, bool), "ignore_eos", "true or false", ignore_eos)
     salt = body.get("salt")
@@ -188,7 +201,7 @@ def parse(body: Any, kind: str, *, default_max_tokens: int) -> Job:
                                 temperature=float(temperature), top_p=float(top_p), top_k=top_k, seed=seed,
                                 stop=stops, stop_token_ids=stop_ids, logprobs=logprobs, ignore_eos=ignore_eos)
     except GenerationError as exc:  # the API's own checks, should the two ever disagree
-        raise BadRequest(str(exc).removeprefix("generate: ")) from None
+        raise _bad(exc) from None
     return Job(kind=kind, prompts=prompts, params=params, n=n, stream=stream, include_usage=include_usage,
                stop=stops, stop_token_ids=tuple(stop_ids), logprobs=logprobs, echo=echo, salt=salt,
                max_tokens_given=given)
@@ -254,7 +267,7 @@ def _logprobs(body: dict[str, Any], kind: str) -> int | None:
     if kind == "completion":
         if value is None:
             return None
-        _need(_is_int(value) and 0 <= value <= MAX_LOGPROBS, "logprobs", f"an integer in [0, {MAX_LOGPROBS}]", value)
+        _as_api(check_logprobs, value)
         return value
     top = body.get("top_logprobs")
     _need(value is None or isinstance(value, bool), "logprobs", "true or false", value)
@@ -266,4 +279,4 @@ def _logprobs(body: dict[str, Any], kind: str) -> int | None:
 
 
 __all__ = ["BODY_BYTES_PER_TOKEN", "BODY_SLACK", "MAX_CHOICES", "MAX_LOGPROBS", "MAX_N", "MAX_PROMPTS", "MAX_STOP",
-           "BadRequest", "Job", "default_max_request_bytes", "parse"]
+           "MAX_STOP_CHARS", "MAX_STOP_TOKEN_IDS", "BadRequest", "Job", "default_max_request_bytes", "parse"]
