@@ -16,7 +16,16 @@ import attrs
 
 from engine.prompts import check_text, is_token_id
 from pipeline.errors import GenerationError
-from pipeline.limits import MAX_LOGPROBS, MAX_N, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, int_text
+from pipeline.limits import (
+    MAX_INT,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_SALT_CHARS,
+    MAX_STOP,
+    MAX_STOP_CHARS,
+    MAX_STOP_TOKEN_IDS,
+    int_text,
+)
 
 #: Tokens generated per prompt when nothing says otherwise: the Python API and ``kvload generate``
 #: share it (vLLM defaults to 16, TensorRT-LLM to 32; 64 lets a short chat reply finish).
@@ -73,6 +82,23 @@ def check_logprobs(value: Any) -> None:
     """``logprobs``: None or an integer in [0, :data:`MAX_LOGPROBS`] (the server's bound too)."""
     check(value is None or (is_int(value) and 0 <= value <= MAX_LOGPROBS), "logprobs",
           f"an integer in [0, {MAX_LOGPROBS}] (top tokens to report per generated token)", value)
+
+
+def check_salt(salt: Any) -> None:
+    """A prefix-reuse salt: None or valid Unicode text of at most :data:`MAX_SALT_CHARS` characters (the server's
+    bound too); it is hashed into every block key of its request."""
+    check(salt is None or isinstance(salt, str), "salt", "a string or None", salt)
+    if salt is not None:
+        if len(salt) > MAX_SALT_CHARS:
+            raise GenerationError(f"generate: salt: expected a string of at most {MAX_SALT_CHARS:,} characters, got "
+                                  f"{len(salt):,}")
+        check_text("salt", salt)  # hashed as UTF-8 into every block key
+
+
+def _at_most_int64(name: str, value: Any) -> None:
+    """An integer setting past int64 (what torch and the KV budget take), refused by its name (as seed is)."""
+    if is_int(value) and value > MAX_INT:
+        raise GenerationError(f"generate: {name}: expected at most 2**63 - 1, got {int_text(value)}")
 
 
 def _strings(value: Any) -> Any:
@@ -138,6 +164,7 @@ class SamplingParams:
         # numpy integers (an n or a seed taken from an array) count as integers, stored as Python ints
         max_tokens, top_k, seed, n, logprobs = map(_plain_int, (max_tokens, top_k, seed, n, logprobs))
         check(is_int(max_tokens) and max_tokens >= 1, length_name, "an integer >= 1", max_tokens)
+        _at_most_int64(length_name, max_tokens)
         self.__attrs_init__(max_tokens, temperature, top_p, top_k, seed, _strings(stop), _ints(stop_token_ids), n,
                             logprobs, ignore_eos)
 
@@ -147,6 +174,7 @@ class SamplingParams:
         check(is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]", self.top_p)
         check(is_int(self.top_k) and self.top_k >= -1, "top_k", "an integer >= 1, or 0 / -1 for all tokens",
               self.top_k)
+        _at_most_int64("top_k", self.top_k)
         check(self.seed is None or (is_int(self.seed) and 0 <= self.seed <= 2**63 - 1), "seed",
               "an integer in [0, 2**63 - 1] or None", self.seed)
         check(isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop), "stop",
@@ -203,4 +231,5 @@ class SamplingParams:
         return cls(**keywords)
 
 
-__all__ = ["DEFAULT_MAX_TOKENS", "SamplingParams", "check", "is_int", "is_number"]
+__all__ = ["DEFAULT_MAX_TOKENS", "SamplingParams", "check", "check_logprobs", "check_salt", "check_stop_sizes",
+           "check_stop_token_ids_count", "is_int", "is_number"]

@@ -33,6 +33,9 @@ MAX_STOP_TOKEN_IDS = 4096
 #: Most top alternatives per generated token ``logprobs`` may ask for (OpenAI's and vLLM's default limit): each
 #: is kept for every generated token of every sample. The Python API and the server share it.
 MAX_LOGPROBS = 20
+#: Longest prefix-reuse salt (characters): it is hashed into every block key of its request and cached per salt
+#: (1,024 salts at a time), so its size multiplies; a tenant id or a UUID is far shorter.
+MAX_SALT_CHARS = 1024
 
 
 def int_text(value: int) -> str:

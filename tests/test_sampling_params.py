@@ -87,6 +87,9 @@ def test_the_front_door_names_load_lazily_without_torch():
                          r"5001 digits"),
     ({"max_tokens": -10**5000}, r"max_tokens: expected an integer >= 1, got an integer of about 5001 digits"),
     ({"n": 10**5000}, r"n: expected an integer in \[1, 128\], got an integer of about 5001 digits"),
+    # past int64 (what torch and the KV budget take): refused by the field, as seed is
+    ({"max_tokens": 2**63}, r"max_tokens: expected at most 2\*\*63 - 1, got 9223372036854775808"),
+    ({"top_k": 10**5000}, r"top_k: expected at most 2\*\*63 - 1, got an integer of about 5001 digits"),
     ({"stop_token_ids": [-1] * 1000}, r"stop_token_ids: expected a list of token ids \(integers >= 0\), got a list "
                                       r"of 1,000 items"),
 ])

@@ -124,6 +124,8 @@ def test_a_client_that_gives_up_on_a_plain_request_has_it_aborted(served):
     ({"prompt": [1, 2], "stop_token_ids": [2] * 5000}, "stop_token_ids",
      "expected at most 4,096 token ids, got a list of 5,000"),
     ({"prompt": [1, 2], "logprobs": 99}, "logprobs", "[0, 20]"),
+    ({"prompt": [1, 2], "salt": "s" * 5000}, "salt", "salt: expected a string of at most 1,024 characters, got 5,000"),
+    ({"prompt": [1, 2], "top_k": 2**64}, "top_k", "top_k: expected at most 2**63 - 1"),
     ({"prompt": [1, 2], "seed": 2**64}, "seed", "an integer in [0, 2**63 - 1]"),
     ({"prompt": []}, "prompt", "non-empty"),
     ({"prompt": [[1, 2], "x", [3.5]]}, "prompt[2]", "token ids"),

@@ -13,7 +13,13 @@ from typing import Any
 import attrs
 
 from engine.prompts import ROLES, lone_surrogate
-from engine.sampling_params import SamplingParams, check_logprobs, check_stop_sizes, check_stop_token_ids_count
+from engine.sampling_params import (
+    SamplingParams,
+    check_logprobs,
+    check_salt,
+    check_stop_sizes,
+    check_stop_token_ids_count,
+)
 from pipeline.errors import GenerationError
 from pipeline.limits import MAX_INT, MAX_LOGPROBS, MAX_N, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS
 
@@ -191,6 +197,7 @@ def parse(body: Any, kind: str, *, default_max_tokens: int) -> Job:
     salt = body.get("salt")
     _need(salt is None or (isinstance(salt, str) and lone_surrogate(salt) is None), "salt",
           "a string of valid Unicode text", salt)
+    _as_api(check_salt, salt)  # the Python API's bound on its length, in its words
     logprobs = _logprobs(body, kind)
     echo = body.get("echo", False)
     _need(isinstance(echo, bool), "echo", "true or false", echo)
