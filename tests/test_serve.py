@@ -173,6 +173,9 @@ def test_other_refusals_and_the_server_keeps_serving(served):
      "key 'content' appears twice"),
     ("/v1/completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None, "nests too deeply"),
     ("/v1/completions", b'{"prompt": ' + b"[" * 40 + b"1" + b"]" * 40 + b"}", None, "at most 32 levels"),
+    # json refuses to read an integer literal past 4,300 digits (a ValueError, not a JSONDecodeError): was a 500
+    ("/v1/completions", b'{"prompt": [1, 2], "max_tokens": ' + b"9" * 5000 + b"}", None,
+     "an integer literal of more than 4300 digits; no field takes one past 2**63 - 1"),
 ])
 def test_bodies_the_tokenizer_or_json_cannot_take_get_400_and_the_server_keeps_serving(served, path, body, param,
                                                                                       words):

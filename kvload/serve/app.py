@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -160,6 +161,9 @@ async def _serve(state: ServeState, request: Request, kind: str) -> Response:
                                                                                    f"{m}; keep one")))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    except ValueError:  # int() refuses a literal past sys.get_int_max_str_digits(): was a 500 with Python's advice
+        raise BadRequest(f"the request body holds an integer literal of more than {sys.get_int_max_str_digits()} "
+                         "digits; no field takes one past 2**63 - 1") from None
     job = parse(body, kind, default_max_tokens=state.default_max_tokens)
     model = body.get("model")
     if model is not None and model != state.model_name:
