@@ -119,6 +119,7 @@ def test_a_client_that_gives_up_on_a_plain_request_has_it_aborted(served):
     ({"prompt": [1, 2], "max_tokens": 10_000_000}, "max_tokens",
      "max_tokens 10000000 (cut to 8190 by max_seq_len=8192)"),
     ({"prompt": [1, 2], "best_of": 2}, "best_of", "not supported"),
+    ({"prompt": [1, 2], "logit_bias": {str(t): 1 for t in range(5000)}}, "logit_bias", "not supported"),
     ({"prompt": [1, 2], "presence_penalty": 0.5}, "presence_penalty", "penalties"),
     ({"prompt": [1, 2], "stop": ["a"] * 17}, "stop", "expected at most 16 strings, got a list of 17"),
     ({"prompt": [1, 2], "stop_token_ids": [2] * 5000}, "stop_token_ids",
