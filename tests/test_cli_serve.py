@@ -22,7 +22,7 @@ def test_serve_process_answers_then_stops_cleanly_on_sigterm(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "kvload", "serve", "tiny-llama", "--port", "0", "--max_tokens",
                              "1024", "--event_buffer_max_size", "100", "--kv-events-file", str(events),
                              "--audit-log", str(tmp_path / "audit.jsonl"), "--audit-keep", "1",
-                             "--max-request-bytes", "64KiB"],
+                             "--max-request-bytes", "4KiB"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, cwd=REPO)
     try:
@@ -38,10 +38,11 @@ def test_serve_process_answers_then_stops_cleanly_on_sigterm(tmp_path):
         url = line.split(" at ", 1)[1].split(" ", 1)[0]
         with httpx.Client(base_url=url, timeout=30) as http:
             assert http.get("/health").json() == {"status": "ok"}
-            # a body past --max-request-bytes: 413 naming the flag, before the server reads it
-            r = http.post("/v1/completions", content=b" " * (64 * 1024 + 1),
+            # a body past --max-request-bytes: 413 naming the flag, before the server reads it (small enough that
+            # the server has taken it all off the socket when it closes: no reset racing the answer)
+            r = http.post("/v1/completions", content=b" " * (4 * 1024 + 1),
                           headers={"Content-Type": "application/json"})
-            assert r.status_code == 413 and "at most 65,536 bytes" in r.json()["error"]["message"]
+            assert r.status_code == 413 and "at most 4,096 bytes" in r.json()["error"]["message"]
             assert "--max-request-bytes" in r.json()["error"]["message"]
             r = http.post("/v1/completions", json={"prompt": list(range(1, 41)), "max_tokens": 4, "ignore_eos": True})
             assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 4
