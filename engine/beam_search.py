@@ -84,7 +84,7 @@ def beam_search(executor: Executor, prompts: Any, params: BeamSearchParams, *, m
                               f"model was loaded for; load it with max_beam_width >= {k}")
     items = executor._prompts(prompts, chat=False)
     eos = set() if params.ignore_eos else set(executor.eos_token_ids)
-    step = SamplingParams(max_tokens=1, logprobs=2 * k, ignore_eos=True)
+    step = SamplingParams._beam_step(2 * k)  # the top 2k extend the beams even when an end takes k of them
     # per prompt: live beams (generated ids, cumulative log-probability) and finished hypotheses
     live: list[list[tuple[tuple[int, ...], float]]] = [[((), 0.0)] for _ in items]
     done: list[list[tuple[tuple[int, ...], float, str]]] = [[] for _ in items]

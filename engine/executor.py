@@ -49,7 +49,7 @@ from engine.outputs import (
 )
 from engine.prompts import apply_template, check_messages, check_text, is_conversation, normalize
 from engine.sampling import eos_token_ids, sample_rows, top_logprobs
-from engine.sampling_params import SamplingParams, check, is_int
+from engine.sampling_params import SamplingParams, check, check_salt, is_int
 from engine.stopping import SampleText
 from models.geometry import head_dim as config_head_dim
 from models.geometry import text_config
@@ -225,9 +225,7 @@ class GenerationExecutor:
         queued once its prompt is in the cache and reuse those blocks, so the prompt is computed once.
         """
         self._check_open()
-        check(salt is None or isinstance(salt, str), "salt", "a string or None", salt)
-        if salt is not None:
-            check_text("salt", salt)  # hashed as UTF-8 into every block key
+        check_salt(salt)
         check(isinstance(chat, bool), "chat", "true or false", chat)
         items = self._prompts(prompts, chat)
         per_prompt = isinstance(sampling_params, Sequence)

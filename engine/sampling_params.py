@@ -16,7 +16,16 @@ import attrs
 
 from engine.prompts import check_text, is_token_id
 from pipeline.errors import GenerationError
-from pipeline.limits import MAX_N
+from pipeline.limits import (
+    MAX_INT,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_SALT_CHARS,
+    MAX_STOP,
+    MAX_STOP_CHARS,
+    MAX_STOP_TOKEN_IDS,
+    int_text,
+)
 
 #: Tokens generated per prompt when nothing says otherwise: the Python API and ``kvload generate``
 #: share it (vLLM defaults to 16, TensorRT-LLM to 32; 64 lets a short chat reply finish).
@@ -36,9 +45,60 @@ def is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _shown(value: Any) -> str:
+    """A value for an error message: its repr, but a huge integer or a long list by its size and long text cut
+    (``repr`` of a 5,000-digit int raises; of a million-item list, it is a 5 MB line)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return int_text(value)
+    if isinstance(value, (list, tuple, range)) and len(value) > 8:
+        return f"a list of {len(value):,} items"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def check(ok: bool, name: str, expected: str, value: Any) -> None:
     if not ok:
-        raise GenerationError(f"generate: {name}: expected {expected}, got {value!r}")
+        raise GenerationError(f"generate: {name}: expected {expected}, got {_shown(value)}")
+
+
+def check_stop_sizes(stop: Sequence[str]) -> None:
+    """At most :data:`MAX_STOP` stop strings of at most :data:`MAX_STOP_CHARS` characters (the server's too)."""
+    if len(stop) > MAX_STOP:
+        raise GenerationError(f"generate: stop: expected at most {MAX_STOP} strings, got a list of {len(stop):,}")
+    for i, text in enumerate(stop):
+        if isinstance(text, str) and len(text) > MAX_STOP_CHARS:
+            raise GenerationError(f"generate: stop[{i}]: expected a string of at most {MAX_STOP_CHARS:,} characters, "
+                                  f"got {len(text):,}")
+
+
+def check_stop_token_ids_count(count: int) -> None:
+    """At most :data:`MAX_STOP_TOKEN_IDS` stop token ids (the server's bound too)."""
+    if count > MAX_STOP_TOKEN_IDS:
+        raise GenerationError(f"generate: stop_token_ids: expected at most {MAX_STOP_TOKEN_IDS:,} token ids, got a "
+                              f"list of {count:,}")
+
+
+def check_logprobs(value: Any) -> None:
+    """``logprobs``: None or an integer in [0, :data:`MAX_LOGPROBS`] (the server's bound too)."""
+    check(value is None or (is_int(value) and 0 <= value <= MAX_LOGPROBS), "logprobs",
+          f"an integer in [0, {MAX_LOGPROBS}] (top tokens to report per generated token)", value)
+
+
+def check_salt(salt: Any) -> None:
+    """A prefix-reuse salt: None or valid Unicode text of at most :data:`MAX_SALT_CHARS` characters (the server's
+    bound too); it is hashed into every block key of its request."""
+    check(salt is None or isinstance(salt, str), "salt", "a string or None", salt)
+    if salt is not None:
+        if len(salt) > MAX_SALT_CHARS:
+            raise GenerationError(f"generate: salt: expected a string of at most {MAX_SALT_CHARS:,} characters, got "
+                                  f"{len(salt):,}")
+        check_text("salt", salt)  # hashed as UTF-8 into every block key
+
+
+def _at_most_int64(name: str, value: Any) -> None:
+    """An integer setting past int64 (what torch and the KV budget take), refused by its name (as seed is)."""
+    if is_int(value) and value > MAX_INT:
+        raise GenerationError(f"generate: {name}: expected at most 2**63 - 1, got {int_text(value)}")
 
 
 def _strings(value: Any) -> Any:
@@ -48,6 +108,7 @@ def _strings(value: Any) -> Any:
     if isinstance(value, str):
         return (value,)
     if isinstance(value, Sequence) and not isinstance(value, (bytes, bytearray)):
+        check_stop_sizes(value)  # counted before it is copied
         return tuple(value)
     return value
 
@@ -56,6 +117,7 @@ def _ints(value: Any) -> Any:
     if value is None:
         return ()
     if isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray)):
+        check_stop_token_ids_count(len(value))  # counted before it is copied
         return tuple(value)
     return value
 
@@ -68,10 +130,11 @@ class SamplingParams:
     most likely tokens (0 or -1: all). ``seed``: prompt ``i``'s sample ``j`` draws from a generator
     seeded with ``seed + i * n + j`` (None: a fresh random seed per call). ``stop``: strings that end a
     sample when they appear in its text (not included in ``.text``); ``stop_token_ids``: ids that end
-    it (kept in ``token_ids``, as EOS is). ``n``: samples per prompt (at most ``pipeline.limits.MAX_N``),
+    it (kept in ``token_ids``, as EOS is); at most ``pipeline.limits.MAX_STOP`` strings of ``MAX_STOP_CHARS``
+    characters and ``MAX_STOP_TOKEN_IDS`` ids. ``n``: samples per prompt (at most ``pipeline.limits.MAX_N``),
     sharing the prompt's KV blocks. ``logprobs``: per generated token, the log-probabilities of the
-    ``logprobs`` most likely tokens plus the sampled one (None: none). ``ignore_eos``: keep going past
-    EOS (stop strings/ids still end).
+    ``logprobs`` most likely tokens plus the sampled one (None: none; at most ``MAX_LOGPROBS``).
+    ``ignore_eos``: keep going past EOS (stop strings/ids still end).
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -101,6 +164,7 @@ class SamplingParams:
         # numpy integers (an n or a seed taken from an array) count as integers, stored as Python ints
         max_tokens, top_k, seed, n, logprobs = map(_plain_int, (max_tokens, top_k, seed, n, logprobs))
         check(is_int(max_tokens) and max_tokens >= 1, length_name, "an integer >= 1", max_tokens)
+        _at_most_int64(length_name, max_tokens)
         self.__attrs_init__(max_tokens, temperature, top_p, top_k, seed, _strings(stop), _ints(stop_token_ids), n,
                             logprobs, ignore_eos)
 
@@ -110,18 +174,27 @@ class SamplingParams:
         check(is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]", self.top_p)
         check(is_int(self.top_k) and self.top_k >= -1, "top_k", "an integer >= 1, or 0 / -1 for all tokens",
               self.top_k)
+        _at_most_int64("top_k", self.top_k)
         check(self.seed is None or (is_int(self.seed) and 0 <= self.seed <= 2**63 - 1), "seed",
               "an integer in [0, 2**63 - 1] or None", self.seed)
         check(isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop), "stop",
               "a non-empty string or a list of them", self.stop)
+        check_stop_sizes(self.stop)
         for i, text in enumerate(self.stop):  # decoded text is valid Unicode: a lone surrogate could never match
             check_text(f"stop[{i}]", text)
         check(isinstance(self.stop_token_ids, tuple) and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
               "stop_token_ids", "a list of token ids (integers >= 0)", self.stop_token_ids)
         check(is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"an integer in [1, {MAX_N}]", self.n)
-        check(self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0), "logprobs",
-              "an integer >= 0 (top tokens to report per generated token) or None", self.logprobs)
+        check_logprobs(self.logprobs)
         check(isinstance(self.ignore_eos, bool), "ignore_eos", "true or false", self.ignore_eos)
+
+    @classmethod
+    def _beam_step(cls, alternatives: int) -> SamplingParams:
+        """One greedy token with its ``alternatives`` most likely next tokens: a beam search step, which needs
+        2 x beam_width of them (up to 2 x MAX_N, past the MAX_LOGPROBS a caller may ask for)."""
+        params = cls(max_tokens=1, ignore_eos=True, logprobs=0)
+        object.__setattr__(params, "logprobs", alternatives)  # the one bypass of check_logprobs: not a user's value
+        return params
 
     @property
     def max_new_tokens(self) -> int:
@@ -158,4 +231,5 @@ class SamplingParams:
         return cls(**keywords)
 
 
-__all__ = ["DEFAULT_MAX_TOKENS", "SamplingParams", "check", "is_int", "is_number"]
+__all__ = ["DEFAULT_MAX_TOKENS", "SamplingParams", "check", "check_logprobs", "check_salt", "check_stop_sizes",
+           "check_stop_token_ids_count", "is_int", "is_number"]

@@ -30,7 +30,7 @@ from engine.driver import Driver, StalledError, StepStats
 from engine.executor import GenerationExecutor
 from engine.prompts import apply_template, check_text
 from engine.sampling import sample_rows, top_logprobs
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, check_salt
 from engine.stopping import SampleText
 from pipeline.errors import GenerationError, KvBuildError
 from pipeline.events import RequestFinished
@@ -224,6 +224,7 @@ class ServingEngine:
         """
         if self._stopping:
             raise GenerationError("the engine is shutting down")
+        check_salt(salt)  # as generate's: hashed into every block key, and its length bounded
         request = self.check(prompt_token_ids, params)
         request.salt = salt
         req_id = request.req_id

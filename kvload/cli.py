@@ -19,7 +19,7 @@ import attrs
 
 from pipeline.config import SIZE_HELP, parse_size
 from pipeline.errors import ConfigError, KvloadError, first_line
-from pipeline.limits import MAX_INT, MAX_INT_DIGITS, MAX_N, short_text
+from pipeline.limits import MAX_INT, MAX_INT_DIGITS, MAX_LOGPROBS, MAX_N, short_text
 
 # --- text-layer value parsers (argparse `type=`) ---------------------------------------------
 
@@ -539,8 +539,8 @@ def add_generate_command(sub: Any) -> None:
                                                                 f"an integer in [1, {MAX_N}]"),
                    help=f"samples per prompt (at most {MAX_N}), sharing the prompt's KV blocks (one prefill); "
                         "with --temperature > 0")
-    g.add_argument("--logprobs", default=None, metavar="K", type=_bounded(integer, lambda v: v >= 0,
-                                                                          "an integer >= 0"),
+    g.add_argument("--logprobs", default=None, metavar="K",
+                   type=_bounded(integer, lambda v: 0 <= v <= MAX_LOGPROBS, f"an integer in [0, {MAX_LOGPROBS}]"),
                    help="report the K most likely tokens' log-probabilities per generated token (--json)")
     g.add_argument("--seed", default=None, metavar="S", type=_bounded(integer, lambda v: v >= 0, "an integer >= 0"),
                    help="sampling seed (prompt i's sample j uses S + i*n + j); absent = a fresh random seed")

@@ -22,6 +22,20 @@ MAX_INT_DIGITS = 40
 #: Most samples one prompt may ask for (``n``): each is a request with its own state, so ``n`` is
 #: checked before any is built. OpenAI's API caps ``n`` at 128; the Python API, the CLI and the server share it.
 MAX_N = 128
+#: Most stop strings one request may give, and the longest: a sample's text is searched for each at every
+#: step, over the longest one's length (and a stream holds that much back). OpenAI takes 4 stop strings and
+#: vLLM any number; lists of 5 to 10 are common in evaluation harnesses. The Python API and the server share them.
+MAX_STOP = 16
+MAX_STOP_CHARS = 1024
+#: Most ``stop_token_ids`` one request may give (a set of them is built per sample); enough for every token of a
+#: vocabulary that holds a newline, say. The Python API and the server share it.
+MAX_STOP_TOKEN_IDS = 4096
+#: Most top alternatives per generated token ``logprobs`` may ask for (OpenAI's and vLLM's default limit): each
+#: is kept for every generated token of every sample. The Python API and the server share it.
+MAX_LOGPROBS = 20
+#: Longest prefix-reuse salt (characters): it is hashed into every block key of its request and cached per salt
+#: (1,024 salts at a time), so its size multiplies; a tenant id or a UUID is far shorter.
+MAX_SALT_CHARS = 1024
 
 
 def int_text(value: int) -> str:

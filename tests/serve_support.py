@@ -45,8 +45,9 @@ class Served:
 
 @contextlib.contextmanager
 def serving(model: str = "tiny-llama", *, before: Callable[[Any], Any] | None = None,
-            **load_kwargs: Any) -> Iterator[Served]:
-    """Load ``model`` with weights, run ``before(result)`` (e.g. reference generations), then serve it."""
+            state: dict[str, Any] | None = None, **load_kwargs: Any) -> Iterator[Served]:
+    """Load ``model`` with weights, run ``before(result)`` (e.g. reference generations), then serve it
+    (``state``: keywords of ``build_state``)."""
     from kvload.serve.server import ServerThread, build_state
 
     load_kwargs.setdefault("kv_cache_config", {"max_tokens": 2048})
@@ -54,11 +55,11 @@ def serving(model: str = "tiny-llama", *, before: Callable[[Any], Any] | None = 
     try:
         if before is not None:
             before(result)
-        state = build_state(result)
-        with ServerThread(state) as server, httpx.Client(base_url=server.url, timeout=TIMEOUT) as http:
+        served = build_state(result, **(state or {}))
+        with ServerThread(served) as server, httpx.Client(base_url=server.url, timeout=TIMEOUT) as http:
             client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)
             try:
-                yield Served(result, state, server, client, http)
+                yield Served(result, served, server, client, http)
             finally:
                 client.close()
     finally:

@@ -96,3 +96,11 @@ def test_llm_beam_search_returns_texts_like_vllm(tiny_checkpoints, tmp_path):
         assert len(out.sequences) == 2 and out.sequences[0].token_ids != out.sequences[1].token_ids
         for s in out.sequences:
             assert s.text == " ".join(f"w{t}" for t in s.token_ids)
+
+
+def test_a_width_past_ten_still_gets_its_2k_alternatives_a_step(tiny_checkpoints):
+    """A step asks for 2 x beam_width alternatives: past the MAX_LOGPROBS (20) a caller may ask for, and allowed."""
+    with load_beams(tiny_checkpoints("llama"), width=11) as result:
+        p = prompts_for(result.hf_model.config.vocab_size, lengths=(6,))[0]
+        (out,) = result.executor.beam_search([p], BeamSearchParams(beam_width=11, max_tokens=2, ignore_eos=True))
+        assert [s.token_ids for s in out.sequences] == hf_beams(result.hf_model, p, 11, 2)

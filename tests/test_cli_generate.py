@@ -126,6 +126,11 @@ def test_json_carries_logprobs_stop_token_ids_and_top_k(capsys):
     (("--prompt-ids", "1", "--stop", "x"), "error: generate: stop: stop strings are matched on the text, but "
                                            "tiny-llama has no tokenizer"),
     (("--prompt-ids", "1", "--stop_token_ids", "1,a"), "error: --stop_token_ids: expected token ids"),
+    (("--prompt-ids", "1", "--logprobs", "21"), "error: --logprobs: expected an integer in [0, 20], got '21'"),
+    (("--prompt-ids", "1", *["--stop", "x"] * 17), "error: generate: stop: expected at most 16 strings, got a list "
+                                                  "of 17"),
+    (("--prompt-ids", "1", "--stop_token_ids", ",".join(["2"] * 4097)),
+     "error: generate: stop_token_ids: expected at most 4,096 token ids, got a list of 4,097"),
     (("--prompt-ids", "1", "--max_tokens", "32", "--max_new_tokens", "64"),
      "error: generate: prompt 0: 1 prompt tokens + max_new_tokens 64 need 3 blocks"),
 ])

@@ -21,7 +21,8 @@ def test_serve_process_answers_then_stops_cleanly_on_sigterm(tmp_path):
     events = tmp_path / "kv_events.jsonl"
     proc = subprocess.Popen([sys.executable, "-m", "kvload", "serve", "tiny-llama", "--port", "0", "--max_tokens",
                              "1024", "--event_buffer_max_size", "100", "--kv-events-file", str(events),
-                             "--audit-log", str(tmp_path / "audit.jsonl"), "--audit-keep", "1"],
+                             "--audit-log", str(tmp_path / "audit.jsonl"), "--audit-keep", "1",
+                             "--max-request-bytes", "4KiB"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, cwd=REPO)
     try:
@@ -37,6 +38,12 @@ def test_serve_process_answers_then_stops_cleanly_on_sigterm(tmp_path):
         url = line.split(" at ", 1)[1].split(" ", 1)[0]
         with httpx.Client(base_url=url, timeout=30) as http:
             assert http.get("/health").json() == {"status": "ok"}
+            # a body past --max-request-bytes: 413 naming the flag, before the server reads it (small enough that
+            # the server has taken it all off the socket when it closes: no reset racing the answer)
+            r = http.post("/v1/completions", content=b" " * (4 * 1024 + 1),
+                          headers={"Content-Type": "application/json"})
+            assert r.status_code == 413 and "at most 4,096 bytes" in r.json()["error"]["message"]
+            assert "--max-request-bytes" in r.json()["error"]["message"]
             r = http.post("/v1/completions", json={"prompt": list(range(1, 41)), "max_tokens": 4, "ignore_eos": True})
             assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 4
             written = [json.loads(line) for line in events.read_text().splitlines()]
@@ -115,3 +122,19 @@ def test_an_empty_served_model_name_is_refused_not_replaced_by_the_model(capsys,
     r = run_cli(capsys, "serve", "tiny-llama", "--port", "0", "--served-model-name", name)
     assert r.code == 2 and r.one_error_line, r.err
     assert r.err.startswith("error: --served-model-name: expected a non-empty name"), r.err
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "lots", "1.5", "99999999999999999999999"])
+def test_a_bad_max_request_bytes_exits_2_with_one_line_naming_it(capsys, value):
+    r = run_cli(capsys, "serve", "tiny-llama", "--port", "0", "--max-request-bytes", value)
+    assert r.code == 2 and r.one_error_line, r.err
+    assert r.err.startswith("error: --max-request-bytes: expected a byte count"), r.err
+
+
+def test_max_request_bytes_takes_a_byte_count_or_a_size():
+    from kvload.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["serve", "tiny-llama", "--max-request-bytes", "4096"]).max_request_bytes == 4096
+    assert parse(["serve", "tiny-llama", "--max_request_bytes", "64MiB"]).max_request_bytes == 64 * 2**20
+    assert parse(["serve", "tiny-llama"]).max_request_bytes is None  # derived from max_seq_len by build_state

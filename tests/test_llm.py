@@ -208,10 +208,12 @@ def test_stream_errors_surface_in_the_loop(llm):
     ({"top_k": -2}, "generate: top_k: expected"),
     ({"n": 0}, r"generate: n: expected an integer in \[1, 128\]"),
     ({"n": 100_000}, r"generate: n: expected an integer in \[1, 128\], got 100000"),
-    ({"logprobs": 10_000}, r"generate: logprobs: expected at most the vocabulary size \(512\)"),
+    ({"logprobs": 10_000}, r"generate: logprobs: expected an integer in \[0, 20\]"),
     ({"stop_token_ids": [600]}, r"generate: stop_token_ids: token id 600 is outside the vocabulary"),
     ({"max_tokens": 0}, "generate: max_tokens: expected an integer >= 1"),
     ({"best_of": 2}, "generate: unknown argument 'best_of'"),
+    ({"salt": "s" * 1025}, r"^generate: salt: expected a string of at most 1,024 characters, got 1,025$"),
+    ({"max_tokens": 10**5000}, r"^generate: max_tokens: expected at most 2\*\*63 - 1, got an integer of about 5001"),
 ])
 def test_bad_sampling_settings_name_the_field_and_nothing_runs(llm, kwargs, message):
     before = len(llm.audit.of("generation_started"))

@@ -10,6 +10,7 @@ import pytest
 
 from engine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
 from pipeline.errors import GenerationError
+from pipeline.limits import MAX_LOGPROBS, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS
 
 
 def test_defaults_match_the_cli_and_the_alias_reads_and_writes_max_tokens():
@@ -45,7 +46,8 @@ def test_stop_and_stop_token_ids_take_one_or_many():
     ({"stop_token_ids": [1, -3]}, r"stop_token_ids: expected a list of token ids \(integers >= 0\)"),
     ({"n": 0}, r"n: expected an integer in \[1, 128\], got 0"),
     ({"n": 100_000}, r"n: expected an integer in \[1, 128\], got 100000"),  # refused before a request is built
-    ({"logprobs": -1}, "logprobs: expected an integer >= 0"),
+    ({"logprobs": -1}, r"logprobs: expected an integer in \[0, 20\] \(top tokens to report per generated token\), "
+                       "got -1"),
     ({"ignore_eos": "yes"}, "ignore_eos: expected true or false, got 'yes'"),
 ])
 def test_bad_values_are_one_line_naming_the_field(kwargs, message):
@@ -64,3 +66,40 @@ def test_the_front_door_names_load_lazily_without_torch():
             "kvload.CompletionOutput; assert 'torch' not in sys.modules, 'torch imported'; "
             "assert callable(kvload.LLM)")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# --- sizes: one bound per field, shared with kvload serve ------------------------------------------
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"stop": ["s"] * (MAX_STOP + 1)}, rf"stop: expected at most {MAX_STOP} strings, got a list of {MAX_STOP + 1}"),
+    ({"stop": ["ok", "x" * (MAX_STOP_CHARS + 1)]},
+     rf"stop\[1\]: expected a string of at most {MAX_STOP_CHARS:,} characters, got {MAX_STOP_CHARS + 1:,}"),
+    ({"stop_token_ids": [2] * (MAX_STOP_TOKEN_IDS + 1)},
+     rf"stop_token_ids: expected at most {MAX_STOP_TOKEN_IDS:,} token ids, got a list of {MAX_STOP_TOKEN_IDS + 1:,}"),
+    # counted before it is copied: a ten-million-id range is never turned into a tuple
+    ({"stop_token_ids": range(10**7)}, "stop_token_ids: expected at most .* token ids, got a list of 10,000,000"),
+    ({"logprobs": MAX_LOGPROBS + 1},
+     rf"logprobs: expected an integer in \[0, {MAX_LOGPROBS}\] \(top tokens to report per generated token\), "
+     rf"got {MAX_LOGPROBS + 1}"),
+    # a value too big to print (int() refuses past 4,300 digits) or too long to quote still names its field
+    ({"seed": 10**5000}, r"seed: expected an integer in \[0, 2\*\*63 - 1\] or None, got an integer of about "
+                         r"5001 digits"),
+    ({"max_tokens": -10**5000}, r"max_tokens: expected an integer >= 1, got an integer of about 5001 digits"),
+    ({"n": 10**5000}, r"n: expected an integer in \[1, 128\], got an integer of about 5001 digits"),
+    # past int64 (what torch and the KV budget take): refused by the field, as seed is
+    ({"max_tokens": 2**63}, r"max_tokens: expected at most 2\*\*63 - 1, got 9223372036854775808"),
+    ({"top_k": 10**5000}, r"top_k: expected at most 2\*\*63 - 1, got an integer of about 5001 digits"),
+    ({"stop_token_ids": [-1] * 1000}, r"stop_token_ids: expected a list of token ids \(integers >= 0\), got a list "
+                                      r"of 1,000 items"),
+])
+def test_sizes_past_the_bound_are_one_short_line_naming_the_field(kwargs, message):
+    with pytest.raises(GenerationError, match="^generate: " + message + "$") as info:
+        SamplingParams(**kwargs)
+    assert "\n" not in str(info.value) and len(str(info.value)) < 200
+
+
+def test_every_bound_itself_is_accepted():
+    p = SamplingParams(stop=["s" * MAX_STOP_CHARS] * MAX_STOP, stop_token_ids=range(MAX_STOP_TOKEN_IDS),
+                       logprobs=MAX_LOGPROBS)
+    assert len(p.stop) == MAX_STOP and len(p.stop_token_ids) == MAX_STOP_TOKEN_IDS and p.logprobs == MAX_LOGPROBS

@@ -119,9 +119,14 @@ def test_a_client_that_gives_up_on_a_plain_request_has_it_aborted(served):
     ({"prompt": [1, 2], "max_tokens": 10_000_000}, "max_tokens",
      "max_tokens 10000000 (cut to 8190 by max_seq_len=8192)"),
     ({"prompt": [1, 2], "best_of": 2}, "best_of", "not supported"),
+    ({"prompt": [1, 2], "logit_bias": {str(t): 1 for t in range(5000)}}, "logit_bias", "not supported"),
     ({"prompt": [1, 2], "presence_penalty": 0.5}, "presence_penalty", "penalties"),
-    ({"prompt": [1, 2], "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
+    ({"prompt": [1, 2], "stop": ["a"] * 17}, "stop", "expected at most 16 strings, got a list of 17"),
+    ({"prompt": [1, 2], "stop_token_ids": [2] * 5000}, "stop_token_ids",
+     "expected at most 4,096 token ids, got a list of 5,000"),
     ({"prompt": [1, 2], "logprobs": 99}, "logprobs", "[0, 20]"),
+    ({"prompt": [1, 2], "salt": "s" * 5000}, "salt", "salt: expected a string of at most 1,024 characters, got 5,000"),
+    ({"prompt": [1, 2], "top_k": 2**64}, "top_k", "top_k: expected at most 2**63 - 1"),
     ({"prompt": [1, 2], "seed": 2**64}, "seed", "an integer in [0, 2**63 - 1]"),
     ({"prompt": []}, "prompt", "non-empty"),
     ({"prompt": [[1, 2], "x", [3.5]]}, "prompt[2]", "token ids"),
@@ -169,6 +174,9 @@ def test_other_refusals_and_the_server_keeps_serving(served):
      "key 'content' appears twice"),
     ("/v1/completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None, "nests too deeply"),
     ("/v1/completions", b'{"prompt": ' + b"[" * 40 + b"1" + b"]" * 40 + b"}", None, "at most 32 levels"),
+    # json refuses to read an integer literal past 4,300 digits (a ValueError, not a JSONDecodeError): was a 500
+    ("/v1/completions", b'{"prompt": [1, 2], "max_tokens": ' + b"9" * 5000 + b"}", None,
+     "an integer literal of more than 4300 digits; no field takes one past 2**63 - 1"),
 ])
 def test_bodies_the_tokenizer_or_json_cannot_take_get_400_and_the_server_keeps_serving(served, path, body, param,
                                                                                       words):

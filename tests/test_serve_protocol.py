@@ -6,7 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.sampling_params import SamplingParams
 from kvload.serve.protocol import BadRequest, parse
+from pipeline.errors import GenerationError
+from pipeline.limits import MAX_LOGPROBS, MAX_SALT_CHARS, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=True) | st.text(max_size=8),
@@ -60,3 +63,45 @@ def test_a_message_name_reaches_the_chat_template_as_in_the_python_api():
     """llm.chat passes a message's other keys to the template; the server accepted `name` and dropped it."""
     job = parse({"messages": [{"role": "user", "content": "hi", "name": "ada"}]}, "chat", default_max_tokens=16)
     assert job.prompts == [[{"role": "user", "content": "hi", "name": "ada"}]]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("stop", ["s"] * (MAX_STOP + 1)),
+    ("stop", ["ok", "x" * (MAX_STOP_CHARS + 1)]),
+    ("stop_token_ids", [2] * (MAX_STOP_TOKEN_IDS + 1)),
+    ("logprobs", MAX_LOGPROBS + 1),
+    ("max_tokens", 2**63),
+    ("top_k", 2**63),
+])
+def test_the_server_refuses_a_size_the_python_api_refuses_with_the_same_line(field, value):
+    """One bound per field (``pipeline.limits``) for ``SamplingParams`` and the server, said in the same words."""
+    with pytest.raises(GenerationError) as api:
+        SamplingParams(**{field: value})
+    with pytest.raises(BadRequest) as served:
+        parse({"prompt": [1, 2], field: value}, "completion", default_max_tokens=16)
+    assert served.value.message == str(api.value).removeprefix("generate: ")
+    assert served.value.param == field and served.value.status == 400
+
+
+def test_the_server_takes_every_bound_itself_as_the_python_api_does():
+    body = {"prompt": [1, 2], "stop": ["s" * MAX_STOP_CHARS] * MAX_STOP,
+            "stop_token_ids": list(range(MAX_STOP_TOKEN_IDS)), "logprobs": MAX_LOGPROBS}
+    p = parse(body, "completion", default_max_tokens=16).params
+    assert (len(p.stop), len(p.stop_token_ids), p.logprobs) == (MAX_STOP, MAX_STOP_TOKEN_IDS, MAX_LOGPROBS)
+    chat = {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": MAX_LOGPROBS}
+    assert parse(chat, "chat", default_max_tokens=16).params.logprobs == MAX_LOGPROBS
+
+
+def test_the_server_bounds_a_salt_as_the_python_api_does():
+    """A salt is hashed into every block key of its request and cached per salt: its length is bounded."""
+    from engine.sampling_params import check_salt
+
+    salt = "s" * (MAX_SALT_CHARS + 1)
+    with pytest.raises(GenerationError) as api:
+        check_salt(salt)
+    with pytest.raises(BadRequest) as served:
+        parse({"prompt": [1, 2], "salt": salt}, "completion", default_max_tokens=16)
+    assert served.value.message == str(api.value).removeprefix("generate: ") == (
+        f"salt: expected a string of at most {MAX_SALT_CHARS:,} characters, got {MAX_SALT_CHARS + 1:,}")
+    assert served.value.param == "salt"
+    assert parse({"prompt": [1, 2], "salt": "s" * MAX_SALT_CHARS}, "completion", default_max_tokens=16).salt

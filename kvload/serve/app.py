@@ -3,8 +3,9 @@
 Handlers turn a request body into engine requests (one per prompt and choice), wait on an asyncio
 queue the engine loop feeds, and answer as one JSON document or as server-sent events. A client that
 goes away (a closed stream, or a dropped connection while waiting) has its requests aborted, which
-frees their KV blocks. Every refusal is HTTP 400 with OpenAI's error body naming the field; an error
-inside the engine is 500 for that request only — the server keeps serving.
+frees their KV blocks. Every refusal is HTTP 400 with OpenAI's error body naming the field (a body
+over ``--max-request-bytes`` is 413, refused before it is read); an error inside the engine is 500 for
+that request only — the server keeps serving.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -35,12 +37,13 @@ from pipeline.limits import MAX_DEPTH, json_depth, unique_keys
 
 @attrs.define
 class ServeState:
-    """What the app serves: the loaded result, its engine and metrics, the served model name and defaults."""
+    """What the app serves: the loaded result, its engine and metrics, the served model name, limits and defaults."""
 
     result: Any
     engine: ServingEngine
     metrics: ServeMetrics
     model_name: str
+    max_request_bytes: int  # a larger body is refused unread (413); build_state derives it from max_seq_len
     default_max_tokens: int = 256
     created: int = attrs.Factory(lambda: int(time.time()))
 
@@ -52,7 +55,7 @@ def create_app(state: ServeState) -> FastAPI:
 
     @app.exception_handler(BadRequest)
     async def bad_request(_: Request, exc: BadRequest) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def failure(_: Request, exc: Exception) -> JSONResponse:  # never a dead server over one request
@@ -124,9 +127,29 @@ def create_app(state: ServeState) -> FastAPI:
 CLIENT_CLOSED = 499
 
 
+async def _read_body(request: Request, limit: int) -> bytearray:
+    """The request body, refused with 413 once it is known to pass ``limit`` bytes: by its Content-Length
+    before a byte is read, else (chunked) as soon as what arrived passes it, so no oversized body is held."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:  # the HTTP layer refuses a malformed Content-Length itself
+        raise _too_large(limit, f"Content-Length {int(length):,}")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise _too_large(limit, f"more than {limit:,} bytes sent")
+    return body
+
+
+def _too_large(limit: int, got: str) -> BadRequest:
+    # Connection: close, so the server never reads (or waits for) the rest of the body it refused
+    return BadRequest(f"the request body is too large: at most {limit:,} bytes are accepted (--max-request-bytes "
+                      f"sets it), got {got}", status=413, code="request_too_large", headers={"Connection": "close"})
+
+
 async def _serve(state: ServeState, request: Request, kind: str) -> Response:
     try:
-        raw = await request.body()
+        raw = await _read_body(request, state.max_request_bytes)
     except ClientDisconnect:  # hung up mid-upload: the client's doing, not a server error with a traceback
         return Response(status_code=CLIENT_CLOSED)
     if json_depth(raw) > MAX_DEPTH:  # before parsing: json's decoder recurses once per level
@@ -138,6 +161,9 @@ async def _serve(state: ServeState, request: Request, kind: str) -> Response:
                                                                                    f"{m}; keep one")))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    except ValueError:  # int() refuses a literal past sys.get_int_max_str_digits(): was a 500 with Python's advice
+        raise BadRequest(f"the request body holds an integer literal of more than {sys.get_int_max_str_digits()} "
+                         "digits; no field takes one past 2**63 - 1") from None
     job = parse(body, kind, default_max_tokens=state.default_max_tokens)
     model = body.get("model")
     if model is not None and model != state.model_name:

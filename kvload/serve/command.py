@@ -21,7 +21,8 @@ GET /v1/kvload/audit (the load's audit log as JSON Lines, generation events incl
 GET /v1/kvload/explain?field=NAME (one field's provenance chain), GET /v1/kvload/kv_events.
 
 Sampling defaults follow kvload generate: greedy (temperature 0) unless the request sets a
-temperature; max_tokens defaults to --default-max-tokens. Every request joins one engine loop
+temperature; max_tokens defaults to --default-max-tokens. A request body larger than
+--max-request-bytes is refused with HTTP 413 before it is read. Every request joins one engine loop
 (continuous batching); a client that disconnects has its request aborted and its KV blocks freed.
 
 KV budget: on CPU with neither --max_tokens nor --max_gpu_total_bytes, the pools hold
@@ -65,6 +66,12 @@ def add_serve_command(sub: Any) -> None:
                    help="request-time audit records (request_admitted, request_finished, ...) kept in memory for "
                         "GET /v1/kvload/audit, the newest; the load's are always kept and --audit-log FILE gets "
                         "every record (default %(default)s, a few hundred bytes each)")
+    g.add_argument("--max-request-bytes", "--max_request_bytes", dest="max_request_bytes", default=None,
+                   metavar="BYTES", type=cli._bounded(cli.size, lambda v: v >= 1,
+                                                      "a byte count >= 1 such as 1048576 or 64MiB"),
+                   help="refuse a request body larger than this with HTTP 413, before reading it (default: "
+                        "what 1024 prompts of max_seq_len tokens can take, 16 bytes a token, plus 1 MiB; "
+                        "64MiB = 64*2**20)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -115,7 +122,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                         "is given)")
     with execute(request, load_stages(), subscribers=audit) as result:  # request events reach the audit too
         state = build_state(result, model_name=ns.served_model_name, default_max_tokens=ns.default_max_tokens,
-                            audit_keep=ns.audit_keep)
+                            audit_keep=ns.audit_keep, max_request_bytes=ns.max_request_bytes)
         events_file = None
         if ns.kv_events_file is not None:
             events_file = open(ns.kv_events_file, "a", encoding="utf-8")  # noqa: SIM115 (closed below)

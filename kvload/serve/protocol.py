@@ -13,32 +13,50 @@ from typing import Any
 import attrs
 
 from engine.prompts import ROLES, lone_surrogate
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import (
+    SamplingParams,
+    check_logprobs,
+    check_salt,
+    check_stop_sizes,
+    check_stop_token_ids_count,
+)
 from pipeline.errors import GenerationError
-from pipeline.limits import MAX_INT, MAX_N
+from pipeline.limits import MAX_INT, MAX_LOGPROBS, MAX_N, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS
 
-#: Most stop strings a request may give (OpenAI's limit).
-MAX_STOP = 4
-#: Most alternatives per token ``logprobs`` may ask for (OpenAI's limit for completions).
-MAX_LOGPROBS = 20
 #: Most prompts one completions request may hold: each becomes engine requests checked and queued
 #: before the reply starts, so one body must not keep the server busy for minutes.
 MAX_PROMPTS = 1024
 #: Most choices (prompts x n) one request may ask for, for the same reason.
 MAX_CHOICES = 1024
+#: Bytes of request body a prompt token may take in the default cap on a body: a token id is at most 7
+#: characters and its ", " for vocabularies under a million; text averages under 5 bytes a token in
+#: English and code, and under 12 as JSON escapes (``\\u4e2d``, an emoji's surrogate pair) in any script.
+BODY_BYTES_PER_TOKEN = 16
+#: What the rest of a body may add to its prompts: the other fields, brackets, whitespace.
+BODY_SLACK = 1 << 20
+
+
+def default_max_request_bytes(max_seq_len: int, vocab_size: int) -> int:
+    """The largest body a server with this ``max_seq_len`` accepts by default: :data:`MAX_PROMPTS` prompts of
+    ``max_seq_len`` tokens each, as token ids or as text, plus :data:`BODY_SLACK`. A body that could hold
+    more than any request the server would serve is refused before it is read (``--max-request-bytes``)."""
+    per_token = max(BODY_BYTES_PER_TOKEN, len(str(max(vocab_size - 1, 0))) + 2)
+    return MAX_PROMPTS * max_seq_len * per_token + BODY_SLACK
 
 
 class BadRequest(Exception):
     """A request the server refuses: HTTP ``status`` with OpenAI's error body."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error", code: str | None = None) -> None:
+                 kind: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.status = status
         self.kind = kind
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         """OpenAI's error document."""
@@ -74,6 +92,20 @@ def _is_num(v: Any) -> bool:
 def _need(ok: bool, field: str, expected: str, value: Any) -> None:
     if not ok:
         raise BadRequest(f"{field}: expected {expected}, got {value!r}"[:300], param=field)
+
+
+def _as_api(check: Any, value: Any) -> None:
+    """Run one of ``SamplingParams``' own size checks: the same bound, refused in the same words, naming the field."""
+    try:
+        check(value)
+    except GenerationError as exc:
+        raise _bad(exc) from None
+
+
+def _bad(exc: GenerationError) -> BadRequest:
+    msg = str(exc).removeprefix("generate: ")
+    head = msg.split(":", 1)[0].split("[", 1)[0]
+    return BadRequest(msg, param=head if head.isidentifier() else None)
 
 
 #: Fields both endpoints accept and act on.
@@ -148,20 +180,24 @@ def parse(body: Any, kind: str, *, default_max_tokens: int) -> Job:
         _need(isinstance(stop, list) and all(isinstance(s, str) for s in stop), "stop", "a string or a list of strings",
               stop)
         stops = tuple(stop)
-    _need(len(stops) <= MAX_STOP and all(stops), "stop", f"at most {MAX_STOP} non-empty strings", stop)
+    _need(all(stops), "stop", "non-empty strings", stop)
+    _as_api(check_stop_sizes, stops)  # the Python API's bounds, in its words
     for i, text in enumerate(stops):  # as prompts and salt: a stop string no decoded text could ever contain
         at = lone_surrogate(text)
         if at is not None:
             raise BadRequest(f"stop[{i}]: not valid Unicode text (a lone surrogate at character {at}; text must be "
                              "UTF-8)", param="stop")
     stop_ids = body.get("stop_token_ids") or []
-    _need(isinstance(stop_ids, list) and all(_is_int(t) and t >= 0 for t in stop_ids), "stop_token_ids",
-          "a list of token ids (integers >= 0)", stop_ids)
+    _need(isinstance(stop_ids, list), "stop_token_ids", "a list of token ids (integers >= 0)", stop_ids)
+    _as_api(check_stop_token_ids_count, len(stop_ids))
+    _need(all(_is_int(t) and t >= 0 for t in stop_ids), "stop_token_ids", "a list of token ids (integers >= 0)",
+          stop_ids)
     ignore_eos = body.get("ignore_eos", False)
     _need(isinstance(ignore_eos, bool), "ignore_eos", "true or false", ignore_eos)
     salt = body.get("salt")
     _need(salt is None or (isinstance(salt, str) and lone_surrogate(salt) is None), "salt",
           "a string of valid Unicode text", salt)
+    _as_api(check_salt, salt)  # the Python API's bound on its length, in its words
     logprobs = _logprobs(body, kind)
     echo = body.get("echo", False)
     _need(isinstance(echo, bool), "echo", "true or false", echo)
@@ -172,7 +208,7 @@ def parse(body: Any, kind: str, *, default_max_tokens: int) -> Job:
                                 temperature=float(temperature), top_p=float(top_p), top_k=top_k, seed=seed,
                                 stop=stops, stop_token_ids=stop_ids, logprobs=logprobs, ignore_eos=ignore_eos)
     except GenerationError as exc:  # the API's own checks, should the two ever disagree
-        raise BadRequest(str(exc).removeprefix("generate: ")) from None
+        raise _bad(exc) from None
     return Job(kind=kind, prompts=prompts, params=params, n=n, stream=stream, include_usage=include_usage,
                stop=stops, stop_token_ids=tuple(stop_ids), logprobs=logprobs, echo=echo, salt=salt,
                max_tokens_given=given)
@@ -238,7 +274,7 @@ def _logprobs(body: dict[str, Any], kind: str) -> int | None:
     if kind == "completion":
         if value is None:
             return None
-        _need(_is_int(value) and 0 <= value <= MAX_LOGPROBS, "logprobs", f"an integer in [0, {MAX_LOGPROBS}]", value)
+        _as_api(check_logprobs, value)
         return value
     top = body.get("top_logprobs")
     _need(value is None or isinstance(value, bool), "logprobs", "true or false", value)
@@ -249,4 +285,5 @@ def _logprobs(body: dict[str, Any], kind: str) -> int | None:
     return (top or 0) if value else None
 
 
-__all__ = ["MAX_CHOICES", "MAX_LOGPROBS", "MAX_N", "MAX_PROMPTS", "MAX_STOP", "BadRequest", "Job", "parse"]
+__all__ = ["BODY_BYTES_PER_TOKEN", "BODY_SLACK", "MAX_CHOICES", "MAX_LOGPROBS", "MAX_N", "MAX_PROMPTS", "MAX_STOP",
+           "MAX_STOP_CHARS", "MAX_STOP_TOKEN_IDS", "BadRequest", "Job", "default_max_request_bytes", "parse"]

@@ -19,22 +19,32 @@ from engine.serving import ServingEngine
 from kvload.serve.app import ServeState, create_app
 from kvload.serve.command import AUDIT_KEEP_DEFAULT
 from kvload.serve.metrics import ServeMetrics
+from kvload.serve.protocol import default_max_request_bytes
 from pipeline.errors import ConfigError
+from pipeline.limits import MAX_INT, short
 
 
 def build_state(result: Any, *, model_name: str | None = None, default_max_tokens: int = 256,
-                audit_keep: int = AUDIT_KEEP_DEFAULT) -> ServeState:
+                audit_keep: int = AUDIT_KEEP_DEFAULT, max_request_bytes: int | None = None) -> ServeState:
     """Engine (not started) and metrics over a ``load(..., load_weights=True)`` result; from now on its audit log
-    keeps the load's records and the newest ``audit_keep`` (``/v1/kvload/audit`` serves them)."""
+    keeps the load's records and the newest ``audit_keep`` (``/v1/kvload/audit`` serves them). A request body
+    over ``max_request_bytes`` is refused unread (None: :func:`default_max_request_bytes` of the model)."""
     if model_name is not None and not (isinstance(model_name, str) and model_name.strip()):
         raise ConfigError(f"model_name: expected a non-empty name (or None: the model's own), got {model_name!r}")
+    if max_request_bytes is not None and not (isinstance(max_request_bytes, int)
+                                              and not isinstance(max_request_bytes, bool)
+                                              and 1 <= max_request_bytes <= MAX_INT):
+        raise ConfigError(f"max_request_bytes: expected an integer >= 1 (bytes), or None for the default derived "
+                          f"from max_seq_len, got {short(max_request_bytes)}")
     result.audit.keep_tail(audit_keep)
     name = model_name or (result.model.name if result.model is not None else str(result.args.model))
     metrics = ServeMetrics(name)
     engine = ServingEngine.from_result(result, observer=metrics)
     metrics.attach(engine)
+    if max_request_bytes is None:
+        max_request_bytes = default_max_request_bytes(engine.executor.max_seq_len, engine.executor.vocab_size)
     return ServeState(result=result, engine=engine, metrics=metrics, model_name=name,
-                      default_max_tokens=default_max_tokens)
+                      max_request_bytes=max_request_bytes, default_max_tokens=default_max_tokens)
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -1,0 +1,127 @@
+"""``kvload serve`` against oversized input, over real sockets: a body past ``--max-request-bytes`` is a 413
+refused before it is read (by its Content-Length, or as soon as a chunked one passes the cap), a body at the
+cap is served, and the server keeps serving afterwards.
+
+A refused body is never sent (or never finished) here: the server answering anyway is the proof that it did
+not wait to read, let alone hold, the body it refused.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from tests.serve_support import TIMEOUT, serving
+
+CAP = 4096
+PROMPT = [1, 2, 3, 4, 5]
+
+
+@pytest.fixture(scope="module")
+def served():
+    with serving("tiny-llama", state={"max_request_bytes": CAP}) as s:
+        yield s
+
+
+def _raw(served, head: bytes, *body: bytes) -> tuple[int, dict[str, str], bytes]:
+    """Send ``head`` and ``body`` on a fresh connection, read until the server closes it: status, headers, body.
+
+    One write, under uvicorn's 64 KiB read-ahead: the server has taken every byte off the socket when it answers
+    and closes, so its close is a FIN, never a reset racing the answer (bytes arriving after a refusal would be).
+    """
+    with socket.create_connection(("127.0.0.1", served.server.port), timeout=TIMEOUT) as sock:
+        sock.sendall(head + b"".join(body))
+        data = b""
+        while chunk := sock.recv(65536):  # a server waiting for the rest of the body times this out: no hang
+            data += chunk
+    head_text, _, payload = data.partition(b"\r\n\r\n")
+    status_line, *lines = head_text.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines)}
+    return int(status_line.split()[1]), headers, payload
+
+
+def _post_head(extra: str) -> bytes:
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n{extra}\r\n"
+            .encode())
+
+
+def _assert_too_large(status, headers, payload, got: str) -> None:
+    assert status == 413, payload
+    assert headers["connection"] == "close"  # the rest of the body is never read
+    error = json.loads(payload)["error"]
+    assert error == {"message": f"the request body is too large: at most {CAP:,} bytes are accepted "
+                                f"(--max-request-bytes sets it), got {got}",
+                     "type": "invalid_request_error", "param": None, "code": "request_too_large"}
+
+
+def _served_normally(served) -> None:
+    assert served.http.get("/health").json() == {"status": "ok"}
+    r = served.http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "ignore_eos": True})
+    assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 3
+
+
+@pytest.mark.parametrize("length", [CAP + 1, 90 * 2**20, 10**15])
+def test_a_body_announced_past_the_cap_is_refused_before_a_byte_of_it_is_sent(served, length):
+    _assert_too_large(*_raw(served, _post_head(f"Content-Length: {length}\r\n")), f"Content-Length {length:,}")
+    _served_normally(served)
+
+
+def test_a_chunked_body_is_refused_once_it_passes_the_cap_without_waiting_for_its_end(served):
+    chunk = b'{"prompt": [' + b"1, " * 600  # never finished: no closing bracket, no last (empty) chunk
+    framed = b"%x\r\n%s\r\n" % (len(chunk), chunk)
+    assert 2 * len(chunk) <= CAP < 3 * len(chunk)
+    _assert_too_large(*_raw(served, _post_head("Transfer-Encoding: chunked\r\n"), framed, framed, framed),
+                      f"more than {CAP:,} bytes sent")
+    _served_normally(served)
+
+
+def _padded(size: int) -> bytes:
+    """A good completion request of exactly ``size`` bytes (JSON whitespace makes up the rest)."""
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 2, "ignore_eos": True}).encode()
+    return body[:-1] + b" " * (size - len(body)) + b"}"
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_body_at_the_cap_is_served_and_one_byte_more_is_not(served, chunked):
+    for size, status in ((CAP, 200), (CAP + 1, 413)):
+        body = _padded(size)
+        assert len(body) == size
+        if chunked:
+            half = size // 2
+            parts = [b"%x\r\n%s\r\n" % (len(p), p) for p in (body[:half], body[half:])] + [b"0\r\n\r\n"]
+            got = _raw(served, _post_head("Transfer-Encoding: chunked\r\nConnection: close\r\n"), *parts)
+        else:
+            got = _raw(served, _post_head(f"Content-Length: {size}\r\nConnection: close\r\n"), body)
+        assert got[0] == status, got
+        if status == 200:
+            assert len(json.loads(got[2])["choices"][0]["token_ids"]) == 2
+    _served_normally(served)
+
+
+def test_the_default_cap_takes_the_largest_request_of_token_ids_the_model_serves(served):
+    """1024 prompts (MAX_PROMPTS) of max_seq_len - 1 token ids, each the widest id, as json.dumps writes them."""
+    from kvload.serve.protocol import MAX_PROMPTS, default_max_request_bytes
+    from kvload.serve.server import build_state
+
+    ex = served.state.engine.executor
+    cap = default_max_request_bytes(ex.max_seq_len, ex.vocab_size)
+    prompt = json.dumps([ex.vocab_size - 1] * (ex.max_seq_len - 1))
+    largest = len('{"model": "tiny-llama", "prompt": []}') + MAX_PROMPTS * (len(prompt) + 2)
+    assert largest <= cap < 4 * largest  # room for text prompts (16 bytes a token), not an unbounded read
+    other = build_state(served.result)
+    try:
+        assert other.max_request_bytes == cap
+    finally:
+        other.engine.stop()
+
+
+@pytest.mark.parametrize("value", [0, -1, True, 2.5, "64MiB", 2**63])
+def test_build_state_refuses_a_cap_that_is_not_a_positive_byte_count(served, value):
+    from kvload.serve.server import build_state
+    from pipeline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^max_request_bytes: expected an integer >= 1 \(bytes\)") as info:
+        build_state(served.result, max_request_bytes=value)
+    assert "\n" not in str(info.value)
