@@ -1304,6 +1304,8 @@ class KVCacheManagerV2:
                     owner[b] = prefix  # type: ignore[call-overload]
                     pos[b] = i
                     held[i] += 1
+        if not any(held):  # every full block left a window and was freed (scratch reuse off): nothing cached
+            self._tree.drop_pending(prefix)
 
     def _grow(self, prefix: PendingPrefix, n: int) -> None:
         """Give a pending prefix ``n`` positions (empty ones appended)."""

@@ -321,7 +321,8 @@ class RadixTree:
             if run.parent is not None:
                 if not run.users and not run.children and not run.held[-1]:
                     self.trim(run)
-            elif type(run) is PendingPrefix and run.cache is None and not run.held[0] and not any(run.held):
+            elif type(run) is PendingPrefix and run.cache is None and not run.held[0] and not any(run.held) \
+                    and self.pending_prefix(run.salt, run.first) is run:  # (listed again if its blocks interleave)
                 self.drop_pending(run)  # a released request's pending prefix with nothing left
             # (else a run a trim above unhooked, or a running request's pending prefix: nothing to do)
 
