@@ -505,7 +505,9 @@ def test_stats_add_up():
     assert stats.kind == "v2" and 0 < stats.usage < 1
     assert all(g.total == 48 for g in stats.groups.values()) and blocks_add_up(stats, shared=True)
     assert stats.groups["full"].used == 4 and stats.groups["sliding_w8.1"].used == 3  # block 0 left
-    assert stats.reuse.enabled and stats.reuse.radix_nodes == 3
+    assert stats.reuse.enabled and stats.reuse.radix_nodes == 0  # keyed lazily: no other prompt starts like it
+    m.key_pending()
+    assert m.stats().reuse.radix_nodes == 3
     assert {"suspends", "resumes", "preemptions", "reuse_hit_tokens"} <= set(attrs.fields_dict(ManagerStats))
 
 

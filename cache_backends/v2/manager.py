@@ -23,9 +23,9 @@ How the pieces fit (TensorRT-LLM's V2 ideas, this project's code):
   something reports them (KV cache events). The tree keeps one node per unbranched *run* of blocks (path
   compression): a cache's path ends at the end of ``cache.last``, keying appends to that run while the cache is
   its only user, and a match or branch that ends inside a run splits it; a pool's ``node[b]`` / ``pos[b]`` name
-  the run and block position holding ``b``. **Lazy keying**: where a request's blocks do not change while it
-  runs (no window, no multi-block span, no shared arena, no KV events), a request whose first token starts no
-  cached prefix is only noted as pending; its blocks stay cached under the note when it lets go, and the first
+  the run and block position holding ``b``. **Lazy keying**: where every group's block spans one token block and no
+  KV events are recorded, a request whose first token starts no cached prefix is only noted as pending; the
+  blocks its windows let go and, when it lets go, its full committed blocks stay cached under the note, and the first
   admission with that first token hangs it in the tree before looking up
   (:class:`~cache_backends.v2.radix.PendingPrefix`; a user sees what keying every block at once gives).
   A new request walks it over its
@@ -175,8 +175,7 @@ class KVCacheManagerV2:
             self.partial_off_reason = partial_reuse_off_reason(self.layout)
         self._partial = self.partial_off_reason is None
         # lazy keying (cache_backends.v2.radix): where a request's blocks stay as they are until it lets go of them
-        self._lazy = (self._reuse and not self._sliding and not self.layout.shared
-                      and all(g.tokens_per_block == self.T for g in self.groups))
+        self._lazy = self._reuse and all(g.tokens_per_block == self.T for g in self.groups)
         self._tree = self._new_tree()
         self.host: HostTier | None = None
         slots = host_slots(pools, options.host_cache_size)
@@ -879,11 +878,14 @@ class KVCacheManagerV2:
                         or (salt, first) in self._tree.latent:
                     problems.append(f"{where}: not noted under its own first token, or a run or a cache without "
                                     "blocks in the tree starts with it too")
-                if prefix.cache is not None:
-                    if prefix.cache.pending is not prefix or prefix.held or prefix.blocks \
-                            or self._caches.get(prefix.request) is not prefix.cache:  # type: ignore[call-overload]
-                        problems.append(f"{where}: a running request's note that holds blocks or lost its cache")
-                    continue
+                running = prefix.cache
+                if running is not None and (
+                        running.pending is not prefix or self._caches.get(prefix.request) is not running
+                        or len(prefix.held) > running.committed // self.T
+                        or any(running.tables[name][j] >= 0 for name, blocks in prefix.blocks.items()
+                               for j, b in enumerate(blocks) if b >= 0)):
+                    problems.append(f"{where}: a running request's note lost its cache, or holds a block the "
+                                    "request still has or beyond its full committed blocks")
                 held = [0] * len(prefix.held)
                 for name, blocks in prefix.blocks.items():
                     pool = self._pool[name]
@@ -895,7 +897,7 @@ class KVCacheManagerV2:
                             held[i] += 1
                             if pool.node[b] is not prefix or pool.pos[b] != i or pool.ref[b]:
                                 problems.append(f"{where} holds block {b} of {name} at {i} that is not its cached one")
-                if held != prefix.held or not any(held):
+                if held != prefix.held or (running is None and not any(held)):
                     problems.append(f"{where}: held counts {prefix.held}, recomputed {held}")
         return problems
 
@@ -1003,6 +1005,9 @@ class KVCacheManagerV2:
                 lo = released[first]
                 if upto <= lo:  # the common case: nothing left this window
                     continue
+                if cache.pending is not None:
+                    for _, name in shares:
+                        self._park_window(cache.pending, name, tables[name], lo, upto)
                 self._arena.release_slices([(i, tables[name]) for i, name in shares], lo, upto, priority)
                 for _, name in shares:
                     released[name] = upto
@@ -1016,6 +1021,8 @@ class KVCacheManagerV2:
                 continue
             for name, pool in members:
                 table = tables[name]
+                if cache.pending is not None and keep_cached:
+                    self._park_window(cache.pending, name, table, released[name], upto)
                 for j in range(released[name], upto):
                     if table[j] >= 0:
                         pool.decref(table[j], priority, keep_cached, self._detach)
@@ -1231,7 +1238,15 @@ class KVCacheManagerV2:
             cache.key_at = T
             if cache.committed >= T:
                 self._key_full_blocks(cache)
-            else:
+                if prefix.held:  # blocks that left its window: at their positions on its path
+                    for name, _, owner, _ in self._attach_steps:
+                        for j, b in enumerate(prefix.blocks[name]):
+                            if b >= 0:
+                                run, i = tree.position(cache.last, j)  # type: ignore[arg-type]
+                                run.blocks[name][i] = b
+                                run.held[i] += 1
+                                owner[b] = run
+            else:  # (nothing left a window: only full committed blocks do)
                 self._add_latent(cache, prefix.first)
             return
         held = prefix.held
@@ -1277,13 +1292,47 @@ class KVCacheManagerV2:
             self._tree.drop_pending(prefix)
             return
         prefix.cache = None
-        blocks = prefix.blocks
+        if len(prefix.held) < n:
+            self._grow(prefix, n)
+        held, tables = prefix.held, cache.tables
         for name, _, owner, pos in self._attach_steps:
-            got = blocks[name] = cache.tables[name][:n]
-            for i, b in enumerate(got):
+            dst, table = prefix.blocks[name], tables[name]
+            for i in range(n):
+                b = table[i]
+                if b >= 0:  # (-1: a window let it go, parked then or freed with scratch reuse off)
+                    dst[i] = b
+                    owner[b] = prefix  # type: ignore[call-overload]
+                    pos[b] = i
+                    held[i] += 1
+        if not any(held):  # every full block left a window and was freed (scratch reuse off): nothing cached
+            self._tree.drop_pending(prefix)
+
+    def _grow(self, prefix: PendingPrefix, n: int) -> None:
+        """Give a pending prefix ``n`` positions (empty ones appended)."""
+        k = n - len(prefix.held)
+        prefix.held += [0] * k
+        empty = [-1] * k
+        blocks = prefix.blocks
+        for name, _, _, _ in self._attach_steps:
+            got = blocks.get(name)
+            if got is None:
+                blocks[name] = got = []
+            got += empty
+
+    def _park_window(self, prefix: PendingPrefix, name: str, table: list[int], lo: int, hi: int) -> None:
+        """Blocks ``lo..hi-1`` of a lazily keyed running cache leave ``name``'s window: they stay cached under its
+        pending prefix (as, keyed, they would stay in the tree)."""
+        if len(prefix.held) < hi:
+            self._grow(prefix, hi)
+        pool = self._pool[name]
+        owner, pos, dst, held = pool.node, pool.pos, prefix.blocks[name], prefix.held
+        for j in range(lo, hi):
+            b = table[j]
+            if b >= 0:
+                dst[j] = b
                 owner[b] = prefix  # type: ignore[call-overload]
-                pos[b] = i
-        prefix.held = [len(self.groups)] * n
+                pos[b] = j
+                held[j] += 1
 
     def _activate(self, cache: SequenceCache, m: int) -> None:
         """Admission's end: ``m`` tokens are cached; the cache becomes active and its window is released."""

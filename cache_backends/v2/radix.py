@@ -46,12 +46,12 @@ it all along would have (:meth:`KVCacheManagerV2._materialize`), before it looks
   starts with one. An admission with that first token hangs the pending prefix first, and only a cheap miss with
   no such cache notes a new one; so a pending prefix is the only thing with its first token, and hanging it late
   leaves the tree as keying it all along would have.
-* A pending prefix of a running request owns no block (``cache`` is the request's cache). One of a request that let
-  go owns its full committed blocks: ``blocks[g][i] == b >= 0`` if and only if the pool's ``node[b]`` is the
-  pending prefix and ``pos[b] == i``; ``held[i]`` counts them. It leaves ``pending`` when its last block is evicted.
-* Lazy keying is used only where a request's blocks never change before it lets go of them: no sliding window
-  (which releases blocks while the request runs), no block spanning several token blocks, no shared arena, and no
-  KV cache events (which report blocks as they are stored).
+* A pending prefix owns the cached blocks keying would have left in the tree: a running request's (``cache`` is
+  its cache) the blocks its windows let go, one of a request that let go also its full committed blocks.
+  ``blocks[g][i] == b >= 0`` if and only if the pool's ``node[b]`` is the pending prefix and ``pos[b] == i``;
+  ``held[i]`` counts them. A released request's leaves ``pending`` when its last block is evicted.
+* Lazy keying is used where every group's block spans one token block (DeepSeek V4's compressed groups key
+  eagerly) and no KV cache events are recorded (they report blocks as they are stored).
 """
 
 from __future__ import annotations
@@ -321,9 +321,10 @@ class RadixTree:
             if run.parent is not None:
                 if not run.users and not run.children and not run.held[-1]:
                     self.trim(run)
-            elif type(run) is PendingPrefix and not run.held[0] and not any(run.held):  # nothing of it left
-                self.drop_pending(run)
-            # (else a run a trim above unhooked: emptied, nothing left to do)
+            elif type(run) is PendingPrefix and run.cache is None and not run.held[0] and not any(run.held) \
+                    and self.pending_prefix(run.salt, run.first) is run:  # (listed again if its blocks interleave)
+                self.drop_pending(run)  # a released request's pending prefix with nothing left
+            # (else a run a trim above unhooked, or a running request's pending prefix: nothing to do)
 
     def trim(self, run: RadixNode) -> None:
         """Drop ``run``'s tail positions that hold no block (it has no user and no child); emptied, unhook it and
