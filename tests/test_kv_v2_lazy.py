@@ -152,27 +152,24 @@ def test_a_suspended_request_takes_its_unevicted_blocks_back_as_when_keyed_at_on
     m.check_invariants()
 
 
-def test_one_eviction_pass_over_interleaved_pending_prefixes_drops_each_once():
-    # Two lazily keyed requests whose windows let blocks go in turn: their cached blocks interleave in the eviction
-    # queue, so one allocation that evicts them all meets each pending prefix several times (a KeyError once).
-    m = make_manager([LayerKV(0, "sliding", 2, window=4)], 10, T=T, max_seq_len=MAX_SEQ)
-    a, b = Request("a", [1, 0, 0], 0), Request("b", [2, 0, 0], 0)
-    for r in (a, b):
+
+def test_a_pending_prefix_keeps_the_tokens_its_blocks_hold_when_the_caller_reuses_its_lists():
+    hits = []
+    for lazy in (True, False):
+        m = _manager(lazy, host=False)
+        prompt = [7, 1, 2, 3, 4, 5, 6, 8, 9]
+        r = Request("r", prompt, 0)
         m.create(r)
         m.resume(r)
-    for _ in range(4):  # each grows a block at a time, taking turns: A0, B0, A1, B1, ... leave the window in turn
-        for r in (a, b):
-            r.output_token_ids.extend([0] * (4 - (r.num_tokens - m.cache(r).committed)))
-            n = r.num_tokens - m.cache(r).committed
-            assert m.allocate(r, n)
-            m.commit(r, n)
-    assert all(m.cache(r).pending is not None and m.cache(r).pending.held for r in (a, b))
-    m.free(a)
-    m.free(b)
-    m.check_invariants()
-    big = Request("big", [3] * 40, 0)  # needs every block: evicts all of both prefixes in one pass
-    m.create(big)
-    m.resume(big)
-    assert m.allocate(big, 40)
-    assert not m._tree.pending.get(None, {}).keys() - {big.prompt_token_ids[0].to_bytes(8, "little")}
-    m.check_invariants()
+        assert m.allocate(r, 9)
+        m.commit(r, 9)
+        m.free(r)
+        prompt[1:] = [0] * 8  # the caller reuses its list: the cached blocks still hold 7, 1, 2, ...
+        assert r.all_token_ids[:2] == [7, 0]
+        again = Request("again", [7, 0, 0, 0, 0, 0, 0, 0, 0, 0], 0)
+        m.create(again)
+        m.resume(again)
+        hits.append(again.num_computed_tokens)
+        assert not m.cache(again).partial_hit or again.num_computed_tokens == 1  # [7] of the cached [7, 1, ...]
+        m.check_invariants()
+    assert hits[0] == hits[1] and hits[0] < 8

@@ -1255,7 +1255,7 @@ class KVCacheManagerV2:
             n -= 1
         if not n:
             return
-        run, segs = tree.extend(None, prefix.salt, pack_tokens(_tokens(prefix.request, 0, n * T)), T)  # type: ignore[arg-type]
+        run, segs = tree.extend(None, prefix.salt, pack_tokens(prefix.tokens[:n * T]), T)  # type: ignore[index]
         assert segs == [(run, 0, n)], "a pending prefix's first token starts no run"
         counts = run.held
         for name, _, owner, _ in self._attach_steps:
@@ -1292,6 +1292,9 @@ class KVCacheManagerV2:
             self._tree.drop_pending(prefix)
             return
         prefix.cache = None
+        # its tokens now, not the request: a caller may reuse the request's lists, and its blocks may outlive it
+        prefix.tokens = _tokens(cache.request, 0, n * self.T)
+        prefix.request = None
         if len(prefix.held) < n:
             self._grow(prefix, n)
         held, tables = prefix.held, cache.tables
