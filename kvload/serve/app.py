@@ -4,8 +4,9 @@ Handlers turn a request body into engine requests (one per prompt and choice), w
 queue the engine loop feeds, and answer as one JSON document or as server-sent events. A client that
 goes away (a closed stream, or a dropped connection while waiting) has its requests aborted, which
 frees their KV blocks. Every refusal is HTTP 400 with OpenAI's error body naming the field (a body
-over ``--max-request-bytes`` is 413, refused before it is read); an error inside the engine is 500 for
-that request only — the server keeps serving.
+over ``--max-request-bytes`` is 413, refused before it is read; one not all in within
+``--request-read-timeout`` is 408); an error inside the engine is 500 for that request only — the
+server keeps serving.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from starlette.requests import ClientDisconnect
 
 from engine.serving import ServeEvent, ServingEngine
 from engine.stopping import SampleText
+from kvload.serve.command import READ_TIMEOUT_DEFAULT
 from kvload.serve.metrics import ServeMetrics
 from kvload.serve.protocol import BadRequest, Job, parse
 from pipeline.audit import dropped_record
@@ -45,6 +47,7 @@ class ServeState:
     model_name: str
     max_request_bytes: int  # a larger body is refused unread (413); build_state derives it from max_seq_len
     default_max_tokens: int = 256
+    read_timeout_s: float = READ_TIMEOUT_DEFAULT  # a body not all in by then is a 408 (the head: server._Deadlines)
     created: int = attrs.Factory(lambda: int(time.time()))
 
 
@@ -127,17 +130,26 @@ def create_app(state: ServeState) -> FastAPI:
 CLIENT_CLOSED = 499
 
 
-async def _read_body(request: Request, limit: int) -> bytearray:
+async def _read_body(request: Request, limit: int, timeout: float) -> bytearray:
     """The request body, refused with 413 once it is known to pass ``limit`` bytes: by its Content-Length
-    before a byte is read, else (chunked) as soon as what arrived passes it, so no oversized body is held."""
+    before a byte is read, else (chunked) as soon as what arrived passes it, so no oversized body is held.
+    Refused with 408 when it has not all arrived ``timeout`` seconds after the handler began reading: a client
+    that stops sending, or trickles, would otherwise hold the connection and the handler forever."""
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:  # the HTTP layer refuses a malformed Content-Length itself
         raise _too_large(limit, f"Content-Length {int(length):,}")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise _too_large(limit, f"more than {limit:,} bytes sent")
+    try:
+        async with asyncio.timeout(timeout):  # the whole body, not each read: a trickle gets no more time
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise _too_large(limit, f"more than {limit:,} bytes sent")
+    except TimeoutError:
+        expected = f"of {int(length):,}" if length.isdigit() else "of a chunked body"
+        raise BadRequest(f"the request body did not arrive in time: {len(body):,} bytes {expected} came within "
+                         f"{timeout:g} s (--request-read-timeout sets it)", status=408, code="request_timeout",
+                         headers={"Connection": "close"}) from None
     return body
 
 
@@ -149,7 +161,7 @@ def _too_large(limit: int, got: str) -> BadRequest:
 
 async def _serve(state: ServeState, request: Request, kind: str) -> Response:
     try:
-        raw = await _read_body(request, state.max_request_bytes)
+        raw = await _read_body(request, state.max_request_bytes, state.read_timeout_s)
     except ClientDisconnect:  # hung up mid-upload: the client's doing, not a server error with a traceback
         return Response(status_code=CLIENT_CLOSED)
     if json_depth(raw) > MAX_DEPTH:  # before parsing: json's decoder recurses once per level
