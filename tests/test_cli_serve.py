@@ -161,3 +161,18 @@ def test_request_read_timeout_takes_seconds():
     parse = build_parser().parse_args
     assert parse(["serve", "tiny-llama"]).request_read_timeout == 30.0
     assert parse(["serve", "tiny-llama", "--request_read_timeout", "2.5"]).request_read_timeout == 2.5
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "1.5", "many"])
+def test_a_bad_max_concurrent_requests_exits_2_with_one_line_naming_it(capsys, value):
+    r = run_cli(capsys, "serve", "tiny-llama", "--port", "0", "--max-concurrent-requests", value)
+    assert r.code == 2 and r.one_error_line, r.err
+    assert r.err.startswith("error: --max-concurrent-requests: expected an integer"), r.err
+
+
+def test_max_concurrent_requests_defaults_to_256():
+    from kvload.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["serve", "tiny-llama"]).max_concurrent_requests == 256
+    assert parse(["serve", "tiny-llama", "--max_concurrent_requests", "1"]).max_concurrent_requests == 1

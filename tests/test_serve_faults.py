@@ -16,7 +16,7 @@ import socket
 import httpx
 import pytest
 
-from tests.serve_support import TIMEOUT, serving
+from tests.serve_support import TIMEOUT, serving, wait_for
 
 READ_TIMEOUT = 1.0
 PROMPT = [1, 2, 3, 4, 5]
@@ -154,4 +154,84 @@ def test_build_state_refuses_a_read_timeout_that_is_not_positive_seconds(served,
 
     with pytest.raises(ConfigError, match=r"^read_timeout_s: expected seconds in \(0, 86400\]") as info:
         build_state(served.result, read_timeout_s=value)
+    assert "\n" not in str(info.value)
+
+
+# --- --max-concurrent-requests -------------------------------------------------------------------------------
+
+LIMIT = 2
+
+
+@pytest.fixture(scope="module")
+def limited():
+    # room for one long stream (8,192 tokens of KV); the default read timeout, so a held body stays held
+    with serving("tiny-llama", state={"max_concurrent_requests": LIMIT},
+                 kv_cache_config={"max_tokens": 8192}) as s:
+        yield s
+
+
+def _in_flight(served, n: int) -> None:
+    wait_for(lambda: served.state.in_flight == n, what=f"{n} requests in flight")
+
+
+def _held(served) -> socket.socket:
+    """A completion request whose body never finishes: in flight until the socket closes."""
+    sock = _connect(served)
+    sock.sendall(_post_head("Content-Length: 100\r\n") + b'{"prompt": [1, ')
+    return sock
+
+
+def _assert_busy(served) -> None:
+    with httpx.Client(base_url=served.url, timeout=TIMEOUT) as http:
+        r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json() == {"error": {"message": "the server is busy: 2 completion requests are already in flight, "
+                                                 "the most it takes at once (--max-concurrent-requests sets it); "
+                                                 "retry later",
+                                      "type": "server_error", "param": None, "code": "server_busy"}}
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 503
+        # what a load balancer and a scraper ask keeps answering (uvicorn's limit_concurrency would 503 them)
+        assert http.get("/health").json() == {"status": "ok"}
+        assert "kvload_generation_tokens_total" in http.get("/metrics").text
+
+
+def test_past_the_limit_a_request_is_a_503_and_a_freed_slot_is_used_again(limited):
+    first, second = _held(limited), _held(limited)
+    try:
+        _in_flight(limited, 2)
+        _assert_busy(limited)
+    finally:
+        first.close()
+        second.close()
+    _in_flight(limited, 0)  # a client that hung up mid-body frees its slot
+    _served_normally(limited)
+
+
+def test_a_stream_holds_its_slot_until_its_client_hangs_up(limited):
+    body = {"prompt": [3, 1, 4, 1, 5], "max_tokens": 8000, "ignore_eos": True, "stream": True}
+    held = _held(limited)
+    _in_flight(limited, 1)
+    try:
+        with httpx.Client(base_url=limited.url, timeout=TIMEOUT) as http, \
+                http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()  # kept: a dropped iterator closes the response when collected
+            next(lines)  # streaming: in flight until it ends or its client leaves
+            _in_flight(limited, 2)
+            _assert_busy(limited)
+        _in_flight(limited, 1)  # the stream's client left: its slot is free, the held body's is not
+        _served_normally(limited)
+    finally:
+        held.close()
+    _in_flight(limited, 0)
+
+
+@pytest.mark.parametrize("value", [0, -1, True, 2.0, "8"])
+def test_build_state_refuses_a_concurrency_limit_that_is_not_a_positive_integer(limited, value):
+    from kvload.serve.server import build_state
+    from pipeline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^max_concurrent_requests: expected an integer >= 1, got ") as info:
+        build_state(limited.result, max_concurrent_requests=value)
     assert "\n" not in str(info.value)

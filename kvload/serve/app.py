@@ -29,7 +29,7 @@ from starlette.requests import ClientDisconnect
 
 from engine.serving import ServeEvent, ServingEngine
 from engine.stopping import SampleText
-from kvload.serve.command import READ_TIMEOUT_DEFAULT
+from kvload.serve.command import MAX_CONCURRENT_DEFAULT, READ_TIMEOUT_DEFAULT
 from kvload.serve.metrics import ServeMetrics
 from kvload.serve.protocol import BadRequest, Job, parse
 from pipeline.audit import dropped_record
@@ -48,6 +48,8 @@ class ServeState:
     max_request_bytes: int  # a larger body is refused unread (413); build_state derives it from max_seq_len
     default_max_tokens: int = 256
     read_timeout_s: float = READ_TIMEOUT_DEFAULT  # a body not all in by then is a 408 (the head: server._Deadlines)
+    max_concurrent_requests: int = MAX_CONCURRENT_DEFAULT  # generation requests in the server at once; more: 503
+    in_flight: int = 0  # generation requests in the server now (only the event loop's thread touches it)
     created: int = attrs.Factory(lambda: int(time.time()))
 
 
@@ -55,6 +57,7 @@ def create_app(state: ServeState) -> FastAPI:
     """The FastAPI app over a started (or about to start) engine."""
     app = FastAPI(title="kvload serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serve = state
+    app.add_middleware(_Admission, state=state)
 
     @app.exception_handler(BadRequest)
     async def bad_request(_: Request, exc: BadRequest) -> JSONResponse:
@@ -124,6 +127,41 @@ def create_app(state: ServeState) -> FastAPI:
         return await _serve(state, request, "chat")
 
     return app
+
+
+class _Admission:
+    """At most ``state.max_concurrent_requests`` generation requests in the server at once; past it, 503 at once.
+
+    Counted from the head's arrival until the answer (a stream too) is done or the client gone, so a flood is
+    refused before its bodies are read, parsed or queued for the engine. An ASGI middleware rather than uvicorn's
+    ``limit_concurrency``: that counts connections, idle keep-alive ones included, and every path, so a flood
+    would answer /health and /metrics with a plain-text 503 too; this leaves them answering.
+    """
+
+    PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+    def __init__(self, app: Any, state: ServeState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """Admit the request, or answer 503 without reading it."""
+        state = self.state
+        if scope["type"] != "http" or scope["path"] not in self.PATHS:
+            await self.app(scope, receive, send)
+            return
+        if state.in_flight >= state.max_concurrent_requests:
+            limit = state.max_concurrent_requests
+            busy = BadRequest(f"the server is busy: {limit:,} completion request{'s are' if limit != 1 else ' is'} "
+                              f"already in flight, the most it takes at once (--max-concurrent-requests sets it); "
+                              "retry later", status=503, kind="server_error", code="server_busy")
+            await JSONResponse(busy.body(), status_code=503, headers={"Retry-After": "1"})(scope, receive, send)
+            return
+        state.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:  # an exception, a cancellation (the client left mid-stream) or the answer's end
+            state.in_flight -= 1
 
 
 #: The status nginx logs for a client that closed the connection before the answer; nobody receives it.
