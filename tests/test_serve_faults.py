@@ -235,3 +235,42 @@ def test_build_state_refuses_a_concurrency_limit_that_is_not_a_positive_integer(
     with pytest.raises(ConfigError, match=r"^max_concurrent_requests: expected an integer >= 1, got ") as info:
         build_state(limited.result, max_concurrent_requests=value)
     assert "\n" not in str(info.value)
+
+
+# --- parsing and tokenizing off the event loop -----------------------------------------------------------------
+
+
+def test_health_answers_while_a_request_is_being_tokenized(served, monkeypatch):
+    """The tokenizer is held inside ``engine.encode`` until /health has answered: were the prompt encoded on the
+    event loop, /health could not answer (the hook gives up after a while, so a failure is not a hang)."""
+    import threading
+
+    engine = served.state.engine
+    entered, release = threading.Event(), threading.Event()
+    encode = engine.encode
+
+    def held_encode(prompt, **kw):
+        entered.set()
+        release.wait(TIMEOUT)
+        return encode(prompt, **kw)
+
+    monkeypatch.setattr(engine, "encode", held_encode)
+    results = []
+
+    def complete():
+        with httpx.Client(base_url=served.url, timeout=TIMEOUT) as http:
+            results.append(http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "ignore_eos": True}))
+
+    thread = threading.Thread(target=complete)
+    thread.start()
+    try:
+        assert entered.wait(TIMEOUT)
+        with httpx.Client(base_url=served.url, timeout=TIMEOUT / 4) as http:
+            assert http.get("/health").json() == {"status": "ok"}
+            assert "kvload_generation_tokens_total" in http.get("/metrics").text
+        assert not release.is_set() and thread.is_alive()  # answered while the encode was still held
+    finally:
+        release.set()
+        thread.join(TIMEOUT)
+    (r,) = results
+    assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 3

@@ -1,6 +1,7 @@
 """The HTTP face of ``kvload serve``: OpenAI's completions and chat completions, metrics, kvload's audit.
 
-Handlers turn a request body into engine requests (one per prompt and choice), wait on an asyncio
+Handlers turn a request body into engine requests (one per prompt and choice) on a worker thread (parsing
+and tokenizing a large body would stall every other client on the event loop), wait on an asyncio
 queue the engine loop feeds, and answer as one JSON document or as server-sent events. A client that
 goes away (a closed stream, or a dropped connection while waiting) has its requests aborted, which
 frees their KV blocks. Every refusal is HTTP 400 with OpenAI's error body naming the field (a body
@@ -16,6 +17,7 @@ import contextlib
 import functools
 import json
 import sys
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -118,13 +120,15 @@ def create_app(state: ServeState) -> FastAPI:
         except Off as exc:
             raise BadRequest(str(exc).removeprefix("kv_cache_events: "), param="event_buffer_max_size") from None
 
+    gate = asyncio.Lock()  # one request's body parsed and tokenized at a time (see _serve)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _serve(state, request, "completion")
+        return await _serve(state, request, "completion", gate)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await _serve(state, request, "chat")
+        return await _serve(state, request, "chat", gate)
 
     return app
 
@@ -197,11 +201,30 @@ def _too_large(limit: int, got: str) -> BadRequest:
                       f"sets it), got {got}", status=413, code="request_too_large", headers={"Connection": "close"})
 
 
-async def _serve(state: ServeState, request: Request, kind: str) -> Response:
+async def _serve(state: ServeState, request: Request, kind: str, gate: asyncio.Lock) -> Response:
     try:
         raw = await _read_body(request, state.max_request_bytes, state.read_timeout_s)
     except ClientDisconnect:  # hung up mid-upload: the client's doing, not a server error with a traceback
         return Response(status_code=CLIENT_CLOSED)
+    run = _Run(state, request, asyncio.get_running_loop())
+    # Parsing, tokenizing and checking a body of up to --max-request-bytes takes seconds of CPU: done on a worker
+    # thread, so other streams and /health go on meanwhile (a fast tokenizer releases the GIL while it encodes).
+    # One request at a time (vLLM's API server tokenizes on a single worker thread too): no two encodes share
+    # the tokenizer at once, and a flood of big bodies uses one core, not all of them.
+    async with gate:
+        try:
+            await asyncio.to_thread(run.prepare, raw, kind)
+        except asyncio.CancelledError:  # the server is stopping: what the worker submitted, or still does, ends
+            run.cancel()
+            raise
+    if run.job.stream:
+        return StreamingResponse(run.stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return JSONResponse(await run.collect())
+
+
+def _parse(state: ServeState, raw: bytes | bytearray, kind: str) -> Job:
+    """The request body as a ``Job``; ``BadRequest`` naming what is wrong."""
     if json_depth(raw) > MAX_DEPTH:  # before parsing: json's decoder recurses once per level
         raise BadRequest(f"the request body nests too deeply: at most {MAX_DEPTH} levels of arrays and objects "
                          "are accepted (an OpenAI request needs about 5)")
@@ -219,13 +242,7 @@ async def _serve(state: ServeState, request: Request, kind: str) -> Response:
     if model is not None and model != state.model_name:
         raise BadRequest(f"model: {model!r} is not served here; this server serves {state.model_name!r}",
                          param="model", status=404, code="model_not_found")
-    prompts = _encode(state.engine, job)
-    run = _Run(state, job, request, prompts)
-    run.submit()
-    if job.stream:
-        return StreamingResponse(run.stream(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return JSONResponse(await run.collect())
+    return job
 
 
 def _encode(engine: ServingEngine, job: Job) -> list[list[int]]:
@@ -287,19 +304,39 @@ class _Choice:
 class _Run:
     """The engine requests of one HTTP request, and their answer."""
 
-    def __init__(self, state: ServeState, job: Job, request: Request, prompts: list[list[int]]) -> None:
+    def __init__(self, state: ServeState, request: Request, loop: asyncio.AbstractEventLoop) -> None:
         self.state = state
         self.engine = state.engine
-        self.job = job
         self.request = request
-        self.prompts = prompts
+        self.loop = loop
+        self.job: Job = None  # type: ignore[assignment]  # set by prepare
+        self.prompts: list[list[int]] = []
         self.queue: asyncio.Queue[tuple[int, ServeEvent] | None] = asyncio.Queue()  # None: the client left
+        self.choices: list[_Choice] = []
+        self.open: set[int] = set()
+        self.id = ""
+        self.created = 0
+        # prepare runs on a worker thread: cancel (the event loop's) and each submit take turns under this lock,
+        # so a request the server gave up on while it was being submitted never stays queued in the engine
+        self.lock = threading.Lock()
+        self.cancelled = False
+
+    def prepare(self, raw: bytes | bytearray, kind: str) -> None:
+        """Parse, tokenize, check and queue the request (on a worker thread); ``BadRequest`` when refused."""
+        self.job = job = _parse(self.state, raw, kind)
+        self.prompts = _encode(self.engine, job)
         tok = self.engine.tokenizer
         self.choices = [_Choice(i, self.engine, SampleText(tok, job.stop) if tok is not None else None)
-                        for i in range(len(prompts) * job.n)]
+                        for i in range(len(self.prompts) * job.n)]
         self.id = ("chatcmpl-" if job.kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.open: set[int] = set()
+        self.submit()
+
+    def cancel(self) -> None:
+        """Give up on the request from the event loop: what is queued is aborted, nothing more is queued."""
+        with self.lock:
+            self.cancelled = True
+            self.abort()
 
     def submit(self) -> None:
         """Check every engine request fits, then queue them all (nothing queued when one is refused)."""
@@ -325,17 +362,20 @@ class _Run:
                 raise BadRequest(f"{field}: this request could never fit the KV cache: {where}{msg}",
                                  param=field) from None
             plan.append((ids, params))
-        loop = asyncio.get_running_loop()
         try:
             for i, (ids, params) in enumerate(plan):
                 for j in range(job.n):
                     index = i * job.n + j
-                    sink = functools.partial(_post, loop, self.queue, index)
-                    rid = self.engine.submit(ids, params, sink, salt=job.salt, seed_offset=j)
-                    self.choices[index].req_id = rid
-                    self.open.add(index)
+                    sink = functools.partial(_post, self.loop, self.queue, index)
+                    with self.lock:
+                        if self.cancelled:
+                            return
+                        rid = self.engine.submit(ids, params, sink, salt=job.salt, seed_offset=j)
+                        self.choices[index].req_id = rid
+                        self.open.add(index)
         except BaseException:
-            self.abort()
+            with self.lock:
+                self.abort()
             raise
 
     def abort(self) -> None:
