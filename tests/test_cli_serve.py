@@ -22,7 +22,7 @@ def test_serve_process_answers_then_stops_cleanly_on_sigterm(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "kvload", "serve", "tiny-llama", "--port", "0", "--max_tokens",
                              "1024", "--event_buffer_max_size", "100", "--kv-events-file", str(events),
                              "--audit-log", str(tmp_path / "audit.jsonl"), "--audit-keep", "1",
-                             "--max-request-bytes", "4KiB"],
+                             "--max-request-bytes", "4KiB", "--request-read-timeout", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, cwd=REPO)
     try:
@@ -44,6 +44,14 @@ def test_serve_process_answers_then_stops_cleanly_on_sigterm(tmp_path):
                           headers={"Content-Type": "application/json"})
             assert r.status_code == 413 and "at most 4,096 bytes" in r.json()["error"]["message"]
             assert "--max-request-bytes" in r.json()["error"]["message"]
+            # a client that stops mid-head: 408 naming --request-read-timeout, and the connection closed
+            port = int(url.rsplit(":", 1)[1])
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: te")
+                answer = b""
+                while chunk := sock.recv(65536):
+                    answer += chunk
+            assert answer.startswith(b"HTTP/1.1 408 ") and b"within 2 s (--request-read-timeout sets it)" in answer
             r = http.post("/v1/completions", json={"prompt": list(range(1, 41)), "max_tokens": 4, "ignore_eos": True})
             assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 4
             written = [json.loads(line) for line in events.read_text().splitlines()]
@@ -138,3 +146,33 @@ def test_max_request_bytes_takes_a_byte_count_or_a_size():
     assert parse(["serve", "tiny-llama", "--max-request-bytes", "4096"]).max_request_bytes == 4096
     assert parse(["serve", "tiny-llama", "--max_request_bytes", "64MiB"]).max_request_bytes == 64 * 2**20
     assert parse(["serve", "tiny-llama"]).max_request_bytes is None  # derived from max_seq_len by build_state
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "1e400", "86401", "soon"])
+def test_a_bad_request_read_timeout_exits_2_with_one_line_naming_it(capsys, value):
+    r = run_cli(capsys, "serve", "tiny-llama", "--port", "0", "--request-read-timeout", value)
+    assert r.code == 2 and r.one_error_line, r.err
+    assert r.err.startswith("error: --request-read-timeout: expected "), r.err
+
+
+def test_request_read_timeout_takes_seconds():
+    from kvload.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["serve", "tiny-llama"]).request_read_timeout == 30.0
+    assert parse(["serve", "tiny-llama", "--request_read_timeout", "2.5"]).request_read_timeout == 2.5
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "1.5", "many"])
+def test_a_bad_max_concurrent_requests_exits_2_with_one_line_naming_it(capsys, value):
+    r = run_cli(capsys, "serve", "tiny-llama", "--port", "0", "--max-concurrent-requests", value)
+    assert r.code == 2 and r.one_error_line, r.err
+    assert r.err.startswith("error: --max-concurrent-requests: expected an integer"), r.err
+
+
+def test_max_concurrent_requests_defaults_to_256():
+    from kvload.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["serve", "tiny-llama"]).max_concurrent_requests == 256
+    assert parse(["serve", "tiny-llama", "--max_concurrent_requests", "1"]).max_concurrent_requests == 1

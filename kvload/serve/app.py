@@ -1,11 +1,13 @@
 """The HTTP face of ``kvload serve``: OpenAI's completions and chat completions, metrics, kvload's audit.
 
-Handlers turn a request body into engine requests (one per prompt and choice), wait on an asyncio
+Handlers turn a request body into engine requests (one per prompt and choice) on a worker thread (parsing
+and tokenizing a large body would stall every other client on the event loop), wait on an asyncio
 queue the engine loop feeds, and answer as one JSON document or as server-sent events. A client that
 goes away (a closed stream, or a dropped connection while waiting) has its requests aborted, which
 frees their KV blocks. Every refusal is HTTP 400 with OpenAI's error body naming the field (a body
-over ``--max-request-bytes`` is 413, refused before it is read); an error inside the engine is 500 for
-that request only — the server keeps serving.
+over ``--max-request-bytes`` is 413, refused before it is read; one not all in within
+``--request-read-timeout`` is 408); an error inside the engine is 500 for that request only — the
+server keeps serving.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import contextlib
 import functools
 import json
 import sys
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -28,6 +31,7 @@ from starlette.requests import ClientDisconnect
 
 from engine.serving import ServeEvent, ServingEngine
 from engine.stopping import SampleText
+from kvload.serve.command import MAX_CONCURRENT_DEFAULT, READ_TIMEOUT_DEFAULT
 from kvload.serve.metrics import ServeMetrics
 from kvload.serve.protocol import BadRequest, Job, parse
 from pipeline.audit import dropped_record
@@ -45,6 +49,9 @@ class ServeState:
     model_name: str
     max_request_bytes: int  # a larger body is refused unread (413); build_state derives it from max_seq_len
     default_max_tokens: int = 256
+    read_timeout_s: float = READ_TIMEOUT_DEFAULT  # a body not all in by then is a 408 (the head: server._Deadlines)
+    max_concurrent_requests: int = MAX_CONCURRENT_DEFAULT  # generation requests in the server at once; more: 503
+    in_flight: int = 0  # generation requests in the server now (only the event loop's thread touches it)
     created: int = attrs.Factory(lambda: int(time.time()))
 
 
@@ -52,6 +59,7 @@ def create_app(state: ServeState) -> FastAPI:
     """The FastAPI app over a started (or about to start) engine."""
     app = FastAPI(title="kvload serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serve = state
+    app.add_middleware(_Admission, state=state)
 
     @app.exception_handler(BadRequest)
     async def bad_request(_: Request, exc: BadRequest) -> JSONResponse:
@@ -112,32 +120,78 @@ def create_app(state: ServeState) -> FastAPI:
         except Off as exc:
             raise BadRequest(str(exc).removeprefix("kv_cache_events: "), param="event_buffer_max_size") from None
 
+    gate = asyncio.Lock()  # one request's body parsed and tokenized at a time (see _serve)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _serve(state, request, "completion")
+        return await _serve(state, request, "completion", gate)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await _serve(state, request, "chat")
+        return await _serve(state, request, "chat", gate)
 
     return app
+
+
+class _Admission:
+    """At most ``state.max_concurrent_requests`` generation requests in the server at once; past it, 503 at once.
+
+    Counted from the head's arrival until the answer (a stream too) is done or the client gone, so a flood is
+    refused before its bodies are read, parsed or queued for the engine. An ASGI middleware rather than uvicorn's
+    ``limit_concurrency``: that counts connections, idle keep-alive ones included, and every path, so a flood
+    would answer /health and /metrics with a plain-text 503 too; this leaves them answering.
+    """
+
+    PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+    def __init__(self, app: Any, state: ServeState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """Admit the request, or answer 503 without reading it."""
+        state = self.state
+        if scope["type"] != "http" or scope["path"] not in self.PATHS:
+            await self.app(scope, receive, send)
+            return
+        if state.in_flight >= state.max_concurrent_requests:
+            limit = state.max_concurrent_requests
+            busy = BadRequest(f"the server is busy: {limit:,} completion request{'s are' if limit != 1 else ' is'} "
+                              f"already in flight, the most it takes at once (--max-concurrent-requests sets it); "
+                              "retry later", status=503, kind="server_error", code="server_busy")
+            await JSONResponse(busy.body(), status_code=503, headers={"Retry-After": "1"})(scope, receive, send)
+            return
+        state.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:  # an exception, a cancellation (the client left mid-stream) or the answer's end
+            state.in_flight -= 1
 
 
 #: The status nginx logs for a client that closed the connection before the answer; nobody receives it.
 CLIENT_CLOSED = 499
 
 
-async def _read_body(request: Request, limit: int) -> bytearray:
+async def _read_body(request: Request, limit: int, timeout: float) -> bytearray:
     """The request body, refused with 413 once it is known to pass ``limit`` bytes: by its Content-Length
-    before a byte is read, else (chunked) as soon as what arrived passes it, so no oversized body is held."""
+    before a byte is read, else (chunked) as soon as what arrived passes it, so no oversized body is held.
+    Refused with 408 when it has not all arrived ``timeout`` seconds after the handler began reading: a client
+    that stops sending, or trickles, would otherwise hold the connection and the handler forever."""
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:  # the HTTP layer refuses a malformed Content-Length itself
         raise _too_large(limit, f"Content-Length {int(length):,}")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise _too_large(limit, f"more than {limit:,} bytes sent")
+    try:
+        async with asyncio.timeout(timeout):  # the whole body, not each read: a trickle gets no more time
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise _too_large(limit, f"more than {limit:,} bytes sent")
+    except TimeoutError:
+        expected = f"of {int(length):,}" if length.isdigit() else "of a chunked body"
+        raise BadRequest(f"the request body did not arrive in time: {len(body):,} bytes {expected} came within "
+                         f"{timeout:g} s (--request-read-timeout sets it)", status=408, code="request_timeout",
+                         headers={"Connection": "close"}) from None
     return body
 
 
@@ -147,11 +201,30 @@ def _too_large(limit: int, got: str) -> BadRequest:
                       f"sets it), got {got}", status=413, code="request_too_large", headers={"Connection": "close"})
 
 
-async def _serve(state: ServeState, request: Request, kind: str) -> Response:
+async def _serve(state: ServeState, request: Request, kind: str, gate: asyncio.Lock) -> Response:
     try:
-        raw = await _read_body(request, state.max_request_bytes)
+        raw = await _read_body(request, state.max_request_bytes, state.read_timeout_s)
     except ClientDisconnect:  # hung up mid-upload: the client's doing, not a server error with a traceback
         return Response(status_code=CLIENT_CLOSED)
+    run = _Run(state, request, asyncio.get_running_loop())
+    # Parsing, tokenizing and checking a body of up to --max-request-bytes takes seconds of CPU: done on a worker
+    # thread, so other streams and /health go on meanwhile (a fast tokenizer releases the GIL while it encodes).
+    # One request at a time (vLLM's API server tokenizes on a single worker thread too): no two encodes share
+    # the tokenizer at once, and a flood of big bodies uses one core, not all of them.
+    async with gate:
+        try:
+            await asyncio.to_thread(run.prepare, raw, kind)
+        except asyncio.CancelledError:  # the server is stopping: what the worker submitted, or still does, ends
+            run.cancel()
+            raise
+    if run.job.stream:
+        return StreamingResponse(run.stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return JSONResponse(await run.collect())
+
+
+def _parse(state: ServeState, raw: bytes | bytearray, kind: str) -> Job:
+    """The request body as a ``Job``; ``BadRequest`` naming what is wrong."""
     if json_depth(raw) > MAX_DEPTH:  # before parsing: json's decoder recurses once per level
         raise BadRequest(f"the request body nests too deeply: at most {MAX_DEPTH} levels of arrays and objects "
                          "are accepted (an OpenAI request needs about 5)")
@@ -169,13 +242,7 @@ async def _serve(state: ServeState, request: Request, kind: str) -> Response:
     if model is not None and model != state.model_name:
         raise BadRequest(f"model: {model!r} is not served here; this server serves {state.model_name!r}",
                          param="model", status=404, code="model_not_found")
-    prompts = _encode(state.engine, job)
-    run = _Run(state, job, request, prompts)
-    run.submit()
-    if job.stream:
-        return StreamingResponse(run.stream(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return JSONResponse(await run.collect())
+    return job
 
 
 def _encode(engine: ServingEngine, job: Job) -> list[list[int]]:
@@ -237,19 +304,39 @@ class _Choice:
 class _Run:
     """The engine requests of one HTTP request, and their answer."""
 
-    def __init__(self, state: ServeState, job: Job, request: Request, prompts: list[list[int]]) -> None:
+    def __init__(self, state: ServeState, request: Request, loop: asyncio.AbstractEventLoop) -> None:
         self.state = state
         self.engine = state.engine
-        self.job = job
         self.request = request
-        self.prompts = prompts
+        self.loop = loop
+        self.job: Job = None  # type: ignore[assignment]  # set by prepare
+        self.prompts: list[list[int]] = []
         self.queue: asyncio.Queue[tuple[int, ServeEvent] | None] = asyncio.Queue()  # None: the client left
+        self.choices: list[_Choice] = []
+        self.open: set[int] = set()
+        self.id = ""
+        self.created = 0
+        # prepare runs on a worker thread: cancel (the event loop's) and each submit take turns under this lock,
+        # so a request the server gave up on while it was being submitted never stays queued in the engine
+        self.lock = threading.Lock()
+        self.cancelled = False
+
+    def prepare(self, raw: bytes | bytearray, kind: str) -> None:
+        """Parse, tokenize, check and queue the request (on a worker thread); ``BadRequest`` when refused."""
+        self.job = job = _parse(self.state, raw, kind)
+        self.prompts = _encode(self.engine, job)
         tok = self.engine.tokenizer
         self.choices = [_Choice(i, self.engine, SampleText(tok, job.stop) if tok is not None else None)
-                        for i in range(len(prompts) * job.n)]
+                        for i in range(len(self.prompts) * job.n)]
         self.id = ("chatcmpl-" if job.kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.open: set[int] = set()
+        self.submit()
+
+    def cancel(self) -> None:
+        """Give up on the request from the event loop: what is queued is aborted, nothing more is queued."""
+        with self.lock:
+            self.cancelled = True
+            self.abort()
 
     def submit(self) -> None:
         """Check every engine request fits, then queue them all (nothing queued when one is refused)."""
@@ -275,17 +362,20 @@ class _Run:
                 raise BadRequest(f"{field}: this request could never fit the KV cache: {where}{msg}",
                                  param=field) from None
             plan.append((ids, params))
-        loop = asyncio.get_running_loop()
         try:
             for i, (ids, params) in enumerate(plan):
                 for j in range(job.n):
                     index = i * job.n + j
-                    sink = functools.partial(_post, loop, self.queue, index)
-                    rid = self.engine.submit(ids, params, sink, salt=job.salt, seed_offset=j)
-                    self.choices[index].req_id = rid
-                    self.open.add(index)
+                    sink = functools.partial(_post, self.loop, self.queue, index)
+                    with self.lock:
+                        if self.cancelled:
+                            return
+                        rid = self.engine.submit(ids, params, sink, salt=job.salt, seed_offset=j)
+                        self.choices[index].req_id = rid
+                        self.open.add(index)
         except BaseException:
-            self.abort()
+            with self.lock:
+                self.abort()
             raise
 
     def abort(self) -> None:

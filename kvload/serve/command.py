@@ -13,6 +13,12 @@ SERVE_DEFAULT_SEQUENCES = 8
 SERVE_PROMPT_ALLOWANCE = 1024
 #: Request-time audit records a server keeps in memory by default (a few hundred bytes each).
 AUDIT_KEEP_DEFAULT = 100_000
+#: Seconds a client has to send a request's head, and then its body (``--request-read-timeout``).
+READ_TIMEOUT_DEFAULT = 30.0
+#: The longest read timeout taken (a day): a longer one is no longer a timeout anyone means.
+MAX_TIMEOUT_S = 86400.0
+#: Generation requests a server holds at once by default (``--max-concurrent-requests``); more get 503.
+MAX_CONCURRENT_DEFAULT = 256
 
 _EPILOG = """\
 Endpoints (OpenAI-compatible): POST /v1/completions, POST /v1/chat/completions (stream=true for
@@ -22,8 +28,11 @@ GET /v1/kvload/explain?field=NAME (one field's provenance chain), GET /v1/kvload
 
 Sampling defaults follow kvload generate: greedy (temperature 0) unless the request sets a
 temperature; max_tokens defaults to --default-max-tokens. A request body larger than
---max-request-bytes is refused with HTTP 413 before it is read. Every request joins one engine loop
-(continuous batching); a client that disconnects has its request aborted and its KV blocks freed.
+--max-request-bytes is refused with HTTP 413 before it is read; a request whose headers, or then
+body, take longer than --request-read-timeout to arrive gets HTTP 408 and its connection closed;
+past --max-concurrent-requests completion requests at once, more get HTTP 503 at once.
+Every request joins one engine loop (continuous batching); a client that disconnects has its
+request aborted and its KV blocks freed.
 
 KV budget: on CPU with neither --max_tokens nor --max_gpu_total_bytes, the pools hold
 8 x (--default-max-tokens + 1024) tokens (the kv_budget_computed event says so).
@@ -72,6 +81,19 @@ def add_serve_command(sub: Any) -> None:
                    help="refuse a request body larger than this with HTTP 413, before reading it (default: "
                         "what 1024 prompts of max_seq_len tokens can take, 16 bytes a token, plus 1 MiB; "
                         "64MiB = 64*2**20)")
+    g.add_argument("--request-read-timeout", "--request_read_timeout", dest="request_read_timeout",
+                   default=READ_TIMEOUT_DEFAULT, metavar="SECONDS",
+                   type=cli._bounded(cli.number, lambda v: 0 < v <= MAX_TIMEOUT_S,
+                                     f"seconds in (0, {MAX_TIMEOUT_S:g}]"),
+                   help="a client gets this long to send a request's headers, and again this long for its body; "
+                        "past either, HTTP 408 and the connection closes, so a client that stops sending or "
+                        "trickles holds nothing (default %(default)g)")
+    g.add_argument("--max-concurrent-requests", "--max_concurrent_requests", dest="max_concurrent_requests",
+                   default=MAX_CONCURRENT_DEFAULT, metavar="N",
+                   type=cli._bounded(cli.integer, lambda v: v >= 1, "an integer >= 1"),
+                   help="completion and chat requests the server holds at once, from their headers until their "
+                        "answer ends (queued for the engine included); more get HTTP 503 at once, before their "
+                        "body is read, and /health and /metrics keep answering (default %(default)s)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -122,7 +144,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                         "is given)")
     with execute(request, load_stages(), subscribers=audit) as result:  # request events reach the audit too
         state = build_state(result, model_name=ns.served_model_name, default_max_tokens=ns.default_max_tokens,
-                            audit_keep=ns.audit_keep, max_request_bytes=ns.max_request_bytes)
+                            audit_keep=ns.audit_keep, max_request_bytes=ns.max_request_bytes,
+                            read_timeout_s=ns.request_read_timeout,
+                            max_concurrent_requests=ns.max_concurrent_requests)
         events_file = None
         if ns.kv_events_file is not None:
             events_file = open(ns.kv_events_file, "a", encoding="utf-8")  # noqa: SIM115 (closed below)

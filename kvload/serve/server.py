@@ -6,29 +6,37 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import signal
 import socket
 import threading
 import time
 from typing import Any
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from engine.serving import ServingEngine
 from kvload.serve.app import ServeState, create_app
-from kvload.serve.command import AUDIT_KEEP_DEFAULT
+from kvload.serve.command import AUDIT_KEEP_DEFAULT, MAX_CONCURRENT_DEFAULT, MAX_TIMEOUT_S, READ_TIMEOUT_DEFAULT
 from kvload.serve.metrics import ServeMetrics
-from kvload.serve.protocol import default_max_request_bytes
+from kvload.serve.protocol import BadRequest, default_max_request_bytes
 from pipeline.errors import ConfigError
 from pipeline.limits import MAX_INT, short
 
 
 def build_state(result: Any, *, model_name: str | None = None, default_max_tokens: int = 256,
-                audit_keep: int = AUDIT_KEEP_DEFAULT, max_request_bytes: int | None = None) -> ServeState:
+                audit_keep: int = AUDIT_KEEP_DEFAULT, max_request_bytes: int | None = None,
+                read_timeout_s: float = READ_TIMEOUT_DEFAULT,
+                max_concurrent_requests: int = MAX_CONCURRENT_DEFAULT) -> ServeState:
     """Engine (not started) and metrics over a ``load(..., load_weights=True)`` result; from now on its audit log
     keeps the load's records and the newest ``audit_keep`` (``/v1/kvload/audit`` serves them). A request body
-    over ``max_request_bytes`` is refused unread (None: :func:`default_max_request_bytes` of the model)."""
+    over ``max_request_bytes`` is refused unread (None: :func:`default_max_request_bytes` of the model); a
+    request's head, and then its body, must each arrive within ``read_timeout_s`` seconds (408); past
+    ``max_concurrent_requests`` generation requests at once, more are refused (503)."""
     if model_name is not None and not (isinstance(model_name, str) and model_name.strip()):
         raise ConfigError(f"model_name: expected a non-empty name (or None: the model's own), got {model_name!r}")
     if max_request_bytes is not None and not (isinstance(max_request_bytes, int)
@@ -36,6 +44,12 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
                                               and 1 <= max_request_bytes <= MAX_INT):
         raise ConfigError(f"max_request_bytes: expected an integer >= 1 (bytes), or None for the default derived "
                           f"from max_seq_len, got {short(max_request_bytes)}")
+    if not (isinstance(read_timeout_s, int | float) and not isinstance(read_timeout_s, bool)
+            and 0 < read_timeout_s <= MAX_TIMEOUT_S):
+        raise ConfigError(f"read_timeout_s: expected seconds in (0, {MAX_TIMEOUT_S:g}], got {short(read_timeout_s)}")
+    if not (isinstance(max_concurrent_requests, int) and not isinstance(max_concurrent_requests, bool)
+            and 1 <= max_concurrent_requests <= MAX_INT):
+        raise ConfigError(f"max_concurrent_requests: expected an integer >= 1, got {short(max_concurrent_requests)}")
     result.audit.keep_tail(audit_keep)
     name = model_name or (result.model.name if result.model is not None else str(result.args.model))
     metrics = ServeMetrics(name)
@@ -44,7 +58,9 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
     if max_request_bytes is None:
         max_request_bytes = default_max_request_bytes(engine.executor.max_seq_len, engine.executor.vocab_size)
     return ServeState(result=result, engine=engine, metrics=metrics, model_name=name,
-                      max_request_bytes=max_request_bytes, default_max_tokens=default_max_tokens)
+                      max_request_bytes=max_request_bytes, default_max_tokens=default_max_tokens,
+                      read_timeout_s=float(read_timeout_s), max_concurrent_requests=max_concurrent_requests)
+
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -84,9 +100,92 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+class _Deadlines(H11Protocol):
+    """uvicorn's h11 protocol with a read deadline: a request's head, then its body, must each arrive within
+    ``read_timeout_s`` seconds.
+
+    uvicorn times only the idle gap after a response (``timeout_keep_alive``, cancelled by the next byte that
+    arrives). A client that connects and never finishes a request's head, or starts one after a response and
+    stops, held the connection forever; so did one trickling a body the app answered without reading (uvicorn
+    drops those bytes, and the first one cancelled its keep-alive timer). The app times the bodies it reads
+    (408 with OpenAI's error body, :func:`kvload.serve.app._read_body`); this closes the rest. A head's time
+    runs from its first byte (a new connection's also from its opening); a head not all in by then gets the
+    same 408 and the connection closes. A body's time runs from the end of its head; one still arriving then,
+    after the app answered without reading it, has its connection closed.
+    """
+
+    read_timeout_s: float = READ_TIMEOUT_DEFAULT  # set on the subclass :func:`_server` makes
+
+    def connection_made(self, transport: Any) -> None:
+        self._deadline: asyncio.TimerHandle | None = None
+        self._phase: tuple[Any, ...] | None = None
+        super().connection_made(transport)
+        self._track()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._track()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._track()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel()
+        super().connection_lost(exc)
+
+    def _track(self) -> None:
+        """A fresh deadline whenever the connection starts waiting for a new head or a new body; none otherwise."""
+        state = self.conn.their_state
+        phase: tuple[Any, ...] | None = None
+        if self.transport.is_closing():
+            pass
+        elif state is h11.IDLE:
+            started = bool(self.conn.trailing_data[0])  # part of the next head is in
+            if started or self.cycle is None:  # idle after a response: uvicorn's keep-alive timer closes it
+                phase = (state, self.cycle, started)
+        elif state is h11.SEND_BODY:
+            phase = (state, self.cycle)  # the cycle tells one request's body from the next's
+        if phase == self._phase:
+            return
+        self._cancel()
+        self._phase = phase
+        if phase is not None:
+            self._deadline = self.loop.call_later(self.read_timeout_s, self._expired)
+
+    def _cancel(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expired(self) -> None:
+        self._deadline = None
+        if self.transport.is_closing() or self._phase is None:
+            return
+        if self._phase[0] is h11.IDLE:
+            if self._phase[2]:  # part of a head came: say why the connection closes
+                self.transport.write(_head_timeout(self.read_timeout_s))
+            self.transport.close()  # else a new connection that sent nothing: closed as keep-alive's timer would
+        elif self.cycle is not None and self.cycle.response_complete:
+            self.transport.close()  # answered without reading the body, which still has not all come
+        # else the app is reading the body under its own deadline (a 408), or answering: it ends the request
+
+
+def _head_timeout(timeout: float) -> bytes:
+    """The raw 408 for a head that did not arrive in time (h11 sends no response before a request's head)."""
+    body = json.dumps(BadRequest(f"the request head did not arrive in time: its headers were not all in within "
+                                 f"{timeout:g} s (--request-read-timeout sets it)", status=408,
+                                 code="request_timeout").body()).encode()
+    return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(body), body))
+
+
 def _server(state: ServeState, log_level: str) -> _Server:
+    # h11, named rather than "auto": the read deadlines above are built on its protocol class (httptools is
+    # not a dependency of the serve extra, so "auto" meant h11 unless something else installed it)
+    protocol = type("_Deadlines", (_Deadlines,), {"read_timeout_s": state.read_timeout_s})
     config = uvicorn.Config(create_app(state), log_level=log_level, access_log=log_level in ("debug", "info"),
-                            timeout_graceful_shutdown=5, lifespan="off")
+                            timeout_graceful_shutdown=5, lifespan="off", http=protocol)
     return _Server(config, state)
 
 

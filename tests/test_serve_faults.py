@@ -1,0 +1,276 @@
+"""``kvload serve`` against clients that stop sending, over real sockets: a head or a body not all in within
+``--request-read-timeout`` is answered 408 with OpenAI's error body and its connection closed, a body the server
+answered without reading cannot hold the connection by trickling, and the server keeps serving afterwards.
+
+The server here runs with a 1 s timeout so the tests that wait for it finish soon; no test asserts how long
+anything took. A reader that the server never answers is cut off by the socket's own timeout: a failure, not
+a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+
+import httpx
+import pytest
+
+from tests.serve_support import TIMEOUT, serving, wait_for
+
+READ_TIMEOUT = 1.0
+PROMPT = [1, 2, 3, 4, 5]
+
+
+@pytest.fixture(scope="module")
+def served():
+    with serving("tiny-llama", state={"read_timeout_s": READ_TIMEOUT}) as s:
+        yield s
+
+
+def _connect(served) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", served.server.port), timeout=TIMEOUT)
+
+
+def _read_to_close(sock: socket.socket) -> bytes:
+    data = b""
+    while chunk := sock.recv(65536):  # a server that never closes times this out: the test fails, never hangs
+        data += chunk
+    return data
+
+
+def _response(data: bytes) -> tuple[int, dict[str, str], bytes]:
+    head, _, payload = data.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines)}
+    return int(status_line.split()[1]), headers, payload
+
+
+def _assert_timed_out(data: bytes, message: str) -> None:
+    status, headers, payload = _response(data)
+    assert status == 408, data
+    assert headers["connection"] == "close"
+    assert json.loads(payload) == {"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                             "code": "request_timeout"}}
+
+
+def _served_normally(served) -> None:
+    # a fresh connection each time: a pooled one may be the keep-alive connection the server is closing
+    with httpx.Client(base_url=served.url, timeout=TIMEOUT) as http:
+        assert http.get("/health").json() == {"status": "ok"}
+        r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "ignore_eos": True})
+        assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 3
+
+
+def _post_head(extra: str) -> bytes:
+    return f"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n{extra}\r\n".encode()
+
+
+HEAD_MESSAGE = ("the request head did not arrive in time: its headers were not all in within 1 s "
+                "(--request-read-timeout sets it)")
+
+
+@pytest.mark.parametrize("partial", [b"POST /v1/completions HTTP/1.1\r\nHost: te", b"G"])
+def test_a_head_never_finished_is_a_408_and_the_connection_closes(served, partial):
+    with _connect(served) as sock:
+        sock.sendall(partial)
+        _assert_timed_out(_read_to_close(sock), HEAD_MESSAGE)
+    _served_normally(served)
+
+
+def test_a_head_never_finished_after_a_keep_alive_response_is_a_408_too(served):
+    """uvicorn's keep-alive timer is cancelled by the first byte of the next request: that head was never timed."""
+    with _connect(served) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: test\r\n\r\n")
+        data = b""
+        while b'{"status":"ok"}' not in data:
+            data += sock.recv(65536)
+        sock.sendall(b"GET /heal")
+        status, _, payload = _response(_read_to_close(sock))
+        assert status == 408 and json.loads(payload)["error"]["message"] == HEAD_MESSAGE
+    _served_normally(served)
+
+
+def test_a_connection_that_sends_nothing_is_closed(served):
+    with _connect(served) as sock:
+        assert _read_to_close(sock) == b""  # nothing to answer: no request began
+    _served_normally(served)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_body_that_stops_arriving_is_a_408_naming_the_flag(served, chunked):
+    part = b'{"prompt": [1, 2, '
+    with _connect(served) as sock:
+        if chunked:  # one chunk, then neither the rest nor the last (empty) chunk
+            sock.sendall(_post_head("Transfer-Encoding: chunked\r\n") + b"%x\r\n%s\r\n" % (len(part), part))
+            expected = "of a chunked body"
+        else:
+            sock.sendall(_post_head("Content-Length: 100\r\n") + part)
+            expected = "of 100"
+        _assert_timed_out(_read_to_close(sock), f"the request body did not arrive in time: {len(part)} bytes "
+                                                f"{expected} came within 1 s (--request-read-timeout sets it)")
+    _served_normally(served)
+
+
+def test_a_trickled_body_gets_no_more_time_than_a_stopped_one(served):
+    """A byte every 50 ms, each well inside the timeout: the deadline is for the whole body, not each read.
+
+    A byte is sent only while no answer has begun, so the server has read every byte when it answers and closes
+    (its close is a FIN, never a reset racing the answer).
+    """
+    sent = 0
+    with _connect(served) as sock:
+        sock.sendall(_post_head("Content-Length: 1000000\r\n"))
+        while not select.select([sock], [], [], 0.05)[0]:
+            sock.sendall(b" ")
+            sent += 1
+            assert sent < 1_000_000  # the whole body sent and still no answer: the trickle was never cut
+        status, _, payload = _response(_read_to_close(sock))
+    assert status == 408, payload
+    message = json.loads(payload)["error"]["message"]
+    assert message.startswith("the request body did not arrive in time: ") and "of 1,000,000 came within 1 s" in message
+    _served_normally(served)
+
+
+def test_a_body_answered_unread_cannot_hold_the_connection_by_trickling(served):
+    """405 comes before the body is read; uvicorn then drops what arrives, and its first byte cancelled the
+    keep-alive timer, so a trickle held the connection forever. The body's deadline closes it."""
+    with _connect(served) as sock:
+        sock.sendall(b"POST /health HTTP/1.1\r\nHost: test\r\nContent-Length: 100\r\n\r\n{}")
+        data = b""
+        while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < int(
+                _response(data)[1]["content-length"]):
+            data += sock.recv(65536)
+        assert _response(data)[0] == 405
+        sock.sendall(b"  ")  # more of the body, after the answer
+        assert _read_to_close(sock) == data[len(data):]  # closed, nothing more said
+    _served_normally(served)
+
+
+@pytest.mark.parametrize("value", [0, -1.0, True, "30", float("nan"), float("inf"), 86401])
+def test_build_state_refuses_a_read_timeout_that_is_not_positive_seconds(served, value):
+    from kvload.serve.server import build_state
+    from pipeline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^read_timeout_s: expected seconds in \(0, 86400\]") as info:
+        build_state(served.result, read_timeout_s=value)
+    assert "\n" not in str(info.value)
+
+
+# --- --max-concurrent-requests -------------------------------------------------------------------------------
+
+LIMIT = 2
+
+
+@pytest.fixture(scope="module")
+def limited():
+    # room for one long stream (8,192 tokens of KV); the default read timeout, so a held body stays held
+    with serving("tiny-llama", state={"max_concurrent_requests": LIMIT},
+                 kv_cache_config={"max_tokens": 8192}) as s:
+        yield s
+
+
+def _in_flight(served, n: int) -> None:
+    wait_for(lambda: served.state.in_flight == n, what=f"{n} requests in flight")
+
+
+def _held(served) -> socket.socket:
+    """A completion request whose body never finishes: in flight until the socket closes."""
+    sock = _connect(served)
+    sock.sendall(_post_head("Content-Length: 100\r\n") + b'{"prompt": [1, ')
+    return sock
+
+
+def _assert_busy(served) -> None:
+    with httpx.Client(base_url=served.url, timeout=TIMEOUT) as http:
+        r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json() == {"error": {"message": "the server is busy: 2 completion requests are already in flight, "
+                                                 "the most it takes at once (--max-concurrent-requests sets it); "
+                                                 "retry later",
+                                      "type": "server_error", "param": None, "code": "server_busy"}}
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 503
+        # what a load balancer and a scraper ask keeps answering (uvicorn's limit_concurrency would 503 them)
+        assert http.get("/health").json() == {"status": "ok"}
+        assert "kvload_generation_tokens_total" in http.get("/metrics").text
+
+
+def test_past_the_limit_a_request_is_a_503_and_a_freed_slot_is_used_again(limited):
+    first, second = _held(limited), _held(limited)
+    try:
+        _in_flight(limited, 2)
+        _assert_busy(limited)
+    finally:
+        first.close()
+        second.close()
+    _in_flight(limited, 0)  # a client that hung up mid-body frees its slot
+    _served_normally(limited)
+
+
+def test_a_stream_holds_its_slot_until_its_client_hangs_up(limited):
+    body = {"prompt": [3, 1, 4, 1, 5], "max_tokens": 8000, "ignore_eos": True, "stream": True}
+    held = _held(limited)
+    _in_flight(limited, 1)
+    try:
+        with httpx.Client(base_url=limited.url, timeout=TIMEOUT) as http, \
+                http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()  # kept: a dropped iterator closes the response when collected
+            next(lines)  # streaming: in flight until it ends or its client leaves
+            _in_flight(limited, 2)
+            _assert_busy(limited)
+        _in_flight(limited, 1)  # the stream's client left: its slot is free, the held body's is not
+        _served_normally(limited)
+    finally:
+        held.close()
+    _in_flight(limited, 0)
+
+
+@pytest.mark.parametrize("value", [0, -1, True, 2.0, "8"])
+def test_build_state_refuses_a_concurrency_limit_that_is_not_a_positive_integer(limited, value):
+    from kvload.serve.server import build_state
+    from pipeline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^max_concurrent_requests: expected an integer >= 1, got ") as info:
+        build_state(limited.result, max_concurrent_requests=value)
+    assert "\n" not in str(info.value)
+
+
+# --- parsing and tokenizing off the event loop -----------------------------------------------------------------
+
+
+def test_health_answers_while_a_request_is_being_tokenized(served, monkeypatch):
+    """The tokenizer is held inside ``engine.encode`` until /health has answered: were the prompt encoded on the
+    event loop, /health could not answer (the hook gives up after a while, so a failure is not a hang)."""
+    import threading
+
+    engine = served.state.engine
+    entered, release = threading.Event(), threading.Event()
+    encode = engine.encode
+
+    def held_encode(prompt, **kw):
+        entered.set()
+        release.wait(TIMEOUT)
+        return encode(prompt, **kw)
+
+    monkeypatch.setattr(engine, "encode", held_encode)
+    results = []
+
+    def complete():
+        with httpx.Client(base_url=served.url, timeout=TIMEOUT) as http:
+            results.append(http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "ignore_eos": True}))
+
+    thread = threading.Thread(target=complete)
+    thread.start()
+    try:
+        assert entered.wait(TIMEOUT)
+        with httpx.Client(base_url=served.url, timeout=TIMEOUT / 4) as http:
+            assert http.get("/health").json() == {"status": "ok"}
+            assert "kvload_generation_tokens_total" in http.get("/metrics").text
+        assert not release.is_set() and thread.is_alive()  # answered while the encode was still held
+    finally:
+        release.set()
+        thread.join(TIMEOUT)
+    (r,) = results
+    assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 3
