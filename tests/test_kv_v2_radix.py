@@ -275,3 +275,36 @@ def test_kv_events_through_a_split_run_name_every_block_by_its_chained_key():
     m.check_invariants()
     removed = [h for e in events.drain()["events"] if e["type"] == "kv_block_removed" for h in e["block_hashes"]]
     assert len(removed) == 3 and set(removed) <= {h for e in stored for h in e["block_hashes"]}
+
+
+@settings(max_examples=60, deadline=None)
+@given(prompts=st.lists(st.lists(st.integers(0, 2), min_size=4, max_size=4), min_size=1, max_size=30),
+       query=st.lists(st.integers(0, 2), min_size=1, max_size=5), grow=st.integers(0, 3))
+def test_partial_reuse_on_an_indexed_node_picks_what_comparing_every_child_would(prompts, query, grow):
+    # Every cached prompt starts with the same token (a BOS), so the root's first-token index holds them all; the
+    # two-token index must still find the earliest child with the longest match, or the earliest sharing only BOS.
+    m = make_manager(FULL, 256, enable_partial_reuse=True)
+    for i, p in enumerate(prompts):
+        cached = Request(f"p{i}", [1, *p[:3], 9], 0)  # its first block [1, a, b, c] cached, 9 computed
+        prefill(m, cached)
+        m.free(cached)
+    m.key_pending()
+    root = m._tree.root(None)
+    want_ids = [1, *query][:T]
+    r = Request("r", [*want_ids, 8, 8][: max(2, len(want_ids) + grow)], 0)
+    limit = min(T - 1, r.num_tokens - 1)
+    want = pack_tokens(want_ids)
+    best, best_k = None, 0  # the reference: every child, in insertion order
+    for child in root.children.values():
+        if child.held[0] == 1 and child.tokens.startswith(want[:8]):
+            k = min(next((i for i in range(T) if child.token_ids(0)[i:i + 1] != tuple(want_ids[i:i + 1])), T), limit)
+            if k > best_k:
+                best, best_k = child, k
+    if len(root.children) > INDEX_CHILDREN_AFTER:
+        assert root.children_sharing_two(want) is not None  # the indexed path runs
+    source = best.blocks["full"][0] if best is not None else None
+    admit(m, r)
+    assert r.num_computed_tokens == best_k
+    if source is not None:  # the copied block went back to the eviction queue as its most recent entry
+        assert m._pool["full"].evictable.blocks()[-1] == source
+    m.check_invariants()

@@ -824,6 +824,11 @@ class KVCacheManagerV2:
                     expected.setdefault(child.block(0)[:8], []).append(child)
                 if {t: list(group.values()) for t, group in node.by_first.items()} != expected:
                     problems.append(f"{where}: first-token index disagrees with its children")
+                expected = {}
+                for child in node.children.values():
+                    expected.setdefault(child.block(0)[:16], []).append(child)
+                if {t: list(group.values()) for t, group in node.by_two.items()} != expected:
+                    problems.append(f"{where}: first-two-tokens index disagrees with its children")
             for first, child in node.children.items():
                 if child.parent is not node or not child.held or child.block(0) != first \
                         or child.start != (node.start + len(node) if node.parent is not None else 0):
@@ -1360,19 +1365,32 @@ class KVCacheManagerV2:
         if parent is None or request.num_tokens < 2:  # nothing cached, or nothing to match (_match's limit)
             return 0
         limit = min(self.T - 1, request.num_tokens - 1 - m)
-        want_ids = _tokens(request, m, m + self.T)
-        candidates = parent.children_starting_with(want_ids[0])  # any other child shares no token
-        if not candidates:
+        if limit < 1:  # nothing a partial block could add
             return 0
+        want_ids = _tokens(request, m, m + self.T)
         want = pack_tokens(want_ids)
         best, best_k = None, 0
-        for child in candidates:
-            if child.held[0] != len(self.groups):
-                continue
-            k = min(_common_prefix(child.block(0), want), limit)
-            k -= k % self._partial_unit
-            if k > best_k:
-                best, best_k = child, k
+        groups = len(self.groups)
+        two = parent.children_sharing_two(want) if self._partial_unit == 1 and limit >= 2 else None
+        if two is not None:
+            # An indexed node (many children, e.g. every cached prompt after a common BOS): the earliest child with
+            # the longest match shares two tokens if any does; else it is the earliest that shares the first one.
+            for child in two:
+                if child.held[0] == groups:
+                    k = min(_common_prefix(child.block(0), want), limit)
+                    if k > best_k:
+                        best, best_k = child, k
+            if best is None:
+                best = next((c for c in parent.children_starting_with(want_ids[0]) if c.held[0] == groups), None)
+                best_k = 1
+        else:
+            for child in parent.children_starting_with(want_ids[0]):  # any other child shares no token
+                if child.held[0] != groups:
+                    continue
+                k = min(_common_prefix(child.block(0), want), limit)
+                k -= k % self._partial_unit
+                if k > best_k:
+                    best, best_k = child, k
         if best is None:
             return 0
         src_of = {g.name: best.blocks[g.name][0] for g in self.groups}

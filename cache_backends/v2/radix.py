@@ -30,7 +30,9 @@ exactly there (compressed groups with blocks of ``k*T`` tokens hold one at every
 * ``run.by_first``, once built, maps each first token (its 8 packed bytes) to exactly the children whose first
   block starts with it, in the order of ``run.children``: partial matching only looks at children that share the
   first token. It is built the first time partial matching (or an admission's first-token check, at a root)
-  asks a run with more than ``INDEX_CHILDREN_AFTER`` children, and kept from then on.
+  asks a run with more than ``INDEX_CHILDREN_AFTER`` children, and kept from then on; ``run.by_two`` is the same
+  by the first two tokens, built and kept with it (partial matching finds the children that share more than the
+  first token without comparing every child that shares it: with a BOS token, every cached prompt does).
 * ``RadixTree.num_nodes`` counts block positions (what a node per block would count), not runs.
 
 **Lazy keying** (:class:`PendingPrefix`). Most prompts share nothing (a no-reuse workload shares nothing at all), and
@@ -73,8 +75,8 @@ INDEX_CHILDREN_AFTER = 8
 class RadixNode:
     """A run of full token blocks of a cached prefix (a root: a salt's empty run)."""
 
-    __slots__ = ("blocks", "by_first", "children", "held", "keys", "parent", "salt", "start", "tokens", "users",
-                 "width")
+    __slots__ = ("blocks", "by_first", "by_two", "children", "held", "keys", "parent", "salt", "start", "tokens",
+                 "users", "width")
 
     def __init__(self, parent: RadixNode | None, salt: str | None, start: int, groups: Sequence[str],
                  width: int) -> None:
@@ -88,6 +90,7 @@ class RadixNode:
         self.blocks: dict[str, list[int]] = {g: [] for g in groups} if parent is not None else {}
         self.children: Mapping[bytes, RadixNode] = _NONE  # first block's tokens -> child; a dict once it has one
         self.by_first: dict[bytes, dict[bytes, RadixNode]] | None = None  # built on demand, see the module doc
+        self.by_two: dict[bytes, dict[bytes, RadixNode]] = {}  # the same by first two tokens, built with by_first
         self.users = 0
 
     def __len__(self) -> int:
@@ -119,9 +122,27 @@ class RadixNode:
     def _index_by_first(self) -> None:
         """Build :attr:`by_first` (see the module doc); kept up to date by the tree from then on."""
         by_first: dict[bytes, dict[bytes, RadixNode]] = {}
+        by_two: dict[bytes, dict[bytes, RadixNode]] = {}
         for tokens, child in self.children.items():
             by_first.setdefault(tokens[:8], {})[tokens] = child
-        self.by_first = by_first
+            by_two.setdefault(tokens[:16], {})[tokens] = child
+        self.by_first, self.by_two = by_first, by_two
+
+    def index(self, first: bytes, child: RadixNode) -> None:
+        """Enter a new or replaced child (first block ``first``) in the first-token indexes, once built."""
+        if self.by_first is not None:
+            self.by_first.setdefault(first[:8], {})[first] = child
+            self.by_two.setdefault(first[:16], {})[first] = child
+
+    def children_sharing_two(self, want: bytes) -> list[RadixNode] | None:
+        """The children whose first block starts with ``want``'s first two packed tokens, in insertion order; None
+        while the node has too few children to index (scan them instead)."""
+        if self.by_first is None:
+            if len(self.children) <= INDEX_CHILDREN_AFTER:
+                return None
+            self._index_by_first()
+        group = self.by_two.get(want[:16])
+        return list(group.values()) if group else []
 
     def children_starting_with(self, token: int) -> list[RadixNode]:
         """The children whose first block starts with ``token``, in insertion order."""
@@ -240,8 +261,7 @@ class RadixTree:
                 node.children = {first: run}
             else:
                 children[first] = run  # type: ignore[index]
-                if node.by_first is not None:
-                    node.by_first.setdefault(first[:8], {})[first] = run
+                node.index(first, run)
             run.users = 1
             node = run
         lo = self.append(node, packed[at:end], tokens_per_block)
@@ -380,8 +400,7 @@ class RadixTree:
         assert parent is not None
         first = top.block(0)
         parent.children[first] = top  # type: ignore[index]  # an existing key: its place is kept
-        if parent.by_first is not None:
-            parent.by_first[first[:8]][first] = top
+        parent.index(first, top)
         top.children = {run.block(0): run}
         run.parent = top
         return top
@@ -393,10 +412,11 @@ class RadixTree:
         first = node.block(0)
         del parent.children[first]  # type: ignore[attr-defined]
         if parent.by_first is not None:
-            siblings = parent.by_first[first[:8]]
-            del siblings[first]
-            if not siblings:
-                del parent.by_first[first[:8]]
+            for index, key in ((parent.by_first, first[:8]), (parent.by_two, first[:16])):
+                siblings = index[key]
+                del siblings[first]
+                if not siblings:
+                    del index[key]
         node.parent = None
 
     # --- pending prefixes (lazy keying) ---------------------------------------------------------------
