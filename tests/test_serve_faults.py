@@ -147,6 +147,28 @@ def test_a_body_answered_unread_cannot_hold_the_connection_by_trickling(served):
     _served_normally(served)
 
 
+def _timeouts_counted(served) -> float:
+    return served.metrics()["kvload_http_requests_refused_total{reason=read_timeout}"]
+
+
+def test_read_timeouts_are_counted_head_and_body_alike(served):
+    """A head's 408 is written below the app (the h11 protocol), a body's by the app: both reach /metrics."""
+    before = _timeouts_counted(served)
+    with _connect(served) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: te")
+        assert _response(_read_to_close(sock))[0] == 408
+    assert _timeouts_counted(served) == before + 1
+    with _connect(served) as sock:
+        sock.sendall(_post_head("Content-Length: 100\r\n") + b'{"prompt": [1, ')
+        assert _response(_read_to_close(sock))[0] == 408
+    assert _timeouts_counted(served) == before + 2
+    with _connect(served) as sock:
+        assert _read_to_close(sock) == b""  # no request began: closed, and no refusal to count
+    _served_normally(served)
+    assert _timeouts_counted(served) == before + 2
+    assert served.metrics()["kvload_http_requests_in_flight"] == 0  # the timed-out body's slot was freed
+
+
 @pytest.mark.parametrize("value", [0, -1.0, True, "30", float("nan"), float("inf"), 86401])
 def test_build_state_refuses_a_read_timeout_that_is_not_positive_seconds(served, value):
     from kvload.serve.server import build_state
@@ -170,8 +192,14 @@ def limited():
         yield s
 
 
+IN_FLIGHT = "kvload_http_requests_in_flight"
+BUSY = "kvload_http_requests_refused_total{reason=busy}"
+
+
 def _in_flight(served, n: int) -> None:
+    """Wait until ``n`` requests are in flight, as the server counts them and as /metrics reports them."""
     wait_for(lambda: served.state.in_flight == n, what=f"{n} requests in flight")
+    wait_for(lambda: served.metrics()[IN_FLIGHT] == n, what=f"/metrics showing {n} requests in flight")
 
 
 def _held(served) -> socket.socket:
@@ -182,6 +210,7 @@ def _held(served) -> socket.socket:
 
 
 def _assert_busy(served) -> None:
+    before = served.metrics()
     with httpx.Client(base_url=served.url, timeout=TIMEOUT) as http:
         r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
@@ -194,6 +223,9 @@ def _assert_busy(served) -> None:
         # what a load balancer and a scraper ask keeps answering (uvicorn's limit_concurrency would 503 them)
         assert http.get("/health").json() == {"status": "ok"}
         assert "kvload_generation_tokens_total" in http.get("/metrics").text
+    after = served.metrics()
+    assert after[BUSY] == before[BUSY] + 2  # both refusals counted; /health and /metrics are neither in flight
+    assert after[IN_FLIGHT] == before[IN_FLIGHT] == LIMIT  # nor refused
 
 
 def test_past_the_limit_a_request_is_a_503_and_a_freed_slot_is_used_again(limited):
@@ -225,6 +257,21 @@ def test_a_stream_holds_its_slot_until_its_client_hangs_up(limited):
     finally:
         held.close()
     _in_flight(limited, 0)
+
+
+def test_requests_leave_the_in_flight_gauge_however_they_end(limited):
+    """A stream read to its end, a plain answer, and a plain request whose client hangs up while it generates."""
+    body = {"prompt": [3, 1, 4, 1, 5], "max_tokens": 4, "ignore_eos": True}
+    with httpx.Client(base_url=limited.url, timeout=TIMEOUT) as http:
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+            assert list(response.iter_lines())[-2:] == ["data: [DONE]", ""]
+        assert http.post("/v1/completions", json=body).status_code == 200
+    _in_flight(limited, 0)
+    long = json.dumps({**body, "max_tokens": 8000}).encode()
+    with _connect(limited) as sock:
+        sock.sendall(_post_head(f"Content-Length: {len(long)}\r\n") + long)
+        _in_flight(limited, 1)  # generating, no answer yet
+    _in_flight(limited, 0)  # the client hung up: its requests were aborted and its slot freed
 
 
 @pytest.mark.parametrize("value", [0, -1, True, 2.0, "8"])

@@ -12,6 +12,7 @@ import json
 import socket
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.serve_support import TIMEOUT, serving
 
@@ -125,3 +126,52 @@ def test_build_state_refuses_a_cap_that_is_not_a_positive_byte_count(served, val
     with pytest.raises(ConfigError, match=r"^max_request_bytes: expected an integer >= 1 \(bytes\)") as info:
         build_state(served.result, max_request_bytes=value)
     assert "\n" not in str(info.value)
+
+
+# --- refusals in /metrics ----------------------------------------------------------------------------------------
+
+REFUSED = "kvload_http_requests_refused_total"
+
+
+def _refused(served) -> dict[str, float]:
+    """``kvload_http_requests_refused_total`` by reason, parsed from /metrics."""
+    prefix = f"{REFUSED}{{reason="
+    return {k.removeprefix(prefix).removesuffix("}"): v for k, v in served.metrics().items() if k.startswith(prefix)}
+
+
+def test_every_refusal_reason_is_a_series_from_the_start(served):
+    from kvload.serve.metrics import REFUSAL_REASONS
+
+    assert set(_refused(served)) == set(REFUSAL_REASONS.values())  # rate() over a reason never seen is 0, not absent
+    assert served.metrics()["kvload_http_requests_in_flight"] == 0
+
+
+def test_refusals_are_counted_by_reason_as_a_client_meets_them(served):
+    before = _refused(served)
+    assert _raw(served, _post_head(f"Content-Length: {CAP + 1}\r\n"))[0] == 413
+    chunk = b'{"prompt": [' + b"1, " * 600
+    framed = b"%x\r\n%s\r\n" % (len(chunk), chunk)
+    assert _raw(served, _post_head("Transfer-Encoding: chunked\r\n"), framed, framed, framed)[0] == 413
+    bad = b'{"prompt": [1, 2'  # not JSON
+    assert _raw(served, _post_head(f"Content-Length: {len(bad)}\r\nConnection: close\r\n"), bad)[0] == 400
+    r = served.http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "temperature": 5})
+    assert r.status_code == 400
+    r = served.http.post("/v1/chat/completions", json={"model": "not-this-one",
+                                                       "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert _raw(served, b"NOT HTTP AT ALL\r\n\r\n")[0] == 400  # uvicorn's own 400, below the app: counted too
+    _served_normally(served)  # a request served is no refusal
+    after = _refused(served)
+    moved = {reason: after[reason] - before[reason] for reason in after if after[reason] != before[reason]}
+    assert moved == {"too_large": 2, "bad_request": 3, "model_not_found": 1}
+
+
+def test_a_refusal_s_reason_follows_its_status_and_a_server_failure_is_no_refusal():
+    from kvload.serve.metrics import ServeMetrics
+
+    m = ServeMetrics("m")
+    for status in (413, 413, 408, 503, 404, 400, 418, 500, 200):
+        m.on_refused(status)
+    got = {s.labels["reason"]: s.value for f in text_string_to_metric_families(m.render().decode())
+           for s in f.samples if s.name == REFUSED}
+    assert got == {"too_large": 2, "read_timeout": 1, "busy": 1, "model_not_found": 1, "bad_request": 2}

@@ -60,9 +60,11 @@ def create_app(state: ServeState) -> FastAPI:
     app = FastAPI(title="kvload serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serve = state
     app.add_middleware(_Admission, state=state)
+    state.metrics.http_in_flight.set_function(lambda: state.in_flight)  # what _Admission counts, read at scrape
 
     @app.exception_handler(BadRequest)
     async def bad_request(_: Request, exc: BadRequest) -> JSONResponse:
+        state.metrics.on_refused(exc.status)  # every refusal a handler raises (413, 408, 400, 404) passes here
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(Exception)
@@ -159,6 +161,7 @@ class _Admission:
             busy = BadRequest(f"the server is busy: {limit:,} completion request{'s are' if limit != 1 else ' is'} "
                               f"already in flight, the most it takes at once (--max-concurrent-requests sets it); "
                               "retry later", status=503, kind="server_error", code="server_busy")
+            state.metrics.on_refused(503)
             await JSONResponse(busy.body(), status_code=503, headers={"Retry-After": "1"})(scope, receive, send)
             return
         state.in_flight += 1

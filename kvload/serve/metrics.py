@@ -2,7 +2,8 @@
 
 Counters and histograms move as the engine loop reports steps and finished requests; gauges (queue
 lengths, KV usage per layer group) and the manager's own counters (prefix-cache queries and hits,
-evictions) are read from one consistent engine snapshot at scrape time.
+evictions) are read from one consistent engine snapshot at scrape time. The HTTP layer's own two (completion
+requests in flight, requests refused by reason) count HTTP requests, not the engine requests they become.
 """
 
 from __future__ import annotations
@@ -10,11 +11,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 #: ``layer_group`` label of the free pages of an arena shared by several layer groups (V2, equal pages)
 SHARED_ARENA_LABEL = "shared_arena"
+
+#: ``reason`` label of ``kvload_http_requests_refused_total`` by the HTTP status the server refused with; another
+#: 4xx counts as ``bad_request``, a 5xx other than 503 is a failure, not a refusal, and is not counted.
+REFUSAL_REASONS = {400: "bad_request", 404: "model_not_found", 408: "read_timeout", 413: "too_large", 503: "busy"}
 
 #: Buckets in seconds (vLLM's, which span GPU and CPU latencies).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -51,6 +56,17 @@ class ServeMetrics:
                               labels, buckets=TPOT_BUCKETS, registry=r).labels(model_name)
         self.e2e = Histogram("kvload_e2e_request_latency_seconds", "Time from queueing to the last token", labels,
                              buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
+        # read at scrape time from the count the admission middleware keeps (app._Admission): one source of truth
+        self.http_in_flight = Gauge("kvload_http_requests_in_flight",
+                                    "Completion and chat requests in the server now, from their headers until their "
+                                    "answer ends (what --max-concurrent-requests limits)", labels,
+                                    registry=r).labels(model_name)
+        self.http_refused = Counter("kvload_http_requests_refused",
+                                    "HTTP requests refused, by reason: bad_request and model_not_found (400, 404), "
+                                    "read_timeout (408, head or body), too_large (413), busy (503)",
+                                    [*labels, "reason"], registry=r)
+        for reason in sorted(set(REFUSAL_REASONS.values())):  # every series from the start: rate() needs a zero
+            self.http_refused.labels(model_name, reason)
         self.engine: Any = None
 
     def attach(self, engine: Any) -> None:
@@ -82,6 +98,14 @@ class ServeMetrics:
             self.e2e.observe(ttft_s + sum(tpot_s))
         for t in tpot_s:
             self.tpot.observe(t)
+
+    # --- the HTTP layer --------------------------------------------------------------------------
+
+    def on_refused(self, status: int) -> None:
+        """Count a request the server refused with HTTP ``status`` (see :data:`REFUSAL_REASONS`)."""
+        reason = REFUSAL_REASONS.get(status, "bad_request" if 400 <= status < 500 else None)
+        if reason is not None:
+            self.http_refused.labels(self.model_name, reason).inc()
 
     def render(self) -> bytes:
         """The text exposition format."""
@@ -135,4 +159,4 @@ class _EngineCollector:
         yield hits
 
 
-__all__ = ["ServeMetrics"]
+__all__ = ["REFUSAL_REASONS", "ServeMetrics"]

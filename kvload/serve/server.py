@@ -115,6 +115,7 @@ class _Deadlines(H11Protocol):
     """
 
     read_timeout_s: float = READ_TIMEOUT_DEFAULT  # set on the subclass :func:`_server` makes
+    metrics: ServeMetrics | None = None  # likewise: counts the refusals made here, below the app
 
     def connection_made(self, transport: Any) -> None:
         self._deadline: asyncio.TimerHandle | None = None
@@ -133,6 +134,12 @@ class _Deadlines(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel()
         super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's plain-text 400 for bytes h11 cannot parse as HTTP (a malformed or oversized head), counted."""
+        if self.metrics is not None:
+            self.metrics.on_refused(400)
+        super().send_400_response(msg)
 
     def _track(self) -> None:
         """A fresh deadline whenever the connection starts waiting for a new head or a new body; none otherwise."""
@@ -165,6 +172,8 @@ class _Deadlines(H11Protocol):
         if self._phase[0] is h11.IDLE:
             if self._phase[2]:  # part of a head came: say why the connection closes
                 self.transport.write(_head_timeout(self.read_timeout_s))
+                if self.metrics is not None:
+                    self.metrics.on_refused(408)
             self.transport.close()  # else a new connection that sent nothing: closed as keep-alive's timer would
         elif self.cycle is not None and self.cycle.response_complete:
             self.transport.close()  # answered without reading the body, which still has not all come
@@ -183,7 +192,7 @@ def _head_timeout(timeout: float) -> bytes:
 def _server(state: ServeState, log_level: str) -> _Server:
     # h11, named rather than "auto": the read deadlines above are built on its protocol class (httptools is
     # not a dependency of the serve extra, so "auto" meant h11 unless something else installed it)
-    protocol = type("_Deadlines", (_Deadlines,), {"read_timeout_s": state.read_timeout_s})
+    protocol = type("_Deadlines", (_Deadlines,), {"read_timeout_s": state.read_timeout_s, "metrics": state.metrics})
     config = uvicorn.Config(create_app(state), log_level=log_level, access_log=log_level in ("debug", "info"),
                             timeout_graceful_shutdown=5, lifespan="off", http=protocol)
     return _Server(config, state)
