@@ -498,14 +498,14 @@ class KVCacheManagerV2:
             return 0
 
         arena, spans = self._arena, self._spans
+        if arena is None:  # a pool per group: group g can hold len(table) + available blocks, that many tokens
+            tables, committed = cache.tables, cache.committed
+            most = min((len(tables[name]) + pool.available) * tpb for name, tpb, pool in self._group_pools)
+            return max(0, min(want, most - committed))
 
-        def fits(n: int) -> bool:
-            target = cache.committed + n
-            if arena is not None:  # the shortfall rule per span: a span's groups need the same blocks
-                return sum(max(0, k) * count for k, (_, count) in zip(self._span_need(cache, target), spans,
-                                                                       strict=True)) <= arena.available
-            return self.shortfall({g.name: math.ceil(target / g.tokens_per_block) - len(cache.tables[g.name])
-                                   for g in self.groups}) is None
+        def fits(n: int) -> bool:  # the shortfall rule per span: a span's groups need the same blocks
+            return sum(max(0, k) * count for k, (_, count) in zip(self._span_need(cache, cache.committed + n), spans,
+                                                                   strict=True)) <= arena.available
 
         if fits(want):
             return want
