@@ -5,6 +5,8 @@ from __future__ import annotations
 import attrs
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cache_backends import LayerKV, build_layout
 from cache_backends.interface import ManagerOptions
@@ -495,6 +497,36 @@ def test_fit_tokens_and_never_fits():
     assert m.never_fits(b) is None
     assert m.fit_tokens(b, 12) == 8  # two blocks left
     assert m.allocate(b, 9) is False and lengths(m, b) == (0, 0, 0)  # all or nothing
+
+
+@settings(max_examples=80, deadline=None)
+@given(layout=st.sampled_from(["full", "split sliding", "shared", "compressed"]), blocks=st.integers(3, 12),
+       others=st.lists(st.integers(1, 30), max_size=4), prompt=st.integers(1, 40), want=st.integers(1, 60))
+def test_fit_tokens_is_the_most_tokens_allocate_takes(layout, blocks, others, prompt, want):
+    layers = {"full": FULL, "split sliding": split_sliding_layers(6), "shared": full_sliding_layers(6),
+              "compressed": [LayerKV(0, "full", 4), LayerKV(1, "csa", 2, window=6, compressed_elems=2,
+                                                            compress_rate=8)]}[layout]
+    m = make_manager(layers, blocks, max_seq_len=64)
+    for i, n in enumerate(others):  # other requests hold some of the blocks
+        r = Request(f"o{i}", [100 + i, *range(n)], 0)
+        m.create(r)
+        m.resume(r)
+        if m.fit_tokens(r, r.num_tokens) == r.num_tokens:
+            assert m.allocate(r, r.num_tokens)
+            m.commit(r, r.num_tokens)
+    r = Request("r", list(range(prompt)), 0)
+    m.create(r)
+    m.resume(r)
+    got = m.fit_tokens(r, want)
+    cap = min(want, r.num_tokens - r.num_computed_tokens)
+    assert 0 <= got <= cap
+    assert m.allocate(r, got)  # that many fit
+    if got < cap:  # and one more does not (all or nothing: nothing changes)
+        cache = m.cache(r)
+        before = (cache.committed, cache.history, cache.capacity)
+        assert not m.allocate(r, got + 1)
+        assert (cache.committed, cache.history, cache.capacity) == before
+    m.check_invariants()
 
 
 def test_stats_add_up():
