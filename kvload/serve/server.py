@@ -137,6 +137,14 @@ class _Deadlines(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's plain-text 400 for bytes h11 cannot parse as HTTP (a malformed or oversized head), counted."""
+        # IDLE (a malformed head) and SEND_RESPONSE (a malformed body being read) can still be answered. Otherwise
+        # the request was answered already, without reading its body (a 503 past --max-concurrent-requests, a 404,
+        # a 405), and what came after it is not HTTP (bad chunk framing): h11 refused a second response mid-callback,
+        # which asyncio logged as a fatal protocol error with a traceback. The client has its answer: close, and
+        # count no second refusal.
+        if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+            self.transport.close()
+            return
         if self.metrics is not None:
             self.metrics.on_refused(400)
         super().send_400_response(msg)
