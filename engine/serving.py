@@ -104,6 +104,10 @@ class _ServeDriver(Driver):
         return None
 
 
+class EngineStopped(GenerationError):
+    """:meth:`ServingEngine.submit` after a stop was asked for: nothing was queued (the request would never end)."""
+
+
 class ServingEngine:
     """Continuous batching over a loaded model for requests submitted from any thread.
 
@@ -166,6 +170,11 @@ class ServingEngine:
             self._cond.notify_all()
 
     @property
+    def stopping(self) -> bool:
+        """Whether a stop was asked for: :meth:`submit` refuses from then on (``EngineStopped``)."""
+        return self._stopping
+
+    @property
     def alive(self) -> bool:
         """Whether the loop thread runs."""
         return self._thread is not None and self._thread.is_alive()
@@ -222,8 +231,8 @@ class ServingEngine:
         text there). ``params.logprobs=k`` reports, per generated token, its log-probability and the
         top ``k`` tokens' (``engine.sampling.top_logprobs``).
         """
-        if self._stopping:
-            raise GenerationError("the engine is shutting down")
+        if self._stopping:  # early, to skip the checks; decided below, under the loop's lock
+            raise EngineStopped("the engine is shutting down")
         check_salt(salt)  # as generate's: hashed into every block key, and its length bounded
         request = self.check(prompt_token_ids, params)
         request.salt = salt
@@ -236,6 +245,10 @@ class ServingEngine:
         live = _Live(request, params, sink, gen, frozenset(params.stop_token_ids), text, params.logprobs,
                      time.perf_counter())
         with self._cond:
+            # checked again under the lock request_stop takes: a stop asked for during the checks above may have
+            # ended the loop, whose last act (_fail_all) drained the inbox; a request queued after that never ended
+            if self._stopping:
+                raise EngineStopped("the engine is shutting down")
             self._inbox.append(live)
             self._cond.notify_all()
         return req_id
@@ -405,4 +418,4 @@ class ServingEngine:
             live.sink(event)
 
 
-__all__ = ["EngineObserver", "KvBuildError", "ServeEvent", "ServingEngine"]
+__all__ = ["EngineObserver", "EngineStopped", "KvBuildError", "ServeEvent", "ServingEngine"]

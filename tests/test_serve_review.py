@@ -1,19 +1,25 @@
 """``kvload serve`` at the edges the admission limits opened, over real sockets: bytes that are not HTTP after an
-answer that left its body unread.
+answer that left its body unread, a stop asked for while requests wait to be parsed, and a request submitted as
+the engine stops.
 
 Each test failed before its fix: a fatal-protocol-error traceback and a refusal counted for a client already
-answered. No test asserts how long anything took.
+answered; 500s ("GenerationError: the engine is shutting down", or uvicorn's plain-text one after its graceful
+timeout) with "Exception in ASGI application" tracebacks; a request queued after the engine's last drain, never
+ended. No test asserts how long anything took: a held hook gives up after ``TIMEOUT``, so a failure is not a hang.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import socket
+import threading
 from collections.abc import Iterator
 
 import pytest
 
+import pipeline
 from tests.serve_support import TIMEOUT, serving, wait_for
 
 PROMPT = [3, 1, 4, 1, 5]
@@ -110,3 +116,82 @@ def test_bad_chunk_framing_after_an_answer_that_left_the_body_unread_closes_quie
     wait_for(lambda: one_slot.state.in_flight == 0, what="the slot freed")
     r = one_slot.http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "ignore_eos": True})
     assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 2
+
+
+# --- a stop asked for while requests wait to be parsed ---------------------------------------------------------
+
+
+def test_requests_waiting_to_be_parsed_when_the_server_stops_get_one_clear_503():
+    """One request held mid-tokenization, two more (one streaming) queued behind it for the parsing worker, then a
+    stop (what SIGTERM does: the engine told first, then uvicorn). Each gets OpenAI's 503 naming the shutdown, no
+    traceback is logged, nothing is left in flight, and the server thread ends."""
+    with serving("tiny-llama") as served:
+        engine = served.state.engine
+        entered, release = threading.Event(), threading.Event()
+        encode = engine.encode
+
+        def held_encode(prompt, **kw):
+            if not entered.is_set():
+                entered.set()
+                release.wait(TIMEOUT)
+            return encode(prompt, **kw)
+
+        engine.encode = held_encode
+        socks = []
+        try:
+            with _logged_errors() as errors:
+                for stream in (False, True, False):
+                    body = json.dumps({"prompt": PROMPT, "max_tokens": 50, "ignore_eos": True, "stream": stream})
+                    sock = _connect(served.server.port)
+                    sock.sendall(_post(body.encode()))
+                    socks.append(sock)
+                    assert entered.wait(TIMEOUT)
+                wait_for(lambda: served.state.in_flight == 3, what="three requests in the server")
+                stopper = threading.Thread(target=served.server.stop)
+                stopper.start()
+                wait_for(lambda: engine.stopping, what="the stop asked for")
+                release.set()  # the held request carries on, now that the server is stopping
+                answers = [_read_to_close(sock) for sock in socks]
+                stopper.join(TIMEOUT)
+                assert not stopper.is_alive() and not served.server.thread.is_alive()
+            for answer in answers:
+                head, _, payload = answer.partition(b"\r\n\r\n")
+                assert head.startswith(b"HTTP/1.1 503 ") and b"connection: close" in head.lower(), answer
+                assert json.loads(payload) == {"error": {
+                    "message": "the server is shutting down and takes no new requests; retry on another server",
+                    "type": "server_error", "param": None, "code": "server_shutting_down"}}
+            assert [r.getMessage() for r in errors] == []
+            assert served.state.in_flight == 0
+        finally:
+            release.set()
+            engine.encode = encode
+            for sock in socks:
+                sock.close()
+
+
+def test_a_request_submitted_as_the_engine_stops_is_refused_not_queued_after_the_last_drain():
+    """``submit`` checked for a stop before its checks and queued after them: a loop that ended meanwhile had
+    drained its inbox for the last time, so the request was queued for no one and its client waited forever."""
+    from engine.sampling_params import SamplingParams
+    from engine.serving import EngineStopped, ServingEngine
+
+    result = pipeline.load("tiny-llama", load_weights=True, log=False, kv_cache_config={"max_tokens": 2048})
+    engine = ServingEngine.from_result(result)
+    try:
+        engine.start()
+        check = engine.check
+
+        def check_then_stop(ids, params):
+            request = check(ids, params)
+            engine.stop(TIMEOUT)  # the loop ends, aborting what it holds and draining the inbox, mid-submit
+            assert not engine.alive
+            return request
+
+        engine.check = check_then_stop
+        events = []
+        with pytest.raises(EngineStopped, match="^the engine is shutting down$"):
+            engine.submit(PROMPT, SamplingParams(max_tokens=2), events.append)
+        assert engine._inbox == [] and events == []  # nothing left queued that no loop will ever end
+    finally:
+        engine.stop(TIMEOUT)
+        result.close()

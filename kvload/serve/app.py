@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import ClientDisconnect
 
-from engine.serving import ServeEvent, ServingEngine
+from engine.serving import EngineStopped, ServeEvent, ServingEngine
 from engine.stopping import SampleText
 from kvload.serve.command import MAX_CONCURRENT_DEFAULT, READ_TIMEOUT_DEFAULT
 from kvload.serve.metrics import ServeMetrics
@@ -198,6 +198,12 @@ async def _read_body(request: Request, limit: int, timeout: float) -> bytearray:
     return body
 
 
+def _shutting_down() -> BadRequest:
+    # Connection: close, as uvicorn closes every connection once a stop is asked for
+    return BadRequest("the server is shutting down and takes no new requests; retry on another server", status=503,
+                      kind="server_error", code="server_shutting_down", headers={"Connection": "close"})
+
+
 def _too_large(limit: int, got: str) -> BadRequest:
     # Connection: close, so the server never reads (or waits for) the rest of the body it refused
     return BadRequest(f"the request body is too large: at most {limit:,} bytes are accepted (--max-request-bytes "
@@ -215,6 +221,8 @@ async def _serve(state: ServeState, request: Request, kind: str, gate: asyncio.L
     # One request at a time (vLLM's API server tokenizes on a single worker thread too): no two encodes share
     # the tokenizer at once, and a flood of big bodies uses one core, not all of them.
     async with gate:
+        if state.engine.stopping:  # queued here when a stop was asked for: refused at once, not parsed first
+            raise _shutting_down()
         try:
             await asyncio.to_thread(run.prepare, raw, kind)
         except asyncio.CancelledError:  # the server is stopping: what the worker submitted, or still does, ends
@@ -258,6 +266,8 @@ def _encode(engine: ServingEngine, job: Job) -> list[list[int]]:
     out = []
     for i, prompt in enumerate(job.prompts):
         field = "prompt" if len(job.prompts) == 1 else f"prompt[{i}]"
+        if engine.stopping:  # a stop asked for mid-request: end now, not after encoding up to 1,024 prompts
+            raise _shutting_down()
         try:
             out.append(engine.encode(prompt))
         except GenerationError as exc:
@@ -346,6 +356,8 @@ class _Run:
         job = self.job
         plan = []
         for i, ids in enumerate(self.prompts):
+            if self.engine.stopping:  # as in _encode: up to 1,024 checks would only end in EngineStopped
+                raise _shutting_down()
             params = job.params
             if not job.max_tokens_given:  # the default never asks for more than max_seq_len leaves
                 params = attrs.evolve(params, max_tokens=max(1, min(params.max_tokens, self.engine.room(ids))))
@@ -373,7 +385,10 @@ class _Run:
                     with self.lock:
                         if self.cancelled:
                             return
-                        rid = self.engine.submit(ids, params, sink, salt=job.salt, seed_offset=j)
+                        try:
+                            rid = self.engine.submit(ids, params, sink, salt=job.salt, seed_offset=j)
+                        except EngineStopped:  # a 503 naming the cause, not a 500 with a traceback
+                            raise _shutting_down() from None
                         self.choices[index].req_id = rid
                         self.open.add(index)
         except BaseException:
