@@ -214,6 +214,7 @@ def _assert_busy(served) -> None:
     with httpx.Client(base_url=served.url, timeout=TIMEOUT) as http:
         r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.headers["connection"] == "close"  # the refused body is not read
         assert r.json() == {"error": {"message": "the server is busy: 2 completion requests are already in flight, "
                                                  "the most it takes at once (--max-concurrent-requests sets it); "
                                                  "retry later",

@@ -162,7 +162,9 @@ class _Admission:
                               f"already in flight, the most it takes at once (--max-concurrent-requests sets it); "
                               "retry later", status=503, kind="server_error", code="server_busy")
             state.metrics.on_refused(503)
-            await JSONResponse(busy.body(), status_code=503, headers={"Retry-After": "1"})(scope, receive, send)
+            # Connection: close, so the body it refused is not read (uvicorn would drain it up to the read timeout)
+            await JSONResponse(busy.body(), status_code=503,
+                               headers={"Retry-After": "1", "Connection": "close"})(scope, receive, send)
             return
         state.in_flight += 1
         try:
