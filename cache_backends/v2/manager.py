@@ -819,16 +819,12 @@ class KVCacheManagerV2:
         for node in [*self._tree.roots.values(), *self._tree.nodes()]:
             where = f"radix run at block {node.start}"
             if node.by_first is not None:
-                expected: dict[bytes, list[RadixNode]] = {}
-                for child in node.children.values():
-                    expected.setdefault(child.block(0)[:8], []).append(child)
-                if {t: list(group.values()) for t, group in node.by_first.items()} != expected:
-                    problems.append(f"{where}: first-token index disagrees with its children")
-                expected = {}
-                for child in node.children.values():
-                    expected.setdefault(child.block(0)[:16], []).append(child)
-                if {t: list(group.values()) for t, group in node.by_two.items()} != expected:
-                    problems.append(f"{where}: first-two-tokens index disagrees with its children")
+                for index, width, what in ((node.by_first, 8, "first-token"), (node.by_two, 16, "first-two-tokens")):
+                    expected: dict[bytes, list[RadixNode]] = {}
+                    for child in node.children.values():
+                        expected.setdefault(child.block(0)[:width], []).append(child)
+                    if {t: list(group.values()) for t, group in index.items()} != expected:
+                        problems.append(f"{where}: {what} index disagrees with its children")
             for first, child in node.children.items():
                 if child.parent is not node or not child.held or child.block(0) != first \
                         or child.start != (node.start + len(node) if node.parent is not None else 0):
@@ -1012,7 +1008,7 @@ class KVCacheManagerV2:
                     continue
                 if cache.pending is not None:
                     for _, name in shares:
-                        self._park_window(cache.pending, name, tables[name], lo, upto)
+                        self._park_blocks(cache.pending, name, tables[name], lo, upto)
                 self._arena.release_slices([(i, tables[name]) for i, name in shares], lo, upto, priority)
                 for _, name in shares:
                     released[name] = upto
@@ -1027,7 +1023,7 @@ class KVCacheManagerV2:
             for name, pool in members:
                 table = tables[name]
                 if cache.pending is not None and keep_cached:
-                    self._park_window(cache.pending, name, table, released[name], upto)
+                    self._park_blocks(cache.pending, name, table, released[name], upto)
                 for j in range(released[name], upto):
                     if table[j] >= 0:
                         pool.decref(table[j], priority, keep_cached, self._detach)
@@ -1180,11 +1176,9 @@ class KVCacheManagerV2:
         if self._reuse:
             self.counters["reuse_query_tokens"] += request.num_tokens
             first = pack_tokens(_tokens(request, 0, 1))
-            pending = self._tree.pending
-            if pending:
-                prefix = self._tree.pending_prefix(request.salt, first)
-                if prefix is not None:  # a prefix that starts like this one: in the tree before the lookup
-                    self._materialize(prefix)
+            prefix = self._tree.pending_prefix(request.salt, first)
+            if prefix is not None:  # a prefix that starts like this one: in the tree before the lookup
+                self._materialize(prefix)
             if self._cheap_miss(request, first):  # nothing to claim, whole or partial: skip the lookups
                 cache.last = None
                 cache.keyed = 0
@@ -1300,19 +1294,9 @@ class KVCacheManagerV2:
         # its tokens now, not the request: a caller may reuse the request's lists, and its blocks may outlive it
         prefix.tokens = _tokens(cache.request, 0, n * self.T)
         prefix.request = None
-        if len(prefix.held) < n:
-            self._grow(prefix, n)
-        held, tables = prefix.held, cache.tables
-        for name, _, owner, pos in self._attach_steps:
-            dst, table = prefix.blocks[name], tables[name]
-            for i in range(n):
-                b = table[i]
-                if b >= 0:  # (-1: a window let it go, parked then or freed with scratch reuse off)
-                    dst[i] = b
-                    owner[b] = prefix  # type: ignore[call-overload]
-                    pos[b] = i
-                    held[i] += 1
-        if not any(held):  # every full block left a window and was freed (scratch reuse off): nothing cached
+        for name, _, _, _ in self._attach_steps:  # (-1 in a table: a window let it go, parked then or freed)
+            self._park_blocks(prefix, name, cache.tables[name], 0, n)
+        if not any(prefix.held):  # every full block left a window and was freed (scratch reuse off): nothing cached
             self._tree.drop_pending(prefix)
 
     def _grow(self, prefix: PendingPrefix, n: int) -> None:
@@ -1327,9 +1311,9 @@ class KVCacheManagerV2:
                 blocks[name] = got = []
             got += empty
 
-    def _park_window(self, prefix: PendingPrefix, name: str, table: list[int], lo: int, hi: int) -> None:
-        """Blocks ``lo..hi-1`` of a lazily keyed running cache leave ``name``'s window: they stay cached under its
-        pending prefix (as, keyed, they would stay in the tree)."""
+    def _park_blocks(self, prefix: PendingPrefix, name: str, table: list[int], lo: int, hi: int) -> None:
+        """``table[lo:hi]`` (``name``'s blocks of a lazily keyed cache: leaving a window, or all its full ones when
+        it lets go) stay cached under its pending prefix, as, keyed, they would stay in the tree."""
         if len(prefix.held) < hi:
             self._grow(prefix, hi)
         pool = self._pool[name]
@@ -1371,26 +1355,20 @@ class KVCacheManagerV2:
         want = pack_tokens(want_ids)
         best, best_k = None, 0
         groups = len(self.groups)
+        # An indexed node (many children, e.g. every cached prompt after a common BOS): the earliest child with the
+        # longest match shares two tokens if any does, so only those are compared; else every child that shares the
+        # first token is (any other shares no token).
         two = parent.children_sharing_two(want) if self._partial_unit == 1 and limit >= 2 else None
-        if two is not None:
-            # An indexed node (many children, e.g. every cached prompt after a common BOS): the earliest child with
-            # the longest match shares two tokens if any does; else it is the earliest that shares the first one.
-            for child in two:
-                if child.held[0] == groups:
-                    k = min(_common_prefix(child.block(0), want), limit)
-                    if k > best_k:
-                        best, best_k = child, k
-            if best is None:
-                best = next((c for c in parent.children_starting_with(want_ids[0]) if c.held[0] == groups), None)
-                best_k = 1
-        else:
-            for child in parent.children_starting_with(want_ids[0]):  # any other child shares no token
-                if child.held[0] != groups:
-                    continue
-                k = min(_common_prefix(child.block(0), want), limit)
-                k -= k % self._partial_unit
-                if k > best_k:
-                    best, best_k = child, k
+        for child in two if two is not None else parent.children_starting_with(want_ids[0]):
+            if child.held[0] != groups:
+                continue
+            k = min(_common_prefix(child.block(0), want), limit)
+            k -= k % self._partial_unit
+            if k > best_k:
+                best, best_k = child, k
+        if best is None and two is not None:  # none shares two: the earliest that shares the first one, by one token
+            best = next((c for c in parent.children_starting_with(want_ids[0]) if c.held[0] == groups), None)
+            best_k = 1
         if best is None:
             return 0
         src_of = {g.name: best.blocks[g.name][0] for g in self.groups}
