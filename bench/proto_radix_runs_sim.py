@@ -204,6 +204,10 @@ class RunsTree:
         self.pending: dict = {}  # main's lazy keying is off here (the prototype keys every block, as main then did)
         self.latent: dict = {}
 
+    def pending_prefix(self, salt: str | None, first: bytes) -> None:
+        """No pending prefixes here: every block is keyed (see ``pending``)."""
+        return None
+
     def root(self, salt: str | None) -> RadixNode | None:
         """A salt's root."""
         return self.roots.get(salt)
