@@ -23,6 +23,10 @@ class Request:
     ``num_computed_tokens`` counts the tokens of ``all_token_ids`` whose KV is in the cache (reused
     prefix included). It only advances through the manager's ``commit``. A step computes KV for
     ``all_token_ids[num_computed_tokens : num_computed_tokens + n]``.
+
+    The request owns its token ids: the prompt is copied at construction (a caller reusing its list changes
+    nothing here) and generated tokens are only ever appended, so the tokens of a block stay what its KV was
+    computed from — a KV manager reads a request's tokens after it let go (V2's lazily keyed prefixes).
     """
 
     req_id: str
@@ -38,6 +42,9 @@ class Request:
     finish_reason: str | None = None
 
     def __attrs_post_init__(self) -> None:
+        # its own copy (see above); here, not an attrs converter: a converter makes attrs check every attribute
+        # write of the class (a custom __setattr__), and a running request's counters are written every step
+        self.prompt_token_ids = list(self.prompt_token_ids)
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.req_id}: empty prompt")
         if self.max_new_tokens < 0:

@@ -165,7 +165,7 @@ def test_a_pending_prefix_keeps_the_tokens_its_blocks_hold_when_the_caller_reuse
         m.commit(r, 9)
         m.free(r)
         prompt[1:] = [0] * 8  # the caller reuses its list: the cached blocks still hold 7, 1, 2, ...
-        assert r.all_token_ids[:2] == [7, 0]
+        assert r.all_token_ids[:2] == [7, 1]  # ...and so does the request, which copied it
         again = Request("again", [7, 0, 0, 0, 0, 0, 0, 0, 0, 0], 0)
         m.create(again)
         m.resume(again)

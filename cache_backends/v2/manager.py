@@ -1254,7 +1254,7 @@ class KVCacheManagerV2:
             n -= 1
         if not n:
             return
-        run, segs = tree.extend(None, prefix.salt, pack_tokens(prefix.tokens[:n * T]), T)  # type: ignore[index]
+        run, segs = tree.extend(None, prefix.salt, pack_tokens(_tokens(prefix.request, 0, n * T)), T)  # type: ignore[arg-type]
         assert segs == [(run, 0, n)], "a pending prefix's first token starts no run"
         counts = run.held
         for name, _, owner, _ in self._attach_steps:
@@ -1291,9 +1291,6 @@ class KVCacheManagerV2:
             self._tree.drop_pending(prefix)
             return
         prefix.cache = None
-        # its tokens now, not the request: a caller may reuse the request's lists, and its blocks may outlive it
-        prefix.tokens = _tokens(cache.request, 0, n * self.T)
-        prefix.request = None
         for name, _, _, _ in self._attach_steps:  # (-1 in a table: a window let it go, parked then or freed)
             self._park_blocks(prefix, name, cache.tables[name], 0, n)
         if not any(prefix.held):  # every full block left a window and was freed (scratch reuse off): nothing cached

@@ -158,15 +158,14 @@ class RadixNode:
 class PendingPrefix:
     """A prefix not hung in the tree yet: a running request's, or the blocks a request left cached (module doc)."""
 
-    __slots__ = ("blocks", "cache", "children", "first", "held", "parent", "request", "salt", "start", "tokens",
-                 "users", "width")
+    __slots__ = ("blocks", "cache", "children", "first", "held", "parent", "request", "salt", "start", "users",
+                 "width")
 
     def __init__(self, salt: str | None, first: bytes, request: object, cache: object, width: int) -> None:
         self.salt = salt
         self.first = first  # the first token, packed
-        self.request = request  # a running request's tokens are the prefix's (cache_backends.request.Request)
+        self.request = request  # its tokens are the prefix's (a Request owns them: they never change in place)
         self.cache = cache  # the running request's SequenceCache; None once it let go
-        self.tokens: list[int] | None = None  # once it let go: its full blocks' token ids (the request is dropped)
         self.width = width
         self.blocks: dict[str, list[int]] = {}
         self.held: list[int] = []
@@ -182,8 +181,7 @@ class PendingPrefix:
     def block(self, i: int) -> bytes:
         """Position ``i``'s packed token ids."""
         n = self.width // 8
-        tokens = self.tokens if self.tokens is not None else self.request.all_token_ids  # type: ignore[attr-defined]
-        return pack_tokens(tokens[i * n:(i + 1) * n])
+        return pack_tokens(self.request.all_token_ids[i * n:(i + 1) * n])  # type: ignore[attr-defined]
 
 
 #: A stretch of new positions: (run, first offset, end offset).
