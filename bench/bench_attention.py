@@ -12,7 +12,8 @@ One decode step of one layer per point: every sequence brings one new token at p
 shuffled, as a real pool hands them out) before SDPA; ``flex`` writes the same way and runs the
 compiled FlexAttention straight over the pool (``cache_backends.flex_paged``); ``triton`` the paged decode
 kernel (``cache_backends.paged_decode``; on CUDA, or in Triton's interpreter with ``--triton on``), ``tri_step``
-the same with its whole per-step cost (tables, uploads); ``contiguous`` writes
+the same with its whole per-step cost (tables, uploads); ``cpu`` / ``cpu_step`` the same for the CPU paged decode
+kernel (``cache_backends.cpu_decode``; on CPU where a C compiler builds it); ``contiguous`` writes
 into a dense ``(B, kv_heads, L, head_dim)`` cache and runs SDPA over it. ``plan_old`` is the per-step
 ``PagedBatch`` build from block-table lists; ``plan`` the same from the executor's tensor rows
 (``BlockTableStore``); ``plan_flex`` the compiled path's plan (tables + block mask). A plan is paid
@@ -85,6 +86,33 @@ def median_us(fn: Callable[[], object], reps: int, device: torch.device) -> floa
     return statistics.median(times)
 
 
+def paged_decode_kernels(args: argparse.Namespace, device: torch.device) -> dict[str, Callable[..., torch.Tensor]]:
+    """The paged decode kernels ``--triton`` / ``--cpu-kernel`` ask for that run here (``on``: one that cannot
+    is an error)."""
+    from cache_backends.cpu_decode import KernelUnavailable, cpu_decode_unsupported, load_cpu_kernel
+    from cache_backends.paged_decode import paged_decode, paged_decode_unsupported
+    from models.gguf_cache import cache_root
+
+    kernels: dict[str, Callable[..., torch.Tensor]] = {}
+    if args.triton != "off":
+        why = paged_decode_unsupported(device, args.block, args.head_dim)
+        if why is None:
+            kernels["triton"] = paged_decode
+        elif args.triton == "on":
+            raise SystemExit(f"--triton on: {why}")
+    if args.cpu_kernel != "off":
+        heads = args.heads or 8
+        why = cpu_decode_unsupported(device, args.head_dim, heads // args.kv_heads, TORCH_DTYPES[args.dtype])
+        if why is None:
+            try:
+                kernels["cpu"] = load_cpu_kernel(cache_root() / "kernels")
+            except KernelUnavailable as exc:
+                why = str(exc)
+        if why is not None and args.cpu_kernel == "on":
+            raise SystemExit(f"--cpu-kernel on: {why}")
+    return kernels
+
+
 def bench_point(batch: int, length: int, args: argparse.Namespace, device: torch.device) -> dict[str, float]:
     """Time one (batch, context length) point."""
     dtype = TORCH_DTYPES[args.dtype]
@@ -153,16 +181,20 @@ def bench_point(batch: int, length: int, args: argparse.Namespace, device: torch
     def compiled() -> torch.Tensor:
         return paged_attention(flex_step[0], 0, q, k_new, v_new, scale)
 
-    def triton_step() -> torch.Tensor:  # the paged decode kernel, its whole step: tables, uploads, write, attend
-        for b, t in enumerate(tables):
-            store.update(f"r{b}", "full", t)
-        fresh = PagedBatch.build(bare, pools, store.tables(rows), decode_kernel=True)
-        return paged_attention(fresh, 0, q, k_new, v_new, scale)
+    def kernel_step(kernel: Callable[..., torch.Tensor]) -> Callable[[], torch.Tensor]:
+        def step() -> torch.Tensor:  # a paged decode kernel, its whole step: tables, uploads, write, attend
+            for b, t in enumerate(tables):
+                store.update(f"r{b}", "full", t)
+            fresh = PagedBatch.build(bare, pools, store.tables(rows), decode_kernel=kernel)
+            return paged_attention(fresh, 0, q, k_new, v_new, scale)
+        return step
 
-    kernel_step = PagedBatch.build(bare, pools, store.tables(rows), decode_kernel=True)
+    def kernel_only(kernel: Callable[..., torch.Tensor]) -> Callable[[], torch.Tensor]:
+        kept = PagedBatch.build(bare, pools, store.tables(rows), decode_kernel=kernel)
 
-    def triton_kernel() -> torch.Tensor:  # the same batch again: its uploads are kept, so write + kernel only
-        return paged_attention(kernel_step, 0, q, k_new, v_new, scale)
+        def attend() -> torch.Tensor:  # the same batch again: its uploads are kept, so write + kernel only
+            return paged_attention(kept, 0, q, k_new, v_new, scale)
+        return attend
 
     with torch.inference_mode():
         torch.testing.assert_close(paged()[0].float(), paged()[0].float())  # a smoke check: deterministic
@@ -175,11 +207,11 @@ def bench_point(batch: int, length: int, args: argparse.Namespace, device: torch
             torch.testing.assert_close(compiled().float(), paged().float(), rtol=tol, atol=tol)
             result["flex"] = median_us(compiled, args.reps, device)
             result["plan_flex"] = median_us(plan_flex, args.reps, device)
-        if args.triton:
+        for name, kernel in args.kernels.items():  # "triton", "cpu": the paged decode kernels that run here
             tol = 1e-4 if dtype == torch.float32 else 2e-2
-            torch.testing.assert_close(triton_step().float(), paged().float(), rtol=tol, atol=tol)
-            result["triton"] = median_us(triton_kernel, args.reps, device)
-            result["triton_step"] = median_us(triton_step, args.reps, device)
+            torch.testing.assert_close(kernel_step(kernel)().float(), paged().float(), rtol=tol, atol=tol)
+            result[name] = median_us(kernel_only(kernel), args.reps, device)
+            result[f"{name}_step"] = median_us(kernel_step(kernel), args.reps, device)
     pools.release()
     return result
 
@@ -490,17 +522,13 @@ def main(argv: list[str] | None = None) -> None:
                         "interleaved pairs in this process")
     p.add_argument("--triton", choices=("auto", "on", "off"), default="auto",
                    help="time the Triton paged decode kernel (auto: where it runs, i.e. on CUDA with triton)")
+    p.add_argument("--cpu-kernel", choices=("auto", "on", "off"), default="auto",
+                   help="time the CPU paged decode kernel (auto: where it runs, i.e. on CPU with a C compiler)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    if args.triton != "off":
-        from cache_backends.paged_decode import paged_decode_unsupported
-
-        why = paged_decode_unsupported(device, args.block, args.head_dim)
-        if why is not None and args.triton == "on":
-            raise SystemExit(f"--triton on: {why}")
-        args.triton = why is None
+    args.kernels = paged_decode_kernels(args, device)
     CLOCK["name"] = args.clock if args.clock != "auto" else (
         "cpu" if device.type == "cpu" and torch.get_num_threads() == 1 else "wall")
     if args.plan_groups:
@@ -521,7 +549,8 @@ def main(argv: list[str] | None = None) -> None:
     print("times in us (medians); x = contiguous / path (>= 1: the path is as fast as SDPA over a contiguous "
           "cache), plan included on the paged paths")
     print(f"{'batch':>5} {'len':>6} {'contig':>8} {'gather':>8} {'plan_old':>8} {'plan':>6} {'gather_x':>8} "
-          f"{'flex':>8} {'plan_flex':>9} {'flex_x':>6} {'triton':>8} {'tri_step':>8} {'triton_x':>8}")
+          f"{'flex':>8} {'plan_flex':>9} {'flex_x':>6} {'triton':>8} {'tri_step':>8} {'triton_x':>8} "
+          f"{'cpu':>8} {'cpu_step':>8} {'cpu_x':>6}")
     for b in (int(x) for x in args.batch.split(",")):
         for n in (int(x) for x in args.lengths.split(",")):
             r = bench_point(b, n, args, device)
@@ -531,10 +560,15 @@ def main(argv: list[str] | None = None) -> None:
             if "flex" in r:
                 line += (f" {r['flex']:>8.1f} {r['plan_flex']:>9.1f} "
                          f"{r['contiguous'] / (r['flex'] + r['plan_flex']):>6.2f}")
-            elif "triton" in r:
+            elif args.kernels:
                 line += f" {'-':>8} {'-':>9} {'-':>6}"
-            if "triton" in r:  # triton_x: the whole step (tables, uploads, write, kernel) against contiguous
+            # triton_x / cpu_x: the kernel's whole step (tables, uploads, write, kernel) against contiguous
+            if "triton" in r:
                 line += f" {r['triton']:>8.1f} {r['triton_step']:>8.1f} {r['contiguous'] / r['triton_step']:>8.2f}"
+            elif "cpu" in r:
+                line += f" {'-':>8} {'-':>8} {'-':>8}"
+            if "cpu" in r:
+                line += f" {r['cpu']:>8.1f} {r['cpu_step']:>8.1f} {r['contiguous'] / r['cpu_step']:>6.2f}"
             print(line, flush=True)
 
 

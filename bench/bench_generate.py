@@ -116,56 +116,79 @@ def hf_generate(model: Any, prompts: list[list[int]], new_tokens: int, pad_id: i
     return (out.shape[1] - width) * len(prompts)
 
 
+def attention_in_use(executor: Any, requested: str) -> str:
+    """The attention backend a generate call runs on: ``requested``, or ``sdpa`` where it was ignored."""
+    if requested in ("flex", "triton", "cpu_kernel") and executor.flex is None and executor.decode_kernel is None:
+        return "sdpa"
+    return requested
+
+
 def bench_scenario(result: pipeline.LoadResult, prompts: list[list[int]], args: argparse.Namespace,
-                   device: torch.device) -> dict[str, Any]:
-    """Median tokens/s of kvload and of ``model.generate`` on one prompt set."""
+                   device: torch.device, backends: list[str] | None = None) -> list[dict[str, Any]]:
+    """Median tokens/s of kvload and of ``model.generate`` on one prompt set: a row per attention backend.
+
+    ``backends`` (default: the loaded one only): every repeat runs kvload once per backend, switched on the executor
+    between calls (``GenerationExecutor.use_attention``), then ``model.generate``, so all see the same machine.
+    """
     model = result.hf_model
     pad_id = model.generation_config.pad_token_id
     if not isinstance(pad_id, int):
         pad_id = 0
-    kv_rates: list[float] = []
+    names = backends or [attention_in_use(result.executor, result.args.attention_backend)]
+    kv_rates: dict[str, list[float]] = {n: [] for n in names}
+    kv_cpu: dict[str, list[float]] = {n: [] for n in names}
+    kv_stats: dict[str, Any] = {}
     hf_rates: list[float] = []
-    kv_cpu: list[float] = []
     hf_cpu: list[float] = []
-    kv_stats = None
-    for rep in range(args.repeats + 1):  # the first round warms both up and is not counted
-        sync(device)
-        start, cpu = time.perf_counter(), time.thread_time()
-        outs = result.generate(prompts, max_new_tokens=args.new_tokens, ignore_eos=True, salt=f"bench-{rep}")
-        sync(device)
-        kv_time, kv_thread = time.perf_counter() - start, time.thread_time() - cpu
-        generated = sum(len(o.token_ids) for o in outs)
+    for rep in range(args.repeats + 1):  # the first round warms every side up and is not counted
+        for name in names:
+            if backends:
+                result.executor.use_attention(name, result.args.max_num_tokens)
+                if attention_in_use(result.executor, name) != name:
+                    raise SystemExit(f"--compare-attention: {name} does not run here (see the load's audit)")
+            sync(device)
+            start, cpu = time.perf_counter(), time.thread_time()
+            outs = result.generate(prompts, max_new_tokens=args.new_tokens, ignore_eos=True,
+                                   salt=f"bench-{rep}-{name}")
+            sync(device)
+            kv_time, kv_thread = time.perf_counter() - start, time.thread_time() - cpu
+            generated = sum(len(o.token_ids) for o in outs)
+            if rep:
+                kv_rates[name].append(generated / kv_time)
+                kv_cpu[name].append(generated / kv_thread)
+                kv_stats[name] = result.executor.last_stats
         start, cpu = time.perf_counter(), time.thread_time()
         hf_generated = hf_generate(model, prompts, args.new_tokens, pad_id)
         sync(device)
         hf_time, hf_thread = time.perf_counter() - start, time.thread_time() - cpu
         if rep:
-            kv_rates.append(generated / kv_time)
             hf_rates.append(hf_generated / hf_time)
-            kv_cpu.append(generated / kv_thread)
             hf_cpu.append(hf_generated / hf_thread)
-            kv_stats = result.executor.last_stats
-    kv, hf = statistics.median(kv_rates), statistics.median(hf_rates)
-    kvc, hfc = statistics.median(kv_cpu), statistics.median(hf_cpu)
-    return {
-        "prompts": len(prompts),
-        "prompt_tokens": sum(len(p) for p in prompts),
-        "new_tokens": args.new_tokens,
-        "kvload_tokens_per_s": kv,
-        "hf_tokens_per_s": hf,
-        "ratio": kv / hf,
-        "kvload_runs": kv_rates,
-        "hf_runs": hf_rates,
-        # tokens per second of the calling thread's CPU time: with --threads 1 torch computes on this
-        # thread, so this is the figure that other processes on a shared machine do not move
-        "kvload_cpu_tokens_per_s": kvc,
-        "hf_cpu_tokens_per_s": hfc,
-        "cpu_ratio": kvc / hfc,
-        "kvload_cpu_runs": kv_cpu,
-        "hf_cpu_runs": hf_cpu,
-        "kvload_steps": kv_stats.steps if kv_stats else None,
-        "kvload_forward_share": kv_stats.forward_s / kv_stats.wall_s if kv_stats else None,
-    }
+    hf, hfc = statistics.median(hf_rates), statistics.median(hf_cpu)
+    rows = []
+    for name in names:
+        kv, kvc, stats = statistics.median(kv_rates[name]), statistics.median(kv_cpu[name]), kv_stats.get(name)
+        rows.append({
+            "prompts": len(prompts),
+            "prompt_tokens": sum(len(p) for p in prompts),
+            "new_tokens": args.new_tokens,
+            "attention": name,
+            "kvload_tokens_per_s": kv,
+            "hf_tokens_per_s": hf,
+            "ratio": kv / hf,
+            "kvload_runs": kv_rates[name],
+            "hf_runs": hf_rates,
+            # tokens per second of the calling thread's CPU time: with --threads 1 torch computes on this
+            # thread, so this is the figure that other processes on a shared machine do not move
+            "kvload_cpu_tokens_per_s": kvc,
+            "hf_cpu_tokens_per_s": hfc,
+            "cpu_ratio": kvc / hfc,
+            "kvload_cpu_runs": kv_cpu[name],
+            "hf_cpu_runs": hf_cpu,
+            "kvload_steps": stats.steps if stats else None,
+            "kvload_forward_share": stats.forward_s / stats.wall_s if stats else None,
+        })
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -183,8 +206,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-num-tokens", type=int, default=512, help="most tokens in one kvload forward")
     p.add_argument("--tokens-per-block", type=int, default=32)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    p.add_argument("--attention", default="auto", choices=("auto", "flex", "sdpa", "triton"),
+    p.add_argument("--attention", default="auto", choices=("auto", "flex", "sdpa", "triton", "cpu_kernel"),
                    help="kvload's attention_backend (flex compiles each new shape once, in the warm-up round)")
+    p.add_argument("--compare-attention", default="", metavar="A,B,...",
+                   help="time kvload on each of these attention backends in the same run, switched between calls "
+                        "(e.g. sdpa,cpu_kernel); --attention is then the one the load resolves first")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     args = p.parse_args(argv)
     if args.threads:
@@ -206,11 +232,13 @@ def main(argv: list[str] | None = None) -> None:
                        **overrides) as result:
         device = result.kv_manager.pools.device
         vocab = result.hf_model.get_input_embeddings().num_embeddings
-        rows = [bench_scenario(result, prompts_for(lengths[b], vocab, seed=b), args, device) for b in batches]
+        backends = [b for b in args.compare_attention.split(",") if b] or None
+        rows = [row for b in batches
+                for row in bench_scenario(result, prompts_for(lengths[b], vocab, seed=b), args, device, backends)]
         flex = result.executor.flex
         head = {"model": args.model, "device": str(device), "dtype": str(result.args.dtype),
                 "kv_manager": result.route.kv_manager, "threads": torch.get_num_threads(),
-                "attention": result.args.attention_backend if flex is not None else "sdpa",
+                "attention": "/".join(dict.fromkeys(r["attention"] for r in rows)),
                 "compiled_shapes": flex.compiles if flex is not None else 0,
                 "warmup_s": flex.warmup_s if flex is not None else 0.0,
                 "new_tokens": args.new_tokens, "repeats": args.repeats}
@@ -223,10 +251,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"compiled {head['compiled_shapes']} attention shapes in {head['warmup_s']:.1f} s (warm-up round, "
               "not in tokens/s)")
     print("wall: tokens / wall time; cpu: tokens / CPU time of the calling thread (--threads 1: all of torch's work)")
-    print(f"{'prompts':>7} {'prompt_tok':>10} {'kvload_tok/s':>12} {'generate_tok/s':>14} {'ratio':>6} "
-          f"{'kv_cpu_tok/s':>12} {'gen_cpu_tok/s':>13} {'cpu_ratio':>9} {'kv_steps':>8} {'forward%':>8}")
+    print(f"{'prompts':>7} {'prompt_tok':>10} {'attention':>10} {'kvload_tok/s':>12} {'generate_tok/s':>14} "
+          f"{'ratio':>6} {'kv_cpu_tok/s':>12} {'gen_cpu_tok/s':>13} {'cpu_ratio':>9} {'kv_steps':>8} {'forward%':>8}")
     for r in rows:
-        print(f"{r['prompts']:>7} {r['prompt_tokens']:>10} {r['kvload_tokens_per_s']:>12.1f} "
+        print(f"{r['prompts']:>7} {r['prompt_tokens']:>10} {r['attention']:>10} {r['kvload_tokens_per_s']:>12.1f} "
               f"{r['hf_tokens_per_s']:>14.1f} {r['ratio']:>6.2f} {r['kvload_cpu_tokens_per_s']:>12.1f} "
               f"{r['hf_cpu_tokens_per_s']:>13.1f} {r['cpu_ratio']:>9.2f} {r['kvload_steps']:>8} "
               f"{100 * r['kvload_forward_share']:>7.1f}%")

@@ -34,7 +34,7 @@ every token of a sliding layer in its uniform pool, and the mask still applies t
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -209,8 +209,10 @@ class PagedBatch:
         self._stacks: dict[tuple[str, ...], np.ndarray] = {}
         #: the compiled path (``cache_backends.flex_paged``) when the step runs on it; None: gather + SDPA
         self.flex: Any = None
-        #: whether a decode-only step attends through the Triton paged decode kernel (``cache_backends.paged_decode``)
-        self.decode_kernel = False
+        #: the paged decode kernel a decode-only step's full and sliding layers attend through, reading the pool in
+        #: place (``cache_backends.paged_decode.paged_decode`` on CUDA, ``cache_backends.cpu_decode`` on CPU); None:
+        #: gather + SDPA
+        self.decode_kernel: Callable[..., torch.Tensor] | None = None
         self._decode_tables: dict[str, torch.Tensor] = {}  # per group, on the device (uploaded once a step)
         self._decode_stack: torch.Tensor | None = None  # the executor's stacked tables, on the device
         self._decode_lens: torch.Tensor | None = None  # keys per sequence, on the device
@@ -226,10 +228,8 @@ class PagedBatch:
                       softcap: float | None) -> torch.Tensor | None:
         """A decode-only step's attention of a full or sliding layer on the paged decode kernel, reading the pool in
         place: packed ``(B, heads, d)``; None when the kernel does not serve this step or layer."""
-        from cache_backends.paged_decode import paged_decode
-
         r = self.route(layer)
-        if self.max_q != 1 or r.kind not in ("full", "sliding"):
+        if self.decode_kernel is None or self.max_q != 1 or r.kind not in ("full", "sliding"):
             return None
         tables = self._decode_tables.get(r.group)
         if tables is None:  # one upload per step: every group's tables at once when the executor stacked them
@@ -246,8 +246,8 @@ class PagedBatch:
         # the most pages one sequence reads this step (sizes the splits; the table is max_seq_len wide)
         longest = int(self._end_np.max())
         pages = -(-longest // T) if r.window is None else min(-(-longest // T), -(-r.window // T) + 1)
-        return paged_decode(query, self._views(r)[0], tables, self._decode_lens, kv_heads, T, scale, r.window,
-                            softcap, pages, self._decode_scratch)
+        return self.decode_kernel(query, self._views(r)[0], tables, self._decode_lens, kv_heads, T, scale, r.window,
+                                  softcap, pages, self._decode_scratch)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """A plan array on the pools' device; to a GPU through pinned memory without blocking.
@@ -291,14 +291,14 @@ class PagedBatch:
 
     @classmethod
     def build(cls, chunks: Sequence[SeqChunk], pools: BlockPools, tables: Mapping[str, torch.Tensor] | None = None,
-              flex: Any = None, decode_kernel: bool = False) -> PagedBatch:
+              flex: Any = None, decode_kernel: Callable[..., torch.Tensor] | None = None) -> PagedBatch:
         """Plan a step; checks every group's tables cover the new tokens (gathers are planned lazily per layer).
 
         ``tables`` gives each group's block tables as a ``(B, width)`` tensor padded with -1 (kept across
         steps by ``cache_backends.block_tables.BlockTableStore``); without it they come from the chunks'
         lists. ``flex`` (a ``cache_backends.flex_paged.FlexPagedAttention``) runs the step's attention
-        on the compiled path; ``decode_kernel`` runs a decode-only step's full and sliding layers on the Triton
-        paged decode kernel.
+        on the compiled path; ``decode_kernel`` (a paged decode kernel: ``cache_backends.paged_decode.paged_decode``
+        or a ``cache_backends.cpu_decode.CpuDecodeKernel``) runs a decode-only step's full and sliding layers.
         """
         batch = cls(chunks, pools, tables)
         batch.flex = flex
@@ -754,14 +754,14 @@ def paged_attention(batch: PagedBatch, layer: int, query: torch.Tensor, key: tor
     """One layer of a step: write the new K/V, gather the visible K/V, attend. Packed ``(N, heads, d)`` in and out.
 
     A batch planned with ``flex=`` attends on the compiled path instead (no gather); one planned with
-    ``decode_kernel=True`` attends a decode-only step's full and sliding layers on the paged decode kernel.
+    ``decode_kernel=`` attends a decode-only step's full and sliding layers on that paged decode kernel.
     """
     write_kv(batch, layer, key, value)
     if batch.flex is not None:
         out = attend_compiled(batch, layer, query, key.shape[1], key.shape[2], scale, softcap)
         if out is not None:
             return out
-    if batch.decode_kernel:
+    if batch.decode_kernel is not None:
         out = batch.attend_decode(layer, query, key.shape[1], key.shape[2], scale, softcap)
         if out is not None:
             return out

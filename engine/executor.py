@@ -113,8 +113,9 @@ class GenerationExecutor:
         self._block_tables = BlockTableStore(self.groups, width)
         #: the compiled attention path (None: gather + SDPA), set by ``from_result`` from ``attention_backend``
         self.flex: Any = None
-        #: decode steps on the Triton paged decode kernel (``attention_backend: triton``, where it runs)
-        self.decode_kernel = False
+        #: the paged decode kernel decode steps attend through (``attention_backend: triton`` on CUDA,
+        #: ``cpu_kernel`` on CPU, where it runs); None: gather + SDPA
+        self.decode_kernel: Callable[..., torch.Tensor] | None = None
         #: the widest beam search this load serves (``max_beam_width``; :meth:`beam_search`)
         self.max_beam_width = 1
         self.last_stats: GenerationStats | None = None
@@ -146,24 +147,24 @@ class GenerationExecutor:
         return executor
 
     def use_attention(self, backend: str, max_num_tokens: int) -> None:
-        """Run attention on ``"flex"`` (compiled, over the pools), ``"sdpa"`` (gather + SDPA, the reference) or
-        ``"triton"`` (decode steps on the paged decode kernel, the rest on gather + SDPA)."""
+        """Run attention on ``"flex"`` (compiled, over the pools), ``"sdpa"`` (gather + SDPA, the reference),
+        ``"triton"`` or ``"cpu_kernel"`` (decode steps on a paged decode kernel for CUDA or for CPUs, the rest on
+        gather + SDPA)."""
         from cache_backends.flex_paged import MAX_INDEX_BYTES, FlexPagedAttention, flex_unsupported
 
-        if backend not in ("flex", "sdpa", "triton"):
-            raise GenerationError(f"generate: attention_backend: expected \"flex\", \"sdpa\" or \"triton\" "
-                                  f"(resolved), got {backend!r}")
+        if backend not in ("flex", "sdpa", "triton", "cpu_kernel"):
+            raise GenerationError(f"generate: attention_backend: expected \"flex\", \"sdpa\", \"triton\" or "
+                                  f"\"cpu_kernel\" (resolved), got {backend!r}")
         self.flex = None
-        self.decode_kernel = False
+        self.decode_kernel = None
         if backend == "sdpa":
             return
-        if backend == "triton":
-            why = self._decode_kernel_unsupported()
+        if backend in ("triton", "cpu_kernel"):
+            kernel, why = self._decode_kernel(backend)
             if why is not None:
-                self._event(SettingIgnored(field="attention_backend", value="triton",
+                self._event(SettingIgnored(field="attention_backend", value=backend,
                                            reason=f"{why}; generate attends through gather + SDPA"))
-                return
-            self.decode_kernel = True
+            self.decode_kernel = kernel
             return
         why = flex_unsupported(self.manager.layout, self.pools.device)
         if why is None and any(layer.kind == "mla" for layer in self.manager.layout.layers):
@@ -183,20 +184,35 @@ class GenerationExecutor:
             return
         self.flex = FlexPagedAttention(self.pools, max_num_tokens)
 
-    def _decode_kernel_unsupported(self) -> str | None:
-        """Why the paged decode kernel cannot serve this model's attention layers here, or None."""
-        from cache_backends.paged_decode import paged_decode_unsupported
-
+    def _decode_kernel(self, backend: str) -> tuple[Callable[..., torch.Tensor] | None, str | None]:
+        """The paged decode kernel ``backend`` names for this model's attention layers here, or None and why not."""
         kinds = {layer.kind for layer in self.manager.layout.layers}
         if not kinds & {"full", "sliding"}:
-            return f"the paged decode kernel serves full and sliding-window layers; this model has {sorted(kinds)}"
-        head_dim = config_head_dim(text_config(self.model.config))
-        for group in self.manager.layout.groups:
-            if group.kind in ("full", "sliding"):
+            return None, (f"the paged decode kernel serves full and sliding-window layers; this model has "
+                          f"{sorted(kinds)}")
+        config = text_config(self.model.config)
+        head_dim = config_head_dim(config)
+        groups = [g for g in self.manager.layout.groups if g.kind in ("full", "sliding")]
+        if backend == "triton":
+            from cache_backends.paged_decode import paged_decode, paged_decode_unsupported
+
+            for group in groups:
                 why = paged_decode_unsupported(self.pools.device, group.tokens_per_block, head_dim)
                 if why is not None:
-                    return why
-        return None
+                    return None, why
+            return paged_decode, None
+        from cache_backends.cpu_decode import KernelUnavailable, cpu_decode_unsupported, load_cpu_kernel
+        from models.gguf_cache import cache_root
+
+        heads = int(config.num_attention_heads)
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        why = cpu_decode_unsupported(self.pools.device, head_dim, heads // kv_heads, self.pools.dtype)
+        if why is not None:
+            return None, why
+        try:
+            return load_cpu_kernel(cache_root() / "kernels"), None
+        except KernelUnavailable as exc:
+            return None, str(exc)
 
     # --- the call ----------------------------------------------------------------------------
 

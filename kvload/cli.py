@@ -113,8 +113,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--max_num_tokens", "max_num_tokens", "most tokens in one forward (prefill chunk)", integer, metavar="N"),
     Flag("--max_beam_width", "max_beam_width", "beam width (V2 serves only 1)", integer, metavar="N"),
     Flag("--attention_backend", "attention_backend", "paged attention of generate: auto, flex (compiled "
-         "FlexAttention over the pools), sdpa (gather + SDPA) or triton (decode steps on a paged decode kernel, "
-         "CUDA)", str, choices=("auto", "flex", "sdpa", "triton")),
+         "FlexAttention over the pools), sdpa (gather + SDPA), triton (decode steps on a paged decode kernel, "
+         "CUDA) or cpu_kernel (decode steps on a paged decode kernel compiled for this CPU)", str,
+         choices=("auto", "flex", "sdpa", "triton", "cpu_kernel")),
     Flag("--tp_size", "tensor_parallel_size",
          "tensor-parallel ranks (launch that many with torchrun; plan alone shows rank 0's view)", integer,
          metavar="N", aliases=("--tensor_parallel_size",)),

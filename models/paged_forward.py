@@ -82,7 +82,7 @@ def paged_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor,
             out = attend_compiled(batch, layer, query[0].transpose(0, 1), key.shape[1], key.shape[3], scale, softcap)
             if out is not None:
                 return out.unsqueeze(0), None
-        if batch.decode_kernel:  # a decode step's pages read in place by the Triton kernel
+        if batch.decode_kernel is not None:  # a decode step's pages read in place by a paged decode kernel
             out = batch.attend_decode(layer, query[0].transpose(0, 1), key.shape[1], key.shape[3], scale, softcap)
             if out is not None:
                 return out.unsqueeze(0), None

@@ -147,8 +147,9 @@ def _is_device(v: Any) -> bool:
 
 device_name = _check(_is_device, '"auto", "cpu", "cuda" or "cuda:N"')
 #: Paged attention of ``generate``: compiled FlexAttention over the pools, or gather + SDPA (the reference).
-ATTENTION_BACKENDS = ("auto", "flex", "sdpa", "triton")
-attention_backend_name = _check(lambda v: v in ATTENTION_BACKENDS, '"auto", "flex", "sdpa" or "triton"')
+ATTENTION_BACKENDS = ("auto", "flex", "sdpa", "triton", "cpu_kernel")
+attention_backend_name = _check(lambda v: v in ATTENTION_BACKENDS,
+                                '"auto", "flex", "sdpa", "triton" or "cpu_kernel"')
 model_name = _check(lambda v: isinstance(v, str) and v.strip() != "", "a preset name or a checkpoint directory")
 
 

@@ -34,7 +34,7 @@ def test_an_explicit_backend_is_kept():
 
 
 def test_a_bad_backend_names_the_field_and_the_choices():
-    with pytest.raises(ConfigError, match=r'attention_backend.*"auto", "flex", "sdpa" or "triton"'):
+    with pytest.raises(ConfigError, match=r'attention_backend.*"auto", "flex", "sdpa", "triton" or "cpu_kernel"'):
         pipeline.plan("tiny-llama", log=False, device="cpu", attention_backend="paged")
 
 

@@ -7,17 +7,14 @@ device), which executes it on CPU tensors; where triton is not installed these t
 from __future__ import annotations
 
 import os
-import random
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cache_backends.layout import LayerKV, build_layout
-from cache_backends.paged_attention import PagedBatch, SeqChunk, paged_attention
-from cache_backends.paged_decode import paged_decode_unsupported
-from cache_backends.pools import BlockPools
+from cache_backends.paged_decode import paged_decode, paged_decode_unsupported
+from tests.decode_kernel_support import decode_step
 from tests.generate_support import hf_greedy, load, prompts_for
 
 if not torch.cuda.is_available():
@@ -25,39 +22,6 @@ if not torch.cuda.is_available():
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(paged_decode_unsupported(DEVICE, 16, 16) is not None,
                                   reason=f"{paged_decode_unsupported(DEVICE, 16, 16)}")
-
-KV_HEADS, HEAD_DIM = 2, 16
-
-
-def decode_step(lengths: list[int], heads: int, tokens_per_block: int, window: int | None, dtype: str,
-                softcap: float | None, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decode step of random sequences over shuffled pages, on the kernel and on gather + SDPA."""
-    layers = [LayerKV(0, "sliding" if window else "full", 2 * KV_HEADS * HEAD_DIM, window=window)]
-    layout = build_layout(layers, "v2", tokens_per_block, dtype)
-    blocks = sum(-(-n // tokens_per_block) for n in lengths) + 3
-    pools = BlockPools(layout, {g.name: blocks for g in layout.groups}, DEVICE)
-    gen = torch.Generator().manual_seed(seed)
-    (group,) = pools.groups
-    pools.tensors[group].copy_(torch.randn(pools.tensors[group].shape, generator=gen).to(pools.dtype))
-    free = list(range(blocks))
-    random.Random(seed).shuffle(free)  # physical pages in no particular order
-    chunks = []
-    for n in lengths:
-        table = [free.pop() for _ in range(-(-n // tokens_per_block))]
-        if window:  # pages wholly before the window were released: the kernel must never read them
-            lo = max(0, n - window)
-            table[: lo // tokens_per_block] = [-1] * (lo // tokens_per_block)
-        chunks.append(SeqChunk([7], n - 1, {group: table}))
-    act = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(dtype, torch.float32)
-    q = torch.randn(len(lengths), heads, HEAD_DIM, generator=gen).to(act).to(DEVICE)
-    k = torch.randn(len(lengths), KV_HEADS, HEAD_DIM, generator=gen).to(act).to(DEVICE)
-    v = torch.randn(len(lengths), KV_HEADS, HEAD_DIM, generator=gen).to(act).to(DEVICE)
-    outs = []
-    for kernel in (True, False):
-        batch = PagedBatch.build(chunks, pools, decode_kernel=kernel)
-        outs.append(paged_attention(batch, 0, q, k, v, HEAD_DIM ** -0.5, softcap))
-    return outs[0], outs[1]
-
 
 @needs_triton
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -72,7 +36,8 @@ def decode_step(lengths: list[int], heads: int, tokens_per_block: int, window: i
     seed=st.integers(0, 2**16),
 )
 def test_the_kernel_equals_gather_and_sdpa(lengths, heads, tokens_per_block, window, dtype, softcap, seed):
-    got, ref = decode_step(lengths, heads, tokens_per_block, window, dtype, softcap, seed)
+    got, ref = decode_step(paged_decode, lengths, heads, tokens_per_block, window, dtype, softcap, seed,
+                           device=DEVICE)
     tol = {"float16": 2e-3, "bfloat16": 2e-2}.get(dtype, 1e-5)
     torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
 
@@ -80,7 +45,7 @@ def test_the_kernel_equals_gather_and_sdpa(lengths, heads, tokens_per_block, win
 @needs_triton
 def test_a_long_sequence_split_over_many_programs_still_merges_exactly():
     # 700 keys in 16-token pages: 44 pages, split 5 ways; a short one beside it gets the same split count
-    got, ref = decode_step([700, 3], 8, 16, None, "float32", None, seed=5)
+    got, ref = decode_step(paged_decode, [700, 3], 8, 16, None, "float32", None, seed=5, device=DEVICE)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -89,7 +54,7 @@ def test_a_long_sequence_split_over_many_programs_still_merges_exactly():
 def test_generate_on_the_kernel_equals_transformers(tiny_checkpoints, family, manager):
     with load(tiny_checkpoints(family), manager, attention_backend="triton", tokens_per_block=16, max_tokens=1024,
               device=DEVICE) as result:
-        assert result.executor.decode_kernel
+        assert result.executor.decode_kernel is paged_decode
         ps = prompts_for(result.hf_model.config.vocab_size, lengths=(5, 19))
         outs = result.generate(ps, max_new_tokens=4)
         assert [o.token_ids for o in outs] == [hf_greedy(result.hf_model, p, 4) for p in ps]
@@ -100,7 +65,7 @@ def test_on_the_cpu_the_kernel_is_refused_with_the_reason(tiny_checkpoints, monk
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with load(tiny_checkpoints("llama"), "v2", attention_backend="triton", tokens_per_block=16) as result:
         outs = result.generate([[5, 6, 7]], max_new_tokens=2)
-        assert len(outs[0].token_ids) == 2 and not result.executor.decode_kernel
+        assert len(outs[0].token_ids) == 2 and result.executor.decode_kernel is None
         (ignored,) = [e for e in result.audit.of("setting_ignored") if e["field"] == "attention_backend"]
         assert ignored["value"] == "triton"
         assert ignored["reason"].endswith("; generate attends through gather + SDPA")

@@ -1,0 +1,157 @@
+"""The CPU paged decode kernel (``attention_backend: cpu_kernel``): equal to gather + SDPA, built once, refused
+with its reason where it cannot run, and never reading outside the pool."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cache_backends import cpu_decode
+from cache_backends.cpu_decode import KernelUnavailable, cpu_decode_unsupported, load_cpu_kernel
+from tests.decode_kernel_support import decode_step
+from tests.generate_support import hf_greedy, load, prompts_for
+
+needs_cc = pytest.mark.skipif(cpu_decode.compiler() is None, reason="no C compiler to build the CPU kernel with")
+
+
+@pytest.fixture(scope="module")
+def kernel_cache(tmp_path_factory):
+    """One build for the module, in a cache of its own (not the user's)."""
+    with pytest.MonkeyPatch.context() as mp:
+        root = tmp_path_factory.mktemp("kvload-cache")
+        mp.setenv("KVLOAD_CACHE", str(root))
+        yield root
+
+
+@pytest.fixture
+def kernel(kernel_cache):
+    return load_cpu_kernel(kernel_cache / "kernels")
+
+
+@needs_cc
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(
+    lengths=st.lists(st.integers(1, 150), min_size=1, max_size=4),
+    group=st.sampled_from([1, 2, 4, 8]),
+    tokens_per_block=st.sampled_from([1, 7, 16, 32, 128]),
+    window=st.one_of(st.none(), st.integers(1, 70)),
+    dtype=st.sampled_from(["float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"]),
+    softcap=st.one_of(st.none(), st.just(20.0)),
+    head_dim=st.sampled_from([16, 24, 64, 128, 256]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_kernel_equals_gather_and_sdpa(kernel, lengths, group, tokens_per_block, window, dtype, softcap,
+                                           head_dim, seed):
+    # 64/128/256 run the kernel's compiled-in head sizes, 16 and 24 its general loop; 128-token pages are read in
+    # spans of 64 tokens (two softmax updates a page), 1- and 7-token pages one short span at a time
+    got, ref = decode_step(kernel, lengths, 2 * group, tokens_per_block, window, dtype, softcap, seed,
+                           head_dim=head_dim)
+    assert got.dtype == ref.dtype
+    # the kernel accumulates in float32 whatever the pool; the reference attends in the activations' dtype
+    tol = {"float16": 4e-3, "bfloat16": 3e-2}.get(dtype, 2e-5)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
+
+
+@needs_cc
+def test_two_threads_give_what_one_gives(kernel):
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, _ = decode_step(kernel, [300, 5, 77], 8, 16, None, "float32", None, seed=3, head_dim=64)
+        torch.set_num_threads(2)
+        two, _ = decode_step(kernel, [300, 5, 77], 8, 16, None, "float32", None, seed=3, head_dim=64)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)  # each (sequence, KV head) is one thread's whole work: no reordered sums
+
+
+@needs_cc
+@pytest.mark.parametrize("what", ["short table", "released page in the window", "page past the pool"])
+def test_a_position_without_a_page_is_an_error_not_a_wild_read(kernel, what):
+    T, D = 16, 16
+    slots = torch.randn(4 * T, 2 * D)
+    tables = torch.tensor([[2, 0]])
+    lens = torch.tensor([20])
+    if what == "short table":
+        lens = torch.tensor([40])  # 3 pages visible, the table has 2
+    elif what == "released page in the window":
+        tables = torch.tensor([[-1, 0]])
+    else:
+        tables = torch.tensor([[2, 4]])  # the pool has blocks 0-3
+    with pytest.raises(IndexError, match="maps to no block of the pool"):
+        kernel(torch.randn(1, 2, D), slots, tables, lens, 1, T, D ** -0.5)
+
+
+@needs_cc
+def test_the_build_is_cached_per_machine_and_reused(tmp_path, monkeypatch):
+    calls = []
+    run = subprocess.run
+
+    def counting(cmd, *args, **kwargs):
+        calls.append(cmd)
+        return run(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_decode.subprocess, "run", counting)
+    first = cpu_decode._build(tmp_path)
+    compiles = [c for c in calls if "-shared" in c]
+    assert len(compiles) == 1 and first.exists()
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # nothing half-built left beside it
+    calls.clear()
+    assert cpu_decode._build(tmp_path) == first
+    assert not [c for c in calls if "-shared" in c]  # found, not compiled again
+    monkeypatch.setattr(cpu_decode, "SOURCE", tmp_path / "changed.c")
+    (tmp_path / "changed.c").write_bytes(cpu_decode.Path(cpu_decode.__file__).with_name("csrc").joinpath(
+        "paged_decode.c").read_bytes() + b"\n/* changed */\n")
+    assert cpu_decode._build(tmp_path) != first  # a changed source is a new build
+
+
+def test_a_compiler_that_fails_is_reported_with_its_first_line(tmp_path, monkeypatch):
+    cc = tmp_path / "cc"
+    cc.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo 'fake cc 1.0'; exit 0; }\n"
+                  "echo 'fatal: no such target' >&2; exit 1\n")
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    with pytest.raises(KernelUnavailable, match=f"compiling the CPU paged decode kernel with {cc} failed: "
+                                                "fatal: no such target"):
+        cpu_decode._build(tmp_path / "kernels")
+    assert not list((tmp_path / "kernels").iterdir())
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (("cuda", 64, 4, torch.float32), "the pools are on cuda (attention_backend: triton is the kernel for CUDA)"),
+    (("cpu", 1024, 4, torch.float32), "head_dim up to 512, got 1024"),
+    (("cpu", 64, 128, torch.float32), "up to 64 query heads per KV head, got 128"),
+    (("cpu", 64, 4, torch.int8), "does not read torch.int8 pools"),
+])
+def test_what_the_kernel_cannot_serve_is_named(args, says):
+    assert says in cpu_decode_unsupported(*args)
+
+
+@needs_cc
+@pytest.mark.parametrize(("family", "manager"), [("llama", "v2"), ("llama", "v1"), ("mistral", "v1"),
+                                                 ("gemma3", "v2"), ("qwen3", "v1")])
+def test_generate_on_the_kernel_equals_transformers(tiny_checkpoints, kernel_cache, family, manager):
+    with load(tiny_checkpoints(family), manager, attention_backend="cpu_kernel", tokens_per_block=16,
+              max_tokens=1024) as result:
+        assert isinstance(result.executor.decode_kernel, cpu_decode.CpuDecodeKernel)
+        ps = prompts_for(result.hf_model.config.vocab_size, lengths=(5, 19, 40))
+        outs = result.generate(ps, max_new_tokens=6)
+        assert [o.token_ids for o in outs] == [hf_greedy(result.hf_model, p, 6) for p in ps]
+        assert not [e for e in result.audit.of("setting_ignored") if e["field"] == "attention_backend"]
+
+
+def test_without_a_compiler_generate_says_so_and_attends_through_gather(tiny_checkpoints, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVLOAD_CACHE", str(tmp_path))  # nothing built here yet
+    monkeypatch.setattr(cpu_decode, "compiler", lambda: None)
+    with load(tiny_checkpoints("llama"), "v2", attention_backend="cpu_kernel", tokens_per_block=16) as result:
+        outs = result.generate([[5, 6, 7]], max_new_tokens=2)
+        assert len(outs[0].token_ids) == 2 and result.executor.decode_kernel is None
+        (ignored,) = [e for e in result.audit.of("setting_ignored") if e["field"] == "attention_backend"]
+        assert ignored["value"] == "cpu_kernel"
+        assert ignored["reason"] == ("no C compiler to build the CPU paged decode kernel with (set $CC, or install "
+                                     "gcc); generate attends through gather + SDPA")
