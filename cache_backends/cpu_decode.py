@@ -3,7 +3,7 @@ in place.
 
 Gather + SDPA copies every visible key of a layer before attending, so on a CPU a paged decode step read its keys
 three times where SDPA over a contiguous cache reads them once (BENCHMARKS.md: 0.17-0.70x contiguous). This is
-the kernel vLLM's CPU backend and llama.cpp use instead: per (sequence, KV head) it walks the block table, reads
+the kind of kernel vLLM's CPU backend uses instead: per (sequence, KV head) it walks the block table, reads
 each page's K and V rows where they lie, scores the whole GQA group of query heads against each K row while it is
 in cache, and keeps an online softmax (``csrc/paged_decode.c``). Work items run in parallel on torch's intra-op
 threads (OpenMP; torch's own runtime when torch loaded it first).
@@ -14,43 +14,29 @@ compressed layers stay on gather + SDPA, as with the Triton kernel (``cache_back
 signature this one shares.
 
 Built with the machine's C compiler (``$CC``, else ``cc`` or ``gcc``; ``-O3 -march=native -ffast-math
--fopenmp``, falling back to fewer flags where those are refused) into a cache directory the caller names, under a
-key of the source, the compiler, the flags and the CPU, so a rebuild happens only when one of them changes. Where
-no compiler works, :func:`load_cpu_kernel` raises :class:`KernelUnavailable` with the reason.
+-fopenmp``, falling back to fewer flags where those are refused) into a cache directory the caller names, once per
+source, compiler and CPU (``cache_backends.cpu_kernel_build``). Where no compiler works, :func:`load_cpu_kernel`
+raises :class:`KernelUnavailable` with the reason.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import torch
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+from cache_backends.cpu_kernel_build import KernelUnavailable, build_kernel
+
+__all__ = ["CpuDecodeKernel", "KernelUnavailable", "cpu_decode_unsupported", "load_cpu_kernel"]
+
 #: what the C side takes (``MAX_GROUP``, ``MAX_DIM`` in the source)
 MAX_GROUP, MAX_DIM = 64, 512
-#: compiler flags, best first: a flag set the compiler refuses is dropped for the next one
-FLAG_SETS: tuple[tuple[str, ...], ...] = (
-    ("-O3", "-march=native", "-ffast-math", "-fopenmp"),
-    ("-O3", "-ffast-math", "-fopenmp"),
-    ("-O3", "-ffast-math", "-Wno-unknown-pragmas"),
-)
 #: pool dtype -> the kernel's ``kind`` (0 float32, 1 bfloat16, 2 float16, 3 one byte through a table of values)
 KINDS: dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2,
                                  torch.float8_e4m3fn: 3, torch.float8_e5m2: 3}
-COMPILE_TIMEOUT_S = 300
-
-
-class KernelUnavailable(RuntimeError):
-    """The CPU kernel cannot be built or loaded here; the message says why."""
-
 
 def cpu_decode_unsupported(device: torch.device | str, head_dim: int, heads_per_kv_head: int,
                            dtype: torch.dtype) -> str | None:
@@ -68,61 +54,10 @@ def cpu_decode_unsupported(device: torch.device | str, head_dim: int, heads_per_
     return None
 
 
-def compiler() -> str | None:
-    """The C compiler to build with: ``$CC``, else ``cc`` or ``gcc`` on PATH."""
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-
-
-def _cpu_identity() -> str:
-    """What ``-march=native`` compiles for: the CPU's model and feature flags (Linux), else the platform's name."""
-    try:
-        info = Path("/proc/cpuinfo").read_text(errors="replace")
-    except OSError:
-        return f"{platform.machine()} {platform.processor()}"
-    wanted = [line for line in info.splitlines() if line.split(":")[0].strip() in ("model name", "flags", "Features")]
-    return f"{platform.machine()} " + "\n".join(dict.fromkeys(wanted))
-
-
-def _build(cache_dir: Path) -> Path:
-    """The compiled library under ``cache_dir``, compiling it when this source/compiler/CPU has none yet."""
-    cc = compiler()
-    if cc is None:
-        raise KernelUnavailable("no C compiler to build the CPU paged decode kernel with (set $CC, or install gcc)")
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise KernelUnavailable(f"the C compiler {cc} did not run: {exc}") from None
-    source = SOURCE.read_bytes()
-    errors = []
-    for flags in FLAG_SETS:
-        key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(flags).encode(),
-                                         _cpu_identity().encode()])).hexdigest()[:16]
-        target = cache_dir / f"paged_decode-{key}.so"
-        if target.exists():
-            return target
-        try:
-            cache_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise KernelUnavailable(f"the kernel cache {cache_dir} cannot be created: {exc.strerror}") from None
-        tmp = cache_dir / f".paged_decode-{key}.{os.getpid()}.so"  # renamed when complete: never half a library
-        try:
-            proc = subprocess.run([cc, *flags, "-fPIC", "-shared", "-o", str(tmp), str(SOURCE), "-lm"],
-                                  capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
-            if proc.returncode == 0:
-                os.replace(tmp, target)
-                return target
-            errors.append((proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[0])
-        except (OSError, subprocess.SubprocessError) as exc:
-            errors.append(str(exc))
-        finally:
-            tmp.unlink(missing_ok=True)
-    raise KernelUnavailable(f"compiling the CPU paged decode kernel with {cc} failed: {errors[-1]}")
-
-
 @functools.cache
 def load_cpu_kernel(cache_dir: Path) -> CpuDecodeKernel:
     """The kernel built under ``cache_dir`` (compiled there on first use; once per process after that)."""
-    path = _build(Path(cache_dir))
+    path = build_kernel(Path(cache_dir))
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as exc:

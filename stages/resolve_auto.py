@@ -44,16 +44,28 @@ def cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def resolve_attention_backend(device: str) -> tuple[str, str, str]:
-    """``"auto"`` attention: gather + SDPA on every device, as measured (no torch import)."""
+def resolve_attention_backend(device: str, layer_kinds: set[str] | None = None) -> tuple[str, str, str]:
+    """``"auto"`` attention, as measured: on CPU decode steps on the CPU paged decode kernel where it can run, gather +
+    SDPA otherwise (no torch import)."""
     if device.startswith("cuda"):
         return "sdpa", "auto", ("on an H200 (BENCHMARKS.md, \"GPU check\") generate ran at 0.77-0.85x of "
                                 "model.generate on gather + SDPA and 0.65-0.71x on the compiled FlexAttention, "
                                 "whose kernel is no faster than the gather at batch 32 and 5x slower at batch 1; "
                                 "\"flex\" still selects it")
-    return "sdpa", "auto", ("on CPU the compiled FlexAttention costs 10-50 s of compiling per new shape and "
-                            "measured no faster end to end than gather + SDPA (BENCHMARKS.md); \"flex\" still "
-                            "selects it")
+    from cache_backends.cpu_kernel_build import compiler
+
+    if layer_kinds is not None and not layer_kinds & {"full", "sliding"}:
+        return "sdpa", "auto", (f"the model's attention layers are {', '.join(sorted(layer_kinds))}; the CPU paged "
+                                "decode kernel serves full and sliding-window layers (MLA attends in the absorbed "
+                                "form on gather + SDPA)")
+    if compiler() is None:
+        return "sdpa", "auto", ("no C compiler here to build the CPU paged decode kernel with (set $CC, or install "
+                                "gcc, for \"cpu_kernel\"); gather + SDPA needs none")
+    return "cpu_kernel", "auto", ("on CPU the paged decode kernel reads each sequence's pages in place where gather + "
+                                  "SDPA copies them first: 1.0-2.2x contiguous SDPA per decode layer against "
+                                  "0.2-0.7x, and as fast or faster end to end (BENCHMARKS.md, \"A paged decode "
+                                  "kernel for CPUs\"); built once per machine with the C compiler, prefill steps "
+                                  "stay on gather + SDPA")
 
 
 class ResolveAuto:
@@ -112,7 +124,8 @@ class ResolveAuto:
                 return proposed, "model_default", why
             return False, "auto", f"{spec_name} proposes no V2 default, so \"auto\" means false"
         if path == "attention_backend":
-            return resolve_attention_backend(str(ctx.args.device))
+            kinds = {layer.kind for layer in ctx.spec.kv_layers()} if ctx.spec is not None else None
+            return resolve_attention_backend(str(ctx.args.device), kinds)
         raise AssertionError(f"no rule resolves {path}")
 
     @staticmethod

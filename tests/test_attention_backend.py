@@ -10,11 +10,30 @@ from tests.cli_support import run_cli
 from tests.generate_support import NEW_TOKENS, hf_greedy, load, prompts_for
 
 
-def test_auto_resolves_with_a_reason_in_the_audit():
+def test_auto_on_cpu_resolves_to_the_cpu_kernel_with_a_reason_in_the_audit(monkeypatch):
+    monkeypatch.setenv("CC", "/usr/bin/true")  # a compiler is there (resolving builds nothing)
+    planned = pipeline.plan("tiny-llama", log=False, device="cpu")
+    assert planned.args.attention_backend == "cpu_kernel"
+    (event,) = [e for e in planned.audit.of("auto_resolved") if e["field"] == "attention_backend"]
+    assert event["new"] == "cpu_kernel" and "reads each sequence's pages in place" in event["reason"]
+
+
+def test_auto_on_cpu_without_a_compiler_stays_on_gather_and_says_why(monkeypatch):
+    from cache_backends import cpu_kernel_build
+
+    monkeypatch.setattr(cpu_kernel_build, "compiler", lambda: None)
     planned = pipeline.plan("tiny-llama", log=False, device="cpu")
     assert planned.args.attention_backend == "sdpa"
     (event,) = [e for e in planned.audit.of("auto_resolved") if e["field"] == "attention_backend"]
-    assert event["new"] == "sdpa" and "on CPU the compiled FlexAttention costs 10-50 s" in event["reason"]
+    assert event["reason"].startswith("no C compiler here to build the CPU paged decode kernel with")
+
+
+def test_auto_on_cpu_for_an_mla_model_stays_on_gather_and_says_why(monkeypatch):
+    monkeypatch.setenv("CC", "/usr/bin/true")
+    planned = pipeline.plan("tiny-deepseek-v3", log=False, device="cpu")
+    assert planned.args.attention_backend == "sdpa"
+    (event,) = [e for e in planned.audit.of("auto_resolved") if e["field"] == "attention_backend"]
+    assert event["reason"].startswith("the model's attention layers are mla;")
 
 
 @pytest.mark.parametrize("device", ["cuda", "cuda:1"])

@@ -4,18 +4,20 @@ with its reason where it cannot run, and never reading outside the pool."""
 from __future__ import annotations
 
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cache_backends import cpu_decode
+from cache_backends import cpu_decode, cpu_kernel_build
 from cache_backends.cpu_decode import KernelUnavailable, cpu_decode_unsupported, load_cpu_kernel
 from tests.decode_kernel_support import decode_step
 from tests.generate_support import hf_greedy, load, prompts_for
 
-needs_cc = pytest.mark.skipif(cpu_decode.compiler() is None, reason="no C compiler to build the CPU kernel with")
+needs_cc = pytest.mark.skipif(cpu_kernel_build.compiler() is None, reason="no C compiler to build the CPU kernel with")
 
 
 @pytest.fixture(scope="module")
@@ -96,18 +98,29 @@ def test_the_build_is_cached_per_machine_and_reused(tmp_path, monkeypatch):
         calls.append(cmd)
         return run(cmd, *args, **kwargs)
 
-    monkeypatch.setattr(cpu_decode.subprocess, "run", counting)
-    first = cpu_decode._build(tmp_path)
-    compiles = [c for c in calls if "-shared" in c]
-    assert len(compiles) == 1 and first.exists()
+    monkeypatch.setattr(cpu_kernel_build.subprocess, "run", counting)
+    first = cpu_kernel_build.build_kernel(tmp_path)
+    compiles = [c for c in calls if "-c" in c or "-shared" in c]
+    assert len(compiles) == 2 and first.exists()  # compile, then link
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # nothing half-built left beside it
     calls.clear()
-    assert cpu_decode._build(tmp_path) == first
-    assert not [c for c in calls if "-shared" in c]  # found, not compiled again
-    monkeypatch.setattr(cpu_decode, "SOURCE", tmp_path / "changed.c")
-    (tmp_path / "changed.c").write_bytes(cpu_decode.Path(cpu_decode.__file__).with_name("csrc").joinpath(
-        "paged_decode.c").read_bytes() + b"\n/* changed */\n")
-    assert cpu_decode._build(tmp_path) != first  # a changed source is a new build
+    assert cpu_kernel_build.build_kernel(tmp_path) == first
+    assert not [c for c in calls if "-c" in c or "-shared" in c]  # found, not compiled again
+    (tmp_path / "changed.c").write_bytes(cpu_kernel_build.SOURCE.read_bytes() + b"\n/* changed */\n")
+    monkeypatch.setattr(cpu_kernel_build, "SOURCE", tmp_path / "changed.c")
+    assert cpu_kernel_build.build_kernel(tmp_path) != first  # a changed source is a new build
+
+
+@needs_cc
+def test_loading_the_kernel_leaves_the_process_floating_point_mode_alone(kernel_cache):
+    # -ffast-math at link time adds crtfastmath: loading the library would flush subnormals to zero process-wide
+    # (Hypothesis refuses to run then, and every torch op after it changes); a fresh process, whatever ran before
+    code = ("import sys; from pathlib import Path; from cache_backends.cpu_decode import load_cpu_kernel; "
+            "x = sys.float_info.min; assert x / 2 > 0; "
+            f"load_cpu_kernel(Path({str(kernel_cache / 'kernels')!r})); print(x / 2 > 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.strip() == "True", out.stderr
 
 
 def test_a_compiler_that_fails_is_reported_with_its_first_line(tmp_path, monkeypatch):
@@ -118,7 +131,7 @@ def test_a_compiler_that_fails_is_reported_with_its_first_line(tmp_path, monkeyp
     monkeypatch.setenv("CC", str(cc))
     with pytest.raises(KernelUnavailable, match=f"compiling the CPU paged decode kernel with {cc} failed: "
                                                 "fatal: no such target"):
-        cpu_decode._build(tmp_path / "kernels")
+        cpu_kernel_build.build_kernel(tmp_path / "kernels")
     assert not list((tmp_path / "kernels").iterdir())
 
 
@@ -147,7 +160,7 @@ def test_generate_on_the_kernel_equals_transformers(tiny_checkpoints, kernel_cac
 
 def test_without_a_compiler_generate_says_so_and_attends_through_gather(tiny_checkpoints, tmp_path, monkeypatch):
     monkeypatch.setenv("KVLOAD_CACHE", str(tmp_path))  # nothing built here yet
-    monkeypatch.setattr(cpu_decode, "compiler", lambda: None)
+    monkeypatch.setattr(cpu_kernel_build, "compiler", lambda: None)
     with load(tiny_checkpoints("llama"), "v2", attention_backend="cpu_kernel", tokens_per_block=16) as result:
         outs = result.generate([[5, 6, 7]], max_new_tokens=2)
         assert len(outs[0].token_ids) == 2 and result.executor.decode_kernel is None

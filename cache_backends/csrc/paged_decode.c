@@ -1,6 +1,8 @@
 /* kvload's paged decode kernel for CPUs: each sequence's one new query attends over its pages, read in place.
  *
- * Built and loaded by cache_backends/cpu_decode.py (gcc -O3 -march=native -ffast-math -fopenmp, on first use).
+ * Built by cache_backends/cpu_kernel_build.py (gcc -O3 -march=native -ffast-math -fopenmp, compiled to an object and
+ * linked without -ffast-math: linking with it adds crtfastmath, which flushes subnormals to zero in the whole process
+ * when the library loads), called by cache_backends/cpu_decode.py.
  * Layout read (cache_backends/pools.py): a layer's slots are rows of (2, kv_heads, head_dim) elements, K at 0 and V
  * at v_offset; token position p of sequence b lives at slot tables[b][p / T] * T + p % T. Keys [lo, lens[b]) are
  * visible, lo = lens[b] - window for a sliding layer (pages before lo are never read: they may be released).
@@ -9,6 +11,7 @@
  * span of at most SPAN tokens at a time: scores for the span, then an online softmax update of the running
  * (max, sum, accumulator) per query head. Accumulation is in float32 whatever the pool's dtype.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -48,7 +51,7 @@ attend_one(const float *q, int64_t q_sh, const void *kv, const int64_t *table, i
     float m[MAX_GROUP], l[MAX_GROUP];
     float kbuf[MAX_DIM], vbuf[MAX_DIM];
     for (int g = 0; g < G; g++) {
-        m[g] = -INFINITY;
+        m[g] = -FLT_MAX;  /* built with -ffast-math (finite math): no infinities anywhere */
         l[g] = 0.f;
         memset(acc[g], 0, (size_t)D * sizeof(float));
     }
@@ -76,7 +79,7 @@ attend_one(const float *q, int64_t q_sh, const void *kv, const int64_t *table, i
         for (int g = 0; g < G; g++) {
             float top = m[g];
             for (int t = 0; t < n; t++) top = s[g][t] > top ? s[g][t] : top;
-            const float alpha = expf(m[g] - top);  /* 0 on the first span (m = -inf) */
+            const float alpha = l[g] > 0.f ? expf(m[g] - top) : 0.f;  /* nothing to rescale before the first span */
             float sum = 0.f;
             for (int t = 0; t < n; t++) {
                 const float p = expf(s[g][t] - top);

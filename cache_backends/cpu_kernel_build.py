@@ -1,0 +1,89 @@
+"""Building the CPU paged decode kernel (``csrc/paged_decode.c``) with the machine's C compiler, once per machine.
+
+Kept apart from the kernel's caller (``cache_backends.cpu_decode``) so that ``resolve_auto`` can ask whether a
+compiler is there without importing torch. The library goes into a cache directory the caller names, under a key
+of the source, the compiler's version, the flags and the CPU (``-march=native`` builds for this CPU), so a rebuild
+happens only when one of them changes; it is written under a temporary name and renamed when complete, so a crashed
+or concurrent build never leaves half a library under the final name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+#: (compile, link) flags, best first: a set the compiler refuses is dropped for the next one. -ffast-math only
+#: compiles (it lets reductions vectorize and expf use the vector math library); linking with it would add
+#: crtfastmath, which on loading the library sets flush-to-zero for the whole process (every torch op after it).
+FLAG_SETS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
+    (("-O3", "-march=native", "-ffast-math", "-fopenmp"), ("-fopenmp",)),
+    (("-O3", "-ffast-math", "-fopenmp"), ("-fopenmp",)),
+    (("-O3", "-ffast-math", "-Wno-unknown-pragmas"), ()),
+)
+COMPILE_TIMEOUT_S = 300
+
+
+class KernelUnavailable(RuntimeError):
+    """The CPU kernel cannot be built or loaded here; the message says why."""
+
+
+def compiler() -> str | None:
+    """The C compiler to build with: ``$CC``, else ``cc`` or ``gcc`` on PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _cpu_identity() -> str:
+    """What ``-march=native`` compiles for: the CPU's model and feature flags (Linux), else the platform's name."""
+    try:
+        info = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+    wanted = [line for line in info.splitlines() if line.split(":")[0].strip() in ("model name", "flags", "Features")]
+    return f"{platform.machine()} " + "\n".join(dict.fromkeys(wanted))
+
+
+def build_kernel(cache_dir: Path) -> Path:
+    """The compiled library under ``cache_dir``, compiling it when this source/compiler/CPU has none yet."""
+    cc = compiler()
+    if cc is None:
+        raise KernelUnavailable("no C compiler to build the CPU paged decode kernel with (set $CC, or install gcc)")
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise KernelUnavailable(f"the C compiler {cc} did not run: {exc}") from None
+    source = SOURCE.read_bytes()
+    errors = []
+    for cflags, lflags in FLAG_SETS:
+        flags = " ".join(cflags) + " | " + " ".join(lflags)
+        key = hashlib.sha256(b"\0".join([source, version.encode(), flags.encode(),
+                                         _cpu_identity().encode()])).hexdigest()[:16]
+        target = cache_dir / f"paged_decode-{key}.so"
+        if target.exists():
+            return target
+        try:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise KernelUnavailable(f"the kernel cache {cache_dir} cannot be created: {exc.strerror}") from None
+        tmp = cache_dir / f".paged_decode-{key}.{os.getpid()}.so"  # renamed when complete: never half a library
+        obj = tmp.with_suffix(".o")
+        try:
+            for cmd in ([cc, *cflags, "-fPIC", "-c", "-o", str(obj), str(SOURCE)],
+                        [cc, "-shared", *lflags, "-o", str(tmp), str(obj), "-lm"]):
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+                if proc.returncode != 0:
+                    errors.append((proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[0])
+                    break
+            else:
+                os.replace(tmp, target)
+                return target
+        except (OSError, subprocess.SubprocessError) as exc:
+            errors.append(str(exc))
+        finally:
+            tmp.unlink(missing_ok=True)
+            obj.unlink(missing_ok=True)
+    raise KernelUnavailable(f"compiling the CPU paged decode kernel with {cc} failed: {errors[-1]}")
