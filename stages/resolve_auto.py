@@ -55,17 +55,17 @@ def resolve_attention_backend(device: str, layer_kinds: set[str] | None = None) 
     from cache_backends.cpu_kernel_build import compiler
 
     if layer_kinds is not None and not layer_kinds & {"full", "sliding"}:
+        mla = " (MLA attends in the absorbed form on gather + SDPA)" if "mla" in layer_kinds else ""
         return "sdpa", "auto", (f"the model's attention layers are {', '.join(sorted(layer_kinds))}; the CPU paged "
-                                "decode kernel serves full and sliding-window layers (MLA attends in the absorbed "
-                                "form on gather + SDPA)")
+                                f"decode kernel serves full and sliding-window layers{mla}")
     if compiler() is None:
         return "sdpa", "auto", ("no C compiler here to build the CPU paged decode kernel with (set $CC, or install "
                                 "gcc, for \"cpu_kernel\"); gather + SDPA needs none")
     return "cpu_kernel", "auto", ("on CPU the paged decode kernel reads each sequence's pages in place where gather + "
-                                  "SDPA copies them first: 1.0-2.2x contiguous SDPA per decode layer against "
-                                  "0.2-0.7x, and as fast or faster end to end (BENCHMARKS.md, \"A paged decode "
-                                  "kernel for CPUs\"); built once per machine with the C compiler, prefill steps "
-                                  "stay on gather + SDPA")
+                                  "SDPA copies them first: 0.8-1.5x contiguous SDPA per decode layer against "
+                                  "0.2-0.4x, and end to end 4-11% faster at 8 prompts, the same at 1 "
+                                  "(BENCHMARKS.md, \"A paged decode kernel for CPUs\"); built once per machine with "
+                                  "the C compiler, prefill steps stay on gather + SDPA")
 
 
 class ResolveAuto:
