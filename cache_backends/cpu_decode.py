@@ -38,6 +38,7 @@ MAX_GROUP, MAX_DIM = 64, 512
 KINDS: dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2,
                                  torch.float8_e4m3fn: 3, torch.float8_e5m2: 3}
 
+
 def cpu_decode_unsupported(device: torch.device | str, head_dim: int, heads_per_kv_head: int,
                            dtype: torch.dtype) -> str | None:
     """Why the kernel cannot serve these pools (before building it), or None when it can."""

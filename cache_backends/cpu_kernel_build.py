@@ -56,15 +56,18 @@ def build_kernel(cache_dir: Path) -> Path:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise KernelUnavailable(f"the C compiler {cc} did not run: {exc}") from None
-    source = SOURCE.read_bytes()
-    errors = []
+    source, cpu = SOURCE.read_bytes(), _cpu_identity().encode()
+    targets = []
     for cflags, lflags in FLAG_SETS:
         flags = " ".join(cflags) + " | " + " ".join(lflags)
-        key = hashlib.sha256(b"\0".join([source, version.encode(), flags.encode(),
-                                         _cpu_identity().encode()])).hexdigest()[:16]
-        target = cache_dir / f"paged_decode-{key}.so"
+        key = hashlib.sha256(b"\0".join([source, version.encode(), flags.encode(), cpu])).hexdigest()[:16]
+        targets.append((cache_dir / f"paged_decode-{key}.so", key, cflags, lflags))
+    # any build already made wins, also a fallback's: a flag set this compiler refuses is not retried every process
+    for target, *_ in targets:
         if target.exists():
             return target
+    errors = []
+    for target, key, cflags, lflags in targets:
         try:
             cache_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:

@@ -123,6 +123,28 @@ def test_loading_the_kernel_leaves_the_process_floating_point_mode_alone(kernel_
     assert out.stdout.strip() == "True", out.stderr
 
 
+@needs_cc
+def test_a_flag_the_compiler_refuses_falls_back_once_not_every_process(tmp_path, monkeypatch):
+    real = cpu_kernel_build.compiler()
+    cc = tmp_path / "cc"
+    cc.write_text("#!/bin/sh\nfor a in \"$@\"; do\n"
+                  "  [ \"$a\" = -march=native ] && { echo 'unknown arch' >&2; exit 1; }\n"
+                  f"done\nexec {real} \"$@\"\n")
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    built = cpu_kernel_build.build_kernel(tmp_path / "kernels")  # the first flag set fails, the second builds
+    calls = []
+    run = subprocess.run
+
+    def counting(cmd, *args, **kwargs):
+        calls.append(cmd)
+        return run(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_kernel_build.subprocess, "run", counting)
+    assert cpu_kernel_build.build_kernel(tmp_path / "kernels") == built
+    assert not [c for c in calls if "-c" in c]  # the refused flag set is not compiled again
+
+
 def test_a_compiler_that_fails_is_reported_with_its_first_line(tmp_path, monkeypatch):
     cc = tmp_path / "cc"
     cc.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo 'fake cc 1.0'; exit 0; }\n"
