@@ -52,8 +52,10 @@ from engine.sampling import eos_token_ids, sample_rows, top_logprobs
 from engine.sampling_params import SamplingParams, check, check_salt, is_int
 from engine.stopping import SampleText
 from models.geometry import head_dim as config_head_dim
+from models.geometry import kv_heads as config_kv_heads
 from models.geometry import text_config
 from models.paged_forward import ATTN_IMPLEMENTATION, register_paged_attention, run_forward, unfoldable_mla
+from pipeline.config import ATTENTION_BACKENDS, AUTO
 from pipeline.errors import GenerationError, KvBuildError, KvRuntimeError, first_line
 from pipeline.events import Event, GenerationFailed, GenerationFinished, GenerationStarted, SettingIgnored
 
@@ -152,9 +154,10 @@ class GenerationExecutor:
         gather + SDPA)."""
         from cache_backends.flex_paged import MAX_INDEX_BYTES, FlexPagedAttention, flex_unsupported
 
-        if backend not in ("flex", "sdpa", "triton", "cpu_kernel"):
-            raise GenerationError(f"generate: attention_backend: expected \"flex\", \"sdpa\", \"triton\" or "
-                                  f"\"cpu_kernel\" (resolved), got {backend!r}")
+        resolved = [b for b in ATTENTION_BACKENDS if b != AUTO]
+        if backend not in resolved:
+            raise GenerationError(f"generate: attention_backend: expected one of {', '.join(resolved)} (resolved), "
+                                  f"got {backend!r}")
         self.flex = None
         self.decode_kernel = None
         if backend == "sdpa":
@@ -204,9 +207,8 @@ class GenerationExecutor:
         from cache_backends.cpu_decode import KernelUnavailable, cpu_decode_unsupported, load_cpu_kernel
         from models.gguf_cache import cache_root
 
-        heads = int(config.num_attention_heads)
-        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-        why = cpu_decode_unsupported(self.pools.device, head_dim, heads // kv_heads, self.pools.dtype)
+        group = int(config.num_attention_heads) // config_kv_heads(config)
+        why = cpu_decode_unsupported(self.pools.device, head_dim, group, self.pools.dtype)
         if why is not None:
             return None, why
         try:

@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 
 import attrs
 
-from pipeline.config import SIZE_HELP, parse_size
+from pipeline.config import ATTENTION_BACKENDS, SIZE_HELP, parse_size
 from pipeline.errors import ConfigError, KvloadError, first_line
 from pipeline.limits import MAX_INT, MAX_INT_DIGITS, MAX_LOGPROBS, MAX_N, short_text
 
@@ -115,7 +115,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--attention_backend", "attention_backend", "paged attention of generate: auto, flex (compiled "
          "FlexAttention over the pools), sdpa (gather + SDPA), triton (decode steps on a paged decode kernel, "
          "CUDA) or cpu_kernel (decode steps on a paged decode kernel compiled for this CPU)", str,
-         choices=("auto", "flex", "sdpa", "triton", "cpu_kernel")),
+         choices=ATTENTION_BACKENDS),
     Flag("--tp_size", "tensor_parallel_size",
          "tensor-parallel ranks (launch that many with torchrun; plan alone shows rank 0's view)", integer,
          metavar="N", aliases=("--tensor_parallel_size",)),
