@@ -101,8 +101,7 @@ def paged_decode_kernels(args: argparse.Namespace, device: torch.device) -> dict
         elif args.triton == "on":
             raise SystemExit(f"--triton on: {why}")
     if args.cpu_kernel != "off":
-        heads = args.heads or 8
-        why = cpu_decode_unsupported(device, args.head_dim, heads // args.kv_heads, TORCH_DTYPES[args.dtype])
+        why = cpu_decode_unsupported(device, args.head_dim, args.heads // args.kv_heads, TORCH_DTYPES[args.dtype])
         if why is None:
             try:
                 kernels["cpu"] = load_cpu_kernel(cache_root() / "kernels")
@@ -528,7 +527,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    args.kernels = paged_decode_kernels(args, device)
     CLOCK["name"] = args.clock if args.clock != "auto" else (
         "cpu" if device.type == "cpu" and torch.get_num_threads() == 1 else "wall")
     if args.plan_groups:
@@ -542,6 +540,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.mla:
         mla_table(args, device)
         return
+    args.kernels = paged_decode_kernels(args, device)  # only the GQA table times them
     print(f"clock={CLOCK['name']} device={device} dtype={args.dtype} heads={args.heads} kv_heads={args.kv_heads} "
           f"head_dim={args.head_dim} "
           f"block={args.block} reps={args.reps} ragged={args.ragged} threads={torch.get_num_threads()} "
