@@ -42,10 +42,9 @@ row(const void *kv, int64_t off, int D, int kind, const float *lut, float *buf) 
 
 /* One (sequence, KV head). Returns 0, or -2 when a visible position has no page in the pool. */
 static inline __attribute__((always_inline)) int
-attend_one(const float *q, int64_t q_sh, const void *kv, const int64_t *table, int64_t width, int64_t end, int64_t lo,
-           int G,
-           int D, int T, int64_t row_stride, int64_t k_col, int64_t v_col, int64_t num_blocks, float scale,
-           float softcap, int kind, const float *lut, float *out, int64_t o_sh) {
+attend_one(const float *q, int64_t q_sh, const void *kv, const int64_t *table, int64_t width, int64_t end,
+           int64_t lo, int G, int D, int T, int64_t row_stride, int64_t k_col, int64_t v_col, int64_t num_blocks,
+           float scale, float softcap, int kind, const float *lut, float *out, int64_t o_sh) {
     float s[MAX_GROUP][SPAN];
     float acc[MAX_GROUP][MAX_DIM];
     float m[MAX_GROUP], l[MAX_GROUP];
@@ -112,15 +111,15 @@ attend_one(const float *q, int64_t q_sh, const void *kv, const int64_t *table, i
 /* attend_one with the pool kind and (for the common sizes) the head size as constants, so the compiler unrolls and
  * vectorizes each; the parallel loop below calls one of these (an OpenMP region would hide constants from it). */
 typedef int (*one_fn)(const float *, int64_t, const void *, const int64_t *, int64_t, int64_t, int64_t, int, int,
-                      int, int64_t,
-                      int64_t, int64_t, int64_t, float, float, const float *, float *, int64_t);
+                      int, int64_t, int64_t, int64_t, int64_t, float, float, const float *, float *, int64_t);
 #define SPECIAL(NAME, KIND, DIM)                                                                                 \
     static int NAME(const float *q, int64_t q_sh, const void *kv, const int64_t *table, int64_t width,            \
-                    int64_t end, int64_t lo, int G, int D, int T, int64_t row_stride, int64_t k_col, int64_t v_col, int64_t num_blocks,    \
-                    float scale, float softcap, const float *lut, float *out, int64_t o_sh) {                     \
+                    int64_t end, int64_t lo, int G, int D, int T, int64_t row_stride, int64_t k_col,              \
+                    int64_t v_col, int64_t num_blocks, float scale, float softcap, const float *lut, float *out,  \
+                    int64_t o_sh) {                                                                               \
         (void)D;                                                                                                 \
-        return attend_one(q, q_sh, kv, table, width, end, lo, G, DIM, T, row_stride, k_col, v_col, num_blocks, scale,  \
-                          softcap, KIND, lut, out, o_sh);                                                        \
+        return attend_one(q, q_sh, kv, table, width, end, lo, G, DIM, T, row_stride, k_col, v_col, num_blocks,   \
+                          scale, softcap, KIND, lut, out, o_sh);                                                 \
     }
 #define KIND_SPECIALS(KIND) SPECIAL(one_##KIND##_64, KIND, 64) SPECIAL(one_##KIND##_128, KIND, 128)               \
     SPECIAL(one_##KIND##_256, KIND, 256) SPECIAL(one_##KIND##_any, KIND, D)
@@ -128,15 +127,16 @@ KIND_SPECIALS(F32)
 KIND_SPECIALS(BF16)
 KIND_SPECIALS(F16)
 KIND_SPECIALS(BYTE)
-#define PICK(KIND) (D == 64 ? one_##KIND##_64 : D == 128 ? one_##KIND##_128 : D == 256 ? one_##KIND##_256 : one_##KIND##_any)
+#define PICK(KIND)                                                                                               \
+    (D == 64 ? one_##KIND##_64 : D == 128 ? one_##KIND##_128 : D == 256 ? one_##KIND##_256 : one_##KIND##_any)
 
 /* The entry point: float32 queries (rows strided q_sb, q_sh; elements contiguous), float32 out (B, H, D).
  * kind: 0 float32, 1 bfloat16, 2 float16, 3 one byte (float8, widened through lut). Returns 0; -1 for shapes the
  * kernel does not take (checked by the caller first); -2 for a visible position with no page in the pool. */
 int kvload_paged_decode(const float *q, int64_t q_sb, int64_t q_sh, const void *kv, const int64_t *tables,
-                        int64_t table_stride, int64_t table_width, const int64_t *lens, int B, int H, int Hkv, int D, int T,
-                        int64_t row_stride, int64_t v_offset, int64_t num_blocks, int64_t window, float scale,
-                        float softcap, int kind, const float *lut, float *out, int nthreads) {
+                        int64_t table_stride, int64_t table_width, const int64_t *lens, int B, int H, int Hkv,
+                        int D, int T, int64_t row_stride, int64_t v_offset, int64_t num_blocks, int64_t window,
+                        float scale, float softcap, int kind, const float *lut, float *out, int nthreads) {
     if (Hkv < 1 || H % Hkv || H / Hkv > MAX_GROUP || D < 1 || D > MAX_DIM || T < 1) return -1;
     one_fn one;
     switch (kind) {
@@ -153,9 +153,9 @@ int kvload_paged_decode(const float *q, int64_t q_sb, int64_t q_sh, const void *
         const int b = item / Hkv, h = item % Hkv;
         const int64_t end = lens[b];
         const int64_t lo = window > 0 && end > window ? end - window : 0;
-        const int rc = one(q + b * q_sb + (int64_t)h * G * q_sh, q_sh, kv, tables + b * table_stride, table_width, end, lo, G, D,
-                           T, row_stride, (int64_t)h * D, v_offset + (int64_t)h * D, num_blocks, scale, softcap, lut,
-                           out + ((int64_t)b * H + (int64_t)h * G) * D, D);
+        const int rc = one(q + b * q_sb + (int64_t)h * G * q_sh, q_sh, kv, tables + b * table_stride, table_width,
+                           end, lo, G, D, T, row_stride, (int64_t)h * D, v_offset + (int64_t)h * D, num_blocks, scale,
+                           softcap, lut, out + ((int64_t)b * H + (int64_t)h * G) * D, D);
         status = rc < status ? rc : status;
     }
     return status;
