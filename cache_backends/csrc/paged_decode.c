@@ -7,9 +7,11 @@
  * at v_offset; token position p of sequence b lives at slot tables[b][p / T] * T + p % T. Keys [lo, lens[b]) are
  * visible, lo = lens[b] - window for a sliding layer (pages before lo are never read: they may be released).
  *
- * Work item = (sequence, KV head): the head's K/V rows are read once for its whole group of query heads (GQA), a
- * span of at most SPAN tokens at a time: scores for the span, then an online softmax update of the running
- * (max, sum, accumulator) per query head. Accumulation is in float32 whatever the pool's dtype.
+ * Work item = (sequence, a run of its KV heads): a span of at most SPAN tokens of one page at a time, each KV head's
+ * K/V rows read once for its whole group of query heads (GQA): scores for the span, then an online softmax update
+ * of the running (max, sum, accumulator) per query head. Accumulation is in float32 whatever the pool's dtype.
+ * Head sizes 64 / 128 / 256 take the vectorized path (attend_vec: 16 tokens' dot products reduced together, V read
+ * in tiles that stay in L1); any other size up to MAX_DIM the scalar one (attend_one, a head at a time).
  */
 #include <float.h>
 #include <math.h>
@@ -108,37 +110,193 @@ attend_one(const float *q, int64_t q_sh, const void *kv, const int64_t *table, i
     return 0;
 }
 
-/* attend_one with the pool kind and (for the common sizes) the head size as constants, so the compiler unrolls and
- * vectorizes each; the parallel loop below calls one of these (an OpenMP region would hide constants from it). */
-typedef int (*one_fn)(const float *, int64_t, const void *, const int64_t *, int64_t, int64_t, int64_t, int, int,
-                      int, int64_t, int64_t, int64_t, int64_t, float, float, const float *, float *, int64_t);
-#define SPECIAL(NAME, KIND, DIM)                                                                                 \
-    static int NAME(const float *q, int64_t q_sh, const void *kv, const int64_t *table, int64_t width,            \
-                    int64_t end, int64_t lo, int G, int D, int T, int64_t row_stride, int64_t k_col,              \
-                    int64_t v_col, int64_t num_blocks, float scale, float softcap, const float *lut, float *out,  \
-                    int64_t o_sh) {                                                                               \
-        (void)D;                                                                                                 \
-        return attend_one(q, q_sh, kv, table, width, end, lo, G, DIM, T, row_stride, k_col, v_col, num_blocks,   \
-                          scale, softcap, KIND, lut, out, o_sh);                                                 \
+
+/* ---- the vectorized path (head_dim 64 / 128 / 256): GCC/clang vector extensions, lowered to the machine's SIMD ---- */
+#define VW 16                /* lanes of one vector: the dot products of 16 tokens are reduced together */
+#define MAX_ITEM_HEADS 64    /* query heads one work item holds state for */
+#define BLK_DIM 256          /* widest head the vectorized path takes */
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));  /* an unaligned load or store */
+
+/* Lane i of the result is the sum of x[i]'s lanes: 16 horizontal sums in 30 shuffles (one each costs 8). */
+static inline __attribute__((always_inline)) vf reduce16(const vf *x) {
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#define SH __builtin_shufflevector
+    vf a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)
+        a[i] = SH(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               SH(x[2 * i], x[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++)
+        b[i] = SH(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               SH(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++)
+        c[i] = SH(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               SH(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return SH(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           SH(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#undef SH
+#else
+    vf r;
+    for (int i = 0; i < VW; i++) {
+        float s = 0.f;
+        for (int j = 0; j < VW; j++) s += x[i][j];
+        r[i] = s;
     }
-#define KIND_SPECIALS(KIND) SPECIAL(one_##KIND##_64, KIND, 64) SPECIAL(one_##KIND##_128, KIND, 128)               \
-    SPECIAL(one_##KIND##_256, KIND, 256) SPECIAL(one_##KIND##_any, KIND, D)
+    return r;
+#endif
+}
+
+static const float ZERO_ROW[BLK_DIM] __attribute__((aligned(64)));
+
+/* One sequence, KV heads [h0, h0 + nh): each span's rows are read once for all of them (a row holds every head's K
+ * and V: reading one head's columns at a time let the prefetcher fetch the others' and read them again later).
+ * NC = D / VW, a constant in each specialization. */
+static inline __attribute__((always_inline)) int
+attend_vec(const float *q, int64_t q_sh, const void *kv, const int64_t *table, int64_t width, int64_t end,
+           int64_t lo, int G, int nh, int h0, const int NC, int T, int64_t row_stride, int64_t v_offset,
+           int64_t num_blocks, float scale, float softcap, int kind, const float *lut, float *out, int64_t o_sh) {
+    const int D = NC * VW;
+    vf qv[MAX_ITEM_HEADS][NC];
+    vf acc[MAX_ITEM_HEADS][NC];
+    float s[MAX_GROUP][SPAN] __attribute__((aligned(64)));
+    float m[MAX_ITEM_HEADS], l[MAX_ITEM_HEADS];
+    float blk[SPAN * BLK_DIM] __attribute__((aligned(64)));  /* a span's rows widened from a half or byte pool */
+    const float *rows[SPAN + VW];
+    for (int i = 0; i < nh * G; i++) {
+        for (int c = 0; c < NC; c++) {
+            qv[i][c] = *(const vfu *)(q + i * q_sh + c * VW) * scale;
+            acc[i][c] = (vf){0};
+        }
+        m[i] = -FLT_MAX;  /* built with -ffast-math (finite math): no infinities anywhere */
+        l[i] = 0.f;
+    }
+    for (int t = 0; t < SPAN + VW; t++) rows[t] = ZERO_ROW;  /* past a span's end: dot products of 0, unused */
+    for (int64_t pos = lo; pos < end;) {
+        const int64_t j = pos / T;
+        if (j >= width) return -2;
+        const int64_t page = table[j];
+        if (page < 0 || page >= num_blocks) return -2;
+        const int64_t t0 = pos - j * T;
+        int64_t t1 = end - j * T < T ? end - j * T : T;
+        if (t1 - t0 > SPAN) t1 = t0 + SPAN;
+        const int n = (int)(t1 - t0);
+        const int64_t base = (page * T + t0) * row_stride;
+        for (int hh = 0; hh < nh; hh++) {
+            const int64_t k_col = (int64_t)(h0 + hh) * D, v_col = v_offset + k_col;
+            vf(*qh)[NC] = qv + hh * G;
+            vf(*ah)[NC] = acc + hh * G;
+            float *mh = m + hh * G, *lh = l + hh * G;
+            for (int t = 0; t < n; t++) rows[t] = row(kv, base + t * row_stride + k_col, D, kind, lut, blk + t * D);
+            for (int tb = 0; tb < n; tb += VW) {
+                for (int g = 0; g < G; g++) {
+                    vf x[VW];
+                    for (int i = 0; i < VW; i++) {
+                        const float *k = rows[tb + i];
+                        vf a = qh[g][0] * *(const vfu *)k;
+                        for (int c = 1; c < NC; c++) a += qh[g][c] * *(const vfu *)(k + c * VW);
+                        x[i] = a;
+                    }
+                    *(vf *)(s[g] + tb) = reduce16(x);
+                }
+            }
+            for (int g = 0; g < G; g++) {
+                if (softcap > 0.f)
+                    for (int t = 0; t < n; t++) s[g][t] = softcap * tanhf(s[g][t] / softcap);
+                float top = mh[g];
+                for (int t = 0; t < n; t++) top = s[g][t] > top ? s[g][t] : top;
+                const float alpha = lh[g] > 0.f ? expf(mh[g] - top) : 0.f;  /* nothing to rescale before the first span */
+                float sum = 0.f;
+                for (int t = 0; t < n; t++) {
+                    const float p = expf(s[g][t] - top);
+                    s[g][t] = p;
+                    sum += p;
+                }
+                lh[g] = lh[g] * alpha + sum;
+                mh[g] = top;
+                if (alpha != 1.f)
+                    for (int c = 0; c < NC; c++) ah[g][c] *= alpha;
+            }
+            for (int t = 0; t < n; t++) rows[t] = row(kv, base + t * row_stride + v_col, D, kind, lut, blk + t * D);
+            /* V in tiles of VW rows: a tile stays in L1 while every query head of the group reads it (rows a power
+             * of two apart share few cache sets: a whole span of them would not) */
+            for (int tb = 0; tb < n; tb += VW) {
+                const int te = tb + VW < n ? tb + VW : n;
+                for (int g = 0; g < G; g++) {  /* two accumulators per lane, in registers over the tile */
+                    vf a0[NC], a1[NC];
+                    for (int c = 0; c < NC; c++) a0[c] = ah[g][c], a1[c] = (vf){0};
+                    const float *p = s[g];
+                    int t = tb;
+                    for (; t + 1 < te; t += 2) {
+                        const float *v0 = rows[t], *v1 = rows[t + 1];
+                        for (int c = 0; c < NC; c++) {
+                            a0[c] += p[t] * *(const vfu *)(v0 + c * VW);
+                            a1[c] += p[t + 1] * *(const vfu *)(v1 + c * VW);
+                        }
+                    }
+                    if (t < te)
+                        for (int c = 0; c < NC; c++) a0[c] += p[t] * *(const vfu *)(rows[t] + c * VW);
+                    for (int c = 0; c < NC; c++) ah[g][c] = a0[c] + a1[c];
+                }
+            }
+            for (int t = 0; t < n; t++) rows[t] = ZERO_ROW;
+        }
+        pos += n;
+    }
+    for (int i = 0; i < nh * G; i++) {
+        float *o = out + i * o_sh;
+        const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+        for (int c = 0; c < NC; c++) *(vfu *)(o + c * VW) = acc[i][c] * inv;
+    }
+    return 0;
+}
+
+/* The kernels the entry point picks from: pool kind and (vectorized) head size as constants, so the compiler unrolls
+ * each; the parallel loop calls one of these (an OpenMP region would hide constants from it). The general one
+ * (any head size up to MAX_DIM) runs attend_one per head. */
+typedef int (*seq_fn)(const float *, int64_t, const void *, const int64_t *, int64_t, int64_t, int64_t, int, int, int,
+                      int, int, int64_t, int64_t, int64_t, float, float, const float *, float *, int64_t);
+#define VEC(NAME, KIND, NCV)                                                                                     \
+    static int NAME(const float *q, int64_t q_sh, const void *kv, const int64_t *table, int64_t width,            \
+                    int64_t end, int64_t lo, int G, int nh, int h0, int D, int T, int64_t row_stride,             \
+                    int64_t v_offset, int64_t num_blocks, float scale, float softcap, const float *lut,           \
+                    float *out, int64_t o_sh) {                                                                   \
+        (void)D;                                                                                                 \
+        return attend_vec(q, q_sh, kv, table, width, end, lo, G, nh, h0, NCV, T, row_stride, v_offset,           \
+                          num_blocks, scale, softcap, KIND, lut, out, o_sh);                                     \
+    }
+#define ANY(NAME, KIND)                                                                                          \
+    static int NAME(const float *q, int64_t q_sh, const void *kv, const int64_t *table, int64_t width,            \
+                    int64_t end, int64_t lo, int G, int nh, int h0, int D, int T, int64_t row_stride,             \
+                    int64_t v_offset, int64_t num_blocks, float scale, float softcap, const float *lut,           \
+                    float *out, int64_t o_sh) {                                                                   \
+        for (int hh = 0; hh < nh; hh++) {                                                                        \
+            const int64_t h = h0 + hh;                                                                           \
+            const int rc = attend_one(q + hh * G * q_sh, q_sh, kv, table, width, end, lo, G, D, T, row_stride,   \
+                                      h * D, v_offset + h * D, num_blocks, scale, softcap, KIND, lut,            \
+                                      out + hh * G * o_sh, o_sh);                                                \
+            if (rc) return rc;                                                                                   \
+        }                                                                                                        \
+        return 0;                                                                                                \
+    }
+#define KIND_SPECIALS(KIND) VEC(seq_##KIND##_64, KIND, 4) VEC(seq_##KIND##_128, KIND, 8)                          \
+    VEC(seq_##KIND##_256, KIND, 16) ANY(seq_##KIND##_any, KIND)
 KIND_SPECIALS(F32)
 KIND_SPECIALS(BF16)
 KIND_SPECIALS(F16)
 KIND_SPECIALS(BYTE)
 #define PICK(KIND)                                                                                               \
-    (D == 64 ? one_##KIND##_64 : D == 128 ? one_##KIND##_128 : D == 256 ? one_##KIND##_256 : one_##KIND##_any)
+    (D == 64 ? seq_##KIND##_64 : D == 128 ? seq_##KIND##_128 : D == 256 ? seq_##KIND##_256 : seq_##KIND##_any)
 
 /* The entry point: float32 queries (rows strided q_sb, q_sh; elements contiguous), float32 out (B, H, D).
  * kind: 0 float32, 1 bfloat16, 2 float16, 3 one byte (float8, widened through lut). Returns 0; -1 for shapes the
- * kernel does not take (checked by the caller first); -2 for a visible position with no page in the pool. */
+ * kernel does not take (checked by the caller first); -2 for a visible position with no page in the pool.
+ * Work item = (sequence, a run of KV heads): all of a sequence's heads where that leaves every thread an item. */
 int kvload_paged_decode(const float *q, int64_t q_sb, int64_t q_sh, const void *kv, const int64_t *tables,
                         int64_t table_stride, int64_t table_width, const int64_t *lens, int B, int H, int Hkv,
                         int D, int T, int64_t row_stride, int64_t v_offset, int64_t num_blocks, int64_t window,
                         float scale, float softcap, int kind, const float *lut, float *out, int nthreads) {
     if (Hkv < 1 || H % Hkv || H / Hkv > MAX_GROUP || D < 1 || D > MAX_DIM || T < 1) return -1;
-    one_fn one;
+    seq_fn one;
     switch (kind) {
     case F32: one = PICK(F32); break;
     case BF16: one = PICK(BF16); break;
@@ -147,15 +305,19 @@ int kvload_paged_decode(const float *q, int64_t q_sb, int64_t q_sh, const void *
     default: return -1;
     }
     const int G = H / Hkv;
+    int run = MAX_ITEM_HEADS / G < Hkv ? MAX_ITEM_HEADS / G : Hkv;  /* KV heads per item */
+    while (run > 1 && (int64_t)B * ((Hkv + run - 1) / run) < nthreads) run = (run + 1) / 2;
+    const int per = (Hkv + run - 1) / run;  /* items per sequence */
     int status = 0;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1) reduction(min : status)
-    for (int item = 0; item < B * Hkv; item++) {
-        const int b = item / Hkv, h = item % Hkv;
+    for (int item = 0; item < B * per; item++) {
+        const int b = item / per, h0 = (item % per) * run;
+        const int nh = Hkv - h0 < run ? Hkv - h0 : run;
         const int64_t end = lens[b];
         const int64_t lo = window > 0 && end > window ? end - window : 0;
-        const int rc = one(q + b * q_sb + (int64_t)h * G * q_sh, q_sh, kv, tables + b * table_stride, table_width,
-                           end, lo, G, D, T, row_stride, (int64_t)h * D, v_offset + (int64_t)h * D, num_blocks, scale,
-                           softcap, lut, out + ((int64_t)b * H + (int64_t)h * G) * D, D);
+        const int rc = one(q + b * q_sb + (int64_t)h0 * G * q_sh, q_sh, kv, tables + b * table_stride, table_width,
+                           end, lo, G, nh, h0, D, T, row_stride, v_offset, num_blocks, scale, softcap, lut,
+                           out + ((int64_t)b * H + (int64_t)h0 * G) * D, D);
         status = rc < status ? rc : status;
     }
     return status;
