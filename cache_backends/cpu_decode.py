@@ -69,12 +69,15 @@ def load_cpu_kernel(cache_dir: Path) -> CpuDecodeKernel:
 class CpuDecodeKernel:
     """The loaded kernel; called like ``cache_backends.paged_decode.paged_decode``."""
 
+    #: it can store the step's new K/V itself (``new_kv``), in the same call (``PagedBatch.attend_decode``)
+    writes_new_kv = True
+
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.path = path
         fn = lib.kvload_paged_decode
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
         fn.argtypes = [p, i64, i64, p, p, i64, i64, p, i32, i32, i32, i32, i32, i64, i64, i64, i64, f32, f32, i32, p,
-                       p, i32]
+                       p, i32, p, p, i64, i64, i64, i64]
         fn.restype = i32
         self._fn = fn
         self._luts: dict[torch.dtype, torch.Tensor] = {}
@@ -89,13 +92,16 @@ class CpuDecodeKernel:
 
     def __call__(self, query: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
                  kv_heads: int, tokens_per_block: int, scale: float, window: int | None = None,
-                 softcap: float | None = None, max_pages: int | None = None, scratch: Any = None) -> torch.Tensor:
+                 softcap: float | None = None, max_pages: int | None = None, scratch: Any = None,
+                 new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Attention of one new query per sequence over its pages: ``(B, heads, d)`` out, like ``query``.
 
         ``slots``: the layer's ``(num_blocks * T, entry_elems)`` pool view (rows ``(2, kv_heads, d)``);
         ``tables``: ``(B, width)`` physical block per logical block (-1 past the end); ``lens``: ``(B,)`` keys per
-        sequence including the new token's (already written); ``window``: keys ``[len - window, len)``.
+        sequence including the new token's (already written, or stored from ``new_kv``); ``window``: keys ``[len - window, len)``.
         ``max_pages`` and ``scratch`` are the Triton kernel's (split sizing, partials) and unused here.
+        ``new_kv``: the step's new K and V, ``(B, kv_heads, d)`` each in the pool's dtype, stored at each sequence's
+        last position (``lens - 1``) before attending — the layer's K/V write folded into this call.
         """
         B, H, D = query.shape
         if H % kv_heads:
@@ -113,13 +119,24 @@ class CpuDecodeKernel:
         lens = lens if lens.dtype == torch.int64 and lens.is_contiguous() else lens.to(torch.int64).contiguous()
         if tables.shape[0] != B or lens.shape[0] != B:
             raise ValueError(f"{B} queries, {tables.shape[0]} table rows, {lens.shape[0]} lengths")
+        k_new = v_new = None
+        kn = vn = (0, 0)
+        if new_kv is not None:
+            k_new, v_new = new_kv
+            for t in new_kv:
+                if t.dtype != slots.dtype or t.shape != (B, kv_heads, D) or t.stride(2) != 1:
+                    raise ValueError(f"new K/V of {t.dtype} {tuple(t.shape)}: the kernel stores ({B}, {kv_heads}, {D}) "
+                                     f"rows of the pool's {slots.dtype}, elements contiguous")
+            kn, vn = (k_new.stride(0), k_new.stride(1)), (v_new.stride(0), v_new.stride(1))
         lut = self._lut(slots.dtype)
         out = torch.empty(B, H, D, dtype=torch.float32)
         T = tokens_per_block
         rc = self._fn(q.data_ptr(), q.stride(0), q.stride(1), slots.data_ptr(), tables.data_ptr(), tables.stride(0),
                       tables.shape[1], lens.data_ptr(), B, H, kv_heads, D, T, slots.stride(0), kv_heads * D,
                       slots.shape[0] // T, window or 0, scale, softcap or 0.0, kind,
-                      lut.data_ptr() if lut is not None else None, out.data_ptr(), torch.get_num_threads())
+                      lut.data_ptr() if lut is not None else None, out.data_ptr(), torch.get_num_threads(),
+                      k_new.data_ptr() if k_new is not None else None, v_new.data_ptr() if v_new is not None else None,
+                      *kn, *vn)
         if rc == -1:
             raise ValueError(f"the CPU kernel does not take {H} heads over {kv_heads} KV heads of {D}")
         if rc == -2:

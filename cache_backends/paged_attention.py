@@ -66,6 +66,10 @@ _FAMILIES: weakref.WeakKeyDictionary[BlockPools, tuple[dict[str, tuple[str, ...]
     weakref.WeakKeyDictionary()
 
 
+#: per pools: the executor's group tuple -> its groups' block sizes, sorted (PagedBatch._check_step)
+_BLOCK_SIZES: weakref.WeakKeyDictionary[BlockPools, dict[tuple[str, ...], list[int]]] = weakref.WeakKeyDictionary()
+
+
 #: per pools: layer -> its LayerRoute (PagedBatch.route), shared by every step over those pools
 _ROUTES: weakref.WeakKeyDictionary[BlockPools, dict[int, LayerRoute]] = weakref.WeakKeyDictionary()
 
@@ -174,22 +178,23 @@ class PagedBatch:
 
         # Index arithmetic in numpy, wrapped with torch.from_numpy (no copy): at a few hundred tokens each
         # torch CPU op costs its dispatch overhead (~5 us) and a plan is dozens of them, every step.
+        # (a decode step's plan is a few dozen such calls on arrays of B elements: sums over short lists in Python)
         B = len(self.chunks)
-        n = np.fromiter((len(c.token_ids) for c in self.chunks), dtype=np.int64, count=B)
+        counts = [len(c.token_ids) for c in self.chunks]
+        n = np.array(counts, dtype=np.int64)
         start = np.fromiter((c.start_pos for c in self.chunks), dtype=np.int64, count=B)
         self.num_seqs = B
-        self.num_tokens = int(n.sum())
-        self.max_q = int(n.max())
-        if self.max_q == 1:  # pure decode: token b is sequence b's only one
-            seq, offset = np.arange(B), np.zeros(B, dtype=np.int64)
+        self.num_tokens = sum(counts)
+        self.max_q = max(counts)
+        if self.max_q == 1:  # pure decode: token b is sequence b's only one, at its start position
+            seq, offset, pos = np.arange(B), np.zeros(B, dtype=np.int64), start
         else:
             seq = np.repeat(np.arange(B), n)
             offset = np.arange(self.num_tokens) - np.repeat(np.cumsum(n) - n, n)
-        pos = start[seq] + offset
-        self._n_np, self._start_np, self._end_np = n, start, start + n
+            pos = start[seq] + offset
+        self._n_np, self._start_np, self._end_np = n, start, start + n  # (read only: pos may be start itself)
+        self._longest = int(self._end_np.max())  # the longest sequence after this step
         self._seq_np, self._pos_np = seq, pos
-        self._n, self._start, self._end = torch.from_numpy(n), torch.from_numpy(start), torch.from_numpy(start + n)
-        self._seq, self._pos = torch.from_numpy(seq), torch.from_numpy(pos)
         self._offset_np = offset
         ids = np.fromiter((t for c in self.chunks for t in c.token_ids), dtype=np.int64, count=self.num_tokens)
         self.input_ids = self._to_device(ids[None])
@@ -224,10 +229,14 @@ class PagedBatch:
         self._splits: dict[int, list[tuple[int, int, int, int, bool]] | None] = {}
         self._biases: dict[tuple[int | None, torch.dtype], torch.Tensor] = {}
 
-    def attend_decode(self, layer: int, query: torch.Tensor, kv_heads: int, head_dim: int, scale: float,
-                      softcap: float | None) -> torch.Tensor | None:
+    def attend_decode(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                      softcap: float | None, written: bool = False) -> torch.Tensor | None:
         """A decode-only step's attention of a full or sliding layer on the paged decode kernel, reading the pool in
-        place: packed ``(B, heads, d)``; None when the kernel does not serve this step or layer."""
+        place: packed ``(B, heads, d)``; None when the kernel does not serve this step or layer (nothing written).
+
+        ``key`` / ``value``: the new tokens' ``(B, kv_heads, d)``, stored first unless ``written``: by the kernel
+        in the same call where it can (the CPU kernel, K/V already in the pool's dtype), else by :meth:`write_kv`.
+        """
         r = self.route(layer)
         if self.decode_kernel is None or self.max_q != 1 or r.kind not in ("full", "sliding"):
             return None
@@ -242,12 +251,23 @@ class PagedBatch:
             self._decode_tables[r.group] = tables
         if self._decode_lens is None:
             self._decode_lens = self._to_device(self._end_np)
+        slots = self._views(r)[0]
+        kv_heads = key.shape[1]
+        new_kv = None
+        if not written:
+            if getattr(self.decode_kernel, "writes_new_kv", False) and key.dtype == slots.dtype == value.dtype \
+                    and key.stride(2) == 1 and value.stride(2) == 1:
+                new_kv = (key, value)
+            else:
+                write_kv(self, layer, key, value)
         T = self.pools.groups[r.group].tokens_per_block
-        # the most pages one sequence reads this step (sizes the splits; the table is max_seq_len wide)
-        longest = int(self._end_np.max())
-        pages = -(-longest // T) if r.window is None else min(-(-longest // T), -(-r.window // T) + 1)
-        return self.decode_kernel(query, self._views(r)[0], tables, self._decode_lens, kv_heads, T, scale, r.window,
-                                  softcap, pages, self._decode_scratch)
+        # the most pages one sequence reads this step (sizes the Triton kernel's splits; the table is max_seq_len wide)
+        pages = -(-self._longest // T)
+        if r.window is not None:
+            pages = min(pages, -(-r.window // T) + 1)
+        extra = {"new_kv": new_kv} if new_kv is not None else {}
+        return self.decode_kernel(query, slots, tables, self._decode_lens, kv_heads, T, scale, r.window, softcap,
+                                  pages, self._decode_scratch, **extra)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """A plan array on the pools' device; to a GPU through pinned memory without blocking.
@@ -261,7 +281,7 @@ class PagedBatch:
         t = torch.from_numpy(array)
         if self.device.type == "cuda":
             return t.pin_memory().to(self.device, non_blocking=True)
-        return t.to(self.device)
+        return t if self.device.type == "cpu" else t.to(self.device)
 
     def attention_work(self) -> tuple[int, int]:
         """``(Σ queries x visible keys, Σ visible keys)`` over the step's sequences, for a layer with no window."""
@@ -303,8 +323,11 @@ class PagedBatch:
         batch = cls(chunks, pools, tables)
         batch.flex = flex
         batch.decode_kernel = decode_kernel
-        for group in pools.groups:
-            batch.write_slots(group)
+        if decode_kernel is None or batch.max_q != 1:
+            for group in pools.groups:
+                batch.write_slots(group)
+        # else: a decode step on a paged decode kernel: the kernel stores its full and sliding layers' new K/V and
+        # checks the page it stores into; the slots of a layer it does not serve are computed on that layer's write
         return batch
 
     # --- routing -------------------------------------------------------------------------
@@ -329,14 +352,20 @@ class PagedBatch:
 
     def _check_step(self, step: StepTables) -> None:
         """Stacked tables: known groups, one row per sequence, wide enough for every new token's block."""
-        unknown = [g for g in step.groups if g not in self.pools.groups]
-        if unknown:
-            raise ValueError(f"block tables for group {unknown[0]!r}, which the pools do not have")
+        sizes = _BLOCK_SIZES.setdefault(self.pools, {})
+        tpbs = sizes.get(step.groups)  # the executor's store passes the same groups every step: checked once
+        if tpbs is None:
+            unknown = [g for g in step.groups if g not in self.pools.groups]
+            if unknown:
+                raise ValueError(f"block tables for group {unknown[0]!r}, which the pools do not have")
+            tpbs = sizes[step.groups] = sorted({self.pools.groups[g].tokens_per_block for g in step.groups})
         if step.array.shape[1] != self.num_seqs:
             raise ValueError(f"block tables of shape {tuple(step.array.shape[1:])} per group, expected "
                              f"({self.num_seqs}, blocks)")
         width = step.array.shape[2]
-        for tpb in sorted({self.pools.groups[g].tokens_per_block for g in step.groups}):
+        for tpb in tpbs:
+            if (self._longest - 1) // tpb < width:  # the longest sequence fits: all do
+                continue
             short = (self._end_np - 1) // tpb >= width
             if short.any():
                 b = int(short.nonzero()[0][0])
@@ -379,12 +408,12 @@ class PagedBatch:
             width = max(1, max(len(r) for r in rows))
             table = torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.long)
             tpb = self.pools.groups[group].tokens_per_block
-            short = (torch.tensor([len(r) for r in rows]) * tpb) < self._end
+            short = np.array([len(r) for r in rows]) * tpb < self._end_np
             if short.any():
-                b = int(short.nonzero()[0])
+                b = int(short.nonzero()[0][0])
                 raise ValueError(f"sequence {b}: block table of group {group!r} has {len(rows[b])} blocks of {tpb} "
-                                 f"tokens; position {int(self._end[b]) - 1} needs "
-                                 f"{(int(self._end[b]) + tpb - 1) // tpb}")
+                                 f"tokens; position {int(self._end_np[b]) - 1} needs "
+                                 f"{(int(self._end_np[b]) + tpb - 1) // tpb}")
             self._tables[group] = table
         return table
 
@@ -756,15 +785,18 @@ def paged_attention(batch: PagedBatch, layer: int, query: torch.Tensor, key: tor
     A batch planned with ``flex=`` attends on the compiled path instead (no gather); one planned with
     ``decode_kernel=`` attends a decode-only step's full and sliding layers on that paged decode kernel.
     """
-    write_kv(batch, layer, key, value)
-    if batch.flex is not None:
+    written = batch.flex is not None
+    if written:
+        write_kv(batch, layer, key, value)
         out = attend_compiled(batch, layer, query, key.shape[1], key.shape[2], scale, softcap)
         if out is not None:
             return out
     if batch.decode_kernel is not None:
-        out = batch.attend_decode(layer, query, key.shape[1], key.shape[2], scale, softcap)
+        out = batch.attend_decode(layer, query, key, value, scale, softcap, written)  # writes K/V unless written
         if out is not None:
             return out
+    if not written:
+        write_kv(batch, layer, key, value)
     k, v = batch.gather_kv(layer, key.shape[1], key.shape[2], query.dtype)
     return attend_packed(batch, layer, query, k, v, scale, softcap)
 

@@ -77,15 +77,19 @@ def paged_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor,
         MLA_CALLS["expanded"] += 1
         k, v = key, value
     else:
-        batch.write_kv(layer, key, value)
-        if batch.flex is not None:  # the compiled path reads the pools in place
+        written = batch.flex is not None
+        if written:  # the compiled path reads the pools in place
+            batch.write_kv(layer, key, value)
             out = attend_compiled(batch, layer, query[0].transpose(0, 1), key.shape[1], key.shape[3], scale, softcap)
             if out is not None:
                 return out.unsqueeze(0), None
-        if batch.decode_kernel is not None:  # a decode step's pages read in place by a paged decode kernel
-            out = batch.attend_decode(layer, query[0].transpose(0, 1), key.shape[1], key.shape[3], scale, softcap)
+        if batch.decode_kernel is not None:  # a decode step's pages read in place (and K/V stored) by a paged kernel
+            out = batch.attend_decode(layer, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                                      scale, softcap, written)
             if out is not None:
                 return out.unsqueeze(0), None
+        if not written:
+            batch.write_kv(layer, key, value)
         k, v = batch.gather_kv(layer, key.shape[1], key.shape[3], query.dtype)
         if batch.max_q == 1:
             # decode: sequence b's one query is packed token b, so (1, H, B, d) -> (B, H, 1, d) is one transpose,

@@ -73,6 +73,47 @@ def test_two_threads_give_what_one_gives(kernel):
 
 
 @needs_cc
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_the_kernel_stores_the_new_kv_exactly_where_write_kv_does(kernel, dtype):
+    # the kernel folds the layer's K/V write into its call; K/V arrive as the model makes them, (1, kv_heads, B, d)
+    # views of the projections' rows, so strided: the pool must end up byte-equal to write_kv's
+    from cache_backends.layout import LayerKV, build_layout
+    from cache_backends.paged_attention import PagedBatch, SeqChunk
+    from cache_backends.pools import BlockPools
+
+    T, Hkv, D, lengths = 16, 2, 64, [40, 1, 17]
+    act = getattr(torch, dtype)
+    layout = build_layout([LayerKV(0, "full", 2 * Hkv * D)], "v2", T, dtype)
+    pools = [BlockPools(layout, {"full": 12}, "cpu") for _ in range(2)]
+    pools[0].tensors["full"].normal_()
+    pools[1].tensors["full"].copy_(pools[0].tensors["full"])
+    tables = [[7, 2, 9], [4], [11, 0]]
+    chunks = [SeqChunk([1], n - 1, {"full": t}) for n, t in zip(lengths, tables, strict=True)]
+    q = torch.randn(3, 4, D).to(act)
+    kv = torch.randn(1, 3, 2 * Hkv * D).to(act)  # one projection row per token; K and V are views of it
+    key, value = (kv.view(1, 3, 2, Hkv, D)[:, :, i].transpose(1, 2)[0].transpose(0, 1) for i in (0, 1))
+    assert not key.is_contiguous()
+    fused = PagedBatch.build(chunks, pools[0], decode_kernel=kernel)
+    out = fused.attend_decode(0, q, key, value, D ** -0.5, None)
+    plain = PagedBatch.build(chunks, pools[1], decode_kernel=kernel)
+    plain.write_kv(0, key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0))
+    ref = plain.attend_decode(0, q, key, value, D ** -0.5, None, written=True)
+    assert torch.equal(pools[0].tensors["full"].view(torch.uint8), pools[1].tensors["full"].view(torch.uint8))
+    assert torch.equal(out, ref)
+
+
+@needs_cc
+def test_a_new_token_without_a_page_is_refused_before_the_kernel_writes(kernel):
+    T, D = 16, 16
+    slots = torch.zeros(4 * T, 2 * D)
+    new = torch.randn(1, 1, D)
+    with pytest.raises(IndexError, match="maps to no block of the pool"):  # position 16 needs a second page
+        kernel(torch.randn(1, 2, D), slots, torch.tensor([[2, -1]]), torch.tensor([17]), 1, T, D ** -0.5,
+               new_kv=(new, new))
+    assert not slots.any()
+
+
+@needs_cc
 @pytest.mark.parametrize("what", ["short table", "released page in the window", "page past the pool"])
 def test_a_position_without_a_page_is_an_error_not_a_wild_read(kernel, what):
     T, D = 16, 16

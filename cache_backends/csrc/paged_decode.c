@@ -287,14 +287,39 @@ KIND_SPECIALS(BYTE)
 #define PICK(KIND)                                                                                               \
     (D == 64 ? seq_##KIND##_64 : D == 128 ? seq_##KIND##_128 : D == 256 ? seq_##KIND##_256 : seq_##KIND##_any)
 
+/* Store sequence b's new K and V rows (heads h0 .. h0 + nh) at position lens[b] - 1 before attending: the caller's
+ * index_copy per layer, folded into the call. Elements are copied as they are (the caller passes K/V already in the
+ * pool's dtype). Returns 0, or -2 when that position has no page. */
+static int write_new(const void *k_new, const void *v_new, int64_t kn_sb, int64_t kn_sh, int64_t vn_sb,
+                     int64_t vn_sh, int b, int h0, int nh, void *kv, const int64_t *table, int64_t width, int64_t end,
+                     int D, int T, int64_t row_stride, int64_t v_offset, int64_t num_blocks, int kind) {
+    const int64_t pos = end - 1, j = pos / T;
+    if (pos < 0 || j >= width) return -2;
+    const int64_t page = table[j];
+    if (page < 0 || page >= num_blocks) return -2;
+    const size_t es = kind == F32 ? 4 : kind == BYTE ? 1 : 2;
+    char *dst = (char *)kv + (size_t)((page * T + pos - j * T) * row_stride) * es;
+    for (int hh = 0; hh < nh; hh++) {
+        const int64_t h = h0 + hh;
+        memcpy(dst + (size_t)(h * D) * es, (const char *)k_new + (size_t)(b * kn_sb + h * kn_sh) * es, (size_t)D * es);
+        memcpy(dst + (size_t)(v_offset + h * D) * es, (const char *)v_new + (size_t)(b * vn_sb + h * vn_sh) * es,
+               (size_t)D * es);
+    }
+    return 0;
+}
+
 /* The entry point: float32 queries (rows strided q_sb, q_sh; elements contiguous), float32 out (B, H, D).
- * kind: 0 float32, 1 bfloat16, 2 float16, 3 one byte (float8, widened through lut). Returns 0; -1 for shapes the
- * kernel does not take (checked by the caller first); -2 for a visible position with no page in the pool.
+ * kind: 0 float32, 1 bfloat16, 2 float16, 3 one byte (float8, widened through lut). k_new / v_new: NULL, or the
+ * step's new K and V (B, Hkv, D) in the pool's dtype (strides in elements; a row's D elements contiguous), stored at
+ * each sequence's last position first. Returns 0; -1 for shapes the kernel does not take (checked by the caller
+ * first); -2 for a visible position with no page in the pool.
  * Work item = (sequence, a run of KV heads): all of a sequence's heads where that leaves every thread an item. */
-int kvload_paged_decode(const float *q, int64_t q_sb, int64_t q_sh, const void *kv, const int64_t *tables,
+int kvload_paged_decode(const float *q, int64_t q_sb, int64_t q_sh, void *kv, const int64_t *tables,
                         int64_t table_stride, int64_t table_width, const int64_t *lens, int B, int H, int Hkv,
                         int D, int T, int64_t row_stride, int64_t v_offset, int64_t num_blocks, int64_t window,
-                        float scale, float softcap, int kind, const float *lut, float *out, int nthreads) {
+                        float scale, float softcap, int kind, const float *lut, float *out, int nthreads,
+                        const void *k_new, const void *v_new, int64_t kn_sb, int64_t kn_sh, int64_t vn_sb,
+                        int64_t vn_sh) {
     if (Hkv < 1 || H % Hkv || H / Hkv > MAX_GROUP || D < 1 || D > MAX_DIM || T < 1) return -1;
     seq_fn one;
     switch (kind) {
@@ -315,9 +340,14 @@ int kvload_paged_decode(const float *q, int64_t q_sb, int64_t q_sh, const void *
         const int nh = Hkv - h0 < run ? Hkv - h0 : run;
         const int64_t end = lens[b];
         const int64_t lo = window > 0 && end > window ? end - window : 0;
-        const int rc = one(q + b * q_sb + (int64_t)h0 * G * q_sh, q_sh, kv, tables + b * table_stride, table_width,
-                           end, lo, G, nh, h0, D, T, row_stride, v_offset, num_blocks, scale, softcap, lut,
-                           out + ((int64_t)b * H + (int64_t)h0 * G) * D, D);
+        int rc = 0;
+        if (k_new)
+            rc = write_new(k_new, v_new, kn_sb, kn_sh, vn_sb, vn_sh, b, h0, nh, kv, tables + b * table_stride,
+                           table_width, end, D, T, row_stride, v_offset, num_blocks, kind);
+        if (rc == 0)
+            rc = one(q + b * q_sb + (int64_t)h0 * G * q_sh, q_sh, kv, tables + b * table_stride, table_width, end, lo,
+                     G, nh, h0, D, T, row_stride, v_offset, num_blocks, scale, softcap, lut,
+                     out + ((int64_t)b * H + (int64_t)h0 * G) * D, D);
         status = rc < status ? rc : status;
     }
     return status;
