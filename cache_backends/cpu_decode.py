@@ -98,7 +98,8 @@ class CpuDecodeKernel:
 
         ``slots``: the layer's ``(num_blocks * T, entry_elems)`` pool view (rows ``(2, kv_heads, d)``);
         ``tables``: ``(B, width)`` physical block per logical block (-1 past the end); ``lens``: ``(B,)`` keys per
-        sequence including the new token's (already written, or stored from ``new_kv``); ``window``: keys ``[len - window, len)``.
+        sequence including the new token's (already written, or stored from ``new_kv``); ``window``: keys
+        ``[len - window, len)``.
         ``max_pages`` and ``scratch`` are the Triton kernel's (split sizing, partials) and unused here.
         ``new_kv``: the step's new K and V, ``(B, kv_heads, d)`` each in the pool's dtype, stored at each sequence's
         last position (``lens - 1``) before attending — the layer's K/V write folded into this call.
