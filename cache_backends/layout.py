@@ -28,6 +28,9 @@ import attrs
 #: torch-free copy, so ``kvload models`` can say what generates without importing torch). Compressed
 #: DeepSeek V4 layers are not served.
 SERVED_KINDS: tuple[str, ...] = ("full", "sliding", "mla")
+#: Layer kinds a paged decode kernel (Triton on CUDA, the C kernel on CPU) attends: rows of K and V per KV head
+#: (MLA's latent rows and DeepSeek V4's compressed ones stay on gather + SDPA or the compiled path).
+DECODE_KERNEL_KINDS: frozenset[str] = frozenset({"full", "sliding"})
 
 
 def unserved_kinds(layers: Iterable[LayerKV]) -> list[str]:

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from cache_backends.block_tables import StepTables
-from cache_backends.layout import SERVED_KINDS, LayerKV  # SERVED_KINDS: the kinds this module serves
+from cache_backends.layout import DECODE_KERNEL_KINDS, SERVED_KINDS, LayerKV  # SERVED_KINDS: the kinds served
 from cache_backends.pools import BlockPools
 
 #: Pool dtypes written through a ``uint8`` view of the same bytes: torch's CPU ``index_copy`` has no float8 kernel,
@@ -238,7 +238,7 @@ class PagedBatch:
         in the same call where it can (the CPU kernel, K/V already in the pool's dtype), else by :meth:`write_kv`.
         """
         r = self.route(layer)
-        if self.decode_kernel is None or self.max_q != 1 or r.kind not in ("full", "sliding"):
+        if self.decode_kernel is None or self.max_q != 1 or r.kind not in DECODE_KERNEL_KINDS:
             return None
         tables = self._decode_tables.get(r.group)
         if tables is None:  # one upload per step: every group's tables at once when the executor stacked them

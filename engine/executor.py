@@ -35,6 +35,7 @@ import torch
 
 from cache_backends.block_tables import BlockTableStore
 from cache_backends.interface import SchedulerOutput
+from cache_backends.layout import DECODE_KERNEL_KINDS
 from cache_backends.paged_attention import SERVED_KINDS, PagedBatch, SeqChunk
 from cache_backends.request import Request
 from engine.driver import Arrival, Driver, StalledError
@@ -190,12 +191,12 @@ class GenerationExecutor:
     def _decode_kernel(self, backend: str) -> tuple[Callable[..., torch.Tensor] | None, str | None]:
         """The paged decode kernel ``backend`` names for this model's attention layers here, or None and why not."""
         kinds = {layer.kind for layer in self.manager.layout.layers}
-        if not kinds & {"full", "sliding"}:
+        if not kinds & DECODE_KERNEL_KINDS:
             return None, (f"the paged decode kernel serves full and sliding-window layers; this model has "
                           f"{sorted(kinds)}")
         config = text_config(self.model.config)
         head_dim = config_head_dim(config)
-        groups = [g for g in self.manager.layout.groups if g.kind in ("full", "sliding")]
+        groups = [g for g in self.manager.layout.groups if g.kind in DECODE_KERNEL_KINDS]
         if backend == "triton":
             from cache_backends.paged_decode import paged_decode, paged_decode_unsupported
 

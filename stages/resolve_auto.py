@@ -53,8 +53,9 @@ def resolve_attention_backend(device: str, layer_kinds: set[str] | None = None) 
                                 "whose kernel is no faster than the gather at batch 32 and 5x slower at batch 1; "
                                 "\"flex\" still selects it")
     from cache_backends.cpu_kernel_build import compiler
+    from cache_backends.layout import DECODE_KERNEL_KINDS
 
-    if layer_kinds is not None and not layer_kinds & {"full", "sliding"}:
+    if layer_kinds is not None and not layer_kinds & DECODE_KERNEL_KINDS:
         mla = " (MLA attends in the absorbed form on gather + SDPA)" if "mla" in layer_kinds else ""
         return "sdpa", "auto", (f"the model's attention layers are {', '.join(sorted(layer_kinds))}; the CPU paged "
                                 f"decode kernel serves full and sliding-window layers{mla}")
