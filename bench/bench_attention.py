@@ -215,6 +215,65 @@ def bench_point(batch: int, length: int, args: argparse.Namespace, device: torch
     return result
 
 
+def mixed_point(batch: int, length: int, chunk: int, args: argparse.Namespace, device: torch.device,
+                kernel: Callable[..., torch.Tensor]) -> dict[str, float]:
+    """One layer of a mixed step: ``batch`` decode rows at ``length`` keys and one new prompt's chunk of ``chunk``
+    tokens from position 0, on gather + SDPA and on the decode kernel split (``PagedBatch.attend_mixed``), each with
+    its step's plan built afresh (tables from the store, ``PagedBatch.build``)."""
+    dtype = TORCH_DTYPES[args.dtype]
+    hkv, hd, h, T = args.kv_heads, args.head_dim, args.heads, args.block
+    layout = build_layout([LayerKV(0, "full", 2 * hkv * hd)], "v2", T, args.dtype)
+    lens = [length] * batch + [chunk]
+    need = [-(-n // T) for n in lens]
+    pools = BlockPools(layout, {"full": sum(need)}, device)
+    pools.tensors["full"].normal_()
+    ids = list(range(sum(need)))
+    random.Random(0).shuffle(ids)
+    tables, at = [], 0
+    for k in need:
+        tables.append(ids[at:at + k])
+        at += k
+    store = BlockTableStore(["full"], max(need))
+    rows = [store.update(f"r{b}", "full", t) for b, t in enumerate(tables)]
+    chunks = [SeqChunk([1], length - 1, {}) for _ in range(batch)] + [SeqChunk([1] * chunk, 0, {})]
+    tokens = batch + chunk
+    q = torch.randn(tokens, h, hd, device=device, dtype=dtype)
+    k_new = torch.randn(tokens, hkv, hd, device=device, dtype=dtype)
+    v_new = torch.randn(tokens, hkv, hd, device=device, dtype=dtype)
+    scale = hd**-0.5
+
+    def step(use: Callable[..., torch.Tensor] | None) -> Callable[[], torch.Tensor]:
+        def run() -> torch.Tensor:
+            fresh = PagedBatch.build(chunks, pools, store.tables(rows), decode_kernel=use)
+            return paged_attention(fresh, 0, q, k_new, v_new, scale)
+        return run
+
+    with torch.inference_mode():
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(step(kernel)().float(), step(None)().float(), rtol=tol, atol=tol)
+        result = {"gather": median_us(step(None), args.reps, device),
+                  "split": median_us(step(kernel), args.reps, device)}
+    pools.release()
+    return result
+
+
+def mixed_table(args: argparse.Namespace, device: torch.device) -> None:
+    """``--mixed-chunk``: the mixed-step table, gather + SDPA against the decode rows on the kernel."""
+    kernel = args.kernels.get("cpu") or args.kernels.get("triton")
+    if kernel is None:
+        raise SystemExit("--mixed-chunk times the paged decode kernel's split, and no kernel runs here")
+    print(f"clock={CLOCK['name']} device={device} dtype={args.dtype} heads={args.heads} kv_heads={args.kv_heads} "
+          f"head_dim={args.head_dim} block={args.block} reps={args.reps} threads={torch.get_num_threads()} "
+          f"chunk={args.mixed_chunk} kernel={'cpu' if 'cpu' in args.kernels else 'triton'}")
+    print("one layer of a step: `batch` decode rows at `len` keys + one new prompt's chunk; times in us (medians), "
+          "plan included; x = gather / split")
+    print(f"{'batch':>5} {'len':>6} {'gather':>9} {'split':>9} {'x':>6}")
+    for b in (int(x) for x in args.batch.split(",")):
+        for n in (int(x) for x in args.lengths.split(",")):
+            r = mixed_point(b, n, args.mixed_chunk, args, device, kernel)
+            print(f"{b:>5} {n:>6} {r['gather']:>9.1f} {r['split']:>9.1f} {r['gather'] / r['split']:>6.2f}", flush=True)
+
+
 def bench_mla_point(batch: int, length: int, args: argparse.Namespace, device: torch.device) -> dict[str, float]:
     """Time one (batch, context length) point of an MLA layer's decode (see ``--mla``)."""
     dtype = TORCH_DTYPES[args.dtype]
@@ -523,6 +582,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="time the Triton paged decode kernel (auto: where it runs, i.e. on CUDA with triton)")
     p.add_argument("--cpu-kernel", choices=("auto", "on", "off"), default="auto",
                    help="time the CPU paged decode kernel (auto: where it runs, i.e. on CPU with a C compiler)")
+    p.add_argument("--mixed-chunk", type=int, default=0, metavar="C",
+                   help="time mixed steps instead: the decode rows plus one new prompt's chunk of C tokens, on gather "
+                        "+ SDPA and with the decode rows on the paged decode kernel")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -541,6 +603,9 @@ def main(argv: list[str] | None = None) -> None:
         mla_table(args, device)
         return
     args.kernels = paged_decode_kernels(args, device)  # only the GQA table times them
+    if args.mixed_chunk:
+        mixed_table(args, device)
+        return
     print(f"clock={CLOCK['name']} device={device} dtype={args.dtype} heads={args.heads} kv_heads={args.kv_heads} "
           f"head_dim={args.head_dim} "
           f"block={args.block} reps={args.reps} ragged={args.ragged} threads={torch.get_num_threads()} "

@@ -152,6 +152,19 @@ class _WindowKeys:
     mask: torch.Tensor | None  # (B, 1, max_q, max_k) bool on the device; None: every query sees every key
 
 
+@attrs.define
+class _MixedSplit:
+    """A mixed step split for the paged decode kernel: its decode rows, and a plan of its prefill chunks alone."""
+
+    decode_seqs: np.ndarray  # (D,) the decode rows' sequence indices
+    decode_tokens: torch.Tensor  # (D,) their packed token indices, on the device
+    prefill_tokens: torch.Tensor  # (N - D,) the chunks' packed token indices, on the device
+    lens: torch.Tensor  # (D,) keys per decode row, on the device
+    longest: int  # the most keys a decode row has
+    prefill: PagedBatch  # the chunks' own plan (gathers and masks over their keys only; writes are the step's)
+    tables: dict[str, torch.Tensor] = attrs.Factory(dict)  # per group, the decode rows' tables on the device
+
+
 class PagedBatch:
     """One step's plan: packed inputs, per-group write slots, and per (group, window) gathers and masks.
 
@@ -210,6 +223,7 @@ class PagedBatch:
             self._tables = dict(tables)
             for group, table in self._tables.items():
                 self._check_table(group, table)
+        self._given_tables = dict(self._tables)  # tables passed per group (not planned from the chunks' lists)
         self._write_family, self._gather_family = _families(pools)
         self._stacks: dict[tuple[str, ...], np.ndarray] = {}
         #: the compiled path (``cache_backends.flex_paged``) when the step runs on it; None: gather + SDPA
@@ -222,6 +236,8 @@ class PagedBatch:
         self._decode_stack: torch.Tensor | None = None  # the executor's stacked tables, on the device
         self._decode_lens: torch.Tensor | None = None  # keys per sequence, on the device
         self._decode_scratch: dict[tuple, torch.Tensor] = {}  # the kernel's partials, shared by the step's layers
+        self._mixed: _MixedSplit | None = None  # a mixed step's split (attend_mixed), once planned
+        self._mixed_planned = False
         #: MLA layers whose latent cache stored this step's entries and gathered nothing (the compiled path
         #: attends over the latents in place; ``models.paged_forward``)
         self.latent_in_place: set[int] = set()
@@ -268,6 +284,64 @@ class PagedBatch:
         extra = {"new_kv": new_kv} if new_kv is not None else {}
         return self.decode_kernel(query, slots, tables, self._decode_lens, kv_heads, T, scale, r.window, softcap,
                                   pages, self._decode_scratch, **extra)
+
+    def attend_mixed(self, layer: int, query: torch.Tensor, kv_heads: int, head_dim: int, scale: float,
+                     softcap: float | None) -> torch.Tensor | None:
+        """A step that mixes decode rows with prefill chunks, for a full or sliding layer whose new K/V are written:
+        the decode rows on the paged decode kernel (their pages read in place), the chunks on gather + SDPA over
+        their own keys only. Packed ``(N, heads, d)``; None when the kernel does not serve this step or layer.
+
+        Gather + SDPA would copy every sequence's visible keys, the decode rows' long contexts included, padded to
+        the longest; those are most of the copy when a new prompt's chunk joins running requests.
+        """
+        r = self.route(layer)
+        if self.decode_kernel is None or self.max_q == 1 or r.kind not in DECODE_KERNEL_KINDS:
+            return None
+        split = self._mixed_split()
+        if split is None:
+            return None
+        tables = split.tables.get(r.group)
+        if tables is None:
+            tables = split.tables[r.group] = self._to_device(np.ascontiguousarray(
+                self._table(r.group).numpy()[split.decode_seqs]))
+        T = self.pools.groups[r.group].tokens_per_block
+        pages = -(-split.longest // T)
+        if r.window is not None:
+            pages = min(pages, -(-r.window // T) + 1)
+        decoded = self.decode_kernel(query.index_select(0, split.decode_tokens), self._views(r)[0], tables, split.lens,
+                                     kv_heads, T, scale, r.window, softcap, pages, self._decode_scratch)
+        sub = split.prefill
+        k, v = sub.gather_kv(layer, kv_heads, head_dim, query.dtype)
+        prefilled = attend_packed(sub, layer, query.index_select(0, split.prefill_tokens), k, v, scale, softcap)
+        out = query.new_empty(query.shape[0], query.shape[1], prefilled.shape[-1])
+        out.index_copy_(0, split.decode_tokens, decoded.to(out.dtype))
+        out.index_copy_(0, split.prefill_tokens, prefilled)
+        return out
+
+    def _mixed_split(self) -> _MixedSplit | None:
+        """The step's decode rows and prefill chunks, planned once for its layers; None when it has no decode row."""
+        if self._mixed_planned:
+            return self._mixed
+        self._mixed_planned = True
+        decode = self._n_np == 1
+        if not decode.any():
+            return None
+        seqs = np.nonzero(decode)[0]
+        chunks = np.nonzero(~decode)[0]
+        first = np.cumsum(self._n_np) - self._n_np
+        token_is_decode = decode[self._seq_np]
+        tables: Mapping[str, torch.Tensor] | None = None  # None: the chunks' own lists
+        if self._step is not None:
+            tables = StepTables(self._step.groups, self._step.array[:, chunks], self._step.index)
+        elif self._given_tables:
+            rows = torch.from_numpy(chunks)
+            tables = {g: t[rows] for g, t in self._given_tables.items()}
+        prefill = PagedBatch([self.chunks[b] for b in chunks.tolist()], self.pools, tables)
+        self._mixed = _MixedSplit(
+            decode_seqs=seqs, decode_tokens=self._to_device(first[seqs]),
+            prefill_tokens=self._to_device(np.nonzero(~token_is_decode)[0]),
+            lens=self._to_device(self._end_np[seqs]), longest=int(self._end_np[seqs].max()), prefill=prefill)
+        return self._mixed
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """A plan array on the pools' device; to a GPU through pinned memory without blocking.
@@ -797,6 +871,10 @@ def paged_attention(batch: PagedBatch, layer: int, query: torch.Tensor, key: tor
             return out
     if not written:
         write_kv(batch, layer, key, value)
+    if batch.decode_kernel is not None:
+        out = batch.attend_mixed(layer, query, key.shape[1], key.shape[2], scale, softcap)
+        if out is not None:
+            return out
     k, v = batch.gather_kv(layer, key.shape[1], key.shape[2], query.dtype)
     return attend_packed(batch, layer, query, k, v, scale, softcap)
 

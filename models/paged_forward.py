@@ -90,6 +90,10 @@ def paged_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor,
                 return out.unsqueeze(0), None
         if not written:
             batch.write_kv(layer, key, value)
+        if batch.decode_kernel is not None:  # a mixed step: its decode rows on the kernel, its chunks gathered
+            out = batch.attend_mixed(layer, query[0].transpose(0, 1), key.shape[1], key.shape[3], scale, softcap)
+            if out is not None:
+                return out.unsqueeze(0), None
         k, v = batch.gather_kv(layer, key.shape[1], key.shape[3], query.dtype)
         if batch.max_q == 1:
             # decode: sequence b's one query is packed token b, so (1, H, B, d) -> (B, H, 1, d) is one transpose,

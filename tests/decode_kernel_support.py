@@ -14,8 +14,14 @@ from cache_backends.pools import BlockPools
 
 def decode_step(kernel: Callable[..., torch.Tensor], lengths: list[int], heads: int, tokens_per_block: int,
                 window: int | None, dtype: str, softcap: float | None, seed: int, *, kv_heads: int = 2,
-                head_dim: int = 16, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """``(kernel's output, gather + SDPA's)`` for one decode step; pages wholly before a window are released (-1)."""
+                head_dim: int = 16, device: str = "cpu",
+                new: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(kernel's output, gather + SDPA's)`` for one decode step; pages wholly before a window are released (-1).
+
+    ``new``: tokens each sequence brings this step (default 1 each: a decode step; more: a prefill chunk, so a
+    mixed step), its last at position ``length - 1``.
+    """
+    new = new or [1] * len(lengths)
     layers = [LayerKV(0, "sliding" if window else "full", 2 * kv_heads * head_dim, window=window)]
     layout = build_layout(layers, "v2", tokens_per_block, dtype)
     blocks = sum(-(-n // tokens_per_block) for n in lengths) + 3
@@ -26,16 +32,17 @@ def decode_step(kernel: Callable[..., torch.Tensor], lengths: list[int], heads: 
     free = list(range(blocks))
     random.Random(seed).shuffle(free)  # physical pages in no particular order
     chunks = []
-    for n in lengths:
+    for n, fresh in zip(lengths, new, strict=True):
         table = [free.pop() for _ in range(-(-n // tokens_per_block))]
         if window:  # pages wholly before the window were released: the kernel must never read them
-            lo = max(0, n - window)
+            lo = max(0, n - fresh + 1 - window)  # the first new token's window reaches back furthest
             table[: lo // tokens_per_block] = [-1] * (lo // tokens_per_block)
-        chunks.append(SeqChunk([7], n - 1, {group: table}))
+        chunks.append(SeqChunk([7] * fresh, n - fresh, {group: table}))
     act = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(dtype, torch.float32)
-    q = torch.randn(len(lengths), heads, head_dim, generator=gen).to(act).to(device)
-    k = torch.randn(len(lengths), kv_heads, head_dim, generator=gen).to(act).to(device)
-    v = torch.randn(len(lengths), kv_heads, head_dim, generator=gen).to(act).to(device)
+    tokens = sum(new)
+    q = torch.randn(tokens, heads, head_dim, generator=gen).to(act).to(device)
+    k = torch.randn(tokens, kv_heads, head_dim, generator=gen).to(act).to(device)
+    v = torch.randn(tokens, kv_heads, head_dim, generator=gen).to(act).to(device)
     outs = []
     for use in (kernel, None):
         batch = PagedBatch.build(chunks, pools, decode_kernel=use)

@@ -60,6 +60,45 @@ def test_the_kernel_equals_gather_and_sdpa(kernel, lengths, group, tokens_per_bl
 
 
 @needs_cc
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(
+    rows=st.lists(st.tuples(st.integers(1, 150), st.integers(1, 40)), min_size=2, max_size=5),
+    tokens_per_block=st.sampled_from([1, 7, 16]),
+    window=st.one_of(st.none(), st.integers(1, 70)),
+    dtype=st.sampled_from(["float32", "bfloat16", "float8_e4m3fn"]),
+    seed=st.integers(0, 2**16),
+)
+def test_a_mixed_step_attends_its_decode_rows_on_the_kernel_and_equals_gather(kernel, rows, tokens_per_block,
+                                                                              window, dtype, seed):
+    # a step where new prompts' chunks join running requests: the decode rows (one new token) read their pages in
+    # place, the chunks attend over their own keys on gather + SDPA; together equal to gather + SDPA for all
+    lengths = [max(length, new) for length, new in rows]
+    new = [1 if i % 2 == 0 else n for i, (_, n) in enumerate(rows)]  # every other sequence decodes
+    got, ref = decode_step(kernel, lengths, 4, tokens_per_block, window, dtype, None, seed, head_dim=64, new=new)
+    tol = {"bfloat16": 3e-2}.get(dtype, 2e-5)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
+
+
+@needs_cc
+def test_a_mixed_step_reads_its_decode_rows_in_place(kernel, monkeypatch):
+    # the split is taken (not a silent fall back to gathering every row): the kernel sees the decode rows only
+    from cache_backends.paged_attention import PagedBatch
+
+    seen = []
+    real = PagedBatch._mixed_split
+
+    def spy(self):
+        split = real(self)
+        seen.append(None if split is None else (split.decode_seqs.tolist(), split.prefill.num_seqs))
+        return split
+
+    monkeypatch.setattr(PagedBatch, "_mixed_split", spy)
+    decode_step(kernel, [300, 40, 90], 4, 16, None, "float32", None, seed=1, head_dim=64, new=[1, 25, 1])
+    assert seen == [([0, 2], 1)]
+
+
+@needs_cc
 def test_two_threads_give_what_one_gives(kernel):
     threads = torch.get_num_threads()
     try:
@@ -211,13 +250,25 @@ def test_what_the_kernel_cannot_serve_is_named(args, says):
 @needs_cc
 @pytest.mark.parametrize(("family", "manager"), [("llama", "v2"), ("llama", "v1"), ("mistral", "v1"),
                                                  ("gemma3", "v2"), ("qwen3", "v1")])
-def test_generate_on_the_kernel_equals_transformers(tiny_checkpoints, kernel_cache, family, manager):
+def test_generate_on_the_kernel_equals_transformers(tiny_checkpoints, kernel_cache, family, manager, monkeypatch):
+    from cache_backends.paged_attention import PagedBatch
+
+    mixed = []  # layers of mixed steps (16-token steps: the short prompt decodes while the long one prefills)
+    real = PagedBatch.attend_mixed
+
+    def spy(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        mixed.append(out is not None)
+        return out
+
+    monkeypatch.setattr(PagedBatch, "attend_mixed", spy)
     with load(tiny_checkpoints(family), manager, attention_backend="cpu_kernel", tokens_per_block=16,
               max_tokens=1024) as result:
         assert isinstance(result.executor.decode_kernel, cpu_decode.CpuDecodeKernel)
         ps = prompts_for(result.hf_model.config.vocab_size, lengths=(5, 19, 40))
         outs = result.generate(ps, max_new_tokens=6)
         assert [o.token_ids for o in outs] == [hf_greedy(result.hf_model, p, 6) for p in ps]
+        assert any(mixed)  # mixed steps ran their decode rows on the kernel
         assert not [e for e in result.audit.of("setting_ignored") if e["field"] == "attention_backend"]
 
 
