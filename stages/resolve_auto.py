@@ -63,10 +63,10 @@ def resolve_attention_backend(device: str, layer_kinds: set[str] | None = None) 
         return "sdpa", "auto", ("no C compiler here to build the CPU paged decode kernel with (set $CC, or install "
                                 "gcc, for \"cpu_kernel\"); gather + SDPA needs none")
     return "cpu_kernel", "auto", ("on CPU the paged decode kernel reads each sequence's pages in place where gather + "
-                                  "SDPA copies them first: 0.8-1.5x contiguous SDPA per decode layer against "
-                                  "0.2-0.4x, and end to end 4-11% faster at 8 prompts, the same at 1 "
+                                  "SDPA copies them first: 1.0-1.6x contiguous SDPA per decode layer with the step's "
+                                  "plan against 0.2-0.5x, 1.7-4.3x gather + SDPA for the decode rows of a mixed step "
                                   "(BENCHMARKS.md, \"A paged decode kernel for CPUs\"); built once per machine with "
-                                  "the C compiler, prefill steps stay on gather + SDPA")
+                                  "the C compiler, prefill chunks stay on gather + SDPA")
 
 
 class ResolveAuto:
