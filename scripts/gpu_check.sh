@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check for kvload: the CUDA-marked tests and the GPU benchmarks, in about 3–4 minutes on one H200
-# (the steps' time limits add up to 21 minutes; the MLA steps come last).
+# (the steps' time limits add up to 22 minutes; the MLA steps come last).
 #
 # Run from anywhere (it moves to the repository root):   scripts/gpu_check.sh
 # Output: a markdown summary (gpu_check.md, for BENCHMARKS.md; each step's outcome and the tail of its log)
@@ -15,8 +15,9 @@
 #   batch 1 and 32 x 4,096: the issue's target is flex >= 0.7x contiguous at 32 x 4,096; each shape compiles
 #   once, inside the step),
 #   generation bench 120 s (sdpa) and 150 s (flex: compiles per shape) on a random Llama-1B, simulate on cuda 40 s,
-#   `kvload run` and `kvload generate` on the device 60 s each, the paged decode kernel's tests 120 s and
-#   generation through it 120 s, MLA on the compiled path: its tests 120 s and one layer's decode 120 s.
+#   `kvload run` and `kvload generate` on the device 60 s each, the paged decode kernel's tests 120 s,
+#   generation through it 120 s and its mixed steps 60 s, MLA on the compiled path: its tests 120 s and one layer's
+#   decode 120 s.
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -118,6 +119,10 @@ step generate 120 "$PY" "${GEN[@]}" --attention sdpa
 # interpreter), then generation through it. (The paged_attention step above times it per layer: triton_x.)
 step triton_tests 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_paged_decode.py
 step generate_triton 120 "$PY" "${GEN[@]}" --attention triton
+# Mixed steps (decode rows beside a new prompt's 256-token chunk): the decode rows on the Triton kernel, the chunk on
+# gather + SDPA, against gather + SDPA for the whole step (one layer, plan included).
+step mixed_triton 60 "$PY" -m bench.bench_attention --device cuda --batch 8,32 --lengths 2048,8192 --heads 32 \
+  --kv-heads 8 --head-dim 128 --dtype bfloat16 --reps 20 --mixed-chunk 256
 step paged_attention_flex 120 "$PY" -m bench.bench_attention --device cuda --batch 1,32 --lengths 4096 \
   --heads 32 --kv-heads 8 --head-dim 128 --dtype bfloat16 --block 32 --reps 50
 step generate_flex 150 "$PY" "${GEN[@]}" --attention flex
