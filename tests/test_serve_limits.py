@@ -140,9 +140,10 @@ def _refused(served) -> dict[str, float]:
 
 
 def test_every_refusal_reason_is_a_series_from_the_start(served):
-    from kvload.serve.metrics import REFUSAL_REASONS
+    from kvload.serve.metrics import REFUSAL_CODES, REFUSAL_REASONS
 
-    assert set(_refused(served)) == set(REFUSAL_REASONS.values())  # rate() over a reason never seen is 0, not absent
+    # rate() over a reason never seen is 0, not absent
+    assert set(_refused(served)) == {*REFUSAL_REASONS.values(), *REFUSAL_CODES.values()}
     assert served.metrics()["kvload_http_requests_in_flight"] == 0
 
 
@@ -172,6 +173,9 @@ def test_a_refusal_s_reason_follows_its_status_and_a_server_failure_is_no_refusa
     m = ServeMetrics("m")
     for status in (413, 413, 408, 503, 404, 400, 418, 500, 200):
         m.on_refused(status)
+    m.on_refused(503, "server_shutting_down")  # a 503 while the server stops is not a busy server
+    m.on_refused(503, "server_busy")
     got = {s.labels["reason"]: s.value for f in text_string_to_metric_families(m.render().decode())
            for s in f.samples if s.name == REFUSED}
-    assert got == {"too_large": 2, "read_timeout": 1, "busy": 1, "model_not_found": 1, "bad_request": 2}
+    assert got == {"too_large": 2, "read_timeout": 1, "busy": 2, "model_not_found": 1, "bad_request": 2,
+                   "shutting_down": 1}

@@ -18,6 +18,7 @@ import threading
 from collections.abc import Iterator
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 import pipeline
 from tests.serve_support import TIMEOUT, serving, wait_for
@@ -165,6 +166,11 @@ def test_requests_waiting_to_be_parsed_when_the_server_stops_get_one_clear_503()
                     "type": "server_error", "param": None, "code": "server_shutting_down"}}
             assert [r.getMessage() for r in errors] == []
             assert served.state.in_flight == 0
+            # counted as refused while stopping, not as a busy server (an alert on busy fires on real overload only)
+            refused = {s.labels["reason"]: s.value
+                       for family in text_string_to_metric_families(served.state.metrics.render().decode())
+                       for s in family.samples if s.name == "kvload_http_requests_refused_total"}
+            assert refused["shutting_down"] == 3 and refused["busy"] == 0
         finally:
             release.set()
             engine.encode = encode

@@ -64,7 +64,7 @@ def create_app(state: ServeState) -> FastAPI:
 
     @app.exception_handler(BadRequest)
     async def bad_request(_: Request, exc: BadRequest) -> JSONResponse:
-        state.metrics.on_refused(exc.status)  # every refusal a handler raises (413, 408, 400, 404) passes here
+        state.metrics.on_refused(exc.status, exc.code)  # every refusal a handler raises (413, 408, 400, 404, 503)
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(Exception)

@@ -20,6 +20,9 @@ SHARED_ARENA_LABEL = "shared_arena"
 #: ``reason`` label of ``kvload_http_requests_refused_total`` by the HTTP status the server refused with; another
 #: 4xx counts as ``bad_request``, a 5xx other than 503 is a failure, not a refusal, and is not counted.
 REFUSAL_REASONS = {400: "bad_request", 404: "model_not_found", 408: "read_timeout", 413: "too_large", 503: "busy"}
+#: ... and by the error ``code`` where one status has several causes: a 503 while the server stops is not a busy
+#: server (an alert on ``busy`` must not fire on every rolling restart)
+REFUSAL_CODES = {"server_shutting_down": "shutting_down"}
 
 #: Buckets in seconds (vLLM's, which span GPU and CPU latencies).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -63,9 +66,10 @@ class ServeMetrics:
                                     registry=r).labels(model_name)
         self.http_refused = Counter("kvload_http_requests_refused",
                                     "HTTP requests refused, by reason: bad_request and model_not_found (400, 404), "
-                                    "read_timeout (408, head or body), too_large (413), busy (503)",
+                                    "read_timeout (408, head or body), too_large (413), busy (503), shutting_down "
+                                    "(503 while the server stops)",
                                     [*labels, "reason"], registry=r)
-        for reason in sorted(set(REFUSAL_REASONS.values())):  # every series from the start: rate() needs a zero
+        for reason in sorted({*REFUSAL_REASONS.values(), *REFUSAL_CODES.values()}):  # every series from the start
             self.http_refused.labels(model_name, reason)
         self.engine: Any = None
 
@@ -101,9 +105,10 @@ class ServeMetrics:
 
     # --- the HTTP layer --------------------------------------------------------------------------
 
-    def on_refused(self, status: int) -> None:
-        """Count a request the server refused with HTTP ``status`` (see :data:`REFUSAL_REASONS`)."""
-        reason = REFUSAL_REASONS.get(status, "bad_request" if 400 <= status < 500 else None)
+    def on_refused(self, status: int, code: str | None = None) -> None:
+        """Count a request the server refused with HTTP ``status`` and error ``code`` (see :data:`REFUSAL_REASONS`)."""
+        reason = REFUSAL_CODES.get(code or "") or REFUSAL_REASONS.get(status,
+                                                                    "bad_request" if 400 <= status < 500 else None)
         if reason is not None:
             self.http_refused.labels(self.model_name, reason).inc()
 
