@@ -156,6 +156,8 @@ attend_vec(const float *q, int64_t q_sh, const void *kv, const int64_t *table, i
            int64_t lo, int G, int nh, int h0, const int NC, int T, int64_t row_stride, int64_t v_offset,
            int64_t num_blocks, float scale, float softcap, int kind, const float *lut, float *out, int64_t o_sh) {
     const int D = NC * VW;
+    /* on the stack: up to ~220 KB at head_dim 256 over a half or byte pool (fine for glibc's and libomp's thread
+     * stacks, and macOS's 512 KB; more than musl's 128 KB default) */
     vf qv[MAX_ITEM_HEADS][NC];
     vf acc[MAX_ITEM_HEADS][NC];
     float s[MAX_GROUP][SPAN] __attribute__((aligned(64)));
