@@ -61,8 +61,13 @@ def load_cpu_kernel(cache_dir: Path) -> CpuDecodeKernel:
     path = build_kernel(Path(cache_dir))
     try:
         lib = ctypes.CDLL(str(path))
-    except OSError as exc:
-        raise KernelUnavailable(f"the CPU paged decode kernel {path} did not load: {exc}") from None
+    except OSError:  # a cached library that does not load (truncated by a full disk, say): built again, once
+        path.unlink(missing_ok=True)
+        path = build_kernel(Path(cache_dir))
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as exc:
+            raise KernelUnavailable(f"the CPU paged decode kernel {path} did not load: {exc}") from None
     return CpuDecodeKernel(lib, path)
 
 
