@@ -65,7 +65,7 @@ def resolve_attention_backend(device: str, layer_kinds: set[str] | None = None) 
     return "cpu_kernel", "auto", ("on CPU the paged decode kernel reads each sequence's pages in place where gather + "
                                   "SDPA copies them first: 1.0-1.6x contiguous SDPA per decode layer with the step's "
                                   "plan against 0.2-0.5x, 1.7-4.3x gather + SDPA for the decode rows of a mixed step "
-                                  "(BENCHMARKS.md, \"A paged decode kernel for CPUs\"); built once per machine with "
+                                  "(BENCHMARKS.md, \"The CPU paged decode kernel, round 2\"); built once per machine with "
                                   "the C compiler, prefill chunks stay on gather + SDPA")
 
 
