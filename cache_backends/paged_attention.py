@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from cache_backends.block_tables import StepTables
-from cache_backends.layout import DECODE_KERNEL_KINDS, SERVED_KINDS, LayerKV  # SERVED_KINDS: the kinds served
+from cache_backends.layout import DECODE_KERNEL_KINDS, SERVED_KINDS  # SERVED_KINDS: the kinds this module serves
 from cache_backends.pools import BlockPools
 
 #: Pool dtypes written through a ``uint8`` view of the same bytes: torch's CPU ``index_copy`` has no float8 kernel,
@@ -182,7 +182,6 @@ class PagedBatch:
         self.chunks = tuple(chunks)
         self.pools = pools
         self.device = pools.device
-        self._layers: dict[int, LayerKV] = {layer.index: layer for layer in pools.layout.layers}
         #: routes depend on the pools only: kept across steps (a layer's route is checked once per pools)
         self._routes: dict[int, LayerRoute] = _ROUTES.setdefault(pools, {})
         self._gathers: dict[tuple[str, int | None], KeyGather] = {}
@@ -411,9 +410,10 @@ class PagedBatch:
         cached = self._routes.get(layer)
         if cached is not None:
             return cached
-        kv = self._layers.get(layer)
+        layers = {kv.index: kv for kv in self.pools.layout.layers}  # once per layer and pools (routes are kept)
+        kv = layers.get(layer)
         if kv is None:
-            raise ValueError(f"layer {layer} is not in the KV layout (layers 0..{len(self._layers) - 1})")
+            raise ValueError(f"layer {layer} is not in the KV layout (layers 0..{len(layers) - 1})")
         if kv.kind not in SERVED_KINDS or kv.compress_rate is not None:
             raise ValueError(f"layer {layer} is a {kv.kind!r} layer; paged attention serves "
                              f"{', '.join(SERVED_KINDS)} layers only")
