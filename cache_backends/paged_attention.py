@@ -33,6 +33,7 @@ every token of a sliding layer in its uniform pool, and the mask still applies t
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -61,17 +62,27 @@ def _store(dst: torch.Tensor, dim: int, slots: torch.Tensor, src: torch.Tensor) 
         dst.index_copy_(dim, slots, src)
 
 
-#: per pools: group -> the groups whose slots are computed with it, for writes and for gathers (see _families)
-_FAMILIES: weakref.WeakKeyDictionary[BlockPools, tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]] = \
-    weakref.WeakKeyDictionary()
+@attrs.define
+class _PoolsPlan:
+    """What every step over one set of pools shares, worked out once: layer routes, group families, block sizes."""
+
+    #: layer -> its LayerRoute (PagedBatch.route)
+    routes: dict[int, LayerRoute] = attrs.Factory(dict)
+    #: group -> the groups whose slots are computed with it, for writes and for gathers (see _families)
+    families: tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]] | None = None
+    #: the executor's group tuple -> its groups' block sizes, sorted (PagedBatch._check_step)
+    block_sizes: dict[tuple[str, ...], list[int]] = attrs.Factory(dict)
 
 
-#: per pools: the executor's group tuple -> its groups' block sizes, sorted (PagedBatch._check_step)
-_BLOCK_SIZES: weakref.WeakKeyDictionary[BlockPools, dict[tuple[str, ...], list[int]]] = weakref.WeakKeyDictionary()
+#: per pools, one lookup a step
+_PLANS: weakref.WeakKeyDictionary[BlockPools, _PoolsPlan] = weakref.WeakKeyDictionary()
 
 
-#: per pools: layer -> its LayerRoute (PagedBatch.route), shared by every step over those pools
-_ROUTES: weakref.WeakKeyDictionary[BlockPools, dict[int, LayerRoute]] = weakref.WeakKeyDictionary()
+def _pools_plan(pools: BlockPools) -> _PoolsPlan:
+    plan = _PLANS.get(pools)
+    if plan is None:
+        plan = _PLANS[pools] = _PoolsPlan()
+    return plan
 
 
 def _families(pools: BlockPools) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]:
@@ -81,18 +92,18 @@ def _families(pools: BlockPools) -> tuple[dict[str, tuple[str, ...]], dict[str, 
     geometry share the write arithmetic whatever their window; a gather also depends on the window,
     so gather families add it. Compressed groups (never served) stay alone.
     """
-    known = _FAMILIES.get(pools)
-    if known is not None:
-        return known
+    plan = _pools_plan(pools)
+    if plan.families is not None:
+        return plan.families
     writes: dict[tuple, list[str]] = {}
     gathers: dict[tuple, list[str]] = {}
     for name, g in pools.groups.items():
         geometry = (g.tokens_per_block, g.entries_per_block) if g.compress_rate is None else (name,)
         writes.setdefault(geometry, []).append(name)
         gathers.setdefault((*geometry, g.window), []).append(name)
-    known = ({n: tuple(f) for f in writes.values() for n in f}, {n: tuple(f) for f in gathers.values() for n in f})
-    _FAMILIES[pools] = known
-    return known
+    plan.families = ({n: tuple(f) for f in writes.values() for n in f},
+                     {n: tuple(f) for f in gathers.values() for n in f})
+    return plan.families
 
 
 @attrs.frozen
@@ -182,8 +193,10 @@ class PagedBatch:
         self.chunks = tuple(chunks)
         self.pools = pools
         self.device = pools.device
+        self._on_cpu = self.device.type == "cpu"
+        self._plan = plan = _pools_plan(pools)
         #: routes depend on the pools only: kept across steps (a layer's route is checked once per pools)
-        self._routes: dict[int, LayerRoute] = _ROUTES.setdefault(pools, {})
+        self._routes: dict[int, LayerRoute] = plan.routes
         self._gathers: dict[tuple[str, int | None], KeyGather] = {}
         self._windows: dict[int | None, _WindowKeys] = {}
         self._split_pos: dict[tuple[int | None, int, int], tuple[np.ndarray, ...]] = {}
@@ -193,24 +206,26 @@ class PagedBatch:
         # (a decode step's plan is a few dozen such calls on arrays of B elements: sums over short lists in Python)
         B = len(self.chunks)
         counts = [len(c.token_ids) for c in self.chunks]
+        starts = [c.start_pos for c in self.chunks]
         n = np.array(counts, dtype=np.int64)
-        start = np.fromiter((c.start_pos for c in self.chunks), dtype=np.int64, count=B)
+        start = np.array(starts, dtype=np.int64)
         self.num_seqs = B
         self.num_tokens = sum(counts)
         self.max_q = max(counts)
+        self._longest = max(map(operator.add, starts, counts))  # the longest sequence after this step
         if self.max_q == 1:  # pure decode: token b is sequence b's only one, at its start position
             seq, offset, pos = np.arange(B), np.zeros(B, dtype=np.int64), start
+            ids = np.array([c.token_ids[0] for c in self.chunks], dtype=np.int64)
         else:
             seq = np.repeat(np.arange(B), n)
             offset = np.arange(self.num_tokens) - np.repeat(np.cumsum(n) - n, n)
             pos = start[seq] + offset
+            ids = np.fromiter((t for c in self.chunks for t in c.token_ids), dtype=np.int64, count=self.num_tokens)
         self._n_np, self._start_np, self._end_np = n, start, start + n  # (read only: pos may be start itself)
-        self._longest = int(self._end_np.max())  # the longest sequence after this step
         self._seq_np, self._pos_np = seq, pos
         self._offset_np = offset
-        ids = np.fromiter((t for c in self.chunks for t in c.token_ids), dtype=np.int64, count=self.num_tokens)
-        self.input_ids = self._to_device(ids[None])
-        self.position_ids = self._to_device(pos[None])
+        self.input_ids = self._to_device(ids.reshape(1, -1))
+        self.position_ids = self._to_device(pos.reshape(1, -1))
         self._last_token_index: torch.Tensor | None = None
         self._q_row_t: torch.Tensor | None = None
         #: the executor's stacked tables (every group in one array), or None
@@ -352,9 +367,11 @@ class PagedBatch:
         the pinned buffer until the copy has run).
         """
         t = torch.from_numpy(array)
+        if self._on_cpu:
+            return t
         if self.device.type == "cuda":
             return t.pin_memory().to(self.device, non_blocking=True)
-        return t if self.device.type == "cpu" else t.to(self.device)
+        return t.to(self.device)
 
     def attention_work(self) -> tuple[int, int]:
         """``(Σ queries x visible keys, Σ visible keys)`` over the step's sequences, for a layer with no window."""
@@ -426,7 +443,7 @@ class PagedBatch:
 
     def _check_step(self, step: StepTables) -> None:
         """Stacked tables: known groups, one row per sequence, wide enough for every new token's block."""
-        sizes = _BLOCK_SIZES.setdefault(self.pools, {})
+        sizes = self._plan.block_sizes
         tpbs = sizes.get(step.groups)  # the executor's store passes the same groups every step: checked once
         if tpbs is None:
             unknown = [g for g in step.groups if g not in self.pools.groups]
