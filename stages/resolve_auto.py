@@ -63,7 +63,7 @@ def resolve_attention_backend(device: str, layer_kinds: set[str] | None = None) 
         return "sdpa", "auto", ("no C compiler here to build the CPU paged decode kernel with (set $CC, or install "
                                 "gcc, for \"cpu_kernel\"); gather + SDPA needs none")
     return "cpu_kernel", "auto", ("on CPU the paged decode kernel reads each sequence's pages in place where gather + "
-                                  "SDPA copies them first: 1.0-1.8x contiguous SDPA per decode layer with the step's "
+                                  "SDPA copies them first: 0.9-1.8x contiguous SDPA per decode layer with the step's "
                                   "plan against 0.2-0.6x, 1.2-8x gather + SDPA for the decode rows of a mixed step "
                                   "(BENCHMARKS.md, \"The CPU paged decode kernel, round 2\"); built once per machine "
                                   "with the C compiler, prefill chunks stay on gather + SDPA")
