@@ -99,6 +99,33 @@ def test_a_mixed_step_reads_its_decode_rows_in_place(kernel, monkeypatch):
 
 
 @needs_cc
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(
+    lengths=st.lists(st.integers(520, 1500), min_size=1, max_size=2),  # >= 2 splits of >= 256 keys each
+    threads=st.sampled_from([3, 4]),
+    tokens_per_block=st.sampled_from([7, 16, 64]),
+    window=st.one_of(st.none(), st.integers(520, 900)),
+    dtype=st.sampled_from(["float32", "bfloat16"]),
+    head_dim=st.sampled_from([24, 64]),
+    seed=st.integers(0, 2**16),
+)
+def test_split_kv_over_threads_equals_gather_and_sdpa(kernel, lengths, threads, tokens_per_block, window, dtype,
+                                                      head_dim, seed):
+    # fewer (sequence, KV head) items than threads: each sequence's keys are cut into ranges of >= 256 keys attended
+    # apart on the threads and merged (one KV head, one or two sequences: the case that left threads idle)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        got, ref = decode_step(kernel, lengths, 4, tokens_per_block, window, dtype, None, seed, kv_heads=1,
+                               head_dim=head_dim)
+    finally:
+        torch.set_num_threads(before)
+    tol = {"bfloat16": 3e-2}.get(dtype, 2e-5)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
+
+
+@needs_cc
 def test_two_threads_give_what_one_gives(kernel):
     threads = torch.get_num_threads()
     try:
@@ -108,7 +135,7 @@ def test_two_threads_give_what_one_gives(kernel):
         two, _ = decode_step(kernel, [300, 5, 77], 8, 16, None, "float32", None, seed=3, head_dim=64)
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(one, two)  # a query head's sums are one thread's, in one order, however items split
+    assert torch.equal(one, two)  # enough items for the threads (no split-KV): one order of sums per head
 
 
 @needs_cc

@@ -10,17 +10,21 @@
  * Work item = (sequence, a run of its KV heads): a span of at most SPAN tokens of one page at a time, each KV head's
  * K/V rows read once for its whole group of query heads (GQA): scores for the span, then an online softmax update
  * of the running (max, sum, accumulator) per query head. Accumulation is in float32 whatever the pool's dtype.
+ * With fewer such items than threads (one long sequence over one or two KV heads), each sequence's keys are also cut
+ * into ranges of at least MIN_SPLIT_KEYS attended apart and merged by their running max (split-KV, flash-decoding).
  * Head sizes 64 / 128 / 256 take the vectorized path (attend_vec: 16 tokens' dot products reduced together, V read
  * in tiles that stay in L1); any other size up to MAX_DIM the scalar one (attend_one, a head at a time).
  */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define MAX_GROUP 64  /* query heads per KV head */
 #define MAX_DIM 512   /* head_dim */
 #define SPAN 64       /* tokens scored before one softmax update */
+#define MIN_SPLIT_KEYS 256  /* the fewest keys a split of one sequence's keys gets (split-KV, few items) */
 
 enum { F32 = 0, BF16 = 1, F16 = 2, BYTE = 3 };
 
@@ -46,7 +50,7 @@ row(const void *kv, int64_t off, int D, int kind, const float *lut, float *buf) 
 static inline __attribute__((always_inline)) int
 attend_one(const float *q, int64_t q_sh, const void *kv, const int64_t *table, int64_t width, int64_t end,
            int64_t lo, int G, int D, int T, int64_t row_stride, int64_t k_col, int64_t v_col, int64_t num_blocks,
-           float scale, float softcap, int kind, const float *lut, float *out, int64_t o_sh) {
+           float scale, float softcap, int kind, const float *lut, float *out, int64_t o_sh, float *ml) {
     float s[MAX_GROUP][SPAN];
     float acc[MAX_GROUP][MAX_DIM];
     float m[MAX_GROUP], l[MAX_GROUP];
@@ -105,7 +109,12 @@ attend_one(const float *q, int64_t q_sh, const void *kv, const int64_t *table, i
     for (int g = 0; g < G; g++) {
         float *o = out + g * o_sh;
         const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-        for (int d = 0; d < D; d++) o[d] = acc[g][d] * inv;
+        if (ml) {  /* a split of the keys: its running max and sum, the accumulator unnormalized (merged later) */
+            ml[2 * g] = m[g], ml[2 * g + 1] = l[g];
+            for (int d = 0; d < D; d++) o[d] = acc[g][d];
+        } else {
+            for (int d = 0; d < D; d++) o[d] = acc[g][d] * inv;
+        }
     }
     return 0;
 }
@@ -154,7 +163,8 @@ static const float ZERO_ROW[BLK_DIM] __attribute__((aligned(64)));
 static inline __attribute__((always_inline)) int
 attend_vec(const float *q, int64_t q_sh, const void *kv, const int64_t *table, int64_t width, int64_t end,
            int64_t lo, int G, int nh, int h0, const int NC, int T, int64_t row_stride, int64_t v_offset,
-           int64_t num_blocks, float scale, float softcap, int kind, const float *lut, float *out, int64_t o_sh) {
+           int64_t num_blocks, float scale, float softcap, int kind, const float *lut, float *out, int64_t o_sh,
+           float *ml) {
     const int D = NC * VW;
     /* on the stack: up to ~220 KB at head_dim 256 over a half or byte pool (fine for glibc's and libomp's thread
      * stacks, and macOS's 512 KB; more than musl's 128 KB default) */
@@ -246,6 +256,11 @@ attend_vec(const float *q, int64_t q_sh, const void *kv, const int64_t *table, i
     }
     for (int i = 0; i < nh * G; i++) {
         float *o = out + i * o_sh;
+        if (ml) {  /* a split of the keys: unnormalized, with its running max and sum (merged later) */
+            ml[2 * i] = m[i], ml[2 * i + 1] = l[i];
+            for (int c = 0; c < NC; c++) *(vfu *)(o + c * VW) = acc[i][c];
+            continue;
+        }
         const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
         for (int c = 0; c < NC; c++) *(vfu *)(o + c * VW) = acc[i][c] * inv;
     }
@@ -256,26 +271,26 @@ attend_vec(const float *q, int64_t q_sh, const void *kv, const int64_t *table, i
  * each; the parallel loop calls one of these (an OpenMP region would hide constants from it). The general one
  * (any head size up to MAX_DIM) runs attend_one per head. */
 typedef int (*seq_fn)(const float *, int64_t, const void *, const int64_t *, int64_t, int64_t, int64_t, int, int, int,
-                      int, int, int64_t, int64_t, int64_t, float, float, const float *, float *, int64_t);
+                      int, int, int64_t, int64_t, int64_t, float, float, const float *, float *, int64_t, float *);
 #define VEC(NAME, KIND, NCV)                                                                                     \
     static int NAME(const float *q, int64_t q_sh, const void *kv, const int64_t *table, int64_t width,            \
                     int64_t end, int64_t lo, int G, int nh, int h0, int D, int T, int64_t row_stride,             \
                     int64_t v_offset, int64_t num_blocks, float scale, float softcap, const float *lut,           \
-                    float *out, int64_t o_sh) {                                                                   \
+                    float *out, int64_t o_sh, float *ml) {                                                        \
         (void)D;                                                                                                 \
         return attend_vec(q, q_sh, kv, table, width, end, lo, G, nh, h0, NCV, T, row_stride, v_offset,           \
-                          num_blocks, scale, softcap, KIND, lut, out, o_sh);                                     \
+                          num_blocks, scale, softcap, KIND, lut, out, o_sh, ml);                                 \
     }
 #define ANY(NAME, KIND)                                                                                          \
     static int NAME(const float *q, int64_t q_sh, const void *kv, const int64_t *table, int64_t width,            \
                     int64_t end, int64_t lo, int G, int nh, int h0, int D, int T, int64_t row_stride,             \
                     int64_t v_offset, int64_t num_blocks, float scale, float softcap, const float *lut,           \
-                    float *out, int64_t o_sh) {                                                                   \
+                    float *out, int64_t o_sh, float *ml) {                                                        \
         for (int hh = 0; hh < nh; hh++) {                                                                        \
             const int64_t h = h0 + hh;                                                                           \
             const int rc = attend_one(q + hh * G * q_sh, q_sh, kv, table, width, end, lo, G, D, T, row_stride,   \
                                       h * D, v_offset + h * D, num_blocks, scale, softcap, KIND, lut,            \
-                                      out + hh * G * o_sh, o_sh);                                                \
+                                      out + hh * G * o_sh, o_sh, ml ? ml + 2 * hh * G : NULL);                   \
             if (rc) return rc;                                                                                   \
         }                                                                                                        \
         return 0;                                                                                                \
@@ -335,22 +350,69 @@ int kvload_paged_decode(const float *q, int64_t q_sb, int64_t q_sh, void *kv, co
     int run = MAX_ITEM_HEADS / G < Hkv ? MAX_ITEM_HEADS / G : Hkv;  /* KV heads per item */
     while (run > 1 && (int64_t)B * ((Hkv + run - 1) / run) < nthreads) run = (run + 1) / 2;
     const int per = (Hkv + run - 1) / run;  /* items per sequence */
+    /* Split-KV: fewer (sequence, head run) items than threads (one long sequence over few KV heads) cuts each
+     * sequence's keys into S ranges of at least MIN_SPLIT_KEYS, attended apart and merged (flash-decoding) */
+    int S = 1;
+    if ((int64_t)B * per < nthreads) {
+        int64_t most = 0;
+        for (int b = 0; b < B; b++) {
+            const int64_t keys = window > 0 && lens[b] > window ? window : lens[b];
+            most = keys > most ? keys : most;
+        }
+        S = (int)((nthreads + (int64_t)B * per - 1) / ((int64_t)B * per));
+        if ((int64_t)S > most / MIN_SPLIT_KEYS) S = (int)(most / MIN_SPLIT_KEYS);
+        if (S < 1) S = 1;
+    }
+    float *part = NULL, *ml = NULL;  /* per split: unnormalized outputs (B, H, D), then (max, sum) per (B, H) */
+    if (S > 1) {
+        part = malloc(sizeof(float) * (size_t)S * B * H * (D + 2));
+        if (!part) S = 1;
+        else ml = part + (size_t)S * B * H * D;
+    }
     int status = 0;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1) reduction(min : status)
-    for (int item = 0; item < B * per; item++) {
-        const int b = item / per, h0 = (item % per) * run;
+    for (int item = 0; item < B * per * S; item++) {
+        const int s = item % S, b = item / S / per, h0 = (item / S % per) * run;
         const int nh = Hkv - h0 < run ? Hkv - h0 : run;
         const int64_t end = lens[b];
         const int64_t lo = window > 0 && end > window ? end - window : 0;
+        /* split s: keys [lo + keys * s / S, lo + keys * (s + 1) / S); the last one holds the new token's row, so
+         * it alone stores it (no other split reads that row) */
+        const int64_t a = lo + (end - lo) * s / S, e = lo + (end - lo) * (s + 1) / S;
         int rc = 0;
-        if (k_new)
+        if (k_new && s == S - 1)
             rc = write_new(k_new, v_new, kn_sb, kn_sh, vn_sb, vn_sh, b, h0, nh, kv, tables + b * table_stride,
                            table_width, end, D, T, row_stride, v_offset, num_blocks, kind);
+        const size_t row0 = (size_t)b * H + (size_t)h0 * G;  /* the item's first query head, in (B, H) order */
         if (rc == 0)
-            rc = one(q + b * q_sb + (int64_t)h0 * G * q_sh, q_sh, kv, tables + b * table_stride, table_width, end, lo,
+            rc = one(q + b * q_sb + (int64_t)h0 * G * q_sh, q_sh, kv, tables + b * table_stride, table_width, e, a,
                      G, nh, h0, D, T, row_stride, v_offset, num_blocks, scale, softcap, lut,
-                     out + ((int64_t)b * H + (int64_t)h0 * G) * D, D);
+                     S > 1 ? part + ((size_t)s * B * H + row0) * D : out + row0 * D, D,
+                     S > 1 ? ml + ((size_t)s * B * H + row0) * 2 : NULL);
         status = rc < status ? rc : status;
+    }
+    if (S > 1) {  /* merge the splits of each (sequence, query head): rescale each to the largest max */
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
+        for (int r = 0; r < B * H; r++) {
+            float top = -FLT_MAX, sum = 0.f;
+            for (int s = 0; s < S; s++) {
+                const float *x = ml + ((size_t)s * B * H + r) * 2;
+                if (x[1] > 0.f && x[0] > top) top = x[0];
+            }
+            float *o = out + (size_t)r * D;
+            for (int d = 0; d < D; d++) o[d] = 0.f;
+            for (int s = 0; s < S; s++) {
+                const float *x = ml + ((size_t)s * B * H + r) * 2;
+                if (!(x[1] > 0.f)) continue;  /* an empty split */
+                const float w = expf(x[0] - top);
+                const float *p = part + ((size_t)s * B * H + r) * D;
+                sum += w * x[1];
+                for (int d = 0; d < D; d++) o[d] += w * p[d];
+            }
+            const float inv = sum > 0.f ? 1.f / sum : 0.f;
+            for (int d = 0; d < D; d++) o[d] *= inv;
+        }
+        free(part);
     }
     return status;
 }
