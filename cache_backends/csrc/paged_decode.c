@@ -46,6 +46,39 @@ row(const void *kv, int64_t off, int D, int kind, const float *lut, float *buf) 
     return buf;
 }
 
+/* The span starting at position pos: up to SPAN tokens of one page, ending by end. Sets *n and *first (the slot of
+ * its first token); returns 0, or -2 when its page is missing from the table or the pool. */
+static inline __attribute__((always_inline)) int span_at(int64_t pos, int64_t end, int T, const int64_t *table,
+                                                         int64_t width, int64_t num_blocks, int *n, int64_t *first) {
+    const int64_t j = pos / T;
+    if (j >= width) return -2;
+    const int64_t page = table[j];
+    if (page < 0 || page >= num_blocks) return -2;
+    const int64_t t0 = pos - j * T;
+    int64_t t1 = end - j * T < T ? end - j * T : T;
+    if (t1 - t0 > SPAN) t1 = t0 + SPAN;
+    *n = (int)(t1 - t0);
+    *first = page * T + t0;
+    return 0;
+}
+
+/* One span's online-softmax step for one query head: scores s[0..n) become their exponentials against the new
+ * running max, *m and *l are updated; returns the factor the accumulator must be rescaled by. */
+static inline __attribute__((always_inline)) float softmax_span(float *s, int n, float *m, float *l) {
+    float top = *m;
+    for (int t = 0; t < n; t++) top = s[t] > top ? s[t] : top;
+    const float alpha = *l > 0.f ? expf(*m - top) : 0.f;  /* nothing to rescale before the first span */
+    float sum = 0.f;
+    for (int t = 0; t < n; t++) {
+        const float p = expf(s[t] - top);
+        s[t] = p;
+        sum += p;
+    }
+    *l = *l * alpha + sum;
+    *m = top;
+    return alpha;
+}
+
 /* One (sequence, KV head). Returns 0, or -2 when a visible position has no page in the pool. */
 static inline __attribute__((always_inline)) int
 attend_one(const float *q, int64_t q_sh, const void *kv, const int64_t *table, int64_t width, int64_t end,
@@ -61,15 +94,10 @@ attend_one(const float *q, int64_t q_sh, const void *kv, const int64_t *table, i
         memset(acc[g], 0, (size_t)D * sizeof(float));
     }
     for (int64_t pos = lo; pos < end;) {
-        const int64_t j = pos / T;
-        if (j >= width) return -2;
-        const int64_t page = table[j];
-        if (page < 0 || page >= num_blocks) return -2;
-        const int64_t t0 = pos - j * T;
-        int64_t t1 = end - j * T < T ? end - j * T : T;
-        if (t1 - t0 > SPAN) t1 = t0 + SPAN;
-        const int n = (int)(t1 - t0);
-        const int64_t base = (page * T + t0) * row_stride;
+        int n;
+        int64_t first;
+        if (span_at(pos, end, T, table, width, num_blocks, &n, &first)) return -2;
+        const int64_t base = first * row_stride;
         for (int t = 0; t < n; t++) {
             const float *k = row(kv, base + t * row_stride + k_col, D, kind, lut, kbuf);
             for (int g = 0; g < G; g++) {
@@ -82,17 +110,7 @@ attend_one(const float *q, int64_t q_sh, const void *kv, const int64_t *table, i
             }
         }
         for (int g = 0; g < G; g++) {
-            float top = m[g];
-            for (int t = 0; t < n; t++) top = s[g][t] > top ? s[g][t] : top;
-            const float alpha = l[g] > 0.f ? expf(m[g] - top) : 0.f;  /* nothing to rescale before the first span */
-            float sum = 0.f;
-            for (int t = 0; t < n; t++) {
-                const float p = expf(s[g][t] - top);
-                s[g][t] = p;
-                sum += p;
-            }
-            l[g] = l[g] * alpha + sum;
-            m[g] = top;
+            const float alpha = softmax_span(s[g], n, &m[g], &l[g]);
             if (alpha != 1.f)
                 for (int d = 0; d < D; d++) acc[g][d] *= alpha;
         }
@@ -184,15 +202,10 @@ attend_vec(const float *q, int64_t q_sh, const void *kv, const int64_t *table, i
     }
     for (int t = 0; t < SPAN + VW; t++) rows[t] = ZERO_ROW;  /* past a span's end: dot products of 0, unused */
     for (int64_t pos = lo; pos < end;) {
-        const int64_t j = pos / T;
-        if (j >= width) return -2;
-        const int64_t page = table[j];
-        if (page < 0 || page >= num_blocks) return -2;
-        const int64_t t0 = pos - j * T;
-        int64_t t1 = end - j * T < T ? end - j * T : T;
-        if (t1 - t0 > SPAN) t1 = t0 + SPAN;
-        const int n = (int)(t1 - t0);
-        const int64_t base = (page * T + t0) * row_stride;
+        int n;
+        int64_t first;
+        if (span_at(pos, end, T, table, width, num_blocks, &n, &first)) return -2;
+        const int64_t base = first * row_stride;
         for (int hh = 0; hh < nh; hh++) {
             const int64_t k_col = (int64_t)(h0 + hh) * D, v_col = v_offset + k_col;
             vf(*qh)[NC] = qv + hh * G;
@@ -214,17 +227,7 @@ attend_vec(const float *q, int64_t q_sh, const void *kv, const int64_t *table, i
             for (int g = 0; g < G; g++) {
                 if (softcap > 0.f)
                     for (int t = 0; t < n; t++) s[g][t] = softcap * tanhf(s[g][t] / softcap);
-                float top = mh[g];
-                for (int t = 0; t < n; t++) top = s[g][t] > top ? s[g][t] : top;
-                const float alpha = lh[g] > 0.f ? expf(mh[g] - top) : 0.f;  /* nothing to rescale before the first span */
-                float sum = 0.f;
-                for (int t = 0; t < n; t++) {
-                    const float p = expf(s[g][t] - top);
-                    s[g][t] = p;
-                    sum += p;
-                }
-                lh[g] = lh[g] * alpha + sum;
-                mh[g] = top;
+                const float alpha = softmax_span(s[g], n, &mh[g], &lh[g]);
                 if (alpha != 1.f)
                     for (int c = 0; c < NC; c++) ah[g][c] *= alpha;
             }
