@@ -106,6 +106,13 @@ def _families(pools: BlockPools) -> tuple[dict[str, tuple[str, ...]], dict[str, 
     return plan.families
 
 
+def _pages_read(longest: int, tokens_per_block: int, window: int | None) -> int:
+    """The most pages one sequence reads in a decode step whose longest sequence holds ``longest`` tokens (sizes the
+    Triton kernel's splits; a block table is max_seq_len wide): a window reads at most its span's pages."""
+    pages = -(-longest // tokens_per_block)
+    return pages if window is None else min(pages, -(-window // tokens_per_block) + 1)
+
+
 @attrs.frozen
 class SeqChunk:
     """This step's new tokens of one sequence: ids, the position of the first, and a block table per group."""
@@ -291,13 +298,9 @@ class PagedBatch:
             else:
                 write_kv(self, layer, key, value)
         T = self.pools.groups[r.group].tokens_per_block
-        # the most pages one sequence reads this step (sizes the Triton kernel's splits; the table is max_seq_len wide)
-        pages = -(-self._longest // T)
-        if r.window is not None:
-            pages = min(pages, -(-r.window // T) + 1)
         extra = {"new_kv": new_kv} if new_kv is not None else {}
         return self.decode_kernel(query, slots, tables, self._decode_lens, kv_heads, T, scale, r.window, softcap,
-                                  pages, self._decode_scratch, **extra)
+                                  _pages_read(self._longest, T, r.window), self._decode_scratch, **extra)
 
     def attend_mixed(self, layer: int, query: torch.Tensor, kv_heads: int, head_dim: int, scale: float,
                      softcap: float | None) -> torch.Tensor | None:
@@ -319,11 +322,9 @@ class PagedBatch:
             tables = split.tables[r.group] = self._to_device(np.ascontiguousarray(
                 self._table(r.group).numpy()[split.decode_seqs]))
         T = self.pools.groups[r.group].tokens_per_block
-        pages = -(-split.longest // T)
-        if r.window is not None:
-            pages = min(pages, -(-r.window // T) + 1)
         decoded = self.decode_kernel(query.index_select(0, split.decode_tokens), self._views(r)[0], tables, split.lens,
-                                     kv_heads, T, scale, r.window, softcap, pages, self._decode_scratch)
+                                     kv_heads, T, scale, r.window, softcap, _pages_read(split.longest, T, r.window),
+                                     self._decode_scratch)
         sub = split.prefill
         k, v = sub.gather_kv(layer, kv_heads, head_dim, query.dtype)
         prefilled = attend_packed(sub, layer, query.index_select(0, split.prefill_tokens), k, v, scale, softcap)
@@ -876,6 +877,19 @@ def paged_attention(batch: PagedBatch, layer: int, query: torch.Tensor, key: tor
     A batch planned with ``flex=`` attends on the compiled path instead (no gather); one planned with
     ``decode_kernel=`` attends a decode-only step's full and sliding layers on that paged decode kernel.
     """
+    out = attend_in_place(batch, layer, query, key, value, scale, softcap)
+    if out is not None:
+        return out
+    k, v = batch.gather_kv(layer, key.shape[1], key.shape[2], query.dtype)
+    return attend_packed(batch, layer, query, k, v, scale, softcap)
+
+
+def attend_in_place(batch: PagedBatch, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    scale: float, softcap: float | None = None) -> torch.Tensor | None:
+    """Store a full or sliding layer's new K/V ``(N, kv_heads, d)`` and attend where the step reads the pools in
+    place — the compiled path, a decode step on the paged decode kernel (which may store the K/V itself), a mixed
+    step's decode rows on it: packed ``(N, heads, d)``, or None when the caller must gather (K/V stored either way).
+    """
     written = batch.flex is not None
     if written:
         write_kv(batch, layer, key, value)
@@ -889,11 +903,8 @@ def paged_attention(batch: PagedBatch, layer: int, query: torch.Tensor, key: tor
     if not written:
         write_kv(batch, layer, key, value)
     if batch.decode_kernel is not None:
-        out = batch.attend_mixed(layer, query, key.shape[1], key.shape[2], scale, softcap)
-        if out is not None:
-            return out
-    k, v = batch.gather_kv(layer, key.shape[1], key.shape[2], query.dtype)
-    return attend_packed(batch, layer, query, k, v, scale, softcap)
+        return batch.attend_mixed(layer, query, key.shape[1], key.shape[2], scale, softcap)
+    return None
 
 
 def attend_latent(batch: PagedBatch, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, w_kv: torch.Tensor,

@@ -33,7 +33,7 @@ from cache_backends.paged_attention import (
     PagedBatch,
     absorbed_costs_less,
     attend,
-    attend_compiled,
+    attend_in_place,
     attend_latent,
     attend_latent_gathered,
     attend_packed,
@@ -77,23 +77,11 @@ def paged_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor,
         MLA_CALLS["expanded"] += 1
         k, v = key, value
     else:
-        written = batch.flex is not None
-        if written:  # the compiled path reads the pools in place
-            batch.write_kv(layer, key, value)
-            out = attend_compiled(batch, layer, query[0].transpose(0, 1), key.shape[1], key.shape[3], scale, softcap)
-            if out is not None:
-                return out.unsqueeze(0), None
-        if batch.decode_kernel is not None:  # a decode step's pages read in place (and K/V stored) by a paged kernel
-            out = batch.attend_decode(layer, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                                      scale, softcap, written)
-            if out is not None:
-                return out.unsqueeze(0), None
-        if not written:
-            batch.write_kv(layer, key, value)
-        if batch.decode_kernel is not None:  # a mixed step: its decode rows on the kernel, its chunks gathered
-            out = batch.attend_mixed(layer, query[0].transpose(0, 1), key.shape[1], key.shape[3], scale, softcap)
-            if out is not None:
-                return out.unsqueeze(0), None
+        # K/V stored; the compiled path or a paged decode kernel reads the pools in place where the step allows
+        out = attend_in_place(batch, layer, query[0].transpose(0, 1), key[0].transpose(0, 1),
+                              value[0].transpose(0, 1), scale, softcap)
+        if out is not None:
+            return out.unsqueeze(0), None
         k, v = batch.gather_kv(layer, key.shape[1], key.shape[3], query.dtype)
         if batch.max_q == 1:
             # decode: sequence b's one query is packed token b, so (1, H, B, d) -> (B, H, 1, d) is one transpose,
