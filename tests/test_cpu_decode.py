@@ -196,8 +196,9 @@ def test_a_position_without_a_page_is_an_error_not_a_wild_read(kernel, what):
         kernel(torch.randn(1, 2, D), slots, tables, lens, 1, T, D ** -0.5)
 
 
-@needs_cc
-def test_the_build_is_cached_per_machine_and_reused(tmp_path, monkeypatch):
+@pytest.fixture
+def compiler_runs(monkeypatch):
+    """Every command the kernel build runs from now on (they still run)."""
     calls = []
     run = subprocess.run
 
@@ -206,6 +207,12 @@ def test_the_build_is_cached_per_machine_and_reused(tmp_path, monkeypatch):
         return run(cmd, *args, **kwargs)
 
     monkeypatch.setattr(cpu_kernel_build.subprocess, "run", counting)
+    return calls
+
+
+@needs_cc
+def test_the_build_is_cached_per_machine_and_reused(tmp_path, monkeypatch, compiler_runs):
+    calls = compiler_runs
     first = cpu_kernel_build.build_kernel(tmp_path)
     compiles = [c for c in calls if "-c" in c or "-shared" in c]
     assert len(compiles) == 2 and first.exists()  # compile, then link
@@ -242,7 +249,7 @@ def test_loading_the_kernel_leaves_the_process_floating_point_mode_alone(kernel_
 
 
 @needs_cc
-def test_a_flag_the_compiler_refuses_falls_back_once_not_every_process(tmp_path, monkeypatch):
+def test_a_flag_the_compiler_refuses_falls_back_once_not_every_process(tmp_path, monkeypatch, request):
     real = cpu_kernel_build.compiler()
     cc = tmp_path / "cc"
     cc.write_text("#!/bin/sh\nfor a in \"$@\"; do\n"
@@ -251,14 +258,7 @@ def test_a_flag_the_compiler_refuses_falls_back_once_not_every_process(tmp_path,
     cc.chmod(0o755)
     monkeypatch.setenv("CC", str(cc))
     built = cpu_kernel_build.build_kernel(tmp_path / "kernels")  # the first flag set fails, the second builds
-    calls = []
-    run = subprocess.run
-
-    def counting(cmd, *args, **kwargs):
-        calls.append(cmd)
-        return run(cmd, *args, **kwargs)
-
-    monkeypatch.setattr(cpu_kernel_build.subprocess, "run", counting)
+    calls = request.getfixturevalue("compiler_runs")  # counted from here on
     assert cpu_kernel_build.build_kernel(tmp_path / "kernels") == built
     assert not [c for c in calls if "-c" in c]  # the refused flag set is not compiled again
 
