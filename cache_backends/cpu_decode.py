@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,20 @@ def cpu_decode_unsupported(device: torch.device | str, head_dim: int, heads_per_
     return None
 
 
+class _DecodeArgs(ctypes.Structure):
+    """The kernel's arguments in one record: ``decode_args`` in ``csrc/paged_decode.c``, field for field."""
+
+    _fields_ = [("q", ctypes.c_void_p), ("q_sb", ctypes.c_int64), ("q_sh", ctypes.c_int64), ("kv", ctypes.c_void_p),
+                ("tables", ctypes.c_void_p), ("table_stride", ctypes.c_int64), ("table_width", ctypes.c_int64),
+                ("lens", ctypes.c_void_p),
+                *[(name, ctypes.c_int64) for name in ("B", "H", "Hkv", "D", "T", "row_stride", "v_offset",
+                                                      "num_blocks", "window")],
+                ("scale", ctypes.c_double), ("softcap", ctypes.c_double), ("kind", ctypes.c_int64),
+                ("lut", ctypes.c_void_p), ("out", ctypes.c_void_p), ("nthreads", ctypes.c_int64),
+                ("k_new", ctypes.c_void_p), ("v_new", ctypes.c_void_p),
+                *[(name, ctypes.c_int64) for name in ("kn_sb", "kn_sh", "vn_sb", "vn_sh")]]
+
+
 @functools.cache
 def load_cpu_kernel(cache_dir: Path) -> CpuDecodeKernel:
     """The kernel built under ``cache_dir`` (compiled there on first use; once per process after that)."""
@@ -80,12 +95,11 @@ class CpuDecodeKernel:
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.path = path
         fn = lib.kvload_paged_decode
-        p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-        fn.argtypes = [p, i64, i64, p, p, i64, i64, p, i32, i32, i32, i32, i32, i64, i64, i64, i64, f32, f32, i32, p,
-                       p, i32, p, p, i64, i64, i64, i64]
-        fn.restype = i32
+        fn.argtypes = [ctypes.c_void_p]
+        fn.restype = ctypes.c_int
         self._fn = fn
         self._luts: dict[torch.dtype, torch.Tensor] = {}
+        self._local = threading.local()  # one argument record per calling thread (filled, then passed by address)
 
     def _lut(self, dtype: torch.dtype) -> torch.Tensor | None:
         """Every value of a one-byte dtype as float32, indexed by its bits (how the kernel widens float8)."""
@@ -125,24 +139,32 @@ class CpuDecodeKernel:
         lens = lens if lens.dtype == torch.int64 and lens.is_contiguous() else lens.to(torch.int64).contiguous()
         if tables.shape[0] != B or lens.shape[0] != B:
             raise ValueError(f"{B} queries, {tables.shape[0]} table rows, {lens.shape[0]} lengths")
-        k_new = v_new = None
-        kn = vn = (0, 0)
         if new_kv is not None:
             k_new, v_new = new_kv
             for t in new_kv:
                 if t.dtype != slots.dtype or t.shape != (B, kv_heads, D) or t.stride(2) != 1:
                     raise ValueError(f"new K/V of {t.dtype} {tuple(t.shape)}: the kernel stores ({B}, {kv_heads}, {D}) "
                                      f"rows of the pool's {slots.dtype}, elements contiguous")
-            kn, vn = (k_new.stride(0), k_new.stride(1)), (v_new.stride(0), v_new.stride(1))
         lut = self._lut(slots.dtype)
         out = torch.empty(B, H, D, dtype=torch.float32)
+        args = getattr(self._local, "args", None)
+        if args is None:
+            args = self._local.args = _DecodeArgs()
+        args.q, (args.q_sb, args.q_sh) = q.data_ptr(), q.stride()[:2]
+        args.kv, args.tables, args.table_stride, args.table_width = (slots.data_ptr(), tables.data_ptr(),
+                                                                     tables.stride(0), tables.shape[1])
         T = tokens_per_block
-        rc = self._fn(q.data_ptr(), q.stride(0), q.stride(1), slots.data_ptr(), tables.data_ptr(), tables.stride(0),
-                      tables.shape[1], lens.data_ptr(), B, H, kv_heads, D, T, slots.stride(0), kv_heads * D,
-                      slots.shape[0] // T, window or 0, scale, softcap or 0.0, kind,
-                      lut.data_ptr() if lut is not None else None, out.data_ptr(), torch.get_num_threads(),
-                      k_new.data_ptr() if k_new is not None else None, v_new.data_ptr() if v_new is not None else None,
-                      *kn, *vn)
+        args.lens, args.B, args.H, args.Hkv, args.D, args.T = lens.data_ptr(), B, H, kv_heads, D, T
+        args.row_stride, args.v_offset, args.num_blocks = slots.stride(0), kv_heads * D, slots.shape[0] // T
+        args.window, args.scale, args.softcap, args.kind = window or 0, scale, softcap or 0.0, kind
+        args.lut = lut.data_ptr() if lut is not None else None
+        args.out, args.nthreads = out.data_ptr(), torch.get_num_threads()
+        if new_kv is None:
+            args.k_new = args.v_new = None
+        else:
+            args.k_new, args.v_new = k_new.data_ptr(), v_new.data_ptr()
+            (args.kn_sb, args.kn_sh), (args.vn_sb, args.vn_sh) = k_new.stride()[:2], v_new.stride()[:2]
+        rc = self._fn(ctypes.addressof(args))
         if rc == -1:
             raise ValueError(f"the CPU kernel does not take {H} heads over {kv_heads} KV heads of {D}")
         if rc == -2:

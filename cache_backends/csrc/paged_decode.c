@@ -328,94 +328,137 @@ static int write_new(const void *k_new, const void *v_new, int64_t kn_sb, int64_
     return 0;
 }
 
-/* The entry point: float32 queries (rows strided q_sb, q_sh; elements contiguous), float32 out (B, H, D).
- * kind: 0 float32, 1 bfloat16, 2 float16, 3 one byte (float8, widened through lut). k_new / v_new: NULL, or the
- * step's new K and V (B, Hkv, D) in the pool's dtype (strides in elements; a row's D elements contiguous), stored at
- * each sequence's last position first. Returns 0; -1 for shapes the kernel does not take (checked by the caller
- * first); -2 for a visible position with no page in the pool.
- * Work item = (sequence, a run of KV heads): all of a sequence's heads where that leaves every thread an item. */
-int kvload_paged_decode(const float *q, int64_t q_sb, int64_t q_sh, void *kv, const int64_t *tables,
-                        int64_t table_stride, int64_t table_width, const int64_t *lens, int B, int H, int Hkv,
-                        int D, int T, int64_t row_stride, int64_t v_offset, int64_t num_blocks, int64_t window,
-                        float scale, float softcap, int kind, const float *lut, float *out, int nthreads,
-                        const void *k_new, const void *v_new, int64_t kn_sb, int64_t kn_sh, int64_t vn_sb,
-                        int64_t vn_sh) {
-    if (Hkv < 1 || H % Hkv || H / Hkv > MAX_GROUP || D < 1 || D > MAX_DIM || T < 1) return -1;
+/* The entry point's arguments in one record, filled by cache_backends/cpu_decode.py (its _DecodeArgs lists the
+ * same fields in the same order): a call through ctypes converts each argument it is given, ~0.2 us apiece, and a
+ * model makes this call once per layer per step. Queries: float32 (rows strided q_sb, q_sh; elements contiguous);
+ * out: float32 (B, H, D). kind: 0 float32, 1 bfloat16, 2 float16, 3 one byte (float8, widened through lut).
+ * k_new / v_new: NULL, or the step's new K and V (B, Hkv, D) in the pool's dtype (strides in elements; a row's D
+ * elements contiguous), stored at each sequence's last position first. */
+typedef struct {
+    const float *q;
+    int64_t q_sb, q_sh;
+    void *kv;
+    const int64_t *tables;
+    int64_t table_stride, table_width;
+    const int64_t *lens;
+    int64_t B, H, Hkv, D, T, row_stride, v_offset, num_blocks, window;
+    double scale, softcap;
+    int64_t kind;
+    const float *lut;
+    float *out;
+    int64_t nthreads;
+    const void *k_new, *v_new;
+    int64_t kn_sb, kn_sh, vn_sb, vn_sh;
+} decode_args;
+
+/* How a call's work is cut: run KV heads per item, per items per sequence, S key ranges per sequence (S > 1:
+ * split-KV, partials in part / ml). */
+typedef struct {
     seq_fn one;
-    switch (kind) {
-    case F32: one = PICK(F32); break;
-    case BF16: one = PICK(BF16); break;
-    case F16: one = PICK(F16); break;
-    case BYTE: one = PICK(BYTE); break;
+    int G, run, per, S;
+    float *part, *ml;
+} decode_plan;
+
+/* One work item: item = (sequence, run of KV heads, key range); returns 0 or -2. */
+static int run_item(const decode_args *a, const decode_plan *p, int item) {
+    const int S = p->S, G = p->G, D = (int)a->D, T = (int)a->T, H = (int)a->H, B = (int)a->B;
+    const int s = item % S, b = item / S / p->per, h0 = (item / S % p->per) * p->run;
+    const int nh = (int)a->Hkv - h0 < p->run ? (int)a->Hkv - h0 : p->run;
+    const int64_t end = a->lens[b];
+    const int64_t lo = a->window > 0 && end > a->window ? end - a->window : 0;
+    /* split s: keys [lo + keys * s / S, lo + keys * (s + 1) / S); the last one holds the new token's row, so it
+     * alone stores it (no other split reads that row) */
+    const int64_t first = lo + (end - lo) * s / S, stop = lo + (end - lo) * (s + 1) / S;
+    const int64_t *table = a->tables + b * a->table_stride;
+    if (a->k_new && s == S - 1) {
+        const int rc = write_new(a->k_new, a->v_new, a->kn_sb, a->kn_sh, a->vn_sb, a->vn_sh, b, h0, nh, a->kv, table,
+                                 a->table_width, end, D, T, a->row_stride, a->v_offset, a->num_blocks, (int)a->kind);
+        if (rc) return rc;
+    }
+    const size_t row0 = (size_t)b * H + (size_t)h0 * G;  /* the item's first query head, in (B, H) order */
+    return p->one(a->q + b * a->q_sb + (int64_t)h0 * G * a->q_sh, a->q_sh, a->kv, table, a->table_width, stop, first,
+                  G, nh, h0, D, T, a->row_stride, a->v_offset, a->num_blocks, (float)a->scale, (float)a->softcap,
+                  a->lut, S > 1 ? p->part + ((size_t)s * B * H + row0) * D : a->out + row0 * D, D,
+                  S > 1 ? p->ml + ((size_t)s * B * H + row0) * 2 : NULL);
+}
+
+/* Merge the S splits of output row r (a sequence's query head): each rescaled to the largest running max. */
+static void merge_splits(const decode_args *a, const decode_plan *p, int r) {
+    const int S = p->S, D = (int)a->D;
+    const size_t BH = (size_t)a->B * a->H;
+    float top = -FLT_MAX, sum = 0.f;
+    for (int s = 0; s < S; s++) {
+        const float *x = p->ml + (s * BH + r) * 2;
+        if (x[1] > 0.f && x[0] > top) top = x[0];
+    }
+    float *o = a->out + (size_t)r * D;
+    for (int d = 0; d < D; d++) o[d] = 0.f;
+    for (int s = 0; s < S; s++) {
+        const float *x = p->ml + (s * BH + r) * 2;
+        if (!(x[1] > 0.f)) continue;  /* an empty split */
+        const float w = expf(x[0] - top);
+        const float *part = p->part + (s * BH + r) * D;
+        sum += w * x[1];
+        for (int d = 0; d < D; d++) o[d] += w * part[d];
+    }
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    for (int d = 0; d < D; d++) o[d] *= inv;
+}
+
+/* The entry point. Returns 0; -1 for shapes the kernel does not take (checked by the caller first); -2 for a
+ * visible position with no page in the pool.
+ * Work item = (sequence, a run of KV heads): all of a sequence's heads where that leaves every thread an item.
+ * One thread runs the items in a plain loop: an OpenMP region, even one its if clause turns off, costs ~1 us. */
+int kvload_paged_decode(const decode_args *a) {
+    const int64_t B = a->B, H = a->H, Hkv = a->Hkv, D = a->D, nthreads = a->nthreads;
+    if (Hkv < 1 || H % Hkv || H / Hkv > MAX_GROUP || D < 1 || D > MAX_DIM || a->T < 1 || B < 0 || B > INT32_MAX / H)
+        return -1;
+    decode_plan p = {.G = (int)(H / Hkv), .S = 1};
+    switch (a->kind) {
+    case F32: p.one = PICK(F32); break;
+    case BF16: p.one = PICK(BF16); break;
+    case F16: p.one = PICK(F16); break;
+    case BYTE: p.one = PICK(BYTE); break;
     default: return -1;
     }
-    const int G = H / Hkv;
-    int run = MAX_ITEM_HEADS / G < Hkv ? MAX_ITEM_HEADS / G : Hkv;  /* KV heads per item */
-    while (run > 1 && (int64_t)B * ((Hkv + run - 1) / run) < nthreads) run = (run + 1) / 2;
-    const int per = (Hkv + run - 1) / run;  /* items per sequence */
+    int run = MAX_ITEM_HEADS / p.G < Hkv ? MAX_ITEM_HEADS / p.G : (int)Hkv;  /* KV heads per item */
+    while (run > 1 && B * ((Hkv + run - 1) / run) < nthreads) run = (run + 1) / 2;
+    p.run = run;
+    p.per = (int)((Hkv + run - 1) / run);  /* items per sequence */
     /* Split-KV: fewer (sequence, head run) items than threads (one long sequence over few KV heads) cuts each
      * sequence's keys into S ranges of at least MIN_SPLIT_KEYS, attended apart and merged (flash-decoding) */
-    int S = 1;
-    if ((int64_t)B * per < nthreads) {
+    if (B * p.per < nthreads) {
         int64_t most = 0;
-        for (int b = 0; b < B; b++) {
-            const int64_t keys = window > 0 && lens[b] > window ? window : lens[b];
+        for (int64_t b = 0; b < B; b++) {
+            const int64_t keys = a->window > 0 && a->lens[b] > a->window ? a->window : a->lens[b];
             most = keys > most ? keys : most;
         }
-        S = (int)((nthreads + (int64_t)B * per - 1) / ((int64_t)B * per));
-        if ((int64_t)S > most / MIN_SPLIT_KEYS) S = (int)(most / MIN_SPLIT_KEYS);
-        if (S < 1) S = 1;
+        int64_t S = (nthreads + B * p.per - 1) / (B * p.per);
+        if (S > most / MIN_SPLIT_KEYS) S = most / MIN_SPLIT_KEYS;
+        p.S = S < 1 ? 1 : (int)S;
     }
-    float *part = NULL, *ml = NULL;  /* per split: unnormalized outputs (B, H, D), then (max, sum) per (B, H) */
-    if (S > 1) {
-        part = malloc(sizeof(float) * (size_t)S * B * H * (D + 2));
-        if (!part) S = 1;
-        else ml = part + (size_t)S * B * H * D;
+    if (p.S > 1) {  /* per split: unnormalized outputs (B, H, D), then (max, sum) per (B, H) */
+        p.part = malloc(sizeof(float) * (size_t)p.S * B * H * (D + 2));
+        if (!p.part) p.S = 1;
+        else p.ml = p.part + (size_t)p.S * B * H * D;
     }
+    const int items = (int)B * p.per * p.S, threads = (int)nthreads;
     int status = 0;
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1) reduction(min : status)
-    for (int item = 0; item < B * per * S; item++) {
-        const int s = item % S, b = item / S / per, h0 = (item / S % per) * run;
-        const int nh = Hkv - h0 < run ? Hkv - h0 : run;
-        const int64_t end = lens[b];
-        const int64_t lo = window > 0 && end > window ? end - window : 0;
-        /* split s: keys [lo + keys * s / S, lo + keys * (s + 1) / S); the last one holds the new token's row, so
-         * it alone stores it (no other split reads that row) */
-        const int64_t a = lo + (end - lo) * s / S, e = lo + (end - lo) * (s + 1) / S;
-        int rc = 0;
-        if (k_new && s == S - 1)
-            rc = write_new(k_new, v_new, kn_sb, kn_sh, vn_sb, vn_sh, b, h0, nh, kv, tables + b * table_stride,
-                           table_width, end, D, T, row_stride, v_offset, num_blocks, kind);
-        const size_t row0 = (size_t)b * H + (size_t)h0 * G;  /* the item's first query head, in (B, H) order */
-        if (rc == 0)
-            rc = one(q + b * q_sb + (int64_t)h0 * G * q_sh, q_sh, kv, tables + b * table_stride, table_width, e, a,
-                     G, nh, h0, D, T, row_stride, v_offset, num_blocks, scale, softcap, lut,
-                     S > 1 ? part + ((size_t)s * B * H + row0) * D : out + row0 * D, D,
-                     S > 1 ? ml + ((size_t)s * B * H + row0) * 2 : NULL);
-        status = rc < status ? rc : status;
-    }
-    if (S > 1) {  /* merge the splits of each (sequence, query head): rescale each to the largest max */
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
-        for (int r = 0; r < B * H; r++) {
-            float top = -FLT_MAX, sum = 0.f;
-            for (int s = 0; s < S; s++) {
-                const float *x = ml + ((size_t)s * B * H + r) * 2;
-                if (x[1] > 0.f && x[0] > top) top = x[0];
-            }
-            float *o = out + (size_t)r * D;
-            for (int d = 0; d < D; d++) o[d] = 0.f;
-            for (int s = 0; s < S; s++) {
-                const float *x = ml + ((size_t)s * B * H + r) * 2;
-                if (!(x[1] > 0.f)) continue;  /* an empty split */
-                const float w = expf(x[0] - top);
-                const float *p = part + ((size_t)s * B * H + r) * D;
-                sum += w * x[1];
-                for (int d = 0; d < D; d++) o[d] += w * p[d];
-            }
-            const float inv = sum > 0.f ? 1.f / sum : 0.f;
-            for (int d = 0; d < D; d++) o[d] *= inv;
+    if (threads <= 1) {
+        for (int item = 0; item < items && status == 0; item++) status = run_item(a, &p, item);
+    } else {
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(min : status)
+        for (int item = 0; item < items; item++) {
+            const int rc = run_item(a, &p, item);
+            status = rc < status ? rc : status;
         }
-        free(part);
+    }
+    if (p.S > 1) {
+        if (status == 0) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+            for (int r = 0; r < (int)(B * H); r++) merge_splits(a, &p, r);
+        }
+        free(p.part);
     }
     return status;
 }
