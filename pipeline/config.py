@@ -146,10 +146,12 @@ def _is_device(v: Any) -> bool:
 
 
 device_name = _check(_is_device, '"auto", "cpu", "cuda" or "cuda:N"')
-#: Paged attention of ``generate``: compiled FlexAttention over the pools, or gather + SDPA (the reference).
+#: Paged attention of ``generate``: compiled FlexAttention over the pools, gather + SDPA (the reference), or a
+#: paged decode kernel (Triton on CUDA, C on CPU); "auto" picks by device (``stages.resolve_auto``).
 ATTENTION_BACKENDS = ("auto", "flex", "sdpa", "triton", "cpu_kernel")
+*_first, _last = ATTENTION_BACKENDS
 attention_backend_name = _check(lambda v: v in ATTENTION_BACKENDS,
-                                '"auto", "flex", "sdpa", "triton" or "cpu_kernel"')
+                                ", ".join(f'"{b}"' for b in _first) + f' or "{_last}"')
 model_name = _check(lambda v: isinstance(v, str) and v.strip() != "", "a preset name or a checkpoint directory")
 
 
