@@ -139,6 +139,38 @@ def test_two_threads_give_what_one_gives(kernel):
 
 
 @needs_cc
+def test_threads_calling_the_kernel_at_once_each_get_their_own_answer(kernel):
+    # the kernel's arguments travel in a record per calling thread (ctypes lets go of the GIL for the call): two
+    # engines in one process, or a server's threads, never attend with each other's pointers
+    import threading
+
+    failures: list[BaseException] = []
+    start = threading.Barrier(4)
+
+    def worker(i: int) -> None:
+        try:
+            start.wait()
+            for rep in range(30):
+                got, ref = decode_step(kernel, [600 + 50 * i, 300 + i], 4, 16, None, "float32", None, seed=10 * i + rep,
+                                       head_dim=64)
+                torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
+        except BaseException as exc:  # reported by the main thread
+            failures.append(exc)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can: between filling and calling
+    try:
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not failures, failures[0]
+
+
+@needs_cc
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_the_kernel_stores_the_new_kv_exactly_where_write_kv_does(kernel, dtype):
     # the kernel folds the layer's K/V write into its call; K/V arrive as the model makes them, (1, kv_heads, B, d)
