@@ -157,8 +157,8 @@ class BlockTableStore:
         """
         index = rows.numpy() if isinstance(rows, torch.Tensor) else np.asarray(rows, dtype=np.int64)
         used = self._used
-        width = max(1, max((used[r] for r in index.tolist()), default=0))
-        return StepTables(self.groups, np.take(self._data[:, :, :width], index, axis=1), self._index)
+        width = max(1, max((used[r] for r in (rows if isinstance(rows, list) else index.tolist())), default=0))
+        return StepTables(self.groups, self._data[:, index, :width], self._index)
 
     def drop(self, req_id: str) -> None:
         """Forget a finished request; its row goes back to the free list."""

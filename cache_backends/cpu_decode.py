@@ -98,16 +98,16 @@ class CpuDecodeKernel:
         fn.argtypes = [ctypes.c_void_p]
         fn.restype = ctypes.c_int
         self._fn = fn
-        self._luts: dict[torch.dtype, torch.Tensor] = {}
+        self._luts: dict[torch.dtype, torch.Tensor | None] = {}
         self._local = threading.local()  # one argument record per calling thread (filled, then passed by address)
 
     def _lut(self, dtype: torch.dtype) -> torch.Tensor | None:
         """Every value of a one-byte dtype as float32, indexed by its bits (how the kernel widens float8)."""
-        if dtype.itemsize != 1:
-            return None
-        if dtype not in self._luts:
-            self._luts[dtype] = torch.arange(256, dtype=torch.uint8).view(dtype).to(torch.float32)
-        return self._luts[dtype]
+        if dtype in self._luts:
+            return self._luts[dtype]
+        lut = torch.arange(256, dtype=torch.uint8).view(dtype).to(torch.float32) if dtype.itemsize == 1 else None
+        self._luts[dtype] = lut
+        return lut
 
     def __call__(self, query: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
                  kv_heads: int, tokens_per_block: int, scale: float, window: int | None = None,
@@ -126,7 +126,7 @@ class CpuDecodeKernel:
         B, H, D = query.shape
         if H % kv_heads:
             raise ValueError(f"{H} query heads are not a multiple of {kv_heads} KV heads")
-        if slots.device.type != "cpu" or slots.dim() != 2 or slots.stride(1) != 1:
+        if not slots.is_cpu or slots.dim() != 2 or slots.stride(1) != 1:
             raise ValueError("the CPU kernel reads a (slots, entry) pool view in host memory, rows contiguous")
         if slots.shape[1] < 2 * kv_heads * D:
             raise ValueError(f"pool rows of {slots.shape[1]} elements cannot hold K and V of {kv_heads} heads x {D}")

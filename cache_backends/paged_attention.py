@@ -66,10 +66,10 @@ def _store(dst: torch.Tensor, dim: int, slots: torch.Tensor, src: torch.Tensor) 
 class _PoolsPlan:
     """What every step over one set of pools shares, worked out once: layer routes, group families, block sizes."""
 
+    #: group -> the groups whose slots are computed with it, for writes and for gathers (see _families)
+    families: tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]
     #: layer -> its LayerRoute (PagedBatch.route)
     routes: dict[int, LayerRoute] = attrs.Factory(dict)
-    #: group -> the groups whose slots are computed with it, for writes and for gathers (see _families)
-    families: tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]] | None = None
     #: the executor's group tuple -> its groups' block sizes, sorted (PagedBatch._check_step)
     block_sizes: dict[tuple[str, ...], list[int]] = attrs.Factory(dict)
 
@@ -81,7 +81,7 @@ _PLANS: weakref.WeakKeyDictionary[BlockPools, _PoolsPlan] = weakref.WeakKeyDicti
 def _pools_plan(pools: BlockPools) -> _PoolsPlan:
     plan = _PLANS.get(pools)
     if plan is None:
-        plan = _PLANS[pools] = _PoolsPlan()
+        plan = _PLANS[pools] = _PoolsPlan(_families(pools))
     return plan
 
 
@@ -92,18 +92,14 @@ def _families(pools: BlockPools) -> tuple[dict[str, tuple[str, ...]], dict[str, 
     geometry share the write arithmetic whatever their window; a gather also depends on the window,
     so gather families add it. Compressed groups (never served) stay alone.
     """
-    plan = _pools_plan(pools)
-    if plan.families is not None:
-        return plan.families
     writes: dict[tuple, list[str]] = {}
     gathers: dict[tuple, list[str]] = {}
     for name, g in pools.groups.items():
         geometry = (g.tokens_per_block, g.entries_per_block) if g.compress_rate is None else (name,)
         writes.setdefault(geometry, []).append(name)
         gathers.setdefault((*geometry, g.window), []).append(name)
-    plan.families = ({n: tuple(f) for f in writes.values() for n in f},
-                     {n: tuple(f) for f in gathers.values() for n in f})
-    return plan.families
+    return ({n: tuple(f) for f in writes.values() for n in f},
+            {n: tuple(f) for f in gathers.values() for n in f})
 
 
 def _pages_read(longest: int, tokens_per_block: int, window: int | None) -> int:
@@ -245,7 +241,7 @@ class PagedBatch:
             for group, table in self._tables.items():
                 self._check_table(group, table)
         self._given_tables = dict(self._tables)  # tables passed per group (not planned from the chunks' lists)
-        self._write_family, self._gather_family = _families(pools)
+        self._write_family, self._gather_family = plan.families
         self._stacks: dict[tuple[str, ...], np.ndarray] = {}
         #: the compiled path (``cache_backends.flex_paged``) when the step runs on it; None: gather + SDPA
         self.flex: Any = None
@@ -280,9 +276,12 @@ class PagedBatch:
         tables = self._decode_tables.get(r.group)
         if tables is None:  # one upload per step: every group's tables at once when the executor stacked them
             if self._step is not None and r.group in self._step.index:
-                if self._decode_stack is None:
-                    self._decode_stack = self._to_device(self._step.array)
-                tables = self._decode_stack[self._step.index[r.group]]
+                if self._on_cpu:  # a view of the stacked array (a torch index of the stack costs ~3x as much)
+                    tables = torch.from_numpy(self._step.array[self._step.index[r.group]])
+                else:
+                    if self._decode_stack is None:
+                        self._decode_stack = self._to_device(self._step.array)
+                    tables = self._decode_stack[self._step.index[r.group]]
             else:
                 tables = self._to_device(self._table(r.group).numpy())
             self._decode_tables[r.group] = tables
