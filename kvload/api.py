@@ -88,6 +88,13 @@ def execute(
     return run_stages(request, stages, audit_log=audit_log, subscribers=subscribers, log=log, result_type=LoadResult)
 
 
+def api_request(model: Any, config_file: Any, load_weights: bool, overrides: dict[str, Any]) -> LoadRequest:
+    """The request of a Python call: ``overrides`` are the caller's ``LlmArgs`` fields (source "api")."""
+    return LoadRequest(model=model_argument(model), overrides=overrides, source="api",
+                       config_file=path_argument("config_file", config_file) if config_file is not None else None,
+                       load_weights=load_weights)
+
+
 def model_argument(model: Any) -> Any:
     """A checkpoint directory given as a ``pathlib.Path`` (any ``os.PathLike``) as its string; anything else as is,
     for the ``model`` check to name."""
@@ -109,8 +116,7 @@ def plan(
     ``overrides`` are ``LlmArgs`` fields; ``kv_cache_config`` may be a dict or a ``KvCacheConfig``
     (only the fields passed to it count as user-set). Precedence: defaults < ``config_file`` < overrides.
     """
-    request = LoadRequest(model=model_argument(model), overrides=overrides, source="api",
-                          config_file=path_argument("config_file", config_file) if config_file is not None else None)
+    request = api_request(model, config_file, False, overrides)
     return execute(request, stages or plan_stages(), audit_log=audit_log, subscribers=subscribers, log=log)
 
 
@@ -130,9 +136,7 @@ def load(
     Weights load on the resolved device and dtype before the KV budget is computed; presets get
     deterministic random weights.
     """
-    request = LoadRequest(model=model_argument(model), overrides=overrides, source="api",
-                          config_file=path_argument("config_file", config_file) if config_file is not None else None,
-                          load_weights=load_weights)
+    request = api_request(model, config_file, load_weights, overrides)
     return execute(request, stages or load_stages(), audit_log=audit_log, subscribers=subscribers, log=log)
 
 

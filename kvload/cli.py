@@ -397,6 +397,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     """Load the weights, build the routed KV manager, generate for every prompt, stream, end with throughput."""
     from engine.sampling_params import SamplingParams
     from kvload.api import execute
+    from pipeline.context import DEFAULT_MAX_TOKENS_FIELD, CallerDefault
     from stages import load_stages
 
     audit = _audit_subscribers(ns)
@@ -408,14 +409,15 @@ def cmd_generate(ns: argparse.Namespace) -> int:
                             top_k=ns.top_k, seed=ns.seed, stop=ns.stop, stop_token_ids=ns.stop_token_ids, n=ns.n,
                             logprobs=ns.logprobs, ignore_eos=ns.ignore_eos)  # checked before anything loads
     request = _request(ns, load_weights=True)
-    # Applies only when nothing else bounds the KV budget (CPU without --max_tokens/--max_gpu_total_bytes). Capped at
-    # the integer bound: a product past it is refused by the budget naming --max_new_tokens (sized_by), not as a field
-    # the user never typed, and it must not fail a run whose --max_tokens leaves the default unused.
-    request.overrides.setdefault("kv_cache_config", {}).setdefault(
-        "default_max_tokens", min(MAX_INT, len(prompts) * (ns.n * ns.max_new_tokens + GENERATE_PROMPT_ALLOWANCE)))
-    request.sized_by = (f"--max_new_tokens, --n or the number of prompts (generate sizes the pools for prompts x "
-                        f"(n x max_new_tokens + {GENERATE_PROMPT_ALLOWANCE}) = {{tokens}} tokens when no --max_tokens "
-                        "is given)")
+    # Applies only when nothing else bounds the KV budget (CPU without --max_tokens/--max_gpu_total_bytes) and the
+    # user set no default_max_tokens. Capped at the integer bound: a product past it is refused by the budget naming
+    # --max_new_tokens (the reason), not as a field the user never typed, and it must not fail a run whose
+    # --max_tokens leaves the default unused.
+    tokens = min(MAX_INT, len(prompts) * (ns.n * ns.max_new_tokens + GENERATE_PROMPT_ALLOWANCE))
+    request.caller_defaults[DEFAULT_MAX_TOKENS_FIELD] = CallerDefault(
+        tokens, "generate", f"--max_new_tokens, --n or the number of prompts (generate sizes the pools for prompts x "
+                            f"(n x max_new_tokens + {GENERATE_PROMPT_ALLOWANCE}) = {tokens} tokens when no "
+                            "--max_tokens is given)")
     with execute(request, load_stages(), subscribers=audit) as result:  # generation events reach the audit too
         first = prints(result)  # under torchrun every rank generates; rank 0 prints
         printer = None if ns.json or not first else _TokenPrinter(result.tokenizer is not None,

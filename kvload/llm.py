@@ -4,8 +4,9 @@
 and keeps the result: ``.generate`` returns ``RequestOutput``s, ``.generate_stream`` yields
 ``TokenDelta``s as tokens are produced, ``.audit`` / ``.args`` / ``.route`` say what was decided and
 why. On CPU with neither ``kv_cache_config.max_tokens`` nor ``max_gpu_total_bytes``, the pools hold
-:data:`DEFAULT_CPU_MAX_TOKENS` tokens (``kv_cache_config.default_max_tokens``, an argument the audit
-log records and replays); pass either bound, or ``default_max_tokens``, to choose.
+:data:`DEFAULT_CPU_MAX_TOKENS` tokens (``kv_cache_config.default_max_tokens``, filled in by ``LLM`` when neither the
+arguments nor the config file set it: the audit records it as ``field_derived``, not as user-set, and replays it);
+pass either bound, or ``default_max_tokens``, to choose.
 """
 
 from __future__ import annotations
@@ -21,26 +22,16 @@ from engine.beam_search import BeamSearchOutput, BeamSearchParams
 from engine.outputs import GenerationStats, RequestOutput, TokenDelta
 from engine.prompts import is_conversation
 from engine.sampling_params import SamplingParams
-from kvload.api import LoadResult, load
+from kvload.api import LoadResult, api_request, execute
 from pipeline.bus import Subscriber
-from pipeline.config import KvCacheConfig, explicit_fields
+from pipeline.context import DEFAULT_MAX_TOKENS_FIELD, CallerDefault
 from pipeline.errors import GenerationError
 from pipeline.events import SettingIgnored
+from stages import load_stages
 
 #: Tokens the KV pools hold on CPU when no bound is given: one SmolLM2 sequence of its full 8192-token
 #: context, or many short ones (SmolLM2-135M: 46 KB per token in float32, so ~380 MB).
 DEFAULT_CPU_MAX_TOKENS = 8192
-
-
-def _with_default_budget(kv: Any, tokens: int) -> Any:
-    """``kv_cache_config`` (None, a dict or a KvCacheConfig) with ``default_max_tokens`` set unless given."""
-    if kv is None:
-        return {"default_max_tokens": tokens}
-    if isinstance(kv, KvCacheConfig):  # keep "only the fields passed count as user-set"
-        kv = {name: getattr(kv, name) for name in explicit_fields(kv)}
-    if isinstance(kv, dict):
-        return {"default_max_tokens": tokens, **kv}
-    return kv  # anything else: the pipeline's own check names it
 
 
 class StreamClosed(Exception):
@@ -59,11 +50,17 @@ class LLM:
     def __init__(self, model: str | os.PathLike[str], *, config_file: str | os.PathLike[str] | None = None,
                  audit_log: str | os.PathLike[str] | None = None, subscribers: Iterable[Subscriber] = (),
                  log: bool = True, **llm_args: Any) -> None:
-        llm_args["kv_cache_config"] = _with_default_budget(llm_args.get("kv_cache_config"), DEFAULT_CPU_MAX_TOKENS)
+        request = api_request(model, config_file, True, llm_args)
+        # the CPU pools' size when neither the user nor the config file bounds them: not a user setting, so the audit
+        # records it as derived by LLM (field_derived) and a value the user gives wins
+        request.caller_defaults[DEFAULT_MAX_TOKENS_FIELD] = CallerDefault(
+            DEFAULT_CPU_MAX_TOKENS, "LLM", f"{DEFAULT_MAX_TOKENS_FIELD} (kvload.LLM's default: the pools hold "
+                                           f"{DEFAULT_CPU_MAX_TOKENS} tokens when neither max_tokens nor "
+                                           "max_gpu_total_bytes bounds them)")
         self._audit_log = audit_log
         self._busy = threading.Lock()
-        self.result: LoadResult = load(model, load_weights=True, config_file=config_file, audit_log=audit_log,
-                                       subscribers=subscribers, log=log, **llm_args)
+        self.result: LoadResult = execute(request, load_stages(), audit_log=audit_log, subscribers=subscribers,
+                                          log=log)
         self._closed = False
         self._said_no_tqdm = False  # use_tqdm=True is reported once per LLM, not once per call
 

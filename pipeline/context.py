@@ -28,6 +28,19 @@ class AutoOrigin:
     source: str  # where the "auto" came from: "default" or the user's source
 
 
+#: the field generate, serve and ``kvload.LLM`` derive a value for (the pools' size when nothing else bounds them)
+DEFAULT_MAX_TOKENS_FIELD = "kv_cache_config.default_max_tokens"
+
+
+@attrs.frozen
+class CallerDefault:
+    """A value a front end derived for a field the user did not set, with who derived it and from what."""
+
+    value: Any
+    source: str  # who derived it: "generate", "serve", "LLM"
+    reason: str  # from what, in the caller's words (named by errors about what it sized)
+
+
 @attrs.define
 class LoadRequest:
     """The raw inputs of one run, before anything is validated."""
@@ -37,10 +50,12 @@ class LoadRequest:
     source: str = "api"  # label of ``overrides``: "api" from Python, "cli" from the command line
     config_file: str | None = None
     load_weights: bool = False
-    # In the caller's own words, what set kv_cache_config.default_max_tokens when the caller derived it
-    # (generate: prompts and --max_new_tokens); "{tokens}" stands for the tokens it came to. Errors about
-    # pools too big name it; None: the field itself (an API or config-file value).
-    sized_by: str | None = None
+    # Values the caller derived for fields the user may leave null (generate and serve size the pools from their
+    # own flags, ``kvload.LLM`` has a CPU default): dotted path -> CallerDefault. Not user input: parse_args
+    # applies one only where neither the config file nor the overrides set the field, as ``field_derived``; an
+    # error about pools too big names its ``reason`` (the caller's flags), not a field the user never set.
+    caller_defaults: dict[str, CallerDefault] = attrs.Factory(dict)
+
 
 
 @attrs.frozen

@@ -12,7 +12,7 @@ from cache_backends.budget import host_available_bytes, is_cuda
 from cache_backends.interface import ManagerOptions
 from cache_backends.kinds import kind_named
 from pipeline.bus import Emit
-from pipeline.context import Context
+from pipeline.context import DEFAULT_MAX_TOKENS_FIELD, Context
 from pipeline.errors import KvBuildError, KvRuntimeError, first_line
 from pipeline.events import KvManagerBuilt
 from stages.check_parallel import require_all_ranks
@@ -149,11 +149,12 @@ def _pool_culprits(plan: KvPlan, ctx: Context) -> list[str]:
     rule = plan.budget.limited_by or ""
     if rule == "max_tokens" and kv.max_tokens is None and kv.default_max_tokens is not None:
         # name what sized the pools as the caller knows it: generate's and serve's flags, else the field
-        sized_by = ctx.request.sized_by if ctx.request is not None else None
-        if sized_by is None:
-            sized_by = ("kv_cache_config.default_max_tokens (the pools hold {tokens} tokens when neither max_tokens "
-                        "nor max_gpu_total_bytes bounds them)")
-        out.append(sized_by.replace("{tokens}", str(plan.budget.max_tokens)))
+        derived = ctx.request.caller_defaults.get(DEFAULT_MAX_TOKENS_FIELD) if ctx.request is not None else None
+        if derived is not None and DEFAULT_MAX_TOKENS_FIELD not in ctx.user_fields:
+            out.append(derived.reason)
+        else:
+            out.append(f"{DEFAULT_MAX_TOKENS_FIELD} (the pools hold {plan.budget.max_tokens} tokens when neither "
+                       "max_tokens nor max_gpu_total_bytes bounds them)")
     elif rule in RULE_FIELDS:
         out.append(RULE_FIELDS[rule])
     return out or ["the budget"]

@@ -1,15 +1,16 @@
-"""Stage 1: merge the user's sources (defaults < YAML file < CLI or Python), validate, build ``LlmArgs``."""
+"""Stage 1: merge the user's sources (defaults < YAML file < CLI or Python), validate, build ``LlmArgs``; then fill
+the fields neither source set that the caller derived a value for (``LoadRequest.caller_defaults``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from pipeline.bus import Emit
-from pipeline.config import LlmArgs, framework_defaults
+from pipeline.config import LlmArgs, framework_defaults, set_field
 from pipeline.context import Context, UserValue
 from pipeline.converter import structure
 from pipeline.errors import ConfigError
-from pipeline.events import ArgsParsed, SettingIgnored, SourceConflict
+from pipeline.events import ArgsParsed, FieldDerived, SettingIgnored, SourceConflict
 from pipeline.paths import flatten, get_in, unflatten
 from pipeline.sources import overrides_to_tree, read_yaml
 from pipeline.trtllm_compat import split_ignored
@@ -58,6 +59,13 @@ class ParseArgs:
                 current[path] = value
                 seen[path] = UserValue(value, label)
         ctx.user_values = merged
+        # a value generate / serve / LLM derived is not the user's: it fills a field only the framework default
+        # (null) holds, and the audit says who derived it and from what
+        for path, derived in req.caller_defaults.items():
+            if path in merged or get_in(ctx.args, path) is not None:
+                continue
+            set_field(ctx.args, path, derived.value)
+            emit(FieldDerived(field=path, old=None, new=derived.value, source=derived.source, reason=derived.reason))
 
     @staticmethod
     def _drop_ignored(label: str, tree: dict[str, Any], config_file: str | None, emit: Emit) -> dict[str, Any]:

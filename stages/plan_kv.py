@@ -337,10 +337,15 @@ def warn_inert_v2_settings(ctx: Context, layout: KvLayout, host_bytes: int | Non
         emit(SettingIgnored(field=resume, value=kv.max_util_for_resume,
                             reason="there is no host tier (host_cache_size 0), so nothing is suspended or resumed"))
     scratch = "kv_cache_config.enable_swa_scratch_reuse"
-    if scratch in ctx.user_fields and kv.enable_swa_scratch_reuse is True \
-            and all(g.window is None for g in layout.groups):
-        emit(SettingIgnored(field=scratch, value=True,
-                            reason="the model has no sliding-window layers, so there is no window scratch to reuse"))
+    if scratch in ctx.user_fields and kv.enable_swa_scratch_reuse is True:
+        if all(g.window is None for g in layout.groups):
+            emit(SettingIgnored(field=scratch, value=True,
+                                reason="the model has no sliding-window layers, so there is no window scratch to "
+                                       "reuse"))
+        elif kv.enable_block_reuse is not True:
+            emit(SettingIgnored(field=scratch, value=True,
+                                reason="blocks leaving a window are kept for prefix reuse, and prefix reuse is off "
+                                       "(enable_block_reuse=false)"))
 
 
 def warn_inert_partial_reuse(ctx: Context, layout: KvLayout, emit: Emit) -> None:

@@ -61,6 +61,37 @@ def test_cpu_without_a_budget_gets_generates_default_and_the_audit_log_says_why(
     assert check.code == 0, check.out + check.err
 
 
+def test_generates_pool_default_is_recorded_as_derived_not_as_the_users(capsys, tmp_path):
+    # the default generate derives from its flags is not a user setting: no user field, no source "cli"
+    audit = tmp_path / "gen.jsonl"
+    r = run_cli(capsys, *TINY, "--prompt-ids", "5,6,7", "--max_new_tokens", "4", "--audit-log", audit)
+    assert r.code == 0, r.err
+    events = read_events(audit)
+    (snapshot,) = [e for e in events if e["event"] == "user_fields_snapshotted"]
+    assert "kv_cache_config.default_max_tokens" not in snapshot["fields"]
+    assert not [e for e in events if e["event"] == "args_parsed" and "default_max_tokens" in e["field"]]
+    (derived,) = [e for e in events if e["event"] == "field_derived" and e["field"].endswith("default_max_tokens")]
+    assert derived["source"] == "generate" and derived["new"] == 1028 and "--max_new_tokens" in derived["reason"]
+    explained = run_cli(capsys, "explain", audit, "default_max_tokens")
+    assert explained.code == 0 and "generate" in explained.out and "command line" not in explained.out
+
+
+def test_a_config_files_default_max_tokens_wins_over_generates_own(capsys, tmp_path):
+    config = tmp_path / "kv.yaml"
+    config.write_text("kv_cache_config:\n  default_max_tokens: 5000\n")
+    audit = tmp_path / "gen.jsonl"
+    r = run_cli(capsys, *TINY, "--prompt-ids", "5,6,7", "--max_new_tokens", "4", "--config", config,
+                "--audit-log", audit)
+    assert r.code == 0, r.err
+    events = read_events(audit)
+    assert not [e for e in events if e["event"] in ("source_conflict", "field_derived")
+                and "default_max_tokens" in e["field"]]
+    (snapshot,) = [e for e in events if e["event"] == "user_fields_snapshotted"]
+    assert snapshot["fields"]["kv_cache_config.default_max_tokens"] == {"value": 5000, "source": "config_file"}
+    (budget,) = [e for e in events if e["event"] == "kv_budget_computed"]
+    assert budget["max_tokens"] == 5000
+
+
 def test_json_prints_outputs_and_stats(capsys):
     r = run_cli(capsys, *TINY, "--prompt-ids", "9,9,9", "--max_new_tokens", "2", "--ignore_eos", "--max_tokens",
                 "256", "--json")

@@ -386,6 +386,24 @@ def test_v2_settings_with_nothing_to_act_on_say_so(capsys, tmp_path, out):
     assert "no sliding-window layers" in ignored["kv_cache_config.enable_swa_scratch_reuse"]
 
 
+def test_window_scratch_reuse_without_prefix_reuse_says_it_does_nothing(capsys, tmp_path, out):
+    # out-of-window blocks are kept for prefix hits; with block reuse off nothing can ever hit them
+    cfg = tmp_path / "swa.yaml"
+    cfg.write_text("kv_cache_config:\n  enable_swa_scratch_reuse: true\n")
+    log = out / "a.jsonl"
+    r = _plan(capsys, "tiny-mistral", "--use_kv_cache_manager_v2", "true", "--disable_kv_cache_reuse", "--config",
+              cfg, "--max_tokens", "4096", audit=log)
+    assert r.code == 0, r.err
+    ignored = {e["field"]: e["reason"] for e in read_events(log) if e["event"] == "setting_ignored"}
+    assert "enable_block_reuse=false" in ignored["kv_cache_config.enable_swa_scratch_reuse"]
+    log2 = out / "b.jsonl"  # with reuse on, the setting acts: nothing said
+    r = _plan(capsys, "tiny-mistral", "--use_kv_cache_manager_v2", "true", "--config", cfg, "--max_tokens", "4096",
+              audit=log2)
+    assert r.code == 0, r.err
+    assert not [e for e in read_events(log2) if e["event"] == "setting_ignored"
+                and e["field"] == "kv_cache_config.enable_swa_scratch_reuse"]
+
+
 def test_sampling_settings_under_greedy_say_they_do_nothing(capsys, out):
     log = out / "g.jsonl"
     r = run_cli(capsys, "generate", "tiny-llama", "--prompt-ids", "1,2,3", "--max_new_tokens", "2", "--max_tokens",

@@ -367,6 +367,20 @@ def test_cpu_without_a_bound_gets_the_default_budget_and_the_audit_says_so(tiny_
         llm.generate([[4, 5, 6]])
 
 
+def test_the_default_budget_is_derived_by_llm_not_set_by_the_user(tiny_checkpoints, tmp_path):
+    with kvload.LLM(str(tiny_checkpoints("llama")), device="cpu", log=False) as llm:
+        (snapshot,) = llm.audit.of("user_fields_snapshotted")
+        assert "kv_cache_config.default_max_tokens" not in snapshot["fields"]
+        (derived,) = [e for e in llm.audit.of("field_derived") if e["field"].endswith("default_max_tokens")]
+        assert derived["source"] == "LLM" and derived["new"] == DEFAULT_CPU_MAX_TOKENS
+    config = tmp_path / "kv.yaml"
+    config.write_text("kv_cache_config:\n  default_max_tokens: 300\n")  # a config file's value is the user's
+    with kvload.LLM(str(tiny_checkpoints("llama")), device="cpu", log=False, config_file=config) as llm:
+        (budget,) = llm.audit.of("kv_budget_computed")
+        assert budget["max_tokens"] == 300 and not [e for e in llm.audit.of("field_derived")
+                                                    if e["field"].endswith("default_max_tokens")]
+
+
 def test_an_explicit_bound_wins_over_the_default(tiny_checkpoints):
     kv = kvload.KvCacheConfig(max_tokens=256, tokens_per_block=4)
     with kvload.LLM(str(tiny_checkpoints("llama")), device="cpu", log=False, kv_cache_config=kv) as llm:

@@ -119,6 +119,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         raise ConfigError(f"serve: {exc.name} is not installed; pip install 'kvload[serve]'") from None
     from kvload.api import execute
     from kvload.serve.server import bind, build_state, serve
+    from pipeline.context import DEFAULT_MAX_TOKENS_FIELD, CallerDefault
     from stages import load_stages
 
     tp = cli.cli_overrides(ns).get("tensor_parallel_size", 1)
@@ -136,12 +137,12 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             raise ConfigError("--kv-events-file: KV cache events are off; add --event_buffer_max_size N (N > 0)")
     bind(ns.host, ns.port).close()  # a taken port fails now, before minutes of loading
     request = cli._request(ns, load_weights=True)
-    request.overrides.setdefault("kv_cache_config", {}).setdefault(
-        "default_max_tokens",  # capped like generate's: past 2**63 - 1 the budget names --default-max-tokens
-        min(MAX_INT, SERVE_DEFAULT_SEQUENCES * (ns.default_max_tokens + SERVE_PROMPT_ALLOWANCE)))
-    request.sized_by = (f"--default-max-tokens (serve sizes the pools for {SERVE_DEFAULT_SEQUENCES} x "
-                        f"(default-max-tokens + {SERVE_PROMPT_ALLOWANCE}) = {{tokens}} tokens when no --max_tokens "
-                        "is given)")
+    # capped like generate's: past 2**63 - 1 the budget names --default-max-tokens
+    tokens = min(MAX_INT, SERVE_DEFAULT_SEQUENCES * (ns.default_max_tokens + SERVE_PROMPT_ALLOWANCE))
+    request.caller_defaults[DEFAULT_MAX_TOKENS_FIELD] = CallerDefault(
+        tokens, "serve", f"--default-max-tokens (serve sizes the pools for {SERVE_DEFAULT_SEQUENCES} x "
+                         f"(default-max-tokens + {SERVE_PROMPT_ALLOWANCE}) = {tokens} tokens when no --max_tokens "
+                         "is given)")
     with execute(request, load_stages(), subscribers=audit) as result:  # request events reach the audit too
         state = build_state(result, model_name=ns.served_model_name, default_max_tokens=ns.default_max_tokens,
                             audit_keep=ns.audit_keep, max_request_bytes=ns.max_request_bytes,
