@@ -393,6 +393,18 @@ class KvBudgetShort(Event):
     advice: str
 
 
+@event("kv_blocks_oversized", level="warning")
+class KvBlocksOversized(Event):
+    """Whole blocks of ``tokens_per_block`` make the pools far bigger than asked: a block longer than any sequence,
+    or ``max_tokens`` rounded up to more than twice itself."""
+
+    tokens_per_block: int
+    max_seq_len: int
+    max_tokens: int | None  # the cap that set the budget, when it did
+    reason: str
+    advice: str
+
+
 @event("kv_manager_built")
 class KvManagerBuilt(Event):
     """The KV cache manager and its pools exist on the device: per-group blocks and bytes, capacity."""

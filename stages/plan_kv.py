@@ -28,7 +28,7 @@ from cache_backends.reuse import partial_reuse_off_reason
 from pipeline.bus import Emit
 from pipeline.context import Context
 from pipeline.errors import KvBuildError
-from pipeline.events import KvBudgetComputed, KvBudgetShort, SettingIgnored
+from pipeline.events import KvBlocksOversized, KvBudgetComputed, KvBudgetShort, SettingIgnored
 from pipeline.text import cell, table
 from stages.rank_budget import agree_rest, min_budget
 
@@ -326,6 +326,9 @@ def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
     short = None if defaulted else budget_short(plan)
     if short is not None:
         emit(short)
+    oversized = blocks_oversized(plan)
+    if oversized is not None:
+        emit(oversized)
     return plan
 
 
@@ -421,6 +424,31 @@ class PlanKv:
 #: The flag that sets each budget rule's field, for advice a CLI user can act on.
 _RULE_FLAGS = {"max_tokens": "--max_tokens", "max_gpu_total_bytes": "--max_gpu_total_bytes",
                "free_gpu_memory_fraction": "--kv_cache_free_gpu_memory_fraction"}
+
+
+def blocks_oversized(plan: KvPlan) -> KvBlocksOversized | None:
+    """``kv_blocks_oversized`` when whole blocks make the pools far bigger than asked, else None.
+
+    The pools are whole blocks, so ``max_tokens`` rounds up to a multiple of ``tokens_per_block`` per group; that
+    is at most one block more than asked, and more than twice the cap only when a block outgrows twice the cap.
+    """
+    T, budget = plan.tokens_per_block, plan.budget
+    capped = budget.max_tokens if budget.limited_by == "max_tokens" else None
+    reasons = []
+    if plan.max_seq_len < T:
+        reasons.append(f"kv_cache_config.tokens_per_block ({T}) is above max_seq_len ({plan.max_seq_len}): every "
+                       f"sequence takes at least one whole block of {T} tokens")
+    if capped is not None and 2 * capped < T:
+        reasons.append(f"kv_cache_config.max_tokens ({capped}) rounds up to whole blocks of {T} tokens "
+                       f"(kv_cache_config.tokens_per_block): the pools hold {T} tokens a layer group, "
+                       f"{T / capped:.0f}x the cap")
+    if not reasons:
+        return None
+    reason = "; ".join(reasons)
+    advice = ("lower kv_cache_config.tokens_per_block (--tokens_per_block; serving engines use 16 to 128) to at most "
+              f"{min(plan.max_seq_len, capped or plan.max_seq_len)}")
+    return KvBlocksOversized(tokens_per_block=T, max_seq_len=plan.max_seq_len, max_tokens=capped, reason=reason,
+                             advice=advice)
 
 
 def budget_short(plan: KvPlan) -> KvBudgetShort | None:

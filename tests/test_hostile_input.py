@@ -386,6 +386,23 @@ def test_v2_settings_with_nothing_to_act_on_say_so(capsys, tmp_path, out):
     assert "no sliding-window layers" in ignored["kv_cache_config.enable_swa_scratch_reuse"]
 
 
+@pytest.mark.parametrize(("flags", "says"), [
+    (("--tokens_per_block", "1024", "--max_tokens", "256"), "max_tokens (256) rounds up to whole blocks of 1024"),
+    (("--tokens_per_block", "16384", "--max_tokens", "65536"), "tokens_per_block (16384) is above max_seq_len (8192)"),
+])
+def test_blocks_that_blow_past_the_cap_or_the_longest_sequence_say_so(capsys, out, flags, says):
+    # --max_tokens is met in whole blocks: a block far larger than the cap, or than any sequence, is warned about
+    log = out / "a.jsonl"
+    r = _plan(capsys, "tiny-llama", *flags, audit=log)
+    assert r.code == 0, r.err
+    (warned,) = [e for e in read_events(log) if e["event"] == "kv_blocks_oversized"]
+    assert says in warned["reason"] and "--tokens_per_block" in warned["advice"]
+    assert "kv_blocks_oversized" in r.err
+    quiet = out / "b.jsonl"  # rounding up by less than the cap itself is what whole blocks mean: nothing said
+    assert _plan(capsys, "tiny-llama", "--tokens_per_block", "64", "--max_tokens", "40", audit=quiet).code == 0
+    assert not [e for e in read_events(quiet) if e["event"] == "kv_blocks_oversized"]
+
+
 def test_window_scratch_reuse_without_prefix_reuse_says_it_does_nothing(capsys, tmp_path, out):
     # out-of-window blocks are kept for prefix hits; with block reuse off nothing can ever hit them
     cfg = tmp_path / "swa.yaml"
