@@ -267,6 +267,8 @@ def check_chart_path(path: str, *, replace: bool) -> None:
 
     from pipeline.audit import check_output_path
 
+    if path == "":  # its extension check would quote nothing: "--chart : cannot draw to a file name ..."
+        raise ConfigError("--chart: empty path, expected an image file path (e.g. chart.png)", path="chart")
     _pyplot()
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 

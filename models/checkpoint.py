@@ -137,13 +137,15 @@ def resolve_checkpoint(name: str) -> Checkpoint:
         return Checkpoint(name, "preset", PRESETS_DIR / name)
     if name in PACKAGED:
         return _packaged_checkpoint(name)
-    from models.hub_cache import cached_snapshot, looks_like_model_id
+    from models.hub_cache import cached_snapshot, looks_like_model_id, missing_revision
 
     if looks_like_model_id(name):
         snapshot, folder = cached_snapshot(name)
         if snapshot is not None:
             found = _directory_checkpoint(name, snapshot)
             return Checkpoint(name, "hub", found.path, gguf_file=found.gguf_file)
+        if folder.is_dir():  # the model is cached, the revision asked for is not
+            raise ModelError(missing_revision(name, folder))
         raise ModelError(
             f"model {name!r}: not a preset or a directory; presets: {', '.join(presets())}; packaged models: "
             f"{', '.join(packaged_models())}; nor a model in the local Hugging Face cache (looked for {folder}); "

@@ -54,3 +54,62 @@ def cached_snapshot(name: str) -> tuple[Path | None, Path]:
     except (LocalEntryNotFoundError, HFValidationError, FileNotFoundError, ValueError):
         return None, folder
     return Path(path), folder
+
+
+#: How many cached revisions an error message names (the rest are counted).
+_REVISIONS_SHOWN = 4
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+
+
+def _ref_commit(ref: Path) -> str | None:
+    """The commit a ``refs/<name>`` file names (a regular file holding 40 hex digits), else None."""
+    try:
+        if not ref.is_file():  # never open a FIFO or device planted there
+            return None
+        with ref.open("rb") as f:
+            text = f.read(64).decode("ascii", "replace").strip()
+    except OSError:
+        return None
+    return text if _COMMIT.match(text) else None
+
+
+def cached_revisions(folder: Path) -> list[str]:
+    """The revisions ``id@revision`` would find in a cached repository folder: its refs (branches, tags) whose
+    snapshot is there, ``main`` first, then the snapshots no such ref names, by commit hash."""
+    snapshots, refs_dir = folder / "snapshots", folder / "refs"
+    refs: dict[str, str] = {}
+    try:
+        commits = sorted(p.name for p in snapshots.iterdir() if p.is_dir()) if snapshots.is_dir() else []
+        for ref in sorted(refs_dir.rglob("*")) if refs_dir.is_dir() else ():
+            commit = _ref_commit(ref)
+            if commit is not None and commit in commits:
+                refs[ref.relative_to(refs_dir).as_posix()] = commit
+    except OSError:  # an unreadable folder: name nothing rather than fail the error message
+        return []
+    named = sorted(refs, key=lambda name: (name != "main", name))
+    return named + [c for c in commits if c not in refs.values()]
+
+
+def missing_revision(name: str, folder: Path) -> str:
+    """Why ``name`` (``id`` or ``id@revision``) found no snapshot in its cached repository ``folder``, which
+    exists: the revision asked for, the revisions that are cached, and how to get it (one line)."""
+    repo_id, _, revision = name.partition("@")
+    asked = f"revision {revision!r}" if revision else "its default revision 'main'"
+    fetch = f"hf download {repo_id}" + (f" --revision {revision}" if revision else "")
+    revisions = cached_revisions(folder)
+    commit = revision if _COMMIT.match(revision) else _ref_commit(folder / "refs" / (revision or "main"))
+    if commit is not None and (folder / "snapshots" / commit).is_dir():  # there, but huggingface_hub refused it
+        return (f"model {name!r}: {repo_id} is in the local Hugging Face cache ({folder}) but {asked} is "
+                f"incomplete (snapshots/{commit} lacks files: an interrupted download?); kvload never downloads: "
+                f"complete it first ({fetch})")
+    if revisions:
+        shown = ", ".join(revisions[:_REVISIONS_SHOWN])
+        if len(revisions) > _REVISIONS_SHOWN:
+            shown += f" and {len(revisions) - _REVISIONS_SHOWN} more"
+        held = f"cached revisions: {shown}"
+        pick = f" or name a cached one ({repo_id}@{revisions[0]})"
+    else:
+        held = "no snapshot of it is (an interrupted download?)"
+        pick = ""
+    return (f"model {name!r}: {repo_id} is in the local Hugging Face cache ({folder}) but {asked} is not; "
+            f"{held}; kvload never downloads: fetch it first ({fetch}){pick}")

@@ -163,6 +163,8 @@ class AuditLog:
         Every record is checked against its event's schema (:mod:`pipeline.audit_schema`); the hash
         chain is checked too, its verdict kept in :attr:`chain` for ``audit --verify``.
         """
+        if os.fspath(path) == "":  # Path("") is ".", which would be refused as a directory
+            raise AuditError("audit file: empty path, expected an audit .jsonl file (written with --audit-log)")
         p = Path(path)
         text = _read_text(p)
         lines = text.splitlines()

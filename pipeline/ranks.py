@@ -116,9 +116,10 @@ def rank_audit_path(path: str | os.PathLike[str], ranks: Ranks) -> str:
     """
     from pathlib import Path
 
-    p = Path(path)
-    if ranks.rank == 0:
-        return os.fspath(p)
+    text = os.fspath(path)
+    if ranks.rank == 0 or text == "":  # as given: Path("") is ".", and the check of "" must say "empty path"
+        return text
+    p = Path(text)
     return os.fspath(p.with_name(f"{p.stem}.rank{ranks.rank}{p.suffix}"))
 
 

@@ -207,3 +207,31 @@ def test_debug_adds_the_traceback_and_keeps_the_exit_status(capsys, inputs):
     assert r.code == 2 and r.out == ""
     assert "Traceback" in r.err and "ModelError" in r.err
     assert r.err.splitlines()[-1].startswith("error: ") and "malformed JSON" in r.err.splitlines()[-1]
+
+
+# An empty path value (`--audit-log ''`) cannot live in CASES (split on spaces). It was quoted as ".":
+# `--audit-log .: is a directory`, `.: is a directory` for explain/audit, `--chart : cannot draw ...`.
+EMPTY_PATH_CASES = [
+    ("config", ["plan", "tiny-llama", "--config", ""], ["config file: empty path"]),
+    ("plan-audit-log", ["plan", "tiny-llama", "--audit-log", ""], ["--audit-log: empty path", "file path"]),
+    ("run-audit-log", ["run", "tiny-llama", "--audit-log", ""], ["--audit-log: empty path"]),
+    ("generate-audit-log", ["generate", "tiny-llama", "--prompt-ids", "1,2", "--audit-log", ""],
+     ["--audit-log: empty path"]),
+    ("serve-audit-log", ["serve", "tiny-llama", "--port", "0", "--audit-log", ""], ["--audit-log: empty path"]),
+    ("serve-kv-events-file", ["serve", "tiny-llama", "--port", "0", "--event_buffer_max_size", "10",
+                              "--kv-events-file", ""], ["--kv-events-file: empty path"]),
+    ("chart", ["plan", "tiny-llama", "--compare", "--chart", ""], ["--chart: empty path", ".png"]),
+    ("explain", ["explain", ""], ["audit file: empty path", ".jsonl"]),
+    ("audit", ["audit", "", "--verify"], ["audit file: empty path", ".jsonl"]),
+]
+
+
+@pytest.mark.parametrize(("argv", "needles"), [c[1:] for c in EMPTY_PATH_CASES], ids=[c[0] for c in EMPTY_PATH_CASES])
+def test_an_empty_path_is_named_as_empty(capsys, tmp_path, monkeypatch, argv, needles):
+    monkeypatch.chdir(tmp_path)  # an empty path must not turn into the working directory, nor write into it
+    r = run_cli(capsys, *argv)
+    assert r.code == 2 and r.one_error_line and r.out == "", r.err
+    for needle in needles:
+        assert needle in r.err, (needle, r.err)
+    assert "error: ." not in r.err and " .:" not in r.err, r.err
+    assert list(tmp_path.iterdir()) == []

@@ -59,8 +59,53 @@ def test_a_cached_model_id_resolves_to_its_snapshot(hf_home, capsys):
 def test_a_revision_resolves_through_its_ref(hf_home):
     snapshot = cache_entry(hf_home, "acme/tiny", {"config.json": PRESETS_DIR / "tiny-qwen3" / "config.json"}, ref="v1")
     assert resolve_checkpoint("acme/tiny@v1").path == snapshot.resolve()
-    with pytest.raises(ModelError, match="nor a model in the local Hugging Face cache"):
+    with pytest.raises(ModelError, match="but its default revision 'main' is not; cached revisions: v1;"):
         resolve_checkpoint("acme/tiny")  # no refs/main: that revision is not cached
+
+
+def test_a_revision_that_is_not_cached_names_the_ones_that_are(hf_home, capsys):
+    """The folder is there: the message said "nor a model in the local Hugging Face cache (looked for ...)"
+    as if it were not."""
+    cache_entry(hf_home, "acme/tiny", {"config.json": PRESETS_DIR / "tiny-qwen3" / "config.json"})
+    repo = hf_home / "hub" / "models--acme--tiny"
+    other = "f" * 40  # a snapshot no ref names: usable as acme/tiny@<hash>
+    (repo / "snapshots" / other).mkdir()
+    shutil.copyfile(PRESETS_DIR / "tiny-llama" / "config.json", repo / "snapshots" / other / "config.json")
+    (repo / "refs" / "gone").write_text("e" * 40)  # a ref whose snapshot is not there: not usable, not named
+    r = run_cli(capsys, "plan", "acme/tiny@v9")
+    assert r.code == 2 and r.one_error_line and r.out == "", r.err
+    assert f"acme/tiny is in the local Hugging Face cache ({repo}) but revision 'v9' is not" in r.err
+    assert f"cached revisions: main, {other};" in r.err and "gone" not in r.err
+    assert "nor a model" not in r.err and "looked for" not in r.err
+    assert "hf download acme/tiny --revision v9" in r.err and "acme/tiny@main" in r.err
+    assert resolve_checkpoint(f"acme/tiny@{other}").path == (repo / "snapshots" / other).resolve()
+
+
+def test_many_cached_revisions_are_counted_not_all_listed(hf_home):
+    cache_entry(hf_home, "acme/tiny", {"config.json": PRESETS_DIR / "tiny-qwen3" / "config.json"})
+    refs = hf_home / "hub" / "models--acme--tiny" / "refs"
+    for tag in ("v1", "v2", "v3", "v4", "v5"):
+        (refs / tag).write_text(COMMIT)
+    with pytest.raises(ModelError, match=r"cached revisions: main, v1, v2, v3 and 2 more;"):
+        resolve_checkpoint("acme/tiny@v9")
+
+
+def test_a_cached_folder_without_snapshots_says_so(hf_home):
+    (hf_home / "hub" / "models--acme--empty" / "blobs").mkdir(parents=True)
+    with pytest.raises(ModelError, match=r"but revision 'v9' is not; no snapshot of it is \(an interrupted"):
+        resolve_checkpoint("acme/empty@v9")
+
+
+def test_a_cached_revision_huggingface_hub_refuses_is_called_incomplete(tmp_path):
+    """huggingface_hub refuses a snapshot its cached file listing shows partial; "not cached" would be wrong."""
+    from models.hub_cache import missing_revision
+
+    (tmp_path / "snapshots" / COMMIT).mkdir(parents=True)
+    (tmp_path / "refs").mkdir()
+    (tmp_path / "refs" / "main").write_text(COMMIT)
+    message = missing_revision("acme/tiny", tmp_path)
+    assert f"its default revision 'main' is incomplete (snapshots/{COMMIT} lacks files" in message
+    assert "hf download acme/tiny)" in message
 
 
 def test_a_missing_id_says_where_it_looked_and_never_downloads(hf_home, capsys):

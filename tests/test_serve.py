@@ -158,6 +158,33 @@ def test_other_refusals_and_the_server_keeps_serving(served):
     assert _complete(served, 2).choices[0].model_extra["token_ids"] == REFERENCE[2]
 
 
+def _refusals(served) -> dict[str, float]:
+    return {k: v for k, v in served.metrics().items() if k.startswith("kvload_http_requests_refused_total")}
+
+
+def test_an_unknown_path_and_a_wrong_method_get_openais_error_body_not_fastapis_detail(served):
+    """404 and 405 came as FastAPI's {"detail": "Not Found"}; every other error is OpenAI's body."""
+    refused = _refusals(served)
+    r = served.http.post("/v1/nowhere", json={"prompt": [1]})
+    assert r.status_code == 404 and "detail" not in r.json(), r.text
+    assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["param"] is None
+    message = r.json()["error"]["message"]
+    assert message.startswith("Invalid URL (POST /v1/nowhere): no such endpoint; kvload serve answers ")
+    assert "/v1/completions" in message and "/v1/chat/completions" in message and "/health" in message
+    r = served.http.get("/v1/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST", r.headers
+    assert r.json() == {"error": {"message": "Invalid method (GET /v1/completions): /v1/completions takes POST only",
+                                  "type": "invalid_request_error", "param": None, "code": None}}
+    r = served.http.delete("/health")
+    assert r.status_code == 405 and r.json()["error"]["message"].endswith("/health takes GET only"), r.text
+    with pytest.raises(openai.NotFoundError) as info:  # the real client reads the message out of the body
+        served.client.embeddings.create(model="tiny-llama", input=[1, 2])
+    assert info.value.body["message"].startswith("Invalid URL (POST /v1/embeddings): no such endpoint")
+    # a routing answer is no refusal of a request the server serves (and no model_not_found): counted as before
+    assert _refusals(served) == refused
+    assert _complete(served, 2).choices[0].model_extra["token_ids"] == REFERENCE[2]
+
+
 @pytest.mark.parametrize("path, body, param, words", [
     ("/v1/completions", b'{"prompt": "\\ud800", "max_tokens": 2}', "prompt",
      "prompt: not valid Unicode text (a lone surrogate at character 0"),

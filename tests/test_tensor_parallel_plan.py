@@ -99,6 +99,8 @@ def test_rank_from_the_environment_and_audit_file_per_rank():
         ranks_from_env({"WORLD_SIZE": "two"})
     assert rank_audit_path("logs/audit.jsonl", Ranks(0, 2, 0)) == "logs/audit.jsonl"
     assert rank_audit_path("logs/audit.jsonl", Ranks(1, 2, 1)) == "logs/audit.rank1.jsonl"
+    for ranks in (Ranks(0, 2, 0), Ranks(1, 2, 1)):  # left empty for the check to say so (Path("") is ".")
+        assert rank_audit_path("", ranks) == ""
 
 
 def test_a_single_process_run_records_rank_zero_of_one():

@@ -6,8 +6,8 @@ queue the engine loop feeds, and answer as one JSON document or as server-sent e
 goes away (a closed stream, or a dropped connection while waiting) has its requests aborted, which
 frees their KV blocks. Every refusal is HTTP 400 with OpenAI's error body naming the field (a body
 over ``--max-request-bytes`` is 413, refused before it is read; one not all in within
-``--request-read-timeout`` is 408); an error inside the engine is 500 for that request only — the
-server keeps serving.
+``--request-read-timeout`` is 408; an unknown path 404 and a wrong method 405, in the same body); an error
+inside the engine is 500 for that request only — the server keeps serving.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import attrs
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from engine.serving import EngineStopped, ServeEvent, ServingEngine
@@ -66,6 +67,14 @@ def create_app(state: ServeState) -> FastAPI:
     async def bad_request(_: Request, exc: BadRequest) -> JSONResponse:
         state.metrics.on_refused(exc.status, exc.code)  # every refusal a handler raises (413, 408, 400, 404, 503)
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(HTTPException)
+    async def routing(request: Request, exc: HTTPException) -> JSONResponse:
+        # Starlette's own answers (an unknown path, a method the path does not take) in OpenAI's error body, not
+        # FastAPI's {"detail": ...}. Not counted as refusals: no request the server serves was refused, and a 404
+        # here is no model_not_found (a probe of random paths would look like clients asking for other models).
+        return JSONResponse(_routing_error(app, request, exc).body(), status_code=exc.status_code,
+                            headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def failure(_: Request, exc: Exception) -> JSONResponse:  # never a dead server over one request
@@ -133,6 +142,23 @@ def create_app(state: ServeState) -> FastAPI:
         return await _serve(state, request, "chat", gate)
 
     return app
+
+
+def _routing_error(app: FastAPI, request: Request, exc: HTTPException) -> BadRequest:
+    """OpenAI's error for a Starlette ``HTTPException``, naming the method and path (and for a 405 the methods
+    the path takes, as its ``Allow`` header does)."""
+    method, path = request.method, request.url.path
+    asked = f"{method} {path}"[:300]  # the path is the client's: quoted, never whole if it is huge
+    if exc.status_code == 404:
+        paths = sorted({route.path for route in app.routes if getattr(route, "path", None)})
+        message = f"Invalid URL ({asked}): no such endpoint; kvload serve answers {', '.join(paths)}"
+    elif exc.status_code == 405:
+        allow = (exc.headers or {}).get("Allow", "")
+        message = f"Invalid method ({asked}): {path[:300]} takes {allow or 'other methods'} only"
+    else:
+        message = f"{asked}: {exc.detail}"
+    return BadRequest(message, status=exc.status_code,
+                      kind="server_error" if exc.status_code >= 500 else "invalid_request_error")
 
 
 class _Admission:
