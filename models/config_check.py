@@ -42,6 +42,26 @@ def _int_problem(value: Any, least: int, most: int, nullable: bool) -> str | Non
     return None
 
 
+def head_groups_problem(cfg: Mapping[str, Any], prefix: str = "") -> str | None:
+    """Why the query heads cannot be split evenly over the KV heads (grouped-query attention), or None.
+
+    Each KV head serves ``num_attention_heads / num_key_value_heads`` query heads, so the count must divide;
+    transformers builds such a model anyway and only its attention fails, at the first forward. An MLA
+    config (``kv_lora_rank``) caches one latent that every head expands, so its ``num_key_value_heads`` is
+    not a grouping and is not checked. A field that is absent or not a positive integer is left to the
+    range checks (transformers fills an absent ``num_key_value_heads`` in).
+    """
+    heads, kv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
+    if cfg.get("kv_lora_rank") or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0
+                                           for n in (heads, kv)):
+        return None
+    if heads % kv == 0:
+        return None
+    return (f"{prefix}num_attention_heads ({heads}) is not a multiple of {prefix}num_key_value_heads ({kv}); "
+            f"accepted: a {prefix}num_key_value_heads that divides {prefix}num_attention_heads, so each KV head "
+            "serves the same number of query heads")
+
+
 def check_fields(data: Mapping[str, Any], file: Path, prefix: str = "") -> None:
     """``ModelError`` naming ``file`` and the first KV-geometry field with a wrong type or an implausible size."""
 
@@ -64,6 +84,9 @@ def check_fields(data: Mapping[str, Any], file: Path, prefix: str = "") -> None:
         if isinstance(layers, int) and len(layer_types) != layers:
             fail("layer_types", f"has {len(layer_types)} entries but num_hidden_layers is {layers}; "
                                 "give one type per layer")
+    problem = head_groups_problem(data, prefix)
+    if problem:
+        raise ModelError(f"{file}: {problem}")
     rates = data.get("compress_rates")
     if rates is not None:
         if not isinstance(rates, Mapping):

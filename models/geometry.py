@@ -12,6 +12,7 @@ from typing import Any, Literal
 import attrs
 
 from cache_backends.layout import LayerKV
+from models.config_check import head_groups_problem
 from pipeline.errors import ModelError
 
 V4_LAYER_KINDS = {
@@ -155,6 +156,12 @@ def layers_from_config(cfg: Any, arch: str = "model", tp_size: int = 1) -> list[
         latent = _required(cfg, "kv_lora_rank", arch) + _required(cfg, "qk_rope_head_dim", arch)
         return [LayerKV(i, "mla", latent) for i in range(n_layers)]
 
+    # config.json was checked before transformers read it; this catches what only the loaded config shows
+    # (a GGUF header's heads, a num_key_value_heads transformers filled in with its class default)
+    problem = head_groups_problem({name: getattr(cfg, name, None)
+                                   for name in ("num_attention_heads", "num_key_value_heads")})
+    if problem:
+        raise ModelError(f"{arch}: {problem} (as transformers read the config: it fills in what the file leaves out)")
     heads = sharding.kv_heads_per_rank if sharding is not None else kv_heads(cfg, arch)
     entry = 2 * heads * head_dim(cfg, arch)
     window = getattr(cfg, "sliding_window", None)
