@@ -39,6 +39,7 @@ def _inputs() -> dict[str, str | bytes | None]:
                                                "layer_types": ["linear_attention", "full_attention"]}),
         "ckpt-no-layers/config.json": json.dumps({**llama, "architectures": ["OddForCausalLM"],
                                                   "num_hidden_layers": 0}),
+        "ckpt-heads/config.json": json.dumps({**llama, "num_key_value_heads": 3}),
         "audit/empty.jsonl": "",
         "audit/truncated.jsonl": AUDIT_HEADER + '{"event":"stage_started","stage":"parse_args","se',
         "audit/middle.jsonl": AUDIT_HEADER + "{not json}\n" + '{"event":"stage_started","seq":0}\n',
@@ -120,6 +121,8 @@ CASES = [
      ["ckpt-linear/config.json", "HybridForCausalLM", "linear_attention", "no registered spec"]),
     ("config-no-layers", "plan {in}/ckpt-no-layers", 2,
      ["ckpt-no-layers/config.json", "num_hidden_layers", "an integer in [1, 16,384], got 0"]),
+    ("config-heads-not-grouped", "plan {in}/ckpt-heads", 2,
+     ["ckpt-heads/config.json: num_attention_heads (4) is not a multiple of num_key_value_heads (3)"]),
     # audit files
     ("audit-missing", "audit {in}/audit/none.jsonl", 2, ["none.jsonl", "not found"]),
     ("audit-dir", "explain {in}/empty-dir", 2, ["empty-dir", "is a directory"]),

@@ -106,6 +106,49 @@ def test_a_usable_config_still_plans(capsys, tmp_path):
     assert r.code == 0, r.err
 
 
+HEADS_4_KV_3 = "num_attention_heads (4) is not a multiple of num_key_value_heads (3)"
+
+
+@pytest.mark.parametrize("command", [("plan",), ("run", "--max_tokens", "256"),
+                                     ("generate", "--prompt-ids", "1,2,3", "--max_new_tokens", "2")])
+def test_query_heads_that_kv_heads_do_not_divide_are_refused_before_anything_loads(
+        capsys, tmp_path, out, monkeypatch, track_pools, command):
+    """4 query heads over 3 KV heads: each KV head must serve the same number of query heads. This planned,
+    built its pools and failed only inside generate's attention (exit 1, naming neither file nor field)."""
+    import stages.load_weights
+
+    loads: list[object] = []
+    monkeypatch.setattr(stages.load_weights, "load_weights", lambda *a, **k: loads.append(a))
+    ckpt = write_config(tmp_path / "ckpt", {**BASE, "num_key_value_heads": 3})
+    (ckpt / "model.safetensors").write_bytes(b"never read")  # generate would fail on these if it got to them
+    r = run_cli(capsys, command[0], ckpt, *command[1:], "--device", "cpu", "--audit-log", out / "a.jsonl")
+    assert_refused(r, f"{ckpt}/config.json: {HEADS_4_KV_3}", folder=out)
+    assert loads == [] and track_pools == []
+
+
+def test_kv_heads_in_text_config_are_checked_and_mla_heads_are_not(capsys, tmp_path, out):
+    """A multimodal wrapper's decoder is checked under its own prefix; an MLA config caches one latent that
+    every head expands, so its num_key_value_heads groups nothing (DeepSeek V2/V3 give it equal to the heads)."""
+    wrapped = {**BASE, "text_config": {**BASE, "num_key_value_heads": 3}}
+    r = _plan(capsys, write_config(tmp_path / "wrapped", wrapped), audit=out / "a.jsonl")
+    assert_refused(r, "text_config.num_attention_heads (4) is not a multiple of text_config.num_key_value_heads (3)",
+                   folder=out)
+    mla = json.loads((Path(__file__).parent / "data" / "configs" / "deepseek-v2-lite" / "config.json").read_text())
+    r = _plan(capsys, write_config(tmp_path / "mla", {**mla, "num_key_value_heads": 3}))
+    assert r.code == 0, r.err
+
+
+def test_kv_heads_transformers_fills_in_are_checked_too(capsys, tmp_path, out):
+    """A config.json without num_key_value_heads gets the config class's default: 8 for Mistral, which 4 query
+    heads cannot share. Refused at plan time, naming the file, rather than planning 8 heads' pools."""
+    config = {**BASE, "architectures": ["MistralForCausalLM"], "model_type": "mistral"}
+    del config["num_key_value_heads"]
+    ckpt = write_config(tmp_path / "ckpt", config)
+    r = _plan(capsys, ckpt, audit=out / "a.jsonl")
+    assert_refused(r, f"{ckpt}/config.json", "num_attention_heads (4) is not a multiple of num_key_value_heads (8)",
+                   "fills in what the file leaves out", folder=out)
+
+
 # --- bounds before work: YAML ---------------------------------------------------------------------
 
 BOMBS = [(fan, depth, kind, at) for fan in (3, 9, 30) for depth in (4, 8, 12) for kind in ("list", "dict")
