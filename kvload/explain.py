@@ -109,6 +109,8 @@ def field_chain(audit: AuditLog, path: str) -> dict[str, Any]:
                                       f"{e.get('reason')}"))
         elif name == "setting_ignored":
             steps.append(_step(e, source="route", old=e.get("value"), new=e.get("value"), changed=False))
+        elif name == "max_seq_len_beyond_positions":
+            steps.append(_step(e, old=e.get("max_seq_len"), new=e.get("max_seq_len"), changed=False))
         elif is_value_event(e):
             steps.append(_step(e))
     return {"field": path, "final": _final_args(audit).get(path, defaults.get(path)), "chain": steps}

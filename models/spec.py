@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from cache_backends.layout import LayerKV
@@ -72,6 +73,27 @@ class ModelSpec:
         """The longest sequence the checkpoint was built for, when it says."""
         value = getattr(self.text_config, "max_position_embeddings", None)
         return value if isinstance(value, int) and value > 0 else None
+
+    def rope_scaling(self) -> dict[str, Any] | None:
+        """The config's rope scaling (a ``rope_type`` other than ``"default"``), or None when it declares none.
+
+        transformers 5 reads a file's ``rope_scaling`` into ``rope_parameters``, present even when nothing
+        scales (``rope_type: "default"``); an older config or preset may hold either. Gemma 3 keeps one entry
+        per layer type, so a nested entry that scales counts too.
+        """
+        for name in ("rope_scaling", "rope_parameters"):
+            value = getattr(self.text_config, name, None)
+            if isinstance(value, Mapping) and _scales(value):
+                return dict(value)
+        return None
+
+
+def _scales(rope: Mapping[str, Any]) -> bool:
+    """Whether a rope entry (or any per-layer-type entry inside it) scales positions."""
+    kind = rope.get("rope_type") or rope.get("type")
+    if kind is not None or "factor" in rope:  # a factor with no type still stretches positions
+        return kind != "default"
+    return any(isinstance(inner, Mapping) and _scales(inner) for inner in rope.values())
 
 
 class GenericDecoderSpec(ModelSpec):

@@ -228,6 +228,24 @@ class SettingIgnored(Event):
     reason: str
 
 
+@event("max_seq_len_beyond_positions", level="warning")
+class MaxSeqLenBeyondPositions(Event):
+    """The user's ``max_seq_len`` is longer than the checkpoint's ``max_position_embeddings``.
+
+    A warning, not an error (vLLM refuses it without an override): rope scaling can extend a model's
+    context past the positions its config declares.
+    """
+
+    field: str  # "max_seq_len", so ``kvload audit`` and ``explain`` name the setting
+    max_seq_len: int
+    source: str  # where the user set it: cli, config_file or api
+    max_position_embeddings: int
+    model: str
+    config: str  # the file that declares max_position_embeddings (config.json, or the GGUF file)
+    rope_scaling: dict[str, Any] | None  # the config's rope scaling; None when it declares none
+    reason: str
+
+
 # --- weights -------------------------------------------------------------------------------
 
 

@@ -9,7 +9,7 @@ from pipeline.bus import Emit
 from pipeline.config import AUTO, MODEL_DTYPES, V2_FIELD, normalize_dtype, set_field
 from pipeline.context import AutoOrigin, Context
 from pipeline.errors import ConfigError
-from pipeline.events import AutoResolved, FieldDerived
+from pipeline.events import AutoResolved, FieldDerived, MaxSeqLenBeyondPositions
 from pipeline.paths import get_in
 
 V2 = V2_FIELD
@@ -93,6 +93,7 @@ class ResolveAuto:
             emit(AutoResolved(field=path, original=AUTO, old=old, new=get_in(ctx.args, path), source=source,
                               reason=reason))
         self._derive_max_seq_len(ctx, emit)
+        self._warn_past_positions(ctx, emit)
 
     def _decide(self, ctx: Context, path: str, current: Any, origin: AutoOrigin) -> tuple[Any, str, str]:
         spec_name = ctx.spec.name if ctx.spec is not None else "the model"
@@ -140,3 +141,43 @@ class ResolveAuto:
         set_field(ctx.args, "max_seq_len", limit)
         emit(FieldDerived(field="max_seq_len", old=None, new=limit, source="checkpoint",
                           reason="null takes the checkpoint's max_position_embeddings"))
+
+    @staticmethod
+    def _warn_past_positions(ctx: Context, emit: Emit) -> None:
+        """``max_seq_len_beyond_positions`` when the user asked for more positions than the checkpoint declares.
+
+        Only a value the user set: a derived one equals the limit, and a model default is the model's own word.
+        """
+        user = ctx.user_fields.get("max_seq_len")
+        limit = ctx.spec.max_position_embeddings() if ctx.spec is not None else None
+        n = ctx.args.max_seq_len
+        if user is None or limit is None or n is None or n <= limit:
+            return
+        rope = ctx.spec.rope_scaling()
+        checkpoint = ctx.checkpoint
+        config = checkpoint.gguf_path or checkpoint.path / "config.json"
+        flag = " (--max_seq_len)" if user.source == "cli" else ""
+        if rope is None:
+            why = (f"the config declares no rope scaling, so positions past {limit} are ones the model was never "
+                   f"trained on and its output there degrades; lower max_seq_len{flag} to {limit} unless the "
+                   "model's context was extended another way")
+        else:
+            why = (f"the config declares rope scaling ({_rope_words(rope)}), which may extend the context past "
+                   f"max_position_embeddings or may already be counted in it; check the model's documented "
+                   f"context length, else lower max_seq_len{flag} to {limit}")
+        emit(MaxSeqLenBeyondPositions(
+            field="max_seq_len", max_seq_len=n, source=user.source, max_position_embeddings=limit,
+            model=checkpoint.name, config=str(config), rope_scaling=rope,
+            reason=f"max_seq_len {n} (set via {user.source}) is longer than the checkpoint's "
+                   f"max_position_embeddings {limit}; kept as set: {why}",
+        ))
+
+
+def _rope_words(rope: dict[str, Any]) -> str:
+    """A rope scaling entry in a few words (``yarn, factor 4.0``); per layer type when the config nests them."""
+    kind = rope.get("rope_type") or rope.get("type")
+    if kind is not None or "factor" in rope:
+        factor = rope.get("factor")
+        return f"{kind or 'unnamed'}" + (f", factor {factor}" if factor is not None else "")
+    return "; ".join(f"{layer}: {_rope_words(entry)}" for layer, entry in rope.items()
+                     if isinstance(entry, dict) and (entry.get("rope_type") or entry.get("type")) != "default")
