@@ -417,6 +417,21 @@ def test_settings_that_do_nothing_say_so(capsys, out):
     assert "setting_ignored" in r.err  # the held warnings are released on success
 
 
+def test_a_max_seq_len_past_the_checkpoints_positions_says_so_once(capsys, out):
+    """Accepted with no word before; now one warning on stderr at the default level, and in the audit log."""
+    log = out / "a.jsonl"
+    r = _plan(capsys, "tiny-llama", "--max_seq_len", "16384", audit=log)
+    assert r.code == 0, r.err
+    [event] = [e for e in read_events(log) if e["event"] == "max_seq_len_beyond_positions"]
+    assert (event["max_seq_len"], event["max_position_embeddings"], event["source"]) == (16384, 8192, "cli")
+    assert "lower max_seq_len (--max_seq_len) to 8192" in event["reason"]
+    [line] = [line for line in r.err.splitlines() if "max_seq_len_beyond_positions" in line]
+    assert "warning" in line and "max_position_embeddings=8192" in line
+    assert verify_log(AuditLog.from_jsonl(log))["ok"]
+    chain = run_cli(capsys, "explain", log, "max_seq_len")  # the field's chain shows the warning as a kept step
+    assert chain.code == 0 and "resolve_auto" in chain.out and "16384 (kept)" in chain.out
+
+
 def test_v2_settings_with_nothing_to_act_on_say_so(capsys, tmp_path, out):
     cfg = tmp_path / "v2.yaml"
     cfg.write_text("kv_cache_config:\n  use_kv_cache_manager_v2: true\n  host_cache_size: 0\n"

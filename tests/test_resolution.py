@@ -118,6 +118,59 @@ def test_every_auto_field_resolves_with_a_reason(log):
     assert log.has("field_derived", field="max_seq_len", new=8192, source="checkpoint")
 
 
+BEYOND = "max_seq_len_beyond_positions"
+
+
+def test_a_user_max_seq_len_past_the_positions_is_kept_with_one_warning(log):
+    """vLLM refuses a max_model_len past the model's positions without an override; kvload keeps it and says so."""
+    result = pipeline.plan("tiny-llama", max_seq_len=16384)
+    assert result.args.max_seq_len == 16384
+    [event] = [e for e in log.events if e["event"] == BEYOND]
+    assert event["level"] == "warning" and event["stage"] == "resolve_auto"
+    assert (event["field"], event["max_seq_len"], event["max_position_embeddings"]) == ("max_seq_len", 16384, 8192)
+    assert (event["source"], event["model"], event["rope_scaling"]) == ("api", "tiny-llama", None)
+    assert event["config"].endswith("tiny-llama/config.json")
+    assert "declares no rope scaling" in event["reason"] and "lower max_seq_len to 8192" in event["reason"]
+    assert [e["seq"] for e in result.audit.of(BEYOND)] == [event["seq"]]  # the audit log has it, once
+    assert not log.has("field_derived", field="max_seq_len")
+
+
+@pytest.mark.parametrize("max_seq_len", [None, 1024, 8192])
+def test_a_max_seq_len_within_the_positions_does_not_warn(log, max_seq_len):
+    pipeline.plan("tiny-llama", max_seq_len=max_seq_len)
+    assert not log.has(BEYOND)
+
+
+def test_a_model_default_past_the_positions_does_not_warn(spec_with_defaults):
+    """Only the user's value is checked: a model's default is the model's own word on its context."""
+    ckpt = spec_with_defaults({"max_seq_len": 4096})  # the test checkpoint declares 1024 positions
+    result = pipeline.plan(str(ckpt), log=False)
+    assert result.args.max_seq_len == 4096 and result.audit.of(BEYOND) == []
+
+
+@pytest.mark.parametrize("key", ["rope_parameters", "rope_scaling"])
+def test_the_warning_names_the_rope_scaling_the_config_declares(checkpoint_dir, key):
+    """transformers 5 writes rope_parameters; older files (most published configs) hold rope_scaling."""
+    rope = {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}
+    ckpt = checkpoint_dir(**{key: rope})
+    result = pipeline.plan(str(ckpt), max_seq_len=4096, log=False)
+    [event] = result.audit.of(BEYOND)
+    assert event["max_position_embeddings"] == 1024 and event["config"] == str(ckpt / "config.json")
+    assert event["rope_scaling"]["rope_type"] == "linear" and event["rope_scaling"]["factor"] == 4.0
+    assert "declares rope scaling (linear, factor 4.0)" in event["reason"]
+
+
+def test_a_rope_scaling_of_one_layer_type_is_named_with_it():
+    """Gemma 3 scales the positions of its full-attention layers only (rope_scaling per layer type)."""
+    from pathlib import Path
+
+    gemma = Path(__file__).parent / "data" / "configs" / "gemma-3-27b-it"
+    result = pipeline.plan(str(gemma), max_seq_len=262144, log=False)
+    [event] = result.audit.of(BEYOND)
+    assert event["max_position_embeddings"] == 131072
+    assert "rope scaling (full_attention: linear, factor 8.0)" in event["reason"]
+
+
 def test_checkpoint_dtype_wins_over_the_cpu_default(checkpoint_dir):
     result = pipeline.plan(str(checkpoint_dir(dtype="bfloat16")), log=False)
     assert result.args.dtype == "bfloat16"
