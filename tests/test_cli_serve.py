@@ -118,6 +118,22 @@ def test_kv_events_file_needs_events_on(capsys, tmp_path):
     assert r.code == 2 and r.one_error_line and "does not exist" in r.err, r.err
 
 
+def test_kv_events_file_takes_the_buffer_size_from_the_config_file(capsys, tmp_path):
+    # a TensorRT-LLM options file that turns events on is enough: the check reads it, not only the flags
+    cfg = tmp_path / "ev.yaml"
+    cfg.write_text("kv_cache_config:\n  event_buffer_max_size: 100\n")
+    with socket.socket() as taken:  # the check passed when the next one (the port) is what fails
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        r = run_cli(capsys, "serve", "tiny-llama", "--config", cfg, "--kv-events-file", tmp_path / "ev.jsonl",
+                    "--port", port)
+    assert r.code == 2 and r.one_error_line and "cannot listen" in r.err, r.err
+    cfg.write_text("kv_cache_config:\n  event_buffer_max_size: 0\n")
+    r = run_cli(capsys, "serve", "tiny-llama", "--config", cfg, "--kv-events-file", tmp_path / "ev.jsonl")
+    assert r.code == 2 and r.one_error_line and "KV cache events are off" in r.err, r.err
+
+
 def test_serve_refuses_tensor_parallel_up_front_instead_of_advising_torchrun(capsys):
     r = run_cli(capsys, "serve", "tiny-llama", "--tp_size", "2")
     assert r.code == 2 and r.one_error_line, r.err

@@ -105,6 +105,24 @@ def _model_name(text: str) -> str:
     return text
 
 
+def _event_buffer_size(ns: argparse.Namespace) -> Any:
+    """``kv_cache_config.event_buffer_max_size`` as the run will see it (the flag, else the ``--config`` file), read
+    before minutes of loading; a file that does not parse is left for the pipeline to name."""
+    from kvload import cli
+
+    given = cli.cli_overrides(ns).get("kv_cache_config", {}).get("event_buffer_max_size")
+    if given is not None or ns.config is None:
+        return given
+    from pipeline.errors import ConfigError
+    from pipeline.sources import read_yaml
+
+    try:
+        kv = read_yaml(ns.config).get("kv_cache_config")
+    except ConfigError:
+        return True  # not the events' problem: the load names the file
+    return kv.get("event_buffer_max_size") if isinstance(kv, dict) else None
+
+
 def cmd_serve(ns: argparse.Namespace) -> int:
     """Load with weights, build the engine, serve until interrupted."""
     from kvload import cli
@@ -131,10 +149,11 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     audit = cli._audit_subscribers(ns)  # published by main once the server stopped cleanly
     if ns.kv_events_file is not None:
         cli._check_output_path("--kv-events-file", ns.kv_events_file)
-        if not cli.cli_overrides(ns).get("kv_cache_config", {}).get("event_buffer_max_size"):
+        if not _event_buffer_size(ns):
             from pipeline.errors import ConfigError
 
-            raise ConfigError("--kv-events-file: KV cache events are off; add --event_buffer_max_size N (N > 0)")
+            raise ConfigError("--kv-events-file: KV cache events are off; add --event_buffer_max_size N (N > 0), or "
+                              "kv_cache_config.event_buffer_max_size in the --config file")
     bind(ns.host, ns.port).close()  # a taken port fails now, before minutes of loading
     request = cli._request(ns, load_weights=True)
     # capped like generate's: past 2**63 - 1 the budget names --default-max-tokens
