@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import atexit
 import os
-from collections.abc import Mapping
-from typing import Any
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import attrs
 
@@ -23,6 +24,37 @@ TIMEOUT_ENV = "KVLOAD_DIST_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 600.0
 
 _groups: dict[str, Any] = {}
+_T = TypeVar("_T")
+#: How often the main thread wakes while a collective runs (signal handlers run only then)
+_POLL_S = 0.1
+
+
+def interruptible(call: Callable[[], _T]) -> _T:
+    """``call()`` (a rendezvous, a collective) run so that SIGTERM and SIGINT still act while it blocks.
+
+    CPython runs signal handlers in the main thread between bytecodes only, so a main thread blocked inside gloo's
+    TCPStore wait (a peer that failed before the rendezvous) ignored ``kill`` until the collective timed out
+    (``KVLOAD_DIST_TIMEOUT_S``, 600 s; torchrun escalated to SIGKILL after 30 s, leaving temporary files). The call
+    runs on a daemon thread instead while the main thread waits in short slices: ``Terminated`` or
+    ``KeyboardInterrupt`` is raised there, the usual cleanup runs, and the blocked thread ends with the process.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return call()
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as exc:  # handed to the main thread
+            box["error"] = exc
+
+    worker = threading.Thread(target=run, name="kvload-collective", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(_POLL_S)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def _env_int(environ: Mapping[str, str], name: str, default: int) -> int:
@@ -74,7 +106,8 @@ class Ranks:
         import torch.distributed as dist
 
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=object_group())
+        group = object_group()
+        interruptible(lambda: dist.all_gather_object(out, obj, group=group))
         return out
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
@@ -84,7 +117,8 @@ class Ranks:
         import torch.distributed as dist
 
         box = [obj]
-        dist.broadcast_object_list(box, src=src, group=object_group())
+        group = object_group()
+        interruptible(lambda: dist.broadcast_object_list(box, src=src, group=group))
         return box[0]
 
     def barrier(self) -> None:
@@ -92,7 +126,8 @@ class Ranks:
         if self.distributed:
             import torch.distributed as dist
 
-            dist.monitored_barrier(group=object_group(), timeout=_timedelta())
+            group = object_group()
+            interruptible(lambda: dist.monitored_barrier(group=group, timeout=_timedelta()))
 
     def to_dict(self) -> dict[str, int]:
         """Plain form for events."""
@@ -139,15 +174,22 @@ def object_group() -> Any:
 
     if not dist.is_initialized():
         cuda = torch.cuda.is_available()
+
+        def init() -> None:
+            if cuda:  # the current device is per thread: set where the group starts too
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group("nccl" if cuda else "gloo", timeout=_timedelta())
+
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        try:
-            dist.init_process_group("nccl" if cuda else "gloo", timeout=_timedelta())
+        try:  # the rendezvous waits for every rank: interruptible, so kill acts while one never comes
+            interruptible(init)
         except (RuntimeError, ValueError) as exc:
             raise RankError(f"torch.distributed cannot start ({str(exc).splitlines()[0] if str(exc) else exc!r}); "
                             "launch the ranks with torchrun") from exc
         atexit.register(shutdown)
-    group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo", timeout=_timedelta())
+    group = None if dist.get_backend() == "gloo" else interruptible(
+        lambda: dist.new_group(backend="gloo", timeout=_timedelta()))
     _groups["objects"] = group if group is not None else dist.group.WORLD
     return _groups["objects"]
 

@@ -120,3 +120,43 @@ def test_torchrun_generate_prints_what_one_process_prints(tmp_path, capsys):
     rank1 = [json.loads(line) for line in (tmp_path / "gen.rank1.jsonl").read_text().splitlines()]
     assert [e["rank"] for e in rank1 if e["event"] == "rank_joined"] == [1]
     assert any(e["event"] == "generation_finished" for e in rank1)
+
+
+def test_sigterm_ends_a_rank_waiting_for_one_that_never_came(tmp_path):
+    # rank 1 alone at the rendezvous (rank 0 failed before reaching it): kill must act now, not when the collective
+    # times out — a main thread blocked in gloo's store wait never ran the SIGTERM handler (torchrun then SIGKILLed
+    # it after 30 s, leaving the audit log's temporary file)
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.tp_support import REPO, free_port
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "RANK": "1",
+           "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "KVLOAD_DIST_TIMEOUT_S": "120"}
+    audit = tmp_path / "tp.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "kvload", "run", "tiny-llama", "--tp_size", "2", "--max_tokens",
+                             "4096", "--audit-log", str(audit), "--log-format", "json", "--log-level", "info"],
+                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        for line in proc.stderr:  # until the stage that meets the other rank starts
+            if '"stage_started"' in line and '"agree_ranks"' in line:
+                break
+        time.sleep(2)  # inside the rendezvous by now
+        assert proc.poll() is None
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        err = proc.communicate(timeout=100)[1]
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 143, err[-2000:]
+    assert took < 30, f"{took:.1f} s after SIGTERM"
+    assert "terminated (SIGTERM)" in err
+    assert list(tmp_path.iterdir()) == []  # no audit log, no temporary beside it
