@@ -102,3 +102,34 @@ def test_served_at_the_kv_events_endpoint():
     with serving("tiny-llama") as s:
         r = s.http.get("/v1/kvload/kv_events")
         assert r.status_code == 400 and r.json()["error"]["param"] == "event_buffer_max_size"
+
+
+def test_a_group_with_longer_blocks_reports_them_whole_and_chains_its_own_parents():
+    # DeepSeek V4 with 16-token blocks: its compressed group's blocks hold 128 tokens (8 positions); each event must
+    # carry that block's 128 tokens and size, and name the group's previous block as parent (it never stored the
+    # 16-token position before)
+    from cache_backends.request import Request
+    from engine.driver import Driver
+
+    kv = {"max_tokens": 4096, "tokens_per_block": 16, "event_buffer_max_size": 1000}
+    with pipeline.load("tiny-deepseek-v4", kv_cache_config=kv, max_seq_len=1024, log=False) as r:
+        sizes = {g.name: g.tokens_per_block for g in r.kv_manager.layout.groups}
+        assert 128 in sizes.values()
+        driver = Driver(r.kv_manager, r.scheduler)
+        driver.add(Request("a", list(range(1000, 1300)), 2))
+        while driver.has_work:
+            driver.step(lambda out: {c.request.req_id: 5 for c in out.scheduled
+                                     if c.request.num_computed_tokens + c.num_tokens == c.request.num_tokens})
+        stored = [e for e in r.kv_cache_events()["events"] if e["type"] == "kv_block_stored"]
+    prompt = list(range(1000, 1300))
+    for group, size in sizes.items():
+        blocks = [(h, e) for e in stored if e["layer_group"] == group for h in e["block_hashes"]]
+        assert blocks, group
+        seen: list[str] = []
+        for e in (e for e in stored if e["layer_group"] == group):
+            n = len(e["block_hashes"])
+            assert e["tokens_per_block"] == size and len(e["token_ids"]) == n * size
+            start = len(seen) * size  # one request: the group's blocks are stored in prompt order
+            assert e["token_ids"] == prompt[start:start + n * size]
+            assert e["parent_block_hash"] == (seen[-1] if seen else None)  # the group's own previous block
+            seen += e["block_hashes"]

@@ -940,19 +940,35 @@ class KVCacheManagerV2:
 
     def _stored(self, group: str, at: list[tuple[RadixNode, int]]) -> None:
         """``kv_block_stored`` for ``group``'s blocks now held at the (run, offset) positions ``at`` (along one path,
-        in order): one event per stretch of consecutive positions."""
+        in order): one event per stretch of consecutive blocks.
+
+        A group whose blocks span ``step`` positions (a compressed group's 128 tokens over 16-token positions) hangs
+        each block at the last position it covers: its event carries that block's ``step x T`` tokens, its size,
+        and the key of the group's previous block as parent (not the position before, which it never stored)."""
         events = self.kv_events
         assert events is not None
         tree = self._tree
+        tpb = self._group[group].tokens_per_block
+        step = tpb // self.T
         chain: list[tuple[RadixNode, int]] = []
         for item in [*at, None]:
-            if item is not None and (not chain or item[0].start + item[1] == chain[-1][0].start + chain[-1][1] + 1):
+            if item is not None and (not chain or item[0].start + item[1] == chain[-1][0].start + chain[-1][1] + step):
                 chain.append(item)
                 continue
             if chain:
                 run, i = chain[0]
-                events.stored([tree.key(r, j) for r, j in chain], tree.parent_key(run, i),
-                              [t for r, j in chain for t in r.token_ids(j)], self.T, group)
+                if step == 1:
+                    parent = tree.parent_key(run, i)
+                    tokens = [t for r, j in chain for t in r.token_ids(j)]
+                else:
+                    first = run.start + i - step + 1  # the first position the chain's first block covers
+                    last = chain[-1][0]
+                    parent = tree.key(*tree.position(last, first - 1)) if first > 0 else None
+                    tokens = []
+                    for q in range(first, last.start + chain[-1][1] + 1):
+                        r, j = tree.position(last, q)
+                        tokens += r.token_ids(j)
+                events.stored([tree.key(r, j) for r, j in chain], parent, tokens, tpb, group)
             chain = [item] if item is not None else []
 
     def enable_kv_events(self, buffer: KvEventBuffer) -> None:
