@@ -179,3 +179,22 @@ def test_a_refusal_s_reason_follows_its_status_and_a_server_failure_is_no_refusa
            for s in f.samples if s.name == REFUSED}
     assert got == {"too_large": 2, "read_timeout": 1, "busy": 2, "model_not_found": 1, "bad_request": 2,
                    "shutting_down": 1}
+
+
+def test_prompt_tokens_count_prompts_that_were_processed_and_every_finish_reason_starts_at_zero():
+    from kvload.serve.metrics import FINISH_REASONS, ServeMetrics
+
+    m = ServeMetrics("m")
+
+    def samples() -> dict[str, float]:
+        return {s.name + "".join(f"{{{v}}}" for k, v in s.labels.items() if k == "finished_reason"): s.value
+                for f in text_string_to_metric_families(m.render().decode()) for s in f.samples}
+
+    start = samples()
+    # a scraper's rate() needs each series before its first increase, as vLLM exposes them
+    assert {f"kvload_request_success_total{{{r}}}" for r in FINISH_REASONS} <= set(start)
+    m.on_finished(40, 0, None, [], "abort")  # aborted while it waited: its prompt was never processed
+    m.on_finished(30, 5, 0.2, [0.01] * 4, "length")
+    after = samples()
+    assert after["kvload_prompt_tokens_total"] == 30
+    assert after["kvload_request_success_total{abort}"] == after["kvload_request_success_total{length}"] == 1

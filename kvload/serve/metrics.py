@@ -24,6 +24,8 @@ REFUSAL_REASONS = {400: "bad_request", 404: "model_not_found", 408: "read_timeou
 #: server (an alert on ``busy`` must not fire on every rolling restart)
 REFUSAL_CODES = {"server_shutting_down": "shutting_down"}
 
+#: ``finished_reason`` label of ``kvload_request_success_total``: how a request can end (``engine.serving``)
+FINISH_REASONS = ("stop", "length", "abort", "error")
 #: Buckets in seconds (vLLM's, which span GPU and CPU latencies).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0)
@@ -42,7 +44,8 @@ class ServeMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name"]
         r = self.registry
-        self.prompt_tokens = Counter("kvload_prompt_tokens", "Prompt tokens of finished requests (reused included)",
+        self.prompt_tokens = Counter("kvload_prompt_tokens", "Prompt tokens of requests that ended after their prefill "
+                                     "(reused included; a request aborted before its first token counts none)",
                                      labels, registry=r).labels(model_name)
         self.generation_tokens = Counter("kvload_generation_tokens", "Generated tokens", labels,
                                          registry=r).labels(model_name)
@@ -53,6 +56,8 @@ class ServeMetrics:
         self.steps = Counter("kvload_engine_steps", "Engine steps run", labels, registry=r).labels(model_name)
         self.success = Counter("kvload_request_success", "Requests that ended, by finish reason",
                                [*labels, "finished_reason"], registry=r)
+        for reason in FINISH_REASONS:  # every series from the start, at 0 (as vLLM's): rate() needs a first sample
+            self.success.labels(model_name, reason)
         self.ttft = Histogram("kvload_time_to_first_token_seconds", "Time from queueing to the first token",
                               labels, buckets=TTFT_BUCKETS, registry=r).labels(model_name)
         self.tpot = Histogram("kvload_time_per_output_token_seconds", "Time between consecutive output tokens",
@@ -95,7 +100,8 @@ class ServeMetrics:
     def on_finished(self, prompt_tokens: int, output_tokens: int, ttft_s: float | None, tpot_s: list[float],
                     reason: str) -> None:
         """Count a request that ended and observe its latencies."""
-        self.prompt_tokens.inc(prompt_tokens)
+        if ttft_s is not None:  # its prompt was processed (not a request aborted while it waited or prefilled)
+            self.prompt_tokens.inc(prompt_tokens)
         self.success.labels(self.model_name, reason).inc()
         if ttft_s is not None:
             self.ttft.observe(ttft_s)
