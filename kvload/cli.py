@@ -353,8 +353,13 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     """Replay a synthetic workload through the routed manager (or V1 and V2) and print the metrics."""
     from engine.simulator import simulate
 
+    params: dict[str, int] = {}
+    for key, value in ns.workload_args or ():
+        if key in params and params[key] != value:  # the last one silently winning hid a typo'd sweep
+            raise ConfigError(f"--workload-arg {key}: given twice ({params[key]} and {value}); give it once")
+        params[key] = value
     audit = _audit_subscribers(ns)
-    report = simulate(ns.model, ns.workload, requests=ns.requests, seed=ns.seed, params=dict(ns.workload_args),
+    report = simulate(ns.model, ns.workload, requests=ns.requests, seed=ns.seed, params=params,
                       compare=ns.compare, config_file=ns.config, source="cli", subscribers=audit,
                       progress=ns.progress, **cli_overrides(ns))
     report.check_finished()  # --compare where no manager finished: exit 2, as one manager's stall does
