@@ -171,7 +171,7 @@ def warning_text(record: dict[str, Any]) -> str:
 
 
 def summarize(audit: AuditLog, source: str = "") -> dict[str, Any]:
-    """Model, user-set fields, route, auto resolutions, model defaults applied/skipped, warnings, outcome."""
+    """Model, user-set fields, route, auto resolutions, model defaults applied/skipped, derived fields, warnings, outcome."""
     models = audit.of("model_resolved")
     routes = audit.of("executor_routed")
     snapshot = audit.of("user_fields_snapshotted")
@@ -291,6 +291,11 @@ def render_summary(summary: dict[str, Any], check: dict[str, Any] | None = None)
     rows += [["skipped", d["field"], f"{literal(d['proposed'])} proposed, {literal(d['kept'])} kept",
               f"{d['spec']}: {d['reason']}"] for d in skipped]
     lines += table(rows) if len(rows) > 1 else ["  (none proposed)"]
+
+    lines += ["", "derived (null fields filled in, not by the user):"]
+    rows = [["field", "value", "source", "why"]]
+    rows += [[d["field"], literal(d["new"]), d["source"], d["reason"]] for d in summary["derived"]]
+    lines += table(rows) if len(rows) > 1 else ["  (none)"]
 
     lines += ["", "warnings:"]
     lines += [f"  {w['event']}  {w['message']}" for w in summary["warnings"]] or ["  (none)"]

@@ -74,6 +74,10 @@ def test_generates_pool_default_is_recorded_as_derived_not_as_the_users(capsys, 
     assert derived["source"] == "generate" and derived["new"] == 1028 and "--max_new_tokens" in derived["reason"]
     explained = run_cli(capsys, "explain", audit, "default_max_tokens")
     assert explained.code == 0 and "generate" in explained.out and "command line" not in explained.out
+    summary = run_cli(capsys, "audit", audit)  # the summary lists it apart from what the user set
+    assert summary.code == 0 and "default_max_tokens" not in summary.out.split("\n")[2]
+    derived = summary.out.split("derived (null fields filled in, not by the user):")[1]
+    assert "kv_cache_config.default_max_tokens  1028   generate" in derived
 
 
 def test_a_config_files_default_max_tokens_wins_over_generates_own(capsys, tmp_path):
