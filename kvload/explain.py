@@ -171,7 +171,7 @@ def warning_text(record: dict[str, Any]) -> str:
 
 
 def summarize(audit: AuditLog, source: str = "") -> dict[str, Any]:
-    """Model, user-set fields, route, auto resolutions, model defaults applied/skipped, derived fields, warnings, outcome."""
+    """Model, user-set fields, route, auto resolutions, model defaults, derived fields, warnings, outcome."""
     models = audit.of("model_resolved")
     routes = audit.of("executor_routed")
     snapshot = audit.of("user_fields_snapshotted")
