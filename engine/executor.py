@@ -449,7 +449,12 @@ class GenerationExecutor:
             live.stop_reason = token
             return True
         if p.stop:
-            hit = live.text.update(request.output_token_ids)
+            # the sample's last token (max_tokens or max_seq_len ends it next): decode it as final, so a stop string
+            # completed by a token that also starts an unfinished character still ends it as "stop", not as a text
+            # cut at the stop string under "length"
+            last = (len(request.output_token_ids) >= request.max_new_tokens
+                    or request.num_tokens >= self.manager.options.max_seq_len)
+            hit = live.text.update(request.output_token_ids, final=last)
             if hit is not None:
                 live.stop_reason = hit
                 return True

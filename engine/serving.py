@@ -97,9 +97,11 @@ class _ServeDriver(Driver):
             return "stop"
         if token in live.stop_token_ids:
             return "stop"
-        if live.text is not None and live.text.update(req.output_token_ids) is not None:
+        last = len(req.output_token_ids) >= req.max_new_tokens or req.num_tokens >= self.max_seq_len
+        # the last token decodes as final: a stop string it completes counts even before an unfinished character
+        if live.text is not None and live.text.update(req.output_token_ids, final=last) is not None:
             return "stop"  # a stop string appeared in the text (the face cuts the text there)
-        if len(req.output_token_ids) >= req.max_new_tokens or req.num_tokens >= self.max_seq_len:
+        if last:
             return "length"
         return None
 

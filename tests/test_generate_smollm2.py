@@ -44,3 +44,22 @@ def test_kvload_generate_chat_streams_the_answer(capsys):
     answer, stats = r.out.rstrip("\n").split("\n")
     assert "Paris" in answer
     assert stats.startswith("-- 1 prompt: ") and "generated tokens/s" in stats
+
+
+@pytest.mark.parametrize("max_tokens", [11, 12, 13])
+def test_a_stop_string_completed_by_the_last_token_ends_as_stop_not_as_a_cut_length(max_tokens):
+    # SmolLM2's 11th token here completes ", " and starts a 3-byte character: the stop check waits for the character,
+    # and max_tokens ended the sample first; the text was cut at ", " but reported "length" with no stop_reason
+    import kvload
+
+    messages = [{"role": "user", "content": "Translate to Chinese: good morning, friend"}]
+    with kvload.LLM("smollm2-135m", log=False, kv_cache_config={"max_tokens": 1024}) as llm:
+        (out,) = llm.chat(messages, kvload.SamplingParams(max_tokens=max_tokens, stop=[", "]))
+        deltas = list(llm.generate_stream([messages], kvload.SamplingParams(max_tokens=max_tokens, stop=[", "]),
+                                          chat=True))
+        decoded = llm.tokenizer.decode(out.outputs[0].token_ids)
+    sample = out.outputs[0]
+    assert ", " not in sample.text and (sample.finish_reason, sample.stop_reason) == ("stop", ", "), sample
+    assert decoded.startswith(sample.text + ", ")  # cut exactly at the stop string
+    assert "".join(d.text for d in deltas) == sample.text
+    assert (deltas[-1].finish_reason, deltas[-1].stop_reason) == ("stop", ", ")

@@ -33,6 +33,10 @@ def test_chat_over_http_matches_kvload_generate_chat(capsys):
                                                stop=["Paris"])
         assert cut.choices[0].finish_reason == "stop"
         assert cut.choices[0].message.content == expected[:expected.index("Paris")]
+        # a stop string completed by the last token (which also starts a 3-byte character) ends it as "stop"
+        zh = [{"role": "user", "content": "Translate to Chinese: good morning, friend"}]
+        last = s.client.chat.completions.create(model="smollm2-135m", messages=zh, max_tokens=11, stop=[", "])
+        assert last.choices[0].finish_reason == "stop" and ", " not in last.choices[0].message.content
         # the second and third asks reused the chat template's prefix
         assert reply.usage.prompt_tokens > 16
         assert cut.usage.prompt_tokens_details.cached_tokens >= 16
