@@ -38,7 +38,7 @@ def interruptible(call: Callable[[], _T]) -> _T:
     (``KVLOAD_DIST_TIMEOUT_S``, 600 s; torchrun escalated to SIGKILL after 30 s, leaving temporary files). The call
     runs on kvload's collectives thread instead while the main thread waits in short slices: ``Terminated`` or
     ``KeyboardInterrupt`` is raised there, the usual cleanup runs, and the blocked thread ends with the process.
-    One long-lived thread, not one per call: generation makes a collective every step (~15 µs a handoff against
+    One long-lived thread, not one per call: generation makes a collective every step (~30 µs a handoff against
     ~90 µs to start a thread).
     """
     if threading.current_thread() is not threading.main_thread():
