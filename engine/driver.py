@@ -42,6 +42,12 @@ Compute = Callable[[SchedulerOutput], dict[str, int]]
 MAX_IDLE_STEPS = 64
 
 
+def at_length(req: Request, max_seq_len: int) -> bool:
+    """Whether ``req``'s newest token is its last: ``max_new_tokens`` generated, or prompt + output at ``max_seq_len``
+    (it ends "length" unless a stop rule ends it first)."""
+    return len(req.output_token_ids) >= req.max_new_tokens or req.num_tokens >= max_seq_len
+
+
 class StalledError(RuntimeError):
     """Nothing can run and nothing can be made to run; the message says why."""
 
@@ -220,7 +226,7 @@ class Driver:
             return "stop"
         if self.stop is not None and self.stop(req, token):
             return "stop"
-        if len(req.output_token_ids) >= req.max_new_tokens or req.num_tokens >= self.max_seq_len:
+        if at_length(req, self.max_seq_len):
             return "length"
         return None
 

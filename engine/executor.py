@@ -38,7 +38,7 @@ from cache_backends.interface import SchedulerOutput
 from cache_backends.layout import DECODE_KERNEL_KINDS
 from cache_backends.paged_attention import SERVED_KINDS, PagedBatch, SeqChunk
 from cache_backends.request import Request
-from engine.driver import Arrival, Driver, StalledError
+from engine.driver import Arrival, Driver, StalledError, at_length
 from engine.outputs import (
     CompletionOutput,
     GenerationOutput,
@@ -452,9 +452,8 @@ class GenerationExecutor:
             # the sample's last token (max_tokens or max_seq_len ends it next): decode it as final, so a stop string
             # completed by a token that also starts an unfinished character still ends it as "stop", not as a text
             # cut at the stop string under "length"
-            last = (len(request.output_token_ids) >= request.max_new_tokens
-                    or request.num_tokens >= self.manager.options.max_seq_len)
-            hit = live.text.update(request.output_token_ids, final=last)
+            hit = live.text.update(request.output_token_ids,
+                                   final=at_length(request, self.manager.options.max_seq_len))
             if hit is not None:
                 live.stop_reason = hit
                 return True

@@ -26,7 +26,7 @@ import torch
 
 from cache_backends.interface import SchedulerOutput
 from cache_backends.request import Request
-from engine.driver import Driver, StalledError, StepStats
+from engine.driver import Driver, StalledError, StepStats, at_length
 from engine.executor import GenerationExecutor
 from engine.prompts import apply_template, check_text
 from engine.sampling import sample_rows, top_logprobs
@@ -97,7 +97,7 @@ class _ServeDriver(Driver):
             return "stop"
         if token in live.stop_token_ids:
             return "stop"
-        last = len(req.output_token_ids) >= req.max_new_tokens or req.num_tokens >= self.max_seq_len
+        last = at_length(req, self.max_seq_len)
         # the last token decodes as final: a stop string it completes counts even before an unfinished character
         if live.text is not None and live.text.update(req.output_token_ids, final=last) is not None:
             return "stop"  # a stop string appeared in the text (the face cuts the text there)
