@@ -88,12 +88,29 @@ class ModelSpec:
         return None
 
 
+def _rope_type(rope: Mapping[str, Any]) -> Any:
+    return rope.get("rope_type") or rope.get("type")
+
+
+def _is_entry(rope: Mapping[str, Any]) -> bool:
+    """One rope entry (it names a type or a factor), not a map of entries per layer type (Gemma 3)."""
+    return _rope_type(rope) is not None or "factor" in rope  # a factor with no type still stretches positions
+
+
 def _scales(rope: Mapping[str, Any]) -> bool:
     """Whether a rope entry (or any per-layer-type entry inside it) scales positions."""
-    kind = rope.get("rope_type") or rope.get("type")
-    if kind is not None or "factor" in rope:  # a factor with no type still stretches positions
-        return kind != "default"
+    if _is_entry(rope):
+        return _rope_type(rope) != "default"
     return any(isinstance(inner, Mapping) and _scales(inner) for inner in rope.values())
+
+
+def describe_rope(rope: Mapping[str, Any]) -> str:
+    """A rope scaling entry in a few words (``yarn, factor 4.0``); per layer type when the config nests them."""
+    if _is_entry(rope):
+        factor = rope.get("factor")
+        return f"{_rope_type(rope) or 'unnamed'}" + (f", factor {factor}" if factor is not None else "")
+    return "; ".join(f"{layer}: {describe_rope(entry)}" for layer, entry in rope.items()
+                     if isinstance(entry, Mapping) and _scales(entry))
 
 
 class GenericDecoderSpec(ModelSpec):

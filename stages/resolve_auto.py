@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from models.spec import describe_rope
 from pipeline.bus import Emit
 from pipeline.config import AUTO, MODEL_DTYPES, V2_FIELD, normalize_dtype, set_field
 from pipeline.context import AutoOrigin, Context
@@ -162,7 +163,7 @@ class ResolveAuto:
                    f"trained on and its output there degrades; lower max_seq_len{flag} to {limit} unless the "
                    "model's context was extended another way")
         else:
-            why = (f"the config declares rope scaling ({_rope_words(rope)}), which may extend the context past "
+            why = (f"the config declares rope scaling ({describe_rope(rope)}), which may extend the context past "
                    f"max_position_embeddings or may already be counted in it; check the model's documented "
                    f"context length, else lower max_seq_len{flag} to {limit}")
         emit(MaxSeqLenBeyondPositions(
@@ -172,12 +173,3 @@ class ResolveAuto:
                    f"max_position_embeddings {limit}; kept as set: {why}",
         ))
 
-
-def _rope_words(rope: dict[str, Any]) -> str:
-    """A rope scaling entry in a few words (``yarn, factor 4.0``); per layer type when the config nests them."""
-    kind = rope.get("rope_type") or rope.get("type")
-    if kind is not None or "factor" in rope:
-        factor = rope.get("factor")
-        return f"{kind or 'unnamed'}" + (f", factor {factor}" if factor is not None else "")
-    return "; ".join(f"{layer}: {_rope_words(entry)}" for layer, entry in rope.items()
-                     if isinstance(entry, dict) and (entry.get("rope_type") or entry.get("type")) != "default")
