@@ -100,10 +100,9 @@ class ServeMetrics:
     def on_finished(self, prompt_tokens: int, output_tokens: int, ttft_s: float | None, tpot_s: list[float],
                     reason: str) -> None:
         """Count a request that ended and observe its latencies."""
+        self.success.labels(self.model_name, reason).inc()
         if ttft_s is not None:  # its prompt was processed (not a request aborted while it waited or prefilled)
             self.prompt_tokens.inc(prompt_tokens)
-        self.success.labels(self.model_name, reason).inc()
-        if ttft_s is not None:
             self.ttft.observe(ttft_s)
             self.e2e.observe(ttft_s + sum(tpot_s))
         for t in tpot_s:
