@@ -326,7 +326,7 @@ def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
     short = None if defaulted else budget_short(plan)
     if short is not None:
         emit(short)
-    oversized = blocks_oversized(plan)
+    oversized = blocks_oversized(plan, "kv_cache_config.default_max_tokens" if defaulted else RULE_FIELDS["max_tokens"])
     if oversized is not None:
         emit(oversized)
     return plan
@@ -426,8 +426,9 @@ _RULE_FLAGS = {"max_tokens": "--max_tokens", "max_gpu_total_bytes": "--max_gpu_t
                "free_gpu_memory_fraction": "--kv_cache_free_gpu_memory_fraction"}
 
 
-def blocks_oversized(plan: KvPlan) -> KvBlocksOversized | None:
-    """``kv_blocks_oversized`` when whole blocks make the pools far bigger than asked, else None.
+def blocks_oversized(plan: KvPlan, cap_field: str) -> KvBlocksOversized | None:
+    """``kv_blocks_oversized`` when whole blocks make the pools far bigger than asked, else None; ``cap_field``
+    names the token cap that set the budget (``max_tokens``, or the ``default_max_tokens`` a caller derived).
 
     The pools are whole blocks, so ``max_tokens`` rounds up to a multiple of ``tokens_per_block`` per group; that
     is at most one block more than asked, and more than twice the cap only when a block outgrows twice the cap.
@@ -439,7 +440,7 @@ def blocks_oversized(plan: KvPlan) -> KvBlocksOversized | None:
         reasons.append(f"kv_cache_config.tokens_per_block ({T}) is above max_seq_len ({plan.max_seq_len}): every "
                        f"sequence takes at least one whole block of {T} tokens")
     if capped is not None and 2 * capped < T:
-        reasons.append(f"kv_cache_config.max_tokens ({capped}) rounds up to whole blocks of {T} tokens "
+        reasons.append(f"{cap_field} ({capped}) rounds up to whole blocks of {T} tokens "
                        f"(kv_cache_config.tokens_per_block): the pools hold {T} tokens a layer group, "
                        f"{T / capped:.0f}x the cap")
     if not reasons:

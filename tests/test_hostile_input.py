@@ -461,6 +461,15 @@ def test_blocks_that_blow_past_the_cap_or_the_longest_sequence_say_so(capsys, ou
     assert not [e for e in read_events(quiet) if e["event"] == "kv_blocks_oversized"]
 
 
+def test_blocks_past_generates_own_pool_default_name_that_default_not_max_tokens(capsys, out):
+    log = out / "a.jsonl"  # generate sizes the pools at 1 x (2 + 1024) tokens: one 4,096-token block is ~4x that
+    r = run_cli(capsys, "generate", "tiny-llama", "--prompt-ids", "1,2,3", "--max_new_tokens", "2",
+                "--tokens_per_block", "4096", "--audit-log", log)
+    assert r.code == 0, r.err
+    (warned,) = [e for e in read_events(log) if e["event"] == "kv_blocks_oversized"]
+    assert warned["reason"].startswith("kv_cache_config.default_max_tokens (1026) rounds up")
+
+
 def test_window_scratch_reuse_without_prefix_reuse_says_it_does_nothing(capsys, tmp_path, out):
     # out-of-window blocks are kept for prefix hits; with block reuse off nothing can ever hit them
     cfg = tmp_path / "swa.yaml"
