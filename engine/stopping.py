@@ -33,6 +33,7 @@ class SampleText:
         self.text = ""
         self.stop_hit: str | None = None
         self._decoded = 0  # token count of the last update
+        self._final = False  # whether that update decoded them as final (then the same tokens need no decode again)
         self._searched = 0  # characters of text already searched for stop strings
         self._emitted = 0  # characters handed out as deltas
         self._ids: list[int] = []  # the tokens whose text is in _full
@@ -68,9 +69,9 @@ class SampleText:
 
         ``final``: the sample ended, so an incomplete multi-byte character at the end is decoded as is.
         """
-        if self.stop_hit is not None or (len(token_ids) == self._decoded and not final):
-            return self.stop_hit
-        self._decoded = len(token_ids)
+        if self.stop_hit is not None or (len(token_ids) == self._decoded and (not final or self._final)):
+            return self.stop_hit  # (token_ids only grow: the same count is the same tokens)
+        self._decoded, self._final = len(token_ids), final
         n = len(self._ids)
         text = None
         start = self._start
