@@ -1,10 +1,12 @@
-"""Building the CPU paged decode kernel (``csrc/paged_decode.c``) with the machine's C compiler, once per machine.
+"""Building kvload's C kernels for CPUs with the machine's C compiler, once per machine: the paged decode kernel
+(``csrc/paged_decode.c``) and the small-batch linear kernel (``models/csrc/small_linear.c``).
 
-Kept apart from the kernel's caller (``cache_backends.cpu_decode``) so that ``resolve_auto`` can ask whether a
-compiler is there without importing torch. The library goes into a cache directory the caller names, under a key
-of the source, the compiler's version, the flags and the CPU (``-march=native`` builds for this CPU), so a rebuild
-happens only when one of them changes; it is written under a temporary name and renamed when complete, so a crashed
-or concurrent build never leaves half a library under the final name.
+Kept apart from the kernels' callers (``cache_backends.cpu_decode``, ``models.small_linear``) so that
+``resolve_auto`` can ask whether a compiler is there without importing torch. Each library goes into a cache
+directory the caller names, under a key of its source, the compiler's version, the flags and the CPU
+(``-march=native`` builds for this CPU), so a rebuild happens only when one of them changes; it is written under a
+temporary name and renamed when complete, so a crashed or concurrent build never leaves half a library under the
+final name.
 """
 
 from __future__ import annotations
@@ -47,21 +49,24 @@ def _cpu_identity() -> str:
     return f"{platform.machine()} " + "\n".join(dict.fromkeys(wanted))
 
 
-def build_kernel(cache_dir: Path) -> Path:
-    """The compiled library under ``cache_dir``, compiling it when this source/compiler/CPU has none yet."""
+def build_kernel(cache_dir: Path, source: Path | None = None, what: str = "the CPU paged decode kernel") -> Path:
+    """The library compiled from ``source`` (default: the paged decode kernel's) under ``cache_dir``, compiling it
+    when this source/compiler/CPU has none yet; ``what`` names the kernel in errors."""
+    source = SOURCE if source is None else source
     cc = compiler()
     if cc is None:
-        raise KernelUnavailable("no C compiler to build the CPU paged decode kernel with (set $CC, or install gcc)")
+        raise KernelUnavailable(f"no C compiler to build {what} with (set $CC, or install gcc)")
+    stem = source.stem
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise KernelUnavailable(f"the C compiler {cc} did not run: {exc}") from None
-    source, cpu = SOURCE.read_bytes(), _cpu_identity().encode()
+    text, cpu = source.read_bytes(), _cpu_identity().encode()
     targets = []
     for cflags, lflags in FLAG_SETS:
         flags = " ".join(cflags) + " | " + " ".join(lflags)
-        key = hashlib.sha256(b"\0".join([source, version.encode(), flags.encode(), cpu])).hexdigest()[:16]
-        targets.append((cache_dir / f"paged_decode-{key}.so", key, cflags, lflags))
+        key = hashlib.sha256(b"\0".join([text, version.encode(), flags.encode(), cpu])).hexdigest()[:16]
+        targets.append((cache_dir / f"{stem}-{key}.so", key, cflags, lflags))
     # any build already made wins, also a fallback's: a flag set this compiler refuses is not retried every process
     for target, *_ in targets:
         if target.exists():
@@ -72,10 +77,10 @@ def build_kernel(cache_dir: Path) -> Path:
             cache_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise KernelUnavailable(f"the kernel cache {cache_dir} cannot be created: {exc.strerror}") from None
-        tmp = cache_dir / f".paged_decode-{key}.{os.getpid()}.so"  # renamed when complete: never half a library
+        tmp = cache_dir / f".{stem}-{key}.{os.getpid()}.so"  # renamed when complete: never half a library
         obj = tmp.with_suffix(".o")
         try:
-            for cmd in ([cc, *cflags, "-fPIC", "-c", "-o", str(obj), str(SOURCE)],
+            for cmd in ([cc, *cflags, "-fPIC", "-c", "-o", str(obj), str(source)],
                         [cc, "-shared", *lflags, "-o", str(tmp), str(obj), "-lm"]):
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
                 if proc.returncode != 0:
@@ -89,4 +94,4 @@ def build_kernel(cache_dir: Path) -> Path:
         finally:
             tmp.unlink(missing_ok=True)
             obj.unlink(missing_ok=True)
-    raise KernelUnavailable(f"compiling the CPU paged decode kernel with {cc} failed: {errors[-1]}")
+    raise KernelUnavailable(f"compiling {what} with {cc} failed: {errors[-1]}")
