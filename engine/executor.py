@@ -56,7 +56,7 @@ from models.geometry import head_dim as config_head_dim
 from models.geometry import kv_heads as config_kv_heads
 from models.geometry import text_config
 from models.paged_forward import ATTN_IMPLEMENTATION, register_paged_attention, run_forward, unfoldable_mla
-from pipeline.config import ATTENTION_BACKENDS, AUTO
+from pipeline.config import ATTENTION_BACKENDS, AUTO, LINEAR_BACKENDS
 from pipeline.errors import GenerationError, KvBuildError, KvRuntimeError, first_line
 from pipeline.events import Event, GenerationFailed, GenerationFinished, GenerationStarted, SettingIgnored
 
@@ -119,6 +119,9 @@ class GenerationExecutor:
         #: the paged decode kernel decode steps attend through (``attention_backend: triton`` on CUDA,
         #: ``cpu_kernel`` on CPU, where it runs); None: gather + SDPA
         self.decode_kernel: Callable[..., torch.Tensor] | None = None
+        #: the small-batch linear kernel installed on the model (``linear_backend: cpu_kernel`` where it runs),
+        #: active around each forward; None: torch's F.linear
+        self.linear: Any = None
         #: the widest beam search this load serves (``max_beam_width``; :meth:`beam_search`)
         self.max_beam_width = 1
         self.last_stats: GenerationStats | None = None
@@ -146,6 +149,7 @@ class GenerationExecutor:
         executor = cls(result.hf_model, result.kv_manager, result.scheduler, tokenizer=result.tokenizer, emit=emit,
                        name=result.model.name if result.model is not None else "model", ranks=result.context.ranks)
         executor.use_attention(getattr(result.args, "attention_backend", "sdpa"), result.args.max_num_tokens)
+        executor.use_linear(getattr(result.args, "linear_backend", "torch"))
         executor.max_beam_width = result.args.max_beam_width
         return executor
 
@@ -187,6 +191,31 @@ class GenerationExecutor:
                        "or let generate attend through gather + SDPA"))
             return
         self.flex = FlexPagedAttention(self.pools, max_num_tokens)
+
+    def use_linear(self, backend: str) -> None:
+        """Run the model's projections on ``"torch"`` (F.linear) or ``"cpu_kernel"`` (steps of few rows on the small-
+        batch kernel for CPUs, where it runs; a ``setting_ignored`` event says why where it does not)."""
+        from models.small_linear import KernelUnavailable, LinearRoute, load_small_linear, small_linear_unsupported
+
+        if backend not in LINEAR_BACKENDS or backend == AUTO:
+            resolved = [b for b in LINEAR_BACKENDS if b != AUTO]
+            raise GenerationError(f"generate: linear_backend: expected one of {', '.join(resolved)} (resolved), "
+                                  f"got {backend!r}")
+        self.linear = None
+        if backend == "torch":
+            return
+        weight = self.model.get_input_embeddings().weight
+        why = small_linear_unsupported(weight.device, weight.dtype)
+        if why is None:
+            from models.gguf_cache import cache_root
+
+            try:
+                self.linear = LinearRoute(load_small_linear(cache_root() / "kernels"), self.model)
+            except KernelUnavailable as exc:
+                why = str(exc)
+        if why is not None:
+            self._event(SettingIgnored(field="linear_backend", value=backend,
+                                       reason=f"{why}; generate multiplies through torch's F.linear"))
 
     def _decode_kernel(self, backend: str) -> tuple[Callable[..., torch.Tensor] | None, str | None]:
         """The paged decode kernel ``backend`` names for this model's attention layers here, or None and why not."""
@@ -514,7 +543,8 @@ class GenerationExecutor:
             self.lockstep.check_schedule(out, [dict(zip(self.groups, t, strict=True)) for t in step_tables])
         batch = PagedBatch.build(chunks, self.pools, store.tables(rows), flex=self.flex,
                                  decode_kernel=self.decode_kernel)
-        logits = run_forward(self.model, batch)
+        with self.linear.active() if self.linear is not None else contextlib.nullcontext():
+            logits = run_forward(self.model, batch)
         rows = [i for i, s in enumerate(out.scheduled)
                 if s.request.num_computed_tokens + s.num_tokens == s.request.num_tokens]
         if not rows:

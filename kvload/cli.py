@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 
 import attrs
 
-from pipeline.config import ATTENTION_BACKENDS, SIZE_HELP, parse_size
+from pipeline.config import ATTENTION_BACKENDS, LINEAR_BACKENDS, SIZE_HELP, parse_size
 from pipeline.errors import ConfigError, KvloadError, first_line
 from pipeline.limits import MAX_INT, MAX_INT_DIGITS, MAX_LOGPROBS, MAX_N, short_text
 
@@ -116,6 +116,8 @@ FLAGS: tuple[Flag, ...] = (
          "FlexAttention over the pools), sdpa (gather + SDPA), triton (decode steps on a paged decode kernel, "
          "CUDA) or cpu_kernel (decode steps on a paged decode kernel compiled for this CPU)", str,
          choices=ATTENTION_BACKENDS),
+    Flag("--linear_backend", "linear_backend", "projections of generate: auto, torch (F.linear) or cpu_kernel "
+         "(steps of few rows on a matmul kernel compiled for this CPU; float32)", str, choices=LINEAR_BACKENDS),
     Flag("--tp_size", "tensor_parallel_size",
          "tensor-parallel ranks (launch that many with torchrun; plan alone shows rank 0's view)", integer,
          metavar="N", aliases=("--tensor_parallel_size",)),

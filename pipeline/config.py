@@ -152,6 +152,10 @@ ATTENTION_BACKENDS = ("auto", "flex", "sdpa", "triton", "cpu_kernel")
 *_first, _last = ATTENTION_BACKENDS
 attention_backend_name = _check(lambda v: v in ATTENTION_BACKENDS,
                                 ", ".join(f'"{b}"' for b in _first) + f' or "{_last}"')
+#: The projections (``nn.Linear``) of ``generate``'s forward: torch's ``F.linear``, or a C kernel for CPUs on steps of
+#: few rows (``models.small_linear``); "auto" picks by device and dtype (``stages.resolve_auto``).
+LINEAR_BACKENDS = ("auto", "torch", "cpu_kernel")
+linear_backend_name = _check(lambda v: v in LINEAR_BACKENDS, '"auto", "torch" or "cpu_kernel"')
 model_name = _check(lambda v: isinstance(v, str) and v.strip() != "", "a preset name or a checkpoint directory")
 
 
@@ -278,6 +282,7 @@ class LlmArgs:
     max_beam_width: int = attrs.field(default=1, validator=pos_int)
     weights_seed: int = attrs.field(default=0, validator=non_neg_int)  # random weights of presets
     attention_backend: str = attrs.field(default=AUTO, validator=attention_backend_name)
+    linear_backend: str = attrs.field(default=AUTO, validator=linear_backend_name)
     # ranks the attention heads (and KV heads) are split over; the operator's, never a model's
     tensor_parallel_size: int = attrs.field(default=1, validator=pos_int)
     kv_cache_config: KvCacheConfig = attrs.field(factory=KvCacheConfig)
@@ -294,7 +299,8 @@ class LlmArgs:
 V2_FIELD = "kv_cache_config.use_kv_cache_manager_v2"
 
 #: Fields whose value may be ``"auto"`` and that ``resolve_auto`` turns into a concrete value.
-AUTO_FIELDS: tuple[str, ...] = ("dtype", "device", V2_FIELD, "kv_cache_config.dtype", "attention_backend")
+AUTO_FIELDS: tuple[str, ...] = ("dtype", "device", V2_FIELD, "kv_cache_config.dtype", "attention_backend",
+                                 "linear_backend")
 
 
 def framework_defaults() -> dict[str, Any]:

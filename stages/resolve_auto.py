@@ -70,9 +70,27 @@ def resolve_attention_backend(device: str, layer_kinds: set[str] | None = None) 
                                   "with the C compiler, prefill chunks stay on gather + SDPA")
 
 
+def resolve_linear_backend(device: str, dtype: str) -> tuple[str, str, str]:
+    """``"auto"`` projections, as measured: on CPU in float32 the small-batch kernel where a compiler can build it,
+    torch's ``F.linear`` otherwise (no torch import)."""
+    if device.startswith("cuda"):
+        return "torch", "auto", "on CUDA the projections run on cuBLAS; the small-batch kernel is for CPUs"
+    if dtype != "float32":
+        return "torch", "auto", f"the small-batch kernel multiplies float32 weights; the model is {dtype}"
+    from cache_backends.cpu_kernel_build import compiler
+
+    if compiler() is None:
+        return "torch", "auto", ("no C compiler here to build the CPU small-batch linear kernel with (set $CC, or "
+                                 "install gcc, for \"cpu_kernel\")")
+    return "cpu_kernel", "auto", ("on CPU, steps of a few rows (decode) multiply on a kernel that reads each weight "
+                                  "once for all rows: 0.4-0.7x torch's time at 4-12 rows, 0.9x at 1 (AVX-512; "
+                                  "BENCHMARKS.md, \"Small-batch projections on CPU\"); built once per machine with "
+                                  "the C compiler, larger steps and builds without AVX2 stay on torch")
+
+
 class ResolveAuto:
-    """Resolves ``device``, ``dtype``, ``kv_cache_config.dtype``, ``use_kv_cache_manager_v2`` and
-    ``attention_backend``, in that order.
+    """Resolves ``device``, ``dtype``, ``kv_cache_config.dtype``, ``use_kv_cache_manager_v2``,
+    ``attention_backend`` and ``linear_backend``, in that order.
 
     ``auto_resolved`` fires for every field captured as ``"auto"`` by the snapshot, also when a
     model default already replaced the value: then ``old`` is the model's value and the reason says so.
@@ -83,7 +101,7 @@ class ResolveAuto:
 
     def run(self, ctx: Context, emit: Emit) -> None:
         """Resolve in dependency order (the dtype rule needs the device, the KV dtype needs the dtype)."""
-        for path in ("device", "dtype", "kv_cache_config.dtype", V2, "attention_backend"):
+        for path in ("device", "dtype", "kv_cache_config.dtype", V2, "attention_backend", "linear_backend"):
             origin = ctx.auto_originals.get(path)
             if origin is None:
                 continue
@@ -129,6 +147,8 @@ class ResolveAuto:
         if path == "attention_backend":
             kinds = {layer.kind for layer in ctx.spec.kv_layers()} if ctx.spec is not None else None
             return resolve_attention_backend(str(ctx.args.device), kinds)
+        if path == "linear_backend":
+            return resolve_linear_backend(str(ctx.args.device), str(ctx.args.dtype))
         raise AssertionError(f"no rule resolves {path}")
 
     @staticmethod

@@ -72,6 +72,7 @@ SAMPLES = {
     "--event_buffer_max_size": (["1000"], 1000),
     "--kv_cache_dtype": (["bf16"], "bfloat16"),
     "--attention_backend": (["flex"], "flex"),
+    "--linear_backend": (["torch"], "torch"),
     "--dtype": (["fp16"], "float16"),
     "--device": (["cpu"], "cpu"),
     "--max_batch_size": (["8"], 8),

@@ -1,0 +1,161 @@
+"""Decode-step projections on a C kernel for CPUs: ``y = x W^T + b`` for a few rows of ``x``.
+
+A decode step multiplies every weight matrix of the model by one row per running sequence. BLAS libraries are tuned
+for many rows; at 2-16 rows MKL reads a weight matrix far slower than it could be streamed, and at 8 rows a
+SmolLM2-135M step spends ~40% more in its projections and LM head than the weights' bytes need (BENCHMARKS.md,
+"Small-batch projections on CPU"). ``csrc/small_linear.c`` reads each weight row once, into registers, and
+multiplies it with every row of ``x`` there; weight rows are split over torch's intra-op threads.
+
+:class:`LinearRoute` installs it on a loaded model: each plain float32 ``nn.Linear`` becomes a
+:class:`RoutedLinear` (a subclass; parameters, hooks and ``state_dict`` unchanged) that takes the kernel only while
+the route is active on the calling thread and the call has a row count the kernel is measured to win at
+(:data:`ROWS`). kvload's executor activates it around its own forward; anything else that runs the same model —
+``model.generate`` in a comparison, a user's own call — runs torch's ``F.linear`` as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cache_backends.cpu_kernel_build import KernelUnavailable, build_kernel
+
+__all__ = ["ROWS", "KernelUnavailable", "LinearRoute", "RoutedLinear", "SmallLinearKernel", "load_small_linear",
+           "small_linear_unsupported"]
+
+SOURCE = Path(__file__).with_name("csrc") / "small_linear.c"
+WHAT = "the CPU small-batch linear kernel"
+#: the build's vector unit -> the row counts (inclusive) at which the kernel beat torch's F.linear on SmolLM2-135M's
+#: shapes, one thread (BENCHMARKS.md, "Small-batch projections on CPU"); a build without AVX2 + FMA won at none
+ROWS: dict[int, tuple[int, int]] = {512: (1, 16), 256: (4, 8)}
+ISA_NAMES = {512: "AVX-512", 256: "AVX2 + FMA", 0: "no AVX2"}
+
+_active = threading.local()  # .route: the LinearRoute active on this thread, if any
+
+
+def small_linear_unsupported(device: torch.device | str, dtype: torch.dtype) -> str | None:
+    """Why the kernel cannot serve a model on ``device`` in ``dtype`` (before building it), or None when it can."""
+    dev = torch.device(device)
+    if dev.type != "cpu":
+        return f"the CPU small-batch linear kernel multiplies in host memory; the model is on {dev.type}"
+    if dtype != torch.float32:
+        return f"the CPU small-batch linear kernel multiplies float32 weights; the model is {str(dtype).split('.')[-1]}"
+    return None
+
+
+@functools.cache
+def load_small_linear(cache_dir: Path) -> SmallLinearKernel:
+    """The kernel built under ``cache_dir`` (compiled there on first use; once per process after that)."""
+    path = build_kernel(Path(cache_dir), SOURCE, WHAT)
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError:  # a cached library that does not load (truncated by a full disk, say): built again, once
+        path.unlink(missing_ok=True)
+        path = build_kernel(Path(cache_dir), SOURCE, WHAT)
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as exc:
+            raise KernelUnavailable(f"{WHAT} {path} did not load: {exc}") from None
+    return SmallLinearKernel(lib, path)
+
+
+class SmallLinearKernel:
+    """The loaded kernel: ``kernel(x, weight, bias)`` is ``F.linear`` for 2-D float32 ``x`` of a few rows."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        fn = lib.kvload_small_linear
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
+        fn.restype = ctypes.c_int
+        self._fn = fn
+        isa = lib.kvload_small_linear_isa
+        isa.restype = ctypes.c_int
+        #: the vector unit the build uses (512, 256 or 0) and the row counts it takes (None: none)
+        self.isa: int = int(isa())
+        self.rows: tuple[int, int] | None = ROWS.get(self.isa)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ weight.T + bias`` for ``x`` of shape ``(M, K)``; all float32, contiguous, in host memory."""
+        M, K = x.shape
+        N = weight.shape[0]
+        for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+            if t is not None and (t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous()):
+                raise ValueError(f"{WHAT}: {name} must be a contiguous float32 CPU tensor, got {t.dtype} on "
+                                 f"{t.device}")
+        if weight.shape[1] != K or (bias is not None and bias.shape != (N,)):
+            raise ValueError(f"{WHAT}: x {tuple(x.shape)}, weight {tuple(weight.shape)}, bias "
+                             f"{None if bias is None else tuple(bias.shape)} do not fit")
+        y = torch.empty(M, N, dtype=torch.float32)
+        self._fn(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+                 M, N, K, torch.get_num_threads())
+        return y
+
+
+class RoutedLinear(nn.Linear):
+    """An ``nn.Linear`` whose calls take the small-batch kernel while a :class:`LinearRoute` is active here."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """``F.linear``, on the kernel for the row counts it serves while a route is active on this thread."""
+        route = getattr(_active, "route", None)
+        if route is not None and input.dtype == torch.float32 and not input.requires_grad:
+            K = input.shape[-1]
+            rows = input.numel() // K if K else 0
+            lo, hi = route.rows
+            if lo <= rows <= hi and input.device.type == "cpu":
+                route.calls += 1
+                y = route.kernel(input.reshape(rows, K).contiguous(), self.weight, self.bias)
+                return y.view(*input.shape[:-1], y.shape[-1])
+        return F.linear(input, self.weight, self.bias)
+
+
+def _plain(t: torch.Tensor | None) -> bool:
+    """A float32 host tensor whose storage is its own (not a DTensor shard or another subclass), contiguous."""
+    if t is None:
+        return True
+    data = t.data if isinstance(t, nn.Parameter) else t
+    return type(data) is torch.Tensor and data.dtype == torch.float32 and data.is_cpu and data.is_contiguous()
+
+
+class LinearRoute:
+    """The small-batch kernel installed on a model's plain float32 ``nn.Linear`` layers; :meth:`active` turns it
+    on for the calling thread."""
+
+    def __init__(self, kernel: SmallLinearKernel, model: nn.Module) -> None:
+        if kernel.rows is None:
+            raise KernelUnavailable(f"{WHAT} was built for {ISA_NAMES.get(kernel.isa, kernel.isa)}, where it is "
+                                    "slower than torch's matmul at every row count measured")
+        self.kernel = kernel
+        self.rows: tuple[int, int] = kernel.rows
+        #: kernel calls so far (a test's witness that the route ran, and where)
+        self.calls = 0
+        self.layers: list[nn.Linear] = []
+        for module in model.modules():
+            # RoutedLinear too: another executor over the same model installed it already
+            if type(module) in (nn.Linear, RoutedLinear) and _plain(module.weight) and _plain(module.bias):
+                module.__class__ = RoutedLinear
+                self.layers.append(module)
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[LinearRoute]:
+        """Within the block, this thread's calls of the routed layers take the kernel where it serves them."""
+        previous = getattr(_active, "route", None)
+        _active.route = self
+        try:
+            yield self
+        finally:
+            _active.route = previous
+
+
+def describe(route: Any) -> str:
+    """One line on what a route runs: the build's vector unit and the row counts it takes."""
+    lo, hi = route.rows
+    return f"{ISA_NAMES.get(route.kernel.isa, route.kernel.isa)} build, {lo}-{hi} rows"
