@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 import pipeline
-from pipeline.config import ATTENTION_BACKENDS
+from pipeline.config import ATTENTION_BACKENDS, LINEAR_BACKENDS
 
 #: Prompt lengths of the mixed scenarios, cycled to the batch size (short chats to long documents).
 MIXED_LENGTHS = (12, 200, 45, 90, 7, 150, 30, 64)
@@ -124,37 +124,51 @@ def attention_in_use(executor: Any, requested: str) -> str:
     return requested
 
 
-def bench_scenario(result: pipeline.LoadResult, prompts: list[list[int]], args: argparse.Namespace,
-                   device: torch.device, backends: list[str] | None = None) -> list[dict[str, Any]]:
-    """Median tokens/s of kvload and of ``model.generate`` on one prompt set: a row per attention backend.
+def linear_in_use(executor: Any, requested: str) -> str:
+    """The projections a generate call runs on: ``requested``, or ``torch`` where the kernel was ignored."""
+    return requested if requested == "torch" or executor.linear is not None else "torch"
 
-    ``backends`` (default: the loaded one only): every repeat runs kvload once per backend, switched on the executor
-    between calls (``GenerationExecutor.use_attention``), then ``model.generate``, so all see the same machine.
+
+def bench_scenario(result: pipeline.LoadResult, prompts: list[list[int]], args: argparse.Namespace,
+                   device: torch.device, backends: list[str] | None = None,
+                   linears: list[str] | None = None) -> list[dict[str, Any]]:
+    """Median tokens/s of kvload and of ``model.generate`` on one prompt set: a row per (attention, linear) pair.
+
+    ``backends`` (default: the loaded one only) and ``linears`` (the same): every repeat runs kvload once per pair,
+    switched on the executor between calls (``GenerationExecutor.use_attention`` / ``use_linear``), then
+    ``model.generate``, so all see the same machine.
     """
     model = result.hf_model
     pad_id = model.generation_config.pad_token_id
     if not isinstance(pad_id, int):
         pad_id = 0
-    names = backends or [attention_in_use(result.executor, result.args.attention_backend)]
-    kv_rates: dict[str, list[float]] = {n: [] for n in names}
-    kv_cpu: dict[str, list[float]] = {n: [] for n in names}
-    kv_stats: dict[str, Any] = {}
+    attentions = backends or [attention_in_use(result.executor, result.args.attention_backend)]
+    lins = linears or [linear_in_use(result.executor, result.args.linear_backend)]
+    names = [(a, lin) for a in attentions for lin in lins]
+    kv_rates: dict[tuple[str, str], list[float]] = {n: [] for n in names}
+    kv_cpu: dict[tuple[str, str], list[float]] = {n: [] for n in names}
+    kv_stats: dict[tuple[str, str], Any] = {}
     paths: dict[str, tuple[Any, Any]] = {}  # backend -> the executor's (flex, decode_kernel) for it
     hf_rates: list[float] = []
     hf_cpu: list[float] = []
     for rep in range(args.repeats + 1):  # the first round warms every side up and is not counted
         for name in names:
+            attention, linear = name
             if backends:  # each backend set up once (flex compiles its shapes once), then swapped in
-                if name not in paths:
-                    result.executor.use_attention(name, result.args.max_num_tokens)
-                    if attention_in_use(result.executor, name) != name:
-                        raise SystemExit(f"--compare-attention: {name} does not run here (see the load's audit)")
-                    paths[name] = (result.executor.flex, result.executor.decode_kernel)
-                result.executor.flex, result.executor.decode_kernel = paths[name]
+                if attention not in paths:
+                    result.executor.use_attention(attention, result.args.max_num_tokens)
+                    if attention_in_use(result.executor, attention) != attention:
+                        raise SystemExit(f"--compare-attention: {attention} does not run here (see the load's audit)")
+                    paths[attention] = (result.executor.flex, result.executor.decode_kernel)
+                result.executor.flex, result.executor.decode_kernel = paths[attention]
+            if linears:
+                result.executor.use_linear(linear)
+                if linear_in_use(result.executor, linear) != linear:
+                    raise SystemExit(f"--compare-linear: {linear} does not run here (see the load's audit)")
             sync(device)
             start, cpu = time.perf_counter(), time.thread_time()
             outs = result.generate(prompts, max_new_tokens=args.new_tokens, ignore_eos=True,
-                                   salt=f"bench-{rep}-{name}")
+                                   salt=f"bench-{rep}-{attention}-{linear}")
             sync(device)
             kv_time, kv_thread = time.perf_counter() - start, time.thread_time() - cpu
             generated = sum(len(o.token_ids) for o in outs)
@@ -177,7 +191,8 @@ def bench_scenario(result: pipeline.LoadResult, prompts: list[list[int]], args: 
             "prompts": len(prompts),
             "prompt_tokens": sum(len(p) for p in prompts),
             "new_tokens": args.new_tokens,
-            "attention": name,
+            "attention": name[0],
+            "linear": name[1],
             "kvload_tokens_per_s": kv,
             "hf_tokens_per_s": hf,
             "ratio": kv / hf,
@@ -216,6 +231,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--compare-attention", default="", metavar="A,B,...",
                    help="time kvload on each of these attention backends in the same run, switched between calls "
                         "(e.g. sdpa,cpu_kernel); --attention is then the one the load resolves first")
+    p.add_argument("--linear", default="auto", choices=LINEAR_BACKENDS,
+                   help="kvload's linear_backend (cpu_kernel: steps of few rows on the small-batch kernel)")
+    p.add_argument("--compare-linear", default="", metavar="A,B",
+                   help="time kvload on each of these linear backends in the same run, switched between calls "
+                        "(torch,cpu_kernel)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     args = p.parse_args(argv)
     if args.threads:
@@ -229,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.manager != "auto":
         kv["use_kv_cache_manager_v2"] = args.manager == "v2"
     overrides: dict[str, Any] = {"device": args.device, "max_num_tokens": args.max_num_tokens,
-                                 "attention_backend": args.attention,
+                                 "attention_backend": args.attention, "linear_backend": args.linear,
                                  "max_seq_len": max(*MIXED_LENGTHS, SINGLE_LENGTH) + args.new_tokens}
     if args.dtype != "auto":
         overrides["dtype"] = args.dtype
@@ -238,8 +258,10 @@ def main(argv: list[str] | None = None) -> None:
         device = result.kv_manager.pools.device
         vocab = result.hf_model.get_input_embeddings().num_embeddings
         backends = [b for b in args.compare_attention.split(",") if b] or None
+        linears = [b for b in args.compare_linear.split(",") if b] or None
         rows = [row for b in batches
-                for row in bench_scenario(result, prompts_for(lengths[b], vocab, seed=b), args, device, backends)]
+                for row in bench_scenario(result, prompts_for(lengths[b], vocab, seed=b), args, device, backends,
+                                          linears)]
         flex = result.executor.flex
         head = {"model": args.model, "device": str(device), "dtype": str(result.args.dtype),
                 "kv_manager": result.route.kv_manager, "threads": torch.get_num_threads(),
@@ -256,10 +278,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"compiled {head['compiled_shapes']} attention shapes in {head['warmup_s']:.1f} s (warm-up round, "
               "not in tokens/s)")
     print("wall: tokens / wall time; cpu: tokens / CPU time of the calling thread (--threads 1: all of torch's work)")
-    print(f"{'prompts':>7} {'prompt_tok':>10} {'attention':>10} {'kvload_tok/s':>12} {'generate_tok/s':>14} "
-          f"{'ratio':>6} {'kv_cpu_tok/s':>12} {'gen_cpu_tok/s':>13} {'cpu_ratio':>9} {'kv_steps':>8} {'forward%':>8}")
+    print(f"{'prompts':>7} {'prompt_tok':>10} {'attention':>10} {'linear':>10} {'kvload_tok/s':>12} "
+          f"{'generate_tok/s':>14} {'ratio':>6} {'kv_cpu_tok/s':>12} {'gen_cpu_tok/s':>13} {'cpu_ratio':>9} "
+          f"{'kv_steps':>8} {'forward%':>8}")
     for r in rows:
-        print(f"{r['prompts']:>7} {r['prompt_tokens']:>10} {r['attention']:>10} {r['kvload_tokens_per_s']:>12.1f} "
+        print(f"{r['prompts']:>7} {r['prompt_tokens']:>10} {r['attention']:>10} {r['linear']:>10} "
+              f"{r['kvload_tokens_per_s']:>12.1f} "
               f"{r['hf_tokens_per_s']:>14.1f} {r['ratio']:>6.2f} {r['kvload_cpu_tokens_per_s']:>12.1f} "
               f"{r['hf_cpu_tokens_per_s']:>13.1f} {r['cpu_ratio']:>9.2f} {r['kvload_steps']:>8} "
               f"{100 * r['kvload_forward_share']:>7.1f}%")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from bench import bench_block_pool, bench_hashing, bench_scheduler, run_all
 
 
@@ -100,3 +102,15 @@ def test_bench_attention_mla_paths_agree_and_print_a_row(capsys):
     assert "MLA decode, one layer" in out and "heads=2 nope=8 rope=4 kv_rank=16 v=8" in out
     (row,) = [line for line in out.splitlines() if line.split()[:2] == ["2", "24"]]
     assert len(row.split()) == 10  # batch, len, 6 times (flex 0), gather_x, abs_x
+
+
+def test_bench_linear_checks_the_kernel_against_torch_and_prints_a_row_per_row_count(capsys, tmp_path):
+    from bench import bench_linear
+    from cache_backends.cpu_kernel_build import compiler
+
+    if compiler() is None:
+        pytest.skip("no C compiler to build the CPU kernel with")
+    bench_linear.main(["--shape", "tiny", "--rows", "1,3,20", "--reps", "1", "--kernel-cache", str(tmp_path)])
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.split() and line.split()[0].isdigit()]
+    assert [r[0] for r in rows] == ["1", "3", "20"] and all(len(r) == 8 for r in rows)
