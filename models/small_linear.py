@@ -1,9 +1,9 @@
 """Decode-step projections on a C kernel for CPUs: ``y = x W^T + b`` for a few rows of ``x``.
 
 A decode step multiplies every weight matrix of the model by one row per running sequence. BLAS libraries are tuned
-for many rows; at 2-16 rows MKL reads a weight matrix far slower than it could be streamed, and at 8 rows a
-SmolLM2-135M step spends ~40% more in its projections and LM head than the weights' bytes need (BENCHMARKS.md,
-"Small-batch projections on CPU"). ``csrc/small_linear.c`` reads each weight row once, into registers, and
+for many rows; at 4-12 rows MKL reads a weight matrix far slower than it can be streamed: SmolLM2-135M's
+projections and LM head take 1.6-2x the kernel's time there, one thread (BENCHMARKS.md, "Small-batch projections
+on CPU"). ``csrc/small_linear.c`` reads each weight row once, into registers, and
 multiplies it with every row of ``x`` there; weight rows are split over torch's intra-op threads.
 
 :class:`LinearRoute` installs it on a loaded model: each plain float32 ``nn.Linear`` becomes a
@@ -36,7 +36,7 @@ SOURCE = Path(__file__).with_name("csrc") / "small_linear.c"
 WHAT = "the CPU small-batch linear kernel"
 #: the build's vector unit -> the row counts (inclusive) at which the kernel beat torch's F.linear on SmolLM2-135M's
 #: shapes, one thread (BENCHMARKS.md, "Small-batch projections on CPU"); a build without AVX2 + FMA won at none
-ROWS: dict[int, tuple[int, int]] = {512: (1, 16), 256: (4, 8)}
+ROWS: dict[int, tuple[int, int]] = {512: (1, 32), 256: (4, 12)}
 ISA_NAMES = {512: "AVX-512", 256: "AVX2 + FMA", 0: "no AVX2"}
 
 _active = threading.local()  # .route: the LinearRoute active on this thread, if any

@@ -1,7 +1,7 @@
 /* y = x W^T (+ bias) for a few rows of x: the projections of a decode step on a CPU.
  *
- * A decode step multiplies each weight matrix by 1-12 rows. BLAS libraries tune sgemm for large M; at a few rows
- * MKL reads W at ~60% of the rate a plain stream reaches (BENCHMARKS.md, "Small-batch projections on CPU"). Here
+ * A decode step multiplies each weight matrix by one row per running sequence. BLAS libraries tune sgemm for large
+ * M; at 4-12 rows MKL takes 1.6-2x this kernel's time (BENCHMARKS.md, "Small-batch projections on CPU"). Here
  * each weight row is read from memory once per call, into registers, and multiplied with every row of x while it
  * is there: for a block of OB weight rows, MB rows of x are done at a time (the block stays in L1 between row
  * groups), with OB x MB vector accumulators and a software prefetch PF floats ahead in each weight row.
