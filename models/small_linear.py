@@ -39,6 +39,7 @@ WHAT = "the CPU small-batch linear kernel"
 ROWS: dict[int, tuple[int, int]] = {512: (1, 32), 256: (4, 12)}
 ISA_NAMES = {512: "AVX-512", 256: "AVX2 + FMA", 0: "no AVX2"}
 
+F32 = torch.float32
 _active = threading.local()  # .route: the LinearRoute active on this thread, if any
 
 
@@ -106,14 +107,10 @@ class RoutedLinear(nn.Linear):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``F.linear``, on the kernel for the row counts it serves while a route is active on this thread."""
         route = getattr(_active, "route", None)
-        if route is not None and input.dtype == torch.float32 and not input.requires_grad:
-            K = input.shape[-1]
-            rows = input.numel() // K if K else 0
-            lo, hi = route.rows
-            if lo <= rows <= hi and input.device.type == "cpu":
-                route.calls += 1
-                y = route.kernel(input.reshape(rows, K).contiguous(), self.weight, self.bias)
-                return y.view(*input.shape[:-1], y.shape[-1])
+        if route is not None:
+            y = route.linear(input, self.weight, self.bias)
+            if y is not None:
+                return y
         return F.linear(input, self.weight, self.bias)
 
 
@@ -143,6 +140,28 @@ class LinearRoute:
             if type(module) in (nn.Linear, RoutedLinear) and _plain(module.weight) and _plain(module.bias):
                 module.__class__ = RoutedLinear
                 self.layers.append(module)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """``F.linear(x, weight, bias)`` on the kernel, or None where it does not serve the call (the caller then
+        runs ``F.linear``): rows outside :attr:`rows`, or anything not float32 in host memory. The weight is checked
+        on every call, not only at install: a model moved or cast later must not be read as float32 here."""
+        K = x.shape[-1]
+        rows = x.numel() // K if K else 0
+        lo, hi = self.rows
+        if not lo <= rows <= hi or x.dtype != F32 or weight.dtype != F32 or x.requires_grad:
+            return None
+        if not (x.is_cpu and weight.is_cpu and weight.is_contiguous()):
+            return None
+        if bias is not None and (bias.dtype != F32 or not bias.is_cpu or not bias.is_contiguous()):
+            return None
+        if not x.is_contiguous():  # (a reshape of a contiguous x would cost ~2 us a call for nothing)
+            x = x.contiguous()
+        N = weight.shape[0]
+        y = torch.empty((*x.shape[:-1], N), dtype=F32)
+        self.calls += 1
+        self.kernel._fn(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+                        rows, N, K, torch.get_num_threads())
+        return y
 
     @contextlib.contextmanager
     def active(self) -> Iterator[LinearRoute]:

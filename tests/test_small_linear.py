@@ -123,6 +123,26 @@ def test_the_route_runs_only_while_active_on_this_thread_and_only_at_its_row_cou
 
 
 @needs_cc
+def test_a_model_cast_or_a_strided_input_after_install_is_never_read_as_float32(kernel):
+    if kernel.rows is None:
+        pytest.skip("this CPU's build serves no row count")
+    model = TwoLayers()
+    route = LinearRoute(kernel, model)
+    x = torch.randn(24, 1).t().unsqueeze(0)  # (1, 1, 24), not contiguous
+    with torch.inference_mode():
+        ref = model(x)  # route not active: F.linear
+        with route.active():
+            torch.testing.assert_close(model(x), ref)
+            assert route.calls == 2  # strided rows are copied, then taken
+            model.to(torch.bfloat16)  # the weights are no longer float32: torch again, never the kernel
+            xb = x.to(torch.bfloat16)
+            got = model(xb)
+            assert route.calls == 2 and got.dtype == torch.bfloat16
+            torch.testing.assert_close(got, F.linear(torch.relu(F.linear(xb, model.up.weight, model.up.bias)),
+                                                     model.down.weight))
+
+
+@needs_cc
 @pytest.mark.parametrize(("family", "manager"), [("llama", "v1"), ("qwen3", "v2"), ("gemma3", "v2")])
 def test_generate_on_the_kernel_equals_transformers_which_never_takes_it(tiny_checkpoints, kernel_cache, family,
                                                                          manager):
