@@ -21,7 +21,6 @@ import functools
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -150,13 +149,14 @@ class LinearRoute:
         lo, hi = self.rows
         if not lo <= rows <= hi or x.dtype != F32 or weight.dtype != F32 or x.requires_grad:
             return None
-        if not (x.is_cpu and weight.is_cpu and weight.is_contiguous()):
-            return None
-        if bias is not None and (bias.dtype != F32 or not bias.is_cpu or not bias.is_contiguous()):
+        if not (x.is_cpu and weight.is_cpu and weight.is_contiguous()) or weight.shape[1] != K:
+            return None  # (a mismatched width: F.linear raises torch's error; the kernel would read past W)
+        N = weight.shape[0]
+        if bias is not None and (bias.dtype != F32 or not bias.is_cpu or not bias.is_contiguous()
+                                 or bias.shape != (N,)):
             return None
         if not x.is_contiguous():  # (a reshape of a contiguous x would cost ~2 us a call for nothing)
             x = x.contiguous()
-        N = weight.shape[0]
         y = torch.empty((*x.shape[:-1], N), dtype=F32)
         self.calls += 1
         self.kernel._fn(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
@@ -173,8 +173,3 @@ class LinearRoute:
         finally:
             _active.route = previous
 
-
-def describe(route: Any) -> str:
-    """One line on what a route runs: the build's vector unit and the row counts it takes."""
-    lo, hi = route.rows
-    return f"{ISA_NAMES.get(route.kernel.isa, route.kernel.isa)} build, {lo}-{hi} rows"

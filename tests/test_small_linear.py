@@ -143,6 +143,17 @@ def test_a_model_cast_or_a_strided_input_after_install_is_never_read_as_float32(
 
 
 @needs_cc
+def test_an_input_of_the_wrong_width_gets_torchs_error_not_a_read_past_the_weight(kernel):
+    if kernel.rows is None:
+        pytest.skip("this CPU's build serves no row count")
+    model = TwoLayers()
+    route = LinearRoute(kernel, model)
+    with torch.inference_mode(), route.active(), pytest.raises(RuntimeError, match="cannot be multiplied"):
+        model.up(torch.randn(1, 4096))  # 4096 wide where the layer takes 24
+    assert route.calls == 0
+
+
+@needs_cc
 @pytest.mark.parametrize(("family", "manager"), [("llama", "v1"), ("qwen3", "v2"), ("gemma3", "v2")])
 def test_generate_on_the_kernel_equals_transformers_which_never_takes_it(tiny_checkpoints, kernel_cache, family,
                                                                          manager):
