@@ -5,8 +5,8 @@ Kept apart from the kernels' callers (``cache_backends.cpu_decode``, ``models.sm
 ``resolve_auto`` can ask whether a compiler is there without importing torch. Each library goes into a cache
 directory the caller names, under a key of its source, the compiler's version, the flags and the CPU
 (``-march=native`` builds for this CPU), so a rebuild happens only when one of them changes; it is written under a
-temporary name and renamed when complete, so a crashed or concurrent build never leaves half a library under the
-final name.
+temporary name of its process and thread and renamed when complete, so a crashed or concurrent build never leaves
+half a library under the final name.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import os
 import platform
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
@@ -77,7 +78,9 @@ def build_kernel(cache_dir: Path, source: Path | None = None, what: str = "the C
             cache_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise KernelUnavailable(f"the kernel cache {cache_dir} cannot be created: {exc.strerror}") from None
-        tmp = cache_dir / f".{stem}-{key}.{os.getpid()}.so"  # renamed when complete: never half a library
+        # renamed when complete: never half a library; per process and thread, so a second build of the same key at
+        # once (two loads in one process) neither overwrites these files nor has them deleted under it
+        tmp = cache_dir / f".{stem}-{key}.{os.getpid()}.{threading.get_ident()}.so"
         obj = tmp.with_suffix(".o")
         try:
             for cmd in ([cc, *cflags, "-fPIC", "-c", "-o", str(obj), str(source)],

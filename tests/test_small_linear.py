@@ -3,6 +3,7 @@ own forward at the row counts it serves, and refused with its reason where it ca
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import pipeline
 from cache_backends import cpu_kernel_build
 from models.small_linear import (
     ROWS,
+    SOURCE,
     KernelUnavailable,
     LinearRoute,
     RoutedLinear,
@@ -226,3 +228,30 @@ def test_auto_resolves_by_device_and_dtype(device, dtype, want, says, monkeypatc
 def test_what_the_kernel_cannot_serve_is_named(args, says):
     assert says in small_linear_unsupported(*args)
     assert small_linear_unsupported("cpu", torch.float32) is None
+
+
+@needs_cc
+def test_two_threads_building_at_once_both_get_the_native_build(tmp_path, monkeypatch):
+    # two loads in one process (two LoadResults, a server with two models) build into the same empty cache at once:
+    # each must get this CPU's build, never a fallback left when the other thread's temporary files vanished
+    real = cpu_kernel_build.compiler()
+    cc = tmp_path / "cc"  # slow enough that the two builds overlap
+    cc.write_text(f"#!/bin/sh\n[ \"$1\" = --version ] || sleep 0.5\nexec {real} \"$@\"\n")
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    cache = tmp_path / "kernels"
+    got: list[object] = []
+
+    def build() -> None:
+        try:
+            got.append(cpu_kernel_build.build_kernel(cache, SOURCE, "the kernel"))
+        except KernelUnavailable as exc:
+            got.append(exc)
+
+    threads = [threading.Thread(target=build) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 2 and got[0] == got[1], got
+    assert [p.name for p in cache.iterdir()] == [got[0].name]  # one library, nothing half-built beside it
