@@ -83,10 +83,10 @@ def resolve_linear_backend(device: str, dtype: str) -> tuple[str, str, str]:
         return "torch", "auto", ("no C compiler here to build the CPU small-batch linear kernel with (set $CC, or "
                                  "install gcc, for \"cpu_kernel\")")
     return "cpu_kernel", "auto", ("on CPU, steps of a few rows (decode) multiply on a kernel that reads each weight "
-                                  "once for all rows: 0.5-0.65x torch's time at 4-12 rows, 0.8-0.95x at 1-2 and "
-                                  "16-32 (AVX-512; BENCHMARKS.md, \"Small-batch projections on CPU\"); built once "
-                                  "per machine with the C compiler; larger steps, and builds without AVX2, stay on "
-                                  "torch")
+                                  "once for all rows: 0.5-0.65x torch's time at 4-12 rows, 0.8-0.95x at 16-32, "
+                                  "0.97x at 1-2 (AVX-512; BENCHMARKS.md, \"Small-batch projections on CPU\"); built "
+                                  "once per machine with the C compiler; larger steps, and builds without AVX2, stay "
+                                  "on torch")
 
 
 class ResolveAuto:
