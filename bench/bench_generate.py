@@ -238,6 +238,13 @@ def main(argv: list[str] | None = None) -> None:
                         "(torch,cpu_kernel)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     args = p.parse_args(argv)
+    backends = [b for b in args.compare_attention.split(",") if b] or None
+    linears = [b for b in args.compare_linear.split(",") if b] or None
+    for flag, names, allowed in (("--compare-attention", backends, ATTENTION_BACKENDS),
+                                 ("--compare-linear", linears, LINEAR_BACKENDS)):
+        bad = [n for n in names or [] if n not in allowed or n == "auto"]
+        if bad:  # before minutes of loading, not after
+            p.error(f"{flag}: {', '.join(bad)} is not one of {', '.join(a for a in allowed if a != 'auto')}")
     if args.threads:
         torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
@@ -257,8 +264,6 @@ def main(argv: list[str] | None = None) -> None:
                        **overrides) as result:
         device = result.kv_manager.pools.device
         vocab = result.hf_model.get_input_embeddings().num_embeddings
-        backends = [b for b in args.compare_attention.split(",") if b] or None
-        linears = [b for b in args.compare_linear.split(",") if b] or None
         rows = [row for b in batches
                 for row in bench_scenario(result, prompts_for(lengths[b], vocab, seed=b), args, device, backends,
                                           linears)]

@@ -149,6 +149,8 @@ class LinearRoute:
         lo, hi = self.rows
         if not lo <= rows <= hi or x.dtype != F32 or weight.dtype != F32 or x.requires_grad:
             return None
+        if torch.is_autocast_enabled("cpu"):  # F.linear would multiply in the autocast dtype there
+            return None
         if not (x.is_cpu and weight.is_cpu and weight.is_contiguous()) or weight.shape[1] != K:
             return None  # (a mismatched width: F.linear raises torch's error; the kernel would read past W)
         N = weight.shape[0]

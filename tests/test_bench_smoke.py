@@ -114,3 +114,14 @@ def test_bench_linear_checks_the_kernel_against_torch_and_prints_a_row_per_row_c
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.split() and line.split()[0].isdigit()]
     assert [r[0] for r in rows] == ["1", "3", "20"] and all(len(r) == 8 for r in rows)
+
+
+@pytest.mark.parametrize("flag", ["--compare-attention", "--compare-linear"])
+def test_bench_generate_refuses_a_bad_backend_before_loading(flag, capsys, monkeypatch):
+    from bench import bench_generate
+
+    monkeypatch.setattr(bench_generate.pipeline, "load", lambda *a, **k: pytest.fail("loaded before refusing"))
+    with pytest.raises(SystemExit) as exc:
+        bench_generate.main([flag, "sdpa,fast" if "attention" in flag else "torch,fast"])
+    assert exc.value.code == 2
+    assert f"{flag}: fast is not one of" in capsys.readouterr().err

@@ -156,6 +156,17 @@ def test_an_input_of_the_wrong_width_gets_torchs_error_not_a_read_past_the_weigh
 
 
 @needs_cc
+def test_under_cpu_autocast_the_layers_multiply_as_torch_would(kernel):
+    if kernel.rows is None:
+        pytest.skip("this CPU's build serves no row count")
+    model = TwoLayers()
+    route = LinearRoute(kernel, model)
+    with torch.inference_mode(), route.active(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model.up(torch.randn(1, 24)).dtype == torch.bfloat16  # autocast's dtype, as F.linear gives
+    assert route.calls == 0
+
+
+@needs_cc
 @pytest.mark.parametrize(("family", "manager"), [("llama", "v1"), ("qwen3", "v2"), ("gemma3", "v2")])
 def test_generate_on_the_kernel_equals_transformers_which_never_takes_it(tiny_checkpoints, kernel_cache, family,
                                                                          manager):
