@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from cache_backends.cpu_kernel_build import KernelUnavailable, build_kernel
+from cache_backends.cpu_kernel_build import KernelUnavailable, load_library
 
 __all__ = ["CpuDecodeKernel", "KernelUnavailable", "cpu_decode_unsupported", "load_cpu_kernel"]
 
@@ -73,16 +73,7 @@ class _DecodeArgs(ctypes.Structure):
 @functools.cache
 def load_cpu_kernel(cache_dir: Path) -> CpuDecodeKernel:
     """The kernel built under ``cache_dir`` (compiled there on first use; once per process after that)."""
-    path = build_kernel(Path(cache_dir))
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError:  # a cached library that does not load (truncated by a full disk, say): built again, once
-        path.unlink(missing_ok=True)
-        path = build_kernel(Path(cache_dir))
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError as exc:
-            raise KernelUnavailable(f"the CPU paged decode kernel {path} did not load: {exc}") from None
+    lib, path = load_library(Path(cache_dir))
     return CpuDecodeKernel(lib, path)
 
 

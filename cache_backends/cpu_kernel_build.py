@@ -11,6 +11,7 @@ half a library under the final name.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import platform
@@ -98,3 +99,19 @@ def build_kernel(cache_dir: Path, source: Path | None = None, what: str = "the C
             tmp.unlink(missing_ok=True)
             obj.unlink(missing_ok=True)
     raise KernelUnavailable(f"compiling {what} with {cc} failed: {errors[-1]}")
+
+
+def load_library(cache_dir: Path, source: Path | None = None,
+                 what: str = "the CPU paged decode kernel") -> tuple[ctypes.CDLL, Path]:
+    """The library built from ``source`` under ``cache_dir`` (:func:`build_kernel`), loaded, and its path; a cached
+    copy that does not load (truncated by a full disk, say) is built again, once, rather than given up on for good."""
+    path = build_kernel(cache_dir, source, what)
+    try:
+        return ctypes.CDLL(str(path)), path
+    except OSError:
+        path.unlink(missing_ok=True)
+        path = build_kernel(cache_dir, source, what)
+        try:
+            return ctypes.CDLL(str(path)), path
+        except OSError as exc:
+            raise KernelUnavailable(f"{what} {path} did not load: {exc}") from None

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cache_backends.cpu_kernel_build import KernelUnavailable, build_kernel
+from cache_backends.cpu_kernel_build import KernelUnavailable, load_library
 
 __all__ = ["ROWS", "KernelUnavailable", "LinearRoute", "RoutedLinear", "SmallLinearKernel", "load_small_linear",
            "small_linear_unsupported"]
@@ -55,16 +55,7 @@ def small_linear_unsupported(device: torch.device | str, dtype: torch.dtype) -> 
 @functools.cache
 def load_small_linear(cache_dir: Path) -> SmallLinearKernel:
     """The kernel built under ``cache_dir`` (compiled there on first use; once per process after that)."""
-    path = build_kernel(Path(cache_dir), SOURCE, WHAT)
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError:  # a cached library that does not load (truncated by a full disk, say): built again, once
-        path.unlink(missing_ok=True)
-        path = build_kernel(Path(cache_dir), SOURCE, WHAT)
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError as exc:
-            raise KernelUnavailable(f"{WHAT} {path} did not load: {exc}") from None
+    lib, path = load_library(Path(cache_dir), SOURCE, WHAT)
     return SmallLinearKernel(lib, path)
 
 

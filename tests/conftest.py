@@ -81,6 +81,15 @@ def spec_with_defaults(checkpoint_dir) -> Iterator[Any]:
     unregister_model(*registered)
 
 
+@pytest.fixture(scope="module")
+def kernel_cache(tmp_path_factory: pytest.TempPathFactory):
+    """A kvload cache of the module's own (``$KVLOAD_CACHE``), so C kernels are built there, not in the user's."""
+    with pytest.MonkeyPatch.context() as mp:
+        root = tmp_path_factory.mktemp("kvload-cache")
+        mp.setenv("KVLOAD_CACHE", str(root))
+        yield root
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory):
     """Factory: a saved tiny random checkpoint (safetensors) per family of ``test_paged_generation``, built once."""

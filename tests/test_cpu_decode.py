@@ -20,15 +20,6 @@ from tests.generate_support import hf_greedy, load, prompts_for
 needs_cc = pytest.mark.skipif(cpu_kernel_build.compiler() is None, reason="no C compiler to build the CPU kernel with")
 
 
-@pytest.fixture(scope="module")
-def kernel_cache(tmp_path_factory):
-    """One build for the module, in a cache of its own (not the user's)."""
-    with pytest.MonkeyPatch.context() as mp:
-        root = tmp_path_factory.mktemp("kvload-cache")
-        mp.setenv("KVLOAD_CACHE", str(root))
-        yield root
-
-
 @pytest.fixture
 def kernel(kernel_cache):
     return load_cpu_kernel(kernel_cache / "kernels")

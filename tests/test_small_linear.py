@@ -31,15 +31,6 @@ BUDGET = {"max_tokens": 512}
 needs_cc = pytest.mark.skipif(cpu_kernel_build.compiler() is None, reason="no C compiler to build the CPU kernel with")
 
 
-@pytest.fixture(scope="module")
-def kernel_cache(tmp_path_factory):
-    """One build for the module, in a cache of its own (not the user's)."""
-    with pytest.MonkeyPatch.context() as mp:
-        root = tmp_path_factory.mktemp("kvload-cache")
-        mp.setenv("KVLOAD_CACHE", str(root))
-        yield root
-
-
 @pytest.fixture
 def kernel(kernel_cache):
     return load_small_linear(kernel_cache / "kernels")
@@ -101,15 +92,21 @@ class TwoLayers(nn.Module):
         return self.down(torch.relu(self.up(x)))
 
 
-@needs_cc
-def test_the_route_runs_only_while_active_on_this_thread_and_only_at_its_row_counts(kernel):
+@pytest.fixture
+def routed(kernel):
+    """A fresh TwoLayers with the kernel installed: (model, route); skipped where this build serves no row count."""
     if kernel.rows is None:
         pytest.skip("this CPU's build serves no row count")
     model = TwoLayers()
-    route = LinearRoute(kernel, model)
+    return model, LinearRoute(kernel, model)
+
+
+@needs_cc
+def test_the_route_runs_only_while_active_on_this_thread_and_only_at_its_row_counts(routed):
+    model, route = routed
     assert type(model.up) is RoutedLinear and type(model.down) is RoutedLinear and type(model.bf16) is nn.Linear
     assert set(model.state_dict()) == {"up.weight", "up.bias", "down.weight", "bf16.weight", "bf16.bias"}
-    lo, hi = kernel.rows
+    lo, hi = route.rows
     x = torch.randn(1, lo, 24)
     ref = model(x)
     assert route.calls == 0  # not active: torch's F.linear
@@ -125,11 +122,8 @@ def test_the_route_runs_only_while_active_on_this_thread_and_only_at_its_row_cou
 
 
 @needs_cc
-def test_a_model_cast_or_a_strided_input_after_install_is_never_read_as_float32(kernel):
-    if kernel.rows is None:
-        pytest.skip("this CPU's build serves no row count")
-    model = TwoLayers()
-    route = LinearRoute(kernel, model)
+def test_a_model_cast_or_a_strided_input_after_install_is_never_read_as_float32(routed):
+    model, route = routed
     x = torch.randn(24, 1).t().unsqueeze(0)  # (1, 1, 24), not contiguous
     with torch.inference_mode():
         ref = model(x)  # route not active: F.linear
@@ -145,22 +139,16 @@ def test_a_model_cast_or_a_strided_input_after_install_is_never_read_as_float32(
 
 
 @needs_cc
-def test_an_input_of_the_wrong_width_gets_torchs_error_not_a_read_past_the_weight(kernel):
-    if kernel.rows is None:
-        pytest.skip("this CPU's build serves no row count")
-    model = TwoLayers()
-    route = LinearRoute(kernel, model)
+def test_an_input_of_the_wrong_width_gets_torchs_error_not_a_read_past_the_weight(routed):
+    model, route = routed
     with torch.inference_mode(), route.active(), pytest.raises(RuntimeError, match="cannot be multiplied"):
         model.up(torch.randn(1, 4096))  # 4096 wide where the layer takes 24
     assert route.calls == 0
 
 
 @needs_cc
-def test_under_cpu_autocast_the_layers_multiply_as_torch_would(kernel):
-    if kernel.rows is None:
-        pytest.skip("this CPU's build serves no row count")
-    model = TwoLayers()
-    route = LinearRoute(kernel, model)
+def test_under_cpu_autocast_the_layers_multiply_as_torch_would(routed):
+    model, route = routed
     with torch.inference_mode(), route.active(), torch.autocast("cpu", dtype=torch.bfloat16):
         assert model.up(torch.randn(1, 24)).dtype == torch.bfloat16  # autocast's dtype, as F.linear gives
     assert route.calls == 0
