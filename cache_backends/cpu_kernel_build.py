@@ -11,11 +11,14 @@ half a library under the final name.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
+import signal
 import subprocess
 import threading
 from pathlib import Path
@@ -29,7 +32,8 @@ FLAG_SETS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
     (("-O3", "-ffast-math", "-fopenmp"), ("-fopenmp",)),
     (("-O3", "-ffast-math", "-Wno-unknown-pragmas"), ()),
 )
-COMPILE_TIMEOUT_S = 300
+#: seconds one compile or link may take: these sources build in 1-7 s, so a compiler past this is hung, not slow
+COMPILE_TIMEOUT_S = 120
 
 
 class KernelUnavailable(RuntimeError):
@@ -37,8 +41,25 @@ class KernelUnavailable(RuntimeError):
 
 
 def compiler() -> str | None:
-    """The C compiler to build with: ``$CC``, else ``cc`` or ``gcc`` on PATH."""
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    """The C compiler to build with: ``$CC`` (a command line, such as ``ccache gcc``), else ``cc`` or ``gcc`` on
+    PATH."""
+    return os.environ.get("CC", "").strip() or shutil.which("cc") or shutil.which("gcc")
+
+
+def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run`` in a session of its own, whose whole process group is killed on timeout (or on an
+    interrupt): ``cc`` runs ``cc1``, ``as`` and ``ld`` under it, and killing ``cc`` alone would leave a hung ``cc1``
+    behind."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except BaseException:  # the timeout, KeyboardInterrupt, a signal's exception: nothing is left running
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def _cpu_identity() -> str:
@@ -60,7 +81,11 @@ def build_kernel(cache_dir: Path, source: Path | None = None, what: str = "the C
         raise KernelUnavailable(f"no C compiler to build {what} with (set $CC, or install gcc)")
     stem = source.stem
     try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        argv = shlex.split(cc)
+    except ValueError as exc:
+        raise KernelUnavailable(f"$CC={cc!r} is not a command line: {exc}") from None
+    try:
+        version = _run([*argv, "--version"], timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise KernelUnavailable(f"the C compiler {cc} did not run: {exc}") from None
     text, cpu = source.read_bytes(), _cpu_identity().encode()
@@ -84,15 +109,18 @@ def build_kernel(cache_dir: Path, source: Path | None = None, what: str = "the C
         tmp = cache_dir / f".{stem}-{key}.{os.getpid()}.{threading.get_ident()}.so"
         obj = tmp.with_suffix(".o")
         try:
-            for cmd in ([cc, *cflags, "-fPIC", "-c", "-o", str(obj), str(source)],
-                        [cc, "-shared", *lflags, "-o", str(tmp), str(obj), "-lm"]):
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+            for cmd in ([*argv, *cflags, "-fPIC", "-c", "-o", str(obj), str(source)],
+                        [*argv, "-shared", *lflags, "-o", str(tmp), str(obj), "-lm"]):
+                proc = _run(cmd, timeout=COMPILE_TIMEOUT_S)
                 if proc.returncode != 0:
                     errors.append((proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[0])
                     break
             else:
                 os.replace(tmp, target)
                 return target
+        except subprocess.TimeoutExpired:  # hung: the next flag set would hang as long again
+            raise KernelUnavailable(f"the C compiler {cc} did not finish building {what} in {COMPILE_TIMEOUT_S} s "
+                                    "(hung?); its processes were stopped") from None
         except (OSError, subprocess.SubprocessError) as exc:
             errors.append(str(exc))
         finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -223,13 +224,13 @@ def test_a_position_without_a_page_is_an_error_not_a_wild_read(kernel, what):
 def compiler_runs(monkeypatch):
     """Every command the kernel build runs from now on (they still run)."""
     calls = []
-    run = subprocess.run
+    run = cpu_kernel_build._run
 
     def counting(cmd, *args, **kwargs):
         calls.append(cmd)
         return run(cmd, *args, **kwargs)
 
-    monkeypatch.setattr(cpu_kernel_build.subprocess, "run", counting)
+    monkeypatch.setattr(cpu_kernel_build, "_run", counting)
     return calls
 
 
@@ -343,3 +344,35 @@ def test_without_a_compiler_generate_says_so_and_attends_through_gather(tiny_che
         assert ignored["value"] == "cpu_kernel"
         assert ignored["reason"] == ("no C compiler to build the CPU paged decode kernel with (set $CC, or install "
                                      "gcc); generate attends through gather + SDPA")
+
+
+def test_a_hung_compiler_is_stopped_with_its_children_and_not_retried(tmp_path, monkeypatch):
+    # cc runs cc1 under it: a hung cc1 must not outlive the build, nor the next flag set wait as long again
+    pidfile = tmp_path / "child.pid"
+    cc = tmp_path / "cc"
+    cc.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo 'fake cc 1.0'; exit 0; }\n"
+                  f"sleep 300 &\necho $! > {pidfile}\nwait\n")
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setattr(cpu_kernel_build, "COMPILE_TIMEOUT_S", 1)
+    calls = []
+    run = cpu_kernel_build._run
+    monkeypatch.setattr(cpu_kernel_build, "_run", lambda cmd, timeout: calls.append(cmd) or run(cmd, timeout))
+    with pytest.raises(KernelUnavailable, match=rf"the C compiler {cc} did not finish building the CPU paged decode "
+                                                r"kernel in 1 s \(hung\?\); its processes were stopped"):
+        cpu_kernel_build.build_kernel(tmp_path / "kernels")
+    assert len([c for c in calls if "-c" in c]) == 1  # one flag set tried, not all three
+    child = int(pidfile.read_text())
+    for _ in range(50):  # SIGKILLed with its group; gone once reaped by init
+        if not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the compiler's child {child} is still running")
+    assert not list((tmp_path / "kernels").iterdir())  # nothing half-built left
+
+
+@needs_cc
+def test_cc_may_be_a_command_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", f"{cpu_kernel_build.compiler()} -DKVLOAD_UNUSED=1")  # as `ccache gcc` would be
+    assert cpu_kernel_build.build_kernel(tmp_path / "kernels").exists()
