@@ -210,9 +210,15 @@ class GenerationExecutor:
             from models.gguf_cache import cache_root
 
             try:
-                self.linear = LinearRoute(load_small_linear(cache_root() / "kernels"), self.model)
+                route = LinearRoute(load_small_linear(cache_root() / "kernels"), self.model)
             except KernelUnavailable as exc:
                 why = str(exc)
+            else:
+                if route.layers:
+                    self.linear = route
+                else:  # an accepted setting never silently does nothing
+                    why = ("none of the model's linear layers holds a plain float32 host tensor (tensor parallel "
+                           "shards them as DTensors)")
         if why is not None:
             self._event(SettingIgnored(field="linear_backend", value=backend,
                                        reason=f"{why}; generate multiplies through torch's F.linear"))

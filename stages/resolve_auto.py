@@ -70,11 +70,14 @@ def resolve_attention_backend(device: str, layer_kinds: set[str] | None = None) 
                                   "with the C compiler, prefill chunks stay on gather + SDPA")
 
 
-def resolve_linear_backend(device: str, dtype: str) -> tuple[str, str, str]:
+def resolve_linear_backend(device: str, dtype: str, tensor_parallel_size: int = 1) -> tuple[str, str, str]:
     """``"auto"`` projections, as measured: on CPU in float32 the small-batch kernel where a compiler can build it,
     torch's ``F.linear`` otherwise (no torch import)."""
     if device.startswith("cuda"):
         return "torch", "auto", "on CUDA the projections run on cuBLAS; the small-batch kernel is for CPUs"
+    if tensor_parallel_size > 1:
+        return "torch", "auto", (f"tensor_parallel_size={tensor_parallel_size}: the weights are sharded as DTensors, "
+                                 "which the small-batch kernel does not read")
     if dtype != "float32":
         return "torch", "auto", f"the small-batch kernel multiplies float32 weights; the model is {dtype}"
     from cache_backends.cpu_kernel_build import compiler
@@ -149,7 +152,7 @@ class ResolveAuto:
             kinds = {layer.kind for layer in ctx.spec.kv_layers()} if ctx.spec is not None else None
             return resolve_attention_backend(str(ctx.args.device), kinds)
         if path == "linear_backend":
-            return resolve_linear_backend(str(ctx.args.device), str(ctx.args.dtype))
+            return resolve_linear_backend(str(ctx.args.device), str(ctx.args.dtype), ctx.args.tensor_parallel_size)
         raise AssertionError(f"no rule resolves {path}")
 
     @staticmethod

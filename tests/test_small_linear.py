@@ -213,10 +213,12 @@ def test_a_build_without_wide_vectors_is_refused_with_its_reason(kernel):
     ("cuda", "bfloat16", "torch", "on CUDA the projections run on cuBLAS"),
     ("cpu", "bfloat16", "torch", "multiplies float32 weights; the model is bfloat16"),
     ("cpu", "float32", "cpu_kernel", "reads each weight once for all rows"),
+    ("cpu", "float32@2", "torch", "tensor_parallel_size=2: the weights are sharded as DTensors"),
 ])
-def test_auto_resolves_by_device_and_dtype(device, dtype, want, says, monkeypatch):
+def test_auto_resolves_by_device_dtype_and_tensor_parallel(device, dtype, want, says, monkeypatch):
     monkeypatch.setattr(cpu_kernel_build, "compiler", lambda: "/usr/bin/cc")
-    value, source, reason = resolve_linear_backend(device, dtype)
+    dtype, _, tp = dtype.partition("@")
+    value, source, reason = resolve_linear_backend(device, dtype, int(tp or 1))
     assert (value, source) == (want, "auto") and says in reason
 
 

@@ -104,6 +104,13 @@ def test_weights_shard_by_transformers_plan_and_greedy_output_equals_one_process
     assert r0["greedy"] == r1["greedy"] == want
     assert r0["sampled"] == r1["sampled"]  # one seed (rank 0's) and rank 0's tokens on every rank
     assert r0["weights_event"]["bytes"] < alone.audit.of("weights_loaded")[0]["bytes"]  # a shard, not the model
+    # the small-batch linear kernel reads plain host tensors; TP's shards are DTensors: auto says so, an explicit ask
+    # is ignored out loud, and the tokens above are F.linear's
+    assert r0["linear_auto"] == [["torch", "tensor_parallel_size=2: the weights are sharded as DTensors, which the "
+                                           "small-batch kernel does not read"]]
+    assert r0["linear_asked"] == r1["linear_asked"] == [
+        "none of the model's linear layers holds a plain float32 host tensor (tensor parallel shards them as "
+        "DTensors); generate multiplies through torch's F.linear"]
 
 
 def test_torchrun_generate_prints_what_one_process_prints(tmp_path, capsys):

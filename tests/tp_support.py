@@ -175,7 +175,20 @@ def generate(out: Path, rank: int) -> dict[str, Any]:
         return {"k_proj_local_rows": k_proj.to_local().shape[0] if hasattr(k_proj, "to_local") else None,
                 "pool_shape": loaded.kv_manager.pools.describe()["uniform"]["shape"],
                 "greedy": [o.token_ids for o in greedy], "sampled": sampled[0].token_ids,
-                "weights_event": loaded.audit.of("weights_loaded")[0]}
+                "weights_event": loaded.audit.of("weights_loaded")[0],
+                "linear_auto": [(e["new"], e["reason"]) for e in loaded.audit.of("auto_resolved")
+                                if e["field"] == "linear_backend"],
+                "linear_asked": linear_asked()}
+
+
+def linear_asked() -> list[str]:
+    """``linear_backend: cpu_kernel`` asked for under TP: the ``setting_ignored`` reasons (the shards are DTensors)."""
+    import pipeline
+
+    with pipeline.load("tiny-llama", load_weights=True, tensor_parallel_size=2, kv_cache_config={"max_tokens": 1024},
+                       linear_backend="cpu_kernel", log=False) as loaded:
+        assert loaded.executor.linear is None
+        return [e["reason"] for e in loaded.audit.of("setting_ignored") if e["field"] == "linear_backend"]
 
 
 def compare_cli(out: Path, rank: int) -> dict[str, Any]:
