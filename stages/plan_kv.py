@@ -26,7 +26,7 @@ from cache_backends.kinds import kind_for
 from cache_backends.layout import KvLayout, build_layout
 from cache_backends.reuse import partial_reuse_off_reason
 from pipeline.bus import Emit
-from pipeline.context import Context
+from pipeline.context import DEFAULT_MAX_TOKENS_FIELD, Context
 from pipeline.errors import KvBuildError
 from pipeline.events import KvBlocksOversized, KvBudgetComputed, KvBudgetShort, SettingIgnored
 from pipeline.text import cell, table
@@ -279,7 +279,7 @@ def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
         # max_tokens stays null, this event says what sized the pools
         unbounded = budget.unbounded_reason
         budget = budget_for(fallback)
-        reason = (f"{unbounded}, so kv_cache_config.default_max_tokens={fallback} applies ({budget_reason(budget)}); "
+        reason = (f"{unbounded}, so {DEFAULT_MAX_TOKENS_FIELD}={fallback} applies ({budget_reason(budget)}); "
                   "set kv_cache_config.max_tokens to choose")
     ranks = ctx.ranks
     agreed = min_budget(ranks, budget, reason) if ranks is not None and ranks.distributed else None
@@ -326,7 +326,7 @@ def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
     short = None if defaulted else budget_short(plan)
     if short is not None:
         emit(short)
-    oversized = blocks_oversized(plan, "kv_cache_config.default_max_tokens" if defaulted else RULE_FIELDS["max_tokens"])
+    oversized = blocks_oversized(plan, DEFAULT_MAX_TOKENS_FIELD if defaulted else RULE_FIELDS["max_tokens"])
     if oversized is not None:
         emit(oversized)
     return plan
