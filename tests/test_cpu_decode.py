@@ -346,7 +346,7 @@ def test_without_a_compiler_generate_says_so_and_attends_through_gather(tiny_che
                                      "gcc); generate attends through gather + SDPA")
 
 
-def test_a_hung_compiler_is_stopped_with_its_children_and_not_retried(tmp_path, monkeypatch):
+def test_a_hung_compiler_is_stopped_with_its_children_and_not_retried(tmp_path, monkeypatch, compiler_runs):
     # cc runs cc1 under it: a hung cc1 must not outlive the build, nor the next flag set wait as long again
     pidfile = tmp_path / "child.pid"
     cc = tmp_path / "cc"
@@ -355,13 +355,10 @@ def test_a_hung_compiler_is_stopped_with_its_children_and_not_retried(tmp_path, 
     cc.chmod(0o755)
     monkeypatch.setenv("CC", str(cc))
     monkeypatch.setattr(cpu_kernel_build, "COMPILE_TIMEOUT_S", 1)
-    calls = []
-    run = cpu_kernel_build._run
-    monkeypatch.setattr(cpu_kernel_build, "_run", lambda cmd, timeout: calls.append(cmd) or run(cmd, timeout))
     with pytest.raises(KernelUnavailable, match=rf"the C compiler {cc} did not finish building the CPU paged decode "
                                                 r"kernel in 1 s \(hung\?\); its processes were stopped"):
         cpu_kernel_build.build_kernel(tmp_path / "kernels")
-    assert len([c for c in calls if "-c" in c]) == 1  # one flag set tried, not all three
+    assert len([c for c in compiler_runs if "-c" in c]) == 1  # one flag set tried, not all three
     child = int(pidfile.read_text())
     for _ in range(50):  # SIGKILLed with its group; gone once reaped by init
         if not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]:
