@@ -85,9 +85,15 @@ class SmallLinearKernel:
         if weight.shape[1] != K or (bias is not None and bias.shape != (N,)):
             raise ValueError(f"{WHAT}: x {tuple(x.shape)}, weight {tuple(weight.shape)}, bias "
                              f"{None if bias is None else tuple(bias.shape)} do not fit")
-        y = torch.empty(M, N, dtype=torch.float32)
+        return self.run(x, weight, bias, M)
+
+    def run(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
+        """The call itself, unchecked: ``x`` contiguous float32 of ``rows`` rows (any leading shape), ``weight`` and
+        ``bias`` as ``__call__`` requires; the output has ``x``'s leading shape."""
+        K, N = x.shape[-1], weight.shape[0]
+        y = torch.empty((*x.shape[:-1], N), dtype=F32)
         self._fn(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
-                 M, N, K, torch.get_num_threads())
+                 rows, N, K, torch.get_num_threads())
         return y
 
 
@@ -150,11 +156,8 @@ class LinearRoute:
             return None
         if not x.is_contiguous():  # (a reshape of a contiguous x would cost ~2 us a call for nothing)
             x = x.contiguous()
-        y = torch.empty((*x.shape[:-1], N), dtype=F32)
         self.calls += 1
-        self.kernel._fn(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
-                        rows, N, K, torch.get_num_threads())
-        return y
+        return self.kernel.run(x, weight, bias, rows)
 
     @contextlib.contextmanager
     def active(self) -> Iterator[LinearRoute]:
