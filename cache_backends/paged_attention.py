@@ -230,6 +230,7 @@ class PagedBatch:
         self.input_ids = self._to_device(ids.reshape(1, -1))
         self.position_ids = self._to_device(pos.reshape(1, -1))
         self._last_token_index: torch.Tensor | None = None
+        self._keep: np.ndarray | None = None  # logits rows kept per sequence (its last ones), None: its last only
         self._q_row_t: torch.Tensor | None = None
         #: the executor's stacked tables (every group in one array), or None
         self._step: StepTables | None = tables if isinstance(tables, StepTables) else None
@@ -379,10 +380,27 @@ class PagedBatch:
 
     @property
     def last_token_index(self) -> torch.Tensor:
-        """Index of each sequence's last new token in the packed row (where its next-token logits are)."""
+        """Index of each sequence's last new token in the packed row (where its next-token logits are); with
+        :meth:`keep_last`, of each sequence's last ``keep[b]`` tokens, in order."""
         if self._last_token_index is None:
-            self._last_token_index = self._to_device(np.cumsum(self._n_np) - 1)
+            ends = np.cumsum(self._n_np)
+            if self._keep is None:
+                index = ends - 1
+            else:
+                keep = self._keep
+                index = np.repeat(ends - keep, keep) + (np.arange(int(keep.sum())) - np.repeat(np.cumsum(keep) - keep,
+                                                                                              keep))
+            self._last_token_index = self._to_device(index)
         return self._last_token_index
+
+    def keep_last(self, keep: Sequence[int]) -> None:
+        """Keep the logits of sequence ``b``'s last ``keep[b]`` new tokens, not only its last one (speculative
+        decoding verifies each draft with the logits before it); call before the forward."""
+        counts = np.array(keep, dtype=np.int64)
+        if counts.shape != (self.num_seqs,) or (counts < 1).any() or (counts > self._n_np).any():
+            raise ValueError(f"keep: expected one count per sequence, each from 1 to its new tokens, got {list(keep)}")
+        self._keep = None if (counts == 1).all() else counts
+        self._last_token_index = None
 
     @property
     def logits_to_keep(self) -> int | torch.Tensor:
@@ -390,7 +408,8 @@ class PagedBatch:
 
         A decode step's tokens are all last tokens: no index tensor to upload, no index op on the hidden states.
         """
-        return 0 if self.max_q == 1 else self.last_token_index
+        return 0 if self.max_q == 1 or (self._keep is not None and self._keep.sum() == self.num_tokens) \
+            else self.last_token_index
 
     @property
     def _q_row(self) -> torch.Tensor:

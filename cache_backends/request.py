@@ -40,6 +40,11 @@ class Request:
     num_computed_tokens: int = 0
     num_reused_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     finish_reason: str | None = None
+    #: speculative decoding: guessed next tokens, after the known ones. A scheduler may compute their KV in the step
+    #: that computes the last known token (:meth:`SchedulerBase.extend_with_drafts`); the driver keeps the KV of those
+    #: the model confirms (they become output tokens) and the rest is never read — drafts never enter
+    #: ``all_token_ids`` unconfirmed.
+    draft_token_ids: list[int] = attrs.Factory(list)
 
     def __attrs_post_init__(self) -> None:
         # its own copy (see above); here, not an attrs converter: a converter makes attrs check every attribute
@@ -59,6 +64,11 @@ class Request:
     def num_tokens(self) -> int:
         """Length of :attr:`all_token_ids`."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_drafts(self) -> int:
+        """Known tokens plus drafts: how far a step may compute this request."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + len(self.draft_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from cache_backends.interface import SchedulerOutput
+from cache_backends.interface import ScheduledChunk, SchedulerOutput
 from cache_backends.request import Request, RequestState
 
 
@@ -20,6 +20,30 @@ class SchedulerBase:
         self.manager = manager
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
+
+    def extend_with_drafts(self, out: SchedulerOutput) -> None:
+        """Speculative decoding: a chunk that reaches its request's last known token also computes the request's
+        drafts (``Request.draft_token_ids``), as many as the step's leftover token budget and the pools allow.
+
+        Runs after every real token of the step was scheduled and every admission made, so a draft never takes
+        budget or a block from a real token; it only takes free blocks the request would need for its next tokens
+        anyway (drafts stay within its ``max_new_tokens`` and ``max_seq_len``: the proposer caps them).
+        """
+        budget = self.max_num_tokens - out.num_tokens
+        for i, chunk in enumerate(out.scheduled):
+            if budget <= 0:
+                return
+            req = chunk.request
+            if not req.draft_token_ids or req.num_computed_tokens + chunk.num_tokens != req.num_tokens:
+                continue
+            got = self.reserve_drafts(req, chunk.num_tokens, min(len(req.draft_token_ids), budget))
+            if got > 0:
+                out.scheduled[i] = ScheduledChunk(req, chunk.num_tokens + got)
+                budget -= got
+
+    def reserve_drafts(self, request: Request, scheduled: int, drafts: int) -> int:
+        """Slots for up to ``drafts`` draft tokens after the ``scheduled`` ones; how many (0: none)."""
+        raise NotImplementedError
 
     def finish(self, request: Request, reason: str) -> None:
         """Mark finished and free its blocks (reusable ones stay cached); the caller removes it from running."""

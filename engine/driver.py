@@ -8,7 +8,13 @@ reports that nothing can make progress or schedules nothing for ``max_idle_steps
 One :meth:`Driver.step`: the scheduler decides (admit / suspend / resume / allocate), a ``compute``
 callable produces the next token of every request whose known tokens are all in the cache after
 this step (a forward pass for the executor, the scripted answer for the simulator), the manager
-commits what was computed, and finished requests release their blocks. Timing of the manager and
+commits what was computed, and finished requests release their blocks.
+
+Speculative decoding: a ``propose`` hook gives each request that got a token its draft tokens for the
+next step (``Request.draft_token_ids``); the scheduler may compute them beside the last known token,
+``compute`` answers with the drafts the model confirmed and the token after them, and the driver
+appends those one by one (each may end the request) and commits a confirmed draft's KV; an unconfirmed
+draft's KV is never committed, so it is overwritten before anything reads it. Timing of the manager and
 scheduler work is kept separately from ``compute`` so benchmarks can report it alone.
 """
 
@@ -33,8 +39,9 @@ from pipeline.events import (
     RequestSuspended,
 )
 
-#: compute(output) -> {req_id: next token} for each scheduled request that reaches its last known token.
-Compute = Callable[[SchedulerOutput], dict[str, int]]
+#: compute(output) -> {req_id: next token} for each scheduled request that reaches its last known token; with drafts
+#: (speculative decoding) a list instead: the drafts the model confirmed, in order, then the token after them.
+Compute = Callable[[SchedulerOutput], dict[str, int | list[int]]]
 
 
 #: Steps in a row that may schedule nothing before :meth:`Driver.run` gives up (the schedulers report
@@ -81,6 +88,8 @@ class StepStats:
     compute_seconds: float
     finished: list[Request]
     output: SchedulerOutput | None = None  # the scheduler's decision of this step
+    draft_tokens: int = 0  # speculative decoding: draft tokens the step computed
+    accepted_draft_tokens: int = 0  # and of those, the ones the model confirmed (now output tokens)
 
 
 class Driver:
@@ -88,11 +97,13 @@ class Driver:
 
     def __init__(self, manager: Any, scheduler: Any, *, eos_token_ids: frozenset[int] = frozenset(),
                  emit: Callable[[Event], Any] | None = None,
-                 stop: Callable[[Request, int], bool] | None = None) -> None:
+                 stop: Callable[[Request, int], bool] | None = None,
+                 propose: Callable[[Request], list[int]] | None = None) -> None:
         self.manager = manager
         self.scheduler = scheduler
         self.eos_token_ids = eos_token_ids
         self.stop = stop  # stop(request, token just appended): True ends it with "stop" (stop strings, stop ids)
+        self.propose = propose  # propose(request) -> its draft tokens for the next step (speculative decoding)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: list[Request] = []
@@ -145,20 +156,42 @@ class Driver:
 
         t2 = time.perf_counter()
         done: list[Request] = []
-        for chunk in out.scheduled:
-            self.manager.commit(chunk.request, chunk.num_tokens)
+        drafted = accepted = 0
+        computed: dict[Request, int] = {}  # draft tokens each request's chunk computed this step
         for chunk in out.scheduled:
             req = chunk.request
-            token = next_tokens.get(req.req_id)
-            if token is None:
+            drafts = req.num_computed_tokens + chunk.num_tokens - req.num_tokens
+            if drafts > 0:
+                computed[req] = drafts
+                drafted += drafts
+                self.manager.commit(req, chunk.num_tokens - drafts)  # the drafts' KV is committed once confirmed
+            else:
+                self.manager.commit(req, chunk.num_tokens)
+        for chunk in out.scheduled:
+            req = chunk.request
+            got = next_tokens.get(req.req_id)
+            if got is None:
                 continue
-            req.output_token_ids.append(token)
-            reason = self._finish_reason(req, token)
-            if reason is not None:
-                self.scheduler.finish(req, reason)
-                req.finish_reason = reason
-                self.running.remove(req)
-                done.append(req)
+            tokens = got if isinstance(got, list) else [got]
+            drafts, req.draft_token_ids = req.draft_token_ids[:computed.get(req, 0)], []
+            if len(tokens) > len(drafts) + 1 or tokens[:-1] != drafts[:len(tokens) - 1]:  # only a computed draft's
+                raise RuntimeError(f"request {req.req_id}: compute returned {tokens} after drafts {drafts}; every "
+                                   "token but the last must be a draft the step computed, in order")  # KV is kept
+            for i, token in enumerate(tokens):
+                req.output_token_ids.append(token)
+                confirmed = i < len(tokens) - 1  # a draft the model confirmed: its KV was written this step
+                accepted += confirmed
+                reason = self._finish_reason(req, token)
+                if reason is not None:
+                    self.scheduler.finish(req, reason)
+                    req.finish_reason = reason
+                    self.running.remove(req)
+                    done.append(req)
+                    break
+                if confirmed:
+                    self.manager.commit(req, 1)
+            if self.propose is not None and not req.is_finished:
+                req.draft_token_ids = self.propose(req)
         kv_seconds += time.perf_counter() - t2
         for req in done:
             self._admitted_before.discard(req)
@@ -167,7 +200,8 @@ class Driver:
                 self._emit(RequestFinished(req_id=req.req_id, reason=req.finish_reason,
                                            prompt_tokens=req.num_prompt_tokens, output_tokens=len(req.output_token_ids),
                                            reused_prompt_tokens=req.num_reused_tokens))
-        return StepStats(out.num_tokens, len(self.running), len(self.waiting), kv_seconds, compute_seconds, done, out)
+        return StepStats(out.num_tokens, len(self.running), len(self.waiting), kv_seconds, compute_seconds, done, out,
+                         drafted, accepted)
 
     def run(self, arrivals: Iterable[Arrival | Request], compute: Compute, *,
             on_arrival: Callable[[Request, int], Any] | None = None,

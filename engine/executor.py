@@ -25,6 +25,7 @@ from the load's own events.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import random
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -51,6 +52,7 @@ from engine.outputs import (
 from engine.prompts import apply_template, check_messages, check_text, is_conversation, normalize
 from engine.sampling import eos_token_ids, sample_rows, top_logprobs
 from engine.sampling_params import SamplingParams, check, check_salt, is_int
+from engine.speculation import NgramProposer
 from engine.stopping import SampleText
 from models.geometry import head_dim as config_head_dim
 from models.geometry import kv_heads as config_kv_heads
@@ -122,6 +124,10 @@ class GenerationExecutor:
         #: the small-batch linear kernel installed on the model (``linear_backend: cpu_kernel`` where it runs),
         #: active around each forward; None: torch's F.linear
         self.linear: Any = None
+        #: speculative decoding's draft proposer (``max_draft_len`` > 0: :meth:`use_speculation`); None: off
+        self.proposer: NgramProposer | None = None
+        self.speculation_max_batch_size = 1
+        self._driver: Driver | None = None  # the running call's (the propose hook reads its batch)
         #: the widest beam search this load serves (``max_beam_width``; :meth:`beam_search`)
         self.max_beam_width = 1
         self.last_stats: GenerationStats | None = None
@@ -150,6 +156,9 @@ class GenerationExecutor:
                        name=result.model.name if result.model is not None else "model", ranks=result.context.ranks)
         executor.use_attention(getattr(result.args, "attention_backend", "sdpa"), result.args.max_num_tokens)
         executor.use_linear(getattr(result.args, "linear_backend", "torch"))
+        executor.use_speculation(getattr(result.args, "max_draft_len", 0),
+                                 getattr(result.args, "max_matching_ngram_size", 2),
+                                 getattr(result.args, "speculation_max_batch_size", 1))
         executor.max_beam_width = result.args.max_beam_width
         return executor
 
@@ -222,6 +231,28 @@ class GenerationExecutor:
         if why is not None:
             self._event(SettingIgnored(field="linear_backend", value=backend,
                                        reason=f"{why}; generate multiplies through torch's F.linear"))
+
+    def use_speculation(self, max_draft_len: int, max_matching_ngram_size: int = 2, max_batch_size: int = 1) -> None:
+        """Speculative decoding by n-gram lookup (``engine.speculation``): up to ``max_draft_len`` drafts per greedy
+        request and step while at most ``max_batch_size`` requests run; ``max_draft_len`` 0 turns it off."""
+        for name, value, least in (("max_draft_len", max_draft_len, 0),
+                                   ("max_matching_ngram_size", max_matching_ngram_size, 1),
+                                   ("speculation_max_batch_size", max_batch_size, 1)):
+            if not (is_int(value) and value >= least):
+                raise GenerationError(f"generate: {name}: expected an integer >= {least}, got {value!r}")
+        self.proposer = NgramProposer(max_draft_len, max_matching_ngram_size, self.max_seq_len) \
+            if max_draft_len else None
+        self.speculation_max_batch_size = max_batch_size
+
+    def _propose(self, request: Request) -> list[int]:
+        """The driver's propose hook: drafts for a greedy request while the batch is small enough (sampled requests
+        decode one token per step)."""
+        live = self._live.get(request.req_id)
+        driver = self._driver
+        if live is None or not live.params.greedy or self.proposer is None or driver is None \
+                or len(driver.running) > self.speculation_max_batch_size:
+            return []
+        return self.proposer.propose(request)
 
     def _decode_kernel(self, backend: str) -> tuple[Callable[..., torch.Tensor] | None, str | None]:
         """The paged decode kernel ``backend`` names for this model's attention layers here, or None and why not."""
@@ -297,7 +328,10 @@ class GenerationExecutor:
                 now_arrivals.append(Arrival(live.request, live.arrival_step))
 
         before = self._counters()
-        driver = Driver(self.manager, self.scheduler, emit=self._emit, stop=self._stops)
+        proposer = self.proposer
+        driver = Driver(self.manager, self.scheduler, emit=self._emit, stop=self._stops,
+                        propose=self._propose if proposer is not None else None)
+        self._driver = driver
         p0 = params[0]
         self._event(GenerationStarted(
             call=call, requests=len(lives), prompt_tokens=sum(len(ids) for _, ids in items),
@@ -314,19 +348,29 @@ class GenerationExecutor:
                         why = ("temperature is 0 (greedy): the samples are identical" if name == "n"
                                else "temperature is 0 (greedy): nothing is sampled")
                         self._event(SettingIgnored(field=f"generate.{name}", value=value, reason=why))
+        if proposer is not None and any(not p.greedy for p in params):
+            self._event(SettingIgnored(field="max_draft_len", value=proposer.max_draft_len,
+                                       reason="drafts are verified greedily: requests with temperature > 0 decode "
+                                              "one token per step"))
         outputs: dict[int, RequestOutput] = {}
         warm_before = self.flex.warmup_s if self.flex is not None else 0.0
         start = time.perf_counter()
         forward_s = kv_s = 0.0
+        drafted = accepted = 0
         self._live = {live.request.req_id: live for live in lives}
 
         def queued(request: Request, clock: int) -> None:
             self._live[request.req_id].queued_at = time.perf_counter()
 
         def stepped(clock: int, st: Any) -> None:
-            nonlocal forward_s, kv_s
+            nonlocal forward_s, kv_s, drafted, accepted
             forward_s += st.compute_seconds
             kv_s += st.kv_seconds
+            drafted += st.draft_tokens
+            accepted += st.accepted_draft_tokens
+            if proposer is not None:
+                for req in st.finished:
+                    proposer.forget(req.req_id)
             self._report_tokens(st.finished, lives, outputs, on_delta)
             for parent_id in [p for p in later if self._prefilled(self._live[p].request)]:
                 for live in later.pop(parent_id):  # the prompt's blocks are cached now: reuse them
@@ -342,6 +386,9 @@ class GenerationExecutor:
                                          f"{exc}") from None
         except BaseException as exc:
             self._abort(driver)
+            if proposer is not None:
+                proposer.clear()
+            self._driver = None
             self._live = {}
             self._block_tables.keep_only(())
             self._check_flex()
@@ -350,6 +397,9 @@ class GenerationExecutor:
                                          finished=len(outputs)))
             raise
         self._live = {}
+        self._driver = None
+        if proposer is not None:
+            proposer.clear()
         self._block_tables.keep_only(())
         # compiling a new attention shape is a one-off (later calls reuse it): reported apart, not as generation
         warmup = (self.flex.warmup_s if self.flex is not None else 0.0) - warm_before
@@ -364,13 +414,15 @@ class GenerationExecutor:
             reused_prompt_tokens=sum(o.reused_prompt_tokens for o in ordered),
             generated_tokens=sum(len(c.token_ids) for o in ordered for c in o.outputs), steps=steps, wall_s=wall,
             forward_s=max(0.0, forward_s - warmup), kv_s=kv_s, warmup_s=warmup,
-            **{k: after[k] - before[k] for k in after}, samples=len(lives))
+            **{k: after[k] - before[k] for k in after}, samples=len(lives), draft_tokens=drafted,
+            accepted_draft_tokens=accepted)
         self.last_stats = stats
         self._event(GenerationFinished(
             call=call, requests=stats.samples, prompt_tokens=stats.prompt_tokens,
             reused_prompt_tokens=stats.reused_prompt_tokens, generated_tokens=stats.generated_tokens, steps=steps,
             suspends=stats.suspends, resumes=stats.resumes, preemptions=stats.preemptions,
-            duration_ms=round(wall * 1000, 3), tokens_per_s=round(stats.tokens_per_s, 3)))
+            duration_ms=round(wall * 1000, 3), tokens_per_s=round(stats.tokens_per_s, 3), draft_tokens=drafted,
+            accepted_draft_tokens=accepted))
         return ordered
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: Any, *,
@@ -518,27 +570,66 @@ class GenerationExecutor:
 
     # --- one step ----------------------------------------------------------------------------
 
-    def _compute(self, out: SchedulerOutput) -> dict[str, int]:
-        """The step's forward: every scheduled chunk packed into one row; next tokens of requests that reach the end."""
-        picked, rows = self.forward(out, self._live)
+    def _compute(self, out: SchedulerOutput) -> dict[str, int | list[int]]:
+        """The step's forward: every scheduled chunk packed into one row; next tokens of requests that reach the end
+        (with drafts: the drafts the model confirmed, then the token after them)."""
+        logits, rows, counts = self.forward_rows(out, self._live)
         if not rows:
             return {}
         lives = [self._live[out.scheduled[i].request.req_id] for i in rows]
-        tokens = self._sample(picked, lives)
+        if len(logits) == len(rows):
+            tokens: dict[str, int | list[int]] = dict(self._sample(logits, lives))
+        else:
+            tokens = self._verify(logits, lives, counts)
         if self.lockstep is not None:
             tokens = self.lockstep.ranks.broadcast(tokens)  # rank 0's tokens: the next step's inputs everywhere
+        return tokens
+
+    def _verify(self, logits: Any, lives: list[_Live], counts: list[int]) -> dict[str, int | list[int]]:
+        """Speculative decoding, greedy: each request's drafts up to the first the model's argmax disagrees with,
+        then the argmax after them; requests without drafts sample as usual."""
+        starts = list(itertools.accumulate(counts, initial=0))
+        plain = [i for i, c in enumerate(counts) if c == 1]
+        tokens: dict[str, int | list[int]] = {}
+        if plain:
+            rows = [starts[i] for i in plain]
+            tokens.update(self._sample(logits[rows], [lives[i] for i in plain]))
+        for i, c in enumerate(counts):
+            if c == 1:
+                continue
+            live = lives[i]
+            block = logits[starts[i]:starts[i] + c]
+            best = block.argmax(dim=-1).tolist()
+            drafts = live.request.draft_token_ids
+            m = 0
+            while m < c - 1 and best[m] == drafts[m]:
+                m += 1
+            tokens[live.request.req_id] = best[:m + 1]  # = drafts[:m] + the model's token after them
+            if live.params.logprobs is not None:
+                live.logprobs.extend(top_logprobs(block[:m + 1], live.params.logprobs, best[:m + 1]))
         return tokens
 
     def forward(self, out: SchedulerOutput, live: Collection[str]) -> tuple[Any, list[int]]:
         """One packed forward of the scheduled chunks: (logits of the chunks that reach their request's last
         token, their indices in ``out.scheduled``); ``(None, [])`` when none does. ``live``: the request ids
         whose block-table rows must be kept (the serving loop shares this with ``generate``)."""
-        chunks, rows, step_tables = [], [], []
+        logits, rows, _ = self.forward_rows(out, live)
+        return logits, rows
+
+    def forward_rows(self, out: SchedulerOutput, live: Collection[str]) -> tuple[Any, list[int], list[int]]:
+        """:meth:`forward` with draft tokens: also how many logits rows each reaching chunk has, in order (1 + the
+        drafts it computed: the row before each draft verifies it, the last one gives the token after them)."""
+        chunks, rows, step_tables, keep = [], [], [], []
         store = self._block_tables
         for scheduled in out.scheduled:
             req = scheduled.request
             start = req.num_computed_tokens
-            ids = req.all_token_ids[start:start + scheduled.num_tokens]
+            end = start + scheduled.num_tokens
+            known = req.num_tokens
+            ids = req.all_token_ids[start:end]
+            if end > known:  # this chunk computes drafts after the last known token
+                ids += req.draft_token_ids[:end - known]
+            keep.append(1 + max(0, end - known))
             chunks.append(SeqChunk(ids, start, {}))
             tables = self.manager.block_tables(req)  # every group's list, in self.groups order
             step_tables.append(tables)
@@ -549,13 +640,20 @@ class GenerationExecutor:
             self.lockstep.check_schedule(out, [dict(zip(self.groups, t, strict=True)) for t in step_tables])
         batch = PagedBatch.build(chunks, self.pools, store.tables(rows), flex=self.flex,
                                  decode_kernel=self.decode_kernel)
+        if any(k > 1 for k in keep):
+            batch.keep_last(keep)
         with self.linear.active() if self.linear is not None else contextlib.nullcontext():
             logits = run_forward(self.model, batch)
-        rows = [i for i, s in enumerate(out.scheduled)
-                if s.request.num_computed_tokens + s.num_tokens == s.request.num_tokens]
-        if not rows:
-            return None, []
-        return (logits[rows] if len(rows) < len(out.scheduled) else logits), rows
+        reach = [i for i, s in enumerate(out.scheduled)
+                 if s.request.num_computed_tokens + s.num_tokens >= s.request.num_tokens]
+        if not reach:
+            return None, [], []
+        counts = [keep[i] for i in reach]
+        if len(reach) < len(out.scheduled):  # the logits rows of the chunks that reach their end
+            offsets = list(itertools.accumulate(keep, initial=0))
+            picked = [r for i in reach for r in range(offsets[i], offsets[i] + keep[i])]
+            logits = logits[picked]
+        return logits, reach, counts
 
     def _sample(self, logits: Any, lives: list[_Live]) -> dict[str, int]:
         """Next token of each live request from its logits row, drawn as its SamplingParams say; logprobs kept."""
@@ -581,6 +679,8 @@ class GenerationExecutor:
         done = {r.req_id for r in finished}
         for live in self._live.values():
             tokens = live.request.output_token_ids
+            if live.logprobs is not None and len(live.logprobs) > len(tokens):  # confirmed drafts after a stop token
+                del live.logprobs[len(tokens):]
             if len(tokens) == live.reported:  # no token this step (mid-prefill, waiting, or finished earlier)
                 continue
             new = tokens[live.reported:]

@@ -145,6 +145,13 @@ class GenerationStats:
     preemptions: int
     samples: int = 0  # sequences generated (prompts x n); 0 = one per prompt
     warmup_s: float = 0.0  # compiling attention shapes first seen in this call; not in wall_s/forward_s
+    draft_tokens: int = 0  # speculative decoding: draft tokens computed
+    accepted_draft_tokens: int = 0  # drafts the model confirmed (each one a token without a step of its own)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Share of the computed drafts the model confirmed (0 without speculation)."""
+        return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -159,7 +166,8 @@ class GenerationStats:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain form for ``--json`` and benchmarks."""
-        return {**attrs.asdict(self), "tokens_per_s": self.tokens_per_s, "total_tokens_per_s": self.total_tokens_per_s}
+        return {**attrs.asdict(self), "tokens_per_s": self.tokens_per_s, "total_tokens_per_s": self.total_tokens_per_s,
+                "acceptance_rate": self.acceptance_rate}
 
     def line(self) -> str:
         """The one-line throughput summary ``kvload generate`` ends with."""
@@ -168,6 +176,9 @@ class GenerationStats:
         moves = f"; {self.suspends} suspended, {self.resumes} resumed" if self.suspends or self.resumes else ""
         if self.warmup_s:
             moves += f"; {self.warmup_s:.1f} s compiling attention, not counted"
+        if self.draft_tokens:
+            moves += (f"; {self.accepted_draft_tokens} of {self.draft_tokens} draft tokens accepted "
+                      f"({self.acceptance_rate:.0%})")
         return (f"-- {n} prompt{'s' if n != 1 else ''}{samples}: {self.prompt_tokens} prompt tokens "
                 f"({self.reused_prompt_tokens} reused), {self.generated_tokens} generated in {self.wall_s:.2f} s, "
                 f"{self.steps} steps: "

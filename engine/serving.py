@@ -33,7 +33,7 @@ from engine.sampling import sample_rows, top_logprobs
 from engine.sampling_params import SamplingParams, check_salt
 from engine.stopping import SampleText
 from pipeline.errors import GenerationError, KvBuildError
-from pipeline.events import RequestFinished
+from pipeline.events import RequestFinished, SettingIgnored
 
 
 @attrs.frozen
@@ -124,6 +124,12 @@ class ServingEngine:
             raise GenerationError("serve: the model is loaded across several ranks (tensor parallel); the serving "
                                   "loop runs on one rank only")
         self.executor = executor
+        proposer = getattr(executor, "proposer", None)
+        if proposer is not None:  # an accepted setting never silently does nothing
+            executor._event(SettingIgnored(
+                field="max_draft_len", value=proposer.max_draft_len,
+                reason="the serving loop decodes one token per request and step; speculative decoding runs in "
+                       "generate (LLM.generate, kvload generate)"))
         self.manager = executor.manager
         self.scheduler = executor.scheduler
         self.tokenizer = executor.tokenizer

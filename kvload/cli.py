@@ -118,6 +118,14 @@ FLAGS: tuple[Flag, ...] = (
          choices=ATTENTION_BACKENDS),
     Flag("--linear_backend", "linear_backend", "projections of generate: auto, torch (F.linear) or cpu_kernel "
          "(steps of few rows on a matmul kernel compiled for this CPU; float32)", str, choices=LINEAR_BACKENDS),
+    Flag("--max_draft_len", "max_draft_len", "speculative decoding by n-gram lookup: draft tokens copied from "
+         "earlier in the sequence, verified in the step that computes the last token (greedy requests); 0 = off "
+         "(default)", integer, metavar="N"),
+    Flag("--max_matching_ngram_size", "max_matching_ngram_size", "with --max_draft_len: the longest suffix "
+         "looked up among earlier tokens (default 2)", integer, metavar="N"),
+    Flag("--speculation_max_batch_size", "speculation_max_batch_size", "with --max_draft_len: draft only while at "
+         "most this many requests run (default 1; more rows per step cost more than drafts save on a CPU)", integer,
+         metavar="N"),
     Flag("--tp_size", "tensor_parallel_size",
          "tensor-parallel ranks (launch that many with torchrun; plan alone shows rank 0's view)", integer,
          metavar="N", aliases=("--tensor_parallel_size",)),

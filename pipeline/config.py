@@ -283,6 +283,12 @@ class LlmArgs:
     weights_seed: int = attrs.field(default=0, validator=non_neg_int)  # random weights of presets
     attention_backend: str = attrs.field(default=AUTO, validator=attention_backend_name)
     linear_backend: str = attrs.field(default=AUTO, validator=linear_backend_name)
+    # speculative decoding by n-gram lookup (engine.speculation), TensorRT-LLM's NGramDecodingConfig names and
+    # defaults: draft tokens per step (0 = off), the longest suffix matched against earlier tokens; and while at most
+    # how many requests run it drafts (its max_concurrency; more requests make a step compute-bound, where drafts cost)
+    max_draft_len: int = attrs.field(default=0, validator=non_neg_int)
+    max_matching_ngram_size: int = attrs.field(default=2, validator=pos_int)
+    speculation_max_batch_size: int = attrs.field(default=1, validator=pos_int)
     # ranks the attention heads (and KV heads) are split over; the operator's, never a model's
     tensor_parallel_size: int = attrs.field(default=1, validator=pos_int)
     kv_cache_config: KvCacheConfig = attrs.field(factory=KvCacheConfig)

@@ -360,6 +360,8 @@ class GenerationFinished(Event):
     preemptions: int
     duration_ms: float
     tokens_per_s: float  # generated tokens per second of wall time
+    draft_tokens: int = 0  # speculative decoding (max_draft_len > 0): draft tokens computed
+    accepted_draft_tokens: int = 0  # of those, the ones the model confirmed
 
 
 @event("generation_failed", level="error")

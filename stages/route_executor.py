@@ -82,6 +82,11 @@ class RouteExecutor:
                                 reason="the KV pools are not sized for beams (beams share their prompt through the "
                                        "prefix cache) and generate returns one sequence per prompt; it bounds "
                                        "LLM.beam_search's beam_width"))
+        if ctx.args.max_draft_len == 0:
+            for path in ("max_matching_ngram_size", "speculation_max_batch_size"):
+                if path in ctx.user_fields:
+                    emit(SettingIgnored(field=path, value=getattr(ctx.args, path),
+                                        reason="speculative decoding is off (max_draft_len=0)"))
         if not v2:
             for path, why in _V2_ONLY.items():
                 value = getattr(kv, path.rsplit(".", 1)[1])

@@ -14,8 +14,10 @@ PROMPT_LENGTHS = (5, 13, 21, 2)
 
 
 def load(path: Path | str, manager: str, *, device: str = "cpu", max_tokens: int = 512, max_seq_len: int = 64,
-         max_num_tokens: int = 16, attention_backend: str = "auto", **kv: Any) -> pipeline.LoadResult:
-    """``pipeline.load`` with weights on the given manager (``"v1"``/``"v2"``), 4-token blocks, chunked prefill.
+         max_num_tokens: int = 16, attention_backend: str = "auto", llm: dict[str, Any] | None = None,
+         **kv: Any) -> pipeline.LoadResult:
+    """``pipeline.load`` with weights on the given manager (``"v1"``/``"v2"``), 4-token blocks, chunked prefill;
+    ``llm``: more ``LlmArgs`` fields, ``kv``: more ``KvCacheConfig`` fields.
 
     The budget holds ``max_tokens`` tokens as sequences of ``max_seq_len`` (so, with windows, it holds
     the windows of ``max_tokens / max_seq_len`` sequences).
@@ -23,7 +25,7 @@ def load(path: Path | str, manager: str, *, device: str = "cpu", max_tokens: int
     kv_config = {"use_kv_cache_manager_v2": manager == "v2", "tokens_per_block": 4, "max_tokens": max_tokens, **kv}
     return pipeline.load(str(path), load_weights=True, device=device, max_num_tokens=max_num_tokens,
                          max_seq_len=max_seq_len, kv_cache_config=kv_config, attention_backend=attention_backend,
-                         log=False)
+                         log=False, **(llm or {}))
 
 
 def prompts_for(vocab: int, lengths: tuple[int, ...] = PROMPT_LENGTHS, seed: int = 1234) -> list[list[int]]:

@@ -73,9 +73,11 @@ def _entry_value(vals: list[int], group, e: int) -> int:
     return vals[(e + 1) * c - 1] if c > 1 else vals[e]
 
 
-def write_kv(manager: KVCacheManagerV2, request: Request, start: int, n: int) -> None:
-    """Write the synthetic KV of positions ``[start, start + n)`` of ``request`` (what a forward would)."""
-    vals = prefix_values(request.all_token_ids[: start + n], request.salt)
+def write_kv(manager: KVCacheManagerV2, request: Request, start: int, n: int,
+             tokens: list[int] | None = None) -> None:
+    """Write the synthetic KV of positions ``[start, start + n)`` of ``request`` (what a forward would); ``tokens``:
+    the ids the forward read, when they run past the request's own (draft tokens)."""
+    vals = prefix_values((tokens if tokens is not None else request.all_token_ids)[: start + n], request.salt)
     for g in manager.groups:
         entries = _entries(g, start, start + n)  # compressed: the entries whose last token is in the chunk
         if not entries:

@@ -78,7 +78,15 @@ class GuaranteedNoEvictScheduler(SchedulerBase):
                 budget -= n
 
         self.report_stall(out, reasons, waiting, running)
+        self.extend_with_drafts(out)
         return out
+
+    def reserve_drafts(self, request: Request, scheduled: int, drafts: int) -> int:
+        """Draft slots within the request's worst case (reserved at admission, so they always fit)."""
+        drafts = min(drafts, self.manager.options.max_seq_len - request.num_computed_tokens - scheduled)
+        if drafts <= 0 or not self.manager.allocate_slots(request, scheduled + drafts):
+            return 0
+        return drafts
 
     def _allocate(self, request: Request, n: int) -> None:
         if not self.manager.allocate_slots(request, n):  # the reservation makes this impossible

@@ -365,9 +365,9 @@ class KVCacheManagerV2:
         if num_tokens < 0:
             raise ValueError(f"request {request.req_id}: num_tokens must be >= 0, got {num_tokens}")
         target = cache.committed + num_tokens
-        if target > request.num_tokens:
+        if target > request.num_tokens_with_drafts:
             raise ValueError(f"request {request.req_id}: cannot schedule {num_tokens} tokens from "
-                             f"{cache.committed}; it has {request.num_tokens}")
+                             f"{cache.committed}; it has {request.num_tokens_with_drafts}")
         if target > cache.capacity and not self.resize(request, target):
             return False
         cache.history = max(cache.history, target)
@@ -416,7 +416,7 @@ class KVCacheManagerV2:
         if cache is None or cache.state is not CacheState.ACTIVE:
             return self.fit_tokens(request, want)  # raises the usual error
         committed = cache.committed
-        want = min(want, self.options.max_seq_len - committed, request.num_tokens - committed)
+        want = min(want, self.options.max_seq_len - committed, request.num_tokens_with_drafts - committed)
         if want <= 0:
             return 0
         target = committed + want
@@ -493,7 +493,8 @@ class KVCacheManagerV2:
     def fit_tokens(self, request: Request, want: int) -> int:
         """The most tokens, up to ``want``, that :meth:`allocate` could reserve now (0: not even one)."""
         cache = self._active(request)
-        want = min(want, self.options.max_seq_len - cache.committed, request.num_tokens - cache.committed)
+        want = min(want, self.options.max_seq_len - cache.committed,
+                   request.num_tokens_with_drafts - cache.committed)
         if want <= 0:
             return 0
 

@@ -151,7 +151,12 @@ class KVCacheV2Scheduler(SchedulerBase):
 
         out.scheduled = list(chunks.values())
         self.report_stall(out, reasons, waiting, running)
+        self.extend_with_drafts(out)
         return out
+
+    def reserve_drafts(self, request: Request, scheduled: int, drafts: int) -> int:
+        """Draft slots from what is free now (never by moving a request out)."""
+        return self.manager.schedule_tokens(request, scheduled + drafts) - scheduled
 
     # --- internals -------------------------------------------------------------------------------
 

@@ -1,0 +1,88 @@
+"""Speculative decoding by n-gram lookup (prompt lookup decoding): draft tokens copied from the sequence itself.
+
+A decode step of a small batch reads every weight once for a handful of rows, so on a memory-bound machine
+computing a few more rows costs little. The proposer guesses the next tokens by finding the latest earlier
+place where the sequence's last ``n`` tokens occurred (``n`` from ``max_matching_ngram_size`` down to 1) and
+copying what followed there; the step computes those drafts beside the last known token, and greedy
+verification keeps the drafts the model's argmax agrees with, plus the model's own token after them. Under
+greedy decoding the output is the same as one token per step (the same argmax at every position, up to the
+rounding of a wider matmul); copied text — quoting, summarising, editing code, a repetition loop — is where the
+guesses land.
+
+TensorRT-LLM calls this ``NGramDecodingConfig(max_draft_len, max_matching_ngram_size)``, vLLM
+``speculative_config={"method": "ngram", ...}``; kvload takes the TensorRT-LLM names as two ``LlmArgs`` fields.
+
+Cost: each request keeps a dict from every n-gram (``n <= max_matching_ngram_size``) to the latest position
+after it, filled as tokens arrive (O(``max_matching_ngram_size``) per token), so a proposal is a few lookups,
+never a scan of the sequence.
+"""
+
+from __future__ import annotations
+
+from cache_backends.request import Request
+
+
+class _Index:
+    """One sequence's n-grams → the position after their latest occurrence, for ends ``< indexed``."""
+
+    __slots__ = ("after", "indexed")
+
+    def __init__(self) -> None:
+        self.after: dict[tuple[int, ...], int] = {}
+        self.indexed = 0  # n-grams ending before this position are in ``after``
+
+
+class NgramProposer:
+    """Draft tokens per request from its own prompt and output (see the module docstring)."""
+
+    def __init__(self, max_draft_len: int, max_matching_ngram_size: int, max_seq_len: int) -> None:
+        if max_draft_len < 1 or max_matching_ngram_size < 1:
+            raise ValueError(f"max_draft_len and max_matching_ngram_size must be >= 1, got {max_draft_len} and "
+                             f"{max_matching_ngram_size}")
+        self.max_draft_len = max_draft_len
+        self.max_ngram = max_matching_ngram_size
+        self.max_seq_len = max_seq_len
+        self._index: dict[str, _Index] = {}
+
+    def propose(self, request: Request) -> list[int]:
+        """Up to ``max_draft_len`` tokens likely to follow ``request``'s tokens (none when no n-gram recurs).
+
+        Capped so that the drafts and the token after them stay within ``max_new_tokens`` and ``max_seq_len``:
+        a request never holds a slot its worst case did not count.
+        """
+        room = min(request.max_new_tokens - len(request.output_token_ids), self.max_seq_len - request.num_tokens) - 1
+        limit = min(self.max_draft_len, room)
+        if limit <= 0:
+            return []
+        tokens = request.all_token_ids
+        index = self._index.get(request.req_id)
+        if index is None:
+            index = self._index[request.req_id] = _Index()
+        end = len(tokens)
+        after, top = index.after, self.max_ngram
+        # n-grams ending before the last token: every earlier place the suffix could have occurred
+        for e in range(max(index.indexed, 1), end):
+            for n in range(1, min(top, e) + 1):
+                after[tuple(tokens[e - n:e])] = e
+        index.indexed = max(index.indexed, end)
+        for n in range(min(top, end - 1), 0, -1):  # the longest suffix that occurred before wins
+            at = after.get(tuple(tokens[end - n:]))
+            if at is not None:
+                return tokens[at:at + limit]
+        return []
+
+    def forget(self, req_id: str) -> None:
+        """Drop a finished request's index."""
+        self._index.pop(req_id, None)
+
+    def clear(self) -> None:
+        """Drop every request's index (a call ended)."""
+        self._index.clear()
+
+    @property
+    def tracked(self) -> int:
+        """Requests with an index (kept until :meth:`forget` or :meth:`clear`)."""
+        return len(self._index)
+
+
+__all__ = ["NgramProposer"]
