@@ -96,6 +96,30 @@ def prompts_for(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]
     return [torch.randint(10, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
+#: English prose and Python code, for ``--prompts text``: what n-gram drafts are for (names and phrases recur).
+TEXT_PROMPTS = Path(__file__).with_name("text_prompts.txt")
+
+
+def scenario_prompts(kind: str, result: pipeline.LoadResult, lengths: list[int], vocab: int,
+                     seed: int = 0) -> list[list[int]]:
+    """The prompts of one scenario: random ids (:func:`prompts_for`), or the bundled passages tokenized, prompt ``i``
+    starting at passage ``i`` and cut (or cycled) to ``lengths[i]`` tokens."""
+    if kind == "random":
+        return prompts_for(lengths, vocab, seed)
+    if result.tokenizer is None:
+        raise SystemExit("--prompts text needs a model with a tokenizer (smollm2-135m or a checkpoint)")
+    passages = [p.strip() for p in TEXT_PROMPTS.read_text().split("\n\n\n") if p.strip()]
+    out = []
+    for i, n in enumerate(lengths):
+        ids: list[int] = []
+        j = i
+        while len(ids) < n:
+            ids += result.tokenizer(passages[j % len(passages)])["input_ids"]
+            j += 1
+        out.append(ids[:n])
+    return out
+
+
 def sync(device: torch.device) -> None:
     """Wait for queued CUDA work, so wall times cover it."""
     if device.type == "cuda":
@@ -131,12 +155,13 @@ def linear_in_use(executor: Any, requested: str) -> str:
 
 def bench_scenario(result: pipeline.LoadResult, prompts: list[list[int]], args: argparse.Namespace,
                    device: torch.device, backends: list[str] | None = None,
-                   linears: list[str] | None = None) -> list[dict[str, Any]]:
-    """Median tokens/s of kvload and of ``model.generate`` on one prompt set: a row per (attention, linear) pair.
+                   linears: list[str] | None = None, drafts: list[int] | None = None) -> list[dict[str, Any]]:
+    """Median tokens/s of kvload and of ``model.generate`` on one prompt set: a row per (attention, linear, draft
+    length) triple.
 
-    ``backends`` (default: the loaded one only) and ``linears`` (the same): every repeat runs kvload once per pair,
-    switched on the executor between calls (``GenerationExecutor.use_attention`` / ``use_linear``), then
-    ``model.generate``, so all see the same machine.
+    ``backends`` (default: the loaded one only), ``linears`` and ``drafts`` (``max_draft_len``; the same): every
+    repeat runs kvload once per triple, switched on the executor between calls (``GenerationExecutor.use_attention``
+    / ``use_linear`` / ``use_speculation``), then ``model.generate``, so all see the same machine.
     """
     model = result.hf_model
     pad_id = model.generation_config.pad_token_id
@@ -144,16 +169,17 @@ def bench_scenario(result: pipeline.LoadResult, prompts: list[list[int]], args: 
         pad_id = 0
     attentions = backends or [attention_in_use(result.executor, result.args.attention_backend)]
     lins = linears or [linear_in_use(result.executor, result.args.linear_backend)]
-    names = [(a, lin) for a in attentions for lin in lins]
-    kv_rates: dict[tuple[str, str], list[float]] = {n: [] for n in names}
-    kv_cpu: dict[tuple[str, str], list[float]] = {n: [] for n in names}
-    kv_stats: dict[tuple[str, str], Any] = {}
+    draft_lens = drafts or [result.args.max_draft_len]
+    names = [(a, lin, d) for a in attentions for lin in lins for d in draft_lens]
+    kv_rates: dict[tuple[str, str, int], list[float]] = {n: [] for n in names}
+    kv_cpu: dict[tuple[str, str, int], list[float]] = {n: [] for n in names}
+    kv_stats: dict[tuple[str, str, int], Any] = {}
     paths: dict[str, tuple[Any, Any]] = {}  # backend -> the executor's (flex, decode_kernel) for it
     hf_rates: list[float] = []
     hf_cpu: list[float] = []
     for rep in range(args.repeats + 1):  # the first round warms every side up and is not counted
         for name in names:
-            attention, linear = name
+            attention, linear, draft = name
             if backends:  # each backend set up once (flex compiles its shapes once), then swapped in
                 if attention not in paths:
                     result.executor.use_attention(attention, result.args.max_num_tokens)
@@ -165,10 +191,13 @@ def bench_scenario(result: pipeline.LoadResult, prompts: list[list[int]], args: 
                 result.executor.use_linear(linear)
                 if linear_in_use(result.executor, linear) != linear:
                     raise SystemExit(f"--compare-linear: {linear} does not run here (see the load's audit)")
+            if drafts:
+                result.executor.use_speculation(draft, result.args.max_matching_ngram_size,
+                                                result.args.speculation_max_batch_size)
             sync(device)
             start, cpu = time.perf_counter(), time.thread_time()
             outs = result.generate(prompts, max_new_tokens=args.new_tokens, ignore_eos=True,
-                                   salt=f"bench-{rep}-{attention}-{linear}")
+                                   salt=f"bench-{rep}-{attention}-{linear}-{draft}")
             sync(device)
             kv_time, kv_thread = time.perf_counter() - start, time.thread_time() - cpu
             generated = sum(len(o.token_ids) for o in outs)
@@ -193,6 +222,9 @@ def bench_scenario(result: pipeline.LoadResult, prompts: list[list[int]], args: 
             "new_tokens": args.new_tokens,
             "attention": name[0],
             "linear": name[1],
+            "max_draft_len": name[2],
+            "draft_tokens": stats.draft_tokens if stats else None,
+            "accepted_draft_tokens": stats.accepted_draft_tokens if stats else None,
             "kvload_tokens_per_s": kv,
             "hf_tokens_per_s": hf,
             "ratio": kv / hf,
@@ -236,10 +268,28 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--compare-linear", default="", metavar="A,B",
                    help="time kvload on each of these linear backends in the same run, switched between calls "
                         "(torch,cpu_kernel)")
+    p.add_argument("--draft-len", type=int, default=0, metavar="K",
+                   help="kvload's max_draft_len: speculative decoding by n-gram lookup (0: off)")
+    p.add_argument("--compare-draft", default="", metavar="A,B",
+                   help="time kvload at each of these max_draft_len values in the same run (e.g. 0,4)")
+    p.add_argument("--draft-max-batch", type=int, default=1, metavar="N",
+                   help="kvload's speculation_max_batch_size: draft only while at most N requests run")
+    p.add_argument("--prompts", default="random", choices=("random", "text"),
+                   help="random: seeded random token ids; text: the bundled English and code passages "
+                        f"({TEXT_PROMPTS.name}), cut or cycled to the scenario's lengths (n-gram drafts need text "
+                        "that repeats)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     args = p.parse_args(argv)
     backends = [b for b in args.compare_attention.split(",") if b] or None
     linears = [b for b in args.compare_linear.split(",") if b] or None
+    try:
+        drafts = [int(d) for d in args.compare_draft.split(",") if d] or None
+    except ValueError:
+        p.error(f"--compare-draft: expected comma-separated integers >= 0, got {args.compare_draft!r}")
+    if any(d < 0 for d in drafts or []) or args.draft_len < 0:
+        p.error("--draft-len / --compare-draft: expected integers >= 0")
+    if args.draft_max_batch < 1:
+        p.error("--draft-max-batch: expected an integer >= 1")
     for flag, names, allowed in (("--compare-attention", backends, ATTENTION_BACKENDS),
                                  ("--compare-linear", linears, LINEAR_BACKENDS)):
         bad = [n for n in names or [] if n not in allowed or n == "auto"]
@@ -257,6 +307,7 @@ def main(argv: list[str] | None = None) -> None:
         kv["use_kv_cache_manager_v2"] = args.manager == "v2"
     overrides: dict[str, Any] = {"device": args.device, "max_num_tokens": args.max_num_tokens,
                                  "attention_backend": args.attention, "linear_backend": args.linear,
+                                 "max_draft_len": args.draft_len, "speculation_max_batch_size": args.draft_max_batch,
                                  "max_seq_len": max(*MIXED_LENGTHS, SINGLE_LENGTH) + args.new_tokens}
     if args.dtype != "auto":
         overrides["dtype"] = args.dtype
@@ -265,8 +316,8 @@ def main(argv: list[str] | None = None) -> None:
         device = result.kv_manager.pools.device
         vocab = result.hf_model.get_input_embeddings().num_embeddings
         rows = [row for b in batches
-                for row in bench_scenario(result, prompts_for(lengths[b], vocab, seed=b), args, device, backends,
-                                          linears)]
+                for row in bench_scenario(result, scenario_prompts(args.prompts, result, lengths[b], vocab, seed=b),
+                                          args, device, backends, linears, drafts)]
         flex = result.executor.flex
         head = {"model": args.model, "device": str(device), "dtype": str(result.args.dtype),
                 "kv_manager": result.route.kv_manager, "threads": torch.get_num_threads(),
@@ -283,11 +334,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"compiled {head['compiled_shapes']} attention shapes in {head['warmup_s']:.1f} s (warm-up round, "
               "not in tokens/s)")
     print("wall: tokens / wall time; cpu: tokens / CPU time of the calling thread (--threads 1: all of torch's work)")
-    print(f"{'prompts':>7} {'prompt_tok':>10} {'attention':>10} {'linear':>10} {'kvload_tok/s':>12} "
+    print(f"{'prompts':>7} {'prompt_tok':>10} {'attention':>10} {'linear':>10} {'drafts':>9} {'kvload_tok/s':>12} "
           f"{'generate_tok/s':>14} {'ratio':>6} {'kv_cpu_tok/s':>12} {'gen_cpu_tok/s':>13} {'cpu_ratio':>9} "
           f"{'kv_steps':>8} {'forward%':>8}")
     for r in rows:
-        print(f"{r['prompts']:>7} {r['prompt_tokens']:>10} {r['attention']:>10} {r['linear']:>10} "
+        accepted = f"{r['accepted_draft_tokens']}/{r['draft_tokens']}" if r["max_draft_len"] else "-"
+        print(f"{r['prompts']:>7} {r['prompt_tokens']:>10} {r['attention']:>10} {r['linear']:>10} {accepted:>9} "
               f"{r['kvload_tokens_per_s']:>12.1f} "
               f"{r['hf_tokens_per_s']:>14.1f} {r['ratio']:>6.2f} {r['kvload_cpu_tokens_per_s']:>12.1f} "
               f"{r['hf_cpu_tokens_per_s']:>13.1f} {r['cpu_ratio']:>9.2f} {r['kvload_steps']:>8} "

@@ -125,3 +125,31 @@ def test_bench_generate_refuses_a_bad_backend_before_loading(flag, capsys, monke
         bench_generate.main([flag, "sdpa,fast" if "attention" in flag else "torch,fast"])
     assert exc.value.code == 2
     assert f"{flag}: fast is not one of" in capsys.readouterr().err
+
+
+def test_bench_generate_refuses_bad_draft_lengths_before_loading(capsys, monkeypatch):
+    from bench import bench_generate
+
+    monkeypatch.setattr(bench_generate.pipeline, "load", lambda *a, **k: pytest.fail("loaded before refusing"))
+    for argv in (["--compare-draft", "0,x"], ["--compare-draft", "0,-1"], ["--draft-max-batch", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            bench_generate.main(argv)
+        assert exc.value.code == 2
+    assert "--compare-draft: expected comma-separated integers >= 0" in capsys.readouterr().err
+
+
+def test_bench_generate_text_prompts_are_the_bundled_passages_cut_to_each_length():
+    from types import SimpleNamespace
+
+    from bench import bench_generate
+
+    tokenizer = lambda text: {"input_ids": [ord(c) for c in text]}  # noqa: E731 - one character, one token
+    result = SimpleNamespace(tokenizer=tokenizer)
+    passages = [p.strip() for p in bench_generate.TEXT_PROMPTS.read_text().split("\n\n\n") if p.strip()]
+    assert len(passages) >= 4
+    prompts = bench_generate.scenario_prompts("text", result, [12, 5000], vocab=0)
+    assert [len(p) for p in prompts] == [12, 5000]
+    assert prompts[0] == [ord(c) for c in passages[0][:12]]
+    assert prompts[1][:20] == [ord(c) for c in passages[1][:20]]  # prompt i starts at passage i, then cycles on
+    with pytest.raises(SystemExit, match="needs a model with a tokenizer"):
+        bench_generate.scenario_prompts("text", SimpleNamespace(tokenizer=None), [4], vocab=0)
