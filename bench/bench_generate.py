@@ -126,8 +126,9 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def hf_generate(model: Any, prompts: list[list[int]], new_tokens: int, pad_id: int) -> int:
-    """``model.generate`` over the prompts as one left-padded batch; returns the tokens generated."""
+def hf_generate(model: Any, prompts: list[list[int]], new_tokens: int, pad_id: int, prompt_lookup: int = 0) -> int:
+    """``model.generate`` over the prompts as one left-padded batch; returns the tokens generated. ``prompt_lookup``:
+    transformers' own n-gram speculation (``prompt_lookup_num_tokens``; one prompt only)."""
     device = next(model.parameters()).device
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -136,8 +137,9 @@ def hf_generate(model: Any, prompts: list[list[int]], new_tokens: int, pad_id: i
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
     with torch.inference_mode():
+        lookup = {"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}
         out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id)
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id, **lookup)
     return (out.shape[1] - width) * len(prompts)
 
 
@@ -177,6 +179,8 @@ def bench_scenario(result: pipeline.LoadResult, prompts: list[list[int]], args: 
     paths: dict[str, tuple[Any, Any]] = {}  # backend -> the executor's (flex, decode_kernel) for it
     hf_rates: list[float] = []
     hf_cpu: list[float] = []
+    lookup = args.hf_prompt_lookup if len(prompts) == 1 else 0  # transformers' assisted decoding takes one prompt
+    lookup_rates: list[float] = []
     for rep in range(args.repeats + 1):  # the first round warms every side up and is not counted
         for name in names:
             attention, linear, draft = name
@@ -212,6 +216,12 @@ def bench_scenario(result: pipeline.LoadResult, prompts: list[list[int]], args: 
         if rep:
             hf_rates.append(hf_generated / hf_time)
             hf_cpu.append(hf_generated / hf_thread)
+        if lookup:
+            start = time.perf_counter()
+            generated = hf_generate(model, prompts, args.new_tokens, pad_id, lookup)
+            sync(device)
+            if rep:
+                lookup_rates.append(generated / (time.perf_counter() - start))
     hf, hfc = statistics.median(hf_rates), statistics.median(hf_cpu)
     rows = []
     for name in names:
@@ -237,6 +247,7 @@ def bench_scenario(result: pipeline.LoadResult, prompts: list[list[int]], args: 
             "cpu_ratio": kvc / hfc,
             "kvload_cpu_runs": kv_cpu[name],
             "hf_cpu_runs": hf_cpu,
+            "hf_prompt_lookup_tokens_per_s": statistics.median(lookup_rates) if lookup_rates else None,
             "kvload_steps": stats.steps if stats else None,
             "kvload_forward_share": stats.forward_s / stats.wall_s if stats else None,
         })
@@ -272,6 +283,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="kvload's max_draft_len: speculative decoding by n-gram lookup (0: off)")
     p.add_argument("--compare-draft", default="", metavar="A,B",
                    help="time kvload at each of these max_draft_len values in the same run (e.g. 0,4)")
+    p.add_argument("--hf-prompt-lookup", type=int, default=0, metavar="K",
+                   help="also time model.generate with prompt_lookup_num_tokens=K (transformers' n-gram speculation; "
+                        "one-prompt scenarios only)")
     p.add_argument("--draft-max-batch", type=int, default=1, metavar="N",
                    help="kvload's speculation_max_batch_size: draft only while at most N requests run")
     p.add_argument("--prompts", default="random", choices=("random", "text"),
@@ -344,6 +358,10 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['hf_tokens_per_s']:>14.1f} {r['ratio']:>6.2f} {r['kvload_cpu_tokens_per_s']:>12.1f} "
               f"{r['hf_cpu_tokens_per_s']:>13.1f} {r['cpu_ratio']:>9.2f} {r['kvload_steps']:>8} "
               f"{100 * r['kvload_forward_share']:>7.1f}%")
+        if r["hf_prompt_lookup_tokens_per_s"]:
+            print(f"{'':>7} model.generate with prompt_lookup_num_tokens={args.hf_prompt_lookup}: "
+                  f"{r['hf_prompt_lookup_tokens_per_s']:.1f} tok/s (kvload {r['kvload_tokens_per_s']:.1f}: "
+                  f"{r['kvload_tokens_per_s'] / r['hf_prompt_lookup_tokens_per_s']:.2f}x)")
 
 
 if __name__ == "__main__":
