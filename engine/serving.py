@@ -5,7 +5,8 @@ one :class:`~engine.driver.Driver` between steps, so a request that arrives whil
 the next step's forward. Each request carries its own :class:`SamplingParams` (greedy or seeded
 sampling per request) and a ``sink`` the loop calls with a :class:`ServeEvent` after every step that
 gave it tokens, and once more when it ends. :meth:`ServingEngine.abort` (a client that went away)
-finishes a request between steps, which frees its blocks.
+finishes a request between steps, which frees its blocks. With ``max_draft_len`` a greedy request drafts as in
+``generate`` (``engine.speculation``) while at most ``speculation_max_batch_size`` requests run.
 
 The loop never dies on one request's failure: an error inside a step fails the requests of that step
 (their sinks get the error, their blocks are freed) and the loop goes on with the next arrivals.
@@ -124,20 +125,16 @@ class ServingEngine:
             raise GenerationError("serve: the model is loaded across several ranks (tensor parallel); the serving "
                                   "loop runs on one rank only")
         self.executor = executor
-        proposer = getattr(executor, "proposer", None)
-        if proposer is not None:  # an accepted setting never silently does nothing
-            executor._event(SettingIgnored(
-                field="max_draft_len", value=proposer.max_draft_len,
-                reason="the serving loop decodes one token per request and step; speculative decoding runs in "
-                       "generate (LLM.generate, kvload generate)"))
         self.manager = executor.manager
         self.scheduler = executor.scheduler
         self.tokenizer = executor.tokenizer
         self.observer = observer
         self.idle_wait_s = idle_wait_s
         self._live: dict[str, _Live] = {}
+        self._said_sampled = False  # setting_ignored for a sampled request under max_draft_len, once
         self.driver = _ServeDriver(self.manager, self.scheduler, eos_token_ids=executor.eos_token_ids,
-                                   emit=executor._emit, live=self._live)
+                                   emit=executor._emit, live=self._live,
+                                   propose=self._propose if executor.proposer is not None else None)
         self._cond = threading.Condition()
         self._inbox: list[_Live] = []
         self._aborts: set[str] = set()
@@ -327,14 +324,21 @@ class ServingEngine:
                 self._send(live, event)
         return True
 
-    def _compute(self, out: SchedulerOutput) -> dict[str, int]:
-        """The step's forward (the executor's packing), then each request's own pick: argmax or its generator."""
-        logits, rows = self.executor.forward(out, self._live)
+    def _compute(self, out: SchedulerOutput) -> dict[str, int | list[int]]:
+        """The step's forward (the executor's packing), then each request's own pick: argmax or its generator (with
+        drafts: the drafts the argmax confirms, then its token after them)."""
+        logits, rows, counts = self.executor.forward_rows(out, self._live)
         if not rows:
             return {}
+        starts = list(itertools.accumulate(counts, initial=0))
         reqs = [out.scheduled[i].request for i in rows]
         lives = [self._live[r.req_id] for r in reqs]
-        picked: dict[str, int] = {}
+        picked: dict[str, int | list[int]] = {}
+        plain = [i for i, c in enumerate(counts) if c == 1]
+        if len(plain) < len(rows):
+            picked.update(self._verify(logits, starts, counts, reqs, lives))
+            logits = logits[[starts[i] for i in plain]]
+            reqs, lives = [reqs[i] for i in plain], [lives[i] for i in plain]
         greedy = [i for i, lv in enumerate(lives) if lv.params.greedy]
         if greedy:
             ids = logits[greedy].argmax(dim=-1).tolist()
@@ -347,10 +351,54 @@ class ServingEngine:
             k = max(lives[i].logprobs or 0 for i in asked)
             tokens = [picked[reqs[i].req_id] for i in asked]
             for i, token, top in zip(asked, tokens, top_logprobs(logits[asked], k, tokens), strict=True):
-                n = lives[i].logprobs or 0
-                alts = dict(sorted(top.items(), key=lambda kv: -kv[1])[:n])
-                lives[i].token_logprobs.append((top[token], alts))
+                self._keep_logprobs(lives[i], token, top)
         return picked
+
+    def _verify(self, logits: torch.Tensor, starts: list[int], counts: list[int], reqs: list[Request],
+                lives: list[_Live]) -> dict[str, list[int]]:
+        """Greedy verification of each drafting request: its drafts up to the first the argmax refuses, then the
+        argmax after them (``GenerationExecutor._verify``'s rule), with their logprobs when asked."""
+        picked: dict[str, list[int]] = {}
+        for i, c in enumerate(counts):
+            if c == 1:
+                continue
+            block = logits[starts[i]:starts[i] + c]
+            best = block.argmax(dim=-1).tolist()
+            drafts = reqs[i].draft_token_ids
+            m = 0
+            while m < c - 1 and best[m] == drafts[m]:
+                m += 1
+            picked[reqs[i].req_id] = best[:m + 1]
+            if lives[i].logprobs is not None:
+                for token, top in zip(best[:m + 1], top_logprobs(block[:m + 1], lives[i].logprobs, best[:m + 1]),
+                                      strict=True):
+                    self._keep_logprobs(lives[i], token, top)
+        return picked
+
+    @staticmethod
+    def _keep_logprobs(live: _Live, token: int, top: dict[int, float]) -> None:
+        """One generated token's log-probability and the request's top ``logprobs`` alternatives."""
+        n = live.logprobs or 0
+        alts = dict(sorted(top.items(), key=lambda kv: -kv[1])[:n])
+        live.token_logprobs.append((top[token], alts))
+
+    def _propose(self, request: Request) -> list[int]:
+        """The driver's propose hook: drafts for a greedy request while few enough requests run."""
+        live = self._live.get(request.req_id)
+        proposer = self.executor.proposer
+        if live is None or proposer is None:
+            return []
+        if not live.params.greedy:
+            if not self._said_sampled:  # once per server: an accepted setting never silently does nothing
+                self._said_sampled = True
+                self.executor._event(SettingIgnored(
+                    field="max_draft_len", value=proposer.max_draft_len,
+                    reason="drafts are verified greedily: requests with temperature > 0 decode one token per step "
+                           "(said once per server)"))
+            return []
+        if len(self.driver.running) > self.executor.speculation_max_batch_size:
+            return []
+        return proposer.propose(request)
 
     def _collect(self, st: StepStats) -> list[tuple[_Live, ServeEvent]]:
         """Each request's new tokens (and its end) after a step, to send; finished ones are retired."""
@@ -403,6 +451,8 @@ class ServingEngine:
 
     def _retire(self, live: _Live, reason: str) -> None:
         self._live.pop(live.request.req_id, None)
+        if self.executor.proposer is not None:
+            self.executor.proposer.forget(live.request.req_id)
         if self.observer is None:
             return
         times = live.token_times

@@ -288,10 +288,35 @@ def test_the_generate_summary_and_json_report_drafts(tiny_checkpoints):
     assert plain["draft_tokens"] == stats.draft_tokens and 0 < plain["acceptance_rate"] <= 1
 
 
-def test_the_serving_loop_says_it_decodes_without_drafts(tiny_checkpoints):
-    from engine.serving import ServingEngine
+def test_the_server_drafts_and_answers_with_one_token_per_step_s_tokens(tiny_checkpoints):
+    from tests.serve_support import serving
 
-    with load(tiny_checkpoints("llama"), "v1", llm={"max_draft_len": 4}) as result:
-        ServingEngine.from_result(result)
-        (ignored,) = [e for e in result.audit.of("setting_ignored") if e["field"] == "max_draft_len"]
-        assert "serving loop decodes one token" in ignored["reason"]
+    path = tiny_checkpoints("qwen3")
+    refs: dict[int, list[int]] = {}
+    prompt = prompts_for(512, (5,))[0]
+
+    def reference(result):
+        refs[0] = hf_greedy(result.hf_model, prompt, NEW)
+
+    with serving(str(path), before=reference, max_draft_len=4, max_seq_len=64,
+                 kv_cache_config={"max_tokens": 512, "tokens_per_block": 4}) as served:
+        model = served.client.models.list().data[0].id
+        before = served.metrics()
+        r = served.client.completions.create(model=model, prompt=prompt, max_tokens=NEW, logprobs=2,
+                                             extra_body={"ignore_eos": True})
+        assert r.choices[0].model_extra["token_ids"] == refs[0]
+        assert len(r.choices[0].logprobs.token_logprobs) == NEW
+        chunks = list(served.client.completions.create(model=model, prompt=prompt, max_tokens=NEW, stream=True,
+                                                       extra_body={"ignore_eos": True}))
+        per_chunk = [c.choices[0].model_extra["token_ids"] for c in chunks if c.choices]
+        assert [t for ids in per_chunk for t in ids] == refs[0]
+        assert max(len(ids) for ids in per_chunk) > 1  # a step's confirmed drafts arrive together
+        after = served.metrics()
+        for seed in (1, 2):  # sampled requests decode one token per step, and the audit says so once
+            served.client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=1.0, seed=seed)
+        ignored = [e for e in served.result.audit.of("setting_ignored") if e["field"] == "max_draft_len"]
+        assert len(ignored) == 1 and "temperature > 0" in ignored[0]["reason"]
+    drafted = after["kvload_spec_decode_num_draft_tokens_total"] - before["kvload_spec_decode_num_draft_tokens_total"]
+    accepted = (after["kvload_spec_decode_num_accepted_tokens_total"]
+                - before["kvload_spec_decode_num_accepted_tokens_total"])
+    assert drafted > 0 and 0 < accepted <= drafted

@@ -54,6 +54,11 @@ class ServeMetrics:
         self.suspensions = Counter("kvload_num_suspensions", "Requests suspended to the host tier (V2)", labels,
                                    registry=r).labels(model_name)
         self.steps = Counter("kvload_engine_steps", "Engine steps run", labels, registry=r).labels(model_name)
+        # vLLM's spec_decode_num_draft_tokens / _num_accepted_tokens (max_draft_len > 0)
+        self.draft_tokens = Counter("kvload_spec_decode_num_draft_tokens", "Draft tokens computed (speculative "
+                                    "decoding)", labels, registry=r).labels(model_name)
+        self.accepted_tokens = Counter("kvload_spec_decode_num_accepted_tokens", "Draft tokens the model confirmed",
+                                       labels, registry=r).labels(model_name)
         self.success = Counter("kvload_request_success", "Requests that ended, by finish reason",
                                [*labels, "finished_reason"], registry=r)
         for reason in FINISH_REASONS:  # every series from the start, at 0 (as vLLM's): rate() needs a first sample
@@ -86,10 +91,13 @@ class ServeMetrics:
     # --- EngineObserver ------------------------------------------------------------------------
 
     def on_step(self, stats: Any, new_tokens: int) -> None:
-        """Count the step, its generated tokens, its preemptions and suspensions."""
+        """Count the step, its generated tokens and drafts, its preemptions and suspensions."""
         self.steps.inc()
         if new_tokens:
             self.generation_tokens.inc(new_tokens)
+        if getattr(stats, "draft_tokens", 0):
+            self.draft_tokens.inc(stats.draft_tokens)
+            self.accepted_tokens.inc(stats.accepted_draft_tokens)
         out = stats.output
         if out is not None:
             if out.preempted:
