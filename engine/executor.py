@@ -52,7 +52,7 @@ from engine.outputs import (
 from engine.prompts import apply_template, check_messages, check_text, is_conversation, normalize
 from engine.sampling import eos_token_ids, sample_rows, top_logprobs
 from engine.sampling_params import SamplingParams, check, check_salt, is_int
-from engine.speculation import NgramProposer
+from engine.speculation import NgramProposer, verify_greedy
 from engine.stopping import SampleText
 from models.geometry import head_dim as config_head_dim
 from models.geometry import kv_heads as config_kv_heads
@@ -599,14 +599,10 @@ class GenerationExecutor:
                 continue
             live = lives[i]
             block = logits[starts[i]:starts[i] + c]
-            best = block.argmax(dim=-1).tolist()
-            drafts = live.request.draft_token_ids
-            m = 0
-            while m < c - 1 and best[m] == drafts[m]:
-                m += 1
-            tokens[live.request.req_id] = best[:m + 1]  # = drafts[:m] + the model's token after them
+            kept = verify_greedy(block.argmax(dim=-1).tolist(), live.request.draft_token_ids)
+            tokens[live.request.req_id] = kept
             if live.params.logprobs is not None:
-                live.logprobs.extend(top_logprobs(block[:m + 1], live.params.logprobs, best[:m + 1]))
+                live.logprobs.extend(top_logprobs(block[:len(kept)], live.params.logprobs, kept))
         return tokens
 
     def forward(self, out: SchedulerOutput, live: Collection[str]) -> tuple[Any, list[int]]:

@@ -32,6 +32,7 @@ from engine.executor import GenerationExecutor
 from engine.prompts import apply_template, check_text
 from engine.sampling import sample_rows, top_logprobs
 from engine.sampling_params import SamplingParams, check_salt
+from engine.speculation import verify_greedy
 from engine.stopping import SampleText
 from pipeline.errors import GenerationError, KvBuildError
 from pipeline.events import RequestFinished, SettingIgnored
@@ -357,21 +358,15 @@ class ServingEngine:
     def _verify(self, logits: torch.Tensor, starts: list[int], counts: list[int], reqs: list[Request],
                 lives: list[_Live]) -> dict[str, list[int]]:
         """Greedy verification of each drafting request: its drafts up to the first the argmax refuses, then the
-        argmax after them (``GenerationExecutor._verify``'s rule), with their logprobs when asked."""
+        argmax after them (``engine.speculation.verify_greedy``), with their logprobs when asked."""
         picked: dict[str, list[int]] = {}
         for i, c in enumerate(counts):
             if c == 1:
                 continue
             block = logits[starts[i]:starts[i] + c]
-            best = block.argmax(dim=-1).tolist()
-            drafts = reqs[i].draft_token_ids
-            m = 0
-            while m < c - 1 and best[m] == drafts[m]:
-                m += 1
-            picked[reqs[i].req_id] = best[:m + 1]
+            kept = picked[reqs[i].req_id] = verify_greedy(block.argmax(dim=-1).tolist(), reqs[i].draft_token_ids)
             if lives[i].logprobs is not None:
-                for token, top in zip(best[:m + 1], top_logprobs(block[:m + 1], lives[i].logprobs, best[:m + 1]),
-                                      strict=True):
+                for token, top in zip(kept, top_logprobs(block[:len(kept)], lives[i].logprobs, kept), strict=True):
                     self._keep_logprobs(lives[i], token, top)
         return picked
 

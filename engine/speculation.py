@@ -22,6 +22,15 @@ from __future__ import annotations
 from cache_backends.request import Request
 
 
+def verify_greedy(best: list[int], drafts: list[int]) -> list[int]:
+    """The tokens a greedy step gives: ``best[i]`` is the argmax after the last known token and ``i`` drafts; the
+    drafts up to the first the argmax disagrees with, then the argmax after them (``best[:m + 1]``)."""
+    m = 0
+    while m < len(best) - 1 and best[m] == drafts[m]:
+        m += 1
+    return best[:m + 1]
+
+
 class _Index:
     """One sequence's n-grams → the position after their latest occurrence, for ends ``< indexed``."""
 
@@ -85,4 +94,4 @@ class NgramProposer:
         return len(self._index)
 
 
-__all__ = ["NgramProposer"]
+__all__ = ["NgramProposer", "verify_greedy"]

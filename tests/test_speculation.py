@@ -320,3 +320,12 @@ def test_the_server_drafts_and_answers_with_one_token_per_step_s_tokens(tiny_che
     accepted = (after["kvload_spec_decode_num_accepted_tokens_total"]
                 - before["kvload_spec_decode_num_accepted_tokens_total"])
     assert drafted > 0 and 0 < accepted <= drafted
+
+
+def test_greedy_verification_keeps_drafts_up_to_the_first_disagreement_then_the_models_token():
+    from engine.speculation import verify_greedy
+
+    assert verify_greedy([5, 6, 7], [5, 9]) == [5, 6]  # draft 1 confirmed, draft 2 refused: the model's 6 instead
+    assert verify_greedy([5, 6, 7], [5, 6]) == [5, 6, 7]  # both confirmed, then the token after them
+    assert verify_greedy([4, 6, 7], [5, 6]) == [4]  # the first refused: one token, as without drafts
+    assert verify_greedy([3], []) == [3]
