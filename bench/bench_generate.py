@@ -263,7 +263,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="auto", help="model dtype (auto: the checkpoint's)")
     p.add_argument("--manager", default="auto", choices=("auto", "v1", "v2"), help="KV cache manager")
     p.add_argument("--batches", default="1,8", help="comma-separated prompt counts: 1 = one prompt of "
-                                                     f"{SINGLE_LENGTH} tokens; more = mixed lengths {MIXED_LENGTHS}")
+                                                     "--single-length tokens; more = mixed lengths "
+                                                     f"{MIXED_LENGTHS}")
+    p.add_argument("--single-length", type=int, default=SINGLE_LENGTH, metavar="N",
+                   help=f"prompt tokens of the one-prompt scenario (default {SINGLE_LENGTH})")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per prompt")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per scenario (after one warm-up)")
     p.add_argument("--max-num-tokens", type=int, default=512, help="most tokens in one kvload forward")
@@ -312,7 +315,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
-    lengths = {b: [SINGLE_LENGTH] if b == 1 else [MIXED_LENGTHS[i % len(MIXED_LENGTHS)] for i in range(b)]
+    if args.single_length < 1:
+        p.error("--single-length: expected an integer >= 1")
+    lengths = {b: [args.single_length] if b == 1 else [MIXED_LENGTHS[i % len(MIXED_LENGTHS)] for i in range(b)]
                for b in batches}
     T = args.tokens_per_block  # pools that hold every prompt of a scenario at once, block rounding included
     max_tokens = max(sum(-(-(n + args.new_tokens) // T) * T for n in ls) for ls in lengths.values())
@@ -322,7 +327,7 @@ def main(argv: list[str] | None = None) -> None:
     overrides: dict[str, Any] = {"device": args.device, "max_num_tokens": args.max_num_tokens,
                                  "attention_backend": args.attention, "linear_backend": args.linear,
                                  "max_draft_len": args.draft_len, "speculation_max_batch_size": args.draft_max_batch,
-                                 "max_seq_len": max(*MIXED_LENGTHS, SINGLE_LENGTH) + args.new_tokens}
+                                 "max_seq_len": max(*MIXED_LENGTHS, args.single_length) + args.new_tokens}
     if args.dtype != "auto":
         overrides["dtype"] = args.dtype
     with pipeline.load(model_argument(args.model, args.dtype), load_weights=True, kv_cache_config=kv, log=False,

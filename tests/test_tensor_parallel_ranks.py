@@ -111,6 +111,14 @@ def test_weights_shard_by_transformers_plan_and_greedy_output_equals_one_process
     assert r0["linear_asked"] == r1["linear_asked"] == [
         "none of the model's linear layers holds a plain float32 host tensor (tensor parallel shards them as "
         "DTensors); generate multiplies through torch's F.linear"]
+    # speculative decoding: every rank drafts the same (the lockstep check passed every step) and the tokens are
+    # one process's
+    from tests.tp_support import DRAFT_PROMPT
+
+    with pipeline.load("tiny-llama", load_weights=True, kv_cache_config={"max_tokens": 1024}, log=False) as alone:
+        want = alone.generate([DRAFT_PROMPT], max_new_tokens=12, ignore_eos=True)[0].token_ids
+    assert r0["drafted"] == r1["drafted"] and r0["drafted"]["tokens"] == want
+    assert r0["drafted"]["draft_tokens"] > 0
 
 
 def test_torchrun_generate_prints_what_one_process_prints(tmp_path, capsys):

@@ -178,7 +178,24 @@ def generate(out: Path, rank: int) -> dict[str, Any]:
                 "weights_event": loaded.audit.of("weights_loaded")[0],
                 "linear_auto": [(e["new"], e["reason"]) for e in loaded.audit.of("auto_resolved")
                                 if e["field"] == "linear_backend"],
-                "linear_asked": linear_asked()}
+                "linear_asked": linear_asked(), "drafted": drafted()}
+
+
+#: a prompt whose tokens recur, so n-gram drafts are proposed from its first decode step on
+DRAFT_PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]
+
+
+def drafted() -> dict[str, Any]:
+    """``max_draft_len: 4`` under TP: drafts are proposed from the tokens (rank 0's), so every rank schedules them
+    alike; the tokens and the draft counts."""
+    import pipeline
+
+    with pipeline.load("tiny-llama", load_weights=True, tensor_parallel_size=2, kv_cache_config={"max_tokens": 1024},
+                       max_draft_len=4, log=False) as loaded:
+        out = loaded.generate([DRAFT_PROMPT], max_new_tokens=12, ignore_eos=True)[0]
+        stats = loaded.executor.last_stats
+        return {"tokens": out.token_ids, "draft_tokens": stats.draft_tokens,
+                "accepted": stats.accepted_draft_tokens}
 
 
 def linear_asked() -> list[str]:
