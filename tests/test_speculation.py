@@ -329,3 +329,19 @@ def test_greedy_verification_keeps_drafts_up_to_the_first_disagreement_then_the_
     assert verify_greedy([5, 6, 7], [5, 6]) == [5, 6, 7]  # both confirmed, then the token after them
     assert verify_greedy([4, 6, 7], [5, 6]) == [4]  # the first refused: one token, as without drafts
     assert verify_greedy([3], []) == [3]
+
+
+@settings(max_examples=40, deadline=None)
+@given(kind=st.sampled_from(["v1", "v2", "v2-sliding"]), draft=st.integers(1, 6),
+       blocks=st.integers(10, 40), budget=st.integers(2, 24), reuse=st.booleans(),
+       prompts=st.lists(st.lists(st.integers(0, 6), min_size=1, max_size=14), min_size=1, max_size=4),
+       max_new=st.integers(1, 14))
+def test_any_budget_pool_and_draft_length_gives_the_tokens_of_one_token_per_step(kind, draft, blocks, budget, reuse,
+                                                                                 prompts, max_new):
+    # V2's KV contents and invariants are checked after every step (run_scripted); every block comes back
+    manager_kind, sliding = kind.split("-")[0], kind.endswith("sliding")
+    plain, *_ = run_scripted(manager_kind, prompts, max_new, 0, blocks=blocks, budget=budget, sliding=sliding,
+                             reuse=reuse)
+    spec, *_ = run_scripted(manager_kind, prompts, max_new, draft, blocks=blocks, budget=budget, sliding=sliding,
+                            reuse=reuse)
+    assert spec == plain
