@@ -166,16 +166,23 @@ class _WindowKeys:
     mask: torch.Tensor | None  # (B, 1, max_q, max_k) bool on the device; None: every query sees every key
 
 
+#: A chunk of at most this many new tokens (a decode with its draft tokens, a prefill's tail) attends on the paged
+#: decode kernel, one kernel row per token, where the step has one (``PagedBatch.attend_mixed``): each row reads its
+#: pages in place, where gather + SDPA would copy the sequence's keys for a handful of queries.
+KERNEL_CHUNK_MAX = 8
+
+
 @attrs.define
 class _MixedSplit:
-    """A mixed step split for the paged decode kernel: its decode rows, and a plan of its prefill chunks alone."""
+    """A step split for the paged decode kernel: the tokens of its short chunks as kernel rows, and a plan of its long
+    chunks alone (None when it has none)."""
 
-    decode_seqs: np.ndarray  # (D,) the decode rows' sequence indices
+    decode_seqs: np.ndarray  # (D,) the kernel rows' sequence indices (a short chunk's, once per token of it)
     decode_tokens: torch.Tensor  # (D,) their packed token indices, on the device
-    prefill_tokens: torch.Tensor  # (N - D,) the chunks' packed token indices, on the device
-    lens: torch.Tensor  # (D,) keys per decode row, on the device
-    longest: int  # the most keys a decode row has
-    prefill: PagedBatch  # the chunks' own plan (gathers and masks over their keys only; writes are the step's)
+    prefill_tokens: torch.Tensor  # (N - D,) the long chunks' packed token indices, on the device
+    lens: torch.Tensor  # (D,) keys per kernel row (its position + 1), on the device
+    longest: int  # the most keys a kernel row has
+    prefill: PagedBatch | None  # the long chunks' own plan (gathers and masks over their keys; writes are the step's)
     tables: dict[str, torch.Tensor] = attrs.Factory(dict)  # per group, the decode rows' tables on the device
 
 
@@ -304,9 +311,11 @@ class PagedBatch:
 
     def attend_mixed(self, layer: int, query: torch.Tensor, kv_heads: int, head_dim: int, scale: float,
                      softcap: float | None) -> torch.Tensor | None:
-        """A step that mixes decode rows with prefill chunks, for a full or sliding layer whose new K/V are written:
-        the decode rows on the paged decode kernel (their pages read in place), the chunks on gather + SDPA over
-        their own keys only. Packed ``(N, heads, d)``; None when the kernel does not serve this step or layer.
+        """A step with more than one new token in some sequence, for a full or sliding layer whose new K/V are
+        written: every token of a short chunk (a decode, or a decode with its draft tokens: up to
+        :data:`KERNEL_CHUNK_MAX` tokens) as a row of the paged decode kernel, attending to the keys up to its own
+        position (the pages read in place), and the longer chunks on gather + SDPA over their own keys only. Packed
+        ``(N, heads, d)``; None when the kernel does not serve this step or layer.
 
         Gather + SDPA would copy every sequence's visible keys, the decode rows' long contexts included, padded to
         the longest; those are most of the copy when a new prompt's chunk joins running requests.
@@ -326,6 +335,8 @@ class PagedBatch:
                                      kv_heads, T, scale, r.window, softcap, _pages_read(split.longest, T, r.window),
                                      self._decode_scratch)
         sub = split.prefill
+        if sub is None:  # every chunk is short: the kernel's rows are the step's tokens, in order
+            return decoded.to(query.dtype)
         k, v = sub.gather_kv(layer, kv_heads, head_dim, query.dtype)
         prefilled = attend_packed(sub, layer, query.index_select(0, split.prefill_tokens), k, v, scale, softcap)
         out = query.new_empty(query.shape[0], query.shape[1], prefilled.shape[-1])
@@ -334,28 +345,32 @@ class PagedBatch:
         return out
 
     def _mixed_split(self) -> _MixedSplit | None:
-        """The step's decode rows and prefill chunks, planned once for its layers; None when it has no decode row."""
+        """The step's kernel rows (the tokens of its short chunks) and long chunks, planned once for its layers; None
+        when it has no short chunk."""
         if self._mixed_planned:
             return self._mixed
         self._mixed_planned = True
-        decode = self._n_np == 1
-        if not decode.any():
+        short = self._n_np <= KERNEL_CHUNK_MAX
+        if not short.any():
             return None
-        seqs = np.nonzero(decode)[0]
-        chunks = np.nonzero(~decode)[0]
-        first = np.cumsum(self._n_np) - self._n_np
-        token_is_decode = decode[self._seq_np]
-        tables: Mapping[str, torch.Tensor] | None = None  # None: the chunks' own lists
-        if self._step is not None:
-            tables = StepTables(self._step.groups, self._step.array[:, chunks], self._step.index)
-        elif self._given_tables:
-            rows = torch.from_numpy(chunks)
-            tables = {g: t[rows] for g, t in self._given_tables.items()}
-        prefill = PagedBatch([self.chunks[b] for b in chunks.tolist()], self.pools, tables)
+        chunks = np.nonzero(~short)[0]
+        token_is_row = short[self._seq_np]
+        row_tokens = np.nonzero(token_is_row)[0]
+        row_seqs = self._seq_np[row_tokens]  # a short chunk's table, once per token of it
+        lens = self._pos_np[row_tokens] + 1  # each token attends to the keys up to its own position
+        prefill = None
+        if len(chunks):
+            tables: Mapping[str, torch.Tensor] | None = None  # None: the chunks' own lists
+            if self._step is not None:
+                tables = StepTables(self._step.groups, self._step.array[:, chunks], self._step.index)
+            elif self._given_tables:
+                rows = torch.from_numpy(chunks)
+                tables = {g: t[rows] for g, t in self._given_tables.items()}
+            prefill = PagedBatch([self.chunks[b] for b in chunks.tolist()], self.pools, tables)
         self._mixed = _MixedSplit(
-            decode_seqs=seqs, decode_tokens=self._to_device(first[seqs]),
-            prefill_tokens=self._to_device(np.nonzero(~token_is_decode)[0]),
-            lens=self._to_device(self._end_np[seqs]), longest=int(self._end_np[seqs].max()), prefill=prefill)
+            decode_seqs=row_seqs, decode_tokens=self._to_device(row_tokens),
+            prefill_tokens=self._to_device(np.nonzero(~token_is_row)[0]),
+            lens=self._to_device(lens), longest=int(lens.max()), prefill=prefill)
         return self._mixed
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:

@@ -91,6 +91,29 @@ def test_a_mixed_step_reads_its_decode_rows_in_place(kernel, monkeypatch):
 
 
 @needs_cc
+def test_short_chunks_attend_on_the_kernel_one_row_per_token(kernel, monkeypatch):
+    # a decode with its draft tokens (speculative decoding) is a short chunk: each token is a kernel row reading the
+    # keys up to its own position in place; a step of short chunks only gathers nothing
+    from cache_backends.paged_attention import KERNEL_CHUNK_MAX, PagedBatch
+
+    seen = []
+    real = PagedBatch._mixed_split
+
+    def spy(self):
+        split = real(self)
+        seen.append((split.decode_seqs.tolist(), split.lens.tolist(), split.prefill))
+        return split
+
+    monkeypatch.setattr(PagedBatch, "_mixed_split", spy)
+    got, ref = decode_step(kernel, [300, 40, 90], 4, 16, 64, "float32", None, seed=2, head_dim=64, new=[3, 1, 5])
+    torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
+    assert seen == [([0, 0, 0, 1, 2, 2, 2, 2, 2], [298, 299, 300, 40, 86, 87, 88, 89, 90], None)]
+    seen.clear()
+    decode_step(kernel, [300, 40], 4, 16, None, "float32", None, seed=3, head_dim=64, new=[KERNEL_CHUNK_MAX + 1, 2])
+    assert seen[0][0] == [1, 1] and seen[0][2].num_seqs == 1  # a longer chunk is a prefill: gather + SDPA
+
+
+@needs_cc
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.function_scoped_fixture])
 @given(
