@@ -23,6 +23,7 @@ from tests.generate_support import hf_greedy, load, prompts_for, used_blocks
 from tests.kv_v1_support import make_manager as make_v1
 from tests.kv_v2_support import FULL, check_kv, full_sliding_layers, write_kv
 from tests.kv_v2_support import make_manager as make_v2
+from tests.paged_support import CUDA
 
 # --- the proposer ----------------------------------------------------------------------------------
 
@@ -200,10 +201,11 @@ REPEATING = ([3, 4, 5, 6, 7, 3, 4, 5, 6, 7, 3, 4], [9, 10, 11, 9, 10, 11, 9])
 NEW = 30  # tiny random models fall into runs of one token within 30: drafts get confirmed
 
 
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("manager", ["v1", "v2"])
 @pytest.mark.parametrize("family", ["llama", "gemma3", "deepseek-v3"])
-def test_generate_with_drafts_equals_transformers_greedy(tiny_checkpoints, family, manager):
-    with load(tiny_checkpoints(family), manager, max_num_tokens=32,
+def test_generate_with_drafts_equals_transformers_greedy(tiny_checkpoints, family, manager, device):
+    with load(tiny_checkpoints(family), manager, max_num_tokens=32, device=device,
               llm={"max_draft_len": 4, "speculation_max_batch_size": 8}) as result:
         model = result.hf_model
         ps = [*prompts_for(model.config.vocab_size, (5, 13)), *map(list, REPEATING)]
