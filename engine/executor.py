@@ -61,6 +61,7 @@ from models.paged_forward import ATTN_IMPLEMENTATION, register_paged_attention, 
 from pipeline.config import ATTENTION_BACKENDS, AUTO, LINEAR_BACKENDS
 from pipeline.errors import GenerationError, KvBuildError, KvRuntimeError, first_line
 from pipeline.events import Event, GenerationFailed, GenerationFinished, GenerationStarted, SettingIgnored
+from pipeline.limits import MAX_DRAFT_LEN, MAX_INT, MAX_NGRAM
 
 #: A prompt: text (needs a tokenizer) or token ids.
 Prompt = str | Sequence[int]
@@ -235,11 +236,11 @@ class GenerationExecutor:
     def use_speculation(self, max_draft_len: int, max_matching_ngram_size: int = 2, max_batch_size: int = 1) -> None:
         """Speculative decoding by n-gram lookup (``engine.speculation``): up to ``max_draft_len`` drafts per greedy
         request and step while at most ``max_batch_size`` requests run; ``max_draft_len`` 0 turns it off."""
-        for name, value, least in (("max_draft_len", max_draft_len, 0),
-                                   ("max_matching_ngram_size", max_matching_ngram_size, 1),
-                                   ("speculation_max_batch_size", max_batch_size, 1)):
-            if not (is_int(value) and value >= least):
-                raise GenerationError(f"generate: {name}: expected an integer >= {least}, got {value!r}")
+        for name, value, least, most in (("max_draft_len", max_draft_len, 0, MAX_DRAFT_LEN),
+                                         ("max_matching_ngram_size", max_matching_ngram_size, 1, MAX_NGRAM),
+                                         ("speculation_max_batch_size", max_batch_size, 1, MAX_INT)):
+            if not (is_int(value) and least <= value <= most):
+                raise GenerationError(f"generate: {name}: expected an integer from {least} to {most}, got {value!r}")
         self.proposer = NgramProposer(max_draft_len, max_matching_ngram_size, self.max_seq_len) \
             if max_draft_len else None
         self.speculation_max_batch_size = max_batch_size

@@ -15,7 +15,7 @@ import attrs
 
 from cache_backends.layout import DTYPE_SIZES
 from pipeline.errors import ConfigError
-from pipeline.limits import MAX_INT, short
+from pipeline.limits import MAX_DRAFT_LEN, MAX_INT, MAX_NGRAM, short
 
 AUTO = "auto"
 
@@ -120,6 +120,8 @@ pos_int = _check(lambda v: _is_int(v) and v >= 1, "an integer >= 1")
 non_neg_int = _check(lambda v: _is_int(v) and v >= 0, "an integer >= 0")
 opt_pos_int = _check(lambda v: v is None or (_is_int(v) and v >= 1), "an integer >= 1 or null")
 opt_non_neg_int = _check(lambda v: v is None or (_is_int(v) and v >= 0), "an integer >= 0 or null")
+draft_len = _check(lambda v: _is_int(v) and 0 <= v <= MAX_DRAFT_LEN, f"an integer from 0 to {MAX_DRAFT_LEN}")
+ngram_size = _check(lambda v: _is_int(v) and 1 <= v <= MAX_NGRAM, f"an integer from 1 to {MAX_NGRAM}")
 fraction = _check(
     lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1, "a number in (0, 1]"
 )
@@ -286,8 +288,8 @@ class LlmArgs:
     # speculative decoding by n-gram lookup (engine.speculation), TensorRT-LLM's NGramDecodingConfig names and
     # defaults: draft tokens per step (0 = off), the longest suffix matched against earlier tokens; and while at most
     # how many requests run it drafts (its max_concurrency; more requests make a step compute-bound, where drafts cost)
-    max_draft_len: int = attrs.field(default=0, validator=non_neg_int)
-    max_matching_ngram_size: int = attrs.field(default=2, validator=pos_int)
+    max_draft_len: int = attrs.field(default=0, validator=draft_len)
+    max_matching_ngram_size: int = attrs.field(default=2, validator=ngram_size)
     speculation_max_batch_size: int = attrs.field(default=1, validator=pos_int)
     # ranks the attention heads (and KV heads) are split over; the operator's, never a model's
     tensor_parallel_size: int = attrs.field(default=1, validator=pos_int)

@@ -281,6 +281,23 @@ def test_ngram_size_without_drafts_is_reported_ignored_and_a_bad_value_is_one_li
     assert code == 2 and len(err) == 1 and "max_draft_len" in err[0]
 
 
+@pytest.mark.parametrize(("field", "value", "expected"), [
+    ("max_draft_len", 65, "max_draft_len: expected an integer from 0 to 64, got 65"),
+    ("max_draft_len", True, "max_draft_len: expected an integer from 0 to 64, got true"),
+    ("max_matching_ngram_size", 10**6, "max_matching_ngram_size: expected an integer from 1 to 32, got 1000000"),
+    ("max_matching_ngram_size", 0, "max_matching_ngram_size: expected an integer from 1 to 32, got 0"),
+    ("speculation_max_batch_size", "2", "speculation_max_batch_size: expected an integer >= 1, got '2'"),
+])
+def test_a_draft_setting_out_of_bounds_is_one_error_naming_it(field, value, expected):
+    # the proposer indexes every n-gram up to max_matching_ngram_size of every token: a huge one would hang a load
+    import pipeline
+    from pipeline.errors import ConfigError
+
+    with pytest.raises(ConfigError) as exc:
+        pipeline.plan("tiny-llama", **{field: value})
+    assert str(exc.value).splitlines() == [expected]
+
+
 def test_the_generate_summary_and_json_report_drafts(tiny_checkpoints):
     with load(tiny_checkpoints("qwen3"), "v1", llm={"max_draft_len": 4}) as result:
         result.generate(prompts_for(result.hf_model.config.vocab_size, (5,)), max_new_tokens=NEW, ignore_eos=True)
