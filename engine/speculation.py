@@ -63,21 +63,33 @@ class NgramProposer:
         limit = min(self.max_draft_len, room)
         if limit <= 0:
             return []
-        tokens = request.all_token_ids
+        prompt, output = request.prompt_token_ids, request.output_token_ids
+        split, end = len(prompt), len(prompt) + len(output)
+
+        def span(lo: int, hi: int) -> list[int]:  # tokens[lo:hi] without joining prompt and output (O(hi - lo))
+            if hi <= split:
+                return prompt[lo:hi]
+            if lo >= split:
+                return output[lo - split:hi - split]
+            return prompt[lo:] + output[:hi - split]
+
         index = self._index.get(request.req_id)
         if index is None:
             index = self._index[request.req_id] = _Index()
-        end = len(tokens)
         after, top = index.after, self.max_ngram
         # n-grams ending before the last token: every earlier place the suffix could have occurred
-        for e in range(max(index.indexed, 1), end):
-            for n in range(1, min(top, e) + 1):
-                after[tuple(tokens[e - n:e])] = e
+        first = max(index.indexed, 1)
+        if first < end:
+            base = max(0, first - top)
+            recent = span(base, end)  # the tokens the new n-grams span, once
+            for e in range(first, end):
+                for n in range(1, min(top, e) + 1):
+                    after[tuple(recent[e - n - base:e - base])] = e
         index.indexed = max(index.indexed, end)
         for n in range(min(top, end - 1), 0, -1):  # the longest suffix that occurred before wins
-            at = after.get(tuple(tokens[end - n:]))
+            at = after.get(tuple(span(end - n, end)))
             if at is not None:
-                return tokens[at:at + limit]
+                return span(at, min(at + limit, end))
         return []
 
     def forget(self, req_id: str) -> None:

@@ -34,10 +34,10 @@ MAX_STOP_TOKEN_IDS = 4096
 #: is kept for every generated token of every sample. The Python API and the server share it.
 MAX_LOGPROBS = 20
 #: Longest suffix speculative decoding matches (``max_matching_ngram_size``) and most drafts per step
-#: (``max_draft_len``): the proposer indexes every n-gram up to that length of every request as its tokens arrive
-#: (work and memory grow with it), and each draft is a row of the next step. TensorRT-LLM's defaults are 2 and
-#: 1-8 is what its users set; a longer match never occurs in text that a shorter one did not already find.
-MAX_NGRAM = 32
+#: (``max_draft_len``): the proposer keeps an entry per n-gram length for every token of every running request
+#: (a 32k-token prompt's index at 8: ~30 MiB, built in ~0.2 s at its first draft; its KV is far more), and each
+#: draft is a row of the next step. TensorRT-LLM's default match is 2.
+MAX_NGRAM = 8
 MAX_DRAFT_LEN = 64
 #: Longest prefix-reuse salt (characters): it is hashed into every block key of its request and cached per salt
 #: (1,024 salts at a time), so its size multiplies; a tenant id or a UUID is far shorter.

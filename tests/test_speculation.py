@@ -284,8 +284,8 @@ def test_ngram_size_without_drafts_is_reported_ignored_and_a_bad_value_is_one_li
 @pytest.mark.parametrize(("field", "value", "expected"), [
     ("max_draft_len", 65, "max_draft_len: expected an integer from 0 to 64, got 65"),
     ("max_draft_len", True, "max_draft_len: expected an integer from 0 to 64, got true"),
-    ("max_matching_ngram_size", 10**6, "max_matching_ngram_size: expected an integer from 1 to 32, got 1000000"),
-    ("max_matching_ngram_size", 0, "max_matching_ngram_size: expected an integer from 1 to 32, got 0"),
+    ("max_matching_ngram_size", 10**6, "max_matching_ngram_size: expected an integer from 1 to 8, got 1000000"),
+    ("max_matching_ngram_size", 0, "max_matching_ngram_size: expected an integer from 1 to 8, got 0"),
     ("speculation_max_batch_size", "2", "speculation_max_batch_size: expected an integer >= 1, got '2'"),
 ])
 def test_a_draft_setting_out_of_bounds_is_one_error_naming_it(field, value, expected):
