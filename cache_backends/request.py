@@ -60,6 +60,15 @@ class Request:
         """Prompt then generated tokens."""
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_span(self, lo: int, hi: int) -> list[int]:
+        """``all_token_ids[lo:hi]`` (0 <= lo <= hi) without joining prompt and output: O(hi - lo), not O(num_tokens)."""
+        split = len(self.prompt_token_ids)
+        if hi <= split:
+            return self.prompt_token_ids[lo:hi]
+        if lo >= split:
+            return self.output_token_ids[lo - split:hi - split]
+        return self.prompt_token_ids[lo:] + self.output_token_ids[:hi - split]
+
     @property
     def num_tokens(self) -> int:
         """Length of :attr:`all_token_ids`."""

@@ -623,7 +623,7 @@ class GenerationExecutor:
             start = req.num_computed_tokens
             end = start + scheduled.num_tokens
             known = req.num_tokens
-            ids = req.all_token_ids[start:end]
+            ids = req.token_span(start, min(end, known))
             if end > known:  # this chunk computes drafts after the last known token
                 ids += req.draft_token_ids[:end - known]
             keep.append(1 + max(0, end - known))

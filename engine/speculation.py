@@ -63,16 +63,7 @@ class NgramProposer:
         limit = min(self.max_draft_len, room)
         if limit <= 0:
             return []
-        prompt, output = request.prompt_token_ids, request.output_token_ids
-        split, end = len(prompt), len(prompt) + len(output)
-
-        def span(lo: int, hi: int) -> list[int]:  # tokens[lo:hi] without joining prompt and output (O(hi - lo))
-            if hi <= split:
-                return prompt[lo:hi]
-            if lo >= split:
-                return output[lo - split:hi - split]
-            return prompt[lo:] + output[:hi - split]
-
+        end, span = request.num_tokens, request.token_span  # spans: no prompt + output join per step
         index = self._index.get(request.req_id)
         if index is None:
             index = self._index[request.req_id] = _Index()
