@@ -8,14 +8,14 @@ reports that nothing can make progress or schedules nothing for ``max_idle_steps
 One :meth:`Driver.step`: the scheduler decides (admit / suspend / resume / allocate), a ``compute``
 callable produces the next token of every request whose known tokens are all in the cache after
 this step (a forward pass for the executor, the scripted answer for the simulator), the manager
-commits what was computed, and finished requests release their blocks.
+commits what was computed, and finished requests release their blocks. Timing of the manager and
+scheduler work is kept separately from ``compute`` so benchmarks can report it alone.
 
 Speculative decoding: a ``propose`` hook gives each request that got a token its draft tokens for the
 next step (``Request.draft_token_ids``); the scheduler may compute them beside the last known token,
 ``compute`` answers with the drafts the model confirmed and the token after them, and the driver
 appends those one by one (each may end the request) and commits a confirmed draft's KV; an unconfirmed
-draft's KV is never committed, so it is overwritten before anything reads it. Timing of the manager and
-scheduler work is kept separately from ``compute`` so benchmarks can report it alone.
+draft's KV is never committed, so it is overwritten before anything reads it.
 """
 
 from __future__ import annotations
@@ -174,9 +174,10 @@ class Driver:
                 continue
             tokens = got if isinstance(got, list) else [got]
             drafts, req.draft_token_ids = req.draft_token_ids[:computed.get(req, 0)], []
-            if len(tokens) > len(drafts) + 1 or tokens[:-1] != drafts[:len(tokens) - 1]:  # only a computed draft's
+            # a confirmed token's KV is committed: it must be a draft this step computed, at its place
+            if len(tokens) > len(drafts) + 1 or tokens[:-1] != drafts[:len(tokens) - 1]:
                 raise RuntimeError(f"request {req.req_id}: compute returned {tokens} after drafts {drafts}; every "
-                                   "token but the last must be a draft the step computed, in order")  # KV is kept
+                                   "token but the last must be a draft the step computed, in order")
             for i, token in enumerate(tokens):
                 req.output_token_ids.append(token)
                 confirmed = i < len(tokens) - 1  # a draft the model confirmed: its KV was written this step

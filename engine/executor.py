@@ -574,7 +574,7 @@ class GenerationExecutor:
     def _compute(self, out: SchedulerOutput) -> dict[str, int | list[int]]:
         """The step's forward: every scheduled chunk packed into one row; next tokens of requests that reach the end
         (with drafts: the drafts the model confirmed, then the token after them)."""
-        logits, rows, counts = self.forward_rows(out, self._live)
+        logits, rows, counts = self.forward(out, self._live)
         if not rows:
             return {}
         lives = [self._live[out.scheduled[i].request.req_id] for i in rows]
@@ -606,16 +606,12 @@ class GenerationExecutor:
                 live.logprobs.extend(top_logprobs(block[:len(kept)], live.params.logprobs, kept))
         return tokens
 
-    def forward(self, out: SchedulerOutput, live: Collection[str]) -> tuple[Any, list[int]]:
-        """One packed forward of the scheduled chunks: (logits of the chunks that reach their request's last
-        token, their indices in ``out.scheduled``); ``(None, [])`` when none does. ``live``: the request ids
-        whose block-table rows must be kept (the serving loop shares this with ``generate``)."""
-        logits, rows, _ = self.forward_rows(out, live)
-        return logits, rows
-
-    def forward_rows(self, out: SchedulerOutput, live: Collection[str]) -> tuple[Any, list[int], list[int]]:
-        """:meth:`forward` with draft tokens: also how many logits rows each reaching chunk has, in order (1 + the
-        drafts it computed: the row before each draft verifies it, the last one gives the token after them)."""
+    def forward(self, out: SchedulerOutput, live: Collection[str]) -> tuple[Any, list[int], list[int]]:
+        """One packed forward of the scheduled chunks: ``(logits, rows, counts)``. ``rows``: the indices in
+        ``out.scheduled`` of the chunks that reach their request's last known token; ``counts``: how many logits rows
+        each has, in order (1, or 1 + the drafts it computed: the row before each draft verifies it, the last gives
+        the token after them); ``(None, [], [])`` when none reaches it. ``live``: the request ids whose block-table
+        rows must be kept (the serving loop shares this with ``generate``)."""
         chunks, rows, step_tables, keep = [], [], [], []
         store = self._block_tables
         for scheduled in out.scheduled:
