@@ -98,12 +98,13 @@ class Driver:
     def __init__(self, manager: Any, scheduler: Any, *, eos_token_ids: frozenset[int] = frozenset(),
                  emit: Callable[[Event], Any] | None = None,
                  stop: Callable[[Request, int], bool] | None = None,
-                 propose: Callable[[Request], list[int]] | None = None) -> None:
+                 propose: Callable[[Request, int], list[int]] | None = None) -> None:
         self.manager = manager
         self.scheduler = scheduler
         self.eos_token_ids = eos_token_ids
         self.stop = stop  # stop(request, token just appended): True ends it with "stop" (stop strings, stop ids)
-        self.propose = propose  # propose(request) -> its draft tokens for the next step (speculative decoding)
+        # propose(request, requests running) -> its draft tokens for the next step (speculative decoding)
+        self.propose = propose
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: list[Request] = []
@@ -192,7 +193,7 @@ class Driver:
                 if confirmed:
                     self.manager.commit(req, 1)
             if self.propose is not None and not req.is_finished:
-                req.draft_token_ids = self.propose(req)
+                req.draft_token_ids = self.propose(req, len(self.running))
         kv_seconds += time.perf_counter() - t2
         for req in done:
             self._admitted_before.discard(req)

@@ -52,7 +52,7 @@ from engine.outputs import (
 from engine.prompts import apply_template, check_messages, check_text, is_conversation, normalize
 from engine.sampling import eos_token_ids, sample_rows, top_logprobs
 from engine.sampling_params import SamplingParams, check, check_salt, is_int
-from engine.speculation import NgramProposer, verify_greedy
+from engine.speculation import NgramProposer, verify_drafted
 from engine.stopping import SampleText
 from models.geometry import head_dim as config_head_dim
 from models.geometry import kv_heads as config_kv_heads
@@ -127,8 +127,6 @@ class GenerationExecutor:
         self.linear: Any = None
         #: speculative decoding's draft proposer (``max_draft_len`` > 0: :meth:`use_speculation`); None: off
         self.proposer: NgramProposer | None = None
-        self.speculation_max_batch_size = 1
-        self._driver: Driver | None = None  # the running call's (the propose hook reads its batch)
         #: the widest beam search this load serves (``max_beam_width``; :meth:`beam_search`)
         self.max_beam_width = 1
         self.last_stats: GenerationStats | None = None
@@ -241,19 +239,15 @@ class GenerationExecutor:
                                          ("speculation_max_batch_size", max_batch_size, 1, MAX_INT)):
             if not (is_int(value) and least <= value <= most):
                 raise GenerationError(f"generate: {name}: expected an integer from {least} to {most}, got {value!r}")
-        self.proposer = NgramProposer(max_draft_len, max_matching_ngram_size, self.max_seq_len) \
+        self.proposer = NgramProposer(max_draft_len, max_matching_ngram_size, self.max_seq_len, max_batch_size) \
             if max_draft_len else None
-        self.speculation_max_batch_size = max_batch_size
 
-    def _propose(self, request: Request) -> list[int]:
-        """The driver's propose hook: drafts for a greedy request while the batch is small enough (sampled requests
-        decode one token per step)."""
+    def _propose(self, request: Request, running: int) -> list[int]:
+        """The driver's propose hook: drafts for a greedy request (sampled requests decode one token per step)."""
         live = self._live.get(request.req_id)
-        driver = self._driver
-        if live is None or not live.params.greedy or self.proposer is None or driver is None \
-                or len(driver.running) > self.speculation_max_batch_size:
+        if live is None or not live.params.greedy or self.proposer is None:
             return []
-        return self.proposer.propose(request)
+        return self.proposer.propose(request, running)
 
     def _decode_kernel(self, backend: str) -> tuple[Callable[..., torch.Tensor] | None, str | None]:
         """The paged decode kernel ``backend`` names for this model's attention layers here, or None and why not."""
@@ -332,7 +326,6 @@ class GenerationExecutor:
         proposer = self.proposer
         driver = Driver(self.manager, self.scheduler, emit=self._emit, stop=self._stops,
                         propose=self._propose if proposer is not None else None)
-        self._driver = driver
         p0 = params[0]
         self._event(GenerationStarted(
             call=call, requests=len(lives), prompt_tokens=sum(len(ids) for _, ids in items),
@@ -389,7 +382,6 @@ class GenerationExecutor:
             self._abort(driver)
             if proposer is not None:
                 proposer.clear()
-            self._driver = None
             self._live = {}
             self._block_tables.keep_only(())
             self._check_flex()
@@ -398,7 +390,6 @@ class GenerationExecutor:
                                          finished=len(outputs)))
             raise
         self._live = {}
-        self._driver = None
         if proposer is not None:
             proposer.clear()
         self._block_tables.keep_only(())
@@ -595,15 +586,11 @@ class GenerationExecutor:
         if plain:
             rows = [starts[i] for i in plain]
             tokens.update(self._sample(logits[rows], [lives[i] for i in plain]))
-        for i, c in enumerate(counts):
-            if c == 1:
-                continue
+        for i, rows, kept in verify_drafted(logits, counts, [live.request.draft_token_ids for live in lives]):
             live = lives[i]
-            block = logits[starts[i]:starts[i] + c]
-            kept = verify_greedy(block.argmax(dim=-1).tolist(), live.request.draft_token_ids)
             tokens[live.request.req_id] = kept
             if live.params.logprobs is not None:
-                live.logprobs.extend(top_logprobs(block[:len(kept)], live.params.logprobs, kept))
+                live.logprobs.extend(top_logprobs(rows, live.params.logprobs, kept))
         return tokens
 
     def forward(self, out: SchedulerOutput, live: Collection[str]) -> tuple[Any, list[int], list[int]]:

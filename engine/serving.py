@@ -32,7 +32,7 @@ from engine.executor import GenerationExecutor
 from engine.prompts import apply_template, check_text
 from engine.sampling import sample_rows, top_logprobs
 from engine.sampling_params import SamplingParams, check_salt
-from engine.speculation import verify_greedy
+from engine.speculation import verify_drafted
 from engine.stopping import SampleText
 from pipeline.errors import GenerationError, KvBuildError
 from pipeline.events import RequestFinished, SettingIgnored
@@ -337,7 +337,7 @@ class ServingEngine:
         picked: dict[str, int | list[int]] = {}
         plain = [i for i, c in enumerate(counts) if c == 1]
         if len(plain) < len(rows):
-            picked.update(self._verify(logits, starts, counts, reqs, lives))
+            picked.update(self._verify(logits, counts, reqs, lives))
             logits = logits[[starts[i] for i in plain]]
             reqs, lives = [reqs[i] for i in plain], [lives[i] for i in plain]
         greedy = [i for i, lv in enumerate(lives) if lv.params.greedy]
@@ -355,18 +355,15 @@ class ServingEngine:
                 self._keep_logprobs(lives[i], token, top)
         return picked
 
-    def _verify(self, logits: torch.Tensor, starts: list[int], counts: list[int], reqs: list[Request],
+    def _verify(self, logits: torch.Tensor, counts: list[int], reqs: list[Request],
                 lives: list[_Live]) -> dict[str, list[int]]:
-        """Greedy verification of each drafting request: its drafts up to the first the argmax refuses, then the
-        argmax after them (``engine.speculation.verify_greedy``), with their logprobs when asked."""
+        """Greedy verification of each drafting request (``engine.speculation.verify_drafted``), with the kept
+        tokens' logprobs when asked."""
         picked: dict[str, list[int]] = {}
-        for i, c in enumerate(counts):
-            if c == 1:
-                continue
-            block = logits[starts[i]:starts[i] + c]
-            kept = picked[reqs[i].req_id] = verify_greedy(block.argmax(dim=-1).tolist(), reqs[i].draft_token_ids)
+        for i, rows, kept in verify_drafted(logits, counts, [r.draft_token_ids for r in reqs]):
+            picked[reqs[i].req_id] = kept
             if lives[i].logprobs is not None:
-                for token, top in zip(kept, top_logprobs(block[:len(kept)], lives[i].logprobs, kept), strict=True):
+                for token, top in zip(kept, top_logprobs(rows, lives[i].logprobs, kept), strict=True):
                     self._keep_logprobs(lives[i], token, top)
         return picked
 
@@ -377,8 +374,8 @@ class ServingEngine:
         alts = dict(sorted(top.items(), key=lambda kv: -kv[1])[:n])
         live.token_logprobs.append((top[token], alts))
 
-    def _propose(self, request: Request) -> list[int]:
-        """The driver's propose hook: drafts for a greedy request while few enough requests run."""
+    def _propose(self, request: Request, running: int) -> list[int]:
+        """The driver's propose hook: drafts for a greedy request (the proposer says while how many may run)."""
         live = self._live.get(request.req_id)
         proposer = self.executor.proposer
         if live is None or proposer is None:
@@ -391,9 +388,7 @@ class ServingEngine:
                     reason="drafts are verified greedily: requests with temperature > 0 decode one token per step "
                            "(said once per server)"))
             return []
-        if len(self.driver.running) > self.executor.speculation_max_batch_size:
-            return []
-        return proposer.propose(request)
+        return proposer.propose(request, running)
 
     def _collect(self, st: StepStats) -> list[tuple[_Live, ServeEvent]]:
         """Each request's new tokens (and its end) after a step, to send; finished ones are retired."""

@@ -19,7 +19,13 @@ never a scan of the sequence.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
 from cache_backends.request import Request
+
+if TYPE_CHECKING:
+    import torch
 
 
 def verify_greedy(best: list[int], drafts: list[int]) -> list[int]:
@@ -29,6 +35,20 @@ def verify_greedy(best: list[int], drafts: list[int]) -> list[int]:
     while m < len(best) - 1 and best[m] == drafts[m]:
         m += 1
     return best[:m + 1]
+
+
+def verify_drafted(logits: torch.Tensor, counts: Sequence[int],
+                   drafts: Sequence[list[int]]) -> Iterator[tuple[int, torch.Tensor, list[int]]]:
+    """Greedy verification of a step's drafting requests: ``logits`` holds ``counts[i]`` rows per request, in order;
+    for each request with drafts (``counts[i] > 1``): ``i``, the logits rows of the tokens it keeps, and those tokens
+    (:func:`verify_greedy` over ``drafts[i]``)."""
+    start = 0
+    for i, c in enumerate(counts):
+        if c > 1:
+            block = logits[start:start + c]
+            kept = verify_greedy(block.argmax(dim=-1).tolist(), drafts[i])
+            yield i, block[:len(kept)], kept
+        start += c
 
 
 class _Index:
@@ -44,21 +64,26 @@ class _Index:
 class NgramProposer:
     """Draft tokens per request from its own prompt and output (see the module docstring)."""
 
-    def __init__(self, max_draft_len: int, max_matching_ngram_size: int, max_seq_len: int) -> None:
+    def __init__(self, max_draft_len: int, max_matching_ngram_size: int, max_seq_len: int,
+                 max_batch_size: int | None = None) -> None:
         if max_draft_len < 1 or max_matching_ngram_size < 1:
             raise ValueError(f"max_draft_len and max_matching_ngram_size must be >= 1, got {max_draft_len} and "
                              f"{max_matching_ngram_size}")
         self.max_draft_len = max_draft_len
         self.max_ngram = max_matching_ngram_size
         self.max_seq_len = max_seq_len
+        self.max_batch_size = max_batch_size  # draft only while at most this many requests run (None: always)
         self._index: dict[str, _Index] = {}
 
-    def propose(self, request: Request) -> list[int]:
-        """Up to ``max_draft_len`` tokens likely to follow ``request``'s tokens (none when no n-gram recurs).
+    def propose(self, request: Request, running: int = 1) -> list[int]:
+        """Up to ``max_draft_len`` tokens likely to follow ``request``'s tokens (none when no n-gram recurs, or when
+        more than ``max_batch_size`` requests are ``running``).
 
         Capped so that the drafts and the token after them stay within ``max_new_tokens`` and ``max_seq_len``:
         a request never holds a slot its worst case did not count.
         """
+        if self.max_batch_size is not None and running > self.max_batch_size:
+            return []
         room = min(request.max_new_tokens - len(request.output_token_ids), self.max_seq_len - request.num_tokens) - 1
         limit = min(self.max_draft_len, room)
         if limit <= 0:
@@ -97,4 +122,4 @@ class NgramProposer:
         return len(self._index)
 
 
-__all__ = ["NgramProposer", "verify_greedy"]
+__all__ = ["NgramProposer", "verify_drafted", "verify_greedy"]

@@ -185,7 +185,7 @@ def test_v2_under_pressure_drafts_never_push_a_request_out():
 
 def test_a_compute_that_answers_with_a_token_it_did_not_draft_is_refused():
     manager = make_v1(16)
-    driver = Driver(manager, GuaranteedNoEvictScheduler(manager, 4, 64), propose=lambda r: [5, 6])
+    driver = Driver(manager, GuaranteedNoEvictScheduler(manager, 4, 64), propose=lambda r, running: [5, 6])
 
     def liar(out: SchedulerOutput) -> dict[str, int | list[int]]:
         r = out.scheduled[0].request
