@@ -77,7 +77,7 @@ class Request:
     @property
     def num_tokens_with_drafts(self) -> int:
         """Known tokens plus drafts: how far a step may compute this request."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids) + len(self.draft_token_ids)
+        return self.num_tokens + len(self.draft_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

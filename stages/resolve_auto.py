@@ -53,21 +53,29 @@ def resolve_attention_backend(device: str, layer_kinds: set[str] | None = None) 
                                 "model.generate on gather + SDPA and 0.65-0.71x on the compiled FlexAttention, "
                                 "whose kernel is no faster than the gather at batch 32 and 5x slower at batch 1; "
                                 "\"flex\" still selects it")
-    from cache_backends.cpu_kernel_build import compiler
     from cache_backends.layout import DECODE_KERNEL_KINDS
 
     if layer_kinds is not None and not layer_kinds & DECODE_KERNEL_KINDS:
         mla = " (MLA attends in the absorbed form on gather + SDPA)" if "mla" in layer_kinds else ""
         return "sdpa", "auto", (f"the model's attention layers are {', '.join(sorted(layer_kinds))}; the CPU paged "
                                 f"decode kernel serves full and sliding-window layers{mla}")
-    if compiler() is None:
-        return "sdpa", "auto", ("no C compiler here to build the CPU paged decode kernel with (set $CC, or install "
-                                "gcc, for \"cpu_kernel\"); gather + SDPA needs none")
+    missing = _no_compiler("CPU paged decode kernel")
+    if missing is not None:
+        return "sdpa", "auto", f"{missing}; gather + SDPA needs none"
     return "cpu_kernel", "auto", ("on CPU the paged decode kernel reads each sequence's pages in place where gather + "
                                   "SDPA copies them first: 0.9-1.8x contiguous SDPA per decode layer with the step's "
                                   "plan against 0.2-0.6x, 1.2-8x gather + SDPA for the decode rows of a mixed step "
                                   "(BENCHMARKS.md, \"The CPU paged decode kernel, round 2\"); built once per machine "
                                   "with the C compiler, prefill chunks stay on gather + SDPA")
+
+
+def _no_compiler(kernel: str) -> str | None:
+    """Why ``"auto"`` cannot pick a kvload C kernel here (no C compiler to build it with), or None."""
+    from cache_backends.cpu_kernel_build import compiler
+
+    if compiler() is not None:
+        return None
+    return f"no C compiler here to build the {kernel} with (set $CC, or install gcc, for \"cpu_kernel\")"
 
 
 def resolve_linear_backend(device: str, dtype: str, tensor_parallel_size: int = 1) -> tuple[str, str, str]:
@@ -80,11 +88,9 @@ def resolve_linear_backend(device: str, dtype: str, tensor_parallel_size: int = 
                                  "which the small-batch kernel does not read")
     if dtype != "float32":
         return "torch", "auto", f"the small-batch kernel multiplies float32 weights; the model is {dtype}"
-    from cache_backends.cpu_kernel_build import compiler
-
-    if compiler() is None:
-        return "torch", "auto", ("no C compiler here to build the CPU small-batch linear kernel with (set $CC, or "
-                                 "install gcc, for \"cpu_kernel\")")
+    missing = _no_compiler("CPU small-batch linear kernel")
+    if missing is not None:
+        return "torch", "auto", missing
     return "cpu_kernel", "auto", ("on CPU, steps of a few rows (decode) multiply on a kernel that reads each weight "
                                   "once for all rows: 0.5-0.65x torch's time at 4-12 rows, 0.8-0.95x at 16-32, "
                                   "0.97x at 1-2 (AVX-512; BENCHMARKS.md, \"Small-batch projections on CPU\"); built "
