@@ -72,9 +72,9 @@ def test_a_mixed_step_attends_its_decode_rows_on_the_kernel_and_equals_gather(ke
     torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
 
 
-@needs_cc
-def test_a_mixed_step_reads_its_decode_rows_in_place(kernel, monkeypatch):
-    # the split is taken (not a silent fall back to gathering every row): the kernel sees the decode rows only
+@pytest.fixture
+def splits(monkeypatch):
+    """Every split ``PagedBatch._mixed_split`` returns (None included), in order: what the kernel was handed."""
     from cache_backends.paged_attention import PagedBatch
 
     seen = []
@@ -82,35 +82,33 @@ def test_a_mixed_step_reads_its_decode_rows_in_place(kernel, monkeypatch):
 
     def spy(self):
         split = real(self)
-        seen.append(None if split is None else (split.decode_seqs.tolist(), split.prefill.num_seqs))
+        seen.append(split)
         return split
 
     monkeypatch.setattr(PagedBatch, "_mixed_split", spy)
-    decode_step(kernel, [300, 40, 90], 4, 16, None, "float32", None, seed=1, head_dim=64, new=[1, 25, 1])
-    assert seen == [([0, 2], 1)]
+    return seen
 
 
 @needs_cc
-def test_short_chunks_attend_on_the_kernel_one_row_per_token(kernel, monkeypatch):
+def test_a_mixed_step_reads_its_decode_rows_in_place(kernel, splits):
+    # the split is taken (not a silent fall back to gathering every row): the kernel sees the decode rows only
+    decode_step(kernel, [300, 40, 90], 4, 16, None, "float32", None, seed=1, head_dim=64, new=[1, 25, 1])
+    assert [None if s is None else (s.decode_seqs.tolist(), s.prefill.num_seqs) for s in splits] == [([0, 2], 1)]
+
+
+@needs_cc
+def test_short_chunks_attend_on_the_kernel_one_row_per_token(kernel, splits):
     # a decode with its draft tokens (speculative decoding) is a short chunk: each token is a kernel row reading the
     # keys up to its own position in place; a step of short chunks only gathers nothing
-    from cache_backends.paged_attention import KERNEL_CHUNK_MAX, PagedBatch
+    from cache_backends.paged_attention import KERNEL_CHUNK_MAX
 
-    seen = []
-    real = PagedBatch._mixed_split
-
-    def spy(self):
-        split = real(self)
-        seen.append((split.decode_seqs.tolist(), split.lens.tolist(), split.prefill))
-        return split
-
-    monkeypatch.setattr(PagedBatch, "_mixed_split", spy)
     got, ref = decode_step(kernel, [300, 40, 90], 4, 16, 64, "float32", None, seed=2, head_dim=64, new=[3, 1, 5])
     torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
-    assert seen == [([0, 0, 0, 1, 2, 2, 2, 2, 2], [298, 299, 300, 40, 86, 87, 88, 89, 90], None)]
-    seen.clear()
+    assert [(s.decode_seqs.tolist(), s.lens.tolist(), s.prefill) for s in splits] == [
+        ([0, 0, 0, 1, 2, 2, 2, 2, 2], [298, 299, 300, 40, 86, 87, 88, 89, 90], None)]
+    splits.clear()
     decode_step(kernel, [300, 40], 4, 16, None, "float32", None, seed=3, head_dim=64, new=[KERNEL_CHUNK_MAX + 1, 2])
-    assert seen[0][0] == [1, 1] and seen[0][2].num_seqs == 1  # a longer chunk is a prefill: gather + SDPA
+    assert splits[0].decode_seqs.tolist() == [1, 1] and splits[0].prefill.num_seqs == 1  # a longer chunk: gathered
 
 
 @needs_cc
