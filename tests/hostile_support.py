@@ -38,11 +38,19 @@ def limited_kvload(*argv: Any, cwd: Path | None = None, env: dict[str, str] | No
     return CliResult(r.returncode, r.stdout, r.stderr)
 
 
+def _signals_as_a_terminal_gives_them() -> None:  # runs in the child before exec
+    # a suite started in the background (`pytest ... &`) runs with SIGINT ignored, which the child would inherit, and
+    # Python installs no KeyboardInterrupt handler for an ignored SIGINT: the SIGINT tests would then watch the run
+    # finish instead of being interrupted
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    _limits()
+
+
 def start_kvload(*argv: Any, cwd: Path) -> subprocess.Popen[str]:
-    """A ``kvload`` process left running (for the signal tests)."""
+    """A ``kvload`` process left running (for the signal tests), with SIGINT as a terminal delivers it."""
     return subprocess.Popen([sys.executable, "-m", "kvload", *map(str, argv)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**ENV, "PYTHONPATH": str(REPO)}, cwd=cwd,
-                            preexec_fn=_limits)
+                            preexec_fn=_signals_as_a_terminal_gives_them)
 
 
 def wait_for_temporary(proc: subprocess.Popen[str], folder: Path, timeout: float = 120.0) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -397,3 +398,41 @@ def test_prompts_of_token_ids_work_on_a_preset_and_text_needs_a_tokenizer():
                                                   "no tokenizer; use stop_token_ids"):
             llm.generate([[1, 2, 3]], stop="x")
 
+
+
+def test_other_callers_of_the_model_keep_its_own_attention_while_kvload_generates(llm):
+    # a user's own call of the model (a scoring pass, model.generate), from another thread or from a stream callback
+    # on kvload's thread, runs transformers' own attention and masks while kvload generates: kvload's attention is
+    # routed to its own forward, on its own thread, and never switched on the model for the others
+    import threading
+
+    model = llm.result.hf_model
+    ids = torch.tensor([[0, 0, 5, 17, 300], [42, 9, 88, 123, 7]])  # the first row left-padded
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+
+    def score() -> torch.Tensor:
+        with torch.inference_mode():
+            return model(input_ids=ids, attention_mask=mask).logits
+
+    own, before = model.config._attn_implementation, score()
+    during: dict[str, Any] = {}
+
+    def elsewhere() -> None:
+        try:
+            during["thread"] = score()
+        except Exception as exc:  # noqa: BLE001 - the assertion below names it
+            during["thread"] = exc
+
+    def on_token(event: Any) -> None:
+        if "callback" not in during:  # mid-generation: the first token is out, the rest are to come
+            during["callback"] = score()
+            worker = threading.Thread(target=elsewhere)
+            worker.start()
+            worker.join()
+
+    (out,) = llm.result.generate([llm.tokenizer(PROMPT)["input_ids"]], max_new_tokens=12, ignore_eos=True,
+                                 stream=on_token)
+    assert isinstance(during["thread"], torch.Tensor), during["thread"]
+    assert torch.equal(during["thread"], before) and torch.equal(during["callback"], before)
+    assert out.token_ids == greedy(llm).token_ids  # and kvload's own tokens are unchanged
+    assert model.config._attn_implementation == own != "kvload_paged"
