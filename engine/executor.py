@@ -57,7 +57,7 @@ from engine.stopping import SampleText
 from models.geometry import head_dim as config_head_dim
 from models.geometry import kv_heads as config_kv_heads
 from models.geometry import text_config
-from models.paged_forward import ATTN_IMPLEMENTATION, register_paged_attention, run_forward, unfoldable_mla
+from models.paged_forward import ATTN_IMPLEMENTATION, route_paged_attention, run_forward, unfoldable_mla
 from pipeline.config import ATTENTION_BACKENDS, AUTO, LINEAR_BACKENDS
 from pipeline.errors import GenerationError, KvBuildError, KvRuntimeError, first_line
 from pipeline.events import Event, GenerationFailed, GenerationFinished, GenerationStarted, SettingIgnored
@@ -548,17 +548,11 @@ class GenerationExecutor:
 
     @contextlib.contextmanager
     def paged_attention(self) -> Iterator[None]:
-        """Switch the model to kvload's paged attention for a block; restore its own attention after."""
-        previous = getattr(self.model.config, "_attn_implementation", None)
-        if previous == ATTN_IMPLEMENTATION:
-            yield
-            return
-        register_paged_attention()
-        self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        try:
-            yield
-        finally:
-            self.model.set_attn_implementation(previous)
+        """kvload's paged attention for the block's forwards: routed per thread (``route_paged_attention``), so any
+        other call of the model, from another thread or this one, keeps the model's own attention meanwhile."""
+        if getattr(self.model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:  # else switched for good
+            route_paged_attention(self.model)
+        yield
 
     # --- one step ----------------------------------------------------------------------------
 

@@ -3,7 +3,9 @@
 How the pieces meet in transformers 5.x:
 
 * ``AttentionInterface.register("kvload_paged", fn)`` makes ``fn`` the attention of every layer of a
-  model whose ``config._attn_implementation`` is ``"kvload_paged"`` (:func:`use_paged_attention`).
+  model whose ``config._attn_implementation`` is ``"kvload_paged"``: for every caller after
+  :func:`use_paged_attention`, or (what the executor does, :func:`route_paged_attention`) only inside
+  :func:`run_forward` on the calling thread, the model's own implementation for any other call meanwhile.
   The layer calls it as ``fn(module, query, key, value, attention_mask, scaling=..., dropout=...,
   [sliding_window=..., softcap=...,] **kwargs)``, where ``kwargs`` are the forward's extra keyword
   arguments passed down unchanged; :func:`run_forward` passes the step's ``PagedBatch`` that way
@@ -23,6 +25,10 @@ How the pieces meet in transformers 5.x:
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -216,6 +222,79 @@ def latent_attention(module: Any, batch: PagedBatch, layer: int, query: torch.Te
     return attend_packed(batch, layer, query, k, v, scale)
 
 
+_on_thread = threading.local()  # .configs: ids of the configs whose forward runs kvload's attention on this thread
+
+
+def _routed_class(cls: type) -> type:
+    """``cls`` with a thread-aware ``_attn_implementation``: ``kvload_paged`` inside :func:`run_forward` on the
+    calling thread, the model's own everywhere else (cached per class)."""
+    routed = _ROUTED.get(cls)
+    if routed is not None:
+        return routed
+    own = cls._attn_implementation
+
+    def get(self: Any) -> Any:
+        if id(self) in getattr(_on_thread, "configs", ()):
+            return ATTN_IMPLEMENTATION
+        return own.fget(self)
+
+    def reduce_ex(self: Any, protocol: int) -> Any:
+        # pickles (and deep-copies) as the model's own config class: the routed class lives in no module
+        return _own_config, (cls, dict(self.__dict__))
+
+    routed = type(cls.__name__, (cls,), {"_attn_implementation": property(get, own.fset), "__reduce_ex__": reduce_ex,
+                                         "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                         "_kvload_routed": True})
+    _ROUTED[cls] = routed
+    return routed
+
+
+_ROUTED: dict[type, type] = {}
+
+
+def _own_config(cls: type, state: dict[str, Any]) -> Any:
+    """A routed config unpickled: an instance of the model's own config class with the same fields."""
+    config = cls.__new__(cls)
+    config.__dict__.update(state)
+    return config
+
+
+def route_paged_attention(model: Any) -> tuple[Any, ...]:
+    """Give kvload's attention to the model's layers inside :func:`run_forward` only, on the calling thread.
+
+    Every config a module of ``model`` reads (the model's and its sub-configs) gets a subclass of its own class
+    whose ``_attn_implementation`` says ``kvload_paged`` while that thread's forward runs and the model's own
+    implementation otherwise, so another thread's ``model(...)`` or ``model.generate`` (or a user's callback on
+    this one) runs the model's own attention and masks meanwhile. Idempotent; returns the configs.
+    """
+    register_paged_attention()
+    configs = {id(c): c for c in [model.config, *(getattr(m, "config", None) for m in model.modules())]
+               if hasattr(type(c), "_attn_implementation")}
+    for config in configs.values():
+        if not getattr(type(config), "_kvload_routed", False):
+            config.__class__ = _routed_class(type(config))
+    _ROUTED_IDS[model] = frozenset(configs)
+    return tuple(configs.values())
+
+
+_ROUTED_IDS: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()  # model -> its configs' ids
+
+
+@contextlib.contextmanager
+def _paged_here(model: Any) -> Iterator[None]:
+    """Within the block, ``model``'s routed configs say ``kvload_paged`` on this thread."""
+    ids = _ROUTED_IDS.get(model)
+    if ids is None:  # routed through another model object sharing the configs
+        route_paged_attention(model)
+        ids = _ROUTED_IDS[model]
+    previous = getattr(_on_thread, "configs", frozenset())
+    _on_thread.configs = previous | ids
+    try:
+        yield
+    finally:
+        _on_thread.configs = previous
+
+
 def register_paged_attention() -> str:
     """Register ``kvload_paged`` with transformers' ``AttentionInterface`` (idempotent); return its name."""
     from transformers import AttentionInterface
@@ -238,12 +317,13 @@ def uses_latent_cache(batch: PagedBatch) -> bool:
 
 def run_forward(model: Any, batch: PagedBatch) -> torch.Tensor:
     """One packed forward of a step; returns ``(num_chunks, vocab)`` logits at each chunk's last token."""
+    routed = getattr(type(model.config), "_kvload_routed", False)
     impl = getattr(model.config, "_attn_implementation", None)
-    if impl != ATTN_IMPLEMENTATION:
-        raise RuntimeError(f"the model's attention is {impl!r}; call models.paged_forward.use_paged_attention(model) "
-                           "first")
+    if not routed and impl != ATTN_IMPLEMENTATION:
+        raise RuntimeError(f"the model's attention is {impl!r}; call models.paged_forward.route_paged_attention(model) "
+                           "(or use_paged_attention) first")
     cache = PagedLatentCache(batch, model.config) if uses_latent_cache(batch) else None
-    with torch.inference_mode():
+    with torch.inference_mode(), (_paged_here(model) if routed else contextlib.nullcontext()):
         out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, cache=cache, use_cache=False,
                     logits_to_keep=batch.logits_to_keep, kvload_batch=batch)
     return out.logits[0]

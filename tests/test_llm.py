@@ -420,7 +420,7 @@ def test_other_callers_of_the_model_keep_its_own_attention_while_kvload_generate
     def elsewhere() -> None:
         try:
             during["thread"] = score()
-        except Exception as exc:  # noqa: BLE001 - the assertion below names it
+        except Exception as exc:  # the assertion below names it
             during["thread"] = exc
 
     def on_token(event: Any) -> None:

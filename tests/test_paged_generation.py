@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import pickle
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ import torch
 
 from cache_backends.flex_paged import CUDA_MIN_BLOCK
 from cache_backends.paged_attention import PagedBatch, SeqChunk
-from models.paged_forward import ATTN_IMPLEMENTATION, run_forward, use_paged_attention
+from models.paged_forward import ATTN_IMPLEMENTATION, route_paged_attention, run_forward, use_paged_attention
 from models.weights import random_model
 from tests.paged_support import CUDA, FAMILIES, WINDOW, RefDriver, tiny_config
 
@@ -270,3 +271,18 @@ def test_on_cuda_blocks_the_kernel_cannot_tile_are_refused_before_compiling(bloc
     if refused:
         assert f"tokens_per_block={block} is not a multiple of 16" in why
     assert flex_unsupported(layout, "cpu") is None  # the CPU kernel takes any block size
+
+
+def test_a_routed_config_keeps_its_own_attention_and_pickles_as_the_models_class(tmp_path):
+    model = copy.deepcopy(tiny_model("llama"))
+    own = type(model.config)
+    assert route_paged_attention(model) == (model.config,)
+    assert type(model.config) is not own and isinstance(model.config, own)
+    assert type(model.config).__name__ == own.__name__
+    assert model.config._attn_implementation == "sdpa"  # outside run_forward: the model's own
+    for clone in (pickle.loads(pickle.dumps(model.config)), copy.deepcopy(model.config)):
+        assert isinstance(clone, own) and clone.to_dict() == model.config.to_dict()
+    model.config.save_pretrained(tmp_path)  # what transformers writes is the model's own config
+    assert type(own.from_pretrained(tmp_path)) is own
+    model.set_attn_implementation("eager")  # a user's switch still lands
+    assert model.config._attn_implementation == "eager"
