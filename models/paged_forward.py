@@ -223,6 +223,8 @@ def latent_attention(module: Any, batch: PagedBatch, layer: int, query: torch.Te
 
 
 _on_thread = threading.local()  # .configs: ids of the configs whose forward runs kvload's attention on this thread
+_ROUTED: dict[type, type] = {}  # a config class -> its routed subclass
+_ROUTED_IDS: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()  # model -> its configs' ids
 
 
 def _routed_class(cls: type) -> type:
@@ -249,9 +251,6 @@ def _routed_class(cls: type) -> type:
     return routed
 
 
-_ROUTED: dict[type, type] = {}
-
-
 def _own_config(cls: type, state: dict[str, Any]) -> Any:
     """A routed config unpickled: an instance of the model's own config class with the same fields."""
     config = cls.__new__(cls)
@@ -275,9 +274,6 @@ def route_paged_attention(model: Any) -> tuple[Any, ...]:
             config.__class__ = _routed_class(type(config))
     _ROUTED_IDS[model] = frozenset(configs)
     return tuple(configs.values())
-
-
-_ROUTED_IDS: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()  # model -> its configs' ids
 
 
 @contextlib.contextmanager

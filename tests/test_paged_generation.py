@@ -281,7 +281,7 @@ def test_a_routed_config_keeps_its_own_attention_and_pickles_as_the_models_class
     assert type(model.config).__name__ == own.__name__
     assert model.config._attn_implementation == "sdpa"  # outside run_forward: the model's own
     for clone in (pickle.loads(pickle.dumps(model.config)), copy.deepcopy(model.config)):
-        assert isinstance(clone, own) and clone.to_dict() == model.config.to_dict()
+        assert type(clone) is own and clone.to_dict() == model.config.to_dict()
     model.config.save_pretrained(tmp_path)  # what transformers writes is the model's own config
     assert type(own.from_pretrained(tmp_path)) is own
     model.set_attn_implementation("eager")  # a user's switch still lands
