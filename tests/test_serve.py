@@ -315,3 +315,17 @@ def test_build_state_refuses_a_blank_model_name_instead_of_using_the_models(serv
 
     with pytest.raises(ConfigError, match="^model_name: expected a non-empty name"):
         build_state(served.result, model_name=name)
+
+
+def test_the_served_model_answers_its_own_callers_while_the_server_runs(served):
+    # the serving loop runs kvload's attention for as long as the server lives; a caller of the same transformers
+    # model in this process (a scoring pass beside the server) still gets the model's own attention and masks
+    import torch
+
+    model = served.result.hf_model
+    ids, mask = torch.tensor([[0, 0, 1, 2, 3], [4, 5, 6, 7, 8]]), torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    with torch.inference_mode():
+        both = model(input_ids=ids, attention_mask=mask).logits
+        alone = model(input_ids=ids[:1, 2:]).logits  # the padded row, unpadded: padding must not change it
+    assert torch.allclose(both[0, 2:], alone[0], atol=1e-5)
+    assert _complete(served, 0).choices[0].model_extra["token_ids"] == REFERENCE[0]  # and the server still serves
