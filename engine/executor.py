@@ -232,7 +232,7 @@ class GenerationExecutor:
                                        reason=f"{why}; generate multiplies through torch's F.linear"))
 
     def use_speculation(self, max_draft_len: int, max_matching_ngram_size: int = 2, max_batch_size: int = 1) -> None:
-        """Speculative decoding by n-gram lookup (``engine.speculation``): up to ``max_draft_len`` drafts per greedy
+        """Speculative decoding by n-gram lookup (``engine.speculation``): up to ``max_draft_len`` drafts per
         request and step while at most ``max_batch_size`` requests run; ``max_draft_len`` 0 turns it off."""
         for name, value, least, most in (("max_draft_len", max_draft_len, 0, MAX_DRAFT_LEN),
                                          ("max_matching_ngram_size", max_matching_ngram_size, 1, MAX_NGRAM),
@@ -243,9 +243,10 @@ class GenerationExecutor:
             if max_draft_len else None
 
     def _propose(self, request: Request, running: int) -> list[int]:
-        """The driver's propose hook: drafts for a greedy request (sampled requests decode one token per step)."""
+        """The driver's propose hook: a live request's drafts (greedy or sampled: verification keeps either's
+        distribution)."""
         live = self._live.get(request.req_id)
-        if live is None or not live.params.greedy or self.proposer is None:
+        if live is None or self.proposer is None:
             return []
         return self.proposer.propose(request, running)
 
@@ -342,10 +343,6 @@ class GenerationExecutor:
                         why = ("temperature is 0 (greedy): the samples are identical" if name == "n"
                                else "temperature is 0 (greedy): nothing is sampled")
                         self._event(SettingIgnored(field=f"generate.{name}", value=value, reason=why))
-        if proposer is not None and any(not p.greedy for p in params):
-            self._event(SettingIgnored(field="max_draft_len", value=proposer.max_draft_len,
-                                       reason="drafts are verified greedily: requests with temperature > 0 decode "
-                                              "one token per step"))
         outputs: dict[int, RequestOutput] = {}
         warm_before = self.flex.warmup_s if self.flex is not None else 0.0
         start = time.perf_counter()
@@ -572,15 +569,17 @@ class GenerationExecutor:
         return tokens
 
     def _verify(self, logits: Any, lives: list[_Live], counts: list[int]) -> dict[str, int | list[int]]:
-        """Speculative decoding, greedy: each request's drafts up to the first the model's argmax disagrees with,
-        then the argmax after them; requests without drafts sample as usual."""
+        """Speculative decoding: each request's drafts up to the first the model's argmax disagrees with, then the
+        argmax after them (greedy), or kept and drawn as ``engine.speculation.verify_sampled`` says (sampled);
+        requests without drafts sample as usual."""
         starts = list(itertools.accumulate(counts, initial=0))
         plain = [i for i, c in enumerate(counts) if c == 1]
         tokens: dict[str, int | list[int]] = {}
         if plain:
             rows = [starts[i] for i in plain]
             tokens.update(self._sample(logits[rows], [lives[i] for i in plain]))
-        for i, rows, kept in verify_drafted(logits, counts, [live.request.draft_token_ids for live in lives]):
+        for i, rows, kept in verify_drafted(logits, counts, [live.request.draft_token_ids for live in lives],
+                                            [(live.params, live.generator) for live in lives]):
             live = lives[i]
             tokens[live.request.req_id] = kept
             if live.params.logprobs is not None:

@@ -30,6 +30,13 @@ def sample_rows(logits: torch.Tensor, params: SamplingParams,
     """One token per row of ``(rows, vocab)`` logits; row ``i`` draws from ``generators[i]`` (greedy: argmax)."""
     if params.greedy:
         return logits.argmax(dim=-1).tolist()
+    probs = target_probs(logits, params)
+    return [int(torch.multinomial(row, 1, generator=gen)) for row, gen in zip(probs, generators, strict=True)]
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled request draws from, per row of ``(rows, vocab)`` logits: softmax at its
+    temperature within its top-k and top-p (float32)."""
     # transformers' temperature warper in float64 on max-subtracted logits: a tiny temperature (1e-300)
     # then sharpens to argmax instead of overflowing float32 to inf/nan, a huge one flattens to uniform;
     # the scaled scores are fine in float32, where the top-p sort is cheaper
@@ -38,8 +45,7 @@ def sample_rows(logits: torch.Tensor, params: SamplingParams,
     if params.temperature != 1.0:
         scores = TemperatureLogitsWarper(float(params.temperature))(None, scores)
     scores = warpers(params.top_k, params.top_p)(None, scores.float())
-    probs = torch.softmax(scores, dim=-1)
-    return [int(torch.multinomial(row, 1, generator=gen)) for row, gen in zip(probs, generators, strict=True)]
+    return torch.softmax(scores, dim=-1)
 
 
 def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator,

@@ -5,8 +5,8 @@ one :class:`~engine.driver.Driver` between steps, so a request that arrives whil
 the next step's forward. Each request carries its own :class:`SamplingParams` (greedy or seeded
 sampling per request) and a ``sink`` the loop calls with a :class:`ServeEvent` after every step that
 gave it tokens, and once more when it ends. :meth:`ServingEngine.abort` (a client that went away)
-finishes a request between steps, which frees its blocks. With ``max_draft_len`` a greedy request drafts as in
-``generate`` (``engine.speculation``) while at most ``speculation_max_batch_size`` requests run.
+finishes a request between steps, which frees its blocks. With ``max_draft_len`` a request (greedy or sampled)
+drafts as in ``generate`` (``engine.speculation``) while at most ``speculation_max_batch_size`` requests run.
 
 The loop never dies on one request's failure: an error inside a step fails the requests of that step
 (their sinks get the error, their blocks are freed) and the loop goes on with the next arrivals.
@@ -35,7 +35,7 @@ from engine.sampling_params import SamplingParams, check_salt
 from engine.speculation import verify_drafted
 from engine.stopping import SampleText
 from pipeline.errors import GenerationError, KvBuildError
-from pipeline.events import RequestFinished, SettingIgnored
+from pipeline.events import RequestFinished
 
 
 @attrs.frozen
@@ -132,7 +132,6 @@ class ServingEngine:
         self.observer = observer
         self.idle_wait_s = idle_wait_s
         self._live: dict[str, _Live] = {}
-        self._said_sampled = False  # setting_ignored for a sampled request under max_draft_len, once
         self.driver = _ServeDriver(self.manager, self.scheduler, eos_token_ids=executor.eos_token_ids,
                                    emit=executor._emit, live=self._live,
                                    propose=self._propose if executor.proposer is not None else None)
@@ -357,10 +356,11 @@ class ServingEngine:
 
     def _verify(self, logits: torch.Tensor, counts: list[int], reqs: list[Request],
                 lives: list[_Live]) -> dict[str, list[int]]:
-        """Greedy verification of each drafting request (``engine.speculation.verify_drafted``), with the kept
-        tokens' logprobs when asked."""
+        """Verification of each drafting request, greedy or sampled (``engine.speculation.verify_drafted``), with
+        the kept tokens' logprobs when asked."""
         picked: dict[str, list[int]] = {}
-        for i, rows, kept in verify_drafted(logits, counts, [r.draft_token_ids for r in reqs]):
+        for i, rows, kept in verify_drafted(logits, counts, [r.draft_token_ids for r in reqs],
+                                            [(lv.params, lv.generator) for lv in lives]):
             picked[reqs[i].req_id] = kept
             if lives[i].logprobs is not None:
                 for token, top in zip(kept, top_logprobs(rows, lives[i].logprobs, kept), strict=True):
@@ -375,18 +375,11 @@ class ServingEngine:
         live.token_logprobs.append((top[token], alts))
 
     def _propose(self, request: Request, running: int) -> list[int]:
-        """The driver's propose hook: drafts for a greedy request (the proposer says while how many may run)."""
+        """The driver's propose hook: a live request's drafts, greedy or sampled (the proposer says while how many
+        may run)."""
         live = self._live.get(request.req_id)
         proposer = self.executor.proposer
         if live is None or proposer is None:
-            return []
-        if not live.params.greedy:
-            if not self._said_sampled:  # once per server: an accepted setting never silently does nothing
-                self._said_sampled = True
-                self.executor._event(SettingIgnored(
-                    field="max_draft_len", value=proposer.max_draft_len,
-                    reason="drafts are verified greedily: requests with temperature > 0 decode one token per step "
-                           "(said once per server)"))
             return []
         return proposer.propose(request, running)
 

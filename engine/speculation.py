@@ -6,8 +6,9 @@ place where the sequence's last ``n`` tokens occurred (``n`` from ``max_matching
 copying what followed there; the step computes those drafts beside the last known token, and greedy
 verification keeps the drafts the model's argmax agrees with, plus the model's own token after them. Under
 greedy decoding the output is the same as one token per step (the same argmax at every position, up to the
-rounding of a wider matmul); copied text — quoting, summarising, editing code, a repetition loop — is where the
-guesses land.
+rounding of a wider matmul); sampled requests keep each draft with its probability under their own
+distribution (:func:`verify_sampled`), which leaves every token distributed as one token per step draws it.
+Copied text — quoting, summarising, editing code, a repetition loop — is where the guesses land.
 
 TensorRT-LLM calls this ``NGramDecodingConfig(max_draft_len, max_matching_ngram_size)``, vLLM
 ``speculative_config={"method": "ngram", ...}``; kvload takes the TensorRT-LLM names as two ``LlmArgs`` fields.
@@ -22,10 +23,13 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
+import torch
+
 from cache_backends.request import Request
+from engine.sampling import target_probs
 
 if TYPE_CHECKING:
-    import torch
+    from engine.sampling_params import SamplingParams
 
 
 def verify_greedy(best: list[int], drafts: list[int]) -> list[int]:
@@ -37,16 +41,46 @@ def verify_greedy(best: list[int], drafts: list[int]) -> list[int]:
     return best[:m + 1]
 
 
-def verify_drafted(logits: torch.Tensor, counts: Sequence[int],
-                   drafts: Sequence[list[int]]) -> Iterator[tuple[int, torch.Tensor, list[int]]]:
-    """Greedy verification of a step's drafting requests: ``logits`` holds ``counts[i]`` rows per request, in order;
-    for each request with drafts (``counts[i] > 1``): ``i``, the logits rows of the tokens it keeps, and those tokens
-    (:func:`verify_greedy` over ``drafts[i]``)."""
+def verify_sampled(rows: torch.Tensor, drafts: list[int], params: SamplingParams,
+                   generator: torch.Generator) -> list[int]:
+    """The tokens a sampled step gives (speculative sampling with a draft that is certain of its tokens, as n-gram
+    drafts are): ``rows[i]`` are the logits after the last known token and ``i`` drafts. Draft ``i`` is kept with
+    probability ``p_i(draft)`` (``p_i``: the request's own distribution, ``target_probs``); at the first one
+    refused, a token is drawn from ``p_i`` without it, and the step ends there; after all are kept, one is drawn
+    from the last row. Each token kept is then distributed exactly as one token per step would draw it (Leviathan
+    et al., 2023, with the draft's distribution one-hot); the draws come from the request's generator, so a seed
+    still fixes the output (not the same output as without drafts: the draws differ)."""
+    probs = target_probs(rows, params)
+    kept: list[int] = []
+    for i, d in enumerate(drafts[:len(rows) - 1]):
+        p = probs[i]
+        if float(torch.rand((), generator=generator, device=p.device)) < float(p[d]):
+            kept.append(d)
+            continue
+        rest = p.clone()
+        rest[d] = 0.0
+        kept.append(int(torch.multinomial(rest, 1, generator=generator)))
+        return kept
+    kept.append(int(torch.multinomial(probs[len(kept)], 1, generator=generator)))
+    return kept
+
+
+def verify_drafted(logits: torch.Tensor, counts: Sequence[int], drafts: Sequence[list[int]],
+                   sampling: Sequence[tuple[SamplingParams, torch.Generator | None]] | None = None,
+                   ) -> Iterator[tuple[int, torch.Tensor, list[int]]]:
+    """Verification of a step's drafting requests: ``logits`` holds ``counts[i]`` rows per request, in order; for
+    each request with drafts (``counts[i] > 1``): ``i``, the logits rows of the tokens it keeps, and those tokens —
+    :func:`verify_greedy` over ``drafts[i]``, or :func:`verify_sampled` where ``sampling[i]`` (the request's
+    params and generator) samples."""
     start = 0
     for i, c in enumerate(counts):
         if c > 1:
             block = logits[start:start + c]
-            kept = verify_greedy(block.argmax(dim=-1).tolist(), drafts[i])
+            params, gen = sampling[i] if sampling is not None else (None, None)
+            if params is not None and not params.greedy and gen is not None:
+                kept = verify_sampled(block, drafts[i], params, gen)
+            else:
+                kept = verify_greedy(block.argmax(dim=-1).tolist(), drafts[i])
             yield i, block[:len(kept)], kept
         start += c
 
@@ -122,4 +156,4 @@ class NgramProposer:
         return len(self._index)
 
 
-__all__ = ["NgramProposer", "verify_drafted", "verify_greedy"]
+__all__ = ["NgramProposer", "verify_drafted", "verify_greedy", "verify_sampled"]

@@ -119,7 +119,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--linear_backend", "linear_backend", "projections of generate: auto, torch (F.linear) or cpu_kernel "
          "(steps of few rows on a matmul kernel compiled for this CPU; float32)", str, choices=LINEAR_BACKENDS),
     Flag("--max_draft_len", "max_draft_len", "speculative decoding by n-gram lookup: draft tokens copied from "
-         "earlier in the sequence, verified in the step that computes the last token (greedy requests); 0 = off "
+         "earlier in the sequence, verified in the step that computes the last token (greedy or sampled); 0 = off "
          "(default)", integer, metavar="N"),
     Flag("--max_matching_ngram_size", "max_matching_ngram_size", "with --max_draft_len: the longest suffix "
          "looked up among earlier tokens (default 2)", integer, metavar="N"),

@@ -1,8 +1,9 @@
-"""Speculative decoding by n-gram lookup (``max_draft_len``): drafts computed beside the last token, verified greedily.
+"""Speculative decoding by n-gram lookup (``max_draft_len``): drafts computed beside the last token, then verified.
 
 What a user relies on: the tokens are the ones decoding one token per step gives (the model's argmax at every
-position), a confirmed draft's KV is what its position needs (later steps, windows and other requests reusing
-the block read it), a rejected draft's KV is never read, and the pools hold nothing of a finished request.
+position; for a sampled request, each token drawn from its own distribution), a confirmed draft's KV is what its
+position needs (later steps, windows and other requests reusing the block read it), a rejected draft's KV is never
+read, and the pools hold nothing of a finished request.
 """
 
 from __future__ import annotations
@@ -261,12 +262,52 @@ def test_a_stop_token_among_confirmed_drafts_ends_the_output_there_with_its_logp
         assert len(cut.logprobs) == len(cut.token_ids)  # the confirmed tokens after the stop left no logprobs
 
 
-def test_sampled_requests_decode_one_token_per_step_and_the_audit_says_so(tiny_checkpoints):
-    with load(tiny_checkpoints("llama"), "v2", llm={"max_draft_len": 4}) as result:
-        result.generate([list(REPEATING[0])], max_new_tokens=6, temperature=0.8, seed=1)
-        assert result.executor.last_stats.draft_tokens == 0
-        ignored = [e for e in result.audit.of("setting_ignored") if e["field"] == "max_draft_len"]
-        assert ignored and "temperature > 0" in ignored[-1]["reason"]
+def test_sampled_requests_draft_too_keeping_their_distribution_and_their_seed(tiny_checkpoints):
+    with load(tiny_checkpoints("qwen3"), "v2", llm={"max_draft_len": 4}) as result:
+        prompt = prompts_for(result.hf_model.config.vocab_size, (5,))[0]
+        greedy = result.generate([prompt], max_new_tokens=NEW, ignore_eos=True, salt="g")[0].token_ids
+        greedy_stats = result.executor.last_stats
+        assert greedy_stats.accepted_draft_tokens > 0
+        # top_k=1 samples from a one-hot distribution: exactly the greedy tokens, with the same drafts kept
+        one_hot = result.generate([prompt], max_new_tokens=NEW, ignore_eos=True, temperature=0.8, top_k=1, seed=3,
+                                  salt="k")[0].token_ids
+        assert one_hot == greedy
+        stats = result.executor.last_stats
+        assert (stats.draft_tokens, stats.accepted_draft_tokens, stats.steps) == \
+            (greedy_stats.draft_tokens, greedy_stats.accepted_draft_tokens, greedy_stats.steps)
+        # a seed still fixes a sampled request's tokens with drafts on
+        runs = [result.generate([prompt], max_new_tokens=NEW, ignore_eos=True, temperature=0.7, seed=11,
+                                salt=f"s{i}")[0].token_ids for i in range(2)]
+        assert runs[0] == runs[1] and result.executor.last_stats.draft_tokens > 0
+        assert not [e for e in result.audit.of("setting_ignored") if e["field"] == "max_draft_len"]
+
+
+def test_sampled_verification_draws_each_token_from_the_requests_own_distribution():
+    # speculative sampling's promise, checked by counting: the first token kept is distributed as p_0 whatever the
+    # draft, and the second (given the first draft kept) as p_1; a verifier that kept every draft, or redrew the
+    # refused position from p_0 itself, fails by a wide margin
+    import torch
+
+    from engine.sampling_params import SamplingParams
+    from engine.speculation import verify_sampled
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0], [0.0, 3.0, -2.0, 1.0, 0.5], [1.0, 1.0, 1.0, 1.0, 1.0]])
+    params = SamplingParams(temperature=0.9, top_k=4)
+    from engine.sampling import target_probs
+
+    p = target_probs(logits, params).double()
+    gen = torch.Generator().manual_seed(0)
+    n = 40_000
+    first, second = torch.zeros(5, dtype=torch.float64), torch.zeros(5, dtype=torch.float64)
+    for _ in range(n):
+        kept = verify_sampled(logits, [1, 3], params, gen)  # draft 1 is p_0's second choice, 3 p_1's second
+        first[kept[0]] += 1
+        if kept[0] == 1:
+            second[kept[1]] += 1
+    assert (first / n - p[0]).abs().max() < 0.01
+    assert (second / second.sum() - p[1]).abs().max() < 0.015
+    assert first[3] == 0  # outside row 0's top-k: never drawn
+    assert all(verify_sampled(logits, [3, 1], params, gen)[0] != 3 for _ in range(500))  # nor kept as a draft
 
 
 def test_ngram_size_without_drafts_is_reported_ignored_and_a_bad_value_is_one_line(tmp_path, capsys):
@@ -331,14 +372,21 @@ def test_the_server_drafts_and_answers_with_one_token_per_step_s_tokens(tiny_che
         assert [t for ids in per_chunk for t in ids] == refs[0]
         assert max(len(ids) for ids in per_chunk) > 1  # a step's confirmed drafts arrive together
         after = served.metrics()
-        for seed in (1, 2):  # sampled requests decode one token per step, and the audit says so once
-            served.client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=1.0, seed=seed)
-        ignored = [e for e in served.result.audit.of("setting_ignored") if e["field"] == "max_draft_len"]
-        assert len(ignored) == 1 and "temperature > 0" in ignored[0]["reason"]
-    drafted = after["kvload_spec_decode_num_draft_tokens_total"] - before["kvload_spec_decode_num_draft_tokens_total"]
-    accepted = (after["kvload_spec_decode_num_accepted_tokens_total"]
-                - before["kvload_spec_decode_num_accepted_tokens_total"])
-    assert drafted > 0 and 0 < accepted <= drafted
+        # sampled requests draft too: top_k=1 gives the greedy tokens, a seed gives the same tokens twice
+        one_hot = served.client.completions.create(model=model, prompt=prompt, max_tokens=NEW, temperature=0.9,
+                                                   seed=5, extra_body={"ignore_eos": True, "top_k": 1})
+        assert one_hot.choices[0].model_extra["token_ids"] == refs[0]
+        seeded = [served.client.completions.create(model=model, prompt=prompt, max_tokens=NEW, temperature=0.7,
+                                                   seed=9, extra_body={"ignore_eos": True})
+                  .choices[0].model_extra["token_ids"] for _ in range(2)]
+        assert seeded[0] == seeded[1]
+        last = served.metrics()
+        assert not [e for e in served.result.audit.of("setting_ignored") if e["field"] == "max_draft_len"]
+    for a, b in ((before, after), (after, last)):  # greedy requests, then sampled ones
+        drafted = b["kvload_spec_decode_num_draft_tokens_total"] - a["kvload_spec_decode_num_draft_tokens_total"]
+        accepted = (b["kvload_spec_decode_num_accepted_tokens_total"]
+                    - a["kvload_spec_decode_num_accepted_tokens_total"])
+        assert drafted > 0 and 0 < accepted <= drafted
 
 
 def test_greedy_verification_keeps_drafts_up_to_the_first_disagreement_then_the_models_token():
