@@ -26,6 +26,7 @@ How the pieces meet in transformers 5.x:
 from __future__ import annotations
 
 import contextlib
+import copyreg
 import threading
 import weakref
 from collections.abc import Iterator
@@ -233,29 +234,38 @@ def _routed_class(cls: type) -> type:
     routed = _ROUTED.get(cls)
     if routed is not None:
         return routed
-    own = cls._attn_implementation
 
     def get(self: Any) -> Any:
         if id(self) in getattr(_on_thread, "configs", ()):
             return ATTN_IMPLEMENTATION
-        return own.fget(self)
+        if "_attn_implementation" in self.__dict__:  # a config class that keeps it as a plain attribute
+            return self.__dict__["_attn_implementation"]
+        return super(routed, self)._attn_implementation
 
     def reduce_ex(self: Any, protocol: int) -> Any:
-        # pickles (and deep-copies) as the model's own config class: the routed class lives in no module
-        return _own_config, (cls, dict(self.__dict__))
+        # pickles and deep-copies as the model's own class, through copyreg alone: unpickling needs no kvload
+        return copyreg._reconstructor, (cls, object, None), dict(self.__dict__)
 
-    routed = type(cls.__name__, (cls,), {"_attn_implementation": property(get, own.fset), "__reduce_ex__": reduce_ex,
+    def eq(self: Any, other: Any) -> bool:
+        # the dataclass __eq__ transformers generates for every config class asks for the same class
+        return isinstance(other, cls) and self.__dict__ == other.__dict__
+
+    routed = type(cls.__name__, (cls,), {"_attn_implementation": property(get, _set_own),
+                                         "__reduce_ex__": reduce_ex, "__eq__": eq, "__hash__": cls.__hash__,
                                          "__module__": cls.__module__, "__qualname__": cls.__qualname__,
                                          "_kvload_routed": True})
     _ROUTED[cls] = routed
     return routed
 
 
-def _own_config(cls: type, state: dict[str, Any]) -> Any:
-    """A routed config unpickled: an instance of the model's own config class with the same fields."""
-    config = cls.__new__(cls)
-    config.__dict__.update(state)
-    return config
+def _set_own(self: Any, value: Any) -> None:
+    """A routed config's ``_attn_implementation = value``: what the model's own class does with it."""
+    for klass in type(self).__mro__[1:]:
+        attr = klass.__dict__.get("_attn_implementation")
+        if isinstance(attr, property) and attr.fset is not None:
+            attr.fset(self, value)
+            return
+    self.__dict__["_attn_implementation"] = value
 
 
 def route_paged_attention(model: Any) -> tuple[Any, ...]:

@@ -280,8 +280,11 @@ def test_a_routed_config_keeps_its_own_attention_and_pickles_as_the_models_class
     assert type(model.config) is not own and isinstance(model.config, own)
     assert type(model.config).__name__ == own.__name__
     assert model.config._attn_implementation == "sdpa"  # outside run_forward: the model's own
-    for clone in (pickle.loads(pickle.dumps(model.config)), copy.deepcopy(model.config)):
+    pickled = pickle.dumps(model.config)
+    assert b"paged_forward" not in pickled  # unpickling needs transformers, not kvload
+    for clone in (pickle.loads(pickled), copy.deepcopy(model.config)):
         assert type(clone) is own and clone.to_dict() == model.config.to_dict()
+        assert clone == model.config and model.config == clone  # a routed config still equals its copies
     model.config.save_pretrained(tmp_path)  # what transformers writes is the model's own config
     assert type(own.from_pretrained(tmp_path)) is own
     model.set_attn_implementation("eager")  # a user's switch still lands

@@ -64,6 +64,11 @@ def test_the_kernel_equals_f_linear(kernel, rows, out, inner, bias, threads, see
 
 
 @needs_cc
+def test_no_rows_give_an_empty_result(kernel):
+    assert kernel(torch.empty(0, 8), torch.randn(4, 8)).shape == (0, 4)  # (the C side returns before dividing by M)
+
+
+@needs_cc
 def test_the_build_uses_the_vector_unit_this_cpu_has(kernel):
     flags = cpu_flags()
     if not flags:

@@ -126,6 +126,7 @@ static void span(const float *x, const float *W, const float *bias, float *y, in
  * over nthreads (OpenMP) in whole blocks. Returns 0. */
 int kvload_small_linear(const float *x, const float *W, const float *bias, float *y, int64_t M, int64_t N,
                         int64_t K, int64_t nthreads) {
+    if (M <= 0 || N <= 0) return 0;  /* nothing to compute (and span() divides by M) */
     int ob_max = M <= 2 ? OB_WIDE : OB_NARROW;
     if (nthreads <= 1 || N < 2 * ob_max) {
         span(x, W, bias, y, M, N, K, 0, N, ob_max);  /* no parallel region: one costs ~1 us even when off */
