@@ -7,7 +7,8 @@ copying what followed there; the step computes those drafts beside the last know
 verification keeps the drafts the model's argmax agrees with, plus the model's own token after them. Under
 greedy decoding the output is the same as one token per step (the same argmax at every position, up to the
 rounding of a wider matmul); sampled requests keep each draft with its probability under their own
-distribution (:func:`verify_sampled`), which leaves every token distributed as one token per step draws it.
+distribution (:func:`verify_sampled`, which draws each token as one token per step would and keeps a draft it
+equals).
 Copied text — quoting, summarising, editing code, a repetition loop — is where the guesses land.
 
 TensorRT-LLM calls this ``NGramDecodingConfig(max_draft_len, max_matching_ngram_size)``, vLLM
@@ -43,25 +44,23 @@ def verify_greedy(best: list[int], drafts: list[int]) -> list[int]:
 
 def verify_sampled(rows: torch.Tensor, drafts: list[int], params: SamplingParams,
                    generator: torch.Generator) -> list[int]:
-    """The tokens a sampled step gives (speculative sampling with a draft that is certain of its tokens, as n-gram
-    drafts are): ``rows[i]`` are the logits after the last known token and ``i`` drafts. Draft ``i`` is kept with
-    probability ``p_i(draft)`` (``p_i``: the request's own distribution, ``target_probs``); at the first one
-    refused, a token is drawn from ``p_i`` without it, and the step ends there; after all are kept, one is drawn
-    from the last row. Each token kept is then distributed exactly as one token per step would draw it (Leviathan
-    et al., 2023, with the draft's distribution one-hot); the draws come from the request's generator, so a seed
-    still fixes the output (not the same output as without drafts: the draws differ)."""
+    """The tokens a sampled step gives: ``rows[i]`` are the logits after the last known token and ``i`` drafts.
+    Row by row, a token is drawn from the request's own distribution (``target_probs``) exactly as one token per
+    step would draw it; a draft it equals is kept and the next row drawn, the first it differs from ends the step
+    with the drawn token, and after all drafts one more is drawn from the last row.
+
+    This is speculative sampling for a draft that is certain of its tokens (Leviathan et al., 2023, with a one-hot
+    draft): draft ``i`` is kept with probability ``p_i(draft)``, and a refused position holds a draw from ``p_i``
+    without the draft. Drawing first and comparing spends the request's generator exactly as decoding without
+    drafts does (one draw per token), so a seed gives the same tokens with drafts on or off, whatever else runs
+    (up to the rounding of a wider step's logits)."""
     probs = target_probs(rows, params)
     kept: list[int] = []
-    for i, d in enumerate(drafts[:len(rows) - 1]):
-        p = probs[i]
-        if float(torch.rand((), generator=generator, device=p.device)) < float(p[d]):
-            kept.append(d)
-            continue
-        rest = p.clone()
-        rest[d] = 0.0
-        kept.append(int(torch.multinomial(rest, 1, generator=generator)))
-        return kept
-    kept.append(int(torch.multinomial(probs[len(kept)], 1, generator=generator)))
+    for i in range(len(rows)):
+        token = int(torch.multinomial(probs[i], 1, generator=generator))
+        kept.append(token)
+        if i >= len(drafts) or token != drafts[i]:
+            break
     return kept
 
 

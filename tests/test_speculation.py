@@ -275,10 +275,21 @@ def test_sampled_requests_draft_too_keeping_their_distribution_and_their_seed(ti
         stats = result.executor.last_stats
         assert (stats.draft_tokens, stats.accepted_draft_tokens, stats.steps) == \
             (greedy_stats.draft_tokens, greedy_stats.accepted_draft_tokens, greedy_stats.steps)
-        # a seed still fixes a sampled request's tokens with drafts on
-        runs = [result.generate([prompt], max_new_tokens=NEW, ignore_eos=True, temperature=0.7, seed=11,
-                                salt=f"s{i}")[0].token_ids for i in range(2)]
-        assert runs[0] == runs[1] and result.executor.last_stats.draft_tokens > 0
+        # a seed fixes a sampled request's tokens with drafts on, to the tokens it gives with drafts off, whatever
+        # runs beside it (a second prompt keeps drafts off until it ends: speculation_max_batch_size is 1)
+        seeded = {"temperature": 0.2, "seed": 11, "max_new_tokens": NEW, "ignore_eos": True}
+        drafted = result.generate([prompt], salt="s0", **seeded)[0].token_ids
+        assert result.executor.last_stats.accepted_draft_tokens > 0
+        from engine.sampling_params import SamplingParams
+
+        other = prompts_for(result.hf_model.config.vocab_size, (9,))[0]
+        beside = result.executor.generate([prompt, other], [SamplingParams(temperature=0.2, seed=11, max_tokens=NEW,
+                                                                           ignore_eos=True),
+                                                            SamplingParams(max_tokens=3, ignore_eos=True)], salt="s1")
+        assert beside[0].token_ids == drafted
+        result.executor.use_speculation(0)
+        plain = result.generate([prompt], salt="s2", **seeded)[0].token_ids
+        assert drafted == plain
         assert not [e for e in result.audit.of("setting_ignored") if e["field"] == "max_draft_len"]
 
 
