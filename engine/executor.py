@@ -242,14 +242,6 @@ class GenerationExecutor:
         self.proposer = NgramProposer(max_draft_len, max_matching_ngram_size, self.max_seq_len, max_batch_size) \
             if max_draft_len else None
 
-    def _propose(self, request: Request, running: int) -> list[int]:
-        """The driver's propose hook: a live request's drafts (greedy or sampled: verification keeps either's
-        distribution)."""
-        live = self._live.get(request.req_id)
-        if live is None or self.proposer is None:
-            return []
-        return self.proposer.propose(request, running)
-
     def _decode_kernel(self, backend: str) -> tuple[Callable[..., torch.Tensor] | None, str | None]:
         """The paged decode kernel ``backend`` names for this model's attention layers here, or None and why not."""
         kinds = {layer.kind for layer in self.manager.layout.layers}
@@ -326,7 +318,7 @@ class GenerationExecutor:
         before = self._counters()
         proposer = self.proposer
         driver = Driver(self.manager, self.scheduler, emit=self._emit, stop=self._stops,
-                        propose=self._propose if proposer is not None else None)
+                        propose=proposer.propose if proposer is not None else None)
         p0 = params[0]
         self._event(GenerationStarted(
             call=call, requests=len(lives), prompt_tokens=sum(len(ids) for _, ids in items),

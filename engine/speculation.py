@@ -65,7 +65,7 @@ def verify_sampled(rows: torch.Tensor, drafts: list[int], params: SamplingParams
 
 
 def verify_drafted(logits: torch.Tensor, counts: Sequence[int], drafts: Sequence[list[int]],
-                   sampling: Sequence[tuple[SamplingParams, torch.Generator | None]] | None = None,
+                   sampling: Sequence[tuple[SamplingParams, torch.Generator | None]],
                    ) -> Iterator[tuple[int, torch.Tensor, list[int]]]:
     """Verification of a step's drafting requests: ``logits`` holds ``counts[i]`` rows per request, in order; for
     each request with drafts (``counts[i] > 1``): ``i``, the logits rows of the tokens it keeps, and those tokens —
@@ -75,8 +75,8 @@ def verify_drafted(logits: torch.Tensor, counts: Sequence[int], drafts: Sequence
     for i, c in enumerate(counts):
         if c > 1:
             block = logits[start:start + c]
-            params, gen = sampling[i] if sampling is not None else (None, None)
-            if params is not None and not params.greedy and gen is not None:
+            params, gen = sampling[i]
+            if not params.greedy and gen is not None:
                 kept = verify_sampled(block, drafts[i], params, gen)
             else:
                 kept = verify_greedy(block.argmax(dim=-1).tolist(), drafts[i])
