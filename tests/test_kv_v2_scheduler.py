@@ -5,11 +5,13 @@ from __future__ import annotations
 from collections import deque
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from cache_backends import LayerKV
 from cache_backends.request import Request, RequestState
 from cache_backends.v2 import KVCacheV2Scheduler
-from tests.kv_v2_support import drive, full_sliding_layers, make_manager
+from tests.kv_v2_support import admit, compute, drive, full_sliding_layers, make_manager, split_sliding_layers
 
 FULL = [LayerKV(0, "full", 4)]
 
@@ -276,3 +278,44 @@ def test_no_resume_when_the_token_budget_is_spent():
     out = s.step(waiting, running)
     assert [(c.request.req_id, c.num_tokens) for c in out.scheduled] == [("a", 1)]
     assert out.resumed == [] and b.state is RequestState.SUSPENDED  # it could not have run this step
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), layout=st.sampled_from(["full", "shared", "split"]), reuse=st.booleans())
+def test_admission_asked_before_building_answers_as_the_built_cache_would(data, layout, reuse):
+    """The scheduler asks ``fit_tokens_new`` / ``growth_blocks_new`` / ``growth_bound_with`` about a request that
+    claims no cached prefix instead of creating its cache first (a refused admission then builds nothing): their
+    answers must be what create + resume + ``fit_tokens`` / ``growth_blocks`` / ``growth_bound`` say."""
+    layers = {"full": FULL, "shared": full_sliding_layers(8), "split": split_sliding_layers(8)}[layout]
+    blocks = data.draw(st.integers(2, 24), label="blocks")
+    m = make_manager(layers, blocks, enable_block_reuse=reuse)
+    tokens = 4 * blocks  # what one group's pool holds (T = 4)
+    for i in range(data.draw(st.integers(0, 4), label="others")):  # requests holding, freeing or caching blocks
+        r = Request(f"o{i}", [(i * 7 + j) % 11 for j in range(data.draw(st.integers(1, tokens // 2)))], 4)
+        if m.never_fits(r) is not None:
+            continue
+        admit(m, r)
+        n = m.fit_tokens(r, r.num_tokens - r.num_computed_tokens)
+        if n:
+            compute(m, r, n)
+        if data.draw(st.integers(0, 3), label="free it") == 0:
+            m.free(r)
+    max_new = data.draw(st.integers(1, 8), label="max_new")
+    most = max(1, tokens - max_new)  # the longest prompt that fits the pools alone
+    size = data.draw(st.integers(max(1, most // 2), most), label="prompt length")
+    r = Request("new", [data.draw(st.integers(0, 20), label="first")] + [(j * 5) % 13 for j in range(size - 1)],
+                max_new)
+    if m.never_fits(r) is not None or not m.claims_nothing(r):
+        return
+    want = data.draw(st.one_of(st.just(size), st.integers(1, 2 * tokens)), label="want")  # (the scheduler: size)
+    ratio = data.draw(st.sampled_from([0.0, 0.1, 0.55, 1.0]), label="ratio")
+    asked = m.fit_tokens_new(r, want)
+    own = m.growth_blocks_new(r, ratio, asked)
+    bound = m.growth_bound_with(r)
+    admit(m, r)
+    assert r.num_computed_tokens == 0  # it claimed nothing, as asked
+    assert m.fit_tokens(r, want) == asked
+    assert m.growth_blocks(r, ratio, asked) == own
+    assert m.growth_bound() == bound
+    m.cancel_admission(r)
+    m.check_invariants()

@@ -519,6 +519,64 @@ class KVCacheManagerV2:
                 hi = mid
         return lo
 
+    # --- admission, asked before anything is built ------------------------------------------------------------------
+    # A request that can claim no cached prefix would start from an empty cache: what create + resume + fit_tokens
+    # (and growth_blocks, growth_bound) would say then follows from the pools alone. The scheduler asks these first,
+    # so an admission that fails (a long prompt waiting for room, every step under pressure) builds and tears down
+    # nothing; the answers equal the built path's (tests/test_kv_v2_scheduler.py checks them side by side).
+
+    def claims_nothing(self, request: Request) -> bool:
+        """Whether admitting ``request`` now would claim no cached block, whole or partial: prefix reuse is off, or
+        no cached run and no pending prefix of its scope starts with its first token (:meth:`_admit`'s cheap miss)."""
+        if not self._reuse:
+            return True
+        first = pack_tokens(_tokens(request, 0, 1))
+        return self._tree.pending_prefix(request.salt, first) is None and self._cheap_miss(request, first)
+
+    def fit_tokens_new(self, request: Request, want: int) -> int:
+        """:meth:`fit_tokens` for ``request`` as :meth:`create` + :meth:`resume` would leave it, when
+        :meth:`claims_nothing` holds (an empty cache); nothing is built."""
+        want = min(want, self.options.max_seq_len, request.num_tokens_with_drafts)
+        if want <= 0:
+            return 0
+        arena, spans = self._arena, self._spans
+        if arena is None:
+            most = min(pool.available * tpb for _, tpb, pool in self._group_pools)
+            return max(0, min(want, most))
+        available = arena.available
+
+        def fits(n: int) -> bool:
+            return sum(-(-n // tpb) * count for tpb, count in spans) <= available
+
+        if fits(want):
+            return want
+        lo, hi = 0, want
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def growth_blocks_new(self, request: Request, ratio: float, scheduled: int) -> dict[str, int]:
+        """:meth:`growth_blocks` for ``request`` as :meth:`create` + :meth:`resume` would leave it, when
+        :meth:`claims_nothing` holds (capacity 0); nothing is built."""
+        target = scheduled + math.ceil(ratio * max(0, self.worst_case_tokens(request) - scheduled))
+        per = [g.blocks_for(target) for g, _ in self._cycles]
+        return {g.name: per[c] for g, c in zip(self.groups, self._cycle_of, strict=True)}
+
+    def growth_bound_with(self, request: Request) -> dict[str, int]:
+        """:meth:`growth_bound` once ``request`` (not admitted yet, claiming nothing) would be active."""
+        worst = min(request.max_total_tokens, self.options.max_seq_len)
+        extra = [0] * len(self.groups)
+        for g, members in self._cycles:
+            n = g.blocks_for(worst)
+            for i in members:
+                extra[i] = n
+        return {name: max(0, w + e - pool.num_used)
+                for (name, _, pool), w, e in zip(self._group_pools, self._worst_blocks, extra, strict=True)}
+
     def growth_blocks(self, request: Request, ratio: float, scheduled: int = 0) -> dict[str, int]:
         """Blocks per group ``request`` would still take for ``scheduled`` more tokens, then ``ratio`` of the way on
         to its worst case (:meth:`worst_case_tokens`); a sliding group never needs more than its window's blocks.

@@ -28,6 +28,9 @@ One :meth:`~KVCacheV2Scheduler.step`:
    least ``INIT_RATIO`` (plus ``RATIO_BUMP``) whenever a request is suspended or preempted: real
    pressure makes admission cautious again instead of admitting and suspending in a loop.
    ``init_ratio=0`` turns the rule off (greedy admission, TensorRT-LLM's max-utilisation policy).
+   A request that claims no cached prefix is asked about before its cache is built
+   (:meth:`KVCacheManagerV2.fit_tokens_new` and friends answer as the built cache would), so a refusal —
+   a long prompt waiting for room, step after step — builds and cancels nothing.
 3. A waiting request that could never fit the pools even alone — its worst case,
    ``min(prompt + max_new_tokens, max_seq_len)`` tokens, needs more blocks than a pool has, or its
    prompt is longer than ``max_seq_len`` — is skipped and stays in ``waiting``; it is reported in
@@ -214,29 +217,40 @@ class KVCacheV2Scheduler(SchedulerBase):
             if why is not None:
                 reasons.append(why)
                 continue
-            m.create(r)
-            m.resume(r)
-            n = m.fit_tokens(r, min(_pending(r), budget))
+            # a request that claims no cached prefix is asked about before its cache is built: a refusal (a long
+            # prompt waiting for room, step after step) then builds and cancels nothing
+            new = m.claims_nothing(r)
+            if not new:
+                m.create(r)
+                m.resume(r)
+            want = min(_pending(r), budget)
+            n = m.fit_tokens_new(r, want) if new else m.fit_tokens(r, want)
+            refusal = None
             if n == 0:
-                m.cancel_admission(r)
-                reasons.append(f"no room to admit request {r.req_id} until running requests free blocks")
-                break
-            if running and ratio:
-                own = m.growth_blocks(r, ratio, n)
-                bound = m.growth_bound()  # cheap: when even the bound fits, the estimate is not needed
+                refusal = f"no room to admit request {r.req_id} until running requests free blocks"
+            elif running and ratio:
+                own = m.growth_blocks_new(r, ratio, n) if new else m.growth_blocks(r, ratio, n)
+                # cheap: when even the bound fits, the estimate is not needed
+                bound = m.growth_bound_with(r) if new else m.growth_bound()
                 if headroom is None and m.shortfall({name: k + bound[name] for name, k in own.items()}):
                     headroom = m.headroom_blocks(running, ratio)
                 short = None if headroom is None else m.shortfall({name: k + headroom[name]
                                                                    for name, k in own.items()})
                 if short:
+                    refusal = (f"request {r.req_id} waits: admitting it would leave less than the running "
+                               f"requests' estimated growth ({short}; new-token ratio {ratio:.2f})")
+            if refusal is not None:
+                if not new:
                     m.cancel_admission(r)
-                    reasons.append(f"request {r.req_id} waits: admitting it would leave less than the running "
-                                   f"requests' estimated growth ({short}; new-token ratio {ratio:.2f})")
-                    break
-                if headroom is not None:
-                    chunk = m.growth_blocks(r, 0.0, n)  # allocated below; the rest of its growth joins the headroom
-                    for name, k in own.items():
-                        headroom[name] += k - chunk[name]
+                reasons.append(refusal)
+                break
+            if new:  # admitted: now build it (claiming nothing, as asked)
+                m.create(r)
+                m.resume(r)
+            if running and ratio and headroom is not None:
+                chunk = m.growth_blocks(r, 0.0, n)  # allocated below; the rest of its growth joins the headroom
+                for name, k in own.items():
+                    headroom[name] += k - chunk[name]
             budget -= self._schedule(r, n, chunks)
             r.state = RequestState.RUNNING
             waiting.remove(r)
