@@ -132,14 +132,16 @@ def create_app(state: ServeState) -> FastAPI:
             raise BadRequest(str(exc).removeprefix("kv_cache_events: "), param="event_buffer_max_size") from None
 
     gate = asyncio.Lock()  # one request's body parsed and tokenized at a time (see _serve)
+    # set on the event loop once the server stops (server._Server.shutdown): a body still arriving is not waited for
+    app.state.stopping = stopping = asyncio.Event()
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _serve(state, request, "completion", gate)
+        return await _serve(state, request, "completion", gate, stopping)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await _serve(state, request, "chat", gate)
+        return await _serve(state, request, "chat", gate, stopping)
 
     return app
 
@@ -203,26 +205,40 @@ class _Admission:
 CLIENT_CLOSED = 499
 
 
-async def _read_body(request: Request, limit: int, timeout: float) -> bytearray:
+async def _read_body(request: Request, limit: int, timeout: float, stopping: asyncio.Event) -> bytearray:
     """The request body, refused with 413 once it is known to pass ``limit`` bytes: by its Content-Length
     before a byte is read, else (chunked) as soon as what arrived passes it, so no oversized body is held.
     Refused with 408 when it has not all arrived ``timeout`` seconds after the handler began reading: a client
-    that stops sending, or trickles, would otherwise hold the connection and the handler forever."""
+    that stops sending, or trickles, would otherwise hold the connection and the handler forever. Refused with
+    503 as soon as ``stopping`` is set: uvicorn's shutdown would wait for the upload, then cancel the handler
+    (a traceback and a plain-text 500)."""
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:  # the HTTP layer refuses a malformed Content-Length itself
         raise _too_large(limit, f"Content-Length {int(length):,}")
     body = bytearray()
+
+    async def read() -> None:
+        async for chunk in request.stream():
+            body.extend(chunk)
+            if len(body) > limit:
+                raise _too_large(limit, f"more than {limit:,} bytes sent")
+
+    reader = asyncio.ensure_future(read())
+    stop = asyncio.ensure_future(stopping.wait())
     try:
         async with asyncio.timeout(timeout):  # the whole body, not each read: a trickle gets no more time
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > limit:
-                    raise _too_large(limit, f"more than {limit:,} bytes sent")
+            await asyncio.wait((reader, stop), return_when=asyncio.FIRST_COMPLETED)
     except TimeoutError:
         expected = f"of {int(length):,}" if length.isdigit() else "of a chunked body"
         raise BadRequest(f"the request body did not arrive in time: {len(body):,} bytes {expected} came within "
                          f"{timeout:g} s (--request-read-timeout sets it)", status=408, code="request_timeout",
                          headers={"Connection": "close"}) from None
+    finally:  # whichever did not finish (a cancelled handler leaves neither behind)
+        stop.cancel()
+        reader.cancel()
+    if not reader.done() or reader.cancelled():
+        raise _shutting_down()
+    reader.result()  # a 413, or ClientDisconnect (the client hung up mid-upload)
     return body
 
 
@@ -238,9 +254,10 @@ def _too_large(limit: int, got: str) -> BadRequest:
                       f"sets it), got {got}", status=413, code="request_too_large", headers={"Connection": "close"})
 
 
-async def _serve(state: ServeState, request: Request, kind: str, gate: asyncio.Lock) -> Response:
+async def _serve(state: ServeState, request: Request, kind: str, gate: asyncio.Lock,
+                 stopping: asyncio.Event) -> Response:
     try:
-        raw = await _read_body(request, state.max_request_bytes, state.read_timeout_s)
+        raw = await _read_body(request, state.max_request_bytes, state.read_timeout_s, stopping)
     except ClientDisconnect:  # hung up mid-upload: the client's doing, not a server error with a traceback
         return Response(status_code=CLIENT_CLOSED)
     run = _Run(state, request, asyncio.get_running_loop())
