@@ -51,7 +51,7 @@ from engine.outputs import (
 )
 from engine.prompts import apply_template, check_messages, check_text, is_conversation, normalize
 from engine.sampling import eos_token_ids, sample_rows, top_logprobs
-from engine.sampling_params import SamplingParams, check, check_salt, is_int
+from engine.sampling_params import SamplingParams, check, check_salt, greedy_ignored, is_int
 from engine.speculation import NgramProposer, verify_drafted
 from engine.stopping import SampleText
 from models.geometry import head_dim as config_head_dim
@@ -326,15 +326,9 @@ class GenerationExecutor:
             seed=p0.seed, salted=salt is not None, kv_manager=type(self.manager).__name__, top_k=p0.top_k, n=p0.n,
             stop_strings=len(p0.stop), stop_token_ids=list(p0.stop_token_ids), logprobs=p0.logprobs,
             per_prompt_params=per_prompt))
-        for p in {id(p): p for p in params}.values():
-            if p.greedy:  # greedy draws nothing: a seed, nucleus or top-k the caller gave would silently do nothing
-                ignored = (("seed", p.seed, None), ("top_p", p.top_p, 1.0), ("top_k", max(p.top_k, 0), 0),
-                           ("n", p.n, 1))  # greedy samples are all the same sequence
-                for name, value, unset in ignored:
-                    if value != unset:
-                        why = ("temperature is 0 (greedy): the samples are identical" if name == "n"
-                               else "temperature is 0 (greedy): nothing is sampled")
-                        self._event(SettingIgnored(field=f"generate.{name}", value=value, reason=why))
+        for p in {id(p): p for p in params}.values():  # greedy draws nothing: a seed, top-p, top-k or n that does
+            for name, value, why in greedy_ignored(p):  # nothing is said to, never silently dropped
+                self._event(SettingIgnored(field=f"generate.{name}", value=value, reason=why))
         outputs: dict[int, RequestOutput] = {}
         warm_before = self.flex.warmup_s if self.flex is not None else 0.0
         start = time.perf_counter()

@@ -231,5 +231,19 @@ class SamplingParams:
         return cls(**keywords)
 
 
+def greedy_ignored(params: SamplingParams, n: int | None = None) -> list[tuple[str, Any, str]]:
+    """The settings greedy decoding ignores in ``params`` (``n``: samples asked for, default ``params.n``), each as
+    (name, value, why); none when ``params`` samples. The Python API and ``kvload serve`` both report these as
+    ``setting_ignored``, so a seed, nucleus or top-k the caller gave never silently does nothing."""
+    if not params.greedy:
+        return []
+    n = params.n if n is None else n
+    nothing = "temperature is 0 (greedy): nothing is sampled"
+    asked = (("seed", params.seed, None, nothing), ("top_p", params.top_p, 1.0, nothing),
+             ("top_k", max(params.top_k, 0), 0, nothing),  # -1 and 0 both mean every token
+             ("n", n, 1, "temperature is 0 (greedy): the samples are identical"))
+    return [(name, value, why) for name, value, unset, why in asked if value != unset]
+
+
 __all__ = ["DEFAULT_MAX_TOKENS", "SamplingParams", "check", "check_logprobs", "check_salt", "check_stop_sizes",
-           "check_stop_token_ids_count", "is_int", "is_number"]
+           "check_stop_token_ids_count", "greedy_ignored", "is_int", "is_number"]

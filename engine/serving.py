@@ -15,8 +15,10 @@ The loop never dies on one request's failure: an error inside a step fails the r
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import random
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -31,11 +33,11 @@ from engine.driver import Driver, StalledError, StepStats, at_length
 from engine.executor import GenerationExecutor
 from engine.prompts import apply_template, check_text
 from engine.sampling import sample_rows, top_logprobs
-from engine.sampling_params import SamplingParams, check_salt
+from engine.sampling_params import SamplingParams, check_salt, greedy_ignored
 from engine.speculation import verify_drafted
 from engine.stopping import SampleText
 from pipeline.errors import GenerationError, KvBuildError
-from pipeline.events import RequestFinished
+from pipeline.events import Event, RequestFinished, SettingIgnored
 
 
 @attrs.frozen
@@ -47,6 +49,8 @@ class ServeEvent:
     token_ids: tuple[int, ...]  # every generated token so far
     finish_reason: str | None = None  # "stop" (EOS or a stop token), "length", "abort" or "error"
     error: str | None = None
+    #: with ``finish_reason == "stop"``: the stop token id or the stop string that ended it; None for EOS (vLLM's)
+    stop_reason: int | str | None = None
     prompt_tokens: int = 0
     reused_prompt_tokens: int = 0
     #: per new token, when asked: (its log-probability, {token id: log-probability} of the top alternatives)
@@ -56,6 +60,12 @@ class ServeEvent:
     def finished(self) -> bool:
         """Whether this is the request's last event."""
         return self.finish_reason is not None
+
+    @property
+    def stopped_by_token(self) -> bool:
+        """Whether the last token ended it (EOS or a stop token id): that token is in ``token_ids``, not in the text
+        (as in ``generate``); a stop string is cut from the text by the face instead."""
+        return self.finish_reason == "stop" and not isinstance(self.stop_reason, str)
 
 
 class EngineObserver(Protocol):
@@ -82,6 +92,7 @@ class _Live:
     token_times: list[float] = attrs.Factory(list)
     token_logprobs: list[tuple[float, dict[int, float]]] = attrs.Factory(list)
     reported: int = 0
+    stop_reason: int | str | None = None  # what ended it with "stop": a stop token id or a stop string
 
 
 class _ServeDriver(Driver):
@@ -98,10 +109,12 @@ class _ServeDriver(Driver):
         if token in self.eos_token_ids and not live.params.ignore_eos:
             return "stop"
         if token in live.stop_token_ids:
+            live.stop_reason = token
             return "stop"
         last = at_length(req, self.max_seq_len)
         # the last token decodes as final: a stop string it completes counts even before an unfinished character
         if live.text is not None and live.text.update(req.output_token_ids, final=last) is not None:
+            live.stop_reason = live.text.stop_hit
             return "stop"  # a stop string appeared in the text (the face cuts the text there)
         if last:
             return "length"
@@ -138,6 +151,7 @@ class ServingEngine:
         self._cond = threading.Condition()
         self._inbox: list[_Live] = []
         self._aborts: set[str] = set()
+        self._notices: list[Event] = []  # events for the loop thread to emit (the event bus is not thread-safe)
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
@@ -145,6 +159,8 @@ class ServingEngine:
         self.state_lock = threading.Lock()
         self.steps = 0
         self.loop_error: str | None = None
+        self._pieces: dict[int, tuple[str, bytes]] = {}  # token_piece's, filled as tokens are asked for
+        self._byte_level: bool | None = None
 
     @classmethod
     def from_result(cls, result: Any, **kwargs: Any) -> ServingEngine:
@@ -212,6 +228,28 @@ class ServingEngine:
         if self.tokenizer is None:
             return None
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def token_piece(self, token_id: int) -> tuple[str, bytes]:
+        """One token as logprobs show it: its text with special tokens shown (``<|im_end|>``, not ""), and its raw
+        bytes (a byte-level piece of a multi-byte character is its own byte, not the UTF-8 of "\ufffd"); without a
+        tokenizer, the id as text."""
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            if self._byte_level is None:
+                self._byte_level = _byte_level(self.tokenizer)
+            piece = self._pieces[token_id] = _token_piece(self.tokenizer, token_id, self._byte_level)
+        return piece
+
+    def report_ignored(self, params: SamplingParams, n: int, request: str = "") -> None:
+        """``setting_ignored`` (the server's log and audit) for each setting of one request greedy decoding ignores
+        (``engine.sampling_params.greedy_ignored``, as ``generate`` reports them); ``n``: choices per prompt."""
+        where = f" (request {request})" if request else ""
+        events = [SettingIgnored(field=f"serve.{name}", value=value, reason=why + where)
+                  for name, value, why in greedy_ignored(params, n)]
+        if events:
+            with self._cond:  # emitted by the loop thread, the one that emits every other serving event
+                self._notices.extend(events)
+                self._cond.notify_all()
 
     def room(self, prompt_token_ids: Sequence[int]) -> int:
         """Tokens a request with this prompt may generate before ``max_seq_len``."""
@@ -293,12 +331,18 @@ class ServingEngine:
 
     def _loop_once(self) -> bool:
         with self._cond:
-            while not (self._stopping or self._inbox or self._aborts or self.driver.has_work):
+            while not (self._stopping or self._inbox or self._aborts or self._notices or self.driver.has_work):
                 self._cond.wait(self.idle_wait_s)
-            if self._stopping:
-                return False
-            inbox, self._inbox = self._inbox, []
-            aborts, self._aborts = self._aborts, set()
+            notices, self._notices = self._notices, []
+            stopping = self._stopping
+            if not stopping:
+                inbox, self._inbox = self._inbox, []
+                aborts, self._aborts = self._aborts, set()
+        for notice in notices:  # before the requests they are about start
+            with contextlib.suppress(Exception):
+                self.executor._event(notice)
+        if stopping:
+            return False
         with self.state_lock:
             for live in inbox:
                 self._live[live.request.req_id] = live
@@ -396,6 +440,7 @@ class ServingEngine:
             live.token_times.extend([now] * max(new, 0))
             event = ServeEvent(req_id, tuple(tokens[live.reported:]), tuple(tokens),
                                finish_reason=live.request.finish_reason if req_id in done else None,
+                               stop_reason=live.stop_reason if req_id in done else None,
                                prompt_tokens=live.request.num_prompt_tokens,
                                reused_prompt_tokens=live.request.num_reused_tokens,
                                logprobs=tuple(live.token_logprobs[live.reported:len(tokens)]))
@@ -457,6 +502,54 @@ class ServingEngine:
     def _send(live: _Live, event: ServeEvent) -> None:
         with contextlib.suppress(Exception):  # a broken sink is its client's problem, not the loop's
             live.sink(event)
+
+
+#: a SentencePiece byte-fallback token: the byte it stands for
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character → byte: byte-level BPE vocabularies spell every byte as one printable
+    character (bytes that are printable Latin-1 as themselves, the rest shifted past 255). Written out rather than
+    imported: transformers moved ``bytes_to_unicode`` between releases."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(printable)
+    shifted = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + shifted)
+            shifted += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
+def _byte_level(tokenizer: Any) -> bool:
+    """Whether the tokenizer's vocabulary is byte-level BPE (GPT-2, SmolLM2, Llama 3, Qwen): its pieces spell bytes."""
+    if tokenizer is None:
+        return False
+    if getattr(tokenizer, "byte_decoder", None) is not None:  # transformers' Python GPT-2-style tokenizers
+        return True
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    # a Sequence decoder does not list its parts but names them in its repr
+    return decoder is not None and (type(decoder).__name__ == "ByteLevel" or "ByteLevel(" in repr(decoder))
+
+
+def _token_piece(tokenizer: Any, token_id: int, byte_level: bool) -> tuple[str, bytes]:
+    """(text with special tokens shown, raw bytes) of one token; see :meth:`ServingEngine.token_piece`."""
+    if tokenizer is None:
+        return str(token_id), str(token_id).encode()
+    text = tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    spelled = tokenizer.convert_ids_to_tokens(token_id)
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    if isinstance(spelled, str) and token_id not in added:  # an added token is stored as its text, not as bytes
+        fallback = _BYTE_FALLBACK.fullmatch(spelled)
+        if fallback is not None:
+            return text, bytes([int(fallback[1], 16)])
+        decoder = _byte_decoder()
+        if byte_level and spelled and all(c in decoder for c in spelled):
+            return text, bytes(decoder[c] for c in spelled)
+    return text, text.encode()
 
 
 __all__ = ["EngineObserver", "EngineStopped", "KvBuildError", "ServeEvent", "ServingEngine"]

@@ -66,6 +66,9 @@ def test_serve_process_answers_then_stops_cleanly_on_sigterm(tmp_path):
             at = names.index("audit_records_dropped")
             assert names[at - 1] == "pipeline_finished" and names[at + 1:] == ["request_finished"]
             assert records[at]["dropped"] == 3 == int(served.headers["X-Kvload-Audit-Dropped"])
+            # a seed under greedy decoding does nothing: served, and said so in the operator's log (below)
+            r = http.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2, "seed": 5})
+            assert r.status_code == 200
             # a long stream in flight when the service manager stops the server: it ends properly, not cut off
             lines, first = [], threading.Event()
 
@@ -86,10 +89,12 @@ def test_serve_process_answers_then_stops_cleanly_on_sigterm(tmp_path):
         data = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
         assert lines[-1] == "data: [DONE]" and data[-1]["choices"][0]["finish_reason"] == "abort"
         assert len(data) < 900  # ended by the stop, not run to its end
-        assert "Traceback" not in proc.stderr.read()
+        log = proc.stderr.read()
+        assert "Traceback" not in log
+        assert any("setting_ignored" in x and "serve.seed" in x for x in log.splitlines()), log
         audit = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
         # the served requests joined the audit log, every one of them (--audit-keep bounds only the memory)
-        assert [r["event"] for r in audit].count("request_finished") == 3  # the aborted stream too
+        assert [r["event"] for r in audit].count("request_finished") == 4  # the aborted stream too
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)

@@ -116,8 +116,13 @@ def test_a_client_that_gives_up_on_a_plain_request_has_it_aborted(served):
     ({"prompt": [1, 2], "n": 129, "temperature": 1}, "n", "an integer in [1, 128]"),
     ({"prompt": [[5]] * 100_000, "max_tokens": 1}, "prompt", "at most 1024 per request"),
     ({"prompt": [[5]] * 100, "n": 11, "temperature": 1}, "n", "1,100 choices; at most 1024"),
-    ({"prompt": [1, 2], "max_tokens": 10_000_000}, "max_tokens",
-     "max_tokens 10000000 (cut to 8190 by max_seq_len=8192)"),
+    # past the context length: refused in vLLM's words, not silently cut to what max_seq_len leaves
+    ({"prompt": [1, 2], "max_tokens": 100_000_000}, "max_tokens",
+     "'max_tokens' or 'max_completion_tokens' is too large: 100000000. This model's maximum context length is 8192 "
+     "tokens and your request has 2 input tokens (100000000 > 8192 - 2)"),
+    ({"prompt": [[1, 2], [1, 2, 3]], "max_tokens": 8191}, "max_tokens", "(8191 > 8192 - 2)"),
+    ({"prompt": [1, 2], "model": 123}, "model", "model: expected a string (the served model's name), got 123"),
+    ({"prompt": [1, 2], "user": 123}, "user", "user: expected a string, got 123"),
     ({"prompt": [1, 2], "best_of": 2}, "best_of", "not supported"),
     ({"prompt": [1, 2], "logit_bias": {str(t): 1 for t in range(5000)}}, "logit_bias", "not supported"),
     ({"prompt": [1, 2], "presence_penalty": 0.5}, "presence_penalty", "penalties"),

@@ -1,6 +1,6 @@
 """``kvload serve`` at the edges the admission limits opened, over real sockets: bytes that are not HTTP after an
-answer that left its body unread, a stop asked for while requests wait to be parsed, and a request submitted as
-the engine stops.
+answer that left its body unread, a stop asked for while requests wait to be parsed or their bodies still arrive,
+and a request submitted as the engine stops.
 
 Each test failed before its fix: a fatal-protocol-error traceback and a refusal counted for a client already
 answered; 500s ("GenerationError: the engine is shutting down", or uvicorn's plain-text one after its graceful
@@ -176,6 +176,29 @@ def test_requests_waiting_to_be_parsed_when_the_server_stops_get_one_clear_503()
             engine.encode = encode
             for sock in socks:
                 sock.close()
+
+
+def test_a_body_still_arriving_when_the_server_stops_gets_a_503_at_once():
+    """The stop waited out uvicorn's graceful timeout (5 s) for the rest of the body, then cancelled the handler:
+    "Exception in ASGI application" with a CancelledError traceback, and uvicorn's plain-text 500."""
+    with serving("tiny-llama") as served:
+        body = json.dumps({"prompt": PROMPT, "max_tokens": 4}).encode()
+        with _logged_errors() as errors, _connect(served.server.port) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body[:5]))
+            wait_for(lambda: served.state.in_flight == 1, what="the upload in flight")
+            stopper = threading.Thread(target=served.server.stop)
+            stopper.start()
+            answer = _read_to_close(sock)
+            stopper.join(TIMEOUT)
+            assert not stopper.is_alive() and not served.server.thread.is_alive()
+        head, _, payload = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503 ") and b"connection: close" in head.lower(), answer
+        assert json.loads(payload) == {"error": {
+            "message": "the server is shutting down and takes no new requests; retry on another server",
+            "type": "server_error", "param": None, "code": "server_shutting_down"}}
+        assert [r.getMessage() for r in errors] == []
+        assert served.state.in_flight == 0
 
 
 def test_a_request_submitted_as_the_engine_stops_is_refused_not_queued_after_the_last_drain():

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import openai
+import pytest
+
 from tests.cli_support import run_cli
 from tests.conftest import needs_smollm2
 from tests.serve_support import serving
@@ -44,3 +47,88 @@ def test_chat_over_http_matches_kvload_generate_chat(capsys):
         plain = s.client.completions.create(model="smollm2-135m", prompt="The sky is", max_tokens=10)
         chunks = s.client.completions.create(model="smollm2-135m", prompt="The sky is", max_tokens=10, stream=True)
         assert "".join(c.choices[0].text for c in chunks) == plain.choices[0].text != ""
+
+
+# --- what vLLM's and OpenAI's clients read: stop_reason, logprobs' tokens, bytes and offsets ---------------------
+
+FRANCE = "The capital of France is"
+PERIOD = 30  # SmolLM2's "."
+IM_END = 2  # SmolLM2's end of a chat turn, its EOS
+
+
+@pytest.fixture(scope="module")
+def smol():
+    with serving("smollm2-135m", kv_cache_config=KV) as s:
+        yield s
+
+
+def test_a_stop_token_ends_the_text_before_it_as_in_the_python_api(smol):
+    """The stop token's own text (".") was left in the server's text, and in the last streamed chunk."""
+    (api,) = smol.result.generate([FRANCE], max_tokens=8, stop_token_ids=[PERIOD])
+    assert api.text == " Paris" and api.token_ids[-1] == PERIOD and api.stop_reason == PERIOD
+    r = smol.client.completions.create(model="smollm2-135m", prompt=FRANCE, max_tokens=8,
+                                       extra_body={"stop_token_ids": [PERIOD]})
+    choice = r.choices[0]
+    assert choice.text == api.text and choice.finish_reason == "stop"
+    assert choice.model_extra["token_ids"] == api.token_ids  # kept in token_ids, as vLLM does
+    assert choice.model_extra["stop_reason"] == PERIOD
+    chunks = [c.choices[0] for c in smol.client.completions.create(
+        model="smollm2-135m", prompt=FRANCE, max_tokens=8, stream=True, extra_body={"stop_token_ids": [PERIOD]})]
+    assert "".join(c.text for c in chunks) == api.text
+    assert [c.model_extra["stop_reason"] for c in chunks] == [None] * (len(chunks) - 1) + [PERIOD]
+    # vLLM's stop_reason: the stop string that cut the text, None for EOS (and for length)
+    cut = smol.client.completions.create(model="smollm2-135m", prompt=FRANCE, max_tokens=8, stop=["ris"])
+    assert cut.choices[0].text == " Pa" and cut.choices[0].model_extra["stop_reason"] == "ris"
+    reply = smol.client.chat.completions.create(model="smollm2-135m", max_tokens=24,
+                                                messages=[{"role": "user", "content": QUESTION}])
+    assert reply.choices[0].finish_reason == "stop" and reply.choices[0].model_extra["stop_reason"] is None
+    assert reply.choices[0].model_extra["token_ids"][-1] == IM_END
+
+
+def test_chat_logprobs_give_each_tokens_own_bytes_and_special_tokens_by_name(smol):
+    """Each piece of a multi-byte character read '\ufffd' with bytes [239, 191, 189], and EOS read ""."""
+    zh = [{"role": "user", "content": "Translate to Chinese: good morning, friend"}]
+    r = smol.client.chat.completions.create(model="smollm2-135m", messages=zh, max_tokens=20, logprobs=True,
+                                            top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    text = r.choices[0].message.content
+    assert any(ord(ch) > 0x2E80 for ch in text)  # CJK: characters of three bytes, split over tokens
+    assert b"".join(bytes(t.bytes) for t in content).decode() == text  # the bytes add up to the text
+    assert all(len(t.top_logprobs) == 2 for t in content)  # chat: exactly top_logprobs
+    assert any(t.token == "\ufffd" and t.bytes != [239, 191, 189] for t in content)
+    reply = smol.client.chat.completions.create(model="smollm2-135m", max_tokens=24, logprobs=True, top_logprobs=0,
+                                                messages=[{"role": "user", "content": QUESTION}])
+    *words, end = reply.choices[0].logprobs.content
+    assert end.token == "<|im_end|>" and bytes(end.bytes) == b"<|im_end|>"
+    assert "".join(t.token for t in words) == reply.choices[0].message.content
+    assert all(t.top_logprobs == [] for t in words)
+
+
+def test_completion_logprobs_show_special_tokens_and_text_offsets(smol):
+    tok = smol.state.engine.tokenizer
+    chat = tok.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True)
+    ids = [int(t) for t in (chat["input_ids"] if hasattr(chat, "keys") else chat)]
+    r = smol.client.completions.create(model="smollm2-135m", prompt=ids, max_tokens=24, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert lp.tokens[-1] == "<|im_end|>" and "<|im_end|>" in lp.top_logprobs[-1]
+    assert all(len(top) in (2, 3) for top in lp.top_logprobs)
+    # text_offset: where each token's text starts in the choice's text (vLLM fills it; the openai client reads it)
+    text = r.choices[0].text
+    assert lp.text_offset[0] == 0 and lp.text_offset[-1] == len(text)  # the EOS: after all of the text
+    for token, start, end in zip(lp.tokens, lp.text_offset, lp.text_offset[1:], strict=False):
+        assert text[start:end] == token
+    sampled = dict(model="smollm2-135m", prompt="The sky is", max_tokens=16, logprobs=1, temperature=1.5, seed=3)
+    plain = smol.client.completions.create(**sampled).choices[0]
+    streamed = [c.choices[0] for c in smol.client.completions.create(stream=True, **sampled)]
+    offsets = [o for c in streamed if c.logprobs for o in c.logprobs.text_offset]
+    assert offsets == plain.logprobs.text_offset
+    assert all(plain.text[o:].startswith(t) for t, o in zip(plain.logprobs.tokens, offsets, strict=True))
+
+
+def test_max_completion_tokens_past_the_context_length_is_refused_naming_it(smol):
+    with pytest.raises(openai.BadRequestError) as info:
+        smol.client.chat.completions.create(model="smollm2-135m", max_completion_tokens=100_000_000,
+                                            messages=[{"role": "user", "content": QUESTION}])
+    assert info.value.body["param"] == "max_completion_tokens"
+    assert info.value.body["message"].startswith("'max_tokens' or 'max_completion_tokens' is too large: 100000000. "
+                                                 "This model's maximum context length is 8192 tokens")

@@ -87,12 +87,19 @@ def create_app(state: ServeState) -> FastAPI:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "down", "error": state.engine.loop_error}, status_code=503)
 
+    def model_card() -> dict[str, Any]:
+        return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "kvload",
+                "max_model_len": state.engine.executor.max_seq_len}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": state.created, "owned_by": "kvload",
-            "max_model_len": state.engine.executor.max_seq_len,
-        }]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")  # a served name may hold a slash ("HuggingFaceTB/SmolLM2-135M")
+    async def model(model: str) -> dict[str, Any]:
+        if model != state.model_name:
+            raise _not_served(model, state.model_name)
+        return model_card()
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -132,14 +139,16 @@ def create_app(state: ServeState) -> FastAPI:
             raise BadRequest(str(exc).removeprefix("kv_cache_events: "), param="event_buffer_max_size") from None
 
     gate = asyncio.Lock()  # one request's body parsed and tokenized at a time (see _serve)
+    # set on the event loop once the server stops (server._Server.shutdown): a body still arriving is not waited for
+    app.state.stopping = stopping = asyncio.Event()
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _serve(state, request, "completion", gate)
+        return await _serve(state, request, "completion", gate, stopping)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await _serve(state, request, "chat", gate)
+        return await _serve(state, request, "chat", gate, stopping)
 
     return app
 
@@ -203,26 +212,40 @@ class _Admission:
 CLIENT_CLOSED = 499
 
 
-async def _read_body(request: Request, limit: int, timeout: float) -> bytearray:
+async def _read_body(request: Request, limit: int, timeout: float, stopping: asyncio.Event) -> bytearray:
     """The request body, refused with 413 once it is known to pass ``limit`` bytes: by its Content-Length
     before a byte is read, else (chunked) as soon as what arrived passes it, so no oversized body is held.
     Refused with 408 when it has not all arrived ``timeout`` seconds after the handler began reading: a client
-    that stops sending, or trickles, would otherwise hold the connection and the handler forever."""
+    that stops sending, or trickles, would otherwise hold the connection and the handler forever. Refused with
+    503 as soon as ``stopping`` is set: uvicorn's shutdown would wait for the upload, then cancel the handler
+    (a traceback and a plain-text 500)."""
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:  # the HTTP layer refuses a malformed Content-Length itself
         raise _too_large(limit, f"Content-Length {int(length):,}")
     body = bytearray()
+
+    async def read() -> None:
+        async for chunk in request.stream():
+            body.extend(chunk)
+            if len(body) > limit:
+                raise _too_large(limit, f"more than {limit:,} bytes sent")
+
+    reader = asyncio.ensure_future(read())
+    stop = asyncio.ensure_future(stopping.wait())
     try:
         async with asyncio.timeout(timeout):  # the whole body, not each read: a trickle gets no more time
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > limit:
-                    raise _too_large(limit, f"more than {limit:,} bytes sent")
+            await asyncio.wait((reader, stop), return_when=asyncio.FIRST_COMPLETED)
     except TimeoutError:
         expected = f"of {int(length):,}" if length.isdigit() else "of a chunked body"
         raise BadRequest(f"the request body did not arrive in time: {len(body):,} bytes {expected} came within "
                          f"{timeout:g} s (--request-read-timeout sets it)", status=408, code="request_timeout",
                          headers={"Connection": "close"}) from None
+    finally:  # whichever did not finish (a cancelled handler leaves neither behind)
+        stop.cancel()
+        reader.cancel()
+    if not reader.done() or reader.cancelled():
+        raise _shutting_down()
+    reader.result()  # a 413, or ClientDisconnect (the client hung up mid-upload)
     return body
 
 
@@ -238,9 +261,10 @@ def _too_large(limit: int, got: str) -> BadRequest:
                       f"sets it), got {got}", status=413, code="request_too_large", headers={"Connection": "close"})
 
 
-async def _serve(state: ServeState, request: Request, kind: str, gate: asyncio.Lock) -> Response:
+async def _serve(state: ServeState, request: Request, kind: str, gate: asyncio.Lock,
+                 stopping: asyncio.Event) -> Response:
     try:
-        raw = await _read_body(request, state.max_request_bytes, state.read_timeout_s)
+        raw = await _read_body(request, state.max_request_bytes, state.read_timeout_s, stopping)
     except ClientDisconnect:  # hung up mid-upload: the client's doing, not a server error with a traceback
         return Response(status_code=CLIENT_CLOSED)
     run = _Run(state, request, asyncio.get_running_loop())
@@ -277,11 +301,15 @@ def _parse(state: ServeState, raw: bytes | bytearray, kind: str) -> Job:
         raise BadRequest(f"the request body holds an integer literal of more than {sys.get_int_max_str_digits()} "
                          "digits; no field takes one past 2**63 - 1") from None
     job = parse(body, kind, default_max_tokens=state.default_max_tokens)
-    model = body.get("model")
+    model = body.get("model")  # parse checked it is a string
     if model is not None and model != state.model_name:
-        raise BadRequest(f"model: {model!r} is not served here; this server serves {state.model_name!r}",
-                         param="model", status=404, code="model_not_found")
+        raise _not_served(model, state.model_name)
     return job
+
+
+def _not_served(model: str, served: str) -> BadRequest:
+    return BadRequest(f"model: {model[:300]!r} is not served here; this server serves {served!r}", param="model",
+                      status=404, code="model_not_found")
 
 
 def _encode(engine: ServingEngine, job: Job) -> list[list[int]]:
@@ -304,6 +332,16 @@ def _encode(engine: ServingEngine, job: Job) -> list[list[int]]:
     return out
 
 
+@attrs.frozen
+class _Update:
+    """What one engine event adds to a choice: text, token ids, their logprobs and text offsets."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[tuple[float, dict[int, float]]]
+    offsets: list[int]
+
+
 @attrs.define(eq=False)
 class _Choice:
     """One choice's growing text: stop strings cut it, an incomplete character or a possible stop is held back."""
@@ -311,30 +349,51 @@ class _Choice:
     index: int
     engine: ServingEngine
     sample: SampleText | None  # None without a tokenizer (token ids only)
+    track_offsets: bool = False  # completions' logprobs.text_offset asked for
+    #: the text of every token so far, for the offsets (no stop string cuts it); None without a tokenizer
+    offsets: SampleText | None = None
     req_id: str = ""
     token_ids: list[int] = attrs.Factory(list)
     logprobs: list[tuple[float, dict[int, float]]] = attrs.Factory(list)
+    text_offsets: list[int] = attrs.Factory(list)
     text: str = ""
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     error: str | None = None
     prompt_tokens: int = 0
     reused: int = 0
 
-    def update(self, ev: ServeEvent) -> tuple[str, list[int], list[tuple[float, dict[int, float]]]]:
-        """Take one engine event; the new text, token ids and logprobs to report."""
+    def update(self, ev: ServeEvent) -> _Update:
+        """Take one engine event; the new text, token ids, logprobs and text offsets to report."""
         self.token_ids = list(ev.token_ids)
         self.logprobs.extend(ev.logprobs)
         self.prompt_tokens, self.reused = ev.prompt_tokens, ev.reused_prompt_tokens
         if ev.finish_reason is not None:
             self.finish_reason = ev.finish_reason
+            self.stop_reason = ev.stop_reason
             self.error = ev.error
+        offsets = self._offsets(len(ev.new_token_ids))
+        self.text_offsets.extend(offsets)
         delta = ""
         if self.sample is not None:  # the same text rules as LLM.generate: stop strings cut, never shown
             final = self.finish_reason is not None
-            self.sample.update(self.token_ids, final=final)
+            # the EOS or stop token that ended it stays in token_ids, not in the text (generate's rule, vLLM's)
+            self.sample.update(self.token_ids[:-1] if ev.stopped_by_token else self.token_ids, final=final)
             delta = self.sample.delta(final=final)
             self.text += delta
-        return delta, list(ev.new_token_ids), list(ev.logprobs)
+        return _Update(delta, list(ev.new_token_ids), list(ev.logprobs), offsets)
+
+    def _offsets(self, new: int) -> list[int]:
+        """Where each of the last ``new`` tokens' text begins in the choice's text (characters, as vLLM counts); a
+        token that only starts a character begins where the token completing it does. Without a tokenizer the
+        text is empty: 0."""
+        if not self.track_offsets or self.offsets is None:
+            return [0] * new if self.track_offsets else []
+        out = []
+        for end in range(len(self.token_ids) - new + 1, len(self.token_ids) + 1):
+            out.append(len(self.offsets.text))  # the text before this token (an unfinished character held back)
+            self.offsets.update(self.token_ids[:end])
+        return out
 
     @property
     def reason(self) -> str:
@@ -367,7 +426,9 @@ class _Run:
         self.job = job = _parse(self.state, raw, kind)
         self.prompts = _encode(self.engine, job)
         tok = self.engine.tokenizer
-        self.choices = [_Choice(i, self.engine, SampleText(tok, job.stop) if tok is not None else None)
+        offsets = job.kind == "completion" and job.logprobs is not None
+        self.choices = [_Choice(i, self.engine, SampleText(tok, job.stop) if tok is not None else None,
+                                track_offsets=offsets, offsets=SampleText(tok) if offsets and tok is not None else None)
                         for i in range(len(self.prompts) * job.n)]
         self.id = ("chatcmpl-" if job.kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -387,8 +448,11 @@ class _Run:
             if self.engine.stopping:  # as in _encode: up to 1,024 checks would only end in EngineStopped
                 raise _shutting_down()
             params = job.params
+            room = self.engine.room(ids)
             if not job.max_tokens_given:  # the default never asks for more than max_seq_len leaves
-                params = attrs.evolve(params, max_tokens=max(1, min(params.max_tokens, self.engine.room(ids))))
+                params = attrs.evolve(params, max_tokens=max(1, min(params.max_tokens, room)))
+            elif 0 < room < params.max_tokens:  # asked for: refused, as vLLM does, not silently cut (a prompt with
+                raise self._too_long(i, ids, params.max_tokens)  # no room at all is the prompt's error, below
             try:
                 self.engine.check(ids, params)
             except GenerationError as exc:  # a sampling value the model cannot take (stop_token_ids, logprobs)
@@ -396,7 +460,8 @@ class _Run:
                 head = msg.split(":", 1)[0]
                 raise BadRequest(msg, param=head if head.isidentifier() else "prompt") from None
             except KvBuildError as exc:
-                field = "max_tokens" if job.max_tokens_given else ("messages" if job.kind == "chat" else "prompt")
+                field = (job.max_tokens_field if job.max_tokens_given
+                         else ("messages" if job.kind == "chat" else "prompt"))
                 where = "" if len(self.prompts) == 1 else f"prompt {i}: "
                 msg = (str(exc).removeprefix("generate: ").removeprefix("prompt 0: ")
                        .replace("max_new_tokens", "max_tokens")
@@ -405,6 +470,8 @@ class _Run:
                 raise BadRequest(f"{field}: this request could never fit the KV cache: {where}{msg}",
                                  param=field) from None
             plan.append((ids, params))
+        # once per HTTP request (not per prompt or choice), and only for one that is served
+        self.engine.report_ignored(job.params, job.n, request=self.id)
         try:
             for i, (ids, params) in enumerate(plan):
                 for j in range(job.n):
@@ -423,6 +490,14 @@ class _Run:
             with self.lock:
                 self.abort()
             raise
+
+    def _too_long(self, i: int, ids: list[int], max_tokens: int) -> BadRequest:
+        """vLLM's refusal of a ``max_tokens`` past what the context length leaves after the prompt, in its words."""
+        limit, field = self.engine.executor.max_seq_len, self.job.max_tokens_field
+        where = "" if len(self.prompts) == 1 else f" (prompt {i})"
+        return BadRequest(f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum "
+                          f"context length is {limit} tokens and your request has {len(ids)} input tokens "
+                          f"({max_tokens} > {limit} - {len(ids)}){where}", param=field)
 
     def abort(self) -> None:
         """Abort every engine request still open (the client went away or something failed)."""
@@ -475,22 +550,22 @@ class _Run:
         try:
             if self.job.kind == "chat":
                 for c in self.choices:
-                    yield _sse(self._chunk(c.index, {"role": "assistant", "content": ""}, [], [], None))
+                    yield _sse(self._chunk(c, {"role": "assistant", "content": ""}, _Update("", [], [], []), False))
             while self.open:
                 item = await self._next()
                 if item is None:
                     return
                 index, ev = item
                 c = self.choices[index]
-                delta, ids, lps = c.update(ev)
+                update = c.update(ev)
                 if ev.finished:
                     self.open.discard(index)
                 if c.finish_reason == "error":
                     err = BadRequest(c.error or "the engine failed this request", status=500, kind="server_error")
                     yield _sse(err.body())
                     return
-                if delta or ids or ev.finished:
-                    yield _sse(self._chunk(index, delta, ids, lps, c.reason if ev.finished else None))
+                if update.text or update.token_ids or ev.finished:
+                    yield _sse(self._chunk(c, update.text, update, ev.finished))
             if self.job.include_usage:
                 yield _sse({"id": self.id, "object": self._chunk_object, "created": self.created,
                             "model": self.state.model_name, "choices": [], "usage": self._usage()})
@@ -504,24 +579,27 @@ class _Run:
     def _chunk_object(self) -> str:
         return "chat.completion.chunk" if self.job.kind == "chat" else "text_completion"
 
-    def _chunk(self, index: int, delta: Any, ids: list[int], lps: list[Any], reason: str | None) -> dict[str, Any]:
+    def _chunk(self, c: _Choice, delta: Any, update: _Update, finished: bool) -> dict[str, Any]:
+        ids, lps = update.token_ids, update.logprobs
+        ending = {"finish_reason": c.reason if finished else None, "stop_reason": c.stop_reason if finished else None,
+                  "token_ids": ids}
         if self.job.kind == "chat":
             body = delta if isinstance(delta, dict) else {"content": delta}
-            choice = {"index": index, "delta": body, "logprobs": self._chat_logprobs(ids, lps),
-                      "finish_reason": reason, "token_ids": ids}
+            choice = {"index": c.index, "delta": body, "logprobs": self._chat_logprobs(ids, lps), **ending}
         else:
-            choice = {"index": index, "text": delta, "logprobs": self._completion_logprobs(ids, lps),
-                      "finish_reason": reason, "token_ids": ids}
+            choice = {"index": c.index, "text": delta,
+                      "logprobs": self._completion_logprobs(ids, lps, update.offsets), **ending}
         return {"id": self.id, "object": self._chunk_object, "created": self.created, "model": self.state.model_name,
                 "choices": [choice]}
 
     def _choice(self, c: _Choice) -> dict[str, Any]:
         ids = c.token_ids
+        ending = {"finish_reason": c.reason, "stop_reason": c.stop_reason, "token_ids": ids}
         if self.job.kind == "chat":
             return {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._chat_logprobs(ids, c.logprobs), "finish_reason": c.reason, "token_ids": ids}
-        return {"index": c.index, "text": c.text, "logprobs": self._completion_logprobs(ids, c.logprobs),
-                "finish_reason": c.reason, "token_ids": ids}
+                    "logprobs": self._chat_logprobs(ids, c.logprobs), **ending}
+        return {"index": c.index, "text": c.text,
+                "logprobs": self._completion_logprobs(ids, c.logprobs, c.text_offsets), **ending}
 
     def _usage(self) -> dict[str, Any]:
         per_prompt = self.choices[::self.job.n]
@@ -531,24 +609,31 @@ class _Run:
                 "prompt_tokens_details": {"cached_tokens": sum(c.reused for c in per_prompt)}}
 
     def _token(self, token_id: int) -> str:
-        text = self.engine.decode([token_id])
-        return text if text is not None else str(token_id)
+        return self.engine.token_piece(token_id)[0]
 
-    def _completion_logprobs(self, ids: list[int], lps: list[Any]) -> dict[str, Any] | None:
+    def _completion_logprobs(self, ids: list[int], lps: list[Any], offsets: list[int]) -> dict[str, Any] | None:
         if self.job.logprobs is None or not lps:
             return None
+        top = []
+        for t, (lp, alts) in zip(ids, lps, strict=False):
+            # the top `logprobs` tokens plus the one chosen (vLLM's and OpenAI's legacy completions; chat: exactly k)
+            entry = {self._token(t): lp}
+            for a, v in alts.items():
+                entry.setdefault(self._token(a), v)
+            top.append(entry)
         return {"tokens": [self._token(t) for t in ids], "token_logprobs": [lp for lp, _ in lps],
-                "top_logprobs": [{self._token(t): v for t, v in alts.items()} for _, alts in lps]}
+                "top_logprobs": top, "text_offset": offsets[:len(lps)]}
 
     def _chat_logprobs(self, ids: list[int], lps: list[Any]) -> dict[str, Any] | None:
         if self.job.logprobs is None or not lps:
             return None
         content = []
         for t, (lp, alts) in zip(ids, lps, strict=False):
-            token = self._token(t)
-            content.append({"token": token, "logprob": lp, "bytes": list(token.encode()),
-                            "top_logprobs": [{"token": self._token(a), "logprob": v,
-                                              "bytes": list(self._token(a).encode())} for a, v in alts.items()]})
+            token, raw = self.engine.token_piece(t)
+            content.append({"token": token, "logprob": lp, "bytes": list(raw),
+                            "top_logprobs": [{"token": self.engine.token_piece(a)[0], "logprob": v,
+                                              "bytes": list(self.engine.token_piece(a)[1])}
+                                             for a, v in alts.items()]})
         return {"content": content}
 
 

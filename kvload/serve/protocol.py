@@ -79,6 +79,7 @@ class Job:
     echo: bool = False
     salt: str | None = None
     max_tokens_given: bool = True
+    max_tokens_field: str = "max_tokens"  # the name it was given by (chat: max_completion_tokens too)
 
 
 def _is_int(v: Any) -> bool:
@@ -108,7 +109,8 @@ def _bad(exc: GenerationError) -> BadRequest:
     return BadRequest(msg, param=head if head.isidentifier() else None)
 
 
-#: Fields both endpoints accept and act on.
+#: Fields both endpoints accept. Each acts, but ``user``: OpenAI's end-user id (for its abuse monitoring) names the
+#: caller and changes nothing generated, which the README says once rather than every request in the log.
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options", "user",
            "presence_penalty", "frequency_penalty", "ignore_eos", "stop_token_ids", "salt", "logprobs", "top_k"}
 _COMPLETION = _COMMON | {"prompt", "echo"}
@@ -129,6 +131,11 @@ def parse(body: Any, kind: str, *, default_max_tokens: int) -> Job:
         if value not in (None, 0, 0.0):
             raise BadRequest(f"{penalty}: kvload does not apply penalties; only 0 (or absent) is accepted, "
                              f"got {value!r}", param=penalty)
+    model = body.get("model")
+    _need(model is None or isinstance(model, str), "model", "a string (the served model's name)", model)
+    # OpenAI's end-user id, for its abuse monitoring: it names the caller and changes nothing generated
+    user = body.get("user")
+    _need(user is None or isinstance(user, str), "user", "a string", user)
     prompts = _prompts(body) if kind == "completion" else [_messages(body)]
 
     max_tokens = body.get("max_tokens")
@@ -211,7 +218,7 @@ def parse(body: Any, kind: str, *, default_max_tokens: int) -> Job:
         raise _bad(exc) from None
     return Job(kind=kind, prompts=prompts, params=params, n=n, stream=stream, include_usage=include_usage,
                stop=stops, stop_token_ids=tuple(stop_ids), logprobs=logprobs, echo=echo, salt=salt,
-               max_tokens_given=given)
+               max_tokens_given=given, max_tokens_field=field)
 
 
 def _prompts(body: dict[str, Any]) -> list[Any]:

@@ -88,16 +88,24 @@ class _Server(uvicorn.Server):
     uvicorn's graceful shutdown waits for open connections; a stream of thousands of tokens would hold it
     until the timeout, then be cancelled mid-body (a traceback, a client cut off without ``[DONE]``). Asking
     the engine to stop first ends every request with ``finish_reason: "abort"``, so streams close properly
-    and the process exits at once.
+    and the process exits at once. A request whose body is still arriving is answered 503 once the shutdown
+    begins (the app's ``stopping`` event), not waited for.
     """
 
-    def __init__(self, config: uvicorn.Config, state: ServeState) -> None:
+    def __init__(self, config: uvicorn.Config, state: ServeState, stopping: asyncio.Event) -> None:
         super().__init__(config)
         self.state = state
+        self.stopping = stopping
 
     def handle_exit(self, sig: int, frame: Any) -> None:  # the SIGINT/SIGTERM handler uvicorn installs
         self.state.engine.request_stop()
         super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's shutdown, after telling the handlers (on the loop, which a signal handler is not)."""
+        self.state.engine.request_stop()  # already, unless should_exit was set some other way
+        self.stopping.set()
+        await super().shutdown(sockets)
 
 
 class _Deadlines(H11Protocol):
@@ -201,9 +209,10 @@ def _server(state: ServeState, log_level: str) -> _Server:
     # h11, named rather than "auto": the read deadlines above are built on its protocol class (httptools is
     # not a dependency of the serve extra, so "auto" meant h11 unless something else installed it)
     protocol = type("_Deadlines", (_Deadlines,), {"read_timeout_s": state.read_timeout_s, "metrics": state.metrics})
-    config = uvicorn.Config(create_app(state), log_level=log_level, access_log=log_level in ("debug", "info"),
+    app = create_app(state)
+    config = uvicorn.Config(app, log_level=log_level, access_log=log_level in ("debug", "info"),
                             timeout_graceful_shutdown=5, lifespan="off", http=protocol)
-    return _Server(config, state)
+    return _Server(config, state, app.state.stopping)
 
 
 def serve(state: ServeState, host: str, port: int, *, log_level: str = "warning",
