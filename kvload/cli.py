@@ -428,11 +428,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     # user set no default_max_tokens. Capped at the integer bound: a product past it is refused by the budget naming
     # --max_new_tokens (the reason), not as a field the user never typed, and it must not fail a run whose
     # --max_tokens leaves the default unused.
-    tokens = min(MAX_INT, len(prompts) * (ns.n * ns.max_new_tokens + GENERATE_PROMPT_ALLOWANCE))
     request.caller_defaults[DEFAULT_MAX_TOKENS_FIELD] = CallerDefault(
-        tokens, "generate", f"--max_new_tokens, --n or the number of prompts (generate sizes the pools for prompts x "
-                            f"(n x max_new_tokens + {GENERATE_PROMPT_ALLOWANCE}) = {tokens} tokens when no "
-                            "--max_tokens is given)")
+        *_generate_pool_tokens(len(prompts), ns.n, ns.max_new_tokens, _user_max_seq_len(request.overrides, ns.config)))
     with execute(request, load_stages(), subscribers=audit) as result:  # generation events reach the audit too
         first = prints(result)  # under torchrun every rank generates; rank 0 prints
         printer = None if ns.json or not first else _TokenPrinter(result.tokenizer is not None,
@@ -449,6 +446,35 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         else:
             print(stats.line())
     return 0
+
+
+def _generate_pool_tokens(prompts: int, n: int, max_new_tokens: int, max_seq_len: int | None) -> tuple[int, str, str]:
+    """generate's default pool size, its source and reason: each prompt's ``n`` samples of ``max_new_tokens`` plus
+    the prompt allowance, but never more than ``n`` sequences of ``max_seq_len`` (no sample grows past it)."""
+    per_prompt = n * max_new_tokens + GENERATE_PROMPT_ALLOWANCE
+    flags, formula = "--max_new_tokens", f"(n x max_new_tokens + {GENERATE_PROMPT_ALLOWANCE})"
+    if max_seq_len is not None and n * max_seq_len < per_prompt:
+        per_prompt = n * max_seq_len
+        flags = "--max_seq_len"
+        formula = f"n x max_seq_len (less than n x max_new_tokens + {GENERATE_PROMPT_ALLOWANCE})"
+    tokens = min(MAX_INT, prompts * per_prompt)
+    return tokens, "generate", (f"{flags}, --n or the number of prompts (generate sizes the pools for prompts x "
+                                f"{formula} = {tokens} tokens when no --max_tokens is given)")
+
+
+def _user_max_seq_len(overrides: dict[str, Any], config: str | None) -> int | None:
+    """The max_seq_len the user set (the flag, else the --config file's), or None: the checkpoint's applies later."""
+    if overrides.get("max_seq_len") is not None:
+        return int(overrides["max_seq_len"])
+    if config is None:
+        return None
+    from pipeline.sources import read_yaml
+
+    try:
+        value = read_yaml(config).get("max_seq_len")
+    except ConfigError:  # parse_args reports the file's problem, naming it, when the stages run
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 class _TokenPrinter:
@@ -507,8 +533,9 @@ for a model without a tokenizer); with several, each reply is printed as soon as
 reused and generated tokens, wall time and tokens/s. --json prints one document instead (outputs, timings, stats).
 
 KV budget: on CPU with neither --max_tokens nor --max_gpu_total_bytes, generate sizes the pools for
-prompts x (n x max_new_tokens + 1024) tokens (the kv_budget_computed event says so); requests that do not
-fit at once wait (V1) or are suspended to the host tier (V2).
+prompts x (n x max_new_tokens + 1024) tokens, at most prompts x n x max_seq_len when --max_seq_len (or the
+--config file) sets it (the kv_budget_computed event says so); requests that do not fit at once wait (V1)
+or are suspended to the host tier (V2).
 
 examples:
   kvload generate smollm2-135m --chat --prompt "What is the capital of France?"

@@ -96,6 +96,25 @@ def test_a_config_files_default_max_tokens_wins_over_generates_own(capsys, tmp_p
     assert budget["max_tokens"] == 5000
 
 
+@pytest.mark.parametrize("where", ["flag", "config"])
+def test_a_huge_max_new_tokens_sizes_the_pools_for_max_seq_len_as_the_api_runs_it(capsys, tmp_path, where):
+    # every sample stops at max_seq_len, so the pools never need more than n sequences of it per prompt
+    audit = tmp_path / "gen.jsonl"
+    seq = ["--max_seq_len", "32"]
+    if where == "config":
+        config = tmp_path / "seq.yaml"
+        config.write_text("max_seq_len: 32\n")
+        seq = ["--config", str(config)]
+    r = run_cli(capsys, *TINY, "--prompt-ids", "1,2", "--prompt-ids", "3,4,5", "--n", "2", "--temperature", "1",
+                "--max_new_tokens", "1000000000", *seq, "--ignore_eos", "--json", "--audit-log", audit)
+    assert r.code == 0, r.err
+    samples = [c for o in r.json()["outputs"] for c in o["outputs"]]
+    assert [(c["finish_reason"], len(c["token_ids"])) for c in samples] == [("length", 30)] * 2 + [("length", 29)] * 2
+    (derived,) = [e for e in read_events(audit) if e["event"] == "field_derived"
+                  and e["field"].endswith("default_max_tokens")]
+    assert derived["new"] == 2 * 2 * 32 and "n x max_seq_len" in derived["reason"]
+
+
 def test_json_prints_outputs_and_stats(capsys):
     r = run_cli(capsys, *TINY, "--prompt-ids", "9,9,9", "--max_new_tokens", "2", "--ignore_eos", "--max_tokens",
                 "256", "--json")
