@@ -432,9 +432,10 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         *_generate_pool_tokens(len(prompts), ns.n, ns.max_new_tokens, _user_max_seq_len(request.overrides, ns.config)))
     with execute(request, load_stages(), subscribers=audit) as result:  # generation events reach the audit too
         first = prints(result)  # under torchrun every rank generates; rank 0 prints
-        printer = None if ns.json or not first else _TokenPrinter(result.tokenizer is not None,
+        printer = None if ns.json or not first else _TokenPrinter(result.tokenizer,
                                                                   several=len(prompts) > 1 or ns.n > 1,
-                                                                  labelled_samples=ns.n > 1)
+                                                                  labelled_samples=ns.n > 1,
+                                                                  logprobs=ns.logprobs is not None)
         outputs = result.executor.run(prompts, params, salt=ns.salt, chat=ns.chat, on_delta=printer)
         stats = result.executor.last_stats
         if not first:
@@ -478,26 +479,52 @@ def _user_max_seq_len(overrides: dict[str, Any], config: str | None) -> int | No
 
 
 class _TokenPrinter:
-    """``on_delta`` of ``kvload generate``: one sample streams token by token; several print as each ends."""
+    """``on_delta`` of ``kvload generate``: one sample streams token by token; several print as each ends.
 
-    def __init__(self, has_text: bool, several: bool, labelled_samples: bool) -> None:
-        self.has_text = has_text  # False: a model without a tokenizer prints token ids
+    With ``--logprobs`` each sample's tokens follow it, one line each: the token, its logprob, then the top
+    alternatives (the other most likely tokens, with theirs).
+    """
+
+    def __init__(self, tokenizer: Any, several: bool, labelled_samples: bool, logprobs: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.has_text = tokenizer is not None  # False: a model without a tokenizer prints token ids
         self.several = several
         self.labelled_samples = labelled_samples  # "[i.j]" rather than "[i]"
+        self.logprobs = logprobs
         self.parts: dict[tuple[int, int], list[str]] = {}  # each sample's token ids (no tokenizer) or text pieces
+        self.scores: dict[tuple[int, int], list[tuple[int, dict[int, float]]]] = {}  # (token, its entry) per token
 
     def __call__(self, delta: Any) -> None:
+        key = (delta.index, delta.sample)
+        if self.logprobs and delta.logprobs is not None:
+            self.scores.setdefault(key, []).extend(zip(delta.token_ids, delta.logprobs, strict=True))
+        label = f"{delta.index}.{delta.sample}" if self.labelled_samples else f"{delta.index}"
         if not self.several:
             piece = delta.text if self.has_text else " ".join(map(str, delta.token_ids)) + " "
             sys.stdout.write(piece + ("\n" if delta.finish_reason is not None else ""))
             sys.stdout.flush()
-            return
-        parts = self.parts.setdefault((delta.index, delta.sample), [])
-        parts.extend([delta.text] if self.has_text else map(str, delta.token_ids))
-        if delta.finish_reason is None:
-            return
-        label = f"{delta.index}.{delta.sample}" if self.labelled_samples else f"{delta.index}"
-        print(f"[{label}] {('' if self.has_text else ' ').join(parts)}", flush=True)
+        else:
+            parts = self.parts.setdefault(key, [])
+            parts.extend([delta.text] if self.has_text else map(str, delta.token_ids))
+            if delta.finish_reason is not None:
+                print(f"[{label}] {('' if self.has_text else ' ').join(parts)}", flush=True)
+        if delta.finish_reason is not None and self.logprobs:
+            self._print_logprobs(label if self.several else None, self.scores.pop(key, []))
+
+    def _print_logprobs(self, label: str | None, scores: list[tuple[int, dict[int, float]]]) -> None:
+        """One line per token: ``token logprob | alternative logprob, ...`` (most likely first)."""
+        lines = [f"logprobs{f' [{label}]' if label else ''}: token logprob | top alternatives"]
+        for token, entry in scores:
+            others = sorted(((t, lp) for t, lp in entry.items() if t != token), key=lambda x: -x[1])
+            alternatives = ", ".join(f"{self._token(t)} {lp:.3f}" for t, lp in others)
+            lines.append(f"  {self._token(token)} {entry[token]:.3f}" + (f" | {alternatives}" if alternatives else ""))
+        print("\n".join(lines), flush=True)
+
+    def _token(self, token: int) -> str:
+        """A token as its text, quoted (spaces and newlines show), or its id without a tokenizer."""
+        if self.tokenizer is None:
+            return str(token)
+        return json.dumps(self.tokenizer.decode([token]), ensure_ascii=False)
 
 
 class _PromptAction(argparse.Action):
@@ -529,8 +556,10 @@ def _bounded(kind: Callable[[str], Any], ok: Callable[[Any], bool], expected: st
 _GENERATE_EPILOG = """\
 Output: with one prompt, the reply streams to stdout as it is generated (token ids, space separated,
 for a model without a tokenizer); with several, each reply is printed as soon as it finishes, as
-"[i] text" (i = the prompt's position; "[i.j]" for its sample j with --n). The last line gives prompt,
-reused and generated tokens, wall time and tokens/s. --json prints one document instead (outputs, timings, stats).
+"[i] text" (i = the prompt's position; "[i.j]" for its sample j with --n). With --logprobs K each reply is
+followed by its tokens, one a line: the token (quoted text, or its id), its logprob, then the K most likely
+other tokens with theirs. The last line gives prompt, reused and generated tokens, wall time and tokens/s.
+--json prints one document instead (outputs, timings, stats).
 
 KV budget: on CPU with neither --max_tokens nor --max_gpu_total_bytes, generate sizes the pools for
 prompts x (n x max_new_tokens + 1024) tokens, at most prompts x n x max_seq_len when --max_seq_len (or the
