@@ -294,11 +294,12 @@ def cli_overrides(ns: argparse.Namespace) -> dict[str, Any]:
 # --- subcommands ---------------------------------------------------------------------------
 
 
-def _request(ns: argparse.Namespace, load_weights: bool = False) -> Any:
+def _request(ns: argparse.Namespace, load_weights: bool = False, kv_events_reader: bool = True) -> Any:
+    """The command's LoadRequest; ``kv_events_reader=False`` where the command reads no KV cache events."""
     from pipeline.context import LoadRequest
 
     return LoadRequest(model=ns.model, overrides=cli_overrides(ns), source="cli", config_file=ns.config,
-                       load_weights=load_weights)
+                       load_weights=load_weights, kv_events_reader=kv_events_reader)
 
 
 def _audit_subscribers(ns: argparse.Namespace) -> list[Any]:
@@ -336,7 +337,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         from engine.capacity import check_chart_path
 
         check_chart_path(ns.chart, replace=ns.force)
-    result = execute(_request(ns), plan_stages(), subscribers=audit)
+    result = execute(_request(ns, kv_events_reader=False), plan_stages(), subscribers=audit)
     comparison = None
     if compare:  # on every rank: planning the variants runs the ranks' collectives (agree_ranks, the budget)
         from engine.capacity import compare_capacity, draw_chart
@@ -393,7 +394,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
     from stages import load_stages
 
     audit = _audit_subscribers(ns)
-    with execute(_request(ns), load_stages(), subscribers=audit) as result:
+    with execute(_request(ns, kv_events_reader=False), load_stages(), subscribers=audit) as result:
         if not prints(result):
             return 0
         if ns.json:
@@ -423,7 +424,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=ns.max_new_tokens, temperature=ns.temperature, top_p=ns.top_p,
                             top_k=ns.top_k, seed=ns.seed, stop=ns.stop, stop_token_ids=ns.stop_token_ids, n=ns.n,
                             logprobs=ns.logprobs, ignore_eos=ns.ignore_eos)  # checked before anything loads
-    request = _request(ns, load_weights=True)
+    request = _request(ns, load_weights=True, kv_events_reader=False)  # it prints outputs, never KV events
     # Applies only when nothing else bounds the KV budget (CPU without --max_tokens/--max_gpu_total_bytes) and the
     # user set no default_max_tokens. Capped at the integer bound: a product past it is refused by the budget naming
     # --max_new_tokens (the reason), not as a field the user never typed, and it must not fail a run whose
