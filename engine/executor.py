@@ -342,6 +342,12 @@ class GenerationExecutor:
                         why = ("temperature is 0 (greedy): the samples are identical" if name == "n"
                                else "temperature is 0 (greedy): nothing is sampled")
                         self._event(SettingIgnored(field=f"generate.{name}", value=value, reason=why))
+        if salt is not None:  # a salt scopes prefix reuse: with reuse off it would silently do nothing
+            off = getattr(self.manager, "reuse_off_reason", None) or (
+                None if self.manager.options.enable_block_reuse else "enable_block_reuse is false")
+            if off is not None:
+                self._event(SettingIgnored(field="generate.salt", value=salt,
+                                           reason=f"prefix reuse is off: nothing is shared to scope ({off})"))
         outputs: dict[int, RequestOutput] = {}
         warm_before = self.flex.warmup_s if self.flex is not None else 0.0
         start = time.perf_counter()

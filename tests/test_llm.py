@@ -353,6 +353,27 @@ def test_one_sampling_params_per_prompt(llm):
 # --- the LLM itself -------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("manager", ["v1", "v2"])
+def test_a_salt_with_prefix_reuse_off_is_reported_ignored(manager):
+    with kvload.LLM("tiny-llama", **llm_kwargs(manager, enable_block_reuse=False)) as llm:
+        llm.generate([[1, 2, 3]], max_tokens=2, salt="x")
+        (ignored,) = [e for e in llm.audit.of("setting_ignored") if e["field"] == "generate.salt"]
+        assert ignored["value"] == "x" and ignored["reason"].startswith("prefix reuse is off: nothing is shared")
+    with kvload.LLM("tiny-llama", **llm_kwargs(manager)) as llm:  # with reuse on the salt scopes it: no word
+        llm.generate([[1, 2, 3]], max_tokens=2, salt="x")
+        assert not [e for e in llm.audit.of("setting_ignored") if e["field"] == "generate.salt"]
+
+
+def test_cli_salt_with_reuse_disabled_says_it_is_ignored(capsys, tmp_path):
+    from tests.cli_support import read_events, run_cli
+
+    audit = tmp_path / "salt.jsonl"
+    r = run_cli(capsys, "generate", "tiny-llama", "--device", "cpu", "--prompt-ids", "1,2", "--max_new_tokens", "2",
+                "--max_tokens", "256", "--salt", "x", "--disable_kv_cache_reuse", "--audit-log", str(audit))
+    assert r.code == 0, r.err
+    assert [e["field"] for e in read_events(audit) if e["event"] == "setting_ignored"] == ["generate.salt"]
+
+
 def _watch_release(llm: kvload.LLM) -> dict[str, Any]:
     """What holds when close() releases the pools: blocks still owned, and whether a generate thread still runs."""
     import threading
