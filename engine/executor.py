@@ -130,6 +130,8 @@ class GenerationExecutor:
         #: the widest beam search this load serves (``max_beam_width``; :meth:`beam_search`)
         self.max_beam_width = 1
         self.last_stats: GenerationStats | None = None
+        #: set by :meth:`stop`: the running call (and any later one) fails with this message between two steps
+        self._stopped: str | None = None
         unserved = sorted({layer.kind for layer in manager.layout.layers
                            if layer.kind not in SERVED_KINDS or layer.compress_rate is not None})
         if unserved:
@@ -273,6 +275,11 @@ class GenerationExecutor:
 
     # --- the call ----------------------------------------------------------------------------
 
+    def stop(self, message: str) -> None:
+        """Make the running call fail with ``GenerationError(message)`` after its current step (its requests freed,
+        ``generation_failed`` recorded), and every later call at its start: the owner is closing this executor."""
+        self._stopped = message
+
     def run(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -329,6 +336,12 @@ class GenerationExecutor:
         for p in {id(p): p for p in params}.values():  # greedy draws nothing: a seed, top-p, top-k or n that does
             for name, value, why in greedy_ignored(p):  # nothing is said to, never silently dropped
                 self._event(SettingIgnored(field=f"generate.{name}", value=value, reason=why))
+        if salt is not None:  # a salt scopes prefix reuse: with reuse off it would silently do nothing
+            off = getattr(self.manager, "reuse_off_reason", None) or (
+                None if self.manager.options.enable_block_reuse else "enable_block_reuse is false")
+            if off is not None:
+                self._event(SettingIgnored(field="generate.salt", value=salt,
+                                           reason=f"prefix reuse is off: nothing is shared to scope ({off})"))
         outputs: dict[int, RequestOutput] = {}
         warm_before = self.flex.warmup_s if self.flex is not None else 0.0
         start = time.perf_counter()
@@ -353,6 +366,8 @@ class GenerationExecutor:
                 for live in later.pop(parent_id):  # the prompt's blocks are cached now: reuse them
                     driver.add(live.request)
                     queued(live.request, clock)
+            if self._stopped is not None and (driver.has_work or later):  # between steps: nothing is half-computed
+                raise GenerationError(self._stopped)
 
         try:
             with self.paged_attention():
@@ -693,6 +708,8 @@ class GenerationExecutor:
     # --- checks and bookkeeping ----------------------------------------------------------------
 
     def _check_open(self) -> None:
+        if self._stopped is not None:
+            raise GenerationError(self._stopped)
         if getattr(self.manager, "closed", False) or self.pools.released:
             raise GenerationError("generate: this result was closed (LoadResult.close released its KV pools and "
                                   "weights); load the model again")

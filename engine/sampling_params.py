@@ -9,6 +9,7 @@ as a property, so both spellings keep working.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,8 +33,13 @@ from pipeline.limits import (
 DEFAULT_MAX_TOKENS = 64
 
 
+def _is_bool(v: Any) -> bool:
+    return isinstance(v, bool) or type(v).__name__ == "bool_"  # numpy's bool is no int subclass, but still a flag
+
+
 def is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    """An integer: ``int`` or a numpy integer (any ``numbers.Integral``), never a bool."""
+    return isinstance(v, numbers.Integral) and not _is_bool(v)
 
 
 def _plain_int(v: Any) -> Any:
@@ -42,7 +48,13 @@ def _plain_int(v: Any) -> Any:
 
 
 def is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    """A real number: ``int``, ``float`` or a numpy scalar of either (any ``numbers.Real``), never a bool."""
+    return isinstance(v, numbers.Real) and not _is_bool(v)
+
+
+def _plain_number(v: Any) -> Any:
+    """A numpy float (or integer) as a Python float; Python numbers and anything else unchanged."""
+    return float(v) if is_number(v) and not isinstance(v, (int, float)) else v
 
 
 def _shown(value: Any) -> str:
@@ -118,7 +130,7 @@ def _ints(value: Any) -> Any:
         return ()
     if isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray)):
         check_stop_token_ids_count(len(value))  # counted before it is copied
-        return tuple(value)
+        return tuple(map(_plain_int, value))  # numpy ids (from an array) stored as Python ints
     return value
 
 
@@ -161,8 +173,9 @@ class SamplingParams:
             max_tokens, length_name = max_new_tokens, "max_new_tokens"
         if max_tokens is None:
             max_tokens = DEFAULT_MAX_TOKENS
-        # numpy integers (an n or a seed taken from an array) count as integers, stored as Python ints
+        # numpy scalars (an n, a seed or a temperature taken from an array) count as numbers, stored as Python's
         max_tokens, top_k, seed, n, logprobs = map(_plain_int, (max_tokens, top_k, seed, n, logprobs))
+        temperature, top_p = _plain_number(temperature), _plain_number(top_p)
         check(is_int(max_tokens) and max_tokens >= 1, length_name, "an integer >= 1", max_tokens)
         _at_most_int64(length_name, max_tokens)
         self.__attrs_init__(max_tokens, temperature, top_p, top_k, seed, _strings(stop), _ints(stop_token_ids), n,

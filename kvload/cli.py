@@ -294,11 +294,12 @@ def cli_overrides(ns: argparse.Namespace) -> dict[str, Any]:
 # --- subcommands ---------------------------------------------------------------------------
 
 
-def _request(ns: argparse.Namespace, load_weights: bool = False) -> Any:
+def _request(ns: argparse.Namespace, load_weights: bool = False, kv_events_reader: bool = True) -> Any:
+    """The command's LoadRequest; ``kv_events_reader=False`` where the command reads no KV cache events."""
     from pipeline.context import LoadRequest
 
     return LoadRequest(model=ns.model, overrides=cli_overrides(ns), source="cli", config_file=ns.config,
-                       load_weights=load_weights)
+                       load_weights=load_weights, kv_events_reader=kv_events_reader)
 
 
 def _audit_subscribers(ns: argparse.Namespace) -> list[Any]:
@@ -336,7 +337,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         from engine.capacity import check_chart_path
 
         check_chart_path(ns.chart, replace=ns.force)
-    result = execute(_request(ns), plan_stages(), subscribers=audit)
+    result = execute(_request(ns, kv_events_reader=False), plan_stages(), subscribers=audit)
     comparison = None
     if compare:  # on every rank: planning the variants runs the ranks' collectives (agree_ranks, the budget)
         from engine.capacity import compare_capacity, draw_chart
@@ -393,7 +394,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
     from stages import load_stages
 
     audit = _audit_subscribers(ns)
-    with execute(_request(ns), load_stages(), subscribers=audit) as result:
+    with execute(_request(ns, kv_events_reader=False), load_stages(), subscribers=audit) as result:
         if not prints(result):
             return 0
         if ns.json:
@@ -423,21 +424,19 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=ns.max_new_tokens, temperature=ns.temperature, top_p=ns.top_p,
                             top_k=ns.top_k, seed=ns.seed, stop=ns.stop, stop_token_ids=ns.stop_token_ids, n=ns.n,
                             logprobs=ns.logprobs, ignore_eos=ns.ignore_eos)  # checked before anything loads
-    request = _request(ns, load_weights=True)
+    request = _request(ns, load_weights=True, kv_events_reader=False)  # it prints outputs, never KV events
     # Applies only when nothing else bounds the KV budget (CPU without --max_tokens/--max_gpu_total_bytes) and the
     # user set no default_max_tokens. Capped at the integer bound: a product past it is refused by the budget naming
     # --max_new_tokens (the reason), not as a field the user never typed, and it must not fail a run whose
     # --max_tokens leaves the default unused.
-    tokens = min(MAX_INT, len(prompts) * (ns.n * ns.max_new_tokens + GENERATE_PROMPT_ALLOWANCE))
     request.caller_defaults[DEFAULT_MAX_TOKENS_FIELD] = CallerDefault(
-        tokens, "generate", f"--max_new_tokens, --n or the number of prompts (generate sizes the pools for prompts x "
-                            f"(n x max_new_tokens + {GENERATE_PROMPT_ALLOWANCE}) = {tokens} tokens when no "
-                            "--max_tokens is given)")
+        *_generate_pool_tokens(len(prompts), ns.n, ns.max_new_tokens, _user_max_seq_len(request.overrides, ns.config)))
     with execute(request, load_stages(), subscribers=audit) as result:  # generation events reach the audit too
         first = prints(result)  # under torchrun every rank generates; rank 0 prints
-        printer = None if ns.json or not first else _TokenPrinter(result.tokenizer is not None,
+        printer = None if ns.json or not first else _TokenPrinter(result.tokenizer,
                                                                   several=len(prompts) > 1 or ns.n > 1,
-                                                                  labelled_samples=ns.n > 1)
+                                                                  labelled_samples=ns.n > 1,
+                                                                  logprobs=ns.logprobs is not None)
         outputs = result.executor.run(prompts, params, salt=ns.salt, chat=ns.chat, on_delta=printer)
         stats = result.executor.last_stats
         if not first:
@@ -451,27 +450,82 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
-class _TokenPrinter:
-    """``on_delta`` of ``kvload generate``: one sample streams token by token; several print as each ends."""
+def _generate_pool_tokens(prompts: int, n: int, max_new_tokens: int, max_seq_len: int | None) -> tuple[int, str, str]:
+    """generate's default pool size, its source and reason: each prompt's ``n`` samples of ``max_new_tokens`` plus
+    the prompt allowance, but never more than ``n`` sequences of ``max_seq_len`` (no sample grows past it)."""
+    per_prompt = n * max_new_tokens + GENERATE_PROMPT_ALLOWANCE
+    flags, formula = "--max_new_tokens", f"(n x max_new_tokens + {GENERATE_PROMPT_ALLOWANCE})"
+    if max_seq_len is not None and n * max_seq_len < per_prompt:
+        per_prompt = n * max_seq_len
+        flags = "--max_seq_len"
+        formula = f"n x max_seq_len (less than n x max_new_tokens + {GENERATE_PROMPT_ALLOWANCE})"
+    tokens = min(MAX_INT, prompts * per_prompt)
+    return tokens, "generate", (f"{flags}, --n or the number of prompts (generate sizes the pools for prompts x "
+                                f"{formula} = {tokens} tokens when no --max_tokens is given)")
 
-    def __init__(self, has_text: bool, several: bool, labelled_samples: bool) -> None:
-        self.has_text = has_text  # False: a model without a tokenizer prints token ids
+
+def _user_max_seq_len(overrides: dict[str, Any], config: str | None) -> int | None:
+    """The max_seq_len the user set (the flag, else the --config file's), or None: the checkpoint's applies later."""
+    if overrides.get("max_seq_len") is not None:
+        return int(overrides["max_seq_len"])
+    if config is None:
+        return None
+    from pipeline.sources import read_yaml
+
+    try:
+        value = read_yaml(config).get("max_seq_len")
+    except ConfigError:  # parse_args reports the file's problem, naming it, when the stages run
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+class _TokenPrinter:
+    """``on_delta`` of ``kvload generate``: one sample streams token by token; several print as each ends.
+
+    With ``--logprobs`` each sample's tokens follow it, one line each: the token, its logprob, then the top
+    alternatives (the other most likely tokens, with theirs).
+    """
+
+    def __init__(self, tokenizer: Any, several: bool, labelled_samples: bool, logprobs: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.has_text = tokenizer is not None  # False: a model without a tokenizer prints token ids
         self.several = several
         self.labelled_samples = labelled_samples  # "[i.j]" rather than "[i]"
+        self.logprobs = logprobs
         self.parts: dict[tuple[int, int], list[str]] = {}  # each sample's token ids (no tokenizer) or text pieces
+        self.scores: dict[tuple[int, int], list[tuple[int, dict[int, float]]]] = {}  # (token, its entry) per token
 
     def __call__(self, delta: Any) -> None:
+        key = (delta.index, delta.sample)
+        if self.logprobs and delta.logprobs is not None:
+            self.scores.setdefault(key, []).extend(zip(delta.token_ids, delta.logprobs, strict=True))
+        label = f"{delta.index}.{delta.sample}" if self.labelled_samples else f"{delta.index}"
         if not self.several:
             piece = delta.text if self.has_text else " ".join(map(str, delta.token_ids)) + " "
             sys.stdout.write(piece + ("\n" if delta.finish_reason is not None else ""))
             sys.stdout.flush()
-            return
-        parts = self.parts.setdefault((delta.index, delta.sample), [])
-        parts.extend([delta.text] if self.has_text else map(str, delta.token_ids))
-        if delta.finish_reason is None:
-            return
-        label = f"{delta.index}.{delta.sample}" if self.labelled_samples else f"{delta.index}"
-        print(f"[{label}] {('' if self.has_text else ' ').join(parts)}", flush=True)
+        else:
+            parts = self.parts.setdefault(key, [])
+            parts.extend([delta.text] if self.has_text else map(str, delta.token_ids))
+            if delta.finish_reason is not None:
+                print(f"[{label}] {('' if self.has_text else ' ').join(parts)}", flush=True)
+        if delta.finish_reason is not None and self.logprobs:
+            self._print_logprobs(label if self.several else None, self.scores.pop(key, []))
+
+    def _print_logprobs(self, label: str | None, scores: list[tuple[int, dict[int, float]]]) -> None:
+        """One line per token: ``token logprob | alternative logprob, ...`` (most likely first)."""
+        lines = [f"logprobs{f' [{label}]' if label else ''}: token logprob | top alternatives"]
+        for token, entry in scores:
+            others = sorted(((t, lp) for t, lp in entry.items() if t != token), key=lambda x: -x[1])
+            alternatives = ", ".join(f"{self._token(t)} {lp:.3f}" for t, lp in others)
+            lines.append(f"  {self._token(token)} {entry[token]:.3f}" + (f" | {alternatives}" if alternatives else ""))
+        print("\n".join(lines), flush=True)
+
+    def _token(self, token: int) -> str:
+        """A token as its text, quoted (spaces and newlines show), or its id without a tokenizer."""
+        if self.tokenizer is None:
+            return str(token)
+        return json.dumps(self.tokenizer.decode([token]), ensure_ascii=False)
 
 
 class _PromptAction(argparse.Action):
@@ -503,12 +557,15 @@ def _bounded(kind: Callable[[str], Any], ok: Callable[[Any], bool], expected: st
 _GENERATE_EPILOG = """\
 Output: with one prompt, the reply streams to stdout as it is generated (token ids, space separated,
 for a model without a tokenizer); with several, each reply is printed as soon as it finishes, as
-"[i] text" (i = the prompt's position; "[i.j]" for its sample j with --n). The last line gives prompt,
-reused and generated tokens, wall time and tokens/s. --json prints one document instead (outputs, timings, stats).
+"[i] text" (i = the prompt's position; "[i.j]" for its sample j with --n). With --logprobs K each reply is
+followed by its tokens, one a line: the token (quoted text, or its id), its logprob, then the K most likely
+other tokens with theirs. The last line gives prompt, reused and generated tokens, wall time and tokens/s.
+--json prints one document instead (outputs, timings, stats).
 
 KV budget: on CPU with neither --max_tokens nor --max_gpu_total_bytes, generate sizes the pools for
-prompts x (n x max_new_tokens + 1024) tokens (the kv_budget_computed event says so); requests that do not
-fit at once wait (V1) or are suspended to the host tier (V2).
+prompts x (n x max_new_tokens + 1024) tokens, at most prompts x n x max_seq_len when --max_seq_len (or the
+--config file) sets it (the kv_budget_computed event says so); requests that do not fit at once wait (V1)
+or are suspended to the host tier (V2).
 
 examples:
   kvload generate smollm2-135m --chat --prompt "What is the capital of France?"

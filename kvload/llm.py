@@ -34,6 +34,11 @@ from stages import load_stages
 DEFAULT_CPU_MAX_TOKENS = 8192
 
 
+#: What a call that ``close()`` stopped raises (between two steps, its requests freed, before the pools are released).
+CLOSED_DURING_GENERATION = ("generate: the LLM was closed during generation (LLM.close(), or leaving its with block); "
+                            "the call was stopped and its KV blocks freed")
+
+
 class StreamClosed(Exception):
     """Raised inside the generation thread when the consumer of ``generate_stream`` went away."""
 
@@ -59,6 +64,15 @@ class LLM:
                                            "max_gpu_total_bytes bounds them)")
         self._audit_log = audit_log
         self._busy = threading.Lock()
+        # close() and the running call meet under _lock: close stops the call, waits for it (_idle), then releases
+        self._lock = threading.Lock()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._runner: threading.Thread | None = None  # the thread inside the executor now (a stream's worker)
+        self._executor: Any = None  # the running call's executor, which close() asks to stop
+        self._release_lock = threading.Lock()  # held through the release: a second close() returns once it is done
+        self._released = False
+        self._release_deferred = False  # close() ran inside the running call: the call releases as it ends
         self.result: LoadResult = execute(request, load_stages(), audit_log=audit_log, subscribers=subscribers,
                                           log=log)
         self._closed = False
@@ -112,7 +126,8 @@ class LLM:
         """
         with self._exclusive("generate"):
             self._no_progress_bar(use_tqdm)
-            return self.result.executor.run(prompts, sampling_params, salt=salt, chat=chat, **sampling)
+            with self._running() as executor:
+                return executor.run(prompts, sampling_params, salt=salt, chat=chat, **sampling)
 
     def beam_search(self, prompts: Any, params: BeamSearchParams) -> list[BeamSearchOutput]:
         """vLLM's ``LLM.beam_search``: the best ``params.beam_width`` hypotheses of every prompt, best first.
@@ -120,8 +135,8 @@ class LLM:
         One generate step per token (``engine.beam_search``); the width is bounded by the load's ``max_beam_width``
         (``LLM(model, max_beam_width=4)``).
         """
-        with self._exclusive("beam_search"):
-            return self.result.executor.beam_search(prompts, params)
+        with self._exclusive("beam_search"), self._running() as executor:
+            return executor.beam_search(prompts, params)
 
     def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              use_tqdm: Any = None, salt: str | None = None, **sampling: Any) -> list[RequestOutput]:
@@ -183,7 +198,8 @@ class LLM:
 
             def work() -> None:
                 try:
-                    self.result.executor.run(prompts, params, salt=salt, chat=chat, on_delta=on_delta)
+                    with self._running() as executor:
+                        executor.run(prompts, params, salt=salt, chat=chat, on_delta=on_delta)
                 except BaseException as exc:  # handed to the consumer, which raises it
                     items.put(exc)
                 else:
@@ -222,16 +238,53 @@ class LLM:
         finally:
             self._busy.release()
 
-    def close(self) -> None:
-        """Release the KV pools and weights; with ``audit_log``, rewrite it with the generation events too."""
-        if self._closed:
-            return
-        self._closed = True
+    @contextlib.contextmanager
+    def _running(self) -> Iterator[Any]:
+        """The executor, with this thread registered as the one running it, so ``close()`` can stop it and wait."""
+        self._check_open()
+        executor = self.result.executor  # built outside the lock: the first call compiles and loads kernels
+        with self._lock:
+            self._check_open()  # close() may have run meanwhile (a stream's worker starts after the call)
+            self._runner, self._executor = threading.current_thread(), executor
+            self._idle.clear()
         try:
-            if self._audit_log is not None:
-                self.result.audit.to_jsonl(self._audit_log)
+            yield executor
         finally:
-            self.result.close()
+            with self._lock:
+                self._runner = self._executor = None
+                deferred = self._release_deferred
+            self._idle.set()
+            if deferred:  # close() ran inside this call (from a subscriber) and left the release to us
+                self._release()
+
+    def close(self) -> None:
+        """Stop a running generation, wait for it to end, then release the KV pools and weights.
+
+        The stopped call raises ``GenerationError`` (the audit records ``generation_failed``); with ``audit_log``,
+        the file is rewritten with the generation events too. Safe to call twice, from any thread.
+        """
+        with self._lock:
+            self._closed = True
+            runner, executor = self._runner, self._executor
+            if executor is not None:
+                executor.stop(CLOSED_DURING_GENERATION)  # it fails at its next step, freeing its requests
+            if runner is threading.current_thread():  # from inside the running call (a subscriber): waiting would
+                self._release_deferred = True  # deadlock, so the call releases as it ends
+                return
+        self._idle.wait()  # the pools go only once nothing runs on them
+        self._release()
+
+    def _release(self) -> None:
+        """Write the audit log and release the pools, once."""
+        with self._release_lock:
+            if self._released:
+                return
+            self._released = True
+            try:
+                if self._audit_log is not None:
+                    self.result.audit.to_jsonl(self._audit_log)
+            finally:
+                self.result.close()
 
     def __enter__(self) -> LLM:
         return self

@@ -122,6 +122,27 @@ def _finished(record: dict[str, Any], known: frozenset[str]) -> str | None:
 _NESTED = {"user_fields_snapshotted": _snapshot_fields, "pipeline_finished": _finished}
 
 
+def _snapshot_mismatch(got: Any, want: dict[str, Any] | None) -> str | None:
+    """How a field's ``user_fields_snapshotted`` entry differs from its last ``args_parsed``, naming the value or
+    source that differs (with both sides); None when they agree."""
+    def entry(e: dict[str, Any]) -> str:
+        return f"{short(e.get('value'))} from {e.get('source')}"
+
+    if want is None:
+        return f"user_fields_snapshotted records {entry(got) if isinstance(got, dict) else short(got)}, but no " \
+               "args_parsed event sets it"
+    if got is None:
+        return f"user_fields_snapshotted leaves it out, the args_parsed events give {entry(want)}"
+    if not isinstance(got, dict):
+        return f"user_fields_snapshotted records {short(got)}, not a {{value, source}} entry; the args_parsed " \
+               f"events give {entry(want)}"
+    differ = [key for key in ("value", "source") if got.get(key) != want[key]]
+    if not differ:
+        return None
+    return "; ".join(f"user_fields_snapshotted records {key} {short(got.get(key))}, the args_parsed events give "
+                     f"{short(want[key])}" for key in differ)
+
+
 def cross_check(events: list[dict[str, Any]], final: dict[str, Any] | None,
                 defaults: dict[str, Any]) -> list[str]:
     """Disagreements between events that restate each other (empty when the log is consistent).
@@ -154,11 +175,9 @@ def cross_check(events: list[dict[str, Any]], final: dict[str, Any] | None,
         elif name == "user_fields_snapshotted":
             snap = e.get("fields") or {}
             for path in sorted(set(snap) | set(parsed)):
-                got, want = snap.get(path), parsed.get(path)
-                if not isinstance(got, dict) or want is None or got.get("value") != want["value"] \
-                        or got.get("source") != want["source"]:
-                    problems.append(f"{path}: user_fields_snapshotted records {short(got)}, the args_parsed "
-                                    f"events give {short(want)}")
+                mismatch = _snapshot_mismatch(snap.get(path), parsed.get(path))
+                if mismatch is not None:
+                    problems.append(f"{path}: {mismatch}")
                     break
         elif name == "stage_finished":
             finished_stages.append(e.get("stage"))

@@ -134,7 +134,8 @@ dtype_name = _check(
 MODEL_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 model_dtype_name = _check(
     lambda v: isinstance(v, str) and (v == AUTO or v in MODEL_DTYPES),
-    '"auto", ' + ", ".join(MODEL_DTYPES) + " (float8 is a KV cache dtype only: kv_cache_config.dtype)",
+    '"auto", ' + ", ".join(MODEL_DTYPES) + " (float8 is a KV cache dtype only: kv_cache_config.dtype, flag "
+    "--kv_cache_dtype, as fp8 or float8_e4m3fn, or float8_e5m2)",
 )
 
 

@@ -55,6 +55,10 @@ class LoadRequest:
     # applies one only where neither the config file nor the overrides set the field, as ``field_derived``; an
     # error about pools too big names its ``reason`` (the caller's flags), not a field the user never set.
     caller_defaults: dict[str, CallerDefault] = attrs.Factory(dict)
+    # Whether the caller may read the KV cache events of what it loads (``LoadResult.kv_cache_events()``, serve's
+    # endpoint and --kv-events-file). False (kvload run, generate): a user's event_buffer_max_size is reported
+    # as setting_ignored and no buffer is kept, since nothing would ever drain it.
+    kv_events_reader: bool = True
 
 
 

@@ -14,9 +14,17 @@ from cache_backends.kinds import kind_named
 from pipeline.bus import Emit
 from pipeline.context import DEFAULT_MAX_TOKENS_FIELD, Context
 from pipeline.errors import KvBuildError, KvRuntimeError, first_line
-from pipeline.events import KvManagerBuilt
+from pipeline.events import KvManagerBuilt, SettingIgnored
 from stages.check_parallel import require_all_ranks
-from stages.plan_kv import HOST_FIELD, RULE_FIELDS, KvPlan, compute_kv_plan, device_problem
+from stages.plan_kv import (
+    EVENTS_FIELD,
+    EVENTS_READERS,
+    HOST_FIELD,
+    RULE_FIELDS,
+    KvPlan,
+    compute_kv_plan,
+    device_problem,
+)
 
 if TYPE_CHECKING:
     from cache_backends.pools import BlockPools
@@ -83,6 +91,11 @@ class BuildKvManager:
         manager = manager_cls(pools, manager_options(ctx))
         ctx.on_close(manager.close)
         events = ctx.args.kv_cache_config.event_buffer_max_size
+        if events > 0 and ctx.request is not None and not ctx.request.kv_events_reader:
+            if EVENTS_FIELD in ctx.user_fields:
+                emit(SettingIgnored(field=EVENTS_FIELD, value=events,
+                                    reason=f"no reader of KV cache events in this command; {EVENTS_READERS}"))
+            events = 0  # a buffer nothing drains would only cost
         if events > 0:  # KV cache events: off (no buffer, no cost) unless asked for
             from cache_backends.kv_events import KvEventBuffer
 

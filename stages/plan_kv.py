@@ -410,6 +410,12 @@ def too_small_message(layout: KvLayout, budget: KvBudget) -> str:
             f"raise {field} or lower kv_cache_config.tokens_per_block")
 
 
+#: The field that turns KV cache events on, and who reads them (what a setting_ignored about it advises).
+EVENTS_FIELD = "kv_cache_config.event_buffer_max_size"
+EVENTS_READERS = ("kvload serve --kv-events-file (or its /v1/kvload/kv_events endpoint) or the Python API "
+                  "(kvload.load(...).kv_cache_events()) reads them")
+
+
 class PlanKv:
     """Writes ``ctx.kv`` (a :class:`KvPlan`) and emits ``kv_budget_computed``; allocates nothing."""
 
@@ -419,6 +425,12 @@ class PlanKv:
     def run(self, ctx: Context, emit: Emit) -> None:
         """Compute the KV plan of the routed manager."""
         ctx.kv = compute_kv_plan(ctx, emit)
+        events = ctx.args.kv_cache_config.event_buffer_max_size
+        if EVENTS_FIELD in ctx.user_fields and events > 0:  # a plan builds no manager: nothing records events
+            emit(SettingIgnored(field=EVENTS_FIELD, value=events,
+                                reason=f"a plan (kvload plan, simulate) builds no KV cache manager, so no KV cache "
+                                       f"event is recorded; {EVENTS_READERS}"))
+
 
 
 #: The flag that sets each budget rule's field, for advice a CLI user can act on.

@@ -67,6 +67,31 @@ def test_tampered_log_fails_verification(tmp_path):
     assert problems and "use_kv_cache_manager_v2" in problems[0]
 
 
+def _tamper(path, event: str, old: str, new: str) -> None:
+    lines = path.read_text().splitlines()
+    tampered = [ln.replace(old, new) if f'"event":"{event}"' in ln else ln for ln in lines]
+    assert tampered != lines
+    path.write_text("\n".join(tampered) + "\n")
+
+
+@pytest.mark.parametrize(("event", "old", "new", "message"), [
+    ("args_parsed", '"new":"tiny-llama"', '"new":"tiny-gemma3"',
+     "model: user_fields_snapshotted records value 'tiny-llama', the args_parsed events give 'tiny-gemma3'"),
+    ("user_fields_snapshotted", '"source":"api"', '"source":"config_file"',
+     "user_fields_snapshotted records source 'config_file', the args_parsed events give 'api'"),
+    ("user_fields_snapshotted", ',"max_batch_size":{"value":4,"source":"api"}', "",
+     "max_batch_size: user_fields_snapshotted leaves it out, the args_parsed events give 4 from api"),
+])
+def test_a_snapshot_that_disagrees_with_args_parsed_says_what_differs(tmp_path, event, old, new, message):
+    from kvload.explain import verify_log
+
+    path = tmp_path / "audit.jsonl"
+    pipeline.plan("tiny-llama", max_batch_size=4, audit_log=path, log=False)
+    _tamper(path, event, old, new)
+    problems = verify_log(AuditLog.from_jsonl(path))["problems"]  # what kvload audit --verify prints
+    assert any(message in p for p in problems), problems
+
+
 def test_failed_run_leaves_no_audit_file(tmp_path):
     path = tmp_path / "audit.jsonl"
     with pytest.raises(pipeline.RouteError):

@@ -60,6 +60,8 @@ CASES = [
     ("tri-state-1", "plan tiny-llama --use-kv-cache-manager-v2 1", 2, ["error: --use-kv-cache-manager-v2:", "'1'"]),
     ("dashed-as-typed", "plan tiny-llama --max-tokens -5", 2, ["error: --max-tokens: expected", "got -5"]),
     ("dtype-as-typed", "plan tiny-llama --dtype=fp8", 2, ["error: --dtype: expected", "got 'fp8'"]),
+    ("dtype-float8", "plan tiny-llama --dtype float8", 2,  # names where float8 goes and a spelling it takes there
+     ["--dtype", "KV cache dtype only", "--kv_cache_dtype", "fp8", "got 'float8'"]),
     ("fraction-zero", "plan tiny-llama --kv_cache_fraction 0", 2, ["--kv_cache_fraction", "(0, 1]"]),
     ("fraction-big", "plan tiny-llama --kv-cache-fraction 1.5", 2, ["--kv-cache-fraction", "(0, 1]", "1.5"]),
     ("fraction-word", "plan tiny-llama --kv_cache_fraction half", 2, ["--kv_cache_fraction", "'half'"]),
@@ -238,3 +240,11 @@ def test_an_empty_path_is_named_as_empty(capsys, tmp_path, monkeypatch, argv, ne
         assert needle in r.err, (needle, r.err)
     assert "error: ." not in r.err and " .:" not in r.err, r.err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_kv_cache_dtype_spelling_the_dtype_error_names_is_accepted(capsys):
+    r = run_cli(capsys, "plan", "tiny-llama", "--dtype", "float8")
+    assert r.code == 2 and "--kv_cache_dtype, as fp8" in r.err
+    ok = run_cli(capsys, "plan", "tiny-llama", "--kv_cache_dtype", "fp8", "--json")
+    assert ok.code == 0, ok.err
+    assert ok.json()["args"]["kv_cache_config"]["dtype"] == "float8_e4m3fn"

@@ -96,6 +96,53 @@ def test_a_config_files_default_max_tokens_wins_over_generates_own(capsys, tmp_p
     assert budget["max_tokens"] == 5000
 
 
+@pytest.mark.parametrize("where", ["flag", "config"])
+def test_a_huge_max_new_tokens_sizes_the_pools_for_max_seq_len_as_the_api_runs_it(capsys, tmp_path, where):
+    # every sample stops at max_seq_len, so the pools never need more than n sequences of it per prompt
+    audit = tmp_path / "gen.jsonl"
+    seq = ["--max_seq_len", "32"]
+    if where == "config":
+        config = tmp_path / "seq.yaml"
+        config.write_text("max_seq_len: 32\n")
+        seq = ["--config", str(config)]
+    r = run_cli(capsys, *TINY, "--prompt-ids", "1,2", "--prompt-ids", "3,4,5", "--n", "2", "--temperature", "1",
+                "--max_new_tokens", "1000000000", *seq, "--ignore_eos", "--json", "--audit-log", audit)
+    assert r.code == 0, r.err
+    samples = [c for o in r.json()["outputs"] for c in o["outputs"]]
+    assert [(c["finish_reason"], len(c["token_ids"])) for c in samples] == [("length", 30)] * 2 + [("length", 29)] * 2
+    (derived,) = [e for e in read_events(audit) if e["event"] == "field_derived"
+                  and e["field"].endswith("default_max_tokens")]
+    assert derived["new"] == 2 * 2 * 32 and "n x max_seq_len" in derived["reason"]
+
+
+def test_logprobs_print_under_each_reply_without_json(capsys):
+    flags = ("--prompt-ids", "9,9,9", "--max_new_tokens", "3", "--ignore_eos", "--max_tokens", "256", "--logprobs", "2")
+    doc = run_cli(capsys, *TINY, *flags, "--json")
+    assert doc.code == 0, doc.err
+    (sample,) = doc.json()["outputs"][0]["outputs"]
+    r = run_cli(capsys, *TINY, *flags)
+    assert r.code == 0, r.err
+    reply, header, *rows, stats = r.out.rstrip("\n").split("\n")
+    assert [int(t) for t in reply.split()] == sample["token_ids"] and stats.startswith("-- 1 prompt")
+    assert header == "logprobs: token logprob | top alternatives" and len(rows) == 3
+    for row, token, entry in zip(rows, sample["token_ids"], sample["logprobs"], strict=True):
+        top = sorted(((int(t), lp) for t, lp in entry.items() if int(t) != token), key=lambda x: -x[1])
+        assert row == f"  {token} {entry[str(token)]:.3f} | " + ", ".join(f"{t} {lp:.3f}" for t, lp in top)
+
+
+def test_logprobs_show_each_token_as_quoted_text_with_a_tokenizer(capsys):
+    from types import SimpleNamespace
+
+    from kvload.cli import _TokenPrinter
+    from tests.llm_support import word_tokenizer
+
+    printer = _TokenPrinter(word_tokenizer(16), several=True, labelled_samples=True, logprobs=True)
+    printer(SimpleNamespace(index=0, sample=1, token_ids=[5], text=" w5", logprobs=[{5: -0.25, 7: -1.5}],
+                            finish_reason="length"))
+    assert capsys.readouterr().out.split("\n")[:3] == [
+        "[0.1]  w5", "logprobs [0.1]: token logprob | top alternatives", '  "w5" -0.250 | "w7" -1.500']
+
+
 def test_json_prints_outputs_and_stats(capsys):
     r = run_cli(capsys, *TINY, "--prompt-ids", "9,9,9", "--max_new_tokens", "2", "--ignore_eos", "--max_tokens",
                 "256", "--json")

@@ -133,3 +133,29 @@ def test_a_group_with_longer_blocks_reports_them_whole_and_chains_its_own_parent
             assert e["token_ids"] == prompt[start:start + n * size]
             assert e["parent_block_hash"] == (seen[-1] if seen else None)  # the group's own previous block
             seen += e["block_hashes"]
+
+
+@pytest.mark.parametrize("command", [
+    ("plan", "tiny-llama", "--max_tokens", "256"),
+    ("run", "tiny-llama", "--max_tokens", "256"),
+    ("generate", "tiny-llama", "--prompt-ids", "1,2", "--max_new_tokens", "2", "--max_tokens", "256"),
+    ("simulate", "tiny-llama", "--workload", "shared-prefix", "--requests", "4", "--workload-arg", "group_size=2",
+     "--workload-arg", "prefix_len=32", "--workload-arg", "question_len=8", "--workload-arg", "answer_len=4"),
+], ids=lambda c: c[0])
+def test_cli_commands_without_an_events_reader_say_the_buffer_is_ignored(capsys, tmp_path, command):
+    from tests.cli_support import read_events, run_cli
+
+    audit = tmp_path / "audit.jsonl"
+    r = run_cli(capsys, *command, "--device", "cpu", "--event_buffer_max_size", "10", "--audit-log", str(audit))
+    assert r.code == 0, r.err
+    (ignored,) = [e for e in read_events(audit) if e["event"] == "setting_ignored"
+                  and e["field"] == "kv_cache_config.event_buffer_max_size"]
+    assert ignored["value"] == 10 and "kvload serve --kv-events-file" in ignored["reason"]
+    assert "kv_cache_events()" in ignored["reason"]
+
+
+def test_a_python_load_reads_its_events_and_hears_nothing_about_ignoring_them():
+    with _load(False, events=10) as r:
+        assert not [e for e in r.audit.of("setting_ignored") if e["field"].endswith("event_buffer_max_size")]
+        r.generate([[*PREFIX, 1]], max_new_tokens=1)
+        assert r.kv_cache_events()["events"]

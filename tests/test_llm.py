@@ -353,6 +353,102 @@ def test_one_sampling_params_per_prompt(llm):
 # --- the LLM itself -------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("manager", ["v1", "v2"])
+def test_a_salt_with_prefix_reuse_off_is_reported_ignored(manager):
+    with kvload.LLM("tiny-llama", **llm_kwargs(manager, enable_block_reuse=False)) as llm:
+        llm.generate([[1, 2, 3]], max_tokens=2, salt="x")
+        (ignored,) = [e for e in llm.audit.of("setting_ignored") if e["field"] == "generate.salt"]
+        assert ignored["value"] == "x" and ignored["reason"].startswith("prefix reuse is off: nothing is shared")
+    with kvload.LLM("tiny-llama", **llm_kwargs(manager)) as llm:  # with reuse on the salt scopes it: no word
+        llm.generate([[1, 2, 3]], max_tokens=2, salt="x")
+        assert not [e for e in llm.audit.of("setting_ignored") if e["field"] == "generate.salt"]
+
+
+def test_cli_salt_with_reuse_disabled_says_it_is_ignored(capsys, tmp_path):
+    from tests.cli_support import read_events, run_cli
+
+    audit = tmp_path / "salt.jsonl"
+    r = run_cli(capsys, "generate", "tiny-llama", "--device", "cpu", "--prompt-ids", "1,2", "--max_new_tokens", "2",
+                "--max_tokens", "256", "--salt", "x", "--disable_kv_cache_reuse", "--audit-log", str(audit))
+    assert r.code == 0, r.err
+    assert [e["field"] for e in read_events(audit) if e["event"] == "setting_ignored"] == ["generate.salt"]
+
+
+def _watch_release(llm: kvload.LLM) -> dict[str, Any]:
+    """What holds when close() releases the pools: blocks still owned, and whether a generate thread still runs."""
+    import threading
+
+    seen: dict[str, Any] = {}
+
+    def record() -> None:  # registered last, so it runs first: before the pools go
+        seen["used_blocks"] = used_blocks(llm.result)
+        seen["workers"] = [t.name for t in threading.enumerate() if t.name == "kvload-generate-stream"]
+
+    llm.result.context.on_close(record)
+    return seen
+
+
+def _generation_events(audit) -> list[str]:
+    return [e for e in (json.loads(line)["event"] for line in audit.read_text().splitlines())
+            if e.startswith("generation_")]
+
+
+def test_leaving_with_while_a_stream_runs_stops_it_cleanly_before_releasing(tmp_path):
+    audit = tmp_path / "llm.jsonl"
+    with kvload.LLM("tiny-llama", **llm_kwargs(), audit_log=audit) as llm:
+        seen = _watch_release(llm)
+        stream = llm.generate_stream([[1, 2, 3]] * 4, max_tokens=50, ignore_eos=True)
+        first = next(stream)
+        assert first.finish_reason is None
+    assert seen == {"used_blocks": 0, "workers": []}  # the worker had stopped and freed its blocks
+    with pytest.raises(GenerationError, match=r"^generate: the LLM was closed during generation"):
+        list(stream)
+    assert _generation_events(audit) == ["generation_started", "generation_failed"]
+    assert llm.audit.of("generation_failed")[-1]["error"] == "GenerationError"
+    llm.close()  # twice: nothing more to do
+    with pytest.raises(GenerationError, match="this LLM was closed"):
+        llm.generate([[1, 2, 3]])
+
+
+def test_close_from_another_thread_stops_a_running_generate(tmp_path):
+    import threading
+
+    audit = tmp_path / "llm.jsonl"
+    started, errors = threading.Event(), []
+    llm = kvload.LLM("tiny-llama", **llm_kwargs(), audit_log=audit,
+                     subscribers=[lambda e: started.set() if e["event"] == "request_admitted" else None])
+    seen = _watch_release(llm)
+
+    def work() -> None:
+        try:
+            llm.generate([[1, 2, 3]] * 4, max_tokens=50, ignore_eos=True)
+        except BaseException as exc:  # the test inspects whatever the call raised
+            errors.append(exc)
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    assert started.wait(60)
+    llm.close()
+    worker.join(60)
+    assert not worker.is_alive() and seen["used_blocks"] == 0
+    assert [type(e) for e in errors] == [GenerationError] and "closed during generation" in str(errors[0])
+    assert _generation_events(audit) == ["generation_started", "generation_failed"]
+
+
+def test_close_from_the_thread_reading_a_stream(tmp_path):
+    llm = kvload.LLM("tiny-llama", **llm_kwargs())
+    seen = _watch_release(llm)
+    stream = llm.generate_stream([[1, 2, 3]] * 2, max_tokens=50, ignore_eos=True)
+    next(stream)
+    llm.close()
+    llm.close()
+    assert seen == {"used_blocks": 0, "workers": []}
+    with pytest.raises(GenerationError, match="closed during generation"):
+        list(stream)  # the deltas produced before the stop, then the error
+    assert [e["event"] for e in llm.audit.events if e["event"].startswith("generation_")] == \
+        ["generation_started", "generation_failed"]
+
+
 def test_cpu_without_a_bound_gets_the_default_budget_and_the_audit_says_so(tiny_checkpoints, tmp_path):
     audit = tmp_path / "llm.jsonl"
     with kvload.LLM(str(tiny_checkpoints("llama")), device="cpu", log=False, audit_log=audit) as llm:

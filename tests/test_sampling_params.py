@@ -103,3 +103,23 @@ def test_every_bound_itself_is_accepted():
     p = SamplingParams(stop=["s" * MAX_STOP_CHARS] * MAX_STOP, stop_token_ids=range(MAX_STOP_TOKEN_IDS),
                        logprobs=MAX_LOGPROBS)
     assert len(p.stop) == MAX_STOP and len(p.stop_token_ids) == MAX_STOP_TOKEN_IDS and p.logprobs == MAX_LOGPROBS
+
+
+def test_numpy_scalars_are_taken_as_the_python_numbers_they_hold():
+    import json
+
+    import numpy as np
+
+    p = SamplingParams(stop_token_ids=[np.int64(2), np.uint16(7)], temperature=np.float32(0.5), top_p=np.float16(0.5),
+                       n=np.int32(2), top_k=np.int8(3), seed=np.uint64(4), logprobs=np.int64(1))
+    assert p.stop_token_ids == (2, 7) and p.temperature == 0.5 and p.top_p == 0.5
+    assert {type(v) for v in (*p.stop_token_ids, p.n, p.top_k, p.seed, p.logprobs)} == {int}
+    assert type(p.temperature) is float and type(p.top_p) is float
+    json.dumps(p.to_dict())  # plain Python values: it serializes
+    assert SamplingParams(temperature=np.int64(1)).temperature == 1.0
+    for bad, message in [({"stop_token_ids": [np.bool_(True)]}, "stop_token_ids: expected a list of token ids"),
+                         ({"temperature": np.bool_(True)}, "temperature: expected a finite number"),
+                         ({"top_p": np.float32("nan")}, r"top_p: expected a number in \(0, 1\]"),
+                         ({"temperature": np.float64("inf")}, "temperature: expected a finite number")]:
+        with pytest.raises(GenerationError, match=message):
+            SamplingParams(**bad)
