@@ -54,6 +54,19 @@ def test_step_cost_bench_pairs_both_sides_of_every_figure_and_restores_the_wall_
     assert all(row[-1] in ("met", "**missed**") for row in table.rows)
 
 
+def test_pressure_bench_runs_both_managers_per_cell_and_refuses_an_unknown_cell(capsys):
+    from bench import bench_pressure
+
+    bench_pressure.main(["--only", "tiny-llama long-context"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny-llama")]
+    assert len(lines) == 1
+    cells = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert float(cells[1]) > 0 and float(cells[2]) > 0
+    assert cells[4] == "2,049 / 2,049"  # two at a time on both managers: the same steps (the grid's cell)
+    with pytest.raises(SystemExit):
+        bench_pressure.main(["--only", "no such cell"])
+
+
 def test_radix_runs_prototype_evicts_exactly_as_the_block_queue_on_the_no_reuse_pattern():
     from bench import proto_radix_runs as proto
 
