@@ -337,8 +337,7 @@ class GenerationExecutor:
             for name, value, why in greedy_ignored(p):  # nothing is said to, never silently dropped
                 self._event(SettingIgnored(field=f"generate.{name}", value=value, reason=why))
         if salt is not None:  # a salt scopes prefix reuse: with reuse off it would silently do nothing
-            off = getattr(self.manager, "reuse_off_reason", None) or (
-                None if self.manager.options.enable_block_reuse else "enable_block_reuse is false")
+            off = self.reuse_off_reason()
             if off is not None:
                 self._event(SettingIgnored(field="generate.salt", value=salt,
                                            reason=f"prefix reuse is off: nothing is shared to scope ({off})"))
@@ -543,6 +542,11 @@ class GenerationExecutor:
                                        reason=f"torch.compile failed ({self.flex.failed}); generate attends through "
                                               "gather + SDPA"))
             self.flex = None
+
+    def reuse_off_reason(self) -> str | None:
+        """Why the manager shares no prefix between requests (so a reuse salt scopes nothing), or None when it does."""
+        off = getattr(self.manager, "reuse_off_reason", None)  # V2 says why (a layout that cannot be keyed, ...)
+        return off or (None if self.manager.options.enable_block_reuse else "enable_block_reuse is false")
 
     @contextlib.contextmanager
     def paged_attention(self) -> Iterator[None]:

@@ -240,12 +240,17 @@ class ServingEngine:
             piece = self._pieces[token_id] = _token_piece(self.tokenizer, token_id, self._byte_level)
         return piece
 
-    def report_ignored(self, params: SamplingParams, n: int, request: str = "") -> None:
-        """``setting_ignored`` (the server's log and audit) for each setting of one request greedy decoding ignores
-        (``engine.sampling_params.greedy_ignored``, as ``generate`` reports them); ``n``: choices per prompt."""
+    def report_ignored(self, params: SamplingParams, n: int, request: str = "", salt: str | None = None) -> None:
+        """``setting_ignored`` (the server's log and audit) for each setting of one request that does nothing: what
+        greedy decoding ignores (``engine.sampling_params.greedy_ignored``, as ``generate`` reports them; ``n``:
+        choices per prompt), and a reuse ``salt`` while prefix reuse is off."""
         where = f" (request {request})" if request else ""
         events = [SettingIgnored(field=f"serve.{name}", value=value, reason=why + where)
                   for name, value, why in greedy_ignored(params, n)]
+        off = self.executor.reuse_off_reason() if salt is not None else None
+        if off is not None:
+            events.append(SettingIgnored(field="serve.salt", value=salt,
+                                         reason=f"prefix reuse is off: nothing is shared to scope ({off}){where}"))
         if events:
             with self._cond:  # emitted by the loop thread, the one that emits every other serving event
                 self._notices.extend(events)

@@ -94,3 +94,14 @@ def test_max_tokens_past_the_context_length_is_refused_and_the_default_is_capped
             "type": "invalid_request_error", "param": "max_tokens", "code": None}
         r = s.http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 59, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 59
+
+
+def test_a_salt_with_prefix_reuse_off_is_reported_ignored():
+    with serving("tiny-llama", kv_cache_config={"max_tokens": 2048, "enable_block_reuse": False}) as s:
+        r = s.client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=2, extra_body={"salt": "team-a"})
+        assert len(r.choices[0].model_extra["token_ids"]) == 2  # served as asked
+        assert _ignored(s, r.id) == {"serve.salt": "team-a"}
+    # with reuse on the salt scopes what is shared: nothing to report
+    with serving("tiny-llama") as s:
+        r = s.client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=2, extra_body={"salt": "team-a"})
+        assert _ignored(s, r.id) == {}

@@ -471,7 +471,7 @@ class _Run:
                                  param=field) from None
             plan.append((ids, params))
         # once per HTTP request (not per prompt or choice), and only for one that is served
-        self.engine.report_ignored(job.params, job.n, request=self.id)
+        self.engine.report_ignored(job.params, job.n, request=self.id, salt=job.salt)
         try:
             for i, (ids, params) in enumerate(plan):
                 for j in range(job.n):
