@@ -430,7 +430,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     # --max_new_tokens (the reason), not as a field the user never typed, and it must not fail a run whose
     # --max_tokens leaves the default unused.
     request.caller_defaults[DEFAULT_MAX_TOKENS_FIELD] = CallerDefault(
-        *_generate_pool_tokens(len(prompts), ns.n, ns.max_new_tokens, _user_max_seq_len(request.overrides, ns.config)))
+        *_generate_pool_tokens(len(prompts), ns.n, ns.max_new_tokens, _user_max_seq_len(request.overrides, ns.config)),
+        sequences=len(prompts) * ns.n)  # the checkpoint's max_seq_len caps it too, once resolved
     with execute(request, load_stages(), subscribers=audit) as result:  # generation events reach the audit too
         first = prints(result)  # under torchrun every rank generates; rank 0 prints
         printer = None if ns.json or not first else _TokenPrinter(result.tokenizer,
@@ -563,9 +564,9 @@ other tokens with theirs. The last line gives prompt, reused and generated token
 --json prints one document instead (outputs, timings, stats).
 
 KV budget: on CPU with neither --max_tokens nor --max_gpu_total_bytes, generate sizes the pools for
-prompts x (n x max_new_tokens + 1024) tokens, at most prompts x n x max_seq_len when --max_seq_len (or the
---config file) sets it (the kv_budget_computed event says so); requests that do not fit at once wait (V1)
-or are suspended to the host tier (V2).
+prompts x (n x max_new_tokens + 1024) tokens, at most prompts x n x max_seq_len (--max_seq_len, the --config
+file's, else the checkpoint's: no sample grows past it; the kv_budget_computed event says so); requests that do
+not fit at once wait (V1) or are suspended to the host tier (V2).
 
 examples:
   kvload generate smollm2-135m --chat --prompt "What is the capital of France?"

@@ -39,6 +39,9 @@ class CallerDefault:
     value: Any
     source: str  # who derived it: "generate", "serve", "LLM"
     reason: str  # from what, in the caller's words (named by errors about what it sized)
+    #: for a token count: the sequences it is for, so the pools never exceed that many of the resolved max_seq_len
+    #: (a huge max_new_tokens cannot outgrow max_seq_len, which the checkpoint may set only after the caller ran)
+    sequences: int | None = None
 
 
 @attrs.define

@@ -278,9 +278,16 @@ def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
         # the default when no rule bounds the budget (CPU without max_tokens or max_gpu_total_bytes);
         # max_tokens stays null, this event says what sized the pools
         unbounded = budget.unbounded_reason
+        capped = ""
+        derived = ctx.request.caller_defaults.get(DEFAULT_MAX_TOKENS_FIELD) if ctx.request is not None else None
+        if (derived is not None and derived.sequences and DEFAULT_MAX_TOKENS_FIELD not in ctx.user_fields
+                and fallback == derived.value and derived.sequences * args.max_seq_len < fallback):
+            # no sequence grows past max_seq_len: pools for more would be memory nothing can use
+            fallback = derived.sequences * args.max_seq_len
+            capped = f" capped at {derived.sequences} sequence(s) of max_seq_len={args.max_seq_len}"
         budget = budget_for(fallback)
-        reason = (f"{unbounded}, so {DEFAULT_MAX_TOKENS_FIELD}={fallback} applies ({budget_reason(budget)}); "
-                  "set kv_cache_config.max_tokens to choose")
+        reason = (f"{unbounded}, so {DEFAULT_MAX_TOKENS_FIELD}={kv.default_max_tokens}{capped} applies "
+                  f"({budget_reason(budget)}); set kv_cache_config.max_tokens to choose")
     ranks = ctx.ranks
     agreed = min_budget(ranks, budget, reason) if ranks is not None and ranks.distributed else None
     if agreed is not None:

@@ -250,3 +250,15 @@ def test_greedy_n_samples_are_identical_and_the_audit_says_n_did_nothing(capsys,
     assert a["token_ids"] == b["token_ids"]
     ignored = [e for e in read_events(audit) if e["event"] == "setting_ignored" and e["field"] == "generate.n"]
     assert ignored and "identical" in ignored[0]["reason"]
+
+
+def test_a_huge_max_new_tokens_is_capped_by_the_checkpoints_max_seq_len_too(capsys, tmp_path):
+    # no --max_seq_len: the checkpoint's (8192 for tiny-llama) is known only once resolved, and still caps the pools
+    audit = tmp_path / "gen.jsonl"
+    every_token = ",".join(str(i) for i in range(512))  # tiny-llama's vocabulary: the first token ends each sample
+    r = run_cli(capsys, *TINY, "--prompt-ids", "1,2", "--prompt-ids", "3,4,5", "--max_new_tokens", "1000000000",
+                "--stop_token_ids", every_token, "--json", "--audit-log", audit)
+    assert r.code == 0, r.err
+    assert [len(o["outputs"][0]["token_ids"]) for o in r.json()["outputs"]] == [1, 1]
+    (budget,) = [e for e in read_events(audit) if e["event"] == "kv_budget_computed"]
+    assert "capped at 2 sequence(s) of max_seq_len=8192" in budget["reason"]
