@@ -12,7 +12,7 @@ from pipeline.audit import AuditLog, JsonlSink, check_output_path
 from pipeline.bus import EventBus, Subscriber
 from pipeline.config import LlmArgs
 from pipeline.context import Context, LoadRequest, ModelInfo, Route
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, KvloadError
 from pipeline.logs import StructlogSubscriber
 from pipeline.ranks import rank_audit_path, ranks_from_env
 from pipeline.runner import Pipeline, Stage
@@ -118,9 +118,11 @@ def execute(
     bus = EventBus(subs)
     try:
         pipeline.run(ctx, bus)
-    except BaseException:
+    except BaseException as exc:
         if sink is not None:
             sink.close(ok=False)
+        if isinstance(exc, KvloadError):  # the events up to stage_failed, for a caller asking why (no file is left)
+            exc.audit = audit  # type: ignore[attr-defined]
         raise
     if sink is not None:  # the file is complete; later events (generate) reach the in-memory log only
         sink.close(ok=True)

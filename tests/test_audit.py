@@ -263,3 +263,17 @@ def test_a_dropped_marker_hides_no_more_than_it_says(tmp_path):
     from kvload.explain import verify_log
 
     assert not verify_log(AuditLog.from_jsonl(path))["ok"]
+
+
+def test_a_failed_plan_hands_its_events_to_the_caller_on_the_error_and_leaves_no_file(tmp_path):
+    import kvload
+    from pipeline.errors import RouteError
+
+    target = tmp_path / "f.jsonl"
+    with pytest.raises(RouteError) as info:
+        kvload.plan("tiny-deepseek-v4", kv_cache_config={"use_kv_cache_manager_v2": False}, audit_log=target, log=False)
+    audit = info.value.audit
+    names = [e["event"] for e in audit.events]
+    assert names[-1] == "stage_failed" and audit.of("stage_failed")[0]["stage"] == "route_executor"
+    assert "auto_captured" in names  # the decisions made before the failure are all there
+    assert list(tmp_path.iterdir()) == []  # no audit file, no temporary: a failed run leaves nothing behind
