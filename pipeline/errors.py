@@ -56,6 +56,12 @@ class KvRuntimeError(KvBuildError):
     exit_code = 1
 
 
+class OutputError(KvloadError):
+    """A file the run writes could not be written (a full disk, a quota): outside the settings, so exit 1."""
+
+    exit_code = 1
+
+
 class GenerationError(KvloadError, ValueError):
     """A generate call cannot run as asked: a bad prompt or sampling value, a result without weights, closed pools."""
 
