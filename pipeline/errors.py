@@ -72,3 +72,9 @@ class AuditError(KvloadError):
 
 class RankError(KvloadError):
     """The ranks of a tensor-parallel run do not match: the launch and the settings, or what each rank resolved."""
+
+
+class RankLostError(RankError):
+    """Another rank's process went away mid-run (it exited or was killed): not the settings, so exit 1."""
+
+    exit_code = 1
