@@ -252,9 +252,14 @@ class ServingEngine:
             events.append(SettingIgnored(field="serve.salt", value=salt,
                                          reason=f"prefix reuse is off: nothing is shared to scope ({off}){where}"))
         if events:
-            with self._cond:  # emitted by the loop thread, the one that emits every other serving event
-                self._notices.extend(events)
-                self._cond.notify_all()
+            self.notify(*events)
+
+    def notify(self, *events: Event) -> None:
+        """Have the loop thread emit ``events`` (the server's log and audit) before its next step; safe from any
+        thread, the loop's own included (a KV events mirror failing inside a step)."""
+        with self._cond:  # emitted by the loop thread, the one that emits every other serving event
+            self._notices.extend(events)
+            self._cond.notify_all()
 
     def room(self, prompt_token_ids: Sequence[int]) -> int:
         """Tokens a request with this prompt may generate before ``max_seq_len``."""

@@ -857,10 +857,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvload`` console script."""
     parser = build_parser()
     ns = parser.parse_args(argv)
-    from pipeline.logs import HeldStream, configure_logging, env_log_settings
-    from pipeline.signals import handle_sigterm
+    from pipeline.signals import handle_sigterm, release_sigterm
 
     handle_sigterm()  # kill (SIGTERM) cleans up like Ctrl-C: no temporary file, no half-built pools
+    try:
+        return _main(ns, argv)
+    finally:  # past here is interpreter shutdown: a SIGTERM must not raise into its atexit callbacks
+        release_sigterm()
+
+
+def _main(ns: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    """``main`` once the flags are parsed and SIGTERM raises ``Terminated``."""
+    from pipeline.logs import HeldStream, configure_logging, env_log_settings
 
     try:  # flags win over KVLOAD_LOG_LEVEL / KVLOAD_LOG_FORMAT, which win over the defaults
         env_level, env_format = env_log_settings()
@@ -892,6 +900,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         return 0
     except Exception as exc:  # a bug or a runtime failure: one line unless --debug
+        from pipeline.ranks import lost_rank_message
+
+        lost = lost_rank_message(exc)  # a peer rank died inside a collective kvload does not wrap (the forward's)
+        if lost is not None:
+            if ns.debug:
+                traceback.print_exc()
+            print(f"error: {lost}", file=sys.stderr)
+            return 1
         detail = first_line(exc, "")
         if ns.debug:
             traceback.print_exc()

@@ -19,7 +19,7 @@ from typing import Any
 from pipeline.audit_chain import HEAD, PREV, Chain, audit_key, check_chain
 from pipeline.audit_schema import record_problem
 from pipeline.config import framework_defaults
-from pipeline.errors import AuditError, ConfigError
+from pipeline.errors import AuditError, ConfigError, OutputError
 from pipeline.events import is_value_event
 from pipeline.limits import MAX_DEPTH, nesting_depth, short, unique_keys
 from pipeline.paths import flatten, set_in
@@ -306,6 +306,7 @@ class JsonlSink:
         self._tmp: str | None = None
         self._pending: dict[str, Any] | None = None
         self._closed = False
+        self._failed: OSError | None = None  # a write that failed (a full disk): reported, file discarded, at close
 
     def _open(self) -> None:
         parent = self.path.parent if str(self.path.parent) else Path(".")
@@ -322,8 +323,13 @@ class JsonlSink:
 
     def _hold(self, record: dict[str, Any]) -> None:
         """Write the record held back, then hold this one (the last record is sealed at close)."""
-        if self._pending is not None:
-            self._file.write(_dumps(self._pending) + "\n")
+        if self._pending is not None and self._failed is None:
+            try:
+                self._file.write(_dumps(self._pending) + "\n")
+            except OSError as exc:
+                # raising here would fail whichever stage emitted the record, with the OS's words and no flag;
+                # the run goes on and close() refuses to publish, naming the flag and the path
+                self._failed = exc
         if self._chain.head is not None:
             record = {**record, PREV: self._chain.head}
         self._chain.link(record)
@@ -344,9 +350,16 @@ class JsonlSink:
             self._open()
         with deferred():
             try:
-                if ok:
-                    self._file.write(_dumps({**self._pending, HEAD: self._chain.head}) + "\n")
-                self._file.close()
+                try:
+                    if ok and self._failed is None:
+                        self._file.write(_dumps({**self._pending, HEAD: self._chain.head}) + "\n")
+                    self._file.close()  # flushes: where a full disk usually shows
+                except OSError as exc:
+                    self._failed = self._failed or exc
+                if ok and self._failed is not None:
+                    err = self._failed
+                    raise OutputError(f"{self.flag} {self.path}: cannot write it ({err.strerror or err}); nothing "
+                                      "was written") from None
                 if ok:
                     self._publish()
             finally:

@@ -56,6 +56,12 @@ class KvRuntimeError(KvBuildError):
     exit_code = 1
 
 
+class OutputError(KvloadError):
+    """A file the run writes could not be written (a full disk, a quota): outside the settings, so exit 1."""
+
+    exit_code = 1
+
+
 class GenerationError(KvloadError, ValueError):
     """A generate call cannot run as asked: a bad prompt or sampling value, a result without weights, closed pools."""
 
@@ -66,3 +72,9 @@ class AuditError(KvloadError):
 
 class RankError(KvloadError):
     """The ranks of a tensor-parallel run do not match: the launch and the settings, or what each rank resolved."""
+
+
+class RankLostError(RankError):
+    """Another rank's process went away mid-run (it exited or was killed): not the settings, so exit 1."""
+
+    exit_code = 1

@@ -425,6 +425,17 @@ class KvBlocksOversized(Event):
     advice: str
 
 
+@event("kv_events_file_failed", level="warning")
+class KvEventsFileFailed(Event):
+    """The file KV cache events were mirrored to could not be written (a full disk): it stops at its last complete
+    line; requests and the in-memory buffer go on (publishing never fails a step, as in vLLM)."""
+
+    field: str  # the flag that named the file (--kv-events-file), so the warning line names it
+    path: str
+    error: str  # the OS error, as "[Errno 28] No space left on device"
+    reason: str
+
+
 @event("kv_manager_built")
 class KvManagerBuilt(Event):
     """The KV cache manager and its pools exist on the device: per-group blocks and bytes, capacity."""

@@ -12,13 +12,14 @@ from __future__ import annotations
 import atexit
 import os
 import queue
+import re
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import attrs
 
-from pipeline.errors import RankError
+from pipeline.errors import RankError, RankLostError
 
 #: Seconds a collective waits for the other ranks before failing (weights load between two of them).
 TIMEOUT_ENV = "KVLOAD_DIST_TIMEOUT_S"
@@ -58,8 +59,32 @@ def interruptible(call: Callable[[], _T]) -> _T:
     while not done.wait(_POLL_S):
         pass
     if "error" in box:
-        raise box["error"]
+        error = box["error"]
+        lost = lost_rank_message(error)
+        if lost is not None:
+            raise RankLostError(lost) from error
+        raise error
     return box["value"]
+
+
+#: What gloo's TCP transport (and NCCL) say when the process at the other end of a pair is gone.
+_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "socket closed",
+              "nccl communicator was aborted", "remote process exited")
+#: gloo's ``[/path/to/pair.cc:553] `` prefix and the advice it appends after the reason.
+_GLOO_WHERE = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")
+_GLOO_ADVICE = re.compile(r"\.?\s*This is typically caused by.*$", re.S)
+
+
+def lost_rank_message(exc: BaseException) -> str | None:
+    """The one line for a ``torch.distributed`` error saying another rank's process went away, else None."""
+    if not isinstance(exc, RuntimeError) or isinstance(exc, RankError):
+        return None
+    text = str(exc).strip()
+    if not any(words in text.lower() for words in _PEER_GONE):
+        return None
+    first = text.splitlines()[0] if text else ""
+    reason = _GLOO_ADVICE.sub("", _GLOO_WHERE.sub("", first)).strip().rstrip(".") or type(exc).__name__
+    return f"lost contact with another rank (it exited or was killed): {reason}"
 
 
 _jobs: queue.SimpleQueue[Callable[[], None]] | None = None
@@ -236,5 +261,5 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "Ranks", "object_group", "rank_audit_path", "ranks_from_env", "shutdown",
-           "timeout_s"]
+__all__ = ["DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "Ranks", "lost_rank_message", "object_group", "rank_audit_path",
+           "ranks_from_env", "shutdown", "timeout_s"]

@@ -9,8 +9,9 @@ from typing import Any, Protocol
 from pipeline.bus import Emit, EventBus
 from pipeline.context import Context
 from pipeline.converter import unstructure
-from pipeline.errors import KvloadError, first_line
+from pipeline.errors import KvloadError, RankLostError, first_line
 from pipeline.events import PipelineFinished, StageFailed, StageFinished, StageStarted
+from pipeline.ranks import lost_rank_message
 
 
 class Stage(Protocol):
@@ -70,6 +71,9 @@ class Pipeline:
 def _typed(stage: Any, exc: BaseException) -> BaseException:
     if not isinstance(exc, Exception):  # KeyboardInterrupt and friends pass through untouched
         return exc
+    lost = lost_rank_message(exc)  # a peer rank died in a collective of torch's own (sharding the weights)
+    if lost is not None:
+        return RankLostError(f"{stage.name}: {lost}")
     error_type = getattr(stage, "error", None)
     if error_type is None:
         return exc

@@ -9,6 +9,7 @@ published, so it is never left behind between ``open`` and the bookkeeping that 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 from collections.abc import Iterator
@@ -23,14 +24,43 @@ class Terminated(KeyboardInterrupt):
     signal_number = signal.SIGTERM
 
 
+#: ``armed``: SIGTERM raises :class:`Terminated`; ``previous``: the handler :func:`handle_sigterm` replaced.
+_state: dict[str, Any] = {"armed": False, "previous": signal.SIG_DFL}
+
+
 def _raise_terminated(signum: int, frame: Any) -> None:
-    raise Terminated()
+    if _state["armed"]:
+        raise Terminated()
+    # released (the command is over) but not yet swapped out: act as the handler kvload replaced would, never
+    # raising into atexit callbacks or finalizers
+    previous = _state["previous"]
+    if callable(previous):
+        previous(signum, frame)
+    elif previous != signal.SIG_IGN:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
 
 def handle_sigterm() -> None:
-    """Make SIGTERM raise :class:`Terminated` in the main thread (a no-op elsewhere)."""
+    """Make SIGTERM raise :class:`Terminated` in the main thread (a no-op elsewhere) until :func:`release_sigterm`."""
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _raise_terminated)
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+        if previous is not _raise_terminated:
+            _state["previous"] = signal.SIG_DFL if previous is None else previous
+        _state["armed"] = True
+
+
+def release_sigterm() -> None:
+    """Put back the SIGTERM handler :func:`handle_sigterm` replaced (once the command returned).
+
+    After the command, interpreter shutdown runs atexit callbacks and finalizers (torch's, the process group's);
+    a launcher's SIGTERM then (torchrun stopping the ranks left after one failed) raised ``Terminated`` inside them
+    and Python printed "Exception ignored in atexit callback" with a traceback. Now such a signal acts as it would
+    without kvload: by default it ends the process, with nothing printed.
+    """
+    if threading.current_thread() is threading.main_thread() and _state["armed"]:
+        _state["armed"] = False  # first: a SIGTERM during the swap already acts as the previous handler
+        signal.signal(signal.SIGTERM, _state["previous"])
 
 
 @contextlib.contextmanager

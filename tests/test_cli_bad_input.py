@@ -3,8 +3,10 @@ prints nothing on stdout, and writes nothing (no audit file, no temporary, input
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -248,3 +250,56 @@ def test_the_kv_cache_dtype_spelling_the_dtype_error_names_is_accepted(capsys):
     ok = run_cli(capsys, "plan", "tiny-llama", "--kv_cache_dtype", "fp8", "--json")
     assert ok.code == 0, ok.err
     assert ok.json()["args"]["kv_cache_config"]["dtype"] == "float8_e4m3fn"
+
+
+class _FullDisk:
+    """A text file on a disk that fills after ``room`` characters: a write past it raises ENOSPC."""
+
+    def __init__(self, real, room: int) -> None:
+        self._real, self._room = real, room
+
+    def write(self, text: str) -> int:
+        if len(text) > self._room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self._room -= len(text)
+        return self._real.write(text)
+
+    def close(self) -> None:
+        self._real.close()
+
+
+@pytest.mark.parametrize("room", [0, 2000], ids=["at-once", "mid-run"])
+def test_a_full_disk_under_the_audit_log_names_the_flag_and_leaves_nothing(capsys, tmp_path, monkeypatch, room):
+    import pipeline.audit
+
+    real_fdopen = os.fdopen
+    monkeypatch.setattr(pipeline.audit.os, "fdopen", lambda fd, *a, **k: _FullDisk(real_fdopen(fd, *a, **k), room))
+    target = tmp_path / "a.jsonl"
+    r = run_cli(capsys, "generate", "tiny-llama", "--prompt-ids", "1,2", "--max_tokens", "1024",
+                "--max_new_tokens", "2", "--audit-log", target)
+    assert r.code == 1 and "Traceback" not in r.err, r.err
+    (line,) = [x for x in r.err.splitlines() if x.startswith("error: ")]
+    assert line == f"error: --audit-log {target}: cannot write it (No space left on device); nothing was written"
+    assert list(tmp_path.iterdir()) == []  # neither the log nor its temporary
+
+
+def test_an_audit_log_past_the_file_size_limit_names_the_flag_in_a_real_process(tmp_path):
+    """The kernel refusing the write (RLIMIT_FSIZE, as a full disk or a quota does), in a real process."""
+    import resource
+    import subprocess
+    import sys
+
+    from tests.cli_support import ENV, REPO
+
+    def small_files() -> None:  # Python ignores SIGXFSZ: a write past the limit fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+
+    target = tmp_path / "a.jsonl"
+    r = subprocess.run([sys.executable, "-m", "kvload", "generate", "tiny-llama", "--prompt-ids", "1,2",
+                        "--max_tokens", "1024", "--max_new_tokens", "2", "--audit-log", str(target)],
+                       capture_output=True, text=True, preexec_fn=small_files, timeout=180,
+                       env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, cwd=REPO)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.splitlines()[-1] == f"error: --audit-log {target}: cannot write it (File too large); nothing was " \
+                                        "written", r.stderr
+    assert list(tmp_path.iterdir()) == []

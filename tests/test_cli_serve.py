@@ -103,6 +103,52 @@ def test_serve_process_answers_then_stops_cleanly_on_sigterm(tmp_path):
         proc.stderr.close()
 
 
+def test_a_kv_events_file_that_hits_its_size_limit_warns_once_and_fails_no_request(tmp_path):
+    """A real server whose events file cannot grow (RLIMIT_FSIZE: the kernel refuses the write, part of a line
+    first, as a full disk does): requests go on, one warning names the flag, the path and the error, and the file
+    holds only whole lines."""
+    import resource
+
+    events = tmp_path / "kv_events.jsonl"
+    limit = 700  # a line or two of events, then a write cut short, then refused
+
+    def small_files() -> None:  # in the child only; Python ignores SIGXFSZ, so the write fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    proc = subprocess.Popen([sys.executable, "-m", "kvload", "serve", "tiny-llama", "--port", "0", "--max_tokens",
+                             "1024", "--event_buffer_max_size", "1000", "--kv-events-file", str(events)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=small_files,
+                            env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 120
+        line = ""
+        while " at http://" not in line:
+            assert time.monotonic() < deadline and proc.poll() is None, f"server did not start: {line}"
+            line = proc.stderr.readline()
+        url = line.split(" at ", 1)[1].split(" ", 1)[0]
+        with httpx.Client(base_url=url, timeout=30) as http:
+            for base in range(10, 440, 70):
+                r = http.post("/v1/completions", json={"prompt": list(range(base, base + 70)), "max_tokens": 2})
+                assert r.status_code == 200, r.text
+            served = http.get("/v1/kvload/kv_events").json()["events"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        log = proc.stderr.read()
+        assert "Traceback" not in log and "Exception in ASGI" not in log, log
+        (warning,) = [x for x in log.splitlines() if "kv_events_file_failed" in x]
+        assert "--kv-events-file" in warning and str(events) in warning and "File too large" in warning
+        text = events.read_text()
+        assert len(text.encode()) <= limit and (text == "" or text.endswith("\n"))
+        written = [json.loads(x) for x in text.splitlines()]
+        assert written == served[:len(written)] and len(served) > len(written)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        proc.stdout.close()
+        proc.stderr.close()
+
+
 def test_a_taken_port_or_a_bad_one_exits_2_with_one_line(capsys):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -754,6 +754,57 @@ def test_a_signal_during_run_leaves_nothing(tmp_path, signum, code):
     assert_refused(r, "terminated (SIGTERM)" if signum == signal.SIGTERM else "interrupted", folder=out, code=code)
 
 
+def test_a_sigterm_during_interpreter_shutdown_ends_the_process_without_a_traceback(tmp_path):
+    """torchrun SIGTERMs the ranks left after one failed, often while they run their atexit callbacks (torch's
+    finalizers): the handler that turns SIGTERM into Terminated raised inside them, and Python printed
+    "Exception ignored in atexit callback" and a traceback after kvload's one line. Here an atexit callback
+    registered before main (so it runs after main's own) sends the SIGTERM, deterministically."""
+    import subprocess
+    import sys
+
+    from tests.cli_support import ENV, REPO
+
+    script = ("import atexit, os, signal, sys, time\n"
+              "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(5)))\n"
+              "from kvload.cli import main\n"
+              "sys.exit(main(['plan', 'tiny-llama', '--max_tokens', '4096']))\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                       env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr[-2000:]
+    assert r.returncode == -signal.SIGTERM, (r.returncode, r.stderr[-2000:])  # ended by it, as without kvload
+    assert r.stdout  # the plan was printed before
+
+
+def test_main_gives_sigterm_back_when_it_returns(capsys, monkeypatch):
+    """While a command runs SIGTERM raises Terminated (cleanup as for Ctrl-C); once main returned the process's
+    own handler is back, and kvload's, if a signal still reaches it, hands over to that one instead of raising."""
+    import kvload.cli
+    from pipeline.signals import Terminated, _raise_terminated
+
+    heard = []
+    own = signal.signal(signal.SIGTERM, lambda signum, frame: heard.append(signum))
+    try:
+        mine = signal.getsignal(signal.SIGTERM)
+        ns = kvload.cli.build_parser().parse_args(["plan", "tiny-llama"])
+        seen = {}
+
+        def command(ns):
+            seen["during"] = signal.getsignal(signal.SIGTERM)
+            with pytest.raises(Terminated):
+                _raise_terminated(signal.SIGTERM, None)
+            return 0
+
+        ns.func = command
+        monkeypatch.setattr(kvload.cli, "build_parser", lambda: type("P", (), {"parse_args": lambda self, a: ns})())
+        assert run_cli(capsys).code == 0
+        assert seen["during"] is _raise_terminated
+        assert signal.getsignal(signal.SIGTERM) is mine
+        _raise_terminated(signal.SIGTERM, None)  # a signal already on its way when main returned
+        assert heard == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, own)
+
+
 def _wait_for_progress(proc, timeout: float = 120.0) -> str:
     """Read stderr until the simulation's progress bar shows (replay under way); return what was read."""
     seen: list[str] = []

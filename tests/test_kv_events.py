@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
+import os
 
 import pytest
 
@@ -102,6 +104,46 @@ def test_served_at_the_kv_events_endpoint():
     with serving("tiny-llama") as s:
         r = s.http.get("/v1/kvload/kv_events")
         assert r.status_code == 400 and r.json()["error"]["param"] == "event_buffer_max_size"
+
+
+def test_a_full_disk_stops_the_events_file_with_one_warning_and_fails_no_request(tmp_path, monkeypatch):
+    """vLLM never fails a request over event publishing: a write that fails (here after a partial one, as a disk
+    that fills mid-line does) cuts the file back to its last whole line, stops it and is reported once."""
+    from kvload.serve.server import mirror_kv_events
+    from tests.serve_support import serving, wait_for
+
+    path = tmp_path / "events.jsonl"
+    kv = {"max_tokens": 1024, "tokens_per_block": T, "event_buffer_max_size": 1000}
+    with serving("tiny-llama", kv_cache_config=kv) as s:
+        mirror = mirror_kv_events(s.state, str(path))
+        real_write, calls = os.write, []
+
+        def filling(fd, data):  # one line fits, then half the next, then the disk is full
+            if fd != mirror._fd:
+                return real_write(fd, data)
+            calls.append(len(data))
+            if len(calls) == 1:
+                return real_write(fd, data)
+            if len(calls) == 2:
+                return real_write(fd, bytes(data[:len(data) // 2]))
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(os, "write", filling)
+        for base in (100, 200, 300):
+            r = s.http.post("/v1/completions", json={"prompt": list(range(base, base + 40)), "max_tokens": 2})
+            assert r.status_code == 200, r.text
+        assert len(calls) == 3  # nothing written once the write failed
+        lines = path.read_text().split("\n")
+        assert lines[-1] == "" and [json.loads(line)["type"] for line in lines[:-1]] == ["kv_block_stored"]
+        # the in-memory buffer and its endpoint go on: every prompt's blocks
+        events = s.http.get("/v1/kvload/kv_events").json()["events"]
+        assert len([e for e in events if e["type"] == "kv_block_stored"]) >= 3
+        wait_for(lambda: s.result.audit.of("kv_events_file_failed"), what="the warning")
+        (warned,) = s.result.audit.of("kv_events_file_failed")
+        assert warned["level"] == "warning" and warned["field"] == "--kv-events-file"
+        assert warned["path"] == str(path) and warned["error"] == "[Errno 28] No space left on device"
+        assert "--kv-events-file" in warned["reason"] and str(path) in warned["reason"]
+        assert s.http.get("/health").json() == {"status": "ok"}
 
 
 def test_a_group_with_longer_blocks_reports_them_whole_and_chains_its_own_parents():

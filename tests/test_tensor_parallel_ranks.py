@@ -175,3 +175,59 @@ def test_sigterm_ends_a_rank_waiting_for_one_that_never_came(tmp_path):
     assert took < 30, f"{took:.1f} s after SIGTERM"
     assert "terminated (SIGTERM)" in err
     assert list(tmp_path.iterdir()) == []  # no audit log, no temporary beside it
+
+
+def test_a_rank_that_dies_mid_generation_is_one_line_on_the_rank_left(tmp_path):
+    # rank 1 exits at its first generation collective (os._exit: as SIGKILL leaves it, no goodbye to gloo); rank 0,
+    # in that collective or the forward's, gets gloo's "Connection closed/reset by peer": one kvload line, exit 1.
+    # Two processes launched here rather than by torchrun, whose SIGTERM to the survivor would race the line.
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.tp_support import REPO, free_port
+
+    argv = ["generate", "tiny-llama", "--prompt-ids", "1,2,3,4,5", "--max_new_tokens", "4", "--max_tokens", "4096",
+            "--tp_size", "2"]
+    dying = ("import os, sys\n"
+             "import pipeline.ranks\n"
+             "pipeline.ranks.Ranks.broadcast = lambda self, obj, src=0: os._exit(9)\n"
+             "from kvload.cli import main\n"
+             "sys.exit(main(sys.argv[1:]))\n")
+    base = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "KVLOAD_DIST_TIMEOUT_S": "60",
+            "TRANSFORMERS_VERBOSITY": "error"}
+    procs = [subprocess.Popen([sys.executable, *(["-m", "kvload"] if rank == 0 else ["-c", dying]), *argv],
+                              cwd=tmp_path, env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+             for rank in (0, 1)]
+    try:
+        err = procs[0].communicate(timeout=120)[1]
+        procs[1].communicate(timeout=30)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()
+    assert procs[1].returncode == 9
+    assert procs[0].returncode == 1, err[-2000:]
+    assert "Traceback" not in err and "RuntimeError" not in err, err[-2000:]
+    (line,) = [x for x in err.splitlines() if x.startswith("error: ")]
+    assert line.startswith("error: lost contact with another rank (it exited or was killed): "), line
+    assert "by peer" in line or "Broken pipe" in line, line
+
+
+def test_gloo_s_peer_errors_map_to_one_line_and_others_do_not():
+    from pipeline.ranks import lost_rank_message
+
+    closed = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
+                          "by peer [127.0.0.1]:23444. This is typically caused by a remote worker crashing. Check the "
+                          "logs of the remote worker before reporting an error. GLHF!")
+    assert lost_rank_message(closed) == ("lost contact with another rank (it exited or was killed): Connection closed "
+                                         "by peer [127.0.0.1]:23444")
+    reset = RuntimeError("[../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:40365: Connection reset by peer. "
+                         "This is typically caused by a remote worker hanging")
+    assert lost_rank_message(reset).endswith(": Read error [127.0.0.1]:40365: Connection reset by peer")
+    assert lost_rank_message(RuntimeError("shape mismatch")) is None
+    assert lost_rank_message(ValueError("Connection reset by peer")) is None

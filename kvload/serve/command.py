@@ -136,7 +136,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
         raise ConfigError(f"serve: {exc.name} is not installed; pip install 'kvload[serve]'") from None
     from kvload.api import execute
-    from kvload.serve.server import bind, build_state, serve
+    from kvload.serve.server import bind, build_state, mirror_kv_events, serve
     from pipeline.context import DEFAULT_MAX_TOKENS_FIELD, CallerDefault
     from stages import load_stages
 
@@ -167,10 +167,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                             audit_keep=ns.audit_keep, max_request_bytes=ns.max_request_bytes,
                             read_timeout_s=ns.request_read_timeout,
                             max_concurrent_requests=ns.max_concurrent_requests)
-        events_file = None
-        if ns.kv_events_file is not None:
-            events_file = open(ns.kv_events_file, "a", encoding="utf-8")  # noqa: SIM115 (closed below)
-            result.kv_manager.kv_events.jsonl = events_file
+        mirror = None
+        if ns.kv_events_file is not None:  # a full disk later stops the mirror with a warning, never a request
+            mirror = mirror_kv_events(state, ns.kv_events_file, "--kv-events-file")
 
         def ready(url: str) -> None:
             if getattr(ns, "held_log", None) is not None:  # loaded: the load's warnings now, later ones as they come
@@ -182,9 +181,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         try:
             serve(state, ns.host, ns.port, log_level=ns.log_level, ready=ready)
         finally:
-            if events_file is not None:
-                result.kv_manager.kv_events.jsonl = None
-                events_file.close()
+            if mirror is not None:
+                result.kv_manager.kv_events.mirror = None
+                mirror.close()
     return 0
 
 

@@ -19,12 +19,14 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from cache_backends.kv_events import KvEventMirror
 from engine.serving import ServingEngine
 from kvload.serve.app import ServeState, create_app
 from kvload.serve.command import AUDIT_KEEP_DEFAULT, MAX_CONCURRENT_DEFAULT, MAX_TIMEOUT_S, READ_TIMEOUT_DEFAULT
 from kvload.serve.metrics import ServeMetrics
 from kvload.serve.protocol import BadRequest, default_max_request_bytes
 from pipeline.errors import ConfigError
+from pipeline.events import KvEventsFileFailed
 from pipeline.limits import MAX_INT, short
 
 
@@ -61,6 +63,25 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
                       max_request_bytes=max_request_bytes, default_max_tokens=default_max_tokens,
                       read_timeout_s=float(read_timeout_s), max_concurrent_requests=max_concurrent_requests)
 
+
+
+def mirror_kv_events(state: ServeState, path: str, flag: str = "--kv-events-file") -> KvEventMirror:
+    """Append the served manager's KV cache events to ``path`` (JSON Lines) as they happen; ``ConfigError`` naming
+    ``flag`` when it cannot be opened. A write that fails later (a full disk) is reported once, as a
+    ``kv_events_file_failed`` warning in the server's log and audit, and stops the mirror: never a request."""
+    buffer = state.result.kv_manager.kv_events
+
+    def failed(mirror: KvEventMirror) -> None:  # called on the engine loop thread, mid-step: queued, not emitted
+        err = mirror.error
+        error = f"[Errno {err.errno}] {err.strerror}" if err is not None and err.strerror else str(err)
+        state.engine.notify(KvEventsFileFailed(field=flag, path=mirror.path, error=error, reason=mirror.describe()))
+
+    try:
+        mirror = KvEventMirror(path, flag, on_failure=failed)
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path}: cannot open it for writing ({exc.strerror or exc})") from None
+    buffer.mirror = mirror
+    return mirror
 
 
 def bind(host: str, port: int) -> socket.socket:
