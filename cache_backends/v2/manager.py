@@ -57,7 +57,7 @@ refused for utilisation; the scheduler decides admission.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from cache_backends.hashing import pack_tokens
 from cache_backends.interface import ManagerOptions, prefix_cache_in_use
@@ -72,6 +72,20 @@ from cache_backends.v2.host_tier import HostTier, host_slots
 from cache_backends.v2.radix import PendingPrefix, RadixNode, RadixTree
 from cache_backends.v2.sequence import NEVER, CacheState, SequenceCache
 from cache_backends.v2.shared_pool import GroupShare, SharedPool
+
+
+def _most_fitting(want: int, fits: Callable[[int], bool]) -> int:
+    """The largest ``n <= want`` with ``fits(n)`` (``fits`` monotone, ``fits(0)`` true), by binary search."""
+    if fits(want):
+        return want
+    lo, hi = 0, want  # fits(lo) holds, fits(hi) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _tokens(request: Request, start: int, end: int) -> list[int]:
@@ -508,16 +522,7 @@ class KVCacheManagerV2:
             return sum(max(0, k) * count for k, (_, count) in zip(self._span_need(cache, cache.committed + n), spans,
                                                                    strict=True)) <= arena.available
 
-        if fits(want):
-            return want
-        lo, hi = 0, want  # fits(lo) holds, fits(hi) does not
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if fits(mid):
-                lo = mid
-            else:
-                hi = mid
-        return lo
+        return _most_fitting(want, fits)
 
     # --- admission, asked before anything is built ------------------------------------------------------------------
     # A request that can claim no cached prefix would start from an empty cache: what create + resume + fit_tokens
@@ -548,16 +553,7 @@ class KVCacheManagerV2:
         def fits(n: int) -> bool:
             return sum(-(-n // tpb) * count for tpb, count in spans) <= available
 
-        if fits(want):
-            return want
-        lo, hi = 0, want
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if fits(mid):
-                lo = mid
-            else:
-                hi = mid
-        return lo
+        return _most_fitting(want, fits)
 
     def growth_blocks_new(self, request: Request, ratio: float, scheduled: int) -> dict[str, int]:
         """:meth:`growth_blocks` for ``request`` as :meth:`create` + :meth:`resume` would leave it, when
