@@ -234,6 +234,12 @@ def verify_log(audit: AuditLog) -> dict[str, Any]:
             problems.append(f"{V2}: final args say {v2!r}, the route was chosen for "
                             f"{recorded['use_kv_cache_manager_v2']!r}")
     problems += cross_check(audit.events, audit.final_args(), flatten(framework_defaults()))
+    ended = {e.get("call") for e in audit.events if e.get("event") in ("generation_finished", "generation_failed")}
+    for e in audit.of("generation_started"):  # a call with no end: written while it ran, or its end was cut out
+        if e.get("call") not in ended:
+            problems.append(f"generate call {e.get('call')!r} (seq {e.get('seq')!r}) started and never ended: no "
+                            "generation_finished or generation_failed (the log was written while it ran, or its "
+                            "end was removed)")
     chain = audit.chain
     if chain is not None and not chain["ok"]:
         problems.append(f"chain: {chain['problem']}")

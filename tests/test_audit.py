@@ -277,3 +277,19 @@ def test_a_failed_plan_hands_its_events_to_the_caller_on_the_error_and_leaves_no
     assert names[-1] == "stage_failed" and audit.of("stage_failed")[0]["stage"] == "route_executor"
     assert "auto_captured" in names  # the decisions made before the failure are all there
     assert list(tmp_path.iterdir()) == []  # no audit file, no temporary: a failed run leaves nothing behind
+
+
+def test_verify_names_a_generate_call_that_never_ended():
+    import kvload
+    from kvload.explain import verify_log
+
+    with kvload.LLM("tiny-llama", log=False, kv_cache_config={"max_tokens": 512}) as llm:
+        llm.generate([[1, 2, 3]], max_tokens=2)
+        events = [dict(e) for e in llm.result.audit.events]
+    assert verify_log(AuditLog(events))["problems"] == []
+    started = next(i for i, e in enumerate(events) if e["event"] == "generation_started")
+    mid_call = verify_log(AuditLog(events[: started + 3]))  # as written while the call ran: seq unbroken
+    assert not mid_call["ok"]
+    seq = events[started]["seq"]
+    assert mid_call["problems"] == [f"generate call 0 (seq {seq}) started and never ended: no generation_finished or "
+                                    "generation_failed (the log was written while it ran, or its end was removed)"]
