@@ -17,6 +17,15 @@ import pytest
 from tests.cli_support import ENV, REPO, run_cli
 
 
+def _reap(proc: subprocess.Popen) -> None:
+    """Kill the server process if a failed assertion left it running, and close its pipes."""
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    proc.stdout.close()
+    proc.stderr.close()
+
+
 def test_serve_process_answers_then_stops_cleanly_on_sigterm(tmp_path):
     events = tmp_path / "kv_events.jsonl"
     proc = subprocess.Popen([sys.executable, "-m", "kvload", "serve", "tiny-llama", "--port", "0", "--max_tokens",
@@ -96,11 +105,7 @@ def test_serve_process_answers_then_stops_cleanly_on_sigterm(tmp_path):
         # the served requests joined the audit log, every one of them (--audit-keep bounds only the memory)
         assert [r["event"] for r in audit].count("request_finished") == 4  # the aborted stream too
     finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-        proc.stdout.close()
-        proc.stderr.close()
+        _reap(proc)
 
 
 def test_a_kv_events_file_that_hits_its_size_limit_warns_once_and_fails_no_request(tmp_path):
@@ -142,11 +147,7 @@ def test_a_kv_events_file_that_hits_its_size_limit_warns_once_and_fails_no_reque
         written = [json.loads(x) for x in text.splitlines()]
         assert written == served[:len(written)] and len(served) > len(written)
     finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-        proc.stdout.close()
-        proc.stderr.close()
+        _reap(proc)
 
 
 def test_a_taken_port_or_a_bad_one_exits_2_with_one_line(capsys):

@@ -26,6 +26,15 @@ from tests.serve_support import TIMEOUT, serving, wait_for
 PROMPT = [3, 1, 4, 1, 5]
 
 
+def _assert_shutting_down(answer: bytes) -> None:
+    """A raw HTTP answer is OpenAI's 503 ``server_shutting_down``, closing the connection."""
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503 ") and b"connection: close" in head.lower(), answer
+    assert json.loads(payload) == {"error": {
+        "message": "the server is shutting down and takes no new requests; retry on another server",
+        "type": "server_error", "param": None, "code": "server_shutting_down"}}
+
+
 class _Errors(logging.Handler):
     """Records at ERROR or above (uvicorn's "Exception in ASGI application", asyncio's fatal protocol errors)."""
 
@@ -159,11 +168,7 @@ def test_requests_waiting_to_be_parsed_when_the_server_stops_get_one_clear_503()
                 stopper.join(TIMEOUT)
                 assert not stopper.is_alive() and not served.server.thread.is_alive()
             for answer in answers:
-                head, _, payload = answer.partition(b"\r\n\r\n")
-                assert head.startswith(b"HTTP/1.1 503 ") and b"connection: close" in head.lower(), answer
-                assert json.loads(payload) == {"error": {
-                    "message": "the server is shutting down and takes no new requests; retry on another server",
-                    "type": "server_error", "param": None, "code": "server_shutting_down"}}
+                _assert_shutting_down(answer)
             assert [r.getMessage() for r in errors] == []
             assert served.state.in_flight == 0
             # counted as refused while stopping, not as a busy server (an alert on busy fires on real overload only)
@@ -192,11 +197,7 @@ def test_a_body_still_arriving_when_the_server_stops_gets_a_503_at_once():
             answer = _read_to_close(sock)
             stopper.join(TIMEOUT)
             assert not stopper.is_alive() and not served.server.thread.is_alive()
-        head, _, payload = answer.partition(b"\r\n\r\n")
-        assert head.startswith(b"HTTP/1.1 503 ") and b"connection: close" in head.lower(), answer
-        assert json.loads(payload) == {"error": {
-            "message": "the server is shutting down and takes no new requests; retry on another server",
-            "type": "server_error", "param": None, "code": "server_shutting_down"}}
+        _assert_shutting_down(answer)
         assert [r.getMessage() for r in errors] == []
         assert served.state.in_flight == 0
 
