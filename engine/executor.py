@@ -28,7 +28,7 @@ import contextlib
 import itertools
 import random
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -49,7 +49,7 @@ from engine.outputs import (
     StreamEvent,
     TokenDelta,
 )
-from engine.prompts import apply_template, check_messages, check_text, is_conversation, normalize
+from engine.prompts import apply_template, check_messages, check_text, is_conversation, normalize, template_options
 from engine.sampling import eos_token_ids, sample_rows, top_logprobs
 from engine.sampling_params import SamplingParams, check, check_salt, greedy_ignored, is_int
 from engine.speculation import NgramProposer, verify_drafted
@@ -286,7 +286,7 @@ class GenerationExecutor:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         salt: str | None = None,
-        chat: bool = False,
+        chat: bool | Mapping[str, Any] = False,
         on_delta: Callable[[TokenDelta], Any] | None = None,
         arrival_steps: Sequence[int] | None = None,
         **sampling: Any,
@@ -306,7 +306,12 @@ class GenerationExecutor:
         """
         self._check_open()
         check_salt(salt)
-        check(isinstance(chat, bool), "chat", "true or false", chat)
+        if isinstance(chat, Mapping):  # LLM.chat's template options (checked again: run is public too)
+            opts = dict(chat)
+            chat = template_options(opts.pop("add_generation_prompt", True), opts.pop("continue_final_message", False),
+                                    opts.pop("chat_template", None), opts)
+        else:
+            check(isinstance(chat, bool), "chat", "true or false, or LLM.chat's template options", chat)
         items = self._prompts(prompts, chat)
         per_prompt = isinstance(sampling_params, Sequence)
         params = self._params(sampling_params, sampling, len(items))
@@ -718,18 +723,32 @@ class GenerationExecutor:
             raise GenerationError("generate: this result was closed (LoadResult.close released its KV pools and "
                                   "weights); load the model again")
 
-    def _prompts(self, prompts: Any, chat: bool) -> list[tuple[str | None, list[int]]]:
-        """Each prompt as (text or None, token ids), validated (``engine.prompts.normalize`` says what is taken)."""
+    def _prompts(self, prompts: Any, chat: bool | Mapping[str, Any]) -> list[tuple[str | None, list[int]]]:
+        """Each prompt as (text or None, token ids), validated (``engine.prompts.normalize`` says what is taken).
+
+        ``chat``: true, or the chat template's options (``engine.prompts.template_options``, from ``LLM.chat``);
+        a chat prompt's text is the templated text."""
+        template = dict(chat) if isinstance(chat, Mapping) else {}
         items: list[tuple[str | None, list[int]]] = []
         for i, prompt in enumerate(normalize(prompts)):
             if isinstance(prompt, str):
-                items.append((prompt, self._tokenize(i, prompt, chat)))
+                if chat:
+                    check_text(f"prompt {i}", prompt)
+                    tok = self.tokenizer
+                    if tok is None:
+                        raise GenerationError(f"generate: prompt {i} is text, but {self.name} has no tokenizer "
+                                              "(presets have random weights and none); pass token ids instead")
+                    if not getattr(tok, "chat_template", None) and "chat_template" not in template:
+                        raise GenerationError(f"generate: chat=True: the tokenizer of {self.name} has no chat template")
+                    items.append(self._converse(i, [{"role": "user", "content": prompt}], template))
+                else:
+                    items.append((prompt, self._tokenize(i, prompt)))
                 continue
             if is_conversation(prompt):
                 if not chat:
                     raise GenerationError(f"generate: prompt {i}: a conversation (a list of messages) needs "
                                           "chat=True (or LLM.chat)")
-                items.append(self._converse(i, prompt))
+                items.append(self._converse(i, prompt, template))
                 continue
             if chat:
                 raise GenerationError(f"generate: prompt {i}: chat=True needs text prompts, got token ids")
@@ -746,29 +765,23 @@ class GenerationExecutor:
                                       f"max_seq_len={self.max_seq_len}; shorten it or raise max_seq_len")
         return items
 
-    def _tokenize(self, i: int, text: str, chat: bool) -> list[int]:
+    def _tokenize(self, i: int, text: str) -> list[int]:
         check_text(f"prompt {i}", text)  # a lone surrogate would reach the tokenizer as a TypeError
         tok = self.tokenizer
         if tok is None:
             raise GenerationError(f"generate: prompt {i} is text, but {self.name} has no tokenizer (presets have "
                                   "random weights and none); pass token ids instead")
-        if chat:
-            if not getattr(tok, "chat_template", None):
-                raise GenerationError(f"generate: chat=True: the tokenizer of {self.name} has no chat template")
-            ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-        else:
-            ids = tok(text)["input_ids"]
-        return [int(t) for t in ids]
+        return [int(t) for t in tok(text)["input_ids"]]
 
-    def _converse(self, i: int, messages: Any) -> tuple[str, list[int]]:
-        """A conversation through the tokenizer's chat template: (the templated text, its token ids)."""
+    def _converse(self, i: int, messages: Any, template: Mapping[str, Any]) -> tuple[str, list[int]]:
+        """A conversation through the chat template (the tokenizer's, or ``template["chat_template"]``): (the
+        templated text, its token ids)."""
         messages = check_messages(f"prompt {i}", messages)
         tok = self.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
+        if tok is None or (not getattr(tok, "chat_template", None) and "chat_template" not in template):
             raise GenerationError(f"generate: prompt {i}: a conversation needs a tokenizer with a chat template; "
                                   f"{self.name} has none")
-        text = apply_template(tok, f"prompt {i}", messages, tokenize=False)
+        text = apply_template(tok, f"prompt {i}", messages, tokenize=False, **template)
         # what apply_chat_template(tokenize=True) does: the template already holds the special tokens
         return text, [int(t) for t in tok(text, add_special_tokens=False)["input_ids"]]
 

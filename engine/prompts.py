@@ -144,12 +144,43 @@ def check_messages(where: str, messages: Any) -> list[dict[str, str]]:
 def apply_template(tokenizer: Any, where: str, messages: list[dict[str, str]], **kwargs: Any) -> Any:
     """``tokenizer.apply_chat_template``; a template that refuses the conversation (Mistral's and Llama 2's raise
     when roles do not alternate) is a ``GenerationError`` naming it, not a jinja2 traceback."""
+    kwargs.setdefault("add_generation_prompt", True)
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+        return tokenizer.apply_chat_template(messages, **kwargs)
     except Exception as exc:  # jinja2.TemplateError from raise_exception(), or a template's own TypeError
         raise GenerationError(f"generate: {where}: the model's chat template refused the conversation: "
                               f"{first_line(exc, type(exc).__name__)}"[:300]) from None
 
 
+def template_options(add_generation_prompt: Any = True, continue_final_message: Any = False,
+                     chat_template: Any = None, chat_template_kwargs: Any = None) -> dict[str, Any]:
+    """vLLM's ``LLM.chat`` template options, checked, as ``apply_chat_template`` keywords: whether to open the
+    assistant's turn, or instead to continue the conversation's last (assistant) message; a template of the
+    caller's own (a Jinja string) in place of the tokenizer's; extra variables for the template."""
+    for name, value in (("add_generation_prompt", add_generation_prompt),
+                        ("continue_final_message", continue_final_message)):
+        if not isinstance(value, bool):
+            raise GenerationError(f"chat: {name}: expected true or false, got {value!r}"[:200])
+    if add_generation_prompt and continue_final_message:  # vLLM's rule: the turn is either opened or continued
+        raise GenerationError("chat: continue_final_message: cannot be true with add_generation_prompt true (the "
+                              "assistant's turn is either continued or opened); pass add_generation_prompt=False")
+    if chat_template is not None and (not isinstance(chat_template, str) or not chat_template.strip()):
+        raise GenerationError(f"chat: chat_template: expected a Jinja template string, got {chat_template!r}"[:200])
+    extra = {} if chat_template_kwargs is None else chat_template_kwargs
+    if not isinstance(extra, dict) or not all(isinstance(k, str) and k.isidentifier() for k in extra):
+        raise GenerationError("chat: chat_template_kwargs: expected a dict of template variables (names as keys), "
+                              f"got {chat_template_kwargs!r}"[:200])
+    reserved = {"messages", "conversation", "tokenize", "add_generation_prompt", "continue_final_message",
+                "chat_template", "return_dict"} & set(extra)
+    if reserved:
+        raise GenerationError(f"chat: chat_template_kwargs: {sorted(reserved)[0]!r} is not a template variable; "
+                              "pass it as chat's own argument")
+    options: dict[str, Any] = {**extra, "add_generation_prompt": add_generation_prompt,
+                               "continue_final_message": continue_final_message}
+    if chat_template is not None:
+        options["chat_template"] = chat_template
+    return options
+
+
 __all__ = ["PROMPT_KEYS", "ROLES", "apply_template", "check_messages", "check_text", "is_conversation", "is_token_id",
-           "lone_surrogate", "normalize"]
+           "lone_surrogate", "normalize", "template_options"]

@@ -15,12 +15,12 @@ import contextlib
 import os
 import queue
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from engine.beam_search import BeamSearchOutput, BeamSearchParams
 from engine.outputs import GenerationStats, RequestOutput, TokenDelta
-from engine.prompts import is_conversation
+from engine.prompts import is_conversation, template_options
 from engine.sampling_params import SamplingParams
 from kvload.api import LoadResult, api_request, execute
 from pipeline.bus import Subscriber
@@ -112,7 +112,7 @@ class LLM:
     # --- generating -----------------------------------------------------------------------------
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: Any = None, salt: str | None = None, chat: bool = False,
+                 use_tqdm: Any = None, salt: str | None = None, chat: bool | Mapping[str, Any] = False,
                  **sampling: Any) -> list[RequestOutput]:
         """One :class:`RequestOutput` per prompt, in order (a single prompt still gives a list of one).
 
@@ -139,20 +139,26 @@ class LLM:
             return executor.beam_search(prompts, params)
 
     def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-             use_tqdm: Any = None, salt: str | None = None, **sampling: Any) -> list[RequestOutput]:
+             use_tqdm: Any = None, salt: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template: str | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None, **sampling: Any) -> list[RequestOutput]:
         """Reply to a conversation through the tokenizer's chat template (vLLM's ``LLM.chat``).
 
         ``messages``: one conversation (a list of ``{"role": ..., "content": ...}`` dicts) or a list of
         conversations; one :class:`RequestOutput` per conversation, whose ``prompt`` is the templated
-        text. The other arguments are :meth:`generate`'s.
+        text. vLLM's template options: ``add_generation_prompt`` (open the assistant's turn; default true),
+        ``continue_final_message`` (continue the last, assistant, message instead: a reply's prefill; needs
+        ``add_generation_prompt=False``), ``chat_template`` (a Jinja template in place of the tokenizer's) and
+        ``chat_template_kwargs`` (extra template variables). The other arguments are :meth:`generate`'s.
         """
+        options = template_options(add_generation_prompt, continue_final_message, chat_template, chat_template_kwargs)
         conversations = [messages] if is_conversation(messages) else messages
         if isinstance(conversations, (str, bytes)) or not isinstance(conversations, Sequence) or not conversations \
                 or not all(is_conversation(c) for c in conversations):
             raise GenerationError("chat: messages: expected a conversation (a non-empty list of "
                                   "{'role': ..., 'content': ...} dicts) or a list of conversations, got "
                                   f"{messages!r}"[:200])
-        return self.generate(list(conversations), sampling_params, use_tqdm=use_tqdm, salt=salt, chat=True,
+        return self.generate(list(conversations), sampling_params, use_tqdm=use_tqdm, salt=salt, chat=options,
                              **sampling)
 
     def _no_progress_bar(self, use_tqdm: Any) -> None:

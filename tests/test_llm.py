@@ -290,6 +290,33 @@ def test_chat_applies_the_chat_template_to_one_conversation_or_several(llm):
         tok.chat_template = None
 
 
+def test_chat_takes_vllms_template_options_and_a_chat_text_prompt_reports_the_templated_text(llm):
+    tok = llm.tokenizer
+    tok.chat_template = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
+                         "{% if add_generation_prompt %}w1{% endif %}{% if extra %}w2{% endif %}")
+    try:
+        params = SamplingParams(max_tokens=2, ignore_eos=True)
+        conv = [{"role": "user", "content": "w5"}, {"role": "assistant", "content": "w17"}]
+        assert llm.chat(conv, params)[0].prompt == "w5 w17 w1"
+        # a reply's prefill: the assistant's last message continued, no new turn opened
+        (cont,) = llm.chat(conv, params, add_generation_prompt=False, continue_final_message=True)
+        assert cont.prompt == "w5 w17" and cont.prompt_token_ids == [5, 17]
+        assert llm.chat(conv, params, chat_template_kwargs={"extra": True})[0].prompt == "w5 w17 w1w2"
+        own = "{% for m in messages %}{{ m['content'] }}-{% endfor %}"
+        assert llm.chat(conv, params, chat_template=own)[0].prompt == "w5-w17-"
+        for bad, match in (({"continue_final_message": True}, "continue_final_message: cannot be true"),
+                           ({"add_generation_prompt": "no"}, "add_generation_prompt: expected true or false"),
+                           ({"chat_template_kwargs": {"tokenize": True}}, "'tokenize' is not a template variable"),
+                           ({"chat_template": 3}, "chat_template: expected a Jinja template string")):
+            with pytest.raises(GenerationError, match=match):
+                llm.chat(conv, params, **bad)
+        # generate(text, chat=True): the prompt it reports is the templated text its token ids come from
+        (text,) = llm.generate("w5", params, chat=True)
+        assert text.prompt == "w5 w1" and text.prompt_token_ids == [5, 1]
+    finally:
+        tok.chat_template = None
+
+
 def test_chat_takes_the_message_forms_the_server_takes_and_a_refusing_template_is_one_error(llm):
     tok = llm.tokenizer
     # Mistral's and Llama 2's templates raise when roles do not alternate
