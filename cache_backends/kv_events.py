@@ -78,12 +78,16 @@ class KvEventMirror:
         if fd is not None:
             os.close(fd)
 
+    @property
+    def error_text(self) -> str:
+        """The failed write's OS error as ``[Errno 28] No space left on device``."""
+        err = self.error
+        return f"[Errno {err.errno}] {err.strerror}" if err is not None and err.strerror else str(err)
+
     def describe(self) -> str:
         """One line for the operator: which flag and file, what went wrong, and what still works."""
-        err = self.error
-        why = (f"[Errno {err.errno}] {err.strerror}" if err is not None and err.strerror else str(err))
-        return (f"{self.flag} {self.path}: cannot write KV cache events ({why}); the file stops at its last complete "
-                "line and gets no more events (the in-memory buffer and GET /v1/kvload/kv_events go on)")
+        return (f"{self.flag} {self.path}: cannot write KV cache events ({self.error_text}); the file stops at its "
+                "last complete line and gets no more events (the in-memory buffer and GET /v1/kvload/kv_events go on)")
 
 
 class KvEventBuffer:

@@ -49,7 +49,15 @@ from engine.outputs import (
     StreamEvent,
     TokenDelta,
 )
-from engine.prompts import apply_template, check_messages, check_text, is_conversation, normalize, template_options
+from engine.prompts import (
+    TEMPLATE_OPTIONS,
+    apply_template,
+    check_messages,
+    check_text,
+    is_conversation,
+    normalize,
+    template_options,
+)
 from engine.sampling import eos_token_ids, sample_rows, top_logprobs
 from engine.sampling_params import SamplingParams, check, check_salt, greedy_ignored, is_int
 from engine.speculation import NgramProposer, verify_drafted
@@ -306,10 +314,12 @@ class GenerationExecutor:
         """
         self._check_open()
         check_salt(salt)
-        if isinstance(chat, Mapping):  # LLM.chat's template options (checked again: run is public too)
-            opts = dict(chat)
-            chat = template_options(opts.pop("add_generation_prompt", True), opts.pop("continue_final_message", False),
-                                    opts.pop("chat_template", None), opts)
+        if isinstance(chat, Mapping):  # LLM.chat's template options, checked here (once, before any work)
+            unknown = sorted(set(chat) - TEMPLATE_OPTIONS)
+            if unknown:
+                raise GenerationError(f"chat: unknown template option {unknown[0]!r}; known: "
+                                      f"{', '.join(sorted(TEMPLATE_OPTIONS))}")
+            chat = template_options(**chat)
         else:
             check(isinstance(chat, bool), "chat", "true or false, or LLM.chat's template options", chat)
         items = self._prompts(prompts, chat)
@@ -341,11 +351,9 @@ class GenerationExecutor:
         for p in {id(p): p for p in params}.values():  # greedy draws nothing: a seed, top-p, top-k or n that does
             for name, value, why in greedy_ignored(p):  # nothing is said to, never silently dropped
                 self._event(SettingIgnored(field=f"generate.{name}", value=value, reason=why))
-        if salt is not None:  # a salt scopes prefix reuse: with reuse off it would silently do nothing
-            off = self.reuse_off_reason()
-            if off is not None:
-                self._event(SettingIgnored(field="generate.salt", value=salt,
-                                           reason=f"prefix reuse is off: nothing is shared to scope ({off})"))
+        unscoped = self.salt_ignored() if salt is not None else None  # with reuse off a salt would do nothing
+        if unscoped is not None:
+            self._event(SettingIgnored(field="generate.salt", value=salt, reason=unscoped))
         outputs: dict[int, RequestOutput] = {}
         warm_before = self.flex.warmup_s if self.flex is not None else 0.0
         start = time.perf_counter()
@@ -548,10 +556,12 @@ class GenerationExecutor:
                                               "gather + SDPA"))
             self.flex = None
 
-    def reuse_off_reason(self) -> str | None:
-        """Why the manager shares no prefix between requests (so a reuse salt scopes nothing), or None when it does."""
+    def salt_ignored(self) -> str | None:
+        """Why a reuse salt does nothing here (the manager shares no prefix between requests), or None when it
+        scopes what is shared; ``generate`` and ``kvload serve`` report it as ``setting_ignored``."""
         off = getattr(self.manager, "reuse_off_reason", None)  # V2 says why (a layout that cannot be keyed, ...)
-        return off or (None if self.manager.options.enable_block_reuse else "enable_block_reuse is false")
+        off = off or (None if self.manager.options.enable_block_reuse else "enable_block_reuse is false")
+        return None if off is None else f"prefix reuse is off: nothing is shared to scope ({off})"
 
     @contextlib.contextmanager
     def paged_attention(self) -> Iterator[None]:
@@ -734,10 +744,7 @@ class GenerationExecutor:
             if isinstance(prompt, str):
                 if chat:
                     check_text(f"prompt {i}", prompt)
-                    tok = self.tokenizer
-                    if tok is None:
-                        raise GenerationError(f"generate: prompt {i} is text, but {self.name} has no tokenizer "
-                                              "(presets have random weights and none); pass token ids instead")
+                    tok = self._text_tokenizer(i)
                     if not getattr(tok, "chat_template", None) and "chat_template" not in template:
                         raise GenerationError(f"generate: chat=True: the tokenizer of {self.name} has no chat template")
                     items.append(self._converse(i, [{"role": "user", "content": prompt}], template))
@@ -767,11 +774,14 @@ class GenerationExecutor:
 
     def _tokenize(self, i: int, text: str) -> list[int]:
         check_text(f"prompt {i}", text)  # a lone surrogate would reach the tokenizer as a TypeError
-        tok = self.tokenizer
-        if tok is None:
+        return [int(t) for t in self._text_tokenizer(i)(text)["input_ids"]]
+
+    def _text_tokenizer(self, i: int) -> Any:
+        """The tokenizer for text prompt ``i``; ``GenerationError`` when the model has none."""
+        if self.tokenizer is None:
             raise GenerationError(f"generate: prompt {i} is text, but {self.name} has no tokenizer (presets have "
                                   "random weights and none); pass token ids instead")
-        return [int(t) for t in tok(text)["input_ids"]]
+        return self.tokenizer
 
     def _converse(self, i: int, messages: Any, template: Mapping[str, Any]) -> tuple[str, list[int]]:
         """A conversation through the chat template (the tokenizer's, or ``template["chat_template"]``): (the

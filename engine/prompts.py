@@ -152,6 +152,11 @@ def apply_template(tokenizer: Any, where: str, messages: list[dict[str, str]], *
                               f"{first_line(exc, type(exc).__name__)}"[:300]) from None
 
 
+#: The keywords of :func:`template_options` (``LLM.chat``'s, passed on to ``GenerationExecutor.run`` as ``chat``).
+TEMPLATE_OPTIONS = frozenset({"add_generation_prompt", "continue_final_message", "chat_template",
+                              "chat_template_kwargs"})
+
+
 def template_options(add_generation_prompt: Any = True, continue_final_message: Any = False,
                      chat_template: Any = None, chat_template_kwargs: Any = None) -> dict[str, Any]:
     """vLLM's ``LLM.chat`` template options, checked, as ``apply_chat_template`` keywords: whether to open the
@@ -182,5 +187,5 @@ def template_options(add_generation_prompt: Any = True, continue_final_message: 
     return options
 
 
-__all__ = ["PROMPT_KEYS", "ROLES", "apply_template", "check_messages", "check_text", "is_conversation", "is_token_id",
-           "lone_surrogate", "normalize", "template_options"]
+__all__ = ["PROMPT_KEYS", "ROLES", "TEMPLATE_OPTIONS", "apply_template", "check_messages", "check_text",
+           "is_conversation", "is_token_id", "lone_surrogate", "normalize", "template_options"]

@@ -247,10 +247,9 @@ class ServingEngine:
         where = f" (request {request})" if request else ""
         events = [SettingIgnored(field=f"serve.{name}", value=value, reason=why + where)
                   for name, value, why in greedy_ignored(params, n)]
-        off = self.executor.reuse_off_reason() if salt is not None else None
-        if off is not None:
-            events.append(SettingIgnored(field="serve.salt", value=salt,
-                                         reason=f"prefix reuse is off: nothing is shared to scope ({off}){where}"))
+        unscoped = self.executor.salt_ignored() if salt is not None else None
+        if unscoped is not None:
+            events.append(SettingIgnored(field="serve.salt", value=salt, reason=unscoped + where))
         if events:
             self.notify(*events)
 

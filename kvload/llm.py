@@ -20,7 +20,7 @@ from typing import Any
 
 from engine.beam_search import BeamSearchOutput, BeamSearchParams
 from engine.outputs import GenerationStats, RequestOutput, TokenDelta
-from engine.prompts import is_conversation, template_options
+from engine.prompts import is_conversation
 from engine.sampling_params import SamplingParams
 from kvload.api import LoadResult, api_request, execute
 from pipeline.bus import Subscriber
@@ -151,13 +151,14 @@ class LLM:
         ``add_generation_prompt=False``), ``chat_template`` (a Jinja template in place of the tokenizer's) and
         ``chat_template_kwargs`` (extra template variables). The other arguments are :meth:`generate`'s.
         """
-        options = template_options(add_generation_prompt, continue_final_message, chat_template, chat_template_kwargs)
         conversations = [messages] if is_conversation(messages) else messages
         if isinstance(conversations, (str, bytes)) or not isinstance(conversations, Sequence) or not conversations \
                 or not all(is_conversation(c) for c in conversations):
             raise GenerationError("chat: messages: expected a conversation (a non-empty list of "
                                   "{'role': ..., 'content': ...} dicts) or a list of conversations, got "
                                   f"{messages!r}"[:200])
+        options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
+                   "chat_template": chat_template, "chat_template_kwargs": chat_template_kwargs}  # checked by run
         return self.generate(list(conversations), sampling_params, use_tqdm=use_tqdm, salt=salt, chat=options,
                              **sampling)
 

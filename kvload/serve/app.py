@@ -630,10 +630,11 @@ class _Run:
         content = []
         for t, (lp, alts) in zip(ids, lps, strict=False):
             token, raw = self.engine.token_piece(t)
-            content.append({"token": token, "logprob": lp, "bytes": list(raw),
-                            "top_logprobs": [{"token": self.engine.token_piece(a)[0], "logprob": v,
-                                              "bytes": list(self.engine.token_piece(a)[1])}
-                                             for a, v in alts.items()]})
+            top = []
+            for a, v in alts.items():
+                alt, alt_raw = self.engine.token_piece(a)
+                top.append({"token": alt, "logprob": v, "bytes": list(alt_raw)})
+            content.append({"token": token, "logprob": lp, "bytes": list(raw), "top_logprobs": top})
         return {"content": content}
 
 

@@ -72,9 +72,8 @@ def mirror_kv_events(state: ServeState, path: str, flag: str = "--kv-events-file
     buffer = state.result.kv_manager.kv_events
 
     def failed(mirror: KvEventMirror) -> None:  # called on the engine loop thread, mid-step: queued, not emitted
-        err = mirror.error
-        error = f"[Errno {err.errno}] {err.strerror}" if err is not None and err.strerror else str(err)
-        state.engine.notify(KvEventsFileFailed(field=flag, path=mirror.path, error=error, reason=mirror.describe()))
+        state.engine.notify(KvEventsFileFailed(field=flag, path=mirror.path, error=mirror.error_text,
+                                               reason=mirror.describe()))
 
     try:
         mirror = KvEventMirror(path, flag, on_failure=failed)
