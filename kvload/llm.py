@@ -43,6 +43,17 @@ class StreamClosed(Exception):
     """Raised inside the generation thread when the consumer of ``generate_stream`` went away."""
 
 
+
+@contextlib.contextmanager
+def _named(call: str) -> Iterator[None]:
+    """Errors the shared executor titles ``generate:`` name the call the user made (``chat:``, ``beam_search:``)."""
+    try:
+        yield
+    except GenerationError as e:
+        if call != "generate" and e.args and isinstance(e.args[0], str) and e.args[0].startswith("generate: "):
+            e.args = (f"{call}: {e.args[0].removeprefix('generate: ')}", *e.args[1:])
+        raise
+
 class LLM:
     """A loaded model that generates through kvload's KV cache manager (``with LLM(...) as llm:``).
 
@@ -159,8 +170,9 @@ class LLM:
                                   f"{messages!r}"[:200])
         options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
                    "chat_template": chat_template, "chat_template_kwargs": chat_template_kwargs}  # checked by run
-        return self.generate(list(conversations), sampling_params, use_tqdm=use_tqdm, salt=salt, chat=options,
-                             **sampling)
+        with _named("chat"):
+            return self.generate(list(conversations), sampling_params, use_tqdm=use_tqdm, salt=salt, chat=options,
+                                 **sampling)
 
     def _no_progress_bar(self, use_tqdm: Any) -> None:
         """vLLM's ``use_tqdm``: false needs nothing; true (or a tqdm factory) is said to be ignored, once."""
@@ -236,14 +248,15 @@ class LLM:
     @contextlib.contextmanager
     def _exclusive(self, what: str) -> Iterator[None]:
         """One generate call at a time: the executor drives one batch of requests per call."""
-        self._check_open()
-        if not self._busy.acquire(blocking=False):
-            raise GenerationError(f"{what}: this LLM is already generating (a generate_stream is still open, or "
-                                  "another thread is generating); finish or close it first")
-        try:
-            yield
-        finally:
-            self._busy.release()
+        with _named(what):
+            self._check_open()
+            if not self._busy.acquire(blocking=False):
+                raise GenerationError(f"{what}: this LLM is already generating (a generate_stream is still open, "
+                                      "or another thread is generating); finish or close it first")
+            try:
+                yield
+            finally:
+                self._busy.release()
 
     @contextlib.contextmanager
     def _running(self) -> Iterator[Any]:

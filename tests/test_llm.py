@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import kvload
+from engine.beam_search import BeamSearchParams
 from engine.sampling_params import SamplingParams
 from kvload.llm import DEFAULT_CPU_MAX_TOKENS
 from pipeline.errors import GenerationError
@@ -227,7 +228,7 @@ def test_text_that_is_not_valid_unicode_is_refused_before_the_tokenizer(llm):
     with pytest.raises(GenerationError, match=r"^generate: prompt 1: not valid Unicode text \(a lone surrogate at "
                                               r"character 3; text must be UTF-8\)$"):
         llm.generate([PROMPT, "w5 \ud800"], max_tokens=2)
-    with pytest.raises(GenerationError, match="generate: prompt 0: message 0: not valid Unicode text"):
+    with pytest.raises(GenerationError, match="^chat: prompt 0: message 0: not valid Unicode text"):
         llm.chat([{"role": "user", "content": "\udfff"}])
     with pytest.raises(GenerationError, match="generate: salt: not valid Unicode text"):
         llm.generate(PROMPT, max_tokens=2, salt="\ud800")
@@ -339,6 +340,23 @@ def test_chat_takes_the_message_forms_the_server_takes_and_a_refusing_template_i
         tok.chat_template = None
 
 
+def test_errors_name_the_call_the_user_made(words):
+    """chat and beam_search share generate's executor; their errors still name chat and beam_search."""
+    llm = kvload.LLM(str(words), **llm_kwargs("v1"))
+    try:
+        with pytest.raises(GenerationError, match=r"^chat: prompt 0: a conversation needs a tokenizer with a chat"):
+            llm.chat([{"role": "user", "content": "w2"}])
+        with pytest.raises(GenerationError, match=r"^generate: temperature: expected"):
+            llm.generate("w2", temperature=-1)
+    finally:
+        llm.close()
+    for call, args in (("chat", ([{"role": "user", "content": "w2"}],)),
+                       ("beam_search", (["w2"], BeamSearchParams(beam_width=2, max_tokens=2))),
+                       ("generate", ("w2",))):
+        with pytest.raises(GenerationError, match=rf"^{call}: this LLM was closed"):
+            getattr(llm, call)(*args)
+
+
 def test_the_server_answers_a_refusing_chat_template_with_400_and_keeps_the_connection(llm):
     httpx = pytest.importorskip("httpx")
     from kvload.serve.server import ServerThread, build_state
@@ -428,7 +446,7 @@ def test_leaving_with_while_a_stream_runs_stops_it_cleanly_before_releasing(tmp_
         first = next(stream)
         assert first.finish_reason is None
     assert seen == {"used_blocks": 0, "workers": []}  # the worker had stopped and freed its blocks
-    with pytest.raises(GenerationError, match=r"^generate: the LLM was closed during generation"):
+    with pytest.raises(GenerationError, match=r"^generate_stream: the LLM was closed during generation"):
         list(stream)
     assert _generation_events(audit) == ["generation_started", "generation_failed"]
     assert llm.audit.of("generation_failed")[-1]["error"] == "GenerationError"
