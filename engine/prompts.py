@@ -148,7 +148,8 @@ def apply_template(tokenizer: Any, where: str, messages: list[dict[str, str]], *
     try:
         return tokenizer.apply_chat_template(messages, **kwargs)
     except Exception as exc:  # jinja2.TemplateError from raise_exception(), or a template's own TypeError
-        raise GenerationError(f"generate: {where}: the model's chat template refused the conversation: "
+        whose = "the chat_template given" if kwargs.get("chat_template") is not None else "the model's chat template"
+        raise GenerationError(f"generate: {where}: {whose} refused the conversation: "
                               f"{first_line(exc, type(exc).__name__)}"[:300]) from None
 
 

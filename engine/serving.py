@@ -21,7 +21,7 @@ import random
 import re
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -202,26 +202,47 @@ class ServingEngine:
 
     # --- requests ----------------------------------------------------------------------------
 
-    def encode(self, prompt: str | Sequence[int], *, chat: bool = False) -> list[int]:
-        """Token ids of one prompt (text through the tokenizer, ``chat`` wraps it as one user message)."""
+    def encode(self, prompt: str | Sequence[int], *, chat: bool = False, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of one prompt (text through the tokenizer, ``chat`` wraps it as one user message), checked as
+        ``generate`` checks a prompt. ``add_special_tokens=False``: text without the tokenizer's BOS (vLLM's)."""
+        if isinstance(prompt, str) and not add_special_tokens and not chat:
+            prompt = self.tokenize(prompt, add_special_tokens=False, where="prompt 0")
+            if not prompt:  # as generate words a text prompt of no tokens
+                raise GenerationError("generate: prompt 0: empty (no tokens)")
         ((_, ids),) = self.executor._prompts([prompt], chat)
         return ids
 
-    def encode_messages(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a chat conversation through the tokenizer's chat template, ready for the reply."""
+    def encode_messages(self, messages: list[dict[str, str]], template: Mapping[str, Any] | None = None, *,
+                        add_special_tokens: bool = False, room: bool = True) -> list[int]:
+        """Token ids of a chat conversation through the chat template (the tokenizer's, or
+        ``template["chat_template"]``), ready for the reply. ``template``: ``engine.prompts.template_options``'
+        keywords (vLLM's add_generation_prompt, continue_final_message, chat_template, chat_template_kwargs);
+        ``add_special_tokens``: the tokenizer's BOS on top of what the template writes (vLLM's, off by default);
+        ``room``: refuse a conversation that leaves no room to generate (off for /tokenize)."""
+        template = dict(template or {})
         for j, m in enumerate(messages):  # a lone surrogate would reach the tokenizer as a TypeError
             check_text(f"messages[{j}].content", m["content"])
         tok = self.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
+        if tok is None or (not getattr(tok, "chat_template", None) and "chat_template" not in template):
             raise GenerationError(f"messages: the model {self.executor.name} has no tokenizer with a chat template; "
                                   "use /v1/completions with token ids")
-        ids = apply_template(tok, "messages", messages)
-        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-        ids = [int(t) for t in ids]
-        if len(ids) >= self.executor.max_seq_len:
+        # what apply_chat_template(tokenize=True) does (and LLM.chat): the text, then its ids with no special
+        # tokens of the tokenizer's own unless asked (the template already holds them)
+        text = apply_template(tok, "messages", messages, tokenize=False, **template)
+        ids = [int(t) for t in tok(text, add_special_tokens=add_special_tokens)["input_ids"]]
+        if room and len(ids) >= self.executor.max_seq_len:
             raise GenerationError(f"messages: {len(ids)} tokens leave no room to generate under "
                                   f"max_seq_len={self.executor.max_seq_len}")
         return ids
+
+    def tokenize(self, text: str, *, add_special_tokens: bool = True, where: str = "prompt") -> list[int]:
+        """Token ids of ``text`` as the tokenizer gives them (``add_special_tokens``: its BOS and the like), no
+        other check (vLLM's /tokenize); ``GenerationError`` naming ``where`` without a tokenizer."""
+        check_text(where, text)
+        if self.tokenizer is None:
+            raise GenerationError(f"{where}: the model {self.executor.name} has no tokenizer (presets have random "
+                                  "weights and none); only token ids are served")
+        return [int(t) for t in self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]]
 
     def decode(self, token_ids: Sequence[int]) -> str | None:
         """Text of token ids without special tokens; None without a tokenizer."""

@@ -16,7 +16,9 @@ json_values = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=12)
 FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
-          "stream", "stream_options", "logprobs", "top_logprobs", "stop_token_ids", "ignore_eos", "echo", "salt"]
+          "stream", "stream_options", "logprobs", "top_logprobs", "stop_token_ids", "ignore_eos", "echo", "salt",
+          "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
+          "add_special_tokens"]
 bodies = st.dictionaries(st.sampled_from(FIELDS), json_values, max_size=6)
 
 
@@ -105,3 +107,24 @@ def test_the_server_bounds_a_salt_as_the_python_api_does():
         f"salt: expected a string of at most {MAX_SALT_CHARS:,} characters, got {MAX_SALT_CHARS + 1:,}")
     assert served.value.param == "salt"
     assert parse({"prompt": [1, 2], "salt": "s" * MAX_SALT_CHARS}, "completion", default_max_tokens=16).salt
+
+
+def test_chat_takes_vllms_template_options_checked_by_the_python_apis_rules():
+    messages = [{"role": "user", "content": "hi"}]
+    job = parse({"messages": messages, "add_generation_prompt": False, "continue_final_message": True,
+                 "chat_template": "{{ x }}", "chat_template_kwargs": {"enable_thinking": False},
+                 "add_special_tokens": True}, "chat", default_max_tokens=16)
+    assert job.template == {"enable_thinking": False, "add_generation_prompt": False, "continue_final_message": True,
+                            "chat_template": "{{ x }}"}
+    assert job.add_special_tokens is True
+    plain = parse({"messages": messages, "chat_template": None}, "chat", default_max_tokens=16)
+    assert plain.template == {"add_generation_prompt": True, "continue_final_message": False}
+    assert plain.add_special_tokens is False  # vLLM's chat default; a completion's text gets them
+    assert parse({"prompt": "hi"}, "completion", default_max_tokens=16).add_special_tokens is True
+    with pytest.raises(BadRequest) as info:
+        parse({"messages": messages, "continue_final_message": True}, "chat", default_max_tokens=16)
+    assert info.value.param == "continue_final_message" and info.value.message.startswith("continue_final_message: ")
+    with pytest.raises(BadRequest) as info:  # a chat option, not a completion's
+        parse({"prompt": "hi", "chat_template_kwargs": {}}, "completion", default_max_tokens=16)
+    assert info.value.param == "chat_template_kwargs"
+

@@ -286,6 +286,14 @@ async def _serve(state: ServeState, request: Request, kind: str, gate: asyncio.L
     return JSONResponse(await run.collect())
 
 
+def _messages_error(exc: GenerationError, template: dict[str, Any]) -> BadRequest:
+    """A conversation the tokenizer or the chat template refused; a template the request gave is named for
+    what it refused (its Jinja is the client's)."""
+    msg = str(exc).removeprefix("generate: ")
+    given = "chat_template" in template and "chat_template given refused" in msg
+    return BadRequest(msg, param="chat_template" if given else "messages")
+
+
 def _parse(state: ServeState, raw: bytes | bytearray, kind: str) -> Job:
     """The request body as a ``Job``; ``BadRequest`` naming what is wrong."""
     if json_depth(raw) > MAX_DEPTH:  # before parsing: json's decoder recurses once per level
@@ -316,16 +324,16 @@ def _encode(engine: ServingEngine, job: Job) -> list[list[int]]:
     """Token ids of every prompt; ``BadRequest`` naming the prompt or the messages when one is unusable."""
     if job.kind == "chat":
         try:
-            return [engine.encode_messages(job.prompts[0])]
+            return [engine.encode_messages(job.prompts[0], job.template, add_special_tokens=job.add_special_tokens)]
         except GenerationError as exc:
-            raise BadRequest(str(exc).removeprefix("generate: "), param="messages") from None
+            raise _messages_error(exc, job.template) from None
     out = []
     for i, prompt in enumerate(job.prompts):
         field = "prompt" if len(job.prompts) == 1 else f"prompt[{i}]"
         if engine.stopping:  # a stop asked for mid-request: end now, not after encoding up to 1,024 prompts
             raise _shutting_down()
         try:
-            out.append(engine.encode(prompt))
+            out.append(engine.encode(prompt, add_special_tokens=job.add_special_tokens))
         except GenerationError as exc:
             detail = str(exc).removeprefix("generate: ").removeprefix("prompt 0: ").removeprefix("prompt 0 ")
             raise BadRequest(f"{field}: {detail}", param=field) from None

@@ -12,7 +12,7 @@ from typing import Any
 
 import attrs
 
-from engine.prompts import ROLES, lone_surrogate
+from engine.prompts import ROLES, TEMPLATE_OPTIONS, lone_surrogate, template_options
 from engine.sampling_params import (
     SamplingParams,
     check_logprobs,
@@ -80,6 +80,12 @@ class Job:
     salt: str | None = None
     max_tokens_given: bool = True
     max_tokens_field: str = "max_tokens"  # the name it was given by (chat: max_completion_tokens too)
+    #: chat: the chat template's keywords (``engine.prompts.template_options``: vLLM's add_generation_prompt,
+    #: continue_final_message, chat_template, chat_template_kwargs)
+    template: dict[str, Any] = attrs.field(factory=dict)
+    #: whether the tokenizer adds its special tokens (BOS) to text: vLLM's default, true for a completion's text,
+    #: false for chat (the template holds them)
+    add_special_tokens: bool = True
 
 
 def _is_int(v: Any) -> bool:
@@ -113,26 +119,20 @@ def _bad(exc: GenerationError) -> BadRequest:
 #: caller and changes nothing generated, which the README says once rather than every request in the log.
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options", "user",
            "presence_penalty", "frequency_penalty", "ignore_eos", "stop_token_ids", "salt", "logprobs", "top_k"}
-_COMPLETION = _COMMON | {"prompt", "echo"}
-_CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+_COMPLETION = _COMMON | {"prompt", "echo", "add_special_tokens"}
+_CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "add_special_tokens"} | TEMPLATE_OPTIONS
 
 
 def parse(body: Any, kind: str, *, default_max_tokens: int) -> Job:
     """Check an OpenAI ``/v1/completions`` (``kind="completion"``) or ``/v1/chat/completions`` body."""
-    if not isinstance(body, dict):
-        raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
-    allowed = _COMPLETION if kind == "completion" else _CHAT
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise BadRequest(f"{unknown[0]}: not supported by kvload serve; accepted fields: {', '.join(sorted(allowed))}",
-                         param=unknown[0])
+    body = _object(body)
+    _known(body, _COMPLETION if kind == "completion" else _CHAT)
     for penalty in ("presence_penalty", "frequency_penalty"):
         value = body.get(penalty)
         if value not in (None, 0, 0.0):
             raise BadRequest(f"{penalty}: kvload does not apply penalties; only 0 (or absent) is accepted, "
                              f"got {value!r}", param=penalty)
-    model = body.get("model")
-    _need(model is None or isinstance(model, str), "model", "a string (the served model's name)", model)
+    _model(body)
     # OpenAI's end-user id, for its abuse monitoring: it names the caller and changes nothing generated
     user = body.get("user")
     _need(user is None or isinstance(user, str), "user", "a string", user)
@@ -216,9 +216,49 @@ def parse(body: Any, kind: str, *, default_max_tokens: int) -> Job:
                                 stop=stops, stop_token_ids=stop_ids, logprobs=logprobs, ignore_eos=ignore_eos)
     except GenerationError as exc:  # the API's own checks, should the two ever disagree
         raise _bad(exc) from None
+    template = _template(body) if kind == "chat" else {}
+    special = _flag(body, "add_special_tokens", kind == "completion")
     return Job(kind=kind, prompts=prompts, params=params, n=n, stream=stream, include_usage=include_usage,
                stop=stops, stop_token_ids=tuple(stop_ids), logprobs=logprobs, echo=echo, salt=salt,
-               max_tokens_given=given, max_tokens_field=field)
+               max_tokens_given=given, max_tokens_field=field, template=template, add_special_tokens=special)
+
+
+def _flag(body: dict[str, Any], field: str, default: bool) -> bool:
+    """A true-or-false field; absent or null: ``default``."""
+    value = body.get(field)
+    if value is None:
+        return default
+    _need(isinstance(value, bool), field, "true or false", value)
+    return value
+
+
+def _template(body: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's chat template options in ``body`` (null: absent), checked by the Python API's ``LLM.chat`` rules,
+    as ``apply_chat_template`` keywords."""
+    given = {k: body[k] for k in TEMPLATE_OPTIONS if body.get(k) is not None}
+    try:
+        return template_options(**given)
+    except GenerationError as exc:
+        msg = str(exc).removeprefix("chat: ")
+        raise BadRequest(msg, param=msg.split(":", 1)[0]) from None
+
+
+def _object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _known(body: dict[str, Any], allowed: set[str] | frozenset[str]) -> None:
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise BadRequest(f"{unknown[0]}: not supported by kvload serve; accepted fields: {', '.join(sorted(allowed))}",
+                         param=unknown[0])
+
+
+def _model(body: dict[str, Any]) -> None:
+    model = body.get("model")
+    _need(model is None or isinstance(model, str), "model", "a string (the served model's name)", model)
 
 
 def _prompts(body: dict[str, Any]) -> list[Any]:
