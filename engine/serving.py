@@ -244,6 +244,24 @@ class ServingEngine:
                                   "weights and none); only token ids are served")
         return [int(t) for t in self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]]
 
+    def token_strs(self, token_ids: Sequence[int]) -> list[str]:
+        """The tokenizer's own string of each token (``convert_ids_to_tokens``: ``Ġthe``, ``<|im_end|>``)."""
+        return [str(t) for t in self.tokenizer.convert_ids_to_tokens(list(token_ids))]
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """Text of token ids with special tokens shown (vLLM's /detokenize); ``GenerationError`` naming ``tokens``
+        without a tokenizer or for an id outside its vocabulary."""
+        tok = self.tokenizer
+        if tok is None:
+            raise GenerationError(f"tokens: the model {self.executor.name} has no tokenizer (presets have random "
+                                  "weights and none); there is no text to give")
+        size = len(tok)
+        bad = next((i for i, t in enumerate(token_ids) if not 0 <= t < size), None)
+        if bad is not None:
+            raise GenerationError(f"tokens[{bad}]: token id {token_ids[bad]} is outside the tokenizer's vocabulary "
+                                  f"(0..{size - 1})")
+        return tok.decode(list(token_ids))
+
     def decode(self, token_ids: Sequence[int]) -> str | None:
         """Text of token ids without special tokens; None without a tokenizer."""
         if self.tokenizer is None:

@@ -163,6 +163,19 @@ def test_other_refusals_and_the_server_keeps_serving(served):
     assert _complete(served, 2).choices[0].model_extra["token_ids"] == REFERENCE[2]
 
 
+def test_a_preset_without_a_tokenizer_answers_the_tokenizer_endpoints_with_a_400_saying_so(served):
+    for path, body, param in [("/tokenize", {"prompt": "hello"}, "prompt"),
+                              ("/tokenize", {"messages": [{"role": "user", "content": "hi"}]}, "messages"),
+                              ("/tokenize", {"messages": [{"role": "user", "content": "hi"}],
+                                             "chat_template": "{{ messages[0]['content'] }}"}, "messages"),
+                              ("/detokenize", {"tokens": [1, 2]}, "tokens")]:
+        r = served.http.post(path, json=body)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == param and "tiny-llama has no tokenizer" in error["message"], error
+    assert served.http.get("/health").json() == {"status": "ok"}
+
+
 def _refusals(served) -> dict[str, float]:
     return {k: v for k, v in served.metrics().items() if k.startswith("kvload_http_requests_refused_total")}
 

@@ -128,3 +128,19 @@ def test_chat_takes_vllms_template_options_checked_by_the_python_apis_rules():
         parse({"prompt": "hi", "chat_template_kwargs": {}}, "completion", default_max_tokens=16)
     assert info.value.param == "chat_template_kwargs"
 
+
+def test_tokenize_bodies_take_vllms_two_forms():
+    from kvload.serve.protocol import parse_detokenize, parse_tokenize
+
+    text = parse_tokenize({"model": "m", "prompt": "hi"})
+    assert (text.prompt, text.messages, text.add_special_tokens, text.return_token_strs) == ("hi", None, True, False)
+    chat = parse_tokenize({"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": False,
+                           "return_token_strs": True})
+    assert chat.prompt is None and chat.messages == [{"role": "user", "content": "hi"}]
+    assert chat.template == {"add_generation_prompt": False, "continue_final_message": False}
+    assert (chat.add_special_tokens, chat.return_token_strs) == (False, True)
+    assert parse_detokenize({"tokens": [0, 5]}) == [0, 5]
+    for bad, param in [({"tokens": [True]}, "tokens"), ({"tokens": [2**63]}, "tokens"), ([], None)]:
+        with pytest.raises(BadRequest) as info:
+            parse_detokenize(bad)
+        assert info.value.param == param

@@ -132,3 +132,29 @@ def test_max_completion_tokens_past_the_context_length_is_refused_naming_it(smol
     assert info.value.body["param"] == "max_completion_tokens"
     assert info.value.body["message"].startswith("'max_tokens' or 'max_completion_tokens' is too large: 100000000. "
                                                  "This model's maximum context length is 8192 tokens")
+
+
+def test_tokenize_of_messages_gives_the_chat_prompt_and_a_prefill_continues_the_reply(smol):
+    """vLLM's /tokenize of a conversation is the chat endpoint's prompt, token for token."""
+    messages = [{"role": "user", "content": QUESTION}]
+    r = smol.http.post("/tokenize", json={"model": "smollm2-135m", "messages": messages, "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    tokens = r.json()
+    tok = smol.state.engine.tokenizer
+    expected = tok.apply_chat_template(messages, add_generation_prompt=True)
+    expected = [int(t) for t in (expected["input_ids"] if hasattr(expected, "keys") else expected)]
+    assert tokens["tokens"] == expected and tokens["max_model_len"] == 8192
+    assert tokens["token_strs"][:3] == ["<|im_start|>", "system", "Ċ"]
+    reply = smol.client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=4)
+    assert reply.usage.prompt_tokens == tokens["count"]
+    # the assistant's reply begun by the client (a prefill) and continued, no new turn opened
+    prefill = [*messages, {"role": "assistant", "content": "The capital of France is"}]
+    cont = smol.client.chat.completions.create(model="smollm2-135m", messages=prefill, max_tokens=3,
+                                               extra_body={"add_generation_prompt": False,
+                                                           "continue_final_message": True})
+    assert cont.choices[0].message.content.startswith(" Paris"), cont.choices[0].message.content
+    counted = smol.http.post("/tokenize", json={"messages": prefill, "add_generation_prompt": False,
+                                                "continue_final_message": True}).json()
+    assert cont.usage.prompt_tokens == counted["count"]
+    assert smol.http.post("/detokenize", json={"tokens": counted["tokens"]}).json()["prompt"].endswith(
+        "<|im_start|>assistant\nThe capital of France is")

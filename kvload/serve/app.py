@@ -34,7 +34,7 @@ from engine.serving import EngineStopped, ServeEvent, ServingEngine
 from engine.stopping import SampleText
 from kvload.serve.command import MAX_CONCURRENT_DEFAULT, READ_TIMEOUT_DEFAULT
 from kvload.serve.metrics import ServeMetrics
-from kvload.serve.protocol import BadRequest, Job, parse
+from kvload.serve.protocol import BadRequest, Job, parse, parse_detokenize, parse_tokenize
 from pipeline.audit import dropped_record
 from pipeline.errors import ConfigError, GenerationError, KvBuildError
 from pipeline.limits import MAX_DEPTH, json_depth, unique_keys
@@ -149,6 +149,14 @@ def create_app(state: ServeState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await _serve(state, request, "chat", gate, stopping)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await _tokenizer_call(state, request, _tokenize, gate, stopping)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await _tokenizer_call(state, request, _detokenize, gate, stopping)
 
     return app
 
@@ -286,6 +294,54 @@ async def _serve(state: ServeState, request: Request, kind: str, gate: asyncio.L
     return JSONResponse(await run.collect())
 
 
+async def _tokenizer_call(state: ServeState, request: Request, work: Any, gate: asyncio.Lock,
+                          stopping: asyncio.Event) -> Response:
+    """vLLM's /tokenize or /detokenize: the body read under the completions' limits, then ``work(state, body)``
+    on a worker thread under the same gate as their parsing and tokenizing (a big body's encode would stall the
+    event loop, and the tokenizer is used by one request at a time)."""
+    try:
+        raw = await _read_body(request, state.max_request_bytes, state.read_timeout_s, stopping)
+    except ClientDisconnect:
+        return Response(status_code=CLIENT_CLOSED)
+    async with gate:
+        return JSONResponse(await asyncio.to_thread(work, state, raw))
+
+
+def _tokenize(state: ServeState, raw: bytes | bytearray) -> dict[str, Any]:
+    """``POST /tokenize``'s answer (on a worker thread): a text's token ids, or a conversation's as the chat
+    endpoint prompts with it; ``BadRequest`` naming the field."""
+    body = _load(raw)
+    job = parse_tokenize(body)
+    _check_model(state, body)
+    engine = state.engine
+    try:
+        if job.messages is not None:
+            ids = engine.encode_messages(job.messages, job.template, add_special_tokens=job.add_special_tokens,
+                                         room=False)
+        else:
+            ids = engine.tokenize(job.prompt or "", add_special_tokens=job.add_special_tokens)
+    except GenerationError as exc:
+        raise (_messages_error(exc, job.template) if job.messages is not None
+               else _field_error(exc, "prompt")) from None
+    return {"count": len(ids), "max_model_len": engine.executor.max_seq_len, "tokens": ids,
+            "token_strs": engine.token_strs(ids) if job.return_token_strs else None}
+
+
+def _detokenize(state: ServeState, raw: bytes | bytearray) -> dict[str, Any]:
+    """``POST /detokenize``'s answer (on a worker thread): the text of token ids, special tokens shown."""
+    body = _load(raw)
+    tokens = parse_detokenize(body)
+    _check_model(state, body)
+    try:
+        return {"prompt": state.engine.detokenize(tokens)}
+    except GenerationError as exc:
+        raise _field_error(exc, "tokens") from None
+
+
+def _field_error(exc: GenerationError, field: str) -> BadRequest:
+    return BadRequest(str(exc).removeprefix("generate: "), param=field)
+
+
 def _messages_error(exc: GenerationError, template: dict[str, Any]) -> BadRequest:
     """A conversation the tokenizer or the chat template refused; a template the request gave is named for
     what it refused (its Jinja is the client's)."""
@@ -296,6 +352,21 @@ def _messages_error(exc: GenerationError, template: dict[str, Any]) -> BadReques
 
 def _parse(state: ServeState, raw: bytes | bytearray, kind: str) -> Job:
     """The request body as a ``Job``; ``BadRequest`` naming what is wrong."""
+    body = _load(raw)
+    job = parse(body, kind, default_max_tokens=state.default_max_tokens)
+    _check_model(state, body)
+    return job
+
+
+def _check_model(state: ServeState, body: dict[str, Any]) -> None:
+    """404 ``model_not_found`` for a ``model`` (checked a string already) that is not the one served."""
+    model = body.get("model")
+    if model is not None and model != state.model_name:
+        raise _not_served(model, state.model_name)
+
+
+def _load(raw: bytes | bytearray) -> Any:
+    """A request body's JSON; ``BadRequest`` for one nested too deeply, not JSON, or with a key given twice."""
     if json_depth(raw) > MAX_DEPTH:  # before parsing: json's decoder recurses once per level
         raise BadRequest(f"the request body nests too deeply: at most {MAX_DEPTH} levels of arrays and objects "
                          "are accepted (an OpenAI request needs about 5)")
@@ -308,11 +379,7 @@ def _parse(state: ServeState, raw: bytes | bytearray, kind: str) -> Job:
     except ValueError:  # int() refuses a literal past sys.get_int_max_str_digits(): was a 500 with Python's advice
         raise BadRequest(f"the request body holds an integer literal of more than {sys.get_int_max_str_digits()} "
                          "digits; no field takes one past 2**63 - 1") from None
-    job = parse(body, kind, default_max_tokens=state.default_max_tokens)
-    model = body.get("model")  # parse checked it is a string
-    if model is not None and model != state.model_name:
-        raise _not_served(model, state.model_name)
-    return job
+    return body
 
 
 def _not_served(model: str, served: str) -> BadRequest:

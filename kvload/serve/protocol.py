@@ -243,6 +243,52 @@ def _template(body: dict[str, Any]) -> dict[str, Any]:
         raise BadRequest(msg, param=msg.split(":", 1)[0]) from None
 
 
+@attrs.frozen
+class TokenizeJob:
+    """One parsed ``POST /tokenize``: a text prompt, or chat messages with the chat template's options."""
+
+    prompt: str | None  # None: messages
+    messages: list[dict[str, str]] | None
+    template: dict[str, Any]  # template_options' keywords (messages only)
+    add_special_tokens: bool
+    return_token_strs: bool
+
+
+#: vLLM's TokenizeCompletionRequest and TokenizeChatRequest fields kvload acts on.
+_TOKENIZE_PROMPT = {"model", "prompt", "add_special_tokens", "return_token_strs"}
+_TOKENIZE_CHAT = {"model", "messages", "add_special_tokens", "return_token_strs"} | TEMPLATE_OPTIONS
+
+
+def parse_tokenize(body: Any) -> TokenizeJob:
+    """Check a vLLM ``/tokenize`` body: ``{"prompt": str, "add_special_tokens"?: true, "return_token_strs"?}`` or
+    ``{"messages": [...], the chat template's options, "add_special_tokens"?: false, "return_token_strs"?}``."""
+    body = _object(body)
+    if "messages" in body and "prompt" in body:
+        raise BadRequest("messages: give prompt (text) or messages (a conversation), not both", param="messages")
+    chat = "messages" in body
+    allowed = _TOKENIZE_CHAT if chat else _TOKENIZE_PROMPT
+    _known(body, allowed)
+    _model(body)
+    strs = _flag(body, "return_token_strs", False)
+    if chat:
+        return TokenizeJob(None, _messages(body), _template(body), _flag(body, "add_special_tokens", False), strs)
+    if "prompt" not in body:
+        raise BadRequest("prompt: required (the text to tokenize), or messages (a conversation)", param="prompt")
+    _need(isinstance(body["prompt"], str), "prompt", "a string", body["prompt"])
+    return TokenizeJob(body["prompt"], None, {}, _flag(body, "add_special_tokens", True), strs)
+
+
+def parse_detokenize(body: Any) -> list[int]:
+    """Check a vLLM ``/detokenize`` body, ``{"tokens": [ids]}``; the token ids."""
+    body = _object(body)
+    _known(body, {"model", "tokens"})
+    _model(body)
+    tokens = body.get("tokens")
+    _need(isinstance(tokens, list) and all(_is_int(t) and 0 <= t <= MAX_INT for t in tokens), "tokens",
+          "a list of token ids (integers >= 0)", tokens)
+    return list(tokens)
+
+
 def _object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
@@ -333,4 +379,5 @@ def _logprobs(body: dict[str, Any], kind: str) -> int | None:
 
 
 __all__ = ["BODY_BYTES_PER_TOKEN", "BODY_SLACK", "MAX_CHOICES", "MAX_LOGPROBS", "MAX_N", "MAX_PROMPTS", "MAX_STOP",
-           "MAX_STOP_CHARS", "MAX_STOP_TOKEN_IDS", "BadRequest", "Job", "default_max_request_bytes", "parse"]
+           "MAX_STOP_CHARS", "MAX_STOP_TOKEN_IDS", "BadRequest", "Job", "TokenizeJob", "default_max_request_bytes",
+           "parse", "parse_detokenize", "parse_tokenize"]

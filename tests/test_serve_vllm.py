@@ -1,0 +1,220 @@
+"""What vLLM's users send ``kvload serve``: the chat template's options on chat completions (through the openai
+client's ``extra_body``), ``add_special_tokens``, ``POST /tokenize`` and ``/detokenize``, ``GET /version``.
+
+One server per module over the tiny llama with a word-level tokenizer (token ``i`` is the text ``w<i>``, token 1 is
+its BOS ``<s>``) and a chat template that writes each message's content, then ``w2`` for the assistant's turn, and
+a ``who`` variable when one is given: every prompt's token ids can be read off the text.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+
+import httpx
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
+
+from tests.serve_support import TIMEOUT, serving
+
+VOCAB = 512  # the tiny llama's
+TEMPLATE = ("{% if who %}{{ who }} {% endif %}{% for m in messages %}{{ m['content'] }} {% endfor %}"
+            "{% if add_generation_prompt %}w2{% endif %}")
+READ_TIMEOUT = 2.0
+MAX_BYTES = 64 * 1024
+CONV = [{"role": "user", "content": "w5 w17"}, {"role": "assistant", "content": "w30"}]
+
+
+def _tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {f"w{i}": i for i in range(VOCAB)}
+    vocab["<s>"] = vocab.pop("w1")
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", bos_token="<s>")
+    fast.chat_template = TEMPLATE
+    return fast
+
+
+@pytest.fixture(scope="module")
+def served(tiny_checkpoints, tmp_path_factory):
+    import shutil
+
+    path = tmp_path_factory.mktemp("bos-words") / "ckpt"
+    shutil.copytree(tiny_checkpoints("llama"), path)
+    _tokenizer().save_pretrained(path)
+    with serving(str(path), max_seq_len=64, kv_cache_config={"max_tokens": 512, "tokens_per_block": 4},
+                 state={"model_name": "words", "read_timeout_s": READ_TIMEOUT, "max_request_bytes": MAX_BYTES}) as s:
+        yield s
+
+
+def _chat(served, messages=CONV, **extra):
+    return served.client.chat.completions.create(model="words", messages=messages, max_tokens=2,
+                                                 extra_body={"ignore_eos": True, **extra})
+
+
+def _tokenize(served, **body):
+    r = served.http.post("/tokenize", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+# --- chat completions: vLLM's chat template options -------------------------------------------------------------
+
+
+def test_tokenize_of_messages_is_what_the_chat_endpoint_prompts_with_under_every_option(served):
+    cases = [({}, [5, 17, 30, 2]),
+             ({"add_generation_prompt": False}, [5, 17, 30]),
+             ({"add_generation_prompt": False, "continue_final_message": True}, [5, 17, 30]),
+             ({"chat_template_kwargs": {"who": "w42"}}, [42, 5, 17, 30, 2]),  # the variable reached the template
+             ({"chat_template": "{% for m in messages %}{{ m['content'] }} w7 {% endfor %}"}, [5, 17, 7, 30, 7]),
+             ({"add_special_tokens": True}, [1, 5, 17, 30, 2])]  # the tokenizer's BOS on top of the template's text
+    for options, ids in cases:
+        tokens = _tokenize(served, messages=CONV, **options)
+        assert tokens["tokens"] == ids and tokens["count"] == len(ids), options
+        assert _chat(served, **options).usage.prompt_tokens == len(ids), options
+
+
+def test_chat_template_kwargs_reach_the_template_of_a_chat_completion(served):
+    """The prompt grows by the variable's token: without it the template prints nothing."""
+    plain = _chat(served).usage.prompt_tokens
+    assert _chat(served, chat_template_kwargs={"who": "w42 w43"}).usage.prompt_tokens == plain + 2
+    assert _chat(served, chat_template_kwargs={}).usage.prompt_tokens == plain
+
+
+@pytest.mark.parametrize("options, param, words", [
+    ({"continue_final_message": True}, "continue_final_message", "cannot be true with add_generation_prompt true"),
+    ({"add_generation_prompt": "no"}, "add_generation_prompt", "add_generation_prompt: expected true or false"),
+    ({"continue_final_message": 1}, "continue_final_message", "continue_final_message: expected true or false"),
+    ({"chat_template": 3}, "chat_template", "chat_template: expected a Jinja template string"),
+    ({"chat_template": "  "}, "chat_template", "chat_template: expected a Jinja template string"),
+    ({"chat_template_kwargs": ["who"]}, "chat_template_kwargs", "chat_template_kwargs: expected a dict"),
+    ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs", "'tokenize' is not a template variable"),
+    ({"add_special_tokens": "yes"}, "add_special_tokens", "add_special_tokens: expected true or false"),
+    ({"chat_template": "{% for m in messages %}"}, "chat_template", "the chat_template given refused"),
+])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+def test_bad_template_options_are_400s_naming_the_field(served, path, options, param, words):
+    r = served.http.post(path, json={"messages": CONV, "max_tokens": 2, **options} if path != "/tokenize"
+                         else {"messages": CONV, **options})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+    assert words in error["message"] and not error["message"].startswith("chat: "), error
+
+
+def test_a_completion_takes_add_special_tokens_as_vllm_does(served):
+    with_bos = served.client.completions.create(model="words", prompt="w5 w17", max_tokens=2,
+                                                extra_body={"ignore_eos": True})
+    without = served.client.completions.create(model="words", prompt="w5 w17", max_tokens=2,
+                                               extra_body={"ignore_eos": True, "add_special_tokens": False})
+    assert (with_bos.usage.prompt_tokens, without.usage.prompt_tokens) == (3, 2)
+    r = served.http.post("/v1/completions", json={"prompt": "w5", "add_special_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "add_special_tokens"
+
+
+# --- /tokenize, /detokenize ---------------------------------------------------------------------------------
+
+
+def test_tokenize_a_prompt_as_vllm_answers(served):
+    max_len = served.client.models.retrieve("words").model_extra["max_model_len"]
+    assert _tokenize(served, prompt="w5 w17") == {"count": 3, "max_model_len": max_len, "tokens": [1, 5, 17],
+                                                  "token_strs": None}
+    assert _tokenize(served, model="words", prompt="w5 w17", add_special_tokens=False,
+                     return_token_strs=True) == {"count": 2, "max_model_len": max_len, "tokens": [5, 17],
+                                                 "token_strs": ["w5", "w17"]}
+    assert _tokenize(served, prompt="w5", return_token_strs=True)["token_strs"] == ["<s>", "w5"]
+    assert _tokenize(served, messages=CONV, return_token_strs=True)["token_strs"] == ["w5", "w17", "w30", "w2"]
+    # no room check: /tokenize tells how long a prompt is, the longest ones included
+    long = " ".join(["w9"] * (max_len + 5))
+    assert _tokenize(served, prompt=long)["count"] == max_len + 6
+
+
+def test_detokenize_gives_the_text_with_special_tokens(served):
+    r = served.http.post("/detokenize", json={"model": "words", "tokens": [1, 5, 17]})
+    assert r.status_code == 200 and r.json() == {"prompt": "<s> w5 w17"}
+    assert served.http.post("/detokenize", json={"tokens": []}).json() == {"prompt": ""}
+
+
+@pytest.mark.parametrize("path, body, status, param, words", [
+    ("/detokenize", {"tokens": [5, VOCAB]}, 400, "tokens", "tokens[1]: token id 512 is outside the tokenizer's "
+                                                           "vocabulary (0..511)"),
+    ("/detokenize", {"tokens": [5, -1]}, 400, "tokens", "a list of token ids"),
+    ("/detokenize", {"tokens": "w5"}, 400, "tokens", "a list of token ids"),
+    ("/detokenize", {}, 400, "tokens", "a list of token ids"),
+    ("/detokenize", {"tokens": [5], "prompt": "w5"}, 400, "prompt", "not supported"),
+    ("/detokenize", {"model": "gpt-4", "tokens": [5]}, 404, "model", "not served here"),
+    ("/tokenize", {"model": "gpt-4", "prompt": "w5"}, 404, "model", "not served here"),
+    ("/tokenize", {"model": 3, "prompt": "w5"}, 400, "model", "a string"),
+    ("/tokenize", {}, 400, "prompt", "prompt: required"),
+    ("/tokenize", {"prompt": [5, 17]}, 400, "prompt", "prompt: expected a string"),
+    ("/tokenize", {"prompt": "w5", "messages": CONV}, 400, "messages", "not both"),
+    ("/tokenize", {"prompt": "w5", "add_generation_prompt": False}, 400, "add_generation_prompt", "not supported"),
+    ("/tokenize", {"prompt": "w5", "return_token_strs": "yes"}, 400, "return_token_strs", "true or false"),
+    ("/tokenize", {"messages": []}, 400, "messages", "a non-empty list"),
+    ("/tokenize", {"messages": CONV, "tools": []}, 400, "tools", "not supported"),
+])
+def test_tokenizer_endpoint_refusals_name_the_field(served, path, body, status, param, words):
+    r = served.http.post(path, json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+    if status == 404:
+        assert error["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/detokenize"])
+def test_tokenizer_endpoints_have_the_completions_body_limits(served, path):
+    for body, words in [(b'{"prompt": "w5", "prompt": "w6"}', "key 'prompt' appears twice"),
+                        (b'{"tokens": ' + b"[" * 40 + b"]" * 40 + b"}", "at most 32 levels"),
+                        (b"{not json", "not valid JSON")]:
+        r = served.http.post(path, content=body, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+    big = json.dumps({"prompt": "w5 " * MAX_BYTES}).encode()
+    r = served.http.post(path, content=big, headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    # a body that stops arriving is a 408 once --request-read-timeout passes
+    with socket.create_connection(("127.0.0.1", served.server.port), timeout=TIMEOUT) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                     "Content-Length: 100\r\n\r\n{\"prom".encode())
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    assert data.startswith(b"HTTP/1.1 408"), data
+    assert b"did not arrive in time" in data
+
+
+def test_tokenize_runs_off_the_event_loop(served, monkeypatch):
+    """The tokenizer is held until /health has answered: were the body tokenized on the event loop, /health could
+    not answer (the hook gives up after a while, so a failure is not a hang)."""
+    engine = served.state.engine
+    entered, release = threading.Event(), threading.Event()
+    tokenize = engine.tokenize
+
+    def held(text, **kw):
+        entered.set()
+        release.wait(TIMEOUT)
+        return tokenize(text, **kw)
+
+    monkeypatch.setattr(engine, "tokenize", held)
+    results = []
+
+    def call():
+        with httpx.Client(base_url=served.url, timeout=TIMEOUT) as http:
+            results.append(http.post("/tokenize", json={"prompt": "w5"}))
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    try:
+        assert entered.wait(TIMEOUT)
+        with httpx.Client(base_url=served.url, timeout=TIMEOUT / 4) as http:
+            assert http.get("/health").json() == {"status": "ok"}
+        assert not release.is_set() and thread.is_alive()
+    finally:
+        release.set()
+        thread.join(TIMEOUT)
+    (r,) = results
+    assert r.status_code == 200 and r.json()["tokens"] == [1, 5]
+
