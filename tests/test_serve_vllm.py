@@ -218,3 +218,15 @@ def test_tokenize_runs_off_the_event_loop(served, monkeypatch):
     (r,) = results
     assert r.status_code == 200 and r.json()["tokens"] == [1, 5]
 
+
+# --- /version and the list of endpoints ------------------------------------------------------------------------
+
+
+def test_version_and_the_404_lists_the_new_endpoints(served):
+    from pipeline.version import __version__
+
+    assert served.http.get("/version").json() == {"version": __version__}
+    r = served.http.get("/nowhere")
+    assert r.status_code == 404
+    message = r.json()["error"]["message"]
+    assert all(p in message for p in ("/tokenize", "/detokenize", "/version")), message

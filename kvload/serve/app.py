@@ -38,6 +38,7 @@ from kvload.serve.protocol import BadRequest, Job, parse, parse_detokenize, pars
 from pipeline.audit import dropped_record
 from pipeline.errors import ConfigError, GenerationError, KvBuildError
 from pipeline.limits import MAX_DEPTH, json_depth, unique_keys
+from pipeline.version import __version__
 
 
 @attrs.define
@@ -157,6 +158,10 @@ def create_app(state: ServeState) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         return await _tokenizer_call(state, request, _detokenize, gate, stopping)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:  # vLLM's: clients check what they talk to
+        return {"version": __version__}
 
     return app
 
