@@ -1,4 +1,5 @@
-"""The HTTP face of ``kvload serve``: OpenAI's completions and chat completions, metrics, kvload's audit.
+"""The HTTP face of ``kvload serve``: OpenAI's completions and chat completions, vLLM's /tokenize, /detokenize and
+/version, metrics, kvload's audit.
 
 Handlers turn a request body into engine requests (one per prompt and choice) on a worker thread (parsing
 and tokenizing a large body would stall every other client on the event loop), wait on an asyncio

@@ -1,8 +1,11 @@
 """OpenAI request bodies → what the engine needs, checked field by field (no web framework needed here).
 
-Every problem raises :class:`BadRequest` naming the field (``param``) and what is accepted; the app
-turns it into HTTP 400 with OpenAI's error body. Fields kvload cannot honour are refused, never
-silently dropped: an accepted setting must act.
+Completions and chat completions (:func:`parse`: OpenAI's fields, kvload's and vLLM's ``top_k``,
+``stop_token_ids``, ``ignore_eos``, ``add_special_tokens``, and for chat vLLM's template options, checked by
+``engine.prompts.template_options`` as ``LLM.chat`` checks them), and vLLM's ``/tokenize`` and ``/detokenize``
+(:func:`parse_tokenize`, :func:`parse_detokenize`). Every problem raises :class:`BadRequest` naming the field
+(``param``) and what is accepted; the app turns it into HTTP 400 with OpenAI's error body. Fields kvload cannot
+honour are refused, never silently dropped: an accepted setting must act.
 """
 
 from __future__ import annotations
