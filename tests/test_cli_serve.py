@@ -244,3 +244,22 @@ def test_max_concurrent_requests_defaults_to_256():
     parse = build_parser().parse_args
     assert parse(["serve", "tiny-llama"]).max_concurrent_requests == 256
     assert parse(["serve", "tiny-llama", "--max_concurrent_requests", "1"]).max_concurrent_requests == 1
+
+
+def test_a_requests_chat_template_is_trusted_only_with_the_flag(monkeypatch):
+    """--trust-request-chat-template reaches the served state; without it, requests' templates are refused."""
+    from kvload.cli import build_parser
+    from kvload.serve import command, server
+
+    parse = build_parser().parse_args
+    assert parse(["serve", "tiny-llama"]).trust_request_chat_template is False
+    seen = {}
+
+    def build_state(result, **kwargs):  # stop the command once it has said how to serve
+        seen.update(kwargs)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(server, "build_state", build_state)
+    with pytest.raises(SystemExit):
+        command.cmd_serve(parse(["serve", "tiny-llama", "--port", "0", "--trust-request-chat-template"]))
+    assert seen["trust_request_chat_template"] is True

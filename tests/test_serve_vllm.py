@@ -46,7 +46,8 @@ def served(tiny_checkpoints, tmp_path_factory):
     shutil.copytree(tiny_checkpoints("llama"), path)
     _tokenizer().save_pretrained(path)
     with serving(str(path), max_seq_len=64, kv_cache_config={"max_tokens": 512, "tokens_per_block": 4},
-                 state={"model_name": "words", "read_timeout_s": READ_TIMEOUT, "max_request_bytes": MAX_BYTES}) as s:
+                 state={"model_name": "words", "read_timeout_s": READ_TIMEOUT, "max_request_bytes": MAX_BYTES,
+                        "trust_request_chat_template": True}) as s:
         yield s
 
 
@@ -75,6 +76,23 @@ def test_tokenize_of_messages_is_what_the_chat_endpoint_prompts_with_under_every
         tokens = _tokenize(served, messages=CONV, **options)
         assert tokens["tokens"] == ids and tokens["count"] == len(ids), options
         assert _chat(served, **options).usage.prompt_tokens == len(ids), options
+
+
+def test_a_requests_own_chat_template_needs_the_operators_trust(served):
+    """vLLM's rule: Jinja from the client runs only on a server started with --trust-request-chat-template."""
+    template = "{% for m in messages %}{{ m['content'] }} w7 {% endfor %}"
+    served.state.trust_request_chat_template = False
+    try:
+        for path, body in (("/v1/chat/completions", {"model": "words", "messages": CONV, "max_tokens": 1}),
+                           ("/tokenize", {"messages": CONV})):
+            r = served.http.post(path, json={**body, "chat_template": template})
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == "chat_template"
+            assert "--trust-request-chat-template" in error["message"]
+            assert served.http.post(path, json=body).status_code == 200  # the model's template still serves
+    finally:
+        served.state.trust_request_chat_template = True
 
 
 def test_chat_template_kwargs_reach_the_template_of_a_chat_completion(served):

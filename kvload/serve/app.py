@@ -54,6 +54,8 @@ class ServeState:
     default_max_tokens: int = 256
     read_timeout_s: float = READ_TIMEOUT_DEFAULT  # a body not all in by then is a 408 (the head: server._Deadlines)
     max_concurrent_requests: int = MAX_CONCURRENT_DEFAULT  # generation requests in the server at once; more: 503
+    #: a request's own chat_template (Jinja run here, its cost the client's to choose) only when the operator says so
+    trust_request_chat_template: bool = False
     in_flight: int = 0  # generation requests in the server now (only the event loop's thread touches it)
     created: int = attrs.Factory(lambda: int(time.time()))
 
@@ -319,6 +321,7 @@ def _tokenize(state: ServeState, raw: bytes | bytearray) -> dict[str, Any]:
     body = _load(raw)
     job = parse_tokenize(body)
     _check_model(state, body)
+    _check_template(state, job.template)
     engine = state.engine
     try:
         if job.messages is not None:
@@ -361,7 +364,16 @@ def _parse(state: ServeState, raw: bytes | bytearray, kind: str) -> Job:
     body = _load(raw)
     job = parse(body, kind, default_max_tokens=state.default_max_tokens)
     _check_model(state, body)
+    _check_template(state, job.template)
     return job
+
+
+def _check_template(state: ServeState, template: dict[str, Any]) -> None:
+    """A request's own ``chat_template`` is Jinja the server runs, as slow as the client writes it (and one request
+    parses at a time): refused unless the server was started with ``--trust-request-chat-template`` (vLLM's rule)."""
+    if template.get("chat_template") is not None and not state.trust_request_chat_template:
+        raise BadRequest("chat_template: a request's own chat template needs a server started with "
+                         "--trust-request-chat-template; this one applies the model's", param="chat_template")
 
 
 def _check_model(state: ServeState, body: dict[str, Any]) -> None:

@@ -94,6 +94,11 @@ def add_serve_command(sub: Any) -> None:
                    help="completion and chat requests the server holds at once, from their headers until their "
                         "answer ends (queued for the engine included); more get HTTP 503 at once, before their "
                         "body is read, and /health and /metrics keep answering (default %(default)s)")
+    g.add_argument("--trust-request-chat-template", "--trust_request_chat_template",
+                   dest="trust_request_chat_template", action="store_true",
+                   help="accept a request's own chat_template (Jinja the server runs, as slow as the client "
+                        "writes it); without it such a request gets HTTP 400 and the model's template applies "
+                        "to every other (vLLM's flag)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -166,7 +171,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         state = build_state(result, model_name=ns.served_model_name, default_max_tokens=ns.default_max_tokens,
                             audit_keep=ns.audit_keep, max_request_bytes=ns.max_request_bytes,
                             read_timeout_s=ns.request_read_timeout,
-                            max_concurrent_requests=ns.max_concurrent_requests)
+                            max_concurrent_requests=ns.max_concurrent_requests,
+                            trust_request_chat_template=ns.trust_request_chat_template)
         mirror = None
         if ns.kv_events_file is not None:  # a full disk later stops the mirror with a warning, never a request
             mirror = mirror_kv_events(state, ns.kv_events_file, "--kv-events-file")

@@ -33,12 +33,14 @@ from pipeline.limits import MAX_INT, short
 def build_state(result: Any, *, model_name: str | None = None, default_max_tokens: int = 256,
                 audit_keep: int = AUDIT_KEEP_DEFAULT, max_request_bytes: int | None = None,
                 read_timeout_s: float = READ_TIMEOUT_DEFAULT,
-                max_concurrent_requests: int = MAX_CONCURRENT_DEFAULT) -> ServeState:
+                max_concurrent_requests: int = MAX_CONCURRENT_DEFAULT,
+                trust_request_chat_template: bool = False) -> ServeState:
     """Engine (not started) and metrics over a ``load(..., load_weights=True)`` result; from now on its audit log
     keeps the load's records and the newest ``audit_keep`` (``/v1/kvload/audit`` serves them). A request body
     over ``max_request_bytes`` is refused unread (None: :func:`default_max_request_bytes` of the model); a
     request's head, and then its body, must each arrive within ``read_timeout_s`` seconds (408); past
-    ``max_concurrent_requests`` generation requests at once, more are refused (503)."""
+    ``max_concurrent_requests`` generation requests at once, more are refused (503); a request's own
+    ``chat_template`` is refused (400) unless ``trust_request_chat_template``."""
     if model_name is not None and not (isinstance(model_name, str) and model_name.strip()):
         raise ConfigError(f"model_name: expected a non-empty name (or None: the model's own), got {model_name!r}")
     if max_request_bytes is not None and not (isinstance(max_request_bytes, int)
@@ -52,6 +54,9 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
     if not (isinstance(max_concurrent_requests, int) and not isinstance(max_concurrent_requests, bool)
             and 1 <= max_concurrent_requests <= MAX_INT):
         raise ConfigError(f"max_concurrent_requests: expected an integer >= 1, got {short(max_concurrent_requests)}")
+    if not isinstance(trust_request_chat_template, bool):
+        raise ConfigError(f"trust_request_chat_template: expected true or false, got "
+                          f"{short(trust_request_chat_template)}")
     result.audit.keep_tail(audit_keep)
     name = model_name or (result.model.name if result.model is not None else str(result.args.model))
     metrics = ServeMetrics(name)
@@ -61,7 +66,8 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
         max_request_bytes = default_max_request_bytes(engine.executor.max_seq_len, engine.executor.vocab_size)
     return ServeState(result=result, engine=engine, metrics=metrics, model_name=name,
                       max_request_bytes=max_request_bytes, default_max_tokens=default_max_tokens,
-                      read_timeout_s=float(read_timeout_s), max_concurrent_requests=max_concurrent_requests)
+                      read_timeout_s=float(read_timeout_s), max_concurrent_requests=max_concurrent_requests,
+                      trust_request_chat_template=trust_request_chat_template)
 
 
 
