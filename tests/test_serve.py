@@ -166,8 +166,6 @@ def test_other_refusals_and_the_server_keeps_serving(served):
 def test_a_preset_without_a_tokenizer_answers_the_tokenizer_endpoints_with_a_400_saying_so(served):
     for path, body, param in [("/tokenize", {"prompt": "hello"}, "prompt"),
                               ("/tokenize", {"messages": [{"role": "user", "content": "hi"}]}, "messages"),
-                              ("/tokenize", {"messages": [{"role": "user", "content": "hi"}],
-                                             "chat_template": "{{ messages[0]['content'] }}"}, "messages"),
                               ("/detokenize", {"tokens": [1, 2]}, "tokens")]:
         r = served.http.post(path, json=body)
         assert r.status_code == 400, r.text

@@ -215,17 +215,19 @@ def _assert_busy(served) -> None:
         r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         assert r.headers["connection"] == "close"  # the refused body is not read
-        assert r.json() == {"error": {"message": "the server is busy: 2 completion requests are already in flight, "
+        assert r.json() == {"error": {"message": "the server is busy: 2 requests are already in flight, "
                                                  "the most it takes at once (--max-concurrent-requests sets it); "
                                                  "retry later",
                                       "type": "server_error", "param": None, "code": "server_busy"}}
         r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 503
+        # /tokenize reads a body of up to --max-request-bytes too: counted, so a flood of them is refused unread
+        assert http.post("/tokenize", json={"prompt": "hi"}).status_code == 503
         # what a load balancer and a scraper ask keeps answering (uvicorn's limit_concurrency would 503 them)
         assert http.get("/health").json() == {"status": "ok"}
         assert "kvload_generation_tokens_total" in http.get("/metrics").text
     after = served.metrics()
-    assert after[BUSY] == before[BUSY] + 2  # both refusals counted; /health and /metrics are neither in flight
+    assert after[BUSY] == before[BUSY] + 3  # every refusal counted; /health and /metrics are neither in flight
     assert after[IN_FLIGHT] == before[IN_FLIGHT] == LIMIT  # nor refused
 
 

@@ -195,7 +195,7 @@ class _Admission:
     would answer /health and /metrics with a plain-text 503 too; this leaves them answering.
     """
 
-    PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+    PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})  # all read a body
 
     def __init__(self, app: Any, state: ServeState) -> None:
         self.app = app
@@ -209,7 +209,7 @@ class _Admission:
             return
         if state.in_flight >= state.max_concurrent_requests:
             limit = state.max_concurrent_requests
-            busy = BadRequest(f"the server is busy: {limit:,} completion request{'s are' if limit != 1 else ' is'} "
+            busy = BadRequest(f"the server is busy: {limit:,} request{'s are' if limit != 1 else ' is'} "
                               f"already in flight, the most it takes at once (--max-concurrent-requests sets it); "
                               "retry later", status=503, kind="server_error", code="server_busy")
             state.metrics.on_refused(503)

@@ -91,9 +91,10 @@ def add_serve_command(sub: Any) -> None:
     g.add_argument("--max-concurrent-requests", "--max_concurrent_requests", dest="max_concurrent_requests",
                    default=MAX_CONCURRENT_DEFAULT, metavar="N",
                    type=cli._bounded(cli.integer, lambda v: v >= 1, "an integer >= 1"),
-                   help="completion and chat requests the server holds at once, from their headers until their "
-                        "answer ends (queued for the engine included); more get HTTP 503 at once, before their "
-                        "body is read, and /health and /metrics keep answering (default %(default)s)")
+                   help="completion, chat and (de)tokenize requests the server holds at once, from their "
+                        "headers until their answer ends (queued for the engine included); more get HTTP 503 at "
+                        "once, before their body is read, and /health and /metrics keep answering "
+                        "(default %(default)s)")
     g.add_argument("--trust-request-chat-template", "--trust_request_chat_template",
                    dest="trust_request_chat_template", action="store_true",
                    help="accept a request's own chat_template (Jinja the server runs, as slow as the client "

@@ -71,8 +71,8 @@ class ServeMetrics:
                              buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
         # read at scrape time from the count the admission middleware keeps (app._Admission): one source of truth
         self.http_in_flight = Gauge("kvload_http_requests_in_flight",
-                                    "Completion and chat requests in the server now, from their headers until their "
-                                    "answer ends (what --max-concurrent-requests limits)", labels,
+                                    "Completion, chat and (de)tokenize requests in the server now, from their "
+                                    "headers until their answer ends (what --max-concurrent-requests limits)", labels,
                                     registry=r).labels(model_name)
         self.http_refused = Counter("kvload_http_requests_refused",
                                     "HTTP requests refused, by reason: bad_request and model_not_found (400, 404), "
