@@ -49,6 +49,7 @@ from engine.outputs import (
     StreamEvent,
     TokenDelta,
 )
+from engine.penalties import penalize
 from engine.prompts import (
     TEMPLATE_OPTIONS,
     apply_template,
@@ -347,7 +348,9 @@ class GenerationExecutor:
             max_new_tokens=p0.max_tokens, temperature=float(p0.temperature), top_p=float(p0.top_p),
             seed=p0.seed, salted=salt is not None, kv_manager=type(self.manager).__name__, top_k=p0.top_k, n=p0.n,
             stop_strings=len(p0.stop), stop_token_ids=list(p0.stop_token_ids), logprobs=p0.logprobs,
-            per_prompt_params=per_prompt))
+            per_prompt_params=per_prompt, repetition_penalty=float(p0.repetition_penalty),
+            presence_penalty=float(p0.presence_penalty), frequency_penalty=float(p0.frequency_penalty),
+            min_tokens=p0.min_tokens, min_p=float(p0.min_p)))
         for p in {id(p): p for p in params}.values():  # greedy draws nothing: a seed, top-p, top-k or n that does
             for name, value, why in greedy_ignored(p):  # nothing is said to, never silently dropped
                 self._event(SettingIgnored(field=f"generate.{name}", value=value, reason=why))
@@ -542,7 +545,8 @@ class GenerationExecutor:
             # completed by a token that also starts an unfinished character still ends it as "stop", not as a text
             # cut at the stop string under "length"
             hit = live.text.update(request.output_token_ids,
-                                   final=at_length(request, self.manager.options.max_seq_len))
+                                   final=at_length(request, self.manager.options.max_seq_len),
+                                   search=len(request.output_token_ids) > p.min_tokens)
             if hit is not None:
                 live.stop_reason = hit
                 return True
@@ -580,29 +584,32 @@ class GenerationExecutor:
         if not rows:
             return {}
         lives = [self._live[out.scheduled[i].request.req_id] for i in rows]
+        # penalties and min_tokens pick from changed logits; logprobs stay the model's own (vLLM's raw_logprobs)
+        picks = penalize(logits, counts, [(live.params, live.request) for live in lives], self.eos_token_ids)
         if len(logits) == len(rows):
-            tokens: dict[str, int | list[int]] = dict(self._sample(logits, lives))
+            tokens: dict[str, int | list[int]] = dict(self._sample(picks, lives, logits))
         else:
-            tokens = self._verify(logits, lives, counts)
+            tokens = self._verify(picks, lives, counts, logits)
         if self.lockstep is not None:
             tokens = self.lockstep.ranks.broadcast(tokens)  # rank 0's tokens: the next step's inputs everywhere
         return tokens
 
-    def _verify(self, logits: Any, lives: list[_Live], counts: list[int]) -> dict[str, int | list[int]]:
+    def _verify(self, logits: Any, lives: list[_Live], counts: list[int], raw: Any) -> dict[str, int | list[int]]:
         """Speculative decoding: each request's drafts up to the first the model's argmax disagrees with, then the
         argmax after them (greedy), or kept and drawn as ``engine.speculation.verify_sampled`` says (sampled);
-        requests without drafts sample as usual."""
+        requests without drafts sample as usual. ``logits`` pick (penalized), ``raw`` give the logprobs."""
         starts = list(itertools.accumulate(counts, initial=0))
         plain = [i for i, c in enumerate(counts) if c == 1]
         tokens: dict[str, int | list[int]] = {}
         if plain:
             rows = [starts[i] for i in plain]
-            tokens.update(self._sample(logits[rows], [lives[i] for i in plain]))
-        for i, rows, kept in verify_drafted(logits, counts, [live.request.draft_token_ids for live in lives],
-                                            [(live.params, live.generator) for live in lives]):
+            tokens.update(self._sample(logits[rows], [lives[i] for i in plain], raw[rows]))
+        for i, _, kept in verify_drafted(logits, counts, [live.request.draft_token_ids for live in lives],
+                                         [(live.params, live.generator) for live in lives]):
             live = lives[i]
             tokens[live.request.req_id] = kept
             if live.params.logprobs is not None:
+                rows = raw[starts[i]:starts[i] + len(kept)]
                 live.logprobs.extend(top_logprobs(rows, live.params.logprobs, kept))
         return tokens
 
@@ -648,20 +655,23 @@ class GenerationExecutor:
             logits = logits[picked]
         return logits, reach, counts
 
-    def _sample(self, logits: Any, lives: list[_Live]) -> dict[str, int]:
-        """Next token of each live request from its logits row, drawn as its SamplingParams say; logprobs kept."""
+    def _sample(self, logits: Any, lives: list[_Live], raw: Any) -> dict[str, int]:
+        """Next token of each live request from its logits row, drawn as its SamplingParams say; logprobs kept (of
+        ``raw``, the model's own logits, where ``logits`` are penalized)."""
         groups: dict[int, list[int]] = {}  # rows sharing one SamplingParams are warped together
         for row, live in enumerate(lives):
             groups.setdefault(id(live.params), []).append(row)
         tokens = [0] * len(lives)
         for rows in groups.values():
             params = lives[rows[0]].params
-            block = logits if len(rows) == len(lives) else logits[rows]
+            whole = len(rows) == len(lives)
+            block = logits if whole else logits[rows]
             picked = sample_rows(block, params, [lives[r].generator for r in rows])
             for r, token in zip(rows, picked, strict=True):
                 tokens[r] = token
             if params.logprobs is not None:
-                for r, entry in zip(rows, top_logprobs(block, params.logprobs, picked), strict=True):
+                own = raw if whole else raw[rows]
+                for r, entry in zip(rows, top_logprobs(own, params.logprobs, picked), strict=True):
                     lives[r].logprobs.append(entry)
         return {live.request.req_id: token for live, token in zip(lives, tokens, strict=True)}
 

@@ -6,22 +6,31 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from engine.sampling_params import SamplingParams, is_int
 
 
-def warpers(top_k: int = 0, top_p: float = 1.0) -> LogitsProcessorList:
-    """transformers' top-k then top-p warpers (``generate``'s order; temperature comes first, in float64).
+def warpers(top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> LogitsProcessorList:
+    """transformers' top-k, top-p then min-p warpers (``generate``'s order; temperature comes first, in float64).
 
     The nucleus is the smallest set of most likely tokens whose probability reaches ``top_p`` (the
-    most likely token is always in it); ``top_k`` of 0 or -1 keeps every token.
+    most likely token is always in it); ``top_k`` of 0 or -1 keeps every token; ``min_p`` drops the tokens less
+    likely than ``min_p`` times the most likely one.
     """
     procs = LogitsProcessorList()
     if top_k > 0:
         procs.append(TopKLogitsWarper(top_k))
     if top_p < 1.0:
         procs.append(TopPLogitsWarper(float(top_p)))
+    if min_p > 0.0:
+        procs.append(MinPLogitsWarper(float(min_p)))
     return procs
 
 
@@ -35,8 +44,8 @@ def sample_rows(logits: torch.Tensor, params: SamplingParams,
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution a sampled request draws from, per row of ``(rows, vocab)`` logits: softmax at its
-    temperature within its top-k and top-p (float32)."""
+    """The distribution a sampled request draws from, per row of ``(rows, vocab)`` logits (penalized already,
+    ``engine.penalties``): softmax at its temperature within its top-k, top-p and min-p (float32)."""
     # transformers' temperature warper in float64 on max-subtracted logits: a tiny temperature (1e-300)
     # then sharpens to argmax instead of overflowing float32 to inf/nan, a huge one flattens to uniform;
     # the scaled scores are fine in float32, where the top-p sort is cheaper
@@ -44,7 +53,7 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     scores = scores - scores.max(dim=-1, keepdim=True).values
     if params.temperature != 1.0:
         scores = TemperatureLogitsWarper(float(params.temperature))(None, scores)
-    scores = warpers(params.top_k, params.top_p)(None, scores.float())
+    scores = warpers(params.top_k, params.top_p, params.min_p)(None, scores.float())
     return torch.softmax(scores, dim=-1)
 
 

@@ -147,6 +147,14 @@ class SamplingParams:
     sharing the prompt's KV blocks. ``logprobs``: per generated token, the log-probabilities of the
     ``logprobs`` most likely tokens plus the sampled one (None: none; at most ``MAX_LOGPROBS``).
     ``ignore_eos``: keep going past EOS (stop strings/ids still end).
+
+    vLLM's penalties and bounds (``engine.penalties``; applied to the logits before temperature, greedy or
+    sampled): ``repetition_penalty`` (> 0; 1 = off) divides a positive logit and multiplies a negative one of every
+    token in the prompt or the output (transformers' and vLLM's); ``presence_penalty`` and ``frequency_penalty``
+    (in [-2, 2]; 0 = off) subtract, per token, once if the output holds it and per time it does (OpenAI's);
+    ``min_tokens``: no EOS, stop token id or stop string ends a sample before it has this many tokens
+    (at most ``max_tokens``). ``min_p`` (in [0, 1]; 0 = off): drop tokens less likely than ``min_p`` times the most
+    likely one (after temperature; sampling only).
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -159,11 +167,18 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None
     ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    min_p: float = 0.0
 
     def __init__(self, *, max_tokens: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | None = None, stop: str | Sequence[str] | None = None,
                  stop_token_ids: Sequence[int] | None = None, n: int = 1, logprobs: int | None = None,
-                 ignore_eos: bool = False, max_new_tokens: int | None = None) -> None:
+                 ignore_eos: bool = False, max_new_tokens: int | None = None, repetition_penalty: float = 1.0,
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0, min_tokens: int = 0,
+                 min_p: float = 0.0) -> None:
         """Keywords only (the field order may grow); ``max_new_tokens`` is an alias of ``max_tokens``."""
         length_name = "max_tokens"
         if max_new_tokens is not None:
@@ -174,12 +189,15 @@ class SamplingParams:
         if max_tokens is None:
             max_tokens = DEFAULT_MAX_TOKENS
         # numpy scalars (an n, a seed or a temperature taken from an array) count as numbers, stored as Python's
-        max_tokens, top_k, seed, n, logprobs = map(_plain_int, (max_tokens, top_k, seed, n, logprobs))
-        temperature, top_p = _plain_number(temperature), _plain_number(top_p)
+        max_tokens, top_k, seed, n, logprobs, min_tokens = map(_plain_int, (max_tokens, top_k, seed, n, logprobs,
+                                                                            min_tokens))
+        temperature, top_p, repetition_penalty, presence_penalty, frequency_penalty, min_p = map(
+            _plain_number, (temperature, top_p, repetition_penalty, presence_penalty, frequency_penalty, min_p))
         check(is_int(max_tokens) and max_tokens >= 1, length_name, "an integer >= 1", max_tokens)
         _at_most_int64(length_name, max_tokens)
         self.__attrs_init__(max_tokens, temperature, top_p, top_k, seed, _strings(stop), _ints(stop_token_ids), n,
-                            logprobs, ignore_eos)
+                            logprobs, ignore_eos, repetition_penalty, presence_penalty, frequency_penalty,
+                            min_tokens, min_p)
 
     def __attrs_post_init__(self) -> None:
         check(is_number(self.temperature) and self.temperature >= 0 and math.isfinite(self.temperature),
@@ -200,6 +218,20 @@ class SamplingParams:
         check(is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"an integer in [1, {MAX_N}]", self.n)
         check_logprobs(self.logprobs)
         check(isinstance(self.ignore_eos, bool), "ignore_eos", "true or false", self.ignore_eos)
+        check(is_number(self.repetition_penalty) and 0 < self.repetition_penalty < math.inf, "repetition_penalty",
+              "a finite number > 0 (1 = off)", self.repetition_penalty)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            check(is_number(value) and -2 <= value <= 2, name, "a number in [-2, 2] (0 = off)", value)
+        check(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+              f"an integer in [0, max_tokens={self.max_tokens}]", self.min_tokens)
+        check(is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "a number in [0, 1] (0 = off)", self.min_p)
+
+    @property
+    def penalizes(self) -> bool:
+        """Whether the logits change before temperature: a penalty, or ``min_tokens`` holding back the stop tokens."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.min_tokens > 0)
 
     @classmethod
     def _beam_step(cls, alternatives: int) -> SamplingParams:
@@ -254,6 +286,7 @@ def greedy_ignored(params: SamplingParams, n: int | None = None) -> list[tuple[s
     nothing = "temperature is 0 (greedy): nothing is sampled"
     asked = (("seed", params.seed, None, nothing), ("top_p", params.top_p, 1.0, nothing),
              ("top_k", max(params.top_k, 0), 0, nothing),  # -1 and 0 both mean every token
+             ("min_p", params.min_p, 0.0, nothing),
              ("n", n, 1, "temperature is 0 (greedy): the samples are identical"))
     return [(name, value, why) for name, value, unset, why in asked if value != unset]
 

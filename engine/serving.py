@@ -31,6 +31,7 @@ from cache_backends.interface import SchedulerOutput
 from cache_backends.request import Request
 from engine.driver import Driver, StalledError, StepStats, at_length
 from engine.executor import GenerationExecutor
+from engine.penalties import penalize
 from engine.prompts import apply_template, check_text
 from engine.sampling import sample_rows, top_logprobs
 from engine.sampling_params import SamplingParams, check_salt, greedy_ignored
@@ -113,7 +114,8 @@ class _ServeDriver(Driver):
             return "stop"
         last = at_length(req, self.max_seq_len)
         # the last token decodes as final: a stop string it completes counts even before an unfinished character
-        if live.text is not None and live.text.update(req.output_token_ids, final=last) is not None:
+        search = len(req.output_token_ids) > live.params.min_tokens  # min_tokens holds stop strings back too
+        if live.text is not None and live.text.update(req.output_token_ids, final=last, search=search) is not None:
             live.stop_reason = live.text.stop_hit
             return "stop"  # a stop string appeared in the text (the face cuts the text there)
         if last:
@@ -425,11 +427,16 @@ class ServingEngine:
         starts = list(itertools.accumulate(counts, initial=0))
         reqs = [out.scheduled[i].request for i in rows]
         lives = [self._live[r.req_id] for r in reqs]
+        # penalties and min_tokens pick from changed logits; logprobs stay the model's own (vLLM's raw_logprobs)
+        raw = logits
+        logits = penalize(logits, counts, [(lv.params, r) for lv, r in zip(lives, reqs, strict=True)],
+                          self.executor.eos_token_ids)
         picked: dict[str, int | list[int]] = {}
         plain = [i for i, c in enumerate(counts) if c == 1]
         if len(plain) < len(rows):
-            picked.update(self._verify(logits, counts, reqs, lives))
-            logits = logits[[starts[i] for i in plain]]
+            picked.update(self._verify(logits, counts, reqs, lives, raw))
+            keep = [starts[i] for i in plain]
+            logits, raw = logits[keep], raw[keep]
             reqs, lives = [reqs[i] for i in plain], [lives[i] for i in plain]
         greedy = [i for i, lv in enumerate(lives) if lv.params.greedy]
         if greedy:
@@ -442,19 +449,21 @@ class ServingEngine:
         if asked:
             k = max(lives[i].logprobs or 0 for i in asked)
             tokens = [picked[reqs[i].req_id] for i in asked]
-            for i, token, top in zip(asked, tokens, top_logprobs(logits[asked], k, tokens), strict=True):
+            for i, token, top in zip(asked, tokens, top_logprobs(raw[asked], k, tokens), strict=True):
                 self._keep_logprobs(lives[i], token, top)
         return picked
 
     def _verify(self, logits: torch.Tensor, counts: list[int], reqs: list[Request],
-                lives: list[_Live]) -> dict[str, list[int]]:
+                lives: list[_Live], raw: torch.Tensor) -> dict[str, list[int]]:
         """Verification of each drafting request, greedy or sampled (``engine.speculation.verify_drafted``), with
-        the kept tokens' logprobs when asked."""
+        the kept tokens' logprobs when asked (of ``raw``, the model's own logits, where ``logits`` are penalized)."""
         picked: dict[str, list[int]] = {}
-        for i, rows, kept in verify_drafted(logits, counts, [r.draft_token_ids for r in reqs],
-                                            [(lv.params, lv.generator) for lv in lives]):
+        starts = list(itertools.accumulate(counts, initial=0))
+        for i, _, kept in verify_drafted(logits, counts, [r.draft_token_ids for r in reqs],
+                                         [(lv.params, lv.generator) for lv in lives]):
             picked[reqs[i].req_id] = kept
             if lives[i].logprobs is not None:
+                rows = raw[starts[i]:starts[i] + len(kept)]
                 for token, top in zip(kept, top_logprobs(rows, lives[i].logprobs, kept), strict=True):
                     self._keep_logprobs(lives[i], token, top)
         return picked

@@ -64,10 +64,12 @@ class SampleText:
             return None
         return self._full + after[len(before):]
 
-    def update(self, token_ids: Sequence[int], final: bool = False) -> str | None:
+    def update(self, token_ids: Sequence[int], final: bool = False, search: bool = True) -> str | None:
         """Decode ``token_ids`` (the sample's tokens that count as text); the stop string found, else None.
 
         ``final``: the sample ended, so an incomplete multi-byte character at the end is decoded as is.
+        ``search``: False while ``min_tokens`` holds stops back; the text decoded meanwhile is never searched
+        (vLLM's rule), only a stop string that ends after it.
         """
         if self.stop_hit is not None or (len(token_ids) == self._decoded and (not final or self._final)):
             return self.stop_hit  # (token_ids only grow: the same count is the same tokens)
@@ -91,7 +93,9 @@ class SampleText:
         self._full = text
         self._start = self._window_start()
         self.text = text
-        if self.stop:
+        if self.stop and not search:
+            self._searched = len(text)
+        elif self.stop:
             start = max(0, self._searched - self.hold)
             hits = [(pos, s) for s in self.stop if (pos := text.find(s, start)) != -1]
             self._searched = len(text)

@@ -421,9 +421,14 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     if not prompts:
         raise ConfigError("--prompt: give at least one --prompt TEXT (or --prompt-ids IDS for a model without a "
                           "tokenizer)")
+    if ns.min_tokens > ns.max_new_tokens:
+        raise ConfigError(f"--min_tokens: expected at most --max_new_tokens ({ns.max_new_tokens}), got {ns.min_tokens}")
     params = SamplingParams(max_tokens=ns.max_new_tokens, temperature=ns.temperature, top_p=ns.top_p,
                             top_k=ns.top_k, seed=ns.seed, stop=ns.stop, stop_token_ids=ns.stop_token_ids, n=ns.n,
-                            logprobs=ns.logprobs, ignore_eos=ns.ignore_eos)  # checked before anything loads
+                            logprobs=ns.logprobs, ignore_eos=ns.ignore_eos,
+                            repetition_penalty=ns.repetition_penalty, presence_penalty=ns.presence_penalty,
+                            frequency_penalty=ns.frequency_penalty, min_tokens=ns.min_tokens,
+                            min_p=ns.min_p)  # checked before anything loads
     request = _request(ns, load_weights=True, kv_events_reader=False)  # it prints outputs, never KV events
     # Applies only when nothing else bounds the KV budget (CPU without --max_tokens/--max_gpu_total_bytes) and the
     # user set no default_max_tokens. Capped at the integer bound: a product past it is refused by the budget naming
@@ -624,6 +629,22 @@ def add_generate_command(sub: Any) -> None:
                    help="prefix-reuse scope: prompts under different salts never share cached blocks")
     g.add_argument("--ignore_eos", "--ignore-eos", dest="ignore_eos", action="store_true",
                    help="keep generating past end-of-sequence until --max_new_tokens (benchmarks)")
+    g.add_argument("--repetition_penalty", "--repetition-penalty", dest="repetition_penalty", default=1.0,
+                   metavar="R", type=_bounded(number, lambda v: 0 < v < math.inf, "a finite number > 0"),
+                   help="divide a positive logit (multiply a negative one) of each token already in the prompt or "
+                        "output by R, greedy or sampled (default: 1 = off)")
+    g.add_argument("--presence_penalty", "--presence-penalty", dest="presence_penalty", default=0.0, metavar="P",
+                   type=_bounded(number, lambda v: -2 <= v <= 2, "a number in [-2, 2]"),
+                   help="subtract P from the logit of each token the output already holds (default: 0 = off)")
+    g.add_argument("--frequency_penalty", "--frequency-penalty", dest="frequency_penalty", default=0.0,
+                   metavar="F", type=_bounded(number, lambda v: -2 <= v <= 2, "a number in [-2, 2]"),
+                   help="subtract F per time the output holds a token from its logit (default: 0 = off)")
+    g.add_argument("--min_tokens", "--min-tokens", dest="min_tokens", default=0, metavar="N",
+                   type=_bounded(integer, lambda v: v >= 0, "an integer >= 0"),
+                   help="no EOS, stop token or stop string ends a sample before it has N tokens (default: 0)")
+    g.add_argument("--min_p", "--min-p", dest="min_p", default=0.0, metavar="P",
+                   type=_bounded(number, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+                   help="sample only among tokens at least P times as likely as the most likely one (default: 0)")
     p.set_defaults(func=cmd_generate, prompts=None)
 
 

@@ -343,6 +343,11 @@ class GenerationStarted(Event):
     stop_token_ids: list[int] = attrs.Factory(list)
     logprobs: int | None = None
     per_prompt_params: bool = False  # one SamplingParams per prompt: the sampling fields above are prompt 0's
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    min_p: float = 0.0
 
 
 @event("generation_finished")

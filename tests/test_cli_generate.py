@@ -14,11 +14,11 @@ from tests.cli_support import kvload, read_events, run_cli
 TINY = ("generate", "tiny-llama", "--device", "cpu")
 
 
-def api_tokens(prompts: list[list[int]], n: int, **kv) -> list[list[int]]:
-    """What the Python API generates for the preset (same seeded random weights)."""
+def api_tokens(prompts: list[list[int]], n: int, sampling: dict | None = None, **kv) -> list[list[int]]:
+    """What the Python API generates for the preset (same seeded random weights); ``sampling``: more settings."""
     with pipeline.load("tiny-llama", load_weights=True, device="cpu", kv_cache_config={"max_tokens": 512, **kv},
                        log=False) as result:
-        return [o.token_ids for o in result.generate(prompts, max_new_tokens=n, ignore_eos=True)]
+        return [o.token_ids for o in result.generate(prompts, max_new_tokens=n, ignore_eos=True, **(sampling or {}))]
 
 
 def test_one_prompt_streams_token_ids_then_the_throughput_line(capsys):
@@ -190,6 +190,19 @@ def test_json_carries_logprobs_stop_token_ids_and_top_k(capsys):
                                                                         strict=True))
 
 
+def test_penalty_flags_give_the_python_apis_tokens_and_the_audit_records_them(capsys, tmp_path):
+    settings = {"repetition_penalty": 1.6, "presence_penalty": 0.5, "frequency_penalty": 0.2, "min_tokens": 2}
+    want = api_tokens([[9, 9, 9]], 8, settings)[0]
+    assert want != api_tokens([[9, 9, 9]], 8)[0]  # they change what greedy picks
+    audit = tmp_path / "g.jsonl"
+    r = run_cli(capsys, *TINY, "--prompt-ids", "9,9,9", "--max_new_tokens", "8", "--ignore_eos", "--max_tokens", "256",
+                "--json", "--audit-log", audit, *[f"--{k}={v}" for k, v in settings.items()])
+    assert r.code == 0, r.err
+    assert r.json()["outputs"][0]["outputs"][0]["token_ids"] == want
+    started = next(e for e in read_events(audit) if e["event"] == "generation_started")
+    assert {k: started[k] for k in settings} == settings
+
+
 @pytest.mark.parametrize(("args", "message"), [
     ((), "error: --prompt: give at least one --prompt TEXT"),
     (("--prompt", "hello"), "error: generate: prompt 0 is text, but tiny-llama has no tokenizer"),
@@ -213,6 +226,12 @@ def test_json_carries_logprobs_stop_token_ids_and_top_k(capsys):
                                                   "of 17"),
     (("--prompt-ids", "1", "--stop_token_ids", ",".join(["2"] * 4097)),
      "error: generate: stop_token_ids: expected at most 4,096 token ids, got a list of 4,097"),
+    (("--prompt-ids", "1", "--repetition_penalty", "0"), "error: --repetition_penalty: expected a finite number > 0"),
+    (("--prompt-ids", "1", "--presence-penalty", "-3"), "error: --presence-penalty: expected a number in [-2, 2]"),
+    (("--prompt-ids", "1", "--frequency_penalty", "nan"), "error: --frequency_penalty: expected a finite number"),
+    (("--prompt-ids", "1", "--min_p", "1.5"), "error: --min_p: expected a number in [0, 1], got '1.5'"),
+    (("--prompt-ids", "1", "--min_tokens", "9", "--max_new_tokens", "8"),
+     "error: --min_tokens: expected at most --max_new_tokens (8), got 9"),
     (("--prompt-ids", "1", "--max_tokens", "32", "--max_new_tokens", "64"),
      "error: generate: prompt 0: 1 prompt tokens + max_new_tokens 64 need 3 blocks"),
 ])

@@ -93,6 +93,19 @@ def test_a_stop_string_ends_with_stop_and_is_cut_from_the_text(llm):
     assert out.token_ids == ref.token_ids[:5]  # generation ended on the token that completed the stop string
 
 
+def test_min_tokens_holds_a_stop_string_back_until_the_output_is_long_enough(llm):
+    """vLLM's rule: text decoded before min_tokens is never searched; a stop string ending after it still stops."""
+    ref = greedy(llm)
+    words = ref.text.split(" ")
+    early = f"{words[1]} {words[2]}"  # complete at token 3
+    assert greedy(llm, stop=[early]).token_ids == ref.token_ids[:3]
+    held = greedy(llm, stop=[early], min_tokens=5)
+    assert held.finish_reason == "length" and held.token_ids == ref.token_ids  # found only before min_tokens
+    late = f"{words[5]} {words[6]}"  # complete at token 7, after min_tokens: it ends the sample
+    out = greedy(llm, stop=[early, late], min_tokens=5)
+    assert (out.finish_reason, out.stop_reason, out.token_ids) == ("stop", late, ref.token_ids[:7])
+
+
 def test_eos_ends_with_stop_and_ignore_eos_runs_to_length(llm):
     ref = greedy(llm)
     eos = ref.token_ids[3]

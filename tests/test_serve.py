@@ -47,6 +47,18 @@ def test_completion_gives_the_python_apis_greedy_tokens(served):
     assert r.object == "text_completion" and r.model == "tiny-llama"
 
 
+def test_penalties_and_min_tokens_give_the_python_apis_tokens(served):
+    """OpenAI's presence/frequency penalties and vLLM's repetition_penalty and min_tokens act as in LLM.generate."""
+    settings = {"presence_penalty": 0.8, "frequency_penalty": 0.3, "repetition_penalty": 1.4, "min_tokens": 3}
+    (want,) = served.result.generate([PROMPTS[0]], max_new_tokens=MAX_TOKENS[0], ignore_eos=True, salt="pen",
+                                     **settings)
+    assert want.token_ids != REFERENCE[0]  # the settings change what greedy picks
+    r = served.client.completions.create(model="tiny-llama", prompt=PROMPTS[0], max_tokens=MAX_TOKENS[0],
+                                         presence_penalty=0.8, frequency_penalty=0.3,
+                                         extra_body={"ignore_eos": True, "repetition_penalty": 1.4, "min_tokens": 3})
+    assert r.choices[0].model_extra["token_ids"] == want.token_ids
+
+
 def test_streamed_completion_gives_the_same_tokens_one_chunk_per_token(served):
     chunks = list(_complete(served, 1, stream=True, stream_options={"include_usage": True}))
     ids = [t for c in chunks if c.choices for t in c.choices[0].model_extra["token_ids"]]
@@ -125,7 +137,11 @@ def test_a_client_that_gives_up_on_a_plain_request_has_it_aborted(served):
     ({"prompt": [1, 2], "user": 123}, "user", "user: expected a string, got 123"),
     ({"prompt": [1, 2], "best_of": 2}, "best_of", "not supported"),
     ({"prompt": [1, 2], "logit_bias": {str(t): 1 for t in range(5000)}}, "logit_bias", "not supported"),
-    ({"prompt": [1, 2], "presence_penalty": 0.5}, "presence_penalty", "penalties"),
+    ({"prompt": [1, 2], "presence_penalty": 2.5}, "presence_penalty", "presence_penalty: expected a number in [-2, 2]"),
+    ({"prompt": [1, 2], "frequency_penalty": "high"}, "frequency_penalty", "expected a number, got 'high'"),
+    ({"prompt": [1, 2], "repetition_penalty": 0}, "repetition_penalty", "expected a finite number > 0"),
+    ({"prompt": [1, 2], "min_tokens": 9, "max_tokens": 4}, "min_tokens", "an integer in [0, max_tokens=4]"),
+    ({"prompt": [1, 2], "min_p": 2}, "min_p", "min_p: expected a number in [0, 1]"),
     ({"prompt": [1, 2], "stop": ["a"] * 17}, "stop", "expected at most 16 strings, got a list of 17"),
     ({"prompt": [1, 2], "stop_token_ids": [2] * 5000}, "stop_token_ids",
      "expected at most 4,096 token ids, got a list of 5,000"),

@@ -118,10 +118,14 @@ def _bad(exc: GenerationError) -> BadRequest:
     return BadRequest(msg, param=head if head.isidentifier() else None)
 
 
+#: vLLM's sampling fields past OpenAI's, taken as ``SamplingParams`` takes them (its checks, its words).
+_SAMPLING_EXTRAS = ("repetition_penalty", "min_p", "min_tokens")
+
 #: Fields both endpoints accept. Each acts, but ``user``: OpenAI's end-user id (for its abuse monitoring) names the
 #: caller and changes nothing generated, which the README says once rather than every request in the log.
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options", "user",
-           "presence_penalty", "frequency_penalty", "ignore_eos", "stop_token_ids", "salt", "logprobs", "top_k"}
+           "presence_penalty", "frequency_penalty", "ignore_eos", "stop_token_ids", "salt", "logprobs", "top_k",
+           *_SAMPLING_EXTRAS}
 _COMPLETION = _COMMON | {"prompt", "echo", "add_special_tokens"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "add_special_tokens"} | TEMPLATE_OPTIONS
 
@@ -130,11 +134,12 @@ def parse(body: Any, kind: str, *, default_max_tokens: int) -> Job:
     """Check an OpenAI ``/v1/completions`` (``kind="completion"``) or ``/v1/chat/completions`` body."""
     body = _object(body)
     _known(body, _COMPLETION if kind == "completion" else _CHAT)
-    for penalty in ("presence_penalty", "frequency_penalty"):
-        value = body.get(penalty)
-        if value not in (None, 0, 0.0):
-            raise BadRequest(f"{penalty}: kvload does not apply penalties; only 0 (or absent) is accepted, "
-                             f"got {value!r}", param=penalty)
+    # OpenAI's penalties and vLLM's extras: null is absent; SamplingParams checks the rest (bool is no number)
+    extras = {name: body[name] for name in ("presence_penalty", "frequency_penalty", *_SAMPLING_EXTRAS)
+              if body.get(name) is not None}
+    for name, value in extras.items():
+        expected = "an integer" if name == "min_tokens" else "a number"
+        _need(_is_int(value) if name == "min_tokens" else _is_num(value), name, expected, value)
     _model(body)
     # OpenAI's end-user id, for its abuse monitoring: it names the caller and changes nothing generated
     user = body.get("user")
@@ -216,7 +221,8 @@ def parse(body: Any, kind: str, *, default_max_tokens: int) -> Job:
     try:
         params = SamplingParams(max_tokens=max_tokens if given else default_max_tokens,
                                 temperature=float(temperature), top_p=float(top_p), top_k=top_k, seed=seed,
-                                stop=stops, stop_token_ids=stop_ids, logprobs=logprobs, ignore_eos=ignore_eos)
+                                stop=stops, stop_token_ids=stop_ids, logprobs=logprobs, ignore_eos=ignore_eos,
+                                **extras)
     except GenerationError as exc:  # the API's own checks, should the two ever disagree
         raise _bad(exc) from None
     template = _template(body) if kind == "chat" else {}
