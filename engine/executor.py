@@ -496,6 +496,10 @@ class GenerationExecutor:
             if bad is not None:
                 raise GenerationError(f"generate: stop_token_ids: token id {bad} is outside the vocabulary "
                                       f"(0..{self.vocab_size - 1})")
+            bad = next((t for t in p.logit_bias if t >= self.vocab_size), None)
+            if bad is not None:
+                raise GenerationError(f"generate: logit_bias: token id {bad} is outside the vocabulary "
+                                      f"(0..{self.vocab_size - 1})")
         return params
 
     def _lives(self, call: int, items: list[tuple[str | None, list[int]]], params: list[SamplingParams],

@@ -8,7 +8,8 @@ sampled; log-probabilities stay the model's own (vLLM's default ``raw_logprobs``
 * ``frequency_penalty`` f and ``presence_penalty`` p: ``logit -= f * count + p * (count > 0)``, counting the
   output's tokens only (OpenAI's);
 * ``min_tokens`` m: while the output holds fewer than m tokens, EOS (unless ``ignore_eos``) and the stop token ids
-  cannot be drawn.
+  cannot be drawn;
+* ``logit_bias``: added to its tokens' logits first (OpenAI's).
 
 A step with drafts (speculative decoding) has one row per draft position: row ``j`` of a request is penalized as
 if its first ``j`` drafts were already output, exactly as a step per token would. Each request's counts are kept
@@ -62,6 +63,9 @@ def _count(counts: torch.Tensor, tokens: Sequence[int]) -> None:
 def _penalize_row(row: torch.Tensor, params: SamplingParams, seen: _Seen, counts: torch.Tensor, generated: int,
                   stop_ids: list[int]) -> None:
     """One row in place (float32), its request's output so far being ``counts`` (``generated`` tokens)."""
+    if params.logit_bias:  # first, as vLLM's logits processors come before its penalties
+        ids, biases = _bias(params, row.device)
+        row.index_add_(0, ids, biases)
     r = params.repetition_penalty
     if r != 1.0:
         hit = seen.prompt | (counts > 0)
@@ -72,6 +76,22 @@ def _penalize_row(row: torch.Tensor, params: SamplingParams, seen: _Seen, counts
         row.sub_(params.presence_penalty * (counts > 0).to(row.dtype))
     if generated < params.min_tokens and stop_ids:
         row[stop_ids] = -torch.inf
+
+
+def _bias(params: SamplingParams, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``params.logit_bias`` as (ids, biases) tensors, built once per SamplingParams and device."""
+    key = (id(params), device)
+    hit = _BIASES.get(key)
+    if hit is None or hit[0] is not params:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=device)
+        biases = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32, device=device)
+        hit = _BIASES[key] = (params, ids, biases)
+        if len(_BIASES) > 256:  # a long-running server sees many requests' params: keep the newest
+            del _BIASES[next(iter(_BIASES))]
+    return hit[1], hit[2]
+
+
+_BIASES: dict[tuple[int, torch.device], tuple[SamplingParams, torch.Tensor, torch.Tensor]] = {}
 
 
 def penalize(logits: torch.Tensor, counts: Sequence[int], requests: Sequence[tuple[SamplingParams, Request]],

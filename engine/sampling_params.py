@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -18,7 +18,9 @@ import attrs
 from engine.prompts import check_text, is_token_id
 from pipeline.errors import GenerationError
 from pipeline.limits import (
+    MAX_BIAS,
     MAX_INT,
+    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_N,
     MAX_SALT_CHARS,
@@ -125,6 +127,19 @@ def _strings(value: Any) -> Any:
     return value
 
 
+def _biases(value: Any) -> Any:
+    """``logit_bias``: None → {}; a mapping → a dict of plain ints to plain numbers (anything else is left for the
+    check to name), counted before it is copied."""
+    if value is None:
+        return {}
+    if isinstance(value, Mapping):
+        if len(value) > MAX_LOGIT_BIAS:
+            raise GenerationError(f"generate: logit_bias: expected at most {MAX_LOGIT_BIAS:,} tokens, got "
+                                  f"{len(value):,}")
+        return {_plain_int(t): _plain_number(b) for t, b in value.items()}
+    return value
+
+
 def _ints(value: Any) -> Any:
     if value is None:
         return ()
@@ -154,7 +169,8 @@ class SamplingParams:
     (in [-2, 2]; 0 = off) subtract, per token, once if the output holds it and per time it does (OpenAI's);
     ``min_tokens``: no EOS, stop token id or stop string ends a sample before it has this many tokens
     (at most ``max_tokens``). ``min_p`` (in [0, 1]; 0 = off): drop tokens less likely than ``min_p`` times the most
-    likely one (after temperature; sampling only).
+    likely one (after temperature; sampling only). ``logit_bias``: token id → a number in [-100, 100] added to its
+    logit before the penalties (OpenAI's; -100 in effect bans the token), at most ``MAX_LOGIT_BIAS`` tokens.
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -172,13 +188,14 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     min_tokens: int = 0
     min_p: float = 0.0
+    logit_bias: dict[int, float] = attrs.field(factory=dict, hash=False)
 
     def __init__(self, *, max_tokens: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | None = None, stop: str | Sequence[str] | None = None,
                  stop_token_ids: Sequence[int] | None = None, n: int = 1, logprobs: int | None = None,
                  ignore_eos: bool = False, max_new_tokens: int | None = None, repetition_penalty: float = 1.0,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0, min_tokens: int = 0,
-                 min_p: float = 0.0) -> None:
+                 min_p: float = 0.0, logit_bias: Mapping[int, float] | None = None) -> None:
         """Keywords only (the field order may grow); ``max_new_tokens`` is an alias of ``max_tokens``."""
         length_name = "max_tokens"
         if max_new_tokens is not None:
@@ -197,7 +214,7 @@ class SamplingParams:
         _at_most_int64(length_name, max_tokens)
         self.__attrs_init__(max_tokens, temperature, top_p, top_k, seed, _strings(stop), _ints(stop_token_ids), n,
                             logprobs, ignore_eos, repetition_penalty, presence_penalty, frequency_penalty,
-                            min_tokens, min_p)
+                            min_tokens, min_p, _biases(logit_bias))
 
     def __attrs_post_init__(self) -> None:
         check(is_number(self.temperature) and self.temperature >= 0 and math.isfinite(self.temperature),
@@ -227,11 +244,18 @@ class SamplingParams:
               f"an integer in [0, max_tokens={self.max_tokens}]", self.min_tokens)
         check(is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "a number in [0, 1] (0 = off)", self.min_p)
 
+        check(isinstance(self.logit_bias, dict)
+              and all(is_int(t) and 0 <= t <= MAX_INT and is_number(b) and -MAX_BIAS <= b <= MAX_BIAS
+                      for t, b in self.logit_bias.items()),
+              "logit_bias", f"a mapping of token ids (integers >= 0) to numbers in [-{MAX_BIAS:g}, {MAX_BIAS:g}]",
+              self.logit_bias)
+
     @property
     def penalizes(self) -> bool:
-        """Whether the logits change before temperature: a penalty, or ``min_tokens`` holding back the stop tokens."""
+        """Whether the logits change before temperature: a bias, a penalty, or ``min_tokens`` holding back the stop
+        tokens."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.min_tokens > 0)
+                or self.min_tokens > 0 or bool(self.logit_bias))
 
     @classmethod
     def _beam_step(cls, alternatives: int) -> SamplingParams:
@@ -255,6 +279,7 @@ class SamplingParams:
         """Plain form (lists for the tuples), e.g. for JSON."""
         data = attrs.asdict(self)
         data["stop"], data["stop_token_ids"] = list(self.stop), list(self.stop_token_ids)
+        data["logit_bias"] = {str(t): b for t, b in self.logit_bias.items()}  # JSON's keys are strings (OpenAI's)
         return data
 
     @classmethod

@@ -33,6 +33,10 @@ MAX_STOP_TOKEN_IDS = 4096
 #: Most top alternatives per generated token ``logprobs`` may ask for (OpenAI's and vLLM's default limit): each
 #: is kept for every generated token of every sample. The Python API and the server share it.
 MAX_LOGPROBS = 20
+#: Most tokens one ``logit_bias`` may bias (OpenAI sets no number; each is a scatter per step, and a body's share).
+MAX_LOGIT_BIAS = 4096
+#: A ``logit_bias`` value's bound (OpenAI's: -100 bans a token, 100 all but forces it).
+MAX_BIAS = 100.0
 #: Longest suffix speculative decoding matches (``max_matching_ngram_size``) and most drafts per step
 #: (``max_draft_len``): the proposer keeps an entry per n-gram length for every token of every running request
 #: (a 32k-token prompt's index at 8: ~30 MiB, built in ~0.2 s at its first draft; its KV is far more), and each

@@ -54,6 +54,20 @@ def test_repetition_penalty_is_transformers_greedy(tiny_checkpoints, family, man
 
 
 @pytest.mark.parametrize("manager", ["v1", "v2"])
+def test_logit_bias_is_transformers_sequence_bias_of_single_tokens(tiny_checkpoints, manager):
+    with load(tiny_checkpoints("llama"), manager, max_num_tokens=32) as result:
+        model = result.hf_model
+        (p,) = prompts_for(model.config.vocab_size, (8,))
+        (plain,) = result.generate([p], max_new_tokens=NEW, ignore_eos=True)
+        bias = {plain.token_ids[0]: -100.0, plain.token_ids[3]: -7.5, 42: 3.0}
+        (out,) = result.generate([p], max_new_tokens=NEW, ignore_eos=True, logit_bias=bias)
+        ref = hf_generate(model, p, NEW, eos_token_id=None, sequence_bias={(t,): b for t, b in bias.items()})
+        assert out.token_ids == ref and plain.token_ids[0] not in out.token_ids
+        with pytest.raises(GenerationError, match=r"logit_bias: token id 99999 is outside the vocabulary"):
+            result.generate([p], max_new_tokens=2, logit_bias={99999: 1.0})
+
+
+@pytest.mark.parametrize("manager", ["v1", "v2"])
 def test_presence_and_frequency_penalties_follow_openais_formula(tiny_checkpoints, manager):
     with load(tiny_checkpoints("llama"), manager, max_num_tokens=32) as result:
         model = result.hf_model
@@ -159,6 +173,9 @@ def test_min_p_keeps_only_tokens_near_the_most_likely_and_greedy_reports_it_igno
     ({"min_tokens": 9, "max_tokens": 8}, r"min_tokens: expected an integer in \[0, max_tokens=8\]"),
     ({"min_tokens": 1.5}, "min_tokens: expected an integer"),
     ({"min_p": -0.1}, r"min_p: expected a number in \[0, 1\]"),
+    ({"logit_bias": {3: 101}}, r"logit_bias: expected a mapping of token ids \(integers >= 0\) to numbers in"),
+    ({"logit_bias": {-3: 1}}, r"logit_bias: expected a mapping of token ids"),
+    ({"logit_bias": dict.fromkeys(range(5000), 1.0)}, "logit_bias: expected at most 4,096 tokens, got 5,000"),
 ])
 def test_bad_penalty_values_name_the_field(kw, message):
     with pytest.raises(GenerationError, match=message):

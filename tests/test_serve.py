@@ -47,14 +47,15 @@ def test_completion_gives_the_python_apis_greedy_tokens(served):
     assert r.object == "text_completion" and r.model == "tiny-llama"
 
 
-def test_penalties_and_min_tokens_give_the_python_apis_tokens(served):
-    """OpenAI's presence/frequency penalties and vLLM's repetition_penalty and min_tokens act as in LLM.generate."""
+def test_logit_bias_penalties_and_min_tokens_give_the_python_apis_tokens(served):
+    """OpenAI's logit_bias and penalties, vLLM's repetition_penalty and min_tokens: as in LLM.generate."""
+    banned = REFERENCE[0][1]
     settings = {"presence_penalty": 0.8, "frequency_penalty": 0.3, "repetition_penalty": 1.4, "min_tokens": 3}
     (want,) = served.result.generate([PROMPTS[0]], max_new_tokens=MAX_TOKENS[0], ignore_eos=True, salt="pen",
-                                     **settings)
-    assert want.token_ids != REFERENCE[0]  # the settings change what greedy picks
+                                     logit_bias={banned: -100}, **settings)
+    assert want.token_ids != REFERENCE[0] and banned not in want.token_ids  # the settings change greedy's picks
     r = served.client.completions.create(model="tiny-llama", prompt=PROMPTS[0], max_tokens=MAX_TOKENS[0],
-                                         presence_penalty=0.8, frequency_penalty=0.3,
+                                         presence_penalty=0.8, frequency_penalty=0.3, logit_bias={str(banned): -100},
                                          extra_body={"ignore_eos": True, "repetition_penalty": 1.4, "min_tokens": 3})
     assert r.choices[0].model_extra["token_ids"] == want.token_ids
 
@@ -136,7 +137,11 @@ def test_a_client_that_gives_up_on_a_plain_request_has_it_aborted(served):
     ({"prompt": [1, 2], "model": 123}, "model", "model: expected a string (the served model's name), got 123"),
     ({"prompt": [1, 2], "user": 123}, "user", "user: expected a string, got 123"),
     ({"prompt": [1, 2], "best_of": 2}, "best_of", "not supported"),
-    ({"prompt": [1, 2], "logit_bias": {str(t): 1 for t in range(5000)}}, "logit_bias", "not supported"),
+    ({"prompt": [1, 2], "logit_bias": {str(t): 1 for t in range(5000)}}, "logit_bias",
+     "logit_bias: expected at most 4,096 tokens, got 5,000"),
+    ({"prompt": [1, 2], "logit_bias": {"x": 1}}, "logit_bias", 'token ids to numbers in [-100, 100], e.g. {"50256"'),
+    ({"prompt": [1, 2], "logit_bias": {"3": -101}}, "logit_bias", "to numbers in [-100, 100]"),
+    ({"prompt": [1, 2], "logit_bias": {"99999": 1}}, "logit_bias", "token id 99999 is outside the vocabulary"),
     ({"prompt": [1, 2], "presence_penalty": 2.5}, "presence_penalty", "presence_penalty: expected a number in [-2, 2]"),
     ({"prompt": [1, 2], "frequency_penalty": "high"}, "frequency_penalty", "expected a number, got 'high'"),
     ({"prompt": [1, 2], "repetition_penalty": 0}, "repetition_penalty", "expected a finite number > 0"),

@@ -24,7 +24,7 @@ from engine.sampling_params import (
     check_stop_token_ids_count,
 )
 from pipeline.errors import GenerationError
-from pipeline.limits import MAX_INT, MAX_LOGPROBS, MAX_N, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS
+from pipeline.limits import MAX_INT, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS
 
 #: Most prompts one completions request may hold: each becomes engine requests checked and queued
 #: before the reply starts, so one body must not keep the server busy for minutes.
@@ -125,7 +125,7 @@ _SAMPLING_EXTRAS = ("repetition_penalty", "min_p", "min_tokens")
 #: caller and changes nothing generated, which the README says once rather than every request in the log.
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options", "user",
            "presence_penalty", "frequency_penalty", "ignore_eos", "stop_token_ids", "salt", "logprobs", "top_k",
-           *_SAMPLING_EXTRAS}
+           "logit_bias", *_SAMPLING_EXTRAS}
 _COMPLETION = _COMMON | {"prompt", "echo", "add_special_tokens"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "add_special_tokens"} | TEMPLATE_OPTIONS
 
@@ -140,6 +140,8 @@ def parse(body: Any, kind: str, *, default_max_tokens: int) -> Job:
     for name, value in extras.items():
         expected = "an integer" if name == "min_tokens" else "a number"
         _need(_is_int(value) if name == "min_tokens" else _is_num(value), name, expected, value)
+    if body.get("logit_bias") is not None:
+        extras["logit_bias"] = _logit_bias(body["logit_bias"])
     _model(body)
     # OpenAI's end-user id, for its abuse monitoring: it names the caller and changes nothing generated
     user = body.get("user")
@@ -230,6 +232,18 @@ def parse(body: Any, kind: str, *, default_max_tokens: int) -> Job:
     return Job(kind=kind, prompts=prompts, params=params, n=n, stream=stream, include_usage=include_usage,
                stop=stops, stop_token_ids=tuple(stop_ids), logprobs=logprobs, echo=echo, salt=salt,
                max_tokens_given=given, max_tokens_field=field, template=template, add_special_tokens=special)
+
+
+def _logit_bias(value: Any) -> dict[int, Any]:
+    """OpenAI's ``logit_bias``: token ids (JSON's string keys) to numbers; SamplingParams bounds them."""
+    expected = 'an object of token ids to numbers in [-100, 100], e.g. {"50256": -100}'
+    _need(isinstance(value, dict), "logit_bias", expected, value)
+    if len(value) > MAX_LOGIT_BIAS:  # counted before each key is read, in the Python API's words
+        raise BadRequest(f"logit_bias: expected at most {MAX_LOGIT_BIAS:,} tokens, got {len(value):,}",
+                         param="logit_bias")
+    _need(all(isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 19 and _is_num(b)
+              for k, b in value.items()), "logit_bias", expected, value)
+    return {int(k): b for k, b in value.items()}
 
 
 def _flag(body: dict[str, Any], field: str, default: bool) -> bool:
