@@ -524,7 +524,8 @@ class GenerationExecutor:
                     gen = torch.Generator(device=self.pools.device).manual_seed(base + offset)
                 live = _Live(i, request, text, arrivals[i], gen, params=p, sample=j, parent=parent)
                 if self.tokenizer is not None:
-                    live.text = SampleText(self.tokenizer, p.stop)
+                    live.text = SampleText(self.tokenizer, p.stop, include_stop=p.include_stop_str_in_output,
+                                           skip_special=p.skip_special_tokens)
                 if p.logprobs is not None:
                     live.logprobs = []
                 lives.append(live)

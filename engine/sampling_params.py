@@ -171,6 +171,8 @@ class SamplingParams:
     (at most ``max_tokens``). ``min_p`` (in [0, 1]; 0 = off): drop tokens less likely than ``min_p`` times the most
     likely one (after temperature; sampling only). ``logit_bias``: token id → a number in [-100, 100] added to its
     logit before the penalties (OpenAI's; -100 in effect bans the token), at most ``MAX_LOGIT_BIAS`` tokens.
+    ``include_stop_str_in_output``: ``.text`` keeps the stop string that ended it; ``skip_special_tokens`` (default
+    true): special tokens decode to nothing in ``.text`` (vLLM's two text settings).
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -189,13 +191,16 @@ class SamplingParams:
     min_tokens: int = 0
     min_p: float = 0.0
     logit_bias: dict[int, float] = attrs.field(factory=dict, hash=False)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __init__(self, *, max_tokens: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | None = None, stop: str | Sequence[str] | None = None,
                  stop_token_ids: Sequence[int] | None = None, n: int = 1, logprobs: int | None = None,
                  ignore_eos: bool = False, max_new_tokens: int | None = None, repetition_penalty: float = 1.0,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0, min_tokens: int = 0,
-                 min_p: float = 0.0, logit_bias: Mapping[int, float] | None = None) -> None:
+                 min_p: float = 0.0, logit_bias: Mapping[int, float] | None = None,
+                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True) -> None:
         """Keywords only (the field order may grow); ``max_new_tokens`` is an alias of ``max_tokens``."""
         length_name = "max_tokens"
         if max_new_tokens is not None:
@@ -214,7 +219,8 @@ class SamplingParams:
         _at_most_int64(length_name, max_tokens)
         self.__attrs_init__(max_tokens, temperature, top_p, top_k, seed, _strings(stop), _ints(stop_token_ids), n,
                             logprobs, ignore_eos, repetition_penalty, presence_penalty, frequency_penalty,
-                            min_tokens, min_p, _biases(logit_bias))
+                            min_tokens, min_p, _biases(logit_bias), include_stop_str_in_output,
+                            skip_special_tokens)
 
     def __attrs_post_init__(self) -> None:
         check(is_number(self.temperature) and self.temperature >= 0 and math.isfinite(self.temperature),
@@ -244,6 +250,8 @@ class SamplingParams:
               f"an integer in [0, max_tokens={self.max_tokens}]", self.min_tokens)
         check(is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "a number in [0, 1] (0 = off)", self.min_p)
 
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            check(isinstance(getattr(self, name), bool), name, "true or false", getattr(self, name))
         check(isinstance(self.logit_bias, dict)
               and all(is_int(t) and 0 <= t <= MAX_INT and is_number(b) and -MAX_BIAS <= b <= MAX_BIAS
                       for t, b in self.logit_bias.items()),

@@ -24,11 +24,18 @@ CONTEXT_TOKENS = 6
 
 
 class SampleText:
-    """Decoded text of one sample's generated tokens, cut at the first stop string."""
+    """Decoded text of one sample's generated tokens, cut at the first stop string.
 
-    def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
+    ``include_stop``: the cut falls after the stop string, not before it (vLLM's ``include_stop_str_in_output``);
+    ``skip_special``: special tokens (EOS, chat markers) decode to nothing (vLLM's ``skip_special_tokens``).
+    """
+
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), *, include_stop: bool = False,
+                 skip_special: bool = True) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
+        self.include_stop = include_stop
+        self.skip_special = skip_special
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.text = ""
         self.stop_hit: str | None = None
@@ -44,7 +51,8 @@ class SampleText:
 
     def _decode(self, ids: Sequence[int]) -> str:
         # no clean-up pass: it rewrites earlier text (" ." → "."), which a stream could not take back
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special,
+                                     clean_up_tokenization_spaces=False)
 
     def _window_start(self) -> int:
         """Where the next window begins: far enough back to hold CONTEXT_TOKENS non-special tokens."""
@@ -101,7 +109,7 @@ class SampleText:
             self._searched = len(text)
             if hits:
                 pos, self.stop_hit = min(hits)
-                self.text = text[:pos]
+                self.text = text[:pos + len(self.stop_hit)] if self.include_stop else text[:pos]
         return self.stop_hit
 
     def delta(self, final: bool = False) -> str:

@@ -106,6 +106,18 @@ def test_min_tokens_holds_a_stop_string_back_until_the_output_is_long_enough(llm
     assert (out.finish_reason, out.stop_reason, out.token_ids) == ("stop", late, ref.token_ids[:7])
 
 
+def test_include_stop_str_in_output_keeps_the_stop_string_and_skip_special_tokens_shows_them(llm):
+    ref = greedy(llm)
+    words = ref.text.split(" ")
+    stop = f"{words[2]} {words[3]}"
+    out = greedy(llm, stop=[stop], include_stop_str_in_output=True)
+    assert out.stop_reason == stop and out.text == ref.text[:ref.text.index(stop) + len(stop)]
+    # token 0 is the tokenizer's unknown token, a special token: nothing in the text unless asked
+    forced = greedy(llm, n=3, logit_bias={0: 100})
+    assert forced.token_ids == [0, 0, 0] and forced.text == ""
+    assert greedy(llm, n=3, logit_bias={0: 100}, skip_special_tokens=False).text == "w0 w0 w0"
+
+
 def test_eos_ends_with_stop_and_ignore_eos_runs_to_length(llm):
     ref = greedy(llm)
     eos = ref.token_ids[3]

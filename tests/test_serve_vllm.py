@@ -248,3 +248,24 @@ def test_version_and_the_404_lists_the_new_endpoints(served):
     assert r.status_code == 404
     message = r.json()["error"]["message"]
     assert all(p in message for p in ("/tokenize", "/detokenize", "/version")), message
+
+
+def test_stop_strings_min_tokens_and_include_stop_str_in_output_cut_the_text_as_generate_does(served):
+    def complete(**extra):
+        body = {"model": "words", "prompt": "w5 w17", "max_tokens": 8, "ignore_eos": True, **extra}
+        r = served.http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]
+
+    base = complete()["text"]
+    words = base.split()
+    stop = f"{words[1]} {words[2]}"  # complete at token 3
+    cut = complete(stop=[stop])
+    assert (cut["finish_reason"], cut["text"]) == ("stop", base[:base.index(stop)])
+    kept = complete(stop=[stop], include_stop_str_in_output=True)
+    assert kept["text"] == base[:base.index(stop) + len(stop)]
+    held = complete(stop=[stop], min_tokens=6)  # found only before min_tokens: never searched, never cut
+    assert (held["finish_reason"], held["text"]) == ("length", base)
+    for field, value in (("include_stop_str_in_output", "yes"), ("skip_special_tokens", 1)):
+        r = served.http.post("/v1/completions", json={"prompt": "w5", field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field

@@ -443,6 +443,7 @@ class _Choice:
     engine: ServingEngine
     sample: SampleText | None  # None without a tokenizer (token ids only)
     track_offsets: bool = False  # completions' logprobs.text_offset asked for
+    min_tokens: int = 0  # stop strings are looked for only after this many tokens (as the engine does)
     #: the text of every token so far, for the offsets (no stop string cuts it); None without a tokenizer
     offsets: SampleText | None = None
     req_id: str = ""
@@ -471,7 +472,12 @@ class _Choice:
         if self.sample is not None:  # the same text rules as LLM.generate: stop strings cut, never shown
             final = self.finish_reason is not None
             # the EOS or stop token that ended it stays in token_ids, not in the text (generate's rule, vLLM's)
-            self.sample.update(self.token_ids[:-1] if ev.stopped_by_token else self.token_ids, final=final)
+            ids = self.token_ids[:-1] if ev.stopped_by_token else self.token_ids
+            m, new = self.min_tokens, len(ev.new_token_ids)
+            if m and new > 1:  # confirmed drafts: searched token by token, as the engine searched them
+                for end in range(max(1, len(self.token_ids) - new + 1), len(ids)):
+                    self.sample.update(self.token_ids[:end], search=end > m)
+            self.sample.update(ids, final=final, search=len(ids) > m)
             delta = self.sample.delta(final=final)
             self.text += delta
         return _Update(delta, list(ev.new_token_ids), list(ev.logprobs), offsets)
@@ -520,8 +526,12 @@ class _Run:
         self.prompts = _encode(self.engine, job)
         tok = self.engine.tokenizer
         offsets = job.kind == "completion" and job.logprobs is not None
-        self.choices = [_Choice(i, self.engine, SampleText(tok, job.stop) if tok is not None else None,
-                                track_offsets=offsets, offsets=SampleText(tok) if offsets and tok is not None else None)
+        p = job.params
+        text = {"skip_special": p.skip_special_tokens}
+        self.choices = [_Choice(i, self.engine, SampleText(tok, job.stop, include_stop=p.include_stop_str_in_output,
+                                                           **text) if tok is not None else None,
+                                track_offsets=offsets, min_tokens=p.min_tokens,
+                                offsets=SampleText(tok, **text) if offsets and tok is not None else None)
                         for i in range(len(self.prompts) * job.n)]
         self.id = ("chatcmpl-" if job.kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())

@@ -125,7 +125,7 @@ _SAMPLING_EXTRAS = ("repetition_penalty", "min_p", "min_tokens")
 #: caller and changes nothing generated, which the README says once rather than every request in the log.
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options", "user",
            "presence_penalty", "frequency_penalty", "ignore_eos", "stop_token_ids", "salt", "logprobs", "top_k",
-           "logit_bias", *_SAMPLING_EXTRAS}
+           "logit_bias", "include_stop_str_in_output", "skip_special_tokens", *_SAMPLING_EXTRAS}
 _COMPLETION = _COMMON | {"prompt", "echo", "add_special_tokens"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "add_special_tokens"} | TEMPLATE_OPTIONS
 
@@ -142,6 +142,9 @@ def parse(body: Any, kind: str, *, default_max_tokens: int) -> Job:
         _need(_is_int(value) if name == "min_tokens" else _is_num(value), name, expected, value)
     if body.get("logit_bias") is not None:
         extras["logit_bias"] = _logit_bias(body["logit_bias"])
+    for name in ("include_stop_str_in_output", "skip_special_tokens"):  # vLLM's text settings
+        if body.get(name) is not None:
+            extras[name] = _flag(body, name, False)
     _model(body)
     # OpenAI's end-user id, for its abuse monitoring: it names the caller and changes nothing generated
     user = body.get("user")
