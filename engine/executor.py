@@ -90,12 +90,24 @@ class _Live:
     parent: _Live | None = None  # the prompt's first sample (which prefills for the others)
     text: SampleText | None = None  # None without a tokenizer
     logprobs: list[dict[int, float]] | None = None  # one entry per generated token, with SamplingParams.logprobs
+    #: with SamplingParams.prompt_logprobs, on the prompt's first sample (which prefills): one entry per prompt token,
+    #: None for the first (vLLM's shape)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     stop_reason: str | int | None = None
     finish_reason: str | None = None
     queued_at: float = 0.0
     first_token_at: float | None = None
     finished_at: float = 0.0
     reported: int = 0  # generated tokens already reported (streamed)
+
+
+@attrs.frozen
+class PromptScores:
+    """Logprob entries of consecutive prompt tokens from one step (``prompt_logprobs``): ``entries[j]`` is the token at
+    position ``first + j``'s, as ``engine.sampling.top_logprobs`` gives them (its top alternatives plus itself)."""
+
+    first: int
+    entries: list[dict[int, float]]
 
 
 class GenerationExecutor:
@@ -123,6 +135,7 @@ class GenerationExecutor:
         self._emit = emit
         self._calls = 0
         self._live: dict[str, _Live] = {}
+        self._scoring = False  # whether a live request scores its prompt (prompt_logprobs): the forward keeps its rows
         width = max(-(-self.max_seq_len // g.tokens_per_block) for g in manager.layout.groups)
         #: every live request's block tables as tensor rows, appended to step by step
         self._block_tables = BlockTableStore(self.groups, width)
@@ -363,6 +376,7 @@ class GenerationExecutor:
         forward_s = kv_s = 0.0
         drafted = accepted = 0
         self._live = {live.request.req_id: live for live in lives}
+        self._scoring = any(live.prompt_logprobs is not None for live in lives)
 
         def queued(request: Request, clock: int) -> None:
             self._live[request.req_id].queued_at = time.perf_counter()
@@ -515,7 +529,10 @@ class GenerationExecutor:
             parent = None
             for j in range(p.n):
                 req_id = f"{call}.{i}" if p.n == 1 else f"{call}.{i}.{j}"
-                request = Request(req_id, ids, min(p.max_tokens, room), salt=salt)
+                scope = salt
+                if p.prompt_logprobs is not None:  # a cached prefix computes no logits: this prompt's own scope, so
+                    scope = f"{salt or ''}\x00prompt_logprobs {call}.{i}"  # it prefills whole; its samples share it
+                request = Request(req_id, ids, min(p.max_tokens, room), salt=scope)
                 if j == 0:
                     self._check_fits(i, request, p.max_tokens)
                 gen = None
@@ -528,6 +545,8 @@ class GenerationExecutor:
                                            skip_special=p.skip_special_tokens)
                 if p.logprobs is not None:
                     live.logprobs = []
+                if p.prompt_logprobs is not None and j == 0:
+                    live.prompt_logprobs = [None] * len(ids)
                 lives.append(live)
                 parent = parent or live
         return lives
@@ -585,7 +604,11 @@ class GenerationExecutor:
     def _compute(self, out: SchedulerOutput) -> dict[str, int | list[int]]:
         """The step's forward: every scheduled chunk packed into one row; next tokens of requests that reach the end
         (with drafts: the drafts the model confirmed, then the token after them)."""
-        logits, rows, counts = self.forward(out, self._live)
+        scoring = {req_id: live.params.prompt_logprobs for req_id, live in self._live.items()
+                   if live.prompt_logprobs is not None} if self._scoring else None
+        logits, rows, counts, scores = self.forward(out, self._live, scoring)
+        for req_id, got in scores.items():
+            self._live[req_id].prompt_logprobs[got.first:got.first + len(got.entries)] = got.entries
         if not rows:
             return {}
         lives = [self._live[out.scheduled[i].request.req_id] for i in rows]
@@ -618,15 +641,20 @@ class GenerationExecutor:
                 live.logprobs.extend(top_logprobs(rows, live.params.logprobs, kept))
         return tokens
 
-    def forward(self, out: SchedulerOutput, live: Collection[str]) -> tuple[Any, list[int], list[int]]:
-        """One packed forward of the scheduled chunks: ``(logits, rows, counts)``. ``rows``: the indices in
+    def forward(self, out: SchedulerOutput, live: Collection[str],
+                scoring: Mapping[str, int] | None = None) -> tuple[Any, list[int], list[int], dict[str, PromptScores]]:
+        """One packed forward of the scheduled chunks: ``(logits, rows, counts, scores)``. ``rows``: the indices in
         ``out.scheduled`` of the chunks that reach their request's last known token; ``counts``: how many logits rows
         each has, in order (1, or 1 + the drafts it computed: the row before each draft verifies it, the last gives
-        the token after them); ``(None, [], [])`` when none reaches it. ``live``: the request ids whose block-table
-        rows must be kept (the serving loop shares this with ``generate``)."""
-        chunks, rows, step_tables, keep = [], [], [], []
+        the token after them); ``logits`` None when none reaches it. ``live``: the request ids whose block-table
+        rows must be kept (the serving loop shares this with ``generate``). ``scoring``: request id → top
+        alternatives, for requests whose prompt tokens are scored (``prompt_logprobs``): ``scores`` holds, per such
+        request with prompt tokens in this step, (first position, its tokens' logprob entries) — the logits row after
+        each prompt token gives the next one's entry."""
+        chunks, rows, step_tables, keep, count = [], [], [], [], []
+        scored: list[tuple[int, Request, int, int]] = []  # (chunk, request, first position, rows) of prompt scores
         store = self._block_tables
-        for scheduled in out.scheduled:
+        for i, scheduled in enumerate(out.scheduled):
             req = scheduled.request
             start = req.num_computed_tokens
             end = start + scheduled.num_tokens
@@ -634,7 +662,14 @@ class GenerationExecutor:
             ids = req.token_span(start, min(end, known))
             if end > known:  # this chunk computes drafts after the last known token
                 ids += req.draft_token_ids[:end - known]
-            keep.append(1 + max(0, end - known))
+            count.append(1 + max(0, end - known))
+            # the rows after prompt tokens 0..P-2 give tokens 1..P-1's logprobs (token 0 has none)
+            n_scored = min(end, req.num_prompt_tokens - 1) - start if scoring and req.req_id in scoring else 0
+            if n_scored > 0:
+                scored.append((i, req, start + 1, n_scored))
+                keep.append(max(count[-1], end - start))
+            else:
+                keep.append(count[-1])
             chunks.append(SeqChunk(ids, start, {}))
             tables = self.manager.block_tables(req)  # every group's list, in self.groups order
             step_tables.append(tables)
@@ -649,16 +684,21 @@ class GenerationExecutor:
             batch.keep_last(keep)
         with self.linear.active() if self.linear is not None else contextlib.nullcontext():
             logits = run_forward(self.model, batch)
+        scores: dict[str, PromptScores] = {}
+        offsets = list(itertools.accumulate(keep, initial=0))
+        for i, req, first, n in scored:
+            block = logits[offsets[i]:offsets[i] + n]
+            scores[req.req_id] = PromptScores(first, top_logprobs(block, scoring[req.req_id],
+                                                                  req.prompt_token_ids[first:first + n]))
         reach = [i for i, s in enumerate(out.scheduled)
                  if s.request.num_computed_tokens + s.num_tokens >= s.request.num_tokens]
         if not reach:
-            return None, [], []
-        counts = [keep[i] for i in reach]
-        if len(reach) < len(out.scheduled):  # the logits rows of the chunks that reach their end
-            offsets = list(itertools.accumulate(keep, initial=0))
-            picked = [r for i in reach for r in range(offsets[i], offsets[i] + keep[i])]
+            return None, [], [], scores
+        counts = [count[i] for i in reach]
+        if len(reach) < len(out.scheduled) or scored:  # the (last count) logits rows of the chunks that reach their end
+            picked = [r for i in reach for r in range(offsets[i + 1] - count[i], offsets[i + 1])]
             logits = logits[picked]
-        return logits, reach, counts
+        return logits, reach, counts, scores
 
     def _sample(self, logits: Any, lives: list[_Live], raw: Any) -> dict[str, int]:
         """Next token of each live request from its logits row, drawn as its SamplingParams say; logprobs kept (of
@@ -734,6 +774,7 @@ class GenerationExecutor:
         return RequestOutput(
             request_id=first.request.req_id.rsplit(".", 1)[0] if first.params.n > 1 else first.request.req_id,
             prompt=first.prompt, prompt_token_ids=list(first.request.prompt_token_ids), outputs=completions,
+            prompt_logprobs=first.prompt_logprobs,
             computed_prompt_tokens=sum(s.request.num_prompt_tokens - s.request.num_reused_tokens for s in samples),
             reused_prompt_tokens=sum(s.request.num_reused_tokens for s in samples),
             timings=GenerationTimings(first_token_s=(min(started) if started else end) - first.queued_at,

@@ -94,6 +94,9 @@ class RequestOutput:
     reused_prompt_tokens: int
     timings: GenerationTimings
     finished: bool = True
+    #: with SamplingParams.prompt_logprobs: per prompt token, its logprob entry (its top alternatives and itself), None
+    #: for the first token (vLLM's shape); None when not asked
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def num_cached_tokens(self) -> int:

@@ -92,10 +92,12 @@ def check_stop_token_ids_count(count: int) -> None:
                               f"list of {count:,}")
 
 
-def check_logprobs(value: Any) -> None:
-    """``logprobs``: None or an integer in [0, :data:`MAX_LOGPROBS`] (the server's bound too)."""
-    check(value is None or (is_int(value) and 0 <= value <= MAX_LOGPROBS), "logprobs",
-          f"an integer in [0, {MAX_LOGPROBS}] (top tokens to report per generated token)", value)
+def check_logprobs(value: Any, name: str = "logprobs") -> None:
+    """``logprobs`` (or ``prompt_logprobs``): None or an integer in [0, :data:`MAX_LOGPROBS`] (the server's bound
+    too)."""
+    what = "prompt token" if name == "prompt_logprobs" else "generated token"
+    check(value is None or (is_int(value) and 0 <= value <= MAX_LOGPROBS), name,
+          f"an integer in [0, {MAX_LOGPROBS}] (top tokens to report per {what})", value)
 
 
 def check_salt(salt: Any) -> None:
@@ -172,7 +174,9 @@ class SamplingParams:
     likely one (after temperature; sampling only). ``logit_bias``: token id → a number in [-100, 100] added to its
     logit before the penalties (OpenAI's; -100 in effect bans the token), at most ``MAX_LOGIT_BIAS`` tokens.
     ``include_stop_str_in_output``: ``.text`` keeps the stop string that ended it; ``skip_special_tokens`` (default
-    true): special tokens decode to nothing in ``.text`` (vLLM's two text settings).
+    true): special tokens decode to nothing in ``.text`` (vLLM's two text settings). ``prompt_logprobs``: the prompt's
+    tokens scored too (``RequestOutput.prompt_logprobs``, vLLM's; the prompt is then prefilled whole, not from the
+    prefix cache, as its logits are needed).
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -193,6 +197,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = attrs.field(factory=dict, hash=False)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None
 
     def __init__(self, *, max_tokens: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | None = None, stop: str | Sequence[str] | None = None,
@@ -200,7 +205,8 @@ class SamplingParams:
                  ignore_eos: bool = False, max_new_tokens: int | None = None, repetition_penalty: float = 1.0,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0, min_tokens: int = 0,
                  min_p: float = 0.0, logit_bias: Mapping[int, float] | None = None,
-                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True) -> None:
+                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
+                 prompt_logprobs: int | None = None) -> None:
         """Keywords only (the field order may grow); ``max_new_tokens`` is an alias of ``max_tokens``."""
         length_name = "max_tokens"
         if max_new_tokens is not None:
@@ -211,8 +217,8 @@ class SamplingParams:
         if max_tokens is None:
             max_tokens = DEFAULT_MAX_TOKENS
         # numpy scalars (an n, a seed or a temperature taken from an array) count as numbers, stored as Python's
-        max_tokens, top_k, seed, n, logprobs, min_tokens = map(_plain_int, (max_tokens, top_k, seed, n, logprobs,
-                                                                            min_tokens))
+        max_tokens, top_k, seed, n, logprobs, min_tokens, prompt_logprobs = map(
+            _plain_int, (max_tokens, top_k, seed, n, logprobs, min_tokens, prompt_logprobs))
         temperature, top_p, repetition_penalty, presence_penalty, frequency_penalty, min_p = map(
             _plain_number, (temperature, top_p, repetition_penalty, presence_penalty, frequency_penalty, min_p))
         check(is_int(max_tokens) and max_tokens >= 1, length_name, "an integer >= 1", max_tokens)
@@ -220,7 +226,7 @@ class SamplingParams:
         self.__attrs_init__(max_tokens, temperature, top_p, top_k, seed, _strings(stop), _ints(stop_token_ids), n,
                             logprobs, ignore_eos, repetition_penalty, presence_penalty, frequency_penalty,
                             min_tokens, min_p, _biases(logit_bias), include_stop_str_in_output,
-                            skip_special_tokens)
+                            skip_special_tokens, prompt_logprobs)
 
     def __attrs_post_init__(self) -> None:
         check(is_number(self.temperature) and self.temperature >= 0 and math.isfinite(self.temperature),
@@ -240,6 +246,7 @@ class SamplingParams:
               "stop_token_ids", "a list of token ids (integers >= 0)", self.stop_token_ids)
         check(is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"an integer in [1, {MAX_N}]", self.n)
         check_logprobs(self.logprobs)
+        check_logprobs(self.prompt_logprobs, "prompt_logprobs")
         check(isinstance(self.ignore_eos, bool), "ignore_eos", "true or false", self.ignore_eos)
         check(is_number(self.repetition_penalty) and 0 < self.repetition_penalty < math.inf, "repetition_penalty",
               "a finite number > 0 (1 = off)", self.repetition_penalty)

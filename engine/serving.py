@@ -56,6 +56,9 @@ class ServeEvent:
     reused_prompt_tokens: int = 0
     #: per new token, when asked: (its log-probability, {token id: log-probability} of the top alternatives)
     logprobs: tuple[tuple[float, dict[int, float]], ...] = ()
+    #: with ``prompt_logprobs``, on the first event: per prompt token, its entry (top alternatives and itself), None
+    #: for the first token
+    prompt_logprobs: tuple[dict[int, float] | None, ...] | None = None
 
     @property
     def finished(self) -> bool:
@@ -94,6 +97,7 @@ class _Live:
     token_logprobs: list[tuple[float, dict[int, float]]] = attrs.Factory(list)
     reported: int = 0
     stop_reason: int | str | None = None  # what ended it with "stop": a stop token id or a stop string
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # with params.prompt_logprobs, filled by prefill
 
 
 class _ServeDriver(Driver):
@@ -329,6 +333,8 @@ class ServingEngine:
         check_salt(salt)  # as generate's: hashed into every block key, and its length bounded
         request = self.check(prompt_token_ids, params)
         request.salt = salt
+        if params.prompt_logprobs is not None:  # a cached prefix computes no logits: its own scope, prefilled whole
+            request.salt = f"{salt or ''}\x00prompt_logprobs {request.req_id}"
         req_id = request.req_id
         gen = None
         if not params.greedy:
@@ -338,6 +344,8 @@ class ServingEngine:
             if params.stop and self.tokenizer is not None else None  # finds the stop strings (the face cuts)
         live = _Live(request, params, sink, gen, frozenset(params.stop_token_ids), text, params.logprobs,
                      time.perf_counter())
+        if params.prompt_logprobs is not None:
+            live.prompt_logprobs = [None] * request.num_prompt_tokens
         with self._cond:
             # checked again under the lock request_stop takes: a stop asked for during the checks above may have
             # ended the loop, whose last act (_fail_all) drained the inbox; a request queued after that never ended
@@ -422,7 +430,11 @@ class ServingEngine:
     def _compute(self, out: SchedulerOutput) -> dict[str, int | list[int]]:
         """The step's forward (the executor's packing), then each request's own pick: argmax or its generator (with
         drafts: the drafts the argmax confirms, then its token after them)."""
-        logits, rows, counts = self.executor.forward(out, self._live)
+        scoring = {req_id: lv.params.prompt_logprobs for req_id, lv in self._live.items()
+                   if lv.prompt_logprobs is not None and lv.request.in_prefill} or None
+        logits, rows, counts, scores = self.executor.forward(out, self._live, scoring)
+        for req_id, got in scores.items():
+            self._live[req_id].prompt_logprobs[got.first:got.first + len(got.entries)] = got.entries
         if not rows:
             return {}
         starts = list(itertools.accumulate(counts, initial=0))
@@ -501,7 +513,9 @@ class ServingEngine:
                                stop_reason=live.stop_reason if req_id in done else None,
                                prompt_tokens=live.request.num_prompt_tokens,
                                reused_prompt_tokens=live.request.num_reused_tokens,
-                               logprobs=tuple(live.token_logprobs[live.reported:len(tokens)]))
+                               logprobs=tuple(live.token_logprobs[live.reported:len(tokens)]),
+                               prompt_logprobs=tuple(live.prompt_logprobs)
+                               if live.prompt_logprobs is not None and live.reported == 0 else None)
             live.reported = len(tokens)
             if req_id in done:
                 self._retire(live, live.request.finish_reason or "length")

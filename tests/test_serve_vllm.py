@@ -269,3 +269,35 @@ def test_stop_strings_min_tokens_and_include_stop_str_in_output_cut_the_text_as_
     for field, value in (("include_stop_str_in_output", "yes"), ("skip_special_tokens", 1)):
         r = served.http.post("/v1/completions", json={"prompt": "w5", field: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == field
+
+
+def test_echo_puts_the_prompt_and_its_logprobs_before_the_completion_as_lm_eval_reads_them(served):
+    """lm-evaluation-harness scores a continuation by one completions request: echo, logprobs=1, max_tokens=1; the
+    prompt's token_logprobs (the first null) are the model's, the same numbers the Python API's prompt_logprobs give."""
+    context, continuation = "w5 w17 w30", " w42 w7"
+    body = {"model": "words", "prompt": context + continuation, "max_tokens": 1, "echo": True, "logprobs": 1,
+            "temperature": 0}
+    r = served.http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    ids = served.http.post("/tokenize", json={"prompt": context + continuation}).json()["tokens"]  # <s> w5 ... w7
+    assert lp["tokens"][:len(ids)] == ["<s>", "w5", "w17", "w30", "w42", "w7"]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert choice["text"].startswith(context + continuation) and len(lp["tokens"]) == len(ids) + 1
+    assert lp["text_offset"][:len(ids)] == sorted(lp["text_offset"][:len(ids)])
+    (api,) = served.result.executor.run([ids], max_tokens=1, prompt_logprobs=1, salt="api")
+    assert lp["token_logprobs"][1:len(ids)] == pytest.approx([api.prompt_logprobs[j][ids[j]]
+                                                              for j in range(1, len(ids))], abs=1e-5)
+    ctxlen = 4  # <s> w5 w17 w30: lm-eval sums the continuation's and checks each is the greedy pick
+    assert sum(lp["token_logprobs"][ctxlen:-1]) == pytest.approx(sum(api.prompt_logprobs[j][ids[j]]
+                                                                     for j in range(ctxlen, len(ids))), abs=1e-4)
+    # streamed: the prompt comes in the first chunk, and the chunks add up to the same text
+    with served.http.stream("POST", "/v1/completions", json={**body, "stream": True, "max_tokens": 3,
+                                                             "ignore_eos": True}) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    first = chunks[0]["choices"][0]
+    assert first["text"].startswith(context + continuation) and first["logprobs"]["token_logprobs"][0] is None
+    # echo without logprobs: the prompt's text only
+    plain = served.http.post("/v1/completions", json={**body, "logprobs": None}).json()["choices"][0]
+    assert plain["text"].startswith(context + continuation) and plain["logprobs"] is None

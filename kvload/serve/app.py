@@ -456,9 +456,14 @@ class _Choice:
     error: str | None = None
     prompt_tokens: int = 0
     reused: int = 0
+    echo: _Echo | None = None  # completions' echo: the prompt, put before the choice's text (and its logprobs)
+    echoed: bool = False  # a stream sent the echo (in the choice's first chunk)
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # with echo and logprobs: the prompt's (engine)
 
     def update(self, ev: ServeEvent) -> _Update:
         """Take one engine event; the new text, token ids, logprobs and text offsets to report."""
+        if ev.prompt_logprobs is not None:
+            self.prompt_logprobs = list(ev.prompt_logprobs)
         self.token_ids = list(ev.token_ids)
         self.logprobs.extend(ev.logprobs)
         self.prompt_tokens, self.reused = ev.prompt_tokens, ev.reused_prompt_tokens
@@ -500,6 +505,27 @@ class _Choice:
         return {"stop": "stop", "length": "length"}.get(self.finish_reason or "", self.finish_reason or "stop")
 
 
+@attrs.frozen
+class _Echo:
+    """A completion prompt as ``echo`` puts it before the choice: its text, token ids and each token's text offset."""
+
+    text: str
+    token_ids: list[int]
+    offsets: list[int]
+
+    @classmethod
+    def of(cls, prompt: Any, ids: list[int], tokenizer: Any, skip_special: bool) -> _Echo:
+        """The prompt as given when text (vLLM's), else its decoded ids; offsets where each token's text begins."""
+        if tokenizer is None:
+            return cls("", list(ids), [0] * len(ids))
+        decoded = SampleText(tokenizer, skip_special=skip_special)
+        offsets = []
+        for end in range(1, len(ids) + 1):
+            offsets.append(len(decoded.text))
+            decoded.update(ids[:end], final=end == len(ids))
+        return cls(prompt if isinstance(prompt, str) else decoded.text, list(ids), offsets)
+
+
 class _Run:
     """The engine requests of one HTTP request, and their answer."""
 
@@ -533,6 +559,11 @@ class _Run:
                                 track_offsets=offsets, min_tokens=p.min_tokens,
                                 offsets=SampleText(tok, **text) if offsets and tok is not None else None)
                         for i in range(len(self.prompts) * job.n)]
+        if job.echo:
+            echoes = [_Echo.of(prompt, ids, tok, p.skip_special_tokens)
+                      for prompt, ids in zip(job.prompts, self.prompts, strict=True)]
+            for c in self.choices:
+                c.echo = echoes[c.index // job.n]
         self.id = ("chatcmpl-" if job.kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.submit()
@@ -690,8 +721,10 @@ class _Run:
             body = delta if isinstance(delta, dict) else {"content": delta}
             choice = {"index": c.index, "delta": body, "logprobs": self._chat_logprobs(ids, lps), **ending}
         else:
-            choice = {"index": c.index, "text": delta,
-                      "logprobs": self._completion_logprobs(ids, lps, update.offsets), **ending}
+            echo = c.echo is not None and not c.echoed and bool(ids or finished)  # the prompt, in the first chunk
+            c.echoed = c.echoed or echo
+            choice = {"index": c.index, "text": (c.echo.text if echo else "") + delta,
+                      "logprobs": self._completion_logprobs(ids, lps, update.offsets, c, echo), **ending}
         return {"id": self.id, "object": self._chunk_object, "created": self.created, "model": self.state.model_name,
                 "choices": [choice]}
 
@@ -701,8 +734,9 @@ class _Run:
         if self.job.kind == "chat":
             return {"index": c.index, "message": {"role": "assistant", "content": c.text},
                     "logprobs": self._chat_logprobs(ids, c.logprobs), **ending}
-        return {"index": c.index, "text": c.text,
-                "logprobs": self._completion_logprobs(ids, c.logprobs, c.text_offsets), **ending}
+        return {"index": c.index, "text": (c.echo.text if c.echo is not None else "") + c.text,
+                "logprobs": self._completion_logprobs(ids, c.logprobs, c.text_offsets, c, c.echo is not None),
+                **ending}
 
     def _usage(self) -> dict[str, Any]:
         per_prompt = self.choices[::self.job.n]
@@ -714,18 +748,36 @@ class _Run:
     def _token(self, token_id: int) -> str:
         return self.engine.token_piece(token_id)[0]
 
-    def _completion_logprobs(self, ids: list[int], lps: list[Any], offsets: list[int]) -> dict[str, Any] | None:
-        if self.job.logprobs is None or not lps:
+    def _completion_logprobs(self, ids: list[int], lps: list[Any], offsets: list[int], c: _Choice,
+                             echo: bool = False) -> dict[str, Any] | None:
+        """OpenAI's legacy completions logprobs; with ``echo``, the prompt's tokens first (the first has none)."""
+        if self.job.logprobs is None or not (lps or echo):
             return None
-        top = []
+        tokens: list[str] = []
+        values: list[float | None] = []
+        top: list[dict[str, float] | None] = []
+        shift = 0
+        where: list[int] = []
+        if echo and c.echo is not None:
+            scored = c.prompt_logprobs or [None] * len(c.echo.token_ids)
+            for t, entry in zip(c.echo.token_ids, scored, strict=True):
+                tokens.append(self._token(t))
+                values.append(None if entry is None else entry[t])
+                top.append(None if entry is None else self._top(t, entry[t], entry))
+            where, shift = list(c.echo.offsets), len(c.echo.text)
         for t, (lp, alts) in zip(ids, lps, strict=False):
-            # the top `logprobs` tokens plus the one chosen (vLLM's and OpenAI's legacy completions; chat: exactly k)
-            entry = {self._token(t): lp}
-            for a, v in alts.items():
-                entry.setdefault(self._token(a), v)
-            top.append(entry)
-        return {"tokens": [self._token(t) for t in ids], "token_logprobs": [lp for lp, _ in lps],
-                "top_logprobs": top, "text_offset": offsets[:len(lps)]}
+            tokens.append(self._token(t))
+            values.append(lp)
+            top.append(self._top(t, lp, alts))
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": top,
+                "text_offset": where + [o + shift for o in offsets[:len(lps)]]}
+
+    def _top(self, token: int, lp: float, alts: dict[int, float]) -> dict[str, float]:
+        # the top `logprobs` tokens plus the one chosen (vLLM's and OpenAI's legacy completions; chat: exactly k)
+        entry = {self._token(token): lp}
+        for a, v in alts.items():
+            entry.setdefault(self._token(a), v)
+        return entry
 
     def _chat_logprobs(self, ids: list[int], lps: list[Any]) -> dict[str, Any] | None:
         if self.job.logprobs is None or not lps:

@@ -220,9 +220,10 @@ def parse(body: Any, kind: str, *, default_max_tokens: int) -> Job:
     _as_api(check_salt, salt)  # the Python API's bound on its length, in its words
     logprobs = _logprobs(body, kind)
     echo = body.get("echo", False)
+    echo = False if echo is None else echo
     _need(isinstance(echo, bool), "echo", "true or false", echo)
-    if echo:
-        raise BadRequest("echo: kvload serve does not echo the prompt; only false is accepted", param="echo")
+    if echo and logprobs is not None:  # the prompt's tokens are scored too (lm-eval's loglikelihood requests)
+        extras["prompt_logprobs"] = logprobs
     try:
         params = SamplingParams(max_tokens=max_tokens if given else default_max_tokens,
                                 temperature=float(temperature), top_p=float(top_p), top_k=top_k, seed=seed,
