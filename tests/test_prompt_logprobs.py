@@ -17,7 +17,7 @@ def reference(model, prompt: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("manager", ["v1", "v2"])
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "gemma3", "deepseek-v3"])
 def test_prompt_logprobs_are_the_models_own_across_prefill_chunks(tiny_checkpoints, family, manager):
     with load(tiny_checkpoints(family), manager, max_num_tokens=8) as result:  # 8-token chunks: prompts span several
         model = result.hf_model
