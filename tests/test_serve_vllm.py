@@ -301,3 +301,13 @@ def test_echo_puts_the_prompt_and_its_logprobs_before_the_completion_as_lm_eval_
     # echo without logprobs: the prompt's text only
     plain = served.http.post("/v1/completions", json={**body, "logprobs": None}).json()["choices"][0]
     assert plain["text"].startswith(context + continuation) and plain["logprobs"] is None
+
+
+def test_min_tokens_past_what_the_context_leaves_ends_by_length_when_max_tokens_is_not_given(served):
+    """The default max_tokens is cut to what max_seq_len leaves after the prompt; a min_tokens past it is cut the
+    same way (as generate's requests are), not a 500 from the cut."""
+    r = served.http.post("/v1/completions", json={"model": "words", "prompt": "w5 w17", "min_tokens": 100,
+                                                   "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == 64 - 3  # <s> w5 w17

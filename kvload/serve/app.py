@@ -584,7 +584,8 @@ class _Run:
             params = job.params
             room = self.engine.room(ids)
             if not job.max_tokens_given:  # the default never asks for more than max_seq_len leaves
-                params = attrs.evolve(params, max_tokens=max(1, min(params.max_tokens, room)))
+                cap = max(1, min(params.max_tokens, room))  # min_tokens past it ends by length, as in generate
+                params = attrs.evolve(params, max_tokens=cap, min_tokens=min(params.min_tokens, cap))
             elif 0 < room < params.max_tokens:  # asked for: refused, as vLLM does, not silently cut (a prompt with
                 raise self._too_long(i, ids, params.max_tokens)  # no room at all is the prompt's error, below
             try:
