@@ -168,8 +168,6 @@ class AuditLog:
         p = Path(path)
         text = _read_text(p)
         lines = text.splitlines()
-        if not lines:
-            raise AuditError(f"{p}: empty file, expected a kvload audit log (JSON Lines)")
         records: list[tuple[int, dict[str, Any]]] = []
         for n, line in enumerate(lines, 1):
             if not line.strip():
@@ -177,13 +175,15 @@ class AuditLog:
             # only an unterminated last line can be cut short: every record is written with its newline
             record = _parse_line(p, n, line, last=n == len(lines) and not text.endswith(("\n", "\r")))
             records.append((n, record))
-        _, header = records[0]
+        if not records:  # 0 bytes, or only blank lines: nothing to read either way
+            raise AuditError(f"{p}: empty file, expected a kvload audit log (JSON Lines)")
+        first, header = records[0]
         if header.get("event") != HEADER_EVENT:
-            raise AuditError(f"{p}: line 1: not a kvload audit log (no {HEADER_EVENT} line)")
+            raise AuditError(f"{p}: line {first}: not a kvload audit log (no {HEADER_EVENT} line)")
         version = header.get("schema_version")
         if not isinstance(version, int) or isinstance(version, bool) or version != AUDIT_SCHEMA_VERSION:
             raise AuditError(
-                f"{p}: line 1: schema_version {short(version)} is not supported "
+                f"{p}: line {first}: schema_version {short(version)} is not supported "
                 f"(this kvload reads {AUDIT_SCHEMA_VERSION}, an integer)"
             )
         known = frozenset(flatten(framework_defaults()))

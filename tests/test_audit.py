@@ -117,6 +117,10 @@ def test_an_api_audit_log_that_is_a_directory_is_refused_before_anything_runs(tm
     ("content", "message"),
     [
         ("", "empty file"),
+        # blank lines are skipped, so a file of only blank lines (or spaces) is as empty as 0 bytes
+        ("\n\n\n", r"a\.jsonl: empty file, expected a kvload audit log"),
+        ("   \n  \n \t", r"a\.jsonl: empty file, expected a kvload audit log"),
+        ("\n\n" + '{"event": "stage_started"}\n', "line 3: not a kvload audit log"),
         ('{"event": "audit_header", "schema_version": 1}\n{"event": "args_pa', "line 2: truncated"),
         ('{"event": "stage_started"}\n', "not a kvload audit log"),
         ('{"event": "audit_header", "schema_version": 99}\n', "schema_version 99 is not supported"),
