@@ -92,13 +92,67 @@ def test_every_config_json_mutation_is_refused_naming_file_and_field(capsys, tmp
     ("nesting", '{"model_type": "llama", "x": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
     ("nesting-64", '{"model_type": "llama", "x": ' + "[" * 64 + "]" * 64 + "}", "nested deeper than 32"),
     ("duplicate-key", json.dumps(BASE)[:-1] + ', "num_hidden_layers": 2}', "'num_hidden_layers' appears twice"),
-    ("5000-digits", '{"model_type": "llama", "num_hidden_layers": ' + "9" * 5000 + "}", "config.json"),
+    ("5000-digits", '{"model_type": "llama", "num_hidden_layers": ' + "9" * 5000 + "}",
+     "num_hidden_layers: an integer of 5,000 digits; accepted: a number of at most 4,300 digits"),
+    # Python's json reads these; standard JSON has none, and a NaN epsilon gave NaN logits with exit 0
+    ("nan", json.dumps({**BASE, "rms_norm_eps": float("nan")}),
+     "config.json: rms_norm_eps: NaN is not standard JSON; accepted: a finite number"),
+    ("infinity-nested", json.dumps({**BASE, "rope_scaling": {"rope_type": "linear", "factor": float("inf")}}),
+     "config.json: rope_scaling.factor: Infinity is not standard JSON"),
+    ("minus-infinity-in-list", json.dumps({**BASE, "x": [1, float("-inf")]}), "config.json: x[1]: -Infinity is not"),
+    ("not-utf8", b'{"model_type": "\xff"}', "config.json: not UTF-8 (byte 0xff at offset 16); JSON files are UTF-8"),
 ])
 def test_config_json_shapes_that_crash_parsers_are_refused(capsys, tmp_path, out, name, text, needle):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    (ckpt / "config.json").write_text(text)
+    if isinstance(text, bytes):
+        (ckpt / "config.json").write_bytes(text)
+    else:
+        (ckpt / "config.json").write_text(text)
     assert_refused(_plan(capsys, ckpt, audit=out / "a.jsonl"), "config.json", needle, folder=out)
+
+
+@pytest.mark.parametrize(("kind", "needle"), [
+    ("directory", "config.json: is a directory, expected a JSON file"),
+    ("fifo", "config.json: not a regular file (a FIFO or device?), expected a JSON file"),
+    ("loop", "config.json: cannot read (Too many levels of symbolic links)"),
+    ("dangling", "config.json: is a symbolic link to nothing"),
+])
+def test_a_config_json_that_is_no_file_is_named_not_missing(capsys, tmp_path, out, kind, needle):
+    # it was "directory has no config.json or .gguf file", with the culprit right there
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    file = ckpt / "config.json"
+    {"directory": file.mkdir, "fifo": lambda: os.mkfifo(file), "loop": lambda: file.symlink_to("config.json"),
+     "dangling": lambda: file.symlink_to("nowhere.json")}[kind]()
+    assert_refused(_plan(capsys, ckpt, audit=out / "a.jsonl"), f"{ckpt}/{needle}", folder=out)
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    # transformers skipped a malformed file with a log line kvload hides: generation stopped elsewhere, exit 0
+    ('{"eos_token_id": 498,}', "generation_config.json: malformed JSON at line 1 column 22"),
+    ("[498]", "generation_config.json: expected a JSON object, got list"),
+    # and dropped an eos_token_id of the wrong type (engine.sampling keeps only integers)
+    ('{"eos_token_id": "x"}', "generation_config.json: eos_token_id: expected an integer token id, a list "
+                              "of them, or null; got 'x'"),
+    ('{"eos_token_id": [2, true]}', "generation_config.json: eos_token_id:"),
+    ('{"eos_token_id": 2.0}', "generation_config.json: eos_token_id:"),
+    ('{"eos_token_id": 2, "eos_token_id": 3}', "generation_config.json: key 'eos_token_id' appears twice"),
+    ('{"temperature": NaN}', "generation_config.json: temperature: NaN is not standard JSON"),
+])
+def test_a_bad_generation_config_json_is_refused_naming_it(capsys, tmp_path, out, text, needle):
+    ckpt = write_config(tmp_path / "ckpt", BASE)
+    (ckpt / "generation_config.json").write_text(text)
+    assert_refused(_plan(capsys, ckpt, audit=out / "a.jsonl"), f"{ckpt}/{needle}", folder=out)
+
+
+@pytest.mark.parametrize("text", ['{"eos_token_id": 2}', '{"eos_token_id": [2, 3]}', '{"eos_token_id": null}', "{}"])
+def test_a_good_generation_config_json_plans(capsys, tmp_path, text):
+    ckpt = write_config(tmp_path / "ckpt", BASE)
+    (ckpt / "generation_config.json").write_text(text)
+    r = _plan(capsys, ckpt)
+    assert r.code == 0, r.err
+
 
 
 def test_a_usable_config_still_plans(capsys, tmp_path):
