@@ -374,6 +374,43 @@ def test_yaml_numbers_at_the_edges(capsys, tmp_path, out, field):
             raise AssertionError(f"{field}: {text[:20]}: {exc}") from None
 
 
+@pytest.mark.parametrize(("text", "value"), [
+    # YAML 1.2 core schema, not PyYAML's YAML 1.1: a leading zero is decimal, base 60 is no number
+    ("064", 64), ("-064", -64), ("00", 0), ("0o100", 64), ("0x40", 64), ("1_000", 1000),
+    ("1:30", "1:30"), ("2:00:00", "2:00:00"), ("0b1000000", "0b1000000"), ("1_", "1_"),
+    ("1:30.5", "1:30.5"), ("1e-3", 0.001), ("1e3", 1000.0), ("1_0.5", 10.5), (".5", 0.5), ("-.inf", float("-inf")),
+    ("yes", "yes"), ("True", True), ('!!int "064"', 64),
+])
+def test_yaml_numbers_read_as_yaml_1_2(text, value):
+    import yaml
+
+    from pipeline.sources import StrictLoader
+
+    assert yaml.load(f"x: {text}\n", Loader=StrictLoader) == {"x": value}
+
+
+@pytest.mark.parametrize(("field", "text"), [
+    ("kv_cache_config.tokens_per_block", "064"), ("max_batch_size", "1:30"), ("max_num_tokens", "2:00:00"),
+    ("kv_cache_config.free_gpu_memory_fraction", "1:30.5"),
+])
+def test_a_yaml_number_gets_the_flags_verdict(capsys, tmp_path, out, field, text):
+    """One verdict per value: 064 was octal 52 in a --config file and 64 as a flag; 1:30 was 90 (base 60) in a
+    file and refused as a flag."""
+    *parents, leaf = field.split(".")
+    cfg = tmp_path / "n.yaml"
+    cfg.write_text(f"{leaf}: {text}\n" if not parents else f"{parents[0]}:\n  {leaf}: {text}\n")
+    flag = f"--{leaf}" if leaf != "free_gpu_memory_fraction" else "--kv_cache_free_gpu_memory_fraction"
+    from_file = _plan(capsys, "tiny-llama", "--config", cfg, "--json")
+    from_flag = _plan(capsys, "tiny-llama", flag, text, "--json")
+    if text == "064":
+        assert from_file.code == from_flag.code == 0, (from_file.err, from_flag.err)
+        assert from_file.json()["args"]["kv_cache_config"]["tokens_per_block"] == 64
+        assert from_flag.json()["args"]["kv_cache_config"]["tokens_per_block"] == 64
+    else:
+        assert_refused(from_file, "n.yaml", f"{field}: expected", f"got {text!r}", folder=out)
+        assert_refused(from_flag, flag, repr(text))
+
+
 @settings(deadline=None, max_examples=100, derandomize=True)
 @given(logits=st.lists(st.integers(-50, 50), min_size=2, max_size=64, unique=True),
        temperature=st.floats(min_value=5e-324, max_value=1e-30), top_p=st.floats(min_value=5e-324, max_value=1.0))
