@@ -99,7 +99,15 @@ def _looks_like_path(name: str) -> bool:
 
 def _directory_checkpoint(name: str, path: Path) -> Checkpoint:
     # a config.json that is a directory, FIFO or dangling link is still the one meant: read_config_json names it
-    if os.path.lexists(path / "config.json"):
+    try:
+        os.lstat(path / "config.json")
+        has_config = True
+    except FileNotFoundError:
+        has_config = False
+    except OSError as exc:  # a directory the user may list but not search
+        raise ModelError(f"model {name!r}: cannot read {path / 'config.json'} "
+                         f"({'permission denied' if isinstance(exc, PermissionError) else exc.strerror})") from None
+    if has_config:
         return Checkpoint(name, "directory", path.resolve())
     ggufs = sorted(p.name for p in path.glob("*.gguf") if p.is_file())
     if len(ggufs) == 1:
@@ -129,8 +137,14 @@ def _packaged_checkpoint(name: str) -> Checkpoint:
 def resolve_checkpoint(name: str) -> Checkpoint:
     """Map a model argument to a preset, a packaged model, or a local checkpoint; ``ModelError`` otherwise."""
     path = Path(name).expanduser()
-    if path.exists():
-        if path.is_file():
+    try:  # Path.exists/is_file raise PermissionError on Python 3.11 (a directory the user cannot search)
+        exists, is_file = path.exists(), path.is_file()
+    except PermissionError:
+        raise ModelError(f"model {name!r}: cannot read (permission denied)") from None
+    except OSError as exc:  # a name too long, ...
+        raise ModelError(f"model {name!r}: cannot read ({exc.strerror or exc.__class__.__name__})") from None
+    if exists:
+        if is_file:
             if path.suffix == ".gguf":
                 return Checkpoint(name, "directory", path.parent.resolve(), gguf_file=path.name)
             raise ModelError(f"model {name!r}: is a file; give the checkpoint directory that holds config.json "

@@ -165,6 +165,9 @@ def pretrained_model(path: Path, *, device: str, dtype: str, tp_size: int = 1) -
                 str(path), dtype=tdtype, trust_remote_code=False, local_files_only=True,
                 output_loading_info=True, ignore_mismatched_sizes=True, **placement)
     except Exception as exc:  # loaders raise their own types (SafetensorError, struct.error, ...)
+        unreadable = _unreadable_weight_file(path)
+        if unreadable is not None:  # safetensors reports a file it may not open as "No such file or directory"
+            raise ModelError(f"{unreadable}: cannot read the weights (permission denied)") from exc
         raise _load_error(f"{path}: transformers cannot load the weights", exc) from exc
     try:
         check_loading_info(path, info)
@@ -172,6 +175,19 @@ def pretrained_model(path: Path, *, device: str, dtype: str, tp_size: int = 1) -
         del model
         raise
     return model.eval()
+
+
+def _unreadable_weight_file(path: Path) -> Path | None:
+    """The first weight file in ``path`` the user may not open (asked after a failed load only)."""
+    for file in _weight_files(path):
+        try:
+            with open(file, "rb"):
+                pass
+        except PermissionError:
+            return file
+        except OSError:
+            continue
+    return None
 
 
 def check_loading_info(path: Path, info: dict[str, Any]) -> None:

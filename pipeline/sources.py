@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -107,21 +109,31 @@ def read_yaml(path: str) -> dict[str, Any]:
     if str(path) == "":
         raise ConfigError("config file: empty path; give a YAML file (or leave --config out)", source="config_file")
     p = Path(path)
-    if p.exists() and not p.is_dir() and not p.is_file():
-        raise ConfigError(f"config file {path}: not a regular file (a FIFO or device?); give a YAML file",
-                          source="config_file")
-    size = p.stat().st_size if p.is_file() else 0
-    if size > 4 * MAX_CONFIG_CHARS:  # before reading: a huge (or sparse) file would be read into memory whole
-        raise ConfigError(f"config file {path}: {size:,} bytes; a config of LlmArgs fields is a few hundred",
-                          source="config_file")
-    try:
-        text = p.read_text(encoding="utf-8")
+
+    def fail(problem: str) -> ConfigError:
+        return ConfigError(f"config file {path}: {problem}", source="config_file")
+
+    try:  # Path.exists/is_file raise PermissionError on Python 3.11 (a directory the user cannot search)
+        st = p.stat()
     except FileNotFoundError:
-        raise ConfigError(f"config file {path}: not found", source="config_file") from None
-    except IsADirectoryError:
-        raise ConfigError(f"config file {path}: is a directory, expected a YAML file", source="config_file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"config file {path}: cannot read ({exc.__class__.__name__})", source="config_file") from None
+        raise fail("is a symbolic link to nothing; give a YAML file" if os.path.lexists(p) else "not found") from None
+    except OSError as exc:
+        raise fail(_cannot_read(exc)) from None
+    if stat.S_ISDIR(st.st_mode):
+        raise fail("is a directory, expected a YAML file")
+    if not stat.S_ISREG(st.st_mode):
+        raise fail("not a regular file (a FIFO or device?); give a YAML file")
+    if st.st_size > 4 * MAX_CONFIG_CHARS:  # before reading: a huge (or sparse) file would be read into memory whole
+        raise fail(f"{st.st_size:,} bytes; a config of LlmArgs fields is a few hundred")
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise fail(_cannot_read(exc)) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise fail(f"not UTF-8 (byte 0x{raw[exc.start]:02x} at offset {exc.start}); a YAML config is UTF-8 "
+                   "text") from None
     if len(text) > MAX_CONFIG_CHARS:
         raise ConfigError(f"config file {path}: {len(text):,} characters; a config of LlmArgs fields is a few "
                           "hundred", source="config_file")
@@ -154,6 +166,13 @@ def read_yaml(path: str) -> dict[str, Any]:
     if bad:
         raise ConfigError(f"config file {path}: keys must be strings, got {bad[0]!r}", source="config_file")
     return data
+
+
+def _cannot_read(exc: OSError) -> str:
+    """'cannot read (permission denied)', '(Too many levels of symbolic links)', ...: the OS's words, one line."""
+    if isinstance(exc, PermissionError):
+        return "cannot read (permission denied)"
+    return f"cannot read ({exc.strerror or exc.__class__.__name__})"
 
 
 def _all_keys(tree: Mapping[Any, Any]) -> list[Any]:

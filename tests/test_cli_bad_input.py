@@ -109,7 +109,8 @@ CASES = [
      ["tri.yaml", "kv_cache_config.use_kv_cache_manager_v2", "'on'"]),
     ("yaml-scalar-section", "plan tiny-llama --config {in}/scalar-kv.yaml", 2,
      ["scalar-kv.yaml", "kv_cache_config", "mapping"]),
-    ("yaml-not-utf8", "plan tiny-llama --config {in}/latin1.yaml", 2, ["latin1.yaml", "cannot read"]),
+    ("yaml-not-utf8", "plan tiny-llama --config {in}/latin1.yaml", 2,
+     ["latin1.yaml", "not UTF-8", "a YAML config is UTF-8 text"]),
     # model / config.json
     ("unknown-preset", "plan tiny-llama3", 2,
      ["'tiny-llama3'", "not a preset", "tiny-deepseek-v4, tiny-gemma3, tiny-llama"]),

@@ -789,6 +789,57 @@ def test_audit_log_at_a_fifo_or_device_is_refused_and_left_alone(capsys, tmp_pat
     assert_refused(_plan(capsys, "tiny-llama", audit=dangling), "--audit-log", "symbolic link to nothing")
 
 
+def _deny_search(monkeypatch, folder: Path) -> None:
+    """What a directory the user cannot search (mode 700, another owner) does to Path.stat under it; the suite
+    runs as root, which searches anything. Path.exists/is_file on Python 3.11 let this PermissionError out."""
+    import errno
+
+    real_stat = Path.stat
+
+    def stat(self, *args, **kwargs):
+        if folder in self.parents:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+        return real_stat(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "stat", stat)
+
+
+def test_a_config_file_in_a_folder_the_user_cannot_search_says_permission_denied(capsys, tmp_path, out, monkeypatch):
+    # was "error: parse_args: PermissionError: [Errno 13] ..."
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    (locked / "c.yaml").write_text("max_batch_size: 4\n")
+    _deny_search(monkeypatch, locked)
+    r = _plan(capsys, "tiny-llama", "--config", locked / "c.yaml", audit=out / "a.jsonl")
+    assert_refused(r, f"config file {locked / 'c.yaml'}: cannot read (permission denied)", folder=out)
+
+
+def test_a_checkpoint_in_a_folder_the_user_cannot_search_says_permission_denied(capsys, tmp_path, out, monkeypatch):
+    # was "error: apply_model_defaults: PermissionError: [Errno 13] ..."
+    locked = tmp_path / "locked"
+    ckpt = write_config(locked / "ckpt", BASE)
+    _deny_search(monkeypatch, locked)
+    r = _plan(capsys, ckpt, audit=out / "a.jsonl")
+    assert_refused(r, f"model '{ckpt}': cannot read (permission denied)", folder=out)
+
+
+@pytest.mark.parametrize(("kind", "needle"), [
+    ("loop", "cannot read (Too many levels of symbolic links)"),  # was "cannot read (OSError)"
+    ("latin1", "not UTF-8 (byte 0xe9 at offset 7); a YAML config is UTF-8 text"),  # was "(UnicodeDecodeError)"
+    ("dangling", "is a symbolic link to nothing"),
+])
+def test_a_config_file_that_cannot_be_read_says_why(capsys, tmp_path, out, kind, needle):
+    cfg = tmp_path / "c.yaml"
+    if kind == "loop":
+        cfg.symlink_to("c.yaml")
+    elif kind == "dangling":
+        cfg.symlink_to("nowhere.yaml")
+    else:
+        cfg.write_bytes(b"dtype: \xe9\n")
+    r = _plan(capsys, "tiny-llama", "--config", cfg, audit=out / "a.jsonl")
+    assert_refused(r, f"config file {cfg}: {needle}", folder=out)
+
+
 def test_an_existing_audit_log_is_kept_unless_force(capsys, tmp_path):
     log = tmp_path / "a.jsonl"
     log.write_text("precious\n")
