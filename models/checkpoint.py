@@ -320,6 +320,11 @@ def load_hf_config(checkpoint: Checkpoint) -> Any:
     try:
         return AutoConfig.from_pretrained(str(checkpoint.path), trust_remote_code=False, local_files_only=True)
     except Exception as exc:  # transformers' own checks raise ValueError, strict-dataclass errors, ZeroDivisionError
+        bad_dtype = _unknown_dtype(raw)
+        if bad_dtype is not None:  # transformers' words: "module 'torch' has no attribute 'float128'"
+            field, value = bad_dtype
+            raise ModelError(f"{checkpoint.path / 'config.json'}: {field}: {short(value)} is not a torch dtype; "
+                             "accepted: a torch dtype name such as float32, float16 or bfloat16, or null") from exc
         if raw.get("auto_map"):  # the config names classes shipped as code inside the checkpoint
             raise ModelError(f"{checkpoint.path / 'config.json'}: model_type {raw['model_type']!r} needs code shipped "
                              "with the checkpoint (auto_map); kvload never runs it (trust_remote_code stays off)"
@@ -328,6 +333,24 @@ def load_hf_config(checkpoint: Checkpoint) -> Any:
             f"{checkpoint.path / 'config.json'}: transformers cannot load model_type {raw['model_type']!r}: "
             f"{first_line(exc)}"
         ) from exc
+
+
+def _unknown_dtype(raw: dict[str, Any]) -> tuple[str, Any] | None:
+    """The config's ``dtype``/``torch_dtype`` (top level or text_config) when it names no torch dtype."""
+    import torch
+
+    configs = [("", raw)]
+    if isinstance(raw.get("text_config"), dict):
+        configs.append(("text_config.", raw["text_config"]))
+    for prefix, config in configs:
+        for field in ("dtype", "torch_dtype"):
+            value = config.get(field)
+            if value is None or value == "auto":
+                continue
+            name = value.removeprefix("torch.") if isinstance(value, str) else None
+            if name is None or not isinstance(getattr(torch, name, None), torch.dtype):
+                return prefix + field, value
+    return None
 
 
 def _load_gguf_config(checkpoint: Checkpoint) -> Any:

@@ -146,6 +146,14 @@ def test_a_bad_generation_config_json_is_refused_naming_it(capsys, tmp_path, out
     assert_refused(_plan(capsys, ckpt, audit=out / "a.jsonl"), f"{ckpt}/{needle}", folder=out)
 
 
+@pytest.mark.parametrize("field", ["dtype", "torch_dtype"])
+def test_a_dtype_torch_does_not_have_is_named_with_what_is_accepted(capsys, tmp_path, out, field):
+    # was "transformers cannot load model_type 'llama': module 'torch' has no attribute 'float128'"
+    ckpt = write_config(tmp_path / "ckpt", {**BASE, field: "float128"})
+    assert_refused(_plan(capsys, ckpt, audit=out / "a.jsonl"),
+                   f"{ckpt}/config.json: {field}: 'float128' is not a torch dtype; accepted: ", "bfloat16", folder=out)
+
+
 @pytest.mark.parametrize("text", ['{"eos_token_id": 2}', '{"eos_token_id": [2, 3]}', '{"eos_token_id": null}', "{}"])
 def test_a_good_generation_config_json_plans(capsys, tmp_path, text):
     ckpt = write_config(tmp_path / "ckpt", BASE)

@@ -130,6 +130,19 @@ def test_an_unreadable_weights_file_says_permission_denied(tmp_path, monkeypatch
         load_through_stages(str(tmp_path / "ckpt"))
 
 
+def test_an_activation_transformers_lacks_names_the_field_and_the_accepted_ones(tmp_path):
+    import json
+
+    cfg = load_hf_config(resolve_checkpoint("tiny-llama"))
+    random_model(cfg, device="cpu", dtype="float32").save_pretrained(tmp_path / "ckpt")
+    file = tmp_path / "ckpt" / "config.json"
+    file.write_text(json.dumps({**json.loads(file.read_text()), "hidden_act": "frob"}))
+    # was "transformers cannot load the weights: 'frob'" (ACT2FN's KeyError)
+    with pytest.raises(ModelError, match=rf"^{file}: hidden_act: 'frob' is not an activation transformers has; "
+                                         r"accepted: gelu, .*silu"):
+        load_through_stages(str(tmp_path / "ckpt"))
+
+
 def test_a_non_integer_weights_seed_is_a_config_error():
     with pytest.raises(pipeline.ConfigError, match=r"^weights_seed: expected an integer >= 0, got '3'"):
         load_through_stages("tiny-llama", weights_seed="3")
