@@ -281,8 +281,16 @@ def check_chart_path(path: str, *, replace: bool) -> None:
     check_output_path(path, "--chart", replace=replace)
 
 
-def draw_chart(comparison: CapacityComparison, path: str) -> None:
-    """Write a PNG: concurrent sequences per length and bytes per sequence, V1 beside V2 (needs matplotlib)."""
+def draw_chart(comparison: CapacityComparison, path: str, *, replace: bool = True) -> None:
+    """Write a PNG: concurrent sequences per length and bytes per sequence, V1 beside V2 (needs matplotlib).
+
+    The image is drawn into a temporary beside ``path`` and renamed onto it, so a failed write (a full
+    disk: ``OutputError``, exit 1) leaves ``path`` as it was and no partial file. ``replace=False`` refuses
+    a file that appeared since :func:`check_chart_path`."""
+    from pathlib import Path
+
+    from pipeline.audit import atomic_output
+
     plt = _pyplot()
     lengths = comparison.lengths
     xs = range(len(lengths))
@@ -314,8 +322,8 @@ def draw_chart(comparison: CapacityComparison, path: str) -> None:
     fig.suptitle(f"{comparison.model}: V1 vs V2 at a budget of {comparison.budget.bytes / 2**20:,.1f} MiB")
     fig.tight_layout()
     try:
-        fig.savefig(path, dpi=110)
-    except OSError as exc:
-        raise ConfigError(f"--chart {path}: cannot write ({exc.strerror or exc})", path="chart") from None
+        with atomic_output(path, "--chart", replace=replace) as tmp:
+            # the temporary's name ends in .tmp: the format comes from the chosen path's extension
+            fig.savefig(tmp, dpi=110, format=Path(path).suffix.lower().lstrip(".") or None)
     finally:
         plt.close(fig)

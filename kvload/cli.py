@@ -344,7 +344,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 
         comparison = compare_capacity(result)
         if ns.chart is not None and prints(result):
-            draw_chart(comparison, ns.chart)
+            draw_chart(comparison, ns.chart, replace=ns.force)
     if not prints(result):
         return 0
     if ns.json:

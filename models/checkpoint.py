@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +98,16 @@ def _looks_like_path(name: str) -> bool:
 
 
 def _directory_checkpoint(name: str, path: Path) -> Checkpoint:
-    if (path / "config.json").is_file():
+    # a config.json that is a directory, FIFO or dangling link is still the one meant: read_config_json names it
+    try:
+        os.lstat(path / "config.json")
+        has_config = True
+    except FileNotFoundError:
+        has_config = False
+    except OSError as exc:  # a directory the user may list but not search
+        raise ModelError(f"model {name!r}: cannot read {path / 'config.json'} "
+                         f"({'permission denied' if isinstance(exc, PermissionError) else exc.strerror})") from None
+    if has_config:
         return Checkpoint(name, "directory", path.resolve())
     ggufs = sorted(p.name for p in path.glob("*.gguf") if p.is_file())
     if len(ggufs) == 1:
@@ -126,8 +137,14 @@ def _packaged_checkpoint(name: str) -> Checkpoint:
 def resolve_checkpoint(name: str) -> Checkpoint:
     """Map a model argument to a preset, a packaged model, or a local checkpoint; ``ModelError`` otherwise."""
     path = Path(name).expanduser()
-    if path.exists():
-        if path.is_file():
+    try:  # Path.exists/is_file raise PermissionError on Python 3.11 (a directory the user cannot search)
+        exists, is_file = path.exists(), path.is_file()
+    except PermissionError:
+        raise ModelError(f"model {name!r}: cannot read (permission denied)") from None
+    except OSError as exc:  # a name too long, ...
+        raise ModelError(f"model {name!r}: cannot read ({exc.strerror or exc.__class__.__name__})") from None
+    if exists:
+        if is_file:
             if path.suffix == ".gguf":
                 return Checkpoint(name, "directory", path.parent.resolve(), gguf_file=path.name)
             raise ModelError(f"model {name!r}: is a file; give the checkpoint directory that holds config.json "
@@ -160,29 +177,97 @@ def resolve_checkpoint(name: str) -> Checkpoint:
     )
 
 
-def read_config_json(path: Path) -> dict[str, Any]:
-    """Parse ``config.json`` ourselves first so a malformed file gets a message with line and column."""
-    file = path / "config.json"
+class _NotStandard:
+    """What the JSON parser puts where a value no JSON reader must accept stands, so its field can be named."""
+
+    def __init__(self, problem: str) -> None:
+        self.problem = problem
+
+
+#: Digits an integer in a checkpoint's JSON may have: Python's own conversion limit (sys.get_int_max_str_digits).
+MAX_JSON_INT_DIGITS = 4300
+
+
+def _json_int(text: str) -> int | _NotStandard:
+    digits = len(text.lstrip("-"))
+    if digits > MAX_JSON_INT_DIGITS:
+        return _NotStandard(f"an integer of {digits:,} digits; accepted: a number of at most "
+                            f"{MAX_JSON_INT_DIGITS:,} digits")
+    return int(text)
+
+
+def _json_constant(name: str) -> _NotStandard:
+    # Python's json reads NaN, Infinity and -Infinity; standard JSON has no such values, and a NaN
+    # epsilon gives NaN logits with no error anywhere
+    return _NotStandard(f"{name} is not standard JSON; accepted: a finite number")
+
+
+def _not_standard(data: Any, where: str = "") -> tuple[str, _NotStandard] | None:
+    """The first non-standard value in a parsed tree, with its field path."""
+    if isinstance(data, _NotStandard):
+        return where, data
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    for key, value in items:
+        found = _not_standard(value, f"{where}[{key}]" if isinstance(key, int) else
+                              f"{where}.{key}" if where else str(key))
+        if found is not None:
+            return found
+    return None
+
+
+def read_json_object(file: Path, what: str) -> dict[str, Any]:
+    """A checkpoint's JSON file (``what``: "a model config", ...) as a dict; ``ModelError`` naming the file
+    (and the field where there is one) when it is not a regular UTF-8 file of standard JSON with one object
+    at the top, each key once, at most :data:`MAX_DEPTH` levels deep."""
     try:
-        if not file.is_file():
-            raise ModelError(f"{file}: not a regular file")
-        if file.stat().st_size > MAX_CONFIG_BYTES:  # read nothing huge: real configs are a few KB
-            raise ModelError(f"{file}: {file.stat().st_size:,} bytes; a config.json is at most "
-                             f"{MAX_CONFIG_BYTES:,}")
-        twice = unique_keys(lambda message: ModelError(f"{file}: {message}; keep one"))
-        data = json.loads(file.read_text(encoding="utf-8"), object_pairs_hook=twice)
+        st = file.stat()
+    except FileNotFoundError:
+        if os.path.lexists(file):
+            raise ModelError(f"{file}: is a symbolic link to nothing; expected a JSON file") from None
+        raise ModelError(f"{file}: not found") from None
+    except PermissionError:
+        raise ModelError(f"{file}: cannot read (permission denied)") from None
+    except OSError as exc:  # a symbolic link loop, a name too long, ...
+        raise ModelError(f"{file}: cannot read ({exc.strerror or exc.__class__.__name__})") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise ModelError(f"{file}: is a directory, expected a JSON file")
+    if not stat.S_ISREG(st.st_mode):  # a FIFO would block the read forever, a device never ends
+        raise ModelError(f"{file}: not a regular file (a FIFO or device?), expected a JSON file")
+    if st.st_size > MAX_CONFIG_BYTES:  # read nothing huge: real configs are a few KB
+        raise ModelError(f"{file}: {st.st_size:,} bytes; {what} is at most {MAX_CONFIG_BYTES:,}")
+    try:
+        raw = file.read_bytes()
+    except PermissionError:
+        raise ModelError(f"{file}: cannot read (permission denied)") from None
+    except OSError as exc:
+        raise ModelError(f"{file}: cannot read ({exc.strerror or exc.__class__.__name__})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ModelError(f"{file}: not UTF-8 (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
+                         "JSON files are UTF-8 text") from None
+    twice = unique_keys(lambda message: ModelError(f"{file}: {message}; keep one"))
+    try:
+        data = json.loads(text, object_pairs_hook=twice, parse_constant=_json_constant, parse_int=_json_int)
     except json.JSONDecodeError as exc:
         raise ModelError(f"{file}: malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
     except RecursionError:
-        raise ModelError(f"{file}: nested too deeply to be a model config") from None
-    except ValueError as exc:  # an integer past Python's 4,300-digit conversion limit
-        raise ModelError(f"{file}: {first_line(exc)}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ModelError(f"{file}: cannot read ({exc.__class__.__name__})") from None
+        raise ModelError(f"{file}: nested too deeply to be {what}") from None
     if not isinstance(data, dict):
         raise ModelError(f"{file}: expected a JSON object, got {type(data).__name__}")
     if nesting_depth(data) > MAX_DEPTH:
-        raise ModelError(f"{file}: nested deeper than {MAX_DEPTH} levels; a model config nests a few")
+        raise ModelError(f"{file}: nested deeper than {MAX_DEPTH} levels; {what} nests a few")
+    found = _not_standard(data)
+    if found is not None:
+        field, value = found
+        raise ModelError(f"{file}: {field}: {value.problem}")
+    return data
+
+
+def read_config_json(path: Path) -> dict[str, Any]:
+    """Parse ``config.json`` ourselves first so a malformed file gets a message with line and column."""
+    file = path / "config.json"
+    data = read_json_object(file, "a model config")
     if not isinstance(data.get("model_type"), str):
         raise ModelError(f"{file}: no 'model_type' key; transformers needs it to pick the config class")
     archs = data.get("architectures")
@@ -190,6 +275,27 @@ def read_config_json(path: Path) -> dict[str, Any]:
         raise ModelError(f"{file}: 'architectures' must be a list of class names, got {short(archs)}")
     check_fields(data, file)
     return data
+
+
+def read_generation_config(path: Path) -> dict[str, Any] | None:
+    """A checkpoint directory's ``generation_config.json`` (None when it has none), checked as kvload reads it.
+
+    transformers skips a malformed one with a log line only, and drops an ``eos_token_id`` of the wrong type;
+    either way generation would stop at other tokens than the checkpoint means, with no error.
+    """
+    file = path / "generation_config.json"
+    if not os.path.lexists(file):
+        return None
+    data = read_json_object(file, "a generation config")
+    eos = data.get("eos_token_id")
+    if eos is not None and not (_is_token_id(eos) or (isinstance(eos, list) and all(map(_is_token_id, eos)))):
+        raise ModelError(f"{file}: eos_token_id: expected an integer token id, a list of them, or null; "
+                         f"got {short(eos)}")
+    return data
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # transformers types it int | list[int]
 
 
 #: The largest config.json read (real ones are a few KB; a tokenizer's vocabulary does not live there).
@@ -203,6 +309,8 @@ def load_hf_config(checkpoint: Checkpoint) -> Any:
     if checkpoint.gguf_file:
         return _load_gguf_config(checkpoint)
     raw = read_config_json(checkpoint.path)
+    if checkpoint.kind != "preset":  # presets are configs only; a GGUF's generation settings live in the file
+        read_generation_config(checkpoint.path)
     if checkpoint.kind == "preset":
         from models.config_view import ConfigView
 
@@ -212,6 +320,11 @@ def load_hf_config(checkpoint: Checkpoint) -> Any:
     try:
         return AutoConfig.from_pretrained(str(checkpoint.path), trust_remote_code=False, local_files_only=True)
     except Exception as exc:  # transformers' own checks raise ValueError, strict-dataclass errors, ZeroDivisionError
+        bad_dtype = _unknown_dtype(raw)
+        if bad_dtype is not None:  # transformers' words: "module 'torch' has no attribute 'float128'"
+            field, value = bad_dtype
+            raise ModelError(f"{checkpoint.path / 'config.json'}: {field}: {short(value)} is not a torch dtype; "
+                             "accepted: a torch dtype name such as float32, float16 or bfloat16, or null") from exc
         if raw.get("auto_map"):  # the config names classes shipped as code inside the checkpoint
             raise ModelError(f"{checkpoint.path / 'config.json'}: model_type {raw['model_type']!r} needs code shipped "
                              "with the checkpoint (auto_map); kvload never runs it (trust_remote_code stays off)"
@@ -220,6 +333,24 @@ def load_hf_config(checkpoint: Checkpoint) -> Any:
             f"{checkpoint.path / 'config.json'}: transformers cannot load model_type {raw['model_type']!r}: "
             f"{first_line(exc)}"
         ) from exc
+
+
+def _unknown_dtype(raw: dict[str, Any]) -> tuple[str, Any] | None:
+    """The config's ``dtype``/``torch_dtype`` (top level or text_config) when it names no torch dtype."""
+    import torch
+
+    configs = [("", raw)]
+    if isinstance(raw.get("text_config"), dict):
+        configs.append(("text_config.", raw["text_config"]))
+    for prefix, config in configs:
+        for field in ("dtype", "torch_dtype"):
+            value = config.get(field)
+            if value is None or value == "auto":
+                continue
+            name = value.removeprefix("torch.") if isinstance(value, str) else None
+            if name is None or not isinstance(getattr(torch, name, None), torch.dtype):
+                return prefix + field, value
+    return None
 
 
 def _load_gguf_config(checkpoint: Checkpoint) -> Any:

@@ -85,7 +85,8 @@ def random_model(hf_config: Any, *, device: str, dtype: str, seed: int = 0) -> A
         try:
             model = AutoModelForCausalLM.from_config(cfg, dtype=tdtype)
         except Exception as exc:
-            raise _load_error(f"transformers cannot build a causal LM from {type(cfg).__name__}", exc) from exc
+            raise _activation_error(cfg, exc) or _load_error(
+                f"transformers cannot build a causal LM from {type(cfg).__name__}", exc) from exc
     return model.to(device).eval()
 
 
@@ -165,13 +166,59 @@ def pretrained_model(path: Path, *, device: str, dtype: str, tp_size: int = 1) -
                 str(path), dtype=tdtype, trust_remote_code=False, local_files_only=True,
                 output_loading_info=True, ignore_mismatched_sizes=True, **placement)
     except Exception as exc:  # loaders raise their own types (SafetensorError, struct.error, ...)
-        raise _load_error(f"{path}: transformers cannot load the weights", exc) from exc
+        unreadable = _unreadable_weight_file(path)
+        if unreadable is not None:  # safetensors reports a file it may not open as "No such file or directory"
+            raise ModelError(f"{unreadable}: cannot read the weights (permission denied)") from exc
+        raise _activation_error(path, exc) or _load_error(f"{path}: transformers cannot load the weights",
+                                                          exc) from exc
     try:
         check_loading_info(path, info)
     except BaseException:
         del model
         raise
     return model.eval()
+
+
+def _activation_error(where: Any, exc: Exception) -> ModelError | None:
+    """A ``KeyError`` of transformers' activation table (``ACT2FN[config.hidden_act]``) as one line naming the
+    config field and the activations accepted; None for any other failure. ``where``: the checkpoint directory
+    (its config.json is read) or the config object."""
+    if not isinstance(exc, KeyError) or len(exc.args) != 1 or not isinstance(exc.args[0], str):
+        return None
+    from transformers.activations import ACT2FN
+
+    name = exc.args[0]
+    if name in ACT2FN:
+        return None
+    if isinstance(where, Path):
+        import json
+
+        file = where / "config.json"
+        try:
+            config = json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+    else:
+        file, config = "config", where.to_dict() if hasattr(where, "to_dict") else {}
+    for prefix, fields in (("", config), ("text_config.", config.get("text_config") or {})):
+        for field, value in fields.items() if isinstance(fields, dict) else ():
+            if value == name and "act" in field:
+                return ModelError(f"{file}: {prefix}{field}: {name!r} is not an activation transformers has; "
+                                  f"accepted: {', '.join(sorted(ACT2FN))}")
+    return None
+
+
+def _unreadable_weight_file(path: Path) -> Path | None:
+    """The first weight file in ``path`` the user may not open (asked after a failed load only)."""
+    for file in _weight_files(path):
+        try:
+            with open(file, "rb"):
+                pass
+        except PermissionError:
+            return file
+        except OSError:
+            continue
+    return None
 
 
 def check_loading_info(path: Path, info: dict[str, Any]) -> None:

@@ -12,7 +12,8 @@ import os
 import secrets
 import stat
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -168,8 +169,6 @@ class AuditLog:
         p = Path(path)
         text = _read_text(p)
         lines = text.splitlines()
-        if not lines:
-            raise AuditError(f"{p}: empty file, expected a kvload audit log (JSON Lines)")
         records: list[tuple[int, dict[str, Any]]] = []
         for n, line in enumerate(lines, 1):
             if not line.strip():
@@ -177,13 +176,15 @@ class AuditLog:
             # only an unterminated last line can be cut short: every record is written with its newline
             record = _parse_line(p, n, line, last=n == len(lines) and not text.endswith(("\n", "\r")))
             records.append((n, record))
-        _, header = records[0]
+        if not records:  # 0 bytes, or only blank lines: nothing to read either way
+            raise AuditError(f"{p}: empty file, expected a kvload audit log (JSON Lines)")
+        first, header = records[0]
         if header.get("event") != HEADER_EVENT:
-            raise AuditError(f"{p}: line 1: not a kvload audit log (no {HEADER_EVENT} line)")
+            raise AuditError(f"{p}: line {first}: not a kvload audit log (no {HEADER_EVENT} line)")
         version = header.get("schema_version")
         if not isinstance(version, int) or isinstance(version, bool) or version != AUDIT_SCHEMA_VERSION:
             raise AuditError(
-                f"{p}: line 1: schema_version {short(version)} is not supported "
+                f"{p}: line {first}: schema_version {short(version)} is not supported "
                 f"(this kvload reads {AUDIT_SCHEMA_VERSION}, an integer)"
             )
         known = frozenset(flatten(framework_defaults()))
@@ -285,6 +286,76 @@ def check_output_path(path: str | os.PathLike[str], flag: str = "audit log", rep
     return p
 
 
+def _temp_name(path: Path) -> str:
+    """A hidden name beside ``path`` for the file that becomes ``path``: ``.NAME.<12 hex>.tmp``.
+
+    NAME is cut short (in bytes, as the file system counts) when the whole would pass the directory's
+    name limit, so every name the file system accepts for ``path`` can be written through a temporary.
+    """
+    parent = path.parent if str(path.parent) else Path(".")
+    tail = f".{secrets.token_hex(6)}.tmp"
+    try:
+        limit = os.pathconf(parent, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    if limit is None or limit < 0:  # no limit: take the common one all the same
+        limit = 255
+    base = os.fsencode(path.name)[: max(1, limit - 1 - len(tail))]
+    return str(parent / (os.fsdecode(b"." + base) + tail))
+
+
+def _create_temp(path: Path, flag: str) -> tuple[str, int]:
+    """Create the temporary beside ``path`` (mode 0666 less the umask); its name and an open descriptor.
+    ``ConfigError`` naming ``flag`` when the directory takes no new file. Call under :func:`deferred`."""
+    name = _temp_name(path)
+    try:
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+    except OSError as exc:
+        parent = path.parent if str(path.parent) else Path(".")
+        raise ConfigError(f"{flag} {path}: cannot create a file in {parent} "
+                          f"({exc.strerror or exc.__class__.__name__})") from None
+    return name, fd
+
+
+def _publish(tmp: str, path: Path, flag: str, *, replace: bool) -> None:
+    """Move the written temporary onto ``path``; without ``replace``, never over a file that exists."""
+    if replace:
+        os.replace(tmp, path)
+        return
+    try:
+        os.link(tmp, path)  # atomic, and never over a file that exists
+    except FileExistsError:
+        raise ConfigError(f"{flag} {path}: appeared while the run was going; not replaced "
+                          "(pass --force to replace it)") from None
+    except OSError:  # a filesystem without hard links
+        if os.path.lexists(path):
+            raise ConfigError(f"{flag} {path}: exists; pass --force to replace it") from None
+        os.replace(tmp, path)
+
+
+@contextmanager
+def atomic_output(path: str | os.PathLike[str], flag: str, *, replace: bool = True) -> Iterator[str]:
+    """Yield the path of an empty temporary beside ``path`` to write; publish it on a clean exit, remove it
+    otherwise. A failed write (a full disk) becomes ``OutputError`` naming ``flag`` (exit 1); ``path``
+    keeps what it held before, and no temporary is left. ``replace=False`` as :class:`JsonlSink`'s."""
+    target = Path(path)
+    with deferred():  # no signal between creating the file and remembering to remove it
+        tmp, fd = _create_temp(target, flag)
+        os.close(fd)
+    try:
+        try:
+            yield tmp
+        except OSError as exc:
+            raise OutputError(f"{flag} {target}: cannot write it ({exc.strerror or exc}); nothing was "
+                              "written") from None
+        with deferred():
+            _publish(tmp, target, flag, replace=replace)
+    finally:
+        with deferred():
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
+
+
 class JsonlSink:
     """Streams records to a JSON Lines file; the file appears only when the run closes cleanly.
 
@@ -309,15 +380,8 @@ class JsonlSink:
         self._failed: OSError | None = None  # a write that failed (a full disk): reported, file discarded, at close
 
     def _open(self) -> None:
-        parent = self.path.parent if str(self.path.parent) else Path(".")
-        name = str(parent / f".{self.path.name}.{secrets.token_hex(6)}.tmp")
         with deferred():  # no signal between creating the file and remembering to remove it
-            try:
-                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
-            except OSError as exc:
-                raise ConfigError(f"{self.flag} {self.path}: cannot create a file in {parent} "
-                                  f"({exc.strerror or exc.__class__.__name__})") from None
-            self._tmp = name
+            self._tmp, fd = _create_temp(self.path, self.flag)
             self._file = os.fdopen(fd, "w", encoding="utf-8")
         self._hold({**header_record(), "chain": self._chain.kind})
 
@@ -361,26 +425,12 @@ class JsonlSink:
                     raise OutputError(f"{self.flag} {self.path}: cannot write it ({err.strerror or err}); nothing "
                                       "was written") from None
                 if ok:
-                    self._publish()
+                    _publish(self._tmp, self.path, self.flag, replace=self.replace)
             finally:
                 self._file, self._closed = None, True
                 if self._tmp is not None and os.path.lexists(self._tmp):
                     os.unlink(self._tmp)
                 self._tmp = None
-
-    def _publish(self) -> None:
-        if self.replace:
-            os.replace(self._tmp, self.path)
-            return
-        try:
-            os.link(self._tmp, self.path)  # atomic, and never over a file that exists
-        except FileExistsError:
-            raise ConfigError(f"{self.flag} {self.path}: appeared while the run was going; not replaced "
-                              "(pass --force to replace it)") from None
-        except OSError:  # a filesystem without hard links
-            if os.path.lexists(self.path):
-                raise ConfigError(f"{self.flag} {self.path}: exists; pass --force to replace it") from None
-            os.replace(self._tmp, self.path)
 
     def __enter__(self) -> JsonlSink:
         return self

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,11 @@ from pipeline.limits import MAX_DEPTH, MAX_INT_DIGITS, MAX_YAML_NODES, nesting_d
 
 class StrictLoader(yaml.SafeLoader):
     """YAML 1.2-style booleans: only true/false (any case) are bools; ``yes``/``on`` stay strings.
+
+    Numbers are YAML 1.2 core schema's too (PyYAML reads YAML 1.1): ``064`` is 64, not octal 52; ``0o``
+    and ``0x`` are the octal and hex forms; ``1:30`` and ``2:00:00`` (1.1's base-60) and ``0b101`` stay
+    strings, which the field's type check then refuses; ``1e-3`` is a float. Underscores between digits
+    (``1_000``) are kept, as the command line's flags read them (Python's ``int``/``float``).
 
     Also strict where PyYAML is lenient: a key given twice in one mapping (a repeated
     ``kv_cache_config:`` section included) is an error instead of the last one silently winning,
@@ -40,24 +47,57 @@ class StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
     def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
-        """An integer, refused with its line when it has more digits than any setting could hold."""
-        if len(node.value) > MAX_INT_DIGITS:
+        """An integer (YAML 1.2 core forms), refused with its line when it has more digits than any setting holds."""
+        text = self.construct_scalar(node)
+        if len(text) > MAX_INT_DIGITS:
             raise yaml.constructor.ConstructorError(
-                None, None, f"integer of {len(node.value)} digits is out of range (settings are at most 2**63 - 1)",
+                None, None, f"integer of {len(text)} digits is out of range (settings are at most 2**63 - 1)",
                 node.start_mark)
-        return super().construct_yaml_int(node)
+        match = _INT.match(text)
+        if match is None:  # an explicit !!int tag on something else
+            raise yaml.constructor.ConstructorError(
+                None, None, f"{text!r} is not an integer (accepted: decimal digits, 0o octal or 0x hex)",
+                node.start_mark)
+        sign, octal, hexa, decimal = match.groups()
+        value = int(octal, 8) if octal else int(hexa, 16) if hexa else int(decimal, 10)  # "064" is 64
+        return -value if sign == "-" else value
 
+    def construct_yaml_float(self, node: yaml.ScalarNode) -> float:
+        """A float (YAML 1.2 core forms: no 1.1 base-60 ``1:30.5``)."""
+        text = self.construct_scalar(node)
+        special = {".inf": float("inf"), "+.inf": float("inf"), "-.inf": float("-inf"), ".nan": float("nan")}
+        if text.lower() in special:
+            return special[text.lower()]
+        if _FLOAT.match(text) is None and _INT.match(text) is None:  # an explicit !!float tag on something else
+            raise yaml.constructor.ConstructorError(None, None, f"{text!r} is not a number", node.start_mark)
+        try:
+            return float(text)
+        except ValueError:  # an explicit !!float on 0o/0x
+            return float(self.construct_yaml_int(node))
+
+
+_DIGITS = r"[0-9](?:_?[0-9])*"  # Python's rule for underscores, as the flags' int()/float() apply it
+#: YAML 1.2 core schema integers (https://yaml.org/spec/1.2.2/#1032-tag-resolution), decimal with underscores.
+_INT = re.compile(rf"^([-+]?)(?:0o([0-7]+)|0x([0-9a-fA-F]+)|({_DIGITS}))$")
+#: YAML 1.2 core schema floats with a point or an exponent (a bare integer resolves as an int first).
+_FLOAT = re.compile(rf"^[-+]?(?:\.{_DIGITS}|{_DIGITS}\.(?:{_DIGITS})?|{_DIGITS}(?=[eE]))(?:[eE][-+]?[0-9]+)?$")
+_FLOAT_SPECIAL = re.compile(r"^(?:[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$")
 
 StrictLoader.add_constructor("tag:yaml.org,2002:int", StrictLoader.construct_yaml_int)
+StrictLoader.add_constructor("tag:yaml.org,2002:float", StrictLoader.construct_yaml_float)
 
-
+# YAML 1.1's bool, int and float resolvers go (yes/on, 064 as octal, 1:30 as 90, ...); 1.2 core ones replace them
+_YAML_11 = ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
 StrictLoader.yaml_implicit_resolvers = {
-    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
+    first: [(tag, rx) for tag, rx in resolvers if tag not in _YAML_11]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
 StrictLoader.add_implicit_resolver(
     "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
 )
+StrictLoader.add_implicit_resolver("tag:yaml.org,2002:int", _INT, list("-+0123456789"))
+StrictLoader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456789."))
+StrictLoader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_SPECIAL, list("-+."))
 
 
 #: The longest YAML config read, in characters (UTF-8: at most four bytes each).
@@ -69,21 +109,31 @@ def read_yaml(path: str) -> dict[str, Any]:
     if str(path) == "":
         raise ConfigError("config file: empty path; give a YAML file (or leave --config out)", source="config_file")
     p = Path(path)
-    if p.exists() and not p.is_dir() and not p.is_file():
-        raise ConfigError(f"config file {path}: not a regular file (a FIFO or device?); give a YAML file",
-                          source="config_file")
-    size = p.stat().st_size if p.is_file() else 0
-    if size > 4 * MAX_CONFIG_CHARS:  # before reading: a huge (or sparse) file would be read into memory whole
-        raise ConfigError(f"config file {path}: {size:,} bytes; a config of LlmArgs fields is a few hundred",
-                          source="config_file")
-    try:
-        text = p.read_text(encoding="utf-8")
+
+    def fail(problem: str) -> ConfigError:
+        return ConfigError(f"config file {path}: {problem}", source="config_file")
+
+    try:  # Path.exists/is_file raise PermissionError on Python 3.11 (a directory the user cannot search)
+        st = p.stat()
     except FileNotFoundError:
-        raise ConfigError(f"config file {path}: not found", source="config_file") from None
-    except IsADirectoryError:
-        raise ConfigError(f"config file {path}: is a directory, expected a YAML file", source="config_file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"config file {path}: cannot read ({exc.__class__.__name__})", source="config_file") from None
+        raise fail("is a symbolic link to nothing; give a YAML file" if os.path.lexists(p) else "not found") from None
+    except OSError as exc:
+        raise fail(_cannot_read(exc)) from None
+    if stat.S_ISDIR(st.st_mode):
+        raise fail("is a directory, expected a YAML file")
+    if not stat.S_ISREG(st.st_mode):
+        raise fail("not a regular file (a FIFO or device?); give a YAML file")
+    if st.st_size > 4 * MAX_CONFIG_CHARS:  # before reading: a huge (or sparse) file would be read into memory whole
+        raise fail(f"{st.st_size:,} bytes; a config of LlmArgs fields is a few hundred")
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise fail(_cannot_read(exc)) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise fail(f"not UTF-8 (byte 0x{raw[exc.start]:02x} at offset {exc.start}); a YAML config is UTF-8 "
+                   "text") from None
     if len(text) > MAX_CONFIG_CHARS:
         raise ConfigError(f"config file {path}: {len(text):,} characters; a config of LlmArgs fields is a few "
                           "hundred", source="config_file")
@@ -116,6 +166,13 @@ def read_yaml(path: str) -> dict[str, Any]:
     if bad:
         raise ConfigError(f"config file {path}: keys must be strings, got {bad[0]!r}", source="config_file")
     return data
+
+
+def _cannot_read(exc: OSError) -> str:
+    """'cannot read (permission denied)', '(Too many levels of symbolic links)', ...: the OS's words, one line."""
+    if isinstance(exc, PermissionError):
+        return "cannot read (permission denied)"
+    return f"cannot read ({exc.strerror or exc.__class__.__name__})"
 
 
 def _all_keys(tree: Mapping[Any, Any]) -> list[Any]:

@@ -100,6 +100,16 @@ def test_failed_run_leaves_no_audit_file(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("name", ["a" * 249 + ".jsonl", "é" * 124 + ".jsonl"], ids=["ascii", "two-byte"])
+def test_an_audit_log_under_the_longest_file_name_is_written(tmp_path, name):
+    # 255 bytes, the usual NAME_MAX: the temporary ".NAME.<12 hex>.tmp" beside it was 18 bytes too long
+    assert len(name.encode()) in (254, 255)
+    path = tmp_path / name
+    pipeline.plan("tiny-llama", audit_log=path, log=False)
+    assert [p.name for p in tmp_path.iterdir()] == [name]
+    assert AuditLog.from_jsonl(path).events
+
+
 @pytest.mark.parametrize("call", ["plan", "load", "LLM"])
 def test_an_api_audit_log_that_is_a_directory_is_refused_before_anything_runs(tmp_path, call, track_pools):
     # the API raised a raw IsADirectoryError at publication, after the whole load (weights and pools)
@@ -117,6 +127,10 @@ def test_an_api_audit_log_that_is_a_directory_is_refused_before_anything_runs(tm
     ("content", "message"),
     [
         ("", "empty file"),
+        # blank lines are skipped, so a file of only blank lines (or spaces) is as empty as 0 bytes
+        ("\n\n\n", r"a\.jsonl: empty file, expected a kvload audit log"),
+        ("   \n  \n \t", r"a\.jsonl: empty file, expected a kvload audit log"),
+        ("\n\n" + '{"event": "stage_started"}\n', "line 3: not a kvload audit log"),
         ('{"event": "audit_header", "schema_version": 1}\n{"event": "args_pa', "line 2: truncated"),
         ('{"event": "stage_started"}\n', "not a kvload audit log"),
         ('{"event": "audit_header", "schema_version": 99}\n', "schema_version 99 is not supported"),

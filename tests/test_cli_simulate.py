@@ -179,6 +179,37 @@ def test_plan_chart_refuses_an_existing_file_unless_forced(capsys, tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_chart_write_that_fails_keeps_the_old_chart_and_leaves_nothing(capsys, tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import errno
+    import os
+
+    from matplotlib.figure import Figure
+
+    def savefig_on_a_full_disk(self, fname, **kwargs):
+        with open(fname, "wb") as f:  # a PNG cut short, as a disk that fills mid-write leaves it
+            f.write(b"\x89PNG\r\n\x1a\n" + b"\x00" * 100)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    out = tmp_path / "cap.png"
+    out.write_bytes(b"the old chart")
+    monkeypatch.setattr(Figure, "savefig", savefig_on_a_full_disk)
+    r = run_cli(capsys, "plan", "tiny-llama", "--device", "cpu", "--chart", out, "--force")
+    assert r.code == 1 and r.one_error_line, r.err  # a full disk is outside the settings: exit 1
+    assert "--chart" in r.err and str(out) in r.err and "No space left on device" in r.err
+    assert out.read_bytes() == b"the old chart"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cap.png"]  # no temporary left beside it
+
+
+def test_a_chart_is_written_under_the_longest_file_name(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / ("c" * 251 + ".png")  # 255 bytes: the usual NAME_MAX
+    r = run_cli(capsys, "plan", "tiny-llama", "--device", "cpu", "--chart", out)
+    assert r.code == 0, r.err
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]
+
+
 def test_plan_compare_refuses_a_forced_manager(capsys):
     r = run_cli(capsys, "plan", "tiny-llama", "--compare", "--use_kv_cache_manager_v2", "true")
     assert r.code == 2 and r.one_error_line and "drop --use_kv_cache_manager_v2" in r.err

@@ -92,13 +92,75 @@ def test_every_config_json_mutation_is_refused_naming_file_and_field(capsys, tmp
     ("nesting", '{"model_type": "llama", "x": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
     ("nesting-64", '{"model_type": "llama", "x": ' + "[" * 64 + "]" * 64 + "}", "nested deeper than 32"),
     ("duplicate-key", json.dumps(BASE)[:-1] + ', "num_hidden_layers": 2}', "'num_hidden_layers' appears twice"),
-    ("5000-digits", '{"model_type": "llama", "num_hidden_layers": ' + "9" * 5000 + "}", "config.json"),
+    ("5000-digits", '{"model_type": "llama", "num_hidden_layers": ' + "9" * 5000 + "}",
+     "num_hidden_layers: an integer of 5,000 digits; accepted: a number of at most 4,300 digits"),
+    # Python's json reads these; standard JSON has none, and a NaN epsilon gave NaN logits with exit 0
+    ("nan", json.dumps({**BASE, "rms_norm_eps": float("nan")}),
+     "config.json: rms_norm_eps: NaN is not standard JSON; accepted: a finite number"),
+    ("infinity-nested", json.dumps({**BASE, "rope_scaling": {"rope_type": "linear", "factor": float("inf")}}),
+     "config.json: rope_scaling.factor: Infinity is not standard JSON"),
+    ("minus-infinity-in-list", json.dumps({**BASE, "x": [1, float("-inf")]}), "config.json: x[1]: -Infinity is not"),
+    ("not-utf8", b'{"model_type": "\xff"}', "config.json: not UTF-8 (byte 0xff at offset 16); JSON files are UTF-8"),
 ])
 def test_config_json_shapes_that_crash_parsers_are_refused(capsys, tmp_path, out, name, text, needle):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    (ckpt / "config.json").write_text(text)
+    if isinstance(text, bytes):
+        (ckpt / "config.json").write_bytes(text)
+    else:
+        (ckpt / "config.json").write_text(text)
     assert_refused(_plan(capsys, ckpt, audit=out / "a.jsonl"), "config.json", needle, folder=out)
+
+
+@pytest.mark.parametrize(("kind", "needle"), [
+    ("directory", "config.json: is a directory, expected a JSON file"),
+    ("fifo", "config.json: not a regular file (a FIFO or device?), expected a JSON file"),
+    ("loop", "config.json: cannot read (Too many levels of symbolic links)"),
+    ("dangling", "config.json: is a symbolic link to nothing"),
+])
+def test_a_config_json_that_is_no_file_is_named_not_missing(capsys, tmp_path, out, kind, needle):
+    # it was "directory has no config.json or .gguf file", with the culprit right there
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    file = ckpt / "config.json"
+    {"directory": file.mkdir, "fifo": lambda: os.mkfifo(file), "loop": lambda: file.symlink_to("config.json"),
+     "dangling": lambda: file.symlink_to("nowhere.json")}[kind]()
+    assert_refused(_plan(capsys, ckpt, audit=out / "a.jsonl"), f"{ckpt}/{needle}", folder=out)
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    # transformers skipped a malformed file with a log line kvload hides: generation stopped elsewhere, exit 0
+    ('{"eos_token_id": 498,}', "generation_config.json: malformed JSON at line 1 column 22"),
+    ("[498]", "generation_config.json: expected a JSON object, got list"),
+    # and dropped an eos_token_id of the wrong type (engine.sampling keeps only integers)
+    ('{"eos_token_id": "x"}', "generation_config.json: eos_token_id: expected an integer token id, a list "
+                              "of them, or null; got 'x'"),
+    ('{"eos_token_id": [2, true]}', "generation_config.json: eos_token_id:"),
+    ('{"eos_token_id": 2.0}', "generation_config.json: eos_token_id:"),
+    ('{"eos_token_id": 2, "eos_token_id": 3}', "generation_config.json: key 'eos_token_id' appears twice"),
+    ('{"temperature": NaN}', "generation_config.json: temperature: NaN is not standard JSON"),
+])
+def test_a_bad_generation_config_json_is_refused_naming_it(capsys, tmp_path, out, text, needle):
+    ckpt = write_config(tmp_path / "ckpt", BASE)
+    (ckpt / "generation_config.json").write_text(text)
+    assert_refused(_plan(capsys, ckpt, audit=out / "a.jsonl"), f"{ckpt}/{needle}", folder=out)
+
+
+@pytest.mark.parametrize("field", ["dtype", "torch_dtype"])
+def test_a_dtype_torch_does_not_have_is_named_with_what_is_accepted(capsys, tmp_path, out, field):
+    # was "transformers cannot load model_type 'llama': module 'torch' has no attribute 'float128'"
+    ckpt = write_config(tmp_path / "ckpt", {**BASE, field: "float128"})
+    assert_refused(_plan(capsys, ckpt, audit=out / "a.jsonl"),
+                   f"{ckpt}/config.json: {field}: 'float128' is not a torch dtype; accepted: ", "bfloat16", folder=out)
+
+
+@pytest.mark.parametrize("text", ['{"eos_token_id": 2}', '{"eos_token_id": [2, 3]}', '{"eos_token_id": null}', "{}"])
+def test_a_good_generation_config_json_plans(capsys, tmp_path, text):
+    ckpt = write_config(tmp_path / "ckpt", BASE)
+    (ckpt / "generation_config.json").write_text(text)
+    r = _plan(capsys, ckpt)
+    assert r.code == 0, r.err
+
 
 
 def test_a_usable_config_still_plans(capsys, tmp_path):
@@ -318,6 +380,43 @@ def test_yaml_numbers_at_the_edges(capsys, tmp_path, out, field):
             assert_refused(r, "n.yaml", needle, folder=out)
         except AssertionError as exc:
             raise AssertionError(f"{field}: {text[:20]}: {exc}") from None
+
+
+@pytest.mark.parametrize(("text", "value"), [
+    # YAML 1.2 core schema, not PyYAML's YAML 1.1: a leading zero is decimal, base 60 is no number
+    ("064", 64), ("-064", -64), ("00", 0), ("0o100", 64), ("0x40", 64), ("1_000", 1000),
+    ("1:30", "1:30"), ("2:00:00", "2:00:00"), ("0b1000000", "0b1000000"), ("1_", "1_"),
+    ("1:30.5", "1:30.5"), ("1e-3", 0.001), ("1e3", 1000.0), ("1_0.5", 10.5), (".5", 0.5), ("-.inf", float("-inf")),
+    ("yes", "yes"), ("True", True), ('!!int "064"', 64),
+])
+def test_yaml_numbers_read_as_yaml_1_2(text, value):
+    import yaml
+
+    from pipeline.sources import StrictLoader
+
+    assert yaml.load(f"x: {text}\n", Loader=StrictLoader) == {"x": value}
+
+
+@pytest.mark.parametrize(("field", "text"), [
+    ("kv_cache_config.tokens_per_block", "064"), ("max_batch_size", "1:30"), ("max_num_tokens", "2:00:00"),
+    ("kv_cache_config.free_gpu_memory_fraction", "1:30.5"),
+])
+def test_a_yaml_number_gets_the_flags_verdict(capsys, tmp_path, out, field, text):
+    """One verdict per value: 064 was octal 52 in a --config file and 64 as a flag; 1:30 was 90 (base 60) in a
+    file and refused as a flag."""
+    *parents, leaf = field.split(".")
+    cfg = tmp_path / "n.yaml"
+    cfg.write_text(f"{leaf}: {text}\n" if not parents else f"{parents[0]}:\n  {leaf}: {text}\n")
+    flag = f"--{leaf}" if leaf != "free_gpu_memory_fraction" else "--kv_cache_free_gpu_memory_fraction"
+    from_file = _plan(capsys, "tiny-llama", "--config", cfg, "--json")
+    from_flag = _plan(capsys, "tiny-llama", flag, text, "--json")
+    if text == "064":
+        assert from_file.code == from_flag.code == 0, (from_file.err, from_flag.err)
+        assert from_file.json()["args"]["kv_cache_config"]["tokens_per_block"] == 64
+        assert from_flag.json()["args"]["kv_cache_config"]["tokens_per_block"] == 64
+    else:
+        assert_refused(from_file, "n.yaml", f"{field}: expected", f"got {text!r}", folder=out)
+        assert_refused(from_flag, flag, repr(text))
 
 
 @settings(deadline=None, max_examples=100, derandomize=True)
@@ -696,6 +795,57 @@ def test_audit_log_at_a_fifo_or_device_is_refused_and_left_alone(capsys, tmp_pat
     dangling = tmp_path / "dangling.jsonl"
     dangling.symlink_to(tmp_path / "nowhere")
     assert_refused(_plan(capsys, "tiny-llama", audit=dangling), "--audit-log", "symbolic link to nothing")
+
+
+def _deny_search(monkeypatch, folder: Path) -> None:
+    """What a directory the user cannot search (mode 700, another owner) does to Path.stat under it; the suite
+    runs as root, which searches anything. Path.exists/is_file on Python 3.11 let this PermissionError out."""
+    import errno
+
+    real_stat = Path.stat
+
+    def stat(self, *args, **kwargs):
+        if folder in self.parents:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+        return real_stat(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "stat", stat)
+
+
+def test_a_config_file_in_a_folder_the_user_cannot_search_says_permission_denied(capsys, tmp_path, out, monkeypatch):
+    # was "error: parse_args: PermissionError: [Errno 13] ..."
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    (locked / "c.yaml").write_text("max_batch_size: 4\n")
+    _deny_search(monkeypatch, locked)
+    r = _plan(capsys, "tiny-llama", "--config", locked / "c.yaml", audit=out / "a.jsonl")
+    assert_refused(r, f"config file {locked / 'c.yaml'}: cannot read (permission denied)", folder=out)
+
+
+def test_a_checkpoint_in_a_folder_the_user_cannot_search_says_permission_denied(capsys, tmp_path, out, monkeypatch):
+    # was "error: apply_model_defaults: PermissionError: [Errno 13] ..."
+    locked = tmp_path / "locked"
+    ckpt = write_config(locked / "ckpt", BASE)
+    _deny_search(monkeypatch, locked)
+    r = _plan(capsys, ckpt, audit=out / "a.jsonl")
+    assert_refused(r, f"model '{ckpt}': cannot read (permission denied)", folder=out)
+
+
+@pytest.mark.parametrize(("kind", "needle"), [
+    ("loop", "cannot read (Too many levels of symbolic links)"),  # was "cannot read (OSError)"
+    ("latin1", "not UTF-8 (byte 0xe9 at offset 7); a YAML config is UTF-8 text"),  # was "(UnicodeDecodeError)"
+    ("dangling", "is a symbolic link to nothing"),
+])
+def test_a_config_file_that_cannot_be_read_says_why(capsys, tmp_path, out, kind, needle):
+    cfg = tmp_path / "c.yaml"
+    if kind == "loop":
+        cfg.symlink_to("c.yaml")
+    elif kind == "dangling":
+        cfg.symlink_to("nowhere.yaml")
+    else:
+        cfg.write_bytes(b"dtype: \xe9\n")
+    r = _plan(capsys, "tiny-llama", "--config", cfg, audit=out / "a.jsonl")
+    assert_refused(r, f"config file {cfg}: {needle}", folder=out)
 
 
 def test_an_existing_audit_log_is_kept_unless_force(capsys, tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -97,6 +99,47 @@ def test_corrupt_weights_are_one_clear_line(tmp_path):
     random_model(cfg, device="cpu", dtype="float32").save_pretrained(tmp_path / "ckpt")
     (tmp_path / "ckpt" / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ModelError, match="transformers cannot load the weights"):
+        load_through_stages(str(tmp_path / "ckpt"))
+
+
+def test_an_unreadable_weights_file_says_permission_denied(tmp_path, monkeypatch):
+    """safetensors reports a file it may not open (mode 000) as "No such file or directory"; the suite runs as
+    root, which reads anything, so the load's failure and the denied open are both simulated."""
+    import builtins
+    import errno
+
+    from transformers import AutoModelForCausalLM
+
+    cfg = load_hf_config(resolve_checkpoint("tiny-llama"))
+    random_model(cfg, device="cpu", dtype="float32").save_pretrained(tmp_path / "ckpt")
+    weights = tmp_path / "ckpt" / "model.safetensors"
+
+    def from_pretrained(*args, **kwargs):
+        raise FileNotFoundError(f"No such file or directory: {weights}")  # safetensors' words under EACCES
+
+    real_open = builtins.open
+
+    def denying_open(file, *args, **kwargs):
+        if str(file) == str(weights):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(builtins, "open", denying_open)
+    with pytest.raises(ModelError, match=rf"^{weights}: cannot read the weights \(permission denied\)$"):
+        load_through_stages(str(tmp_path / "ckpt"))
+
+
+def test_an_activation_transformers_lacks_names_the_field_and_the_accepted_ones(tmp_path):
+    import json
+
+    cfg = load_hf_config(resolve_checkpoint("tiny-llama"))
+    random_model(cfg, device="cpu", dtype="float32").save_pretrained(tmp_path / "ckpt")
+    file = tmp_path / "ckpt" / "config.json"
+    file.write_text(json.dumps({**json.loads(file.read_text()), "hidden_act": "frob"}))
+    # was "transformers cannot load the weights: 'frob'" (ACT2FN's KeyError)
+    with pytest.raises(ModelError, match=rf"^{file}: hidden_act: 'frob' is not an activation transformers has; "
+                                         r"accepted: gelu, .*silu"):
         load_through_stages(str(tmp_path / "ckpt"))
 
 
