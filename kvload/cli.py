@@ -915,9 +915,9 @@ def _main(ns: argparse.Namespace, argv: Sequence[str] | None) -> int:
     except KeyboardInterrupt as exc:
         from pipeline.signals import Terminated
 
-        term = isinstance(exc, Terminated)
-        print(f"error: {'terminated (SIGTERM)' if term else 'interrupted'}; nothing was written", file=sys.stderr)
-        return 143 if term else 130
+        term = isinstance(exc, Terminated)  # SIGTERM, or SIGHUP (HungUp): 128 + the signal's number
+        print(f"error: {exc.describe if term else 'interrupted'}; nothing was written", file=sys.stderr)
+        return 128 + exc.signal_number if term else 130
     except BrokenPipeError:
         return 0
     except Exception as exc:  # a bug or a runtime failure: one line unless --debug

@@ -124,19 +124,23 @@ def _ready_line(proc: subprocess.Popen) -> str:
     return line
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGTERM])
-def test_a_signal_sent_as_the_ready_line_appears_stops_the_server(signum):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_sent_as_the_ready_line_appears_stops_the_server(signum, tmp_path):
     """The ready line tells a service manager the server runs, so a stop may come at once: it came before uvicorn
     had installed its handlers (inside server.run), and a SIGTERM then went to a do-nothing handler (the server
     ran on, 5 times in 8) while a SIGINT broke asyncio.run's start-up ("coroutine 'Server.serve' was never
-    awaited"). Sent the moment the line is read, it stops the server as a later one does: exit 0, quietly."""
-    proc = _start_server()
+    awaited"). Sent the moment the line is read, it stops the server as a later one does: exit 0, quietly, its
+    audit published. SIGHUP (the terminal closed), which killed the server and left its audit's temporary, too."""
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = _start_server("--audit-log", str(out / "audit.jsonl"))
     try:
         _ready_line(proc)
         proc.send_signal(signum)
         assert proc.wait(timeout=30) == 0
         log = proc.stderr.read()
         assert "Traceback" not in log and "never awaited" not in log, log
+        assert [p.name for p in out.iterdir()] == ["audit.jsonl"]
     finally:
         _reap(proc)
 
