@@ -8,6 +8,7 @@ exit 2 for usage, config, model and route errors, 1 for runtime failures; a trac
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -876,19 +877,33 @@ def add_simulate_command(sub: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvload`` console script."""
-    parser = build_parser()
-    ns = parser.parse_args(argv)
     from pipeline.signals import handle_sigterm, release_sigterm
 
-    handle_sigterm()  # kill (SIGTERM) cleans up like Ctrl-C: no temporary file, no half-built pools
+    handle_sigterm()  # kill (SIGTERM), a hangup (SIGHUP) clean up like Ctrl-C: no temporary file, no half-built pools
+    said = [False]  # whether the one line for a signal was printed (by _main's handler, or here)
     try:
-        return _main(ns, argv)
+        ns = build_parser().parse_args(argv)
+        return _main(ns, argv, said)
+    except KeyboardInterrupt as exc:  # in start-up, before _main's handler is in, or while that handler ran
+        return _stopped(exc, said)
     finally:  # past here is interpreter shutdown: a SIGTERM must not raise into its atexit callbacks
         release_sigterm()
 
 
-def _main(ns: argparse.Namespace, argv: Sequence[str] | None) -> int:
-    """``main`` once the flags are parsed and SIGTERM raises ``Terminated``."""
+def _stopped(exc: KeyboardInterrupt, said: list[bool]) -> int:
+    """The one line for a stop signal, printed once however many arrive, and its exit status (128 + its number)."""
+    from pipeline.signals import Terminated
+
+    term = isinstance(exc, Terminated)  # SIGTERM, or SIGHUP (HungUp)
+    if not said[0]:
+        said[0] = True
+        with contextlib.suppress(OSError):  # after a hangup the terminal may be gone: the status still tells
+            print(f"error: {exc.describe if term else 'interrupted'}; nothing was written", file=sys.stderr)
+    return 128 + exc.signal_number if term else 130
+
+
+def _main(ns: argparse.Namespace, argv: Sequence[str] | None, said: list[bool]) -> int:
+    """``main`` once the flags are parsed; SIGTERM raises ``Terminated`` (``main``'s handler covers this set-up)."""
     from pipeline.logs import HeldStream, configure_logging, env_log_settings
 
     try:  # flags win over KVLOAD_LOG_LEVEL / KVLOAD_LOG_FORMAT, which win over the defaults
@@ -913,11 +928,7 @@ def _main(ns: argparse.Namespace, argv: Sequence[str] | None) -> int:
         print(f"error: {_cli_message(exc, sys.argv[1:] if argv is None else argv)}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt as exc:
-        from pipeline.signals import Terminated
-
-        term = isinstance(exc, Terminated)  # SIGTERM, or SIGHUP (HungUp): 128 + the signal's number
-        print(f"error: {exc.describe if term else 'interrupted'}; nothing was written", file=sys.stderr)
-        return 128 + exc.signal_number if term else 130
+        return _stopped(exc, said)
     except BrokenPipeError:
         return 0
     except Exception as exc:  # a bug or a runtime failure: one line unless --debug

@@ -762,6 +762,31 @@ def test_a_signal_during_run_leaves_nothing(tmp_path, signum, code, line):
     assert_refused(r, line, folder=out, code=code)
 
 
+@pytest.mark.parametrize(("signum", "code", "line"), STOPS)
+@pytest.mark.parametrize("module", ["structlog", "engine.workloads"])
+def test_a_signal_in_start_up_gets_the_one_line_and_its_status(tmp_path, signum, code, line, module):
+    """main armed SIGTERM, then imported the logging set-up (structlog) before _main's try: a SIGTERM there printed
+    a traceback and exited 1, a SIGINT a traceback. Delivered deterministically when the CLI first imports
+    ``module`` (logging set-up; building the parser), it gets the one line and 128 + its number."""
+    script = ("import os, signal, sys\n"
+              "class Hook:\n"
+              "    def find_spec(self, name, path=None, target=None):\n"
+              f"        if name == {module!r}:\n"
+              "            sys.meta_path.remove(self)\n"
+              "            print('sent', file=sys.stderr)\n"
+              f"            os.kill(os.getpid(), {int(signum)})\n"
+              "sys.meta_path.insert(0, Hook())\n"
+              "from kvload.cli import main\n"
+              "sys.exit(main(['generate', 'tiny-llama', '--prompt-ids', '1,2,3', '--max_new_tokens', '2']))\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                       env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+                       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert r.stderr.startswith("sent\n"), r.stderr[-2000:]  # the signal came in start-up, not at some other time
+    assert r.stderr == f"sent\nerror: {line}; nothing was written\n" and r.returncode == code, (r.returncode,
+                                                                                              r.stderr[-2000:])
+    assert r.stdout == ""
+
+
 def test_a_hangup_during_a_kernel_compile_stops_the_compiler_and_leaves_no_file(tmp_path):
     """SIGHUP (the terminal closed, ssh dropped) killed kvload outright (exit 129): its audit temporaries stayed, and
     a first-use kernel compile's ``cc``, in a session of its own, ran on orphaned, its ``.o`` left in the kernel cache.
