@@ -590,3 +590,33 @@ def test_other_callers_of_the_model_keep_its_own_attention_while_kvload_generate
     assert torch.equal(during["thread"], before) and torch.equal(during["callback"], before)
     assert out.token_ids == greedy(llm).token_ids  # and kvload's own tokens are unchanged
     assert model.config._attn_implementation == own != "kvload_paged"
+
+
+@pytest.mark.parametrize("event", ["generation_started", "setting_ignored"])
+def test_a_subscriber_failing_as_a_call_starts_still_ends_it_in_the_audit(tmp_path, event):
+    """A subscriber raising on generation_started (which the audit, ahead of it, had received) or on the
+    setting_ignored right after it left an audit whose call started and never ended: ``--verify`` refused it.
+    Now the call ends with generation_failed naming the error, the audit verifies, and the LLM generates again."""
+    from kvload.explain import verify_log
+    from pipeline.audit import AuditLog
+
+    audit = tmp_path / "llm.jsonl"
+    armed = [True]
+
+    def explode(record: dict[str, Any]) -> None:
+        if armed[0] and record["event"] == event:
+            armed[0] = False
+            raise RuntimeError(f"subscriber failed on {event}")
+
+    with kvload.LLM("tiny-llama", **llm_kwargs(), audit_log=audit, subscribers=[explode]) as llm:
+        with pytest.raises(RuntimeError, match=f"subscriber failed on {event}"):
+            llm.generate([[1, 2, 3]], max_tokens=2, seed=1)  # greedy with a seed: a setting_ignored
+        assert used_blocks(llm.result) == 0
+        assert llm.generate([[1, 2, 3]], max_tokens=2)[0].outputs[0].token_ids
+    assert _generation_events(audit) == ["generation_started", "generation_failed", "generation_started",
+                                         "generation_finished"]
+    failed = [json.loads(line) for line in audit.read_text().splitlines()
+              if json.loads(line)["event"] == "generation_failed"]
+    assert failed[0]["call"] == 0 and failed[0]["error"] == "RuntimeError"
+    report = verify_log(AuditLog.from_jsonl(audit))
+    assert report["ok"], report
