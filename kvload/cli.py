@@ -881,25 +881,37 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     handle_sigterm()  # kill (SIGTERM), a hangup (SIGHUP) clean up like Ctrl-C: no temporary file, no half-built pools
     said = [False]  # whether the one line for a signal was printed (by _main's handler, or here)
+    ns = None
     try:
         ns = build_parser().parse_args(argv)
         return _main(ns, argv, said)
     except KeyboardInterrupt as exc:  # in start-up, before _main's handler is in, or while that handler ran
-        return _stopped(exc, said)
+        return _stopped(exc, said, ns)
     finally:  # past here is interpreter shutdown: a SIGTERM must not raise into its atexit callbacks
         release_sigterm()
 
 
-def _stopped(exc: KeyboardInterrupt, said: list[bool]) -> int:
+def _stopped(exc: KeyboardInterrupt, said: list[bool], ns: argparse.Namespace | None) -> int:
     """The one line for a stop signal, printed once however many arrive, and its exit status (128 + its number)."""
     from pipeline.signals import Terminated
 
     term = isinstance(exc, Terminated)  # SIGTERM, or SIGHUP (HungUp)
+    _say(f"{exc.describe if term else 'interrupted'}{_unwritten(ns)}", said)
+    return 128 + exc.signal_number if term else 130
+
+
+def _unwritten(ns: argparse.Namespace | None) -> str:
+    """What a command that did not finish says it left out: its ``--audit-log`` (never published then). Nothing
+    else: what it printed on the way (generate's tokens) was printed, so "nothing was written" would not be true."""
+    return "; the --audit-log file was not written" if getattr(ns, "audit_log", None) is not None else ""
+
+
+def _say(line: str, said: list[bool]) -> None:
+    """Print ``error: line`` on stderr, once per run; after a hangup the terminal may be gone: the status tells."""
     if not said[0]:
         said[0] = True
-        with contextlib.suppress(OSError):  # after a hangup the terminal may be gone: the status still tells
-            print(f"error: {exc.describe if term else 'interrupted'}; nothing was written", file=sys.stderr)
-    return 128 + exc.signal_number if term else 130
+        with contextlib.suppress(OSError):
+            print(f"error: {line}", file=sys.stderr)
 
 
 def _main(ns: argparse.Namespace, argv: Sequence[str] | None, said: list[bool]) -> int:
@@ -928,7 +940,7 @@ def _main(ns: argparse.Namespace, argv: Sequence[str] | None, said: list[bool]) 
         print(f"error: {_cli_message(exc, sys.argv[1:] if argv is None else argv)}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt as exc:
-        return _stopped(exc, said)
+        return _stopped(exc, said, ns)
     except BrokenPipeError:
         return 0
     except Exception as exc:  # a bug or a runtime failure: one line unless --debug
