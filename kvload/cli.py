@@ -900,6 +900,15 @@ def _stopped(exc: KeyboardInterrupt, said: list[bool], ns: argparse.Namespace | 
     return 128 + exc.signal_number if term else 130
 
 
+def _drop_stdout() -> None:
+    import os
+
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
 def _unwritten(ns: argparse.Namespace | None) -> str:
     """What a command that did not finish says it left out: its ``--audit-log`` (never published then). Nothing
     else: what it printed on the way (generate's tokens) was printed, so "nothing was written" would not be true."""
@@ -942,7 +951,13 @@ def _main(ns: argparse.Namespace, argv: Sequence[str] | None, said: list[bool]) 
     except KeyboardInterrupt as exc:
         return _stopped(exc, said, ns)
     except BrokenPipeError:
-        return 0
+        # the reader closed stdout (`| head`): what the command was asked for was not all delivered, so it is not a
+        # success, and its --audit-log (published only on exit 0) is discarded. 141 is what a shell reports for a
+        # writer a closed pipe ended (128 + SIGPIPE: `yes | head`), and a script with pipefail sees it. stdout goes
+        # to /dev/null first, so the interpreter's last flush does not fail again
+        _drop_stdout()
+        _say(f"the output was closed before it was all written (broken pipe){_unwritten(ns)}", said)
+        return 141
     except Exception as exc:  # a bug or a runtime failure: one line unless --debug
         from pipeline.ranks import lost_rank_message
 

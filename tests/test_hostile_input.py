@@ -787,6 +787,30 @@ def test_a_signal_in_start_up_gets_the_one_line_and_its_status(tmp_path, signum,
     assert r.stdout == ""
 
 
+def test_a_reader_that_closes_the_pipe_early_gets_exit_141_and_no_audit(tmp_path):
+    """``kvload generate ... | head -c 10``: the BrokenPipeError was answered with exit 0 after the run had already
+    discarded its audit as failed, so an exit 0 came without the audit file it promises. The output was not all
+    delivered: exit 141 (128 + SIGPIPE, as the shell reports for such a writer), one line, nothing left."""
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "kvload", "generate", "tiny-llama", "--prompt-ids", "1,2,3",
+                             "--max_new_tokens", "1000", "--ignore_eos", "--audit-log", out / "a.jsonl"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    try:
+        assert proc.stdout.read(10)  # the tokens have started to stream
+        proc.stdout.close()  # as head does once it has its 10 bytes
+        err = proc.stderr.read()
+        assert proc.wait(timeout=120) == 141, err[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert err == ("error: the output was closed before it was all written (broken pipe); the --audit-log file was "
+                   "not written\n"), err[-2000:]
+    assert list(out.iterdir()) == []
+
+
 def test_a_hangup_during_a_kernel_compile_stops_the_compiler_and_leaves_no_file(tmp_path):
     """SIGHUP (the terminal closed, ssh dropped) killed kvload outright (exit 129): its audit temporaries stayed, and
     a first-use kernel compile's ``cc``, in a session of its own, ran on orphaned, its ``.o`` left in the kernel cache.
