@@ -938,6 +938,7 @@ def _main(ns: argparse.Namespace, argv: Sequence[str] | None, said: list[bool]) 
     held = HeldStream() if level in ("warning", "error") and not ns.debug else None
     configure_logging(getattr(ns, "log_format", None) or env_format or "console", level, held)
     ns.held_log = held  # a command that runs on after its set-up (serve) lets the warnings through then
+    ns.effective_log_level = level  # what serve's uvicorn logs at: kvload's level, not uvicorn's own default (info)
     ok = False
     try:
         code = _run(ns)

@@ -140,6 +140,9 @@ def test_a_signal_sent_as_the_ready_line_appears_stops_the_server(signum, tmp_pa
         assert proc.wait(timeout=30) == 0
         log = proc.stderr.read()
         assert "Traceback" not in log and "never awaited" not in log, log
+        # and nothing else: uvicorn logs at kvload's level (warning), where it printed its INFO lines (the server
+        # process started, shutting down, finished) at its own default
+        assert log == "", log
         assert [p.name for p in out.iterdir()] == ["audit.jsonl"]
     finally:
         _reap(proc)
