@@ -123,7 +123,7 @@ class _Server(uvicorn.Server):
         self.state = state
         self.stopping = stopping
 
-    def handle_exit(self, sig: int, frame: Any) -> None:  # the SIGINT/SIGTERM handler uvicorn installs
+    def handle_exit(self, sig: int, frame: Any) -> None:  # the stop handler: uvicorn's, and serve()'s around it
         self.state.engine.request_stop()
         super().handle_exit(sig, frame)
 
