@@ -355,21 +355,6 @@ class GenerationExecutor:
         proposer = self.proposer
         driver = Driver(self.manager, self.scheduler, emit=self._emit, stop=self._stops,
                         propose=proposer.propose if proposer is not None else None)
-        p0 = params[0]
-        self._event(GenerationStarted(
-            call=call, requests=len(lives), prompt_tokens=sum(len(ids) for _, ids in items),
-            max_new_tokens=p0.max_tokens, temperature=float(p0.temperature), top_p=float(p0.top_p),
-            seed=p0.seed, salted=salt is not None, kv_manager=type(self.manager).__name__, top_k=p0.top_k, n=p0.n,
-            stop_strings=len(p0.stop), stop_token_ids=list(p0.stop_token_ids), logprobs=p0.logprobs,
-            per_prompt_params=per_prompt, repetition_penalty=float(p0.repetition_penalty),
-            presence_penalty=float(p0.presence_penalty), frequency_penalty=float(p0.frequency_penalty),
-            min_tokens=p0.min_tokens, min_p=float(p0.min_p)))
-        for p in {id(p): p for p in params}.values():  # greedy draws nothing: a seed, top-p, top-k or n that does
-            for name, value, why in greedy_ignored(p):  # nothing is said to, never silently dropped
-                self._event(SettingIgnored(field=f"generate.{name}", value=value, reason=why))
-        unscoped = self.salt_ignored() if salt is not None else None  # with reuse off a salt would do nothing
-        if unscoped is not None:
-            self._event(SettingIgnored(field="generate.salt", value=salt, reason=unscoped))
         outputs: dict[int, RequestOutput] = {}
         warm_before = self.flex.warmup_s if self.flex is not None else 0.0
         start = time.perf_counter()
@@ -398,7 +383,25 @@ class GenerationExecutor:
             if self._stopped is not None and (driver.has_work or later):  # between steps: nothing is half-computed
                 raise GenerationError(self._stopped)
 
+        # from generation_started on, whatever fails (a subscriber raising on that very event, which the subscribers
+        # before it did receive, or on a setting_ignored) ends the call with generation_failed: no audit is left
+        # with a call that started and never ended
         try:
+            p0 = params[0]
+            self._event(GenerationStarted(
+                call=call, requests=len(lives), prompt_tokens=sum(len(ids) for _, ids in items),
+                max_new_tokens=p0.max_tokens, temperature=float(p0.temperature), top_p=float(p0.top_p),
+                seed=p0.seed, salted=salt is not None, kv_manager=type(self.manager).__name__, top_k=p0.top_k, n=p0.n,
+                stop_strings=len(p0.stop), stop_token_ids=list(p0.stop_token_ids), logprobs=p0.logprobs,
+                per_prompt_params=per_prompt, repetition_penalty=float(p0.repetition_penalty),
+                presence_penalty=float(p0.presence_penalty), frequency_penalty=float(p0.frequency_penalty),
+                min_tokens=p0.min_tokens, min_p=float(p0.min_p)))
+            for p in {id(p): p for p in params}.values():  # greedy draws nothing: a seed, top-p, top-k or n that does
+                for name, value, why in greedy_ignored(p):  # nothing is said to, never silently dropped
+                    self._event(SettingIgnored(field=f"generate.{name}", value=value, reason=why))
+            unscoped = self.salt_ignored() if salt is not None else None  # with reuse off a salt would do nothing
+            if unscoped is not None:
+                self._event(SettingIgnored(field="generate.salt", value=salt, reason=unscoped))
             with self.paged_attention():
                 try:
                     run = driver.run(now_arrivals, self._compute, on_arrival=queued, on_step=stepped)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterable, Sequence
+import threading
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -11,10 +13,33 @@ import attrs
 from engine.sampling_params import SamplingParams
 from pipeline.bus import Subscriber
 from pipeline.context import LoadRequest
+from pipeline.errors import GenerationError
 from pipeline.run import RunResult, path_argument
 from pipeline.run import execute as run_stages
 from pipeline.runner import Pipeline, Stage
 from stages import load_stages, plan_stages, resolve_stages
+
+#: what a generate call stopped by :meth:`LoadResult.close` raises
+RESULT_CLOSED_DURING_GENERATION = ("generate: the result was closed during generation (LoadResult.close(), or leaving "
+                                   "its with block); the call was stopped and its KV blocks freed")
+
+
+class _Calls:
+    """Where :meth:`LoadResult.close` and the generate call running on the result meet: close stops the call through
+    its executor (``executor.stop``: it fails between two steps, freeing its requests), waits for it, then releases.
+    A close from inside the call (a stream callback, a subscriber) cannot wait for it: the call releases as it ends.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.idle = threading.Event()
+        self.idle.set()
+        self.runner: threading.Thread | None = None  # the thread inside the executor now
+        self.executor: Any = None  # the running call's executor, which close() asks to stop
+        self.closed = False
+        self.release_deferred = False
+        self.release_lock = threading.Lock()  # held through the release: a second close() returns once it is done
+        self.released = False
 
 
 @attrs.define
@@ -22,6 +47,7 @@ class LoadResult(RunResult):
     """What ``plan``/``load`` produced (args, route, model, audit, context), and generation over a loaded model."""
 
     _executor: Any = attrs.field(default=None, init=False, repr=False)
+    _calls: _Calls = attrs.field(factory=_Calls, init=False, repr=False)
 
     @property
     def executor(self) -> Any:
@@ -44,9 +70,59 @@ class LoadResult(RunResult):
         tokenizer), ``token_ids`` (generated only), ``prompt_token_ids``, ``reused_prompt_tokens``,
         ``finish_reason`` ("stop" or "length"), ``stop_reason``, ``logprobs`` and ``timings``; the call's
         totals are in ``executor.last_stats``. One sample per prompt: for ``n > 1`` use ``kvload.LLM`` (or
-        ``executor.run``), which return ``RequestOutput``s.
+        ``executor.run``), which return ``RequestOutput``s. :meth:`close` during the call (from another thread,
+        or the ``stream`` callback) stops it with ``GenerationError``.
         """
-        return self.executor.generate(prompts, sampling_params, **kwargs)
+        with self.running() as executor:
+            return executor.generate(prompts, sampling_params, **kwargs)
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[Any]:
+        """The executor, with this thread registered as the one running it, so :meth:`close` can stop it and wait;
+        ``GenerationError`` once closed, or while another call runs (the executor runs one at a time)."""
+        calls = self._calls
+        if calls.closed:
+            raise GenerationError(_CLOSED)
+        executor = self.executor  # built outside the lock: the first call compiles and loads kernels
+        with calls.lock:
+            if calls.closed:  # close() may have run meanwhile
+                raise GenerationError(_CLOSED)
+            if calls.runner is not None:
+                raise GenerationError("generate: this result is already generating (in another thread, or this "
+                                      "call is inside a running one's callback); wait for it to end")
+            calls.runner, calls.executor = threading.current_thread(), executor
+            calls.idle.clear()
+        try:
+            yield executor
+        finally:
+            with calls.lock:
+                calls.runner = calls.executor = None
+                deferred = calls.release_deferred
+            calls.idle.set()
+            if deferred:  # close() ran inside this call and left the release to it
+                self._release()
+
+    def close(self, message: str = RESULT_CLOSED_DURING_GENERATION) -> None:
+        """Stop a running generate call (it raises ``GenerationError(message)``, the audit records
+        ``generation_failed``), wait for it to end, then release the KV pools and weights. Safe to call twice, from
+        any thread, and from inside the call (a stream callback: the call releases as it ends)."""
+        calls = self._calls
+        with calls.lock:
+            calls.closed = True
+            if calls.executor is not None:
+                calls.executor.stop(message)  # it fails at its next step, freeing its requests
+            if calls.runner is threading.current_thread():  # waiting would deadlock
+                calls.release_deferred = True
+                return
+        calls.idle.wait()  # the pools go only once nothing runs on them
+        self._release()
+
+    def _release(self) -> None:
+        with self._calls.release_lock:
+            if self._calls.released:
+                return
+            self._calls.released = True
+            super().close()
 
     def kv_cache_events(self, jsonl: str | os.PathLike[str] | None = None) -> dict[str, Any]:
         """Drain the KV cache events recorded since the last call: ``{"events": [...], "dropped": n}``.
@@ -74,6 +150,10 @@ class LoadResult(RunResult):
 
     def __enter__(self) -> LoadResult:
         return self
+
+
+_CLOSED = ("generate: this result was closed (LoadResult.close released its KV pools and weights); load the model "
+           "again")
 
 
 def execute(

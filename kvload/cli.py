@@ -8,6 +8,7 @@ exit 2 for usage, config, model and route errors, 1 for runtime failures; a trac
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -876,19 +877,54 @@ def add_simulate_command(sub: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvload`` console script."""
-    parser = build_parser()
-    ns = parser.parse_args(argv)
     from pipeline.signals import handle_sigterm, release_sigterm
 
-    handle_sigterm()  # kill (SIGTERM) cleans up like Ctrl-C: no temporary file, no half-built pools
+    handle_sigterm()  # kill (SIGTERM), a hangup (SIGHUP) clean up like Ctrl-C: no temporary file, no half-built pools
+    said = [False]  # whether the one line for a signal was printed (by _main's handler, or here)
+    ns = None
     try:
-        return _main(ns, argv)
+        ns = build_parser().parse_args(argv)
+        return _main(ns, argv, said)
+    except KeyboardInterrupt as exc:  # in start-up, before _main's handler is in, or while that handler ran
+        return _stopped(exc, said, ns)
     finally:  # past here is interpreter shutdown: a SIGTERM must not raise into its atexit callbacks
         release_sigterm()
 
 
-def _main(ns: argparse.Namespace, argv: Sequence[str] | None) -> int:
-    """``main`` once the flags are parsed and SIGTERM raises ``Terminated``."""
+def _stopped(exc: KeyboardInterrupt, said: list[bool], ns: argparse.Namespace | None) -> int:
+    """The one line for a stop signal, printed once however many arrive, and its exit status (128 + its number)."""
+    from pipeline.signals import Terminated
+
+    term = isinstance(exc, Terminated)  # SIGTERM, or SIGHUP (HungUp)
+    _say(f"{exc.describe if term else 'interrupted'}{_unwritten(ns)}", said)
+    return 128 + exc.signal_number if term else 130
+
+
+def _drop_stdout() -> None:
+    import os
+
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
+def _unwritten(ns: argparse.Namespace | None) -> str:
+    """What a command that did not finish says it left out: its ``--audit-log`` (never published then). Nothing
+    else: what it printed on the way (generate's tokens) was printed, so "nothing was written" would not be true."""
+    return "; the --audit-log file was not written" if getattr(ns, "audit_log", None) is not None else ""
+
+
+def _say(line: str, said: list[bool]) -> None:
+    """Print ``error: line`` on stderr, once per run; after a hangup the terminal may be gone: the status tells."""
+    if not said[0]:
+        said[0] = True
+        with contextlib.suppress(OSError):
+            print(f"error: {line}", file=sys.stderr)
+
+
+def _main(ns: argparse.Namespace, argv: Sequence[str] | None, said: list[bool]) -> int:
+    """``main`` once the flags are parsed; SIGTERM raises ``Terminated`` (``main``'s handler covers this set-up)."""
     from pipeline.logs import HeldStream, configure_logging, env_log_settings
 
     try:  # flags win over KVLOAD_LOG_LEVEL / KVLOAD_LOG_FORMAT, which win over the defaults
@@ -902,6 +938,7 @@ def _main(ns: argparse.Namespace, argv: Sequence[str] | None) -> int:
     held = HeldStream() if level in ("warning", "error") and not ns.debug else None
     configure_logging(getattr(ns, "log_format", None) or env_format or "console", level, held)
     ns.held_log = held  # a command that runs on after its set-up (serve) lets the warnings through then
+    ns.effective_log_level = level  # what serve's uvicorn logs at: kvload's level, not uvicorn's own default (info)
     ok = False
     try:
         code = _run(ns)
@@ -913,13 +950,15 @@ def _main(ns: argparse.Namespace, argv: Sequence[str] | None) -> int:
         print(f"error: {_cli_message(exc, sys.argv[1:] if argv is None else argv)}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt as exc:
-        from pipeline.signals import Terminated
-
-        term = isinstance(exc, Terminated)
-        print(f"error: {'terminated (SIGTERM)' if term else 'interrupted'}; nothing was written", file=sys.stderr)
-        return 143 if term else 130
+        return _stopped(exc, said, ns)
     except BrokenPipeError:
-        return 0
+        # the reader closed stdout (`| head`): what the command was asked for was not all delivered, so it is not a
+        # success, and its --audit-log (published only on exit 0) is discarded. 141 is what a shell reports for a
+        # writer a closed pipe ended (128 + SIGPIPE: `yes | head`), and a script with pipefail sees it. stdout goes
+        # to /dev/null first, so the interpreter's last flush does not fail again
+        _drop_stdout()
+        _say(f"the output was closed before it was all written (broken pipe){_unwritten(ns)}", said)
+        return 141
     except Exception as exc:  # a bug or a runtime failure: one line unless --debug
         from pipeline.ranks import lost_rank_message
 

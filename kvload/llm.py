@@ -73,19 +73,11 @@ class LLM:
             DEFAULT_CPU_MAX_TOKENS, "LLM", f"{DEFAULT_MAX_TOKENS_FIELD} (kvload.LLM's default: the pools hold "
                                            f"{DEFAULT_CPU_MAX_TOKENS} tokens when neither max_tokens nor "
                                            "max_gpu_total_bytes bounds them)")
-        self._audit_log = audit_log
         self._busy = threading.Lock()
-        # close() and the running call meet under _lock: close stops the call, waits for it (_idle), then releases
-        self._lock = threading.Lock()
-        self._idle = threading.Event()
-        self._idle.set()
-        self._runner: threading.Thread | None = None  # the thread inside the executor now (a stream's worker)
-        self._executor: Any = None  # the running call's executor, which close() asks to stop
-        self._release_lock = threading.Lock()  # held through the release: a second close() returns once it is done
-        self._released = False
-        self._release_deferred = False  # close() ran inside the running call: the call releases as it ends
         self.result: LoadResult = execute(request, load_stages(), audit_log=audit_log, subscribers=subscribers,
                                           log=log)
+        if audit_log is not None:  # registered after the pools: runs first, while the release is under way
+            self.result.context.on_close(lambda: self.result.audit.to_jsonl(audit_log))
         self._closed = False
         self._said_no_tqdm = False  # use_tqdm=True is reported once per LLM, not once per call
 
@@ -258,24 +250,11 @@ class LLM:
             finally:
                 self._busy.release()
 
-    @contextlib.contextmanager
-    def _running(self) -> Iterator[Any]:
-        """The executor, with this thread registered as the one running it, so ``close()`` can stop it and wait."""
+    def _running(self) -> contextlib.AbstractContextManager[Any]:
+        """The executor, with this thread registered as the one running it, so ``close()`` can stop it and wait
+        (the result's :meth:`~kvload.api.LoadResult.running`)."""
         self._check_open()
-        executor = self.result.executor  # built outside the lock: the first call compiles and loads kernels
-        with self._lock:
-            self._check_open()  # close() may have run meanwhile (a stream's worker starts after the call)
-            self._runner, self._executor = threading.current_thread(), executor
-            self._idle.clear()
-        try:
-            yield executor
-        finally:
-            with self._lock:
-                self._runner = self._executor = None
-                deferred = self._release_deferred
-            self._idle.set()
-            if deferred:  # close() ran inside this call (from a subscriber) and left the release to us
-                self._release()
+        return self.result.running()
 
     def close(self) -> None:
         """Stop a running generation, wait for it to end, then release the KV pools and weights.
@@ -283,28 +262,8 @@ class LLM:
         The stopped call raises ``GenerationError`` (the audit records ``generation_failed``); with ``audit_log``,
         the file is rewritten with the generation events too. Safe to call twice, from any thread.
         """
-        with self._lock:
-            self._closed = True
-            runner, executor = self._runner, self._executor
-            if executor is not None:
-                executor.stop(CLOSED_DURING_GENERATION)  # it fails at its next step, freeing its requests
-            if runner is threading.current_thread():  # from inside the running call (a subscriber): waiting would
-                self._release_deferred = True  # deadlock, so the call releases as it ends
-                return
-        self._idle.wait()  # the pools go only once nothing runs on them
-        self._release()
-
-    def _release(self) -> None:
-        """Write the audit log and release the pools, once."""
-        with self._release_lock:
-            if self._released:
-                return
-            self._released = True
-            try:
-                if self._audit_log is not None:
-                    self.result.audit.to_jsonl(self._audit_log)
-            finally:
-                self.result.close()
+        self._closed = True
+        self.result.close(CLOSED_DURING_GENERATION)  # the result's: stop the call, wait for it, then release
 
     def __enter__(self) -> LLM:
         return self

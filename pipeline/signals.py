@@ -1,8 +1,9 @@
-"""SIGTERM handled like SIGINT, and short sections that no signal may cut in half.
+"""SIGTERM and SIGHUP handled like SIGINT, and short sections that no signal may cut in half.
 
-``kvload`` turns SIGTERM into :class:`Terminated` (a ``KeyboardInterrupt``), so every cleanup
-path that already runs for Ctrl-C (releasing pools, discarding a half-written audit file) runs
-for ``kill`` too. :func:`deferred` holds both signals back while a temporary file is created or
+``kvload`` turns SIGTERM into :class:`Terminated` and SIGHUP (a closed terminal, a dropped ssh
+session) into :class:`HungUp` (both ``KeyboardInterrupt``), so every cleanup path that already runs
+for Ctrl-C (releasing pools, discarding a half-written audit file, killing a kernel compile) runs
+for ``kill`` and a hangup too. :func:`deferred` holds the signals back while a temporary file is created or
 published, so it is never left behind between ``open`` and the bookkeeping that removes it.
 """
 
@@ -15,25 +16,36 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-_HELD = {signal.SIGINT, signal.SIGTERM}
+#: Signals :func:`handle_sigterm` turns into :class:`Terminated` (SIGINT already raises ``KeyboardInterrupt``).
+_HANDLED = (signal.SIGTERM, signal.SIGHUP)
+_HELD = {signal.SIGINT, *_HANDLED}
 
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM arrived; raised where the program was, like ``KeyboardInterrupt`` for SIGINT."""
 
     signal_number = signal.SIGTERM
+    #: how the one-line error names it
+    describe = "terminated (SIGTERM)"
 
 
-#: ``armed``: SIGTERM raises :class:`Terminated`; ``previous``: the handler :func:`handle_sigterm` replaced.
-_state: dict[str, Any] = {"armed": False, "previous": signal.SIG_DFL}
+class HungUp(Terminated):
+    """SIGHUP arrived (the terminal closed, the ssh session dropped): cleaned up as for SIGTERM."""
+
+    signal_number = signal.SIGHUP
+    describe = "hung up (SIGHUP)"
+
+
+#: ``armed``: the signals raise :class:`Terminated`; ``previous``: the handlers :func:`handle_sigterm` replaced.
+_state: dict[str, Any] = {"armed": False, "previous": {}}
 
 
 def _raise_terminated(signum: int, frame: Any) -> None:
     if _state["armed"]:
-        raise Terminated()
+        raise HungUp() if signum == signal.SIGHUP else Terminated()
     # released (the command is over) but not yet swapped out: act as the handler kvload replaced would, never
     # raising into atexit callbacks or finalizers
-    previous = _state["previous"]
+    previous = _state["previous"].get(signum, signal.SIG_DFL)
     if callable(previous):
         previous(signum, frame)
     elif previous != signal.SIG_IGN:
@@ -42,16 +54,20 @@ def _raise_terminated(signum: int, frame: Any) -> None:
 
 
 def handle_sigterm() -> None:
-    """Make SIGTERM raise :class:`Terminated` in the main thread (a no-op elsewhere) until :func:`release_sigterm`."""
+    """Make SIGTERM and SIGHUP raise :class:`Terminated` (:class:`HungUp`) in the main thread (a no-op elsewhere)
+    until :func:`release_sigterm`. An ignored SIGHUP stays ignored: ``nohup kvload ...`` asked for that."""
     if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _raise_terminated)
-        if previous is not _raise_terminated:
-            _state["previous"] = signal.SIG_DFL if previous is None else previous
+        for signum in _HANDLED:
+            if signum == signal.SIGHUP and signal.getsignal(signum) == signal.SIG_IGN:
+                continue
+            previous = signal.signal(signum, _raise_terminated)
+            if previous is not _raise_terminated:
+                _state["previous"][signum] = signal.SIG_DFL if previous is None else previous
         _state["armed"] = True
 
 
 def release_sigterm() -> None:
-    """Put back the SIGTERM handler :func:`handle_sigterm` replaced (once the command returned).
+    """Put back the SIGTERM and SIGHUP handlers :func:`handle_sigterm` replaced (once the command returned).
 
     After the command, interpreter shutdown runs atexit callbacks and finalizers (torch's, the process group's);
     a launcher's SIGTERM then (torchrun stopping the ranks left after one failed) raised ``Terminated`` inside them
@@ -59,13 +75,14 @@ def release_sigterm() -> None:
     without kvload: by default it ends the process, with nothing printed.
     """
     if threading.current_thread() is threading.main_thread() and _state["armed"]:
-        _state["armed"] = False  # first: a SIGTERM during the swap already acts as the previous handler
-        signal.signal(signal.SIGTERM, _state["previous"])
+        _state["armed"] = False  # first: a signal during the swap already acts as the previous handler
+        for signum, previous in _state["previous"].items():
+            signal.signal(signum, previous)
 
 
 @contextlib.contextmanager
 def deferred() -> Iterator[None]:
-    """Hold SIGINT and SIGTERM until the block ends; they are delivered (and raise) right after it."""
+    """Hold SIGINT, SIGTERM and SIGHUP until the block ends; they are delivered (and raise) right after it."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

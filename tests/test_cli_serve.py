@@ -108,6 +108,46 @@ def test_serve_process_answers_then_stops_cleanly_on_sigterm(tmp_path):
         _reap(proc)
 
 
+def _start_server(*flags: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "kvload", "serve", "tiny-llama", "--port", "0", *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, cwd=REPO,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as a terminal gives it
+
+
+def _ready_line(proc: subprocess.Popen) -> str:
+    deadline = time.monotonic() + 120
+    line = ""
+    while " at http://" not in line:
+        assert time.monotonic() < deadline and proc.poll() is None, f"server did not start: {line}"
+        line = proc.stderr.readline()
+    return line
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_sent_as_the_ready_line_appears_stops_the_server(signum, tmp_path):
+    """The ready line tells a service manager the server runs, so a stop may come at once: it came before uvicorn
+    had installed its handlers (inside server.run), and a SIGTERM then went to a do-nothing handler (the server
+    ran on, 5 times in 8) while a SIGINT broke asyncio.run's start-up ("coroutine 'Server.serve' was never
+    awaited"). Sent the moment the line is read, it stops the server as a later one does: exit 0, quietly, its
+    audit published. SIGHUP (the terminal closed), which killed the server and left its audit's temporary, too."""
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = _start_server("--audit-log", str(out / "audit.jsonl"))
+    try:
+        _ready_line(proc)
+        proc.send_signal(signum)
+        assert proc.wait(timeout=30) == 0
+        log = proc.stderr.read()
+        assert "Traceback" not in log and "never awaited" not in log, log
+        # and nothing else: uvicorn logs at kvload's level (warning), where it printed its INFO lines (the server
+        # process started, shutting down, finished) at its own default
+        assert log == "", log
+        assert [p.name for p in out.iterdir()] == ["audit.jsonl"]
+    finally:
+        _reap(proc)
+
+
 def test_a_kv_events_file_that_hits_its_size_limit_warns_once_and_fails_no_request(tmp_path):
     """A real server whose events file cannot grow (RLIMIT_FSIZE: the kernel refuses the write, part of a line
     first, as a full disk does): requests go on, one warning names the flag, the path and the error, and the file

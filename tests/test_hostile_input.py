@@ -19,11 +19,14 @@ resource limits, a real stderr).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
 import signal
 import stat
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -36,7 +39,7 @@ from kvload.explain import verify_log
 from pipeline.audit import AuditLog
 from pipeline.audit_chain import HEAD, KEY_ENV, PREV, Chain
 from pipeline.errors import AuditError
-from tests.cli_support import read_events, run_cli, write_events
+from tests.cli_support import ENV, REPO, read_events, run_cli, write_events
 from tests.conftest import llama_config, write_config
 from tests.hostile_support import (
     assert_refused,
@@ -894,14 +897,103 @@ def test_a_read_only_directory_is_refused_before_any_work(capsys, tmp_path):
 
 # --- faults: real signals to real processes ------------------------------------------------------------
 
-@pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_a_signal_during_run_leaves_nothing(tmp_path, signum, code):
+#: each signal a command is stopped by, its exit status (128 + its number) and how the one line names it
+STOPS = [(signal.SIGTERM, 143, "terminated (SIGTERM)"), (signal.SIGINT, 130, "interrupted"),
+         (signal.SIGHUP, 129, "hung up (SIGHUP)")]
+
+
+@pytest.mark.parametrize(("signum", "code", "line"), STOPS)
+def test_a_signal_during_run_leaves_nothing(tmp_path, signum, code, line):
     out = tmp_path / "out"
     out.mkdir()
     proc = start_kvload("run", "tiny-llama", "--max_tokens", "4096", "--audit-log", out / "a.jsonl", cwd=tmp_path)
     assert wait_for_temporary(proc, out), "the run never started writing its audit log"
     r = interrupt(proc, signum)
-    assert_refused(r, "terminated (SIGTERM)" if signum == signal.SIGTERM else "interrupted", folder=out, code=code)
+    assert_refused(r, f"{line}; the --audit-log file was not written", folder=out, code=code)
+
+
+@pytest.mark.parametrize(("signum", "code", "line"), STOPS)
+@pytest.mark.parametrize("module", ["structlog", "engine.workloads"])
+def test_a_signal_in_start_up_gets_the_one_line_and_its_status(tmp_path, signum, code, line, module):
+    """main armed SIGTERM, then imported the logging set-up (structlog) before _main's try: a SIGTERM there printed
+    a traceback and exited 1, a SIGINT a traceback. Delivered deterministically when the CLI first imports
+    ``module`` (logging set-up; building the parser), it gets the one line and 128 + its number."""
+    script = ("import os, signal, sys\n"
+              "class Hook:\n"
+              "    def find_spec(self, name, path=None, target=None):\n"
+              f"        if name == {module!r}:\n"
+              "            sys.meta_path.remove(self)\n"
+              "            print('sent', file=sys.stderr)\n"
+              f"            os.kill(os.getpid(), {int(signum)})\n"
+              "sys.meta_path.insert(0, Hook())\n"
+              "from kvload.cli import main\n"
+              "sys.exit(main(['generate', 'tiny-llama', '--prompt-ids', '1,2,3', '--max_new_tokens', '2']))\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                       env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+                       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert r.stderr.startswith("sent\n"), r.stderr[-2000:]  # the signal came in start-up, not at some other time
+    # no --audit-log, so nothing to say was not written (the line said "nothing was written" whatever was printed)
+    assert r.stderr == f"sent\nerror: {line}\n" and r.returncode == code, (r.returncode, r.stderr[-2000:])
+    assert r.stdout == ""
+
+
+def test_a_reader_that_closes_the_pipe_early_gets_exit_141_and_no_audit(tmp_path):
+    """``kvload generate ... | head -c 10``: the BrokenPipeError was answered with exit 0 after the run had already
+    discarded its audit as failed, so an exit 0 came without the audit file it promises. The output was not all
+    delivered: exit 141 (128 + SIGPIPE, as the shell reports for such a writer), one line, nothing left."""
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "kvload", "generate", "tiny-llama", "--prompt-ids", "1,2,3",
+                             "--max_new_tokens", "1000", "--ignore_eos", "--audit-log", out / "a.jsonl"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    try:
+        assert proc.stdout.read(10)  # the tokens have started to stream
+        proc.stdout.close()  # as head does once it has its 10 bytes
+        err = proc.stderr.read()
+        assert proc.wait(timeout=120) == 141, err[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert err == ("error: the output was closed before it was all written (broken pipe); the --audit-log file was "
+                   "not written\n"), err[-2000:]
+    assert list(out.iterdir()) == []
+
+
+def test_a_hangup_during_a_kernel_compile_stops_the_compiler_and_leaves_no_file(tmp_path):
+    """SIGHUP (the terminal closed, ssh dropped) killed kvload outright (exit 129): its audit temporaries stayed, and
+    a first-use kernel compile's ``cc``, in a session of its own, ran on orphaned, its ``.o`` left in the kernel cache.
+    Now it is cleaned up as for SIGTERM. A fake ``cc`` writes its output, then waits on a child that would outlive
+    it (cc1's place)."""
+    pidfile, cache, out = tmp_path / "child.pid", tmp_path / "cache", tmp_path / "out"
+    out.mkdir()
+    cc = tmp_path / "cc"
+    cc.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo 'fake cc 1.0'; exit 0; }\n"
+                  "prev=; for a in \"$@\"; do [ \"$prev\" = -o ] && : > \"$a\"; prev=$a; done\n"
+                  f"sleep 300 &\necho $! > {pidfile}.part && mv {pidfile}.part {pidfile}\nwait\n")
+    cc.chmod(0o755)
+    proc = subprocess.Popen([sys.executable, "-m", "kvload", "generate", "tiny-llama", "--prompt-ids", "1,2,3",
+                             "--max_new_tokens", "2", "--audit-log", out / "a.jsonl"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            env={**ENV, "PYTHONPATH": str(REPO), "CC": str(cc), "KVLOAD_CACHE": str(cache)})
+    deadline = time.monotonic() + 120
+    while not pidfile.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert pidfile.exists(), "the compile never started"
+    child = int(pidfile.read_text())
+    assert [p.name for p in cache.rglob("*.o")]  # the compile's output is there to be removed
+    r = interrupt(proc, signal.SIGHUP)
+    try:
+        assert_refused(r, "hung up (SIGHUP)", folder=out, code=129)
+        assert [p for p in cache.rglob("*") if p.is_file()] == []
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:  # killed: reaped by init shortly
+            time.sleep(0.05)
+        assert not os.path.exists(f"/proc/{child}"), "the compiler's child outlived kvload"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
 
 
 def test_a_sigterm_during_interpreter_shutdown_ends_the_process_without_a_traceback(tmp_path):
@@ -909,11 +1001,6 @@ def test_a_sigterm_during_interpreter_shutdown_ends_the_process_without_a_traceb
     finalizers): the handler that turns SIGTERM into Terminated raised inside them, and Python printed
     "Exception ignored in atexit callback" and a traceback after kvload's one line. Here an atexit callback
     registered before main (so it runs after main's own) sends the SIGTERM, deterministically."""
-    import subprocess
-    import sys
-
-    from tests.cli_support import ENV, REPO
-
     script = ("import atexit, os, signal, sys, time\n"
               "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(5)))\n"
               "from kvload.cli import main\n"
@@ -975,8 +1062,8 @@ def _wait_for_progress(proc, timeout: float = 120.0) -> str:
     return "".join(seen)
 
 
-@pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_a_signal_during_simulate_replay_leaves_no_audit_file(tmp_path, signum, code):
+@pytest.mark.parametrize(("signum", "code", "line"), STOPS)
+def test_a_signal_during_simulate_replay_leaves_no_audit_file(tmp_path, signum, code, line):
     """The old simulate published its audit right after planning: interrupting the replay left a complete
     audit for a run that never finished."""
     out = tmp_path / "out"
@@ -995,8 +1082,8 @@ def test_a_signal_during_simulate_replay_leaves_no_audit_file(tmp_path, signum, 
     err = "".join(proc.stderr_seen)
     assert proc.returncode == code, err[-2000:]
     assert stdout == "" and "Traceback" not in err
-    line = "terminated (SIGTERM)" if signum == signal.SIGTERM else "interrupted"
-    assert err.count("error: ") == 1 and err.endswith(f"error: {line}; nothing was written\n"), err[-500:]
+    assert err.count("error: ") == 1 and err.endswith(f"error: {line}; the --audit-log file was not written\n"), \
+        err[-500:]
     assert list(out.iterdir()) == []
 
 

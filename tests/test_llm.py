@@ -602,3 +602,86 @@ def test_other_callers_of_the_model_keep_its_own_attention_while_kvload_generate
     assert torch.equal(during["thread"], before) and torch.equal(during["callback"], before)
     assert out.token_ids == greedy(llm).token_ids  # and kvload's own tokens are unchanged
     assert model.config._attn_implementation == own != "kvload_paged"
+
+
+@pytest.mark.parametrize("event", ["generation_started", "setting_ignored"])
+def test_a_subscriber_failing_as_a_call_starts_still_ends_it_in_the_audit(tmp_path, event):
+    """A subscriber raising on generation_started (which the audit, ahead of it, had received) or on the
+    setting_ignored right after it left an audit whose call started and never ended: ``--verify`` refused it.
+    Now the call ends with generation_failed naming the error, the audit verifies, and the LLM generates again."""
+    from kvload.explain import verify_log
+    from pipeline.audit import AuditLog
+
+    audit = tmp_path / "llm.jsonl"
+    armed = [True]
+
+    def explode(record: dict[str, Any]) -> None:
+        if armed[0] and record["event"] == event:
+            armed[0] = False
+            raise RuntimeError(f"subscriber failed on {event}")
+
+    with kvload.LLM("tiny-llama", **llm_kwargs(), audit_log=audit, subscribers=[explode]) as llm:
+        with pytest.raises(RuntimeError, match=f"subscriber failed on {event}"):
+            llm.generate([[1, 2, 3]], max_tokens=2, seed=1)  # greedy with a seed: a setting_ignored
+        assert used_blocks(llm.result) == 0
+        assert llm.generate([[1, 2, 3]], max_tokens=2)[0].outputs[0].token_ids
+    assert _generation_events(audit) == ["generation_started", "generation_failed", "generation_started",
+                                         "generation_finished"]
+    failed = [json.loads(line) for line in audit.read_text().splitlines()
+              if json.loads(line)["event"] == "generation_failed"]
+    assert failed[0]["call"] == 0 and failed[0]["error"] == "RuntimeError"
+    report = verify_log(AuditLog.from_jsonl(audit))
+    assert report["ok"], report
+
+
+def test_load_result_close_from_another_thread_stops_its_generate():
+    """LoadResult.close() during its generate (another thread) released the pools under the running call, which
+    failed with internal KeyErrors ('uniform', 'request 0.0 is not admitted'). Now, as LLM.close: the call is
+    stopped through its executor, waited for, then the pools go; the call raises GenerationError, and so does a
+    later one."""
+    import threading
+
+    result = kvload.load("tiny-llama", load_weights=True, log=False, device="cpu",
+                         kv_cache_config={"max_tokens": 512, "tokens_per_block": 4})
+    started, errors = threading.Event(), []
+    result.bus.subscribe(lambda e: started.set() if e["event"] == "request_admitted" else None)
+    seen = {}
+    result.context.on_close(lambda: seen.setdefault("used_blocks", used_blocks(result)))
+
+    def work() -> None:
+        try:
+            result.generate([[1, 2, 3]] * 4, max_tokens=200, ignore_eos=True)
+        except BaseException as exc:  # the test inspects whatever the call raised
+            errors.append(exc)
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    assert started.wait(60)
+    result.close()
+    worker.join(60)
+    assert not worker.is_alive() and seen == {"used_blocks": 0}
+    assert [type(e) for e in errors] == [GenerationError], errors
+    assert "the result was closed during generation" in str(errors[0])
+    assert [e["event"] for e in result.audit.events if e["event"].startswith("generation_")] == \
+        ["generation_started", "generation_failed"]
+    result.close()  # twice: nothing more to do
+    with pytest.raises(GenerationError, match="this result was closed"):
+        result.generate([[1, 2, 3]], max_tokens=2)
+
+
+def test_load_result_close_from_its_stream_callback():
+    with kvload.load("tiny-llama", load_weights=True, log=False, device="cpu",
+                     kv_cache_config={"max_tokens": 512, "tokens_per_block": 4}) as result:
+        seen = {}
+        result.context.on_close(lambda: seen.setdefault("used_blocks", used_blocks(result)))
+        deltas = []
+
+        def on_delta(delta: Any) -> None:
+            deltas.append(delta)
+            if len(deltas) == 3:
+                result.close()  # the call is this thread: it stops at its next step and releases as it ends
+                assert seen == {}
+
+        with pytest.raises(GenerationError, match="the result was closed during generation"):
+            result.generate([[1, 2, 3]], max_tokens=50, ignore_eos=True, stream=on_delta)
+        assert seen == {"used_blocks": 0} and len(deltas) < 50

@@ -186,7 +186,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                   f"{kv.capacity_tokens:,} KV tokens); Ctrl-C stops", file=sys.stderr, flush=True)
 
         try:
-            serve(state, ns.host, ns.port, log_level=ns.log_level, ready=ready)
+            level = getattr(ns, "effective_log_level", None) or ns.log_level or "warning"  # uvicorn's default: info
+            serve(state, ns.host, ns.port, log_level=level, ready=ready)
         finally:
             if mirror is not None:
                 result.kv_manager.kv_events.mirror = None

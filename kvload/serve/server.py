@@ -1,6 +1,6 @@
 """Running the app: build engine + metrics over a loaded result, bind a socket, serve with uvicorn.
 
-:func:`serve` blocks until SIGINT/SIGTERM (uvicorn's own handling), then stops the engine.
+:func:`serve` blocks until SIGINT/SIGTERM/SIGHUP (uvicorn's graceful shutdown), then stops the engine.
 :class:`ServerThread` runs the same server in a background thread (tests, ``bench_serve``).
 """
 
@@ -123,7 +123,7 @@ class _Server(uvicorn.Server):
         self.state = state
         self.stopping = stopping
 
-    def handle_exit(self, sig: int, frame: Any) -> None:  # the SIGINT/SIGTERM handler uvicorn installs
+    def handle_exit(self, sig: int, frame: Any) -> None:  # the stop handler: uvicorn's, and serve()'s around it
         self.state.engine.request_stop()
         super().handle_exit(sig, frame)
 
@@ -243,24 +243,39 @@ def _server(state: ServeState, log_level: str) -> _Server:
 
 def serve(state: ServeState, host: str, port: int, *, log_level: str = "warning",
           ready: Any = None) -> None:
-    """Serve until interrupted; the engine loop runs for exactly as long. ``ready(url)`` once listening."""
-    sock = bind(host, port)
-    server = _server(state, log_level)
-    state.engine.start()
-    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal to the handler it found:
-    # that is the normal way to stop a server, so it ends the call instead of the process.
+    """Serve until SIGINT, SIGTERM or SIGHUP; the engine loop runs for exactly as long. ``ready(url)`` once
+    listening: a stop signal from then on, whenever it comes, ends the call (not the process) once the server
+    has shut down."""
+    # uvicorn installs its SIGINT/SIGTERM handlers only inside server.run, once its loop runs, puts back the ones
+    # it found when it is done and re-raises what it caught to them. So the stop is kvload's handler from here
+    # on: the same handle_exit, which before the loop runs leaves uvicorn to bind, skip its main loop and shut
+    # down at once (a signal just after the ready line was lost, or with SIGINT broke asyncio.run's start-up), and
+    # which afterwards takes the re-raised signal without ending the process. SIGHUP (the terminal closed), which
+    # uvicorn leaves alone, stops the server the same way, its audit published as for SIGTERM.
     main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, lambda *_: None) if main else None
+    server = _server(state, log_level)
+    previous: dict[int, Any] = {}
+    sock: socket.socket | None = None
     try:
+        if main:
+            for sig in _STOP_SIGNALS:
+                found = signal.signal(sig, server.handle_exit)
+                previous[sig] = signal.SIG_DFL if found is None else found
+        sock = bind(host, port)
+        state.engine.start()
         if ready is not None:
             ready(f"http://{host}:{sock.getsockname()[1]}")
-        with contextlib.suppress(KeyboardInterrupt):
-            server.run(sockets=[sock])
+        server.run(sockets=[sock])
     finally:
-        if main:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         state.engine.stop()
-        sock.close()
+        if sock is not None:
+            sock.close()
+
+
+#: What stops :func:`serve`: uvicorn's two, and the hangup of a closed terminal or a dropped ssh session.
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class ServerThread:
