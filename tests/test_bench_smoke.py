@@ -166,3 +166,12 @@ def test_bench_generate_text_prompts_are_the_bundled_passages_cut_to_each_length
     assert prompts[1][:20] == [ord(c) for c in passages[1][:20]]  # prompt i starts at passage i, then cycles on
     with pytest.raises(SystemExit, match="needs a model with a tokenizer"):
         bench_generate.scenario_prompts("text", SimpleNamespace(tokenizer=None), [4], vocab=0)
+
+
+def test_sampling_bench_prints_a_row_per_batch_and_setting_with_the_plain_pick_as_its_unit(capsys):
+    from bench import bench_sampling
+
+    bench_sampling.main(["--vocab", "1000", "--repeats", "3"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "µs" not in line]
+    assert len(rows) == 3 * len(bench_sampling.SETTINGS)
+    assert all(row.split("|")[5].strip() == "1.0x" for row in rows if "| none |" in row)
