@@ -303,3 +303,28 @@ def test_a_requests_chat_template_is_trusted_only_with_the_flag(monkeypatch):
     with pytest.raises(SystemExit):
         command.cmd_serve(parse(["serve", "tiny-llama", "--port", "0", "--trust-request-chat-template"]))
     assert seen["trust_request_chat_template"] is True
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("{% for m in messages %}", "error: --chat-template: not a Jinja template: line 1: Unexpected end of template"),
+    ("/no/such/template.jinja", "error: --chat-template: '/no/such/template.jinja' is neither a file nor a Jinja "
+                                "template"),
+    ("{{ messages[0]['content'] }}", "error: --chat-template: tiny-llama has no tokenizer"),
+])
+def test_a_bad_chat_template_exits_2_with_one_line_naming_the_flag(capsys, value, message):
+    r = run_cli(capsys, "serve", "tiny-llama", "--port", "0", "--chat-template", value)
+    assert r.code == 2 and r.one_error_line, r.err
+    assert r.err.startswith(message), r.err
+
+
+def test_a_chat_template_file_is_read_and_checked(tmp_path):
+    from kvload.serve.server import chat_template_text
+    from pipeline.errors import ConfigError
+
+    good = tmp_path / "t.jinja"
+    good.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}", encoding="utf-8")
+    assert chat_template_text(str(good)) == good.read_text(encoding="utf-8")
+    bad = tmp_path / "b.jinja"
+    bad.write_bytes(b"{{ \xff }}")
+    with pytest.raises(ConfigError, match=r"^--chat-template .*b\.jinja: not UTF-8 text$"):
+        chat_template_text(str(bad))

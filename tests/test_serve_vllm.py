@@ -311,3 +311,24 @@ def test_min_tokens_past_what_the_context_leaves_ends_by_length_when_max_tokens_
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == 64 - 3  # <s> w5 w17
+
+
+def test_the_operators_chat_template_replaces_the_tokenizers_for_chat_and_tokenize(tiny_checkpoints, tmp_path):
+    """``--chat-template`` (build_state's chat_template): a base model without a template gets one; the server's
+    chat requests and /tokenize of messages use it, with no trust flag (it is the operator's, not a request's)."""
+    import shutil
+
+    from tests.llm_support import word_tokenizer
+
+    path = tmp_path / "base"
+    shutil.copytree(tiny_checkpoints("llama"), path)
+    word_tokenizer(VOCAB).save_pretrained(path)  # no chat template
+    template = "{% for m in messages %}w9 {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w4{% endif %}"
+    with serving(str(path), max_seq_len=64, kv_cache_config={"max_tokens": 512, "tokens_per_block": 4},
+                 state={"model_name": "base", "chat_template": template}) as s:
+        r = s.http.post("/tokenize", json={"messages": [{"role": "user", "content": "w5 w17"}]})
+        assert r.status_code == 200, r.text
+        assert r.json()["tokens"] == [9, 5, 17, 4]
+        chat = s.client.chat.completions.create(model="base", messages=[{"role": "user", "content": "w5 w17"}],
+                                                max_tokens=1)
+        assert chat.usage.prompt_tokens == 4

@@ -95,6 +95,10 @@ def add_serve_command(sub: Any) -> None:
                         "headers until their answer ends (queued for the engine included); more get HTTP 503 at "
                         "once, before their body is read, and /health and /metrics keep answering "
                         "(default %(default)s)")
+    g.add_argument("--chat-template", "--chat_template", dest="chat_template", default=None,
+                   metavar="FILE_OR_TEMPLATE",
+                   help="a Jinja chat template (a file, or the template itself) for every chat request in place "
+                        "of the tokenizer's, e.g. for a base model without one (vLLM's flag)")
     g.add_argument("--trust-request-chat-template", "--trust_request_chat_template",
                    dest="trust_request_chat_template", action="store_true",
                    help="accept a request's own chat_template (Jinja the server runs, as slow as the client "
@@ -142,7 +146,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
         raise ConfigError(f"serve: {exc.name} is not installed; pip install 'kvload[serve]'") from None
     from kvload.api import execute
-    from kvload.serve.server import bind, build_state, mirror_kv_events, serve
+    from kvload.serve.server import bind, build_state, chat_template_text, mirror_kv_events, serve
     from pipeline.context import DEFAULT_MAX_TOKENS_FIELD, CallerDefault
     from stages import load_stages
 
@@ -161,6 +165,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             raise ConfigError("--kv-events-file: KV cache events are off; add --event_buffer_max_size N (N > 0), or "
                               "kv_cache_config.event_buffer_max_size in the --config file")
     bind(ns.host, ns.port).close()  # a taken port fails now, before minutes of loading
+    template = chat_template_text(ns.chat_template) if ns.chat_template is not None else None  # and a bad template
     request = cli._request(ns, load_weights=True)
     # capped like generate's: past 2**63 - 1 the budget names --default-max-tokens
     tokens = min(MAX_INT, SERVE_DEFAULT_SEQUENCES * (ns.default_max_tokens + SERVE_PROMPT_ALLOWANCE))
@@ -169,11 +174,16 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                          f"(default-max-tokens + {SERVE_PROMPT_ALLOWANCE}) = {tokens} tokens when no --max_tokens "
                          "is given)")
     with execute(request, load_stages(), subscribers=audit) as result:  # request events reach the audit too
+        if template is not None and result.tokenizer is None:
+            from pipeline.errors import ConfigError
+
+            raise ConfigError(f"--chat-template: {ns.model} has no tokenizer (presets have random weights and none): "
+                              "there is no text to template")
         state = build_state(result, model_name=ns.served_model_name, default_max_tokens=ns.default_max_tokens,
                             audit_keep=ns.audit_keep, max_request_bytes=ns.max_request_bytes,
                             read_timeout_s=ns.request_read_timeout,
                             max_concurrent_requests=ns.max_concurrent_requests,
-                            trust_request_chat_template=ns.trust_request_chat_template)
+                            trust_request_chat_template=ns.trust_request_chat_template, chat_template=template)
         mirror = None
         if ns.kv_events_file is not None:  # a full disk later stops the mirror with a warning, never a request
             mirror = mirror_kv_events(state, ns.kv_events_file, "--kv-events-file")

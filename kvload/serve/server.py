@@ -34,13 +34,15 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
                 audit_keep: int = AUDIT_KEEP_DEFAULT, max_request_bytes: int | None = None,
                 read_timeout_s: float = READ_TIMEOUT_DEFAULT,
                 max_concurrent_requests: int = MAX_CONCURRENT_DEFAULT,
-                trust_request_chat_template: bool = False) -> ServeState:
+                trust_request_chat_template: bool = False, chat_template: str | None = None) -> ServeState:
     """Engine (not started) and metrics over a ``load(..., load_weights=True)`` result; from now on its audit log
     keeps the load's records and the newest ``audit_keep`` (``/v1/kvload/audit`` serves them). A request body
     over ``max_request_bytes`` is refused unread (None: :func:`default_max_request_bytes` of the model); a
     request's head, and then its body, must each arrive within ``read_timeout_s`` seconds (408); past
     ``max_concurrent_requests`` generation requests at once, more are refused (503); a request's own
-    ``chat_template`` is refused (400) unless ``trust_request_chat_template``."""
+    ``chat_template`` is refused (400) unless ``trust_request_chat_template``. ``chat_template``: a Jinja template
+    that replaces the tokenizer's for every chat request and ``/tokenize`` of messages (the operator's, e.g. for a
+    base model without one; ``chat_template_text`` reads ``--chat-template``)."""
     if model_name is not None and not (isinstance(model_name, str) and model_name.strip()):
         raise ConfigError(f"model_name: expected a non-empty name (or None: the model's own), got {model_name!r}")
     if max_request_bytes is not None and not (isinstance(max_request_bytes, int)
@@ -57,6 +59,12 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
     if not isinstance(trust_request_chat_template, bool):
         raise ConfigError(f"trust_request_chat_template: expected true or false, got "
                           f"{short(trust_request_chat_template)}")
+    if chat_template is not None:
+        tokenizer = getattr(result, "tokenizer", None)
+        if tokenizer is None:
+            raise ConfigError("chat_template: the model has no tokenizer (presets have random weights and none): "
+                              "there is no text to template")
+        tokenizer.chat_template = check_chat_template("chat_template", chat_template)
     result.audit.keep_tail(audit_keep)
     name = model_name or (result.model.name if result.model is not None else str(result.args.model))
     metrics = ServeMetrics(name)
@@ -69,6 +77,48 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
                       read_timeout_s=float(read_timeout_s), max_concurrent_requests=max_concurrent_requests,
                       trust_request_chat_template=trust_request_chat_template)
 
+
+
+#: Largest --chat-template file read (a real model's template is a few KiB; Llama 3.1's, with tools, ~10 KiB).
+MAX_CHAT_TEMPLATE_BYTES = 1 << 20
+
+
+def chat_template_text(value: str, flag: str = "--chat-template") -> str:
+    """``--chat-template``: a file's text, or the template itself (vLLM's flag takes either), checked to compile;
+    ``ConfigError`` naming ``flag``."""
+    import os
+
+    if "{{" in value or "{%" in value:  # the template itself, not a path
+        return check_chat_template(flag, value)
+    try:
+        if os.path.getsize(value) > MAX_CHAT_TEMPLATE_BYTES:
+            raise ConfigError(f"{flag} {value}: larger than {MAX_CHAT_TEMPLATE_BYTES:,} bytes; a chat template is a "
+                              "few KiB")
+        with open(value, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise ConfigError(f"{flag}: {value!r} is neither a file nor a Jinja template (one holds {{{{ or {{%)") \
+            from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{flag} {value}: not UTF-8 text") from None
+    except OSError as exc:
+        raise ConfigError(f"{flag} {value}: cannot read ({exc.strerror or type(exc).__name__})") from None
+    return check_chat_template(f"{flag} {value}", text)
+
+
+def check_chat_template(where: str, text: Any) -> str:
+    """``text`` when it is a Jinja template that compiles (in the sandbox transformers renders chat templates in),
+    else ``ConfigError`` naming ``where`` and the line."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    if not isinstance(text, str) or not text.strip():
+        raise ConfigError(f"{where}: expected a Jinja chat template, got {short(text)}")
+    try:
+        ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ConfigError(f"{where}: not a Jinja template: line {exc.lineno}: {exc.message}") from None
+    return text
 
 
 def mirror_kv_events(state: ServeState, path: str, flag: str = "--kv-events-file") -> KvEventMirror:
