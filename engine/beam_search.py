@@ -15,13 +15,12 @@ sends beam search to KV cache manager V1 by TensorRT-LLM's rule).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from engine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams, _plain_int, check, is_int, is_number
+from engine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams, _plain_int, check, is_finite, is_int, is_number
 from pipeline.errors import GenerationError
 from pipeline.limits import MAX_N
 
@@ -46,7 +45,7 @@ class BeamSearchParams:
               beam_width)
         check(is_int(max_tokens) and max_tokens >= 1, "max_tokens", "an integer >= 1", max_tokens)
         check(isinstance(ignore_eos, bool), "ignore_eos", "true or false", ignore_eos)
-        check(is_number(length_penalty) and math.isfinite(length_penalty), "length_penalty", "a finite number",
+        check(is_finite(length_penalty), "length_penalty", "a finite number",
               length_penalty)
         check(is_number(temperature) and temperature == 0, "temperature",
               "0 (beam search keeps the most likely beams; sample with generate instead)", temperature)

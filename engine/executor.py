@@ -530,11 +530,12 @@ class GenerationExecutor:
             room = self.max_seq_len - len(ids)  # a sequence never grows past max_seq_len
             base = p.seed if p.seed is not None else random_base
             parent = None
+            scope = salt
+            if p.prompt_logprobs is not None:  # a cached prefix computes no logits: the prompt's own reuse scope, so it
+                # prefills whole (its samples share it); random, so no caller's salt can name it (nor reuse its blocks)
+                scope = f"{salt or ''}\x00prompt_logprobs {random_base:x}.{call}.{i}"
             for j in range(p.n):
                 req_id = f"{call}.{i}" if p.n == 1 else f"{call}.{i}.{j}"
-                scope = salt
-                if p.prompt_logprobs is not None:  # a cached prefix computes no logits: this prompt's own scope, so
-                    scope = f"{salt or ''}\x00prompt_logprobs {call}.{i}"  # it prefills whole; its samples share it
                 request = Request(req_id, ids, min(p.max_tokens, room), salt=scope)
                 if j == 0:
                     self._check_fits(i, request, p.max_tokens)

@@ -106,16 +106,17 @@ def _bias(params: SamplingParams, device: torch.device) -> tuple[torch.Tensor, t
     """``params.logit_bias`` as (ids, biases) tensors, built once per SamplingParams and device."""
     key = (id(params), device)
     hit = _BIASES.get(key)
-    if hit is None or hit[0] is not params:
+    # the same object with the same biases: a caller may have changed its (mutable) dict in place between calls
+    if hit is None or hit[0] is not params or hit[3] != params.logit_bias:
         ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=device)
         biases = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32, device=device)
-        hit = _BIASES[key] = (params, ids, biases)
+        hit = _BIASES[key] = (params, ids, biases, dict(params.logit_bias))
         if len(_BIASES) > 256:  # a long-running server sees many requests' params: keep the newest
             del _BIASES[next(iter(_BIASES))]
     return hit[1], hit[2]
 
 
-_BIASES: dict[tuple[int, torch.device], tuple[SamplingParams, torch.Tensor, torch.Tensor]] = {}
+_BIASES: dict[tuple[int, torch.device], tuple[SamplingParams, torch.Tensor, torch.Tensor, dict[int, float]]] = {}
 
 
 def penalize(logits: torch.Tensor, counts: Sequence[int], requests: Sequence[tuple[SamplingParams, Request]],

@@ -54,6 +54,21 @@ def is_number(v: Any) -> bool:
     return isinstance(v, numbers.Real) and not _is_bool(v)
 
 
+def is_finite(v: Any) -> bool:
+    """A real number a float holds: ``math.isfinite`` raises on an integer past ~1.8e308 (a JSON literal of 400
+    digits), where this says no."""
+    if not is_number(v):
+        return False
+    if isinstance(v, numbers.Integral):
+        return abs(int(v)) < 2**1024
+    return math.isfinite(v)
+
+
+#: ``repetition_penalty``'s bounds: past them a logit of float32 overflows (or a tiny one divides to inf); vLLM users
+#: set 1.0-2.0 (and below 1 to favour repetition).
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+
+
 def _plain_number(v: Any) -> Any:
     """A numpy float (or integer) as a Python float; Python numbers and anything else unchanged."""
     return float(v) if is_number(v) and not isinstance(v, (int, float)) else v
@@ -229,7 +244,7 @@ class SamplingParams:
                             skip_special_tokens, prompt_logprobs)
 
     def __attrs_post_init__(self) -> None:
-        check(is_number(self.temperature) and self.temperature >= 0 and math.isfinite(self.temperature),
+        check(is_finite(self.temperature) and self.temperature >= 0,
               "temperature", "a finite number >= 0 (0 = greedy)", self.temperature)
         check(is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]", self.top_p)
         check(is_int(self.top_k) and self.top_k >= -1, "top_k", "an integer >= 1, or 0 / -1 for all tokens",
@@ -248,8 +263,10 @@ class SamplingParams:
         check_logprobs(self.logprobs)
         check_logprobs(self.prompt_logprobs, "prompt_logprobs")
         check(isinstance(self.ignore_eos, bool), "ignore_eos", "true or false", self.ignore_eos)
-        check(is_number(self.repetition_penalty) and 0 < self.repetition_penalty < math.inf, "repetition_penalty",
-              "a finite number > 0 (1 = off)", self.repetition_penalty)
+        check(is_number(self.repetition_penalty)
+              and MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY, "repetition_penalty",
+              f"a number in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 = off)",
+              self.repetition_penalty)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             check(is_number(value) and -2 <= value <= 2, name, "a number in [-2, 2] (0 = off)", value)

@@ -21,6 +21,7 @@ import random
 import re
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -333,8 +334,9 @@ class ServingEngine:
         check_salt(salt)  # as generate's: hashed into every block key, and its length bounded
         request = self.check(prompt_token_ids, params)
         request.salt = salt
-        if params.prompt_logprobs is not None:  # a cached prefix computes no logits: its own scope, prefilled whole
-            request.salt = f"{salt or ''}\x00prompt_logprobs {request.req_id}"
+        if params.prompt_logprobs is not None:  # a cached prefix computes no logits: its own scope, prefilled whole;
+            # random, so no client's salt can name it (and share its blocks, or spoil its logprobs with a hit)
+            request.salt = f"{salt or ''}\x00prompt_logprobs {uuid.uuid4().hex}"
         req_id = request.req_id
         gen = None
         if not params.greedy:
@@ -420,6 +422,7 @@ class ServingEngine:
                 return True
             self.steps += 1
             outbox = self._collect(st)
+            self.driver.finished.clear()  # the server's driver lives for ever: its finished requests are ours to drop
             if self.observer is not None:  # counted before any client can see the tokens (and scrape)
                 with contextlib.suppress(Exception):
                     self.observer.on_step(st, sum(len(ev.new_token_ids) for _, ev in outbox))

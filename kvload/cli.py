@@ -598,7 +598,11 @@ def add_generate_command(sub: Any) -> None:
     g.add_argument("--prompt-ids", "--prompt_ids", dest="prompts", action=_PromptAction, type=token_ids,
                    metavar="IDS", help="a prompt as token ids, e.g. 1,2,3 (repeatable)")
     g.add_argument("--chat", action="store_true", help="wrap each --prompt in the tokenizer's chat template")
-    from engine.sampling_params import DEFAULT_MAX_TOKENS  # one default length for the CLI and Python
+    from engine.sampling_params import (  # one default length for the CLI and Python
+        DEFAULT_MAX_TOKENS,
+        MAX_REPETITION_PENALTY,
+        MIN_REPETITION_PENALTY,
+    )
 
     g.add_argument("--max_new_tokens", "--max-new-tokens", dest="max_new_tokens", default=DEFAULT_MAX_TOKENS,
                    metavar="N", type=_bounded(integer, lambda v: v >= 1, "an integer >= 1"),
@@ -631,7 +635,8 @@ def add_generate_command(sub: Any) -> None:
     g.add_argument("--ignore_eos", "--ignore-eos", dest="ignore_eos", action="store_true",
                    help="keep generating past end-of-sequence until --max_new_tokens (benchmarks)")
     g.add_argument("--repetition_penalty", "--repetition-penalty", dest="repetition_penalty", default=1.0,
-                   metavar="R", type=_bounded(number, lambda v: 0 < v < math.inf, "a finite number > 0"),
+                   metavar="R", type=_bounded(number, lambda v: MIN_REPETITION_PENALTY <= v <= MAX_REPETITION_PENALTY,
+                                              f"a number in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]"),
                    help="divide a positive logit (multiply a negative one) of each token already in the prompt or "
                         "output by R, greedy or sampled (default: 1 = off)")
     g.add_argument("--presence_penalty", "--presence-penalty", dest="presence_penalty", default=0.0, metavar="P",

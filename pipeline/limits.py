@@ -33,6 +33,9 @@ MAX_STOP_TOKEN_IDS = 4096
 #: Most top alternatives per generated token ``logprobs`` may ask for (OpenAI's and vLLM's default limit): each
 #: is kept for every generated token of every sample. The Python API and the server share it.
 MAX_LOGPROBS = 20
+#: Most prompt tokens one server request may have scored (completions' ``echo`` with ``logprobs``): each costs its
+#: logits row while prefilled and ~4 KB of answer at ``logprobs=20``, so 262,144 keep one request near 1 GB.
+MAX_SCORED_PROMPT_TOKENS = 262_144
 #: Most tokens one ``logit_bias`` may bias (OpenAI sets no number; each is a scatter per step, and a body's share).
 MAX_LOGIT_BIAS = 4096
 #: A ``logit_bias`` value's bound (OpenAI's: -100 bans a token, 100 all but forces it).

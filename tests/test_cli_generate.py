@@ -226,7 +226,9 @@ def test_penalty_flags_give_the_python_apis_tokens_and_the_audit_records_them(ca
                                                   "of 17"),
     (("--prompt-ids", "1", "--stop_token_ids", ",".join(["2"] * 4097)),
      "error: generate: stop_token_ids: expected at most 4,096 token ids, got a list of 4,097"),
-    (("--prompt-ids", "1", "--repetition_penalty", "0"), "error: --repetition_penalty: expected a finite number > 0"),
+    (("--prompt-ids", "1", "--repetition_penalty", "0"), "error: --repetition_penalty: expected a number in [0.01, "
+                                                          "100]"),
+    (("--prompt-ids", "1", "--repetition_penalty", "1e39"), "error: --repetition_penalty: expected a number in "),
     (("--prompt-ids", "1", "--presence-penalty", "-3"), "error: --presence-penalty: expected a number in [-2, 2]"),
     (("--prompt-ids", "1", "--frequency_penalty", "nan"), "error: --frequency_penalty: expected a finite number"),
     (("--prompt-ids", "1", "--min_p", "1.5"), "error: --min_p: expected a number in [0, 1], got '1.5'"),

@@ -121,6 +121,16 @@ def test_logprobs_stay_the_models_own_under_a_penalty(tiny_checkpoints):
     assert all(penalized.logprobs[0][t] == pytest.approx(lp) for t, lp in top.items())
 
 
+def test_a_logit_bias_changed_in_place_acts_on_the_next_call(tiny_checkpoints):
+    """SamplingParams is frozen but its dict is not: the biases are read from it each call, never a stale copy."""
+    with load(tiny_checkpoints("llama"), "v1") as result:
+        params = SamplingParams(max_tokens=4, ignore_eos=True, logit_bias={7: -1.0})
+        (before,) = result.generate([[3, 4, 5]], sampling_params=params)
+        params.logit_bias[7] = 100.0
+        (after,) = result.generate([[3, 4, 5]], sampling_params=params)
+    assert after.token_ids == [7, 7, 7, 7] != before.token_ids
+
+
 def test_rows_of_a_request_without_penalties_are_left_alone():
     logits = torch.randn(3, 50)
     req = _request([1, 2, 3], [4, 4])
@@ -166,8 +176,11 @@ def test_min_p_keeps_only_tokens_near_the_most_likely_and_greedy_reports_it_igno
 
 
 @pytest.mark.parametrize(("kw", "message"), [
-    ({"repetition_penalty": 0}, "repetition_penalty: expected a finite number > 0"),
-    ({"repetition_penalty": float("inf")}, "repetition_penalty: expected a finite number > 0"),
+    ({"repetition_penalty": 0}, r"repetition_penalty: expected a number in \[0.01, 100\]"),
+    ({"repetition_penalty": float("inf")}, r"repetition_penalty: expected a number in \[0.01, 100\]"),
+    ({"repetition_penalty": 1e39}, r"repetition_penalty: expected a number in \[0.01, 100\]"),  # float32 overflow
+    ({"repetition_penalty": 1e-39}, r"repetition_penalty: expected a number in \[0.01, 100\]"),  # logits / r: inf
+    ({"temperature": 10**400}, "temperature: expected a finite number"),
     ({"presence_penalty": 2.5}, r"presence_penalty: expected a number in \[-2, 2\]"),
     ({"frequency_penalty": float("nan")}, r"frequency_penalty: expected a number in \[-2, 2\]"),
     ({"min_tokens": 9, "max_tokens": 8}, r"min_tokens: expected an integer in \[0, max_tokens=8\]"),

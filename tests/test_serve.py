@@ -60,6 +60,19 @@ def test_logit_bias_penalties_and_min_tokens_give_the_python_apis_tokens(served)
     assert r.choices[0].model_extra["token_ids"] == want.token_ids
 
 
+def test_the_server_keeps_no_state_of_finished_requests(served):
+    """Its driver lives as long as the server: finished requests (and what penalties keep per request) go."""
+    import gc
+
+    from engine import penalties
+
+    for _ in range(3):
+        _complete(served, 0, presence_penalty=0.5)
+    gc.collect()
+    assert served.state.engine.driver.finished == []
+    assert len(penalties._SEEN) == 0
+
+
 def test_streamed_completion_gives_the_same_tokens_one_chunk_per_token(served):
     chunks = list(_complete(served, 1, stream=True, stream_options={"include_usage": True}))
     ids = [t for c in chunks if c.choices for t in c.choices[0].model_extra["token_ids"]]
@@ -144,7 +157,11 @@ def test_a_client_that_gives_up_on_a_plain_request_has_it_aborted(served):
     ({"prompt": [1, 2], "logit_bias": {"99999": 1}}, "logit_bias", "token id 99999 is outside the vocabulary"),
     ({"prompt": [1, 2], "presence_penalty": 2.5}, "presence_penalty", "presence_penalty: expected a number in [-2, 2]"),
     ({"prompt": [1, 2], "frequency_penalty": "high"}, "frequency_penalty", "expected a number, got 'high'"),
-    ({"prompt": [1, 2], "repetition_penalty": 0}, "repetition_penalty", "expected a finite number > 0"),
+    ({"prompt": [1, 2], "repetition_penalty": 0}, "repetition_penalty", "expected a number in [0.01, 100]"),
+    ({"prompt": [1, 2], "repetition_penalty": 1e308}, "repetition_penalty", "expected a number in [0.01, 100]"),
+    ({"prompt": [1, 2], "repetition_penalty": 10**400}, "repetition_penalty", "repetition_penalty: expected a number"),
+    ({"prompt": [1, 2], "temperature": 10**400}, "temperature", "temperature: expected a number in [0, 2]"),
+    ({"prompt": [1, 2], "logit_bias": {"3": 10**400}}, "logit_bias", "to numbers in [-100, 100]"),
     ({"prompt": [1, 2], "min_tokens": 9, "max_tokens": 4}, "min_tokens", "an integer in [0, max_tokens=4]"),
     ({"prompt": [1, 2], "min_p": 2}, "min_p", "min_p: expected a number in [0, 1]"),
     ({"prompt": [1, 2], "stop": ["a"] * 17}, "stop", "expected at most 16 strings, got a list of 17"),

@@ -298,6 +298,11 @@ def test_echo_puts_the_prompt_and_its_logprobs_before_the_completion_as_lm_eval_
         chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
     first = chunks[0]["choices"][0]
     assert first["text"].startswith(context + continuation) and first["logprobs"]["token_logprobs"][0] is None
+    # offsets count from the start of the echoed text in every chunk, as in the whole answer
+    whole = served.http.post("/v1/completions", json={**body, "max_tokens": 3, "ignore_eos": True}).json()
+    streamed = [o for c in chunks for o in (c["choices"][0]["logprobs"] or {}).get("text_offset", [])]
+    assert streamed == whole["choices"][0]["logprobs"]["text_offset"]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
     # echo without logprobs: the prompt's text only
     plain = served.http.post("/v1/completions", json={**body, "logprobs": None}).json()["choices"][0]
     assert plain["text"].startswith(context + continuation) and plain["logprobs"] is None
@@ -332,3 +337,29 @@ def test_the_operators_chat_template_replaces_the_tokenizers_for_chat_and_tokeni
         chat = s.client.chat.completions.create(model="base", messages=[{"role": "user", "content": "w5 w17"}],
                                                 max_tokens=1)
         assert chat.usage.prompt_tokens == 4
+
+
+def test_no_salt_names_a_scored_prompts_private_scope(served):
+    """A scored prompt prefills under a reuse scope of its own; a client guessing its name (the request ids are
+    sequential) must not plant a cached prefix there and turn its prompt logprobs into nulls."""
+    prompt = "w5 w17 w30 w42 w7 w9 w11 w13 w15 w19 w21 w23 w25 w27 w29 w31"  # 17 tokens with <s>: 4 full blocks
+    upcoming = next(served.state.engine._ids)
+    for n in range(upcoming, upcoming + 8):  # what the request ids of the scored request may be
+        r = served.http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1,
+                                                       "salt": f"\x00prompt_logprobs srv-{n}"})
+        assert r.status_code == 200, r.text
+    r = served.http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "echo": True, "logprobs": 0})
+    doc = r.json()
+    assert doc["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert None not in doc["choices"][0]["logprobs"]["token_logprobs"][1:]
+
+
+def test_echo_with_logprobs_is_bounded_per_request(served, monkeypatch):
+    from kvload.serve import app
+
+    monkeypatch.setattr(app, "MAX_SCORED_PROMPT_TOKENS", 4)
+    body = {"prompt": ["w5 w17", "w30 w42 w7"], "max_tokens": 1, "echo": True, "logprobs": 1}
+    r = served.http.post("/v1/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+    assert "at most 4 prompt tokens per request, got 7" in r.json()["error"]["message"]
+    assert served.http.post("/v1/completions", json={**body, "logprobs": None}).status_code == 200  # echo alone

@@ -38,7 +38,7 @@ from kvload.serve.metrics import ServeMetrics
 from kvload.serve.protocol import BadRequest, Job, parse, parse_detokenize, parse_tokenize
 from pipeline.audit import dropped_record
 from pipeline.errors import ConfigError, GenerationError, KvBuildError
-from pipeline.limits import MAX_DEPTH, json_depth, unique_keys
+from pipeline.limits import MAX_DEPTH, MAX_SCORED_PROMPT_TOKENS, json_depth, unique_keys
 from pipeline.version import __version__
 
 
@@ -550,6 +550,11 @@ class _Run:
         """Parse, tokenize, check and queue the request (on a worker thread); ``BadRequest`` when refused."""
         self.job = job = _parse(self.state, raw, kind)
         self.prompts = _encode(self.engine, job)
+        scored = sum(map(len, self.prompts)) if job.echo and job.logprobs is not None else 0
+        if scored > MAX_SCORED_PROMPT_TOKENS:
+            raise BadRequest(f"echo: with logprobs every prompt token is scored and returned; at most "
+                             f"{MAX_SCORED_PROMPT_TOKENS:,} prompt tokens per request, got {scored:,} (send fewer "
+                             "prompts per request)", param="echo")
         tok = self.engine.tokenizer
         offsets = job.kind == "completion" and job.logprobs is not None
         p = job.params
@@ -765,7 +770,9 @@ class _Run:
                 tokens.append(self._token(t))
                 values.append(None if entry is None else entry[t])
                 top.append(None if entry is None else self._top(t, entry[t], entry))
-            where, shift = list(c.echo.offsets), len(c.echo.text)
+            where = list(c.echo.offsets)
+        if c.echo is not None:  # every chunk's offsets count from the start of the echoed text, as the whole answer's
+            shift = len(c.echo.text)
         for t, (lp, alts) in zip(ids, lps, strict=False):
             tokens.append(self._token(t))
             values.append(lp)

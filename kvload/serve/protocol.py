@@ -10,7 +10,6 @@ honour are refused, never silently dropped: an accepted setting must act.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import attrs
@@ -22,6 +21,7 @@ from engine.sampling_params import (
     check_salt,
     check_stop_sizes,
     check_stop_token_ids_count,
+    is_finite,
 )
 from pipeline.errors import GenerationError
 from pipeline.limits import MAX_INT, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS
@@ -96,7 +96,7 @@ def _is_int(v: Any) -> bool:
 
 
 def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and is_finite(v)
 
 
 def _need(ok: bool, field: str, expected: str, value: Any) -> None:
