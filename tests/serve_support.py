@@ -73,3 +73,44 @@ def wait_for(check: Callable[[], bool], timeout: float = 30.0, what: str = "cond
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} did not hold within {timeout} s")
         time.sleep(0.05)
+
+
+def answers_while_held(served: Served, target: Any, name: str, request: Callable[[httpx.Client], Any],
+                       check: Callable[[httpx.Client], Any]) -> Any:
+    """Hold ``target.name`` (a method the server calls while preparing a request) until ``check`` ran against the
+    server from another client, with ``request`` in flight: what a handler that worked on the event loop would
+    block. Returns ``request``'s response (the hold gives up after ``TIMEOUT``, so a failure is not a hang)."""
+    import threading
+
+    entered, release = threading.Event(), threading.Event()
+    original = getattr(target, name)
+
+    def held(*args: Any, **kw: Any) -> Any:
+        entered.set()
+        release.wait(TIMEOUT)
+        return original(*args, **kw)
+
+    results: list[Any] = []
+
+    def call() -> None:
+        with httpx.Client(base_url=served.url, timeout=TIMEOUT) as http:
+            results.append(request(http))
+
+    own = name in vars(target)  # an instance attribute already (else the hold shadows the class's method)
+    setattr(target, name, held)
+    thread = threading.Thread(target=call)
+    thread.start()
+    try:
+        assert entered.wait(TIMEOUT)
+        with httpx.Client(base_url=served.url, timeout=TIMEOUT / 4) as http:
+            check(http)
+        assert not release.is_set() and thread.is_alive()  # answered while the request was still held
+    finally:
+        release.set()
+        thread.join(TIMEOUT)
+        if own:
+            setattr(target, name, original)
+        else:
+            delattr(target, name)
+    (response,) = results
+    return response

@@ -480,6 +480,21 @@ def test_leaving_with_while_a_stream_runs_stops_it_cleanly_before_releasing(tmp_
         llm.generate([[1, 2, 3]])
 
 
+def _in_thread(call: Any, errors: list[BaseException]) -> Any:
+    """``call()`` on a started thread (returned); whatever it raises is appended to ``errors`` for the test."""
+    import threading
+
+    def work() -> None:
+        try:
+            call()
+        except BaseException as exc:
+            errors.append(exc)
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    return worker
+
+
 def test_close_from_another_thread_stops_a_running_generate(tmp_path):
     import threading
 
@@ -489,14 +504,7 @@ def test_close_from_another_thread_stops_a_running_generate(tmp_path):
                      subscribers=[lambda e: started.set() if e["event"] == "request_admitted" else None])
     seen = _watch_release(llm)
 
-    def work() -> None:
-        try:
-            llm.generate([[1, 2, 3]] * 4, max_tokens=50, ignore_eos=True)
-        except BaseException as exc:  # the test inspects whatever the call raised
-            errors.append(exc)
-
-    worker = threading.Thread(target=work)
-    worker.start()
+    worker = _in_thread(lambda: llm.generate([[1, 2, 3]] * 4, max_tokens=50, ignore_eos=True), errors)
     assert started.wait(60)
     llm.close()
     worker.join(60)
@@ -648,14 +656,7 @@ def test_load_result_close_from_another_thread_stops_its_generate():
     seen = {}
     result.context.on_close(lambda: seen.setdefault("used_blocks", used_blocks(result)))
 
-    def work() -> None:
-        try:
-            result.generate([[1, 2, 3]] * 4, max_tokens=200, ignore_eos=True)
-        except BaseException as exc:  # the test inspects whatever the call raised
-            errors.append(exc)
-
-    worker = threading.Thread(target=work)
-    worker.start()
+    worker = _in_thread(lambda: result.generate([[1, 2, 3]] * 4, max_tokens=200, ignore_eos=True), errors)
     assert started.wait(60)
     result.close()
     worker.join(60)

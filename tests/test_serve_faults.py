@@ -16,7 +16,7 @@ import socket
 import httpx
 import pytest
 
-from tests.serve_support import TIMEOUT, serving, wait_for
+from tests.serve_support import TIMEOUT, answers_while_held, serving, wait_for
 
 READ_TIMEOUT = 1.0
 PROMPT = [1, 2, 3, 4, 5]
@@ -290,37 +290,15 @@ def test_build_state_refuses_a_concurrency_limit_that_is_not_a_positive_integer(
 # --- parsing and tokenizing off the event loop -----------------------------------------------------------------
 
 
-def test_health_answers_while_a_request_is_being_tokenized(served, monkeypatch):
+def test_health_answers_while_a_request_is_being_tokenized(served):
     """The tokenizer is held inside ``engine.encode`` until /health has answered: were the prompt encoded on the
     event loop, /health could not answer (the hook gives up after a while, so a failure is not a hang)."""
-    import threading
 
-    engine = served.state.engine
-    entered, release = threading.Event(), threading.Event()
-    encode = engine.encode
+    def scrape(http: httpx.Client) -> None:
+        assert http.get("/health").json() == {"status": "ok"}
+        assert "kvload_generation_tokens_total" in http.get("/metrics").text
 
-    def held_encode(prompt, **kw):
-        entered.set()
-        release.wait(TIMEOUT)
-        return encode(prompt, **kw)
-
-    monkeypatch.setattr(engine, "encode", held_encode)
-    results = []
-
-    def complete():
-        with httpx.Client(base_url=served.url, timeout=TIMEOUT) as http:
-            results.append(http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "ignore_eos": True}))
-
-    thread = threading.Thread(target=complete)
-    thread.start()
-    try:
-        assert entered.wait(TIMEOUT)
-        with httpx.Client(base_url=served.url, timeout=TIMEOUT / 4) as http:
-            assert http.get("/health").json() == {"status": "ok"}
-            assert "kvload_generation_tokens_total" in http.get("/metrics").text
-        assert not release.is_set() and thread.is_alive()  # answered while the encode was still held
-    finally:
-        release.set()
-        thread.join(TIMEOUT)
-    (r,) = results
+    r = answers_while_held(served, served.state.engine, "encode",
+                           lambda http: http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3,
+                                                                          "ignore_eos": True}), scrape)
     assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 3

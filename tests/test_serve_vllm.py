@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 
 import httpx
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from tests.serve_support import TIMEOUT, serving
+from tests.serve_support import TIMEOUT, answers_while_held, serving
 
 VOCAB = 512  # the tiny llama's
 TEMPLATE = ("{% if who %}{{ who }} {% endif %}{% for m in messages %}{{ m['content'] }} {% endfor %}"
@@ -204,36 +203,14 @@ def test_tokenizer_endpoints_have_the_completions_body_limits(served, path):
     assert b"did not arrive in time" in data
 
 
-def test_tokenize_runs_off_the_event_loop(served, monkeypatch):
+def test_tokenize_runs_off_the_event_loop(served):
     """The tokenizer is held until /health has answered: were the body tokenized on the event loop, /health could
     not answer (the hook gives up after a while, so a failure is not a hang)."""
-    engine = served.state.engine
-    entered, release = threading.Event(), threading.Event()
-    tokenize = engine.tokenize
+    def health(http: httpx.Client) -> None:
+        assert http.get("/health").json() == {"status": "ok"}
 
-    def held(text, **kw):
-        entered.set()
-        release.wait(TIMEOUT)
-        return tokenize(text, **kw)
-
-    monkeypatch.setattr(engine, "tokenize", held)
-    results = []
-
-    def call():
-        with httpx.Client(base_url=served.url, timeout=TIMEOUT) as http:
-            results.append(http.post("/tokenize", json={"prompt": "w5"}))
-
-    thread = threading.Thread(target=call)
-    thread.start()
-    try:
-        assert entered.wait(TIMEOUT)
-        with httpx.Client(base_url=served.url, timeout=TIMEOUT / 4) as http:
-            assert http.get("/health").json() == {"status": "ok"}
-        assert not release.is_set() and thread.is_alive()
-    finally:
-        release.set()
-        thread.join(TIMEOUT)
-    (r,) = results
+    r = answers_while_held(served, served.state.engine, "tokenize",
+                           lambda http: http.post("/tokenize", json={"prompt": "w5"}), health)
     assert r.status_code == 200 and r.json()["tokens"] == [1, 5]
 
 
