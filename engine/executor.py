@@ -28,7 +28,7 @@ import contextlib
 import itertools
 import random
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -108,6 +108,13 @@ class PromptScores:
 
     first: int
     entries: list[dict[int, float]]
+
+
+def scoring_scope(salt: str | None, key: str) -> str:
+    """The prefix-reuse scope of a request that scores its prompt (``prompt_logprobs``): a cached prefix computes no
+    logits, so it prefills whole under a scope of its own. ``key`` is random, so no caller's salt can name the scope
+    (share its blocks, or spoil its scores with a hit)."""
+    return f"{salt or ''}\x00prompt_logprobs {key}"
 
 
 class GenerationExecutor:
@@ -530,10 +537,8 @@ class GenerationExecutor:
             room = self.max_seq_len - len(ids)  # a sequence never grows past max_seq_len
             base = p.seed if p.seed is not None else random_base
             parent = None
-            scope = salt
-            if p.prompt_logprobs is not None:  # a cached prefix computes no logits: the prompt's own reuse scope, so it
-                # prefills whole (its samples share it); random, so no caller's salt can name it (nor reuse its blocks)
-                scope = f"{salt or ''}\x00prompt_logprobs {random_base:x}.{call}.{i}"
+            # a scored prompt prefills whole under a scope of its own, which its samples share
+            scope = salt if p.prompt_logprobs is None else scoring_scope(salt, f"{random_base:x}.{call}.{i}")
             for j in range(p.n):
                 req_id = f"{call}.{i}" if p.n == 1 else f"{call}.{i}.{j}"
                 request = Request(req_id, ids, min(p.max_tokens, room), salt=scope)
@@ -608,11 +613,7 @@ class GenerationExecutor:
     def _compute(self, out: SchedulerOutput) -> dict[str, int | list[int]]:
         """The step's forward: every scheduled chunk packed into one row; next tokens of requests that reach the end
         (with drafts: the drafts the model confirmed, then the token after them)."""
-        scoring = {req_id: live.params.prompt_logprobs for req_id, live in self._live.items()
-                   if live.prompt_logprobs is not None} if self._scoring else None
-        logits, rows, counts, scores = self.forward(out, self._live, scoring)
-        for req_id, got in scores.items():
-            self._live[req_id].prompt_logprobs[got.first:got.first + len(got.entries)] = got.entries
+        logits, rows, counts = self.forward_scored(out, self._live, self._live.values() if self._scoring else ())
         if not rows:
             return {}
         lives = [self._live[out.scheduled[i].request.req_id] for i in rows]
@@ -644,6 +645,18 @@ class GenerationExecutor:
                 rows = raw[starts[i]:starts[i] + len(kept)]
                 live.logprobs.extend(top_logprobs(rows, live.params.logprobs, kept))
         return tokens
+
+    def forward_scored(self, out: SchedulerOutput, live: Mapping[str, Any],
+                       candidates: Iterable[Any]) -> tuple[Any, list[int], list[int]]:
+        """:meth:`forward` where some requests score their prompt: each of ``candidates`` (a live request: its
+        ``params``, ``request`` and ``prompt_logprobs`` list, None when not asked) still in prefill has this step's
+        prompt entries written into its list. ``generate`` and the serving loop share it."""
+        scoring = {lv.request.req_id: lv.params.prompt_logprobs for lv in candidates
+                   if lv.prompt_logprobs is not None and lv.request.in_prefill}
+        logits, rows, counts, scores = self.forward(out, live, scoring or None)
+        for req_id, got in scores.items():
+            live[req_id].prompt_logprobs[got.first:got.first + len(got.entries)] = got.entries
+        return logits, rows, counts
 
     def forward(self, out: SchedulerOutput, live: Collection[str],
                 scoring: Mapping[str, int] | None = None) -> tuple[Any, list[int], list[int], dict[str, PromptScores]]:

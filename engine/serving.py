@@ -31,7 +31,7 @@ import torch
 from cache_backends.interface import SchedulerOutput
 from cache_backends.request import Request
 from engine.driver import Driver, StalledError, StepStats, at_length
-from engine.executor import GenerationExecutor
+from engine.executor import GenerationExecutor, scoring_scope
 from engine.penalties import penalize
 from engine.prompts import apply_template, check_text
 from engine.sampling import sample_rows, top_logprobs
@@ -334,9 +334,8 @@ class ServingEngine:
         check_salt(salt)  # as generate's: hashed into every block key, and its length bounded
         request = self.check(prompt_token_ids, params)
         request.salt = salt
-        if params.prompt_logprobs is not None:  # a cached prefix computes no logits: its own scope, prefilled whole;
-            # random, so no client's salt can name it (and share its blocks, or spoil its logprobs with a hit)
-            request.salt = f"{salt or ''}\x00prompt_logprobs {uuid.uuid4().hex}"
+        if params.prompt_logprobs is not None:  # a scored prompt prefills whole, under a scope of its own
+            request.salt = scoring_scope(salt, uuid.uuid4().hex)
         req_id = request.req_id
         gen = None
         if not params.greedy:
@@ -433,11 +432,7 @@ class ServingEngine:
     def _compute(self, out: SchedulerOutput) -> dict[str, int | list[int]]:
         """The step's forward (the executor's packing), then each request's own pick: argmax or its generator (with
         drafts: the drafts the argmax confirms, then its token after them)."""
-        scoring = {req_id: lv.params.prompt_logprobs for req_id, lv in self._live.items()
-                   if lv.prompt_logprobs is not None and lv.request.in_prefill} or None
-        logits, rows, counts, scores = self.executor.forward(out, self._live, scoring)
-        for req_id, got in scores.items():
-            self._live[req_id].prompt_logprobs[got.first:got.first + len(got.entries)] = got.entries
+        logits, rows, counts = self.executor.forward_scored(out, self._live, self._live.values())
         if not rows:
             return {}
         starts = list(itertools.accumulate(counts, initial=0))
