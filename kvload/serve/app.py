@@ -493,11 +493,7 @@ class _Choice:
         text is empty: 0."""
         if not self.track_offsets or self.offsets is None:
             return [0] * new if self.track_offsets else []
-        out = []
-        for end in range(len(self.token_ids) - new + 1, len(self.token_ids) + 1):
-            out.append(len(self.offsets.text))  # the text before this token (an unfinished character held back)
-            self.offsets.update(self.token_ids[:end])
-        return out
+        return _token_offsets(self.offsets, self.token_ids, len(self.token_ids) - new)
 
     @property
     def reason(self) -> str:
@@ -519,11 +515,19 @@ class _Echo:
         if tokenizer is None:
             return cls("", list(ids), [0] * len(ids))
         decoded = SampleText(tokenizer, skip_special=skip_special)
-        offsets = []
-        for end in range(1, len(ids) + 1):
-            offsets.append(len(decoded.text))
-            decoded.update(ids[:end], final=end == len(ids))
+        offsets = _token_offsets(decoded, ids, 0, final=True)
         return cls(prompt if isinstance(prompt, str) else decoded.text, list(ids), offsets)
+
+
+def _token_offsets(text: SampleText, token_ids: list[int], first: int, final: bool = False) -> list[int]:
+    """Where tokens ``first`` on begin in ``text``, decoded up to each in turn (``text`` holds tokens ``:first``
+    already); a token that only starts a character begins where the token completing it does. ``final``: the last
+    token ends the text (an unfinished character at the end is decoded as is)."""
+    out = []
+    for end in range(first + 1, len(token_ids) + 1):
+        out.append(len(text.text))  # the text before this token (an unfinished character held back)
+        text.update(token_ids[:end], final=final and end == len(token_ids))
+    return out
 
 
 class _Run:
