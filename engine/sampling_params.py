@@ -150,11 +150,15 @@ def _biases(value: Any) -> Any:
     if value is None:
         return {}
     if isinstance(value, Mapping):
-        if len(value) > MAX_LOGIT_BIAS:
-            raise GenerationError(f"generate: logit_bias: expected at most {MAX_LOGIT_BIAS:,} tokens, got "
-                                  f"{len(value):,}")
+        check_logit_bias_count(len(value))  # counted before it is copied
         return {_plain_int(t): _plain_number(b) for t, b in value.items()}
     return value
+
+
+def check_logit_bias_count(count: int) -> None:
+    """At most :data:`MAX_LOGIT_BIAS` biased tokens (the server's bound too)."""
+    if count > MAX_LOGIT_BIAS:
+        raise GenerationError(f"generate: logit_bias: expected at most {MAX_LOGIT_BIAS:,} tokens, got {count:,}")
 
 
 def _ints(value: Any) -> Any:
@@ -180,18 +184,18 @@ class SamplingParams:
     ``logprobs`` most likely tokens plus the sampled one (None: none; at most ``MAX_LOGPROBS``).
     ``ignore_eos``: keep going past EOS (stop strings/ids still end).
 
-    vLLM's penalties and bounds (``engine.penalties``; applied to the logits before temperature, greedy or
-    sampled): ``repetition_penalty`` (> 0; 1 = off) divides a positive logit and multiplies a negative one of every
-    token in the prompt or the output (transformers' and vLLM's); ``presence_penalty`` and ``frequency_penalty``
-    (in [-2, 2]; 0 = off) subtract, per token, once if the output holds it and per time it does (OpenAI's);
-    ``min_tokens``: no EOS, stop token id or stop string ends a sample before it has this many tokens
-    (at most ``max_tokens``). ``min_p`` (in [0, 1]; 0 = off): drop tokens less likely than ``min_p`` times the most
-    likely one (after temperature; sampling only). ``logit_bias``: token id → a number in [-100, 100] added to its
-    logit before the penalties (OpenAI's; -100 in effect bans the token), at most ``MAX_LOGIT_BIAS`` tokens.
+    vLLM's penalties and bounds (``engine.penalties``; applied to the logits before temperature, greedy or sampled):
+    ``repetition_penalty`` (in [0.01, 100]; 1 = off) divides a positive logit and multiplies a negative one of every
+    token in the prompt or the output (transformers' and vLLM's); ``presence_penalty`` and ``frequency_penalty`` (in
+    [-2, 2]; 0 = off) subtract, per token, once if the output holds it and per time it does (OpenAI's);
+    ``min_tokens``: no EOS, stop token id or stop string ends a sample before it has this many tokens (at most
+    ``max_tokens``). ``min_p`` (in [0, 1]; 0 = off): drop tokens less likely than ``min_p`` times the most likely
+    one (after temperature; sampling only). ``logit_bias``: token id → a number in [-100, 100] added to its logit
+    before the penalties (OpenAI's; -100 in effect bans the token), at most ``MAX_LOGIT_BIAS`` tokens.
     ``include_stop_str_in_output``: ``.text`` keeps the stop string that ended it; ``skip_special_tokens`` (default
-    true): special tokens decode to nothing in ``.text`` (vLLM's two text settings). ``prompt_logprobs``: the prompt's
-    tokens scored too (``RequestOutput.prompt_logprobs``, vLLM's; the prompt is then prefilled whole, not from the
-    prefix cache, as its logits are needed).
+    true): special tokens decode to nothing in ``.text`` (vLLM's two text settings). ``prompt_logprobs``: the
+    prompt's tokens scored too (``RequestOutput.prompt_logprobs``, vLLM's; the prompt is then prefilled whole, not
+    from the prefix cache, as its logits are needed).
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -348,5 +352,5 @@ def greedy_ignored(params: SamplingParams, n: int | None = None) -> list[tuple[s
     return [(name, value, why) for name, value, unset, why in asked if value != unset]
 
 
-__all__ = ["DEFAULT_MAX_TOKENS", "SamplingParams", "check", "check_logprobs", "check_salt", "check_stop_sizes",
-           "check_stop_token_ids_count", "greedy_ignored", "is_int", "is_number"]
+__all__ = ["DEFAULT_MAX_TOKENS", "SamplingParams", "check", "check_logit_bias_count", "check_logprobs", "check_salt",
+           "check_stop_sizes", "check_stop_token_ids_count", "greedy_ignored", "is_finite", "is_int", "is_number"]

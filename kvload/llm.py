@@ -43,7 +43,6 @@ class StreamClosed(Exception):
     """Raised inside the generation thread when the consumer of ``generate_stream`` went away."""
 
 
-
 @contextlib.contextmanager
 def _named(call: str) -> Iterator[None]:
     """Errors the shared executor titles ``generate:`` name the call the user made (``chat:``, ``beam_search:``)."""
@@ -53,6 +52,7 @@ def _named(call: str) -> Iterator[None]:
         if call != "generate" and e.args and isinstance(e.args[0], str) and e.args[0].startswith("generate: "):
             e.args = (f"{call}: {e.args[0].removeprefix('generate: ')}", *e.args[1:])
         raise
+
 
 class LLM:
     """A loaded model that generates through kvload's KV cache manager (``with LLM(...) as llm:``).

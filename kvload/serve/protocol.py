@@ -17,6 +17,7 @@ import attrs
 from engine.prompts import ROLES, TEMPLATE_OPTIONS, lone_surrogate, template_options
 from engine.sampling_params import (
     SamplingParams,
+    check_logit_bias_count,
     check_logprobs,
     check_salt,
     check_stop_sizes,
@@ -24,7 +25,7 @@ from engine.sampling_params import (
     is_finite,
 )
 from pipeline.errors import GenerationError
-from pipeline.limits import MAX_INT, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS
+from pipeline.limits import MAX_BIAS, MAX_INT, MAX_LOGPROBS, MAX_N, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS
 
 #: Most prompts one completions request may hold: each becomes engine requests checked and queued
 #: before the reply starts, so one body must not keep the server busy for minutes.
@@ -96,7 +97,7 @@ def _is_int(v: Any) -> bool:
 
 
 def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and is_finite(v)
+    return is_finite(v)  # a number a float holds (bool is none; math.isfinite raises on a 400-digit integer)
 
 
 def _need(ok: bool, field: str, expected: str, value: Any) -> None:
@@ -240,11 +241,9 @@ def parse(body: Any, kind: str, *, default_max_tokens: int) -> Job:
 
 def _logit_bias(value: Any) -> dict[int, Any]:
     """OpenAI's ``logit_bias``: token ids (JSON's string keys) to numbers; SamplingParams bounds them."""
-    expected = 'an object of token ids to numbers in [-100, 100], e.g. {"50256": -100}'
+    expected = f'an object of token ids to numbers in [-{MAX_BIAS:g}, {MAX_BIAS:g}], e.g. {{"50256": -100}}'
     _need(isinstance(value, dict), "logit_bias", expected, value)
-    if len(value) > MAX_LOGIT_BIAS:  # counted before each key is read, in the Python API's words
-        raise BadRequest(f"logit_bias: expected at most {MAX_LOGIT_BIAS:,} tokens, got {len(value):,}",
-                         param="logit_bias")
+    _as_api(check_logit_bias_count, len(value))  # counted before each key is read, in the Python API's words
     _need(all(isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 19 and _is_num(b)
               for k, b in value.items()), "logit_bias", expected, value)
     return {int(k): b for k, b in value.items()}
