@@ -60,7 +60,7 @@ from engine.prompts import (
     template_options,
 )
 from engine.sampling import eos_token_ids, sample_rows, top_logprobs
-from engine.sampling_params import SamplingParams, check, check_salt, greedy_ignored, is_int
+from engine.sampling_params import SamplingParams, check, check_salt, greedy_ignored, inert_settings, is_int
 from engine.speculation import NgramProposer, verify_drafted
 from engine.stopping import SampleText
 from models.geometry import head_dim as config_head_dim
@@ -403,8 +403,9 @@ class GenerationExecutor:
                 per_prompt_params=per_prompt, repetition_penalty=float(p0.repetition_penalty),
                 presence_penalty=float(p0.presence_penalty), frequency_penalty=float(p0.frequency_penalty),
                 min_tokens=p0.min_tokens, min_p=float(p0.min_p)))
-            for p in {id(p): p for p in params}.values():  # greedy draws nothing: a seed, top-p, top-k or n that does
-                for name, value, why in greedy_ignored(p):  # nothing is said to, never silently dropped
+            has_text = self.tokenizer is not None  # a setting that does nothing (greedy draws nothing: a seed, top-p,
+            for p in {id(p): p for p in params}.values():  # top-k or n; a text setting with no text) is said to
+                for name, value, why in greedy_ignored(p) + inert_settings(p, has_text):
                     self._event(SettingIgnored(field=f"generate.{name}", value=value, reason=why))
             unscoped = self.salt_ignored() if salt is not None else None  # with reuse off a salt would do nothing
             if unscoped is not None:

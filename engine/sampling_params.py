@@ -352,5 +352,21 @@ def greedy_ignored(params: SamplingParams, n: int | None = None) -> list[tuple[s
     return [(name, value, why) for name, value, unset, why in asked if value != unset]
 
 
+def inert_settings(params: SamplingParams, has_tokenizer: bool) -> list[tuple[str, Any, str]]:
+    """The settings in ``params`` that can change nothing whatever the model does, each as (name, value, why): the
+    text settings where there is no text or no stop string, ``min_tokens`` where nothing could end a sample early.
+    Reported as ``setting_ignored`` beside :func:`greedy_ignored`'s, by the Python API and ``kvload serve``."""
+    out = []
+    if params.include_stop_str_in_output and not params.stop:
+        out.append(("include_stop_str_in_output", True, "no stop strings: there is no stop string to keep"))
+    if not params.skip_special_tokens and not has_tokenizer:
+        out.append(("skip_special_tokens", False, "the model has no tokenizer: there is no text"))
+    if params.min_tokens and params.ignore_eos and not params.stop and not params.stop_token_ids:
+        out.append(("min_tokens", params.min_tokens, "ignore_eos and no stop strings or ids: nothing could end a "
+                                                     "sample before max_tokens"))
+    return out
+
+
 __all__ = ["DEFAULT_MAX_TOKENS", "SamplingParams", "check", "check_logit_bias_count", "check_logprobs", "check_salt",
-           "check_stop_sizes", "check_stop_token_ids_count", "greedy_ignored", "is_finite", "is_int", "is_number"]
+           "check_stop_sizes", "check_stop_token_ids_count", "greedy_ignored", "inert_settings", "is_finite", "is_int",
+           "is_number"]

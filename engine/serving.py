@@ -35,7 +35,7 @@ from engine.executor import GenerationExecutor, scoring_scope
 from engine.penalties import penalize
 from engine.prompts import apply_template, check_text
 from engine.sampling import sample_rows, top_logprobs
-from engine.sampling_params import SamplingParams, check_salt, greedy_ignored
+from engine.sampling_params import SamplingParams, check_salt, greedy_ignored, inert_settings
 from engine.speculation import verify_drafted
 from engine.stopping import SampleText
 from pipeline.errors import GenerationError, KvBuildError
@@ -289,10 +289,12 @@ class ServingEngine:
     def report_ignored(self, params: SamplingParams, n: int, request: str = "", salt: str | None = None) -> None:
         """``setting_ignored`` (the server's log and audit) for each setting of one request that does nothing: what
         greedy decoding ignores (``engine.sampling_params.greedy_ignored``, as ``generate`` reports them; ``n``:
-        choices per prompt), and a reuse ``salt`` while prefix reuse is off."""
+        choices per prompt), settings that can change nothing (``inert_settings``), and a reuse ``salt`` while
+        prefix reuse is off."""
         where = f" (request {request})" if request else ""
+        ignored = greedy_ignored(params, n) + inert_settings(params, self.tokenizer is not None)
         events = [SettingIgnored(field=f"serve.{name}", value=value, reason=why + where)
-                  for name, value, why in greedy_ignored(params, n)]
+                  for name, value, why in ignored]
         unscoped = self.executor.salt_ignored() if salt is not None else None
         if unscoped is not None:
             events.append(SettingIgnored(field="serve.salt", value=salt, reason=unscoped + where))

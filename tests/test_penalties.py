@@ -131,6 +131,20 @@ def test_a_logit_bias_changed_in_place_acts_on_the_next_call(tiny_checkpoints):
     assert after.token_ids == [7, 7, 7, 7] != before.token_ids
 
 
+def test_settings_that_can_change_nothing_are_reported_ignored(tiny_checkpoints):
+    """A setting accepted must act or say it is ignored: a text setting without text or stop strings, min_tokens when
+    nothing could end a sample early."""
+    with load(tiny_checkpoints("llama"), "v1") as result:  # no tokenizer: token ids in, no text out
+        result.generate([[3, 4, 5]], max_new_tokens=4, ignore_eos=True, min_tokens=2,
+                        include_stop_str_in_output=True, skip_special_tokens=False)
+        ignored = {e["field"]: e["reason"] for e in result.audit.of("setting_ignored")}
+        assert set(ignored) == {"generate.include_stop_str_in_output", "generate.skip_special_tokens",
+                                "generate.min_tokens"}
+        assert "no stop strings" in ignored["generate.include_stop_str_in_output"]
+        result.generate([[3, 4, 5]], max_new_tokens=4, min_tokens=2, stop_token_ids=[7], salt="acts")
+        assert len(result.audit.of("setting_ignored")) == 3  # min_tokens holds EOS and stop ids back: it acts
+
+
 def test_rows_of_a_request_without_penalties_are_left_alone():
     logits = torch.randn(3, 50)
     req = _request([1, 2, 3], [4, 4])

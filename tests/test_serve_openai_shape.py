@@ -47,6 +47,14 @@ def test_sampling_settings_greedy_decoding_ignores_are_reported_once_per_request
     assert _ignored(served, sampled.id) == {}
 
 
+def test_settings_that_can_change_nothing_are_reported_once_per_request(served):
+    r = served.client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=4,
+                                         extra_body={"ignore_eos": True, "min_tokens": 2,
+                                                     "include_stop_str_in_output": True, "skip_special_tokens": False})
+    assert _ignored(served, r.id) == {"serve.include_stop_str_in_output": True, "serve.skip_special_tokens": False,
+                                      "serve.min_tokens": 2}
+
+
 def test_user_is_openais_caller_id_a_string(served):
     r = served.client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=2, user="ada")
     assert len(r.choices[0].model_extra["token_ids"]) == 2
