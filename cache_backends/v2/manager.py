@@ -74,11 +74,11 @@ from cache_backends.v2.sequence import NEVER, CacheState, SequenceCache
 from cache_backends.v2.shared_pool import GroupShare, SharedPool
 
 
-def _most_fitting(want: int, fits: Callable[[int], bool]) -> int:
-    """The largest ``n <= want`` with ``fits(n)`` (``fits`` monotone, ``fits(0)`` true), by binary search."""
+def _most_fitting(want: int, fits: Callable[[int], bool], lo: int = 0) -> int:
+    """The largest ``n <= want`` with ``fits(n)`` (``fits`` monotone, ``fits(lo)`` true), by binary search."""
     if fits(want):
         return want
-    lo, hi = 0, want  # fits(lo) holds, fits(hi) does not
+    hi = want  # fits(lo) holds, fits(hi) does not
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if fits(mid):
@@ -165,6 +165,14 @@ class KVCacheManagerV2:
         self._cycles = [(self.groups[members[0]], members) for members in cycles.values()]
         self._cycle_of = [list(cycles).index((g.tokens_per_block, g.window)) for g in self.groups]
         self._span_first = [next(g.name for g in self.groups if g.tokens_per_block == tpb) for tpb in spans]
+        # per pool set: (a group of each life cycle in it, how many of the set's groups share that cycle)
+        self._pool_cycles: list[list[tuple[LayerGroup, int]]] = []
+        for _, names in self._pool_sets:
+            counted: dict[tuple[int, int | None], list[LayerGroup | int]] = {}
+            for name in names:
+                g = self._group[name]
+                counted.setdefault((g.tokens_per_block, g.window), [g, 0])[1] += 1  # type: ignore[operator]
+            self._pool_cycles.append([(g, k) for g, k in counted.values()])  # type: ignore[misc]
         # a shared arena's window sets as (window, span, first member, [(arena index, member name)]): released at once
         self._arena_windows = [(w, tpb, members[0][0], [(pool.index, name) for name, pool in members])  # type: ignore[union-attr]
                                for w, tpb, members in self._window_sets] if self.layout.shared else []
@@ -278,6 +286,21 @@ class KVCacheManagerV2:
     def _where(self, names: list[str]) -> str:
         """How messages name a pool: its group, or the arena the groups share."""
         return f"group {names[0]}" if len(names) == 1 else f"the arena shared by {len(names)} groups"
+
+    def short_of(self, *needs: dict[str, int]) -> bool:
+        """Whether :meth:`shortfall` of the per-group sum of ``needs`` says something, without wording it (the
+        admission bound's check, refused step after step under pressure)."""
+        for pool, names in self._pool_sets:
+            n = 0
+            for name in names:
+                k = 0
+                for need in needs:
+                    k += need.get(name, 0)
+                if k > 0:
+                    n += k
+            if n > pool.available:
+                return True
+        return False
 
     def shortfall(self, need: dict[str, int]) -> str | None:
         """Why blocks per group ``need`` (negative counts as 0) cannot all be allocated now, or None when they can.
@@ -549,11 +572,18 @@ class KVCacheManagerV2:
             most = min(pool.available * tpb for _, tpb, pool in self._group_pools)
             return max(0, min(want, most))
         available = arena.available
+        if len(spans) == 1:  # every group's blocks span the same tokens: whole blocks per group, in closed form
+            tpb, count = spans[0]
+            return min(want, available // count * tpb)
 
         def fits(n: int) -> bool:
             return sum(-(-n // tpb) * count for tpb, count in spans) <= available
 
-        return _most_fitting(want, fits)
+        # n / tpb <= ceil(n / tpb) < n / tpb + 1 brackets the answer within about one block's tokens
+        rate = sum(count / tpb for tpb, count in spans)
+        hi = min(want, int(available / rate) + 1)
+        lo = max(0, min(hi, int((available - sum(count for _, count in spans)) / rate) - 1))
+        return _most_fitting(hi, fits, lo if fits(lo) else 0)
 
     def growth_blocks_new(self, request: Request, ratio: float, scheduled: int) -> dict[str, int]:
         """:meth:`growth_blocks` for ``request`` as :meth:`create` + :meth:`resume` would leave it, when
@@ -645,8 +675,8 @@ class KVCacheManagerV2:
         if n > request.num_tokens:
             capped = f" capped at max_seq_len={limit}" if n < request.max_total_tokens else ""
             what = f" (prompt + max_new_tokens{capped})"
-        for pool, names in self._pool_sets:
-            need = sum(self._group[name].blocks_for(n) for name in names)
+        for (pool, names), cycles in zip(self._pool_sets, self._pool_cycles, strict=True):
+            need = sum(g.blocks_for(n) * count for g, count in cycles)
             if need > pool.num_blocks:
                 return f"request {request.req_id} needs {need} blocks of {self._where(names)} for {n} tokens{what}; " \
                        f"the pool has {pool.num_blocks}"

@@ -203,6 +203,15 @@ class KVCacheV2Scheduler(SchedulerBase):
                 budget -= self._schedule(r, n, chunks)
         return budget
 
+    def _refusal(self, request: Request, n: int, own: dict[str, int], headroom: dict[str, int] | None,
+                 ratio: float) -> str:
+        """Why :meth:`_admit` refused ``request`` (``n``: tokens of its first chunk that fit)."""
+        if n == 0 or headroom is None:
+            return f"no room to admit request {request.req_id} until running requests free blocks"
+        short = self.manager.shortfall({name: k + headroom[name] for name, k in own.items()})
+        return (f"request {request.req_id} waits: admitting it would leave less than the running "
+                f"requests' estimated growth ({short}; new-token ratio {ratio:.2f})")
+
     def _admit(self, waiting: deque[Request], running: list[Request], out: SchedulerOutput,
                chunks: dict[Request, ScheduledChunk], budget: int, reasons: list[str]) -> None:
         m = self.manager
@@ -225,24 +234,19 @@ class KVCacheV2Scheduler(SchedulerBase):
                 m.resume(r)
             want = min(_pending(r), budget)
             n = m.fit_tokens_new(r, want) if new else m.fit_tokens(r, want)
-            refusal = None
-            if n == 0:
-                refusal = f"no room to admit request {r.req_id} until running requests free blocks"
-            elif running and ratio:
+            refused, own = n == 0, {}
+            if not refused and running and ratio:
                 own = m.growth_blocks_new(r, ratio, n) if new else m.growth_blocks(r, ratio, n)
                 # cheap: when even the bound fits, the estimate is not needed
                 bound = m.growth_bound_with(r) if new else m.growth_bound()
-                if headroom is None and m.shortfall({name: k + bound[name] for name, k in own.items()}):
+                if headroom is None and m.short_of(own, bound):
                     headroom = m.headroom_blocks(running, ratio)
-                short = None if headroom is None else m.shortfall({name: k + headroom[name]
-                                                                   for name, k in own.items()})
-                if short:
-                    refusal = (f"request {r.req_id} waits: admitting it would leave less than the running "
-                               f"requests' estimated growth ({short}; new-token ratio {ratio:.2f})")
-            if refusal is not None:
+                refused = headroom is not None and m.short_of(own, headroom)
+            if refused:
                 if not new:
                     m.cancel_admission(r)
-                reasons.append(refusal)
+                if not chunks:  # the reason is read only when nothing runs this step (report_stall)
+                    reasons.append(self._refusal(r, n, own, headroom, ratio))
                 break
             if new:  # admitted: now build it (claiming nothing, as asked)
                 m.create(r)
