@@ -14,6 +14,7 @@ from cache_backends.pools import BlockPools
 from cache_backends.request import Request
 from cache_backends.stats import HostStats, ManagerStats
 from cache_backends.v2 import CacheState, KVCacheManagerV2
+from cache_backends.v2.manager import fit_spans
 from tests.kv_v2_support import (
     FULL,
     admit,
@@ -558,3 +559,18 @@ def test_reuse_is_off_with_a_reason_when_group_blocks_do_not_align_with_token_bl
     check_kv(m, b)
     assert make_manager(FULL, 4, enable_block_reuse=False).stats().reuse.disabled_reason == (
         "enable_block_reuse is false")
+
+
+@settings(max_examples=300, deadline=None)
+@given(spans=st.lists(st.tuples(st.sampled_from([1, 2, 4, 8, 16, 64, 128]), st.integers(1, 6)), min_size=1,
+                      max_size=3, unique_by=lambda s: s[0]),
+       available=st.integers(0, 5_000), want=st.integers(0, 20_000))
+def test_fit_spans_is_the_most_tokens_whose_blocks_fit(spans, available, want):
+    """A new request's first chunk in a shared arena: the answer is the largest token count whose blocks (every
+    group's, rounded up per block span) fit the arena, never more than asked (a brute-force count agrees)."""
+    def need(n: int) -> int:
+        return sum(count * -(-n // tpb) for tpb, count in spans)
+
+    got = fit_spans(want, available, spans)
+    assert 0 <= got <= want and need(got) <= available
+    assert got == want or need(got + 1) > available

@@ -88,6 +88,23 @@ def _most_fitting(want: int, fits: Callable[[int], bool], lo: int = 0) -> int:
     return lo
 
 
+def fit_spans(want: int, available: int, spans: list[tuple[int, int]]) -> int:
+    """The most tokens ``n <= want`` (``want >= 0``) whose blocks fit ``available`` arena blocks from empty tables:
+    ``sum(count * ceil(n / span)) <= available`` over ``spans`` as (tokens per block, groups with it)."""
+    if len(spans) == 1:  # every group's blocks span the same tokens: whole blocks per group, in closed form
+        tpb, count = spans[0]
+        return min(want, available // count * tpb)
+
+    def fits(n: int) -> bool:
+        return sum(-(-n // tpb) * count for tpb, count in spans) <= available
+
+    # n / span <= ceil(n / span) < n / span + 1 brackets the answer within about one block's tokens
+    rate = sum(count / tpb for tpb, count in spans)
+    hi = min(want, int(available / rate) + 1)
+    lo = max(0, min(hi, int((available - sum(count for _, count in spans)) / rate) - 1))
+    return _most_fitting(hi, fits, lo if fits(lo) else 0)
+
+
 def _tokens(request: Request, start: int, end: int) -> list[int]:
     """``request.all_token_ids[start:end]`` without concatenating the whole sequence."""
     prompt = request.prompt_token_ids
@@ -571,19 +588,7 @@ class KVCacheManagerV2:
         if arena is None:
             most = min(pool.available * tpb for _, tpb, pool in self._group_pools)
             return max(0, min(want, most))
-        available = arena.available
-        if len(spans) == 1:  # every group's blocks span the same tokens: whole blocks per group, in closed form
-            tpb, count = spans[0]
-            return min(want, available // count * tpb)
-
-        def fits(n: int) -> bool:
-            return sum(-(-n // tpb) * count for tpb, count in spans) <= available
-
-        # n / tpb <= ceil(n / tpb) < n / tpb + 1 brackets the answer within about one block's tokens
-        rate = sum(count / tpb for tpb, count in spans)
-        hi = min(want, int(available / rate) + 1)
-        lo = max(0, min(hi, int((available - sum(count for _, count in spans)) / rate) - 1))
-        return _most_fitting(hi, fits, lo if fits(lo) else 0)
+        return fit_spans(want, arena.available, spans)
 
     def growth_blocks_new(self, request: Request, ratio: float, scheduled: int) -> dict[str, int]:
         """:meth:`growth_blocks` for ``request`` as :meth:`create` + :meth:`resume` would leave it, when
