@@ -224,6 +224,7 @@ class KVCacheManagerV2:
         # per group: sum over active caches of the blocks each holds at its worst case (growth_bound's cheap bound)
         self._worst_blocks = [0] * len(self.groups)
         self._closed = False
+        self._never_fits_memo: tuple[tuple[Request, int, int], str | None] | None = None
         self.kv_events: KvEventBuffer | None = None
         self.counters = {"suspends": 0, "resumes": 0, "preemptions": 0, "reuse_hit_tokens": 0,
                          "reuse_partial_hits": 0, "reuse_query_tokens": 0}
@@ -668,6 +669,16 @@ class KVCacheManagerV2:
 
     def never_fits(self, request: Request) -> str | None:
         """Why ``request`` could not reach its worst case (:meth:`worst_case_tokens`) even alone in empty pools."""
+        # the head of a queue under pressure is asked every step: its answer changes only with its length
+        key = (request, request.num_tokens, request.max_total_tokens)
+        memo = self._never_fits_memo
+        if memo is not None and memo[0] == key:
+            return memo[1]
+        why = self._never_fits(request)
+        self._never_fits_memo = (key, why)
+        return why
+
+    def _never_fits(self, request: Request) -> str | None:
         limit = self.options.max_seq_len
         if request.num_prompt_tokens > limit:
             return (f"request {request.req_id} has a {request.num_prompt_tokens}-token prompt, "

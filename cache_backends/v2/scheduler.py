@@ -90,6 +90,7 @@ class KVCacheV2Scheduler(SchedulerBase):
             raise ValueError(f"need 0 <= min_ratio <= init_ratio <= 1, got {min_ratio} and {init_ratio}")
         self.init_ratio, self.min_ratio = init_ratio, min_ratio  # init_ratio 0: greedy admission (no headroom)
         self.new_token_ratio = init_ratio  # share of running requests' remaining growth admission keeps room for
+        self._refused: Request | None = None  # the request the headroom estimate last refused (admission's head)
 
     def step(self, waiting: deque[Request], running: list[Request]) -> SchedulerOutput:
         """Decide this iteration: move requests between ``waiting`` and ``running``, allocate, report."""
@@ -237,12 +238,14 @@ class KVCacheV2Scheduler(SchedulerBase):
             refused, own = n == 0, {}
             if not refused and running and ratio:
                 own = m.growth_blocks_new(r, ratio, n) if new else m.growth_blocks(r, ratio, n)
-                # cheap: when even the bound fits, the estimate is not needed
-                bound = m.growth_bound_with(r) if new else m.growth_bound()
-                if headroom is None and m.short_of(own, bound):
+                # cheap: when even the bound (>= the estimate) fits, the estimate is not needed; a head the estimate
+                # refused last step goes straight to it (the bound failed then, and most likely fails again)
+                if headroom is None and (r is self._refused or m.short_of(own, m.growth_bound_with(r) if new
+                                                                           else m.growth_bound())):
                     headroom = m.headroom_blocks(running, ratio)
                 refused = headroom is not None and m.short_of(own, headroom)
             if refused:
+                self._refused = r if headroom is not None else None
                 if not new:
                     m.cancel_admission(r)
                 if not chunks:  # the reason is read only when nothing runs this step (report_stall)
