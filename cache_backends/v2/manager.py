@@ -225,6 +225,7 @@ class KVCacheManagerV2:
         self._worst_blocks = [0] * len(self.groups)
         self._closed = False
         self._never_fits_memo: tuple[tuple[Request, int, int], str | None] | None = None
+        self._stats_fixed: tuple[int, int, str | None] | None = None  # stats(): pool bytes, host bytes, memory
         self.kv_events: KvEventBuffer | None = None
         self.counters = {"suspends": 0, "resumes": 0, "preemptions": 0, "reuse_hit_tokens": 0,
                          "reuse_partial_hits": 0, "reuse_query_tokens": 0}
@@ -760,7 +761,11 @@ class KVCacheManagerV2:
                                         evictions=pool.evictions, tokens_per_block=g.tokens_per_block,
                                         shared=self.layout.shared)
             used_bytes += pool.num_used * g.bytes_per_block
-        total_bytes = self.layout.pool_bytes(self.pools.num_blocks)
+        if self._stats_fixed is None:  # what never changes after construction (stats runs every step in a driver)
+            self._stats_fixed = (self.layout.pool_bytes(self.pools.num_blocks),
+                                 self.host.nbytes if self.host is not None else 0,
+                                 self.layout.memory_text(self.pools.num_blocks, self.options.max_seq_len))
+        total_bytes, host_bytes, memory = self._stats_fixed
         host = None
         if self.host is not None:
             host = {name: HostStats(total=n, used=self.host.num_used(name))
@@ -782,11 +787,11 @@ class KVCacheManagerV2:
             resumes=c["resumes"],
             preemptions=c["preemptions"],
             host=host,
-            host_bytes=self.host.nbytes if self.host is not None else 0,
+            host_bytes=host_bytes,
             reuse=ReuseStats(enabled=self._reuse, disabled_reason=self.reuse_off_reason,
                              unit_tokens=self.reuse_unit if self._reuse else None, partial=self._partial,
                              partial_disabled_reason=self.partial_off_reason, radix_nodes=self._tree.num_nodes),
-            memory=self.layout.memory_text(self.pools.num_blocks, self.options.max_seq_len),
+            memory=memory,
         )
 
     def close(self) -> None:
