@@ -34,6 +34,10 @@ class Request:
     max_new_tokens: int
     priority: int = 0  # higher is more important; the V2 scheduler suspends the lowest first (admission is FCFS)
     salt: str | None = None  # reuse scope: requests with different salts never share blocks
+    #: read no cached prefix: admission claims nothing and the whole prompt is computed (a prompt whose tokens are
+    #: scored needs every position's logits, which a cache hit skips); its full blocks are still cached under
+    #: ``salt`` for later requests (vLLM's ``skip_reading_prefix_cache``)
+    skip_prefix_read: bool = False
     arrival: int = 0  # admission order tie-breaker (later arrivals are suspended first)
     output_token_ids: list[int] = attrs.Factory(list)
     state: RequestState = RequestState.WAITING

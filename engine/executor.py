@@ -110,13 +110,6 @@ class PromptScores:
     entries: list[dict[int, float]]
 
 
-def scoring_scope(salt: str | None, key: str) -> str:
-    """The prefix-reuse scope of a request that scores its prompt (``prompt_logprobs``): a cached prefix computes no
-    logits, so it prefills whole under a scope of its own. ``key`` is random, so no caller's salt can name the scope
-    (share its blocks, or spoil its scores with a hit)."""
-    return f"{salt or ''}\x00prompt_logprobs {key}"
-
-
 class GenerationExecutor:
     """Runs ``generate`` calls over a loaded model, its KV cache manager and scheduler (V1 or V2).
 
@@ -538,11 +531,12 @@ class GenerationExecutor:
             room = self.max_seq_len - len(ids)  # a sequence never grows past max_seq_len
             base = p.seed if p.seed is not None else random_base
             parent = None
-            # a scored prompt prefills whole under a scope of its own, which its samples share
-            scope = salt if p.prompt_logprobs is None else scoring_scope(salt, f"{random_base:x}.{call}.{i}")
             for j in range(p.n):
                 req_id = f"{call}.{i}" if p.n == 1 else f"{call}.{i}.{j}"
-                request = Request(req_id, ids, min(p.max_tokens, room), salt=scope)
+                # a scored prompt is prefilled whole by its first sample (a cached prefix computes no logits), whose
+                # blocks are cached as any request's: the later samples, and later requests, reuse them
+                request = Request(req_id, ids, min(p.max_tokens, room), salt=salt,
+                                  skip_prefix_read=p.prompt_logprobs is not None and j == 0)
                 if j == 0:
                     self._check_fits(i, request, p.max_tokens)
                 gen = None

@@ -195,7 +195,7 @@ class SamplingParams:
     ``include_stop_str_in_output``: ``.text`` keeps the stop string that ended it; ``skip_special_tokens`` (default
     true): special tokens decode to nothing in ``.text`` (vLLM's two text settings). ``prompt_logprobs``: the
     prompt's tokens scored too (``RequestOutput.prompt_logprobs``, vLLM's; the prompt is then prefilled whole, not
-    from the prefix cache, as its logits are needed).
+    read from the prefix cache, as its logits are needed; its blocks are still cached for later requests).
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS

@@ -21,7 +21,6 @@ import random
 import re
 import threading
 import time
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -31,7 +30,7 @@ import torch
 from cache_backends.interface import SchedulerOutput
 from cache_backends.request import Request
 from engine.driver import Driver, StalledError, StepStats, at_length
-from engine.executor import GenerationExecutor, scoring_scope
+from engine.executor import GenerationExecutor
 from engine.penalties import penalize
 from engine.prompts import apply_template, check_text
 from engine.sampling import sample_rows, top_logprobs
@@ -336,8 +335,8 @@ class ServingEngine:
         check_salt(salt)  # as generate's: hashed into every block key, and its length bounded
         request = self.check(prompt_token_ids, params)
         request.salt = salt
-        if params.prompt_logprobs is not None:  # a scored prompt prefills whole, under a scope of its own
-            request.salt = scoring_scope(salt, uuid.uuid4().hex)
+        # a scored prompt is prefilled whole (a cached prefix computes no logits); its blocks are cached for others
+        request.skip_prefix_read = params.prompt_logprobs is not None
         req_id = request.req_id
         gen = None
         if not params.greedy:

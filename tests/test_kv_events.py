@@ -23,10 +23,10 @@ def _load(v2: bool, max_tokens: int = 1024, events: int = 10_000, **kv):
     return pipeline.load("tiny-llama", load_weights=True, kv_cache_config=config, max_seq_len=256, log=False)
 
 
-def _keys(tokens):
+def _keys(tokens, salt=None):
     keys, parent = [], None
     for i in range(len(tokens) // T):
-        parent = block_hash(parent, tokens[i * T:(i + 1) * T], None)
+        parent = block_hash(parent, tokens[i * T:(i + 1) * T], salt)
         keys.append(parent.hex())
     return keys
 
@@ -54,6 +54,24 @@ def test_stored_blocks_are_the_ones_a_later_request_hits_and_reset_clears(v2):
         assert {e["type"] for e in r.kv_cache_events()["events"]} <= {"kv_block_stored"}  # nothing evicted
         r.reset_prefix_cache()
         assert r.kv_cache_events()["events"][-1]["type"] == "kv_all_blocks_cleared"
+
+
+@pytest.mark.parametrize("v2", [False, True], ids=["v1", "v2"])
+def test_a_scored_prompt_stores_its_blocks_under_the_callers_salt_and_a_scored_duplicate_stores_none(v2):
+    with _load(v2) as r:
+        prompt = [*PREFIX, 1, 2, 3]
+
+        def scored_run_stores() -> list[dict]:
+            (out,) = r.executor.run([prompt], max_tokens=1, ignore_eos=True, prompt_logprobs=0, salt="tenant")
+            assert out.reused_prompt_tokens == 0
+            return [e for e in r.kv_cache_events()["events"] if e["type"] == "kv_block_stored"]
+
+        stored = scored_run_stores()
+        group = stored[0]["layer_group"]
+        assert [h for e in stored if e["layer_group"] == group for h in e["block_hashes"]] == _keys(PREFIX, "tenant")
+        assert scored_run_stores() == []  # the blocks are cached: its own copies of them are not stored
+        (plain,) = r.executor.run([[*PREFIX, 9, 9]], max_tokens=1, ignore_eos=True, salt="tenant")
+        assert plain.reused_prompt_tokens == len(PREFIX)  # the stored blocks, hit
 
 
 @pytest.mark.parametrize("v2", [False, True], ids=["v1", "v2"])

@@ -92,6 +92,31 @@ def test_reuse_never_covers_the_whole_prompt_and_a_fully_cached_prompt_stays_con
     assert m.find_prefix(c).num_tokens == 8
 
 
+def test_a_request_that_skips_reading_caches_its_blocks_and_an_equal_cached_block_keeps_its_place():
+    m = make_manager()
+    prompt = list(range(100, 111))  # two full blocks and three tokens
+    scored = Request("s", prompt, 2, salt="t", skip_prefix_read=True)
+    run_prefill(m, scored)
+    assert scored.num_reused_tokens == 0
+    plain = Request("p", list(prompt), 0, salt="t")
+    hit = m.find_prefix(plain)
+    assert [b.block_id for b in hit.blocks] == m.block_table(scored, "uniform")[:2]  # published under its salt
+    # the same prompt scored again while the first one runs: nothing is read, the map keeps the cached blocks
+    again = Request("s2", list(prompt), 0, salt="t", skip_prefix_read=True)
+    assert m.find_prefix(again).num_tokens == 0 and m.blocks_needed(again, m.find_prefix(again)) == 3
+    run_prefill(m, again)
+    assert set(m.block_table(again, "uniform")).isdisjoint(m.block_table(scored, "uniform"))
+    m.pool.check_invariants()
+    assert m.find_prefix(plain).blocks == hit.blocks
+    assert m.stats().reuse_query_tokens == 0  # requests that read nothing asked the cache nothing
+    evictable = m.pool.num_evictable
+    m.free(again)  # its copies hold no key: they go back empty, ahead of every cached block
+    m.pool.check_invariants()
+    assert m.pool.num_evictable == evictable and all(b.block_hash is None for b in list(m.pool.free_queue)[:3])
+    m.free(scored)
+    assert m.find_prefix(plain).blocks == hit.blocks  # still cached, now evictable
+
+
 def test_different_salts_never_share_blocks():
     m = make_manager()
     run_prefill(m, Request("a", list(range(9)), 0, salt="tenant-a"))
@@ -214,12 +239,13 @@ class V1Machine(RuleBasedStateMachine):
 
     @rule(target=requests, prefix=st.sampled_from([[1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9], []]),
           tail=st.lists(st.integers(0, 3), min_size=1, max_size=6), salt=st.sampled_from([None, "s"]),
-          max_new=st.integers(0, 5))
-    def admit(self, prefix, tail, salt, max_new):
+          max_new=st.integers(0, 5), skip=st.booleans())
+    def admit(self, prefix, tail, salt, max_new, skip):
         self.count += 1
-        r = Request(f"r{self.count}", prefix + tail, max_new, salt=salt)
+        r = Request(f"r{self.count}", prefix + tail, max_new, salt=salt, skip_prefix_read=skip)
         hit = self.m.find_prefix(r)
         assert hit.num_tokens < r.num_prompt_tokens and hit.num_tokens % T == 0
+        assert not (skip and hit.num_tokens)  # it reads nothing, yet its blocks are cached below as anyone's
         self.m.admit(r, hit)
         self.live.append(r)
         return r

@@ -75,7 +75,8 @@ def test_lazy_keying_is_indistinguishable_from_keying_every_block(ops, host, sal
             tokens = tokens[:MAX_SEQ - 8]
         for m, live in sides:
             if op == "new":
-                r = Request(f"r{n_op}", list(tokens), 0, salt="s" if salted and pick % 2 else None, priority=first % 2)
+                r = Request(f"r{n_op}", list(tokens), 0, salt="s" if salted and pick % 2 else None, priority=first % 2,
+                            skip_prefix_read=pick % 7 == 1)  # a scored prompt: reads nothing, keys duplicates
                 m.create(r)
                 assert m.resume(r)
                 live.append(r)

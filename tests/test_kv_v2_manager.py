@@ -263,6 +263,44 @@ def test_swa_scratch_reuse_keeps_released_window_blocks_reusable(scratch):
 # --- prefix reuse ------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("layers", [FULL, full_sliding_layers(window=64), split_sliding_layers(window=6)],
+                         ids=["full", "shared arena", "split windows"])
+def test_a_request_that_skips_reading_caches_its_blocks_and_an_equal_cached_block_keeps_its_place(layers):
+    m = make_manager(layers, 32, enable_partial_reuse=True)
+    prompt = list(range(1, 18))  # four full blocks and a token
+    first = Request("first", prompt, 2, salt="t")
+    prefill(m, first)  # still running (lazily keyed: its blocks are hung when a lookup reaches them)
+    scored = Request("scored", list(prompt), 2, salt="t", skip_prefix_read=True)
+    assert m.claims_nothing(scored)  # what the scheduler asks before building anything
+    admit(m, scored)
+    assert scored.num_computed_tokens == 0 and m.cache(scored).reused_tokens == 0
+    compute(m, scored, 9)  # in two chunks: the path through the cached run is split and rejoined
+    m.check_invariants()
+    compute(m, scored, 8)
+    check_kv(m, scored)
+    m.check_invariants()
+    name = layers[0].kind  # the full group: every block of the prompt still held
+    assert set(held(m.block_table(scored, name))).isdisjoint(m.block_table(first, name))
+    plain = Request("plain", list(prompt), 0, salt="t")
+    admit(m, plain)
+    assert plain.num_reused_tokens == 16 and m.block_table(plain, name)[:4] == m.block_table(first, name)[:4]
+    check_kv(m, plain)
+    for r in (first, plain, scored):
+        m.free(r)
+        m.check_invariants()
+    # scored first, into an empty cache of its salt: a later plain request hits what it computed
+    lone = Request("lone", [40, *prompt[1:]], 0, salt="t", skip_prefix_read=True)
+    prefill(m, lone)
+    blocks = m.block_table(lone, name)[:4]
+    m.free(lone)
+    later = Request("later", list(lone.prompt_token_ids), 0, salt="t")
+    admit(m, later)
+    assert later.num_reused_tokens == 16 and m.block_table(later, name)[:4] == blocks
+    check_kv(m, later)
+    m.check_invariants()
+    assert m.stats().reuse_query_tokens == 3 * 17  # first, plain, later: the skipping requests asked nothing
+
+
 def test_salts_isolate_reuse():
     m = make_manager(full_sliding_layers(window=64), 32)
     prompt = list(range(1, 18))

@@ -290,10 +290,12 @@ def test_admission_asked_before_building_answers_as_the_built_cache_would(data, 
     blocks = data.draw(st.integers(2, 24), label="blocks")
     m = make_manager(layers, blocks, enable_block_reuse=reuse)
     tokens = 4 * blocks  # what one group's pool holds (T = 4)
+    prompts = []
     for i in range(data.draw(st.integers(0, 4), label="others")):  # requests holding, freeing or caching blocks
         r = Request(f"o{i}", [(i * 7 + j) % 11 for j in range(data.draw(st.integers(1, tokens // 2)))], 4)
         if m.never_fits(r) is not None:
             continue
+        prompts.append(r.prompt_token_ids)
         admit(m, r)
         n = m.fit_tokens(r, r.num_tokens - r.num_computed_tokens)
         if n:
@@ -303,10 +305,16 @@ def test_admission_asked_before_building_answers_as_the_built_cache_would(data, 
     max_new = data.draw(st.integers(1, 8), label="max_new")
     most = max(1, tokens - max_new)  # the longest prompt that fits the pools alone
     size = data.draw(st.integers(max(1, most // 2), most), label="prompt length")
-    r = Request("new", [data.draw(st.integers(0, 20), label="first")] + [(j * 5) % 13 for j in range(size - 1)],
-                max_new)
+    prompt = [data.draw(st.integers(0, 20), label="first")] + [(j * 5) % 13 for j in range(size - 1)]
+    skip = data.draw(st.booleans(), label="skips reading")  # a scored prompt: claims nothing, even where cached
+    if skip and prompts and data.draw(st.booleans(), label="a cached prompt"):
+        prompt = data.draw(st.sampled_from(prompts), label="which")
+        size = len(prompt)
+    r = Request("new", prompt, max_new, skip_prefix_read=skip)
+    assert m.claims_nothing(r) or not skip
     if m.never_fits(r) is not None or not m.claims_nothing(r):
         return
+    queried = m.stats().reuse_query_tokens
     want = data.draw(st.one_of(st.just(size), st.integers(1, 2 * tokens)), label="want")  # (the scheduler: size)
     ratio = data.draw(st.sampled_from([0.0, 0.1, 0.55, 1.0]), label="ratio")
     asked = m.fit_tokens_new(r, want)
@@ -319,3 +327,4 @@ def test_admission_asked_before_building_answers_as_the_built_cache_would(data, 
     assert m.growth_bound() == bound
     m.cancel_admission(r)
     m.check_invariants()
+    assert m.stats().reuse_query_tokens == queried

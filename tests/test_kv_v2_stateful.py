@@ -1,7 +1,8 @@
 """Hypothesis state machine: random V2 life cycles keep the block bookkeeping and the KV bytes right.
 
 Random create / fork-by-prefix / resume / grow (allocate, write, commit) / suspend / preempt / close
-sequences over small pools (so allocation fails, blocks get evicted, the host tier fills), on two
+sequences (some requests skip reading the prefix cache, as a scored prompt does, so they compute and key duplicates of
+cached blocks) over small pools (so allocation fails, blocks get evicted, the host tier fills), on two
 layouts: ``split`` — a full group, a sliding group and a compressed group, each with a pool of its own
 (their pages differ) — and ``shared`` — a full layer and two sliding layers with equal pages, so three
 1-layer groups take their blocks from one arena (one free list, global eviction) — and ``uniform`` — full layers
@@ -83,9 +84,10 @@ class V2CacheMachine(RuleBasedStateMachine):
 
     # --- helpers -------------------------------------------------------------------------------
 
-    def _new(self, tokens: list[int], salt: str | None, priority: int) -> Request:
+    def _new(self, tokens: list[int], salt: str | None, priority: int, skip: bool = False) -> Request:
         self.count += 1
-        r = Request(f"r{self.count}", tokens[:MAX_SEQ], 0, priority=priority, salt=salt, arrival=self.count)
+        r = Request(f"r{self.count}", tokens[:MAX_SEQ], 0, priority=priority, salt=salt, arrival=self.count,
+                    skip_prefix_read=skip)
         self.m.create(r)
         self.live.append(r)
         self.seen.append((list(r.all_token_ids), salt))
@@ -105,20 +107,22 @@ class V2CacheMachine(RuleBasedStateMachine):
 
     # --- rules ---------------------------------------------------------------------------------
 
-    @rule(tokens=TOKENS, salt=SALTS, priority=st.integers(0, 2))
-    def create(self, tokens, salt, priority):
-        self._new(tokens, salt, priority)
+    @rule(tokens=TOKENS, salt=SALTS, priority=st.integers(0, 2), skip=st.booleans())
+    def create(self, tokens, salt, priority, skip):
+        self._new(tokens, salt, priority, skip)
 
-    @rule(data=st.data(), suffix=TOKENS, priority=st.integers(0, 2), same_salt=st.booleans())
-    def fork_by_prefix(self, data, suffix, priority, same_salt):
+    @rule(data=st.data(), suffix=TOKENS, priority=st.integers(0, 2), same_salt=st.booleans(), skip=st.booleans())
+    def fork_by_prefix(self, data, suffix, priority, same_salt, skip):
         if not self.seen:
             return
         tokens, salt = data.draw(st.sampled_from(self.seen))
         k = data.draw(st.integers(1, len(tokens)))
-        r = self._new(tokens[:k] + suffix, salt if same_salt else ("other" if salt is None else None), priority)
+        r = self._new(tokens[:k] + suffix, salt if same_salt else ("other" if salt is None else None), priority, skip)
         assert self.m.resume(r)
         assert r.num_computed_tokens < r.num_tokens  # reuse leaves at least one token to compute
-        event("fork reused a prefix" if r.num_computed_tokens else "fork reused nothing")
+        assert not (skip and r.num_computed_tokens)  # one that skips reading computes its prompt whole (and is keyed)
+        event("fork reused a prefix" if r.num_computed_tokens else "fork skipped reading" if skip
+              else "fork reused nothing")
 
     @rule(data=st.data())
     def resume(self, data):
@@ -135,6 +139,7 @@ class V2CacheMachine(RuleBasedStateMachine):
         event("admit" if fresh else "restore" if ok else "restore refused")
         if fresh:
             assert ok and r.num_computed_tokens < r.num_tokens
+            assert not (r.skip_prefix_read and r.num_computed_tokens)
         elif ok:
             assert cache.committed == committed
         else:

@@ -1,5 +1,6 @@
 """``prompt_logprobs`` (vLLM's): every prompt token scored by the same paged prefill that generates, chunked or not,
-on both managers; the prompt is prefilled whole (a cached prefix computes no logits) and its samples share it."""
+on both managers; the prompt is prefilled whole (a cached prefix computes no logits: the request reads none), its
+blocks are cached for later requests as any request's, and its samples share it."""
 
 from __future__ import annotations
 
@@ -34,16 +35,46 @@ def test_prompt_logprobs_are_the_models_own_across_prefill_chunks(tiny_checkpoin
         assert used_blocks(result) == 0
 
 
-def test_a_scored_prompt_is_prefilled_whole_its_samples_share_it_and_the_cache_is_left_to_others(tiny_checkpoints):
-    with load(tiny_checkpoints("llama"), "v2", max_num_tokens=16) as result:
+@pytest.mark.parametrize("manager", ["v1", "v2"])
+def test_a_scored_prompt_reads_no_cached_prefix_and_leaves_its_blocks_to_later_requests(tiny_checkpoints, manager):
+    """A cached prefix computes no logits, so a scored prompt is prefilled whole even when its blocks are cached (by
+    an earlier scored request here); its own blocks are cached under the caller's salt, so a plain request with the
+    prompt hits them, and a scored duplicate of a cached prompt leaves the manager consistent."""
+    with load(tiny_checkpoints("llama"), manager, max_num_tokens=8) as result:
+        ex = result.executor
         (p,) = prompts_for(result.hf_model.config.vocab_size, (13,))
-        result.executor.run([p], max_tokens=2, ignore_eos=True)  # cached now
+        ref = reference(result.hf_model, p)
+        want = [float(ref[j - 1, p[j]]) for j in range(1, len(p))]
+        for _ in range(2):  # the second run finds the first's blocks cached and must not read them
+            (scored,) = ex.run([p], max_tokens=2, ignore_eos=True, prompt_logprobs=0, salt="tenant")
+            assert scored.reused_prompt_tokens == 0 and scored.computed_prompt_tokens == 13
+            assert [scored.prompt_logprobs[j][p[j]] for j in range(1, len(p))] == pytest.approx(want, abs=1e-4)
+        check_manager(result)
+        (plain,) = ex.run([p], max_tokens=2, ignore_eos=True, salt="tenant")
+        assert plain.reused_prompt_tokens == 12  # three full blocks, cached by the scored requests
+        (other,) = ex.run([p], max_tokens=2, ignore_eos=True, salt="other")
+        assert other.reused_prompt_tokens == 0  # under the caller's salt, not everyone's
+        check_manager(result)
+        assert used_blocks(result) == 0
+
+
+def check_manager(result) -> None:
+    """The manager's own invariant checks (V2's whole bookkeeping, V1's block pool)."""
+    m = result.kv_manager
+    m.check_invariants() if hasattr(m, "check_invariants") else m.pool.check_invariants()
+
+
+@pytest.mark.parametrize("manager", ["v1", "v2"])
+def test_a_scored_prompts_samples_share_its_prefill(tiny_checkpoints, manager):
+    with load(tiny_checkpoints("llama"), manager, max_num_tokens=16) as result:
+        (p,) = prompts_for(result.hf_model.config.vocab_size, (13,))
         (scored,) = result.executor.run([p], max_tokens=2, ignore_eos=True, prompt_logprobs=0, n=2,
                                         temperature=1.0, seed=3)
         assert all(e is not None for e in scored.prompt_logprobs[1:])
-        assert scored.reused_prompt_tokens == 12  # not from the earlier call: the second sample reused the first's
+        # the first sample scores (reads nothing, computes 13); the second reuses its 3 full blocks
+        assert (scored.computed_prompt_tokens, scored.reused_prompt_tokens) == (13 + 1, 12)
         (again,) = result.executor.run([p], max_tokens=2, ignore_eos=True)
-        assert again.reused_prompt_tokens == 12 and again.prompt_logprobs is None  # the shared cache still serves
+        assert again.reused_prompt_tokens == 12 and again.prompt_logprobs is None
 
 
 def test_a_bad_prompt_logprobs_names_the_field(tiny_checkpoints):

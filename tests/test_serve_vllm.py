@@ -316,19 +316,27 @@ def test_the_operators_chat_template_replaces_the_tokenizers_for_chat_and_tokeni
         assert chat.usage.prompt_tokens == 4
 
 
-def test_no_salt_names_a_scored_prompts_private_scope(served):
-    """A scored prompt prefills under a reuse scope of its own; a client guessing its name (the request ids are
-    sequential) must not plant a cached prefix there and turn its prompt logprobs into nulls."""
+def test_a_scored_prompt_reads_no_cached_prefix_and_leaves_its_blocks_to_later_requests(served):
+    """echo + logprobs scores every prompt token, so a cached prefix (a plain request's, under the same salt) is not
+    read and no logprob is null; the scored request's own blocks are cached under its salt for later requests."""
     prompt = "w5 w17 w30 w42 w7 w9 w11 w13 w15 w19 w21 w23 w25 w27 w29 w31"  # 17 tokens with <s>: 4 full blocks
-    upcoming = next(served.state.engine._ids)
-    for n in range(upcoming, upcoming + 8):  # what the request ids of the scored request may be
-        r = served.http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1,
-                                                       "salt": f"\x00prompt_logprobs srv-{n}"})
+
+    def complete(salt: str, **extra) -> dict:
+        r = served.http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "salt": salt, **extra})
         assert r.status_code == 200, r.text
-    r = served.http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "echo": True, "logprobs": 0})
-    doc = r.json()
-    assert doc["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    assert None not in doc["choices"][0]["logprobs"]["token_logprobs"][1:]
+        return r.json()
+
+    assert complete("scored-after")["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # caches the prompt
+    scores = []
+    for _ in range(2):
+        doc = complete("scored-after", echo=True, logprobs=0)
+        assert doc["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        scores.append(doc["choices"][0]["logprobs"]["token_logprobs"][1:17])
+        assert None not in scores[-1]
+    assert scores[0] == pytest.approx(scores[1], abs=1e-5)
+    # scored first, under a salt nothing else used: a plain request then hits the scored request's blocks
+    assert complete("scored-first", echo=True, logprobs=0)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert complete("scored-first")["usage"]["prompt_tokens_details"]["cached_tokens"] == 16
 
 
 def test_echo_with_logprobs_is_bounded_per_request(served, monkeypatch):

@@ -6,6 +6,9 @@ chained hash of ``cache_backends.hashing`` (parent key, its tokens, the request'
 request takes back the longest run of cached blocks matching its prompt, in use by others or
 evictable (freed, not yet overwritten). Reuse never covers the whole prompt: at least the last
 prompt token is computed, so the forward has logits to sample from. V1 reuses full blocks only.
+A request with ``skip_prefix_read`` (one that scores its prompt) finds no prefix but still caches its
+full blocks as they are committed; where an equal block is cached already, the map keeps that one and
+the request's copy stays unkeyed, freed as empty when the request lets go.
 
 Allocation API for a scheduler, in the order it is used::
 
@@ -124,9 +127,10 @@ class KVCacheManager:
     # --- admission ----------------------------------------------------------------------------
 
     def find_prefix(self, request: Request) -> PrefixHit:
-        """The longest run of cached full blocks matching the prompt, leaving at least its last token to compute."""
+        """The longest run of cached full blocks matching the prompt, leaving at least its last token to compute
+        (none for a request that reads no cached prefix: ``Request.skip_prefix_read``)."""
         T = self.tokens_per_block
-        if not self.options.enable_block_reuse:
+        if not self.options.enable_block_reuse or request.skip_prefix_read:
             return PrefixHit(tokens_per_block=T)
         prompt = request.prompt_token_ids
         blocks: list[KVBlock] = []
@@ -162,7 +166,8 @@ class KVCacheManager:
         self._seqs[request] = _Sequence(list(hit.blocks), list(hit.keys))
         request.num_computed_tokens = request.num_reused_tokens = hit.num_tokens
         self.reuse_hit_tokens += hit.num_tokens
-        self.reuse_query_tokens += request.num_prompt_tokens
+        if not request.skip_prefix_read:  # one that reads no prefix asked the cache nothing
+            self.reuse_query_tokens += request.num_prompt_tokens
 
     def can_allocate(self, request: Request, num_new_tokens: int) -> bool:
         """Whether :meth:`allocate_slots` would succeed now."""

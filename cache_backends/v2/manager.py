@@ -27,7 +27,10 @@ How the pieces fit (TensorRT-LLM's V2 ideas, this project's code):
   KV events are recorded, a request whose first token starts no cached prefix is only noted as pending; the
   blocks its windows let go and, when it lets go, its full committed blocks stay cached under the note, and the first
   admission with that first token hangs it in the tree before looking up
-  (:class:`~cache_backends.v2.radix.PendingPrefix`; a user sees what keying every block at once gives).
+  (:class:`~cache_backends.v2.radix.PendingPrefix`; a user sees what keying every block at once gives). A request
+  with ``skip_prefix_read`` (one that scores its prompt) claims nothing but is keyed as any other: where its path
+  meets a position that already holds a block, that block stays and the request's copy is never hung (it is freed,
+  not cached, when the request lets go).
   A new request walks it over its
   tokens and takes the longest prefix ``m`` that (a) is a multiple of the *reuse unit* — the lcm of
   every group's block span, so compressed groups reuse whole blocks only — (b) leaves at least one
@@ -405,7 +408,8 @@ class KVCacheManagerV2:
             raise ValueError(f"request {request.req_id}: only a just-admitted cache can be cancelled")
         self.counters["reuse_hit_tokens"] -= cache.reused_tokens
         self.counters["reuse_partial_hits"] -= cache.partial_hit
-        self.counters["reuse_query_tokens"] -= request.num_tokens if self._reuse else 0
+        self.counters["reuse_query_tokens"] -= request.num_tokens if self._reuse and not request.skip_prefix_read \
+            else 0
         self.free(request)
         request.num_computed_tokens = 0
         request.num_reused_tokens = 0
@@ -573,9 +577,10 @@ class KVCacheManagerV2:
     # nothing; the answers equal the built path's (tests/test_kv_v2_scheduler.py checks them side by side).
 
     def claims_nothing(self, request: Request) -> bool:
-        """Whether admitting ``request`` now would claim no cached block, whole or partial: prefix reuse is off, or
-        no cached run and no pending prefix of its scope starts with its first token (:meth:`_admit`'s cheap miss)."""
-        if not self._reuse:
+        """Whether admitting ``request`` now would claim no cached block, whole or partial: prefix reuse is off, the
+        request reads no cached prefix (``skip_prefix_read``), or no cached run and no pending prefix of its scope
+        starts with its first token (:meth:`_admit`'s cheap miss)."""
+        if not self._reuse or request.skip_prefix_read:
             return True
         first = pack_tokens(_tokens(request, 0, 1))
         return self._tree.pending_prefix(request.salt, first) is None and self._cheap_miss(request, first)
@@ -1292,22 +1297,29 @@ class KVCacheManagerV2:
         return 0
 
     def _admit(self, cache: SequenceCache) -> None:
-        """First resume: claim the longest usable cached prefix (plus a partial block), activate."""
+        """First resume: claim the longest usable cached prefix (plus a partial block), activate. A request that
+        reads no cached prefix (``skip_prefix_read``) claims nothing but is keyed as any other: its full blocks join
+        the tree where no block of the same prefix is cached yet (``_key_full_blocks`` keeps one that is)."""
         request, T = cache.request, self.T
         m = 0
         if self._reuse:
-            self.counters["reuse_query_tokens"] += request.num_tokens
+            skip = request.skip_prefix_read
+            if not skip:  # one that reads nothing asked the cache nothing
+                self.counters["reuse_query_tokens"] += request.num_tokens
             first = pack_tokens(_tokens(request, 0, 1))
             prefix = self._tree.pending_prefix(request.salt, first)
-            if prefix is not None:  # a prefix that starts like this one: in the tree before the lookup
+            if prefix is not None:  # a prefix that starts like this one: in the tree before the lookup (and keying)
                 self._materialize(prefix)
-            if self._cheap_miss(request, first):  # nothing to claim, whole or partial: skip the lookups
+            miss = self._cheap_miss(request, first)
+            if miss or skip:  # nothing to claim, whole or partial: skip the lookups
                 cache.last = None
                 cache.keyed = 0
                 cache.key_at = T
                 if self._lazy and first:
+                    # noted as pending only where no run starts with its first token (a miss of two or more tokens
+                    # has none; a skipping request may have one, and then keys eagerly like a request that hit)
                     if self.kv_events is None and (request.salt, first) not in self._tree.latent and (
-                            request.num_tokens >= 2 or not self._starts_cached(request, first)):
+                            (miss and request.num_tokens >= 2) or not self._starts_cached(request, first)):
                         cache.pending = PendingPrefix(request.salt, first, request, cache, 8 * T)
                         self._tree.add_pending(cache.pending)
                         cache.key_at = NEVER
