@@ -525,6 +525,21 @@ def test_suspend_declines_when_the_host_tier_is_full():
 # --- sizing helpers and stats -----------------------------------------------------------------------
 
 
+def test_never_fits_follows_a_request_that_grows_between_asks():
+    """The scheduler asks about the head of its queue every step; the answer must follow the request's length and
+    worst case as a driver changes them (more tokens, a larger max_new_tokens), asked back to back."""
+    m = make_manager(FULL, 4)  # 16 tokens
+    r = Request("r", [1, 2, 3, 4], 4)
+    assert m.never_fits(r) is None
+    r.max_new_tokens = 40
+    assert m.never_fits(r) == ("request r needs 11 blocks of group full for 44 tokens (prompt + max_new_tokens); "
+                               "the pool has 4")
+    r.max_new_tokens = 4
+    assert m.never_fits(r) is None
+    r.output_token_ids.extend([7] * 13)  # fed past its worst case: 17 tokens
+    assert m.never_fits(r) == "request r needs 5 blocks of group full for 17 tokens; the pool has 4"
+
+
 def test_fit_tokens_and_never_fits():
     m = make_manager(FULL, 4)
     too_big = Request("big", list(range(17)), 0)
