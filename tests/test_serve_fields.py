@@ -287,3 +287,28 @@ def test_response_format_text_priority_zero_and_best_of_n_are_served(served):
 def test_what_kvload_cannot_do_is_a_400_naming_the_field(served, path, extra, param, words):
     body = {"messages": CONV} if path.endswith("chat/completions") else {"prompt": PROMPT}
     assert words in _refused(served, path, {**body, "max_tokens": 1, **extra}, param)
+
+
+def test_spaces_between_special_tokens_false_joins_shown_special_tokens_as_the_python_api_does(served):
+    """The word-level decoder puts a space between every two tokens; vLLM's false drops it between two added
+    tokens (here a reply forced to the BOS ``<s>`` by logit_bias, then ``w7``), where special tokens are shown."""
+    body = {"logit_bias": {"1": 100}, "skip_special_tokens": False, "ignore_eos": True}
+    shown = _complete(served, **body).choices[0]
+    assert shown.text == "<s> <s> <s>"
+    joined = _complete(served, **body, spaces_between_special_tokens=False)
+    assert joined.choices[0].text == "<s><s><s>"
+    ids = _ids(served, PROMPT)
+    (api,) = served.result.executor.run([ids], max_tokens=3, ignore_eos=True, logit_bias={1: 100},
+                                        skip_special_tokens=False, spaces_between_special_tokens=False)
+    assert api.outputs[0].text == "<s><s><s>"
+    stream = served.client.completions.create(model="words", prompt=PROMPT, max_tokens=3, stream=True,
+                                              extra_body={**body, "spaces_between_special_tokens": False})
+    assert "".join(c.choices[0].text for c in stream) == "<s><s><s>"
+    # only between two added tokens: an ordinary word after one keeps the decoder's space
+    echo = _complete(served, [1, 1, 7], max_tokens=1, echo=True, **body, spaces_between_special_tokens=False)
+    assert echo.choices[0].text == "<s><s> w7<s>"
+    # special tokens skipped (the default): nothing to space, said once for the request
+    skipped = _complete(served, spaces_between_special_tokens=False)
+    assert _ignored(served, skipped.id) == {"serve.spaces_between_special_tokens": False}
+    _refused(served, "/v1/completions", {"prompt": PROMPT, "spaces_between_special_tokens": "no"},
+             "spaces_between_special_tokens")

@@ -540,11 +540,11 @@ class _Echo:
     offsets: list[int]
 
     @classmethod
-    def of(cls, prompt: Any, ids: list[int], tokenizer: Any, skip_special: bool) -> _Echo:
+    def of(cls, prompt: Any, ids: list[int], tokenizer: Any, skip_special: bool, spaced: bool = True) -> _Echo:
         """The prompt as given when text (vLLM's), else its decoded ids; offsets where each token's text begins."""
         if tokenizer is None:
             return cls("", list(ids), [0] * len(ids))
-        decoded = SampleText(tokenizer, skip_special=skip_special)
+        decoded = SampleText(tokenizer, skip_special=skip_special, spaced=spaced)
         offsets = _token_offsets(decoded, ids, 0, final=True)
         return cls(prompt if isinstance(prompt, str) else decoded.text, list(ids), offsets)
 
@@ -599,14 +599,15 @@ class _Run:
         tok = self.engine.tokenizer
         offsets = job.kind == "completion" and job.logprobs is not None
         p = job.params
-        text = {"skip_special": p.skip_special_tokens}
+        text = {"skip_special": p.skip_special_tokens, "spaced": p.spaces_between_special_tokens}
         self.choices = [_Choice(i, self.engine, SampleText(tok, job.stop, include_stop=p.include_stop_str_in_output,
                                                            **text) if tok is not None else None,
                                 track_offsets=offsets, min_tokens=p.min_tokens,
                                 offsets=SampleText(tok, **text) if offsets and tok is not None else None)
                         for i in range(len(self.prompts) * job.n)]
         if job.echo and job.kind == "completion":  # a cut prompt is echoed as what the model saw: its kept tokens
-            echoes = [_Echo.of(ids if was_cut else prompt, ids, tok, p.skip_special_tokens)
+            echoes = [_Echo.of(ids if was_cut else prompt, ids, tok, p.skip_special_tokens,
+                               p.spaces_between_special_tokens)
                       for prompt, ids, was_cut in zip(job.prompts, self.prompts, cut, strict=True)]
             for c in self.choices:
                 c.echo = echoes[c.index // job.n]

@@ -145,7 +145,8 @@ _SAMPLING_EXTRAS = ("repetition_penalty", "min_p", "min_tokens")
 #: caller and changes nothing generated, which the README says once rather than every request in the log.
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options", "user",
            "presence_penalty", "frequency_penalty", "ignore_eos", "stop_token_ids", "salt", "logprobs", "top_k",
-           "logit_bias", "include_stop_str_in_output", "skip_special_tokens", *_SAMPLING_EXTRAS, "add_special_tokens",
+           "logit_bias", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+           *_SAMPLING_EXTRAS, "add_special_tokens",
            "echo",  # chat's: the last message before the reply (vLLM's)
            # vLLM's: the prefix cache's salt, prompt scores, prompt truncation, the answer's id, and two fields
            # accepted at the one value kvload serves (text output, first-come-first-served scheduling)
@@ -166,7 +167,7 @@ def parse(body: Any, kind: str, *, default_max_tokens: int) -> Job:
         _need(_is_int(value) if name == "min_tokens" else _is_num(value), name, expected, value)
     if body.get("logit_bias") is not None:
         extras["logit_bias"] = _logit_bias(body["logit_bias"])
-    for name in ("include_stop_str_in_output", "skip_special_tokens"):  # vLLM's text settings
+    for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"):  # vLLM's
         if body.get(name) is not None:
             extras[name] = _flag(body, name, False)
     _model(body)
