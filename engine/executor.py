@@ -546,7 +546,7 @@ class GenerationExecutor:
                 live = _Live(i, request, text, arrivals[i], gen, params=p, sample=j, parent=parent)
                 if self.tokenizer is not None:
                     live.text = SampleText(self.tokenizer, p.stop, include_stop=p.include_stop_str_in_output,
-                                           skip_special=p.skip_special_tokens)
+                                           skip_special=p.skip_special_tokens, spaced=p.spaces_between_special_tokens)
                 if p.logprobs is not None:
                     live.logprobs = []
                 if p.prompt_logprobs is not None and j == 0:

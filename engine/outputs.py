@@ -54,7 +54,8 @@ class CompletionOutput:
     ``token_ids`` are every generated id (an EOS or stop token that ended the sample included);
     ``text`` is their decoded text without special tokens, cut before a stop string (None without a
     tokenizer). ``logprobs[t]`` maps the top token ids at generated token ``t`` (the sampled one
-    included) to log-probabilities; ``cumulative_logprob`` sums the sampled tokens' (both None unless
+    included) to log-probabilities, its ``rank`` attribute the sampled token's rank in the vocabulary
+    (``engine.sampling.TokenLogprobs``); ``cumulative_logprob`` sums the sampled tokens' (both None unless
     ``SamplingParams.logprobs`` is set).
     """
 
@@ -94,8 +95,9 @@ class RequestOutput:
     reused_prompt_tokens: int
     timings: GenerationTimings
     finished: bool = True
-    #: with SamplingParams.prompt_logprobs: per prompt token, its logprob entry (its top alternatives and itself), None
-    #: for the first token (vLLM's shape); None when not asked
+    #: with SamplingParams.prompt_logprobs: per prompt token, its logprob entry (its top alternatives and itself; its
+    #: ``rank`` attribute is the token's rank in the vocabulary, ``engine.sampling.TokenLogprobs``), None for the first
+    #: token (vLLM's shape); None when not asked
     prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property

@@ -64,8 +64,25 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generat
     return sample_rows(logits[None], params, [generator])[0]
 
 
-def top_logprobs(logits: torch.Tensor, k: int, sampled: Sequence[int]) -> list[dict[int, float]]:
-    """Per row: the ``k`` most likely token ids → log-probability, plus the sampled token (as vLLM reports them).
+class TokenLogprobs(dict):
+    """One token's logprob entry, a plain ``{token id: log-probability}`` dict of the top alternatives and the token
+    itself, with ``rank``: that token's 1-based rank in the whole vocabulary, how many tokens are at least as likely,
+    itself included (vLLM's ``Logprob.rank``; the top alternatives' ranks are their places, 1 to k)."""
+
+    __slots__ = ("rank",)
+
+    def __init__(self, entries: Any, rank: int) -> None:
+        super().__init__(entries)
+        self.rank = rank
+
+
+#: logits rows compared at once for the ranks: the comparison's (rows, vocab) booleans stay a few tens of MB
+_RANK_ROWS = 256
+
+
+def top_logprobs(logits: torch.Tensor, k: int, sampled: Sequence[int]) -> list[TokenLogprobs]:
+    """Per row: the ``k`` most likely token ids → log-probability, plus the sampled token (as vLLM reports them), and
+    the sampled token's rank in the vocabulary (:class:`TokenLogprobs`).
 
     Log-probabilities are of the model's own distribution (log-softmax of the raw logits, before
     temperature, top-k or top-p), so a sample's tokens can be scored whatever the sampling settings.
@@ -73,11 +90,17 @@ def top_logprobs(logits: torch.Tensor, k: int, sampled: Sequence[int]) -> list[d
     logp = torch.log_softmax(logits.float(), dim=-1)
     k = min(k, logp.shape[-1])
     values, ids = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
+    chosen = logp.gather(-1, torch.tensor(list(sampled), dtype=torch.long, device=logp.device).view(-1, 1))
+    ranks: list[int] = []
+    for start in range(0, logp.shape[0], _RANK_ROWS):  # (logp >= chosen) at once would be rows x vocab booleans
+        end = start + _RANK_ROWS
+        ranks.extend((logp[start:end] >= chosen[start:end]).sum(dim=-1).tolist())
     out = []
-    for row, (vals, idx, token) in enumerate(zip(values.tolist(), ids.tolist(), sampled, strict=True)):
+    for vals, idx, token, lp, rank in zip(values.tolist(), ids.tolist(), sampled, chosen.view(-1).tolist(), ranks,
+                                          strict=True):
         entry = dict(zip(idx, vals, strict=True))
-        entry.setdefault(int(token), float(logp[row, token]))
-        out.append(entry)
+        entry.setdefault(int(token), lp)
+        out.append(TokenLogprobs(entry, rank))
     return out
 
 
@@ -97,4 +120,4 @@ def eos_token_ids(model: Any, tokenizer: Any = None) -> frozenset[int]:
     return frozenset(ids)
 
 
-__all__ = ["eos_token_ids", "sample_rows", "sample_token", "top_logprobs", "warpers"]
+__all__ = ["TokenLogprobs", "eos_token_ids", "sample_rows", "sample_token", "top_logprobs", "warpers"]

@@ -193,7 +193,9 @@ class SamplingParams:
     one (after temperature; sampling only). ``logit_bias``: token id → a number in [-100, 100] added to its logit
     before the penalties (OpenAI's; -100 in effect bans the token), at most ``MAX_LOGIT_BIAS`` tokens.
     ``include_stop_str_in_output``: ``.text`` keeps the stop string that ended it; ``skip_special_tokens`` (default
-    true): special tokens decode to nothing in ``.text`` (vLLM's two text settings). ``prompt_logprobs``: the
+    true): special tokens decode to nothing in ``.text``; ``spaces_between_special_tokens`` (default true; false
+    acts with ``skip_special_tokens`` false): an added token right after another joins it without the space the
+    tokenizer's decoder may put between tokens (vLLM's three text settings). ``prompt_logprobs``: the
     prompt's tokens scored too (``RequestOutput.prompt_logprobs``, vLLM's; the prompt is then prefilled whole, not
     read from the prefix cache, as its logits are needed; its blocks are still cached for later requests).
     """
@@ -217,6 +219,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
+    spaces_between_special_tokens: bool = True
 
     def __init__(self, *, max_tokens: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | None = None, stop: str | Sequence[str] | None = None,
@@ -225,7 +228,7 @@ class SamplingParams:
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0, min_tokens: int = 0,
                  min_p: float = 0.0, logit_bias: Mapping[int, float] | None = None,
                  include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
-                 prompt_logprobs: int | None = None) -> None:
+                 prompt_logprobs: int | None = None, spaces_between_special_tokens: bool = True) -> None:
         """Keywords only (the field order may grow); ``max_new_tokens`` is an alias of ``max_tokens``."""
         length_name = "max_tokens"
         if max_new_tokens is not None:
@@ -245,7 +248,7 @@ class SamplingParams:
         self.__attrs_init__(max_tokens, temperature, top_p, top_k, seed, _strings(stop), _ints(stop_token_ids), n,
                             logprobs, ignore_eos, repetition_penalty, presence_penalty, frequency_penalty,
                             min_tokens, min_p, _biases(logit_bias), include_stop_str_in_output,
-                            skip_special_tokens, prompt_logprobs)
+                            skip_special_tokens, prompt_logprobs, spaces_between_special_tokens)
 
     def __attrs_post_init__(self) -> None:
         check(is_finite(self.temperature) and self.temperature >= 0,
@@ -278,7 +281,7 @@ class SamplingParams:
               f"an integer in [0, max_tokens={self.max_tokens}]", self.min_tokens)
         check(is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "a number in [0, 1] (0 = off)", self.min_p)
 
-        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"):
             check(isinstance(getattr(self, name), bool), name, "true or false", getattr(self, name))
         check(isinstance(self.logit_bias, dict)
               and all(is_int(t) and 0 <= t <= MAX_INT and is_number(b) and -MAX_BIAS <= b <= MAX_BIAS
@@ -361,6 +364,12 @@ def inert_settings(params: SamplingParams, has_tokenizer: bool) -> list[tuple[st
         out.append(("include_stop_str_in_output", True, "no stop strings: there is no stop string to keep"))
     if not params.skip_special_tokens and not has_tokenizer:
         out.append(("skip_special_tokens", False, "the model has no tokenizer: there is no text"))
+    if not params.spaces_between_special_tokens:
+        if not has_tokenizer:
+            out.append(("spaces_between_special_tokens", False, "the model has no tokenizer: there is no text"))
+        elif params.skip_special_tokens:
+            out.append(("spaces_between_special_tokens", False,
+                        "skip_special_tokens is true: no special token is in the text to be spaced"))
     if params.min_tokens and params.ignore_eos and not params.stop and not params.stop_token_ids:
         out.append(("min_tokens", params.min_tokens, "ignore_eos and no stop strings or ids: nothing could end a "
                                                      "sample before max_tokens"))

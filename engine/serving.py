@@ -342,7 +342,8 @@ class ServingEngine:
         if not params.greedy:
             seed = params.seed if params.seed is not None else random.SystemRandom().getrandbits(62)
             gen = torch.Generator(device=self.executor.pools.device).manual_seed(seed + seed_offset)
-        text = SampleText(self.tokenizer, params.stop, skip_special=params.skip_special_tokens) \
+        text = SampleText(self.tokenizer, params.stop, skip_special=params.skip_special_tokens,
+                          spaced=params.spaces_between_special_tokens) \
             if params.stop and self.tokenizer is not None else None  # finds the stop strings (the face cuts)
         live = _Live(request, params, sink, gen, frozenset(params.stop_token_ids), text, params.logprobs,
                      time.perf_counter())

@@ -27,15 +27,21 @@ class SampleText:
     """Decoded text of one sample's generated tokens, cut at the first stop string.
 
     ``include_stop``: the cut falls after the stop string, not before it (vLLM's ``include_stop_str_in_output``);
-    ``skip_special``: special tokens (EOS, chat markers) decode to nothing (vLLM's ``skip_special_tokens``).
+    ``skip_special``: special tokens (EOS, chat markers) decode to nothing (vLLM's ``skip_special_tokens``);
+    ``spaced`` false: an added token right after another is joined to it without the separator the decoder may put
+    between tokens (a word-level decoder's space; vLLM's ``spaces_between_special_tokens``, which acts only where
+    special tokens are shown).
     """
 
     def __init__(self, tokenizer: Any, stop: Sequence[str] = (), *, include_stop: bool = False,
-                 skip_special: bool = True) -> None:
+                 skip_special: bool = True, spaced: bool = True) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
         self.include_stop = include_stop
         self.skip_special = skip_special
+        # the added tokens (special ones and the rest, as vLLM takes them) whose neighbours are joined unspaced
+        added = () if skip_special or spaced else (getattr(tokenizer, "added_tokens_decoder", None) or {})
+        self._joined = frozenset(int(t) for t in added)
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.text = ""
         self.stop_hit: str | None = None
@@ -50,9 +56,16 @@ class SampleText:
         self._special = frozenset(int(t) for t in special)
 
     def _decode(self, ids: Sequence[int]) -> str:
+        ids = list(ids)
+        joined = self._joined
+        # unspaced added tokens: decoded in pieces cut before each added token that follows another, so nothing the
+        # decoder puts between two tokens comes between those two (each piece keeps its own tokens' context)
+        cuts = [i for i in range(1, len(ids)) if ids[i] in joined and ids[i - 1] in joined] if joined else []
+        return "".join(self._decode_piece(ids[a:b]) for a, b in zip([0, *cuts], [*cuts, len(ids)], strict=True))
+
+    def _decode_piece(self, ids: list[int]) -> str:
         # no clean-up pass: it rewrites earlier text (" ." → "."), which a stream could not take back
-        return self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special,
-                                     clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special, clean_up_tokenization_spaces=False)
 
     def _window_start(self) -> int:
         """Where the next window begins: far enough back to hold CONTEXT_TOKENS non-special tokens."""

@@ -32,6 +32,10 @@ def test_prompt_logprobs_are_the_models_own_across_prefill_chunks(tiny_checkpoin
                 assert entry[p[j]] == pytest.approx(float(ref[j - 1, p[j]]), abs=1e-4)
                 best = ref[j - 1].topk(2).indices.tolist()
                 assert set(best) <= set(entry) and len(entry) <= 3  # the top 2 and the token itself
+                # vLLM's rank: tokens at least as likely as this one, itself included, in the whole vocabulary (the
+                # reference's order, up to tokens within the two forwards' rounding of it)
+                lp = ref[j - 1, p[j]]
+                assert int((ref[j - 1] > lp + 1e-4).sum()) + 1 <= entry.rank <= int((ref[j - 1] >= lp - 1e-4).sum())
         assert used_blocks(result) == 0
 
 

@@ -171,7 +171,8 @@ def test_detokenize_gives_the_text_with_special_tokens(served):
     ("/tokenize", {"prompt": "w5", "add_generation_prompt": False}, 400, "add_generation_prompt", "not supported"),
     ("/tokenize", {"prompt": "w5", "return_token_strs": "yes"}, 400, "return_token_strs", "true or false"),
     ("/tokenize", {"messages": []}, 400, "messages", "a non-empty list"),
-    ("/tokenize", {"messages": CONV, "tools": []}, 400, "tools", "not supported"),
+    ("/tokenize", {"messages": CONV, "documents": []}, 400, "documents", "not supported"),
+    ("/tokenize", {"messages": CONV, "tools": [{"type": "function"}]}, 400, "tools[0]", '"function": {"name"'),
 ])
 def test_tokenizer_endpoint_refusals_name_the_field(served, path, body, status, param, words):
     r = served.http.post(path, json=body)

@@ -35,9 +35,10 @@ from engine.serving import EngineStopped, ServeEvent, ServingEngine
 from engine.stopping import SampleText
 from kvload.serve.command import MAX_CONCURRENT_DEFAULT, READ_TIMEOUT_DEFAULT
 from kvload.serve.metrics import ServeMetrics
-from kvload.serve.protocol import BadRequest, Job, parse, parse_detokenize, parse_tokenize
+from kvload.serve.protocol import BadRequest, Job, parse, parse_detokenize, parse_tokenize, request_id
 from pipeline.audit import dropped_record
 from pipeline.errors import ConfigError, GenerationError, KvBuildError
+from pipeline.events import SettingIgnored
 from pipeline.limits import MAX_DEPTH, MAX_SCORED_PROMPT_TOKENS, json_depth, unique_keys
 from pipeline.version import __version__
 
@@ -405,24 +406,53 @@ def _not_served(model: str, served: str) -> BadRequest:
                       status=404, code="model_not_found")
 
 
-def _encode(engine: ServingEngine, job: Job) -> list[list[int]]:
-    """Token ids of every prompt; ``BadRequest`` naming the prompt or the messages when one is unusable."""
+def _encode(engine: ServingEngine, job: Job) -> tuple[list[list[int]], list[bool]]:
+    """Token ids of every prompt, kept to their last ``truncate_prompt_tokens`` (and whether each was cut);
+    ``BadRequest`` naming the prompt or the messages when one is unusable."""
+    keep = _kept_tokens(engine, job)
     if job.kind == "chat":
         try:
-            return [engine.encode_messages(job.prompts[0], job.template, add_special_tokens=job.add_special_tokens)]
+            ids = engine.encode_messages(job.prompts[0], job.template, add_special_tokens=job.add_special_tokens,
+                                         room=keep is None)  # cut first, then it fits
         except GenerationError as exc:
             raise _messages_error(exc, job.template) from None
-    out = []
+        return [ids[-keep:] if keep else ids], [keep is not None and len(ids) > keep]
+    out, cut = [], []
     for i, prompt in enumerate(job.prompts):
         field = "prompt" if len(job.prompts) == 1 else f"prompt[{i}]"
         if engine.stopping:  # a stop asked for mid-request: end now, not after encoding up to 1,024 prompts
             raise _shutting_down()
         try:
+            if keep is not None:  # vLLM's: the token ids are cut (a BOS too), then checked as any prompt's
+                ids = (engine.tokenize(prompt, add_special_tokens=job.add_special_tokens, where="prompt 0")
+                       if isinstance(prompt, str) else list(prompt))
+                if not ids:
+                    raise GenerationError("generate: prompt 0: empty (no tokens)")
+                cut.append(len(ids) > keep)
+                prompt = ids[-keep:]
             out.append(engine.encode(prompt, add_special_tokens=job.add_special_tokens))
         except GenerationError as exc:
             detail = str(exc).removeprefix("generate: ").removeprefix("prompt 0: ").removeprefix("prompt 0 ")
             raise BadRequest(f"{field}: {detail}", param=field) from None
-    return out
+    return out, cut or [False] * len(out)
+
+
+def _kept_tokens(engine: ServingEngine, job: Job) -> int | None:
+    """How many of each prompt's last tokens ``truncate_prompt_tokens`` keeps (None: all): at most what the
+    context length leaves after ``max_tokens`` (1 when not given), which -1 asks for, as vLLM counts it."""
+    if job.truncate is None:
+        return None
+    limit = engine.executor.max_seq_len
+    wanted = job.params.max_tokens if job.max_tokens_given else 1
+    room = limit - wanted
+    if job.truncate == -1:
+        return max(room, 1)  # a max_tokens past the context length is refused as such (submit)
+    if job.truncate > room:
+        raise BadRequest(f"truncate_prompt_tokens: {job.truncate} is more than max_model_len - "
+                         f"{job.max_tokens_field if job.max_tokens_given else 'one generated token'} = {limit} - "
+                         f"{wanted} = {room}; request a smaller truncation size (or -1 for that many)",
+                         param="truncate_prompt_tokens")
+    return job.truncate
 
 
 @attrs.frozen
@@ -458,7 +488,7 @@ class _Choice:
     reused: int = 0
     echo: _Echo | None = None  # completions' echo: the prompt, put before the choice's text (and its logprobs)
     echoed: bool = False  # a stream sent the echo (in the choice's first chunk)
-    prompt_logprobs: list[dict[int, float] | None] | None = None  # with echo and logprobs: the prompt's (engine)
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # when scored (engine): echo or prompt_logprobs
 
     def update(self, ev: ServeEvent) -> _Update:
         """Take one engine event; the new text, token ids, logprobs and text offsets to report."""
@@ -510,11 +540,11 @@ class _Echo:
     offsets: list[int]
 
     @classmethod
-    def of(cls, prompt: Any, ids: list[int], tokenizer: Any, skip_special: bool) -> _Echo:
+    def of(cls, prompt: Any, ids: list[int], tokenizer: Any, skip_special: bool, spaced: bool = True) -> _Echo:
         """The prompt as given when text (vLLM's), else its decoded ids; offsets where each token's text begins."""
         if tokenizer is None:
             return cls("", list(ids), [0] * len(ids))
-        decoded = SampleText(tokenizer, skip_special=skip_special)
+        decoded = SampleText(tokenizer, skip_special=skip_special, spaced=spaced)
         offsets = _token_offsets(decoded, ids, 0, final=True)
         return cls(prompt if isinstance(prompt, str) else decoded.text, list(ids), offsets)
 
@@ -545,6 +575,8 @@ class _Run:
         self.open: set[int] = set()
         self.id = ""
         self.created = 0
+        self.role = "assistant"  # chat: the reply's role (vLLM's: the last message's without a generation prompt)
+        self.chat_echo = ""  # chat's echo: the last message's content, put before each reply (vLLM's)
         # prepare runs on a worker thread: cancel (the event loop's) and each submit take turns under this lock,
         # so a request the server gave up on while it was being submitted never stays queued in the engine
         self.lock = threading.Lock()
@@ -553,27 +585,36 @@ class _Run:
     def prepare(self, raw: bytes | bytearray, kind: str) -> None:
         """Parse, tokenize, check and queue the request (on a worker thread); ``BadRequest`` when refused."""
         self.job = job = _parse(self.state, raw, kind)
-        self.prompts = _encode(self.engine, job)
-        scored = sum(map(len, self.prompts)) if job.echo and job.logprobs is not None else 0
+        # vLLM's: an X-Request-Id header names the request, else its request_id, else a fresh id
+        given = request_id(self.request.headers.get("x-request-id"), "X-Request-Id") or job.request_id
+        self.id = ("chatcmpl-" if job.kind == "chat" else "cmpl-") + (given or uuid.uuid4().hex)
+        self.prompts, cut = _encode(self.engine, job)
+        scored = sum(map(len, self.prompts)) if job.params.prompt_logprobs is not None else 0
         if scored > MAX_SCORED_PROMPT_TOKENS:
-            raise BadRequest(f"echo: with logprobs every prompt token is scored and returned; at most "
+            field = "prompt_logprobs" if job.prompt_logprobs is not None else "echo"
+            why = "prompt_logprobs" if field == "prompt_logprobs" else "echo: with logprobs"
+            raise BadRequest(f"{why} every prompt token is scored and returned; at most "
                              f"{MAX_SCORED_PROMPT_TOKENS:,} prompt tokens per request, got {scored:,} (send fewer "
-                             "prompts per request)", param="echo")
+                             "prompts per request)", param=field)
         tok = self.engine.tokenizer
         offsets = job.kind == "completion" and job.logprobs is not None
         p = job.params
-        text = {"skip_special": p.skip_special_tokens}
+        text = {"skip_special": p.skip_special_tokens, "spaced": p.spaces_between_special_tokens}
         self.choices = [_Choice(i, self.engine, SampleText(tok, job.stop, include_stop=p.include_stop_str_in_output,
                                                            **text) if tok is not None else None,
                                 track_offsets=offsets, min_tokens=p.min_tokens,
                                 offsets=SampleText(tok, **text) if offsets and tok is not None else None)
                         for i in range(len(self.prompts) * job.n)]
-        if job.echo:
-            echoes = [_Echo.of(prompt, ids, tok, p.skip_special_tokens)
-                      for prompt, ids in zip(job.prompts, self.prompts, strict=True)]
+        if job.echo and job.kind == "completion":  # a cut prompt is echoed as what the model saw: its kept tokens
+            echoes = [_Echo.of(ids if was_cut else prompt, ids, tok, p.skip_special_tokens,
+                               p.spaces_between_special_tokens)
+                      for prompt, ids, was_cut in zip(job.prompts, self.prompts, cut, strict=True)]
             for c in self.choices:
                 c.echo = echoes[c.index // job.n]
-        self.id = ("chatcmpl-" if job.kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        if job.kind == "chat":  # vLLM's reply role, and its echo: the last message when it is the reply's role
+            last = job.prompts[0][-1]
+            self.role = "assistant" if job.template.get("add_generation_prompt", True) else last["role"]
+            self.chat_echo = last["content"] if job.echo and last["role"] == self.role else ""
         self.created = int(time.time())
         self.submit()
 
@@ -616,6 +657,9 @@ class _Run:
             plan.append((ids, params))
         # once per HTTP request (not per prompt or choice), and only for one that is served
         self.engine.report_ignored(job.params, job.n, request=self.id, salt=job.salt)
+        if job.ignored:  # accepted as vLLM accepts them, yet they can change nothing here
+            self.engine.notify(*[SettingIgnored(field=f"serve.{name}", value=value, reason=f"{why} (request {self.id})")
+                                 for name, value, why in job.ignored])
         try:
             for i, (ids, params) in enumerate(plan):
                 for j in range(job.n):
@@ -685,16 +729,23 @@ class _Run:
         failed = next((c for c in self.choices if c.finish_reason == "error"), None)
         if failed is not None:
             raise RuntimeError(failed.error or "the engine failed this request")
-        return {"id": self.id, "object": "chat.completion" if self.job.kind == "chat" else "text_completion",
-                "created": self.created, "model": self.state.model_name,
-                "choices": [self._choice(c) for c in self.choices], "usage": self._usage()}
+        doc = {"id": self.id, "object": "chat.completion" if self.job.kind == "chat" else "text_completion",
+               "created": self.created, "model": self.state.model_name,
+               "choices": [self._choice(c) for c in self.choices], "usage": self._usage()}
+        if self.job.kind == "chat":  # vLLM's: the conversation's prompt scores, once per answer
+            doc["prompt_logprobs"] = self._prompt_logprobs(self.choices[0])
+        return doc
 
     async def stream(self) -> AsyncIterator[str]:
         """Server-sent events: a chunk per step with new text, a last chunk with the finish reason, [DONE]."""
         try:
             if self.job.kind == "chat":
+                nothing = _Update("", [], [], [])
                 for c in self.choices:
-                    yield _sse(self._chunk(c, {"role": "assistant", "content": ""}, _Update("", [], [], []), False))
+                    yield _sse(self._chunk(c, {"role": self.role, "content": ""}, nothing, False))
+                if self.chat_echo:  # vLLM's: the echoed message in a chunk of its own, after the role's
+                    for c in self.choices:
+                        yield _sse(self._chunk(c, self.chat_echo, nothing, False))
             while self.open:
                 item = await self._next()
                 if item is None:
@@ -735,18 +786,50 @@ class _Run:
             c.echoed = c.echoed or echo
             choice = {"index": c.index, "text": (c.echo.text if echo else "") + delta,
                       "logprobs": self._completion_logprobs(ids, lps, update.offsets, c, echo), **ending}
-        return {"id": self.id, "object": self._chunk_object, "created": self.created, "model": self.state.model_name,
-                "choices": [choice]}
+        doc = {"id": self.id, "object": self._chunk_object, "created": self.created, "model": self.state.model_name,
+               "choices": [choice]}
+        if self.job.continuous_usage:  # vLLM's: the choice's prompt and its tokens so far, in every chunk
+            prompt = len(self.prompts[c.index // self.job.n])
+            doc["usage"] = {"prompt_tokens": prompt, "completion_tokens": len(c.token_ids),
+                            "total_tokens": prompt + len(c.token_ids)}
+        return doc
 
     def _choice(self, c: _Choice) -> dict[str, Any]:
         ids = c.token_ids
         ending = {"finish_reason": c.reason, "stop_reason": c.stop_reason, "token_ids": ids}
         if self.job.kind == "chat":
-            return {"index": c.index, "message": {"role": "assistant", "content": c.text},
+            return {"index": c.index, "message": {"role": self.role, "content": self.chat_echo + c.text},
                     "logprobs": self._chat_logprobs(ids, c.logprobs), **ending}
         return {"index": c.index, "text": (c.echo.text if c.echo is not None else "") + c.text,
                 "logprobs": self._completion_logprobs(ids, c.logprobs, c.text_offsets, c, c.echo is not None),
-                **ending}
+                **ending, "prompt_logprobs": self._prompt_logprobs(c)}
+
+    def _prompt_logprobs(self, c: _Choice) -> list[dict[str, dict[str, Any]] | None] | None:
+        """vLLM's ``prompt_logprobs`` of the choice's prompt: per token (the first None) the token's own entry then
+        its top alternatives, each ``{"logprob", "rank", "decoded_token"}`` keyed by token id; None when not
+        scored. A completion's echo with ``logprobs`` scores the prompt, and vLLM returns the scores then too."""
+        job = self.job
+        k = job.prompt_logprobs
+        if k is None and job.kind == "completion" and job.echo:
+            k = job.logprobs
+        if k is None or c.prompt_logprobs is None:
+            return None
+        out: list[dict[str, dict[str, Any]] | None] = []
+        for token, entry in zip(self.prompts[c.index // job.n], c.prompt_logprobs, strict=True):
+            if entry is None:
+                out.append(None)
+                continue
+            doc = {str(token): self._scored(token, entry[token], getattr(entry, "rank", None))}
+            # the top k by place (1 to k); the token, when among them, takes its place there (vLLM's order)
+            for place, (alt, value) in enumerate(_best(entry, k), 1):
+                doc[str(alt)] = self._scored(alt, value, place)
+            out.append(doc)
+        return out
+
+    def _scored(self, token: int, logprob: float, rank: int | None) -> dict[str, Any]:
+        # -inf (a token the model rules out) as -9999.0, vLLM's and OpenAI's stand-in JSON can hold
+        text = self._token(token) if self.engine.tokenizer is not None else None
+        return {"logprob": max(logprob, -9999.0), "rank": rank, "decoded_token": text}
 
     def _usage(self) -> dict[str, Any]:
         per_prompt = self.choices[::self.job.n]
@@ -770,10 +853,11 @@ class _Run:
         where: list[int] = []
         if echo and c.echo is not None:
             scored = c.prompt_logprobs or [None] * len(c.echo.token_ids)
+            k = self.job.logprobs or 0  # the prompt may be scored with more (prompt_logprobs): `logprobs` shown
             for t, entry in zip(c.echo.token_ids, scored, strict=True):
                 tokens.append(self._token(t))
                 values.append(None if entry is None else entry[t])
-                top.append(None if entry is None else self._top(t, entry[t], entry))
+                top.append(None if entry is None else self._top(t, entry[t], dict(_best(entry, k))))
             where = list(c.echo.offsets)
         if c.echo is not None:  # every chunk's offsets count from the start of the echoed text, as the whole answer's
             shift = len(c.echo.text)
@@ -803,6 +887,11 @@ class _Run:
                 top.append({"token": alt, "logprob": v, "bytes": list(alt_raw)})
             content.append({"token": token, "logprob": lp, "bytes": list(raw), "top_logprobs": top})
         return {"content": content}
+
+
+def _best(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
+    """The ``k`` most likely of a logprob entry's tokens (its top alternatives and the scored token)."""
+    return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
 
 
 def _post(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Any], index: int, ev: ServeEvent) -> None:

@@ -1,15 +1,19 @@
 """OpenAI request bodies → what the engine needs, checked field by field (no web framework needed here).
 
 Completions and chat completions (:func:`parse`: OpenAI's fields, kvload's and vLLM's ``top_k``,
-``stop_token_ids``, ``ignore_eos``, ``add_special_tokens``, and for chat vLLM's template options, checked by
+``stop_token_ids``, ``ignore_eos``, ``add_special_tokens``, ``cache_salt``, ``prompt_logprobs``,
+``truncate_prompt_tokens``, ``request_id``, and for chat vLLM's template options, checked by
 ``engine.prompts.template_options`` as ``LLM.chat`` checks them), and vLLM's ``/tokenize`` and ``/detokenize``
 (:func:`parse_tokenize`, :func:`parse_detokenize`). Every problem raises :class:`BadRequest` naming the field
 (``param``) and what is accepted; the app turns it into HTTP 400 with OpenAI's error body. Fields kvload cannot
-honour are refused, never silently dropped: an accepted setting must act.
+honour are refused, never silently dropped: an accepted setting must act (or be what kvload does anyway:
+``response_format`` text, ``priority`` 0, ``best_of`` = ``n``, ``tool_choice`` "none"), or is reported as
+``setting_ignored`` (:attr:`Job.ignored`) where vLLM accepts it and it can change nothing.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import attrs
@@ -26,6 +30,9 @@ from engine.sampling_params import (
 )
 from pipeline.errors import GenerationError
 from pipeline.limits import MAX_BIAS, MAX_INT, MAX_LOGPROBS, MAX_N, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS
+
+#: Longest ``request_id`` (or ``X-Request-Id`` header) taken: it becomes the answer's id, sent in every chunk.
+MAX_REQUEST_ID_CHARS = 256
 
 #: Most prompts one completions request may hold: each becomes engine requests checked and queued
 #: before the reply starts, so one body must not keep the server busy for minutes.
@@ -90,6 +97,18 @@ class Job:
     #: whether the tokenizer adds its special tokens (BOS) to text: vLLM's default, true for a completion's text,
     #: false for chat (the template holds them)
     add_special_tokens: bool = True
+    #: vLLM's ``prompt_logprobs`` as asked: top alternatives per prompt token to return (``params.prompt_logprobs``,
+    #: what the engine scores, may be larger: a completion's ``echo`` with ``logprobs`` scores the prompt too)
+    prompt_logprobs: int | None = None
+    #: vLLM's ``truncate_prompt_tokens``: keep each prompt's last k tokens; -1: as many as max_seq_len leaves
+    truncate: int | None = None
+    #: vLLM's ``request_id``: the answer's id is ``cmpl-`` / ``chatcmpl-`` and it (an ``X-Request-Id`` header wins)
+    request_id: str | None = None
+    #: vLLM's ``stream_options.continuous_usage_stats``: every chunk carries its choice's usage so far
+    continuous_usage: bool = False
+    #: settings accepted as vLLM accepts them that can change nothing here, each (name, value, why): reported as
+    #: ``setting_ignored`` once the request is served
+    ignored: tuple[tuple[str, Any, str], ...] = ()
 
 
 def _is_int(v: Any) -> bool:
@@ -126,9 +145,14 @@ _SAMPLING_EXTRAS = ("repetition_penalty", "min_p", "min_tokens")
 #: caller and changes nothing generated, which the README says once rather than every request in the log.
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options", "user",
            "presence_penalty", "frequency_penalty", "ignore_eos", "stop_token_ids", "salt", "logprobs", "top_k",
-           "logit_bias", "include_stop_str_in_output", "skip_special_tokens", *_SAMPLING_EXTRAS}
-_COMPLETION = _COMMON | {"prompt", "echo", "add_special_tokens"}
-_CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "add_special_tokens"} | TEMPLATE_OPTIONS
+           "logit_bias", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+           *_SAMPLING_EXTRAS, "add_special_tokens",
+           "echo",  # chat's: the last message before the reply (vLLM's)
+           # vLLM's: the prefix cache's salt, prompt scores, prompt truncation, the answer's id, and two fields
+           # accepted at the one value kvload serves (text output, first-come-first-served scheduling)
+           "cache_salt", "prompt_logprobs", "truncate_prompt_tokens", "request_id", "response_format", "priority"}
+_COMPLETION = _COMMON | {"prompt", "best_of"}
+_CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"} | TEMPLATE_OPTIONS
 
 
 def parse(body: Any, kind: str, *, default_max_tokens: int) -> Job:
@@ -143,7 +167,7 @@ def parse(body: Any, kind: str, *, default_max_tokens: int) -> Job:
         _need(_is_int(value) if name == "min_tokens" else _is_num(value), name, expected, value)
     if body.get("logit_bias") is not None:
         extras["logit_bias"] = _logit_bias(body["logit_bias"])
-    for name in ("include_stop_str_in_output", "skip_special_tokens"):  # vLLM's text settings
+    for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"):  # vLLM's
         if body.get(name) is not None:
             extras[name] = _flag(body, name, False)
     _model(body)
@@ -183,15 +207,8 @@ def parse(body: Any, kind: str, *, default_max_tokens: int) -> Job:
     stream = body.get("stream", False)
     stream = False if stream is None else stream
     _need(isinstance(stream, bool), "stream", "true or false", stream)
-    include_usage = False
-    options = body.get("stream_options")
-    if options is not None:
-        _need(isinstance(options, dict) and set(options) <= {"include_usage"}, "stream_options",
-              'an object {"include_usage": bool}', options)
-        if not stream:
-            raise BadRequest("stream_options: only allowed with stream=true", param="stream_options")
-        include_usage = options.get("include_usage", False)
-        _need(isinstance(include_usage, bool), "stream_options.include_usage", "true or false", include_usage)
+    ignored: list[tuple[str, Any, str]] = []
+    include_usage, continuous = _stream_options(body, stream, ignored)
     stop = body.get("stop")
     if stop is None:
         stops: tuple[str, ...] = ()
@@ -215,16 +232,20 @@ def parse(body: Any, kind: str, *, default_max_tokens: int) -> Job:
           stop_ids)
     ignore_eos = body.get("ignore_eos", False)
     _need(isinstance(ignore_eos, bool), "ignore_eos", "true or false", ignore_eos)
-    salt = body.get("salt")
-    _need(salt is None or (isinstance(salt, str) and lone_surrogate(salt) is None), "salt",
-          "a string of valid Unicode text", salt)
-    _as_api(check_salt, salt)  # the Python API's bound on its length, in its words
+    salt = _salt(body)
     logprobs = _logprobs(body, kind)
-    echo = body.get("echo", False)
-    echo = False if echo is None else echo
-    _need(isinstance(echo, bool), "echo", "true or false", echo)
-    if echo and logprobs is not None:  # the prompt's tokens are scored too (lm-eval's loglikelihood requests)
-        extras["prompt_logprobs"] = logprobs
+    echo = _flag(body, "echo", False)
+    prompt_logprobs = _prompt_logprobs(body, stream, ignored)
+    scored = prompt_logprobs
+    if kind == "completion" and echo and logprobs is not None:  # the prompt's tokens are scored too (lm-eval's
+        scored = max(logprobs, prompt_logprobs or 0)  # loglikelihood requests); each answer shows its own top k
+    if scored is not None:
+        extras["prompt_logprobs"] = scored
+    truncate = body.get("truncate_prompt_tokens")
+    _need(truncate is None or (_is_int(truncate) and (truncate >= 1 or truncate == -1) and truncate <= MAX_INT),
+          "truncate_prompt_tokens", "an integer >= 1 (keep the prompt's last k tokens), or -1 (as many as the "
+          "context length leaves after max_tokens)", truncate)
+    _accepted_as_done(body, kind, n)
     try:
         params = SamplingParams(max_tokens=max_tokens if given else default_max_tokens,
                                 temperature=float(temperature), top_p=float(top_p), top_k=top_k, seed=seed,
@@ -232,11 +253,105 @@ def parse(body: Any, kind: str, *, default_max_tokens: int) -> Job:
                                 **extras)
     except GenerationError as exc:  # the API's own checks, should the two ever disagree
         raise _bad(exc) from None
-    template = _template(body) if kind == "chat" else {}
+    template = _template(body, tool_choice=True) if kind == "chat" else {}
     special = _flag(body, "add_special_tokens", kind == "completion")
     return Job(kind=kind, prompts=prompts, params=params, n=n, stream=stream, include_usage=include_usage,
                stop=stops, stop_token_ids=tuple(stop_ids), logprobs=logprobs, echo=echo, salt=salt,
-               max_tokens_given=given, max_tokens_field=field, template=template, add_special_tokens=special)
+               max_tokens_given=given, max_tokens_field=field, template=template, add_special_tokens=special,
+               prompt_logprobs=prompt_logprobs, truncate=truncate, request_id=request_id(body.get("request_id")),
+               continuous_usage=continuous, ignored=tuple(ignored))
+
+
+def _stream_options(body: dict[str, Any], stream: bool, ignored: list[tuple[str, Any, str]]) -> tuple[bool, bool]:
+    """OpenAI's ``stream_options.include_usage`` (default false) and vLLM's ``continuous_usage_stats`` (usage in
+    every chunk; it turns ``include_usage`` on unless that is given, as vLLM's default of true for it does)."""
+    options = body.get("stream_options")
+    if options is None:
+        return False, False
+    _need(isinstance(options, dict) and set(options) <= {"include_usage", "continuous_usage_stats"},
+          "stream_options", 'an object {"include_usage": bool, "continuous_usage_stats": bool}', options)
+    if not stream:
+        raise BadRequest("stream_options: only allowed with stream=true", param="stream_options")
+    continuous = options.get("continuous_usage_stats")
+    continuous = False if continuous is None else continuous
+    _need(isinstance(continuous, bool), "stream_options.continuous_usage_stats", "true or false", continuous)
+    include_usage = options.get("include_usage")
+    include_usage = continuous if include_usage is None else include_usage
+    _need(isinstance(include_usage, bool), "stream_options.include_usage", "true or false", include_usage)
+    if continuous and not include_usage:  # vLLM's rule: usage per chunk only with usage at the end
+        ignored.append(("stream_options.continuous_usage_stats", True,
+                        "stream_options.include_usage is false: usage is sent per chunk only with it (vLLM's rule)"))
+        continuous = False
+    return include_usage, continuous
+
+
+def _salt(body: dict[str, Any]) -> str | None:
+    """kvload's ``salt`` or vLLM's ``cache_salt``, one setting by two names: the prefix-reuse scope of the request."""
+    salt, cache = body.get("salt"), body.get("cache_salt")
+    _need(salt is None or (isinstance(salt, str) and lone_surrogate(salt) is None), "salt",
+          "a string of valid Unicode text", salt)
+    _need(cache is None or (isinstance(cache, str) and bool(cache) and lone_surrogate(cache) is None), "cache_salt",
+          "a non-empty string of valid Unicode text (vLLM's)", cache)
+    if salt is not None and cache is not None and salt != cache:
+        raise BadRequest("cache_salt: salt and cache_salt differ; they are one setting (cache_salt is vLLM's name "
+                         "for kvload's salt, the prefix-reuse scope): give one, or the same value to both",
+                         param="cache_salt")
+    if cache is None:
+        _as_api(check_salt, salt)  # the Python API's bound on its length, in its words
+        return salt
+    try:
+        check_salt(cache)
+    except GenerationError as exc:  # the same bound, named as the request named it
+        raise BadRequest("cache_salt" + str(exc).removeprefix("generate: salt"), param="cache_salt") from None
+    return cache
+
+
+def _prompt_logprobs(body: dict[str, Any], stream: bool, ignored: list[tuple[str, Any, str]]) -> int | None:
+    """vLLM's ``prompt_logprobs``: top alternatives per prompt token, in [0, MAX_LOGPROBS] as the Python API takes
+    it; a stream has no place for them (vLLM refuses k > 0 there and returns nothing for 0)."""
+    value = body.get("prompt_logprobs")
+    if value is None:
+        return None
+    _as_api(functools.partial(check_logprobs, name="prompt_logprobs"), value)
+    if stream:
+        if value > 0:
+            raise BadRequest("prompt_logprobs: not available with stream=true (as in vLLM); ask without streaming",
+                             param="prompt_logprobs")
+        ignored.append(("prompt_logprobs", 0, "stream=true: a stream carries no prompt logprobs (vLLM's rule)"))
+        return None
+    return value
+
+
+def _accepted_as_done(body: dict[str, Any], kind: str, n: int) -> None:
+    """vLLM's fields accepted at the one value that is what kvload does anyway (so they act), refused otherwise."""
+    fmt = body.get("response_format")
+    if fmt is not None:
+        _need(isinstance(fmt, dict) and isinstance(fmt.get("type"), str), "response_format",
+              'an object {"type": "text"}', fmt)
+        if fmt["type"] != "text":
+            raise BadRequest(f"response_format: type {fmt['type'][:40]!r} needs guided (structured) decoding, which "
+                             'kvload serve does not do; only {"type": "text"} is accepted', param="response_format")
+        _need(set(fmt) == {"type"}, "response_format", 'an object {"type": "text"}', fmt)
+    priority = body.get("priority")
+    _need(priority is None or _is_int(priority), "priority", "an integer", priority)
+    if priority:  # vLLM: any priority but 0 is an error unless the server schedules by priority
+        raise BadRequest(f"priority: {priority}: kvload serve schedules first come, first served (vLLM's default "
+                         "policy, fcfs), where only priority 0 is accepted"[:300], param="priority")
+    best_of = body.get("best_of")
+    if kind == "completion" and best_of is not None:
+        _need(_is_int(best_of) and best_of >= 1, "best_of", "an integer >= 1", best_of)
+        if best_of != n:
+            raise BadRequest(f"best_of: {best_of} with n={n} is not supported: kvload serve returns every sample it "
+                             "draws, so only best_of = n is accepted (drawing more to keep the best is not done; "
+                             "vLLM's V1 engine dropped best_of too)"[:300], param="best_of")
+
+
+def request_id(value: Any, field: str = "request_id") -> str | None:
+    """vLLM's ``request_id`` (or the ``X-Request-Id`` header, ``field``): printable text of at most
+    :data:`MAX_REQUEST_ID_CHARS` characters, or None."""
+    ok = isinstance(value, str) and 1 <= len(value) <= MAX_REQUEST_ID_CHARS and value.isprintable()
+    _need(value is None or ok, field, f"a printable string of 1 to {MAX_REQUEST_ID_CHARS} characters", value)
+    return value
 
 
 def _logit_bias(value: Any) -> dict[int, Any]:
@@ -258,15 +373,55 @@ def _flag(body: dict[str, Any], field: str, default: bool) -> bool:
     return value
 
 
-def _template(body: dict[str, Any]) -> dict[str, Any]:
+def _template(body: dict[str, Any], tool_choice: bool = False) -> dict[str, Any]:
     """vLLM's chat template options in ``body`` (null: absent), checked by the Python API's ``LLM.chat`` rules,
-    as ``apply_chat_template`` keywords."""
+    as ``apply_chat_template`` keywords, with the request's ``tools`` (``tool_choice``: the chat endpoint's rules
+    for them, :func:`_tools`)."""
     given = {k: body[k] for k in TEMPLATE_OPTIONS if body.get(k) is not None}
     try:
-        return template_options(**given)
+        options = template_options(**given)
     except GenerationError as exc:
         msg = str(exc).removeprefix("chat: ")
         raise BadRequest(msg, param=msg.split(":", 1)[0]) from None
+    tools = _tools(body, tool_choice)
+    if tools is not None:
+        if "tools" in options:
+            raise BadRequest("tools: given both as tools and in chat_template_kwargs; give one", param="tools")
+        options["tools"] = tools
+    return options
+
+
+_TOOLS = 'a list of {"type": "function", "function": {"name": ..., "description"?, "parameters"?}}'
+
+
+def _tools(body: dict[str, Any], tool_choice: bool) -> list[dict[str, Any]] | None:
+    """OpenAI's ``tools``, passed to the chat template as vLLM does (the model sees them); None when there are none.
+
+    kvload has no tool-call parser and no guided decoding, so on the chat endpoint (``tool_choice``) only
+    ``tool_choice: "none"`` is taken: the model may see the tools, the reply is text. Tools without a
+    ``tool_choice`` would be "auto" (OpenAI's and vLLM's default), which needs a parser: refused.
+    """
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tool_choice and choice is not None and choice != "none":
+        shown = "a named function" if isinstance(choice, dict) else repr(choice)[:60]
+        raise BadRequest(f"tool_choice: {shown}: tool calling needs a tool-call parser (vLLM's --tool-call-parser) "
+                         'or guided decoding, which kvload serve does not have; only "none" is accepted (the reply '
+                         "is text)", param="tool_choice")
+    if tools is None:
+        return None
+    _need(isinstance(tools, list), "tools", _TOOLS, tools)
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        _need(isinstance(tool, dict) and tool.get("type", "function") == "function" and isinstance(function, dict)
+              and isinstance(function.get("name"), str) and bool(function["name"]), f"tools[{i}]",
+              'a {"type": "function", "function": {"name": ..., "description"?, "parameters"?}} object', tool)
+    if not tools:
+        return None
+    if tool_choice and choice is None:
+        raise BadRequest('tools: without tool_choice the model may call them ("auto", the default of OpenAI and '
+                         "vLLM), which needs a tool-call parser kvload serve does not have; pass tool_choice "
+                         '"none" to show the tools to the chat template only', param="tools")
+    return tools
 
 
 @attrs.frozen
@@ -282,7 +437,7 @@ class TokenizeJob:
 
 #: vLLM's TokenizeCompletionRequest and TokenizeChatRequest fields kvload acts on.
 _TOKENIZE_PROMPT = {"model", "prompt", "add_special_tokens", "return_token_strs"}
-_TOKENIZE_CHAT = {"model", "messages", "add_special_tokens", "return_token_strs"} | TEMPLATE_OPTIONS
+_TOKENIZE_CHAT = {"model", "messages", "add_special_tokens", "return_token_strs", "tools"} | TEMPLATE_OPTIONS
 
 
 def parse_tokenize(body: Any) -> TokenizeJob:

@@ -1,0 +1,314 @@
+"""vLLM's request fields that real clients send ``kvload serve``, through the openai client's ``extra_body``: what the
+server acts on (``cache_salt``, ``prompt_logprobs`` with vLLM's ranks, ``truncate_prompt_tokens``, ``request_id``,
+``stream_options.continuous_usage_stats``, chat's ``echo``, tools shown to the template) gives the Python API's
+numbers; what it cannot do (guided decoding, tool calling, priority scheduling, best_of) is a 400 naming the field.
+
+One server over the tiny llama with ``test_serve_vllm``'s word-level tokenizer (token ``i`` is ``w<i>``, 1 is the BOS
+``<s>``) and its chat template (each message's content, then ``w2`` for the assistant's turn).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.serve_support import serving
+from tests.test_serve_vllm import CONV, _tokenizer
+
+MAX_SEQ = 64
+PROMPT = "w5 w17 w30 w42 w7 w9"  # <s> and six words: 7 tokens
+
+
+@pytest.fixture(scope="module")
+def served(tiny_checkpoints, tmp_path_factory):
+    import shutil
+
+    path = tmp_path_factory.mktemp("fields") / "ckpt"
+    shutil.copytree(tiny_checkpoints("llama"), path)
+    _tokenizer().save_pretrained(path)
+    with serving(str(path), max_seq_len=MAX_SEQ, kv_cache_config={"max_tokens": 512, "tokens_per_block": 4},
+                 state={"model_name": "words", "trust_request_chat_template": True}) as s:
+        yield s
+
+
+def _complete(served, prompt=PROMPT, **extra):
+    return served.client.completions.create(model="words", prompt=prompt, max_tokens=3,
+                                            extra_body={"ignore_eos": True, **extra})
+
+
+def _refused(served, path, body, param):
+    r = served.http.post(path, json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param, error
+    return error["message"]
+
+
+def _ignored(served, request_id):
+    records = [json.loads(line) for line in served.http.get("/v1/kvload/audit").text.splitlines()]
+    return {r["field"]: r["value"] for r in records
+            if r["event"] == "setting_ignored" and r["reason"].endswith(f"(request {request_id})")}
+
+
+def _ids(served, text):
+    return served.http.post("/tokenize", json={"prompt": text}).json()["tokens"]
+
+
+# --- cache_salt: vLLM's name for the prefix-reuse scope ------------------------------------------------------------
+
+
+def test_cache_salt_is_the_salt_one_scope_by_either_name(served):
+    prompt = "w60 w61 w62 w63 w64 w65 w66 w67 w68"  # <s> + 9 words: two full blocks of 4
+    first = _complete(served, prompt, salt="team-a")
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = _complete(served, prompt, cache_salt="team-a")  # the blocks salt="team-a" left, found by cache_salt
+    assert again.usage.prompt_tokens_details.cached_tokens == 8
+    other = _complete(served, prompt, cache_salt="team-b")
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    both = _complete(served, prompt, salt="team-b", cache_salt="team-b")  # the same value twice is one setting
+    assert both.usage.prompt_tokens_details.cached_tokens == 8
+    message = _refused(served, "/v1/completions", {"prompt": prompt, "salt": "a", "cache_salt": "b"}, "cache_salt")
+    assert "salt and cache_salt differ" in message
+    assert "non-empty" in _refused(served, "/v1/completions", {"prompt": prompt, "cache_salt": ""}, "cache_salt")
+    assert _refused(served, "/v1/completions", {"prompt": prompt, "cache_salt": "s" * 1025}, "cache_salt") == (
+        "cache_salt: expected a string of at most 1,024 characters, got 1,025")
+
+
+# --- prompt_logprobs: vLLM's shape, the Python API's numbers, ranks in the vocabulary ---------------------------------
+
+
+def _check_prompt_logprobs(served, got, ids, k):
+    """``got`` (vLLM's prompt_logprobs) against the Python API's for the same token ids and k."""
+    (api,) = served.result.executor.run([ids], max_tokens=1, prompt_logprobs=k, salt="api")
+    assert len(got) == len(ids) and got[0] is None
+    for j in range(1, len(ids)):
+        entry, mine = api.prompt_logprobs[j], got[j]
+        token = str(ids[j])
+        assert next(iter(mine)) == token  # the token's own entry first, as vLLM's dict has it
+        assert mine[token]["logprob"] == pytest.approx(entry[ids[j]], abs=1e-5)
+        assert mine[token]["rank"] == entry.rank and mine[token]["decoded_token"] == f"w{ids[j]}"
+        best = sorted(entry.items(), key=lambda kv: -kv[1])[:k]  # the top k, ranked 1..k
+        for place, (alt, value) in enumerate(best, 1):
+            assert mine[str(alt)]["rank"] == place
+            assert mine[str(alt)]["logprob"] == pytest.approx(value, abs=1e-5)
+        assert set(mine) == {token} | {str(a) for a, _ in best}
+
+
+def test_prompt_logprobs_of_a_completion_are_the_python_apis_with_vllms_ranks(served):
+    r = _complete(served, prompt_logprobs=2)
+    got = r.choices[0].model_extra["prompt_logprobs"]
+    _check_prompt_logprobs(served, got, _ids(served, PROMPT), 2)
+    # some prompt token is not among the model's top 2 there: its rank counts the whole vocabulary
+    assert any(e[next(iter(e))]["rank"] > 2 for e in got[1:])
+    assert _complete(served).choices[0].model_extra["prompt_logprobs"] is None  # not asked: null, as vLLM's
+    zero = _complete(served, prompt_logprobs=0).choices[0].model_extra["prompt_logprobs"]
+    assert all(len(e) == 1 for e in zero[1:])  # the token alone
+
+
+def test_prompt_logprobs_of_a_chat_are_the_answers_own_over_the_templated_prompt(served):
+    r = served.client.chat.completions.create(model="words", messages=CONV, max_tokens=2,
+                                              extra_body={"ignore_eos": True, "prompt_logprobs": 1})
+    ids = served.http.post("/tokenize", json={"messages": CONV}).json()["tokens"]
+    assert r.usage.prompt_tokens == len(ids)
+    _check_prompt_logprobs(served, r.model_extra["prompt_logprobs"], ids, 1)
+
+
+def test_echo_with_logprobs_returns_prompt_logprobs_too_each_with_its_own_top_k(served):
+    r = _complete(served, echo=True, logprobs=1, prompt_logprobs=3)
+    choice = r.choices[0]
+    ids = _ids(served, PROMPT)
+    assert all(t is None or len(t) <= 2 for t in choice.logprobs.top_logprobs[:len(ids)])  # logprobs=1: top 1 + it
+    _check_prompt_logprobs(served, choice.model_extra["prompt_logprobs"], ids, 3)
+    echoed = _complete(served, echo=True, logprobs=1).choices[0]  # vLLM returns the echo's scores here too
+    _check_prompt_logprobs(served, echoed.model_extra["prompt_logprobs"], ids, 1)
+
+
+def test_prompt_logprobs_in_a_stream_are_refused_as_vllm_does_and_zero_is_reported_ignored(served):
+    message = _refused(served, "/v1/completions", {"prompt": PROMPT, "stream": True, "prompt_logprobs": 1},
+                       "prompt_logprobs")
+    assert "stream=true" in message
+    _refused(served, "/v1/completions", {"prompt": PROMPT, "prompt_logprobs": 21}, "prompt_logprobs")
+    _refused(served, "/v1/completions", {"prompt": PROMPT, "prompt_logprobs": -1}, "prompt_logprobs")
+    with served.http.stream("POST", "/v1/completions", json={"prompt": PROMPT, "stream": True, "max_tokens": 2,
+                                                             "prompt_logprobs": 0}) as s:
+        assert s.status_code == 200
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert _ignored(served, chunks[0]["id"]) == {"serve.prompt_logprobs": 0}
+
+
+# --- truncate_prompt_tokens: the prompt's last k tokens ------------------------------------------------------------
+
+
+def test_truncate_prompt_tokens_keeps_the_last_k_tokens_as_the_python_api_would_be_given_them(served):
+    ids = _ids(served, PROMPT)
+    r = _complete(served, truncate_prompt_tokens=3, echo=True)
+    assert r.usage.prompt_tokens == 3
+    (api,) = served.result.executor.run([ids[-3:]], max_tokens=3, ignore_eos=True)
+    assert r.choices[0].model_extra["token_ids"] == api.outputs[0].token_ids
+    assert r.choices[0].text.startswith("w42 w7 w9")  # the echo is the prompt the model saw
+    untouched = _complete(served, truncate_prompt_tokens=50)  # shorter already: kept whole
+    assert untouched.usage.prompt_tokens == len(ids)
+    tokens = served.client.completions.create(model="words", prompt=ids, max_tokens=1,
+                                              extra_body={"truncate_prompt_tokens": 2})
+    assert tokens.usage.prompt_tokens == 2
+    chat = served.client.chat.completions.create(model="words", messages=CONV, max_tokens=1,
+                                                 extra_body={"truncate_prompt_tokens": 2})
+    assert chat.usage.prompt_tokens == 2
+
+
+def test_truncate_prompt_tokens_minus_one_fits_a_long_prompt_to_what_max_tokens_leaves(served):
+    long = " ".join(f"w{10 + i}" for i in range(80))  # 81 tokens: past max_seq_len
+    _refused(served, "/v1/completions", {"prompt": long, "max_tokens": 4}, "prompt")
+    r = _complete(served, long, truncate_prompt_tokens=-1, max_tokens=4)
+    assert r.usage.prompt_tokens == MAX_SEQ - 4 and r.usage.completion_tokens == 4
+    message = _refused(served, "/v1/completions", {"prompt": long, "max_tokens": 4, "truncate_prompt_tokens": 61},
+                       "truncate_prompt_tokens")
+    assert "61 is more than max_model_len - max_tokens = 64 - 4 = 60" in message
+    for bad in (0, -2, "3", 1.5):
+        _refused(served, "/v1/completions", {"prompt": PROMPT, "truncate_prompt_tokens": bad}, "truncate_prompt_tokens")
+
+
+# --- the answer's id, usage per chunk -------------------------------------------------------------------------------
+
+
+def test_request_id_names_the_answer_and_an_x_request_id_header_wins(served):
+    assert _complete(served, request_id="job-7").id == "cmpl-job-7"
+    r = served.client.completions.create(model="words", prompt=PROMPT, max_tokens=1,
+                                         extra_body={"request_id": "job-8"}, extra_headers={"X-Request-Id": "trace-1"})
+    assert r.id == "cmpl-trace-1"
+    chat = served.client.chat.completions.create(model="words", messages=CONV, max_tokens=1,
+                                                 extra_body={"request_id": "job-9"})
+    assert chat.id == "chatcmpl-job-9"
+    _refused(served, "/v1/completions", {"prompt": PROMPT, "request_id": "x" * 257}, "request_id")
+    _refused(served, "/v1/completions", {"prompt": PROMPT, "request_id": "a\nb"}, "request_id")
+
+
+def test_continuous_usage_stats_put_each_choices_usage_so_far_in_every_chunk(served):
+    stream = served.client.completions.create(model="words", prompt=PROMPT, max_tokens=4, n=2, temperature=1.0,
+                                              stream=True, stream_options={"include_usage": True},
+                                              extra_body={"ignore_eos": True,
+                                                          "stream_options": {"continuous_usage_stats": True}})
+    chunks = list(stream)
+    *steps, last = chunks
+    prompt = len(_ids(served, PROMPT))
+    seen = {0: 0, 1: 0}
+    for chunk in steps:
+        (choice,) = chunk.choices
+        seen[choice.index] += len(choice.model_extra["token_ids"])
+        assert (chunk.usage.prompt_tokens, chunk.usage.completion_tokens) == (prompt, seen[choice.index])
+    assert seen == {0: 4, 1: 4}
+    assert last.choices == [] and last.usage.completion_tokens == 8  # the request's, at the end
+    # vLLM's: per-chunk usage only with include_usage (its default true: on when not given)
+    off = served.client.completions.create(model="words", prompt=PROMPT, max_tokens=2, stream=True,
+                                           extra_body={"ignore_eos": True, "stream_options": {
+                                               "include_usage": False, "continuous_usage_stats": True}})
+    chunks = list(off)
+    assert all(c.usage is None for c in chunks)
+    assert _ignored(served, chunks[0].id) == {"serve.stream_options.continuous_usage_stats": True}
+    on = served.http.post("/v1/chat/completions", json={
+        "messages": CONV, "max_tokens": 2, "stream": True, "stream_options": {"continuous_usage_stats": True}})
+    docs = [json.loads(line[6:]) for line in on.text.splitlines() if line.startswith("data: {")]
+    assert docs[0]["usage"]["completion_tokens"] == 0 and docs[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert docs[-1]["choices"] == [] and docs[-1]["usage"]["completion_tokens"] == 2
+
+
+# --- chat's echo, and the tools ---------------------------------------------------------------------------------------
+
+
+def test_chat_echo_puts_the_last_message_before_a_reply_in_its_role(served):
+    body = {"add_generation_prompt": False, "continue_final_message": True, "ignore_eos": True}
+    plain = served.client.chat.completions.create(model="words", messages=CONV, max_tokens=3, extra_body=body)
+    echoed = served.client.chat.completions.create(model="words", messages=CONV, max_tokens=3,
+                                                   extra_body={**body, "echo": True})
+    assert echoed.choices[0].message.content == "w30" + plain.choices[0].message.content  # the assistant's "w30"
+    stream = served.client.chat.completions.create(model="words", messages=CONV, max_tokens=3, stream=True,
+                                                   extra_body={**body, "echo": True})
+    deltas = [c.choices[0].delta for c in stream if c.choices]
+    assert deltas[0].role == "assistant" and deltas[1].content == "w30"  # in a chunk of its own, after the role's
+    assert "".join(d.content or "" for d in deltas) == echoed.choices[0].message.content
+    # the reply opens a new assistant turn after a user message: nothing of the user's is echoed
+    user = [{"role": "user", "content": "w5 w17"}]
+    opened = served.client.chat.completions.create(model="words", messages=user, max_tokens=3,
+                                                   extra_body={"echo": True, "ignore_eos": True})
+    unechoed = served.client.chat.completions.create(model="words", messages=user, max_tokens=3,
+                                                     extra_body={"ignore_eos": True})
+    assert opened.choices[0].message.content == unechoed.choices[0].message.content
+
+
+TOOLS = [{"type": "function", "function": {"name": "w9", "description": "look up", "parameters": {}}}]
+TOOL_TEMPLATE = ("{% for t in tools or [] %}{{ t['function']['name'] }} {% endfor %}"
+                 "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w2{% endif %}")
+
+
+def test_tools_with_tool_choice_none_reach_the_chat_template_as_vllm_shows_them(served):
+    body = {"model": "words", "messages": CONV, "max_tokens": 1, "chat_template": TOOL_TEMPLATE}
+    without = served.http.post("/v1/chat/completions", json=body).json()
+    shown = served.http.post("/v1/chat/completions", json={**body, "tools": TOOLS, "tool_choice": "none"}).json()
+    assert shown["usage"]["prompt_tokens"] == without["usage"]["prompt_tokens"] + 1  # "w9 " before the messages
+    tokens = served.http.post("/tokenize", json={"messages": CONV, "chat_template": TOOL_TEMPLATE, "tools": TOOLS})
+    assert tokens.json()["tokens"][0] == 9
+    assert served.http.post("/v1/chat/completions", json={**body, "tool_choice": "none"}).status_code == 200
+    assert "tool-call parser" in _refused(served, "/v1/chat/completions", {**body, "tools": TOOLS}, "tools")
+    for choice in ("auto", "required", {"type": "function", "function": {"name": "w9"}}):
+        message = _refused(served, "/v1/chat/completions", {**body, "tools": TOOLS, "tool_choice": choice},
+                           "tool_choice")
+        assert 'only "none" is accepted' in message
+    _refused(served, "/v1/chat/completions", {**body, "tools": [{"type": "function"}], "tool_choice": "none"},
+             "tools[0]")
+
+
+# --- accepted at the one value kvload serves, else refused naming the field ----------------------------------------
+
+
+def test_response_format_text_priority_zero_and_best_of_n_are_served(served):
+    r = served.client.completions.create(model="words", prompt=PROMPT, max_tokens=2, n=2, temperature=1.0, seed=1,
+                                         extra_body={"response_format": {"type": "text"}, "priority": 0,
+                                                     "best_of": 2, "ignore_eos": True})
+    plain = served.client.completions.create(model="words", prompt=PROMPT, max_tokens=2, n=2, temperature=1.0,
+                                             seed=1, extra_body={"ignore_eos": True})
+    assert [c.text for c in r.choices] == [c.text for c in plain.choices]
+    chat = served.client.chat.completions.create(model="words", messages=CONV, max_tokens=1,
+                                                 response_format={"type": "text"})
+    assert chat.choices[0].message.role == "assistant"
+
+
+@pytest.mark.parametrize("path, extra, param, words", [
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format", "guided"),
+    ("/v1/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format", "guided"),
+    ("/v1/completions", {"response_format": "text"}, "response_format", '{"type": "text"}'),
+    ("/v1/completions", {"priority": 1}, "priority", "first come, first served"),
+    ("/v1/chat/completions", {"priority": -5}, "priority", "only priority 0"),
+    ("/v1/completions", {"best_of": 3, "n": 2}, "best_of", "only best_of = n"),
+    ("/v1/completions", {"best_of": 0}, "best_of", "an integer >= 1"),
+    ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice", "tool-call parser"),
+])
+def test_what_kvload_cannot_do_is_a_400_naming_the_field(served, path, extra, param, words):
+    body = {"messages": CONV} if path.endswith("chat/completions") else {"prompt": PROMPT}
+    assert words in _refused(served, path, {**body, "max_tokens": 1, **extra}, param)
+
+
+def test_spaces_between_special_tokens_false_joins_shown_special_tokens_as_the_python_api_does(served):
+    """The word-level decoder puts a space between every two tokens; vLLM's false drops it between two added
+    tokens (here a reply forced to the BOS ``<s>`` by logit_bias, then ``w7``), where special tokens are shown."""
+    body = {"logit_bias": {"1": 100}, "skip_special_tokens": False, "ignore_eos": True}
+    shown = _complete(served, **body).choices[0]
+    assert shown.text == "<s> <s> <s>"
+    joined = _complete(served, **body, spaces_between_special_tokens=False)
+    assert joined.choices[0].text == "<s><s><s>"
+    ids = _ids(served, PROMPT)
+    (api,) = served.result.executor.run([ids], max_tokens=3, ignore_eos=True, logit_bias={1: 100},
+                                        skip_special_tokens=False, spaces_between_special_tokens=False)
+    assert api.outputs[0].text == "<s><s><s>"
+    stream = served.client.completions.create(model="words", prompt=PROMPT, max_tokens=3, stream=True,
+                                              extra_body={**body, "spaces_between_special_tokens": False})
+    assert "".join(c.choices[0].text for c in stream) == "<s><s><s>"
+    # only between two added tokens: an ordinary word after one keeps the decoder's space
+    echo = _complete(served, [1, 1, 7], max_tokens=1, echo=True, **body, spaces_between_special_tokens=False)
+    assert echo.choices[0].text == "<s><s> w7<s>"
+    # special tokens skipped (the default): nothing to space, said once for the request
+    skipped = _complete(served, spaces_between_special_tokens=False)
+    assert _ignored(served, skipped.id) == {"serve.spaces_between_special_tokens": False}
+    _refused(served, "/v1/completions", {"prompt": PROMPT, "spaces_between_special_tokens": "no"},
+             "spaces_between_special_tokens")
