@@ -224,6 +224,8 @@ class KVCacheManagerV2:
         if slots:
             self.host = HostTier(pools, slots)
         self._caches: dict[Request, SequenceCache] = {}
+        #: requests whose pages wait on the host tier (suspended, not resumed or freed yet)
+        self.num_on_host = 0
         # per group: sum over active caches of the blocks each holds at its worst case (growth_bound's cheap bound)
         self._worst_blocks = [0] * len(self.groups)
         self._closed = False
@@ -366,6 +368,7 @@ class KVCacheManagerV2:
         self.host.sync()  # the pages are on the host before any device block changes hands
         self._release_blocks(cache)
         cache.host, cache.reclaim = host, reclaim
+        self.num_on_host += 1
         cache.state = CacheState.SUSPENDED
         cache.history = cache.capacity = cache.committed
         self.counters["suspends"] += 1
@@ -390,6 +393,7 @@ class KVCacheManagerV2:
             for name, slots in cache.host.items():
                 self.host.free(name, slots)
             cache.host = None
+            self.num_on_host -= 1
         if cache.last is not None:
             self._tree.leave(cache.last)
             cache.last = None
@@ -818,6 +822,9 @@ class KVCacheManagerV2:
     def check_invariants(self) -> None:
         """Verify the bookkeeping (O(blocks + tokens)); raise ``AssertionError`` listing what is broken."""
         problems: list[str] = []
+        on_host = sum(1 for c in self._caches.values() if c.host is not None)
+        if on_host != self.num_on_host:
+            problems.append(f"num_on_host {self.num_on_host}, but {on_host} caches hold host slots")
         owners: dict[str, dict[int, int]] = {g.name: {} for g in self.groups}
         on_path: dict[str, RadixNode] = {}  # each cache's last radix run
         for cache in self._caches.values():
@@ -1586,6 +1593,7 @@ class KVCacheManagerV2:
         for name, slots in cache.host.items():
             self.host.free(name, slots)
         cache.host, cache.reclaim = None, {}
+        self.num_on_host -= 1
         cache.state = CacheState.ACTIVE
         self._count_worst(cache, 1)
         self.counters["resumes"] += 1

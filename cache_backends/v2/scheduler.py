@@ -103,8 +103,14 @@ class KVCacheV2Scheduler(SchedulerBase):
         _sort_by_rank(running)
         moved_out = False
 
-        pending = [(r, r.num_tokens - r.num_computed_tokens) for r in running]
-        order = [rp for rp in pending if rp[1] == 1] + [rp for rp in pending if rp[1] > 1]
+        order, chunked = [], []  # decodes (one pending token) first, then prefill chunks
+        for r in running:
+            p = r.num_tokens - r.num_computed_tokens
+            if p == 1:
+                order.append((r, 1))
+            elif p > 1:
+                chunked.append((r, p))
+        order += chunked
         running_state = RequestState.RUNNING
         for r, p in order:
             if budget == 0:
@@ -147,7 +153,8 @@ class KVCacheV2Scheduler(SchedulerBase):
                 self.new_token_ratio = min(1.0, max(self.new_token_ratio, self.init_ratio) + RATIO_BUMP)
         else:
             self.new_token_ratio = max(self.min_ratio, self.new_token_ratio - RATIO_DECAY)
-            suspended = [r for r in waiting if r.state is RequestState.SUSPENDED]  # one scan of a long queue
+            # one scan of a long queue, and none while no request waits on the host tier (the common case)
+            suspended = [r for r in waiting if r.state is RequestState.SUSPENDED] if m.num_on_host else []
             if suspended:
                 budget = self._resume(suspended, waiting, running, out, chunks, budget, reasons)
             if not any(r.state is RequestState.SUSPENDED for r in suspended):
