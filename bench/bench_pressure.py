@@ -4,6 +4,7 @@ Run from the repository root (nothing here runs torch kernels)::
 
     python -m bench.bench_pressure                  # the cells below, one V1/V2 pair each
     python -m bench.bench_pressure --pairs 3 --only long-context
+    python -m bench.bench_pressure --opcodes        # Python opcodes of the KV work instead: deterministic
 
 The grid (``bench.bench_grid``) judges steps and hit rates; its step-time column is wall time, one run. Here each
 cell runs both managers back to back (order alternating per pair) under ``bench.common.thread_cpu_step_clock``, so
@@ -55,16 +56,48 @@ def measure(cells: list[tuple[str, str, str]], pairs: int) -> list[dict[str, obj
     return rows
 
 
+def count_opcodes(cells: list[tuple[str, str, str]]) -> list[tuple[str, int | None, int | None]]:
+    """Per cell: the Python opcodes of each manager's KV work over the whole run (``bench.common.kv_opcode_counter``;
+    None where it stalled)."""
+    from bench.common import kv_opcode_counter
+    from engine.simulator import simulate
+    from engine.workloads import make_workload
+
+    rows = []
+    for preset, name, budget in cells:
+        wl = make_workload(name, None, 0)
+        base = simulate(preset, wl, kv_cache_config={"use_kv_cache_manager_v2": False}, **CPU).budget.bytes
+        kv = {"max_gpu_total_bytes": int(base * BUDGETS[budget])}
+        got: list[int | None] = []
+        for v2 in (False, True):
+            with kv_opcode_counter() as count:
+                (res,) = simulate(preset, wl, kv_cache_config={**kv, "use_kv_cache_manager_v2": v2},
+                                  **CPU).results.values()
+            got.append(count[0] if res.metrics is not None else None)
+        rows.append((f"{preset} {name} {budget}", got[0], got[1]))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     """Print one line per cell."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--pairs", type=int, default=1, help="interleaved V1/V2 pairs per cell")
     p.add_argument("--only", default="", help="cells whose 'preset workload budget' contains this text")
+    p.add_argument("--opcodes", action="store_true",
+                   help="count the Python opcodes of the KV work (deterministic) instead of timing it")
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cells = [c for c in CELLS if args.only in " ".join(c)]
     if not cells:
         p.error(f"--only: no cell matches {args.only!r}")
+    if args.opcodes:
+        print("| cell | V1 opcodes | V2 opcodes | V2/V1 |")
+        print("|---|--:|--:|--:|")
+        for cell, a, b in count_opcodes(cells):
+            ratio = f"{b / a:.2f}x" if a and b else "-"
+            print(f"| {cell} | {'stalled' if a is None else f'{a:,}'} | {'stalled' if b is None else f'{b:,}'} | "
+                  f"{ratio} |")
+        return
     print("| cell | V1 step µs | V2 step µs | V2/V1 step | V1 / V2 steps | V2/V1 whole run |")
     print("|---|--:|--:|--:|--:|--:|")
     for row in measure(cells, args.pairs):

@@ -33,6 +33,57 @@ def thread_cpu_step_clock() -> Iterator[None]:
         clock["time"] = saved
 
 
+@contextlib.contextmanager
+def kv_opcode_counter() -> Iterator[list[int]]:
+    """Within the block, count the Python opcodes executed in the KV work the driver times as ``kv_seconds``
+    (``scheduler.step``, the managers' ``commit`` and the schedulers' ``finish``, everything they call) into the
+    yielded one-element list. A deterministic measure of the Python work, for a machine whose timings drift
+    10-50% between runs: the same code and workload give the same count (once module-level memos are warm: a
+    first run differs by under 0.01%). It weighs every opcode alike (a C
+    builtin's loop counts as one call), so quote it beside CPU times, not instead of them. Tracing slows the
+    run down ~10x."""
+    from cache_backends.scheduler_base import SchedulerBase
+    from cache_backends.v1.manager import KVCacheManager
+    from cache_backends.v1.scheduler import GuaranteedNoEvictScheduler
+    from cache_backends.v2.manager import KVCacheManagerV2
+    from cache_backends.v2.scheduler import KVCacheV2Scheduler
+
+    count, depth = [0], [0]
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        if event == "opcode":
+            count[0] += 1
+        return local
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if depth[0]:
+            frame.f_trace_opcodes = True
+            return local
+        return None
+
+    def counted(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            depth[0] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+        return call
+
+    targets = [(GuaranteedNoEvictScheduler, "step"), (KVCacheV2Scheduler, "step"), (SchedulerBase, "finish"),
+               (KVCacheManager, "commit"), (KVCacheManagerV2, "commit")]
+    saved = [(cls, name, cls.__dict__[name]) for cls, name in targets]
+    for cls, name, fn in saved:
+        setattr(cls, name, counted(fn))
+    sys.settrace(tracer)
+    try:
+        yield count
+    finally:
+        sys.settrace(None)
+        for cls, name, fn in saved:
+            setattr(cls, name, fn)
+
+
 @attrs.define
 class Table:
     """One benchmark's result: a markdown table with the command that produced it and notes."""

@@ -67,6 +67,30 @@ def test_pressure_bench_runs_both_managers_per_cell_and_refuses_an_unknown_cell(
         bench_pressure.main(["--only", "no such cell"])
 
 
+def test_opcode_counter_counts_the_kv_work_alike_every_run_and_only_inside_its_block():
+    """The deterministic measure quoted beside CPU times: the same run counts the same once module-level memos are
+    warm (the first run fills a few), work outside the KV calls counts nothing, and the patched methods are
+    restored."""
+    import sys
+
+    from bench.common import kv_opcode_counter
+    from cache_backends.v2.scheduler import KVCacheV2Scheduler
+    from engine.simulator import simulate
+    from engine.workloads import make_workload
+
+    step = KVCacheV2Scheduler.step
+    wl = make_workload("no-reuse", 16, 0)
+    counts = []
+    for _ in range(3):
+        with kv_opcode_counter() as count:
+            sum(range(1000))  # not KV work
+            assert count[0] == 0
+            simulate("tiny-llama", wl, kv_cache_config={"use_kv_cache_manager_v2": True})
+        counts.append(count[0])
+    assert counts[1] == counts[2] > 1000 and abs(counts[0] - counts[1]) < counts[1] / 1000
+    assert KVCacheV2Scheduler.step is step and sys.gettrace() is None
+
+
 def test_radix_runs_prototype_evicts_exactly_as_the_block_queue_on_the_no_reuse_pattern():
     from bench import proto_radix_runs as proto
 
