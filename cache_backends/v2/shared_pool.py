@@ -91,9 +91,10 @@ class SharedPool:
         k = min(total, len(free))
         out = free[len(free) - k:][::-1]
         del free[len(free) - k:]
+        gen, ref, group_of, used = self.gen, self.ref, self.group_of, self.used
         if total > k:
             evicted = self.evictable.pop_many(total - k)
-            group_of, names = self.group_of, self.names
+            names, cached, evictions = self.names, self.cached, self.evicted
             start = 0
             for c in counts:
                 if c <= 0:
@@ -103,17 +104,17 @@ class SharedPool:
                     by_group: dict[int, list[int]] = {}
                     for b in evicted[max(start, k) - k:end - k]:
                         g = group_of[b]
-                        by_group.setdefault(g, []).append(b)
-                        self.cached[g] -= 1
-                        self.evicted[g] += 1
+                        got = by_group.get(g)
+                        if got is None:
+                            by_group[g] = [b]
+                        else:
+                            got.append(b)
                     for g, blocks in by_group.items():
+                        cached[g] -= len(blocks)
+                        evictions[g] += len(blocks)
                         detach(names[g], blocks)
                 start = end
             out += evicted
-        gen, ref, group_of, used = self.gen, self.ref, self.group_of, self.used
-        for b in out:
-            gen[b] += 1
-            ref[b] = 1
         pieces: list[list[int]] = []
         pos = 0
         for g, c in zip(groups, counts, strict=True):
@@ -122,7 +123,9 @@ class SharedPool:
                 continue
             piece = out[pos:pos + c]
             pos += c
-            for b in piece:
+            for b in piece:  # this loop runs for every block handed out: kept lean
+                gen[b] += 1
+                ref[b] = 1
                 group_of[b] = g
             used[g] += c
             pieces.append(piece)
