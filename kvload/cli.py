@@ -21,6 +21,7 @@ import attrs
 from pipeline.config import ATTENTION_BACKENDS, LINEAR_BACKENDS, SIZE_HELP, parse_size
 from pipeline.errors import ConfigError, KvloadError, first_line
 from pipeline.limits import MAX_INT, MAX_INT_DIGITS, MAX_LOGPROBS, MAX_N, short_text
+from pipeline.signals import Terminated, handle_sigterm, release_sigterm  # at import: main's first line is in its try
 
 # --- text-layer value parsers (argparse `type=`) ---------------------------------------------
 
@@ -881,13 +882,11 @@ def add_simulate_command(sub: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``kvload`` console script."""
-    from pipeline.signals import handle_sigterm, release_sigterm
-
-    handle_sigterm()  # kill (SIGTERM), a hangup (SIGHUP) clean up like Ctrl-C: no temporary file, no half-built pools
+    """The command line (``kvload.__main__.main`` imports this module, then calls it)."""
     said = [False]  # whether the one line for a signal was printed (by _main's handler, or here)
     ns = None
     try:
+        handle_sigterm()  # SIGTERM, SIGHUP clean up like Ctrl-C: no temporary file, no half-built pools
         ns = build_parser().parse_args(argv)
         return _main(ns, argv, said)
     except KeyboardInterrupt as exc:  # in start-up, before _main's handler is in, or while that handler ran
@@ -898,8 +897,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _stopped(exc: KeyboardInterrupt, said: list[bool], ns: argparse.Namespace | None) -> int:
     """The one line for a stop signal, printed once however many arrive, and its exit status (128 + its number)."""
-    from pipeline.signals import Terminated
-
     term = isinstance(exc, Terminated)  # SIGTERM, or SIGHUP (HungUp)
     _say(f"{exc.describe if term else 'interrupted'}{_unwritten(ns)}", said)
     return 128 + exc.signal_number if term else 130
