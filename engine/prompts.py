@@ -9,8 +9,12 @@ a 1-D integer numpy array / torch tensor), vLLM's prompt dicts ``{"prompt": "...
 
 from __future__ import annotations
 
+import math
 import numbers
-from collections.abc import Mapping, Sequence
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from types import FrameType
 from typing import Any
 
 from pipeline.errors import GenerationError, first_line
@@ -141,14 +145,67 @@ def check_messages(where: str, messages: Any) -> list[dict[str, str]]:
     return out
 
 
+#: Steps one chat template rendering may take: the lines of the template's own code it runs and the Python calls
+#: (filters, the sandbox's attribute checks) they make. Jinja's sandbox bounds a ``range`` (100,000 items) but not a
+#: loop inside a loop: two nested ranges ran 10**10 steps, for ever in practice, and the Jinja a server runs may be a
+#: client's. SmolLM2's template takes under 4,000 steps for a 200-turn conversation; this many take about half a second.
+TEMPLATE_MAX_STEPS = 1_000_000
+#: ... and the seconds: one step may be costly (a filter over 100,000 items, a string multiplied to 100 MB).
+TEMPLATE_MAX_SECONDS = 5.0
+
+
+class _TemplateRanAway(Exception):
+    """Raised into a chat template's code by :func:`_bounded` when it passes a bound (the message says which)."""
+
+
+def _bounded(render: Callable[[], Any]) -> Any:
+    """``render()`` with a chat template's steps counted and timed (``sys.settrace``, in this thread only; code run
+    before the template, such as its compilation, is left to the tracer already set, a debugger's or coverage's),
+    raising ``_TemplateRanAway`` into the template past :data:`TEMPLATE_MAX_STEPS` or
+    :data:`TEMPLATE_MAX_SECONDS`: a loop is stopped where it is."""
+    previous = sys.gettrace()
+    steps = 0
+    deadline = math.inf  # set when the template's code first runs
+
+    def step(frame: FrameType, event: str, arg: Any) -> Any:
+        nonlocal steps
+        steps += 1
+        if steps & 63 == 0:  # both bounds every 64 steps: a step is a few hundred nanoseconds, a clock read is not free
+            if steps > TEMPLATE_MAX_STEPS:
+                raise _TemplateRanAway(f"ran more than {TEMPLATE_MAX_STEPS:,} steps")
+            if time.monotonic() > deadline:
+                raise _TemplateRanAway(f"ran longer than {TEMPLATE_MAX_SECONDS:g} s")
+        return step
+
+    def trace(frame: FrameType, event: str, arg: Any) -> Any:
+        nonlocal deadline
+        if frame.f_code.co_filename == "<template>":  # Jinja's name for the code of a template made from a string
+            if deadline == math.inf:
+                deadline = time.monotonic() + TEMPLATE_MAX_SECONDS
+            return step(frame, event, arg)  # its lines are steps, and so is each call into it
+        if deadline != math.inf:  # a call the template made (a filter, the sandbox's checks)
+            step(frame, event, arg)
+        return previous(frame, event, arg) if previous is not None else None
+
+    sys.settrace(trace)
+    try:
+        return render()
+    finally:
+        sys.settrace(previous)
+
+
 def apply_template(tokenizer: Any, where: str, messages: list[dict[str, str]], **kwargs: Any) -> Any:
     """``tokenizer.apply_chat_template``; a template that refuses the conversation (Mistral's and Llama 2's raise
-    when roles do not alternate) is a ``GenerationError`` naming it, not a jinja2 traceback."""
+    when roles do not alternate) is a ``GenerationError`` naming it, not a jinja2 traceback, and so is one that
+    runs past :data:`TEMPLATE_MAX_STEPS` or :data:`TEMPLATE_MAX_SECONDS` (it might never end)."""
     kwargs.setdefault("add_generation_prompt", True)
+    whose = "the chat_template given" if kwargs.get("chat_template") is not None else "the model's chat template"
     try:
-        return tokenizer.apply_chat_template(messages, **kwargs)
+        return _bounded(lambda: tokenizer.apply_chat_template(messages, **kwargs))
+    except _TemplateRanAway as exc:
+        raise GenerationError(f"generate: {where}: {whose} {exc} without finishing (a loop inside a loop?); it was "
+                              "stopped") from None
     except Exception as exc:  # jinja2.TemplateError from raise_exception(), or a template's own TypeError
-        whose = "the chat_template given" if kwargs.get("chat_template") is not None else "the model's chat template"
         raise GenerationError(f"generate: {where}: {whose} refused the conversation: "
                               f"{first_line(exc, type(exc).__name__)}"[:300]) from None
 
@@ -188,5 +245,6 @@ def template_options(add_generation_prompt: Any = True, continue_final_message: 
     return options
 
 
-__all__ = ["PROMPT_KEYS", "ROLES", "TEMPLATE_OPTIONS", "apply_template", "check_messages", "check_text",
-           "is_conversation", "is_token_id", "lone_surrogate", "normalize", "template_options"]
+__all__ = ["PROMPT_KEYS", "ROLES", "TEMPLATE_MAX_SECONDS", "TEMPLATE_MAX_STEPS", "TEMPLATE_OPTIONS", "apply_template",
+           "check_messages", "check_text", "is_conversation", "is_token_id", "lone_surrogate", "normalize",
+           "template_options"]

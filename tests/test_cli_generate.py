@@ -255,6 +255,24 @@ def test_a_real_process_streams_and_writes_the_audit(tmp_path):
     assert (started["temperature"], started["seed"], started["stage"]) == (0.7, 11, "generate")
 
 
+def test_chat_with_a_checkpoints_template_that_never_ends_exits_2_with_one_line(tiny_checkpoints, tmp_path):
+    """``generate --chat`` with a checkpoint whose own chat_template.jinja nests two 100,000-item ranges (Jinja's
+    sandbox bounds each range, not their product) ran its 10**10 steps: it looped for ever (the helper's 180 s
+    timeout). It is stopped at the template step bound: exit 2, one line naming the template, no audit file."""
+    from tests.llm_support import with_tokenizer
+
+    ckpt = with_tokenizer(tiny_checkpoints("llama"), tmp_path / "ckpt", 512)
+    (ckpt / "chat_template.jinja").write_text("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}"
+                                              "{% endfor %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    out = tmp_path / "out"
+    out.mkdir()
+    r = kvload("generate", ckpt, "--chat", "--prompt", "w5 w6", "--audit-log", out / "a.jsonl")
+    assert r.code == 2 and r.one_error_line, r.err[-2000:]
+    assert r.err == ("error: generate: prompt 0: the model's chat template ran more than 1,000,000 steps without "
+                     "finishing (a loop inside a loop?); it was stopped\n")
+    assert r.out == "" and list(out.iterdir()) == []
+
+
 def test_help_explains_the_output_and_the_cpu_budget(capsys):
     r = run_cli(capsys, "generate", "--help")
     assert r.code == 0
