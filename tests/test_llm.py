@@ -449,6 +449,28 @@ def test_errors_name_the_call_the_user_made(words):
             getattr(llm, call)(*args)
 
 
+@pytest.mark.parametrize("call", ["chat", "generate_stream"])
+def test_the_audits_generation_failed_names_the_call_as_the_error_does(words, call):
+    """chat and generate_stream raised ``chat: ...`` / ``generate_stream: ...`` (``_named``), but the audit's
+    generation_failed kept the shared executor's ``generate: ...``: the record and the error disagreed."""
+    armed = [True]
+
+    def close_once_running(record: dict[str, Any]) -> None:  # after generation_started: the call fails mid-way
+        if armed[0] and record["event"] == "request_admitted":
+            armed[0] = False
+            llm.close()
+
+    llm = kvload.LLM(str(words), **llm_kwargs("v1"), subscribers=[close_once_running])
+    llm.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}w1"
+    run = {"chat": lambda: llm.chat([{"role": "user", "content": "w2"}], max_tokens=4, ignore_eos=True),
+           "generate_stream": lambda: list(llm.generate_stream([[1, 2, 3]], max_tokens=4, ignore_eos=True))}[call]
+    with pytest.raises(GenerationError) as raised:
+        run()
+    assert str(raised.value).startswith(f"{call}: the LLM was closed during generation")
+    (failed,) = llm.audit.of("generation_failed")
+    assert failed["message"] == str(raised.value)
+
+
 def test_the_server_answers_a_refusing_chat_template_with_400_and_keeps_the_connection(llm):
     httpx = pytest.importorskip("httpx")
     from kvload.serve.server import ServerThread, build_state
