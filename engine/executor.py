@@ -56,6 +56,7 @@ from engine.prompts import (
     check_messages,
     check_text,
     is_conversation,
+    missing_template,
     normalize,
     template_options,
 )
@@ -823,9 +824,6 @@ class GenerationExecutor:
             if isinstance(prompt, str):
                 if chat:
                     check_text(f"prompt {i}", prompt)
-                    tok = self._text_tokenizer(i)
-                    if not getattr(tok, "chat_template", None) and "chat_template" not in template:
-                        raise GenerationError(f"generate: chat=True: the tokenizer of {self.name} has no chat template")
                     items.append(self._converse(i, [{"role": "user", "content": prompt}], template))
                 else:
                     items.append((prompt, self._tokenize(i, prompt)))
@@ -867,9 +865,9 @@ class GenerationExecutor:
         templated text, its token ids)."""
         messages = check_messages(f"prompt {i}", messages)
         tok = self.tokenizer
-        if tok is None or (not getattr(tok, "chat_template", None) and "chat_template" not in template):
-            raise GenerationError(f"generate: prompt {i}: a conversation needs a tokenizer with a chat template; "
-                                  f"{self.name} has none")
+        missing = missing_template(tok, template, self.name)
+        if missing is not None:
+            raise GenerationError(f"generate: prompt {i}: {missing}")
         text = apply_template(tok, f"prompt {i}", messages, tokenize=False, **template)
         # what apply_chat_template(tokenize=True) does: the template already holds the special tokens
         return text, [int(t) for t in tok(text, add_special_tokens=False)["input_ids"]]

@@ -145,6 +145,16 @@ def check_messages(where: str, messages: Any) -> list[dict[str, str]]:
     return out
 
 
+def missing_template(tokenizer: Any, template: Mapping[str, Any], name: str) -> str | None:
+    """Why a conversation cannot be templated for model ``name``, or None: it needs a tokenizer, and either its chat
+    template or ``template["chat_template"]`` (the one check, and wording, of every chat path)."""
+    if tokenizer is None:
+        return f"chat needs a chat template, and {name} has no tokenizer (presets have random weights and none)"
+    if not getattr(tokenizer, "chat_template", None) and "chat_template" not in template:
+        return f"chat needs a chat template, and the tokenizer of {name} has none"
+    return None
+
+
 #: Steps one chat template rendering may take: the lines of the template's own code it runs and the Python calls
 #: (filters, the sandbox's attribute checks) they make. Jinja's sandbox bounds a ``range`` (100,000 items) but not a
 #: loop inside a loop: two nested ranges ran 10**10 steps, for ever in practice, and the Jinja a server runs may be a
@@ -246,5 +256,5 @@ def template_options(add_generation_prompt: Any = True, continue_final_message: 
 
 
 __all__ = ["PROMPT_KEYS", "ROLES", "TEMPLATE_MAX_SECONDS", "TEMPLATE_MAX_STEPS", "TEMPLATE_OPTIONS", "apply_template",
-           "check_messages", "check_text", "is_conversation", "is_token_id", "lone_surrogate", "normalize",
-           "template_options"]
+           "check_messages", "check_text", "is_conversation", "is_token_id", "lone_surrogate", "missing_template",
+           "normalize", "template_options"]

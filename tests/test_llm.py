@@ -436,8 +436,15 @@ def test_errors_name_the_call_the_user_made(words):
     """chat and beam_search share generate's executor; their errors still name chat and beam_search."""
     llm = kvload.LLM(str(words), **llm_kwargs("v1"))
     try:
-        with pytest.raises(GenerationError, match=r"^chat: prompt 0: a conversation needs a tokenizer with a chat"):
+        # one check of the template's presence, one wording, for a text prompt (chat=True) and a conversation (it
+        # said "chat=True: the tokenizer of ... has no chat template" for the one, "a conversation needs ..." for the
+        # other)
+        missing = "prompt 0: chat needs a chat template, and the tokenizer of .* has none$"
+        with pytest.raises(GenerationError, match=rf"^chat: {missing}"):
             llm.chat([{"role": "user", "content": "w2"}])
+        for prompt in ("w2", [[{"role": "user", "content": "w2"}]]):
+            with pytest.raises(GenerationError, match=rf"^generate: {missing}"):
+                llm.generate(prompt, chat=True)
         with pytest.raises(GenerationError, match=r"^generate: temperature: expected"):
             llm.generate("w2", temperature=-1)
     finally:
