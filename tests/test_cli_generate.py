@@ -115,6 +115,37 @@ def test_a_huge_max_new_tokens_sizes_the_pools_for_max_seq_len_as_the_api_runs_i
     assert derived["new"] == 2 * 2 * 32 and "n x max_seq_len" in derived["reason"]
 
 
+def test_the_config_file_is_read_once_so_the_pools_and_the_run_agree(capsys, tmp_path, monkeypatch):
+    """generate read --config for its pool size (max_seq_len), then parse_args read it again: a file saved in
+    between (an editor, a generator script) sized the pools for one max_seq_len and ran with another. The file is
+    rewritten right after its first read here; the run must use what that read saw, everywhere, and read it once."""
+    from pathlib import Path
+
+    config = tmp_path / "seq.yaml"
+    config.write_text("max_seq_len: 32\n")
+    reads = []
+    read_bytes = Path.read_bytes
+
+    def read_then_change(self: Path) -> bytes:
+        data = read_bytes(self)
+        if self == config:
+            reads.append(data)
+            config.write_text("max_seq_len: 64\n")
+        return data
+
+    monkeypatch.setattr(Path, "read_bytes", read_then_change)
+    audit = tmp_path / "gen.jsonl"
+    r = run_cli(capsys, *TINY, "--prompt-ids", "1,2", "--n", "2", "--temperature", "1", "--max_new_tokens",
+                "1000000000", "--config", config, "--ignore_eos", "--json", "--audit-log", audit)
+    assert r.code == 0, r.err
+    assert reads == [b"max_seq_len: 32\n"]
+    events = read_events(audit)
+    (parsed,) = [e for e in events if e["event"] == "args_parsed" and e["field"] == "max_seq_len"]
+    (derived,) = [e for e in events if e["event"] == "field_derived" and e["field"].endswith("default_max_tokens")]
+    assert (parsed["new"], derived["new"]) == (32, 2 * 32)
+    assert [len(c["token_ids"]) for o in r.json()["outputs"] for c in o["outputs"]] == [30, 30]
+
+
 def test_logprobs_print_under_each_reply_without_json(capsys):
     flags = ("--prompt-ids", "9,9,9", "--max_new_tokens", "3", "--ignore_eos", "--max_tokens", "256", "--logprobs", "2")
     doc = run_cli(capsys, *TINY, *flags, "--json")
