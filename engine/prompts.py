@@ -225,6 +225,18 @@ TEMPLATE_OPTIONS = frozenset({"add_generation_prompt", "continue_final_message",
                               "chat_template_kwargs"})
 
 
+#: Names a ``chat_template_kwargs`` key may not take: chat's own arguments (and the conversation itself).
+CHAT_ARGUMENTS = frozenset({"messages", "conversation", "add_generation_prompt", "continue_final_message",
+                            "chat_template"})
+#: ``apply_chat_template``'s own settings (transformers 5's, less ``tools`` and ``documents``, which are template
+#: variables too): such a key reached it as that setting, not the template. It did nothing (``padding``,
+#: ``return_tensors``: kvload tokenizes the text itself), failed as if the template had refused the conversation
+#: (``return_assistant_tokens_mask``, ``sanitize_control_tokens`` need ``tokenize=True``), or raised a TypeError
+#: (``self``).
+APPLY_SETTINGS = frozenset({"self", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+                            "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
 def template_options(add_generation_prompt: Any = True, continue_final_message: Any = False,
                      chat_template: Any = None, chat_template_kwargs: Any = None) -> dict[str, Any]:
     """vLLM's ``LLM.chat`` template options, checked, as ``apply_chat_template`` keywords: whether to open the
@@ -243,11 +255,15 @@ def template_options(add_generation_prompt: Any = True, continue_final_message: 
     if not isinstance(extra, dict) or not all(isinstance(k, str) and k.isidentifier() for k in extra):
         raise GenerationError("chat: chat_template_kwargs: expected a dict of template variables (names as keys), "
                               f"got {chat_template_kwargs!r}"[:200])
-    reserved = {"messages", "conversation", "tokenize", "add_generation_prompt", "continue_final_message",
-                "chat_template", "return_dict"} & set(extra)
-    if reserved:
-        raise GenerationError(f"chat: chat_template_kwargs: {sorted(reserved)[0]!r} is not a template variable; "
-                              "pass it as chat's own argument")
+    own = sorted(CHAT_ARGUMENTS & set(extra))
+    if own:
+        raise GenerationError(f"chat: chat_template_kwargs: {own[0]!r} is not a template variable; pass it as "
+                              "chat's own argument")
+    settings = sorted(APPLY_SETTINGS & set(extra))
+    if settings:
+        raise GenerationError(f"chat: chat_template_kwargs: {settings[0]!r} is not a template variable but a setting "
+                              "of transformers' apply_chat_template, which kvload does not take (it renders the "
+                              "template as text and tokenizes that itself)")
     options: dict[str, Any] = {**extra, "add_generation_prompt": add_generation_prompt,
                                "continue_final_message": continue_final_message}
     if chat_template is not None:
@@ -255,6 +271,6 @@ def template_options(add_generation_prompt: Any = True, continue_final_message: 
     return options
 
 
-__all__ = ["PROMPT_KEYS", "ROLES", "TEMPLATE_MAX_SECONDS", "TEMPLATE_MAX_STEPS", "TEMPLATE_OPTIONS", "apply_template",
-           "check_messages", "check_text", "is_conversation", "is_token_id", "lone_surrogate", "missing_template",
-           "normalize", "template_options"]
+__all__ = ["APPLY_SETTINGS", "CHAT_ARGUMENTS", "PROMPT_KEYS", "ROLES", "TEMPLATE_MAX_SECONDS", "TEMPLATE_MAX_STEPS",
+           "TEMPLATE_OPTIONS", "apply_template", "check_messages", "check_text", "is_conversation", "is_token_id",
+           "lone_surrogate", "missing_template", "normalize", "template_options"]
