@@ -162,10 +162,18 @@ def missing_template(tokenizer: Any, template: Mapping[str, Any], name: str) -> 
 TEMPLATE_MAX_STEPS = 1_000_000
 #: ... and the seconds: one step may be costly (a filter over 100,000 items, a string multiplied to 100 MB).
 TEMPLATE_MAX_SECONDS = 5.0
+#: ... and the characters it may write: a conversation of a million tokens renders to a few million; past this the
+#: text is refused before the tokenizer sees it (tokenizing a 1 GB rendering, ``{{ 'x' * 10**9 }}``, took a server
+#: past 20 GB, where the kernel killed it).
+TEMPLATE_MAX_CHARS = 16 * 2**20
+
+
+_STOPPED = " without finishing (a loop inside a loop?); it was stopped"
 
 
 class _TemplateRanAway(Exception):
-    """Raised into a chat template's code by :func:`_bounded` when it passes a bound (the message says which)."""
+    """A chat template past a bound (raised into its code by :func:`_bounded`); the message says which, as a phrase
+    that follows "the model's chat template"."""
 
 
 def _bounded(render: Callable[[], Any]) -> Any:
@@ -182,9 +190,9 @@ def _bounded(render: Callable[[], Any]) -> Any:
         steps += 1
         if steps & 63 == 0:  # both bounds every 64 steps: a step is a few hundred nanoseconds, a clock read is not free
             if steps > TEMPLATE_MAX_STEPS:
-                raise _TemplateRanAway(f"ran more than {TEMPLATE_MAX_STEPS:,} steps")
+                raise _TemplateRanAway(f"ran more than {TEMPLATE_MAX_STEPS:,} steps{_STOPPED}")
             if time.monotonic() > deadline:
-                raise _TemplateRanAway(f"ran longer than {TEMPLATE_MAX_SECONDS:g} s")
+                raise _TemplateRanAway(f"ran longer than {TEMPLATE_MAX_SECONDS:g} s{_STOPPED}")
         return step
 
     def trace(frame: FrameType, event: str, arg: Any) -> Any:
@@ -207,14 +215,18 @@ def _bounded(render: Callable[[], Any]) -> Any:
 def apply_template(tokenizer: Any, where: str, messages: list[dict[str, str]], **kwargs: Any) -> Any:
     """``tokenizer.apply_chat_template``; a template that refuses the conversation (Mistral's and Llama 2's raise
     when roles do not alternate) is a ``GenerationError`` naming it, not a jinja2 traceback, and so is one that
-    runs past :data:`TEMPLATE_MAX_STEPS` or :data:`TEMPLATE_MAX_SECONDS` (it might never end)."""
+    runs past :data:`TEMPLATE_MAX_STEPS` or :data:`TEMPLATE_MAX_SECONDS` (it might never end) or writes more than
+    :data:`TEMPLATE_MAX_CHARS`."""
     kwargs.setdefault("add_generation_prompt", True)
     whose = "the chat_template given" if kwargs.get("chat_template") is not None else "the model's chat template"
     try:
-        return _bounded(lambda: tokenizer.apply_chat_template(messages, **kwargs))
+        text = _bounded(lambda: tokenizer.apply_chat_template(messages, **kwargs))
+        if isinstance(text, str) and len(text) > TEMPLATE_MAX_CHARS:
+            raise _TemplateRanAway(f"wrote {len(text):,} characters, more than a prompt holds (at most "
+                                   f"{TEMPLATE_MAX_CHARS:,}); the text was not tokenized")
+        return text
     except _TemplateRanAway as exc:
-        raise GenerationError(f"generate: {where}: {whose} {exc} without finishing (a loop inside a loop?); it was "
-                              "stopped") from None
+        raise GenerationError(f"generate: {where}: {whose} {exc}") from None
     except Exception as exc:  # jinja2.TemplateError from raise_exception(), or a template's own TypeError
         raise GenerationError(f"generate: {where}: {whose} refused the conversation: "
                               f"{first_line(exc, type(exc).__name__)}"[:300]) from None
@@ -271,6 +283,6 @@ def template_options(add_generation_prompt: Any = True, continue_final_message: 
     return options
 
 
-__all__ = ["APPLY_SETTINGS", "CHAT_ARGUMENTS", "PROMPT_KEYS", "ROLES", "TEMPLATE_MAX_SECONDS", "TEMPLATE_MAX_STEPS",
-           "TEMPLATE_OPTIONS", "apply_template", "check_messages", "check_text", "is_conversation", "is_token_id",
-           "lone_surrogate", "missing_template", "normalize", "template_options"]
+__all__ = ["APPLY_SETTINGS", "CHAT_ARGUMENTS", "PROMPT_KEYS", "ROLES", "TEMPLATE_MAX_CHARS", "TEMPLATE_MAX_SECONDS",
+           "TEMPLATE_MAX_STEPS", "TEMPLATE_OPTIONS", "apply_template", "check_messages", "check_text",
+           "is_conversation", "is_token_id", "lone_surrogate", "missing_template", "normalize", "template_options"]

@@ -399,6 +399,11 @@ def test_a_chat_template_that_would_run_for_ever_is_stopped_with_one_error(llm, 
                                                   r"0 s without finishing"):
             llm.generate("w5", params, chat={"chat_template": "{% for a in range(1000) %}{% endfor %}w5"})
         monkeypatch.undo()
+        # a rendering past TEMPLATE_MAX_CHARS (18 million characters here) is refused before it is tokenized: a 1 GB
+        # one took a server past 20 GB in the tokenizer
+        with pytest.raises(GenerationError, match=r"^chat: prompt 0: the chat_template given wrote 18,000,000 "
+                                                  r"characters, more than a prompt holds \(at most 16,777,216\)"):
+            llm.chat(conv, params, chat_template="{{ 'w1 ' * 6000000 }}")
         tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}w1"
         (out,) = llm.chat(conv, params)  # the same LLM, a template that ends
         assert out.prompt_token_ids == [5, 1]
