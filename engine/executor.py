@@ -56,6 +56,7 @@ from engine.prompts import (
     check_messages,
     check_text,
     is_conversation,
+    missing_template,
     normalize,
     template_options,
 )
@@ -68,7 +69,7 @@ from models.geometry import kv_heads as config_kv_heads
 from models.geometry import text_config
 from models.paged_forward import ATTN_IMPLEMENTATION, route_paged_attention, run_forward, unfoldable_mla
 from pipeline.config import ATTENTION_BACKENDS, AUTO, LINEAR_BACKENDS
-from pipeline.errors import GenerationError, KvBuildError, KvRuntimeError, first_line
+from pipeline.errors import GenerationError, KvBuildError, KvRuntimeError, first_line, retitled
 from pipeline.events import Event, GenerationFailed, GenerationFinished, GenerationStarted, SettingIgnored
 from pipeline.limits import MAX_DRAFT_LEN, MAX_INT, MAX_NGRAM
 
@@ -134,6 +135,7 @@ class GenerationExecutor:
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
         self._emit = emit
         self._calls = 0
+        self._caller = "generate"  # the user's call (:meth:`called_as`), which titles the audit's generation_failed
         self._live: dict[str, _Live] = {}
         self._scoring = False  # whether a live request scores its prompt (prompt_logprobs): the forward keeps its rows
         width = max(-(-self.max_seq_len // g.tokens_per_block) for g in manager.layout.groups)
@@ -297,6 +299,16 @@ class GenerationExecutor:
 
     # --- the call ----------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def called_as(self, caller: str) -> Iterator[None]:
+        """Run calls in the block as the user's ``caller`` (``chat``, ``generate_stream``, ``beam_search``): the audit's
+        ``generation_failed`` message is titled as the error the caller raises (``kvload.llm``'s ``_named``)."""
+        before, self._caller = self._caller, caller
+        try:
+            yield
+        finally:
+            self._caller = before
+
     def stop(self, message: str) -> None:
         """Make the running call fail with ``GenerationError(message)`` after its current step (its requests freed,
         ``generation_failed`` recorded), and every later call at its start: the owner is closing this executor."""
@@ -417,7 +429,7 @@ class GenerationExecutor:
             self._block_tables.keep_only(())
             self._check_flex()
             self._event(GenerationFailed(call=call, error=type(exc).__name__,
-                                         message=first_line(exc, ""),
+                                         message=retitled(first_line(exc, ""), self._caller),
                                          finished=len(outputs)))
             raise
         self._live = {}
@@ -812,9 +824,6 @@ class GenerationExecutor:
             if isinstance(prompt, str):
                 if chat:
                     check_text(f"prompt {i}", prompt)
-                    tok = self._text_tokenizer(i)
-                    if not getattr(tok, "chat_template", None) and "chat_template" not in template:
-                        raise GenerationError(f"generate: chat=True: the tokenizer of {self.name} has no chat template")
                     items.append(self._converse(i, [{"role": "user", "content": prompt}], template))
                 else:
                     items.append((prompt, self._tokenize(i, prompt)))
@@ -856,9 +865,9 @@ class GenerationExecutor:
         templated text, its token ids)."""
         messages = check_messages(f"prompt {i}", messages)
         tok = self.tokenizer
-        if tok is None or (not getattr(tok, "chat_template", None) and "chat_template" not in template):
-            raise GenerationError(f"generate: prompt {i}: a conversation needs a tokenizer with a chat template; "
-                                  f"{self.name} has none")
+        missing = missing_template(tok, template, self.name)
+        if missing is not None:
+            raise GenerationError(f"generate: prompt {i}: {missing}")
         text = apply_template(tok, f"prompt {i}", messages, tokenize=False, **template)
         # what apply_chat_template(tokenize=True) does: the template already holds the special tokens
         return text, [int(t) for t in tok(text, add_special_tokens=False)["input_ids"]]

@@ -9,8 +9,12 @@ a 1-D integer numpy array / torch tensor), vLLM's prompt dicts ``{"prompt": "...
 
 from __future__ import annotations
 
+import math
 import numbers
-from collections.abc import Mapping, Sequence
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from types import FrameType
 from typing import Any
 
 from pipeline.errors import GenerationError, first_line
@@ -141,14 +145,89 @@ def check_messages(where: str, messages: Any) -> list[dict[str, str]]:
     return out
 
 
+def missing_template(tokenizer: Any, template: Mapping[str, Any], name: str) -> str | None:
+    """Why a conversation cannot be templated for model ``name``, or None: it needs a tokenizer, and either its chat
+    template or ``template["chat_template"]`` (the one check, and wording, of every chat path)."""
+    if tokenizer is None:
+        return f"chat needs a chat template, and {name} has no tokenizer (presets have random weights and none)"
+    if not getattr(tokenizer, "chat_template", None) and "chat_template" not in template:
+        return f"chat needs a chat template, and the tokenizer of {name} has none"
+    return None
+
+
+#: Steps one chat template rendering may take: the lines of the template's own code it runs and the Python calls
+#: (filters, the sandbox's attribute checks) they make. Jinja's sandbox bounds a ``range`` (100,000 items) but not a
+#: loop inside a loop: two nested ranges ran 10**10 steps, for ever in practice, and the Jinja a server runs may be a
+#: client's. SmolLM2's template takes under 4,000 steps for a 200-turn conversation; this many take about half a second.
+TEMPLATE_MAX_STEPS = 1_000_000
+#: ... and the seconds: one step may be costly (a filter over 100,000 items, a string multiplied to 100 MB).
+TEMPLATE_MAX_SECONDS = 5.0
+#: ... and the characters it may write: a conversation of a million tokens renders to a few million; past this the
+#: text is refused before the tokenizer sees it (tokenizing a 1 GB rendering, ``{{ 'x' * 10**9 }}``, took a server
+#: past 20 GB, where the kernel killed it).
+TEMPLATE_MAX_CHARS = 16 * 2**20
+
+
+_STOPPED = " without finishing (a loop inside a loop?); it was stopped"
+
+
+class _TemplateRanAway(Exception):
+    """A chat template past a bound (raised into its code by :func:`_bounded`); the message says which, as a phrase
+    that follows "the model's chat template"."""
+
+
+def _bounded(render: Callable[[], Any]) -> Any:
+    """``render()`` with a chat template's steps counted and timed (``sys.settrace``, in this thread only; code run
+    before the template, such as its compilation, is left to the tracer already set, a debugger's or coverage's),
+    raising ``_TemplateRanAway`` into the template past :data:`TEMPLATE_MAX_STEPS` or
+    :data:`TEMPLATE_MAX_SECONDS`: a loop is stopped where it is."""
+    previous = sys.gettrace()
+    steps = 0
+    deadline = math.inf  # set when the template's code first runs
+
+    def step(frame: FrameType, event: str, arg: Any) -> Any:
+        nonlocal steps
+        steps += 1
+        if steps & 63 == 0:  # both bounds every 64 steps: a step is a few hundred nanoseconds, a clock read is not free
+            if steps > TEMPLATE_MAX_STEPS:
+                raise _TemplateRanAway(f"ran more than {TEMPLATE_MAX_STEPS:,} steps{_STOPPED}")
+            if time.monotonic() > deadline:
+                raise _TemplateRanAway(f"ran longer than {TEMPLATE_MAX_SECONDS:g} s{_STOPPED}")
+        return step
+
+    def trace(frame: FrameType, event: str, arg: Any) -> Any:
+        nonlocal deadline
+        if frame.f_code.co_filename == "<template>":  # Jinja's name for the code of a template made from a string
+            if deadline == math.inf:
+                deadline = time.monotonic() + TEMPLATE_MAX_SECONDS
+            return step(frame, event, arg)  # its lines are steps, and so is each call into it
+        if deadline != math.inf:  # a call the template made (a filter, the sandbox's checks)
+            step(frame, event, arg)
+        return previous(frame, event, arg) if previous is not None else None
+
+    sys.settrace(trace)
+    try:
+        return render()
+    finally:
+        sys.settrace(previous)
+
+
 def apply_template(tokenizer: Any, where: str, messages: list[dict[str, str]], **kwargs: Any) -> Any:
     """``tokenizer.apply_chat_template``; a template that refuses the conversation (Mistral's and Llama 2's raise
-    when roles do not alternate) is a ``GenerationError`` naming it, not a jinja2 traceback."""
+    when roles do not alternate) is a ``GenerationError`` naming it, not a jinja2 traceback, and so is one that
+    runs past :data:`TEMPLATE_MAX_STEPS` or :data:`TEMPLATE_MAX_SECONDS` (it might never end) or writes more than
+    :data:`TEMPLATE_MAX_CHARS`."""
     kwargs.setdefault("add_generation_prompt", True)
+    whose = "the chat_template given" if kwargs.get("chat_template") is not None else "the model's chat template"
     try:
-        return tokenizer.apply_chat_template(messages, **kwargs)
+        text = _bounded(lambda: tokenizer.apply_chat_template(messages, **kwargs))
+        if isinstance(text, str) and len(text) > TEMPLATE_MAX_CHARS:
+            raise _TemplateRanAway(f"wrote {len(text):,} characters, more than a prompt holds (at most "
+                                   f"{TEMPLATE_MAX_CHARS:,}); the text was not tokenized")
+        return text
+    except _TemplateRanAway as exc:
+        raise GenerationError(f"generate: {where}: {whose} {exc}") from None
     except Exception as exc:  # jinja2.TemplateError from raise_exception(), or a template's own TypeError
-        whose = "the chat_template given" if kwargs.get("chat_template") is not None else "the model's chat template"
         raise GenerationError(f"generate: {where}: {whose} refused the conversation: "
                               f"{first_line(exc, type(exc).__name__)}"[:300]) from None
 
@@ -156,6 +235,18 @@ def apply_template(tokenizer: Any, where: str, messages: list[dict[str, str]], *
 #: The keywords of :func:`template_options` (``LLM.chat``'s, passed on to ``GenerationExecutor.run`` as ``chat``).
 TEMPLATE_OPTIONS = frozenset({"add_generation_prompt", "continue_final_message", "chat_template",
                               "chat_template_kwargs"})
+
+
+#: Names a ``chat_template_kwargs`` key may not take: chat's own arguments (and the conversation itself).
+CHAT_ARGUMENTS = frozenset({"messages", "conversation", "add_generation_prompt", "continue_final_message",
+                            "chat_template"})
+#: ``apply_chat_template``'s own settings (transformers 5's, less ``tools`` and ``documents``, which are template
+#: variables too): such a key reached it as that setting, not the template. It did nothing (``padding``,
+#: ``return_tensors``: kvload tokenizes the text itself), failed as if the template had refused the conversation
+#: (``return_assistant_tokens_mask``, ``sanitize_control_tokens`` need ``tokenize=True``), or raised a TypeError
+#: (``self``).
+APPLY_SETTINGS = frozenset({"self", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+                            "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 def template_options(add_generation_prompt: Any = True, continue_final_message: Any = False,
@@ -176,11 +267,15 @@ def template_options(add_generation_prompt: Any = True, continue_final_message: 
     if not isinstance(extra, dict) or not all(isinstance(k, str) and k.isidentifier() for k in extra):
         raise GenerationError("chat: chat_template_kwargs: expected a dict of template variables (names as keys), "
                               f"got {chat_template_kwargs!r}"[:200])
-    reserved = {"messages", "conversation", "tokenize", "add_generation_prompt", "continue_final_message",
-                "chat_template", "return_dict"} & set(extra)
-    if reserved:
-        raise GenerationError(f"chat: chat_template_kwargs: {sorted(reserved)[0]!r} is not a template variable; "
-                              "pass it as chat's own argument")
+    own = sorted(CHAT_ARGUMENTS & set(extra))
+    if own:
+        raise GenerationError(f"chat: chat_template_kwargs: {own[0]!r} is not a template variable; pass it as "
+                              "chat's own argument")
+    settings = sorted(APPLY_SETTINGS & set(extra))
+    if settings:
+        raise GenerationError(f"chat: chat_template_kwargs: {settings[0]!r} is not a template variable but a setting "
+                              "of transformers' apply_chat_template, which kvload does not take (it renders the "
+                              "template as text and tokenizes that itself)")
     options: dict[str, Any] = {**extra, "add_generation_prompt": add_generation_prompt,
                                "continue_final_message": continue_final_message}
     if chat_template is not None:
@@ -188,5 +283,6 @@ def template_options(add_generation_prompt: Any = True, continue_final_message: 
     return options
 
 
-__all__ = ["PROMPT_KEYS", "ROLES", "TEMPLATE_OPTIONS", "apply_template", "check_messages", "check_text",
-           "is_conversation", "is_token_id", "lone_surrogate", "normalize", "template_options"]
+__all__ = ["APPLY_SETTINGS", "CHAT_ARGUMENTS", "PROMPT_KEYS", "ROLES", "TEMPLATE_MAX_CHARS", "TEMPLATE_MAX_SECONDS",
+           "TEMPLATE_MAX_STEPS", "TEMPLATE_OPTIONS", "apply_template", "check_messages", "check_text",
+           "is_conversation", "is_token_id", "lone_surrogate", "missing_template", "normalize", "template_options"]

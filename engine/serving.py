@@ -32,7 +32,7 @@ from cache_backends.request import Request
 from engine.driver import Driver, StalledError, StepStats, at_length
 from engine.executor import GenerationExecutor
 from engine.penalties import penalize
-from engine.prompts import apply_template, check_text
+from engine.prompts import apply_template, check_text, missing_template
 from engine.sampling import sample_rows, top_logprobs
 from engine.sampling_params import SamplingParams, check_salt, greedy_ignored, inert_settings
 from engine.speculation import verify_drafted
@@ -229,9 +229,9 @@ class ServingEngine:
         for j, m in enumerate(messages):  # a lone surrogate would reach the tokenizer as a TypeError
             check_text(f"messages[{j}].content", m["content"])
         tok = self.tokenizer
-        if tok is None or (not getattr(tok, "chat_template", None) and "chat_template" not in template):
-            raise GenerationError(f"messages: the model {self.executor.name} has no tokenizer with a chat template; "
-                                  "use /v1/completions with token ids")
+        missing = missing_template(tok, template, self.executor.name)
+        if missing is not None:
+            raise GenerationError(f"messages: {missing}; use /v1/completions with token ids")
         # what apply_chat_template(tokenize=True) does (and LLM.chat): the text, then its ids with no special
         # tokens of the tokenizer's own unless asked (the template already holds them)
         text = apply_template(tok, "messages", messages, tokenize=False, **template)

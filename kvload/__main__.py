@@ -1,5 +1,25 @@
-"""``python -m kvload``: the command line (same as the ``kvload`` script)."""
+"""``python -m kvload`` and the ``kvload`` console script (pyproject's entry point): the command line.
 
-from kvload.cli import main
+The command line is imported inside :func:`main`, so a Ctrl-C that lands while it loads (argparse, attrs, the
+config classes: most of a ``--help``'s time) is answered as one during the command is, ``error: interrupted``
+and exit 130, not with a Python traceback. What runs before this module (interpreter start, ``import kvload``'s
+few milliseconds) is out of kvload's reach.
+"""
 
-raise SystemExit(main())
+import contextlib
+import sys
+
+
+def main() -> int:
+    """Import the command line, then run it; exit 130 with one line if SIGINT came during the import."""
+    try:
+        from kvload.cli import main as cli_main
+    except KeyboardInterrupt:
+        with contextlib.suppress(OSError):  # kvload.cli's words for a Ctrl-C; a closed terminal: the status tells
+            print("error: interrupted", file=sys.stderr)
+        return 130
+    return cli_main()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -21,6 +21,7 @@ import attrs
 from pipeline.config import ATTENTION_BACKENDS, LINEAR_BACKENDS, SIZE_HELP, parse_size
 from pipeline.errors import ConfigError, KvloadError, first_line
 from pipeline.limits import MAX_INT, MAX_INT_DIGITS, MAX_LOGPROBS, MAX_N, short_text
+from pipeline.signals import Terminated, handle_sigterm, release_sigterm  # at import: main's first line is in its try
 
 # --- text-layer value parsers (argparse `type=`) ---------------------------------------------
 
@@ -431,12 +432,16 @@ def cmd_generate(ns: argparse.Namespace) -> int:
                             frequency_penalty=ns.frequency_penalty, min_tokens=ns.min_tokens,
                             min_p=ns.min_p)  # checked before anything loads
     request = _request(ns, load_weights=True, kv_events_reader=False)  # it prints outputs, never KV events
+    if ns.config is not None:  # read once: its max_seq_len sizes the pools below, and parse_args takes the same tree
+        from pipeline.sources import read_yaml
+
+        request.config = read_yaml(ns.config)
     # Applies only when nothing else bounds the KV budget (CPU without --max_tokens/--max_gpu_total_bytes) and the
     # user set no default_max_tokens. Capped at the integer bound: a product past it is refused by the budget naming
     # --max_new_tokens (the reason), not as a field the user never typed, and it must not fail a run whose
     # --max_tokens leaves the default unused.
     request.caller_defaults[DEFAULT_MAX_TOKENS_FIELD] = CallerDefault(
-        *_generate_pool_tokens(len(prompts), ns.n, ns.max_new_tokens, _user_max_seq_len(request.overrides, ns.config)),
+        *_generate_pool_tokens(len(prompts), ns.n, ns.max_new_tokens, _user_max_seq_len(request)),
         sequences=len(prompts) * ns.n)  # the checkpoint's max_seq_len caps it too, once resolved
     with execute(request, load_stages(), subscribers=audit) as result:  # generation events reach the audit too
         first = prints(result)  # under torchrun every rank generates; rank 0 prints
@@ -471,18 +476,11 @@ def _generate_pool_tokens(prompts: int, n: int, max_new_tokens: int, max_seq_len
                                 f"{formula} = {tokens} tokens when no --max_tokens is given)")
 
 
-def _user_max_seq_len(overrides: dict[str, Any], config: str | None) -> int | None:
+def _user_max_seq_len(request: Any) -> int | None:
     """The max_seq_len the user set (the flag, else the --config file's), or None: the checkpoint's applies later."""
-    if overrides.get("max_seq_len") is not None:
-        return int(overrides["max_seq_len"])
-    if config is None:
-        return None
-    from pipeline.sources import read_yaml
-
-    try:
-        value = read_yaml(config).get("max_seq_len")
-    except ConfigError:  # parse_args reports the file's problem, naming it, when the stages run
-        return None
+    if request.overrides.get("max_seq_len") is not None:
+        return int(request.overrides["max_seq_len"])
+    value = (request.config or {}).get("max_seq_len")  # a bad one is reported by parse_args, naming the file
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
@@ -881,13 +879,11 @@ def add_simulate_command(sub: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``kvload`` console script."""
-    from pipeline.signals import handle_sigterm, release_sigterm
-
-    handle_sigterm()  # kill (SIGTERM), a hangup (SIGHUP) clean up like Ctrl-C: no temporary file, no half-built pools
+    """The command line (``kvload.__main__.main`` imports this module, then calls it)."""
     said = [False]  # whether the one line for a signal was printed (by _main's handler, or here)
     ns = None
     try:
+        handle_sigterm()  # SIGTERM, SIGHUP clean up like Ctrl-C: no temporary file, no half-built pools
         ns = build_parser().parse_args(argv)
         return _main(ns, argv, said)
     except KeyboardInterrupt as exc:  # in start-up, before _main's handler is in, or while that handler ran
@@ -898,8 +894,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _stopped(exc: KeyboardInterrupt, said: list[bool], ns: argparse.Namespace | None) -> int:
     """The one line for a stop signal, printed once however many arrive, and its exit status (128 + its number)."""
-    from pipeline.signals import Terminated
-
     term = isinstance(exc, Terminated)  # SIGTERM, or SIGHUP (HungUp)
     _say(f"{exc.describe if term else 'interrupted'}{_unwritten(ns)}", said)
     return 128 + exc.signal_number if term else 130

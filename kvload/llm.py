@@ -25,7 +25,7 @@ from engine.sampling_params import SamplingParams
 from kvload.api import LoadResult, api_request, execute
 from pipeline.bus import Subscriber
 from pipeline.context import DEFAULT_MAX_TOKENS_FIELD, CallerDefault
-from pipeline.errors import GenerationError
+from pipeline.errors import GenerationError, retitled
 from pipeline.events import SettingIgnored
 from stages import load_stages
 
@@ -49,8 +49,8 @@ def _named(call: str) -> Iterator[None]:
     try:
         yield
     except GenerationError as e:
-        if call != "generate" and e.args and isinstance(e.args[0], str) and e.args[0].startswith("generate: "):
-            e.args = (f"{call}: {e.args[0].removeprefix('generate: ')}", *e.args[1:])
+        if e.args and isinstance(e.args[0], str):
+            e.args = (retitled(e.args[0], call), *e.args[1:])
         raise
 
 
@@ -127,9 +127,14 @@ class LLM:
         value is reported once as ``setting_ignored``. ``salt`` scopes prefix reuse (prompts under
         different salts never share cached blocks).
         """
-        with self._exclusive("generate"):
+        return self._generate("generate", prompts, sampling_params, use_tqdm, salt, chat, sampling)
+
+    def _generate(self, call: str, prompts: Any, sampling_params: Any, use_tqdm: Any, salt: str | None,
+                  chat: bool | Mapping[str, Any], sampling: dict[str, Any]) -> list[RequestOutput]:
+        """:meth:`generate` as ``call`` (``generate`` or ``chat``), which titles its errors and their audit record."""
+        with self._exclusive(call):
             self._no_progress_bar(use_tqdm)
-            with self._running() as executor:
+            with self._running(call) as executor:
                 return executor.run(prompts, sampling_params, salt=salt, chat=chat, **sampling)
 
     def beam_search(self, prompts: Any, params: BeamSearchParams) -> list[BeamSearchOutput]:
@@ -138,7 +143,7 @@ class LLM:
         One generate step per token (``engine.beam_search``); the width is bounded by the load's ``max_beam_width``
         (``LLM(model, max_beam_width=4)``).
         """
-        with self._exclusive("beam_search"), self._running() as executor:
+        with self._exclusive("beam_search"), self._running("beam_search") as executor:
             return executor.beam_search(prompts, params)
 
     def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -162,9 +167,7 @@ class LLM:
                                   f"{messages!r}"[:200])
         options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
                    "chat_template": chat_template, "chat_template_kwargs": chat_template_kwargs}  # checked by run
-        with _named("chat"):
-            return self.generate(list(conversations), sampling_params, use_tqdm=use_tqdm, salt=salt, chat=options,
-                                 **sampling)
+        return self._generate("chat", list(conversations), sampling_params, use_tqdm, salt, options, sampling)
 
     def _no_progress_bar(self, use_tqdm: Any) -> None:
         """vLLM's ``use_tqdm``: false needs nothing; true (or a tqdm factory) is said to be ignored, once."""
@@ -209,7 +212,7 @@ class LLM:
 
             def work() -> None:
                 try:
-                    with self._running() as executor:
+                    with self._running("generate_stream") as executor:
                         executor.run(prompts, params, salt=salt, chat=chat, on_delta=on_delta)
                 except BaseException as exc:  # handed to the consumer, which raises it
                     items.put(exc)
@@ -250,11 +253,13 @@ class LLM:
             finally:
                 self._busy.release()
 
-    def _running(self) -> contextlib.AbstractContextManager[Any]:
+    @contextlib.contextmanager
+    def _running(self, call: str) -> Iterator[Any]:
         """The executor, with this thread registered as the one running it, so ``close()`` can stop it and wait
-        (the result's :meth:`~kvload.api.LoadResult.running`)."""
+        (the result's :meth:`~kvload.api.LoadResult.running`), running as the user's ``call``."""
         self._check_open()
-        return self.result.running()
+        with self.result.running() as executor, executor.called_as(call):
+            yield executor
 
     def close(self) -> None:
         """Stop a running generation, wait for it to end, then release the KV pools and weights.

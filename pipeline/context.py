@@ -52,6 +52,10 @@ class LoadRequest:
     overrides: dict[str, Any] = attrs.Factory(dict)
     source: str = "api"  # label of ``overrides``: "api" from Python, "cli" from the command line
     config_file: str | None = None
+    #: ``config_file``'s contents when the caller read them already (``kvload generate`` sizes its pools from the
+    #: file's max_seq_len): parse_args takes them rather than reading the file a second time, which a file changed in
+    #: between would answer differently
+    config: dict[str, Any] | None = None
     load_weights: bool = False
     # Values the caller derived for fields the user may leave null (generate and serve size the pools from their
     # own flags, ``kvload.LLM`` has a CPU default): dotted path -> CallerDefault. Not user input: parse_args

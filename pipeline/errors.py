@@ -17,6 +17,14 @@ def first_line(exc: BaseException, default: str | None = None) -> str:
     return lines[0]
 
 
+def retitled(message: str, call: str) -> str:
+    """``message`` titled by the call the user made (``chat:``, ``beam_search:``) where the shared executor titled
+    it ``generate:``; any other message, and ``generate``'s own, unchanged."""
+    if call != "generate" and message.startswith("generate: "):
+        return f"{call}: {message.removeprefix('generate: ')}"
+    return message
+
+
 class KvloadError(Exception):
     """Base of every error kvload raises on purpose; its message is one line for the user."""
 

@@ -29,7 +29,7 @@ class ParseArgs:
         req = ctx.request
         sources: list[tuple[str, dict[str, Any]]] = []
         if req.config_file is not None:  # "" is a mistake to report, not "no file"
-            sources.append(("config_file", read_yaml(req.config_file)))
+            sources.append(("config_file", req.config if req.config is not None else read_yaml(req.config_file)))
         tree = overrides_to_tree(req.overrides)
         if req.model is not None:
             tree = {"model": req.model, **tree}

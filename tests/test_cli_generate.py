@@ -115,6 +115,37 @@ def test_a_huge_max_new_tokens_sizes_the_pools_for_max_seq_len_as_the_api_runs_i
     assert derived["new"] == 2 * 2 * 32 and "n x max_seq_len" in derived["reason"]
 
 
+def test_the_config_file_is_read_once_so_the_pools_and_the_run_agree(capsys, tmp_path, monkeypatch):
+    """generate read --config for its pool size (max_seq_len), then parse_args read it again: a file saved in
+    between (an editor, a generator script) sized the pools for one max_seq_len and ran with another. The file is
+    rewritten right after its first read here; the run must use what that read saw, everywhere, and read it once."""
+    from pathlib import Path
+
+    config = tmp_path / "seq.yaml"
+    config.write_text("max_seq_len: 32\n")
+    reads = []
+    read_bytes = Path.read_bytes
+
+    def read_then_change(self: Path) -> bytes:
+        data = read_bytes(self)
+        if self == config:
+            reads.append(data)
+            config.write_text("max_seq_len: 64\n")
+        return data
+
+    monkeypatch.setattr(Path, "read_bytes", read_then_change)
+    audit = tmp_path / "gen.jsonl"
+    r = run_cli(capsys, *TINY, "--prompt-ids", "1,2", "--n", "2", "--temperature", "1", "--max_new_tokens",
+                "1000000000", "--config", config, "--ignore_eos", "--json", "--audit-log", audit)
+    assert r.code == 0, r.err
+    assert reads == [b"max_seq_len: 32\n"]
+    events = read_events(audit)
+    (parsed,) = [e for e in events if e["event"] == "args_parsed" and e["field"] == "max_seq_len"]
+    (derived,) = [e for e in events if e["event"] == "field_derived" and e["field"].endswith("default_max_tokens")]
+    assert (parsed["new"], derived["new"]) == (32, 2 * 32)
+    assert [len(c["token_ids"]) for o in r.json()["outputs"] for c in o["outputs"]] == [30, 30]
+
+
 def test_logprobs_print_under_each_reply_without_json(capsys):
     flags = ("--prompt-ids", "9,9,9", "--max_new_tokens", "3", "--ignore_eos", "--max_tokens", "256", "--logprobs", "2")
     doc = run_cli(capsys, *TINY, *flags, "--json")
@@ -253,6 +284,24 @@ def test_a_real_process_streams_and_writes_the_audit(tmp_path):
     assert len(r.out.split("\n")[0].split()) <= 3
     started = next(e for e in read_events(audit) if e["event"] == "generation_started")
     assert (started["temperature"], started["seed"], started["stage"]) == (0.7, 11, "generate")
+
+
+def test_chat_with_a_checkpoints_template_that_never_ends_exits_2_with_one_line(tiny_checkpoints, tmp_path):
+    """``generate --chat`` with a checkpoint whose own chat_template.jinja nests two 100,000-item ranges (Jinja's
+    sandbox bounds each range, not their product) ran its 10**10 steps: it looped for ever (the helper's 180 s
+    timeout). It is stopped at the template step bound: exit 2, one line naming the template, no audit file."""
+    from tests.llm_support import with_tokenizer
+
+    ckpt = with_tokenizer(tiny_checkpoints("llama"), tmp_path / "ckpt", 512)
+    (ckpt / "chat_template.jinja").write_text("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}"
+                                              "{% endfor %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    out = tmp_path / "out"
+    out.mkdir()
+    r = kvload("generate", ckpt, "--chat", "--prompt", "w5 w6", "--audit-log", out / "a.jsonl")
+    assert r.code == 2 and r.one_error_line, r.err[-2000:]
+    assert r.err == ("error: generate: prompt 0: the model's chat template ran more than 1,000,000 steps without "
+                     "finishing (a loop inside a loop?); it was stopped\n")
+    assert r.out == "" and list(out.iterdir()) == []
 
 
 def test_help_explains_the_output_and_the_cpu_budget(capsys):

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.cli_support import ENV, REPO, run_cli
+from tests.cli_support import ENV, REPO, kvload, run_cli
 
 
 def _reap(proc: subprocess.Popen) -> None:
@@ -315,6 +315,29 @@ def test_a_bad_chat_template_exits_2_with_one_line_naming_the_flag(capsys, value
     r = run_cli(capsys, "serve", "tiny-llama", "--port", "0", "--chat-template", value)
     assert r.code == 2 and r.one_error_line, r.err
     assert r.err.startswith(message), r.err
+
+
+def test_a_fifo_or_device_as_chat_template_is_refused_before_it_is_opened(tmp_path):
+    """``--chat-template FIFO`` blocked the start for ever (opening a FIFO waits for a writer: the helper's 180 s
+    timeout), and a device was read as a file (``/dev/zero``, size 0, without end). Both are refused, one line."""
+    fifo = tmp_path / "t.fifo"
+    os.mkfifo(fifo)
+    for path in (fifo, "/dev/null"):
+        r = kvload("serve", "tiny-llama", "--port", "0", "--chat-template", path)
+        assert r.code == 2 and r.one_error_line, r.err[-2000:]
+        assert r.err == f"error: --chat-template {path}: not a regular file (a FIFO or device?); give a template file\n"
+
+
+@pytest.mark.parametrize("template", [
+    "{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}{{ m['content'] }}{% endfor %}",
+    "{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}{% endfor %}",
+])
+def test_a_chat_template_transformers_renders_is_accepted(template):
+    """Jinja's loop controls and transformers' {% generation %} tag (templates that mark the assistant's tokens use
+    it) are part of what apply_chat_template compiles; --chat-template refused them as "not a Jinja template"."""
+    from kvload.serve.server import check_chat_template
+
+    assert check_chat_template("--chat-template", template) == template
 
 
 def test_a_chat_template_file_is_read_and_checked(tmp_path):

@@ -937,6 +937,45 @@ def test_a_signal_in_start_up_gets_the_one_line_and_its_status(tmp_path, signum,
     assert r.stdout == ""
 
 
+#: sends SIGINT when the module named by $SIGNAL_ON_IMPORT is first looked up: imported by site at interpreter start,
+#: so it is in place before the entry point's first line (a hook in ``python -c`` could not reach ``-m``'s imports)
+SITECUSTOMIZE = """import os, signal, sys
+class Hook:
+    def find_spec(self, name, path=None, target=None):
+        if name == os.environ["SIGNAL_ON_IMPORT"]:
+            sys.meta_path.remove(self)
+            print("sent", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGINT)
+sys.meta_path.insert(0, Hook())
+"""
+
+
+def _console_script() -> str:
+    """What pip writes as the ``kvload`` script for pyproject's entry point (``module:function``), as ``-c`` code."""
+    import tomllib
+
+    module, function = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]["kvload"].split(":")
+    return f"import sys\nfrom {module} import {function}\nsys.exit({function}())\n"
+
+
+@pytest.mark.parametrize("launch", ["python -m kvload", "kvload script"])
+@pytest.mark.parametrize("module", ["kvload.cli", "pipeline.config", "pipeline.signals"])
+def test_a_ctrl_c_while_the_cli_is_imported_gets_the_one_line_and_130(tmp_path, launch, module):
+    """A Ctrl-C before ``kvload.cli`` had loaded (the console script's ``from kvload.cli import main``, ``-m``'s
+    ``__main__``, main's own first import) printed a Python traceback. Sent while the import is provably under way
+    (the import system is looking ``module`` up), it now gets ``error: interrupted`` and exit 130."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    start = ["-m", "kvload"] if launch == "python -m kvload" else ["-c", _console_script()]
+    r = subprocess.run([sys.executable, *start, "plan", "tiny-llama"], capture_output=True, text=True, timeout=120,
+                       cwd=tmp_path, env={**ENV, "PYTHONPATH": f"{hook}{os.pathsep}{REPO}", "SIGNAL_ON_IMPORT": module},
+                       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert r.stderr.startswith("sent\n"), r.stderr[-2000:]  # the signal came during the import, not at some other time
+    assert (r.returncode, r.stderr) == (130, "sent\nerror: interrupted\n"), r.stderr[-2000:]
+    assert r.stdout == ""
+
+
 def test_a_reader_that_closes_the_pipe_early_gets_exit_141_and_no_audit(tmp_path):
     """``kvload generate ... | head -c 10``: the BrokenPipeError was answered with exit 0 after the run had already
     discarded its audit as failed, so an exit 0 came without the audit file it promises. The output was not all

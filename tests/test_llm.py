@@ -365,12 +365,91 @@ def test_chat_takes_the_message_forms_the_server_takes_and_a_refusing_template_i
         tok.chat_template = None
 
 
+#: a loop inside a loop: Jinja's sandbox bounds each range (100,000 items), not their product
+RUNAWAY = "{% for a in range(2000) %}{% for b in range(1000) %}{% endfor %}{% endfor %}"
+
+
+def test_a_chat_template_that_would_run_for_ever_is_stopped_with_one_error(llm, monkeypatch):
+    """Two nested ranges ran 10**10 template steps (``generate --chat`` "looped for ever"); a template is now stopped
+    past TEMPLATE_MAX_STEPS (deterministic) or TEMPLATE_MAX_SECONDS (a costly step), with one error naming it, the
+    LLM still usable and the caller's own tracer (a debugger's, coverage's) put back. 2 million steps here: a
+    bounded run that finished (and generated) before."""
+    import sys
+
+    import engine.prompts
+
+    tok = llm.tokenizer
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    conv = [{"role": "user", "content": "w5"}]
+    tok.chat_template = RUNAWAY + "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+
+    def tracer(frame, event, arg):  # someone else's, left in place
+        return None
+
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(GenerationError, match=r"^chat: prompt 0: the model's chat template ran more than "
+                                                  r"1,000,000 steps without finishing \(a loop inside a loop\?\)"):
+            llm.chat(conv, params)
+        assert sys.gettrace() is tracer
+        with pytest.raises(GenerationError, match="the chat_template given ran more than 1,000,000 steps"):
+            llm.chat(conv, params, chat_template=RUNAWAY)
+        monkeypatch.setattr(engine.prompts, "TEMPLATE_MAX_SECONDS", 0.0)  # reached at the first clock reading
+        with pytest.raises(GenerationError, match=r"^generate: prompt 0: the chat_template given ran longer than "
+                                                  r"0 s without finishing"):
+            llm.generate("w5", params, chat={"chat_template": "{% for a in range(1000) %}{% endfor %}w5"})
+        monkeypatch.undo()
+        # a rendering past TEMPLATE_MAX_CHARS (18 million characters here) is refused before it is tokenized: a 1 GB
+        # one took a server past 20 GB in the tokenizer
+        with pytest.raises(GenerationError, match=r"^chat: prompt 0: the chat_template given wrote 18,000,000 "
+                                                  r"characters, more than a prompt holds \(at most 16,777,216\)"):
+            llm.chat(conv, params, chat_template="{{ 'w1 ' * 6000000 }}")
+        tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}w1"
+        (out,) = llm.chat(conv, params)  # the same LLM, a template that ends
+        assert out.prompt_token_ids == [5, 1]
+        assert sys.gettrace() is tracer
+    finally:
+        sys.settrace(None)
+        tok.chat_template = None
+
+
+def test_the_server_answers_a_runaway_chat_template_with_400_naming_whose_it_was(llm):
+    httpx = pytest.importorskip("httpx")
+    from kvload.serve.server import ServerThread, build_state
+
+    tok = llm.tokenizer
+    tok.chat_template = RUNAWAY + "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    conv = [{"role": "user", "content": "w2"}]
+    try:
+        state = build_state(llm.result, trust_request_chat_template=True)
+        with ServerThread(state) as server, httpx.Client(base_url=server.url, timeout=60) as http:
+            for extra, param, whose in (({}, "messages", "the model's chat template"),
+                                        ({"chat_template": RUNAWAY}, "chat_template", "the chat_template given")):
+                r = http.post("/v1/chat/completions", json={"messages": conv, "max_tokens": 2, **extra})
+                assert r.status_code == 400, r.text
+                err = r.json()["error"]
+                assert err["param"] == param and err["message"].startswith(f"messages: {whose} ran more than"), err
+            r = http.post("/tokenize", json={"messages": conv})  # the same template runs for /tokenize
+            assert r.status_code == 400 and "ran more than 1,000,000 steps" in r.json()["error"]["message"], r.text
+            ok = http.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2, "ignore_eos": True})
+            assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 2
+    finally:
+        tok.chat_template = None
+
+
 def test_errors_name_the_call_the_user_made(words):
     """chat and beam_search share generate's executor; their errors still name chat and beam_search."""
     llm = kvload.LLM(str(words), **llm_kwargs("v1"))
     try:
-        with pytest.raises(GenerationError, match=r"^chat: prompt 0: a conversation needs a tokenizer with a chat"):
+        # one check of the template's presence, one wording, for a text prompt (chat=True) and a conversation (it
+        # said "chat=True: the tokenizer of ... has no chat template" for the one, "a conversation needs ..." for the
+        # other)
+        missing = "prompt 0: chat needs a chat template, and the tokenizer of .* has none$"
+        with pytest.raises(GenerationError, match=rf"^chat: {missing}"):
             llm.chat([{"role": "user", "content": "w2"}])
+        for prompt in ("w2", [[{"role": "user", "content": "w2"}]]):
+            with pytest.raises(GenerationError, match=rf"^generate: {missing}"):
+                llm.generate(prompt, chat=True)
         with pytest.raises(GenerationError, match=r"^generate: temperature: expected"):
             llm.generate("w2", temperature=-1)
     finally:
@@ -380,6 +459,28 @@ def test_errors_name_the_call_the_user_made(words):
                        ("generate", ("w2",))):
         with pytest.raises(GenerationError, match=rf"^{call}: this LLM was closed"):
             getattr(llm, call)(*args)
+
+
+@pytest.mark.parametrize("call", ["chat", "generate_stream"])
+def test_the_audits_generation_failed_names_the_call_as_the_error_does(words, call):
+    """chat and generate_stream raised ``chat: ...`` / ``generate_stream: ...`` (``_named``), but the audit's
+    generation_failed kept the shared executor's ``generate: ...``: the record and the error disagreed."""
+    armed = [True]
+
+    def close_once_running(record: dict[str, Any]) -> None:  # after generation_started: the call fails mid-way
+        if armed[0] and record["event"] == "request_admitted":
+            armed[0] = False
+            llm.close()
+
+    llm = kvload.LLM(str(words), **llm_kwargs("v1"), subscribers=[close_once_running])
+    llm.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}w1"
+    run = {"chat": lambda: llm.chat([{"role": "user", "content": "w2"}], max_tokens=4, ignore_eos=True),
+           "generate_stream": lambda: list(llm.generate_stream([[1, 2, 3]], max_tokens=4, ignore_eos=True))}[call]
+    with pytest.raises(GenerationError) as raised:
+        run()
+    assert str(raised.value).startswith(f"{call}: the LLM was closed during generation")
+    (failed,) = llm.audit.of("generation_failed")
+    assert failed["message"] == str(raised.value)
 
 
 def test_the_server_answers_a_refusing_chat_template_with_400_and_keeps_the_connection(llm):

@@ -155,6 +155,13 @@ def test_a_client_that_gives_up_on_a_plain_request_has_it_aborted(served):
     ({"prompt": [1, 2], "logit_bias": {"x": 1}}, "logit_bias", 'token ids to numbers in [-100, 100], e.g. {"50256"'),
     ({"prompt": [1, 2], "logit_bias": {"3": -101}}, "logit_bias", "to numbers in [-100, 100]"),
     ({"prompt": [1, 2], "logit_bias": {"99999": 1}}, "logit_bias", "token id 99999 is outside the vocabulary"),
+    # one token under two spellings: the second bias silently replaced the first
+    ({"prompt": [1, 2], "logit_bias": {"7": 5, "007": -5}}, "logit_bias",
+     "logit_bias: token 7 is given twice ('7' and '007'); give each token once"),
+    # the bounds in the server's words, with what was sent ({"3": -101}, not the API's {3: -101})
+    ({"prompt": [1, 2], "logit_bias": {"3": -101}}, "logit_bias",
+     'logit_bias: expected an object of token ids to numbers in [-100, 100], e.g. {"50256": -100}, got {\'3\': -101}'),
+    ({"prompt": [1, 2], "logit_bias": {"9999999999999999999": 1}}, "logit_bias", "e.g. {\"50256\": -100}, got"),
     ({"prompt": [1, 2], "presence_penalty": 2.5}, "presence_penalty", "presence_penalty: expected a number in [-2, 2]"),
     ({"prompt": [1, 2], "frequency_penalty": "high"}, "frequency_penalty", "expected a number, got 'high'"),
     ({"prompt": [1, 2], "repetition_penalty": 0}, "repetition_penalty", "expected a number in [0.01, 100]"),

@@ -130,6 +130,31 @@ def test_chat_takes_vllms_template_options_checked_by_the_python_apis_rules():
     assert info.value.param == "chat_template_kwargs"
 
 
+def test_chat_template_kwargs_may_not_name_a_setting_of_apply_chat_template():
+    """A chat_template_kwargs key reaches transformers' apply_chat_template as a keyword: one of its own settings
+    was taken as that setting, not as a template variable, and did nothing (padding, return_tensors: 200 OK),
+    failed as if the model's template had refused the conversation (return_assistant_tokens_mask), or raised
+    "got multiple values for argument 'self'". Every parameter of the installed transformers' apply_chat_template
+    but tools and documents (template variables too) is refused, naming the field."""
+    import inspect
+
+    from transformers import PreTrainedTokenizerBase
+
+    names = set(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {"kwargs", "tools",
+                                                                                                "documents"}
+    assert {"padding", "return_tensors", "self", "sanitize_control_tokens"} <= names
+    messages = [{"role": "user", "content": "hi"}]
+    for name in sorted(names):
+        with pytest.raises(BadRequest) as info:
+            parse({"messages": messages, "chat_template_kwargs": {name: 1}}, "chat", default_max_tokens=16)
+        assert info.value.param == "chat_template_kwargs", name
+        assert info.value.message.startswith(f"chat_template_kwargs: {name!r} is not a template variable"), name
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    job = parse({"messages": messages, "chat_template_kwargs": {"tools": tools, "documents": []}}, "chat",
+                default_max_tokens=16)
+    assert job.template["tools"] == tools and job.template["documents"] == []
+
+
 def test_tokenize_bodies_take_vllms_two_forms():
     from kvload.serve.protocol import parse_detokenize, parse_tokenize
 

@@ -356,7 +356,7 @@ def _messages_error(exc: GenerationError, template: dict[str, Any]) -> BadReques
     """A conversation the tokenizer or the chat template refused; a template the request gave is named for
     what it refused (its Jinja is the client's)."""
     msg = str(exc).removeprefix("generate: ")
-    given = "chat_template" in template and "chat_template given refused" in msg
+    given = "chat_template" in template and "chat_template given " in msg  # refused it, or was stopped
     return BadRequest(msg, param="chat_template" if given else "messages")
 
 

@@ -102,8 +102,8 @@ def add_serve_command(sub: Any) -> None:
     g.add_argument("--trust-request-chat-template", "--trust_request_chat_template",
                    dest="trust_request_chat_template", action="store_true",
                    help="accept a request's own chat_template (Jinja the server runs, as slow as the client "
-                        "writes it); without it such a request gets HTTP 400 and the model's template applies "
-                        "to every other (vLLM's flag)")
+                        "writes it, up to 1,000,000 steps or 5 s, like every template); without it such a request "
+                        "gets HTTP 400 and the model's template applies to every other (vLLM's flag)")
     p.set_defaults(func=cmd_serve)
 
 

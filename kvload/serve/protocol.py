@@ -359,9 +359,17 @@ def _logit_bias(value: Any) -> dict[int, Any]:
     expected = f'an object of token ids to numbers in [-{MAX_BIAS:g}, {MAX_BIAS:g}], e.g. {{"50256": -100}}'
     _need(isinstance(value, dict), "logit_bias", expected, value)
     _as_api(check_logit_bias_count, len(value))  # counted before each key is read, in the Python API's words
-    _need(all(isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 19 and _is_num(b)
-              for k, b in value.items()), "logit_bias", expected, value)
-    return {int(k): b for k, b in value.items()}
+    _need(all(isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 19 and int(k) <= MAX_INT
+              and _is_num(b) and -MAX_BIAS <= b <= MAX_BIAS for k, b in value.items()), "logit_bias", expected, value)
+    biases: dict[int, Any] = {}
+    spelled: dict[int, str] = {}
+    for key, bias in value.items():
+        token = int(key)
+        if token in spelled:  # "1" and "001" are one token: which bias was meant is not for the server to guess
+            raise BadRequest(f"logit_bias: token {token} is given twice ({spelled[token]!r} and {key!r}); give each "
+                             "token once", param="logit_bias")
+        spelled[token], biases[token] = key, bias
+    return biases
 
 
 def _flag(body: dict[str, Any], field: str, default: bool) -> bool:

@@ -85,17 +85,25 @@ MAX_CHAT_TEMPLATE_BYTES = 1 << 20
 
 def chat_template_text(value: str, flag: str = "--chat-template") -> str:
     """``--chat-template``: a file's text, or the template itself (vLLM's flag takes either), checked to compile;
-    ``ConfigError`` naming ``flag``."""
+    ``ConfigError`` naming ``flag``. A FIFO or device is refused before it is opened: a FIFO with no writer blocked
+    the start for ever, and ``/dev/zero`` (size 0) was read without end."""
     import os
+    import stat
 
     if "{{" in value or "{%" in value:  # the template itself, not a path
         return check_chat_template(flag, value)
     try:
-        if os.path.getsize(value) > MAX_CHAT_TEMPLATE_BYTES:
+        mode = os.stat(value).st_mode
+        if stat.S_ISDIR(mode):
+            raise ConfigError(f"{flag} {value}: is a directory; give a template file (or the template itself)")
+        if not stat.S_ISREG(mode):
+            raise ConfigError(f"{flag} {value}: not a regular file (a FIFO or device?); give a template file")
+        with open(value, "rb") as f:
+            raw = f.read(MAX_CHAT_TEMPLATE_BYTES + 1)  # at most that: the file may grow after the stat
+        if len(raw) > MAX_CHAT_TEMPLATE_BYTES:
             raise ConfigError(f"{flag} {value}: larger than {MAX_CHAT_TEMPLATE_BYTES:,} bytes; a chat template is a "
                               "few KiB")
-        with open(value, encoding="utf-8") as f:
-            text = f.read()
+        text = raw.decode("utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{flag}: {value!r} is neither a file nor a Jinja template (one holds {{{{ or {{%)") \
             from None
@@ -107,15 +115,16 @@ def chat_template_text(value: str, flag: str = "--chat-template") -> str:
 
 
 def check_chat_template(where: str, text: Any) -> str:
-    """``text`` when it is a Jinja template that compiles (in the sandbox transformers renders chat templates in),
-    else ``ConfigError`` naming ``where`` and the line."""
+    """``text`` when it is a Jinja template that compiles as transformers compiles chat templates (its sandbox, with
+    its ``{% generation %}`` tag and Jinja's ``{% break %}`` / ``{% continue %}``), else ``ConfigError`` naming
+    ``where`` and the line."""
     import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from transformers.utils.chat_template_utils import _compile_jinja_template  # the one apply_chat_template uses
 
     if not isinstance(text, str) or not text.strip():
         raise ConfigError(f"{where}: expected a Jinja chat template, got {short(text)}")
     try:
-        ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).parse(text)
+        _compile_jinja_template(text)
     except jinja2.TemplateSyntaxError as exc:
         raise ConfigError(f"{where}: not a Jinja template: line {exc.lineno}: {exc.message}") from None
     return text
