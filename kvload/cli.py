@@ -245,7 +245,9 @@ def _dashed(name: str) -> str:
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     """MODEL, the config flags (with dashed aliases), and the output/logging options."""
-    p.add_argument("model", metavar="MODEL", help="a preset name (see `kvload models`) or a checkpoint directory")
+    p.add_argument("model", metavar="MODEL",
+                   help="a preset or packaged model (see `kvload models`), a checkpoint directory, a .gguf file, "
+                        "or a Hugging Face id in the local cache")
     group = p.add_argument_group("configuration (TensorRT-LLM spelling; dashed aliases accepted)")
     for f in FLAGS:
         names = list(dict.fromkeys(n for name in (f.name, *f.aliases) for n in (name, _dashed(name))))
@@ -389,7 +391,7 @@ def _check_output_path(flag: str, path: str) -> None:
 
 
 def cmd_run(ns: argparse.Namespace) -> int:
-    """Run all six stages: build the KV cache manager, print the plan and what was allocated, release it."""
+    """Run every stage: build the KV cache manager, print the plan and what was allocated, release it."""
     from kvload.api import execute
     from kvload.render import allocation_document, render_allocation, render_result, run_document
     from stages import load_stages
@@ -565,8 +567,8 @@ _GENERATE_EPILOG = """\
 Output: with one prompt, the reply streams to stdout as it is generated (token ids, space separated,
 for a model without a tokenizer); with several, each reply is printed as soon as it finishes, as
 "[i] text" (i = the prompt's position; "[i.j]" for its sample j with --n). With --logprobs K each reply is
-followed by its tokens, one a line: the token (quoted text, or its id), its logprob, then the K most likely
-other tokens with theirs. The last line gives prompt, reused and generated tokens, wall time and tokens/s.
+followed by its tokens, one a line: the token (quoted text, or its id), its logprob, then the other tokens
+among the K most likely with theirs. The last line gives prompt, reused and generated tokens, wall time and tokens/s.
 --json prints one document instead (outputs, timings, stats).
 
 KV budget: on CPU with neither --max_tokens nor --max_gpu_total_bytes, generate sizes the pools for
@@ -627,7 +629,8 @@ def add_generate_command(sub: Any) -> None:
                         "with --temperature > 0")
     g.add_argument("--logprobs", default=None, metavar="K",
                    type=_bounded(integer, lambda v: 0 <= v <= MAX_LOGPROBS, f"an integer in [0, {MAX_LOGPROBS}]"),
-                   help="report the K most likely tokens' log-probabilities per generated token (--json)")
+                   help="report the K most likely tokens' log-probabilities per generated token (printed after "
+                        "each reply; in --json, each sample's logprobs)")
     g.add_argument("--seed", default=None, metavar="S", type=_bounded(integer, lambda v: v >= 0, "an integer >= 0"),
                    help="sampling seed (prompt i's sample j uses S + i*n + j); absent = a fresh random seed")
     g.add_argument("--salt", default=None, metavar="TEXT",
@@ -765,7 +768,8 @@ def add_inspection_commands(sub: Any) -> None:
     p = sub.add_parser(
         "models", help="registered architectures, spec classes, model defaults, presets",
         description="List every registered architecture name with the ModelSpec class that serves it and "
-                    "the model defaults it proposes, then the embedded presets. Reads no checkpoint.")
+                    "the model defaults it proposes, then every preset and packaged model with what it "
+                    "supports (plan, build, generate). Reads no checkpoint.")
     p.add_argument("--json", action="store_true", help="print the listing as one JSON document")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.set_defaults(func=cmd_models)
@@ -800,7 +804,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="draw the comparison as a PNG (implies --compare; needs matplotlib: kvload[chart])")
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("run", help="resolve, route and build the KV cache manager (allocates the pools)",
-                       description="Run all six stages: resolve the arguments, route, compute the KV budget and "
+                       description="Run every stage: resolve the arguments, route, compute the KV budget and "
                                    "allocate the pools on the device; print the plan and what was allocated.")
     add_model_flags(p)
     p.set_defaults(func=cmd_run)
