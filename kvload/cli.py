@@ -839,10 +839,11 @@ workloads (sizes: --requests, and --workload-arg KEY=N for the rest):
 budget: the same for every manager simulated. With --max_tokens or --max_gpu_total_bytes it is the
 routed manager's budget from those; otherwise the default holds N of the workload's longest sequences
 in the routed layout: N = answer_len + 1 for shared-prefix and no-reuse (the requests running at once),
-one per conversation for multi-turn, 2 for long-context (memory-bound on purpose). V2 splits the budget
-among its layer groups for sequences of max_seq_len (the checkpoint's unless --max_seq_len): with much
-shorter requests its sliding-window pools can fill first, so set --max_seq_len near the workload's longest
-sequence to size them for it.
+one per conversation for multi-turn, 2 for long-context (memory-bound on purpose). V2 layer groups whose
+pages have one shape (Gemma 3's) share one arena; groups with other page sizes (DeepSeek V4's compressed
+ones) split the budget for sequences of max_seq_len (the checkpoint's unless --max_seq_len): with much
+shorter requests their sliding-window pools can fill first, so set --max_seq_len near the workload's
+longest sequence to size them for it.
 
 metrics: hit rate = reused prompt tokens / prompt tokens (first admission of each request); usage =
 used / total blocks (bytes-weighted over layer groups for V2) after each step's scheduling; waits =
