@@ -328,6 +328,16 @@ def prints(result: Any) -> bool:
     return ranks is None or ranks.is_first
 
 
+def print_result(text: str) -> None:
+    """Print a command's result on stdout in one write, newline included.
+
+    ``print(text)`` writes the newline on its own (PYTHONUNBUFFERED=1, or a text past Python's 8 KiB buffer): a
+    reader that left after the first write (``| head``) made the second fail, so a document that fitted the pipe
+    whole still ended in exit 141 about half the time. One write lands whole before the reader can leave.
+    """
+    sys.stdout.write(text + "\n")
+
+
 def cmd_plan(ns: argparse.Namespace) -> int:
     """Resolve (stages 1–5) and print the result; allocate nothing."""
     from kvload.api import execute
@@ -354,12 +364,12 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         doc = run_document(result)
         if comparison is not None:
             doc["compare"] = comparison.to_dict()
-        print(json.dumps(doc, indent=2, default=str))
+        print_result(json.dumps(doc, indent=2, default=str))
     else:
         text = render_result(result)
         if comparison is not None:
             text += "\n\n" + "\n".join(comparison.render())
-        print(text)
+        print_result(text)
     return 0
 
 
@@ -380,7 +390,7 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     from pipeline.ranks import ranks_from_env
 
     if ranks_from_env().is_first:  # under torchrun every rank simulates in lockstep; rank 0 prints
-        print(json.dumps(report.to_dict(), indent=2, default=str) if ns.json else report.render())
+        print_result(json.dumps(report.to_dict(), indent=2, default=str) if ns.json else report.render())
     return 0
 
 
@@ -401,10 +411,10 @@ def cmd_run(ns: argparse.Namespace) -> int:
         if not prints(result):
             return 0
         if ns.json:
-            print(json.dumps({**run_document(result), "allocated": allocation_document(result)}, indent=2,
-                             default=str))
+            print_result(json.dumps({**run_document(result), "allocated": allocation_document(result)}, indent=2,
+                                    default=str))
         else:
-            print("\n".join([render_result(result), "", *render_allocation(result)]))
+            print_result("\n".join([render_result(result), "", *render_allocation(result)]))
     return 0
 
 
@@ -451,11 +461,11 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         if not first:
             pass
         elif ns.json:
-            print(json.dumps({"model": result.model.to_dict(), "route": result.route.to_dict(),
-                              "outputs": [o.to_dict() for o in outputs], "stats": stats.to_dict()},
-                             indent=2, default=str))
+            print_result(json.dumps({"model": result.model.to_dict(), "route": result.route.to_dict(),
+                                     "outputs": [o.to_dict() for o in outputs], "stats": stats.to_dict()},
+                                    indent=2, default=str))
         else:
-            print(stats.line())
+            print_result(stats.line())
     return 0
 
 
@@ -677,7 +687,8 @@ def cmd_explain(ns: argparse.Namespace) -> int:
     from kvload.explain import explain, render_explain
 
     chains = explain(_read_audit(ns.audit), ns.fields or None, aliases=flag_aliases())
-    print(json.dumps({c["field"]: c for c in chains}, indent=2, default=str) if ns.json else render_explain(chains))
+    print_result(json.dumps({c["field"]: c for c in chains}, indent=2, default=str) if ns.json
+                 else render_explain(chains))
     return 0
 
 
@@ -689,9 +700,10 @@ def cmd_audit(ns: argparse.Namespace) -> int:
     summary = summarize(log, ns.audit)
     check = verify_log(log) if ns.verify else None
     if ns.json:
-        print(json.dumps({**summary, "verify": check} if check is not None else summary, indent=2, default=str))
+        print_result(json.dumps({**summary, "verify": check} if check is not None else summary, indent=2,
+                                default=str))
     else:
-        print(render_summary(summary, check))
+        print_result(render_summary(summary, check))
     if check is not None and not check["ok"]:
         sys.stdout.flush()
         print(f"error: {ns.audit}: does not verify: {check['problems'][0]}"
@@ -706,7 +718,7 @@ def cmd_models(ns: argparse.Namespace) -> int:
     from kvload.catalog import catalog, render_catalog
 
     doc = catalog()
-    print(json.dumps(doc, indent=2, default=str) if ns.json else render_catalog(doc))
+    print_result(json.dumps(doc, indent=2, default=str) if ns.json else render_catalog(doc))
     return 0
 
 
@@ -994,6 +1006,9 @@ def _run(ns: argparse.Namespace) -> int:
     """Run the subcommand, then publish its ``--audit-log`` only if it succeeded (discard it otherwise)."""
     try:
         code = ns.func(ns)
+        # delivered before the audit says so: block-buffered (a pipe), the output waited in Python's buffer and a
+        # reader already gone failed its flush at interpreter exit, after the audit was published (exit 120)
+        sys.stdout.flush()
     except BaseException:
         _close_audit(ns, ok=False)
         raise
