@@ -246,7 +246,9 @@ def _dashed(name: str) -> str:
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     """MODEL, the config flags (with dashed aliases), and the output/logging options."""
-    p.add_argument("model", metavar="MODEL", help="a preset name (see `kvload models`) or a checkpoint directory")
+    p.add_argument("model", metavar="MODEL",
+                   help="a preset or packaged model (see `kvload models`), a checkpoint directory, a .gguf file, "
+                        "or a Hugging Face id in the local cache")
     group = p.add_argument_group("configuration (TensorRT-LLM spelling; dashed aliases accepted)")
     for f in FLAGS:
         names = list(dict.fromkeys(n for name in (f.name, *f.aliases) for n in (name, _dashed(name))))
@@ -327,6 +329,16 @@ def prints(result: Any) -> bool:
     return ranks is None or ranks.is_first
 
 
+def print_result(text: str) -> None:
+    """Print a command's result on stdout in one write, newline included.
+
+    ``print(text)`` writes the newline on its own (PYTHONUNBUFFERED=1, or a text past Python's 8 KiB buffer): a
+    reader that left after the first write (``| head``) made the second fail, so a document that fitted the pipe
+    whole still ended in exit 141 about half the time. One write lands whole before the reader can leave.
+    """
+    sys.stdout.write(text + "\n")
+
+
 def cmd_plan(ns: argparse.Namespace) -> int:
     """Resolve (stages 1–5) and print the result; allocate nothing."""
     from kvload.api import execute
@@ -353,12 +365,12 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         doc = run_document(result)
         if comparison is not None:
             doc["compare"] = comparison.to_dict()
-        print(json.dumps(doc, indent=2, default=str))
+        print_result(json.dumps(doc, indent=2, default=str))
     else:
         text = render_result(result)
         if comparison is not None:
             text += "\n\n" + "\n".join(comparison.render())
-        print(text)
+        print_result(text)
     return 0
 
 
@@ -379,7 +391,7 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     from pipeline.ranks import ranks_from_env
 
     if ranks_from_env().is_first:  # under torchrun every rank simulates in lockstep; rank 0 prints
-        print(json.dumps(report.to_dict(), indent=2, default=str) if ns.json else report.render())
+        print_result(json.dumps(report.to_dict(), indent=2, default=str) if ns.json else report.render())
     return 0
 
 
@@ -390,7 +402,7 @@ def _check_output_path(flag: str, path: str) -> None:
 
 
 def cmd_run(ns: argparse.Namespace) -> int:
-    """Run all six stages: build the KV cache manager, print the plan and what was allocated, release it."""
+    """Run every stage: build the KV cache manager, print the plan and what was allocated, release it."""
     from kvload.api import execute
     from kvload.render import allocation_document, render_allocation, render_result, run_document
     from stages import load_stages
@@ -400,10 +412,10 @@ def cmd_run(ns: argparse.Namespace) -> int:
         if not prints(result):
             return 0
         if ns.json:
-            print(json.dumps({**run_document(result), "allocated": allocation_document(result)}, indent=2,
-                             default=str))
+            print_result(json.dumps({**run_document(result), "allocated": allocation_document(result)}, indent=2,
+                                    default=str))
         else:
-            print("\n".join([render_result(result), "", *render_allocation(result)]))
+            print_result("\n".join([render_result(result), "", *render_allocation(result)]))
     return 0
 
 
@@ -454,11 +466,11 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         if not first:
             pass
         elif ns.json:
-            print(json.dumps({"model": result.model.to_dict(), "route": result.route.to_dict(),
-                              "outputs": [o.to_dict() for o in outputs], "stats": stats.to_dict()},
-                             indent=2, default=str))
+            print_result(json.dumps({"model": result.model.to_dict(), "route": result.route.to_dict(),
+                                     "outputs": [o.to_dict() for o in outputs], "stats": stats.to_dict()},
+                                    indent=2, default=str))
         else:
-            print(stats.line())
+            print_result(stats.line())
     return 0
 
 
@@ -563,8 +575,8 @@ _GENERATE_EPILOG = """\
 Output: with one prompt, the reply streams to stdout as it is generated (token ids, space separated,
 for a model without a tokenizer); with several, each reply is printed as soon as it finishes, as
 "[i] text" (i = the prompt's position; "[i.j]" for its sample j with --n). With --logprobs K each reply is
-followed by its tokens, one a line: the token (quoted text, or its id), its logprob, then the K most likely
-other tokens with theirs. The last line gives prompt, reused and generated tokens, wall time and tokens/s.
+followed by its tokens, one a line: the token (quoted text, or its id), its logprob, then the other tokens
+among the K most likely with theirs. The last line gives prompt, reused and generated tokens, wall time and tokens/s.
 --json prints one document instead (outputs, timings, stats).
 
 KV budget: on CPU with neither --max_tokens nor --max_gpu_total_bytes, generate sizes the pools for
@@ -625,7 +637,8 @@ def add_generate_command(sub: Any) -> None:
                         "with --temperature > 0")
     g.add_argument("--logprobs", default=None, metavar="K",
                    type=_bounded(integer, lambda v: 0 <= v <= MAX_LOGPROBS, f"an integer in [0, {MAX_LOGPROBS}]"),
-                   help="report the K most likely tokens' log-probabilities per generated token (--json)")
+                   help="report the K most likely tokens' log-probabilities per generated token (printed after "
+                        "each reply; in --json, each sample's logprobs)")
     g.add_argument("--seed", default=None, metavar="S", type=_bounded(integer, lambda v: v >= 0, "an integer >= 0"),
                    help="sampling seed (prompt i's sample j uses S + i*n + j); absent = a fresh random seed")
     g.add_argument("--salt", default=None, metavar="TEXT",
@@ -672,7 +685,8 @@ def cmd_explain(ns: argparse.Namespace) -> int:
     from kvload.explain import explain, render_explain
 
     chains = explain(_read_audit(ns.audit), ns.fields or None, aliases=flag_aliases())
-    print(json.dumps({c["field"]: c for c in chains}, indent=2, default=str) if ns.json else render_explain(chains))
+    print_result(json.dumps({c["field"]: c for c in chains}, indent=2, default=str) if ns.json
+                 else render_explain(chains))
     return 0
 
 
@@ -684,9 +698,10 @@ def cmd_audit(ns: argparse.Namespace) -> int:
     summary = summarize(log, ns.audit)
     check = verify_log(log) if ns.verify else None
     if ns.json:
-        print(json.dumps({**summary, "verify": check} if check is not None else summary, indent=2, default=str))
+        print_result(json.dumps({**summary, "verify": check} if check is not None else summary, indent=2,
+                                default=str))
     else:
-        print(render_summary(summary, check))
+        print_result(render_summary(summary, check))
     if check is not None and not check["ok"]:
         sys.stdout.flush()
         print(f"error: {ns.audit}: does not verify: {check['problems'][0]}"
@@ -701,7 +716,7 @@ def cmd_models(ns: argparse.Namespace) -> int:
     from kvload.catalog import catalog, render_catalog
 
     doc = catalog()
-    print(json.dumps(doc, indent=2, default=str) if ns.json else render_catalog(doc))
+    print_result(json.dumps(doc, indent=2, default=str) if ns.json else render_catalog(doc))
     return 0
 
 
@@ -763,7 +778,8 @@ def add_inspection_commands(sub: Any) -> None:
     p = sub.add_parser(
         "models", help="registered architectures, spec classes, model defaults, presets",
         description="List every registered architecture name with the ModelSpec class that serves it and "
-                    "the model defaults it proposes, then the embedded presets. Reads no checkpoint.")
+                    "the model defaults it proposes, then every preset and packaged model with what it "
+                    "supports (plan, build, generate). Reads no checkpoint.")
     p.add_argument("--json", action="store_true", help="print the listing as one JSON document")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.set_defaults(func=cmd_models)
@@ -798,7 +814,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="draw the comparison as a PNG (implies --compare; needs matplotlib: kvload[chart])")
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("run", help="resolve, route and build the KV cache manager (allocates the pools)",
-                       description="Run all six stages: resolve the arguments, route, compute the KV budget and "
+                       description="Run every stage: resolve the arguments, route, compute the KV budget and "
                                    "allocate the pools on the device; print the plan and what was allocated.")
     add_model_flags(p)
     p.set_defaults(func=cmd_run)
@@ -833,10 +849,11 @@ workloads (sizes: --requests, and --workload-arg KEY=N for the rest):
 budget: the same for every manager simulated. With --max_tokens or --max_gpu_total_bytes it is the
 routed manager's budget from those; otherwise the default holds N of the workload's longest sequences
 in the routed layout: N = answer_len + 1 for shared-prefix and no-reuse (the requests running at once),
-one per conversation for multi-turn, 2 for long-context (memory-bound on purpose). V2 splits the budget
-among its layer groups for sequences of max_seq_len (the checkpoint's unless --max_seq_len): with much
-shorter requests its sliding-window pools can fill first, so set --max_seq_len near the workload's longest
-sequence to size them for it.
+one per conversation for multi-turn, 2 for long-context (memory-bound on purpose). V2 layer groups whose
+pages have one shape (Gemma 3's) share one arena; groups with other page sizes (DeepSeek V4's compressed
+ones) split the budget for sequences of max_seq_len (the checkpoint's unless --max_seq_len): with much
+shorter requests their sliding-window pools can fill first, so set --max_seq_len near the workload's
+longest sequence to size them for it.
 
 metrics: hit rate = reused prompt tokens / prompt tokens (first admission of each request); usage =
 used / total blocks (bytes-weighted over layer groups for V2) after each step's scheduling; waits =
@@ -983,6 +1000,9 @@ def _run(ns: argparse.Namespace) -> int:
     """Run the subcommand, then publish its ``--audit-log`` only if it succeeded (discard it otherwise)."""
     try:
         code = ns.func(ns)
+        # delivered before the audit says so: block-buffered (a pipe), the output waited in Python's buffer and a
+        # reader already gone failed its flush at interpreter exit, after the audit was published (exit 120)
+        sys.stdout.flush()
     except BaseException:
         _close_audit(ns, ok=False)
         raise

@@ -20,6 +20,7 @@ from typing import Any
 
 from pipeline.config import KvCacheConfig, LlmArgs, public_fields
 from pipeline.errors import ConfigError
+from pipeline.limits import short
 
 _ENGINE = "a TensorRT-LLM option kvload does not act on"
 
@@ -114,7 +115,7 @@ def split_ignored(tree: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[s
         if key == "trust_remote_code" and key not in own:
             if value is not False:
                 raise ConfigError("trust_remote_code: kvload never runs code shipped with a checkpoint; "
-                                  f"accepted: false, got {value!r}", path="trust_remote_code", detail="refused")
+                                  f"accepted: false, got {short(value)}", path="trust_remote_code", detail="refused")
             ignored.append((key, value, "kvload never runs a checkpoint's own code (false is its only setting)"))
         elif key in IGNORED_LLM_ARGS and key not in own:
             ignored.append((key, value, f"{_ENGINE}: {IGNORED_LLM_ARGS[key]}"))

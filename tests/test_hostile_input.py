@@ -1000,6 +1000,64 @@ def test_a_reader_that_closes_the_pipe_early_gets_exit_141_and_no_audit(tmp_path
     assert list(out.iterdir()) == []
 
 
+@pytest.mark.parametrize("unbuffered", [False, True], ids=["block-buffered", "PYTHONUNBUFFERED"])
+def test_a_reader_gone_before_the_output_is_written_gets_exit_141_and_no_audit(tmp_path, unbuffered):
+    """``kvload plan ... --audit-log a.jsonl | true``: the reader left before reading. Block-buffered (Python's
+    default for a pipe), plan's table waited in the buffer until interpreter exit, after the audit file had been
+    published for a success: exit 120 and two lines of "Exception ignored ... BrokenPipeError". The output was not
+    delivered: exit 141, the one line, nothing left, however stdout is buffered."""
+    out = tmp_path / "out"
+    out.mkdir()
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before kvload starts: every write to the pipe fails, deterministically
+    env = {k: v for k, v in ENV.items() if k != "PYTHONUNBUFFERED"}
+    try:
+        r = subprocess.run([sys.executable, "-m", "kvload", "plan", "tiny-llama", "--audit-log", out / "a.jsonl"],
+                           stdout=write_end, stderr=subprocess.PIPE, text=True, cwd=tmp_path, timeout=120,
+                           env={**env, "PYTHONPATH": str(REPO), **({"PYTHONUNBUFFERED": "1"} if unbuffered else {})})
+    finally:
+        os.close(write_end)
+    assert (r.returncode, r.stderr) == (141, "error: the output was closed before it was all written (broken pipe); "
+                                             "the --audit-log file was not written\n")
+    assert list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv", [
+    ["plan", "tiny-llama"],
+    ["plan", "tiny-deepseek-v4", "--max_tokens", "65536", "--compare", "--json"],  # past Python's 8 KiB buffer
+    ["models"],
+    ["simulate", "tiny-llama", "--workload", "no-reuse", "--requests", "4"],
+])
+def test_a_result_reaches_stdout_in_one_write(monkeypatch, argv):
+    """``kvload plan ... | head`` is a success when the output was all written before head left (README, "Audit
+    files"). ``print(text)`` wrote the text and then its newline in a write of its own (with PYTHONUNBUFFERED=1, or
+    past Python's 8 KiB buffer): head, gone after the first, failed the second, exit 141 or 120 about half the time.
+    One write of a document that fits the pipe lands whole before the reader can leave."""
+    import io
+
+    class Writes(io.StringIO):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: list[str] = []
+
+        def write(self, text: str) -> int:
+            self.calls.append(text)
+            return super().write(text)
+
+    stdout = Writes()
+    monkeypatch.setattr(sys, "stdout", stdout)
+    from kvload.cli import main
+
+    try:
+        assert main(argv) == 0
+    finally:
+        import structlog
+
+        structlog.reset_defaults()
+    assert len(stdout.calls) == 1 and stdout.calls[0].endswith("\n") and len(stdout.calls[0]) > 100, \
+        [c[:40] for c in stdout.calls]
+
+
 def test_a_hangup_during_a_kernel_compile_stops_the_compiler_and_leaves_no_file(tmp_path):
     """SIGHUP (the terminal closed, ssh dropped) killed kvload outright (exit 129): its audit temporaries stayed, and
     a first-use kernel compile's ``cc``, in a session of its own, ran on orphaned, its ``.o`` left in the kernel cache.

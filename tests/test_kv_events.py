@@ -122,6 +122,7 @@ def test_served_at_the_kv_events_endpoint():
     with serving("tiny-llama") as s:
         r = s.http.get("/v1/kvload/kv_events")
         assert r.status_code == 400 and r.json()["error"]["param"] == "event_buffer_max_size"
+        assert "--event_buffer_max_size N" in r.json()["error"]["message"]  # the flag that turns them on
 
 
 def test_a_full_disk_stops_the_events_file_with_one_warning_and_fails_no_request(tmp_path, monkeypatch):

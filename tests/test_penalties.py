@@ -176,7 +176,8 @@ def test_a_drafting_requests_row_j_is_penalized_as_if_its_first_j_drafts_were_ou
     rows = penalize(logits, [1 + len(drafts)], [(params, req)], frozenset({0}))
     for j in range(1 + len(drafts)):  # one step per token: the drafts so far already output
         alone = penalize(logits[j:j + 1], [1], [(params, _request(prompt, output + drafts[:j]))], frozenset({0}))
-        assert torch.allclose(rows[j], alone[0]), j
+        # atol: a logit the penalties bring near 0 differs in its 8th decimal between the batched and one-row paths
+        assert torch.allclose(rows[j], alone[0], atol=1e-6), j
 
 
 def test_min_p_keeps_only_tokens_near_the_most_likely_and_greedy_reports_it_ignored():

@@ -84,7 +84,8 @@ def test_an_audit_log_with_ignored_trtllm_keys_still_verifies(capsys, tmp_path):
     ("kv_cache_config:\n  copy_on_partial_reuze: true\n",
      "kv_cache_config.copy_on_partial_reuze: unknown key; did you mean 'copy_on_partial_reuse'"),
     ("no_such_option_anywhere: 1\n", "no_such_option_anywhere: unknown key"),
-    ("trust_remote_code: true\n", "trust_remote_code: kvload never runs code shipped with a checkpoint"),
+    # the refused value is quoted as YAML wrote it ("true"), not as Python's repr ("True")
+    ("trust_remote_code: true\n", "never runs code shipped with a checkpoint; accepted: false, got true"),
 ])
 def test_truly_unknown_keys_still_fail_with_a_suggestion(capsys, tmp_path, yaml_text, needle):
     cfg = tmp_path / "extra.yaml"

@@ -140,8 +140,10 @@ def create_app(state: ServeState) -> FastAPI:
 
         try:
             return state.result.kv_cache_events()  # drains: each event is served once
-        except Off as exc:
-            raise BadRequest(str(exc).removeprefix("kv_cache_events: "), param="event_buffer_max_size") from None
+        except Off:  # the API's message names the Python setting; a server's operator needs the flag
+            raise BadRequest("KV cache events are off on this server; start it with --event_buffer_max_size N "
+                             "(N > 0; in Python, kv_cache_config.event_buffer_max_size)",
+                             param="event_buffer_max_size") from None
 
     gate = asyncio.Lock()  # one request's body parsed and tokenized at a time (see _serve)
     # set on the event loop once the server stops (server._Server.shutdown): a body still arriving is not waited for
