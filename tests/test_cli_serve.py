@@ -124,6 +124,24 @@ def _ready_line(proc: subprocess.Popen) -> str:
     return line
 
 
+def test_json_says_it_is_ignored_by_serve():
+    """``--json`` is an output flag every command takes; serve prints no result document, so it says, once, before
+    the ready line, that the flag changes nothing (it was accepted silently)."""
+    proc = _start_server("--json")
+    try:
+        lines = []
+        deadline = time.monotonic() + 120
+        while not lines or " at http://" not in lines[-1]:
+            assert time.monotonic() < deadline and proc.poll() is None, f"server did not start: {lines}"
+            lines.append(proc.stderr.readline())
+        ignored = [line for line in lines if "setting_ignored" in line]
+        assert len(ignored) == 1 and "--json" in ignored[0] and "prints no result document" in ignored[0], lines
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        _reap(proc)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_a_signal_sent_as_the_ready_line_appears_stops_the_server(signum, tmp_path):
     """The ready line tells a service manager the server runs, so a stop may come at once: it came before uvicorn

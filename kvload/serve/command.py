@@ -175,6 +175,12 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                          f"(default-max-tokens + {SERVE_PROMPT_ALLOWANCE}) = {tokens} tokens when no --max_tokens "
                          "is given)")
     with execute(request, load_stages(), subscribers=audit) as result:  # request events reach the audit too
+        if ns.json and result.bus is not None:  # the output flag every command shares: serve prints no document
+            from pipeline.events import SettingIgnored
+
+            result.bus.emitter("serve")(SettingIgnored(
+                field="--json", value=True, reason="kvload serve prints no result document; its answers are the "
+                                                   "HTTP API's JSON (--log-format json makes its log JSON)"))
         if template is not None and result.tokenizer is None:
             from pipeline.errors import ConfigError
 
