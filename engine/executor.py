@@ -895,10 +895,28 @@ class GenerationExecutor:
             if asked is not None and asked > request.max_new_tokens:
                 length = (f"max_new_tokens {asked} (cut to {request.max_new_tokens} by "
                           f"max_seq_len={self.max_seq_len})")
+            prompt = request.num_prompt_tokens
+            fits = self._longest_fitting(request.max_total_tokens)
+            if fits <= prompt:  # not one new token fits after this prompt: max_new_tokens cannot help
+                advice = f"or shorten the prompt (the pools hold one sequence of {fits:,} tokens)"
+            else:
+                advice = f"or lower max_new_tokens to at most {fits - prompt:,}"
             raise KvBuildError(
-                f"generate: prompt {index}: {request.num_prompt_tokens} prompt tokens + {length} "
+                f"generate: prompt {index}: {prompt} prompt tokens + {length} "
                 f"need {need} blocks of {where} but the KV pools hold {have}; "
-                "raise kv_cache_config.max_tokens (--max_tokens) or lower max_new_tokens")
+                f"raise kv_cache_config.max_tokens (--max_tokens) {advice}")
+
+    def _longest_fitting(self, longer: int) -> int:
+        """The longest sequence (tokens) the pools hold alone, below ``longer`` (which does not fit)."""
+        layout, blocks = self.manager.layout, self.pools.num_blocks
+        lo, hi = 0, longer  # lo fits (or is 0), hi does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if layout.sequence_shortfall(mid, blocks) is None:
+                lo = mid
+            else:
+                hi = mid
+        return lo
 
     def _counters(self) -> dict[str, int]:
         stats = self.manager.stats()

@@ -112,9 +112,15 @@ def test_a_request_larger_than_the_pools_is_refused_before_anything_runs(tiny_ch
         ps = prompts_for(result.hf_model.config.vocab_size, (3, 14))
         with pytest.raises(KvBuildError, match=r"prompt 1: 14 prompt tokens \+ max_new_tokens 8 need 6 blocks of "
                                                r"layer group 'uniform' \(4 tokens each\) but the KV pools hold 4; "
-                                               r"raise kv_cache_config\.max_tokens"):
+                                               r"raise kv_cache_config\.max_tokens \(--max_tokens\) or lower "
+                                               r"max_new_tokens to at most 2$"):
             result.generate(ps, max_new_tokens=8)
         assert used_blocks(result) == 0
+        # a prompt that leaves no room for one new token: max_new_tokens cannot help, so it is not the advice
+        (long,) = prompts_for(result.hf_model.config.vocab_size, (16,))
+        with pytest.raises(KvBuildError, match=r"prompt 0: 16 prompt tokens \+ max_new_tokens 1 need 5 blocks .* "
+                                               r"or shorten the prompt \(the pools hold one sequence of 16 tokens\)$"):
+            result.generate([long], max_new_tokens=1)
         assert result.generate([ps[0]], max_new_tokens=2)[0].token_ids  # the executor is still usable
 
 
