@@ -72,7 +72,8 @@ _SIZE_UNITS = {
     "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4,
 }
 #: How a byte count may be written, for help texts and error messages.
-SIZE_HELP = "a byte count such as 8589934592, 8GiB (= 8G = 8*2**30) or 8GB (= 8*10**9)"
+SIZE_HELP = ("a byte count, in whole bytes, such as 8589934592, 8GiB (= 8G = 8*2**30), 8GB (= 8*10**9) or "
+             "1.5KiB (= 1536)")
 
 
 def parse_size(text: str) -> int:
