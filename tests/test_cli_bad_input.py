@@ -72,6 +72,8 @@ CASES = [
     ("max-tokens-unit", "plan tiny-llama --max_tokens 4k", 2, ["--max_tokens", "an integer", "'4k'"]),
     ("bytes-unit", "plan tiny-llama --max_gpu_total_bytes 8XB", 2, ["--max_gpu_total_bytes", "8GiB", "'8XB'"]),
     ("host-negative", "plan tiny-llama --host_cache_size -1", 2, ["--host_cache_size", "byte count"]),
+    ("bytes-fraction", "plan tiny-llama --max_gpu_total_bytes 1.00000001KiB", 2,
+     ["--max_gpu_total_bytes", "in whole bytes", "1.5KiB (= 1536)", "'1.00000001KiB'"]),
     ("block-zero", "plan tiny-llama --tokens_per_block 0", 2, ["--tokens_per_block", ">= 1, got 0"]),
     ("dtype", "plan tiny-llama --dtype int3", 2, ["--dtype", "bfloat16", "'int3'"]),
     ("kv-dtype", "plan tiny-llama --kv_cache_dtype int8", 2, ["--kv_cache_dtype", "float8_e4m3fn", "'int8'"]),
