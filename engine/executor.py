@@ -901,10 +901,14 @@ class GenerationExecutor:
                 advice = f"or shorten the prompt (the pools hold one sequence of {fits:,} tokens)"
             else:
                 advice = f"or lower max_new_tokens to at most {fits - prompt:,}"
-            raise KvBuildError(
-                f"generate: prompt {index}: {prompt} prompt tokens + {length} "
-                f"need {need} blocks of {where} but the KV pools hold {have}; "
-                f"raise kv_cache_config.max_tokens (--max_tokens) {advice}")
+            exc = KvBuildError(f"generate: prompt {index}: {prompt} prompt tokens + {length} need {need} blocks of "
+                               f"{where} but the KV pools hold {have}; raise kv_cache_config.max_tokens "
+                               f"(--max_tokens) {advice}")
+            # the parts, for a face that words its own advice (the server: a client cannot raise --max_tokens)
+            exc.shortfall = f"{prompt} prompt tokens + {length} need {need} blocks of {where} but the KV pools " \
+                            f"hold {have}"
+            exc.longest_sequence = fits
+            raise exc
 
     def _longest_fitting(self, longer: int) -> int:
         """The longest sequence (tokens) the pools hold alone, below ``longer`` (which does not fit)."""

@@ -194,6 +194,25 @@ def test_bad_requests_get_400_naming_the_field(served, body, param, words):
     assert words in error["message"]
 
 
+def test_a_request_that_could_never_fit_gets_advice_a_client_can_follow(served):
+    """A client cannot raise the server's KV budget: it is told how many max_tokens would fit after its prompt,
+    or, when not one would, to shorten the prompt (naming ``prompt``, not ``max_tokens``)."""
+    r = served.http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 5000})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert r.json()["error"]["message"] == (
+        "max_tokens: this request could never fit the KV cache: 2 prompt tokens + max_tokens 5000 need 157 blocks of "
+        "layer group 'uniform' (32 tokens each) but the KV pools hold 64; lower max_tokens to at most 2,046, or serve "
+        "with a larger KV budget (--max_tokens)")
+    r = served.http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2047})  # one past the advice
+    assert r.status_code == 400 and "at most 2,046," in r.json()["error"]["message"]
+    r = served.http.post("/v1/completions", json={"prompt": [1] * 3000, "max_tokens": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert r.json()["error"]["message"] == (
+        "prompt: this request could never fit the KV cache: 3000 prompt tokens + max_tokens 5 need 94 blocks of layer "
+        "group 'uniform' (32 tokens each) but the KV pools hold 64; shorten the prompt (the KV cache holds one "
+        "sequence of 2,048 tokens), or serve with a larger KV budget (--max_tokens)")
+
+
 def test_other_refusals_and_the_server_keeps_serving(served):
     r = served.http.post("/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]

@@ -647,15 +647,7 @@ class _Run:
                 head = msg.split(":", 1)[0]
                 raise BadRequest(msg, param=head if head.isidentifier() else "prompt") from None
             except KvBuildError as exc:
-                field = (job.max_tokens_field if job.max_tokens_given
-                         else ("messages" if job.kind == "chat" else "prompt"))
-                where = "" if len(self.prompts) == 1 else f"prompt {i}: "
-                msg = (str(exc).removeprefix("generate: ").removeprefix("prompt 0: ")
-                       .replace("max_new_tokens", "max_tokens")
-                       .replace("; raise kv_cache_config.max_tokens (--max_tokens) or lower max_tokens",
-                                "; lower max_tokens, or serve with a larger KV budget (--max_tokens)"))
-                raise BadRequest(f"{field}: this request could never fit the KV cache: {where}{msg}",
-                                 param=field) from None
+                raise self._never_fits(job, i, len(ids), exc) from None
             plan.append((ids, params))
         # once per HTTP request (not per prompt or choice), and only for one that is served
         self.engine.report_ignored(job.params, job.n, request=self.id, salt=job.salt)
@@ -680,6 +672,26 @@ class _Run:
             with self.lock:
                 self.abort()
             raise
+
+    def _never_fits(self, job: Any, i: int, prompt: int, exc: KvBuildError) -> BadRequest:
+        """A request that could not complete even alone in the KV cache, with the advice a client can follow: fewer
+        ``max_tokens`` when some would fit after its prompt, else a shorter prompt (``prompt``/``messages``)."""
+        where = "" if len(self.prompts) == 1 else f"prompt {i}: "
+        text = getattr(exc, "shortfall", None)
+        longest = getattr(exc, "longest_sequence", None)
+        if text is None or longest is None:  # not _check_fits' refusal: its own words
+            text, advice = str(exc).removeprefix("generate: "), ""
+        elif longest > prompt:
+            advice = (f"; lower max_tokens to at most {longest - prompt:,}, or serve with a larger KV budget "
+                      "(--max_tokens)")
+        else:
+            advice = (f"; shorten the prompt (the KV cache holds one sequence of {longest:,} tokens), or serve with a "
+                      "larger KV budget (--max_tokens)")
+        prompt_field = "messages" if job.kind == "chat" else "prompt"
+        field = job.max_tokens_field if job.max_tokens_given and longest is not None and longest > prompt \
+            else prompt_field
+        text = text.replace("max_new_tokens", "max_tokens")
+        return BadRequest(f"{field}: this request could never fit the KV cache: {where}{text}{advice}", param=field)
 
     def _too_long(self, i: int, ids: list[int], max_tokens: int) -> BadRequest:
         """vLLM's refusal of a ``max_tokens`` past what the context length leaves after the prompt, in its words."""
