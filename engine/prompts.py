@@ -203,7 +203,12 @@ def _bounded(render: Callable[[], Any]) -> Any:
             return step(frame, event, arg)  # its lines are steps, and so is each call into it
         if deadline != math.inf:  # a call the template made (a filter, the sandbox's checks)
             step(frame, event, arg)
-        return previous(frame, event, arg) if previous is not None else None
+        if previous is None:
+            return None
+        local = previous(frame, event, arg)
+        if sys.gettrace() is not trace:  # coverage's tracer re-installs itself when called: the bound goes back on
+            sys.settrace(trace)
+        return local
 
     sys.settrace(trace)
     try:

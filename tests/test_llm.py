@@ -383,7 +383,9 @@ def test_a_chat_template_that_would_run_for_ever_is_stopped_with_one_error(llm, 
     conv = [{"role": "user", "content": "w5"}]
     tok.chat_template = RUNAWAY + "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
-    def tracer(frame, event, arg):  # someone else's, left in place
+    def tracer(frame, event, arg):  # someone else's, left in place; like coverage's, it re-installs itself when called
+        if event == "call":
+            sys.settrace(tracer)
         return None
 
     sys.settrace(tracer)
