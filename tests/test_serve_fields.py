@@ -167,6 +167,11 @@ def test_truncate_prompt_tokens_minus_one_fits_a_long_prompt_to_what_max_tokens_
     assert "61 is more than max_model_len - max_tokens = 64 - 4 = 60" in message
     for bad in (0, -2, "3", 1.5):
         _refused(served, "/v1/completions", {"prompt": PROMPT, "truncate_prompt_tokens": bad}, "truncate_prompt_tokens")
+    # max_tokens alone fills the context: no truncation could help, so the refusal names max_tokens
+    message = _refused(served, "/v1/completions", {"prompt": long, "max_tokens": MAX_SEQ, "truncate_prompt_tokens": 5},
+                       "max_tokens")
+    assert message == (f"max_tokens: {MAX_SEQ} leaves no room for a prompt in this model's context length of {MAX_SEQ} "
+                       "tokens (truncate_prompt_tokens cannot help); ask for fewer")
 
 
 # --- the answer's id, usage per chunk -------------------------------------------------------------------------------
@@ -282,6 +287,8 @@ def test_response_format_text_priority_zero_and_best_of_n_are_served(served):
     ("/v1/chat/completions", {"priority": -5}, "priority", "only priority 0"),
     ("/v1/completions", {"best_of": 3, "n": 2}, "best_of", "only best_of = n"),
     ("/v1/completions", {"best_of": 0}, "best_of", "an integer >= 1"),
+    ("/v1/completions", {"best_of": 10**400}, "best_of", "about 401 digits with n=1 is not supported: kvload serve "
+                                                         "returns every sample it draws, so only best_of = n"),
     ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice", "tool-call parser"),
 ])
 def test_what_kvload_cannot_do_is_a_400_naming_the_field(served, path, extra, param, words):

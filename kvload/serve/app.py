@@ -447,6 +447,10 @@ def _kept_tokens(engine: ServingEngine, job: Job) -> int | None:
     limit = engine.executor.max_seq_len
     wanted = job.params.max_tokens if job.max_tokens_given else 1
     room = limit - wanted
+    if room < 1:  # no truncation can help: max_tokens alone fills the context (a prompt needs a token)
+        raise BadRequest(f"{job.max_tokens_field}: {wanted} leaves no room for a prompt in this model's context "
+                         f"length of {limit} tokens (truncate_prompt_tokens cannot help); ask for fewer",
+                         param=job.max_tokens_field)
     if job.truncate == -1:
         return max(room, 1)  # a max_tokens past the context length is refused as such (submit)
     if job.truncate > room:

@@ -29,7 +29,16 @@ from engine.sampling_params import (
     is_finite,
 )
 from pipeline.errors import GenerationError
-from pipeline.limits import MAX_BIAS, MAX_INT, MAX_LOGPROBS, MAX_N, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS
+from pipeline.limits import (
+    MAX_BIAS,
+    MAX_INT,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_STOP,
+    MAX_STOP_CHARS,
+    MAX_STOP_TOKEN_IDS,
+    short,
+)
 
 #: Longest ``request_id`` (or ``X-Request-Id`` header) taken: it becomes the answer's id, sent in every chunk.
 MAX_REQUEST_ID_CHARS = 256
@@ -341,9 +350,9 @@ def _accepted_as_done(body: dict[str, Any], kind: str, n: int) -> None:
     if kind == "completion" and best_of is not None:
         _need(_is_int(best_of) and best_of >= 1, "best_of", "an integer >= 1", best_of)
         if best_of != n:
-            raise BadRequest(f"best_of: {best_of} with n={n} is not supported: kvload serve returns every sample it "
-                             "draws, so only best_of = n is accepted (drawing more to keep the best is not done; "
-                             "vLLM's V1 engine dropped best_of too)"[:300], param="best_of")
+            raise BadRequest(f"best_of: {short(best_of)} with n={n} is not supported: kvload serve returns every "
+                             "sample it draws, so only best_of = n is accepted (drawing more to keep the best is not "
+                             "done; vLLM's V1 engine dropped best_of too)", param="best_of")
 
 
 def request_id(value: Any, field: str = "request_id") -> str | None:
