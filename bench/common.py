@@ -75,11 +75,12 @@ def kv_opcode_counter() -> Iterator[list[int]]:
     saved = [(cls, name, cls.__dict__[name]) for cls, name in targets]
     for cls, name, fn in saved:
         setattr(cls, name, counted(fn))
+    previous = sys.gettrace()  # a debugger's or coverage's: it is off inside the block and put back after
     sys.settrace(tracer)
     try:
         yield count
     finally:
-        sys.settrace(None)
+        sys.settrace(previous)
         for cls, name, fn in saved:
             setattr(cls, name, fn)
 
