@@ -110,7 +110,8 @@ class KVCacheManagerProtocol(Protocol):
 
 
 class SchedulerProtocol(Protocol):
-    """What both schedulers offer. Construction: ``Scheduler(manager, max_batch_size, max_num_tokens)``."""
+    """What both schedulers offer. Construction: ``Scheduler(manager, max_batch_size, max_num_tokens, *,
+    scheduling_policy="fcfs")`` (``"priority"``: waiting requests are taken best-ranked first)."""
 
     def step(self, waiting: deque[Request], running: list[Request]) -> SchedulerOutput:
         """Decide this iteration: move requests between ``waiting`` and ``running``, allocate, report."""

@@ -6,6 +6,10 @@ import enum
 
 import attrs
 
+#: Scheduling policies (vLLM's names): ``"fcfs"`` admits in arrival order; ``"priority"`` admits best-ranked first
+#: (:func:`rank`) and lets V2 move out a worse-ranked running request for a better-ranked waiting one.
+SCHEDULING_POLICY_NAMES: tuple[str, ...] = ("fcfs", "priority")
+
 
 class RequestState(enum.Enum):
     """Where a request is in its life."""
@@ -32,7 +36,10 @@ class Request:
     req_id: str
     prompt_token_ids: list[int]
     max_new_tokens: int
-    priority: int = 0  # higher is more important; the V2 scheduler suspends the lowest first (admission is FCFS)
+    #: higher is more important (vLLM's sign is the opposite: its ``priority=v`` is ``-v`` here, converted where a
+    #: user's value comes in); the V2 scheduler suspends the lowest first, V2 eviction drops its blocks first, and the
+    #: "priority" scheduling policy admits the highest first (under "fcfs" admission is by arrival)
+    priority: int = 0
     salt: str | None = None  # reuse scope: requests with different salts never share blocks
     #: read no cached prefix: admission claims nothing and the whole prompt is computed (a prompt whose tokens are
     #: scored needs every position's logits, which a cache hit skips); its full blocks are still cached under
@@ -58,6 +65,11 @@ class Request:
             raise ValueError(f"request {self.req_id}: empty prompt")
         if self.max_new_tokens < 0:
             raise ValueError(f"request {self.req_id}: max_new_tokens must be >= 0")
+
+    @property
+    def rank(self) -> tuple[int, int]:
+        """Sort key, best first: higher priority, then earlier arrival (vLLM's ``(priority, arrival_time)``)."""
+        return (-self.priority, self.arrival)
 
     @property
     def all_token_ids(self) -> list[int]:

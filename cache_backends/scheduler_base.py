@@ -6,13 +6,17 @@ from collections import deque
 from typing import Any
 
 from cache_backends.interface import ScheduledChunk, SchedulerOutput
-from cache_backends.request import Request, RequestState
+from cache_backends.request import SCHEDULING_POLICY_NAMES, Request, RequestState
 
 
 class SchedulerBase:
     """Holds the manager and the per-step limits; subclasses implement ``step``."""
 
-    def __init__(self, manager: Any, max_batch_size: int, max_num_tokens: int) -> None:
+    def __init__(self, manager: Any, max_batch_size: int, max_num_tokens: int, *,
+                 scheduling_policy: str = "fcfs") -> None:
+        if scheduling_policy not in SCHEDULING_POLICY_NAMES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICY_NAMES)}, "
+                             f"got {scheduling_policy!r}")
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_num_tokens < 1:
@@ -20,6 +24,9 @@ class SchedulerBase:
         self.manager = manager
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
+        self.scheduling_policy = scheduling_policy
+        #: "priority": waiting requests are taken best-ranked first (``Request.rank``), not in arrival order
+        self.by_priority = scheduling_policy == "priority"
 
     def extend_with_drafts(self, out: SchedulerOutput) -> None:
         """Speculative decoding: a chunk that reaches its request's last known token also computes the request's

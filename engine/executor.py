@@ -71,7 +71,7 @@ from models.paged_forward import ATTN_IMPLEMENTATION, route_paged_attention, run
 from pipeline.config import ATTENTION_BACKENDS, AUTO, LINEAR_BACKENDS
 from pipeline.errors import GenerationError, KvBuildError, KvRuntimeError, first_line, retitled
 from pipeline.events import Event, GenerationFailed, GenerationFinished, GenerationStarted, SettingIgnored
-from pipeline.limits import MAX_DRAFT_LEN, MAX_INT, MAX_NGRAM
+from pipeline.limits import MAX_DRAFT_LEN, MAX_INT, MAX_NGRAM, short
 
 #: A prompt: text (needs a tokenizer) or token ids.
 Prompt = str | Sequence[int]
@@ -323,6 +323,7 @@ class GenerationExecutor:
         chat: bool | Mapping[str, Any] = False,
         on_delta: Callable[[TokenDelta], Any] | None = None,
         arrival_steps: Sequence[int] | None = None,
+        priority: Sequence[int] | None = None,
         **sampling: Any,
     ) -> list[RequestOutput]:
         """Generate for every prompt, batched continuously; one :class:`RequestOutput` per prompt, in order.
@@ -333,7 +334,9 @@ class GenerationExecutor:
         (``max_tokens=32, temperature=0.8``), not both. ``salt`` scopes prefix reuse: prompts under
         different salts never share cached blocks. ``on_delta`` is called with a :class:`TokenDelta` for
         every token of every sample as it is produced. ``arrival_steps[i]`` (default 0) is the step at
-        which prompt ``i`` joins, to exercise requests arriving while others run.
+        which prompt ``i`` joins, to exercise requests arriving while others run. ``priority[i]`` (vLLM's
+        argument and sign: lower is served first, default 0) ranks prompt ``i`` under ``scheduling_policy="priority"``;
+        under "fcfs" only 0 is accepted, as vLLM does.
 
         With ``n > 1`` (and prefix reuse on) a prompt's first sample prefills alone; the others are
         queued once its prompt is in the cache and reuse those blocks, so the prompt is computed once.
@@ -352,9 +355,10 @@ class GenerationExecutor:
         per_prompt = isinstance(sampling_params, Sequence)
         params = self._params(sampling_params, sampling, len(items))
         arrivals = self._arrivals(arrival_steps, len(items))
+        ranks = self._priorities(priority, len(items))
         call = self._calls
         self._calls += 1
-        lives = self._lives(call, items, params, per_prompt, salt, arrivals)
+        lives = self._lives(call, items, params, per_prompt, salt, arrivals, ranks)
         stagger = bool(self.manager.options.enable_block_reuse)  # without reuse, samples gain nothing by waiting
         now_arrivals, later = [], {}
         for live in lives:
@@ -477,6 +481,7 @@ class GenerationExecutor:
         chat: bool = False,
         stream: Callable[[StreamEvent], Any] | None = None,
         arrival_steps: Sequence[int] | None = None,
+        priority: Sequence[int] | None = None,
         **sampling: Any,
     ) -> list[GenerationOutput]:
         """:meth:`run` with one sample per prompt, as flat :class:`GenerationOutput`s (the original shape).
@@ -500,7 +505,7 @@ class GenerationExecutor:
                                   "prompt; use kvload.LLM(...).generate (or result.executor.run), whose "
                                   "RequestOutputs hold n samples each")
         outs = self.run(prompts, sampling_params, salt=salt, chat=chat, on_delta=on_delta, arrival_steps=arrival_steps,
-                        **sampling)
+                        priority=priority, **sampling)
         return [_flat(o) for o in outs]
 
     def _params(self, sampling_params: Any, keywords: dict[str, Any], count: int) -> list[SamplingParams]:
@@ -533,7 +538,7 @@ class GenerationExecutor:
         return params
 
     def _lives(self, call: int, items: list[tuple[str | None, list[int]]], params: list[SamplingParams],
-               per_prompt: bool, salt: str | None, arrivals: list[int]) -> list[_Live]:
+               per_prompt: bool, salt: str | None, arrivals: list[int], ranks: list[int] | None = None) -> list[_Live]:
         """Every sample of every prompt as a request, with its generator (seeded as SamplingParams says)."""
         lives = []
         random_base = random.SystemRandom().getrandbits(62)
@@ -548,7 +553,8 @@ class GenerationExecutor:
                 # a scored prompt is prefilled whole by its first sample (a cached prefix computes no logits), whose
                 # blocks are cached as any request's: the later samples, and later requests, reuse them
                 request = Request(req_id, ids, min(p.max_tokens, room), salt=salt,
-                                  skip_prefix_read=p.prompt_logprobs is not None and j == 0)
+                                  skip_prefix_read=p.prompt_logprobs is not None and j == 0,
+                                  priority=ranks[i] if ranks is not None else 0)
                 if j == 0:
                     self._check_fits(i, request, p.max_tokens)
                 gen = None
@@ -881,6 +887,29 @@ class GenerationExecutor:
             raise GenerationError(f"generate: arrival_steps: expected {n} integers >= 0 (one per prompt), "
                                   f"got {arrival_steps!r}")
         return steps
+
+    def priority_refusal(self, value: Any) -> str | None:
+        """Why a user's (vLLM-signed) ``priority`` is refused, or None: an integer within int64, and under the "fcfs"
+        policy only 0 (vLLM's rule: "priority scheduling is not enabled")."""
+        if not is_int(value) or abs(value) > MAX_INT:
+            return f"expected an integer (at most 2**63 - 1 in size), got {short(value)}"
+        if value != 0 and not getattr(self.scheduler, "by_priority", False):
+            return (f"got priority {value} but priority scheduling is not enabled (scheduling_policy is \"fcfs\"); "
+                    "load with scheduling_policy=\"priority\" (--scheduling_policy priority) or send 0")
+        return None
+
+    def _priorities(self, priority: Sequence[int] | None, n: int) -> list[int] | None:
+        """vLLM's ``priority`` list (lower first) as kvload's ranks (higher first: each value negated); None: all 0."""
+        if priority is None:
+            return None
+        if isinstance(priority, (str, bytes)) or not isinstance(priority, Sequence) or len(priority) != n:
+            raise GenerationError(f"generate: priority: expected a list of {n} integers (one per prompt), "
+                                  f"got {short(priority)}")
+        for i, value in enumerate(priority):
+            why = self.priority_refusal(value)
+            if why is not None:
+                raise GenerationError(f"generate: priority[{i}]: {why}")
+        return [-int(v) for v in priority]
 
     def _check_fits(self, index: int, request: Request, asked: int | None = None) -> None:
         """``KvBuildError`` when a request could not complete even alone in empty pools (it would never run).

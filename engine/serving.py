@@ -320,7 +320,7 @@ class ServingEngine:
         return request
 
     def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams, sink: Callable[[ServeEvent], Any], *,
-               salt: str | None = None, seed_offset: int = 0) -> str:
+               salt: str | None = None, seed_offset: int = 0, priority: int = 0) -> str:
         """Queue one request; its id. ``GenerationError``/``KvBuildError`` (nothing queued) when it could never run.
 
         ``max_new_tokens`` is cut to what ``max_seq_len`` leaves. ``sink`` is called on the loop thread.
@@ -328,13 +328,18 @@ class ServingEngine:
         It ends with ``"stop"`` on EOS (unless ``params.ignore_eos``), on a token of
         ``params.stop_token_ids``, or once its text holds one of ``params.stop`` (the caller cuts the
         text there). ``params.logprobs=k`` reports, per generated token, its log-probability and the
-        top ``k`` tokens' (``engine.sampling.top_logprobs``).
+        top ``k`` tokens' (``engine.sampling.top_logprobs``). ``priority``: vLLM's (lower is served first), taken
+        only when the scheduler schedules by priority (``scheduling_policy="priority"``; else only 0).
         """
         if self._stopping:  # early, to skip the checks; decided below, under the loop's lock
             raise EngineStopped("the engine is shutting down")
         check_salt(salt)  # as generate's: hashed into every block key, and its length bounded
+        refused = self.executor.priority_refusal(priority)
+        if refused is not None:
+            raise GenerationError(f"generate: priority: {refused}")
         request = self.check(prompt_token_ids, params)
         request.salt = salt
+        request.priority = -int(priority)  # kvload ranks higher first; vLLM's value is lower first
         # a scored prompt is prefilled whole (a cached prefix computes no logits); its blocks are cached for others
         request.skip_prefix_read = params.prompt_logprobs is not None
         req_id = request.req_id

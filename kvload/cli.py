@@ -114,6 +114,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--max_seq_len", "max_seq_len", "longest sequence (default: the checkpoint's)", integer, metavar="N"),
     Flag("--max_num_tokens", "max_num_tokens", "most tokens in one forward (prefill chunk)", integer, metavar="N"),
     Flag("--max_beam_width", "max_beam_width", "beam width (V2 serves only 1)", integer, metavar="N"),
+    Flag("--scheduling_policy", "scheduling_policy", "fcfs (default: arrival order) or priority (vLLM's: a request's "
+         "priority, lower first, orders admission; V2 also moves out lower-ranked running requests for it)", str,
+         metavar="{fcfs,priority}"),
     Flag("--attention_backend", "attention_backend", "paged attention of generate: auto, flex (compiled "
          "FlexAttention over the pools), sdpa (gather + SDPA), triton (decode steps on a paged decode kernel, "
          "CUDA) or cpu_kernel (decode steps on a paged decode kernel compiled for this CPU)", str,

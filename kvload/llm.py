@@ -116,7 +116,7 @@ class LLM:
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: Any = None, salt: str | None = None, chat: bool | Mapping[str, Any] = False,
-                 **sampling: Any) -> list[RequestOutput]:
+                 priority: Sequence[int] | None = None, **sampling: Any) -> list[RequestOutput]:
         """One :class:`RequestOutput` per prompt, in order (a single prompt still gives a list of one).
 
         ``prompts``: a string, a list of strings (``chat=True`` applies the chat template), lists of
@@ -125,17 +125,19 @@ class LLM:
         prompts, a list of one per prompt, or None (defaults; its fields may be given as keywords
         instead). ``use_tqdm``: taken for vLLM compatibility; kvload draws no progress bar, so a true
         value is reported once as ``setting_ignored``. ``salt`` scopes prefix reuse (prompts under
-        different salts never share cached blocks).
+        different salts never share cached blocks). ``priority``: vLLM's, one integer per prompt, lower served
+        first (ties by arrival); it needs ``scheduling_policy="priority"`` (under "fcfs" only 0 is accepted).
         """
-        return self._generate("generate", prompts, sampling_params, use_tqdm, salt, chat, sampling)
+        return self._generate("generate", prompts, sampling_params, use_tqdm, salt, chat, sampling, priority)
 
     def _generate(self, call: str, prompts: Any, sampling_params: Any, use_tqdm: Any, salt: str | None,
-                  chat: bool | Mapping[str, Any], sampling: dict[str, Any]) -> list[RequestOutput]:
+                  chat: bool | Mapping[str, Any], sampling: dict[str, Any],
+                  priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """:meth:`generate` as ``call`` (``generate`` or ``chat``), which titles its errors and their audit record."""
         with self._exclusive(call):
             self._no_progress_bar(use_tqdm)
             with self._running(call) as executor:
-                return executor.run(prompts, sampling_params, salt=salt, chat=chat, **sampling)
+                return executor.run(prompts, sampling_params, salt=salt, chat=chat, priority=priority, **sampling)
 
     def beam_search(self, prompts: Any, params: BeamSearchParams) -> list[BeamSearchOutput]:
         """vLLM's ``LLM.beam_search``: the best ``params.beam_width`` hypotheses of every prompt, best first.

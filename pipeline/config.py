@@ -14,6 +14,7 @@ from typing import Any, Literal, NewType, Union
 import attrs
 
 from cache_backends.layout import DTYPE_SIZES
+from cache_backends.request import SCHEDULING_POLICY_NAMES
 from pipeline.errors import ConfigError
 from pipeline.limits import MAX_DRAFT_LEN, MAX_INT, MAX_NGRAM, short
 
@@ -161,6 +162,10 @@ attention_backend_name = _check(lambda v: v in ATTENTION_BACKENDS,
 LINEAR_BACKENDS = ("auto", "torch", "cpu_kernel")
 linear_backend_name = _check(lambda v: v in LINEAR_BACKENDS, '"auto", "torch" or "cpu_kernel"')
 model_name = _check(lambda v: isinstance(v, str) and v.strip() != "", "a preset name or a checkpoint directory")
+#: How the scheduler picks among requests (vLLM's ``--scheduling-policy``): first come first served, or by the
+#: request's priority (vLLM's sign: lower value first, ties by arrival) — the one list, the schedulers' own.
+SCHEDULING_POLICIES = SCHEDULING_POLICY_NAMES
+scheduling_policy_name = _check(lambda v: v in SCHEDULING_POLICIES, '"fcfs" or "priority"')
 
 
 def _norm_dtype(v: Any) -> Any:
@@ -284,6 +289,8 @@ class LlmArgs:
     max_seq_len: int | None = attrs.field(default=None, validator=opt_pos_int)
     max_num_tokens: int = attrs.field(default=8192, validator=pos_int)
     max_beam_width: int = attrs.field(default=1, validator=pos_int)
+    # vLLM's --scheduling-policy: "priority" admits (and on V2 moves out) requests by their priority (README)
+    scheduling_policy: str = attrs.field(default="fcfs", validator=scheduling_policy_name)
     weights_seed: int = attrs.field(default=0, validator=non_neg_int)  # random weights of presets
     attention_backend: str = attrs.field(default=AUTO, validator=attention_backend_name)
     linear_backend: str = attrs.field(default=AUTO, validator=linear_backend_name)

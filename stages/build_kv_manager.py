@@ -101,7 +101,8 @@ class BuildKvManager:
 
             manager.enable_kv_events(KvEventBuffer(events))
         args = ctx.args
-        scheduler = scheduler_cls(manager, args.max_batch_size, args.max_num_tokens)
+        scheduler = scheduler_cls(manager, args.max_batch_size, args.max_num_tokens,
+                                  scheduling_policy=args.scheduling_policy)
         ctx.kv_manager, ctx.scheduler = manager, scheduler
         emit(KvManagerBuilt(
             kv_manager=type(manager).__name__, scheduler=type(scheduler).__name__, device=str(pools.device),

@@ -87,6 +87,12 @@ class RouteExecutor:
                 if path in ctx.user_fields:
                     emit(SettingIgnored(field=path, value=getattr(ctx.args, path),
                                         reason="speculative decoding is off (max_draft_len=0)"))
+        if not v2 and ctx.args.scheduling_policy == "priority" and "scheduling_policy" in ctx.user_fields:
+            # it acts (admission order) but only in part: the user must hear which part cannot
+            emit(SettingIgnored(field="scheduling_policy", value="priority",
+                                reason="in part: V1's GuaranteedNoEvictScheduler never preempts, so priority orders "
+                                       "admission only and a better-ranked request never displaces a running one "
+                                       "(routed to KVCacheManager; V2 does both)"))
         if not v2:
             for path, why in _V2_ONLY.items():
                 value = getattr(kv, path.rsplit(".", 1)[1])

@@ -82,6 +82,7 @@ SAMPLES = {
     "--max_seq_len": (["512"], 512),
     "--max_num_tokens": (["256"], 256),
     "--max_beam_width": (["2"], 2),
+    "--scheduling_policy": (["priority"], "priority"),
     "--tp_size": (["2"], 2),
 }
 

@@ -201,15 +201,15 @@ def test_the_build_stage_hands_v2_its_pools_options_and_limits(monkeypatch, trac
             self.pools.release()
 
     class KVCacheV2Scheduler:
-        def __init__(self, manager, max_batch_size, max_num_tokens):
-            self.args = (manager, max_batch_size, max_num_tokens)
+        def __init__(self, manager, max_batch_size, max_num_tokens, *, scheduling_policy):
+            self.args = (manager, max_batch_size, max_num_tokens, scheduling_policy)
 
     fake.KVCacheManagerV2, fake.KVCacheV2Scheduler = KVCacheManagerV2, KVCacheV2Scheduler
     monkeypatch.setitem(sys.modules, "cache_backends.v2", fake)
     with pipeline.load("tiny-deepseek-v4", log=False, device="cpu", max_batch_size=8, max_num_tokens=512,
                        kv_cache_config={"max_tokens": 65536, "host_cache_size": 0}) as result:
         m, s = result.kv_manager, result.scheduler
-        assert s.args == (m, 8, 512)
+        assert s.args == (m, 8, 512, "fcfs")
         assert m.pools.num_blocks == {"sliding_w128": 2, "hca_c128": 512, "csa_c4": 512}
         assert (m.options.max_seq_len, m.options.host_cache_size, m.options.enable_swa_scratch_reuse) == (
             65536, 0, True)

@@ -5,6 +5,10 @@ running requests may still allocate are reserved; a waiting request is admitted 
 served) when its own worst case fits in what is free minus those reservations. Hence every later
 ``allocate_slots`` of an admitted request succeeds, and no request is ever preempted.
 
+``scheduling_policy="priority"`` changes the order admission takes waiting requests in: best-ranked first
+(``Request.rank``: higher priority, then earlier arrival) instead of arrival order. That is all it does here:
+this scheduler never preempts, so a better-ranked arrival never displaces a running request (V2's does).
+
 A request that could never be admitted, even into an empty pool (its prompt is longer than
 ``max_seq_len``, or its worst case needs more blocks than the pool has), is skipped and stays in
 ``waiting``; the requests behind it keep their order and are admitted as if it were not there. It is
@@ -20,11 +24,14 @@ finish it (reason ``"length"``).
 from __future__ import annotations
 
 from collections import deque
+from operator import attrgetter
 
 from cache_backends.interface import ScheduledChunk, SchedulerOutput
 from cache_backends.request import Request, RequestState
 from cache_backends.scheduler_base import SchedulerBase
 from cache_backends.v1.manager import KVCacheManager
+
+_RANK = attrgetter("rank")
 
 
 class GuaranteedNoEvictScheduler(SchedulerBase):
@@ -33,7 +40,8 @@ class GuaranteedNoEvictScheduler(SchedulerBase):
     manager: KVCacheManager
 
     def step(self, waiting: deque[Request], running: list[Request]) -> SchedulerOutput:
-        """Schedule running requests, then admit in arrival order while worst cases fit (never-fitting ones skipped)."""
+        """Schedule running requests, then admit in arrival order (``"priority"``: best-ranked first) while worst cases
+        fit (never-fitting ones skipped)."""
         out = SchedulerOutput()
         reasons: list[str] = []
         budget = self.max_num_tokens
@@ -51,6 +59,10 @@ class GuaranteedNoEvictScheduler(SchedulerBase):
                 reasons.append(f"request {request.req_id} reached max_seq_len={limit}; finish it (reason 'length')")
 
         available = self.manager.num_free_blocks - sum(self.manager.blocks_to_completion(r) for r in running)
+        if self.by_priority and len(waiting) > 1:  # the queue in admission order (an O(n) sort when nearly sorted)
+            ranked = sorted(waiting, key=_RANK)
+            waiting.clear()
+            waiting.extend(ranked)
         i = 0
         while i < len(waiting) and len(running) < self.max_batch_size and budget > 0:
             request = waiting[i]

@@ -17,7 +17,13 @@ One :meth:`~KVCacheV2Scheduler.step`:
    the batch and the token budget have room and the manager accepts (room for the pages and the
    next token, ``max_util_for_resume``); then, once none is left suspended, **admit** waiting
    requests first come first served while the batch has room and their first chunk fits.
-   Priority orders suspensions only; admission is FCFS and never displaces a running request.
+   Under ``scheduling_policy="fcfs"`` (the default) priority orders suspensions only; admission is FCFS and
+   never displaces a running request. Under ``"priority"`` suspended and waiting requests form one queue,
+   best-ranked first (vLLM's one priority queue for new and preempted requests): each is resumed or
+   admitted in turn until one cannot be; and a waiting request refused for lack of room moves out the
+   worst-ranked running request ranked below it (suspended, or preempted for recompute, as under
+   pressure), one at a time, until it fits or none ranks below it. A full batch (``max_batch_size``)
+   displaces nobody (vLLM's rule).
    **Headroom** (SGLang's new-token ratio): while others run, a request is admitted only if every
    group keeps, beyond the new request's first chunk and its own estimated growth, room for the
    running requests' estimated growth (the groups of a shared arena together: ``shortfall``):
@@ -38,8 +44,10 @@ One :meth:`~KVCacheV2Scheduler.step`:
    says why; the scheduler never loops.
 
 Why every request that fits the pools alone completes: the best-ranked running request is never
-moved out while another runs, and it was admitted only if its worst case fits the pools alone, so
-it advances every step until it finishes; then the next one does. Suspended and waiting requests sit
+moved out while another runs (admission moves out only requests ranked below the one it admits),
+and it was admitted only if its worst case fits the pools alone, so it advances every step until it
+finishes; then the next one does (under "priority", better-ranked arrivals go first: a steady stream
+of them can starve a worse-ranked request, as in vLLM). Suspended and waiting requests sit
 at the front of ``waiting`` in state ``SUSPENDED`` / ``WAITING``, so a driver that loops
 ``while waiting or running`` sees them.
 """
@@ -59,7 +67,7 @@ def _rank(request: Request) -> tuple[int, int]:
     return (-request.priority, request.arrival)
 
 
-_ARRIVAL, _PRIORITY = attrgetter("arrival"), attrgetter("priority")
+_ARRIVAL, _PRIORITY, _RANK = attrgetter("arrival"), attrgetter("priority"), attrgetter("rank")
 
 
 def _sort_by_rank(requests: list[Request]) -> None:
@@ -83,8 +91,9 @@ class KVCacheV2Scheduler(SchedulerBase):
     manager: KVCacheManagerV2
 
     def __init__(self, manager: KVCacheManagerV2, max_batch_size: int, max_num_tokens: int, *,
-                 init_ratio: float = INIT_RATIO, min_ratio: float | None = None) -> None:
-        super().__init__(manager, max_batch_size, max_num_tokens)
+                 init_ratio: float = INIT_RATIO, min_ratio: float | None = None,
+                 scheduling_policy: str = "fcfs") -> None:
+        super().__init__(manager, max_batch_size, max_num_tokens, scheduling_policy=scheduling_policy)
         min_ratio = min(MIN_RATIO, init_ratio) if min_ratio is None else min_ratio
         if not 0 <= min_ratio <= init_ratio <= 1:
             raise ValueError(f"need 0 <= min_ratio <= init_ratio <= 1, got {min_ratio} and {init_ratio}")
@@ -153,12 +162,15 @@ class KVCacheV2Scheduler(SchedulerBase):
                 self.new_token_ratio = min(1.0, max(self.new_token_ratio, self.init_ratio) + RATIO_BUMP)
         else:
             self.new_token_ratio = max(self.min_ratio, self.new_token_ratio - RATIO_DECAY)
-            # one scan of a long queue, and none while no request waits on the host tier (the common case)
-            suspended = [r for r in waiting if r.state is RequestState.SUSPENDED] if m.num_on_host else []
-            if suspended:
-                budget = self._resume(suspended, waiting, running, out, chunks, budget, reasons)
-            if not any(r.state is RequestState.SUSPENDED for r in suspended):
-                self._admit(waiting, running, out, chunks, budget, reasons)
+            if self.by_priority:
+                self._by_rank(waiting, running, out, chunks, budget, reasons)
+            else:
+                # one scan of a long queue, and none while no request waits on the host tier (the common case)
+                suspended = [r for r in waiting if r.state is RequestState.SUSPENDED] if m.num_on_host else []
+                if suspended:
+                    budget = self._resume(suspended, waiting, running, out, chunks, budget, reasons)
+                if not any(r.state is RequestState.SUSPENDED for r in suspended):
+                    self._admit(list(waiting), waiting, running, out, chunks, budget, reasons)
 
         out.scheduled = list(chunks.values())
         self.report_stall(out, reasons, waiting, running)
@@ -220,44 +232,86 @@ class KVCacheV2Scheduler(SchedulerBase):
         return (f"request {request.req_id} waits: admitting it would leave less than the running "
                 f"requests' estimated growth ({short}; new-token ratio {ratio:.2f})")
 
-    def _admit(self, waiting: deque[Request], running: list[Request], out: SchedulerOutput,
-               chunks: dict[Request, ScheduledChunk], budget: int, reasons: list[str]) -> None:
+    def _by_rank(self, waiting: deque[Request], running: list[Request], out: SchedulerOutput,
+                 chunks: dict[Request, ScheduledChunk], budget: int, reasons: list[str]) -> None:
+        """The "priority" policy: suspended and waiting requests as one queue, best-ranked first, each resumed or
+        admitted in turn (runs of one state at a time) until one cannot be."""
+        queue = sorted(waiting, key=_RANK)
+        i = 0
+        while i < len(queue):
+            state, j = queue[i].state, i + 1
+            while j < len(queue) and queue[j].state is state:
+                j += 1
+            run = queue[i:j]
+            if state is RequestState.SUSPENDED:
+                budget = self._resume(run, waiting, running, out, chunks, budget, reasons)
+                if any(r.state is RequestState.SUSPENDED for r in run):
+                    return
+            else:
+                budget, done = self._admit(run, waiting, running, out, chunks, budget, reasons)
+                if not done:
+                    return
+            i = j
+
+    def _displaceable(self, request: Request, running: list[Request]) -> Request | None:
+        """Under "priority": the worst-ranked running request when it ranks below ``request``, else None."""
+        if not self.by_priority or not running:
+            return None
+        victim = max(running, key=_RANK)
+        return victim if victim.rank > request.rank else None
+
+    def _admit(self, candidates: list[Request], waiting: deque[Request], running: list[Request],
+               out: SchedulerOutput, chunks: dict[Request, ScheduledChunk], budget: int,
+               reasons: list[str]) -> tuple[int, bool]:
+        """Admit ``candidates`` in order while they fit; the budget left, and whether none was refused."""
         m = self.manager
         ratio = self.new_token_ratio
         headroom: dict[str, int] | None = None  # running requests' estimated growth, per group (on first use)
-        for r in list(waiting):
+        for r in candidates:
             if r.state is not RequestState.WAITING:
                 continue
             if len(running) >= self.max_batch_size or budget == 0:
-                break
+                return budget, False
             why = m.never_fits(r)
             if why is not None:
                 reasons.append(why)
                 continue
-            # a request that claims no cached prefix is asked about before its cache is built: a refusal (a long
-            # prompt waiting for room, step after step) then builds and cancels nothing
-            new = m.claims_nothing(r)
-            if not new:
-                m.create(r)
-                m.resume(r)
-            want = min(_pending(r), budget)
-            n = m.fit_tokens_new(r, want) if new else m.fit_tokens(r, want)
-            refused, own = n == 0, {}
-            if not refused and running and ratio:
-                own = m.growth_blocks_new(r, ratio, n) if new else m.growth_blocks(r, ratio, n)
-                # cheap: when even the bound (>= the estimate) fits, the estimate is not needed; a head the estimate
-                # refused last step goes straight to it (the bound failed then, and most likely fails again)
-                if headroom is None and (r is self._refused or m.short_of(own, m.growth_bound_with(r) if new
-                                                                           else m.growth_bound())):
-                    headroom = m.headroom_blocks(running, ratio)
-                refused = headroom is not None and m.short_of(own, headroom)
+            while True:
+                # a request that claims no cached prefix is asked about before its cache is built: a refusal (a long
+                # prompt waiting for room, step after step) then builds and cancels nothing
+                new = m.claims_nothing(r)
+                if not new:
+                    m.create(r)
+                    m.resume(r)
+                want = min(_pending(r), budget)
+                n = m.fit_tokens_new(r, want) if new else m.fit_tokens(r, want)
+                refused, own = n == 0, {}
+                if not refused and running and ratio:
+                    own = m.growth_blocks_new(r, ratio, n) if new else m.growth_blocks(r, ratio, n)
+                    # cheap: when even the bound (>= the estimate) fits, the estimate is not needed; a head the
+                    # estimate refused last step goes straight to it (the bound failed then, and most likely fails
+                    # again)
+                    if headroom is None and (r is self._refused or m.short_of(own, m.growth_bound_with(r) if new
+                                                                               else m.growth_bound())):
+                        headroom = m.headroom_blocks(running, ratio)
+                    refused = headroom is not None and m.short_of(own, headroom)
+                victim = self._displaceable(r, running) if refused else None
+                if victim is None:
+                    break
+                # "priority": the room goes to the better-ranked request; the victim waits (suspended or preempted)
+                if not new:
+                    m.cancel_admission(r)
+                if victim in chunks:
+                    budget += chunks.pop(victim).num_tokens
+                self._move_out(victim, waiting, running, out)
+                headroom = None  # the running requests changed
             if refused:
                 self._refused = r if headroom is not None else None
                 if not new:
                     m.cancel_admission(r)
                 if not chunks:  # the reason is read only when nothing runs this step (report_stall)
                     reasons.append(self._refusal(r, n, own, headroom, ratio))
-                break
+                return budget, False
             if new:  # admitted: now build it (claiming nothing, as asked)
                 m.create(r)
                 m.resume(r)
@@ -270,3 +324,4 @@ class KVCacheV2Scheduler(SchedulerBase):
             waiting.remove(r)
             running.append(r)
             out.admitted.append(r)
+        return budget, True

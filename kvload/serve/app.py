@@ -365,7 +365,8 @@ def _messages_error(exc: GenerationError, template: dict[str, Any]) -> BadReques
 def _parse(state: ServeState, raw: bytes | bytearray, kind: str) -> Job:
     """The request body as a ``Job``; ``BadRequest`` naming what is wrong."""
     body = _load(raw)
-    job = parse(body, kind, default_max_tokens=state.default_max_tokens)
+    job = parse(body, kind, default_max_tokens=state.default_max_tokens,
+                by_priority=getattr(state.engine.scheduler, "by_priority", False))
     _check_model(state, body)
     _check_template(state, job.template)
     return job
@@ -667,7 +668,8 @@ class _Run:
                         if self.cancelled:
                             return
                         try:
-                            rid = self.engine.submit(ids, params, sink, salt=job.salt, seed_offset=j)
+                            rid = self.engine.submit(ids, params, sink, salt=job.salt, seed_offset=j,
+                                                     priority=job.priority)
                         except EngineStopped:  # a 503 naming the cause, not a 500 with a traceback
                             raise _shutting_down() from None
                         self.choices[index].req_id = rid

@@ -118,6 +118,8 @@ class Job:
     #: settings accepted as vLLM accepts them that can change nothing here, each (name, value, why): reported as
     #: ``setting_ignored`` once the request is served
     ignored: tuple[tuple[str, Any, str], ...] = ()
+    #: vLLM's ``priority`` (lower is served first); nonzero only when the server schedules by priority
+    priority: int = 0
 
 
 def _is_int(v: Any) -> bool:
@@ -157,15 +159,16 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "
            "logit_bias", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
            *_SAMPLING_EXTRAS, "add_special_tokens",
            "echo",  # chat's: the last message before the reply (vLLM's)
-           # vLLM's: the prefix cache's salt, prompt scores, prompt truncation, the answer's id, and two fields
-           # accepted at the one value kvload serves (text output, first-come-first-served scheduling)
+           # vLLM's: the prefix cache's salt, prompt scores, prompt truncation, the answer's id, text output (accepted
+           # at the one value kvload serves) and priority (any value under --scheduling_policy priority, else 0)
            "cache_salt", "prompt_logprobs", "truncate_prompt_tokens", "request_id", "response_format", "priority"}
 _COMPLETION = _COMMON | {"prompt", "best_of"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"} | TEMPLATE_OPTIONS
 
 
-def parse(body: Any, kind: str, *, default_max_tokens: int) -> Job:
-    """Check an OpenAI ``/v1/completions`` (``kind="completion"``) or ``/v1/chat/completions`` body."""
+def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = False) -> Job:
+    """Check an OpenAI ``/v1/completions`` (``kind="completion"``) or ``/v1/chat/completions`` body
+    (``by_priority``: the server schedules by priority, so a nonzero ``priority`` is taken)."""
     body = _object(body)
     _known(body, _COMPLETION if kind == "completion" else _CHAT)
     # OpenAI's penalties and vLLM's extras: null is absent; SamplingParams checks the rest (bool is no number)
@@ -254,7 +257,7 @@ def parse(body: Any, kind: str, *, default_max_tokens: int) -> Job:
     _need(truncate is None or (_is_int(truncate) and (truncate >= 1 or truncate == -1) and truncate <= MAX_INT),
           "truncate_prompt_tokens", "an integer >= 1 (keep the prompt's last k tokens), or -1 (as many as the "
           "context length leaves after max_tokens)", truncate)
-    _accepted_as_done(body, kind, n)
+    priority = _accepted_as_done(body, kind, n, by_priority)
     try:
         params = SamplingParams(max_tokens=max_tokens if given else default_max_tokens,
                                 temperature=float(temperature), top_p=float(top_p), top_k=top_k, seed=seed,
@@ -268,7 +271,7 @@ def parse(body: Any, kind: str, *, default_max_tokens: int) -> Job:
                stop=stops, stop_token_ids=tuple(stop_ids), logprobs=logprobs, echo=echo, salt=salt,
                max_tokens_given=given, max_tokens_field=field, template=template, add_special_tokens=special,
                prompt_logprobs=prompt_logprobs, truncate=truncate, request_id=request_id(body.get("request_id")),
-               continuous_usage=continuous, ignored=tuple(ignored))
+               continuous_usage=continuous, ignored=tuple(ignored), priority=priority)
 
 
 def _stream_options(body: dict[str, Any], stream: bool, ignored: list[tuple[str, Any, str]]) -> tuple[bool, bool]:
@@ -331,8 +334,9 @@ def _prompt_logprobs(body: dict[str, Any], stream: bool, ignored: list[tuple[str
     return value
 
 
-def _accepted_as_done(body: dict[str, Any], kind: str, n: int) -> None:
-    """vLLM's fields accepted at the one value that is what kvload does anyway (so they act), refused otherwise."""
+def _accepted_as_done(body: dict[str, Any], kind: str, n: int, by_priority: bool = False) -> int:
+    """vLLM's fields accepted at the one value that is what kvload does anyway (so they act), refused otherwise;
+    ``priority`` also at any value when the server schedules by priority (returned, vLLM-signed: lower first)."""
     fmt = body.get("response_format")
     if fmt is not None:
         _need(isinstance(fmt, dict) and isinstance(fmt.get("type"), str), "response_format",
@@ -343,9 +347,12 @@ def _accepted_as_done(body: dict[str, Any], kind: str, n: int) -> None:
         _need(set(fmt) == {"type"}, "response_format", 'an object {"type": "text"}', fmt)
     priority = body.get("priority")
     _need(priority is None or _is_int(priority), "priority", "an integer", priority)
-    if priority:  # vLLM: any priority but 0 is an error unless the server schedules by priority
-        raise BadRequest(f"priority: {priority}: kvload serve schedules first come, first served (vLLM's default "
-                         "policy, fcfs), where only priority 0 is accepted"[:300], param="priority")
+    if priority and by_priority:  # --scheduling_policy priority: lower is served first (the engine negates it)
+        _need(abs(priority) <= MAX_INT, "priority", "an integer of at most 2**63 - 1 in size", priority)
+    elif priority:  # vLLM: any priority but 0 is an error unless the server schedules by priority
+        raise BadRequest(f"priority: {short(priority)}: kvload serve schedules first come, first served (vLLM's "
+                         "default policy, fcfs), where only priority 0 is accepted (or any, with "
+                         "--scheduling_policy priority)", param="priority")
     best_of = body.get("best_of")
     if kind == "completion" and best_of is not None:
         _need(_is_int(best_of) and best_of >= 1, "best_of", "an integer >= 1", best_of)
@@ -353,6 +360,7 @@ def _accepted_as_done(body: dict[str, Any], kind: str, n: int) -> None:
             raise BadRequest(f"best_of: {short(best_of)} with n={n} is not supported: kvload serve returns every "
                              "sample it draws, so only best_of = n is accepted (drawing more to keep the best is not "
                              "done; vLLM's V1 engine dropped best_of too)", param="best_of")
+    return int(priority or 0)
 
 
 def request_id(value: Any, field: str = "request_id") -> str | None:

@@ -1,0 +1,199 @@
+"""``scheduling_policy``: vLLM's ``fcfs`` | ``priority``, from the config to the schedulers, the Python API, the server.
+
+Under "priority" a request's rank is kvload's (higher ``Request.priority`` first, then arrival); the user-facing
+``priority`` (``LLM.generate(priority=[...])``, the server's field) is vLLM's, lower first, negated on the way in.
+Orders are read from what the engine decided (admitted and finished order, the audit's ``request_admitted``), never
+from timing.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+
+import openai
+import pytest
+
+import kvload
+import pipeline
+from cache_backends.request import Request
+from cache_backends.v1 import GuaranteedNoEvictScheduler
+from cache_backends.v2 import KVCacheV2Scheduler
+from engine.driver import Arrival
+from engine.sampling_params import SamplingParams
+from pipeline.errors import ConfigError, GenerationError
+from tests import kv_v1_support, kv_v2_support
+from tests.cli_support import run_cli
+from tests.llm_support import llm_kwargs
+from tests.serve_support import TIMEOUT, serving, wait_for
+
+# --- the schedulers ----------------------------------------------------------------------------------------------
+
+
+def _scheduler(kind: str, policy: str, blocks: int, max_batch_size: int, **options):
+    if kind == "v1":
+        m = kv_v1_support.make_manager(num_blocks=blocks)
+        return m, GuaranteedNoEvictScheduler(m, max_batch_size, 64, scheduling_policy=policy)
+    m = kv_v2_support.make_manager(kv_v2_support.FULL, blocks, **options)
+    return m, KVCacheV2Scheduler(m, max_batch_size, 64, scheduling_policy=policy)
+
+
+def _drive(kind: str, m, s, arrivals) -> tuple[list[str], list[str], list]:
+    """(admitted ids, finished ids, scheduler outputs) of a run to completion."""
+    if kind == "v1":
+        trace = kv_v1_support.drive(s, m, arrivals)
+        assert trace.stalled is None
+        return trace.admitted, trace.finished, trace.outputs
+    res = kv_v2_support.drive(m, s, arrivals)  # checks every running request's KV after every step
+    assert res.stalled is None
+    return ([r.req_id for o in res.outputs for r in o.admitted], [r.req_id for r in res.finished], res.outputs)
+
+
+def _prompt(i: int, n: int = 8) -> list[int]:
+    return [i * 40 + j for j in range(n)]
+
+
+@pytest.mark.parametrize("kind", ["v1", "v2"])
+@pytest.mark.parametrize(("policy", "order"), [("priority", ["a", "hi", "lo1", "lo2"]),
+                                                ("fcfs", ["a", "lo1", "lo2", "hi"])])
+def test_priority_admits_a_later_better_ranked_arrival_before_earlier_ones(kind, policy, order):
+    """One request runs at a time; ``hi`` (kvload's priority 1) arrives at step 1, behind ``lo1`` and ``lo2``."""
+    m, s = _scheduler(kind, policy, blocks=16, max_batch_size=1)
+    reqs = {name: Request(name, _prompt(i), 4, priority=1 if name == "hi" else 0)
+            for i, name in enumerate(["a", "lo1", "lo2", "hi"])}
+    arrivals = [Arrival(r, step=1 if name == "hi" else 0) for name, r in reqs.items()]
+    admitted, finished, _ = _drive(kind, m, s, arrivals)
+    assert admitted == order and finished == order
+    assert all(len(r.output_token_ids) == 4 for r in reqs.values())
+
+
+@pytest.mark.parametrize("host", [None, 0], ids=["suspended", "preempted"])
+@pytest.mark.parametrize(("policy", "hi_priority", "displaced"), [("priority", 1, True), ("priority", 0, False),
+                                                                  ("fcfs", 1, False)])
+def test_v2_a_better_ranked_arrival_moves_out_a_running_request_and_both_complete(host, policy, hi_priority,
+                                                                                    displaced):
+    """8 blocks of 4 tokens. ``lo`` grows to 28 tokens (7 blocks); at step 10 it holds 5 and ``hi`` arrives with a
+    16-token prompt (4 blocks), which does not fit beside it. Under "priority" ``hi`` takes the room: ``lo`` is
+    suspended to the host tier (or, with none, preempted for recompute) and resumes after ``hi`` finished. An equal
+    priority displaces nobody (ties go by arrival), and neither does "fcfs"."""
+    m, s = _scheduler("v2", policy, blocks=8, max_batch_size=8, host_cache_size=host)
+    lo = Request("lo", _prompt(0), 20)
+    hi = Request("hi", _prompt(1, 16), 4, priority=hi_priority)
+    _, finished, outputs = _drive("v2", m, s, [Arrival(lo, 0), Arrival(hi, 10)])
+    moved = [r.req_id for o in outputs for r in o.suspended + o.preempted]
+    assert finished == (["hi", "lo"] if displaced else ["lo", "hi"])
+    assert moved == (["lo"] if displaced else [])
+    if displaced:
+        assert [r.req_id for o in outputs for r in (o.suspended if host is None else o.preempted)] == ["lo"]
+    assert len(lo.output_token_ids) == 20 and len(hi.output_token_ids) == 4  # every request completes
+
+
+def test_scheduler_refuses_an_unknown_policy():
+    m = kv_v1_support.make_manager()
+    with pytest.raises(ValueError, match="scheduling_policy must be one of fcfs, priority, got 'lifo'"):
+        GuaranteedNoEvictScheduler(m, 1, 8, scheduling_policy="lifo")
+
+
+# --- the config, the route, the CLI --------------------------------------------------------------------------------
+
+
+def test_an_invalid_policy_is_one_line_naming_the_field_and_the_accepted_values(capsys):
+    with pytest.raises(ConfigError, match=r'^scheduling_policy: expected "fcfs" or "priority", got \'lifo\'$'):
+        pipeline.plan("tiny-llama", scheduling_policy="lifo", log=False)
+    r = run_cli(capsys, "plan", "tiny-llama", "--scheduling-policy", "lifo")
+    assert r.code == 2 and r.one_error_line
+    assert 'scheduling-policy: expected "fcfs" or "priority"' in r.err
+
+
+@pytest.mark.parametrize("v2", [False, True])
+def test_v1_says_priority_acts_only_on_admission(v2):
+    result = pipeline.plan("tiny-llama", scheduling_policy="priority", log=False,
+                           kv_cache_config={"use_kv_cache_manager_v2": v2})
+    assert result.args.scheduling_policy == "priority"
+    ignored = [e for e in result.audit.events if e["event"] == "setting_ignored" and e["field"] == "scheduling_policy"]
+    if v2:
+        assert ignored == []
+    else:
+        (e,) = ignored
+        assert e["value"] == "priority" and "never preempts" in e["reason"] and "admission only" in e["reason"]
+
+
+# --- the Python API ------------------------------------------------------------------------------------------------
+
+PROMPTS = [[5, 17, 30], [42, 7, 9, 88], [123, 7, 64, 256, 11]]
+
+
+def _admitted(llm, since: int) -> list[str]:
+    return [e["req_id"] for e in llm.audit.events[since:] if e["event"] == "request_admitted"]
+
+
+@pytest.mark.parametrize("manager", ["v1", "v2"])
+def test_generate_priority_orders_admission_lowest_vllm_value_first(manager):
+    with kvload.LLM("tiny-llama", scheduling_policy="priority", max_batch_size=1, **llm_kwargs(manager)) as llm:
+        before = len(llm.audit.events)
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=3, ignore_eos=True), priority=[5, -1, 2])
+        assert [len(o.outputs[0].token_ids) for o in outs] == [3, 3, 3]  # outputs stay in prompt order
+        assert _admitted(llm, before) == ["0.1", "0.2", "0.0"]  # vLLM's sign: -1 first, then 2, then 5
+        with pytest.raises(GenerationError, match=r"priority: expected a list of 3 integers \(one per prompt\)"):
+            llm.generate(PROMPTS, SamplingParams(max_tokens=1), priority=[1, 2])
+
+
+def test_generate_under_fcfs_refuses_a_nonzero_priority_as_vllm_does():
+    with kvload.LLM("tiny-llama", max_batch_size=1, **llm_kwargs("v2")) as llm:
+        with pytest.raises(GenerationError, match=r"^generate: priority\[1\]: got priority 3 but priority scheduling "
+                                                  r"is not enabled \(scheduling_policy is \"fcfs\"\)"):
+            llm.generate(PROMPTS, SamplingParams(max_tokens=2), priority=[0, 3, 0])
+        before = len(llm.audit.events)
+        llm.generate(PROMPTS, SamplingParams(max_tokens=2, ignore_eos=True), priority=[0, 0, 0])
+        assert _admitted(llm, before) == ["0.0", "0.1", "0.2"]  # arrival order (the refused call never started)
+
+
+# --- the server ----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served_by_priority():
+    with serving("tiny-llama", scheduling_policy="priority", max_batch_size=1, max_seq_len=64,
+                 kv_cache_config={"max_tokens": 512, "tokens_per_block": 4}) as s:
+        yield s
+
+
+def _complete(served, prompt, priority, max_tokens=2):
+    return served.client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=max_tokens,
+                                            extra_body={"ignore_eos": True, "priority": priority})
+
+
+def test_server_schedules_waiting_requests_by_priority(served_by_priority):
+    """A blocker holds the one batch slot (its first step waits on a gate); three requests queue behind it, then the
+    gate opens: they are admitted lowest vLLM priority first, whatever order they reached the engine in."""
+    served = served_by_priority
+    engine = served.state.engine
+    gate = threading.Event()
+    original = engine._compute
+
+    def gated(out):
+        gate.wait(TIMEOUT)
+        return original(out)
+
+    before = len(served.result.audit.events)
+    engine._compute = gated
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            blocker = pool.submit(_complete, served, [9] * 6, 0, 4)
+            wait_for(lambda: bool(engine.driver.running), what="the blocker runs")
+            queued = [pool.submit(_complete, served, prompt, p) for prompt, p in zip(PROMPTS, [5, -1, 2], strict=True)]
+            wait_for(lambda: len(engine._inbox) == 3, what="three requests queued")
+            gate.set()
+            results = [f.result(timeout=TIMEOUT) for f in [blocker, *queued]]
+    finally:
+        gate.set()
+        del engine._compute  # the class's method again
+    assert [r.usage.completion_tokens for r in results] == [4, 2, 2, 2]
+    admitted = [e["prompt_tokens"] for e in served.result.audit.events[before:] if e["event"] == "request_admitted"]
+    assert admitted == [6, 4, 5, 3]  # the blocker, then priority -1, 2, 5
+
+
+def test_server_bounds_priority_under_the_priority_policy(served_by_priority):
+    with pytest.raises(openai.BadRequestError) as err:
+        _complete(served_by_priority, PROMPTS[0], 2**70)
+    assert err.value.body["param"] == "priority" and "at most 2**63 - 1" in err.value.body["message"]
