@@ -285,6 +285,9 @@ def test_response_format_text_priority_zero_and_best_of_n_are_served(served):
     ("/v1/completions", {"response_format": "text"}, "response_format", '{"type": "text"}'),
     ("/v1/completions", {"priority": 1}, "priority", "first come, first served"),
     ("/v1/chat/completions", {"priority": -5}, "priority", "only priority 0"),
+    ("/v1/completions", {"priority": 10**400}, "priority",
+     "about 401 digits: kvload serve schedules first come, first served (vLLM's default policy, fcfs), where only "
+     "priority 0"),
     ("/v1/completions", {"best_of": 3, "n": 2}, "best_of", "only best_of = n"),
     ("/v1/completions", {"best_of": 0}, "best_of", "an integer >= 1"),
     ("/v1/completions", {"best_of": 10**400}, "best_of", "about 401 digits with n=1 is not supported: kvload serve "
