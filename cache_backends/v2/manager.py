@@ -60,6 +60,7 @@ refused for utilisation; the scheduler decides admission.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Iterable
 
 from cache_backends.hashing import pack_tokens
@@ -186,13 +187,10 @@ class KVCacheManagerV2:
         self._cycle_of = [list(cycles).index((g.tokens_per_block, g.window)) for g in self.groups]
         self._span_first = [next(g.name for g in self.groups if g.tokens_per_block == tpb) for tpb in spans]
         # per pool set: (a group of each life cycle in it, how many of the set's groups share that cycle)
-        self._pool_cycles: list[list[tuple[LayerGroup, int]]] = []
-        for _, names in self._pool_sets:
-            counted: dict[tuple[int, int | None], list[LayerGroup | int]] = {}
-            for name in names:
-                g = self._group[name]
-                counted.setdefault((g.tokens_per_block, g.window), [g, 0])[1] += 1  # type: ignore[operator]
-            self._pool_cycles.append([(g, k) for g, k in counted.values()])  # type: ignore[misc]
+        index = {g.name: i for i, g in enumerate(self.groups)}
+        self._pool_cycles: list[list[tuple[LayerGroup, int]]] = [
+            [(self._cycles[c][0], k) for c, k in Counter(self._cycle_of[index[name]] for name in names).items()]
+            for _, names in self._pool_sets]
         # a shared arena's window sets as (window, span, first member, [(arena index, member name)]): released at once
         self._arena_windows = [(w, tpb, members[0][0], [(pool.index, name) for name, pool in members])  # type: ignore[union-attr]
                                for w, tpb, members in self._window_sets] if self.layout.shared else []
@@ -314,6 +312,23 @@ class KVCacheManagerV2:
     def short_of(self, *needs: dict[str, int]) -> bool:
         """Whether :meth:`shortfall` of the per-group sum of ``needs`` says something, without wording it (the
         admission bound's check, refused step after step under pressure)."""
+        return self._first_short(needs) is not None
+
+    def shortfall(self, need: dict[str, int]) -> str | None:
+        """Why blocks per group ``need`` (negative counts as 0) cannot all be allocated now, or None when they can.
+
+        The one feasibility rule: the needs of the groups that share a pool are summed against that pool's
+        free plus evictable blocks (a shared arena: every group's need together; otherwise each group alone).
+        """
+        short = self._first_short((need,))
+        if short is None:
+            return None
+        pool, names, n = short
+        return f"{n} blocks of {self._where(names)} needed, {pool.available} free or evictable"
+
+    def _first_short(self, needs: tuple[dict[str, int], ...]) -> tuple[GroupPool | SharedPool, list[str], int] | None:
+        """The first pool set that cannot hold the per-group sum of ``needs`` (a group's negative sum counts as 0):
+        (pool, its groups, blocks needed); None when every one can."""
         for pool, names in self._pool_sets:
             n = 0
             for name in names:
@@ -323,19 +338,7 @@ class KVCacheManagerV2:
                 if k > 0:
                     n += k
             if n > pool.available:
-                return True
-        return False
-
-    def shortfall(self, need: dict[str, int]) -> str | None:
-        """Why blocks per group ``need`` (negative counts as 0) cannot all be allocated now, or None when they can.
-
-        The one feasibility rule: the needs of the groups that share a pool are summed against that pool's
-        free plus evictable blocks (a shared arena: every group's need together; otherwise each group alone).
-        """
-        for pool, names in self._pool_sets:
-            n = sum(max(0, need.get(name, 0)) for name in names)
-            if n > pool.available:
-                return f"{n} blocks of {self._where(names)} needed, {pool.available} free or evictable"
+                return pool, names, n
         return None
 
     def suspend(self, request: Request) -> bool:
