@@ -276,6 +276,11 @@ class KvLayout:
                         blocks[g.name])
         return None
 
+    def longest_sequence(self, blocks: dict[str, int], most: int) -> int:
+        """The longest sequence, up to ``most`` tokens, that pools of these block counts hold alone
+        (:meth:`sequence_shortfall` says None); 0 when none does."""
+        return _longest(lambda n: self.sequence_shortfall(n, blocks) is None, most)
+
     def capacity_tokens(self, blocks: dict[str, int], seq_len: int | None = None) -> int:
         """Tokens the pools hold: the tightest group that keeps all tokens, in tokens.
 

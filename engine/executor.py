@@ -925,7 +925,7 @@ class GenerationExecutor:
                 length = (f"max_new_tokens {asked} (cut to {request.max_new_tokens} by "
                           f"max_seq_len={self.max_seq_len})")
             prompt = request.num_prompt_tokens
-            fits = self._longest_fitting(request.max_total_tokens)
+            fits = self.manager.layout.longest_sequence(self.pools.num_blocks, request.max_total_tokens - 1)
             if fits <= prompt:  # not one new token fits after this prompt: max_new_tokens cannot help
                 advice = f"or shorten the prompt (the pools hold one sequence of {fits:,} tokens)"
             else:
@@ -938,18 +938,6 @@ class GenerationExecutor:
                             f"hold {have}"
             exc.longest_sequence = fits
             raise exc
-
-    def _longest_fitting(self, longer: int) -> int:
-        """The longest sequence (tokens) the pools hold alone, below ``longer`` (which does not fit)."""
-        layout, blocks = self.manager.layout, self.pools.num_blocks
-        lo, hi = 0, longer  # lo fits (or is 0), hi does not
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if layout.sequence_shortfall(mid, blocks) is None:
-                lo = mid
-            else:
-                hi = mid
-        return lo
 
     def _counters(self) -> dict[str, int]:
         stats = self.manager.stats()
