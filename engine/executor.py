@@ -930,13 +930,11 @@ class GenerationExecutor:
                 advice = f"or shorten the prompt (the pools hold one sequence of {fits:,} tokens)"
             else:
                 advice = f"or lower max_new_tokens to at most {fits - prompt:,}"
-            exc = KvBuildError(f"generate: prompt {index}: {prompt} prompt tokens + {length} need {need} blocks of "
-                               f"{where} but the KV pools hold {have}; raise kv_cache_config.max_tokens "
+            shortfall = f"{prompt} prompt tokens + {length} need {need} blocks of {where} but the KV pools hold {have}"
+            exc = KvBuildError(f"generate: prompt {index}: {shortfall}; raise kv_cache_config.max_tokens "
                                f"(--max_tokens) {advice}")
             # the parts, for a face that words its own advice (the server: a client cannot raise --max_tokens)
-            exc.shortfall = f"{prompt} prompt tokens + {length} need {need} blocks of {where} but the KV pools " \
-                            f"hold {have}"
-            exc.longest_sequence = fits
+            exc.shortfall, exc.longest_sequence = shortfall, fits
             raise exc
 
     def _counters(self) -> dict[str, int]:
