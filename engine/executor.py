@@ -28,7 +28,7 @@ import contextlib
 import itertools
 import random
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -137,7 +137,6 @@ class GenerationExecutor:
         self._calls = 0
         self._caller = "generate"  # the user's call (:meth:`called_as`), which titles the audit's generation_failed
         self._live: dict[str, _Live] = {}
-        self._scoring = False  # whether a live request scores its prompt (prompt_logprobs): the forward keeps its rows
         width = max(-(-self.max_seq_len // g.tokens_per_block) for g in manager.layout.groups)
         #: every live request's block tables as tensor rows, appended to step by step
         self._block_tables = BlockTableStore(self.groups, width)
@@ -377,7 +376,6 @@ class GenerationExecutor:
         forward_s = kv_s = 0.0
         drafted = accepted = 0
         self._live = {live.request.req_id: live for live in lives}
-        self._scoring = any(live.prompt_logprobs is not None for live in lives)
 
         def queued(request: Request, clock: int) -> None:
             self._live[request.req_id].queued_at = time.perf_counter()
@@ -626,7 +624,7 @@ class GenerationExecutor:
     def _compute(self, out: SchedulerOutput) -> dict[str, int | list[int]]:
         """The step's forward: every scheduled chunk packed into one row; next tokens of requests that reach the end
         (with drafts: the drafts the model confirmed, then the token after them)."""
-        logits, rows, counts = self.forward_scored(out, self._live, self._live.values() if self._scoring else ())
+        logits, rows, counts = self.forward_scored(out, self._live)
         if not rows:
             return {}
         lives = [self._live[out.scheduled[i].request.req_id] for i in rows]
@@ -659,13 +657,15 @@ class GenerationExecutor:
                 live.logprobs.extend(top_logprobs(rows, live.params.logprobs, kept))
         return tokens
 
-    def forward_scored(self, out: SchedulerOutput, live: Mapping[str, Any],
-                       candidates: Iterable[Any]) -> tuple[Any, list[int], list[int]]:
-        """:meth:`forward` where some requests score their prompt: each of ``candidates`` (a live request: its
-        ``params``, ``request`` and ``prompt_logprobs`` list, None when not asked) still in prefill has this step's
+    def forward_scored(self, out: SchedulerOutput, live: Mapping[str, Any]) -> tuple[Any, list[int], list[int]]:
+        """:meth:`forward` where some requests score their prompt: each scheduled one whose live entry (its
+        ``params``, ``request`` and ``prompt_logprobs`` list, None when not asked) is still in prefill has this step's
         prompt entries written into its list. ``generate`` and the serving loop share it."""
-        scoring = {lv.request.req_id: lv.params.prompt_logprobs for lv in candidates
-                   if lv.prompt_logprobs is not None and lv.request.in_prefill}
+        scoring = {}
+        for chunk in out.scheduled:  # only a scheduled chunk can score: the step's requests, not every live one
+            lv = live.get(chunk.request.req_id)
+            if lv is not None and lv.prompt_logprobs is not None and chunk.request.in_prefill:
+                scoring[chunk.request.req_id] = lv.params.prompt_logprobs
         logits, rows, counts, scores = self.forward(out, live, scoring or None)
         for req_id, got in scores.items():
             live[req_id].prompt_logprobs[got.first:got.first + len(got.entries)] = got.entries

@@ -439,7 +439,7 @@ class ServingEngine:
     def _compute(self, out: SchedulerOutput) -> dict[str, int | list[int]]:
         """The step's forward (the executor's packing), then each request's own pick: argmax or its generator (with
         drafts: the drafts the argmax confirms, then its token after them)."""
-        logits, rows, counts = self.executor.forward_scored(out, self._live, self._live.values())
+        logits, rows, counts = self.executor.forward_scored(out, self._live)
         if not rows:
             return {}
         starts = list(itertools.accumulate(counts, initial=0))
