@@ -132,10 +132,12 @@ def penalize(logits: torch.Tensor, counts: Sequence[int], requests: Sequence[tup
     for c, (params, request) in zip(counts, requests, strict=True):
         if params.penalizes:
             seen = _seen(request, out.device)
-            stop_ids = sorted({t for t in params.stop_token_ids if t < vocab}
-                              | (set() if params.ignore_eos else {t for t in eos_token_ids if t < vocab}))
-            drafts = request.draft_token_ids
             generated = len(request.output_token_ids)
+            # read only while min_tokens holds them back (row j: generated + j < min_tokens), so built only then
+            stop_ids = sorted({t for t in params.stop_token_ids if t < vocab}
+                              | (set() if params.ignore_eos else {t for t in eos_token_ids if t < vocab})) \
+                if generated < params.min_tokens else []
+            drafts = request.draft_token_ids
             firsts.append((start, params, seen, stop_ids, generated))
             for j in range(1, c):  # row j follows the first j drafts: output, as a step per token would have them
                 _penalize_row(out[start + j], params, seen, drafts[:j], generated + j, stop_ids)
