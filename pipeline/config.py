@@ -164,8 +164,7 @@ linear_backend_name = _check(lambda v: v in LINEAR_BACKENDS, '"auto", "torch" or
 model_name = _check(lambda v: isinstance(v, str) and v.strip() != "", "a preset name or a checkpoint directory")
 #: How the scheduler picks among requests (vLLM's ``--scheduling-policy``): first come first served, or by the
 #: request's priority (vLLM's sign: lower value first, ties by arrival) — the one list, the schedulers' own.
-SCHEDULING_POLICIES = SCHEDULING_POLICY_NAMES
-scheduling_policy_name = _check(lambda v: v in SCHEDULING_POLICIES, '"fcfs" or "priority"')
+scheduling_policy_name = _check(lambda v: v in SCHEDULING_POLICY_NAMES, '"fcfs" or "priority"')
 
 
 def _norm_dtype(v: Any) -> Any:

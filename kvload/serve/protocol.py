@@ -126,10 +126,6 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_num(v: Any) -> bool:
-    return is_finite(v)  # a number a float holds (bool is none; math.isfinite raises on a 400-digit integer)
-
-
 def _need(ok: bool, field: str, expected: str, value: Any) -> None:
     if not ok:
         raise BadRequest(f"{field}: expected {expected}, got {value!r}"[:300], param=field)
@@ -176,7 +172,7 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
               if body.get(name) is not None}
     for name, value in extras.items():
         expected = "an integer" if name == "min_tokens" else "a number"
-        _need(_is_int(value) if name == "min_tokens" else _is_num(value), name, expected, value)
+        _need(_is_int(value) if name == "min_tokens" else is_finite(value), name, expected, value)
     if body.get("logit_bias") is not None:
         extras["logit_bias"] = _logit_bias(body["logit_bias"])
     for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"):  # vLLM's
@@ -200,11 +196,11 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
         _need(_is_int(max_tokens) and max_tokens >= 1, field, "an integer >= 1", max_tokens)
     temperature = body.get("temperature", 0.0)
     temperature = 0.0 if temperature is None else temperature
-    _need(_is_num(temperature) and 0 <= temperature <= 2, "temperature", "a number in [0, 2] (0 = greedy)",
+    _need(is_finite(temperature) and 0 <= temperature <= 2, "temperature", "a number in [0, 2] (0 = greedy)",
           temperature)
     top_p = body.get("top_p", 1.0)
     top_p = 1.0 if top_p is None else top_p
-    _need(_is_num(top_p) and 0 < top_p <= 1, "top_p", "a number in (0, 1]", top_p)
+    _need(is_finite(top_p) and 0 < top_p <= 1, "top_p", "a number in (0, 1]", top_p)
     top_k = body.get("top_k", 0)
     top_k = 0 if top_k is None else top_k
     _need(_is_int(top_k) and top_k >= -1, "top_k", "an integer >= 1, or 0 / -1 for all tokens", top_k)
@@ -377,7 +373,7 @@ def _logit_bias(value: Any) -> dict[int, Any]:
     _need(isinstance(value, dict), "logit_bias", expected, value)
     _as_api(check_logit_bias_count, len(value))  # counted before each key is read, in the Python API's words
     _need(all(isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 19 and int(k) <= MAX_INT
-              and _is_num(b) and -MAX_BIAS <= b <= MAX_BIAS for k, b in value.items()), "logit_bias", expected, value)
+              and is_finite(b) and -MAX_BIAS <= b <= MAX_BIAS for k, b in value.items()), "logit_bias", expected, value)
     biases: dict[int, Any] = {}
     spelled: dict[int, str] = {}
     for key, bias in value.items():
