@@ -452,7 +452,7 @@ class ServingEngine:
         picked: dict[str, int | list[int]] = {}
         plain = [i for i, c in enumerate(counts) if c == 1]
         if len(plain) < len(rows):
-            picked.update(self._verify(logits, counts, reqs, lives, raw))
+            picked.update(self._verify(logits, counts, starts, reqs, lives, raw))
             keep = [starts[i] for i in plain]
             logits, raw = logits[keep], raw[keep]
             reqs, lives = [reqs[i] for i in plain], [lives[i] for i in plain]
@@ -471,12 +471,11 @@ class ServingEngine:
                 self._keep_logprobs(lives[i], token, top)
         return picked
 
-    def _verify(self, logits: torch.Tensor, counts: list[int], reqs: list[Request],
+    def _verify(self, logits: torch.Tensor, counts: list[int], starts: list[int], reqs: list[Request],
                 lives: list[_Live], raw: torch.Tensor) -> dict[str, list[int]]:
         """Verification of each drafting request, greedy or sampled (``engine.speculation.verify_drafted``), with
         the kept tokens' logprobs when asked (of ``raw``, the model's own logits, where ``logits`` are penalized)."""
         picked: dict[str, list[int]] = {}
-        starts = list(itertools.accumulate(counts, initial=0))
         for i, _, kept in verify_drafted(logits, counts, [r.draft_token_ids for r in reqs],
                                          [(lv.params, lv.generator) for lv in lives]):
             picked[reqs[i].req_id] = kept
