@@ -13,6 +13,8 @@ import threading
 
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import kvload
 import pipeline
@@ -86,6 +88,78 @@ def test_v2_a_better_ranked_arrival_moves_out_a_running_request_and_both_complet
     if displaced:
         assert [r.req_id for o in outputs for r in (o.suspended if host is None else o.preempted)] == ["lo"]
     assert len(lo.output_token_ids) == 20 and len(hi.output_token_ids) == 4  # every request completes
+
+
+def _recording_displacements(s: KVCacheV2Scheduler) -> list[list[Request]]:
+    """Per step, the requests the scheduler moved out to admit another (not those moved out under growth pressure)."""
+    per_step: list[list[Request]] = []
+    admit, move_out, step = s._admit, s._move_out, s.step
+    admitting = []
+
+    def admit_spy(*args, **kwargs):
+        admitting.append(True)
+        try:
+            return admit(*args, **kwargs)
+        finally:
+            admitting.pop()
+
+    def move_spy(victim, *args, **kwargs):
+        if admitting:
+            per_step[-1].append(victim)
+        return move_out(victim, *args, **kwargs)
+
+    def step_spy(*args, **kwargs):
+        per_step.append([])
+        return step(*args, **kwargs)
+
+    s._admit, s._move_out, s.step = admit_spy, move_spy, step_spy
+    return per_step
+
+
+@pytest.mark.parametrize("host", [None, 0], ids=["suspended", "preempted"])
+def test_v2_moves_nobody_out_for_an_arrival_that_would_not_fit_even_then(host):
+    """8 blocks of 4 tokens. ``top`` (kvload priority 3) grows to 24 tokens (6 blocks), ``lo`` (0) to 8 (2 blocks);
+    at step 2 ``hi`` (2) arrives needing 3 blocks for its prompt and one more to finish, while ``top`` still needs
+    its sixth. Moving ``lo`` out would free 2 blocks: enough for the prompt, not for what ``top`` and ``hi`` still
+    need together; so ``lo`` keeps running and finishes, and ``hi`` waits for room instead of leaving ``lo``'s
+    blocks idle."""
+    m, s = _scheduler("v2", "priority", blocks=8, max_batch_size=8, host_cache_size=host)
+    displaced = _recording_displacements(s)
+    top = Request("top", _prompt(0, 16), 8, priority=3)
+    lo = Request("lo", _prompt(1, 4), 4)
+    hi = Request("hi", _prompt(2, 12), 4, priority=2)
+    _, finished, outputs = _drive("v2", m, s, [Arrival(top, 0), Arrival(lo, 0), Arrival(hi, 2)])
+    assert [r.req_id for o in outputs for r in o.suspended + o.preempted] == []
+    assert [v for step in displaced for v in step] == []
+    assert finished.index("lo") < finished.index("hi")
+    assert [len(r.output_token_ids) for r in (top, lo, hi)] == [8, 4, 4]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(1, 24), st.integers(1, 12), st.integers(-2, 2), st.integers(0, 12)),
+                min_size=2, max_size=10),
+       st.sampled_from([None, 0]), st.sampled_from([0.0, 0.5, 1.0]), st.integers(8, 24),
+       st.sampled_from(["full", "shared arena", "pool per group"]))
+def test_v2_every_displacement_admits_the_request_it_was_for(specs, host, ratio, blocks, layout):
+    """Under "priority", in any workload and layout (one pool, a shared arena with sliding groups, a pool per
+    group): a step that moves requests out to admit another admits it, and each request moved out ranks below it;
+    and every request completes."""
+    layers = {"full": kv_v2_support.FULL, "shared arena": kv_v2_support.full_sliding_layers(),
+              "pool per group": kv_v2_support.split_sliding_layers()}[layout]
+    m = kv_v2_support.make_manager(layers, blocks, host_cache_size=host)
+    s = KVCacheV2Scheduler(m, 4, 16, scheduling_policy="priority", init_ratio=ratio)
+    displaced = _recording_displacements(s)
+    fit = [(i, spec) for i, spec in enumerate(specs) if spec[0] + spec[1] <= blocks * 4]  # each fits alone
+    reqs = [Request(f"r{i}", _prompt(i, p), n, priority=prio) for i, (p, n, prio, _) in fit]
+    arrivals = [Arrival(r, step) for r, (_, (_, _, _, step)) in zip(reqs, fit, strict=True)]
+    res = kv_v2_support.drive(m, s, arrivals)
+    assert res.stalled is None
+    for victims, out in zip(displaced, res.outputs, strict=True):
+        if victims:
+            assert out.admitted, f"moved out {[v.req_id for v in victims]} and admitted nobody"
+            best = min(r.rank for r in out.admitted)
+            assert all(v.rank > best for v in victims)
+    assert all(len(r.output_token_ids) == r.max_new_tokens for r in reqs)
 
 
 def test_scheduler_refuses_an_unknown_policy():

@@ -309,10 +309,11 @@ class KVCacheManagerV2:
         """How messages name a pool: its group, or the arena the groups share."""
         return f"group {names[0]}" if len(names) == 1 else f"the arena shared by {len(names)} groups"
 
-    def short_of(self, *needs: dict[str, int]) -> bool:
+    def short_of(self, *needs: dict[str, int], extra: list[int] | None = None) -> bool:
         """Whether :meth:`shortfall` of the per-group sum of ``needs`` says something, without wording it (the
-        admission bound's check, refused step after step under pressure)."""
-        return self._first_short(needs) is not None
+        admission bound's check, refused step after step under pressure); ``extra`` (per pool set, as
+        :meth:`freed_by` counts) adds blocks to what each pool set has available."""
+        return self._first_short(needs, extra) is not None
 
     def shortfall(self, need: dict[str, int]) -> str | None:
         """Why blocks per group ``need`` (negative counts as 0) cannot all be allocated now, or None when they can.
@@ -326,10 +327,12 @@ class KVCacheManagerV2:
         pool, names, n = short
         return f"{n} blocks of {self._where(names)} needed, {pool.available} free or evictable"
 
-    def _first_short(self, needs: tuple[dict[str, int], ...]) -> tuple[GroupPool | SharedPool, list[str], int] | None:
-        """The first pool set that cannot hold the per-group sum of ``needs`` (a group's negative sum counts as 0):
-        (pool, its groups, blocks needed); None when every one can."""
-        for pool, names in self._pool_sets:
+    def _first_short(self, needs: tuple[dict[str, int], ...], extra: list[int] | None = None,
+                     ) -> tuple[GroupPool | SharedPool, list[str], int] | None:
+        """The first pool set that cannot hold the per-group sum of ``needs`` (a group's negative sum counts as 0),
+        with ``extra[i]`` more blocks available in pool set ``i``: (pool, its groups, blocks needed); None when every
+        one can."""
+        for i, (pool, names) in enumerate(self._pool_sets):
             n = 0
             for name in names:
                 k = 0
@@ -337,9 +340,27 @@ class KVCacheManagerV2:
                     k += need.get(name, 0)
                 if k > 0:
                     n += k
-            if n > pool.available:
+            if n > pool.available + (extra[i] if extra else 0):
                 return pool, names, n
         return None
+
+    def freed_by(self, requests: Iterable[Request]) -> list[int]:
+        """Per pool set (``_pool_sets``), the device blocks that would become free or evictable if every one of
+        ``requests`` (active) let go of its blocks, by suspension or preemption: those no one else holds.
+
+        Why: the "priority" policy moves out worse-ranked requests for a better-ranked one only when that makes
+        it fit (SGLang's rule); moving them out and still refusing it would leave their room idle."""
+        held: dict[int, Counter[int]] = {}
+        sets = {name: i for i, (_, names) in enumerate(self._pool_sets) for name in names}
+        for r in requests:
+            for name, table in self._active(r).tables.items():
+                counts = held.setdefault(sets[name], Counter())
+                counts.update(b for b in table if b >= 0)
+        out = [0] * len(self._pool_sets)
+        for i, counts in held.items():
+            ref = self._pool_sets[i][0].ref
+            out[i] = sum(1 for b, k in counts.items() if ref[b] == k)
+        return out
 
     def suspend(self, request: Request) -> bool:
         """Move an active cache's pages to the host tier and free its device blocks; False when no room there.
@@ -557,8 +578,9 @@ class KVCacheManagerV2:
             if piece:
                 tables[name] += piece
 
-    def fit_tokens(self, request: Request, want: int) -> int:
-        """The most tokens, up to ``want``, that :meth:`allocate` could reserve now (0: not even one)."""
+    def fit_tokens(self, request: Request, want: int, extra: list[int] | None = None) -> int:
+        """The most tokens, up to ``want``, that :meth:`allocate` could reserve now (0: not even one); with ``extra``
+        (per pool set) more blocks available, as :meth:`short_of`."""
         cache = self._active(request)
         want = min(want, self.options.max_seq_len - cache.committed,
                    request.num_tokens_with_drafts - cache.committed)
@@ -568,12 +590,17 @@ class KVCacheManagerV2:
         arena, spans = self._arena, self._spans
         if arena is None:  # a pool per group: group g can hold len(table) + available blocks, that many tokens
             tables, committed = cache.tables, cache.committed
-            most = min((len(tables[name]) + pool.available) * tpb for name, tpb, pool in self._group_pools)
+            if extra is None:
+                most = min((len(tables[name]) + pool.available) * tpb for name, tpb, pool in self._group_pools)
+            else:  # a pool per group: pool set i is group i
+                most = min((len(tables[name]) + pool.available + k) * tpb
+                           for (name, tpb, pool), k in zip(self._group_pools, extra, strict=True))
             return max(0, min(want, most - committed))
+        available = arena.available + (extra[0] if extra else 0)
 
         def fits(n: int) -> bool:  # the shortfall rule per span: a span's groups need the same blocks
             return sum(max(0, k) * count for k, (_, count) in zip(self._span_need(cache, cache.committed + n), spans,
-                                                                   strict=True)) <= arena.available
+                                                                   strict=True)) <= available
 
         return _most_fitting(want, fits)
 
@@ -592,7 +619,7 @@ class KVCacheManagerV2:
         first = pack_tokens(_tokens(request, 0, 1))
         return self._tree.pending_prefix(request.salt, first) is None and self._cheap_miss(request, first)
 
-    def fit_tokens_new(self, request: Request, want: int) -> int:
+    def fit_tokens_new(self, request: Request, want: int, extra: list[int] | None = None) -> int:
         """:meth:`fit_tokens` for ``request`` as :meth:`create` + :meth:`resume` would leave it, when
         :meth:`claims_nothing` holds (an empty cache); nothing is built."""
         want = min(want, self.options.max_seq_len, request.num_tokens_with_drafts)
@@ -600,9 +627,10 @@ class KVCacheManagerV2:
             return 0
         arena, spans = self._arena, self._spans
         if arena is None:
-            most = min(pool.available * tpb for _, tpb, pool in self._group_pools)
+            more = extra or [0] * len(self._group_pools)  # a pool per group: pool set i is group i
+            most = min((pool.available + k) * tpb for (_, tpb, pool), k in zip(self._group_pools, more, strict=True))
             return max(0, min(want, most))
-        return fit_spans(want, arena.available, spans)
+        return fit_spans(want, arena.available + (extra[0] if extra else 0), spans)
 
     def growth_blocks_new(self, request: Request, ratio: float, scheduled: int) -> dict[str, int]:
         """:meth:`growth_blocks` for ``request`` as :meth:`create` + :meth:`resume` would leave it, when

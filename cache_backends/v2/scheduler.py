@@ -22,7 +22,9 @@ One :meth:`~KVCacheV2Scheduler.step`:
    best-ranked first (vLLM's one priority queue for new and preempted requests): each is resumed or
    admitted in turn until one cannot be; and a waiting request refused for lack of room moves out the
    worst-ranked running request ranked below it (suspended, or preempted for recompute, as under
-   pressure), one at a time, until it fits or none ranks below it. A full batch (``max_batch_size``)
+   pressure), one at a time, until it fits — but only if moving out every running request ranked below
+   it would make it fit (their blocks no one else holds, the headroom of the rest: SGLang's rule), so
+   nobody is moved out for a request that stays refused. A full batch (``max_batch_size``)
    displaces nobody (vLLM's rule).
    **Headroom** (SGLang's new-token ratio): while others run, a request is admitted only if every
    group keeps, beyond the new request's first chunk and its own estimated growth, room for the
@@ -255,6 +257,27 @@ class KVCacheV2Scheduler(SchedulerBase):
         victim = max(running, key=_RANK)
         return victim if victim.rank > request.rank else None
 
+    def _fits_without(self, request: Request, new: bool, running: list[Request],
+                      chunks: dict[Request, ScheduledChunk], budget: int, ratio: float) -> bool:
+        """Whether ``request`` would be admitted once every running request ranked below it is moved out (their
+        blocks no one else holds freed, their chunks' tokens back in the budget, the headroom of the rest).
+
+        Why: displacement moves the worst-ranked out one at a time until the request fits; without this check a
+        request that cannot fit even then (better-ranked requests hold the room) would move them all out for
+        nothing, their room left idle while it waits (SGLang preempts only when the preemptible tokens suffice)."""
+        m = self.manager
+        victims = [v for v in running if v.rank > request.rank]
+        rest = [v for v in running if v.rank <= request.rank]
+        extra = m.freed_by(victims)
+        want = min(_pending(request), budget + sum(chunks[v].num_tokens for v in victims if v in chunks))
+        n = m.fit_tokens_new(request, want, extra) if new else m.fit_tokens(request, want, extra)
+        if n == 0:
+            return False
+        if not rest or not ratio:
+            return True
+        own = m.growth_blocks_new(request, ratio, n) if new else m.growth_blocks(request, ratio, n)
+        return not m.short_of(own, m.headroom_blocks(rest, ratio), extra=extra)
+
     def _admit(self, candidates: list[Request], waiting: deque[Request], running: list[Request],
                out: SchedulerOutput, chunks: dict[Request, ScheduledChunk], budget: int,
                reasons: list[str]) -> tuple[int, bool]:
@@ -271,6 +294,7 @@ class KVCacheV2Scheduler(SchedulerBase):
             if why is not None:
                 reasons.append(why)
                 continue
+            displacing = False  # whether moving out worse-ranked requests was found to make room for r
             while True:
                 # a request that claims no cached prefix is asked about before its cache is built: a refusal (a long
                 # prompt waiting for room, step after step) then builds and cancels nothing
@@ -291,8 +315,12 @@ class KVCacheV2Scheduler(SchedulerBase):
                         headroom = m.headroom_blocks(running, ratio)
                     refused = headroom is not None and m.short_of(own, headroom)
                 victim = self._displaceable(r, running) if refused else None
+                if victim is not None and not displacing and not self._fits_without(r, new, running, chunks, budget,
+                                                                                     ratio):
+                    victim = None  # moving every worse-ranked request out would not make room: move none
                 if victim is None:
                     break
+                displacing = True
                 # "priority": the room goes to the better-ranked request; the victim waits (suspended or preempted)
                 if not new:
                     m.cancel_admission(r)
