@@ -38,6 +38,15 @@ def unserved_kinds(layers: Iterable[LayerKV]) -> list[str]:
     return sorted({layer.kind for layer in layers if layer.kind not in SERVED_KINDS or layer.compress_rate is not None})
 
 
+def cannot_generate(name: str, layers: Iterable[LayerKV]) -> str | None:
+    """Why kvload cannot generate for model ``name`` with these layers (one line), or None when it can."""
+    unserved = unserved_kinds(layers)
+    if not unserved:
+        return None
+    return (f"generate: {name} has {', '.join(unserved)} attention layers; kvload's paged attention serves "
+            f"{', '.join(SERVED_KINDS)} layers only, so this model is plan/build only (DeepSeek V4)")
+
+
 DTYPE_SIZES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 LayerKindName = Literal["full", "sliding", "mla", "v4_sliding", "csa", "hca"]

@@ -36,8 +36,8 @@ import torch
 
 from cache_backends.block_tables import BlockTableStore
 from cache_backends.interface import SchedulerOutput
-from cache_backends.layout import DECODE_KERNEL_KINDS
-from cache_backends.paged_attention import SERVED_KINDS, PagedBatch, SeqChunk
+from cache_backends.layout import DECODE_KERNEL_KINDS, cannot_generate
+from cache_backends.paged_attention import PagedBatch, SeqChunk
 from cache_backends.request import Request
 from engine.driver import Arrival, Driver, StalledError, at_length
 from engine.outputs import (
@@ -155,12 +155,9 @@ class GenerationExecutor:
         self.last_stats: GenerationStats | None = None
         #: set by :meth:`stop`: the running call (and any later one) fails with this message between two steps
         self._stopped: str | None = None
-        unserved = sorted({layer.kind for layer in manager.layout.layers
-                           if layer.kind not in SERVED_KINDS or layer.compress_rate is not None})
-        if unserved:
-            raise GenerationError(f"generate: {name} has {', '.join(unserved)} attention layers; kvload's paged "
-                                  f"attention serves {', '.join(SERVED_KINDS)} layers only, so this model is "
-                                  "plan/build only (DeepSeek V4)")
+        why = cannot_generate(name, manager.layout.layers)
+        if why is not None:
+            raise GenerationError(why)
 
     @classmethod
     def from_result(cls, result: Any) -> GenerationExecutor:

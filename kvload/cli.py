@@ -301,12 +301,14 @@ def cli_overrides(ns: argparse.Namespace) -> dict[str, Any]:
 # --- subcommands ---------------------------------------------------------------------------
 
 
-def _request(ns: argparse.Namespace, load_weights: bool = False, kv_events_reader: bool = True) -> Any:
-    """The command's LoadRequest; ``kv_events_reader=False`` where the command reads no KV cache events."""
+def _request(ns: argparse.Namespace, load_weights: bool = False, kv_events_reader: bool = True,
+             generates: bool = False) -> Any:
+    """The command's LoadRequest; ``kv_events_reader=False`` where the command reads no KV cache events,
+    ``generates=True`` where it generates through what it loads."""
     from pipeline.context import LoadRequest
 
     return LoadRequest(model=ns.model, overrides=cli_overrides(ns), source="cli", config_file=ns.config,
-                       load_weights=load_weights, kv_events_reader=kv_events_reader)
+                       load_weights=load_weights, kv_events_reader=kv_events_reader, generates=generates)
 
 
 def _audit_subscribers(ns: argparse.Namespace) -> list[Any]:
@@ -446,7 +448,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
                             repetition_penalty=ns.repetition_penalty, presence_penalty=ns.presence_penalty,
                             frequency_penalty=ns.frequency_penalty, min_tokens=ns.min_tokens,
                             min_p=ns.min_p)  # checked before anything loads
-    request = _request(ns, load_weights=True, kv_events_reader=False)  # it prints outputs, never KV events
+    request = _request(ns, load_weights=True, kv_events_reader=False, generates=True)  # prints outputs, no KV events
     if ns.config is not None:  # read once: its max_seq_len sizes the pools below, and parse_args takes the same tree
         from pipeline.sources import read_yaml
 

@@ -67,6 +67,7 @@ class LLM:
                  audit_log: str | os.PathLike[str] | None = None, subscribers: Iterable[Subscriber] = (),
                  log: bool = True, **llm_args: Any) -> None:
         request = api_request(model, config_file, True, llm_args)
+        request.generates = True  # a model kvload cannot generate for is refused before its weights load
         # the CPU pools' size when neither the user nor the config file bounds them: not a user setting, so the audit
         # records it as derived by LLM (field_derived) and a value the user gives wins
         request.caller_defaults[DEFAULT_MAX_TOKENS_FIELD] = CallerDefault(

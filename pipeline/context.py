@@ -66,6 +66,9 @@ class LoadRequest:
     # endpoint and --kv-events-file). False (kvload run, generate): a user's event_buffer_max_size is reported
     # as setting_ignored and no buffer is kept, since nothing would ever drain it.
     kv_events_reader: bool = True
+    #: Whether the caller generates through what it loads (``kvload generate``, ``kvload serve``, ``kvload.LLM``):
+    #: a model whose attention kvload cannot run is then refused before its weights load (seconds, gigabytes).
+    generates: bool = False
 
 
 

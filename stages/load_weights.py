@@ -13,10 +13,11 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from cache_backends.layout import cannot_generate
 from models.weights import load_weights, plan_kv_heads_per_rank, save_random_model
 from pipeline.bus import Emit
 from pipeline.context import Context
-from pipeline.errors import KvBuildError, ModelError
+from pipeline.errors import GenerationError, KvBuildError, ModelError
 from pipeline.events import SettingIgnored, WeightsLoaded
 from stages.check_parallel import require_all_ranks
 from stages.plan_kv import device_problem
@@ -32,6 +33,10 @@ class LoadWeights:
         """Load weights (random for presets, seeded by ``weights_seed``) and the tokenizer."""
         if not ctx.request.load_weights:
             return
+        if ctx.request.generates and ctx.spec is not None and ctx.model is not None:
+            why = cannot_generate(ctx.model.name, ctx.spec.kv_layers())
+            if why is not None:  # the executor would refuse it after the weights and pools were built
+                raise GenerationError(why)
         seed = ctx.args.weights_seed
         device, dtype = str(ctx.args.device), str(ctx.args.dtype)
         problem = device_problem(device)  # build_kv_manager's check, before torch fails inside the weights' .to()

@@ -167,7 +167,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                               "kv_cache_config.event_buffer_max_size in the --config file")
     bind(ns.host, ns.port).close()  # a taken port fails now, before minutes of loading
     template = chat_template_text(ns.chat_template) if ns.chat_template is not None else None  # and a bad template
-    request = cli._request(ns, load_weights=True)
+    request = cli._request(ns, load_weights=True, generates=True)
     # capped like generate's: past 2**63 - 1 the budget names --default-max-tokens
     tokens = min(MAX_INT, SERVE_DEFAULT_SEQUENCES * (ns.default_max_tokens + SERVE_PROMPT_ALLOWANCE))
     request.caller_defaults[DEFAULT_MAX_TOKENS_FIELD] = CallerDefault(
