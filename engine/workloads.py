@@ -156,11 +156,29 @@ def no_reuse(requests: int = 512, seed: int = 0, *, prompt_len: int = 512, answe
     return Workload("no-reuse", tuple(out), seed, {"prompt_len": prompt_len, "answer_len": answer_len})
 
 
+def mixed_priority(requests: int = 512, seed: int = 0, *, prompt_len: int = 1024, answer_len: int = 128,
+                   urgent_every: int = 4, urgent_len: int = 64, urgent_answer_len: int = 32,
+                   vocab: int = 32000) -> Workload:
+    """Long batch prompts (priority 0) with a short urgent one (priority 1) every ``urgent_every``-th arrival, one
+    arrival per step, unique tokens: what ``scheduling_policy`` decides is who waits when memory runs short."""
+    rng = random.Random(seed)
+    fresh = _Segments(rng, vocab)
+    out = []
+    for i in range(requests):
+        urgent = i % urgent_every == urgent_every - 1
+        n, m = (urgent_len, urgent_answer_len) if urgent else (prompt_len, answer_len)
+        out.append(SimRequest(f"mp-{i}", fresh(n), _tokens(rng, m, vocab), arrival_step=i, priority=int(urgent)))
+    return Workload("mixed-priority", tuple(out), seed,
+                    {"prompt_len": prompt_len, "answer_len": answer_len, "urgent_every": urgent_every,
+                     "urgent_len": urgent_len, "urgent_answer_len": urgent_answer_len})
+
+
 WORKLOADS: dict[str, Callable[..., Workload]] = {
     "shared-prefix": shared_prefix,
     "multi-turn": multi_turn,
     "long-context": long_context,
     "no-reuse": no_reuse,
+    "mixed-priority": mixed_priority,
 }
 
 
@@ -189,6 +207,10 @@ def planned_tokens(name: str, requests: int, params: dict[str, int]) -> int:
         turns, step = p["turns"], p["answer_len"] + p["user_len"]
         per_conversation = turns * (p["first_len"] + p["answer_len"]) + step * turns * (turns - 1) // 2
         return max(1, requests // turns) * per_conversation
+    if name == "mixed-priority":
+        urgent = requests // p["urgent_every"]
+        return (requests - urgent) * (p["prompt_len"] + p["answer_len"]) + urgent * (p["urgent_len"]
+                                                                                   + p["urgent_answer_len"])
     return requests * (p["prompt_len"] + p["answer_len"])
 
 
@@ -233,6 +255,8 @@ def default_budget_sequences(workload: Workload) -> int:
     * ``multi-turn``: one per conversation (all conversations are open at once).
     * ``long-context``: 2 — memory-bound on purpose: concurrency is then decided by what one
       sequence costs each manager (sliding windows, compression).
+    * ``mixed-priority``: ``answer_len // 4`` — a quarter of the requests a step's arrivals keep running,
+      so requests queue and ``scheduling_policy`` decides which wait.
 
     Never more than the number of requests.
     """
@@ -241,6 +265,8 @@ def default_budget_sequences(workload: Workload) -> int:
         n = p["answer_len"] + 1
     elif workload.name == "multi-turn":
         n = len({r.req_id.rsplit("-", 1)[0] for r in workload.requests})
+    elif workload.name == "mixed-priority":
+        n = max(2, p["answer_len"] // 4)
     else:
         n = 2
     return max(1, min(n, len(workload.requests)))

@@ -850,11 +850,15 @@ workloads (sizes: --requests, and --workload-arg KEY=N for the rest):
                  (16 requests; prompt_len=7936 answer_len=256)
   no-reuse       unique prompts, one arrival per step: prefix-reuse bookkeeping is pure overhead
                  (512 requests; prompt_len=512 answer_len=128)
+  mixed-priority long batch prompts (priority 0), a short urgent one (priority 1) every urgent_every-th
+                 arrival, one per step: compare --scheduling_policy fcfs and priority (512 requests;
+                 prompt_len=1024 answer_len=128 urgent_every=4 urgent_len=64 urgent_answer_len=32)
 
 budget: the same for every manager simulated. With --max_tokens or --max_gpu_total_bytes it is the
 routed manager's budget from those; otherwise the default holds N of the workload's longest sequences
 in the routed layout: N = answer_len + 1 for shared-prefix and no-reuse (the requests running at once),
-one per conversation for multi-turn, 2 for long-context (memory-bound on purpose). V2 layer groups whose
+one per conversation for multi-turn, 2 for long-context (memory-bound on purpose), answer_len // 4 for
+mixed-priority (requests queue, so the policy decides who waits). V2 layer groups whose
 pages have one shape (Gemma 3's) share one arena; groups with other page sizes (DeepSeek V4's compressed
 ones) split the budget for sequences of max_seq_len (the checkpoint's unless --max_seq_len): with much
 shorter requests their sliding-window pools can fill first, so set --max_seq_len near the workload's
@@ -862,7 +866,9 @@ longest sequence to size them for it.
 
 metrics: hit rate = reused prompt tokens / prompt tokens (first admission of each request); usage =
 used / total blocks (bytes-weighted over layer groups for V2) after each step's scheduling; waits =
-request-steps spent arrived but not running; step time = scheduler.step + commits + finishes.
+request-steps spent arrived but not running; admission delay = steps from arrival to first admission (its mean,
+and with mixed priorities the mean of the top priority's requests); step time = scheduler.step + commits +
+finishes.
 
 examples:
   kvload simulate tiny-llama --workload shared-prefix --compare

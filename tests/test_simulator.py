@@ -15,6 +15,8 @@ SMALL = {
     "multi-turn": (8, {"turns": 4, "first_len": 40, "user_len": 9, "answer_len": 7}),
     "long-context": (3, {"prompt_len": 100, "answer_len": 5}),
     "no-reuse": (10, {"prompt_len": 40, "answer_len": 5}),
+    "mixed-priority": (12, {"prompt_len": 40, "answer_len": 5, "urgent_every": 3, "urgent_len": 8,
+                            "urgent_answer_len": 3}),
 }
 
 
@@ -59,6 +61,30 @@ def test_each_workload_replays_completely_on_both_managers_with_exact_accounting
         assert r.metrics.reused_tokens == block_granular_hits(w)
         assert r.metrics.hit_rate == round(r.metrics.reused_tokens / w.prompt_tokens, 6)
         assert r.metrics.ideal_hit_rate == round(w.ideal_hit_rate, 6)
+
+
+@pytest.mark.parametrize("v2", [False, True])
+def test_priority_policy_admits_the_urgent_requests_of_mixed_priority_first(v2):
+    """Memory for a few batch requests while one arrives per step: under "fcfs" the urgent requests queue behind
+    them; under "priority" each is admitted as soon as room frees, so their mean admission delay falls (the table
+    shows it on its own row), and every request still finishes with its answer."""
+    kw = {"requests": 64, "params": {"prompt_len": 200, "answer_len": 16, "urgent_every": 4, "urgent_len": 16,
+                                      "urgent_answer_len": 4},
+          "kv_cache_config": {"max_tokens": 4 * 256, "use_kv_cache_manager_v2": v2}, **CPU}
+    runs = {p: simulate("tiny-llama", "mixed-priority", scheduling_policy=p, **kw) for p in ("fcfs", "priority")}
+    fcfs, prio = ((r.results[next(iter(r.results))].metrics) for r in runs.values())
+    for m in (fcfs, prio):
+        accounted(m, runs["fcfs"].workload)
+    assert fcfs.admission_delay_top_mean > 2 * max(1.0, prio.admission_delay_top_mean)
+    assert prio.admission_delay_top_mean < prio.admission_delay_mean  # the batch requests wait for them
+    assert "  of the top priority" in runs["priority"].render()
+
+
+def test_one_priority_top_delay_is_the_mean_and_the_table_leaves_its_row_out():
+    report = simulate("tiny-llama", "no-reuse", **small("no-reuse", kv_cache_config={"max_tokens": 256}), **CPU)
+    (res,) = report.results.values()
+    assert res.metrics.admission_delay_top_mean == res.metrics.admission_delay_mean > 0
+    assert "of the top priority" not in report.render()
 
 
 def test_v2_hit_rate_on_shared_prefix_equals_the_ideal_when_memory_is_ample():

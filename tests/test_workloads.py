@@ -8,6 +8,7 @@ from engine.workloads import (
     WORKLOADS,
     default_budget_sequences,
     make_workload,
+    planned_tokens,
     workload_params,
 )
 
@@ -39,6 +40,19 @@ def test_unrelated_prompts_share_not_even_a_first_token(name):
     w = make_workload(name, 50, prompt_len=16, answer_len=2)
     assert len({r.prompt[0] for r in w.requests}) == 50
     assert w.ideal_reused_tokens == 0
+
+
+def test_mixed_priority_puts_a_short_urgent_request_every_nth_arrival_and_plans_its_tokens_exactly():
+    w = make_workload("mixed-priority", 9, prompt_len=20, answer_len=4, urgent_every=3, urgent_len=5,
+                      urgent_answer_len=2)
+    assert [r.arrival_step for r in w.requests] == list(range(9))
+    assert [r.priority for r in w.requests] == [0, 0, 1] * 3
+    assert {(len(r.prompt), len(r.answer)) for r in w.requests if r.priority} == {(5, 2)}
+    assert {(len(r.prompt), len(r.answer)) for r in w.requests if not r.priority} == {(20, 4)}
+    assert len({r.prompt[0] for r in w.requests}) == 9 and w.ideal_reused_tokens == 0
+    params = {"prompt_len": 20, "answer_len": 4, "urgent_every": 3, "urgent_len": 5, "urgent_answer_len": 2}
+    assert planned_tokens("mixed-priority", 9, params) == sum(len(r.prompt) + len(r.answer) for r in w.requests)
+    assert default_budget_sequences(w) == 2  # answer_len // 4, at least 2: requests queue
 
 
 def test_same_seed_same_tokens():
