@@ -74,34 +74,6 @@ def _seen(request: Request, device: torch.device) -> _Seen:
     return seen
 
 
-def _repeat(value: torch.Tensor, r: float) -> torch.Tensor:
-    """The repetition penalty of logits: divided by ``r`` when positive, multiplied when not."""
-    return torch.where(value > 0, value / r, value * r)
-
-
-def _penalize_row(row: torch.Tensor, params: SamplingParams, seen: _Seen, drafts: Sequence[int], generated: int,
-                  stop_ids: list[int]) -> None:
-    """One row in place (float32): its request's tokens so far, then ``drafts`` as if output after them
-    (``generated`` tokens in all)."""
-    if params.logit_bias:  # first, as vLLM's logits processors come before its penalties
-        ids, biases = _bias(params, row.device)
-        row.index_add_(0, ids, biases)
-    r, f, p = params.repetition_penalty, params.frequency_penalty, params.presence_penalty
-    if r != 1.0:
-        row[seen.seen_ids] = _repeat(row[seen.seen_ids], r)
-    if (f or p) and seen.counts:
-        row.index_add_(0, seen.out_ids, -(f * seen.out_counts + p))
-    extra: dict[int, int] = {}  # the drafts before this row, as output: once each for what was not seen or output
-    for t in drafts:
-        if r != 1.0 and t not in seen.seen and t not in extra:
-            row[t] = _repeat(row[t], r)
-        if f or p:
-            row[t] -= f + (p if t not in seen.counts and t not in extra else 0.0)
-        extra[t] = extra.get(t, 0) + 1
-    if generated < params.min_tokens and stop_ids:
-        row[stop_ids] = -torch.inf
-
-
 def _bias(params: SamplingParams, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``params.logit_bias`` as (ids, biases) tensors, built once per SamplingParams and device."""
     key = (id(params), device)
@@ -127,7 +99,7 @@ def penalize(logits: torch.Tensor, counts: Sequence[int], requests: Sequence[tup
         return logits
     out = logits.float().clone()
     vocab = out.shape[-1]
-    firsts = []  # (row, params, seen, stop ids, generated) of each request's first row: done together, below
+    rows: list[_Row] = []
     start = 0
     for c, (params, request) in zip(counts, requests, strict=True):
         if params.penalizes:
@@ -138,17 +110,21 @@ def penalize(logits: torch.Tensor, counts: Sequence[int], requests: Sequence[tup
                               | (set() if params.ignore_eos else {t for t in eos_token_ids if t < vocab})) \
                 if generated < params.min_tokens else []
             drafts = request.draft_token_ids
-            firsts.append((start, params, seen, stop_ids, generated))
-            for j in range(1, c):  # row j follows the first j drafts: output, as a step per token would have them
-                _penalize_row(out[start + j], params, seen, drafts[:j], generated + j, stop_ids)
+            # row j follows the first j drafts: output, as a step per token would have them
+            rows.extend((start + j, params, seen, stop_ids, generated + j, drafts[:j]) for j in range(c))
         start += c
-    _penalize_firsts(out, firsts)
+    _penalize_rows(out, rows)
     return out
 
 
-def _penalize_firsts(out: torch.Tensor, firsts: list[tuple[int, SamplingParams, _Seen, list[int], int]]) -> None:
-    """:func:`_penalize_row` without drafts for several rows at once: one gather / scatter per kind over the
-    flattened logits, not one per row (a batch of 32 decoding requests paid ~150 µs a row)."""
+#: (row, params, seen, stop ids, tokens generated before it, the drafts before it) of one row to penalize
+_Row = tuple[int, SamplingParams, _Seen, list[int], int, Sequence[int]]
+
+
+def _penalize_rows(out: torch.Tensor, rows: list[_Row]) -> None:
+    """Each row in place (float32): its request's tokens so far, then its drafts as if output after them; one gather
+    / scatter per kind over the flattened logits for all rows, not one per row (a batch of 32 decoding requests
+    paid ~150 µs a row)."""
     flat = out.view(-1)
     vocab = out.shape[-1]
     device = out.device
@@ -156,21 +132,46 @@ def _penalize_firsts(out: torch.Tensor, firsts: list[tuple[int, SamplingParams, 
     def at(row: int, ids: torch.Tensor) -> torch.Tensor:
         return ids + row * vocab
 
-    biased = [(row, *_bias(p, device)) for row, p, *_ in firsts if p.logit_bias]
-    if biased:
+    biased = [(row, *_bias(p, device)) for row, p, *_ in rows if p.logit_bias]
+    if biased:  # first, as vLLM's logits processors come before its penalties
         flat.index_add_(0, torch.cat([at(row, ids) for row, ids, _ in biased]), torch.cat([b for *_, b in biased]))
-    repeated = [(at(row, seen.seen_ids), p.repetition_penalty) for row, p, seen, *_ in firsts
-                if p.repetition_penalty != 1.0]
+    repeated: list[tuple[torch.Tensor, torch.Tensor]] = []  # flat indices, the r of each
+    counted: list[tuple[torch.Tensor, torch.Tensor]] = []
+    fresh_at: list[int] = []  # drafts neither seen nor output before, once each: their flat index, their r
+    fresh_r: list[float] = []
+    drafted_at: list[int] = []  # each distinct draft before a row: its flat index, what presence + frequency take
+    drafted: list[float] = []
+    for row, p, seen, _, _, drafts in rows:
+        rep, f, pres = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
+        if rep != 1.0:
+            repeated.append((at(row, seen.seen_ids), torch.full((len(seen.seen_ids),), rep, device=device)))
+        if (f or pres) and seen.counts:
+            counted.append((at(row, seen.out_ids), -(f * seen.out_counts + pres)))
+        if drafts:
+            extra: dict[int, int] = {}  # the drafts before this row, as output
+            for t in drafts:
+                extra[t] = extra.get(t, 0) + 1
+            for t, n in extra.items():
+                if rep != 1.0 and t not in seen.seen:
+                    fresh_at.append(row * vocab + t)
+                    fresh_r.append(rep)
+                if f or pres:
+                    drafted_at.append(row * vocab + t)
+                    drafted.append(-(f * n + (pres if t not in seen.counts else 0.0)))
+    if fresh_at:  # apart from the seen tokens of the same row, so repeated but once
+        repeated.append((torch.tensor(fresh_at, dtype=torch.long, device=device),
+                         torch.tensor(fresh_r, dtype=torch.float32, device=device)))
     if repeated:
         where = torch.cat([ids for ids, _ in repeated])
-        r = torch.cat([torch.full((len(ids),), rp, device=device) for ids, rp in repeated])
+        r = torch.cat([rp for _, rp in repeated])
         values = flat[where]
         flat[where] = torch.where(values > 0, values / r, values * r)
-    counted = [(at(row, seen.out_ids), -(p.frequency_penalty * seen.out_counts + p.presence_penalty))
-               for row, p, seen, *_ in firsts if (p.frequency_penalty or p.presence_penalty) and seen.counts]
+    if drafted_at:
+        counted.append((torch.tensor(drafted_at, dtype=torch.long, device=device),
+                        torch.tensor(drafted, dtype=torch.float32, device=device)))
     if counted:
         flat.index_add_(0, torch.cat([ids for ids, _ in counted]), torch.cat([d for _, d in counted]))
-    held = [row * vocab + t for row, p, _, stop_ids, generated in firsts if generated < p.min_tokens
+    held = [row * vocab + t for row, p, _, stop_ids, generated, _ in rows if generated < p.min_tokens
             for t in stop_ids]
     if held:
         flat[torch.tensor(held, dtype=torch.long, device=device)] = -torch.inf

@@ -212,10 +212,18 @@ class ServingEngine:
         """Token ids of one prompt (text through the tokenizer, ``chat`` wraps it as one user message), checked as
         ``generate`` checks a prompt. ``add_special_tokens=False``: text without the tokenizer's BOS (vLLM's)."""
         if isinstance(prompt, str) and not add_special_tokens and not chat:
-            prompt = self.tokenize(prompt, add_special_tokens=False, where="prompt 0")
-            if not prompt:  # as generate words a text prompt of no tokens
-                raise GenerationError("generate: prompt 0: empty (no tokens)")
+            prompt = self.prompt_ids(prompt, add_special_tokens=False)
         ((_, ids),) = self.executor._prompts([prompt], chat)
+        return ids
+
+    def prompt_ids(self, prompt: str | Sequence[int], *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of one prompt, unchecked but for being empty: text through the tokenizer
+        (``add_special_tokens``: its BOS), ids as given; ``GenerationError`` worded as ``generate`` words a prompt
+        of no tokens (what serving cuts to ``truncate_prompt_tokens`` before :meth:`encode` checks the rest)."""
+        ids = (self.tokenize(prompt, add_special_tokens=add_special_tokens, where="prompt 0")
+               if isinstance(prompt, str) else list(prompt))
+        if not ids:
+            raise GenerationError("generate: prompt 0: empty (no tokens)")
         return ids
 
     def encode_messages(self, messages: list[dict[str, str]], template: Mapping[str, Any] | None = None, *,

@@ -1034,9 +1034,11 @@ def _cli_message(exc: KvloadError, argv: Sequence[str] = ()) -> str:
         flag = next(f for f in FLAGS if f.path == exc.path)
         spellings = (flag.name, *flag.aliases)
         detail = exc.detail
-        typed = typed_value(spellings, argv) if flag.type is str else None
+        typed = typed_value(spellings, argv) if flag.type in (str, number) else None
         head, got, _ = detail.rpartition(" got ")
-        if typed is not None and got:  # a name the config normalised (fp8 → float8_e4m3fn): quote what was typed
+        # a name the config normalised (fp8 → float8_e4m3fn), a number argparse made a float (2 → 2.0): quote what
+        # was typed, as the flags argparse refuses itself (--top_p 2: got '2') do
+        if typed is not None and got:
             detail = f"{head} got {short_text(typed)}"
         return f"{typed_spelling(spellings, argv)}: {detail}"
     return str(exc)

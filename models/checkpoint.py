@@ -27,7 +27,7 @@ from typing import Any
 import attrs
 
 from models.config_check import check_fields
-from pipeline.errors import ModelError, first_line
+from pipeline.errors import ModelError, cannot_read, first_line
 from pipeline.limits import MAX_DEPTH, nesting_depth, short, unique_keys
 
 PRESETS_DIR = Path(__file__).parent / "presets"
@@ -105,8 +105,7 @@ def _directory_checkpoint(name: str, path: Path) -> Checkpoint:
     except FileNotFoundError:
         has_config = False
     except OSError as exc:  # a directory the user may list but not search
-        raise ModelError(f"model {name!r}: cannot read {path / 'config.json'} "
-                         f"({'permission denied' if isinstance(exc, PermissionError) else exc.strerror})") from None
+        raise ModelError(f"model {name!r}: {cannot_read(exc, str(path / 'config.json'))}") from None
     if has_config:
         return Checkpoint(name, "directory", path.resolve())
     ggufs = sorted(p.name for p in path.glob("*.gguf") if p.is_file())
@@ -139,10 +138,8 @@ def resolve_checkpoint(name: str) -> Checkpoint:
     path = Path(name).expanduser()
     try:  # Path.exists/is_file raise PermissionError on Python 3.11 (a directory the user cannot search)
         exists, is_file = path.exists(), path.is_file()
-    except PermissionError:
-        raise ModelError(f"model {name!r}: cannot read (permission denied)") from None
-    except OSError as exc:  # a name too long, ...
-        raise ModelError(f"model {name!r}: cannot read ({exc.strerror or exc.__class__.__name__})") from None
+    except OSError as exc:  # a directory the user cannot search, a name too long, ...
+        raise ModelError(f"model {name!r}: {cannot_read(exc)}") from None
     if exists:
         if is_file:
             if path.suffix == ".gguf":
@@ -225,10 +222,8 @@ def read_json_object(file: Path, what: str) -> dict[str, Any]:
         if os.path.lexists(file):
             raise ModelError(f"{file}: is a symbolic link to nothing; expected a JSON file") from None
         raise ModelError(f"{file}: not found") from None
-    except PermissionError:
-        raise ModelError(f"{file}: cannot read (permission denied)") from None
-    except OSError as exc:  # a symbolic link loop, a name too long, ...
-        raise ModelError(f"{file}: cannot read ({exc.strerror or exc.__class__.__name__})") from None
+    except OSError as exc:  # no permission, a symbolic link loop, a name too long, ...
+        raise ModelError(f"{file}: {cannot_read(exc)}") from None
     if stat.S_ISDIR(st.st_mode):
         raise ModelError(f"{file}: is a directory, expected a JSON file")
     if not stat.S_ISREG(st.st_mode):  # a FIFO would block the read forever, a device never ends
@@ -237,10 +232,8 @@ def read_json_object(file: Path, what: str) -> dict[str, Any]:
         raise ModelError(f"{file}: {st.st_size:,} bytes; {what} is at most {MAX_CONFIG_BYTES:,}")
     try:
         raw = file.read_bytes()
-    except PermissionError:
-        raise ModelError(f"{file}: cannot read (permission denied)") from None
     except OSError as exc:
-        raise ModelError(f"{file}: cannot read ({exc.strerror or exc.__class__.__name__})") from None
+        raise ModelError(f"{file}: {cannot_read(exc)}") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -18,7 +18,7 @@ from typing import Any
 
 import attrs
 
-from models.checkpoint import Checkpoint
+from models.checkpoint import Checkpoint, read_config_json
 from pipeline.errors import KvRuntimeError, ModelError, first_line
 
 #: Model dtypes transformers can load weights in (float8 is a KV cache dtype only).
@@ -191,12 +191,10 @@ def _activation_error(where: Any, exc: Exception) -> ModelError | None:
     if name in ACT2FN:
         return None
     if isinstance(where, Path):
-        import json
-
         file = where / "config.json"
-        try:
-            config = json.loads(file.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+        try:  # read as the checkpoint's resolution read it (and accepted it) before the load got here
+            config = read_config_json(where)
+        except ModelError:
             return None
     else:
         file, config = "config", where.to_dict() if hasattr(where, "to_dict") else {}

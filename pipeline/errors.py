@@ -25,6 +25,13 @@ def retitled(message: str, call: str) -> str:
     return message
 
 
+def cannot_read(exc: OSError, what: str = "") -> str:
+    """'cannot read (permission denied)', 'cannot read WHAT (Too many levels of symbolic links)', ...: the OS's
+    words, one line, for a message that names the file before it."""
+    reason = "permission denied" if isinstance(exc, PermissionError) else exc.strerror or exc.__class__.__name__
+    return f"cannot read {what} ({reason})" if what else f"cannot read ({reason})"
+
+
 class KvloadError(Exception):
     """Base of every error kvload raises on purpose; its message is one line for the user."""
 

@@ -13,7 +13,7 @@ import attrs
 import yaml
 
 from pipeline.config import explicit_fields
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, cannot_read
 from pipeline.limits import MAX_DEPTH, MAX_INT_DIGITS, MAX_YAML_NODES, nesting_depth, node_count
 
 
@@ -118,7 +118,7 @@ def read_yaml(path: str) -> dict[str, Any]:
     except FileNotFoundError:
         raise fail("is a symbolic link to nothing; give a YAML file" if os.path.lexists(p) else "not found") from None
     except OSError as exc:
-        raise fail(_cannot_read(exc)) from None
+        raise fail(cannot_read(exc)) from None
     if stat.S_ISDIR(st.st_mode):
         raise fail("is a directory, expected a YAML file")
     if not stat.S_ISREG(st.st_mode):
@@ -128,7 +128,7 @@ def read_yaml(path: str) -> dict[str, Any]:
     try:
         raw = p.read_bytes()
     except OSError as exc:
-        raise fail(_cannot_read(exc)) from None
+        raise fail(cannot_read(exc)) from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -166,13 +166,6 @@ def read_yaml(path: str) -> dict[str, Any]:
     if bad:
         raise ConfigError(f"config file {path}: keys must be strings, got {bad[0]!r}", source="config_file")
     return data
-
-
-def _cannot_read(exc: OSError) -> str:
-    """'cannot read (permission denied)', '(Too many levels of symbolic links)', ...: the OS's words, one line."""
-    if isinstance(exc, PermissionError):
-        return "cannot read (permission denied)"
-    return f"cannot read ({exc.strerror or exc.__class__.__name__})"
 
 
 def _all_keys(tree: Mapping[Any, Any]) -> list[Any]:

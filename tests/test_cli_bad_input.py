@@ -68,6 +68,11 @@ CASES = [
     ("fraction-zero", "plan tiny-llama --kv_cache_fraction 0", 2, ["--kv_cache_fraction", "(0, 1]"]),
     ("fraction-big", "plan tiny-llama --kv-cache-fraction 1.5", 2, ["--kv-cache-fraction", "(0, 1]", "1.5"]),
     ("fraction-word", "plan tiny-llama --kv_cache_fraction half", 2, ["--kv_cache_fraction", "'half'"]),
+    # the value as typed, not as float() made it ("got 2.0"), as --top_p and --min_p word theirs
+    ("fraction-as-typed", "run tiny-llama --kv_cache_fraction 2", 2,
+     ["error: --kv_cache_fraction: expected a number in (0, 1], got '2'\n"]),
+    ("fraction-as-typed-eq", "plan tiny-llama --kv-cache-free-gpu-mem-fraction=0e3", 2,
+     ["error: --kv-cache-free-gpu-mem-fraction: expected a number in (0, 1], got '0e3'\n"]),
     ("max-tokens-negative", "plan tiny-llama --max_tokens -5", 2, ["--max_tokens", ">= 1"]),
     ("max-tokens-unit", "plan tiny-llama --max_tokens 4k", 2, ["--max_tokens", "an integer", "'4k'"]),
     ("bytes-unit", "plan tiny-llama --max_gpu_total_bytes 8XB", 2, ["--max_gpu_total_bytes", "8GiB", "'8XB'"]),

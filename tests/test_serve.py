@@ -397,6 +397,16 @@ def test_build_state_refuses_a_blank_model_name_instead_of_using_the_models(serv
         build_state(served.result, model_name=name)
 
 
+def test_build_state_refuses_a_chat_template_without_a_tokenizer_naming_the_model(served):
+    """The API side of ``serve --chat-template`` on a preset: the one check both share names the model given."""
+    from kvload.serve.server import build_state
+    from pipeline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^chat_template: tiny-llama has no tokenizer \(presets have random "
+                                          r"weights and none\): there is no text to template$"):
+        build_state(served.result, chat_template="{{ messages[0]['content'] }}")
+
+
 def test_the_served_model_answers_its_own_callers_while_the_server_runs(served):
     # the serving loop runs kvload's attention for as long as the server lives; a caller of the same transformers
     # model in this process (a scoring pass beside the server) still gets the model's own attention and masks

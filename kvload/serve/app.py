@@ -427,10 +427,7 @@ def _encode(engine: ServingEngine, job: Job) -> tuple[list[list[int]], list[bool
             raise _shutting_down()
         try:
             if keep is not None:  # vLLM's: the token ids are cut (a BOS too), then checked as any prompt's
-                ids = (engine.tokenize(prompt, add_special_tokens=job.add_special_tokens, where="prompt 0")
-                       if isinstance(prompt, str) else list(prompt))
-                if not ids:
-                    raise GenerationError("generate: prompt 0: empty (no tokens)")
+                ids = engine.prompt_ids(prompt, add_special_tokens=job.add_special_tokens)
                 cut.append(len(ids) > keep)
                 prompt = ids[-keep:]
             out.append(engine.encode(prompt, add_special_tokens=job.add_special_tokens))

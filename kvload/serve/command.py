@@ -181,16 +181,12 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             result.bus.emitter("serve")(SettingIgnored(
                 field="--json", value=True, reason="kvload serve prints no result document; its answers are the "
                                                    "HTTP API's JSON (--log-format json makes its log JSON)"))
-        if template is not None and result.tokenizer is None:
-            from pipeline.errors import ConfigError
-
-            raise ConfigError(f"--chat-template: {ns.model} has no tokenizer (presets have random weights and none): "
-                              "there is no text to template")
         state = build_state(result, model_name=ns.served_model_name, default_max_tokens=ns.default_max_tokens,
                             audit_keep=ns.audit_keep, max_request_bytes=ns.max_request_bytes,
                             read_timeout_s=ns.request_read_timeout,
                             max_concurrent_requests=ns.max_concurrent_requests,
-                            trust_request_chat_template=ns.trust_request_chat_template, chat_template=template)
+                            trust_request_chat_template=ns.trust_request_chat_template, chat_template=template,
+                            chat_template_flag="--chat-template")
         mirror = None
         if ns.kv_events_file is not None:  # a full disk later stops the mirror with a warning, never a request
             mirror = mirror_kv_events(state, ns.kv_events_file, "--kv-events-file")

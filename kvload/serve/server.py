@@ -34,7 +34,8 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
                 audit_keep: int = AUDIT_KEEP_DEFAULT, max_request_bytes: int | None = None,
                 read_timeout_s: float = READ_TIMEOUT_DEFAULT,
                 max_concurrent_requests: int = MAX_CONCURRENT_DEFAULT,
-                trust_request_chat_template: bool = False, chat_template: str | None = None) -> ServeState:
+                trust_request_chat_template: bool = False, chat_template: str | None = None,
+                chat_template_flag: str = "chat_template") -> ServeState:
     """Engine (not started) and metrics over a ``load(..., load_weights=True)`` result; from now on its audit log
     keeps the load's records and the newest ``audit_keep`` (``/v1/kvload/audit`` serves them). A request body
     over ``max_request_bytes`` is refused unread (None: :func:`default_max_request_bytes` of the model); a
@@ -42,7 +43,8 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
     ``max_concurrent_requests`` generation requests at once, more are refused (503); a request's own
     ``chat_template`` is refused (400) unless ``trust_request_chat_template``. ``chat_template``: a Jinja template
     that replaces the tokenizer's for every chat request and ``/tokenize`` of messages (the operator's, e.g. for a
-    base model without one; ``chat_template_text`` reads ``--chat-template``)."""
+    base model without one; ``chat_template_text`` reads ``--chat-template``), refused for a model without a
+    tokenizer by a ``ConfigError`` naming ``chat_template_flag``."""
     if model_name is not None and not (isinstance(model_name, str) and model_name.strip()):
         raise ConfigError(f"model_name: expected a non-empty name (or None: the model's own), got {model_name!r}")
     if max_request_bytes is not None and not (isinstance(max_request_bytes, int)
@@ -62,9 +64,9 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
     if chat_template is not None:
         tokenizer = getattr(result, "tokenizer", None)
         if tokenizer is None:
-            raise ConfigError("chat_template: the model has no tokenizer (presets have random weights and none): "
-                              "there is no text to template")
-        tokenizer.chat_template = check_chat_template("chat_template", chat_template)
+            raise ConfigError(f"{chat_template_flag}: {result.args.model} has no tokenizer (presets have random "
+                              "weights and none): there is no text to template")
+        tokenizer.chat_template = check_chat_template(chat_template_flag, chat_template)
     result.audit.keep_tail(audit_keep)
     name = model_name or (result.model.name if result.model is not None else str(result.args.model))
     metrics = ServeMetrics(name)
