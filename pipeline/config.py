@@ -378,7 +378,7 @@ V2_FIELD = "kv_cache_config.use_kv_cache_manager_v2"
 
 #: Fields whose value may be ``"auto"`` and that ``resolve_auto`` turns into a concrete value.
 AUTO_FIELDS: tuple[str, ...] = ("dtype", "device", V2_FIELD, "kv_cache_config.dtype", "attention_backend",
-                                 "linear_backend")
+                                 "linear_backend", "generation_config")
 
 
 def framework_defaults() -> dict[str, Any]:
