@@ -67,9 +67,10 @@ class SamplingDefaults:
     other_keys: tuple[str, ...] = ()  # the file's keys that are no sampling defaults
     reason: str = "kvload's built-in sampling defaults"
 
-    def describe(self) -> str:
-        """``temperature 0.6, top_p 0.9`` (empty when there are none)."""
-        return ", ".join(f"{name} {literal(value)}" for name, value in self.values.items())
+    def describe(self, source: str | None = None) -> str:
+        """``temperature 0.6, top_p 0.9`` (empty when there are none); ``source``: only those from there."""
+        return ", ".join(f"{name} {literal(value)}" for name, value in self.values.items()
+                         if source is None or self.sources.get(name) == source)
 
     def event(self) -> SamplingDefaultsResolved:
         """The ``sampling_defaults_resolved`` record of these defaults."""
@@ -144,7 +145,7 @@ def resolve_sampling_defaults(setting: str, override: GenerationDefaults, model_
     sources: dict[str, str] = {}
     not_applied: dict[str, str] = {}
     do_sample = users.get("do_sample", own.get("do_sample"))
-    said = "override_generation_config" if "do_sample" in users else f"{file}"
+    said = "override_generation_config" if "do_sample" in users else "the file"
     for key, field in SAMPLING_KEYS.items():
         if key in users:
             values[field], sources[field] = users[key], FROM_OVERRIDE
@@ -152,8 +153,7 @@ def resolve_sampling_defaults(setting: str, override: GenerationDefaults, model_
                 not_applied[key] = f"override_generation_config gives {literal(users[key])}"
         elif key in own:
             if do_sample is False and key in SAMPLING_ONLY:
-                not_applied[key] = (f"do_sample is false in {said}: transformers generates greedily then, whatever "
-                                    f"the {key}")
+                not_applied[key] = f"do_sample is false in {said} (transformers then decodes greedily)"
             else:
                 values[field], sources[field] = own[key], FROM_FILE
     if "temperature" not in values:
@@ -171,25 +171,25 @@ def resolve_sampling_defaults(setting: str, override: GenerationDefaults, model_
 def _reason(setting: str, file: Path | None, model: str, values: dict[str, Any], sources: dict[str, str],
             do_sample: bool | None, said: str, overridden: bool) -> str:
     """One sentence: where the defaults came from, and how to turn them off."""
+    under = " under override_generation_config" if overridden and values else ""
     if setting == GENERATION_CONFIG_NONE:
         head = (f'generation_config is "{GENERATION_CONFIG_NONE}": {model}\'s generation_config.json is not read; '
-                "kvload's built-in sampling defaults apply")
+                f"kvload's built-in sampling defaults apply{under}")
     elif file is None:
-        head = f"{model} has no generation_config.json: kvload's built-in sampling defaults apply"
+        head = f"{model} has no generation_config.json: kvload's built-in sampling defaults apply{under}"
     elif not values:
         head = f"{file} holds no sampling defaults: kvload's built-in ones apply"
     else:
-        head = (f"{file} gives the sampling defaults of every request that leaves them unset (an explicit "
+        head = (f"{file}{under}: the defaults of every request that leaves a setting unset (an explicit "
                 f"SamplingParams, a flag given or a field sent wins); generation_config \"{GENERATION_CONFIG_NONE}\" "
                 "ignores the file")
-    if overridden and values:
-        head += ", under override_generation_config"
     if sources.get("temperature") == FROM_DO_SAMPLE and do_sample is False:
         head += f"; do_sample is false in {said}: greedy (temperature 0)"
     elif sources.get("temperature") == FROM_DO_SAMPLE:
-        head += (f"; do_sample is true in {said}: sampling, at temperature 1.0 when none is given (transformers' "
-                 "and vLLM's)")
+        head += (f"; do_sample is true in {said}: temperature 1.0 where none is given (transformers' and "
+                 "vLLM's)")
     return head
 
 
-__all__ = ["ACCEPTED", "SAMPLING_KEYS", "SamplingDefaults", "resolve_sampling_defaults"]
+__all__ = ["ACCEPTED", "FROM_DO_SAMPLE", "FROM_FILE", "FROM_OVERRIDE", "SAMPLING_KEYS", "SamplingDefaults",
+           "resolve_sampling_defaults"]

@@ -103,8 +103,11 @@ def resolve_generation_config(found: Any, model: str) -> tuple[str, str, str]:
     """``"auto"`` sampling defaults: the directory whose generation_config.json ``apply_model_defaults`` read (its
     ``sampling_defaults_resolved`` has the values), or ``"vllm"`` (kvload's built-in defaults) when it had none."""
     if found is not None and found.path is not None:
-        values = found.describe() or "it holds no sampling defaults"
-        return str(Path(found.path).parent), "checkpoint", f"the checkpoint's generation_config.json: {values}"
+        from pipeline.generation_config import FROM_FILE
+
+        values = found.describe(FROM_FILE) or "no sampling default applies from it"
+        return str(Path(found.path).parent), "checkpoint", (f"the checkpoint's generation_config.json gives {values} "
+                                                             "(sampling_defaults_resolved has the rest)")
     return GENERATION_CONFIG_NONE, "auto", (f"{model} has no generation_config.json: kvload's built-in sampling "
                                             f"defaults (\"{GENERATION_CONFIG_NONE}\")")
 
