@@ -29,9 +29,10 @@ _SOURCE_WORDS = {
 
 
 def resolve_field(name: str, aliases: dict[str, str] | None = None) -> str:
-    """Map a field name to its dotted path: an exact path, an alias (a CLI flag's name), or a unique leaf name."""
+    """Map a field name to its dotted path: an exact path, an alias (a CLI flag's name), or a unique leaf name; a
+    mapping field (``override_generation_config``) is its own path, which :func:`explain` expands to its leaves."""
     known = list(flatten(framework_defaults()))
-    if name in known:
+    if name in known or any(p.startswith(name + ".") for p in known):
         return name
     if aliases and name in aliases:
         return aliases[name]
@@ -143,7 +144,16 @@ def explain(audit: AuditLog, fields: list[str] | None = None,
             aliases: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """Chains for the named fields (see :func:`resolve_field`), or for every field some event changed."""
     paths = [resolve_field(f, aliases) for f in fields] if fields else audit.changed_fields()
-    return [field_chain(audit, p) for p in dict.fromkeys(paths)]
+    known = list(flatten(framework_defaults()))
+    leaves: list[str] = []
+    for path in paths:
+        if path in known:
+            leaves.append(path)
+            continue
+        under = [p for p in known if p.startswith(path + ".")]  # a mapping field: the leaves an event changed, else all
+        changed = [p for p in audit.changed_fields() if p in under]
+        leaves += changed or under
+    return [field_chain(audit, p) for p in dict.fromkeys(leaves)]
 
 
 def _change(step: dict[str, Any]) -> str:

@@ -18,7 +18,7 @@ import pytest
 import kvload
 from kvload import SamplingParams
 from pipeline.errors import ConfigError
-from tests.cli_support import read_events, run_cli
+from tests.cli_support import imports_after, read_events, run_cli
 from tests.conftest import llama_config, write_config
 from tests.hostile_support import assert_refused
 from tests.llm_support import llm_kwargs, with_tokenizer
@@ -156,13 +156,32 @@ def test_plan_shows_the_defaults_and_json_carries_them(capsys, tmp_path):
 
 def test_explain_and_audit_show_where_the_defaults_came_from(capsys, tmp_path):
     path, log = _config_only(tmp_path, FILE), tmp_path / "a.jsonl"
-    assert run_cli(capsys, "plan", path, "--generation_config", "auto", "--audit-log", log).code == 0
+    assert run_cli(capsys, "plan", path, "--generation_config", "auto", "--override-generation-config",
+                   '{"top_k": 3}', "--audit-log", log).code == 0
     r = run_cli(capsys, "explain", log, "generation_config")
     assert r.code == 0, r.err
     assert "sampling defaults: temperature 0.6 (generation_config.json)" in r.out and f'→ "{path}"' in r.out
+    # the flag's name is the mapping: explained as the keys the user gave
+    r = run_cli(capsys, "explain", log, "override-generation-config")
+    assert r.code == 0, r.err
+    assert r.out.startswith("override_generation_config.top_k = 3\n") and "top_k 3 (override_generation_config)" \
+        in r.out and "= null" not in r.out
     r = run_cli(capsys, "audit", log, "--verify")
     assert r.code == 0, r.err
     assert "sampling defaults (of requests that leave a setting unset):" in r.out and "verify  ok" in r.out
+
+
+def test_reading_the_defaults_imports_neither_torch_nor_transformers(tmp_path):
+    """The file is plain JSON: plan of a preset with a generation_config directory and an override stays quick."""
+
+    (tmp_path / "gen").mkdir()
+    other = _with_file(tmp_path / "gen", FILE)
+    loaded = imports_after(f"""
+        from kvload.cli import main
+        assert main(["plan", "tiny-llama", "--device", "cpu", "--generation-config", r"{other}",
+                     "--override-generation-config", '{{"top_k": 3}}']) == 0
+    """)
+    assert loaded == {"torch": False, "transformers": False}
 
 
 # --- bad values: one line naming the file or flag and the key -------------------------------------------------
