@@ -378,3 +378,7 @@ def test_serve_takes_the_models_defaults_for_fields_not_sent(ckpt, monkeypatch):
         assert picked(asked[-1]) == (0.6, 1.0, -1, 1.0, 2)
         ignored = [e["field"] for e in served.result.audit.of("setting_ignored")]
         assert "serve.top_p" not in ignored and "serve.top_k" not in ignored  # the model's, not the client's
+        chain = served.http.get("/v1/kvload/explain", params={"field": "generation_config"}).json()
+        assert [s["event"] for s in chain["chain"]][-2:] == ["sampling_defaults_resolved", "auto_resolved"]
+        r = served.http.get("/v1/kvload/explain", params={"field": "override_generation_config"})
+        assert r.status_code == 400 and "override_generation_config.temperature" in r.json()["error"]["message"]

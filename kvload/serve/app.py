@@ -127,6 +127,8 @@ def create_app(state: ServeState) -> FastAPI:
     async def explain(field: str | None = None) -> dict[str, Any]:
         from kvload.cli import flag_aliases
         from kvload.explain import field_chain, resolve_field
+        from pipeline.config import framework_defaults
+        from pipeline.paths import flatten
 
         if not field:
             raise BadRequest("field: required, e.g. ?field=use_kv_cache_manager_v2", param="field")
@@ -134,6 +136,10 @@ def create_app(state: ServeState) -> FastAPI:
             path = resolve_field(field, flag_aliases())
         except ConfigError as exc:
             raise BadRequest(f"field: {str(exc).removeprefix('explain: ')}", param="field") from None
+        keys = [p for p in flatten(framework_defaults()) if p.startswith(path + ".")]
+        if keys:  # a mapping (override_generation_config): one chain a request, so one of its keys
+            raise BadRequest(f"field: {field!r} is a mapping; ask for one of its keys: {', '.join(keys)}",
+                             param="field")
         return field_chain(state.result.audit, path)
 
     @app.get("/v1/kvload/kv_events")
