@@ -382,3 +382,28 @@ def test_serve_takes_the_models_defaults_for_fields_not_sent(ckpt, monkeypatch):
         assert [s["event"] for s in chain["chain"]][-2:] == ["sampling_defaults_resolved", "auto_resolved"]
         r = served.http.get("/v1/kvload/explain", params={"field": "override_generation_config"})
         assert r.status_code == 400 and "override_generation_config.temperature" in r.json()["error"]["message"]
+
+
+def test_cli_serve_sizes_its_pools_and_default_max_tokens_by_the_models_max_new_tokens(tmp_path, tiny_checkpoints,
+                                                                                      monkeypatch):
+    """Without --default-max-tokens a request's max_tokens is the model's max_new_tokens, and the CPU pools are sized
+    for it before loading (8 x (1,100 + 1,024), not 8 x (256 + 1,024)); the flag given wins."""
+    from kvload.cli import build_parser
+    from kvload.serve import command, server
+
+    path = tmp_path / "long"
+    shutil.copytree(tiny_checkpoints("llama"), path)
+    _with_file(path, {"eos_token_id": 2, "max_new_tokens": 1100})
+    seen, real = {}, server.build_state
+
+    def build_state(result, **kwargs):  # stop the command once it has said how to serve
+        state = real(result, **kwargs)
+        seen.update(default_max_tokens=state.default_max_tokens, derived=[
+            e["new"] for e in result.audit.of("field_derived") if e["field"] == "kv_cache_config.default_max_tokens"])
+        raise SystemExit(0)
+
+    monkeypatch.setattr(server, "build_state", build_state)
+    for flags, tokens, pools in (([], 1100, 8 * (1100 + 1024)), (["--default-max-tokens", "10"], 10, 8 * (10 + 1024))):
+        with pytest.raises(SystemExit):
+            command.cmd_serve(build_parser().parse_args(["serve", str(path), "--port", "0", "--device", "cpu", *flags]))
+        assert seen == {"default_max_tokens": tokens, "derived": [pools]}
