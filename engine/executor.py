@@ -61,7 +61,15 @@ from engine.prompts import (
     template_options,
 )
 from engine.sampling import eos_token_ids, sample_rows, top_logprobs
-from engine.sampling_params import SamplingParams, check, check_salt, greedy_ignored, inert_settings, is_int
+from engine.sampling_params import (
+    SamplingParams,
+    check,
+    check_salt,
+    defaulted_fields,
+    greedy_ignored,
+    inert_settings,
+    is_int,
+)
 from engine.speculation import NgramProposer, verify_drafted
 from engine.stopping import SampleText
 from models.geometry import head_dim as config_head_dim
@@ -152,6 +160,9 @@ class GenerationExecutor:
         self.proposer: NgramProposer | None = None
         #: the widest beam search this load serves (``max_beam_width``; :meth:`beam_search`)
         self.max_beam_width = 1
+        #: SamplingParams fields a call that passes no SamplingParams takes unless its keywords set them: the model's
+        #: generation_config.json (``LoadResult.sampling_defaults``, set by ``from_result``); empty: kvload's own
+        self.sampling_defaults: dict[str, Any] = {}
         self.last_stats: GenerationStats | None = None
         #: set by :meth:`stop`: the running call (and any later one) fails with this message between two steps
         self._stopped: str | None = None
@@ -181,6 +192,8 @@ class GenerationExecutor:
                                  getattr(result.args, "max_matching_ngram_size", 2),
                                  getattr(result.args, "speculation_max_batch_size", 1))
         executor.max_beam_width = result.args.max_beam_width
+        defaults = getattr(result, "sampling_defaults", None)
+        executor.sampling_defaults = dict(defaults.values) if defaults is not None else {}
         return executor
 
     def use_attention(self, backend: str, max_num_tokens: int) -> None:
@@ -350,6 +363,7 @@ class GenerationExecutor:
         items = self._prompts(prompts, chat)
         per_prompt = isinstance(sampling_params, Sequence)
         params = self._params(sampling_params, sampling, len(items))
+        defaulted = [] if per_prompt else sorted(defaulted_fields(sampling_params, sampling, self.sampling_defaults))
         arrivals = self._arrivals(arrival_steps, len(items))
         ranks = self._priorities(priority, len(items))
         call = self._calls
@@ -406,10 +420,10 @@ class GenerationExecutor:
                 stop_strings=len(p0.stop), stop_token_ids=list(p0.stop_token_ids), logprobs=p0.logprobs,
                 per_prompt_params=per_prompt, repetition_penalty=float(p0.repetition_penalty),
                 presence_penalty=float(p0.presence_penalty), frequency_penalty=float(p0.frequency_penalty),
-                min_tokens=p0.min_tokens, min_p=float(p0.min_p)))
+                min_tokens=p0.min_tokens, min_p=float(p0.min_p), model_defaults=defaulted))
             has_text = self.tokenizer is not None  # a setting that does nothing (greedy draws nothing: a seed, top-p,
             for p in {id(p): p for p in params}.values():  # top-k or n; a text setting with no text) is said to
-                for name, value, why in greedy_ignored(p) + inert_settings(p, has_text):
+                for name, value, why in greedy_ignored(p, model_defaults=defaulted) + inert_settings(p, has_text):
                     self._event(SettingIgnored(field=f"generate.{name}", value=value, reason=why))
             unscoped = self.salt_ignored() if salt is not None else None  # with reuse off a salt would do nothing
             if unscoped is not None:
@@ -513,8 +527,8 @@ class GenerationExecutor:
             if count and len(params) != count:
                 raise GenerationError(f"generate: sampling_params: expected one SamplingParams or a list of {count} "
                                       f"(one per prompt), got a list of {len(params)}")
-        else:
-            params = [SamplingParams.build(sampling_params, keywords)] * max(count, 1)
+        else:  # no SamplingParams: the keywords over the model's sampling defaults (vLLM's default params)
+            params = [SamplingParams.build(sampling_params, keywords, self.sampling_defaults)] * max(count, 1)
         for p in params:
             if p.stop and self.tokenizer is None:
                 raise GenerationError(f"generate: stop: stop strings are matched on the text, but {self.name} has no "

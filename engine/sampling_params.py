@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -23,10 +23,12 @@ from pipeline.limits import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_N,
+    MAX_REPETITION_PENALTY,
     MAX_SALT_CHARS,
     MAX_STOP,
     MAX_STOP_CHARS,
     MAX_STOP_TOKEN_IDS,
+    MIN_REPETITION_PENALTY,
     int_text,
 )
 
@@ -62,11 +64,6 @@ def is_finite(v: Any) -> bool:
     if isinstance(v, numbers.Integral):
         return abs(int(v)) < 2**1024
     return math.isfinite(v)
-
-
-#: ``repetition_penalty``'s bounds: past them a logit of float32 overflows (or a tiny one divides to inf); vLLM users
-#: set 1.0-2.0 (and below 1 to favour repetition).
-MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 
 
 def _plain_number(v: Any) -> Any:
@@ -322,8 +319,11 @@ class SamplingParams:
         return data
 
     @classmethod
-    def build(cls, params: SamplingParams | None, keywords: dict[str, Any]) -> SamplingParams:
-        """``params`` as given, or one built from keyword fields; an unknown keyword or both forms is an error."""
+    def build(cls, params: SamplingParams | None, keywords: dict[str, Any],
+              defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """``params`` as given (vLLM's rule: an explicit SamplingParams is used as it is), or one built from keyword
+        fields over ``defaults`` (the model's sampling defaults, ``SamplingDefaults.values``: a keyword wins); an
+        unknown keyword or both forms is an error."""
         if params is not None:
             if not isinstance(params, SamplingParams):
                 raise GenerationError(f"generate: sampling_params: expected a SamplingParams, got "
@@ -337,13 +337,32 @@ class SamplingParams:
         if unknown:
             raise GenerationError(f"generate: unknown argument {unknown[0]!r}; sampling fields are "
                                   f"{', '.join(sorted(known))}")
-        return cls(**keywords)
+        given = _given_fields(keywords)
+        return cls(**{k: v for k, v in (defaults or {}).items() if k not in given}, **keywords)
 
 
-def greedy_ignored(params: SamplingParams, n: int | None = None) -> list[tuple[str, Any, str]]:
+def _given_fields(keywords: Mapping[str, Any]) -> set[str]:
+    """The SamplingParams fields keywords set (``max_new_tokens`` is ``max_tokens``)."""
+    return {"max_tokens" if k == "max_new_tokens" else k for k in keywords}
+
+
+def defaulted_fields(params: SamplingParams | None, keywords: Mapping[str, Any],
+                     defaults: Mapping[str, Any]) -> frozenset[str]:
+    """The fields :meth:`SamplingParams.build` takes from ``defaults`` (the model's) for these arguments: none for an
+    explicit SamplingParams, else every default no keyword sets. Not the caller's choices, so a default greedy
+    decoding leaves unused is no ``setting_ignored``."""
+    if params is not None:
+        return frozenset()
+    return frozenset(set(defaults) - _given_fields(keywords))
+
+
+def greedy_ignored(params: SamplingParams, n: int | None = None,
+                   model_defaults: Collection[str] = ()) -> list[tuple[str, Any, str]]:
     """The settings greedy decoding ignores in ``params`` (``n``: samples asked for, default ``params.n``), each as
     (name, value, why); none when ``params`` samples. The Python API and ``kvload serve`` both report these as
-    ``setting_ignored``, so a seed, nucleus or top-k the caller gave never silently does nothing."""
+    ``setting_ignored``, so a seed, nucleus or top-k the caller gave never silently does nothing. ``model_defaults``:
+    fields that hold the model's sampling default (:func:`defaulted_fields`), not the caller's: not reported (the
+    load's ``sampling_defaults_resolved`` event records them)."""
     if not params.greedy:
         return []
     n = params.n if n is None else n
@@ -352,7 +371,7 @@ def greedy_ignored(params: SamplingParams, n: int | None = None) -> list[tuple[s
              ("top_k", max(params.top_k, 0), 0, nothing),  # -1 and 0 both mean every token
              ("min_p", params.min_p, 0.0, nothing),
              ("n", n, 1, "temperature is 0 (greedy): the samples are identical"))
-    return [(name, value, why) for name, value, unset, why in asked if value != unset]
+    return [(name, value, why) for name, value, unset, why in asked if value != unset and name not in model_defaults]
 
 
 def inert_settings(params: SamplingParams, has_tokenizer: bool) -> list[tuple[str, Any, str]]:
@@ -377,5 +396,5 @@ def inert_settings(params: SamplingParams, has_tokenizer: bool) -> list[tuple[st
 
 
 __all__ = ["DEFAULT_MAX_TOKENS", "SamplingParams", "check", "check_logit_bias_count", "check_logprobs", "check_salt",
-           "check_stop_sizes", "check_stop_token_ids_count", "greedy_ignored", "inert_settings", "is_finite", "is_int",
-           "is_number"]
+           "check_stop_sizes", "check_stop_token_ids_count", "defaulted_fields", "greedy_ignored", "inert_settings",
+           "is_finite", "is_int", "is_number"]

@@ -21,7 +21,7 @@ import random
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -293,13 +293,14 @@ class ServingEngine:
             piece = self._pieces[token_id] = _token_piece(self.tokenizer, token_id, self._byte_level)
         return piece
 
-    def report_ignored(self, params: SamplingParams, n: int, request: str = "", salt: str | None = None) -> None:
+    def report_ignored(self, params: SamplingParams, n: int, request: str = "", salt: str | None = None,
+                       model_defaults: Collection[str] = ()) -> None:
         """``setting_ignored`` (the server's log and audit) for each setting of one request that does nothing: what
         greedy decoding ignores (``engine.sampling_params.greedy_ignored``, as ``generate`` reports them; ``n``:
-        choices per prompt), settings that can change nothing (``inert_settings``), and a reuse ``salt`` while
-        prefix reuse is off."""
+        choices per prompt; ``model_defaults``: fields the request did not send, which hold the model's default),
+        settings that can change nothing (``inert_settings``), and a reuse ``salt`` while prefix reuse is off."""
         where = f" (request {request})" if request else ""
-        ignored = greedy_ignored(params, n) + inert_settings(params, self.tokenizer is not None)
+        ignored = greedy_ignored(params, n, model_defaults) + inert_settings(params, self.tokenizer is not None)
         events = [SettingIgnored(field=f"serve.{name}", value=value, reason=why + where)
                   for name, value, why in ignored]
         unscoped = self.executor.salt_ignored() if salt is not None else None

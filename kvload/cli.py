@@ -69,6 +69,24 @@ def size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected {SIZE_HELP} (at most 2**63 - 1), got {short_text(text)}") from None
 
 
+def json_object(text: str) -> dict[str, Any]:
+    """A JSON object (``'{"temperature": 0.5}'``): standard JSON only (no NaN), each key once."""
+    from pipeline.limits import unique_keys
+
+    def constant(name: str) -> Any:
+        raise ValueError(f"{name} is not standard JSON")
+
+    twice = unique_keys(lambda message: argparse.ArgumentTypeError(f"{message}; keep one"))
+    try:
+        value = json.loads(text, object_pairs_hook=twice, parse_constant=constant)
+    except (ValueError, RecursionError):  # JSONDecodeError, NaN, an integer literal past Python's digit limit
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"temperature\": 0.5}}', got "
+                                         f"{short_text(text)}")
+    return value
+
+
 @attrs.frozen
 class Flag:
     """One plan/run flag: its TensorRT-LLM spelling, the dotted field it sets, and how to parse it."""
@@ -131,6 +149,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--speculation_max_batch_size", "speculation_max_batch_size", "with --max_draft_len: draft only while at "
          "most this many requests run (default 1; more rows per step cost more than drafts save on a CPU)", integer,
          metavar="N"),
+    Flag("--generation_config", "generation_config", "sampling defaults of what the command generates, for each "
+         "setting a request leaves unset: auto (the checkpoint's generation_config.json; default), vllm (ignore it: "
+         "kvload's built-in defaults) or a directory holding a generation_config.json (vLLM's flag)", str,
+         metavar="{auto,vllm,DIR}"),
+    Flag("--override_generation_config", "override_generation_config", "generation_config.json keys laid over the "
+         "model's sampling defaults, as a JSON object: temperature, top_p, top_k, min_p, repetition_penalty, "
+         "max_new_tokens, do_sample (vLLM's flag), e.g. '{\"temperature\": 0.5}'", json_object, metavar="JSON"),
     Flag("--tp_size", "tensor_parallel_size",
          "tensor-parallel ranks (launch that many with torchrun; plan alone shows rank 0's view)", integer,
          metavar="N", aliases=("--tensor_parallel_size",)),
@@ -430,7 +455,7 @@ GENERATE_PROMPT_ALLOWANCE = 1024
 
 def cmd_generate(ns: argparse.Namespace) -> int:
     """Load the weights, build the routed KV manager, generate for every prompt, stream, end with throughput."""
-    from engine.sampling_params import SamplingParams
+    from engine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
     from kvload.api import execute
     from pipeline.context import DEFAULT_MAX_TOKENS_FIELD, CallerDefault
     from stages import load_stages
@@ -440,25 +465,32 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     if not prompts:
         raise ConfigError("--prompt: give at least one --prompt TEXT (or --prompt-ids IDS for a model without a "
                           "tokenizer)")
-    if ns.min_tokens > ns.max_new_tokens:
-        raise ConfigError(f"--min_tokens: expected at most --max_new_tokens ({ns.max_new_tokens}), got {ns.min_tokens}")
-    params = SamplingParams(max_tokens=ns.max_new_tokens, temperature=ns.temperature, top_p=ns.top_p,
-                            top_k=ns.top_k, seed=ns.seed, stop=ns.stop, stop_token_ids=ns.stop_token_ids, n=ns.n,
-                            logprobs=ns.logprobs, ignore_eos=ns.ignore_eos,
-                            repetition_penalty=ns.repetition_penalty, presence_penalty=ns.presence_penalty,
-                            frequency_penalty=ns.frequency_penalty, min_tokens=ns.min_tokens,
-                            min_p=ns.min_p)  # checked before anything loads
     request = _request(ns, load_weights=True, kv_events_reader=False, generates=True)  # prints outputs, no KV events
     if ns.config is not None:  # read once: its max_seq_len sizes the pools below, and parse_args takes the same tree
         from pipeline.sources import read_yaml
 
         request.config = read_yaml(ns.config)
+    # a flag left out takes the model's sampling default (its generation_config.json, as the load will resolve it),
+    # else kvload's; a flag given wins. The others are no generation_config keys: always the flags' values
+    sampling = {name: value for name, value in (
+        ("max_tokens", ns.max_new_tokens), ("temperature", ns.temperature), ("top_p", ns.top_p), ("top_k", ns.top_k),
+        ("repetition_penalty", ns.repetition_penalty), ("min_p", ns.min_p)) if value is not None}
+    sampling.update(seed=ns.seed, stop=ns.stop, stop_token_ids=ns.stop_token_ids, n=ns.n, logprobs=ns.logprobs,
+                    ignore_eos=ns.ignore_eos, presence_penalty=ns.presence_penalty,
+                    frequency_penalty=ns.frequency_penalty, min_tokens=ns.min_tokens)
+    model = peek_sampling_defaults(request)
+    max_new_tokens = sampling.get("max_tokens", model.get("max_tokens", DEFAULT_MAX_TOKENS))
+    length = "--max_new_tokens" if "max_tokens" in sampling or "max_tokens" not in model else \
+        "max_new_tokens (the model's generation_config.json)"
+    if ns.min_tokens > max_new_tokens:
+        raise ConfigError(f"--min_tokens: expected at most {length} ({max_new_tokens}), got {ns.min_tokens}")
+    SamplingParams.build(None, sampling, model)  # checked before anything loads
     # Applies only when nothing else bounds the KV budget (CPU without --max_tokens/--max_gpu_total_bytes) and the
     # user set no default_max_tokens. Capped at the integer bound: a product past it is refused by the budget naming
     # --max_new_tokens (the reason), not as a field the user never typed, and it must not fail a run whose
     # --max_tokens leaves the default unused.
     request.caller_defaults[DEFAULT_MAX_TOKENS_FIELD] = CallerDefault(
-        *_generate_pool_tokens(len(prompts), ns.n, ns.max_new_tokens, _user_max_seq_len(request)),
+        *_generate_pool_tokens(len(prompts), ns.n, max_new_tokens, _user_max_seq_len(request), length),
         sequences=len(prompts) * ns.n)  # the checkpoint's max_seq_len caps it too, once resolved
     with execute(request, load_stages(), subscribers=audit) as result:  # generation events reach the audit too
         first = prints(result)  # under torchrun every rank generates; rank 0 prints
@@ -466,7 +498,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
                                                                   several=len(prompts) > 1 or ns.n > 1,
                                                                   labelled_samples=ns.n > 1,
                                                                   logprobs=ns.logprobs is not None)
-        outputs = result.executor.run(prompts, params, salt=ns.salt, chat=ns.chat, on_delta=printer)
+        outputs = result.executor.run(prompts, salt=ns.salt, chat=ns.chat, on_delta=printer, **sampling)
         stats = result.executor.last_stats
         if not first:
             pass
@@ -479,11 +511,13 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _generate_pool_tokens(prompts: int, n: int, max_new_tokens: int, max_seq_len: int | None) -> tuple[int, str, str]:
+def _generate_pool_tokens(prompts: int, n: int, max_new_tokens: int, max_seq_len: int | None,
+                          length: str = "--max_new_tokens") -> tuple[int, str, str]:
     """generate's default pool size, its source and reason: each prompt's ``n`` samples of ``max_new_tokens`` plus
-    the prompt allowance, but never more than ``n`` sequences of ``max_seq_len`` (no sample grows past it)."""
+    the prompt allowance, but never more than ``n`` sequences of ``max_seq_len`` (no sample grows past it).
+    ``length`` names where max_new_tokens came from (the flag, or the model's generation_config.json)."""
     per_prompt = n * max_new_tokens + GENERATE_PROMPT_ALLOWANCE
-    flags, formula = "--max_new_tokens", f"(n x max_new_tokens + {GENERATE_PROMPT_ALLOWANCE})"
+    flags, formula = length, f"(n x max_new_tokens + {GENERATE_PROMPT_ALLOWANCE})"
     if max_seq_len is not None and n * max_seq_len < per_prompt:
         per_prompt = n * max_seq_len
         flags = "--max_seq_len"
@@ -491,6 +525,35 @@ def _generate_pool_tokens(prompts: int, n: int, max_new_tokens: int, max_seq_len
     tokens = min(MAX_INT, prompts * per_prompt)
     return tokens, "generate", (f"{flags}, --n or the number of prompts (generate sizes the pools for prompts x "
                                 f"{formula} = {tokens} tokens when no --max_tokens is given)")
+
+
+def peek_sampling_defaults(request: Any) -> dict[str, Any]:
+    """The model's sampling defaults (``SamplingDefaults.values``) as the load will resolve them: its
+    generation_config.json under generation_config / override_generation_config (the flags, else the --config
+    file's). Read before minutes of loading, because generate and serve size the KV pools by max_tokens; a value the
+    load would refuse gives {} here, and the load names it in its own words."""
+    from models.checkpoint import resolve_checkpoint
+    from pipeline.config import GENERATION_CONFIG_AUTO, GenerationDefaults
+    from pipeline.converter import structure
+    from pipeline.generation_config import resolve_sampling_defaults
+
+    try:
+        tree = request.config
+        if tree is None and request.config_file is not None:
+            from pipeline.sources import read_yaml
+
+            tree = read_yaml(request.config_file)
+        tree = tree if isinstance(tree, dict) else {}
+        setting = request.overrides.get("generation_config", tree.get("generation_config", GENERATION_CONFIG_AUTO))
+        override = {}
+        for source in (tree, request.overrides):  # flags beat the file, key by key
+            given = source.get("override_generation_config")
+            override.update(given if isinstance(given, dict) else {})
+        checkpoint = resolve_checkpoint(request.model)
+        return resolve_sampling_defaults(setting, structure(override, GenerationDefaults), checkpoint.path,
+                                         model=checkpoint.name).values
+    except (KvloadError, TypeError, ValueError):
+        return {}
 
 
 def _user_max_seq_len(request: Any) -> int | None:
@@ -619,19 +682,20 @@ def add_generate_command(sub: Any) -> None:
         MIN_REPETITION_PENALTY,
     )
 
-    g.add_argument("--max_new_tokens", "--max-new-tokens", dest="max_new_tokens", default=DEFAULT_MAX_TOKENS,
+    g.add_argument("--max_new_tokens", "--max-new-tokens", dest="max_new_tokens", default=None,
                    metavar="N", type=_bounded(integer, lambda v: v >= 1, "an integer >= 1"),
-                   help=f"most tokens generated per sample (SamplingParams.max_tokens; default: {DEFAULT_MAX_TOKENS}); "
-                        "--max_tokens is the KV cache budget")
-    g.add_argument("--temperature", default=0.0, metavar="T",
+                   help=f"most tokens generated per sample (SamplingParams.max_tokens; default: the model's, else "
+                        f"{DEFAULT_MAX_TOKENS}); --max_tokens is the KV cache budget")
+    g.add_argument("--temperature", default=None, metavar="T",
                    type=_bounded(number, lambda v: v >= 0, "a number >= 0"),
-                   help="sampling temperature; 0 = greedy (default)")
-    g.add_argument("--top_p", "--top-p", dest="top_p", default=1.0, metavar="P",
+                   help="sampling temperature; 0 = greedy (default: the model's, else 0)")
+    g.add_argument("--top_p", "--top-p", dest="top_p", default=None, metavar="P",
                    type=_bounded(number, lambda v: 0 < v <= 1, "a number in (0, 1]"),
-                   help="nucleus sampling: keep the most likely tokens up to this probability (default: 1)")
-    g.add_argument("--top_k", "--top-k", dest="top_k", default=0, metavar="K",
+                   help="nucleus sampling: keep the most likely tokens up to this probability (default: the "
+                        "model's, else 1)")
+    g.add_argument("--top_k", "--top-k", dest="top_k", default=None, metavar="K",
                    type=_bounded(integer, lambda v: v >= -1, "an integer >= 1, or 0 / -1 for all tokens"),
-                   help="sample among the K most likely tokens only (default: 0 = all)")
+                   help="sample among the K most likely tokens only (default: the model's, else 0 = all)")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="end a sample when its text contains TEXT (repeatable; TEXT is not printed)")
     g.add_argument("--stop_token_ids", "--stop-token-ids", dest="stop_token_ids", default=[], metavar="IDS",
@@ -650,11 +714,11 @@ def add_generate_command(sub: Any) -> None:
                    help="prefix-reuse scope: prompts under different salts never share cached blocks")
     g.add_argument("--ignore_eos", "--ignore-eos", dest="ignore_eos", action="store_true",
                    help="keep generating past end-of-sequence until --max_new_tokens (benchmarks)")
-    g.add_argument("--repetition_penalty", "--repetition-penalty", dest="repetition_penalty", default=1.0,
+    g.add_argument("--repetition_penalty", "--repetition-penalty", dest="repetition_penalty", default=None,
                    metavar="R", type=_bounded(number, lambda v: MIN_REPETITION_PENALTY <= v <= MAX_REPETITION_PENALTY,
                                               f"a number in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]"),
                    help="divide a positive logit (multiply a negative one) of each token already in the prompt or "
-                        "output by R, greedy or sampled (default: 1 = off)")
+                        "output by R, greedy or sampled (default: the model's, else 1 = off)")
     g.add_argument("--presence_penalty", "--presence-penalty", dest="presence_penalty", default=0.0, metavar="P",
                    type=_bounded(number, lambda v: -2 <= v <= 2, "a number in [-2, 2]"),
                    help="subtract P from the logit of each token the output already holds (default: 0 = off)")
@@ -664,9 +728,10 @@ def add_generate_command(sub: Any) -> None:
     g.add_argument("--min_tokens", "--min-tokens", dest="min_tokens", default=0, metavar="N",
                    type=_bounded(integer, lambda v: v >= 0, "an integer >= 0"),
                    help="no EOS, stop token or stop string ends a sample before it has N tokens (default: 0)")
-    g.add_argument("--min_p", "--min-p", dest="min_p", default=0.0, metavar="P",
+    g.add_argument("--min_p", "--min-p", dest="min_p", default=None, metavar="P",
                    type=_bounded(number, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
-                   help="sample only among tokens at least P times as likely as the most likely one (default: 0)")
+                   help="sample only among tokens at least P times as likely as the most likely one (default: the "
+                        "model's, else 0)")
     p.set_defaults(func=cmd_generate, prompts=None)
 
 
@@ -1030,10 +1095,12 @@ def _close_audit(ns: argparse.Namespace, ok: bool) -> None:
 
 def _cli_message(exc: KvloadError, argv: Sequence[str] = ()) -> str:
     """Name the flag (as typed) instead of the dotted path when the bad value came from the command line."""
-    if isinstance(exc, ConfigError) and exc.source == "cli" and exc.path in FLAG_FOR_PATH:
-        flag = next(f for f in FLAGS if f.path == exc.path)
+    flag = next((f for f in FLAGS if exc.path == f.path or exc.path.startswith(f.path + ".")), None) \
+        if isinstance(exc, ConfigError) and exc.source == "cli" and exc.path else None
+    if flag is not None:  # a key inside a flag's JSON object (--override-generation-config) is named after the flag
         spellings = (flag.name, *flag.aliases)
-        detail = exc.detail
+        key = exc.path[len(flag.path) + 1:]
+        detail = f"{key}: {exc.detail}" if key else exc.detail
         typed = typed_value(spellings, argv) if flag.type in (str, number) else None
         head, got, _ = detail.rpartition(" got ")
         # a name the config normalised (fp8 → float8_e4m3fn), a number argparse made a float (2 → 2.0): quote what

@@ -29,9 +29,10 @@ _SOURCE_WORDS = {
 
 
 def resolve_field(name: str, aliases: dict[str, str] | None = None) -> str:
-    """Map a field name to its dotted path: an exact path, an alias (a CLI flag's name), or a unique leaf name."""
+    """Map a field name to its dotted path: an exact path, an alias (a CLI flag's name), or a unique leaf name; a
+    mapping field (``override_generation_config``) is its own path, which :func:`explain` expands to its leaves."""
     known = list(flatten(framework_defaults()))
-    if name in known:
+    if name in known or any(p.startswith(name + ".") for p in known):
         return name
     if aliases and name in aliases:
         return aliases[name]
@@ -88,6 +89,15 @@ def field_chain(audit: AuditLog, path: str) -> dict[str, Any]:
             steps.append(_step(e, source="route", old=value, new=f"{e.get('kv_manager')} + {e.get('scheduler')}",
                                changed=False))
             continue
+        if name == "sampling_defaults_resolved" and path == "generation_config":
+            steps.append(_step(e, source="model", old=e.get("generation_config"), new=e.get("generation_config"),
+                               changed=False, reason=sampling_text(e)))
+            continue
+        if name == "sampling_defaults_resolved" and path.startswith("override_generation_config."):
+            value = _final_args(audit).get(path)
+            steps.append(_step(e, source="model", old=value, new=value, changed=False,
+                               reason=sampling_text(e, reason=False)))
+            continue
         if e.get("field") != path:
             continue
         if name == "args_parsed":
@@ -116,11 +126,34 @@ def field_chain(audit: AuditLog, path: str) -> dict[str, Any]:
     return {"field": path, "final": _final_args(audit).get(path, defaults.get(path)), "chain": steps}
 
 
+def sampling_text(record: dict[str, Any], reason: bool = True) -> str:
+    """A ``sampling_defaults_resolved`` record in one line: each default with where it came from, the keys that did
+    not apply grouped by why, then (``reason``) the record's reason."""
+    sources = record.get("sources") or {}
+    values = ", ".join(f"{k} {literal(v)} ({sources.get(k, '?')})" for k, v in (record.get("defaults") or {}).items())
+    why_keys: dict[str, list[str]] = {}
+    for key, why in (record.get("not_applied") or {}).items():
+        why_keys.setdefault(str(why), []).append(key)
+    skipped = "; ".join(f"not applied: {', '.join(keys)}: {why}" for why, keys in why_keys.items())
+    parts = (f"sampling defaults: {values}" if values else "no sampling defaults", skipped,
+             record.get("reason", "") if reason else "")
+    return "; ".join(part for part in parts if part)
+
+
 def explain(audit: AuditLog, fields: list[str] | None = None,
             aliases: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """Chains for the named fields (see :func:`resolve_field`), or for every field some event changed."""
     paths = [resolve_field(f, aliases) for f in fields] if fields else audit.changed_fields()
-    return [field_chain(audit, p) for p in dict.fromkeys(paths)]
+    known = list(flatten(framework_defaults()))
+    leaves: list[str] = []
+    for path in paths:
+        if path in known:
+            leaves.append(path)
+            continue
+        under = [p for p in known if p.startswith(path + ".")]  # a mapping field: the leaves an event changed, else all
+        changed = [p for p in audit.changed_fields() if p in under]
+        leaves += changed or under
+    return [field_chain(audit, p) for p in dict.fromkeys(leaves)]
 
 
 def _change(step: dict[str, Any]) -> str:
@@ -171,12 +204,14 @@ def warning_text(record: dict[str, Any]) -> str:
 
 
 def summarize(audit: AuditLog, source: str = "") -> dict[str, Any]:
-    """Model, user-set fields, route, auto resolutions, model defaults, derived fields, warnings, outcome."""
+    """Model, user-set fields, route, auto resolutions, model defaults, derived fields, sampling defaults, warnings,
+    outcome."""
     models = audit.of("model_resolved")
     routes = audit.of("executor_routed")
     snapshot = audit.of("user_fields_snapshotted")
     finished = audit.of("pipeline_finished")
     failed = audit.of("stage_failed")
+    sampling = audit.of("sampling_defaults_resolved")
     captured = {e["field"]: e for e in audit.of("auto_captured")}
     autos = []
     for e in audit.of("auto_resolved"):
@@ -198,6 +233,7 @@ def summarize(audit: AuditLog, source: str = "") -> dict[str, Any]:
             "skipped": [_payload(e) for e in audit.of("model_default_skipped")],
         },
         "derived": [_payload(e) for e in audit.of("field_derived")],
+        "sampling_defaults": _payload(sampling[-1]) if sampling else None,
         "warnings": [{"event": e["event"], "level": e["level"], "stage": e.get("stage"), "message": warning_text(e)}
                      for e in audit.events if e.get("level") in ("warning", "error")],
         "outcome": {
@@ -302,6 +338,10 @@ def render_summary(summary: dict[str, Any], check: dict[str, Any] | None = None)
     rows = [["field", "value", "source", "why"]]
     rows += [[d["field"], literal(d["new"]), d["source"], d["reason"]] for d in summary["derived"]]
     lines += table(rows) if len(rows) > 1 else ["  (none)"]
+
+    lines += ["", "sampling defaults (of requests that leave a setting unset):"]
+    sampling = summary.get("sampling_defaults")
+    lines.append(f"  {sampling_text(sampling)}" if sampling else "  (not resolved)")
 
     lines += ["", "warnings:"]
     lines += [f"  {w['event']}  {w['message']}" for w in summary["warnings"]] or ["  (none)"]

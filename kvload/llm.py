@@ -108,6 +108,13 @@ class LLM:
         """The tokenizer (vLLM's spelling)."""
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the SamplingParams a call given none uses, from the model's ``generation_config.json`` under
+        ``override_generation_config`` (``generation_config="vllm"``: kvload's built-in ``SamplingParams()``). Keywords
+        given to :meth:`generate` replace single fields of it; a SamplingParams given is used as it is (vLLM's rule).
+        The audit's ``sampling_defaults_resolved`` says which file gave which value, and what did not apply."""
+        return SamplingParams(**self.result.sampling_defaults.values)
+
     @property
     def last_stats(self) -> GenerationStats | None:
         """Totals of the last generate call: tokens, reuse, steps, wall time, tokens/s."""
@@ -193,16 +200,12 @@ class LLM:
         first ``next()``.
         """
         self._check_open()
-        if isinstance(sampling_params, Sequence):
-            if sampling:
-                raise GenerationError("generate: pass sampling settings either as sampling_params or as keywords "
-                                      f"({', '.join(sorted(sampling))}), not both")
-            params: Any = [SamplingParams.build(p, {}) for p in sampling_params]
-        else:
-            params = SamplingParams.build(sampling_params, sampling)
-        return self._stream(prompts, params, salt, chat)
+        with _named("generate_stream"):  # checked now, as the call will build them (over the model's defaults)
+            self.result.executor._params(sampling_params, sampling, 0)
+        return self._stream(prompts, sampling_params, sampling, salt, chat)
 
-    def _stream(self, prompts: Any, params: Any, salt: str | None, chat: bool) -> Iterator[TokenDelta]:
+    def _stream(self, prompts: Any, params: Any, sampling: dict[str, Any], salt: str | None,
+                chat: bool) -> Iterator[TokenDelta]:
         with self._exclusive("generate_stream"):
             items: queue.SimpleQueue[Any] = queue.SimpleQueue()
             closed = threading.Event()
@@ -216,7 +219,7 @@ class LLM:
             def work() -> None:
                 try:
                     with self._running("generate_stream") as executor:
-                        executor.run(prompts, params, salt=salt, chat=chat, on_delta=on_delta)
+                        executor.run(prompts, params, salt=salt, chat=chat, on_delta=on_delta, **sampling)
                 except BaseException as exc:  # handed to the consumer, which raises it
                     items.put(exc)
                 else:

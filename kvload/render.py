@@ -24,8 +24,23 @@ def run_document(result: LoadResult) -> dict[str, Any]:
         "args": unstructure(result.args),
         "provenance": provenance_map(result),
         "route": result.route.to_dict(),
+        "sampling_defaults": result.sampling_defaults.to_dict(),
         "kv": kv.to_dict() if hasattr(kv, "to_dict") else kv,
     }
+
+
+def render_sampling_defaults(defaults: Any) -> list[str]:
+    """The sampling defaults block of ``plan``/``run``: what a request leaving a setting unset takes, from where,
+    and what the file gave that does not apply; nothing when there is nothing to say (kvload's built-ins)."""
+    if not defaults.values and not defaults.not_applied:
+        return []
+    pad = " " * len("sampling defaults  ")
+    lines = [f"sampling defaults  {defaults.describe() or '(kvload built-in)'}", f"{pad}{defaults.reason}"]
+    why_keys: dict[str, list[str]] = {}
+    for key, why in defaults.not_applied.items():
+        why_keys.setdefault(why, []).append(key)
+    lines += [f"{pad}not applied: {', '.join(keys)}: {why}" for why, keys in why_keys.items()]
+    return lines
 
 
 def render_args(result: LoadResult) -> list[str]:
@@ -58,6 +73,9 @@ def render_result(result: LoadResult) -> str:
         f"route  {result.route.kv_manager} + {result.route.scheduler}",
         f"       {result.route.reason}",
     ]
+    sampling = render_sampling_defaults(result.sampling_defaults)
+    if sampling:
+        lines += ["", *sampling]
     kv = result.kv
     if kv is not None and hasattr(kv, "render"):
         lines += ["", *kv.render()]

@@ -16,7 +16,14 @@ import attrs
 from cache_backends.layout import DTYPE_SIZES
 from cache_backends.request import SCHEDULING_POLICY_NAMES
 from pipeline.errors import ConfigError
-from pipeline.limits import MAX_DRAFT_LEN, MAX_INT, MAX_NGRAM, short
+from pipeline.limits import (
+    MAX_DRAFT_LEN,
+    MAX_INT,
+    MAX_NGRAM,
+    MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
+    short,
+)
 
 AUTO = "auto"
 
@@ -167,6 +174,34 @@ model_name = _check(lambda v: isinstance(v, str) and v.strip() != "", "a preset 
 scheduling_policy_name = _check(lambda v: v in SCHEDULING_POLICY_NAMES, '"fcfs" or "priority"')
 
 
+#: ``generation_config``'s two words (vLLM's ``--generation-config``); any other value names a directory (or file).
+GENERATION_CONFIG_AUTO, GENERATION_CONFIG_NONE = AUTO, "vllm"
+generation_config_name = _check(
+    lambda v: isinstance(v, str) and v.strip() != "",
+    '"auto" (the checkpoint\'s generation_config.json), "vllm" (none: kvload\'s built-in sampling defaults) or a '
+    "directory holding a generation_config.json",
+)
+
+
+def _finite(v: Any) -> bool:
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    return abs(v) < 2**1024 if isinstance(v, int) else math.isfinite(v)  # math.isfinite overflows on a huge int
+
+
+# The sampling keys of a generation_config.json, checked in SamplingParams' words (engine.sampling_params): one
+# verdict per value, whether it comes from a model's file or the user's override_generation_config
+opt_temperature = _check(lambda v: v is None or (_finite(v) and v >= 0), "a finite number >= 0 (0 = greedy) or null")
+opt_top_p = _check(lambda v: v is None or (_finite(v) and 0 < v <= 1), "a number in (0, 1] or null")
+opt_top_k = _check(lambda v: v is None or (_is_int(v) and v >= -1),
+                   "an integer >= 1, or 0 / -1 for all tokens, or null")
+opt_min_p = _check(lambda v: v is None or (_finite(v) and 0 <= v <= 1), "a number in [0, 1] (0 = off) or null")
+opt_repetition_penalty = _check(
+    lambda v: v is None or (_finite(v) and MIN_REPETITION_PENALTY <= v <= MAX_REPETITION_PENALTY),
+    f"a number in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 = off) or null")
+opt_bool = _check(lambda v: v is None or isinstance(v, bool), "true, false or null")
+
+
 def _norm_dtype(v: Any) -> Any:
     return normalize_dtype(v) if isinstance(v, str) else v
 
@@ -278,6 +313,23 @@ class KvCacheConfig:
 
 
 @config_class
+class GenerationDefaults:
+    """Sampling defaults in ``generation_config.json``'s keys (transformers' names): ``override_generation_config``
+    (vLLM's ``--override-generation-config``), laid over the model's own file. Null: not given."""
+
+    temperature: float | None = attrs.field(default=None, validator=opt_temperature)
+    top_p: float | None = attrs.field(default=None, validator=opt_top_p)
+    top_k: int | None = attrs.field(default=None, validator=opt_top_k)
+    min_p: float | None = attrs.field(default=None, validator=opt_min_p)
+    repetition_penalty: float | None = attrs.field(default=None, validator=opt_repetition_penalty)
+    max_new_tokens: int | None = attrs.field(default=None, validator=opt_pos_int)  # SamplingParams.max_tokens
+    # transformers' switch between greedy (false) and sampling (true); see pipeline.generation_config
+    do_sample: bool | None = attrs.field(default=None, validator=opt_bool)
+    _explicit: set[str] = _internal(set)
+    _frozen: bool = _internal(bool)
+
+
+@config_class
 class LlmArgs:
     """Everything a load is configured by; ``model`` names a preset or a checkpoint directory."""
 
@@ -301,6 +353,10 @@ class LlmArgs:
     speculation_max_batch_size: int = attrs.field(default=1, validator=pos_int)
     # ranks the attention heads (and KV heads) are split over; the operator's, never a model's
     tensor_parallel_size: int = attrs.field(default=1, validator=pos_int)
+    # vLLM's --generation-config and --override-generation-config: where the sampling defaults of a request that
+    # does not set them come from (pipeline.generation_config), and the user's values laid over them
+    generation_config: str = attrs.field(default=GENERATION_CONFIG_AUTO, validator=generation_config_name)
+    override_generation_config: GenerationDefaults = attrs.field(factory=GenerationDefaults)
     kv_cache_config: KvCacheConfig = attrs.field(factory=KvCacheConfig)
     _explicit: set[str] = _internal(set)
     _frozen: bool = _internal(bool)
@@ -310,13 +366,19 @@ class LlmArgs:
         if not isinstance(value, KvCacheConfig):
             raise FieldError(attribute.name, f"expected a mapping of KvCacheConfig fields, got {describe(value)}")
 
+    @override_generation_config.validator
+    def _override_is_config(self, attribute: attrs.Attribute, value: Any) -> None:
+        if not isinstance(value, GenerationDefaults):
+            raise FieldError(attribute.name, f"expected a mapping of generation_config.json keys, got "
+                                             f"{describe(value)}")
+
 
 #: The dotted path of the decision at kvload's heart.
 V2_FIELD = "kv_cache_config.use_kv_cache_manager_v2"
 
 #: Fields whose value may be ``"auto"`` and that ``resolve_auto`` turns into a concrete value.
 AUTO_FIELDS: tuple[str, ...] = ("dtype", "device", V2_FIELD, "kv_cache_config.dtype", "attention_backend",
-                                 "linear_backend")
+                                 "linear_backend", "generation_config")
 
 
 def framework_defaults() -> dict[str, Any]:

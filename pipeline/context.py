@@ -118,6 +118,7 @@ class Context:
     spec: Any = None  # apply_model_defaults: models.ModelSpec instance
     model: ModelInfo | None = None  # apply_model_defaults
     model_defaults: dict[str, Any] = attrs.Factory(dict)  # apply_model_defaults: proposals, flat
+    sampling_defaults: Any = None  # apply_model_defaults: pipeline.generation_config.SamplingDefaults
     route: Route | None = None  # route_executor
     ranks: Any = None  # pipeline.ranks.Ranks: this process among the run's ranks (set by execute)
     heads: Any = None  # check_parallel: models.geometry.HeadSharding, the heads this rank holds

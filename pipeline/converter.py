@@ -21,6 +21,7 @@ from pipeline.config import (
     DeviceName,
     DTypeName,
     FieldError,
+    GenerationDefaults,
     KvCacheConfig,
     LlmArgs,
     TriState,
@@ -54,20 +55,26 @@ converter.register_structure_hook(Bytes, _bytes)
 converter.register_structure_hook_func(lambda t: t == TriState, _passthrough)
 
 
+#: What a config class's mapping holds, where its class name would tell a user nothing.
+_MAPPING_OF = {GenerationDefaults: "generation_config.json keys (" + ", ".join(
+    a.name for a in public_fields(GenerationDefaults)) + ")"}
+
+
 def _config_hook_factory(cls: type) -> Any:
     generated = converter.gen_structure_attrs_fromdict(cls)
+    what = _MAPPING_OF.get(cls, f"{cls.__name__} fields")
 
     def hook(value: Any, _type: Any) -> Any:
         if isinstance(value, cls):
             return value
         if not isinstance(value, Mapping):
-            raise ValueError(f"expected a mapping of {cls.__name__} fields, got {describe(value)}")
+            raise ValueError(f"expected a mapping of {what}, got {describe(value)}")
         return generated(value, _type)
 
     return hook
 
 
-for _cls in (KvCacheConfig, LlmArgs):
+for _cls in (KvCacheConfig, GenerationDefaults, LlmArgs):
     converter.register_structure_hook(_cls, _config_hook_factory(_cls))
     converter.register_unstructure_hook(
         _cls,

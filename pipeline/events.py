@@ -172,6 +172,26 @@ class ModelDefaultSkipped(Event):
     reason: str
 
 
+@event("sampling_defaults_resolved")
+class SamplingDefaultsResolved(Event):
+    """The sampling defaults of every request that leaves a setting unset: the model's ``generation_config.json``
+    (vLLM's ``--generation-config``) under ``override_generation_config`` (``pipeline.generation_config``).
+
+    ``defaults`` are SamplingParams fields (max_new_tokens is ``max_tokens``); empty: kvload's built-in defaults.
+    ``sources`` says where each came from (``generation_config.json``, ``override_generation_config``, or
+    ``do_sample``: greedy for false, temperature 1.0 for true); ``not_applied`` names each key of the file that is
+    not a default, and why; ``other_keys`` are the file's keys that are no sampling defaults.
+    """
+
+    generation_config: str  # the setting: "auto", "vllm" or a directory
+    path: str | None  # the generation_config.json read; None when none was
+    defaults: dict[str, Any]
+    sources: dict[str, str]
+    not_applied: dict[str, str]
+    other_keys: list[str]
+    reason: str
+
+
 # --- resolve / route -----------------------------------------------------------------------
 
 
@@ -348,6 +368,8 @@ class GenerationStarted(Event):
     frequency_penalty: float = 0.0
     min_tokens: int = 0
     min_p: float = 0.0
+    #: the sampling fields above that are the model's defaults (``sampling_defaults_resolved``), not the caller's
+    model_defaults: list[str] = attrs.Factory(list)
 
 
 @event("generation_finished")

@@ -46,6 +46,10 @@ MAX_BIAS = 100.0
 #: draft is a row of the next step. TensorRT-LLM's default match is 2.
 MAX_NGRAM = 8
 MAX_DRAFT_LEN = 64
+#: ``repetition_penalty``'s bounds: past them a logit of float32 overflows (or a tiny one divides to inf); vLLM users
+#: set 1.0-2.0 (and below 1 to favour repetition). The Python API, the server, the CLI and a model's
+#: ``generation_config.json`` share them.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 #: Longest prefix-reuse salt (characters): it is hashed into every block key of its request and cached per salt
 #: (1,024 salts at a time), so its size multiplies; a tenant id or a UUID is far shorter.
 MAX_SALT_CHARS = 1024

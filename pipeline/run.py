@@ -35,6 +35,18 @@ class RunResult:
         return self.context.kv
 
     @property
+    def sampling_defaults(self) -> Any:
+        """The sampling defaults of requests that leave a setting unset (the model's generation_config.json under
+        ``override_generation_config``): a ``pipeline.generation_config.SamplingDefaults``, empty when the stages
+        did not read one."""
+        found = self.context.sampling_defaults
+        if found is None:
+            from pipeline.generation_config import SamplingDefaults
+
+            return SamplingDefaults(reason="apply_model_defaults did not run: kvload's built-in sampling defaults")
+        return found
+
+    @property
     def kv_manager(self) -> Any:
         """The built KV cache manager (``load`` only)."""
         return self.context.kv_manager

@@ -45,7 +45,7 @@ IGNORED_LLM_ARGS: dict[str, str] = {
     ), "parallelism beyond tensor parallel (tensor_parallel_size, which kvload acts on)"),
     **dict.fromkeys((
         "speculative_config", "decoding_config", "guided_decoding_backend", "batched_logits_processor",
-        "reasoning_parser", "gather_generation_logits", "generation_config", "sampler_type",
+        "reasoning_parser", "gather_generation_logits", "sampler_type",
         "enable_trtllm_sampler", "sampler_force_async_worker", "enable_in_graph_sampling",
         "enable_speculative_beam_history_d2h", "post_processor_hook",
     ), "decoding feature kvload's sampler does not have"),

@@ -14,6 +14,7 @@ from pipeline.context import Context, ModelInfo
 from pipeline.converter import structure
 from pipeline.errors import ConfigError, ModelError
 from pipeline.events import ModelDefaultApplied, ModelDefaultSkipped, ModelResolved, ModelSpecFallback
+from pipeline.generation_config import resolve_sampling_defaults
 from pipeline.paths import flatten, get_in, unflatten
 
 #: The fields a model may propose. Memory limits, the device and the model itself are the
@@ -58,7 +59,8 @@ def validate_model_defaults(proposed: Any, spec_name: str) -> dict[str, Any]:
 
 
 class ApplyModelDefaults:
-    """Writes ``ctx.checkpoint``, ``ctx.hf_config``, ``ctx.spec``, ``ctx.model``, ``ctx.model_defaults``."""
+    """Writes ``ctx.checkpoint``, ``ctx.hf_config``, ``ctx.spec``, ``ctx.model``, ``ctx.model_defaults`` and
+    ``ctx.sampling_defaults`` (the model's generation_config.json: the defaults of the requests it will serve)."""
 
     name = "apply_model_defaults"
     error = ModelError
@@ -107,3 +109,17 @@ class ApplyModelDefaults:
             set_field(ctx.args, path, value)
             emit(ModelDefaultApplied(field=path, old=current, new=get_in(ctx.args, path), source="model_default",
                                      spec=spec.name))
+        self._sampling_defaults(ctx, emit)
+
+    @staticmethod
+    def _sampling_defaults(ctx: Context, emit: Emit) -> None:
+        """The model's sampling defaults (vLLM's --generation-config): not LlmArgs values, so no value event; one
+        ``sampling_defaults_resolved`` says which file gave which values, and what did not apply and why."""
+        setting = ctx.user_fields.get("generation_config")
+        override = [v.source for p, v in ctx.user_fields.items() if p.startswith("override_generation_config.")]
+        defaults = resolve_sampling_defaults(
+            ctx.args.generation_config, ctx.args.override_generation_config, ctx.checkpoint.path,
+            model=ctx.checkpoint.name, setting_source=setting.source if setting is not None else None,
+            override_source=override[-1] if override else None)
+        ctx.sampling_defaults = defaults
+        emit(defaults.event())

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
 
 from models.spec import describe_rope
 from pipeline.bus import Emit
-from pipeline.config import AUTO, MODEL_DTYPES, V2_FIELD, normalize_dtype, set_field
+from pipeline.config import AUTO, GENERATION_CONFIG_NONE, MODEL_DTYPES, V2_FIELD, normalize_dtype, set_field
 from pipeline.context import AutoOrigin, Context
 from pipeline.errors import ConfigError
 from pipeline.events import AutoResolved, FieldDerived, MaxSeqLenBeyondPositions
@@ -98,9 +99,22 @@ def resolve_linear_backend(device: str, dtype: str, tensor_parallel_size: int = 
                                   "on torch")
 
 
+def resolve_generation_config(found: Any, model: str) -> tuple[str, str, str]:
+    """``"auto"`` sampling defaults: the directory whose generation_config.json ``apply_model_defaults`` read (its
+    ``sampling_defaults_resolved`` has the values), or ``"vllm"`` (kvload's built-in defaults) when it had none."""
+    if found is not None and found.path is not None:
+        from pipeline.generation_config import FROM_FILE
+
+        values = found.describe(FROM_FILE) or "no sampling default applies from it"
+        return str(Path(found.path).parent), "checkpoint", (f"the checkpoint's generation_config.json gives {values} "
+                                                             "(sampling_defaults_resolved has the rest)")
+    return GENERATION_CONFIG_NONE, "auto", (f"{model} has no generation_config.json: kvload's built-in sampling "
+                                            f"defaults (\"{GENERATION_CONFIG_NONE}\")")
+
+
 class ResolveAuto:
     """Resolves ``device``, ``dtype``, ``kv_cache_config.dtype``, ``use_kv_cache_manager_v2``,
-    ``attention_backend`` and ``linear_backend``, in that order.
+    ``attention_backend``, ``linear_backend`` and ``generation_config``, in that order.
 
     ``auto_resolved`` fires for every field captured as ``"auto"`` by the snapshot, also when a
     model default already replaced the value: then ``old`` is the model's value and the reason says so.
@@ -111,7 +125,8 @@ class ResolveAuto:
 
     def run(self, ctx: Context, emit: Emit) -> None:
         """Resolve in dependency order (the dtype rule needs the device, the KV dtype needs the dtype)."""
-        for path in ("device", "dtype", "kv_cache_config.dtype", V2, "attention_backend", "linear_backend"):
+        for path in ("device", "dtype", "kv_cache_config.dtype", V2, "attention_backend", "linear_backend",
+                     "generation_config"):
             origin = ctx.auto_originals.get(path)
             if origin is None:
                 continue
@@ -159,6 +174,8 @@ class ResolveAuto:
             return resolve_attention_backend(str(ctx.args.device), kinds)
         if path == "linear_backend":
             return resolve_linear_backend(str(ctx.args.device), str(ctx.args.dtype), ctx.args.tensor_parallel_size)
+        if path == "generation_config":
+            return resolve_generation_config(ctx.sampling_defaults, ctx.model.name if ctx.model else "the model")
         raise AssertionError(f"no rule resolves {path}")
 
     @staticmethod

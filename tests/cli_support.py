@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -75,3 +76,15 @@ def read_events(path: Path) -> list[dict[str, Any]]:
 def write_events(path: Path, records: list[dict[str, Any]]) -> None:
     """Write records back as JSON Lines (for tampering tests)."""
     path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+
+
+def imports_after(code: str) -> dict:
+    """Run ``code`` in a fresh interpreter; report which heavy modules (torch, transformers) it left loaded."""
+    script = textwrap.dedent(code) + textwrap.dedent("""
+        import json, sys
+        print(json.dumps({m: m in sys.modules for m in ("torch", "transformers")}), file=sys.stderr)
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO,
+                       env={**ENV, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stderr.strip().splitlines()[-1])

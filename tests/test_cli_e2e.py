@@ -46,7 +46,7 @@ def test_checkpoint_directory_with_config_file_and_flags(tmp_path, checkpoint_di
                "--json", "--audit-log", log)
     assert r.code == 0, r.err
     doc = json.loads(r.out)  # stdout is exactly one JSON document; the warning went to stderr
-    assert set(doc) == {"model", "args", "provenance", "route", "kv"}
+    assert set(doc) == {"model", "args", "provenance", "route", "sampling_defaults", "kv"}
     assert doc["model"]["kind"] == "directory" and doc["model"]["spec"] == "GenericDecoderSpec"
     assert doc["args"]["max_batch_size"] == 4 and doc["args"]["kv_cache_config"]["tokens_per_block"] == 8
     assert doc["route"]["kv_manager"] == "KVCacheManagerV2"

@@ -84,6 +84,9 @@ SAMPLES = {
     "--max_beam_width": (["2"], 2),
     "--scheduling_policy": (["priority"], "priority"),
     "--tp_size": (["2"], 2),
+    "--generation_config": (["vllm"], "vllm"),
+    # a JSON object: each of its keys lands in its own leaf (override_generation_config.top_k)
+    "--override_generation_config": (['{"top_k": 5}'], {"top_k": 5}),
 }
 
 
@@ -100,12 +103,14 @@ def test_every_flag_lands_in_its_field_with_source_cli(capsys, tmp_path, flag, d
     r = run_cli(capsys, "plan", "tiny-llama", name, *words, "--json", "--audit-log", log)
     assert r.code == 0, r.err
     doc = r.json()
-    assert get_in(doc["args"], flag.path) == want
-    first = doc["provenance"][flag.path][0]
-    assert (first["event"], first["source"], first["new"]) == ("args_parsed", "cli", want)
+    leaves = flatten({flag.path: want})
+    for path, value in leaves.items():
+        assert get_in(doc["args"], path) == value
+        first = doc["provenance"][path][0]
+        assert (first["event"], first["source"], first["new"]) == ("args_parsed", "cli", value)
     parsed = [e for e in read_events(log) if e["event"] == "args_parsed"]
     # exactly the model and this flag came from the command line, nothing else
-    assert {e["field"]: e["source"] for e in parsed} == {"model": "cli", flag.path: "cli"}
+    assert {e["field"]: e["source"] for e in parsed} == {"model": "cli", **dict.fromkeys(leaves, "cli")}
 
 
 def test_cli_beats_config_file_with_a_source_conflict(capsys, tmp_path):

@@ -21,7 +21,7 @@ def test_plan_json_is_one_document_on_stdout():
     r = kvload("plan", "tiny-llama", "--use_kv_cache_manager_v2", "true", "--json")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
-    assert set(doc) == {"model", "args", "provenance", "route", "kv"}
+    assert set(doc) == {"model", "args", "provenance", "route", "sampling_defaults", "kv"}
     assert doc["args"]["kv_cache_config"]["use_kv_cache_manager_v2"] is True
     assert doc["route"]["kv_manager"] == "KVCacheManagerV2"
     assert doc["provenance"]["kv_cache_config.use_kv_cache_manager_v2"][0]["source"] == "cli"

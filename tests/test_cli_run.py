@@ -29,7 +29,7 @@ def test_run_json_adds_the_allocation_to_the_plan_document():
     r = kvload("run", "tiny-gemma3", "--device", "cpu", "--max_seq_len", "1024", "--max_tokens", "2048", "--json")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
-    assert set(doc) == {"model", "args", "provenance", "route", "kv", "allocated"}
+    assert set(doc) == {"model", "args", "provenance", "route", "sampling_defaults", "kv", "allocated"}
     kv, allocated = doc["kv"], doc["allocated"]
     (group,) = kv["layer_groups"]
     assert group["name"] == "uniform" and group["blocks"] == 2048 // 32

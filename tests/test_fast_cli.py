@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import textwrap
-
 import pytest
 
 from models import spec_class_for
 from models.checkpoint import load_hf_config, presets, resolve_checkpoint
 from models.config_view import ConfigView, transformers_config
 from pipeline.config import LlmArgs, freeze
-from tests.cli_support import ENV, REPO
+from tests.cli_support import imports_after
 
 #: Fields where transformers' object differs from the stored JSON without changing what kvload reads:
 #: its own bookkeeping, integer vs string label keys, a private pattern it derives layer_types from.
@@ -38,18 +33,6 @@ def test_a_preset_view_answers_what_autoconfig_answers(preset):
     assert a.get_model_defaults(args) == b.get_model_defaults(args)
 
 
-def _imports_after(code: str) -> dict:
-    """Run ``code`` in a fresh interpreter; report which heavy modules it left in sys.modules."""
-    script = textwrap.dedent(code) + textwrap.dedent("""
-        import json, sys
-        print(json.dumps({m: m in sys.modules for m in ("torch", "transformers")}), file=sys.stderr)
-    """)
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO,
-                       env={**ENV, "PYTHONPATH": str(REPO)})
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stderr.strip().splitlines()[-1])
-
-
 @pytest.mark.parametrize("device", ["cpu", "auto"])
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-deepseek-v4"])
 def test_plan_of_a_preset_imports_neither_torch_nor_transformers(preset, device):
@@ -57,7 +40,7 @@ def test_plan_of_a_preset_imports_neither_torch_nor_transformers(preset, device)
 
     if device == "auto" and gpu_driver_present():
         pytest.skip("a GPU driver is present: device auto asks torch whether CUDA works, as it must")
-    loaded = _imports_after(f"""
+    loaded = imports_after(f"""
         from kvload.cli import main
         assert main(["plan", "{preset}", "--max_tokens", "65536", "--device", "{device}"]) == 0
     """)
@@ -66,7 +49,7 @@ def test_plan_of_a_preset_imports_neither_torch_nor_transformers(preset, device)
 
 def test_models_and_explain_import_neither_torch_nor_transformers(tmp_path):
     log = tmp_path / "plan.jsonl"
-    loaded = _imports_after(f"""
+    loaded = imports_after(f"""
         from kvload.cli import main
         assert main(["plan", "tiny-gemma3", "--max_tokens", "8192", "--device", "cpu", "--audit-log", r"{log}"]) == 0
         assert main(["explain", r"{log}", "use_kv_cache_manager_v2"]) == 0

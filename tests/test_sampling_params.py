@@ -17,7 +17,8 @@ def test_defaults_match_the_cli_and_the_alias_reads_and_writes_max_tokens():
     from kvload.cli import build_parser
 
     ns = build_parser().parse_args(["generate", "tiny-llama", "--prompt-ids", "1"])
-    assert SamplingParams().max_tokens == ns.max_new_tokens == DEFAULT_MAX_TOKENS
+    # the flag left out is unset: the model's max_new_tokens (generation_config.json) applies, else the API's default
+    assert ns.max_new_tokens is None and SamplingParams().max_tokens == DEFAULT_MAX_TOKENS
     p = SamplingParams(max_new_tokens=7)
     assert p.max_tokens == p.max_new_tokens == 7 and p == SamplingParams(max_tokens=7)
     assert SamplingParams.build(None, {"max_new_tokens": 3}).max_tokens == 3

@@ -53,6 +53,8 @@ class ServeState:
     model_name: str
     max_request_bytes: int  # a larger body is refused unread (413); build_state derives it from max_seq_len
     default_max_tokens: int = 256
+    #: the model's sampling defaults (``SamplingDefaults.values``): what a request that does not send a field takes
+    sampling_defaults: dict[str, Any] = attrs.Factory(dict)
     read_timeout_s: float = READ_TIMEOUT_DEFAULT  # a body not all in by then is a 408 (the head: server._Deadlines)
     max_concurrent_requests: int = MAX_CONCURRENT_DEFAULT  # generation requests in the server at once; more: 503
     #: a request's own chat_template (Jinja run here, its cost the client's to choose) only when the operator says so
@@ -125,6 +127,8 @@ def create_app(state: ServeState) -> FastAPI:
     async def explain(field: str | None = None) -> dict[str, Any]:
         from kvload.cli import flag_aliases
         from kvload.explain import field_chain, resolve_field
+        from pipeline.config import framework_defaults
+        from pipeline.paths import flatten
 
         if not field:
             raise BadRequest("field: required, e.g. ?field=use_kv_cache_manager_v2", param="field")
@@ -132,6 +136,10 @@ def create_app(state: ServeState) -> FastAPI:
             path = resolve_field(field, flag_aliases())
         except ConfigError as exc:
             raise BadRequest(f"field: {str(exc).removeprefix('explain: ')}", param="field") from None
+        keys = [p for p in flatten(framework_defaults()) if p.startswith(path + ".")]
+        if keys:  # a mapping (override_generation_config): one chain a request, so one of its keys
+            raise BadRequest(f"field: {field!r} is a mapping; ask for one of its keys: {', '.join(keys)}",
+                             param="field")
         return field_chain(state.result.audit, path)
 
     @app.get("/v1/kvload/kv_events")
@@ -366,7 +374,7 @@ def _parse(state: ServeState, raw: bytes | bytearray, kind: str) -> Job:
     """The request body as a ``Job``; ``BadRequest`` naming what is wrong."""
     body = _load(raw)
     job = parse(body, kind, default_max_tokens=state.default_max_tokens,
-                by_priority=getattr(state.engine.scheduler, "by_priority", False))
+                by_priority=getattr(state.engine.scheduler, "by_priority", False), defaults=state.sampling_defaults)
     _check_model(state, body)
     _check_template(state, job.template)
     return job
@@ -652,7 +660,7 @@ class _Run:
                 raise self._never_fits(job, i, len(ids), exc) from None
             plan.append((ids, params))
         # once per HTTP request (not per prompt or choice), and only for one that is served
-        self.engine.report_ignored(job.params, job.n, request=self.id, salt=job.salt)
+        self.engine.report_ignored(job.params, job.n, request=self.id, salt=job.salt, model_defaults=job.model_defaults)
         if job.ignored:  # accepted as vLLM accepts them, yet they can change nothing here
             self.engine.notify(*[SettingIgnored(field=f"serve.{name}", value=value, reason=f"{why} (request {self.id})")
                                  for name, value, why in job.ignored])

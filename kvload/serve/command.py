@@ -8,6 +8,9 @@ from typing import Any
 
 from pipeline.limits import MAX_INT
 
+#: ``max_tokens`` of a request that gives none, when neither ``--default-max-tokens`` nor the model's
+#: generation_config.json (max_new_tokens) says.
+DEFAULT_MAX_TOKENS = 256
 #: Sequences of ``--default-max-tokens`` + this many prompt tokens that the CPU default KV budget holds.
 SERVE_DEFAULT_SEQUENCES = 8
 SERVE_PROMPT_ALLOWANCE = 1024
@@ -27,8 +30,9 @@ kvload_*), vLLM's POST /tokenize and /detokenize, and kvload's own
 GET /v1/kvload/audit (the load's audit log as JSON Lines, generation events included),
 GET /v1/kvload/explain?field=NAME (one field's provenance chain), GET /v1/kvload/kv_events.
 
-Sampling defaults follow kvload generate: greedy (temperature 0) unless the request sets a
-temperature; max_tokens defaults to --default-max-tokens. A request body larger than
+Sampling defaults follow kvload generate: a field the request does not send takes the model's
+generation_config.json value (--generation-config vllm: none), else kvload's: greedy (temperature 0);
+max_tokens defaults to --default-max-tokens, else the model's max_new_tokens, else 256. A request body larger than
 --max-request-bytes is refused with HTTP 413 before it is read; a request whose headers, or then
 body, take longer than --request-read-timeout to arrive gets HTTP 408 and its connection closed;
 past --max-concurrent-requests completion requests at once, more get HTTP 503 at once.
@@ -65,9 +69,10 @@ def add_serve_command(sub: Any) -> None:
     g.add_argument("--served-model-name", "--served_model_name", dest="served_model_name", default=None,
                    metavar="NAME", type=_model_name,
                    help="the model name clients send and /v1/models lists (default: MODEL's name)")
-    g.add_argument("--default-max-tokens", "--default_max_tokens", dest="default_max_tokens", default=256,
+    g.add_argument("--default-max-tokens", "--default_max_tokens", dest="default_max_tokens", default=None,
                    metavar="N", type=cli._bounded(cli.integer, lambda v: v >= 1, "an integer >= 1"),
-                   help="max_tokens of a request that gives none (default 256; never past max_seq_len)")
+                   help=f"max_tokens of a request that gives none (default: the model's max_new_tokens from its "
+                        f"generation_config.json, else {DEFAULT_MAX_TOKENS}; never past max_seq_len)")
     g.add_argument("--kv-events-file", "--kv_events_file", dest="kv_events_file", default=None, metavar="FILE.jsonl",
                    help="also append every KV cache event to this file as it happens (needs "
                         "--event_buffer_max_size N > 0)")
@@ -106,6 +111,12 @@ def add_serve_command(sub: Any) -> None:
                         "writes it, up to 1,000,000 steps or 5 s, like every template); without it such a request "
                         "gets HTTP 400 and the model's template applies to every other (vLLM's flag)")
     p.set_defaults(func=cmd_serve)
+
+
+def serve_max_tokens(flag: int | None, sampling_defaults: dict[str, Any]) -> int:
+    """``max_tokens`` of a request that gives none: ``--default-max-tokens`` when given (the operator's), else the
+    model's max_new_tokens (its generation_config.json), else :data:`DEFAULT_MAX_TOKENS`."""
+    return flag if flag is not None else sampling_defaults.get("max_tokens", DEFAULT_MAX_TOKENS)
 
 
 def _model_name(text: str) -> str:
@@ -169,7 +180,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     template = chat_template_text(ns.chat_template) if ns.chat_template is not None else None  # and a bad template
     request = cli._request(ns, load_weights=True, generates=True)
     # capped like generate's: past 2**63 - 1 the budget names --default-max-tokens
-    tokens = min(MAX_INT, SERVE_DEFAULT_SEQUENCES * (ns.default_max_tokens + SERVE_PROMPT_ALLOWANCE))
+    default_max_tokens = serve_max_tokens(ns.default_max_tokens, cli.peek_sampling_defaults(request))
+    tokens = min(MAX_INT, SERVE_DEFAULT_SEQUENCES * (default_max_tokens + SERVE_PROMPT_ALLOWANCE))
     request.caller_defaults[DEFAULT_MAX_TOKENS_FIELD] = CallerDefault(
         tokens, "serve", f"--default-max-tokens (serve sizes the pools for {SERVE_DEFAULT_SEQUENCES} x "
                          f"(default-max-tokens + {SERVE_PROMPT_ALLOWANCE}) = {tokens} tokens when no --max_tokens "
@@ -208,4 +220,4 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["add_serve_command", "cmd_serve"]
+__all__ = ["DEFAULT_MAX_TOKENS", "add_serve_command", "cmd_serve", "serve_max_tokens"]

@@ -14,6 +14,8 @@ honour are refused, never silently dropped: an accepted setting must act (or be 
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import attrs
@@ -120,6 +122,9 @@ class Job:
     ignored: tuple[tuple[str, Any, str], ...] = ()
     #: vLLM's ``priority`` (lower is served first); nonzero only when the server schedules by priority
     priority: int = 0
+    #: the sampling fields the request did not send that took the model's default (vLLM's default sampling params:
+    #: the model's generation_config.json), not the client's choice: never reported as ``setting_ignored``
+    model_defaults: tuple[str, ...] = ()
 
 
 def _is_int(v: Any) -> bool:
@@ -162,9 +167,16 @@ _COMPLETION = _COMMON | {"prompt", "best_of"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"} | TEMPLATE_OPTIONS
 
 
-def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = False) -> Job:
+_NO_DEFAULTS: Mapping[str, Any] = MappingProxyType({})
+
+
+def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = False,
+          defaults: Mapping[str, Any] = _NO_DEFAULTS) -> Job:
     """Check an OpenAI ``/v1/completions`` (``kind="completion"``) or ``/v1/chat/completions`` body
-    (``by_priority``: the server schedules by priority, so a nonzero ``priority`` is taken)."""
+    (``by_priority``: the server schedules by priority, so a nonzero ``priority`` is taken). ``defaults``: the
+    model's sampling defaults (``SamplingDefaults.values``; max_tokens aside, which ``default_max_tokens`` carries):
+    a field the request does not send, or sends as null, takes its default, as vLLM's server does; one it sends
+    wins."""
     body = _object(body)
     _known(body, _COMPLETION if kind == "completion" else _CHAT)
     # OpenAI's penalties and vLLM's extras: null is absent; SamplingParams checks the rest (bool is no number)
@@ -173,6 +185,9 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
     for name, value in extras.items():
         expected = "an integer" if name == "min_tokens" else "a number"
         _need(_is_int(value) if name == "min_tokens" else is_finite(value), name, expected, value)
+    defaulted = [name for name in ("temperature", "top_p", "top_k", *_SAMPLING_EXTRAS)
+                 if name in defaults and body.get(name) is None]  # the model's, checked when it was loaded
+    extras.update({name: defaults[name] for name in defaulted if name in _SAMPLING_EXTRAS})
     if body.get("logit_bias") is not None:
         extras["logit_bias"] = _logit_bias(body["logit_bias"])
     for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"):  # vLLM's
@@ -194,16 +209,22 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
     given = max_tokens is not None
     if given:
         _need(_is_int(max_tokens) and max_tokens >= 1, field, "an integer >= 1", max_tokens)
-    temperature = body.get("temperature", 0.0)
-    temperature = 0.0 if temperature is None else temperature
-    _need(is_finite(temperature) and 0 <= temperature <= 2, "temperature", "a number in [0, 2] (0 = greedy)",
-          temperature)
-    top_p = body.get("top_p", 1.0)
-    top_p = 1.0 if top_p is None else top_p
-    _need(is_finite(top_p) and 0 < top_p <= 1, "top_p", "a number in (0, 1]", top_p)
-    top_k = body.get("top_k", 0)
-    top_k = 0 if top_k is None else top_k
-    _need(_is_int(top_k) and top_k >= -1, "top_k", "an integer >= 1, or 0 / -1 for all tokens", top_k)
+    temperature = body.get("temperature")
+    if temperature is None:
+        temperature = defaults.get("temperature", 0.0)
+    else:
+        _need(is_finite(temperature) and 0 <= temperature <= 2, "temperature", "a number in [0, 2] (0 = greedy)",
+              temperature)
+    top_p = body.get("top_p")
+    if top_p is None:
+        top_p = defaults.get("top_p", 1.0)
+    else:
+        _need(is_finite(top_p) and 0 < top_p <= 1, "top_p", "a number in (0, 1]", top_p)
+    top_k = body.get("top_k")
+    if top_k is None:
+        top_k = defaults.get("top_k", 0)
+    else:
+        _need(_is_int(top_k) and top_k >= -1, "top_k", "an integer >= 1, or 0 / -1 for all tokens", top_k)
     seed = body.get("seed")
     _need(seed is None or (_is_int(seed) and 0 <= seed <= MAX_INT), "seed", "an integer in [0, 2**63 - 1]", seed)
     n = body.get("n", 1)
@@ -267,7 +288,8 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
                stop=stops, stop_token_ids=tuple(stop_ids), logprobs=logprobs, echo=echo, salt=salt,
                max_tokens_given=given, max_tokens_field=field, template=template, add_special_tokens=special,
                prompt_logprobs=prompt_logprobs, truncate=truncate, request_id=request_id(body.get("request_id")),
-               continuous_usage=continuous, ignored=tuple(ignored), priority=priority)
+               continuous_usage=continuous, ignored=tuple(ignored), priority=priority,
+               model_defaults=tuple(defaulted))
 
 
 def _stream_options(body: dict[str, Any], stream: bool, ignored: list[tuple[str, Any, str]]) -> tuple[bool, bool]:

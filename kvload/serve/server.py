@@ -22,7 +22,13 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from cache_backends.kv_events import KvEventMirror
 from engine.serving import ServingEngine
 from kvload.serve.app import ServeState, create_app
-from kvload.serve.command import AUDIT_KEEP_DEFAULT, MAX_CONCURRENT_DEFAULT, MAX_TIMEOUT_S, READ_TIMEOUT_DEFAULT
+from kvload.serve.command import (
+    AUDIT_KEEP_DEFAULT,
+    MAX_CONCURRENT_DEFAULT,
+    MAX_TIMEOUT_S,
+    READ_TIMEOUT_DEFAULT,
+    serve_max_tokens,
+)
 from kvload.serve.metrics import ServeMetrics
 from kvload.serve.protocol import BadRequest, default_max_request_bytes
 from pipeline.errors import ConfigError
@@ -30,7 +36,7 @@ from pipeline.events import KvEventsFileFailed
 from pipeline.limits import MAX_INT, short
 
 
-def build_state(result: Any, *, model_name: str | None = None, default_max_tokens: int = 256,
+def build_state(result: Any, *, model_name: str | None = None, default_max_tokens: int | None = None,
                 audit_keep: int = AUDIT_KEEP_DEFAULT, max_request_bytes: int | None = None,
                 read_timeout_s: float = READ_TIMEOUT_DEFAULT,
                 max_concurrent_requests: int = MAX_CONCURRENT_DEFAULT,
@@ -44,7 +50,10 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
     ``chat_template`` is refused (400) unless ``trust_request_chat_template``. ``chat_template``: a Jinja template
     that replaces the tokenizer's for every chat request and ``/tokenize`` of messages (the operator's, e.g. for a
     base model without one; ``chat_template_text`` reads ``--chat-template``), refused for a model without a
-    tokenizer by a ``ConfigError`` naming ``chat_template_flag``."""
+    tokenizer by a ``ConfigError`` naming ``chat_template_flag``. A request that sends no sampling field takes the
+    model's default for it (``result.sampling_defaults``: its generation_config.json); one that sends no
+    ``max_tokens`` takes ``default_max_tokens`` (None: the model's max_new_tokens, else
+    :data:`~kvload.serve.command.DEFAULT_MAX_TOKENS`), cut to what max_seq_len leaves."""
     if model_name is not None and not (isinstance(model_name, str) and model_name.strip()):
         raise ConfigError(f"model_name: expected a non-empty name (or None: the model's own), got {model_name!r}")
     if max_request_bytes is not None and not (isinstance(max_request_bytes, int)
@@ -67,6 +76,9 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
             raise ConfigError(f"{chat_template_flag}: {result.args.model} has no tokenizer (presets have random "
                               "weights and none): there is no text to template")
         tokenizer.chat_template = check_chat_template(chat_template_flag, chat_template)
+    defaults = getattr(result, "sampling_defaults", None)
+    sampling = dict(defaults.values) if defaults is not None else {}
+    default_max_tokens = serve_max_tokens(default_max_tokens, sampling)
     result.audit.keep_tail(audit_keep)
     name = model_name or (result.model.name if result.model is not None else str(result.args.model))
     metrics = ServeMetrics(name)
@@ -76,6 +88,7 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
         max_request_bytes = default_max_request_bytes(engine.executor.max_seq_len, engine.executor.vocab_size)
     return ServeState(result=result, engine=engine, metrics=metrics, model_name=name,
                       max_request_bytes=max_request_bytes, default_max_tokens=default_max_tokens,
+                      sampling_defaults={k: v for k, v in sampling.items() if k != "max_tokens"},
                       read_timeout_s=float(read_timeout_s), max_concurrent_requests=max_concurrent_requests,
                       trust_request_chat_template=trust_request_chat_template)
 
