@@ -331,8 +331,8 @@ class ServingEngine:
         top ``k`` tokens' (``engine.sampling.top_logprobs``). ``priority``: vLLM's (lower is served first), taken
         only when the scheduler schedules by priority (``scheduling_policy="priority"``; else only 0).
         """
-        if self._stopping:  # early, to skip the checks; decided below, under the loop's lock
-            raise EngineStopped("the engine is shutting down")
+        if self._stopping or self.loop_error is not None:  # early, to skip the checks; decided below, under the lock
+            raise EngineStopped(self._why_stopped())
         check_salt(salt)  # as generate's: hashed into every block key, and its length bounded
         refused = self.executor.priority_refusal(priority)
         if refused is not None:
@@ -356,12 +356,19 @@ class ServingEngine:
             live.prompt_logprobs = [None] * request.num_prompt_tokens
         with self._cond:
             # checked again under the lock request_stop takes: a stop asked for during the checks above may have
-            # ended the loop, whose last act (_fail_all) drained the inbox; a request queued after that never ended
-            if self._stopping:
-                raise EngineStopped("the engine is shutting down")
+            # ended the loop, whose last act (_fail_all) drained the inbox; a request queued after that never ended.
+            # So may a failure of the loop itself, which sets loop_error under this lock before its last drain.
+            if self._stopping or self.loop_error is not None:
+                raise EngineStopped(self._why_stopped())
             self._inbox.append(live)
             self._cond.notify_all()
         return req_id
+
+    def _why_stopped(self) -> str:
+        if self.loop_error is not None:
+            return (f"the engine loop stopped after a failure ({self.loop_error}) and serves no more requests; "
+                    "/health reports it; restart the server")
+        return "the engine is shutting down"
 
     def abort(self, req_id: str) -> None:
         """Finish a request between steps (its blocks are freed); unknown or finished ids are ignored."""
@@ -389,7 +396,8 @@ class ServingEngine:
                 while self._loop_once():
                     pass
         except BaseException as exc:  # a bug in the loop itself: say so on every request, never hang them
-            self.loop_error = f"{type(exc).__name__}: {exc}"
+            with self._cond:  # under submit's lock: nothing is queued after the drain below, for a loop that is gone
+                self.loop_error = f"{type(exc).__name__}: {exc}"
             self._fail_all(self.loop_error)
             raise
         finally:

@@ -670,8 +670,11 @@ class _Run:
                         try:
                             rid = self.engine.submit(ids, params, sink, salt=job.salt, seed_offset=j,
                                                      priority=job.priority)
-                        except EngineStopped:  # a 503 naming the cause, not a 500 with a traceback
-                            raise _shutting_down() from None
+                        except EngineStopped as exc:  # a 503 naming the cause, not a 500 with a traceback
+                            if self.engine.loop_error is None:
+                                raise _shutting_down() from None
+                            # the loop died (a bug, /health says "down"): this server will answer nothing more
+                            raise BadRequest(str(exc), status=500, kind="server_error") from None
                         self.choices[index].req_id = rid
                         self.open.add(index)
         except BaseException:
