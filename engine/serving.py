@@ -37,8 +37,8 @@ from engine.sampling import sample_rows, top_logprobs
 from engine.sampling_params import SamplingParams, check_salt, greedy_ignored, inert_settings
 from engine.speculation import verify_drafted
 from engine.stopping import SampleText
-from pipeline.errors import GenerationError, KvBuildError
-from pipeline.events import Event, RequestFinished, SettingIgnored
+from pipeline.errors import GenerationError, KvBuildError, first_line
+from pipeline.events import EngineStepFailed, Event, RequestFinished, SettingIgnored
 
 
 @attrs.frozen
@@ -429,10 +429,10 @@ class ServingEngine:
             try:
                 st = self.driver.step(self._compute)
             except StalledError as exc:
-                self._fail_all(f"the {type(self.scheduler).__name__} cannot make progress: {exc}")
+                self._step_failed(exc, f"the {type(self.scheduler).__name__} cannot make progress: {exc}")
                 return True
             except Exception as exc:
-                self._fail_all(f"{type(exc).__name__}: {exc}")
+                self._step_failed(exc, f"{type(exc).__name__}: {exc}")
                 return True
             self.steps += 1
             outbox = self._collect(st)
@@ -574,13 +574,25 @@ class ServingEngine:
             self.observer.on_finished(live.request.num_prompt_tokens, len(live.request.output_token_ids), ttft, tpot,
                                       reason)
 
-    def _fail_all(self, message: str, reason: str = "error") -> None:
+    def _step_failed(self, exc: Exception, message: str) -> None:
+        """A step raised: every request ends with ``"error"`` and ``message`` (blocks freed), and the operator gets
+        one error record (the client's 500 or error chunk reaches only the client)."""
+        ended = self._fail_all(message)
+        if self.executor._emit is not None:
+            with contextlib.suppress(Exception):  # reporting must not take the loop down
+                self.executor._emit(EngineStepFailed(error=type(exc).__name__, message=first_line(exc, ""),
+                                                     requests=ended))
+
+    def _fail_all(self, message: str, reason: str = "error") -> int:
+        """End every queued and live request with ``reason``; how many there were."""
         with self._cond:
             pending, self._inbox = self._inbox, []
         for live in pending:
             self._live[live.request.req_id] = live
-        for req_id in list(self._live):
+        ended = list(self._live)
+        for req_id in ended:
             self._finish_early(req_id, reason, error=message if reason == "error" else None)
+        return len(ended)
 
     @staticmethod
     def _send(live: _Live, event: ServeEvent) -> None:

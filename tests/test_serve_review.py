@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import pipeline
@@ -252,6 +253,38 @@ def _fails_once(monkeypatch: pytest.MonkeyPatch, owner: object, name: str, exc: 
         return real(*args, **kwargs)
 
     monkeypatch.setattr(owner, name, failing)
+
+
+def _audit(served) -> list[dict]:
+    return [json.loads(line) for line in served.http.get("/v1/kvload/audit").text.splitlines()]
+
+
+def test_a_step_the_device_fails_is_a_500_naming_it_one_error_record_and_the_connection_serves_on(broken_server,
+                                                                                                 monkeypatch):
+    """A forward that runs out of device memory fails the requests of its step (a failing machine, not a bad
+    request). The client got a 500, but the app raised it on to uvicorn: "Exception in ASGI application" with a
+    traceback of that re-raise (nothing of the failure itself), and uvicorn closed the keep-alive connection under the
+    client. A stream's failure left the operator's log nothing at all. Now: the 500 in OpenAI's body, no traceback, the
+    connection serves on, and one ``engine_step_failed`` record (level error) names the failure; the blocks are free."""
+    served = broken_server
+    engine = served.state.engine
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    _fails_once(monkeypatch, engine.executor, "forward_scored", oom)
+    with _logged_errors() as errors:
+        r = served.http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "ignore_eos": True})
+        assert r.status_code == 500, r.text
+        assert r.json() == {"error": {"message": "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+                                      "type": "server_error", "param": None, "code": None}}
+        again = served.http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "ignore_eos": True})
+        assert again.status_code == 200 and len(again.json()["choices"][0]["token_ids"]) == 3
+    assert [r.getMessage() for r in errors] == []
+    failed = [r for r in _audit(served) if r["event"] == "engine_step_failed"]
+    assert [{k: r[k] for k in ("level", "error", "message", "requests")} for r in failed] == [
+        {"level": "error", "error": "OutOfMemoryError", "message": "CUDA out of memory. Tried to allocate 2.00 GiB",
+         "requests": 1}]
+    manager = served.result.kv_manager
+    manager.check_invariants()
+    assert all(g.used == 0 for g in manager.stats().groups.values())
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the loop thread's end, on purpose

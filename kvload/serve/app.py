@@ -750,8 +750,9 @@ class _Run:
             watcher.cancel()
             self.abort()
         failed = next((c for c in self.choices if c.finish_reason == "error"), None)
-        if failed is not None:
-            raise RuntimeError(failed.error or "the engine failed this request")
+        if failed is not None:  # the engine's failure (an out-of-memory forward): said once in the operator's log
+            # (engine_step_failed), so a 500 here with no traceback, and the keep-alive connection serves on
+            raise BadRequest(failed.error or "the engine failed this request", status=500, kind="server_error")
         doc = {"id": self.id, "object": "chat.completion" if self.job.kind == "chat" else "text_completion",
                "created": self.created, "model": self.state.model_name,
                "choices": [self._choice(c) for c in self.choices], "usage": self._usage()}
