@@ -79,7 +79,7 @@ from models.paged_forward import ATTN_IMPLEMENTATION, route_paged_attention, run
 from pipeline.config import ATTENTION_BACKENDS, AUTO, LINEAR_BACKENDS
 from pipeline.errors import GenerationError, KvBuildError, KvRuntimeError, first_line, retitled
 from pipeline.events import Event, GenerationFailed, GenerationFinished, GenerationStarted, SettingIgnored
-from pipeline.limits import MAX_DRAFT_LEN, MAX_INT, MAX_NGRAM, short
+from pipeline.limits import MAX_DRAFT_LEN, MAX_INT, MAX_NGRAM, int_text, short
 
 #: A prompt: text (needs a tokenizer) or token ids.
 Prompt = str | Sequence[int]
@@ -538,11 +538,11 @@ class GenerationExecutor:
                                       f"({self.vocab_size}), got {p.logprobs}")
             bad = next((t for t in p.stop_token_ids if t >= self.vocab_size), None)
             if bad is not None:
-                raise GenerationError(f"generate: stop_token_ids: token id {bad} is outside the vocabulary "
+                raise GenerationError(f"generate: stop_token_ids: token id {int_text(bad)} is outside the vocabulary "
                                       f"(0..{self.vocab_size - 1})")
             bad = next((t for t in p.logit_bias if t >= self.vocab_size), None)
             if bad is not None:
-                raise GenerationError(f"generate: logit_bias: token id {bad} is outside the vocabulary "
+                raise GenerationError(f"generate: logit_bias: token id {int_text(bad)} is outside the vocabulary "
                                       f"(0..{self.vocab_size - 1})")
         return params
 
@@ -859,7 +859,7 @@ class GenerationExecutor:
                 raise GenerationError(f"generate: prompt {i}: empty (no tokens)")
             bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
-                raise GenerationError(f"generate: prompt {i}: token id {bad} is outside the vocabulary "
+                raise GenerationError(f"generate: prompt {i}: token id {int_text(bad)} is outside the vocabulary "
                                       f"(0..{self.vocab_size - 1})")
             if len(ids) >= self.max_seq_len:
                 raise GenerationError(f"generate: prompt {i}: {len(ids)} tokens leave no room to generate under "

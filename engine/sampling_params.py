@@ -30,6 +30,7 @@ from pipeline.limits import (
     MAX_STOP_TOKEN_IDS,
     MIN_REPETITION_PENALTY,
     int_text,
+    short,
 )
 
 #: Tokens generated per prompt when nothing says otherwise: the Python API and ``kvload generate``
@@ -78,7 +79,10 @@ def _shown(value: Any) -> str:
         return int_text(value)
     if isinstance(value, (list, tuple, range)) and len(value) > 8:
         return f"a list of {len(value):,} items"
-    text = repr(value)
+    try:
+        text = repr(value)
+    except ValueError:  # a huge integer inside (a logit_bias key): its size, never the repr's own error
+        return short(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 

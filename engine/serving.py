@@ -37,8 +37,8 @@ from engine.sampling import sample_rows, top_logprobs
 from engine.sampling_params import SamplingParams, check_salt, greedy_ignored, inert_settings
 from engine.speculation import verify_drafted
 from engine.stopping import SampleText
-from pipeline.errors import GenerationError, KvBuildError
-from pipeline.events import Event, RequestFinished, SettingIgnored
+from pipeline.errors import GenerationError, KvBuildError, first_line
+from pipeline.events import EngineStepFailed, Event, RequestFinished, SettingIgnored
 
 
 @attrs.frozen
@@ -340,8 +340,8 @@ class ServingEngine:
         top ``k`` tokens' (``engine.sampling.top_logprobs``). ``priority``: vLLM's (lower is served first), taken
         only when the scheduler schedules by priority (``scheduling_policy="priority"``; else only 0).
         """
-        if self._stopping:  # early, to skip the checks; decided below, under the loop's lock
-            raise EngineStopped("the engine is shutting down")
+        if self._stopping or self.loop_error is not None:  # early, to skip the checks; decided below, under the lock
+            raise EngineStopped(self._why_stopped())
         check_salt(salt)  # as generate's: hashed into every block key, and its length bounded
         refused = self.executor.priority_refusal(priority)
         if refused is not None:
@@ -365,12 +365,19 @@ class ServingEngine:
             live.prompt_logprobs = [None] * request.num_prompt_tokens
         with self._cond:
             # checked again under the lock request_stop takes: a stop asked for during the checks above may have
-            # ended the loop, whose last act (_fail_all) drained the inbox; a request queued after that never ended
-            if self._stopping:
-                raise EngineStopped("the engine is shutting down")
+            # ended the loop, whose last act (_fail_all) drained the inbox; a request queued after that never ended.
+            # So may a failure of the loop itself, which sets loop_error under this lock before its last drain.
+            if self._stopping or self.loop_error is not None:
+                raise EngineStopped(self._why_stopped())
             self._inbox.append(live)
             self._cond.notify_all()
         return req_id
+
+    def _why_stopped(self) -> str:
+        if self.loop_error is not None:
+            return (f"the engine loop stopped after a failure ({self.loop_error}) and serves no more requests; "
+                    "/health reports it; restart the server")
+        return "the engine is shutting down"
 
     def abort(self, req_id: str) -> None:
         """Finish a request between steps (its blocks are freed); unknown or finished ids are ignored."""
@@ -398,7 +405,8 @@ class ServingEngine:
                 while self._loop_once():
                     pass
         except BaseException as exc:  # a bug in the loop itself: say so on every request, never hang them
-            self.loop_error = f"{type(exc).__name__}: {exc}"
+            with self._cond:  # under submit's lock: nothing is queued after the drain below, for a loop that is gone
+                self.loop_error = f"{type(exc).__name__}: {exc}"
             self._fail_all(self.loop_error)
             raise
         finally:
@@ -430,10 +438,10 @@ class ServingEngine:
             try:
                 st = self.driver.step(self._compute)
             except StalledError as exc:
-                self._fail_all(f"the {type(self.scheduler).__name__} cannot make progress: {exc}")
+                self._step_failed(exc, f"the {type(self.scheduler).__name__} cannot make progress: {exc}")
                 return True
             except Exception as exc:
-                self._fail_all(f"{type(exc).__name__}: {exc}")
+                self._step_failed(exc, f"{type(exc).__name__}: {exc}")
                 return True
             self.steps += 1
             outbox = self._collect(st)
@@ -575,13 +583,25 @@ class ServingEngine:
             self.observer.on_finished(live.request.num_prompt_tokens, len(live.request.output_token_ids), ttft, tpot,
                                       reason)
 
-    def _fail_all(self, message: str, reason: str = "error") -> None:
+    def _step_failed(self, exc: Exception, message: str) -> None:
+        """A step raised: every request ends with ``"error"`` and ``message`` (blocks freed), and the operator gets
+        one error record (the client's 500 or error chunk reaches only the client)."""
+        ended = self._fail_all(message)
+        if self.executor._emit is not None:
+            with contextlib.suppress(Exception):  # reporting must not take the loop down
+                self.executor._emit(EngineStepFailed(error=type(exc).__name__, message=first_line(exc, ""),
+                                                     requests=ended))
+
+    def _fail_all(self, message: str, reason: str = "error") -> int:
+        """End every queued and live request with ``reason``; how many there were."""
         with self._cond:
             pending, self._inbox = self._inbox, []
         for live in pending:
             self._live[live.request.req_id] = live
-        for req_id in list(self._live):
+        ended = list(self._live)
+        for req_id in ended:
             self._finish_early(req_id, reason, error=message if reason == "error" else None)
+        return len(ended)
 
     @staticmethod
     def _send(live: _Live, event: ServeEvent) -> None:

@@ -7,8 +7,9 @@ assigned explicitly: explicitness is recorded, never inferred by comparing with 
 
 from __future__ import annotations
 
+import decimal
+import fractions
 import functools
-import math
 from typing import Any, Literal, NewType, Union
 
 import attrs
@@ -93,16 +94,17 @@ def parse_size(text: str) -> int:
         raise ValueError(text)
     if len(num) > 40:  # int("9" * 5000) raises past 4300 digits, float() overflows to inf
         raise ValueError(text)
-    try:  # whole numbers exactly (float would round 2**63 - 1), decimals and exponents through float
-        value: float | int = int(num) * _SIZE_UNITS[unit]
-    except ValueError:
-        value = float(num) * _SIZE_UNITS[unit]
-        if not math.isfinite(value) or value != int(value):
-            raise ValueError(text) from None
-        value = int(value)
-    if value < 0 or value > MAX_INT:
+    try:  # exactly: float rounded 2**63 - 1, took 1e-400GiB as 0 (no cap) and 1.0000000000000000001KiB as 1024
+        exact = decimal.Decimal(num)
+    except decimal.InvalidOperation:
+        raise ValueError(text) from None
+    # a bounded exponent first: 1e999999999 is a short text for a number no one could store (nor compute with)
+    if not exact.is_finite() or (exact and not -40 <= exact.adjusted() <= 40):
         raise ValueError(text)
-    return value
+    value = fractions.Fraction(exact) * _SIZE_UNITS[unit]
+    if value.denominator != 1 or value < 0 or value > MAX_INT:  # whole bytes only
+        raise ValueError(text)
+    return int(value)
 
 
 # --- validators: strict on type first, then range -------------------------------------------

@@ -401,6 +401,16 @@ class GenerationFailed(Event):
     finished: int  # requests that had finished before the failure
 
 
+@event("engine_step_failed", level="error")
+class EngineStepFailed(Event):
+    """A step of the serving loop raised (a forward out of device memory, a scheduler that cannot progress): the
+    requests it held ended with finish_reason "error" and their blocks were freed; the loop serves on."""
+
+    error: str  # the exception's class name
+    message: str
+    requests: int  # requests the failure ended
+
+
 # --- KV cache ------------------------------------------------------------------------------
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -153,4 +154,7 @@ class StructlogSubscriber:
 
     def __call__(self, record: dict[str, Any]) -> None:
         payload = {k: v for k, v in record.items() if k not in ("event", "level", "ts")}
-        getattr(self._logger, record.get("level", "info"))(record["event"], **payload)
+        # the log's reader gone (a broken pipe, a full disk): the line is lost, as logging's handlers lose it, and
+        # the work that emitted it (a serving step) and the subscribers after this one go on
+        with contextlib.suppress(OSError):
+            getattr(self._logger, record.get("level", "info"))(record["event"], **payload)

@@ -166,6 +166,32 @@ def test_a_signal_sent_as_the_ready_line_appears_stops_the_server(signum, tmp_pa
         _reap(proc)
 
 
+def test_a_server_whose_log_reader_went_away_serves_on(tmp_path):
+    """``kvload serve ... --log-level info 2>&1 | tee serve.log`` whose tee died, or a log shipper that restarted:
+    every request's info lines meet a broken pipe. The write's BrokenPipeError failed the engine step that logged it
+    (and kept the record from the subscribers after the console's), so every request was a 500 "BrokenPipeError"
+    while /health said ok. A log line that cannot be written is lost; the request is served and audited."""
+    proc = _start_server("--log-level", "info", "--audit-log", str(tmp_path / "audit.jsonl"))
+    try:
+        url = _ready_line(proc).split(" at ", 1)[1].split(" ", 1)[0]
+        proc.stderr.close()  # the reader of the server's log is gone
+        with httpx.Client(base_url=url, timeout=60) as http:
+            for _ in range(2):
+                r = http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 3, "ignore_eos": True})
+                assert r.status_code == 200, r.text
+                assert len(r.json()["choices"][0]["token_ids"]) == 3
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        audit = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+        assert [(r["reason"], r["output_tokens"]) for r in audit if r["event"] == "request_finished"] == [
+            ("length", 3), ("length", 3)]
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        proc.stdout.close()
+
+
 def test_a_kv_events_file_that_hits_its_size_limit_warns_once_and_fails_no_request(tmp_path):
     """A real server whose events file cannot grow (RLIMIT_FSIZE: the kernel refuses the write, part of a line
     first, as a full disk does): requests go on, one warning names the flag, the path and the error, and the file

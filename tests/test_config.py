@@ -101,6 +101,17 @@ def test_dtype_aliases_normalise_and_sizes_parse():
         parse_size("1.5B")
 
 
+def test_a_size_in_decimal_or_exponent_form_is_read_exactly_and_must_be_whole_bytes():
+    """Decimals and exponents went through float: 1e-400GiB underflowed to 0 and was taken (0 means no cap for
+    max_gpu_total_bytes, no host tier for host_cache_size), 1.0000000000000000001KiB rounded to a whole 1024, and
+    9.007199254740993e15 rounded to a neighbouring whole number. Read exactly, the first two are not whole bytes."""
+    assert parse_size("9.007199254740993e15") == 9_007_199_254_740_993
+    assert (parse_size("1.5KiB"), parse_size("1e3"), parse_size("0.5e1KB")) == (1536, 1000, 5000)
+    for text in ("1e-400GiB", "1.0000000000000000001KiB", "1e999999999", "1e-999999999KiB"):
+        with pytest.raises(ValueError):
+            parse_size(text)
+
+
 def test_frozen_config_rejects_assignment_everywhere():
     args = freeze(LlmArgs(model="m"))
     with pytest.raises(attrs.exceptions.FrozenInstanceError):

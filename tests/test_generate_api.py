@@ -98,6 +98,9 @@ def test_max_seq_len_ends_a_request_with_length_and_longer_prompts_are_refused(t
     ({"prompts": [1, 2, 3]}, r"wrap one prompt of token ids in a list: \[\[1, 2, 3\]\]"),
     ({"prompts": ["hello"]}, "prompt 0 is text, but .* has no tokenizer"),
     ({"prompts": [[5], [1, 10_000]]}, r"prompt 1: token id 10000 is outside the vocabulary \(0\.\.\d+\)"),
+    # past str()'s 4,300 digits: was a bare ValueError raised while the refusal was worded
+    ({"prompts": [[5], [1, 10**5000]]},
+     r"^generate: prompt 1: token id an integer of about 5001 digits is outside the vocabulary \(0\.\.\d+\)$"),
     ({"prompts": [[5], []]}, "prompt 1: empty"),
     ({"prompts": [[5]], "chat": True}, "chat=True needs text prompts"),
     ({"prompts": [[5]], "arrival_steps": [0, 1]}, "arrival_steps: expected 1 integers >= 0"),

@@ -17,7 +17,9 @@ import socket
 import threading
 from collections.abc import Iterator
 
+import httpx
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import pipeline
@@ -228,3 +230,83 @@ def test_a_request_submitted_as_the_engine_stops_is_refused_not_queued_after_the
     finally:
         engine.stop(TIMEOUT)
         result.close()
+
+
+# --- the engine failing ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def broken_server():
+    """A server of its own: these tests break its engine."""
+    with serving("tiny-llama", kv_cache_config={"max_tokens": 1024, "use_kv_cache_manager_v2": True}) as s:
+        yield s
+
+
+def _fails_once(monkeypatch: pytest.MonkeyPatch, owner: object, name: str, exc: BaseException) -> None:
+    """``owner.name`` raises ``exc`` on its first call, then works."""
+    real, calls = getattr(owner, name), []
+
+    def failing(*args, **kwargs):
+        calls.append(None)
+        if len(calls) == 1:
+            raise exc
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, failing)
+
+
+def _audit(served) -> list[dict]:
+    return [json.loads(line) for line in served.http.get("/v1/kvload/audit").text.splitlines()]
+
+
+def test_a_step_the_device_fails_is_a_500_naming_it_one_error_record_and_the_connection_serves_on(broken_server,
+                                                                                                 monkeypatch):
+    """A forward that runs out of device memory fails the requests of its step (a failing machine, not a bad
+    request). The client got a 500, but the app raised it on to uvicorn: "Exception in ASGI application" with a
+    traceback of that re-raise (nothing of the failure itself), and uvicorn closed the keep-alive connection under the
+    client. A stream's failure left the operator's log nothing at all. Now: the 500 in OpenAI's body, no traceback, the
+    connection serves on, and one ``engine_step_failed`` record (level error) names the failure; the blocks are free."""
+    served = broken_server
+    engine = served.state.engine
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    _fails_once(monkeypatch, engine.executor, "forward_scored", oom)
+    with _logged_errors() as errors:
+        r = served.http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "ignore_eos": True})
+        assert r.status_code == 500, r.text
+        assert r.json() == {"error": {"message": "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+                                      "type": "server_error", "param": None, "code": None}}
+        again = served.http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "ignore_eos": True})
+        assert again.status_code == 200 and len(again.json()["choices"][0]["token_ids"]) == 3
+    assert [r.getMessage() for r in errors] == []
+    failed = [r for r in _audit(served) if r["event"] == "engine_step_failed"]
+    assert [{k: r[k] for k in ("level", "error", "message", "requests")} for r in failed] == [
+        {"level": "error", "error": "OutOfMemoryError", "message": "CUDA out of memory. Tried to allocate 2.00 GiB",
+         "requests": 1}]
+    manager = served.result.kv_manager
+    manager.check_invariants()
+    assert all(g.used == 0 for g in manager.stats().groups.values())
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the loop thread's end, on purpose
+def test_requests_after_the_engine_loop_died_are_answered_at_once_not_left_waiting(broken_server, monkeypatch):
+    """A failure in the loop's own code (outside a step) ends the loop thread: the requests it held were failed and
+    /health says "down", but a request sent afterwards was queued for a loop that no longer ran and its client waited
+    for ever (the openai client's default timeout is 10 minutes). Now it is answered at once: a 500 naming the
+    failure, and it holds no slot."""
+    served = broken_server
+    engine = served.state.engine
+    _fails_once(monkeypatch, engine, "_collect", RuntimeError("injected: the loop's own code failed"))
+    r = served.http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
+    assert r.status_code == 500 and "injected: the loop's own code failed" in r.json()["error"]["message"]
+    wait_for(lambda: not engine.alive, TIMEOUT, "the loop thread's end")
+    with httpx.Client(base_url=served.url, timeout=TIMEOUT) as http:  # a hang fails here (ReadTimeout), never waits
+        assert http.get("/health").status_code == 503
+        for body in ({"prompt": PROMPT, "max_tokens": 3}, {"prompt": PROMPT, "max_tokens": 3, "stream": True}):
+            r = http.post("/v1/completions", json=body)
+            assert r.status_code == 500, r.text
+            assert r.json()["error"] == {
+                "message": "the engine loop stopped after a failure (RuntimeError: injected: the loop's own code "
+                           "failed) and serves no more requests; /health reports it; restart the server",
+                "type": "server_error", "param": None, "code": None}
+    assert engine._inbox == []
+    wait_for(lambda: served.state.in_flight == 0, TIMEOUT, "no request in flight")  # freed as each answer ends

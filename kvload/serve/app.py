@@ -675,8 +675,11 @@ class _Run:
                         try:
                             rid = self.engine.submit(ids, params, sink, salt=job.salt, seed_offset=j,
                                                      priority=job.priority)
-                        except EngineStopped:  # a 503 naming the cause, not a 500 with a traceback
-                            raise _shutting_down() from None
+                        except EngineStopped as exc:  # a 503 naming the cause, not a 500 with a traceback
+                            if self.engine.loop_error is None:
+                                raise _shutting_down() from None
+                            # the loop died (a bug, /health says "down"): this server will answer nothing more
+                            raise BadRequest(str(exc), status=500, kind="server_error") from None
                         self.choices[index].req_id = rid
                         self.open.add(index)
         except BaseException:
@@ -752,8 +755,9 @@ class _Run:
             watcher.cancel()
             self.abort()
         failed = next((c for c in self.choices if c.finish_reason == "error"), None)
-        if failed is not None:
-            raise RuntimeError(failed.error or "the engine failed this request")
+        if failed is not None:  # the engine's failure (an out-of-memory forward): said once in the operator's log
+            # (engine_step_failed), so a 500 here with no traceback, and the keep-alive connection serves on
+            raise BadRequest(failed.error or "the engine failed this request", status=500, kind="server_error")
         doc = {"id": self.id, "object": "chat.completion" if self.job.kind == "chat" else "text_completion",
                "created": self.created, "model": self.state.model_name,
                "choices": [self._choice(c) for c in self.choices], "usage": self._usage()}
