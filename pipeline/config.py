@@ -10,6 +10,7 @@ from __future__ import annotations
 import decimal
 import fractions
 import functools
+import math
 from typing import Any, Literal, NewType, Union
 
 import attrs
