@@ -105,6 +105,9 @@ class KVCacheManagerProtocol(Protocol):
     def stats(self) -> ManagerStats:
         """Usage, free/evictable/used blocks per group, reuse hits in tokens, suspends/resumes (one shape for both)."""
 
+    def usage(self) -> float:
+        """``stats().usage`` alone, without building the rest (a driver samples it every step)."""
+
     def close(self) -> None:
         """Release the device pools and the host tier (idempotent)."""
 

@@ -148,7 +148,7 @@ def replay(manager: Any, scheduler: Any, workload: Workload, *,
     def sample() -> None:
         # After the scheduler's decision: the step's blocks are allocated and nothing is freed yet (its peak).
         nonlocal waits
-        usage.append(manager.stats().usage)
+        usage.append(manager.usage())
         running.append(len(driver.running))
         waits += len(driver.waiting)
 

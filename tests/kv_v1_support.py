@@ -76,6 +76,7 @@ def drive(scheduler: Any, manager: Any, requests: Iterable[Request], *, max_step
         trace.outputs.append(stats.output)
         trace.admitted += [r.req_id for r in stats.output.admitted]
         trace.finished += [r.req_id for r in stats.finished]
+        assert manager.usage() == manager.stats().usage  # the simulator samples usage() alone, every step
         if check is not None:
             check()
 

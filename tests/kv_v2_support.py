@@ -198,6 +198,7 @@ def drive(manager: KVCacheManagerV2, scheduler: KVCacheV2Scheduler, requests: li
             for r in driver.running:
                 check_kv(manager, r)
             manager.check_invariants()
+            assert manager.usage() == manager.stats().usage  # the simulator samples usage() alone, every step
 
     try:
         driver.run(requests, compute, on_step=stepped)

@@ -271,6 +271,10 @@ class KVCacheManager:
         if self.kv_events is not None:
             self.kv_events.cleared()
 
+    def usage(self) -> float:
+        """``stats().usage`` alone: used / total blocks."""
+        return round(self.pool.usage, 6)
+
     def stats(self) -> ManagerStats:
         """Usage, free/evictable/used blocks, reuse hits in tokens (V1 never suspends, has no host tier)."""
         p = self.pool
