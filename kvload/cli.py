@@ -98,7 +98,8 @@ class Flag:
     choices: tuple[str, ...] | None = None
     const: Any = None  # for switches: the value the flag sets when present
     metavar: str | None = None
-    aliases: tuple[str, ...] = ()  # other spellings users bring (trtllm-serve, trtllm-bench; each also dashed)
+    # other spellings users bring (trtllm-serve, trtllm-bench, vLLM's where the meaning is the same: each also dashed)
+    aliases: tuple[str, ...] = ()
 
     @property
     def dest(self) -> str:
@@ -117,9 +118,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--max_gpu_total_bytes", "kv_cache_config.max_gpu_total_bytes",
          "cap the KV cache at this many bytes (0 = no cap; 8GiB = 8G = 8*2**30, 8GB = 8*10**9)", size,
          metavar="BYTES"),
-    Flag("--tokens_per_block", "kv_cache_config.tokens_per_block", "tokens per KV block", integer, metavar="N"),
+    Flag("--tokens_per_block", "kv_cache_config.tokens_per_block", "tokens per KV block", integer, metavar="N",
+         aliases=("--block_size",)),
     Flag("--disable_kv_cache_reuse", "kv_cache_config.enable_block_reuse",
-         "turn prefix (block) reuse off", const=False),
+         "turn prefix (block) reuse off", const=False, aliases=("--no_enable_prefix_caching",)),
+    # vLLM's switch on: the default already, so it only overrides a --config file's enable_block_reuse: false
+    Flag("--enable_prefix_caching", "kv_cache_config.enable_block_reuse",
+         "turn prefix (block) reuse on (the default; vLLM's spelling)", const=True),
     Flag("--host_cache_size", "kv_cache_config.host_cache_size",
          "V2 host tier size in bytes (0 = none; absent = auto-size)", size, metavar="BYTES"),
     Flag("--event_buffer_max_size", "kv_cache_config.event_buffer_max_size",
@@ -128,9 +133,12 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--dtype", "dtype", "model dtype: auto, float32, float16, bfloat16", str, metavar="DTYPE"),
     Flag("--device", "device", "where to build: auto (cuda when available), cuda, cuda:N or cpu", str,
          metavar="{auto,cuda,cuda:N,cpu}"),
-    Flag("--max_batch_size", "max_batch_size", "most requests scheduled at once", integer, metavar="N"),
-    Flag("--max_seq_len", "max_seq_len", "longest sequence (default: the checkpoint's)", integer, metavar="N"),
-    Flag("--max_num_tokens", "max_num_tokens", "most tokens in one forward (prefill chunk)", integer, metavar="N"),
+    Flag("--max_batch_size", "max_batch_size", "most requests scheduled at once", integer, metavar="N",
+         aliases=("--max_num_seqs",)),
+    Flag("--max_seq_len", "max_seq_len", "longest sequence (default: the checkpoint's)", integer, metavar="N",
+         aliases=("--max_model_len",)),
+    Flag("--max_num_tokens", "max_num_tokens", "most tokens in one forward (prefill chunk)", integer, metavar="N",
+         aliases=("--max_num_batched_tokens",)),
     Flag("--max_beam_width", "max_beam_width", "beam width (V2 serves only 1)", integer, metavar="N"),
     Flag("--scheduling_policy", "scheduling_policy", "fcfs (default: arrival order) or priority (vLLM's: a request's "
          "priority, lower first, orders admission; V2 also moves out lower-ranked running requests for it)", str,
@@ -158,9 +166,11 @@ FLAGS: tuple[Flag, ...] = (
          "max_new_tokens, do_sample (vLLM's flag), e.g. '{\"temperature\": 0.5}'", json_object, metavar="JSON"),
     Flag("--tp_size", "tensor_parallel_size",
          "tensor-parallel ranks (launch that many with torchrun; plan alone shows rank 0's view)", integer,
-         metavar="N", aliases=("--tensor_parallel_size",)),
+         metavar="N", aliases=("--tensor_parallel_size", "-tp")),
 )
-FLAG_FOR_PATH: dict[str, str] = {f.path: f.name for f in FLAGS}
+FLAG_FOR_PATH: dict[str, str] = {}
+for _f in FLAGS:  # the first flag of a field (--disable_kv_cache_reuse, not its --enable_prefix_caching)
+    FLAG_FOR_PATH.setdefault(_f.path, _f.name)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -182,10 +192,16 @@ class OneLineParser(argparse.ArgumentParser):
         """One line for a one-value flag given twice (any spelling): argparse keeps the last and drops the first
         silently. Repeatable flags (--prompt, --stop, --workload-arg) and plain switches (--json) may repeat."""
         seen: dict[str, list[str]] = {}
+        switched: dict[str, tuple[str, Any]] = {}
         for arg in argv:
             if arg == "--":
                 break
-            action = self._option_string_actions.get(arg.split("=", 1)[0]) if arg.startswith("--") else None
+            action = self._option_string_actions.get(arg.split("=", 1)[0]) if arg.startswith("-") else None
+            if isinstance(action, argparse._StoreConstAction) and action.dest.startswith("field__"):
+                # --enable-prefix-caching and --disable_kv_cache_reuse set one field: both given, the last won
+                first, const = switched.setdefault(action.dest, (arg, action.const))
+                if const != action.const:
+                    self.error(f"{arg}: contradicts {first}; give one")
             if action is None or not _single_valued(action):
                 continue
             seen.setdefault(action.dest, []).append(arg.split("=", 1)[0])
@@ -200,7 +216,9 @@ class OneLineParser(argparse.ArgumentParser):
             head, _, rest = message[len("argument "):].partition(": ")
             message = f"{typed_spelling(head.split('/'), getattr(self, '_argv', []))}: {rest}"
         elif message.startswith("unrecognized arguments: "):
-            message += self._suggestion(message.split(": ", 1)[1].split()[0])
+            unknown = message.split(": ", 1)[1].split()[0]
+            vllm = _vllm_difference(unknown)
+            message = vllm if vllm is not None else message + self._suggestion(unknown)
         self.exit(2, f"error: {message}\n")
 
     def _suggestion(self, unknown: str) -> str:
@@ -236,12 +254,21 @@ def _norm(option: str) -> str:
     return option.replace("-", "_")
 
 
+def _vllm_difference(unknown: str) -> str | None:
+    """``--gpu-memory-utilization: <how vLLM's setting differs from kvload's nearest flag>``, or None."""
+    from pipeline.vllm_compat import different_meaning
+
+    name = unknown.split("=", 1)[0]
+    why = different_meaning(_norm(name).lstrip("_"), FLAG_FOR_PATH.__getitem__) if name.startswith("--") else None
+    return f"{name}: {why}" if why is not None else None
+
+
 def typed_spelling(spellings: Sequence[str], argv: Sequence[str]) -> str:
     """The name of an option as the user wrote it (an alias stays an alias, ``--max-tokens`` stays dashed).
 
     With nothing typed, the first spelling.
     """
-    typed = {_norm(a.split("=", 1)[0]): a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    typed = {_norm(a.split("=", 1)[0]): a.split("=", 1)[0] for a in argv if a.startswith("-")}  # -tp too
     for name in spellings:
         if _norm(name) in typed:
             return typed[_norm(name)]
@@ -254,7 +281,7 @@ def typed_value(spellings: Sequence[str], argv: Sequence[str]) -> str | None:
     value = None
     for i, arg in enumerate(argv):
         name, eq, rest = arg.partition("=")
-        if arg.startswith("--") and _norm(name) in names:
+        if arg.startswith("-") and _norm(name) in names:
             value = rest if eq else (argv[i + 1] if i + 1 < len(argv) else None)
     return value
 
@@ -269,7 +296,8 @@ class HelpFormatter(argparse.HelpFormatter):
 
 
 def _dashed(name: str) -> str:
-    return "--" + name[2:].replace("_", "-")
+    """``--max_tokens`` → ``--max-tokens``; a one-dash name (vLLM's ``-tp``) as it is."""
+    return "--" + name[2:].replace("_", "-") if name.startswith("--") else name
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -277,7 +305,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL",
                    help="a preset or packaged model (see `kvload models`), a checkpoint directory, a .gguf file, "
                         "or a Hugging Face id in the local cache")
-    group = p.add_argument_group("configuration (TensorRT-LLM spelling; dashed aliases accepted)")
+    group = p.add_argument_group("configuration (TensorRT-LLM spelling; dashed and vLLM aliases accepted)")
     for f in FLAGS:
         names = list(dict.fromkeys(n for name in (f.name, *f.aliases) for n in (name, _dashed(name))))
         if f.const is not None:
@@ -746,7 +774,7 @@ def flag_aliases() -> dict[str, str]:
     out: dict[str, str] = {}
     for f in FLAGS:
         for name in (f.name, _dashed(f.name), *f.aliases, *map(_dashed, f.aliases)):
-            out[name] = out[name[2:]] = f.path
+            out[name] = out[name.lstrip("-")] = f.path
     return out
 
 

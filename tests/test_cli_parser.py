@@ -68,6 +68,7 @@ SAMPLES = {
     "--max_gpu_total_bytes": (["1GiB"], 1 << 30),
     "--tokens_per_block": (["64"], 64),
     "--disable_kv_cache_reuse": ([], False),
+    "--enable_prefix_caching": ([], True),
     "--host_cache_size": (["512MiB"], 512 << 20),
     "--event_buffer_max_size": (["1000"], 1000),
     "--kv_cache_dtype": (["bf16"], "bfloat16"),

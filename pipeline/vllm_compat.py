@@ -1,0 +1,68 @@
+"""vLLM's engine-argument names: those that mean exactly a kvload field, and those that only look like one.
+
+Many users arrive from vLLM. The command line accepts vLLM's flag for a field whose meaning is the same (the
+``aliases`` of ``kvload.cli.FLAGS``); the Python API and the YAML file keep one name per field (TensorRT-LLM's
+``LlmArgs``) and refuse vLLM's with the name to use. A vLLM setting whose meaning differs (a share of the whole GPU,
+a size in GiB) is never taken as kvload's nearest one: it is refused with the difference, from every source.
+
+Checked against vLLM's engine arguments (``vllm/engine/arg_utils.py``, ``vllm/config/cache.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pipeline.config import describe
+from pipeline.limits import short
+
+#: vLLM's name → kvload's dotted field, where vLLM's setting means exactly what kvload's does (defaults may differ:
+#: vLLM's block size is 16, kvload's 32; the CLI flags are aliases of kvload's, the Python names are refused).
+SAME_MEANING: dict[str, str] = {
+    "max_model_len": "max_seq_len",  # the longest sequence, prompt and output; default: the checkpoint's
+    "max_num_seqs": "max_batch_size",  # most requests scheduled in one step
+    "max_num_batched_tokens": "max_num_tokens",  # most tokens one step computes (prefill chunks included)
+    "block_size": "kv_cache_config.tokens_per_block",  # tokens per KV block
+    "kv_cache_dtype": "kv_cache_config.dtype",  # the pools' element type (fp8 = float8_e4m3fn)
+    "enable_prefix_caching": "kv_cache_config.enable_block_reuse",  # reuse of cached prompt-prefix blocks
+}
+
+
+#: vLLM's name → (what it means there, how kvload differs, kvload's nearest fields, a note after them): refused.
+DIFFERENT_MEANING: dict[str, tuple[str, str, tuple[str, ...], str]] = {
+    "gpu_memory_utilization": (
+        "vLLM's share of the whole GPU's memory (weights, activations and KV cache)",
+        "kvload sizes the KV cache from the memory free after the weights",
+        ("kv_cache_config.free_gpu_memory_fraction", "kv_cache_config.max_gpu_total_bytes"), ""),
+    "swap_space": (
+        "vLLM's CPU swap space in GiB per GPU",
+        "kvload's host tier (V2 only) is a byte count",
+        ("kv_cache_config.host_cache_size",), " (4GiB where vLLM says 4)"),
+}
+
+
+def different_meaning(name: str, spell: Callable[[str], str]) -> str | None:
+    """Why a vLLM setting ``name`` (underscored) is not kvload's nearest one, naming those with ``spell`` (a field's
+    path → a flag, or the path itself); None for a name that is not such a setting."""
+    entry = DIFFERENT_MEANING.get(name)
+    if entry is None:
+        return None
+    there, here, nearest, note = entry
+    first, *others = map(spell, nearest)
+    also = f" (or {', '.join(others)})" if others else ""
+    return f"{there}; {here}: {first}{also}{note}"
+
+
+def refused_key(name: str, value: Any, python: bool) -> str | None:
+    """The error detail for vLLM's ``name`` given as a key (``python``: a keyword argument, else a YAML key): the
+    kvload field to set instead, with the value given, or why there is none; None for a name vLLM does not have."""
+    path = SAME_MEANING.get(name)
+    if path is None:
+        return different_meaning(name, lambda p: p)
+    *parents, leaf = path.split(".")
+    if python:  # Python's True/False; any other value cut short as errors quote values
+        shown = repr(value) if isinstance(value, bool) else short(value)
+        given = f"{leaf}={shown}" if not parents else f"{parents[0]}={{{leaf!r}: {shown}}}"
+        return f"vLLM's name for {path}; pass {given}"
+    given = f"{leaf}: {describe(value)}" if not parents else f"{parents[0]}: {{{leaf}: {describe(value)}}}"
+    return f"vLLM's name for {path}; write {given}"
