@@ -21,6 +21,7 @@ from typing import Any
 from pipeline.config import KvCacheConfig, LlmArgs, public_fields
 from pipeline.errors import ConfigError
 from pipeline.limits import short
+from pipeline.vllm_compat import refused_key
 
 _ENGINE = "a TensorRT-LLM option kvload does not act on"
 
@@ -102,11 +103,12 @@ def _known(cls: type) -> set[str]:
     return {a.name for a in public_fields(cls)}
 
 
-def split_ignored(tree: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[str, Any, str]]]:
+def split_ignored(tree: Mapping[str, Any], python: bool = False) -> tuple[dict[str, Any], list[tuple[str, Any, str]]]:
     """Take the TensorRT-LLM keys kvload does not act on out of a source's tree.
 
     Returns the tree kvload validates and ``(dotted path, value, reason)`` for each key taken out.
-    ``trust_remote_code: true`` is refused: kvload never runs code shipped with a checkpoint.
+    ``trust_remote_code: true`` is refused: kvload never runs code shipped with a checkpoint; so is a vLLM name
+    (``max_model_len``), with kvload's field to set (written for ``python`` keyword arguments, else for YAML).
     """
     kept: dict[str, Any] = {}
     ignored: list[tuple[str, Any, str]] = []
@@ -130,6 +132,9 @@ def split_ignored(tree: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[s
                     sub[k] = v
             kept[key] = sub
         else:
+            vllm = refused_key(key, value, python) if isinstance(key, str) and key not in own else None
+            if vllm is not None:
+                raise ConfigError(f"{key}: {vllm}", path=key, detail=vllm)
             _near_miss("", key, own, IGNORED_LLM_ARGS)
             kept[key] = value
     return kept, ignored
