@@ -47,6 +47,8 @@ DTYPE_ALIASES: dict[str, str] = {
     "half": "float16",
     "bf16": "bfloat16",
     "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",  # vLLM's --kv-cache-dtype names
+    "fp8_e5m2": "float8_e5m2",
 }
 
 
