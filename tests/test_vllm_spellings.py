@@ -1,0 +1,139 @@
+"""vLLM's spellings: the flags that mean exactly a kvload field are aliases; the look-alikes are refused with the
+difference; the Python API and the YAML file refuse vLLM's names with the field to set instead."""
+
+from __future__ import annotations
+
+import pytest
+
+import kvload
+from kvload.cli import flag_aliases
+from pipeline.errors import ConfigError
+from pipeline.paths import get_in
+from pipeline.vllm_compat import DIFFERENT_MEANING, SAME_MEANING
+from tests.cli_support import read_events, run_cli
+
+#: vLLM's flag as typed, its words, the field it must set and the value it must hold.
+ALIASES = [
+    ("--max-model-len", ["512"], "max_seq_len", 512),
+    ("--max_model_len", ["512"], "max_seq_len", 512),  # vLLM reads underscores too
+    ("--max-num-seqs", ["8"], "max_batch_size", 8),
+    ("--max-num-batched-tokens", ["256"], "max_num_tokens", 256),
+    ("--block-size", ["16"], "kv_cache_config.tokens_per_block", 16),
+    ("-tp", ["2"], "tensor_parallel_size", 2),
+    ("--no-enable-prefix-caching", [], "kv_cache_config.enable_block_reuse", False),
+    ("--enable-prefix-caching", [], "kv_cache_config.enable_block_reuse", True),
+    ("--kv-cache-dtype", ["fp8_e5m2"], "kv_cache_config.dtype", "float8_e5m2"),  # vLLM's value names too
+    ("--kv-cache-dtype", ["fp8_e4m3"], "kv_cache_config.dtype", "float8_e4m3fn"),
+]
+
+
+@pytest.mark.parametrize(("flag", "words", "path", "want"), ALIASES, ids=lambda v: str(v))
+def test_a_vllm_flag_sets_kvloads_field_as_the_users_cli_setting(capsys, tmp_path, flag, words, path, want):
+    log = tmp_path / "a.jsonl"
+    r = run_cli(capsys, "plan", "tiny-llama", flag, *words, "--json", "--audit-log", log)
+    assert r.code == 0, r.err
+    doc = r.json()
+    assert get_in(doc["args"], path) == want
+    first = doc["provenance"][path][0]
+    assert (first["event"], first["source"], first["new"]) == ("args_parsed", "cli", want)
+    parsed = [e for e in read_events(log) if e["event"] == "args_parsed"]
+    assert {e["field"]: e["source"] for e in parsed} == {"model": "cli", path: "cli"}  # nothing else was set
+
+
+def test_explain_finds_a_field_by_its_vllm_spelling(capsys, tmp_path):
+    log = tmp_path / "a.jsonl"
+    r = run_cli(capsys, "plan", "tiny-llama", "--max-model-len", "512", "-tp", "2", "--block-size", "16",
+                "--no-enable-prefix-caching", "--audit-log", log)
+    assert r.code == 0, r.err
+    for name, path, final in [("max-model-len", "max_seq_len", 512), ("max_model_len", "max_seq_len", 512),
+                              ("tp", "tensor_parallel_size", 2), ("block-size", "kv_cache_config.tokens_per_block", 16),
+                              ("no-enable-prefix-caching", "kv_cache_config.enable_block_reuse", False),
+                              ("enable-prefix-caching", "kv_cache_config.enable_block_reuse", False)]:
+        r = run_cli(capsys, "explain", log, name, "--json")
+        assert r.code == 0, (name, r.err)
+        assert list(r.json()) == [path] and r.json()[path]["final"] == final
+
+
+@pytest.mark.parametrize(("argv", "line"), [
+    (["--max-model-len", "0"], "error: --max-model-len: expected an integer >= 1 or null, got 0\n"),
+    (["--max-model-len", "1k"], "error: --max-model-len: expected an integer, got '1k'\n"),
+    (["--max-num-seqs", "0"], "error: --max-num-seqs: expected an integer >= 1, got 0\n"),
+    (["--block-size", "0"], "error: --block-size: expected an integer >= 1, got 0\n"),
+    (["-tp", "x"], "error: -tp: expected an integer, got 'x'\n"),
+    (["-tp", "0"], "error: -tp: expected an integer >= 1, got 0\n"),  # the config's check, after parsing
+])
+def test_a_bad_value_under_a_vllm_flag_names_the_flag_as_typed(capsys, argv, line):
+    r = run_cli(capsys, "plan", "tiny-llama", *argv)
+    assert (r.code, r.out, r.one_error_line) == (2, "", True), r.err
+    assert r.err.startswith(line), r.err
+
+
+@pytest.mark.parametrize(("argv", "line"), [
+    (["--gpu-memory-utilization", "0.9"],
+     "error: --gpu-memory-utilization: vLLM's share of the whole GPU's memory (weights, activations and KV cache); "
+     "kvload sizes the KV cache from the memory free after the weights: --kv_cache_free_gpu_memory_fraction (or "
+     "--max_gpu_total_bytes)\n"),
+    (["--gpu_memory_utilization=0.9"], "error: --gpu_memory_utilization: vLLM's share of the whole GPU's memory"),
+    (["--swap-space", "4"], "error: --swap-space: vLLM's CPU swap space in GiB per GPU; kvload's host tier (V2 "
+                            "only) is a byte count: --host_cache_size (4GiB where vLLM says 4)\n"),
+])
+def test_a_vllm_flag_that_means_something_else_is_refused_with_the_difference(capsys, argv, line):
+    for command in ("plan", "run"):
+        r = run_cli(capsys, command, "tiny-llama", *argv)
+        assert (r.code, r.out, r.one_error_line) == (2, "", True), r.err
+        assert r.err.startswith(line), r.err
+
+
+@pytest.mark.parametrize(("argv", "line"), [
+    (["--enable-prefix-caching", "--no-enable-prefix-caching"],
+     "error: --no-enable-prefix-caching: contradicts --enable-prefix-caching; give one\n"),
+    (["--disable_kv_cache_reuse", "--enable-prefix-caching"],
+     "error: --enable-prefix-caching: contradicts --disable_kv_cache_reuse; give one\n"),
+    (["-tp", "2", "--tp_size", "2"], "error: -tp: given more than once (also as --tp_size); give it once\n"),
+    (["--max-model-len", "64", "--max_seq_len", "64"],
+     "error: --max-model-len: given more than once (also as --max_seq_len); give it once\n"),
+])
+def test_one_setting_given_both_ways_is_refused_not_the_last_winning(capsys, argv, line):
+    r = run_cli(capsys, "plan", "tiny-llama", *argv)
+    assert (r.code, r.out, r.err) == (2, "", line)
+
+
+def test_every_vllm_name_of_the_same_meaning_is_a_flag_of_that_field():
+    aliases = flag_aliases()
+    for name, path in SAME_MEANING.items():
+        assert aliases["--" + name.replace("_", "-")] == path, name
+    assert not {"--" + name.replace("_", "-") for name in DIFFERENT_MEANING} & set(aliases)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"max_model_len": 512}, "max_model_len: vLLM's name for max_seq_len; pass max_seq_len=512"),
+    ({"max_num_seqs": 8}, "max_num_seqs: vLLM's name for max_batch_size; pass max_batch_size=8"),
+    ({"max_num_batched_tokens": 256},
+     "max_num_batched_tokens: vLLM's name for max_num_tokens; pass max_num_tokens=256"),
+    ({"block_size": 16}, "block_size: vLLM's name for kv_cache_config.tokens_per_block; pass "
+                         "kv_cache_config={'tokens_per_block': 16}"),
+    ({"enable_prefix_caching": False}, "enable_prefix_caching: vLLM's name for kv_cache_config.enable_block_reuse; "
+                                       "pass kv_cache_config={'enable_block_reuse': False}"),
+    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype: vLLM's name for kv_cache_config.dtype; pass "
+                                "kv_cache_config={'dtype': 'fp8'}"),
+    ({"gpu_memory_utilization": 0.9}, "gpu_memory_utilization: vLLM's share of the whole GPU's memory (weights, "
+                                      "activations and KV cache); kvload sizes the KV cache from the memory free "
+                                      "after the weights: kv_cache_config.free_gpu_memory_fraction (or "
+                                      "kv_cache_config.max_gpu_total_bytes)"),
+    ({"swap_space": 4}, "swap_space: vLLM's CPU swap space in GiB per GPU; kvload's host tier (V2 only) is a byte "
+                        "count: kv_cache_config.host_cache_size (4GiB where vLLM says 4)"),
+])
+def test_the_python_api_refuses_a_vllm_name_with_the_field_to_pass(kwargs, message):
+    with pytest.raises(ConfigError) as info:
+        kvload.LLM("tiny-llama", log=False, **kwargs)
+    assert str(info.value) == message
+    assert info.value.source == "api"
+
+
+def test_a_config_file_refuses_a_vllm_name_with_the_key_to_write(capsys, tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("block_size: 16\n")
+    r = run_cli(capsys, "plan", "tiny-llama", "--config", cfg)
+    assert (r.code, r.out) == (2, "")
+    assert r.err == (f"error: config file {cfg}: block_size: vLLM's name for kv_cache_config.tokens_per_block; "
+                     "write kv_cache_config: {tokens_per_block: 16}\n")
