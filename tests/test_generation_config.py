@@ -407,3 +407,32 @@ def test_cli_serve_sizes_its_pools_and_default_max_tokens_by_the_models_max_new_
         with pytest.raises(SystemExit):
             command.cmd_serve(build_parser().parse_args(["serve", str(path), "--port", "0", "--device", "cpu", *flags]))
         assert seen == {"default_max_tokens": tokens, "derived": [pools]}
+
+
+def test_cli_serve_pools_for_the_models_max_new_tokens_stop_at_max_seq_len(tmp_path, tiny_checkpoints,
+                                                                             monkeypatch):
+    """A model's max_new_tokens past max_seq_len (valid in its file: no request grows past max_seq_len anyway) sizes
+    serve's CPU pools for 8 sequences of max_seq_len, as generate's are capped, not for 8 x (max_new_tokens + 1,024):
+    that refused to serve naming --default-max-tokens, a flag the user never gave, or allocated memory no request
+    could use; the audit names the file."""
+    from kvload.cli import build_parser
+    from kvload.serve import command, server
+
+    path = tmp_path / "long"
+    shutil.copytree(tiny_checkpoints("llama"), path)
+    _with_file(path, {"eos_token_id": 2, "max_new_tokens": 2**62})
+    seen = {}
+
+    def build_state(result, **kwargs):  # stop the command once the pools are built
+        seen.update(budget=[e["max_tokens"] for e in result.audit.of("kv_budget_computed")],
+                    reasons=[e["reason"] for e in result.audit.of("field_derived")
+                             if e["field"] == "kv_cache_config.default_max_tokens"])
+        raise SystemExit(0)
+
+    monkeypatch.setattr(server, "build_state", build_state)
+    with pytest.raises(SystemExit):
+        command.cmd_serve(build_parser().parse_args(["serve", str(path), "--port", "0", "--device", "cpu",
+                                                     "--max_seq_len", "64"]))
+    assert seen["budget"] == [8 * 64]
+    (reason,) = seen["reasons"]
+    assert "generation_config.json" in reason and "--default-max-tokens" not in reason
