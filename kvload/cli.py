@@ -506,10 +506,11 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     sampling.update(seed=ns.seed, stop=ns.stop, stop_token_ids=ns.stop_token_ids, n=ns.n, logprobs=ns.logprobs,
                     ignore_eos=ns.ignore_eos, presence_penalty=ns.presence_penalty,
                     frequency_penalty=ns.frequency_penalty, min_tokens=ns.min_tokens)
-    model = peek_sampling_defaults(request)
+    peeked = peek_sampling_defaults(request)
+    model = peeked.values
     max_new_tokens = sampling.get("max_tokens", model.get("max_tokens", DEFAULT_MAX_TOKENS))
     length = "--max_new_tokens" if "max_tokens" in sampling or "max_tokens" not in model else \
-        "max_new_tokens (the model's generation_config.json)"
+        default_length_origin(peeked)
     if ns.min_tokens > max_new_tokens:
         raise ConfigError(f"--min_tokens: expected at most {length} ({max_new_tokens}), got {ns.min_tokens}")
     SamplingParams.build(None, sampling, model)  # checked before anything loads
@@ -555,15 +556,15 @@ def _generate_pool_tokens(prompts: int, n: int, max_new_tokens: int, max_seq_len
                                 f"{formula} = {tokens} tokens when no --max_tokens is given)")
 
 
-def peek_sampling_defaults(request: Any) -> dict[str, Any]:
-    """The model's sampling defaults (``SamplingDefaults.values``) as the load will resolve them: its
+def peek_sampling_defaults(request: Any) -> Any:
+    """The model's sampling defaults (a ``SamplingDefaults``) as the load will resolve them: its
     generation_config.json under generation_config / override_generation_config (the flags, else the --config
     file's). Read before minutes of loading, because generate and serve size the KV pools by max_tokens; a value the
-    load would refuse gives {} here, and the load names it in its own words."""
+    load would refuse gives none here, and the load names it in its own words."""
     from models.checkpoint import resolve_checkpoint
     from pipeline.config import GENERATION_CONFIG_AUTO, GenerationDefaults
     from pipeline.converter import structure
-    from pipeline.generation_config import resolve_sampling_defaults
+    from pipeline.generation_config import SamplingDefaults, resolve_sampling_defaults
 
     try:
         tree = request.config
@@ -579,9 +580,20 @@ def peek_sampling_defaults(request: Any) -> dict[str, Any]:
             override.update(given if isinstance(given, dict) else {})
         checkpoint = resolve_checkpoint(request.model)
         return resolve_sampling_defaults(setting, structure(override, GenerationDefaults), checkpoint.path,
-                                         model=checkpoint.name).values
+                                         model=checkpoint.name)
     except (KvloadError, TypeError, ValueError):
-        return {}
+        return SamplingDefaults()
+
+
+def default_length_origin(defaults: Any) -> str:
+    """Where the default ``max_tokens`` of ``defaults`` (a ``SamplingDefaults`` that has one) came from, for messages
+    and audit reasons: ``override_generation_config.max_new_tokens`` (the user's, a flag or a --config key), else
+    ``max_new_tokens (FILE)``."""
+    from pipeline.generation_config import FROM_OVERRIDE
+
+    if defaults.sources.get("max_tokens") == FROM_OVERRIDE:
+        return "override_generation_config.max_new_tokens"
+    return f"max_new_tokens ({defaults.path or 'generation_config.json'})"
 
 
 def _user_max_seq_len(request: Any) -> int | None:

@@ -330,6 +330,19 @@ def test_cli_generate_takes_the_models_defaults_for_flags_left_out(capsys, tmp_p
     assert len(out["token_ids"]) == 2
 
 
+def test_cli_generate_names_where_the_default_max_new_tokens_came_from(capsys, tmp_path):
+    """--min_tokens past the default length names that length's origin: the override (a flag or --config key the
+    user gave), not a generation_config.json that tiny-llama does not have; the checkpoint's file by its name."""
+    r = run_cli(capsys, "generate", "tiny-llama", "--prompt-ids", "1,2", "--override_generation_config",
+                '{"max_new_tokens": 2}', "--min_tokens", "3")
+    assert_refused(r, "error: --min_tokens: expected at most override_generation_config.max_new_tokens (2), got 3")
+    assert "generation_config.json" not in r.err
+    path = _config_only(tmp_path, {"max_new_tokens": 2})
+    r = run_cli(capsys, "generate", path, "--prompt-ids", "1,2", "--min_tokens", "3")
+    assert_refused(r, f"error: --min_tokens: expected at most max_new_tokens ({path / 'generation_config.json'}) (2), "
+                      "got 3")
+
+
 def test_cli_generate_sizes_its_pools_for_the_models_max_new_tokens(capsys, tmp_path, tiny_checkpoints):
     """generate sizes the CPU pools by max_new_tokens before loading: the model's, read then, not the flag's default
     (64), which would refuse a request of 1,100 tokens as one that could never fit."""
@@ -343,7 +356,7 @@ def test_cli_generate_sizes_its_pools_for_the_models_max_new_tokens(capsys, tmp_
     assert r.code == 0, r.err
     (derived,) = [e for e in read_events(log) if e["event"] == "field_derived"
                   and e["field"] == "kv_cache_config.default_max_tokens"]
-    assert derived["new"] == 1100 + 1024 and "the model's generation_config.json" in derived["reason"]
+    assert derived["new"] == 1100 + 1024 and f"max_new_tokens ({path / 'generation_config.json'})" in derived["reason"]
 
 
 # --- kvload serve: a field the client did not send takes the model's default; one it sent wins ------------------
@@ -407,3 +420,32 @@ def test_cli_serve_sizes_its_pools_and_default_max_tokens_by_the_models_max_new_
         with pytest.raises(SystemExit):
             command.cmd_serve(build_parser().parse_args(["serve", str(path), "--port", "0", "--device", "cpu", *flags]))
         assert seen == {"default_max_tokens": tokens, "derived": [pools]}
+
+
+def test_cli_serve_pools_for_the_models_max_new_tokens_stop_at_max_seq_len(tmp_path, tiny_checkpoints,
+                                                                             monkeypatch):
+    """A model's max_new_tokens past max_seq_len (valid in its file: no request grows past max_seq_len anyway) sizes
+    serve's CPU pools for 8 sequences of max_seq_len, as generate's are capped, not for 8 x (max_new_tokens + 1,024):
+    that refused to serve naming --default-max-tokens, a flag the user never gave, or allocated memory no request
+    could use; the audit names the file."""
+    from kvload.cli import build_parser
+    from kvload.serve import command, server
+
+    path = tmp_path / "long"
+    shutil.copytree(tiny_checkpoints("llama"), path)
+    _with_file(path, {"eos_token_id": 2, "max_new_tokens": 2**62})
+    seen = {}
+
+    def build_state(result, **kwargs):  # stop the command once the pools are built
+        seen.update(budget=[e["max_tokens"] for e in result.audit.of("kv_budget_computed")],
+                    reasons=[e["reason"] for e in result.audit.of("field_derived")
+                             if e["field"] == "kv_cache_config.default_max_tokens"])
+        raise SystemExit(0)
+
+    monkeypatch.setattr(server, "build_state", build_state)
+    with pytest.raises(SystemExit):
+        command.cmd_serve(build_parser().parse_args(["serve", str(path), "--port", "0", "--device", "cpu",
+                                                     "--max_seq_len", "64"]))
+    assert seen["budget"] == [8 * 64]
+    (reason,) = seen["reasons"]
+    assert f"max_new_tokens ({path / 'generation_config.json'})" in reason and "--default-max-tokens" not in reason

@@ -180,12 +180,17 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     template = chat_template_text(ns.chat_template) if ns.chat_template is not None else None  # and a bad template
     request = cli._request(ns, load_weights=True, generates=True)
     # capped like generate's: past 2**63 - 1 the budget names --default-max-tokens
-    default_max_tokens = serve_max_tokens(ns.default_max_tokens, cli.peek_sampling_defaults(request))
+    peeked = cli.peek_sampling_defaults(request)
+    default_max_tokens = serve_max_tokens(ns.default_max_tokens, peeked.values)
     tokens = min(MAX_INT, SERVE_DEFAULT_SEQUENCES * (default_max_tokens + SERVE_PROMPT_ALLOWANCE))
+    # the model's max_new_tokens is no choice of the operator's: a file's value past max_seq_len (no request grows
+    # past it) must neither size pools nothing can use nor be refused naming a flag the operator never gave
+    from_model = ns.default_max_tokens is None and "max_tokens" in peeked.values
+    length = cli.default_length_origin(peeked) if from_model else "--default-max-tokens"
     request.caller_defaults[DEFAULT_MAX_TOKENS_FIELD] = CallerDefault(
-        tokens, "serve", f"--default-max-tokens (serve sizes the pools for {SERVE_DEFAULT_SEQUENCES} x "
+        tokens, "serve", f"{length} (serve sizes the pools for {SERVE_DEFAULT_SEQUENCES} x "
                          f"(default-max-tokens + {SERVE_PROMPT_ALLOWANCE}) = {tokens} tokens when no --max_tokens "
-                         "is given)")
+                         "is given)", sequences=SERVE_DEFAULT_SEQUENCES if from_model else None)
     with execute(request, load_stages(), subscribers=audit) as result:  # request events reach the audit too
         if ns.json and result.bus is not None:  # the output flag every command shares: serve prints no document
             from pipeline.events import SettingIgnored
