@@ -45,8 +45,10 @@ SAMPLING_KEYS: dict[str, str] = {
     "repetition_penalty": "repetition_penalty",
     "max_new_tokens": "max_tokens",
 }
-#: The keys ``do_sample: false`` takes out of the file's defaults: they only shape sampling.
-SAMPLING_ONLY = ("temperature", "top_p", "top_k", "min_p")
+#: The key ``do_sample: false`` takes out of the file's defaults: its temperature (greedy decoding is temperature 0).
+#: top_p, top_k and min_p stay: they do nothing while greedy, and a request that asks for a temperature samples with
+#: them, as transformers' ``generate(do_sample=True, ...)`` does over such a file.
+SAMPLING_ONLY = ("temperature",)
 #: What ``generation_config`` accepts, for error lines.
 ACCEPTED = (f'"{GENERATION_CONFIG_AUTO}" (the checkpoint\'s generation_config.json), "{GENERATION_CONFIG_NONE}" '
             "(ignore it: kvload's built-in sampling defaults) or a directory holding a generation_config.json")

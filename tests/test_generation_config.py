@@ -123,10 +123,11 @@ def test_do_sample_false_means_greedy_and_says_which_keys_it_left_out(tmp_path):
     greedy = {"do_sample": False, "temperature": 0.6, "top_p": 0.9, "repetition_penalty": 1.2}
     path = _config_only(tmp_path, greedy)
     event = _event(kvload.plan(str(path), log=False))
-    assert event["defaults"] == {"temperature": 0.0, "repetition_penalty": 1.2}  # a penalty acts on greedy too
+    # greedy: temperature 0; top_p stays for a request that asks for a temperature (it does nothing while greedy)
+    assert event["defaults"] == {"temperature": 0.0, "top_p": 0.9, "repetition_penalty": 1.2}
     assert event["sources"]["temperature"] == "do_sample"
-    assert set(event["not_applied"]) == {"temperature", "top_p"}
-    assert "do_sample is false" in event["not_applied"]["top_p"] and "greedy" in event["reason"]
+    assert set(event["not_applied"]) == {"temperature"}
+    assert "do_sample is false" in event["not_applied"]["temperature"] and "greedy" in event["reason"]
     # the user's do_sample decides for the file's keys
     event = _event(kvload.plan(str(path), log=False, override_generation_config={"do_sample": True}))
     assert event["defaults"] == {"temperature": 0.6, "top_p": 0.9, "repetition_penalty": 1.2}
