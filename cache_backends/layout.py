@@ -44,7 +44,7 @@ def cannot_generate(name: str, layers: Iterable[LayerKV]) -> str | None:
     if not unserved:
         return None
     return (f"generate: {name} has {', '.join(unserved)} attention layers; kvload's paged attention serves "
-            f"{', '.join(SERVED_KINDS)} layers only, so this model is plan/build only (DeepSeek V4)")
+            f"{', '.join(SERVED_KINDS)} layers only, so this model is plan/build only")
 
 
 DTYPE_SIZES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}

@@ -255,8 +255,8 @@ def default_budget_sequences(workload: Workload) -> int:
     * ``multi-turn``: one per conversation (all conversations are open at once).
     * ``long-context``: 2 — memory-bound on purpose: concurrency is then decided by what one
       sequence costs each manager (sliding windows, compression).
-    * ``mixed-priority``: ``answer_len // 4`` — a quarter of the requests a step's arrivals keep running,
-      so requests queue and ``scheduling_policy`` decides which wait.
+    * ``mixed-priority``: ``answer_len // 4``, at least 2 — a quarter of the ``answer_len + 1`` requests that
+      one arrival per step keeps running at once, so requests queue and ``scheduling_policy`` decides which wait.
 
     Never more than the number of requests.
     """
