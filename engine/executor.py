@@ -35,7 +35,7 @@ import attrs
 import torch
 
 from cache_backends.block_tables import BlockTableStore
-from cache_backends.interface import SchedulerOutput
+from cache_backends.interface import PrefixCacheInUseError, SchedulerOutput
 from cache_backends.layout import DECODE_KERNEL_KINDS, cannot_generate
 from cache_backends.paged_attention import PagedBatch, SeqChunk
 from cache_backends.request import Request
@@ -78,7 +78,14 @@ from models.geometry import text_config
 from models.paged_forward import ATTN_IMPLEMENTATION, route_paged_attention, run_forward, unfoldable_mla
 from pipeline.config import ATTENTION_BACKENDS, AUTO, LINEAR_BACKENDS
 from pipeline.errors import GenerationError, KvBuildError, KvRuntimeError, first_line, retitled
-from pipeline.events import Event, GenerationFailed, GenerationFinished, GenerationStarted, SettingIgnored
+from pipeline.events import (
+    Event,
+    GenerationFailed,
+    GenerationFinished,
+    GenerationStarted,
+    PrefixCacheReset,
+    SettingIgnored,
+)
 from pipeline.limits import MAX_DRAFT_LEN, MAX_INT, MAX_NGRAM, int_text, short
 
 #: A prompt: text (needs a tokenizer) or token ids.
@@ -621,6 +628,23 @@ class GenerationExecutor:
         off = getattr(self.manager, "reuse_off_reason", None)  # V2 says why (a layout that cannot be keyed, ...)
         off = off or (None if self.manager.options.enable_block_reuse else "enable_block_reuse is false")
         return None if off is None else f"prefix reuse is off: nothing is shared to scope ({off})"
+
+    def reset_prefix_cache(self, caller: str) -> tuple[bool, Event]:
+        """Forget every cached prefix (vLLM's ``reset_prefix_cache``): (whether it did, the event that says so),
+        for the caller to record (the serving loop's bus is its own thread's). A ``prefix_cache_reset`` when it did;
+        a ``setting_ignored`` naming ``caller`` when it could not act: prefix reuse is off (nothing is cached), or
+        requests still hold a cache (the manager's ``PrefixCacheInUseError``: their blocks may be cached)."""
+        off = self.salt_ignored()
+        if off is not None:
+            why = off.replace("nothing is shared to scope", "nothing is cached to forget")
+            return False, SettingIgnored(field=caller, value=True, reason=why)
+        stats = self.manager.stats()
+        cached = {name: g.evictable for name, g in stats.groups.items()}
+        try:
+            self.manager.reset_prefix_cache()
+        except PrefixCacheInUseError as exc:
+            return False, SettingIgnored(field=caller, value=True, reason=first_line(exc, "requests hold a cache"))
+        return True, PrefixCacheReset(caller=caller, cached_blocks=cached)
 
     @contextlib.contextmanager
     def paged_attention(self) -> Iterator[None]:
