@@ -551,7 +551,34 @@ class GenerationExecutor:
             if bad is not None:
                 raise GenerationError(f"generate: logit_bias: token id {int_text(bad)} is outside the vocabulary "
                                       f"(0..{self.vocab_size - 1})")
+            bad = next((t for t in p.allowed_token_ids or () if t >= self.vocab_size), None)
+            if bad is not None:
+                raise GenerationError(f"generate: allowed_token_ids: token id {int_text(bad)} is outside the "
+                                      f"vocabulary (0..{self.vocab_size - 1})")
+        for p in {id(p): p for p in params}.values():
+            if p.bad_words:
+                object.__setattr__(p, "_bad_words_token_ids", self._bad_words_token_ids(p.bad_words))
         return params
+
+    def _bad_words_token_ids(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+        """``bad_words`` as token id sequences, vLLM's way: each word as given (left-stripped), and after a space
+        where that gives a different first token in as many tokens (a word inside the text, not at its start)."""
+        if self.tokenizer is None:
+            raise GenerationError(f"generate: bad_words: banned words are tokenized, but {self.name} has no tokenizer "
+                                  "(presets take token ids); use allowed_token_ids or logit_bias instead")
+        out: list[tuple[int, ...]] = []
+        for i, word in enumerate(words):
+            bare = tuple(int(t) for t in self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(int(t) for t in self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            if not bare:
+                raise GenerationError(f"generate: bad_words[{i}]: {short(word)} gives no tokens")
+            for ids in (bare, spaced) if spaced and spaced[0] != bare[0] and len(spaced) == len(bare) else (bare,):
+                bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+                if bad is not None:
+                    raise GenerationError(f"generate: bad_words[{i}]: {short(word)} tokenizes to id {int_text(bad)}, "
+                                          f"outside the vocabulary (0..{self.vocab_size - 1})")
+                out.append(ids)
+        return tuple(out)
 
     def _lives(self, call: int, items: list[tuple[str | None, list[int]]], params: list[SamplingParams],
                per_prompt: bool, salt: str | None, arrivals: list[int], ranks: list[int] | None = None) -> list[_Live]:

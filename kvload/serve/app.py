@@ -670,7 +670,7 @@ class _Run:
                 self.engine.check(ids, params)
             except GenerationError as exc:  # a sampling value the model cannot take (stop_token_ids, logprobs)
                 msg = str(exc).removeprefix("generate: ")
-                head = msg.split(":", 1)[0]
+                head = msg.split(":", 1)[0].split("[", 1)[0]  # bad_words[2]: the field
                 raise BadRequest(msg, param=head if head.isidentifier() else "prompt") from None
             except KvBuildError as exc:
                 raise self._never_fits(job, i, len(ids), exc) from None
