@@ -35,7 +35,7 @@ import attrs
 import torch
 
 from cache_backends.block_tables import BlockTableStore
-from cache_backends.interface import SchedulerOutput
+from cache_backends.interface import PrefixCacheInUseError, SchedulerOutput
 from cache_backends.layout import DECODE_KERNEL_KINDS, cannot_generate
 from cache_backends.paged_attention import PagedBatch, SeqChunk
 from cache_backends.request import Request
@@ -78,7 +78,14 @@ from models.geometry import text_config
 from models.paged_forward import ATTN_IMPLEMENTATION, route_paged_attention, run_forward, unfoldable_mla
 from pipeline.config import ATTENTION_BACKENDS, AUTO, LINEAR_BACKENDS
 from pipeline.errors import GenerationError, KvBuildError, KvRuntimeError, first_line, retitled
-from pipeline.events import Event, GenerationFailed, GenerationFinished, GenerationStarted, SettingIgnored
+from pipeline.events import (
+    Event,
+    GenerationFailed,
+    GenerationFinished,
+    GenerationStarted,
+    PrefixCacheReset,
+    SettingIgnored,
+)
 from pipeline.limits import MAX_DRAFT_LEN, MAX_INT, MAX_NGRAM, int_text, short
 
 #: A prompt: text (needs a tokenizer) or token ids.
@@ -544,7 +551,34 @@ class GenerationExecutor:
             if bad is not None:
                 raise GenerationError(f"generate: logit_bias: token id {int_text(bad)} is outside the vocabulary "
                                       f"(0..{self.vocab_size - 1})")
+            bad = next((t for t in p.allowed_token_ids or () if t >= self.vocab_size), None)
+            if bad is not None:
+                raise GenerationError(f"generate: allowed_token_ids: token id {int_text(bad)} is outside the "
+                                      f"vocabulary (0..{self.vocab_size - 1})")
+        for p in {id(p): p for p in params}.values():
+            if p.bad_words:
+                object.__setattr__(p, "_bad_words_token_ids", self._bad_words_token_ids(p.bad_words))
         return params
+
+    def _bad_words_token_ids(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+        """``bad_words`` as token id sequences, vLLM's way: each word as given (left-stripped), and after a space
+        where that gives a different first token in as many tokens (a word inside the text, not at its start)."""
+        if self.tokenizer is None:
+            raise GenerationError(f"generate: bad_words: banned words are tokenized, but {self.name} has no tokenizer "
+                                  "(presets take token ids); use allowed_token_ids or logit_bias instead")
+        out: list[tuple[int, ...]] = []
+        for i, word in enumerate(words):
+            bare = tuple(int(t) for t in self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(int(t) for t in self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            if not bare:
+                raise GenerationError(f"generate: bad_words[{i}]: {short(word)} gives no tokens")
+            for ids in (bare, spaced) if spaced and spaced[0] != bare[0] and len(spaced) == len(bare) else (bare,):
+                bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+                if bad is not None:
+                    raise GenerationError(f"generate: bad_words[{i}]: {short(word)} tokenizes to id {int_text(bad)}, "
+                                          f"outside the vocabulary (0..{self.vocab_size - 1})")
+                out.append(ids)
+        return tuple(out)
 
     def _lives(self, call: int, items: list[tuple[str | None, list[int]]], params: list[SamplingParams],
                per_prompt: bool, salt: str | None, arrivals: list[int], ranks: list[int] | None = None) -> list[_Live]:
@@ -621,6 +655,23 @@ class GenerationExecutor:
         off = getattr(self.manager, "reuse_off_reason", None)  # V2 says why (a layout that cannot be keyed, ...)
         off = off or (None if self.manager.options.enable_block_reuse else "enable_block_reuse is false")
         return None if off is None else f"prefix reuse is off: nothing is shared to scope ({off})"
+
+    def reset_prefix_cache(self, caller: str) -> tuple[bool, Event]:
+        """Forget every cached prefix (vLLM's ``reset_prefix_cache``): (whether it did, the event that says so),
+        for the caller to record (the serving loop's bus is its own thread's). A ``prefix_cache_reset`` when it did;
+        a ``setting_ignored`` naming ``caller`` when it could not act: prefix reuse is off (nothing is cached), or
+        requests still hold a cache (the manager's ``PrefixCacheInUseError``: their blocks may be cached)."""
+        off = self.salt_ignored()
+        if off is not None:
+            why = off.replace("nothing is shared to scope", "nothing is cached to forget")
+            return False, SettingIgnored(field=caller, value=True, reason=why)
+        stats = self.manager.stats()
+        cached = {name: g.evictable for name, g in stats.groups.items()}
+        try:
+            self.manager.reset_prefix_cache()
+        except PrefixCacheInUseError as exc:
+            return False, SettingIgnored(field=caller, value=True, reason=first_line(exc, "requests hold a cache"))
+        return True, PrefixCacheReset(caller=caller, cached_blocks=cached)
 
     @contextlib.contextmanager
     def paged_attention(self) -> Iterator[None]:

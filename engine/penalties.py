@@ -9,7 +9,10 @@ sampled; log-probabilities stay the model's own (vLLM's default ``raw_logprobs``
   output's tokens only (OpenAI's);
 * ``min_tokens`` m: while the output holds fewer than m tokens, EOS (unless ``ignore_eos``) and the stop token ids
   cannot be drawn;
-* ``logit_bias``: added to its tokens' logits first (OpenAI's).
+* ``logit_bias``: added to its tokens' logits first (OpenAI's);
+* ``allowed_token_ids`` (vLLM's): every other token cannot be drawn (applied before the bias);
+* ``bad_words`` (vLLM's, as token id sequences): a word's last token cannot be drawn where the output so far ends
+  with the tokens before it (a one-token word: never).
 
 A step with drafts (speculative decoding) has one row per draft position: row ``j`` of a request is penalized as
 if its first ``j`` drafts were already output, exactly as a step per token would. Each request's counts are kept
@@ -91,6 +94,35 @@ def _bias(params: SamplingParams, device: torch.device) -> tuple[torch.Tensor, t
 _BIASES: dict[tuple[int, torch.device], tuple[SamplingParams, torch.Tensor, torch.Tensor, dict[int, float]]] = {}
 
 
+def _allowed(params: SamplingParams, device: torch.device) -> torch.Tensor:
+    """``params.allowed_token_ids`` as a long tensor, built once per SamplingParams and device (a tuple: immutable)."""
+    key = (id(params), device)
+    hit = _ALLOWED.get(key)
+    if hit is None or hit[0] is not params:
+        hit = _ALLOWED[key] = (params, torch.tensor(sorted(set(params.allowed_token_ids or ())), dtype=torch.long,
+                                                    device=device))
+        if len(_ALLOWED) > 256:  # a long-running server sees many requests' params: keep the newest
+            del _ALLOWED[next(iter(_ALLOWED))]
+    return hit[1]
+
+
+_ALLOWED: dict[tuple[int, torch.device], tuple[SamplingParams, torch.Tensor]] = {}
+
+
+def _banned(words: Sequence[Sequence[int]], out: Sequence[int], drafts: Sequence[int]) -> list[int]:
+    """The bad words' last tokens banned after ``out`` then ``drafts`` (vLLM's rule: a word whose tokens before its
+    last are the tail of the output so far; the output only, never the prompt)."""
+    n_out, n = len(out), len(out) + len(drafts)
+    banned = []
+    for word in words:
+        k = len(word) - 1
+        if k > n:
+            continue
+        if all((out[p] if p < n_out else drafts[p - n_out]) == word[i] for i, p in enumerate(range(n - k, n))):
+            banned.append(word[-1])
+    return banned
+
+
 def penalize(logits: torch.Tensor, counts: Sequence[int], requests: Sequence[tuple[SamplingParams, Request]],
              eos_token_ids: Collection[int]) -> torch.Tensor:
     """``logits`` (``counts[i]`` rows per request ``i``, in order: 1, or 1 + the drafts it computed) with each
@@ -110,15 +142,19 @@ def penalize(logits: torch.Tensor, counts: Sequence[int], requests: Sequence[tup
                               | (set() if params.ignore_eos else {t for t in eos_token_ids if t < vocab})) \
                 if generated < params.min_tokens else []
             drafts = request.draft_token_ids
+            words = params._bad_words_token_ids
+            out_ids = request.output_token_ids
             # row j follows the first j drafts: output, as a step per token would have them
-            rows.extend((start + j, params, seen, stop_ids, generated + j, drafts[:j]) for j in range(c))
+            rows.extend((start + j, params, seen, stop_ids, generated + j, drafts[:j],
+                         _banned(words, out_ids, drafts[:j]) if words else []) for j in range(c))
         start += c
     _penalize_rows(out, rows)
     return out
 
 
-#: (row, params, seen, stop ids, tokens generated before it, the drafts before it) of one row to penalize
-_Row = tuple[int, SamplingParams, _Seen, list[int], int, Sequence[int]]
+#: (row, params, seen, stop ids, tokens generated before it, the drafts before it, bad words' tokens banned) of one
+#: row to penalize
+_Row = tuple[int, SamplingParams, _Seen, list[int], int, Sequence[int], list[int]]
 
 
 def _penalize_rows(out: torch.Tensor, rows: list[_Row]) -> None:
@@ -132,6 +168,12 @@ def _penalize_rows(out: torch.Tensor, rows: list[_Row]) -> None:
     def at(row: int, ids: torch.Tensor) -> torch.Tensor:
         return ids + row * vocab
 
+    allowed = [(row, _allowed(p, device)) for row, p, *_ in rows if p.allowed_token_ids is not None]
+    if allowed:  # first, as vLLM's: every other token of the row to -inf, the allowed ones kept
+        where = torch.cat([at(row, ids) for row, ids in allowed])
+        kept = flat[where]
+        out[torch.tensor([row for row, _ in allowed], dtype=torch.long, device=device)] = -torch.inf
+        flat[where] = kept
     biased = [(row, *_bias(p, device)) for row, p, *_ in rows if p.logit_bias]
     if biased:  # first, as vLLM's logits processors come before its penalties
         flat.index_add_(0, torch.cat([at(row, ids) for row, ids, _ in biased]), torch.cat([b for *_, b in biased]))
@@ -141,7 +183,7 @@ def _penalize_rows(out: torch.Tensor, rows: list[_Row]) -> None:
     fresh_r: list[float] = []
     drafted_at: list[int] = []  # each distinct draft before a row: its flat index, what presence + frequency take
     drafted: list[float] = []
-    for row, p, seen, _, _, drafts in rows:
+    for row, p, seen, _, _, drafts, _ in rows:
         rep, f, pres = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
         if rep != 1.0:
             repeated.append((at(row, seen.seen_ids), torch.full((len(seen.seen_ids),), rep, device=device)))
@@ -171,8 +213,9 @@ def _penalize_rows(out: torch.Tensor, rows: list[_Row]) -> None:
                         torch.tensor(drafted, dtype=torch.float32, device=device)))
     if counted:
         flat.index_add_(0, torch.cat([ids for ids, _ in counted]), torch.cat([d for _, d in counted]))
-    held = [row * vocab + t for row, p, _, stop_ids, generated, _ in rows if generated < p.min_tokens
+    held = [row * vocab + t for row, p, _, stop_ids, generated, _, _ in rows if generated < p.min_tokens
             for t in stop_ids]
+    held += [row * vocab + t for row, *_, banned in rows for t in banned]
     if held:
         flat[torch.tensor(held, dtype=torch.long, device=device)] = -torch.inf
 

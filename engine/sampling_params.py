@@ -18,6 +18,8 @@ import attrs
 from engine.prompts import check_text, is_token_id
 from pipeline.errors import GenerationError
 from pipeline.limits import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORDS,
     MAX_BIAS,
     MAX_INT,
     MAX_LOGIT_BIAS,
@@ -171,6 +173,32 @@ def _ints(value: Any) -> Any:
     return value
 
 
+def _allowed(value: Any) -> Any:
+    """``allowed_token_ids``: None stays None; a list → a tuple of plain ints, counted before it is copied (anything
+    else is left for the check to name)."""
+    if value is None:
+        return None
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray)):
+        if len(value) > MAX_ALLOWED_TOKEN_IDS:
+            raise GenerationError(f"generate: allowed_token_ids: expected at most {MAX_ALLOWED_TOKEN_IDS:,} token ids, "
+                                  f"got a list of {len(value):,}")
+        return tuple(map(_plain_int, value))
+    return value
+
+
+def _words(value: Any) -> Any:
+    """``bad_words``: None → (); a list → a tuple, counted before it is copied (a lone string is refused by the
+    check: vLLM takes a list, and a string would be read as its characters)."""
+    if value is None:
+        return ()
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray)):
+        if len(value) > MAX_BAD_WORDS:
+            raise GenerationError(f"generate: bad_words: expected at most {MAX_BAD_WORDS:,} strings, got a list of "
+                                  f"{len(value):,}")
+        return tuple(value)
+    return value
+
+
 @attrs.frozen(init=False)
 class SamplingParams:
     """How a call picks tokens: greedy at ``temperature == 0``, else softmax(logits / T) within top-k and top-p.
@@ -199,6 +227,10 @@ class SamplingParams:
     tokenizer's decoder may put between tokens (vLLM's three text settings). ``prompt_logprobs``: the
     prompt's tokens scored too (``RequestOutput.prompt_logprobs``, vLLM's; the prompt is then prefilled whole, not
     read from the prefix cache, as its logits are needed; its blocks are still cached for later requests).
+    ``allowed_token_ids`` (vLLM's): only these ids may be sampled (None: any; at most ``MAX_ALLOWED_TOKEN_IDS``).
+    ``bad_words`` (vLLM's): strings never generated: each is tokenized (as is and after a space, vLLM's rule) and its
+    last token is banned wherever the output so far ends with the tokens before it; needs a tokenizer (at most
+    ``MAX_BAD_WORDS`` of ``MAX_STOP_CHARS`` characters).
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -221,6 +253,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
     spaces_between_special_tokens: bool = True
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
+    #: ``bad_words`` as token id sequences, set by the executor from its tokenizer (vLLM's ``_bad_words_token_ids``)
+    _bad_words_token_ids: tuple[tuple[int, ...], ...] = attrs.field(default=(), init=False, eq=False, repr=False)
 
     def __init__(self, *, max_tokens: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | None = None, stop: str | Sequence[str] | None = None,
@@ -229,7 +265,8 @@ class SamplingParams:
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0, min_tokens: int = 0,
                  min_p: float = 0.0, logit_bias: Mapping[int, float] | None = None,
                  include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
-                 prompt_logprobs: int | None = None, spaces_between_special_tokens: bool = True) -> None:
+                 prompt_logprobs: int | None = None, spaces_between_special_tokens: bool = True,
+                 allowed_token_ids: Sequence[int] | None = None, bad_words: Sequence[str] | None = None) -> None:
         """Keywords only (the field order may grow); ``max_new_tokens`` is an alias of ``max_tokens``."""
         length_name = "max_tokens"
         if max_new_tokens is not None:
@@ -249,7 +286,8 @@ class SamplingParams:
         self.__attrs_init__(max_tokens, temperature, top_p, top_k, seed, _strings(stop), _ints(stop_token_ids), n,
                             logprobs, ignore_eos, repetition_penalty, presence_penalty, frequency_penalty,
                             min_tokens, min_p, _biases(logit_bias), include_stop_str_in_output,
-                            skip_special_tokens, prompt_logprobs, spaces_between_special_tokens)
+                            skip_special_tokens, prompt_logprobs, spaces_between_special_tokens,
+                            _allowed(allowed_token_ids), _words(bad_words))
 
     def __attrs_post_init__(self) -> None:
         check(is_finite(self.temperature) and self.temperature >= 0,
@@ -289,13 +327,26 @@ class SamplingParams:
                       for t, b in self.logit_bias.items()),
               "logit_bias", f"a mapping of token ids (integers >= 0) to numbers in [-{MAX_BIAS:g}, {MAX_BIAS:g}]",
               self.logit_bias)
+        check(self.allowed_token_ids is None
+              or (isinstance(self.allowed_token_ids, tuple) and self.allowed_token_ids
+                  and all(is_int(t) and 0 <= t <= MAX_INT for t in self.allowed_token_ids)),
+              "allowed_token_ids", "a non-empty list of token ids (integers >= 0), or None for any",
+              self.allowed_token_ids)
+        check(isinstance(self.bad_words, tuple) and all(isinstance(w, str) and w.strip() for w in self.bad_words),
+              "bad_words", "a list of non-empty strings", self.bad_words)
+        for i, word in enumerate(self.bad_words):
+            if len(word) > MAX_STOP_CHARS:
+                raise GenerationError(f"generate: bad_words[{i}]: expected a string of at most {MAX_STOP_CHARS:,} "
+                                      f"characters, got {len(word):,}")
+            check_text(f"bad_words[{i}]", word)  # tokenized: a lone surrogate would reach the tokenizer
 
     @property
     def penalizes(self) -> bool:
         """Whether the logits change before temperature: a bias, a penalty, or ``min_tokens`` holding back the stop
         tokens."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.min_tokens > 0 or bool(self.logit_bias))
+                or self.min_tokens > 0 or bool(self.logit_bias) or self.allowed_token_ids is not None
+                or bool(self.bad_words))
 
     @classmethod
     def _beam_step(cls, alternatives: int) -> SamplingParams:
@@ -318,7 +369,10 @@ class SamplingParams:
     def to_dict(self) -> dict[str, Any]:
         """Plain form (lists for the tuples), e.g. for JSON."""
         data = attrs.asdict(self)
+        del data["_bad_words_token_ids"]  # derived from the tokenizer, not a setting
         data["stop"], data["stop_token_ids"] = list(self.stop), list(self.stop_token_ids)
+        data["bad_words"] = list(self.bad_words)
+        data["allowed_token_ids"] = None if self.allowed_token_ids is None else list(self.allowed_token_ids)
         data["logit_bias"] = {str(t): b for t, b in self.logit_bias.items()}  # JSON's keys are strings (OpenAI's)
         return data
 
@@ -336,7 +390,7 @@ class SamplingParams:
                 raise GenerationError(f"generate: pass sampling settings either as sampling_params or as keywords "
                                       f"({', '.join(sorted(keywords))}), not both")
             return params
-        known = {a.name for a in attrs.fields(cls)} | {"max_new_tokens"}
+        known = {a.name for a in attrs.fields(cls) if a.init} | {"max_new_tokens"}
         unknown = sorted(set(keywords) - known)
         if unknown:
             raise GenerationError(f"generate: unknown argument {unknown[0]!r}; sampling fields are "

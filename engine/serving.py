@@ -385,6 +385,14 @@ class ServingEngine:
             self._aborts.add(req_id)
             self._cond.notify_all()
 
+    def reset_prefix_cache(self) -> tuple[bool, Event]:
+        """Forget every cached prefix between two steps (the executor's :meth:`~GenerationExecutor.reset_prefix_cache`,
+        the server's ``POST /reset_prefix_cache``): (whether it did, the event the loop thread records)."""
+        with self.state_lock:  # no step reads or caches blocks meanwhile
+            done, event = self.executor.reset_prefix_cache("serve.reset_prefix_cache")
+        self.notify(event)
+        return done, event
+
     # --- metrics' view -----------------------------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:

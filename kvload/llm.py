@@ -239,6 +239,18 @@ class LLM:
                 closed.set()
                 worker.join()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, so the next call computes its prompts afresh (vLLM's ``LLM.reset_prefix_cache``,
+        which benchmarks call between runs): True when it did (the audit's ``prefix_cache_reset``). False, with a
+        ``setting_ignored``, when prefix reuse is off (nothing is cached). While a call runs on this LLM (a
+        ``generate_stream`` still open, another thread generating) it raises ``GenerationError`` as every other call
+        does: its requests hold the cache, and a False a benchmark never reads would time a warm cache as a cold one.
+        """
+        with self._exclusive("reset_prefix_cache"), self._running("reset_prefix_cache") as executor:
+            done, event = executor.reset_prefix_cache("LLM.reset_prefix_cache")
+            executor._event(event)
+            return done
+
     # --- lifetime -------------------------------------------------------------------------------
 
     def _check_open(self) -> None:

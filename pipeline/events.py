@@ -344,6 +344,16 @@ class RequestFinished(Event):
     reused_prompt_tokens: int
 
 
+@event("prefix_cache_reset")
+class PrefixCacheReset(Event):
+    """``reset_prefix_cache`` forgot every cached prefix (``LLM.reset_prefix_cache``, or the server's
+    ``POST /reset_prefix_cache`` under ``--enable-reset-prefix-cache``): no later request reuses what was cached
+    before it. A reset that could not act (prefix reuse off, requests holding a cache) is a ``setting_ignored``."""
+
+    caller: str  # "LLM.reset_prefix_cache" or "serve"
+    cached_blocks: dict[str, int]  # per KV group: the cached (evictable) blocks it dropped
+
+
 @event("generation_started")
 class GenerationStarted(Event):
     """A ``generate`` call begins: its prompts and sampling settings (each call is one audit segment)."""

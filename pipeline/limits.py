@@ -38,6 +38,10 @@ MAX_LOGPROBS = 20
 MAX_SCORED_PROMPT_TOKENS = 262_144
 #: Most tokens one ``logit_bias`` may bias (OpenAI sets no number; each is a scatter per step, and a body's share).
 MAX_LOGIT_BIAS = 4096
+#: Most ``allowed_token_ids`` (a vocabulary of 262,144 is Gemma 3's, the largest kvload serves) and ``bad_words``
+#: (each at most ``MAX_STOP_CHARS`` characters): both are walked on every step of their request.
+MAX_ALLOWED_TOKEN_IDS = 262_144
+MAX_BAD_WORDS = 1024
 #: A ``logit_bias`` value's bound (OpenAI's: -100 bans a token, 100 all but forces it).
 MAX_BIAS = 100.0
 #: Longest suffix speculative decoding matches (``max_matching_ngram_size``) and most drafts per step

@@ -59,6 +59,9 @@ class ServeState:
     max_concurrent_requests: int = MAX_CONCURRENT_DEFAULT  # generation requests in the server at once; more: 503
     #: a request's own chat_template (Jinja run here, its cost the client's to choose) only when the operator says so
     trust_request_chat_template: bool = False
+    #: ``POST /reset_prefix_cache`` exists only when the operator says so: any client could otherwise drop every
+    #: tenant's cached prefixes, over and over (vLLM keeps it to its dev mode)
+    enable_reset_prefix_cache: bool = False
     in_flight: int = 0  # generation requests in the server now (only the event loop's thread touches it)
     created: int = attrs.Factory(lambda: int(time.time()))
 
@@ -112,6 +115,19 @@ def create_app(state: ServeState) -> FastAPI:
     async def metrics() -> Response:
         body = await asyncio.to_thread(state.metrics.render)  # a scrape may wait for the step in flight
         return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    if state.enable_reset_prefix_cache:
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache() -> dict[str, Any]:
+            """vLLM's dev-mode route: 200 ``{"reset": true}``; 409 while requests hold a cache (nothing dropped);
+            200 ``{"reset": false, "reason": ...}`` when prefix reuse is off (nothing is cached)."""
+            done, event = await asyncio.to_thread(state.engine.reset_prefix_cache)  # waits for the step in flight
+            if done:
+                return {"reset": True}
+            if state.engine.executor.salt_ignored() is None:  # reuse is on: requests hold the cache
+                raise BadRequest(f"{event.reason}; try again when they have finished", status=409,
+                                 kind="conflict_error", code="prefix_cache_in_use")
+            return {"reset": False, "reason": event.reason}
 
     @app.get("/v1/kvload/audit")
     async def audit() -> Response:
@@ -654,7 +670,7 @@ class _Run:
                 self.engine.check(ids, params)
             except GenerationError as exc:  # a sampling value the model cannot take (stop_token_ids, logprobs)
                 msg = str(exc).removeprefix("generate: ")
-                head = msg.split(":", 1)[0]
+                head = msg.split(":", 1)[0].split("[", 1)[0]  # bad_words[2]: the field
                 raise BadRequest(msg, param=head if head.isidentifier() else "prompt") from None
             except KvBuildError as exc:
                 raise self._never_fits(job, i, len(ids), exc) from None

@@ -110,6 +110,10 @@ def add_serve_command(sub: Any) -> None:
                    help="accept a request's own chat_template (Jinja the server runs, as slow as the client "
                         "writes it, up to 1,000,000 steps or 5 s, like every template); without it such a request "
                         "gets HTTP 400 and the model's template applies to every other (vLLM's flag)")
+    g.add_argument("--enable-reset-prefix-cache", "--enable_reset_prefix_cache", dest="enable_reset_prefix_cache",
+                   action="store_true",
+                   help="serve POST /reset_prefix_cache (vLLM's, there in dev mode only): drops every cached prefix, "
+                        "for benchmarks between runs; off by default, as any client could drop everyone's cache")
     p.set_defaults(func=cmd_serve)
 
 
@@ -203,7 +207,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                             read_timeout_s=ns.request_read_timeout,
                             max_concurrent_requests=ns.max_concurrent_requests,
                             trust_request_chat_template=ns.trust_request_chat_template, chat_template=template,
-                            chat_template_flag="--chat-template")
+                            chat_template_flag="--chat-template",
+                            enable_reset_prefix_cache=ns.enable_reset_prefix_cache)
         mirror = None
         if ns.kv_events_file is not None:  # a full disk later stops the mirror with a warning, never a request
             mirror = mirror_kv_events(state, ns.kv_events_file, "--kv-events-file")

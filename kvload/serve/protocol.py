@@ -162,7 +162,9 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "
            "echo",  # chat's: the last message before the reply (vLLM's)
            # vLLM's: the prefix cache's salt, prompt scores, prompt truncation, the answer's id, text output (accepted
            # at the one value kvload serves) and priority (any value under --scheduling_policy priority, else 0)
-           "cache_salt", "prompt_logprobs", "truncate_prompt_tokens", "request_id", "response_format", "priority"}
+           "cache_salt", "prompt_logprobs", "truncate_prompt_tokens", "request_id", "response_format", "priority",
+           # vLLM's sampling constraints, checked by SamplingParams (bad_words by the tokenizer, at submission)
+           "allowed_token_ids", "bad_words"}
 _COMPLETION = _COMMON | {"prompt", "best_of"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"} | TEMPLATE_OPTIONS
 
@@ -190,6 +192,13 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
     extras.update({name: defaults[name] for name in defaulted if name in _SAMPLING_EXTRAS})
     if body.get("logit_bias") is not None:
         extras["logit_bias"] = _logit_bias(body["logit_bias"])
+    if body.get("allowed_token_ids") is not None:  # JSON's true is no token id, nor 1.0: SamplingParams refuses them
+        _need(isinstance(body["allowed_token_ids"], list), "allowed_token_ids",
+              "a non-empty list of token ids (integers >= 0)", body["allowed_token_ids"])
+        extras["allowed_token_ids"] = body["allowed_token_ids"]
+    if body.get("bad_words") is not None:
+        _need(isinstance(body["bad_words"], list), "bad_words", "a list of non-empty strings", body["bad_words"])
+        extras["bad_words"] = body["bad_words"]
     for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"):  # vLLM's
         if body.get(name) is not None:
             extras[name] = _flag(body, name, False)

@@ -41,7 +41,7 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
                 read_timeout_s: float = READ_TIMEOUT_DEFAULT,
                 max_concurrent_requests: int = MAX_CONCURRENT_DEFAULT,
                 trust_request_chat_template: bool = False, chat_template: str | None = None,
-                chat_template_flag: str = "chat_template") -> ServeState:
+                chat_template_flag: str = "chat_template", enable_reset_prefix_cache: bool = False) -> ServeState:
     """Engine (not started) and metrics over a ``load(..., load_weights=True)`` result; from now on its audit log
     keeps the load's records and the newest ``audit_keep`` (``/v1/kvload/audit`` serves them). A request body
     over ``max_request_bytes`` is refused unread (None: :func:`default_max_request_bytes` of the model); a
@@ -50,7 +50,9 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
     ``chat_template`` is refused (400) unless ``trust_request_chat_template``. ``chat_template``: a Jinja template
     that replaces the tokenizer's for every chat request and ``/tokenize`` of messages (the operator's, e.g. for a
     base model without one; ``chat_template_text`` reads ``--chat-template``), refused for a model without a
-    tokenizer by a ``ConfigError`` naming ``chat_template_flag``. A request that sends no sampling field takes the
+    tokenizer by a ``ConfigError`` naming ``chat_template_flag``. ``enable_reset_prefix_cache``: serve
+    ``POST /reset_prefix_cache`` (off: 404, as vLLM outside its dev mode; any client could drop every cache). A
+    request that sends no sampling field takes the
     model's default for it (``result.sampling_defaults``: its generation_config.json); one that sends no
     ``max_tokens`` takes ``default_max_tokens`` (None: the model's max_new_tokens, else
     :data:`~kvload.serve.command.DEFAULT_MAX_TOKENS`), cut to what max_seq_len leaves."""
@@ -70,6 +72,8 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
     if not isinstance(trust_request_chat_template, bool):
         raise ConfigError(f"trust_request_chat_template: expected true or false, got "
                           f"{short(trust_request_chat_template)}")
+    if not isinstance(enable_reset_prefix_cache, bool):
+        raise ConfigError(f"enable_reset_prefix_cache: expected true or false, got {short(enable_reset_prefix_cache)}")
     if chat_template is not None:
         tokenizer = getattr(result, "tokenizer", None)
         if tokenizer is None:
@@ -90,7 +94,8 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
                       max_request_bytes=max_request_bytes, default_max_tokens=default_max_tokens,
                       sampling_defaults={k: v for k, v in sampling.items() if k != "max_tokens"},
                       read_timeout_s=float(read_timeout_s), max_concurrent_requests=max_concurrent_requests,
-                      trust_request_chat_template=trust_request_chat_template)
+                      trust_request_chat_template=trust_request_chat_template,
+                      enable_reset_prefix_cache=enable_reset_prefix_cache)
 
 
 
