@@ -558,7 +558,24 @@ class GenerationExecutor:
         for p in {id(p): p for p in params}.values():
             if p.bad_words:
                 object.__setattr__(p, "_bad_words_token_ids", self._bad_words_token_ids(p.bad_words))
+            self._check_something_allowed(p)
         return params
+
+    def _check_something_allowed(self, p: SamplingParams) -> None:
+        """``GenerationError`` when ``allowed_token_ids`` leaves no token to draw: every allowed id is a one-token bad
+        word, or a stop token held back by ``min_tokens``. Every logit would be -inf: greedy would return token 0
+        and sampling fail inside torch (vLLM has the same hole)."""
+        if p.allowed_token_ids is None:
+            return
+        left = set(p.allowed_token_ids) - {w[0] for w in p._bad_words_token_ids if len(w) == 1}
+        banned_by = "bad_words" if not left else ""
+        if left and p.min_tokens > 0:
+            held = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+            if not left - held:
+                left, banned_by = set(), "min_tokens (it holds back the stop and end-of-sequence tokens until then)"
+        if not left:
+            raise GenerationError(f"generate: allowed_token_ids: every allowed token is banned by {banned_by}, so "
+                                  "no token could be generated; allow another token")
 
     def _bad_words_token_ids(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
         """``bad_words`` as token id sequences, vLLM's way: each word as given (left-stripped), and after a space

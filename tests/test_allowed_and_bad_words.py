@@ -51,6 +51,20 @@ def test_greedy_picks_the_most_likely_allowed_token(llm):
     assert tokens(llm, allowed_token_ids=ALLOWED)[0] == best
 
 
+def test_allowed_ids_that_leave_nothing_to_draw_are_one_line_before_any_step(llm):
+    """Every allowed id banned (a one-token bad word, or an end-of-sequence id held back by min_tokens): every logit
+    would be -inf, and greedy returned token 0 without a word. Refused before generating, naming both settings."""
+    eos = sorted(llm.result.executor.eos_token_ids)[0]
+    with pytest.raises(GenerationError, match=r"^generate: allowed_token_ids: every allowed token is banned by "
+                                              r"bad_words, so no token could be generated; allow another token$"):
+        llm.generate(PROMPT, max_tokens=4, allowed_token_ids=[42], bad_words=["w42"])
+    with pytest.raises(GenerationError, match=r"allowed_token_ids: every allowed token is banned by min_tokens"):
+        llm.generate(PROMPT, max_tokens=4, allowed_token_ids=[eos], min_tokens=2)
+    # one allowed id left over is enough, and the reason does not apply without min_tokens
+    assert set(tokens(llm, allowed_token_ids=[42, 99], bad_words=["w42"])) == {99}
+    assert llm.generate(PROMPT, max_tokens=1, allowed_token_ids=[eos])[0].outputs[0].token_ids == [eos]
+
+
 def test_a_bad_word_is_never_generated_and_the_rest_stays_greedy(llm):
     plain = tokens(llm)
     banned = plain[3]
