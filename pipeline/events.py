@@ -483,6 +483,25 @@ class KvEventsFileFailed(Event):
     reason: str
 
 
+@event("api_key_required")
+class ApiKeyRequired(Event):
+    """``kvload serve`` answers only requests with ``Authorization: Bearer KEY`` (one of ``keys`` keys) on every path
+    but ``open_paths``; never the key itself, only where it came from."""
+
+    source: str  # "--api-key", "KVLOAD_API_KEY", "VLLM_API_KEY", or "api_keys" (build_state's keyword)
+    keys: int
+    open_paths: list[str]
+
+
+@event("serve_without_api_key", level="warning")
+class ServeWithoutApiKey(Event):
+    """``kvload serve`` listens beyond this machine (``--host 0.0.0.0``) and requires no API key."""
+
+    host: str  # as given to --host
+    address: str  # the address the socket bound
+    reason: str
+
+
 @event("kv_manager_built")
 class KvManagerBuilt(Event):
     """The KV cache manager and its pools exist on the device: per-group blocks and bytes, capacity."""

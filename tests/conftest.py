@@ -12,6 +12,10 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# a key exported in the developer's shell (vLLM's, or kvload's) would make every `kvload serve` a test starts answer
+# 401; the tests that want one set it themselves
+os.environ.pop("KVLOAD_API_KEY", None)
+os.environ.pop("VLLM_API_KEY", None)
 
 from models import ModelSpec, register_model, unregister_model
 

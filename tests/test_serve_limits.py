@@ -171,14 +171,14 @@ def test_a_refusal_s_reason_follows_its_status_and_a_server_failure_is_no_refusa
     from kvload.serve.metrics import ServeMetrics
 
     m = ServeMetrics("m")
-    for status in (413, 413, 408, 503, 404, 400, 418, 500, 200):
+    for status in (413, 413, 408, 503, 404, 400, 401, 418, 500, 200):
         m.on_refused(status)
     m.on_refused(503, "server_shutting_down")  # a 503 while the server stops is not a busy server
     m.on_refused(503, "server_busy")
     got = {s.labels["reason"]: s.value for f in text_string_to_metric_families(m.render().decode())
            for s in f.samples if s.name == REFUSED}
     assert got == {"too_large": 2, "read_timeout": 1, "busy": 2, "model_not_found": 1, "bad_request": 2,
-                   "shutting_down": 1}
+                   "shutting_down": 1, "unauthorized": 1}
 
 
 def test_prompt_tokens_count_prompts_that_were_processed_and_every_finish_reason_starts_at_zero():

@@ -33,6 +33,7 @@ from starlette.requests import ClientDisconnect
 
 from engine.serving import EngineStopped, ServeEvent, ServingEngine
 from engine.stopping import SampleText
+from kvload.serve.auth import ApiKeyGate
 from kvload.serve.command import MAX_CONCURRENT_DEFAULT, READ_TIMEOUT_DEFAULT
 from kvload.serve.metrics import ServeMetrics
 from kvload.serve.protocol import BadRequest, Job, parse, parse_detokenize, parse_tokenize, request_id
@@ -62,6 +63,8 @@ class ServeState:
     #: ``POST /reset_prefix_cache`` exists only when the operator says so: any client could otherwise drop every
     #: tenant's cached prefixes, over and over (vLLM keeps it to its dev mode)
     enable_reset_prefix_cache: bool = False
+    #: SHA-256 of each accepted API key (``--api-key``); empty: no key required. Never the keys: no repr shows one
+    api_key_digests: tuple[bytes, ...] = attrs.field(default=(), repr=False)
     in_flight: int = 0  # generation requests in the server now (only the event loop's thread touches it)
     created: int = attrs.Factory(lambda: int(time.time()))
 
@@ -71,6 +74,8 @@ def create_app(state: ServeState) -> FastAPI:
     app = FastAPI(title="kvload serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serve = state
     app.add_middleware(_Admission, state=state)
+    if state.api_key_digests:  # added last, so outermost: a request without the key takes no admission slot
+        app.add_middleware(ApiKeyGate, digests=state.api_key_digests, metrics=state.metrics)
     state.metrics.http_in_flight.set_function(lambda: state.in_flight)  # what _Admission counts, read at scrape
 
     @app.exception_handler(BadRequest)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -39,6 +40,10 @@ past --max-concurrent-requests completion requests at once, more get HTTP 503 at
 Every request joins one engine loop (continuous batching); a client that disconnects has its
 request aborted and its KV blocks freed.
 
+API key: --api-key KEY, else $KVLOAD_API_KEY, else $VLLM_API_KEY: every path but /health,
+/metrics and /version then needs 'Authorization: Bearer KEY' (HTTP 401 otherwise). Prefer the
+variable: a key on the command line shows in ps. The audit names where the key came from, never it.
+
 KV budget: on CPU with neither --max_tokens nor --max_gpu_total_bytes, the pools hold
 8 x (--default-max-tokens + 1024) tokens (the kv_budget_computed event says so).
 
@@ -47,6 +52,7 @@ examples:
   curl -s localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
        -d '{"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi"}]}'
   kvload serve tiny-llama --max_tokens 8192 --use_kv_cache_manager_v2 true
+  KVLOAD_API_KEY=$(cat key.txt) kvload serve smollm2-135m --host 0.0.0.0
 """
 
 
@@ -114,6 +120,14 @@ def add_serve_command(sub: Any) -> None:
                    action="store_true",
                    help="serve POST /reset_prefix_cache (vLLM's, there in dev mode only): drops every cached prefix, "
                         "for benchmarks between runs; off by default, as any client could drop everyone's cache")
+    g.add_argument("--api-key", "--api_key", dest="api_key", default=None, metavar="KEY", nargs="+",
+                   action="extend", type=_api_key,
+                   help="require 'Authorization: Bearer KEY' (any KEY given; repeat the flag or list several) on "
+                        "every path but /health, /metrics and /version, else HTTP 401 (vLLM's flag). A key on the "
+                        "command line shows in ps to every user of the machine: prefer $KVLOAD_API_KEY (one key; "
+                        "vLLM's $VLLM_API_KEY is read when neither is given). --api-key=KEY takes exactly one "
+                        "(so MODEL may follow, and a key may start with '-'). The audit says where the key came "
+                        "from, never the key")
     p.set_defaults(func=cmd_serve)
 
 
@@ -129,6 +143,19 @@ def _model_name(text: str) -> str:
         raise argparse.ArgumentTypeError(f"expected a non-empty name (or leave the flag out to serve as MODEL's "
                                          f"name), got {text!r}")
     return text
+
+
+def _api_key(text: str) -> str:
+    """``--api-key``: a key that can be sent as ``Authorization: Bearer KEY``; the error never quotes it (argparse's
+    own, for a ValueError, would)."""
+    from pipeline.errors import ConfigError
+
+    try:
+        from kvload.serve.auth import check_api_key
+
+        return check_api_key("--api-key", text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--api-key: ")) from None
 
 
 def _event_buffer_size(ns: argparse.Namespace) -> Any:
@@ -162,6 +189,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
         raise ConfigError(f"serve: {exc.name} is not installed; pip install 'kvload[serve]'") from None
     from kvload.api import execute
+    from kvload.serve.auth import resolve_api_keys
     from kvload.serve.server import bind, build_state, chat_template_text, mirror_kv_events, serve
     from pipeline.context import DEFAULT_MAX_TOKENS_FIELD, CallerDefault
     from stages import load_stages
@@ -180,7 +208,11 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
             raise ConfigError("--kv-events-file: KV cache events are off; add --event_buffer_max_size N (N > 0), or "
                               "kv_cache_config.event_buffer_max_size in the --config file")
-    bind(ns.host, ns.port).close()  # a taken port fails now, before minutes of loading
+    # the flag, else $KVLOAD_API_KEY, else $VLLM_API_KEY; an empty or unsendable one refused now, naming its source
+    api_keys, key_source, unused = resolve_api_keys(ns.api_key, os.environ)
+    probe = bind(ns.host, ns.port)  # a taken port fails now, before minutes of loading
+    address = probe.getsockname()[0]
+    probe.close()
     template = chat_template_text(ns.chat_template) if ns.chat_template is not None else None  # and a bad template
     request = cli._request(ns, load_weights=True, generates=True)
     # capped like generate's: past 2**63 - 1 the budget names --default-max-tokens
@@ -202,12 +234,15 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             result.bus.emitter("serve")(SettingIgnored(
                 field="--json", value=True, reason="kvload serve prints no result document; its answers are the "
                                                    "HTTP API's JSON (--log-format json makes its log JSON)"))
+        if result.bus is not None:
+            _announce_auth(result.bus.emitter("serve"), ns.host, address, key_source, unused)
         state = build_state(result, model_name=ns.served_model_name, default_max_tokens=ns.default_max_tokens,
                             audit_keep=ns.audit_keep, max_request_bytes=ns.max_request_bytes,
                             read_timeout_s=ns.request_read_timeout,
                             max_concurrent_requests=ns.max_concurrent_requests,
                             trust_request_chat_template=ns.trust_request_chat_template, chat_template=template,
-                            chat_template_flag="--chat-template",
+                            chat_template_flag="--chat-template", api_keys=api_keys,
+                            api_key_source=key_source or "api_keys",
                             enable_reset_prefix_cache=ns.enable_reset_prefix_cache)
         mirror = None
         if ns.kv_events_file is not None:  # a full disk later stops the mirror with a warning, never a request
@@ -217,8 +252,10 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             if getattr(ns, "held_log", None) is not None:  # loaded: the load's warnings now, later ones as they come
                 ns.held_log.pass_through()
             kv = result.kv
+            # said where the operator looks: a key picked up from the environment (VLLM_API_KEY) is no surprise later
+            auth = f"; API key required ({key_source})" if api_keys else ""
             print(f"kvload serve: {state.model_name} at {url} ({type(result.kv_manager).__name__}, "
-                  f"{kv.capacity_tokens:,} KV tokens); Ctrl-C stops", file=sys.stderr, flush=True)
+                  f"{kv.capacity_tokens:,} KV tokens){auth}; Ctrl-C stops", file=sys.stderr, flush=True)
 
         try:
             level = getattr(ns, "effective_log_level", None) or ns.log_level or "warning"  # uvicorn's default: info
@@ -228,6 +265,26 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                 result.kv_manager.kv_events.mirror = None
                 mirror.close()
     return 0
+
+
+def _announce_auth(emit: Any, host: str, address: str, source: str | None, unused: list[str]) -> None:
+    """The warnings about the API key, in the server's log and audit: a key source set but not used (another wins),
+    and a server reachable from other machines with no key at all. The keys themselves are never shown."""
+    from kvload.serve.auth import is_loopback
+    from pipeline.events import ServeWithoutApiKey, SettingIgnored
+
+    for name in unused:
+        emit(SettingIgnored(field=name, value="(set; not shown)",
+                            reason=f"the API key comes from {source}, which wins (--api-key, then KVLOAD_API_KEY, "
+                                   f"then VLLM_API_KEY); requests with {name}'s key get HTTP 401 unless it is the "
+                                   "same"))
+    # vLLM says nothing here; kvload does, once: such a server answers anyone who can reach the port, its audit
+    # (/v1/kvload/audit: prompts, settings) included
+    if source is None and not is_loopback(address):
+        emit(ServeWithoutApiKey(host=host, address=address,
+                                reason=f"--host {host} listens beyond this machine and no API key is set: anyone who "
+                                       "can reach the port can generate and read /v1/kvload/audit; set "
+                                       "KVLOAD_API_KEY (or --api-key), or serve on 127.0.0.1 behind a proxy"))
 
 
 __all__ = ["DEFAULT_MAX_TOKENS", "add_serve_command", "cmd_serve", "serve_max_tokens"]

@@ -19,7 +19,8 @@ SHARED_ARENA_LABEL = "shared_arena"
 
 #: ``reason`` label of ``kvload_http_requests_refused_total`` by the HTTP status the server refused with; another
 #: 4xx counts as ``bad_request``, a 5xx other than 503 is a failure, not a refusal, and is not counted.
-REFUSAL_REASONS = {400: "bad_request", 404: "model_not_found", 408: "read_timeout", 413: "too_large", 503: "busy"}
+REFUSAL_REASONS = {400: "bad_request", 401: "unauthorized", 404: "model_not_found", 408: "read_timeout",
+                   413: "too_large", 503: "busy"}
 #: ... and by the error ``code`` where one status has several causes: a 503 while the server stops is not a busy
 #: server (an alert on ``busy`` must not fire on every rolling restart)
 REFUSAL_CODES = {"server_shutting_down": "shutting_down"}
@@ -76,6 +77,7 @@ class ServeMetrics:
                                     registry=r).labels(model_name)
         self.http_refused = Counter("kvload_http_requests_refused",
                                     "HTTP requests refused, by reason: bad_request and model_not_found (400, 404), "
+                                    "unauthorized (401, no accepted --api-key), "
                                     "read_timeout (408, head or body), too_large (413), busy (503), shutting_down "
                                     "(503 while the server stops)",
                                     [*labels, "reason"], registry=r)

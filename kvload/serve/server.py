@@ -13,6 +13,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import h11
@@ -22,6 +23,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from cache_backends.kv_events import KvEventMirror
 from engine.serving import ServingEngine
 from kvload.serve.app import ServeState, create_app
+from kvload.serve.auth import OPEN_PATHS, check_api_key, digest
 from kvload.serve.command import (
     AUDIT_KEEP_DEFAULT,
     MAX_CONCURRENT_DEFAULT,
@@ -32,7 +34,7 @@ from kvload.serve.command import (
 from kvload.serve.metrics import ServeMetrics
 from kvload.serve.protocol import BadRequest, default_max_request_bytes
 from pipeline.errors import ConfigError
-from pipeline.events import KvEventsFileFailed
+from pipeline.events import ApiKeyRequired, KvEventsFileFailed
 from pipeline.limits import MAX_INT, short
 
 
@@ -41,7 +43,8 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
                 read_timeout_s: float = READ_TIMEOUT_DEFAULT,
                 max_concurrent_requests: int = MAX_CONCURRENT_DEFAULT,
                 trust_request_chat_template: bool = False, chat_template: str | None = None,
-                chat_template_flag: str = "chat_template", enable_reset_prefix_cache: bool = False) -> ServeState:
+                chat_template_flag: str = "chat_template", api_keys: Sequence[str] | None = (),
+                api_key_source: str = "api_keys", enable_reset_prefix_cache: bool = False) -> ServeState:
     """Engine (not started) and metrics over a ``load(..., load_weights=True)`` result; from now on its audit log
     keeps the load's records and the newest ``audit_keep`` (``/v1/kvload/audit`` serves them). A request body
     over ``max_request_bytes`` is refused unread (None: :func:`default_max_request_bytes` of the model); a
@@ -55,7 +58,10 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
     request that sends no sampling field takes the
     model's default for it (``result.sampling_defaults``: its generation_config.json); one that sends no
     ``max_tokens`` takes ``default_max_tokens`` (None: the model's max_new_tokens, else
-    :data:`~kvload.serve.command.DEFAULT_MAX_TOKENS`), cut to what max_seq_len leaves."""
+    :data:`~kvload.serve.command.DEFAULT_MAX_TOKENS`), cut to what max_seq_len leaves. With ``api_keys``, every
+    path but ``/health``, ``/metrics`` and ``/version`` answers 401 without ``Authorization: Bearer KEY`` (one of
+    them; a key that could not be sent so is a ``ConfigError`` naming ``api_key_source``, never quoting it), and the
+    audit gets an ``api_key_required`` record naming ``api_key_source``."""
     if model_name is not None and not (isinstance(model_name, str) and model_name.strip()):
         raise ConfigError(f"model_name: expected a non-empty name (or None: the model's own), got {model_name!r}")
     if max_request_bytes is not None and not (isinstance(max_request_bytes, int)
@@ -74,6 +80,9 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
                           f"{short(trust_request_chat_template)}")
     if not isinstance(enable_reset_prefix_cache, bool):
         raise ConfigError(f"enable_reset_prefix_cache: expected true or false, got {short(enable_reset_prefix_cache)}")
+    if isinstance(api_keys, str):  # one key given bare would be taken as its characters, each a key
+        raise ConfigError(f"{api_key_source}: expected a list of keys, got one string; pass [key]")
+    digests = tuple(dict.fromkeys(digest(check_api_key(api_key_source, key)) for key in api_keys or ()))
     if chat_template is not None:
         tokenizer = getattr(result, "tokenizer", None)
         if tokenizer is None:
@@ -83,6 +92,9 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
     defaults = getattr(result, "sampling_defaults", None)
     sampling = dict(defaults.values) if defaults is not None else {}
     default_max_tokens = serve_max_tokens(default_max_tokens, sampling)
+    bus = getattr(result, "bus", None)
+    if digests and bus is not None:  # before keep_tail: a load record, kept however many requests follow
+        bus.emitter("serve")(ApiKeyRequired(source=api_key_source, keys=len(digests), open_paths=sorted(OPEN_PATHS)))
     result.audit.keep_tail(audit_keep)
     name = model_name or (result.model.name if result.model is not None else str(result.args.model))
     metrics = ServeMetrics(name)
@@ -94,7 +106,7 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
                       max_request_bytes=max_request_bytes, default_max_tokens=default_max_tokens,
                       sampling_defaults={k: v for k, v in sampling.items() if k != "max_tokens"},
                       read_timeout_s=float(read_timeout_s), max_concurrent_requests=max_concurrent_requests,
-                      trust_request_chat_template=trust_request_chat_template,
+                      trust_request_chat_template=trust_request_chat_template, api_key_digests=digests,
                       enable_reset_prefix_cache=enable_reset_prefix_cache)
 
 
