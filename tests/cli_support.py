@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -88,3 +89,12 @@ def imports_after(code: str) -> dict:
                        env={**ENV, "PYTHONPATH": str(REPO)})
     assert r.returncode == 0, r.stderr
     return json.loads(r.stderr.strip().splitlines()[-1])
+
+
+def reap(proc: subprocess.Popen) -> None:
+    """Kill a server process a failed assertion left running, and close its pipes."""
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    proc.stdout.close()
+    proc.stderr.close()

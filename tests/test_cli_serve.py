@@ -14,16 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.cli_support import ENV, REPO, kvload, run_cli
-
-
-def _reap(proc: subprocess.Popen) -> None:
-    """Kill the server process if a failed assertion left it running, and close its pipes."""
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-    proc.stdout.close()
-    proc.stderr.close()
+from tests.cli_support import ENV, REPO, kvload, reap, run_cli
 
 
 def test_serve_process_answers_then_stops_cleanly_on_sigterm(tmp_path):
@@ -105,7 +96,7 @@ def test_serve_process_answers_then_stops_cleanly_on_sigterm(tmp_path):
         # the served requests joined the audit log, every one of them (--audit-keep bounds only the memory)
         assert [r["event"] for r in audit].count("request_finished") == 4  # the aborted stream too
     finally:
-        _reap(proc)
+        reap(proc)
 
 
 def _start_server(*flags: str) -> subprocess.Popen:
@@ -139,7 +130,7 @@ def test_json_says_it_is_ignored_by_serve():
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
     finally:
-        _reap(proc)
+        reap(proc)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
@@ -163,7 +154,7 @@ def test_a_signal_sent_as_the_ready_line_appears_stops_the_server(signum, tmp_pa
         assert log == "", log
         assert [p.name for p in out.iterdir()] == ["audit.jsonl"]
     finally:
-        _reap(proc)
+        reap(proc)
 
 
 def test_a_server_whose_log_reader_went_away_serves_on(tmp_path):
@@ -231,7 +222,7 @@ def test_a_kv_events_file_that_hits_its_size_limit_warns_once_and_fails_no_reque
         written = [json.loads(x) for x in text.splitlines()]
         assert written == served[:len(written)] and len(served) > len(written)
     finally:
-        _reap(proc)
+        reap(proc)
 
 
 def test_a_taken_port_or_a_bad_one_exits_2_with_one_line(capsys):

@@ -4,7 +4,6 @@ real process reading the key from its environment; the key never shows in the au
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -15,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.cli_support import ENV, REPO, run_cli
+from tests.cli_support import ENV, REPO, reap, run_cli
 from tests.serve_support import TIMEOUT, answers_while_held, serving
 
 KEY = "sk-kvload-test-3f9a2c"
@@ -220,14 +219,6 @@ def _ready(proc: subprocess.Popen) -> tuple[str, list[str]]:
     return lines[-1], lines[1:]
 
 
-def _reap(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-    proc.stdout.close()
-    proc.stderr.close()
-
-
 def test_a_real_server_takes_its_key_from_the_environment_and_never_shows_it(tmp_path):
     """KVLOAD_API_KEY wins over vLLM's VLLM_API_KEY (set too: a setting_ignored says so, without the value); the
     ready line names the source; the openai client with the key is served, with the other 401; /health is open;
@@ -263,7 +254,7 @@ def test_a_real_server_takes_its_key_from_the_environment_and_never_shows_it(tmp
         for text in (log, audit_text):
             assert KEY not in text and OTHER not in text
     finally:
-        _reap(proc)
+        reap(proc)
 
 
 def test_a_server_on_all_interfaces_without_a_key_warns_once(tmp_path):
@@ -279,4 +270,4 @@ def test_a_server_on_all_interfaces_without_a_key_warns_once(tmp_path):
         records = [json.loads(x) for x in (tmp_path / "audit.jsonl").read_text().splitlines()]
         assert [r["address"] for r in records if r["event"] == "serve_without_api_key"] == ["0.0.0.0"]
     finally:
-        _reap(proc)
+        reap(proc)
