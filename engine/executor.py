@@ -28,7 +28,7 @@ import contextlib
 import itertools
 import random
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -543,23 +543,21 @@ class GenerationExecutor:
             if p.logprobs is not None and p.logprobs > self.vocab_size:
                 raise GenerationError(f"generate: logprobs: expected at most the vocabulary size "
                                       f"({self.vocab_size}), got {p.logprobs}")
-            bad = next((t for t in p.stop_token_ids if t >= self.vocab_size), None)
-            if bad is not None:
-                raise GenerationError(f"generate: stop_token_ids: token id {int_text(bad)} is outside the vocabulary "
-                                      f"(0..{self.vocab_size - 1})")
-            bad = next((t for t in p.logit_bias if t >= self.vocab_size), None)
-            if bad is not None:
-                raise GenerationError(f"generate: logit_bias: token id {int_text(bad)} is outside the vocabulary "
-                                      f"(0..{self.vocab_size - 1})")
-            bad = next((t for t in p.allowed_token_ids or () if t >= self.vocab_size), None)
-            if bad is not None:
-                raise GenerationError(f"generate: allowed_token_ids: token id {int_text(bad)} is outside the "
-                                      f"vocabulary (0..{self.vocab_size - 1})")
+            self._check_vocab("stop_token_ids", p.stop_token_ids)
+            self._check_vocab("logit_bias", p.logit_bias)
+            self._check_vocab("allowed_token_ids", p.allowed_token_ids or ())
         for p in {id(p): p for p in params}.values():
             if p.bad_words:
                 object.__setattr__(p, "_bad_words_token_ids", self._bad_words_token_ids(p.bad_words))
             self._check_something_allowed(p)
         return params
+
+    def _check_vocab(self, what: str, ids: Iterable[int]) -> None:
+        """``GenerationError`` naming ``what`` and the first of ``ids`` outside the vocabulary."""
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise GenerationError(f"generate: {what}: token id {int_text(bad)} is outside the vocabulary "
+                                  f"(0..{self.vocab_size - 1})")
 
     def _check_something_allowed(self, p: SamplingParams) -> None:
         """``GenerationError`` when ``allowed_token_ids`` leaves no token to draw: every allowed id is a one-token bad
@@ -666,11 +664,15 @@ class GenerationExecutor:
                                               "gather + SDPA"))
             self.flex = None
 
+    def _reuse_off(self) -> str | None:
+        """Why the manager shares no prefix between requests, or None when prefix reuse is on."""
+        off = getattr(self.manager, "reuse_off_reason", None)  # V2 says why (a layout that cannot be keyed, ...)
+        return off or (None if self.manager.options.enable_block_reuse else "enable_block_reuse is false")
+
     def salt_ignored(self) -> str | None:
         """Why a reuse salt does nothing here (the manager shares no prefix between requests), or None when it
         scopes what is shared; ``generate`` and ``kvload serve`` report it as ``setting_ignored``."""
-        off = getattr(self.manager, "reuse_off_reason", None)  # V2 says why (a layout that cannot be keyed, ...)
-        off = off or (None if self.manager.options.enable_block_reuse else "enable_block_reuse is false")
+        off = self._reuse_off()
         return None if off is None else f"prefix reuse is off: nothing is shared to scope ({off})"
 
     def reset_prefix_cache(self, caller: str) -> tuple[bool, Event]:
@@ -678,10 +680,10 @@ class GenerationExecutor:
         for the caller to record (the serving loop's bus is its own thread's). A ``prefix_cache_reset`` when it did;
         a ``setting_ignored`` naming ``caller`` when it could not act: prefix reuse is off (nothing is cached), or
         requests still hold a cache (the manager's ``PrefixCacheInUseError``: their blocks may be cached)."""
-        off = self.salt_ignored()
+        off = self._reuse_off()
         if off is not None:
-            why = off.replace("nothing is shared to scope", "nothing is cached to forget")
-            return False, SettingIgnored(field=caller, value=True, reason=why)
+            return False, SettingIgnored(field=caller, value=True,
+                                         reason=f"prefix reuse is off: nothing is cached to forget ({off})")
         stats = self.manager.stats()
         cached = {name: g.evictable for name, g in stats.groups.items()}
         try:
@@ -925,10 +927,7 @@ class GenerationExecutor:
         for i, (_, ids) in enumerate(items):
             if not ids:
                 raise GenerationError(f"generate: prompt {i}: empty (no tokens)")
-            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-            if bad is not None:
-                raise GenerationError(f"generate: prompt {i}: token id {int_text(bad)} is outside the vocabulary "
-                                      f"(0..{self.vocab_size - 1})")
+            self._check_vocab(f"prompt {i}", ids)
             if len(ids) >= self.max_seq_len:
                 raise GenerationError(f"generate: prompt {i}: {len(ids)} tokens leave no room to generate under "
                                       f"max_seq_len={self.max_seq_len}; shorten it or raise max_seq_len")
