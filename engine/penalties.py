@@ -23,7 +23,8 @@ O(tokens so far) (``bench.bench_sampling``).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -77,36 +78,41 @@ def _seen(request: Request, device: torch.device) -> _Seen:
     return seen
 
 
+class _PerParams:
+    """Tensors built from a SamplingParams setting once per params object and device, the newest 256 kept (a
+    long-running server sees many requests' params). ``setting`` is the value they were built from: a caller may
+    change a mutable one (a ``logit_bias`` dict) in place between calls, so a different value builds again."""
+
+    def __init__(self) -> None:
+        self._hits: dict[tuple[int, torch.device], tuple[SamplingParams, Any, Any]] = {}
+
+    def get(self, params: SamplingParams, device: torch.device, setting: Any, build: Callable[[], Any],
+            keep: Callable[[Any], Any] = lambda v: v) -> Any:
+        """The tensors ``build()`` made for ``params`` on ``device`` from ``setting``, built now if none match;
+        ``keep`` copies a mutable ``setting`` for the next comparison."""
+        key = (id(params), device)
+        hit = self._hits.get(key)
+        if hit is None or hit[0] is not params or (hit[1] is not setting and hit[1] != setting):
+            hit = self._hits[key] = (params, keep(setting), build())
+            if len(self._hits) > 256:
+                del self._hits[next(iter(self._hits))]
+        return hit[2]
+
+
+_BIASES, _ALLOWED = _PerParams(), _PerParams()
+
+
 def _bias(params: SamplingParams, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``params.logit_bias`` as (ids, biases) tensors, built once per SamplingParams and device."""
-    key = (id(params), device)
-    hit = _BIASES.get(key)
-    # the same object with the same biases: a caller may have changed its (mutable) dict in place between calls
-    if hit is None or hit[0] is not params or hit[3] != params.logit_bias:
-        ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=device)
-        biases = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32, device=device)
-        hit = _BIASES[key] = (params, ids, biases, dict(params.logit_bias))
-        if len(_BIASES) > 256:  # a long-running server sees many requests' params: keep the newest
-            del _BIASES[next(iter(_BIASES))]
-    return hit[1], hit[2]
-
-
-_BIASES: dict[tuple[int, torch.device], tuple[SamplingParams, torch.Tensor, torch.Tensor, dict[int, float]]] = {}
+    return _BIASES.get(params, device, params.logit_bias, lambda: (
+        torch.tensor(list(params.logit_bias), dtype=torch.long, device=device),
+        torch.tensor(list(params.logit_bias.values()), dtype=torch.float32, device=device)), keep=dict)
 
 
 def _allowed(params: SamplingParams, device: torch.device) -> torch.Tensor:
     """``params.allowed_token_ids`` as a long tensor, built once per SamplingParams and device (a tuple: immutable)."""
-    key = (id(params), device)
-    hit = _ALLOWED.get(key)
-    if hit is None or hit[0] is not params:
-        hit = _ALLOWED[key] = (params, torch.tensor(sorted(set(params.allowed_token_ids or ())), dtype=torch.long,
-                                                    device=device))
-        if len(_ALLOWED) > 256:  # a long-running server sees many requests' params: keep the newest
-            del _ALLOWED[next(iter(_ALLOWED))]
-    return hit[1]
-
-
-_ALLOWED: dict[tuple[int, torch.device], tuple[SamplingParams, torch.Tensor]] = {}
+    return _ALLOWED.get(params, device, params.allowed_token_ids, lambda: torch.tensor(
+        sorted(set(params.allowed_token_ids or ())), dtype=torch.long, device=device))
 
 
 def _banned(words: Sequence[Sequence[int]], out: Sequence[int], drafts: Sequence[int]) -> list[int]:
