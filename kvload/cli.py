@@ -571,7 +571,8 @@ def peek_sampling_defaults(request: Any) -> Any:
         if tree is None and request.config_file is not None:
             from pipeline.sources import read_yaml
 
-            tree = read_yaml(request.config_file)
+            # parse_args takes this tree: one read, so a file changed in between cannot answer twice
+            tree = request.config = read_yaml(request.config_file)
         tree = tree if isinstance(tree, dict) else {}
         setting = request.overrides.get("generation_config", tree.get("generation_config", GENERATION_CONFIG_AUTO))
         override = {}
