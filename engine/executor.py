@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import random
+import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -72,6 +73,7 @@ from engine.sampling_params import (
 )
 from engine.speculation import NgramProposer, verify_drafted
 from engine.stopping import SampleText
+from engine.structured import Constraint, GrammarBackend, constrain
 from models.geometry import head_dim as config_head_dim
 from models.geometry import kv_heads as config_kv_heads
 from models.geometry import text_config
@@ -115,6 +117,8 @@ class _Live:
     first_token_at: float | None = None
     finished_at: float = 0.0
     reported: int = 0  # generated tokens already reported (streamed)
+    #: with SamplingParams.structured_outputs: this sample's grammar state (``engine.structured``)
+    constraint: Constraint | None = None
 
 
 @attrs.frozen
@@ -171,6 +175,9 @@ class GenerationExecutor:
         #: generation_config.json (``LoadResult.sampling_defaults``, set by ``from_result``); empty: kvload's own
         self.sampling_defaults: dict[str, Any] = {}
         self.last_stats: GenerationStats | None = None
+        #: xgrammar over this model's tokenizer, built by the first request for structured outputs (:meth:`grammars`)
+        self._grammars: GrammarBackend | None = None
+        self._grammars_lock = threading.Lock()
         #: set by :meth:`stop`: the running call (and any later one) fails with this message between two steps
         self._stopped: str | None = None
         why = cannot_generate(name, manager.layout.layers)
@@ -427,7 +434,8 @@ class GenerationExecutor:
                 stop_strings=len(p0.stop), stop_token_ids=list(p0.stop_token_ids), logprobs=p0.logprobs,
                 per_prompt_params=per_prompt, repetition_penalty=float(p0.repetition_penalty),
                 presence_penalty=float(p0.presence_penalty), frequency_penalty=float(p0.frequency_penalty),
-                min_tokens=p0.min_tokens, min_p=float(p0.min_p), model_defaults=defaulted))
+                min_tokens=p0.min_tokens, min_p=float(p0.min_p), model_defaults=defaulted,
+                structured_outputs=p0.structured_outputs.describe() if p0.structured_outputs is not None else None))
             has_text = self.tokenizer is not None  # a setting that does nothing (greedy draws nothing: a seed, top-p,
             for p in {id(p): p for p in params}.values():  # top-k or n; a text setting with no text) is said to
                 for name, value, why in greedy_ignored(p, model_defaults=defaulted) + inert_settings(p, has_text):
@@ -550,7 +558,17 @@ class GenerationExecutor:
             if p.bad_words:
                 object.__setattr__(p, "_bad_words_token_ids", self._bad_words_token_ids(p.bad_words))
             self._check_something_allowed(p)
+            if p.structured_outputs is not None:  # compiled now: a bad schema is refused before anything runs
+                self.grammars().compile(p.structured_outputs)
         return params
+
+    def grammars(self) -> GrammarBackend:
+        """xgrammar over this model's tokenizer (built once; the server's handler threads share it);
+        ``GenerationError`` without xgrammar or a tokenizer."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids, self.name)
+            return self._grammars
 
     def _check_vocab(self, what: str, ids: Iterable[int]) -> None:
         """``GenerationError`` naming ``what`` and the first of ``ids`` outside the vocabulary."""
@@ -627,6 +645,8 @@ class GenerationExecutor:
                     live.logprobs = []
                 if p.prompt_logprobs is not None and j == 0:
                     live.prompt_logprobs = [None] * len(ids)
+                if p.structured_outputs is not None:  # each sample its own grammar state
+                    live.constraint = self.grammars().constraint(p.structured_outputs)
                 lives.append(live)
                 parent = parent or live
         return lives
@@ -639,6 +659,8 @@ class GenerationExecutor:
         """The driver's stop hook: EOS (unless ignored), a stop token id, or a stop string in the text."""
         live = self._live[request.req_id]
         p = live.params
+        if live.constraint is not None and live.constraint.advance(token):
+            return True  # the grammar is complete (its end-of-sequence token taken, ignore_eos or not)
         if token in self.eos_token_ids and not p.ignore_eos:
             return True
         if token in p.stop_token_ids:
@@ -711,6 +733,9 @@ class GenerationExecutor:
         lives = [self._live[out.scheduled[i].request.req_id] for i in rows]
         # penalties and min_tokens pick from changed logits; logprobs stay the model's own (vLLM's raw_logprobs)
         picks = penalize(logits, counts, [(live.params, live.request) for live in lives], self.eos_token_ids)
+        if any(live.constraint is not None for live in lives):
+            picks = constrain(picks, logits, counts, [(live.constraint, live.request.draft_token_ids)
+                                                      for live in lives], self.grammars())
         if len(logits) == len(rows):
             tokens: dict[str, int | list[int]] = dict(self._sample(picks, lives, logits))
         else:

@@ -16,6 +16,7 @@ from typing import Any
 import attrs
 
 from engine.prompts import check_text, is_token_id
+from engine.structured_params import StructuredOutputsParams
 from pipeline.errors import GenerationError
 from pipeline.limits import (
     MAX_ALLOWED_TOKEN_IDS,
@@ -230,7 +231,9 @@ class SamplingParams:
     ``allowed_token_ids`` (vLLM's): only these ids may be sampled (None: any; at most ``MAX_ALLOWED_TOKEN_IDS``).
     ``bad_words`` (vLLM's): strings never generated: each is tokenized (as is and after a space, vLLM's rule) and its
     last token is banned wherever the output so far ends with the tokens before it; needs a tokenizer (at most
-    ``MAX_BAD_WORDS`` of ``MAX_STOP_CHARS`` characters).
+    ``MAX_BAD_WORDS`` of ``MAX_STOP_CHARS`` characters). ``structured_outputs`` (vLLM's): a
+    :class:`~engine.structured_params.StructuredOutputsParams`: the output matches a JSON schema, a regex, one of some
+    choices or a grammar (``engine.structured``; needs xgrammar and a tokenizer).
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -255,6 +258,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
+    structured_outputs: StructuredOutputsParams | None = attrs.field(default=None, hash=False)
     #: ``bad_words`` as token id sequences, set by the executor from its tokenizer (vLLM's ``_bad_words_token_ids``)
     _bad_words_token_ids: tuple[tuple[int, ...], ...] = attrs.field(default=(), init=False, eq=False, repr=False)
 
@@ -266,7 +270,8 @@ class SamplingParams:
                  min_p: float = 0.0, logit_bias: Mapping[int, float] | None = None,
                  include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
                  prompt_logprobs: int | None = None, spaces_between_special_tokens: bool = True,
-                 allowed_token_ids: Sequence[int] | None = None, bad_words: Sequence[str] | None = None) -> None:
+                 allowed_token_ids: Sequence[int] | None = None, bad_words: Sequence[str] | None = None,
+                 structured_outputs: StructuredOutputsParams | None = None) -> None:
         """Keywords only (the field order may grow); ``max_new_tokens`` is an alias of ``max_tokens``."""
         length_name = "max_tokens"
         if max_new_tokens is not None:
@@ -287,7 +292,7 @@ class SamplingParams:
                             logprobs, ignore_eos, repetition_penalty, presence_penalty, frequency_penalty,
                             min_tokens, min_p, _biases(logit_bias), include_stop_str_in_output,
                             skip_special_tokens, prompt_logprobs, spaces_between_special_tokens,
-                            _allowed(allowed_token_ids), _words(bad_words))
+                            _allowed(allowed_token_ids), _words(bad_words), structured_outputs)
 
     def __attrs_post_init__(self) -> None:
         check(is_finite(self.temperature) and self.temperature >= 0,
@@ -339,6 +344,9 @@ class SamplingParams:
                 raise GenerationError(f"generate: bad_words[{i}]: expected a string of at most {MAX_STOP_CHARS:,} "
                                       f"characters, got {len(word):,}")
             check_text(f"bad_words[{i}]", word)  # tokenized: a lone surrogate would reach the tokenizer
+        check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+              "structured_outputs", "a StructuredOutputsParams (kvload.StructuredOutputsParams) or None",
+              self.structured_outputs)
 
     @property
     def penalizes(self) -> bool:
@@ -374,6 +382,7 @@ class SamplingParams:
         data["bad_words"] = list(self.bad_words)
         data["allowed_token_ids"] = None if self.allowed_token_ids is None else list(self.allowed_token_ids)
         data["logit_bias"] = {str(t): b for t, b in self.logit_bias.items()}  # JSON's keys are strings (OpenAI's)
+        data["structured_outputs"] = None if self.structured_outputs is None else self.structured_outputs.to_dict()
         return data
 
     @classmethod

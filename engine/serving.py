@@ -37,6 +37,7 @@ from engine.sampling import sample_rows, top_logprobs
 from engine.sampling_params import SamplingParams, check_salt, greedy_ignored, inert_settings
 from engine.speculation import verify_drafted
 from engine.stopping import SampleText
+from engine.structured import Constraint, constrain
 from pipeline.errors import GenerationError, KvBuildError, first_line
 from pipeline.events import EngineStepFailed, Event, RequestFinished, SettingIgnored
 
@@ -98,6 +99,7 @@ class _Live:
     reported: int = 0
     stop_reason: int | str | None = None  # what ended it with "stop": a stop token id or a stop string
     prompt_logprobs: list[dict[int, float] | None] | None = None  # with params.prompt_logprobs, filled by prefill
+    constraint: Constraint | None = None  # with params.structured_outputs: its grammar state
 
 
 class _ServeDriver(Driver):
@@ -111,6 +113,8 @@ class _ServeDriver(Driver):
         live = self._live_map.get(req.req_id)
         if live is None:
             return super()._finish_reason(req, token)
+        if live.constraint is not None and live.constraint.advance(token):
+            return "stop"  # the grammar is complete (its end-of-sequence token taken, ignore_eos or not)
         if token in self.eos_token_ids and not live.params.ignore_eos:
             return "stop"
         if token in live.stop_token_ids:
@@ -363,6 +367,8 @@ class ServingEngine:
                      time.perf_counter())
         if params.prompt_logprobs is not None:
             live.prompt_logprobs = [None] * request.num_prompt_tokens
+        if params.structured_outputs is not None:  # compiled by check(): xgrammar's cache answers
+            live.constraint = self.executor.grammars().constraint(params.structured_outputs)
         with self._cond:
             # checked again under the lock request_stop takes: a stop asked for during the checks above may have
             # ended the loop, whose last act (_fail_all) drained the inbox; a request queued after that never ended.
@@ -474,6 +480,10 @@ class ServingEngine:
         raw = logits
         logits = penalize(logits, counts, [(lv.params, r) for lv, r in zip(lives, reqs, strict=True)],
                           self.executor.eos_token_ids)
+        if any(lv.constraint is not None for lv in lives):
+            logits = constrain(logits, raw, counts, [(lv.constraint, r.draft_token_ids)
+                                                     for lv, r in zip(lives, reqs, strict=True)],
+                               self.executor.grammars())
         picked: dict[str, int | list[int]] = {}
         plain = [i for i, c in enumerate(counts) if c == 1]
         if len(plain) < len(rows):

@@ -1,7 +1,8 @@
 """kvload: load an LLM the way a serving engine does, with explicit stages and an audit log.
 
 The front door: ``kvload.LLM`` (load a model, ``.generate`` / ``.generate_stream`` / ``.beam_search``),
-``kvload.SamplingParams``, ``kvload.BeamSearchParams`` and the outputs (``RequestOutput``, ``CompletionOutput``,
+``kvload.SamplingParams`` (with ``kvload.StructuredOutputsParams``), ``kvload.BeamSearchParams`` and the outputs
+(``RequestOutput``, ``CompletionOutput``,
 ``TokenDelta``, ``BeamSearchOutput``); ``kvload.plan`` / ``kvload.load``
 (the pipeline API).
 Names are imported on first use, so ``import kvload`` (and the CLI) stays quick: torch and
@@ -22,6 +23,7 @@ _EXPORTS = {
     "plan": "kvload.api",
     "LLM": "kvload.llm",
     "SamplingParams": "engine.sampling_params",
+    "StructuredOutputsParams": "engine.structured_params",
     "BeamSearchParams": "engine.beam_search",
     "BeamSearchOutput": "engine.beam_search",
     "BeamSequence": "engine.beam_search",

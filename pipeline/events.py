@@ -380,6 +380,21 @@ class GenerationStarted(Event):
     min_p: float = 0.0
     #: the sampling fields above that are the model's defaults (``sampling_defaults_resolved``), not the caller's
     model_defaults: list[str] = attrs.Factory(list)
+    #: prompt 0's structured outputs: ``{"kind", "chars", "sha256"}`` of its spec (never the spec), or None
+    structured_outputs: dict[str, Any] | None = None
+
+
+@event("structured_outputs_requested")
+class StructuredOutputsRequested(Event):
+    """A server request asked for structured outputs (``generate`` records them in ``generation_started``): what
+    kind, and the spec's size and SHA-256, never the spec (a schema may be large, or the client's secret)."""
+
+    request: str  # the answer's id
+    field: str  # the body field that asked: response_format or structured_outputs
+    kind: str  # json, regex, choice, grammar or json_object
+    chars: int
+    sha256: str
+    any_whitespace: bool = True
 
 
 @event("generation_finished")

@@ -54,6 +54,12 @@ MAX_DRAFT_LEN = 64
 #: set 1.0-2.0 (and below 1 to favour repetition). The Python API, the server, the CLI and a model's
 #: ``generation_config.json`` share them.
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+#: Longest structured-output spec (a JSON schema's text, a regex, a grammar, the choices together; characters):
+#: compiled before the request runs, in time that grows with it. Real schemas are a few KB; OpenAI caps a
+#: ``json_schema`` at 100,000 characters of property names and enums.
+MAX_STRUCTURED_CHARS = 1_000_000
+#: Most ``choice`` strings one structured request may give (each is a branch of its grammar).
+MAX_STRUCTURED_CHOICES = 4096
 #: Longest prefix-reuse salt (characters): it is hashed into every block key of its request and cached per salt
 #: (1,024 salts at a time), so its size multiplies; a tenant id or a UUID is far shorter.
 MAX_SALT_CHARS = 1024

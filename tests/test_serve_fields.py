@@ -1,7 +1,8 @@
 """vLLM's request fields that real clients send ``kvload serve``, through the openai client's ``extra_body``: what the
 server acts on (``cache_salt``, ``prompt_logprobs`` with vLLM's ranks, ``truncate_prompt_tokens``, ``request_id``,
 ``stream_options.continuous_usage_stats``, chat's ``echo``, tools shown to the template) gives the Python API's
-numbers; what it cannot do (guided decoding, tool calling, priority scheduling, best_of) is a 400 naming the field.
+numbers; what it cannot do (tool calling, priority scheduling, best_of, vLLM's old guided_* fields) is a 400 naming
+the field.
 
 One server over the tiny llama with ``test_serve_vllm``'s word-level tokenizer (token ``i`` is ``w<i>``, 1 is the BOS
 ``<s>``) and its chat template (each message's content, then ``w2`` for the assistant's turn).
@@ -279,9 +280,12 @@ def test_response_format_text_priority_zero_and_best_of_n_are_served(served):
 
 
 @pytest.mark.parametrize("path, extra, param, words", [
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format", "guided"),
+    ("/v1/chat/completions", {"response_format": {"type": "structural_tag"}}, "response_format",
+     "type 'structural_tag' is not supported"),
     ("/v1/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-     "response_format", "guided"),
+     "response_format.json_schema.schema", "expected a JSON schema object, got None"),
+    ("/v1/completions", {"guided_regex": "[0-9]+"}, "guided_regex",
+     "removed in its recent releases; send structured_outputs: {\"regex\": ...} instead"),
     ("/v1/completions", {"response_format": "text"}, "response_format", '{"type": "text"}'),
     ("/v1/completions", {"priority": 1}, "priority", "first come, first served"),
     ("/v1/chat/completions", {"priority": -5}, "priority", "only priority 0"),

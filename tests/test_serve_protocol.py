@@ -19,7 +19,7 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "
           "stream", "stream_options", "logprobs", "top_logprobs", "stop_token_ids", "ignore_eos", "echo", "salt",
           "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
           "add_special_tokens", "cache_salt", "prompt_logprobs", "truncate_prompt_tokens", "request_id",
-          "response_format", "priority", "best_of", "tools", "tool_choice"]
+          "response_format", "priority", "best_of", "tools", "tool_choice", "structured_outputs", "guided_json"]
 bodies = st.dictionaries(st.sampled_from(FIELDS), json_values, max_size=6)
 
 

@@ -39,7 +39,7 @@ from kvload.serve.metrics import ServeMetrics
 from kvload.serve.protocol import BadRequest, Job, parse, parse_detokenize, parse_tokenize, request_id
 from pipeline.audit import dropped_record
 from pipeline.errors import ConfigError, GenerationError, KvBuildError
-from pipeline.events import SettingIgnored
+from pipeline.events import SettingIgnored, StructuredOutputsRequested
 from pipeline.limits import MAX_DEPTH, MAX_SCORED_PROMPT_TOKENS, json_depth, unique_keys
 from pipeline.version import __version__
 
@@ -676,12 +676,20 @@ class _Run:
             except GenerationError as exc:  # a sampling value the model cannot take (stop_token_ids, logprobs)
                 msg = str(exc).removeprefix("generate: ")
                 head = msg.split(":", 1)[0].split("[", 1)[0]  # bad_words[2]: the field
+                if head.split(".", 1)[0] == "structured_outputs" and job.structured_field is not None:
+                    # the schema xgrammar refused (or xgrammar missing), named as the request named it
+                    if job.structured_field != "structured_outputs":
+                        msg = job.structured_field + ":" + msg.split(":", 1)[1]
+                    head = job.structured_field
                 raise BadRequest(msg, param=head if head.isidentifier() else "prompt") from None
             except KvBuildError as exc:
                 raise self._never_fits(job, i, len(ids), exc) from None
             plan.append((ids, params))
         # once per HTTP request (not per prompt or choice), and only for one that is served
         self.engine.report_ignored(job.params, job.n, request=self.id, salt=job.salt, model_defaults=job.model_defaults)
+        if job.params.structured_outputs is not None:  # what was asked, never the spec itself
+            self.engine.notify(StructuredOutputsRequested(request=self.id, field=job.structured_field or "",
+                                                          **job.params.structured_outputs.describe()))
         if job.ignored:  # accepted as vLLM accepts them, yet they can change nothing here
             self.engine.notify(*[SettingIgnored(field=f"serve.{name}", value=value, reason=f"{why} (request {self.id})")
                                  for name, value, why in job.ignored])

@@ -7,8 +7,9 @@ Completions and chat completions (:func:`parse`: OpenAI's fields, kvload's and v
 (:func:`parse_tokenize`, :func:`parse_detokenize`). Every problem raises :class:`BadRequest` naming the field
 (``param``) and what is accepted; the app turns it into HTTP 400 with OpenAI's error body. Fields kvload cannot
 honour are refused, never silently dropped: an accepted setting must act (or be what kvload does anyway:
-``response_format`` text, ``priority`` 0, ``best_of`` = ``n``, ``tool_choice`` "none"), or is reported as
-``setting_ignored`` (:attr:`Job.ignored`) where vLLM accepts it and it can change nothing.
+``priority`` 0, ``best_of`` = ``n``, ``tool_choice`` "none"), or is reported as ``setting_ignored``
+(:attr:`Job.ignored`) where vLLM accepts it and it can change nothing. Structured outputs come as OpenAI's
+``response_format`` (``json_object``, ``json_schema``) or vLLM's ``structured_outputs`` (:func:`_structured`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from engine.sampling_params import (
     check_stop_token_ids_count,
     is_finite,
 )
+from engine.structured_params import StructuredOutputsParams
 from pipeline.errors import GenerationError
 from pipeline.limits import (
     MAX_BIAS,
@@ -125,6 +127,8 @@ class Job:
     #: the sampling fields the request did not send that took the model's default (vLLM's default sampling params:
     #: the model's generation_config.json), not the client's choice: never reported as ``setting_ignored``
     model_defaults: tuple[str, ...] = ()
+    #: the body field that asked for structured outputs (``response_format`` or ``structured_outputs``), or None
+    structured_field: str | None = None
 
 
 def _is_int(v: Any) -> bool:
@@ -150,6 +154,13 @@ def _bad(exc: GenerationError) -> BadRequest:
     return BadRequest(msg, param=head if head.isidentifier() else None)
 
 
+#: vLLM's guided decoding fields, removed in its recent releases (0.11): refused, naming what replaced them.
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar",
+           "guided_decoding_backend": None, "guided_whitespace_pattern": None}
+#: ``structured_outputs`` keys kvload takes (vLLM's StructuredOutputsParams, less structural_tag, whitespace_pattern
+#: and the backend switches: kvload compiles with xgrammar, vLLM's default backend).
+_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace")
+
 #: vLLM's sampling fields past OpenAI's, taken as ``SamplingParams`` takes them (its checks, its words).
 _SAMPLING_EXTRAS = ("repetition_penalty", "min_p", "min_tokens")
 
@@ -164,7 +175,10 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "
            # at the one value kvload serves) and priority (any value under --scheduling_policy priority, else 0)
            "cache_salt", "prompt_logprobs", "truncate_prompt_tokens", "request_id", "response_format", "priority",
            # vLLM's sampling constraints, checked by SamplingParams (bad_words by the tokenizer, at submission)
-           "allowed_token_ids", "bad_words"}
+           "allowed_token_ids", "bad_words",
+           # vLLM's structured outputs (compiled by xgrammar at submission); its older guided_* fields are refused
+           # with a pointer to it
+           "structured_outputs", *_GUIDED}
 _COMPLETION = _COMMON | {"prompt", "best_of"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"} | TEMPLATE_OPTIONS
 
@@ -284,6 +298,9 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
           "truncate_prompt_tokens", "an integer >= 1 (keep the prompt's last k tokens), or -1 (as many as the "
           "context length leaves after max_tokens)", truncate)
     priority = _accepted_as_done(body, kind, n, by_priority)
+    structured, structured_field = _structured(body)
+    if structured is not None:
+        extras["structured_outputs"] = structured
     try:
         params = SamplingParams(max_tokens=max_tokens if given else default_max_tokens,
                                 temperature=float(temperature), top_p=float(top_p), top_k=top_k, seed=seed,
@@ -298,7 +315,7 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
                max_tokens_given=given, max_tokens_field=field, template=template, add_special_tokens=special,
                prompt_logprobs=prompt_logprobs, truncate=truncate, request_id=request_id(body.get("request_id")),
                continuous_usage=continuous, ignored=tuple(ignored), priority=priority,
-               model_defaults=tuple(defaulted))
+               model_defaults=tuple(defaulted), structured_field=structured_field)
 
 
 def _stream_options(body: dict[str, Any], stream: bool, ignored: list[tuple[str, Any, str]]) -> tuple[bool, bool]:
@@ -364,14 +381,6 @@ def _prompt_logprobs(body: dict[str, Any], stream: bool, ignored: list[tuple[str
 def _accepted_as_done(body: dict[str, Any], kind: str, n: int, by_priority: bool = False) -> int:
     """vLLM's fields accepted at the one value that is what kvload does anyway (so they act), refused otherwise;
     ``priority`` also at any value when the server schedules by priority (returned, vLLM-signed: lower first)."""
-    fmt = body.get("response_format")
-    if fmt is not None:
-        _need(isinstance(fmt, dict) and isinstance(fmt.get("type"), str), "response_format",
-              'an object {"type": "text"}', fmt)
-        if fmt["type"] != "text":
-            raise BadRequest(f"response_format: type {fmt['type'][:40]!r} needs guided (structured) decoding, which "
-                             'kvload serve does not do; only {"type": "text"} is accepted', param="response_format")
-        _need(set(fmt) == {"type"}, "response_format", 'an object {"type": "text"}', fmt)
     priority = body.get("priority")
     _need(priority is None or _is_int(priority), "priority", "an integer", priority)
     if priority and by_priority:  # --scheduling_policy priority: lower is served first (the engine negates it)
@@ -388,6 +397,73 @@ def _accepted_as_done(body: dict[str, Any], kind: str, n: int, by_priority: bool
                              "sample it draws, so only best_of = n is accepted (drawing more to keep the best is not "
                              "done; vLLM's V1 engine dropped best_of too)", param="best_of")
     return int(priority or 0)
+
+
+_FORMATS = ('an object {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
+            '{"name": ..., "schema": {...}, "strict"?: bool, "description"?: str}}')
+
+
+def _structured(body: dict[str, Any]) -> tuple[StructuredOutputsParams | None, str | None]:
+    """OpenAI's ``response_format`` and vLLM's ``structured_outputs`` as one :class:`StructuredOutputsParams` (None:
+    plain text), with the field that asked; vLLM's removed ``guided_*`` fields are refused naming their successor."""
+    for name, key in _GUIDED.items():
+        if body.get(name) is not None:
+            instead = f'structured_outputs: {{"{key}": ...}}' if key else "structured_outputs (compiled with xgrammar)"
+            raise BadRequest(f"{name}: vLLM's older guided decoding field, removed in its recent releases; send "
+                             f"{instead} instead (or OpenAI's response_format for JSON)", param=name)
+    fmt, given = body.get("response_format"), body.get("structured_outputs")
+    asked: dict[str, Any] | None = None
+    if fmt is not None:
+        _need(isinstance(fmt, dict) and isinstance(fmt.get("type"), str), "response_format", _FORMATS, fmt)
+        kind = fmt["type"]
+        if kind in ("text", "json_object"):
+            _need(set(fmt) == {"type"}, "response_format", _FORMATS, fmt)
+            asked = {"json_object": True} if kind == "json_object" else None
+        elif kind == "json_schema":
+            _need(set(fmt) == {"type", "json_schema"} and isinstance(fmt["json_schema"], dict), "response_format",
+                  _FORMATS, fmt)
+            spec = fmt["json_schema"]
+            extra = sorted(set(spec) - {"name", "schema", "strict", "description"})
+            if extra:
+                raise BadRequest(f"response_format.json_schema.{extra[0]}: not supported; accepted: name, schema, "
+                                 "strict, description", param="response_format")
+            _need(isinstance(spec.get("name"), str) and bool(spec["name"]), "response_format.json_schema.name",
+                  "a non-empty string", spec.get("name"))
+            _need(spec.get("description") is None or isinstance(spec["description"], str),
+                  "response_format.json_schema.description", "a string", spec.get("description"))
+            _need(spec.get("strict") is None or isinstance(spec["strict"], bool), "response_format.json_schema.strict",
+                  "true or false (the schema is enforced either way)", spec.get("strict"))
+            _need(isinstance(spec.get("schema"), dict), "response_format.json_schema.schema",
+                  "a JSON schema object", spec.get("schema"))
+            asked = {"json": spec["schema"]}
+        else:
+            raise BadRequest(f"response_format: type {kind[:40]!r} is not supported; expected {_FORMATS} (or vLLM's "
+                             "structured_outputs for a regex, choices or a grammar)", param="response_format")
+    if given is not None:
+        if asked is not None:
+            raise BadRequest("structured_outputs: given with a response_format that asks for JSON too; give one",
+                             param="structured_outputs")
+        _need(isinstance(given, dict), "structured_outputs", 'an object with one of json, regex, choice, grammar, '
+              'json_object, e.g. {"regex": "[0-9]+"}', given)
+        unknown = sorted(set(given) - set(_STRUCTURED_KEYS))
+        if unknown:
+            raise BadRequest(f"structured_outputs.{unknown[0][:60]}: not supported by kvload serve; accepted keys: "
+                             f"{', '.join(_STRUCTURED_KEYS)}", param="structured_outputs")
+        asked = {k: v for k, v in given.items() if v is not None}
+        if asked.get("disable_any_whitespace") is False:
+            del asked["disable_any_whitespace"]
+        field = "structured_outputs"
+    else:
+        field = "response_format"
+    if asked is None:
+        return None, None
+    try:
+        return StructuredOutputsParams(**asked), field
+    except GenerationError as exc:
+        msg = str(exc).removeprefix("generate: ")
+        if field == "response_format":  # named as the request named it
+            msg = "response_format:" + msg.split(":", 1)[1]
+        raise BadRequest(msg, param=field) from None
 
 
 def request_id(value: Any, field: str = "request_id") -> str | None:

@@ -1,0 +1,178 @@
+"""Structured outputs with xgrammar: a sample's tokens held to its ``StructuredOutputsParams`` (vLLM's default backend).
+
+xgrammar is optional (``pip install 'kvload[structured]'``); without it a request for structured outputs is refused
+in one line before anything runs. A :class:`GrammarBackend` (one per executor: one tokenizer) compiles each request's
+spec (xgrammar's compiler caches compiled grammars, bounded); each sample gets a :class:`Constraint` (a
+``GrammarMatcher``). Every step :func:`constrain` masks the constrained rows of the (penalized) logits to the tokens
+the grammar allows next, greedy or sampled alike; a speculative draft row ``j`` is masked after the matcher accepts
+the first ``j`` drafts, which are then rolled back, so drafts verify exactly as a step per token would. The driver's
+stop hook feeds each appended token to the matcher (:meth:`Constraint.advance`) and ends the sample ("stop") once the
+grammar is complete and has taken an end-of-sequence token.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection, Sequence
+from typing import Any
+
+import torch
+
+from engine.structured_params import StructuredOutputsParams
+from pipeline.errors import GenerationError
+
+#: Bytes of compiled grammars xgrammar keeps per tokenizer (a long-running server sees many schemas).
+COMPILE_CACHE_BYTES = 256 << 20
+
+INSTALL_HINT = "pip install 'kvload[structured]'"
+
+_ANY_OBJECT = '{"type": "object"}'
+
+# xgrammar's C++ errors start "[07:05:36] /project/cpp/file.cc:94: " and may say "Check failed: (...) is false: "
+_CPP_PREFIX = re.compile(r"^\[[0-9:. ]+\]\s+\S+:\d+:\s*")
+_CHECK_FAILED = re.compile(r"^Check failed: .*? is false:\s*")
+
+
+def load_xgrammar(field: str = "structured_outputs") -> Any:
+    """The xgrammar module; ``GenerationError`` naming ``field`` and the extra to install when it is missing."""
+    try:
+        import xgrammar
+    except ImportError:
+        raise GenerationError(f"generate: {field}: structured outputs need the xgrammar package, which is not "
+                              f"installed; {INSTALL_HINT}") from None
+    return xgrammar
+
+
+def reason(exc: BaseException) -> str:
+    """xgrammar's refusal as one short line, without its C++ source location."""
+    text = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    text = _CHECK_FAILED.sub("", _CPP_PREFIX.sub("", text))
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def choice_grammar(choices: Sequence[str]) -> str:
+    """An EBNF grammar whose root is exactly one of ``choices`` (vLLM's ``choice_as_grammar``, with control
+    characters escaped too)."""
+    def literal(text: str) -> str:
+        escaped = text.replace("\\", "\\\\").replace('"', '\\"')
+        escaped = escaped.replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
+        return f'"{escaped}"'
+
+    return "root ::= " + " | ".join(literal(c) for c in choices)
+
+
+class Constraint:
+    """One sample's grammar state: which tokens may come next, advanced token by token."""
+
+    __slots__ = ("matcher", "stop_token_ids")
+
+    def __init__(self, matcher: Any, stop_token_ids: frozenset[int]) -> None:
+        self.matcher = matcher
+        self.stop_token_ids = stop_token_ids
+
+    def advance(self, token: int) -> bool:
+        """Take a token the sample appended; whether the sample ends ("stop"): the grammar is complete, or stuck (an
+        end-of-sequence token the grammar refuses: :func:`constrain` allows only those where the vocabulary cannot
+        spell what the grammar needs next).
+
+        The mask allowed only grammar tokens, so any other refusal is a bug: ``RuntimeError``."""
+        if not self.matcher.accept_token(int(token)):
+            if token in self.stop_token_ids:
+                return True
+            raise RuntimeError(f"structured_outputs: token {token} is not allowed by the grammar here, yet it was "
+                               "drawn; the mask was not applied")
+        return bool(self.matcher.is_terminated())
+
+
+class GrammarBackend:
+    """xgrammar over one tokenizer: compiles specs (:meth:`compile`) and makes per-sample :class:`Constraint`s."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Collection[int], name: str = "model") -> None:
+        self.xgr = xgr = load_xgrammar()
+        if tokenizer is None:
+            raise GenerationError(f"generate: structured_outputs: the grammar is matched on token text, but {name} "
+                                  "has no tokenizer (presets take token ids); use allowed_token_ids instead")
+        if not stop_token_ids:
+            raise GenerationError(f"generate: structured_outputs: {name} has no end-of-sequence token, so a "
+                                  "structured output could never end")
+        try:
+            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                      stop_token_ids=sorted(stop_token_ids))
+        except Exception as exc:  # a tokenizer xgrammar cannot read: one line, not its traceback
+            raise GenerationError(f"generate: structured_outputs: xgrammar cannot read {name}'s tokenizer: "
+                                  f"{reason(exc)}") from None
+        self.vocab_size = int(info.vocab_size)
+        self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
+        self.compiler = xgr.GrammarCompiler(info, cache_limit_bytes=COMPILE_CACHE_BYTES)
+
+    def compile(self, params: StructuredOutputsParams) -> Any:
+        """The compiled grammar of ``params`` (cached by xgrammar); ``GenerationError`` naming the field and
+        xgrammar's reason when it refuses the schema, regex or grammar."""
+        kind = params.kind
+        compiler = self.compiler
+        try:
+            spaces = not params.disable_any_whitespace
+            if kind == "json":
+                return compiler.compile_json_schema(params.spec, any_whitespace=spaces)
+            if kind == "json_object":  # an object, as OpenAI's json_object and vLLM's (the builtin grammar takes any
+                return compiler.compile_json_schema(_ANY_OBJECT, any_whitespace=spaces)  # JSON value: [34] too)
+            if kind == "regex":
+                return compiler.compile_regex(params.spec)
+            if kind == "choice":
+                return compiler.compile_grammar(choice_grammar(params.choice or ()))
+            return compiler.compile_grammar(params.spec)
+        except Exception as exc:  # xgrammar raises RuntimeError (C++), ValueError or its own InvalidJSONError
+            raise GenerationError(f"generate: structured_outputs.{kind}: xgrammar refused it: {reason(exc)}") from None
+
+    def constraint(self, params: StructuredOutputsParams) -> Constraint:
+        """A fresh matcher for one sample."""
+        return Constraint(self.xgr.GrammarMatcher(self.compile(params)), self.stop_token_ids)
+
+
+def constrain(logits: torch.Tensor, raw: torch.Tensor, counts: Sequence[int],
+              rows: Sequence[tuple[Constraint | None, Sequence[int]]], backend: GrammarBackend) -> torch.Tensor:
+    """``logits`` (``counts[i]`` rows per request ``i``; ``rows[i]``: its constraint or None, and its drafts) with each
+    constrained row masked to the tokens its grammar allows next; rows without a constraint are untouched. ``raw``
+    (the model's own logits, for logprobs) is never changed: when ``logits`` is it, a copy is masked. A row the
+    other settings (``allowed_token_ids``, ``bad_words``, ``min_tokens``) and the grammar together leave empty takes
+    the grammar alone (the grammar is the hard constraint: what is drawn always parses); one the grammar alone
+    leaves empty (a vocabulary that cannot spell what it needs next) takes the end-of-sequence tokens only, and its
+    sample ends there ("stop"), rather than a token outside the grammar or a failed step for every request in it."""
+    xgr = backend.xgr
+    out = logits.clone() if logits is raw else logits
+    bitmask = xgr.allocate_token_bitmask(out.shape[0], backend.vocab_size)
+    masked: list[int] = []
+    start = 0
+    for c, (constraint, drafts) in zip(counts, rows, strict=True):
+        if constraint is not None:
+            matcher = constraint.matcher
+            taken = 0
+            for j in range(c):  # row j follows the first j drafts
+                matcher.fill_next_token_bitmask(bitmask, start + j)
+                masked.append(start + j)
+                if j == c - 1 or not matcher.accept_token(int(drafts[j])) or matcher.is_terminated():
+                    break  # a draft the grammar refuses is masked out of its own row: verification stops there
+                taken += 1
+            if taken:
+                matcher.rollback(taken)
+        start += c
+    if not masked:
+        return logits
+    bitmask = bitmask.to(out.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(out, bitmask, vocab_size=backend.vocab_size, indices=masked)
+    where = torch.tensor(masked, dtype=torch.long, device=out.device)
+    empty = torch.isneginf(out[where]).all(dim=-1)
+    if bool(empty.any()):
+        dead = where[empty]
+        out[dead] = raw[dead].to(out.dtype)
+        xgr.apply_token_bitmask_inplace(out, bitmask, vocab_size=backend.vocab_size, indices=dead.tolist())
+        stuck = dead[torch.isneginf(out[dead]).all(dim=-1)].tolist()
+        if stuck:
+            stops = torch.tensor(sorted(backend.stop_token_ids), dtype=torch.long, device=out.device)
+            for row in stuck:
+                out[row, stops] = raw[row, stops].to(out.dtype)
+    return out
+
+
+__all__ = ["COMPILE_CACHE_BYTES", "INSTALL_HINT", "Constraint", "GrammarBackend", "choice_grammar", "constrain",
+           "load_xgrammar", "reason"]

@@ -1,0 +1,158 @@
+"""``StructuredOutputsParams`` (vLLM's): what a sample's text must match, checked on construction (no torch, no
+xgrammar needed: the executor compiles it, ``engine.structured``)."""
+
+from __future__ import annotations
+
+import hashlib
+import json as _json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from engine.prompts import check_text
+from pipeline.errors import GenerationError
+from pipeline.limits import MAX_DEPTH, MAX_STRUCTURED_CHARS, MAX_STRUCTURED_CHOICES, nesting_depth
+
+#: The ways to constrain an output, in vLLM's order; exactly one is given.
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+_FIELD = "structured_outputs"
+
+
+def _refuse(what: str, why: str) -> GenerationError:
+    return GenerationError(f"generate: {_FIELD}{'.' + what if what else ''}: {why}")
+
+
+def _schema_text(schema: Any) -> str:
+    """A JSON schema (a dict, or its JSON text) as JSON text; one line naming ``json`` when it is neither."""
+    if isinstance(schema, str):
+        if len(schema) > MAX_STRUCTURED_CHARS:
+            raise _refuse("json", f"expected at most {MAX_STRUCTURED_CHARS:,} characters of JSON schema, got "
+                                  f"{len(schema):,}")
+        check_text(f"{_FIELD}.json", schema)
+        try:
+            parsed = _json.loads(schema)
+        except (ValueError, RecursionError) as exc:
+            raise _refuse("json", f"not JSON text ({str(exc).splitlines()[0][:120]}); give a JSON schema as a dict "
+                                  "or its JSON text") from None
+        if not isinstance(parsed, dict):
+            raise _refuse("json", f"expected a JSON schema object, got JSON {type(parsed).__name__}")
+        return schema
+    if not isinstance(schema, Mapping):
+        raise _refuse("json", f"expected a JSON schema (a dict, or its JSON text), got {type(schema).__name__}")
+    if nesting_depth(schema, 2 * MAX_DEPTH) > 2 * MAX_DEPTH:
+        raise _refuse("json", f"nests deeper than {2 * MAX_DEPTH} levels")
+    try:
+        text = _json.dumps(schema, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise _refuse("json", f"not JSON-serializable ({exc})") from None
+    if len(text) > MAX_STRUCTURED_CHARS:
+        raise _refuse("json", f"expected at most {MAX_STRUCTURED_CHARS:,} characters of JSON schema, got "
+                              f"{len(text):,}")
+    return text
+
+
+def _string(what: str, value: Any, expected: str) -> None:
+    if not isinstance(value, str) or not value:
+        shown = repr(value) if isinstance(value, str) else type(value).__name__
+        raise _refuse(what, f"expected {expected}, got {shown}")
+    if len(value) > MAX_STRUCTURED_CHARS:
+        raise _refuse(what, f"expected at most {MAX_STRUCTURED_CHARS:,} characters, got {len(value):,}")
+    check_text(f"{_FIELD}.{what}", value)
+
+
+def _choices(value: Any) -> Any:
+    """``choice``: a list → a tuple, counted before it is copied (anything else is left for the check to name)."""
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray)):
+        if len(value) > MAX_STRUCTURED_CHOICES:
+            raise _refuse("choice", f"expected at most {MAX_STRUCTURED_CHOICES:,} strings, got a list of "
+                                    f"{len(value):,}")
+        return tuple(value)
+    return value
+
+
+@attrs.frozen(init=False)
+class StructuredOutputsParams:
+    """vLLM's structured outputs: exactly one of ``json`` (a JSON schema, as a dict or its JSON text), ``regex`` (the
+    text fully matches it), ``choice`` (the text is one of these strings), ``grammar`` (an EBNF/GBNF grammar,
+    xgrammar's dialect, rule ``root``) or ``json_object=True`` (any JSON object). ``disable_any_whitespace`` (with
+    ``json`` or ``json_object``): no whitespace between JSON tokens beyond one space after ``:`` and ``,`` (xgrammar's
+    compact form; the default lets the model put any, as vLLM does). Set on ``SamplingParams(structured_outputs=...)``;
+    needs xgrammar (``pip install 'kvload[structured]'``)."""
+
+    json: Any = attrs.field(default=None, hash=False)  # a dict is not hashable
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    #: the compiled spec's text (a schema as JSON text, the choices as JSON), set on construction
+    _spec: str = attrs.field(default="", init=False, eq=False, repr=False)
+
+    def __init__(self, *, json: Mapping[str, Any] | str | None = None, regex: str | None = None,
+                 choice: Sequence[str] | None = None, grammar: str | None = None,
+                 json_object: bool | None = None, disable_any_whitespace: bool = False) -> None:
+        """Keywords only; exactly one of the five kinds (``json_object=False`` counts as not given)."""
+        self.__attrs_init__(json, regex, _choices(choice), grammar, json_object, disable_any_whitespace)
+
+    def __attrs_post_init__(self) -> None:
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise _refuse("json_object", f"expected true or false, got {self.json_object!r}"[:200])
+        given = [k for k in KINDS if getattr(self, k) is not None and getattr(self, k) is not False]
+        if len(given) != 1:
+            got = "none" if not given else " and ".join(given)
+            raise _refuse("", f"give exactly one of {', '.join(KINDS)}; got {got}")
+        kind = given[0]
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise _refuse("disable_any_whitespace",
+                          f"expected true or false, got {self.disable_any_whitespace!r}"[:200])
+        if self.disable_any_whitespace and kind not in ("json", "json_object"):
+            raise _refuse("disable_any_whitespace", f"applies to json and json_object (JSON's whitespace); {kind} "
+                                                    "outputs match their own spec exactly")
+        if kind == "json":
+            spec = _schema_text(self.json)
+        elif kind == "choice":
+            if not isinstance(self.choice, tuple) or not self.choice:
+                raise _refuse("choice", f"expected a non-empty list of non-empty strings, got {self.choice!r}"[:200])
+            for i, text in enumerate(self.choice):
+                _string(f"choice[{i}]", text, "a non-empty string")
+            spec = _json.dumps(list(self.choice), ensure_ascii=False)
+            if len(spec) > MAX_STRUCTURED_CHARS:
+                raise _refuse("choice", f"expected at most {MAX_STRUCTURED_CHARS:,} characters in all, got "
+                                        f"{len(spec):,}")
+        elif kind == "json_object":
+            spec = ""
+        else:
+            _string(kind, getattr(self, kind), "a non-empty string")
+            spec = getattr(self, kind)
+        object.__setattr__(self, "_spec", spec)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is given: one of :data:`KINDS`."""
+        return next(k for k in KINDS if getattr(self, k) is not None and getattr(self, k) is not False)
+
+    @property
+    def spec(self) -> str:
+        """The text compiled: the JSON schema's text, the regex, the grammar, the choices as a JSON list, or ""
+        (``json_object``)."""
+        return self._spec
+
+    def describe(self) -> dict[str, Any]:
+        """What the audit records: the kind, and the spec's size and SHA-256 (never the spec: a schema may be
+        large, or the client's secret)."""
+        return {"kind": self.kind, "chars": len(self._spec),
+                "sha256": hashlib.sha256(self._spec.encode("utf-8")).hexdigest(),
+                "any_whitespace": not self.disable_any_whitespace}
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain form: the one field given (vLLM's keys)."""
+        value = getattr(self, self.kind)
+        data = {self.kind: list(value) if isinstance(value, tuple) else value}
+        if self.disable_any_whitespace:
+            data["disable_any_whitespace"] = True
+        return data
+
+
+__all__ = ["KINDS", "StructuredOutputsParams"]

@@ -1,0 +1,266 @@
+"""Structured outputs (vLLM's ``StructuredOutputsParams``, OpenAI's ``response_format``) with xgrammar: what is
+generated parses, matches, or is one of the choices, greedy, sampled, with n samples and with speculative drafts;
+bad specs and a missing xgrammar are one line before anything runs; the server takes them from the openai client."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sys
+
+import openai
+import pytest
+
+import kvload
+from engine.structured import choice_grammar
+from kvload import SamplingParams, StructuredOutputsParams
+from pipeline.errors import GenerationError
+from tests.llm_support import llm_kwargs, with_tokenizer
+from tests.serve_support import serving
+from tests.text_support import trained_tokenizer
+
+pytest.importorskip("xgrammar")
+
+PROMPT = "Hello world, the sky is"
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "tag": {"enum": ["red", "blue"]}},
+          "required": ["ok", "n", "tag"], "additionalProperties": False}
+CHOICES = ["yes", "no", 'say "maybe"\nlater']
+
+
+def check_schema(text: str) -> None:
+    """``text`` is a JSON object of SCHEMA, checked by hand (no jsonschema dependency)."""
+    doc = json.loads(text)
+    assert set(doc) == {"ok", "n", "tag"}
+    assert isinstance(doc["ok"], bool)
+    assert isinstance(doc["n"], int) and not isinstance(doc["n"], bool) and 0 <= doc["n"] <= 99
+    assert doc["tag"] in ("red", "blue")
+
+
+@pytest.fixture(scope="module")
+def bytes_ckpt(tiny_checkpoints, tmp_path_factory):
+    """The tiny llama with a byte-level BPE tokenizer: every character is spellable, so any grammar is."""
+    dest = tmp_path_factory.mktemp("structured") / "ckpt"
+    shutil.copytree(tiny_checkpoints("llama"), dest)
+    tok = trained_tokenizer("bytelevel", 300)
+    tok.save_pretrained(dest)
+    for name in ("config.json", "generation_config.json"):  # the preset's EOS (2) is a byte here: the tokenizer's
+        path = dest / name
+        if path.exists():
+            path.write_text(json.dumps({**json.loads(path.read_text()), "eos_token_id": tok.eos_token_id}))
+    return dest
+
+
+@pytest.fixture(scope="module")
+def llm(bytes_ckpt):
+    with kvload.LLM(str(bytes_ckpt), **llm_kwargs()) as loaded:
+        yield loaded
+
+
+def sample(llm, so: StructuredOutputsParams, **kw):
+    kw.setdefault("max_tokens", 48)
+    return llm.generate(PROMPT, SamplingParams(structured_outputs=so, **kw))[0].outputs
+
+
+def test_json_schema_output_parses_and_matches_the_schema_greedy_and_sampled(llm):
+    free = sample(llm, None)[0].text  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        json.loads(free)  # unconstrained, the random model writes no JSON
+    so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    for temperature, seed in ((0.0, None), (1.0, 0), (1.0, 1), (1.5, 2)):
+        (out,) = sample(llm, so, temperature=temperature, seed=seed)
+        assert out.finish_reason == "stop" and out.stop_reason is None  # the grammar ended it with EOS
+        check_schema(out.text)
+    # the schema as JSON text is the same constraint
+    text = sample(llm, StructuredOutputsParams(json=json.dumps(SCHEMA), disable_any_whitespace=True))[0].text
+    assert text == sample(llm, so)[0].text
+
+
+def test_json_object_is_an_object(llm):
+    for seed in range(3):
+        (out,) = sample(llm, StructuredOutputsParams(json_object=True, disable_any_whitespace=True), temperature=1.0,
+                        seed=seed, max_tokens=60)
+        if out.finish_reason == "stop":  # a random model may write a long string; what it ends is an object
+            assert isinstance(json.loads(out.text), dict)
+        assert out.text.startswith("{")
+
+
+def test_regex_output_fullmatches_greedy_sampled_and_each_of_n_samples(llm):
+    pattern = r"[0-9]{3}-[a-z]{2}(!|\?)"
+    so = StructuredOutputsParams(regex=pattern)
+    assert re.fullmatch(pattern, sample(llm, so)[0].text)
+    outs = sample(llm, so, temperature=1.2, seed=3, n=4)
+    assert len(outs) == 4 and all(re.fullmatch(pattern, o.text) and o.finish_reason == "stop" for o in outs)
+    assert len({o.text for o in outs}) > 1  # each sample drew its own way through the grammar
+
+
+def test_choice_output_is_one_of_the_choices_even_with_quotes_and_newlines(llm):
+    so = StructuredOutputsParams(choice=CHOICES)
+    seen = {o.text for seed in range(4) for o in sample(llm, so, temperature=2.0, seed=seed, n=4)}
+    assert seen <= set(CHOICES) and len(seen) > 1
+    assert choice_grammar(['a"b\\']) == 'root ::= "a\\"b\\\\"'
+
+
+def test_grammar_output_follows_the_grammar(llm):
+    grammar = 'root ::= "(" item ("," item)* ")"\nitem ::= [a-c] | "z" [0-9]'
+    for seed in range(3):
+        (out,) = sample(llm, StructuredOutputsParams(grammar=grammar), temperature=1.0, seed=seed)
+        assert re.fullmatch(r"\((?:[a-c]|z[0-9])(?:,(?:[a-c]|z[0-9]))*\)", out.text), out.text
+
+
+def test_min_tokens_that_would_forbid_the_grammars_end_yields_to_the_grammar(llm):
+    """After "no" the grammar allows only EOS, which min_tokens holds back: the grammar wins (what is drawn parses),
+    instead of every logit -inf and a token outside the grammar."""
+    outs = sample(llm, StructuredOutputsParams(choice=["no", "yes"]), min_tokens=6, n=2, temperature=1.0, seed=0)
+    assert all(o.text in ("no", "yes") for o in outs)
+
+
+def test_a_vocabulary_that_cannot_spell_the_grammar_ends_the_sample_not_the_step(tiny_checkpoints, tmp_path):
+    """Word tokens ("w0".."w511") spell no digit: the sample ends with EOS at once, and the request beside it in the
+    same steps goes on (neither a token outside the grammar nor a failed step)."""
+    with kvload.LLM(str(with_tokenizer(tiny_checkpoints("llama"), tmp_path / "words", 512)), **llm_kwargs()) as words:
+        stuck, free = words.generate(["w5 w17", "w5 w17"], [
+            SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[0-9]+")),
+            SamplingParams(max_tokens=8, ignore_eos=True)])
+    assert stuck.outputs[0].finish_reason == "stop" and stuck.outputs[0].token_ids[-1] in words_eos(words)
+    assert len(stuck.outputs[0].token_ids) == 1 and len(free.outputs[0].token_ids) == 8
+
+
+def words_eos(llm) -> frozenset[int]:
+    return frozenset(llm.result.executor.eos_token_ids)
+
+
+def test_speculative_drafts_keep_the_constrained_tokens(bytes_ckpt, llm):
+    """Drafts the grammar refuses (after "ababab" the n-gram proposer guesses "ab", the regex wants "c") are masked out
+    of their own row; accepted ones are rolled back before the real step: the same tokens as without drafts."""
+    so = StructuredOutputsParams(regex=r"(ab){3}c(ab){4}d")
+    plain = sample(llm, so)[0]
+    with kvload.LLM(str(bytes_ckpt), max_draft_len=4, **llm_kwargs()) as spec:
+        drafted = sample(spec, so)[0]
+        stats = spec.last_stats
+        sampled = sample(spec, so, temperature=1.0, seed=5)[0]
+    assert drafted.token_ids == plain.token_ids and re.fullmatch(r"(ab){3}c(ab){4}d", drafted.text)
+    assert stats.draft_tokens > 0 and stats.accepted_draft_tokens > 0
+    assert re.fullmatch(r"(ab){3}c(ab){4}d", sampled.text)
+
+
+@pytest.mark.parametrize(("so", "message"), [
+    (dict(regex="a(b"), r"^generate: structured_outputs\.regex: xgrammar refused it: Regex parsing error at "
+                        r"position 4: The parenthesis is not closed\.$"),
+    (dict(json={"type": "objectx"}), r'^generate: structured_outputs\.json: xgrammar refused it: Unsupported type '
+                                     r'"objectx"$'),
+    (dict(grammar="root ::= foo"), r"^generate: structured_outputs\.grammar: xgrammar refused it: .*Rule \"foo\" is "
+                                   r"not defined$"),
+])
+def test_a_spec_xgrammar_refuses_is_one_line_before_anything_runs(llm, so, message):
+    started = len(llm.audit.of("generation_started"))
+    with pytest.raises(GenerationError, match=message):
+        sample(llm, StructuredOutputsParams(**so))
+    assert len(llm.audit.of("generation_started")) == started
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({}, "give exactly one of json, regex, choice, grammar, json_object; got none"),
+    ({"regex": "a", "choice": ["a"]}, "got regex and choice"),
+    ({"json": "{not json"}, r"structured_outputs\.json: not JSON text"),
+    ({"json": [1]}, r"structured_outputs\.json: expected a JSON schema \(a dict, or its JSON text\), got list"),
+    ({"choice": []}, r"structured_outputs\.choice: expected a non-empty list"),
+    ({"choice": ["a", ""]}, r"structured_outputs\.choice\[1\]: expected a non-empty string"),
+    ({"regex": "a", "disable_any_whitespace": True}, r"disable_any_whitespace: applies to json and json_object"),
+])
+def test_bad_structured_outputs_params_are_one_line(kw, message):
+    with pytest.raises(GenerationError, match=message):
+        StructuredOutputsParams(**kw)
+    with pytest.raises(GenerationError, match="structured_outputs: expected a StructuredOutputsParams"):
+        SamplingParams(structured_outputs={"regex": "a"})
+
+
+def test_missing_xgrammar_is_refused_naming_the_extra(llm, monkeypatch):
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar now raises ImportError
+    monkeypatch.setattr(llm.result.executor, "_grammars", None)
+    with pytest.raises(GenerationError, match=r"^generate: structured_outputs: structured outputs need the xgrammar "
+                                              r"package, which is not installed; pip install 'kvload\[structured\]'$"):
+        sample(llm, StructuredOutputsParams(regex="[0-9]"))
+    assert sample(llm, None, max_tokens=2)[0].token_ids  # type: ignore[arg-type]  # the rest still generates
+
+
+def test_a_model_without_a_tokenizer_is_refused():
+    with kvload.LLM("tiny-llama", **llm_kwargs()) as preset, \
+            pytest.raises(GenerationError, match="structured_outputs: the grammar is matched on token text, but "
+                                                 "tiny-llama has no tokenizer"):
+        preset.generate([[1, 2, 3]], SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")))
+
+
+def test_the_audit_records_the_kind_and_a_digest_not_the_spec(llm):
+    so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    sample(llm, so, max_tokens=4)
+    record = llm.audit.of("generation_started")[-1]["structured_outputs"]
+    assert record["kind"] == "json" and record["chars"] == len(so.spec) and len(record["sha256"]) == 64
+    assert record["any_whitespace"] is False and "properties" not in json.dumps(record)
+    assert SamplingParams(structured_outputs=so).to_dict()["structured_outputs"] == {
+        "json": SCHEMA, "disable_any_whitespace": True}
+
+
+def test_the_server_takes_response_format_and_structured_outputs_from_the_openai_client(bytes_ckpt):
+    with serving(str(bytes_ckpt)) as served:
+        def complete(stream: bool = False, **extra):
+            return served.client.completions.create(model=served.state.model_name, prompt=PROMPT, max_tokens=48,
+                                                    stream=stream, extra_body=extra)
+
+        fmt = {"type": "json_schema", "json_schema": {"name": "reply", "schema": SCHEMA, "strict": True}}
+        before = len(served.result.audit.of("structured_outputs_requested"))
+        # vLLM's compact-JSON switch goes with structured_outputs; response_format keeps any whitespace, so the
+        # random model is given the schema both ways and what ends is checked
+        check_schema(complete(structured_outputs={"json": SCHEMA, "disable_any_whitespace": True}).choices[0].text)
+        out = complete(response_format=fmt).choices[0]
+        if out.finish_reason == "stop":
+            check_schema(out.text)
+        assert out.text.startswith("{")
+        assert re.fullmatch(r"[0-9]{3}", complete(structured_outputs={"regex": "[0-9]{3}"}).choices[0].text)
+        streamed = "".join(c.choices[0].text for c in complete(True, structured_outputs={"choice": CHOICES},
+                                                                temperature=1.0, seed=1) if c.choices)
+        assert streamed in CHOICES
+        asked = served.result.audit.of("structured_outputs_requested")[before:]
+        assert [(e["field"], e["kind"]) for e in asked] == [("structured_outputs", "json"),
+                                                           ("response_format", "json"),
+                                                           ("structured_outputs", "regex"),
+                                                           ("structured_outputs", "choice")]
+        for extra, param, words in (
+                ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                             "schema": {"type": "objectx"}}}},
+                 "response_format", 'response_format: xgrammar refused it: Unsupported type "objectx"'),
+                ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs",
+                 "structured_outputs.regex: xgrammar refused it: Regex parsing error"),
+                ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "got regex and choice"),
+                ({"structured_outputs": {"backend": "outlines"}}, "structured_outputs",
+                 "structured_outputs.backend: not supported"),
+                ({"guided_json": SCHEMA}, "guided_json", 'send structured_outputs: {"json": ...} instead'),
+                ({"response_format": {"type": "grammar"}}, "response_format", "type 'grammar' is not supported"),
+                ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+                 "structured_outputs", "give one")):
+            with pytest.raises(openai.BadRequestError) as info:
+                complete(**extra)
+            assert info.value.body["param"] == param and words in info.value.body["message"]
+            assert "\n" not in info.value.body["message"].strip()
+
+
+def test_smollm2_chat_answers_in_the_json_schema_asked_for():
+    from tests.conftest import needs_smollm2
+
+    if needs_smollm2.args[0]:
+        pytest.skip(needs_smollm2.kwargs["reason"])
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "country": {"type": "string", "maxLength": 20}},
+              "required": ["city", "country"], "additionalProperties": False}
+    with serving("smollm2-135m", kv_cache_config={"max_tokens": 2048}) as served:
+        reply = served.client.chat.completions.create(
+            model=served.state.model_name, max_tokens=48,
+            messages=[{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
+            response_format={"type": "json_schema", "json_schema": {"name": "capital", "schema": schema}})
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop"
+    doc = json.loads(choice.message.content)
+    assert set(doc) == {"city", "country"} and all(isinstance(v, str) for v in doc.values())
+    assert "Paris" in doc["city"]
