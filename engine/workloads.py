@@ -173,12 +173,63 @@ def mixed_priority(requests: int = 512, seed: int = 0, *, prompt_len: int = 1024
                      "urgent_len": urgent_len, "urgent_answer_len": urgent_answer_len})
 
 
+def _mixed_shape(requests: int, seed: int, p: dict[str, int]) -> list[tuple[int, int, int, int, bool]]:
+    """Per request of ``mixed``: (own prompt tokens, answer tokens, shared prefix index or -1, arrival gap, urgent).
+
+    Drawn from a generator of its own, apart from the token ids, so :func:`planned_tokens` can replay the sizes
+    without building the workload."""
+    rng = random.Random(f"mixed-shape-{seed}")
+
+    def log_uniform(lo: int, hi: int) -> int:
+        return lo if hi <= lo else min(hi, int(lo * (hi / lo) ** rng.random()))
+
+    out = []
+    for _ in range(requests):
+        own = log_uniform(p["prompt_min"], p["prompt_max"])
+        answer = log_uniform(p["answer_min"], p["answer_max"])
+        shared = rng.randrange(p["prefixes"]) if p["prefixes"] and rng.randrange(100) < p["shared_percent"] else -1
+        out.append((own, answer, shared, rng.randint(0, p["max_gap"]), rng.randrange(100) < p["urgent_percent"]))
+    return out
+
+
+def mixed(requests: int = 256, seed: int = 0, *, prompt_min: int = 16, prompt_max: int = 2048, answer_min: int = 1,
+          answer_max: int = 256, prefixes: int = 4, prefix_len: int = 512, shared_percent: int = 50,
+          urgent_percent: int = 0, max_gap: int = 3, vocab: int = 32000) -> Workload:
+    """Traffic as it comes: prompt and answer lengths log-uniform over their ranges, ``shared_percent`` of the
+    prompts after one of ``prefixes`` system prompts, arrivals 0 to ``max_gap`` steps apart (bursts included), and
+    ``urgent_percent`` of the requests at priority 1.
+
+    The four workloads above each isolate one effect; this one mixes them, so a manager cannot win by being tuned
+    to one shape. A prompt on a system prompt whose first use arrived at an earlier step ideally reuses it (as in
+    ``shared-prefix``); one arriving in the same burst as that first use computes it alongside."""
+    p = {"prompt_min": prompt_min, "prompt_max": prompt_max, "answer_min": answer_min, "answer_max": answer_max,
+         "prefixes": prefixes, "prefix_len": prefix_len, "shared_percent": shared_percent,
+         "urgent_percent": urgent_percent, "max_gap": max_gap}
+    rng = random.Random(seed)
+    fresh = _Segments(rng, vocab)
+    system = [fresh(prefix_len) for _ in range(prefixes)]
+    first_at: dict[int, int] = {}  # system prompt -> the step its first use arrived
+    out, step = [], 0
+    for i, (own, answer, shared, gap, urgent) in enumerate(_mixed_shape(requests, seed, p)):
+        step += gap
+        prefix = system[shared] if shared >= 0 else ()
+        prompt = prefix + fresh(own)
+        # arriving with the first use (a burst), it is computed alongside, not reused
+        reuse = min(prefix_len, len(prompt) - 1) if first_at.get(shared, step) < step else 0
+        if shared >= 0:
+            first_at.setdefault(shared, step)
+        out.append(SimRequest(f"mx-{i}", prompt, _tokens(rng, answer, vocab), arrival_step=step, ideal_reuse=reuse,
+                              priority=int(urgent)))
+    return Workload("mixed", tuple(out), seed, p)
+
+
 WORKLOADS: dict[str, Callable[..., Workload]] = {
     "shared-prefix": shared_prefix,
     "multi-turn": multi_turn,
     "long-context": long_context,
     "no-reuse": no_reuse,
     "mixed-priority": mixed_priority,
+    "mixed": mixed,
 }
 
 
@@ -198,7 +249,11 @@ MAX_REQUESTS = 1_000_000
 MAX_VOCAB = 2**31 - 1
 
 
-def planned_tokens(name: str, requests: int, params: dict[str, int]) -> int:
+#: Workload parameters that may be 0 (none shared, none urgent, all arriving at once); every other is at least 1.
+_MAY_BE_ZERO = frozenset({"prefixes", "shared_percent", "urgent_percent", "max_gap"})
+
+
+def planned_tokens(name: str, requests: int, params: dict[str, int], seed: int = 0) -> int:
     """Token ids the workload will hold (sum over requests of prompt + answer), computed without building it."""
     p = {**workload_params(name), **params}
     if name == "shared-prefix":
@@ -211,22 +266,34 @@ def planned_tokens(name: str, requests: int, params: dict[str, int]) -> int:
         urgent = requests // p["urgent_every"]
         return (requests - urgent) * (p["prompt_len"] + p["answer_len"]) + urgent * (p["urgent_len"]
                                                                                    + p["urgent_answer_len"])
+    if name == "mixed":
+        shapes = _mixed_shape(requests, seed, p)  # the sizes alone: no token id is drawn
+        return sum(own + answer + (p["prefix_len"] if shared >= 0 else 0) for own, answer, shared, _, _ in shapes)
     return requests * (p["prompt_len"] + p["answer_len"])
 
 
 def make_workload(name: str, requests: int | None = None, seed: int = 0, **params: int) -> Workload:
     """Build a workload by name; ``requests`` None keeps the workload's default size.
 
-    ``ValueError`` names an unknown workload or parameter, a size below 1, or sizes that would hold
+    ``ValueError`` names an unknown workload or parameter, a size below 1 (0 where none is a choice: no shared
+    prefix, nothing urgent, no gap), a range whose ``_min`` is above its ``_max``, or sizes that would hold
     more than :data:`MAX_WORKLOAD_TOKENS` token ids (checked before anything is built).
     """
     known = workload_params(name)
     for key, value in params.items():
         if key not in known:
             raise ValueError(f"workload {name} has no parameter {key!r}; known: {', '.join(known)}")
-        least = 2 if key == "vocab" else 1
+        least = 2 if key == "vocab" else 0 if key in _MAY_BE_ZERO else 1
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
             raise ValueError(f"workload {name}: {key} must be an integer >= {least}, got {value!r}")
+        if key.endswith("_percent") and value > 100:
+            raise ValueError(f"workload {name}: {key} is a percentage, 0 to 100, got {value!r}")
+    merged = {**known, **params}
+    for key in params:
+        low, high = key[:-4] + "_min", key[:-4] + "_max"  # a range's ends, for a key that is one
+        if key.endswith(("_min", "_max")) and low in merged and high in merged and merged[low] > merged[high]:
+            raise ValueError(f"workload {name}: {low}={merged[low]} is more than {high}={merged[high]}; "
+                             f"need {low} <= {high}")
     if "vocab" in params and params["vocab"] > MAX_VOCAB:
         raise ValueError(f"workload {name}: vocab must be at most {MAX_VOCAB:,}, got {params['vocab']:,}")
     if requests is not None and (not isinstance(requests, int) or isinstance(requests, bool) or requests < 1):
@@ -237,7 +304,7 @@ def make_workload(name: str, requests: int | None = None, seed: int = 0, **param
     count = requests if requests is not None else inspect.signature(factory).parameters["requests"].default
     if count > MAX_REQUESTS:
         raise ValueError(f"workload {name}: requests={count:,} is more than {MAX_REQUESTS:,}; lower --requests")
-    tokens = planned_tokens(name, count, params)
+    tokens = planned_tokens(name, count, params, seed)
     if tokens > MAX_WORKLOAD_TOKENS:
         sizes = ", ".join(f"{k}={v:,}" for k, v in {**workload_params(name), **params}.items() if k != "vocab")
         raise ValueError(f"workload {name}: requests={count:,} with {sizes} holds {tokens:,} token ids, more than "
@@ -257,6 +324,9 @@ def default_budget_sequences(workload: Workload) -> int:
       sequence costs each manager (sliding windows, compression).
     * ``mixed-priority``: ``answer_len // 4``, at least 2 — a quarter of the ``answer_len + 1`` requests that
       one arrival per step keeps running at once, so requests queue and ``scheduling_policy`` decides which wait.
+    * ``mixed``: ``answer_max // 64``, at least 2 — its longest sequence is several times its mean one, so that
+      many hold roughly half the requests its arrivals keep running at once (the defaults: about 14 of 25): some
+      pressure, where admission, headroom and eviction all decide something.
 
     Never more than the number of requests.
     """
@@ -267,6 +337,8 @@ def default_budget_sequences(workload: Workload) -> int:
         n = len({r.req_id.rsplit("-", 1)[0] for r in workload.requests})
     elif workload.name == "mixed-priority":
         n = max(2, p["answer_len"] // 4)
+    elif workload.name == "mixed":
+        n = max(2, p["answer_max"] // 32)
     else:
         n = 2
     return max(1, min(n, len(workload.requests)))

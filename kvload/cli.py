@@ -959,12 +959,17 @@ workloads (sizes: --requests, and --workload-arg KEY=N for the rest):
   mixed-priority long batch prompts (priority 0), a short urgent one (priority 1) every urgent_every-th
                  arrival, one per step: compare --scheduling_policy fcfs and priority (512 requests;
                  prompt_len=1024 answer_len=128 urgent_every=4 urgent_len=64 urgent_answer_len=32)
+  mixed          traffic as it comes: log-uniform prompt and answer lengths, shared_percent of prompts on
+                 one of `prefixes` system prompts, 0..max_gap steps between arrivals, urgent_percent at
+                 priority 1 (256 requests; prompt_min=16 prompt_max=2048 answer_min=1 answer_max=256
+                 prefixes=4 prefix_len=512 shared_percent=50 urgent_percent=0 max_gap=3)
 
 budget: the same for every manager simulated. With --max_tokens or --max_gpu_total_bytes it is the
 routed manager's budget from those; otherwise the default holds N of the workload's longest sequences
 in the routed layout: N = answer_len + 1 for shared-prefix and no-reuse (the requests running at once),
 one per conversation for multi-turn, 2 for long-context (memory-bound on purpose), answer_len // 4 for
-mixed-priority (requests queue, so the policy decides who waits). V2 layer groups whose
+mixed-priority (requests queue, so the policy decides who waits), answer_max // 32 for mixed (about
+half the requests it keeps running at once). V2 layer groups whose
 pages have one shape (Gemma 3's) share one arena; groups with other page sizes (DeepSeek V4's compressed
 ones) split the budget for sequences of max_seq_len (the checkpoint's unless --max_seq_len): with much
 shorter requests their sliding-window pools can fill first, so set --max_seq_len near the workload's

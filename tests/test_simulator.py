@@ -17,6 +17,8 @@ SMALL = {
     "no-reuse": (10, {"prompt_len": 40, "answer_len": 5}),
     "mixed-priority": (12, {"prompt_len": 40, "answer_len": 5, "urgent_every": 3, "urgent_len": 8,
                             "urgent_answer_len": 3}),
+    "mixed": (24, {"prompt_min": 4, "prompt_max": 80, "answer_min": 1, "answer_max": 8, "prefixes": 2,
+                   "prefix_len": 64, "shared_percent": 50, "urgent_percent": 25, "max_gap": 2}),
 }
 
 

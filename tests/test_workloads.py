@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from engine.workloads import (
@@ -53,6 +55,47 @@ def test_mixed_priority_puts_a_short_urgent_request_every_nth_arrival_and_plans_
     params = {"prompt_len": 20, "answer_len": 4, "urgent_every": 3, "urgent_len": 5, "urgent_answer_len": 2}
     assert planned_tokens("mixed-priority", 9, params) == sum(len(r.prompt) + len(r.answer) for r in w.requests)
     assert default_budget_sequences(w) == 2  # answer_len // 4, at least 2: requests queue
+
+
+def test_mixed_draws_sizes_in_range_puts_shared_prompts_after_a_system_prompt_and_counts_their_reuse():
+    params = {"prompt_min": 4, "prompt_max": 64, "answer_min": 2, "answer_max": 9, "prefixes": 2, "prefix_len": 16,
+              "shared_percent": 60, "urgent_percent": 30, "max_gap": 3}
+    w = make_workload("mixed", 120, 5, **params)
+    systems = {r.prompt[:16] for r in w.requests if r.ideal_reuse}
+    assert len(systems) == 2  # both system prompts came back after their first use
+    first_at: dict[tuple[int, ...], int] = {}
+    shared = 0
+    for r in w.requests:
+        on_system = r.prompt[:16] in systems and len(r.prompt) > 16
+        own = len(r.prompt) - 16 if on_system else len(r.prompt)
+        assert 4 <= own <= 64 and 2 <= len(r.answer) <= 9
+        if on_system:
+            shared += 1
+            first = first_at.setdefault(r.prompt[:16], r.arrival_step)
+            assert r.ideal_reuse == (16 if first < r.arrival_step else 0)  # the first use's burst computes it
+        else:
+            assert r.ideal_reuse == 0
+    assert 50 <= shared <= 90 and 15 <= sum(r.priority for r in w.requests) <= 55
+    gaps = [b.arrival_step - a.arrival_step for a, b in itertools.pairwise(w.requests)]
+    assert set(gaps) == {0, 1, 2, 3}  # bursts (several at one step) and pauses
+    assert {len(r.prompt) for r in w.requests} != {len(w.requests[0].prompt)}  # lengths vary
+    assert planned_tokens("mixed", 120, params, 5) == sum(len(r.prompt) + len(r.answer) for r in w.requests)
+    assert default_budget_sequences(w) == 2  # answer_max // 32, at least 2
+    none = make_workload("mixed", 30, 1, prefixes=0, shared_percent=0, urgent_percent=0, max_gap=0)
+    assert {r.arrival_step for r in none.requests} == {0} and none.ideal_reused_tokens == 0
+    assert not any(r.priority for r in none.requests) and len({r.prompt[0] for r in none.requests}) == 30
+
+
+@pytest.mark.parametrize(("params", "message"), [
+    ({"shared_percent": 101}, "shared_percent is a percentage, 0 to 100, got 101"),
+    ({"prompt_min": 300, "prompt_max": 200}, "prompt_min=300 is more than prompt_max=200; need prompt_min <= "
+                                             "prompt_max"),
+    ({"answer_min": 300}, "answer_min=300 is more than answer_max=256"),
+    ({"prefix_len": 0}, "prefix_len must be an integer >= 1, got 0"),
+])
+def test_mixed_refuses_sizes_that_cannot_be_drawn_naming_them(params, message):
+    with pytest.raises(ValueError, match=message):
+        make_workload("mixed", 4, **params)
 
 
 def test_same_seed_same_tokens():
