@@ -53,6 +53,7 @@ examples:
        -d '{"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi"}]}'
   kvload serve tiny-llama --max_tokens 8192 --use_kv_cache_manager_v2 true
   KVLOAD_API_KEY=$(cat key.txt) kvload serve smollm2-135m --host 0.0.0.0
+  torchrun --nproc-per-node 2 -m kvload serve tiny-llama --tp_size 2   # rank 0 serves, rank 1 follows it
 """
 
 
