@@ -10,6 +10,10 @@ drafts as in ``generate`` (``engine.speculation``) while at most ``speculation_m
 
 The loop never dies on one request's failure: an error inside a step fails the requests of that step
 (their sinks get the error, their blocks are freed) and the loop goes on with the next arrivals.
+
+Tensor parallel (the executor's ``lockstep``): rank 0 runs this loop for the HTTP server; every other rank runs
+:meth:`ServingEngine.follow`, which takes rank 0's :class:`StepOrders` before each step and steps with it (see there
+for the invariant).
 """
 
 from __future__ import annotations
@@ -38,8 +42,9 @@ from engine.sampling_params import SamplingParams, check_salt, greedy_ignored, i
 from engine.speculation import verify_drafted
 from engine.stopping import SampleText
 from engine.structured import Constraint, constrain
-from pipeline.errors import GenerationError, KvBuildError, first_line
+from pipeline.errors import GenerationError, KvBuildError, KvloadError, KvRuntimeError, RankLostError, first_line
 from pipeline.events import EngineStepFailed, Event, RequestFinished, SettingIgnored
+from pipeline.ranks import lost_rank_message
 
 
 @attrs.frozen
@@ -100,6 +105,7 @@ class _Live:
     stop_reason: int | str | None = None  # what ended it with "stop": a stop token id or a stop string
     prompt_logprobs: list[dict[int, float] | None] | None = None  # with params.prompt_logprobs, filled by prefill
     constraint: Constraint | None = None  # with params.structured_outputs: its grammar state
+    seed: int | None = None  # the seed its generator started from (with seed_offset): what followers rebuild it from
 
 
 class _ServeDriver(Driver):
@@ -135,6 +141,28 @@ class EngineStopped(GenerationError):
     """:meth:`ServingEngine.submit` after a stop was asked for: nothing was queued (the request would never end)."""
 
 
+#: Seconds a rank > 0 that got a stop signal waits for rank 0's stop order (sent as soon as rank 0 stops).
+FOLLOW_GRACE_S = 10.0
+
+
+@attrs.frozen
+class StepOrders:
+    """What rank 0 tells the other ranks before each step under tensor parallel (sent with ``broadcast_object_list``).
+
+    Invariant: every rank applies the same orders in the same order (``reset`` first, then ``adds`` in order, then
+    ``aborts`` in order, then one step when there is work), so their drivers, schedulers and pools stay identical;
+    the tokens a step picks are rank 0's (broadcast after sampling, as ``generate`` does), so a sampled request goes
+    on alike everywhere whatever each rank's generator drew. ``adds``: (request as rank 0 built it, its params, the
+    seed of its generator or None). An order with nothing in it is a heartbeat: an idle rank 0 sends one every
+    ``idle_wait_s`` so the others, waiting in the collective, never reach its timeout.
+    """
+
+    adds: tuple[tuple[Request, SamplingParams, int | None], ...] = ()
+    aborts: tuple[str, ...] = ()
+    reset: bool = False  # rank 0 forgot its cached prefixes since the last step (POST /reset_prefix_cache)
+    stop: bool = False  # the server is stopping: the other ranks end their loop
+
+
 class ServingEngine:
     """Continuous batching over a loaded model for requests submitted from any thread.
 
@@ -145,9 +173,9 @@ class ServingEngine:
 
     def __init__(self, executor: GenerationExecutor, *, observer: EngineObserver | None = None,
                  idle_wait_s: float = 0.5) -> None:
-        if getattr(executor, "lockstep", None) is not None:
-            raise GenerationError("serve: the model is loaded across several ranks (tensor parallel); the serving "
-                                  "loop runs on one rank only")
+        lockstep = getattr(executor, "lockstep", None)
+        #: tensor parallel: the ranks this loop steps with (rank 0 serves, the others :meth:`follow`); None alone
+        self.ranks = lockstep.ranks if lockstep is not None else None
         self.executor = executor
         self.manager = executor.manager
         self.scheduler = executor.scheduler
@@ -171,6 +199,11 @@ class ServingEngine:
         self.loop_error: str | None = None
         self._pieces: dict[int, tuple[str, bytes]] = {}  # token_piece's, filled as tokens are asked for
         self._byte_level: bool | None = None
+        self._reset_pending = False  # tensor parallel: a prefix cache reset the next StepOrders carry (state_lock)
+        #: tensor parallel: called on the loop thread once the loop ended on a failure (the ranks can no longer be
+        #: known to agree, so the server must stop); ``fatal`` then holds the error to end with (one line, exit 1)
+        self.on_fatal: Callable[[], Any] | None = None
+        self.fatal: KvloadError | None = None
 
     @classmethod
     def from_result(cls, result: Any, **kwargs: Any) -> ServingEngine:
@@ -356,19 +389,10 @@ class ServingEngine:
         # a scored prompt is prefilled whole (a cached prefix computes no logits); its blocks are cached for others
         request.skip_prefix_read = params.prompt_logprobs is not None
         req_id = request.req_id
-        gen = None
+        seed = None
         if not params.greedy:
-            seed = params.seed if params.seed is not None else random.SystemRandom().getrandbits(62)
-            gen = torch.Generator(device=self.executor.pools.device).manual_seed(seed + seed_offset)
-        text = SampleText(self.tokenizer, params.stop, skip_special=params.skip_special_tokens,
-                          spaced=params.spaces_between_special_tokens) \
-            if params.stop and self.tokenizer is not None else None  # finds the stop strings (the face cuts)
-        live = _Live(request, params, sink, gen, frozenset(params.stop_token_ids), text, params.logprobs,
-                     time.perf_counter())
-        if params.prompt_logprobs is not None:
-            live.prompt_logprobs = [None] * request.num_prompt_tokens
-        if params.structured_outputs is not None:  # compiled by check(): xgrammar's cache answers
-            live.constraint = self.executor.grammars().constraint(params.structured_outputs)
+            seed = (params.seed if params.seed is not None else random.SystemRandom().getrandbits(62)) + seed_offset
+        live = self._new_live(request, params, sink, seed)
         with self._cond:
             # checked again under the lock request_stop takes: a stop asked for during the checks above may have
             # ended the loop, whose last act (_fail_all) drained the inbox; a request queued after that never ended.
@@ -378,6 +402,21 @@ class ServingEngine:
             self._inbox.append(live)
             self._cond.notify_all()
         return req_id
+
+    def _new_live(self, request: Request, params: SamplingParams, sink: Callable[[ServeEvent], Any],
+                  seed: int | None) -> _Live:
+        """A request's loop-side state: its generator from ``seed`` (None: greedy), its stop-string text."""
+        gen = None if seed is None else torch.Generator(device=self.executor.pools.device).manual_seed(seed)
+        text = SampleText(self.tokenizer, params.stop, skip_special=params.skip_special_tokens,
+                          spaced=params.spaces_between_special_tokens) \
+            if params.stop and self.tokenizer is not None else None  # finds the stop strings (the face cuts)
+        live = _Live(request, params, sink, gen, frozenset(params.stop_token_ids), text, params.logprobs,
+                     time.perf_counter(), seed=seed)
+        if params.prompt_logprobs is not None:
+            live.prompt_logprobs = [None] * request.num_prompt_tokens
+        if params.structured_outputs is not None:  # compiled by check(): xgrammar's cache answers (every rank's)
+            live.constraint = self.executor.grammars().constraint(params.structured_outputs)
+        return live
 
     def _why_stopped(self) -> str:
         if self.loop_error is not None:
@@ -396,6 +435,8 @@ class ServingEngine:
         the server's ``POST /reset_prefix_cache``): (whether it did, the event the loop thread records)."""
         with self.state_lock:  # no step reads or caches blocks meanwhile
             done, event = self.executor.reset_prefix_cache("serve.reset_prefix_cache")
+            # the other ranks forget theirs before the next step, where this rank forgot its own (StepOrders.reset)
+            self._reset_pending = self._reset_pending or (done and self.ranks is not None)
         self.notify(event)
         return done, event
 
@@ -419,10 +460,21 @@ class ServingEngine:
                 while self._loop_once():
                     pass
         except BaseException as exc:  # a bug in the loop itself: say so on every request, never hang them
+            if self.ranks is not None and self._stopping:  # the others already went with the stop (Ctrl-C reaches all)
+                return
+            lost = lost_rank_message(exc) if self.ranks is not None else None  # gloo's words, in kvload's one line
             with self._cond:  # under submit's lock: nothing is queued after the drain below, for a loop that is gone
-                self.loop_error = f"{type(exc).__name__}: {exc}"
+                self.loop_error = lost or f"{type(exc).__name__}: {exc}"
             self._fail_all(self.loop_error)
-            raise
+            if self.ranks is None:
+                raise
+            # tensor parallel: the ranks can no longer be known to step alike, so the server stops (on_fatal), and
+            # says why in one line; a rank that died takes the others down through their next collective
+            self.fatal = RankLostError(lost) if lost is not None else KvRuntimeError(
+                f"serve: the serving loop failed: {type(exc).__name__}: {first_line(exc, '')}")
+            if self.on_fatal is not None:
+                with contextlib.suppress(Exception):
+                    self.on_fatal()
         finally:
             self._fail_all("the engine stopped", reason="abort")
             self.executor._block_tables.keep_only(())  # generate() may use the executor after the server
@@ -430,42 +482,122 @@ class ServingEngine:
     def _loop_once(self) -> bool:
         with self._cond:
             while not (self._stopping or self._inbox or self._aborts or self._notices or self.driver.has_work):
-                self._cond.wait(self.idle_wait_s)
+                if not self._cond.wait(self.idle_wait_s) and self.ranks is not None:
+                    break  # a heartbeat: the other ranks wait for the next orders in a collective with a timeout
             notices, self._notices = self._notices, []
             stopping = self._stopping
+            inbox: list[_Live] = []
+            aborts: list[str] = []
             if not stopping:
                 inbox, self._inbox = self._inbox, []
-                aborts, self._aborts = self._aborts, set()
+                aborts, self._aborts = sorted(self._aborts), set()  # sorted: applied in one order on every rank
         for notice in notices:  # before the requests they are about start
             with contextlib.suppress(Exception):
                 self.executor._event(notice)
         if stopping:
+            if self.ranks is not None:
+                with contextlib.suppress(Exception):  # best effort: the others may be gone already (Ctrl-C)
+                    self.ranks.broadcast(StepOrders(stop=True))
             return False
         with self.state_lock:
-            for live in inbox:
-                self._live[live.request.req_id] = live
-                self.driver.add(live.request)
-            for req_id in aborts:
-                self._finish_early(req_id, "abort")
-            if not self.driver.has_work:
-                return True
-            try:
-                st = self.driver.step(self._compute)
-            except StalledError as exc:
-                self._step_failed(exc, f"the {type(self.scheduler).__name__} cannot make progress: {exc}")
-                return True
-            except Exception as exc:
-                self._step_failed(exc, f"{type(exc).__name__}: {exc}")
-                return True
-            self.steps += 1
-            outbox = self._collect(st)
-            self.driver.finished.clear()  # the server's driver lives for ever: its finished requests are ours to drop
-            if self.observer is not None:  # counted before any client can see the tokens (and scrape)
-                with contextlib.suppress(Exception):
-                    self.observer.on_step(st, sum(len(ev.new_token_ids) for _, ev in outbox))
-            for live, event in outbox:
-                self._send(live, event)
+            if self.ranks is not None:  # under the lock a prefix cache reset takes: it lands between the same steps
+                orders = StepOrders(adds=tuple((lv.request, lv.params, lv.seed) for lv in inbox),
+                                    aborts=tuple(aborts), reset=self._reset_pending)
+                self._reset_pending = False
+                try:
+                    self.ranks.broadcast(orders)
+                except BaseException:
+                    with self._cond:  # back where the loop's last drain (_fail_all) ends them: none left unanswered
+                        self._inbox[:0] = inbox
+                    raise
+            self._apply(inbox, aborts)
+            self._step()
         return True
+
+    def follow(self, grace_s: float = FOLLOW_GRACE_S) -> None:
+        """Tensor parallel, ranks > 0: step with rank 0 as its :class:`StepOrders` say until it stops the server (or
+        the ranks part: a collective's error or timeout is raised here). Call it on the main thread: the steps run on
+        a thread of their own, so that a stop signal here (Ctrl-C and torchrun reach every rank) waits up to
+        ``grace_s`` for rank 0's stop, which then ends this call as cleanly as rank 0's own; without it the signal is
+        raised (``KeyboardInterrupt``)."""
+        if self.ranks is None or self.ranks.is_first:
+            raise GenerationError("serve: follow() is for ranks > 0 of a tensor-parallel run; rank 0 serves")
+        failed: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                self._follow_steps()
+            except BaseException as exc:  # handed to the caller's thread
+                failed.append(exc)
+
+        thread = threading.Thread(target=run, name="kvload-engine", daemon=True)
+        thread.start()
+        try:
+            while thread.is_alive():
+                thread.join(0.1)  # in slices: a signal's handler runs in between
+        except KeyboardInterrupt:
+            thread.join(grace_s)
+            if thread.is_alive() or failed:  # rank 0 did not stop in time (or the ranks parted): the signal wins
+                raise
+        if failed:
+            lost = lost_rank_message(failed[0])
+            if lost is not None:
+                raise RankLostError(lost) from failed[0]
+            raise failed[0]
+
+    def _follow_steps(self) -> None:
+        """:meth:`follow`'s thread: rank 0's orders, applied in its order, then the step, until a stop order."""
+        if self.executor.pools.device.type == "cuda":  # the current device is per thread (the rank's, for NCCL)
+            torch.cuda.set_device(self.executor.pools.device)
+        try:
+            with self.executor.paged_attention():
+                while True:
+                    orders: StepOrders = self.ranks.broadcast(None)
+                    if orders.stop:
+                        return
+                    with self.state_lock:
+                        if orders.reset:
+                            _, event = self.executor.reset_prefix_cache("serve.reset_prefix_cache")
+                            self.executor._event(event)
+                        self._apply([self._new_live(req, params, _no_sink, seed) for req, params, seed in orders.adds],
+                                    list(orders.aborts))
+                        self._step()
+        finally:
+            self._fail_all("the engine stopped", reason="abort")
+            self.executor._block_tables.keep_only(())
+
+    def _apply(self, inbox: list[_Live], aborts: list[str]) -> None:
+        """New requests join the driver, then the aborted end (under ``state_lock``)."""
+        for live in inbox:
+            self._live[live.request.req_id] = live
+            self.driver.add(live.request)
+        for req_id in aborts:
+            self._finish_early(req_id, "abort")
+
+    def _step(self) -> None:
+        """One step of the driver when there is work, its tokens sent (under ``state_lock``). A failed step fails its
+        requests; under tensor parallel any failure but a stalled scheduler (which every rank meets alike) is raised:
+        the ranks may have parted mid-step."""
+        if not self.driver.has_work:
+            return
+        try:
+            st = self.driver.step(self._compute)
+        except StalledError as exc:
+            self._step_failed(exc, f"the {type(self.scheduler).__name__} cannot make progress: {exc}")
+            return
+        except Exception as exc:
+            if self.ranks is not None:
+                raise
+            self._step_failed(exc, f"{type(exc).__name__}: {exc}")
+            return
+        self.steps += 1
+        outbox = self._collect(st)
+        self.driver.finished.clear()  # the server's driver lives for ever: its finished requests are ours to drop
+        if self.observer is not None:  # counted before any client can see the tokens (and scrape)
+            with contextlib.suppress(Exception):
+                self.observer.on_step(st, sum(len(ev.new_token_ids) for _, ev in outbox))
+        for live, event in outbox:
+            self._send(live, event)
 
     def _compute(self, out: SchedulerOutput) -> dict[str, int | list[int]]:
         """The step's forward (the executor's packing), then each request's own pick: argmax or its generator (with
@@ -498,6 +630,8 @@ class ServingEngine:
         for i, lv in enumerate(lives):
             if not lv.params.greedy:
                 picked[reqs[i].req_id] = sample_rows(logits[i:i + 1], lv.params, [lv.generator])[0]
+        if self.ranks is not None:  # rank 0's picks: the next step's inputs on every rank (StepOrders' invariant)
+            picked = self.ranks.broadcast(picked)
         asked = [i for i, lv in enumerate(lives) if lv.logprobs is not None]
         if asked:
             k = max(lives[i].logprobs or 0 for i in asked)
@@ -627,6 +761,10 @@ class ServingEngine:
             live.sink(event)
 
 
+def _no_sink(event: ServeEvent) -> None:
+    """A follower rank's requests have no client: rank 0 answers them."""
+
+
 #: a SentencePiece byte-fallback token: the byte it stands for
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -675,4 +813,4 @@ def _token_piece(tokenizer: Any, token_id: int, byte_level: bool) -> tuple[str, 
     return text, text.encode()
 
 
-__all__ = ["EngineObserver", "EngineStopped", "KvBuildError", "ServeEvent", "ServingEngine"]
+__all__ = ["EngineObserver", "EngineStopped", "KvBuildError", "ServeEvent", "ServingEngine", "StepOrders"]

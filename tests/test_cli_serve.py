@@ -261,10 +261,11 @@ def test_kv_events_file_takes_the_buffer_size_from_the_config_file(capsys, tmp_p
     assert r.code == 2 and r.one_error_line and "KV cache events are off" in r.err, r.err
 
 
-def test_serve_refuses_tensor_parallel_up_front_instead_of_advising_torchrun(capsys):
-    r = run_cli(capsys, "serve", "tiny-llama", "--tp_size", "2")
+def test_serve_with_tensor_parallel_alone_says_to_launch_the_ranks_with_torchrun(capsys):
+    # served under torchrun (tests/test_serve_tensor_parallel.py); one process cannot hold 2 ranks' shards
+    r = run_cli(capsys, "serve", "tiny-llama", "--tp_size", "2", "--port", "0")
     assert r.code == 2 and r.one_error_line, r.err
-    assert "--tp_size 2: kvload serve runs on one rank only" in r.err and "torchrun --nproc" not in r.err
+    assert "needs all 2 ranks" in r.err and "launch it with torchrun --nproc-per-node 2" in r.err, r.err
 
 
 @pytest.mark.parametrize("name", ["", "   "])

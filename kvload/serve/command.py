@@ -53,6 +53,7 @@ examples:
        -d '{"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi"}]}'
   kvload serve tiny-llama --max_tokens 8192 --use_kv_cache_manager_v2 true
   KVLOAD_API_KEY=$(cat key.txt) kvload serve smollm2-135m --host 0.0.0.0
+  torchrun --nproc-per-node 2 -m kvload serve tiny-llama --tp_size 2   # rank 0 serves, rank 1 follows it
 """
 
 
@@ -192,14 +193,11 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from kvload.serve.auth import resolve_api_keys
     from kvload.serve.server import bind, build_state, chat_template_text, mirror_kv_events, serve
     from pipeline.context import DEFAULT_MAX_TOKENS_FIELD, CallerDefault
+    from pipeline.ranks import ranks_from_env
     from stages import load_stages
 
-    tp = cli.cli_overrides(ns).get("tensor_parallel_size", 1)
-    if tp != 1:  # refused before the torchrun advice of check_parallel, which serve could never follow
-        from pipeline.errors import ConfigError
-
-        raise ConfigError(f"--tp_size {tp}: kvload serve runs on one rank only; drop --tp_size "
-                          "(tensor parallel works with plan, run and generate under torchrun)")
+    # under torchrun rank 0 serves HTTP and the other ranks follow its loop step by step (ServingEngine.follow)
+    ranks = ranks_from_env()
     audit = cli._audit_subscribers(ns)  # published by main once the server stopped cleanly
     if ns.kv_events_file is not None:
         cli._check_output_path("--kv-events-file", ns.kv_events_file)
@@ -210,9 +208,11 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                               "kv_cache_config.event_buffer_max_size in the --config file")
     # the flag, else $KVLOAD_API_KEY, else $VLLM_API_KEY; an empty or unsendable one refused now, naming its source
     api_keys, key_source, unused = resolve_api_keys(ns.api_key, os.environ)
-    probe = bind(ns.host, ns.port)  # a taken port fails now, before minutes of loading
-    address = probe.getsockname()[0]
-    probe.close()
+    address = ns.host
+    if ranks.is_first:  # the one rank that listens
+        probe = bind(ns.host, ns.port)  # a taken port fails now, before minutes of loading
+        address = probe.getsockname()[0]
+        probe.close()
     template = chat_template_text(ns.chat_template) if ns.chat_template is not None else None  # and a bad template
     request = cli._request(ns, load_weights=True, generates=True)
     # capped like generate's: past 2**63 - 1 the budget names --default-max-tokens
@@ -234,6 +234,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             result.bus.emitter("serve")(SettingIgnored(
                 field="--json", value=True, reason="kvload serve prints no result document; its answers are the "
                                                    "HTTP API's JSON (--log-format json makes its log JSON)"))
+        if not ranks.is_first:
+            return _follow(ns, result)
         if result.bus is not None:
             _announce_auth(result.bus.emitter("serve"), ns.host, address, key_source, unused)
         state = build_state(result, model_name=ns.served_model_name, default_max_tokens=ns.default_max_tokens,
@@ -254,8 +256,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             kv = result.kv
             # said where the operator looks: a key picked up from the environment (VLLM_API_KEY) is no surprise later
             auth = f"; API key required ({key_source})" if api_keys else ""
+            tp = f", tensor parallel over {ranks.world_size} ranks" if ranks.distributed else ""
             print(f"kvload serve: {state.model_name} at {url} ({type(result.kv_manager).__name__}, "
-                  f"{kv.capacity_tokens:,} KV tokens){auth}; Ctrl-C stops", file=sys.stderr, flush=True)
+                  f"{kv.capacity_tokens:,} KV tokens{tp}){auth}; Ctrl-C stops", file=sys.stderr, flush=True)
 
         try:
             level = getattr(ns, "effective_log_level", None) or ns.log_level or "warning"  # uvicorn's default: info
@@ -264,6 +267,19 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             if mirror is not None:
                 result.kv_manager.kv_events.mirror = None
                 mirror.close()
+    return 0
+
+
+def _follow(ns: argparse.Namespace, result: Any) -> int:
+    """A rank > 0 under torchrun: no HTTP server; step with rank 0's serving loop until it stops (exit 0) or the
+    ranks part (the error, exit 1). Its audit log records the load and every request it stepped."""
+    from engine.serving import ServingEngine
+
+    result.audit.keep_tail(ns.audit_keep)  # as rank 0's: the load's records, the newest request-time ones in memory
+    engine = ServingEngine.from_result(result)
+    if getattr(ns, "held_log", None) is not None:  # loaded: the load's warnings now, as rank 0 passes its own
+        ns.held_log.pass_through()
+    engine.follow()
     return 0
 
 

@@ -336,7 +336,8 @@ def serve(state: ServeState, host: str, port: int, *, log_level: str = "warning"
           ready: Any = None) -> None:
     """Serve until SIGINT, SIGTERM or SIGHUP; the engine loop runs for exactly as long. ``ready(url)`` once
     listening: a stop signal from then on, whenever it comes, ends the call (not the process) once the server
-    has shut down."""
+    has shut down. Under tensor parallel (rank 0; the others run :func:`follow`), a loop that failed (another rank
+    lost) stops the server too, and the call raises the loop's error (``engine.fatal``: one line, exit 1)."""
     # uvicorn installs its SIGINT/SIGTERM handlers only inside server.run, once its loop runs, puts back the ones
     # it found when it is done and re-raises what it caught to them. So the stop is kvload's handler from here
     # on: the same handle_exit, which before the loop runs leaves uvicorn to bind, skip its main loop and shut
@@ -353,6 +354,8 @@ def serve(state: ServeState, host: str, port: int, *, log_level: str = "warning"
                 found = signal.signal(sig, server.handle_exit)
                 previous[sig] = signal.SIG_DFL if found is None else found
         sock = bind(host, port)
+        # tensor parallel: a loop that failed (another rank lost) stops the server, whose requests it already ended
+        state.engine.on_fatal = lambda: setattr(server, "should_exit", True)
         state.engine.start()
         if ready is not None:
             ready(f"http://{host}:{sock.getsockname()[1]}")
@@ -363,6 +366,8 @@ def serve(state: ServeState, host: str, port: int, *, log_level: str = "warning"
         state.engine.stop()
         if sock is not None:
             sock.close()
+    if state.engine.fatal is not None:  # the ranks parted: the one line, exit 1 (the requests got their 500s)
+        raise state.engine.fatal
 
 
 #: What stops :func:`serve`: uvicorn's two, and the hangup of a closed terminal or a dropped ssh session.
