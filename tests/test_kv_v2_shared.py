@@ -106,6 +106,12 @@ class _Run:
     def __repr__(self) -> str:
         return self.name
 
+    def __eq__(self, other: object) -> bool:  # two arenas built alike compare equal, run by run
+        return isinstance(other, _Run) and (other.name, other.children) == (self.name, self.children)
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
 
 def test_shared_pool_evicts_least_recently_released_first_whatever_the_group():
     pool = SharedPool(["full", "sliding"], 3)
@@ -190,7 +196,8 @@ def _filled(seed: int) -> tuple[SharedPool, list[list[int]]]:
     for g, table in enumerate(tables):
         for b in table:
             if rng.random() < 0.7:
-                pool.node[b] = _Run(f"node{b}")  # type: ignore[assignment]
+                # some runs have children (a shared prefix: queued after the leaves of its priority)
+                pool.node[b] = _Run(f"node{b}", {"child": 1} if rng.random() < 0.4 else None)  # type: ignore[assignment]
         pool.release(g, table[: len(table) // 2][::-1], rng.randint(0, 2), True, keep)
         del table[: len(table) // 2]
     return pool, tables
