@@ -97,10 +97,26 @@ def test_eviction_is_global_a_cached_full_page_serves_a_sliding_group():
     m.check_invariants()
 
 
+class _Run:
+    """A radix run as the pools read it: a leaf unless given children."""
+
+    def __init__(self, name: str = "run", children: dict | None = None) -> None:
+        self.name, self.children = name, children or {}
+
+    def __repr__(self) -> str:
+        return self.name
+
+    def __eq__(self, other: object) -> bool:  # two arenas built alike compare equal, run by run
+        return isinstance(other, _Run) and (other.name, other.children) == (self.name, self.children)
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+
 def test_shared_pool_evicts_least_recently_released_first_whatever_the_group():
     pool = SharedPool(["full", "sliding"], 3)
     detached: list[tuple[str, list[object]]] = []
-    nodes = [object() for _ in range(3)]
+    nodes = [_Run() for _ in range(3)]
     record = _recorder(detached, pool)
     old = pool.take(0, 2, record)  # full takes 2, sliding 1
     new = pool.take(1, 1, record)
@@ -180,7 +196,8 @@ def _filled(seed: int) -> tuple[SharedPool, list[list[int]]]:
     for g, table in enumerate(tables):
         for b in table:
             if rng.random() < 0.7:
-                pool.node[b] = f"node{b}"  # type: ignore[assignment]
+                # some runs have children (a shared prefix: queued after the leaves of its priority)
+                pool.node[b] = _Run(f"node{b}", {"child": 1} if rng.random() < 0.4 else None)  # type: ignore[assignment]
         pool.release(g, table[: len(table) // 2][::-1], rng.randint(0, 2), True, keep)
         del table[: len(table) // 2]
     return pool, tables

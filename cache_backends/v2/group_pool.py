@@ -25,16 +25,28 @@ if TYPE_CHECKING:
 
 
 class EvictionQueue:
-    """Reusable blocks with no owner, in eviction order: lowest priority first, then least recently released.
+    """Reusable blocks with no owner, in eviction order: lowest priority first; within a priority, blocks of a shared
+    prefix after the others; then least recently released.
 
-    Add, remove and ``pop`` are O(1) apart from a heap over the distinct priorities present (O(log p));
-    ``add_many`` / ``pop_many`` do the same for a run of blocks in one call.
+    A **shared prefix** is a radix run that other prompts branch from (the run has children when its block is let go):
+    a system prompt, a few-shot preamble. Its blocks are what later prompts hit, while a leaf's — one prompt's own
+    question, one answer — are hit again only by that conversation's next turn. Plain LRU evicts a system prompt
+    released a moment before a burst of unrelated prompts; SGLang's radix cache never evicts a node that has
+    children while a leaf is left. This is that rule at the granularity of a release: a block is queued shared or
+    not by the shape of its run when the last holder lets go (a hit takes it out of the queue, so the next release
+    sees the run's shape then). Why it matters most for V2: a sliding-window group lets a system prompt's blocks go
+    when a long request moves past them, long before the full-attention groups let go of theirs, and without this
+    the window blocks every hit needs were evicted first (tiny-gemma3 on ``kvload simulate --workload mixed``).
+
+    Add, remove and ``pop`` are O(1) apart from a heap over the distinct (priority, shared) keys present
+    (O(log p)); ``add_many`` / ``pop_many`` do the same for a run of blocks in one call.
     """
 
     def __init__(self, priority: list[int]) -> None:
-        self._by_prio: dict[int, OrderedDict[int, None]] = {}
+        self._by_key: dict[int, OrderedDict[int, None]] = {}
         self._prio = priority  # priority[b]: what a queued block was queued with (the pool's list, shared)
-        self._heap: list[int] = []  # distinct priorities; an entry whose bucket emptied is dropped lazily
+        self._key = [0] * len(priority)  # 2 * priority + shared: the bucket a queued block is in
+        self._heap: list[int] = []  # distinct keys; an entry whose bucket emptied is dropped lazily
         self._in_heap: set[int] = set()
         self._len = 0
 
@@ -42,39 +54,53 @@ class EvictionQueue:
         return self._len
 
     def __contains__(self, block: int) -> bool:
-        bucket = self._by_prio.get(self._prio[block]) if 0 <= block < len(self._prio) else None
+        bucket = self._by_key.get(self._key[block]) if 0 <= block < len(self._key) else None
         return bucket is not None and block in bucket
 
-    def _bucket(self, priority: int) -> OrderedDict[int, None]:
-        bucket = self._by_prio.get(priority)
+    def _bucket(self, key: int) -> OrderedDict[int, None]:
+        bucket = self._by_key.get(key)
         if bucket is None:
-            bucket = self._by_prio[priority] = OrderedDict()
-            if priority not in self._in_heap:
-                heapq.heappush(self._heap, priority)
-                self._in_heap.add(priority)
+            bucket = self._by_key[key] = OrderedDict()
+            if key not in self._in_heap:
+                heapq.heappush(self._heap, key)
+                self._in_heap.add(key)
         return bucket
 
-    def add(self, block: int, priority: int) -> None:
-        """Queue ``block`` as the most recently released of its priority."""
-        self.add_many((block,), priority)
+    def add(self, block: int, priority: int, shared: bool = False) -> None:
+        """Queue ``block`` as the most recently released of its priority (and sharedness)."""
+        self.add_many((block,), priority, shared)
 
-    def add_many(self, blocks: Sequence[int], priority: int) -> None:
-        """Queue ``blocks`` (none of them queued) in order, as the most recently released of their priority."""
-        bucket, prio = self._bucket(priority), self._prio
+    def add_many(self, blocks: Sequence[int], priority: int, shared: bool = False) -> None:
+        """Queue ``blocks`` (none of them queued) in order, as the most recently released of their priority;
+        ``shared``: they belong to a shared prefix, evicted after the priority's other blocks."""
+        key = 2 * priority + shared
+        bucket, prio, keys = self._bucket(key), self._prio, self._key
         for b in blocks:
             bucket[b] = None
             prio[b] = priority
+            keys[b] = key
         self._len += len(blocks)
+
+    def add_split(self, blocks: Sequence[int], owner: Sequence[RadixNode | None], priority: int) -> None:
+        """:meth:`add_many` for blocks whose run is ``owner[b]``: those of a run with children queued as shared."""
+        shared = [b for b in blocks if owner[b].children]  # type: ignore[union-attr]
+        if not shared:
+            self.add_many(blocks, priority)
+        elif len(shared) == len(blocks):
+            self.add_many(blocks, priority, True)
+        else:
+            self.add_many([b for b in blocks if not owner[b].children], priority)  # type: ignore[union-attr]
+            self.add_many(shared, priority, True)
 
     def remove(self, block: int) -> None:
         """Take ``block`` out of the queue (it is being reused); ``KeyError`` if it is not queued."""
         if block not in self:
             raise KeyError(block)
-        priority = self._prio[block]
-        bucket = self._by_prio[priority]
+        key = self._key[block]
+        bucket = self._by_key[key]
         del bucket[block]
         if not bucket:
-            del self._by_prio[priority]
+            del self._by_key[key]
         self._len -= 1
 
     def pop(self) -> int:
@@ -86,18 +112,18 @@ class EvictionQueue:
         if n > self._len:
             raise IndexError("no evictable block" if not self._len else f"{n} blocks asked, {self._len} evictable")
         out: list[int] = []
-        heap, by_prio = self._heap, self._by_prio
+        heap, by_key = self._heap, self._by_key
         while len(out) < n:
-            priority = heap[0]
-            bucket = by_prio.get(priority)
+            key = heap[0]
+            bucket = by_key.get(key)
             if bucket is None:
                 heapq.heappop(heap)
-                self._in_heap.discard(priority)
+                self._in_heap.discard(key)
                 continue
             need = n - len(out)
             if need >= len(bucket):  # the whole bucket goes, oldest first
                 out += bucket
-                del by_prio[priority]
+                del by_key[key]
             else:
                 popitem = bucket.popitem
                 for _ in range(need):
@@ -107,7 +133,7 @@ class EvictionQueue:
 
     def blocks(self) -> list[int]:
         """Every queued block, in eviction order (for checks and tests)."""
-        return [b for p in sorted(self._by_prio) for b in self._by_prio[p]]
+        return [b for k in sorted(self._by_key) for b in self._by_key[k]]
 
 
 #: ``detach(group, blocks)``: the manager unhooks a group's evicted or dropped blocks (in eviction order) from their
@@ -201,7 +227,7 @@ class GroupPool:
         self.num_used -= 1
         node = self.node[b]
         if node is not None and keep_cached:
-            self.evictable.add(b, priority)
+            self.evictable.add(b, priority, bool(node.children))
             return
         if node is not None:
             detach(self.name, [b])
@@ -238,7 +264,7 @@ class GroupPool:
         finally:  # what was released before an error stays consistent
             self.num_used -= released
             if cached:
-                self.evictable.add_many(cached, priority)
+                self.evictable.add_split(cached, owner, priority)
             if dropped:
                 detach(self.name, dropped)
 

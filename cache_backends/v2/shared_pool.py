@@ -177,7 +177,7 @@ class SharedPool:
             self.used[group] -= released
             self.cached[group] += kept
         if cached:
-            self.evictable.add_many(cached, priority)
+            self.evictable.add_split(cached, self.node, priority)
 
     def release_tables(self, tables: Sequence[tuple[int, list[int]]], priority: int) -> None:
         """Let go of every block of every ``(group, table)``, each table tail first (ids below 0 skipped); blocks in
@@ -204,7 +204,7 @@ class SharedPool:
             used[group] -= len(free) - n_free + len(cached) - n_cached
             kept[group] += len(cached) - n_cached
         if cached:
-            self.evictable.add_many(cached, priority)
+            self.evictable.add_split(cached, self.node, priority)
 
     def incref(self, group: int, b: int) -> None:
         """One more cache of ``group`` holds ``b`` (a reused or reclaimed cached block of that group)."""
@@ -246,7 +246,7 @@ class SharedPool:
         finally:
             self.used[group] -= released
             if cached:
-                self.evictable.add_many(cached, priority)
+                self.evictable.add_split(cached, self.node, priority)
                 self.cached[group] += len(cached)
             if dropped:
                 detach(name, dropped)
