@@ -38,7 +38,7 @@ from engine.sampling_params import SamplingParams, check_salt, greedy_ignored, i
 from engine.speculation import verify_drafted
 from engine.stopping import SampleText
 from pipeline.errors import GenerationError, KvBuildError, first_line
-from pipeline.events import EngineStepFailed, Event, RequestFinished, SettingIgnored
+from pipeline.events import EngineLoopFailed, EngineStepFailed, Event, RequestFinished, SettingIgnored
 
 
 @attrs.frozen
@@ -165,6 +165,8 @@ class ServingEngine:
         self.state_lock = threading.Lock()
         self.steps = 0
         self.loop_error: str | None = None
+        #: what ended the loop thread when its own code failed (``loop_error`` says it in words); None otherwise
+        self.loop_exception: BaseException | None = None
         self._pieces: dict[int, tuple[str, bytes]] = {}  # token_piece's, filled as tokens are asked for
         self._byte_level: bool | None = None
 
@@ -415,8 +417,14 @@ class ServingEngine:
         except BaseException as exc:  # a bug in the loop itself: say so on every request, never hang them
             with self._cond:  # under submit's lock: nothing is queued after the drain below, for a loop that is gone
                 self.loop_error = f"{type(exc).__name__}: {exc}"
-            self._fail_all(self.loop_error)
-            raise
+                self.loop_exception = exc
+            ended = self._fail_all(self.loop_error)
+            # one error record for the operator (with the traceback's exception kept for whoever stops the server),
+            # not the thread's own traceback on stderr: kvload serve exits on it with one line (--debug: the traceback)
+            if self.executor._emit is not None:
+                with contextlib.suppress(Exception):
+                    self.executor._emit(EngineLoopFailed(error=type(exc).__name__, message=first_line(exc, ""),
+                                                         requests=ended))
         finally:
             self._fail_all("the engine stopped", reason="abort")
             self.executor._block_tables.keep_only(())  # generate() may use the executor after the server

@@ -38,7 +38,8 @@ max_tokens defaults to --default-max-tokens, else the model's max_new_tokens, el
 body, take longer than --request-read-timeout to arrive gets HTTP 408 and its connection closed;
 past --max-concurrent-requests completion requests at once, more get HTTP 503 at once.
 Every request joins one engine loop (continuous batching); a client that disconnects has its
-request aborted and its KV blocks freed.
+request aborted and its KV blocks freed. Should that loop itself fail (a bug), the requests in flight get
+HTTP 500 naming it and the server exits 1 (SIGINT/SIGTERM/SIGHUP: exit 0), for its supervisor to restart.
 
 API key: --api-key KEY (--api-key KEY MODEL works), else $KVLOAD_API_KEY, else $VLLM_API_KEY: every path but /health,
 /metrics and /version then needs 'Authorization: Bearer KEY' (HTTP 401 otherwise). Prefer the
