@@ -353,6 +353,11 @@ def typed_value(spellings: Sequence[str], argv: Sequence[str]) -> str | None:
 class HelpFormatter(argparse.HelpFormatter):
     """Wraps one-paragraph descriptions; keeps text that has its own line breaks (examples) as written."""
 
+    def _format_args(self, action: argparse.Action, default_metavar: str) -> str:
+        if getattr(action, "shown_required", False):  # optional to argparse, required all the same (serve's MODEL)
+            return self._metavar_formatter(action, default_metavar)(1)[0]
+        return super()._format_args(action, default_metavar)
+
     def _fill_text(self, text: str, width: int, indent: str) -> str:
         if "\n" in text:
             return "".join(indent + line for line in text.splitlines(keepends=True))

@@ -133,6 +133,7 @@ def add_serve_command(sub: Any) -> None:
     # MODEL may come last in --api-key's values (`--api-key KEY MODEL`): optional to argparse, required by _finish
     (model,) = [a for a in p._actions if a.dest == "model"]
     model.nargs, model.required, model.default = "?", False, None
+    model.shown_required = True  # type: ignore[attr-defined]  # the usage line says MODEL, not [MODEL]
     p.finish = _finish
 
 
