@@ -43,7 +43,7 @@ from engine.speculation import verify_drafted
 from engine.stopping import SampleText
 from engine.structured import Constraint, constrain
 from pipeline.errors import GenerationError, KvBuildError, KvloadError, KvRuntimeError, RankLostError, first_line
-from pipeline.events import EngineStepFailed, Event, RequestFinished, SettingIgnored
+from pipeline.events import EngineLoopFailed, EngineStepFailed, Event, RequestFinished, SettingIgnored
 from pipeline.ranks import lost_rank_message
 
 
@@ -197,6 +197,8 @@ class ServingEngine:
         self.state_lock = threading.Lock()
         self.steps = 0
         self.loop_error: str | None = None
+        #: what ended the loop thread when its own code failed (``loop_error`` says it in words); None otherwise
+        self.loop_exception: BaseException | None = None
         self._pieces: dict[int, tuple[str, bytes]] = {}  # token_piece's, filled as tokens are asked for
         self._byte_level: bool | None = None
         self._reset_pending = False  # tensor parallel: a prefix cache reset the next StepOrders carry (state_lock)
@@ -465,16 +467,22 @@ class ServingEngine:
             lost = lost_rank_message(exc) if self.ranks is not None else None  # gloo's words, in kvload's one line
             with self._cond:  # under submit's lock: nothing is queued after the drain below, for a loop that is gone
                 self.loop_error = lost or f"{type(exc).__name__}: {exc}"
-            self._fail_all(self.loop_error)
-            if self.ranks is None:
-                raise
-            # tensor parallel: the ranks can no longer be known to step alike, so the server stops (on_fatal), and
-            # says why in one line; a rank that died takes the others down through their next collective
-            self.fatal = RankLostError(lost) if lost is not None else KvRuntimeError(
-                f"serve: the serving loop failed: {type(exc).__name__}: {first_line(exc, '')}")
-            if self.on_fatal is not None:
+                self.loop_exception = exc
+            ended = self._fail_all(self.loop_error)
+            # one error record for the operator (with the traceback's exception kept for whoever stops the server),
+            # not the thread's own traceback on stderr: kvload serve exits on it with one line (--debug: the traceback)
+            if self.executor._emit is not None:
                 with contextlib.suppress(Exception):
-                    self.on_fatal()
+                    self.executor._emit(EngineLoopFailed(error=type(exc).__name__, message=first_line(exc, ""),
+                                                         requests=ended))
+            if self.ranks is not None:
+                # tensor parallel: the ranks can no longer be known to step alike, so the server stops (on_fatal),
+                # and says why in one line; a rank that died takes the others down through their next collective
+                self.fatal = RankLostError(lost) if lost is not None else KvRuntimeError(
+                    f"serve: the serving loop failed: {type(exc).__name__}: {first_line(exc, '')}")
+                if self.on_fatal is not None:
+                    with contextlib.suppress(Exception):
+                        self.on_fatal()
         finally:
             self._fail_all("the engine stopped", reason="abort")
             self.executor._block_tables.keep_only(())  # generate() may use the executor after the server

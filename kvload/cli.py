@@ -182,11 +182,26 @@ class OneLineParser(argparse.ArgumentParser):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
+    #: ``finish(parser, namespace)`` once a (sub)command's flags are parsed: what argparse cannot say per flag (serve
+    #: takes MODEL from the end of ``--api-key K MODEL``); it may call ``parser.error``
+    finish: Callable[[argparse.ArgumentParser, argparse.Namespace], None] | None = None
+
     def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:
         """Remember the arguments so an error can name the spelling the user typed."""
         self._argv = list(sys.argv[1:] if args is None else args)
         self._refuse_repeats(self._argv)
-        return super().parse_known_args(args, namespace)
+        ns, extras = super().parse_known_args(args, namespace)
+        if self.finish is not None:
+            self.finish(self, ns)
+        return ns, extras
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:
+        """argparse's, but an unrecognised argument that may be a secret (the value of a mistyped ``--api-keyy``) is
+        not echoed: the error line lands in terminals, CI logs and journals."""
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(hide_secrets(self._argv, extras, self._options()))}")
+        return ns
 
     def _refuse_repeats(self, argv: Sequence[str]) -> None:
         """One line for a one-value flag given twice (any spelling): argparse keeps the last and drops the first
@@ -227,12 +242,7 @@ class OneLineParser(argparse.ArgumentParser):
 
         if not unknown.startswith("-"):
             return ""
-        options: set[str] = set()
-        for action in self._actions:
-            options.update(action.option_strings)
-            for sub in (getattr(action, "choices", None) or {}).values():
-                if isinstance(sub, argparse.ArgumentParser):
-                    options.update(o for a in sub._actions for o in a.option_strings)
+        options = self._options()
         name = unknown.split("=", 1)[0]
         if name in options:  # an option of another subcommand
             return f"; {name} belongs to another command (see kvload --help)"
@@ -241,6 +251,60 @@ class OneLineParser(argparse.ArgumentParser):
             return f"; did you mean {next(iter(prefixed.values()))}?"
         close = difflib.get_close_matches(name, sorted(options), n=1, cutoff=0.75)
         return f"; did you mean {close[0]}?" if close else ""
+
+
+    def _options(self) -> set[str]:
+        """Every option string of this parser and its subcommands'."""
+        options: set[str] = set()
+        for action in self._actions:
+            options.update(action.option_strings)
+            for sub in (getattr(action, "choices", None) or {}).values():
+                if isinstance(sub, argparse.ArgumentParser):
+                    options.update(o for a in sub._actions for o in a.option_strings)
+        return options
+
+
+#: What an option's name holds when its value is a secret: --api-key, --hf-token, --db-password, --client_secret
+#: (typos too: --api-keyy); "token" as a word only, so --max_tokens' values still show.
+_SECRET_PARTS = ("key", "secret", "passw", "credential", "auth")
+HIDDEN = "(value hidden)"
+
+
+def secret_option(arg: str) -> bool:
+    """Whether ``arg`` (``--name`` or ``--name=value``) names an option whose value may be a secret."""
+    import re
+
+    name = arg.split("=", 1)[0].lstrip("-").lower()
+    return any(part in name for part in _SECRET_PARTS) or "token" in re.split(r"[-_.]", name)
+
+
+def hide_secrets(argv: Sequence[str], extras: Sequence[str], options: set[str]) -> list[str]:
+    """``extras`` (arguments argparse did not take, in ``argv``'s order) with what may be a secret replaced by
+    :data:`HIDDEN`: the value of ``--secret-ish=VALUE``, and the arguments after a ``--secret-ish`` option up to the
+    next option (the first of them even when it starts with "-": a key may)."""
+    hidden: set[int] = set()
+    after = False
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            break
+        if i > 0 and after and argv[i - 1].startswith("-") and arg.split("=", 1)[0] not in options:
+            hidden.add(i)  # the value right after a secret-named option, whatever it looks like
+        elif arg.startswith("-") and len(arg) > 1:
+            after = "=" not in arg and secret_option(arg)
+        elif after:
+            hidden.add(i)
+    out, at = [], 0
+    for extra in extras:
+        while at < len(argv) and argv[at] != extra:
+            at += 1
+        if at in hidden:
+            out.append(HIDDEN)
+        elif extra.startswith("-") and "=" in extra and secret_option(extra):
+            out.append(f"{extra.split('=', 1)[0]}={HIDDEN}")
+        else:
+            out.append(extra)
+        at += 1
+    return out
 
 
 def _single_valued(action: argparse.Action) -> bool:
@@ -288,6 +352,11 @@ def typed_value(spellings: Sequence[str], argv: Sequence[str]) -> str | None:
 
 class HelpFormatter(argparse.HelpFormatter):
     """Wraps one-paragraph descriptions; keeps text that has its own line breaks (examples) as written."""
+
+    def _format_args(self, action: argparse.Action, default_metavar: str) -> str:
+        if getattr(action, "shown_required", False):  # optional to argparse, required all the same (serve's MODEL)
+            return self._metavar_formatter(action, default_metavar)(1)[0]
+        return super()._format_args(action, default_metavar)
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
         if "\n" in text:

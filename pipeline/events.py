@@ -436,6 +436,16 @@ class EngineStepFailed(Event):
     requests: int  # requests the failure ended
 
 
+@event("engine_loop_failed", level="error")
+class EngineLoopFailed(Event):
+    """The serving loop's own code raised (a bug, outside a step): the requests it held ended with finish_reason
+    "error" and the loop is gone; ``kvload serve`` then stops and exits 1."""
+
+    error: str  # the exception's class name
+    message: str
+    requests: int  # requests the failure ended
+
+
 # --- KV cache ------------------------------------------------------------------------------
 
 

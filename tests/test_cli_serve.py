@@ -387,3 +387,88 @@ def test_a_chat_template_file_is_read_and_checked(tmp_path):
     bad.write_bytes(b"{{ \xff }}")
     with pytest.raises(ConfigError, match=r"^--chat-template .*b\.jinja: not UTF-8 text$"):
         chat_template_text(str(bad))
+
+
+#: Fault injection for a real server: once the file $KVLOAD_TEST_FAULT names exists, the engine loop's own code (its
+#: step collection, outside the step that is guarded) raises, which ends the loop thread, as a bug there would. Each
+#: step takes 10 ms more meanwhile, so a long request is still running when the test makes the file.
+FAULT_HOOK = """import importlib.abc, importlib.machinery, os, sys, time
+class Hook(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name != "engine.serving":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        load = spec.loader.exec_module
+        def exec_module(module):
+            load(module)
+            real = module.ServingEngine._collect
+            def _collect(self, st):
+                if os.path.exists(os.environ["KVLOAD_TEST_FAULT"]):
+                    raise RuntimeError("injected: the loop's own code failed")
+                time.sleep(0.01)
+                return real(self, st)
+            module.ServingEngine._collect = _collect
+        spec.loader.exec_module = exec_module
+        return spec
+sys.meta_path.insert(0, Hook())
+"""
+
+
+def test_a_dead_engine_loop_ends_the_server_with_exit_1_after_answering_its_requests(tmp_path):
+    """The engine loop dying (a bug in its own code) left the process up for ever, /health 503, every request a 500:
+    a supervisor (systemd, Kubernetes) that restarts a process that exits never restarted it, and the thread's
+    traceback was the only word of it. vLLM shuts its server down when its engine dies. Now the requests in flight
+    get their answers (a 500 naming the failure; a stream its error chunk, then [DONE]), one engine_loop_failed
+    record names it, and the process exits 1 with one error line (no traceback)."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(FAULT_HOOK)
+    fault = tmp_path / "fault"
+    proc = subprocess.Popen([sys.executable, "-m", "kvload", "serve", "tiny-llama", "--port", "0", "--max_tokens",
+                             "8192", "--audit-log", str(tmp_path / "audit.jsonl")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env={**ENV, "PYTHONPATH": f"{hook}{os.pathsep}{REPO}", "OMP_NUM_THREADS": "1",
+                                 "KVLOAD_TEST_FAULT": str(fault)})
+    try:
+        url = _ready_line(proc).split(" at ", 1)[1].split(" ", 1)[0]
+        lines, answers, first = [], [], threading.Event()
+        long = {"prompt": [9, 8, 7], "max_tokens": 3000, "ignore_eos": True}
+
+        def stream():
+            with httpx.stream("POST", f"{url}/v1/completions", json={**long, "stream": True}, timeout=60) as r:
+                for chunk in r.iter_lines():
+                    if chunk:
+                        lines.append(chunk)
+                        first.set()
+
+        def plain():
+            answers.append(httpx.post(f"{url}/v1/completions", json=long, timeout=60))
+
+        readers = [threading.Thread(target=stream), threading.Thread(target=plain)]
+        for reader in readers:
+            reader.start()
+        assert first.wait(60)
+        with httpx.Client(base_url=url, timeout=60) as http:  # both requests in the running batch
+            deadline = time.monotonic() + 60
+            while "kvload_num_requests_running{model_name=\"tiny-llama\"} 2.0" not in http.get("/metrics").text:
+                assert time.monotonic() < deadline and not answers, answers
+                time.sleep(0.05)
+        fault.touch()
+        assert proc.wait(timeout=60) == 1
+        for reader in readers:
+            reader.join(30)
+        err = proc.stderr.read()
+    finally:
+        reap(proc)
+    (answer,) = answers
+    assert answer.status_code == 500 and answer.json()["error"]["message"] == (
+        "RuntimeError: injected: the loop's own code failed"), answer.text
+    assert lines[-1] == "data: [DONE]" and "injected: the loop's own code failed" in lines[-2], lines[-3:]
+    assert "Traceback" not in err and "Exception in thread" not in err, err[-3000:]
+    (record,) = [x for x in err.splitlines() if "engine_loop_failed" in x]
+    assert "RuntimeError" in record and "injected: the loop's own code failed" in record, record
+    assert err.splitlines()[-1] == (
+        "error: serve: the engine loop failed (RuntimeError: injected: the loop's own code failed); the server "
+        "stopped, its requests in flight answered HTTP 500; restart it"), err[-3000:]
+    assert not (tmp_path / "audit.jsonl").exists()  # a failed run publishes no audit, as every command's

@@ -205,6 +205,74 @@ def test_an_empty_or_unsendable_key_exits_2_with_one_line_naming_its_source(caps
     assert "s3cr3t" not in r.err
 
 
+@pytest.mark.parametrize(("argv", "model", "keys"), [
+    (["--api-key", KEY, "tiny-llama"], "tiny-llama", [KEY]),  # how users write it (vLLM: one key, then MODEL)
+    (["--api-key", KEY, OTHER, "tiny-llama"], "tiny-llama", [KEY, OTHER]),
+    (["--api-key", KEY, "--api-key", OTHER, "tiny-llama"], "tiny-llama", [KEY, OTHER]),
+    (["tiny-llama", "--api-key", KEY, OTHER], "tiny-llama", [KEY, OTHER]),  # vLLM's several keys to one flag
+    (["--api-key=" + KEY, "tiny-llama"], "tiny-llama", [KEY]),
+])
+def test_model_may_follow_api_key_and_several_keys_stay_possible(argv, model, keys):
+    """``kvload serve --api-key K MODEL`` read MODEL as a second key (the flag takes a list, as vLLM's does) and
+    exited 2 with "the following arguments are required: MODEL". With no MODEL before it, the flag's last value is
+    MODEL; several keys, by repeating the flag or listing them after MODEL, still work."""
+    from kvload.cli import build_parser
+
+    ns = build_parser().parse_args(["serve", *argv])
+    assert (ns.model, ns.api_key) == (model, keys)
+
+
+def test_api_key_then_model_serves_with_that_key(capsys):
+    """The whole command: the key acts and MODEL loads (stopped at its taken port, refused after both)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        r = run_cli(capsys, "serve", "--api-key", KEY, "tiny-llama", "--max_tokens", "256", "--port", port)
+    assert r.code == 2 and r.one_error_line and r.err.startswith(f"error: --port {port}: cannot listen"), r.err
+    assert KEY not in r.err
+
+
+@pytest.mark.parametrize("argv", [["--api-key", KEY], ["--api-key=" + KEY]])
+def test_a_lone_key_is_never_taken_as_model(capsys, argv):
+    """One value after --api-key is a key: MODEL missing is the usual error, not a server with no key."""
+    r = run_cli(capsys, "serve", *argv)
+    assert (r.code, r.err) == (2, "error: the following arguments are required: MODEL\n")
+
+
+def test_a_forgotten_model_after_two_keys_is_refused_without_quoting_the_second(capsys):
+    """``--api-key K1 K2`` with MODEL forgotten takes K2 for MODEL; the model error must not print K2."""
+    r = run_cli(capsys, "serve", "--api-key", OTHER, KEY)
+    assert r.code == 2 and r.one_error_line, r.err
+    assert KEY not in r.err and "the last value after --api-key was taken as MODEL" in r.err, r.err
+
+
+@pytest.mark.parametrize(("argv", "shown"), [
+    (["serve", "tiny-llama", "--api-keyy", KEY], "--api-keyy (value hidden); did you mean --api-key?"),
+    (["serve", "--api-keyy", KEY, "tiny-llama"], "--api-keyy (value hidden); did you mean --api-key?"),
+    (["serve", "tiny-llama", "--api-keyy=" + KEY], "--api-keyy=(value hidden); did you mean --api-key?"),
+    (["serve", "tiny-llama", "--api_keyy", "-" + KEY], "--api_keyy (value hidden); did you mean --api_key?"),
+    (["serve", "tiny-llama", "--hf-token", KEY, OTHER], "--hf-token (value hidden) (value hidden)"),
+    (["generate", "tiny-llama", "--api-key", KEY],
+     "--api-key (value hidden); --api-key belongs to another command (see kvload --help)"),
+    (["serve", "tiny-llama", "--client-secret", KEY, "--port", "9"], "--client-secret (value hidden)"),
+])
+def test_a_mistyped_key_flag_never_echoes_its_value(capsys, argv, shown):
+    """argparse answered ``--api-keyy SECRET`` with "unrecognized arguments: --api-keyy SECRET": the key, in the
+    terminal, the CI log or the journal. An unrecognised option whose name holds key, secret, passw, auth or the word
+    token has what follows it hidden (up to the next option); still one line, exit 2, with the hint."""
+    r = run_cli(capsys, *argv)
+    assert r.code == 2 and r.one_error_line, r.err
+    assert r.err == f"error: unrecognized arguments: {shown}\n"
+    assert KEY not in r.err and OTHER not in r.err
+
+
+def test_other_unrecognised_values_are_still_shown(capsys):
+    """Only what may be a secret is hidden: a mistyped --max-tokens keeps its value (the word is "tokens")."""
+    r = run_cli(capsys, "serve", "tiny-llama", "--max-tokenz", "100")
+    assert r.err == "error: unrecognized arguments: --max-tokenz 100; did you mean --max-tokens?\n"
+
+
 def _start(*flags: str, env: dict[str, str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "kvload", "serve", "tiny-llama", "--port", "0", "--max_tokens",
                              "1024", *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -287,7 +287,6 @@ def test_a_step_the_device_fails_is_a_500_naming_it_one_error_record_and_the_con
     assert all(g.used == 0 for g in manager.stats().groups.values())
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the loop thread's end, on purpose
 def test_requests_after_the_engine_loop_died_are_answered_at_once_not_left_waiting(broken_server, monkeypatch):
     """A failure in the loop's own code (outside a step) ends the loop thread: the requests it held were failed and
     /health says "down", but a request sent afterwards was queued for a loop that no longer ran and its client waited
@@ -310,3 +309,9 @@ def test_requests_after_the_engine_loop_died_are_answered_at_once_not_left_waiti
                 "type": "server_error", "param": None, "code": None}
     assert engine._inbox == []
     wait_for(lambda: served.state.in_flight == 0, TIMEOUT, "no request in flight")  # freed as each answer ends
+    # one error record names it (the thread's traceback is no longer printed; kvload serve exits on it, and an
+    # in-process ServerThread serves on with /health 503, as above)
+    failed = [r for r in _audit(served) if r["event"] == "engine_loop_failed"]
+    assert [{k: r[k] for k in ("level", "error", "message", "requests")} for r in failed] == [
+        {"level": "error", "error": "RuntimeError", "message": "injected: the loop's own code failed", "requests": 1}]
+    assert isinstance(engine.loop_exception, RuntimeError)

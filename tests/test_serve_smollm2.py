@@ -158,3 +158,49 @@ def test_tokenize_of_messages_gives_the_chat_prompt_and_a_prefill_continues_the_
     assert cont.usage.prompt_tokens == counted["count"]
     assert smol.http.post("/detokenize", json={"tokens": counted["tokens"]}).json()["prompt"].endswith(
         "<|im_start|>assistant\nThe capital of France is")
+
+
+# --- a stream the engine fails --------------------------------------------------------------------------------------
+
+
+def _fails_once(monkeypatch: pytest.MonkeyPatch, owner: object, name: str, exc: BaseException) -> None:
+    """``owner.name`` raises ``exc`` on its first call, then works."""
+    real, calls = getattr(owner, name), []
+
+    def failing(*args, **kwargs):
+        calls.append(None)
+        if len(calls) == 1:
+            raise exc
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, failing)
+
+
+@pytest.mark.parametrize("kind", ["chat", "completions"])
+def test_a_stream_the_engine_fails_ends_with_its_error_chunk_then_done(smol, monkeypatch, kind):
+    """A step that fails (a forward out of device memory) ends a stream with an error chunk; the stream then just
+    closed, without the ``data: [DONE]`` vLLM sends after it, so a client reading to [DONE] (as SSE readers of
+    OpenAI streams do) saw a truncated stream. Now [DONE] follows the error chunk, on chat and completions alike; the
+    openai client still raises the error, and the server serves on."""
+    import httpx
+
+    oom = RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    body = {"model": "smollm2-135m", "max_tokens": 8, "stream": True,
+            **({"messages": [{"role": "user", "content": QUESTION}]} if kind == "chat" else {"prompt": FRANCE})}
+    _fails_once(monkeypatch, smol.state.engine.executor, "forward_scored", oom)
+    with httpx.stream("POST", smol.url + path, json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]", lines
+    assert lines[-2] == ('data: {"error":{"message":"RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB",'
+                         '"type":"server_error","param":null,"code":null}}'), lines
+    _fails_once(monkeypatch, smol.state.engine.executor, "forward_scored", oom)
+    create = smol.client.chat.completions.create if kind == "chat" else smol.client.completions.create
+    args = {k: v for k, v in body.items() if k != "stream"}
+    with pytest.raises(openai.APIError, match="CUDA out of memory"):
+        for _ in create(**args, stream=True):
+            pass
+    monkeypatch.undo()
+    again = create(**args)  # the server serves on
+    assert again.choices[0].finish_reason in ("stop", "length")

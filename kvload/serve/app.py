@@ -795,7 +795,8 @@ class _Run:
         return doc
 
     async def stream(self) -> AsyncIterator[str]:
-        """Server-sent events: a chunk per step with new text, a last chunk with the finish reason, [DONE]."""
+        """Server-sent events: a chunk per step with new text, a last chunk with the finish reason (or an error chunk),
+        then [DONE]."""
         try:
             if self.job.kind == "chat":
                 nothing = _Update("", [], [], [])
@@ -816,6 +817,7 @@ class _Run:
                 if c.finish_reason == "error":
                     err = BadRequest(c.error or "the engine failed this request", status=500, kind="server_error")
                     yield _sse(err.body())
+                    yield "data: [DONE]\n\n"  # vLLM's too: a client reading to [DONE] is not left waiting on the close
                     return
                 if update.text or update.token_ids or ev.finished:
                     yield _sse(self._chunk(c, update.text, update, ev.finished))

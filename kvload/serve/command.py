@@ -38,9 +38,10 @@ max_tokens defaults to --default-max-tokens, else the model's max_new_tokens, el
 body, take longer than --request-read-timeout to arrive gets HTTP 408 and its connection closed;
 past --max-concurrent-requests completion requests at once, more get HTTP 503 at once.
 Every request joins one engine loop (continuous batching); a client that disconnects has its
-request aborted and its KV blocks freed.
+request aborted and its KV blocks freed. Should that loop itself fail (a bug), the requests in flight get
+HTTP 500 naming it and the server exits 1 (SIGINT/SIGTERM/SIGHUP: exit 0), for its supervisor to restart.
 
-API key: --api-key KEY, else $KVLOAD_API_KEY, else $VLLM_API_KEY: every path but /health,
+API key: --api-key KEY (--api-key KEY MODEL works), else $KVLOAD_API_KEY, else $VLLM_API_KEY: every path but /health,
 /metrics and /version then needs 'Authorization: Bearer KEY' (HTTP 401 otherwise). Prefer the
 variable: a key on the command line shows in ps. The audit names where the key came from, never it.
 
@@ -122,14 +123,44 @@ def add_serve_command(sub: Any) -> None:
                    help="serve POST /reset_prefix_cache (vLLM's, there in dev mode only): drops every cached prefix, "
                         "for benchmarks between runs; off by default, as any client could drop everyone's cache")
     g.add_argument("--api-key", "--api_key", dest="api_key", default=None, metavar="KEY", nargs="+",
-                   action="extend", type=_api_key,
-                   help="require 'Authorization: Bearer KEY' (any KEY given; repeat the flag or list several) on "
-                        "every path but /health, /metrics and /version, else HTTP 401 (vLLM's flag). A key on the "
-                        "command line shows in ps to every user of the machine: prefer $KVLOAD_API_KEY (one key; "
-                        "vLLM's $VLLM_API_KEY is read when neither is given). --api-key=KEY takes exactly one "
-                        "(so MODEL may follow, and a key may start with '-'). The audit says where the key came "
-                        "from, never the key")
+                   action=_ApiKeys,
+                   help="require 'Authorization: Bearer KEY' (any KEY given; repeat the flag, or list several as "
+                        "vLLM takes them) on every path but /health, /metrics and /version, else HTTP 401 (vLLM's "
+                        "flag). `--api-key KEY MODEL` works: with no MODEL before, the last value is MODEL. A key on "
+                        "the command line shows in ps to every user of the machine: prefer $KVLOAD_API_KEY (one key; "
+                        "vLLM's $VLLM_API_KEY is read when neither is given). --api-key=KEY takes exactly one (a key "
+                        "may start with '-'). The audit says where the key came from, never the key")
     p.set_defaults(func=cmd_serve)
+    # MODEL may come last in --api-key's values (`--api-key KEY MODEL`): optional to argparse, required by _finish
+    (model,) = [a for a in p._actions if a.dest == "model"]
+    model.nargs, model.required, model.default = "?", False, None
+    model.shown_required = True  # type: ignore[attr-defined]  # the usage line says MODEL, not [MODEL]
+    p.finish = _finish
+
+
+class _ApiKeys(argparse.Action):
+    """``--api-key``'s values, each use adding to the list (checked in :func:`_finish`, once MODEL is known)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(ns, self.dest, [*(getattr(ns, self.dest) or []), *values])
+        ns.api_key_last_run = len(values)  # how many the last use took: MODEL may be the last of them
+
+
+def _finish(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    """MODEL, else the last value of the last ``--api-key KEY ... MODEL`` (argparse's nargs="+" took it for a key;
+    vLLM takes several keys to one flag, so ``MODEL --api-key K1 K2`` stays two keys); then each key checked."""
+    ns.model_after_api_key = False
+    if ns.model is None:
+        if getattr(ns, "api_key_last_run", 0) < 2:  # one value: a key, never MODEL (a server with no key instead)
+            parser.error("the following arguments are required: MODEL")
+        ns.model = ns.api_key.pop()
+        ns.model_after_api_key = True
+    for key in ns.api_key or ():
+        try:
+            _api_key(key)
+        except argparse.ArgumentTypeError as exc:
+            parser.error(f"argument --api-key/--api_key: {exc}")
 
 
 def serve_max_tokens(flag: int | None, sampling_defaults: dict[str, Any]) -> int:
@@ -179,6 +210,23 @@ def _event_buffer_size(ns: argparse.Namespace) -> Any:
 
 def cmd_serve(ns: argparse.Namespace) -> int:
     """Load with weights, build the engine, serve until interrupted."""
+    if not getattr(ns, "model_after_api_key", False):
+        return _cmd_serve(ns)
+    from pipeline.errors import KvloadError
+
+    try:
+        return _cmd_serve(ns)
+    except KvloadError as exc:  # `--api-key K1 K2` with MODEL forgotten: K2 was taken as MODEL; never quote it
+        if len(ns.model) >= 4 and ns.model in str(exc):
+            said = str(exc).replace(ns.model, "<the last --api-key value>")
+            exc.args = (f"{said} (no MODEL was given, so the last value after --api-key was taken as MODEL; give "
+                        "MODEL first, or write --api-key=KEY)",)
+            if hasattr(exc, "detail"):
+                exc.detail = exc.args[0]
+        raise
+
+
+def _cmd_serve(ns: argparse.Namespace) -> int:
     from kvload import cli
 
     try:

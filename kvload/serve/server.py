@@ -33,7 +33,7 @@ from kvload.serve.command import (
 )
 from kvload.serve.metrics import ServeMetrics
 from kvload.serve.protocol import BadRequest, default_max_request_bytes
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, KvloadError
 from pipeline.events import ApiKeyRequired, KvEventsFileFailed
 from pipeline.limits import MAX_INT, short
 
@@ -209,10 +209,28 @@ class _Server(uvicorn.Server):
     begins (the app's ``stopping`` event), not waited for.
     """
 
-    def __init__(self, config: uvicorn.Config, state: ServeState, stopping: asyncio.Event) -> None:
+    def __init__(self, config: uvicorn.Config, state: ServeState, stopping: asyncio.Event, *,
+                 exit_on_engine_failure: bool = False) -> None:
         super().__init__(config)
         self.state = state
         self.stopping = stopping
+        self.exit_on_engine_failure = exit_on_engine_failure
+        #: the engine loop's failure that stopped the server (``exit_on_engine_failure``); None otherwise
+        self.engine_failure: str | None = None
+
+    async def on_tick(self, counter: int) -> bool:
+        """uvicorn's tick (every 0.1 s); with ``exit_on_engine_failure``, a dead engine loop stops the server.
+
+        The loop's failure already ended its requests with "error" (500s, error chunks) and /health answers 503
+        from then on; the shutdown that follows lets those answers finish, refuses new connections, and
+        :func:`serve` raises :class:`EngineFailed`, so a supervisor (systemd, Kubernetes) sees the process end
+        and restarts it rather than probing a server that will never serve again (vLLM stops too)."""
+        engine = self.state.engine
+        if self.exit_on_engine_failure and self.engine_failure is None and engine.loop_error is not None \
+                and not engine.alive:  # the thread ended: its last drain (every request's 500) is posted
+            self.engine_failure = engine.loop_error
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     def handle_exit(self, sig: int, frame: Any) -> None:  # the stop handler: uvicorn's, and serve()'s around it
         self.state.engine.request_stop()
@@ -322,22 +340,29 @@ def _head_timeout(timeout: float) -> bytes:
             b"content-length: %d\r\n\r\n%s" % (len(body), body))
 
 
-def _server(state: ServeState, log_level: str) -> _Server:
+class EngineFailed(KvloadError):
+    """The serving engine's loop died (a bug): ``kvload serve`` stopped, exit 1."""
+
+    exit_code = 1
+
+
+def _server(state: ServeState, log_level: str, *, exit_on_engine_failure: bool = False) -> _Server:
     # h11, named rather than "auto": the read deadlines above are built on its protocol class (httptools is
     # not a dependency of the serve extra, so "auto" meant h11 unless something else installed it)
     protocol = type("_Deadlines", (_Deadlines,), {"read_timeout_s": state.read_timeout_s, "metrics": state.metrics})
     app = create_app(state)
     config = uvicorn.Config(app, log_level=log_level, access_log=log_level in ("debug", "info"),
                             timeout_graceful_shutdown=5, lifespan="off", http=protocol)
-    return _Server(config, state, app.state.stopping)
+    return _Server(config, state, app.state.stopping, exit_on_engine_failure=exit_on_engine_failure)
 
 
 def serve(state: ServeState, host: str, port: int, *, log_level: str = "warning",
           ready: Any = None) -> None:
     """Serve until SIGINT, SIGTERM or SIGHUP; the engine loop runs for exactly as long. ``ready(url)`` once
     listening: a stop signal from then on, whenever it comes, ends the call (not the process) once the server
-    has shut down. Under tensor parallel (rank 0; the others run :func:`follow`), a loop that failed (another rank
-    lost) stops the server too, and the call raises the loop's error (``engine.fatal``: one line, exit 1)."""
+    has shut down. Should the engine loop die, the server shuts down the same way and :class:`EngineFailed` is
+    raised (chained to the loop's exception); under tensor parallel (rank 0; the others run :func:`follow`) the
+    loop's own error is raised instead (``engine.fatal``: another rank lost, one line, exit 1)."""
     # uvicorn installs its SIGINT/SIGTERM handlers only inside server.run, once its loop runs, puts back the ones
     # it found when it is done and re-raises what it caught to them. So the stop is kvload's handler from here
     # on: the same handle_exit, which before the loop runs leaves uvicorn to bind, skip its main loop and shut
@@ -345,7 +370,7 @@ def serve(state: ServeState, host: str, port: int, *, log_level: str = "warning"
     # which afterwards takes the re-raised signal without ending the process. SIGHUP (the terminal closed), which
     # uvicorn leaves alone, stops the server the same way, its audit published as for SIGTERM.
     main = threading.current_thread() is threading.main_thread()
-    server = _server(state, log_level)
+    server = _server(state, log_level, exit_on_engine_failure=True)
     previous: dict[int, Any] = {}
     sock: socket.socket | None = None
     try:
@@ -368,6 +393,9 @@ def serve(state: ServeState, host: str, port: int, *, log_level: str = "warning"
             sock.close()
     if state.engine.fatal is not None:  # the ranks parted: the one line, exit 1 (the requests got their 500s)
         raise state.engine.fatal
+    if server.engine_failure is not None:
+        raise EngineFailed(f"serve: the engine loop failed ({server.engine_failure}); the server stopped, its "
+                           "requests in flight answered HTTP 500; restart it") from state.engine.loop_exception
 
 
 #: What stops :func:`serve`: uvicorn's two, and the hangup of a closed terminal or a dropped ssh session.
@@ -420,4 +448,4 @@ class ServerThread:
         self.stop()
 
 
-__all__ = ["ServerThread", "bind", "build_state", "serve"]
+__all__ = ["EngineFailed", "ServerThread", "bind", "build_state", "serve"]
