@@ -582,6 +582,11 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         default_length_origin(peeked)
     if ns.min_tokens > max_new_tokens:
         raise ConfigError(f"--min_tokens: expected at most {length} ({max_new_tokens}), got {ns.min_tokens}")
+    from kvload.structured_flags import flag_named, structured_outputs
+
+    structured = structured_outputs(ns)  # its spec parsed by xgrammar: a bad one is refused before the weights load
+    if structured is not None:
+        sampling["structured_outputs"] = structured
     SamplingParams.build(None, sampling, model)  # checked before anything loads
     # Applies only when nothing else bounds the KV budget (CPU without --max_tokens/--max_gpu_total_bytes) and the
     # user set no default_max_tokens. Capped at the integer bound: a product past it is refused by the budget naming
@@ -596,7 +601,9 @@ def cmd_generate(ns: argparse.Namespace) -> int:
                                                                   several=len(prompts) > 1 or ns.n > 1,
                                                                   labelled_samples=ns.n > 1,
                                                                   logprobs=ns.logprobs is not None)
-        outputs = result.executor.run(prompts, salt=ns.salt, chat=ns.chat, on_delta=printer, **sampling)
+        # what only the loaded model can refuse (no tokenizer to match the grammar on) names the flag too
+        with flag_named(ns.structured[0][1]) if structured is not None else contextlib.nullcontext():
+            outputs = result.executor.run(prompts, salt=ns.salt, chat=ns.chat, on_delta=printer, **sampling)
         stats = result.executor.last_stats
         if not first:
             pass
@@ -767,6 +774,8 @@ examples:
   kvload generate smollm2-135m --prompt "Once upon a time" --prompt "The sky is" --max_new_tokens 32
   kvload generate tiny-llama --prompt-ids 1,2,3,4 --temperature 0.8 --top_p 0.9 --seed 7
   kvload generate smollm2-135m --prompt "The sky is" --n 3 --temperature 0.8 --top_k 50 --stop .
+  kvload generate smollm2-135m --chat --prompt "Is Paris in France?" --choice yes --choice no
+  kvload generate smollm2-135m --chat --prompt "The capital of France, in JSON" --json-schema @city.json
   kvload generate ./ckpt --use_kv_cache_manager_v2 true --max_tokens 4096 --audit-log gen.jsonl
 """
 
@@ -842,6 +851,9 @@ def add_generate_command(sub: Any) -> None:
                    type=_bounded(number, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
                    help="sample only among tokens at least P times as likely as the most likely one (default: the "
                         "model's, else 0)")
+    from kvload.structured_flags import add_structured_flags
+
+    add_structured_flags(p)
     p.set_defaults(func=cmd_generate, prompts=None)
 
 

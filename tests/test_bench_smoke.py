@@ -213,3 +213,26 @@ def test_sampling_bench_prints_a_row_per_batch_and_setting_with_the_plain_pick_a
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "µs" not in line]
     assert len(rows) == 3 * len(bench_sampling.SETTINGS)
     assert all(row.split("|")[5].strip() == "1.0x" for row in rows if "| none |" in row)
+
+
+def test_bench_structured_masks_every_constrained_row_and_prints_each_setting(capsys):
+    """One round at batch 2: the constrained rows' picks obey their grammar (the mask was applied), the table has a
+    row per setting and the pieces of constrain."""
+    pytest.importorskip("xgrammar")
+    from tests.conftest import needs_smollm2
+
+    if needs_smollm2.args[0]:
+        pytest.skip(needs_smollm2.kwargs["reason"])
+    import torch
+
+    from bench import bench_structured
+
+    tokenizer = bench_structured.smollm2_tokenizer()
+    backend = bench_structured.GrammarBackend(tokenizer, 49_152, {tokenizer.eos_token_id})
+    rows = bench_structured.Rows(backend, bench_structured.SETTINGS["regex"], 2)
+    tokens, spent = rows.pick(torch.randn(2, 49_152, generator=torch.Generator().manual_seed(0)))
+    assert spent > 0 and all(tokenizer.decode([t]).isalpha() and tokenizer.decode([t]).islower() for t in tokens)
+    bench_structured.main(["--repeats", "2", "--batches", "2", "--parts"])
+    out = capsys.readouterr().out
+    assert all(f"| 2 | {name} |" in out for name in bench_structured.SETTINGS)
+    assert "| 2 | regex: apply bitmask |" in out and "empty-row scan: amax (now)" in out

@@ -1,6 +1,7 @@
 """Structured outputs (vLLM's ``StructuredOutputsParams``, OpenAI's ``response_format``) with xgrammar: what is
 generated parses, matches, or is one of the choices, greedy, sampled, with n samples and with speculative drafts;
-bad specs and a missing xgrammar are one line before anything runs; the server takes them from the openai client."""
+bad specs and a missing xgrammar are one line before anything runs; the server takes them from the openai client, and
+``kvload generate`` from its flags (--json-schema, --regex, --choice, --grammar, --json-object)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import kvload
 from engine.structured import choice_grammar
 from kvload import SamplingParams, StructuredOutputsParams
 from pipeline.errors import GenerationError
+from tests.cli_support import kvload as kvload_process
+from tests.cli_support import read_events, run_cli
 from tests.llm_support import llm_kwargs, with_tokenizer
 from tests.serve_support import serving
 from tests.text_support import trained_tokenizer
@@ -264,3 +267,133 @@ def test_smollm2_chat_answers_in_the_json_schema_asked_for():
     doc = json.loads(choice.message.content)
     assert set(doc) == {"city", "country"} and all(isinstance(v, str) for v in doc.values())
     assert "Paris" in doc["city"]
+
+
+# --- kvload generate's flags ---------------------------------------------------------------------------------------
+
+
+def generate(capsys, ckpt, *args):
+    """``kvload generate`` in this process, on the CPU, as the Python tests run the checkpoint."""
+    return run_cli(capsys, "generate", ckpt, "--prompt", PROMPT, "--max_new_tokens", "48", "--device", "cpu",
+                   "--max_seq_len", "64", "--max_tokens", "512", *args)
+
+
+def test_generate_json_schema_flag_holds_the_output_to_the_schema_inline_or_from_a_file(capsys, bytes_ckpt, tmp_path):
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    audit = tmp_path / "gen.jsonl"
+    r = generate(capsys, bytes_ckpt, "--json-schema", f"@{schema}", "--disable-any-whitespace", "--json",
+                 "--audit-log", audit)
+    assert r.code == 0, r.err
+    (out,) = r.json()["outputs"][0]["outputs"]
+    assert out["finish_reason"] == "stop"
+    check_schema(out["text"])
+    started = next(e for e in read_events(audit) if e["event"] == "generation_started")
+    assert started["structured_outputs"]["kind"] == "json" and started["structured_outputs"]["any_whitespace"] is False
+    inline = generate(capsys, bytes_ckpt, "--json_schema", json.dumps(SCHEMA), "--disable_any_whitespace")
+    assert inline.code == 0, inline.err
+    assert inline.out.splitlines()[0] == out["text"]  # the reply streams as text: the same JSON
+
+
+@pytest.mark.parametrize(("args", "check"), [
+    (("--regex", r"[0-9]{3}-[a-z]{2}(!|\?)"), lambda t: re.fullmatch(r"[0-9]{3}-[a-z]{2}(!|\?)", t)),
+    (("--grammar", 'root ::= "(" item ("," item)* ")"\nitem ::= [a-c] | "z" [0-9]'),
+     lambda t: re.fullmatch(r"\((?:[a-c]|z[0-9])(?:,(?:[a-c]|z[0-9]))*\)", t)),
+    (("--json-object", "--disable-any-whitespace"), lambda t: t.startswith("{")),
+])
+def test_generate_regex_grammar_and_json_object_flags_hold_each_sample_to_them(capsys, bytes_ckpt, args, check):
+    r = generate(capsys, bytes_ckpt, *args, "--n", "3", "--temperature", "1.0", "--seed", "4", "--json")
+    assert r.code == 0, r.err
+    texts = [o["text"] for o in r.json()["outputs"][0]["outputs"]]
+    assert len(texts) == 3 and all(check(t) for t in texts), texts
+
+
+def test_generate_choice_flags_give_one_of_the_choices(capsys, bytes_ckpt):
+    seen = set()
+    for seed in range(3):
+        r = generate(capsys, bytes_ckpt, *[a for c in CHOICES for a in ("--choice", c)], "--n", "4",
+                     "--temperature", "2.0", "--seed", str(seed), "--json")
+        assert r.code == 0, r.err
+        seen |= {o["text"] for o in r.json()["outputs"][0]["outputs"]}
+    assert seen <= set(CHOICES) and len(seen) > 1
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("--regex", "a", "--choice", "b"), "error: --choice: given with --regex; give one kind of structured output "
+                                        "(--json-schema, --regex, --choice, --grammar or --json-object)"),
+    (("--json-object", "--json_schema", "{}"), "error: --json_schema: given with --json-object; give one kind"),
+    (("--regex", "a", "--regex", "b"), "error: --regex: given more than once; give it once"),
+    (("--json-schema", '{"type": "objectx"}'), 'error: --json-schema: xgrammar refused it: Unsupported type "objectx"'),
+    (("--regex", "a(b"), "error: --regex: xgrammar refused it: Regex parsing error at position 4: The parenthesis is "
+                         "not closed."),
+    (("--grammar", "root ::= foo"), 'error: --grammar: xgrammar refused it: EBNF parser error at line 1, column 10: '
+                                    'Rule "foo" is not defined'),
+    (("--json-schema", "{x"), "error: --json-schema: not JSON text"),
+    (("--json-schema", "[1]"), "error: --json-schema: expected a JSON schema object, got JSON list"),
+    (("--json-schema", "@MISSING"), "error: --json-schema: @MISSING: not found"),
+    (("--grammar", "@"), "error: --grammar: @ names no file; give @FILE, or a grammar itself"),
+    (("--choice", "a", "--choice", ""), "error: --choice #2: expected a non-empty string, got ''"),
+    (("--regex", "a", "--disable-any-whitespace"), "error: --disable-any-whitespace: applies to --json-schema and "
+                                                   "--json-object (JSON's whitespace), not --regex"),
+    (("--disable-any-whitespace",), "error: --disable-any-whitespace: applies to --json-schema and --json-object"),
+])
+def test_generate_refuses_bad_structured_flags_in_one_line_before_the_model_loads(capsys, bytes_ckpt, tmp_path,
+                                                                                  monkeypatch, args, message):
+    monkeypatch.chdir(tmp_path)  # @MISSING is looked for here
+    monkeypatch.setattr("kvload.api.execute", _never_loads)
+    audit = tmp_path / "a.jsonl"
+    r = generate(capsys, bytes_ckpt, *args, "--audit-log", audit)
+    assert r.code == 2 and r.one_error_line, r.err
+    assert r.err.startswith(message), r.err
+    assert not audit.exists()
+
+
+def _never_loads(*args, **kwargs):
+    raise AssertionError("the model was loaded for flags that could be refused before")
+
+
+def test_generate_json_schema_given_a_path_without_its_at_says_how_to_read_the_file(capsys, bytes_ckpt, tmp_path,
+                                                                                     monkeypatch):
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    monkeypatch.setattr("kvload.api.execute", _never_loads)
+    r = generate(capsys, bytes_ckpt, "--json-schema", str(schema))
+    assert r.code == 2 and r.one_error_line, r.err
+    assert r.err.rstrip().endswith(f"; to read the file {schema}, give @{schema}")
+
+
+def test_generate_without_xgrammar_names_the_extra_before_the_model_loads(capsys, bytes_ckpt, monkeypatch):
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar now raises ImportError
+    monkeypatch.setattr("kvload.api.execute", _never_loads)
+    r = generate(capsys, bytes_ckpt, "--choice", "yes", "--choice", "no")
+    assert r.code == 2 and r.one_error_line, r.err
+    assert r.err == ("error: --choice: structured outputs need the xgrammar package, which is not installed; "
+                     "pip install 'kvload[structured]'\n")
+
+
+def test_generate_structured_flag_on_a_model_without_a_tokenizer_names_the_flag(capsys, tmp_path):
+    audit = tmp_path / "a.jsonl"
+    r = run_cli(capsys, "generate", "tiny-llama", "--prompt-ids", "1,2", "--regex", "[0-9]+", "--device", "cpu",
+                "--max_tokens", "256", "--audit-log", audit)
+    assert r.code == 2 and r.one_error_line, r.err
+    assert r.err.startswith("error: --regex: the grammar is matched on token text, but tiny-llama has no tokenizer")
+    assert not audit.exists()
+
+
+def test_smollm2_generate_answers_in_the_json_schema_and_the_choices_given_as_flags(tmp_path):
+    from tests.conftest import needs_smollm2
+
+    if needs_smollm2.args[0]:
+        pytest.skip(needs_smollm2.kwargs["reason"])
+    schema = tmp_path / "city.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                                  "required": ["city"], "additionalProperties": False}))
+    common = ("generate", "smollm2-135m", "--chat", "--max_tokens", "2048", "--max_new_tokens", "48", "--device",
+              "cpu")
+    r = kvload_process(*common, "--prompt", "What is the capital of France? Answer in JSON.", "--json-schema",
+                       f"@{schema}", "--disable-any-whitespace")
+    assert r.code == 0, r.err[-2000:]
+    assert json.loads(r.out.splitlines()[0]) == {"city": "Paris"}
+    r = kvload_process(*common, "--prompt", "Is Paris in France?", "--choice", "yes", "--choice", "no")
+    assert r.code == 0, r.err[-2000:]
+    assert r.out.splitlines()[0] in ("yes", "no")
