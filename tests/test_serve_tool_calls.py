@@ -5,13 +5,18 @@ refused, as is every bad tool or combination, in one line naming the field."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import shutil
 
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from kvload.serve.protocol import ToolChoice
+from kvload.serve.tool_calls import ToolCallText
 from tests.serve_support import serving
 from tests.text_support import trained_tokenizer
 
@@ -211,3 +216,36 @@ def test_smollm2_calls_the_named_function_with_the_city_asked_about():
     assert required.choices[0].finish_reason == "tool_calls"
     for call in required.choices[0].message.tool_calls:
         check_arguments(call.function.name, call.function.arguments)
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=6),
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner,
+                                                                                    max_size=3), max_leaves=8)
+_SPACES = st.text(alphabet=" \t\n\r", max_size=2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(calls=st.lists(st.tuples(st.text(min_size=1, max_size=6), st.dictionaries(st.text(max_size=4), _JSON,
+                                                                                 max_size=3)), min_size=1, max_size=3),
+       spaces=st.lists(_SPACES, min_size=12, max_size=12), cuts=st.lists(st.integers(0, 5), min_size=1).filter(any))
+def test_required_replies_read_in_any_pieces_give_the_calls_json_reads(calls, spaces, cuts):
+    """Whatever whitespace the grammar let in and however the text is cut into stream pieces, each call's name is
+    the JSON's, its arguments are its parameters' JSON text (spaces around it dropped), joined from its deltas."""
+    s = iter(spaces * 40)
+    text = "[" + next(s) + ",".join(
+        f'{next(s)}{{{next(s)}"name"{next(s)}:{next(s)}{json.dumps(name)}{next(s)},{next(s)}"parameters"{next(s)}:'
+        f'{next(s)}{json.dumps(args, indent=1 if len(name) % 2 else None)}{next(s)}}}{next(s)}'
+        for name, args in calls) + "]"
+    reader = ToolCallText(ToolChoice(None, None, ()))
+    joined: dict[int, list[str]] = {}
+    at, pieces = 0, itertools.cycle(cuts)  # a 0: an empty piece
+    while at < len(text):
+        step = next(pieces)
+        for delta in reader.feed(text[at:at + step]):
+            entry = joined.setdefault(delta["index"], [delta["function"].get("name"), ""])
+            entry[1] += delta["function"]["arguments"]
+        at += step
+    assert [c["function"]["name"] for c in reader.message()] == [name for name, _ in calls]
+    assert [json.loads(c["function"]["arguments"]) for c in reader.message()] == [args for _, args in calls]
+    assert [c["function"]["arguments"] for c in reader.message()] == [a for _, a in joined.values()]
+    assert all(a == a.strip() for _, a in joined.values())
