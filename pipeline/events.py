@@ -390,11 +390,12 @@ class StructuredOutputsRequested(Event):
     kind, and the spec's size and SHA-256, never the spec (a schema may be large, or the client's secret)."""
 
     request: str  # the answer's id
-    field: str  # the body field that asked: response_format or structured_outputs
+    field: str  # the body field that asked: response_format, structured_outputs or tool_choice
     kind: str  # json, regex, choice, grammar or json_object
     chars: int
     sha256: str
     any_whitespace: bool = True
+    tool_choice: str | None = None  # field tool_choice: "named" (a function's parameters) or "required" (calls)
 
 
 @event("generation_finished")

@@ -33,10 +33,12 @@ from starlette.requests import ClientDisconnect
 
 from engine.serving import EngineStopped, ServeEvent, ServingEngine
 from engine.stopping import SampleText
+from engine.structured_params import StructuredOutputsParams
 from kvload.serve.auth import ApiKeyGate
 from kvload.serve.command import MAX_CONCURRENT_DEFAULT, READ_TIMEOUT_DEFAULT
 from kvload.serve.metrics import ServeMetrics
 from kvload.serve.protocol import BadRequest, Job, parse, parse_detokenize, parse_tokenize, request_id
+from kvload.serve.tool_calls import ToolCallText
 from pipeline.audit import dropped_record
 from pipeline.errors import ConfigError, GenerationError, KvBuildError
 from pipeline.events import SettingIgnored, StructuredOutputsRequested
@@ -522,6 +524,7 @@ class _Choice:
     echo: _Echo | None = None  # completions' echo: the prompt, put before the choice's text (and its logprobs)
     echoed: bool = False  # a stream sent the echo (in the choice's first chunk)
     prompt_logprobs: list[dict[int, float] | None] | None = None  # when scored (engine): echo or prompt_logprobs
+    tools: ToolCallText | None = None  # chat's tool_choice named or "required": the reply read as tool calls
 
     def update(self, ev: ServeEvent) -> _Update:
         """Take one engine event; the new text, token ids, logprobs and text offsets to report."""
@@ -560,8 +563,10 @@ class _Choice:
 
     @property
     def reason(self) -> str:
-        """OpenAI's finish reason."""
-        return {"stop": "stop", "length": "length"}.get(self.finish_reason or "", self.finish_reason or "stop")
+        """OpenAI's finish reason; "tool_calls" for a "required" reply the grammar ended (vLLM's: a named call's
+        stays "stop", as in OpenAI's API)."""
+        reason = {"stop": "stop", "length": "length"}.get(self.finish_reason or "", self.finish_reason or "stop")
+        return "tool_calls" if reason == "stop" and self.tools is not None and self.tools.required else reason
 
 
 @attrs.frozen
@@ -644,6 +649,9 @@ class _Run:
                       for prompt, ids, was_cut in zip(job.prompts, self.prompts, cut, strict=True)]
             for c in self.choices:
                 c.echo = echoes[c.index // job.n]
+        if job.tool_choice is not None:
+            for c in self.choices:
+                c.tools = ToolCallText(job.tool_choice)
         if job.kind == "chat":  # vLLM's reply role, and its echo: the last message when it is the reply's role
             last = job.prompts[0][-1]
             self.role = "assistant" if job.template.get("add_generation_prompt", True) else last["role"]
@@ -678,9 +686,10 @@ class _Run:
                 head = msg.split(":", 1)[0].split("[", 1)[0]  # bad_words[2]: the field
                 if head.split(".", 1)[0] == "structured_outputs" and job.structured_field is not None:
                     # the schema xgrammar refused (or xgrammar missing), named as the request named it
-                    if job.structured_field != "structured_outputs":
-                        msg = job.structured_field + ":" + msg.split(":", 1)[1]
-                    head = job.structured_field
+                    field = job.structured_field if job.tool_choice is None else self._refused_tool(ids, params, msg)
+                    if field != "structured_outputs":
+                        msg = field + ":" + msg.split(":", 1)[1]
+                    raise BadRequest(msg, param=field) from None
                 raise BadRequest(msg, param=head if head.isidentifier() else "prompt") from None
             except KvBuildError as exc:
                 raise self._never_fits(job, i, len(ids), exc) from None
@@ -689,6 +698,7 @@ class _Run:
         self.engine.report_ignored(job.params, job.n, request=self.id, salt=job.salt, model_defaults=job.model_defaults)
         if job.params.structured_outputs is not None:  # what was asked, never the spec itself
             self.engine.notify(StructuredOutputsRequested(request=self.id, field=job.structured_field or "",
+                                                          tool_choice=job.tool_choice and job.tool_choice.mode,
                                                           **job.params.structured_outputs.describe()))
         if job.ignored:  # accepted as vLLM accepts them, yet they can change nothing here
             self.engine.notify(*[SettingIgnored(field=f"serve.{name}", value=value, reason=f"{why} (request {self.id})")
@@ -715,6 +725,24 @@ class _Run:
             with self.lock:
                 self.abort()
             raise
+
+    def _refused_tool(self, ids: list[int], params: Any, msg: str) -> str:
+        """The field to name when xgrammar refused ``tool_choice``'s schema: the named function's parameters; for
+        "required", the first tool whose parameters xgrammar refuses on their own (``tools`` when none does: their
+        combination); ``tool_choice`` when it is not the schema (xgrammar missing)."""
+        choice = self.job.tool_choice
+        if "xgrammar refused it" not in msg:
+            return "tool_choice"
+        tools = [choice.tool] if choice.tool is not None else range(len(choice.schemas))
+        for i in tools:
+            alone = attrs.evolve(params, structured_outputs=StructuredOutputsParams(json=choice.schemas[i]))
+            try:
+                self.engine.check(ids, alone)
+            except GenerationError:
+                return f"tools[{i}].function.parameters"
+            except KvBuildError:  # past the schema's checks: not this one
+                continue
+        return "tools"
 
     def _never_fits(self, job: Any, i: int, prompt: int, exc: KvBuildError) -> BadRequest:
         """A request that could not complete even alone in the KV cache, with the advice a client can follow: fewer
@@ -820,7 +848,11 @@ class _Run:
                     yield "data: [DONE]\n\n"  # vLLM's too: a client reading to [DONE] is not left waiting on the close
                     return
                 if update.text or update.token_ids or ev.finished:
-                    yield _sse(self._chunk(c, update.text, update, ev.finished))
+                    delta: Any = update.text
+                    if c.tools is not None:  # the text as tool call deltas (none yet: an empty delta, its tokens)
+                        calls = c.tools.feed(update.text) + (c.tools.finish() if ev.finished else [])
+                        delta = {"tool_calls": calls} if calls else {}
+                    yield _sse(self._chunk(c, delta, update, ev.finished))
             if self.job.include_usage:
                 yield _sse({"id": self.id, "object": self._chunk_object, "created": self.created,
                             "model": self.state.model_name, "choices": [], "usage": self._usage()})
@@ -858,8 +890,12 @@ class _Run:
         ids = c.token_ids
         ending = {"finish_reason": c.reason, "stop_reason": c.stop_reason, "token_ids": ids}
         if self.job.kind == "chat":
-            return {"index": c.index, "message": {"role": self.role, "content": self.chat_echo + c.text},
-                    "logprobs": self._chat_logprobs(ids, c.logprobs), **ending}
+            message: dict[str, Any] = {"role": self.role, "content": self.chat_echo + c.text}
+            if c.tools is not None:  # vLLM's: the content empty (but an echo), the reply read as the calls
+                c.tools.feed(c.text)
+                c.tools.finish()
+                message = {"role": self.role, "content": self.chat_echo, "tool_calls": c.tools.message()}
+            return {"index": c.index, "message": message, "logprobs": self._chat_logprobs(ids, c.logprobs), **ending}
         return {"index": c.index, "text": (c.echo.text if c.echo is not None else "") + c.text,
                 "logprobs": self._completion_logprobs(ids, c.logprobs, c.text_offsets, c, c.echo is not None),
                 **ending, "prompt_logprobs": self._prompt_logprobs(c)}

@@ -7,9 +7,11 @@ Completions and chat completions (:func:`parse`: OpenAI's fields, kvload's and v
 (:func:`parse_tokenize`, :func:`parse_detokenize`). Every problem raises :class:`BadRequest` naming the field
 (``param``) and what is accepted; the app turns it into HTTP 400 with OpenAI's error body. Fields kvload cannot
 honour are refused, never silently dropped: an accepted setting must act (or be what kvload does anyway:
-``priority`` 0, ``best_of`` = ``n``, ``tool_choice`` "none"), or is reported as ``setting_ignored``
-(:attr:`Job.ignored`) where vLLM accepts it and it can change nothing. Structured outputs come as OpenAI's
-``response_format`` (``json_object``, ``json_schema``) or vLLM's ``structured_outputs`` (:func:`_structured`).
+``priority`` 0, ``best_of`` = ``n``), or is reported as ``setting_ignored`` (:attr:`Job.ignored`) where vLLM
+accepts it and it can change nothing. Structured outputs come as OpenAI's ``response_format`` (``json_object``,
+``json_schema``) or vLLM's ``structured_outputs`` (:func:`_structured`); chat's ``tool_choice`` named or
+``"required"`` constrains the reply to tool calls the same way (:func:`_tool_choice`), as vLLM does without a
+tool-call parser.
 """
 
 from __future__ import annotations
@@ -127,8 +129,27 @@ class Job:
     #: the sampling fields the request did not send that took the model's default (vLLM's default sampling params:
     #: the model's generation_config.json), not the client's choice: never reported as ``setting_ignored``
     model_defaults: tuple[str, ...] = ()
-    #: the body field that asked for structured outputs (``response_format`` or ``structured_outputs``), or None
+    #: the body field that asked for structured outputs (``response_format``, ``structured_outputs`` or
+    #: ``tool_choice``), or None
     structured_field: str | None = None
+    #: chat's ``tool_choice`` when it constrains the reply to tool calls (named or "required"), else None
+    tool_choice: ToolChoice | None = None
+
+
+@attrs.frozen
+class ToolChoice:
+    """A chat request's ``tool_choice`` that holds the reply to tool calls: one call of a named function, or
+    (``"required"``) a JSON array of one or more ``{"name", "parameters"}`` calls of the request's tools."""
+
+    name: str | None  # the named function; None: "required"
+    tool: int | None  # the named function's index in ``tools``; None: "required"
+    #: each tool's parameters schema as constrained (a tool without one takes no arguments: an empty object)
+    schemas: tuple[Any, ...] = attrs.field(hash=False)
+
+    @property
+    def mode(self) -> str:
+        """``"named"`` or ``"required"``."""
+        return "required" if self.name is None else "named"
 
 
 def _is_int(v: Any) -> bool:
@@ -299,6 +320,13 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
           "context length leaves after max_tokens)", truncate)
     priority = _accepted_as_done(body, kind, n, by_priority)
     structured, structured_field = _structured(body)
+    tools = _tools(body) if kind == "chat" else None
+    tool_choice, tool_params = _tool_choice(body, tools) if kind == "chat" else (None, None)
+    if tool_choice is not None:
+        if structured is not None:  # two constraints on one reply: which was meant is not for the server to guess
+            raise BadRequest(f"tool_choice: {_shown(body['tool_choice'])} holds the reply to tool calls, and "
+                             f"{structured_field} constrains it too; give one", param="tool_choice")
+        structured, structured_field = tool_params, "tool_choice"
     if structured is not None:
         extras["structured_outputs"] = structured
     try:
@@ -308,14 +336,14 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
                                 **extras)
     except GenerationError as exc:  # the API's own checks, should the two ever disagree
         raise _bad(exc) from None
-    template = _template(body, tool_choice=True) if kind == "chat" else {}
+    template = _template(body, tools) if kind == "chat" else {}
     special = _flag(body, "add_special_tokens", kind == "completion")
     return Job(kind=kind, prompts=prompts, params=params, n=n, stream=stream, include_usage=include_usage,
                stop=stops, stop_token_ids=tuple(stop_ids), logprobs=logprobs, echo=echo, salt=salt,
                max_tokens_given=given, max_tokens_field=field, template=template, add_special_tokens=special,
                prompt_logprobs=prompt_logprobs, truncate=truncate, request_id=request_id(body.get("request_id")),
                continuous_usage=continuous, ignored=tuple(ignored), priority=priority,
-               model_defaults=tuple(defaulted), structured_field=structured_field)
+               model_defaults=tuple(defaulted), structured_field=structured_field, tool_choice=tool_choice)
 
 
 def _stream_options(body: dict[str, Any], stream: bool, ignored: list[tuple[str, Any, str]]) -> tuple[bool, bool]:
@@ -501,17 +529,15 @@ def _flag(body: dict[str, Any], field: str, default: bool) -> bool:
     return value
 
 
-def _template(body: dict[str, Any], tool_choice: bool = False) -> dict[str, Any]:
+def _template(body: dict[str, Any], tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """vLLM's chat template options in ``body`` (null: absent), checked by the Python API's ``LLM.chat`` rules,
-    as ``apply_chat_template`` keywords, with the request's ``tools`` (``tool_choice``: the chat endpoint's rules
-    for them, :func:`_tools`)."""
+    as ``apply_chat_template`` keywords, with the request's ``tools`` (checked by :func:`_tools`)."""
     given = {k: body[k] for k in TEMPLATE_OPTIONS if body.get(k) is not None}
     try:
         options = template_options(**given)
     except GenerationError as exc:
         msg = str(exc).removeprefix("chat: ")
         raise BadRequest(msg, param=msg.split(":", 1)[0]) from None
-    tools = _tools(body, tool_choice)
     if tools is not None:
         if "tools" in options:
             raise BadRequest("tools: given both as tools and in chat_template_kwargs; give one", param="tools")
@@ -520,21 +546,15 @@ def _template(body: dict[str, Any], tool_choice: bool = False) -> dict[str, Any]
 
 
 _TOOLS = 'a list of {"type": "function", "function": {"name": ..., "description"?, "parameters"?}}'
+_TOOL_CHOICES = ('"none", "required", or {"type": "function", "function": {"name": ...}} ("auto" needs a tool-call '
+                 'parser, which kvload serve does not have)')
+#: The parameters of a tool that gives none (or ``{}``): no arguments, as OpenAI reads it (vLLM's "required" too).
+_NO_PARAMETERS: Mapping[str, Any] = MappingProxyType({"type": "object", "properties": {}})
 
 
-def _tools(body: dict[str, Any], tool_choice: bool) -> list[dict[str, Any]] | None:
-    """OpenAI's ``tools``, passed to the chat template as vLLM does (the model sees them); None when there are none.
-
-    kvload has no tool-call parser and no guided decoding, so on the chat endpoint (``tool_choice``) only
-    ``tool_choice: "none"`` is taken: the model may see the tools, the reply is text. Tools without a
-    ``tool_choice`` would be "auto" (OpenAI's and vLLM's default), which needs a parser: refused.
-    """
-    tools, choice = body.get("tools"), body.get("tool_choice")
-    if tool_choice and choice is not None and choice != "none":
-        shown = "a named function" if isinstance(choice, dict) else repr(choice)[:60]
-        raise BadRequest(f"tool_choice: {shown}: tool calling needs a tool-call parser (vLLM's --tool-call-parser) "
-                         'or guided decoding, which kvload serve does not have; only "none" is accepted (the reply '
-                         "is text)", param="tool_choice")
+def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """OpenAI's ``tools``, passed to the chat template as vLLM does (the model sees them); None when there are none."""
+    tools = body.get("tools")
     if tools is None:
         return None
     _need(isinstance(tools, list), "tools", _TOOLS, tools)
@@ -543,13 +563,104 @@ def _tools(body: dict[str, Any], tool_choice: bool) -> list[dict[str, Any]] | No
         _need(isinstance(tool, dict) and tool.get("type", "function") == "function" and isinstance(function, dict)
               and isinstance(function.get("name"), str) and bool(function["name"]), f"tools[{i}]",
               'a {"type": "function", "function": {"name": ..., "description"?, "parameters"?}} object', tool)
+        parameters = function.get("parameters")  # type: ignore[union-attr]
+        _need(parameters is None or isinstance(parameters, dict), f"tools[{i}].function.parameters",
+              "a JSON schema object", parameters)
+    return tools or None
+
+
+def _shown(choice: Any) -> str:
+    """A ``tool_choice`` as a refusal names it."""
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None
+        return f"function {name!r}"[:80] if isinstance(name, str) else "a named function"
+    return repr(choice)[:60]
+
+
+def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None
+                 ) -> tuple[ToolChoice | None, StructuredOutputsParams | None]:
+    """Chat's ``tool_choice`` as vLLM serves it without a tool-call parser: ``"none"`` (or no tools): the reply is
+    text; a named function: the reply is held to its ``parameters`` schema; ``"required"``: to a JSON array of one
+    or more ``{"name": <a tool's name>, "parameters": <its schema>}`` (vLLM's anyOf schema). ``"auto"`` (and tools
+    without a ``tool_choice``, which means it) lets the model choose text or calls, which needs a parser: refused."""
+    choice = body.get("tool_choice")
+    if choice is None or choice == "none":
+        if choice is None and tools:
+            raise BadRequest('tools: without tool_choice the model may call them or not ("auto", the default of '
+                             "OpenAI and vLLM), which needs a tool-call parser kvload serve does not have; pass "
+                             'tool_choice "required" or {"type": "function", "function": {"name": ...}} to hold the '
+                             'reply to tool calls, or "none" to show the tools to the chat template only',
+                             param="tools")
+        return None, None
+    if choice == "auto":
+        raise BadRequest('tool_choice: "auto": the model would choose between text and tool calls, which needs a '
+                         "tool-call parser (vLLM's --tool-call-parser) kvload serve does not have; accepted: "
+                         '"required" or {"type": "function", "function": {"name": ...}} (the reply is held to tool '
+                         'calls), or "none" (the reply is text)', param="tool_choice")
+    if choice == "required":
+        name = None
+    else:
+        function = choice.get("function") if isinstance(choice, dict) else None
+        _need(isinstance(choice, dict) and set(choice) == {"type", "function"} and choice["type"] == "function"
+              and isinstance(function, dict) and set(function) == {"name"} and isinstance(function["name"], str)
+              and bool(function["name"]), "tool_choice", _TOOL_CHOICES, choice)
+        name = function["name"]  # type: ignore[index]
     if not tools:
-        return None
-    if tool_choice and choice is None:
-        raise BadRequest('tools: without tool_choice the model may call them ("auto", the default of OpenAI and '
-                         "vLLM), which needs a tool-call parser kvload serve does not have; pass tool_choice "
-                         '"none" to show the tools to the chat template only', param="tools")
-    return tools
+        raise BadRequest(f"tool_choice: {_shown(choice)} needs the functions it may call in tools; got none",
+                         param="tools")
+    names = [tool["function"]["name"] for tool in tools]
+    first: dict[str, int] = {}
+    for j, tool_name in enumerate(names):
+        if first.setdefault(tool_name, j) != j:  # which one a call means is not for the server to guess
+            raise BadRequest(f"tools[{j}].function.name: {tool_name[:80]!r} is given twice (tools[{first[tool_name]}] "
+                             "too); each tool needs its own name", param=f"tools[{j}].function.name")
+    if name is not None and name not in names:
+        listed = ", ".join(repr(n[:40]) for n in names[:20]) + (", ..." if len(names) > 20 else "")
+        raise BadRequest(f"tool_choice.function.name: {name[:80]!r} is not among the tools ({listed})",
+                         param="tool_choice")
+    schemas = tuple(tool["function"].get("parameters") or dict(_NO_PARAMETERS) for tool in tools)
+    for i, schema in enumerate(schemas):  # each on its own first, so a refusal names the tool
+        if name is None or names[i] == name:
+            _tool_params(schema, f"tools[{i}].function.parameters")
+    if name is not None:
+        index = names.index(name)
+        return ToolChoice(name, index, schemas), _tool_params(schemas[index], f"tools[{index}].function.parameters")
+    return ToolChoice(None, None, schemas), _tool_params(_required_schema(names, schemas), "tools")
+
+
+def _tool_params(schema: Any, field: str) -> StructuredOutputsParams:
+    """``schema`` as structured outputs; ``BadRequest`` naming ``field`` when it is unusable (too large, too deep)."""
+    try:
+        return StructuredOutputsParams(json=schema)
+    except GenerationError as exc:
+        raise BadRequest(field + ":" + str(exc).split(":", 2)[-1], param=field) from None
+
+
+def _required_schema(names: list[str], schemas: tuple[Any, ...]) -> dict[str, Any]:
+    """vLLM's schema for ``tool_choice: "required"``: an array of one or more calls, each ``{"name": <one of the
+    tools' names>, "parameters": <that tool's schema>}`` (name first, so a stream names a call before its arguments).
+    Each tool's ``$defs`` move to the top, where its ``#/$defs/...`` references then point; a name two tools define
+    differently is refused."""
+    defs: dict[str, Any] = {}
+    calls = []
+    for i, (name, schema) in enumerate(zip(names, schemas, strict=True)):
+        own = schema.get("$defs")
+        if own is not None:
+            _need(isinstance(own, dict), f"tools[{i}].function.parameters.$defs", "an object of schemas", own)
+            for key, value in own.items():
+                if key in defs and defs[key] != value:
+                    raise BadRequest(f"tools[{i}].function.parameters.$defs.{key[:60]}: another tool defines it "
+                                     'differently; with tool_choice "required" the tools share one $defs (vLLM\'s '
+                                     "rule): rename one", param=f"tools[{i}].function.parameters")
+                defs[key] = value
+            schema = {k: v for k, v in schema.items() if k != "$defs"}
+        calls.append({"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
+                                                      "parameters": schema},
+                      "required": ["name", "parameters"], "additionalProperties": False})
+    doc: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if defs:
+        doc["$defs"] = defs
+    return doc
 
 
 @attrs.frozen
@@ -580,7 +691,8 @@ def parse_tokenize(body: Any) -> TokenizeJob:
     _model(body)
     strs = _flag(body, "return_token_strs", False)
     if chat:
-        return TokenizeJob(None, _messages(body), _template(body), _flag(body, "add_special_tokens", False), strs)
+        return TokenizeJob(None, _messages(body), _template(body, _tools(body)),
+                           _flag(body, "add_special_tokens", False), strs)
     if "prompt" not in body:
         raise BadRequest("prompt: required (the text to tokenize), or messages (a conversation)", param="prompt")
     _need(isinstance(body["prompt"], str), "prompt", "a string", body["prompt"])
@@ -688,5 +800,5 @@ def _logprobs(body: dict[str, Any], kind: str) -> int | None:
 
 
 __all__ = ["BODY_BYTES_PER_TOKEN", "BODY_SLACK", "MAX_CHOICES", "MAX_LOGPROBS", "MAX_N", "MAX_PROMPTS", "MAX_STOP",
-           "MAX_STOP_CHARS", "MAX_STOP_TOKEN_IDS", "BadRequest", "Job", "TokenizeJob", "default_max_request_bytes",
-           "parse", "parse_detokenize", "parse_tokenize"]
+           "MAX_STOP_CHARS", "MAX_STOP_TOKEN_IDS", "BadRequest", "Job", "TokenizeJob", "ToolChoice",
+           "default_max_request_bytes", "parse", "parse_detokenize", "parse_tokenize"]
