@@ -12,7 +12,7 @@ import attrs
 
 from engine.prompts import check_text
 from pipeline.errors import GenerationError
-from pipeline.limits import MAX_DEPTH, MAX_STRUCTURED_CHARS, MAX_STRUCTURED_CHOICES, nesting_depth
+from pipeline.limits import MAX_SCHEMA_DEPTH, MAX_STRUCTURED_CHARS, MAX_STRUCTURED_CHOICES, nesting_depth
 
 #: The ways to constrain an output, in vLLM's order; exactly one is given.
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -38,11 +38,11 @@ def _schema_text(schema: Any) -> str:
                                   "or its JSON text") from None
         if not isinstance(parsed, dict):
             raise _refuse("json", f"expected a JSON schema object, got JSON {type(parsed).__name__}")
+        _check_depth(parsed)  # a schema sent as text skips the request body's own depth check
         return schema
     if not isinstance(schema, Mapping):
         raise _refuse("json", f"expected a JSON schema (a dict, or its JSON text), got {type(schema).__name__}")
-    if nesting_depth(schema, 2 * MAX_DEPTH) > 2 * MAX_DEPTH:
-        raise _refuse("json", f"nests deeper than {2 * MAX_DEPTH} levels")
+    _check_depth(schema)
     try:
         text = _json.dumps(schema, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:
@@ -51,6 +51,12 @@ def _schema_text(schema: Any) -> str:
         raise _refuse("json", f"expected at most {MAX_STRUCTURED_CHARS:,} characters of JSON schema, got "
                               f"{len(text):,}")
     return text
+
+
+def _check_depth(schema: Any) -> None:
+    """One line naming ``json`` when the schema's document nests deeper than xgrammar compiles in reasonable time."""
+    if nesting_depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
+        raise _refuse("json", f"nests deeper than {MAX_SCHEMA_DEPTH} levels of objects and arrays")
 
 
 def _string(what: str, value: Any, expected: str) -> None:

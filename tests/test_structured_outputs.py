@@ -172,6 +172,14 @@ def test_a_spec_xgrammar_refuses_is_one_line_before_anything_runs(llm, so, messa
     ({"choice": []}, r"structured_outputs\.choice: expected a non-empty list"),
     ({"choice": ["a", ""]}, r"structured_outputs\.choice\[1\]: expected a non-empty string"),
     ({"regex": "a", "disable_any_whitespace": True}, r"disable_any_whitespace: applies to json and json_object"),
+    # a schema sent as JSON text escapes the request body's depth check: 70 nested objects (140 levels) would
+    # compile in seconds, 1,000 in minutes, so the text is held to the dict's limit
+    ({"json": '{"type": "object", "properties": {"a": ' * 70 + '{"type": "string"}' + '}}' * 70},
+     r"^generate: structured_outputs\.json: nests deeper than 64 levels of objects and arrays$"),
+    ({"json": {"type": "string", "enum": [f"v{i}" for i in range(20_000)]}},
+     r"structured_outputs\.json: expected at most 100,000 characters of JSON schema, got 188,918$"),
+    ({"regex": "(" + "|".join(f"v{i}x" for i in range(20_000)) + ")"},
+     r"structured_outputs\.regex: expected at most 100,000 characters, got 148,891$"),
 ])
 def test_bad_structured_outputs_params_are_one_line(kw, message):
     with pytest.raises(GenerationError, match=message):
