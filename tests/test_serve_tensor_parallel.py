@@ -242,7 +242,8 @@ def test_a_follower_that_dies_fails_the_requests_and_ends_rank_0(tmp_path):
                         break
                 procs[1].send_signal(signal.SIGKILL)
                 rest = [x for x in lines if x.startswith("data: ")]
-            last = json.loads(rest[-1][6:])  # the stream's end: the server error, not a cut connection
+            assert rest[-1] == "data: [DONE]", rest[-3:]  # the stream ends as any does, after its error chunk
+            last = json.loads(rest[-2][6:])  # the server error, not a cut connection
             assert last["error"]["type"] == "server_error", last
             assert last["error"]["message"].startswith("lost contact with another rank"), last
         err = procs[0].communicate(timeout=EXIT_S)[1]
