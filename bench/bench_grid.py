@@ -31,7 +31,7 @@ from typing import Any
 from bench.common import Table, machine, ratio, thread_cpu_step_clock, verdict
 
 PRESETS = ("tiny-llama", "tiny-mistral", "tiny-gemma3", "tiny-deepseek-v3")
-WORKLOADS = ("shared-prefix", "multi-turn", "long-context", "no-reuse")
+WORKLOADS = ("shared-prefix", "multi-turn", "long-context", "no-reuse", "mixed")
 BUDGETS = {"default": 1.0, "tight": 0.25, "generous": 4.0}
 SLIDING = ("tiny-mistral", "tiny-gemma3")
 STEPS_TARGET = 1.02
