@@ -11,13 +11,13 @@ import argparse
 import contextlib
 import os
 import re
-import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import ConfigError, GenerationError, cannot_read
+from pipeline.errors import ConfigError, GenerationError
 from pipeline.limits import MAX_STRUCTURED_CHARS
+from pipeline.textfile import read_text_file
 
 #: The flags of each kind, in the order help lists them: (kind, spellings, metavar, help).
 _KINDS: tuple[tuple[str, tuple[str, ...], str | None, str], ...] = (
@@ -91,30 +91,8 @@ def _read(name: str, what: str) -> str:
     def fail(problem: str) -> argparse.ArgumentTypeError:
         return argparse.ArgumentTypeError(f"@{name}: {problem}")
 
-    path = Path(name)
-    try:
-        st = path.stat()
-    except FileNotFoundError:
-        raise fail("is a symbolic link to nothing" if os.path.lexists(path) else "not found") from None
-    except OSError as exc:
-        raise fail(cannot_read(exc)) from None
-    if stat.S_ISDIR(st.st_mode):
-        raise fail(f"is a directory, expected a file holding {what}")
-    if not stat.S_ISREG(st.st_mode):
-        raise fail(f"not a regular file (a FIFO or device?); give a file holding {what}")
-    if st.st_size > 4 * MAX_STRUCTURED_CHARS:  # before reading: a huge file would be read into memory whole
-        raise fail(f"{st.st_size:,} bytes; expected at most {MAX_STRUCTURED_CHARS:,} characters of {what}")
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise fail(cannot_read(exc)) from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise fail(f"not UTF-8 (byte 0x{raw[exc.start]:02x} at offset {exc.start})") from None
-    if len(text) > MAX_STRUCTURED_CHARS:
-        raise fail(f"{len(text):,} characters; expected at most {MAX_STRUCTURED_CHARS:,} characters of {what}")
-    return text
+    return read_text_file(Path(name), fail, expected=f"a file holding {what}", max_chars=MAX_STRUCTURED_CHARS,
+                          too_big=f"expected at most {MAX_STRUCTURED_CHARS:,} characters of {what}")
 
 
 def structured_outputs(ns: argparse.Namespace) -> Any:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import re
-import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -13,8 +11,9 @@ import attrs
 import yaml
 
 from pipeline.config import explicit_fields
-from pipeline.errors import ConfigError, cannot_read
+from pipeline.errors import ConfigError
 from pipeline.limits import MAX_DEPTH, MAX_INT_DIGITS, MAX_YAML_NODES, nesting_depth, node_count
+from pipeline.textfile import read_text_file
 
 
 class StrictLoader(yaml.SafeLoader):
@@ -113,30 +112,9 @@ def read_yaml(path: str) -> dict[str, Any]:
     def fail(problem: str) -> ConfigError:
         return ConfigError(f"config file {path}: {problem}", source="config_file")
 
-    try:  # Path.exists/is_file raise PermissionError on Python 3.11 (a directory the user cannot search)
-        st = p.stat()
-    except FileNotFoundError:
-        raise fail("is a symbolic link to nothing; give a YAML file" if os.path.lexists(p) else "not found") from None
-    except OSError as exc:
-        raise fail(cannot_read(exc)) from None
-    if stat.S_ISDIR(st.st_mode):
-        raise fail("is a directory, expected a YAML file")
-    if not stat.S_ISREG(st.st_mode):
-        raise fail("not a regular file (a FIFO or device?); give a YAML file")
-    if st.st_size > 4 * MAX_CONFIG_CHARS:  # before reading: a huge (or sparse) file would be read into memory whole
-        raise fail(f"{st.st_size:,} bytes; a config of LlmArgs fields is a few hundred")
-    try:
-        raw = p.read_bytes()
-    except OSError as exc:
-        raise fail(cannot_read(exc)) from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise fail(f"not UTF-8 (byte 0x{raw[exc.start]:02x} at offset {exc.start}); a YAML config is UTF-8 "
-                   "text") from None
-    if len(text) > MAX_CONFIG_CHARS:
-        raise ConfigError(f"config file {path}: {len(text):,} characters; a config of LlmArgs fields is a few "
-                          "hundred", source="config_file")
+    text = read_text_file(p, fail, expected="a YAML file", max_chars=MAX_CONFIG_CHARS,
+                          too_big="a config of LlmArgs fields is a few hundred",
+                          utf8_hint="; a YAML config is UTF-8 text")
     try:
         data = yaml.load(text, Loader=StrictLoader)
     except RecursionError:
