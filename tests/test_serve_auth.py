@@ -211,6 +211,9 @@ def test_an_empty_or_unsendable_key_exits_2_with_one_line_naming_its_source(caps
     (["--api-key", KEY, "--api-key", OTHER, "tiny-llama"], "tiny-llama", [KEY, OTHER]),
     (["tiny-llama", "--api-key", KEY, OTHER], "tiny-llama", [KEY, OTHER]),  # vLLM's several keys to one flag
     (["--api-key=" + KEY, "tiny-llama"], "tiny-llama", [KEY]),
+    # MODEL ended the first use; a later one-key use must not hide it
+    (["--api-key", KEY, "tiny-llama", "--api-key", OTHER], "tiny-llama", [KEY, OTHER]),
+    (["--api-key", KEY, "tiny-llama", "--api-key=" + OTHER], "tiny-llama", [KEY, OTHER]),
 ])
 def test_model_may_follow_api_key_and_several_keys_stay_possible(argv, model, keys):
     """``kvload serve --api-key K MODEL`` read MODEL as a second key (the flag takes a list, as vLLM's does) and

@@ -218,6 +218,36 @@ def test_smollm2_calls_the_named_function_with_the_city_asked_about():
         check_arguments(call.function.name, call.function.arguments)
 
 
+#: A tool whose parameters refer to themselves (a tree) and to their own properties, as schemas for nested data do.
+TREE = {"type": "function", "function": {"name": "plant", "parameters": {
+    "type": "object", "properties": {"v": {"type": "integer"}, "w": {"$ref": "#/properties/v"},
+                                     "kids": {"type": "array", "items": {"$ref": "#"}}},
+    "required": ["v", "w", "kids"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("tools", [[TREE], [TREE, CLOCK]])
+def test_required_keeps_a_tools_own_refs_pointing_into_its_parameters(tools):
+    """``"required"`` nests each tool's parameters inside one array schema, where ``"#"`` and ``"#/properties/..."``
+    then meant the array: the grammar refused the tree's valid arguments and took a call list as a child instead."""
+    from engine.structured import GrammarBackend
+    from kvload.serve.protocol import parse
+
+    job = parse({"model": "m", "messages": MESSAGES, "tools": tools, "tool_choice": "required"}, "chat",
+                default_max_tokens=16)
+    tok = trained_tokenizer("bytelevel", 300)
+    backend = GrammarBackend(tok, len(tok), {tok.eos_token_id})
+
+    def takes(text: str) -> bool:
+        matcher = backend.constraint(job.params.structured_outputs).matcher
+        return matcher.accept_string(text) and matcher.accept_token(tok.eos_token_id)
+
+    tree = '{"v": 1, "w": 2, "kids": [{"v": 3, "w": 4, "kids": []}]}'
+    assert takes(f'[{{"name": "plant", "parameters": {tree}}}]')
+    assert not takes('[{"name": "plant", "parameters": {"v": 1, "w": "x", "kids": []}}]')
+    assert not takes('[{"name": "plant", "parameters": {"v": 1, "w": 2, "kids": [[{"name": "plant", '
+                     '"parameters": {"v": 1, "w": 2, "kids": []}}]]}}]')
+
+
 _JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=6),
                      lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner,
                                                                                     max_size=3), max_leaves=8)

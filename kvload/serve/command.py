@@ -143,18 +143,24 @@ class _ApiKeys(argparse.Action):
 
     def __call__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:
-        setattr(ns, self.dest, [*(getattr(ns, self.dest) or []), *values])
-        ns.api_key_last_run = len(values)  # how many the last use took: MODEL may be the last of them
+        keys = [*(getattr(ns, self.dest) or []), *values]
+        setattr(ns, self.dest, keys)
+        # where each use's values end and how many it took: MODEL may be the last of a use's values, and a later
+        # use (`--api-key K MODEL --api-key K2`) must not hide it
+        ns.api_key_runs = [*getattr(ns, "api_key_runs", []), (len(keys), len(values))]
 
 
 def _finish(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
-    """MODEL, else the last value of the last ``--api-key KEY ... MODEL`` (argparse's nargs="+" took it for a key;
-    vLLM takes several keys to one flag, so ``MODEL --api-key K1 K2`` stays two keys); then each key checked."""
+    """MODEL, else the last value of the last ``--api-key KEY ... MODEL`` that took more than one (argparse's
+    nargs="+" took it for a key; vLLM takes several keys to one flag, so ``MODEL --api-key K1 K2`` stays two keys);
+    then each key checked."""
     ns.model_after_api_key = False
     if ns.model is None:
-        if getattr(ns, "api_key_last_run", 0) < 2:  # one value: a key, never MODEL (a server with no key instead)
+        # one value: a key, never MODEL (a server with no key instead)
+        end = next((end for end, n in reversed(getattr(ns, "api_key_runs", [])) if n >= 2), None)
+        if end is None:
             parser.error("the following arguments are required: MODEL")
-        ns.model = ns.api_key.pop()
+        ns.model = ns.api_key.pop(end - 1)
         ns.model_after_api_key = True
     for key in ns.api_key or ():
         try:

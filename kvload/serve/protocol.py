@@ -640,10 +640,21 @@ def _required_schema(names: list[str], schemas: tuple[Any, ...]) -> dict[str, An
     """vLLM's schema for ``tool_choice: "required"``: an array of one or more calls, each ``{"name": <one of the
     tools' names>, "parameters": <that tool's schema>}`` (name first, so a stream names a call before its arguments).
     Each tool's ``$defs`` move to the top, where its ``#/$defs/...`` references then point; a name two tools define
-    differently is refused."""
+    differently is refused. A tool whose schema refers to its own root (``"#"``, a tree) or into it
+    (``"#/properties/..."``) is itself put in ``$defs`` and those references pointed there: nested in the array they
+    would mean the array (the grammar then refused valid arguments, or took a list of calls as a child)."""
     defs: dict[str, Any] = {}
     calls = []
     for i, (name, schema) in enumerate(zip(names, schemas, strict=True)):
+        root = f"kvload_tool_{i}_parameters"
+        if _refers_to_root(schema):
+            schema = _rerooted(schema, "#/$defs/" + root)
+            if root in (schema.get("$defs") or {}):
+                raise BadRequest(f"tools[{i}].function.parameters.$defs.{root}: a name kvload uses for the tool's "
+                                 'own schema with tool_choice "required"; rename it',
+                                 param=f"tools[{i}].function.parameters")
+            defs[root] = {k: v for k, v in schema.items() if k != "$defs"}
+            schema = {"$ref": "#/$defs/" + root, **({"$defs": schema["$defs"]} if "$defs" in schema else {})}
         own = schema.get("$defs")
         if own is not None:
             _need(isinstance(own, dict), f"tools[{i}].function.parameters.$defs", "an object of schemas", own)
@@ -661,6 +672,38 @@ def _required_schema(names: list[str], schemas: tuple[Any, ...]) -> dict[str, An
     if defs:
         doc["$defs"] = defs
     return doc
+
+
+def _refs(node: Any) -> Any:
+    """Every ``$ref`` string in a JSON document, depth first."""
+    stack = [node]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            ref = item.get("$ref")
+            if isinstance(ref, str):
+                yield ref
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
+def _refers_to_root(schema: Mapping[str, Any]) -> bool:
+    """Whether ``schema`` has a local reference that is not into its ``$defs`` (``"#"``, ``"#/properties/..."``)."""
+    return any(ref == "#" or (ref.startswith("#/") and not ref.startswith("#/$defs/")) for ref in _refs(schema))
+
+
+def _rerooted(node: Any, root: str) -> Any:
+    """``node`` with each local reference outside ``$defs`` pointed under ``root`` (where the schema now lives)."""
+    if isinstance(node, dict):
+        out = {k: _rerooted(v, root) for k, v in node.items()}
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or (ref.startswith("#/") and not ref.startswith("#/$defs/"))):
+            out["$ref"] = root + ref[1:]
+        return out
+    if isinstance(node, list):
+        return [_rerooted(v, root) for v in node]
+    return node
 
 
 @attrs.frozen
