@@ -264,9 +264,11 @@ class OneLineParser(argparse.ArgumentParser):
         return options
 
 
-#: What an option's name holds when its value is a secret: --api-key, --hf-token, --db-password, --client_secret
-#: (typos too: --api-keyy); "token" as a word only, so --max_tokens' values still show.
-_SECRET_PARTS = ("key", "secret", "passw", "credential", "auth")
+#: What an option's name holds when its value is a secret: --api-key, --hf-token, --db-password, --client_secret,
+#: --bearer (typos too: --api-keyy); the words in _SECRET_WORDS only as whole words, so --max_tokens' values and
+#: --bypass's still show.
+_SECRET_PARTS = ("key", "secret", "passw", "credential", "auth", "bearer")
+_SECRET_WORDS = frozenset({"token", "pass", "pwd"})
 HIDDEN = "(value hidden)"
 
 
@@ -275,7 +277,7 @@ def secret_option(arg: str) -> bool:
     import re
 
     name = arg.split("=", 1)[0].lstrip("-").lower()
-    return any(part in name for part in _SECRET_PARTS) or "token" in re.split(r"[-_.]", name)
+    return any(part in name for part in _SECRET_PARTS) or not _SECRET_WORDS.isdisjoint(re.split(r"[-_.]", name))
 
 
 def hide_secrets(argv: Sequence[str], extras: Sequence[str], options: set[str]) -> list[str]:

@@ -259,11 +259,15 @@ def test_a_forgotten_model_after_two_keys_is_refused_without_quoting_the_second(
     (["generate", "tiny-llama", "--api-key", KEY],
      "--api-key (value hidden); --api-key belongs to another command (see kvload --help)"),
     (["serve", "tiny-llama", "--client-secret", KEY, "--port", "9"], "--client-secret (value hidden)"),
+    (["serve", "tiny-llama", "--bearer", KEY], "--bearer (value hidden)"),
+    (["serve", "tiny-llama", "--db-pass", KEY], "--db-pass (value hidden)"),
+    (["serve", "tiny-llama", "--pwd=" + KEY], "--pwd=(value hidden)"),
 ])
 def test_a_mistyped_key_flag_never_echoes_its_value(capsys, argv, shown):
     """argparse answered ``--api-keyy SECRET`` with "unrecognized arguments: --api-keyy SECRET": the key, in the
-    terminal, the CI log or the journal. An unrecognised option whose name holds key, secret, passw, auth or the word
-    token has what follows it hidden (up to the next option); still one line, exit 2, with the hint."""
+    terminal, the CI log or the journal. An unrecognised option whose name holds key, secret, passw, auth, bearer or
+    the word token, pass or pwd has what follows it hidden (up to the next option); still one line, exit 2, with the
+    hint."""
     r = run_cli(capsys, *argv)
     assert r.code == 2 and r.one_error_line, r.err
     assert r.err == f"error: unrecognized arguments: {shown}\n"
