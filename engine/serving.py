@@ -282,6 +282,8 @@ class ServingEngine:
         # what apply_chat_template(tokenize=True) does (and LLM.chat): the text, then its ids with no special
         # tokens of the tokenizer's own unless asked (the template already holds them)
         text = apply_template(tok, "messages", messages, tokenize=False, **template)
+        # what else the template renders (its variables, its own text) may hold a lone surrogate the checks above miss
+        check_text("messages: the chat template's text", text)
         ids = [int(t) for t in tok(text, add_special_tokens=add_special_tokens)["input_ids"]]
         if room and len(ids) >= self.executor.max_seq_len:
             raise GenerationError(f"messages: {len(ids)} tokens leave no room to generate under "

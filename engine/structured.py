@@ -12,14 +12,20 @@ grammar is complete and has taken an end-of-sequence token.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
 
+from engine.grammar_shape import nullable_repeat_nesting
 from engine.structured_params import StructuredOutputsParams
 from pipeline.errors import GenerationError
+from pipeline.limits import MAX_NULLABLE_REPEAT_NESTING
 
 #: Bytes of compiled grammars xgrammar keeps per tokenizer (a long-running server sees many schemas).
 COMPILE_CACHE_BYTES = 256 << 20
@@ -104,23 +110,68 @@ class GrammarBackend:
         self.vocab_size = int(info.vocab_size)
         self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
         self.compiler = xgr.GrammarCompiler(info, cache_limit_bytes=COMPILE_CACHE_BYTES)
+        self._cheap: OrderedDict[tuple[str, bool, bytes], None] = OrderedDict()  # specs check_spec passed
+        self._lock = threading.Lock()  # the server's handler threads share the backend
 
     def compile(self, params: StructuredOutputsParams) -> Any:
         """The compiled grammar of ``params`` (cached by xgrammar); ``GenerationError`` naming the field and
-        xgrammar's reason when it refuses the schema, regex or grammar."""
-        compiler = self.compiler
-        return _build(params, compiler.compile_json_schema, compiler.compile_regex, compiler.compile_grammar)
+        xgrammar's reason when it refuses the schema, regex or grammar, or when matching it would stall every step
+        (:func:`check_matching_cost`)."""
+        compiled = self._compiled(params)
+        key = (params.kind, params.disable_any_whitespace, hashlib.sha256(params.spec.encode()).digest())
+        with self._lock:
+            seen = key in self._cheap
+            if seen:
+                self._cheap.move_to_end(key)
+        if not seen:  # the spec as parsed (compiling unrolls short repetitions, hiding their nesting)
+            check_spec(params)
+            with self._lock:
+                self._cheap[key] = None
+                while len(self._cheap) > 4096:  # the specs a long-running server saw lately
+                    self._cheap.popitem(last=False)
+        return compiled
 
     def constraint(self, params: StructuredOutputsParams) -> Constraint:
-        """A fresh matcher for one sample."""
-        return Constraint(self.xgr.GrammarMatcher(self.compile(params)), self.stop_token_ids)
+        """A fresh matcher for one sample (of a spec :meth:`compile` took)."""
+        return Constraint(self.xgr.GrammarMatcher(self._compiled(params)), self.stop_token_ids)
+
+    def _compiled(self, params: StructuredOutputsParams) -> Any:
+        compiler = self.compiler
+        return _build(params, compiler.compile_json_schema, compiler.compile_regex, compiler.compile_grammar)
 
 
 def check_spec(params: StructuredOutputsParams) -> None:
     """Parse ``params``' spec without a tokenizer (xgrammar's ``Grammar.from_*``), so a bad one is refused before a
     model loads: ``GenerationError`` as :meth:`GrammarBackend.compile` words it, or naming the extra to install."""
     grammar = load_xgrammar().Grammar
-    _build(params, grammar.from_json_schema, grammar.from_regex, grammar.from_ebnf)
+    check_matching_cost(params, _build(params, grammar.from_json_schema, grammar.from_regex, grammar.from_ebnf))
+
+
+#: A ``Regex("...")`` expression of xgrammar's printed grammar (a JSON schema's ``pattern``), its string JSON-escaped.
+_LAZY_REGEX = re.compile(r'\bRegex\(("(?:[^"\\]|\\.)*")')
+#: What :func:`check_matching_cost` says after the field's name (kvload serve finds the tool it is about by it too).
+COSTLY = "too costly to match"
+
+
+def check_matching_cost(params: StructuredOutputsParams, grammar: Any) -> None:
+    """``GenerationError`` naming the field when ``grammar`` (xgrammar's, of ``params``) nests repetitions that can
+    match nothing deeper than :data:`~pipeline.limits.MAX_NULLABLE_REPEAT_NESTING` (``engine.grammar_shape``):
+    xgrammar would take seconds a token to match it, on the loop every request's step waits for."""
+    text = str(grammar)
+    nesting = nullable_repeat_nesting(text, cap=MAX_NULLABLE_REPEAT_NESTING + 1)
+    for literal in _LAZY_REGEX.findall(text):  # a schema's pattern xgrammar keeps as a regex, converted when compiled
+        try:
+            inner = load_xgrammar().Grammar.from_regex(json.loads(literal))
+        except Exception:  # not a form this reads: xgrammar took it, the rest is still checked
+            continue
+        nesting = max(nesting, nullable_repeat_nesting(str(inner), cap=MAX_NULLABLE_REPEAT_NESTING + 1))
+    if nesting > MAX_NULLABLE_REPEAT_NESTING:
+        raise GenerationError(
+            f"generate: structured_outputs.{params.kind}: {COSTLY}: a repetition of something that may be empty "
+            "nests inside another (as in (((a|b){0,30}){0,30}){0,30}, or (x*){0,9} inside {0,9}); xgrammar's "
+            "matching time then grows with about the 4th power of the output's length (seconds a token within 40 "
+            "tokens, stalling every request), so at most one such repetition may hold another; start the inner "
+            "ones at 1 (+ or {1,n})")
 
 
 def _build(params: StructuredOutputsParams, json_schema: Any, regex: Any, ebnf: Any) -> Any:
@@ -189,5 +240,5 @@ def constrain(logits: torch.Tensor, raw: torch.Tensor, counts: Sequence[int],
     return out
 
 
-__all__ = ["COMPILE_CACHE_BYTES", "INSTALL_HINT", "Constraint", "GrammarBackend", "check_spec", "choice_grammar",
-           "constrain", "load_xgrammar", "reason"]
+__all__ = ["COMPILE_CACHE_BYTES", "COSTLY", "INSTALL_HINT", "Constraint", "GrammarBackend", "check_matching_cost",
+           "check_spec", "choice_grammar", "constrain", "load_xgrammar", "reason"]

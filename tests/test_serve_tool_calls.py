@@ -179,6 +179,14 @@ REFUSED = "holds the reply to tool calls"
     ({"tools": [WEATHER, {"type": "function", "function": {"name": "bad", "parameters": {"type": "objectx"}}}],
       "tool_choice": "required"}, "tools[1].function.parameters",
      'tools[1].function.parameters: xgrammar refused it: Unsupported type "objectx"'),
+    # a pattern nesting repeats that may be empty: xgrammar would take seconds a token to match it, stalling the
+    # engine loop for every request
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "slow", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string", "pattern": "^(((a|b)*){0,30}){0,30}$"}}}}}],
+      "tool_choice": "required"}, "tools[1].function.parameters",
+     "tools[1].function.parameters: too costly to match: a repetition of something that may be empty nests"),
+    ({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": "no"}, "parallel_tool_calls",
+     "parallel_tool_calls: expected true or false, got 'no'"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
      f"tool_choice: 'required' {REFUSED}, and response_format constrains it too; give one"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}},
@@ -193,6 +201,45 @@ def test_what_tool_calling_cannot_take_is_a_400_naming_the_field(served, extra, 
     assert body["param"] == param and words in body["message"], body
     assert "\n" not in body["message"].strip()
     assert len(served.result.audit.of("structured_outputs_requested")) == before  # nothing was served
+
+
+def test_parallel_tool_calls_false_holds_a_required_reply_to_one_call(served):
+    """vLLM's parallel_tool_calls: absent or true, "required" may make several calls; false, exactly one (the array's
+    schema takes one item). The tokens that go on to a next call are biased for, so the model calls on and on unless
+    the grammar refuses them (the grammar wins over logit_bias)."""
+    tok = served.state.engine.tokenizer
+    more = {str(i): 10 for i in range(len(tok)) if tok.decode([i]).strip() == ","}
+    kw = {"tools": TOOLS, "tool_choice": "required", "temperature": 1.0, "seed": 0, "n": 2, "logit_bias": more}
+    for parallel in ({}, {"parallel_tool_calls": True}):
+        for c in chat(served, **parallel, **kw).choices:
+            assert c.finish_reason == "length" and len(c.message.tool_calls) > 1
+    for c in chat(served, parallel_tool_calls=False, **kw).choices:
+        assert c.finish_reason == "tool_calls"
+        (call,) = c.message.tool_calls
+        check_arguments(call.function.name, call.function.arguments)
+    named = {"type": "function", "function": {"name": "get_time"}}  # one call anyway: accepted as is
+    (call,) = chat(served, tools=TOOLS, tool_choice=named, parallel_tool_calls=False).choices[0].message.tool_calls
+    check_arguments("get_time", call.function.arguments)
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/chat/completions", '"tools": [{"type": "function", "function": {"name": "f\\udc00"}}], '
+                             '"tool_choice": "required"', "tools[0].function.name"),
+    ("/v1/chat/completions", '"tools": [{"type": "function", "function": {"name": "f", "description": "\\ud800"}}], '
+                             '"tool_choice": {"type": "function", "function": {"name": "f"}}', "tools[0]"),
+    ("/tokenize", '"tools": [{"type": "function", "function": {"name": "f\\udc00"}}]', "tools[0].function.name"),
+    ("/v1/chat/completions", '"chat_template_kwargs": {"x": ["\\udc00"]}', "chat_template_kwargs"),
+])
+def test_a_lone_surrogate_the_chat_template_would_render_is_a_400_naming_where(served, path, body, param):
+    """JSON's "\\udc00" in a tool (or a template variable) reached the tokenizer through the chat template: a 500
+    with a traceback, before. Sent as raw JSON text: the openai client cannot encode a lone surrogate."""
+    raw = f'{{"model": "{served.state.model_name}", "messages": [{{"role": "user", "content": "hi"}}], {body}}}'
+    reply = served.http.post(path, content=raw.encode(), headers={"content-type": "application/json"})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and "not valid Unicode text (a lone surrogate" in error["message"], error
+    assert "\n" not in error["message"]
+    assert chat(served, max_tokens=2).choices[0].finish_reason == "length"  # still serving
 
 
 def test_smollm2_calls_the_named_function_with_the_city_asked_about():

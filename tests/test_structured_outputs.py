@@ -31,6 +31,8 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
                                            "tag": {"enum": ["red", "blue"]}},
           "required": ["ok", "n", "tag"], "additionalProperties": False}
 CHOICES = ["yes", "no", 'say "maybe"\nlater']
+#: 31 characters xgrammar compiles at once and then matches ever slower: 0.2 s a token by the 20th, 2.2 s by the 38th
+NESTED = "(((a|b){0,30}){0,30}){0,30}"
 
 
 def check_schema(text: str) -> None:
@@ -156,12 +158,45 @@ def test_speculative_drafts_keep_the_constrained_tokens(bytes_ckpt, llm):
                                      r'"objectx"$'),
     (dict(grammar="root ::= foo"), r"^generate: structured_outputs\.grammar: xgrammar refused it: .*Rule \"foo\" is "
                                    r"not defined$"),
+    # xgrammar compiles these in a millisecond, then takes seconds to match each token past the 30th (on the loop
+    # every request's step waits for)
+    (dict(regex=NESTED), r"^generate: structured_outputs\.regex: too costly to match: a repetition of something that "
+                         r"may be empty nests inside another .*start the inner ones at 1 \(\+ or \{1,n\}\)$"),
+    (dict(json={"type": "object", "properties": {"x": {"type": "string", "pattern": "^(((a|b)*){0,30}){0,30}$"}}}),
+     r"^generate: structured_outputs\.json: too costly to match"),
+    (dict(grammar="root ::= x{0,30}\nx ::= y{0,30}\ny ::= [ab]{0,30}"),
+     r"^generate: structured_outputs\.grammar: too costly to match"),
 ])
 def test_a_spec_xgrammar_refuses_is_one_line_before_anything_runs(llm, so, message):
     started = len(llm.audit.of("generation_started"))
     with pytest.raises(GenerationError, match=message):
         sample(llm, StructuredOutputsParams(**so))
     assert len(llm.audit.of("generation_started")) == started
+
+
+@pytest.mark.parametrize(("kind", "spec", "nesting"), [
+    ("regex", NESTED, 2),
+    ("regex", "(((a|b)*){0,30}){0,30}", 2),  # a star inside: as empty
+    ("regex", "((a|b){0,10}((a|b){0,10}){0,10}){0,10}", 2),
+    ("regex", "((a|b){0,100}){0,100}", 1),  # one repeat of what may be empty: ~1 ms a token
+    ("regex", "(.?){0,2000}", 1),
+    ("regex", "(((a){1,20}){1,20}){1,20}", 0),  # nothing empty to repeat
+    ("regex", "(((a|b){0,30}x){0,30}){0,30}", 1),  # the x keeps each middle turn from being empty
+    ("regex", r"((25[0-5]|2[0-4][0-9]|[01]?[0-9][0-9]?)\.){3}(25[0-5]|2[0-4][0-9]|[01]?[0-9][0-9]?)", 0),
+    ("regex", r"[a-z0-9._%+-]+@[a-z0-9.-]+\.[a-z]{2,}", 0),
+    ("grammar", "root ::= x{0,30}\nx ::= y{0,30}\ny ::= [ab]{0,30}", 2),  # nested through rules
+    ("json", json.dumps(SCHEMA), 0),
+    ("json", json.dumps({"type": "array", "items": {"type": "array", "items": {"type": "string", "maxLength": 30},
+                                                    "maxItems": 30}, "maxItems": 30}), 0),  # commas between items
+])
+def test_the_nesting_of_repeats_that_may_be_empty_is_read_from_xgrammars_grammar(kind, spec, nesting):
+    import xgrammar
+
+    from engine.grammar_shape import nullable_repeat_nesting
+
+    grammar = {"regex": xgrammar.Grammar.from_regex, "grammar": xgrammar.Grammar.from_ebnf,
+               "json": xgrammar.Grammar.from_json_schema}[kind](spec)
+    assert nullable_repeat_nesting(str(grammar)) == nesting
 
 
 @pytest.mark.parametrize(("kw", "message"), [
@@ -245,6 +280,11 @@ def test_the_server_takes_response_format_and_structured_outputs_from_the_openai
                 ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs",
                  "structured_outputs.regex: xgrammar refused it: Regex parsing error"),
                 ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "got regex and choice"),
+                ({"structured_outputs": {"regex": NESTED}}, "structured_outputs",
+                 "structured_outputs.regex: too costly to match"),
+                ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                    "type": "string", "pattern": "^(((a|b)*){0,30}){0,30}$"}}}},
+                 "response_format", "response_format: too costly to match"),
                 ({"structured_outputs": {"backend": "outlines"}}, "structured_outputs",
                  "structured_outputs.backend: not supported"),
                 ({"guided_json": SCHEMA}, "guided_json", 'send structured_outputs: {"json": ...} instead'),
@@ -334,6 +374,7 @@ def test_generate_choice_flags_give_one_of_the_choices(capsys, bytes_ckpt):
     (("--json-schema", '{"type": "objectx"}'), 'error: --json-schema: xgrammar refused it: Unsupported type "objectx"'),
     (("--regex", "a(b"), "error: --regex: xgrammar refused it: Regex parsing error at position 4: The parenthesis is "
                          "not closed."),
+    (("--regex", NESTED), "error: --regex: too costly to match: a repetition of something that may be empty nests"),
     (("--grammar", "root ::= foo"), 'error: --grammar: xgrammar refused it: EBNF parser error at line 1, column 10: '
                                     'Rule "foo" is not defined'),
     (("--json-schema", "{x"), "error: --json-schema: not JSON text"),

@@ -201,7 +201,8 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "
            # with a pointer to it
            "structured_outputs", *_GUIDED}
 _COMPLETION = _COMMON | {"prompt", "best_of"}
-_CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"} | TEMPLATE_OPTIONS
+_CHAT = (_COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                   "parallel_tool_calls"} | TEMPLATE_OPTIONS)
 
 
 _NO_DEFAULTS: Mapping[str, Any] = MappingProxyType({})
@@ -533,6 +534,8 @@ def _template(body: dict[str, Any], tools: list[dict[str, Any]] | None = None) -
     """vLLM's chat template options in ``body`` (null: absent), checked by the Python API's ``LLM.chat`` rules,
     as ``apply_chat_template`` keywords, with the request's ``tools`` (checked by :func:`_tools`)."""
     given = {k: body[k] for k in TEMPLATE_OPTIONS if body.get(k) is not None}
+    _check_unicode(given.get("chat_template_kwargs"), "chat_template_kwargs")
+    _check_unicode(given.get("chat_template"), "chat_template")
     try:
         options = template_options(**given)
     except GenerationError as exc:
@@ -566,7 +569,28 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
         parameters = function.get("parameters")  # type: ignore[union-attr]
         _need(parameters is None or isinstance(parameters, dict), f"tools[{i}].function.parameters",
               "a JSON schema object", parameters)
+        _check_unicode(function.get("name"), f"tools[{i}].function.name")  # type: ignore[union-attr]
+        _check_unicode(tool, f"tools[{i}]")  # the chat template renders the tools into the prompt text
     return tools or None
+
+
+def _check_unicode(value: Any, field: str) -> None:
+    """``BadRequest`` naming where in ``value`` (its keys too) a string holds a lone surrogate (JSON's ``"\\ud800"``):
+    no tokenizer encodes one, and the chat template puts such values in the prompt."""
+    stack: list[tuple[Any, str]] = [(value, field)]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, str):
+            at = lone_surrogate(node)
+            if at is not None:
+                raise BadRequest(f"{where}: not valid Unicode text (a lone surrogate at character {at}; text must be "
+                                 "UTF-8)", param=field)
+        elif isinstance(node, dict):
+            for key, item in node.items():
+                stack.append((key, where))
+                stack.append((item, f"{where}.{key}" if lone_surrogate(key) is None else where))
+        elif isinstance(node, list):
+            stack.extend((item, f"{where}[{j}]") for j, item in enumerate(node))
 
 
 def _shown(choice: Any) -> str:
@@ -584,6 +608,7 @@ def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None
     or more ``{"name": <a tool's name>, "parameters": <its schema>}`` (vLLM's anyOf schema). ``"auto"`` (and tools
     without a ``tool_choice``, which means it) lets the model choose text or calls, which needs a parser: refused."""
     choice = body.get("tool_choice")
+    parallel = _flag(body, "parallel_tool_calls", True)  # checked whatever the choice: a named one or none is one call
     if choice is None or choice == "none":
         if choice is None and tools:
             raise BadRequest('tools: without tool_choice the model may call them or not ("auto", the default of '
@@ -625,7 +650,8 @@ def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None
     if name is not None:
         index = names.index(name)
         return ToolChoice(name, index, schemas), _tool_params(schemas[index], f"tools[{index}].function.parameters")
-    return ToolChoice(None, None, schemas), _tool_params(_required_schema(names, schemas), "tools")
+    # vLLM's parallel_tool_calls=false with "required": the array holds exactly one call (a named choice makes one)
+    return ToolChoice(None, None, schemas), _tool_params(_required_schema(names, schemas, not parallel), "tools")
 
 
 def _tool_params(schema: Any, field: str) -> StructuredOutputsParams:
@@ -636,9 +662,10 @@ def _tool_params(schema: Any, field: str) -> StructuredOutputsParams:
         raise BadRequest(field + ":" + str(exc).split(":", 2)[-1], param=field) from None
 
 
-def _required_schema(names: list[str], schemas: tuple[Any, ...]) -> dict[str, Any]:
-    """vLLM's schema for ``tool_choice: "required"``: an array of one or more calls, each ``{"name": <one of the
-    tools' names>, "parameters": <that tool's schema>}`` (name first, so a stream names a call before its arguments).
+def _required_schema(names: list[str], schemas: tuple[Any, ...], single: bool = False) -> dict[str, Any]:
+    """vLLM's schema for ``tool_choice: "required"``: an array of one or more calls (``single``: exactly one, vLLM's
+    ``parallel_tool_calls: false``), each ``{"name": <one of the tools' names>, "parameters": <that tool's schema>}``
+    (name first, so a stream names a call before its arguments).
     Each tool's ``$defs`` move to the top, where its ``#/$defs/...`` references then point; a name two tools define
     differently is refused. A tool whose schema refers to its own root (``"#"``, a tree) or into it
     (``"#/properties/..."``) is itself put in ``$defs`` and those references pointed there: nested in the array they
@@ -669,6 +696,8 @@ def _required_schema(names: list[str], schemas: tuple[Any, ...]) -> dict[str, An
                                                       "parameters": schema},
                       "required": ["name", "parameters"], "additionalProperties": False})
     doc: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if single:
+        doc["maxItems"] = 1
     if defs:
         doc["$defs"] = defs
     return doc
