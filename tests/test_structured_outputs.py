@@ -446,3 +446,23 @@ def test_smollm2_generate_answers_in_the_json_schema_and_the_choices_given_as_fl
     r = kvload_process(*common, "--prompt", "Is Paris in France?", "--choice", "yes", "--choice", "no")
     assert r.code == 0, r.err[-2000:]
     assert r.out.splitlines()[0] in ("yes", "no")
+
+
+def test_a_repeated_spec_compiles_once_and_only_the_latest_compiled_grammars_are_kept(monkeypatch):
+    """A server fed a new schema per request must not grow without bound (xgrammar's own cache, bounded by bytes,
+    still grew the process 26 KB a schema once full), and a client repeating one schema must not recompile it."""
+    import engine.structured as structured
+
+    monkeypatch.setattr(structured, "COMPILED_GRAMMARS", 3)
+    backend = structured.GrammarBackend(trained_tokenizer("bytelevel", 300), 512, {2})
+    calls: list[str] = []
+    real = backend.compiler.compile_regex
+    monkeypatch.setattr(backend.compiler, "compile_regex", lambda spec: calls.append(spec) or real(spec))
+    specs = [StructuredOutputsParams(regex=f"a{i}b") for i in range(4)]
+    first = backend.compile(specs[0])
+    assert backend.compile(StructuredOutputsParams(regex="a0b")) is first and calls == ["a0b"]  # equal spec: kept
+    for p in specs[1:]:
+        backend.constraint(p)
+    assert calls == ["a0b", "a1b", "a2b", "a3b"] and len(backend._grammars) == 3
+    backend.compile(specs[0])  # the least recently used went: compiled again
+    assert calls[-1] == "a0b" and len(calls) == 5
