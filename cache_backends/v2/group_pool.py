@@ -49,6 +49,7 @@ class EvictionQueue:
         self._heap: list[int] = []  # distinct keys; an entry whose bucket emptied is dropped lazily
         self._in_heap: set[int] = set()
         self._len = 0
+        self.num_shared = 0  # queued blocks of shared prefixes (admission may hold them: KVCacheManagerV2.held_back)
 
     def __len__(self) -> int:
         return self._len
@@ -80,6 +81,8 @@ class EvictionQueue:
             prio[b] = priority
             keys[b] = key
         self._len += len(blocks)
+        if shared:
+            self.num_shared += len(blocks)
 
     def add_split(self, blocks: Sequence[int], owner: Sequence[RadixNode | None], priority: int) -> None:
         """:meth:`add_many` for blocks whose run is ``owner[b]``: those of a run with children queued as shared."""
@@ -102,6 +105,7 @@ class EvictionQueue:
         if not bucket:
             del self._by_key[key]
         self._len -= 1
+        self.num_shared -= key & 1
 
     def pop(self) -> int:
         """The next block to evict; ``IndexError`` when empty."""
@@ -123,11 +127,13 @@ class EvictionQueue:
             need = n - len(out)
             if need >= len(bucket):  # the whole bucket goes, oldest first
                 out += bucket
+                self.num_shared -= (key & 1) * len(bucket)
                 del by_key[key]
             else:
                 popitem = bucket.popitem
                 for _ in range(need):
                     out.append(popitem(last=False)[0])
+                self.num_shared -= (key & 1) * need
         self._len -= n
         return out
 

@@ -344,6 +344,14 @@ class KVCacheManagerV2:
                 return pool, names, n
         return None
 
+    def held_back(self, share: float) -> list[int] | None:
+        """Per pool set, minus the cached blocks of shared prefixes admission leaves alone (at most ``share`` of the
+        pool set's blocks), as ``extra`` for :meth:`fit_tokens` and :meth:`short_of`; None on a layout without
+        sliding windows, where V2 has no more room than V1 and holding prefixes would cost concurrency."""
+        if not self._window_sets:
+            return None
+        return [-min(pool.evictable.num_shared, int(share * pool.num_blocks)) for pool, _ in self._pool_sets]
+
     def freed_by(self, requests: Iterable[Request]) -> list[int]:
         """Per pool set (``_pool_sets``), the device blocks that would become free or evictable if every one of
         ``requests`` (active) let go of its blocks, by suspension or preemption: those no one else holds.
