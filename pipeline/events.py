@@ -519,6 +519,14 @@ class ApiKeyRequired(Event):
     open_paths: list[str]
 
 
+@event("auto_tool_choice_enabled")
+class AutoToolChoiceEnabled(Event):
+    """``kvload serve`` serves chat's ``tool_choice: "auto"`` (vLLM's ``--enable-auto-tool-choice``): each such reply
+    is free text, read for tool calls by ``parser`` (``--tool-call-parser``)."""
+
+    parser: str  # "hermes"
+
+
 @event("serve_without_api_key", level="warning")
 class ServeWithoutApiKey(Event):
     """``kvload serve`` listens beyond this machine (``--host 0.0.0.0``) and requires no API key."""

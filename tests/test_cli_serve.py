@@ -472,3 +472,39 @@ def test_a_dead_engine_loop_ends_the_server_with_exit_1_after_answering_its_requ
         "error: serve: the engine loop failed (RuntimeError: injected: the loop's own code failed); the server "
         "stopped, its requests in flight answered HTTP 500; restart it"), err[-3000:]
     assert not (tmp_path / "audit.jsonl").exists()  # a failed run publishes no audit, as every command's
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--enable-auto-tool-choice", "--tool-call-parser", "mistral"],
+     "error: --tool-call-parser: no tool-call parser 'mistral' in kvload; it has: hermes"),
+    (["--tool-call-parser", "hermes"], "error: --tool-call-parser hermes requires --enable-auto-tool-choice"),
+    (["--enable-auto-tool-choice"],
+     "error: --enable-auto-tool-choice requires --tool-call-parser (kvload has: hermes)"),
+])
+def test_a_tool_call_parser_flag_alone_or_unknown_exits_2_with_one_line(capsys, flags, message):
+    r = run_cli(capsys, "serve", "tiny-llama", "--port", "0", *flags)
+    assert r.code == 2 and r.one_error_line, r.err
+    assert r.err.startswith(message), r.err
+
+
+@pytest.mark.parametrize("flags", [["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+                                   ["--tool_call_parser", "hermes", "--enable_auto_tool_choice"]])
+def test_the_tool_call_parser_reaches_the_served_state(monkeypatch, flags):
+    """vLLM's flags (and kvload's underscore spellings) give build_state the parser; without them, none."""
+    from kvload.cli import build_parser
+    from kvload.serve import command, server
+
+    parse = build_parser().parse_args
+    seen = {}
+
+    def build_state(result, **kwargs):  # stop the command once it has said how to serve
+        seen.update(kwargs)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(server, "build_state", build_state)
+    with pytest.raises(SystemExit):
+        command.cmd_serve(parse(["serve", "tiny-llama", "--port", "0", *flags]))
+    assert seen["tool_call_parser"] == "hermes"
+    with pytest.raises(SystemExit):
+        command.cmd_serve(parse(["serve", "tiny-llama", "--port", "0"]))
+    assert seen["tool_call_parser"] is None

@@ -1,7 +1,8 @@
 """Tool calls on the chat endpoint as vLLM makes them without a tool-call parser: ``tool_choice`` naming a function
 holds the reply to that function's ``parameters`` schema, ``"required"`` to a JSON array of calls of the tools; the
-openai client reads them as ``message.tool_calls`` (and a stream's ``delta.tool_calls``). ``"auto"`` needs a parser:
-refused, as is every bad tool or combination, in one line naming the field."""
+openai client reads them as ``message.tool_calls`` (and a stream's ``delta.tool_calls``). ``"auto"`` needs a parser
+(``--enable-auto-tool-choice --tool-call-parser hermes``, tests/test_serve_tool_parser.py): refused without one, as
+is every bad tool or combination, in one line naming the field."""
 
 from __future__ import annotations
 
@@ -158,8 +159,10 @@ REFUSED = "holds the reply to tool calls"
 
 @pytest.mark.parametrize(("extra", "param", "words"), [
     ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice",
-     'accepted: "required" or {"type": "function", "function": {"name": ...}}'),
-    ({"tools": TOOLS}, "tools", 'pass tool_choice "required" or {"type": "function"'),
+     'start kvload serve with --enable-auto-tool-choice --tool-call-parser hermes (vLLM\'s flags); else accepted: '
+     '"required" or {"type": "function", "function": {"name": ...}}'),
+    ({"tools": TOOLS}, "tools", "start kvload serve with --enable-auto-tool-choice --tool-call-parser hermes, or pass "
+                                'tool_choice "required" or {"type": "function"'),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_news"}}}, "tool_choice",
      "tool_choice.function.name: 'get_news' is not among the tools ('get_weather', 'get_time')"),
     ({"tool_choice": "required"}, "tools", "tool_choice: 'required' needs the functions it may call in tools"),

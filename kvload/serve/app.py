@@ -40,6 +40,7 @@ from kvload.serve.command import MAX_CONCURRENT_DEFAULT, READ_TIMEOUT_DEFAULT
 from kvload.serve.metrics import ServeMetrics
 from kvload.serve.protocol import BadRequest, Job, parse, parse_detokenize, parse_tokenize, request_id
 from kvload.serve.tool_calls import ToolCallText
+from kvload.serve.tool_parser import HermesToolCalls
 from pipeline.audit import dropped_record
 from pipeline.errors import ConfigError, GenerationError, KvBuildError
 from pipeline.events import SettingIgnored, StructuredOutputsRequested
@@ -66,6 +67,9 @@ class ServeState:
     #: ``POST /reset_prefix_cache`` exists only when the operator says so: any client could otherwise drop every
     #: tenant's cached prefixes, over and over (vLLM keeps it to its dev mode)
     enable_reset_prefix_cache: bool = False
+    #: the tool-call parser (``--tool-call-parser``, with ``--enable-auto-tool-choice``) that lets chat's
+    #: ``tool_choice`` be ``"auto"``; None: "auto" is refused
+    tool_call_parser: str | None = None
     #: SHA-256 of each accepted API key (``--api-key``); empty: no key required. Never the keys: no repr shows one
     api_key_digests: tuple[bytes, ...] = attrs.field(default=(), repr=False)
     in_flight: int = 0  # generation requests in the server now (only the event loop's thread touches it)
@@ -398,7 +402,8 @@ def _parse(state: ServeState, raw: bytes | bytearray, kind: str) -> Job:
     """The request body as a ``Job``; ``BadRequest`` naming what is wrong."""
     body = _load(raw)
     job = parse(body, kind, default_max_tokens=state.default_max_tokens,
-                by_priority=getattr(state.engine.scheduler, "by_priority", False), defaults=state.sampling_defaults)
+                by_priority=getattr(state.engine.scheduler, "by_priority", False), defaults=state.sampling_defaults,
+                tool_parser=state.tool_call_parser)
     _check_model(state, body)
     _check_template(state, job.template)
     return job
@@ -526,6 +531,7 @@ class _Choice:
     echoed: bool = False  # a stream sent the echo (in the choice's first chunk)
     prompt_logprobs: list[dict[int, float] | None] | None = None  # when scored (engine): echo or prompt_logprobs
     tools: ToolCallText | None = None  # chat's tool_choice named or "required": the reply read as tool calls
+    auto: HermesToolCalls | None = None  # chat's tool_choice "auto" under a parser: the free text read for calls
 
     def update(self, ev: ServeEvent) -> _Update:
         """Take one engine event; the new text, token ids, logprobs and text offsets to report."""
@@ -565,8 +571,10 @@ class _Choice:
     @property
     def reason(self) -> str:
         """OpenAI's finish reason; "tool_calls" for a "required" reply the grammar ended (vLLM's: a named call's
-        stays "stop", as in OpenAI's API)."""
+        stays "stop", as in OpenAI's API), and for an "auto" reply that made a call (vLLM's, cut by length too)."""
         reason = {"stop": "stop", "length": "length"}.get(self.finish_reason or "", self.finish_reason or "stop")
+        if self.auto is not None and self.auto.calls and reason in ("stop", "length"):
+            return "tool_calls"
         return "tool_calls" if reason == "stop" and self.tools is not None and self.tools.required else reason
 
 
@@ -653,6 +661,9 @@ class _Run:
         if job.tool_choice is not None:
             for c in self.choices:
                 c.tools = ToolCallText(job.tool_choice)
+        if job.auto_tools is not None:
+            for c in self.choices:
+                c.auto = HermesToolCalls(job.auto_tools.names, job.auto_tools.parallel)
         if job.kind == "chat":  # vLLM's reply role, and its echo: the last message when it is the reply's role
             last = job.prompts[0][-1]
             self.role = "assistant" if job.template.get("add_generation_prompt", True) else last["role"]
@@ -853,6 +864,8 @@ class _Run:
                     if c.tools is not None:  # the text as tool call deltas (none yet: an empty delta, its tokens)
                         calls = c.tools.feed(update.text) + (c.tools.finish() if ev.finished else [])
                         delta = {"tool_calls": calls} if calls else {}
+                    elif c.auto is not None:  # text up to a <tool_call>; each block, once closed, as a call
+                        delta = self._auto_delta(c.auto, update.text, ev.finished)
                     yield _sse(self._chunk(c, delta, update, ev.finished))
             if self.job.include_usage:
                 yield _sse({"id": self.id, "object": self._chunk_object, "created": self.created,
@@ -889,17 +902,35 @@ class _Run:
 
     def _choice(self, c: _Choice) -> dict[str, Any]:
         ids = c.token_ids
-        ending = {"finish_reason": c.reason, "stop_reason": c.stop_reason, "token_ids": ids}
         if self.job.kind == "chat":
             message: dict[str, Any] = {"role": self.role, "content": self.chat_echo + c.text}
             if c.tools is not None:  # vLLM's: the content empty (but an echo), the reply read as the calls
                 c.tools.feed(c.text)
                 c.tools.finish()
                 message = {"role": self.role, "content": self.chat_echo, "tool_calls": c.tools.message()}
+            elif c.auto is not None:  # the calls the text holds, and the text around them (vLLM's: null when none)
+                c.auto.feed(c.text)
+                c.auto.finish()
+                content = c.auto.content
+                message = {"role": self.role, "content": self.chat_echo + content if content is not None
+                           else self.chat_echo or None, "tool_calls": c.auto.calls}
+            ending = {"finish_reason": c.reason, "stop_reason": c.stop_reason, "token_ids": ids}  # the calls read
             return {"index": c.index, "message": message, "logprobs": self._chat_logprobs(ids, c.logprobs), **ending}
+        ending = {"finish_reason": c.reason, "stop_reason": c.stop_reason, "token_ids": ids}
         return {"index": c.index, "text": (c.echo.text if c.echo is not None else "") + c.text,
                 "logprobs": self._completion_logprobs(ids, c.logprobs, c.text_offsets, c, c.echo is not None),
                 **ending, "prompt_logprobs": self._prompt_logprobs(c)}
+
+    @staticmethod
+    def _auto_delta(auto: HermesToolCalls, text: str, finished: bool) -> dict[str, Any]:
+        """A stream's delta for an "auto" reply's new ``text``: its content and any call just closed."""
+        content, calls = auto.feed(text)
+        if finished:
+            content += auto.finish()[0]
+        delta: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = calls
+        return delta
 
     def _prompt_logprobs(self, c: _Choice) -> list[dict[str, dict[str, Any]] | None] | None:
         """vLLM's ``prompt_logprobs`` of the choice's prompt: per token (the first None) the token's own entry then

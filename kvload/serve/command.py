@@ -23,6 +23,8 @@ READ_TIMEOUT_DEFAULT = 30.0
 MAX_TIMEOUT_S = 86400.0
 #: Generation requests a server holds at once by default (``--max-concurrent-requests``); more get 503.
 MAX_CONCURRENT_DEFAULT = 256
+#: The tool-call parsers ``--tool-call-parser`` takes (vLLM's names; ``kvload.serve.tool_parser`` reads them).
+TOOL_CALL_PARSERS = ("hermes",)
 
 _EPILOG = """\
 Endpoints (OpenAI-compatible): POST /v1/completions, POST /v1/chat/completions (stream=true for
@@ -122,6 +124,17 @@ def add_serve_command(sub: Any) -> None:
                    action="store_true",
                    help="serve POST /reset_prefix_cache (vLLM's, there in dev mode only): drops every cached prefix, "
                         "for benchmarks between runs; off by default, as any client could drop everyone's cache")
+    g.add_argument("--enable-auto-tool-choice", "--enable_auto_tool_choice", dest="enable_auto_tool_choice",
+                   action="store_true",
+                   help='serve chat\'s tool_choice "auto" (and tools without a tool_choice, which means it): the '
+                        "reply is free text, read for tool calls by --tool-call-parser (vLLM's flag; needs it). "
+                        'Without it such a request gets HTTP 400; "none", "required" and a named function need no '
+                        "parser")
+    g.add_argument("--tool-call-parser", "--tool_call_parser", dest="tool_call_parser", default=None, metavar="NAME",
+                   type=_tool_call_parser,
+                   help="how an \"auto\" reply's tool calls are read (vLLM's flag; needs --enable-auto-tool-choice): "
+                        "hermes: each <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> block, as "
+                        "Qwen2.5, Hermes and SmolLM2-style chat templates ask for")
     g.add_argument("--api-key", "--api_key", dest="api_key", default=None, metavar="KEY", nargs="+",
                    action=_ApiKeys,
                    help="require 'Authorization: Bearer KEY' (any KEY given; repeat the flag, or list several as "
@@ -162,6 +175,12 @@ def _finish(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
             parser.error("the following arguments are required: MODEL")
         ns.model = ns.api_key.pop(end - 1)
         ns.model_after_api_key = True
+    if ns.enable_auto_tool_choice and ns.tool_call_parser is None:  # vLLM's rule, in its words
+        parser.error("--enable-auto-tool-choice requires --tool-call-parser (kvload has: "
+                     f"{', '.join(TOOL_CALL_PARSERS)})")
+    if ns.tool_call_parser is not None and not ns.enable_auto_tool_choice:  # else a parser that reads nothing
+        parser.error(f"--tool-call-parser {ns.tool_call_parser} requires --enable-auto-tool-choice (the parser reads "
+                     'the replies to tool_choice "auto", which only that flag serves)')
     for key in ns.api_key or ():
         try:
             _api_key(key)
@@ -180,6 +199,14 @@ def _model_name(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError(f"expected a non-empty name (or leave the flag out to serve as MODEL's "
                                          f"name), got {text!r}")
+    return text
+
+
+def _tool_call_parser(text: str) -> str:
+    """``--tool-call-parser``: one of :data:`TOOL_CALL_PARSERS`."""
+    if text not in TOOL_CALL_PARSERS:
+        raise argparse.ArgumentTypeError(f"no tool-call parser {text!r} in kvload; it has: "
+                                         f"{', '.join(TOOL_CALL_PARSERS)}")
     return text
 
 
@@ -299,7 +326,8 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
                             trust_request_chat_template=ns.trust_request_chat_template, chat_template=template,
                             chat_template_flag="--chat-template", api_keys=api_keys,
                             api_key_source=key_source or "api_keys",
-                            enable_reset_prefix_cache=ns.enable_reset_prefix_cache)
+                            enable_reset_prefix_cache=ns.enable_reset_prefix_cache,
+                            tool_call_parser=ns.tool_call_parser)
         mirror = None
         if ns.kv_events_file is not None:  # a full disk later stops the mirror with a warning, never a request
             mirror = mirror_kv_events(state, ns.kv_events_file, "--kv-events-file")
@@ -357,4 +385,4 @@ def _announce_auth(emit: Any, host: str, address: str, source: str | None, unuse
                                        "KVLOAD_API_KEY (or --api-key), or serve on 127.0.0.1 behind a proxy"))
 
 
-__all__ = ["DEFAULT_MAX_TOKENS", "add_serve_command", "cmd_serve", "serve_max_tokens"]
+__all__ = ["DEFAULT_MAX_TOKENS", "TOOL_CALL_PARSERS", "add_serve_command", "cmd_serve", "serve_max_tokens"]

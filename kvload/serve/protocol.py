@@ -134,6 +134,8 @@ class Job:
     structured_field: str | None = None
     #: chat's ``tool_choice`` when it constrains the reply to tool calls (named or "required"), else None
     tool_choice: ToolChoice | None = None
+    #: chat's ``tool_choice: "auto"`` (or tools without one) under the server's tool-call parser, else None
+    auto_tools: AutoTools | None = None
 
 
 @attrs.frozen
@@ -150,6 +152,16 @@ class ToolChoice:
     def mode(self) -> str:
         """``"named"`` or ``"required"``."""
         return "required" if self.name is None else "named"
+
+
+@attrs.frozen
+class AutoTools:
+    """A chat request's ``tool_choice: "auto"`` under the server's tool-call parser: the reply is free text, read
+    for calls of the request's tools (``kvload.serve.tool_parser``)."""
+
+    parser: str  # the server's --tool-call-parser
+    names: frozenset[str]  # the request's tools: a block naming another is no call
+    parallel: bool = True  # OpenAI's parallel_tool_calls: false keeps the reply to one call (later blocks: content)
 
 
 def _is_int(v: Any) -> bool:
@@ -209,9 +221,10 @@ _NO_DEFAULTS: Mapping[str, Any] = MappingProxyType({})
 
 
 def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = False,
-          defaults: Mapping[str, Any] = _NO_DEFAULTS) -> Job:
+          defaults: Mapping[str, Any] = _NO_DEFAULTS, tool_parser: str | None = None) -> Job:
     """Check an OpenAI ``/v1/completions`` (``kind="completion"``) or ``/v1/chat/completions`` body
-    (``by_priority``: the server schedules by priority, so a nonzero ``priority`` is taken). ``defaults``: the
+    (``by_priority``: the server schedules by priority, so a nonzero ``priority`` is taken; ``tool_parser``: the
+    server's tool-call parser, which lets chat's ``tool_choice`` be ``"auto"``). ``defaults``: the
     model's sampling defaults (``SamplingDefaults.values``; max_tokens aside, which ``default_max_tokens`` carries):
     a field the request does not send, or sends as null, takes its default, as vLLM's server does; one it sends
     wins."""
@@ -322,7 +335,10 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
     priority = _accepted_as_done(body, kind, n, by_priority)
     structured, structured_field = _structured(body)
     tools = _tools(body) if kind == "chat" else None
-    tool_choice, tool_params = _tool_choice(body, tools) if kind == "chat" else (None, None)
+    tool_choice, tool_params = _tool_choice(body, tools, tool_parser) if kind == "chat" else (None, None)
+    auto = tool_choice if isinstance(tool_choice, AutoTools) else None
+    if auto is not None:  # the reply is free text (response_format or structured_outputs may still hold it)
+        tool_choice = None
     if tool_choice is not None:
         if structured is not None:  # two constraints on one reply: which was meant is not for the server to guess
             raise BadRequest(f"tool_choice: {_shown(body['tool_choice'])} holds the reply to tool calls, and "
@@ -344,7 +360,8 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
                max_tokens_given=given, max_tokens_field=field, template=template, add_special_tokens=special,
                prompt_logprobs=prompt_logprobs, truncate=truncate, request_id=request_id(body.get("request_id")),
                continuous_usage=continuous, ignored=tuple(ignored), priority=priority,
-               model_defaults=tuple(defaulted), structured_field=structured_field, tool_choice=tool_choice)
+               model_defaults=tuple(defaulted), structured_field=structured_field, tool_choice=tool_choice,
+               auto_tools=auto)
 
 
 def _stream_options(body: dict[str, Any], stream: bool, ignored: list[tuple[str, Any, str]]) -> tuple[bool, bool]:
@@ -601,25 +618,35 @@ def _shown(choice: Any) -> str:
     return repr(choice)[:60]
 
 
-def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None
-                 ) -> tuple[ToolChoice | None, StructuredOutputsParams | None]:
-    """Chat's ``tool_choice`` as vLLM serves it without a tool-call parser: ``"none"`` (or no tools): the reply is
-    text; a named function: the reply is held to its ``parameters`` schema; ``"required"``: to a JSON array of one
-    or more ``{"name": <a tool's name>, "parameters": <its schema>}`` (vLLM's anyOf schema). ``"auto"`` (and tools
-    without a ``tool_choice``, which means it) lets the model choose text or calls, which needs a parser: refused."""
+#: How a server starts with a tool-call parser, as a refusal of "auto" says it.
+_AUTO_FLAGS = "--enable-auto-tool-choice --tool-call-parser hermes"
+
+
+def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None, parser: str | None = None
+                 ) -> tuple[ToolChoice | AutoTools | None, StructuredOutputsParams | None]:
+    """Chat's ``tool_choice`` as vLLM serves it: ``"none"`` (or no tools): the reply is text; a named function: the
+    reply is held to its ``parameters`` schema; ``"required"``: to a JSON array of one or more ``{"name": <a tool's
+    name>, "parameters": <its schema>}`` (vLLM's anyOf schema). ``"auto"`` (and tools without a ``tool_choice``,
+    which means it) lets the model choose text or calls: under the server's tool-call ``parser`` the reply is free
+    text read for calls (:class:`AutoTools`), else refused (vLLM's rule)."""
     choice = body.get("tool_choice")
     parallel = _flag(body, "parallel_tool_calls", True)  # checked whatever the choice: a named one or none is one call
+    if parser is not None and tools and choice in (None, "auto"):
+        return AutoTools(parser, frozenset(tool["function"]["name"] for tool in tools), parallel), None
     if choice is None or choice == "none":
         if choice is None and tools:
             raise BadRequest('tools: without tool_choice the model may call them or not ("auto", the default of '
-                             "OpenAI and vLLM), which needs a tool-call parser kvload serve does not have; pass "
-                             'tool_choice "required" or {"type": "function", "function": {"name": ...}} to hold the '
-                             'reply to tool calls, or "none" to show the tools to the chat template only',
-                             param="tools")
+                             "OpenAI and vLLM), which needs a tool-call parser: start kvload serve with "
+                             f'{_AUTO_FLAGS}, or pass tool_choice "required" or {{"type": "function", "function": '
+                             '{"name": ...}} to hold the reply to tool calls, or "none" to show the tools to the '
+                             "chat template only", param="tools")
         return None, None
     if choice == "auto":
+        if parser is not None:  # vLLM's rule: "auto" with nothing to call is no choice
+            raise BadRequest('tool_choice: "auto" needs the functions it may call in tools; got none',
+                             param="tools")
         raise BadRequest('tool_choice: "auto": the model would choose between text and tool calls, which needs a '
-                         "tool-call parser (vLLM's --tool-call-parser) kvload serve does not have; accepted: "
+                         f"tool-call parser: start kvload serve with {_AUTO_FLAGS} (vLLM's flags); else accepted: "
                          '"required" or {"type": "function", "function": {"name": ...}} (the reply is held to tool '
                          'calls), or "none" (the reply is text)', param="tool_choice")
     if choice == "required":

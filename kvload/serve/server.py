@@ -33,8 +33,9 @@ from kvload.serve.command import (
 )
 from kvload.serve.metrics import ServeMetrics
 from kvload.serve.protocol import BadRequest, default_max_request_bytes
+from kvload.serve.tool_parser import TOOL_CALL_PARSERS
 from pipeline.errors import ConfigError, KvloadError
-from pipeline.events import ApiKeyRequired, KvEventsFileFailed
+from pipeline.events import ApiKeyRequired, AutoToolChoiceEnabled, KvEventsFileFailed
 from pipeline.limits import MAX_INT, short
 
 
@@ -44,7 +45,8 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
                 max_concurrent_requests: int = MAX_CONCURRENT_DEFAULT,
                 trust_request_chat_template: bool = False, chat_template: str | None = None,
                 chat_template_flag: str = "chat_template", api_keys: Sequence[str] | None = (),
-                api_key_source: str = "api_keys", enable_reset_prefix_cache: bool = False) -> ServeState:
+                api_key_source: str = "api_keys", enable_reset_prefix_cache: bool = False,
+                tool_call_parser: str | None = None) -> ServeState:
     """Engine (not started) and metrics over a ``load(..., load_weights=True)`` result; from now on its audit log
     keeps the load's records and the newest ``audit_keep`` (``/v1/kvload/audit`` serves them). A request body
     over ``max_request_bytes`` is refused unread (None: :func:`default_max_request_bytes` of the model); a
@@ -61,7 +63,10 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
     :data:`~kvload.serve.command.DEFAULT_MAX_TOKENS`), cut to what max_seq_len leaves. With ``api_keys``, every
     path but ``/health``, ``/metrics`` and ``/version`` answers 401 without ``Authorization: Bearer KEY`` (one of
     them; a key that could not be sent so is a ``ConfigError`` naming ``api_key_source``, never quoting it), and the
-    audit gets an ``api_key_required`` record naming ``api_key_source``."""
+    audit gets an ``api_key_required`` record naming ``api_key_source``. ``tool_call_parser`` (one of
+    :data:`~kvload.serve.tool_parser.TOOL_CALL_PARSERS`; vLLM's ``--enable-auto-tool-choice --tool-call-parser``):
+    chat's ``tool_choice: "auto"`` is served, the reply read for tool calls (an ``auto_tool_choice_enabled``
+    record); None: refused."""
     if model_name is not None and not (isinstance(model_name, str) and model_name.strip()):
         raise ConfigError(f"model_name: expected a non-empty name (or None: the model's own), got {model_name!r}")
     if max_request_bytes is not None and not (isinstance(max_request_bytes, int)
@@ -80,6 +85,9 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
                           f"{short(trust_request_chat_template)}")
     if not isinstance(enable_reset_prefix_cache, bool):
         raise ConfigError(f"enable_reset_prefix_cache: expected true or false, got {short(enable_reset_prefix_cache)}")
+    if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ConfigError(f"tool_call_parser: {short(tool_call_parser)} is no tool-call parser kvload has; it has: "
+                          f"{', '.join(TOOL_CALL_PARSERS)}")
     if isinstance(api_keys, str):  # one key given bare would be taken as its characters, each a key
         raise ConfigError(f"{api_key_source}: expected a list of keys, got one string; pass [key]")
     digests = tuple(dict.fromkeys(digest(check_api_key(api_key_source, key)) for key in api_keys or ()))
@@ -95,6 +103,8 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
     bus = getattr(result, "bus", None)
     if digests and bus is not None:  # before keep_tail: a load record, kept however many requests follow
         bus.emitter("serve")(ApiKeyRequired(source=api_key_source, keys=len(digests), open_paths=sorted(OPEN_PATHS)))
+    if tool_call_parser is not None and bus is not None:  # a load record too: how every "auto" reply is read
+        bus.emitter("serve")(AutoToolChoiceEnabled(parser=tool_call_parser))
     result.audit.keep_tail(audit_keep)
     name = model_name or (result.model.name if result.model is not None else str(result.args.model))
     metrics = ServeMetrics(name)
@@ -107,7 +117,7 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
                       sampling_defaults={k: v for k, v in sampling.items() if k != "max_tokens"},
                       read_timeout_s=float(read_timeout_s), max_concurrent_requests=max_concurrent_requests,
                       trust_request_chat_template=trust_request_chat_template, api_key_digests=digests,
-                      enable_reset_prefix_cache=enable_reset_prefix_cache)
+                      enable_reset_prefix_cache=enable_reset_prefix_cache, tool_call_parser=tool_call_parser)
 
 
 

@@ -1,0 +1,179 @@
+"""``kvload serve --enable-auto-tool-choice --tool-call-parser hermes`` through the openai client: ``tool_choice:
+"auto"`` (or tools without one) lets the model write text, and the ``<tool_call>`` blocks it writes come back as
+``message.tool_calls`` (a stream's ``delta.tool_calls``), the rest as ``content``."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from tests.serve_support import serving
+from tests.text_support import trained_tokenizer
+
+TEMPLATE = ("{% for t in tools or [] %}{{ t['function']['name'] }}: {% endfor %}"
+            "{% for m in messages %}{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}> {% endif %}")
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}}}
+TOOLS = [WEATHER, CLOCK]
+MESSAGES = [{"role": "user", "content": "Hello world, the sky is"}]
+#: What the model is made to write (structured outputs' "choice" holds the reply to it): text, a call, a block
+#: naming no tool of the request's, more text.
+REPLY = ('Checking.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>\n'
+         '<tool_call>{"name": "get_news", "arguments": {}}</tool_call> Done.')
+CONTENT = 'Checking.\n\n<tool_call>{"name": "get_news", "arguments": {}}</tool_call> Done.'
+
+
+@pytest.fixture(scope="module")
+def served(tiny_checkpoints, tmp_path_factory):
+    """The tiny llama with a byte-level BPE tokenizer (any text spellable, so structured outputs can make it write
+    exactly a reply), a chat template that shows the tools, served with the hermes parser."""
+    pytest.importorskip("xgrammar")
+    dest = tmp_path_factory.mktemp("auto") / "ckpt"
+    shutil.copytree(tiny_checkpoints("llama"), dest)
+    tok = trained_tokenizer("bytelevel", 300)
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(dest)
+    for name in ("config.json", "generation_config.json"):  # the preset's EOS (2) is a byte here: the tokenizer's
+        path = dest / name
+        if path.exists():
+            path.write_text(json.dumps({**json.loads(path.read_text()), "eos_token_id": tok.eos_token_id}))
+    with serving(str(dest), state={"tool_call_parser": "hermes"}) as running:
+        yield running
+
+
+def chat(served, stream: bool = False, reply: str | None = REPLY, **kw):
+    kw.setdefault("max_tokens", 400)
+    if reply is not None:  # the model writes exactly this
+        kw["extra_body"] = {"structured_outputs": {"choice": [reply]}, **kw.get("extra_body", {})}
+    return served.client.chat.completions.create(model=served.state.model_name, messages=MESSAGES, stream=stream,
+                                                 **kw)
+
+
+def read_stream(chunks) -> tuple[str, list[tuple[int, str, str, str]], list[str | None], list[str]]:
+    """A stream's content joined, its tool call deltas (index, id, name, arguments), each chunk's finish reason, and
+    what came in order ("content" / "call")."""
+    content, calls, reasons, order = "", [], [], []
+    for chunk in chunks:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        reasons.append(choice.finish_reason)
+        if choice.delta.content:
+            content += choice.delta.content
+            order.append("content")
+        for delta in choice.delta.tool_calls or []:  # each call whole, in one delta
+            assert delta.type == "function"
+            calls.append((delta.index, delta.id, delta.function.name, delta.function.arguments))
+            order.append("call")
+    return content, calls, reasons, order
+
+
+@pytest.mark.parametrize("choice", [{"tool_choice": "auto"}, {}])
+def test_auto_returns_the_blocks_the_model_wrote_as_tool_calls_and_the_rest_as_content(served, choice):
+    reply = chat(served, tools=TOOLS, **choice)
+    (c,) = reply.choices
+    assert c.finish_reason == "tool_calls"
+    (call,) = c.message.tool_calls
+    assert call.id.startswith("chatcmpl-tool-") and call.type == "function"
+    assert call.function.name == "get_time" and json.loads(call.function.arguments) == {"zone": "UTC"}
+    assert c.message.content == CONTENT  # text around the call, and the block naming no tool, as written
+    # the template saw the tools (as with tool_choice "none"), and the grammar is the request's, not a tool's
+    shown = chat(served, reply=None, max_tokens=1, tools=TOOLS, tool_choice="none")
+    assert reply.usage.prompt_tokens == shown.usage.prompt_tokens
+    audit = served.result.audit.of("structured_outputs_requested")[-1]
+    assert audit["field"] == "structured_outputs" and audit["tool_choice"] is None
+
+
+def test_a_stream_sends_the_text_as_it_comes_and_each_call_whole_once_its_block_closes(served):
+    whole = chat(served, tools=TOOLS).choices[0]
+    content, calls, reasons, order = read_stream(chat(served, stream=True, tools=TOOLS))
+    assert content == whole.message.content
+    ((index, call_id, name, arguments),) = calls
+    assert index == 0 and call_id.startswith("chatcmpl-tool-") and name == "get_time"
+    assert arguments == whole.message.tool_calls[0].function.arguments
+    assert reasons[-1] == "tool_calls" and set(reasons[:-1]) == {None}
+    assert order.index("call") > 0 and "content" in order[order.index("call") + 1:]  # text, the call, text
+
+
+def test_a_reply_without_a_call_is_the_text_as_tool_choice_none_gives_it(served):
+    plain = 'No tool needed: 1 < 2, and "<tool" is text.'
+    for kw in ({"tool_choice": "none"}, {"tool_choice": "auto"}, {}):
+        c = chat(served, reply=plain, tools=TOOLS, **kw).choices[0]
+        assert c.finish_reason == "stop" and c.message.content == plain and not c.message.tool_calls
+    content, calls, reasons, _ = read_stream(chat(served, stream=True, reply=plain, tools=TOOLS))
+    assert content == plain and calls == [] and reasons[-1] == "stop"
+    # greedy, unconstrained: the same text whether the parser reads it or not
+    free = {"reply": None, "max_tokens": 24, "tools": TOOLS}
+    assert chat(served, **free).choices[0].message.content == \
+        chat(served, tool_choice="none", **free).choices[0].message.content
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(served):
+    two = ('<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+           '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>')
+    c = chat(served, reply=two, tools=TOOLS).choices[0]
+    assert [t.function.name for t in c.message.tool_calls] == ["get_time", "get_weather"] and c.message.content is None
+    c = chat(served, reply=two, tools=TOOLS, parallel_tool_calls=False).choices[0]
+    assert [t.function.name for t in c.message.tool_calls] == ["get_time"]
+    assert c.message.content == two[two.index("<tool_call>", 1):]
+
+
+def test_the_parser_is_in_the_audit(served):
+    (record,) = served.result.audit.of("auto_tool_choice_enabled")
+    assert record["parser"] == "hermes"
+
+
+#: A Hermes-style chat template (as Qwen2.5's and SmolLM2-1.7B's): the tools in the system turn, with the
+#: <tool_call> format to answer in.
+HERMES_TEMPLATE = """<|im_start|>system
+You are a helpful assistant with access to the following functions. Use them if required.
+<tools>
+{% for t in tools %}{{ t | tojson }}
+{% endfor %}</tools>
+For each function call, return a JSON object with the function name and arguments within <tool_call></tool_call> XML \
+tags:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% for m in messages %}<|im_start|>{{ m['role'] }}
+{{ m['content'] }}<|im_end|>
+{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def test_smollm2_asked_about_the_weather_calls_get_weather_for_the_city():
+    """A real model writes the call: SmolLM2-135M-Instruct under a Hermes template, shown one call in the
+    conversation, answers a new question with a <tool_call> block of its own (greedy)."""
+    from tests.conftest import needs_smollm2
+
+    if needs_smollm2.args[0]:
+        pytest.skip(needs_smollm2.kwargs["reason"])
+    messages = [{"role": "user", "content": "What is the weather like in Rome?"},
+                {"role": "assistant", "content": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}'
+                                                 "\n</tool_call>"},
+                {"role": "user", "content": "What is the weather like in Paris?"}]
+    state = {"tool_call_parser": "hermes", "chat_template": HERMES_TEMPLATE}
+    with serving("smollm2-135m", kv_cache_config={"max_tokens": 2048}, state=state) as running:
+        ask = {"model": running.state.model_name, "messages": messages, "max_tokens": 48, "tools": [WEATHER]}
+        reply = running.client.chat.completions.create(**ask)
+        content, calls, reasons, _ = read_stream(running.client.chat.completions.create(stream=True, **ask))
+    (c,) = reply.choices
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    (call,) = c.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    assert content == "" and [(i, n, a) for i, _, n, a in calls] == [(0, "get_weather", call.function.arguments)]
+    assert reasons[-1] == "tool_calls"
+
+
+def test_build_state_refuses_a_parser_kvload_does_not_have(served):
+    from kvload.serve.server import build_state
+    from pipeline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="tool_call_parser: 'llama3_json' is no tool-call parser kvload has; it "
+                                          "has: hermes"):
+        build_state(served.result, tool_call_parser="llama3_json")
