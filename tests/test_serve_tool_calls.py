@@ -154,6 +154,16 @@ def test_a_named_call_cut_by_max_tokens_ends_by_length_with_its_arguments_so_far
     assert calls[0]["arguments"] == call.function.arguments and reasons[-1] == "length"
 
 
+def test_a_required_reply_a_stop_string_cuts_ends_by_stop_not_tool_calls(served):
+    """"tool_calls" says the grammar ended the array; a stop string (here the key's opening quote) cut it short, so
+    the reply ends "stop" with the string as its stop_reason, and the calls read so far, as a length cut does."""
+    choice = chat(served, tools=TOOLS, tool_choice="required", stop=['"name']).choices[0]
+    assert choice.finish_reason == "stop", choice
+    assert choice.model_extra.get("stop_reason") == '"name'
+    ended = chat(served, tools=TOOLS, tool_choice="required").choices[0]
+    assert ended.finish_reason == "tool_calls" and ended.model_extra.get("stop_reason") is None
+
+
 REFUSED = "holds the reply to tool calls"
 
 

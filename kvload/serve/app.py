@@ -571,11 +571,13 @@ class _Choice:
     @property
     def reason(self) -> str:
         """OpenAI's finish reason; "tool_calls" for a "required" reply the grammar ended (vLLM's: a named call's
-        stays "stop", as in OpenAI's API), and for an "auto" reply that made a call (vLLM's, cut by length too)."""
+        stays "stop", as in OpenAI's API; a stop string or stop token that cut it is "stop", its ``stop_reason``
+        saying which), and for an "auto" reply that made a call (vLLM's, cut by length too)."""
         reason = {"stop": "stop", "length": "length"}.get(self.finish_reason or "", self.finish_reason or "stop")
         if self.auto is not None and self.auto.calls and reason in ("stop", "length"):
             return "tool_calls"
-        return "tool_calls" if reason == "stop" and self.tools is not None and self.tools.required else reason
+        ended = reason == "stop" and self.stop_reason is None  # by the grammar's end-of-sequence, not a user's stop
+        return "tool_calls" if ended and self.tools is not None and self.tools.required else reason
 
 
 @attrs.frozen
