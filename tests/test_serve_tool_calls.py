@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import json
 import re
-import shutil
 
 import openai
 import pytest
@@ -19,7 +18,7 @@ from hypothesis import strategies as st
 from kvload.serve.protocol import ToolChoice
 from kvload.serve.tool_calls import ToolCallText
 from tests.serve_support import serving
-from tests.text_support import trained_tokenizer
+from tests.text_support import bytelevel_checkpoint, trained_tokenizer
 
 pytest.importorskip("xgrammar")
 
@@ -54,15 +53,7 @@ def check_arguments(name: str, arguments: str) -> None:
 def served(tiny_checkpoints, tmp_path_factory):
     """The tiny llama with a byte-level BPE tokenizer (every character spellable) and a chat template that shows
     the tools."""
-    dest = tmp_path_factory.mktemp("tools") / "ckpt"
-    shutil.copytree(tiny_checkpoints("llama"), dest)
-    tok = trained_tokenizer("bytelevel", 300)
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(dest)
-    for name in ("config.json", "generation_config.json"):  # the preset's EOS (2) is a byte here: the tokenizer's
-        path = dest / name
-        if path.exists():
-            path.write_text(json.dumps({**json.loads(path.read_text()), "eos_token_id": tok.eos_token_id}))
+    dest = bytelevel_checkpoint(tiny_checkpoints("llama"), tmp_path_factory.mktemp("tools") / "ckpt", TEMPLATE)
     with serving(str(dest)) as running:
         yield running
 

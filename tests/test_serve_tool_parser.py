@@ -5,12 +5,11 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
 from tests.serve_support import serving
-from tests.text_support import trained_tokenizer
+from tests.text_support import bytelevel_checkpoint
 
 TEMPLATE = ("{% for t in tools or [] %}{{ t['function']['name'] }}: {% endfor %}"
             "{% for m in messages %}{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}> {% endif %}")
@@ -33,15 +32,7 @@ def served(tiny_checkpoints, tmp_path_factory):
     """The tiny llama with a byte-level BPE tokenizer (any text spellable, so structured outputs can make it write
     exactly a reply), a chat template that shows the tools, served with the hermes parser."""
     pytest.importorskip("xgrammar")
-    dest = tmp_path_factory.mktemp("auto") / "ckpt"
-    shutil.copytree(tiny_checkpoints("llama"), dest)
-    tok = trained_tokenizer("bytelevel", 300)
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(dest)
-    for name in ("config.json", "generation_config.json"):  # the preset's EOS (2) is a byte here: the tokenizer's
-        path = dest / name
-        if path.exists():
-            path.write_text(json.dumps({**json.loads(path.read_text()), "eos_token_id": tok.eos_token_id}))
+    dest = bytelevel_checkpoint(tiny_checkpoints("llama"), tmp_path_factory.mktemp("auto") / "ckpt", TEMPLATE)
     with serving(str(dest), state={"tool_call_parser": "hermes"}) as running:
         yield running
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import sys
 
 import openai
@@ -21,7 +20,7 @@ from tests.cli_support import kvload as kvload_process
 from tests.cli_support import read_events, run_cli
 from tests.llm_support import llm_kwargs, with_tokenizer
 from tests.serve_support import serving
-from tests.text_support import trained_tokenizer
+from tests.text_support import bytelevel_checkpoint, trained_tokenizer
 
 pytest.importorskip("xgrammar")
 
@@ -47,15 +46,7 @@ def check_schema(text: str) -> None:
 @pytest.fixture(scope="module")
 def bytes_ckpt(tiny_checkpoints, tmp_path_factory):
     """The tiny llama with a byte-level BPE tokenizer: every character is spellable, so any grammar is."""
-    dest = tmp_path_factory.mktemp("structured") / "ckpt"
-    shutil.copytree(tiny_checkpoints("llama"), dest)
-    tok = trained_tokenizer("bytelevel", 300)
-    tok.save_pretrained(dest)
-    for name in ("config.json", "generation_config.json"):  # the preset's EOS (2) is a byte here: the tokenizer's
-        path = dest / name
-        if path.exists():
-            path.write_text(json.dumps({**json.loads(path.read_text()), "eos_token_id": tok.eos_token_id}))
-    return dest
+    return bytelevel_checkpoint(tiny_checkpoints("llama"), tmp_path_factory.mktemp("structured") / "ckpt")
 
 
 @pytest.fixture(scope="module")

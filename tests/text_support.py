@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 CORPUS = ["Hello world, the sky is blue.", "Paris est la capitale de la France.", "naïve café déjà vu",
@@ -71,6 +74,21 @@ class RedecodeText:
         out = self.text[self._emitted:end]
         self._emitted = end
         return out
+
+
+def bytelevel_checkpoint(source: Path, dest: Path, chat_template: str | None = None) -> Path:
+    """A copy of the checkpoint ``source`` at ``dest`` with a byte-level BPE tokenizer (every character spellable,
+    so any grammar can be followed), its EOS the tokenizer's (the presets' EOS id 2 is a byte there)."""
+    shutil.copytree(source, dest)
+    tok = trained_tokenizer("bytelevel", 300)
+    if chat_template is not None:
+        tok.chat_template = chat_template
+    tok.save_pretrained(dest)
+    for name in ("config.json", "generation_config.json"):
+        path = dest / name
+        if path.exists():
+            path.write_text(json.dumps({**json.loads(path.read_text()), "eos_token_id": tok.eos_token_id}))
+    return dest
 
 
 def drive(text: Any, ids: list[int], stream: bool = True, drop_last: bool = False) -> tuple[list[Any], int]:
