@@ -114,3 +114,16 @@ def answers_while_held(served: Served, target: Any, name: str, request: Callable
             delattr(target, name)
     (response,) = results
     return response
+
+
+def fails_once(monkeypatch: Any, owner: object, name: str, exc: BaseException) -> None:
+    """``owner.name`` raises ``exc`` on its first call, then works (a fault injected into one engine step)."""
+    real, calls = getattr(owner, name), []
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        calls.append(None)
+        if len(calls) == 1:
+            raise exc
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, failing)

@@ -23,7 +23,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import pipeline
-from tests.serve_support import TIMEOUT, serving, wait_for
+from tests.serve_support import TIMEOUT, fails_once, serving, wait_for
 
 PROMPT = [3, 1, 4, 1, 5]
 
@@ -242,19 +242,6 @@ def broken_server():
         yield s
 
 
-def _fails_once(monkeypatch: pytest.MonkeyPatch, owner: object, name: str, exc: BaseException) -> None:
-    """``owner.name`` raises ``exc`` on its first call, then works."""
-    real, calls = getattr(owner, name), []
-
-    def failing(*args, **kwargs):
-        calls.append(None)
-        if len(calls) == 1:
-            raise exc
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(owner, name, failing)
-
-
 def _audit(served) -> list[dict]:
     return [json.loads(line) for line in served.http.get("/v1/kvload/audit").text.splitlines()]
 
@@ -269,7 +256,7 @@ def test_a_step_the_device_fails_is_a_500_naming_it_one_error_record_and_the_con
     served = broken_server
     engine = served.state.engine
     oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-    _fails_once(monkeypatch, engine.executor, "forward_scored", oom)
+    fails_once(monkeypatch, engine.executor, "forward_scored", oom)
     with _logged_errors() as errors:
         r = served.http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "ignore_eos": True})
         assert r.status_code == 500, r.text
@@ -294,7 +281,7 @@ def test_requests_after_the_engine_loop_died_are_answered_at_once_not_left_waiti
     failure, and it holds no slot."""
     served = broken_server
     engine = served.state.engine
-    _fails_once(monkeypatch, engine, "_collect", RuntimeError("injected: the loop's own code failed"))
+    fails_once(monkeypatch, engine, "_collect", RuntimeError("injected: the loop's own code failed"))
     r = served.http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
     assert r.status_code == 500 and "injected: the loop's own code failed" in r.json()["error"]["message"]
     wait_for(lambda: not engine.alive, TIMEOUT, "the loop thread's end")

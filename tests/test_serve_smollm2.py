@@ -7,7 +7,7 @@ import pytest
 
 from tests.cli_support import run_cli
 from tests.conftest import needs_smollm2
-from tests.serve_support import serving
+from tests.serve_support import fails_once, serving
 
 pytestmark = needs_smollm2
 
@@ -163,19 +163,6 @@ def test_tokenize_of_messages_gives_the_chat_prompt_and_a_prefill_continues_the_
 # --- a stream the engine fails --------------------------------------------------------------------------------------
 
 
-def _fails_once(monkeypatch: pytest.MonkeyPatch, owner: object, name: str, exc: BaseException) -> None:
-    """``owner.name`` raises ``exc`` on its first call, then works."""
-    real, calls = getattr(owner, name), []
-
-    def failing(*args, **kwargs):
-        calls.append(None)
-        if len(calls) == 1:
-            raise exc
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(owner, name, failing)
-
-
 @pytest.mark.parametrize("kind", ["chat", "completions"])
 def test_a_stream_the_engine_fails_ends_with_its_error_chunk_then_done(smol, monkeypatch, kind):
     """A step that fails (a forward out of device memory) ends a stream with an error chunk; the stream then just
@@ -188,14 +175,14 @@ def test_a_stream_the_engine_fails_ends_with_its_error_chunk_then_done(smol, mon
     path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
     body = {"model": "smollm2-135m", "max_tokens": 8, "stream": True,
             **({"messages": [{"role": "user", "content": QUESTION}]} if kind == "chat" else {"prompt": FRANCE})}
-    _fails_once(monkeypatch, smol.state.engine.executor, "forward_scored", oom)
+    fails_once(monkeypatch, smol.state.engine.executor, "forward_scored", oom)
     with httpx.stream("POST", smol.url + path, json=body, timeout=60) as r:
         assert r.status_code == 200
         lines = [line for line in r.iter_lines() if line]
     assert lines[-1] == "data: [DONE]", lines
     assert lines[-2] == ('data: {"error":{"message":"RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB",'
                          '"type":"server_error","param":null,"code":null}}'), lines
-    _fails_once(monkeypatch, smol.state.engine.executor, "forward_scored", oom)
+    fails_once(monkeypatch, smol.state.engine.executor, "forward_scored", oom)
     create = smol.client.chat.completions.create if kind == "chat" else smol.client.completions.create
     args = {k: v for k, v in body.items() if k != "stream"}
     with pytest.raises(openai.APIError, match="CUDA out of memory"):
