@@ -105,16 +105,10 @@ class ToolCallText:
                 self._argument(char, added)
                 return
         if self._in_string:
-            if self._escape:
-                self._escape = False
-            elif char == "\\":
-                self._escape = True
-            elif char == '"':
-                self._in_string = False
-                if self._string is not None:
-                    self._end_string("".join(self._string), added)
-                    self._string = None
-                    return
+            if self._string_char(char) and self._string is not None:
+                self._end_string("".join(self._string), added)
+                self._string = None
+                return
             if self._string is not None:
                 self._string.append(char)
             return
@@ -135,6 +129,17 @@ class ToolCallText:
         elif char == "," and len(self._stack) == 2:
             self._value = False
 
+    def _string_char(self, char: str) -> bool:
+        """One character inside a JSON string: escapes followed; whether it closed the string."""
+        if self._escape:
+            self._escape = False
+        elif char == "\\":
+            self._escape = True
+        elif char == '"':
+            self._in_string = False
+            return True
+        return False
+
     def _end_string(self, raw: str, added: dict[int, str]) -> None:
         try:
             text = json.loads(f'"{raw}"')
@@ -151,12 +156,7 @@ class ToolCallText:
         (none around the value itself is sent)."""
         call = self.calls[-1]
         if self._in_string:
-            if self._escape:
-                self._escape = False
-            elif char == "\\":
-                self._escape = True
-            elif char == '"':
-                self._in_string = False
+            self._string_char(char)
         elif char in _SPACE:
             if call.arguments:
                 self._space += char
