@@ -2,7 +2,7 @@
 
 xgrammar is optional (``pip install 'kvload[structured]'``); without it a request for structured outputs is refused
 in one line before anything runs. A :class:`GrammarBackend` (one per executor: one tokenizer) compiles each request's
-spec (xgrammar's compiler caches compiled grammars, bounded); each sample gets a :class:`Constraint` (a
+spec (the latest :data:`COMPILED_GRAMMARS` are kept); each sample gets a :class:`Constraint` (a
 ``GrammarMatcher``). Every step :func:`constrain` masks the constrained rows of the (penalized) logits to the tokens
 the grammar allows next, greedy or sampled alike; a speculative draft row ``j`` is masked after the matcher accepts
 the first ``j`` drafts, which are then rolled back, so drafts verify exactly as a step per token would. The driver's
@@ -113,33 +113,14 @@ class GrammarBackend:
         self.vocab_size = int(info.vocab_size)
         self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
         self.compiler = xgr.GrammarCompiler(info, cache_enabled=False)
-        self._grammars: OrderedDict[tuple[str, bool, bytes], Any] = OrderedDict()  # the latest compiled, LRU
-        self._cheap: OrderedDict[tuple[str, bool, bytes], None] = OrderedDict()  # specs check_spec passed
+        #: the latest compiled grammars, least recently used first; only specs :func:`check_spec` passed are kept
+        self._grammars: OrderedDict[tuple[str, bool, bytes], Any] = OrderedDict()
         self._lock = threading.Lock()  # the server's handler threads share the backend
 
     def compile(self, params: StructuredOutputsParams) -> Any:
         """The compiled grammar of ``params`` (the latest :data:`COMPILED_GRAMMARS` kept); ``GenerationError``
         naming the field and xgrammar's reason when it refuses the schema, regex or grammar, or when matching it would
         stall every step (:func:`check_matching_cost`)."""
-        compiled = self._compiled(params)
-        key = _key(params)
-        with self._lock:
-            seen = key in self._cheap
-            if seen:
-                self._cheap.move_to_end(key)
-        if not seen:  # the spec as parsed (compiling unrolls short repetitions, hiding their nesting)
-            check_spec(params)
-            with self._lock:
-                self._cheap[key] = None
-                while len(self._cheap) > 4096:  # the specs a long-running server saw lately
-                    self._cheap.popitem(last=False)
-        return compiled
-
-    def constraint(self, params: StructuredOutputsParams) -> Constraint:
-        """A fresh matcher for one sample (of a spec :meth:`compile` took)."""
-        return Constraint(self.xgr.GrammarMatcher(self._compiled(params)), self.stop_token_ids)
-
-    def _compiled(self, params: StructuredOutputsParams) -> Any:
         key = _key(params)
         with self._lock:
             compiled = self._grammars.get(key)
@@ -148,11 +129,16 @@ class GrammarBackend:
                 return compiled
         compiler = self.compiler  # outside the lock: one client's long compile does not hold up the others
         compiled = _build(params, compiler.compile_json_schema, compiler.compile_regex, compiler.compile_grammar)
+        check_spec(params)  # the spec as parsed (compiling unrolls short repetitions, hiding their nesting)
         with self._lock:
             self._grammars[key] = compiled
             while len(self._grammars) > COMPILED_GRAMMARS:
                 self._grammars.popitem(last=False)
         return compiled
+
+    def constraint(self, params: StructuredOutputsParams) -> Constraint:
+        """A fresh matcher for one sample."""
+        return Constraint(self.xgr.GrammarMatcher(self.compile(params)), self.stop_token_ids)
 
 
 def _key(params: StructuredOutputsParams) -> tuple[str, bool, bytes]:
