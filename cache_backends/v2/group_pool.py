@@ -86,13 +86,13 @@ class EvictionQueue:
 
     def add_split(self, blocks: Sequence[int], owner: Sequence[RadixNode | None], priority: int) -> None:
         """:meth:`add_many` for blocks whose run is ``owner[b]``: those of a run with children queued as shared."""
-        shared = [b for b in blocks if owner[b].children]  # type: ignore[union-attr]
-        if not shared:
-            self.add_many(blocks, priority)
-        elif len(shared) == len(blocks):
-            self.add_many(blocks, priority, True)
-        else:
-            self.add_many([b for b in blocks if not owner[b].children], priority)  # type: ignore[union-attr]
+        leaves: list[int] = []
+        shared: list[int] = []
+        for b in blocks:
+            (shared if owner[b].children else leaves).append(b)  # type: ignore[union-attr]
+        if leaves:
+            self.add_many(leaves, priority)
+        if shared:
             self.add_many(shared, priority, True)
 
     def remove(self, block: int) -> None:
