@@ -1051,8 +1051,8 @@ budget: the same for every manager simulated. With --max_tokens or --max_gpu_tot
 routed manager's budget from those; otherwise the default holds N of the workload's longest sequences
 in the routed layout: N = answer_len + 1 for shared-prefix and no-reuse (the requests running at once),
 one per conversation for multi-turn, 2 for long-context (memory-bound on purpose), answer_len // 4 for
-mixed-priority (requests queue, so the policy decides who waits), answer_max // 32 for mixed (about
-half the requests it keeps running at once). V2 layer groups whose
+mixed-priority (requests queue, so the policy decides who waits), answer_max // 32 for mixed (a
+little less than it keeps running at once: requests queue a while). V2 layer groups whose
 pages have one shape (Gemma 3's) share one arena; groups with other page sizes (DeepSeek V4's compressed
 ones) split the budget for sequences of max_seq_len (the checkpoint's unless --max_seq_len): with much
 shorter requests their sliding-window pools can fill first, so set --max_seq_len near the workload's
