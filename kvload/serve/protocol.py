@@ -671,12 +671,11 @@ def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None, parse
         raise BadRequest(f"tool_choice.function.name: {name[:80]!r} is not among the tools ({listed})",
                          param="tool_choice")
     schemas = tuple(tool["function"].get("parameters") or dict(_NO_PARAMETERS) for tool in tools)
-    for i, schema in enumerate(schemas):  # each on its own first, so a refusal names the tool
-        if name is None or names[i] == name:
-            _tool_params(schema, f"tools[{i}].function.parameters")
     if name is not None:
         index = names.index(name)
         return ToolChoice(name, index, schemas), _tool_params(schemas[index], f"tools[{index}].function.parameters")
+    for i, schema in enumerate(schemas):  # each on its own first, so a refusal names the tool
+        _tool_params(schema, f"tools[{i}].function.parameters")
     # vLLM's parallel_tool_calls=false with "required": the array holds exactly one call (a named choice makes one)
     return ToolChoice(None, None, schemas), _tool_params(_required_schema(names, schemas, not parallel), "tools")
 
