@@ -743,9 +743,14 @@ def _refs(node: Any) -> Any:
             stack.extend(item)
 
 
+def _outside_defs(ref: str) -> bool:
+    """Whether ``ref`` is a local reference that is not into ``$defs`` (``"#"``, ``"#/properties/..."``)."""
+    return ref == "#" or (ref.startswith("#/") and not ref.startswith("#/$defs/"))
+
+
 def _refers_to_root(schema: Mapping[str, Any]) -> bool:
-    """Whether ``schema`` has a local reference that is not into its ``$defs`` (``"#"``, ``"#/properties/..."``)."""
-    return any(ref == "#" or (ref.startswith("#/") and not ref.startswith("#/$defs/")) for ref in _refs(schema))
+    """Whether ``schema`` has a local reference that is not into its ``$defs``."""
+    return any(_outside_defs(ref) for ref in _refs(schema))
 
 
 def _rerooted(node: Any, root: str) -> Any:
@@ -753,7 +758,7 @@ def _rerooted(node: Any, root: str) -> Any:
     if isinstance(node, dict):
         out = {k: _rerooted(v, root) for k, v in node.items()}
         ref = node.get("$ref")
-        if isinstance(ref, str) and (ref == "#" or (ref.startswith("#/") and not ref.startswith("#/$defs/"))):
+        if isinstance(ref, str) and _outside_defs(ref):
             out["$ref"] = root + ref[1:]
         return out
     if isinstance(node, list):
