@@ -346,3 +346,14 @@ def test_a_server_on_all_interfaces_without_a_key_warns_once(tmp_path):
         assert [r["address"] for r in records if r["event"] == "serve_without_api_key"] == ["0.0.0.0"]
     finally:
         reap(proc)
+
+
+def test_api_key_without_the_serve_extra_is_the_one_line_that_names_it(capsys, monkeypatch):
+    """``--api-key`` is checked while parsing; that check must not need fastapi, or a missing serve extra is a
+    traceback instead of serve's one line naming it."""
+    for name in ("fastapi", "fastapi.responses"):
+        monkeypatch.setitem(sys.modules, name, None)  # import fails: as without the extra
+    monkeypatch.delitem(sys.modules, "kvload.serve.auth", raising=False)  # imported afresh, as by a new process
+    r = run_cli(capsys, "serve", "tiny-llama", "--api-key", KEY)
+    assert r.code == 2 and r.one_error_line, r.err
+    assert "serve: fastapi is not installed; pip install 'kvload[serve]'" in r.err and KEY not in r.err, r.err

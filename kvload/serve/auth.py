@@ -27,8 +27,6 @@ import ipaddress
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fastapi.responses import JSONResponse
-
 from kvload.serve.protocol import BadRequest
 from pipeline.errors import ConfigError
 
@@ -101,6 +99,11 @@ class ApiKeyGate:
     """
 
     def __init__(self, app: Any, digests: Sequence[bytes], metrics: Any = None) -> None:
+        # imported here, not at the top: `kvload serve --api-key` checks its keys with this module while parsing,
+        # before serve says that the serve extra (fastapi) is missing
+        from fastapi.responses import JSONResponse
+
+        self._response = JSONResponse
         self.app = app
         self.digests = tuple(digests)
         self.metrics = metrics
@@ -124,7 +127,7 @@ class ApiKeyGate:
         refused = BadRequest(message, status=401, code="invalid_api_key")
         if self.metrics is not None:
             self.metrics.on_refused(401)
-        await JSONResponse(refused.body(), status_code=401,
+        await self._response(refused.body(), status_code=401,
                            headers={"WWW-Authenticate": "Bearer", "Connection": "close"})(scope, receive, send)
 
     def accepts(self, values: list[bytes]) -> bool:

@@ -181,11 +181,15 @@ def _finish(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
     if ns.tool_call_parser is not None and not ns.enable_auto_tool_choice:  # else a parser that reads nothing
         parser.error(f"--tool-call-parser {ns.tool_call_parser} requires --enable-auto-tool-choice (the parser reads "
                      'the replies to tool_choice "auto", which only that flag serves)')
-    for key in ns.api_key or ():
-        try:
-            _api_key(key)
-        except argparse.ArgumentTypeError as exc:
-            parser.error(f"argument --api-key/--api_key: {exc}")
+    if ns.api_key:
+        from kvload.serve.auth import check_api_key
+        from pipeline.errors import ConfigError
+
+        for key in ns.api_key:
+            try:
+                check_api_key("--api-key", key)
+            except ConfigError as exc:  # never quotes the key
+                parser.error(f"argument --api-key/--api_key: {str(exc).removeprefix('--api-key: ')}")
 
 
 def serve_max_tokens(flag: int | None, sampling_defaults: dict[str, Any]) -> int:
@@ -208,19 +212,6 @@ def _tool_call_parser(text: str) -> str:
         raise argparse.ArgumentTypeError(f"no tool-call parser {text!r} in kvload; it has: "
                                          f"{', '.join(TOOL_CALL_PARSERS)}")
     return text
-
-
-def _api_key(text: str) -> str:
-    """``--api-key``: a key that can be sent as ``Authorization: Bearer KEY``; the error never quotes it (argparse's
-    own, for a ValueError, would)."""
-    from pipeline.errors import ConfigError
-
-    try:
-        from kvload.serve.auth import check_api_key
-
-        return check_api_key("--api-key", text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc).removeprefix("--api-key: ")) from None
 
 
 def _event_buffer_size(ns: argparse.Namespace) -> Any:

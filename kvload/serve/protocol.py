@@ -671,12 +671,11 @@ def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None, parse
         raise BadRequest(f"tool_choice.function.name: {name[:80]!r} is not among the tools ({listed})",
                          param="tool_choice")
     schemas = tuple(tool["function"].get("parameters") or dict(_NO_PARAMETERS) for tool in tools)
-    for i, schema in enumerate(schemas):  # each on its own first, so a refusal names the tool
-        if name is None or names[i] == name:
-            _tool_params(schema, f"tools[{i}].function.parameters")
     if name is not None:
         index = names.index(name)
         return ToolChoice(name, index, schemas), _tool_params(schemas[index], f"tools[{index}].function.parameters")
+    for i, schema in enumerate(schemas):  # each on its own first, so a refusal names the tool
+        _tool_params(schema, f"tools[{i}].function.parameters")
     # vLLM's parallel_tool_calls=false with "required": the array holds exactly one call (a named choice makes one)
     return ToolChoice(None, None, schemas), _tool_params(_required_schema(names, schemas, not parallel), "tools")
 
@@ -744,9 +743,14 @@ def _refs(node: Any) -> Any:
             stack.extend(item)
 
 
+def _outside_defs(ref: str) -> bool:
+    """Whether ``ref`` is a local reference that is not into ``$defs`` (``"#"``, ``"#/properties/..."``)."""
+    return ref == "#" or (ref.startswith("#/") and not ref.startswith("#/$defs/"))
+
+
 def _refers_to_root(schema: Mapping[str, Any]) -> bool:
-    """Whether ``schema`` has a local reference that is not into its ``$defs`` (``"#"``, ``"#/properties/..."``)."""
-    return any(ref == "#" or (ref.startswith("#/") and not ref.startswith("#/$defs/")) for ref in _refs(schema))
+    """Whether ``schema`` has a local reference that is not into its ``$defs``."""
+    return any(_outside_defs(ref) for ref in _refs(schema))
 
 
 def _rerooted(node: Any, root: str) -> Any:
@@ -754,7 +758,7 @@ def _rerooted(node: Any, root: str) -> Any:
     if isinstance(node, dict):
         out = {k: _rerooted(v, root) for k, v in node.items()}
         ref = node.get("$ref")
-        if isinstance(ref, str) and (ref == "#" or (ref.startswith("#/") and not ref.startswith("#/$defs/"))):
+        if isinstance(ref, str) and _outside_defs(ref):
             out["$ref"] = root + ref[1:]
         return out
     if isinstance(node, list):

@@ -29,11 +29,11 @@ from kvload.serve.command import (
     MAX_CONCURRENT_DEFAULT,
     MAX_TIMEOUT_S,
     READ_TIMEOUT_DEFAULT,
+    TOOL_CALL_PARSERS,
     serve_max_tokens,
 )
 from kvload.serve.metrics import ServeMetrics
 from kvload.serve.protocol import BadRequest, default_max_request_bytes
-from kvload.serve.tool_parser import TOOL_CALL_PARSERS
 from pipeline.errors import ConfigError, KvloadError
 from pipeline.events import ApiKeyRequired, AutoToolChoiceEnabled, KvEventsFileFailed
 from pipeline.limits import MAX_INT, short
@@ -64,7 +64,7 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
     path but ``/health``, ``/metrics`` and ``/version`` answers 401 without ``Authorization: Bearer KEY`` (one of
     them; a key that could not be sent so is a ``ConfigError`` naming ``api_key_source``, never quoting it), and the
     audit gets an ``api_key_required`` record naming ``api_key_source``. ``tool_call_parser`` (one of
-    :data:`~kvload.serve.tool_parser.TOOL_CALL_PARSERS`; vLLM's ``--enable-auto-tool-choice --tool-call-parser``):
+    :data:`~kvload.serve.command.TOOL_CALL_PARSERS`; vLLM's ``--enable-auto-tool-choice --tool-call-parser``):
     chat's ``tool_choice: "auto"`` is served, the reply read for tool calls (an ``auto_tool_choice_enabled``
     record); None: refused."""
     if model_name is not None and not (isinstance(model_name, str) and model_name.strip()):

@@ -15,7 +15,6 @@ import json
 from collections.abc import Collection
 from typing import Any
 
-from kvload.serve.command import TOOL_CALL_PARSERS
 from kvload.serve.tool_calls import tool_call_id
 
 OPEN = "<tool_call>"
@@ -117,4 +116,4 @@ def _open_prefix(text: str) -> int:
     return 0
 
 
-__all__ = ["CLOSE", "OPEN", "TOOL_CALL_PARSERS", "HermesToolCalls", "read_call"]
+__all__ = ["CLOSE", "OPEN", "HermesToolCalls", "read_call"]
