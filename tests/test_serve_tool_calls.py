@@ -168,7 +168,8 @@ REFUSED = "holds the reply to tool calls"
      "tool_choice.function.name: 'get_news' is not among the tools ('get_weather', 'get_time')"),
     ({"tool_choice": "required"}, "tools", "tool_choice: 'required' needs the functions it may call in tools"),
     ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice",
-     'expected "none", "required", or {"type": "function", "function": {"name": ...}}'),
+     'expected "none", "required", or {"type": "function", "function": {"name": ...}} ("auto" needs a '
+     "tool-call parser: kvload serve --enable-auto-tool-choice --tool-call-parser hermes)"),
     ({"tools": [WEATHER, {"type": "function", "function": {"description": "no name"}}], "tool_choice": "required"},
      "tools[1]", 'expected a {"type": "function", "function": {"name": ...'),
     ({"tools": [{"type": "retrieval", "function": {"name": "x"}}], "tool_choice": "required"}, "tools[0]",

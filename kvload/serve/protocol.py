@@ -567,7 +567,7 @@ def _template(body: dict[str, Any], tools: list[dict[str, Any]] | None = None) -
 
 _TOOLS = 'a list of {"type": "function", "function": {"name": ..., "description"?, "parameters"?}}'
 _TOOL_CHOICES = ('"none", "required", or {"type": "function", "function": {"name": ...}} ("auto" needs a tool-call '
-                 'parser, which kvload serve does not have)')
+                 'parser: kvload serve --enable-auto-tool-choice --tool-call-parser hermes)')
 #: The parameters of a tool that gives none (or ``{}``): no arguments, as OpenAI reads it (vLLM's "required" too).
 _NO_PARAMETERS: Mapping[str, Any] = MappingProxyType({"type": "object", "properties": {}})
 
