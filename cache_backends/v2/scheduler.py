@@ -38,13 +38,17 @@ One :meth:`~KVCacheV2Scheduler.step`:
    ``init_ratio=0`` turns the rule off (greedy admission, TensorRT-LLM's max-utilisation policy).
    **Shared prefixes under pressure**: on a layout with sliding windows, while requests run, admission does not
    count the cached blocks of shared prefixes (radix runs others branched from: system prompts) as room, up to
-   ``SHARED_HOLD`` of each pool (:meth:`KVCacheManagerV2.held_back`). Why: the windows let a system prompt's window
-   blocks go long before its full-attention blocks, the room that frees is what lets V2 admit more than V1, and
-   admitting into it used to evict the prefixes every later hit needs (tiny-gemma3 ``mixed`` at half the budget:
-   17.7% hits against V1's 32.9%; with the hold 24.3%, at the same steps; BENCHMARKS.md "V1 vs V2 on mixed
-   traffic"). Without windows V2's room is V1's and the hold cost steps (tiny-llama at a quarter of the budget:
-   1.08x V1's), so it applies to windowed layouts only. Nothing else waits for it: under pressure a running
-   request's growth still evicts them, and an empty batch admits regardless.
+   ``SHARED_HOLD`` of each pool (:meth:`KVCacheManagerV2.held_back`), and neither does a running request's next
+   prefill chunk: it takes what fits beside them, or, when nothing does and others advance this step, waits a step
+   (the best-ranked running request never waits). Why: the windows let a system prompt's window blocks go long
+   before its full-attention blocks, the room that frees is what lets V2 admit more than V1, and spending it used to
+   evict the prefixes every later hit needs — first by admission (tiny-gemma3 ``mixed`` at half the budget: 17.7%
+   hits against V1's 32.9%, 24.3% once admission held them), then by the long prompts it admitted, whose later
+   chunks took the held blocks (at a quarter of the budget tiny-mistral kept 10.9% against V1's 18.9%; with chunks
+   holding too, 30.4% in a third of V1's steps; BENCHMARKS.md "V1 vs V2 on mixed traffic"). Without windows V2's
+   room is V1's and the hold cost steps (tiny-llama at a quarter of the budget: 1.08x V1's), so it applies to
+   windowed layouts only. Decodes never wait for it, so under pressure a running request's growth still evicts
+   them, and an empty batch admits regardless.
    A request that claims no cached prefix is asked about before its cache is built
    (:meth:`KVCacheManagerV2.fit_tokens_new` and friends answer as the built cache would), so a refusal —
    a long prompt waiting for room, step after step — builds and cancels nothing.
@@ -87,9 +91,13 @@ def _pending(request: Request) -> int:
     return request.num_tokens - request.num_computed_tokens
 
 
-#: The most of a pool (a share of its blocks) that admission, while requests run on a sliding-window layout, leaves
-#: to cached shared prefixes rather than counting as room (module docstring, "Shared prefixes under pressure").
-SHARED_HOLD = 0.2
+#: The most of a pool (a share of its blocks) that admission and prefill chunks, while requests run on a
+#: sliding-window layout, leave to cached shared prefixes rather than counting as room (module docstring, "Shared
+#: prefixes under pressure"). Half: tiny-gemma3's four 512-token system prompts fill 40% of its pool at a quarter of
+#: the default budget (every group holds a whole window of each): there a fifth kept 20.7% of prompt tokens against
+#: V1's 23.2%, a half 22.5% (``python -m bench.bench_mixed``, 8 seeds; at half the budget both 32.7%); on 4 seeds 0.3
+#: kept 22.0% and anything from a half up 22.6%.
+SHARED_HOLD = 0.5
 
 #: The new-token ratio's start, floor, decay per calm step and bump on a suspension (module docstring).
 INIT_RATIO, MIN_RATIO, RATIO_DECAY, RATIO_BUMP = 0.7, 0.1, 0.001, 0.1
@@ -131,12 +139,24 @@ class KVCacheV2Scheduler(SchedulerBase):
                 chunked.append((r, p))
         order += chunked
         running_state = RequestState.RUNNING
+        # a prefill chunk, while others run, leaves cached shared prefixes alone as admission does ("Shared prefixes
+        # under pressure"); None on a layout without windows
+        hold = m.held_back(SHARED_HOLD) if chunked and len(running) > 1 else None
+        best = running[0] if running else None
         for r, p in order:
             if budget == 0:
                 break
             if r.state is not running_state:  # moved out earlier in this loop
                 continue
             want = min(p, budget)
+            if p > 1 and hold is not None and r is not best:
+                n = m.fit_tokens(r, want, hold)
+                if n:
+                    budget -= self._schedule(r, n, chunks)
+                    hold = m.held_back(SHARED_HOLD)
+                    continue
+                if chunks:  # others advance this step: wait for room rather than evict a prefix or move one out
+                    continue
             n = m.schedule_tokens(r, want)
             if n:  # reserved: the common case
                 budget -= n
