@@ -276,25 +276,28 @@ class KVCacheManagerV2:
         self._restore(cache)
         return True
 
-    def resume_refusal(self, request: Request) -> str | None:
+    def resume_refusal(self, request: Request, extra: list[int] | None = None) -> str | None:
         """Why :meth:`resume` would refuse a suspended cache now, or None.
 
         Resuming needs room for the cache's pages *and* its next token (a resumed request must be able
         to run at once, or the resume only churns the host tier), and must keep every group's device
-        use within ``max_util_for_resume``.
+        use within ``max_util_for_resume``. ``extra`` (per pool set, as :meth:`short_of`): more blocks
+        available, or fewer when negative (:meth:`held_back`).
         """
         cache = self.cache(request)
         if cache.is_active or not cache.admitted:
             return None
         needs = self._restore_needs(cache)
-        for pool, names in self._pool_sets:  # a shared arena: the groups' needs together
+        for i, (pool, names) in enumerate(self._pool_sets):  # a shared arena: the groups' needs together
             pages = sum(needs[n][0] for n in names)
             reclaim_cached = sum(needs[n][1] for n in names)
             nxt = sum(needs[n][2] for n in names)
-            if pages + nxt > pool.available - reclaim_cached:
+            more = extra[i] if extra else 0
+            if pages + nxt > pool.available - reclaim_cached + more:
                 why = f" ({pages} for its pages, {nxt} for its next token)" if nxt else ""
+                held = f", {-more} of them left to shared prefixes" if more < 0 else ""
                 return (f"resuming {request.req_id} needs {pages + nxt} blocks of {self._where(names)}{why}; "
-                        f"{pool.available - reclaim_cached} are free or evictable")
+                        f"{pool.available - reclaim_cached} are free or evictable{held}")
         if all(pool.num_used == 0 for pool, _ in self._pool_sets):
             return None  # nothing else on the device: waiting for room could never help
         limit = self.options.max_util_for_resume

@@ -36,19 +36,20 @@ One :meth:`~KVCacheV2Scheduler.step`:
    least ``INIT_RATIO`` (plus ``RATIO_BUMP``) whenever a request is suspended or preempted: real
    pressure makes admission cautious again instead of admitting and suspending in a loop.
    ``init_ratio=0`` turns the rule off (greedy admission, TensorRT-LLM's max-utilisation policy).
-   **Shared prefixes under pressure**: on a layout with sliding windows, while requests run, admission does not
-   count the cached blocks of shared prefixes (radix runs others branched from: system prompts) as room, up to
-   ``SHARED_HOLD`` of each pool (:meth:`KVCacheManagerV2.held_back`), and neither does a running request's next
-   prefill chunk: it takes what fits beside them, or, when nothing does and others advance this step, waits a step
-   (the best-ranked running request never waits). Why: the windows let a system prompt's window blocks go long
-   before its full-attention blocks, the room that frees is what lets V2 admit more than V1, and spending it used to
-   evict the prefixes every later hit needs — first by admission (tiny-gemma3 ``mixed`` at half the budget: 17.7%
-   hits against V1's 32.9%, 24.3% once admission held them), then by the long prompts it admitted, whose later
+   **Shared prefixes under pressure**: on a layout with sliding windows, while requests run, admission does not count
+   the cached blocks of shared prefixes (radix runs others branched from: system prompts) as room, up to
+   ``SHARED_HOLD`` of each pool (:meth:`KVCacheManagerV2.held_back`), and neither do a resume and a running request's
+   next prefill chunk: the chunk takes what fits beside them, or, when nothing does and others advance this step,
+   waits a step (the best-ranked running request never waits). Why: the windows let a system prompt's window blocks
+   go long before its full-attention blocks, the room that frees is what lets V2 admit more than V1, and spending it
+   used to evict the prefixes every later hit needs — first by admission (tiny-gemma3 ``mixed`` at half the budget:
+   17.7% hits against V1's 32.9%, 24.3% once admission held them), then by the long prompts it admitted, whose later
    chunks took the held blocks (at a quarter of the budget tiny-mistral kept 10.9% against V1's 18.9%; with chunks
-   holding too, 30.4% in a third of V1's steps; BENCHMARKS.md "V1 vs V2 on mixed traffic"). Without windows V2's
-   room is V1's and the hold cost steps (tiny-llama at a quarter of the budget: 1.08x V1's), so it applies to
-   windowed layouts only. Decodes never wait for it, so under pressure a running request's growth still evicts
-   them, and an empty batch admits regardless.
+   holding too, 30.4% in a third of V1's steps), and under the priority policy by the batch requests resumed after
+   urgent ones had moved them out (tiny-gemma3 at a quarter of the budget: 20.5% against V1's 22.9%; resumes holding
+   too, 23.5%; BENCHMARKS.md "V1 vs V2 on mixed traffic"). Without windows V2's room is V1's and the hold cost steps
+   (tiny-llama at a quarter of the budget: 1.08x V1's), so it applies to windowed layouts only. Decodes never wait
+   for it, so under pressure a running request's growth still evicts them, and an empty batch admits regardless.
    A request that claims no cached prefix is asked about before its cache is built
    (:meth:`KVCacheManagerV2.fit_tokens_new` and friends answer as the built cache would), so a refusal —
    a long prompt waiting for room, step after step — builds and cancels nothing.
@@ -239,7 +240,8 @@ class KVCacheV2Scheduler(SchedulerBase):
         for r in sorted(suspended, key=_RANK):
             if len(running) >= self.max_batch_size or budget == 0:  # it could not run this step
                 break
-            refusal = m.resume_refusal(r)
+            # a resume, while others run, leaves cached shared prefixes alone as admission does
+            refusal = m.resume_refusal(r, m.held_back(SHARED_HOLD) if running else None)
             if refusal is not None:
                 reasons.append(refusal)
                 break
