@@ -527,6 +527,14 @@ class AutoToolChoiceEnabled(Event):
     parser: str  # "hermes"
 
 
+@event("reasoning_parser_enabled")
+class ReasoningParserEnabled(Event):
+    """``kvload serve`` splits each chat reply into the model's thinking (``reasoning_content``) and its answer
+    (``content``) with ``parser`` (vLLM's ``--reasoning-parser``)."""
+
+    parser: str  # "deepseek_r1" or "qwen3"
+
+
 @event("serve_without_api_key", level="warning")
 class ServeWithoutApiKey(Event):
     """``kvload serve`` listens beyond this machine (``--host 0.0.0.0``) and requires no API key."""

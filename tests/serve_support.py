@@ -127,3 +127,37 @@ def fails_once(monkeypatch: Any, owner: object, name: str, exc: BaseException) -
         return real(*args, **kwargs)
 
     monkeypatch.setattr(owner, name, failing)
+
+
+class Script:
+    """A scripted model in a served engine: every reply is the text last given to :meth:`say`, token by token, then
+    the end-of-sequence token. The model's own logits still come out, but for the scripted token, raised above them
+    all (greedy and any sampling pick it; logprobs stay real numbers), so everything after the forward (penalties,
+    sampling, logprobs, text, the server) is what serves a real model. One token a step per request (no drafts)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.tokenizer = engine.tokenizer
+        self.eos = self.tokenizer.eos_token_id
+        self.ids: list[int] = []
+        executor = engine.executor
+        forward = executor.forward_scored
+
+        def scripted(out: Any, live: Any) -> Any:
+            logits, rows, counts = forward(out, live)
+            assert all(c == 1 for c in counts), "Script takes one token a step (no speculative drafts)"
+            if logits is None:
+                return logits, rows, counts
+            logits = logits.clone()  # the forward's is an inference tensor: not to be written outside its mode
+            for row, i in enumerate(rows):
+                done = len(out.scheduled[i].request.output_token_ids)
+                token = self.ids[done] if done < len(self.ids) else self.eos
+                logits[row, token] = logits[row].max() + 20.0
+            return logits, rows, counts
+
+        executor.forward_scored = scripted  # the serving loop's forward (an instance attribute shadows the method)
+
+    def say(self, text: str) -> list[int]:
+        """Script every reply from now on as ``text``; its token ids (the end-of-sequence token follows them)."""
+        self.ids = self.tokenizer.encode(text, add_special_tokens=False)
+        assert self.tokenizer.decode(self.ids) == text, "the tokenizer cannot spell the script exactly"
+        return list(self.ids)

@@ -499,3 +499,42 @@ def test_the_tool_call_parser_reaches_the_served_state(monkeypatch, flags):
     """vLLM's flags (and kvload's underscore spellings) give build_state the parser; without them, none."""
     assert _served_with(monkeypatch, *flags)["tool_call_parser"] == "hermes"
     assert _served_with(monkeypatch)["tool_call_parser"] is None
+
+
+def test_an_unknown_reasoning_parser_exits_2_with_one_line_naming_the_accepted(capsys):
+    r = run_cli(capsys, "serve", "tiny-llama", "--port", "0", "--reasoning-parser", "deepseek_v3")
+    assert r.code == 2 and r.one_error_line, r.err
+    assert r.err.startswith("error: --reasoning-parser: no reasoning parser 'deepseek_v3' in kvload; it has: "
+                            "deepseek_r1, qwen3"), r.err
+
+
+def test_the_reasoning_parser_reaches_the_served_state_and_the_ready_line_names_the_parsers(monkeypatch, capsys):
+    """vLLM's flag (and kvload's underscore spelling) gives build_state the parser; the ready line says how chat
+    replies are read (none: as before)."""
+    from kvload.cli import build_parser
+    from kvload.serve import command, server
+
+    parse = build_parser().parse_args
+    seen = {}
+    real = server.build_state
+
+    def build_state(result, **kwargs):
+        seen.update(kwargs)
+        return real(result, **kwargs)
+
+    def ready_line(*flags: str) -> str:
+        base = ["serve", "tiny-llama", "--port", "0", "--max_tokens", "1024"]
+        assert command.cmd_serve(parse([*base, *flags])) == 0
+        (line,) = [x for x in capsys.readouterr().err.splitlines() if " at http://127.0.0.1:9 " in x]
+        return line
+
+    monkeypatch.setattr(server, "build_state", build_state)
+    monkeypatch.setattr(server, "serve", lambda state, host, port, log_level, ready: ready("http://127.0.0.1:9"))
+    line = ready_line("--reasoning_parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    assert seen["reasoning_parser"] == "qwen3"
+    assert line.endswith(" KV tokens); tool-call parser hermes; reasoning parser qwen3; Ctrl-C stops"), line
+    line = ready_line("--reasoning-parser", "deepseek_r1")
+    assert seen["reasoning_parser"] == "deepseek_r1"
+    assert line.endswith(" KV tokens); reasoning parser deepseek_r1; Ctrl-C stops"), line
+    line = ready_line()
+    assert seen["reasoning_parser"] is None and line.endswith(" KV tokens); Ctrl-C stops"), line

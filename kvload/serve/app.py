@@ -39,6 +39,7 @@ from kvload.serve.auth import ApiKeyGate
 from kvload.serve.command import MAX_CONCURRENT_DEFAULT, READ_TIMEOUT_DEFAULT
 from kvload.serve.metrics import ServeMetrics
 from kvload.serve.protocol import BadRequest, Job, parse, parse_detokenize, parse_tokenize, request_id
+from kvload.serve.reasoning_parser import ReasoningText
 from kvload.serve.tool_calls import ToolCallText
 from kvload.serve.tool_parser import HermesToolCalls
 from pipeline.audit import dropped_record
@@ -70,6 +71,9 @@ class ServeState:
     #: the tool-call parser (``--tool-call-parser``, with ``--enable-auto-tool-choice``) that lets chat's
     #: ``tool_choice`` be ``"auto"``; None: "auto" is refused
     tool_call_parser: str | None = None
+    #: the reasoning parser (``--reasoning-parser``) that splits each chat reply into reasoning_content and content;
+    #: None: a reply is all content
+    reasoning_parser: str | None = None
     #: SHA-256 of each accepted API key (``--api-key``); empty: no key required. Never the keys: no repr shows one
     api_key_digests: tuple[bytes, ...] = attrs.field(default=(), repr=False)
     in_flight: int = 0  # generation requests in the server now (only the event loop's thread touches it)
@@ -403,7 +407,7 @@ def _parse(state: ServeState, raw: bytes | bytearray, kind: str) -> Job:
     body = _load(raw)
     job = parse(body, kind, default_max_tokens=state.default_max_tokens,
                 by_priority=getattr(state.engine.scheduler, "by_priority", False), defaults=state.sampling_defaults,
-                tool_parser=state.tool_call_parser)
+                tool_parser=state.tool_call_parser, reasoning_parser=state.reasoning_parser)
     _check_model(state, body)
     _check_template(state, job.template)
     return job
@@ -532,6 +536,7 @@ class _Choice:
     prompt_logprobs: list[dict[int, float] | None] | None = None  # when scored (engine): echo or prompt_logprobs
     tools: ToolCallText | None = None  # chat's tool_choice named or "required": the reply read as tool calls
     auto: HermesToolCalls | None = None  # chat's tool_choice "auto" under a parser: the free text read for calls
+    thinking: ReasoningText | None = None  # chat under --reasoning-parser: the reply split into reasoning, content
 
     def update(self, ev: ServeEvent) -> _Update:
         """Take one engine event; the new text, token ids, logprobs and text offsets to report."""
@@ -666,6 +671,9 @@ class _Run:
         if job.auto_tools is not None:
             for c in self.choices:
                 c.auto = HermesToolCalls(job.auto_tools.names, job.auto_tools.parallel)
+        if job.reasoning is not None:
+            for c in self.choices:
+                c.thinking = ReasoningText(job.reasoning)
         if job.kind == "chat":  # vLLM's reply role, and its echo: the last message when it is the reply's role
             last = job.prompts[0][-1]
             self.role = "assistant" if job.template.get("add_generation_prompt", True) else last["role"]
@@ -866,6 +874,8 @@ class _Run:
                     if c.tools is not None:  # the text as tool call deltas (none yet: an empty delta, its tokens)
                         calls = c.tools.feed(update.text) + (c.tools.finish() if ev.finished else [])
                         delta = {"tool_calls": calls} if calls else {}
+                    elif c.thinking is not None:  # the thinking as it comes; the answer as content (or read for calls)
+                        delta = self._thinking_delta(c.thinking, c.auto, update.text, ev.finished)
                     elif c.auto is not None:  # text up to a <tool_call>; each block, once closed, as a call
                         delta = self._auto_delta(c.auto, update.text, ev.finished)
                     yield _sse(self._chunk(c, delta, update, ev.finished))
@@ -910,18 +920,51 @@ class _Run:
                 c.tools.feed(c.text)
                 c.tools.finish()
                 message = {"role": self.role, "content": self.chat_echo, "tool_calls": c.tools.message()}
+            elif c.thinking is not None:  # vLLM's: the thinking apart; the answer as content, read for calls
+                message = self._thinking_message(c.thinking, c.auto, c.text)
             elif c.auto is not None:  # the calls the text holds, and the text around them (vLLM's: null when none)
-                c.auto.feed(c.text)
-                c.auto.finish()
-                content = c.auto.content
-                message = {"role": self.role, "content": self.chat_echo + content if content is not None
-                           else self.chat_echo or None, "tool_calls": c.auto.calls}
+                message = self._auto_message(c.auto, c.text)
+            if self.state.reasoning_parser is not None and "reasoning_content" not in message:  # vLLM's: always there
+                message.update(reasoning_content=None, reasoning=None)  # (qwen3 with its thinking switched off)
             ending = {"finish_reason": c.reason, "stop_reason": c.stop_reason, "token_ids": ids}  # the calls read
             return {"index": c.index, "message": message, "logprobs": self._chat_logprobs(ids, c.logprobs), **ending}
         ending = {"finish_reason": c.reason, "stop_reason": c.stop_reason, "token_ids": ids}
         return {"index": c.index, "text": (c.echo.text if c.echo is not None else "") + c.text,
                 "logprobs": self._completion_logprobs(ids, c.logprobs, c.text_offsets, c, c.echo is not None),
                 **ending, "prompt_logprobs": self._prompt_logprobs(c)}
+
+    def _auto_message(self, auto: HermesToolCalls, text: str) -> dict[str, Any]:
+        """An "auto" reply's message: the calls ``text`` holds, and the text around them (vLLM's: null when none)."""
+        auto.feed(text)
+        auto.finish()
+        content = auto.content
+        return {"role": self.role, "content": self.chat_echo + content if content is not None else self.chat_echo
+                or None, "tool_calls": auto.calls}
+
+    def _thinking_message(self, thinking: ReasoningText, auto: HermesToolCalls | None, text: str) -> dict[str, Any]:
+        """A reply under ``--reasoning-parser``: ``reasoning_content`` (vLLM's newer name ``reasoning`` too; null when
+        none) and the answer as content, or, for "auto" tools, read for calls (none when the thinking never ended)."""
+        thinking.feed(text)
+        thinking.finish()
+        reasoning, answer = thinking.reasoning, thinking.content
+        if auto is not None:
+            message = self._auto_message(auto, answer or "")
+        else:
+            message = {"role": self.role, "content": self.chat_echo + answer if answer is not None
+                       else self.chat_echo or None}
+        return {**message, "reasoning_content": reasoning, "reasoning": reasoning}
+
+    def _thinking_delta(self, thinking: ReasoningText, auto: HermesToolCalls | None, text: str,
+                        finished: bool) -> dict[str, Any]:
+        """A stream's delta for a reply's new ``text`` under ``--reasoning-parser``: its new thinking as
+        ``reasoning_content`` (and ``reasoning``), the answer as content or, for "auto" tools, content and calls."""
+        reasoning, answer = thinking.feed(text)
+        if finished:
+            more = thinking.finish()
+            reasoning, answer = reasoning + more[0], answer + more[1]
+        plain = {"content": answer} if answer else {}
+        delta = self._auto_delta(auto, answer, finished) if auto is not None else plain
+        return {"reasoning_content": reasoning, "reasoning": reasoning, **delta} if reasoning else delta
 
     @staticmethod
     def _auto_delta(auto: HermesToolCalls, text: str, finished: bool) -> dict[str, Any]:

@@ -25,6 +25,8 @@ MAX_TIMEOUT_S = 86400.0
 MAX_CONCURRENT_DEFAULT = 256
 #: The tool-call parsers ``--tool-call-parser`` takes (vLLM's names; ``kvload.serve.tool_parser`` reads them).
 TOOL_CALL_PARSERS = ("hermes",)
+#: The reasoning parsers ``--reasoning-parser`` takes (vLLM's names; ``kvload.serve.reasoning_parser`` reads them).
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 _EPILOG = """\
 Endpoints (OpenAI-compatible): POST /v1/completions, POST /v1/chat/completions (stream=true for
@@ -135,6 +137,16 @@ def add_serve_command(sub: Any) -> None:
                    help="how an \"auto\" reply's tool calls are read (vLLM's flag; needs --enable-auto-tool-choice): "
                         "hermes: each <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> block, as "
                         "Qwen2.5, Hermes and SmolLM2-style chat templates ask for")
+    g.add_argument("--reasoning-parser", "--reasoning_parser", dest="reasoning_parser", default=None, metavar="NAME",
+                   type=_reasoning_parser,
+                   help="split each chat reply into the model's thinking (message.reasoning_content, streamed as "
+                        "delta.reasoning_content) and its answer (content), at <think> ... </think> (vLLM's flag). "
+                        "deepseek_r1: everything up to </think> is thinking (the <think> is usually in the prompt; "
+                        "no </think> at all: all thinking), for DeepSeek-R1, QwQ and Qwen3 thinking models; qwen3: "
+                        "thinking only from a <think> the model writes, none under chat_template_kwargs "
+                        "{\"enable_thinking\": false}. Completions are not split; tool calls are read from the "
+                        "answer only; response_format, structured_outputs and a named or \"required\" tool_choice "
+                        "get HTTP 400 on such a chat reply")
     g.add_argument("--api-key", "--api_key", dest="api_key", default=None, metavar="KEY", nargs="+",
                    action=_ApiKeys,
                    help="require 'Authorization: Bearer KEY' (any KEY given; repeat the flag, or list several as "
@@ -211,6 +223,14 @@ def _tool_call_parser(text: str) -> str:
     if text not in TOOL_CALL_PARSERS:
         raise argparse.ArgumentTypeError(f"no tool-call parser {text!r} in kvload; it has: "
                                          f"{', '.join(TOOL_CALL_PARSERS)}")
+    return text
+
+
+def _reasoning_parser(text: str) -> str:
+    """``--reasoning-parser``: one of :data:`REASONING_PARSERS`."""
+    if text not in REASONING_PARSERS:
+        raise argparse.ArgumentTypeError(f"no reasoning parser {text!r} in kvload; it has: "
+                                         f"{', '.join(REASONING_PARSERS)}")
     return text
 
 
@@ -318,7 +338,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
                             chat_template_flag="--chat-template", api_keys=api_keys,
                             api_key_source=key_source or "api_keys",
                             enable_reset_prefix_cache=ns.enable_reset_prefix_cache,
-                            tool_call_parser=ns.tool_call_parser)
+                            tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser)
         mirror = None
         if ns.kv_events_file is not None:  # a full disk later stops the mirror with a warning, never a request
             mirror = mirror_kv_events(state, ns.kv_events_file, "--kv-events-file")
@@ -330,8 +350,11 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
             # said where the operator looks: a key picked up from the environment (VLLM_API_KEY) is no surprise later
             auth = f"; API key required ({key_source})" if api_keys else ""
             tp = f", tensor parallel over {ranks.world_size} ranks" if ranks.distributed else ""
+            # how chat replies are read, where a client's author looks when reasoning_content or tool_calls is missing
+            parsers = "".join(f"; {what} parser {name}" for what, name in (("tool-call", ns.tool_call_parser),
+                                                                         ("reasoning", ns.reasoning_parser)) if name)
             print(f"kvload serve: {state.model_name} at {url} ({type(result.kv_manager).__name__}, "
-                  f"{kv.capacity_tokens:,} KV tokens{tp}){auth}; Ctrl-C stops", file=sys.stderr, flush=True)
+                  f"{kv.capacity_tokens:,} KV tokens{tp}){parsers}{auth}; Ctrl-C stops", file=sys.stderr, flush=True)
 
         try:
             level = getattr(ns, "effective_log_level", None) or ns.log_level or "warning"  # uvicorn's default: info
@@ -376,4 +399,5 @@ def _announce_auth(emit: Any, host: str, address: str, source: str | None, unuse
                                        "KVLOAD_API_KEY (or --api-key), or serve on 127.0.0.1 behind a proxy"))
 
 
-__all__ = ["DEFAULT_MAX_TOKENS", "TOOL_CALL_PARSERS", "add_serve_command", "cmd_serve", "serve_max_tokens"]
+__all__ = ["DEFAULT_MAX_TOKENS", "REASONING_PARSERS", "TOOL_CALL_PARSERS", "add_serve_command", "cmd_serve",
+           "serve_max_tokens"]

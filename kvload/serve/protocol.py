@@ -11,7 +11,8 @@ honour are refused, never silently dropped: an accepted setting must act (or be 
 accepts it and it can change nothing. Structured outputs come as OpenAI's ``response_format`` (``json_object``,
 ``json_schema``) or vLLM's ``structured_outputs`` (:func:`_structured`); chat's ``tool_choice`` named or
 ``"required"`` constrains the reply to tool calls the same way (:func:`_tool_choice`), as vLLM does without a
-tool-call parser.
+tool-call parser. Under the server's reasoning parser a chat reply is split into thinking and answer, and a grammar on
+it is refused (:func:`_reasoning`).
 """
 
 from __future__ import annotations
@@ -136,6 +137,9 @@ class Job:
     tool_choice: ToolChoice | None = None
     #: chat's ``tool_choice: "auto"`` (or tools without one) under the server's tool-call parser, else None
     auto_tools: AutoTools | None = None
+    #: the server's reasoning parser (``--reasoning-parser``) when it splits this chat reply into reasoning and
+    #: content; None for completions, without one, and for qwen3 under ``enable_thinking: false``
+    reasoning: str | None = None
 
 
 @attrs.frozen
@@ -221,10 +225,12 @@ _NO_DEFAULTS: Mapping[str, Any] = MappingProxyType({})
 
 
 def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = False,
-          defaults: Mapping[str, Any] = _NO_DEFAULTS, tool_parser: str | None = None) -> Job:
+          defaults: Mapping[str, Any] = _NO_DEFAULTS, tool_parser: str | None = None,
+          reasoning_parser: str | None = None) -> Job:
     """Check an OpenAI ``/v1/completions`` (``kind="completion"``) or ``/v1/chat/completions`` body
     (``by_priority``: the server schedules by priority, so a nonzero ``priority`` is taken; ``tool_parser``: the
-    server's tool-call parser, which lets chat's ``tool_choice`` be ``"auto"``). ``defaults``: the
+    server's tool-call parser, which lets chat's ``tool_choice`` be ``"auto"``; ``reasoning_parser``: the server's
+    reasoning parser, which splits a chat reply's thinking from its answer). ``defaults``: the
     model's sampling defaults (``SamplingDefaults.values``; max_tokens aside, which ``default_max_tokens`` carries):
     a field the request does not send, or sends as null, takes its default, as vLLM's server does; one it sends
     wins."""
@@ -354,6 +360,7 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
     except GenerationError as exc:  # the API's own checks, should the two ever disagree
         raise _bad(exc) from None
     template = _template(body, tools) if kind == "chat" else {}
+    reasoning = _reasoning(reasoning_parser, template, structured_field) if kind == "chat" else None
     special = _flag(body, "add_special_tokens", kind == "completion")
     return Job(kind=kind, prompts=prompts, params=params, n=n, stream=stream, include_usage=include_usage,
                stop=stops, stop_token_ids=tuple(stop_ids), logprobs=logprobs, echo=echo, salt=salt,
@@ -361,7 +368,23 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
                prompt_logprobs=prompt_logprobs, truncate=truncate, request_id=request_id(body.get("request_id")),
                continuous_usage=continuous, ignored=tuple(ignored), priority=priority,
                model_defaults=tuple(defaulted), structured_field=structured_field, tool_choice=tool_choice,
-               auto_tools=auto)
+               auto_tools=auto, reasoning=reasoning)
+
+
+def _reasoning(parser: str | None, template: dict[str, Any], structured_field: str | None) -> str | None:
+    """The reasoning parser that reads this chat reply: the server's, unless qwen3's thinking is switched off
+    (``chat_template_kwargs: {"enable_thinking": false}``, tested as Qwen3's template tests it: the reply is then
+    plain content). A grammar on such a reply is refused: vLLM holds only the answer after the thinking to it, which
+    kvload does not do, and holding the thinking to it too would change what the model writes."""
+    if parser is None or (parser == "qwen3" and template.get("enable_thinking") is False):
+        return None
+    if structured_field is not None:
+        off = ' or pass chat_template_kwargs {"enable_thinking": false} (no thinking),' if parser == "qwen3" else ""
+        raise BadRequest(f"{structured_field}: not served with --reasoning-parser {parser}: the reply starts with the "
+                         "model's thinking, and kvload cannot hold only the answer after it to a grammar (vLLM "
+                         f"does); ask without {structured_field},{off} or use a server without --reasoning-parser",
+                         param=structured_field)
+    return parser
 
 
 def _stream_options(body: dict[str, Any], stream: bool, ignored: list[tuple[str, Any, str]]) -> tuple[bool, bool]:

@@ -29,13 +29,14 @@ from kvload.serve.command import (
     MAX_CONCURRENT_DEFAULT,
     MAX_TIMEOUT_S,
     READ_TIMEOUT_DEFAULT,
+    REASONING_PARSERS,
     TOOL_CALL_PARSERS,
     serve_max_tokens,
 )
 from kvload.serve.metrics import ServeMetrics
 from kvload.serve.protocol import BadRequest, default_max_request_bytes
 from pipeline.errors import ConfigError, KvloadError
-from pipeline.events import ApiKeyRequired, AutoToolChoiceEnabled, KvEventsFileFailed
+from pipeline.events import ApiKeyRequired, AutoToolChoiceEnabled, KvEventsFileFailed, ReasoningParserEnabled
 from pipeline.limits import MAX_INT, short
 
 
@@ -46,7 +47,7 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
                 trust_request_chat_template: bool = False, chat_template: str | None = None,
                 chat_template_flag: str = "chat_template", api_keys: Sequence[str] | None = (),
                 api_key_source: str = "api_keys", enable_reset_prefix_cache: bool = False,
-                tool_call_parser: str | None = None) -> ServeState:
+                tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> ServeState:
     """Engine (not started) and metrics over a ``load(..., load_weights=True)`` result; from now on its audit log
     keeps the load's records and the newest ``audit_keep`` (``/v1/kvload/audit`` serves them). A request body
     over ``max_request_bytes`` is refused unread (None: :func:`default_max_request_bytes` of the model); a
@@ -66,7 +67,9 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
     audit gets an ``api_key_required`` record naming ``api_key_source``. ``tool_call_parser`` (one of
     :data:`~kvload.serve.command.TOOL_CALL_PARSERS`; vLLM's ``--enable-auto-tool-choice --tool-call-parser``):
     chat's ``tool_choice: "auto"`` is served, the reply read for tool calls (an ``auto_tool_choice_enabled``
-    record); None: refused."""
+    record); None: refused. ``reasoning_parser`` (one of :data:`~kvload.serve.command.REASONING_PARSERS`; vLLM's
+    ``--reasoning-parser``): each chat reply is split into ``reasoning_content`` and ``content`` (a
+    ``reasoning_parser_enabled`` record); None: chat replies are all content."""
     if model_name is not None and not (isinstance(model_name, str) and model_name.strip()):
         raise ConfigError(f"model_name: expected a non-empty name (or None: the model's own), got {model_name!r}")
     if max_request_bytes is not None and not (isinstance(max_request_bytes, int)
@@ -88,6 +91,9 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
     if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
         raise ConfigError(f"tool_call_parser: {short(tool_call_parser)} is no tool-call parser kvload has; it has: "
                           f"{', '.join(TOOL_CALL_PARSERS)}")
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ConfigError(f"reasoning_parser: {short(reasoning_parser)} is no reasoning parser kvload has; it has: "
+                          f"{', '.join(REASONING_PARSERS)}")
     if isinstance(api_keys, str):  # one key given bare would be taken as its characters, each a key
         raise ConfigError(f"{api_key_source}: expected a list of keys, got one string; pass [key]")
     digests = tuple(dict.fromkeys(digest(check_api_key(api_key_source, key)) for key in api_keys or ()))
@@ -105,6 +111,8 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
         bus.emitter("serve")(ApiKeyRequired(source=api_key_source, keys=len(digests), open_paths=sorted(OPEN_PATHS)))
     if tool_call_parser is not None and bus is not None:  # a load record too: how every "auto" reply is read
         bus.emitter("serve")(AutoToolChoiceEnabled(parser=tool_call_parser))
+    if reasoning_parser is not None and bus is not None:  # and how every chat reply is split
+        bus.emitter("serve")(ReasoningParserEnabled(parser=reasoning_parser))
     result.audit.keep_tail(audit_keep)
     name = model_name or (result.model.name if result.model is not None else str(result.args.model))
     metrics = ServeMetrics(name)
@@ -117,7 +125,8 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
                       sampling_defaults={k: v for k, v in sampling.items() if k != "max_tokens"},
                       read_timeout_s=float(read_timeout_s), max_concurrent_requests=max_concurrent_requests,
                       trust_request_chat_template=trust_request_chat_template, api_key_digests=digests,
-                      enable_reset_prefix_cache=enable_reset_prefix_cache, tool_call_parser=tool_call_parser)
+                      enable_reset_prefix_cache=enable_reset_prefix_cache, tool_call_parser=tool_call_parser,
+                      reasoning_parser=reasoning_parser)
 
 
 

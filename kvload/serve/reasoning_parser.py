@@ -1,0 +1,110 @@
+"""vLLM's ``deepseek_r1`` and ``qwen3`` reasoning parsers, kvload's own: a chat reply split into the model's thinking
+(``message.reasoning_content``) and its answer (``content``) at the ``<think>`` / ``</think>`` markers
+(``kvload serve --reasoning-parser NAME``).
+
+``deepseek_r1``: the reply is reasoning up to the first ``</think>`` and content after it; the ``<think>`` that opens
+it is usually in the prompt (the chat template writes it), so the reply may start without one, and one the model
+writes itself before ``</think>`` is dropped. No ``</think>`` at all: everything is reasoning (the thinking was cut
+short), the content null. ``qwen3``: reasoning only once the model writes ``<think>``, up to ``</think>``; text before
+``<think>`` and after ``</think>`` is content, and a reply without ``<think>`` is all content.
+
+A stream is read as it grows (:meth:`ReasoningText.feed`): each piece of text goes out at once as reasoning or content,
+but for the end of it that may still become a marker (``</thi``), held until the next piece (or the end) says. So the
+markers never reach the client and the pieces joined are exactly the whole answer's two parts.
+"""
+
+from __future__ import annotations
+
+START = "<think>"
+END = "</think>"
+
+_BEFORE, _THINKING, _AFTER = "before", "thinking", "after"  # content before <think>, reasoning, content after
+
+
+class ReasoningText:
+    """One choice's reply, fed as it grows: its reasoning and content, and the stream pieces of each."""
+
+    def __init__(self, parser: str) -> None:
+        if parser not in ("deepseek_r1", "qwen3"):
+            raise ValueError(f"no reasoning parser {parser!r}")
+        self.parser = parser
+        # deepseek_r1 thinks from the first character (its <think> is in the prompt); qwen3 once it writes <think>
+        self._state = _THINKING if parser == "deepseek_r1" else _BEFORE
+        self._opened = parser == "qwen3"  # a <think> was taken (deepseek_r1 drops one written before </think>)
+        self._reasoning: list[str] = []
+        self._content: list[str] = []
+        self._buf = ""  # text not placed yet: the end of what came that may still become a marker
+        self._done = False
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """Take the reply's next ``text``; the stream's new (reasoning, content)."""
+        self._buf += text
+        reasoning, content = [], []
+        while self._buf:
+            if self._state == _AFTER:  # past </think>: every character is the answer's, markers included
+                content.append(self._buf)
+                self._buf = ""
+                break
+            markers = (START, END) if self._state == _THINKING and not self._opened else \
+                (START,) if self._state == _BEFORE else (END,)
+            found = [(at, m) for m in markers if (at := self._buf.find(m)) >= 0]
+            out = reasoning if self._state == _THINKING else content
+            if not found:
+                keep = _marker_prefix(self._buf, markers)
+                out.append(self._buf[:len(self._buf) - keep])
+                self._buf = self._buf[len(self._buf) - keep:]
+                break
+            at, marker = min(found)
+            out.append(self._buf[:at])
+            self._buf = self._buf[at + len(marker):]
+            if marker == START:
+                self._state, self._opened = _THINKING, True
+            else:
+                self._state = _AFTER
+        return self._take(reasoning, content)
+
+    def finish(self) -> tuple[str, str]:
+        """The reply ended: a partial marker held back is text; what a stream still owes."""
+        if self._done:
+            return "", ""
+        self._done = True
+        held, self._buf = self._buf, ""
+        return self._take([held] if self._state == _THINKING else [], [] if self._state == _THINKING else [held])
+
+    @property
+    def reasoning(self) -> str | None:
+        """The thinking; None when the reply had none (qwen3 without ``<think>``)."""
+        return "".join(self._reasoning) if self._state != _BEFORE else None
+
+    @property
+    def content(self) -> str | None:
+        """The answer: the text outside the thinking; null when there was thinking and nothing else (vLLM's)."""
+        content = "".join(self._content)
+        return content if self.reasoning is None else content or None
+
+    def _take(self, reasoning: list[str], content: list[str]) -> tuple[str, str]:
+        r, c = "".join(reasoning), "".join(content)
+        if r:
+            self._reasoning.append(r)
+        if c:
+            self._content.append(c)
+        return r, c
+
+
+def split_reasoning(parser: str, text: str) -> tuple[str | None, str | None]:
+    """A whole reply as (reasoning, content), as :class:`ReasoningText` reads it."""
+    split = ReasoningText(parser)
+    split.feed(text)
+    split.finish()
+    return split.reasoning, split.content
+
+
+def _marker_prefix(text: str, markers: tuple[str, ...]) -> int:
+    """How many characters at the end of ``text`` are a proper prefix of one of ``markers``."""
+    for n in range(min(max(map(len, markers)) - 1, len(text)), 0, -1):
+        if any(m.startswith(text[-n:]) for m in markers):
+            return n
+    return 0
+
+
+__all__ = ["END", "START", "ReasoningText", "split_reasoning"]

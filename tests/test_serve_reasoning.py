@@ -1,0 +1,184 @@
+"""``kvload serve --reasoning-parser {deepseek_r1,qwen3}`` through the openai client: a chat reply's thinking comes
+back as ``message.reasoning_content`` (a stream's ``delta.reasoning_content``), the answer as ``content``, the
+``<think>`` markers in neither. The model is scripted (tests/serve_support.Script) over a byte-level tokenizer, where
+each marker spans several tokens, so the stream must hold a marker cut between tokens."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import openai
+import pytest
+
+from tests.serve_support import Script, serving
+from tests.text_support import bytelevel_checkpoint
+
+#: Qwen3's switch, as its chat template has it: thinking off writes an empty thinking block into the prompt.
+TEMPLATE = ("{% for t in tools or [] %}{{ t['function']['name'] }}: {% endfor %}"
+            "{% for m in messages %}{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}> "
+            "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+            "{% endif %}")
+MESSAGES = [{"role": "user", "content": "Hello world, the sky is"}]
+THOUGHT = "The sky is blue <b>by day</b>; say so."
+ANSWER = "\n\nBlue."
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}}}
+
+
+def _serve(tiny_checkpoints, tmp_path_factory, **state):
+    dest = bytelevel_checkpoint(tiny_checkpoints("llama"), tmp_path_factory.mktemp("think") / "ckpt", TEMPLATE)
+    return serving(str(dest), state=state)
+
+
+@pytest.fixture(scope="module")
+def r1(tiny_checkpoints, tmp_path_factory):
+    """Served with ``--reasoning-parser deepseek_r1 --enable-auto-tool-choice --tool-call-parser hermes``."""
+    with _serve(tiny_checkpoints, tmp_path_factory, reasoning_parser="deepseek_r1",
+                tool_call_parser="hermes") as running:
+        yield SimpleNamespace(served=running, script=Script(running.state.engine))
+
+
+@pytest.fixture(scope="module")
+def qwen3(tiny_checkpoints, tmp_path_factory):
+    """Served with ``--reasoning-parser qwen3``."""
+    with _serve(tiny_checkpoints, tmp_path_factory, reasoning_parser="qwen3") as running:
+        yield SimpleNamespace(served=running, script=Script(running.state.engine))
+
+
+def chat(server, stream: bool = False, **kw):
+    kw.setdefault("max_tokens", 200)
+    served = server.served
+    return served.client.chat.completions.create(model=served.state.model_name, messages=MESSAGES, stream=stream,
+                                                 **kw)
+
+
+def read_stream(chunks) -> dict:
+    """A stream's reasoning and content joined, its tool calls, what came in order, finish reasons, logprob entries
+    and usage."""
+    out = {"reasoning": "", "content": "", "calls": [], "order": [], "reasons": [], "logprobs": 0, "usage": None}
+    for chunk in chunks:
+        if chunk.usage is not None:
+            out["usage"] = chunk.usage
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        out["reasons"].append(choice.finish_reason)
+        extra = choice.delta.model_extra or {}
+        if extra.get("reasoning_content"):
+            assert extra["reasoning"] == extra["reasoning_content"]  # vLLM's newer name, the same text
+            out["reasoning"] += extra["reasoning_content"]
+            out["order"].append("reasoning")
+        if choice.delta.content:
+            out["content"] += choice.delta.content
+            out["order"].append("content")
+        for call in choice.delta.tool_calls or []:
+            out["calls"].append((call.function.name, call.function.arguments))
+        if choice.logprobs is not None:
+            out["logprobs"] += len(choice.logprobs.content)
+    return out
+
+
+def message_of(reply):
+    (c,) = reply.choices
+    extra = c.message.model_extra or {}
+    assert extra.get("reasoning") == extra.get("reasoning_content")
+    return c, extra.get("reasoning_content"), c.message.content
+
+
+def test_the_thinking_is_reasoning_content_and_the_answer_is_content(r1):
+    ids = r1.script.say(THOUGHT + "</think>" + ANSWER)
+    reply = chat(r1, logprobs=True)
+    c, reasoning, content = message_of(reply)
+    assert (reasoning, content, c.finish_reason) == (THOUGHT, ANSWER, "stop")
+    # every token is counted and scored, the thinking's and the markers' too (the EOS ends it)
+    assert reply.usage.completion_tokens == len(ids) + 1 == len(c.logprobs.content)
+    assert "".join(t.token for t in c.logprobs.content[:len(ids)]) == THOUGHT + "</think>" + ANSWER
+
+
+def test_a_stream_sends_the_thinking_then_the_answer_as_the_whole_reply_splits_them(r1):
+    r1.script.say("<think>" + THOUGHT + "</think>" + ANSWER)  # a <think> the model writes itself is dropped too
+    _, reasoning, content = message_of(chat(r1))
+    assert (reasoning, content) == (THOUGHT, ANSWER)
+    got = read_stream(chat(r1, stream=True, logprobs=True, stream_options={"include_usage": True}))
+    assert (got["reasoning"], got["content"]) == (THOUGHT, ANSWER)  # no marker, nor a piece of one, was sent
+    order = got["order"]
+    assert order[0] == "reasoning" and order.count("content") >= 1
+    assert order == sorted(order, key=["reasoning", "content"].index)  # all the thinking first
+    assert got["reasons"][-1] == "stop" and got["logprobs"] == got["usage"].completion_tokens
+
+
+def test_a_reply_cut_before_its_end_marker_is_all_thinking(r1):
+    ids = r1.script.say(THOUGHT + "</think>" + ANSWER)
+    cut = r1.script.tokenizer.decode(ids[:6])
+    c, reasoning, content = message_of(chat(r1, max_tokens=6))
+    assert (reasoning, content, c.finish_reason) == (cut, None, "length")
+    got = read_stream(chat(r1, stream=True, max_tokens=6))
+    assert (got["reasoning"], got["content"], got["reasons"][-1]) == (cut, "", "length")
+
+
+def test_tool_calls_are_read_from_the_answer_only(r1):
+    mention = '<tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}</tool_call>'
+    call = '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>'
+    r1.script.say("I could write " + mention + " here.</think>" + call)
+    c, reasoning, content = message_of(chat(r1, tools=[CLOCK]))
+    assert reasoning == "I could write " + mention + " here." and content is None
+    assert c.finish_reason == "tool_calls"
+    (made,) = c.message.tool_calls
+    assert made.function.name == "get_time" and json.loads(made.function.arguments) == {"zone": "UTC"}
+    got = read_stream(chat(r1, stream=True, tools=[CLOCK]))
+    assert got["reasoning"] == reasoning and got["calls"] == [("get_time", made.function.arguments)]
+    assert got["content"] == "" and got["reasons"][-1] == "tool_calls"
+
+
+@pytest.mark.parametrize(("extra", "field"), [
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [CLOCK], "tool_choice": "required"}, "tool_choice"),
+])
+def test_a_grammar_on_the_reply_is_refused_naming_the_field_and_the_flag(r1, extra, field):
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(r1, **extra)
+    error = info.value.body
+    assert error["param"] == field
+    assert error["message"].startswith(f"{field}: not served with --reasoning-parser deepseek_r1"), error["message"]
+
+
+def test_completions_are_not_split(r1):
+    text = THOUGHT + "</think>" + ANSWER
+    r1.script.say(text)
+    reply = r1.served.client.completions.create(model=r1.served.state.model_name, prompt="Hello", max_tokens=200)
+    assert reply.choices[0].text == text
+
+
+def test_the_parser_is_in_the_audit(r1, qwen3):
+    assert [r["parser"] for r in r1.served.result.audit.of("reasoning_parser_enabled")] == ["deepseek_r1"]
+    assert [r["parser"] for r in qwen3.served.result.audit.of("reasoning_parser_enabled")] == ["qwen3"]
+
+
+def test_qwen3_thinks_only_inside_the_markers_the_model_writes(qwen3):
+    qwen3.script.say("<think>" + THOUGHT + "</think>" + ANSWER)
+    _, reasoning, content = message_of(chat(qwen3))
+    assert (reasoning, content) == (THOUGHT, ANSWER)
+    got = read_stream(chat(qwen3, stream=True))
+    assert (got["reasoning"], got["content"]) == (THOUGHT, ANSWER)
+    qwen3.script.say(ANSWER)  # no <think>: an answer only, reasoning_content null (and there, as vLLM's)
+    reply = chat(qwen3)
+    _, reasoning, content = message_of(reply)
+    assert (reasoning, content) == (None, ANSWER) and "reasoning_content" in reply.choices[0].message.model_extra
+    got = read_stream(chat(qwen3, stream=True))
+    assert (got["reasoning"], got["content"]) == ("", ANSWER)
+
+
+def test_qwen3_with_thinking_switched_off_answers_in_content_and_takes_a_grammar(qwen3):
+    off = {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}
+    written = "<think>" + THOUGHT + "</think>" + ANSWER  # whatever the model writes is the answer
+    qwen3.script.say(written)
+    reply = chat(qwen3, **off)
+    _, reasoning, content = message_of(reply)
+    assert (reasoning, content) == (None, written)
+    assert reply.usage.prompt_tokens > chat(qwen3, max_tokens=1).usage.prompt_tokens  # the template saw the switch
+    got = read_stream(chat(qwen3, stream=True, **off))
+    assert (got["reasoning"], got["content"]) == ("", written)
+    qwen3.script.say("Blue.")
+    held = chat(qwen3, extra_body={**off["extra_body"], "structured_outputs": {"choice": ["Blue.", "Grey."]}})
+    assert held.choices[0].message.content == "Blue."
