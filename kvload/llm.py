@@ -70,7 +70,11 @@ class LLM:
     ``llm_args`` are ``LlmArgs`` fields (``kv_cache_config`` as a dict or ``KvCacheConfig``,
     ``max_seq_len``, ``device``, ``dtype``, ...); ``config_file`` is a YAML of them (arguments win).
     ``audit_log``: the load's events go there, and on :meth:`close` the file is rewritten with the
-    generation events too. ``log=False`` keeps kvload's event lines off stderr.
+    generation events too. ``log=False`` keeps kvload's event lines off stderr. ``seed``: vLLM's engine seed: samples
+    whose SamplingParams has no seed draw their seeds from one sequence it starts, so a script repeats run to run
+    (None: fresh randomness each call). vLLM's engine knobs kvload has no counterpart for (``enforce_eager``) are
+    accepted and reported ``setting_ignored``; README "Coming from vLLM" lists what maps, what is ignored, what is
+    refused.
     """
 
     def __init__(self, model: str | os.PathLike[str], *, config_file: str | os.PathLike[str] | None = None,
