@@ -46,6 +46,7 @@ from engine.outputs import (
     GenerationOutput,
     GenerationStats,
     GenerationTimings,
+    RequestMetrics,
     RequestOutput,
     StreamEvent,
     TokenDelta,
@@ -65,6 +66,7 @@ from engine.sampling import eos_token_ids, sample_rows, top_logprobs
 from engine.sampling_params import (
     SamplingParams,
     check,
+    check_keywords,
     check_salt,
     defaulted_fields,
     greedy_ignored,
@@ -86,6 +88,7 @@ from pipeline.events import (
     GenerationFinished,
     GenerationStarted,
     PrefixCacheReset,
+    RequestAdmitted,
     SettingIgnored,
 )
 from pipeline.limits import MAX_DRAFT_LEN, MAX_INT, MAX_NGRAM, int_text, short
@@ -114,6 +117,8 @@ class _Live:
     stop_reason: str | int | None = None
     finish_reason: str | None = None
     queued_at: float = 0.0
+    arrived_wall: float = 0.0  # time.time() when queued (RequestMetrics.arrival_time)
+    admitted_at: float | None = None  # first admission (RequestMetrics.scheduled_ts)
     first_token_at: float | None = None
     finished_at: float = 0.0
     reported: int = 0  # generated tokens already reported (streamed)
@@ -154,6 +159,10 @@ class GenerationExecutor:
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
         self._emit = emit
         self._calls = 0
+        #: ``kvload.LLM(seed=...)``: the bases of unseeded samples come from this generator, so a run repeats (None:
+        #: fresh randomness each call); ``llm_seed`` is the seed it started from, for the audit
+        self.call_seeds: random.Random | None = None
+        self.llm_seed: int | None = None
         self._caller = "generate"  # the user's call (:meth:`called_as`), which titles the audit's generation_failed
         self._live: dict[str, _Live] = {}
         width = max(-(-self.max_seq_len // g.tokens_per_block) for g in manager.layout.groups)
@@ -393,7 +402,7 @@ class GenerationExecutor:
 
         before = self._counters()
         proposer = self.proposer
-        driver = Driver(self.manager, self.scheduler, emit=self._emit, stop=self._stops,
+        driver = Driver(self.manager, self.scheduler, emit=self._driver_event, stop=self._stops,
                         propose=proposer.propose if proposer is not None else None)
         outputs: dict[int, RequestOutput] = {}
         warm_before = self.flex.warmup_s if self.flex is not None else 0.0
@@ -403,7 +412,8 @@ class GenerationExecutor:
         self._live = {live.request.req_id: live for live in lives}
 
         def queued(request: Request, clock: int) -> None:
-            self._live[request.req_id].queued_at = time.perf_counter()
+            live = self._live[request.req_id]
+            live.queued_at, live.arrived_wall = time.perf_counter(), time.time()
 
         def stepped(clock: int, st: Any) -> None:
             nonlocal forward_s, kv_s, drafted, accepted
@@ -434,7 +444,7 @@ class GenerationExecutor:
                 stop_strings=len(p0.stop), stop_token_ids=list(p0.stop_token_ids), logprobs=p0.logprobs,
                 per_prompt_params=per_prompt, repetition_penalty=float(p0.repetition_penalty),
                 presence_penalty=float(p0.presence_penalty), frequency_penalty=float(p0.frequency_penalty),
-                min_tokens=p0.min_tokens, min_p=float(p0.min_p), model_defaults=defaulted,
+                min_tokens=p0.min_tokens, min_p=float(p0.min_p), model_defaults=defaulted, llm_seed=self.llm_seed,
                 structured_outputs=p0.structured_outputs.describe() if p0.structured_outputs is not None else None))
             has_text = self.tokenizer is not None  # a setting that does nothing (greedy draws nothing: a seed, top-p,
             for p in {id(p): p for p in params}.values():  # top-k or n; a text setting with no text) is said to
@@ -535,6 +545,7 @@ class GenerationExecutor:
     def _params(self, sampling_params: Any, keywords: dict[str, Any], count: int) -> list[SamplingParams]:
         """One SamplingParams per prompt (``count`` of them; 0: as many as a given list holds), checked."""
         if isinstance(sampling_params, Sequence) and not isinstance(sampling_params, (str, bytes)):
+            check_keywords(keywords)
             if keywords:
                 raise GenerationError("generate: pass sampling settings either as sampling_params or as keywords "
                                       f"({', '.join(sorted(keywords))}), not both")
@@ -617,7 +628,8 @@ class GenerationExecutor:
                per_prompt: bool, salt: str | None, arrivals: list[int], ranks: list[int] | None = None) -> list[_Live]:
         """Every sample of every prompt as a request, with its generator (seeded as SamplingParams says)."""
         lives = []
-        random_base = random.SystemRandom().getrandbits(62)
+        # unseeded samples: a fresh base per call, or the next of the LLM's seeded sequence (vLLM's engine seed)
+        random_base = (self.call_seeds or random.SystemRandom()).getrandbits(62)
         if self.lockstep is not None:
             random_base = self.lockstep.ranks.broadcast(random_base)  # one fresh seed, rank 0's, on every rank
         for i, ((text, ids), p) in enumerate(zip(items, params, strict=True)):
@@ -638,7 +650,7 @@ class GenerationExecutor:
                     offset = j if per_prompt else i * p.n + j
                     gen = torch.Generator(device=self.pools.device).manual_seed(base + offset)
                 live = _Live(i, request, text, arrivals[i], gen, params=p, sample=j, parent=parent)
-                if self.tokenizer is not None:
+                if self.tokenizer is not None and p.detokenize:  # detokenize=False: token ids only, no decoding
                     live.text = SampleText(self.tokenizer, p.stop, include_stop=p.include_stop_str_in_output,
                                            skip_special=p.skip_special_tokens, spaced=p.spaces_between_special_tokens)
                 if p.logprobs is not None:
@@ -907,14 +919,21 @@ class GenerationExecutor:
                 finish_reason=s.finish_reason, stop_reason=s.stop_reason))
         started = [s.first_token_at for s in samples if s.first_token_at is not None]
         end = max(s.finished_at for s in samples)
+        first_token = min(started) if started else end
+        admitted = [s.admitted_at for s in samples if s.admitted_at is not None]
+        metrics = RequestMetrics(
+            arrival_time=first.arrived_wall, queued_ts=first.queued_at,
+            scheduled_ts=min(admitted) if admitted else first.queued_at, first_token_ts=first_token,
+            last_token_ts=end, first_token_latency=first_token - first.queued_at,
+            num_generation_tokens=sum(len(s.request.output_token_ids) for s in samples))
         return RequestOutput(
             request_id=first.request.req_id.rsplit(".", 1)[0] if first.params.n > 1 else first.request.req_id,
             prompt=first.prompt, prompt_token_ids=list(first.request.prompt_token_ids), outputs=completions,
             prompt_logprobs=first.prompt_logprobs,
             computed_prompt_tokens=sum(s.request.num_prompt_tokens - s.request.num_reused_tokens for s in samples),
             reused_prompt_tokens=sum(s.request.num_reused_tokens for s in samples),
-            timings=GenerationTimings(first_token_s=(min(started) if started else end) - first.queued_at,
-                                      total_s=end - first.queued_at))
+            timings=GenerationTimings(first_token_s=first_token - first.queued_at, total_s=end - first.queued_at),
+            metrics=metrics)
 
     # --- checks and bookkeeping ----------------------------------------------------------------
 
@@ -1056,6 +1075,14 @@ class GenerationExecutor:
     def _event(self, event: Event) -> None:
         if self._emit is not None:
             self._emit(event)
+
+    def _driver_event(self, event: Event) -> None:
+        """The driver's events, passed on; a request's first admission is timed (``RequestMetrics.scheduled_ts``)."""
+        if isinstance(event, RequestAdmitted):
+            live = self._live.get(event.req_id)
+            if live is not None and live.admitted_at is None:
+                live.admitted_at = time.perf_counter()
+        self._event(event)
 
 
 def _flat(out: RequestOutput) -> GenerationOutput:

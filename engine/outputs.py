@@ -67,14 +67,29 @@ class CompletionOutput:
     finish_reason: FinishReason | None  # None while the sample is still running (streaming)
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None: EOS or length)
 
-    @property
     def finished(self) -> bool:
-        """Whether the sample ended."""
+        """Whether the sample ended (a method, as vLLM's ``CompletionOutput.finished()``)."""
         return self.finish_reason is not None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain form for ``--json``."""
         return attrs.asdict(self)
+
+
+@attrs.frozen
+class RequestMetrics:
+    """When one prompt's request moved through the engine, with the names of vLLM's ``RequestOutput.metrics``
+    (its V1 ``RequestStateStats``). ``arrival_time`` is wall-clock (``time.time()``); the ``*_ts`` times are
+    ``time.perf_counter()`` seconds, to subtract from each other; over ``n`` samples: the first queued, the first
+    admitted, the first token of any, the last token of all."""
+
+    arrival_time: float  # wall clock when the prompt was queued
+    queued_ts: float
+    scheduled_ts: float  # admitted: its first KV blocks allocated
+    first_token_ts: float
+    last_token_ts: float
+    first_token_latency: float  # seconds from queued to the first generated token (timings.first_token_s)
+    num_generation_tokens: int  # over every sample
 
 
 @attrs.frozen
@@ -99,6 +114,8 @@ class RequestOutput:
     #: ``rank`` attribute is the token's rank in the vocabulary, ``engine.sampling.TokenLogprobs``), None for the first
     #: token (vLLM's shape); None when not asked
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    #: vLLM's ``metrics``: queue, admission and token times (None only where built without them)
+    metrics: RequestMetrics | None = None
 
     @property
     def num_cached_tokens(self) -> int:
@@ -236,4 +253,4 @@ class TextStream:
 
 
 __all__ = ["CompletionOutput", "FinishReason", "GenerationOutput", "GenerationStats", "GenerationTimings",
-           "RequestOutput", "StreamEvent", "TextStream", "TokenDelta"]
+           "RequestMetrics", "RequestOutput", "StreamEvent", "TextStream", "TokenDelta"]

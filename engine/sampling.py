@@ -64,6 +64,26 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generat
     return sample_rows(logits[None], params, [generator])[0]
 
 
+class Logprob(float):
+    """One token's log-probability: a float, with vLLM's ``Logprob`` attributes ``logprob`` (the same value) and
+    ``rank`` (its 1-based rank in the vocabulary), so ``entry[token].logprob`` reads as it does in vLLM."""
+
+    __slots__ = ("rank",)
+
+    def __new__(cls, value: float, rank: int) -> Logprob:
+        self = super().__new__(cls, value)
+        self.rank = rank
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Logprob, (float(self), self.rank))
+
+    @property
+    def logprob(self) -> float:
+        """The log-probability, as a plain float (vLLM's ``Logprob.logprob``)."""
+        return float(self)
+
+
 class TokenLogprobs(dict):
     """One token's logprob entry, a plain ``{token id: log-probability}`` dict of the top alternatives and the token
     itself, with ``rank``: that token's 1-based rank in the whole vocabulary, how many tokens are at least as likely,
@@ -98,8 +118,8 @@ def top_logprobs(logits: torch.Tensor, k: int, sampled: Sequence[int]) -> list[T
     out = []
     for vals, idx, token, lp, rank in zip(values.tolist(), ids.tolist(), sampled, chosen.view(-1).tolist(), ranks,
                                           strict=True):
-        entry = dict(zip(idx, vals, strict=True))
-        entry.setdefault(int(token), lp)
+        entry = {t: Logprob(v, place) for place, (t, v) in enumerate(zip(idx, vals, strict=True), start=1)}
+        entry.setdefault(int(token), Logprob(lp, rank))
         out.append(TokenLogprobs(entry, rank))
     return out
 
@@ -120,4 +140,4 @@ def eos_token_ids(model: Any, tokenizer: Any = None) -> frozenset[int]:
     return frozenset(ids)
 
 
-__all__ = ["TokenLogprobs", "eos_token_ids", "sample_rows", "sample_token", "top_logprobs", "warpers"]
+__all__ = ["Logprob", "TokenLogprobs", "eos_token_ids", "sample_rows", "sample_token", "top_logprobs", "warpers"]

@@ -8,6 +8,7 @@ as a property, so both spellings keep working.
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 from collections.abc import Collection, Mapping, Sequence
@@ -259,6 +260,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
     structured_outputs: StructuredOutputsParams | None = attrs.field(default=None, hash=False)
+    detokenize: bool = True
     #: ``bad_words`` as token id sequences, set by the executor from its tokenizer (vLLM's ``_bad_words_token_ids``)
     _bad_words_token_ids: tuple[tuple[int, ...], ...] = attrs.field(default=(), init=False, eq=False, repr=False)
 
@@ -271,8 +273,11 @@ class SamplingParams:
                  include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
                  prompt_logprobs: int | None = None, spaces_between_special_tokens: bool = True,
                  allowed_token_ids: Sequence[int] | None = None, bad_words: Sequence[str] | None = None,
-                 structured_outputs: StructuredOutputsParams | None = None) -> None:
+                 structured_outputs: StructuredOutputsParams | None = None, detokenize: bool = True,
+                 **unknown: Any) -> None:
         """Keywords only (the field order may grow); ``max_new_tokens`` is an alias of ``max_tokens``."""
+        if unknown:
+            raise GenerationError(unknown_field(next(iter(unknown))))
         length_name = "max_tokens"
         if max_new_tokens is not None:
             if max_tokens is not None and max_tokens != max_new_tokens:
@@ -292,7 +297,7 @@ class SamplingParams:
                             logprobs, ignore_eos, repetition_penalty, presence_penalty, frequency_penalty,
                             min_tokens, min_p, _biases(logit_bias), include_stop_str_in_output,
                             skip_special_tokens, prompt_logprobs, spaces_between_special_tokens,
-                            _allowed(allowed_token_ids), _words(bad_words), structured_outputs)
+                            _allowed(allowed_token_ids), _words(bad_words), structured_outputs, detokenize)
 
     def __attrs_post_init__(self) -> None:
         check(is_finite(self.temperature) and self.temperature >= 0,
@@ -325,7 +330,8 @@ class SamplingParams:
               f"an integer in [0, max_tokens={self.max_tokens}]", self.min_tokens)
         check(is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "a number in [0, 1] (0 = off)", self.min_p)
 
-        for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"):
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+                     "detokenize"):
             check(isinstance(getattr(self, name), bool), name, "true or false", getattr(self, name))
         check(isinstance(self.logit_bias, dict)
               and all(is_int(t) and 0 <= t <= MAX_INT and is_number(b) and -MAX_BIAS <= b <= MAX_BIAS
@@ -347,6 +353,20 @@ class SamplingParams:
         check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
               "structured_outputs", "a StructuredOutputsParams (kvload.StructuredOutputsParams) or None",
               self.structured_outputs)
+        if self.stop and not self.detokenize:  # vLLM's rule: stop strings are looked for in the text
+            raise GenerationError("generate: stop: stop strings are matched on the text, and detokenize is false; "
+                                  "use stop_token_ids, or detokenize=True")
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's ``SamplingParams.clone``): a frozen SamplingParams is never changed in place, but its
+        ``logit_bias`` dict and structured outputs spec are the copy's own."""
+        return copy.deepcopy(self)
+
+    @classmethod
+    def from_optional(cls, **fields: Any) -> SamplingParams:
+        """vLLM's ``SamplingParams.from_optional``: a field given as None takes kvload's default (where vLLM's
+        defaults differ, kvload's: temperature 0, max_tokens 64), the others are checked as the constructor does."""
+        return cls(**{k: v for k, v in fields.items() if v is not None})
 
     @property
     def penalizes(self) -> bool:
@@ -391,6 +411,7 @@ class SamplingParams:
         """``params`` as given (vLLM's rule: an explicit SamplingParams is used as it is), or one built from keyword
         fields over ``defaults`` (the model's sampling defaults, ``SamplingDefaults.values``: a keyword wins); an
         unknown keyword or both forms is an error."""
+        check_keywords(keywords)
         if params is not None:
             if not isinstance(params, SamplingParams):
                 raise GenerationError(f"generate: sampling_params: expected a SamplingParams, got "
@@ -399,13 +420,59 @@ class SamplingParams:
                 raise GenerationError(f"generate: pass sampling settings either as sampling_params or as keywords "
                                       f"({', '.join(sorted(keywords))}), not both")
             return params
-        known = {a.name for a in attrs.fields(cls) if a.init} | {"max_new_tokens"}
-        unknown = sorted(set(keywords) - known)
-        if unknown:
-            raise GenerationError(f"generate: unknown argument {unknown[0]!r}; sampling fields are "
-                                  f"{', '.join(sorted(known))}")
         given = _given_fields(keywords)
         return cls(**{k: v for k, v in (defaults or {}).items() if k not in given}, **keywords)
+
+
+#: vLLM's ``SamplingParams`` fields kvload does not have → what to do instead.
+VLLM_FIELDS_NOT_TAKEN: dict[str, str] = {
+    "best_of": "vLLM's V1 engine dropped it too; ask for n samples and keep the best by cumulative_logprob "
+               "(with logprobs=0)",
+    "guided_decoding": "vLLM's older name; pass structured_outputs=kvload.StructuredOutputsParams(...)",
+    "logits_processors": "kvload runs no user code in its sampler; logit_bias, allowed_token_ids, bad_words and "
+                         "structured_outputs shape the logits",
+    "output_kind": "LLM.generate returns each prompt's final RequestOutput; LLM.generate_stream yields a TokenDelta "
+                   "per token",
+    "truncate_prompt_tokens": "kvload does not cut prompts; a prompt longer than max_seq_len is refused with its "
+                              "length",
+    "extra_args": "kvload has no sampler plugins to read them",
+}
+
+#: vLLM's ``LLM.generate`` / ``LLM.chat`` arguments kvload does not take (None, which asks for nothing, is accepted by
+#: ``kvload.LLM``'s own keywords where one exists: ``lora_request``) → what to do instead.
+VLLM_CALL_ARGUMENTS_NOT_TAKEN: dict[str, str] = {
+    "lora_request": "kvload serves the checkpoint's own weights, with no LoRA adapters; accepted: None",
+    "tokenization_kwargs": "kvload tokenizes prompts with the tokenizer's defaults; pass token ids to control "
+                           "them",
+    "prompt_adapter_request": "kvload has no prompt adapters",
+    "guided_options_request": "vLLM's older argument; pass SamplingParams(structured_outputs=...)",
+    "mm_processor_kwargs": "kvload serves text-only models",
+    "chat_template_content_format": "kvload takes message content as a string or OpenAI's text parts, whichever "
+                                    "is given",
+}
+
+
+def _known_keywords() -> set[str]:
+    return {a.name for a in attrs.fields(SamplingParams) if a.init} | {"max_new_tokens"}
+
+
+def unknown_field(name: str) -> str:
+    """The one-line error for a ``SamplingParams`` keyword that is not a field: vLLM's with what to do instead."""
+    why = VLLM_FIELDS_NOT_TAKEN.get(name)
+    if why is not None:
+        return f"generate: {name}: vLLM's SamplingParams field, not kvload's: {why}"
+    return f"generate: unknown SamplingParams field {name!r}; fields are {', '.join(sorted(_known_keywords()))}"
+
+
+def check_keywords(keywords: Mapping[str, Any]) -> None:
+    """Sampling keywords given to a generate call (``llm.generate(p, max_tokens=8)``): each a SamplingParams field;
+    vLLM's call arguments kvload does not take are named with what to do instead."""
+    for name in sorted(set(keywords) - _known_keywords()):
+        why = VLLM_CALL_ARGUMENTS_NOT_TAKEN.get(name) or VLLM_FIELDS_NOT_TAKEN.get(name)
+        if why is not None:
+            raise GenerationError(f"generate: {name}: vLLM's argument, not kvload's: {why}")
+        raise GenerationError(f"generate: unknown argument {name!r}; sampling fields are "
+                              f"{', '.join(sorted(_known_keywords()))}")
 
 
 def _given_fields(keywords: Mapping[str, Any]) -> set[str]:
@@ -446,13 +513,15 @@ def inert_settings(params: SamplingParams, has_tokenizer: bool) -> list[tuple[st
     text settings where there is no text or no stop string, ``min_tokens`` where nothing could end a sample early.
     Reported as ``setting_ignored`` beside :func:`greedy_ignored`'s, by the Python API and ``kvload serve``."""
     out = []
+    no_text = ("the model has no tokenizer: there is no text" if not has_tokenizer
+               else "detokenize is false: there is no text" if not params.detokenize else None)
     if params.include_stop_str_in_output and not params.stop:
         out.append(("include_stop_str_in_output", True, "no stop strings: there is no stop string to keep"))
-    if not params.skip_special_tokens and not has_tokenizer:
-        out.append(("skip_special_tokens", False, "the model has no tokenizer: there is no text"))
+    if not params.skip_special_tokens and no_text is not None:
+        out.append(("skip_special_tokens", False, no_text))
     if not params.spaces_between_special_tokens:
-        if not has_tokenizer:
-            out.append(("spaces_between_special_tokens", False, "the model has no tokenizer: there is no text"))
+        if no_text is not None:
+            out.append(("spaces_between_special_tokens", False, no_text))
         elif params.skip_special_tokens:
             out.append(("spaces_between_special_tokens", False,
                         "skip_special_tokens is true: no special token is in the text to be spaced"))
@@ -462,6 +531,7 @@ def inert_settings(params: SamplingParams, has_tokenizer: bool) -> list[tuple[st
     return out
 
 
-__all__ = ["DEFAULT_MAX_TOKENS", "SamplingParams", "check", "check_logit_bias_count", "check_logprobs", "check_salt",
+__all__ = ["DEFAULT_MAX_TOKENS", "VLLM_CALL_ARGUMENTS_NOT_TAKEN", "VLLM_FIELDS_NOT_TAKEN", "SamplingParams", "check",
+           "check_keywords", "check_logit_bias_count", "check_logprobs", "check_salt",
            "check_stop_sizes", "check_stop_token_ids_count", "defaulted_fields", "greedy_ignored", "inert_settings",
-           "is_finite", "is_int", "is_number"]
+           "is_finite", "is_int", "is_number", "unknown_field"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import random
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -21,12 +22,14 @@ from typing import Any
 from engine.beam_search import BeamSearchOutput, BeamSearchParams
 from engine.outputs import GenerationStats, RequestOutput, TokenDelta
 from engine.prompts import is_conversation
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, is_int
 from kvload.api import LoadResult, api_request, execute
+from kvload.metrics import LlmMetrics, Metric
 from pipeline.bus import Subscriber
 from pipeline.context import DEFAULT_MAX_TOKENS_FIELD, CallerDefault
-from pipeline.errors import GenerationError, retitled
+from pipeline.errors import ConfigError, GenerationError, retitled
 from pipeline.events import SettingIgnored
+from pipeline.limits import MAX_INT, short
 from stages import load_stages
 
 #: Tokens the KV pools hold on CPU when no bound is given: one SmolLM2 sequence of its full 8192-token
@@ -37,6 +40,13 @@ DEFAULT_CPU_MAX_TOKENS = 8192
 #: What a call that ``close()`` stopped raises (between two steps, its requests freed, before the pools are released).
 CLOSED_DURING_GENERATION = ("generate: the LLM was closed during generation (LLM.close(), or leaving its with block); "
                             "the call was stopped and its KV blocks freed")
+
+
+def _no_lora(call: str, lora_request: Any) -> None:
+    """vLLM's ``lora_request``: None asks for the base weights, which is all kvload serves."""
+    if lora_request is not None:
+        raise GenerationError(f"{call}: lora_request: kvload serves the checkpoint's own weights and has no LoRA "
+                              f"adapters; accepted: None, got {type(lora_request).__name__}")
 
 
 class StreamClosed(Exception):
@@ -60,12 +70,19 @@ class LLM:
     ``llm_args`` are ``LlmArgs`` fields (``kv_cache_config`` as a dict or ``KvCacheConfig``,
     ``max_seq_len``, ``device``, ``dtype``, ...); ``config_file`` is a YAML of them (arguments win).
     ``audit_log``: the load's events go there, and on :meth:`close` the file is rewritten with the
-    generation events too. ``log=False`` keeps kvload's event lines off stderr.
+    generation events too. ``log=False`` keeps kvload's event lines off stderr. ``seed``: vLLM's engine seed: samples
+    whose SamplingParams has no seed draw their seeds from one sequence it starts, so a script repeats run to run
+    (None: fresh randomness each call). vLLM's engine knobs kvload has no counterpart for (``enforce_eager``) are
+    accepted and reported ``setting_ignored``; README "Coming from vLLM" lists what maps, what is ignored, what is
+    refused.
     """
 
     def __init__(self, model: str | os.PathLike[str], *, config_file: str | os.PathLike[str] | None = None,
                  audit_log: str | os.PathLike[str] | None = None, subscribers: Iterable[Subscriber] = (),
-                 log: bool = True, **llm_args: Any) -> None:
+                 log: bool = True, seed: int | None = None, **llm_args: Any) -> None:
+        if seed is not None and not (is_int(seed) and 0 <= seed <= MAX_INT):  # checked before anything loads
+            detail = f"expected an integer in [0, 2**63 - 1] or None, got {short(seed)}"
+            raise ConfigError(f"seed: {detail}", path="seed", detail=detail, source="api")
         request = api_request(model, config_file, True, llm_args)
         request.generates = True  # a model kvload cannot generate for is refused before its weights load
         # the CPU pools' size when neither the user nor the config file bounds them: not a user setting, so the audit
@@ -81,6 +98,10 @@ class LLM:
             self.result.context.on_close(lambda: self.result.audit.to_jsonl(audit_log))
         self._closed = False
         self._said_no_tqdm = False  # use_tqdm=True is reported once per LLM, not once per call
+        self._metrics = LlmMetrics(str(self.args.model))
+        if seed is not None:  # vLLM's engine seed: unseeded samples draw from one seeded sequence, so a run repeats
+            executor = self.result.executor
+            executor.call_seeds, executor.llm_seed = random.Random(seed), int(seed)
 
     # --- what was loaded ------------------------------------------------------------------------
 
@@ -124,7 +145,8 @@ class LLM:
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: Any = None, salt: str | None = None, chat: bool | Mapping[str, Any] = False,
-                 priority: Sequence[int] | None = None, **sampling: Any) -> list[RequestOutput]:
+                 priority: Sequence[int] | None = None, lora_request: Any = None,
+                 **sampling: Any) -> list[RequestOutput]:
         """One :class:`RequestOutput` per prompt, in order (a single prompt still gives a list of one).
 
         ``prompts``: a string, a list of strings (``chat=True`` applies the chat template), lists of
@@ -135,7 +157,9 @@ class LLM:
         value is reported once as ``setting_ignored``. ``salt`` scopes prefix reuse (prompts under
         different salts never share cached blocks). ``priority``: vLLM's, one integer per prompt, lower served
         first (ties by arrival); it needs ``scheduling_policy="priority"`` (under "fcfs" only 0 is accepted).
+        ``lora_request``: vLLM's; kvload has no LoRA adapters, so only None is accepted.
         """
+        _no_lora("generate", lora_request)
         return self._generate("generate", prompts, sampling_params, use_tqdm, salt, chat, sampling, priority)
 
     def _generate(self, call: str, prompts: Any, sampling_params: Any, use_tqdm: Any, salt: str | None,
@@ -145,7 +169,9 @@ class LLM:
         with self._exclusive(call):
             self._no_progress_bar(use_tqdm)
             with self._running(call) as executor:
-                return executor.run(prompts, sampling_params, salt=salt, chat=chat, priority=priority, **sampling)
+                outputs = executor.run(prompts, sampling_params, salt=salt, chat=chat, priority=priority, **sampling)
+                self._metrics.record(outputs, executor.last_stats)
+                return outputs
 
     def beam_search(self, prompts: Any, params: BeamSearchParams) -> list[BeamSearchOutput]:
         """vLLM's ``LLM.beam_search``: the best ``params.beam_width`` hypotheses of every prompt, best first.
@@ -159,7 +185,8 @@ class LLM:
     def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              use_tqdm: Any = None, salt: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template: str | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None, **sampling: Any) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
+             lora_request: Any = None, **sampling: Any) -> list[RequestOutput]:
         """Reply to a conversation through the tokenizer's chat template (vLLM's ``LLM.chat``).
 
         ``messages``: one conversation (a list of ``{"role": ..., "content": ...}`` dicts) or a list of
@@ -167,8 +194,18 @@ class LLM:
         text. vLLM's template options: ``add_generation_prompt`` (open the assistant's turn; default true),
         ``continue_final_message`` (continue the last, assistant, message instead: a reply's prefill; needs
         ``add_generation_prompt=False``), ``chat_template`` (a Jinja template in place of the tokenizer's) and
-        ``chat_template_kwargs`` (extra template variables). The other arguments are :meth:`generate`'s.
+        ``chat_template_kwargs`` (extra template variables). ``tools``: vLLM's, OpenAI-style tool definitions handed
+        to the template as its ``tools`` variable (the model may then write a call; ``kvload serve`` parses them).
+        The other arguments are :meth:`generate`'s.
         """
+        _no_lora("chat", lora_request)
+        if tools is not None:
+            if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+                raise GenerationError(f"chat: tools: expected a list of tool definitions (dicts), got {tools!r}"[:200])
+            if isinstance(chat_template_kwargs, dict) and "tools" in chat_template_kwargs:
+                raise GenerationError("chat: tools: given both as chat's argument and in chat_template_kwargs; give "
+                                      "it once")
+            chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
         conversations = [messages] if is_conversation(messages) else messages
         if isinstance(conversations, (str, bytes)) or not isinstance(conversations, Sequence) or not conversations \
                 or not all(is_conversation(c) for c in conversations):
@@ -219,7 +256,8 @@ class LLM:
             def work() -> None:
                 try:
                     with self._running("generate_stream") as executor:
-                        executor.run(prompts, params, salt=salt, chat=chat, on_delta=on_delta, **sampling)
+                        outputs = executor.run(prompts, params, salt=salt, chat=chat, on_delta=on_delta, **sampling)
+                        self._metrics.record(outputs, executor.last_stats)
                 except BaseException as exc:  # handed to the consumer, which raises it
                     items.put(exc)
                 else:
@@ -250,6 +288,19 @@ class LLM:
             done, event = executor.reset_prefix_cache("LLM.reset_prefix_cache")
             executor._event(event)
             return done
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's ``LLM.get_metrics()``: every series now, as ``kvload.metrics.Counter`` / ``Gauge`` / ``Histogram``
+        records (``name``, ``labels``, then ``value`` or ``count``, ``sum``, ``buckets``), named as ``kvload serve``'s
+        ``/metrics`` names them (``kvload_prompt_tokens``, ``kvload_request_success{finished_reason}``, ...).
+
+        Counters and histograms count the ``generate`` / ``chat`` / ``generate_stream`` calls that returned (a
+        histogram observes each prompt once); the prefix cache totals and KV usage per layer group are the manager's,
+        read now. While a call runs on this LLM it raises ``GenerationError``, as every other call does.
+        """
+        with self._exclusive("get_metrics"):
+            manager = self.result.executor.manager
+            return self._metrics.snapshot(None if getattr(manager, "closed", False) else manager.stats())
 
     # --- lifetime -------------------------------------------------------------------------------
 

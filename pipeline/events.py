@@ -382,6 +382,8 @@ class GenerationStarted(Event):
     model_defaults: list[str] = attrs.Factory(list)
     #: prompt 0's structured outputs: ``{"kind", "chars", "sha256"}`` of its spec (never the spec), or None
     structured_outputs: dict[str, Any] | None = None
+    #: ``kvload.LLM(seed=...)`` (vLLM's engine seed): samples without a seed of their own draw from its sequence
+    llm_seed: int | None = None
 
 
 @event("structured_outputs_requested")

@@ -21,7 +21,7 @@ from typing import Any
 from pipeline.config import KvCacheConfig, LlmArgs, public_fields
 from pipeline.errors import ConfigError
 from pipeline.limits import short
-from pipeline.vllm_compat import refused_key
+from pipeline.vllm_compat import refused_key, vllm_knob
 
 _ENGINE = "a TensorRT-LLM option kvload does not act on"
 
@@ -108,7 +108,9 @@ def split_ignored(tree: Mapping[str, Any], python: bool = False) -> tuple[dict[s
 
     Returns the tree kvload validates and ``(dotted path, value, reason)`` for each key taken out.
     ``trust_remote_code: true`` is refused: kvload never runs code shipped with a checkpoint; so is a vLLM name
-    (``max_model_len``), with kvload's field to set (written for ``python`` keyword arguments, else for YAML).
+    (``max_model_len``), with kvload's field to set (written for ``python`` keyword arguments, else for YAML). vLLM's
+    engine knobs kvload has no counterpart for (``enforce_eager``) are taken out as TensorRT-LLM's are
+    (``pipeline.vllm_compat.vllm_knob``).
     """
     kept: dict[str, Any] = {}
     ignored: list[tuple[str, Any, str]] = []
@@ -121,6 +123,8 @@ def split_ignored(tree: Mapping[str, Any], python: bool = False) -> tuple[dict[s
             ignored.append((key, value, "kvload never runs a checkpoint's own code (false is its only setting)"))
         elif key in IGNORED_LLM_ARGS and key not in own:
             ignored.append((key, value, f"{_ENGINE}: {IGNORED_LLM_ARGS[key]}"))
+        elif isinstance(key, str) and key not in own and (why := vllm_knob(key, value)) is not None:
+            ignored.append((key, value, f"a vLLM option kvload does not act on: {why}"))
         elif key == "kv_cache_config" and isinstance(value, Mapping):
             kv_own = _known(KvCacheConfig)
             sub: dict[str, Any] = {}

@@ -4,6 +4,9 @@ Many users arrive from vLLM. The command line accepts vLLM's flag for a field wh
 ``aliases`` of ``kvload.cli.FLAGS``); the Python API and the YAML file keep one name per field (TensorRT-LLM's
 ``LlmArgs``) and refuse vLLM's with the name to use. A vLLM setting whose meaning differs (a share of the whole GPU,
 a size in GiB) is never taken as kvload's nearest one: it is refused with the difference, from every source.
+vLLM's engine knobs kvload has no counterpart for (CUDA graphs, stats logging, sleep mode) are accepted and reported as
+``setting_ignored``, as TensorRT-LLM's are (``pipeline.trtllm_compat``); those whose value would change the model or
+the task (``quantization``, ``hf_overrides``, ``cpu_offload_gb``, ``task``) are accepted only at their no-op value.
 
 Checked against vLLM's engine arguments (``vllm/engine/arg_utils.py``, ``vllm/config/cache.py``).
 """
@@ -14,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pipeline.config import describe
+from pipeline.errors import ConfigError
 from pipeline.limits import short
 
 #: vLLM's name → kvload's dotted field, where vLLM's setting means exactly what kvload's does (defaults may differ:
@@ -39,6 +43,46 @@ DIFFERENT_MEANING: dict[str, tuple[str, str, tuple[str, ...], str]] = {
         "kvload's host tier (V2 only) is a byte count",
         ("kv_cache_config.host_cache_size",), " (4GiB where vLLM says 4)"),
 }
+
+
+#: vLLM's engine knobs (``LLM(...)`` keywords, YAML keys) kvload has no counterpart for → why: ``setting_ignored``.
+IGNORED: dict[str, str] = {
+    **dict.fromkeys(("enforce_eager", "max_seq_len_to_capture", "cuda_graph_sizes", "compilation_config"),
+                    "CUDA graphs / torch.compile: kvload runs the forward eagerly"),
+    **dict.fromkeys(("disable_custom_all_reduce", "distributed_executor_backend"),
+                    "multi-GPU plumbing: kvload's ranks are torchrun processes over torch.distributed"),
+    **dict.fromkeys(("disable_log_stats", "disable_async_output_proc", "async_scheduling"),
+                    "engine statistics / output processing: kvload records events in its audit log (log=False keeps "
+                    "them off stderr) and has LLM.get_metrics()"),
+    "enable_sleep_mode": "kvload.LLM has no sleep/wake_up; close() releases the pools and weights",
+    "download_dir": "kvload never downloads from a model hub (local directories, presets, smollm2-135m)",
+    "max_logprobs": "kvload's bound is fixed: at most 20 logprobs per token (pipeline.limits.MAX_LOGPROBS)",
+}
+
+#: vLLM's knobs whose only value kvload can honour is their no-op one → (the accepted values, why others are refused).
+NO_OP_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
+    "quantization": ((None,), "kvload runs the checkpoint's weights in dtype, unquantized"),
+    "cpu_offload_gb": ((0, 0.0), "kvload keeps every weight on the device"),
+    "hf_overrides": ((None, {}), "kvload reads the checkpoint's config.json as it is"),
+    "task": (("auto", "generate"), "kvload generates text (no pooling, embedding or scoring models)"),
+    "runner": (("auto", "generate"), "kvload generates text (no pooling, embedding or scoring models)"),
+}
+
+
+def vllm_knob(name: str, value: Any) -> str | None:
+    """Why vLLM's engine knob ``name`` does nothing in kvload (reported as ``setting_ignored``), or None for a name
+    that is not one; ``ConfigError`` for a knob given a value kvload cannot honour (``quantization="awq"``)."""
+    if name in IGNORED:
+        return IGNORED[name]
+    entry = NO_OP_ONLY.get(name)
+    if entry is None:
+        return None
+    accepted, why = entry
+    if not any(value == a and type(value) is type(a) for a in accepted):
+        shown = " or ".join(repr(a) for a in accepted)
+        raise ConfigError(f"{name}: vLLM's setting; {why}; accepted: {shown}, got {short(value)}", path=name,
+                          detail=why)
+    return f"{why} ({short(value)} asks for nothing else)"
 
 
 def different_meaning(name: str, spell: Callable[[str], str]) -> str | None:

@@ -58,8 +58,8 @@ def test_bad_values_are_one_line_naming_the_field(kwargs, message):
 
 
 def test_unknown_keyword_names_the_known_fields():
-    with pytest.raises(GenerationError, match="unknown argument 'best_of'; sampling fields are .*max_tokens.*top_k"):
-        SamplingParams.build(None, {"best_of": 2})
+    with pytest.raises(GenerationError, match="unknown argument 'top_q'; sampling fields are .*max_tokens.*top_k"):
+        SamplingParams.build(None, {"top_q": 2})
 
 
 def test_the_front_door_names_load_lazily_without_torch():

@@ -14,6 +14,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+# the finish reasons and buckets are kvload.LLM.get_metrics()'s too: one definition for both
+from kvload.metrics import FINISH_REASONS, LATENCY_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS
+
 #: ``layer_group`` label of the free pages of an arena shared by several layer groups (V2, equal pages)
 SHARED_ARENA_LABEL = "shared_arena"
 
@@ -24,16 +27,6 @@ REFUSAL_REASONS = {400: "bad_request", 401: "unauthorized", 404: "model_not_foun
 #: ... and by the error ``code`` where one status has several causes: a 503 while the server stops is not a busy
 #: server (an alert on ``busy`` must not fire on every rolling restart)
 REFUSAL_CODES = {"server_shutting_down": "shutting_down"}
-
-#: ``finished_reason`` label of ``kvload_request_success_total``: how a request can end (``engine.serving``)
-FINISH_REASONS = ("stop", "length", "abort", "error")
-#: Buckets in seconds (vLLM's, which span GPU and CPU latencies).
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0, 160.0)
-TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-                80.0)
-LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-                   480.0, 960.0)
 
 
 class ServeMetrics:

@@ -1,0 +1,136 @@
+"""``kvload.LLM.get_metrics()``: vLLM's in-memory metrics snapshot, with the names ``kvload serve`` exposes.
+
+vLLM's ``LLM.get_metrics()`` returns ``Counter`` / ``Gauge`` / ``Histogram`` records read from its Prometheus
+registry; kvload's are the same shapes, counted from what each ``generate`` / ``chat`` call returned (its
+``RequestOutput``s and ``GenerationStats``) and read from the KV cache manager at the time of asking, so no
+``prometheus_client`` is needed. Names and labels are the server's (``kvload.serve.metrics``), and so are the
+histogram buckets, defined here for both.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+#: ``finished_reason`` label values of ``kvload_request_success`` (the server's, where a request can also end in
+#: ``abort`` or ``error``; ``LLM`` counts the samples of calls that returned)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+#: Buckets in seconds (vLLM's, which span GPU and CPU latencies).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                   480.0, 960.0)
+
+
+@attrs.frozen
+class Metric:
+    """A metric family's one series: its name (the server's family name) and labels."""
+
+    name: str
+    labels: dict[str, str] = attrs.field(hash=False)
+
+
+@attrs.frozen
+class Counter(Metric):
+    """A count that only grows (vLLM's ``vllm.v1.metrics.reader.Counter``)."""
+
+    value: int
+
+
+@attrs.frozen
+class Gauge(Metric):
+    """A value that goes up and down (vLLM's ``Gauge``)."""
+
+    value: float
+
+
+@attrs.frozen
+class Histogram(Metric):
+    """Observations in buckets (vLLM's ``Histogram``): ``buckets`` maps each upper bound, as Prometheus writes its
+    ``le`` label (``"0.5"``, ``"+Inf"``), to the cumulative count of observations at most that; ``count`` is the
+    ``"+Inf"`` bucket's, ``sum`` the observations' total."""
+
+    count: int
+    sum: float
+    buckets: dict[str, int] = attrs.field(hash=False)
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if math.isinf(bound) else repr(float(bound))
+
+
+class _Buckets:
+    """One histogram's running counts."""
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = (*bounds, math.inf)
+        self.counts = [0] * len(self.bounds)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.sum += value
+        for i, bound in enumerate(self.bounds):
+            if value <= bound:
+                self.counts[i] += 1
+
+    def metric(self, name: str, labels: dict[str, str]) -> Histogram:
+        return Histogram(name, labels, count=self.counts[-1], sum=self.sum,
+                         buckets={_le(b): c for b, c in zip(self.bounds, self.counts, strict=True)})
+
+
+class LlmMetrics:
+    """The totals behind :meth:`kvload.LLM.get_metrics`: what every returned call produced, plus the manager's own."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self._lock = threading.Lock()  # a stream's thread records while the caller may ask
+        self.counts = dict.fromkeys(("prompt_tokens", "generation_tokens", "num_preemptions", "num_suspensions",
+                                     "engine_steps", "spec_decode_num_draft_tokens",
+                                     "spec_decode_num_accepted_tokens"), 0)
+        self.success = dict.fromkeys(FINISH_REASONS, 0)
+        self.ttft = _Buckets(TTFT_BUCKETS)
+        self.e2e = _Buckets(LATENCY_BUCKETS)
+
+    def record(self, outputs: Sequence[Any], stats: Any) -> None:
+        """Count one call that returned: its ``RequestOutput``s and its ``GenerationStats``."""
+        with self._lock:
+            c = self.counts
+            c["prompt_tokens"] += stats.prompt_tokens
+            c["generation_tokens"] += stats.generated_tokens
+            c["num_preemptions"] += stats.preemptions
+            c["num_suspensions"] += stats.suspends
+            c["engine_steps"] += stats.steps
+            c["spec_decode_num_draft_tokens"] += stats.draft_tokens
+            c["spec_decode_num_accepted_tokens"] += stats.accepted_draft_tokens
+            for out in outputs:
+                for sample in out.outputs:
+                    self.success[sample.finish_reason] += 1
+                self.ttft.observe(out.timings.first_token_s)
+                self.e2e.observe(out.timings.total_s)
+
+    def snapshot(self, manager_stats: Any) -> list[Metric]:
+        """Every series now: the counters and histograms of the calls so far, and the manager's gauges and prefix
+        cache totals (``manager_stats``: a ``ManagerStats``, or None once the pools are released)."""
+        labels = {"model_name": self.model_name}
+        with self._lock:
+            out: list[Metric] = [Counter(f"kvload_{name}", dict(labels), value) for name, value in self.counts.items()]
+            out += [Counter("kvload_request_success", {**labels, "finished_reason": reason}, n)
+                    for reason, n in self.success.items()]
+            out += [self.ttft.metric("kvload_time_to_first_token_seconds", dict(labels)),
+                    self.e2e.metric("kvload_e2e_request_latency_seconds", dict(labels))]
+        if manager_stats is not None:
+            out += [Counter("kvload_prefix_cache_queries", dict(labels), manager_stats.reuse_query_tokens),
+                    Counter("kvload_prefix_cache_hits", dict(labels), manager_stats.reuse_hit_tokens)]
+            out += [Gauge("kvload_kv_cache_usage_perc", {**labels, "layer_group": group}, float(g.usage))
+                    for group, g in manager_stats.groups.items()]
+        return out
+
+
+__all__ = ["FINISH_REASONS", "LATENCY_BUCKETS", "TPOT_BUCKETS", "TTFT_BUCKETS", "Counter", "Gauge", "Histogram",
+           "LlmMetrics", "Metric"]

@@ -1,0 +1,264 @@
+"""Code written for vLLM's offline API (``vllm.LLM``, ``SamplingParams``, ``RequestOutput``) run on ``kvload.LLM``:
+what maps acts, what kvload has no counterpart for is reported ``setting_ignored``, what it cannot honour is one line.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import pickle
+import time
+
+import pytest
+
+import kvload
+from engine.sampling_params import SamplingParams
+from kvload.metrics import Counter, Gauge, Histogram
+from pipeline.errors import ConfigError, GenerationError
+from tests.llm_support import llm_kwargs, with_tokenizer
+
+VOCAB = 512  # the tiny llama's
+IDS = [[5, 17, 300, 42, 9], [88, 123, 7]]
+
+
+@pytest.fixture(scope="module")
+def words(tiny_checkpoints, tmp_path_factory):
+    """The tiny llama checkpoint with a word-level tokenizer (token i is the text "w<i>")."""
+    return with_tokenizer(tiny_checkpoints("llama"), tmp_path_factory.mktemp("words") / "ckpt", VOCAB)
+
+
+@pytest.fixture(scope="module")
+def llm(words):
+    with kvload.LLM(str(words), **llm_kwargs("v1")) as loaded:
+        yield loaded
+
+
+def sampled(llm, **kw) -> list[list[int]]:
+    """Every sample's tokens of one sampled call without a per-request seed."""
+    outs = llm.generate(IDS, SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True, **kw))
+    return [c.token_ids for o in outs for c in o.outputs]
+
+
+def ignored(llm) -> dict[str, str]:
+    return {e["field"]: e["reason"] for e in llm.audit.of("setting_ignored")}
+
+
+# --- the constructor ------------------------------------------------------------------------------
+
+
+def test_llm_seed_makes_unseeded_sampling_repeat_across_runs_and_differ_between_calls(words):
+    runs = []
+    for _ in range(2):
+        with kvload.LLM(str(words), seed=7, **llm_kwargs("v1")) as llm:
+            runs.append((sampled(llm), sampled(llm)))
+            started = llm.audit.of("generation_started")[-1]
+            assert started["llm_seed"] == 7 and started["seed"] is None
+    assert runs[0] == runs[1]  # vLLM's LLM(seed=...): the same script gives the same samples
+    assert runs[0][0] != runs[0][1]  # but one LLM's calls go on through its sequence, as vLLM's do
+    with kvload.LLM(str(words), seed=8, **llm_kwargs("v1")) as other:
+        assert sampled(other) != runs[0][0]
+
+
+def test_a_per_request_seed_still_wins_over_the_llm_seed(words):
+    outs = []
+    for seed in (1, 2):
+        with kvload.LLM(str(words), seed=seed, **llm_kwargs("v1")) as llm:
+            outs.append(sampled(llm, seed=3))
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("seed", [-1, 2**63, 1.5, "0", True])
+def test_a_bad_llm_seed_is_one_line_before_anything_loads(seed):
+    with pytest.raises(ConfigError) as info:
+        kvload.LLM("tiny-llama", seed=seed, log=False)
+    assert str(info.value).startswith("seed: expected an integer in [0, 2**63 - 1] or None, got ")
+    assert info.value.source == "api" and "\n" not in str(info.value)
+
+
+def test_vllm_engine_knobs_kvload_has_no_counterpart_for_load_and_are_reported_ignored():
+    knobs = {"enforce_eager": True, "disable_log_stats": True, "max_seq_len_to_capture": 8192,
+             "distributed_executor_backend": "mp", "enable_sleep_mode": False, "quantization": None,
+             "cpu_offload_gb": 0, "task": "generate", "hf_overrides": {}}
+    with kvload.LLM("tiny-llama", log=False, **knobs) as llm:
+        said = ignored(llm)
+        assert set(knobs) <= set(said)
+        assert said["enforce_eager"].startswith("a vLLM option kvload does not act on: CUDA graphs")
+        assert "unquantized" in said["quantization"]
+        assert llm.generate([[1, 2, 3]], max_tokens=2)[0].outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"quantization": "awq"}, "quantization: vLLM's setting; kvload runs the checkpoint's weights in dtype, "
+                              "unquantized; accepted: None, got 'awq'"),
+    ({"task": "embed"}, "task: vLLM's setting; kvload generates text (no pooling, embedding or scoring models); "
+                        "accepted: 'auto' or 'generate', got 'embed'"),
+    ({"cpu_offload_gb": 4}, "cpu_offload_gb: vLLM's setting; kvload keeps every weight on the device; accepted: 0 "
+                            "or 0.0, got 4"),
+    ({"hf_overrides": {"num_hidden_layers": 1}}, "hf_overrides: vLLM's setting; kvload reads the checkpoint's "
+                                                 "config.json as it is; accepted: None or {}, got a mapping of 1 keys"),
+])
+def test_a_vllm_knob_kvload_cannot_honour_is_refused_naming_what_it_accepts(kwargs, message):
+    with pytest.raises(ConfigError) as info:
+        kvload.LLM("tiny-llama", log=False, **kwargs)
+    assert str(info.value) == message and info.value.source == "api"
+
+
+# --- generate and chat arguments ------------------------------------------------------------------
+
+
+def test_lora_request_none_is_the_base_model_and_an_adapter_is_refused(llm):
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    plain = llm.generate(IDS, params)
+    assert [o.outputs[0].token_ids for o in llm.generate(IDS, params, lora_request=None)] == \
+        [o.outputs[0].token_ids for o in plain]
+    for call in (llm.generate, llm.chat):
+        name = call.__name__
+        with pytest.raises(GenerationError, match=f"^{name}: lora_request: kvload serves the checkpoint's own weights "
+                                                  "and has no LoRA adapters; accepted: None, got object$"):
+            call(IDS if name == "generate" else [{"role": "user", "content": "w5"}], params, lora_request=object())
+
+
+def test_a_vllm_call_argument_kvload_lacks_is_named_not_mistaken_for_a_sampling_setting(llm):
+    with pytest.raises(GenerationError, match="^generate: tokenization_kwargs: vLLM's argument, not kvload's"):
+        llm.generate(IDS, SamplingParams(max_tokens=2), tokenization_kwargs={"truncation": True})
+    with pytest.raises(GenerationError, match="^generate: unknown argument 'top_q'; sampling fields are"):
+        llm.generate(IDS, SamplingParams(max_tokens=2), top_q=0.5)
+
+
+def test_chat_tools_reach_the_template_as_vllm_passes_them(llm):
+    tok = llm.tokenizer
+    tok.chat_template = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
+                         "{% if tools %}{% for t in tools %}w{{ t['function']['parameters']['n'] }} {% endfor %}"
+                         "{% endif %}w1")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"n": 400}}}]
+    try:
+        conv = [{"role": "user", "content": "w5"}]
+        params = SamplingParams(max_tokens=2, ignore_eos=True)
+        assert llm.chat(conv, params)[0].prompt == "w5 w1"
+        assert llm.chat(conv, params, tools=tools)[0].prompt == "w5 w400 w1"
+        with pytest.raises(GenerationError, match="^chat: tools: given both as chat's argument and in "
+                                                  "chat_template_kwargs"):
+            llm.chat(conv, params, tools=tools, chat_template_kwargs={"tools": tools})
+        with pytest.raises(GenerationError, match="^chat: tools: expected a list of tool definitions"):
+            llm.chat(conv, params, tools="f")
+    finally:
+        tok.chat_template = None
+
+
+# --- the outputs ----------------------------------------------------------------------------------
+
+
+def test_request_output_metrics_time_the_request_as_vllms_do(llm):
+    before = time.time()
+    outs = llm.generate(IDS, SamplingParams(max_tokens=4, temperature=1.0, n=2, seed=0, ignore_eos=True))
+    for out in outs:
+        m = out.metrics
+        assert before <= m.arrival_time <= time.time()
+        assert m.queued_ts <= m.scheduled_ts <= m.first_token_ts <= m.last_token_ts
+        assert m.first_token_latency == pytest.approx(out.timings.first_token_s)
+        assert m.last_token_ts - m.queued_ts == pytest.approx(out.timings.total_s)
+        assert m.num_generation_tokens == sum(len(c.token_ids) for c in out.outputs) == 8
+        assert out.num_cached_tokens == out.reused_prompt_tokens
+
+
+def test_completion_output_finished_is_a_method_as_in_vllm(llm):
+    (out,) = llm.generate(IDS[:1], max_tokens=2)
+    assert out.finished is True and out.outputs[0].finished() is True
+
+
+def test_logprob_entries_read_as_vllms_logprob_objects_and_stay_floats(llm):
+    (out,) = llm.generate(IDS[:1], SamplingParams(max_tokens=4, temperature=1.0, seed=3, logprobs=3,
+                                                  prompt_logprobs=2, ignore_eos=True))
+    sample = out.outputs[0]
+    for token, entry in zip(sample.token_ids, sample.logprobs, strict=True):
+        top = sorted(entry, key=lambda t: -entry[t])[:3]
+        assert [entry[t].rank for t in top] == [1, 2, 3]  # the top alternatives' ranks are their places
+        assert entry[token].rank == entry.rank and entry[token].logprob == float(entry[token])
+        assert type(entry[token].logprob) is float
+    pairs = zip(sample.logprobs, sample.token_ids, strict=True)
+    assert sample.cumulative_logprob == pytest.approx(sum(e[t].logprob for e, t in pairs))
+    first = out.prompt_logprobs[1]
+    assert first[IDS[0][1]].logprob == float(first[IDS[0][1]])
+    assert json.loads(json.dumps({str(t): v for t, v in first.items()})) == {str(t): float(v) for t, v in
+                                                                            first.items()}
+    copied = pickle.loads(pickle.dumps(sample.logprobs))
+    assert copied == sample.logprobs and copied[-1][token].rank == sample.logprobs[-1][token].rank
+
+
+# --- SamplingParams -------------------------------------------------------------------------------
+
+
+def test_clone_is_an_equal_independent_copy():
+    sp = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=64, stop=["."], logit_bias={3: 1.0})
+    twin = sp.clone()
+    assert twin == sp and twin is not sp and twin.logit_bias is not sp.logit_bias
+    assert copy.deepcopy(sp) == twin
+
+
+def test_from_optional_takes_none_as_kvloads_default():
+    sp = SamplingParams.from_optional(temperature=None, top_p=None, max_tokens=8, n=None, seed=None, stop=None)
+    assert sp == SamplingParams(max_tokens=8)
+    with pytest.raises(GenerationError, match="^generate: top_p: expected a number in"):
+        SamplingParams.from_optional(top_p=0)
+
+
+def test_detokenize_false_keeps_the_tokens_and_skips_the_text(llm):
+    params = {"max_tokens": 5, "temperature": 1.0, "seed": 4, "ignore_eos": True}
+    (text,) = llm.generate(IDS[:1], SamplingParams(**params))
+    (bare,) = llm.generate(IDS[:1], SamplingParams(detokenize=False, skip_special_tokens=False, **params))
+    assert text.outputs[0].text and bare.outputs[0].text is None
+    assert bare.outputs[0].token_ids == text.outputs[0].token_ids
+    assert ignored(llm)["generate.skip_special_tokens"] == "detokenize is false: there is no text"
+    deltas = list(llm.generate_stream(IDS[:1], SamplingParams(detokenize=False, **params)))
+    assert [t for d in deltas for t in d.token_ids] == text.outputs[0].token_ids and not any(d.text for d in deltas)
+    with pytest.raises(GenerationError, match="^generate: stop: stop strings are matched on the text, and detokenize "
+                                              "is false"):
+        SamplingParams(stop=["."], detokenize=False)
+    with pytest.raises(GenerationError, match="^generate: detokenize: expected true or false"):
+        SamplingParams(detokenize="no")
+
+
+@pytest.mark.parametrize(("field", "words"), [
+    ("best_of", "vLLM's V1 engine dropped it too; ask for n samples"),
+    ("guided_decoding", "vLLM's older name; pass structured_outputs=kvload.StructuredOutputsParams(...)"),
+    ("truncate_prompt_tokens", "kvload does not cut prompts"),
+    ("logits_processors", "kvload runs no user code in its sampler"),
+])
+def test_a_vllm_sampling_field_kvload_lacks_is_one_line_with_what_to_do(field, words):
+    with pytest.raises(GenerationError) as info:
+        SamplingParams(**{field: 2})
+    assert str(info.value).startswith(f"generate: {field}: vLLM's SamplingParams field, not kvload's: {words}")
+    with pytest.raises(GenerationError, match="^generate: unknown SamplingParams field 'top_q'; fields are .*top_p"):
+        SamplingParams(top_q=2)
+
+
+# --- get_metrics ----------------------------------------------------------------------------------
+
+
+def test_get_metrics_counts_what_the_calls_returned_and_reads_the_managers_cache(words):
+    with kvload.LLM(str(words), **llm_kwargs("v2")) as llm:
+        first = {(m.name, tuple(sorted(m.labels.items()))): m for m in llm.get_metrics()}
+        assert first[("kvload_generation_tokens", (("model_name", str(words)),))].value == 0
+        outs = llm.generate(IDS, SamplingParams(max_tokens=4, ignore_eos=True))
+        outs += llm.generate(IDS[:1], SamplingParams(max_tokens=2))
+        got = {(m.name, tuple(sorted((k, v) for k, v in m.labels.items() if k != "model_name"))): m
+               for m in llm.get_metrics()}
+        stats = llm.result.executor.manager.stats()
+    samples = [c for o in outs for c in o.outputs]
+    assert got[("kvload_generation_tokens", ())].value == sum(len(c.token_ids) for c in samples)
+    assert got[("kvload_prompt_tokens", ())].value == sum(len(o.prompt_token_ids) for o in outs)
+    assert got[("kvload_request_success", (("finished_reason", "length"),))].value == \
+        sum(c.finish_reason == "length" for c in samples)
+    assert got[("kvload_request_success", (("finished_reason", "stop"),))].value == \
+        sum(c.finish_reason == "stop" for c in samples)
+    ttft = got[("kvload_time_to_first_token_seconds", ())]
+    assert isinstance(ttft, Histogram) and ttft.count == len(outs) == ttft.buckets["+Inf"]
+    assert ttft.sum == pytest.approx(sum(o.timings.first_token_s for o in outs))
+    counts = list(ttft.buckets.values())
+    assert counts == sorted(counts)  # cumulative, as Prometheus' le buckets are
+    hits = got[("kvload_prefix_cache_hits", ())]
+    assert isinstance(hits, Counter) and hits.value == stats.reuse_hit_tokens
+    assert hits.value == sum(o.num_cached_tokens for o in outs) > 0  # the third prompt repeats the first
+    usage = [m for m in got.values() if m.name == "kvload_kv_cache_usage_perc"]
+    assert usage and all(isinstance(m, Gauge) for m in usage)
+    assert {m.labels["layer_group"] for m in usage} == set(stats.groups)
