@@ -59,13 +59,17 @@ def reason(exc: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
+#: How a choice's characters are written in an EBNF string literal: quotes and backslashes escaped, control
+#: characters (NUL included) as xgrammar's ``\xHH`` escapes, so any string a tokenizer can spell is one literal.
+_EBNF_ESCAPES = {ord("\\"): "\\\\", ord('"'): '\\"', ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t",
+                 **{c: f"\\x{c:02x}" for c in [*range(0x20), 0x7F] if chr(c) not in "\n\r\t"}}
+
+
 def choice_grammar(choices: Sequence[str]) -> str:
     """An EBNF grammar whose root is exactly one of ``choices`` (vLLM's ``choice_as_grammar``, with control
     characters escaped too)."""
     def literal(text: str) -> str:
-        escaped = text.replace("\\", "\\\\").replace('"', '\\"')
-        escaped = escaped.replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
-        return f'"{escaped}"'
+        return '"' + text.translate(_EBNF_ESCAPES) + '"'
 
     return "root ::= " + " | ".join(literal(c) for c in choices)
 

@@ -99,6 +99,15 @@ def test_choice_output_is_one_of_the_choices_even_with_quotes_and_newlines(llm):
     assert choice_grammar(['a"b\\']) == 'root ::= "a\\"b\\\\"'
 
 
+def test_choices_with_control_characters_compile_and_are_what_is_generated(llm):
+    """A choice holding NUL or an escape sequence was refused with xgrammar's lexer error about kvload's own grammar
+    ("EBNF lexer error at line 1, column 12"); every control character is now written as an escape."""
+    choices = ["a\x00b", "\x1b[0m", "bell\x07\x7f"]
+    seen = {o.text for seed in range(4) for o in sample(llm, StructuredOutputsParams(choice=choices),
+                                                         temperature=2.0, seed=seed, n=4)}
+    assert seen <= set(choices) and len(seen) > 1
+
+
 def test_grammar_output_follows_the_grammar(llm):
     grammar = 'root ::= "(" item ("," item)* ")"\nitem ::= [a-c] | "z" [0-9]'
     for seed in range(3):
