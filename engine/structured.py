@@ -184,6 +184,28 @@ def check_matching_cost(params: StructuredOutputsParams, grammar: Any) -> None:
             "ones at 1 (+ or {1,n})")
 
 
+#: A rule of xgrammar 0.2.9's printed grammar for the characters of a JSON-schema string with ``minLength`` or
+#: ``maxLength``: "any character but ``"``, ``\``, CR and LF", which lets a tab or ``\x10`` into the string raw, and a
+#: strict JSON parser (``json.loads``) then refuses the reply. Its unbounded strings already exclude every control
+#: character; :func:`_strict_strings` makes the bounded ones do the same.
+_LOOSE_CHARACTERS = re.compile(r'^(\S+_characters) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.M)
+_STRICT_CHARACTERS = r'\1 ::= (([^\\0-\\x1f\\"\\\\]))'
+
+
+def _strict_strings(schema: str, any_whitespace: bool) -> str | None:
+    """The EBNF of a JSON schema whose length-bounded strings hold only characters JSON allows unescaped, or None
+    when it has none (the schema then compiles as it is). A pattern in place of the bounds would do it too, but
+    xgrammar builds a pattern of {0,1000} into an automaton (0.6 s a schema); this keeps its own repetition."""
+    if "Length" not in schema:  # neither minLength nor maxLength: the common case, not parsed twice
+        return None
+    try:
+        text = str(load_xgrammar().Grammar.from_json_schema(schema, any_whitespace=any_whitespace))
+    except Exception:  # refused: the caller's own compile says why, in its words
+        return None
+    strict, n = _LOOSE_CHARACTERS.subn(_STRICT_CHARACTERS, text)
+    return strict if n else None
+
+
 def _build(params: StructuredOutputsParams, json_schema: Any, regex: Any, ebnf: Any) -> Any:
     """``params``' spec through xgrammar's three entry points (a compiler's or ``Grammar``'s); its refusal as one line
     naming the field."""
@@ -191,7 +213,8 @@ def _build(params: StructuredOutputsParams, json_schema: Any, regex: Any, ebnf: 
     try:
         spaces = not params.disable_any_whitespace
         if kind == "json":
-            return json_schema(params.spec, any_whitespace=spaces)
+            strict = _strict_strings(params.spec, spaces)
+            return json_schema(params.spec, any_whitespace=spaces) if strict is None else ebnf(strict)
         if kind == "json_object":  # an object, as OpenAI's json_object and vLLM's (the builtin grammar takes any
             return json_schema(_ANY_OBJECT, any_whitespace=spaces)  # JSON value: [34] too)
         if kind == "regex":
