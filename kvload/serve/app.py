@@ -40,7 +40,8 @@ from kvload.serve.command import MAX_CONCURRENT_DEFAULT, READ_TIMEOUT_DEFAULT
 from kvload.serve.metrics import ServeMetrics
 from kvload.serve.protocol import BadRequest, Job, parse, parse_detokenize, parse_tokenize, request_id
 from kvload.serve.tool_calls import ToolCallText
-from kvload.serve.tool_parser import HermesToolCalls
+from kvload.serve.tool_parser import tool_reader
+from kvload.serve.tool_reader import ToolReader
 from pipeline.audit import dropped_record
 from pipeline.errors import ConfigError, GenerationError, KvBuildError
 from pipeline.events import SettingIgnored, StructuredOutputsRequested
@@ -531,7 +532,7 @@ class _Choice:
     echoed: bool = False  # a stream sent the echo (in the choice's first chunk)
     prompt_logprobs: list[dict[int, float] | None] | None = None  # when scored (engine): echo or prompt_logprobs
     tools: ToolCallText | None = None  # chat's tool_choice named or "required": the reply read as tool calls
-    auto: HermesToolCalls | None = None  # chat's tool_choice "auto" under a parser: the free text read for calls
+    auto: ToolReader | None = None  # chat's tool_choice "auto" under a parser: the free text read for calls
 
     def update(self, ev: ServeEvent) -> _Update:
         """Take one engine event; the new text, token ids, logprobs and text offsets to report."""
@@ -665,7 +666,7 @@ class _Run:
                 c.tools = ToolCallText(job.tool_choice)
         if job.auto_tools is not None:
             for c in self.choices:
-                c.auto = HermesToolCalls(job.auto_tools.names, job.auto_tools.parallel)
+                c.auto = tool_reader(job.auto_tools.parser, job.auto_tools.names, job.auto_tools.parallel)
         if job.kind == "chat":  # vLLM's reply role, and its echo: the last message when it is the reply's role
             last = job.prompts[0][-1]
             self.role = "assistant" if job.template.get("add_generation_prompt", True) else last["role"]
@@ -866,7 +867,7 @@ class _Run:
                     if c.tools is not None:  # the text as tool call deltas (none yet: an empty delta, its tokens)
                         calls = c.tools.feed(update.text) + (c.tools.finish() if ev.finished else [])
                         delta = {"tool_calls": calls} if calls else {}
-                    elif c.auto is not None:  # text up to a <tool_call>; each block, once closed, as a call
+                    elif c.auto is not None:  # the text outside the calls; each call named, then its arguments as read
                         delta = self._auto_delta(c.auto, update.text, ev.finished)
                     yield _sse(self._chunk(c, delta, update, ev.finished))
             if self.job.include_usage:
@@ -924,11 +925,9 @@ class _Run:
                 **ending, "prompt_logprobs": self._prompt_logprobs(c)}
 
     @staticmethod
-    def _auto_delta(auto: HermesToolCalls, text: str, finished: bool) -> dict[str, Any]:
-        """A stream's delta for an "auto" reply's new ``text``: its content and any call just closed."""
-        content, calls = auto.feed(text)
-        if finished:
-            content += auto.finish()[0]
+    def _auto_delta(auto: ToolReader, text: str, finished: bool) -> dict[str, Any]:
+        """A stream's delta for an "auto" reply's new ``text``: its content, and its calls' new names and arguments."""
+        content, calls = auto.feed(text, final=finished)
         delta: dict[str, Any] = {"content": content} if content else {}
         if calls:
             delta["tool_calls"] = calls
