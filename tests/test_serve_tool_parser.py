@@ -174,6 +174,43 @@ def test_build_state_refuses_a_parser_kvload_does_not_have(served):
     from pipeline.errors import ConfigError
 
     with pytest.raises(ConfigError, match="tool_call_parser: 'mistral' is no tool-call parser kvload has; it "
-                                          "has: hermes"):
+                                          "has: hermes, llama3_json, pythonic"):
         build_state(served.result, tool_call_parser="mistral")
 
+
+#: What the model is made to write under each of the other parsers: two calls, in their format.
+OTHERS = {"llama3_json": '{"name": "get_time", "parameters": {"zone": "UTC"}}; '
+                         '{"name": "get_weather", "parameters": {"city": "Zürich"}}',
+          "pythonic": "[get_time(zone='UTC'), get_weather(city=\"Zürich\")]"}
+
+
+@pytest.fixture(scope="module", params=sorted(OTHERS))
+def served_by(request, tiny_checkpoints, tmp_path_factory):
+    """The same model served with the llama3_json or the pythonic parser."""
+    pytest.importorskip("xgrammar")
+    dest = bytelevel_checkpoint(tiny_checkpoints("llama"), tmp_path_factory.mktemp(request.param) / "ckpt", TEMPLATE)
+    with serving(str(dest), state={"tool_call_parser": request.param}) as running:
+        yield request.param, running
+
+
+def test_the_llama3_json_and_pythonic_parsers_read_their_calls_whole_and_streamed(served_by):
+    parser, served = served_by
+    reply = chat(served, reply=OTHERS[parser], tools=TOOLS)
+    (c,) = reply.choices
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls] == [
+        ("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Zürich"})]
+    assert [t.function.arguments for t in c.message.tool_calls] == ['{"zone": "UTC"}', '{"city": "Zürich"}']
+    content, calls, reasons, _, pieces = read_stream(chat(served, stream=True, reply=OTHERS[parser], tools=TOOLS))
+    assert content == "" and reasons[-1] == "tool_calls"
+    assert [(i, n, a) for i, _, n, a in calls] == [(i, t.function.name, t.function.arguments)
+                                                   for i, t in enumerate(c.message.tool_calls)]
+    if parser == "llama3_json":  # JSON arguments stream as the tokens come (pythonic's at each argument's end)
+        assert min(pieces) > 2
+    # a reply that is not calls is the text, as tool_choice "none" gives it
+    plain = "It is sunny; {no call} [here]."
+    c = chat(served, reply=plain, tools=TOOLS).choices[0]
+    assert c.finish_reason == "stop" and c.message.content == plain and not c.message.tool_calls
+    assert read_stream(chat(served, stream=True, reply=plain, tools=TOOLS))[:2] == (plain, [])
+    (record,) = served.result.audit.of("auto_tool_choice_enabled")
+    assert record["parser"] == parser

@@ -24,7 +24,7 @@ MAX_TIMEOUT_S = 86400.0
 #: Generation requests a server holds at once by default (``--max-concurrent-requests``); more get 503.
 MAX_CONCURRENT_DEFAULT = 256
 #: The tool-call parsers ``--tool-call-parser`` takes (vLLM's names; ``kvload.serve.tool_parser`` reads them).
-TOOL_CALL_PARSERS = ("hermes",)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic")
 
 _EPILOG = """\
 Endpoints (OpenAI-compatible): POST /v1/completions, POST /v1/chat/completions (stream=true for
@@ -134,7 +134,9 @@ def add_serve_command(sub: Any) -> None:
                    type=_tool_call_parser,
                    help="how an \"auto\" reply's tool calls are read (vLLM's flag; needs --enable-auto-tool-choice): "
                         "hermes: each <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> block, as "
-                        "Qwen2.5, Hermes and SmolLM2-style chat templates ask for")
+                        "Qwen2.5, Hermes and SmolLM2-style chat templates ask for; llama3_json: a reply of "
+                        "{\"name\": ..., \"parameters\": {...}} objects separated by ';' (Llama 3.1/3.2); "
+                        "pythonic: a reply that is a Python list of calls, [f(a=1), g()] (Llama 3.2/4, ToolACE)")
     g.add_argument("--api-key", "--api_key", dest="api_key", default=None, metavar="KEY", nargs="+",
                    action=_ApiKeys,
                    help="require 'Authorization: Bearer KEY' (any KEY given; repeat the flag, or list several as "
