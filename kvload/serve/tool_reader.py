@@ -2,10 +2,10 @@
 grows, and the stream deltas that carry them; and :class:`JsonCall`, one ``{"name": ..., "arguments": {...}}`` object
 read character by character (hermes and llama3_json write their calls so).
 
-A call is *sent* (named in a stream) as soon as the text can no longer turn out not to be one: its name is one of the
-request's tools and its arguments have begun. From then on it stays a call, whatever follows; its arguments grow as
-they are read, so the pieces a stream sends joined are the whole answer's ``arguments``, and a reply cut by
-``max_tokens`` inside them leaves them unfinished (as ``tool_choice: "required"`` does).
+A call is *sent* (named in a stream) as soon as the text can no longer turn out not to be one (for a JSON call: its
+name is one of the request's tools and its arguments have begun). From then on it stays a call, whatever follows;
+its arguments grow as they are read, so the pieces a stream sends joined are the whole answer's ``arguments``, and a
+reply cut by ``max_tokens`` inside them leaves them unfinished (as ``tool_choice: "required"`` does).
 """
 
 from __future__ import annotations
