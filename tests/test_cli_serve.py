@@ -482,10 +482,10 @@ def test_a_dead_engine_loop_ends_the_server_with_exit_1_after_answering_its_requ
 
 @pytest.mark.parametrize(("flags", "message"), [
     (["--enable-auto-tool-choice", "--tool-call-parser", "mistral"],
-     "error: --tool-call-parser: no tool-call parser 'mistral' in kvload; it has: hermes"),
+     "error: --tool-call-parser: no tool-call parser 'mistral' in kvload; it has: hermes, llama3_json, pythonic"),
     (["--tool-call-parser", "hermes"], "error: --tool-call-parser hermes requires --enable-auto-tool-choice"),
     (["--enable-auto-tool-choice"],
-     "error: --enable-auto-tool-choice requires --tool-call-parser (kvload has: hermes)"),
+     "error: --enable-auto-tool-choice requires --tool-call-parser (kvload has: hermes, llama3_json, pythonic)"),
 ])
 def test_a_tool_call_parser_flag_alone_or_unknown_exits_2_with_one_line(capsys, flags, message):
     r = run_cli(capsys, "serve", "tiny-llama", "--port", "0", *flags)
@@ -493,11 +493,15 @@ def test_a_tool_call_parser_flag_alone_or_unknown_exits_2_with_one_line(capsys, 
     assert r.err.startswith(message), r.err
 
 
-@pytest.mark.parametrize("flags", [["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
-                                   ["--tool_call_parser", "hermes", "--enable_auto_tool_choice"]])
-def test_the_tool_call_parser_reaches_the_served_state(monkeypatch, flags):
+@pytest.mark.parametrize(("flags", "parser"), [
+    (["--enable-auto-tool-choice", "--tool-call-parser", "hermes"], "hermes"),
+    (["--tool_call_parser", "hermes", "--enable_auto_tool_choice"], "hermes"),
+    (["--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"], "llama3_json"),
+    (["--enable-auto-tool-choice", "--tool-call-parser", "pythonic"], "pythonic"),
+])
+def test_the_tool_call_parser_reaches_the_served_state(monkeypatch, flags, parser):
     """vLLM's flags (and kvload's underscore spellings) give build_state the parser; without them, none."""
-    assert _served_with(monkeypatch, *flags)["tool_call_parser"] == "hermes"
+    assert _served_with(monkeypatch, *flags)["tool_call_parser"] == parser
     assert _served_with(monkeypatch)["tool_call_parser"] is None
 
 

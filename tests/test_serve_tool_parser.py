@@ -45,10 +45,11 @@ def chat(served, stream: bool = False, reply: str | None = REPLY, **kw):
                                                  **kw)
 
 
-def read_stream(chunks) -> tuple[str, list[tuple[int, str, str, str]], list[str | None], list[str]]:
-    """A stream's content joined, its tool call deltas (index, id, name, arguments), each chunk's finish reason, and
-    what came in order ("content" / "call")."""
-    content, calls, reasons, order = "", [], [], []
+def read_stream(chunks) -> tuple[str, list[tuple[int, str, str, str]], list[str | None], list[str], list[int]]:
+    """A stream's content joined, its tool calls (index, id, name, arguments joined), each chunk's finish reason,
+    what came in order ("content" / "call"), and how many pieces each call's arguments came in. Checks each call's
+    first delta names it and the later ones carry only arguments (OpenAI's streaming shape, as vLLM sends it)."""
+    content, calls, reasons, order, pieces = "", [], [], [], []
     for chunk in chunks:
         if not chunk.choices:
             continue
@@ -57,11 +58,17 @@ def read_stream(chunks) -> tuple[str, list[tuple[int, str, str, str]], list[str 
         if choice.delta.content:
             content += choice.delta.content
             order.append("content")
-        for delta in choice.delta.tool_calls or []:  # each call whole, in one delta
-            assert delta.type == "function"
-            calls.append((delta.index, delta.id, delta.function.name, delta.function.arguments))
+        for delta in choice.delta.tool_calls or []:
+            if delta.index == len(calls):  # a new call: named in its first delta
+                assert delta.type == "function" and delta.id.startswith("chatcmpl-tool-")
+                calls.append([delta.index, delta.id, delta.function.name, delta.function.arguments or ""])
+                pieces.append(1)
+            else:  # the last call's arguments, a piece more
+                assert delta.index == len(calls) - 1 and delta.id is None and delta.function.name is None
+                calls[-1][3] += delta.function.arguments
+                pieces[-1] += 1
             order.append("call")
-    return content, calls, reasons, order
+    return content, [tuple(c) for c in calls], reasons, order, pieces
 
 
 @pytest.mark.parametrize("choice", [{"tool_choice": "auto"}, {}])
@@ -80,13 +87,14 @@ def test_auto_returns_the_blocks_the_model_wrote_as_tool_calls_and_the_rest_as_c
     assert audit["field"] == "structured_outputs" and audit["tool_choice"] is None
 
 
-def test_a_stream_sends_the_text_as_it_comes_and_each_call_whole_once_its_block_closes(served):
+def test_a_stream_sends_the_text_as_it_comes_then_each_call_named_then_its_arguments_in_pieces(served):
     whole = chat(served, tools=TOOLS).choices[0]
-    content, calls, reasons, order = read_stream(chat(served, stream=True, tools=TOOLS))
+    content, calls, reasons, order, pieces = read_stream(chat(served, stream=True, tools=TOOLS))
     assert content == whole.message.content
     ((index, call_id, name, arguments),) = calls
     assert index == 0 and call_id.startswith("chatcmpl-tool-") and name == "get_time"
-    assert arguments == whole.message.tool_calls[0].function.arguments
+    assert arguments == whole.message.tool_calls[0].function.arguments == '{"zone": "UTC"}'
+    assert pieces[0] > 2  # as the tokens came, not the call whole
     assert reasons[-1] == "tool_calls" and set(reasons[:-1]) == {None}
     assert order.index("call") > 0 and "content" in order[order.index("call") + 1:]  # text, the call, text
 
@@ -96,7 +104,7 @@ def test_a_reply_without_a_call_is_the_text_as_tool_choice_none_gives_it(served)
     for kw in ({"tool_choice": "none"}, {"tool_choice": "auto"}, {}):
         c = chat(served, reply=plain, tools=TOOLS, **kw).choices[0]
         assert c.finish_reason == "stop" and c.message.content == plain and not c.message.tool_calls
-    content, calls, reasons, _ = read_stream(chat(served, stream=True, reply=plain, tools=TOOLS))
+    content, calls, reasons, *_ = read_stream(chat(served, stream=True, reply=plain, tools=TOOLS))
     assert content == plain and calls == [] and reasons[-1] == "stop"
     # greedy, unconstrained: the same text whether the parser reads it or not
     free = {"reply": None, "max_tokens": 24, "tools": TOOLS}
@@ -152,7 +160,7 @@ def test_smollm2_asked_about_the_weather_calls_get_weather_for_the_city():
     with serving("smollm2-135m", kv_cache_config={"max_tokens": 2048}, state=state) as running:
         ask = {"model": running.state.model_name, "messages": messages, "max_tokens": 48, "tools": [WEATHER]}
         reply = running.client.chat.completions.create(**ask)
-        content, calls, reasons, _ = read_stream(running.client.chat.completions.create(stream=True, **ask))
+        content, calls, reasons, *_ = read_stream(running.client.chat.completions.create(stream=True, **ask))
     (c,) = reply.choices
     assert c.finish_reason == "tool_calls" and c.message.content is None
     (call,) = c.message.tool_calls
@@ -165,6 +173,44 @@ def test_build_state_refuses_a_parser_kvload_does_not_have(served):
     from kvload.serve.server import build_state
     from pipeline.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="tool_call_parser: 'llama3_json' is no tool-call parser kvload has; it "
-                                          "has: hermes"):
-        build_state(served.result, tool_call_parser="llama3_json")
+    with pytest.raises(ConfigError, match="tool_call_parser: 'mistral' is no tool-call parser kvload has; it "
+                                          "has: hermes, llama3_json, pythonic"):
+        build_state(served.result, tool_call_parser="mistral")
+
+
+#: What the model is made to write under each of the other parsers: two calls, in their format.
+OTHERS = {"llama3_json": '{"name": "get_time", "parameters": {"zone": "UTC"}}; '
+                         '{"name": "get_weather", "parameters": {"city": "Zürich"}}',
+          "pythonic": "[get_time(zone='UTC'), get_weather(city=\"Zürich\")]"}
+
+
+@pytest.fixture(scope="module", params=sorted(OTHERS))
+def served_by(request, tiny_checkpoints, tmp_path_factory):
+    """The same model served with the llama3_json or the pythonic parser."""
+    pytest.importorskip("xgrammar")
+    dest = bytelevel_checkpoint(tiny_checkpoints("llama"), tmp_path_factory.mktemp(request.param) / "ckpt", TEMPLATE)
+    with serving(str(dest), state={"tool_call_parser": request.param}) as running:
+        yield request.param, running
+
+
+def test_the_llama3_json_and_pythonic_parsers_read_their_calls_whole_and_streamed(served_by):
+    parser, served = served_by
+    reply = chat(served, reply=OTHERS[parser], tools=TOOLS)
+    (c,) = reply.choices
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls] == [
+        ("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Zürich"})]
+    assert [t.function.arguments for t in c.message.tool_calls] == ['{"zone": "UTC"}', '{"city": "Zürich"}']
+    content, calls, reasons, _, pieces = read_stream(chat(served, stream=True, reply=OTHERS[parser], tools=TOOLS))
+    assert content == "" and reasons[-1] == "tool_calls"
+    assert [(i, n, a) for i, _, n, a in calls] == [(i, t.function.name, t.function.arguments)
+                                                   for i, t in enumerate(c.message.tool_calls)]
+    if parser == "llama3_json":  # JSON arguments stream as the tokens come (pythonic's at each argument's end)
+        assert min(pieces) > 2
+    # a reply that is not calls is the text, as tool_choice "none" gives it
+    plain = "It is sunny; {no call} [here]."
+    c = chat(served, reply=plain, tools=TOOLS).choices[0]
+    assert c.finish_reason == "stop" and c.message.content == plain and not c.message.tool_calls
+    assert read_stream(chat(served, stream=True, reply=plain, tools=TOOLS))[:2] == (plain, [])
+    (record,) = served.result.audit.of("auto_tool_choice_enabled")
+    assert record["parser"] == parser

@@ -41,7 +41,8 @@ from kvload.serve.metrics import ServeMetrics
 from kvload.serve.protocol import BadRequest, Job, parse, parse_detokenize, parse_tokenize, request_id
 from kvload.serve.reasoning_parser import ReasoningText
 from kvload.serve.tool_calls import ToolCallText
-from kvload.serve.tool_parser import HermesToolCalls
+from kvload.serve.tool_parser import tool_reader
+from kvload.serve.tool_reader import ToolReader
 from pipeline.audit import dropped_record
 from pipeline.errors import ConfigError, GenerationError, KvBuildError
 from pipeline.events import SettingIgnored, StructuredOutputsRequested
@@ -535,7 +536,7 @@ class _Choice:
     echoed: bool = False  # a stream sent the echo (in the choice's first chunk)
     prompt_logprobs: list[dict[int, float] | None] | None = None  # when scored (engine): echo or prompt_logprobs
     tools: ToolCallText | None = None  # chat's tool_choice named or "required": the reply read as tool calls
-    auto: HermesToolCalls | None = None  # chat's tool_choice "auto" under a parser: the free text read for calls
+    auto: ToolReader | None = None  # chat's tool_choice "auto" under a parser: the free text read for calls
     thinking: ReasoningText | None = None  # chat under --reasoning-parser: the reply split into reasoning, content
 
     def update(self, ev: ServeEvent) -> _Update:
@@ -670,7 +671,7 @@ class _Run:
                 c.tools = ToolCallText(job.tool_choice)
         if job.auto_tools is not None:
             for c in self.choices:
-                c.auto = HermesToolCalls(job.auto_tools.names, job.auto_tools.parallel)
+                c.auto = tool_reader(job.auto_tools.parser, job.auto_tools.names, job.auto_tools.parallel)
         if job.reasoning is not None:
             for c in self.choices:
                 c.thinking = ReasoningText(job.reasoning)
@@ -876,7 +877,7 @@ class _Run:
                         delta = {"tool_calls": calls} if calls else {}
                     elif c.thinking is not None:  # the thinking as it comes; the answer as content (or read for calls)
                         delta = self._thinking_delta(c.thinking, c.auto, update.text, ev.finished)
-                    elif c.auto is not None:  # text up to a <tool_call>; each block, once closed, as a call
+                    elif c.auto is not None:  # the text outside the calls; each call named, then its arguments as read
                         delta = self._auto_delta(c.auto, update.text, ev.finished)
                     yield _sse(self._chunk(c, delta, update, ev.finished))
             if self.job.include_usage:
@@ -933,7 +934,7 @@ class _Run:
                 "logprobs": self._completion_logprobs(ids, c.logprobs, c.text_offsets, c, c.echo is not None),
                 **ending, "prompt_logprobs": self._prompt_logprobs(c)}
 
-    def _auto_message(self, auto: HermesToolCalls, text: str) -> dict[str, Any]:
+    def _auto_message(self, auto: ToolReader, text: str) -> dict[str, Any]:
         """An "auto" reply's message: the calls ``text`` holds, and the text around them (vLLM's: null when none)."""
         auto.feed(text)
         auto.finish()
@@ -941,7 +942,7 @@ class _Run:
         return {"role": self.role, "content": self.chat_echo + content if content is not None else self.chat_echo
                 or None, "tool_calls": auto.calls}
 
-    def _thinking_message(self, thinking: ReasoningText, auto: HermesToolCalls | None, text: str) -> dict[str, Any]:
+    def _thinking_message(self, thinking: ReasoningText, auto: ToolReader | None, text: str) -> dict[str, Any]:
         """A reply under ``--reasoning-parser``: ``reasoning_content`` (vLLM's newer name ``reasoning`` too; null when
         none) and the answer as content, or, for "auto" tools, read for calls (none when the thinking never ended)."""
         thinking.feed(text)
@@ -954,7 +955,7 @@ class _Run:
                        else self.chat_echo or None}
         return {**message, "reasoning_content": reasoning, "reasoning": reasoning}
 
-    def _thinking_delta(self, thinking: ReasoningText, auto: HermesToolCalls | None, text: str,
+    def _thinking_delta(self, thinking: ReasoningText, auto: ToolReader | None, text: str,
                         finished: bool) -> dict[str, Any]:
         """A stream's delta for a reply's new ``text`` under ``--reasoning-parser``: its new thinking as
         ``reasoning_content`` (and ``reasoning``), the answer as content or, for "auto" tools, content and calls."""
@@ -967,11 +968,9 @@ class _Run:
         return {"reasoning_content": reasoning, "reasoning": reasoning, **delta} if reasoning else delta
 
     @staticmethod
-    def _auto_delta(auto: HermesToolCalls, text: str, finished: bool) -> dict[str, Any]:
-        """A stream's delta for an "auto" reply's new ``text``: its content and any call just closed."""
-        content, calls = auto.feed(text)
-        if finished:
-            content += auto.finish()[0]
+    def _auto_delta(auto: ToolReader, text: str, finished: bool) -> dict[str, Any]:
+        """A stream's delta for an "auto" reply's new ``text``: its content, and its calls' new names and arguments."""
+        content, calls = auto.feed(text, final=finished)
         delta: dict[str, Any] = {"content": content} if content else {}
         if calls:
             delta["tool_calls"] = calls

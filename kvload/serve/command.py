@@ -24,7 +24,7 @@ MAX_TIMEOUT_S = 86400.0
 #: Generation requests a server holds at once by default (``--max-concurrent-requests``); more get 503.
 MAX_CONCURRENT_DEFAULT = 256
 #: The tool-call parsers ``--tool-call-parser`` takes (vLLM's names; ``kvload.serve.tool_parser`` reads them).
-TOOL_CALL_PARSERS = ("hermes",)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic")
 #: The reasoning parsers ``--reasoning-parser`` takes (vLLM's names; ``kvload.serve.reasoning_parser`` reads them).
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
@@ -136,7 +136,9 @@ def add_serve_command(sub: Any) -> None:
                    type=_tool_call_parser,
                    help="how an \"auto\" reply's tool calls are read (vLLM's flag; needs --enable-auto-tool-choice): "
                         "hermes: each <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> block, as "
-                        "Qwen2.5, Hermes and SmolLM2-style chat templates ask for")
+                        "Qwen2.5, Hermes and SmolLM2-style chat templates ask for; llama3_json: a reply of "
+                        "{\"name\": ..., \"parameters\": {...}} objects separated by ';' (Llama 3.1/3.2); "
+                        "pythonic: a reply that is a Python list of calls, [f(a=1), g()] (Llama 3.2/4, ToolACE)")
     g.add_argument("--reasoning-parser", "--reasoning_parser", dest="reasoning_parser", default=None, metavar="NAME",
                    type=_reasoning_parser,
                    help="split each chat reply into the model's thinking (message.reasoning_content, streamed as "

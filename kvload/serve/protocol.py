@@ -35,6 +35,7 @@ from engine.sampling_params import (
     is_finite,
 )
 from engine.structured_params import StructuredOutputsParams
+from kvload.serve.command import TOOL_CALL_PARSERS
 from pipeline.errors import GenerationError
 from pipeline.limits import (
     MAX_BIAS,
@@ -590,7 +591,7 @@ def _template(body: dict[str, Any], tools: list[dict[str, Any]] | None = None) -
 
 _TOOLS = 'a list of {"type": "function", "function": {"name": ..., "description"?, "parameters"?}}'
 _TOOL_CHOICES = ('"none", "required", or {"type": "function", "function": {"name": ...}} ("auto" needs a tool-call '
-                 'parser: kvload serve --enable-auto-tool-choice --tool-call-parser hermes)')
+                 f"parser: kvload serve --enable-auto-tool-choice --tool-call-parser {'|'.join(TOOL_CALL_PARSERS)})")
 #: The parameters of a tool that gives none (or ``{}``): no arguments, as OpenAI reads it (vLLM's "required" too).
 _NO_PARAMETERS: Mapping[str, Any] = MappingProxyType({"type": "object", "properties": {}})
 
@@ -642,7 +643,7 @@ def _shown(choice: Any) -> str:
 
 
 #: How a server starts with a tool-call parser, as a refusal of "auto" says it.
-_AUTO_FLAGS = "--enable-auto-tool-choice --tool-call-parser hermes"
+_AUTO_FLAGS = f"--enable-auto-tool-choice --tool-call-parser {'|'.join(TOOL_CALL_PARSERS)}"
 
 
 def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None, parser: str | None = None

@@ -1,119 +1,129 @@
 """vLLM's ``hermes`` tool-call parser, kvload's own: a free-text chat reply read for
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (``tool_choice: "auto"`` under
-``kvload serve --enable-auto-tool-choice --tool-call-parser hermes``).
+``kvload serve --enable-auto-tool-choice --tool-call-parser hermes``); :func:`tool_reader` picks the parser.
 
-Each complete block whose JSON object names one of the request's tools and gives its ``arguments`` as an object
-becomes a tool call (``arguments`` re-serialized as JSON text, as vLLM does); every other character of the reply
-(text around the blocks, a block that does not parse, one never closed) is the reply's ``content``. A stream is read
-as it grows (:meth:`HermesToolCalls.feed`): content goes out at once up to a possible ``<tool_call>``, a block is held
-until it closes and then sent as one whole tool call (or as content), so the pieces joined are the whole answer's.
+A block whose JSON object names one of the request's tools and gives its ``arguments`` as an object is a tool call,
+its ``arguments`` the object's JSON text as written. It is one as soon as its name is known to be a tool's and its
+arguments have begun (:class:`~kvload.serve.tool_reader.JsonCall`): a stream names it then and sends its arguments
+as they are read. What follows the call's JSON in its block (whitespace, or text that broke the JSON) is not content;
+the block ends at its ``</tool_call>``, or where a new ``<tool_call>`` begins. A block that is no call (not JSON,
+another name, ``arguments`` no object, never closed before being a call) is content, as written, to its
+``</tool_call>``; so is all text around the blocks, sent at once up to a possible ``<tool_call>``.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Collection
-from typing import Any
 
-from kvload.serve.tool_calls import tool_call_id
+from kvload.serve.tool_reader import JsonCall, ToolReader
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")  # Python's json takes NaN and Infinity; arguments must be JSON
-
-
-def read_call(inner: str, names: Collection[str]) -> tuple[str, str] | None:
-    """A block's text as (name, arguments JSON), or None when it is no call of one of ``names``."""
-    try:
-        doc = json.loads(inner, parse_constant=_no_constant)
-    except (ValueError, RecursionError):
-        return None
-    if not isinstance(doc, dict):
-        return None
-    name, arguments = doc.get("name"), doc.get("arguments")
-    if not isinstance(name, str) or name not in names or not isinstance(arguments, dict):
-        return None
-    return name, json.dumps(arguments, ensure_ascii=False)
-
-
-class HermesToolCalls:
-    """One choice's reply, fed as it grows; its tool calls and content, and the stream deltas that carry them."""
+class HermesToolCalls(ToolReader):
+    """One choice's reply read for ``<tool_call>`` blocks."""
 
     def __init__(self, names: Collection[str], parallel: bool = True) -> None:
-        self.names = names
-        self.parallel = parallel
-        self.calls: list[dict[str, Any]] = []  # OpenAI's message.tool_calls entries
-        self._text = ""  # the reply's text outside the calls
-        self._sent = 0  # characters of it a stream has sent
-        self._spoken = False  # content holds more than whitespace (sent as it comes from then on)
-        self._buf = ""  # text not placed yet: a possible start of OPEN, or an open block
-        self._inside = False  # _buf starts with OPEN
-        self._scanned = 0  # characters of _buf already searched for CLOSE
-        self._done = False
+        super().__init__(names, parallel)
+        self._state = "text"  # text | block (not a call yet) | call | skip (after a call's JSON) | content
+        self._block = ""  # an open block's text while it may still be a call
+        self._json: JsonCall | None = None
+        self._tail = ""  # "content": the end of the block's text sent, where a </tool_call> may have begun
 
-    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        """Take the reply's next ``text``; the stream's new content and ``delta.tool_calls`` entries."""
-        self._buf += text
-        calls = len(self.calls)
-        while self._buf:
-            if not self._inside:
-                at = self._buf.find(OPEN)
-                if at < 0:
-                    keep = _open_prefix(self._buf)  # a "<tool" at the end may yet become a block
-                    self._add(self._buf[:len(self._buf) - keep])
-                    self._buf = self._buf[len(self._buf) - keep:]
-                    break
-                self._add(self._buf[:at])
-                self._buf, self._inside, self._scanned = self._buf[at:], True, len(OPEN)
-            end = self._buf.find(CLOSE, max(len(OPEN), self._scanned - len(CLOSE) + 1))
-            if end < 0:
-                self._scanned = len(self._buf)
-                break
-            block, self._buf = self._buf[:end + len(CLOSE)], self._buf[end + len(CLOSE):]
-            self._inside = False
-            call = read_call(block[len(OPEN):end], self.names) if self.parallel or not self.calls else None
-            if call is None:
-                self._add(block)  # the model's text, as written (vLLM keeps a reply it cannot read as content)
-            else:
-                self.calls.append({"id": tool_call_id(), "type": "function",
-                                   "function": {"name": call[0], "arguments": call[1]}})
-        return self._new_content(), [{"index": i, **c} for i, c in enumerate(self.calls[calls:], calls)]
+    def _read(self) -> None:
+        while self._buf and getattr(self, f"_in_{self._state}")():
+            pass
 
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        """The reply ended: a block never closed (or a partial ``<tool_call>``) is content; what a stream still owes."""
-        if not self._done:
-            self._done = True
+    def _end(self) -> None:
+        if self._state in ("text", "content", "block"):  # a block never closed that was no call yet is text
+            self._add(self._block + self._buf)
+        self._block = self._buf = ""
+
+    # each state takes what it can of _buf; True: read on (in the state it left)
+
+    def _in_text(self) -> bool:
+        at = self._buf.find(OPEN)
+        if at < 0:
+            keep = _prefix_at_end(self._buf, OPEN)  # a "<tool" at the end may yet become a block
+            self._add(self._buf[:len(self._buf) - keep])
+            self._buf = self._buf[len(self._buf) - keep:]
+            return False
+        self._add(self._buf[:at])
+        if not self.may_call:  # parallel_tool_calls false, and a call made: the block is text
+            self._buf, self._state, self._tail = self._buf[at:], "content", ""
+            return True
+        self._buf = self._buf[at + len(OPEN):]
+        self._block, self._json, self._state = OPEN, JsonCall(self.names), "block"
+        return True
+
+    def _in_block(self) -> bool:
+        call = self._json
+        assert call is not None
+        used = call.take(self._buf)
+        self._block, self._buf = self._block + self._buf[:used], self._buf[used:]
+        if call.refused:  # no call: the block is text, to its </tool_call>
+            self._buf, self._block, self._state, self._tail = self._block + self._buf, "", "content", ""
+            return True
+        if call.ready:
+            self._call(call.name, call.arguments)  # type: ignore[arg-type]
+            self._block, self._state = "", "skip" if call.ended else "call"
+            return True
+        return False
+
+    def _in_call(self) -> bool:
+        call = self._json
+        assert call is not None
+        used = call.take(self._buf)
+        self._buf = self._buf[used:]
+        self._grow(call.arguments)
+        if call.ended:
+            self._state = "skip"
+            return True
+        return False
+
+    def _in_skip(self) -> bool:
+        """After a call's JSON: the rest of its block is dropped, to the </tool_call> or a new <tool_call>."""
+        ends = [(at, tag) for tag in (CLOSE, OPEN) if (at := self._buf.find(tag)) >= 0]
+        if not ends:
+            keep = max(_prefix_at_end(self._buf, CLOSE), _prefix_at_end(self._buf, OPEN))
+            self._buf = self._buf[len(self._buf) - keep:]
+            return False
+        at, tag = min(ends)
+        self._buf = self._buf[at + len(CLOSE):] if tag == CLOSE else self._buf[at:]
+        self._state = "text"
+        return True
+
+    def _in_content(self) -> bool:
+        """A block that is no call: content, as written, to its </tool_call>."""
+        seen = self._tail + self._buf
+        at = seen.find(CLOSE)
+        if at < 0:
             self._add(self._buf)
-            self._buf = ""
-        return self._new_content(), []
-
-    @property
-    def content(self) -> str | None:
-        """The text outside the calls; None when calls were made and nothing but whitespace is left (vLLM's)."""
-        return None if self.calls and not self._spoken else self._text
-
-    def _add(self, text: str) -> None:
-        if text:
-            self._text += text
-            self._spoken = self._spoken or bool(text.strip())
-
-    def _new_content(self) -> str:
-        """Content a stream may send now: whitespace alone is held, for it is no content once a call is made."""
-        if not (self._spoken or (self._done and not self.calls)):
-            return ""
-        piece, self._sent = self._text[self._sent:], len(self._text)
-        return piece
+            self._tail, self._buf = seen[-(len(CLOSE) - 1):], ""
+            return False
+        end = at + len(CLOSE) - len(self._tail)
+        self._add(self._buf[:end])
+        self._buf, self._tail, self._state = self._buf[end:], "", "text"
+        return True
 
 
-def _open_prefix(text: str) -> int:
-    """How many characters at the end of ``text`` are a proper prefix of ``<tool_call>``."""
-    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-n:]):
+def tool_reader(parser: str, names: Collection[str], parallel: bool = True) -> ToolReader:
+    """The reader of one ``"auto"`` reply under ``--tool-call-parser parser`` (one of ``TOOL_CALL_PARSERS``)."""
+    from kvload.serve.tool_parser_llama import Llama3JsonToolCalls
+    from kvload.serve.tool_parser_pythonic import PythonicToolCalls
+
+    kinds: dict[str, type[ToolReader]] = {"hermes": HermesToolCalls, "llama3_json": Llama3JsonToolCalls,
+                                          "pythonic": PythonicToolCalls}
+    return kinds[parser](names, parallel)
+
+
+def _prefix_at_end(text: str, tag: str) -> int:
+    """How many characters at the end of ``text`` are a proper prefix of ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
             return n
     return 0
 
 
-__all__ = ["CLOSE", "OPEN", "HermesToolCalls", "read_call"]
+__all__ = ["CLOSE", "OPEN", "HermesToolCalls", "tool_reader"]
