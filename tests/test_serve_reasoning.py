@@ -72,8 +72,11 @@ def read_stream(chunks) -> dict:
         if choice.delta.content:
             out["content"] += choice.delta.content
             out["order"].append("content")
-        for call in choice.delta.tool_calls or []:
-            out["calls"].append((call.function.name, call.function.arguments))
+        for call in choice.delta.tool_calls or []:  # a call's first delta names it; later ones add to its arguments
+            if call.index == len(out["calls"]):
+                out["calls"].append((call.function.name, ""))
+            name, arguments = out["calls"][call.index]
+            out["calls"][call.index] = (name, arguments + (call.function.arguments or ""))
         if choice.logprobs is not None:
             out["logprobs"] += len(choice.logprobs.content)
     return out
