@@ -8,7 +8,8 @@ Run from the repository root (one thread is enough: nothing here runs torch kern
     python -m bench.bench_grid --only timing   # the step-time target alone (interleaved V1/V2 pairs)
 
 Each cell is one ``kvload simulate <preset> --workload <w> --compare`` (:func:`engine.simulator.simulate`,
-the same replay loop), at three budgets: ``default`` (the simulator's default, sized for the workload in
+the same replay loop; ``mixed-urgent`` is ``--workload mixed --workload-arg urgent_percent=25 --scheduling_policy
+priority``), at three budgets: ``default`` (the simulator's default, sized for the workload in
 the routed layout), ``tight`` (a quarter of it) and ``generous`` (four times it), passed to both
 managers as ``max_gpu_total_bytes``. Per cell: V2 steps to finish over V1's, each manager's hit rate
 against the ideal, mean concurrency, V2's suspends, and the step-time ratio (median manager +
@@ -31,7 +32,11 @@ from typing import Any
 from bench.common import Table, machine, ratio, thread_cpu_step_clock, verdict
 
 PRESETS = ("tiny-llama", "tiny-mistral", "tiny-gemma3", "tiny-deepseek-v3")
-WORKLOADS = ("shared-prefix", "multi-turn", "long-context", "no-reuse", "mixed")
+WORKLOADS = ("shared-prefix", "multi-turn", "long-context", "no-reuse", "mixed", "mixed-urgent")
+#: Grid workloads that are a simulator workload with other arguments: ``mixed-urgent`` is ``mixed`` with a quarter of
+#: the requests urgent, scheduled by ``scheduling_policy=priority`` (the policy decides who is moved out, and the
+#: eviction order sees the priorities: what fcfs cells cannot show).
+VARIANTS: dict[str, tuple[str, dict[str, int], str]] = {"mixed-urgent": ("mixed", {"urgent_percent": 25}, "priority")}
 BUDGETS = {"default": 1.0, "tight": 0.25, "generous": 4.0}
 SLIDING = ("tiny-mistral", "tiny-gemma3")
 STEPS_TARGET = 1.02
@@ -41,12 +46,12 @@ CONCURRENCY_TARGET = 3.0
 CPU = {"device": "cpu", "log": False, "progress": False}
 
 
-def _cell(preset: str, workload: Any, budget_bytes: int | None) -> tuple[int, dict[str, Any]]:
+def _cell(preset: str, workload: Any, budget_bytes: int | None, policy: str = "fcfs") -> tuple[int, dict[str, Any]]:
     """One ``simulate --compare`` run: (the budget it used, {manager: ManagerResult})."""
     from engine.simulator import simulate
 
     kv = {"max_gpu_total_bytes": budget_bytes} if budget_bytes else {}
-    report = simulate(preset, workload, compare=True, kv_cache_config=kv, **CPU)
+    report = simulate(preset, workload, compare=True, kv_cache_config=kv, scheduling_policy=policy, **CPU)
     return report.budget.bytes, report.results
 
 
@@ -68,15 +73,17 @@ def grid(presets: tuple[str, ...] = PRESETS, workloads: tuple[str, ...] = WORKLO
                    "mean conc. V1 / V2", "V2 suspends", "V2/V1 step time", "cell target"])
     for preset in presets:
         for name in workloads:
-            wl = make_workload(name, None, 0)
+            kind, extra, policy = VARIANTS.get(name, (name, {}, "fcfs"))
+            wl = make_workload(kind, None, 0, **extra)
             if quick:
-                wl = make_workload(name, max(4, len(wl.requests) // 4), 0)
+                wl = make_workload(kind, max(4, len(wl.requests) // 4), 0, **extra)
             base: int | None = None
             for label in budgets:
                 start = time.perf_counter()
                 if label == "default" or base is None:
-                    base, default_results = _cell(preset, wl, None)
-                results = default_results if label == "default" else _cell(preset, wl, int(base * BUDGETS[label]))[1]
+                    base, default_results = _cell(preset, wl, None, policy)
+                results = (default_results if label == "default"
+                           else _cell(preset, wl, int(base * BUDGETS[label]), policy)[1])
                 row: dict[str, Any] = {"preset": preset, "workload": name, "budget": label}
                 v1, v2 = results["KVCacheManager"], results["KVCacheManagerV2"]
                 row["status"] = {"v1": v1.status, "v2": v2.status}

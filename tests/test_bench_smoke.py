@@ -39,6 +39,24 @@ def test_grid_compares_v1_and_v2_per_cell_and_judges_the_targets():
     assert any(note.startswith("Every cell") for note in table.notes)
 
 
+def test_the_grids_mixed_urgent_cells_run_mixed_traffic_with_urgent_requests_under_the_priority_policy(monkeypatch):
+    import engine.simulator
+    from bench import bench_grid
+
+    seen = []
+    real = engine.simulator.simulate
+
+    def spy(preset, workload, **kw):
+        seen.append((workload.name, sum(r.priority > 0 for r in workload.requests), kw.get("scheduling_policy")))
+        return real(preset, workload, **kw)
+
+    monkeypatch.setattr(engine.simulator, "simulate", spy)
+    rows, _ = bench_grid.grid(("tiny-llama",), ("mixed-urgent",), ("default",), quick=True)
+    (row,) = rows
+    assert row["workload"] == "mixed-urgent" and row["status"] == {"v1": "ok", "v2": "ok"}
+    assert seen and all(name == "mixed" and urgent > 0 and policy == "priority" for name, urgent, policy in seen)
+
+
 def test_step_cost_bench_pairs_both_sides_of_every_figure_and_restores_the_wall_clock():
     import time
 
