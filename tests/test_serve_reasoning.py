@@ -111,13 +111,21 @@ def test_a_stream_sends_the_thinking_then_the_answer_as_the_whole_reply_splits_t
     assert got["reasons"][-1] == "stop" and got["logprobs"] == got["usage"].completion_tokens
 
 
-def test_a_reply_cut_before_its_end_marker_is_all_thinking(r1):
+@pytest.mark.parametrize("tools", [{}, {"tools": [CLOCK]}])  # an "auto" reply's answer is read for calls
+def test_a_reply_cut_before_its_end_marker_is_all_thinking(r1, tools):
     ids = r1.script.say(THOUGHT + "</think>" + ANSWER)
     cut = r1.script.tokenizer.decode(ids[:6])
-    c, reasoning, content = message_of(chat(r1, max_tokens=6))
-    assert (reasoning, content, c.finish_reason) == (cut, None, "length")
-    got = read_stream(chat(r1, stream=True, max_tokens=6))
+    c, reasoning, content = message_of(chat(r1, max_tokens=6, **tools))
+    assert (reasoning, content, c.finish_reason) == (cut, None, "length") and not c.message.tool_calls
+    got = read_stream(chat(r1, stream=True, max_tokens=6, **tools))
     assert (got["reasoning"], got["content"], got["reasons"][-1]) == (cut, "", "length")
+
+
+@pytest.mark.parametrize("tools", [{}, {"tools": [CLOCK]}])
+def test_a_reply_that_ends_with_its_thinking_has_content_null(r1, tools):
+    r1.script.say(THOUGHT + "</think>")
+    c, reasoning, content = message_of(chat(r1, **tools))
+    assert (reasoning, content, c.finish_reason) == (THOUGHT, None, "stop") and not c.message.tool_calls
 
 
 def test_tool_calls_are_read_from_the_answer_only(r1):
