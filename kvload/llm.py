@@ -205,7 +205,8 @@ class LLM:
             if isinstance(chat_template_kwargs, dict) and "tools" in chat_template_kwargs:
                 raise GenerationError("chat: tools: given both as chat's argument and in chat_template_kwargs; give "
                                       "it once")
-            chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
+            if chat_template_kwargs is None or isinstance(chat_template_kwargs, dict):  # anything else: refused below
+                chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
         conversations = [messages] if is_conversation(messages) else messages
         if isinstance(conversations, (str, bytes)) or not isinstance(conversations, Sequence) or not conversations \
                 or not all(is_conversation(c) for c in conversations):

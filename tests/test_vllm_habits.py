@@ -141,6 +141,10 @@ def test_chat_tools_reach_the_template_as_vllm_passes_them(llm):
             llm.chat(conv, params, tools=tools, chat_template_kwargs={"tools": tools})
         with pytest.raises(GenerationError, match="^chat: tools: expected a list of tool definitions"):
             llm.chat(conv, params, tools="f")
+        for bad in ("x", [("n", 1)]):  # refused as without tools, not a TypeError from merging tools into it
+            with pytest.raises(GenerationError, match="^chat: chat_template_kwargs: expected a dict of template "
+                                                      "variables"):
+                llm.chat(conv, params, tools=tools, chat_template_kwargs=bad)
     finally:
         tok.chat_template = None
 
