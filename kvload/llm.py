@@ -228,16 +228,18 @@ class LLM:
                 reason="kvload.LLM draws no progress bar; llm.last_stats has the call's totals"))
 
     def generate_stream(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                        *, salt: str | None = None, chat: bool = False, **sampling: Any) -> Iterator[TokenDelta]:
+                        *, salt: str | None = None, chat: bool = False, lora_request: Any = None,
+                        **sampling: Any) -> Iterator[TokenDelta]:
         """Yield a :class:`TokenDelta` per generated token of every sample, as the tokens are produced.
 
         A sample's ``delta.text`` pieces concatenate to its final text; its last delta has
         ``finish_reason`` set, and a prompt's last delta carries the prompt's ``RequestOutput``.
         Generation runs in a background thread; leaving the loop early (``break``, an exception)
         stops it and frees its KV blocks. Sampling settings are checked here, the prompts on the
-        first ``next()``.
+        first ``next()``. ``lora_request``: as :meth:`generate`'s, only None.
         """
         self._check_open()
+        _no_lora("generate_stream", lora_request)
         with _named("generate_stream"):  # checked now, as the call will build them (over the model's defaults)
             self.result.executor._params(sampling_params, sampling, 0)
         return self._stream(prompts, sampling_params, sampling, salt, chat)
