@@ -205,7 +205,8 @@ class LLM:
             if isinstance(chat_template_kwargs, dict) and "tools" in chat_template_kwargs:
                 raise GenerationError("chat: tools: given both as chat's argument and in chat_template_kwargs; give "
                                       "it once")
-            chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
+            if chat_template_kwargs is None or isinstance(chat_template_kwargs, dict):  # anything else: refused below
+                chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
         conversations = [messages] if is_conversation(messages) else messages
         if isinstance(conversations, (str, bytes)) or not isinstance(conversations, Sequence) or not conversations \
                 or not all(is_conversation(c) for c in conversations):
@@ -227,16 +228,18 @@ class LLM:
                 reason="kvload.LLM draws no progress bar; llm.last_stats has the call's totals"))
 
     def generate_stream(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                        *, salt: str | None = None, chat: bool = False, **sampling: Any) -> Iterator[TokenDelta]:
+                        *, salt: str | None = None, chat: bool = False, lora_request: Any = None,
+                        **sampling: Any) -> Iterator[TokenDelta]:
         """Yield a :class:`TokenDelta` per generated token of every sample, as the tokens are produced.
 
         A sample's ``delta.text`` pieces concatenate to its final text; its last delta has
         ``finish_reason`` set, and a prompt's last delta carries the prompt's ``RequestOutput``.
         Generation runs in a background thread; leaving the loop early (``break``, an exception)
         stops it and frees its KV blocks. Sampling settings are checked here, the prompts on the
-        first ``next()``.
+        first ``next()``. ``lora_request``: as :meth:`generate`'s, only None.
         """
         self._check_open()
+        _no_lora("generate_stream", lora_request)
         with _named("generate_stream"):  # checked now, as the call will build them (over the model's defaults)
             self.result.executor._params(sampling_params, sampling, 0)
         return self._stream(prompts, sampling_params, sampling, salt, chat)

@@ -111,13 +111,21 @@ def test_a_stream_sends_the_thinking_then_the_answer_as_the_whole_reply_splits_t
     assert got["reasons"][-1] == "stop" and got["logprobs"] == got["usage"].completion_tokens
 
 
-def test_a_reply_cut_before_its_end_marker_is_all_thinking(r1):
+@pytest.mark.parametrize("tools", [{}, {"tools": [CLOCK]}])  # an "auto" reply's answer is read for calls
+def test_a_reply_cut_before_its_end_marker_is_all_thinking(r1, tools):
     ids = r1.script.say(THOUGHT + "</think>" + ANSWER)
     cut = r1.script.tokenizer.decode(ids[:6])
-    c, reasoning, content = message_of(chat(r1, max_tokens=6))
-    assert (reasoning, content, c.finish_reason) == (cut, None, "length")
-    got = read_stream(chat(r1, stream=True, max_tokens=6))
+    c, reasoning, content = message_of(chat(r1, max_tokens=6, **tools))
+    assert (reasoning, content, c.finish_reason) == (cut, None, "length") and not c.message.tool_calls
+    got = read_stream(chat(r1, stream=True, max_tokens=6, **tools))
     assert (got["reasoning"], got["content"], got["reasons"][-1]) == (cut, "", "length")
+
+
+@pytest.mark.parametrize("tools", [{}, {"tools": [CLOCK]}])
+def test_a_reply_that_ends_with_its_thinking_has_content_null(r1, tools):
+    r1.script.say(THOUGHT + "</think>")
+    c, reasoning, content = message_of(chat(r1, **tools))
+    assert (reasoning, content, c.finish_reason) == (THOUGHT, None, "stop") and not c.message.tool_calls
 
 
 def test_tool_calls_are_read_from_the_answer_only(r1):
@@ -185,3 +193,39 @@ def test_qwen3_with_thinking_switched_off_answers_in_content_and_takes_a_grammar
     qwen3.script.say("Blue.")
     held = chat(qwen3, extra_body={**off["extra_body"], "structured_outputs": {"choice": ["Blue.", "Grey."]}})
     assert held.choices[0].message.content == "Blue."
+
+
+#: A call to get_time as each tool-call parser reads one.
+CALLS = {"hermes": '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>',
+         "llama3_json": '{"name": "get_time", "parameters": {"zone": "UTC"}}',
+         "pythonic": '[get_time(zone="UTC")]'}
+
+
+@pytest.fixture(scope="module", params=sorted(CALLS))
+def qwen3_tools(request, tiny_checkpoints, tmp_path_factory):
+    """Served with ``--reasoning-parser qwen3`` and each tool-call parser."""
+    with _serve(tiny_checkpoints, tmp_path_factory, reasoning_parser="qwen3",
+                tool_call_parser=request.param) as running:
+        yield request.param, SimpleNamespace(served=running, script=Script(running.state.engine))
+
+
+def test_every_tool_call_parser_reads_the_answer_only_whole_and_streamed_for_each_choice(qwen3_tools):
+    """The two parsers were written apart and joined in app.py: each choice's thinking is reasoning_content (a call
+    written there included), its answer read for calls by the server's tool-call parser, a stream joined per choice
+    is the whole reply."""
+    parser, server = qwen3_tools
+    call = CALLS[parser]
+    server.script.say("<think>" + THOUGHT + " " + call + "</think>\n\n" + call)
+    whole = chat(server, tools=[CLOCK], n=2)
+    streams = {0: [], 1: []}
+    for chunk in chat(server, stream=True, tools=[CLOCK], n=2):
+        for choice in chunk.choices:
+            streams[choice.index].append(SimpleNamespace(choices=[choice], usage=None))
+    for c in whole.choices:
+        assert (c.message.model_extra["reasoning_content"], c.message.content) == (THOUGHT + " " + call, None)
+        assert c.finish_reason == "tool_calls"
+        assert [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls] == [
+            ("get_time", {"zone": "UTC"})]
+        got = read_stream(streams[c.index])
+        assert (got["reasoning"], got["content"], got["reasons"][-1]) == (THOUGHT + " " + call, "", "tool_calls")
+        assert got["calls"] == [(t.function.name, t.function.arguments) for t in c.message.tool_calls]

@@ -116,6 +116,12 @@ def test_lora_request_none_is_the_base_model_and_an_adapter_is_refused(llm):
         with pytest.raises(GenerationError, match=f"^{name}: lora_request: kvload serves the checkpoint's own weights "
                                                   "and has no LoRA adapters; accepted: None, got object$"):
             call(IDS if name == "generate" else [{"role": "user", "content": "w5"}], params, lora_request=object())
+    # generate_stream takes generate's arguments: None is the base model there too, not "vLLM's argument"
+    streamed = list(llm.generate_stream(IDS[:1], params, lora_request=None))
+    assert [t for d in streamed for t in d.token_ids] == plain[0].outputs[0].token_ids
+    with pytest.raises(GenerationError, match="^generate_stream: lora_request: kvload serves the checkpoint's own "
+                                              "weights and has no LoRA adapters; accepted: None, got object$"):
+        llm.generate_stream(IDS[:1], params, lora_request=object())
 
 
 def test_a_vllm_call_argument_kvload_lacks_is_named_not_mistaken_for_a_sampling_setting(llm):
@@ -141,6 +147,10 @@ def test_chat_tools_reach_the_template_as_vllm_passes_them(llm):
             llm.chat(conv, params, tools=tools, chat_template_kwargs={"tools": tools})
         with pytest.raises(GenerationError, match="^chat: tools: expected a list of tool definitions"):
             llm.chat(conv, params, tools="f")
+        for bad in ("x", [("n", 1)]):  # refused as without tools, not a TypeError from merging tools into it
+            with pytest.raises(GenerationError, match="^chat: chat_template_kwargs: expected a dict of template "
+                                                      "variables"):
+                llm.chat(conv, params, tools=tools, chat_template_kwargs=bad)
     finally:
         tok.chat_template = None
 

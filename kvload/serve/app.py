@@ -948,11 +948,13 @@ class _Run:
         thinking.feed(text)
         thinking.finish()
         reasoning, answer = thinking.reasoning, thinking.content
-        if auto is not None:
-            message = self._auto_message(auto, answer or "")
+        if auto is not None and answer is not None:  # no answer (the thinking never ended): no calls, content null
+            message = self._auto_message(auto, answer)
         else:
             message = {"role": self.role, "content": self.chat_echo + answer if answer is not None
                        else self.chat_echo or None}
+            if auto is not None:
+                message["tool_calls"] = []
         return {**message, "reasoning_content": reasoning, "reasoning": reasoning}
 
     def _thinking_delta(self, thinking: ReasoningText, auto: ToolReader | None, text: str,
