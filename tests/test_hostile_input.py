@@ -685,6 +685,19 @@ def test_malformed_records_name_the_file_and_line(capsys, real_log, tmp_path, na
     assert_refused(r, str(path), "line ", needle)
 
 
+@pytest.mark.parametrize("command", [["audit", "--verify"], ["explain", "max_seq_len"]])
+def test_an_audit_log_with_a_byte_that_is_not_utf8_names_its_line(capsys, real_log, tmp_path, command):
+    """A byte flipped on a disk, or a log re-saved in Latin-1 (``Ã©`` for é): "cannot read audit file
+    (UnicodeDecodeError)" named neither the line nor what an audit log holds."""
+    raw = real_log.read_bytes().split(b"\n")
+    raw[3] = raw[3].replace(b'"', b'"\xe9', 1)
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b"\n".join(raw))
+    r = run_cli(capsys, command[0], path, *command[1:])
+    assert r.err == f"error: {path}: line 4: not UTF-8 (byte 0xe9); an audit log is JSON Lines in UTF-8\n"
+    assert (r.code, r.out) == (2, "")
+
+
 def _rechain(records: list[dict], key: bytes | None = None) -> list[dict]:
     """What a forger does after editing: recompute every link (possible without a key, impossible with one)."""
     chain = Chain(key)
