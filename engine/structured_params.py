@@ -24,6 +24,10 @@ def _refuse(what: str, why: str) -> GenerationError:
     return GenerationError(f"generate: {_FIELD}{'.' + what if what else ''}: {why}")
 
 
+#: What a JSON value that is no object is called, as JSON calls it (Python's names said "got JSON NoneType").
+_JSON_KINDS = {list: "a JSON array", str: "a JSON string", bool: "true or false", type(None): "null"}
+
+
 def _schema_text(schema: Any) -> str:
     """A JSON schema (a dict, or its JSON text) as JSON text; one line naming ``json`` when it is neither."""
     if isinstance(schema, str):
@@ -37,7 +41,7 @@ def _schema_text(schema: Any) -> str:
             raise _refuse("json", f"not JSON text ({str(exc).splitlines()[0][:120]}); give a JSON schema as a dict "
                                   "or its JSON text") from None
         if not isinstance(parsed, dict):
-            raise _refuse("json", f"expected a JSON schema object, got JSON {type(parsed).__name__}")
+            raise _refuse("json", f"expected a JSON schema object, got {_JSON_KINDS.get(type(parsed), 'a number')}")
         _check_depth(parsed)  # a schema sent as text skips the request body's own depth check
         return schema
     if not isinstance(schema, Mapping):

@@ -254,7 +254,8 @@ _MAY_BE_ZERO = frozenset({"prefixes", "shared_percent", "urgent_percent", "max_g
 
 
 def planned_tokens(name: str, requests: int, params: dict[str, int], seed: int = 0) -> int:
-    """Token ids the workload will hold (sum over requests of prompt + answer), computed without building it."""
+    """Token ids the workload will hold (sum over requests of prompt + answer; with ``mixed``'s system prompts,
+    drawn up front to build it), computed without building it."""
     p = {**workload_params(name), **params}
     if name == "shared-prefix":
         return requests * (p["prefix_len"] + p["question_len"] + p["answer_len"])
@@ -268,7 +269,9 @@ def planned_tokens(name: str, requests: int, params: dict[str, int], seed: int =
                                                                                    + p["urgent_answer_len"])
     if name == "mixed":
         shapes = _mixed_shape(requests, seed, p)  # the sizes alone: no token id is drawn
-        return sum(own + answer + (p["prefix_len"] if shared >= 0 else 0) for own, answer, shared, _, _ in shapes)
+        # every system prompt is drawn up front, used or not (prefixes=10**6 on 2 requests drew 512M ids)
+        return p["prefixes"] * p["prefix_len"] + sum(own + answer + (p["prefix_len"] if shared >= 0 else 0)
+                                                     for own, answer, shared, _, _ in shapes)
     return requests * (p["prompt_len"] + p["answer_len"])
 
 

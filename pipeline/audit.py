@@ -20,7 +20,7 @@ from typing import Any
 from pipeline.audit_chain import HEAD, PREV, Chain, audit_key, check_chain
 from pipeline.audit_schema import record_problem
 from pipeline.config import framework_defaults
-from pipeline.errors import AuditError, ConfigError, OutputError
+from pipeline.errors import AuditError, ConfigError, OutputError, cannot_read
 from pipeline.events import is_value_event
 from pipeline.limits import MAX_DEPTH, nesting_depth, short, unique_keys
 from pipeline.paths import flatten, set_in
@@ -218,7 +218,7 @@ def _read_text(p: Path) -> str:
     except FileNotFoundError:
         raise AuditError(f"{p}: audit file not found") from None
     except OSError as exc:
-        raise AuditError(f"{p}: cannot read audit file ({exc.__class__.__name__})") from None
+        raise AuditError(f"{p}: {cannot_read(exc, 'audit file')}") from None
     if stat.S_ISDIR(st.st_mode):
         raise AuditError(f"{p}: is a directory, expected an audit .jsonl file")
     if not stat.S_ISREG(st.st_mode):  # a FIFO would block the read forever, a device never ends
@@ -226,9 +226,15 @@ def _read_text(p: Path) -> str:
     if st.st_size > MAX_AUDIT_BYTES:
         raise AuditError(f"{p}: {st.st_size:,} bytes, larger than any kvload audit log ({MAX_AUDIT_BYTES:,})")
     try:
-        return p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise AuditError(f"{p}: cannot read audit file ({exc.__class__.__name__})") from None
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise AuditError(f"{p}: {cannot_read(exc, 'audit file')}") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:  # where: a log kvload wrote is UTF-8, so the bytes there were changed
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise AuditError(f"{p}: line {line}: not UTF-8 (byte 0x{raw[exc.start]:02x}); an audit log is JSON Lines in "
+                         "UTF-8") from None
 
 
 def _parse_line(p: Path, n: int, line: str, last: bool) -> dict[str, Any]:

@@ -24,6 +24,8 @@ from pipeline.errors import RankError, RankLostError
 #: Seconds a collective waits for the other ranks before failing (weights load between two of them).
 TIMEOUT_ENV = "KVLOAD_DIST_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 600.0
+#: The longest collective timeout taken (a week): a rank gone longer is lost, and torch's timeout must be finite.
+MAX_TIMEOUT_S = 7 * 86400.0
 
 _groups: dict[str, Any] = {}
 _T = TypeVar("_T")
@@ -132,8 +134,9 @@ def timeout_s(environ: Mapping[str, str] = os.environ) -> float:
         value = float(text)
     except ValueError:
         value = -1.0
-    if value <= 0:
-        raise RankError(f"environment {TIMEOUT_ENV}={text!r}: expected a number of seconds > 0")
+    if not 0 < value <= MAX_TIMEOUT_S:  # NaN too: it, and inf, reached torch's timedelta as a traceback's words
+        raise RankError(f"environment {TIMEOUT_ENV}={text!r}: expected a number of seconds in (0, "
+                        f"{MAX_TIMEOUT_S:g}] (a week)")
     return value
 
 
@@ -197,6 +200,8 @@ def ranks_from_env(environ: Mapping[str, str] = os.environ) -> Ranks:
     local = _env_int(environ, "LOCAL_RANK", rank)
     if world < 1 or not 0 <= rank < world:
         raise RankError(f"environment RANK={rank} WORLD_SIZE={world}: expected 0 <= RANK < WORLD_SIZE")
+    if world > 1:
+        timeout_s(environ)  # a bad timeout named now, not at the first collective after the parse
     return Ranks(rank, world, local)
 
 

@@ -149,7 +149,7 @@ CASES = [
      ["schema.jsonl", "schema_version 99", "reads 1"]),
     ("audit-array", "explain {in}/audit/array.jsonl", 2, ["array.jsonl", "line 2", "JSON object"]),
     ("audit-fieldless", "audit {in}/audit/fieldless.jsonl", 2, ["fieldless.jsonl", "auto_resolved", "'field'"]),
-    ("audit-binary", "audit {in}/audit/binary.jsonl", 2, ["binary.jsonl", "cannot read"]),
+    ("audit-binary", "audit {in}/audit/binary.jsonl", 2, ["binary.jsonl", "line 1: not UTF-8"]),
     ("audit-no-file-arg", "audit --verify", 2, ["AUDIT.jsonl"]),
     ("explain-unknown-field", "explain {in}/audit/ok.jsonl tokens_per_blok", 2,
      ["'tokens_per_blok'", "did you mean 'tokens_per_block'?"]),

@@ -285,6 +285,9 @@ def _limited_cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
                                     ["--requests"]),
         "simulate prompt_len 1e12": (["simulate", "tiny-llama", "--workload", "long-context", "--workload-arg",
                                       f"prompt_len={10**12}"], ["--workload-arg"]),
+        # two requests, but a million system prompts of 512 tokens drawn before any request was
+        "simulate mixed prefixes 1e6": (["simulate", "tiny-llama", "--workload", "mixed", "--requests", 2,
+                                         "--workload-arg", f"prefixes={10**6}"], ["prefixes=1,000,000", "token ids"]),
         "audit 100000-deep": (["audit", tmp / "deep.jsonl", "--verify"], ["deep.jsonl", "line 2"]),
         "--max_gpu_total_bytes 1e400": (["plan", "tiny-llama", "--max_gpu_total_bytes", "1e400"],
                                         ["--max_gpu_total_bytes", "'1e400'"]),
@@ -294,7 +297,7 @@ def _limited_cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
 @pytest.mark.parametrize("case", [
     "config.json num_hidden_layers 1e9", "YAML list bomb", "YAML dict bomb", "YAML 8 GiB file",
     "simulate --requests 1e9",
-    "simulate prompt_len 1e12", "audit 100000-deep", "--max_gpu_total_bytes 1e400"])
+    "simulate prompt_len 1e12", "simulate mixed prefixes 1e6", "audit 100000-deep", "--max_gpu_total_bytes 1e400"])
 def test_hostile_input_ends_within_memory_and_cpu_limits(tmp_path, case):
     """A real process under RLIMIT_AS 1.5 GiB and RLIMIT_CPU 40 s: refused with exit 2, not killed by a limit."""
     argv, needles = _limited_cases(tmp_path)[case]
@@ -680,6 +683,19 @@ def test_malformed_records_name_the_file_and_line(capsys, real_log, tmp_path, na
     write_events(path, records)
     r = run_cli(capsys, "audit", path, "--verify")
     assert_refused(r, str(path), "line ", needle)
+
+
+@pytest.mark.parametrize("command", [["audit", "--verify"], ["explain", "max_seq_len"]])
+def test_an_audit_log_with_a_byte_that_is_not_utf8_names_its_line(capsys, real_log, tmp_path, command):
+    """A byte flipped on a disk, or a log re-saved in Latin-1 (``Ã©`` for é): "cannot read audit file
+    (UnicodeDecodeError)" named neither the line nor what an audit log holds."""
+    raw = real_log.read_bytes().split(b"\n")
+    raw[3] = raw[3].replace(b'"', b'"\xe9', 1)
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b"\n".join(raw))
+    r = run_cli(capsys, command[0], path, *command[1:])
+    assert r.err == f"error: {path}: line 4: not UTF-8 (byte 0xe9); an audit log is JSON Lines in UTF-8\n"
+    assert (r.code, r.out) == (2, "")
 
 
 def _rechain(records: list[dict], key: bytes | None = None) -> list[dict]:

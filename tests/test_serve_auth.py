@@ -250,6 +250,29 @@ def test_a_forgotten_model_after_two_keys_is_refused_without_quoting_the_second(
     assert KEY not in r.err and "the last value after --api-key was taken as MODEL" in r.err, r.err
 
 
+THIRD, FOURTH = "third-key-9d1e", "fourth-key-7b2a"
+
+
+@pytest.mark.parametrize("argv", [
+    ["--api-key", OTHER, KEY, "--api-key", THIRD, FOURTH],
+    ["--api-key", OTHER, "tiny-llama", "--api-key", THIRD, FOURTH],  # MODEL given, but so is a key after it
+    ["--api-key", OTHER, KEY, "--api-key=" + THIRD, "--api-key", FOURTH, "tiny-llama"],
+])
+def test_two_api_key_flags_with_several_values_and_no_model_first_are_refused(capsys, argv):
+    """``--api-key A B --api-key C D`` with no MODEL before took D for MODEL (and served B as a key): with
+    ``--api-key A tiny-llama --api-key C D`` that is the wrong model and MODEL a key. Either use may end with MODEL,
+    so it is one usage error, before anything loads, that quotes no value (the port is taken: a server that took a
+    guess stops there)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        r = run_cli(capsys, "serve", *argv, "--max_tokens", "256", "--port", taken.getsockname()[1])
+    assert r.code == 2 and r.one_error_line, r.err
+    assert r.err.startswith("error: no MODEL before --api-key, and 2 --api-key flags took several values"), r.err
+    assert "give MODEL first" in r.err
+    assert not any(value in r.err for value in (KEY, OTHER, THIRD, FOURTH, "tiny-llama")), r.err
+
+
 @pytest.mark.parametrize(("argv", "shown"), [
     (["serve", "tiny-llama", "--api-keyy", KEY], "--api-keyy (value hidden); did you mean --api-key?"),
     (["serve", "--api-keyy", KEY, "tiny-llama"], "--api-keyy (value hidden); did you mean --api-key?"),

@@ -33,7 +33,7 @@ def served(tiny_checkpoints, tmp_path_factory):
     exactly a reply), a chat template that shows the tools, served with the hermes parser."""
     pytest.importorskip("xgrammar")
     dest = bytelevel_checkpoint(tiny_checkpoints("llama"), tmp_path_factory.mktemp("auto") / "ckpt", TEMPLATE)
-    with serving(str(dest), state={"tool_call_parser": "hermes"}) as running:
+    with serving(str(dest), state={"tool_call_parser": "hermes", "trust_request_chat_template": True}) as running:
         yield running
 
 
@@ -167,6 +167,68 @@ def test_smollm2_asked_about_the_weather_calls_get_weather_for_the_city():
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
     assert content == "" and [(i, n, a) for i, _, n, a in calls] == [(0, "get_weather", call.function.arguments)]
     assert reasons[-1] == "tool_calls"
+
+
+#: A template that writes what a tool-use template reads of an agent's turns: the calls (arguments as an object, as
+#: transformers documents and vLLM passes them) and the id a tool's answer carries.
+RENDER_CALLS = ("{% for m in messages %}{{ m['role'] }}:{{ m['content'] }}"
+                "{% for c in m.get('tool_calls') or [] %}[{{ c['id'] }} {{ c['function']['name'] }} "
+                "{{ c['function']['arguments'] | tojson }} {{ c['function']['arguments']['zone'] }}]{% endfor %}"
+                "{% if m.get('tool_call_id') %}<{{ m['tool_call_id'] }}>{% endif %}|{% endfor %}")
+
+
+@pytest.mark.parametrize("dump", [False, True])
+def test_an_agents_next_turn_sends_back_the_calls_and_their_answers(served, dump):
+    """The openai client's tool loop: the reply's message (its tool_calls, content possibly null; as the client's
+    object or its model_dump(), whose refusal, audio, annotations and function_call are null) goes back into the
+    conversation with a "tool" message answering each call by its tool_call_id. All were a 400 ("messages[1].
+    tool_calls: not supported (text messages only)"), so no agent got past its first call."""
+    reply = chat(served, tools=TOOLS)
+    message = reply.choices[0].message
+    (call,) = message.tool_calls
+    turns = [*MESSAGES, message.model_dump() if dump else message,
+             {"role": "tool", "tool_call_id": call.id, "content": "12:00"}]
+    again = served.client.chat.completions.create(model=served.state.model_name, messages=turns, tools=TOOLS,
+                                                  max_tokens=2)
+    assert again.choices[0].finish_reason == "length"
+    # what the chat template is given: arguments parsed from their JSON text, and the ids
+    bare = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}},
+        {"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": ""}}]}
+    ids = served.http.post("/tokenize", json={"messages": [*MESSAGES, bare, {"role": "tool", "tool_call_id": "call_1",
+                                                                              "content": "12:00"}],
+                                               "chat_template": RENDER_CALLS}).json()["tokens"]
+    text = served.http.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert text == ('user:Hello world, the sky is|assistant:[call_1 get_time {"zone": "UTC"} UTC]'
+                    '[call_2 get_weather {} ]|tool:12:00<call_1>|')
+
+
+@pytest.mark.parametrize(("message", "param", "says"), [
+    ({"role": "assistant", "content": None, "tool_calls": "get_time"}, "messages[1].tool_calls", "expected [{"),
+    ({"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"arguments": "{}"}}]},
+     "messages[1].tool_calls[0].function.name", "the called function's name"),
+    ({"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{zone: 1}"}}]},
+     "messages[1].tool_calls[0].function.arguments", "expected JSON text"),
+    ({"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "[NaN]"}}]},
+     "messages[1].tool_calls[0].function.arguments", "NaN is not standard JSON"),
+    ({"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "[" * 40}}]},
+     "messages[1].tool_calls[0].function.arguments", "nested deeper than 32 levels"),
+    ({"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f"}, "status": "done"}]},
+     "messages[1].tool_calls[0]", "status: not part of a tool call"),
+    ({"role": "tool", "content": "12:00", "tool_call_id": 7}, "messages[1].tool_call_id", "expected a string"),
+    ({"role": "user", "content": "hi", "tool_call_id": "c"}, "messages[1].tool_call_id",
+     "not supported (a tool message's); a message has role, content, name"),
+    ({"role": "user", "content": "hi", "tool_calls": []}, "messages[1].tool_calls",
+     "not supported (an assistant message's)"),
+    ({"role": "assistant", "content": "hi", "audio": {"id": "a"}}, "messages[1].audio",
+     "not supported; a message has role, content, name, tool_calls"),
+])
+def test_a_malformed_tool_turn_is_a_400_naming_it(served, message, param, says):
+    r = served.http.post("/v1/chat/completions", json={"model": served.state.model_name, "max_tokens": 1,
+                                                        "messages": [*MESSAGES, message]})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"].startswith(param) and says in error["message"], error
 
 
 def test_build_state_refuses_a_parser_kvload_does_not_have(served):

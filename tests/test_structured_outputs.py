@@ -394,7 +394,8 @@ def test_generate_choice_flags_give_one_of_the_choices(capsys, bytes_ckpt):
     (("--grammar", "root ::= foo"), 'error: --grammar: xgrammar refused it: EBNF parser error at line 1, column 10: '
                                     'Rule "foo" is not defined'),
     (("--json-schema", "{x"), "error: --json-schema: not JSON text"),
-    (("--json-schema", "[1]"), "error: --json-schema: expected a JSON schema object, got JSON list"),
+    (("--json-schema", "[1]"), "error: --json-schema: expected a JSON schema object, got a JSON array"),
+    (("--json-schema", "null"), "error: --json-schema: expected a JSON schema object, got null"),  # was "JSON NoneType"
     (("--json-schema", "@MISSING"), "error: --json-schema: @MISSING: not found"),
     (("--grammar", "@"), "error: --grammar: @ names no file; give @FILE, or a grammar itself"),
     (("--choice", "a", "--choice", ""), "error: --choice #2: expected a non-empty string, got ''"),

@@ -10,7 +10,7 @@ import pipeline
 from models import load_hf_config, resolve_checkpoint
 from models.geometry import head_sharding, layers_from_config
 from pipeline.errors import ConfigError, ModelError, RankError
-from pipeline.ranks import Ranks, rank_audit_path, ranks_from_env
+from pipeline.ranks import Ranks, rank_audit_path, ranks_from_env, timeout_s
 from stages.apply_model_defaults import validate_model_defaults
 from tests.cli_support import run_cli
 
@@ -101,6 +101,31 @@ def test_rank_from_the_environment_and_audit_file_per_rank():
     assert rank_audit_path("logs/audit.jsonl", Ranks(1, 2, 1)) == "logs/audit.rank1.jsonl"
     for ranks in (Ranks(0, 2, 0), Ranks(1, 2, 1)):  # left empty for the check to say so (Path("") is ".")
         assert rank_audit_path("", ranks) == ""
+
+
+@pytest.mark.parametrize("text", ["inf", "nan", "1e400"])
+def test_a_collective_timeout_torch_cannot_take_is_named_before_anything_runs(capsys, monkeypatch, text):
+    """``KVLOAD_DIST_TIMEOUT_S=inf`` (as in "wait for ever") ended every rank with "agree_ranks: OverflowError:
+    cannot convert float infinity to integer", and ``nan`` with "torch.distributed cannot start (...); launch the
+    ranks with torchrun" (under torchrun): NaN passed the check of ``> 0``. Now one line naming the variable, exit 2,
+    from the rank's first look at its environment."""
+    monkeypatch.setenv("KVLOAD_DIST_TIMEOUT_S", text)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    r = run_cli(capsys, "plan", "tiny-llama", "--tp_size", "2")
+    assert (r.code, r.one_error_line, r.out) == (2, True, "")
+    assert r.err == (f"error: environment KVLOAD_DIST_TIMEOUT_S={text!r}: expected a number of seconds in (0, "
+                     "604800] (a week)\n")
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one process waits for no one: the variable is not read
+    assert run_cli(capsys, "plan", "tiny-llama").code == 0
+
+
+def test_a_collective_timeout_is_bounded_and_finite():
+    """A week at most (a billion seconds waited that long for a rank that never came), and a number."""
+    assert timeout_s({}) == 600.0 and timeout_s({"KVLOAD_DIST_TIMEOUT_S": "604800"}) == 604800.0
+    for text in ("1e9", "604801", "-5", "0", "ten"):
+        with pytest.raises(RankError, match=r"expected a number of seconds in \(0, 604800\] \(a week\)"):
+            timeout_s({"KVLOAD_DIST_TIMEOUT_S": text})
 
 
 def test_a_single_process_run_records_rank_zero_of_one():

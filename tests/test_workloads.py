@@ -79,7 +79,8 @@ def test_mixed_draws_sizes_in_range_puts_shared_prompts_after_a_system_prompt_an
     gaps = [b.arrival_step - a.arrival_step for a, b in itertools.pairwise(w.requests)]
     assert set(gaps) == {0, 1, 2, 3}  # bursts (several at one step) and pauses
     assert {len(r.prompt) for r in w.requests} != {len(w.requests[0].prompt)}  # lengths vary
-    assert planned_tokens("mixed", 120, params, 5) == sum(len(r.prompt) + len(r.answer) for r in w.requests)
+    # the requests' ids, and the system prompts drawn up front to build them
+    assert planned_tokens("mixed", 120, params, 5) == 2 * 16 + sum(len(r.prompt) + len(r.answer) for r in w.requests)
     assert default_budget_sequences(w) == 2  # answer_max // 32, at least 2
     none = make_workload("mixed", 30, 1, prefixes=0, shared_percent=0, urgent_percent=0, max_gap=0)
     assert {r.arrival_step for r in none.requests} == {0} and none.ideal_reused_tokens == 0

@@ -178,16 +178,19 @@ class _ApiKeys(argparse.Action):
 
 
 def _finish(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
-    """MODEL, else the last value of the last ``--api-key KEY ... MODEL`` that took more than one (argparse's
-    nargs="+" took it for a key; vLLM takes several keys to one flag, so ``MODEL --api-key K1 K2`` stays two keys);
-    then each key checked."""
+    """MODEL, else the last value of the one ``--api-key KEY ... MODEL`` that took more than one (argparse's
+    nargs="+" took it for a key; vLLM takes several keys to one flag, so ``MODEL --api-key K1 K2`` stays two keys;
+    two such uses are refused: either may end with MODEL); then each key checked."""
     ns.model_after_api_key = False
     if ns.model is None:
         # one value: a key, never MODEL (a server with no key instead)
-        end = next((end for end, n in reversed(getattr(ns, "api_key_runs", [])) if n >= 2), None)
-        if end is None:
+        ends = [end for end, n in getattr(ns, "api_key_runs", []) if n >= 2]
+        if not ends:
             parser.error("the following arguments are required: MODEL")
-        ns.model = ns.api_key.pop(end - 1)
+        if len(ends) > 1:  # `--api-key A B --api-key C D`: B or D may be MODEL, or neither; guessing serves a key
+            parser.error(f"no MODEL before --api-key, and {len(ends)} --api-key flags took several values, so which "
+                         "value is MODEL is unclear; give MODEL first (kvload serve MODEL --api-key KEY ...)")
+        ns.model = ns.api_key.pop(ends[0] - 1)
         ns.model_after_api_key = True
     if ns.enable_auto_tool_choice and ns.tool_call_parser is None:  # vLLM's rule, in its words
         parser.error("--enable-auto-tool-choice requires --tool-call-parser (kvload has: "
