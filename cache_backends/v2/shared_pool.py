@@ -131,23 +131,24 @@ class SharedPool:
             pieces.append(piece)
         return pieces
 
-    def incref_many(self, group: int, blocks: Iterable[int]) -> None:
-        """:meth:`incref` for each of ``blocks`` (a prefix hit's blocks of ``group``), in one pass."""
-        ref, group_of, evictable = self.ref, self.group_of, self.evictable
-        taken = 0
-        for b in blocks:
+    def incref_many(self, group: int, blocks: Sequence[int]) -> None:
+        """:meth:`incref` for each of ``blocks`` (a prefix hit's distinct blocks of ``group``), in one pass."""
+        ref, group_of = self.ref, self.group_of
+        cached: list[int] = []
+        for b in blocks:  # checked before anything changes
             if group_of[b] != group:
                 raise RuntimeError(f"group {self.names[group]}: block {b} is not one of its used or cached blocks")
-            if ref[b] == 0:
-                try:
-                    evictable.remove(b)
-                except KeyError:
-                    raise RuntimeError(f"group {self.names[group]}: block {b} is not one of its used or cached "
-                                       "blocks") from None
-                taken += 1
+            if not ref[b]:
+                cached.append(b)
+        try:
+            self.evictable.remove_many(cached)  # one pass over the queue, not a call per block
+        except KeyError as e:
+            raise RuntimeError(f"group {self.names[group]}: block {e.args[0]} is not one of its used or cached "
+                               "blocks") from None
+        for b in blocks:
             ref[b] += 1
-        self.cached[group] -= taken
-        self.used[group] += taken
+        self.cached[group] -= len(cached)
+        self.used[group] += len(cached)
 
     def release_slices(self, members: Sequence[tuple[int, list[int]]], lo: int, hi: int, priority: int) -> None:
         """Let go of ``table[lo:hi]`` of every ``(group, table)`` (ids below 0 skipped) and mark them -1; blocks in
@@ -320,7 +321,7 @@ class GroupShare:
         """One more cache of this group holds ``b``."""
         self.arena.incref(self.index, b)
 
-    def incref_many(self, blocks: Iterable[int]) -> None:
+    def incref_many(self, blocks: Sequence[int]) -> None:
         """:meth:`incref` for each of ``blocks``, in one pass (:meth:`SharedPool.incref_many`)."""
         self.arena.incref_many(self.index, blocks)
 
