@@ -1332,9 +1332,13 @@ class KVCacheManagerV2:
             return 0
         covered: dict[str, int] = {}  # growing groups: group blocks present from 0
         counts: dict[str, list[int]] = {}  # sliding groups: prefix counts of present blocks
+        gaps = []  # the groups missing a block on the path: only they can rule a length out
         for g in self.groups:
             step = g.tokens_per_block // T
             along = self._tree.path_blocks(last, n, g.name)
+            if step == 1 and -1 not in along:  # every block there (the usual case), so every length suits the group
+                continue
+            gaps.append(g)
             present = [along[(j + 1) * step - 1] >= 0 for j in range(n // step)]
             if g.window is None:
                 covered[g.name] = next((j for j, p in enumerate(present) if not p), len(present))
@@ -1345,7 +1349,7 @@ class KVCacheManagerV2:
                 counts[g.name] = acc
         for m in range(top, 0, -unit):
             ok = True
-            for g in self.groups:
+            for g in gaps:
                 tpb = g.tokens_per_block
                 if g.window is None:
                     ok = m // tpb <= covered[g.name]
@@ -1398,7 +1402,7 @@ class KVCacheManagerV2:
                     tpb, step = g.tokens_per_block, g.tokens_per_block // T
                     lo = 0 if g.window is None else max(0, m - g.window + 1) // tpb
                     along = self._tree.path_blocks(run, i + run.start + 1, g.name)
-                    claimed = [along[(j + 1) * step - 1] for j in range(lo, m // tpb)]
+                    claimed = along[lo:] if step == 1 else [along[(j + 1) * step - 1] for j in range(lo, m // tpb)]
                     self._pool[g.name].incref_many(claimed)
                     cache.tables[g.name] = [-1] * lo + claimed
                     cache.released[g.name] = lo
