@@ -172,8 +172,8 @@ class EvictionQueue:
         """Take each of ``blocks`` (ids of the pool) out of the queue, in one pass: a prefix hit takes back every cached
         block it claims, blocks x groups of them on a shared arena. ``KeyError`` on the first one not queued (the ones
         before it are out)."""
-        by_key, keys = self._by_key, self._key
-        done = shared = 0
+        by_key, keys, bit = self._by_key, self._key, _SHARED_BIT
+        shared = 0
         try:
             for b in blocks:  # this loop runs for every block a hit takes back: kept lean
                 key = keys[b]
@@ -181,13 +181,13 @@ class EvictionQueue:
                 del bucket[b]
                 if not bucket:
                     del by_key[key]
-                shared += key >> _SHARED_BIT
-                done += 1
-        except KeyError:
+                shared += key >> bit
+        except KeyError:  # the ones before it are out: count what is left
+            self._len = sum(map(len, by_key.values()))
+            self.num_shared = sum(len(bucket) for key, bucket in by_key.items() if key >> bit)
             raise KeyError(b) from None
-        finally:
-            self._len -= done
-            self.num_shared -= shared
+        self._len -= len(blocks)
+        self.num_shared -= shared
 
     def pop(self) -> int:
         """The next block to evict; ``IndexError`` when empty."""
@@ -304,14 +304,17 @@ class GroupPool:
         """:meth:`incref` for each of ``blocks`` (a prefix hit's distinct blocks), in one pass: the cached ones
         leave the eviction queue in one :meth:`EvictionQueue.remove_many`."""
         ref = self.ref
-        cached = [b for b in blocks if not ref[b]]
+        cached: list[int] = []
+        for b in blocks:
+            r = ref[b]
+            if not r:
+                cached.append(b)
+            ref[b] = r + 1
         try:
             self.evictable.remove_many(cached)
         except KeyError as e:
             raise RuntimeError(f"group {self.name}: block {e.args[0]} is free, it cannot be shared") from None
         self.num_used += len(cached)
-        for b in blocks:
-            ref[b] += 1
 
     def decref(self, b: int, priority: int, keep_cached: bool, detach: Detach) -> None:
         """One holder lets go of ``b``; at zero an attached block is cached (or dropped), others go free."""

@@ -135,18 +135,18 @@ class SharedPool:
         """:meth:`incref` for each of ``blocks`` (a prefix hit's distinct blocks of ``group``), in one pass."""
         ref, group_of = self.ref, self.group_of
         cached: list[int] = []
-        for b in blocks:  # checked before anything changes
+        for b in blocks:  # this loop runs for every block a hit claims: kept lean
             if group_of[b] != group:
                 raise RuntimeError(f"group {self.names[group]}: block {b} is not one of its used or cached blocks")
-            if not ref[b]:
+            r = ref[b]
+            if not r:
                 cached.append(b)
+            ref[b] = r + 1
         try:
             self.evictable.remove_many(cached)  # one pass over the queue, not a call per block
         except KeyError as e:
             raise RuntimeError(f"group {self.names[group]}: block {e.args[0]} is not one of its used or cached "
                                "blocks") from None
-        for b in blocks:
-            ref[b] += 1
         self.cached[group] -= len(cached)
         self.used[group] += len(cached)
 
