@@ -1332,12 +1332,20 @@ class KVCacheManagerV2:
         if top == 0:
             return 0
         covered: dict[str, int] = {}  # growing groups: group blocks present from 0
-        counts: dict[str, list[int]] = {}  # sliding groups: prefix counts of present blocks
+        counts: dict[str, list[int]] = {}  # sliding groups whose blocks span several positions: prefix counts
+        along_of: dict[str, list[int]] = {}  # sliding groups with a block per position: their blocks on the path
         gaps = []  # the groups missing a block on the path: only they can rule a length out
         for g in self.groups:
             step = g.tokens_per_block // T
             along = self._tree.path_blocks(last, n, g.name)
-            if step == 1 and -1 not in along:  # every block there (the usual case), so every length suits the group
+            if step == 1:  # a group block per position: searched at C speed
+                if -1 not in along:  # every block there (the usual case), so every length suits the group
+                    continue
+                if g.window is None:
+                    covered[g.name] = along.index(-1)
+                else:  # each length's window is looked up where it lies (a few blocks) instead of counting them all
+                    along_of[g.name] = along
+                gaps.append(g)
                 continue
             gaps.append(g)
             present = [along[(j + 1) * step - 1] >= 0 for j in range(n // step)]
@@ -1356,7 +1364,11 @@ class KVCacheManagerV2:
                     ok = m // tpb <= covered[g.name]
                 else:
                     lo, hi = max(0, m - g.window + 1) // tpb, m // tpb
-                    ok = counts[g.name][hi] - counts[g.name][lo] == hi - lo
+                    blocks = along_of.get(g.name)
+                    if blocks is not None:
+                        ok = -1 not in blocks[lo:hi]
+                    else:
+                        ok = counts[g.name][hi] - counts[g.name][lo] == hi - lo
                 if not ok:
                     break
             if ok:
