@@ -8,6 +8,7 @@ Run from the repository root (nothing here runs torch kernels)::
     python -m bench.bench_step_cost --against /tmp/base --rounds 4   # before/after: alternating processes
     python -m bench.bench_step_cost --model tests/data/configs/gemma-3-27b-it --only 2,4   # many layer groups
     python -m bench.bench_step_cost --opcodes --model tiny-gemma3 --against /tmp/base   # Python opcodes instead
+    python -m bench.bench_step_cost --total --model tiny-gemma3 --against /tmp/base   # whole runs, not median steps
 
 A *pair* runs both sides of one figure back to back (order alternating), each a whole
 :func:`engine.simulator.simulate` replay; a side's figure is the median over the run's engine steps of
@@ -44,9 +45,10 @@ FIGURES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
 
 def measure(pairs: int, quick: bool, only: list[str] | None = None,
             model: str = "tiny-llama", requests: int | None = None,
-            opcodes: bool = False) -> dict[str, dict[str, list[float]]]:
+            opcodes: bool = False, total: bool = False) -> dict[str, dict[str, list[float]]]:
     """Per figure: the median step µs of each run of side ``a`` and ``b``, pairs interleaved (order alternating);
-    with ``opcodes``, the Python opcodes of each side's KV work over one whole run instead."""
+    with ``total``, each run's whole manager + scheduler time in ms instead; with ``opcodes``, the Python opcodes of
+    each side's KV work over one whole run."""
     from engine.simulator import simulate
     from engine.workloads import make_workload
 
@@ -65,7 +67,8 @@ def measure(pairs: int, quick: bool, only: list[str] | None = None,
                 for side in (("a", "b") if i % 2 == 0 else ("b", "a")):
                     report = simulate(model, wl, kv_cache_config=a if side == "a" else b, **CPU)
                     (result,) = report.results.values()
-                    runs[side].append(result.metrics.step_time_us_median)
+                    m = result.metrics
+                    runs[side].append(m.kv_seconds * 1e3 if total else m.step_time_us_median)
             out[figure] = runs
     return out
 
@@ -97,7 +100,7 @@ def _per_pair(runs: dict[str, list[float]]) -> list[float]:
 
 
 def table(results: dict[str, dict[str, dict[str, list[float]]]], command: str, model: str = "tiny-llama",
-          opcodes: bool = False) -> Table:
+          opcodes: bool = False, total: bool = False) -> Table:
     """One row per (tree, figure): side medians, the ratio (median of pairs) and the target verdict."""
     if opcodes:
         t = Table(f"V2 KV work in Python opcodes ({model}, one run per side)", command,
@@ -110,8 +113,9 @@ def table(results: dict[str, dict[str, dict[str, list[float]]]], command: str, m
         t.notes.append("A/B: V1/V2, or V2 reuse off/on for no-reuse; opcodes of the whole run's manager + scheduler "
                        "work (bench.common.kv_opcode_counter), which weighs every opcode alike.")
         return t
-    t = Table(f"V2 per-step cost ({model}, thread CPU time, interleaved pairs)", command,
-              ["tree", "figure", "A step µs (median)", "B step µs (median)", "B / A (median of pairs)",
+    unit = "run ms" if total else "step µs"
+    t = Table(f"V2 per-{'run' if total else 'step'} cost ({model}, thread CPU time, interleaved pairs)", command,
+              ["tree", "figure", f"A {unit} (median)", f"B {unit} (median)", "B / A (median of pairs)",
                "pairs (min-max)", "target"])
     for tree, figures in results.items():
         for figure, runs in figures.items():
@@ -124,19 +128,21 @@ def table(results: dict[str, dict[str, dict[str, list[float]]]], command: str, m
             t.rows.append([tree, figure, f"{median(runs['a']):,.0f}", f"{median(runs['b']):,.0f}", show(mid),
                            f"{len(per)} ({show(min(per))} to {show(max(per))})", verdict(ok)])
     t.notes.append("A/B: V1/V2 for the step-time figures (target <= 1.25x), V2 reuse off/on for no-reuse (target "
-                   "under +10%); each side's figure is the median over a run's engine steps of manager + scheduler "
-                   "thread CPU time; the ratio is the median of per-pair ratios.")
+                   "under +10%); each side's figure is " + ("a whole run's" if total else "the median over a run's "
+                   "engine steps of") + " manager + scheduler thread CPU time; the ratio is the median of per-pair "
+                   "ratios.")
     return t
 
 
 def _child(tree: str, pairs: int, quick: bool, only: str | None, model: str,
-           requests: int | None, opcodes: bool = False) -> dict[str, dict[str, list[float]]]:
+           requests: int | None, opcodes: bool = False, total: bool = False) -> dict[str, dict[str, list[float]]]:
     env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     # this file, run against the tree's packages: the other tree may predate --model and the 4th figure
     args = [sys.executable, os.path.abspath(__file__), "--json", "--pairs", str(pairs), "--model", model]
     args += (["--quick"] if quick else []) + (["--only", only] if only else [])
     args += ["--requests", str(requests)] if requests else []
     args += ["--opcodes"] if opcodes else []
+    args += ["--total"] if total else []
     done = subprocess.run(args, cwd=tree, env=env, capture_output=True, text=True, timeout=1800, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -157,18 +163,22 @@ def main(argv: list[str] | None = None) -> None:
                    "the simulated pools are sized for them in host memory)")
     p.add_argument("--opcodes", action="store_true", help="count the Python opcodes of each side's KV work over one "
                    "run (deterministic) instead of timing pairs")
+    p.add_argument("--total", action="store_true", help="each run's whole manager + scheduler time instead of its "
+                   "median step (where the cost is in a few steps: admissions, finishes)")
     args = p.parse_args(argv)
     only = [list(FIGURES)[int(i) - 1] for i in args.only.split(",")] if args.only else None
     if args.json:
-        print(json.dumps(measure(args.pairs, args.quick, only, args.model, args.requests, args.opcodes)))
+        print(json.dumps(measure(args.pairs, args.quick, only, args.model, args.requests, args.opcodes, args.total)))
         return
     here = os.getcwd()
     command = "python -m bench.bench_step_cost" + (f" --pairs {args.pairs}" if args.pairs != 3 else "") + (
         " --quick" if args.quick else "") + (f" --only {args.only}" if args.only else "") + (
         f" --model {args.model}" if args.model != "tiny-llama" else "") + (
-        f" --requests {args.requests}" if args.requests else "") + (" --opcodes" if args.opcodes else "")
+        f" --requests {args.requests}" if args.requests else "") + (" --opcodes" if args.opcodes else "") + (
+        " --total" if args.total else "")
     if args.against is None:
-        results = {"this tree": measure(args.pairs, args.quick, only, args.model, args.requests, args.opcodes)}
+        results = {"this tree": measure(args.pairs, args.quick, only, args.model, args.requests, args.opcodes,
+                                        args.total)}
     else:
         command += " --against <tree>" + ("" if args.opcodes else f" --rounds {args.rounds}")
         trees = {"before (--against)": os.path.abspath(args.against), "after (this tree)": here}
@@ -176,12 +186,12 @@ def main(argv: list[str] | None = None) -> None:
         for i in range(1 if args.opcodes else args.rounds):  # opcode counts do not vary: one process per tree
             for name in (list(trees) if i % 2 == 0 else list(trees)[::-1]):
                 for f, runs in _child(trees[name], args.pairs, args.quick, args.only, args.model,
-                                      args.requests, args.opcodes).items():
+                                      args.requests, args.opcodes, args.total).items():
                     results[name][f]["a"] += runs["a"]
                     results[name][f]["b"] += runs["b"]
     print(machine())
     print(f"load average {os.getloadavg()[0]:.2f} at the end\n")
-    print(table(results, command, args.model, args.opcodes).markdown())
+    print(table(results, command, args.model, args.opcodes, args.total).markdown())
 
 
 if __name__ == "__main__":
