@@ -7,6 +7,8 @@ Run from the repository root (nothing here runs torch kernels)::
     python -m bench.bench_step_cost --pairs 5 --quick    # a quarter of each workload's requests
     python -m bench.bench_step_cost --against /tmp/base --rounds 4   # before/after: alternating processes
     python -m bench.bench_step_cost --model tests/data/configs/gemma-3-27b-it --only 2,4   # many layer groups
+    python -m bench.bench_step_cost --opcodes --model tiny-gemma3 --against /tmp/base   # Python opcodes instead
+    python -m bench.bench_step_cost --total --model tiny-gemma3 --against /tmp/base   # whole runs, not median steps
 
 A *pair* runs both sides of one figure back to back (order alternating), each a whole
 :func:`engine.simulator.simulate` replay; a side's figure is the median over the run's engine steps of
@@ -14,7 +16,8 @@ manager + scheduler time (``scheduler.step``, commits, finishes: the driver's ``
 this thread's CPU time (``time.thread_time``) so other jobs on a shared machine do not count. A ratio is
 the median of the per-pair ratios. ``--against`` alternates processes of this tree and the other (each
 process runs ``--pairs`` pairs of every figure) and reports both trees' medians side by side: the same
-session, the same load.
+session, the same load. ``--opcodes`` counts instead the Python opcodes of each side's whole-run KV work, one run
+per side (``bench.common.kv_opcode_counter``: deterministic, so it holds on a loaded machine where CPU times drift).
 """
 
 from __future__ import annotations
@@ -41,11 +44,16 @@ FIGURES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
 
 
 def measure(pairs: int, quick: bool, only: list[str] | None = None,
-            model: str = "tiny-llama", requests: int | None = None) -> dict[str, dict[str, list[float]]]:
-    """Per figure: the median step µs of each run of side ``a`` and ``b``, pairs interleaved (order alternating)."""
+            model: str = "tiny-llama", requests: int | None = None,
+            opcodes: bool = False, total: bool = False) -> dict[str, dict[str, list[float]]]:
+    """Per figure: the median step µs of each run of side ``a`` and ``b``, pairs interleaved (order alternating);
+    with ``total``, each run's whole manager + scheduler time in ms instead; with ``opcodes``, the Python opcodes of
+    each side's KV work over one whole run."""
     from engine.simulator import simulate
     from engine.workloads import make_workload
 
+    if opcodes:
+        return _count_opcodes(quick, only, model, requests)
     with thread_cpu_step_clock():
         out: dict[str, dict[str, list[float]]] = {}
         for figure, (name, a, b) in FIGURES.items():
@@ -59,8 +67,31 @@ def measure(pairs: int, quick: bool, only: list[str] | None = None,
                 for side in (("a", "b") if i % 2 == 0 else ("b", "a")):
                     report = simulate(model, wl, kv_cache_config=a if side == "a" else b, **CPU)
                     (result,) = report.results.values()
-                    runs[side].append(result.metrics.step_time_us_median)
+                    m = result.metrics
+                    runs[side].append(m.kv_seconds * 1e3 if total else m.step_time_us_median)
             out[figure] = runs
+    return out
+
+
+def _count_opcodes(quick: bool, only: list[str] | None, model: str,
+                   requests: int | None) -> dict[str, dict[str, list[float]]]:
+    """Per figure: each side's opcode count over one run (deterministic: one run says it all)."""
+    from bench.common import kv_opcode_counter
+    from engine.simulator import simulate
+    from engine.workloads import make_workload
+
+    out: dict[str, dict[str, list[float]]] = {}
+    for figure, (name, a, b) in FIGURES.items():
+        if only is not None and figure not in only:
+            continue
+        wl = make_workload(name, requests or (max(4, len(make_workload(name, None, 0).requests) // 4) if quick
+                                              else None), 0)
+        runs: dict[str, list[float]] = {}
+        for side, kv in (("a", a), ("b", b)):
+            with kv_opcode_counter() as count:
+                simulate(model, wl, kv_cache_config=kv, **CPU)
+            runs[side] = [float(count[0])]
+        out[figure] = runs
     return out
 
 
@@ -68,10 +99,23 @@ def _per_pair(runs: dict[str, list[float]]) -> list[float]:
     return [b / a for a, b in zip(runs["a"], runs["b"], strict=True)]
 
 
-def table(results: dict[str, dict[str, dict[str, list[float]]]], command: str, model: str = "tiny-llama") -> Table:
+def table(results: dict[str, dict[str, dict[str, list[float]]]], command: str, model: str = "tiny-llama",
+          opcodes: bool = False, total: bool = False) -> Table:
     """One row per (tree, figure): side medians, the ratio (median of pairs) and the target verdict."""
-    t = Table(f"V2 per-step cost ({model}, thread CPU time, interleaved pairs)", command,
-              ["tree", "figure", "A step µs (median)", "B step µs (median)", "B / A (median of pairs)",
+    if opcodes:
+        t = Table(f"V2 KV work in Python opcodes ({model}, one run per side)", command,
+                  ["tree", "figure", "A opcodes", "B opcodes", "B / A"])
+        for tree, figures in results.items():
+            for figure, runs in figures.items():
+                a, b = runs["a"][0], runs["b"][0]
+                t.rows.append([tree, figure, f"{a:,.0f}", f"{b:,.0f}", ratio(b / a) if "V1" in figure
+                               else f"{b / a - 1:+.1%}"])
+        t.notes.append("A/B: V1/V2, or V2 reuse off/on for no-reuse; opcodes of the whole run's manager + scheduler "
+                       "work (bench.common.kv_opcode_counter), which weighs every opcode alike.")
+        return t
+    unit = "run ms" if total else "step µs"
+    t = Table(f"V2 per-{'run' if total else 'step'} cost ({model}, thread CPU time, interleaved pairs)", command,
+              ["tree", "figure", f"A {unit} (median)", f"B {unit} (median)", "B / A (median of pairs)",
                "pairs (min-max)", "target"])
     for tree, figures in results.items():
         for figure, runs in figures.items():
@@ -84,18 +128,21 @@ def table(results: dict[str, dict[str, dict[str, list[float]]]], command: str, m
             t.rows.append([tree, figure, f"{median(runs['a']):,.0f}", f"{median(runs['b']):,.0f}", show(mid),
                            f"{len(per)} ({show(min(per))} to {show(max(per))})", verdict(ok)])
     t.notes.append("A/B: V1/V2 for the step-time figures (target <= 1.25x), V2 reuse off/on for no-reuse (target "
-                   "under +10%); each side's figure is the median over a run's engine steps of manager + scheduler "
-                   "thread CPU time; the ratio is the median of per-pair ratios.")
+                   "under +10%); each side's figure is " + ("a whole run's" if total else "the median over a run's "
+                   "engine steps of") + " manager + scheduler thread CPU time; the ratio is the median of per-pair "
+                   "ratios.")
     return t
 
 
 def _child(tree: str, pairs: int, quick: bool, only: str | None, model: str,
-           requests: int | None) -> dict[str, dict[str, list[float]]]:
+           requests: int | None, opcodes: bool = False, total: bool = False) -> dict[str, dict[str, list[float]]]:
     env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     # this file, run against the tree's packages: the other tree may predate --model and the 4th figure
     args = [sys.executable, os.path.abspath(__file__), "--json", "--pairs", str(pairs), "--model", model]
     args += (["--quick"] if quick else []) + (["--only", only] if only else [])
     args += ["--requests", str(requests)] if requests else []
+    args += ["--opcodes"] if opcodes else []
+    args += ["--total"] if total else []
     done = subprocess.run(args, cwd=tree, env=env, capture_output=True, text=True, timeout=1800, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -114,31 +161,37 @@ def main(argv: list[str] | None = None) -> None:
                    "tests/data/configs/gemma-3-27b-it for a shared arena of 31 layer groups)")
     p.add_argument("--requests", type=int, help="requests per workload (instead of its default or --quick's quarter; "
                    "the simulated pools are sized for them in host memory)")
+    p.add_argument("--opcodes", action="store_true", help="count the Python opcodes of each side's KV work over one "
+                   "run (deterministic) instead of timing pairs")
+    p.add_argument("--total", action="store_true", help="each run's whole manager + scheduler time instead of its "
+                   "median step (where the cost is in a few steps: admissions, finishes)")
     args = p.parse_args(argv)
     only = [list(FIGURES)[int(i) - 1] for i in args.only.split(",")] if args.only else None
     if args.json:
-        print(json.dumps(measure(args.pairs, args.quick, only, args.model, args.requests)))
+        print(json.dumps(measure(args.pairs, args.quick, only, args.model, args.requests, args.opcodes, args.total)))
         return
     here = os.getcwd()
     command = "python -m bench.bench_step_cost" + (f" --pairs {args.pairs}" if args.pairs != 3 else "") + (
         " --quick" if args.quick else "") + (f" --only {args.only}" if args.only else "") + (
         f" --model {args.model}" if args.model != "tiny-llama" else "") + (
-        f" --requests {args.requests}" if args.requests else "")
+        f" --requests {args.requests}" if args.requests else "") + (" --opcodes" if args.opcodes else "") + (
+        " --total" if args.total else "")
     if args.against is None:
-        results = {"this tree": measure(args.pairs, args.quick, only, args.model, args.requests)}
+        results = {"this tree": measure(args.pairs, args.quick, only, args.model, args.requests, args.opcodes,
+                                        args.total)}
     else:
-        command += f" --against <tree> --rounds {args.rounds}"
+        command += " --against <tree>" + ("" if args.opcodes else f" --rounds {args.rounds}")
         trees = {"before (--against)": os.path.abspath(args.against), "after (this tree)": here}
         results = {name: {f: {"a": [], "b": []} for f in only or FIGURES} for name in trees}
-        for i in range(args.rounds):
+        for i in range(1 if args.opcodes else args.rounds):  # opcode counts do not vary: one process per tree
             for name in (list(trees) if i % 2 == 0 else list(trees)[::-1]):
                 for f, runs in _child(trees[name], args.pairs, args.quick, args.only, args.model,
-                                      args.requests).items():
+                                      args.requests, args.opcodes, args.total).items():
                     results[name][f]["a"] += runs["a"]
                     results[name][f]["b"] += runs["b"]
     print(machine())
     print(f"load average {os.getloadavg()[0]:.2f} at the end\n")
-    print(table(results, command, args.model).markdown())
+    print(table(results, command, args.model, args.opcodes, args.total).markdown())
 
 
 if __name__ == "__main__":

@@ -72,6 +72,20 @@ def test_step_cost_bench_pairs_both_sides_of_every_figure_and_restores_the_wall_
     assert all(row[-1] in ("met", "**missed**") for row in table.rows)
 
 
+def test_step_cost_bench_counts_opcodes_or_times_whole_runs_instead_of_the_median_step():
+    from bench import bench_step_cost
+
+    only = ["multi-turn V2/V1"]
+    ops = bench_step_cost.measure(1, True, only, opcodes=True)
+    assert set(ops) == set(only) and all(len(ops[only[0]][s]) == 1 and ops[only[0]][s][0] > 1000 for s in "ab")
+    row = bench_step_cost.table({"this tree": ops}, "cmd", opcodes=True).rows[0]
+    assert row[2:] == [f"{ops[only[0]]['a'][0]:,.0f}", f"{ops[only[0]]['b'][0]:,.0f}",
+                       f"{ops[only[0]]['b'][0] / ops[only[0]]['a'][0]:.2f}x"]
+    whole = bench_step_cost.measure(1, True, only, total=True)[only[0]]
+    step = bench_step_cost.measure(1, True, only)[only[0]]
+    assert all(whole[s][0] * 1e3 > 10 * step[s][0] for s in "ab")  # a run of ~150 steps (ms) vs its median step (µs)
+
+
 def test_pressure_bench_runs_both_managers_per_cell_and_refuses_an_unknown_cell(capsys):
     from bench import bench_pressure
 

@@ -8,6 +8,8 @@ prefix-hit rate at least V1's at the same budget (before, the window blocks ever
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import cache_backends.v2.scheduler as v2_scheduler
 from cache_backends.request import Request
@@ -57,6 +59,29 @@ def test_a_shared_block_no_hit_took_back_for_eight_pools_of_releases_goes_to_the
     assert q.num_shared == 0 and q.blocks() == [0, 1, 2, 3]
     q.add(1 + 4, 0, shared=True)  # a block queued shared now is not stale
     assert q.num_shared == 1 and q.pop_many(3) == [0, 1, 2]
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(-2, 2), st.booleans()), min_size=1, max_size=24), st.data())
+def test_taking_many_blocks_out_of_the_queue_leaves_the_order_one_by_one_would(queued, data):
+    # a prefix hit takes back blocks x groups cached blocks in one remove_many: the queue must then evict exactly
+    # what it would have after a remove per block, and count the shared prefixes it still holds
+    q = EvictionQueue([0] * len(queued))
+    for b, (priority, shared) in enumerate(queued):
+        q.add(b, priority, shared)
+    order = q.blocks()
+    taken = data.draw(st.lists(st.sampled_from(order), unique=True))
+    q.remove_many(taken)
+    left = [b for b in order if b not in taken]
+    assert q.blocks() == left and len(q) == len(left)
+    assert q.num_shared == sum(queued[b][1] for b in left)
+    assert all(b not in q for b in taken)
+    if taken and left:  # a block no longer queued is refused, as remove refuses it; the ones before it are out
+        with pytest.raises(KeyError):
+            q.remove_many([left[0], taken[0]])
+        left = left[1:]
+        assert q.blocks() == left and len(q) == len(left) and q.num_shared == sum(queued[b][1] for b in left)
+    assert q.pop_many(len(left)) == left and q.num_shared == 0
 
 
 def test_a_system_prompt_two_prompts_branched_from_outlives_a_burst_that_evicts():

@@ -164,15 +164,30 @@ class EvictionQueue:
 
     def remove(self, block: int) -> None:
         """Take ``block`` out of the queue (it is being reused); ``KeyError`` if it is not queued."""
-        if block not in self:
+        if not 0 <= block < len(self._key):
             raise KeyError(block)
-        key = self._key[block]
-        bucket = self._by_key[key]
-        del bucket[block]
-        if not bucket:
-            del self._by_key[key]
-        self._len -= 1
-        self.num_shared -= key >> _SHARED_BIT
+        self.remove_many((block,))
+
+    def remove_many(self, blocks: Sequence[int]) -> None:
+        """Take each of ``blocks`` (ids of the pool) out of the queue, in one pass: a prefix hit takes back every cached
+        block it claims, blocks x groups of them on a shared arena. ``KeyError`` on the first one not queued (the ones
+        before it are out)."""
+        by_key, keys, bit = self._by_key, self._key, _SHARED_BIT
+        shared = 0
+        try:
+            for b in blocks:  # this loop runs for every block a hit takes back: kept lean
+                key = keys[b]
+                bucket = by_key[key]  # a block never queued, or taken out, is not in its (stale) key's bucket
+                del bucket[b]
+                if not bucket:
+                    del by_key[key]
+                shared += key >> bit
+        except KeyError:  # the ones before it are out: count what is left
+            self._len = sum(map(len, by_key.values()))
+            self.num_shared = sum(len(bucket) for key, bucket in by_key.items() if key >> bit)
+            raise KeyError(b) from None
+        self._len -= len(blocks)
+        self.num_shared -= shared
 
     def pop(self) -> int:
         """The next block to evict; ``IndexError`` when empty."""
@@ -285,10 +300,21 @@ class GroupPool:
             self.num_used += 1
         self.ref[b] += 1
 
-    def incref_many(self, blocks: Iterable[int]) -> None:
-        """:meth:`incref` for each of ``blocks`` (a prefix hit's blocks), in order."""
+    def incref_many(self, blocks: Sequence[int]) -> None:
+        """:meth:`incref` for each of ``blocks`` (a prefix hit's distinct blocks), in one pass: the cached ones
+        leave the eviction queue in one :meth:`EvictionQueue.remove_many`."""
+        ref = self.ref
+        cached: list[int] = []
         for b in blocks:
-            self.incref(b)
+            r = ref[b]
+            if not r:
+                cached.append(b)
+            ref[b] = r + 1
+        try:
+            self.evictable.remove_many(cached)
+        except KeyError as e:
+            raise RuntimeError(f"group {self.name}: block {e.args[0]} is free, it cannot be shared") from None
+        self.num_used += len(cached)
 
     def decref(self, b: int, priority: int, keep_cached: bool, detach: Detach) -> None:
         """One holder lets go of ``b``; at zero an attached block is cached (or dropped), others go free."""

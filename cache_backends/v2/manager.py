@@ -191,8 +191,10 @@ class KVCacheManagerV2:
         self._pool_cycles: list[list[tuple[LayerGroup, int]]] = [
             [(self._cycles[c][0], k) for c, k in Counter(self._cycle_of[index[name]] for name in names).items()]
             for _, names in self._pool_sets]
-        # a shared arena's window sets as (window, span, first member, [(arena index, member name)]): released at once
-        self._arena_windows = [(w, tpb, members[0][0], [(pool.index, name) for name, pool in members])  # type: ignore[union-attr]
+        # a shared arena's window sets as (window, span, first member, [(arena index, member name)], member names):
+        # released at once
+        self._arena_windows = [(w, tpb, members[0][0], [(pool.index, name) for name, pool in members],  # type: ignore[union-attr]
+                                [name for name, _ in members])
                                for w, tpb, members in self._window_sets] if self.layout.shared else []
         spans = [g.tokens_per_block for g in self.groups]
         self.reuse_unit: int | None = reuse_unit(self.layout)
@@ -1189,20 +1191,19 @@ class KVCacheManagerV2:
         priority = cache.request.priority
         tables, released = cache.tables, cache.released
         if keep_cached and self._arena is not None:  # a window set's sub-groups leave the window together
-            for window, tpb, first, shares in self._arena_windows:
+            for window, tpb, first, shares, names in self._arena_windows:
                 start = max(0, cache.committed - window + 1)
                 upto = min(start // tpb, len(tables[first]))
                 lo = released[first]
                 if upto <= lo:  # the common case: nothing left this window
                     continue
                 if cache.pending is not None:
-                    for _, name in shares:
-                        self._park_blocks(cache.pending, name, tables[name], lo, upto)
+                    self._park_blocks(cache.pending, names, tables, lo, upto)
                 self._arena.release_slices([(i, tables[name]) for i, name in shares], lo, upto, priority)
-                for _, name in shares:
+                for name in names:
                     released[name] = upto
             cache.slide_at = min(((released[first] + 1) * tpb + window - 1
-                                  for window, tpb, first, _ in self._arena_windows), default=NEVER)
+                                  for window, tpb, first, _, _ in self._arena_windows), default=NEVER)
             return
         for window, tpb, members in self._window_sets:
             start = max(0, cache.committed - window + 1)
@@ -1212,7 +1213,7 @@ class KVCacheManagerV2:
             for name, pool in members:
                 table = tables[name]
                 if cache.pending is not None and keep_cached:
-                    self._park_blocks(cache.pending, name, table, released[name], upto)
+                    self._park_blocks(cache.pending, (name,), tables, released[name], upto)
                 for j in range(released[name], upto):
                     if table[j] >= 0:
                         pool.decref(table[j], priority, keep_cached, self._detach)
@@ -1331,10 +1332,22 @@ class KVCacheManagerV2:
         if top == 0:
             return 0
         covered: dict[str, int] = {}  # growing groups: group blocks present from 0
-        counts: dict[str, list[int]] = {}  # sliding groups: prefix counts of present blocks
+        counts: dict[str, list[int]] = {}  # sliding groups whose blocks span several positions: prefix counts
+        along_of: dict[str, list[int]] = {}  # sliding groups with a block per position: their blocks on the path
+        gaps = []  # the groups missing a block on the path: only they can rule a length out
         for g in self.groups:
             step = g.tokens_per_block // T
             along = self._tree.path_blocks(last, n, g.name)
+            if step == 1:  # a group block per position: searched at C speed
+                if -1 not in along:  # every block there (the usual case), so every length suits the group
+                    continue
+                if g.window is None:
+                    covered[g.name] = along.index(-1)
+                else:  # each length's window is looked up where it lies (a few blocks) instead of counting them all
+                    along_of[g.name] = along
+                gaps.append(g)
+                continue
+            gaps.append(g)
             present = [along[(j + 1) * step - 1] >= 0 for j in range(n // step)]
             if g.window is None:
                 covered[g.name] = next((j for j, p in enumerate(present) if not p), len(present))
@@ -1345,13 +1358,17 @@ class KVCacheManagerV2:
                 counts[g.name] = acc
         for m in range(top, 0, -unit):
             ok = True
-            for g in self.groups:
+            for g in gaps:
                 tpb = g.tokens_per_block
                 if g.window is None:
                     ok = m // tpb <= covered[g.name]
                 else:
                     lo, hi = max(0, m - g.window + 1) // tpb, m // tpb
-                    ok = counts[g.name][hi] - counts[g.name][lo] == hi - lo
+                    blocks = along_of.get(g.name)
+                    if blocks is not None:
+                        ok = -1 not in blocks[lo:hi]
+                    else:
+                        ok = counts[g.name][hi] - counts[g.name][lo] == hi - lo
                 if not ok:
                     break
             if ok:
@@ -1398,7 +1415,7 @@ class KVCacheManagerV2:
                     tpb, step = g.tokens_per_block, g.tokens_per_block // T
                     lo = 0 if g.window is None else max(0, m - g.window + 1) // tpb
                     along = self._tree.path_blocks(run, i + run.start + 1, g.name)
-                    claimed = [along[(j + 1) * step - 1] for j in range(lo, m // tpb)]
+                    claimed = along[lo:] if step == 1 else [along[(j + 1) * step - 1] for j in range(lo, m // tpb)]
                     self._pool[g.name].incref_many(claimed)
                     cache.tables[g.name] = [-1] * lo + claimed
                     cache.released[g.name] = lo
@@ -1487,8 +1504,19 @@ class KVCacheManagerV2:
             self._tree.drop_pending(prefix)
             return
         prefix.cache = None
-        for name, _, _, _ in self._attach_steps:  # (-1 in a table: a window let it go, parked then or freed)
-            self._park_blocks(prefix, name, cache.tables[name], 0, n)
+        # below released[name] a table holds only -1 (a window let them go, parked then or freed): the groups that
+        # released as far (a window set, the full-attention groups) are parked together
+        by_lo: dict[int, list[str]] = {}
+        released = cache.released
+        for name, _, _, _ in self._attach_steps:
+            lo = released[name]
+            got = by_lo.get(lo)
+            if got is None:
+                by_lo[lo] = [name]
+            else:
+                got.append(name)
+        for lo, names in by_lo.items():
+            self._park_blocks(prefix, names, cache.tables, lo, n)
         if not any(prefix.held):  # every full block left a window and was freed (scratch reuse off): nothing cached
             self._tree.drop_pending(prefix)
 
@@ -1504,20 +1532,34 @@ class KVCacheManagerV2:
                 blocks[name] = got = []
             got += empty
 
-    def _park_blocks(self, prefix: PendingPrefix, name: str, table: list[int], lo: int, hi: int) -> None:
-        """``table[lo:hi]`` (``name``'s blocks of a lazily keyed cache: leaving a window, or all its full ones when
-        it lets go) stay cached under its pending prefix, as, keyed, they would stay in the tree."""
+    def _park_blocks(self, prefix: PendingPrefix, names: Iterable[str], tables: dict[str, list[int]], lo: int,
+                     hi: int) -> None:
+        """``tables[name][lo:hi]`` of each of ``names`` (a lazily keyed cache's blocks: leaving a window, or all its
+        full ones when it lets go) stay cached under its pending prefix, as, keyed, they would stay in the tree.
+        The groups of a window set or a life cycle in one call: Gemma 3 27B's window slides 26 groups at once."""
         if len(prefix.held) < hi:
             self._grow(prefix, hi)
-        pool = self._pool[name]
-        owner, pos, dst, held = pool.node, pool.pos, prefix.blocks[name], prefix.held
-        for j in range(lo, hi):
-            b = table[j]
-            if b >= 0:
-                dst[j] = b
-                owner[b] = prefix  # type: ignore[call-overload]
-                pos[b] = j
-                held[j] += 1
+        blocks, held = prefix.blocks, prefix.held
+        whole = 0  # groups with a block at every position: their held counts are added once, after the loop
+        for name in names:
+            pool = self._pool[name]
+            owner, pos, dst = pool.node, pool.pos, blocks[name]
+            got = tables[name][lo:hi]
+            if -1 not in got:  # the usual case: set in bulk
+                dst[lo:hi] = got
+                for j, b in enumerate(got, lo):
+                    owner[b] = prefix  # type: ignore[call-overload]
+                    pos[b] = j
+                whole += 1
+                continue
+            for j, b in enumerate(got, lo):
+                if b >= 0:
+                    dst[j] = b
+                    owner[b] = prefix  # type: ignore[call-overload]
+                    pos[b] = j
+                    held[j] += 1
+        if whole:
+            held[lo:hi] = [h + whole for h in held[lo:hi]]
 
     def _activate(self, cache: SequenceCache, m: int) -> None:
         """Admission's end: ``m`` tokens are cached; the cache becomes active and its window is released."""

@@ -131,32 +131,35 @@ class SharedPool:
             pieces.append(piece)
         return pieces
 
-    def incref_many(self, group: int, blocks: Iterable[int]) -> None:
-        """:meth:`incref` for each of ``blocks`` (a prefix hit's blocks of ``group``), in one pass."""
-        ref, group_of, evictable = self.ref, self.group_of, self.evictable
-        taken = 0
-        for b in blocks:
+    def incref_many(self, group: int, blocks: Sequence[int]) -> None:
+        """:meth:`incref` for each of ``blocks`` (a prefix hit's distinct blocks of ``group``), in one pass."""
+        ref, group_of = self.ref, self.group_of
+        cached: list[int] = []
+        for b in blocks:  # this loop runs for every block a hit claims: kept lean
             if group_of[b] != group:
                 raise RuntimeError(f"group {self.names[group]}: block {b} is not one of its used or cached blocks")
-            if ref[b] == 0:
-                try:
-                    evictable.remove(b)
-                except KeyError:
-                    raise RuntimeError(f"group {self.names[group]}: block {b} is not one of its used or cached "
-                                       "blocks") from None
-                taken += 1
-            ref[b] += 1
-        self.cached[group] -= taken
-        self.used[group] += taken
+            r = ref[b]
+            if not r:
+                cached.append(b)
+            ref[b] = r + 1
+        try:
+            self.evictable.remove_many(cached)  # one pass over the queue, not a call per block
+        except KeyError as e:
+            raise RuntimeError(f"group {self.names[group]}: block {e.args[0]} is not one of its used or cached "
+                               "blocks") from None
+        self.cached[group] -= len(cached)
+        self.used[group] += len(cached)
 
     def release_slices(self, members: Sequence[tuple[int, list[int]]], lo: int, hi: int, priority: int) -> None:
         """Let go of ``table[lo:hi]`` of every ``(group, table)`` (ids below 0 skipped) and mark them -1; blocks in
         the prefix cache stay cached. The same as :meth:`release` with ``keep_cached`` per block, in order, in one
         pass: the sliding sub-groups of one window leave it together."""
         ref, owner, free, group_of = self.ref, self.node, self._free, self.group_of
-        cached: list[int] = []
+        leaves: list[int] = []  # cached blocks split as EvictionQueue.add_split would, in the same pass
+        shared: list[int] = []
         for group, table in members:
-            released = kept = 0
+            released = 0
+            n_cached = len(leaves) + len(shared)
             for j in range(lo, hi):
                 b = table[j]
                 if b < 0:
@@ -168,25 +171,25 @@ class SharedPool:
                 if ref[b]:
                     continue
                 released += 1
-                if owner[b] is None:
+                node = owner[b]
+                if node is None:
                     free.append(b)
                     group_of[b] = -1
                 else:
-                    cached.append(b)
-                    kept += 1
+                    (shared if node.children else leaves).append(b)
             self.used[group] -= released
-            self.cached[group] += kept
-        if cached:
-            self.evictable.add_split(cached, self.node, priority)
+            self.cached[group] += len(leaves) + len(shared) - n_cached
+        self._queue(leaves, shared, priority)
 
     def release_tables(self, tables: Sequence[tuple[int, list[int]]], priority: int) -> None:
         """Let go of every block of every ``(group, table)``, each table tail first (ids below 0 skipped); blocks in
         the prefix cache stay cached. :meth:`release` group by group with ``keep_cached``, in one pass."""
         ref, owner, free, group_of = self.ref, self.node, self._free, self.group_of
         used, kept = self.used, self.cached
-        cached: list[int] = []
+        leaves: list[int] = []  # cached blocks split as EvictionQueue.add_split would, in the same pass
+        shared: list[int] = []
         for group, table in tables:
-            n_free, n_cached = len(free), len(cached)
+            n_free, n_cached = len(free), len(leaves) + len(shared)
             for b in reversed(table):  # this loop runs for every block of every group: kept lean
                 if b < 0:
                     continue
@@ -196,15 +199,24 @@ class SharedPool:
                 ref[b] = r
                 if r:
                     continue
-                if owner[b] is None:
+                node = owner[b]
+                if node is None:
                     free.append(b)
                     group_of[b] = -1
                 else:
-                    cached.append(b)
-            used[group] -= len(free) - n_free + len(cached) - n_cached
-            kept[group] += len(cached) - n_cached
-        if cached:
-            self.evictable.add_split(cached, self.node, priority)
+                    (shared if node.children else leaves).append(b)
+            n_cached = len(leaves) + len(shared) - n_cached
+            used[group] -= len(free) - n_free + n_cached
+            kept[group] += n_cached
+        self._queue(leaves, shared, priority)
+
+    def _queue(self, leaves: list[int], shared: list[int], priority: int) -> None:
+        """Queue released cached blocks, split by their runs' shape as :meth:`EvictionQueue.add_split` splits them
+        (the release loops split them as they go: a second pass over blocks x groups blocks cost as much again)."""
+        if leaves:
+            self.evictable.add_many(leaves, priority)
+        if shared:
+            self.evictable.add_many(shared, priority, True)
 
     def incref(self, group: int, b: int) -> None:
         """One more cache of ``group`` holds ``b`` (a reused or reclaimed cached block of that group)."""
@@ -320,7 +332,7 @@ class GroupShare:
         """One more cache of this group holds ``b``."""
         self.arena.incref(self.index, b)
 
-    def incref_many(self, blocks: Iterable[int]) -> None:
+    def incref_many(self, blocks: Sequence[int]) -> None:
         """:meth:`incref` for each of ``blocks``, in one pass (:meth:`SharedPool.incref_many`)."""
         self.arena.incref_many(self.index, blocks)
 
