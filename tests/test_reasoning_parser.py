@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.reasoning import END, START, ReasoningText, split_reasoning
 from kvload.serve.protocol import BadRequest, parse
-from kvload.serve.reasoning_parser import END, START, ReasoningText, split_reasoning
 
 
 def streamed(parser: str, text: str, cuts: list[int]) -> tuple[str, str]:
@@ -88,6 +88,43 @@ def test_any_reply_read_whole_or_in_any_pieces_splits_as_the_parser_says(text, c
     reasoning, content = split_reasoning(parser, text)
     assert (reasoning, content) == (deepseek_r1 if parser == "deepseek_r1" else qwen3)(text)
     assert streamed(parser, text, cuts) == (reasoning or "", content or "")
+
+
+def answer_after_thinking(parser: str, text: str) -> str | None:
+    """The oracle of where the thinking ends: the text after the first ``</think>`` (qwen3: after a ``<think>``)."""
+    if parser == "qwen3":
+        at = text.find(START)
+        if at < 0:
+            return None
+        text = text[at + len(START):]
+    _, marker, answer = text.partition(END)
+    return answer if marker else None
+
+
+@settings(max_examples=400, deadline=None)
+@given(text=_TEXT, cuts=st.lists(st.integers(0, 9), min_size=1).filter(any),
+       parser=st.sampled_from(["deepseek_r1", "qwen3"]))
+def test_a_reply_read_piece_by_piece_from_forks_ends_its_thinking_where_the_parser_does(text, cuts, parser):
+    """What a structured output's gate relies on: each piece read by a fork of the reader before it (the reader it
+    forked from unchanged), the thinking ends at the piece the parser ends it in, and the answers read from then on
+    are the text after the marker, exactly."""
+    reader, answer, at = ReasoningText(parser), None, 0
+    for cut in [*cuts, len(text)]:
+        piece, at = text[at:at + cut], at + cut
+        before = reader.key
+        after = reader.fork()
+        after.feed(piece)
+        assert reader.key == before
+        if after.ended:
+            answer = (answer or "") + after.answer
+        reader = after
+        if at >= len(text):
+            break
+    assert answer == answer_after_thinking(parser, text)
+    whole = ReasoningText(parser)
+    before_text, _, after_text = (a + b for a, b in zip(whole.read(text), whole.finish_read(), strict=True))
+    assert whole.answer == after_text == (answer or "") and whole.ended == (answer is not None)
+    assert before_text + after_text == (split_reasoning(parser, text)[1] or "")  # the content, in its two places
 
 
 @pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])

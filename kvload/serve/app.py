@@ -31,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from engine.reasoning import ReasoningText
 from engine.serving import EngineStopped, ServeEvent, ServingEngine
 from engine.stopping import SampleText
 from engine.structured import COSTLY
@@ -39,7 +40,6 @@ from kvload.serve.auth import ApiKeyGate
 from kvload.serve.command import MAX_CONCURRENT_DEFAULT, READ_TIMEOUT_DEFAULT
 from kvload.serve.metrics import ServeMetrics
 from kvload.serve.protocol import BadRequest, Job, parse, parse_detokenize, parse_tokenize, request_id
-from kvload.serve.reasoning_parser import ReasoningText
 from kvload.serve.tool_calls import ToolCallText
 from kvload.serve.tool_parser import tool_reader
 from kvload.serve.tool_reader import ToolReader
