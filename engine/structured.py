@@ -269,8 +269,10 @@ class GrammarBackend:
         """A fresh matcher for one sample; behind a :class:`ThinkingGate` with ``params.reasoning_parser``
         (``skip_special``: the sample's ``skip_special_tokens``, so the gate reads the text the reply shows)."""
         compiled = self.compile(params)
-        gate = None if params.reasoning_parser is None else \
-            ThinkingGate(self, compiled, params.reasoning_parser, skip_special)
+        gate = None
+        if params.reasoning_parser is not None:
+            self._token_texts()  # built here (the caller's thread), not in the first step: 62 ms over SmolLM2's vocab
+            gate = ThinkingGate(self, compiled, params.reasoning_parser, skip_special)
         return Constraint(self.xgr.GrammarMatcher(compiled), self.stop_token_ids, gate)
 
     def token_text(self, token: int) -> str:
