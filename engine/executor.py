@@ -658,7 +658,8 @@ class GenerationExecutor:
                 if p.prompt_logprobs is not None and j == 0:
                     live.prompt_logprobs = [None] * len(ids)
                 if p.structured_outputs is not None:  # each sample its own grammar state
-                    live.constraint = self.grammars().constraint(p.structured_outputs)
+                    live.constraint = self.grammars().constraint(p.structured_outputs,
+                                                                 skip_special=p.skip_special_tokens)
                 lives.append(live)
                 parent = parent or live
         return lives

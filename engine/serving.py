@@ -419,7 +419,8 @@ class ServingEngine:
         if params.prompt_logprobs is not None:
             live.prompt_logprobs = [None] * request.num_prompt_tokens
         if params.structured_outputs is not None:  # compiled by check(): xgrammar's cache answers (every rank's)
-            live.constraint = self.executor.grammars().constraint(params.structured_outputs)
+            live.constraint = self.executor.grammars().constraint(params.structured_outputs,
+                                                                 skip_special=params.skip_special_tokens)
         return live
 
     def _why_stopped(self) -> str:

@@ -8,6 +8,14 @@ the grammar allows next, greedy or sampled alike; a speculative draft row ``j`` 
 the first ``j`` drafts, which are then rolled back, so drafts verify exactly as a step per token would. The driver's
 stop hook feeds each appended token to the matcher (:meth:`Constraint.advance`) and ends the sample ("stop") once the
 grammar is complete and has taken an end-of-sequence token.
+
+With ``StructuredOutputsParams.reasoning_parser`` a :class:`ThinkingGate` holds the grammar back while the sample
+thinks: its tokens are read as that reasoning parser reads the reply (``engine.reasoning``, on xgrammar's bytes of
+each token), and the grammar holds the answer from its first character, the characters after the end marker in the
+token that completes it included. While thinking a row is free but for the tokens that would end the thinking with
+characters the grammar cannot begin with (``</think>\n`` before a JSON object): those are masked, so what the grammar
+is fed always parses. Vocabulary bytes are read as Latin-1 text, one character a byte: the markers are ASCII, so they
+are found where the bytes hold them, and the answer's bytes go to the matcher unchanged.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from typing import Any
 import torch
 
 from engine.grammar_shape import nullable_repeat_nesting
+from engine.reasoning import END, ReasoningText
 from engine.structured_params import StructuredOutputsParams
 from pipeline.errors import GenerationError
 from pipeline.limits import MAX_NULLABLE_REPEAT_NESTING
@@ -74,27 +83,134 @@ def choice_grammar(choices: Sequence[str]) -> str:
     return "root ::= " + " | ".join(literal(c) for c in choices)
 
 
+class ThinkingGate:
+    """One sample's thinking, which its grammar does not hold (``StructuredOutputsParams.reasoning_parser``): the
+    reply read so far (:attr:`reader`), and which tokens would end the thinking with an answer the grammar refuses."""
+
+    __slots__ = ("_refused", "_rows", "_starts", "backend", "compiled", "reader", "skip_special")
+
+    def __init__(self, backend: GrammarBackend, compiled: Any, parser: str, skip_special: bool) -> None:
+        self.backend = backend
+        self.compiled = compiled
+        self.reader = ReasoningText(parser)
+        self.skip_special = skip_special  # special tokens are no text (SamplingParams.skip_special_tokens)
+        self._refused: dict[tuple[str, str, bool, str], frozenset[int]] = {}  # per reader state
+        self._rows: dict[frozenset[int], torch.Tensor] = {}  # a bitmask row allowing all but these tokens
+        self._starts: dict[str, bool] = {}  # answer text -> whether the grammar can begin with it
+
+    def read(self, reader: ReasoningText, token: int) -> tuple[ReasoningText, str | None]:
+        """``reader`` after ``token`` (``reader`` unchanged), and the answer's first characters when the token ended the
+        thinking ("" when it ended right at the marker), else None."""
+        after = reader.fork()
+        if not (self.skip_special and token in self.backend.special_token_ids):
+            after.feed(self.backend.token_text(token))
+        return after, after.answer if after.ended else None
+
+    def refused(self, reader: ReasoningText) -> frozenset[int]:
+        """The tokens that, read next by ``reader``, would end the thinking with characters the grammar cannot begin
+        with (masked out of the row: the grammar must be able to take what follows the marker)."""
+        got = self._refused.get(reader.key)
+        if got is None:
+            got = frozenset(t for t, answer in self.backend.ending(reader)
+                            if answer and not (self.skip_special and t in self.backend.special_token_ids)
+                            and not self.starts(answer))
+            self._refused[reader.key] = got
+        return got
+
+    def row(self, refused: frozenset[int], words: int) -> torch.Tensor:
+        """A bitmask row of ``words`` int32 words allowing every token but ``refused`` (xgrammar's layout: bit
+        ``t % 32`` of word ``t // 32``), built once per set."""
+        got = self._rows.get(refused)
+        if got is None:
+            bits = [-1] * words
+            for t in refused:
+                word = bits[t // 32] & 0xFFFFFFFF & ~(1 << (t % 32))
+                bits[t // 32] = word - (1 << 32) if word >= 1 << 31 else word
+            got = self._rows[refused] = torch.tensor(bits, dtype=torch.int32)
+        return got
+
+    def starts(self, answer: str) -> bool:
+        """Whether the grammar can begin with ``answer`` (kept: the same few marker tokens come back)."""
+        ok = self._starts.get(answer)
+        if ok is None:
+            ok = self._starts[answer] = self.matcher(answer) is not None
+        return ok
+
+    def matcher(self, answer: str) -> Any:
+        """A fresh matcher that took ``answer``, or None when the grammar refuses it."""
+        matcher = self.backend.xgr.GrammarMatcher(self.compiled)
+        return matcher if not answer or matcher.accept_string(answer.encode("latin-1")) else None
+
+
 class Constraint:
-    """One sample's grammar state: which tokens may come next, advanced token by token."""
+    """One sample's grammar state: which tokens may come next, advanced token by token; with a :class:`ThinkingGate`,
+    free until the thinking ends."""
 
-    __slots__ = ("matcher", "stop_token_ids")
+    __slots__ = ("gate", "matcher", "stop_token_ids")
 
-    def __init__(self, matcher: Any, stop_token_ids: frozenset[int]) -> None:
+    def __init__(self, matcher: Any, stop_token_ids: frozenset[int], gate: ThinkingGate | None = None) -> None:
         self.matcher = matcher
         self.stop_token_ids = stop_token_ids
+        self.gate = gate  # None: the grammar holds every token from here
 
     def advance(self, token: int) -> bool:
         """Take a token the sample appended; whether the sample ends ("stop"): the grammar is complete, or stuck (an
         end-of-sequence token the grammar refuses: :func:`constrain` allows only those where the vocabulary cannot
-        spell what the grammar needs next).
+        spell what the grammar needs next). A token that ends the thinking hands the characters after the marker to
+        the grammar; one read while thinking ends nothing here (the sample's own EOS, stop and length rules do).
 
         The mask allowed only grammar tokens, so any other refusal is a bug: ``RuntimeError``."""
+        if self.gate is not None:
+            self.gate.reader, answer = self.gate.read(self.gate.reader, token)
+            if answer is None:
+                return False
+            self.gate = None
+            if answer and not self.matcher.accept_string(answer.encode("latin-1")):
+                raise RuntimeError(f"structured_outputs: token {token} ended the thinking with {answer!r}, which the "
+                                   "grammar refuses, yet it was drawn; the mask was not applied")
+            return False
         if not self.matcher.accept_token(int(token)):
             if token in self.stop_token_ids:
                 return True
             raise RuntimeError(f"structured_outputs: token {token} is not allowed by the grammar here, yet it was "
                                "drawn; the mask was not applied")
         return bool(self.matcher.is_terminated())
+
+    def fill(self, bitmask: torch.Tensor, start: int, count: int, drafts: Sequence[int]) -> list[int]:
+        """Write this sample's ``count`` bitmask rows from ``start`` (row ``j`` follows the first ``j`` drafts); the
+        rows to mask. Nothing stays changed: drafts taken are rolled back, a thinking sample's reader is not moved."""
+        gate = self.gate
+        if gate is None:
+            return _fill(self.matcher, bitmask, start, count, drafts, rollback=True)
+        reader, rows = gate.reader, []
+        for j in range(count):
+            refused = gate.refused(reader)
+            if refused:  # free but for the marker tokens whose tail the grammar refuses
+                bitmask[start + j] = gate.row(refused, bitmask.shape[1])
+                rows.append(start + j)
+            if j == count - 1 or drafts[j] in refused:
+                break  # a refused draft is masked out of its own row: verification stops there
+            reader, answer = gate.read(reader, drafts[j])
+            if answer is not None:  # the drafts so far end the thinking: the grammar holds the rows after them
+                matcher = gate.matcher(answer)  # refused tails were masked above, so this takes it
+                return rows + _fill(matcher, bitmask, start + j + 1, count - j - 1, drafts[j + 1:], rollback=False)
+        return rows
+
+
+def _fill(matcher: Any, bitmask: torch.Tensor, start: int, count: int, drafts: Sequence[int],
+          rollback: bool) -> list[int]:
+    """``matcher``'s masks for ``count`` rows from ``start``, row ``j`` after the first ``j`` drafts (those taken are
+    rolled back when ``rollback``); the rows written."""
+    rows, taken = [], 0
+    for j in range(count):
+        matcher.fill_next_token_bitmask(bitmask, start + j)
+        rows.append(start + j)
+        if j == count - 1 or not matcher.accept_token(int(drafts[j])) or matcher.is_terminated():
+            break  # a draft the grammar refuses is masked out of its own row: verification stops there
+        taken += 1
+    if taken and rollback:
+        matcher.rollback(taken)
+    return rows
 
 
 class GrammarBackend:
@@ -114,12 +230,21 @@ class GrammarBackend:
         except Exception as exc:  # a tokenizer xgrammar cannot read: one line, not its traceback
             raise GenerationError(f"generate: structured_outputs: xgrammar cannot read {name}'s tokenizer: "
                                   f"{reason(exc)}") from None
+        self.info = info
         self.vocab_size = int(info.vocab_size)
         self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
+        #: the tokens a detokenizer skipping special tokens shows no text for (a thinking gate reads the same)
+        self.special_token_ids = frozenset(int(t) for t in getattr(tokenizer, "all_special_ids", ()) or ())
         self.compiler = xgr.GrammarCompiler(info, cache_enabled=False)
         #: the latest compiled grammars, least recently used first; only specs :func:`check_spec` passed are kept
         self._grammars: OrderedDict[tuple[str, bool, bytes], Any] = OrderedDict()
         self._lock = threading.Lock()  # the server's handler threads share the backend
+        #: thinking gates' tables, built when first needed: each token's bytes as Latin-1 text, the tokens that hold
+        #: the end marker's last character (only those can end the thinking), and per reader state the tokens that
+        #: would end it and the answer's characters they would bring
+        self._texts: list[str] | None = None
+        self._enders: list[tuple[int, str]] = []
+        self._ending: dict[tuple[str, str, bool, str], tuple[tuple[int, str], ...]] = {}
 
     def compile(self, params: StructuredOutputsParams) -> Any:
         """The compiled grammar of ``params`` (the latest :data:`COMPILED_GRAMMARS` kept); ``GenerationError``
@@ -140,9 +265,44 @@ class GrammarBackend:
                 self._grammars.popitem(last=False)
         return compiled
 
-    def constraint(self, params: StructuredOutputsParams) -> Constraint:
-        """A fresh matcher for one sample."""
-        return Constraint(self.xgr.GrammarMatcher(self.compile(params)), self.stop_token_ids)
+    def constraint(self, params: StructuredOutputsParams, skip_special: bool = True) -> Constraint:
+        """A fresh matcher for one sample; behind a :class:`ThinkingGate` with ``params.reasoning_parser``
+        (``skip_special``: the sample's ``skip_special_tokens``, so the gate reads the text the reply shows)."""
+        compiled = self.compile(params)
+        gate = None
+        if params.reasoning_parser is not None:
+            self._token_texts()  # built here (the caller's thread), not in the first step: 62 ms over SmolLM2's vocab
+            gate = ThinkingGate(self, compiled, params.reasoning_parser, skip_special)
+        return Constraint(self.xgr.GrammarMatcher(compiled), self.stop_token_ids, gate)
+
+    def token_text(self, token: int) -> str:
+        """``token``'s bytes as xgrammar matches them, as Latin-1 text (one character a byte); "" past the
+        vocabulary."""
+        texts = self._token_texts()
+        return texts[token] if 0 <= token < len(texts) else ""
+
+    def ending(self, reader: ReasoningText) -> tuple[tuple[int, str], ...]:
+        """The tokens that, read next by ``reader``, end its thinking, each with the answer's characters it brings."""
+        got = self._ending.get(reader.key)
+        if got is None:
+            self._token_texts()
+            found = []
+            for token, text in self._enders:
+                after = reader.fork()
+                after.feed(text)
+                if after.ended:
+                    found.append((token, after.answer))
+            got = tuple(found)
+            with self._lock:
+                self._ending[reader.key] = got
+        return got
+
+    def _token_texts(self) -> list[str]:
+        with self._lock:
+            if self._texts is None:
+                self._texts = [bytes(b).decode("latin-1") for b in self.info.decoded_vocab]
+                self._enders = [(t, text) for t, text in enumerate(self._texts) if END[-1] in text]
+            return self._texts
 
 
 def _key(params: StructuredOutputsParams) -> tuple[str, bool, bytes]:
@@ -242,16 +402,7 @@ def constrain(logits: torch.Tensor, raw: torch.Tensor, counts: Sequence[int],
     start = 0
     for c, (constraint, drafts) in zip(counts, rows, strict=True):
         if constraint is not None:
-            matcher = constraint.matcher
-            taken = 0
-            for j in range(c):  # row j follows the first j drafts
-                matcher.fill_next_token_bitmask(bitmask, start + j)
-                masked.append(start + j)
-                if j == c - 1 or not matcher.accept_token(int(drafts[j])) or matcher.is_terminated():
-                    break  # a draft the grammar refuses is masked out of its own row: verification stops there
-                taken += 1
-            if taken:
-                matcher.rollback(taken)
+            masked.extend(constraint.fill(bitmask, start, c, drafts))
         start += c
     if not masked:
         return logits
@@ -273,5 +424,6 @@ def constrain(logits: torch.Tensor, raw: torch.Tensor, counts: Sequence[int],
     return out
 
 
-__all__ = ["COMPILED_GRAMMARS", "COSTLY", "INSTALL_HINT", "Constraint", "GrammarBackend", "check_matching_cost",
+__all__ = ["COMPILED_GRAMMARS", "COSTLY", "INSTALL_HINT", "Constraint", "GrammarBackend", "ThinkingGate",
+           "check_matching_cost",
            "check_spec", "choice_grammar", "constrain", "load_xgrammar", "reason"]

@@ -11,6 +11,7 @@ from typing import Any
 import attrs
 
 from engine.prompts import check_text
+from engine.reasoning import PARSERS
 from pipeline.errors import GenerationError
 from pipeline.limits import MAX_SCHEMA_DEPTH, MAX_STRUCTURED_CHARS, MAX_STRUCTURED_CHOICES, nesting_depth
 
@@ -88,8 +89,11 @@ class StructuredOutputsParams:
     text fully matches it), ``choice`` (the text is one of these strings), ``grammar`` (an EBNF/GBNF grammar,
     xgrammar's dialect, rule ``root``) or ``json_object=True`` (any JSON object). ``disable_any_whitespace`` (with
     ``json`` or ``json_object``): no whitespace between JSON tokens beyond one space after ``:`` and ``,`` (xgrammar's
-    compact form; the default lets the model put any, as vLLM does). Set on ``SamplingParams(structured_outputs=...)``;
-    needs xgrammar (``pip install 'kvload[structured]'``)."""
+    compact form; the default lets the model put any, as vLLM does). ``reasoning_parser`` (``"deepseek_r1"`` or
+    ``"qwen3"``; vLLM sets its engine's ``structured_outputs_config.reasoning_parser`` for this): the sample thinks
+    freely and the grammar holds only its answer, the text after the thinking as that reasoning parser reads it
+    (``engine.reasoning``). Set on ``SamplingParams(structured_outputs=...)``; needs xgrammar
+    (``pip install 'kvload[structured]'``)."""
 
     json: Any = attrs.field(default=None, hash=False)  # a dict is not hashable
     regex: str | None = None
@@ -97,14 +101,17 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    reasoning_parser: str | None = None
     #: the compiled spec's text (a schema as JSON text, the choices as JSON), set on construction
     _spec: str = attrs.field(default="", init=False, eq=False, repr=False)
 
     def __init__(self, *, json: Mapping[str, Any] | str | None = None, regex: str | None = None,
                  choice: Sequence[str] | None = None, grammar: str | None = None,
-                 json_object: bool | None = None, disable_any_whitespace: bool = False) -> None:
+                 json_object: bool | None = None, disable_any_whitespace: bool = False,
+                 reasoning_parser: str | None = None) -> None:
         """Keywords only; exactly one of the five kinds (``json_object=False`` counts as not given)."""
-        self.__attrs_init__(json, regex, _choices(choice), grammar, json_object, disable_any_whitespace)
+        self.__attrs_init__(json, regex, _choices(choice), grammar, json_object, disable_any_whitespace,
+                            reasoning_parser)
 
     def __attrs_post_init__(self) -> None:
         if self.json_object is not None and not isinstance(self.json_object, bool):
@@ -120,6 +127,11 @@ class StructuredOutputsParams:
         if self.disable_any_whitespace and kind not in ("json", "json_object"):
             raise _refuse("disable_any_whitespace", f"applies to json and json_object (JSON's whitespace); {kind} "
                                                     "outputs match their own spec exactly")
+        if self.reasoning_parser is not None and self.reasoning_parser not in PARSERS:
+            shown = repr(self.reasoning_parser) if isinstance(self.reasoning_parser, str) else \
+                type(self.reasoning_parser).__name__
+            raise _refuse("reasoning_parser", f"expected one of {', '.join(PARSERS)} (or None: the grammar holds the "
+                                              f"whole output), got {shown}"[:300])
         if kind == "json":
             spec = _schema_text(self.json)
         elif kind == "choice":
@@ -150,11 +162,11 @@ class StructuredOutputsParams:
         return self._spec
 
     def describe(self) -> dict[str, Any]:
-        """What the audit records: the kind, and the spec's size and SHA-256 (never the spec: a schema may be
-        large, or the client's secret)."""
+        """What the audit records: the kind, the spec's size and SHA-256 (never the spec: a schema may be large, or
+        the client's secret), and the reasoning parser whose answer it holds (None: the whole output)."""
         return {"kind": self.kind, "chars": len(self._spec),
                 "sha256": hashlib.sha256(self._spec.encode("utf-8")).hexdigest(),
-                "any_whitespace": not self.disable_any_whitespace}
+                "any_whitespace": not self.disable_any_whitespace, "reasoning_parser": self.reasoning_parser}
 
     def to_dict(self) -> dict[str, Any]:
         """Plain form: the one field given (vLLM's keys)."""
@@ -162,6 +174,8 @@ class StructuredOutputsParams:
         data = {self.kind: list(value) if isinstance(value, tuple) else value}
         if self.disable_any_whitespace:
             data["disable_any_whitespace"] = True
+        if self.reasoning_parser is not None:
+            data["reasoning_parser"] = self.reasoning_parser
         return data
 
 

@@ -380,7 +380,8 @@ class GenerationStarted(Event):
     min_p: float = 0.0
     #: the sampling fields above that are the model's defaults (``sampling_defaults_resolved``), not the caller's
     model_defaults: list[str] = attrs.Factory(list)
-    #: prompt 0's structured outputs: ``{"kind", "chars", "sha256"}`` of its spec (never the spec), or None
+    #: prompt 0's structured outputs: ``{"kind", "chars", "sha256", "any_whitespace", "reasoning_parser"}`` of its
+    #: spec (never the spec), or None
     structured_outputs: dict[str, Any] | None = None
     #: ``kvload.LLM(seed=...)`` (vLLM's engine seed): samples without a seed of their own draw from its sequence
     llm_seed: int | None = None
@@ -398,6 +399,8 @@ class StructuredOutputsRequested(Event):
     sha256: str
     any_whitespace: bool = True
     tool_choice: str | None = None  # field tool_choice: "named" (a function's parameters) or "required" (calls)
+    #: the server's reasoning parser when the grammar holds only the answer after the thinking, else None
+    reasoning_parser: str | None = None
 
 
 @event("generation_finished")

@@ -130,10 +130,11 @@ def fails_once(monkeypatch: Any, owner: object, name: str, exc: BaseException) -
 
 
 class Script:
-    """A scripted model in a served engine: every reply is the text last given to :meth:`say`, token by token, then
-    the end-of-sequence token. The model's own logits still come out, but for the scripted token, raised above them
-    all (greedy and any sampling pick it; logprobs stay real numbers), so everything after the forward (penalties,
-    sampling, logprobs, text, the server) is what serves a real model. One token a step per request (no drafts)."""
+    """A scripted model in a served engine (or any object with its ``executor`` and ``tokenizer``, as ``kvload.LLM``'s
+    result): every reply is the text last given to :meth:`say`, token by token, then the end-of-sequence token. The
+    model's own logits still come out, but for the scripted token, raised above them all (greedy and any sampling pick
+    it; logprobs stay real numbers), so everything after the forward (penalties, sampling, logprobs, text, the server)
+    is what serves a real model. With speculative drafts, row ``j`` of a request raises the token ``j`` places on."""
 
     def __init__(self, engine: Any) -> None:
         self.tokenizer = engine.tokenizer
@@ -144,14 +145,16 @@ class Script:
 
         def scripted(out: Any, live: Any) -> Any:
             logits, rows, counts = forward(out, live)
-            assert all(c == 1 for c in counts), "Script takes one token a step (no speculative drafts)"
             if logits is None:
                 return logits, rows, counts
             logits = logits.clone()  # the forward's is an inference tensor: not to be written outside its mode
-            for row, i in enumerate(rows):
+            row = 0
+            for i, count in zip(rows, counts, strict=True):
                 done = len(out.scheduled[i].request.output_token_ids)
-                token = self.ids[done] if done < len(self.ids) else self.eos
-                logits[row, token] = logits[row].max() + 20.0
+                for j in range(count):  # row j follows j drafts: past a wrong draft verification stops anyway
+                    token = self.ids[done + j] if done + j < len(self.ids) else self.eos
+                    logits[row, token] = logits[row].max() + 20.0
+                    row += 1
             return logits, rows, counts
 
         executor.forward_scored = scripted  # the serving loop's forward (an instance attribute shadows the method)

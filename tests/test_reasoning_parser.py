@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.reasoning import END, START, ReasoningText, split_reasoning
 from kvload.serve.protocol import BadRequest, parse
-from kvload.serve.reasoning_parser import END, START, ReasoningText, split_reasoning
 
 
 def streamed(parser: str, text: str, cuts: list[int]) -> tuple[str, str]:
@@ -90,6 +90,43 @@ def test_any_reply_read_whole_or_in_any_pieces_splits_as_the_parser_says(text, c
     assert streamed(parser, text, cuts) == (reasoning or "", content or "")
 
 
+def answer_after_thinking(parser: str, text: str) -> str | None:
+    """The oracle of where the thinking ends: the text after the first ``</think>`` (qwen3: after a ``<think>``)."""
+    if parser == "qwen3":
+        at = text.find(START)
+        if at < 0:
+            return None
+        text = text[at + len(START):]
+    _, marker, answer = text.partition(END)
+    return answer if marker else None
+
+
+@settings(max_examples=400, deadline=None)
+@given(text=_TEXT, cuts=st.lists(st.integers(0, 9), min_size=1).filter(any),
+       parser=st.sampled_from(["deepseek_r1", "qwen3"]))
+def test_a_reply_read_piece_by_piece_from_forks_ends_its_thinking_where_the_parser_does(text, cuts, parser):
+    """What a structured output's gate relies on: each piece read by a fork of the reader before it (the reader it
+    forked from unchanged), the thinking ends at the piece the parser ends it in, and the answers read from then on
+    are the text after the marker, exactly."""
+    reader, answer, at = ReasoningText(parser), None, 0
+    for cut in [*cuts, len(text)]:
+        piece, at = text[at:at + cut], at + cut
+        before = reader.key
+        after = reader.fork()
+        after.feed(piece)
+        assert reader.key == before
+        if after.ended:
+            answer = (answer or "") + after.answer
+        reader = after
+        if at >= len(text):
+            break
+    assert answer == answer_after_thinking(parser, text)
+    whole = ReasoningText(parser)
+    before_text, _, after_text = (a + b for a, b in zip(whole.read(text), whole.finish_read(), strict=True))
+    assert whole.answer == after_text == (answer or "") and whole.ended == (answer is not None)
+    assert before_text + after_text == (split_reasoning(parser, text)[1] or "")  # the content, in its two places
+
+
 @pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
 def test_a_stream_sends_text_at_once_and_holds_only_what_may_become_a_marker(parser):
     reader = ReasoningText(parser)
@@ -136,14 +173,17 @@ def test_chat_replies_are_split_and_completions_are_not():
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
 ])
 @pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
-def test_a_grammar_on_a_reply_that_thinks_is_refused_naming_the_field_and_the_flag(body, field, parser):
-    with pytest.raises(BadRequest) as info:
-        job(body, parser)
-    assert info.value.param == field and info.value.status == 400
-    assert info.value.message.startswith(f"{field}: not served with --reasoning-parser {parser}: "), info.value.message
-    assert ('"enable_thinking": false' in info.value.message) == (parser == "qwen3")
-    assert job(body, None).params.structured_outputs is not None  # without the parser: served
-    if field != "tool_choice":  # completions are not split: their grammar holds, as without the parser
-        assert job(body, kind="completion").params.structured_outputs is not None
+def test_a_grammar_on_a_reply_that_thinks_holds_only_the_answer_after_the_thinking(body, field, parser):
+    """vLLM's gate: the thinking runs free and the grammar holds what follows it. Once a 400 (kvload could not gate
+    the grammar); now served with the grammar behind the parser's own end of thinking."""
+    served = job(body, parser)
+    assert served.structured_field == field and served.reasoning == parser
+    assert served.params.structured_outputs.reasoning_parser == parser
+    assert job(body, None).params.structured_outputs.reasoning_parser is None  # without the parser: all of it
+    if field != "tool_choice":  # completions are not split: their grammar holds the whole text
+        assert job(body, kind="completion").params.structured_outputs.reasoning_parser is None
     if parser == "qwen3":  # no thinking: the grammar holds the whole answer, as without the parser
-        assert job({**body, **OFF}, parser).params.structured_outputs is not None
+        assert job({**body, **OFF}, parser).params.structured_outputs.reasoning_parser is None
+    with pytest.raises(BadRequest) as info:  # a client cannot ask for a gate itself (vLLM's requests have none)
+        job({"structured_outputs": {"regex": "a", "reasoning_parser": parser}}, None)
+    assert info.value.message.startswith("structured_outputs.reasoning_parser: not supported by kvload serve")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-import openai
 import pytest
 
 from tests.serve_support import Script, serving
@@ -142,16 +141,84 @@ def test_tool_calls_are_read_from_the_answer_only(r1):
     assert got["content"] == "" and got["reasons"][-1] == "tool_calls"
 
 
-@pytest.mark.parametrize(("extra", "field"), [
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"tools": [CLOCK], "tool_choice": "required"}, "tool_choice"),
-])
-def test_a_grammar_on_the_reply_is_refused_naming_the_field_and_the_flag(r1, extra, field):
-    with pytest.raises(openai.BadRequestError) as info:
-        chat(r1, **extra)
-    error = info.value.body
-    assert error["param"] == field
-    assert error["message"].startswith(f"{field}: not served with --reasoning-parser deepseek_r1"), error["message"]
+SKY = {"type": "object", "properties": {"sky": {"type": "string"}}, "required": ["sky"], "additionalProperties": False}
+SCHEMA_FORMAT = {"response_format": {"type": "json_schema", "json_schema": {"name": "sky", "schema": SKY}}}
+#: thinking that no JSON schema would take, and an answer that SKY does
+NOT_JSON = "Say {not json} <b>here</b>, then answer."
+SKY_ANSWER = '{"sky": "blue"}'
+NAMED = {"tools": [CLOCK], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}
+
+
+def test_a_grammar_holds_only_the_answer_after_the_thinking_whole_and_streamed_for_each_choice(r1):
+    """vLLM's gate: the thinking runs free and the grammar holds the answer (once a 400 here). Thinking no schema
+    would take stays reasoning_content; the content parses against the schema; a stream joins to the whole reply."""
+    r1.script.say(NOT_JSON + "</think>" + SKY_ANSWER)
+    whole = chat(r1, n=2, **SCHEMA_FORMAT)
+    streams = {0: [], 1: []}
+    for chunk in chat(r1, stream=True, n=2, **SCHEMA_FORMAT):
+        for choice in chunk.choices:
+            streams[choice.index].append(SimpleNamespace(choices=[choice], usage=None))
+    for c in whole.choices:  # each sample has its own gate
+        extra = c.message.model_extra
+        assert (extra["reasoning_content"], c.message.content, c.finish_reason) == (NOT_JSON, SKY_ANSWER, "stop")
+        assert json.loads(c.message.content) == {"sky": "blue"}
+        got = read_stream(streams[c.index])
+        assert (got["reasoning"], got["content"], got["reasons"][-1]) == (NOT_JSON, SKY_ANSWER, "stop")
+    audit = r1.served.result.audit.of("structured_outputs_requested")[-1]
+    assert (audit["field"], audit["reasoning_parser"]) == ("response_format", "deepseek_r1")
+
+
+def test_the_answer_after_the_thinking_is_held_to_the_grammar(r1):
+    r1.script.say(NOT_JSON + "</think>Blue, of course.")  # the scripted answer is no JSON: the grammar refuses it
+    c, reasoning, content = message_of(chat(r1, max_tokens=60, **SCHEMA_FORMAT))
+    assert reasoning == NOT_JSON and content.startswith('{"sky"')  # what the grammar allowed, not the script
+    if c.finish_reason == "stop":
+        assert set(json.loads(content)) == {"sky"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_named_tool_choice_calls_after_the_thinking(r1, stream):
+    r1.script.say(NOT_JSON + "</think>" + '{"zone": "UTC"}')
+    if stream:
+        got = read_stream(chat(r1, stream=True, **NAMED))
+        assert (got["reasoning"], got["content"], got["reasons"][-1]) == (NOT_JSON, "", "stop")
+        assert got["calls"] == [("get_time", '{"zone": "UTC"}')]
+        return
+    c, reasoning, content = message_of(chat(r1, **NAMED))
+    assert (reasoning, content, c.finish_reason) == (NOT_JSON, "", "stop")
+    (call,) = c.message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_time", '{"zone": "UTC"}')
+
+
+def test_a_required_tool_choice_calls_after_the_thinking(r1):
+    r1.script.say(NOT_JSON + "</think>" + '[{"name": "get_time", "parameters": {"zone": "UTC"}}]')
+    c, reasoning, content = message_of(chat(r1, tools=[CLOCK], tool_choice="required"))
+    assert content == ""  # as without thinking: the calls are the answer
+    assert (reasoning, c.finish_reason) == (NOT_JSON, "tool_calls")
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls] == [
+        ("get_time", {"zone": "UTC"})]
+    got = read_stream(chat(r1, stream=True, tools=[CLOCK], tool_choice="required"))
+    assert (got["reasoning"], got["reasons"][-1]) == (NOT_JSON, "tool_calls")
+    assert got["calls"] == [(t.function.name, t.function.arguments) for t in c.message.tool_calls]
+
+
+@pytest.mark.parametrize("extra", [SCHEMA_FORMAT, NAMED, {"tools": [CLOCK], "tool_choice": "required"}])
+def test_max_tokens_during_the_thinking_ends_the_reply_with_no_answer(r1, extra):
+    ids = r1.script.say(NOT_JSON + "</think>" + SKY_ANSWER)
+    cut = r1.script.tokenizer.decode(ids[:6])
+    c, reasoning, content = message_of(chat(r1, max_tokens=6, **extra))
+    assert (reasoning, c.finish_reason, c.message.tool_calls or []) == (cut, "length", [])
+    assert content in (None, "")  # content null; a tool_choice reply's content is empty, as without thinking
+    got = read_stream(chat(r1, stream=True, max_tokens=6, **extra))
+    assert (got["reasoning"], got["content"], got["calls"], got["reasons"][-1]) == (cut, "", [], "length")
+
+
+def test_qwen3_holds_the_answer_after_its_own_thinking_to_the_grammar(qwen3):
+    qwen3.script.say("<think>" + NOT_JSON + "</think>" + SKY_ANSWER)
+    c, reasoning, content = message_of(chat(qwen3, **SCHEMA_FORMAT))
+    assert (reasoning, content, c.finish_reason) == (NOT_JSON, SKY_ANSWER, "stop")
+    got = read_stream(chat(qwen3, stream=True, **SCHEMA_FORMAT))
+    assert (got["reasoning"], got["content"]) == (NOT_JSON, SKY_ANSWER)
 
 
 def test_completions_are_not_split(r1):

@@ -31,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from engine.reasoning import ReasoningText
 from engine.serving import EngineStopped, ServeEvent, ServingEngine
 from engine.stopping import SampleText
 from engine.structured import COSTLY
@@ -39,7 +40,6 @@ from kvload.serve.auth import ApiKeyGate
 from kvload.serve.command import MAX_CONCURRENT_DEFAULT, READ_TIMEOUT_DEFAULT
 from kvload.serve.metrics import ServeMetrics
 from kvload.serve.protocol import BadRequest, Job, parse, parse_detokenize, parse_tokenize, request_id
-from kvload.serve.reasoning_parser import ReasoningText
 from kvload.serve.tool_calls import ToolCallText
 from kvload.serve.tool_parser import tool_reader
 from kvload.serve.tool_reader import ToolReader
@@ -583,7 +583,8 @@ class _Choice:
         if self.auto is not None and self.auto.calls and reason in ("stop", "length"):
             return "tool_calls"
         ended = reason == "stop" and self.stop_reason is None  # by the grammar's end-of-sequence, not a user's stop
-        return "tool_calls" if ended and self.tools is not None and self.tools.required else reason
+        answered = self.thinking is None or self.thinking.ended  # a reply that never ended its thinking made no call
+        return "tool_calls" if ended and answered and self.tools is not None and self.tools.required else reason
 
 
 @attrs.frozen
@@ -872,11 +873,11 @@ class _Run:
                     return
                 if update.text or update.token_ids or ev.finished:
                     delta: Any = update.text
-                    if c.tools is not None:  # the text as tool call deltas (none yet: an empty delta, its tokens)
+                    if c.thinking is not None:  # the thinking as it comes; the answer as content (or read for calls)
+                        delta = self._thinking_delta(c, update.text, ev.finished)
+                    elif c.tools is not None:  # the text as tool call deltas (none yet: an empty delta, its tokens)
                         calls = c.tools.feed(update.text) + (c.tools.finish() if ev.finished else [])
                         delta = {"tool_calls": calls} if calls else {}
-                    elif c.thinking is not None:  # the thinking as it comes; the answer as content (or read for calls)
-                        delta = self._thinking_delta(c.thinking, c.auto, update.text, ev.finished)
                     elif c.auto is not None:  # the text outside the calls; each call named, then its arguments as read
                         delta = self._auto_delta(c.auto, update.text, ev.finished)
                     yield _sse(self._chunk(c, delta, update, ev.finished))
@@ -917,12 +918,12 @@ class _Run:
         ids = c.token_ids
         if self.job.kind == "chat":
             message: dict[str, Any] = {"role": self.role, "content": self.chat_echo + c.text}
-            if c.tools is not None:  # vLLM's: the content empty (but an echo), the reply read as the calls
+            if c.thinking is not None:  # vLLM's: the thinking apart; the answer as content, or read for calls
+                message = self._thinking_message(c)
+            elif c.tools is not None:  # vLLM's: the content empty (but an echo), the reply read as the calls
                 c.tools.feed(c.text)
                 c.tools.finish()
                 message = {"role": self.role, "content": self.chat_echo, "tool_calls": c.tools.message()}
-            elif c.thinking is not None:  # vLLM's: the thinking apart; the answer as content, read for calls
-                message = self._thinking_message(c.thinking, c.auto, c.text)
             elif c.auto is not None:  # the calls the text holds, and the text around them (vLLM's: null when none)
                 message = self._auto_message(c.auto, c.text)
             if self.state.reasoning_parser is not None and "reasoning_content" not in message:  # vLLM's: always there
@@ -942,13 +943,21 @@ class _Run:
         return {"role": self.role, "content": self.chat_echo + content if content is not None else self.chat_echo
                 or None, "tool_calls": auto.calls}
 
-    def _thinking_message(self, thinking: ReasoningText, auto: ToolReader | None, text: str) -> dict[str, Any]:
+    def _thinking_message(self, c: _Choice) -> dict[str, Any]:
         """A reply under ``--reasoning-parser``: ``reasoning_content`` (vLLM's newer name ``reasoning`` too; null when
-        none) and the answer as content, or, for "auto" tools, read for calls (none when the thinking never ended)."""
-        thinking.feed(text)
+        none) and the answer as content, or read for calls: "auto" tools' or a named or "required" ``tool_choice``'s
+        (none when the thinking never ended)."""
+        thinking, auto = c.thinking, c.auto
+        thinking.feed(c.text)
         thinking.finish()
         reasoning, answer = thinking.reasoning, thinking.content
-        if auto is not None and answer is not None:  # no answer (the thinking never ended): no calls, content null
+        if c.tools is not None:  # the grammar held the answer: it is the calls; qwen3's text before <think> is content
+            if thinking.ended:
+                c.tools.feed(thinking.answer)
+                c.tools.finish()
+            before = (answer or "")[:len(answer or "") - len(thinking.answer)]
+            message = {"role": self.role, "content": self.chat_echo + before, "tool_calls": c.tools.message()}
+        elif auto is not None and answer is not None:  # no answer (the thinking never ended): no calls, content null
             message = self._auto_message(auto, answer)
         else:
             message = {"role": self.role, "content": self.chat_echo + answer if answer is not None
@@ -957,16 +966,24 @@ class _Run:
                 message["tool_calls"] = []
         return {**message, "reasoning_content": reasoning, "reasoning": reasoning}
 
-    def _thinking_delta(self, thinking: ReasoningText, auto: ToolReader | None, text: str,
-                        finished: bool) -> dict[str, Any]:
+    def _thinking_delta(self, c: _Choice, text: str, finished: bool) -> dict[str, Any]:
         """A stream's delta for a reply's new ``text`` under ``--reasoning-parser``: its new thinking as
-        ``reasoning_content`` (and ``reasoning``), the answer as content or, for "auto" tools, content and calls."""
-        reasoning, answer = thinking.feed(text)
+        ``reasoning_content`` (and ``reasoning``), the answer as content or, for tools, content and calls."""
+        before, reasoning, answer = c.thinking.read(text)
         if finished:
-            more = thinking.finish()
-            reasoning, answer = reasoning + more[0], answer + more[1]
-        plain = {"content": answer} if answer else {}
-        delta = self._auto_delta(auto, answer, finished) if auto is not None else plain
+            more = c.thinking.finish_read()
+            before, reasoning, answer = before + more[0], reasoning + more[1], answer + more[2]
+        if c.tools is not None:  # named or "required": the answer is the calls, as the whole answer reads them
+            calls = c.tools.feed(answer) if answer else []  # (nothing while thinking: a reply cut there made no call)
+            if finished and c.thinking.ended:
+                calls += c.tools.finish()
+            delta: dict[str, Any] = {"content": before} if before else {}
+            if calls:
+                delta["tool_calls"] = calls
+        elif c.auto is not None:
+            delta = self._auto_delta(c.auto, before + answer, finished)
+        else:
+            delta = {"content": before + answer} if before or answer else {}
         return {"reasoning_content": reasoning, "reasoning": reasoning, **delta} if reasoning else delta
 
     @staticmethod

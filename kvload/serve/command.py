@@ -7,6 +7,7 @@ import os
 import sys
 from typing import Any
 
+from engine.reasoning import PARSERS
 from pipeline.limits import MAX_INT
 
 #: ``max_tokens`` of a request that gives none, when neither ``--default-max-tokens`` nor the model's
@@ -25,8 +26,8 @@ MAX_TIMEOUT_S = 86400.0
 MAX_CONCURRENT_DEFAULT = 256
 #: The tool-call parsers ``--tool-call-parser`` takes (vLLM's names; ``kvload.serve.tool_parser`` reads them).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic")
-#: The reasoning parsers ``--reasoning-parser`` takes (vLLM's names; ``kvload.serve.reasoning_parser`` reads them).
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
+#: The reasoning parsers ``--reasoning-parser`` takes (vLLM's names; ``engine.reasoning`` reads them).
+REASONING_PARSERS = PARSERS
 
 _EPILOG = """\
 Endpoints (OpenAI-compatible): POST /v1/completions, POST /v1/chat/completions (stream=true for

@@ -11,8 +11,9 @@ honour are refused, never silently dropped: an accepted setting must act (or be 
 accepts it and it can change nothing. Structured outputs come as OpenAI's ``response_format`` (``json_object``,
 ``json_schema``) or vLLM's ``structured_outputs`` (:func:`_structured`); chat's ``tool_choice`` named or
 ``"required"`` constrains the reply to tool calls the same way (:func:`_tool_choice`), as vLLM does without a
-tool-call parser. Under the server's reasoning parser a chat reply is split into thinking and answer, and a grammar on
-it is refused (:func:`_reasoning`).
+tool-call parser. Under the server's reasoning parser a chat reply is split into thinking and answer
+(:func:`_reasoning`), and a grammar holds only the answer (``StructuredOutputsParams.reasoning_parser``), as vLLM's
+does.
 """
 
 from __future__ import annotations
@@ -355,8 +356,11 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
             raise BadRequest(f"tool_choice: {_shown(body['tool_choice'])} holds the reply to tool calls, and "
                              f"{structured_field} constrains it too; give one", param="tool_choice")
         structured, structured_field = tool_params, "tool_choice"
-    if structured is not None:
-        extras["structured_outputs"] = structured
+    template = _template(body, tools) if kind == "chat" else {}
+    reasoning = _reasoning(reasoning_parser, template) if kind == "chat" else None
+    if structured is not None:  # under a reasoning parser the model thinks freely; the grammar holds its answer
+        extras["structured_outputs"] = structured if reasoning is None else \
+            attrs.evolve(structured, reasoning_parser=reasoning)
     try:
         params = SamplingParams(max_tokens=max_tokens if given else default_max_tokens,
                                 temperature=float(temperature), top_p=float(top_p), top_k=top_k, seed=seed,
@@ -364,8 +368,6 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
                                 **extras)
     except GenerationError as exc:  # the API's own checks, should the two ever disagree
         raise _bad(exc) from None
-    template = _template(body, tools) if kind == "chat" else {}
-    reasoning = _reasoning(reasoning_parser, template, structured_field) if kind == "chat" else None
     special = _flag(body, "add_special_tokens", kind == "completion")
     return Job(kind=kind, prompts=prompts, params=params, n=n, stream=stream, include_usage=include_usage,
                stop=stops, stop_token_ids=tuple(stop_ids), logprobs=logprobs, echo=echo, salt=salt,
@@ -376,19 +378,12 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
                auto_tools=auto, reasoning=reasoning)
 
 
-def _reasoning(parser: str | None, template: dict[str, Any], structured_field: str | None) -> str | None:
+def _reasoning(parser: str | None, template: dict[str, Any]) -> str | None:
     """The reasoning parser that reads this chat reply: the server's, unless qwen3's thinking is switched off
     (``chat_template_kwargs: {"enable_thinking": false}``, tested as Qwen3's template tests it: the reply is then
-    plain content). A grammar on such a reply is refused: vLLM holds only the answer after the thinking to it, which
-    kvload does not do, and holding the thinking to it too would change what the model writes."""
+    plain content, and a grammar holds it from its first token)."""
     if parser is None or (parser == "qwen3" and template.get("enable_thinking") is False):
         return None
-    if structured_field is not None:
-        off = ' or pass chat_template_kwargs {"enable_thinking": false} (no thinking),' if parser == "qwen3" else ""
-        raise BadRequest(f"{structured_field}: not served with --reasoning-parser {parser}: the reply starts with the "
-                         "model's thinking, and kvload cannot hold only the answer after it to a grammar (vLLM "
-                         f"does); ask without {structured_field},{off} or use a server without --reasoning-parser",
-                         param=structured_field)
     return parser
 
 

@@ -1,0 +1,186 @@
+"""Structured outputs behind a reasoning parser (``StructuredOutputsParams(reasoning_parser=...)``, vLLM's
+``structured_outputs_config.reasoning_parser``): the sample thinks freely and the grammar holds only the answer after
+``</think>``. The gate is tested on a vocabulary built for it (the marker whole, split, and in tokens that carry the
+answer's first characters after it), then through ``kvload.LLM`` with a scripted model, drafts included."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import kvload
+from engine.reasoning import split_reasoning
+from kvload import SamplingParams, StructuredOutputsParams
+from pipeline.errors import GenerationError
+from tests.llm_support import llm_kwargs
+from tests.serve_support import Script
+from tests.text_support import bytelevel_checkpoint
+
+pytest.importorskip("xgrammar")
+
+#: Tokens past the byte alphabet: the marker whole and in pieces, and marker endings that carry the answer's start.
+EXTRA = ["</th", "ink>", "ink>{", "ink>Ċ{", "ink>x", "</think>", "<think>", '{"', "nk>"]
+OBJECT = StructuredOutputsParams(json={"type": "object"}, reasoning_parser="deepseek_r1")
+
+
+@pytest.fixture(scope="module")
+def vocab():
+    """A byte-level vocabulary: every byte, then :data:`EXTRA` (Ċ is a newline, as GPT-2's byte alphabet writes it)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    ids = {"</s>": 0}
+    for ch in [*sorted(pre_tokenizers.ByteLevel.alphabet()), *EXTRA]:
+        ids[ch] = len(ids)
+    tok = Tokenizer(models.BPE(vocab=ids, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return SimpleNamespace(ids=ids, tokenizer=PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>"))
+
+
+@pytest.fixture(scope="module")
+def backend(vocab):
+    from engine.structured import GrammarBackend
+
+    return GrammarBackend(vocab.tokenizer, len(vocab.ids), [0])
+
+
+def allowed(backend, constraint, drafts=(), rows=1) -> list[set[int]]:
+    """The tokens each of ``rows`` logits rows keeps after :func:`~engine.structured.constrain`."""
+    from engine.structured import constrain
+
+    logits = torch.zeros(rows, backend.vocab_size)
+    out = constrain(logits, logits, [rows], [(constraint, list(drafts))], backend)
+    return [set(torch.nonzero(out[j] > float("-inf")).flatten().tolist()) for j in range(rows)]
+
+
+def names(vocab, tokens) -> set[str]:
+    by_id = {i: name for name, i in vocab.ids.items()}
+    return {by_id[t] for t in tokens}
+
+
+def feed(vocab, constraint, *pieces: str) -> None:
+    for piece in pieces:
+        assert not constraint.advance(vocab.ids[piece])
+
+
+def test_the_thinking_runs_free_and_the_grammar_holds_from_a_marker_split_across_tokens(vocab, backend):
+    everything = set(range(len(vocab.ids)))
+    held = backend.constraint(StructuredOutputsParams(json={"type": "object"}))
+    assert names(vocab, allowed(backend, held)[0]) == {"{", '{"'}  # without the gate: JSON from the first token
+    gated, other = backend.constraint(OBJECT), backend.constraint(OBJECT)
+    assert allowed(backend, gated)[0] == everything  # thinking: "x", "<b>", anything
+    feed(vocab, gated, "x", "<", "/", "t", "h", "i", "n", "k")
+    assert gated.gate is not None and allowed(backend, gated)[0] == everything  # ">{" too: "{" begins an object
+    feed(vocab, gated, ">")
+    assert gated.gate is None  # the thinking ended: the grammar holds the answer from its first character
+    assert names(vocab, allowed(backend, gated)[0]) == {"{", '{"'}
+    assert allowed(backend, other)[0] == everything  # each sample has its own gate
+    feed(vocab, gated, "{", "}")
+    assert gated.advance(0)  # complete: its end-of-sequence token ends the sample
+
+
+def test_the_token_that_ends_the_thinking_hands_the_characters_after_the_marker_to_the_grammar(vocab, backend):
+    gated = backend.constraint(OBJECT)
+    feed(vocab, gated, "</th")
+    row = names(vocab, allowed(backend, gated)[0])
+    # "ink>{" ends the thinking and begins the object; "ink>\n{" and "ink>x" would begin the answer with what no JSON
+    # object begins with, so they are masked while the thinking is free
+    assert {"ink>", "ink>{", "x", "<"} <= row and not {"ink>Ċ{", "ink>x"} & row
+    feed(vocab, gated, "ink>{")
+    assert gated.gate is None
+    after = names(vocab, allowed(backend, gated)[0])
+    assert '"' in after and "}" in after and "{" not in after  # the grammar took the "{"
+    whole = backend.constraint(OBJECT)
+    feed(vocab, whole, "</think>")  # the marker as one token, nothing after it
+    assert whole.gate is None and names(vocab, allowed(backend, whole)[0]) == {"{", '{"'}
+
+
+def test_qwen3_holds_the_grammar_back_only_after_a_think_the_model_wrote(vocab, backend):
+    gated = backend.constraint(StructuredOutputsParams(json={"type": "object"}, reasoning_parser="qwen3"))
+    feed(vocab, gated, "</think>")  # no <think> yet: qwen3 reads this as content, not the end of any thinking
+    assert gated.gate is not None and len(allowed(backend, gated)[0]) == len(vocab.ids)
+    feed(vocab, gated, "<think>", "x", "</think>")
+    assert gated.gate is None and names(vocab, allowed(backend, gated)[0]) == {"{", '{"'}
+
+
+def test_drafts_across_the_marker_are_masked_row_by_row_and_change_nothing(vocab, backend):
+    ids = vocab.ids
+    gated = backend.constraint(OBJECT)
+    before = gated.gate.reader.key
+    rows = allowed(backend, gated, [ids["</th"], ids["ink>"], ids['{"']], rows=4)
+    assert len(rows[0]) == len(ids)  # thinking
+    assert not {ids["ink>Ċ{"], ids["ink>x"]} & rows[1] and ids["x"] in rows[1]  # the marker may end: tails checked
+    assert names(vocab, rows[2]) == {"{", '{"'}  # after the drafts that end the thinking: the grammar's first row
+    assert ids["x"] in rows[3] and ids["Ċ"] not in rows[3]  # inside the key the draft opened: a raw newline is not
+    assert gated.gate.reader.key == before  # the drafts were tried, not taken
+    refused = allowed(backend, gated, [ids["</th"], ids["ink>x"], ids["a"]], rows=4)
+    assert ids["ink>x"] not in refused[1]  # the refused draft is masked out of its own row: verification stops there
+    assert len(refused[2]) == len(refused[3]) == len(ids)  # the rows after it are not written
+
+
+def test_a_reasoning_parser_kvload_does_not_have_is_one_line():
+    with pytest.raises(GenerationError, match=r"^generate: structured_outputs\.reasoning_parser: expected one of "
+                                              r"deepseek_r1, qwen3 .*got 'granite'$"):
+        StructuredOutputsParams(regex="a", reasoning_parser="granite")
+    assert OBJECT.to_dict() == {"json": {"type": "object"}, "reasoning_parser": "deepseek_r1"}
+    assert OBJECT.describe()["reasoning_parser"] == "deepseek_r1"
+
+
+THOUGHT = "Say {not json} <b>here</b>; then answer."
+ANSWER = '{"sky": "blue"}'
+SCHEMA = {"type": "object", "properties": {"sky": {"type": "string"}}, "required": ["sky"],
+          "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def bytes_ckpt(tiny_checkpoints, tmp_path_factory):
+    return bytelevel_checkpoint(tiny_checkpoints("llama"), tmp_path_factory.mktemp("think") / "ckpt")
+
+
+def scripted(ckpt, **kw):
+    llm = kvload.LLM(str(ckpt), **{**llm_kwargs(), "max_seq_len": 256, **kw})
+    return llm, Script(SimpleNamespace(executor=llm.result.executor, tokenizer=llm.get_tokenizer()))
+
+
+def test_llm_generate_thinks_freely_then_answers_in_the_schema(bytes_ckpt):
+    so = StructuredOutputsParams(json=SCHEMA, reasoning_parser="deepseek_r1")
+    llm, script = scripted(bytes_ckpt)
+    with llm:
+        script.say(THOUGHT + "</think>" + ANSWER)
+        (out,) = llm.generate("Hello", SamplingParams(structured_outputs=so, max_tokens=80))[0].outputs
+        assert out.text == THOUGHT + "</think>" + ANSWER and out.finish_reason == "stop"
+        assert split_reasoning("deepseek_r1", out.text) == (THOUGHT, ANSWER)
+        script.say(THOUGHT + "</think>Blue.")  # an answer outside the schema: the grammar holds it
+        (out,) = llm.generate("Hello", SamplingParams(structured_outputs=so, max_tokens=60))[0].outputs
+        reasoning, content = split_reasoning("deepseek_r1", out.text)
+        assert reasoning == THOUGHT and content.startswith('{"sky"')
+        if out.finish_reason == "stop":
+            assert set(json.loads(content)) == {"sky"}
+        (cut,) = llm.generate("Hello", SamplingParams(structured_outputs=so, max_tokens=5))[0].outputs
+        assert cut.finish_reason == "length" and split_reasoning("deepseek_r1", cut.text) == (cut.text, None)
+        record = llm.audit.of("generation_started")[-1]["structured_outputs"]
+        assert record["reasoning_parser"] == "deepseek_r1"
+
+
+@pytest.mark.parametrize("after", ["", "\n"])  # "\n" after the marker: no JSON object begins with it, so masked
+def test_speculative_drafts_across_the_marker_give_the_tokens_of_one_token_a_step(bytes_ckpt, after):
+    so = StructuredOutputsParams(json=SCHEMA, reasoning_parser="deepseek_r1")
+    text = THOUGHT + "</think>" + after + ANSWER
+    outs, stats = [], None
+    for draft in (0, 4):
+        llm, script = scripted(bytes_ckpt, max_draft_len=draft)
+        with llm:
+            script.say(text)
+            # the prompt holds the reply, so the n-gram drafts guess it, across the marker too
+            (out,) = llm.generate(text, SamplingParams(structured_outputs=so, max_tokens=60))[0].outputs
+            outs.append(out)
+            stats = llm.last_stats
+    assert outs[0].token_ids == outs[1].token_ids and stats.accepted_draft_tokens > 0
+    reasoning, content = split_reasoning("deepseek_r1", outs[1].text)
+    assert reasoning == THOUGHT and content.startswith("{")
+    if not after:
+        assert content == ANSWER
