@@ -41,6 +41,7 @@ from cache_backends.layout import DECODE_KERNEL_KINDS, cannot_generate
 from cache_backends.paged_attention import PagedBatch, SeqChunk
 from cache_backends.request import Request
 from engine.driver import Arrival, Driver, StalledError, at_length
+from engine.messages import check_messages
 from engine.outputs import (
     CompletionOutput,
     GenerationOutput,
@@ -55,7 +56,6 @@ from engine.penalties import penalize
 from engine.prompts import (
     TEMPLATE_OPTIONS,
     apply_template,
-    check_messages,
     check_text,
     is_conversation,
     missing_template,
