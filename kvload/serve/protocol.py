@@ -35,6 +35,7 @@ from engine.sampling_params import (
     check_stop_token_ids_count,
     is_finite,
 )
+from engine.schema_lengths import ignored_lengths
 from engine.structured_params import StructuredOutputsParams
 from kvload.serve.command import TOOL_CALL_PARSERS
 from pipeline.errors import GenerationError
@@ -354,6 +355,7 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
         structured, structured_field = tool_params, "tool_choice"
     if structured is not None:
         extras["structured_outputs"] = structured
+        ignored += _dropped_lengths(structured, structured_field, tool_choice)
     try:
         params = SamplingParams(max_tokens=max_tokens if given else default_max_tokens,
                                 temperature=float(temperature), top_p=float(top_p), top_k=top_k, seed=seed,
@@ -371,6 +373,19 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
                continuous_usage=continuous, ignored=tuple(ignored), priority=priority,
                model_defaults=tuple(defaulted), structured_field=structured_field, tool_choice=tool_choice,
                auto_tools=auto, reasoning=reasoning)
+
+
+def _dropped_lengths(structured: StructuredOutputsParams, field: str | None,
+                     tool_choice: ToolChoice | None) -> list[tuple[str, Any, str]]:
+    """The schema's length bounds xgrammar drops (``engine.schema_lengths``), named as the request named them: under
+    ``structured_outputs.json``, ``response_format.json_schema.schema`` or each constraining tool's
+    ``tools[i].function.parameters``."""
+    if tool_choice is not None:
+        tools = [tool_choice.tool] if tool_choice.tool is not None else range(len(tool_choice.schemas))
+        return [entry for i in tools
+                for entry in ignored_lengths(tool_choice.schemas[i], f"tools[{i}].function.parameters")]
+    return structured.ignored_lengths("response_format.json_schema.schema" if field == "response_format"
+                                      else "structured_outputs.json")
 
 
 def _reasoning(parser: str | None, template: dict[str, Any], structured_field: str | None) -> str | None:
