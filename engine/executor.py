@@ -41,6 +41,7 @@ from cache_backends.layout import DECODE_KERNEL_KINDS, cannot_generate
 from cache_backends.paged_attention import PagedBatch, SeqChunk
 from cache_backends.request import Request
 from engine.driver import Arrival, Driver, StalledError, at_length
+from engine.messages import check_messages
 from engine.outputs import (
     CompletionOutput,
     GenerationOutput,
@@ -55,7 +56,6 @@ from engine.penalties import penalize
 from engine.prompts import (
     TEMPLATE_OPTIONS,
     apply_template,
-    check_messages,
     check_text,
     is_conversation,
     missing_template,
@@ -448,7 +448,9 @@ class GenerationExecutor:
                 structured_outputs=p0.structured_outputs.describe() if p0.structured_outputs is not None else None))
             has_text = self.tokenizer is not None  # a setting that does nothing (greedy draws nothing: a seed, top-p,
             for p in {id(p): p for p in params}.values():  # top-k or n; a text setting with no text) is said to
-                for name, value, why in greedy_ignored(p, model_defaults=defaulted) + inert_settings(p, has_text):
+                dropped = p.structured_outputs.ignored_lengths() if p.structured_outputs is not None else []
+                for name, value, why in (greedy_ignored(p, model_defaults=defaulted) + inert_settings(p, has_text)
+                                         + dropped):  # ... and a schema's length bounds xgrammar drops
                     self._event(SettingIgnored(field=f"generate.{name}", value=value, reason=why))
             unscoped = self.salt_ignored() if salt is not None else None  # with reuse off a salt would do nothing
             if unscoped is not None:

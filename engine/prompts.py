@@ -119,32 +119,6 @@ def lone_surrogate(text: str) -> int | None:
     return None
 
 
-def check_messages(where: str, messages: Any) -> list[dict[str, str]]:
-    """A conversation checked as the server's ``/v1/chat/completions`` takes it: a non-empty list of
-    ``{"role", "content"}``; content a string, a list of ``{"type": "text", "text": ...}`` parts (joined) or, for an
-    assistant turn, None (empty); ``developer`` read as ``system``; valid Unicode."""
-    if not is_conversation(messages):
-        raise GenerationError(f"generate: {where}: expected a conversation (a non-empty list of "
-                              f"{{'role': ..., 'content': ...}} messages), got {messages!r}"[:200])
-    out = []
-    for j, m in enumerate(messages):
-        role, content = m.get("role"), m.get("content")
-        if role not in ROLES:
-            raise GenerationError(f"generate: {where}: message {j}: role: expected one of {', '.join(ROLES)}, "
-                                  f"got {role!r}"[:200])
-        if isinstance(content, list) and all(isinstance(p, Mapping) and p.get("type") == "text"
-                                             and isinstance(p.get("text"), str) for p in content):
-            content = "".join(p["text"] for p in content)
-        elif content is None and role == "assistant":  # OpenAI's assistant turn that only called tools
-            content = ""
-        if not isinstance(content, str):
-            raise GenerationError(f"generate: {where}: message {j}: content: expected a string or a list of "
-                                  f'{{"type": "text", "text": ...}} parts, got {type(content).__name__}')
-        check_text(f"{where}: message {j}", content)
-        out.append({**m, "role": "system" if role == "developer" else role, "content": content})
-    return out
-
-
 def missing_template(tokenizer: Any, template: Mapping[str, Any], name: str) -> str | None:
     """Why a conversation cannot be templated for model ``name``, or None: it needs a tokenizer, and either its chat
     template or ``template["chat_template"]`` (the one check, and wording, of every chat path)."""
@@ -289,5 +263,5 @@ def template_options(add_generation_prompt: Any = True, continue_final_message: 
 
 
 __all__ = ["APPLY_SETTINGS", "CHAT_ARGUMENTS", "PROMPT_KEYS", "ROLES", "TEMPLATE_MAX_CHARS", "TEMPLATE_MAX_SECONDS",
-           "TEMPLATE_MAX_STEPS", "TEMPLATE_OPTIONS", "apply_template", "check_messages", "check_text",
+           "TEMPLATE_MAX_STEPS", "TEMPLATE_OPTIONS", "apply_template", "check_text",
            "is_conversation", "is_token_id", "lone_surrogate", "missing_template", "normalize", "template_options"]

@@ -20,6 +20,8 @@ thinking ends.
 
 from __future__ import annotations
 
+from engine.stopping import marker_prefix
+
 START = "<think>"
 END = "</think>"
 #: The parsers (vLLM's ``--reasoning-parser`` names).
@@ -64,7 +66,7 @@ class ReasoningText:
             found = [(at, m) for m in markers if (at := self._buf.find(m)) >= 0]
             out = parts[self._state]
             if not found:
-                keep = _marker_prefix(self._buf, markers)
+                keep = marker_prefix(self._buf, markers)
                 out.append(self._buf[:len(self._buf) - keep])
                 self._buf = self._buf[len(self._buf) - keep:]
                 break
@@ -140,14 +142,6 @@ def split_reasoning(parser: str, text: str) -> tuple[str | None, str | None]:
     split.feed(text)
     split.finish()
     return split.reasoning, split.content
-
-
-def _marker_prefix(text: str, markers: tuple[str, ...]) -> int:
-    """How many characters at the end of ``text`` are a proper prefix of one of ``markers``."""
-    for n in range(min(max(map(len, markers)) - 1, len(text)), 0, -1):
-        if any(m.startswith(text[-n:]) for m in markers):
-            return n
-    return 0
 
 
 __all__ = ["END", "PARSERS", "START", "ReasoningText", "split_reasoning"]

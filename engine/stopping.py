@@ -1,4 +1,5 @@
-"""The text of one sample as it grows: stop strings found in it, and the deltas a stream may show.
+"""The text of one sample as it grows: stop strings found in it, and the deltas a stream may show; and how much of a
+streamed text may still become a marker (:func:`marker_prefix`, for the reply parsers of `kvload serve`).
 
 Stop strings are matched on the detokenized text (a stop string may span tokens, or sit inside
 one), as vLLM does; the text is cut before the first match and the stop string is not part of it.
@@ -16,7 +17,7 @@ with). The final text of a sample is one full decode, as before.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 #: already decoded, non-special tokens each window starts with (vLLM's incremental detokenizer uses 5)
@@ -135,4 +136,16 @@ class SampleText:
         return out
 
 
-__all__ = ["CONTEXT_TOKENS", "SampleText"]
+def marker_prefix(text: str, markers: Iterable[str]) -> int:
+    """How many characters at the end of ``text`` are a proper prefix of one of ``markers`` (the most): what a
+    stream read for markers (``</think>``, ``<tool_call>``) holds back, as the next piece may complete one."""
+    held = 0
+    for marker in markers:
+        for n in range(min(len(marker) - 1, len(text)), held, -1):
+            if marker.startswith(text[-n:]):
+                held = n
+                break
+    return held
+
+
+__all__ = ["CONTEXT_TOKENS", "SampleText", "marker_prefix"]

@@ -32,6 +32,7 @@ import torch
 
 from engine.grammar_shape import nullable_repeat_nesting
 from engine.reasoning import END, ReasoningText
+from engine.schema_lengths import without_dropped_lengths
 from engine.structured_params import StructuredOutputsParams
 from pipeline.errors import GenerationError
 from pipeline.limits import MAX_NULLABLE_REPEAT_NESTING
@@ -372,9 +373,10 @@ def _build(params: StructuredOutputsParams, json_schema: Any, regex: Any, ebnf: 
     kind = params.kind
     try:
         spaces = not params.disable_any_whitespace
-        if kind == "json":
-            strict = _strict_strings(params.spec, spaces)
-            return json_schema(params.spec, any_whitespace=spaces) if strict is None else ebnf(strict)
+        if kind == "json":  # without the length bounds xgrammar drops (reported instead of its C++ warning line)
+            spec = without_dropped_lengths(params.spec)
+            strict = _strict_strings(spec, spaces)
+            return json_schema(spec, any_whitespace=spaces) if strict is None else ebnf(strict)
         if kind == "json_object":  # an object, as OpenAI's json_object and vLLM's (the builtin grammar takes any
             return json_schema(_ANY_OBJECT, any_whitespace=spaces)  # JSON value: [34] too)
         if kind == "regex":

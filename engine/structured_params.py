@@ -12,6 +12,7 @@ import attrs
 
 from engine.prompts import check_text
 from engine.reasoning import PARSERS
+from engine.schema_lengths import ignored_lengths
 from pipeline.errors import GenerationError
 from pipeline.limits import MAX_SCHEMA_DEPTH, MAX_STRUCTURED_CHARS, MAX_STRUCTURED_CHOICES, nesting_depth
 
@@ -167,6 +168,13 @@ class StructuredOutputsParams:
         return {"kind": self.kind, "chars": len(self._spec),
                 "sha256": hashlib.sha256(self._spec.encode("utf-8")).hexdigest(),
                 "any_whitespace": not self.disable_any_whitespace, "reasoning_parser": self.reasoning_parser}
+
+    def ignored_lengths(self, field: str = f"{_FIELD}.json") -> list[tuple[str, Any, str]]:
+        """The JSON schema's length bounds xgrammar drops (``engine.schema_lengths``) as ``setting_ignored`` entries
+        (name, value, why), named by their path under ``field``; none for the other kinds."""
+        if self.kind != "json" or "Length" not in self._spec:
+            return []
+        return ignored_lengths(_json.loads(self._spec), field)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain form: the one field given (vLLM's keys)."""

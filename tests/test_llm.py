@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -259,7 +260,7 @@ def test_text_that_is_not_valid_unicode_is_refused_before_the_tokenizer(llm):
     with pytest.raises(GenerationError, match=r"^generate: prompt 1: not valid Unicode text \(a lone surrogate at "
                                               r"character 3; text must be UTF-8\)$"):
         llm.generate([PROMPT, "w5 \ud800"], max_tokens=2)
-    with pytest.raises(GenerationError, match="^chat: prompt 0: message 0: not valid Unicode text"):
+    with pytest.raises(GenerationError, match=r"^chat: prompt 0: messages\[0\]\.content: not valid Unicode text"):
         llm.chat([{"role": "user", "content": "\udfff"}])
     with pytest.raises(GenerationError, match="generate: salt: not valid Unicode text"):
         llm.generate(PROMPT, max_tokens=2, salt="\ud800")
@@ -316,7 +317,8 @@ def test_chat_applies_the_chat_template_to_one_conversation_or_several(llm):
         for bad in ([], "w5", [{"role": "user", "content": "w5"}, "w6"]):
             with pytest.raises(GenerationError, match="chat: messages: expected a conversation"):
                 llm.chat(bad)
-        with pytest.raises(GenerationError, match="message 0: role: expected one of"):
+        with pytest.raises(GenerationError, match=r"^chat: prompt 0: messages\[0\]\.role: expected system, user, "
+                                                  r"assistant, developer or tool, got 'robot'$"):
             llm.chat([{"role": "robot", "content": "w5"}])
     finally:
         tok.chat_template = None
@@ -369,6 +371,41 @@ def test_chat_takes_the_message_forms_the_server_takes_and_a_refusing_template_i
         assert again.prompt_token_ids == [2, 1]
     finally:
         tok.chat_template = None
+
+
+#: A tool-use template's reading of an agent's turns: the calls (arguments as an object: ``| tojson``, and a key of
+#: it) and the id a tool's answer carries.
+RENDER_CALLS = ("{% for m in messages %}{{ m['role'] }}:{{ m['content'] }}"
+                "{% for c in m.get('tool_calls') or [] %}[{{ c['id'] }} {{ c['function']['name'] }} "
+                "{{ c['function']['arguments'] | tojson }} {{ c['function']['arguments']['zone'] }}]{% endfor %}"
+                "{% if m.get('tool_call_id') %}<{{ m['tool_call_id'] }}>{% endif %}|{% endfor %}")
+
+
+def test_chat_takes_an_agents_next_turn_as_the_server_does(llm):
+    """The assistant's tool calls sent back (a model_dump()ed openai message: refusal, audio, ... null) and each
+    tool's answer reach the template as on the server: arguments parsed from their JSON text (empty: {}). They were
+    passed on as JSON strings, so `arguments | tojson` wrote a quoted string and `arguments['zone']` nothing."""
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    calls = [{"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}},
+             {"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": ""}}]
+    dumped = {"role": "assistant", "content": None, "refusal": None, "audio": None, "annotations": None,
+              "function_call": None, "tool_calls": calls}
+    turns = [{"role": "user", "content": "w5"}, dumped, {"role": "tool", "tool_call_id": "call_1", "content": "w7"}]
+    (out,) = llm.chat(turns, params, chat_template=RENDER_CALLS, add_generation_prompt=False)
+    assert out.prompt == ('user:w5|assistant:[call_1 get_time {"zone": "UTC"} UTC][call_2 get_weather {} ]|'
+                          'tool:w7<call_1>|')
+    # refused as the server refuses them, naming the same field
+    for message, says in [
+        ({"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{zone"}}]},
+         "messages[1].tool_calls[0].function.arguments: expected JSON text"),
+        ({"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "[NaN]"}}]},
+         "messages[1].tool_calls[0].function.arguments: expected JSON text (NaN is not standard JSON"),
+        ({"role": "user", "content": "w5", "tool_call_id": "c"}, "messages[1].tool_call_id: not supported (a tool "
+                                                                 "message's)"),
+        ({"role": "assistant", "content": "w5", "audio": {"id": "a"}}, "messages[1].audio: not supported"),
+    ]:
+        with pytest.raises(GenerationError, match=f"^chat: prompt 0: {re.escape(says)}"):
+            llm.chat([turns[0], message], params, chat_template=RENDER_CALLS)
 
 
 #: a loop inside a loop: Jinja's sandbox bounds each range (100,000 items), not their product

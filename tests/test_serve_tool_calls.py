@@ -229,6 +229,39 @@ def test_parallel_tool_calls_false_holds_a_required_reply_to_one_call(served):
     check_arguments("get_time", call.function.arguments)
 
 
+def test_a_length_bound_xgrammar_drops_is_reported_once_per_request_named_as_the_request_named_it(served):
+    """A string with a pattern (or a format xgrammar knows) is matched by it alone: its minLength/maxLength acted on
+    nothing, and only xgrammar's C++ warning on the server's stderr said so. Each is a setting_ignored naming the
+    field under the request's own name for the schema: the tool's parameters, response_format's or
+    structured_outputs' schema."""
+    code = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]+$", "maxLength": 3},
+                                             "day": {"type": "string", "format": "date", "minLength": 10}},
+            "required": ["code", "day"], "additionalProperties": False}
+    coded = {"type": "function", "function": {"name": "get_code", "parameters": code}}
+
+    def dropped(request_id: str) -> list[tuple[str, object]]:
+        records = [json.loads(line) for line in served.http.get("/v1/kvload/audit").text.splitlines()]
+        return [(r["field"], r["value"]) for r in records if r["event"] == "setting_ignored"
+                and "Length" in r["field"] and r["reason"].endswith(f"(request {request_id})")]
+
+    named = chat(served, tools=[CLOCK, coded], tool_choice={"type": "function", "function": {"name": "get_code"}},
+                 max_tokens=4, n=2)  # two choices, one request: one report a bound
+    assert dropped(named.id) == [("serve.tools[1].function.parameters.properties.code.maxLength", 3),
+                                 ("serve.tools[1].function.parameters.properties.day.minLength", 10)]
+    required = chat(served, tools=[coded, CLOCK], tool_choice="required", max_tokens=4)
+    assert dropped(required.id) == [("serve.tools[0].function.parameters.properties.code.maxLength", 3),
+                                    ("serve.tools[0].function.parameters.properties.day.minLength", 10)]
+    other = chat(served, tools=[coded, CLOCK], tool_choice={"type": "function", "function": {"name": "get_time"}},
+                 max_tokens=4)
+    assert dropped(other.id) == []  # the tool that holds the reply has no such bound
+    fmt = chat(served, max_tokens=4, response_format={"type": "json_schema", "json_schema": {"name": "c",
+                                                                                             "schema": code}})
+    assert dropped(fmt.id)[0] == ("serve.response_format.json_schema.schema.properties.code.maxLength", 3)
+    so = served.client.completions.create(model=served.state.model_name, prompt="Hello", max_tokens=4,
+                                          extra_body={"structured_outputs": {"json": code}})
+    assert dropped(so.id)[0] == ("serve.structured_outputs.json.properties.code.maxLength", 3)
+
+
 @pytest.mark.parametrize(("path", "body", "param"), [
     ("/v1/chat/completions", '"tools": [{"type": "function", "function": {"name": "f\\udc00"}}], '
                              '"tool_choice": "required"', "tools[0].function.name"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.stopping import SampleText
+from engine.stopping import SampleText, marker_prefix
 from tests.llm_support import word_tokenizer
 
 TOKENIZER = word_tokenizer(40)  # token i is "w<i>" (w0, the unknown token, is special); words joined by spaces
@@ -54,3 +54,23 @@ def test_a_stream_holds_back_what_could_still_become_a_stop_string():
     assert text.delta() == "w1 w"
     assert text.update([1, 2, 3, 4]) == "w3 w4"
     assert text.delta() == "2 " and text.text == "w1 w2 "
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet="<>/ab", max_size=12),
+       markers=st.lists(st.text(alphabet="<>/ab", min_size=1, max_size=6), min_size=1, max_size=3))
+def test_the_text_held_for_a_marker_is_the_longest_end_that_may_still_become_one(text, markers):
+    """The reasoning and tool-call parsers hold back this much of a streamed reply: the longest end of it that is a
+    proper start of a marker (the next piece may complete it); the rest is sent at once."""
+    held = marker_prefix(text, markers)
+    assert held == max((n for m in markers for n in range(min(len(m) - 1, len(text)) + 1)
+                        if m.startswith(text[len(text) - n:])), default=0)
+    # one of several markers holds as much as the most it holds alone
+    assert held == max(marker_prefix(text, [m]) for m in markers)
+
+
+def test_a_marker_written_whole_is_not_held_and_its_start_is():
+    assert marker_prefix("reply </thi", ("<think>", "</think>")) == 5
+    assert marker_prefix("reply <think>", ("<think>",)) == 0  # a whole marker is found, not held
+    assert marker_prefix("reply <", ("</tool_call>", "<tool_call>")) == 1
+    assert marker_prefix("", ("<think>",)) == 0

@@ -255,6 +255,40 @@ def test_a_model_without_a_tokenizer_is_refused():
         preset.generate([[1, 2, 3]], SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")))
 
 
+#: A schema with a length bound xgrammar 0.2.9 drops (a string with a pattern: the pattern alone is matched) and one it
+#: keeps (a plain string); xgrammar said so only in a C++ warning line on stderr.
+DROPPED = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]+$", "maxLength": 3},
+                                            "name": {"type": "string", "maxLength": 8}},
+           "required": ["code", "name"], "additionalProperties": False}
+XGRAMMAR_WARNING = "ignoring minLength/maxLength"
+
+
+def test_a_length_bound_xgrammar_drops_is_reported_once_per_request_and_it_prints_nothing(llm, capfd):
+    """kvload's rule: a setting accepted acts or is reported. The bound acted on nothing, and all the user saw was
+    xgrammar's C++ line on the terminal: "pattern combined with minLength/maxLength is not supported; ignoring ..."."""
+    dropped = lambda: [e for e in llm.audit.of("setting_ignored") if "Length" in e["field"]]  # noqa: E731
+    before = len(dropped())
+    capfd.readouterr()
+    so = StructuredOutputsParams(json={**DROPPED, "title": "api"})  # a schema no other test compiled
+    llm.generate([PROMPT, PROMPT], SamplingParams(structured_outputs=so, max_tokens=4))
+    (event,) = dropped()[before:]  # one request (two prompts, one SamplingParams): one report
+    assert (event["field"], event["value"]) == ("generate.structured_outputs.json.properties.code.maxLength", 3)
+    assert event["reason"].startswith("xgrammar ignores minLength and maxLength on a string with a pattern: the "
+                                      "pattern alone is matched")
+    assert XGRAMMAR_WARNING not in capfd.readouterr().err
+    llm.generate(PROMPT, SamplingParams(structured_outputs=so, max_tokens=4))  # each call reports its own
+    assert len(dropped()) == before + 2
+
+
+def test_generate_json_schema_flag_reports_a_dropped_length_bound_on_the_terminal_not_xgrammars_line(capfd,
+                                                                                                        bytes_ckpt):
+    r = generate(capfd, bytes_ckpt, "--json-schema", json.dumps({**DROPPED, "title": "cli"}))
+    assert r.code == 0, r.err
+    (line,) = [x for x in r.err.splitlines() if "setting_ignored" in x]
+    assert "generate.structured_outputs.json.properties.code.maxLength" in line and "pattern alone" in line
+    assert XGRAMMAR_WARNING not in r.err
+
+
 def test_the_audit_records_the_kind_and_a_digest_not_the_spec(llm):
     so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
     sample(llm, so, max_tokens=4)

@@ -19,14 +19,14 @@ does.
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
 import attrs
 
-from engine.prompts import ROLES, TEMPLATE_OPTIONS, lone_surrogate, template_options
+from engine.messages import MessageError, chat_messages
+from engine.prompts import TEMPLATE_OPTIONS, lone_surrogate, template_options
 from engine.sampling_params import (
     SamplingParams,
     check_logit_bias_count,
@@ -36,21 +36,19 @@ from engine.sampling_params import (
     check_stop_token_ids_count,
     is_finite,
 )
+from engine.schema_lengths import ignored_lengths
 from engine.structured_params import StructuredOutputsParams
 from kvload.serve.command import TOOL_CALL_PARSERS
 from pipeline.errors import GenerationError
 from pipeline.limits import (
     MAX_BIAS,
-    MAX_DEPTH,
     MAX_INT,
     MAX_LOGPROBS,
     MAX_N,
     MAX_STOP,
     MAX_STOP_CHARS,
     MAX_STOP_TOKEN_IDS,
-    json_depth,
     short,
-    unique_keys,
 )
 
 #: Longest ``request_id`` (or ``X-Request-Id`` header) taken: it becomes the answer's id, sent in every chunk.
@@ -361,6 +359,7 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
     if structured is not None:  # under a reasoning parser the model thinks freely; the grammar holds its answer
         extras["structured_outputs"] = structured if reasoning is None else \
             attrs.evolve(structured, reasoning_parser=reasoning)
+        ignored += _dropped_lengths(structured, structured_field, tool_choice)
     try:
         params = SamplingParams(max_tokens=max_tokens if given else default_max_tokens,
                                 temperature=float(temperature), top_p=float(top_p), top_k=top_k, seed=seed,
@@ -376,6 +375,19 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
                continuous_usage=continuous, ignored=tuple(ignored), priority=priority,
                model_defaults=tuple(defaulted), structured_field=structured_field, tool_choice=tool_choice,
                auto_tools=auto, reasoning=reasoning)
+
+
+def _dropped_lengths(structured: StructuredOutputsParams, field: str | None,
+                     tool_choice: ToolChoice | None) -> list[tuple[str, Any, str]]:
+    """The schema's length bounds xgrammar drops (``engine.schema_lengths``), named as the request named them: under
+    ``structured_outputs.json``, ``response_format.json_schema.schema`` or each constraining tool's
+    ``tools[i].function.parameters``."""
+    if tool_choice is not None:
+        tools = [tool_choice.tool] if tool_choice.tool is not None else range(len(tool_choice.schemas))
+        return [entry for i in tools
+                for entry in ignored_lengths(tool_choice.schemas[i], f"tools[{i}].function.parameters")]
+    return structured.ignored_lengths("response_format.json_schema.schema" if field == "response_format"
+                                      else "structured_outputs.json")
 
 
 def _reasoning(parser: str | None, template: dict[str, Any]) -> str | None:
@@ -879,96 +891,10 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     messages = body.get("messages")
     _need(isinstance(messages, list) and bool(messages), "messages", "a non-empty list of {role, content} objects",
           messages)
-    out = []
-    for i, m in enumerate(messages):
-        _need(isinstance(m, dict) and isinstance(m.get("role"), str), f"messages[{i}]",
-              "an object with a string role", m)
-        _need(m["role"] in ROLES, f"messages[{i}].role", f"{', '.join(ROLES[:-1])} or {ROLES[-1]}", m["role"])
-        content = m.get("content")
-        if content is None and m["role"] == "assistant":  # OpenAI's assistant turn that only called tools
-            content = ""
-        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]: text parts only
-            parts = []
-            for j, part in enumerate(content):
-                _need(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str),
-                      f"messages[{i}].content[{j}]", 'a {"type": "text", "text": ...} part (text only)', part)
-                parts.append(part["text"])
-            content = "".join(parts)
-        _need(isinstance(content, str), f"messages[{i}].content", "a string or a list of text parts", content)
-        # an agent's next turn sends back the assistant's tool calls and each tool's answer (OpenAI's shape)
-        carried = {"assistant": {"tool_calls"}, "tool": {"tool_call_id"}}.get(m["role"], set())
-        # null is "not given": a message the openai client built, model_dump()ed, has refusal, audio, ... as null
-        extra = sorted(k for k in set(m) - {"role", "content", "name"} - carried if m[k] is not None)
-        if extra:
-            also = {"tool_calls": " (an assistant message's)", "tool_call_id": " (a tool message's)"}.get(extra[0], "")
-            raise BadRequest(f"messages[{i}].{extra[0]}: not supported{also}; a message has role, content, name"
-                             f"{', ' + ', '.join(sorted(carried)) if carried else ''}",
-                             param=f"messages[{i}].{extra[0]}")
-        role = "system" if m["role"] == "developer" else m["role"]
-        message: dict[str, Any] = {"role": role, "content": content}
-        if m.get("tool_calls"):  # [] or null: a plain assistant turn (vLLM drops an empty list too)
-            message["tool_calls"] = _sent_tool_calls(f"messages[{i}].tool_calls", m["tool_calls"])
-        if m.get("tool_call_id") is not None:
-            _need(isinstance(m["tool_call_id"], str) and lone_surrogate(m["tool_call_id"]) is None,
-                  f"messages[{i}].tool_call_id", "a string (the id of the call this answers)", m["tool_call_id"])
-            message["tool_call_id"] = m["tool_call_id"]
-        if m.get("name") is not None:  # passed to the chat template, as llm.chat does (templates that use it act)
-            _need(isinstance(m["name"], str) and lone_surrogate(m["name"]) is None, f"messages[{i}].name",
-                  "a string of valid Unicode text", m["name"])
-            message["name"] = m["name"]
-        out.append(message)
-    return out
-
-
-def _sent_tool_calls(field: str, calls: Any) -> list[dict[str, Any]]:
-    """An assistant message's ``tool_calls`` as the chat template gets them: OpenAI's ``[{"id", "type": "function",
-    "function": {"name", "arguments"}}]`` with each ``arguments`` JSON text parsed to its value (vLLM's: tool-use
-    templates write ``arguments | tojson``; empty arguments are ``{}``)."""
-    shape = '[{"id": ..., "type": "function", "function": {"name": ..., "arguments": "<JSON text>"}}, ...]'
-    _need(isinstance(calls, list), field, shape, calls)
-    out = []
-    for k, call in enumerate(calls):
-        at = f"{field}[{k}]"
-        _need(isinstance(call, dict) and call.get("type", "function") == "function"
-              and isinstance(call.get("function"), dict), at, '{"id": ..., "type": "function", "function": '
-              '{"name": ..., "arguments": ...}}', call)
-        # index: a streamed call's place, kept by clients that join the deltas into the message they send back
-        unknown = sorted(set(call) - {"id", "type", "function", "index"}) or sorted(set(call["function"]) - {
-            "name", "arguments"})
-        if unknown:
-            raise BadRequest(f"{at}: {unknown[0]}: not part of a tool call (id, type, function.name, "
-                             "function.arguments)", param=at)
-        if call.get("id") is not None:
-            _need(isinstance(call["id"], str) and lone_surrogate(call["id"]) is None, f"{at}.id", "a string",
-                  call["id"])
-        name = call["function"].get("name")
-        _need(isinstance(name, str) and bool(name) and lone_surrogate(name) is None, f"{at}.function.name",
-              "the called function's name (a non-empty string)", name)
-        arguments = call["function"].get("arguments")
-        if isinstance(arguments, str) and arguments.strip():
-            arguments = _json_text(f"{at}.function.arguments", arguments)
-        elif arguments is None or arguments == "":
-            arguments = {}
-        else:  # vLLM takes an object as it is; anything else is no arguments
-            _need(isinstance(arguments, dict), f"{at}.function.arguments", "JSON text (a string) or an object",
-                  arguments)
-        out.append({**call, "type": "function", "function": {"name": name, "arguments": arguments}})
-    return out
-
-
-def _json_text(field: str, text: str) -> Any:
-    """The value of standard JSON ``text`` (no NaN or Infinity, no key twice, nesting bounded) or a 400 naming
-    ``field``."""
-    if json_depth(text.encode("utf-8", "surrogatepass")) > MAX_DEPTH:
-        raise BadRequest(f"{field}: nested deeper than {MAX_DEPTH} levels", param=field)
-
-    def no_constant(word: str) -> Any:
-        raise ValueError(f"{word} is not standard JSON")
-
-    try:
-        return json.loads(text, parse_constant=no_constant, object_pairs_hook=unique_keys(ValueError))
-    except ValueError as exc:
-        raise BadRequest(f"{field}: expected JSON text ({str(exc).splitlines()[0][:120]})", param=field) from None
+    try:  # the checks LLM.chat makes too: an agent's next turn (tool_calls, tool_call_id) as vLLM passes it
+        return chat_messages(messages)
+    except MessageError as exc:
+        raise BadRequest(str(exc), param=exc.field) from None
 
 
 def _logprobs(body: dict[str, Any], kind: str) -> int | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
+from engine.stopping import marker_prefix
 from kvload.serve.tool_reader import JsonCall, ToolReader
 
 OPEN = "<tool_call>"
@@ -45,7 +46,7 @@ class HermesToolCalls(ToolReader):
     def _in_text(self) -> bool:
         at = self._buf.find(OPEN)
         if at < 0:
-            keep = _prefix_at_end(self._buf, OPEN)  # a "<tool" at the end may yet become a block
+            keep = marker_prefix(self._buf, (OPEN,))  # a "<tool" at the end may yet become a block
             self._add(self._buf[:len(self._buf) - keep])
             self._buf = self._buf[len(self._buf) - keep:]
             return False
@@ -86,7 +87,7 @@ class HermesToolCalls(ToolReader):
         """After a call's JSON: the rest of its block is dropped, to the </tool_call> or a new <tool_call>."""
         ends = [(at, tag) for tag in (CLOSE, OPEN) if (at := self._buf.find(tag)) >= 0]
         if not ends:
-            keep = max(_prefix_at_end(self._buf, CLOSE), _prefix_at_end(self._buf, OPEN))
+            keep = marker_prefix(self._buf, (CLOSE, OPEN))
             self._buf = self._buf[len(self._buf) - keep:]
             return False
         at, tag = min(ends)
@@ -116,14 +117,6 @@ def tool_reader(parser: str, names: Collection[str], parallel: bool = True) -> T
     kinds: dict[str, type[ToolReader]] = {"hermes": HermesToolCalls, "llama3_json": Llama3JsonToolCalls,
                                           "pythonic": PythonicToolCalls}
     return kinds[parser](names, parallel)
-
-
-def _prefix_at_end(text: str, tag: str) -> int:
-    """How many characters at the end of ``text`` are a proper prefix of ``tag``."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 __all__ = ["CLOSE", "OPEN", "HermesToolCalls", "tool_reader"]

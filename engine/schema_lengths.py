@@ -1,0 +1,133 @@
+"""JSON-schema string length bounds that xgrammar 0.2.9 drops: found, to be reported, and taken out before it compiles.
+
+xgrammar matches a ``"type": "string"`` with a ``pattern``, or with a ``format`` it knows (:data:`XGRAMMAR_FORMATS`),
+by the pattern or format alone: its ``minLength`` and ``maxLength`` act on nothing (xgrammar says so only in a C++ line
+on stderr, ``... combined with minLength/maxLength is not supported; ignoring minLength/maxLength``). kvload reports
+each such bound as ``setting_ignored`` (:func:`ignored_lengths`) and compiles the schema without it
+(:func:`without_dropped_lengths`): the same grammar, and no line on the user's terminal. No xgrammar import here.
+
+Only what xgrammar itself drops is named: bounds it refuses (not integers, past int32, ``minLength`` above
+``maxLength``) are left for its refusal; a string with ``enum``, ``const``, ``anyOf``, ``oneOf``, ``allOf`` or
+``$ref`` is matched by those instead (no warning, nothing taken out); ``maxLength: -1`` and ``minLength: 0`` bound
+nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+#: The string formats xgrammar 0.2.9 compiles; any other ``format`` is passed over and the length bounds then act.
+XGRAMMAR_FORMATS = frozenset({"date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uuid",
+                              "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"})
+#: Where a subschema stands, by key: its shape (``one`` subschema, a ``list`` of them, an object of ``named`` ones)
+#: and the type the key goes with (``None``: any; a schema without a type takes every one).
+_PLACES = {"properties": ("named", "object"), "patternProperties": ("named", "object"),
+           "additionalProperties": ("one", "object"), "unevaluatedProperties": ("one", "object"),
+           "propertyNames": ("one", "object"), "items": ("one", "array"), "unevaluatedItems": ("one", "array"),
+           "prefixItems": ("list", "array"), "anyOf": ("list", None), "oneOf": ("list", None), "allOf": ("list", None),
+           "$defs": ("named", None), "definitions": ("named", None)}
+#: Keys that, beside ``"type": "string"``, decide what xgrammar matches (its string rule is not used).
+_BEFORE_STRING = ("enum", "const", "anyOf", "oneOf", "allOf", "$ref")
+_INT32_MIN, _INT32_MAX, _INT64_MIN, _INT64_MAX = -(2**31), 2**31 - 1, -(2**63), 2**63 - 1
+#: What each bound is when it bounds nothing (xgrammar's own "not given").
+_UNBOUNDED = {"minLength": 0, "maxLength": -1}
+
+#: A path to a subschema: keys and list indices from the schema's root.
+Path = tuple[str | int, ...]
+
+
+def dropped_lengths(schema: Any) -> list[tuple[Path, str, int, str]]:
+    """Each bound xgrammar drops in ``schema`` (a parsed JSON schema): (the path to its subschema, ``"minLength"`` or
+    ``"maxLength"``, its value, why), in document order."""
+    out = []
+    for path, node, names in _subschemas(schema):
+        why = _why_dropped(node, names)
+        if why is not None:
+            out += [(path, key, node[key], why) for key, unbounded in _UNBOUNDED.items()
+                    if node.get(key, unbounded) != unbounded]
+    return out
+
+
+def ignored_lengths(schema: Any, field: str) -> list[tuple[str, int, str]]:
+    """The bounds xgrammar drops in ``schema`` as ``setting_ignored`` entries (name, value, why), each named by its
+    JSON path under ``field`` (``structured_outputs.json.properties.code.maxLength``)."""
+    return [(field + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in (*path, key)), value, why)
+            for path, key, value, why in dropped_lengths(schema)]
+
+
+def without_dropped_lengths(spec: str) -> str:
+    """The JSON schema text ``spec`` with the bounds xgrammar drops taken out (the grammar it compiles is the same;
+    it no longer prints its warning), or ``spec`` itself when it has none."""
+    if "Length" not in spec:  # neither minLength nor maxLength: the common case, not parsed
+        return spec
+    try:
+        schema = json.loads(spec)
+    except (ValueError, RecursionError):  # refused by xgrammar in its own words
+        return spec
+    dropped = dropped_lengths(schema)
+    if not dropped:
+        return spec
+    for path, key, _, _ in dropped:
+        node = schema
+        for step in path:
+            node = node[step]
+        del node[key]
+    try:
+        return json.dumps(schema, ensure_ascii=False, allow_nan=False)
+    except ValueError:  # a number past a float (1e999) reads back as infinity: left as written, warning and all
+        return spec
+
+
+def _subschemas(schema: Any) -> Iterator[tuple[Path, Mapping[str, Any], bool]]:
+    """Every subschema xgrammar compiles, with its path and whether it names property names (a string even without a
+    type), the root first and then in document order (iterative: a deep schema is no recursion)."""
+    stack: list[tuple[Path, Any, bool]] = [((), schema, False)]
+    while stack:
+        at, node, names = stack.pop()
+        if not isinstance(node, Mapping):
+            continue
+        yield at, node, names
+        kind = node.get("type")
+        kinds = {"object", "array"} if kind is None else {kind} if isinstance(kind, str) else \
+            {k for k in kind if isinstance(k, str)} if isinstance(kind, list) else set()  # else: xgrammar's to refuse
+        found: list[tuple[Path, Any, bool]] = []
+        for key, value in node.items():
+            shape, goes_with = _PLACES.get(key, (None, None))
+            if shape is None or (goes_with is not None and goes_with not in kinds):
+                continue  # not a subschema, or one xgrammar passes over for this type (items of an object)
+            if shape == "one":
+                found.append(((*at, key), value, key == "propertyNames"))
+            elif shape == "list" and isinstance(value, list):  # anyOf of property names: still names
+                found += [((*at, key, i), item, names and goes_with is None) for i, item in enumerate(value)]
+            elif shape == "named" and isinstance(value, Mapping):
+                found += [((*at, key, name), item, False) for name, item in value.items()]
+        stack.extend(reversed(found))
+
+
+def _why_dropped(node: Mapping[str, Any], names: bool) -> str | None:
+    """Why xgrammar drops ``node``'s length bounds (``names``: it is a ``propertyNames`` schema, a string when it gives
+    no type), or None when it keeps them (or refuses them)."""
+    kind = node.get("type", "string" if names else None)
+    if not (kind == "string" or (isinstance(kind, list) and "string" in kind)) \
+            or any(key in node for key in _BEFORE_STRING):
+        return None
+    pattern, fmt = node.get("pattern"), node.get("format")
+    if isinstance(fmt, str) and fmt in XGRAMMAR_FORMATS:  # a format it knows wins over a pattern too
+        by = f"format {fmt!r}: the format alone is matched"
+    elif isinstance(pattern, str):
+        by = "a pattern: the pattern alone is matched (bound the length in the pattern, as in ^[A-Z]{1,3}$)"
+    else:
+        return None
+    low, high = (node.get(key, unbounded) for key, unbounded in _UNBOUNDED.items())
+    if not (type(low) is int and _INT32_MIN <= low <= _INT32_MAX and type(high) is int
+            and _INT64_MIN <= high <= _INT64_MAX):
+        return None  # xgrammar refuses the schema, saying why (or wraps a minLength past int32: left to it)
+    high = -1 if high > _INT32_MAX else high  # xgrammar reads a maxLength past int32 as none
+    if (high != -1 and low > high) or (low, high) == tuple(_UNBOUNDED.values()):
+        return None  # refused (minLength above maxLength), or no bound at all
+    return f"xgrammar ignores minLength and maxLength on a string with {by}"
+
+
+__all__ = ["XGRAMMAR_FORMATS", "Path", "dropped_lengths", "ignored_lengths", "without_dropped_lengths"]
