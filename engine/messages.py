@@ -68,8 +68,8 @@ def chat_message(i: int, m: Any) -> dict[str, Any]:
         raise MessageError(f"messages[{i}].{extra[0]}", f"not supported{_WHOSE.get(extra[0], '')}; a message has "
                            f"role, content, name{''.join(', ' + c for c in carried)}")
     message: dict[str, Any] = {"role": "system" if m["role"] == "developer" else m["role"], "content": content}
-    if m.get("tool_calls"):  # [] or null: a plain assistant turn (vLLM drops an empty list too)
-        message["tool_calls"] = tool_calls(f"messages[{i}].tool_calls", m["tool_calls"])
+    if m.get("tool_calls") not in (None, []):  # [] or null: a plain assistant turn (vLLM drops an empty list too);
+        message["tool_calls"] = tool_calls(f"messages[{i}].tool_calls", m["tool_calls"])  # false or {}: refused
     if m.get("tool_call_id") is not None:
         _need(isinstance(m["tool_call_id"], str) and lone_surrogate(m["tool_call_id"]) is None,
               f"messages[{i}].tool_call_id", "a string (the id of the call this answers)", m["tool_call_id"])

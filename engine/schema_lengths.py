@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Mapping
 from typing import Any
+from urllib.parse import unquote
 
 #: The string formats xgrammar 0.2.9 compiles; any other ``format`` is passed over and the length bounds then act.
 XGRAMMAR_FORMATS = frozenset({"date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uuid",
@@ -82,12 +83,15 @@ def without_dropped_lengths(spec: str) -> str:
 
 def _subschemas(schema: Any) -> Iterator[tuple[Path, Mapping[str, Any], bool]]:
     """Every subschema xgrammar compiles, with its path and whether it names property names (a string even without a
-    type), the root first and then in document order (iterative: a deep schema is no recursion)."""
+    type), the root first and then in document order (iterative: a deep schema is no recursion), each once; what a
+    ``$ref`` points at is one of them wherever it stands (xgrammar compiles it there)."""
     stack: list[tuple[Path, Any, bool]] = [((), schema, False)]
+    seen: set[Path] = set()
     while stack:
         at, node, names = stack.pop()
-        if not isinstance(node, Mapping):
+        if not isinstance(node, Mapping) or at in seen:
             continue
+        seen.add(at)
         yield at, node, names
         kind = node.get("type")
         kinds = {"object", "array"} if kind is None else {kind} if isinstance(kind, str) else \
@@ -103,7 +107,28 @@ def _subschemas(schema: Any) -> Iterator[tuple[Path, Mapping[str, Any], bool]]:
                 found += [((*at, key, i), item, names and goes_with is None) for i, item in enumerate(value)]
             elif shape == "named" and isinstance(value, Mapping):
                 found += [((*at, key, name), item, False) for name, item in value.items()]
+        target = _pointed(schema, node.get("$ref"))
+        if target is not None:  # after the node's own: a key of the author's own, or a place passed over above
+            found.append(target)
         stack.extend(reversed(found))
+
+
+def _pointed(schema: Any, ref: Any) -> tuple[Path, Any, bool] | None:
+    """What the local ``$ref`` ``ref`` (``#/x-shared/code``, a JSON pointer in a URI fragment) points at in
+    ``schema``, with its path; None for any other reference or one that points at nothing (xgrammar's to refuse)."""
+    if not isinstance(ref, str) or not ref.startswith("#/"):
+        return None
+    node, at = schema, []
+    for token in ref[2:].split("/"):
+        step: str | int = unquote(token).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, list) and isinstance(step, str) and step.isdigit():
+            step = int(step)
+        try:
+            node = node[step]
+        except (KeyError, IndexError, TypeError):
+            return None
+        at.append(step)
+    return tuple(at), node, False
 
 
 def _why_dropped(node: Mapping[str, Any], names: bool) -> str | None:

@@ -403,6 +403,9 @@ def test_chat_takes_an_agents_next_turn_as_the_server_does(llm):
         ({"role": "user", "content": "w5", "tool_call_id": "c"}, "messages[1].tool_call_id: not supported (a tool "
                                                                  "message's)"),
         ({"role": "assistant", "content": "w5", "audio": {"id": "a"}}, "messages[1].audio: not supported"),
+        # no list of calls: refused, not read as "no calls" (only [] and null are)
+        ({"role": "assistant", "content": "w5", "tool_calls": False}, "messages[1].tool_calls: expected [{"),
+        ({"role": "assistant", "content": "w5", "tool_calls": {}}, "messages[1].tool_calls: expected [{"),
     ]:
         with pytest.raises(GenerationError, match=f"^chat: prompt 0: {re.escape(says)}"):
             llm.chat([turns[0], message], params, chat_template=RENDER_CALLS)

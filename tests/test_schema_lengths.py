@@ -76,7 +76,7 @@ NESTED = st.recursive(STRING, nest, max_leaves=5)
 #: ... and the definitions a schema's root holds, referred to from it
 SCHEMAS = st.one_of(NESTED, *[st.tuples(NESTED, NESTED).map(lambda t, k=k: {
     "type": "object", "properties": {"x": {"$ref": f"#/{k}/s"}, "y": t[0]}, k: {"s": t[1]}})
-    for k in ("$defs", "definitions")])
+    for k in ("$defs", "definitions", "x-shared")])  # a $ref may point anywhere in the document
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -127,6 +127,24 @@ def test_each_bound_is_named_by_its_json_path_and_why():
     assert [n for n, _, _ in ignored_lengths({"type": "array", "prefixItems": [
         {"type": "string", "format": "uuid", "maxLength": 5}]}, "tools[2].function.parameters")] == [
         "tools[2].function.parameters.prefixItems[0].maxLength"]
+
+
+def test_a_bound_reached_only_through_a_ref_is_named_and_taken_out():
+    """xgrammar compiles what a ``$ref`` points at wherever it stands (a key of the author's own, the ``items`` of an
+    object-typed schema it would otherwise pass over): a bound it drops there is named and taken out too, once."""
+    code = {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}
+    for schema, where in [
+            ({"type": "object", "properties": {"a": {"$ref": "#/x-shared/code"}, "b": {"$ref": "#/x-shared/code"}},
+              "required": ["a", "b"], "x-shared": {"code": code}}, "x-shared.code"),
+            ({"type": "object", "properties": {"a": {"$ref": "#/properties/b/items"}, "b": {
+                "type": "object", "items": code}}, "required": ["a"]}, "properties.b.items"),
+            ({"type": "object", "properties": {"a": {"$ref": "#/x~1y/c%20d"}}, "required": ["a"],
+              "x/y": {"c d": code}}, "x/y.c d")]:
+        spec = json.dumps(schema)
+        assert compiled(spec)[1] == 1
+        assert [n for n, _, _ in ignored_lengths(schema, "j")] == [f"j.{where}.maxLength"]
+        stripped = without_dropped_lengths(spec)
+        assert compiled(stripped) == (compiled(spec)[0], 0)
 
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=3),
