@@ -398,16 +398,16 @@ def constrain(logits: torch.Tensor, raw: torch.Tensor, counts: Sequence[int],
     leaves empty (a vocabulary that cannot spell what it needs next) takes the end-of-sequence tokens only, and its
     sample ends there ("stop"), rather than a token outside the grammar or a failed step for every request in it."""
     xgr = backend.xgr
-    out = logits.clone() if logits is raw else logits
-    bitmask = xgr.allocate_token_bitmask(out.shape[0], backend.vocab_size)
+    bitmask = xgr.allocate_token_bitmask(logits.shape[0], backend.vocab_size)
     masked: list[int] = []
     start = 0
     for c, (constraint, drafts) in zip(counts, rows, strict=True):
         if constraint is not None:
             masked.extend(constraint.fill(bitmask, start, c, drafts))
         start += c
-    if not masked:
+    if not masked:  # thinking rows the gate leaves free: no copy of the logits (~7 µs a row, bench_structured)
         return logits
+    out = logits.clone() if logits is raw else logits
     bitmask = bitmask.to(out.device, non_blocking=True)
     xgr.apply_token_bitmask_inplace(out, bitmask, vocab_size=backend.vocab_size, indices=masked)
     where = torch.tensor(masked, dtype=torch.long, device=out.device)
