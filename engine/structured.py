@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from engine.grammar_shape import nullable_repeat_nesting
+from engine.grammar_shape import matches_nothing, nullable_repeat_nesting
 from engine.reasoning import END, ReasoningText
 from engine.schema_lengths import without_dropped_lengths
 from engine.structured_params import StructuredOutputsParams
@@ -315,7 +315,12 @@ def check_spec(params: StructuredOutputsParams) -> None:
     """Parse ``params``' spec without a tokenizer (xgrammar's ``Grammar.from_*``), so a bad one is refused before a
     model loads: ``GenerationError`` as :meth:`GrammarBackend.compile` words it, or naming the extra to install."""
     grammar = load_xgrammar().Grammar
-    check_matching_cost(params, _build(params, grammar.from_json_schema, grammar.from_regex, grammar.from_ebnf))
+    built = _build(params, grammar.from_json_schema, grammar.from_regex, grammar.from_ebnf)
+    if params.kind == "grammar" and matches_nothing(str(built)):  # xgrammar compiles it; every sample would be ""
+        raise GenerationError("generate: structured_outputs.grammar: matches no text: rule root never ends (each "
+                              "of its alternatives needs a rule that needs itself again, as in root ::= root); give "
+                              "it an alternative that ends in a string or character class")
+    check_matching_cost(params, built)
 
 
 #: A ``Regex("...")`` expression of xgrammar's printed grammar (a JSON schema's ``pattern``), its string JSON-escaped.
