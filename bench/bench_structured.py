@@ -4,6 +4,11 @@ Run from the repository root::
 
     python -m bench.bench_structured             # SmolLM2's tokenizer (49,152 tokens), batch 1 / 8 / 32
 
+"thinking" is the JSON schema behind a reasoning parser (``reasoning_parser="deepseek_r1"``) while the sample still
+thinks: its row is the thinking gate's (free but for marker tokens whose tail the grammar refuses), and a row whose
+thinking ends starts again, so every timed row is a thinking row. The gate's token table (each token's text, built
+once per model when the first gated request arrives) is timed apart.
+
 Each row times one step's pick for ``batch`` decoding rows, as the executor does it: ``penalize`` (no penalties
 set: it hands the logits back), then ``constrain`` with every row held to the grammar (none for "none"), then greedy
 argmax; this thread's CPU time, median of ``--repeats`` interleaved rounds. Feeding the picked token to each row's
@@ -39,6 +44,7 @@ SETTINGS: dict[str, StructuredOutputsParams | None] = {
     "none": None,
     "json schema": StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
     "regex": StructuredOutputsParams(regex=REGEX),
+    "thinking": StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True, reasoning_parser="deepseek_r1"),
 }
 
 
@@ -56,6 +62,7 @@ class Rows:
 
     def __init__(self, backend: GrammarBackend, so: StructuredOutputsParams | None, batch: int) -> None:
         self.backend = backend
+        self.so = so
         self.params = SamplingParams(structured_outputs=so)
         self.requests = [Request(f"r{b}", [1, 2, 3], 4096) for b in range(batch)]
         self.constraints: list[Constraint | None] = [
@@ -72,12 +79,17 @@ class Rows:
         return tokens, (time.thread_time() - t0) * 1e6
 
     def advance(self, tokens: list[int]) -> float:
-        """Feed each row's token to its matcher (µs of CPU); a row whose grammar ended starts over."""
+        """Feed each row's token to its matcher (µs of CPU); a row whose grammar ended, or whose thinking did (a gated
+        row stays a thinking row), starts over."""
         t0 = time.thread_time()
         ended = [c is not None and c.advance(t) for c, t in zip(self.constraints, tokens, strict=True)]
         spent = (time.thread_time() - t0) * 1e6
-        for c, done in zip(self.constraints, ended, strict=True):
-            if done and c is not None:
+        for i, (c, done) in enumerate(zip(self.constraints, ended, strict=True)):
+            if c is None or self.so is None:
+                continue
+            if self.so.reasoning_parser is not None and c.gate is None:
+                self.constraints[i] = self.backend.constraint(self.so)
+            elif done:
                 c.matcher.reset()
         return spent
 
@@ -126,6 +138,9 @@ def main(argv: list[str] | None = None) -> None:
     vocab = 49_152  # SmolLM2's config vocab_size (its tokenizer holds as many)
     backend = GrammarBackend(tokenizer, vocab, {tokenizer.eos_token_id}, "smollm2-135m")
     print(f"machine: {machine()}")
+    t0 = time.thread_time()
+    backend.token_text(0)  # the thinking gate's token table, once per model (else in thinking's first batch-1 step)
+    print(f"thinking gate's token table (once per model): {(time.thread_time() - t0) * 1e3:.0f} ms")
     print("| batch | setting | compile ms (cold cache) | first step µs | pick µs (median) | over none | "
           "advance µs (median) |")
     print("|--:|---|--:|--:|--:|--:|--:|")
@@ -138,6 +153,7 @@ def main(argv: list[str] | None = None) -> None:
         for name, so in SETTINGS.items():
             if so is not None:
                 backend.compiler.clear_cache()
+                backend._grammars.clear()  # kvload's own cache of compiled grammars, which a request hits first
                 t0 = time.thread_time()
                 backend.compile(so)
                 compile_ms[name] = (time.thread_time() - t0) * 1e3
@@ -152,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
         for r in range(args.repeats):  # interleaved: every setting sees the same machine
             logits = rounds[r % len(rounds)]
             for name in SETTINGS:
-                if args.parts and name != "none":
+                if args.parts and name not in ("none", "thinking"):
                     for k, v in parts_us(rows[name], logits).items():
                         parts[batch].setdefault(f"{name}: {k}", []).append(v)
                 tokens, spent = rows[name].pick(logits)

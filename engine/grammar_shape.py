@@ -148,4 +148,41 @@ def nullable_repeat_nesting(grammar_text: str, cap: int = 8) -> int:
     return max(depth.values(), default=0)
 
 
-__all__ = ["nullable_repeat_nesting"]
+def matches_nothing(grammar_text: str, root: str = "root") -> bool:
+    """Whether rule ``root`` of xgrammar's printed grammar ``grammar_text`` derives no text at all (``root ::= root``,
+    or rules that only ever refer on to each other): xgrammar compiles such a grammar, and a sample held to it could
+    only end at once, empty. A least fixed point of the rules that derive some text; what this does not read (a rule
+    it does not know, a construct it does not parse) counts as deriving text, so a grammar is never called empty
+    wrongly."""
+    rules = _rules(grammar_text)
+    if root not in rules:
+        return False
+    derives = dict.fromkeys(rules, False)
+
+    def ends(node: _Node) -> bool:
+        if node.kind in ("empty", "atom"):
+            return True
+        if node.kind == "ref":
+            return derives.get(node.name, True)  # not a rule of this text: not ours to judge
+        if node.kind == "repeat":
+            return node.name == "nullable" or ends(node.items[0])
+        if node.kind == "alt":
+            return any(ends(i) for i in node.items)
+        return all(ends(i) for i in node.items)  # seq
+
+    users: dict[str, set[str]] = {name: set() for name in rules}
+    for name, body in rules.items():
+        for ref in _refs(body):
+            if ref in users:
+                users[ref].add(name)
+    # a worklist, as above: a rule only ever turns to deriving text; one is looked at again when one it uses turned
+    todo = list(rules)
+    while todo:
+        name = todo.pop()
+        if not derives[name] and ends(rules[name]):
+            derives[name] = True
+            todo.extend(users[name])
+    return not derives[root]
+
+
+__all__ = ["matches_nothing", "nullable_repeat_nesting"]

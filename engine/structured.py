@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from engine.grammar_shape import nullable_repeat_nesting
+from engine.grammar_shape import matches_nothing, nullable_repeat_nesting
 from engine.reasoning import END, ReasoningText
 from engine.schema_lengths import without_dropped_lengths
 from engine.structured_params import StructuredOutputsParams
@@ -315,7 +315,12 @@ def check_spec(params: StructuredOutputsParams) -> None:
     """Parse ``params``' spec without a tokenizer (xgrammar's ``Grammar.from_*``), so a bad one is refused before a
     model loads: ``GenerationError`` as :meth:`GrammarBackend.compile` words it, or naming the extra to install."""
     grammar = load_xgrammar().Grammar
-    check_matching_cost(params, _build(params, grammar.from_json_schema, grammar.from_regex, grammar.from_ebnf))
+    built = _build(params, grammar.from_json_schema, grammar.from_regex, grammar.from_ebnf)
+    if params.kind == "grammar" and matches_nothing(str(built)):  # xgrammar compiles it; every sample would be ""
+        raise GenerationError("generate: structured_outputs.grammar: matches no text: rule root never ends (each "
+                              "of its alternatives needs a rule that needs itself again, as in root ::= root); give "
+                              "it an alternative that ends in a string or character class")
+    check_matching_cost(params, built)
 
 
 #: A ``Regex("...")`` expression of xgrammar's printed grammar (a JSON schema's ``pattern``), its string JSON-escaped.
@@ -398,16 +403,16 @@ def constrain(logits: torch.Tensor, raw: torch.Tensor, counts: Sequence[int],
     leaves empty (a vocabulary that cannot spell what it needs next) takes the end-of-sequence tokens only, and its
     sample ends there ("stop"), rather than a token outside the grammar or a failed step for every request in it."""
     xgr = backend.xgr
-    out = logits.clone() if logits is raw else logits
-    bitmask = xgr.allocate_token_bitmask(out.shape[0], backend.vocab_size)
+    bitmask = xgr.allocate_token_bitmask(logits.shape[0], backend.vocab_size)
     masked: list[int] = []
     start = 0
     for c, (constraint, drafts) in zip(counts, rows, strict=True):
         if constraint is not None:
             masked.extend(constraint.fill(bitmask, start, c, drafts))
         start += c
-    if not masked:
+    if not masked:  # thinking rows the gate leaves free: no copy of the logits (~7 µs a row, bench_structured)
         return logits
+    out = logits.clone() if logits is raw else logits
     bitmask = bitmask.to(out.device, non_blocking=True)
     xgr.apply_token_bitmask_inplace(out, bitmask, vocab_size=backend.vocab_size, indices=masked)
     where = torch.tensor(masked, dtype=torch.long, device=out.device)

@@ -275,6 +275,21 @@ def planned_tokens(name: str, requests: int, params: dict[str, int], seed: int =
     return requests * (p["prompt_len"] + p["answer_len"])
 
 
+def _unused_sharing(name: str, merged: dict[str, int], given: dict[str, int]) -> str | None:
+    """Why ``mixed``'s sharing parameters the caller gave would do nothing (none shared: ``prefixes=0`` or
+    ``shared_percent=0``, against a size for what is shared), or None. Not a silent no-op: one line naming both."""
+    if name != "mixed":
+        return None
+    for off in ("prefixes", "shared_percent"):
+        if merged[off] != 0:
+            continue
+        for key in ("shared_percent", "prefixes", "prefix_len"):
+            if key != off and key in given and (merged[key] != 0 or key == "prefix_len"):
+                return (f"{key}={merged[key]} does nothing with {off}=0 (no prompt then shares a system prompt); "
+                        f"give {off} >= 1, or leave {key} out")
+    return None
+
+
 def make_workload(name: str, requests: int | None = None, seed: int = 0, **params: int) -> Workload:
     """Build a workload by name; ``requests`` None keeps the workload's default size.
 
@@ -297,6 +312,9 @@ def make_workload(name: str, requests: int | None = None, seed: int = 0, **param
         if key.endswith(("_min", "_max")) and low in merged and high in merged and merged[low] > merged[high]:
             raise ValueError(f"workload {name}: {low}={merged[low]} is more than {high}={merged[high]}; "
                              f"need {low} <= {high}")
+    unused = _unused_sharing(name, merged, params)
+    if unused is not None:
+        raise ValueError(f"workload {name}: {unused}")
     if "vocab" in params and params["vocab"] > MAX_VOCAB:
         raise ValueError(f"workload {name}: vocab must be at most {MAX_VOCAB:,}, got {params['vocab']:,}")
     if requests is not None and (not isinstance(requests, int) or isinstance(requests, bool) or requests < 1):

@@ -584,7 +584,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         default_length_origin(peeked)
     if ns.min_tokens > max_new_tokens:
         raise ConfigError(f"--min_tokens: expected at most {length} ({max_new_tokens}), got {ns.min_tokens}")
-    from kvload.structured_flags import flag_named, structured_outputs
+    from kvload.structured_flags import flag_named, reasoning_ignored, structured_outputs
 
     structured = structured_outputs(ns)  # its spec parsed by xgrammar: a bad one is refused before the weights load
     if structured is not None:
@@ -598,6 +598,11 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         *_generate_pool_tokens(len(prompts), ns.n, max_new_tokens, _user_max_seq_len(request), length),
         sequences=len(prompts) * ns.n)  # the checkpoint's max_seq_len caps it too, once resolved
     with execute(request, load_stages(), subscribers=audit) as result:  # generation events reach the audit too
+        ignored = reasoning_ignored(ns)
+        if ignored is not None and result.bus is not None:
+            from pipeline.events import SettingIgnored
+
+            result.bus.emitter("generate")(SettingIgnored(field=ignored[0], value=ignored[1], reason=ignored[2]))
         first = prints(result)  # under torchrun every rank generates; rank 0 prints
         printer = None if ns.json or not first else _TokenPrinter(result.tokenizer,
                                                                   several=len(prompts) > 1 or ns.n > 1,

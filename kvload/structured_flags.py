@@ -1,5 +1,5 @@
 """``kvload generate``'s structured-output flags (``--json-schema``, ``--regex``, ``--choice``, ``--grammar``,
-``--json-object``, ``--disable-any-whitespace``) → one ``StructuredOutputsParams``.
+``--json-object``, ``--disable-any-whitespace``, ``--reasoning-parser``) → one ``StructuredOutputsParams``.
 
 Parsing imports neither torch nor xgrammar (``kvload --help`` and ``plan`` build this parser too); only a generate
 that was given one of the flags imports xgrammar, to check the spec before the model loads.
@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from engine.reasoning import PARSERS
 from pipeline.errors import ConfigError, GenerationError
 from pipeline.limits import MAX_STRUCTURED_CHARS
 from pipeline.textfile import read_text_file
@@ -48,6 +49,11 @@ def add_structured_flags(p: argparse.ArgumentParser) -> None:
                    action=_Spelling, nargs=0, default=None,
                    help="with --json-schema or --json-object: compact JSON, no whitespace between tokens beyond one "
                         "space after : and , (small models need it; default: any whitespace, as vLLM)")
+    g.add_argument("--reasoning-parser", "--reasoning_parser", dest="reasoning_parser", default=None, metavar="NAME",
+                   type=_reasoning_parser,
+                   help=f"with a structured-output flag: the model thinks freely and the grammar holds only its "
+                        f"answer, the text after </think> as this reasoning parser reads it ({', '.join(PARSERS)}; "
+                        f"vLLM's flag). Without one it does nothing (a setting_ignored event says so)")
     p.set_defaults(structured=None)
 
 
@@ -75,6 +81,22 @@ class _Spelling(argparse.Action):
         setattr(ns, self.dest, option_string or self.option_strings[0])
 
 
+def _reasoning_parser(text: str) -> str:
+    """``--reasoning-parser``: one of :data:`engine.reasoning.PARSERS` (``kvload serve``'s names)."""
+    if text not in PARSERS:
+        raise argparse.ArgumentTypeError(f"no reasoning parser {text!r} in kvload; it has: {', '.join(PARSERS)}")
+    return text
+
+
+def reasoning_ignored(ns: argparse.Namespace) -> tuple[str, str, str] | None:
+    """``(field, value, why)`` for a ``setting_ignored`` when ``--reasoning-parser`` was given with no structured
+    output for it to gate (kvload generate prints the reply whole; only a grammar reads the thinking)."""
+    if ns.reasoning_parser is None or ns.structured:
+        return None
+    return ("--reasoning-parser", ns.reasoning_parser,
+            f"it gates a structured output ({_ONE_OF}); without one the reply is printed whole, thinking included")
+
+
 def _spec_text(what: str) -> Callable[[str], str]:
     """argparse ``type=``: the text as given, or with ``@FILE`` the UTF-8 text of FILE."""
     def parse(text: str) -> str:
@@ -96,7 +118,8 @@ def _read(name: str, what: str) -> str:
 
 
 def structured_outputs(ns: argparse.Namespace) -> Any:
-    """The ``StructuredOutputsParams`` the flags ask for (None: none given), its spec parsed by xgrammar already:
+    """The ``StructuredOutputsParams`` the flags ask for (None: none given; with ``--reasoning-parser`` the grammar
+    holds only the answer after the thinking), its spec parsed by xgrammar already:
     ``ConfigError`` naming the flag for a bad spec, a missing xgrammar or a stray ``--disable-any-whitespace``."""
     given = ns.structured or []
     compact = ns.disable_any_whitespace
@@ -113,7 +136,8 @@ def structured_outputs(ns: argparse.Namespace) -> Any:
     try:
         with flag_named(flag):
             params = StructuredOutputsParams(**{kind: [v for _, _, v in given] if kind == "choice" else value},
-                                             disable_any_whitespace=compact is not None)
+                                             disable_any_whitespace=compact is not None,
+                                             reasoning_parser=ns.reasoning_parser)
             from engine.structured import check_spec
 
             check_spec(params)  # before the weights: xgrammar parses it without the tokenizer
@@ -139,4 +163,4 @@ def flag_named(flag: str) -> Iterator[None]:
         raise ConfigError(f"{name}{f' #{int(index) + 1}' if index is not None else ''}: {why}") from None
 
 
-__all__ = ["add_structured_flags", "flag_named", "structured_outputs"]
+__all__ = ["add_structured_flags", "flag_named", "reasoning_ignored", "structured_outputs"]

@@ -215,6 +215,24 @@ def test_the_nesting_of_repeats_that_may_be_empty_is_read_from_xgrammars_grammar
     assert nullable_repeat_nesting(str(grammar)) == nesting
 
 
+@pytest.mark.parametrize(("grammar", "empty"), [
+    ("root ::= root", True),
+    ('root ::= a b\na ::= "x"\nb ::= b "y"', True),  # b never ends, so neither does root
+    ("root ::= [a-z]* root", True),
+    ('root ::= "x" | root', False),
+    ('root ::= ""', False),  # the empty text is a text
+    ('root ::= "(" item ("," item)* ")"\nitem ::= [a-c] | "z" [0-9]', False),
+    ('root ::= a\na ::= "x" a | "y"', False),  # recursion that can stop
+])
+def test_a_grammar_that_matches_no_text_is_told_from_xgrammars_grammar(grammar, empty):
+    import xgrammar
+
+    from engine.grammar_shape import matches_nothing
+
+    assert matches_nothing(str(xgrammar.Grammar.from_ebnf(grammar))) is empty
+    assert not matches_nothing(str(xgrammar.Grammar.from_json_schema(json.dumps(SCHEMA))))
+
+
 @pytest.mark.parametrize(("kw", "message"), [
     ({}, "give exactly one of json, regex, choice, grammar, json_object; got none"),
     ({"regex": "a", "choice": ["a"]}, "got regex and choice"),
@@ -427,6 +445,8 @@ def test_generate_choice_flags_give_one_of_the_choices(capsys, bytes_ckpt):
     (("--regex", NESTED), "error: --regex: too costly to match: a repetition of something that may be empty nests"),
     (("--grammar", "root ::= foo"), 'error: --grammar: xgrammar refused it: EBNF parser error at line 1, column 10: '
                                     'Rule "foo" is not defined'),
+    (("--grammar", "root ::= root"), "error: --grammar: matches no text: rule root never ends"),  # was one empty token
+    (("--grammar", 'root ::= "(" x\nx ::= "a" x'), "error: --grammar: matches no text"),
     (("--json-schema", "{x"), "error: --json-schema: not JSON text"),
     (("--json-schema", "[1]"), "error: --json-schema: expected a JSON schema object, got a JSON array"),
     (("--json-schema", "null"), "error: --json-schema: expected a JSON schema object, got null"),  # was "JSON NoneType"

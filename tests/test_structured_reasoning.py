@@ -15,6 +15,7 @@ import kvload
 from engine.reasoning import split_reasoning
 from kvload import SamplingParams, StructuredOutputsParams
 from pipeline.errors import GenerationError
+from tests.cli_support import read_events, run_cli
 from tests.llm_support import llm_kwargs
 from tests.serve_support import Script
 from tests.text_support import bytelevel_checkpoint
@@ -184,3 +185,52 @@ def test_speculative_drafts_across_the_marker_give_the_tokens_of_one_token_a_ste
     assert reasoning == THOUGHT and content.startswith("{")
     if not after:
         assert content == ANSWER
+
+
+# --- kvload generate --reasoning-parser ----------------------------------------------------------------------------
+
+
+def generate(capsys, monkeypatch, ckpt, reply, *args):
+    """``kvload generate`` in this process with its model scripted to write ``reply``."""
+    import contextlib
+
+    import kvload.api
+
+    real = kvload.api.execute
+
+    @contextlib.contextmanager
+    def scripted_execute(*a, **kw):
+        with real(*a, **kw) as result:
+            Script(SimpleNamespace(executor=result.executor, tokenizer=result.tokenizer)).say(reply)
+            yield result
+
+    monkeypatch.setattr("kvload.api.execute", scripted_execute)
+    return run_cli(capsys, "generate", ckpt, "--prompt", "Hello", "--max_new_tokens", "60", "--device", "cpu",
+                   "--max_seq_len", "256", "--max_tokens", "1024", *args)
+
+
+def test_generate_reasoning_parser_flag_lets_the_model_think_and_holds_its_answer_to_the_schema(
+        capsys, monkeypatch, bytes_ckpt, tmp_path):
+    audit = tmp_path / "gen.jsonl"
+    r = generate(capsys, monkeypatch, bytes_ckpt, THOUGHT + "</think>Blue.", "--json-schema", json.dumps(SCHEMA),
+                 "--reasoning-parser", "deepseek_r1", "--json", "--audit-log", audit)
+    assert r.code == 0, r.err
+    (out,) = r.json()["outputs"][0]["outputs"]
+    reasoning, content = split_reasoning("deepseek_r1", out["text"])
+    assert reasoning == THOUGHT and content.startswith('{"sky"')  # thought freely; "Blue." was held to the schema
+    started = next(e for e in read_events(audit) if e["event"] == "generation_started")
+    assert started["structured_outputs"]["reasoning_parser"] == "deepseek_r1"
+
+
+def test_generate_reasoning_parser_flag_without_a_structured_flag_says_it_is_ignored(capsys, monkeypatch, bytes_ckpt):
+    r = generate(capsys, monkeypatch, bytes_ckpt, THOUGHT + "</think>Blue.", "--reasoning_parser", "qwen3")
+    assert r.code == 0, r.err
+    assert r.out.splitlines()[0] == THOUGHT + "</think>Blue."  # printed whole, as without the flag
+    (line,) = [x for x in r.err.splitlines() if "setting_ignored" in x]
+    assert "--reasoning-parser" in line and "qwen3" in line and "printed whole" in line
+
+
+def test_generate_refuses_a_reasoning_parser_kvload_does_not_have_in_one_line(capsys, bytes_ckpt):
+    r = run_cli(capsys, "generate", bytes_ckpt, "--prompt", "Hi", "--regex", "a", "--reasoning-parser", "granite")
+    assert r.code == 2 and r.one_error_line, r.err
+    assert r.err == "error: --reasoning-parser: no reasoning parser 'granite' in kvload; it has: deepseek_r1, qwen3\n"

@@ -93,6 +93,12 @@ def test_mixed_draws_sizes_in_range_puts_shared_prompts_after_a_system_prompt_an
                                              "prompt_max"),
     ({"answer_min": 300}, "answer_min=300 is more than answer_max=256"),
     ({"prefix_len": 0}, "prefix_len must be an integer >= 1, got 0"),
+    # sharing asked for with nothing to share: it used to be dropped silently
+    ({"prefixes": 0, "shared_percent": 50}, r"shared_percent=50 does nothing with prefixes=0 \(no prompt then shares "
+                                            r"a system prompt\); give prefixes >= 1, or leave shared_percent out"),
+    ({"prefixes": 0, "prefix_len": 64}, "prefix_len=64 does nothing with prefixes=0"),
+    ({"shared_percent": 0, "prefixes": 3}, "prefixes=3 does nothing with shared_percent=0"),
+    ({"shared_percent": 0, "prefix_len": 64}, "prefix_len=64 does nothing with shared_percent=0"),
 ])
 def test_mixed_refuses_sizes_that_cannot_be_drawn_naming_them(params, message):
     with pytest.raises(ValueError, match=message):
