@@ -6,15 +6,20 @@ grammar. On a schema xgrammar compiles (the walk of :mod:`engine.schema_lengths`
 ``maxContains`` (on an array; ``minContains`` acts, as a ``minItems``), ``multipleOf`` on a ``number`` (xgrammar also
 prints a C++ warning for it; it is left in, as taking it out renames rules of the grammar), a ``pattern`` beside a
 ``format`` xgrammar knows (the format alone is matched, silently), a ``format`` it does not know (any string), and on
-a schema with no ``type`` (which matches any JSON value) the string and number keywords. No xgrammar import here.
+a schema with no ``type`` (which matches any JSON value) the string and number keywords; and a ``oneOf`` whose
+branches xgrammar cannot prove disjoint (:mod:`engine.schema_oneof`), which it matches as ``anyOf`` with a C++ warning:
+kvload writes it ``anyOf`` before compiling (:func:`for_xgrammar`: the same grammar, no warning). No xgrammar import
+here.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
-from engine.schema_lengths import XGRAMMAR_FORMATS, Path, _subschemas, dropped_lengths
+from engine.schema_lengths import XGRAMMAR_FORMATS, Path, _subschemas, dropped_lengths, without_dropped_lengths
+from engine.schema_oneof import proven_disjoint
 
 #: Keywords xgrammar passes over wherever they stand, and why (the type they go with: None for any).
 _NEVER = {
@@ -45,6 +50,11 @@ _SHAPING = ("properties", "additionalProperties", "unevaluatedProperties", "item
             "enum", "const", "anyOf", "oneOf", "allOf", "$ref")
 #: Keys that, beside a type, decide what xgrammar matches (its string or number rule is not used).
 _BEFORE = ("enum", "const", "anyOf", "oneOf", "allOf", "$ref")
+#: Keys xgrammar matches a schema by before its ``oneOf`` (which it then passes over).
+_BEFORE_ONE_OF = ("$ref", "const", "enum", "anyOf")
+_ONE_OF = ("xgrammar holds the value to any one of them (anyOf), not exactly one: it enforces exactly one only for "
+           "branches of distinct types or values, or objects with a required property of distinct values; kvload "
+           "compiles it as anyOf (the same grammar)")
 
 
 def ignored_keywords(schema: Any) -> list[tuple[Path, str, Any, str]]:
@@ -74,6 +84,8 @@ def _why_ignored(node: Mapping[str, Any], names: bool) -> list[tuple[str, str]]:
     out = [(key, why) for key, (goes_with, why) in _NEVER.items()
            if key in node and (goes_with is None or goes_with in kinds or kind is None)
            and not (key == "uniqueItems" and node[key] is not True)]
+    if _one_of_as_any_of(node):
+        out.append(("oneOf", _ONE_OF))
     if kind is None:
         if not any(key in node for key in _SHAPING):
             out += [(key, "xgrammar matches any JSON value for a schema without a type: give it one for this "
@@ -95,4 +107,37 @@ def _why_ignored(node: Mapping[str, Any], names: bool) -> list[tuple[str, str]]:
     return out
 
 
-__all__ = ["ignored_keywords", "ignored_settings"]
+def _one_of_as_any_of(node: Mapping[str, Any]) -> bool:
+    """Whether xgrammar matches ``node``'s ``oneOf`` as an ``anyOf`` (it cannot prove the branches disjoint)."""
+    options = node.get("oneOf")
+    return isinstance(options, list) and not any(key in node for key in _BEFORE_ONE_OF) \
+        and not proven_disjoint(options)
+
+
+def for_xgrammar(spec: str) -> str:
+    """The JSON schema text ``spec`` as kvload gives it to xgrammar: without the length bounds it drops, and with each
+    ``oneOf`` it matches as ``anyOf`` written so (the same grammar, and no warning line from it on the terminal)."""
+    spec = without_dropped_lengths(spec)
+    if "oneOf" not in spec:  # the common case, not parsed
+        return spec
+    try:
+        schema = json.loads(spec)
+    except (ValueError, RecursionError):  # refused by xgrammar in its own words
+        return spec
+    paths = [path for path, node, _ in _subschemas(schema) if _one_of_as_any_of(node)]
+    if not paths:
+        return spec
+    for path in sorted(paths, key=len, reverse=True):  # the deepest first: renaming one changes its children's paths
+        node = schema
+        for step in path:
+            node = node[step]
+        items = list(node.items())
+        node.clear()
+        node.update(("anyOf" if key == "oneOf" else key, value) for key, value in items)
+    try:
+        return json.dumps(schema, ensure_ascii=False, allow_nan=False)
+    except ValueError:  # a number past a float (1e999) reads back as infinity: left as written, warning and all
+        return spec
+
+
+__all__ = ["for_xgrammar", "ignored_keywords", "ignored_settings"]
