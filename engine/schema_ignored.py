@@ -4,7 +4,7 @@ Checked against xgrammar itself (``tests/test_schema_ignored.py``): a value the 
 grammar. On a schema xgrammar compiles (the walk of :mod:`engine.schema_lengths`): ``not``, ``if``/``then``/``else``,
 ``dependentSchemas``, ``dependentRequired`` and ``dependencies`` (on an object), ``uniqueItems``, ``contains`` and
 ``maxContains`` (on an array; ``minContains`` acts, as a ``minItems``), ``multipleOf`` on a ``number`` (xgrammar also
-prints a C++ warning for it; it is left in, as taking it out renames rules of the grammar), a ``pattern`` beside a
+prints a C++ warning for it; it is left in: taking it out changes the text of the grammar), a ``pattern`` beside a
 ``format`` xgrammar knows (the format alone is matched, silently), a ``format`` it does not know (any string), and on
 a schema with no ``type`` (which matches any JSON value) the string and number keywords; and a ``oneOf`` whose
 branches xgrammar cannot prove disjoint (:mod:`engine.schema_oneof`), which it matches as ``anyOf`` with a C++ warning:
