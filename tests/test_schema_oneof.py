@@ -52,6 +52,8 @@ SCHEMAS = st.one_of(
     ONE_OF.map(lambda o: {"type": "object", "properties": {"a": o, "b": {"type": "array", "items": o}}}),
     st.tuples(ONE_OF, ONE_OF).map(lambda t: {"oneOf": [{**t[0], "type": "object"}, {"type": "string"}], **t[1]}),
     ONE_OF.map(lambda o: {**o, "anyOf": [{"type": "integer"}]}),  # anyOf first: the oneOf is passed over
+    ONE_OF.map(lambda o: {"type": "object", "properties": {"x": {"$ref": "#/$defs/o"}}, "$defs": {"o": o}}),
+    st.just({"oneOf": [{"$ref": "#/$defs/s"}, {"type": "integer"}], "$defs": {"s": {"type": "string"}}}),
 )
 
 
