@@ -448,9 +448,9 @@ class GenerationExecutor:
                 structured_outputs=p0.structured_outputs.describe() if p0.structured_outputs is not None else None))
             has_text = self.tokenizer is not None  # a setting that does nothing (greedy draws nothing: a seed, top-p,
             for p in {id(p): p for p in params}.values():  # top-k or n; a text setting with no text) is said to
-                dropped = p.structured_outputs.ignored_lengths() if p.structured_outputs is not None else []
+                dropped = p.structured_outputs.ignored_settings() if p.structured_outputs is not None else []
                 for name, value, why in (greedy_ignored(p, model_defaults=defaulted) + inert_settings(p, has_text)
-                                         + dropped):  # ... and a schema's length bounds xgrammar drops
+                                         + dropped):  # ... and what a schema holds that xgrammar does not enforce
                     self._event(SettingIgnored(field=f"generate.{name}", value=value, reason=why))
             unscoped = self.salt_ignored() if salt is not None else None  # with reuse off a salt would do nothing
             if unscoped is not None:

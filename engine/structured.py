@@ -32,7 +32,7 @@ import torch
 
 from engine.grammar_shape import matches_nothing, nullable_repeat_nesting
 from engine.reasoning import END, ReasoningText
-from engine.schema_lengths import without_dropped_lengths
+from engine.schema_ignored import for_xgrammar
 from engine.structured_params import StructuredOutputsParams
 from pipeline.errors import GenerationError
 from pipeline.limits import MAX_NULLABLE_REPEAT_NESTING
@@ -378,8 +378,8 @@ def _build(params: StructuredOutputsParams, json_schema: Any, regex: Any, ebnf: 
     kind = params.kind
     try:
         spaces = not params.disable_any_whitespace
-        if kind == "json":  # without the length bounds xgrammar drops (reported instead of its C++ warning line)
-            spec = without_dropped_lengths(params.spec)
+        if kind == "json":  # without the length bounds xgrammar drops, oneOf it reads as anyOf written so (both
+            spec = for_xgrammar(params.spec)  # reported instead of its C++ warning lines)
             strict = _strict_strings(spec, spaces)
             return json_schema(spec, any_whitespace=spaces) if strict is None else ebnf(strict)
         if kind == "json_object":  # an object, as OpenAI's json_object and vLLM's (the builtin grammar takes any

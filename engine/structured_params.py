@@ -12,7 +12,7 @@ import attrs
 
 from engine.prompts import check_text
 from engine.reasoning import PARSERS
-from engine.schema_lengths import ignored_lengths
+from engine.schema_ignored import ignored_settings
 from pipeline.errors import GenerationError
 from pipeline.limits import MAX_SCHEMA_DEPTH, MAX_STRUCTURED_CHARS, MAX_STRUCTURED_CHOICES, nesting_depth
 
@@ -169,12 +169,13 @@ class StructuredOutputsParams:
                 "sha256": hashlib.sha256(self._spec.encode("utf-8")).hexdigest(),
                 "any_whitespace": not self.disable_any_whitespace, "reasoning_parser": self.reasoning_parser}
 
-    def ignored_lengths(self, field: str = f"{_FIELD}.json") -> list[tuple[str, Any, str]]:
-        """The JSON schema's length bounds xgrammar drops (``engine.schema_lengths``) as ``setting_ignored`` entries
-        (name, value, why), named by their path under ``field``; none for the other kinds."""
-        if self.kind != "json" or "Length" not in self._spec:
+    def ignored_settings(self, field: str = f"{_FIELD}.json") -> list[tuple[str, Any, str]]:
+        """What the JSON schema holds that xgrammar does not enforce (``engine.schema_ignored``: length bounds it
+        drops, ``not``, ``contains``, ...) as ``setting_ignored`` entries (name, value, why), named by their path under
+        ``field``; none for the other kinds."""
+        if self.kind != "json":
             return []
-        return ignored_lengths(_json.loads(self._spec), field)
+        return ignored_settings(_json.loads(self._spec), field)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain form: the one field given (vLLM's keys)."""

@@ -262,6 +262,25 @@ def test_a_length_bound_xgrammar_drops_is_reported_once_per_request_named_as_the
     assert dropped(so.id)[0] == ("serve.structured_outputs.json.properties.code.maxLength", 3)
 
 
+def test_a_keyword_xgrammar_does_not_enforce_is_reported_named_as_the_request_named_it(served):
+    """``not`` compiles and holds nothing: a setting_ignored naming it under the request's own name for the schema."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "not": {"const": "Paris"}}},
+              "required": ["city"], "additionalProperties": False}
+
+    def ignored(request_id: str) -> list[str]:
+        records = [json.loads(line) for line in served.http.get("/v1/kvload/audit").text.splitlines()]
+        return [r["field"] for r in records if r["event"] == "setting_ignored"
+                and r["reason"].endswith(f"(request {request_id})")]
+
+    fmt = chat(served, max_tokens=4, response_format={"type": "json_schema", "json_schema": {"name": "c",
+                                                                                             "schema": schema}})
+    assert ignored(fmt.id) == ["serve.response_format.json_schema.schema.properties.city.not"]
+    tool = {"type": "function", "function": {"name": "visit", "parameters": schema}}
+    named = chat(served, tools=[CLOCK, tool], tool_choice={"type": "function", "function": {"name": "visit"}},
+                 max_tokens=4)
+    assert ignored(named.id) == ["serve.tools[1].function.parameters.properties.city.not"]
+
+
 @pytest.mark.parametrize(("path", "body", "param"), [
     ("/v1/chat/completions", '"tools": [{"type": "function", "function": {"name": "f\\udc00"}}], '
                              '"tool_choice": "required"', "tools[0].function.name"),

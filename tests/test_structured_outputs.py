@@ -298,6 +298,26 @@ def test_a_length_bound_xgrammar_drops_is_reported_once_per_request_and_it_print
     assert len(dropped()) == before + 2
 
 
+def test_a_keyword_xgrammar_does_not_enforce_is_reported_by_its_json_path_and_it_prints_nothing(llm, capfd):
+    """``not`` and ``uniqueItems`` compile and hold nothing (xgrammar prints nothing either); a ``oneOf`` of
+    overlapping branches is held as ``anyOf`` (xgrammar's C++ line "falling back to anyOf semantics" was all the user
+    saw): each is reported, and the terminal shows no line of xgrammar's."""
+    ignored = lambda: [(e["field"], e["reason"]) for e in llm.audit.of("setting_ignored")]  # noqa: E731
+    before = len(ignored())
+    capfd.readouterr()
+    schema = {"type": "object", "properties": {
+        "tags": {"type": "array", "items": {"type": "string", "not": {"const": ""}}, "uniqueItems": True},
+        "n": {"oneOf": [{"type": "integer"}, {"type": "number", "minimum": 0}]}},
+        "required": ["tags", "n"], "additionalProperties": False}
+    llm.generate(PROMPT, SamplingParams(structured_outputs=StructuredOutputsParams(json=schema), max_tokens=4))
+    reported = ignored()[before:]
+    assert [field for field, _ in reported] == ["generate.structured_outputs.json.properties.tags.uniqueItems",
+                                                "generate.structured_outputs.json.properties.tags.items.not",
+                                                "generate.structured_outputs.json.properties.n.oneOf"]
+    assert reported[2][1].startswith("xgrammar holds the value to any one of them (anyOf), not exactly one")
+    assert "anyOf semantics" not in capfd.readouterr().err
+
+
 def test_generate_json_schema_flag_reports_a_dropped_length_bound_on_the_terminal_not_xgrammars_line(capfd,
                                                                                                         bytes_ckpt):
     r = generate(capfd, bytes_ckpt, "--json-schema", json.dumps({**DROPPED, "title": "cli"}))

@@ -36,7 +36,7 @@ from engine.sampling_params import (
     check_stop_token_ids_count,
     is_finite,
 )
-from engine.schema_lengths import ignored_lengths
+from engine.schema_ignored import ignored_settings
 from engine.structured_params import StructuredOutputsParams
 from kvload.serve.command import TOOL_CALL_PARSERS
 from pipeline.errors import GenerationError
@@ -359,7 +359,7 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
     if structured is not None:  # under a reasoning parser the model thinks freely; the grammar holds its answer
         extras["structured_outputs"] = structured if reasoning is None else \
             attrs.evolve(structured, reasoning_parser=reasoning)
-        ignored += _dropped_lengths(structured, structured_field, tool_choice)
+        ignored += _not_enforced(structured, structured_field, tool_choice)
     try:
         params = SamplingParams(max_tokens=max_tokens if given else default_max_tokens,
                                 temperature=float(temperature), top_p=float(top_p), top_k=top_k, seed=seed,
@@ -377,17 +377,17 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
                auto_tools=auto, reasoning=reasoning)
 
 
-def _dropped_lengths(structured: StructuredOutputsParams, field: str | None,
-                     tool_choice: ToolChoice | None) -> list[tuple[str, Any, str]]:
-    """The schema's length bounds xgrammar drops (``engine.schema_lengths``), named as the request named them: under
-    ``structured_outputs.json``, ``response_format.json_schema.schema`` or each constraining tool's
+def _not_enforced(structured: StructuredOutputsParams, field: str | None,
+                  tool_choice: ToolChoice | None) -> list[tuple[str, Any, str]]:
+    """What the schema holds that xgrammar does not enforce (``engine.schema_ignored``), named as the request named
+    it: under ``structured_outputs.json``, ``response_format.json_schema.schema`` or each constraining tool's
     ``tools[i].function.parameters``."""
     if tool_choice is not None:
         tools = [tool_choice.tool] if tool_choice.tool is not None else range(len(tool_choice.schemas))
         return [entry for i in tools
-                for entry in ignored_lengths(tool_choice.schemas[i], f"tools[{i}].function.parameters")]
-    return structured.ignored_lengths("response_format.json_schema.schema" if field == "response_format"
-                                      else "structured_outputs.json")
+                for entry in ignored_settings(tool_choice.schemas[i], f"tools[{i}].function.parameters")]
+    return structured.ignored_settings("response_format.json_schema.schema" if field == "response_format"
+                                       else "structured_outputs.json")
 
 
 def _reasoning(parser: str | None, template: dict[str, Any]) -> str | None:
