@@ -4,48 +4,24 @@ nothing it compiles and leaves it nothing to warn about."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
-import os
-import tempfile
-from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.schema_lengths import XGRAMMAR_FORMATS, dropped_lengths, ignored_lengths, without_dropped_lengths
+from tests import schema_support
 
 xgr = pytest.importorskip("xgrammar")
 
 WARNING = "combined with minLength/maxLength is not supported; ignoring minLength/maxLength"
 
 
-@contextlib.contextmanager
-def stderr_fd() -> Iterator[list[str]]:
-    """What is written to file descriptor 2 inside the block (xgrammar's C++ log writes there, not to sys.stderr)."""
-    seen: list[str] = []
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as sink:
-        os.dup2(sink.fileno(), 2)
-        try:
-            yield seen
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            sink.seek(0)
-            seen.append(sink.read().decode("utf-8", "replace"))
-
-
 def compiled(spec: str) -> tuple[str, int]:
     """xgrammar's grammar of the schema text ``spec`` (or its refusal) and how many bounds it said it ignored."""
-    with stderr_fd() as err:
-        try:
-            grammar = str(xgr.Grammar.from_json_schema(spec))
-        except Exception as exc:  # a refusal is compared as text
-            grammar = "refused: " + str(exc).splitlines()[0].split(": ", 1)[-1]
-    return grammar, err[0].count(WARNING)
+    return schema_support.compiled(spec, WARNING)
 
 
 LENGTHS = st.sampled_from([None, 0, 2, 5, -1, -3, -(2**31), 2**31, 2**63, "3", True, 2.0])

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from engine.schema_ignored import for_xgrammar, ignored_settings
 from engine.schema_oneof import proven_disjoint
-from tests.test_schema_lengths import stderr_fd
+from tests import schema_support
 
 xgr = pytest.importorskip("xgrammar")
 testing = pytest.importorskip("xgrammar.testing")
@@ -22,12 +22,7 @@ WARNING = "falling back to anyOf semantics"
 
 def compiled(spec: str) -> tuple[str, int]:
     """xgrammar's grammar of the schema text ``spec`` (or its refusal) and how many oneOf it matched as anyOf."""
-    with stderr_fd() as err:
-        try:
-            grammar = str(xgr.Grammar.from_json_schema(spec))
-        except Exception as exc:  # a refusal is compared as text
-            grammar = "refused: " + str(exc).splitlines()[0].split(": ", 1)[-1]
-    return grammar, err[0].count(WARNING)
+    return schema_support.compiled(spec, WARNING)
 
 
 VALUES = st.sampled_from([1, 2, 1.0, 1.5, 2**70, True, False, None, "a", "b", [1], [1.0], [1, 2], {"a": 1},
