@@ -5,14 +5,13 @@ requests refused on them in a line naming the field and the flag."""
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.reasoning import END, START, ReasoningText, split_reasoning
 from kvload.serve.protocol import BadRequest, parse
+from tests.text_support import pieces
 
 
 def streamed(parser: str, text: str, cuts: list[int]) -> tuple[str, str]:
@@ -20,13 +19,10 @@ def streamed(parser: str, text: str, cuts: list[int]) -> tuple[str, str]:
     sends, joined."""
     reader = ReasoningText(parser)
     reasoning, content = [], []
-    at, sizes = 0, itertools.cycle(cuts)
-    while at < len(text):
-        step = next(sizes)
-        r, c = reader.feed(text[at:at + step])
+    for piece in pieces(text, cuts):
+        r, c = reader.feed(piece)
         reasoning.append(r)
         content.append(c)
-        at += step
     r, c = reader.finish()
     return "".join(reasoning) + r, "".join(content) + c
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -110,3 +111,12 @@ def drive(text: Any, ids: list[int], stream: bool = True, drop_last: bool = Fals
         if stream:
             seen.append(text.delta())
     raise AssertionError("no tokens")
+
+
+def pieces(text: str, cuts: list[int]) -> Iterator[str]:
+    """``text`` cut in pieces of the ``cuts`` sizes, cycled (0: an empty piece): how a stream's tokens arrive."""
+    at, sizes = 0, itertools.cycle(cuts)
+    while at < len(text):
+        step = next(sizes)
+        yield text[at:at + step]
+        at += step

@@ -3,11 +3,11 @@ deltas have OpenAI's shape: a call's first delta names it, later ones carry only
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 from kvload.serve.tool_parser import tool_reader
 from kvload.serve.tool_reader import ToolReader
+from tests.text_support import pieces
 
 NAMES = frozenset({"get_weather", "get_time"})
 
@@ -47,13 +47,10 @@ def streamed(parser: str, text: str, cuts: list[int], parallel: bool = True
     its calls joined, and its deltas."""
     reader = tool_reader(parser, NAMES, parallel)
     content, deltas = [], []
-    at, sizes = 0, itertools.cycle(cuts)
-    while at < len(text):
-        step = next(sizes)
-        piece, calls = reader.feed(text[at:at + step])
+    for cut in pieces(text, cuts):
+        piece, calls = reader.feed(cut)
         content.append(piece)
         deltas.extend(calls)
-        at += step
     piece, calls = reader.finish()
     content.append(piece)
     deltas.extend(calls)
