@@ -163,7 +163,7 @@ class ThinkingGate:
                 bitmask.zero_()
             else:
                 matcher.fill_next_token_bitmask(bitmask, 0)
-            bits = bitmask[0].tolist()  # the same width as the step's bitmask (``words``): one vocabulary
+            bits = bitmask[0].tolist()[:words]  # the step's bitmask is as wide: one vocabulary
             pending, opens, refused = self.backend.starting(prefix.lstrip(_BEFORE_THINK), self.skip_special)
             on = [*pending, *(t for t, answer in opens if not answer or self.starts(answer))]
             off = [*refused, *(t for t, answer in opens if answer and not self.starts(answer))]
