@@ -109,6 +109,11 @@ class ReasoningText:
         return self._state == _AFTER
 
     @property
+    def thinking_started(self) -> bool:
+        """Whether the thinking has begun (always under deepseek_r1; under qwen3 once ``<think>`` was read)."""
+        return self._state != _BEFORE
+
+    @property
     def answer(self) -> str:
         """The text read after the end marker ("" before it): the content less qwen3's text before ``<think>``."""
         return "".join(self._answer)

@@ -93,7 +93,8 @@ class StructuredOutputsParams:
     compact form; the default lets the model put any, as vLLM does). ``reasoning_parser`` (``"deepseek_r1"`` or
     ``"qwen3"``; vLLM sets its engine's ``structured_outputs_config.reasoning_parser`` for this): the sample thinks
     freely and the grammar holds only its answer, the text after the thinking as that reasoning parser reads it
-    (``engine.reasoning``). Set on ``SamplingParams(structured_outputs=...)``; needs xgrammar
+    (``engine.reasoning``); under ``qwen3`` a reply that does not begin with ``<think>`` is content, held from its
+    first character. Set on ``SamplingParams(structured_outputs=...)``; needs xgrammar
     (``pip install 'kvload[structured]'``)."""
 
     json: Any = attrs.field(default=None, hash=False)  # a dict is not hashable

@@ -100,12 +100,60 @@ def test_the_token_that_ends_the_thinking_hands_the_characters_after_the_marker_
     assert whole.gate is None and names(vocab, allowed(backend, whole)[0]) == {"{", '{"'}
 
 
+QWEN3 = StructuredOutputsParams(json={"type": "object"}, reasoning_parser="qwen3")
+#: The tokens a qwen3 reply may begin with under a JSON object: <think> (whole or begun, after whitespace) or the
+#: grammar's first tokens; Ġ Ċ ĉ č are space, newline, tab and carriage return in GPT-2's byte alphabet.
+QWEN3_START = {"<think>", "<", "Ġ", "Ċ", "ĉ", "č", "{", '{"'}
+
+
 def test_qwen3_holds_the_grammar_back_only_after_a_think_the_model_wrote(vocab, backend):
-    gated = backend.constraint(StructuredOutputsParams(json={"type": "object"}, reasoning_parser="qwen3"))
-    feed(vocab, gated, "</think>")  # no <think> yet: qwen3 reads this as content, not the end of any thinking
-    assert gated.gate is not None and len(allowed(backend, gated)[0]) == len(vocab.ids)
+    gated = backend.constraint(QWEN3)
     feed(vocab, gated, "<think>", "x", "</think>")
     assert gated.gate is None and names(vocab, allowed(backend, gated)[0]) == {"{", '{"'}
+    spaced = backend.constraint(QWEN3)
+    feed(vocab, spaced, "Ċ", "<", "t")  # whitespace, then <think> begun: still undecided, only <think> can go on
+    assert spaced.gate is not None and names(vocab, allowed(backend, spaced)[0]) == {"h"}
+    feed(vocab, spaced, "h", "i", "n", "k", ">")
+    assert spaced.gate is not None and len(allowed(backend, spaced)[0]) == len(vocab.ids)  # thinking: free
+
+
+def test_qwen3_reply_without_think_is_content_the_grammar_holds_from_its_first_character(vocab, backend):
+    gated = backend.constraint(QWEN3)
+    # the start: <think> or what the grammar begins with; "x", "</think>" and the end-of-sequence token would be
+    # content that no JSON object is
+    assert names(vocab, allowed(backend, gated)[0]) == QWEN3_START
+    feed(vocab, gated, "{")  # no <think> can come of it: the reply is content, held from its first character
+    assert gated.gate is None
+    after = names(vocab, allowed(backend, gated)[0])
+    assert '"' in after and "}" in after and "<" not in after and "x" not in after
+    feed(vocab, gated, "}")
+    assert gated.advance(0)  # complete: its end-of-sequence token ends the sample
+    spaced = backend.constraint(QWEN3)
+    feed(vocab, spaced, "Ċ")  # whitespace may still come before <think>; as content it is the grammar's to take
+    assert names(vocab, allowed(backend, spaced)[0]) == {"<think>", "<", "Ġ", "Ċ", "ĉ", "č"}
+    begun = backend.constraint(QWEN3)
+    feed(vocab, begun, "<")
+    assert names(vocab, allowed(backend, begun)[0]) == {"t"}  # "<x" would be content no JSON object begins with
+    free = backend.constraint(StructuredOutputsParams(regex=r"[a-z<>/]+", reasoning_parser="qwen3"))
+    feed(vocab, free, "<", "x")  # the grammar takes "<x": content from its first character
+    assert free.gate is None and vocab.ids[">"] in allowed(backend, free)[0]
+    with pytest.raises(RuntimeError, match="not allowed by the grammar"):
+        free.advance(vocab.ids["{"])
+
+
+def test_qwen3_drafts_at_the_start_are_masked_row_by_row_and_change_nothing(vocab, backend):
+    ids = vocab.ids
+    gated = backend.constraint(QWEN3)
+    rows = allowed(backend, gated, [ids["{"], ids['"'], ids["a"]], rows=4)
+    assert names(vocab, rows[0]) == QWEN3_START
+    assert '"' in names(vocab, rows[1]) and "{" not in names(vocab, rows[1])  # the grammar's, after "{"
+    assert ids["x"] in rows[2] and ids["Ċ"] not in rows[2]  # inside the key the drafts opened
+    thinking = allowed(backend, gated, [ids["<"], ids["t"], ids["h"], ids["i"], ids["n"], ids["k"], ids[">"]],
+                       rows=8)
+    assert [names(vocab, r) for r in thinking[1:3]] == [{"t"}, {"h"}] and len(thinking[7]) == len(ids)
+    refused = allowed(backend, gated, [ids["x"], ids["a"]], rows=3)
+    assert ids["x"] not in refused[0] and len(refused[1]) == len(ids)  # stops at the refused draft: not written
+    assert gated.gate.pending == "" and gated.gate.reader.key == backend.constraint(QWEN3).gate.reader.key
 
 
 def test_drafts_across_the_marker_are_masked_row_by_row_and_change_nothing(vocab, backend):
@@ -165,6 +213,23 @@ def test_llm_generate_thinks_freely_then_answers_in_the_schema(bytes_ckpt):
         assert cut.finish_reason == "length" and split_reasoning("deepseek_r1", cut.text) == (cut.text, None)
         record = llm.audit.of("generation_started")[-1]["structured_outputs"]
         assert record["reasoning_parser"] == "deepseek_r1"
+
+
+def test_llm_generate_under_qwen3_holds_a_reply_without_think_to_the_schema(bytes_ckpt):
+    so = StructuredOutputsParams(json=SCHEMA, reasoning_parser="qwen3")
+    llm, script = scripted(bytes_ckpt)
+    with llm:
+        script.say(ANSWER + " Blue, I said.")  # no <think>, and text after the object that no schema takes
+        (out,) = llm.generate("Hello", SamplingParams(structured_outputs=so, max_tokens=60))[0].outputs
+        reasoning, content = split_reasoning("qwen3", out.text)
+        assert reasoning is None and out.finish_reason == "stop"
+        assert json.loads(content) == json.loads(ANSWER)  # what was drawn parses
+        script.say("Blue.")  # not JSON from its first character: "B" is neither <think> nor the schema's start
+        (out,) = llm.generate("Hello", SamplingParams(structured_outputs=so, max_tokens=60))[0].outputs
+        assert out.text.lstrip().startswith(("<think>", "{"))  # it thought, or the schema held it from the start
+        reasoning, content = split_reasoning("qwen3", out.text)
+        if reasoning is None and out.finish_reason == "stop":
+            assert set(json.loads(content)) == {"sky"}
 
 
 @pytest.mark.parametrize("after", ["", "\n"])  # "\n" after the marker: no JSON object begins with it, so masked
