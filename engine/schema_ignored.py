@@ -14,11 +14,10 @@ here.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
-from engine.schema_lengths import XGRAMMAR_FORMATS, Path, _subschemas, dropped_lengths, without_dropped_lengths
+from engine.schema_lengths import XGRAMMAR_FORMATS, Path, _subschemas, drop_lengths, dropped_lengths, edited, named
 from engine.schema_oneof import proven_disjoint
 
 #: Keywords xgrammar passes over wherever they stand, and why (the type they go with: None for any).
@@ -71,8 +70,7 @@ def ignored_settings(schema: Any, field: str) -> list[tuple[str, Any, str]]:
     """Everything in ``schema`` xgrammar does not enforce (length bounds it drops, then other keywords) as
     ``setting_ignored`` entries (name, value, why), each named by its JSON path under ``field``
     (``structured_outputs.json.properties.code.maxLength``)."""
-    return [(field + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in (*path, key)), value, why)
-            for path, key, value, why in [*dropped_lengths(schema), *ignored_keywords(schema)]]
+    return named(field, [*dropped_lengths(schema), *ignored_keywords(schema)])
 
 
 def _why_ignored(node: Mapping[str, Any], names: bool) -> list[tuple[str, str]]:
@@ -117,16 +115,16 @@ def _one_of_as_any_of(node: Mapping[str, Any]) -> bool:
 def for_xgrammar(spec: str) -> str:
     """The JSON schema text ``spec`` as kvload gives it to xgrammar: without the length bounds it drops, and with each
     ``oneOf`` it matches as ``anyOf`` written so (the same grammar, and no warning line from it on the terminal)."""
-    spec = without_dropped_lengths(spec)
-    if "oneOf" not in spec:  # the common case, not parsed
+    if "Length" not in spec and "oneOf" not in spec:  # the common case, not parsed
         return spec
-    try:
-        schema = json.loads(spec)
-    except (ValueError, RecursionError):  # refused by xgrammar in its own words
-        return spec
+    # the bounds first: their paths may run through a oneOf that is then renamed
+    return edited(spec, lambda schema: drop_lengths(schema) | _one_of_written_as_any_of(schema))
+
+
+def _one_of_written_as_any_of(schema: Any) -> bool:
+    """Rename each ``oneOf`` of the parsed ``schema`` that xgrammar matches as ``anyOf`` to ``anyOf``, in place, its
+    key order kept; whether there was any."""
     paths = [path for path, node, _ in _subschemas(schema) if _one_of_as_any_of(node)]
-    if not paths:
-        return spec
     for path in sorted(paths, key=len, reverse=True):  # the deepest first: renaming one changes its children's paths
         node = schema
         for step in path:
@@ -134,10 +132,7 @@ def for_xgrammar(spec: str) -> str:
         items = list(node.items())
         node.clear()
         node.update(("anyOf" if key == "oneOf" else key, value) for key, value in items)
-    try:
-        return json.dumps(schema, ensure_ascii=False, allow_nan=False)
-    except ValueError:  # a number past a float (1e999) reads back as infinity: left as written, warning and all
-        return spec
+    return bool(paths)
 
 
 __all__ = ["for_xgrammar", "ignored_keywords", "ignored_settings"]

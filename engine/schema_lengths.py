@@ -15,7 +15,7 @@ nothing.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 from urllib.parse import unquote
 
@@ -51,11 +51,44 @@ def dropped_lengths(schema: Any) -> list[tuple[Path, str, int, str]]:
     return out
 
 
-def ignored_lengths(schema: Any, field: str) -> list[tuple[str, int, str]]:
-    """The bounds xgrammar drops in ``schema`` as ``setting_ignored`` entries (name, value, why), each named by its
-    JSON path under ``field`` (``structured_outputs.json.properties.code.maxLength``)."""
+def named(field: str, entries: Iterable[tuple[Path, str, Any, str]]) -> list[tuple[str, Any, str]]:
+    """``(path, key, value, why)`` entries as ``setting_ignored`` ones (name, value, why), each named by its JSON path
+    under ``field`` (``structured_outputs.json.properties.code.maxLength``)."""
     return [(field + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in (*path, key)), value, why)
-            for path, key, value, why in dropped_lengths(schema)]
+            for path, key, value, why in entries]
+
+
+def ignored_lengths(schema: Any, field: str) -> list[tuple[str, int, str]]:
+    """The bounds xgrammar drops in ``schema`` as ``setting_ignored`` entries (name, value, why), named by
+    :func:`named`."""
+    return named(field, dropped_lengths(schema))
+
+
+def edited(spec: str, edit: Callable[[Any], bool]) -> str:
+    """The JSON schema text ``spec`` after ``edit`` changed its parsed schema in place (``edit`` says whether it
+    changed anything), or ``spec`` itself when nothing changed, it is not JSON (refused by xgrammar in its own words)
+    or it no longer writes as JSON."""
+    try:
+        schema = json.loads(spec)
+    except (ValueError, RecursionError):
+        return spec
+    if not edit(schema):
+        return spec
+    try:
+        return json.dumps(schema, ensure_ascii=False, allow_nan=False)
+    except ValueError:  # a number past a float (1e999) reads back as infinity: left as written, warning and all
+        return spec
+
+
+def drop_lengths(schema: Any) -> bool:
+    """Take the bounds xgrammar drops out of the parsed ``schema``; whether there were any."""
+    dropped = dropped_lengths(schema)
+    for path, key, _, _ in dropped:
+        node = schema
+        for step in path:
+            node = node[step]
+        del node[key]
+    return bool(dropped)
 
 
 def without_dropped_lengths(spec: str) -> str:
@@ -63,22 +96,7 @@ def without_dropped_lengths(spec: str) -> str:
     it no longer prints its warning), or ``spec`` itself when it has none."""
     if "Length" not in spec:  # neither minLength nor maxLength: the common case, not parsed
         return spec
-    try:
-        schema = json.loads(spec)
-    except (ValueError, RecursionError):  # refused by xgrammar in its own words
-        return spec
-    dropped = dropped_lengths(schema)
-    if not dropped:
-        return spec
-    for path, key, _, _ in dropped:
-        node = schema
-        for step in path:
-            node = node[step]
-        del node[key]
-    try:
-        return json.dumps(schema, ensure_ascii=False, allow_nan=False)
-    except ValueError:  # a number past a float (1e999) reads back as infinity: left as written, warning and all
-        return spec
+    return edited(spec, drop_lengths)
 
 
 def _subschemas(schema: Any) -> Iterator[tuple[Path, Mapping[str, Any], bool]]:
@@ -155,4 +173,5 @@ def _why_dropped(node: Mapping[str, Any], names: bool) -> str | None:
     return f"xgrammar ignores minLength and maxLength on a string with {by}"
 
 
-__all__ = ["XGRAMMAR_FORMATS", "Path", "dropped_lengths", "ignored_lengths", "without_dropped_lengths"]
+__all__ = ["XGRAMMAR_FORMATS", "Path", "drop_lengths", "dropped_lengths", "edited", "ignored_lengths", "named",
+           "without_dropped_lengths"]
