@@ -16,6 +16,7 @@ out, so a holder of ``(b, gen)`` can tell whether the bytes it remembers are sti
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
@@ -121,35 +122,21 @@ class EvictionQueue:
         """Move shared blocks queued ``_stale`` blocks ago or earlier to the front of their priority's leaves (each
         shared bucket is in queue order, so only its oldest blocks are looked at)."""
         limit = self._clock - self._stale
-        emptied = []
-        for key, bucket in self._by_key.items():
-            if not key >> _SHARED_BIT or next(iter(bucket.values())) >= limit:
+        for key in [k for k in self._by_key if k >> _SHARED_BIT]:  # a snapshot: buckets are made and dropped below
+            bucket = self._by_key[key]
+            stale = list(itertools.takewhile(lambda item: item[1] < limit, bucket.items()))
+            if not stale:
                 continue
             leaf_key = key - (1 << _SHARED_BIT)
-            stale = []
-            for b, at in bucket.items():
-                if at >= limit:
-                    break
-                stale.append((b, at))
-            leaves = self._by_key.get(leaf_key)
-            fresh = leaves is None
-            if fresh:  # created after the loop: the dict must not grow while it is walked
-                leaves = OrderedDict()
+            leaves = self._bucket(leaf_key)
             for b, at in reversed(stale):  # the oldest ends up first
                 del bucket[b]
                 leaves[b] = at
                 leaves.move_to_end(b, last=False)
                 self._key[b] = leaf_key
             self.num_shared -= len(stale)
-            if fresh:
-                emptied.append((leaf_key, leaves))
             if not bucket:
-                emptied.append((key, None))
-        for key, leaves in emptied:
-            if leaves is None:
                 del self._by_key[key]
-            else:
-                self._bucket(key).update(leaves)
 
     def add_split(self, blocks: Sequence[int], owner: Sequence[RadixNode | None], priority: int) -> None:
         """:meth:`add_many` for blocks whose run is ``owner[b]``: those of a run with children queued as shared."""
