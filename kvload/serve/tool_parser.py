@@ -75,9 +75,7 @@ class HermesToolCalls(ToolReader):
     def _in_call(self) -> bool:
         call = self._json
         assert call is not None
-        used = call.take(self._buf)
-        self._buf = self._buf[used:]
-        self._grow(call.arguments)
+        self._read_arguments(call)
         if call.ended:
             self._state = "skip"
             return True

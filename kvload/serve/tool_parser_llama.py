@@ -84,9 +84,7 @@ class Llama3JsonToolCalls(ToolReader):
     def _in_call(self) -> bool:
         call = self._json
         assert call is not None
-        used = call.take(self._buf)
-        self._buf = self._buf[used:]
-        self._grow(call.arguments)
+        self._read_arguments(call)
         return self._called(call)
 
     def _called(self, call: JsonCall) -> bool:

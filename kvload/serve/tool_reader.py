@@ -79,6 +79,12 @@ class ToolReader:
         """The last call's arguments as read so far."""
         self.calls[-1]["function"]["arguments"] = arguments
 
+    def _read_arguments(self, call: JsonCall) -> None:
+        """Give the text held to ``call`` (a call already made, its arguments being read) and grow the call by what it
+        read of them."""
+        self._buf = self._buf[call.take(self._buf):]
+        self._grow(call.arguments)
+
     def _new_content(self) -> str:
         """Content a stream may send now: whitespace alone is held, for it is no content once a call is made."""
         if not (self._spoken or (self._done and not self.calls)):
