@@ -61,7 +61,7 @@ from pipeline.run import RunResult, execute
 from pipeline.sources import overrides_to_tree
 from pipeline.text import table
 from stages import load_stages, plan_stages
-from stages.build_kv_manager import check_host_memory
+from stages.build_kv_manager import check_bookkeeping
 
 #: The metric fields of one result, in report order (None when the manager did not run).
 METRIC_FIELDS = (
@@ -434,7 +434,9 @@ def _simulate(model: str, workload: str | Workload, requests: int | None, seed: 
             wl = make_workload(workload, requests, seed, **(params or {}))
         except ValueError as exc:
             raise ConfigError(str(exc), path="workload") from None
-    request = LoadRequest(model=model, overrides=overrides, source=source, config_file=config_file)
+    # the replay reads and writes no KV: pools of any budget, without the memory (LoadRequest.pools_unbacked)
+    request = LoadRequest(model=model, overrides=overrides, source=source, config_file=config_file,
+                          pools_unbacked=True)
     if compare and V2_FIELD in flatten(overrides_to_tree(overrides)):
         raise ConfigError("--compare simulates both managers; drop --use_kv_cache_manager_v2",
                           path=V2_FIELD)
@@ -446,7 +448,7 @@ def _simulate(model: str, workload: str | Workload, requests: int | None, seed: 
                           path="max_seq_len")
     budget = routed_budget(routed, default_budget_sequences(wl), wl.max_sequence_tokens, prefer_default=True)
     if not budget.default:  # every manager gets it as max_gpu_total_bytes: too big is said of the setting given
-        check_host_memory(routed.kv, routed.context)
+        check_bookkeeping(routed.kv, routed.context)
     kv = args.kv_cache_config
     settings = {"device": str(args.device), "max_seq_len": args.max_seq_len, "max_batch_size": args.max_batch_size,
                 "max_num_tokens": args.max_num_tokens, "tokens_per_block": kv.tokens_per_block,

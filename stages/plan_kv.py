@@ -316,7 +316,8 @@ def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
     host_slots, host_bytes = ({}, 0) if manager == "v1" else (None, None)
     host_size = kv.host_cache_size
     if manager == "v2" and pools is not None:
-        host_slots, host_bytes, host_problem = plan_host_tier(layout, pools, kv.host_cache_size, device)
+        unbacked = ctx.request is not None and ctx.request.pools_unbacked
+        host_slots, host_bytes, host_problem = plan_host_tier(layout, pools, kv.host_cache_size, device, unbacked)
         problem = problem or host_problem
     if ranks is not None and ranks.distributed:
         problem, host_size, host_slots, host_bytes = agree_rest(ranks, layout, pools, problem, host_size, host_slots,
@@ -370,14 +371,14 @@ def warn_inert_partial_reuse(ctx: Context, layout: KvLayout, emit: Emit) -> None
 
 
 def plan_host_tier(layout: KvLayout, pools: PoolPlan, host_cache_size: int | None,
-                   device: str) -> tuple[dict[str, int] | None, int | None, str | None]:
+                   device: str, unbacked: bool = False) -> tuple[dict[str, int] | None, int | None, str | None]:
     """The V2 host tier ``load`` would allocate: (slots per group, bytes, problem naming the setting, or None).
 
     Sized by the same function as the manager's, against the host memory available now
-    (``MemAvailable``), less the pools when they live on the host.
+    (``MemAvailable``), less the pools when they live on the host (``unbacked`` pools live nowhere).
     """
     available = host_available_bytes()
-    on_host = not is_cuda(device)
+    on_host = not is_cuda(device) and not unbacked
     if available is not None and on_host:
         available -= pools.total_bytes
     beside = " beside the KV pools" if on_host else ""

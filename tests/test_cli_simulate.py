@@ -88,12 +88,31 @@ def test_simulate_bad_input_is_one_line_and_exit_2(capsys, args, message):
 @pytest.mark.parametrize("compare", [(), ("--compare",)])
 def test_a_budget_past_host_memory_names_the_flag_given_not_the_bytes_it_became(capsys, compare):
     """simulate hands every manager the budget as max_gpu_total_bytes; the advice named that field (never typed) and,
-    with --compare, ended in 'raise --max_tokens' for pools that were too big."""
+    with --compare, ended in 'raise --max_tokens' for pools that were too big. The pools take no memory in a
+    simulation, but 34 billion blocks' bookkeeping would."""
     r = run_cli(capsys, "simulate", "tiny-llama", "--device", "cpu", "--workload", "no-reuse", "--requests", "8",
                 "--max_tokens", str(2**40), *compare)  # 1 PiB of pools
     assert r.code == 2 and r.one_error_line, r.err
-    assert "exceed the" in r.err and r.err.rstrip().endswith("lower kv_cache_config.max_tokens"), r.err
-    assert "max_gpu_total_bytes" not in r.err and "raise" not in r.err
+    assert "bookkeeping" in r.err and r.err.rstrip().endswith(
+        "lower kv_cache_config.max_tokens or raise kv_cache_config.tokens_per_block"), r.err
+    assert "max_gpu_total_bytes" not in r.err and "--max_tokens" not in r.err
+
+
+@pytest.mark.parametrize("v2", ["false", "true"])
+def test_simulate_runs_a_budget_this_host_could_not_hold(capsys, v2):
+    """A simulation reads no KV, so its pools are shapes without memory: a GPU's budget for Llama 3.1 8B, twice this
+    host's memory, is simulated as given (it was refused: 'KV pools of ... B exceed the ... B of memory this host has
+    available'), and the V2 host tier beside it too."""
+    from cache_backends.budget import host_available_bytes
+
+    budget = 2 * max(host_available_bytes() or 0, 2**34)
+    r = run_cli(capsys, "simulate", "tests/data/configs/llama-3.1-8b-instruct", "--device", "cpu", "--workload",
+                "no-reuse", "--requests", "4", "--workload-arg", "prompt_len=64", "--workload-arg", "answer_len=2",
+                "--max_gpu_total_bytes", str(budget), "--use_kv_cache_manager_v2", v2, "--json")
+    assert r.code == 0, r.err
+    (res,) = r.json()["results"].values()
+    assert res["status"] == "ok" and res["finished"] == 4
+    assert budget - 2**23 < res["pool_bytes"] <= budget  # whole 4 MiB blocks of the budget
 
 
 def test_plan_compare_prints_v1_against_v2_at_the_routed_budget(capsys):

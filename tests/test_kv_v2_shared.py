@@ -241,7 +241,17 @@ def test_batched_arena_calls_do_exactly_what_the_per_group_calls_do():
             for g in range(4):
                 b.incref_many(g, [bl for bl in cached if b.group_of[bl] == g])
             assert _pool_state(a) == _pool_state(b)
+            # a finish: the groups' cached blocks are queued position by position (each group tail first), so
+            # what eviction leaves of the request is a whole prefix; the per-group calls, queued that way
+            queued: list[tuple[list[int], list[int]]] = []
+            a.evictable.add_split = lambda blocks, owner, _p, queued=queued: queued.append(  # type: ignore
+                ([x for x in blocks if not owner[x].children], [x for x in blocks if owner[x].children]))
             for g, (table, got) in enumerate(zip(tables_a, got_a, strict=True)):
                 a.release(g, reversed(table + got), 2, True, lambda n, x: None)
+            del a.evictable.add_split
+            for kind, shared in ((0, False), (1, True)):
+                lists = [q[kind] for q in queued]
+                a.evictable.add_many([lst[k] for k in range(max(map(len, lists), default=0)) for lst in lists
+                                      if k < len(lst)], 2, shared)
             b.release_tables([(g, t + got) for g, (t, got) in enumerate(zip(tables_b, got_b, strict=True))], 2)
             assert _pool_state(a) == _pool_state(b)

@@ -7,6 +7,8 @@ prefix-hit rate at least V1's at the same budget (before, the window blocks ever
 
 from __future__ import annotations
 
+from collections import deque
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -14,6 +16,7 @@ from hypothesis import strategies as st
 import cache_backends.v2.scheduler as v2_scheduler
 from cache_backends.request import Request
 from cache_backends.v2.group_pool import EvictionQueue
+from cache_backends.v2.scheduler import KVCacheV2Scheduler
 from engine.simulator import simulate
 from tests.kv_v2_support import FULL, admit, full_sliding_layers, make_manager, prefill
 
@@ -132,9 +135,13 @@ def test_admission_holds_back_cached_shared_prefixes_only_on_layouts_with_window
         assert shared >= 2
         if windowed:
             pages = m._pool_sets[0][0].num_blocks
-            assert m.held_back(1.0) == [-shared] and m.held_back(2.5 / pages) == [-2]  # at most the share held
+            # a sequence of 9 tokens is past the window of 8: the windows free room, prefixes are held
+            assert m.held_back(1.0, 9) == [-shared] and m.held_back(2.5 / pages, 9) == [-2]  # at most the share held
+            # nothing longer than the window: it frees nothing, so V2 has V1's room and holds nothing (Gemma 2's
+            # window of 4,096 over mixed traffic of at most 2,304 tokens held prefixes for nothing: 1.04x V1's steps)
+            assert m.held_back(1.0, 8) is None
         else:  # no windows: V2 has V1's room, and holding prefixes would only cost concurrency
-            assert m.held_back(1.0) is None
+            assert m.held_back(1.0, 10**6) is None
 
 
 def test_holding_shared_prefixes_keeps_more_hits_under_pressure_at_the_same_steps(monkeypatch):
@@ -218,3 +225,53 @@ def test_a_system_prompt_nobody_uses_any_more_stops_holding_room(monkeypatch):
     assert demoted.metrics.finished == kept.metrics.finished == 256
     assert demoted.metrics.steps <= 0.9 * kept.metrics.steps
     assert demoted.metrics.hit_rate >= kept.metrics.hit_rate - 0.005
+
+
+def test_a_finished_request_is_evicted_position_by_position_across_the_groups_of_an_arena():
+    """Gemma 2/3-like layout (a full group and two sliding ones cut from one arena): a hit needs every group's block
+    of a position. Queued group by group, evicting three pages of a finished prompt took the full group's last three,
+    so a repeat of it reused one block; tail first position by position, it loses its last position only."""
+    m = make_manager(full_sliding_layers(window=64), 12, T=4)  # one arena of 36 pages for the three groups
+    assert m._arena is not None and m._arena.num_blocks == 36
+    prompt = list(range(1, 18))  # 4 whole blocks + 1 token
+    a = Request("a", prompt, 0)
+    prefill(m, a)
+    m.free(a)  # 4 cached positions x 3 groups queued, 24 pages free
+    assert len(m._arena.evictable) == 12 and m._arena.available == 36
+    prefill(m, Request("o", list(range(100, 136)), 0))  # 9 positions x 3 groups: the 24 free pages and 3 evicted
+    m.check_invariants()
+    repeat = Request("r", prompt, 0)
+    admit(m, repeat)
+    assert repeat.num_reused_tokens == 12  # 3 of 4 positions; group by group it was 4 tokens
+    m.check_invariants()
+
+
+def test_v2_holds_nothing_where_no_sequence_outgrows_the_window():
+    """A sliding window longer than every sequence frees no room, so holding shared prefixes back from admission
+    only cost concurrency (Gemma 2 9B, mixed-urgent at a quarter of the budget: 1.04x V1's steps): there a prompt
+    is admitted with the whole chunk that fits, evicting the cached system prompt; with a window its sequences
+    outgrow, the chunk leaves the system prompt's pages alone."""
+    for window, held in ((64, False), (8, True)):
+        m = make_manager(full_sliding_layers(window=window), 20, T=4)
+        sched = KVCacheV2Scheduler(m, max_batch_size=8, max_num_tokens=1024, init_ratio=0.0)
+        system = list(range(1, 13))  # 3 blocks, branched from twice: a shared prefix
+        for name, tail in (("a", [20, 21, 22, 23]), ("b", [30, 31, 32, 33])):
+            r = Request(name, [*system, *tail], 0)
+            prefill(m, r)
+            m.free(r)
+        running = Request("run", list(range(200, 209)), 4)  # 9 tokens: longer than a window of 8, not of 64
+        waiting = deque([running])
+        sched.step(waiting, [])  # alone: admitted whatever is held
+        m.commit(running, running.num_tokens)
+        running.output_token_ids.append(7)  # sampled: a decode is pending
+        shared = m._arena.evictable.num_shared
+        assert shared >= 3
+        fits = m._arena.available - 3  # pages for the decode's next block and then some
+        new = Request("new", list(range(300, 300 + 4 * (fits // 3))), 1)  # needs the system prompt's pages
+        new.arrival = 1
+        waiting.append(new)
+        out = sched.step(waiting, [running])
+        chunk = {c.request.req_id: c.num_tokens for c in out.scheduled}
+        assert new in out.admitted
+        assert (chunk["new"] < new.num_tokens) is held, chunk
+        m.check_invariants()

@@ -45,6 +45,7 @@ class HostTier:
     def __init__(self, pools: BlockPools, slots: dict[str, int]) -> None:
         self.pools = pools
         self.pinned = pools.device.type == "cuda"
+        where = "meta" if pools.device.type == "meta" else "cpu"  # unbacked pools (a simulation): an unbacked tier
         self.num_slots = dict(slots)
         self.tensors: dict[str, torch.Tensor] = {}
         self._free: dict[str, list[int]] = {}
@@ -60,7 +61,7 @@ class HostTier:
                     continue
                 g = pools.groups[name]
                 shape = (n, len(g.layers), g.entries_per_block, g.entry_elems)
-                self.tensors[name] = torch.empty(shape, dtype=pools.dtype, device="cpu", pin_memory=self.pinned)
+                self.tensors[name] = torch.empty(shape, dtype=pools.dtype, device=where, pin_memory=self.pinned)
                 self._free[name] = list(range(n - 1, -1, -1))
         except BaseException:
             self.release()

@@ -171,6 +171,8 @@ class KVCacheManagerV2:
         for g in self._sliding:
             windows.setdefault((g.window, g.tokens_per_block), []).append((g.name, self._pool[g.name]))  # type: ignore[arg-type]
         self._window_sets = [(w, tpb, members) for (w, tpb), members in windows.items()]
+        # the shortest sliding window (no window: never shorter than a sequence): held_back holds nothing below it
+        self._min_window = min((g.window for g in self._sliding), default=math.inf)
         spans: dict[int, int] = {}
         for g in self.groups:
             spans[g.tokens_per_block] = spans.get(g.tokens_per_block, 0) + 1
@@ -349,11 +351,12 @@ class KVCacheManagerV2:
                 return pool, names, n
         return None
 
-    def held_back(self, share: float) -> list[int] | None:
+    def held_back(self, share: float, longest: int) -> list[int] | None:
         """Per pool set, minus the cached blocks of shared prefixes admission leaves alone (at most ``share`` of the
         pool set's blocks), as ``extra`` for :meth:`fit_tokens` and :meth:`short_of`; None on a layout without
-        sliding windows, where V2 has no more room than V1 and holding prefixes would cost concurrency."""
-        if not self._window_sets:
+        sliding windows, or while no sequence (``longest``: the longest's tokens) is longer than the shortest window:
+        then the windows free nothing, V2 has no more room than V1, and holding prefixes would cost concurrency."""
+        if longest <= self._min_window:
             return None
         return [-min(pool.evictable.num_shared, int(share * pool.num_blocks)) for pool, _ in self._pool_sets]
 

@@ -48,7 +48,10 @@ One :meth:`~KVCacheV2Scheduler.step`:
    holding too, 30.4% in a third of V1's steps), and under the priority policy by the batch requests resumed after
    urgent ones had moved them out (tiny-gemma3 at a quarter of the budget: 20.5% against V1's 22.9%; resumes holding
    too, 23.5%; BENCHMARKS.md "V1 vs V2 on mixed traffic"). Without windows V2's room is V1's and the hold cost steps
-   (tiny-llama at a quarter of the budget: 1.08x V1's), so it applies to windowed layouts only. Decodes never wait
+   (tiny-llama at a quarter of the budget: 1.08x V1's), so it applies to windowed layouts only, and only while a
+   running sequence (or the one asking) is longer than the shortest window: a window no sequence outgrows frees
+   nothing (Gemma 2 9B's 4,096 over mixed traffic of at most 2,304 tokens: holding cost 1.04x V1's steps with a
+   quarter of the requests urgent; without it 0.94x). Decodes never wait
    for it, so under pressure a running request's growth still evicts them, and an empty batch admits regardless.
    A request that claims no cached prefix is asked about before its cache is built
    (:meth:`KVCacheManagerV2.fit_tokens_new` and friends answer as the built cache would), so a refusal —
@@ -119,6 +122,7 @@ class KVCacheV2Scheduler(SchedulerBase):
         self.init_ratio, self.min_ratio = init_ratio, min_ratio  # init_ratio 0: greedy admission (no headroom)
         self.new_token_ratio = init_ratio  # share of running requests' remaining growth admission keeps room for
         self._refused: Request | None = None  # the request the headroom estimate last refused (admission's head)
+        self._longest = 0  # this step's longest running sequence, in tokens (held_back)
 
     def step(self, waiting: deque[Request], running: list[Request]) -> SchedulerOutput:
         """Decide this iteration: move requests between ``waiting`` and ``running``, allocate, report."""
@@ -132,17 +136,22 @@ class KVCacheV2Scheduler(SchedulerBase):
         moved_out = False
 
         order, chunked = [], []  # decodes (one pending token) first, then prefill chunks
+        longest = 0  # the longest running sequence's tokens: shared prefixes are held only when windows free room
         for r in running:
-            p = r.num_tokens - r.num_computed_tokens
+            n = r.num_tokens
+            p = n - r.num_computed_tokens
+            if n > longest:
+                longest = n
             if p == 1:
                 order.append((r, 1))
             elif p > 1:
                 chunked.append((r, p))
+        self._longest = longest
         order += chunked
         running_state = RequestState.RUNNING
         # a prefill chunk, while others run, leaves cached shared prefixes alone as admission does ("Shared prefixes
         # under pressure"); None on a layout without windows
-        hold = m.held_back(SHARED_HOLD) if chunked and len(running) > 1 else None
+        hold = m.held_back(SHARED_HOLD, longest) if chunked and len(running) > 1 else None
         best = running[0] if running else None
         for r, p in order:
             if budget == 0:
@@ -154,7 +163,7 @@ class KVCacheV2Scheduler(SchedulerBase):
                 n = m.fit_tokens(r, want, hold)
                 if n:
                     budget -= self._schedule(r, n, chunks)
-                    hold = m.held_back(SHARED_HOLD)
+                    hold = m.held_back(SHARED_HOLD, longest)
                     continue
                 if chunks:  # others advance this step: wait for room rather than evict a prefix or move one out
                     continue
@@ -241,7 +250,8 @@ class KVCacheV2Scheduler(SchedulerBase):
             if len(running) >= self.max_batch_size or budget == 0:  # it could not run this step
                 break
             # a resume, while others run, leaves cached shared prefixes alone as admission does
-            refusal = m.resume_refusal(r, m.held_back(SHARED_HOLD) if running else None)
+            hold = m.held_back(SHARED_HOLD, max(self._longest, r.num_tokens)) if running else None
+            refusal = m.resume_refusal(r, hold)
             if refusal is not None:
                 reasons.append(refusal)
                 break
@@ -338,7 +348,8 @@ class KVCacheV2Scheduler(SchedulerBase):
                     m.create(r)
                     m.resume(r)
                 want = min(_pending(r), budget)
-                hold = m.held_back(SHARED_HOLD) if running else None  # kept for the next hits on their prefixes
+                # kept for the next hits on their prefixes
+                hold = m.held_back(SHARED_HOLD, max(self._longest, r.num_tokens)) if running else None
                 n = m.fit_tokens_new(r, want, hold) if new else m.fit_tokens(r, want, hold)
                 refused, own = n == 0, {}
                 if not refused and running and ratio:

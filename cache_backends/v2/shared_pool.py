@@ -32,12 +32,29 @@ step by step); only the per-block work remains per group.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from itertools import zip_longest
 from typing import TYPE_CHECKING
 
 from cache_backends.v2.group_pool import Detach, EvictionQueue
 
 if TYPE_CHECKING:
     from cache_backends.v2.radix import RadixNode
+
+
+def _interleave(lists: list[list[int]]) -> list[int]:
+    """The lists' blocks position by position (each list's first, then each one's second, ...).
+
+    Why: the groups of an arena hold a prefix together, and a hit needs every group's blocks for it. Queued group by
+    group, eviction took one group's blocks of a finished request before another's, and once part of a request's
+    blocks were gone, the other groups' blocks of the same positions were useless yet still cached; position by
+    position, tail first, what is left is always a whole, shorter prefix (Gemma 2 9B on ``mixed`` at a quarter of the
+    budget: 18.4% of prompt tokens reused against 18.9%; interleaved, 18.9%)."""
+    lists = [lst for lst in lists if lst]
+    if len(lists) < 2:
+        return lists[0] if lists else []
+    if len({len(lst) for lst in lists}) == 1:  # cut groups of one life cycle: the usual case, all at C speed
+        return [b for blocks in zip(*lists, strict=True) for b in blocks]
+    return [b for blocks in zip_longest(*lists) for b in blocks if b is not None]
 
 
 class SharedPool:
@@ -186,10 +203,11 @@ class SharedPool:
         the prefix cache stay cached. :meth:`release` group by group with ``keep_cached``, in one pass."""
         ref, owner, free, group_of = self.ref, self.node, self._free, self.group_of
         used, kept = self.used, self.cached
-        leaves: list[int] = []  # cached blocks split as EvictionQueue.add_split would, in the same pass
-        shared: list[int] = []
+        by_group: list[tuple[list[int], list[int]]] = []  # each group's cached (leaves, shared), tail first
         for group, table in tables:
-            n_free, n_cached = len(free), len(leaves) + len(shared)
+            n_free = len(free)
+            leaves: list[int] = []  # cached blocks split as EvictionQueue.add_split would, in the same pass
+            shared: list[int] = []
             for b in reversed(table):  # this loop runs for every block of every group: kept lean
                 if b < 0:
                     continue
@@ -205,10 +223,11 @@ class SharedPool:
                     group_of[b] = -1
                 else:
                     (shared if node.children else leaves).append(b)
-            n_cached = len(leaves) + len(shared) - n_cached
+            n_cached = len(leaves) + len(shared)
             used[group] -= len(free) - n_free + n_cached
             kept[group] += n_cached
-        self._queue(leaves, shared, priority)
+            by_group.append((leaves, shared))
+        self._queue(_interleave([lv for lv, _ in by_group]), _interleave([sh for _, sh in by_group]), priority)
 
     def _queue(self, leaves: list[int], shared: list[int], priority: int) -> None:
         """Queue released cached blocks, split by their runs' shape as :meth:`EvictionQueue.add_split` splits them
