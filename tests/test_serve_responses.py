@@ -15,7 +15,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from tests.serve_support import TIMEOUT, Script, serving, wait_for
+from tests.serve_support import TIMEOUT, Script, fails_once, serving, wait_for
 from tests.text_support import bytelevel_checkpoint
 
 #: Shows each tool's name, then every message's role and content (a tool call's name and arguments too).
@@ -208,6 +208,25 @@ def test_a_client_that_leaves_a_stream_has_its_request_aborted_and_its_blocks_fr
     m = served.metrics()
     assert m["kvload_num_requests_running"] == 0
     assert m["kvload_kv_cache_blocks{layer_group=uniform,state=used}"] == 0
+
+
+def test_a_step_the_engine_fails_is_a_500_or_a_failed_event_and_the_blocks_are_freed(plain, monkeypatch):
+    served = plain.served
+    plain.script.say("Blue.")
+    executor = served.state.engine.executor
+    fails_once(monkeypatch, executor, "forward_scored", RuntimeError("injected: the device failed"))
+    r = served.http.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 5})
+    assert r.status_code == 500
+    assert r.json() == {"error": {"message": "RuntimeError: injected: the device failed", "type": "server_error",
+                                  "param": None, "code": None}}
+    fails_once(monkeypatch, executor, "forward_scored", RuntimeError("injected again"))
+    events = events_of(plain, input="Hi", max_output_tokens=5)
+    assert [e.type for e in events] == ["response.created", "response.in_progress", "response.failed"]
+    failed = events[-1].response
+    assert failed.status == "failed" and failed.error.code == "server_error"
+    assert failed.error.message == "RuntimeError: injected again"
+    assert served.metrics()["kvload_kv_cache_blocks{layer_group=uniform,state=used}"] == 0
+    assert create(plain, input="Hi", max_output_tokens=5).output_text == "Blue."  # and it serves on
 
 
 # --- tools ------------------------------------------------------------------------------------------------------------
