@@ -61,8 +61,7 @@ class ResponsesRequest:
 
 def _need(ok: bool, field: str, expected: str, value: Any) -> None:
     if not ok:
-        raise BadRequest(f"{field}: expected {expected}, got {value!r}"[:300], param=field.split(".", 1)[0]
-                         if field.startswith(("text.", "reasoning.")) else field)
+        raise BadRequest(f"{field}: expected {expected}, got {value!r}"[:300], param=field)
 
 
 def to_chat(body: Any, tool_parser: str | None = None) -> tuple[dict[str, Any], ResponsesRequest]:
@@ -323,13 +322,13 @@ def _text(value: Any, ignored: list[tuple[str, Any, str]]) -> dict[str, Any]:
         extra = sorted(set(fmt) - {"type", "name", "schema", "strict", "description"})
         if extra:
             raise BadRequest(f"text.format.{extra[0][:60]}: not supported; accepted: type, name, schema, strict, "
-                             "description", param="text")
+                             "description", param="text.format")
         _need(isinstance(fmt.get("name"), str) and bool(fmt["name"]), "text.format.name", "a non-empty string",
               fmt.get("name"))
         _need(isinstance(fmt.get("schema"), dict), "text.format.schema", "a JSON schema object", fmt.get("schema"))
         fmt = {k: v for k, v in fmt.items() if v is not None}
     else:
-        raise BadRequest(f"text.format: type {kind!r} is not supported; expected {_FORMATS}"[:400], param="text")
+        raise BadRequest(f"text.format: type {kind!r} is not supported; expected {_FORMATS}"[:400], param="text.format")
     return {**value, "format": fmt}
 
 
@@ -353,6 +352,7 @@ _NAMES = [
     (re.compile(r"\bresponse_format\.json_schema\b"), "text.format"),
     (re.compile(r"\bresponse_format\b"), "text.format"),
     (re.compile(r"\btools\[(\d+)\]\.function\b"), r"tools[\1]"),
+    (re.compile(r"\btool_choice\.function\.name\b"), "tool_choice.name"),
 ]
 _MESSAGE = re.compile(r"\bmessages\[(\d+)\]")
 
