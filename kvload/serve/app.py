@@ -1,5 +1,6 @@
-"""The HTTP face of ``kvload serve``: OpenAI's completions and chat completions, vLLM's /tokenize, /detokenize and
-/version, metrics, kvload's audit.
+"""The HTTP face of ``kvload serve``: OpenAI's completions, chat completions and Responses API (run as the chat request
+saying the same: ``responses_input``, ``responses_output``), vLLM's /tokenize, /detokenize and /version, metrics,
+kvload's audit.
 
 Handlers turn a request body into engine requests (one per prompt and choice) on a worker thread (parsing
 and tokenizing a large body would stall every other client on the event loop), wait on an asyncio
