@@ -66,6 +66,13 @@ def r1(tiny_checkpoints, tmp_path_factory):
         yield SimpleNamespace(served=running, script=Script(running.state.engine), seen=Seen(running.state.engine))
 
 
+@pytest.fixture(scope="module")
+def qwen3(tiny_checkpoints, tmp_path_factory):
+    """Served with ``--reasoning-parser qwen3``: thinking only from a ``<think>`` the model writes."""
+    with _serve(tiny_checkpoints, tmp_path_factory, reasoning_parser="qwen3") as running:
+        yield SimpleNamespace(served=running, script=Script(running.state.engine), seen=Seen(running.state.engine))
+
+
 def create(server, **kw):
     served = server.served
     kw.setdefault("input", "Hello world, the sky is")
@@ -258,6 +265,29 @@ def test_a_named_function_call_and_the_next_turn_with_its_output(plain):
         {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21 C"}]
 
 
+def test_an_agent_turn_of_text_and_calls_is_one_assistant_message(plain):
+    plain.script.say("Done.")
+    calls = [{"type": "function_call", "call_id": f"c{i}", "name": "get_time", "arguments": f'{{"zone": "{z}"}}',
+              "id": f"fc_{i}", "status": "completed"} for i, z in enumerate(("UTC", "CET"))]
+    outputs = [{"type": "function_call_output", "call_id": f"c{i}", "output": t}
+               for i, t in enumerate(("1:00", "2:00"))]
+    reply = create(plain, tools=[CLOCK], tool_choice="none", max_output_tokens=20, input=[
+        {"role": "user", "content": "Times?"}, {"type": "reasoning", "id": "rs_1", "summary": [], "content": []},
+        {"role": "assistant", "content": "Let me look."}, *calls, *outputs])
+    assert reply.output_text == "Done."
+    (user, turn, first, second) = plain.seen.messages[-1]
+    assert user == {"role": "user", "content": "Times?"}
+    assert turn["role"] == "assistant" and turn["content"] == "Let me look."
+    assert [(c["id"], c["function"]["arguments"]) for c in turn["tool_calls"]] == [("c0", {"zone": "UTC"}),
+                                                                                  ("c1", {"zone": "CET"})]
+    assert (first["tool_call_id"], second["tool_call_id"]) == ("c0", "c1") and first["role"] == second["role"] == "tool"
+    # a reply's calls first and its text after them: one turn too
+    create(plain, tools=[CLOCK], tool_choice="none", max_output_tokens=20, input=[
+        {"role": "user", "content": "Times?"}, *calls, {"role": "assistant", "content": "Looking."}, *outputs])
+    turn = plain.seen.messages[-1][1]
+    assert turn["content"] == "Looking." and len(turn["tool_calls"]) == 2 and len(plain.seen.messages[-1]) == 4
+
+
 CALLS = '[{"name": "get_time", "parameters": {"zone": "UTC"}}, {"name": "get_weather", "parameters": {"city": "Rome"}}]'
 
 
@@ -326,8 +356,9 @@ def test_the_thinking_is_a_reasoning_item_before_the_message(r1):
     reasoning, message = reply.output
     assert reasoning.type == "reasoning" and [c.text for c in reasoning.content] == [THOUGHT]
     assert message.type == "message" and reply.output_text == ANSWER
-    thought = len(r1.script.tokenizer.encode(THOUGHT + "</think>", add_special_tokens=False))
-    assert thought <= reply.usage.output_tokens_details.reasoning_tokens < len(ids)
+    tok = r1.script.tokenizer  # every token up to the one that completed </think>
+    assert reply.usage.output_tokens_details.reasoning_tokens == next(
+        i + 1 for i in range(len(ids)) if "</think>" in tok.decode(ids[:i + 1]))
     assert reply.usage.output_tokens == len(ids) + 1
     events = events_of(r1, input="Hi", max_output_tokens=200)
     kinds = [e.type for e in events]
@@ -364,6 +395,23 @@ def test_auto_tool_calls_after_the_thinking_are_function_call_items(r1):
     assert final.output_text == "Let me look." and final.output[2].arguments == reply.output[2].arguments
     added = [e.item.type for e in events if e.type == "response.output_item.added"]
     assert added == ["reasoning", "message", "function_call"]
+
+
+def test_under_qwen3_only_a_reply_that_thinks_has_a_reasoning_item_and_reasoning_tokens(qwen3):
+    ids = qwen3.script.say("Blue, no thinking.")
+    reply = create(qwen3, max_output_tokens=100)
+    assert [item.type for item in reply.output] == ["message"] and reply.output_text == "Blue, no thinking."
+    assert reply.usage.output_tokens_details.reasoning_tokens == 0 and reply.usage.output_tokens == len(ids) + 1
+    tok = qwen3.script.tokenizer
+    qwen3.script.say("Hm. <think>" + THOUGHT + "</think>" + ANSWER)
+    reply = create(qwen3, max_output_tokens=200)
+    assert [item.type for item in reply.output] == ["reasoning", "message"]
+    assert reply.output[0].content[0].text == THOUGHT and reply.output_text == "Hm. " + ANSWER
+    # from the token that began <think> to the one that ended </think> (a token may carry text on either side)
+    ids = tok.encode("Hm. <think>" + THOUGHT + "</think>" + ANSWER, add_special_tokens=False)
+    first = next(i for i in range(len(ids)) if "<" in tok.decode(ids[:i + 1]))
+    last = next(i for i in range(len(ids)) if "</think>" in tok.decode(ids[:i + 1]))
+    assert reply.usage.output_tokens_details.reasoning_tokens == last + 1 - first
 
 
 # --- what is refused, what is reported -------------------------------------------------------------------------------

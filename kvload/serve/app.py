@@ -555,7 +555,9 @@ class _Choice:
     thinking: ReasoningText | None = None  # chat under --reasoning-parser: the reply split into reasoning, content
     #: /v1/responses under --reasoning-parser: the reply read as it grows, to count the tokens made while thinking
     gauge: ReasoningText | None = None
-    reasoning_tokens: int = 0  # tokens that came while the gauge's thinking had not ended (its end marker's too)
+    reasoning_tokens: int = 0  # tokens from the one that began the thinking to the one that ended it
+    _thinking_from: int = 0  # the token the gauge's thinking began with (deepseek_r1: the first)
+    _settled: int = 0  # the tokens whose text the gauge has placed (none of it held as a possible marker)
 
     def update(self, ev: ServeEvent) -> _Update:
         """Take one engine event; the new text, token ids, logprobs and text offsets to report."""
@@ -583,9 +585,14 @@ class _Choice:
             delta = self.sample.delta(final=final)
             self.text += delta
         if self.gauge is not None:
-            if not self.gauge.ended:  # the tokens of an event that ends the thinking count as thinking
-                self.reasoning_tokens += len(ev.new_token_ids)
+            started, ended = self.gauge.thinking_started, self.gauge.ended
             self.gauge.feed(delta)
+            if not started and self.gauge.thinking_started:  # qwen3's <think>: the thinking counts from the token
+                self._thinking_from = self._settled  # that began the marker (its text was held until it completed)
+            if not self.gauge.key[3]:  # nothing held that may be a marker: the text so far is placed
+                self._settled = len(self.token_ids)
+            if self.gauge.thinking_started and not ended:  # the event that ends the thinking counts as thinking
+                self.reasoning_tokens = len(self.token_ids) - self._thinking_from
         return _Update(delta, list(ev.new_token_ids), list(ev.logprobs), offsets)
 
     def _offsets(self, new: int) -> list[int]:

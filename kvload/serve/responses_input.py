@@ -195,8 +195,9 @@ def _input(value: Any, ignored: list[tuple[str, Any, str]]) -> tuple[list[dict[s
             if not isinstance(content, str):
                 content = _text_of(content, f"{where}.content", ("output_text",) if role == "assistant"
                                    else ("input_text", "output_text"))
-            if role == "assistant" and messages and messages[-1]["role"] == "assistant" and sources[-1] == k - 1 \
-                    and messages[-1]["content"] in (None, ""):  # a reply's text after its calls: one turn
+            if role == "assistant" and messages and messages[-1]["role"] == "assistant" and sources[-1] is not None \
+                    and messages[-1]["content"] is None and _consecutive(value, sources[-1], k):
+                # a reply's text after its calls: one assistant turn
                 messages[-1]["content"] = content
                 continue
             messages.append({"role": role, "content": content})
