@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 from types import SimpleNamespace
+from typing import Literal
 
 import httpx
 import openai
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
-from pydantic import TypeAdapter
+from pydantic import BaseModel, TypeAdapter
 
 from tests.serve_support import TIMEOUT, Script, fails_once, serving, wait_for
 from tests.text_support import bytelevel_checkpoint
@@ -320,6 +321,11 @@ def test_required_tool_calls_stream_as_function_call_items(plain):
     assert final.output[1].parsed_arguments == {"city": "Rome"}  # a strict tool's arguments, parsed by the client
 
 
+class Sky(BaseModel):
+    color: Literal["blue", "grey"]
+    n: int
+
+
 def test_a_json_schema_format_holds_the_reply_to_the_schema(plain):
     pytest.importorskip("xgrammar")
     schema = {"type": "object", "properties": {"color": {"enum": ["blue", "grey"]}, "n": {"type": "integer"}},
@@ -333,6 +339,11 @@ def test_a_json_schema_format_holds_the_reply_to_the_schema(plain):
     plain.script.say('{"color": "blue", "n": 3}')
     assert json.loads(create(plain, text={"format": fmt}, max_output_tokens=80).output_text) == {"color": "blue",
                                                                                                  "n": 3}
+    # the client's own structured outputs: a pydantic model as the schema, the answer parsed into it
+    plain.script.say('{"color": "grey", "n": 12}')
+    parsed = plain.served.client.responses.parse(model=plain.served.state.model_name, input="Sky?", text_format=Sky,
+                                                 max_output_tokens=80)
+    assert parsed.output_parsed == Sky(color="grey", n=12)
     plain.script.say("not json")
     assert isinstance(json.loads(create(plain, text={"format": {"type": "json_object"}},
                                         max_output_tokens=80).output_text), dict)
