@@ -589,7 +589,7 @@ class _Choice:
             self.gauge.feed(delta)
             if not started and self.gauge.thinking_started:  # qwen3's <think>: the thinking counts from the token
                 self._thinking_from = self._settled  # that began the marker (its text was held until it completed)
-            if not self.gauge.key[3]:  # nothing held that may be a marker: the text so far is placed
+            if not self.gauge.holding:  # nothing held that may be a marker: the text so far is placed
                 self._settled = len(self.token_ids)
             if self.gauge.thinking_started and not ended:  # the event that ends the thinking counts as thinking
                 self.reasoning_tokens = len(self.token_ids) - self._thinking_from
@@ -688,6 +688,7 @@ class _Run:
             raise renamed_error(exc, self.responses) from None
 
     def _prepare(self, job: Job) -> None:
+        """:meth:`prepare` once the body is a ``Job``."""
         self.job = job
         # vLLM's: an X-Request-Id header names the request, else its request_id, else a fresh id
         given = request_id(self.request.headers.get("x-request-id"), "X-Request-Id") or job.request_id
