@@ -75,9 +75,15 @@ def qwen3(tiny_checkpoints, tmp_path_factory):
 
 
 def create(server, **kw):
+    """``client.responses.create``; a whole answer's JSON is checked against openai's Response model first (the
+    client builds its objects unchecked)."""
     served = server.served
     kw.setdefault("input", "Hello world, the sky is")
-    return served.client.responses.create(model=served.state.model_name, **kw)
+    if kw.get("stream"):
+        return served.client.responses.create(model=served.state.model_name, **kw)
+    raw = served.client.responses.with_raw_response.create(model=served.state.model_name, **kw)
+    Response.model_validate(raw.http_response.json())
+    return raw.parse()
 
 
 def posted(server, **body):
@@ -141,6 +147,10 @@ def test_a_plain_input_is_answered_as_the_chat_endpoint_answers_it(plain):
     create(plain, input=long, max_output_tokens=40)
     doc = posted(plain, input=long, max_output_tokens=40)
     assert 0 < doc["usage"]["input_tokens_details"]["cached_tokens"] <= doc["usage"]["input_tokens"]
+    # vLLM's request_id names the response (an X-Request-Id header wins)
+    assert create(plain, max_output_tokens=2, extra_body={"request_id": "run-7"}).id == "resp_run-7"
+    assert create(plain, max_output_tokens=2, extra_body={"request_id": "run-7"},
+                  extra_headers={"X-Request-Id": "hdr-1"}).id == "resp_hdr-1"
 
 
 def test_instructions_and_a_list_of_items_become_the_chat_messages(plain):
@@ -473,3 +483,22 @@ def test_settings_that_change_nothing_are_reported_once(plain):
                if r["event"] == "setting_ignored" and r["reason"].endswith(f"(request {rid})")}
     assert ignored == {"serve.store": True, "serve.reasoning.effort": "high",
                        "serve.include": "reasoning.encrypted_content", "serve.text.verbosity": "low"}
+
+
+def test_the_chat_paths_names_are_read_back_as_the_responses_body_names_them():
+    from kvload.serve.responses_input import renamed, to_chat
+
+    _, request = to_chat({"instructions": "Be brief.", "input": [
+        {"role": "user", "content": "a"}, {"type": "reasoning", "id": "rs_1"},
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]})
+    assert request.sources == (None, 0, 2)
+    assert renamed("messages[0].content: bad", request) == "instructions.content: bad"
+    assert renamed("messages[2].tool_calls[0]: bad", request) == "input[2].tool_calls[0]: bad"
+    # the operator's flag keeps its name; the request's field takes the Responses one
+    assert renamed("max_tokens: lower max_tokens to at most 5, or serve with a larger KV budget (--max_tokens)",
+                   request) == ("max_output_tokens: lower max_output_tokens to at most 5, or serve with a larger KV "
+                                "budget (--max_tokens)")
+    assert renamed("response_format.json_schema.schema.properties.a.maxLength", request) == \
+        "text.format.schema.properties.a.maxLength"
+    assert renamed("tools[1].function.parameters: xgrammar refused it", request) == \
+        "tools[1].parameters: xgrammar refused it"
