@@ -426,8 +426,16 @@ def test_under_qwen3_only_a_reply_that_thinks_has_a_reasoning_item_and_reasoning
     tok = qwen3.script.tokenizer
     qwen3.script.say("Hm. <think>" + THOUGHT + "</think>" + ANSWER)
     reply = create(qwen3, max_output_tokens=200)
-    assert [item.type for item in reply.output] == ["reasoning", "message"]
-    assert reply.output[0].content[0].text == THOUGHT and reply.output_text == "Hm. " + ANSWER
+    # the text before <think> is a message of its own, before the reasoning, as a stream sends them
+    assert [item.type for item in reply.output] == ["message", "reasoning", "message"]
+    assert reply.output[1].content[0].text == THOUGHT and reply.output_text == "Hm. " + ANSWER
+    assert [c.text for c in reply.output[0].content] == ["Hm. "]
+    events = events_of(qwen3, input="Hi", max_output_tokens=200)
+    final = events[-1].response
+    assert [item.type for item in final.output] == ["message", "reasoning", "message"]
+    assert [(i.content[0].text) for i in final.output] == ["Hm. ", THOUGHT, ANSWER]
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    assert added == ["message", "reasoning", "message"]
     # from the token that began <think> to the one that ended </think> (a token may carry text on either side)
     ids = tok.encode("Hm. <think>" + THOUGHT + "</think>" + ANSWER, add_special_tokens=False)
     first = next(i for i in range(len(ids)) if "<" in tok.decode(ids[:i + 1]))

@@ -37,10 +37,17 @@ def response_document(run: _Run, chat: dict[str, Any]) -> dict[str, Any]:
     status = _STATUS.get(choice["finish_reason"], "completed")
     items: list[dict[str, Any]] = []
     reasoning = message.get("reasoning_content")
+    content, calls = message.get("content"), message.get("tool_calls") or []
+    thinking = run.choices[0].thinking
+    if reasoning is not None and thinking is not None:  # qwen3's text before its <think> comes first, as streamed
+        read = thinking.content or ""
+        before = read[:len(read) - len(thinking.answer)]
+        if before and (content or "").startswith(before):
+            items.append(_message_item(_id("msg"), before, "completed"))
+            content = content[len(before):]  # type: ignore[index]
     if reasoning is not None:
         items.append(_reasoning_item(_id("rs"), reasoning, "completed"))
-    content, calls = message.get("content"), message.get("tool_calls") or []
-    if content or (not calls and reasoning is None):  # a reply with nothing in it is still a message
+    if content or (not calls and not items):  # a reply with nothing in it is still a message
         items.append(_message_item(_id("msg"), content or "", "completed"))
     items += [_call_item(_id("fc"), call["id"], call["function"]["name"], call["function"]["arguments"],
                          "completed") for call in calls]
@@ -99,6 +106,7 @@ class _Events:
         self.items: list[dict[str, Any]] = []  # every item opened, in output order (the open one last)
         self.open: dict[str, Any] | None = None  # the item being written: its text grows here
         self.calls: dict[int, dict[str, Any]] = {}  # a chat tool call's index → its function_call item
+        self.thought = False  # a reasoning item was opened: text from now on is the answer, after the thinking
 
     def event(self, kind: str, **fields: Any) -> str:
         doc = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -183,10 +191,15 @@ class _Events:
         if isinstance(delta, str):
             return self.text("message", delta) if delta else []
         out: list[str] = []
-        if delta.get("reasoning_content"):
-            out += self.text("reasoning", delta["reasoning_content"])
-        if delta.get("content"):
-            out += self.text("message", delta["content"])
+        reasoning, content = delta.get("reasoning_content"), delta.get("content")
+        if content and reasoning and not self.thought:  # qwen3's text before the <think> that opened the thinking
+            out += self.text("message", content)
+            content = None
+        if reasoning:
+            self.thought = True
+            out += self.text("reasoning", reasoning)
+        if content:
+            out += self.text("message", content)
         for call in delta.get("tool_calls") or []:
             out += self.call(call)
         return out
