@@ -228,6 +228,18 @@ def test_a_client_that_leaves_a_stream_has_its_request_aborted_and_its_blocks_fr
     assert m["kvload_kv_cache_blocks{layer_group=uniform,state=used}"] == 0
 
 
+def test_a_client_that_gives_up_on_a_whole_response_has_it_aborted(plain):
+    served = plain.served
+    plain.script.say("ab " * 400)
+    aborted = served.metrics().get("kvload_request_success_total{finished_reason=abort}", 0)
+    body = {"model": served.state.model_name, "input": "Hi", "max_output_tokens": 1500}
+    with httpx.Client(base_url=served.url, timeout=0.5) as impatient, pytest.raises(httpx.ReadTimeout):
+        impatient.post("/v1/responses", json=body)
+    wait_for(lambda: served.metrics().get("kvload_request_success_total{finished_reason=abort}", 0) == aborted + 1,
+             what="the abandoned request was aborted")
+    assert served.metrics()["kvload_kv_cache_blocks{layer_group=uniform,state=used}"] == 0
+
+
 def test_a_step_the_engine_fails_is_a_500_or_a_failed_event_and_the_blocks_are_freed(plain, monkeypatch):
     served = plain.served
     plain.script.say("Blue.")
@@ -346,6 +358,8 @@ def test_a_json_schema_format_holds_the_reply_to_the_schema(plain):
     doc = json.loads(reply.output_text)
     assert doc["color"] in ("blue", "grey") and isinstance(doc["n"], int)
     assert reply.text.format.type == "json_schema" and reply.text.format.name == "sky"
+    asked = plain.served.result.audit.of("structured_outputs_requested")[-1]
+    assert (asked["request"], asked["field"], asked["kind"]) == (reply.id, "text.format", "json")
     plain.script.say('{"color": "blue", "n": 3}')
     assert json.loads(create(plain, text={"format": fmt}, max_output_tokens=80).output_text) == {"color": "blue",
                                                                                                  "n": 3}
