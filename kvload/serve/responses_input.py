@@ -183,6 +183,7 @@ def _input(value: Any, ignored: list[tuple[str, Any, str]]) -> tuple[list[dict[s
     _need(isinstance(value, list) and bool(value), "input", "a string or a non-empty list of items", value)
     messages: list[dict[str, Any]] = []
     sources: list[int | None] = []
+    turn = False  # the last message is an assistant turn that items of the same reply still join
     for k, item in enumerate(value):
         where = f"input[{k}]"
         _need(isinstance(item, dict), where, f"an item ({_ITEMS})", item)
@@ -195,9 +196,9 @@ def _input(value: Any, ignored: list[tuple[str, Any, str]]) -> tuple[list[dict[s
             if not isinstance(content, str):
                 content = _text_of(content, f"{where}.content", ("output_text",) if role == "assistant"
                                    else ("input_text", "output_text"))
-            if role == "assistant" and messages and messages[-1]["role"] == "assistant" and sources[-1] is not None \
-                    and messages[-1]["content"] is None and _consecutive(value, sources[-1], k):
-                # a reply's text after its calls: one assistant turn
+            joins = turn and role == "assistant" and messages[-1]["content"] is None
+            turn = role == "assistant"
+            if joins:  # a reply's text after its calls: one assistant turn
                 messages[-1]["content"] = content
                 continue
             messages.append({"role": role, "content": content})
@@ -208,11 +209,10 @@ def _input(value: Any, ignored: list[tuple[str, Any, str]]) -> tuple[list[dict[s
                       "a string" if key == "arguments" else "a non-empty string", item.get(key))
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and sources[-1] is not None \
-                    and _consecutive(value, sources[-1], k):  # the calls of one reply: one assistant turn
-                last.setdefault("tool_calls", []).append(call)
+            if turn:  # the calls of one reply (after its text, if any): one assistant turn
+                messages[-1].setdefault("tool_calls", []).append(call)
                 continue
+            turn = True
             messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
             _fields(item, where, {"type", "call_id", "output", "id", "status"})
@@ -221,8 +221,9 @@ def _input(value: Any, ignored: list[tuple[str, Any, str]]) -> tuple[list[dict[s
             output = item.get("output")
             if not isinstance(output, str):
                 output = _text_of(output, f"{where}.output", ("input_text",))
+            turn = False
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
-        elif kind == "reasoning":
+        elif kind == "reasoning":  # the thinking of the reply whose items follow: it leaves the turn as it is
             _fields(item, where, {"type", "id", "summary", "content", "encrypted_content", "status"})
             ignored.append((where, "reasoning", "a past answer's thinking: the chat template is given none (chat "
                             "messages carry no reasoning)"))
@@ -234,13 +235,6 @@ def _input(value: Any, ignored: list[tuple[str, Any, str]]) -> tuple[list[dict[s
     if not messages:
         raise BadRequest("input: holds no message (only reasoning items); give the conversation", param="input")
     return messages, sources
-
-
-def _consecutive(items: list[Any], first: int, k: int) -> bool:
-    """Whether items ``first`` to ``k`` are one assistant reply: its message and calls (reasoning between them)."""
-    return all(isinstance(i, dict) and (i.get("type") in ("function_call", "reasoning")
-                                        or (i.get("type", "message") == "message" and i.get("role") == "assistant"))
-               for i in items[first:k])
 
 
 def _fields(item: dict[str, Any], where: str, allowed: set[str]) -> None:
