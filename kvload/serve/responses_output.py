@@ -104,6 +104,7 @@ class _Events:
         self.run = run
         self.sequence = 0
         self.items: list[dict[str, Any]] = []  # every item opened, in output order (the open one last)
+        self.index: dict[str, int] = {}  # an item's id → its place in the output
         self.open: dict[str, Any] | None = None  # the item being written: its text grows here
         self.calls: dict[int, dict[str, Any]] = {}  # a chat tool call's index → its function_call item
         self.thought = False  # a reasoning item was opened: text from now on is the answer, after the thinking
@@ -114,11 +115,12 @@ class _Events:
         return f"event: {kind}\ndata: {json.dumps(doc, separators=(',', ':'))}\n\n"
 
     def _where(self, item: dict[str, Any]) -> dict[str, Any]:
-        return {"item_id": item["id"], "output_index": self.items.index(item)}
+        return {"item_id": item["id"], "output_index": self.index[item["id"]]}
 
     def start(self, item: dict[str, Any]) -> list[str]:
         """Close the open item, open ``item``."""
         out = self.close()
+        self.index[item["id"]] = len(self.items)
         self.items.append(item)
         self.open = item
         out.append(self.event("response.output_item.added", output_index=len(self.items) - 1,
