@@ -341,6 +341,15 @@ def test_required_tool_calls_stream_as_function_call_items(plain):
         final = stream.get_final_response()
     assert [(c.name, c.arguments) for c in final.output] == [(c.name, c.arguments) for c in reply.output]
     assert final.output[1].parsed_arguments == {"city": "Rome"}  # a strict tool's arguments, parsed by the client
+    # the client's own objects sent back as the next turn's input, as agents do
+    plain.script.say("Noon in Rome.")
+    outputs = [{"type": "function_call_output", "call_id": c.call_id, "output": "12:00"} for c in final.output]
+    after = create(plain, tools=[WEATHER, CLOCK], tool_choice="none", max_output_tokens=30,
+                   input=[{"role": "user", "content": "Hi"}, *final.output, *outputs])
+    assert after.output_text == "Noon in Rome."
+    (_, turn, *answers) = plain.seen.messages[-1]
+    assert [c["id"] for c in turn["tool_calls"]] == [c.call_id for c in final.output]
+    assert [a["tool_call_id"] for a in answers] == [c.call_id for c in final.output]
 
 
 class Sky(BaseModel):
