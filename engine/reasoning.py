@@ -109,6 +109,11 @@ class ReasoningText:
         return self._state == _AFTER
 
     @property
+    def holding(self) -> bool:
+        """Whether the end of the text fed so far is held back, as it may still become a marker."""
+        return bool(self._buf)
+
+    @property
     def thinking_started(self) -> bool:
         """Whether the thinking has begun (always under deepseek_r1; under qwen3 once ``<think>`` was read)."""
         return self._state != _BEFORE

@@ -1,5 +1,6 @@
-"""The HTTP face of ``kvload serve``: OpenAI's completions and chat completions, vLLM's /tokenize, /detokenize and
-/version, metrics, kvload's audit.
+"""The HTTP face of ``kvload serve``: OpenAI's completions, chat completions and Responses API (run as the chat request
+saying the same: ``responses_input``, ``responses_output``), vLLM's /tokenize, /detokenize and /version, metrics,
+kvload's audit.
 
 Handlers turn a request body into engine requests (one per prompt and choice) on a worker thread (parsing
 and tokenizing a large body would stall every other client on the event loop), wait on an asyncio
@@ -40,6 +41,8 @@ from kvload.serve.auth import ApiKeyGate
 from kvload.serve.command import MAX_CONCURRENT_DEFAULT, READ_TIMEOUT_DEFAULT
 from kvload.serve.metrics import ServeMetrics
 from kvload.serve.protocol import BadRequest, Job, parse, parse_detokenize, parse_tokenize, request_id
+from kvload.serve.responses_input import ResponsesRequest, renamed, renamed_error, to_chat
+from kvload.serve.responses_output import response_document, response_events
 from kvload.serve.tool_calls import ToolCallText
 from kvload.serve.tool_parser import tool_reader
 from kvload.serve.tool_reader import ToolReader
@@ -198,6 +201,10 @@ def create_app(state: ServeState) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await _serve(state, request, "chat", gate, stopping)
 
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await _serve(state, request, "responses", gate, stopping)
+
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         return await _tokenizer_call(state, request, _tokenize, gate, stopping)
@@ -239,7 +246,8 @@ class _Admission:
     would answer /health and /metrics with a plain-text 503 too; this leaves them answering.
     """
 
-    PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})  # all read a body
+    #: all read a body
+    PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"})
 
     def __init__(self, app: Any, state: ServeState) -> None:
         self.app = app
@@ -341,9 +349,11 @@ async def _serve(state: ServeState, request: Request, kind: str, gate: asyncio.L
             run.cancel()
             raise
     if run.job.stream:
-        return StreamingResponse(run.stream(), media_type="text/event-stream",
+        events = run.stream() if run.responses is None else response_events(run)
+        return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return JSONResponse(await run.collect())
+    doc = await run.collect()
+    return JSONResponse(response_document(run, doc) if run.responses is not None and doc else doc)
 
 
 async def _tokenizer_call(state: ServeState, request: Request, work: Any, gate: asyncio.Lock,
@@ -406,6 +416,11 @@ def _messages_error(exc: GenerationError, template: dict[str, Any]) -> BadReques
 def _parse(state: ServeState, raw: bytes | bytearray, kind: str) -> Job:
     """The request body as a ``Job``; ``BadRequest`` naming what is wrong."""
     body = _load(raw)
+    return _parse_body(state, body, kind)
+
+
+def _parse_body(state: ServeState, body: Any, kind: str) -> Job:
+    """A loaded request body as a ``Job`` (``kind``: "completion" or "chat"); ``BadRequest`` naming what is wrong."""
     job = parse(body, kind, default_max_tokens=state.default_max_tokens,
                 by_priority=getattr(state.engine.scheduler, "by_priority", False), defaults=state.sampling_defaults,
                 tool_parser=state.tool_call_parser, reasoning_parser=state.reasoning_parser)
@@ -538,6 +553,11 @@ class _Choice:
     tools: ToolCallText | None = None  # chat's tool_choice named or "required": the reply read as tool calls
     auto: ToolReader | None = None  # chat's tool_choice "auto" under a parser: the free text read for calls
     thinking: ReasoningText | None = None  # chat under --reasoning-parser: the reply split into reasoning, content
+    #: /v1/responses under --reasoning-parser: the reply read as it grows, to count the tokens made while thinking
+    gauge: ReasoningText | None = None
+    reasoning_tokens: int = 0  # tokens from the one that began the thinking to the one that ended it
+    _thinking_from: int = 0  # the token the gauge's thinking began with (deepseek_r1: the first)
+    _settled: int = 0  # the tokens whose text the gauge has placed (none of it held as a possible marker)
 
     def update(self, ev: ServeEvent) -> _Update:
         """Take one engine event; the new text, token ids, logprobs and text offsets to report."""
@@ -564,6 +584,15 @@ class _Choice:
             self.sample.update(ids, final=final, search=len(ids) > m)
             delta = self.sample.delta(final=final)
             self.text += delta
+        if self.gauge is not None:
+            started, ended = self.gauge.thinking_started, self.gauge.ended
+            self.gauge.feed(delta)
+            if not started and self.gauge.thinking_started:  # qwen3's <think>: the thinking counts from the token
+                self._thinking_from = self._settled  # that began the marker (its text was held until it completed)
+            if not self.gauge.holding:  # nothing held that may be a marker: the text so far is placed
+                self._settled = len(self.token_ids)
+            if self.gauge.thinking_started and not ended:  # the event that ends the thinking counts as thinking
+                self.reasoning_tokens = len(self.token_ids) - self._thinking_from
         return _Update(delta, list(ev.new_token_ids), list(ev.logprobs), offsets)
 
     def _offsets(self, new: int) -> list[int]:
@@ -637,13 +666,34 @@ class _Run:
         # so a request the server gave up on while it was being submitted never stays queued in the engine
         self.lock = threading.Lock()
         self.cancelled = False
+        self.responses: ResponsesRequest | None = None  # a /v1/responses request: what its answer echoes
 
     def prepare(self, raw: bytes | bytearray, kind: str) -> None:
-        """Parse, tokenize, check and queue the request (on a worker thread); ``BadRequest`` when refused."""
-        self.job = job = _parse(self.state, raw, kind)
+        """Parse, tokenize, check and queue the request (on a worker thread); ``BadRequest`` when refused.
+        ``kind`` "responses": OpenAI's Responses body, served as the chat body saying the same, its refusals named
+        in its own words."""
+        if kind != "responses":
+            self._prepare(_parse(self.state, raw, kind))
+            return
+        try:
+            chat, self.responses = to_chat(_load(raw), self.state.tool_call_parser)
+            job = _parse_body(self.state, chat, "chat")
+            job = attrs.evolve(job, max_tokens_field="max_output_tokens",
+                               structured_field="text.format" if job.structured_field == "response_format"
+                               else job.structured_field,
+                               ignored=tuple((renamed(name, self.responses), value, why)
+                                             for name, value, why in job.ignored) + self.responses.ignored)
+            self._prepare(job)
+        except BadRequest as exc:
+            raise renamed_error(exc, self.responses) from None
+
+    def _prepare(self, job: Job) -> None:
+        """:meth:`prepare` once the body is a ``Job``."""
+        self.job = job
         # vLLM's: an X-Request-Id header names the request, else its request_id, else a fresh id
         given = request_id(self.request.headers.get("x-request-id"), "X-Request-Id") or job.request_id
-        self.id = ("chatcmpl-" if job.kind == "chat" else "cmpl-") + (given or uuid.uuid4().hex)
+        prefix = "resp_" if self.responses is not None else "chatcmpl-" if job.kind == "chat" else "cmpl-"
+        self.id = prefix + (given or uuid.uuid4().hex)
         self.prompts, cut = _encode(self.engine, job)
         scored = sum(map(len, self.prompts)) if job.params.prompt_logprobs is not None else 0
         if scored > MAX_SCORED_PROMPT_TOKENS:
@@ -676,6 +726,8 @@ class _Run:
         if job.reasoning is not None:
             for c in self.choices:
                 c.thinking = ReasoningText(job.reasoning)
+                if self.responses is not None:  # usage.output_tokens_details.reasoning_tokens
+                    c.gauge = ReasoningText(job.reasoning)
         if job.kind == "chat":  # vLLM's reply role, and its echo: the last message when it is the reply's role
             last = job.prompts[0][-1]
             self.role = "assistant" if job.template.get("add_generation_prompt", True) else last["role"]
@@ -857,36 +909,46 @@ class _Run:
                 if self.chat_echo:  # vLLM's: the echoed message in a chunk of its own, after the role's
                     for c in self.choices:
                         yield _sse(self._chunk(c, self.chat_echo, nothing, False))
-            while self.open:
-                item = await self._next()
-                if item is None:
-                    return
-                index, ev = item
-                c = self.choices[index]
-                update = c.update(ev)
-                if ev.finished:
-                    self.open.discard(index)
-                if c.finish_reason == "error":
+            async for c, update, finished, delta in self.deltas():
+                if delta is None:
                     err = BadRequest(c.error or "the engine failed this request", status=500, kind="server_error")
                     yield _sse(err.body())
                     yield "data: [DONE]\n\n"  # vLLM's too: a client reading to [DONE] is not left waiting on the close
                     return
-                if update.text or update.token_ids or ev.finished:
-                    delta: Any = update.text
-                    if c.thinking is not None:  # the thinking as it comes; the answer as content (or read for calls)
-                        delta = self._thinking_delta(c, update.text, ev.finished)
-                    elif c.tools is not None:  # the text as tool call deltas (none yet: an empty delta, its tokens)
-                        calls = c.tools.feed(update.text) + (c.tools.finish() if ev.finished else [])
-                        delta = {"tool_calls": calls} if calls else {}
-                    elif c.auto is not None:  # the text outside the calls; each call named, then its arguments as read
-                        delta = self._auto_delta(c.auto, update.text, ev.finished)
-                    yield _sse(self._chunk(c, delta, update, ev.finished))
+                yield _sse(self._chunk(c, delta, update, finished))
             if self.job.include_usage:
                 yield _sse({"id": self.id, "object": self._chunk_object, "created": self.created,
                             "model": self.state.model_name, "choices": [], "usage": self._usage()})
             yield "data: [DONE]\n\n"
         finally:  # a closed connection cancels this generator: free what it still holds
             self.abort()
+
+    async def deltas(self) -> AsyncIterator[tuple[_Choice, _Update, bool, Any]]:
+        """Each engine event that says something, as (choice, update, finished, delta): the delta a stream sends for
+        it (the new text, or under a reasoning parser or tools chat's delta object); None for a choice the engine
+        failed, which ends it. Ends when every choice has finished or the client went away."""
+        while self.open:
+            item = await self._next()
+            if item is None:
+                return
+            index, ev = item
+            c = self.choices[index]
+            update = c.update(ev)
+            if ev.finished:
+                self.open.discard(index)
+            if c.finish_reason == "error":
+                yield c, update, True, None
+                return
+            if update.text or update.token_ids or ev.finished:
+                delta: Any = update.text
+                if c.thinking is not None:  # the thinking as it comes; the answer as content (or read for calls)
+                    delta = self._thinking_delta(c, update.text, ev.finished)
+                elif c.tools is not None:  # the text as tool call deltas (none yet: an empty delta, its tokens)
+                    calls = c.tools.feed(update.text) + (c.tools.finish() if ev.finished else [])
+                    delta = {"tool_calls": calls} if calls else {}
+                elif c.auto is not None:  # the text outside the calls; each call named, then its arguments as read
+                    delta = self._auto_delta(c.auto, update.text, ev.finished)
+                yield c, update, ev.finished, delta
 
     # --- documents ---------------------------------------------------------------------------
 

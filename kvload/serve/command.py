@@ -31,7 +31,8 @@ REASONING_PARSERS = PARSERS
 
 _EPILOG = """\
 Endpoints (OpenAI-compatible): POST /v1/completions, POST /v1/chat/completions (stream=true for
-server-sent events), GET /v1/models, /v1/models/{id}, /health, /version, /metrics (Prometheus,
+server-sent events), POST /v1/responses (OpenAI's Responses API, run as chat), GET /v1/models,
+/v1/models/{id}, /health, /version, /metrics (Prometheus,
 kvload_*), vLLM's POST /tokenize and /detokenize, and kvload's own
 GET /v1/kvload/audit (the load's audit log as JSON Lines, generation events included),
 GET /v1/kvload/explain?field=NAME (one field's provenance chain), GET /v1/kvload/kv_events.

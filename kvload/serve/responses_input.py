@@ -1,0 +1,379 @@
+"""OpenAI's Responses API request (``POST /v1/responses``) read as the chat endpoint's body.
+
+A Responses body is checked field by field here, in its own names, then turned into the chat completions body that
+says the same (``input`` items → ``messages``, ``instructions`` → a system message first, flat function ``tools`` →
+chat's, ``text.format`` → ``response_format``, ``max_output_tokens`` → ``max_completion_tokens``), so that one path
+(``kvload.serve.protocol.parse``, templating, sampling, tool calls, the reasoning split, structured outputs, limits)
+serves both. What that path then refuses is named back in the Responses body's words (:func:`renamed`). Fields kvload
+cannot honour are refused in one line naming them; fields accepted that can change nothing are reported
+``setting_ignored``. kvload keeps no responses: ``previous_response_id`` is refused and ``store`` stores nothing.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import attrs
+
+from kvload.serve.command import TOOL_CALL_PARSERS
+from kvload.serve.protocol import BadRequest
+
+#: OpenAI's Responses fields kvload acts on or reports, and vLLM's extras it passes to the chat path as they are.
+ACCEPTED = frozenset({
+    "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "metadata", "user", "tools",
+    "tool_choice", "parallel_tool_calls", "text", "reasoning", "store", "stream", "background", "include",
+    "truncation", "service_tier", "previous_response_id",
+    # vLLM's, as on the chat endpoint (the openai client sends them in extra_body)
+    "top_k", "cache_salt", "request_id", "priority", "chat_template_kwargs",
+})
+_PASSED = ("model", "temperature", "top_p", "user", "stream", "parallel_tool_calls",
+           "top_k", "cache_salt", "request_id", "priority", "chat_template_kwargs")
+
+#: OpenAI's limits on ``metadata``: 16 pairs, keys of 64 characters, values of 512.
+MAX_METADATA = 16
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
+
+_ROLES = ("user", "system", "developer", "assistant")
+_ITEMS = "message, function_call, function_call_output or reasoning"
+_INCLUDABLE = ("reasoning.encrypted_content",)  # agents send it with store=false; a reasoning item carries its text
+
+
+@attrs.frozen
+class ResponsesRequest:
+    """What a Responses answer echoes of its request, and where each chat message came from (for error names)."""
+
+    instructions: str | None
+    max_output_tokens: int | None
+    metadata: dict[str, str]
+    tools: list[dict[str, Any]]
+    tool_choice: Any
+    parallel_tool_calls: bool
+    text: dict[str, Any]
+    reasoning: dict[str, Any] | None
+    user: str | None
+    #: each chat message's ``input`` index (None: ``instructions``)
+    sources: tuple[int | None, ...] = ()
+    #: settings accepted that change nothing, each (name, value, why)
+    ignored: tuple[tuple[str, Any, str], ...] = ()
+
+
+def _need(ok: bool, field: str, expected: str, value: Any) -> None:
+    if not ok:
+        raise BadRequest(f"{field}: expected {expected}, got {value!r}"[:300], param=field)
+
+
+def to_chat(body: Any, tool_parser: str | None = None) -> tuple[dict[str, Any], ResponsesRequest]:
+    """A Responses body as the chat endpoint's body saying the same, and what the answer echoes;
+    ``BadRequest`` naming the Responses field."""
+    if not isinstance(body, dict):
+        raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+    unknown = sorted(set(body) - ACCEPTED)
+    if unknown:
+        raise BadRequest(f"{unknown[0]}: not supported by kvload serve's /v1/responses; accepted fields: "
+                         f"{', '.join(sorted(ACCEPTED))}", param=unknown[0])
+    ignored: list[tuple[str, Any, str]] = []
+    _unserved(body, ignored)
+    chat: dict[str, Any] = {k: body[k] for k in _PASSED if body.get(k) is not None}
+    instructions = body.get("instructions")
+    _need(instructions is None or isinstance(instructions, str), "instructions", "a string", instructions)
+    messages, sources = _input(body.get("input"), ignored)
+    if instructions is not None:  # OpenAI's: a system (developer) message put first
+        messages.insert(0, {"role": "system", "content": instructions})
+        sources.insert(0, None)
+    chat["messages"] = messages
+    limit = body.get("max_output_tokens")
+    if limit is not None:
+        chat["max_completion_tokens"] = limit
+    tools = _tools(body.get("tools"))
+    if tools:
+        chat["tools"] = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in tools]
+    choice = _tool_choice(body.get("tool_choice"), tools, tool_parser)
+    if choice is not None:
+        chat["tool_choice"] = choice
+    if tools and choice in (None, "auto"):  # the model chooses, and its arguments are read, not held to a schema
+        ignored += [(f"tools[{i}].strict", True, 'tool_choice "auto": the model\'s arguments are read as written, '
+                     'not held to the schema (tool_choice "required" or a named function holds them)')
+                    for i, t in enumerate(tools) if t.get("strict")]
+    text = _text(body.get("text"), ignored)
+    if text["format"]["type"] != "text":
+        fmt = text["format"]
+        chat["response_format"] = {"type": "json_object"} if fmt["type"] == "json_object" else {
+            "type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+    metadata = _metadata(body.get("metadata"))
+    parallel = body.get("parallel_tool_calls")
+    echo = ResponsesRequest(instructions=instructions, max_output_tokens=limit, metadata=metadata, tools=tools,
+                            tool_choice=body.get("tool_choice") or "auto",
+                            parallel_tool_calls=True if parallel is None else parallel, text=text,
+                            reasoning=body.get("reasoning"), user=body.get("user"), sources=tuple(sources),
+                            ignored=tuple(ignored))
+    return chat, echo
+
+
+def _unserved(body: dict[str, Any], ignored: list[tuple[str, Any, str]]) -> None:
+    """OpenAI's fields about where and how a response is kept and run: refused past what kvload does, or reported."""
+    if body.get("previous_response_id") is not None:
+        raise BadRequest("previous_response_id: not supported: kvload serve keeps no responses; send the whole "
+                         "conversation in input (the previous input, then the previous response's output items, "
+                         "then the new ones)", param="previous_response_id")
+    store = body.get("store")
+    _need(store is None or isinstance(store, bool), "store", "true or false", store)
+    if store:  # the default (absent) stores nothing either: no memory grows with the responses served
+        ignored.append(("store", True, "kvload serve keeps no responses (GET /v1/responses/{id} and "
+                        "previous_response_id are not served)"))
+    background = body.get("background")
+    _need(background is None or isinstance(background, bool), "background", "true or false", background)
+    if background:
+        raise BadRequest("background: true is not supported: kvload serve answers in the request (stream: true sends "
+                         "the answer as it is generated); send false or leave it out", param="background")
+    include = body.get("include")
+    _need(include is None or (isinstance(include, list) and all(isinstance(i, str) for i in include)), "include",
+          "a list of strings", include)
+    for value in include or []:
+        if value not in _INCLUDABLE:
+            raise BadRequest(f"include: {value[:80]!r} is not supported; accepted: {', '.join(_INCLUDABLE)} (a "
+                             "reasoning item carries its text in content, never encrypted)", param="include")
+        ignored.append(("include", value, "a reasoning item carries its text in content; kvload encrypts nothing"))
+    truncation = body.get("truncation")
+    _need(truncation in (None, "disabled"), "truncation", '"disabled" (kvload drops no input items: an input past the '
+          "context length is a 400)", truncation)
+    tier = body.get("service_tier")
+    _need(tier in (None, "auto", "default"), "service_tier", '"auto" or "default" (kvload serves one tier)', tier)
+    reasoning = body.get("reasoning")
+    if reasoning is None:
+        return
+    _need(isinstance(reasoning, dict) and set(reasoning) <= {"effort", "summary", "generate_summary"}, "reasoning",
+          'an object {"effort"?, "summary"?}', reasoning)
+    for key in ("effort", "summary", "generate_summary"):
+        value = reasoning.get(key)
+        _need(value is None or isinstance(value, str), f"reasoning.{key}", "a string", value)
+        if value is not None:
+            why = ("kvload does not steer how long a model thinks (its chat template may: chat_template_kwargs, "
+                   "e.g. Qwen3's enable_thinking)" if key == "effort" else
+                   "a reasoning item carries the thinking itself (its content), never a summary")
+            ignored.append((f"reasoning.{key}", value, why))
+
+
+def _text_of(parts: Any, field: str, kinds: tuple[str, ...]) -> str:
+    """A content list's text: its parts of ``kinds`` joined; anything else (an image, a file) refused."""
+    _need(isinstance(parts, list), field, f"a string or a list of {', '.join(kinds)} parts", parts)
+    out = []
+    for j, part in enumerate(parts):
+        where = f"{field}[{j}]"
+        _need(isinstance(part, dict) and isinstance(part.get("type"), str), where, "a content part with a type", part)
+        if part["type"] not in kinds:
+            raise BadRequest(f"{where}.type: {part['type'][:40]!r} is not supported: kvload serves text; accepted: "
+                             f"{', '.join(kinds)}", param=where)
+        _need(isinstance(part.get("text"), str), f"{where}.text", "a string", part.get("text"))
+        out.append(part["text"])
+    return "".join(out)
+
+
+def _input(value: Any, ignored: list[tuple[str, Any, str]]) -> tuple[list[dict[str, Any]], list[int | None]]:
+    """``input`` as chat messages (a string: one user message), and the item each came from. An assistant's
+    ``function_call`` items join its message (or make one) as its ``tool_calls``; a ``function_call_output`` is a
+    ``tool`` message answering its ``call_id``; a ``reasoning`` item (a past answer's thinking) is dropped: the
+    chat messages carry no past thinking."""
+    if value is None:
+        raise BadRequest("input: required: a string, or a list of items (messages, function_call, "
+                         "function_call_output)", param="input")
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}], [0]
+    _need(isinstance(value, list) and bool(value), "input", "a string or a non-empty list of items", value)
+    messages: list[dict[str, Any]] = []
+    sources: list[int | None] = []
+    turn = False  # the last message is an assistant turn that items of the same reply still join
+    for k, item in enumerate(value):
+        where = f"input[{k}]"
+        _need(isinstance(item, dict), where, f"an item ({_ITEMS})", item)
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            _fields(item, where, {"type", "role", "content", "id", "status", "phase"})
+            role = item.get("role")
+            _need(role in _ROLES, f"{where}.role", ", ".join(_ROLES), role)
+            content = item.get("content")
+            if not isinstance(content, str):
+                content = _text_of(content, f"{where}.content", ("output_text",) if role == "assistant"
+                                   else ("input_text", "output_text"))
+            joins = turn and role == "assistant" and messages[-1]["content"] is None
+            turn = role == "assistant"
+            if joins:  # a reply's text after its calls: one assistant turn
+                messages[-1]["content"] = content
+                continue
+            messages.append({"role": role, "content": content})
+        elif kind == "function_call":
+            _fields(item, where, {"type", "call_id", "name", "arguments", "id", "status"})
+            for key in ("call_id", "name", "arguments"):
+                _need(isinstance(item.get(key), str) and (key == "arguments" or bool(item[key])), f"{where}.{key}",
+                      "a string" if key == "arguments" else "a non-empty string", item.get(key))
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            if turn:  # the calls of one reply (after its text, if any): one assistant turn
+                messages[-1].setdefault("tool_calls", []).append(call)
+                continue
+            turn = True
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            _fields(item, where, {"type", "call_id", "output", "id", "status"})
+            _need(isinstance(item.get("call_id"), str) and bool(item["call_id"]), f"{where}.call_id",
+                  "a non-empty string (the call this answers)", item.get("call_id"))
+            output = item.get("output")
+            if not isinstance(output, str):
+                output = _text_of(output, f"{where}.output", ("input_text",))
+            turn = False
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
+        elif kind == "reasoning":  # the thinking of the reply whose items follow: it leaves the turn as it is
+            _fields(item, where, {"type", "id", "summary", "content", "encrypted_content", "status"})
+            ignored.append((where, "reasoning", "a past answer's thinking: the chat template is given none (chat "
+                            "messages carry no reasoning)"))
+            continue
+        else:
+            raise BadRequest(f"{where}.type: {kind!r} is not supported; accepted items: {_ITEMS}"[:300],
+                             param=f"{where}.type")
+        sources.append(k)
+    if not messages:
+        raise BadRequest("input: holds no message (only reasoning items); give the conversation", param="input")
+    return messages, sources
+
+
+def _fields(item: dict[str, Any], where: str, allowed: set[str]) -> None:
+    extra = sorted(str(key) for key in item if key not in allowed and item[key] is not None)
+    if extra:
+        raise BadRequest(f"{where}.{extra[0][:60]}: not supported on a {item.get('type', 'message')} item; accepted: "
+                         f"{', '.join(sorted(allowed))}", param=f"{where}.{extra[0][:60]}")
+
+
+_TOOL = '{"type": "function", "name": ..., "description"?, "parameters"?, "strict"?}'
+
+
+def _tools(value: Any) -> list[dict[str, Any]]:
+    """Responses' flat function tools, checked (chat's path checks the rest: names twice, schemas)."""
+    if value is None:
+        return []
+    _need(isinstance(value, list), "tools", f"a list of {_TOOL} objects", value)
+    for i, tool in enumerate(value):
+        where = f"tools[{i}]"
+        _need(isinstance(tool, dict), where, f"a {_TOOL} object", tool)
+        if tool.get("type") != "function":
+            raise BadRequest(f"{where}.type: {tool.get('type')!r} is not supported: kvload serves function tools "
+                             "(the client runs them); OpenAI's built-in tools (web_search, file_search, mcp, ...) "
+                             "are not served"[:300], param=f"{where}.type")
+        _fields(tool, where, {"type", "name", "description", "parameters", "strict"})
+        _need(isinstance(tool.get("name"), str) and bool(tool["name"]), f"{where}.name", "a non-empty string",
+              tool.get("name"))
+        _need(tool.get("description") is None or isinstance(tool["description"], str), f"{where}.description",
+              "a string", tool.get("description"))
+        _need(tool.get("parameters") is None or isinstance(tool["parameters"], dict), f"{where}.parameters",
+              "a JSON schema object", tool.get("parameters"))
+        _need(tool.get("strict") is None or isinstance(tool["strict"], bool), f"{where}.strict", "true or false",
+              tool.get("strict"))
+    return [{k: v for k, v in tool.items() if v is not None} for tool in value]
+
+
+_AUTO_FLAGS = f"--enable-auto-tool-choice --tool-call-parser {'|'.join(TOOL_CALL_PARSERS)}"
+_CHOICES = '"none", "auto", "required" or {"type": "function", "name": ...}'
+
+
+def _tool_choice(value: Any, tools: list[dict[str, Any]], parser: str | None) -> Any:
+    """Responses' ``tool_choice`` as chat's: ``"auto"`` (OpenAI's default) needs a tool-call parser when there are
+    tools to call (with none there is nothing to choose); a named function is chat's ``{"function": {"name"}}``."""
+    if value in (None, "auto"):
+        if tools and parser is None:
+            raise BadRequest('tool_choice: "auto" (the default with tools): the model would choose between text '
+                             f"and tool calls, which needs a tool-call parser: start kvload serve with {_AUTO_FLAGS} "
+                             '(vLLM\'s flags); else pass tool_choice "required" or {"type": "function", "name": ...} '
+                             '(the reply is held to tool calls), or "none" (the tools are only shown to the chat '
+                             "template)", param="tool_choice")
+        return "auto" if tools else None
+    if value in ("none", "required"):
+        return value
+    _need(isinstance(value, dict) and value.get("type") == "function" and set(value) == {"type", "name"}
+          and isinstance(value["name"], str) and bool(value["name"]), "tool_choice", _CHOICES, value)
+    return {"type": "function", "function": {"name": value["name"]}}
+
+
+_FORMATS = ('{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "name": ..., "schema": {...}, '
+            '"strict"?, "description"?}')
+
+
+def _text(value: Any, ignored: list[tuple[str, Any, str]]) -> dict[str, Any]:
+    """``text``: its ``format`` (default text), checked; ``verbosity`` reported as ``setting_ignored``."""
+    if value is None:
+        return {"format": {"type": "text"}}
+    _need(isinstance(value, dict) and set(value) <= {"format", "verbosity"}, "text",
+          'an object {"format"?, "verbosity"?}', value)
+    if value.get("verbosity") is not None:
+        _need(value["verbosity"] in ("low", "medium", "high"), "text.verbosity", '"low", "medium" or "high"',
+              value["verbosity"])
+        ignored.append(("text.verbosity", value["verbosity"], "kvload does not steer how long an answer is "
+                        "(max_output_tokens bounds it)"))
+    fmt = value.get("format") or {"type": "text"}
+    _need(isinstance(fmt, dict), "text.format", _FORMATS, fmt)
+    kind = fmt.get("type")
+    if kind in ("text", "json_object"):
+        _need(set(fmt) == {"type"}, "text.format", _FORMATS, fmt)
+    elif kind == "json_schema":
+        extra = sorted(set(fmt) - {"type", "name", "schema", "strict", "description"})
+        if extra:
+            raise BadRequest(f"text.format.{extra[0][:60]}: not supported; accepted: type, name, schema, strict, "
+                             "description", param="text.format")
+        _need(isinstance(fmt.get("name"), str) and bool(fmt["name"]), "text.format.name", "a non-empty string",
+              fmt.get("name"))
+        _need(isinstance(fmt.get("schema"), dict), "text.format.schema", "a JSON schema object", fmt.get("schema"))
+        fmt = {k: v for k, v in fmt.items() if v is not None}
+    else:
+        raise BadRequest(f"text.format: type {kind!r} is not supported; expected {_FORMATS}"[:400], param="text.format")
+    return {**value, "format": fmt}
+
+
+def _metadata(value: Any) -> dict[str, str]:
+    """OpenAI's ``metadata``: up to 16 string pairs (keys of 64 characters, values of 512), echoed."""
+    if value is None:
+        return {}
+    expected = (f"an object of at most {MAX_METADATA} string keys (up to {MAX_METADATA_KEY} characters) to string "
+                f"values (up to {MAX_METADATA_VALUE})")
+    _need(isinstance(value, dict) and len(value) <= MAX_METADATA
+          and all(isinstance(k, str) and len(k) <= MAX_METADATA_KEY and isinstance(v, str)
+                  and len(v) <= MAX_METADATA_VALUE for k, v in value.items()), "metadata", expected, value)
+    return dict(value)
+
+
+#: The chat path's names for what a Responses body calls otherwise (the first match of each spot wins).
+_NAMES = [
+    (re.compile(r"'max_tokens' or 'max_completion_tokens'"), "max_output_tokens"),
+    (re.compile(r"(?<![-\w])max_(?:completion_)?tokens\b"), "max_output_tokens"),  # not the --max_tokens flag
+    (re.compile(r"\bresponse_format\.json_schema\.schema\b"), "text.format.schema"),
+    (re.compile(r"\bresponse_format\.json_schema\b"), "text.format"),
+    (re.compile(r"\bresponse_format\b"), "text.format"),
+    (re.compile(r"\btools\[(\d+)\]\.function\b"), r"tools[\1]"),
+    (re.compile(r"\btool_choice\.function\.name\b"), "tool_choice.name"),
+]
+_MESSAGE = re.compile(r"\bmessages\[(\d+)\]")
+
+
+def renamed(text: str, request: ResponsesRequest | None) -> str:
+    """``text`` (an error or a setting's name from the chat path) in the Responses body's names: ``messages[i]`` as
+    the ``input`` item (or ``instructions``) it came from, ``max_tokens`` as ``max_output_tokens``,
+    ``response_format`` as ``text.format``, ``tools[i].function`` as ``tools[i]``."""
+    for pattern, name in _NAMES:
+        text = pattern.sub(name, text)
+
+    def item(m: re.Match[str]) -> str:
+        i = int(m.group(1))
+        sources = request.sources if request is not None else ()
+        source = sources[i] if i < len(sources) else i
+        return "instructions" if source is None else f"input[{source}]"
+
+    text = _MESSAGE.sub(item, text)
+    return re.sub(r"\bmessages\b", "input", text)
+
+
+def renamed_error(exc: BadRequest, request: ResponsesRequest | None) -> BadRequest:
+    """The chat path's refusal named as the Responses body named it."""
+    param = renamed(exc.param, request) if exc.param else exc.param
+    return BadRequest(renamed(exc.message, request), param=param, status=exc.status, kind=exc.kind, code=exc.code,
+                      headers=exc.headers)
+
+
+__all__ = ["ACCEPTED", "ResponsesRequest", "renamed", "renamed_error", "to_chat"]
