@@ -6,6 +6,8 @@ Run from the repository root (one thread is enough: nothing here runs torch kern
     python -m bench.bench_grid --quick    # a quarter of the requests, for a smoke run
     python -m bench.bench_grid --presets tiny-gemma3 --workloads no-reuse --budgets default
     python -m bench.bench_grid --only timing   # the step-time target alone (interleaved V1/V2 pairs)
+    python -m bench.bench_grid --only grid --real   # published sliding-window checkpoints' configs (GPT-OSS 20B,
+                                                    # Gemma 3 27B, Gemma 2 9B) at GPU-sized budgets: pools unbacked
 
 Each cell is one ``kvload simulate <preset> --workload <w> --compare`` (:func:`engine.simulator.simulate`,
 the same replay loop; ``mixed-urgent`` is ``--workload mixed --workload-arg urgent_percent=25 --scheduling_policy
@@ -32,6 +34,10 @@ from typing import Any
 from bench.common import Table, machine, ratio, thread_cpu_step_clock, verdict
 
 PRESETS = ("tiny-llama", "tiny-mistral", "tiny-gemma3", "tiny-deepseek-v3")
+#: ``--real``: the published configs of sliding-window checkpoints (tests/data/configs): the real windows (128, 1,024,
+#: 4,096) and layer mixes at their own budgets, which the tiny presets only imitate. A simulation builds no pools
+#: (``LoadRequest.pools_unbacked``), so their tens of GB run on a CPU box.
+REAL = ("tests/data/configs/gpt-oss-20b", "tests/data/configs/gemma-3-27b-it", "tests/data/configs/gemma-2-9b-it")
 WORKLOADS = ("shared-prefix", "multi-turn", "long-context", "no-reuse", "mixed", "mixed-urgent")
 #: Grid workloads that are a simulator workload with other arguments: ``mixed-urgent`` is ``mixed`` with a quarter of
 #: the requests urgent, scheduled by ``scheduling_policy=priority`` (the policy decides who is moved out, and the
@@ -67,7 +73,7 @@ def grid(presets: tuple[str, ...] = PRESETS, workloads: tuple[str, ...] = WORKLO
     from engine.workloads import make_workload
 
     rows: list[dict[str, Any]] = []
-    cmd = "python -m bench.bench_grid" + (" --quick" if quick else "")
+    cmd = "python -m bench.bench_grid" + (" --quick" if quick else "") + (" --real" if presets == REAL else "")
     table = Table("V1 vs V2 at the same budget: presets x workloads x budgets", cmd,
                   ["preset", "workload", "budget", "V2/V1 steps", "hit V1 (of ideal)", "hit V2 (of ideal)",
                    "mean conc. V1 / V2", "V2 suspends", "V2/V1 step time", "cell target"])
@@ -89,7 +95,7 @@ def grid(presets: tuple[str, ...] = PRESETS, workloads: tuple[str, ...] = WORKLO
                 row["status"] = {"v1": v1.status, "v2": v2.status}
                 m1, m2 = v1.metrics, v2.metrics
                 row["v1"], row["v2"] = m1, m2
-                cells = [preset, name, label]
+                cells = [os.path.basename(preset), name, label]
                 if m1 is None or m2 is None:
                     cells += [f"V1 {v1.status} / V2 {v2.status}", _hit(m1) if m1 else "-", _hit(m2) if m2 else "-",
                               f"{m1.mean_concurrency if m1 else '-'} / {m2.mean_concurrency if m2 else '-'}",
@@ -192,7 +198,8 @@ def main(argv: list[str] | None = None) -> None:
     """Print the machine and the grid as markdown."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="a quarter of each workload's requests")
-    p.add_argument("--presets", default=",".join(PRESETS), help="comma-separated presets")
+    p.add_argument("--presets", default=None, help="comma-separated presets or checkpoint directories")
+    p.add_argument("--real", action="store_true", help="the published sliding-window configs (REAL) as the presets")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated workloads")
     p.add_argument("--budgets", default=",".join(BUDGETS), help=f"comma-separated subset of {', '.join(BUDGETS)}")
     p.add_argument("--only", choices=("grid", "timing"), help="run one part (default: both)")
@@ -206,7 +213,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"- {key}: {value}")
     print()
     if args.only in (None, "grid"):
-        _, table = grid(tuple(args.presets.split(",")), tuple(args.workloads.split(",")), budgets, args.quick)
+        presets = args.presets.split(",") if args.presets else REAL if args.real else PRESETS
+        _, table = grid(tuple(presets), tuple(args.workloads.split(",")), budgets, args.quick)
         print(table.markdown())
     if args.only in (None, "timing"):
         print(step_time(args.quick).markdown())
