@@ -11,11 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 import pipeline
 from cache_backends import LayerKV, build_layout
 from cache_backends.pools import BlockPools
 from cache_backends.request import Request
-from cache_backends.v2.shared_pool import SharedPool
+from cache_backends.v2.shared_pool import SharedPool, _interleave
 from engine.simulator import simulate
 from engine.workloads import make_workload
 from tests.kv_v2_support import admit, blocks_add_up, check_kv, compute, make_manager, prefill
@@ -255,3 +258,11 @@ def test_batched_arena_calls_do_exactly_what_the_per_group_calls_do():
                                       if k < len(lst)], 2, shared)
             b.release_tables([(g, t + got) for g, (t, got) in enumerate(zip(tables_b, got_b, strict=True))], 2)
             assert _pool_state(a) == _pool_state(b)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 10**6), max_size=12), max_size=8))
+def test_a_finish_queues_the_groups_blocks_position_by_position(lists):
+    # what release_tables queues: each group's blocks (tail first) taken one position at a time, in group order
+    expect = [lst[k] for k in range(max(map(len, lists), default=0)) for lst in lists if k < len(lst)]
+    assert _interleave(lists) == expect

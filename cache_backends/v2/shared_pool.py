@@ -32,7 +32,6 @@ step by step); only the per-block work remains per group.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from itertools import zip_longest
 from typing import TYPE_CHECKING
 
 from cache_backends.v2.group_pool import Detach, EvictionQueue
@@ -52,9 +51,19 @@ def _interleave(lists: list[list[int]]) -> list[int]:
     lists = [lst for lst in lists if lst]
     if len(lists) < 2:
         return lists[0] if lists else []
-    if len({len(lst) for lst in lists}) == 1:  # cut groups of one life cycle: the usual case, all at C speed
-        return [b for blocks in zip(*lists, strict=True) for b in blocks]
-    return [b for blocks in zip_longest(*lists) for b in blocks if b is not None]
+    # by runs of positions that the same lists reach: each run is one slice assignment per list, at C speed (a
+    # per-block loop here cost Gemma 3 27B's finishes a fifth more Python work: 31 groups x every block)
+    out: list[int] = []
+    lo = 0
+    for hi in sorted({len(lst) for lst in lists}):  # positions lo .. hi are reached by the lists at least hi long
+        reach = [lst for lst in lists if len(lst) >= hi]
+        n = len(reach)
+        run = [0] * ((hi - lo) * n)
+        for i, lst in enumerate(reach):
+            run[i::n] = lst[lo:hi]
+        out += run
+        lo = hi
+    return out
 
 
 class SharedPool:
