@@ -11,6 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 import pipeline
 from cache_backends import LayerKV, build_layout
 from cache_backends.pools import BlockPools
@@ -245,3 +249,61 @@ def test_batched_arena_calls_do_exactly_what_the_per_group_calls_do():
                 a.release(g, reversed(table + got), 2, True, lambda n, x: None)
             b.release_tables([(g, t + got) for g, (t, got) in enumerate(zip(tables_b, got_b, strict=True))], 2)
             assert _pool_state(a) == _pool_state(b)
+
+
+_SHAPES = ("leaves", "shared", "uncached", "any")
+
+
+def _finishing_arena(spec: list[tuple[str, int, int, int, bool, bool]]) -> tuple[SharedPool, list[list[int]]]:
+    """An arena whose groups each hold a table shaped by ``spec``: per group (shape, blocks, cached head, released
+    window, a hole in the table, a block held twice); ``shape`` says which runs hold the cached head."""
+    pool = SharedPool([f"g{g}" for g in range(len(spec))], 64)
+    keep = lambda g, blocks: None  # noqa: E731
+    tables = []
+    for g, (shape, n, head, window, hole, twice) in enumerate(spec):
+        table = pool.take(g, n, keep)
+        runs = [_Run(f"leaf{g}"), _Run(f"leaf{g}b"), _Run(f"prefix{g}", {"child": 1})]
+        for i, b in enumerate(table[:head]):
+            if shape != "uncached":
+                pool.node[b] = {"leaves": runs[i % 2], "shared": runs[2]}.get(shape, runs[i % 3])  # type: ignore
+        if shape == "any" and n > head + 1:  # a cached block after an uncached one: not the usual finish
+            pool.node[table[-1]] = runs[0]  # type: ignore[assignment]
+        if twice and table:
+            pool.incref(g, table[n // 2])
+        window = min(window, n)
+        pool.release(g, table[:window], 1, True, keep)  # a sliding window left behind: -1 up to its mark
+        table[:window] = [-1] * window
+        if hole and n > window + 2:
+            pool.release(g, (table[window + 1],), 1, True, keep)
+            table[window + 1] = -1
+        tables.append(table)
+    return pool, tables
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(_SHAPES), st.integers(0, 12), st.integers(0, 12), st.integers(0, 4),
+                          st.booleans(), st.booleans()), min_size=1, max_size=4))
+def test_a_finish_and_a_hit_in_bulk_leave_the_arena_as_block_by_block_calls_would(spec):
+    # release_tables and incref_many take the usual finish (every block held once, cached under runs of one shape,
+    # the uncached ones at the table's tail) and the usual hit (every block cached) in bulk, checked at C speed:
+    # whatever a table's shape, the arena must end as release / incref block by block leave it (blocks, order of
+    # the free list and the eviction queue, counts)
+    a, tables_a = _finishing_arena(spec)
+    b, tables_b = _finishing_arena(spec)
+    assert _pool_state(a) == _pool_state(b)
+    for g, table in enumerate(tables_a):
+        a.release(g, reversed(table), 2, True, lambda n, x: None)
+    b.release_tables(list(enumerate(tables_b)), 2)
+    assert _pool_state(a) == _pool_state(b)
+    for g in range(len(spec)):  # a hit claims each group's cached blocks, in the order its path holds them
+        claimed = sorted(bl for bl in a.evictable.blocks() if a.group_of[bl] == g)
+        for bl in claimed:
+            a.incref(g, bl)
+        b.incref_many(g, claimed)
+        assert _pool_state(a) == _pool_state(b)
+    if any(a.used):  # a block not cached or not the group's is refused, as incref refuses it
+        g = next(g for g, u in enumerate(a.used) if u)
+        held = [bl for bl in range(64) if a.group_of[bl] == g]
+        free = a._free[-1:]
+        with pytest.raises(RuntimeError):
+            b.incref_many(g, held + free)
