@@ -295,6 +295,12 @@ def test_a_finish_and_a_hit_in_bulk_leave_the_arena_as_block_by_block_calls_woul
         a.release(g, reversed(table), 2, True, lambda n, x: None)
     b.release_tables(list(enumerate(tables_b)), 2)
     assert _pool_state(a) == _pool_state(b)
+    c, tables_c = _finishing_arena(spec)
+    c.release_tables(list(enumerate(tables_c)), 2)
+    others = [bl for bl in c.evictable.blocks() if c.group_of[bl] != 0]
+    if others:  # cached blocks of other groups are refused, as incref refuses them
+        with pytest.raises(RuntimeError):
+            c.incref_many(0, others)
     for g in range(len(spec)):  # a hit claims each group's cached blocks, in the order its path holds them
         claimed = sorted(bl for bl in a.evictable.blocks() if a.group_of[bl] == g)
         for bl in claimed:
