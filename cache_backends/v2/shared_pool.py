@@ -101,7 +101,13 @@ class SharedPool:
                 if c <= 0:
                     continue
                 end = start + c
-                if end > k:  # this group's take() would evict out[max(start, k):end]
+                if c == 1 and start >= k:  # a decode's block boundary: one evicted block for this group
+                    b = evicted[start - k]
+                    g = group_of[b]
+                    cached[g] -= 1
+                    evictions[g] += 1
+                    detach(names[g], [b])
+                elif end > k:  # this group's take() would evict out[max(start, k):end]
                     by_group: dict[int, list[int]] = {}
                     for b in evicted[max(start, k) - k:end - k]:
                         g = group_of[b]
@@ -116,6 +122,13 @@ class SharedPool:
                         detach(names[g], blocks)
                 start = end
             out += evicted
+        if min(counts) == 1 == max(counts):  # a block boundary of a decode: one block for every group
+            for b, g in zip(out, groups, strict=True):  # this loop runs for every block handed out: kept lean
+                gen[b] += 1
+                ref[b] = 1
+                group_of[b] = g
+                used[g] += 1
+            return [[b] for b in out]
         pieces: list[list[int]] = []
         pos = 0
         for g, c in zip(groups, counts, strict=True):
