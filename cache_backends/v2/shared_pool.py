@@ -32,8 +32,7 @@ step by step); only the per-block work remains per group.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from itertools import repeat
-from operator import add, itemgetter
+from operator import itemgetter
 from typing import TYPE_CHECKING
 
 from cache_backends.v2.group_pool import Detach, EvictionQueue
@@ -132,22 +131,6 @@ class SharedPool:
             return [[b] for b in out]
         pieces: list[list[int]] = []
         pos = 0
-        first = out[0] if out else 0
-        if len(out) > 2 and out[-1] - first == len(out) - 1 and out == list(range(first, first + len(out))):
-            # consecutive ids (a stretch of the arena never used, or freed together): a prefill's blocks x groups
-            # pages stored as slices, at C speed
-            end = first + len(out)
-            ref[first:end] = [1] * len(out)
-            gen[first:end] = map(add, gen[first:end], repeat(1))
-            for g, c in zip(groups, counts, strict=True):
-                if c <= 0:
-                    pieces.append([])
-                    continue
-                group_of[first + pos:first + pos + c] = [g] * c
-                pieces.append(out[pos:pos + c])
-                pos += c
-                used[g] += c
-            return pieces
         for g, c in zip(groups, counts, strict=True):
             if c <= 0:
                 pieces.append([])
