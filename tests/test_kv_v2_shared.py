@@ -283,11 +283,11 @@ def _finishing_arena(spec: list[tuple[str, int, int, int, bool, bool]]) -> tuple
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(_SHAPES), st.integers(0, 12), st.integers(0, 12), st.integers(0, 4),
                           st.booleans(), st.booleans()), min_size=1, max_size=4))
-def test_a_finish_and_a_hit_in_bulk_leave_the_arena_as_block_by_block_calls_would(spec):
-    # release_tables and incref_many take the usual finish (every block held once, cached under runs of one shape,
-    # the uncached ones at the table's tail) and the usual hit (every block cached) in bulk, checked at C speed:
-    # whatever a table's shape, the arena must end as release / incref block by block leave it (blocks, order of
-    # the free list and the eviction queue, counts)
+def test_a_finish_and_a_hit_leave_the_arena_as_block_by_block_calls_would(spec):
+    # a finish releases every group's table in one release_tables, and a hit takes the usual case (every block the
+    # group's and cached) in bulk, checked at C speed: whatever a table's shape (released windows, holes, blocks held
+    # twice, runs with and without children, cached blocks after uncached ones), the arena must end as release /
+    # incref block by block leave it (blocks, order of the free list and the eviction queue, counts)
     a, tables_a = _finishing_arena(spec)
     b, tables_b = _finishing_arena(spec)
     assert _pool_state(a) == _pool_state(b)

@@ -214,35 +214,6 @@ class SharedPool:
         shared: list[int] = []
         for group, table in tables:
             n_free, n_cached = len(free), len(leaves) + len(shared)
-            # The usual finish: every block held by this cache alone, all of it cached under childless runs (a
-            # conversation's turn) or none of it cached. Checked at C speed over the table, then one store per block;
-            # anything else takes the block-by-block loop below, which decides the same for these blocks.
-            if len(table) > 1:
-                t = table[::-1]
-                if t[-1] < 0:  # a sliding group's released window: -1 from position 0 up to its mark
-                    cut = t.index(-1)
-                    t = t[:cut] if max(t[cut:]) < 0 else []
-                n = len(t)
-                if n > 1 and min(t) >= 0:
-                    get = itemgetter(*t)
-                    if get(ref).count(1) == n and get(group_of).count(group) == n:
-                        nodes = get(owner)
-                        k = nodes.count(None)  # uncached: the tail (a partial last block, blocks not yet keyed)
-                        if nodes[:k].count(None) == k:
-                            runs = set(nodes[k:])
-                            with_children = sum(1 for node in runs if node.children)
-                            if not with_children or with_children == len(runs):
-                                for b in t:
-                                    ref[b] = 0
-                                if k:
-                                    head = t[:k]
-                                    free += head
-                                    for b in head:
-                                        group_of[b] = -1
-                                (shared if with_children else leaves).extend(t[k:])
-                                used[group] -= n
-                                kept[group] += n - k
-                                continue
             for b in reversed(table):  # this loop runs for every block of every group: kept lean
                 if b < 0:
                     continue
