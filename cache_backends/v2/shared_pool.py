@@ -122,7 +122,7 @@ class SharedPool:
                         detach(names[g], blocks)
                 start = end
             out += evicted
-        if min(counts) == 1 == max(counts):  # a block boundary of a decode: one block for every group
+        if counts and min(counts) == 1 == max(counts):  # a block boundary of a decode: a block for every group
             for b, g in zip(out, groups, strict=True):  # this loop runs for every block handed out: kept lean
                 gen[b] += 1
                 ref[b] = 1
@@ -156,16 +156,16 @@ class SharedPool:
                 ref[b] = 1
             cached: Sequence[int] = blocks
         else:
-            held: list[int] = []
+            was_cached: list[int] = []
             for b in blocks:  # this loop runs for every block a hit claims: kept lean
                 if group_of[b] != group:
                     raise RuntimeError(f"group {self.names[group]}: block {b} is not one of its used or cached "
                                        "blocks")
                 r = ref[b]
                 if not r:
-                    held.append(b)
+                    was_cached.append(b)
                 ref[b] = r + 1
-            cached = held
+            cached = was_cached
         try:
             self.evictable.remove_many(cached)  # one pass over the queue, not a call per block
         except KeyError as e:
