@@ -99,6 +99,23 @@ def test_pressure_bench_runs_both_managers_per_cell_and_refuses_an_unknown_cell(
         bench_pressure.main(["--only", "no such cell"])
 
 
+def test_arena_calls_bench_times_each_call_on_an_arena_shaped_as_a_finish_finds_it(capsys):
+    from bench import bench_arena_calls
+
+    pool, tables = bench_arena_calls._arena(3, 4)
+    pool.release_tables(list(enumerate(tables)), 0)  # a finish: the cached blocks queued, each partial last one freed
+    assert sorted(pool.evictable.blocks()) == sorted(b for table in tables for b in table[:-1])
+    figures = bench_arena_calls.measure(3, 4, 2)
+    assert list(figures) == list(bench_arena_calls.CALLS)
+    assert all(len(runs) == 2 and min(runs) > 0 for runs in figures.values())
+    bench_arena_calls.main(["--groups", "3", "--blocks", "4", "--repeat", "2"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]  # past the header
+    assert [row.split("|")[1].strip() for row in rows] == list(bench_arena_calls.CALLS)
+    with pytest.raises(SystemExit) as refused:
+        bench_arena_calls.main(["--groups", "0"])
+    assert refused.value.code == 2 and "--groups must be at least 1, got 0" in capsys.readouterr().err
+
+
 def test_opcode_counter_counts_the_kv_work_alike_every_run_and_only_inside_its_block():
     """The deterministic measure quoted beside CPU times: the same run counts the same once module-level memos are
     warm (the first run fills a few), work outside the KV calls counts nothing, and the patched methods are

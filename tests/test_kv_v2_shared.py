@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -183,6 +184,24 @@ def _names(window: int = 8) -> list[str]:
     return [g.name for g in build_layout(gemma_like(window), "v2", 4, "float32").groups]
 
 
+def _release_group_by_group(pool: SharedPool, tables: list[list[int]], priority: int) -> None:
+    """What one ``release_tables`` of a finish must do, by ``release`` group by group (each table tail first), except
+    that the groups' cached blocks are queued position by position, so what eviction leaves of the request is a
+    whole prefix."""
+    queued: list[tuple[list[int], list[int]]] = []
+    pool.evictable.add_split = lambda blocks, owner, _p: queued.append(  # type: ignore[method-assign]
+        ([x for x in blocks if not owner[x].children], [x for x in blocks if owner[x].children]))
+    try:
+        for g, table in enumerate(tables):
+            pool.release(g, reversed(table), priority, True, lambda n, x: None)
+    finally:
+        del pool.evictable.add_split
+    for kind, shared in ((0, False), (1, True)):
+        lists = [q[kind] for q in queued]
+        pool.evictable.add_many([lst[k] for k in range(max(map(len, lists), default=0)) for lst in lists
+                                 if k < len(lst)], priority, shared)
+
+
 def _pool_state(pool: SharedPool) -> tuple:
     return (list(pool._free), pool.evictable.blocks(), list(pool.ref), list(pool.gen), list(pool.group_of),
             list(pool.node), list(pool.used), list(pool.cached), list(pool.evicted))
@@ -244,18 +263,7 @@ def test_batched_arena_calls_do_exactly_what_the_per_group_calls_do():
             for g in range(4):
                 b.incref_many(g, [bl for bl in cached if b.group_of[bl] == g])
             assert _pool_state(a) == _pool_state(b)
-            # a finish: the groups' cached blocks are queued position by position (each group tail first), so
-            # what eviction leaves of the request is a whole prefix; the per-group calls, queued that way
-            queued: list[tuple[list[int], list[int]]] = []
-            a.evictable.add_split = lambda blocks, owner, _p, queued=queued: queued.append(  # type: ignore
-                ([x for x in blocks if not owner[x].children], [x for x in blocks if owner[x].children]))
-            for g, (table, got) in enumerate(zip(tables_a, got_a, strict=True)):
-                a.release(g, reversed(table + got), 2, True, lambda n, x: None)
-            del a.evictable.add_split
-            for kind, shared in ((0, False), (1, True)):
-                lists = [q[kind] for q in queued]
-                a.evictable.add_many([lst[k] for k in range(max(map(len, lists), default=0)) for lst in lists
-                                      if k < len(lst)], 2, shared)
+            _release_group_by_group(a, [t + got for t, got in zip(tables_a, got_a, strict=True)], 2)
             b.release_tables([(g, t + got) for g, (t, got) in enumerate(zip(tables_b, got_b, strict=True))], 2)
             assert _pool_state(a) == _pool_state(b)
 
@@ -266,3 +274,68 @@ def test_a_finish_queues_the_groups_blocks_position_by_position(lists):
     # what release_tables queues: each group's blocks (tail first) taken one position at a time, in group order
     expect = [lst[k] for k in range(max(map(len, lists), default=0)) for lst in lists if k < len(lst)]
     assert _interleave(lists) == expect
+
+
+_SHAPES = ("leaves", "shared", "uncached", "any")
+
+
+def _finishing_arena(spec: list[tuple[str, int, int, int, bool, bool]]) -> tuple[SharedPool, list[list[int]]]:
+    """An arena whose groups each hold a table shaped by ``spec``: per group (shape, blocks, cached head, released
+    window, a hole in the table, a block held twice); ``shape`` says which runs hold the cached head."""
+    pool = SharedPool([f"g{g}" for g in range(len(spec))], 64)
+    keep = lambda g, blocks: None  # noqa: E731
+    tables = []
+    for g, (shape, n, head, window, hole, twice) in enumerate(spec):
+        table = pool.take(g, n, keep)
+        runs = [_Run(f"leaf{g}"), _Run(f"leaf{g}b"), _Run(f"prefix{g}", {"child": 1})]
+        for i, b in enumerate(table[:head]):
+            if shape != "uncached":
+                pool.node[b] = {"leaves": runs[i % 2], "shared": runs[2]}.get(shape, runs[i % 3])  # type: ignore
+        if shape == "any" and n > head + 1:  # a cached block after an uncached one: not the usual finish
+            pool.node[table[-1]] = runs[0]  # type: ignore[assignment]
+        if twice and table:
+            pool.incref(g, table[n // 2])
+        window = min(window, n)
+        pool.release(g, table[:window], 1, True, keep)  # a sliding window left behind: -1 up to its mark
+        table[:window] = [-1] * window
+        if hole and n > window + 2:
+            pool.release(g, (table[window + 1],), 1, True, keep)
+            table[window + 1] = -1
+        tables.append(table)
+    return pool, tables
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(_SHAPES), st.integers(0, 12), st.integers(0, 12), st.integers(0, 4),
+                          st.booleans(), st.booleans()), min_size=1, max_size=4))
+def test_a_finish_and_a_hit_leave_the_arena_as_block_by_block_calls_would(spec):
+    # a finish releases every group's table in one release_tables, and a hit takes the usual case (every block the
+    # group's and cached) in bulk, checked at C speed: whatever a table's shape (released windows, holes, blocks held
+    # twice, runs with and without children, cached blocks after uncached ones), the arena must end as release /
+    # incref block by block leave it (blocks, order of the free list and the eviction queue, counts)
+    a, tables_a = _finishing_arena(spec)
+    b, tables_b = _finishing_arena(spec)
+    assert _pool_state(a) == _pool_state(b)
+    _release_group_by_group(a, tables_a, 2)
+    b.release_tables(list(enumerate(tables_b)), 2)
+    assert _pool_state(a) == _pool_state(b)
+    c, tables_c = _finishing_arena(spec)
+    c.release_tables(list(enumerate(tables_c)), 2)
+    others = [bl for bl in c.evictable.blocks() if c.group_of[bl] != 0]
+    if others:  # cached blocks of other groups are refused, as incref refuses them
+        with pytest.raises(RuntimeError):
+            c.incref_many(0, others)
+    for g in range(len(spec)):  # a hit claims each group's cached blocks (and those a running request holds too)
+        claimed = sorted(bl for bl in a.evictable.blocks() if a.group_of[bl] == g)
+        if spec[g][5]:  # the block held twice is held still: a prefix another request is running on
+            claimed += [bl for bl in range(64) if a.group_of[bl] == g and a.ref[bl]]
+        for bl in claimed:
+            a.incref(g, bl)
+        b.incref_many(g, claimed)
+        assert _pool_state(a) == _pool_state(b)
+    if any(a.used):  # a block not cached or not the group's is refused, as incref refuses it
+        g = next(g for g, u in enumerate(a.used) if u)
+        held = [bl for bl in range(64) if a.group_of[bl] == g]
+        free = a._free[-1:]
+        with pytest.raises(RuntimeError):
+            b.incref_many(g, held + free)

@@ -32,6 +32,7 @@ step by step); only the per-block work remains per group.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from operator import itemgetter
 from typing import TYPE_CHECKING
 
 from cache_backends.v2.group_pool import Detach, EvictionQueue
@@ -126,7 +127,13 @@ class SharedPool:
                 if c <= 0:
                     continue
                 end = start + c
-                if end > k:  # this group's take() would evict out[max(start, k):end]
+                if c == 1 and start >= k:  # a decode's block boundary: one evicted block for this group
+                    b = evicted[start - k]
+                    g = group_of[b]
+                    cached[g] -= 1
+                    evictions[g] += 1
+                    detach(names[g], [b])
+                elif end > k:  # this group's take() would evict out[max(start, k):end]
                     by_group: dict[int, list[int]] = {}
                     for b in evicted[max(start, k) - k:end - k]:
                         g = group_of[b]
@@ -141,6 +148,13 @@ class SharedPool:
                         detach(names[g], blocks)
                 start = end
             out += evicted
+        if counts and min(counts) == 1 == max(counts):  # a block boundary of a decode: a block for every group
+            for b, g in zip(out, groups, strict=True):  # this loop runs for every block handed out: kept lean
+                gen[b] += 1
+                ref[b] = 1
+                group_of[b] = g
+                used[g] += 1
+            return [[b] for b in out]
         pieces: list[list[int]] = []
         pos = 0
         for g, c in zip(groups, counts, strict=True):
@@ -160,14 +174,24 @@ class SharedPool:
     def incref_many(self, group: int, blocks: Sequence[int]) -> None:
         """:meth:`incref` for each of ``blocks`` (a prefix hit's distinct blocks of ``group``), in one pass."""
         ref, group_of = self.ref, self.group_of
-        cached: list[int] = []
-        for b in blocks:  # this loop runs for every block a hit claims: kept lean
-            if group_of[b] != group:
-                raise RuntimeError(f"group {self.names[group]}: block {b} is not one of its used or cached blocks")
-            r = ref[b]
-            if not r:
-                cached.append(b)
-            ref[b] = r + 1
+        n = len(blocks)
+        get = itemgetter(*blocks) if n > 1 else None
+        if get is not None and get(ref).count(0) == n and get(group_of).count(group) == n:
+            # the usual hit: every block this group's, cached and held by nobody (checked at C speed)
+            for b in blocks:
+                ref[b] = 1
+            cached: Sequence[int] = blocks
+        else:
+            was_cached: list[int] = []
+            for b in blocks:  # this loop runs for every block a hit claims: kept lean
+                if group_of[b] != group:
+                    raise RuntimeError(f"group {self.names[group]}: block {b} is not one of its used or cached "
+                                       "blocks")
+                r = ref[b]
+                if not r:
+                    was_cached.append(b)
+                ref[b] = r + 1
+            cached = was_cached
         try:
             self.evictable.remove_many(cached)  # one pass over the queue, not a call per block
         except KeyError as e:
