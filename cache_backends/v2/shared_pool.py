@@ -102,13 +102,14 @@ class SharedPool:
 
     def take_each(self, groups: Sequence[int], counts: Sequence[int], detach: Detach) -> list[list[int]]:
         """``counts[i]`` pages for ``groups[i]`` each, exactly as :meth:`take` called group by group in this order
-        would hand them out (the same blocks, evictions and ``detach`` calls), in one pass.
+        would hand them out (the same blocks and evictions; the same blocks detached), in one pass.
 
         Why: the sub-groups :func:`~cache_backends.layout.share_pages` cut from one group share a life cycle, so
         they need blocks at the same moments; a block boundary of a Gemma 3 27B request takes 31 pages at once.
         Group by group, the free list hands out its blocks in order and, once it is empty, the eviction queue
         does; so the blocks are the free list's then one ``pop_many`` (the queue pops in the same order either
-        way), and each group's evicted blocks are detached per group as its own ``take`` would.
+        way). The evicted blocks are detached in one call per group they belong to (a group's ``take`` detached per
+        call: the radix runs end the same, ``RadixTree.detach`` being confluent; KV events come grouped so).
         """
         free = self._free
         total = sum(counts)
@@ -122,31 +123,21 @@ class SharedPool:
         if total > k:
             evicted = self.evictable.pop_many(total - k)
             names, cached, evictions = self.names, self.cached, self.evicted
-            start = 0
-            for c in counts:
-                if c <= 0:
-                    continue
-                end = start + c
-                if c == 1 and start >= k:  # a decode's block boundary: one evicted block for this group
-                    b = evicted[start - k]
-                    g = group_of[b]
-                    cached[g] -= 1
-                    evictions[g] += 1
-                    detach(names[g], [b])
-                elif end > k:  # this group's take() would evict out[max(start, k):end]
-                    by_group: dict[int, list[int]] = {}
-                    for b in evicted[max(start, k) - k:end - k]:
-                        g = group_of[b]
-                        got = by_group.get(g)
-                        if got is None:
-                            by_group[g] = [b]
-                        else:
-                            got.append(b)
-                    for g, blocks in by_group.items():
-                        cached[g] -= len(blocks)
-                        evictions[g] += len(blocks)
-                        detach(names[g], blocks)
-                start = end
+            # every evicted block's group, then one detach per group: a finish queues its groups' blocks position
+            # by position, so evictions alternate groups, and a detach per group per take cost Gemma 3 27B's
+            # no-reuse a fifth more Python work (detaching is confluent: the runs end the same whatever the order)
+            by_group: dict[int, list[int]] = {}
+            for b in evicted:  # this loop runs for every evicted block: kept lean
+                g = group_of[b]
+                got = by_group.get(g)
+                if got is None:
+                    by_group[g] = [b]
+                else:
+                    got.append(b)
+            for g, blocks in by_group.items():
+                cached[g] -= len(blocks)
+                evictions[g] += len(blocks)
+                detach(names[g], blocks)
             out += evicted
         if counts and min(counts) == 1 == max(counts):  # a block boundary of a decode: a block for every group
             for b, g in zip(out, groups, strict=True):  # this loop runs for every block handed out: kept lean
