@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from engine.grammar_shape import matches_nothing, nullable_repeat_nesting
+from engine.grammar_shape import empty_only_rules, matches_nothing, nullable_repeat_nesting
 from engine.reasoning import END, START, ReasoningText
 from engine.schema_ignored import for_xgrammar
 from engine.structured_params import StructuredOutputsParams
@@ -446,11 +446,41 @@ def check_spec(params: StructuredOutputsParams) -> None:
     model loads: ``GenerationError`` as :meth:`GrammarBackend.compile` words it, or naming the extra to install."""
     grammar = load_xgrammar().Grammar
     built = _build(params, grammar.from_json_schema, grammar.from_regex, grammar.from_ebnf)
+    if params.kind == "json":
+        check_admits_a_value(str(built))
     if params.kind == "grammar" and matches_nothing(str(built)):  # xgrammar compiles it; every sample would be ""
         raise GenerationError("generate: structured_outputs.grammar: matches no text: rule root never ends (each "
                               "of its alternatives needs a rule that needs itself again, as in root ::= root); give "
                               "it an alternative that ends in a string or character class")
     check_matching_cost(params, built)
+
+
+#: What the refusal of a JSON schema no JSON value satisfies says after the field's name (kvload serve finds the tool
+#: it is about by it too).
+NO_VALUE = "admits no value"
+#: xgrammar 0.2.9's refusals of a (sub)schema no JSON value satisfies: bounds that cross (minLength/maxLength,
+#: minimum/maximum, minItems/maxItems, minProperties/maxProperties, minItems past a closed prefixItems), an empty
+#: enum, the schema false.
+_UNSATISFIABLE = re.compile(r"is greater than|^Invalid range|^enum array must not be empty|cannot accept any value")
+_WHEREVER = ("(the schema, or a part of it: xgrammar refuses a part that admits none wherever it stands, even an "
+             "optional property or one branch of an anyOf)")
+
+
+def check_admits_a_value(grammar_text: str) -> None:
+    """``GenerationError`` naming ``structured_outputs.json`` when a rule of xgrammar's grammar for a JSON schema
+    (``grammar_text``) matches only the empty text (``engine.grammar_shape.empty_only_rules``): xgrammar compiles an
+    empty ``anyOf`` or ``oneOf`` so, and a sample held to it would end at once, empty (the root), or write a property
+    or item with no value, which is no JSON."""
+    empty = empty_only_rules(grammar_text)
+    if not empty:
+        return
+    why = "an empty anyOf or oneOf, which no JSON value satisfies"
+    if "root" in empty:
+        raise GenerationError(f"generate: structured_outputs.json: {NO_VALUE}: xgrammar's grammar for the schema "
+                              f"matches only the empty text ({why}); give it a schema some JSON value satisfies")
+    raise GenerationError(f"generate: structured_outputs.json: {NO_VALUE}: a part of the schema (xgrammar's rule "
+                          f"{empty[0]}) matches only the empty text ({why}), so a reply holding it would not be JSON; "
+                          "drop it or give it a schema some JSON value satisfies")
 
 
 #: A ``Regex("...")`` expression of xgrammar's printed grammar (a JSON schema's ``pattern``), its string JSON-escaped.
@@ -520,7 +550,10 @@ def _build(params: StructuredOutputsParams, json_schema: Any, regex: Any, ebnf: 
             return ebnf(choice_grammar(params.choice or ()))
         return ebnf(params.spec)
     except Exception as exc:  # xgrammar raises RuntimeError (C++), ValueError or its own InvalidJSONError
-        raise GenerationError(f"generate: structured_outputs.{kind}: xgrammar refused it: {reason(exc)}") from None
+        why = reason(exc)
+        if kind == "json" and _UNSATISFIABLE.search(why):
+            raise GenerationError(f"generate: structured_outputs.json: {NO_VALUE}: {why} {_WHEREVER}") from None
+        raise GenerationError(f"generate: structured_outputs.{kind}: xgrammar refused it: {why}") from None
 
 
 def constrain(logits: torch.Tensor, raw: torch.Tensor, counts: Sequence[int],
@@ -561,6 +594,6 @@ def constrain(logits: torch.Tensor, raw: torch.Tensor, counts: Sequence[int],
     return out
 
 
-__all__ = ["COMPILED_GRAMMARS", "COSTLY", "INSTALL_HINT", "Constraint", "GrammarBackend", "ThinkingGate",
-           "check_matching_cost",
+__all__ = ["COMPILED_GRAMMARS", "COSTLY", "INSTALL_HINT", "NO_VALUE", "Constraint", "GrammarBackend", "ThinkingGate",
+           "check_admits_a_value", "check_matching_cost",
            "check_spec", "choice_grammar", "classify_start", "constrain", "load_xgrammar", "reason"]

@@ -42,6 +42,9 @@ def _schema_text(schema: Any) -> str:
         except (ValueError, RecursionError) as exc:
             raise _refuse("json", f"not JSON text ({str(exc).splitlines()[0][:120]}); give a JSON schema as a dict "
                                   "or its JSON text") from None
+        if parsed is False:  # a boolean schema: false admits nothing (true, any value, is no object xgrammar takes)
+            raise _refuse("json", "admits no value: the schema is false, which no JSON value satisfies; give a schema "
+                                  "some JSON value satisfies")
         if not isinstance(parsed, dict):
             raise _refuse("json", f"expected a JSON schema object, got {_JSON_KINDS.get(type(parsed), 'a number')}")
         _check_depth(parsed)  # a schema sent as text skips the request body's own depth check

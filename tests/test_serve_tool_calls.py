@@ -188,6 +188,15 @@ REFUSED = "holds the reply to tool calls"
     ({"tools": [WEATHER, {"type": "function", "function": {"name": "bad", "parameters": {"type": "objectx"}}}],
       "tool_choice": "required"}, "tools[1].function.parameters",
      'tools[1].function.parameters: xgrammar refused it: Unsupported type "objectx"'),
+    # parameters no JSON value satisfies: named by the tool, under "required" too
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "none", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 1}}}}}],
+      "tool_choice": "required"}, "tools[1].function.parameters",
+     "tools[1].function.parameters: admits no value: Invalid range"),
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "none", "parameters": {
+        "type": "object", "properties": {"n": {"anyOf": []}}, "required": ["n"]}}}],
+      "tool_choice": {"type": "function", "function": {"name": "none"}}}, "tools[1].function.parameters",
+     "tools[1].function.parameters: admits no value: a part of the schema"),
     # a pattern nesting repeats that may be empty: xgrammar would take seconds a token to match it, stalling the
     # engine loop for every request
     ({"tools": [WEATHER, {"type": "function", "function": {"name": "slow", "parameters": {

@@ -190,6 +190,45 @@ def test_a_spec_xgrammar_refuses_is_one_line_before_anything_runs(llm, so, messa
     assert len(llm.audit.of("generation_started")) == started
 
 
+@pytest.mark.parametrize(("schema", "message"), [
+    ({"type": "string", "minLength": 5, "maxLength": 2}, "minLength 5 is greater than maxLength 2 (the schema, or a "
+                                                         "part of it: xgrammar refuses"),
+    ({"type": "integer", "minimum": 5, "maximum": 1}, "Invalid range: minimum greater than maximum"),
+    ({"type": "number", "minimum": 5, "maximum": 1}, "Invalid range"),
+    ({"enum": []}, "enum array must not be empty"),
+    ({"type": "array", "minItems": 3, "maxItems": 1}, "minItems is greater than maxItems: 3 > 1"),
+    ({"type": "object", "minProperties": 3, "maxProperties": 1}, "minProperties is greater than maxProperties"),
+    ({"type": "object", "properties": {"a": False}, "required": ["a"]}, "Schema 'false' cannot accept any value"),
+    ("false", "the schema is false, which no JSON value satisfies"),
+    # xgrammar compiles these: each sample would end at once, empty, or write a property with no value ({"a": })
+    ({"anyOf": []}, "xgrammar's grammar for the schema matches only the empty text (an empty anyOf or oneOf"),
+    ({"type": "object", "properties": {"a": {"anyOf": []}}, "required": ["a"]},
+     "a part of the schema (xgrammar's rule root_prop_0) matches only the empty text"),
+    ({"type": "array", "items": {"oneOf": []}}, "a part of the schema"),
+])
+def test_a_schema_no_json_value_satisfies_is_one_line_saying_so_before_anything_runs(llm, schema, message):
+    started = len(llm.audit.of("generation_started"))
+    with pytest.raises(GenerationError) as info:
+        sample(llm, StructuredOutputsParams(json=schema))
+    text = str(info.value)
+    assert text.startswith("generate: structured_outputs.json: admits no value: ") and message in text, text
+    assert "\n" not in text and len(llm.audit.of("generation_started")) == started
+
+
+def test_no_rule_of_a_satisfiable_schemas_grammar_is_read_as_matching_only_the_empty_text():
+    import xgrammar
+
+    from engine.grammar_shape import empty_only_rules
+
+    for schema in (SCHEMA, {"type": "object"}, {"type": "string", "maxLength": 0}, {"type": "array", "maxItems": 0},
+                   {"type": "array", "items": False}, {"anyOf": [{"type": "string"}, {"type": "null"}]},
+                   {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}}}):
+        assert empty_only_rules(str(xgrammar.Grammar.from_json_schema(json.dumps(schema)))) == [], schema
+    assert empty_only_rules(str(xgrammar.Grammar.builtin_json_grammar())) == []
+    assert empty_only_rules(str(xgrammar.Grammar.from_ebnf('root ::= "" | x\nx ::= [a]*'))) == []
+    assert empty_only_rules(str(xgrammar.Grammar.from_ebnf('root ::= "a" x\nx ::= ""'))) == ["x"]
+
+
 @pytest.mark.parametrize(("kind", "spec", "nesting"), [
     ("regex", NESTED, 2),
     ("regex", "(((a|b)*){0,30}){0,30}", 2),  # a star inside: as empty
@@ -368,6 +407,11 @@ def test_the_server_takes_response_format_and_structured_outputs_from_the_openai
                 ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs",
                  "structured_outputs.regex: xgrammar refused it: Regex parsing error"),
                 ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "got regex and choice"),
+                ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                    "type": "integer", "minimum": 5, "maximum": 1}}}},
+                 "response_format", "response_format: admits no value: Invalid range"),
+                ({"structured_outputs": {"json": {"type": "object", "properties": {"a": {"anyOf": []}}}}},
+                 "structured_outputs", "structured_outputs.json: admits no value: a part of the schema"),
                 ({"structured_outputs": {"regex": NESTED}}, "structured_outputs",
                  "structured_outputs.regex: too costly to match"),
                 ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
@@ -470,6 +514,11 @@ def test_generate_choice_flags_give_one_of_the_choices(capsys, bytes_ckpt):
     (("--json-schema", "{x"), "error: --json-schema: not JSON text"),
     (("--json-schema", "[1]"), "error: --json-schema: expected a JSON schema object, got a JSON array"),
     (("--json-schema", "null"), "error: --json-schema: expected a JSON schema object, got null"),  # was "JSON NoneType"
+    (("--json-schema", '{"type": "string", "minLength": 5, "maxLength": 2}'),
+     "error: --json-schema: admits no value: minLength 5 is greater than maxLength 2"),
+    (("--json-schema", '{"anyOf": []}'), "error: --json-schema: admits no value: xgrammar's grammar for the schema "
+                                         "matches only the empty text"),
+    (("--json-schema", "false"), "error: --json-schema: admits no value: the schema is false"),
     (("--json-schema", "@MISSING"), "error: --json-schema: @MISSING: not found"),
     (("--grammar", "@"), "error: --grammar: @ names no file; give @FILE, or a grammar itself"),
     (("--choice", "a", "--choice", ""), "error: --choice #2: expected a non-empty string, got ''"),
