@@ -259,7 +259,7 @@ def check_spec(params: StructuredOutputsParams) -> None:
     """Parse ``params``' spec without a tokenizer (xgrammar's ``Grammar.from_*``), so a bad one is refused before a
     model loads: ``GenerationError`` as :meth:`GrammarBackend.compile` words it, or naming the extra to install."""
     grammar = load_xgrammar().Grammar
-    built = _build(params, grammar.from_json_schema, grammar.from_regex, grammar.from_ebnf)
+    built = _build(params, grammar.from_json_schema, grammar.from_regex, _grammar_of(grammar.from_ebnf))
     if params.kind == "json":
         check_admits_a_value(str(built))
     if params.kind == "grammar" and matches_nothing(str(built)):  # xgrammar compiles it; every sample would be ""
@@ -332,18 +332,25 @@ _LOOSE_CHARACTERS = re.compile(r'^(\S+_characters) ::= \(\(\[\^\\"\\\\\\r\\n\]\)
 _STRICT_CHARACTERS = r'\1 ::= (([^\\0-\\x1f\\"\\\\]))'
 
 
-def _strict_strings(schema: str, any_whitespace: bool) -> str | None:
-    """The EBNF of a JSON schema whose length-bounded strings hold only characters JSON allows unescaped, or None
-    when it has none (the schema then compiles as it is). A pattern in place of the bounds would do it too, but
-    xgrammar builds a pattern of {0,1000} into an automaton (0.6 s a schema); this keeps its own repetition."""
-    if "Length" not in schema:  # neither minLength nor maxLength: the common case, not parsed twice
-        return None
-    try:
-        text = str(load_xgrammar().Grammar.from_json_schema(schema, any_whitespace=any_whitespace))
-    except Exception:  # refused: the caller's own compile says why, in its words
-        return None
-    strict, n = _LOOSE_CHARACTERS.subn(_STRICT_CHARACTERS, text)
-    return strict if n else None
+def _strict_strings(schema: str, any_whitespace: bool) -> Any:
+    """xgrammar's ``Grammar`` of a JSON schema whose length-bounded strings hold only characters JSON allows unescaped
+    (parsed once: as xgrammar reads the schema when it has no such string), or None when the schema has no length
+    bound (it then compiles as it is). A pattern in place of the bounds would do it too, but xgrammar builds a pattern
+    of {0,1000} into an automaton (0.6 s a schema); this keeps its own repetition. xgrammar's refusal propagates."""
+    if '"minLength"' not in schema and '"maxLength"' not in schema and "\\u" not in schema:  # no such key (nor one
+        return None  # spelled with escapes): the common case, "Length" in a description too, not parsed here at all
+    grammar = load_xgrammar().Grammar
+    parsed = grammar.from_json_schema(schema, any_whitespace=any_whitespace)
+    strict, n = _LOOSE_CHARACTERS.subn(_STRICT_CHARACTERS, str(parsed))
+    return grammar.from_ebnf(strict) if n else parsed  # nothing to rewrite ("Length" in a description): no 2nd parse
+
+
+def _grammar_of(ebnf: Any) -> Any:
+    """``Grammar.from_ebnf`` that also takes a ``Grammar`` as it is (as a compiler's ``compile_grammar`` does)."""
+    def parse(spec: Any) -> Any:
+        return spec if isinstance(spec, load_xgrammar().Grammar) else ebnf(spec)
+
+    return parse
 
 
 def _build(params: StructuredOutputsParams, json_schema: Any, regex: Any, ebnf: Any) -> Any:
@@ -355,7 +362,7 @@ def _build(params: StructuredOutputsParams, json_schema: Any, regex: Any, ebnf: 
         if kind == "json":  # without the length bounds xgrammar drops, oneOf it reads as anyOf written so (both
             spec = for_xgrammar(params.spec)  # reported instead of its C++ warning lines)
             strict = _strict_strings(spec, spaces)
-            return json_schema(spec, any_whitespace=spaces) if strict is None else ebnf(strict)
+            return json_schema(spec, any_whitespace=spaces) if strict is None else ebnf(strict)  # a Grammar
         if kind == "json_object":  # an object, as OpenAI's json_object and vLLM's (the builtin grammar takes any
             return json_schema(_ANY_OBJECT, any_whitespace=spaces)  # JSON value: [34] too)
         if kind == "regex":

@@ -606,3 +606,28 @@ def test_a_repeated_spec_compiles_once_and_only_the_latest_compiled_grammars_are
     assert calls == ["a0b", "a1b", "a2b", "a3b"] and len(backend._grammars) == 3
     backend.compile(specs[0])  # the least recently used went: compiled again
     assert calls[-1] == "a0b" and len(calls) == 5
+
+
+@pytest.mark.parametrize(("schema", "strict"), [
+    ({"type": "object", "properties": {"nm": {"type": "number", "description": "Length of the wave, in nm"}}}, False),
+    ({"type": "object", "properties": {"maxLength": {"type": "integer"}}}, False),  # the word, as a property's name
+    ({"type": "object", "properties": {"a": {"type": "string", "maxLength": 12}}}, True),
+])
+def test_a_schema_is_read_once_per_compile_unless_its_bounded_strings_are_rewritten(monkeypatch, schema, strict):
+    """Compiling reads a JSON schema twice (once for the compiled grammar, once, without a tokenizer, for its shape
+    checks); the rewrite of length-bounded strings (``_strict_strings``) must add no third and fourth reading where
+    the grammar has no such string to rewrite."""
+    import xgrammar
+
+    import engine.structured as structured
+
+    backend = structured.GrammarBackend(trained_tokenizer("bytelevel", 300), 512, {2})
+    reads: list[str] = []
+    parse, compile_schema = xgrammar.Grammar.from_json_schema, xgrammar.GrammarCompiler.compile_json_schema
+    monkeypatch.setattr(xgrammar.Grammar, "from_json_schema",
+                        staticmethod(lambda *a, **kw: reads.append("parse") or parse(*a, **kw)))
+    monkeypatch.setattr(xgrammar.GrammarCompiler, "compile_json_schema",
+                        lambda self, *a, **kw: reads.append("compile") or compile_schema(self, *a, **kw))
+    compiled = backend.compile(StructuredOutputsParams(json=schema))
+    assert len(reads) == 2, reads
+    assert ("[^\\0-\\x1f" in str(compiled.grammar)) is strict  # bounded strings: control characters excluded
