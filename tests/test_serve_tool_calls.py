@@ -189,6 +189,9 @@ REFUSED = "holds the reply to tool calls"
       "tool_choice": "required"}, "tools[1].function.parameters",
      'tools[1].function.parameters: xgrammar refused it: Unsupported type "objectx"'),
     # parameters no JSON value satisfies: named by the tool, under "required" too
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "none", "parameters": False}}],
+      "tool_choice": "required"}, "tools[1].function.parameters",
+     "tools[1].function.parameters: admits no value: the schema is false"),
     ({"tools": [WEATHER, {"type": "function", "function": {"name": "none", "parameters": {
         "type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 1}}}}}],
       "tool_choice": "required"}, "tools[1].function.parameters",

@@ -277,6 +277,7 @@ def test_a_grammar_that_matches_no_text_is_told_from_xgrammars_grammar(grammar, 
     ({"regex": "a", "choice": ["a"]}, "got regex and choice"),
     ({"json": "{not json"}, r"structured_outputs\.json: not JSON text"),
     ({"json": [1]}, r"structured_outputs\.json: expected a JSON schema \(a dict, or its JSON text\), got list"),
+    ({"json": False}, r"^generate: structured_outputs\.json: admits no value: the schema is false"),  # not "none given"
     ({"choice": []}, r"structured_outputs\.choice: expected a non-empty list"),
     ({"choice": ["a", ""]}, r"structured_outputs\.choice\[1\]: expected a non-empty string"),
     ({"regex": "a", "disable_any_whitespace": True}, r"disable_any_whitespace: applies to json and json_object"),
@@ -410,6 +411,10 @@ def test_the_server_takes_response_format_and_structured_outputs_from_the_openai
                 ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
                     "type": "integer", "minimum": 5, "maximum": 1}}}},
                  "response_format", "response_format: admits no value: Invalid range"),
+                ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": False}}},
+                 "response_format.json_schema.schema", "response_format.json_schema.schema: admits no value"),
+                ({"structured_outputs": {"json": False}}, "structured_outputs",
+                 "structured_outputs.json: admits no value: the schema is false"),
                 ({"structured_outputs": {"json": {"type": "object", "properties": {"a": {"anyOf": []}}}}},
                  "structured_outputs", "structured_outputs.json: admits no value: a part of the schema"),
                 ({"structured_outputs": {"regex": NESTED}}, "structured_outputs",
