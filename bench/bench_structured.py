@@ -40,6 +40,12 @@ SCHEMA = {"type": "object", "properties": {
     "ok": {"type": "boolean"}}, "required": ["name", "age", "ok"], "additionalProperties": False}
 REGEX = r"[a-z]{3,12}\.[a-z]{2,8}@[a-z]{3,10}\.(com|org|net)"
 
+#: A schema whose text says "Length" only in a description: no bounded string, so nothing for kvload to rewrite.
+DESCRIBED = {"type": "object", "properties": {
+    "wavelength": {"type": "number", "description": "Length of the wave, in nm"},
+    "name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 5}},
+    "required": ["wavelength", "name"], "additionalProperties": False}
+
 SETTINGS: dict[str, StructuredOutputsParams | None] = {
     "none": None,
     "json schema": StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
@@ -125,12 +131,35 @@ def parts_us(rows: Rows, logits: torch.Tensor) -> dict[str, float]:
     return out
 
 
+def compile_times(backend: GrammarBackend, repeats: int) -> None:
+    """Print each schema's ``GrammarBackend.compile`` time (ms of this thread's CPU, median of ``repeats``, schemas
+    interleaved): the compiled grammar and the spec checks on it, from the schema's text."""
+    schemas = {"json schema (bounded strings)": SETTINGS["json schema"],
+               '"Length" only in a description': StructuredOutputsParams(json=DESCRIBED, disable_any_whitespace=True),
+               "regex": SETTINGS["regex"]}
+    times: dict[str, list[float]] = {name: [] for name in schemas}
+    for _ in range(repeats):
+        for name, so in schemas.items():
+            assert so is not None
+            backend._grammars.clear()  # kvload's own cache, which a request hits first (xgrammar's is off)
+            t0 = time.thread_time()
+            backend.compile(so)
+            times[name].append((time.thread_time() - t0) * 1e3)
+    print("| schema | compile ms (median) |")
+    print("|---|--:|")
+    for name, spent in times.items():
+        print(f"| {name} | {statistics.median(spent):.2f} |")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Print the markdown tables: the pick per setting and batch, then (``--parts``) constrain's pieces."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=200)
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--parts", action="store_true", help="also time constrain's pieces")
+    p.add_argument("--compile", type=int, default=0, metavar="N",
+                   help="only time GrammarBackend.compile, N times per schema (kvload's cache of compiled grammars "
+                        "cleared each time; medians), then exit")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
@@ -141,6 +170,9 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.thread_time()
     backend.token_text(0)  # the thinking gate's token table, once per model (else in thinking's first batch-1 step)
     print(f"thinking gate's token table (once per model): {(time.thread_time() - t0) * 1e3:.0f} ms")
+    if args.compile:
+        compile_times(backend, args.compile)
+        return
     print("| batch | setting | compile ms (cold cache) | first step µs | pick µs (median) | over none | "
           "advance µs (median) |")
     print("|--:|---|--:|--:|--:|--:|--:|")

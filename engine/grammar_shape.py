@@ -12,7 +12,7 @@ on. One such repeat alone (``((a|b){0,100}){0,100}``, ``(.?){0,2000}``) stays ne
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 # one token of xgrammar's printed grammar: a string, a character class (maybe starred), a lookahead's opening, a
 # bracket or bar, a repeat's bounds, a rule name, or a character of anything else
@@ -22,8 +22,9 @@ _RULE = re.compile(r"^([A-Za-z_][A-Za-z0-9_.]*)\s*::=\s*(.*)$")
 
 
 class _Node:
-    """A parsed expression: ``kind`` is "alt" (of sequences), "seq", "ref", "repeat" (of a ref), "empty" or
-    "atom" (a non-empty string or a character class)."""
+    """A parsed expression: ``kind`` is "alt" (of sequences), "seq", "ref", "repeat" (of a ref), "empty" (``""``),
+    "maybe" (a character class starred or optional: empty or not) or "atom" (a non-empty string or a character
+    class)."""
 
     __slots__ = ("items", "kind", "name")
 
@@ -61,7 +62,7 @@ def _parse(tokens: list[str]) -> _Node:
             elif tok.startswith('"'):
                 node = _Node("empty" if tok == '""' else "atom")
             elif tok.startswith("["):
-                node = _Node("empty" if tok.endswith(("*", "?")) else "atom")
+                node = _Node("maybe" if tok.endswith(("*", "?")) else "atom")
             elif tok[0].isalpha() or tok[0] == "_":
                 node = _Node("ref", name=tok)
             else:
@@ -109,7 +110,7 @@ def nullable_repeat_nesting(grammar_text: str, cap: int = 8) -> int:
     nullable = dict.fromkeys(rules, False)
 
     def can_be_empty(node: _Node) -> bool:
-        if node.kind == "empty":
+        if node.kind in ("empty", "maybe"):
             return True
         if node.kind == "atom":
             return False
@@ -160,7 +161,7 @@ def matches_nothing(grammar_text: str, root: str = "root") -> bool:
     derives = dict.fromkeys(rules, False)
 
     def ends(node: _Node) -> bool:
-        if node.kind in ("empty", "atom"):
+        if node.kind in ("empty", "maybe", "atom"):
             return True
         if node.kind == "ref":
             return derives.get(node.name, True)  # not a rule of this text: not ours to judge
@@ -170,19 +171,60 @@ def matches_nothing(grammar_text: str, root: str = "root") -> bool:
             return any(ends(i) for i in node.items)
         return all(ends(i) for i in node.items)  # seq
 
+    _fixed_point(rules, derives, ends)
+    return not derives[root]
+
+
+def empty_only_rules(grammar_text: str) -> list[str]:
+    """The rules of xgrammar's printed grammar ``grammar_text`` that derive the empty text and nothing else, in the
+    order printed. xgrammar compiles an empty ``anyOf`` or ``oneOf`` of a JSON schema into such a rule, ``("")``: the
+    place it stands (the root, a property, an item) then takes no JSON value, only nothing, and a reply would not
+    parse. Least fixed points as in :func:`matches_nothing`; what this does not read counts as deriving text."""
+    rules = _rules(grammar_text)
+    derives = dict.fromkeys(rules, False)
+    solid = dict.fromkeys(rules, False)  # derives some non-empty text
+
+    def ends(node: _Node) -> bool:
+        if node.kind in ("empty", "maybe", "atom"):
+            return True
+        if node.kind == "ref":
+            return derives.get(node.name, True)
+        if node.kind == "repeat":
+            return node.name == "nullable" or ends(node.items[0])
+        if node.kind == "alt":
+            return any(ends(i) for i in node.items)
+        return all(ends(i) for i in node.items)
+
+    def text(node: _Node) -> bool:
+        if node.kind in ("maybe", "atom"):
+            return True
+        if node.kind == "empty":
+            return False
+        if node.kind == "ref":
+            return solid.get(node.name, True)
+        if node.kind in ("repeat", "alt"):
+            return any(text(i) for i in node.items)
+        return all(ends(i) for i in node.items) and any(text(i) for i in node.items)  # seq
+
+    _fixed_point(rules, derives, ends)
+    _fixed_point(rules, solid, text)
+    return [name for name in rules if derives[name] and not solid[name]]
+
+
+def _fixed_point(rules: dict[str, _Node], values: dict[str, bool], test: Callable[[_Node], bool]) -> None:
+    """Turn ``values[name]`` True for each rule whose body passes ``test`` until none changes: a worklist (a rule only
+    ever turns True; one is looked at again when one it uses turned)."""
     users: dict[str, set[str]] = {name: set() for name in rules}
     for name, body in rules.items():
         for ref in _refs(body):
             if ref in users:
                 users[ref].add(name)
-    # a worklist, as above: a rule only ever turns to deriving text; one is looked at again when one it uses turned
     todo = list(rules)
     while todo:
         name = todo.pop()
-        if not derives[name] and ends(rules[name]):
-            derives[name] = True
+        if not values[name] and test(rules[name]):
+            values[name] = True
             todo.extend(users[name])
-    return not derives[root]
 
 
-__all__ = ["matches_nothing", "nullable_repeat_nesting"]
+__all__ = ["empty_only_rules", "matches_nothing", "nullable_repeat_nesting"]

@@ -9,16 +9,9 @@ the first ``j`` drafts, which are then rolled back, so drafts verify exactly as 
 stop hook feeds each appended token to the matcher (:meth:`Constraint.advance`) and ends the sample ("stop") once the
 grammar is complete and has taken an end-of-sequence token.
 
-With ``StructuredOutputsParams.reasoning_parser`` a :class:`ThinkingGate` holds the grammar back while the sample
-thinks: its tokens are read as that reasoning parser reads the reply (``engine.reasoning``, on xgrammar's bytes of
-each token), and the grammar holds the answer from its first character, the characters after the end marker in the
-token that completes it included. While thinking a row is free but for the tokens that would end the thinking with
-characters the grammar cannot begin with (``</think>\n`` before a JSON object): those are masked, so what the grammar
-is fed always parses. Under ``qwen3`` (thinking only from a ``<think>`` the model writes) the reply's start is
-undecided (:attr:`ThinkingGate.pending`): a token may begin ``<think>`` (after whitespace) or be one the grammar takes
-first; once the text can no longer become ``<think>`` it is content, and the grammar holds it from its first character.
-Vocabulary bytes are read as Latin-1 text, one character a byte: the markers are ASCII, so they
-are found where the bytes hold them, and the answer's bytes go to the matcher unchanged.
+With ``StructuredOutputsParams.reasoning_parser`` a :class:`~engine.thinking_gate.ThinkingGate` holds the grammar
+back while the sample thinks (``engine.thinking_gate``); :class:`Constraint` hands the grammar the answer from its first
+character.
 """
 
 from __future__ import annotations
@@ -33,10 +26,10 @@ from typing import Any
 
 import torch
 
-from engine.grammar_shape import matches_nothing, nullable_repeat_nesting
-from engine.reasoning import END, START, ReasoningText
+from engine.grammar_shape import empty_only_rules, matches_nothing, nullable_repeat_nesting
 from engine.schema_ignored import for_xgrammar
 from engine.structured_params import StructuredOutputsParams
+from engine.thinking_gate import CONTENT, PENDING, REFUSED, GateTables, ThinkingGate, classify_start
 from pipeline.errors import GenerationError
 from pipeline.limits import MAX_NULLABLE_REPEAT_NESTING
 
@@ -87,131 +80,6 @@ def choice_grammar(choices: Sequence[str]) -> str:
     return "root ::= " + " | ".join(literal(c) for c in choices)
 
 
-#: What may come before a ``<think>`` under qwen3 and still open the thinking: whitespace (the parser reads any text
-#: there as content, but only whitespace keeps the reply's content parseable, as the answer the grammar holds).
-_BEFORE_THINK = " \t\r\n"
-_PENDING, _OPENS, _CONTENT, _REFUSED = "pending", "opens", "content", "refused"
-
-
-def classify_start(prefix: str, text: str) -> tuple[str, str | None]:
-    """How a qwen3 reply's start ``prefix`` (whitespace, then a proper prefix of ``<think>``: still undecided) reads
-    after ``text``: still ``"pending"``; ``"opens"`` the thinking (with the answer's characters when ``text`` also ends
-    it, else None); ``"refused"`` (a ``<think>`` after other text: the parser would split the content around it); or
-    ``"content"`` (the grammar holds the whole text from its first character)."""
-    if not text:  # begins nothing (a token past the tokenizer's, a special one skipped): the grammar's to take or not
-        return _CONTENT, None
-    s = (prefix.lstrip(_BEFORE_THINK) + text).lstrip(_BEFORE_THINK)
-    if s.startswith(START):
-        rest = s[len(START):]
-        return _OPENS, rest.split(END, 1)[1] if END in rest else None
-    if START.startswith(s):
-        return _PENDING, None
-    return (_REFUSED if START in s else _CONTENT), None
-
-
-class ThinkingGate:
-    """One sample's thinking, which its grammar does not hold (``StructuredOutputsParams.reasoning_parser``): the
-    reply read so far (:attr:`reader`), and which tokens would end the thinking with an answer the grammar refuses."""
-
-    __slots__ = ("_pending_rows", "_refused", "_rows", "_starts", "backend", "compiled", "pending", "reader",
-                 "skip_special")
-
-    def __init__(self, backend: GrammarBackend, compiled: Any, parser: str, skip_special: bool) -> None:
-        self.backend = backend
-        self.compiled = compiled
-        self.reader = ReasoningText(parser)
-        self.skip_special = skip_special  # special tokens are no text (SamplingParams.skip_special_tokens)
-        #: qwen3's undecided start: the text so far (whitespace, then part of ``<think>``), which may still open the
-        #: thinking or become content; None once decided (and always under deepseek_r1, which thinks from the start)
-        self.pending: str | None = "" if parser == "qwen3" else None
-        self._pending_rows: dict[str, torch.Tensor] = {}  # undecided text -> its bitmask row
-        self._refused: dict[tuple[str, str, bool, str], frozenset[int]] = {}  # per reader state
-        self._rows: dict[frozenset[int], torch.Tensor] = {}  # a bitmask row allowing all but these tokens
-        self._starts: dict[str, bool] = {}  # answer text -> whether the grammar can begin with it
-
-    def read(self, reader: ReasoningText, token: int) -> tuple[ReasoningText, str | None]:
-        """``reader`` after ``token`` (``reader`` unchanged), and the answer's first characters when the token ended the
-        thinking ("" when it ended right at the marker), else None."""
-        after = reader.fork()
-        if not (self.skip_special and token in self.backend.special_token_ids):
-            after.feed(self.backend.token_text(token))
-        return after, after.answer if after.ended else None
-
-    def text(self, token: int) -> str:
-        """``token``'s text as the reply shows it ("" for a special token skipped)."""
-        return "" if self.skip_special and token in self.backend.special_token_ids else self.backend.token_text(token)
-
-    def classify(self, prefix: str, token: int) -> tuple[str, str]:
-        """:func:`classify_start` of ``token`` after the undecided ``prefix`` (an end-of-sequence token is content:
-        the reply ends there, so the grammar must be complete), and the token's text."""
-        text = self.text(token)
-        if token in self.backend.stop_token_ids:
-            return _CONTENT, text
-        kind, answer = classify_start(prefix, text)
-        if kind == _OPENS and answer and not self.starts(answer):
-            kind = _REFUSED  # opens and ends the thinking with an answer the grammar cannot begin with
-        return kind, text
-
-    def pending_row(self, prefix: str, words: int) -> torch.Tensor:
-        """The bitmask row after the undecided ``prefix``: the tokens the grammar takes after it as content, and those
-        that keep the start undecided or open the thinking; none that write ``<think>`` after other text."""
-        got = self._pending_rows.get(prefix)
-        if got is None:
-            bitmask = self.backend.xgr.allocate_token_bitmask(1, self.backend.vocab_size)
-            matcher = self.matcher(prefix)
-            if matcher is None:  # the grammar cannot begin with it: only <think> may come of it
-                bitmask.zero_()
-            else:
-                matcher.fill_next_token_bitmask(bitmask, 0)
-            bits = bitmask[0].tolist()[:words]  # the step's bitmask is as wide: one vocabulary
-            pending, opens, refused = self.backend.starting(prefix.lstrip(_BEFORE_THINK), self.skip_special)
-            on = [*pending, *(t for t, answer in opens if not answer or self.starts(answer))]
-            off = [*refused, *(t for t, answer in opens if answer and not self.starts(answer))]
-            for t in on:
-                bits[t // 32] |= 1 << (t % 32)
-            for t in off:
-                bits[t // 32] &= ~(1 << (t % 32))
-            bits = [b & 0xFFFFFFFF for b in bits]
-            got = self._pending_rows[prefix] = torch.tensor([b - (1 << 32) if b >= 1 << 31 else b for b in bits],
-                                                            dtype=torch.int32)
-        return got
-
-    def refused(self, reader: ReasoningText) -> frozenset[int]:
-        """The tokens that, read next by ``reader``, would end the thinking with characters the grammar cannot begin
-        with (masked out of the row: the grammar must be able to take what follows the marker)."""
-        got = self._refused.get(reader.key)
-        if got is None:
-            got = frozenset(t for t, answer in self.backend.ending(reader)
-                            if answer and not (self.skip_special and t in self.backend.special_token_ids)
-                            and not self.starts(answer))
-            self._refused[reader.key] = got
-        return got
-
-    def row(self, refused: frozenset[int], words: int) -> torch.Tensor:
-        """A bitmask row of ``words`` int32 words allowing every token but ``refused`` (xgrammar's layout: bit
-        ``t % 32`` of word ``t // 32``), built once per set."""
-        got = self._rows.get(refused)
-        if got is None:
-            bits = [-1] * words
-            for t in refused:
-                word = bits[t // 32] & 0xFFFFFFFF & ~(1 << (t % 32))
-                bits[t // 32] = word - (1 << 32) if word >= 1 << 31 else word
-            got = self._rows[refused] = torch.tensor(bits, dtype=torch.int32)
-        return got
-
-    def starts(self, answer: str) -> bool:
-        """Whether the grammar can begin with ``answer`` (kept: the same few marker tokens come back)."""
-        ok = self._starts.get(answer)
-        if ok is None:
-            ok = self._starts[answer] = self.matcher(answer) is not None
-        return ok
-
-    def matcher(self, answer: str) -> Any:
-        """A fresh matcher that took ``answer``, or None when the grammar refuses it."""
-        matcher = self.backend.xgr.GrammarMatcher(self.compiled)
-        return matcher if not answer or matcher.accept_string(answer.encode("latin-1")) else None
-
-
 class Constraint:
     """One sample's grammar state: which tokens may come next, advanced token by token; with a :class:`ThinkingGate`,
     free until the thinking ends."""
@@ -233,16 +101,16 @@ class Constraint:
         gate = self.gate
         if gate is not None and gate.pending is not None:  # qwen3's undecided start
             kind, text = gate.classify(gate.pending, token)
-            if kind == _REFUSED:
+            if kind == REFUSED:
                 raise RuntimeError(f"structured_outputs: token {token} writes <think> where it would leave content "
                                    "the grammar does not hold, yet it was drawn; the mask was not applied")
-            if kind == _CONTENT:  # no <think> can come of it: the grammar holds the reply from its first character
+            if kind == CONTENT:  # no <think> can come of it: the grammar holds the reply from its first character
                 self.gate = None
                 if gate.pending and not self.matcher.accept_string(gate.pending.encode("latin-1")):
                     raise RuntimeError(f"structured_outputs: token {token} made {gate.pending!r} content, which the "
                                        "grammar refuses, yet it was drawn; the mask was not applied")
             else:
-                gate.pending = gate.pending + text if kind == _PENDING else None
+                gate.pending = gate.pending + text if kind == PENDING else None
         if self.gate is not None:
             self.gate.reader, answer = self.gate.read(self.gate.reader, token)
             if answer is None:
@@ -275,13 +143,13 @@ class Constraint:
                 if draft < 0 or not int(row[draft // 32]) >> (draft % 32) & 1:
                     break  # the last row, or a refused draft masked out of its own row: verification stops there
                 kind, text = gate.classify(pending, draft)
-                if kind == _CONTENT:
+                if kind == CONTENT:
                     if draft in self.stop_token_ids:
                         break
                     matcher = gate.matcher(pending + text)  # the row allowed it, so the grammar takes it
                     return rows + _fill(matcher, bitmask, start + j + 1, count - j - 1, drafts[j + 1:],
                                         rollback=False)
-                pending = pending + text if kind == _PENDING else None
+                pending = pending + text if kind == PENDING else None
                 reader, answer = gate.read(reader, draft)
                 if answer is not None:  # <think></think> in the drafts: the grammar holds the rows after them
                     matcher = gate.matcher(answer)
@@ -343,13 +211,8 @@ class GrammarBackend:
         #: the latest compiled grammars, least recently used first; only specs :func:`check_spec` passed are kept
         self._grammars: OrderedDict[tuple[str, bool, bytes], Any] = OrderedDict()
         self._lock = threading.Lock()  # the server's handler threads share the backend
-        #: thinking gates' tables, built when first needed: each token's bytes as Latin-1 text, the tokens that hold
-        #: the end marker's last character (only those can end the thinking), and per reader state the tokens that
-        #: would end it and the answer's characters they would bring
-        self._texts: list[str] | None = None
-        self._enders: list[tuple[int, str]] = []
-        self._ending: dict[tuple[str, str, bool, str], tuple[tuple[int, str], ...]] = {}
-        self._starting: dict[tuple[str, bool], tuple[list[int], list[tuple[int, str | None]], list[int]]] = {}
+        #: thinking gates' tables over this vocabulary, built when first needed
+        self.tables = GateTables(info, self.stop_token_ids, self.special_token_ids)
 
     def compile(self, params: StructuredOutputsParams) -> Any:
         """The compiled grammar of ``params`` (the latest :data:`COMPILED_GRAMMARS` kept); ``GenerationError``
@@ -376,64 +239,15 @@ class GrammarBackend:
         compiled = self.compile(params)
         gate = None
         if params.reasoning_parser is not None:
-            self._token_texts()  # built here (the caller's thread), not in the first step: 62 ms over SmolLM2's vocab
+            self.tables.token_texts()  # built here (the caller's thread), not in the first step: 62 ms over SmolLM2's
+            # vocabulary
             gate = ThinkingGate(self, compiled, params.reasoning_parser, skip_special)
         return Constraint(self.xgr.GrammarMatcher(compiled), self.stop_token_ids, gate)
 
     def token_text(self, token: int) -> str:
         """``token``'s bytes as xgrammar matches them, as Latin-1 text (one character a byte); "" past the
-        vocabulary."""
-        texts = self._token_texts()
-        return texts[token] if 0 <= token < len(texts) else ""
-
-    def ending(self, reader: ReasoningText) -> tuple[tuple[int, str], ...]:
-        """The tokens that, read next by ``reader``, end its thinking, each with the answer's characters it brings."""
-        got = self._ending.get(reader.key)
-        if got is None:
-            self._token_texts()
-            found = []
-            for token, text in self._enders:
-                after = reader.fork()
-                after.feed(text)
-                if after.ended:
-                    found.append((token, after.answer))
-            got = tuple(found)
-            with self._lock:
-                self._ending[reader.key] = got
-        return got
-
-    def starting(self, prefix: str, skip_special: bool) -> tuple[list[int], list[tuple[int, str | None]], list[int]]:
-        """After qwen3's undecided start ``prefix`` (a proper prefix of ``<think>``, whitespace before it dropped): the
-        tokens that keep it undecided, those that open the thinking (each with the answer it would begin, or None),
-        and those that would write ``<think>`` after other text (:func:`classify_start`); end-of-sequence tokens in
-        none (built once per prefix: one pass over the vocabulary)."""
-        key = (prefix, skip_special)
-        got = self._starting.get(key)
-        if got is None:
-            pending, opens, refused = [], [], []
-            for token, text in enumerate(self._token_texts()):
-                if token in self.stop_token_ids:
-                    continue
-                if skip_special and token in self.special_token_ids:
-                    text = ""
-                kind, answer = classify_start(prefix, text)
-                if kind == _PENDING:
-                    pending.append(token)
-                elif kind == _OPENS:
-                    opens.append((token, answer))
-                elif kind == _REFUSED:
-                    refused.append(token)
-            got = (pending, opens, refused)
-            with self._lock:
-                self._starting[key] = got
-        return got
-
-    def _token_texts(self) -> list[str]:
-        with self._lock:
-            if self._texts is None:
-                self._texts = [bytes(b).decode("latin-1") for b in self.info.decoded_vocab]
-                self._enders = [(t, text) for t, text in enumerate(self._texts) if END[-1] in text]
-            return self._texts
+        vocabulary (:meth:`GateTables.token_text`)."""
+        return self.tables.token_text(token)
 
 
 def _key(params: StructuredOutputsParams) -> tuple[str, bool, bytes]:
@@ -445,12 +259,42 @@ def check_spec(params: StructuredOutputsParams) -> None:
     """Parse ``params``' spec without a tokenizer (xgrammar's ``Grammar.from_*``), so a bad one is refused before a
     model loads: ``GenerationError`` as :meth:`GrammarBackend.compile` words it, or naming the extra to install."""
     grammar = load_xgrammar().Grammar
-    built = _build(params, grammar.from_json_schema, grammar.from_regex, grammar.from_ebnf)
+    built = _build(params, grammar.from_json_schema, grammar.from_regex, _grammar_of(grammar.from_ebnf))
+    if params.kind == "json":
+        check_admits_a_value(str(built))
     if params.kind == "grammar" and matches_nothing(str(built)):  # xgrammar compiles it; every sample would be ""
         raise GenerationError("generate: structured_outputs.grammar: matches no text: rule root never ends (each "
                               "of its alternatives needs a rule that needs itself again, as in root ::= root); give "
                               "it an alternative that ends in a string or character class")
     check_matching_cost(params, built)
+
+
+#: What the refusal of a JSON schema no JSON value satisfies says after the field's name (kvload serve finds the tool
+#: it is about by it too).
+NO_VALUE = "admits no value"
+#: xgrammar 0.2.9's refusals of a (sub)schema no JSON value satisfies: bounds that cross (minLength/maxLength,
+#: minimum/maximum, minItems/maxItems, minProperties/maxProperties, minItems past a closed prefixItems), an empty
+#: enum, the schema false.
+_UNSATISFIABLE = re.compile(r"is greater than|^Invalid range|^enum array must not be empty|cannot accept any value")
+_WHEREVER = ("(the schema, or a part of it: xgrammar refuses a part that admits none wherever it stands, even an "
+             "optional property or one branch of an anyOf)")
+
+
+def check_admits_a_value(grammar_text: str) -> None:
+    """``GenerationError`` naming ``structured_outputs.json`` when a rule of xgrammar's grammar for a JSON schema
+    (``grammar_text``) matches only the empty text (``engine.grammar_shape.empty_only_rules``): xgrammar compiles an
+    empty ``anyOf`` or ``oneOf`` so, and a sample held to it would end at once, empty (the root), or write a property
+    or item with no value, which is no JSON."""
+    empty = empty_only_rules(grammar_text)
+    if not empty:
+        return
+    why = "an empty anyOf or oneOf, which no JSON value satisfies"
+    if "root" in empty:
+        raise GenerationError(f"generate: structured_outputs.json: {NO_VALUE}: xgrammar's grammar for the schema "
+                              f"matches only the empty text ({why}); give it a schema some JSON value satisfies")
+    raise GenerationError(f"generate: structured_outputs.json: {NO_VALUE}: a part of the schema (xgrammar's rule "
+                          f"{empty[0]}) matches only the empty text ({why}), so a reply holding it would not be JSON; "
+                          "drop it or give it a schema some JSON value satisfies")
 
 
 #: A ``Regex("...")`` expression of xgrammar's printed grammar (a JSON schema's ``pattern``), its string JSON-escaped.
@@ -488,18 +332,25 @@ _LOOSE_CHARACTERS = re.compile(r'^(\S+_characters) ::= \(\(\[\^\\"\\\\\\r\\n\]\)
 _STRICT_CHARACTERS = r'\1 ::= (([^\\0-\\x1f\\"\\\\]))'
 
 
-def _strict_strings(schema: str, any_whitespace: bool) -> str | None:
-    """The EBNF of a JSON schema whose length-bounded strings hold only characters JSON allows unescaped, or None
-    when it has none (the schema then compiles as it is). A pattern in place of the bounds would do it too, but
-    xgrammar builds a pattern of {0,1000} into an automaton (0.6 s a schema); this keeps its own repetition."""
-    if "Length" not in schema:  # neither minLength nor maxLength: the common case, not parsed twice
-        return None
-    try:
-        text = str(load_xgrammar().Grammar.from_json_schema(schema, any_whitespace=any_whitespace))
-    except Exception:  # refused: the caller's own compile says why, in its words
-        return None
-    strict, n = _LOOSE_CHARACTERS.subn(_STRICT_CHARACTERS, text)
-    return strict if n else None
+def _strict_strings(schema: str, any_whitespace: bool) -> Any:
+    """xgrammar's ``Grammar`` of a JSON schema whose length-bounded strings hold only characters JSON allows unescaped
+    (parsed once: as xgrammar reads the schema when it has no such string), or None when the schema has no length
+    bound (it then compiles as it is). A pattern in place of the bounds would do it too, but xgrammar builds a pattern
+    of {0,1000} into an automaton (0.6 s a schema); this keeps its own repetition. xgrammar's refusal propagates."""
+    if '"minLength"' not in schema and '"maxLength"' not in schema and "\\u" not in schema:  # no such key (nor one
+        return None  # spelled with escapes): the common case, "Length" in a description too, not parsed here at all
+    grammar = load_xgrammar().Grammar
+    parsed = grammar.from_json_schema(schema, any_whitespace=any_whitespace)
+    strict, n = _LOOSE_CHARACTERS.subn(_STRICT_CHARACTERS, str(parsed))
+    return grammar.from_ebnf(strict) if n else parsed  # nothing to rewrite ("Length" in a description): no 2nd parse
+
+
+def _grammar_of(ebnf: Any) -> Any:
+    """``Grammar.from_ebnf`` that also takes a ``Grammar`` as it is (as a compiler's ``compile_grammar`` does)."""
+    def parse(spec: Any) -> Any:
+        return spec if isinstance(spec, load_xgrammar().Grammar) else ebnf(spec)
+
+    return parse
 
 
 def _build(params: StructuredOutputsParams, json_schema: Any, regex: Any, ebnf: Any) -> Any:
@@ -511,7 +362,7 @@ def _build(params: StructuredOutputsParams, json_schema: Any, regex: Any, ebnf: 
         if kind == "json":  # without the length bounds xgrammar drops, oneOf it reads as anyOf written so (both
             spec = for_xgrammar(params.spec)  # reported instead of its C++ warning lines)
             strict = _strict_strings(spec, spaces)
-            return json_schema(spec, any_whitespace=spaces) if strict is None else ebnf(strict)
+            return json_schema(spec, any_whitespace=spaces) if strict is None else ebnf(strict)  # a Grammar
         if kind == "json_object":  # an object, as OpenAI's json_object and vLLM's (the builtin grammar takes any
             return json_schema(_ANY_OBJECT, any_whitespace=spaces)  # JSON value: [34] too)
         if kind == "regex":
@@ -520,7 +371,10 @@ def _build(params: StructuredOutputsParams, json_schema: Any, regex: Any, ebnf: 
             return ebnf(choice_grammar(params.choice or ()))
         return ebnf(params.spec)
     except Exception as exc:  # xgrammar raises RuntimeError (C++), ValueError or its own InvalidJSONError
-        raise GenerationError(f"generate: structured_outputs.{kind}: xgrammar refused it: {reason(exc)}") from None
+        why = reason(exc)
+        if kind == "json" and _UNSATISFIABLE.search(why):
+            raise GenerationError(f"generate: structured_outputs.json: {NO_VALUE}: {why} {_WHEREVER}") from None
+        raise GenerationError(f"generate: structured_outputs.{kind}: xgrammar refused it: {why}") from None
 
 
 def constrain(logits: torch.Tensor, raw: torch.Tensor, counts: Sequence[int],
@@ -561,6 +415,6 @@ def constrain(logits: torch.Tensor, raw: torch.Tensor, counts: Sequence[int],
     return out
 
 
-__all__ = ["COMPILED_GRAMMARS", "COSTLY", "INSTALL_HINT", "Constraint", "GrammarBackend", "ThinkingGate",
-           "check_matching_cost",
+__all__ = ["COMPILED_GRAMMARS", "COSTLY", "INSTALL_HINT", "NO_VALUE", "Constraint", "GrammarBackend", "ThinkingGate",
+           "check_admits_a_value", "check_matching_cost",
            "check_spec", "choice_grammar", "classify_start", "constrain", "load_xgrammar", "reason"]

@@ -26,6 +26,10 @@ def _refuse(what: str, why: str) -> GenerationError:
     return GenerationError(f"generate: {_FIELD}{'.' + what if what else ''}: {why}")
 
 
+#: Why the schema ``false`` (JSON Schema's boolean form: no value satisfies it) is refused, after the field's name.
+FALSE_SCHEMA = ("admits no value: the schema is false, which no JSON value satisfies; give a schema some JSON value "
+                "satisfies")
+
 #: What a JSON value that is no object is called, as JSON calls it (Python's names said "got JSON NoneType").
 _JSON_KINDS = {list: "a JSON array", str: "a JSON string", bool: "true or false", type(None): "null"}
 
@@ -42,6 +46,8 @@ def _schema_text(schema: Any) -> str:
         except (ValueError, RecursionError) as exc:
             raise _refuse("json", f"not JSON text ({str(exc).splitlines()[0][:120]}); give a JSON schema as a dict "
                                   "or its JSON text") from None
+        if parsed is False:  # a boolean schema: false admits nothing (true, any value, is no object xgrammar takes)
+            raise _refuse("json", FALSE_SCHEMA)
         if not isinstance(parsed, dict):
             raise _refuse("json", f"expected a JSON schema object, got {_JSON_KINDS.get(type(parsed), 'a number')}")
         _check_depth(parsed)  # a schema sent as text skips the request body's own depth check
@@ -118,6 +124,8 @@ class StructuredOutputsParams:
     def __attrs_post_init__(self) -> None:
         if self.json_object is not None and not isinstance(self.json_object, bool):
             raise _refuse("json_object", f"expected true or false, got {self.json_object!r}"[:200])
+        if self.json is False:  # not "json not given", as json_object=False is: the schema false
+            raise _refuse("json", FALSE_SCHEMA)
         given = [k for k in KINDS if getattr(self, k) is not None and getattr(self, k) is not False]
         if len(given) != 1:
             got = "none" if not given else " and ".join(given)
@@ -189,4 +197,4 @@ class StructuredOutputsParams:
         return data
 
 
-__all__ = ["KINDS", "StructuredOutputsParams"]
+__all__ = ["FALSE_SCHEMA", "KINDS", "StructuredOutputsParams"]

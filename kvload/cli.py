@@ -598,7 +598,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         *_generate_pool_tokens(len(prompts), ns.n, max_new_tokens, _user_max_seq_len(request), length),
         sequences=len(prompts) * ns.n)  # the checkpoint's max_seq_len caps it too, once resolved
     with execute(request, load_stages(), subscribers=audit) as result:  # generation events reach the audit too
-        ignored = reasoning_ignored(ns)
+        ignored = reasoning_ignored(ns, has_text=result.tokenizer is not None)
+        split = ns.reasoning_parser if ignored is None else None  # each reply as (reasoning, content), as served
         if ignored is not None and result.bus is not None:
             from pipeline.events import SettingIgnored
 
@@ -607,7 +608,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         printer = None if ns.json or not first else _TokenPrinter(result.tokenizer,
                                                                   several=len(prompts) > 1 or ns.n > 1,
                                                                   labelled_samples=ns.n > 1,
-                                                                  logprobs=ns.logprobs is not None)
+                                                                  logprobs=ns.logprobs is not None,
+                                                                  reasoning_parser=split)
         # what only the loaded model can refuse (no tokenizer to match the grammar on) names the flag too
         with flag_named(ns.structured[0][1]) if structured is not None else contextlib.nullcontext():
             outputs = result.executor.run(prompts, salt=ns.salt, chat=ns.chat, on_delta=printer, **sampling)
@@ -616,11 +618,25 @@ def cmd_generate(ns: argparse.Namespace) -> int:
             pass
         elif ns.json:
             print_result(json.dumps({"model": result.model.to_dict(), "route": result.route.to_dict(),
-                                     "outputs": [o.to_dict() for o in outputs], "stats": stats.to_dict()},
+                                     "outputs": [_output_document(o, split) for o in outputs],
+                                     "stats": stats.to_dict()},
                                     indent=2, default=str))
         else:
             print_result(stats.line())
     return 0
+
+
+def _output_document(output: Any, reasoning_parser: str | None) -> dict[str, Any]:
+    """One prompt's ``--json`` form; under ``--reasoning-parser`` each sample also has its ``reasoning_content`` (and
+    vLLM's newer ``reasoning``) and ``content``, as ``kvload serve`` names a chat reply's parts."""
+    document = output.to_dict()
+    if reasoning_parser is not None:
+        from engine.reasoning import split_reasoning
+
+        for sample in document["outputs"]:
+            reasoning, content = split_reasoning(reasoning_parser, sample["text"] or "")
+            sample.update(reasoning_content=reasoning, reasoning=reasoning, content=content)
+    return document
 
 
 def _generate_pool_tokens(prompts: int, n: int, max_new_tokens: int, max_seq_len: int | None,
@@ -695,8 +711,12 @@ class _TokenPrinter:
     alternatives (the other most likely tokens, with theirs).
     """
 
-    def __init__(self, tokenizer: Any, several: bool, labelled_samples: bool, logprobs: bool = False) -> None:
+    def __init__(self, tokenizer: Any, several: bool, labelled_samples: bool, logprobs: bool = False,
+                 reasoning_parser: str | None = None) -> None:
         self.tokenizer = tokenizer
+        self.reasoning_parser = reasoning_parser  # print each reply's thinking and answer apart, each labelled
+        self._split: Any = None  # one streamed reply under the parser: its ReasoningText
+        self._section: str | None = None  # the label the streamed reply prints under now
         self.has_text = tokenizer is not None  # False: a model without a tokenizer prints token ids
         self.several = several
         self.labelled_samples = labelled_samples  # "[i.j]" rather than "[i]"
@@ -709,17 +729,53 @@ class _TokenPrinter:
         if self.logprobs and delta.logprobs is not None:
             self.scores.setdefault(key, []).extend(zip(delta.token_ids, delta.logprobs, strict=True))
         label = f"{delta.index}.{delta.sample}" if self.labelled_samples else f"{delta.index}"
-        if not self.several:
+        if not self.several and self.reasoning_parser is not None and self.has_text:
+            self._stream_split(delta.text, delta.finish_reason is not None)
+        elif not self.several:
             piece = delta.text if self.has_text else " ".join(map(str, delta.token_ids)) + " "
             sys.stdout.write(piece + ("\n" if delta.finish_reason is not None else ""))
             sys.stdout.flush()
         else:
             parts = self.parts.setdefault(key, [])
             parts.extend([delta.text] if self.has_text else map(str, delta.token_ids))
-            if delta.finish_reason is not None:
+            if delta.finish_reason is not None and self.reasoning_parser is not None and self.has_text:
+                from engine.reasoning import split_reasoning
+
+                reasoning, content = split_reasoning(self.reasoning_parser, "".join(parts))
+                lines = [] if reasoning is None else [f"[{label}] reasoning: {reasoning}"]
+                print("\n".join([*lines, f"[{label}] content:" + (f" {content}" if content else "")]), flush=True)
+            elif delta.finish_reason is not None:
                 print(f"[{label}] {('' if self.has_text else ' ').join(parts)}", flush=True)
         if delta.finish_reason is not None and self.logprobs:
             self._print_logprobs(label if self.several else None, self.scores.pop(key, []))
+
+    def _stream_split(self, text: str, last: bool) -> None:
+        """One streamed reply under ``--reasoning-parser``: each piece under its label (``reasoning:``,
+        ``content:``), a new line and label where the reply passes from one to the other; a marker, or the end of a
+        piece that may still become one, is never printed. A reply that ends with no answer ends on an empty
+        ``content:`` line."""
+        from engine.reasoning import ReasoningText
+
+        if self._split is None:
+            self._split = ReasoningText(self.reasoning_parser)
+        pieces = [self._split.read(text)]
+        if last:
+            pieces.append(self._split.finish_read())
+        out = []
+        for before, reasoning, answer in pieces:
+            for section, piece in (("content", before), ("reasoning", reasoning), ("content", answer)):
+                if piece:
+                    if section != self._section:
+                        out.append(("\n" if self._section else "") + f"{section}: ")
+                        self._section = section
+                    out.append(piece)
+        if last:
+            if self._section != "content":
+                out.append(("\n" if self._section else "") + "content:")
+            out.append("\n")
+            self._split = self._section = None
+        sys.stdout.write("".join(out))
+        sys.stdout.flush()
 
     def _print_logprobs(self, label: str | None, scores: list[tuple[int, dict[int, float]]]) -> None:
         """One line per token: ``token logprob | alternative logprob, ...`` (most likely first)."""
@@ -768,8 +824,9 @@ Output: with one prompt, the reply streams to stdout as it is generated (token i
 for a model without a tokenizer); with several, each reply is printed as soon as it finishes, as
 "[i] text" (i = the prompt's position; "[i.j]" for its sample j with --n). With --logprobs K each reply is
 followed by its tokens, one a line: the token (quoted text, or its id), its logprob, then the other tokens
-among the K most likely with theirs. The last line gives prompt, reused and generated tokens, wall time and tokens/s.
---json prints one document instead (outputs, timings, stats).
+among the K most likely with theirs. With --reasoning-parser each reply's thinking and answer print apart, after
+"reasoning:" and "content:" (in --json: each sample's reasoning_content and content). The last line gives prompt,
+reused and generated tokens, wall time and tokens/s. --json prints one document instead (outputs, timings, stats).
 
 KV budget: on CPU with neither --max_tokens nor --max_gpu_total_bytes, generate sizes the pools for
 prompts x (n x max_new_tokens + 1024) tokens, at most prompts x n x max_seq_len (--max_seq_len, the --config

@@ -51,9 +51,10 @@ def add_structured_flags(p: argparse.ArgumentParser) -> None:
                         "space after : and , (small models need it; default: any whitespace, as vLLM)")
     g.add_argument("--reasoning-parser", "--reasoning_parser", dest="reasoning_parser", default=None, metavar="NAME",
                    type=_reasoning_parser,
-                   help=f"with a structured-output flag: the model thinks freely and the grammar holds only its "
-                        f"answer, the text after </think> as this reasoning parser reads it ({', '.join(PARSERS)}; "
-                        f"vLLM's flag). Without one it does nothing (a setting_ignored event says so)")
+                   help=f"split each reply into its thinking and its answer as this reasoning parser reads them "
+                        f"({', '.join(PARSERS)}; vLLM's flag), printed apart ('reasoning:', 'content:'; in --json "
+                        f"each sample's reasoning_content and content); with a structured-output flag the model "
+                        f"thinks freely and the grammar holds only the answer, the text after </think>")
     p.set_defaults(structured=None)
 
 
@@ -88,13 +89,13 @@ def _reasoning_parser(text: str) -> str:
     return text
 
 
-def reasoning_ignored(ns: argparse.Namespace) -> tuple[str, str, str] | None:
-    """``(field, value, why)`` for a ``setting_ignored`` when ``--reasoning-parser`` was given with no structured
-    output for it to gate (kvload generate prints the reply whole; only a grammar reads the thinking)."""
-    if ns.reasoning_parser is None or ns.structured:
+def reasoning_ignored(ns: argparse.Namespace, has_text: bool = True) -> tuple[str, str, str] | None:
+    """``(field, value, why)`` for a ``setting_ignored`` when ``--reasoning-parser`` can act on nothing: no structured
+    output to gate and no text to split (a model without a tokenizer prints token ids)."""
+    if ns.reasoning_parser is None or ns.structured or has_text:
         return None
     return ("--reasoning-parser", ns.reasoning_parser,
-            f"it gates a structured output ({_ONE_OF}); without one the reply is printed whole, thinking included")
+            "the model has no tokenizer, so its replies are token ids, with no text to split into thinking and answer")
 
 
 def _spec_text(what: str) -> Callable[[str], str]:

@@ -482,10 +482,12 @@ def test_a_dead_engine_loop_ends_the_server_with_exit_1_after_answering_its_requ
 
 @pytest.mark.parametrize(("flags", "message"), [
     (["--enable-auto-tool-choice", "--tool-call-parser", "mistral"],
-     "error: --tool-call-parser: no tool-call parser 'mistral' in kvload; it has: hermes, llama3_json, pythonic"),
+     "error: --tool-call-parser: no tool-call parser 'mistral' in kvload; it has: hermes, llama3_json, pythonic, "
+     "llama4_pythonic"),
     (["--tool-call-parser", "hermes"], "error: --tool-call-parser hermes requires --enable-auto-tool-choice"),
     (["--enable-auto-tool-choice"],
-     "error: --enable-auto-tool-choice requires --tool-call-parser (kvload has: hermes, llama3_json, pythonic)"),
+     "error: --enable-auto-tool-choice requires --tool-call-parser (kvload has: hermes, llama3_json, pythonic, "
+     "llama4_pythonic)"),
 ])
 def test_a_tool_call_parser_flag_alone_or_unknown_exits_2_with_one_line(capsys, flags, message):
     r = run_cli(capsys, "serve", "tiny-llama", "--port", "0", *flags)

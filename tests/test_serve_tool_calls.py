@@ -160,18 +160,20 @@ REFUSED = "holds the reply to tool calls"
 
 @pytest.mark.parametrize(("extra", "param", "words"), [
     ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice",
-     "start kvload serve with --enable-auto-tool-choice --tool-call-parser hermes|llama3_json|pythonic (vLLM's "
+     "start kvload serve with --enable-auto-tool-choice --tool-call-parser "
+     "hermes|llama3_json|pythonic|llama4_pythonic (vLLM's "
      "flags); else accepted: "
      '"required" or {"type": "function", "function": {"name": ...}}'),
     ({"tools": TOOLS}, "tools", "start kvload serve with --enable-auto-tool-choice --tool-call-parser "
-                                "hermes|llama3_json|pythonic, or pass "
+                                "hermes|llama3_json|pythonic|llama4_pythonic, or pass "
                                 'tool_choice "required" or {"type": "function"'),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_news"}}}, "tool_choice",
      "tool_choice.function.name: 'get_news' is not among the tools ('get_weather', 'get_time')"),
     ({"tool_choice": "required"}, "tools", "tool_choice: 'required' needs the functions it may call in tools"),
     ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice",
      'expected "none", "required", or {"type": "function", "function": {"name": ...}} ("auto" needs a '
-     "tool-call parser: kvload serve --enable-auto-tool-choice --tool-call-parser hermes|llama3_json|pythonic)"),
+     "tool-call parser: kvload serve --enable-auto-tool-choice --tool-call-parser "
+     "hermes|llama3_json|pythonic|llama4_pythonic)"),
     ({"tools": [WEATHER, {"type": "function", "function": {"description": "no name"}}], "tool_choice": "required"},
      "tools[1]", 'expected a {"type": "function", "function": {"name": ...'),
     ({"tools": [{"type": "retrieval", "function": {"name": "x"}}], "tool_choice": "required"}, "tools[0]",
@@ -186,6 +188,18 @@ REFUSED = "holds the reply to tool calls"
     ({"tools": [WEATHER, {"type": "function", "function": {"name": "bad", "parameters": {"type": "objectx"}}}],
       "tool_choice": "required"}, "tools[1].function.parameters",
      'tools[1].function.parameters: xgrammar refused it: Unsupported type "objectx"'),
+    # parameters no JSON value satisfies: named by the tool, under "required" too
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "none", "parameters": False}}],
+      "tool_choice": "required"}, "tools[1].function.parameters",
+     "tools[1].function.parameters: admits no value: the schema is false"),
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "none", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 1}}}}}],
+      "tool_choice": "required"}, "tools[1].function.parameters",
+     "tools[1].function.parameters: admits no value: Invalid range"),
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "none", "parameters": {
+        "type": "object", "properties": {"n": {"anyOf": []}}, "required": ["n"]}}}],
+      "tool_choice": {"type": "function", "function": {"name": "none"}}}, "tools[1].function.parameters",
+     "tools[1].function.parameters: admits no value: a part of the schema"),
     # a pattern nesting repeats that may be empty: xgrammar would take seconds a token to match it, stalling the
     # engine loop for every request
     ({"tools": [WEATHER, {"type": "function", "function": {"name": "slow", "parameters": {

@@ -236,19 +236,20 @@ def test_build_state_refuses_a_parser_kvload_does_not_have(served):
     from pipeline.errors import ConfigError
 
     with pytest.raises(ConfigError, match="tool_call_parser: 'mistral' is no tool-call parser kvload has; it "
-                                          "has: hermes, llama3_json, pythonic"):
+                                          "has: hermes, llama3_json, pythonic, llama4_pythonic"):
         build_state(served.result, tool_call_parser="mistral")
 
 
 #: What the model is made to write under each of the other parsers: two calls, in their format.
 OTHERS = {"llama3_json": '{"name": "get_time", "parameters": {"zone": "UTC"}}; '
                          '{"name": "get_weather", "parameters": {"city": "Zürich"}}',
-          "pythonic": "[get_time(zone='UTC'), get_weather(city=\"Zürich\")]"}
+          "pythonic": "[get_time(zone='UTC'), get_weather(city=\"Zürich\")]",
+          "llama4_pythonic": "<|python_start|>[get_time(zone='UTC'), get_weather(city=\"Zürich\")]<|python_end|>"}
 
 
 @pytest.fixture(scope="module", params=sorted(OTHERS))
 def served_by(request, tiny_checkpoints, tmp_path_factory):
-    """The same model served with the llama3_json or the pythonic parser."""
+    """The same model served with the llama3_json, the pythonic or the llama4_pythonic parser."""
     pytest.importorskip("xgrammar")
     dest = bytelevel_checkpoint(tiny_checkpoints("llama"), tmp_path_factory.mktemp(request.param) / "ckpt", TEMPLATE)
     with serving(str(dest), state={"tool_call_parser": request.param}) as running:

@@ -190,6 +190,45 @@ def test_a_spec_xgrammar_refuses_is_one_line_before_anything_runs(llm, so, messa
     assert len(llm.audit.of("generation_started")) == started
 
 
+@pytest.mark.parametrize(("schema", "message"), [
+    ({"type": "string", "minLength": 5, "maxLength": 2}, "minLength 5 is greater than maxLength 2 (the schema, or a "
+                                                         "part of it: xgrammar refuses"),
+    ({"type": "integer", "minimum": 5, "maximum": 1}, "Invalid range: minimum greater than maximum"),
+    ({"type": "number", "minimum": 5, "maximum": 1}, "Invalid range"),
+    ({"enum": []}, "enum array must not be empty"),
+    ({"type": "array", "minItems": 3, "maxItems": 1}, "minItems is greater than maxItems: 3 > 1"),
+    ({"type": "object", "minProperties": 3, "maxProperties": 1}, "minProperties is greater than maxProperties"),
+    ({"type": "object", "properties": {"a": False}, "required": ["a"]}, "Schema 'false' cannot accept any value"),
+    ("false", "the schema is false, which no JSON value satisfies"),
+    # xgrammar compiles these: each sample would end at once, empty, or write a property with no value ({"a": })
+    ({"anyOf": []}, "xgrammar's grammar for the schema matches only the empty text (an empty anyOf or oneOf"),
+    ({"type": "object", "properties": {"a": {"anyOf": []}}, "required": ["a"]},
+     "a part of the schema (xgrammar's rule root_prop_0) matches only the empty text"),
+    ({"type": "array", "items": {"oneOf": []}}, "a part of the schema"),
+])
+def test_a_schema_no_json_value_satisfies_is_one_line_saying_so_before_anything_runs(llm, schema, message):
+    started = len(llm.audit.of("generation_started"))
+    with pytest.raises(GenerationError) as info:
+        sample(llm, StructuredOutputsParams(json=schema))
+    text = str(info.value)
+    assert text.startswith("generate: structured_outputs.json: admits no value: ") and message in text, text
+    assert "\n" not in text and len(llm.audit.of("generation_started")) == started
+
+
+def test_no_rule_of_a_satisfiable_schemas_grammar_is_read_as_matching_only_the_empty_text():
+    import xgrammar
+
+    from engine.grammar_shape import empty_only_rules
+
+    for schema in (SCHEMA, {"type": "object"}, {"type": "string", "maxLength": 0}, {"type": "array", "maxItems": 0},
+                   {"type": "array", "items": False}, {"anyOf": [{"type": "string"}, {"type": "null"}]},
+                   {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}}}):
+        assert empty_only_rules(str(xgrammar.Grammar.from_json_schema(json.dumps(schema)))) == [], schema
+    assert empty_only_rules(str(xgrammar.Grammar.builtin_json_grammar())) == []
+    assert empty_only_rules(str(xgrammar.Grammar.from_ebnf('root ::= "" | x\nx ::= [a]*'))) == []
+    assert empty_only_rules(str(xgrammar.Grammar.from_ebnf('root ::= "a" x\nx ::= ""'))) == ["x"]
+
+
 @pytest.mark.parametrize(("kind", "spec", "nesting"), [
     ("regex", NESTED, 2),
     ("regex", "(((a|b)*){0,30}){0,30}", 2),  # a star inside: as empty
@@ -238,6 +277,7 @@ def test_a_grammar_that_matches_no_text_is_told_from_xgrammars_grammar(grammar, 
     ({"regex": "a", "choice": ["a"]}, "got regex and choice"),
     ({"json": "{not json"}, r"structured_outputs\.json: not JSON text"),
     ({"json": [1]}, r"structured_outputs\.json: expected a JSON schema \(a dict, or its JSON text\), got list"),
+    ({"json": False}, r"^generate: structured_outputs\.json: admits no value: the schema is false"),  # not "none given"
     ({"choice": []}, r"structured_outputs\.choice: expected a non-empty list"),
     ({"choice": ["a", ""]}, r"structured_outputs\.choice\[1\]: expected a non-empty string"),
     ({"regex": "a", "disable_any_whitespace": True}, r"disable_any_whitespace: applies to json and json_object"),
@@ -368,6 +408,15 @@ def test_the_server_takes_response_format_and_structured_outputs_from_the_openai
                 ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs",
                  "structured_outputs.regex: xgrammar refused it: Regex parsing error"),
                 ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "got regex and choice"),
+                ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                    "type": "integer", "minimum": 5, "maximum": 1}}}},
+                 "response_format", "response_format: admits no value: Invalid range"),
+                ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": False}}},
+                 "response_format.json_schema.schema", "response_format.json_schema.schema: admits no value"),
+                ({"structured_outputs": {"json": False}}, "structured_outputs",
+                 "structured_outputs.json: admits no value: the schema is false"),
+                ({"structured_outputs": {"json": {"type": "object", "properties": {"a": {"anyOf": []}}}}},
+                 "structured_outputs", "structured_outputs.json: admits no value: a part of the schema"),
                 ({"structured_outputs": {"regex": NESTED}}, "structured_outputs",
                  "structured_outputs.regex: too costly to match"),
                 ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
@@ -470,6 +519,11 @@ def test_generate_choice_flags_give_one_of_the_choices(capsys, bytes_ckpt):
     (("--json-schema", "{x"), "error: --json-schema: not JSON text"),
     (("--json-schema", "[1]"), "error: --json-schema: expected a JSON schema object, got a JSON array"),
     (("--json-schema", "null"), "error: --json-schema: expected a JSON schema object, got null"),  # was "JSON NoneType"
+    (("--json-schema", '{"type": "string", "minLength": 5, "maxLength": 2}'),
+     "error: --json-schema: admits no value: minLength 5 is greater than maxLength 2"),
+    (("--json-schema", '{"anyOf": []}'), "error: --json-schema: admits no value: xgrammar's grammar for the schema "
+                                         "matches only the empty text"),
+    (("--json-schema", "false"), "error: --json-schema: admits no value: the schema is false"),
     (("--json-schema", "@MISSING"), "error: --json-schema: @MISSING: not found"),
     (("--grammar", "@"), "error: --grammar: @ names no file; give @FILE, or a grammar itself"),
     (("--choice", "a", "--choice", ""), "error: --choice #2: expected a non-empty string, got ''"),
@@ -557,3 +611,28 @@ def test_a_repeated_spec_compiles_once_and_only_the_latest_compiled_grammars_are
     assert calls == ["a0b", "a1b", "a2b", "a3b"] and len(backend._grammars) == 3
     backend.compile(specs[0])  # the least recently used went: compiled again
     assert calls[-1] == "a0b" and len(calls) == 5
+
+
+@pytest.mark.parametrize(("schema", "strict"), [
+    ({"type": "object", "properties": {"nm": {"type": "number", "description": "Length of the wave, in nm"}}}, False),
+    ({"type": "object", "properties": {"maxLength": {"type": "integer"}}}, False),  # the word, as a property's name
+    ({"type": "object", "properties": {"a": {"type": "string", "maxLength": 12}}}, True),
+])
+def test_a_schema_is_read_once_per_compile_unless_its_bounded_strings_are_rewritten(monkeypatch, schema, strict):
+    """Compiling reads a JSON schema twice (once for the compiled grammar, once, without a tokenizer, for its shape
+    checks); the rewrite of length-bounded strings (``_strict_strings``) must add no third and fourth reading where
+    the grammar has no such string to rewrite."""
+    import xgrammar
+
+    import engine.structured as structured
+
+    backend = structured.GrammarBackend(trained_tokenizer("bytelevel", 300), 512, {2})
+    reads: list[str] = []
+    parse, compile_schema = xgrammar.Grammar.from_json_schema, xgrammar.GrammarCompiler.compile_json_schema
+    monkeypatch.setattr(xgrammar.Grammar, "from_json_schema",
+                        staticmethod(lambda *a, **kw: reads.append("parse") or parse(*a, **kw)))
+    monkeypatch.setattr(xgrammar.GrammarCompiler, "compile_json_schema",
+                        lambda self, *a, **kw: reads.append("compile") or compile_schema(self, *a, **kw))
+    compiled = backend.compile(StructuredOutputsParams(json=schema))
+    assert len(reads) == 2, reads
+    assert ("[^\\0-\\x1f" in str(compiled.grammar)) is strict  # bounded strings: control characters excluded

@@ -287,12 +287,41 @@ def test_generate_reasoning_parser_flag_lets_the_model_think_and_holds_its_answe
     assert started["structured_outputs"]["reasoning_parser"] == "deepseek_r1"
 
 
-def test_generate_reasoning_parser_flag_without_a_structured_flag_says_it_is_ignored(capsys, monkeypatch, bytes_ckpt):
-    r = generate(capsys, monkeypatch, bytes_ckpt, THOUGHT + "</think>Blue.", "--reasoning_parser", "qwen3")
+def test_generate_reasoning_parser_prints_the_thinking_and_the_answer_apart(capsys, monkeypatch, bytes_ckpt):
+    r = generate(capsys, monkeypatch, bytes_ckpt, THOUGHT + "</think>Blue.", "--reasoning-parser", "deepseek_r1")
     assert r.code == 0, r.err
-    assert r.out.splitlines()[0] == THOUGHT + "</think>Blue."  # printed whole, as without the flag
+    assert r.out.splitlines()[:2] == [f"reasoning: {THOUGHT}", "content: Blue."]  # streamed, markers in neither
+    assert "setting_ignored" not in r.err  # the flag acts without a structured flag too
+    r = generate(capsys, monkeypatch, bytes_ckpt, THOUGHT + "</think>Blue.", "--reasoning_parser", "qwen3")
+    assert r.out.splitlines()[0] == f"content: {THOUGHT}</think>Blue."  # qwen3: no <think> written, all content
+    r = generate(capsys, monkeypatch, bytes_ckpt, "<think>" + THOUGHT, "--reasoning-parser", "qwen3",
+                 "--prompt", "Again")
+    assert r.code == 0, r.err  # several prompts: each reply's parts on their own labelled lines
+    assert r.out.splitlines()[:4] == [f"[0] reasoning: {THOUGHT}", "[0] content:", f"[1] reasoning: {THOUGHT}",
+                                      "[1] content:"]
+
+
+def test_generate_json_gives_the_thinking_and_the_answer_under_the_chat_replys_names(capsys, monkeypatch, bytes_ckpt):
+    r = generate(capsys, monkeypatch, bytes_ckpt, THOUGHT + "</think>Blue.", "--reasoning-parser", "deepseek_r1",
+                 "--json")
+    assert r.code == 0, r.err
+    (out,) = r.json()["outputs"][0]["outputs"]
+    assert out["text"] == THOUGHT + "</think>Blue."  # the reply as the model wrote it, as without the flag
+    assert (out["reasoning_content"], out["reasoning"], out["content"]) == (THOUGHT, THOUGHT, "Blue.")
+    r = generate(capsys, monkeypatch, bytes_ckpt, THOUGHT, "--reasoning-parser", "deepseek_r1", "--json")
+    (out,) = r.json()["outputs"][0]["outputs"]  # the thinking never ended: no answer
+    assert (out["reasoning_content"], out["content"]) == (THOUGHT, None)
+    r = generate(capsys, monkeypatch, bytes_ckpt, THOUGHT, "--json")
+    assert "reasoning_content" not in r.json()["outputs"][0]["outputs"][0]  # without the flag: vLLM's fields only
+
+
+def test_generate_reasoning_parser_on_a_model_without_a_tokenizer_says_it_is_ignored(capsys, tiny_checkpoints):
+    r = run_cli(capsys, "generate", tiny_checkpoints("llama"), "--prompt-ids", "1,2,3", "--max_new_tokens", "3",
+                "--device", "cpu", "--max_tokens", "256", "--reasoning-parser", "deepseek_r1")
+    assert r.code == 0, r.err
+    assert len(r.out.splitlines()[0].split()) == 3  # the token ids, as without the flag
     (line,) = [x for x in r.err.splitlines() if "setting_ignored" in x]
-    assert "--reasoning-parser" in line and "qwen3" in line and "printed whole" in line
+    assert "--reasoning-parser" in line and "no tokenizer" in line
 
 
 def test_generate_refuses_a_reasoning_parser_kvload_does_not_have_in_one_line(capsys, bytes_ckpt):

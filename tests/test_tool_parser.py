@@ -182,9 +182,10 @@ def test_auto_under_a_parser_is_free_text_read_for_the_tools_calls(choice):
 @pytest.mark.parametrize(("body", "param", "words"), [
     ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice",
      'tool_choice: "auto": the model would choose between text and tool calls, which needs a tool-call parser: '
-     "start kvload serve with --enable-auto-tool-choice --tool-call-parser hermes|llama3_json|pythonic"),
+     "start kvload serve with --enable-auto-tool-choice --tool-call-parser "
+     "hermes|llama3_json|pythonic|llama4_pythonic"),
     ({"tools": TOOLS}, "tools", "needs a tool-call parser: start kvload serve with --enable-auto-tool-choice "
-                                "--tool-call-parser hermes|llama3_json|pythonic"),
+                                "--tool-call-parser hermes|llama3_json|pythonic|llama4_pythonic"),
 ])
 def test_auto_without_a_parser_is_refused_naming_the_flags_that_serve_it(body, param, words):
     with pytest.raises(BadRequest) as info:

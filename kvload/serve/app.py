@@ -35,7 +35,7 @@ from starlette.requests import ClientDisconnect
 from engine.reasoning import ReasoningText
 from engine.serving import EngineStopped, ServeEvent, ServingEngine
 from engine.stopping import SampleText
-from engine.structured import COSTLY
+from engine.structured import COSTLY, NO_VALUE
 from engine.structured_params import StructuredOutputsParams
 from kvload.serve.auth import ApiKeyGate
 from kvload.serve.command import MAX_CONCURRENT_DEFAULT, READ_TIMEOUT_DEFAULT
@@ -807,7 +807,7 @@ class _Run:
         "required", the first tool whose parameters xgrammar refuses on their own (``tools`` when none does: their
         combination); ``tool_choice`` when it is not the schema (xgrammar missing)."""
         choice = self.job.tool_choice
-        if "xgrammar refused it" not in msg and COSTLY not in msg:
+        if "xgrammar refused it" not in msg and COSTLY not in msg and NO_VALUE not in msg:
             return "tool_choice"
         tools = [choice.tool] if choice.tool is not None else range(len(choice.schemas))
         for i in tools:

@@ -25,7 +25,7 @@ MAX_TIMEOUT_S = 86400.0
 #: Generation requests a server holds at once by default (``--max-concurrent-requests``); more get 503.
 MAX_CONCURRENT_DEFAULT = 256
 #: The tool-call parsers ``--tool-call-parser`` takes (vLLM's names; ``kvload.serve.tool_parser`` reads them).
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "llama4_pythonic")
 #: The reasoning parsers ``--reasoning-parser`` takes (vLLM's names; ``engine.reasoning`` reads them).
 REASONING_PARSERS = PARSERS
 

@@ -37,7 +37,7 @@ from engine.sampling_params import (
     is_finite,
 )
 from engine.schema_ignored import ignored_settings
-from engine.structured_params import StructuredOutputsParams
+from engine.structured_params import FALSE_SCHEMA, StructuredOutputsParams
 from kvload.serve.command import TOOL_CALL_PARSERS
 from pipeline.errors import GenerationError
 from pipeline.limits import (
@@ -179,6 +179,14 @@ def _is_int(v: Any) -> bool:
 def _need(ok: bool, field: str, expected: str, value: Any) -> None:
     if not ok:
         raise BadRequest(f"{field}: expected {expected}, got {value!r}"[:300], param=field)
+
+
+def need_schema(value: Any, field: str, optional: bool = False) -> None:
+    """A 400 naming ``field`` unless ``value`` is a JSON schema object (or None, when ``optional``); the schema
+    ``false`` is told apart: it admits no value."""
+    if value is False:
+        raise BadRequest(f"{field}: {FALSE_SCHEMA}", param=field)
+    _need(isinstance(value, dict) or (optional and value is None), field, "a JSON schema object", value)
 
 
 def _as_api(check: Any, value: Any) -> None:
@@ -514,8 +522,7 @@ def _structured(body: dict[str, Any]) -> tuple[StructuredOutputsParams | None, s
                   "response_format.json_schema.description", "a string", spec.get("description"))
             _need(spec.get("strict") is None or isinstance(spec["strict"], bool), "response_format.json_schema.strict",
                   "true or false (the schema is enforced either way)", spec.get("strict"))
-            _need(isinstance(spec.get("schema"), dict), "response_format.json_schema.schema",
-                  "a JSON schema object", spec.get("schema"))
+            need_schema(spec.get("schema"), "response_format.json_schema.schema")
             asked = {"json": spec["schema"]}
         else:
             raise BadRequest(f"response_format: type {kind[:40]!r} is not supported; expected {_FORMATS} (or vLLM's "
@@ -619,8 +626,7 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
               and isinstance(function.get("name"), str) and bool(function["name"]), f"tools[{i}]",
               'a {"type": "function", "function": {"name": ..., "description"?, "parameters"?}} object', tool)
         parameters = function.get("parameters")  # type: ignore[union-attr]
-        _need(parameters is None or isinstance(parameters, dict), f"tools[{i}].function.parameters",
-              "a JSON schema object", parameters)
+        need_schema(parameters, f"tools[{i}].function.parameters", optional=True)
         _check_unicode(function.get("name"), f"tools[{i}].function.name")  # type: ignore[union-attr]
         _check_unicode(tool, f"tools[{i}]")  # the chat template renders the tools into the prompt text
     return tools or None

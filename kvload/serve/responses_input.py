@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 
 from kvload.serve.command import TOOL_CALL_PARSERS
-from kvload.serve.protocol import BadRequest
+from kvload.serve.protocol import BadRequest, need_schema
 
 #: OpenAI's Responses fields kvload acts on or reports, and vLLM's extras it passes to the chat path as they are.
 ACCEPTED = frozenset({
@@ -264,8 +264,7 @@ def _tools(value: Any) -> list[dict[str, Any]]:
               tool.get("name"))
         _need(tool.get("description") is None or isinstance(tool["description"], str), f"{where}.description",
               "a string", tool.get("description"))
-        _need(tool.get("parameters") is None or isinstance(tool["parameters"], dict), f"{where}.parameters",
-              "a JSON schema object", tool.get("parameters"))
+        need_schema(tool.get("parameters"), f"{where}.parameters", optional=True)
         _need(tool.get("strict") is None or isinstance(tool["strict"], bool), f"{where}.strict", "true or false",
               tool.get("strict"))
     return [{k: v for k, v in tool.items() if v is not None} for tool in value]
@@ -320,7 +319,7 @@ def _text(value: Any, ignored: list[tuple[str, Any, str]]) -> dict[str, Any]:
                              "description", param="text.format")
         _need(isinstance(fmt.get("name"), str) and bool(fmt["name"]), "text.format.name", "a non-empty string",
               fmt.get("name"))
-        _need(isinstance(fmt.get("schema"), dict), "text.format.schema", "a JSON schema object", fmt.get("schema"))
+        need_schema(fmt.get("schema"), "text.format.schema")
         fmt = {k: v for k, v in fmt.items() if v is not None}
     else:
         raise BadRequest(f"text.format: type {kind!r} is not supported; expected {_FORMATS}"[:400], param="text.format")

@@ -110,10 +110,11 @@ class HermesToolCalls(ToolReader):
 def tool_reader(parser: str, names: Collection[str], parallel: bool = True) -> ToolReader:
     """The reader of one ``"auto"`` reply under ``--tool-call-parser parser`` (one of ``TOOL_CALL_PARSERS``)."""
     from kvload.serve.tool_parser_llama import Llama3JsonToolCalls
+    from kvload.serve.tool_parser_llama4 import Llama4PythonicToolCalls
     from kvload.serve.tool_parser_pythonic import PythonicToolCalls
 
     kinds: dict[str, type[ToolReader]] = {"hermes": HermesToolCalls, "llama3_json": Llama3JsonToolCalls,
-                                          "pythonic": PythonicToolCalls}
+                                          "pythonic": PythonicToolCalls, "llama4_pythonic": Llama4PythonicToolCalls}
     return kinds[parser](names, parallel)
 
 
