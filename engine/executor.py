@@ -437,8 +437,8 @@ class GenerationExecutor:
                 for req in st.finished:
                     proposer.forget(req.req_id)
             self._report_tokens(st.finished, lives, outputs, on_delta)
-            if self._stopped is not None and (driver.has_work or driver.forks_pending):  # between steps: nothing is
-                # half-computed
+            # between steps: nothing is half-computed
+            if self._stopped is not None and (driver.has_work or driver.forks_pending):
                 raise GenerationError(self._stopped)
 
         # from generation_started on, whatever fails (a subscriber raising on that very event, which the subscribers
