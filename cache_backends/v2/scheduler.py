@@ -229,7 +229,7 @@ class KVCacheV2Scheduler(SchedulerBase):
             return False
         ratio = self.new_token_ratio
         if running and ratio:
-            hold = m.held_back(SHARED_HOLD)
+            hold = m.held_back(SHARED_HOLD, max(self._longest, child.num_tokens))
             if m.short_of(m.growth_blocks(child, ratio, 1), m.headroom_blocks(running, ratio), extra=hold):
                 m.unfork(child)
                 return False
