@@ -5,6 +5,7 @@ Run from the repository root::
     python -m bench.bench_generate                     # SmolLM2-135M on CPU: 1 prompt, then 8 of mixed lengths
     python -m bench.bench_generate --manager v2 --new-tokens 64 --repeats 5
     python -m bench.bench_generate --model random-llama-1b --device cuda --dtype bfloat16 --batches 1,8,32
+    python -m bench.bench_generate --n 8 --batches 8 --new-tokens 16   # 8 sampled completions per prompt (GRPO's shape)
 
 Each scenario generates exactly ``--new-tokens`` tokens per prompt on both sides (kvload with
 ``ignore_eos``, ``model.generate`` with ``min_new_tokens``), greedy, from the same token-id prompts
@@ -16,6 +17,11 @@ with ``--threads 1`` torch computes on that thread, so other processes on a shar
 it); medians over ``--repeats`` runs after one warm-up, kvload and transformers
 interleaved so both see the same machine. Each kvload repeat uses its own reuse salt, so no run
 reads prefixes a previous run cached.
+
+``--n N`` (above 1) samples ``N`` completions of every prompt at temperature 1 (seeded), as RL rollouts, best-of-n
+and self-consistency do: kvload through ``executor.run(n=N)``, ``model.generate`` with ``num_return_sequences=N``
+(``do_sample``, no top-k); tokens/s counts every sample's tokens, and ``prefill_tok`` is the prompt tokens kvload
+computed (``GenerationStats``: prompt tokens less those whose KV came from the cache or a sibling sample).
 
 ``--model`` is anything ``kvload generate`` takes (a preset, a checkpoint directory, ``smollm2-135m``),
 or ``random-llama-1b``: a Llama-3.2-1B-shaped checkpoint with random weights, written once under the
@@ -126,9 +132,11 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def hf_generate(model: Any, prompts: list[list[int]], new_tokens: int, pad_id: int, prompt_lookup: int = 0) -> int:
+def hf_generate(model: Any, prompts: list[list[int]], new_tokens: int, pad_id: int, prompt_lookup: int = 0,
+                n: int = 1) -> int:
     """``model.generate`` over the prompts as one left-padded batch; returns the tokens generated. ``prompt_lookup``:
-    transformers' own n-gram speculation (``prompt_lookup_num_tokens``; one prompt only)."""
+    transformers' own n-gram speculation (``prompt_lookup_num_tokens``; one prompt only); ``n`` > 1: that many
+    sampled sequences per prompt (``num_return_sequences``, temperature 1, no top-k or top-p)."""
     device = next(model.parameters()).device
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -137,10 +145,12 @@ def hf_generate(model: Any, prompts: list[list[int]], new_tokens: int, pad_id: i
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
     with torch.inference_mode():
-        lookup = {"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}
+        extra: dict[str, Any] = {"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}
+        if n > 1:
+            extra.update(num_return_sequences=n, do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
         out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id, **lookup)
-    return (out.shape[1] - width) * len(prompts)
+                             min_new_tokens=new_tokens, pad_token_id=pad_id, **{"do_sample": False, **extra})
+    return (out.shape[1] - width) * len(prompts) * n
 
 
 def attention_in_use(executor: Any, requested: str) -> str:
@@ -200,17 +210,23 @@ def bench_scenario(result: pipeline.LoadResult, prompts: list[list[int]], args: 
                                                 result.args.speculation_max_batch_size)
             sync(device)
             start, cpu = time.perf_counter(), time.thread_time()
-            outs = result.generate(prompts, max_new_tokens=args.new_tokens, ignore_eos=True,
-                                   salt=f"bench-{rep}-{attention}-{linear}-{draft}")
-            sync(device)
+            salt = f"bench-{rep}-{attention}-{linear}-{draft}"
+            if args.n > 1:
+                runs = result.executor.run(prompts, max_tokens=args.new_tokens, ignore_eos=True, n=args.n,
+                                           temperature=1.0, seed=rep, salt=salt)
+                sync(device)
+                generated = sum(len(c.token_ids) for o in runs for c in o.outputs)
+            else:
+                outs = result.generate(prompts, max_new_tokens=args.new_tokens, ignore_eos=True, salt=salt)
+                sync(device)
+                generated = sum(len(o.token_ids) for o in outs)
             kv_time, kv_thread = time.perf_counter() - start, time.thread_time() - cpu
-            generated = sum(len(o.token_ids) for o in outs)
             if rep:
                 kv_rates[name].append(generated / kv_time)
                 kv_cpu[name].append(generated / kv_thread)
                 kv_stats[name] = result.executor.last_stats
         start, cpu = time.perf_counter(), time.thread_time()
-        hf_generated = hf_generate(model, prompts, args.new_tokens, pad_id)
+        hf_generated = hf_generate(model, prompts, args.new_tokens, pad_id, n=args.n)
         sync(device)
         hf_time, hf_thread = time.perf_counter() - start, time.thread_time() - cpu
         if rep:
@@ -248,6 +264,8 @@ def bench_scenario(result: pipeline.LoadResult, prompts: list[list[int]], args: 
             "kvload_cpu_runs": kv_cpu[name],
             "hf_cpu_runs": hf_cpu,
             "hf_prompt_lookup_tokens_per_s": statistics.median(lookup_rates) if lookup_rates else None,
+            "n": args.n,
+            "kvload_prefill_tokens": stats.prompt_tokens - stats.reused_prompt_tokens if stats else None,
             "kvload_steps": stats.steps if stats else None,
             "kvload_forward_share": stats.forward_s / stats.wall_s if stats else None,
         })
@@ -295,8 +313,12 @@ def main(argv: list[str] | None = None) -> None:
                    help="random: seeded random token ids; text: the bundled English and code passages "
                         f"({TEXT_PROMPTS.name}), cut or cycled to the scenario's lengths (n-gram drafts need text "
                         "that repeats)")
+    p.add_argument("--n", type=int, default=1, metavar="N",
+                   help="sampled completions per prompt (temperature 1, seeded); 1: greedy, one per prompt")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     args = p.parse_args(argv)
+    if args.n < 1:
+        p.error(f"--n: expected an integer >= 1, got {args.n}")
     backends = [b for b in args.compare_attention.split(",") if b] or None
     linears = [b for b in args.compare_linear.split(",") if b] or None
     try:
@@ -320,7 +342,7 @@ def main(argv: list[str] | None = None) -> None:
     lengths = {b: [args.single_length] if b == 1 else [MIXED_LENGTHS[i % len(MIXED_LENGTHS)] for i in range(b)]
                for b in batches}
     T = args.tokens_per_block  # pools that hold every prompt of a scenario at once, block rounding included
-    max_tokens = max(sum(-(-(n + args.new_tokens) // T) * T for n in ls) for ls in lengths.values())
+    max_tokens = args.n * max(sum(-(-(n + args.new_tokens) // T) * T for n in ls) for ls in lengths.values())
     kv: dict[str, Any] = {"max_tokens": max_tokens, "tokens_per_block": args.tokens_per_block}
     if args.manager != "auto":
         kv["use_kv_cache_manager_v2"] = args.manager == "v2"
@@ -347,22 +369,24 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         print(json.dumps({**head, "scenarios": rows}, indent=2))
         return
+    per = f"{args.new_tokens} new tokens per prompt" if args.n == 1 else \
+        f"{args.n} samples x {args.new_tokens} new tokens per prompt"
     print(f"{head['model']} on {head['device']} ({head['dtype']}, {head['threads']} threads), {head['kv_manager']}, "
-          f"attention {head['attention']}, {args.new_tokens} new tokens per prompt, median of {args.repeats}")
+          f"attention {head['attention']}, {per}, median of {args.repeats}")
     if head["compiled_shapes"]:
         print(f"compiled {head['compiled_shapes']} attention shapes in {head['warmup_s']:.1f} s (warm-up round, "
               "not in tokens/s)")
     print("wall: tokens / wall time; cpu: tokens / CPU time of the calling thread (--threads 1: all of torch's work)")
     print(f"{'prompts':>7} {'prompt_tok':>10} {'attention':>10} {'linear':>10} {'drafts':>9} {'kvload_tok/s':>12} "
           f"{'generate_tok/s':>14} {'ratio':>6} {'kv_cpu_tok/s':>12} {'gen_cpu_tok/s':>13} {'cpu_ratio':>9} "
-          f"{'kv_steps':>8} {'forward%':>8}")
+          f"{'kv_steps':>8} {'forward%':>8} {'prefill_tok':>11}")
     for r in rows:
         accepted = f"{r['accepted_draft_tokens']}/{r['draft_tokens']}" if r["max_draft_len"] else "-"
         print(f"{r['prompts']:>7} {r['prompt_tokens']:>10} {r['attention']:>10} {r['linear']:>10} {accepted:>9} "
               f"{r['kvload_tokens_per_s']:>12.1f} "
               f"{r['hf_tokens_per_s']:>14.1f} {r['ratio']:>6.2f} {r['kvload_cpu_tokens_per_s']:>12.1f} "
               f"{r['hf_cpu_tokens_per_s']:>13.1f} {r['cpu_ratio']:>9.2f} {r['kvload_steps']:>8} "
-              f"{100 * r['kvload_forward_share']:>7.1f}%")
+              f"{100 * r['kvload_forward_share']:>7.1f}% {r['kvload_prefill_tokens']:>11}")
         if r["hf_prompt_lookup_tokens_per_s"]:
             print(f"{'':>7} model.generate with prompt_lookup_num_tokens={args.hf_prompt_lookup}: "
                   f"{r['hf_prompt_lookup_tokens_per_s']:.1f} tok/s (kvload {r['kvload_tokens_per_s']:.1f}: "

@@ -121,3 +121,8 @@ class SchedulerProtocol(Protocol):
 
     def finish(self, request: Request, reason: str) -> None:
         """Mark finished and free its blocks; the caller removes it from ``running``."""
+
+    def fork(self, parent: Request, child: Request, running: list[Request]) -> bool:
+        """Admit ``child`` (a sample of ``parent``'s prompt, its first token already drawn) into ``running`` holding
+        ``parent``'s just-committed prompt KV (the manager's ``fork``: whole blocks shared, the partial last block
+        copied) when admission's rules let it in now; False (nothing changed) otherwise."""

@@ -49,7 +49,7 @@ class Request:
     output_token_ids: list[int] = attrs.Factory(list)
     state: RequestState = RequestState.WAITING
     num_computed_tokens: int = 0
-    num_reused_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    num_reused_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (or a fork of a sibling's prefill)
     finish_reason: str | None = None
     #: speculative decoding: guessed next tokens, after the known ones. A scheduler may compute their KV in the step
     #: that computes the last known token (:meth:`SchedulerBase.extend_with_drafts`); the driver keeps the KV of those

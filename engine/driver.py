@@ -16,6 +16,14 @@ next step (``Request.draft_token_ids``); the scheduler may compute them beside t
 ``compute`` answers with the drafts the model confirmed and the token after them, and the driver
 appends those one by one (each may end the request) and commits a confirmed draft's KV; an unconfirmed
 draft's KV is never committed, so it is overwritten before anything reads it.
+
+Forks (``n > 1`` samples of one prompt, :meth:`Driver.fork`): only the prompt's first request prefills. In
+the step its prompt is committed, ``compute`` answers for its other samples too (their first tokens, drawn
+from that prefill's logits), and before the first request's own token can end it the driver appends each
+sample's token (which may end that sample at once) and has the scheduler admit the sample holding the
+prompt's KV (``scheduler.fork``: shared whole blocks, a copy of the partial last one). A sample the
+scheduler cannot admit now waits in ``waiting`` with its token, admitted later as any request (the prefix
+cache may hold its prompt's whole blocks; the rest is computed again).
 """
 
 from __future__ import annotations
@@ -111,6 +119,10 @@ class Driver:
         self._emit = emit
         self._arrivals = 0
         self._admitted_before: set[Request] = set()  # so a re-admission after preemption says so
+        #: prompt's first request id -> (it, its other samples), until the step its prompt is committed
+        self._forks: dict[str, tuple[Request, list[Request]]] = {}
+        self._on_arrival: Callable[[Request, int], Any] | None = None  # run's hook, for forked samples too
+        self.clock = 0  # run's step clock
 
     @property
     def max_seq_len(self) -> int:
@@ -130,10 +142,29 @@ class Driver:
         if request.num_prompt_tokens >= self.max_seq_len:
             raise ValueError(f"request {request.req_id}: its prompt of {request.num_prompt_tokens} tokens leaves no "
                              f"room to generate within max_seq_len={self.max_seq_len}")
+        self._arrive(request)
+        self.waiting.append(request)
+
+    def _arrive(self, request: Request) -> None:
         request.arrival = self._arrivals
         self._arrivals += 1
         request.state = RequestState.WAITING
-        self.waiting.append(request)
+
+    def fork(self, parent: Request, children: Iterable[Request]) -> None:
+        """Make ``children`` (samples of ``parent``'s prompt, not added) forks of ``parent``: they join in the step
+        ``parent``'s prompt is committed, each with the token ``compute`` drew for it from that step's logits,
+        holding the prompt's KV (module docstring)."""
+        kids = list(children)
+        for child in kids:
+            if child.prompt_token_ids != parent.prompt_token_ids or child.output_token_ids:
+                raise ValueError(f"request {child.req_id}: a fork has its parent's prompt and no token yet")
+        if kids:
+            self._forks[parent.req_id] = (parent, kids)
+
+    @property
+    def forks_pending(self) -> bool:
+        """Whether some prompt's samples wait for its prefill (:meth:`fork`)."""
+        return bool(self._forks)
 
     @property
     def has_work(self) -> bool:
@@ -168,6 +199,12 @@ class Driver:
                 self.manager.commit(req, chunk.num_tokens - drafts)  # the drafts' KV is committed once confirmed
             else:
                 self.manager.commit(req, chunk.num_tokens)
+        if self._forks:  # before any token is appended: a first request its token ends lets go of the prompt's KV
+            for chunk in out.scheduled:
+                fork = self._forks.get(chunk.request.req_id)
+                if fork is not None and not chunk.request.in_prefill:
+                    del self._forks[chunk.request.req_id]
+                    self._fork(*fork, next_tokens, done)
         for chunk in out.scheduled:
             req = chunk.request
             got = next_tokens.get(req.req_id)
@@ -205,6 +242,34 @@ class Driver:
         return StepStats(out.num_tokens, len(self.running), len(self.waiting), kv_seconds, compute_seconds, done, out,
                          drafted, accepted)
 
+    def _fork(self, parent: Request, children: list[Request], next_tokens: dict[str, int | list[int]],
+              done: list[Request]) -> None:
+        """``parent``'s prompt is committed: each child takes its first token and is admitted holding the prompt's KV
+        (or finishes at once, or waits for room)."""
+        for child in children:
+            self._arrive(child)
+            if self._on_arrival is not None:
+                self._on_arrival(child, self.clock)
+            got = next_tokens.get(child.req_id)
+            if got is None:  # compute drew it no token: it prefills as any request
+                self.waiting.append(child)
+                continue
+            token = got[-1] if isinstance(got, list) else got
+            child.output_token_ids.append(token)
+            reason = self._finish_reason(child, token)
+            if reason is not None:  # ended by its first token: it never needs the prompt's KV
+                child.num_reused_tokens = child.num_prompt_tokens
+                self.scheduler.finish(child, reason)
+                child.finish_reason = reason
+                done.append(child)
+            elif self.scheduler.fork(parent, child, self.running):
+                self._admitted_before.add(child)
+                if self._emit:
+                    self._emit(RequestAdmitted(req_id=child.req_id, prompt_tokens=child.num_prompt_tokens,
+                                               reused_prompt_tokens=child.num_reused_tokens, readmitted=False))
+            else:  # no room now: admitted later as any request, its prompt from the prefix cache where it still is
+                self.waiting.append(child)
+
     def run(self, arrivals: Iterable[Arrival | Request], compute: Compute, *,
             on_arrival: Callable[[Request, int], Any] | None = None,
             on_step: Callable[[int, StepStats], Any] | None = None,
@@ -226,7 +291,9 @@ class Driver:
         heapq.heapify(ready)
         stats = RunStats()
         clock = idle = 0
+        self._on_arrival = on_arrival
         while ready or self.has_work:
+            self.clock = clock
             while ready and ready[0][0] <= clock:
                 _, _, request = heapq.heappop(ready)
                 self.add(request)
@@ -250,6 +317,8 @@ class Driver:
             if on_step is not None:
                 on_step(clock, st)
             clock += 1
+        if self._forks:
+            raise StalledError("samples wait for the prefill of " + ", ".join(sorted(self._forks)) + ", which ended")
         if dependents:
             waiting_on = ", ".join(sorted(dependents))
             raise StalledError(f"requests wait for {waiting_on}, which never arrived or finished")

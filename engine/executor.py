@@ -11,7 +11,12 @@ else transformers' temperature, top-k and top-p warpers and a per-request seeded
 with top-``logprobs`` kept when asked); the driver commits the KV, appends the tokens, and finishes
 requests with "stop" (EOS, a stop token id, a stop string in the text) or "length" (``max_tokens``,
 ``max_seq_len``); their blocks return to the pool (with reuse on, full blocks stay cached for later
-prompts, which is how the ``n`` samples of a prompt share its prefill).
+prompts).
+
+The ``n`` samples of a prompt share one prefill (``engine.driver``'s forks): the first sample prefills alone,
+the step that completes its prompt draws every sample's first token from its logits (each sample with its own
+generator), and the other samples join holding the prompt's KV — its whole blocks shared, the block of its
+partial end copied (copy-on-write) — so the prompt is computed once for any ``n``, prefix reuse on or off.
 
 A prompt whose prefix is cached (V2's radix tree, V1's full blocks) is admitted with that prefix
 already computed: its prefill starts after it, and the output reports ``reused_prompt_tokens``.
@@ -165,6 +170,7 @@ class GenerationExecutor:
         self.llm_seed: int | None = None
         self._caller = "generate"  # the user's call (:meth:`called_as`), which titles the audit's generation_failed
         self._live: dict[str, _Live] = {}
+        self._forks: dict[str, list[_Live]] = {}  # run's: a prompt's samples forked from its first one
         width = max(-(-self.max_seq_len // g.tokens_per_block) for g in manager.layout.groups)
         #: every live request's block tables as tensor rows, appended to step by step
         self._block_tables = BlockTableStore(self.groups, width)
@@ -370,8 +376,10 @@ class GenerationExecutor:
         argument and sign: lower is served first, default 0) ranks prompt ``i`` under ``scheduling_policy="priority"``;
         under "fcfs" only 0 is accepted, as vLLM does.
 
-        With ``n > 1`` (and prefix reuse on) a prompt's first sample prefills alone; the others are
-        queued once its prompt is in the cache and reuse those blocks, so the prompt is computed once.
+        With ``n > 1`` a prompt's first sample prefills alone; the step that completes its prompt draws every
+        sample's first token from those logits, and the others join holding a fork of the prompt's KV (whole
+        blocks shared, the partial last block copied), so the prompt is computed once (prefix reuse on or off). A
+        sample the pools have no room for yet waits, and computes what the prefix cache no longer holds.
         """
         self._check_open()
         check_salt(salt)
@@ -392,11 +400,10 @@ class GenerationExecutor:
         call = self._calls
         self._calls += 1
         lives = self._lives(call, items, params, per_prompt, salt, arrivals, ranks)
-        stagger = bool(self.manager.options.enable_block_reuse)  # without reuse, samples gain nothing by waiting
-        now_arrivals, later = [], {}
+        now_arrivals, forks = [], {}
         for live in lives:
-            if live.sample > 0 and stagger:
-                later.setdefault(live.parent.request.req_id, []).append(live)
+            if live.parent is not None:  # forked from the prompt's first sample when its prefill completes
+                forks.setdefault(live.parent.request.req_id, []).append(live)
             else:
                 now_arrivals.append(Arrival(live.request, live.arrival_step))
 
@@ -404,6 +411,11 @@ class GenerationExecutor:
         proposer = self.proposer
         driver = Driver(self.manager, self.scheduler, emit=self._driver_event, stop=self._stops,
                         propose=proposer.propose if proposer is not None else None)
+        for kids in forks.values():
+            driver.fork(kids[0].parent.request, [k.request for k in kids])
+        #: first sample's request id -> the prompt's other samples, until the step that completes its prompt draws
+        #: their first tokens (:meth:`_compute`)
+        self._forks = forks
         outputs: dict[int, RequestOutput] = {}
         warm_before = self.flex.warmup_s if self.flex is not None else 0.0
         start = time.perf_counter()
@@ -425,11 +437,8 @@ class GenerationExecutor:
                 for req in st.finished:
                     proposer.forget(req.req_id)
             self._report_tokens(st.finished, lives, outputs, on_delta)
-            for parent_id in [p for p in later if self._prefilled(self._live[p].request)]:
-                for live in later.pop(parent_id):  # the prompt's blocks are cached now: reuse them
-                    driver.add(live.request)
-                    queued(live.request, clock)
-            if self._stopped is not None and (driver.has_work or later):  # between steps: nothing is half-computed
+            # between steps: nothing is half-computed
+            if self._stopped is not None and (driver.has_work or driver.forks_pending):
                 raise GenerationError(self._stopped)
 
         # from generation_started on, whatever fails (a subscriber raising on that very event, which the subscribers
@@ -465,14 +474,14 @@ class GenerationExecutor:
             self._abort(driver)
             if proposer is not None:
                 proposer.clear()
-            self._live = {}
+            self._live, self._forks = {}, {}
             self._block_tables.keep_only(())
             self._check_flex()
             self._event(GenerationFailed(call=call, error=type(exc).__name__,
                                          message=retitled(first_line(exc, ""), self._caller),
                                          finished=len(outputs)))
             raise
-        self._live = {}
+        self._live, self._forks = {}, {}
         if proposer is not None:
             proposer.clear()
         self._block_tables.keep_only(())
@@ -666,10 +675,6 @@ class GenerationExecutor:
                 parent = parent or live
         return lives
 
-    @staticmethod
-    def _prefilled(request: Request) -> bool:
-        return request.is_finished or request.num_computed_tokens >= request.num_prompt_tokens
-
     def _stops(self, request: Request, token: int) -> bool:
         """The driver's stop hook: EOS (unless ignored), a stop token id, or a stop string in the text."""
         live = self._live[request.req_id]
@@ -746,18 +751,38 @@ class GenerationExecutor:
         if not rows:
             return {}
         lives = [self._live[out.scheduled[i].request.req_id] for i in rows]
+        if self._forks:
+            logits, lives, counts = self._with_forks(out, rows, logits, lives, counts)
         # penalties and min_tokens pick from changed logits; logprobs stay the model's own (vLLM's raw_logprobs)
         picks = penalize(logits, counts, [(live.params, live.request) for live in lives], self.eos_token_ids)
         if any(live.constraint is not None for live in lives):
             picks = constrain(picks, logits, counts, [(live.constraint, live.request.draft_token_ids)
                                                       for live in lives], self.grammars())
-        if len(logits) == len(rows):
+        if len(logits) == len(lives):
             tokens: dict[str, int | list[int]] = dict(self._sample(picks, lives, logits))
         else:
             tokens = self._verify(picks, lives, counts, logits)
         if self.lockstep is not None:
             tokens = self.lockstep.ranks.broadcast(tokens)  # rank 0's tokens: the next step's inputs everywhere
         return tokens
+
+    def _with_forks(self, out: SchedulerOutput, rows: list[int], logits: Any, lives: list[_Live],
+                    counts: list[int]) -> tuple[Any, list[_Live], list[int]]:
+        """The step's rows plus one per sample forked from a first sample whose prompt this step completes: a copy of
+        that sample's logits row, so every sample draws its first token from the one prefill (each with its own
+        generator, penalties and grammar, as if it had prefilled itself)."""
+        extra: list[int] = []  # logits row each forked sample draws from
+        starts = list(itertools.accumulate(counts, initial=0))
+        for k, i in enumerate(rows):
+            chunk = out.scheduled[i]
+            req = chunk.request
+            if req.req_id in self._forks and req.num_computed_tokens + chunk.num_tokens >= req.num_prompt_tokens:
+                kids = self._forks.pop(req.req_id)
+                extra += [starts[k]] * len(kids)
+                lives = [*lives, *kids]
+        if not extra:
+            return logits, lives, counts
+        return torch.cat([logits, logits[extra]]), lives, [*counts, *[1] * len(extra)]
 
     def _verify(self, logits: Any, lives: list[_Live], counts: list[int], raw: Any) -> dict[str, int | list[int]]:
         """Speculative decoding: each request's drafts up to the first the model's argmax disagrees with, then the

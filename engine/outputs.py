@@ -96,10 +96,10 @@ class RequestMetrics:
 class RequestOutput:
     """One prompt's result: its samples (``outputs``), the prompt, prompt-token reuse, and timings.
 
-    ``computed_prompt_tokens`` + ``reused_prompt_tokens`` count over all ``n`` samples: with one
-    prefill shared by the samples, ``computed_prompt_tokens`` stays near one prompt's length and the
-    rest is ``reused_prompt_tokens`` (KV found in the prefix cache). ``timings`` run from the moment
-    the prompt was queued to its first generated token and to its last sample's end.
+    ``computed_prompt_tokens`` + ``reused_prompt_tokens`` count over all ``n`` samples: the samples fork
+    one prefill, so ``computed_prompt_tokens`` is one prompt's length (less what the prefix cache held) and
+    the rest is ``reused_prompt_tokens`` (KV found in the prefix cache, or forked from the first sample).
+    ``timings`` run from the moment the prompt was queued to its first generated token and to its last sample's end.
     """
 
     request_id: str

@@ -298,7 +298,8 @@ def is_value_event(record: dict[str, Any]) -> bool:
 
 @event("request_admitted")
 class RequestAdmitted(Event):
-    """A request got device blocks; ``reused_prompt_tokens`` came from the prefix cache.
+    """A request got device blocks; ``reused_prompt_tokens`` came from the prefix cache (or, for an ``n > 1``
+    sample, from its prompt's first sample: a fork of that prefill).
 
     ``readmitted``: it was admitted before and preempted (its KV is being recomputed).
     """

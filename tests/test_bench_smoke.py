@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from bench import bench_block_pool, bench_hashing, bench_scheduler, run_all
@@ -236,6 +238,19 @@ def test_bench_generate_refuses_bad_draft_lengths_before_loading(capsys, monkeyp
             bench_generate.main(argv)
         assert exc.value.code == 2
     assert "--compare-draft: expected comma-separated integers >= 0" in capsys.readouterr().err
+
+
+def test_bench_generate_n_samples_every_prompt_and_counts_the_prompt_once(capsys):
+    from bench import bench_generate
+
+    with pytest.raises(SystemExit) as exc:
+        bench_generate.main(["--n", "0"])
+    assert exc.value.code == 2 and "--n: expected an integer >= 1, got 0" in capsys.readouterr().err
+    bench_generate.main(["--model", "tiny-llama", "--n", "4", "--batches", "2", "--new-tokens", "3", "--repeats", "1",
+                         "--threads", "1", "--attention", "sdpa", "--linear", "torch", "--json"])
+    (row,) = json.loads(capsys.readouterr().out)["scenarios"]
+    assert row["n"] == 4 and row["kvload_prefill_tokens"] == row["prompt_tokens"] == 12 + 200  # computed once
+    assert row["kvload_runs"] and row["hf_runs"]
 
 
 def test_bench_generate_text_prompts_are_the_bundled_passages_cut_to_each_length():

@@ -199,13 +199,13 @@ def test_v2_under_pressure_reports_suspends_in_the_throughput_line(capsys):
 
 
 def test_n_samples_print_each_as_i_dot_j_and_share_the_prompt(capsys):
-    ids = ",".join(map(str, range(10, 30)))  # 20 tokens: 4 full blocks (16 tokens) reusable by each later sample
+    ids = ",".join(map(str, range(10, 30)))  # 20 tokens, computed once: the later samples fork the first's KV
     r = run_cli(capsys, *TINY, "--prompt-ids", ids, "--n", "3", "--temperature", "1.5", "--seed", "2",
                 "--max_new_tokens", "4", "--ignore_eos", "--tokens_per_block", "4", "--max_tokens", "512")
     assert r.code == 0, r.err
     lines = r.out.rstrip("\n").split("\n")
     assert sorted(line.split(" ")[0] for line in lines[:3]) == ["[0.0]", "[0.1]", "[0.2]"]
-    assert lines[3].startswith("-- 1 prompt (3 samples): 60 prompt tokens (32 reused), 12 generated in ")
+    assert lines[3].startswith("-- 1 prompt (3 samples): 60 prompt tokens (40 reused), 12 generated in ")
 
 
 def test_json_carries_logprobs_stop_token_ids_and_top_k(capsys):

@@ -75,8 +75,8 @@ def test_a_scored_prompts_samples_share_its_prefill(tiny_checkpoints, manager):
         (scored,) = result.executor.run([p], max_tokens=2, ignore_eos=True, prompt_logprobs=0, n=2,
                                         temperature=1.0, seed=3)
         assert all(e is not None for e in scored.prompt_logprobs[1:])
-        # the first sample scores (reads nothing, computes 13); the second reuses its 3 full blocks
-        assert (scored.computed_prompt_tokens, scored.reused_prompt_tokens) == (13 + 1, 12)
+        # the first sample scores (reads nothing, computes 13); the second forks its KV, computing none of it
+        assert (scored.computed_prompt_tokens, scored.reused_prompt_tokens) == (13, 13)
         (again,) = result.executor.run([p], max_tokens=2, ignore_eos=True)
         assert again.reused_prompt_tokens == 12 and again.prompt_logprobs is None
 

@@ -10,6 +10,11 @@ A request with ``skip_prefix_read`` (one that scores its prompt) finds no prefix
 full blocks as they are committed; where an equal block is cached already, the map keeps that one and
 the request's copy stays unkeyed, freed as empty when the request lets go.
 
+``fork(parent, child)`` admits a sample of the same prompt holding the parent's prompt KV the moment the
+parent's prefill is committed: the parent's whole prompt blocks are shared (one more owner each) and the
+block holding the prompt's last, partial block is copied into one of the child's own (copy-on-write: the
+parent goes on writing its own tokens there). It needs no prefix reuse: it is the prompt's own KV.
+
 Allocation API for a scheduler, in the order it is used::
 
     hit = manager.find_prefix(request)           # pure: what the prefix cache holds for the prompt
@@ -17,6 +22,8 @@ Allocation API for a scheduler, in the order it is used::
     manager.admit(request, hit)                  # take the hit; num_computed/num_reused_tokens = hit tokens
     manager.allocate_slots(request, n) -> bool   # blocks for the next n tokens (False: not enough free)
     manager.blocks_to_completion(request)        # blocks still to allocate before the worst case
+    manager.fork_blocks_needed(parent, child)    # worst-case blocks a fork of the parent's prompt takes
+    manager.fork(parent, child)                  # admit child holding parent's prompt KV (n > 1 samples)
 """
 
 from __future__ import annotations
@@ -132,12 +139,12 @@ class KVCacheManager:
         T = self.tokens_per_block
         if not self.options.enable_block_reuse or request.skip_prefix_read:
             return PrefixHit(tokens_per_block=T)
-        prompt = request.prompt_token_ids
+        tokens = request.all_token_ids  # a sample forked without room waits with its first token: it may claim more
         blocks: list[KVBlock] = []
         keys: list[bytes] = []
         parent = None
-        for i in range((len(prompt) - 1) // T):
-            key = block_hash(parent, prompt[i * T:(i + 1) * T], request.salt)
+        for i in range((len(tokens) - 1) // T):
+            key = block_hash(parent, tokens[i * T:(i + 1) * T], request.salt)
             block = self.pool.lookup(key)
             if block is None:
                 break
@@ -168,6 +175,43 @@ class KVCacheManager:
         self.reuse_hit_tokens += hit.num_tokens
         if not request.skip_prefix_read:  # one that reads no prefix asked the cache nothing
             self.reuse_query_tokens += request.num_prompt_tokens
+
+    def fork_blocks_needed(self, parent: Request, child: Request) -> int:
+        """Free blocks :meth:`fork` of ``parent``'s prompt into ``child`` costs at worst: the child's worst case less
+        the parent's whole prompt blocks it shares (the copied partial block is one of its own)."""
+        return max(0, self.max_blocks(child) - parent.num_prompt_tokens // self.tokens_per_block)
+
+    def fork(self, parent: Request, child: Request) -> bool:
+        """Admit ``child`` (a sample of ``parent``'s prompt) holding the parent's prompt KV: its whole blocks shared,
+        the last partial one copied into a block of the child's own; ``num_computed_tokens`` and
+        ``num_reused_tokens`` are the prompt's length. False (nothing changed) when no block is free for the copy.
+
+        ``parent`` must have its whole prompt committed (and nothing past it scheduled into that block is read: the
+        child's own tokens overwrite the copy's tail before anything attends to it)."""
+        if child in self._seqs:
+            raise ValueError(f"request {child.req_id} is already admitted")
+        if self.closed:
+            raise RuntimeError("the KV cache manager is closed")
+        seq = self._seq(parent)
+        P = parent.num_prompt_tokens
+        if parent.num_computed_tokens < P or child.prompt_token_ids != parent.prompt_token_ids:
+            raise ValueError(f"request {child.req_id}: can fork only a computed prompt equal to its own "
+                             f"({parent.req_id} has {parent.num_computed_tokens} of {P} computed)")
+        T = self.tokens_per_block
+        full, partial = divmod(P, T)
+        if partial and self.pool.num_free < 1:
+            return False
+        shared = seq.blocks[:full]
+        self.pool.touch(shared)
+        blocks = list(shared)
+        if partial:
+            src, (copy,) = seq.blocks[full], self.pool.allocate(1)
+            tensor = self.pools.tensors[self.group]
+            tensor[:, copy.block_id].copy_(tensor[:, src.block_id])
+            blocks.append(copy)
+        self._seqs[child] = _Sequence(blocks, list(seq.keys[:full]))
+        child.num_computed_tokens = child.num_reused_tokens = P
+        return True
 
     def can_allocate(self, request: Request, num_new_tokens: int) -> bool:
         """Whether :meth:`allocate_slots` would succeed now."""

@@ -15,6 +15,10 @@ A request that could never be admitted, even into an empty pool (its prompt is l
 reported in ``stalled`` once nothing else can run. A request whose first-come turn has come but
 does not fit *yet* is never skipped: it waits for running requests to finish.
 
+A sample of an ``n > 1`` prompt is forked (:meth:`GuaranteedNoEvictScheduler.fork`) by the same rule: in
+the step its prompt's prefill completes it joins ``running`` holding that prompt's KV when its worst case
+fits beside the reservations and the batch has room; otherwise its driver queues it as any request.
+
 Each step: running requests first (a decode token, or the next prefill chunk, never past
 ``max_seq_len``), then admissions, within ``max_num_tokens`` tokens and ``max_batch_size`` running
 requests. A running request that reached ``max_seq_len`` is not scheduled again: its driver must
@@ -92,6 +96,20 @@ class GuaranteedNoEvictScheduler(SchedulerBase):
         self.report_stall(out, reasons, waiting, running)
         self.extend_with_drafts(out)
         return out
+
+    def fork(self, parent: Request, child: Request, running: list[Request]) -> bool:
+        """Admit ``child`` into ``running`` holding ``parent``'s computed prompt (``KVCacheManager.fork``) when the
+        batch has room and its worst case fits in what is free beyond the running requests' reservations; False
+        (nothing changed) otherwise."""
+        m = self.manager
+        if len(running) >= self.max_batch_size or m.never_fits(child) is not None:
+            return False
+        available = m.num_free_blocks - sum(m.blocks_to_completion(r) for r in running)
+        if m.fork_blocks_needed(parent, child) > available or not m.fork(parent, child):
+            return False
+        child.state = RequestState.RUNNING
+        running.append(child)
+        return True
 
     def reserve_drafts(self, request: Request, scheduled: int, drafts: int) -> int:
         """Draft slots within the request's worst case (reserved at admission, so they always fit)."""

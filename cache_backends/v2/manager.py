@@ -52,6 +52,13 @@ How the pieces fit (TensorRT-LLM's V2 ideas, this project's code):
   last request that held them), then least recently released; a request's blocks are released tail
   first, so the tail of a cached prefix goes before its head.
 
+**Forks.** ``fork(parent, child)`` admits a sample of the same prompt (``n > 1``) holding the parent's
+prompt KV the moment the parent's prefill is committed: in every group the blocks wholly inside the prompt
+are shared (a window's released ones stay released) and the block holding the prompt's partial end is
+copied into one of the child's own (copy-on-write: the parent goes on writing there). With prefix reuse on
+the child takes the parent's radix path, so its own blocks are keyed from there on as a hit's would be; it
+needs no reuse, though: it is the prompt's own KV, not a cached prefix (``reuse_hit_tokens`` does not count it).
+
 The first ``resume`` of a cache is its admission: it claims the cached prefix and sets
 ``request.num_computed_tokens`` to its length (never the whole sequence). That one is never
 refused for utilisation; the scheduler decides admission.
@@ -444,6 +451,60 @@ class KVCacheManagerV2:
         request.num_computed_tokens = 0
         request.num_reused_tokens = 0
         self.counters["preemptions"] += 1
+
+    def fork(self, parent: Request, child: Request) -> bool:
+        """Admit ``child`` (a sample of ``parent``'s prompt) holding the parent's computed prompt: blocks wholly in the
+        prompt shared, the partial last block of each group copied into a fresh block; ``num_computed_tokens`` and
+        ``num_reused_tokens`` are the prompt's length. False (nothing changed) when the copies do not fit.
+
+        ``parent`` must be active with exactly its prompt committed (the step its prefill completes)."""
+        src = self._active(parent)
+        P = parent.num_prompt_tokens
+        if src.committed != P or child.prompt_token_ids != parent.prompt_token_ids or child.salt != parent.salt:
+            raise ValueError(f"request {child.req_id}: can fork only a just-computed prompt equal to its own, under "
+                             f"its salt ({parent.req_id} has {src.committed} of {P} committed)")
+        if child in self._caches:
+            raise ValueError(f"request {child.req_id}: already has a KV cache")
+        copies = {g.name: int(P % g.tokens_per_block != 0 and src.tables[g.name][P // g.tokens_per_block] >= 0)
+                  for g in self.groups}
+        if self.shortfall(copies) is not None:
+            return False
+        if src.pending is not None:  # keyed lazily: hang the prompt in the tree so the child's path can run through it
+            self._materialize(src.pending)
+        cache = self.create(child)
+        for g in self.groups:
+            name, full = g.name, P // g.tokens_per_block
+            pool, table = self._pool[name], src.tables[name]
+            shared = table[:full]
+            pool.incref_many([b for b in shared if b >= 0])
+            own = list(shared)
+            if copies[name]:
+                b = pool.allocate(self._detach)
+                tensor = self.pools.tensors[name]
+                tensor[:, b].copy_(tensor[:, table[full]])
+                own.append(b)
+            elif P % g.tokens_per_block:
+                own.append(-1)  # the window already let the partial block go
+            cache.tables[name] = own
+            cache.released[name] = min(src.released[name], len(own))
+        if self._reuse:
+            keyed = P // self.T
+            cache.keyed, cache.key_at = keyed, (keyed + 1) * self.T
+            if keyed:
+                assert src.last is not None, "an eagerly keyed parent's path holds its prompt's full blocks"
+                cache.last = self._tree.claim(*self._tree.position(src.last, keyed - 1))
+            elif self._lazy:
+                self._add_latent(cache, pack_tokens(_tokens(child, 0, 1)))
+        self._activate(cache, P, hit=False)
+        return True
+
+    def unfork(self, child: Request) -> None:
+        """Undo :meth:`fork` before anything was computed (the scheduler refused the fork after building it)."""
+        cache = self.cache(child)
+        if cache.committed != cache.reused_tokens or cache.committed != child.num_prompt_tokens:
+            raise ValueError(f"request {child.req_id}: only a just-forked cache can be undone")
+        self.free(child)
+        child.num_computed_tokens = child.num_reused_tokens = 0
 
     def cancel_admission(self, request: Request) -> None:
         """Undo an admission that computed nothing yet: drop the cache as if it had never been created."""
@@ -956,8 +1017,8 @@ class KVCacheManagerV2:
                 n_owners = owners[g.name].get(b, 0)
                 if pool.ref[b] != n_owners:
                     problems.append(f"group {g.name}: block {b} ref {pool.ref[b]} but {n_owners} owners")
-                if pool.ref[b] > 1 and pool.node[b] is None:
-                    problems.append(f"group {g.name}: block {b} shared but not a cached prefix block")
+                # (a block held by several caches need not be a cached prefix block: forked samples share their
+                # prompt's blocks with prefix reuse off too)
                 if b in evictable and pool.node[b] is None:
                     problems.append(f"group {g.name}: evictable block {b} is not in the radix tree")
                 if b in free and pool.node[b] is not None:
@@ -1564,8 +1625,9 @@ class KVCacheManagerV2:
         if whole:
             held[lo:hi] = [h + whole for h in held[lo:hi]]
 
-    def _activate(self, cache: SequenceCache, m: int) -> None:
-        """Admission's end: ``m`` tokens are cached; the cache becomes active and its window is released."""
+    def _activate(self, cache: SequenceCache, m: int, hit: bool = True) -> None:
+        """Admission's end: ``m`` tokens are cached (a prefix-cache hit, unless ``hit`` is false: a fork); the cache
+        becomes active and its window is released."""
         request = cache.request
         cache.committed = cache.history = cache.capacity = m
         cache.state = CacheState.ACTIVE
@@ -1574,7 +1636,8 @@ class KVCacheManagerV2:
         cache.reused_tokens = m
         request.num_computed_tokens = m
         request.num_reused_tokens = min(m, request.num_prompt_tokens)
-        self.counters["reuse_hit_tokens"] += m
+        if hit:
+            self.counters["reuse_hit_tokens"] += m
         self._release_window(cache)
 
     def _claim_partial(self, cache: SequenceCache, m: int) -> int:

@@ -56,6 +56,9 @@ One :meth:`~KVCacheV2Scheduler.step`:
    A request that claims no cached prefix is asked about before its cache is built
    (:meth:`KVCacheManagerV2.fit_tokens_new` and friends answer as the built cache would), so a refusal —
    a long prompt waiting for room, step after step — builds and cancels nothing.
+   **Forks**: a sample of an ``n > 1`` prompt joins ``running`` in the step its prompt's prefill completes,
+   holding that prompt's KV (:meth:`KVCacheV2Scheduler.fork`), when the batch has room, the copy of the
+   partial block fits and the headroom rule above admits it; otherwise its driver queues it as any request.
 3. A waiting request that could never fit the pools even alone — its worst case,
    ``min(prompt + max_new_tokens, max_seq_len)`` tokens, needs more blocks than a pool has, or its
    prompt is longer than ``max_seq_len`` — is skipped and stays in ``waiting``; it is reported in
@@ -216,6 +219,23 @@ class KVCacheV2Scheduler(SchedulerBase):
         self.report_stall(out, reasons, waiting, running)
         self.extend_with_drafts(out)
         return out
+
+    def fork(self, parent: Request, child: Request, running: list[Request]) -> bool:
+        """Admit ``child`` into ``running`` holding ``parent``'s just-computed prompt (``KVCacheManagerV2.fork``) when
+        the batch has room, the copies fit and the headroom rule admits it as it would a waiting request; False
+        (nothing changed) otherwise."""
+        m = self.manager
+        if len(running) >= self.max_batch_size or m.never_fits(child) is not None or not m.fork(parent, child):
+            return False
+        ratio = self.new_token_ratio
+        if running and ratio:
+            hold = m.held_back(SHARED_HOLD, max(self._longest, child.num_tokens))
+            if m.short_of(m.growth_blocks(child, ratio, 1), m.headroom_blocks(running, ratio), extra=hold):
+                m.unfork(child)
+                return False
+        child.state = RequestState.RUNNING
+        running.append(child)
+        return True
 
     def reserve_drafts(self, request: Request, scheduled: int, drafts: int) -> int:
         """Draft slots from what is free now (never by moving a request out)."""
