@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -153,6 +154,7 @@ def pretrained_model(path: Path, *, device: str, dtype: str, tp_size: int = 1) -
     tdtype = torch_dtype(dtype)
     if not _weight_files(path):
         raise ModelError(f"{path}: no weights (*.safetensors or pytorch_model*.bin) in the checkpoint directory")
+    check_shapes_unloaded(path)
     placement: dict[str, Any] = {"device_map": device}
     if tp_size > 1:
         cfg = AutoConfig.from_pretrained(str(path), trust_remote_code=False, local_files_only=True)
@@ -177,6 +179,39 @@ def pretrained_model(path: Path, *, device: str, dtype: str, tp_size: int = 1) -
         del model
         raise
     return model.eval()
+
+
+def check_shapes_unloaded(path: Path) -> None:
+    """Refuse, before a byte is allocated, safetensors whose tensors hold another number of values than the model
+    ``config.json`` describes (the same one line :func:`check_loading_info` gives after a load).
+
+    ``from_pretrained`` builds the model at the config's sizes and only then compares them with the checkpoint's:
+    an ``intermediate_size`` of 10**9 over a 64-wide checkpoint asked for 128 GB (a MemoryError where the
+    allocator refuses, minutes of swapping where it does not), 10**6 took 768 MB, before the mismatch was named.
+    Here the model is built on the meta device (no memory) and each tensor's shape read from the files' headers.
+    Only a tensor of the same name and another number of values counts (a layout that transformers permutes on
+    load keeps its count); ``.bin`` files, whose shapes need a load, and anything that fails here are left to
+    ``from_pretrained``, which reports them as before."""
+    import warnings
+
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        cfg = AutoConfig.from_pretrained(str(path), trust_remote_code=False, local_files_only=True)
+        with torch.device("meta"), _quiet_load_report(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's "zero-element tensors" for a size 0: the one line below says it
+            expected = {name: tuple(t.shape) for name, t in AutoModelForCausalLM.from_config(cfg).state_dict().items()}
+        found = {}
+        for file in sorted(path.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                found.update({key: tuple(f.get_slice(key).get_shape()) for key in f.keys()})  # noqa: SIM118
+    except Exception:  # a config transformers cannot build, a corrupt header: from_pretrained says
+        return
+    mismatched = [(key, shape, expected[key]) for key, shape in found.items()
+                  if key in expected and math.prod(shape) != math.prod(expected[key])]
+    check_loading_info(path, {"mismatched_keys": mismatched})
 
 
 def _activation_error(where: Any, exc: Exception) -> ModelError | None:

@@ -208,6 +208,23 @@ def test_a_tensor_of_the_wrong_shape_is_one_line_naming_it_and_both_shapes(tmp_p
         load_through_stages(str(ckpt))
 
 
+@pytest.mark.parametrize("size", [4_000_000, 10**9])
+def test_a_config_json_that_inflates_a_tensor_is_refused_before_it_is_allocated(tmp_path, size):
+    """transformers builds the model at config.json's sizes before it compares them with the checkpoint's: an
+    intermediate_size of 10**9 over this 128-wide checkpoint asked for 256 GB, 4,000,000 for 6 GB, and the run
+    ended on the allocator's refusal (under the memory limit every hostile run gets), never naming the mismatch."""
+    import json
+
+    from tests.hostile_support import assert_refused, limited_kvload
+
+    ckpt = _llama_checkpoint(tmp_path / "ckpt")
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "intermediate_size": size}))
+    r = limited_kvload("generate", ckpt, "--prompt-ids", "1,2,3", "--max_new_tokens", "2", "--max_tokens", "1024")
+    assert_refused(r, f"{ckpt}: tensor model.layers.0.mlp.down_proj.weight in model.safetensors has shape [64, 128], "
+                      f"the model expects [64, {size}] (and 5 more); the checkpoint does not match its config.json")
+
+
 def test_the_cli_refuses_a_bad_checkpoint_in_one_line_without_transformers_report(tmp_path):
     # transformers logs an 18-line ANSI LOAD REPORT at warning level; the user sees kvload's one line only
     import os
