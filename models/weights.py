@@ -19,7 +19,7 @@ from typing import Any
 
 import attrs
 
-from models.checkpoint import Checkpoint, read_config_json
+from models.checkpoint import Checkpoint, read_config_json, read_json_object
 from pipeline.errors import KvRuntimeError, ModelError, first_line
 
 #: Model dtypes transformers can load weights in (float8 is a KV cache dtype only).
@@ -323,6 +323,8 @@ def load_tokenizer(path: Path) -> Any:
 
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
+    if (path / "tokenizer_config.json").is_file():  # read as config.json is: transformers calls .get on what it holds,
+        read_json_object(path / "tokenizer_config.json", "a tokenizer config")  # so a list was an AttributeError
     try:
         return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False, local_files_only=True)
     except (ValueError, KeyError, TypeError, OSError) as exc:

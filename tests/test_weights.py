@@ -225,6 +225,20 @@ def test_a_config_json_that_inflates_a_tensor_is_refused_before_it_is_allocated(
                       f"the model expects [64, {size}] (and 5 more); the checkpoint does not match its config.json")
 
 
+@pytest.mark.parametrize(("text", "words"), [
+    ("[1, 2]", "expected a JSON object, got list"),  # transformers called .get on it: "load_weights: AttributeError"
+    ('"BananaTokenizer"', "expected a JSON object, got str"),
+    ('{"model_max_length": 5, "model_max_length": 6}', "key 'model_max_length' appears twice in one object"),
+])
+def test_a_tokenizer_config_json_that_is_no_object_is_one_line_naming_it(tmp_path, text, words):
+    from tests.hostile_support import assert_refused, limited_kvload
+
+    ckpt = _llama_checkpoint(tmp_path / "ckpt")
+    (ckpt / "tokenizer_config.json").write_text(text)
+    r = limited_kvload("generate", ckpt, "--prompt-ids", "1,2,3", "--max_new_tokens", "2", "--max_tokens", "1024")
+    assert_refused(r, f"{ckpt / 'tokenizer_config.json'}: {words}")
+
+
 def test_the_cli_refuses_a_bad_checkpoint_in_one_line_without_transformers_report(tmp_path):
     # transformers logs an 18-line ANSI LOAD REPORT at warning level; the user sees kvload's one line only
     import os
