@@ -199,9 +199,10 @@ def check_shapes_unloaded(path: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
-        cfg = AutoConfig.from_pretrained(str(path), trust_remote_code=False, local_files_only=True)
-        with torch.device("meta"), _quiet_load_report(), warnings.catch_warnings():
+        # quiet: from_pretrained reads the config again and says what it has to say (transformers' warnings) once
+        with _quiet_load_report(), torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch's "zero-element tensors" for a size 0: the one line below says it
+            cfg = AutoConfig.from_pretrained(str(path), trust_remote_code=False, local_files_only=True)
             expected = {name: tuple(t.shape) for name, t in AutoModelForCausalLM.from_config(cfg).state_dict().items()}
         found = {}
         for file in sorted(path.glob("*.safetensors")):
@@ -215,16 +216,18 @@ def check_shapes_unloaded(path: Path) -> None:
 
 
 def _activation_error(where: Any, exc: Exception) -> ModelError | None:
-    """A ``KeyError`` of transformers' activation table (``ACT2FN[config.hidden_act]``) as one line naming the
-    config field and the activations accepted; None for any other failure. ``where``: the checkpoint directory
-    (its config.json is read) or the config object."""
+    """A ``KeyError`` of one of transformers' tables keyed by a config.json value, as one line naming the field and
+    what is accepted: the activations (``ACT2FN[config.hidden_act]``) and the RoPE types
+    (``ROPE_INIT_FUNCTIONS[rope_type]``, whose error was the bare name: "cannot load the weights: 'banana'"); None
+    for any other failure. ``where``: the checkpoint directory (its config.json is read) or the config object."""
     if not isinstance(exc, KeyError) or len(exc.args) != 1 or not isinstance(exc.args[0], str):
         return None
     from transformers.activations import ACT2FN
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from models.config_check import ROPE_FIELDS
 
     name = exc.args[0]
-    if name in ACT2FN:
-        return None
     if isinstance(where, Path):
         file = where / "config.json"
         try:  # read as the checkpoint's resolution read it (and accepted it) before the load got here
@@ -235,9 +238,17 @@ def _activation_error(where: Any, exc: Exception) -> ModelError | None:
         file, config = "config", where.to_dict() if hasattr(where, "to_dict") else {}
     for prefix, fields in (("", config), ("text_config.", config.get("text_config") or {})):
         for field, value in fields.items() if isinstance(fields, dict) else ():
-            if value == name and "act" in field:
+            if value == name and "act" in field and name not in ACT2FN:
                 return ModelError(f"{file}: {prefix}{field}: {name!r} is not an activation transformers has; "
                                   f"accepted: {', '.join(sorted(ACT2FN))}")
+            if field in ROPE_FIELDS and isinstance(value, dict) and name not in ROPE_INIT_FUNCTIONS:
+                nested = [(f".{k}", v) for k, v in value.items() if isinstance(v, dict)] or [("", value)]
+                for below, rope in nested:
+                    key = "rope_type" if "rope_type" in rope else "type"
+                    if rope.get(key) == name:
+                        accepted = ", ".join(["default", *sorted(ROPE_INIT_FUNCTIONS)])
+                        return ModelError(f"{file}: {prefix}{field}{below}.{key}: {name!r} is not a RoPE type "
+                                          f"transformers has; accepted: {accepted}")
     return None
 
 

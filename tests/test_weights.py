@@ -239,6 +239,22 @@ def test_a_tokenizer_config_json_that_is_no_object_is_one_line_naming_it(tmp_pat
     assert_refused(r, f"{ckpt / 'tokenizer_config.json'}: {words}")
 
 
+@pytest.mark.parametrize("field", ["rope_scaling", "rope_parameters"])
+def test_a_rope_type_transformers_lacks_names_the_field_and_the_accepted_ones(tmp_path, field):
+    """transformers logs that it cannot validate the type, then fails on its table of RoPE types: the line was
+    "transformers cannot load the weights: 'banana'"."""
+    import json
+
+    ckpt = _llama_checkpoint(tmp_path / "ckpt")
+    config = json.loads((ckpt / "config.json").read_text())
+    config.pop("rope_parameters", None)
+    (ckpt / "config.json").write_text(json.dumps({**config, field: {"rope_type": "banana", "factor": 2.0}}))
+    with pytest.raises(ModelError) as info:
+        load_through_stages(str(ckpt))
+    assert str(info.value) == (f"{ckpt}/config.json: {field}.rope_type: 'banana' is not a RoPE type transformers has; "
+                               "accepted: default, dynamic, linear, llama3, longrope, proportional, yarn")
+
+
 def test_the_cli_refuses_a_bad_checkpoint_in_one_line_without_transformers_report(tmp_path):
     # transformers logs an 18-line ANSI LOAD REPORT at warning level; the user sees kvload's one line only
     import os
