@@ -378,6 +378,10 @@ def test_models_audit_and_explain(served):
     assert chain["chain"][-1]["source"] == "api"
     r = served.http.get("/v1/kvload/explain", params={"field": "no_such_field"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "field"
+    # a client's field name is quoted cut: a 60,000-character one came back whole in the message
+    r = served.http.get("/v1/kvload/explain", params={"field": "a" * 60_000})
+    assert r.status_code == 400 and "a" * 78 not in r.text, len(r.text)
+    assert r.json()["error"]["message"].startswith("field: '" + "a" * 77 + "'... is not an LlmArgs field; fields: ")
 
 
 def test_a_client_that_hangs_up_while_sending_its_body_is_not_a_server_error(served):
