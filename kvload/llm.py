@@ -238,9 +238,9 @@ class LLM:
         stops it and frees its KV blocks. Sampling settings are checked here, the prompts on the
         first ``next()``. ``lora_request``: as :meth:`generate`'s, only None.
         """
-        self._check_open()
-        _no_lora("generate_stream", lora_request)
         with _named("generate_stream"):  # checked now, as the call will build them (over the model's defaults)
+            self._check_open()
+            _no_lora("generate_stream", lora_request)
             self.result.executor._params(sampling_params, sampling, 0)
         return self._stream(prompts, sampling_params, sampling, salt, chat)
 

@@ -504,7 +504,8 @@ def test_errors_name_the_call_the_user_made(words):
         llm.close()
     for call, args in (("chat", ([{"role": "user", "content": "w2"}],)),
                        ("beam_search", (["w2"], BeamSearchParams(beam_width=2, max_tokens=2))),
-                       ("generate", ("w2",))):
+                       ("generate", ("w2",)), ("generate_stream", ("w2",)), ("get_metrics", ()),
+                       ("reset_prefix_cache", ())):  # generate_stream's said "generate: this LLM was closed"
         with pytest.raises(GenerationError, match=rf"^{call}: this LLM was closed"):
             getattr(llm, call)(*args)
 
