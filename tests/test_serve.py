@@ -242,6 +242,21 @@ def _refusals(served) -> dict[str, float]:
     return {k: v for k, v in served.metrics().items() if k.startswith("kvload_http_requests_refused_total")}
 
 
+def test_a_request_target_without_its_slash_is_named_as_sent(served):
+    """``POST v1/completions`` (no leading slash) was answered "Invalid URL (POST /v1/completions): no such
+    endpoint", naming an endpoint the server has."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", served.server.port), timeout=30) as sock:
+        sock.sendall(b"POST v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}")
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 404 "), data[:300]
+    assert json.loads(body)["error"]["message"].startswith("Invalid URL (POST v1/completions): no such endpoint")
+
+
 def test_an_unknown_path_and_a_wrong_method_get_openais_error_body_not_fastapis_detail(served):
     """404 and 405 came as FastAPI's {"detail": "Not Found"}; every other error is OpenAI's body."""
     refused = _refusals(served)
