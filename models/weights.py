@@ -190,8 +190,8 @@ def check_shapes_unloaded(path: Path) -> None:
     allocator refuses, minutes of swapping where it does not), 10**6 took 768 MB, before the mismatch was named.
     Here the model is built on the meta device (no memory) and each tensor's shape read from the files' headers.
     Only a tensor of the same name and another number of values counts (a layout that transformers permutes on
-    load keeps its count); ``.bin`` files, whose shapes need a load, and anything that fails here are left to
-    ``from_pretrained``, which reports them as before."""
+    load keeps its count); a quantized checkpoint (``quantization_config``), ``.bin`` files, whose shapes need a load,
+    and anything that fails here are left to ``from_pretrained``, which reports them as before."""
     import warnings
 
     import torch
@@ -203,6 +203,8 @@ def check_shapes_unloaded(path: Path) -> None:
         with _quiet_load_report(), torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch's "zero-element tensors" for a size 0: the one line below says it
             cfg = AutoConfig.from_pretrained(str(path), trust_remote_code=False, local_files_only=True)
+            if getattr(cfg, "quantization_config", None):  # packed weights under the same names (bitsandbytes'):
+                return  # how they unpack is transformers' to say
             expected = {name: tuple(t.shape) for name, t in AutoModelForCausalLM.from_config(cfg).state_dict().items()}
         found = {}
         for file in sorted(path.glob("*.safetensors")):
