@@ -282,6 +282,11 @@ def template_options(add_generation_prompt: Any = True, continue_final_message: 
         raise GenerationError(f"chat: chat_template_kwargs: {settings[0]!r} is not a template variable but a setting "
                               "of transformers' apply_chat_template, which kvload does not take (it renders the "
                               "template as text and tokenizes that itself)")
+    for name, value in (("chat_template", chat_template), ("chat_template_kwargs", extra)):
+        found = surrogate_in(value, name)  # the template puts it in the prompt text, which no tokenizer encodes:
+        if found is not None:  # tokenizers raised "TypeError: TextEncodeInput must be Union[...]"
+            raise GenerationError(f"chat: {found[0]}: not valid Unicode text (a lone surrogate at character "
+                                  f"{lone_surrogate(found[1])}; text must be UTF-8)")
     options: dict[str, Any] = {**extra, "add_generation_prompt": add_generation_prompt,
                                "continue_final_message": continue_final_message}
     if chat_template is not None:
