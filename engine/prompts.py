@@ -110,6 +110,33 @@ def check_text(where: str, text: str) -> None:
                               f"{at}; text must be UTF-8)")
 
 
+def check_tree(where: str, value: Any) -> None:
+    """:func:`check_text` of every string in a JSON-like ``value`` (its keys too), naming where it lies
+    (``where.key``, ``where[2]``): a schema or template variables carry text to a grammar or a prompt as well."""
+    found = surrogate_in(value, where)
+    if found is not None:
+        check_text(*found)
+
+
+def surrogate_in(value: Any, where: str) -> tuple[str, str] | None:
+    """The first string in a JSON-like ``value`` (keys included) holding a lone surrogate, as (its path from
+    ``where``, the string), or None. A walk with a stack: a document's depth is bounded elsewhere, not here."""
+    stack: list[tuple[Any, str]] = [(value, where)]
+    while stack:
+        node, at = stack.pop()
+        if isinstance(node, str):
+            if lone_surrogate(node) is not None:
+                return at, node
+        elif isinstance(node, Mapping):
+            for key, item in reversed(list(node.items())):  # reversed: the first key is looked at first
+                ok = not isinstance(key, str) or lone_surrogate(key) is None
+                stack.append((item, f"{at}.{key}" if ok else at))
+                stack.append((key, at))
+        elif isinstance(node, (list, tuple)):
+            stack.extend((item, f"{at}[{j}]") for j, item in reversed(list(enumerate(node))))
+    return None
+
+
 def lone_surrogate(text: str) -> int | None:
     """Where ``text`` stops encoding as UTF-8 (JSON's ``\\ud800`` escapes decode to lone surrogates), or None."""
     try:
@@ -255,6 +282,11 @@ def template_options(add_generation_prompt: Any = True, continue_final_message: 
         raise GenerationError(f"chat: chat_template_kwargs: {settings[0]!r} is not a template variable but a setting "
                               "of transformers' apply_chat_template, which kvload does not take (it renders the "
                               "template as text and tokenizes that itself)")
+    for name, value in (("chat_template", chat_template), ("chat_template_kwargs", extra)):
+        found = surrogate_in(value, name)  # the template puts it in the prompt text, which no tokenizer encodes:
+        if found is not None:  # tokenizers raised "TypeError: TextEncodeInput must be Union[...]"
+            raise GenerationError(f"chat: {found[0]}: not valid Unicode text (a lone surrogate at character "
+                                  f"{lone_surrogate(found[1])}; text must be UTF-8)")
     options: dict[str, Any] = {**extra, "add_generation_prompt": add_generation_prompt,
                                "continue_final_message": continue_final_message}
     if chat_template is not None:

@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 from urllib.parse import unquote
 
+from pipeline.limits import short
+
 #: The string formats xgrammar 0.2.9 compiles; any other ``format`` is passed over and the length bounds then act.
 XGRAMMAR_FORMATS = frozenset({"date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uuid",
                               "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"})
@@ -51,11 +53,27 @@ def dropped_lengths(schema: Any) -> list[tuple[Path, str, int, str]]:
     return out
 
 
+#: Characters of JSON a ``setting_ignored`` value keeps; a longer one is summarized (:func:`shown`).
+MAX_SHOWN_CHARS = 200
+
+
 def named(field: str, entries: Iterable[tuple[Path, str, Any, str]]) -> list[tuple[str, Any, str]]:
-    """``(path, key, value, why)`` entries as ``setting_ignored`` ones (name, value, why), each named by its JSON path
-    under ``field`` (``structured_outputs.json.properties.code.maxLength``)."""
-    return [(field + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in (*path, key)), value, why)
+    """``(path, key, value, why)`` entries as ``setting_ignored`` ones (name, :func:`shown` value, why), each named by
+    its JSON path under ``field`` (``structured_outputs.json.properties.code.maxLength``)."""
+    return [(field + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in (*path, key)), shown(value), why)
             for path, key, value, why in entries]
+
+
+def shown(value: Any) -> Any:
+    """A keyword's value as its ``setting_ignored`` record carries it: as given when its JSON is at most
+    :data:`MAX_SHOWN_CHARS` characters, else a string cut to them or a container summarized ("a mapping of 3 keys").
+    A ``not`` or ``oneOf`` holds a whole subschema: each request's record (and the server's log line) carried up to
+    100,000 characters a client chose, and the server's audit keeps 100,000 records; the path names it already."""
+    if isinstance(value, str):
+        return value if len(value) <= MAX_SHOWN_CHARS else value[:MAX_SHOWN_CHARS - 3] + "..."
+    if len(json.dumps(value, default=str)) <= MAX_SHOWN_CHARS:
+        return value
+    return short(value)
 
 
 def ignored_lengths(schema: Any, field: str) -> list[tuple[str, int, str]]:

@@ -10,7 +10,7 @@ from typing import Any
 
 import attrs
 
-from engine.prompts import check_text
+from engine.prompts import check_text, check_tree, lone_surrogate
 from engine.reasoning import PARSERS
 from engine.schema_ignored import ignored_settings
 from pipeline.errors import GenerationError
@@ -59,6 +59,8 @@ def _schema_text(schema: Any) -> str:
         text = _json.dumps(schema, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise _refuse("json", f"not JSON-serializable ({exc})") from None
+    if lone_surrogate(text) is not None:  # JSON's "\ud800" in a pattern, an enum, a key: xgrammar takes UTF-8 only
+        check_tree(f"{_FIELD}.json", schema)
     if len(text) > MAX_STRUCTURED_CHARS:
         raise _refuse("json", f"expected at most {MAX_STRUCTURED_CHARS:,} characters of JSON schema, got "
                               f"{len(text):,}")

@@ -16,6 +16,7 @@ from pipeline.audit_schema import cross_check
 from pipeline.config import V2_FIELD, framework_defaults
 from pipeline.errors import ConfigError
 from pipeline.events import is_value_event
+from pipeline.limits import short_text
 from pipeline.paths import flatten
 from pipeline.text import literal, table
 
@@ -41,7 +42,8 @@ def resolve_field(name: str, aliases: dict[str, str] | None = None) -> str:
         return by_leaf[0]
     close = difflib.get_close_matches(name, known + [p.rsplit(".", 1)[-1] for p in known], n=1, cutoff=0.6)
     hint = f"did you mean '{close[0]}'?" if close else f"fields: {', '.join(known)}"
-    raise ConfigError(f"explain: {name!r} is not an LlmArgs field; {hint}", path=None)
+    # quoted cut: the name is the user's, and over HTTP (/v1/kvload/explain?field=) any client's, whole it was 60 KB
+    raise ConfigError(f"explain: {short_text(name, 80)} is not an LlmArgs field; {hint}", path=None)
 
 
 # --- one field's chain ---------------------------------------------------------------------

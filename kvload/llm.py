@@ -21,7 +21,7 @@ from typing import Any
 
 from engine.beam_search import BeamSearchOutput, BeamSearchParams
 from engine.outputs import GenerationStats, RequestOutput, TokenDelta
-from engine.prompts import is_conversation
+from engine.prompts import check_tree, is_conversation
 from engine.sampling_params import SamplingParams, is_int
 from kvload.api import LoadResult, api_request, execute
 from kvload.metrics import LlmMetrics, Metric
@@ -202,6 +202,8 @@ class LLM:
         if tools is not None:
             if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
                 raise GenerationError(f"chat: tools: expected a list of tool definitions (dicts), got {tools!r}"[:200])
+            with _named("chat"):  # named as given, before they join the template's variables
+                check_tree("tools", tools)
             if isinstance(chat_template_kwargs, dict) and "tools" in chat_template_kwargs:
                 raise GenerationError("chat: tools: given both as chat's argument and in chat_template_kwargs; give "
                                       "it once")
@@ -238,9 +240,9 @@ class LLM:
         stops it and frees its KV blocks. Sampling settings are checked here, the prompts on the
         first ``next()``. ``lora_request``: as :meth:`generate`'s, only None.
         """
-        self._check_open()
-        _no_lora("generate_stream", lora_request)
         with _named("generate_stream"):  # checked now, as the call will build them (over the model's defaults)
+            self._check_open()
+            _no_lora("generate_stream", lora_request)
             self.result.executor._params(sampling_params, sampling, 0)
         return self._stream(prompts, sampling_params, sampling, salt, chat)
 

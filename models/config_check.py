@@ -8,6 +8,7 @@ room to spare. The error names the file and the field.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,30 @@ INT_FIELDS: dict[str, tuple[int, int, bool]] = {
     "vocab_size": (1, 2**24, True),
 }
 BOOL_FIELDS = ("use_sliding_window",)
+
+
+#: The RoPE scaling settings (``rope_scaling``, transformers 5's ``rope_parameters``): an object, or one per layer type.
+ROPE_FIELDS = ("rope_scaling", "rope_parameters")
+
+
+def rope_problem(value: Any) -> tuple[str, str] | None:
+    """What is wrong with a ``rope_scaling`` / ``rope_parameters`` value, as (the path below the field, e.g.
+    ``.factor`` or ``.full_attention.factor``; the problem), or None. Its ``factor`` must be a finite number >= 1,
+    transformers' own rule for every scaled type: transformers only logs a warning and builds the model anyway,
+    whose positions a factor of -2 runs backwards (text comes out, no error)."""
+    if not isinstance(value, Mapping):
+        return "", f"expected an object of RoPE settings (rope_type, factor, ...) or null, got {short(value)}"
+    if value and all(isinstance(v, Mapping) for v in value.values()):  # one per layer type (Gemma 3's)
+        for kind, inner in value.items():
+            problem = rope_problem(inner)
+            if problem:
+                return f".{kind}{problem[0]}", problem[1]
+        return None
+    factor = value.get("factor")
+    if factor is not None and not (isinstance(factor, int | float) and not isinstance(factor, bool)
+                                   and math.isfinite(factor) and factor >= 1):
+        return ".factor", f"expected a number >= 1 (1 = no scaling), got {short(factor)}"
+    return None
 
 
 def _int_problem(value: Any, least: int, most: int, nullable: bool) -> str | None:
@@ -95,6 +120,11 @@ def check_fields(data: Mapping[str, Any], file: Path, prefix: str = "") -> None:
             problem = _int_problem(rate, 1, 1_048_576, False)
             if problem:
                 fail(f"compress_rates.{kind}", problem)
+    for field in ROPE_FIELDS:
+        if data.get(field) is not None:
+            rope = rope_problem(data[field])
+            if rope:
+                fail(field + rope[0], rope[1])
     if not prefix and "text_config" in data and data["text_config"] is not None:
         inner = data["text_config"]
         if not isinstance(inner, Mapping):

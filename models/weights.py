@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any
 
 import attrs
 
-from models.checkpoint import Checkpoint, read_config_json
+from models.checkpoint import Checkpoint, read_config_json, read_json_object
 from pipeline.errors import KvRuntimeError, ModelError, first_line
 
 #: Model dtypes transformers can load weights in (float8 is a KV cache dtype only).
@@ -153,6 +154,7 @@ def pretrained_model(path: Path, *, device: str, dtype: str, tp_size: int = 1) -
     tdtype = torch_dtype(dtype)
     if not _weight_files(path):
         raise ModelError(f"{path}: no weights (*.safetensors or pytorch_model*.bin) in the checkpoint directory")
+    check_shapes_unloaded(path)
     placement: dict[str, Any] = {"device_map": device}
     if tp_size > 1:
         cfg = AutoConfig.from_pretrained(str(path), trust_remote_code=False, local_files_only=True)
@@ -179,17 +181,55 @@ def pretrained_model(path: Path, *, device: str, dtype: str, tp_size: int = 1) -
     return model.eval()
 
 
+def check_shapes_unloaded(path: Path) -> None:
+    """Refuse, before a byte is allocated, safetensors whose tensors hold another number of values than the model
+    ``config.json`` describes (the same one line :func:`check_loading_info` gives after a load).
+
+    ``from_pretrained`` builds the model at the config's sizes and only then compares them with the checkpoint's:
+    an ``intermediate_size`` of 10**9 over a 64-wide checkpoint asked for 128 GB (a MemoryError where the
+    allocator refuses, minutes of swapping where it does not), 10**6 took 768 MB, before the mismatch was named.
+    Here the model is built on the meta device (no memory) and each tensor's shape read from the files' headers.
+    Only a tensor of the same name and another number of values counts (a layout that transformers permutes on
+    load keeps its count); a quantized checkpoint (``quantization_config``), ``.bin`` files, whose shapes need a load,
+    and anything that fails here are left to ``from_pretrained``, which reports them as before."""
+    import warnings
+
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        # quiet: from_pretrained reads the config again and says what it has to say (transformers' warnings) once
+        with _quiet_load_report(), torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's "zero-element tensors" for a size 0: the one line below says it
+            cfg = AutoConfig.from_pretrained(str(path), trust_remote_code=False, local_files_only=True)
+            if getattr(cfg, "quantization_config", None):  # packed weights under the same names (bitsandbytes'):
+                return  # how they unpack is transformers' to say
+            expected = {name: tuple(t.shape) for name, t in AutoModelForCausalLM.from_config(cfg).state_dict().items()}
+        found = {}
+        for file in sorted(path.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                found.update({key: tuple(f.get_slice(key).get_shape()) for key in f.keys()})  # noqa: SIM118
+    except Exception:  # a config transformers cannot build, a corrupt header: from_pretrained says
+        return
+    mismatched = [(key, shape, expected[key]) for key, shape in found.items()
+                  if key in expected and math.prod(shape) != math.prod(expected[key])]
+    check_loading_info(path, {"mismatched_keys": mismatched})
+
+
 def _activation_error(where: Any, exc: Exception) -> ModelError | None:
-    """A ``KeyError`` of transformers' activation table (``ACT2FN[config.hidden_act]``) as one line naming the
-    config field and the activations accepted; None for any other failure. ``where``: the checkpoint directory
-    (its config.json is read) or the config object."""
+    """A ``KeyError`` of one of transformers' tables keyed by a config.json value, as one line naming the field and
+    what is accepted: the activations (``ACT2FN[config.hidden_act]``) and the RoPE types
+    (``ROPE_INIT_FUNCTIONS[rope_type]``, whose error was the bare name: "cannot load the weights: 'banana'"); None
+    for any other failure. ``where``: the checkpoint directory (its config.json is read) or the config object."""
     if not isinstance(exc, KeyError) or len(exc.args) != 1 or not isinstance(exc.args[0], str):
         return None
     from transformers.activations import ACT2FN
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from models.config_check import ROPE_FIELDS
 
     name = exc.args[0]
-    if name in ACT2FN:
-        return None
     if isinstance(where, Path):
         file = where / "config.json"
         try:  # read as the checkpoint's resolution read it (and accepted it) before the load got here
@@ -200,9 +240,17 @@ def _activation_error(where: Any, exc: Exception) -> ModelError | None:
         file, config = "config", where.to_dict() if hasattr(where, "to_dict") else {}
     for prefix, fields in (("", config), ("text_config.", config.get("text_config") or {})):
         for field, value in fields.items() if isinstance(fields, dict) else ():
-            if value == name and "act" in field:
+            if value == name and "act" in field and name not in ACT2FN:
                 return ModelError(f"{file}: {prefix}{field}: {name!r} is not an activation transformers has; "
                                   f"accepted: {', '.join(sorted(ACT2FN))}")
+            if field in ROPE_FIELDS and isinstance(value, dict) and name not in ROPE_INIT_FUNCTIONS:
+                nested = [(f".{k}", v) for k, v in value.items() if isinstance(v, dict)] or [("", value)]
+                for below, rope in nested:
+                    key = "rope_type" if "rope_type" in rope else "type"
+                    if rope.get(key) == name:
+                        accepted = ", ".join(["default", *sorted(ROPE_INIT_FUNCTIONS)])
+                        return ModelError(f"{file}: {prefix}{field}{below}.{key}: {name!r} is not a RoPE type "
+                                          f"transformers has; accepted: {accepted}")
     return None
 
 
@@ -288,6 +336,8 @@ def load_tokenizer(path: Path) -> Any:
 
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
+    if (path / "tokenizer_config.json").is_file():  # read as config.json is: transformers calls .get on what it holds,
+        read_json_object(path / "tokenizer_config.json", "a tokenizer config")  # so a list was an AttributeError
     try:
         return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False, local_files_only=True)
     except (ValueError, KeyError, TypeError, OSError) as exc:

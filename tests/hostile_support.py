@@ -140,6 +140,15 @@ def config_mutations(base: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]
         "text_config.num_attention_heads"
     for value in ("yes", 1):
         yield f"use_sliding_window={json.dumps(value)}", {**base, "use_sliding_window": value}, "use_sliding_window"
+    # transformers only logs that a RoPE factor must be >= 1, then builds the model: positions scaled by -2, text out
+    for value in (-2, 0, 0.5, "4", True, [2]):
+        rope = {"rope_type": "linear", "factor": value}
+        yield f"rope_scaling.factor={json.dumps(value)}", {**base, "rope_scaling": rope}, "rope_scaling.factor"
+    yield ("rope_parameters per layer type", {**base, "rope_parameters": {
+        "full_attention": {"rope_type": "default"}, "sliding_attention": {"rope_type": "linear", "factor": -1}}},
+        "rope_parameters.sliding_attention.factor")
+    for value in ("linear", 4, [1]):
+        yield f"rope_scaling={json.dumps(value)}", {**base, "rope_scaling": value}, "rope_scaling"
 
 
 def exit_signal_name(code: int) -> str:

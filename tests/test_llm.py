@@ -352,6 +352,27 @@ def test_chat_takes_vllms_template_options_and_a_chat_text_prompt_reports_the_te
         tok.chat_template = None
 
 
+def test_a_lone_surrogate_the_template_would_render_is_named_where_it_was_given(llm):
+    """A template variable, a tool or the template itself put it in the prompt text, which tokenizers refused with
+    "TypeError: TextEncodeInput must be Union[TextInputSequence, ...]" (the server checks its requests already)."""
+    tok = llm.tokenizer
+    tok.chat_template = ("{% for m in messages %}{{ m['content'] }} {% endfor %}{{ extra }}"
+                         "{% for t in tools or [] %}{{ t['function']['name'] }}{% endfor %}")
+    conv = [{"role": "user", "content": "w5"}]
+    try:
+        for bad, where, at in (({"chat_template_kwargs": {"extra": "w\ud800"}}, "chat_template_kwargs.extra", 1),
+                               ({"tools": [{"type": "function", "function": {"name": "\udfff"}}]},
+                                "tools[0].function.name", 0),
+                               ({"chat_template": "{{ '\ud800' }}"}, "chat_template", 4)):
+            with pytest.raises(GenerationError) as info:
+                llm.chat(conv, SamplingParams(max_tokens=1), **bad)
+            assert str(info.value) == (f"chat: {where}: not valid Unicode text (a lone surrogate at character {at}; "
+                                       "text must be UTF-8)")
+        assert llm.chat(conv, SamplingParams(max_tokens=1), chat_template_kwargs={"extra": "w2"})[0].prompt == "w5 w2"
+    finally:
+        tok.chat_template = None
+
+
 def test_chat_takes_the_message_forms_the_server_takes_and_a_refusing_template_is_one_error(llm):
     tok = llm.tokenizer
     # Mistral's and Llama 2's templates raise when roles do not alternate
@@ -505,7 +526,8 @@ def test_errors_name_the_call_the_user_made(words):
         llm.close()
     for call, args in (("chat", ([{"role": "user", "content": "w2"}],)),
                        ("beam_search", (["w2"], BeamSearchParams(beam_width=2, max_tokens=2))),
-                       ("generate", ("w2",))):
+                       ("generate", ("w2",)), ("generate_stream", ("w2",)), ("get_metrics", ()),
+                       ("reset_prefix_cache", ())):  # generate_stream's said "generate: this LLM was closed"
         with pytest.raises(GenerationError, match=rf"^{call}: this LLM was closed"):
             getattr(llm, call)(*args)
 

@@ -97,3 +97,17 @@ def test_each_is_named_by_its_json_path_and_why_after_the_length_bounds():
     assert [n for n, _, _ in ignored_settings({"type": "array", "prefixItems": [{"type": "string", "not": {}}]},
                                               "tools[0].function.parameters")] == [
         "tools[0].function.parameters.prefixItems[0].not"]
+
+
+def test_a_large_value_is_recorded_summarized_not_whole():
+    """A ``not`` or ``oneOf`` holds a whole subschema, a pattern any text: each request's ``setting_ignored`` carried
+    it whole (85 KB here, and the server's audit keeps 100,000 records) and the server printed it in its log line."""
+    schema = {"type": "object", "not": {"enum": [f"{'x' * 50}{i}" for i in range(1500)]},
+              "properties": {"a": {"pattern": "y" * 5000}, "b": {"type": "string", "not": {"const": ""}}}}
+    assert ignored_settings(schema, "structured_outputs.json") == [
+        ("structured_outputs.json.not", "a mapping of 1 keys",
+         "xgrammar does not enforce not: a value the subschema matches is still allowed"),
+        ("structured_outputs.json.properties.a.pattern", "y" * 197 + "...", "xgrammar matches any JSON value for a "
+         "schema without a type: give it one for this to act"),
+        ("structured_outputs.json.properties.b.not", {"const": ""},  # a small one is kept as given
+         "xgrammar does not enforce not: a value the subschema matches is still allowed")]

@@ -242,6 +242,21 @@ def _refusals(served) -> dict[str, float]:
     return {k: v for k, v in served.metrics().items() if k.startswith("kvload_http_requests_refused_total")}
 
 
+def test_a_request_target_without_its_slash_is_named_as_sent(served):
+    """``POST v1/completions`` (no leading slash) was answered "Invalid URL (POST /v1/completions): no such
+    endpoint", naming an endpoint the server has."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", served.server.port), timeout=30) as sock:
+        sock.sendall(b"POST v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}")
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 404 "), data[:300]
+    assert json.loads(body)["error"]["message"].startswith("Invalid URL (POST v1/completions): no such endpoint")
+
+
 def test_an_unknown_path_and_a_wrong_method_get_openais_error_body_not_fastapis_detail(served):
     """404 and 405 came as FastAPI's {"detail": "Not Found"}; every other error is OpenAI's body."""
     refused = _refusals(served)
@@ -284,6 +299,25 @@ def test_an_unknown_path_and_a_wrong_method_get_openais_error_body_not_fastapis_
     # json refuses to read an integer literal past 4,300 digits (a ValueError, not a JSONDecodeError): was a 500
     ("/v1/completions", b'{"prompt": [1, 2], "max_tokens": ' + b"9" * 5000 + b"}", None,
      "an integer literal of more than 4300 digits; no field takes one past 2**63 - 1"),
+    # a lone surrogate in a JSON schema: a UnicodeEncodeError when the grammar was keyed, a 500 with a traceback
+    ("/v1/completions", b'{"prompt": [1, 2], "structured_outputs": {"json": {"enum": ["ok", "\\ud800"]}}}',
+     "structured_outputs", "structured_outputs.json.enum[1]: not valid Unicode text (a lone surrogate at character 0"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": '
+     b'"json_schema", "json_schema": {"name": "a", "schema": {"type": "string", "pattern": "a\\udfff"}}}}',
+     "response_format", "response_format.json_schema.schema.pattern: not valid Unicode text (a lone surrogate at "
+     "character 1"),
+    # a refusal quoting a lone surrogate (an unknown field's name) could not be written as UTF-8: a 500, the
+    # connection dropped; it is quoted as its escape
+    ("/v1/completions", b'{"prompt": [1, 2], "\\ud800x": 1}', "\\ud800x",
+     "\\ud800x: not supported by kvload serve; accepted fields: "),
+    # json.loads of bytes read UTF-16 too, whose bytes the nesting check cannot read ("\u2200" holds a quote byte):
+    # 100,000 brackets passed it and json's decoder raised RecursionError, a 500; JSON between systems is UTF-8
+    ("/v1/completions", ('{"prompt": "\u2200", "x": ' + "[" * 100_000 + "]" * 100_000 + ', "y": "\u2200"}'
+                         ).encode("utf-16-le"), None, "the request body is not valid JSON"),
+    ("/v1/completions", '{"prompt": [1, 2]}'.encode("utf-16"), None,
+     "the request body is not UTF-8 text: byte 0xff at offset 0 (invalid start byte)"),
+    ("/v1/completions", b'{"prompt": "a \xed\xa0\x80"}', None,  # a surrogate encoded in UTF-8's way
+     "the request body is not UTF-8 text: byte 0xed at offset 14 (invalid continuation byte)"),
 ])
 def test_bodies_the_tokenizer_or_json_cannot_take_get_400_and_the_server_keeps_serving(served, path, body, param,
                                                                                       words):
@@ -359,6 +393,10 @@ def test_models_audit_and_explain(served):
     assert chain["chain"][-1]["source"] == "api"
     r = served.http.get("/v1/kvload/explain", params={"field": "no_such_field"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "field"
+    # a client's field name is quoted cut: a 60,000-character one came back whole in the message
+    r = served.http.get("/v1/kvload/explain", params={"field": "a" * 60_000})
+    assert r.status_code == 400 and "a" * 78 not in r.text, len(r.text)
+    assert r.json()["error"]["message"].startswith("field: '" + "a" * 77 + "'... is not an LlmArgs field; fields: ")
 
 
 def test_a_client_that_hangs_up_while_sending_its_body_is_not_a_server_error(served):

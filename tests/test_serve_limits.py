@@ -101,6 +101,25 @@ def test_a_body_at_the_cap_is_served_and_one_byte_more_is_not(served, chunked):
     _served_normally(served)
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/tokenize"])
+@pytest.mark.parametrize("encoding", ["gzip", "br", "deflate, gzip"])
+def test_a_compressed_body_is_a_415_naming_content_encoding_refused_unread(served, path, encoding):
+    """A gzip body was read as JSON text: a 400 saying byte 0x8b is not UTF-8, which told the client nothing of the
+    header it sent; the body is not read (never sent here: the answer is the proof)."""
+    head = (f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\nContent-Encoding: {encoding}"
+            "\r\nContent-Length: 100\r\n\r\n").encode()
+    status, headers, payload = _raw(served, head)
+    assert status == 415 and headers["connection"] == "close", payload
+    assert json.loads(payload)["error"] == {
+        "message": f"Content-Encoding {encoding!r}: not accepted; send the request body uncompressed (identity)",
+        "type": "invalid_request_error", "param": None, "code": "unsupported_content_encoding"}
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 2}).encode()  # identity, said or not, is served
+    for said in ("Content-Encoding: identity\r\n", ""):
+        got = _raw(served, _post_head(f"{said}Content-Length: {len(body)}\r\nConnection: close\r\n"), body)
+        assert got[0] == 200, got
+    _served_normally(served)
+
+
 def test_the_default_cap_takes_the_largest_request_of_token_ids_the_model_serves(served):
     """1024 prompts (MAX_PROMPTS) of max_seq_len - 1 token ids, each the widest id, as json.dumps writes them."""
     from kvload.serve.protocol import MAX_PROMPTS, default_max_request_bytes

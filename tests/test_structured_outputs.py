@@ -289,6 +289,14 @@ def test_a_grammar_that_matches_no_text_is_told_from_xgrammars_grammar(grammar, 
      r"structured_outputs\.json: expected at most 100,000 characters of JSON schema, got 188,918$"),
     ({"regex": "(" + "|".join(f"v{i}x" for i in range(20_000)) + ")"},
      r"structured_outputs\.regex: expected at most 100,000 characters, got 148,891$"),
+    # a lone surrogate (JSON's "\ud800") in a schema given as a dict: its text was hashed as UTF-8 on compile, a
+    # UnicodeEncodeError with a traceback (over HTTP a 500); named where it lies, as in the other kinds' text
+    ({"json": {"type": "string", "pattern": "a\ud800"}},
+     r"^generate: structured_outputs\.json\.pattern: not valid Unicode text \(a lone surrogate at character 1; "),
+    ({"json": {"anyOf": [{"const": "ok"}, {"enum": ["x", "\udfff"]}]}},
+     r"^generate: structured_outputs\.json\.anyOf\[1\]\.enum\[1\]: not valid Unicode text"),
+    ({"json": {"type": "object", "properties": {"\ud800": {"type": "string"}}}},
+     r"^generate: structured_outputs\.json\.properties: not valid Unicode text"),
 ])
 def test_bad_structured_outputs_params_are_one_line(kw, message):
     with pytest.raises(GenerationError, match=message):

@@ -208,6 +208,53 @@ def test_a_tensor_of_the_wrong_shape_is_one_line_naming_it_and_both_shapes(tmp_p
         load_through_stages(str(ckpt))
 
 
+@pytest.mark.parametrize("size", [4_000_000, 10**9])
+def test_a_config_json_that_inflates_a_tensor_is_refused_before_it_is_allocated(tmp_path, size):
+    """transformers builds the model at config.json's sizes before it compares them with the checkpoint's: an
+    intermediate_size of 10**9 over this 128-wide checkpoint asked for 256 GB, 4,000,000 for 6 GB, and the run
+    ended on the allocator's refusal (under the memory limit every hostile run gets), never naming the mismatch."""
+    import json
+
+    from tests.hostile_support import assert_refused, limited_kvload
+
+    ckpt = _llama_checkpoint(tmp_path / "ckpt")
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "intermediate_size": size}))
+    r = limited_kvload("generate", ckpt, "--prompt-ids", "1,2,3", "--max_new_tokens", "2", "--max_tokens", "1024")
+    assert_refused(r, f"{ckpt}: tensor model.layers.0.mlp.down_proj.weight in model.safetensors has shape [64, 128], "
+                      f"the model expects [64, {size}] (and 5 more); the checkpoint does not match its config.json")
+
+
+@pytest.mark.parametrize(("text", "words"), [
+    ("[1, 2]", "expected a JSON object, got list"),  # transformers called .get on it: "load_weights: AttributeError"
+    ('"BananaTokenizer"', "expected a JSON object, got str"),
+    ('{"model_max_length": 5, "model_max_length": 6}', "key 'model_max_length' appears twice in one object"),
+])
+def test_a_tokenizer_config_json_that_is_no_object_is_one_line_naming_it(tmp_path, text, words):
+    from tests.hostile_support import assert_refused, limited_kvload
+
+    ckpt = _llama_checkpoint(tmp_path / "ckpt")
+    (ckpt / "tokenizer_config.json").write_text(text)
+    r = limited_kvload("generate", ckpt, "--prompt-ids", "1,2,3", "--max_new_tokens", "2", "--max_tokens", "1024")
+    assert_refused(r, f"{ckpt / 'tokenizer_config.json'}: {words}")
+
+
+@pytest.mark.parametrize("field", ["rope_scaling", "rope_parameters"])
+def test_a_rope_type_transformers_lacks_names_the_field_and_the_accepted_ones(tmp_path, field):
+    """transformers logs that it cannot validate the type, then fails on its table of RoPE types: the line was
+    "transformers cannot load the weights: 'banana'"."""
+    import json
+
+    ckpt = _llama_checkpoint(tmp_path / "ckpt")
+    config = json.loads((ckpt / "config.json").read_text())
+    config.pop("rope_parameters", None)
+    (ckpt / "config.json").write_text(json.dumps({**config, field: {"rope_type": "banana", "factor": 2.0}}))
+    with pytest.raises(ModelError) as info:
+        load_through_stages(str(ckpt))
+    assert str(info.value) == (f"{ckpt}/config.json: {field}.rope_type: 'banana' is not a RoPE type transformers has; "
+                               "accepted: default, dynamic, linear, llama3, longrope, proportional, yarn")
+
+
 def test_the_cli_refuses_a_bad_checkpoint_in_one_line_without_transformers_report(tmp_path):
     # transformers logs an 18-line ANSI LOAD REPORT at warning level; the user sees kvload's one line only
     import os

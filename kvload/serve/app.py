@@ -223,7 +223,9 @@ def create_app(state: ServeState) -> FastAPI:
 def _routing_error(app: FastAPI, request: Request, exc: HTTPException) -> BadRequest:
     """OpenAI's error for a Starlette ``HTTPException``, naming the method and path (and for a 405 the methods
     the path takes, as its ``Allow`` header does)."""
-    method, path = request.method, request.url.path
+    # the path as routing saw it: request.url rebuilds a URL, which put back the "/" a request target without one
+    # ("POST v1/completions") lacked, and the 404 then named an endpoint the server has
+    method, path = request.method, request.scope.get("path", request.url.path)
     asked = f"{method} {path}"[:300]  # the path is the client's: quoted, never whole if it is huge
     if exc.status_code == 404:
         paths = sorted({route.path for route in app.routes if getattr(route, "path", None)})
@@ -286,7 +288,13 @@ async def _read_body(request: Request, limit: int, timeout: float, stopping: asy
     Refused with 408 when it has not all arrived ``timeout`` seconds after the handler began reading: a client
     that stops sending, or trickles, would otherwise hold the connection and the handler forever. Refused with
     503 as soon as ``stopping`` is set: uvicorn's shutdown would wait for the upload, then cancel the handler
-    (a traceback and a plain-text 500)."""
+    (a traceback and a plain-text 500). Refused with 415, unread, when it comes compressed (a Content-Encoding but
+    identity): kvload reads request bodies as they are, as vLLM does."""
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):  # its bytes were read as JSON text: "not valid JSON: can't decode 0x8b"
+        raise BadRequest(f"Content-Encoding {encoding[:40]!r}: not accepted; send the request body uncompressed "
+                         "(identity)", status=415, code="unsupported_content_encoding",
+                         headers={"Connection": "close"})  # refused unread, as a 413: the body is not waited for
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:  # the HTTP layer refuses a malformed Content-Length itself
         raise _too_large(limit, f"Content-Length {int(length):,}")
@@ -445,15 +453,24 @@ def _check_model(state: ServeState, body: dict[str, Any]) -> None:
 
 
 def _load(raw: bytes | bytearray) -> Any:
-    """A request body's JSON; ``BadRequest`` for one nested too deeply, not JSON, or with a key given twice."""
+    """A request body's JSON (UTF-8 text, RFC 8259's rule for JSON between systems; a leading BOM is skipped);
+    ``BadRequest`` for one that is not UTF-8, nested too deeply, not JSON, or with a key given twice."""
+    try:
+        # decoded here, strictly: json.loads of bytes also reads UTF-16 and UTF-32, whose bytes the depth check below
+        # cannot read (a "\u2200" is a quote byte there: 100,000 brackets passed as a string, then json's decoder
+        # raised RecursionError, a 500 with a traceback), and lets UTF-8-encoded surrogates through
+        text = raw.decode("utf-8-sig")  # straight from the bytearray: no bytes copy of up to 129 MiB first
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"the request body is not UTF-8 text: byte 0x{raw[exc.start]:02x} at offset {exc.start:,} "
+                         f"({exc.reason}); JSON request bodies must be UTF-8") from None
     if json_depth(raw) > MAX_DEPTH:  # before parsing: json's decoder recurses once per level
         raise BadRequest(f"the request body nests too deeply: at most {MAX_DEPTH} levels of arrays and objects "
                          "are accepted (an OpenAI request needs about 5)")
     try:
         # json keeps the last of a key given twice: refused, as in config.json and audit files
-        body = json.loads(raw, object_pairs_hook=unique_keys(lambda m: BadRequest(f"the request body is ambiguous: "
-                                                                                   f"{m}; keep one")))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        body = json.loads(text, object_pairs_hook=unique_keys(lambda m: BadRequest(f"the request body is ambiguous: "
+                                                                                    f"{m}; keep one")))
+    except json.JSONDecodeError as exc:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from None
     except ValueError:  # int() refuses a literal past sys.get_int_max_str_digits(): was a 500 with Python's advice
         raise BadRequest(f"the request body holds an integer literal of more than {sys.get_int_max_str_digits()} "

@@ -26,7 +26,7 @@ from typing import Any
 import attrs
 
 from engine.messages import MessageError, chat_messages
-from engine.prompts import TEMPLATE_OPTIONS, lone_surrogate, template_options
+from engine.prompts import TEMPLATE_OPTIONS, lone_surrogate, surrogate_in, template_options
 from engine.sampling_params import (
     SamplingParams,
     check_logit_bias_count,
@@ -81,6 +81,10 @@ class BadRequest(Exception):
     def __init__(self, message: str, param: str | None = None, status: int = 400,
                  kind: str = "invalid_request_error", code: str | None = None,
                  headers: dict[str, str] | None = None) -> None:
+        # A lone surrogate (JSON's "\ud800", quoted from the request: an unknown field's name) cannot be encoded as
+        # the UTF-8 of the answer: Starlette's JSONResponse raised, the refusal became a 500 with a traceback and a
+        # dropped connection. Written as its escape instead, in the message and the param alike.
+        message, param = _printable(message), None if param is None else _printable(param)
         super().__init__(message)
         self.message = message
         self.param = param
@@ -92,6 +96,11 @@ class BadRequest(Exception):
     def body(self) -> dict[str, Any]:
         """OpenAI's error document."""
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def _printable(text: str) -> str:
+    """``text`` with each lone surrogate written as its ``\\udXXX`` escape, so it encodes as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 @attrs.frozen
@@ -549,8 +558,11 @@ def _structured(body: dict[str, Any]) -> tuple[StructuredOutputsParams | None, s
         return StructuredOutputsParams(**asked), field
     except GenerationError as exc:
         msg = str(exc).removeprefix("generate: ")
-        if field == "response_format":  # named as the request named it
-            msg = "response_format:" + msg.split(":", 1)[1]
+        if field == "response_format":  # named as the request named it (the schema's own path kept)
+            head, rest = msg.split(":", 1)
+            msg = head.replace("structured_outputs.json", "response_format.json_schema.schema", 1) \
+                if head.startswith("structured_outputs.json") else "response_format"
+            msg += ":" + rest
         raise BadRequest(msg, param=field) from None
 
 
@@ -635,20 +647,11 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
 def _check_unicode(value: Any, field: str) -> None:
     """``BadRequest`` naming where in ``value`` (its keys too) a string holds a lone surrogate (JSON's ``"\\ud800"``):
     no tokenizer encodes one, and the chat template puts such values in the prompt."""
-    stack: list[tuple[Any, str]] = [(value, field)]
-    while stack:
-        node, where = stack.pop()
-        if isinstance(node, str):
-            at = lone_surrogate(node)
-            if at is not None:
-                raise BadRequest(f"{where}: not valid Unicode text (a lone surrogate at character {at}; text must be "
-                                 "UTF-8)", param=field)
-        elif isinstance(node, dict):
-            for key, item in node.items():
-                stack.append((key, where))
-                stack.append((item, f"{where}.{key}" if lone_surrogate(key) is None else where))
-        elif isinstance(node, list):
-            stack.extend((item, f"{where}[{j}]") for j, item in enumerate(node))
+    found = surrogate_in(value, field)
+    if found is not None:
+        where, text = found
+        raise BadRequest(f"{where}: not valid Unicode text (a lone surrogate at character {lone_surrogate(text)}; text "
+                         "must be UTF-8)", param=field)
 
 
 def _shown(choice: Any) -> str:
