@@ -115,6 +115,21 @@ def test_simulate_runs_a_budget_this_host_could_not_hold(capsys, v2):
     assert budget - 2**23 < res["pool_bytes"] <= budget  # whole 4 MiB blocks of the budget
 
 
+def test_simulate_runs_a_v2_host_tier_this_host_could_not_hold(capsys):
+    """The V2 host tier of a simulation is unbacked too, so a GPU server's host_cache_size (more than this host has)
+    is simulated as given; it was refused ('a host tier of ... B exceeds the ... B of host memory available')."""
+    from cache_backends.budget import host_available_bytes
+
+    size = 2 * max(host_available_bytes() or 0, 2**34)
+    r = run_cli(capsys, "simulate", "tests/data/configs/llama-3.1-8b-instruct", "--device", "cpu", "--workload",
+                "no-reuse", "--requests", "4", "--workload-arg", "prompt_len=64", "--workload-arg", "answer_len=2",
+                "--max_gpu_total_bytes", str(2**32), "--host_cache_size", str(size), "--use_kv_cache_manager_v2",
+                "true", "--json")
+    assert r.code == 0, r.err
+    (res,) = r.json()["results"].values()
+    assert res["status"] == "ok" and res["finished"] == 4
+
+
 @pytest.mark.parametrize("host", ["auto", "0"])
 def test_simulate_counts_the_v2_host_tiers_bookkeeping(capsys, monkeypatch, host):
     """An auto-sized V2 host tier keeps a slot per block (its free list: ~40 B each) beside the blocks' ~86 B; the
