@@ -158,26 +158,37 @@ def check_host_memory(plan: KvPlan, ctx: Context) -> None:
                        f"lower {' or '.join(fields)}")
 
 
-#: What a manager keeps per block in Python lists (reference counts, generations, radix owners, ...): measured at ~85 B
-#: on V1 and V2 (tiny-llama, 6.1M blocks: 0.78 GB resident); rounded up, so the bound errs on the side of refusing.
+#: What a manager keeps per block in Python lists (reference counts, generations, radix owners, ...), at its peak:
+#: measured at 118-121 B on V1 and 86 B on V2 (tiny-llama, 2.1M and 4.2M blocks: peak RSS of ``kvload
+#: simulate`` over a 32-block run's); rounded up, so the bound errs on the side of refusing.
 BOOKKEEPING_BYTES_PER_BLOCK = 128
+#: What V2's host tier keeps per slot (its free list; the tier's tensor is unbacked too): measured at 39 B (the same
+#: run with the auto-sized tier, one slot per block, against ``host_cache_size`` 0), rounded up.
+BOOKKEEPING_BYTES_PER_HOST_SLOT = 48
 
 
 def check_bookkeeping(plan: KvPlan, ctx: Context) -> None:
-    """``KvBuildError`` when unbacked pools (a simulation) have more blocks than half this host's available memory
-    can keep the bookkeeping of: the pools take no memory, but a budget of petabytes would still fill it with lists."""
+    """``KvBuildError`` when unbacked pools (a simulation) have more blocks (and V2 host-tier slots) than half this
+    host's available memory can keep the bookkeeping of: the pools take no memory, but a budget of petabytes would
+    still fill it with lists."""
     assert plan.pools is not None
-    counts = plan.pools.num_blocks
-    blocks = max(counts.values()) if plan.layout.shared else sum(counts.values())
+    counts, slots = plan.pools.num_blocks, plan.host_slots or {}
+    shared = plan.layout.shared  # one arena: its pages (and the host tier's page slots) counted once
+    blocks = max(counts.values()) if shared else sum(counts.values())
+    host = max(slots.values(), default=0) if shared else sum(slots.values())
     available = host_available_bytes()
-    need = blocks * BOOKKEEPING_BYTES_PER_BLOCK
+    need = blocks * BOOKKEEPING_BYTES_PER_BLOCK + host * BOOKKEEPING_BYTES_PER_HOST_SLOT
     if available is None or need <= available // 2:
         return
     fields = _pool_culprits(plan, ctx)
-    raise KvBuildError(f"{blocks} KV blocks need about {need} B of bookkeeping (~{BOOKKEEPING_BYTES_PER_BLOCK} B "
-                       f"each; a simulation allocates no pools, but keeps that), more than half the {available} B of "
-                       f"memory this host has available; lower {' or '.join(fields)} or raise "
-                       "kv_cache_config.tokens_per_block")
+    what = f"{blocks} KV blocks" + (f" and {host} host-tier slots" if host else "")
+    each = f"~{BOOKKEEPING_BYTES_PER_BLOCK} B a block" + (f", ~{BOOKKEEPING_BYTES_PER_HOST_SLOT} B a slot" if host
+                                                          else "")
+    if host:
+        fields.append(f"{HOST_FIELD} (0: no host tier)")
+    raise KvBuildError(f"{what} need about {need} B of bookkeeping ({each}; a simulation allocates no pools, but keeps "
+                       f"that), more than half the {available} B of memory this host has available; lower "
+                       f"{' or '.join(fields)} or raise kv_cache_config.tokens_per_block")
 
 
 def _pool_culprits(plan: KvPlan, ctx: Context) -> list[str]:

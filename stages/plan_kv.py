@@ -375,7 +375,9 @@ def plan_host_tier(layout: KvLayout, pools: PoolPlan, host_cache_size: int | Non
     """The V2 host tier ``load`` would allocate: (slots per group, bytes, problem naming the setting, or None).
 
     Sized by the same function as the manager's, against the host memory available now
-    (``MemAvailable``), less the pools when they live on the host (``unbacked`` pools live nowhere).
+    (``MemAvailable``), less the pools when they live on the host (``unbacked`` pools live nowhere). An ``unbacked``
+    tier (a simulation's) takes no memory either: a size past this host's memory (a GPU server's tier) is simulated
+    as given, its slots' bookkeeping bounded by ``check_bookkeeping``.
     """
     available = host_available_bytes()
     on_host = not is_cuda(device) and not unbacked
@@ -390,7 +392,7 @@ def plan_host_tier(layout: KvLayout, pools: PoolPlan, host_cache_size: int | Non
         return None, None, (f"{HOST_FIELD}={host_cache_size} B cannot hold one block of every layer group "
                             f"(at least {minimum} B); accepted: {accepted} or a size of at least {minimum} B")
     nbytes = host_tier_bytes(layout, slots)
-    if host_cache_size and available is not None and nbytes > available:
+    if host_cache_size and available is not None and nbytes > available and not unbacked:
         return slots, nbytes, (f"{HOST_FIELD}={host_cache_size} B: a host tier of {nbytes} B exceeds the "
                                f"{max(available, 0)} B of host memory available{beside}; accepted: {accepted} "
                                f"or at most {max(available, 0)} B")

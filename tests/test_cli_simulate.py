@@ -115,6 +115,43 @@ def test_simulate_runs_a_budget_this_host_could_not_hold(capsys, v2):
     assert budget - 2**23 < res["pool_bytes"] <= budget  # whole 4 MiB blocks of the budget
 
 
+def test_simulate_runs_a_v2_host_tier_this_host_could_not_hold(capsys):
+    """The V2 host tier of a simulation is unbacked too, so a GPU server's host_cache_size (more than this host has)
+    is simulated as given; it was refused ('a host tier of ... B exceeds the ... B of host memory available')."""
+    from cache_backends.budget import host_available_bytes
+
+    size = 2 * max(host_available_bytes() or 0, 2**34)
+    r = run_cli(capsys, "simulate", "tests/data/configs/llama-3.1-8b-instruct", "--device", "cpu", "--workload",
+                "no-reuse", "--requests", "4", "--workload-arg", "prompt_len=64", "--workload-arg", "answer_len=2",
+                "--max_gpu_total_bytes", str(2**32), "--host_cache_size", str(size), "--use_kv_cache_manager_v2",
+                "true", "--json")
+    assert r.code == 0, r.err
+    (res,) = r.json()["results"].values()
+    assert res["status"] == "ok" and res["finished"] == 4
+
+
+@pytest.mark.parametrize("host", ["auto", "0"])
+def test_simulate_counts_the_v2_host_tiers_bookkeeping(capsys, monkeypatch, host):
+    """An auto-sized V2 host tier keeps a slot per block (its free list: ~40 B each) beside the blocks' ~86 B; the
+    bound counted the blocks only, so a budget whose blocks fit half the memory but whose slots did not ran on."""
+    import stages.build_kv_manager as build
+
+    blocks = 2**16  # --max_tokens 2**16 at one token a block
+    # the blocks' bookkeeping fits half of it, theirs and their slots' does not
+    monkeypatch.setattr(build, "host_available_bytes",
+                        lambda: 2 * blocks * (build.BOOKKEEPING_BYTES_PER_BLOCK + 20))
+    r = run_cli(capsys, "simulate", "tiny-llama", "--device", "cpu", "--workload", "no-reuse", "--requests", "2",
+                "--workload-arg", "prompt_len=8", "--workload-arg", "answer_len=2", "--max_tokens", str(blocks),
+                "--tokens_per_block", "1", "--use_kv_cache_manager_v2", "true",
+                *(() if host == "auto" else ("--host_cache_size", host)))
+    if host == "0":  # no tier: the blocks alone, which fit
+        assert r.code == 0, r.err
+        return
+    assert r.code == 2 and r.one_error_line, r.err
+    assert f"{blocks} KV blocks and {blocks} host-tier slots need about" in r.err, r.err
+    assert "kv_cache_config.host_cache_size (0: no host tier)" in r.err
+
+
 def test_plan_compare_prints_v1_against_v2_at_the_routed_budget(capsys):
     r = run_cli(capsys, "plan", "tiny-gemma3", "--device", "cpu", "--max_tokens", "16384", "--compare")
     assert r.code == 0, r.err

@@ -144,6 +144,26 @@ def test_admission_holds_back_cached_shared_prefixes_only_on_layouts_with_window
             assert m.held_back(1.0, 10**6) is None
 
 
+def test_a_long_request_admitted_in_a_step_makes_the_next_admission_of_that_step_hold_shared_prefixes():
+    # the hold applies while a running sequence (or the one asking) is past the shortest window; a request admitted
+    # earlier in the same step is running, yet the next admission was judged by the step's start (nothing running)
+    m = make_manager(full_sliding_layers(window=8), 40, T=4)
+    system = list(range(1, 9))
+    for tail in (20, 30):  # two prompts branched from the system prompt, let go: its blocks are queued as shared
+        r = Request(f"p{tail}", [*system, tail, tail + 1, tail + 2, tail + 3], 0)
+        prefill(m, r)
+        m.free(r)
+    s = KVCacheV2Scheduler(m, max_batch_size=8, max_num_tokens=64, init_ratio=0.0)
+    held = []
+    original = m.held_back
+    m.held_back = lambda share, longest: held.append(original(share, longest)) or held[-1]  # type: ignore[method-assign]
+    long, short = Request("long", list(range(40, 52)), 2), Request("short", [60, 61, 62], 2)  # 12 > 8 > 3 tokens
+    out = s.step(deque([long, short]), [])
+    assert out.admitted == [long, short]
+    assert held and held[-1] is not None  # the short one's admission held them: the long one runs past the window
+    m.check_invariants()
+
+
 def test_holding_shared_prefixes_keeps_more_hits_under_pressure_at_the_same_steps(monkeypatch):
     """tiny-gemma3, mixed traffic at half its default budget: admission evicted the system prompts every later hit
     needs; holding them (up to SHARED_HOLD of the pool while requests run) keeps more of them, and no more steps."""

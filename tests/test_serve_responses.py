@@ -490,6 +490,12 @@ def test_under_qwen3_only_a_reply_that_thinks_has_a_reasoning_item_and_reasoning
     ({"input": [{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}]}, "input[1].role", "robot"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id", "non-empty string"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type", "item_reference"),
+    # an output answering no call before it: OpenAI refuses it ("No tool call found for function call output")
+    ({"input": [{"role": "user", "content": "a"}, {"type": "function_call_output", "call_id": "c9", "output": "x"}]},
+     "input[1].call_id", "no function_call item before it has call_id 'c9'"),
+    ({"input": [{"type": "function_call_output", "call_id": "c1", "output": "x"},
+                {"type": "function_call", "call_id": "c1", "name": "get_time", "arguments": "{}"}]},
+     "input[0].call_id", "before its output"),
     ({"max_output_tokens": 10**7}, "max_output_tokens", "max_output_tokens"),
     ({"metadata": {"k": 1}}, "metadata", "string"),
 ])

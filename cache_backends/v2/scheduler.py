@@ -125,7 +125,7 @@ class KVCacheV2Scheduler(SchedulerBase):
         self.init_ratio, self.min_ratio = init_ratio, min_ratio  # init_ratio 0: greedy admission (no headroom)
         self.new_token_ratio = init_ratio  # share of running requests' remaining growth admission keeps room for
         self._refused: Request | None = None  # the request the headroom estimate last refused (admission's head)
-        self._longest = 0  # this step's longest running sequence, in tokens (held_back)
+        self._longest = 0  # the longest running sequence this step, in tokens, admissions included (held_back)
 
     def step(self, waiting: deque[Request], running: list[Request]) -> SchedulerOutput:
         """Decide this iteration: move requests between ``waiting`` and ``running``, allocate, report."""
@@ -279,6 +279,7 @@ class KVCacheV2Scheduler(SchedulerBase):
             r.state = RequestState.RUNNING
             waiting.remove(r)
             running.append(r)
+            self._longest = max(self._longest, r.num_tokens)  # running now: the next admission's hold counts it
             out.resumed.append(r)
             n = m.fit_tokens(r, min(_pending(r), budget)) if budget else 0
             if n:
@@ -413,5 +414,6 @@ class KVCacheV2Scheduler(SchedulerBase):
             r.state = RequestState.RUNNING
             waiting.remove(r)
             running.append(r)
+            self._longest = max(self._longest, r.num_tokens)  # running now: the next admission's hold counts it
             out.admitted.append(r)
         return budget, True

@@ -173,7 +173,8 @@ def _text_of(parts: Any, field: str, kinds: tuple[str, ...]) -> str:
 def _input(value: Any, ignored: list[tuple[str, Any, str]]) -> tuple[list[dict[str, Any]], list[int | None]]:
     """``input`` as chat messages (a string: one user message), and the item each came from. An assistant's
     ``function_call`` items join its message (or make one) as its ``tool_calls``; a ``function_call_output`` is a
-    ``tool`` message answering its ``call_id``; a ``reasoning`` item (a past answer's thinking) is dropped: the
+    ``tool`` message answering its ``call_id`` (a ``function_call`` item before it must have it, as OpenAI
+    requires); a ``reasoning`` item (a past answer's thinking) is dropped: the
     chat messages carry no past thinking."""
     if value is None:
         raise BadRequest("input: required: a string, or a list of items (messages, function_call, "
@@ -183,6 +184,7 @@ def _input(value: Any, ignored: list[tuple[str, Any, str]]) -> tuple[list[dict[s
     _need(isinstance(value, list) and bool(value), "input", "a string or a non-empty list of items", value)
     messages: list[dict[str, Any]] = []
     sources: list[int | None] = []
+    calls: set[str] = set()  # the call_ids of the function_call items so far: what an output may answer
     turn = False  # the last message is an assistant turn that items of the same reply still join
     for k, item in enumerate(value):
         where = f"input[{k}]"
@@ -207,6 +209,7 @@ def _input(value: Any, ignored: list[tuple[str, Any, str]]) -> tuple[list[dict[s
             for key in ("call_id", "name", "arguments"):
                 _need(isinstance(item.get(key), str) and (key == "arguments" or bool(item[key])), f"{where}.{key}",
                       "a string" if key == "arguments" else "a non-empty string", item.get(key))
+            calls.add(item["call_id"])
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
             if turn:  # the calls of one reply (after its text, if any): one assistant turn
@@ -218,6 +221,10 @@ def _input(value: Any, ignored: list[tuple[str, Any, str]]) -> tuple[list[dict[s
             _fields(item, where, {"type", "call_id", "output", "id", "status"})
             _need(isinstance(item.get("call_id"), str) and bool(item["call_id"]), f"{where}.call_id",
                   "a non-empty string (the call this answers)", item.get("call_id"))
+            if item["call_id"] not in calls:  # OpenAI's rule: the template would get an answer to no question
+                raise BadRequest(f"{where}.call_id: no function_call item before it has call_id "
+                                 f"{item['call_id'][:80]!r}; send the call (the previous response's function_call "
+                                 "item) before its output", param=f"{where}.call_id")
             output = item.get("output")
             if not isinstance(output, str):
                 output = _text_of(output, f"{where}.output", ("input_text",))
