@@ -26,6 +26,34 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 80.0)
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                    480.0, 960.0)
+#: tokens computed per engine step (vLLM's ``iteration_tokens_total``)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+#: the ``n`` request parameter
+N_BUCKETS = (1, 2, 5, 10, 20)
+
+#: Naming schemes of the metrics: ``kvload`` (``kvload_prompt_tokens``, label ``model_name``) or ``vllm`` (vLLM's
+#: own names, ``vllm:prompt_tokens``, labels ``model_name`` and ``engine``), so a vLLM dashboard or autoscaler
+#: reads kvload unchanged.
+METRIC_NAMINGS = ("kvload", "vllm")
+
+
+def metric_name(naming: str, base: str) -> str:
+    """``base`` (vLLM's name without its prefix: ``num_requests_waiting``) under ``naming``."""
+    if naming not in METRIC_NAMINGS:
+        raise ValueError(f"metric naming: expected one of {', '.join(METRIC_NAMINGS)}, got {naming!r}")
+    return f"vllm:{base}" if naming == "vllm" else f"kvload_{base}"
+
+
+def one_two_five_buckets(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's token-count buckets, up to the model's length)."""
+    out: list[int] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
 
 
 @attrs.frozen
@@ -132,5 +160,6 @@ class LlmMetrics:
         return out
 
 
-__all__ = ["FINISH_REASONS", "LATENCY_BUCKETS", "TPOT_BUCKETS", "TTFT_BUCKETS", "Counter", "Gauge", "Histogram",
-           "LlmMetrics", "Metric"]
+__all__ = ["FINISH_REASONS", "ITERATION_TOKEN_BUCKETS", "LATENCY_BUCKETS", "METRIC_NAMINGS", "N_BUCKETS",
+           "TPOT_BUCKETS", "TTFT_BUCKETS", "Counter", "Gauge", "Histogram", "LlmMetrics", "Metric", "metric_name",
+           "one_two_five_buckets"]
