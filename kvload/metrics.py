@@ -142,23 +142,37 @@ class LlmMetrics:
                 self.ttft.observe(out.timings.first_token_s)
                 self.e2e.observe(out.timings.total_s)
 
-    def snapshot(self, manager_stats: Any) -> list[Metric]:
+    def snapshot(self, manager_stats: Any, naming: str = "kvload") -> list[Metric]:
         """Every series now: the counters and histograms of the calls so far, and the manager's gauges and prefix
-        cache totals (``manager_stats``: a ``ManagerStats``, or None once the pools are released)."""
-        labels = {"model_name": self.model_name}
+        cache totals (``manager_stats``: a ``ManagerStats``, or None once the pools are released). ``naming``: as
+        the server's ``--metrics-name-prefix`` (``"vllm"``: vLLM's names and labels for the series it has, one
+        ``vllm:kv_cache_usage_perc``; the others keep their ``kvload_`` name)."""
+        vllm = naming == "vllm"
+
+        def name(base: str) -> str:
+            return metric_name(naming, base)
+
+        labels = {"model_name": self.model_name, **({"engine": "0"} if vllm else {})}
+        own = {"model_name": self.model_name}  # kvload's own series, whatever the naming
         with self._lock:
-            out: list[Metric] = [Counter(f"kvload_{name}", dict(labels), value) for name, value in self.counts.items()]
-            out += [Counter("kvload_request_success", {**labels, "finished_reason": reason}, n)
+            out: list[Metric] = [Counter(f"kvload_{key}", dict(own), value) if key in _OWN_COUNTERS
+                                 else Counter(name(key), dict(labels), value) for key, value in self.counts.items()]
+            out += [Counter(name("request_success"), {**labels, "finished_reason": reason}, n)
                     for reason, n in self.success.items()]
-            out += [self.ttft.metric("kvload_time_to_first_token_seconds", dict(labels)),
-                    self.e2e.metric("kvload_e2e_request_latency_seconds", dict(labels))]
+            out += [self.ttft.metric(name("time_to_first_token_seconds"), dict(labels)),
+                    self.e2e.metric(name("e2e_request_latency_seconds"), dict(labels))]
         if manager_stats is not None:
-            out += [Counter("kvload_prefix_cache_queries", dict(labels), manager_stats.reuse_query_tokens),
-                    Counter("kvload_prefix_cache_hits", dict(labels), manager_stats.reuse_hit_tokens)]
-            out += [Gauge("kvload_kv_cache_usage_perc", {**labels, "layer_group": group}, float(g.usage))
+            out += [Counter(name("prefix_cache_queries"), dict(labels), manager_stats.reuse_query_tokens),
+                    Counter(name("prefix_cache_hits"), dict(labels), manager_stats.reuse_hit_tokens)]
+            if vllm:  # vLLM's one gauge: device KV memory in use, bytes-weighted across layer groups
+                out.append(Gauge("vllm:kv_cache_usage_perc", dict(labels), float(manager_stats.usage)))
+            out += [Gauge("kvload_kv_cache_usage_perc", {**own, "layer_group": group}, float(g.usage))
                     for group, g in manager_stats.groups.items()]
         return out
 
+
+#: ``LlmMetrics.counts`` vLLM has no series for: they keep their ``kvload_`` name under vLLM's naming
+_OWN_COUNTERS = frozenset({"num_suspensions", "engine_steps"})
 
 __all__ = ["FINISH_REASONS", "ITERATION_TOKEN_BUCKETS", "LATENCY_BUCKETS", "METRIC_NAMINGS", "N_BUCKETS",
            "TPOT_BUCKETS", "TTFT_BUCKETS", "Counter", "Gauge", "Histogram", "LlmMetrics", "Metric", "metric_name",
