@@ -80,10 +80,13 @@ class ServeMetrics:
         for reason in FINISH_REASONS:  # every series from the start, at 0 (as vLLM's): rate() needs a first sample
             self.success.labels(*self.label_values, reason)
         self.ttft = histogram("time_to_first_token_seconds", "Time from queueing to the first token", TTFT_BUCKETS)
-        # vLLM's older name and its newer one (inter_token_latency) for the same observations: dashboards read either
-        self.tpot = histogram("time_per_output_token_seconds", "Time between consecutive output tokens (the same "
-                              "observations as inter_token_latency_seconds)", TPOT_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive output tokens", TPOT_BUCKETS)
+        # vLLM's newer name; its older one (time_per_output_token_seconds) is the same histogram, copied at scrape
+        # time (_Alias): one observation per interval on the loop thread, not two
+        itl = Histogram(metric_name(naming, "inter_token_latency_seconds"), "Time between consecutive output tokens",
+                        self.labels, buckets=TPOT_BUCKETS, registry=r)
+        self.itl = itl.labels(*self.label_values)
+        r.register(_Alias(itl, metric_name(naming, "time_per_output_token_seconds"),
+                          "Time between consecutive output tokens (the observations of inter_token_latency_seconds)"))
         self.request_tpot = histogram("request_time_per_output_token_seconds", "Per request: its decode time over "
                                       "its output tokens after the first (requests of two or more tokens)",
                                       TPOT_BUCKETS)
@@ -153,7 +156,6 @@ class ServeMetrics:
         self.success.labels(*self.label_values, done.reason).inc()
         gaps = done.inter_token_s
         for t in gaps:
-            self.tpot.observe(t)
             self.itl.observe(t)
         ttft = done.ttft_s
         if ttft is None:
@@ -187,6 +189,22 @@ class ServeMetrics:
     def render(self) -> bytes:
         """The text exposition format."""
         return generate_latest(self.registry)
+
+
+class _Alias:
+    """A histogram's samples under another family name (vLLM serves its old and new names for one measurement)."""
+
+    def __init__(self, source: Histogram, name: str, documentation: str) -> None:
+        self.source, self.name, self.documentation = source, name, documentation
+
+    def describe(self) -> list[Metric]:
+        return [Metric(self.name, self.documentation, "histogram")]
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.source.collect():
+            alias = Metric(self.name, self.documentation, "histogram")
+            alias.samples = [s._replace(name=self.name + s.name[len(family.name):]) for s in family.samples]
+            yield alias
 
 
 class _EngineCollector:
