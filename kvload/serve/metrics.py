@@ -1,4 +1,5 @@
-"""Prometheus metrics of ``kvload serve``, named like vLLM's with a ``kvload_`` prefix.
+"""Prometheus metrics of ``kvload serve``: vLLM's names with a ``kvload_`` prefix, or (``--metrics-name-prefix vllm``)
+vLLM's exact names and labels (``vllm:*``, ``engine="0"``) so vLLM's dashboards and autoscalers read them unchanged.
 
 Counters and histograms move as the engine loop reports steps and finished requests; gauges (queue
 lengths, KV usage per layer group) and the manager's own counters (prefix-cache queries and hits,
