@@ -78,14 +78,53 @@ class ServeEvent:
         return self.finish_reason == "stop" and not isinstance(self.stop_reason, str)
 
 
+@attrs.frozen
+class FinishedRequest:
+    """What an observer learns of a request that ended: its sizes, its reason, and its moments on the loop's clock
+    (``time.perf_counter``): queued, first scheduled (None: it never ran), and when each token was sent (the end of
+    the step that made it; tokens of one step share it)."""
+
+    prompt_tokens: int
+    output_tokens: int
+    reused_prompt_tokens: int  # prompt tokens whose KV came from the prefix cache
+    reason: str  # "stop", "length", "abort" or "error"
+    params: SamplingParams
+    sample: int  # which of its prompt's samples (0 ... samples - 1)
+    samples: int  # the request's n: samples submitted for its prompt
+    queued_at: float
+    scheduled_at: float | None
+    token_times: tuple[float, ...]
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Queued to first token; None when it never got one (aborted or failed before its prefill ended)."""
+        return self.token_times[0] - self.queued_at if self.token_times else None
+
+    @property
+    def inter_token_s(self) -> list[float]:
+        """Time between consecutive steps that gave it tokens (tokens of one step, drafts confirmed together, are
+        one interval: they reached the client together)."""
+        return [b - a for a, b in itertools.pairwise(self.token_times) if b > a]
+
+    @property
+    def phases(self) -> tuple[float, float, float, float] | None:
+        """(queue, prefill, decode, inference) seconds, vLLM's intervals: queued to first scheduled, first scheduled
+        to first token, first to last token, first scheduled to last token (prefill + decode; queue + inference is
+        the end-to-end latency). None without a first token. A preempted request's recompute counts in the phase
+        it interrupted (vLLM measures from the most recent scheduling instead)."""
+        if not self.token_times or self.scheduled_at is None:
+            return None
+        first, last = self.token_times[0], self.token_times[-1]
+        return (self.scheduled_at - self.queued_at, first - self.scheduled_at, last - first, last - self.scheduled_at)
+
+
 class EngineObserver(Protocol):
     """Receives what metrics need, on the loop thread (keep it cheap)."""
 
     def on_step(self, stats: StepStats, new_tokens: int) -> None:
         """After every step: what it did (``stats.output`` is the scheduler's decision), tokens it generated."""
 
-    def on_finished(self, prompt_tokens: int, output_tokens: int, ttft_s: float | None, tpot_s: list[float],
-                    reason: str) -> None:
+    def on_finished(self, done: FinishedRequest) -> None:
         """When a request ends (finished, aborted or failed)."""
 
 
@@ -106,6 +145,9 @@ class _Live:
     prompt_logprobs: list[dict[int, float] | None] | None = None  # with params.prompt_logprobs, filled by prefill
     constraint: Constraint | None = None  # with params.structured_outputs: its grammar state
     seed: int | None = None  # the seed its generator started from (with seed_offset): what followers rebuild it from
+    sample: int = 0  # its seed_offset: which of its prompt's n samples
+    samples: int = 1  # its prompt's n
+    scheduled_at: float | None = None  # when a step first scheduled it (the queue time ends there)
 
 
 class _ServeDriver(Driver):
@@ -370,7 +412,7 @@ class ServingEngine:
         return request
 
     def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams, sink: Callable[[ServeEvent], Any], *,
-               salt: str | None = None, seed_offset: int = 0, priority: int = 0) -> str:
+               salt: str | None = None, seed_offset: int = 0, priority: int = 0, samples: int = 1) -> str:
         """Queue one request; its id. ``GenerationError``/``KvBuildError`` (nothing queued) when it could never run.
 
         ``max_new_tokens`` is cut to what ``max_seq_len`` leaves. ``sink`` is called on the loop thread.
@@ -379,7 +421,8 @@ class ServingEngine:
         ``params.stop_token_ids``, or once its text holds one of ``params.stop`` (the caller cuts the
         text there). ``params.logprobs=k`` reports, per generated token, its log-probability and the
         top ``k`` tokens' (``engine.sampling.top_logprobs``). ``priority``: vLLM's (lower is served first), taken
-        only when the scheduler schedules by priority (``scheduling_policy="priority"``; else only 0).
+        only when the scheduler schedules by priority (``scheduling_policy="priority"``; else only 0). ``samples``:
+        how many requests the caller submits for this prompt (the request's ``n``, what metrics report).
         """
         if self._stopping or self.loop_error is not None:  # early, to skip the checks; decided below, under the lock
             raise EngineStopped(self._why_stopped())
@@ -397,6 +440,7 @@ class ServingEngine:
         if not params.greedy:
             seed = (params.seed if params.seed is not None else random.SystemRandom().getrandbits(62)) + seed_offset
         live = self._new_live(request, params, sink, seed)
+        live.sample, live.samples = seed_offset, samples
         with self._cond:
             # checked again under the lock request_stop takes: a stop asked for during the checks above may have
             # ended the loop, whose last act (_fail_all) drained the inbox; a request queued after that never ended.
@@ -591,6 +635,7 @@ class ServingEngine:
         the ranks may have parted mid-step."""
         if not self.driver.has_work:
             return
+        started = time.perf_counter()  # the scheduler decides at the start of the step
         try:
             st = self.driver.step(self._compute)
         except StalledError as exc:
@@ -602,6 +647,10 @@ class ServingEngine:
             self._step_failed(exc, f"{type(exc).__name__}: {exc}")
             return
         self.steps += 1
+        for chunk in st.output.scheduled if st.output is not None else ():
+            live = self._live.get(chunk.request.req_id)
+            if live is not None and live.scheduled_at is None:
+                live.scheduled_at = started
         outbox = self._collect(st)
         self.driver.finished.clear()  # the server's driver lives for ever: its finished requests are ours to drop
         if self.observer is not None:  # counted before any client can see the tokens (and scrape)
@@ -739,12 +788,12 @@ class ServingEngine:
             self.executor.proposer.forget(live.request.req_id)
         if self.observer is None:
             return
-        times = live.token_times
-        ttft = times[0] - live.queued_at if times else None
-        tpot = [b - a for a, b in itertools.pairwise(times) if b > a]
+        req = live.request
+        done = FinishedRequest(req.num_prompt_tokens, len(req.output_token_ids), req.num_reused_tokens, reason,
+                               live.params, live.sample, live.samples, live.queued_at, live.scheduled_at,
+                               tuple(live.token_times))
         with contextlib.suppress(Exception):
-            self.observer.on_finished(live.request.num_prompt_tokens, len(live.request.output_token_ids), ttft, tpot,
-                                      reason)
+            self.observer.on_finished(done)
 
     def _step_failed(self, exc: Exception, message: str) -> None:
         """A step raised: every request ends with ``"error"`` and ``message`` (blocks freed), and the operator gets
@@ -824,4 +873,5 @@ def _token_piece(tokenizer: Any, token_id: int, byte_level: bool) -> tuple[str, 
     return text, text.encode()
 
 
-__all__ = ["EngineObserver", "EngineStopped", "KvBuildError", "ServeEvent", "ServingEngine", "StepOrders"]
+__all__ = ["EngineObserver", "EngineStopped", "FinishedRequest", "KvBuildError", "ServeEvent", "ServingEngine",
+           "StepOrders"]

@@ -24,7 +24,7 @@ from engine.outputs import GenerationStats, RequestOutput, TokenDelta
 from engine.prompts import check_tree, is_conversation
 from engine.sampling_params import SamplingParams, is_int
 from kvload.api import LoadResult, api_request, execute
-from kvload.metrics import LlmMetrics, Metric
+from kvload.metrics import METRIC_NAMINGS, LlmMetrics, Metric
 from pipeline.bus import Subscriber
 from pipeline.context import DEFAULT_MAX_TOKENS_FIELD, CallerDefault
 from pipeline.errors import ConfigError, GenerationError, retitled
@@ -294,7 +294,7 @@ class LLM:
             executor._event(event)
             return done
 
-    def get_metrics(self) -> list[Metric]:
+    def get_metrics(self, *, metrics_name_prefix: str = "kvload") -> list[Metric]:
         """vLLM's ``LLM.get_metrics()``: every series now, as ``kvload.metrics.Counter`` / ``Gauge`` / ``Histogram``
         records (``name``, ``labels``, then ``value`` or ``count``, ``sum``, ``buckets``), named as ``kvload serve``'s
         ``/metrics`` names them (``kvload_prompt_tokens``, ``kvload_request_success{finished_reason}``, ...).
@@ -302,10 +302,16 @@ class LLM:
         Counters and histograms count the ``generate`` / ``chat`` / ``generate_stream`` calls that returned (a
         histogram observes each prompt once); the prefix cache totals and KV usage per layer group are the manager's,
         read now. While a call runs on this LLM it raises ``GenerationError``, as every other call does.
+        ``metrics_name_prefix="vllm"``: named as vLLM's own ``get_metrics()`` names them (``vllm:prompt_tokens``,
+        labels ``model_name`` and ``engine``), as ``kvload serve --metrics-name-prefix vllm`` does.
         """
+        if metrics_name_prefix not in METRIC_NAMINGS:
+            raise GenerationError(f"get_metrics: metrics_name_prefix: expected one of {', '.join(METRIC_NAMINGS)}, "
+                                  f"got {metrics_name_prefix!r}")
         with self._exclusive("get_metrics"):
             manager = self.result.executor.manager
-            return self._metrics.snapshot(None if getattr(manager, "closed", False) else manager.stats())
+            return self._metrics.snapshot(None if getattr(manager, "closed", False) else manager.stats(),
+                                          metrics_name_prefix)
 
     # --- lifetime -------------------------------------------------------------------------------
 

@@ -26,6 +26,34 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 80.0)
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                    480.0, 960.0)
+#: tokens computed per engine step (vLLM's ``iteration_tokens_total``)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+#: the ``n`` request parameter
+N_BUCKETS = (1, 2, 5, 10, 20)
+
+#: Naming schemes of the metrics: ``kvload`` (``kvload_prompt_tokens``, label ``model_name``) or ``vllm`` (vLLM's
+#: own names, ``vllm:prompt_tokens``, labels ``model_name`` and ``engine``), so a vLLM dashboard or autoscaler
+#: reads kvload unchanged.
+METRIC_NAMINGS = ("kvload", "vllm")
+
+
+def metric_name(naming: str, base: str) -> str:
+    """``base`` (vLLM's name without its prefix: ``num_requests_waiting``) under ``naming``."""
+    if naming not in METRIC_NAMINGS:
+        raise ValueError(f"metric naming: expected one of {', '.join(METRIC_NAMINGS)}, got {naming!r}")
+    return f"vllm:{base}" if naming == "vllm" else f"kvload_{base}"
+
+
+def one_two_five_buckets(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's token-count buckets, up to the model's length)."""
+    out: list[int] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
 
 
 @attrs.frozen
@@ -114,23 +142,38 @@ class LlmMetrics:
                 self.ttft.observe(out.timings.first_token_s)
                 self.e2e.observe(out.timings.total_s)
 
-    def snapshot(self, manager_stats: Any) -> list[Metric]:
+    def snapshot(self, manager_stats: Any, naming: str = "kvload") -> list[Metric]:
         """Every series now: the counters and histograms of the calls so far, and the manager's gauges and prefix
-        cache totals (``manager_stats``: a ``ManagerStats``, or None once the pools are released)."""
-        labels = {"model_name": self.model_name}
+        cache totals (``manager_stats``: a ``ManagerStats``, or None once the pools are released). ``naming``: as
+        the server's ``--metrics-name-prefix`` (``"vllm"``: vLLM's names and labels for the series it has, one
+        ``vllm:kv_cache_usage_perc``; the others keep their ``kvload_`` name)."""
+        vllm = naming == "vllm"
+
+        def name(base: str) -> str:
+            return metric_name(naming, base)
+
+        labels = {"model_name": self.model_name, **({"engine": "0"} if vllm else {})}
+        own = {"model_name": self.model_name}  # kvload's own series, whatever the naming
         with self._lock:
-            out: list[Metric] = [Counter(f"kvload_{name}", dict(labels), value) for name, value in self.counts.items()]
-            out += [Counter("kvload_request_success", {**labels, "finished_reason": reason}, n)
+            out: list[Metric] = [Counter(f"kvload_{key}", dict(own), value) if key in _OWN_COUNTERS
+                                 else Counter(name(key), dict(labels), value) for key, value in self.counts.items()]
+            out += [Counter(name("request_success"), {**labels, "finished_reason": reason}, n)
                     for reason, n in self.success.items()]
-            out += [self.ttft.metric("kvload_time_to_first_token_seconds", dict(labels)),
-                    self.e2e.metric("kvload_e2e_request_latency_seconds", dict(labels))]
+            out += [self.ttft.metric(name("time_to_first_token_seconds"), dict(labels)),
+                    self.e2e.metric(name("e2e_request_latency_seconds"), dict(labels))]
         if manager_stats is not None:
-            out += [Counter("kvload_prefix_cache_queries", dict(labels), manager_stats.reuse_query_tokens),
-                    Counter("kvload_prefix_cache_hits", dict(labels), manager_stats.reuse_hit_tokens)]
-            out += [Gauge("kvload_kv_cache_usage_perc", {**labels, "layer_group": group}, float(g.usage))
+            out += [Counter(name("prefix_cache_queries"), dict(labels), manager_stats.reuse_query_tokens),
+                    Counter(name("prefix_cache_hits"), dict(labels), manager_stats.reuse_hit_tokens)]
+            if vllm:  # vLLM's one gauge: device KV memory in use, bytes-weighted across layer groups
+                out.append(Gauge("vllm:kv_cache_usage_perc", dict(labels), float(manager_stats.usage)))
+            out += [Gauge("kvload_kv_cache_usage_perc", {**own, "layer_group": group}, float(g.usage))
                     for group, g in manager_stats.groups.items()]
         return out
 
 
-__all__ = ["FINISH_REASONS", "LATENCY_BUCKETS", "TPOT_BUCKETS", "TTFT_BUCKETS", "Counter", "Gauge", "Histogram",
-           "LlmMetrics", "Metric"]
+#: ``LlmMetrics.counts`` vLLM has no series for: they keep their ``kvload_`` name under vLLM's naming
+_OWN_COUNTERS = frozenset({"num_suspensions", "engine_steps"})
+
+__all__ = ["FINISH_REASONS", "ITERATION_TOKEN_BUCKETS", "LATENCY_BUCKETS", "METRIC_NAMINGS", "N_BUCKETS",
+           "TPOT_BUCKETS", "TTFT_BUCKETS", "Counter", "Gauge", "Histogram", "LlmMetrics", "Metric", "metric_name",
+           "one_two_five_buckets"]

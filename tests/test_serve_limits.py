@@ -201,6 +201,8 @@ def test_a_refusal_s_reason_follows_its_status_and_a_server_failure_is_no_refusa
 
 
 def test_prompt_tokens_count_prompts_that_were_processed_and_every_finish_reason_starts_at_zero():
+    from engine.sampling_params import SamplingParams
+    from engine.serving import FinishedRequest
     from kvload.serve.metrics import FINISH_REASONS, ServeMetrics
 
     m = ServeMetrics("m")
@@ -212,8 +214,13 @@ def test_prompt_tokens_count_prompts_that_were_processed_and_every_finish_reason
     start = samples()
     # a scraper's rate() needs each series before its first increase, as vLLM exposes them
     assert {f"kvload_request_success_total{{{r}}}" for r in FINISH_REASONS} <= set(start)
-    m.on_finished(40, 0, None, [], "abort")  # aborted while it waited: its prompt was never processed
-    m.on_finished(30, 5, 0.2, [0.01] * 4, "length")
+    params = SamplingParams(max_tokens=5)
+    # aborted while it waited: never scheduled, its prompt never processed
+    m.on_finished(FinishedRequest(40, 0, 0, "abort", params, 0, 1, 0.0, None, ()))
+    m.on_finished(FinishedRequest(30, 5, 0, "length", params, 0, 1, 0.0, 0.05, (0.2, 0.21, 0.22, 0.23, 0.24)))
     after = samples()
     assert after["kvload_prompt_tokens_total"] == 30
     assert after["kvload_request_success_total{abort}"] == after["kvload_request_success_total{length}"] == 1
+    # the request histograms count the one that was processed, the inter-token intervals its four
+    assert after["kvload_request_prompt_tokens_count"] == after["kvload_request_queue_time_seconds_count"] == 1
+    assert after["kvload_inter_token_latency_seconds_count"] == 4

@@ -272,3 +272,24 @@ def test_get_metrics_counts_what_the_calls_returned_and_reads_the_managers_cache
     usage = [m for m in got.values() if m.name == "kvload_kv_cache_usage_perc"]
     assert usage and all(isinstance(m, Gauge) for m in usage)
     assert {m.labels["layer_group"] for m in usage} == set(stats.groups)
+
+
+def test_get_metrics_takes_vllms_own_names_as_the_server_does(words):
+    with kvload.LLM(str(words), **llm_kwargs("v2")) as llm:
+        outs = llm.generate(IDS, SamplingParams(max_tokens=3, ignore_eos=True))
+        ours = {m.name: m for m in llm.get_metrics()}
+        theirs = llm.get_metrics(metrics_name_prefix="vllm")
+        usage = llm.result.executor.manager.stats().usage
+        with pytest.raises(GenerationError, match="^get_metrics: metrics_name_prefix: expected one of kvload, vllm, "
+                                                  "got 'prom'"):
+            llm.get_metrics(metrics_name_prefix="prom")
+    named = {m.name: m for m in theirs}
+    assert named["vllm:generation_tokens"].value == ours["kvload_generation_tokens"].value == 3 * len(outs)
+    assert named["vllm:time_to_first_token_seconds"].count == len(outs)
+    for m in theirs:
+        if m.name.startswith("vllm:"):  # vLLM's labels: model_name and engine (and the family's own)
+            assert m.labels["engine"] == "0" and m.labels["model_name"] == str(words)
+        else:  # what vLLM has no series for keeps kvload's name
+            assert m.name in {"kvload_num_suspensions", "kvload_engine_steps", "kvload_kv_cache_usage_perc"}, m.name
+    (one,) = [m for m in theirs if m.name == "vllm:kv_cache_usage_perc"]  # one gauge, not one per layer group
+    assert isinstance(one, Gauge) and one.value == pytest.approx(usage)

@@ -806,7 +806,7 @@ class _Run:
                             return
                         try:
                             rid = self.engine.submit(ids, params, sink, salt=job.salt, seed_offset=j,
-                                                     priority=job.priority)
+                                                     priority=job.priority, samples=job.n)
                         except EngineStopped as exc:  # a 503 naming the cause, not a 500 with a traceback
                             if self.engine.loop_error is None:
                                 raise _shutting_down() from None

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from engine.reasoning import PARSERS
+from kvload.metrics import METRIC_NAMINGS
 from pipeline.limits import MAX_INT
 
 #: ``max_tokens`` of a request that gives none, when neither ``--default-max-tokens`` nor the model's
@@ -128,6 +129,12 @@ def add_serve_command(sub: Any) -> None:
                    action="store_true",
                    help="serve POST /reset_prefix_cache (vLLM's, there in dev mode only): drops every cached prefix, "
                         "for benchmarks between runs; off by default, as any client could drop everyone's cache")
+    g.add_argument("--metrics-name-prefix", "--metrics_name_prefix", dest="metrics_name_prefix", default="kvload",
+                   metavar="{kvload,vllm}", type=_metrics_name_prefix,
+                   help="names of GET /metrics' series: kvload (default: kvload_num_requests_waiting{model_name}) "
+                        "or vllm: vLLM's own names and labels (vllm:num_requests_waiting{model_name,engine=\"0\"}), "
+                        "so vLLM's Grafana dashboard, alerts and autoscalers read kvload unchanged; series vLLM has "
+                        "no name for keep their kvload_ name")
     g.add_argument("--enable-auto-tool-choice", "--enable_auto_tool_choice", dest="enable_auto_tool_choice",
                    action="store_true",
                    help='serve chat\'s tool_choice "auto" (and tools without a tool_choice, which means it): the '
@@ -230,6 +237,13 @@ def _tool_call_parser(text: str) -> str:
     if text not in TOOL_CALL_PARSERS:
         raise argparse.ArgumentTypeError(f"no tool-call parser {text!r} in kvload; it has: "
                                          f"{', '.join(TOOL_CALL_PARSERS)}")
+    return text
+
+
+def _metrics_name_prefix(text: str) -> str:
+    """``--metrics-name-prefix``: one of :data:`~kvload.metrics.METRIC_NAMINGS`."""
+    if text not in METRIC_NAMINGS:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(METRIC_NAMINGS)}, got {text!r}")
     return text
 
 
@@ -345,7 +359,8 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
                             chat_template_flag="--chat-template", api_keys=api_keys,
                             api_key_source=key_source or "api_keys",
                             enable_reset_prefix_cache=ns.enable_reset_prefix_cache,
-                            tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser)
+                            tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
+                            metrics_naming=ns.metrics_name_prefix)
         mirror = None
         if ns.kv_events_file is not None:  # a full disk later stops the mirror with a warning, never a request
             mirror = mirror_kv_events(state, ns.kv_events_file, "--kv-events-file")

@@ -22,6 +22,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from cache_backends.kv_events import KvEventMirror
 from engine.serving import ServingEngine
+from kvload.metrics import METRIC_NAMINGS
 from kvload.serve.app import ServeState, create_app
 from kvload.serve.auth import OPEN_PATHS, check_api_key, digest
 from kvload.serve.command import (
@@ -47,7 +48,8 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
                 trust_request_chat_template: bool = False, chat_template: str | None = None,
                 chat_template_flag: str = "chat_template", api_keys: Sequence[str] | None = (),
                 api_key_source: str = "api_keys", enable_reset_prefix_cache: bool = False,
-                tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> ServeState:
+                tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+                metrics_naming: str = "kvload") -> ServeState:
     """Engine (not started) and metrics over a ``load(..., load_weights=True)`` result; from now on its audit log
     keeps the load's records and the newest ``audit_keep`` (``/v1/kvload/audit`` serves them). A request body
     over ``max_request_bytes`` is refused unread (None: :func:`default_max_request_bytes` of the model); a
@@ -69,7 +71,10 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
     chat's ``tool_choice: "auto"`` is served, the reply read for tool calls (an ``auto_tool_choice_enabled``
     record); None: refused. ``reasoning_parser`` (one of :data:`~kvload.serve.command.REASONING_PARSERS`; vLLM's
     ``--reasoning-parser``): each chat reply is split into ``reasoning_content`` and ``content`` (a
-    ``reasoning_parser_enabled`` record); None: chat replies are all content."""
+    ``reasoning_parser_enabled`` record); None: chat replies are all content. ``metrics_naming`` (one of
+    :data:`~kvload.metrics.METRIC_NAMINGS`): ``/metrics`` under kvload's names or vLLM's own (``vllm:*``)."""
+    if metrics_naming not in METRIC_NAMINGS:
+        raise ConfigError(f"metrics_naming: expected one of {', '.join(METRIC_NAMINGS)}, got {metrics_naming!r}")
     if model_name is not None and not (isinstance(model_name, str) and model_name.strip()):
         raise ConfigError(f"model_name: expected a non-empty name (or None: the model's own), got {model_name!r}")
     if max_request_bytes is not None and not (isinstance(max_request_bytes, int)
@@ -115,8 +120,9 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
         bus.emitter("serve")(ReasoningParserEnabled(parser=reasoning_parser))
     result.audit.keep_tail(audit_keep)
     name = model_name or (result.model.name if result.model is not None else str(result.args.model))
-    metrics = ServeMetrics(name)
-    engine = ServingEngine.from_result(result, observer=metrics)
+    engine = ServingEngine.from_result(result)
+    metrics = ServeMetrics(name, naming=metrics_naming, max_model_len=engine.executor.max_seq_len)
+    engine.observer = metrics
     metrics.attach(engine)
     if max_request_bytes is None:
         max_request_bytes = default_max_request_bytes(engine.executor.max_seq_len, engine.executor.vocab_size)
