@@ -23,7 +23,7 @@ from kvload.serve.protocol import BadRequest, need_schema
 ACCEPTED = frozenset({
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "metadata", "user", "tools",
     "tool_choice", "parallel_tool_calls", "text", "reasoning", "store", "stream", "background", "include",
-    "truncation", "service_tier", "previous_response_id",
+    "truncation", "service_tier", "previous_response_id", "prompt_cache_key", "safety_identifier", "stream_options",
     # vLLM's, as on the chat endpoint (the openai client sends them in extra_body)
     "top_k", "cache_salt", "request_id", "priority", "chat_template_kwargs",
 })
@@ -140,6 +140,24 @@ def _unserved(body: dict[str, Any], ignored: list[tuple[str, Any, str]]) -> None
           "context length is a 400)", truncation)
     tier = body.get("service_tier")
     _need(tier in (None, "auto", "default"), "service_tier", '"auto" or "default" (kvload serves one tier)', tier)
+    # sent by default by agents (Codex CLI sets prompt_cache_key): each is a string or an object that can change
+    # nothing here, so it is reported, not refused
+    for key, why in (("prompt_cache_key", "a routing hint for OpenAI's prompt cache; kvload caches every prompt's "
+                      "prefix whatever the key (cache_salt scopes sharing)"),
+                     ("safety_identifier", "an end user's id for OpenAI's abuse checks; kvload runs none")):
+        value = body.get(key)
+        _need(value is None or isinstance(value, str), key, "a string", value)
+        if value is not None:
+            ignored.append((key, value[:200], why))
+    options = body.get("stream_options")
+    _need(options is None or isinstance(options, dict), "stream_options", "an object", options)
+    if options:
+        unknown = sorted(set(options) - {"include_obfuscation"})
+        if unknown:
+            raise BadRequest(f"stream_options.{unknown[0]!s:.80}: not supported; accepted: include_obfuscation",
+                             param="stream_options")
+        ignored.append(("stream_options.include_obfuscation", options["include_obfuscation"],
+                        "kvload's stream events carry no obfuscation padding"))
     reasoning = body.get("reasoning")
     if reasoning is None:
         return
