@@ -161,6 +161,32 @@ class Driver:
         if kids:
             self._forks[parent.req_id] = (parent, kids)
 
+    def unfork(self, child: Request) -> bool:
+        """Drop ``child`` from the samples waiting for its parent's prefill (:meth:`fork`); whether it was one."""
+        for parent_id, (_, kids) in list(self._forks.items()):
+            if child in kids:
+                kids.remove(child)
+                if not kids:
+                    del self._forks[parent_id]
+                return True
+        return False
+
+    def forks_of(self, parent: Request) -> list[Request]:
+        """The samples still waiting for ``parent``'s prefill (:meth:`fork`), taken from it: the caller forks them
+        again from another parent or adds them."""
+        fork = self._forks.pop(parent.req_id, None)
+        return fork[1] if fork is not None else []
+
+    def forks_for(self, parent_id: str) -> list[Request]:
+        """The samples waiting for the prefill of request ``parent_id`` (none: an empty list)."""
+        fork = self._forks.get(parent_id)
+        return list(fork[1]) if fork is not None else []
+
+    @property
+    def forks_waiting(self) -> int:
+        """Samples waiting for their prompt's prefill (:meth:`fork`): not yet in ``waiting``."""
+        return sum(len(kids) for _, kids in self._forks.values())
+
     @property
     def forks_pending(self) -> bool:
         """Whether some prompt's samples wait for its prefill (:meth:`fork`)."""

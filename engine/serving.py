@@ -5,8 +5,18 @@ one :class:`~engine.driver.Driver` between steps, so a request that arrives whil
 the next step's forward. Each request carries its own :class:`SamplingParams` (greedy or seeded
 sampling per request) and a ``sink`` the loop calls with a :class:`ServeEvent` after every step that
 gave it tokens, and once more when it ends. :meth:`ServingEngine.abort` (a client that went away)
-finishes a request between steps, which frees its blocks. With ``max_draft_len`` a request (greedy or sampled)
-drafts as in ``generate`` (``engine.speculation``) while at most ``speculation_max_batch_size`` requests run.
+finishes a request between steps, which frees its blocks.
+
+A request's ``n`` choices (:meth:`ServingEngine.submit_group`) share one prefill, as ``generate``'s samples do
+(``engine.driver``'s forks): choice 0 prefills, the step that completes its prompt draws every choice's first token
+from that row of logits (each with its own seed, seed + j, penalties and grammar), and the other choices join holding
+the prompt's KV (whole blocks shared, the partial last block copied); a choice that ends on that first token never
+holds any. A scored prompt (``prompt_logprobs``, completions' echo with logprobs) is scored once too: choice 0 prefills
+it whole and the others get a copy of its scores. Each choice streams, finishes and aborts on its own; an aborted
+choice 0 hands its place (the prefill) to the next choice still waiting.
+
+With ``max_draft_len`` a request (greedy or sampled) drafts as in ``generate`` (``engine.speculation``) while at most
+``speculation_max_batch_size`` requests run.
 
 The loop never dies on one request's failure: an error inside a step fails the requests of that step
 (their sinks get the error, their blocks are freed) and the loop goes on with the next arrivals.
@@ -148,6 +158,7 @@ class _Live:
     sample: int = 0  # its seed_offset: which of its prompt's n samples
     samples: int = 1  # its prompt's n
     scheduled_at: float | None = None  # when a step first scheduled it (the queue time ends there)
+    forked_from: _Live | None = None  # a choice given its first token from this first choice's prefill, until sent
 
 
 class _ServeDriver(Driver):
@@ -191,8 +202,9 @@ FOLLOW_GRACE_S = 10.0
 class StepOrders:
     """What rank 0 tells the other ranks before each step under tensor parallel (sent with ``broadcast_object_list``).
 
-    Invariant: every rank applies the same orders in the same order (``reset`` first, then ``adds`` in order, then
-    ``aborts`` in order, then one step when there is work), so their drivers, schedulers and pools stay identical;
+    Invariant: every rank applies the same orders in the same order (``reset`` first, then ``adds`` in order, grouped
+    by ``groups``, then ``aborts`` in order, then one step when there is work), so their drivers, schedulers and pools
+    stay identical;
     the tokens a step picks are rank 0's (broadcast after sampling, as ``generate`` does), so a sampled request goes
     on alike everywhere whatever each rank's generator drew. ``adds``: (request as rank 0 built it, its params, the
     seed of its generator or None). An order with nothing in it is a heartbeat: an idle rank 0 sends one every
@@ -201,6 +213,9 @@ class StepOrders:
 
     adds: tuple[tuple[Request, SamplingParams, int | None], ...] = ()
     aborts: tuple[str, ...] = ()
+    #: how many of ``adds``, in order, are each request's choices (the first prefills, the others fork it); empty:
+    #: each alone
+    groups: tuple[int, ...] = ()
     reset: bool = False  # rank 0 forgot its cached prefixes since the last step (POST /reset_prefix_cache)
     stop: bool = False  # the server is stopping: the other ranks end their loop
 
@@ -229,7 +244,7 @@ class ServingEngine:
                                    emit=executor._emit, live=self._live,
                                    propose=self._propose if executor.proposer is not None else None)
         self._cond = threading.Condition()
-        self._inbox: list[_Live] = []
+        self._inbox: list[list[_Live]] = []  # each entry: one request's choices (submit_group)
         self._aborts: set[str] = set()
         self._notices: list[Event] = []  # events for the loop thread to emit (the event bus is not thread-safe)
         self._stopping = False
@@ -416,7 +431,8 @@ class ServingEngine:
         """Queue one request; its id. ``GenerationError``/``KvBuildError`` (nothing queued) when it could never run.
 
         ``max_new_tokens`` is cut to what ``max_seq_len`` leaves. ``sink`` is called on the loop thread.
-        One sample per request (``params.n`` is the caller's: submit n requests, ``seed_offset`` 0..n-1).
+        One sample per request (``params.n`` is the caller's): :meth:`submit_group` queues a request's n choices as
+        forks of one prefill; ``seed_offset`` j here gives the sample it gives choice j, prefilled on its own.
         It ends with ``"stop"`` on EOS (unless ``params.ignore_eos``), on a token of
         ``params.stop_token_ids``, or once its text holds one of ``params.stop`` (the caller cuts the
         text there). ``params.logprobs=k`` reports, per generated token, its log-probability and the
@@ -447,9 +463,45 @@ class ServingEngine:
             # So may a failure of the loop itself, which sets loop_error under this lock before its last drain.
             if self._stopping or self.loop_error is not None:
                 raise EngineStopped(self._why_stopped())
-            self._inbox.append(live)
+            self._inbox.append([live])
             self._cond.notify_all()
         return req_id
+
+    def submit_group(self, prompt_token_ids: Sequence[int], params: SamplingParams,
+                     sinks: Sequence[Callable[[ServeEvent], Any]], *, salt: str | None = None,
+                     priority: int = 0) -> list[str]:
+        """Queue one request's ``len(sinks)`` choices of one prompt, computed from one prefill (module docstring):
+        choice ``j`` is what :meth:`submit` with ``seed_offset=j`` gives (seed + j; greedy choices alike) and reports
+        to ``sinks[j]``. Their ids, in order; nothing queued when they could never run (as :meth:`submit`)."""
+        if not sinks:
+            return []
+        if self._stopping or self.loop_error is not None:
+            raise EngineStopped(self._why_stopped())
+        check_salt(salt)
+        refused = self.executor.priority_refusal(priority)
+        if refused is not None:
+            raise GenerationError(f"generate: priority: {refused}")
+        first = self.check(prompt_token_ids, params)
+        base = None
+        if not params.greedy:
+            base = params.seed if params.seed is not None else random.SystemRandom().getrandbits(62)
+        group = []
+        for j, sink in enumerate(sinks):
+            request = first if j == 0 else Request(f"srv-{next(self._ids)}", first.prompt_token_ids,
+                                                   first.max_new_tokens)
+            request.salt = salt
+            request.priority = -int(priority)
+            # only the first prefills: a scored prompt whole (a cached prefix computes no logits), once for all
+            request.skip_prefix_read = params.prompt_logprobs is not None and j == 0
+            live = self._new_live(request, params, sink, None if base is None else base + j)
+            live.sample, live.samples = j, len(sinks)
+            group.append(live)
+        with self._cond:  # as submit's: checked again under the lock the loop's last drain takes
+            if self._stopping or self.loop_error is not None:
+                raise EngineStopped(self._why_stopped())
+            self._inbox.append(group)
+            self._cond.notify_all()
+        return [live.request.req_id for live in group]
 
     def _new_live(self, request: Request, params: SamplingParams, sink: Callable[[ServeEvent], Any],
                   seed: int | None) -> _Live:
@@ -497,6 +549,7 @@ class ServingEngine:
             running = len(self.driver.running)
             waiting = sum(1 for r in self.driver.waiting if r.state.value == "waiting")
             suspended = len(self.driver.waiting) - waiting
+            waiting += self.driver.forks_waiting  # choices waiting for their prompt's prefill
             stats = None if getattr(self.manager, "closed", False) else self.manager.stats()
         return {"running": running, "waiting": waiting, "suspended": suspended, "manager": stats,
                 "steps": self.steps}
@@ -541,7 +594,7 @@ class ServingEngine:
                     break  # a heartbeat: the other ranks wait for the next orders in a collective with a timeout
             notices, self._notices = self._notices, []
             stopping = self._stopping
-            inbox: list[_Live] = []
+            inbox: list[list[_Live]] = []
             aborts: list[str] = []
             if not stopping:
                 inbox, self._inbox = self._inbox, []
@@ -556,7 +609,8 @@ class ServingEngine:
             return False
         with self.state_lock:
             if self.ranks is not None:  # under the lock a prefix cache reset takes: it lands between the same steps
-                orders = StepOrders(adds=tuple((lv.request, lv.params, lv.seed) for lv in inbox),
+                orders = StepOrders(adds=tuple((lv.request, lv.params, lv.seed) for group in inbox for lv in group),
+                                    groups=tuple(len(group) for group in inbox),
                                     aborts=tuple(aborts), reset=self._reset_pending)
                 self._reset_pending = False
                 try:
@@ -614,18 +668,23 @@ class ServingEngine:
                         if orders.reset:
                             _, event = self.executor.reset_prefix_cache("serve.reset_prefix_cache")
                             self.executor._event(event)
-                        self._apply([self._new_live(req, params, _no_sink, seed) for req, params, seed in orders.adds],
-                                    list(orders.aborts))
+                        lives = [self._new_live(req, params, _no_sink, seed) for req, params, seed in orders.adds]
+                        sizes = orders.groups or (1,) * len(lives)
+                        starts = list(itertools.accumulate(sizes, initial=0))
+                        self._apply([lives[a:b] for a, b in itertools.pairwise(starts)], list(orders.aborts))
                         self._step()
         finally:
             self._fail_all("the engine stopped", reason="abort")
             self.executor._block_tables.keep_only(())
 
-    def _apply(self, inbox: list[_Live], aborts: list[str]) -> None:
-        """New requests join the driver, then the aborted end (under ``state_lock``)."""
-        for live in inbox:
-            self._live[live.request.req_id] = live
-            self.driver.add(live.request)
+    def _apply(self, inbox: list[list[_Live]], aborts: list[str]) -> None:
+        """New requests join the driver (a request's other choices as forks of its first), then the aborted end
+        (under ``state_lock``)."""
+        for first, *others in inbox:
+            for live in (first, *others):
+                self._live[live.request.req_id] = live
+            self.driver.add(first.request)
+            self.driver.fork(first.request, [live.request for live in others])
         for req_id in aborts:
             self._finish_early(req_id, "abort")
 
@@ -651,6 +710,9 @@ class ServingEngine:
             live = self._live.get(chunk.request.req_id)
             if live is not None and live.scheduled_at is None:
                 live.scheduled_at = started
+        for live in self._live.values():  # a forked choice was scheduled when its prompt's first choice was
+            if live.forked_from is not None:
+                live.scheduled_at, live.forked_from = live.forked_from.scheduled_at, None
         outbox = self._collect(st)
         self.driver.finished.clear()  # the server's driver lives for ever: its finished requests are ours to drop
         if self.observer is not None:  # counted before any client can see the tokens (and scrape)
@@ -665,9 +727,11 @@ class ServingEngine:
         logits, rows, counts = self.executor.forward_scored(out, self._live)
         if not rows:
             return {}
-        starts = list(itertools.accumulate(counts, initial=0))
         reqs = [out.scheduled[i].request for i in rows]
         lives = [self._live[r.req_id] for r in reqs]
+        if self.driver.forks_pending:
+            logits, reqs, lives, counts = self._with_forks(out, rows, logits, reqs, lives, counts)
+        starts = list(itertools.accumulate(counts, initial=0))
         # penalties and min_tokens pick from changed logits; logprobs stay the model's own (vLLM's raw_logprobs)
         raw = logits
         logits = penalize(logits, counts, [(lv.params, r) for lv, r in zip(lives, reqs, strict=True)],
@@ -699,6 +763,31 @@ class ServingEngine:
             for i, token, top in zip(asked, tokens, top_logprobs(raw[asked], k, tokens), strict=True):
                 self._keep_logprobs(lives[i], token, top)
         return picked
+
+    def _with_forks(self, out: SchedulerOutput, rows: list[int], logits: torch.Tensor, reqs: list[Request],
+                    lives: list[_Live], counts: list[int],
+                    ) -> tuple[torch.Tensor, list[Request], list[_Live], list[int]]:
+        """The step's rows plus one per choice forked from a first choice whose prompt this step completes: a copy of
+        its logits row, so each choice draws its first token from the one prefill with its own generator, penalties
+        and grammar (as it would have from a prefill of its own); a scored prompt's entries are copied to it too."""
+        extra: list[int] = []
+        starts = list(itertools.accumulate(counts, initial=0))
+        for k, i in enumerate(rows):
+            chunk = out.scheduled[i]
+            req = chunk.request
+            if req.num_computed_tokens + chunk.num_tokens < req.num_prompt_tokens:
+                continue
+            parent = lives[k]
+            for kid in self.driver.forks_for(req.req_id):
+                live = self._live[kid.req_id]
+                if parent.prompt_logprobs is not None and live.prompt_logprobs is not None:
+                    live.prompt_logprobs = list(parent.prompt_logprobs)
+                live.forked_from = parent
+                extra.append(starts[k])
+                reqs, lives = [*reqs, kid], [*lives, live]
+        if not extra:
+            return logits, reqs, lives, counts
+        return torch.cat([logits, logits[extra]]), reqs, lives, [*counts, *[1] * len(extra)]
 
     def _verify(self, logits: torch.Tensor, counts: list[int], starts: list[int], reqs: list[Request],
                 lives: list[_Live], raw: torch.Tensor) -> dict[str, list[int]]:
@@ -769,6 +858,13 @@ class ServingEngine:
             self.driver.running.remove(req)
         with contextlib.suppress(ValueError):
             self.driver.waiting.remove(req)
+        self.driver.unfork(req)  # a choice still waiting for its prompt's prefill
+        kids = self.driver.forks_of(req)  # the choices waiting for its prefill: the next one prefills for them
+        if kids:
+            heir = self._live[kids[0].req_id]
+            heir.request.skip_prefix_read = live.params.prompt_logprobs is not None  # it scores the prompt now
+            self.driver.add(heir.request)
+            self.driver.fork(heir.request, kids[1:])
         self._retire(live, reason)
         if self.executor._emit is not None:  # the audit log sees every end, not only the driver's
             with contextlib.suppress(Exception):
@@ -808,7 +904,7 @@ class ServingEngine:
         """End every queued and live request with ``reason``; how many there were."""
         with self._cond:
             pending, self._inbox = self._inbox, []
-        for live in pending:
+        for live in (lv for group in pending for lv in group):
             self._live[live.request.req_id] = live
         ended = list(self._live)
         for req_id in ended:

@@ -89,7 +89,10 @@ def _reference() -> dict[str, list[list[int]]]:
         greedy = [loaded.generate([p], max_new_tokens=MAX_TOKENS, ignore_eos=True)[0].token_ids for p in PROMPTS]
         sampled = [loaded.generate([p], max_new_tokens=MAX_TOKENS, ignore_eos=True, **SAMPLED)[0].token_ids
                    for p in PROMPTS[:2]]
-    return {"greedy": greedy, "sampled": sampled}
+        # choice j of an n=3 request is the sample seed + j gives alone
+        choices = [loaded.generate([PROMPTS[2]], max_new_tokens=MAX_TOKENS, ignore_eos=True, temperature=1.0,
+                                   seed=7 + j)[0].token_ids for j in range(3)]
+    return {"greedy": greedy, "sampled": sampled, "choices": choices}
 
 
 def _torchrun(out: Path) -> subprocess.Popen:
@@ -142,6 +145,26 @@ def test_greedy_and_seeded_completions_are_one_processs_tokens(served):
     with httpx.Client(base_url=served["url"], timeout=60) as http:  # rank 0's own endpoints
         assert http.get("/health").json() == {"status": "ok"}
         assert "kvload_generation_tokens_total" in http.get("/metrics").text
+
+
+def _computed(http: httpx.Client) -> float:
+    """Prompt tokens whose KV rank 0 computed, every request's (``request_prefill_kv_computed_tokens``' sum)."""
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name == "kvload_request_prefill_kv_computed_tokens_sum":
+                return sample.value
+    raise AssertionError("no kvload_request_prefill_kv_computed_tokens_sum")
+
+
+def test_n_choices_fork_one_prefill_on_every_rank(served):
+    # rank 1 forks the choices as rank 0 does (StepOrders.groups): were it to prefill them, the per-step check would
+    # fail the step (a 500), and the ranks would stop
+    with httpx.Client(base_url=served["url"], timeout=60) as http:
+        before = _computed(http)
+        r = served["client"].completions.create(model="tiny-llama", prompt=PROMPTS[2], max_tokens=MAX_TOKENS, n=3,
+                                                temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+        assert _computed(http) - before == len(PROMPTS[2])  # one prefill for the three
+    assert [c.model_extra["token_ids"] for c in r.choices] == served["reference"]["choices"]
 
 
 def test_concurrent_requests_and_a_cancelled_stream(served):

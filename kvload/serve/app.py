@@ -798,20 +798,19 @@ class _Run:
                                  for name, value, why in job.ignored])
         try:
             for i, (ids, params) in enumerate(plan):
-                for j in range(job.n):
-                    index = i * job.n + j
-                    sink = functools.partial(_post, self.loop, self.queue, index)
-                    with self.lock:
-                        if self.cancelled:
-                            return
-                        try:
-                            rid = self.engine.submit(ids, params, sink, salt=job.salt, seed_offset=j,
-                                                     priority=job.priority, samples=job.n)
-                        except EngineStopped as exc:  # a 503 naming the cause, not a 500 with a traceback
-                            if self.engine.loop_error is None:
-                                raise _shutting_down() from None
-                            # the loop died (a bug, /health says "down"): this server will answer nothing more
-                            raise BadRequest(str(exc), status=500, kind="server_error") from None
+                indices = range(i * job.n, (i + 1) * job.n)  # the prompt's n choices: one prefill, n forks of it
+                sinks = [functools.partial(_post, self.loop, self.queue, index) for index in indices]
+                with self.lock:
+                    if self.cancelled:
+                        return
+                    try:
+                        rids = self.engine.submit_group(ids, params, sinks, salt=job.salt, priority=job.priority)
+                    except EngineStopped as exc:  # a 503 naming the cause, not a 500 with a traceback
+                        if self.engine.loop_error is None:
+                            raise _shutting_down() from None
+                        # the loop died (a bug, /health says "down"): this server will answer nothing more
+                        raise BadRequest(str(exc), status=500, kind="server_error") from None
+                    for index, rid in zip(indices, rids, strict=True):
                         self.choices[index].req_id = rid
                         self.open.add(index)
         except BaseException:
