@@ -369,8 +369,8 @@ def test_serve_takes_the_models_defaults_for_fields_not_sent(ckpt, monkeypatch):
     with serving(str(ckpt), max_seq_len=64, kv_cache_config={"max_tokens": 512, "tokens_per_block": 4},
                  state={"model_name": "words"}) as served:
         engine, asked = served.state.engine, []
-        submit = engine.submit
-        monkeypatch.setattr(engine, "submit", lambda ids, params, *a, **k: (asked.append(params), submit(
+        submit = engine.submit_group  # the server submits a request's choices together (one prefill)
+        monkeypatch.setattr(engine, "submit_group", lambda ids, params, *a, **k: (asked.append(params), submit(
             ids, params, *a, **k))[1])
 
         def complete(extra=(), **fields):
