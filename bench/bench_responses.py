@@ -17,12 +17,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
-import subprocess
 import time
 from typing import Any
 
-from bench.bench_serve import QUESTIONS, start_server
+from bench.bench_serve import QUESTIONS, start_server, stop_server
 from bench.common import Table, median, p99
 
 
@@ -98,11 +96,7 @@ def main() -> None:
                                    str(runs[side][0]["tokens"]), f"{speed[side]:.1f}",
                                    f"{speed[side] / speed['chat']:.2f}x" if side != "chat" else ""])
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
     print(table.markdown())
 
 

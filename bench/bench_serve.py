@@ -90,6 +90,15 @@ async def server_batch(url: str, model: str, questions: list[str], tokens: int) 
             "tokens_per_s": sum(r["tokens"] for r in results) / wall}
 
 
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM the server started by :func:`start_server`; kill it if it has not exited within 30 s."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def api_batch(llm: Any, questions: list[str], tokens: int) -> dict[str, Any]:
     """The same prompts through ``generate`` in one call."""
     from engine.sampling_params import SamplingParams
@@ -195,11 +204,7 @@ def main() -> None:
                                        f"{speed[side]:.1f}",
                                        f"{speed[side] / speed['API']:.2f}x" if side != "API" else ""])
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
     print(table.markdown())
 
 

@@ -98,3 +98,22 @@ def reap(proc: subprocess.Popen) -> None:
         proc.wait(timeout=10)
     proc.stdout.close()
     proc.stderr.close()
+
+
+def served_with(monkeypatch: Any, *flags: str) -> dict:
+    """What ``kvload serve tiny-llama --port 0 FLAGS`` hands ``build_state`` (the command is stopped there)."""
+    import pytest
+
+    from kvload.cli import build_parser
+    from kvload.serve import command, server
+
+    seen: dict = {}
+
+    def build_state(result: Any, **kwargs: Any) -> None:  # stop the command once it has said how to serve
+        seen.update(kwargs)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(server, "build_state", build_state)
+    with pytest.raises(SystemExit):
+        command.cmd_serve(build_parser().parse_args(["serve", "tiny-llama", "--port", "0", *flags]))
+    return seen

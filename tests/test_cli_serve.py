@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.cli_support import ENV, REPO, kvload, reap, run_cli
+from tests.cli_support import ENV, REPO, kvload, reap, run_cli, served_with
 
 
 def test_serve_process_answers_then_stops_cleanly_on_sigterm(tmp_path):
@@ -322,29 +322,12 @@ def test_max_concurrent_requests_defaults_to_256():
     assert parse(["serve", "tiny-llama", "--max_concurrent_requests", "1"]).max_concurrent_requests == 1
 
 
-def _served_with(monkeypatch: pytest.MonkeyPatch, *flags: str) -> dict:
-    """What ``kvload serve tiny-llama --port 0 FLAGS`` hands ``build_state`` (the command is stopped there)."""
-    from kvload.cli import build_parser
-    from kvload.serve import command, server
-
-    seen: dict = {}
-
-    def build_state(result, **kwargs):  # stop the command once it has said how to serve
-        seen.update(kwargs)
-        raise SystemExit(0)
-
-    monkeypatch.setattr(server, "build_state", build_state)
-    with pytest.raises(SystemExit):
-        command.cmd_serve(build_parser().parse_args(["serve", "tiny-llama", "--port", "0", *flags]))
-    return seen
-
-
 def test_a_requests_chat_template_is_trusted_only_with_the_flag(monkeypatch):
     """--trust-request-chat-template reaches the served state; without it, requests' templates are refused."""
     from kvload.cli import build_parser
 
     assert build_parser().parse_args(["serve", "tiny-llama"]).trust_request_chat_template is False
-    assert _served_with(monkeypatch, "--trust-request-chat-template")["trust_request_chat_template"] is True
+    assert served_with(monkeypatch, "--trust-request-chat-template")["trust_request_chat_template"] is True
 
 
 @pytest.mark.parametrize(("value", "message"), [
@@ -503,8 +486,8 @@ def test_a_tool_call_parser_flag_alone_or_unknown_exits_2_with_one_line(capsys, 
 ])
 def test_the_tool_call_parser_reaches_the_served_state(monkeypatch, flags, parser):
     """vLLM's flags (and kvload's underscore spellings) give build_state the parser; without them, none."""
-    assert _served_with(monkeypatch, *flags)["tool_call_parser"] == parser
-    assert _served_with(monkeypatch)["tool_call_parser"] is None
+    assert served_with(monkeypatch, *flags)["tool_call_parser"] == parser
+    assert served_with(monkeypatch)["tool_call_parser"] is None
 
 
 def test_an_unknown_reasoning_parser_exits_2_with_one_line_naming_the_accepted(capsys):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.cli_support import run_cli
+from tests.cli_support import run_cli, served_with
 from tests.serve_support import serving
 
 #: family (prometheus_client's name: a counter's without ``_total``) → type, with the prefix left off
@@ -146,27 +146,10 @@ def test_counters_move_and_request_histograms_count_every_request_served(served)
     assert _value(after, p + "num_requests_running") == 0 and _value(after, p + "num_requests_waiting") == 0
 
 
-def _served_with(monkeypatch, *flags):
-    """What ``kvload serve tiny-llama --port 0 FLAGS`` hands ``build_state`` (the command is stopped there)."""
-    from kvload.cli import build_parser
-    from kvload.serve import command, server
-
-    seen: dict = {}
-
-    def build_state(result, **kwargs):
-        seen.update(kwargs)
-        raise SystemExit(0)
-
-    monkeypatch.setattr(server, "build_state", build_state)
-    with pytest.raises(SystemExit):
-        command.cmd_serve(build_parser().parse_args(["serve", "tiny-llama", "--port", "0", *flags]))
-    return seen
-
-
 def test_the_flag_reaches_the_served_state_and_a_bad_one_exits_2_with_one_line(capsys, monkeypatch):
-    assert _served_with(monkeypatch)["metrics_naming"] == "kvload"
-    assert _served_with(monkeypatch, "--metrics-name-prefix", "vllm")["metrics_naming"] == "vllm"
-    assert _served_with(monkeypatch, "--metrics_name_prefix", "vllm")["metrics_naming"] == "vllm"
+    assert served_with(monkeypatch)["metrics_naming"] == "kvload"
+    assert served_with(monkeypatch, "--metrics-name-prefix", "vllm")["metrics_naming"] == "vllm"
+    assert served_with(monkeypatch, "--metrics_name_prefix", "vllm")["metrics_naming"] == "vllm"
     r = run_cli(capsys, "serve", "tiny-llama", "--port", "0", "--metrics-name-prefix", "prom")
     assert r.code == 2 and r.one_error_line, r.err
     assert r.err.startswith("error: --metrics-name-prefix: expected one of kvload, vllm, got 'prom'"), r.err
