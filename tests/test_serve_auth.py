@@ -77,7 +77,9 @@ def test_probes_stay_open_and_every_other_path_needs_the_key(served):
               ("GET", "/v1/kvload/explain?field=max_batch_size"), ("GET", "/v1/kvload/kv_events"),
               ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
               # open in vLLM; here they share the admission slots and the parse gate with completions
-              ("POST", "/tokenize"), ("POST", "/detokenize"),
+              ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/v1/responses"),
+              ("GET", "/v1/responses/resp_1"), ("DELETE", "/v1/responses/resp_1"),
+              ("GET", "/v1/responses/resp_1/input_items"),
               ("GET", "/nowhere")]  # not the 404 that lists every endpoint
     for method, path in closed:
         r = http.request(method, path, json={"tokens": [1]} if method == "POST" else None)
@@ -86,6 +88,10 @@ def test_probes_stay_open_and_every_other_path_needs_the_key(served):
     assert http.get("/v1/kvload/explain?field=max_batch_size", headers=auth).status_code == 200
     assert http.post("/detokenize", json={"tokens": [1]}, headers=auth).status_code == 400  # no tokenizer: not 401
     assert http.get("/nowhere", headers=auth).status_code == 404
+    # the kept responses' routes answer with the key (none kept: 404 naming the response)
+    for method in ("GET", "DELETE"):
+        r = http.request(method, "/v1/responses/resp_1", headers=auth)
+        assert (r.status_code, r.json()["error"]["code"]) == (404, "response_not_found")
 
 
 @pytest.mark.parametrize(("value", "accepted"), [

@@ -43,6 +43,7 @@ from kvload.serve.metrics import ServeMetrics
 from kvload.serve.protocol import BadRequest, Job, parse, parse_detokenize, parse_tokenize, request_id
 from kvload.serve.responses_input import ResponsesRequest, renamed, renamed_error, to_chat
 from kvload.serve.responses_output import response_document, response_events
+from kvload.serve.responses_store import ResponseStore
 from kvload.serve.tool_calls import ToolCallText
 from kvload.serve.tool_parser import tool_reader
 from kvload.serve.tool_reader import ToolReader
@@ -80,6 +81,8 @@ class ServeState:
     reasoning_parser: str | None = None
     #: SHA-256 of each accepted API key (``--api-key``); empty: no key required. Never the keys: no repr shows one
     api_key_digests: tuple[bytes, ...] = attrs.field(default=(), repr=False)
+    #: the responses kept for previous_response_id and GET /v1/responses/{id} (``--responses-store-max``)
+    responses: ResponseStore = attrs.Factory(ResponseStore)
     in_flight: int = 0  # generation requests in the server now (only the event loop's thread touches it)
     created: int = attrs.Factory(lambda: int(time.time()))
 
@@ -204,6 +207,18 @@ def create_app(state: ServeState) -> FastAPI:
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
         return await _serve(state, request, "responses", gate, stopping)
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str) -> dict[str, Any]:
+        return state.responses.retrieve(response_id).response
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        return state.responses.remove(response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str, request: Request) -> dict[str, Any]:
+        return state.responses.input_items(response_id, request.query_params)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
@@ -693,7 +708,7 @@ class _Run:
             self._prepare(_parse(self.state, raw, kind))
             return
         try:
-            chat, self.responses = to_chat(_load(raw), self.state.tool_call_parser)
+            chat, self.responses = to_chat(_load(raw), self.state.tool_call_parser, self.state.responses)
             job = _parse_body(self.state, chat, "chat")
             job = attrs.evolve(job, max_tokens_field="max_output_tokens",
                                structured_field="text.format" if job.structured_field == "response_format"

@@ -25,6 +25,8 @@ READ_TIMEOUT_DEFAULT = 30.0
 MAX_TIMEOUT_S = 86400.0
 #: Generation requests a server holds at once by default (``--max-concurrent-requests``); more get 503.
 MAX_CONCURRENT_DEFAULT = 256
+#: Responses ``/v1/responses`` keeps by default (``--responses-store-max``), the least recently used dropped past it.
+RESPONSES_STORE_MAX_DEFAULT = 1000
 #: The tool-call parsers ``--tool-call-parser`` takes (vLLM's names; ``kvload.serve.tool_parser`` reads them).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "llama4_pythonic")
 #: The reasoning parsers ``--reasoning-parser`` takes (vLLM's names; ``engine.reasoning`` reads them).
@@ -32,7 +34,8 @@ REASONING_PARSERS = PARSERS
 
 _EPILOG = """\
 Endpoints (OpenAI-compatible): POST /v1/completions, POST /v1/chat/completions (stream=true for
-server-sent events), POST /v1/responses (OpenAI's Responses API, run as chat), GET /v1/models,
+server-sent events), POST /v1/responses (OpenAI's Responses API, run as chat; GET and DELETE
+/v1/responses/{id} for the --responses-store-max newest kept), GET /v1/models,
 /v1/models/{id}, /health, /version, /metrics (Prometheus,
 kvload_*), vLLM's POST /tokenize and /detokenize, and kvload's own
 GET /v1/kvload/audit (the load's audit log as JSON Lines, generation events included),
@@ -115,6 +118,13 @@ def add_serve_command(sub: Any) -> None:
                    help="completion, chat and (de)tokenize requests the server holds at once, from their "
                         "headers until their answer ends (queued for the engine included); more get HTTP 503 at "
                         "once, before their body is read, and /health and /metrics keep answering "
+                        "(default %(default)s)")
+    g.add_argument("--responses-store-max", "--responses_store_max", dest="responses_store_max",
+                   default=RESPONSES_STORE_MAX_DEFAULT, metavar="N",
+                   type=cli._bounded(cli.integer, lambda v: v >= 0, "an integer >= 0"),
+                   help="responses of POST /v1/responses kept in memory (all but those sent with store: false, as "
+                        "OpenAI keeps them) for previous_response_id and GET/DELETE /v1/responses/{id}; past N the "
+                        "least recently used is dropped (kvload_responses_evicted_total counts them); 0 keeps none "
                         "(default %(default)s)")
     g.add_argument("--chat-template", "--chat_template", dest="chat_template", default=None,
                    metavar="FILE_OR_TEMPLATE",
@@ -360,7 +370,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
                             api_key_source=key_source or "api_keys",
                             enable_reset_prefix_cache=ns.enable_reset_prefix_cache,
                             tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
-                            metrics_naming=ns.metrics_name_prefix)
+                            metrics_naming=ns.metrics_name_prefix, responses_store_max=ns.responses_store_max)
         mirror = None
         if ns.kv_events_file is not None:  # a full disk later stops the mirror with a warning, never a request
             mirror = mirror_kv_events(state, ns.kv_events_file, "--kv-events-file")
@@ -421,5 +431,5 @@ def _announce_auth(emit: Any, host: str, address: str, source: str | None, unuse
                                        "KVLOAD_API_KEY (or --api-key), or serve on 127.0.0.1 behind a proxy"))
 
 
-__all__ = ["DEFAULT_MAX_TOKENS", "REASONING_PARSERS", "TOOL_CALL_PARSERS", "add_serve_command", "cmd_serve",
-           "serve_max_tokens"]
+__all__ = ["DEFAULT_MAX_TOKENS", "REASONING_PARSERS", "RESPONSES_STORE_MAX_DEFAULT", "TOOL_CALL_PARSERS",
+           "add_serve_command", "cmd_serve", "serve_max_tokens"]

@@ -36,7 +36,8 @@ REFUSAL_REASONS = {400: "bad_request", 401: "unauthorized", 404: "model_not_foun
                    413: "too_large", 503: "busy"}
 #: ... and by the error ``code`` where one status has several causes: a 503 while the server stops is not a busy
 #: server (an alert on ``busy`` must not fire on every rolling restart)
-REFUSAL_CODES = {"server_shutting_down": "shutting_down"}
+REFUSAL_CODES = {"server_shutting_down": "shutting_down", "previous_response_not_found": "response_not_found",
+                 "response_not_found": "response_not_found"}
 
 
 class ServeMetrics:
@@ -118,13 +119,27 @@ class ServeMetrics:
                                     registry=r).labels(model_name)
         self.http_refused = Counter("kvload_http_requests_refused",
                                     "HTTP requests refused, by reason: bad_request and model_not_found (400, 404), "
+                                    "response_not_found (404: a response id no longer or never kept), "
                                     "unauthorized (401, no accepted --api-key), "
                                     "read_timeout (408, head or body), too_large (413), busy (503), shutting_down "
                                     "(503 while the server stops)",
                                     [*own, "reason"], registry=r)
         for reason in sorted({*REFUSAL_REASONS.values(), *REFUSAL_CODES.values()}):  # every series from the start
             self.http_refused.labels(model_name, reason)
+        # the responses /v1/responses keeps (ResponseStore): how many now, the bound, how many the bound dropped
+        self.responses_stored = Gauge("kvload_responses_stored", "Responses kept for previous_response_id and GET "
+                                      "/v1/responses/{id} now", own, registry=r).labels(model_name)
+        self.responses_store_max = Gauge("kvload_responses_store_max", "The most responses kept "
+                                         "(--responses-store-max; 0: none)", own, registry=r).labels(model_name)
+        self.responses_evicted = Counter("kvload_responses_evicted", "Kept responses dropped, least recently used "
+                                         "first, to stay within --responses-store-max", own,
+                                         registry=r).labels(model_name)
         self.engine: Any = None
+
+    def watch_responses(self, store: Any) -> None:
+        """Read the kept responses' count from ``store`` (a ``ResponseStore``) at scrape time; show its bound."""
+        self.responses_stored.set_function(lambda: len(store))
+        self.responses_store_max.set(store.max_responses)
 
     def attach(self, engine: Any) -> None:
         """Read queue lengths and KV usage from ``engine.snapshot()`` at scrape time."""

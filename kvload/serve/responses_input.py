@@ -6,7 +6,8 @@ chat's, ``text.format`` → ``response_format``, ``max_output_tokens`` → ``max
 (``kvload.serve.protocol.parse``, templating, sampling, tool calls, the reasoning split, structured outputs, limits)
 serves both. What that path then refuses is named back in the Responses body's words (:func:`renamed`). Fields kvload
 cannot honour are refused in one line naming them; fields accepted that can change nothing are reported
-``setting_ignored``. kvload keeps no responses: ``previous_response_id`` is refused and ``store`` stores nothing.
+``setting_ignored``. A ``previous_response_id`` puts the kept response's input items and output first
+(``kvload.serve.responses_store``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import attrs
 
 from kvload.serve.command import TOOL_CALL_PARSERS
 from kvload.serve.protocol import BadRequest, need_schema
+from kvload.serve.responses_store import ResponseStore, input_items
 
 #: OpenAI's Responses fields kvload acts on or reports, and vLLM's extras it passes to the chat path as they are.
 ACCEPTED = frozenset({
@@ -53,10 +55,14 @@ class ResponsesRequest:
     text: dict[str, Any]
     reasoning: dict[str, Any] | None
     user: str | None
-    #: each chat message's ``input`` index (None: ``instructions``)
-    sources: tuple[int | None, ...] = ()
+    #: each chat message's ``input`` index (None: ``instructions``; a name: where else it came from)
+    sources: tuple[int | str | None, ...] = ()
     #: settings accepted that change nothing, each (name, value, why)
     ignored: tuple[tuple[str, Any, str], ...] = ()
+    previous_response_id: str | None = None
+    #: whether the answer is kept (``store``), and the input items it is kept with (its chain's first)
+    store: bool = False
+    items: tuple[dict[str, Any], ...] = ()
 
 
 def _need(ok: bool, field: str, expected: str, value: Any) -> None:
@@ -64,9 +70,11 @@ def _need(ok: bool, field: str, expected: str, value: Any) -> None:
         raise BadRequest(f"{field}: expected {expected}, got {value!r}"[:300], param=field)
 
 
-def to_chat(body: Any, tool_parser: str | None = None) -> tuple[dict[str, Any], ResponsesRequest]:
+def to_chat(body: Any, tool_parser: str | None = None,
+            kept: ResponseStore | None = None) -> tuple[dict[str, Any], ResponsesRequest]:
     """A Responses body as the chat endpoint's body saying the same, and what the answer echoes;
-    ``BadRequest`` naming the Responses field."""
+    ``BadRequest`` naming the Responses field. ``kept``: the server's responses (None: none kept), which
+    ``previous_response_id`` names and ``store`` adds to."""
     if not isinstance(body, dict):
         raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
     unknown = sorted(set(body) - ACCEPTED)
@@ -78,7 +86,9 @@ def to_chat(body: Any, tool_parser: str | None = None) -> tuple[dict[str, Any], 
     chat: dict[str, Any] = {k: body[k] for k in _PASSED if body.get(k) is not None}
     instructions = body.get("instructions")
     _need(instructions is None or isinstance(instructions, str), "instructions", "a string", instructions)
-    messages, sources = _input(body.get("input"), ignored)
+    previous, keep = _kept(body, kept, ignored)
+    carried = kept.previous(previous) if kept is not None and previous is not None else []
+    messages, sources = _input(body.get("input"), ignored, carried)
     if instructions is not None:  # OpenAI's: a system (developer) message put first
         messages.insert(0, {"role": "system", "content": instructions})
         sources.insert(0, None)
@@ -107,21 +117,28 @@ def to_chat(body: Any, tool_parser: str | None = None) -> tuple[dict[str, Any], 
                             tool_choice=body.get("tool_choice") or "auto",
                             parallel_tool_calls=True if parallel is None else parallel, text=text,
                             reasoning=body.get("reasoning"), user=body.get("user"), sources=tuple(sources),
-                            ignored=tuple(ignored))
+                            ignored=tuple(ignored), previous_response_id=previous, store=keep,
+                            items=(*carried, *input_items(body["input"])) if keep else ())
     return chat, echo
+
+
+def _kept(body: dict[str, Any], kept: ResponseStore | None,
+          ignored: list[tuple[str, Any, str]]) -> tuple[str | None, bool]:
+    """``previous_response_id`` (checked a string) and whether the answer is kept: ``store`` (absent: true, OpenAI's
+    default) on a server that keeps responses; ``store: true`` on one that keeps none is reported."""
+    previous = body.get("previous_response_id")
+    _need(previous is None or (isinstance(previous, str) and bool(previous)), "previous_response_id",
+          "a response id (a non-empty string)", previous)
+    store = body.get("store")
+    _need(store is None or isinstance(store, bool), "store", "true or false", store)
+    on = kept is not None and kept.enabled
+    if store and not on:
+        ignored.append(("store", True, "this server keeps no responses (--responses-store-max 0)"))
+    return previous, on and store is not False
 
 
 def _unserved(body: dict[str, Any], ignored: list[tuple[str, Any, str]]) -> None:
     """OpenAI's fields about where and how a response is kept and run: refused past what kvload does, or reported."""
-    if body.get("previous_response_id") is not None:
-        raise BadRequest("previous_response_id: not supported: kvload serve keeps no responses; send the whole "
-                         "conversation in input (the previous input, then the previous response's output items, "
-                         "then the new ones)", param="previous_response_id")
-    store = body.get("store")
-    _need(store is None or isinstance(store, bool), "store", "true or false", store)
-    if store:  # the default (absent) stores nothing either: no memory grows with the responses served
-        ignored.append(("store", True, "kvload serve keeps no responses (GET /v1/responses/{id} and "
-                        "previous_response_id are not served)"))
     background = body.get("background")
     _need(background is None or isinstance(background, bool), "background", "true or false", background)
     if background:
@@ -188,8 +205,10 @@ def _text_of(parts: Any, field: str, kinds: tuple[str, ...]) -> str:
     return "".join(out)
 
 
-def _input(value: Any, ignored: list[tuple[str, Any, str]]) -> tuple[list[dict[str, Any]], list[int | None]]:
-    """``input`` as chat messages (a string: one user message), and the item each came from. An assistant's
+def _input(value: Any, ignored: list[tuple[str, Any, str]],
+           carried: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[int | str | None]]:
+    """``input`` as chat messages (a string: one user message), after the ``carried`` items of
+    ``previous_response_id``, and the item each came from. An assistant's
     ``function_call`` items join its message (or make one) as its ``tool_calls``; a ``function_call_output`` is a
     ``tool`` message answering its ``call_id`` (a ``function_call`` item before it must have it, as OpenAI
     requires); a ``reasoning`` item (a past answer's thinking) is dropped: the
@@ -198,14 +217,14 @@ def _input(value: Any, ignored: list[tuple[str, Any, str]]) -> tuple[list[dict[s
         raise BadRequest("input: required: a string, or a list of items (messages, function_call, "
                          "function_call_output)", param="input")
     if isinstance(value, str):
-        return [{"role": "user", "content": value}], [0]
+        value = [{"role": "user", "content": value}]
     _need(isinstance(value, list) and bool(value), "input", "a string or a non-empty list of items", value)
     messages: list[dict[str, Any]] = []
-    sources: list[int | None] = []
+    sources: list[int | str | None] = []
     calls: set[str] = set()  # the call_ids of the function_call items so far: what an output may answer
     turn = False  # the last message is an assistant turn that items of the same reply still join
-    for k, item in enumerate(value):
-        where = f"input[{k}]"
+    for k, item in enumerate([*carried, *value], -len(carried)):
+        where = f"input[{k}]" if k >= 0 else "previous_response_id"  # a kept item was checked when it was sent
         _need(isinstance(item, dict), where, f"an item ({_ITEMS})", item)
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
@@ -250,13 +269,14 @@ def _input(value: Any, ignored: list[tuple[str, Any, str]]) -> tuple[list[dict[s
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
         elif kind == "reasoning":  # the thinking of the reply whose items follow: it leaves the turn as it is
             _fields(item, where, {"type", "id", "summary", "content", "encrypted_content", "status"})
-            ignored.append((where, "reasoning", "a past answer's thinking: the chat template is given none (chat "
-                            "messages carry no reasoning)"))
+            if k >= 0:  # a kept response's own thinking is dropped too, as README says: not the client's setting
+                ignored.append((where, "reasoning", "a past answer's thinking: the chat template is given none "
+                                "(chat messages carry no reasoning)"))
             continue
         else:
             raise BadRequest(f"{where}.type: {kind!r} is not supported; accepted items: {_ITEMS}"[:300],
                              param=f"{where}.type")
-        sources.append(k)
+        sources.append(k if k >= 0 else "previous_response_id")
     if not messages:
         raise BadRequest("input: holds no message (only reasoning items); give the conversation", param="input")
     return messages, sources
@@ -387,7 +407,7 @@ def renamed(text: str, request: ResponsesRequest | None) -> str:
         i = int(m.group(1))
         sources = request.sources if request is not None else ()
         source = sources[i] if i < len(sources) else i
-        return "instructions" if source is None else f"input[{source}]"
+        return "instructions" if source is None else source if isinstance(source, str) else f"input[{source}]"
 
     text = _MESSAGE.sub(item, text)
     return re.sub(r"\bmessages\b", "input", text)

@@ -7,7 +7,8 @@ sequence, each event with its ``sequence_number``: ``response.created``, ``respo
 ``response.output_item.added``, its content part and text deltas (``response.reasoning_text.delta``,
 ``response.output_text.delta``, ``response.function_call_arguments.delta``) and their ``.done`` events, then
 ``response.completed`` (``response.incomplete`` when ``max_output_tokens`` cut it, ``response.failed`` when the
-engine failed it), as OpenAI sends them.
+engine failed it), as OpenAI sends them. The response an answer ends with is kept when its request said so
+(``store``, ``kvload.serve.responses_store``).
 """
 
 from __future__ import annotations
@@ -53,7 +54,16 @@ def response_document(run: _Run, chat: dict[str, Any]) -> dict[str, Any]:
                          "completed") for call in calls]
     if status == "incomplete" and items:  # the last item is the one cut short
         items[-1]["status"] = "incomplete"
-    return _response(run, status, items, run.choices[0])
+    return _kept(run, _response(run, status, items, run.choices[0]))
+
+
+def _kept(run: _Run, doc: dict[str, Any]) -> dict[str, Any]:
+    """``doc``, the whole response as answered, kept when its request asked for that (``store``)."""
+    req = run.responses
+    assert req is not None
+    if req.store:
+        run.state.responses.put(doc, req.items)
+    return doc
 
 
 def _response(run: _Run, status: str, output: list[dict[str, Any]], c: _Choice | None,
@@ -73,7 +83,8 @@ def _response(run: _Run, status: str, output: list[dict[str, Any]], c: _Choice |
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "metadata": req.metadata,
             "model": run.state.model_name, "output": output, "parallel_tool_calls": req.parallel_tool_calls,
-            "previous_response_id": None, "reasoning": req.reasoning, "service_tier": "default", "store": False,
+            "previous_response_id": req.previous_response_id, "reasoning": req.reasoning, "service_tier": "default",
+            "store": req.store,
             "temperature": params.temperature, "text": req.text, "tool_choice": req.tool_choice, "tools": req.tools,
             "top_p": params.top_p, "truncation": "disabled", "usage": usage, "user": req.user, "background": False}
 
@@ -229,7 +240,8 @@ async def response_events(run: _Run) -> AsyncIterator[str]:
             last = c
             if delta is None:  # the engine failed the request (said once in the operator's log)
                 error = {"code": "server_error", "message": c.error or "the engine failed this request"}
-                yield events.event("response.failed", response=_response(run, "failed", events.items, c, error))
+                yield events.event("response.failed", response=_kept(run, _response(run, "failed", events.items, c,
+                                                                                     error)))
                 return
             for event in events.delta(delta):
                 yield event
@@ -242,7 +254,7 @@ async def response_events(run: _Run) -> AsyncIterator[str]:
         for event in events.close("incomplete" if status == "incomplete" else "completed"):
             yield event
         kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(status, "response.failed")
-        yield events.event(kind, response=_response(run, status, events.items, last))
+        yield events.event(kind, response=_kept(run, _response(run, status, events.items, last)))
     finally:  # a closed connection cancels this generator: free what the run still holds
         run.abort()
 

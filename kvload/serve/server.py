@@ -31,11 +31,13 @@ from kvload.serve.command import (
     MAX_TIMEOUT_S,
     READ_TIMEOUT_DEFAULT,
     REASONING_PARSERS,
+    RESPONSES_STORE_MAX_DEFAULT,
     TOOL_CALL_PARSERS,
     serve_max_tokens,
 )
 from kvload.serve.metrics import ServeMetrics
 from kvload.serve.protocol import BadRequest, default_max_request_bytes
+from kvload.serve.responses_store import ResponseStore
 from pipeline.errors import ConfigError, KvloadError
 from pipeline.events import ApiKeyRequired, AutoToolChoiceEnabled, KvEventsFileFailed, ReasoningParserEnabled
 from pipeline.limits import MAX_INT, short
@@ -49,7 +51,8 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
                 chat_template_flag: str = "chat_template", api_keys: Sequence[str] | None = (),
                 api_key_source: str = "api_keys", enable_reset_prefix_cache: bool = False,
                 tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-                metrics_naming: str = "kvload") -> ServeState:
+                metrics_naming: str = "kvload",
+                responses_store_max: int = RESPONSES_STORE_MAX_DEFAULT) -> ServeState:
     """Engine (not started) and metrics over a ``load(..., load_weights=True)`` result; from now on its audit log
     keeps the load's records and the newest ``audit_keep`` (``/v1/kvload/audit`` serves them). A request body
     over ``max_request_bytes`` is refused unread (None: :func:`default_max_request_bytes` of the model); a
@@ -72,7 +75,9 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
     record); None: refused. ``reasoning_parser`` (one of :data:`~kvload.serve.command.REASONING_PARSERS`; vLLM's
     ``--reasoning-parser``): each chat reply is split into ``reasoning_content`` and ``content`` (a
     ``reasoning_parser_enabled`` record); None: chat replies are all content. ``metrics_naming`` (one of
-    :data:`~kvload.metrics.METRIC_NAMINGS`): ``/metrics`` under kvload's names or vLLM's own (``vllm:*``)."""
+    :data:`~kvload.metrics.METRIC_NAMINGS`): ``/metrics`` under kvload's names or vLLM's own (``vllm:*``).
+    ``responses_store_max``: ``/v1/responses`` answers kept for ``previous_response_id`` and
+    ``GET /v1/responses/{id}``, the least recently used dropped past it (0: none kept)."""
     if metrics_naming not in METRIC_NAMINGS:
         raise ConfigError(f"metrics_naming: expected one of {', '.join(METRIC_NAMINGS)}, got {metrics_naming!r}")
     if model_name is not None and not (isinstance(model_name, str) and model_name.strip()):
@@ -93,6 +98,10 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
                           f"{short(trust_request_chat_template)}")
     if not isinstance(enable_reset_prefix_cache, bool):
         raise ConfigError(f"enable_reset_prefix_cache: expected true or false, got {short(enable_reset_prefix_cache)}")
+    if not (isinstance(responses_store_max, int) and not isinstance(responses_store_max, bool)
+            and 0 <= responses_store_max <= MAX_INT):
+        raise ConfigError(f"responses_store_max: expected an integer >= 0 (0: keep no responses), got "
+                          f"{short(responses_store_max)}")
     if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
         raise ConfigError(f"tool_call_parser: {short(tool_call_parser)} is no tool-call parser kvload has; it has: "
                           f"{', '.join(TOOL_CALL_PARSERS)}")
@@ -124,6 +133,8 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
     metrics = ServeMetrics(name, naming=metrics_naming, max_model_len=engine.executor.max_seq_len)
     engine.observer = metrics
     metrics.attach(engine)
+    responses = ResponseStore(responses_store_max, on_evicted=metrics.responses_evicted.inc)
+    metrics.watch_responses(responses)
     if max_request_bytes is None:
         max_request_bytes = default_max_request_bytes(engine.executor.max_seq_len, engine.executor.vocab_size)
     return ServeState(result=result, engine=engine, metrics=metrics, model_name=name,
@@ -132,7 +143,7 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
                       read_timeout_s=float(read_timeout_s), max_concurrent_requests=max_concurrent_requests,
                       trust_request_chat_template=trust_request_chat_template, api_key_digests=digests,
                       enable_reset_prefix_cache=enable_reset_prefix_cache, tool_call_parser=tool_call_parser,
-                      reasoning_parser=reasoning_parser)
+                      reasoning_parser=reasoning_parser, responses=responses)
 
 
 

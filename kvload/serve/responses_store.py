@@ -1,0 +1,188 @@
+"""The responses ``kvload serve`` keeps (OpenAI's ``store``): the newest ``--responses-store-max``, in memory.
+
+A stored response is the response object as it was answered (a stream's as its last event carried it) and the input
+items that made it: those of its ``previous_response_id`` chain first, then its own, each with an ``id`` as
+``GET /v1/responses/{id}/input_items`` lists them. A later request's ``previous_response_id`` puts those items and
+the response's ``output`` before its own ``input`` (OpenAI's rule; the ``instructions`` are not carried). A chain's
+items are the same objects in every response of it, so a long conversation costs its text once, not once per turn.
+Past the bound the least recently used response (stored, retrieved or chained from) is dropped, and counted.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+
+from kvload.serve.command import RESPONSES_STORE_MAX_DEFAULT as STORE_MAX_DEFAULT
+from kvload.serve.protocol import BadRequest
+
+#: ``GET /v1/responses/{id}/input_items``' page size: OpenAI's default and most.
+PAGE_DEFAULT = 20
+PAGE_MAX = 100
+
+
+@attrs.frozen
+class Stored:
+    """One kept response: its object as answered, and the input items that made it (its chain's first)."""
+
+    response: dict[str, Any]
+    items: tuple[dict[str, Any], ...]
+
+    def context(self) -> list[dict[str, Any]]:
+        """What a request naming it as ``previous_response_id`` is given before its own input."""
+        return [*self.items, *self.response["output"]]
+
+
+class ResponseStore:
+    """At most ``max_responses`` responses by id, least recently used dropped first (0: none kept). Used from the
+    event loop and from the worker thread that prepares a request, so every method holds a lock."""
+
+    def __init__(self, max_responses: int = STORE_MAX_DEFAULT,
+                 on_evicted: Callable[[int], None] | None = None) -> None:
+        self.max_responses = max_responses
+        self.on_evicted = on_evicted  # told how many were dropped (the metrics count them)
+        self._kept: OrderedDict[str, Stored] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        """Whether responses are kept at all."""
+        return self.max_responses > 0
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def put(self, response: dict[str, Any], items: tuple[dict[str, Any], ...]) -> None:
+        """Keep ``response`` (a later one of the same id replaces it), dropping the least recently used past the
+        bound."""
+        if not self.enabled:
+            return
+        with self._lock:
+            self._kept[response["id"]] = Stored(response, items)
+            self._kept.move_to_end(response["id"])
+            dropped = 0
+            while len(self._kept) > self.max_responses:
+                self._kept.popitem(last=False)
+                dropped += 1
+        if dropped and self.on_evicted is not None:
+            self.on_evicted(dropped)
+
+    def get(self, response_id: str) -> Stored | None:
+        """The kept response of that id (now the most recently used), or None."""
+        with self._lock:
+            stored = self._kept.get(response_id)
+            if stored is not None:
+                self._kept.move_to_end(response_id)
+            return stored
+
+    def delete(self, response_id: str) -> bool:
+        """Drop a kept response; whether there was one."""
+        with self._lock:
+            return self._kept.pop(response_id, None) is not None
+
+    # --- what the routes answer ---------------------------------------------------------------------------------
+
+    def previous(self, response_id: str) -> list[dict[str, Any]]:
+        """``previous_response_id``'s items for the next turn; 404 (OpenAI's error) when none is kept."""
+        stored = self.get(response_id)
+        if stored is None:
+            hint = (f"kvload serve keeps the {self.max_responses:,} most recently used responses "
+                    "(--responses-store-max), none sent with store: false" if self.enabled else
+                    "this server keeps no responses (--responses-store-max 0)")
+            raise BadRequest(f"Previous response with id {response_id[:200]!r} not found. {hint}; send the whole "
+                             "conversation in input instead.", param="previous_response_id", status=404,
+                             code="previous_response_not_found")
+        return stored.context()
+
+    def retrieve(self, response_id: str) -> Stored:
+        """The kept response for ``GET``; 404 when none is kept."""
+        stored = self.get(response_id)
+        if stored is None:
+            raise _not_found(response_id)
+        return stored
+
+    def remove(self, response_id: str) -> dict[str, Any]:
+        """``DELETE /v1/responses/{id}``'s answer; 404 when none is kept."""
+        if not self.delete(response_id):
+            raise _not_found(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    def input_items(self, response_id: str, query: Mapping[str, str]) -> dict[str, Any]:
+        """``GET /v1/responses/{id}/input_items``: a page of its input items (OpenAI's list object: newest first
+        unless ``order=asc``, ``limit`` 1 to 100 (20), after the item ``after``); 404 when none is kept."""
+        unknown = sorted(set(query) - {"limit", "order", "after"})
+        if unknown:
+            raise BadRequest(f"{unknown[0][:60]}: not supported; accepted query parameters: after, limit, order",
+                             param=unknown[0][:60])
+        limit = query.get("limit", str(PAGE_DEFAULT))
+        if not (limit.isdigit() and 1 <= int(limit) <= PAGE_MAX):
+            raise BadRequest(f"limit: expected an integer from 1 to {PAGE_MAX}, got {limit[:40]!r}", param="limit")
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise BadRequest(f"order: expected 'asc' or 'desc', got {order[:40]!r}", param="order")
+        items = list(self.retrieve(response_id).items)
+        if order == "desc":
+            items.reverse()
+        after = query.get("after")
+        if after is not None:
+            place = next((i for i, item in enumerate(items) if item.get("id") == after), None)
+            if place is None:
+                raise BadRequest(f"after: no input item of response {response_id[:200]!r} has id {after[:200]!r}",
+                                 param="after")
+            items = items[place + 1:]
+        page = items[:int(limit)]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)}
+
+
+def _not_found(response_id: str) -> BadRequest:
+    return BadRequest(f"Response with id {response_id[:200]!r} not found.", param="response_id", status=404,
+                      code="response_not_found")
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _parts(content: Any, kind: str) -> list[dict[str, Any]]:
+    """A message's content as a list of parts (a string: one ``kind`` part); ``output_text`` with its annotations."""
+    parts = [{"type": kind, "text": content}] if isinstance(content, str) else [dict(p) for p in content]
+    for part in parts:
+        if part["type"] == "output_text":
+            part.setdefault("annotations", [])
+    return parts
+
+
+def input_items(value: Any) -> list[dict[str, Any]]:
+    """A request's ``input`` (checked already: ``responses_input``) as stored input items, each with an ``id`` and
+    the shape OpenAI lists them in (a string: one user message of one ``input_text`` part)."""
+    if isinstance(value, str):
+        value = [{"role": "user", "content": value}]
+    out = []
+    for item in value:
+        kind = item.get("type", "message")
+        if kind == "message":
+            assistant = item["role"] == "assistant"
+            out.append({"id": item.get("id") or _id("msg"), "type": "message", "role": item["role"],
+                        "content": _parts(item["content"], "output_text" if assistant else "input_text"),
+                        "status": item.get("status") or "completed"})
+        elif kind == "function_call":
+            out.append({"id": item.get("id") or _id("fc"), "type": "function_call", "call_id": item["call_id"],
+                        "name": item["name"], "arguments": item["arguments"], "status": item.get("status") or
+                        "completed"})
+        elif kind == "function_call_output":
+            out.append({"id": item.get("id") or _id("fco"), "type": "function_call_output",
+                        "call_id": item["call_id"], "output": item["output"],
+                        "status": item.get("status") or "completed"})
+        else:  # reasoning: as given, with an id
+            out.append({**{k: v for k, v in item.items() if v is not None}, "id": item.get("id") or _id("rs"),
+                        "summary": item.get("summary") or []})
+    return out
+
+
+__all__ = ["PAGE_MAX", "STORE_MAX_DEFAULT", "ResponseStore", "Stored", "input_items"]

@@ -1,0 +1,242 @@
+"""The responses ``/v1/responses`` keeps (OpenAI's ``store``, ``--responses-store-max``), through the openai client:
+``previous_response_id`` chains a turn onto a kept response (the model is given the earlier turns), ``retrieve``,
+``delete`` and ``input_items.list`` answer for kept ones, and an unknown, dropped, deleted or ``store: false`` id is a
+404 in OpenAI's error body. The bound holds: past it the least recently used response is dropped, and counted."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import openai
+import pytest
+from openai.types.responses import Response, ResponseItemList
+
+from tests.cli_support import run_cli
+from tests.serve_support import Script
+from tests.test_serve_responses import WEATHER, Seen, _serve, create, events_of
+
+BOUND = 4
+
+
+@pytest.fixture(scope="module")
+def kept(tiny_checkpoints, tmp_path_factory):
+    """Served keeping the newest :data:`BOUND` responses."""
+    with _serve(tiny_checkpoints, tmp_path_factory, responses_store_max=BOUND) as running:
+        yield SimpleNamespace(served=running, script=Script(running.state.engine), seen=Seen(running.state.engine))
+
+
+@pytest.fixture(scope="module")
+def none_kept(tiny_checkpoints, tmp_path_factory):
+    """Served with ``--responses-store-max 0``: no response kept."""
+    with _serve(tiny_checkpoints, tmp_path_factory, responses_store_max=0) as running:
+        yield SimpleNamespace(served=running, script=Script(running.state.engine), seen=Seen(running.state.engine))
+
+
+def _not_found(call) -> dict:
+    with pytest.raises(openai.NotFoundError) as caught:
+        call()
+    assert caught.value.status_code == 404
+    return caught.value.body
+
+
+def _metric(server, name: str) -> float:
+    return server.served.metrics()[name]
+
+
+def test_a_chained_turn_gives_the_model_the_earlier_turns_but_not_their_instructions(kept):
+    kept.script.say("Hello Ada.")
+    first = create(kept, input="My name is Ada.", instructions="Answer in French.", max_output_tokens=20)
+    assert first.store is True and first.previous_response_id is None
+    kept.script.say("Ada.")
+    second = create(kept, input="What is my name?", previous_response_id=first.id, instructions="Be brief.",
+                    max_output_tokens=20)
+    assert second.output_text == "Ada." and second.previous_response_id == first.id
+    conversation = [{"role": "user", "content": "My name is Ada."}, {"role": "assistant", "content": "Hello Ada."},
+                    {"role": "user", "content": "What is my name?"}]
+    assert kept.seen.messages[-1] == [{"role": "system", "content": "Be brief."}, *conversation]
+    # the model's prompt is the whole conversation's: as many tokens as when the client sends it all itself
+    whole = create(kept, input=conversation, instructions="Be brief.", max_output_tokens=20, store=False)
+    assert second.usage.input_tokens == whole.usage.input_tokens
+    assert second.usage.input_tokens > first.usage.input_tokens + 10
+    # a chain carries every turn before it, not only the last
+    kept.script.say("Yes.")
+    create(kept, input="Sure?", previous_response_id=second.id, max_output_tokens=20)
+    assert kept.seen.messages[-1] == [*conversation, {"role": "assistant", "content": "Ada."},
+                                      {"role": "user", "content": "Sure?"}]
+
+
+def test_a_kept_response_is_retrieved_listed_and_deleted(kept):
+    client = kept.served.client
+    kept.script.say("Blue.")
+    first = create(kept, input="The sky?", max_output_tokens=20)
+    kept.script.say("Green.")
+    reply = create(kept, input=[{"role": "user", "content": [{"type": "input_text", "text": "The grass?"}]}],
+                   previous_response_id=first.id, max_output_tokens=20, metadata={"turn": "2"})
+    raw = kept.served.http.get(f"/v1/responses/{reply.id}")
+    assert raw.status_code == 200
+    Response.model_validate(raw.json())
+    got = client.responses.retrieve(reply.id)
+    assert got.model_dump() == reply.model_dump()
+    assert (got.output_text, got.metadata, got.store) == ("Green.", {"turn": "2"}, True)
+    # the input items that made it, its chain's first: newest first (OpenAI's default order), each with an id
+    page = kept.served.http.get(f"/v1/responses/{reply.id}/input_items").json()
+    ResponseItemList.model_validate(page)
+    texts = [(i["role"], i["content"][0]["text"]) for i in page["data"]]
+    assert texts == [("user", "The grass?"), ("assistant", "Blue."), ("user", "The sky?")]
+    assert page["data"][1]["id"] == first.output[0].id and page["has_more"] is False
+    assert page["first_id"] == page["data"][0]["id"] and page["last_id"] == page["data"][-1]["id"]
+    listed = client.responses.input_items.list(reply.id, order="asc", limit=2)
+    assert [i.content[0].text for i in listed.data] == ["The sky?", "Blue."] and listed.has_more
+    assert [i.content[0].text for i in listed] == ["The sky?", "Blue.", "The grass?"]  # the client pages on
+    # deleted: gone for GET, for chaining and for a second delete
+    r = kept.served.http.delete(f"/v1/responses/{reply.id}")
+    assert (r.status_code, r.json()) == (200, {"id": reply.id, "object": "response", "deleted": True})
+    assert _not_found(lambda: client.responses.retrieve(reply.id))["code"] == "response_not_found"
+    assert _not_found(lambda: client.responses.delete(reply.id))["code"] == "response_not_found"
+    assert _not_found(lambda: create(kept, input="x", previous_response_id=reply.id))["code"] == \
+        "previous_response_not_found"
+    client.responses.delete(first.id)  # the openai client's own delete: no error
+    assert _not_found(lambda: client.responses.input_items.list(first.id))["code"] == "response_not_found"
+
+
+def test_unknown_ids_are_404s_in_openais_error_body_counted_as_such(kept):
+    http = kept.served.http
+    before = _metric(kept, "kvload_http_requests_refused_total{reason=response_not_found}")
+    body = _not_found(lambda: create(kept, input="Hi", previous_response_id="resp_nope"))
+    assert body["message"].startswith("Previous response with id 'resp_nope' not found.")
+    assert {k: body[k] for k in ("type", "param", "code")} == {
+        "type": "invalid_request_error", "param": "previous_response_id", "code": "previous_response_not_found"}
+    for method, path in (("GET", "/v1/responses/resp_nope"), ("DELETE", "/v1/responses/resp_nope"),
+                         ("GET", "/v1/responses/resp_nope/input_items")):
+        r = http.request(method, path)
+        assert r.status_code == 404, (method, path)
+        assert r.json() == {"error": {"message": "Response with id 'resp_nope' not found.",
+                                      "type": "invalid_request_error", "param": "response_id",
+                                      "code": "response_not_found"}}
+    after = _metric(kept, "kvload_http_requests_refused_total{reason=response_not_found}")
+    assert after == before + 4
+    assert _metric(kept, "kvload_http_requests_refused_total{reason=model_not_found}") == 0
+    # a bad page request names its parameter
+    kept.script.say("Ok.")
+    rid = create(kept, input="Hi", max_output_tokens=5).id
+    for query, param in (("limit=0", "limit"), ("limit=101", "limit"), ("order=up", "order"),
+                         ("after=msg_none", "after"), ("before=x", "before")):
+        r = http.get(f"/v1/responses/{rid}/input_items?{query}")
+        assert (r.status_code, r.json()["error"]["param"]) == (400, param), query
+    refused = kept.served.http.post("/v1/responses", json={"input": "Hi", "previous_response_id": 7})
+    assert (refused.status_code, refused.json()["error"]["param"]) == (400, "previous_response_id")
+
+
+def test_store_false_is_not_kept_and_a_stream_is_kept_as_it_completed(kept):
+    kept.script.say("Not kept.")
+    gone = create(kept, input="Hi", store=False, max_output_tokens=20)
+    assert gone.store is False and gone.output_text == "Not kept."
+    assert _not_found(lambda: kept.served.client.responses.retrieve(gone.id))["code"] == "response_not_found"
+    assert _not_found(lambda: create(kept, input="x", previous_response_id=gone.id))["param"] == \
+        "previous_response_id"
+    kept.script.say("Streamed and kept.")
+    events = events_of(kept, input="Stream it", max_output_tokens=40)
+    assert events[0].response.store is True
+    final = events[-1].response
+    assert events[-1].type == "response.completed"
+    assert kept.served.client.responses.retrieve(final.id).model_dump() == final.model_dump()
+    kept.script.say("Next.")
+    events_of(kept, input="And then?", previous_response_id=final.id, max_output_tokens=40)
+    assert kept.seen.messages[-1] == [{"role": "user", "content": "Stream it"},
+                                      {"role": "assistant", "content": "Streamed and kept."},
+                                      {"role": "user", "content": "And then?"}]
+
+
+def test_a_function_call_output_answers_the_kept_responses_call(kept):
+    pytest.importorskip("xgrammar")
+    kept.script.say('{"city": "Paris"}')
+    asked = create(kept, input="Weather in Paris?", tools=[WEATHER], max_output_tokens=60,
+                   tool_choice={"type": "function", "name": "get_weather"})
+    (call,) = asked.output
+    kept.script.say("Sunny.")
+    # the agent sends only the call's output: the call it answers is the kept response's
+    answer = create(kept, previous_response_id=asked.id, tools=[WEATHER], tool_choice="none", max_output_tokens=20,
+                    input=[{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}])
+    assert answer.output_text == "Sunny."
+    assert kept.seen.messages[-1] == [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": call.call_id, "type": "function", "function": {"name": "get_weather",
+                                                                  "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21 C"}]
+
+
+def test_past_the_bound_the_least_recently_used_is_dropped_and_counted(kept):
+    assert _metric(kept, "kvload_responses_store_max") == BOUND
+    evicted = _metric(kept, "kvload_responses_evicted_total")
+    held = _metric(kept, "kvload_responses_stored")
+    kept.script.say("Ok.")
+    ids = [create(kept, input=f"Turn {i}", max_output_tokens=5).id for i in range(BOUND)]
+    assert _metric(kept, "kvload_responses_stored") == BOUND
+    assert _metric(kept, "kvload_responses_evicted_total") == evicted + held
+    kept.served.client.responses.retrieve(ids[0])  # used: now the most recent
+    newer = create(kept, input="One more", max_output_tokens=5).id
+    assert _not_found(lambda: kept.served.client.responses.retrieve(ids[1]))["code"] == "response_not_found"
+    for rid in (ids[0], *ids[2:], newer):
+        assert kept.served.client.responses.retrieve(rid).id == rid
+    assert _metric(kept, "kvload_responses_stored") == BOUND
+    assert _metric(kept, "kvload_responses_evicted_total") == evicted + held + 1
+
+
+def test_a_server_that_keeps_none_reports_store_and_names_the_flag(none_kept):
+    none_kept.script.say("Ok.")
+    raw = none_kept.served.client.responses.with_raw_response.create(
+        model=none_kept.served.state.model_name, input="Hi", store=True, max_output_tokens=5)
+    reply = raw.parse()
+    assert reply.store is False
+    assert _not_found(lambda: none_kept.served.client.responses.retrieve(reply.id))["code"] == "response_not_found"
+    records = [json.loads(line) for line in none_kept.served.http.get("/v1/kvload/audit").text.splitlines()]
+    ignored = {r["field"]: r["reason"] for r in records
+               if r["event"] == "setting_ignored" and r["reason"].endswith(f"(request {reply.id})")}
+    assert list(ignored) == ["serve.store"] and "--responses-store-max 0" in ignored["serve.store"]
+    body = _not_found(lambda: create(none_kept, input="Hi", previous_response_id=reply.id))
+    assert body["code"] == "previous_response_not_found" and "--responses-store-max 0" in body["message"]
+    assert none_kept.served.metrics()["kvload_responses_store_max"] == 0
+
+
+def test_the_store_bound_is_checked():
+    from kvload.serve.responses_store import ResponseStore
+
+    dropped = []
+    store = ResponseStore(2, on_evicted=dropped.append)
+    for i in range(3):
+        store.put({"id": f"r{i}", "output": []}, ())
+    assert len(store) == 2 and store.get("r0") is None and dropped == [1]
+    off = ResponseStore(0)
+    off.put({"id": "r", "output": []}, ())
+    assert len(off) == 0 and not off.enabled
+
+
+@pytest.mark.parametrize("value", ["-1", "1.5", "many"])
+def test_a_bad_responses_store_max_exits_2_with_one_line_naming_it(capsys, value):
+    r = run_cli(capsys, "serve", "tiny-llama", "--port", "0", "--responses-store-max", value)
+    assert r.code == 2 and r.one_error_line, r.err
+    assert r.err.startswith("error: --responses-store-max: expected an integer"), r.err
+
+
+def test_the_flag_bounds_the_served_store(monkeypatch, capsys):
+    """``--responses-store-max`` (and its underscore spelling) reaches the served state; the default is 1000."""
+    from kvload.cli import build_parser
+    from kvload.serve import command, server
+
+    parse = build_parser().parse_args
+    bounds = []
+    real = server.build_state
+
+    def build_state(result, **kwargs):
+        state = real(result, **kwargs)
+        bounds.append(state.responses.max_responses)
+        return state
+
+    monkeypatch.setattr(server, "build_state", build_state)
+    monkeypatch.setattr(server, "serve", lambda state, host, port, log_level, ready: None)
+    base = ["serve", "tiny-llama", "--port", "0", "--max_tokens", "1024"]
+    for flags in (["--responses-store-max", "7"], ["--responses_store_max", "0"], []):
+        assert command.cmd_serve(parse([*base, *flags])) == 0
+    assert bounds == [7, 0, 1000]
