@@ -194,10 +194,11 @@ def test_a_refusal_s_reason_follows_its_status_and_a_server_failure_is_no_refusa
         m.on_refused(status)
     m.on_refused(503, "server_shutting_down")  # a 503 while the server stops is not a busy server
     m.on_refused(503, "server_busy")
+    m.on_refused(404, "previous_response_not_found")  # a 404 for a response no longer kept: no model_not_found
     got = {s.labels["reason"]: s.value for f in text_string_to_metric_families(m.render().decode())
            for s in f.samples if s.name == REFUSED}
     assert got == {"too_large": 2, "read_timeout": 1, "busy": 2, "model_not_found": 1, "bad_request": 2,
-                   "shutting_down": 1, "unauthorized": 1}
+                   "shutting_down": 1, "unauthorized": 1, "response_not_found": 1}
 
 
 def test_prompt_tokens_count_prompts_that_were_processed_and_every_finish_reason_starts_at_zero():

@@ -184,6 +184,23 @@ def test_past_the_bound_the_least_recently_used_is_dropped_and_counted(kept):
     assert _metric(kept, "kvload_responses_evicted_total") == evicted + held + 1
 
 
+def test_a_kept_turn_still_carries_the_earlier_turns_the_bound_dropped(kept):
+    kept.script.say("One.")
+    first = create(kept, input="Count.", max_output_tokens=5)
+    kept.script.say("Two.")
+    second = create(kept, input="Go on.", previous_response_id=first.id, max_output_tokens=5)
+    for i in range(BOUND - 1):  # the first turn is now the least recently used: dropped
+        create(kept, input=f"Filler {i}", max_output_tokens=5)
+    assert _not_found(lambda: kept.served.client.responses.retrieve(first.id))["code"] == "response_not_found"
+    kept.script.say("Three.")
+    create(kept, input="Again.", previous_response_id=second.id, max_output_tokens=5)
+    assert kept.seen.messages[-1] == [{"role": "user", "content": "Count."}, {"role": "assistant", "content": "One."},
+                                      {"role": "user", "content": "Go on."}, {"role": "assistant", "content": "Two."},
+                                      {"role": "user", "content": "Again."}]
+    listed = kept.served.client.responses.input_items.list(second.id, order="asc")
+    assert [i.content[0].text for i in listed.data] == ["Count.", "One.", "Go on."]
+
+
 def test_a_server_that_keeps_none_reports_store_and_names_the_flag(none_kept):
     none_kept.script.say("Ok.")
     raw = none_kept.served.client.responses.with_raw_response.create(

@@ -19,7 +19,7 @@ import attrs
 
 from kvload.serve.command import TOOL_CALL_PARSERS
 from kvload.serve.protocol import BadRequest, need_schema
-from kvload.serve.responses_store import ResponseStore, input_items
+from kvload.serve.responses_store import ResponseStore, Stored, input_items
 
 #: OpenAI's Responses fields kvload acts on or reports, and vLLM's extras it passes to the chat path as they are.
 ACCEPTED = frozenset({
@@ -60,9 +60,10 @@ class ResponsesRequest:
     #: settings accepted that change nothing, each (name, value, why)
     ignored: tuple[tuple[str, Any, str], ...] = ()
     previous_response_id: str | None = None
-    #: whether the answer is kept (``store``), and the input items it is kept with (its chain's first)
+    #: whether the answer is kept (``store``), the input items it is kept with, and the kept response they follow
     store: bool = False
     items: tuple[dict[str, Any], ...] = ()
+    previous: Stored | None = None
 
 
 def _need(ok: bool, field: str, expected: str, value: Any) -> None:
@@ -87,8 +88,8 @@ def to_chat(body: Any, tool_parser: str | None = None,
     instructions = body.get("instructions")
     _need(instructions is None or isinstance(instructions, str), "instructions", "a string", instructions)
     previous, keep = _kept(body, kept, ignored)
-    carried = kept.previous(previous) if kept is not None and previous is not None else []
-    messages, sources = _input(body.get("input"), ignored, carried)
+    earlier = kept.previous(previous) if kept is not None and previous is not None else None
+    messages, sources = _input(body.get("input"), ignored, earlier.context() if earlier is not None else [])
     if instructions is not None:  # OpenAI's: a system (developer) message put first
         messages.insert(0, {"role": "system", "content": instructions})
         sources.insert(0, None)
@@ -118,7 +119,7 @@ def to_chat(body: Any, tool_parser: str | None = None,
                             parallel_tool_calls=True if parallel is None else parallel, text=text,
                             reasoning=body.get("reasoning"), user=body.get("user"), sources=tuple(sources),
                             ignored=tuple(ignored), previous_response_id=previous, store=keep,
-                            items=(*carried, *input_items(body["input"])) if keep else ())
+                            items=tuple(input_items(body["input"])) if keep else (), previous=earlier)
     return chat, echo
 
 

@@ -62,7 +62,7 @@ def _kept(run: _Run, doc: dict[str, Any]) -> dict[str, Any]:
     req = run.responses
     assert req is not None
     if req.store:
-        run.state.responses.put(doc, req.items)
+        run.state.responses.put(doc, req.items, req.previous)
     return doc
 
 

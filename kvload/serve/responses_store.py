@@ -1,10 +1,11 @@
 """The responses ``kvload serve`` keeps (OpenAI's ``store``): the newest ``--responses-store-max``, in memory.
 
-A stored response is the response object as it was answered (a stream's as its last event carried it) and the input
-items that made it: those of its ``previous_response_id`` chain first, then its own, each with an ``id`` as
-``GET /v1/responses/{id}/input_items`` lists them. A later request's ``previous_response_id`` puts those items and
-the response's ``output`` before its own ``input`` (OpenAI's rule; the ``instructions`` are not carried). A chain's
-items are the same objects in every response of it, so a long conversation costs its text once, not once per turn.
+A stored response is the response object as it was answered (a stream's as its last event carried it), the input
+items its request sent (each with an ``id``, in the shape ``GET /v1/responses/{id}/input_items`` lists them) and the
+kept response its ``previous_response_id`` named. A later request's ``previous_response_id`` puts the whole chain's
+items (each turn's input, then its output) before its own ``input`` (OpenAI's rule; the ``instructions`` are not
+carried). A turn holds only its own items and a link to the turn before, so a long conversation costs its text once,
+not once per turn; a turn dropped from the store stays reachable from the later turns that hold it.
 Past the bound the least recently used response (stored, retrieved or chained from) is dropped, and counted.
 """
 
@@ -26,16 +27,33 @@ PAGE_DEFAULT = 20
 PAGE_MAX = 100
 
 
-@attrs.frozen
+@attrs.frozen(eq=False)
 class Stored:
-    """One kept response: its object as answered, and the input items that made it (its chain's first)."""
+    """One kept response: its object as answered, the input items its request sent, and the kept response its
+    ``previous_response_id`` named (held here even once dropped from the store, so the chain stays whole)."""
 
     response: dict[str, Any]
     items: tuple[dict[str, Any], ...]
+    parent: Stored | None = None
+
+    def inputs(self) -> list[dict[str, Any]]:
+        """The input items that made it: its chain's first (each earlier turn's input, then its output), then its
+        own."""
+        chain = []
+        node: Stored | None = self
+        while node is not None:  # a loop, not recursion: a chain may be thousands of turns long
+            chain.append(node)
+            node = node.parent
+        out: list[dict[str, Any]] = []
+        for i, node in enumerate(reversed(chain)):
+            out += node.items
+            if i < len(chain) - 1:
+                out += node.response["output"]
+        return out
 
     def context(self) -> list[dict[str, Any]]:
         """What a request naming it as ``previous_response_id`` is given before its own input."""
-        return [*self.items, *self.response["output"]]
+        return [*self.inputs(), *self.response["output"]]
 
 
 class ResponseStore:
@@ -57,13 +75,13 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._kept)
 
-    def put(self, response: dict[str, Any], items: tuple[dict[str, Any], ...]) -> None:
-        """Keep ``response`` (a later one of the same id replaces it), dropping the least recently used past the
-        bound."""
+    def put(self, response: dict[str, Any], items: tuple[dict[str, Any], ...], parent: Stored | None = None) -> None:
+        """Keep ``response``, made from its request's input ``items`` after the kept response ``parent`` (a later
+        response of the same id replaces it), dropping the least recently used past the bound."""
         if not self.enabled:
             return
         with self._lock:
-            self._kept[response["id"]] = Stored(response, items)
+            self._kept[response["id"]] = Stored(response, items, parent)
             self._kept.move_to_end(response["id"])
             dropped = 0
             while len(self._kept) > self.max_responses:
@@ -87,8 +105,8 @@ class ResponseStore:
 
     # --- what the routes answer ---------------------------------------------------------------------------------
 
-    def previous(self, response_id: str) -> list[dict[str, Any]]:
-        """``previous_response_id``'s items for the next turn; 404 (OpenAI's error) when none is kept."""
+    def previous(self, response_id: str) -> Stored:
+        """``previous_response_id``'s kept response; 404 (OpenAI's error) when none is kept."""
         stored = self.get(response_id)
         if stored is None:
             hint = (f"kvload serve keeps the {self.max_responses:,} most recently used responses "
@@ -97,7 +115,7 @@ class ResponseStore:
             raise BadRequest(f"Previous response with id {response_id[:200]!r} not found. {hint}; send the whole "
                              "conversation in input instead.", param="previous_response_id", status=404,
                              code="previous_response_not_found")
-        return stored.context()
+        return stored
 
     def retrieve(self, response_id: str) -> Stored:
         """The kept response for ``GET``; 404 when none is kept."""
@@ -125,7 +143,7 @@ class ResponseStore:
         order = query.get("order", "desc")
         if order not in ("asc", "desc"):
             raise BadRequest(f"order: expected 'asc' or 'desc', got {order[:40]!r}", param="order")
-        items = list(self.retrieve(response_id).items)
+        items = self.retrieve(response_id).inputs()
         if order == "desc":
             items.reverse()
         after = query.get("after")
