@@ -10,8 +10,8 @@ so ``previous_response_id`` and the kept input items are built as served) and a 
 (``responses_output``) with one message of ``--reply`` characters is kept. ``tracemalloc`` measures what the store
 holds after N responses, divided by N. Rows: independent single-turn requests with inputs of several sizes (the text
 of each is its own), and one conversation chained turn after turn by ``previous_response_id`` (each turn sends only
-its new user message: the earlier turns are the same objects in every kept response, so a turn costs its new text
-and a list of references to the chain's items).
+its new user message: a kept turn holds its own items and a link to the turn before, so a turn costs its new text),
+against the same conversation sent whole in ``input`` each turn (``store: false``), as a client without a store does.
 """
 
 from __future__ import annotations
@@ -41,12 +41,14 @@ def _keep(store: ResponseStore, body: dict[str, Any], i: int, reply: str) -> str
                           job=SimpleNamespace(params=SimpleNamespace(temperature=0.0, top_p=1.0)))
     choice = SimpleNamespace(prompt_tokens=100 + i, reused=0, token_ids=[0] * 100, reasoning_tokens=0)
     doc = _response(run, "completed", [_message_item(f"msg_{i:032x}", reply, "completed")], choice)
-    store.put(doc, request.items, request.previous)
+    if request.store:  # as responses_output keeps it
+        store.put(doc, request.items, request.previous)
     return doc["id"]
 
 
-def measure(n: int, reply: str, body_of: Any) -> tuple[float, float]:
-    """Bytes held per kept response, and microseconds per request read and kept, over ``n`` responses."""
+def measure(n: int, reply: str, body_of: Any, kept: bool = True) -> tuple[float, float]:
+    """Bytes held per kept response, and microseconds per request read and kept, over ``n`` responses (``kept``:
+    the bodies do not say ``store: false``)."""
     store = ResponseStore(n)
     gc.collect()
     tracemalloc.start()
@@ -59,7 +61,7 @@ def measure(n: int, reply: str, body_of: Any) -> tuple[float, float]:
     gc.collect()
     held = tracemalloc.get_traced_memory()[0] - start_bytes
     tracemalloc.stop()
-    assert len(store) == n
+    assert len(store) == (n if kept else 0)
     return held / n, elapsed / n * 1e6
 
 
@@ -87,6 +89,17 @@ def main(argv: list[str] | None = None) -> None:
     per, us = measure(args.responses, reply, chained)
     table.rows.append([f"one chain of {args.responses:,} turns", f"{len(question):,} a turn", f"{per:,.0f}",
                        f"{us:,.0f}"])
+    sent: list[dict[str, Any]] = []  # what a client keeping the conversation itself sends, turn after turn
+
+    def whole(i: int, _: str | None) -> dict[str, Any]:
+        if i:
+            sent.append({"role": "assistant", "content": reply})
+        sent.append({"role": "user", "content": question})
+        return {"input": list(sent), "store": False}
+
+    _, us = measure(args.responses, reply, whole, kept=False)
+    table.rows.append(["the same conversation sent whole each turn, store: false", f"{len(question):,} a turn",
+                       "0", f"{us:,.0f}"])
     print(table.markdown())
 
 
