@@ -300,3 +300,16 @@ def test_bench_structured_masks_every_constrained_row_and_prints_each_setting(ca
     out = capsys.readouterr().out
     assert all(f"| 2 | {name} |" in out for name in bench_structured.SETTINGS)
     assert "| 2 | regex: apply bitmask |" in out and "empty-row scan: amax (now)" in out
+
+
+def test_responses_store_bench_keeps_every_response_and_a_chained_turn_costs_about_an_independent_one(capsys):
+    from bench import bench_responses_store
+
+    bench_responses_store.main(["--responses", "60", "--reply", "100"])
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
+    held: dict[str, int] = {}
+    for row in rows:  # the first "independent" row: 200 characters of input
+        held.setdefault(row[1].strip(), int(row[3].strip().replace(",", "")))
+    assert len(rows) == 5 and held["the same conversation sent whole each turn, store: false"] == 0
+    # a chained turn holds its own text and a link, not the chain: no more than a 200-character independent one
+    assert 0 < held["one chain of 60 turns"] <= held["independent"]
