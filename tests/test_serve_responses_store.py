@@ -124,6 +124,10 @@ def test_unknown_ids_are_404s_in_openais_error_body_counted_as_such(kept):
                          ("after=msg_none", "after"), ("before=x", "before")):
         r = http.get(f"/v1/responses/{rid}/input_items?{query}")
         assert (r.status_code, r.json()["error"]["param"]) == (400, param), query
+    for method, query in (("GET", "stream=true"), ("DELETE", "force=1")):  # taken by none: not silently unread
+        r = http.request(method, f"/v1/responses/{rid}?{query}")
+        assert (r.status_code, r.json()["error"]["param"]) == (400, query.split("=")[0]), query
+    assert kept.served.client.responses.retrieve(rid).id == rid  # and nothing was deleted
     refused = kept.served.http.post("/v1/responses", json={"input": "Hi", "previous_response_id": 7})
     assert (refused.status_code, refused.json()["error"]["param"]) == (400, "previous_response_id")
 

@@ -209,12 +209,12 @@ def create_app(state: ServeState) -> FastAPI:
         return await _serve(state, request, "responses", gate, stopping)
 
     @app.get("/v1/responses/{response_id}")
-    async def stored_response(response_id: str) -> dict[str, Any]:
-        return state.responses.retrieve(response_id).response
+    async def stored_response(response_id: str, request: Request) -> dict[str, Any]:
+        return state.responses.retrieve(response_id, request.query_params).response
 
     @app.delete("/v1/responses/{response_id}")
-    async def delete_response(response_id: str) -> dict[str, Any]:
-        return state.responses.remove(response_id)
+    async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
+        return state.responses.remove(response_id, request.query_params)
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def response_input_items(response_id: str, request: Request) -> dict[str, Any]:

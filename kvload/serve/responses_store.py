@@ -117,15 +117,18 @@ class ResponseStore:
                              code="previous_response_not_found")
         return stored
 
-    def retrieve(self, response_id: str) -> Stored:
-        """The kept response for ``GET``; 404 when none is kept."""
+    def retrieve(self, response_id: str, query: Mapping[str, str] | None = None) -> Stored:
+        """The kept response for ``GET``; 404 when none is kept. ``query``: the request's query parameters, none
+        taken (OpenAI's ``stream`` re-streams a background response, which kvload does not run)."""
+        _query(query or {}, ())
         stored = self.get(response_id)
         if stored is None:
             raise _not_found(response_id)
         return stored
 
-    def remove(self, response_id: str) -> dict[str, Any]:
+    def remove(self, response_id: str, query: Mapping[str, str] | None = None) -> dict[str, Any]:
         """``DELETE /v1/responses/{id}``'s answer; 404 when none is kept."""
+        _query(query or {}, ())
         if not self.delete(response_id):
             raise _not_found(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
@@ -133,10 +136,7 @@ class ResponseStore:
     def input_items(self, response_id: str, query: Mapping[str, str]) -> dict[str, Any]:
         """``GET /v1/responses/{id}/input_items``: a page of its input items (OpenAI's list object: newest first
         unless ``order=asc``, ``limit`` 1 to 100 (20), after the item ``after``); 404 when none is kept."""
-        unknown = sorted(set(query) - {"limit", "order", "after"})
-        if unknown:
-            raise BadRequest(f"{unknown[0][:60]}: not supported; accepted query parameters: after, limit, order",
-                             param=unknown[0][:60])
+        _query(query, ("after", "limit", "order"))
         limit = query.get("limit", str(PAGE_DEFAULT))
         if not (limit.isdigit() and 1 <= int(limit) <= PAGE_MAX):
             raise BadRequest(f"limit: expected an integer from 1 to {PAGE_MAX}, got {limit[:40]!r}", param="limit")
@@ -156,6 +156,14 @@ class ResponseStore:
         page = items[:int(limit)]
         return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
                 "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)}
+
+
+def _query(query: Mapping[str, str], accepted: tuple[str, ...]) -> None:
+    """A query parameter a route does not take is refused, naming it (never silently left unread)."""
+    unknown = sorted(set(query) - set(accepted))
+    if unknown:
+        takes = f"accepted: {', '.join(accepted)}" if accepted else "this route takes none"
+        raise BadRequest(f"{unknown[0][:60]}: query parameter not supported; {takes}", param=unknown[0][:60])
 
 
 def _not_found(response_id: str) -> BadRequest:
