@@ -169,6 +169,12 @@ def test_a_function_call_output_answers_the_kept_responses_call(kept):
             {"id": call.call_id, "type": "function", "function": {"name": "get_weather",
                                                                   "arguments": {"city": "Paris"}}}]},
         {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21 C"}]
+    # its input items, oldest first, in the shapes openai's models read
+    page = kept.served.http.get(f"/v1/responses/{answer.id}/input_items?order=asc").json()
+    ResponseItemList.model_validate(page)
+    assert [i["type"] for i in page["data"]] == ["message", "function_call", "function_call_output"]
+    assert page["data"][1] == call.model_dump(exclude_none=True)
+    assert page["data"][2]["call_id"] == call.call_id and page["data"][2]["id"].startswith("fco_")
 
 
 def test_past_the_bound_the_least_recently_used_is_dropped_and_counted(kept):
