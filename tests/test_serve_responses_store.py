@@ -10,6 +10,8 @@ from types import SimpleNamespace
 
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from openai.types.responses import Response, ResponseItemList
 
 from tests.cli_support import run_cli
@@ -227,17 +229,34 @@ def test_a_server_that_keeps_none_reports_store_and_names_the_flag(none_kept):
     assert none_kept.served.metrics()["kvload_responses_store_max"] == 0
 
 
-def test_the_store_bound_is_checked():
+@settings(max_examples=200, deadline=None)
+@given(bound=st.integers(0, 4), ops=st.lists(st.tuples(st.sampled_from(["put", "get", "delete"]), st.integers(0, 6)),
+                                            max_size=40))
+def test_the_store_keeps_the_most_recently_used_within_its_bound(bound, ops):
+    """Against a plain model of LRU: the same ids kept, in the same order, and every one dropped counted."""
     from kvload.serve.responses_store import ResponseStore
 
-    dropped = []
-    store = ResponseStore(2, on_evicted=dropped.append)
-    for i in range(3):
-        store.put({"id": f"r{i}", "output": []}, ())
-    assert len(store) == 2 and store.get("r0") is None and dropped == [1]
-    off = ResponseStore(0)
-    off.put({"id": "r", "output": []}, ())
-    assert len(off) == 0 and not off.enabled
+    dropped: list[int] = []
+    store = ResponseStore(bound, on_evicted=dropped.append)
+    model: list[str] = []  # least recently used first
+    evicted = 0
+    for op, n in ops:
+        rid = f"resp_{n}"
+        if op == "put":
+            store.put({"id": rid, "output": []}, ())
+            if bound:
+                model = [m for m in model if m != rid] + [rid]
+                evicted += max(0, len(model) - bound)
+                model = model[-bound:]
+        elif op == "get":
+            assert (store.get(rid) is not None) == (rid in model)
+            if rid in model:
+                model = [m for m in model if m != rid] + [rid]
+        else:
+            assert store.delete(rid) == (rid in model)
+            model = [m for m in model if m != rid]
+        assert len(store) == len(model) <= bound
+    assert list(store._kept) == model and sum(dropped) == evicted
 
 
 @pytest.mark.parametrize("value", ["-1", "1.5", "many"])
