@@ -18,7 +18,13 @@ against the ideal, mean concurrency, V2's suspends, and the step-time ratio (med
 scheduler time per engine step, V2 / V1). A manager that cannot run the cell says so (``stalled``:
 the budget cannot hold one of the workload's sequences).
 
-Targets (issue 10), checked per cell: V2 steps <= 1.02x V1's and V2 hit rate >= V1's - 0.5 points;
+Each cell also prices both runs' steps on an H200 (``modeled_seconds``, :mod:`engine.step_model`): a step that prefills
+thousands of tokens weighs what it computes, where ``steps`` counts it as one; on published configs (``--real``) the
+bracket adds each manager's measured manager + scheduler time, what V2's CPU cost per step amounts to beside a real
+model's step.
+
+Targets (issue 10), checked per cell: V2 steps <= 1.02x V1's and V2 hit rate >= V1's - 0.5 points (and, reported
+beside it, V2 modeled time <= 1.02x V1's);
 sliding-window presets (tiny-mistral, tiny-gemma3) on shared-prefix and multi-turn: V2 hit rate >= 95%
 of the ideal; tiny-gemma3 long-context: V2 >= 3x V1's concurrency.
 """
@@ -76,7 +82,8 @@ def grid(presets: tuple[str, ...] = PRESETS, workloads: tuple[str, ...] = WORKLO
     cmd = "python -m bench.bench_grid" + (" --quick" if quick else "") + (" --real" if presets == REAL else "")
     table = Table("V1 vs V2 at the same budget: presets x workloads x budgets", cmd,
                   ["preset", "workload", "budget", "V2/V1 steps", "hit V1 (of ideal)", "hit V2 (of ideal)",
-                   "mean conc. V1 / V2", "V2 suspends", "V2/V1 step time", "cell target"])
+                   "mean conc. V1 / V2", "V2 suspends", "V2/V1 step time", "V2/V1 modeled time (+ manager)",
+                   "cell target"])
     for preset in presets:
         for name in workloads:
             kind, extra, policy = VARIANTS.get(name, (name, {}, "fcfs"))
@@ -99,7 +106,7 @@ def grid(presets: tuple[str, ...] = PRESETS, workloads: tuple[str, ...] = WORKLO
                 if m1 is None or m2 is None:
                     cells += [f"V1 {v1.status} / V2 {v2.status}", _hit(m1) if m1 else "-", _hit(m2) if m2 else "-",
                               f"{m1.mean_concurrency if m1 else '-'} / {m2.mean_concurrency if m2 else '-'}",
-                              str(m2.suspends) if m2 else "-", "-",
+                              str(m2.suspends) if m2 else "-", "-", "-",
                               "V2 runs where V1 cannot" if m2 is not None else "-"]
                     row["ok"] = m2 is not None or m1 is None
                 else:
@@ -107,15 +114,27 @@ def grid(presets: tuple[str, ...] = PRESETS, workloads: tuple[str, ...] = WORKLO
                     t = m2.step_time_us_median / m1.step_time_us_median if m1.step_time_us_median else float("nan")
                     ok = steps <= STEPS_TARGET and m2.hit_rate >= m1.hit_rate - HIT_SLACK
                     row.update(steps_ratio=steps, time_ratio=t, ok=ok)
+                    modeled = "-"
+                    if m1.modeled_seconds and m2.modeled_seconds is not None:
+                        row["modeled_ratio"] = m2.modeled_seconds / m1.modeled_seconds
+                        row["total_ratio"] = (m2.modeled_seconds + m2.kv_seconds) / (m1.modeled_seconds + m1.kv_seconds)
+                        # a tiny preset's GPU step is microseconds: beside its manager time the sum says nothing
+                        modeled = ratio(row["modeled_ratio"]) + ("" if os.path.basename(preset).startswith("tiny-")
+                                                                 else f" ({ratio(row['total_ratio'])})")
                     conc = f"{m1.mean_concurrency:.1f} / {m2.mean_concurrency:.1f}"
-                    cells += [ratio(steps), _hit(m1), _hit(m2), conc, f"{m2.suspends:,}", ratio(t), verdict(ok)]
+                    cells += [ratio(steps), _hit(m1), _hit(m2), conc, f"{m2.suspends:,}", ratio(t), modeled,
+                              verdict(ok)]
                 table.rows.append(cells)
                 rows.append(row)
                 print(f"  {preset} {name} {label}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     table.notes += _target_notes(rows)
     table.notes.append("steps: engine steps until the last request finished (idle steps included); hit: reused "
                        "prompt tokens / prompt tokens, in brackets against the workload's ideal; step time: median "
-                       "manager + scheduler time per engine step (kvload simulate's step_time_us_median). Budgets: "
+                       "manager + scheduler time per engine step (kvload simulate's step_time_us_median); modeled "
+                       "time: each step's batch priced on one H200 by a roofline of weights and KV read and FLOPs "
+                       "(kvload simulate's modeled_seconds), in brackets with each manager's measured manager + "
+                       "scheduler time added (this CPU; what a real model's step pays on the host too; not for the "
+                       "tiny presets, whose modeled steps take microseconds). Budgets: "
                        "default = simulate's default for the workload, tight = 1/4, generous = 4x, for both managers "
                        "as max_gpu_total_bytes.")
     return rows, table
@@ -128,6 +147,13 @@ def _target_notes(rows: list[dict[str, Any]]) -> list[str]:
     misses = [f"{r['preset']} {r['workload']} {r['budget']}" for r in cells if not r["ok"]]
     notes.append(f"Every cell, V2 steps <= {STEPS_TARGET}x V1 and V2 hit >= V1 - {HIT_SLACK * 100:.1f} points: "
                  f"{verdict(not misses)}" + (f" (missed: {', '.join(misses)})" if misses else "") + ".")
+    modeled = [r for r in cells if "modeled_ratio" in r]
+    if modeled:
+        slow = [f"{r['preset']} {r['workload']} {r['budget']} {ratio(r['modeled_ratio'])}" for r in modeled
+                if r["modeled_ratio"] > STEPS_TARGET]
+        notes.append(f"Every cell, V2 modeled time (steps priced on an H200, engine.step_model) <= {STEPS_TARGET}x "
+                     "V1's: "
+                     f"{verdict(not slow)}" + (f" (missed: {', '.join(slow)})" if slow else "") + ".")
     sw = [r for r in rows if r["preset"] in SLIDING and r["workload"] in ("shared-prefix", "multi-turn")
           and r["v2"] is not None and r["v2"].ideal_hit_rate > 0]
     if sw:

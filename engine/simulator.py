@@ -32,6 +32,10 @@ Metrics of one run (:class:`RunMetrics`), precisely:
   the commits and the finishes (:attr:`StepStats.kv_seconds`); p99 is the nearest-rank percentile.
 * ``computed_tokens``: tokens whose KV was computed (sum of scheduled chunks); without preemption it
   equals the sum of ``prompt + answer - 1`` minus the reused tokens (the last answer token is never fed).
+* ``modeled_seconds``: the engine steps priced on a GPU (``hardware``, default H200) by
+  :mod:`engine.step_model`'s roofline: weights and attended KV read, FLOPs computed, per step's batch. Unlike
+  ``steps`` it weighs a step by what it computes (a prefill chunk of thousands of tokens against one decode token
+  per request), so prefix reuse and batching show as time; None when the model's weights cannot be counted.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from cache_backends.interface import SchedulerOutput
 from cache_backends.request import Request
 from engine.capacity import MANAGERS, Budget, refusal_reason, routed_budget, variant_request
 from engine.driver import Arrival, Driver, StalledError
+from engine.step_model import DEFAULT_HARDWARE, HARDWARE, StepModel
 from engine.workloads import Workload, default_budget_sequences, make_workload
 from pipeline.audit import JsonlSink
 from pipeline.bus import Subscriber
@@ -69,6 +74,7 @@ METRIC_FIELDS = (
     "peak_usage", "mean_usage", "max_concurrency", "mean_concurrency", "steps", "engine_steps", "finished",
     "suspends", "resumes", "preemptions", "evictions", "waits", "admission_delay_mean",
     "admission_delay_top_mean", "step_time_us_median", "step_time_us_p99", "step_time_us_mean", "kv_seconds",
+    "modeled_seconds",
 )
 
 
@@ -107,6 +113,7 @@ class RunMetrics:
     step_time_us_mean: float
     kv_seconds: float
     step_times_us: list[float] = attrs.field(repr=False, eq=False)
+    modeled_seconds: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The metric fields (without the per-step times)."""
@@ -118,8 +125,9 @@ class WorkloadMismatch(AssertionError):
 
 
 def replay(manager: Any, scheduler: Any, workload: Workload, *,
-           on_finish: Callable[[int], None] | None = None) -> RunMetrics:
-    """Run ``workload`` to completion through ``manager`` + ``scheduler``; :class:`StalledError` if it cannot."""
+           on_finish: Callable[[int], None] | None = None, step_model: StepModel | None = None) -> RunMetrics:
+    """Run ``workload`` to completion through ``manager`` + ``scheduler``; :class:`StalledError` if it cannot.
+    ``step_model`` prices each step's batch (``modeled_seconds``)."""
     answers = {r.req_id: r.answer for r in workload.requests}
     arrivals = [Arrival(Request(sr.req_id, list(sr.prompt), len(sr.answer), priority=sr.priority, salt=sr.salt),
                         sr.arrival_step, sr.after) for sr in workload.requests]
@@ -144,6 +152,7 @@ def replay(manager: Any, scheduler: Any, workload: Workload, *,
     waits = 0
     step_times: list[float] = []
     computed = 0
+    modeled = 0.0
 
     def sample() -> None:
         # After the scheduler's decision: the step's blocks are allocated and nothing is freed yet (its peak).
@@ -153,12 +162,16 @@ def replay(manager: Any, scheduler: Any, workload: Workload, *,
         waits += len(driver.waiting)
 
     def compute(out: SchedulerOutput) -> dict[str, int]:
+        nonlocal modeled
         sample()
         tokens = {}
         for chunk in out.scheduled:
             r = chunk.request
             if r.num_computed_tokens + chunk.num_tokens == r.num_tokens:
                 tokens[r.req_id] = answers[r.req_id][len(r.output_token_ids)]
+        if step_model is not None:
+            modeled += step_model.step_seconds([(c.request.num_computed_tokens, c.num_tokens,
+                                                 c.request.req_id in tokens) for c in out.scheduled])
         return tokens
 
     def arrived(request: Request, now: int) -> None:
@@ -211,6 +224,7 @@ def replay(manager: Any, scheduler: Any, workload: Workload, *,
         step_time_us_mean=round(statistics.fmean(step_times), 2) if step_times else 0.0,
         kv_seconds=round(sum(step_times) / 1e6, 6),
         step_times_us=step_times,
+        modeled_seconds=float(f"{modeled:.6g}") if step_model is not None else None,
     )
 
 
@@ -311,6 +325,8 @@ class SimulationReport:
                 return f"{value:.2%}"
             if kind == "us":
                 return f"{value:,.1f} µs"
+            if kind == "s":
+                return f"{value:,.4g} s"
             return f"{value:,}" if isinstance(value, int) else f"{value:,.3g}"
 
         spec = [("hit rate (reused / prompt tokens)", "hit_rate", "pct"), ("ideal hit rate", "ideal_hit_rate", "pct"),
@@ -319,7 +335,11 @@ class SimulationReport:
                 ("steps to finish", "steps", ""), ("suspends / resumes", None, ""),
                 ("preemptions", "preemptions", ""), ("evictions", "evictions", ""),
                 ("waits (request-steps)", "waits", ""), ("mean admission delay (steps)", "admission_delay_mean", ""),
-                ("step time median", "step_time_us_median", "us"), ("step time p99", "step_time_us_p99", "us")]
+                ("step time median", "step_time_us_median", "us"), ("step time p99", "step_time_us_p99", "us"),
+                ("manager time (all steps)", "kv_seconds", "s")]
+        if s.get("modeled_time_off") is None:
+            spec.insert(spec.index(("steps to finish", "steps", "")) + 1,
+                        (f"modeled time ({s.get('hardware')})", "modeled_seconds", "s"))
         if len({r.priority for r in w.requests}) > 1:  # one priority: the top class's delay is the mean's
             spec.insert(spec.index(("mean admission delay (steps)", "admission_delay_mean", "")) + 1,
                         ("  of the top priority", "admission_delay_top_mean", ""))
@@ -342,6 +362,11 @@ class SimulationReport:
                 lines.append(f"  {n}: {r.status.replace('_', ' ')}: {r.reason}")
         lines.append("  (step time: scheduler.step + commits + finishes per engine step; usage sampled after "
                      "the scheduler's decision)")
+        if s.get("modeled_time_off") is None:
+            lines.append(f"  (modeled time: each step's batch priced on one {s.get('hardware')} by a roofline of "
+                         "weights and KV read and FLOPs; manager time not included)")
+        else:
+            lines.append(f"  (no modeled time: {s['modeled_time_off']})")
         return "\n".join(lines)
 
 
@@ -354,7 +379,8 @@ def _progress(total: int, desc: str, enabled: bool | None) -> Any:
 
 
 def run_manager(routed: RunResult, name: str, v2: bool | None, budget: Budget, workload: Workload, *,
-                progress: bool | None = None, keep_going: bool = False) -> ManagerResult:
+                progress: bool | None = None, keep_going: bool = False,
+                step_model: StepModel | None = None) -> ManagerResult:
     """Build one manager at the shared budget (``v2`` None: as routed) and replay the workload through it.
 
     ``keep_going``: a route refusal, a build failure or a stall becomes the result's ``status``
@@ -382,7 +408,7 @@ def run_manager(routed: RunResult, name: str, v2: bool | None, budget: Budget, w
         bar = _progress(len(workload.requests), f"{name} {workload.name}", progress)
         start = time.perf_counter()
         try:
-            metrics = replay(manager, scheduler, workload, on_finish=bar.update)
+            metrics = replay(manager, scheduler, workload, on_finish=bar.update, step_model=step_model)
         except StalledError as exc:
             if not keep_going:
                 raise KvBuildError(f"{name} cannot finish workload {workload.name} at a budget of "
@@ -397,7 +423,8 @@ def run_manager(routed: RunResult, name: str, v2: bool | None, budget: Budget, w
 def simulate(model: str, workload: str | Workload, *, requests: int | None = None, seed: int = 0,
              params: dict[str, int] | None = None, compare: bool = False, config_file: str | None = None,
              source: str = "api", audit_log: str | None = None, progress: bool | None = None, log: bool = True,
-             subscribers: Iterable[Subscriber] = (), **overrides: Any) -> SimulationReport:
+             subscribers: Iterable[Subscriber] = (), hardware: str = DEFAULT_HARDWARE,
+             **overrides: Any) -> SimulationReport:
     """Replay a synthetic workload (a name, or a built :class:`Workload`) through the routed manager, or V1 and V2.
 
     Both managers get the same KV budget (:func:`engine.capacity.routed_budget`): the user's
@@ -406,12 +433,15 @@ def simulate(model: str, workload: str | Workload, *, requests: int | None = Non
     routed layout. ``overrides`` are ``LlmArgs`` fields as for
     :func:`pipeline.load`; ``audit_log`` records the routed resolution that set the budget, and is
     written only once every manager has run (an interrupted or failing simulation leaves none);
-    ``subscribers`` receive the same events (the CLI's own audit sink, published when it succeeds).
+    ``subscribers`` receive the same events (the CLI's own audit sink, published when it succeeds);
+    ``hardware`` (one of :data:`engine.step_model.HARDWARE`) prices the steps (``modeled_seconds``).
     """
+    if hardware not in HARDWARE:
+        raise ConfigError(f"hardware: {hardware!r} is not one of {', '.join(HARDWARE)}", path="hardware")
     sink = JsonlSink(audit_log) if audit_log is not None else None
     try:
         report = _simulate(model, workload, requests, seed, params, compare, config_file, source, progress, log,
-                           [*subscribers, *([sink] if sink is not None else [])], overrides)
+                           [*subscribers, *([sink] if sink is not None else [])], overrides, hardware)
     except BaseException:
         if sink is not None:
             sink.close(ok=False)
@@ -423,7 +453,7 @@ def simulate(model: str, workload: str | Workload, *, requests: int | None = Non
 
 def _simulate(model: str, workload: str | Workload, requests: int | None, seed: int, params: dict[str, int] | None,
               compare: bool, config_file: str | None, source: str, progress: bool | None, log: bool,
-              subscribers: list[Subscriber], overrides: dict[str, Any]) -> SimulationReport:
+              subscribers: list[Subscriber], overrides: dict[str, Any], hardware: str) -> SimulationReport:
     if isinstance(workload, Workload):  # built once by the caller (benchmarks repeat one workload)
         if requests is not None or params:
             raise ConfigError("pass requests and params to make_workload, not with a built Workload",
@@ -454,10 +484,26 @@ def _simulate(model: str, workload: str | Workload, requests: int | None, seed: 
                 "max_num_tokens": args.max_num_tokens, "tokens_per_block": kv.tokens_per_block,
                 "enable_block_reuse": kv.enable_block_reuse, "enable_partial_reuse": kv.enable_partial_reuse,
                 "routed": routed.route.kv_manager}
+    step_model, why_not = _step_model(routed, hardware)
+    settings["hardware"] = HARDWARE[hardware].name
+    settings["modeled_time_off"] = why_not
     if compare:
-        results = {name: run_manager(routed, name, v2, budget, wl, progress=progress, keep_going=True)
+        results = {name: run_manager(routed, name, v2, budget, wl, progress=progress, keep_going=True,
+                                     step_model=step_model)
                    for name, v2 in MANAGERS.items()}
     else:
-        one = run_manager(routed, routed.route.kv_manager, None, budget, wl, progress=progress)
+        one = run_manager(routed, routed.route.kv_manager, None, budget, wl, progress=progress, step_model=step_model)
         results = {one.kv_manager: one}
     return SimulationReport(routed.model.name, wl, budget, settings, results)
+
+
+def _step_model(routed: RunResult, hardware: str) -> tuple[StepModel | None, str | None]:
+    """The routed model's step pricing on ``hardware``, or (None, why not): a model transformers cannot build (DeepSeek
+    V4's preset) has no weights to count."""
+    kv = routed.kv
+    try:
+        model = StepModel.build(routed.context.hf_config, kv.layout.layers, str(routed.args.dtype), kv.layout.dtype,
+                                hardware)
+    except Exception as exc:  # any failure to build the model on meta means: no modeled time
+        return None, f"transformers cannot build {routed.model.name} to count its weights: {str(exc)[:160]}"
+    return model, None

@@ -515,7 +515,7 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     audit = _audit_subscribers(ns)
     report = simulate(ns.model, ns.workload, requests=ns.requests, seed=ns.seed, params=params,
                       compare=ns.compare, config_file=ns.config, source="cli", subscribers=audit,
-                      progress=ns.progress, **cli_overrides(ns))
+                      progress=ns.progress, hardware=ns.hardware, **cli_overrides(ns))
     report.check_finished()  # --compare where no manager finished: exit 2, as one manager's stall does
     from pipeline.ranks import ranks_from_env
 
@@ -1124,7 +1124,9 @@ metrics: hit rate = reused prompt tokens / prompt tokens (first admission of eac
 used / total blocks (bytes-weighted over layer groups for V2) after each step's scheduling; waits =
 request-steps spent arrived but not running; admission delay = steps from arrival to first admission (its mean,
 and with mixed priorities the mean of the top priority's requests); step time = scheduler.step + commits +
-finishes.
+finishes; modeled time = every step's batch priced on one --hardware accelerator by a roofline (weights and
+attended KV read, FLOPs computed), so a step that prefills thousands of tokens weighs more than one that
+decodes a token per request (steps count both as one).
 
 examples:
   kvload simulate tiny-llama --workload shared-prefix --compare
@@ -1135,6 +1137,7 @@ examples:
 
 def add_simulate_command(sub: Any) -> None:
     """``simulate``: replay a synthetic workload through the KV manager(s); no forward pass."""
+    from engine.step_model import DEFAULT_HARDWARE, HARDWARE
     from engine.workloads import WORKLOADS
 
     p = sub.add_parser(
@@ -1159,6 +1162,9 @@ def add_simulate_command(sub: Any) -> None:
                         "cannot be routed to is reported with the reason")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar on stderr (default: only when stderr is a terminal)")
+    g.add_argument("--hardware", choices=tuple(HARDWARE), default=DEFAULT_HARDWARE,
+                   help="the accelerator whose nominal bandwidth and FLOPs price each step's batch (modeled time; "
+                        f"default {DEFAULT_HARDWARE})")
     p.set_defaults(func=cmd_simulate)
 
 
