@@ -35,7 +35,8 @@ Metrics of one run (:class:`RunMetrics`), precisely:
 * ``modeled_seconds``: the engine steps priced on a GPU (``hardware``, default H200) by
   :mod:`engine.step_model`'s roofline: weights and attended KV read, FLOPs computed, per step's batch. Unlike
   ``steps`` it weighs a step by what it computes (a prefill chunk of thousands of tokens against one decode token
-  per request), so prefix reuse and batching show as time; None when the model's weights cannot be counted.
+  per request), so prefix reuse and batching show as time, plus the host link's time for what V2's suspends and
+  resumes copied; None when the model's weights cannot be counted.
 """
 
 from __future__ import annotations
@@ -179,8 +180,15 @@ def replay(manager: Any, scheduler: Any, workload: Workload, *,
         clock = now
         arrived_at[request.req_id] = now
 
+    host = getattr(manager, "host", None)  # V2's host tier: the bytes its suspends and resumes copy
+    host_seen = 0
+
     def stepped(now: int, stats: Any) -> None:
-        nonlocal clock, computed
+        nonlocal clock, computed, modeled, host_seen
+        if step_model is not None and host is not None:
+            moved = host.bytes_stored + host.bytes_loaded
+            modeled += step_model.transfer_seconds(moved - host_seen)
+            host_seen = moved
         clock = now + 1  # request_admitted fires inside the next step: it must see that step's clock
         if not stats.output.scheduled:  # nothing scheduled: compute was not called
             sample()

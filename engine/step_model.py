@@ -12,7 +12,9 @@ for them. The model prices each step as the slower of its bytes and its FLOPs on
   ``min(end, window)`` entries of the layer's ``entry_elems`` (MLA: the latent) at the KV dtype;
 * FLOPs: ``2 x`` active non-embedding parameters per computed token, ``2 x vocab x hidden`` per sequence that
   samples (the last prompt token or a decode), and attention's ``4 x heads x head_dim`` per query-key pair;
-* time: ``max(bytes / bandwidth, flops / peak)`` at the hardware's nominal figures (:data:`HARDWARE`).
+* time: ``max(bytes / bandwidth, flops / peak)`` at the hardware's nominal figures (:data:`HARDWARE`), plus what
+  the step's suspends and resumes copied over the host link (V2's host tier; :meth:`StepModel.transfer_seconds`),
+  which the manager waits for before the pages change hands.
 
 Nominal peaks make it a lower bound, one model for every manager: what it compares fairly is two managers'
 schedules of one workload, not a prediction of wall time. Launch overheads, communication and the host's
@@ -32,19 +34,22 @@ from cache_backends.layout import DTYPE_SIZES, LayerKV
 
 @attrs.frozen
 class Hardware:
-    """One accelerator's nominal figures: HBM bandwidth and dense 16-bit tensor throughput."""
+    """One accelerator's nominal figures: HBM bandwidth, dense 16-bit tensor throughput, and the host link one way
+    (what a suspend's copy to the host tier and a resume's copy back cross)."""
 
     name: str
     bytes_per_s: float
     flops_per_s: float
+    host_bytes_per_s: float
 
 
-#: The accelerators ``--hardware`` names (NVIDIA's data sheets: SXM parts, dense bf16 without sparsity).
+#: The accelerators ``--hardware`` names (NVIDIA's data sheets: SXM parts, dense bf16 without sparsity; the host link
+#: per direction).
 HARDWARE: dict[str, Hardware] = {
-    "h200": Hardware("H200", 4.8e12, 989e12),
-    "h100": Hardware("H100", 3.35e12, 989e12),
-    "a100": Hardware("A100-80GB", 2.039e12, 312e12),
-    "l40s": Hardware("L40S", 0.864e12, 362e12),
+    "h200": Hardware("H200", 4.8e12, 989e12, 64e9),  # PCIe Gen5 x16 to the host
+    "h100": Hardware("H100", 3.35e12, 989e12, 64e9),
+    "a100": Hardware("A100-80GB", 2.039e12, 312e12, 32e9),  # PCIe Gen4 x16
+    "l40s": Hardware("L40S", 0.864e12, 362e12, 32e9),
 }
 DEFAULT_HARDWARE = "h200"
 
@@ -181,3 +186,7 @@ class StepModel:
         flops += 4.0 * c.attn_width * pairs
         hw = self.hardware
         return max((weights + kv_bytes) / hw.bytes_per_s, flops / hw.flops_per_s)
+
+    def transfer_seconds(self, nbytes: int) -> float:
+        """The time ``nbytes`` take over the host link one way (a suspend's pages out, a resume's back)."""
+        return nbytes / self.hardware.host_bytes_per_s

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -19,7 +20,7 @@ from engine.step_model import HARDWARE, Hardware, ModelCost, StepModel, count_we
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 CPU = {"device": "cpu", "log": False, "progress": False}
-HW = Hardware("test", 1e12, 1e14)
+HW = Hardware("test", 1e12, 1e14, 1e9)
 
 
 def _cost(**kw) -> ModelCost:
@@ -127,3 +128,30 @@ def test_cli_reports_modeled_time_and_refuses_unknown_hardware():
     assert bad.returncode == 2
     assert "--hardware" in bad.stderr and "h200" in bad.stderr and "Traceback" not in bad.stderr
     assert len(bad.stderr.strip().splitlines()) <= 2  # argparse's usage line, then the one error line
+
+
+def test_suspends_and_resumes_cost_their_copies_over_the_host_link():
+    """V2 moving requests to its host tier and back is not free: the pages cross the host link both ways, and the
+    modeled time adds exactly those bytes at the link's bandwidth (the same schedule priced with an infinitely fast
+    link is the rest)."""
+    from cache_backends.v2 import KVCacheV2Scheduler
+    from engine.simulator import replay
+    from engine.workloads import make_workload
+    from kvload.api import load
+
+    workload = make_workload("long-context", 4, 0, prompt_len=40, answer_len=200)
+    link = Hardware("test", 1e12, 1e14, 1e9)
+    runs = []
+    for hw in (link, attrs.evolve(link, host_bytes_per_s=math.inf)):
+        with load("tiny-llama", device="cpu", max_seq_len=256,
+                  kv_cache_config={"use_kv_cache_manager_v2": True, "max_tokens": 2 * 256}) as result:
+            manager = result.kv_manager  # greedy admission over-admits: suspends are certain
+            greedy = KVCacheV2Scheduler(manager, result.args.max_batch_size, result.args.max_num_tokens,
+                                        init_ratio=0.0)
+            model = StepModel(count_weights(result.context.hf_config, 4), tuple(result.kv.layout.layers), 4, hw)
+            m = replay(manager, greedy, workload, step_model=model)
+            runs.append((m, manager.host.bytes_stored, manager.host.bytes_loaded))
+    (slow, stored, loaded), (free, _, _) = runs
+    assert slow.suspends >= 1 and slow.suspends == free.suspends and slow.steps == free.steps
+    assert stored > 0 and loaded == stored  # every page suspended came back
+    assert slow.modeled_seconds == pytest.approx(free.modeled_seconds + (stored + loaded) / 1e9, rel=1e-5)

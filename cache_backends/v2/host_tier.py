@@ -50,6 +50,9 @@ class HostTier:
         self.tensors: dict[str, torch.Tensor] = {}
         self._free: dict[str, list[int]] = {}
         self._used = dict.fromkeys(self.num_slots, 0)  # slots each group's suspended pages hold
+        #: bytes copied device -> host (suspends) and host -> device (resumes) so far: what the host link carried
+        self.bytes_stored = 0
+        self.bytes_loaded = 0
         self.shared = pools.shared and len(self.num_slots) > 1
         if self.shared and len(set(self.num_slots.values())) > 1:
             raise ValueError(f"a shared host tier has one slot count for every group, got {self.num_slots}")
@@ -93,11 +96,13 @@ class HostTier:
         slot = self._free[group].pop()
         self._used[group] += 1
         self.tensors[group][slot].copy_(self.pools.tensors[group][:, block], non_blocking=self.pinned)
+        self.bytes_stored += self.pools.groups[group].bytes_per_block
         return slot
 
     def load(self, group: str, slot: int, block: int) -> None:
         """Copy ``slot`` back into device ``block`` (call :meth:`sync` before the slot is freed)."""
         self.pools.tensors[group][:, block].copy_(self.tensors[group][slot], non_blocking=self.pinned)
+        self.bytes_loaded += self.pools.groups[group].bytes_per_block
 
     def free(self, group: str, slots: list[int]) -> None:
         """Give slots back."""
