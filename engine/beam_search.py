@@ -264,7 +264,8 @@ class _Search:
         logits, rows, _, _ = x.forward(out, self.beams)
         if rows:
             entries = top_logprobs(logits, 2 * self.k, sample_rows(logits, self.step, [None] * len(rows)))
-            tops = {out.scheduled[i].request.req_id: e for i, e in zip(rows, entries, strict=True)}
+            tops = {out.scheduled[i].request.req_id: {int(t): float(lp) for t, lp in e.items()}
+                    for i, e in zip(rows, entries, strict=True)}
             if x.lockstep is not None:  # rank 0's: every rank ranks, forks and frees the same beams
                 tops = x.lockstep.ranks.broadcast(tops)
             for req_id, entry in tops.items():
