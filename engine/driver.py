@@ -24,6 +24,10 @@ sample's token (which may end that sample at once) and has the scheduler admit t
 prompt's KV (``scheduler.fork``: shared whole blocks, a copy of the partial last one). A sample the
 scheduler cannot admit now waits in ``waiting`` with its token, admitted later as any request (the prefix
 cache may hold its prompt's whole blocks; the rest is computed again).
+
+Branches (beam search, :meth:`Driver.branch`): a new request whose tokens extend a running request's committed
+ones joins holding that request's KV at once (``scheduler.fork`` at the committed length, where the manager forks
+past a prompt), or waits as any request.
 """
 
 from __future__ import annotations
