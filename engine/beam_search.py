@@ -156,7 +156,7 @@ class _Search:
 
     def __init__(self, executor: Executor, items: list[tuple[str | None, list[int]]], params: BeamSearchParams,
                  salt: str | None) -> None:
-        self.x = executor
+        self.executor = executor
         self.params = params
         self.k = params.beam_width
         self.eos = frozenset() if params.ignore_eos else frozenset(executor.eos_token_ids)
@@ -171,22 +171,23 @@ class _Search:
         self.prompts: list[_Prompt] = []
         for i, (text, ids) in enumerate(items):
             room = min(params.max_tokens, executor.max_seq_len - len(ids))
-            request = self._request(i, ids, room)
-            executor._check_fits(i, request, params.max_tokens)
-            self.prompts.append(_Prompt(i, text, list(ids), room, [self.beams[request.req_id]]))
+            beam = self._new_beam(i, ids, room)
+            executor._check_fits(i, beam.request, params.max_tokens)
+            self.prompts.append(_Prompt(i, text, list(ids), room, [beam]))
         self.firsts = [p.live[0].request for p in self.prompts]  # each prompt's prefill (its prefix-cache hit)
         self.engine_steps = self.generated = 0
         self.forward_s = self.kv_s = 0.0
 
-    def _request(self, index: int, ids: list[int], room: int, tokens: Sequence[int] = ()) -> Request:
+    def _new_beam(self, index: int, ids: list[int], room: int, tokens: Sequence[int] = ()) -> _Beam:
+        """A beam of prompt ``index`` with these generated ``tokens``, its request not yet added to the driver."""
         request = Request(f"{self.call}.{index}.{next(self._ids)}", ids, room, salt=self.salt,
                           output_token_ids=list(tokens))
-        self.beams[request.req_id] = _Beam(request)
-        return request
+        beam = self.beams[request.req_id] = _Beam(request)
+        return beam
 
     def run(self) -> list[BeamSearchOutput]:
         """Search every prompt; the call's audit segment (generation_started ... generation_finished) around it."""
-        x = self.x
+        x = self.executor
         x._event(GenerationStarted(
             call=self.call, requests=self.k * len(self.prompts), prompt_tokens=sum(len(p.ids) for p in self.prompts),
             max_new_tokens=self.params.max_tokens, temperature=0.0, top_p=1.0, seed=None,
@@ -227,7 +228,7 @@ class _Search:
 
     def _loop(self) -> None:
         """Steps until every prompt's search ended: start prompts while their beams fit the batch, compute, rank."""
-        x, driver = self.x, self.driver
+        x, driver = self.executor, self.driver
         queue = deque(self.prompts)
         active: list[_Prompt] = []
         idle = 0
@@ -260,7 +261,7 @@ class _Search:
     def _compute(self, out: SchedulerOutput) -> dict[str, int | list[int]]:
         """The step's forward; each beam whose tokens are all computed keeps its next token's top 2k. No token is
         handed to the driver: :meth:`_rank` appends them once the prompt's beams are all in."""
-        x = self.x
+        x = self.executor
         logits, rows, _, _ = x.forward(out, self.beams)
         if rows:
             entries = top_logprobs(logits, 2 * self.k, sample_rows(logits, self.step, [None] * len(rows)))
@@ -312,10 +313,9 @@ class _Search:
             parent = p.live[j]
             if first[j] == n and not parent.parked:
                 continue
-            request = self._request(p.index, p.ids, p.room, (*parent.tokens, tok))
-            self.driver.branch(parent.request, request)
-            beams[n] = self.beams[request.req_id]
-            beams[n].cum = cum
+            beam = beams[n] = self._new_beam(p.index, p.ids, p.room, (*parent.tokens, tok))
+            beam.cum = cum
+            self.driver.branch(parent.request, beam.request)
         for n, (j, tok, cum) in enumerate(nxt):
             if beams[n] is None:
                 beam = beams[n] = p.live[j]
@@ -334,10 +334,11 @@ class _Search:
             driver.running.remove(request)
         elif request in driver.waiting:
             driver.waiting.remove(request)
-        self.x.scheduler.finish(request, reason)
-        self.x._event(RequestFinished(req_id=request.req_id, reason=reason, prompt_tokens=request.num_prompt_tokens,
-                                      output_tokens=len(request.output_token_ids),
-                                      reused_prompt_tokens=request.num_reused_tokens))
+        self.executor.scheduler.finish(request, reason)
+        self.executor._event(RequestFinished(req_id=request.req_id, reason=reason,
+                                             prompt_tokens=request.num_prompt_tokens,
+                                             output_tokens=len(request.output_token_ids),
+                                             reused_prompt_tokens=request.num_reused_tokens))
 
     def _park(self) -> bool:
         """Nothing can run: running beams that wait for their prompt's other beams let go of their KV (they keep
@@ -349,8 +350,8 @@ class _Search:
             if beam is None or beam.top is None or request.num_computed_tokens < request.num_tokens:
                 continue
             driver.running.remove(request)
-            self.x.scheduler.finish(request, "parked")
-            self.x._event(RequestPreempted(req_id=request.req_id, tokens=request.num_tokens))
+            self.executor.scheduler.finish(request, "parked")
+            self.executor._event(RequestPreempted(req_id=request.req_id, tokens=request.num_tokens))
             self.beams.pop(request.req_id)
             beam.parked = parked = True
         return parked
@@ -360,8 +361,9 @@ class _Search:
         hyps = p.done + [(tokens, cum, "length") for tokens, cum in p.final or []]
         scored = sorted(((cum / max(1, len(tokens)) ** self.params.length_penalty, tokens, cum, why)
                          for tokens, cum, why in hyps), key=lambda h: -h[0])[:self.k]
-        return BeamSearchOutput(p.text, tuple(p.ids), tuple(
-            BeamSequence(tokens, cum, score, why, _decode(self.x, tokens)) for score, tokens, cum, why in scored))
+        sequences = tuple(BeamSequence(tokens, cum, score, why, _decode(self.executor, tokens))
+                          for score, tokens, cum, why in scored)
+        return BeamSearchOutput(p.text, tuple(p.ids), sequences)
 
 
 def _decode(executor: Executor, tokens: Sequence[int]) -> str | None:

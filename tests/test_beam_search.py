@@ -105,7 +105,7 @@ def test_each_step_computes_one_token_per_live_beam_and_a_finished_search_frees_
         assert stats.requests == 0 and used_blocks(result) == 0
 
 
-def test_beams_wider_than_the_pools_still_end_and_equal_transformers(tiny_checkpoints):
+def test_beams_wider_than_the_pools_still_end_and_equal_transformers(tiny_checkpoints, monkeypatch):
     """Pools for one sequence, three beams: the forks that find no room wait, and beams that wait for the others let
     go of their KV (audited as preempted) so those can run; the search still ends, with transformers' beams, and
     holds nothing after."""
@@ -114,6 +114,20 @@ def test_beams_wider_than_the_pools_still_end_and_equal_transformers(tiny_checkp
         (out,) = result.executor.beam_search([p], BeamSearchParams(beam_width=WIDTH, max_tokens=NEW, ignore_eos=True))
         assert [s.token_ids for s in out.sequences] == hf_beams(result.hf_model, p, WIDTH, NEW)
         assert result.audit.of("request_preempted")
+        assert result.executor.manager.stats().requests == 0 and used_blocks(result) == 0
+        # stopped mid-search (LLM.close does this), with beams waiting and let go: it fails and holds nothing either
+        steps = watch_steps(result, monkeypatch)
+        stop = result.executor.scheduler.step
+
+        def stopping(waiting, running):
+            if len(steps) == 6:
+                result.executor.stop("stopped mid-search")
+            return stop(waiting, running)
+
+        monkeypatch.setattr(result.executor.scheduler, "step", stopping)
+        with pytest.raises(GenerationError, match="^stopped mid-search$"):
+            result.executor.beam_search([p], BeamSearchParams(beam_width=WIDTH, max_tokens=NEW, ignore_eos=True))
+        assert result.audit.of("generation_failed")[-1]["message"] == "stopped mid-search"
         assert result.executor.manager.stats().requests == 0 and used_blocks(result) == 0
 
 
