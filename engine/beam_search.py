@@ -1,31 +1,67 @@
-"""Beam search over kvload's executor, as vLLM's ``LLM.beam_search`` does it: one generate step per token.
+"""Beam search over kvload's executor (vLLM's ``LLM.beam_search``), its beams kept alive as running requests.
 
-Each step asks the executor for one token of every live beam with its ``2 * beam_width`` most likely next tokens
-(``logprobs``); the beams share their prompt and common prefix through the prefix cache, so a step computes
-each beam's new token (plus, on V1, the rest of its last partial block). Per prompt, the candidates
+One call is one run of the engine's driver. Each prompt is prefilled once; from then on every live beam is a
+running request holding its KV, and each step computes exactly one token per live beam, keeping its
+``2 * beam_width`` most likely next tokens. Per prompt, once all its live beams have theirs, the candidates
 (beam, token) are ranked by cumulative log-probability: the best ``beam_width`` that are not EOS go on; an EOS
 candidate ranked among the first ``beam_width`` ends its hypothesis there (``ignore_eos``: EOS is an ordinary
-token). At the end every hypothesis — finished or still running at ``max_tokens`` — is scored
-``cumulative_logprob / generated_tokens ** length_penalty`` and the best ``beam_width`` are returned, best first.
-With ``ignore_eos`` this is transformers' ``generate(num_beams=...)`` run without an EOS token.
+token). A beam that goes on with one candidate keeps its request (the token appended); each further candidate of
+the same beam is a fork of it at its committed length (``Driver.branch``: whole blocks shared by reference count,
+the partial last block copied); a beam no candidate extends is freed at once. At the end every hypothesis —
+finished or still running at ``max_tokens`` — is scored ``cumulative_logprob / generated_tokens **
+length_penalty`` and the best ``beam_width`` are returned, best first. With ``ignore_eos`` this is transformers'
+``generate(num_beams=...)`` run without an EOS token.
+
+Room: prompts start while their beams fit the batch (``max_batch_size``). A fork the scheduler cannot admit now
+(no room in the batch or the pools) waits as a request of its own, admitted later with what the prefix cache
+still holds. When every running beam waits for its prompt's other beams and nothing waiting can be admitted, the
+running ones let go of their KV (they keep their next-token log-probabilities) so the waiting ones can run: a
+search wider than the pools still ends, computing again what it let go of.
 
 The width is bounded by the load's ``max_beam_width`` (TensorRT-LLM sizes its engine by it, and kvload's router
-sends beam search to KV cache manager V1 by TensorRT-LLM's rule).
+sends beam search to KV cache manager V1 by TensorRT-LLM's rule; V1 forks at any length, V2 at a prompt's end).
+The audit log holds one generation segment per call; a beam's request ends ``"pruned"`` when no candidate
+extends it.
 """
 
 from __future__ import annotations
 
+import itertools
+import time
+from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from engine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams, _plain_int, check, is_finite, is_int, is_number
-from pipeline.errors import GenerationError
+from cache_backends.interface import SchedulerOutput
+from cache_backends.request import Request
+from engine.driver import MAX_IDLE_STEPS, Driver, StalledError
+from engine.outputs import GenerationStats
+from engine.sampling import sample_rows, top_logprobs
+from engine.sampling_params import (
+    DEFAULT_MAX_TOKENS,
+    SamplingParams,
+    _plain_int,
+    check,
+    check_salt,
+    is_finite,
+    is_int,
+    is_number,
+)
+from pipeline.errors import GenerationError, KvRuntimeError, first_line, retitled
+from pipeline.events import (
+    GenerationFailed,
+    GenerationFinished,
+    GenerationStarted,
+    RequestFinished,
+    RequestPreempted,
+    SettingIgnored,
+)
 from pipeline.limits import MAX_N
 
 if TYPE_CHECKING:
-    from engine.executor import Executor
+    from engine.executor import GenerationExecutor as Executor
 
 
 @attrs.frozen(init=False)
@@ -81,44 +117,253 @@ def beam_search(executor: Executor, prompts: Any, params: BeamSearchParams, *, m
     if k > max_beam_width:
         raise GenerationError(f"beam_search: beam_width={k} exceeds max_beam_width={max_beam_width}, the width the "
                               f"model was loaded for; load it with max_beam_width >= {k}")
+    check_salt(salt)
     items = executor._prompts(prompts, chat=False)
-    eos = set() if params.ignore_eos else set(executor.eos_token_ids)
-    step = SamplingParams._beam_step(2 * k)  # the top 2k extend the beams even when an end takes k of them
-    # per prompt: live beams (generated ids, cumulative log-probability) and finished hypotheses
-    live: list[list[tuple[tuple[int, ...], float]]] = [[((), 0.0)] for _ in items]
-    done: list[list[tuple[tuple[int, ...], float, str]]] = [[] for _ in items]
-    room = [min(params.max_tokens, executor.max_seq_len - len(ids)) for _, ids in items]
-    for t in range(max(room)):
-        asks = [(i, beam) for i, beams in enumerate(live) if t < room[i] for beam in beams]
-        if not asks:
-            break
-        outs = executor.run([list(items[i][1]) + list(beam[0]) for i, beam in asks], step, salt=salt)
-        candidates: list[list[tuple[float, tuple[int, ...]]]] = [[] for _ in items]
-        for (i, (tokens, cum)), out in zip(asks, outs, strict=True):
-            (first,) = out.outputs[0].logprobs or [{}]
-            candidates[i] += [(cum + lp, (*tokens, tok)) for tok, lp in first.items()]
-        for i, cands in enumerate(candidates):
-            if t >= room[i]:
-                continue
-            cands.sort(key=lambda c: -c[0])  # stable: equal scores keep the beams' order, then the tokens'
-            nxt: list[tuple[tuple[int, ...], float]] = []
-            for rank, (cum, tokens) in enumerate(cands):
-                if tokens[-1] in eos:
-                    if rank < k:  # an ending as likely as the kept beams is a hypothesis of its own
-                        done[i].append((tokens, cum, "stop"))
+    return _Search(executor, items, params, salt).run()
+
+
+@attrs.define(eq=False)
+class _Beam:
+    """One live beam: its request (the prompt, then the beam's tokens), which holds its KV while it runs."""
+
+    request: Request
+    cum: float = 0.0  # the beam's summed log-probability
+    top: Any = None  # its next token's 2 x beam_width most likely ids -> log-probability, once computed
+    parked: bool = False  # it let go of its KV (its request ended): a beam extending it is a request of its own
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """The beam's generated tokens."""
+        return tuple(self.request.output_token_ids)
+
+
+@attrs.define(eq=False)
+class _Prompt:
+    """One prompt's search: its live beams, the hypotheses ended by EOS, and at the end those cut at max_tokens."""
+
+    index: int
+    text: str | None
+    ids: list[int]
+    room: int  # tokens a beam may generate (max_tokens, cut by max_seq_len)
+    live: list[_Beam]
+    done: list[tuple[tuple[int, ...], float, str]] = attrs.Factory(list)
+    chosen: int = 0  # tokens each live beam has
+    final: list[tuple[tuple[int, ...], float]] | None = None  # None while it runs
+
+
+class _Search:
+    """One ``beam_search`` call: the driver loop over the executor's forward, ranking each prompt's beams."""
+
+    def __init__(self, executor: Executor, items: list[tuple[str | None, list[int]]], params: BeamSearchParams,
+                 salt: str | None) -> None:
+        self.executor = executor
+        self.params = params
+        self.k = params.beam_width
+        self.eos = frozenset() if params.ignore_eos else frozenset(executor.eos_token_ids)
+        self.step = SamplingParams._beam_step(2 * self.k)  # the top 2k extend the beams even when an end takes k
+        self.salt = salt
+        self.call = executor._calls
+        executor._calls += 1
+        self.driver = Driver(executor.manager, executor.scheduler, emit=executor._driver_event)
+        #: request id -> its beam, for every request that holds (or waits for) a beam's KV
+        self.beams: dict[str, _Beam] = {}
+        self._ids = itertools.count()
+        self.prompts: list[_Prompt] = []
+        for i, (text, ids) in enumerate(items):
+            room = min(params.max_tokens, executor.max_seq_len - len(ids))
+            beam = self._new_beam(i, ids, room)
+            executor._check_fits(i, beam.request, params.max_tokens)
+            self.prompts.append(_Prompt(i, text, list(ids), room, [beam]))
+        self.firsts = [p.live[0].request for p in self.prompts]  # each prompt's prefill (its prefix-cache hit)
+        self.engine_steps = self.generated = 0
+        self.forward_s = self.kv_s = 0.0
+
+    def _new_beam(self, index: int, ids: list[int], room: int, tokens: Sequence[int] = ()) -> _Beam:
+        """A beam of prompt ``index`` with these generated ``tokens``, its request not yet added to the driver."""
+        request = Request(f"{self.call}.{index}.{next(self._ids)}", ids, room, salt=self.salt,
+                          output_token_ids=list(tokens))
+        beam = self.beams[request.req_id] = _Beam(request)
+        return beam
+
+    def run(self) -> list[BeamSearchOutput]:
+        """Search every prompt; the call's audit segment (generation_started ... generation_finished) around it."""
+        x = self.executor
+        x._event(GenerationStarted(
+            call=self.call, requests=self.k * len(self.prompts), prompt_tokens=sum(len(p.ids) for p in self.prompts),
+            max_new_tokens=self.params.max_tokens, temperature=0.0, top_p=1.0, seed=None,
+            salted=self.salt is not None, kv_manager=type(x.manager).__name__, n=self.k, logprobs=2 * self.k,
+            llm_seed=x.llm_seed))
+        warm_before = x.flex.warmup_s if x.flex is not None else 0.0
+        start = time.perf_counter()
+        try:
+            unscoped = x.salt_ignored() if self.salt is not None else None
+            if unscoped is not None:
+                x._event(SettingIgnored(field="generate.salt", value=self.salt, reason=unscoped))
+            with x.paged_attention():
+                self._loop()
+        except BaseException as exc:
+            x._abort(self.driver)
+            x._block_tables.keep_only(())
+            x._check_flex()
+            x._event(GenerationFailed(call=self.call, error=type(exc).__name__,
+                                      message=retitled(first_line(exc, ""), x._caller),
+                                      finished=sum(p.final is not None for p in self.prompts)))
+            raise
+        x._block_tables.keep_only(())
+        warmup = (x.flex.warmup_s if x.flex is not None else 0.0) - warm_before
+        x._check_flex()
+        wall = time.perf_counter() - start - warmup
+        reused = sum(r.num_reused_tokens for r in self.firsts)
+        stats = GenerationStats(
+            requests=len(self.prompts), prompt_tokens=sum(len(p.ids) for p in self.prompts),
+            reused_prompt_tokens=reused, generated_tokens=self.generated, steps=self.engine_steps, wall_s=wall,
+            forward_s=max(0.0, self.forward_s - warmup), kv_s=self.kv_s, warmup_s=warmup, suspends=0, resumes=0,
+            preemptions=0, samples=self.k * len(self.prompts))
+        x.last_stats = stats
+        x._event(GenerationFinished(
+            call=self.call, requests=stats.samples, prompt_tokens=stats.prompt_tokens, reused_prompt_tokens=reused,
+            generated_tokens=stats.generated_tokens, steps=stats.steps, suspends=0, resumes=0, preemptions=0,
+            duration_ms=round(wall * 1000, 3), tokens_per_s=round(stats.tokens_per_s, 3)))
+        return [self._output(p) for p in self.prompts]
+
+    def _loop(self) -> None:
+        """Steps until every prompt's search ended: start prompts while their beams fit the batch, compute, rank."""
+        x, driver = self.executor, self.driver
+        queue = deque(self.prompts)
+        active: list[_Prompt] = []
+        idle = 0
+        while queue or active:
+            while queue and (not active or (len(active) + 1) * self.k <= x.scheduler.max_batch_size):
+                p = queue.popleft()
+                driver.add(p.live[0].request)
+                active.append(p)
+            if x._stopped is not None:
+                raise GenerationError(x._stopped)
+            try:
+                st = driver.step(self._compute)
+            except StalledError as exc:
+                if self._park():
                     continue
-                nxt.append((tokens, cum))
-                if len(nxt) == k:
-                    break
-            live[i] = nxt if len(done[i]) < k or not eos else []
-    outputs = []
-    for i, (text, ids) in enumerate(items):
-        hyps = done[i] + [(tokens, cum, "length") for tokens, cum in live[i]]
-        scored = sorted(((cum / max(1, len(tokens)) ** params.length_penalty, tokens, cum, why)
-                         for tokens, cum, why in hyps), key=lambda h: -h[0])[:k]
-        outputs.append(BeamSearchOutput(text, tuple(ids), tuple(
-            BeamSequence(tokens, cum, score, why, _decode(executor, tokens)) for score, tokens, cum, why in scored)))
-    return outputs
+                raise KvRuntimeError(f"beam_search: the {type(x.scheduler).__name__} cannot make progress: "
+                                     f"{exc}") from None
+            self.engine_steps += 1
+            self.forward_s += st.compute_seconds
+            self.kv_s += st.kv_seconds
+            idle = idle + 1 if st.scheduled_tokens == 0 else 0
+            if idle > MAX_IDLE_STEPS:
+                raise KvRuntimeError(f"beam_search: {idle} steps in a row scheduled nothing while "
+                                     f"{len(driver.running)} running and {len(driver.waiting)} waiting beams remain")
+            for p in active:
+                if all(b.top is not None for b in p.live):
+                    self._rank(p)
+            active = [p for p in active if p.final is None]
+
+    def _compute(self, out: SchedulerOutput) -> dict[str, int | list[int]]:
+        """The step's forward; each beam whose tokens are all computed keeps its next token's top 2k. No token is
+        handed to the driver: :meth:`_rank` appends them once the prompt's beams are all in."""
+        x = self.executor
+        logits, rows, _, _ = x.forward(out, self.beams)
+        if rows:
+            entries = top_logprobs(logits, 2 * self.k, sample_rows(logits, self.step, [None] * len(rows)))
+            tops = {out.scheduled[i].request.req_id: {int(t): float(lp) for t, lp in e.items()}
+                    for i, e in zip(rows, entries, strict=True)}
+            if x.lockstep is not None:  # rank 0's: every rank ranks, forks and frees the same beams
+                tops = x.lockstep.ranks.broadcast(tops)
+            for req_id, entry in tops.items():
+                self.beams[req_id].top = entry
+        return {}
+
+    def _rank(self, p: _Prompt) -> None:
+        """Every live beam of ``p`` has its next token's top 2k: keep the best ``beam_width`` (module doc)."""
+        k = self.k
+        cands = [(b.cum + lp, j, tok) for j, b in enumerate(p.live) for tok, lp in b.top.items()]
+        cands.sort(key=lambda c: -c[0])  # stable: equal scores keep the beams' order, then the tokens'
+        nxt: list[tuple[int, int, float]] = []  # (beam, token, cumulative log-probability)
+        for rank, (cum, j, tok) in enumerate(cands):
+            if tok in self.eos:
+                if rank < k:  # an ending as likely as the kept beams is a hypothesis of its own
+                    p.done.append(((*p.live[j].tokens, tok), cum, "stop"))
+                continue
+            nxt.append((j, tok, cum))
+            if len(nxt) == k:
+                break
+        p.chosen += 1
+        self.generated += len(nxt)
+        ended = bool(self.eos) and len(p.done) >= k
+        if ended or not nxt or p.chosen >= p.room:
+            p.final = [] if ended else [((*p.live[j].tokens, tok), cum) for j, tok, cum in nxt]
+            for beam in p.live:
+                self._release(beam, "length" if p.chosen >= p.room and not ended else "stop")
+            p.live = []
+            return
+        p.live = self._extend(p, nxt)
+
+    def _extend(self, p: _Prompt, nxt: list[tuple[int, int, float]]) -> list[_Beam]:
+        """The next live beams: a beam's first candidate takes its request on, each further one forks it at its
+        committed length, and a beam no candidate extends is freed first (its blocks and batch place go to the
+        forks)."""
+        first: dict[int, int] = {}
+        for n, (j, _, _) in enumerate(nxt):
+            first.setdefault(j, n)
+        for j, beam in enumerate(p.live):
+            if j not in first:
+                self._release(beam, "pruned")
+        beams: list[_Beam | None] = [None] * len(nxt)
+        for n, (j, tok, cum) in enumerate(nxt):  # forks before any parent's own token is appended
+            parent = p.live[j]
+            if first[j] == n and not parent.parked:
+                continue
+            beam = beams[n] = self._new_beam(p.index, p.ids, p.room, (*parent.tokens, tok))
+            beam.cum = cum
+            self.driver.branch(parent.request, beam.request)
+        for n, (j, tok, cum) in enumerate(nxt):
+            if beams[n] is None:
+                beam = beams[n] = p.live[j]
+                beam.request.output_token_ids.append(tok)
+                beam.cum, beam.top = cum, None
+        return [b for b in beams if b is not None]
+
+    def _release(self, beam: _Beam, reason: str) -> None:
+        """Free a beam's request (its blocks back to the pool, whole ones cached) and take it off the driver."""
+        request = beam.request
+        self.beams.pop(request.req_id, None)
+        if beam.parked or request.is_finished:
+            return
+        driver = self.driver
+        if request in driver.running:
+            driver.running.remove(request)
+        elif request in driver.waiting:
+            driver.waiting.remove(request)
+        self.executor.scheduler.finish(request, reason)
+        self.executor._event(RequestFinished(req_id=request.req_id, reason=reason,
+                                             prompt_tokens=request.num_prompt_tokens,
+                                             output_tokens=len(request.output_token_ids),
+                                             reused_prompt_tokens=request.num_reused_tokens))
+
+    def _park(self) -> bool:
+        """Nothing can run: running beams that wait for their prompt's other beams let go of their KV (they keep
+        their top 2k), so waiting ones can be admitted. Whether any did."""
+        driver = self.driver
+        parked = False
+        for request in list(driver.running):
+            beam = self.beams.get(request.req_id)
+            if beam is None or beam.top is None or request.num_computed_tokens < request.num_tokens:
+                continue
+            driver.running.remove(request)
+            self.executor.scheduler.finish(request, "parked")
+            self.executor._event(RequestPreempted(req_id=request.req_id, tokens=request.num_tokens))
+            self.beams.pop(request.req_id)
+            beam.parked = parked = True
+        return parked
+
+    def _output(self, p: _Prompt) -> BeamSearchOutput:
+        """The prompt's best ``beam_width`` hypotheses by length-penalised score, best first."""
+        hyps = p.done + [(tokens, cum, "length") for tokens, cum in p.final or []]
+        scored = sorted(((cum / max(1, len(tokens)) ** self.params.length_penalty, tokens, cum, why)
+                         for tokens, cum, why in hyps), key=lambda h: -h[0])[:self.k]
+        sequences = tuple(BeamSequence(tokens, cum, score, why, _decode(self.executor, tokens))
+                          for score, tokens, cum, why in scored)
+        return BeamSearchOutput(p.text, tuple(p.ids), sequences)
 
 
 def _decode(executor: Executor, tokens: Sequence[int]) -> str | None:

@@ -24,6 +24,10 @@ sample's token (which may end that sample at once) and has the scheduler admit t
 prompt's KV (``scheduler.fork``: shared whole blocks, a copy of the partial last one). A sample the
 scheduler cannot admit now waits in ``waiting`` with its token, admitted later as any request (the prefix
 cache may hold its prompt's whole blocks; the rest is computed again).
+
+Branches (beam search, :meth:`Driver.branch`): a new request whose tokens extend a running request's committed
+ones joins holding that request's KV at once (``scheduler.fork`` at the committed length, where the manager forks
+past a prompt), or waits as any request.
 """
 
 from __future__ import annotations
@@ -160,6 +164,25 @@ class Driver:
                 raise ValueError(f"request {child.req_id}: a fork has its parent's prompt and no token yet")
         if kids:
             self._forks[parent.req_id] = (parent, kids)
+
+    def branch(self, parent: Request, child: Request) -> bool:
+        """Add ``child``, whose tokens extend ``parent``'s committed ones (a beam of beam search forking another), as
+        a running request holding ``parent``'s KV (``scheduler.fork``: whole blocks shared, the partial last one
+        copied) where the scheduler admits it now; else it waits as any request (its prefix from the prefix cache
+        where it still is). Whether it forked. A manager forks past the prompt only where it says so
+        (``forks_past_prompt``: V1); elsewhere only at the prompt's end."""
+        self._arrive(child)
+        committed = parent.num_computed_tokens
+        forkable = (parent.state is RequestState.RUNNING and parent in self.running
+                    and (committed == parent.num_prompt_tokens or getattr(self.manager, "forks_past_prompt", False)))
+        if forkable and self.scheduler.fork(parent, child, self.running):
+            self._admitted_before.add(child)
+            if self._emit:
+                self._emit(RequestAdmitted(req_id=child.req_id, prompt_tokens=child.num_prompt_tokens,
+                                           reused_prompt_tokens=child.num_reused_tokens, readmitted=False))
+            return True
+        self.waiting.append(child)
+        return False
 
     def unfork(self, child: Request) -> bool:
         """Drop ``child`` from the samples waiting for its parent's prefill (:meth:`fork`); whether it was one."""

@@ -176,7 +176,8 @@ class LLM:
     def beam_search(self, prompts: Any, params: BeamSearchParams) -> list[BeamSearchOutput]:
         """vLLM's ``LLM.beam_search``: the best ``params.beam_width`` hypotheses of every prompt, best first.
 
-        One generate step per token (``engine.beam_search``); the width is bounded by the load's ``max_beam_width``
+        Every live beam is a running request that computes one token a step, a new beam a fork of its parent
+        (``engine.beam_search``); the width is bounded by the load's ``max_beam_width``
         (``LLM(model, max_beam_width=4)``).
         """
         with self._exclusive("beam_search"), self._running("beam_search") as executor:

@@ -336,7 +336,8 @@ class RequestResumed(Event):
 
 @event("request_finished")
 class RequestFinished(Event):
-    """A request ended ("stop": EOS, stop string or stop token; or "length") and released its blocks."""
+    """A request ended ("stop": EOS, stop string or stop token; "length"; or "pruned": a beam of beam search that no
+    candidate kept) and released its blocks."""
 
     req_id: str
     reason: str | None

@@ -79,7 +79,7 @@ class RouteExecutor:
             # routed (V1 can hold beams) and it bounds LLM.beam_search, but the pools are not sized by it as
             # TensorRT-LLM's would be, and generate still returns one sequence per prompt: the user must hear that
             emit(SettingIgnored(field="max_beam_width", value=ctx.args.max_beam_width,
-                                reason="the KV pools are not sized for beams (beams share their prompt through the "
+                                reason="the KV pools are not sized for beams (beams share their blocks by forking, and "
                                        "prefix cache) and generate returns one sequence per prompt; it bounds "
                                        "LLM.beam_search's beam_width"))
         if ctx.args.max_draft_len == 0:

@@ -33,6 +33,25 @@ def load_beams(path, width: int = WIDTH, **kw):
                          kv_cache_config={"max_tokens": 2048, "tokens_per_block": 4, **kw})
 
 
+def watch_steps(result, monkeypatch) -> list[tuple[int, int]]:
+    """Per engine step of the result's scheduler: (tokens it scheduled, requests the KV manager holds after it)."""
+    seen: list[tuple[int, int]] = []
+    scheduler, manager = result.executor.scheduler, result.executor.manager
+    step = scheduler.step
+
+    def watched(waiting, running):
+        out = step(waiting, running)
+        seen.append((out.num_tokens, manager.stats().requests))
+        return out
+
+    monkeypatch.setattr(scheduler, "step", watched)
+    return seen
+
+
+def used_blocks(result) -> int:
+    return sum(g.used for g in result.executor.manager.stats().groups.values())
+
+
 @pytest.mark.parametrize("family", ["llama", "mistral", "gemma3"])
 def test_beams_equal_transformers_num_beams(tiny_checkpoints, family):
     with load_beams(tiny_checkpoints(family)) as result:
@@ -62,6 +81,66 @@ def test_a_beam_that_emits_eos_ends_there_as_a_hypothesis_of_its_own(tiny_checkp
         assert all(best[2] not in s.token_ids for s in seqs if s.finish_reason == "length")
         scores = [s.score for s in seqs]
         assert scores == sorted(scores, reverse=True) and len(seqs) == WIDTH
+        assert result.executor.manager.stats().requests == 0 and used_blocks(result) == 0
+
+
+def test_each_step_computes_one_token_per_live_beam_and_a_finished_search_frees_its_beams(tiny_checkpoints,
+                                                                                        monkeypatch):
+    """The beams stay running requests: after the prompts, a step computes exactly one token per live beam (a new
+    beam forks another at its length: its partial block is copied, not recomputed); a prompt whose search ends
+    (here at max_seq_len, 4 tokens in) frees its beams at once while the other goes on, and nothing is left held."""
+    with load_beams(tiny_checkpoints("llama")) as result:
+        short, long = prompts_for(result.hf_model.config.vocab_size, lengths=(5, 92))  # room: 7 and 96 - 92 = 4
+        seen = watch_steps(result, monkeypatch)
+        calls = len(result.audit.of("generation_started"))
+        outs = result.executor.beam_search([short, long], BeamSearchParams(beam_width=WIDTH, max_tokens=NEW,
+                                                                           ignore_eos=True))
+        for p, out, room in ((short, outs[0], NEW), (long, outs[1], 4)):
+            assert [s.token_ids for s in out.sequences] == hf_beams(result.hf_model, p, WIDTH, room)
+        assert [tokens for tokens, _ in seen] == [5 + 92] + [2 * WIDTH] * 3 + [WIDTH] * 3
+        assert [held for _, held in seen] == [2] + [2 * WIDTH] * 3 + [WIDTH] * 3  # the losing beams freed each step
+        assert result.executor.last_stats.steps == NEW  # one engine step per token, the call's own stats
+        assert len(result.audit.of("generation_started")) == calls + 1  # one audit segment per call
+        stats = result.executor.manager.stats()
+        assert stats.requests == 0 and used_blocks(result) == 0
+
+
+def test_beams_wider_than_the_pools_still_end_and_equal_transformers(tiny_checkpoints, monkeypatch):
+    """Pools for one sequence, three beams: the forks that find no room wait, and beams that wait for the others let
+    go of their KV (audited as preempted) so those can run; the search still ends, with transformers' beams, and
+    holds nothing after."""
+    with load_beams(tiny_checkpoints("llama"), max_tokens=24) as result:  # 6 blocks of 4: 14 + 7 tokens, once
+        (p,) = prompts_for(result.hf_model.config.vocab_size, lengths=(14,))
+        (out,) = result.executor.beam_search([p], BeamSearchParams(beam_width=WIDTH, max_tokens=NEW, ignore_eos=True))
+        assert [s.token_ids for s in out.sequences] == hf_beams(result.hf_model, p, WIDTH, NEW)
+        assert result.audit.of("request_preempted")
+        assert result.executor.manager.stats().requests == 0 and used_blocks(result) == 0
+        # stopped mid-search (LLM.close does this), with beams waiting and let go: it fails and holds nothing either
+        steps = watch_steps(result, monkeypatch)
+        stop = result.executor.scheduler.step
+
+        def stopping(waiting, running):
+            if len(steps) == 6:
+                result.executor.stop("stopped mid-search")
+            return stop(waiting, running)
+
+        monkeypatch.setattr(result.executor.scheduler, "step", stopping)
+        with pytest.raises(GenerationError, match="^stopped mid-search$"):
+            result.executor.beam_search([p], BeamSearchParams(beam_width=WIDTH, max_tokens=NEW, ignore_eos=True))
+        assert result.audit.of("generation_failed")[-1]["message"] == "stopped mid-search"
+        assert result.executor.manager.stats().requests == 0 and used_blocks(result) == 0
+
+
+def test_beam_search_on_v2_is_transformers_greedy_at_one_token_a_step(tiny_checkpoints, monkeypatch):
+    """V2 holds one beam (max_beam_width routes wider searches to V1): it runs as one request, a token a step."""
+    with load_beams(tiny_checkpoints("llama"), width=1, use_kv_cache_manager_v2=True) as result:
+        assert result.route.kv_manager == "KVCacheManagerV2"
+        (p,) = prompts_for(result.hf_model.config.vocab_size, lengths=(9,))
+        seen = watch_steps(result, monkeypatch)
+        (out,) = result.executor.beam_search([p], BeamSearchParams(beam_width=1, max_tokens=NEW, ignore_eos=True))
+        assert [s.token_ids for s in out.sequences] == hf_beams(result.hf_model, p, 1, NEW)
+        assert [tokens for tokens, _ in seen] == [9] + [1] * (NEW - 1)
+        assert used_blocks(result) == 0
 
 
 def test_the_width_is_bounded_by_max_beam_width_and_generate_still_serves_one_sequence(tiny_checkpoints):

@@ -133,3 +133,65 @@ def test_a_fork_needs_its_parent_s_prompt_and_no_token():
     d = Driver(m, GuaranteedNoEvictScheduler(m, 4, 64))
     with pytest.raises(ValueError, match="a fork has its parent's prompt and no token yet"):
         d.fork(Request("a", [1, 2, 3], 2), [Request("b", [1, 2, 4], 2)])
+
+
+@pytest.mark.parametrize("reuse", [True, False], ids=["reuse", "no-reuse"])
+@pytest.mark.parametrize("generated", [2, 4, 5])  # past the prompt of 6: mid-block, on a block's end, mid-block
+def test_v1_forks_a_beam_at_any_committed_length(generated, reuse):
+    """Beam search: a beam forks another at the length it has committed, its generated tokens included — whole
+    blocks shared, the partial last one copied with its entries — so the new beam computes only its own token."""
+    m = v1.make_manager(16, reuse=reuse)
+    parent = Request("a", list(range(100, 106)), 8)
+    v1.run_prefill(m, parent)
+    for t in range(generated):
+        parent.output_token_ids.append(200 + t)
+        assert m.allocate_slots(parent, 1)
+        m.commit(parent, 1)
+    L = 6 + generated
+    table = m.block_table(parent, m.group)
+    tensor = m.pools.tensors[m.group]
+    for i, b in enumerate(table):
+        tensor[:, b] = float(i + 1)  # each block's entries, as written
+    child = Request("b", parent.prompt_token_ids, 8, output_token_ids=[*parent.output_token_ids, 999])
+    assert m.fork_blocks_needed(parent, child) == m.max_blocks(child) - L // 4
+    assert m.fork(parent, child)
+    assert child.num_computed_tokens == L and child.num_reused_tokens == 6
+    forked = m.block_table(child, m.group)
+    assert forked[:L // 4] == table[:L // 4]  # whole blocks shared
+    if L % 4:
+        assert forked[-1] != table[-1] and bool((tensor[:, forked[-1]] == tensor[:, table[-1]]).all())
+    assert len(forked) == -(-L // 4)
+    assert m.allocate_slots(child, 1)  # its own next token goes on from there
+    m.commit(child, 1)
+    m.pool.check_invariants()
+    m.free(parent)
+    m.free(child)
+    m.pool.check_invariants()
+    assert m.stats().groups["uniform"].used == 0
+
+
+def test_v1_refuses_a_beam_fork_whose_tokens_differ_before_the_fork():
+    m = v1.make_manager(16)
+    parent = Request("a", [1, 2, 3, 4, 5], 4, output_token_ids=[7])
+    v1.run_prefill(m, parent)
+    stray = Request("b", [1, 2, 3, 4, 5], 4, output_token_ids=[8, 9])  # its 6th token is not the parent's
+    with pytest.raises(ValueError, match="can fork only a computed prompt, and the tokens after it, equal to its own"):
+        m.fork(parent, stray)
+    assert not m.knows(stray)
+
+
+def test_a_beam_forks_past_the_prompt_only_where_the_manager_can():
+    """``Driver.branch``: V1 forks a beam at any committed length; V2 forks only at a prompt's end, so a beam that
+    extends a longer sequence there waits as a request of its own (its prefix from the prefix cache)."""
+    for m, scheduler in ((v1.make_manager(16), GuaranteedNoEvictScheduler), (make_manager(FULL, 16),
+                                                                              KVCacheV2Scheduler)):
+        s = scheduler(m, 8, 64)
+        d = Driver(m, s)
+        parent = Request("a", [1, 2, 3, 4, 5], 4)
+        d.add(parent)
+        d.step(lambda out: {"a": 7})
+        d.step(lambda out: {"a": 8})  # "a" holds 1..5, 7 committed, 8 to compute
+        child = Request("b", [1, 2, 3, 4, 5], 4, output_token_ids=[7, 9])
+        forked = d.branch(parent, child)
+        assert forked == isinstance(s, GuaranteedNoEvictScheduler)
+        assert (child in d.running) == forked and (child in d.waiting) != forked

@@ -119,6 +119,16 @@ def test_weights_shard_by_transformers_plan_and_greedy_output_equals_one_process
         want = alone.generate([DRAFT_PROMPT], max_new_tokens=12, ignore_eos=True)[0].token_ids
     assert r0["drafted"] == r1["drafted"] and r0["drafted"]["tokens"] == want
     assert r0["drafted"]["draft_tokens"] > 0
+    # beam search: the beams fork and free alike on every rank (the schedules agreed every step) and are one process's
+    from engine.beam_search import BeamSearchParams
+    from tests.tp_support import BEAM_PROMPTS, BEAM_WIDTH
+
+    with pipeline.load("tiny-llama", load_weights=True, kv_cache_config={"max_tokens": 1024, "tokens_per_block": 4},
+                       max_beam_width=BEAM_WIDTH, log=False) as alone:
+        outs = alone.executor.beam_search(BEAM_PROMPTS, BeamSearchParams(beam_width=BEAM_WIDTH, max_tokens=6,
+                                                                         ignore_eos=True))
+        want = [[list(s.token_ids) for s in o.sequences] for o in outs]
+    assert r0["beams"] == r1["beams"] == want
 
 
 def test_torchrun_generate_prints_what_one_process_prints(tmp_path, capsys):

@@ -178,7 +178,24 @@ def generate(out: Path, rank: int) -> dict[str, Any]:
                 "weights_event": loaded.audit.of("weights_loaded")[0],
                 "linear_auto": [(e["new"], e["reason"]) for e in loaded.audit.of("auto_resolved")
                                 if e["field"] == "linear_backend"],
-                "linear_asked": linear_asked(), "drafted": drafted()}
+                "linear_asked": linear_asked(), "drafted": drafted(), "beams": beams()}
+
+
+#: the prompts and width of the beam search run on every rank (and in one process, by the test)
+BEAM_PROMPTS, BEAM_WIDTH = [[1, 2, 3, 4, 5], [9, 8, 7, 6, 5, 4, 3]], 3
+
+
+def beams() -> list[list[list[int]]]:
+    """``LLM.beam_search`` under TP: rank 0's top 2k on every rank, so every rank forks and frees the same beams;
+    each prompt's sequences."""
+    import pipeline
+    from engine.beam_search import BeamSearchParams
+
+    with pipeline.load("tiny-llama", load_weights=True, tensor_parallel_size=2, kv_cache_config={"max_tokens": 1024,
+                       "tokens_per_block": 4}, max_beam_width=BEAM_WIDTH, log=False) as loaded:
+        outs = loaded.executor.beam_search(BEAM_PROMPTS, BeamSearchParams(beam_width=BEAM_WIDTH, max_tokens=6,
+                                                                          ignore_eos=True))
+        return [[list(s.token_ids) for s in o.sequences] for o in outs]
 
 
 #: a prompt whose tokens recur, so n-gram drafts are proposed from its first decode step on

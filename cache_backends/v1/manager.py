@@ -10,10 +10,11 @@ A request with ``skip_prefix_read`` (one that scores its prompt) finds no prefix
 full blocks as they are committed; where an equal block is cached already, the map keeps that one and
 the request's copy stays unkeyed, freed as empty when the request lets go.
 
-``fork(parent, child)`` admits a sample of the same prompt holding the parent's prompt KV the moment the
-parent's prefill is committed: the parent's whole prompt blocks are shared (one more owner each) and the
-block holding the prompt's last, partial block is copied into one of the child's own (copy-on-write: the
-parent goes on writing its own tokens there). It needs no prefix reuse: it is the prompt's own KV.
+``fork(parent, child)`` admits a request holding the parent's committed KV: a sample of the same prompt the
+moment the parent's prefill is committed (``n > 1``), or a beam that extends the parent's sequence by another
+token (beam search) at any committed length. The parent's whole committed blocks are shared (one more owner
+each) and its last, partial block is copied into one of the child's own (copy-on-write: the parent goes on
+writing its own tokens there). It needs no prefix reuse: it is the parent's own KV.
 
 Allocation API for a scheduler, in the order it is used::
 
@@ -22,8 +23,8 @@ Allocation API for a scheduler, in the order it is used::
     manager.admit(request, hit)                  # take the hit; num_computed/num_reused_tokens = hit tokens
     manager.allocate_slots(request, n) -> bool   # blocks for the next n tokens (False: not enough free)
     manager.blocks_to_completion(request)        # blocks still to allocate before the worst case
-    manager.fork_blocks_needed(parent, child)    # worst-case blocks a fork of the parent's prompt takes
-    manager.fork(parent, child)                  # admit child holding parent's prompt KV (n > 1 samples)
+    manager.fork_blocks_needed(parent, child)    # worst-case blocks a fork of the parent's committed KV takes
+    manager.fork(parent, child)                  # admit child holding parent's committed KV (samples, beams)
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ class _Sequence:
 
 class KVCacheManager:
     """V1 manager over a one-group uniform layout; implements ``KVCacheManagerProtocol``."""
+
+    #: :meth:`fork` takes a parent at any committed length past its prompt (beam search's beams), not only at its end
+    forks_past_prompt = True
 
     def __init__(self, pools: BlockPools, options: ManagerOptions) -> None:
         layout = pools.layout
@@ -177,28 +181,33 @@ class KVCacheManager:
             self.reuse_query_tokens += request.num_prompt_tokens
 
     def fork_blocks_needed(self, parent: Request, child: Request) -> int:
-        """Free blocks :meth:`fork` of ``parent``'s prompt into ``child`` costs at worst: the child's worst case less
-        the parent's whole prompt blocks it shares (the copied partial block is one of its own)."""
-        return max(0, self.max_blocks(child) - parent.num_prompt_tokens // self.tokens_per_block)
+        """Free blocks :meth:`fork` of ``parent``'s committed KV into ``child`` costs at worst: the child's worst case
+        less the parent's whole committed blocks it shares (the copied partial block is one of its own)."""
+        return max(0, self.max_blocks(child) - parent.num_computed_tokens // self.tokens_per_block)
 
     def fork(self, parent: Request, child: Request) -> bool:
-        """Admit ``child`` (a sample of ``parent``'s prompt) holding the parent's prompt KV: its whole blocks shared,
-        the last partial one copied into a block of the child's own; ``num_computed_tokens`` and
-        ``num_reused_tokens`` are the prompt's length. False (nothing changed) when no block is free for the copy.
+        """Admit ``child`` holding the parent's committed KV — its first ``L = parent.num_computed_tokens`` tokens,
+        which must be the child's first ``L`` too, prompt included: the whole blocks shared, the last partial one
+        copied into a block of the child's own; ``num_computed_tokens`` is ``L``, ``num_reused_tokens`` the prompt's
+        length. A sample of an ``n > 1`` prompt forks in the step its parent's prefill is committed (``L`` is the
+        prompt), a beam at any length past it (``engine.beam_search``). False (nothing changed) when no block is free
+        for the copy.
 
-        ``parent`` must have its whole prompt committed (and nothing past it scheduled into that block is read: the
-        child's own tokens overwrite the copy's tail before anything attends to it)."""
+        Nothing the parent writes past ``L`` into the copied block is read by the child: the child's own tokens
+        overwrite the copy's tail before anything attends to it."""
         if child in self._seqs:
             raise ValueError(f"request {child.req_id} is already admitted")
         if self.closed:
             raise RuntimeError("the KV cache manager is closed")
         seq = self._seq(parent)
-        P = parent.num_prompt_tokens
-        if parent.num_computed_tokens < P or child.prompt_token_ids != parent.prompt_token_ids:
-            raise ValueError(f"request {child.req_id}: can fork only a computed prompt equal to its own "
-                             f"({parent.req_id} has {parent.num_computed_tokens} of {P} computed)")
+        P, L = parent.num_prompt_tokens, parent.num_computed_tokens
+        if (L < P or child.prompt_token_ids != parent.prompt_token_ids or child.salt != parent.salt
+                or child.num_tokens < L or child.token_span(P, L) != parent.token_span(P, L)):
+            raise ValueError(f"request {child.req_id}: can fork only a computed prompt, and the tokens after it, equal "
+                             f"to its own under its salt ({parent.req_id} has {min(L, P)} of {P} prompt tokens "
+                             "computed)")
         T = self.tokens_per_block
-        full, partial = divmod(P, T)
+        full, partial = divmod(L, T)
         if partial and self.pool.num_free < 1:
             return False
         shared = seq.blocks[:full]
@@ -210,7 +219,8 @@ class KVCacheManager:
             tensor[:, copy.block_id].copy_(tensor[:, src.block_id])
             blocks.append(copy)
         self._seqs[child] = _Sequence(blocks, list(seq.keys[:full]))
-        child.num_computed_tokens = child.num_reused_tokens = P
+        child.num_computed_tokens = L
+        child.num_reused_tokens = P
         return True
 
     def can_allocate(self, request: Request, num_new_tokens: int) -> bool:

@@ -17,7 +17,8 @@ does not fit *yet* is never skipped: it waits for running requests to finish.
 
 A sample of an ``n > 1`` prompt is forked (:meth:`GuaranteedNoEvictScheduler.fork`) by the same rule: in
 the step its prompt's prefill completes it joins ``running`` holding that prompt's KV when its worst case
-fits beside the reservations and the batch has room; otherwise its driver queues it as any request.
+fits beside the reservations and the batch has room; otherwise its driver queues it as any request. A beam
+of beam search forks another beam the same way, at the length that beam has committed.
 
 Each step: running requests first (a decode token, or the next prefill chunk, never past
 ``max_seq_len``), then admissions, within ``max_num_tokens`` tokens and ``max_batch_size`` running
@@ -98,9 +99,9 @@ class GuaranteedNoEvictScheduler(SchedulerBase):
         return out
 
     def fork(self, parent: Request, child: Request, running: list[Request]) -> bool:
-        """Admit ``child`` into ``running`` holding ``parent``'s computed prompt (``KVCacheManager.fork``) when the
-        batch has room and its worst case fits in what is free beyond the running requests' reservations; False
-        (nothing changed) otherwise."""
+        """Admit ``child`` into ``running`` holding ``parent``'s committed KV (``KVCacheManager.fork``: its prompt, or a
+        beam's sequence) when the batch has room and its worst case fits in what is free beyond the running
+        requests' reservations; False (nothing changed) otherwise."""
         m = self.manager
         if len(running) >= self.max_batch_size or m.never_fits(child) is not None:
             return False
