@@ -3,29 +3,16 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 import kvload
 import pipeline
+from bench.bench_beam_search import hf_beams  # transformers' beams without an EOS: the reference
 from engine.beam_search import BeamSearchParams
 from pipeline.errors import GenerationError
 from tests.generate_support import prompts_for
 from tests.llm_support import llm_kwargs, with_tokenizer
 
 WIDTH, NEW = 3, 7
-
-
-def hf_beams(model, prompt: list[int], width: int, new: int) -> list[tuple[int, ...]]:
-    """transformers' beam search without an EOS token: its ``width`` sequences, best first."""
-    saved = model.generation_config.eos_token_id
-    model.generation_config.eos_token_id = None
-    try:
-        with torch.inference_mode():
-            out = model.generate(torch.tensor([prompt]), num_beams=width, num_return_sequences=width, do_sample=False,
-                                 max_new_tokens=new, pad_token_id=0, early_stopping=False, length_penalty=1.0)
-    finally:
-        model.generation_config.eos_token_id = saved
-    return [tuple(row[len(prompt):].tolist()) for row in out]
 
 
 def load_beams(path, width: int = WIDTH, **kw):
