@@ -18,7 +18,9 @@ for them. The model prices each step as the slower of its bytes and its FLOPs on
 
 Nominal peaks make it a lower bound, one model for every manager: what it compares fairly is two managers'
 schedules of one workload, not a prediction of wall time. Launch overheads, communication and the host's
-scheduling time are not in it (the simulator reports the measured manager time beside it).
+scheduling time are not in it (the simulator reports the measured manager time beside it). The whole model runs on
+one device whatever its size (``tensor_parallel_size`` divides nothing here), its weights at the load's ``dtype``
+(a quantized checkpoint's smaller weights are not seen).
 """
 
 from __future__ import annotations
