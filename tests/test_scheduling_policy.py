@@ -135,6 +135,25 @@ def test_v2_moves_nobody_out_for_an_arrival_that_would_not_fit_even_then(host):
     assert [len(r.output_token_ids) for r in (top, lo, hi)] == [8, 4, 4]
 
 
+@pytest.mark.parametrize("host", [None, 0], ids=["suspended", "preempted"])
+def test_v2_moves_nobody_out_when_a_finish_makes_room_next_step(host):
+    """8 blocks of 4 tokens. ``lo`` (8 + 8 tokens) and ``end`` (4 + 2) run; at step 1 ``hi`` (kvload priority 1, 8 + 4)
+    arrives and does not fit beside them. ``end`` decodes its last token in that step, and its blocks are then room
+    enough: ``hi`` waits that one step rather than move ``end`` (the worst-ranked, the latest arrival) to the host
+    tier and back, or recompute it, for a request finishing anyway."""
+    m, s = _scheduler("v2", "priority", blocks=8, max_batch_size=8, host_cache_size=host)
+    displaced = _recording_displacements(s)
+    lo = Request("lo", _prompt(0), 8)
+    end = Request("end", _prompt(1, 4), 2)
+    hi = Request("hi", _prompt(2, 8), 4, priority=1)
+    _, finished, outputs = _drive("v2", m, s, [Arrival(lo, 0), Arrival(end, 0), Arrival(hi, 1)])
+    assert [r.req_id for o in outputs for r in o.suspended + o.preempted] == []
+    assert [v for step in displaced for v in step] == []
+    assert [[r.req_id for r in o.admitted] for o in outputs[:3]] == [["lo", "end"], [], ["hi"]]
+    assert finished.index("end") < finished.index("hi")
+    assert [len(r.output_token_ids) for r in (lo, end, hi)] == [8, 2, 4]
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(st.integers(1, 24), st.integers(1, 12), st.integers(-2, 2), st.integers(0, 12)),
                 min_size=2, max_size=10),

@@ -324,16 +324,18 @@ class KVCacheV2Scheduler(SchedulerBase):
         return victim if victim.rank > request.rank else None
 
     def _fits_without(self, request: Request, new: bool, running: list[Request],
-                      chunks: dict[Request, ScheduledChunk], budget: int, ratio: float) -> bool:
+                      chunks: dict[Request, ScheduledChunk], budget: int, ratio: float,
+                      leaving: list[Request] | None = None) -> bool:
         """Whether ``request`` would be admitted once every running request ranked below it is moved out (their
-        blocks no one else holds freed, their chunks' tokens back in the budget, the headroom of the rest).
+        blocks no one else holds freed, their chunks' tokens back in the budget, the headroom of the rest); with
+        ``leaving``, once those requests are gone instead.
 
         Why: displacement moves the worst-ranked out one at a time until the request fits; without this check a
         request that cannot fit even then (better-ranked requests hold the room) would move them all out for
         nothing, their room left idle while it waits (SGLang preempts only when the preemptible tokens suffice)."""
         m = self.manager
-        victims = [v for v in running if v.rank > request.rank]
-        rest = [v for v in running if v.rank <= request.rank]
+        victims = [v for v in running if v.rank > request.rank] if leaving is None else leaving
+        rest = [v for v in running if v not in victims]
         extra = m.freed_by(victims)
         want = min(_pending(request), budget + sum(chunks[v].num_tokens for v in victims if v in chunks))
         n = m.fit_tokens_new(request, want, extra) if new else m.fit_tokens(request, want, extra)
@@ -343,6 +345,21 @@ class KVCacheV2Scheduler(SchedulerBase):
             return True
         own = m.growth_blocks_new(request, ratio, n) if new else m.growth_blocks(request, ratio, n)
         return not m.short_of(own, m.headroom_blocks(rest, ratio), extra=extra)
+
+    def _room_next_step(self, request: Request, new: bool, running: list[Request],
+                        chunks: dict[Request, ScheduledChunk], budget: int, ratio: float) -> bool:
+        """Whether ``request`` would be admitted next step without moving anyone out: the running requests that
+        decode their last token this step (``max_tokens`` or ``max_seq_len`` reached; a stop is not foreseen) free
+        enough room once they finish.
+
+        Why: a request moved out to the host tier is copied there and back. Under the "priority" policy on Gemma 2
+        9B's ``mixed`` with a quarter of it urgent, 17 of 55 suspended requests came back the very next step, when a
+        finish freed the room anyway: a step of the urgent request's wait saved for two copies of the victim's KV,
+        which every running request waits for (BENCHMARKS.md, "Modeled time")."""
+        cap = self.manager.options.max_seq_len
+        ending = [v for v in running
+                  if v.num_computed_tokens == v.num_tokens - 1 and v.num_tokens + 1 >= min(v.max_total_tokens, cap)]
+        return bool(ending) and self._fits_without(request, new, running, chunks, budget, ratio, leaving=ending)
 
     def _admit(self, candidates: list[Request], waiting: deque[Request], running: list[Request],
                out: SchedulerOutput, chunks: dict[Request, ScheduledChunk], budget: int,
@@ -383,9 +400,10 @@ class KVCacheV2Scheduler(SchedulerBase):
                         headroom = m.headroom_blocks(running, ratio)
                     refused = headroom is not None and m.short_of(own, headroom, extra=hold)
                 victim = self._displaceable(r, running) if refused else None
-                if victim is not None and not displacing and not self._fits_without(r, new, running, chunks, budget,
-                                                                                     ratio):
-                    victim = None  # moving every worse-ranked request out would not make room: move none
+                if victim is not None and not displacing and (
+                        not self._fits_without(r, new, running, chunks, budget, ratio)
+                        or self._room_next_step(r, new, running, chunks, budget, ratio)):
+                    victim = None  # moving out would not make room, or room comes next step anyway: move none
                 if victim is None:
                     break
                 displacing = True
