@@ -94,21 +94,18 @@ def count_weights(hf_config: Any, dtype_bytes: int) -> ModelCost:
     cfg = text_config(transformers_config(hf_config))
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
-    tied = bool(getattr(cfg, "tie_word_embeddings", False))
-    dense = expert = embed = 0
+    embed_in, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    tied = embed_in is head
+    dense = expert = 0
     for name, p in model.named_parameters():  # tied weights are listed once
         n = p.numel()
         if ".experts." in name:  # routed experts (shared experts are named otherwise and run for every token)
             expert += n
-        elif "embed_tokens" in name and not tied:  # a gather of the batch's rows, not a read of the table
-            embed += n
-        else:
+        elif p is not embed_in or tied:  # an untied input embedding is a gather of the batch's rows, not a read
             dense += n
-    hidden = int(cfg.hidden_size)
-    vocab = int(cfg.vocab_size)
     heads = int(cfg.num_attention_heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or hidden // heads)
-    lm_head = vocab * hidden
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    lm_head = head.numel()
     num_experts = int(getattr(cfg, "num_local_experts", None) or getattr(cfg, "n_routed_experts", None)
                       or getattr(cfg, "num_experts", None) or 0) if expert else 0
     per_token = int(getattr(cfg, "num_experts_per_tok", None) or 0) if expert else 0
