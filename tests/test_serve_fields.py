@@ -324,3 +324,46 @@ def test_spaces_between_special_tokens_false_joins_shown_special_tokens_as_the_p
     assert _ignored(served, skipped.id) == {"serve.spaces_between_special_tokens": False}
     _refused(served, "/v1/completions", {"prompt": PROMPT, "spaces_between_special_tokens": "no"},
              "spaces_between_special_tokens")
+
+
+# --- OpenAI's newer chat fields: what SDKs and agents send, served and reported --------------------------------------
+
+
+def test_openai_chat_fields_agents_send_are_served_and_reported_not_refused(served):
+    # the openai SDK's chat.completions.create takes them, and agents send them (reasoning_effort for a reasoning
+    # model, prompt_cache_key and safety_identifier where user was, verbosity, service_tier): each was a 400, so such
+    # a client could not talk to kvload at all. They change nothing generated here, as on /v1/responses.
+    reply = served.client.chat.completions.create(
+        model="words", messages=CONV, max_tokens=3, reasoning_effort="low", verbosity="high",
+        prompt_cache_key="conv-7", safety_identifier="user-42", service_tier="auto", extra_body={"ignore_eos": True})
+    plain = served.client.chat.completions.create(model="words", messages=CONV, max_tokens=3,
+                                                  extra_body={"ignore_eos": True})
+    assert reply.choices[0].message.content == plain.choices[0].message.content
+    assert reply.choices[0].model_extra["token_ids"] == plain.choices[0].model_extra["token_ids"]
+    # service_tier "auto" is what kvload does (one tier): nothing to report
+    assert _ignored(served, reply.id) == {"serve.reasoning_effort": "low", "serve.verbosity": "high",
+                                         "serve.prompt_cache_key": "conv-7", "serve.safety_identifier": "user-42"}
+    streamed = served.client.chat.completions.create(model="words", messages=CONV, max_tokens=3, stream=True,
+                                                     reasoning_effort="none", extra_body={"ignore_eos": True})
+    chunks = list(streamed)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain.choices[0].message.content
+    assert _ignored(served, chunks[0].id) == {"serve.reasoning_effort": "none"}
+    null = served.client.chat.completions.create(model="words", messages=CONV, max_tokens=3,
+                                                 extra_body={"ignore_eos": True, "reasoning_effort": None,
+                                                             "prompt_cache_key": None})
+    assert _ignored(served, null.id) == {}  # null is absent, as for every other field
+
+
+@pytest.mark.parametrize("extra, param, words", [
+    ({"reasoning_effort": "extreme"}, "reasoning_effort",
+     '"none", "minimal", "low", "medium", "high", "xhigh" or "max", got \'extreme\''),
+    ({"reasoning_effort": 2}, "reasoning_effort", "got 2"),
+    ({"verbosity": "terse"}, "verbosity", '"low", "medium" or "high"'),
+    ({"prompt_cache_key": 7}, "prompt_cache_key", "a string, got 7"),
+    ({"safety_identifier": ["u"]}, "safety_identifier", "a string"),
+    ({"service_tier": "flex"}, "service_tier", '"auto" or "default" (kvload serves one tier)'),
+])
+def test_openai_chat_fields_with_a_value_kvload_cannot_take_are_a_400_naming_the_field(served, extra, param, words):
+    assert words in _refused(served, "/v1/chat/completions", {"messages": CONV, "max_tokens": 1, **extra}, param)
+    # a completions body is no chat: OpenAI's legacy endpoint has none of them
+    _refused(served, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, **extra}, param)

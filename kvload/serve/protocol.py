@@ -238,8 +238,15 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "
            # with a pointer to it
            "structured_outputs", *_GUIDED}
 _COMPLETION = _COMMON | {"prompt", "best_of"}
+#: OpenAI's chat fields that the openai SDK takes and agents send, which change nothing kvload generates: checked and
+#: reported (``service_tier`` taken at the one tier kvload serves), as ``/v1/responses`` takes its own (openai_hints)
+_CHAT_HINTS = {"reasoning_effort", "verbosity", "prompt_cache_key", "safety_identifier", "service_tier"}
 _CHAT = (_COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                   "parallel_tool_calls"} | TEMPLATE_OPTIONS)
+                   "parallel_tool_calls"} | TEMPLATE_OPTIONS | _CHAT_HINTS)
+#: OpenAI's ``reasoning_effort`` values, and vLLM's "max".
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+EFFORT_IGNORED = ("kvload does not steer how long a model thinks (its chat template may: chat_template_kwargs, e.g. "
+                  "Qwen3's enable_thinking)")
 
 
 _NO_DEFAULTS: Mapping[str, Any] = MappingProxyType({})
@@ -323,6 +330,8 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
     _need(isinstance(stream, bool), "stream", "true or false", stream)
     ignored: list[tuple[str, Any, str]] = []
     include_usage, continuous = _stream_options(body, stream, ignored)
+    if kind == "chat":
+        _chat_hints(body, ignored)
     stop = body.get("stop")
     if stop is None:
         stops: tuple[str, ...] = ()
@@ -414,6 +423,34 @@ def _reasoning(parser: str | None, template: dict[str, Any]) -> str | None:
     if parser is None or (parser == "qwen3" and template.get("enable_thinking") is False):
         return None
     return parser
+
+
+def openai_hints(body: dict[str, Any], ignored: list[tuple[str, Any, str]]) -> None:
+    """OpenAI's ``service_tier`` (taken at the one tier kvload serves), ``prompt_cache_key`` and ``safety_identifier``
+    (strings that change nothing here, so reported, not refused: agents send them on every request)."""
+    tier = body.get("service_tier")
+    _need(tier in (None, "auto", "default"), "service_tier", '"auto" or "default" (kvload serves one tier)', tier)
+    for key, why in (("prompt_cache_key", "a routing hint for OpenAI's prompt cache; kvload caches every prompt's "
+                      "prefix whatever the key (cache_salt scopes sharing)"),
+                     ("safety_identifier", "an end user's id for OpenAI's abuse checks; kvload runs none")):
+        value = body.get(key)
+        _need(value is None or isinstance(value, str), key, "a string", value)
+        if value is not None:
+            ignored.append((key, value[:200], why))
+
+
+def _chat_hints(body: dict[str, Any], ignored: list[tuple[str, Any, str]]) -> None:
+    """Chat's :data:`_CHAT_HINTS`: checked, and those given reported as ``setting_ignored`` (null is absent)."""
+    openai_hints(body, ignored)
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        _need(effort in EFFORTS, "reasoning_effort", ", ".join(f'"{e}"' for e in EFFORTS[:-1]) + f' or "{EFFORTS[-1]}"',
+              effort)
+        ignored.append(("reasoning_effort", effort, EFFORT_IGNORED))
+    verbosity = body.get("verbosity")
+    if verbosity is not None:
+        _need(verbosity in ("low", "medium", "high"), "verbosity", '"low", "medium" or "high"', verbosity)
+        ignored.append(("verbosity", verbosity, "kvload does not steer how long an answer is (max_tokens bounds it)"))
 
 
 def _stream_options(body: dict[str, Any], stream: bool, ignored: list[tuple[str, Any, str]]) -> tuple[bool, bool]:

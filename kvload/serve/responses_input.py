@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 
 from kvload.serve.command import TOOL_CALL_PARSERS
-from kvload.serve.protocol import BadRequest, need_schema
+from kvload.serve.protocol import EFFORT_IGNORED, BadRequest, need_schema, openai_hints
 from kvload.serve.responses_store import ResponseStore, Stored, input_items
 
 #: OpenAI's Responses fields kvload acts on or reports, and vLLM's extras it passes to the chat path as they are.
@@ -156,17 +156,7 @@ def _unserved(body: dict[str, Any], ignored: list[tuple[str, Any, str]]) -> None
     truncation = body.get("truncation")
     _need(truncation in (None, "disabled"), "truncation", '"disabled" (kvload drops no input items: an input past the '
           "context length is a 400)", truncation)
-    tier = body.get("service_tier")
-    _need(tier in (None, "auto", "default"), "service_tier", '"auto" or "default" (kvload serves one tier)', tier)
-    # sent by default by agents (Codex CLI sets prompt_cache_key): each is a string or an object that can change
-    # nothing here, so it is reported, not refused
-    for key, why in (("prompt_cache_key", "a routing hint for OpenAI's prompt cache; kvload caches every prompt's "
-                      "prefix whatever the key (cache_salt scopes sharing)"),
-                     ("safety_identifier", "an end user's id for OpenAI's abuse checks; kvload runs none")):
-        value = body.get(key)
-        _need(value is None or isinstance(value, str), key, "a string", value)
-        if value is not None:
-            ignored.append((key, value[:200], why))
+    openai_hints(body, ignored)  # service_tier, prompt_cache_key, safety_identifier: as chat takes them
     options = body.get("stream_options")
     _need(options is None or isinstance(options, dict), "stream_options", "an object", options)
     if options:
@@ -185,8 +175,7 @@ def _unserved(body: dict[str, Any], ignored: list[tuple[str, Any, str]]) -> None
         value = reasoning.get(key)
         _need(value is None or isinstance(value, str), f"reasoning.{key}", "a string", value)
         if value is not None:
-            why = ("kvload does not steer how long a model thinks (its chat template may: chat_template_kwargs, "
-                   "e.g. Qwen3's enable_thinking)" if key == "effort" else
+            why = (EFFORT_IGNORED if key == "effort" else
                    "a reasoning item carries the thinking itself (its content), never a summary")
             ignored.append((f"reasoning.{key}", value, why))
 
