@@ -367,3 +367,42 @@ def test_openai_chat_fields_with_a_value_kvload_cannot_take_are_a_400_naming_the
     assert words in _refused(served, "/v1/chat/completions", {"messages": CONV, "max_tokens": 1, **extra}, param)
     # a completions body is no chat: OpenAI's legacy endpoint has none of them
     _refused(served, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, **extra}, param)
+
+
+# --- return_token_ids: vLLM's prompt_token_ids in the answer ---------------------------------------------------------
+
+
+def test_return_token_ids_gives_each_prompts_token_ids_as_vllm_does(served):
+    # RL and agent frameworks read back the exact tokens the model saw (a chat's templated prompt) with vLLM's
+    # return_token_ids; it was a 400. kvload always returns each choice's generated token_ids.
+    other = "w9 w8"
+    asked = {"ignore_eos": True, "return_token_ids": True}
+    r = served.client.completions.create(model="words", prompt=[PROMPT, other], max_tokens=2, n=2, extra_body=asked)
+    want = [_ids(served, PROMPT)] * 2 + [_ids(served, other)] * 2
+    assert [c.model_extra["prompt_token_ids"] for c in r.choices] == want
+    assert "prompt_token_ids" not in _complete(served).choices[0].model_extra  # not asked: not sent
+    assert "prompt_token_ids" not in _complete(served, return_token_ids=False).choices[0].model_extra
+    # a stream: in each choice's first chunk only, as vLLM sends it
+    firsts: dict[int, list[int]] = {}
+    for chunk in served.client.completions.create(model="words", prompt=[PROMPT, other], max_tokens=3, n=2,
+                                                  stream=True, extra_body=asked):
+        for c in chunk.choices:
+            got = c.model_extra.get("prompt_token_ids")
+            assert (got is not None) == (c.index not in firsts), (c.index, got)
+            firsts.setdefault(c.index, got)
+    assert [firsts[j] for j in range(4)] == want
+    # chat: the templated prompt (what /tokenize gives for the conversation), once per answer, and in a stream once
+    # per choice, on the chunk that opens it (its role)
+    templated = served.http.post("/tokenize", json={"messages": CONV}).json()["tokens"]
+    chat = served.client.chat.completions.create(model="words", messages=CONV, max_tokens=2, extra_body=asked)
+    assert chat.model_extra["prompt_token_ids"] == templated
+    assert len(templated) == chat.usage.prompt_tokens
+    plain = served.client.chat.completions.create(model="words", messages=CONV, max_tokens=2)
+    assert "prompt_token_ids" not in plain.model_extra
+    chunks = list(served.client.chat.completions.create(model="words", messages=CONV, max_tokens=2, n=2, stream=True,
+                                                        temperature=1.0, seed=3, extra_body=asked))
+    opened = [c for c in chunks if "prompt_token_ids" in c.model_extra]
+    assert [(c.choices[0].index, c.choices[0].delta.role, c.model_extra["prompt_token_ids"]) for c in opened] == \
+        [(0, "assistant", templated), (1, "assistant", templated)]
+    _refused(served, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "return_token_ids": "yes"},
+             "return_token_ids")

@@ -581,6 +581,7 @@ class _Choice:
     reused: int = 0
     echo: _Echo | None = None  # completions' echo: the prompt, put before the choice's text (and its logprobs)
     echoed: bool = False  # a stream sent the echo (in the choice's first chunk)
+    opened: bool = False  # a stream sent the choice's first chunk (return_token_ids: its prompt_token_ids)
     prompt_logprobs: list[dict[int, float] | None] | None = None  # when scored (engine): echo or prompt_logprobs
     tools: ToolCallText | None = None  # chat's tool_choice named or "required": the reply read as tool calls
     auto: ToolReader | None = None  # chat's tool_choice "auto" under a parser: the free text read for calls
@@ -927,6 +928,8 @@ class _Run:
                "choices": [self._choice(c) for c in self.choices], "usage": self._usage()}
         if self.job.kind == "chat":  # vLLM's: the conversation's prompt scores, once per answer
             doc["prompt_logprobs"] = self._prompt_logprobs(self.choices[0])
+            if self.job.return_token_ids:  # and its tokens, the template's output
+                doc["prompt_token_ids"] = self.prompts[0]
         return doc
 
     async def stream(self) -> AsyncIterator[str]:
@@ -1001,6 +1004,9 @@ class _Run:
                       "logprobs": self._completion_logprobs(ids, lps, update.offsets, c, echo), **ending}
         doc = {"id": self.id, "object": self._chunk_object, "created": self.created, "model": self.state.model_name,
                "choices": [choice]}
+        if self.job.return_token_ids and not c.opened:  # vLLM's: in the choice's first chunk (chat: its role's)
+            (doc if self.job.kind == "chat" else choice)["prompt_token_ids"] = self.prompts[c.index // self.job.n]
+        c.opened = True
         if self.job.continuous_usage:  # vLLM's: the choice's prompt and its tokens so far, in every chunk
             prompt = len(self.prompts[c.index // self.job.n])
             doc["usage"] = {"prompt_tokens": prompt, "completion_tokens": len(c.token_ids),
@@ -1026,7 +1032,8 @@ class _Run:
         ending = {"finish_reason": c.reason, "stop_reason": c.stop_reason, "token_ids": ids}
         return {"index": c.index, "text": (c.echo.text if c.echo is not None else "") + c.text,
                 "logprobs": self._completion_logprobs(ids, c.logprobs, c.text_offsets, c, c.echo is not None),
-                **ending, "prompt_logprobs": self._prompt_logprobs(c)}
+                **ending, "prompt_logprobs": self._prompt_logprobs(c),
+                **({"prompt_token_ids": self.prompts[c.index // self.job.n]} if self.job.return_token_ids else {})}
 
     def _auto_message(self, auto: ToolReader, text: str) -> dict[str, Any]:
         """An "auto" reply's message: the calls ``text`` holds, and the text around them (vLLM's: null when none)."""

@@ -153,6 +153,9 @@ class Job:
     #: the server's reasoning parser (``--reasoning-parser``) when it splits this chat reply into reasoning and
     #: content; None for completions, without one, and for qwen3 under ``enable_thinking: false``
     reasoning: str | None = None
+    #: vLLM's ``return_token_ids``: the answer carries each prompt's ``prompt_token_ids`` (a stream: each choice's
+    #: first chunk)
+    return_token_ids: bool = False
 
 
 @attrs.frozen
@@ -232,6 +235,7 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "
            # vLLM's: the prefix cache's salt, prompt scores, prompt truncation, the answer's id, text output (accepted
            # at the one value kvload serves) and priority (any value under --scheduling_policy priority, else 0)
            "cache_salt", "prompt_logprobs", "truncate_prompt_tokens", "request_id", "response_format", "priority",
+           "return_token_ids",  # vLLM's: the prompt's token ids in the answer (a choice's own are always there)
            # vLLM's sampling constraints, checked by SamplingParams (bad_words by the tokenizer, at submission)
            "allowed_token_ids", "bad_words",
            # vLLM's structured outputs (compiled by xgrammar at submission); its older guided_* fields are refused
@@ -400,7 +404,7 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
                prompt_logprobs=prompt_logprobs, truncate=truncate, request_id=request_id(body.get("request_id")),
                continuous_usage=continuous, ignored=tuple(ignored), priority=priority,
                model_defaults=tuple(defaulted), structured_field=structured_field, tool_choice=tool_choice,
-               auto_tools=auto, reasoning=reasoning)
+               auto_tools=auto, reasoning=reasoning, return_token_ids=_flag(body, "return_token_ids", False))
 
 
 def _not_enforced(structured: StructuredOutputsParams, field: str | None,
