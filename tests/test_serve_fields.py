@@ -354,6 +354,26 @@ def test_openai_chat_fields_agents_send_are_served_and_reported_not_refused(serv
     assert _ignored(served, null.id) == {}  # null is absent, as for every other field
 
 
+def test_openai_chat_store_and_metadata_are_served_and_reported_not_refused(served):
+    # OpenAI's stored completions (store, with metadata to find them by): the openai SDK takes both on chat and agents
+    # pass them through; kvload keeps no chat completion, so store: true and metadata are reported, store: false is
+    # what it does anyway
+    reply = served.client.chat.completions.create(model="words", messages=CONV, max_tokens=3, store=True,
+                                                  metadata={"run": "eval-7", "user": "u1"},
+                                                  extra_body={"ignore_eos": True})
+    plain = served.client.chat.completions.create(model="words", messages=CONV, max_tokens=3,
+                                                  extra_body={"ignore_eos": True})
+    assert reply.choices[0].model_extra["token_ids"] == plain.choices[0].model_extra["token_ids"]
+    assert _ignored(served, reply.id) == {"serve.store": True, "serve.metadata": {"run": "eval-7", "user": "u1"}}
+    kept_not = served.client.chat.completions.create(model="words", messages=CONV, max_tokens=3, store=False,
+                                                     metadata={}, extra_body={"ignore_eos": True})
+    assert _ignored(served, kept_not.id) == {}
+    assert "16 string keys" in _refused(served, "/v1/chat/completions", {
+        "messages": CONV, "max_tokens": 1, "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata")
+    assert "true or false" in _refused(served, "/v1/chat/completions",
+                                       {"messages": CONV, "max_tokens": 1, "store": "yes"}, "store")
+
+
 @pytest.mark.parametrize("extra, param, words", [
     ({"reasoning_effort": "extreme"}, "reasoning_effort",
      '"none", "minimal", "low", "medium", "high", "xhigh" or "max", got \'extreme\''),

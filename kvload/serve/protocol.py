@@ -244,9 +244,14 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "
 _COMPLETION = _COMMON | {"prompt", "best_of"}
 #: OpenAI's chat fields that the openai SDK takes and agents send, which change nothing kvload generates: checked and
 #: reported (``service_tier`` taken at the one tier kvload serves), as ``/v1/responses`` takes its own (openai_hints)
-_CHAT_HINTS = {"reasoning_effort", "verbosity", "prompt_cache_key", "safety_identifier", "service_tier"}
+_CHAT_HINTS = {"reasoning_effort", "verbosity", "prompt_cache_key", "safety_identifier", "service_tier", "store",
+               "metadata"}
 _CHAT = (_COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                    "parallel_tool_calls"} | TEMPLATE_OPTIONS | _CHAT_HINTS)
+#: OpenAI's limits on ``metadata``: 16 pairs, keys of 64 characters, values of 512.
+MAX_METADATA = 16
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
 #: OpenAI's ``reasoning_effort`` values, and vLLM's "max".
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 EFFORT_IGNORED = ("kvload does not steer how long a model thinks (its chat template may: chat_template_kwargs, e.g. "
@@ -443,9 +448,27 @@ def openai_hints(body: dict[str, Any], ignored: list[tuple[str, Any, str]]) -> N
             ignored.append((key, value[:200], why))
 
 
+def metadata(value: Any) -> dict[str, str]:
+    """OpenAI's ``metadata``: up to 16 string pairs (keys of 64 characters, values of 512); null: none."""
+    if value is None:
+        return {}
+    expected = (f"an object of at most {MAX_METADATA} string keys (up to {MAX_METADATA_KEY} characters) to string "
+                f"values (up to {MAX_METADATA_VALUE})")
+    _need(isinstance(value, dict) and len(value) <= MAX_METADATA
+          and all(isinstance(k, str) and len(k) <= MAX_METADATA_KEY and isinstance(v, str)
+                  and len(v) <= MAX_METADATA_VALUE for k, v in value.items()), "metadata", expected, value)
+    return dict(value)
+
+
 def _chat_hints(body: dict[str, Any], ignored: list[tuple[str, Any, str]]) -> None:
     """Chat's :data:`_CHAT_HINTS`: checked, and those given reported as ``setting_ignored`` (null is absent)."""
     openai_hints(body, ignored)
+    store = _flag(body, "store", False)
+    if store:  # false is what kvload does anyway
+        ignored.append(("store", True, "kvload keeps no chat completion (OpenAI's stored completions are not served)"))
+    pairs = metadata(body.get("metadata"))
+    if pairs:  # OpenAI keeps them with a stored completion, to filter by
+        ignored.append(("metadata", pairs, "kept only with a stored chat completion, and kvload keeps none"))
     effort = body.get("reasoning_effort")
     if effort is not None:
         _need(effort in EFFORTS, "reasoning_effort", ", ".join(f'"{e}"' for e in EFFORTS[:-1]) + f' or "{EFFORTS[-1]}"',

@@ -19,6 +19,7 @@ import attrs
 
 from kvload.serve.command import TOOL_CALL_PARSERS
 from kvload.serve.protocol import EFFORT_IGNORED, BadRequest, need_schema, openai_hints
+from kvload.serve.protocol import metadata as _metadata
 from kvload.serve.responses_store import ResponseStore, Stored, input_items
 
 #: OpenAI's Responses fields kvload acts on or reports, and vLLM's extras it passes to the chat path as they are.
@@ -32,10 +33,6 @@ ACCEPTED = frozenset({
 _PASSED = ("model", "temperature", "top_p", "user", "stream", "parallel_tool_calls",
            "top_k", "cache_salt", "request_id", "priority", "chat_template_kwargs")
 
-#: OpenAI's limits on ``metadata``: 16 pairs, keys of 64 characters, values of 512.
-MAX_METADATA = 16
-MAX_METADATA_KEY = 64
-MAX_METADATA_VALUE = 512
 
 _ROLES = ("user", "system", "developer", "assistant")
 _ITEMS = "message, function_call, function_call_output or reasoning"
@@ -359,18 +356,6 @@ def _text(value: Any, ignored: list[tuple[str, Any, str]]) -> dict[str, Any]:
     else:
         raise BadRequest(f"text.format: type {kind!r} is not supported; expected {_FORMATS}"[:400], param="text.format")
     return {**value, "format": fmt}
-
-
-def _metadata(value: Any) -> dict[str, str]:
-    """OpenAI's ``metadata``: up to 16 string pairs (keys of 64 characters, values of 512), echoed."""
-    if value is None:
-        return {}
-    expected = (f"an object of at most {MAX_METADATA} string keys (up to {MAX_METADATA_KEY} characters) to string "
-                f"values (up to {MAX_METADATA_VALUE})")
-    _need(isinstance(value, dict) and len(value) <= MAX_METADATA
-          and all(isinstance(k, str) and len(k) <= MAX_METADATA_KEY and isinstance(v, str)
-                  and len(v) <= MAX_METADATA_VALUE for k, v in value.items()), "metadata", expected, value)
-    return dict(value)
 
 
 #: The chat path's names for what a Responses body calls otherwise (the first match of each spot wins).
