@@ -335,14 +335,16 @@ def test_openai_chat_fields_agents_send_are_served_and_reported_not_refused(serv
     # a client could not talk to kvload at all. They change nothing generated here, as on /v1/responses.
     reply = served.client.chat.completions.create(
         model="words", messages=CONV, max_tokens=3, reasoning_effort="low", verbosity="high",
-        prompt_cache_key="conv-7", safety_identifier="user-42", service_tier="auto", extra_body={"ignore_eos": True})
+        prompt_cache_key="conv-7", prompt_cache_retention="24h", safety_identifier="user-42", service_tier="auto",
+        extra_body={"ignore_eos": True})
     plain = served.client.chat.completions.create(model="words", messages=CONV, max_tokens=3,
                                                   extra_body={"ignore_eos": True})
     assert reply.choices[0].message.content == plain.choices[0].message.content
     assert reply.choices[0].model_extra["token_ids"] == plain.choices[0].model_extra["token_ids"]
     # service_tier "auto" is what kvload does (one tier): nothing to report
     assert _ignored(served, reply.id) == {"serve.reasoning_effort": "low", "serve.verbosity": "high",
-                                         "serve.prompt_cache_key": "conv-7", "serve.safety_identifier": "user-42"}
+                                         "serve.prompt_cache_key": "conv-7", "serve.prompt_cache_retention": "24h",
+                                         "serve.safety_identifier": "user-42"}
     streamed = served.client.chat.completions.create(model="words", messages=CONV, max_tokens=3, stream=True,
                                                      reasoning_effort="none", extra_body={"ignore_eos": True})
     chunks = list(streamed)
@@ -382,6 +384,7 @@ def test_openai_chat_store_and_metadata_are_served_and_reported_not_refused(serv
     ({"prompt_cache_key": 7}, "prompt_cache_key", "a string, got 7"),
     ({"safety_identifier": ["u"]}, "safety_identifier", "a string"),
     ({"service_tier": "flex"}, "service_tier", '"auto" or "default" (kvload serves one tier)'),
+    ({"prompt_cache_retention": "1h"}, "prompt_cache_retention", '"in_memory" or "24h"'),
 ])
 def test_openai_chat_fields_with_a_value_kvload_cannot_take_are_a_400_naming_the_field(served, extra, param, words):
     assert words in _refused(served, "/v1/chat/completions", {"messages": CONV, "max_tokens": 1, **extra}, param)

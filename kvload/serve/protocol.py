@@ -244,8 +244,8 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "
 _COMPLETION = _COMMON | {"prompt", "best_of"}
 #: OpenAI's chat fields that the openai SDK takes and agents send, which change nothing kvload generates: checked and
 #: reported (``service_tier`` taken at the one tier kvload serves), as ``/v1/responses`` takes its own (openai_hints)
-_CHAT_HINTS = {"reasoning_effort", "verbosity", "prompt_cache_key", "safety_identifier", "service_tier", "store",
-               "metadata"}
+_CHAT_HINTS = {"reasoning_effort", "verbosity", "prompt_cache_key", "prompt_cache_retention", "safety_identifier",
+               "service_tier", "store", "metadata"}
 _CHAT = (_COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                    "parallel_tool_calls"} | TEMPLATE_OPTIONS | _CHAT_HINTS)
 #: OpenAI's limits on ``metadata``: 16 pairs, keys of 64 characters, values of 512.
@@ -435,10 +435,16 @@ def _reasoning(parser: str | None, template: dict[str, Any]) -> str | None:
 
 
 def openai_hints(body: dict[str, Any], ignored: list[tuple[str, Any, str]]) -> None:
-    """OpenAI's ``service_tier`` (taken at the one tier kvload serves), ``prompt_cache_key`` and ``safety_identifier``
-    (strings that change nothing here, so reported, not refused: agents send them on every request)."""
+    """OpenAI's ``service_tier`` (taken at the one tier kvload serves), ``prompt_cache_key``,
+    ``prompt_cache_retention`` and ``safety_identifier`` (they change nothing here, so reported, not refused: agents
+    send them on every request)."""
     tier = body.get("service_tier")
     _need(tier in (None, "auto", "default"), "service_tier", '"auto" or "default" (kvload serves one tier)', tier)
+    retention = body.get("prompt_cache_retention")
+    if retention is not None:
+        _need(retention in ("in_memory", "24h"), "prompt_cache_retention", '"in_memory" or "24h"', retention)
+        ignored.append(("prompt_cache_retention", retention, "kvload keeps a cached prefix while its blocks are not "
+                        "needed for others (evicted least recently used), whatever is asked"))
     for key, why in (("prompt_cache_key", "a routing hint for OpenAI's prompt cache; kvload caches every prompt's "
                       "prefix whatever the key (cache_salt scopes sharing)"),
                      ("safety_identifier", "an end user's id for OpenAI's abuse checks; kvload runs none")):

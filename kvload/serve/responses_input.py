@@ -26,7 +26,8 @@ from kvload.serve.responses_store import ResponseStore, Stored, input_items
 ACCEPTED = frozenset({
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "metadata", "user", "tools",
     "tool_choice", "parallel_tool_calls", "text", "reasoning", "store", "stream", "background", "include",
-    "truncation", "service_tier", "previous_response_id", "prompt_cache_key", "safety_identifier", "stream_options",
+    "truncation", "service_tier", "previous_response_id", "prompt_cache_key", "prompt_cache_retention",
+    "safety_identifier", "stream_options",
     # vLLM's, as on the chat endpoint (the openai client sends them in extra_body)
     "top_k", "cache_salt", "request_id", "priority", "chat_template_kwargs",
 })
@@ -153,7 +154,7 @@ def _unserved(body: dict[str, Any], ignored: list[tuple[str, Any, str]]) -> None
     truncation = body.get("truncation")
     _need(truncation in (None, "disabled"), "truncation", '"disabled" (kvload drops no input items: an input past the '
           "context length is a 400)", truncation)
-    openai_hints(body, ignored)  # service_tier, prompt_cache_key, safety_identifier: as chat takes them
+    openai_hints(body, ignored)  # service_tier, prompt_cache_key and _retention, safety_identifier: as chat
     options = body.get("stream_options")
     _need(options is None or isinstance(options, dict), "stream_options", "an object", options)
     if options:
