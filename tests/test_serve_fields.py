@@ -429,3 +429,24 @@ def test_return_token_ids_gives_each_prompts_token_ids_as_vllm_does(served):
         [(0, "assistant", templated), (1, "assistant", templated)]
     _refused(served, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "return_token_ids": "yes"},
              "return_token_ids")
+
+
+def test_stream_options_include_obfuscation_is_served_and_reported_as_on_the_responses_api(served):
+    # the openai SDK's stream_options take include_obfuscation (OpenAI pads chunks against side channels; clients turn
+    # it off to save bandwidth): it was a 400 on chat and completions
+    stream = served.client.chat.completions.create(model="words", messages=CONV, max_tokens=3, stream=True,
+                                                   stream_options={"include_usage": True,
+                                                                   "include_obfuscation": False},
+                                                   extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[-1].usage.completion_tokens == 3
+    assert _ignored(served, chunks[0].id) == {"serve.stream_options.include_obfuscation": False}
+    with served.http.stream("POST", "/v1/completions", json={
+            "prompt": PROMPT, "max_tokens": 2, "stream": True,
+            "stream_options": {"include_obfuscation": True}}) as s:
+        assert s.status_code == 200
+        first = next(json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {"))
+    assert _ignored(served, first["id"]) == {"serve.stream_options.include_obfuscation": True}
+    _refused(served, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "stream": True,
+                                         "stream_options": {"include_obfuscation": "no"}},
+             "stream_options.include_obfuscation")

@@ -488,14 +488,22 @@ def _chat_hints(body: dict[str, Any], ignored: list[tuple[str, Any, str]]) -> No
 
 def _stream_options(body: dict[str, Any], stream: bool, ignored: list[tuple[str, Any, str]]) -> tuple[bool, bool]:
     """OpenAI's ``stream_options.include_usage`` (default false) and vLLM's ``continuous_usage_stats`` (usage in
-    every chunk; it turns ``include_usage`` on unless that is given, as vLLM's default of true for it does)."""
+    every chunk; it turns ``include_usage`` on unless that is given, as vLLM's default of true for it does); OpenAI's
+    ``include_obfuscation`` is reported, as ``/v1/responses`` reports it."""
     options = body.get("stream_options")
     if options is None:
         return False, False
-    _need(isinstance(options, dict) and set(options) <= {"include_usage", "continuous_usage_stats"},
-          "stream_options", 'an object {"include_usage": bool, "continuous_usage_stats": bool}', options)
+    _need(isinstance(options, dict) and set(options) <= {"include_usage", "continuous_usage_stats",
+                                                         "include_obfuscation"},
+          "stream_options", 'an object {"include_usage": bool, "continuous_usage_stats": bool, "include_obfuscation": '
+          'bool}', options)
     if not stream:
         raise BadRequest("stream_options: only allowed with stream=true", param="stream_options")
+    obfuscation = options.get("include_obfuscation")
+    if obfuscation is not None:
+        _need(isinstance(obfuscation, bool), "stream_options.include_obfuscation", "true or false", obfuscation)
+        ignored.append(("stream_options.include_obfuscation", obfuscation,
+                        "kvload's stream chunks carry no obfuscation padding"))
     continuous = options.get("continuous_usage_stats")
     continuous = False if continuous is None else continuous
     _need(isinstance(continuous, bool), "stream_options.continuous_usage_stats", "true or false", continuous)
