@@ -158,6 +158,28 @@ def test_truncate_prompt_tokens_keeps_the_last_k_tokens_as_the_python_api_would_
     assert chat.usage.prompt_tokens == 2
 
 
+def test_truncation_side_right_keeps_the_first_k_tokens_as_vllm_does(served):
+    ids = _ids(served, PROMPT)
+    r = _complete(served, truncate_prompt_tokens=3, truncation_side="right", echo=True, return_token_ids=True)
+    assert r.usage.prompt_tokens == 3 and r.choices[0].model_extra["prompt_token_ids"] == ids[:3]
+    (api,) = served.result.executor.run([ids[:3]], max_tokens=3, ignore_eos=True)
+    assert r.choices[0].model_extra["token_ids"] == api.outputs[0].token_ids
+    assert r.choices[0].text.startswith("w5 w17")  # the echo is the prompt the model saw (the BOS shows as nothing)
+    left = _complete(served, truncate_prompt_tokens=3, truncation_side="left", return_token_ids=True)
+    assert left.choices[0].model_extra["prompt_token_ids"] == ids[-3:]  # vLLM's default side, kvload's
+    templated = served.http.post("/tokenize", json={"messages": CONV}).json()["tokens"]
+    chat = served.client.chat.completions.create(model="words", messages=CONV, max_tokens=1,
+                                                 extra_body={"truncate_prompt_tokens": 2, "truncation_side": "right",
+                                                             "return_token_ids": True})
+    assert chat.model_extra["prompt_token_ids"] == templated[:2]
+    # with no truncate_prompt_tokens nothing is cut: a side alone changes nothing, and is reported
+    alone = _complete(served, truncation_side="right")
+    assert alone.usage.prompt_tokens == len(ids)
+    assert _ignored(served, alone.id) == {"serve.truncation_side": "right"}
+    body = {"prompt": PROMPT, "max_tokens": 1, "truncate_prompt_tokens": 2, "truncation_side": "middle"}
+    assert '"right" (keep the first ones)' in _refused(served, "/v1/completions", body, "truncation_side")
+
+
 def test_truncate_prompt_tokens_minus_one_fits_a_long_prompt_to_what_max_tokens_leaves(served):
     long = " ".join(f"w{10 + i}" for i in range(80))  # 81 tokens: past max_seq_len
     _refused(served, "/v1/completions", {"prompt": long, "max_tokens": 4}, "prompt")

@@ -499,16 +499,20 @@ def _not_served(model: str, served: str) -> BadRequest:
 
 
 def _encode(engine: ServingEngine, job: Job) -> tuple[list[list[int]], list[bool]]:
-    """Token ids of every prompt, kept to their last ``truncate_prompt_tokens`` (and whether each was cut);
-    ``BadRequest`` naming the prompt or the messages when one is unusable."""
+    """Token ids of every prompt, kept to their last (``truncation_side`` "right": first) ``truncate_prompt_tokens``
+    (and whether each was cut); ``BadRequest`` naming the prompt or the messages when one is unusable."""
     keep = _kept_tokens(engine, job)
+
+    def kept(ids: list[int]) -> list[int]:
+        return ids if not keep else ids[:keep] if job.truncation_side == "right" else ids[-keep:]
+
     if job.kind == "chat":
         try:
             ids = engine.encode_messages(job.prompts[0], job.template, add_special_tokens=job.add_special_tokens,
                                          room=keep is None)  # cut first, then it fits
         except GenerationError as exc:
             raise _messages_error(exc, job.template) from None
-        return [ids[-keep:] if keep else ids], [keep is not None and len(ids) > keep]
+        return [kept(ids)], [keep is not None and len(ids) > keep]
     out, cut = [], []
     for i, prompt in enumerate(job.prompts):
         field = "prompt" if len(job.prompts) == 1 else f"prompt[{i}]"
@@ -518,7 +522,7 @@ def _encode(engine: ServingEngine, job: Job) -> tuple[list[list[int]], list[bool
             if keep is not None:  # vLLM's: the token ids are cut (a BOS too), then checked as any prompt's
                 ids = engine.prompt_ids(prompt, add_special_tokens=job.add_special_tokens)
                 cut.append(len(ids) > keep)
-                prompt = ids[-keep:]
+                prompt = kept(ids)
             out.append(engine.encode(prompt, add_special_tokens=job.add_special_tokens))
         except GenerationError as exc:
             detail = str(exc).removeprefix("generate: ").removeprefix("prompt 0: ").removeprefix("prompt 0 ")

@@ -131,6 +131,8 @@ class Job:
     prompt_logprobs: int | None = None
     #: vLLM's ``truncate_prompt_tokens``: keep each prompt's last k tokens; -1: as many as max_seq_len leaves
     truncate: int | None = None
+    #: vLLM's ``truncation_side``: "left" cuts the start (the last k tokens kept), "right" the end (the first k)
+    truncation_side: str = "left"
     #: vLLM's ``request_id``: the answer's id is ``cmpl-`` / ``chatcmpl-`` and it (an ``X-Request-Id`` header wins)
     request_id: str | None = None
     #: vLLM's ``stream_options.continuous_usage_stats``: every chunk carries its choice's usage so far
@@ -236,6 +238,7 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "
            # at the one value kvload serves) and priority (any value under --scheduling_policy priority, else 0)
            "cache_salt", "prompt_logprobs", "truncate_prompt_tokens", "request_id", "response_format", "priority",
            "return_token_ids",  # vLLM's: the prompt's token ids in the answer (a choice's own are always there)
+           "truncation_side",  # vLLM's: which end truncate_prompt_tokens keeps
            # vLLM's sampling constraints, checked by SamplingParams (bad_words by the tokenizer, at submission)
            "allowed_token_ids", "bad_words",
            # vLLM's structured outputs (compiled by xgrammar at submission); its older guided_* fields are refused
@@ -377,6 +380,11 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
     _need(truncate is None or (_is_int(truncate) and (truncate >= 1 or truncate == -1) and truncate <= MAX_INT),
           "truncate_prompt_tokens", "an integer >= 1 (keep the prompt's last k tokens), or -1 (as many as the "
           "context length leaves after max_tokens)", truncate)
+    side = body.get("truncation_side")
+    _need(side in (None, "left", "right"), "truncation_side",
+          '"left" (keep the last tokens) or "right" (keep the first ones)', side)
+    if side is not None and truncate is None:
+        ignored.append(("truncation_side", side, "no truncate_prompt_tokens: no prompt is cut"))
     priority = _accepted_as_done(body, kind, n, by_priority)
     structured, structured_field = _structured(body)
     tools = _tools(body) if kind == "chat" else None
@@ -406,7 +414,8 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
     return Job(kind=kind, prompts=prompts, params=params, n=n, stream=stream, include_usage=include_usage,
                stop=stops, stop_token_ids=tuple(stop_ids), logprobs=logprobs, echo=echo, salt=salt,
                max_tokens_given=given, max_tokens_field=field, template=template, add_special_tokens=special,
-               prompt_logprobs=prompt_logprobs, truncate=truncate, request_id=request_id(body.get("request_id")),
+               prompt_logprobs=prompt_logprobs, truncate=truncate, truncation_side=side or "left",
+               request_id=request_id(body.get("request_id")),
                continuous_usage=continuous, ignored=tuple(ignored), priority=priority,
                model_defaults=tuple(defaulted), structured_field=structured_field, tool_choice=tool_choice,
                auto_tools=auto, reasoning=reasoning, return_token_ids=_flag(body, "return_token_ids", False))
