@@ -313,3 +313,33 @@ def test_responses_store_bench_keeps_every_response_and_a_chained_turn_costs_abo
     assert len(rows) == 5 and held["the same conversation sent whole each turn, store: false"] == 0
     # a chained turn holds its own text and a link, not the chain: no more than a 200-character independent one
     assert 0 < held["one chain of 60 turns"] <= held["independent"]
+
+
+def test_serve_n_bench_sides_generate_the_same_tokens_and_count_the_prompts_they_compute(tiny_checkpoints, tmp_path):
+    """bench_serve_n's three sides against a served tiny model: each choice the same tokens, the prompt computed once
+    by the forked side, once per request with own salts, and the server's counters read back."""
+    import asyncio
+    import os
+    import shutil
+
+    from bench import bench_serve_n
+    from tests.serve_support import serving
+    from tests.test_serve_vllm import _tokenizer
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoints("llama"), path)
+    _tokenizer().save_pretrained(path)
+    prompt = " ".join(f"w{10 + i}" for i in range(20))  # 21 tokens with the BOS
+    with serving(str(path), max_seq_len=64, kv_cache_config={"max_tokens": 1024, "tokens_per_block": 8},
+                 state={"model_name": "words"}) as s:
+        got = {}
+        for side in ("forked", "one salt", "own salts"):
+            before = bench_serve_n.counters(s.http, os.getpid())
+            r = asyncio.run(bench_serve_n.side_run(s.url, side, "words", prompt, 3, 5, 4))
+            after = bench_serve_n.counters(s.http, os.getpid())
+            got[side] = (r["ids"], after["computed"] - before["computed"], after["steps"] - before["steps"])
+            assert len(r["ttft"]) == 3 and r["wall"] >= max(r["ttft"]) > 0 and after["cpu"] >= before["cpu"]
+    assert got["forked"][0] == got["one salt"][0] == got["own salts"][0]
+    assert all(len(ids) == 4 for ids in got["forked"][0]) and len(set(map(tuple, got["forked"][0]))) > 1
+    assert got["forked"][1] == 21 and got["own salts"][1] == 3 * 21
+    assert 21 <= got["one salt"][1] <= 3 * 21 and got["forked"][2] >= 4

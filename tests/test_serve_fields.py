@@ -158,6 +158,28 @@ def test_truncate_prompt_tokens_keeps_the_last_k_tokens_as_the_python_api_would_
     assert chat.usage.prompt_tokens == 2
 
 
+def test_truncation_side_right_keeps_the_first_k_tokens_as_vllm_does(served):
+    ids = _ids(served, PROMPT)
+    r = _complete(served, truncate_prompt_tokens=3, truncation_side="right", echo=True, return_token_ids=True)
+    assert r.usage.prompt_tokens == 3 and r.choices[0].model_extra["prompt_token_ids"] == ids[:3]
+    (api,) = served.result.executor.run([ids[:3]], max_tokens=3, ignore_eos=True)
+    assert r.choices[0].model_extra["token_ids"] == api.outputs[0].token_ids
+    assert r.choices[0].text.startswith("w5 w17")  # the echo is the prompt the model saw (the BOS shows as nothing)
+    left = _complete(served, truncate_prompt_tokens=3, truncation_side="left", return_token_ids=True)
+    assert left.choices[0].model_extra["prompt_token_ids"] == ids[-3:]  # vLLM's default side, kvload's
+    templated = served.http.post("/tokenize", json={"messages": CONV}).json()["tokens"]
+    chat = served.client.chat.completions.create(model="words", messages=CONV, max_tokens=1,
+                                                 extra_body={"truncate_prompt_tokens": 2, "truncation_side": "right",
+                                                             "return_token_ids": True})
+    assert chat.model_extra["prompt_token_ids"] == templated[:2]
+    # with no truncate_prompt_tokens nothing is cut: a side alone changes nothing, and is reported
+    alone = _complete(served, truncation_side="right")
+    assert alone.usage.prompt_tokens == len(ids)
+    assert _ignored(served, alone.id) == {"serve.truncation_side": "right"}
+    body = {"prompt": PROMPT, "max_tokens": 1, "truncate_prompt_tokens": 2, "truncation_side": "middle"}
+    assert '"right" (keep the first ones)' in _refused(served, "/v1/completions", body, "truncation_side")
+
+
 def test_truncate_prompt_tokens_minus_one_fits_a_long_prompt_to_what_max_tokens_leaves(served):
     long = " ".join(f"w{10 + i}" for i in range(80))  # 81 tokens: past max_seq_len
     _refused(served, "/v1/completions", {"prompt": long, "max_tokens": 4}, "prompt")
@@ -324,3 +346,129 @@ def test_spaces_between_special_tokens_false_joins_shown_special_tokens_as_the_p
     assert _ignored(served, skipped.id) == {"serve.spaces_between_special_tokens": False}
     _refused(served, "/v1/completions", {"prompt": PROMPT, "spaces_between_special_tokens": "no"},
              "spaces_between_special_tokens")
+
+
+# --- OpenAI's newer chat fields: what SDKs and agents send, served and reported --------------------------------------
+
+
+def test_openai_chat_fields_agents_send_are_served_and_reported_not_refused(served):
+    # the openai SDK's chat.completions.create takes them, and agents send them (reasoning_effort for a reasoning
+    # model, prompt_cache_key and safety_identifier where user was, verbosity, service_tier): each was a 400, so such
+    # a client could not talk to kvload at all. They change nothing generated here, as on /v1/responses.
+    reply = served.client.chat.completions.create(
+        model="words", messages=CONV, max_tokens=3, reasoning_effort="low", verbosity="high",
+        prompt_cache_key="conv-7", prompt_cache_retention="24h", safety_identifier="user-42", service_tier="auto",
+        extra_body={"ignore_eos": True})
+    plain = served.client.chat.completions.create(model="words", messages=CONV, max_tokens=3,
+                                                  extra_body={"ignore_eos": True})
+    assert reply.choices[0].message.content == plain.choices[0].message.content
+    assert reply.choices[0].model_extra["token_ids"] == plain.choices[0].model_extra["token_ids"]
+    # service_tier "auto" is what kvload does (one tier): nothing to report
+    assert _ignored(served, reply.id) == {"serve.reasoning_effort": "low", "serve.verbosity": "high",
+                                         "serve.prompt_cache_key": "conv-7", "serve.prompt_cache_retention": "24h",
+                                         "serve.safety_identifier": "user-42"}
+    streamed = served.client.chat.completions.create(model="words", messages=CONV, max_tokens=3, stream=True,
+                                                     reasoning_effort="none", extra_body={"ignore_eos": True})
+    chunks = list(streamed)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain.choices[0].message.content
+    assert _ignored(served, chunks[0].id) == {"serve.reasoning_effort": "none"}
+    null = served.client.chat.completions.create(model="words", messages=CONV, max_tokens=3,
+                                                 extra_body={"ignore_eos": True, "reasoning_effort": None,
+                                                             "prompt_cache_key": None})
+    assert _ignored(served, null.id) == {}  # null is absent, as for every other field
+
+
+def test_openai_chat_store_and_metadata_are_served_and_reported_not_refused(served):
+    # OpenAI's stored completions (store, with metadata to find them by): the openai SDK takes both on chat and agents
+    # pass them through; kvload keeps no chat completion, so store: true and metadata are reported, store: false is
+    # what it does anyway
+    reply = served.client.chat.completions.create(model="words", messages=CONV, max_tokens=3, store=True,
+                                                  metadata={"run": "eval-7", "user": "u1"},
+                                                  extra_body={"ignore_eos": True})
+    plain = served.client.chat.completions.create(model="words", messages=CONV, max_tokens=3,
+                                                  extra_body={"ignore_eos": True})
+    assert reply.choices[0].model_extra["token_ids"] == plain.choices[0].model_extra["token_ids"]
+    assert _ignored(served, reply.id) == {"serve.store": True, "serve.metadata": {"run": "eval-7", "user": "u1"}}
+    kept_not = served.client.chat.completions.create(model="words", messages=CONV, max_tokens=3, store=False,
+                                                     metadata={}, extra_body={"ignore_eos": True})
+    assert _ignored(served, kept_not.id) == {}
+    assert "16 string keys" in _refused(served, "/v1/chat/completions", {
+        "messages": CONV, "max_tokens": 1, "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata")
+    assert "true or false" in _refused(served, "/v1/chat/completions",
+                                       {"messages": CONV, "max_tokens": 1, "store": "yes"}, "store")
+
+
+@pytest.mark.parametrize("extra, param, words", [
+    ({"reasoning_effort": "extreme"}, "reasoning_effort",
+     '"none", "minimal", "low", "medium", "high", "xhigh" or "max", got \'extreme\''),
+    ({"reasoning_effort": 2}, "reasoning_effort", "got 2"),
+    ({"verbosity": "terse"}, "verbosity", '"low", "medium" or "high"'),
+    ({"prompt_cache_key": 7}, "prompt_cache_key", "a string, got 7"),
+    ({"safety_identifier": ["u"]}, "safety_identifier", "a string"),
+    ({"service_tier": "flex"}, "service_tier", '"auto" or "default" (kvload serves one tier)'),
+    ({"prompt_cache_retention": "1h"}, "prompt_cache_retention", '"in_memory" or "24h"'),
+])
+def test_openai_chat_fields_with_a_value_kvload_cannot_take_are_a_400_naming_the_field(served, extra, param, words):
+    assert words in _refused(served, "/v1/chat/completions", {"messages": CONV, "max_tokens": 1, **extra}, param)
+    # a completions body is no chat: OpenAI's legacy endpoint has none of them
+    _refused(served, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, **extra}, param)
+
+
+# --- return_token_ids: vLLM's prompt_token_ids in the answer ---------------------------------------------------------
+
+
+def test_return_token_ids_gives_each_prompts_token_ids_as_vllm_does(served):
+    # RL and agent frameworks read back the exact tokens the model saw (a chat's templated prompt) with vLLM's
+    # return_token_ids; it was a 400. kvload always returns each choice's generated token_ids.
+    other = "w9 w8"
+    asked = {"ignore_eos": True, "return_token_ids": True}
+    r = served.client.completions.create(model="words", prompt=[PROMPT, other], max_tokens=2, n=2, extra_body=asked)
+    want = [_ids(served, PROMPT)] * 2 + [_ids(served, other)] * 2
+    assert [c.model_extra["prompt_token_ids"] for c in r.choices] == want
+    assert "prompt_token_ids" not in _complete(served).choices[0].model_extra  # not asked: not sent
+    assert "prompt_token_ids" not in _complete(served, return_token_ids=False).choices[0].model_extra
+    # a stream: in each choice's first chunk only, as vLLM sends it
+    firsts: dict[int, list[int]] = {}
+    for chunk in served.client.completions.create(model="words", prompt=[PROMPT, other], max_tokens=3, n=2,
+                                                  stream=True, extra_body=asked):
+        for c in chunk.choices:
+            got = c.model_extra.get("prompt_token_ids")
+            assert (got is not None) == (c.index not in firsts), (c.index, got)
+            firsts.setdefault(c.index, got)
+    assert [firsts[j] for j in range(4)] == want
+    # chat: the templated prompt (what /tokenize gives for the conversation), once per answer, and in a stream once
+    # per choice, on the chunk that opens it (its role)
+    templated = served.http.post("/tokenize", json={"messages": CONV}).json()["tokens"]
+    chat = served.client.chat.completions.create(model="words", messages=CONV, max_tokens=2, extra_body=asked)
+    assert chat.model_extra["prompt_token_ids"] == templated
+    assert len(templated) == chat.usage.prompt_tokens
+    plain = served.client.chat.completions.create(model="words", messages=CONV, max_tokens=2)
+    assert "prompt_token_ids" not in plain.model_extra
+    chunks = list(served.client.chat.completions.create(model="words", messages=CONV, max_tokens=2, n=2, stream=True,
+                                                        temperature=1.0, seed=3, extra_body=asked))
+    opened = [c for c in chunks if "prompt_token_ids" in c.model_extra]
+    assert [(c.choices[0].index, c.choices[0].delta.role, c.model_extra["prompt_token_ids"]) for c in opened] == \
+        [(0, "assistant", templated), (1, "assistant", templated)]
+    _refused(served, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "return_token_ids": "yes"},
+             "return_token_ids")
+
+
+def test_stream_options_include_obfuscation_is_served_and_reported_as_on_the_responses_api(served):
+    # the openai SDK's stream_options take include_obfuscation (OpenAI pads chunks against side channels; clients turn
+    # it off to save bandwidth): it was a 400 on chat and completions
+    stream = served.client.chat.completions.create(model="words", messages=CONV, max_tokens=3, stream=True,
+                                                   stream_options={"include_usage": True,
+                                                                   "include_obfuscation": False},
+                                                   extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[-1].usage.completion_tokens == 3
+    assert _ignored(served, chunks[0].id) == {"serve.stream_options.include_obfuscation": False}
+    with served.http.stream("POST", "/v1/completions", json={
+            "prompt": PROMPT, "max_tokens": 2, "stream": True,
+            "stream_options": {"include_obfuscation": True}}) as s:
+        assert s.status_code == 200
+        first = next(json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {"))
+    assert _ignored(served, first["id"]) == {"serve.stream_options.include_obfuscation": True}
+    _refused(served, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "stream": True,
+                                         "stream_options": {"include_obfuscation": "no"}},
+             "stream_options.include_obfuscation")

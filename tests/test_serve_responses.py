@@ -530,14 +530,15 @@ def test_fields_agents_send_by_default_are_reported_not_refused(plain):
     plain.script.say("Ok.")
     reply = plain.served.client.responses.with_raw_response.create(
         model=plain.served.state.model_name, input="Hi", max_output_tokens=10, prompt_cache_key="conv-7",
-        safety_identifier="user-42", extra_body={"stream_options": {"include_obfuscation": False}})
+        prompt_cache_retention="in_memory", safety_identifier="user-42",
+        extra_body={"stream_options": {"include_obfuscation": False}})
     assert reply.parse().output_text == "Ok."
     rid = reply.parse().id
     records = [json.loads(line) for line in plain.served.http.get("/v1/kvload/audit").text.splitlines()]
     ignored = {r["field"]: r["value"] for r in records
                if r["event"] == "setting_ignored" and r["reason"].endswith(f"(request {rid})")}
-    assert ignored == {"serve.prompt_cache_key": "conv-7", "serve.safety_identifier": "user-42",
-                       "serve.stream_options.include_obfuscation": False}
+    assert ignored == {"serve.prompt_cache_key": "conv-7", "serve.prompt_cache_retention": "in_memory",
+                       "serve.safety_identifier": "user-42", "serve.stream_options.include_obfuscation": False}
     message = refused(plain, "stream_options", input="Hi", extra_body={"stream_options": {"include_usage": True}})
     assert message.startswith("stream_options.include_usage: not supported")
 

@@ -499,16 +499,20 @@ def _not_served(model: str, served: str) -> BadRequest:
 
 
 def _encode(engine: ServingEngine, job: Job) -> tuple[list[list[int]], list[bool]]:
-    """Token ids of every prompt, kept to their last ``truncate_prompt_tokens`` (and whether each was cut);
-    ``BadRequest`` naming the prompt or the messages when one is unusable."""
+    """Token ids of every prompt, kept to their last (``truncation_side`` "right": first) ``truncate_prompt_tokens``
+    (and whether each was cut); ``BadRequest`` naming the prompt or the messages when one is unusable."""
     keep = _kept_tokens(engine, job)
+
+    def kept(ids: list[int]) -> list[int]:
+        return ids if not keep else ids[:keep] if job.truncation_side == "right" else ids[-keep:]
+
     if job.kind == "chat":
         try:
             ids = engine.encode_messages(job.prompts[0], job.template, add_special_tokens=job.add_special_tokens,
                                          room=keep is None)  # cut first, then it fits
         except GenerationError as exc:
             raise _messages_error(exc, job.template) from None
-        return [ids[-keep:] if keep else ids], [keep is not None and len(ids) > keep]
+        return [kept(ids)], [keep is not None and len(ids) > keep]
     out, cut = [], []
     for i, prompt in enumerate(job.prompts):
         field = "prompt" if len(job.prompts) == 1 else f"prompt[{i}]"
@@ -518,7 +522,7 @@ def _encode(engine: ServingEngine, job: Job) -> tuple[list[list[int]], list[bool
             if keep is not None:  # vLLM's: the token ids are cut (a BOS too), then checked as any prompt's
                 ids = engine.prompt_ids(prompt, add_special_tokens=job.add_special_tokens)
                 cut.append(len(ids) > keep)
-                prompt = ids[-keep:]
+                prompt = kept(ids)
             out.append(engine.encode(prompt, add_special_tokens=job.add_special_tokens))
         except GenerationError as exc:
             detail = str(exc).removeprefix("generate: ").removeprefix("prompt 0: ").removeprefix("prompt 0 ")
@@ -581,6 +585,7 @@ class _Choice:
     reused: int = 0
     echo: _Echo | None = None  # completions' echo: the prompt, put before the choice's text (and its logprobs)
     echoed: bool = False  # a stream sent the echo (in the choice's first chunk)
+    opened: bool = False  # a stream sent the choice's first chunk (return_token_ids: its prompt_token_ids)
     prompt_logprobs: list[dict[int, float] | None] | None = None  # when scored (engine): echo or prompt_logprobs
     tools: ToolCallText | None = None  # chat's tool_choice named or "required": the reply read as tool calls
     auto: ToolReader | None = None  # chat's tool_choice "auto" under a parser: the free text read for calls
@@ -927,6 +932,8 @@ class _Run:
                "choices": [self._choice(c) for c in self.choices], "usage": self._usage()}
         if self.job.kind == "chat":  # vLLM's: the conversation's prompt scores, once per answer
             doc["prompt_logprobs"] = self._prompt_logprobs(self.choices[0])
+            if self.job.return_token_ids:  # and its tokens, the template's output
+                doc["prompt_token_ids"] = self.prompts[0]
         return doc
 
     async def stream(self) -> AsyncIterator[str]:
@@ -1001,6 +1008,9 @@ class _Run:
                       "logprobs": self._completion_logprobs(ids, lps, update.offsets, c, echo), **ending}
         doc = {"id": self.id, "object": self._chunk_object, "created": self.created, "model": self.state.model_name,
                "choices": [choice]}
+        if self.job.return_token_ids and not c.opened:  # vLLM's: in the choice's first chunk (chat: its role's)
+            (doc if self.job.kind == "chat" else choice)["prompt_token_ids"] = self.prompts[c.index // self.job.n]
+        c.opened = True
         if self.job.continuous_usage:  # vLLM's: the choice's prompt and its tokens so far, in every chunk
             prompt = len(self.prompts[c.index // self.job.n])
             doc["usage"] = {"prompt_tokens": prompt, "completion_tokens": len(c.token_ids),
@@ -1026,7 +1036,8 @@ class _Run:
         ending = {"finish_reason": c.reason, "stop_reason": c.stop_reason, "token_ids": ids}
         return {"index": c.index, "text": (c.echo.text if c.echo is not None else "") + c.text,
                 "logprobs": self._completion_logprobs(ids, c.logprobs, c.text_offsets, c, c.echo is not None),
-                **ending, "prompt_logprobs": self._prompt_logprobs(c)}
+                **ending, "prompt_logprobs": self._prompt_logprobs(c),
+                **({"prompt_token_ids": self.prompts[c.index // self.job.n]} if self.job.return_token_ids else {})}
 
     def _auto_message(self, auto: ToolReader, text: str) -> dict[str, Any]:
         """An "auto" reply's message: the calls ``text`` holds, and the text around them (vLLM's: null when none)."""

@@ -131,6 +131,8 @@ class Job:
     prompt_logprobs: int | None = None
     #: vLLM's ``truncate_prompt_tokens``: keep each prompt's last k tokens; -1: as many as max_seq_len leaves
     truncate: int | None = None
+    #: vLLM's ``truncation_side``: "left" cuts the start (the last k tokens kept), "right" the end (the first k)
+    truncation_side: str = "left"
     #: vLLM's ``request_id``: the answer's id is ``cmpl-`` / ``chatcmpl-`` and it (an ``X-Request-Id`` header wins)
     request_id: str | None = None
     #: vLLM's ``stream_options.continuous_usage_stats``: every chunk carries its choice's usage so far
@@ -153,6 +155,9 @@ class Job:
     #: the server's reasoning parser (``--reasoning-parser``) when it splits this chat reply into reasoning and
     #: content; None for completions, without one, and for qwen3 under ``enable_thinking: false``
     reasoning: str | None = None
+    #: vLLM's ``return_token_ids``: the answer carries each prompt's ``prompt_token_ids`` (a stream: each choice's
+    #: first chunk)
+    return_token_ids: bool = False
 
 
 @attrs.frozen
@@ -232,14 +237,28 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "
            # vLLM's: the prefix cache's salt, prompt scores, prompt truncation, the answer's id, text output (accepted
            # at the one value kvload serves) and priority (any value under --scheduling_policy priority, else 0)
            "cache_salt", "prompt_logprobs", "truncate_prompt_tokens", "request_id", "response_format", "priority",
+           "return_token_ids",  # vLLM's: the prompt's token ids in the answer (a choice's own are always there)
+           "truncation_side",  # vLLM's: which end truncate_prompt_tokens keeps
            # vLLM's sampling constraints, checked by SamplingParams (bad_words by the tokenizer, at submission)
            "allowed_token_ids", "bad_words",
            # vLLM's structured outputs (compiled by xgrammar at submission); its older guided_* fields are refused
            # with a pointer to it
            "structured_outputs", *_GUIDED}
 _COMPLETION = _COMMON | {"prompt", "best_of"}
+#: OpenAI's chat fields that the openai SDK takes and agents send, which change nothing kvload generates: checked and
+#: reported (``service_tier`` taken at the one tier kvload serves), as ``/v1/responses`` takes its own (openai_hints)
+_CHAT_HINTS = {"reasoning_effort", "verbosity", "prompt_cache_key", "prompt_cache_retention", "safety_identifier",
+               "service_tier", "store", "metadata"}
 _CHAT = (_COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                   "parallel_tool_calls"} | TEMPLATE_OPTIONS)
+                   "parallel_tool_calls"} | TEMPLATE_OPTIONS | _CHAT_HINTS)
+#: OpenAI's limits on ``metadata``: 16 pairs, keys of 64 characters, values of 512.
+MAX_METADATA = 16
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
+#: OpenAI's ``reasoning_effort`` values, and vLLM's "max".
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+EFFORT_IGNORED = ("kvload does not steer how long a model thinks (its chat template may: chat_template_kwargs, e.g. "
+                  "Qwen3's enable_thinking)")
 
 
 _NO_DEFAULTS: Mapping[str, Any] = MappingProxyType({})
@@ -323,6 +342,8 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
     _need(isinstance(stream, bool), "stream", "true or false", stream)
     ignored: list[tuple[str, Any, str]] = []
     include_usage, continuous = _stream_options(body, stream, ignored)
+    if kind == "chat":
+        _chat_hints(body, ignored)
     stop = body.get("stop")
     if stop is None:
         stops: tuple[str, ...] = ()
@@ -359,6 +380,11 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
     _need(truncate is None or (_is_int(truncate) and (truncate >= 1 or truncate == -1) and truncate <= MAX_INT),
           "truncate_prompt_tokens", "an integer >= 1 (keep the prompt's last k tokens), or -1 (as many as the "
           "context length leaves after max_tokens)", truncate)
+    side = body.get("truncation_side")
+    _need(side in (None, "left", "right"), "truncation_side",
+          '"left" (keep the last tokens) or "right" (keep the first ones)', side)
+    if side is not None and truncate is None:
+        ignored.append(("truncation_side", side, "no truncate_prompt_tokens: no prompt is cut"))
     priority = _accepted_as_done(body, kind, n, by_priority)
     structured, structured_field = _structured(body)
     tools = _tools(body) if kind == "chat" else None
@@ -388,10 +414,11 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
     return Job(kind=kind, prompts=prompts, params=params, n=n, stream=stream, include_usage=include_usage,
                stop=stops, stop_token_ids=tuple(stop_ids), logprobs=logprobs, echo=echo, salt=salt,
                max_tokens_given=given, max_tokens_field=field, template=template, add_special_tokens=special,
-               prompt_logprobs=prompt_logprobs, truncate=truncate, request_id=request_id(body.get("request_id")),
+               prompt_logprobs=prompt_logprobs, truncate=truncate, truncation_side=side or "left",
+               request_id=request_id(body.get("request_id")),
                continuous_usage=continuous, ignored=tuple(ignored), priority=priority,
                model_defaults=tuple(defaulted), structured_field=structured_field, tool_choice=tool_choice,
-               auto_tools=auto, reasoning=reasoning)
+               auto_tools=auto, reasoning=reasoning, return_token_ids=_flag(body, "return_token_ids", False))
 
 
 def _not_enforced(structured: StructuredOutputsParams, field: str | None,
@@ -416,16 +443,76 @@ def _reasoning(parser: str | None, template: dict[str, Any]) -> str | None:
     return parser
 
 
+def openai_hints(body: dict[str, Any], ignored: list[tuple[str, Any, str]]) -> None:
+    """OpenAI's ``service_tier`` (taken at the one tier kvload serves), ``prompt_cache_key``,
+    ``prompt_cache_retention`` and ``safety_identifier`` (they change nothing here, so reported, not refused: agents
+    send them on every request)."""
+    tier = body.get("service_tier")
+    _need(tier in (None, "auto", "default"), "service_tier", '"auto" or "default" (kvload serves one tier)', tier)
+    retention = body.get("prompt_cache_retention")
+    if retention is not None:
+        _need(retention in ("in_memory", "24h"), "prompt_cache_retention", '"in_memory" or "24h"', retention)
+        ignored.append(("prompt_cache_retention", retention, "kvload keeps a cached prefix while its blocks are not "
+                        "needed for others (evicted least recently used), whatever is asked"))
+    for key, why in (("prompt_cache_key", "a routing hint for OpenAI's prompt cache; kvload caches every prompt's "
+                      "prefix whatever the key (cache_salt scopes sharing)"),
+                     ("safety_identifier", "an end user's id for OpenAI's abuse checks; kvload runs none")):
+        value = body.get(key)
+        _need(value is None or isinstance(value, str), key, "a string", value)
+        if value is not None:
+            ignored.append((key, value[:200], why))
+
+
+def metadata(value: Any) -> dict[str, str]:
+    """OpenAI's ``metadata``: up to 16 string pairs (keys of 64 characters, values of 512); null: none."""
+    if value is None:
+        return {}
+    expected = (f"an object of at most {MAX_METADATA} string keys (up to {MAX_METADATA_KEY} characters) to string "
+                f"values (up to {MAX_METADATA_VALUE})")
+    _need(isinstance(value, dict) and len(value) <= MAX_METADATA
+          and all(isinstance(k, str) and len(k) <= MAX_METADATA_KEY and isinstance(v, str)
+                  and len(v) <= MAX_METADATA_VALUE for k, v in value.items()), "metadata", expected, value)
+    return dict(value)
+
+
+def _chat_hints(body: dict[str, Any], ignored: list[tuple[str, Any, str]]) -> None:
+    """Chat's :data:`_CHAT_HINTS`: checked, and those given reported as ``setting_ignored`` (null is absent)."""
+    openai_hints(body, ignored)
+    store = _flag(body, "store", False)
+    if store:  # false is what kvload does anyway
+        ignored.append(("store", True, "kvload keeps no chat completion (OpenAI's stored completions are not served)"))
+    pairs = metadata(body.get("metadata"))
+    if pairs:  # OpenAI keeps them with a stored completion, to filter by
+        ignored.append(("metadata", pairs, "kept only with a stored chat completion, and kvload keeps none"))
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        _need(effort in EFFORTS, "reasoning_effort", ", ".join(f'"{e}"' for e in EFFORTS[:-1]) + f' or "{EFFORTS[-1]}"',
+              effort)
+        ignored.append(("reasoning_effort", effort, EFFORT_IGNORED))
+    verbosity = body.get("verbosity")
+    if verbosity is not None:
+        _need(verbosity in ("low", "medium", "high"), "verbosity", '"low", "medium" or "high"', verbosity)
+        ignored.append(("verbosity", verbosity, "kvload does not steer how long an answer is (max_tokens bounds it)"))
+
+
 def _stream_options(body: dict[str, Any], stream: bool, ignored: list[tuple[str, Any, str]]) -> tuple[bool, bool]:
     """OpenAI's ``stream_options.include_usage`` (default false) and vLLM's ``continuous_usage_stats`` (usage in
-    every chunk; it turns ``include_usage`` on unless that is given, as vLLM's default of true for it does)."""
+    every chunk; it turns ``include_usage`` on unless that is given, as vLLM's default of true for it does); OpenAI's
+    ``include_obfuscation`` is reported, as ``/v1/responses`` reports it."""
     options = body.get("stream_options")
     if options is None:
         return False, False
-    _need(isinstance(options, dict) and set(options) <= {"include_usage", "continuous_usage_stats"},
-          "stream_options", 'an object {"include_usage": bool, "continuous_usage_stats": bool}', options)
+    _need(isinstance(options, dict) and set(options) <= {"include_usage", "continuous_usage_stats",
+                                                         "include_obfuscation"},
+          "stream_options", 'an object {"include_usage": bool, "continuous_usage_stats": bool, "include_obfuscation": '
+          'bool}', options)
     if not stream:
         raise BadRequest("stream_options: only allowed with stream=true", param="stream_options")
+    obfuscation = options.get("include_obfuscation")
+    if obfuscation is not None:
+        _need(isinstance(obfuscation, bool), "stream_options.include_obfuscation", "true or false", obfuscation)
+        ignored.append(("stream_options.include_obfuscation", obfuscation,
+                        "kvload's stream chunks carry no obfuscation padding"))
     continuous = options.get("continuous_usage_stats")
     continuous = False if continuous is None else continuous
     _need(isinstance(continuous, bool), "stream_options.continuous_usage_stats", "true or false", continuous)

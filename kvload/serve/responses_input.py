@@ -18,24 +18,22 @@ from typing import Any
 import attrs
 
 from kvload.serve.command import TOOL_CALL_PARSERS
-from kvload.serve.protocol import BadRequest, need_schema
+from kvload.serve.protocol import EFFORT_IGNORED, BadRequest, need_schema, openai_hints
+from kvload.serve.protocol import metadata as _metadata
 from kvload.serve.responses_store import ResponseStore, Stored, input_items
 
 #: OpenAI's Responses fields kvload acts on or reports, and vLLM's extras it passes to the chat path as they are.
 ACCEPTED = frozenset({
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "metadata", "user", "tools",
     "tool_choice", "parallel_tool_calls", "text", "reasoning", "store", "stream", "background", "include",
-    "truncation", "service_tier", "previous_response_id", "prompt_cache_key", "safety_identifier", "stream_options",
+    "truncation", "service_tier", "previous_response_id", "prompt_cache_key", "prompt_cache_retention",
+    "safety_identifier", "stream_options",
     # vLLM's, as on the chat endpoint (the openai client sends them in extra_body)
     "top_k", "cache_salt", "request_id", "priority", "chat_template_kwargs",
 })
 _PASSED = ("model", "temperature", "top_p", "user", "stream", "parallel_tool_calls",
            "top_k", "cache_salt", "request_id", "priority", "chat_template_kwargs")
 
-#: OpenAI's limits on ``metadata``: 16 pairs, keys of 64 characters, values of 512.
-MAX_METADATA = 16
-MAX_METADATA_KEY = 64
-MAX_METADATA_VALUE = 512
 
 _ROLES = ("user", "system", "developer", "assistant")
 _ITEMS = "message, function_call, function_call_output or reasoning"
@@ -156,17 +154,7 @@ def _unserved(body: dict[str, Any], ignored: list[tuple[str, Any, str]]) -> None
     truncation = body.get("truncation")
     _need(truncation in (None, "disabled"), "truncation", '"disabled" (kvload drops no input items: an input past the '
           "context length is a 400)", truncation)
-    tier = body.get("service_tier")
-    _need(tier in (None, "auto", "default"), "service_tier", '"auto" or "default" (kvload serves one tier)', tier)
-    # sent by default by agents (Codex CLI sets prompt_cache_key): each is a string or an object that can change
-    # nothing here, so it is reported, not refused
-    for key, why in (("prompt_cache_key", "a routing hint for OpenAI's prompt cache; kvload caches every prompt's "
-                      "prefix whatever the key (cache_salt scopes sharing)"),
-                     ("safety_identifier", "an end user's id for OpenAI's abuse checks; kvload runs none")):
-        value = body.get(key)
-        _need(value is None or isinstance(value, str), key, "a string", value)
-        if value is not None:
-            ignored.append((key, value[:200], why))
+    openai_hints(body, ignored)  # service_tier, prompt_cache_key and _retention, safety_identifier: as chat
     options = body.get("stream_options")
     _need(options is None or isinstance(options, dict), "stream_options", "an object", options)
     if options:
@@ -185,8 +173,7 @@ def _unserved(body: dict[str, Any], ignored: list[tuple[str, Any, str]]) -> None
         value = reasoning.get(key)
         _need(value is None or isinstance(value, str), f"reasoning.{key}", "a string", value)
         if value is not None:
-            why = ("kvload does not steer how long a model thinks (its chat template may: chat_template_kwargs, "
-                   "e.g. Qwen3's enable_thinking)" if key == "effort" else
+            why = (EFFORT_IGNORED if key == "effort" else
                    "a reasoning item carries the thinking itself (its content), never a summary")
             ignored.append((f"reasoning.{key}", value, why))
 
@@ -370,18 +357,6 @@ def _text(value: Any, ignored: list[tuple[str, Any, str]]) -> dict[str, Any]:
     else:
         raise BadRequest(f"text.format: type {kind!r} is not supported; expected {_FORMATS}"[:400], param="text.format")
     return {**value, "format": fmt}
-
-
-def _metadata(value: Any) -> dict[str, str]:
-    """OpenAI's ``metadata``: up to 16 string pairs (keys of 64 characters, values of 512), echoed."""
-    if value is None:
-        return {}
-    expected = (f"an object of at most {MAX_METADATA} string keys (up to {MAX_METADATA_KEY} characters) to string "
-                f"values (up to {MAX_METADATA_VALUE})")
-    _need(isinstance(value, dict) and len(value) <= MAX_METADATA
-          and all(isinstance(k, str) and len(k) <= MAX_METADATA_KEY and isinstance(v, str)
-                  and len(v) <= MAX_METADATA_VALUE for k, v in value.items()), "metadata", expected, value)
-    return dict(value)
 
 
 #: The chat path's names for what a Responses body calls otherwise (the first match of each spot wins).
