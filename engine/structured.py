@@ -28,6 +28,7 @@ import torch
 
 from engine.grammar_shape import empty_only_rules, matches_nothing, nullable_repeat_nesting
 from engine.schema_ignored import for_xgrammar
+from engine.schema_values import contradictions
 from engine.structured_params import StructuredOutputsParams
 from engine.thinking_gate import CONTENT, PENDING, REFUSED, GateTables, ThinkingGate, classify_start
 from pipeline.errors import GenerationError
@@ -297,6 +298,23 @@ def check_admits_a_value(grammar_text: str) -> None:
                           "drop it or give it a schema some JSON value satisfies")
 
 
+def check_values_typed(spec: str) -> None:
+    """``GenerationError`` naming ``structured_outputs.json`` when a subschema of the JSON schema text ``spec`` has a
+    ``const``, or an ``enum`` none of whose values, of the ``type`` beside it (``engine.schema_values``): no JSON value
+    satisfies both, and xgrammar would match the value alone."""
+    if "const" not in spec and "enum" not in spec and "\\u" not in spec:  # the common case, not parsed
+        return
+    try:
+        found = contradictions(json.loads(spec))
+    except (ValueError, RecursionError):  # not JSON: xgrammar refuses it in its own words
+        return
+    if found:
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        raise GenerationError(f"generate: structured_outputs.json: {NO_VALUE}: {found[0]}{more}; a value must "
+                              "satisfy both, and xgrammar would match the value alone; make them agree (refused "
+                              "wherever it stands, even an optional property or one branch of an anyOf)")
+
+
 #: A ``Regex("...")`` expression of xgrammar's printed grammar (a JSON schema's ``pattern``), its string JSON-escaped.
 _LAZY_REGEX = re.compile(r'\bRegex\(("(?:[^"\\]|\\.)*")')
 #: What :func:`check_matching_cost` says after the field's name (kvload serve finds the tool it is about by it too).
@@ -357,6 +375,8 @@ def _build(params: StructuredOutputsParams, json_schema: Any, regex: Any, ebnf: 
     """``params``' spec through xgrammar's three entry points (a compiler's or ``Grammar``'s); its refusal as one line
     naming the field."""
     kind = params.kind
+    if kind == "json":
+        check_values_typed(params.spec)
     try:
         spaces = not params.disable_any_whitespace
         if kind == "json":  # without the length bounds xgrammar drops, oneOf it reads as anyOf written so (both
@@ -416,5 +436,5 @@ def constrain(logits: torch.Tensor, raw: torch.Tensor, counts: Sequence[int],
 
 
 __all__ = ["COMPILED_GRAMMARS", "COSTLY", "INSTALL_HINT", "NO_VALUE", "Constraint", "GrammarBackend", "ThinkingGate",
-           "check_admits_a_value", "check_matching_cost",
-           "check_spec", "choice_grammar", "classify_start", "constrain", "load_xgrammar", "reason"]
+           "check_admits_a_value", "check_matching_cost", "check_spec", "check_values_typed",
+           "choice_grammar", "classify_start", "constrain", "load_xgrammar", "reason"]

@@ -425,6 +425,10 @@ def test_the_server_takes_response_format_and_structured_outputs_from_the_openai
                  "structured_outputs.json: admits no value: the schema is false"),
                 ({"structured_outputs": {"json": {"type": "object", "properties": {"a": {"anyOf": []}}}}},
                  "structured_outputs", "structured_outputs.json: admits no value: a part of the schema"),
+                ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                    "type": "object", "properties": {"a": {"enum": [1, 2], "type": "string"}}}}}},
+                 "response_format", 'response_format: admits no value: properties.a: no value of enum [1, 2] is of '
+                                    'type "string"'),
                 ({"structured_outputs": {"regex": NESTED}}, "structured_outputs",
                  "structured_outputs.regex: too costly to match"),
                 ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
@@ -532,6 +536,8 @@ def test_generate_choice_flags_give_one_of_the_choices(capsys, bytes_ckpt):
     (("--json-schema", '{"anyOf": []}'), "error: --json-schema: admits no value: xgrammar's grammar for the schema "
                                          "matches only the empty text"),
     (("--json-schema", "false"), "error: --json-schema: admits no value: the schema is false"),
+    (("--json-schema", '{"const": 1, "type": "string"}'),
+     'error: --json-schema: admits no value: the schema: const 1 is not of type "string"'),
     (("--json-schema", "@MISSING"), "error: --json-schema: @MISSING: not found"),
     (("--grammar", "@"), "error: --grammar: @ names no file; give @FILE, or a grammar itself"),
     (("--choice", "a", "--choice", ""), "error: --choice #2: expected a non-empty string, got ''"),
