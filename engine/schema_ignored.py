@@ -19,7 +19,7 @@ from typing import Any
 
 from engine.schema_lengths import XGRAMMAR_FORMATS, Path, _subschemas, drop_lengths, dropped_lengths, edited, named
 from engine.schema_oneof import proven_disjoint
-from engine.schema_values import keep_typed_values
+from engine.schema_values import keep_admitted_values
 
 #: Keywords xgrammar passes over wherever they stand, and why (the type they go with: None for any).
 _NEVER = {
@@ -116,12 +116,12 @@ def _one_of_as_any_of(node: Mapping[str, Any]) -> bool:
 def for_xgrammar(spec: str) -> str:
     """The JSON schema text ``spec`` as kvload gives it to xgrammar: without the length bounds it drops, with each
     ``oneOf`` it matches as ``anyOf`` written so (the same grammar, and no warning line from it on the terminal), and
-    each ``enum`` without the values the ``type`` beside it excludes (xgrammar matches them all, type or not)."""
+    each ``enum`` without the values the keywords beside it exclude (xgrammar matches them all, ``type`` or not)."""
     if "Length" not in spec and "oneOf" not in spec and "enum" not in spec and "\\u" not in spec:  # the common
         return spec  # case, not parsed
     # the bounds first: their paths may run through a oneOf that is then renamed
     return edited(spec, lambda schema: drop_lengths(schema) | _one_of_written_as_any_of(schema)
-                  | keep_typed_values(schema))
+                  | keep_admitted_values(schema))
 
 
 def _one_of_written_as_any_of(schema: Any) -> bool:

@@ -1,16 +1,19 @@
-"""A JSON schema's ``const`` and ``enum`` values held to the ``type`` beside them, which xgrammar 0.2.9 passes over.
+"""A JSON schema's ``const`` and ``enum`` values held to the keywords beside them, which xgrammar 0.2.9 passes over.
 
 JSON Schema applies every keyword of a subschema: ``{"const": 1, "type": "string"}`` admits no value, and
-``{"enum": ["a", 1], "type": "string"}`` admits only ``"a"``. xgrammar matches a subschema with ``const`` or ``enum``
-by its values alone (``root ::= "1"`` for the first), so a sample held to it would write a value the schema refuses.
-kvload refuses a ``const`` or an ``enum`` none of whose values has the type (:func:`contradictions`, "admits no value")
-and compiles an ``enum`` with the values of other types taken out (:func:`keep_typed_values`). No xgrammar import here.
+``{"enum": ["a", 1], "type": "string"}`` or ``{"enum": [1, 10], "maximum": 6}`` admit only one. xgrammar matches a
+subschema with ``const`` or ``enum`` by its values alone (``root ::= "1"`` for the first), so a sample held to it would
+write a value the schema refuses. kvload refuses a ``const``, or an ``enum`` none of whose values, that the ``type``,
+a length, number or size bound or ``required`` beside it excludes (:func:`contradictions`, "admits no value"), and
+compiles an ``enum`` with such values taken out (:func:`keep_admitted_values`). A ``pattern`` beside them is not
+checked (JSON Schema's regexes are ECMA-262's, not Python's). No xgrammar import here.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from engine.schema_lengths import Path, _subschemas
@@ -62,36 +65,86 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+#: The bounds beside a ``const``/``enum`` that xgrammar passes over, checked here: (keyword, the JSON type of the
+#: values it bounds, whether the bound is a count, the test a value fails, how the refusal words it).
+_BOUNDS: tuple[tuple[str, type | tuple[type, ...], bool, Callable[[Any, Any], bool], str], ...] = (
+    ("minLength", str, True, lambda v, b: len(v) < b, "is shorter than minLength"),
+    ("maxLength", str, True, lambda v, b: len(v) > b, "is longer than maxLength"),
+    ("minimum", (int, float), False, lambda v, b: v < b, "is below minimum"),
+    ("maximum", (int, float), False, lambda v, b: v > b, "is above maximum"),
+    ("exclusiveMinimum", (int, float), False, lambda v, b: v <= b, "is not above exclusiveMinimum"),
+    ("exclusiveMaximum", (int, float), False, lambda v, b: v >= b, "is not below exclusiveMaximum"),
+    ("minItems", list, True, lambda v, b: len(v) < b, "has fewer items than minItems"),
+    ("maxItems", list, True, lambda v, b: len(v) > b, "has more items than maxItems"),
+    ("minProperties", dict, True, lambda v, b: len(v) < b, "has fewer properties than minProperties"),
+    ("maxProperties", dict, True, lambda v, b: len(v) > b, "has more properties than maxProperties"),
+)
+
+
+def refusal(value: Any, node: Mapping[str, Any]) -> str | None:
+    """Why ``value`` (a ``const`` or ``enum`` value of ``node``) fails the keywords beside it that xgrammar passes over
+    (``type``, the length, number and size bounds, ``required``), as "is not of type ..." or "is above maximum 6";
+    None when it satisfies them (or a keyword is malformed: xgrammar's to refuse, or pass over)."""
+    kinds = _kinds(node)
+    if kinds is not None and not is_of(value, kinds):
+        return f"is not of type {_typed(kinds)}"
+    for key, applies_to, counts, fails, words in _BOUNDS:
+        bound = node.get(key)
+        if not (_count(bound) if counts else _number(bound)):
+            continue
+        if isinstance(value, applies_to) and not isinstance(value, bool) and fails(value, bound):
+            return f"{words} {_short(bound)}"
+    required = node.get("required")
+    if isinstance(value, Mapping) and isinstance(required, list):
+        missing = [name for name in required if isinstance(name, str) and name not in value]
+        if missing:
+            return f"lacks the required property {json.dumps(missing[0])}"
+    return None
+
+
 def contradictions(schema: Any) -> list[str]:
-    """Each subschema of the parsed ``schema`` whose ``const``, or every value of whose ``enum``, is not of the
-    ``type`` beside it, as a phrase naming where and what (in document order); [] for a schema without one."""
+    """Each subschema of the parsed ``schema`` whose ``const``, or every value of whose ``enum``, fails the keywords
+    beside it (:func:`refusal`), as a phrase naming where and why (in document order); [] for a schema without one."""
     out = []
     for path, node, _ in _subschemas(schema):
-        kinds = _kinds(node)
-        if kinds is None:
-            continue
-        if "const" in node and not is_of(node["const"], kinds):
-            out.append(f"{_where(path)}: const {_short(node['const'])} is not of type {_typed(kinds)}")
+        if "const" in node:
+            why = refusal(node["const"], node)
+            if why is not None:
+                out.append(f"{_where(path)}: const {_short(node['const'])} {why}")
         values = node.get("enum")
-        if isinstance(values, list) and values and not any(is_of(v, kinds) for v in values):
-            out.append(f"{_where(path)}: no value of enum {_short(values)} is of type {_typed(kinds)}")
+        if isinstance(values, list) and values:
+            whys = [refusal(v, node) for v in values]
+            if all(w is not None for w in whys):
+                kinds = _kinds(node)
+                if kinds is not None and not any(is_of(v, kinds) for v in values):
+                    out.append(f"{_where(path)}: no value of enum {_short(values)} is of type {_typed(kinds)}")
+                else:
+                    out.append(f"{_where(path)}: no value of enum {_short(values)} satisfies the keywords beside it "
+                               f"({_short(values[0])} {whys[0]})")
     return out
 
 
-def keep_typed_values(schema: Any) -> bool:
-    """Take the ``enum`` values that are not of the ``type`` beside them out of the parsed ``schema``, in place (an
-    enum none of whose values has the type is left, for :func:`contradictions`); whether any was taken."""
+def keep_admitted_values(schema: Any) -> bool:
+    """Take the ``enum`` values that fail the keywords beside them (:func:`refusal`) out of the parsed ``schema``, in
+    place (an enum none of whose values passes is left, for :func:`contradictions`); whether any was taken."""
     changed = False
     for _, node, _ in _subschemas(schema):
-        kinds = _kinds(node)
         values = node.get("enum")
-        if kinds is None or not isinstance(values, list):
+        if not isinstance(values, list):
             continue
-        kept = [v for v in values if is_of(v, kinds)]
+        kept = [v for v in values if refusal(v, node) is None]
         if kept and len(kept) < len(values):
             node["enum"][:] = kept  # type: ignore[index]
             changed = True
     return changed
 
 
-__all__ = ["contradictions", "is_of", "keep_typed_values"]
+__all__ = ["contradictions", "is_of", "keep_admitted_values", "refusal"]

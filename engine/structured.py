@@ -298,10 +298,10 @@ def check_admits_a_value(grammar_text: str) -> None:
                           "drop it or give it a schema some JSON value satisfies")
 
 
-def check_values_typed(spec: str) -> None:
+def check_values_admitted(spec: str) -> None:
     """``GenerationError`` naming ``structured_outputs.json`` when a subschema of the JSON schema text ``spec`` has a
-    ``const``, or an ``enum`` none of whose values, of the ``type`` beside it (``engine.schema_values``): no JSON value
-    satisfies both, and xgrammar would match the value alone."""
+    ``const``, or an ``enum`` none of whose values, that the keywords beside it exclude (its ``type``, a bound:
+    ``engine.schema_values``): no JSON value satisfies them all, and xgrammar would match the value alone."""
     if "const" not in spec and "enum" not in spec and "\\u" not in spec:  # the common case, not parsed
         return
     try:
@@ -311,8 +311,8 @@ def check_values_typed(spec: str) -> None:
     if found:
         more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
         raise GenerationError(f"generate: structured_outputs.json: {NO_VALUE}: {found[0]}{more}; a value must "
-                              "satisfy both, and xgrammar would match the value alone; make them agree (refused "
-                              "wherever it stands, even an optional property or one branch of an anyOf)")
+                              "satisfy every keyword, and xgrammar would match the value alone; make them agree "
+                              "(refused wherever it stands, even an optional property or one branch of an anyOf)")
 
 
 #: A ``Regex("...")`` expression of xgrammar's printed grammar (a JSON schema's ``pattern``), its string JSON-escaped.
@@ -376,7 +376,7 @@ def _build(params: StructuredOutputsParams, json_schema: Any, regex: Any, ebnf: 
     naming the field."""
     kind = params.kind
     if kind == "json":
-        check_values_typed(params.spec)
+        check_values_admitted(params.spec)
     try:
         spaces = not params.disable_any_whitespace
         if kind == "json":  # without the length bounds xgrammar drops, oneOf it reads as anyOf written so (both
@@ -436,5 +436,5 @@ def constrain(logits: torch.Tensor, raw: torch.Tensor, counts: Sequence[int],
 
 
 __all__ = ["COMPILED_GRAMMARS", "COSTLY", "INSTALL_HINT", "NO_VALUE", "Constraint", "GrammarBackend", "ThinkingGate",
-           "check_admits_a_value", "check_matching_cost", "check_spec", "check_values_typed",
+           "check_admits_a_value", "check_matching_cost", "check_spec", "check_values_admitted",
            "choice_grammar", "classify_start", "constrain", "load_xgrammar", "reason"]

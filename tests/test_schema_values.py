@@ -36,6 +36,23 @@ NO_VALUE = [
      'properties.a: const "x" is not of type "integer"', '{"a": "x"}'),  # optional, yet xgrammar writes it
     ({"type": "array", "items": {"anyOf": [{"type": "null"}, {"enum": ["x"], "type": "boolean"}]}},
      'items.anyOf[1]: no value of enum ["x"] is of type "boolean"', '["x"]'),
+    # the bounds beside a const or enum, which xgrammar passes over as it does the type
+    ({"type": "string", "const": "abc", "maxLength": 2}, 'the schema: const "abc" is longer than maxLength 2',
+     '"abc"'),
+    ({"const": "a", "minLength": 2}, 'the schema: const "a" is shorter than minLength 2', '"a"'),
+    ({"type": "integer", "enum": [7, 10], "maximum": 6},
+     "the schema: no value of enum [7, 10] satisfies the keywords beside it (7 is above maximum 6)", "10"),
+    ({"enum": [1, 2], "exclusiveMinimum": 2},
+     "the schema: no value of enum [1, 2] satisfies the keywords beside it (1 is not above exclusiveMinimum 2)", "1"),
+    ({"const": 0.5, "exclusiveMaximum": 0.5}, "the schema: const 0.5 is not below exclusiveMaximum 0.5", "0.5"),
+    ({"const": -1, "minimum": 0}, "the schema: const -1 is below minimum 0", "-1"),
+    ({"type": "array", "const": [1, 2, 3], "maxItems": 2},
+     "the schema: const [1, 2, 3] has more items than maxItems 2", "[1,2,3]"),
+    ({"const": [], "minItems": 1}, "the schema: const [] has fewer items than minItems 1", "[]"),
+    ({"const": {"a": 1}, "maxProperties": 0},
+     'the schema: const {"a": 1} has more properties than maxProperties 0', '{"a":1}'),
+    ({"type": "object", "const": {"a": 1}, "required": ["b"]},
+     'the schema: const {"a": 1} lacks the required property "b"', '{"a":1}'),
 ]
 
 
@@ -47,6 +64,18 @@ def test_a_const_or_enum_the_type_beside_it_excludes_is_refused_in_one_line(sche
     text = str(info.value)
     assert text.startswith(f"generate: structured_outputs.json: admits no value: {phrase}; "), text
     assert "\n" not in text
+
+
+def test_an_enums_values_past_a_bound_beside_it_are_not_matched_and_the_rest_are():
+    schema = {"type": "object", "properties": {
+        "n": {"type": "integer", "enum": [1, 5, 10], "maximum": 6},
+        "s": {"enum": ["ok", "toolong", 3], "maxLength": 3}}, "required": ["n", "s"]}
+    check_spec(StructuredOutputsParams(json=schema))
+    spec = for_xgrammar(json.dumps(schema))
+    assert json.loads(spec)["properties"]["n"]["enum"] == [1, 5]
+    assert json.loads(spec)["properties"]["s"]["enum"] == ["ok", 3]  # maxLength bounds strings only
+    assert accepts(spec, '{"n": 5, "s": "ok"}') and accepts(spec, '{"n": 1, "s": 3}')
+    assert not accepts(spec, '{"n": 10, "s": "ok"}') and not accepts(spec, '{"n": 1, "s": "toolong"}')
 
 
 def test_an_enums_values_of_another_type_are_not_matched_and_the_rest_are():
@@ -63,6 +92,10 @@ def test_an_enums_values_of_another_type_are_not_matched_and_the_rest_are():
     {"const": 2, "type": ["string", "integer"]}, {"enum": [None, "a"], "type": ["null", "string"]}, {"const": 1},
     {"const": 1, "type": "objectx"},  # not a type name: xgrammar's to refuse, in its words
     {"enum": ["a", 1]}, {"description": "const and enum in words only", "type": "string"},
+    {"const": 5, "maximum": 6, "minimum": 5, "exclusiveMaximum": 5.5, "multipleOf": 5}, {"const": "ab", "maxLength": 2},
+    {"const": 5, "maxLength": 1}, {"const": "abc", "maximum": 1},  # a bound of another type's values bounds nothing
+    {"const": 5, "maximum": "six"}, {"const": "abc", "maxLength": -1}, {"const": 1, "minimum": True},  # malformed
+    {"const": {"a": 1, "b": 2}, "required": ["a"], "maxProperties": 2}, {"const": 1.0, "maximum": 1},
 ])
 def test_a_schema_whose_values_agree_with_its_type_is_left_as_it_is(schema):
     assert contradictions(schema) == []
