@@ -50,6 +50,9 @@ _SHAPING = ("properties", "additionalProperties", "unevaluatedProperties", "item
             "enum", "const", "anyOf", "oneOf", "allOf", "$ref")
 #: Keys that, beside a type, decide what xgrammar matches (its string or number rule is not used).
 _BEFORE = ("enum", "const", "anyOf", "oneOf", "allOf", "$ref")
+#: Keywords beside a ``const`` or ``enum`` that neither xgrammar (it matches the values alone) nor kvload checks
+#: (``engine.schema_values`` checks the type, the bounds and ``required``): JSON Schema's regexes are ECMA-262's.
+_BESIDE_VALUES = ("pattern", "format", "multipleOf", "patternProperties", "propertyNames")
 #: Keys xgrammar matches a schema by before its ``oneOf`` (which it then passes over).
 _BEFORE_ONE_OF = ("$ref", "const", "enum", "anyOf")
 _ONE_OF = ("xgrammar holds the value to any one of them (anyOf), not exactly one: it enforces exactly one only for "
@@ -85,6 +88,11 @@ def _why_ignored(node: Mapping[str, Any], names: bool) -> list[tuple[str, str]]:
            and not (key == "uniqueItems" and node[key] is not True)]
     if _one_of_as_any_of(node):
         out.append(("oneOf", _ONE_OF))
+    held = "const" if "const" in node else "enum" if "enum" in node else None
+    if held is not None:  # the type and the bounds beside them kvload checks itself (engine.schema_values)
+        out += [(key, f"xgrammar matches a {held} by its values alone, and kvload does not check this keyword "
+                      f"against them: a {held} value it forbids is still written") for key in _BESIDE_VALUES
+                if key in node]
     if kind is None:
         if not any(key in node for key in _SHAPING):
             out += [(key, "xgrammar matches any JSON value for a schema without a type: give it one for this "
