@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from engine.grammar_shape import empty_only_rules, matches_nothing, nullable_repeat_nesting
+from engine.grammar_shape import empty_only_rules, matches_nothing, never_ending_rules, nullable_repeat_nesting
 from engine.schema_ignored import for_xgrammar
 from engine.schema_values import contradictions
 from engine.structured_params import StructuredOutputsParams
@@ -283,9 +283,22 @@ _WHEREVER = ("(the schema, or a part of it: xgrammar refuses a part that admits 
 
 def check_admits_a_value(grammar_text: str) -> None:
     """``GenerationError`` naming ``structured_outputs.json`` when a rule of xgrammar's grammar for a JSON schema
-    (``grammar_text``) matches only the empty text (``engine.grammar_shape.empty_only_rules``): xgrammar compiles an
-    empty ``anyOf`` or ``oneOf`` so, and a sample held to it would end at once, empty (the root), or write a property
-    or item with no value, which is no JSON."""
+    (``grammar_text``) derives no finite text (``engine.grammar_shape.never_ending_rules``: a ``$ref`` cycle with no
+    way out, which xgrammar compiles, and a sample entering it ran to max_tokens and wrote no JSON) or matches only
+    the empty text (``engine.grammar_shape.empty_only_rules``): xgrammar compiles an empty ``anyOf`` or ``oneOf`` so,
+    and a sample held to it would end at once, empty (the root), or write a property or item with no value, which is
+    no JSON."""
+    endless = never_ending_rules(grammar_text)
+    why = "(a $ref back to it under a required property or a minItems)"
+    if "root" in endless:
+        raise GenerationError(f"generate: structured_outputs.json: {NO_VALUE}: each way through the schema needs it "
+                              f"again {why}, so no finite JSON satisfies it and a sample would never end; give the "
+                              "$ref a way out (an optional property, an anyOf branch that does not refer back)")
+    if endless:
+        raise GenerationError(f"generate: structured_outputs.json: {NO_VALUE}: a part of the schema (xgrammar's rule "
+                              f"{endless[0]}) admits no finite value: each way through it needs it again {why}, so a "
+                              "sample that starts writing it would never end; give the $ref a way out or drop that "
+                              "part")
     empty = empty_only_rules(grammar_text)
     if not empty:
         return

@@ -205,6 +205,12 @@ def test_a_spec_xgrammar_refuses_is_one_line_before_anything_runs(llm, so, messa
     ({"type": "object", "properties": {"a": {"anyOf": []}}, "required": ["a"]},
      "a part of the schema (xgrammar's rule root_prop_0) matches only the empty text"),
     ({"type": "array", "items": {"oneOf": []}}, "a part of the schema"),
+    # a $ref cycle with no way out: xgrammar compiles it, and a sample ran to max_tokens writing ever deeper nesting
+    ({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+     "each way through the schema needs it again (a $ref back to it under a required property or a minItems)"),
+    ({"type": "array", "items": {"$ref": "#"}, "minItems": 1}, "so no finite JSON satisfies it"),
+    ({"type": "object", "properties": {"a": {"type": "array", "items": {"$ref": "#/properties/a"}, "minItems": 1}}},
+     "a part of the schema (xgrammar's rule root_prop_0) admits no finite value"),
 ])
 def test_a_schema_no_json_value_satisfies_is_one_line_saying_so_before_anything_runs(llm, schema, message):
     started = len(llm.audit.of("generation_started"))
@@ -218,13 +224,17 @@ def test_a_schema_no_json_value_satisfies_is_one_line_saying_so_before_anything_
 def test_no_rule_of_a_satisfiable_schemas_grammar_is_read_as_matching_only_the_empty_text():
     import xgrammar
 
-    from engine.grammar_shape import empty_only_rules
+    from engine.grammar_shape import empty_only_rules, never_ending_rules
 
     for schema in (SCHEMA, {"type": "object"}, {"type": "string", "maxLength": 0}, {"type": "array", "maxItems": 0},
                    {"type": "array", "items": False}, {"anyOf": [{"type": "string"}, {"type": "null"}]},
                    {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}}}):
         assert empty_only_rules(str(xgrammar.Grammar.from_json_schema(json.dumps(schema)))) == [], schema
     assert empty_only_rules(str(xgrammar.Grammar.builtin_json_grammar())) == []
+    assert never_ending_rules(str(xgrammar.Grammar.builtin_json_grammar())) == []
+    for schema in (SCHEMA, {"anyOf": [{"$ref": "#"}, {"type": "null"}]}, {"type": "array", "items": {"$ref": "#"}},
+                   {"type": "object", "properties": {"a": {"$ref": "#"}}}):  # a $ref with a way out: finite values
+        assert never_ending_rules(str(xgrammar.Grammar.from_json_schema(json.dumps(schema)))) == [], schema
     assert empty_only_rules(str(xgrammar.Grammar.from_ebnf('root ::= "" | x\nx ::= [a]*'))) == []
     assert empty_only_rules(str(xgrammar.Grammar.from_ebnf('root ::= "a" x\nx ::= ""'))) == ["x"]
 
