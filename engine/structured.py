@@ -28,6 +28,7 @@ import torch
 
 from engine.grammar_shape import empty_only_rules, matches_nothing, never_ending_rules, nullable_repeat_nesting
 from engine.schema_ignored import for_xgrammar
+from engine.schema_refs import OUTSIDE, foreign_refs
 from engine.schema_values import contradictions
 from engine.structured_params import StructuredOutputsParams
 from engine.thinking_gate import CONTENT, PENDING, REFUSED, GateTables, ThinkingGate, classify_start
@@ -311,6 +312,25 @@ def check_admits_a_value(grammar_text: str) -> None:
                           "drop it or give it a schema some JSON value satisfies")
 
 
+def check_refs_local(spec: str) -> None:
+    """``GenerationError`` naming ``structured_outputs.json`` and the ``$ref`` when the JSON schema text ``spec``
+    refers outside itself (``engine.schema_refs``): xgrammar would match any JSON value there, and kvload fetches
+    nothing."""
+    if "$ref" not in spec and "\\u" not in spec:  # the common case, not parsed
+        return
+    try:
+        found = foreign_refs(json.loads(spec))
+    except (ValueError, RecursionError):  # not JSON: xgrammar refuses it in its own words
+        return
+    if found:
+        path, ref = found[0]
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in (*path, "$ref")).lstrip(".")
+        shown = ref if len(ref) <= 100 else ref[:97] + "..."
+        raise GenerationError(f"generate: structured_outputs.json: {where}: {shown!r} {OUTSIDE}; xgrammar resolves "
+                              "only '#' and '#/...' (any JSON value would be matched there) and kvload fetches "
+                              "nothing; put the schema it names under $defs and refer to it as '#/$defs/NAME'")
+
+
 def check_values_admitted(spec: str) -> None:
     """``GenerationError`` naming ``structured_outputs.json`` when a subschema of the JSON schema text ``spec`` has a
     ``const``, or an ``enum`` none of whose values, that the keywords beside it exclude (its ``type``, a bound:
@@ -389,6 +409,7 @@ def _build(params: StructuredOutputsParams, json_schema: Any, regex: Any, ebnf: 
     naming the field."""
     kind = params.kind
     if kind == "json":
+        check_refs_local(params.spec)
         check_values_admitted(params.spec)
     try:
         spaces = not params.disable_any_whitespace
@@ -449,5 +470,5 @@ def constrain(logits: torch.Tensor, raw: torch.Tensor, counts: Sequence[int],
 
 
 __all__ = ["COMPILED_GRAMMARS", "COSTLY", "INSTALL_HINT", "NO_VALUE", "Constraint", "GrammarBackend", "ThinkingGate",
-           "check_admits_a_value", "check_matching_cost", "check_spec", "check_values_admitted",
+           "check_admits_a_value", "check_matching_cost", "check_refs_local", "check_spec", "check_values_admitted",
            "choice_grammar", "classify_start", "constrain", "load_xgrammar", "reason"]

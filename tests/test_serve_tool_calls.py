@@ -200,6 +200,12 @@ REFUSED = "holds the reply to tool calls"
         "type": "object", "properties": {"n": {"anyOf": []}}, "required": ["n"]}}}],
       "tool_choice": {"type": "function", "function": {"name": "none"}}}, "tools[1].function.parameters",
      "tools[1].function.parameters: admits no value: a part of the schema"),
+    # a $ref xgrammar does not resolve: it matched any JSON value there (and printed a C++ warning line per request)
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "far", "parameters": {
+        "type": "object", "properties": {"city": {"$ref": "https://example.com/city.json"}}}}}],
+      "tool_choice": "required"}, "tools[1].function.parameters",
+     "tools[1].function.parameters: properties.city.$ref: 'https://example.com/city.json' is not a JSON-pointer "
+     "reference into the schema"),
     # a pattern nesting repeats that may be empty: xgrammar would take seconds a token to match it, stalling the
     # engine loop for every request
     ({"tools": [WEATHER, {"type": "function", "function": {"name": "slow", "parameters": {

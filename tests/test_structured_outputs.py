@@ -546,6 +546,9 @@ def test_generate_choice_flags_give_one_of_the_choices(capsys, bytes_ckpt):
     (("--json-schema", '{"anyOf": []}'), "error: --json-schema: admits no value: xgrammar's grammar for the schema "
                                          "matches only the empty text"),
     (("--json-schema", "false"), "error: --json-schema: admits no value: the schema is false"),
+    (("--json-schema", '{"type": "array", "items": {"$ref": "defs.json#/item"}}'),
+     "error: --json-schema: items.$ref: 'defs.json#/item' is not a JSON-pointer reference into the schema; xgrammar "
+     "resolves only '#' and '#/...' (any JSON value would be matched there) and kvload fetches nothing"),
     (("--json-schema", '{"const": 1, "type": "string"}'),
      'error: --json-schema: admits no value: the schema: const 1 is not of type "string"'),
     (("--json-schema", "@MISSING"), "error: --json-schema: @MISSING: not found"),
