@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from engine.grammar_shape import empty_only_rules, matches_nothing, never_ending_rules, nullable_repeat_nesting
+from engine.schema_all_of import unmerged_all_of
 from engine.schema_ignored import for_xgrammar
 from engine.schema_refs import OUTSIDE, foreign_refs
 from engine.schema_values import contradictions
@@ -313,15 +314,23 @@ def check_admits_a_value(grammar_text: str) -> None:
 
 
 def check_refs_local(spec: str) -> None:
-    """``GenerationError`` naming ``structured_outputs.json`` and the ``$ref`` when the JSON schema text ``spec``
-    refers outside itself (``engine.schema_refs``): xgrammar would match any JSON value there, and kvload fetches
-    nothing."""
-    if "$ref" not in spec and "\\u" not in spec:  # the common case, not parsed
+    """``GenerationError`` naming ``structured_outputs.json`` and the path when the JSON schema text ``spec`` has an
+    ``allOf`` of more than one schema (``engine.schema_all_of``) or refers outside itself (``engine.schema_refs``):
+    xgrammar would match any JSON value there (and kvload fetches nothing)."""
+    if "$ref" not in spec and "allOf" not in spec and "\\u" not in spec:  # the common case, not parsed
         return
     try:
-        found = foreign_refs(json.loads(spec))
+        schema = json.loads(spec)
     except (ValueError, RecursionError):  # not JSON: xgrammar refuses it in its own words
         return
+    merged = unmerged_all_of(schema)
+    if merged:
+        path, n = merged[0]
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in (*path, "allOf")).lstrip(".")
+        raise GenerationError(f"generate: structured_outputs.json: {where}: an allOf of {n} schemas {ANY_VALUE}: "
+                              "xgrammar matches any JSON value there, dropping the type and every keyword beside it "
+                              "too; merge them into one schema (an allOf of one schema is held)")
+    found = foreign_refs(schema)
     if found:
         path, ref = found[0]
         where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in (*path, "$ref")).lstrip(".")
@@ -346,6 +355,10 @@ def check_values_admitted(spec: str) -> None:
         raise GenerationError(f"generate: structured_outputs.json: {NO_VALUE}: {found[0]}{more}; a value must "
                               "satisfy every keyword, and xgrammar would match the value alone; make them agree "
                               "(refused wherever it stands, even an optional property or one branch of an anyOf)")
+
+
+#: What the refusal of an ``allOf`` of several schemas says (kvload serve finds the tool it is about by it too).
+ANY_VALUE = "is not held"
 
 
 #: A ``Regex("...")`` expression of xgrammar's printed grammar (a JSON schema's ``pattern``), its string JSON-escaped.
@@ -469,6 +482,7 @@ def constrain(logits: torch.Tensor, raw: torch.Tensor, counts: Sequence[int],
     return out
 
 
-__all__ = ["COMPILED_GRAMMARS", "COSTLY", "INSTALL_HINT", "NO_VALUE", "Constraint", "GrammarBackend", "ThinkingGate",
+__all__ = ["ANY_VALUE", "COMPILED_GRAMMARS", "COSTLY", "INSTALL_HINT", "NO_VALUE", "Constraint", "GrammarBackend",
+           "ThinkingGate",
            "check_admits_a_value", "check_matching_cost", "check_refs_local", "check_spec", "check_values_admitted",
            "choice_grammar", "classify_start", "constrain", "load_xgrammar", "reason"]

@@ -200,6 +200,11 @@ REFUSED = "holds the reply to tool calls"
         "type": "object", "properties": {"n": {"anyOf": []}}, "required": ["n"]}}}],
       "tool_choice": {"type": "function", "function": {"name": "none"}}}, "tools[1].function.parameters",
      "tools[1].function.parameters: admits no value: a part of the schema"),
+    # an allOf of two schemas: xgrammar matched any JSON value for the whole parameters, their type included
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "both", "parameters": {
+        "type": "object", "allOf": [{"required": ["a"]}, {"required": ["b"]}]}}}],
+      "tool_choice": "required"}, "tools[1].function.parameters",
+     "tools[1].function.parameters: allOf: an allOf of 2 schemas is not held: xgrammar matches any JSON value there"),
     # a $ref xgrammar does not resolve: it matched any JSON value there (and printed a C++ warning line per request)
     ({"tools": [WEATHER, {"type": "function", "function": {"name": "far", "parameters": {
         "type": "object", "properties": {"city": {"$ref": "https://example.com/city.json"}}}}}],
