@@ -29,6 +29,7 @@ import torch
 from engine.grammar_shape import empty_only_rules, matches_nothing, never_ending_rules, nullable_repeat_nesting
 from engine.schema_all_of import unmerged_all_of
 from engine.schema_ignored import for_xgrammar
+from engine.schema_keywords import misshapen
 from engine.schema_refs import OUTSIDE, foreign_refs
 from engine.schema_values import contradictions
 from engine.structured_params import StructuredOutputsParams
@@ -313,6 +314,24 @@ def check_admits_a_value(grammar_text: str) -> None:
                           "drop it or give it a schema some JSON value satisfies")
 
 
+def check_keywords_shaped(spec: str) -> None:
+    """``GenerationError`` naming ``structured_outputs.json``, the keyword's path and what it takes when the JSON
+    schema text ``spec`` has a ``required``, ``pattern``, ``format`` or ``type`` of the wrong shape
+    (``engine.schema_keywords``), which xgrammar refused in C++ words or took as any value."""
+    if not any(key in spec for key in ('"required"', '"pattern"', '"format"', '"type"', "\\u")):
+        return
+    try:
+        found = misshapen(json.loads(spec))
+    except (ValueError, RecursionError):  # not JSON: xgrammar refuses it in its own words
+        return
+    if found:
+        path, key, value, what = found[0]
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in (*path, key)).lstrip(".")
+        text = json.dumps(value, ensure_ascii=False)
+        raise GenerationError(f"generate: structured_outputs.json: {where}: expected {what}, got "
+                              f"{text if len(text) <= 80 else text[:77] + '...'}")
+
+
 def check_refs_local(spec: str) -> None:
     """``GenerationError`` naming ``structured_outputs.json`` and the path when the JSON schema text ``spec`` has an
     ``allOf`` of more than one schema (``engine.schema_all_of``) or refers outside itself (``engine.schema_refs``):
@@ -422,6 +441,7 @@ def _build(params: StructuredOutputsParams, json_schema: Any, regex: Any, ebnf: 
     naming the field."""
     kind = params.kind
     if kind == "json":
+        check_keywords_shaped(params.spec)
         check_refs_local(params.spec)
         check_values_admitted(params.spec)
     try:
@@ -483,6 +503,6 @@ def constrain(logits: torch.Tensor, raw: torch.Tensor, counts: Sequence[int],
 
 
 __all__ = ["ANY_VALUE", "COMPILED_GRAMMARS", "COSTLY", "INSTALL_HINT", "NO_VALUE", "Constraint", "GrammarBackend",
-           "ThinkingGate",
-           "check_admits_a_value", "check_matching_cost", "check_refs_local", "check_spec", "check_values_admitted",
-           "choice_grammar", "classify_start", "constrain", "load_xgrammar", "reason"]
+           "ThinkingGate", "check_admits_a_value", "check_keywords_shaped", "check_matching_cost", "check_refs_local",
+           "check_spec", "check_values_admitted", "choice_grammar", "classify_start", "constrain", "load_xgrammar",
+           "reason"]

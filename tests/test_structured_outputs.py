@@ -546,6 +546,15 @@ def test_generate_choice_flags_give_one_of_the_choices(capsys, bytes_ckpt):
     (("--json-schema", '{"anyOf": []}'), "error: --json-schema: admits no value: xgrammar's grammar for the schema "
                                          "matches only the empty text"),
     (("--json-schema", "false"), "error: --json-schema: admits no value: the schema is false"),
+    # xgrammar refused these as '"type mismatch! call is<type>() before get<type>()" && is<std::string>()', and took
+    # "type": [] as any value
+    (("--json-schema", '{"type": "object", "properties": {"a": {"type": "object", "required": [1]}}}'),
+     "error: --json-schema: properties.a.required: expected a list of property names (strings), got [1]"),
+    (("--json-schema", '{"type": "string", "pattern": 5}'),
+     "error: --json-schema: pattern: expected a regular expression (a string), got 5"),
+    (("--json-schema", '{"type": "array", "items": {"type": "string", "format": false}}'),
+     "error: --json-schema: items.format: expected a format name (a string), got false"),
+    (("--json-schema", '{"type": []}'), "error: --json-schema: type: expected a type name or a non-empty list of them"),
     (("--json-schema", '{"type": "array", "items": {"$ref": "defs.json#/item"}}'),
      "error: --json-schema: items.$ref: 'defs.json#/item' is not a JSON-pointer reference into the schema; xgrammar "
      "resolves only '#' and '#/...' (any JSON value would be matched there) and kvload fetches nothing"),
