@@ -30,12 +30,13 @@ from engine.grammar_shape import empty_only_rules, matches_nothing, never_ending
 from engine.schema_all_of import unmerged_all_of
 from engine.schema_ignored import for_xgrammar
 from engine.schema_keywords import misshapen
+from engine.schema_patterns import pattern_cost
 from engine.schema_refs import OUTSIDE, foreign_refs
 from engine.schema_values import contradictions
 from engine.structured_params import StructuredOutputsParams
 from engine.thinking_gate import CONTENT, PENDING, REFUSED, GateTables, ThinkingGate, classify_start
 from pipeline.errors import GenerationError
-from pipeline.limits import MAX_NULLABLE_REPEAT_NESTING
+from pipeline.limits import MAX_NULLABLE_REPEAT_NESTING, MAX_PATTERN_COUNT_SQUARES
 
 #: Compiled grammars kept per tokenizer, the most recently used (a long-running server sees many schemas; a client
 #: that repeats one compiles it once). kvload keeps them, not xgrammar's own cache: with that cache bounded (64 MiB
@@ -332,6 +333,33 @@ def check_keywords_shaped(spec: str) -> None:
                               f"{text if len(text) <= 80 else text[:77] + '...'}")
 
 
+#: What the refusal of a schema whose patterns xgrammar would take too long to compile says after the field's name
+#: (kvload serve finds the tool it is about by it too).
+SLOW_COMPILE = "too costly to compile"
+
+
+def check_pattern_counts(spec: str) -> None:
+    """``GenerationError`` naming ``structured_outputs.json`` and the largest count when the squares of the repetition
+    counts in the JSON schema text ``spec``'s patterns add up past :data:`~pipeline.limits.MAX_PATTERN_COUNT_SQUARES`
+    (``engine.schema_patterns``): xgrammar would take seconds to minutes compiling it, on the thread that parses every
+    request."""
+    if '"pattern' not in spec and "\\u" not in spec:  # no pattern nor patternProperties: not parsed
+        return
+    try:
+        total, path, key, n = pattern_cost(json.loads(spec))
+    except (ValueError, RecursionError):  # not JSON: xgrammar refuses it in its own words
+        return
+    if total > MAX_PATTERN_COUNT_SQUARES:
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path)
+        where = f"{where.lstrip('.')}.{key}" if where else key
+        raise GenerationError(
+            f"generate: structured_outputs.json: {where}: {SLOW_COMPILE}: a repetition count of {n:,} (the squares of "
+            f"the schema's pattern counts add up to {total:,}, at most {MAX_PATTERN_COUNT_SQUARES:,} are taken); "
+            "xgrammar's time to compile a schema's pattern grows with the square of each count (^.{3000}$: 2.6 s, "
+            "^a{50000}$: 203 s); use smaller counts, or a regex spec (structured_outputs.regex), which compiles such "
+            "counts at once")
+
+
 def check_refs_local(spec: str) -> None:
     """``GenerationError`` naming ``structured_outputs.json`` and the path when the JSON schema text ``spec`` has an
     ``allOf`` of more than one schema (``engine.schema_all_of``) or refers outside itself (``engine.schema_refs``):
@@ -442,6 +470,7 @@ def _build(params: StructuredOutputsParams, json_schema: Any, regex: Any, ebnf: 
     kind = params.kind
     if kind == "json":
         check_keywords_shaped(params.spec)
+        check_pattern_counts(params.spec)
         check_refs_local(params.spec)
         check_values_admitted(params.spec)
     try:
@@ -502,7 +531,7 @@ def constrain(logits: torch.Tensor, raw: torch.Tensor, counts: Sequence[int],
     return out
 
 
-__all__ = ["ANY_VALUE", "COMPILED_GRAMMARS", "COSTLY", "INSTALL_HINT", "NO_VALUE", "Constraint", "GrammarBackend",
-           "ThinkingGate", "check_admits_a_value", "check_keywords_shaped", "check_matching_cost", "check_refs_local",
-           "check_spec", "check_values_admitted", "choice_grammar", "classify_start", "constrain", "load_xgrammar",
-           "reason"]
+__all__ = ["ANY_VALUE", "COMPILED_GRAMMARS", "COSTLY", "INSTALL_HINT", "NO_VALUE", "SLOW_COMPILE", "Constraint",
+           "GrammarBackend", "ThinkingGate", "check_admits_a_value", "check_keywords_shaped", "check_matching_cost",
+           "check_pattern_counts", "check_refs_local", "check_spec", "check_values_admitted", "choice_grammar",
+           "classify_start", "constrain", "load_xgrammar", "reason"]

@@ -36,7 +36,7 @@ from engine.reasoning import ReasoningText
 from engine.schema_refs import OUTSIDE
 from engine.serving import EngineStopped, ServeEvent, ServingEngine
 from engine.stopping import SampleText
-from engine.structured import ANY_VALUE, COSTLY, NO_VALUE
+from engine.structured import ANY_VALUE, COSTLY, NO_VALUE, SLOW_COMPILE
 from engine.structured_params import StructuredOutputsParams
 from kvload.serve.auth import ApiKeyGate
 from kvload.serve.command import MAX_CONCURRENT_DEFAULT, READ_TIMEOUT_DEFAULT
@@ -826,7 +826,7 @@ class _Run:
         paths within the tool's parameters, not within the schema of all the calls) (``tools`` when none is: their
         combination); ``tool_choice`` when it is not the schema (xgrammar missing)."""
         choice = self.job.tool_choice
-        schema_words = ("xgrammar refused it", ANY_VALUE, COSTLY, NO_VALUE, OUTSIDE)
+        schema_words = ("xgrammar refused it", ANY_VALUE, COSTLY, NO_VALUE, OUTSIDE, SLOW_COMPILE)
         if not any(words in msg for words in schema_words):
             return "tool_choice", msg
         tools = [choice.tool] if choice.tool is not None else range(len(choice.schemas))
