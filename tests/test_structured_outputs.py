@@ -439,6 +439,8 @@ def test_the_server_takes_response_format_and_structured_outputs_from_the_openai
                     "type": "object", "properties": {"a": {"enum": [1, 2], "type": "string"}}}}}},
                  "response_format", 'response_format: admits no value: properties.a: no value of enum [1, 2] is of '
                                     'type "string"'),
+                ({"structured_outputs": {"json": '{"type": "object", "properties": {"a": {}, "a": {}}}'}},
+                 "structured_outputs", "structured_outputs.json: key 'a' appears twice in one object"),
                 ({"structured_outputs": {"regex": NESTED}}, "structured_outputs",
                  "structured_outputs.regex: too costly to match"),
                 ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
@@ -546,6 +548,13 @@ def test_generate_choice_flags_give_one_of_the_choices(capsys, bytes_ckpt):
     (("--json-schema", '{"anyOf": []}'), "error: --json-schema: admits no value: xgrammar's grammar for the schema "
                                          "matches only the empty text"),
     (("--json-schema", "false"), "error: --json-schema: admits no value: the schema is false"),
+    # JSON text that json reads and xgrammar reads otherwise: the last "type" of two (xgrammar's own parser may keep
+    # the first), 1e400 (xgrammar refused it as "RuntimeError"), NaN
+    (("--json-schema", '{"type": "string", "type": "integer"}'),
+     "error: --json-schema: key 'type' appears twice in one object; give standard JSON, each key once"),
+    (("--json-schema", '{"type": "integer", "maximum": 1e400}'),
+     "error: --json-schema: the number 1e400 is past a double's range (about 1.8e308)"),
+    (("--json-schema", '{"type": "number", "minimum": NaN}'), "error: --json-schema: NaN is not standard JSON"),
     # xgrammar refused these as '"type mismatch! call is<type>() before get<type>()" && is<std::string>()', and took
     # "type": [] as any value
     (("--json-schema", '{"type": "object", "properties": {"a": {"type": "object", "required": [1]}}}'),
