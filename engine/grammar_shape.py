@@ -155,9 +155,15 @@ def matches_nothing(grammar_text: str, root: str = "root") -> bool:
     only end at once, empty. A least fixed point of the rules that derive some text; what this does not read (a rule
     it does not know, a construct it does not parse) counts as deriving text, so a grammar is never called empty
     wrongly."""
+    return root in never_ending_rules(grammar_text)
+
+
+def never_ending_rules(grammar_text: str) -> list[str]:
+    """The rules of xgrammar's printed grammar ``grammar_text`` that derive no finite text, in the order printed: each
+    way through them needs a rule that needs itself again (a JSON schema's ``$ref`` back to itself under a required
+    property or a ``minItems``), so a sample that enters one never ends it. Least fixed point as in
+    :func:`matches_nothing`."""
     rules = _rules(grammar_text)
-    if root not in rules:
-        return False
     derives = dict.fromkeys(rules, False)
 
     def ends(node: _Node) -> bool:
@@ -172,7 +178,7 @@ def matches_nothing(grammar_text: str, root: str = "root") -> bool:
         return all(ends(i) for i in node.items)  # seq
 
     _fixed_point(rules, derives, ends)
-    return not derives[root]
+    return [name for name in rules if not derives[name]]
 
 
 def empty_only_rules(grammar_text: str) -> list[str]:
@@ -227,4 +233,4 @@ def _fixed_point(rules: dict[str, _Node], values: dict[str, bool], test: Callabl
             todo.extend(users[name])
 
 
-__all__ = ["empty_only_rules", "matches_nothing", "nullable_repeat_nesting"]
+__all__ = ["empty_only_rules", "matches_nothing", "never_ending_rules", "nullable_repeat_nesting"]

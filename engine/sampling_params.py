@@ -83,6 +83,8 @@ def _shown(value: Any) -> str:
         return int_text(value)
     if isinstance(value, (list, tuple, range)) and len(value) > 8:
         return f"a list of {len(value):,} items"
+    if isinstance(value, tuple):  # a list the caller gave (JSON's array, --stop), kept as a tuple: shown as given,
+        value = list(value)  # not "got ('',)"
     try:
         text = repr(value)
     except ValueError:  # a huge integer inside (a logit_bias key): its size, never the repr's own error

@@ -19,6 +19,7 @@ from typing import Any
 
 from engine.schema_lengths import XGRAMMAR_FORMATS, Path, _subschemas, drop_lengths, dropped_lengths, edited, named
 from engine.schema_oneof import proven_disjoint
+from engine.schema_values import keep_admitted_values
 
 #: Keywords xgrammar passes over wherever they stand, and why (the type they go with: None for any).
 _NEVER = {
@@ -49,6 +50,9 @@ _SHAPING = ("properties", "additionalProperties", "unevaluatedProperties", "item
             "enum", "const", "anyOf", "oneOf", "allOf", "$ref")
 #: Keys that, beside a type, decide what xgrammar matches (its string or number rule is not used).
 _BEFORE = ("enum", "const", "anyOf", "oneOf", "allOf", "$ref")
+#: Keywords beside a ``const`` or ``enum`` that neither xgrammar (it matches the values alone) nor kvload checks
+#: (``engine.schema_values`` checks the type, the bounds and ``required``): JSON Schema's regexes are ECMA-262's.
+_BESIDE_VALUES = ("pattern", "format", "multipleOf", "patternProperties", "propertyNames")
 #: Keys xgrammar matches a schema by before its ``oneOf`` (which it then passes over).
 _BEFORE_ONE_OF = ("$ref", "const", "enum", "anyOf")
 _ONE_OF = ("xgrammar holds the value to any one of them (anyOf), not exactly one: it enforces exactly one only for "
@@ -84,6 +88,11 @@ def _why_ignored(node: Mapping[str, Any], names: bool) -> list[tuple[str, str]]:
            and not (key == "uniqueItems" and node[key] is not True)]
     if _one_of_as_any_of(node):
         out.append(("oneOf", _ONE_OF))
+    held = "const" if "const" in node else "enum" if "enum" in node else None
+    if held is not None:  # the type and the bounds beside them kvload checks itself (engine.schema_values)
+        out += [(key, f"xgrammar matches a {held} by its values alone, and kvload does not check this keyword "
+                      f"against them: a {held} value it forbids is still written") for key in _BESIDE_VALUES
+                if key in node]
     if kind is None:
         if not any(key in node for key in _SHAPING):
             out += [(key, "xgrammar matches any JSON value for a schema without a type: give it one for this "
@@ -113,12 +122,14 @@ def _one_of_as_any_of(node: Mapping[str, Any]) -> bool:
 
 
 def for_xgrammar(spec: str) -> str:
-    """The JSON schema text ``spec`` as kvload gives it to xgrammar: without the length bounds it drops, and with each
-    ``oneOf`` it matches as ``anyOf`` written so (the same grammar, and no warning line from it on the terminal)."""
-    if "Length" not in spec and "oneOf" not in spec:  # the common case, not parsed
-        return spec
+    """The JSON schema text ``spec`` as kvload gives it to xgrammar: without the length bounds it drops, with each
+    ``oneOf`` it matches as ``anyOf`` written so (the same grammar, and no warning line from it on the terminal), and
+    each ``enum`` without the values the keywords beside it exclude (xgrammar matches them all, ``type`` or not)."""
+    if "Length" not in spec and "oneOf" not in spec and "enum" not in spec and "\\u" not in spec:  # the common
+        return spec  # case, not parsed
     # the bounds first: their paths may run through a oneOf that is then renamed
-    return edited(spec, lambda schema: drop_lengths(schema) | _one_of_written_as_any_of(schema))
+    return edited(spec, lambda schema: drop_lengths(schema) | _one_of_written_as_any_of(schema)
+                  | keep_admitted_values(schema))
 
 
 def _one_of_written_as_any_of(schema: Any) -> bool:

@@ -26,12 +26,17 @@ from typing import Any
 
 import torch
 
-from engine.grammar_shape import empty_only_rules, matches_nothing, nullable_repeat_nesting
+from engine.grammar_shape import empty_only_rules, matches_nothing, never_ending_rules, nullable_repeat_nesting
+from engine.schema_all_of import unmerged_all_of
 from engine.schema_ignored import for_xgrammar
+from engine.schema_keywords import misshapen
+from engine.schema_patterns import pattern_cost
+from engine.schema_refs import OUTSIDE, foreign_refs
+from engine.schema_values import contradictions
 from engine.structured_params import StructuredOutputsParams
 from engine.thinking_gate import CONTENT, PENDING, REFUSED, GateTables, ThinkingGate, classify_start
 from pipeline.errors import GenerationError
-from pipeline.limits import MAX_NULLABLE_REPEAT_NESTING
+from pipeline.limits import MAX_NULLABLE_REPEAT_NESTING, MAX_PATTERN_COUNT_SQUARES
 
 #: Compiled grammars kept per tokenizer, the most recently used (a long-running server sees many schemas; a client
 #: that repeats one compiles it once). kvload keeps them, not xgrammar's own cache: with that cache bounded (64 MiB
@@ -282,9 +287,22 @@ _WHEREVER = ("(the schema, or a part of it: xgrammar refuses a part that admits 
 
 def check_admits_a_value(grammar_text: str) -> None:
     """``GenerationError`` naming ``structured_outputs.json`` when a rule of xgrammar's grammar for a JSON schema
-    (``grammar_text``) matches only the empty text (``engine.grammar_shape.empty_only_rules``): xgrammar compiles an
-    empty ``anyOf`` or ``oneOf`` so, and a sample held to it would end at once, empty (the root), or write a property
-    or item with no value, which is no JSON."""
+    (``grammar_text``) derives no finite text (``engine.grammar_shape.never_ending_rules``: a ``$ref`` cycle with no
+    way out, which xgrammar compiles, and a sample entering it ran to max_tokens and wrote no JSON) or matches only
+    the empty text (``engine.grammar_shape.empty_only_rules``): xgrammar compiles an empty ``anyOf`` or ``oneOf`` so,
+    and a sample held to it would end at once, empty (the root), or write a property or item with no value, which is
+    no JSON."""
+    endless = never_ending_rules(grammar_text)
+    why = "(a $ref back to it under a required property or a minItems)"
+    if "root" in endless:
+        raise GenerationError(f"generate: structured_outputs.json: {NO_VALUE}: each way through the schema needs it "
+                              f"again {why}, so no finite JSON satisfies it and a sample would never end; give the "
+                              "$ref a way out (an optional property, an anyOf branch that does not refer back)")
+    if endless:
+        raise GenerationError(f"generate: structured_outputs.json: {NO_VALUE}: a part of the schema (xgrammar's rule "
+                              f"{endless[0]}) admits no finite value: each way through it needs it again {why}, so a "
+                              "sample that starts writing it would never end; give the $ref a way out or drop that "
+                              "part")
     empty = empty_only_rules(grammar_text)
     if not empty:
         return
@@ -295,6 +313,99 @@ def check_admits_a_value(grammar_text: str) -> None:
     raise GenerationError(f"generate: structured_outputs.json: {NO_VALUE}: a part of the schema (xgrammar's rule "
                           f"{empty[0]}) matches only the empty text ({why}), so a reply holding it would not be JSON; "
                           "drop it or give it a schema some JSON value satisfies")
+
+
+def check_keywords_shaped(spec: str) -> None:
+    """``GenerationError`` naming ``structured_outputs.json``, the keyword's path and what it takes when the JSON
+    schema text ``spec`` has a ``required``, ``pattern``, ``format`` or ``type`` of the wrong shape
+    (``engine.schema_keywords``), which xgrammar refused in C++ words or took as any value."""
+    if not any(key in spec for key in ('"required"', '"pattern"', '"format"', '"type"', "\\u")):
+        return
+    try:
+        found = misshapen(json.loads(spec))
+    except (ValueError, RecursionError):  # not JSON: xgrammar refuses it in its own words
+        return
+    if found:
+        path, key, value, what = found[0]
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in (*path, key)).lstrip(".")
+        text = json.dumps(value, ensure_ascii=False)
+        raise GenerationError(f"generate: structured_outputs.json: {where}: expected {what}, got "
+                              f"{text if len(text) <= 80 else text[:77] + '...'}")
+
+
+#: What the refusal of a schema whose patterns xgrammar would take too long to compile says after the field's name
+#: (kvload serve finds the tool it is about by it too).
+SLOW_COMPILE = "too costly to compile"
+
+
+def check_pattern_counts(spec: str) -> None:
+    """``GenerationError`` naming ``structured_outputs.json`` and the largest count when the squares of the repetition
+    counts in the JSON schema text ``spec``'s patterns add up past :data:`~pipeline.limits.MAX_PATTERN_COUNT_SQUARES`
+    (``engine.schema_patterns``): xgrammar would take seconds to minutes compiling it, on the thread that parses every
+    request."""
+    if '"pattern' not in spec and "\\u" not in spec:  # no pattern nor patternProperties: not parsed
+        return
+    try:
+        total, path, key, n = pattern_cost(json.loads(spec))
+    except (ValueError, RecursionError):  # not JSON: xgrammar refuses it in its own words
+        return
+    if total > MAX_PATTERN_COUNT_SQUARES:
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path)
+        where = f"{where.lstrip('.')}.{key}" if where else key
+        raise GenerationError(
+            f"generate: structured_outputs.json: {where}: {SLOW_COMPILE}: a repetition count of {n:,} (the squares of "
+            f"the schema's pattern counts add up to {total:,}, at most {MAX_PATTERN_COUNT_SQUARES:,} are taken); "
+            "xgrammar's time to compile a schema's pattern grows with the square of each count (^.{3000}$: 2.6 s, "
+            "^a{50000}$: 203 s); use smaller counts, or a regex spec (structured_outputs.regex), which compiles such "
+            "counts at once")
+
+
+def check_refs_local(spec: str) -> None:
+    """``GenerationError`` naming ``structured_outputs.json`` and the path when the JSON schema text ``spec`` has an
+    ``allOf`` of more than one schema (``engine.schema_all_of``) or refers outside itself (``engine.schema_refs``):
+    xgrammar would match any JSON value there (and kvload fetches nothing)."""
+    if "$ref" not in spec and "allOf" not in spec and "\\u" not in spec:  # the common case, not parsed
+        return
+    try:
+        schema = json.loads(spec)
+    except (ValueError, RecursionError):  # not JSON: xgrammar refuses it in its own words
+        return
+    merged = unmerged_all_of(schema)
+    if merged:
+        path, n = merged[0]
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in (*path, "allOf")).lstrip(".")
+        raise GenerationError(f"generate: structured_outputs.json: {where}: an allOf of {n} schemas {ANY_VALUE}: "
+                              "xgrammar matches any JSON value there, dropping the type and every keyword beside it "
+                              "too; merge them into one schema (an allOf of one schema is held)")
+    found = foreign_refs(schema)
+    if found:
+        path, ref = found[0]
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in (*path, "$ref")).lstrip(".")
+        shown = ref if len(ref) <= 100 else ref[:97] + "..."
+        raise GenerationError(f"generate: structured_outputs.json: {where}: {shown!r} {OUTSIDE}; xgrammar resolves "
+                              "only '#' and '#/...' (any JSON value would be matched there) and kvload fetches "
+                              "nothing; put the schema it names under $defs and refer to it as '#/$defs/NAME'")
+
+
+def check_values_admitted(spec: str) -> None:
+    """``GenerationError`` naming ``structured_outputs.json`` when a subschema of the JSON schema text ``spec`` has a
+    ``const``, or an ``enum`` none of whose values, that the keywords beside it exclude (its ``type``, a bound:
+    ``engine.schema_values``): no JSON value satisfies them all, and xgrammar would match the value alone."""
+    if "const" not in spec and "enum" not in spec and "\\u" not in spec:  # the common case, not parsed
+        return
+    try:
+        found = contradictions(json.loads(spec))
+    except (ValueError, RecursionError):  # not JSON: xgrammar refuses it in its own words
+        return
+    if found:
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        raise GenerationError(f"generate: structured_outputs.json: {NO_VALUE}: {found[0]}{more}; a value must "
+                              "satisfy every keyword, and xgrammar would match the value alone; make them agree "
+                              "(refused wherever it stands, even an optional property or one branch of an anyOf)")
+
+
+#: What the refusal of an ``allOf`` of several schemas says (kvload serve finds the tool it is about by it too).
+ANY_VALUE = "is not held"
 
 
 #: A ``Regex("...")`` expression of xgrammar's printed grammar (a JSON schema's ``pattern``), its string JSON-escaped.
@@ -357,6 +468,11 @@ def _build(params: StructuredOutputsParams, json_schema: Any, regex: Any, ebnf: 
     """``params``' spec through xgrammar's three entry points (a compiler's or ``Grammar``'s); its refusal as one line
     naming the field."""
     kind = params.kind
+    if kind == "json":
+        check_keywords_shaped(params.spec)
+        check_pattern_counts(params.spec)
+        check_refs_local(params.spec)
+        check_values_admitted(params.spec)
     try:
         spaces = not params.disable_any_whitespace
         if kind == "json":  # without the length bounds xgrammar drops, oneOf it reads as anyOf written so (both
@@ -415,6 +531,7 @@ def constrain(logits: torch.Tensor, raw: torch.Tensor, counts: Sequence[int],
     return out
 
 
-__all__ = ["COMPILED_GRAMMARS", "COSTLY", "INSTALL_HINT", "NO_VALUE", "Constraint", "GrammarBackend", "ThinkingGate",
-           "check_admits_a_value", "check_matching_cost",
-           "check_spec", "choice_grammar", "classify_start", "constrain", "load_xgrammar", "reason"]
+__all__ = ["ANY_VALUE", "COMPILED_GRAMMARS", "COSTLY", "INSTALL_HINT", "NO_VALUE", "SLOW_COMPILE", "Constraint",
+           "GrammarBackend", "ThinkingGate", "check_admits_a_value", "check_keywords_shaped", "check_matching_cost",
+           "check_pattern_counts", "check_refs_local", "check_spec", "check_values_admitted", "choice_grammar",
+           "classify_start", "constrain", "load_xgrammar", "reason"]

@@ -14,7 +14,7 @@ from engine.prompts import check_text, check_tree, lone_surrogate
 from engine.reasoning import PARSERS
 from engine.schema_ignored import ignored_settings
 from pipeline.errors import GenerationError
-from pipeline.limits import MAX_SCHEMA_DEPTH, MAX_STRUCTURED_CHARS, MAX_STRUCTURED_CHOICES, nesting_depth
+from pipeline.limits import MAX_SCHEMA_DEPTH, MAX_STRUCTURED_CHARS, MAX_STRUCTURED_CHOICES, nesting_depth, unique_keys
 
 #: The ways to constrain an output, in vLLM's order; exactly one is given.
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -41,8 +41,11 @@ def _schema_text(schema: Any) -> str:
             raise _refuse("json", f"expected at most {MAX_STRUCTURED_CHARS:,} characters of JSON schema, got "
                                   f"{len(schema):,}")
         check_text(f"{_FIELD}.json", schema)
-        try:
-            parsed = _json.loads(schema)
+        try:  # standard JSON, each key once: json would keep the last of two "type"s where xgrammar may keep the
+            parsed = _json.loads(schema, object_pairs_hook=unique_keys(_Refused),  # first, and 1e400 or NaN reached
+                                 parse_float=_finite, parse_constant=_no_constant)  # xgrammar as "RuntimeError"
+        except _Refused as exc:
+            raise _refuse("json", f"{exc}; give standard JSON, each key once") from None
         except (ValueError, RecursionError) as exc:
             raise _refuse("json", f"not JSON text ({str(exc).splitlines()[0][:120]}); give a JSON schema as a dict "
                                   "or its JSON text") from None
@@ -65,6 +68,21 @@ def _schema_text(schema: Any) -> str:
         raise _refuse("json", f"expected at most {MAX_STRUCTURED_CHARS:,} characters of JSON schema, got "
                               f"{len(text):,}")
     return text
+
+
+class _Refused(Exception):
+    """A JSON schema text that parses, but not as standard JSON with each key once (the reason is the message)."""
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise _Refused(f"the number {text[:40]} is past a double's range (about 1.8e308)")
+    return value
+
+
+def _no_constant(name: str) -> float:
+    raise _Refused(f"{name} is not standard JSON")
 
 
 def _check_depth(schema: Any) -> None:

@@ -39,6 +39,8 @@ def tri_state(text: str) -> bool | str:
 def integer(text: str) -> int:
     """A whole number (``1_000`` allowed), at most 2**63 - 1 in size (what torch and the budget arithmetic take)."""
     digits = text.replace("_", "").strip()
+    if not digits.isascii():  # int() reads any script's digits ('٣٣', '１６'), where a YAML config reads a string
+        raise argparse.ArgumentTypeError(f"expected an integer in the digits 0-9, got {short_text(text)}")
     try:
         if len(digits.lstrip("+-")) > MAX_INT_DIGITS:  # never hand int() a 5,000-digit string
             raise ValueError(text)
@@ -52,6 +54,8 @@ def integer(text: str) -> int:
 
 def number(text: str) -> float:
     """A finite decimal number (``inf``, ``nan`` and overflowing exponents such as ``1e400`` refused)."""
+    if not text.strip().isascii():  # float() reads any script's digits ('０.５'), as int() does
+        raise argparse.ArgumentTypeError(f"expected a number in the digits 0-9, got {short_text(text)}")
     try:
         value = float(text)
     except ValueError:
@@ -804,8 +808,10 @@ def token_ids(text: str) -> list[int]:
     """``1,2,3`` or ``"1 2 3"`` → ``[1, 2, 3]``."""
     parts = text.split(",") if "," in text else text.split()
     parts = [p.strip() for p in parts]
-    if not parts or not all(p.isdigit() for p in parts):  # an empty item (1,,3) is a typo, not a skip
-        raise argparse.ArgumentTypeError(f"expected token ids such as 1,2,3, got {text!r}")
+    # an empty item (1,,3) is a typo, not a skip; str.isdigit() is true of '²' and '①', which int() refuses (argparse
+    # then said "invalid token_ids value"), and of other scripts' digits; a 5,000-digit id int() refuses too
+    if not parts or not all(p.isascii() and p.isdigit() and len(p) <= MAX_INT_DIGITS for p in parts):
+        raise argparse.ArgumentTypeError(f"expected token ids such as 1,2,3 (the digits 0-9), got {short_text(text)}")
     return [int(p) for p in parts]
 
 

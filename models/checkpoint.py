@@ -27,6 +27,7 @@ from typing import Any
 import attrs
 
 from models.config_check import check_fields
+from models.user_paths import expand_user
 from pipeline.errors import ModelError, cannot_read, first_line
 from pipeline.limits import MAX_DEPTH, nesting_depth, short, unique_keys
 
@@ -135,7 +136,7 @@ def _packaged_checkpoint(name: str) -> Checkpoint:
 
 def resolve_checkpoint(name: str) -> Checkpoint:
     """Map a model argument to a preset, a packaged model, or a local checkpoint; ``ModelError`` otherwise."""
-    path = Path(name).expanduser()
+    path = expand_user(name)
     try:  # Path.exists/is_file raise PermissionError on Python 3.11 (a directory the user cannot search)
         exists, is_file = path.exists(), path.is_file()
     except OSError as exc:  # a directory the user cannot search, a name too long, ...

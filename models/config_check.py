@@ -55,7 +55,20 @@ def rope_problem(value: Any) -> tuple[str, str] | None:
     if factor is not None and not (isinstance(factor, int | float) and not isinstance(factor, bool)
                                    and math.isfinite(factor) and factor >= 1):
         return ".factor", f"expected a number >= 1 (1 = no scaling), got {short(factor)}"
+    theta = theta_problem(value.get("rope_theta"))
+    if theta:
+        return ".rope_theta", theta
     return None
+
+
+def theta_problem(value: Any) -> str | None:
+    """What is wrong with a ``rope_theta`` (RoPE's base), or None: a finite number > 0, or null. transformers takes
+    any: a string failed the load as "unsupported operand type(s) for ** or pow()", naming no field, and a negative
+    or zero base raised nothing, its rotation angles NaN, so the model wrote garbage with exit 0."""
+    if value is None or (isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+                         and value > 0):
+        return None
+    return f"expected a number > 0 (RoPE's base, 10000 in most models) or null, got {short(value)}"
 
 
 def _int_problem(value: Any, least: int, most: int, nullable: bool) -> str | None:
@@ -120,6 +133,9 @@ def check_fields(data: Mapping[str, Any], file: Path, prefix: str = "") -> None:
             problem = _int_problem(rate, 1, 1_048_576, False)
             if problem:
                 fail(f"compress_rates.{kind}", problem)
+    theta = theta_problem(data.get("rope_theta"))
+    if theta:
+        fail("rope_theta", theta)
     for field in ROPE_FIELDS:
         if data.get(field) is not None:
             rope = rope_problem(data[field])

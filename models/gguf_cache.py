@@ -33,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from models.user_paths import expand_user
 from pipeline.errors import ModelError, first_line
 
 if TYPE_CHECKING:
@@ -50,9 +51,9 @@ def cache_root() -> Path:
     """``$KVLOAD_CACHE``, else ``$XDG_CACHE_HOME/kvload``, else ``~/.cache/kvload``."""
     env = os.environ.get("KVLOAD_CACHE")
     if env:
-        return Path(env).expanduser()
+        return expand_user(env)
     xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kvload"
+    return (expand_user(xdg) if xdg else Path.home() / ".cache") / "kvload"
 
 
 def _transformers_version() -> str:

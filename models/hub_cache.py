@@ -14,6 +14,8 @@ import os
 import re
 from pathlib import Path
 
+from models.user_paths import expand_user
+
 #: ``org/name`` or ``name``, with an optional ``@revision``: what the Hub accepts as a model id.
 _REPO_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}(?:@[\w./-]+)?$")
 
@@ -21,11 +23,11 @@ _REPO_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}(?:
 def hub_cache_dir() -> Path:
     """The Hugging Face hub cache this process would use, from the environment as it is now."""
     if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+        return expand_user(os.environ["HF_HUB_CACHE"])
     if os.environ.get("HF_HOME"):
-        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+        return expand_user(os.environ["HF_HOME"]) / "hub"
     xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    base = expand_user(xdg) if xdg else Path.home() / ".cache"
     return base / "huggingface" / "hub"
 
 

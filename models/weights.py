@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import os
+import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +22,7 @@ from typing import Any
 import attrs
 
 from models.checkpoint import Checkpoint, read_config_json, read_json_object
-from pipeline.errors import KvRuntimeError, ModelError, first_line
+from pipeline.errors import KvRuntimeError, ModelError, cannot_read, first_line
 
 #: Model dtypes transformers can load weights in (float8 is a KV cache dtype only).
 WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
@@ -95,6 +97,26 @@ def _weight_files(path: Path) -> list[Path]:
     return sorted([*path.glob("*.safetensors"), *path.glob("pytorch_model*.bin")])
 
 
+def check_weight_files(path: Path) -> None:
+    """``ModelError`` naming the first of ``path``'s weight files that is not a regular file one can open: a FIFO
+    (safetensors and torch would wait for a writer forever: ``generate`` hung), a device, a directory, a symbolic
+    link to nothing or in a loop."""
+    for file in _weight_files(path):
+        try:
+            st = file.stat()
+        except FileNotFoundError:
+            raise ModelError(f"{file}: is a symbolic link to nothing; expected a weights file") from None
+        except OSError as exc:  # a symbolic link loop, a name too long, ...
+            raise ModelError(f"{file}: {cannot_read(exc)}") from None
+        if stat.S_ISDIR(st.st_mode):
+            raise ModelError(f"{file}: is a directory, expected a weights file (safetensors or a torch .bin)")
+        if not stat.S_ISREG(st.st_mode):
+            raise ModelError(f"{file}: not a regular file (a FIFO or device?), expected a weights file "
+                             "(safetensors or a torch .bin)")
+        if not os.access(file, os.R_OK):
+            raise ModelError(f"{file}: cannot read the weights (permission denied)")
+
+
 def tensor_parallel_options(hf_config: Any, tp_size: int) -> dict[str, Any]:
     """``from_pretrained`` keywords that shard a model over ``tp_size`` ranks with transformers' own TP plan.
 
@@ -154,6 +176,7 @@ def pretrained_model(path: Path, *, device: str, dtype: str, tp_size: int = 1) -
     tdtype = torch_dtype(dtype)
     if not _weight_files(path):
         raise ModelError(f"{path}: no weights (*.safetensors or pytorch_model*.bin) in the checkpoint directory")
+    check_weight_files(path)  # before anything opens them: a FIFO blocks the open
     check_shapes_unloaded(path)
     placement: dict[str, Any] = {"device_map": device}
     if tp_size > 1:

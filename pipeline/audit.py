@@ -12,7 +12,7 @@ import os
 import secrets
 import stat
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -384,6 +384,7 @@ class JsonlSink:
         self._pending: dict[str, Any] | None = None
         self._closed = False
         self._failed: OSError | None = None  # a write that failed (a full disk): reported, file discarded, at close
+        self._on_failure: Callable[[OSError], None] | None = None
 
     def _open(self) -> None:
         with deferred():  # no signal between creating the file and remembering to remove it
@@ -400,10 +401,19 @@ class JsonlSink:
                 # raising here would fail whichever stage emitted the record, with the OS's words and no flag;
                 # the run goes on and close() refuses to publish, naming the flag and the path
                 self._failed = exc
+                if self._on_failure is not None:
+                    self._on_failure(exc)
         if self._chain.head is not None:
             record = {**record, PREV: self._chain.head}
         self._chain.link(record)
         self._pending = record
+
+    def watch(self, on_failure: Callable[[OSError], None]) -> None:
+        """Call ``on_failure(error)`` at the first write that fails (at once when one already has): a server runs for
+        days, and learning only at its stop that the audit was lost since the disk filled is too late."""
+        self._on_failure = on_failure
+        if self._failed is not None:
+            on_failure(self._failed)
 
     def __call__(self, record: dict[str, Any]) -> None:
         if self._file is None:

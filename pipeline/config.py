@@ -91,6 +91,8 @@ SIZE_HELP = ("a byte count, in whole bytes, such as 8589934592, 8GiB (= 8G = 8*2
 def parse_size(text: str) -> int:
     """Parse ``"8GiB"``, ``"8G"`` (GiB), ``"512MB"``, ``"1e9"`` or ``"4096"`` into bytes; ``ValueError`` otherwise."""
     s = text.strip().lower().replace("_", "")
+    if not s.isascii():  # Decimal() reads any script's digits ('٣GiB'); the integer flags take 0-9 only
+        raise ValueError(text)
     num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = s[len(num):].strip()
     if unit not in _SIZE_UNITS or not num:

@@ -516,6 +516,18 @@ class KvEventsFileFailed(Event):
     reason: str
 
 
+@event("audit_log_failed", level="warning")
+class AuditLogFailed(Event):
+    """``kvload serve``'s ``--audit-log`` file could not be written (a full disk), said when it happens: the file is
+    not published (the server exits 1 when it stops) and the records from here on are kept only in memory; requests
+    go on."""
+
+    field: str  # the flag that named the file (--audit-log), so the warning line names it
+    path: str
+    error: str  # the OS error, as "[Errno 28] No space left on device"
+    reason: str
+
+
 @event("api_key_required")
 class ApiKeyRequired(Event):
     """``kvload serve`` answers only requests with ``Authorization: Bearer KEY`` (one of ``keys`` keys) on every path

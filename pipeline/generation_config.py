@@ -30,6 +30,7 @@ from typing import Any
 import attrs
 
 from models.checkpoint import read_generation_config, read_json_object
+from models.user_paths import expand_user
 from pipeline.config import GENERATION_CONFIG_AUTO, GENERATION_CONFIG_NONE, GenerationDefaults, public_fields
 from pipeline.converter import structure
 from pipeline.errors import ConfigError, ModelError
@@ -102,7 +103,7 @@ def _locate(setting: str, model_dir: Path | None, source: str | None) -> tuple[P
             return None, None
         data = read_generation_config(model_dir)  # the eos_token_id checks every load of the checkpoint runs
         return (model_dir / "generation_config.json", data) if data is not None else (None, None)
-    given = Path(setting).expanduser()
+    given = expand_user(setting)
 
     def refused(problem: str) -> ConfigError:
         detail = f"{problem}; accepted: {ACCEPTED}"

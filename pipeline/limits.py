@@ -67,6 +67,9 @@ MAX_SCHEMA_DEPTH = 64
 #: compiles ``(((a|b){0,30}){0,30}){0,30}`` (two of them, one in the other) in 1 ms, then takes 0.2 s to match its 20th
 #: token and 2.2 s its 38th, each on the engine loop; one alone (``((a|b){0,100}){0,100}``) stays near 1 ms a token.
 MAX_NULLABLE_REPEAT_NESTING = 1
+#: Most a JSON schema's pattern repetition counts may add up to, squared (``engine.schema_patterns``): xgrammar compiles
+#: a schema's ``^.{1000}$`` in 0.25 s, four of them (4,000,000) in 1 s; ``^a{50000}$`` (2.5e9) took 203 s.
+MAX_PATTERN_COUNT_SQUARES = 4_000_000
 #: Most ``choice`` strings one structured request may give (each is a branch of its grammar).
 MAX_STRUCTURED_CHOICES = 4096
 #: Longest prefix-reuse salt (characters): it is hashed into every block key of its request and cached per salt

@@ -149,6 +149,12 @@ def config_mutations(base: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]
         "rope_parameters.sliding_attention.factor")
     for value in ("linear", 4, [1]):
         yield f"rope_scaling={json.dumps(value)}", {**base, "rope_scaling": value}, "rope_scaling"
+    # RoPE's base: a string failed the load naming no field; 0 or a negative one gave NaN angles, text out, exit 0
+    for value in (0, -1, -10000.0, "10000", True, [10000]):
+        yield f"rope_theta={json.dumps(value)}", {**base, "rope_theta": value}, "rope_theta"
+        rope = {"rope_type": "default", "rope_theta": value}
+        yield f"rope_parameters.rope_theta={json.dumps(value)}", {**base, "rope_parameters": rope}, \
+            "rope_parameters.rope_theta"
 
 
 def exit_signal_name(code: int) -> str:

@@ -79,11 +79,15 @@ def test_a_bad_word_is_never_generated_and_the_rest_stays_greedy(llm):
 
 
 def test_bad_values_are_one_line_naming_the_field(llm):
-    cases = [({"allowed_token_ids": []}, r"^generate: allowed_token_ids: expected a non-empty list of token ids"),
+    # a list is shown as the list given (the server's JSON array, --stop), not as the tuple kept: "got ('',)" read as
+    # Python's, not the client's
+    cases = [({"allowed_token_ids": []}, r"^generate: allowed_token_ids: expected a non-empty list of token ids "
+                                         r"\(integers >= 0\), or None for any, got \[\]$"),
              ({"allowed_token_ids": [3, VOCAB]}, rf"^generate: allowed_token_ids: token id {VOCAB} is outside the "
                                                  rf"vocabulary \(0\.\.{VOCAB - 1}\)$"),
              ({"bad_words": "w5"}, r"^generate: bad_words: expected a list of non-empty strings, got 'w5'$"),
-             ({"bad_words": [" "]}, r"^generate: bad_words: expected a list of non-empty strings")]
+             ({"bad_words": [" "]}, r"^generate: bad_words: expected a list of non-empty strings, got \[' '\]$"),
+             ({"stop": ["a", ""]}, r"^generate: stop: expected a non-empty string or a list of them, got \['a', ''\]$")]
     for kw, match in cases:
         with pytest.raises(GenerationError, match=match) as info:
             tokens(llm, **kw)

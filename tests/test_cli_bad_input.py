@@ -122,6 +122,9 @@ CASES = [
     ("unknown-preset", "plan tiny-llama3", 2,
      ["'tiny-llama3'", "not a preset", "tiny-deepseek-v4, tiny-gemma3, tiny-llama"]),
     ("missing-dir", "plan {in}/no-such-ckpt", 2, ["no-such-ckpt", "no such directory"]),
+    # ~user with no such user: Path.expanduser raised RuntimeError ("apply_model_defaults: RuntimeError: Could not
+    # determine home directory."); a shell leaves it as it is, and so does kvload
+    ("tilde-no-user", "plan ~no_such_user_kvload/ckpt", 2, ["model '~no_such_user_kvload/ckpt': no such directory"]),
     ("dir-without-config", "plan {in}/empty-dir", 2, ["empty-dir", "no config.json"]),
     ("model-is-file", "plan {in}/weights.bin", 2, ["weights.bin", "is a file"]),
     ("config-malformed", "plan {in}/ckpt-malformed", 2, ["ckpt-malformed/config.json", "malformed JSON", "line 2"]),

@@ -225,6 +225,58 @@ def test_a_kv_events_file_that_hits_its_size_limit_warns_once_and_fails_no_reque
         reap(proc)
 
 
+def test_an_audit_log_that_cannot_be_written_is_said_while_the_server_runs_and_fails_no_request(tmp_path):
+    """A real server whose --audit-log cannot grow (RLIMIT_FSIZE, as a full disk): one audit_log_failed warning names
+    the flag, the path and the error as soon as a write fails, while requests go on (it was said only at the stop,
+    days later for a server); the stop then exits 1 in one line and leaves no file, temporary or published."""
+    import resource
+
+    import openai
+
+    out = tmp_path / "audit"
+    out.mkdir()
+    log = out / "serve.jsonl"
+    limit = 48_000  # the load's records fit; some requests' later do not
+
+    def small_files() -> None:  # in the child only; Python ignores SIGXFSZ, so the write fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    proc = subprocess.Popen([sys.executable, "-m", "kvload", "serve", "tiny-llama", "--port", "0", "--max_tokens",
+                             "1024", "--audit-log", str(log)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=small_files,
+                            env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, cwd=REPO)
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not lines or " at http://" not in lines[-1]:
+            assert time.monotonic() < deadline and proc.poll() is None, f"server did not start: {lines}"
+            lines.append(proc.stderr.readline())
+        url = lines[-1].split(" at ", 1)[1].split(" ", 1)[0]
+        reader = threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True)
+        reader.start()
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        warned = []
+        for _ in range(200):
+            r = client.completions.create(model="tiny-llama", prompt=[5, 17, 30, 8], max_tokens=4)
+            assert r.choices[0].finish_reason == "length"
+            warned = [x for x in lines if "audit_log_failed" in x]
+            if warned:
+                break
+        assert proc.poll() is None and len(warned) == 1, lines
+        assert "--audit-log" in warned[0] and str(log) in warned[0] and "File too large" in warned[0]
+        r = client.completions.create(model="tiny-llama", prompt=[5, 17, 30, 8], max_tokens=4)  # still served
+        assert r.choices[0].finish_reason == "length"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 1
+        reader.join(timeout=10)
+        text = "".join(lines)
+        assert "Traceback" not in text and text.count("audit_log_failed") == 1, text
+        assert lines[-1] == f"error: --audit-log {log}: cannot write it (File too large); nothing was written\n"
+        assert list(out.iterdir()) == []
+    finally:
+        reap(proc)
+
+
 def test_a_taken_port_or_a_bad_one_exits_2_with_one_line(capsys):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -215,6 +215,8 @@ def test_a_bad_value_in_a_named_directory_is_named_too_and_vllm_never_reads_it(c
     (["--generation-config", "/no/such/dir"], "error: --generation-config: '/no/such/dir': no such directory; "
                                               'accepted: "auto" (the checkpoint\'s generation_config.json), "vllm"'),
     (["--generation_config", "none"], "error: --generation_config: 'none': no such directory; accepted: "),
+    (["--generation_config", "~no_such_user_kvload/x"],
+     "error: --generation_config: '~no_such_user_kvload/x': no such directory; accepted: "),
     (["--override-generation-config", "temperature=0.5"], "error: --override-generation-config: expected a JSON "
                                                           "object such as '{\"temperature\": 0.5}'"),
     (["--override-generation-config", '{"temperature": NaN}'], "expected a JSON object"),

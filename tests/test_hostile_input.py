@@ -323,8 +323,19 @@ non_positive = st.integers(min_value=-(2**70), max_value=0).map(str)
 words = st.sampled_from(["", "four", "1e3", "0x10", "1.5", "2**64", "1_0_0_0_0_0_0_0_0_0_0_0_0_0_0_0_0_0_0_0_0"])
 
 
+
+def _in_script(zero: int) -> st.SearchStrategy[str]:
+    return st.integers(min_value=1, max_value=10**6).map(lambda n: "".join(chr(zero + int(d)) for d in str(n)))
+
+
+#: A number in another script's digits (Arabic-Indic, fullwidth, Devanagari): int() and float() read them, a YAML
+#: config reads a string, so a flag took '٣٣٣٣' as 3333 where the same value in the config file was refused
+other_digits = st.one_of(_in_script(0x660), _in_script(0xFF10), _in_script(0x966))
+
+
 @FAST
-@given(flag=st.sampled_from(INT_FLAGS), text=st.one_of(too_big, huge_digits, not_finite, non_positive, words))
+@given(flag=st.sampled_from(INT_FLAGS),
+       text=st.one_of(too_big, huge_digits, not_finite, non_positive, words, other_digits))
 def test_integer_flags_at_the_edges(capsys, flag, text):
     r = _plan(capsys, "tiny-llama", f"{flag}={text}")
     assert_refused(r, flag)
@@ -332,13 +343,15 @@ def test_integer_flags_at_the_edges(capsys, flag, text):
 
 @FAST
 @given(flag=st.sampled_from(SIZE_FLAGS),
-       text=st.one_of(too_big, huge_digits, not_finite, st.sampled_from(["-1", "1.5", "8XB", "-8GiB", "1e30GiB"])))
+       text=st.one_of(too_big, huge_digits, not_finite, other_digits, other_digits.map(lambda t: t + "GiB"),
+                      st.sampled_from(["-1", "1.5", "8XB", "-8GiB", "1e30GiB"])))
 def test_byte_count_flags_at_the_edges(capsys, flag, text):
     assert_refused(_plan(capsys, "tiny-llama", f"{flag}={text}"), flag)
 
 
 @FAST
-@given(text=st.one_of(not_finite, st.sampled_from(["0", "-0.5", "1.0000001", "1e-400", "2"]), huge_digits))
+@given(text=st.one_of(not_finite, st.sampled_from(["0", "-0.5", "1.0000001", "1e-400", "2", "０.５", "٠.٥"]),
+                      huge_digits))
 def test_kv_cache_fraction_at_the_edges(capsys, text):
     assert_refused(_plan(capsys, "tiny-llama", f"--kv_cache_fraction={text}"), "--kv_cache_fraction")
 
@@ -347,7 +360,8 @@ GENERATE_EDGES = {
     "--temperature": st.one_of(not_finite, st.sampled_from(["-1", "-1e-300", "hot"])),
     "--top_p": st.one_of(not_finite, st.sampled_from(["0", "1e-400", "-1", "1.5"])),
     "--seed": st.one_of(too_big, huge_digits, st.integers(max_value=-1).map(str)),
-    "--max_new_tokens": st.one_of(too_big, huge_digits, non_positive),
+    "--max_new_tokens": st.one_of(too_big, huge_digits, non_positive, other_digits),
+    "--prompt-ids": st.one_of(other_digits, huge_digits, st.sampled_from(["1,²", "①", "1,2,³", "¹²"])),
 }
 
 

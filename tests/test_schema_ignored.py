@@ -46,6 +46,11 @@ NOT_ENFORCED = [
     ({"required": ["a"]}, "required", "{}"),
     ({"maximum": 3}, "maximum", "9"),
     ({"exclusiveMinimum": 3}, "exclusiveMinimum", "1"),
+    # beside a const or enum xgrammar matches the values alone (kvload checks the type and the bounds itself)
+    ({"type": "string", "enum": ["abc", "x"], "pattern": "^x$"}, "pattern", '"abc"'),
+    ({"const": "abc", "format": "email"}, "format", '"abc"'),
+    ({"type": "integer", "enum": [3, 4], "multipleOf": 3}, "multipleOf", "4"),
+    ({"type": "object", "const": {"yy": 1}, "propertyNames": {"maxLength": 1}}, "propertyNames", '{"yy":1}'),
 ]
 
 

@@ -200,6 +200,22 @@ REFUSED = "holds the reply to tool calls"
         "type": "object", "properties": {"n": {"anyOf": []}}, "required": ["n"]}}}],
       "tool_choice": {"type": "function", "function": {"name": "none"}}}, "tools[1].function.parameters",
      "tools[1].function.parameters: admits no value: a part of the schema"),
+    # a pattern count xgrammar compiles in time growing with its square (^a{50000}$: 203 s on the parsing thread)
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "slow", "parameters": {
+        "type": "object", "properties": {"code": {"type": "string", "pattern": "^[0-9]{2100}$"}}}}}],
+      "tool_choice": "required"}, "tools[1].function.parameters",
+     "tools[1].function.parameters: properties.code.pattern: too costly to compile: a repetition count of 2,100"),
+    # an allOf of two schemas: xgrammar matched any JSON value for the whole parameters, their type included
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "both", "parameters": {
+        "type": "object", "allOf": [{"required": ["a"]}, {"required": ["b"]}]}}}],
+      "tool_choice": "required"}, "tools[1].function.parameters",
+     "tools[1].function.parameters: allOf: an allOf of 2 schemas is not held: xgrammar matches any JSON value there"),
+    # a $ref xgrammar does not resolve: it matched any JSON value there (and printed a C++ warning line per request)
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "far", "parameters": {
+        "type": "object", "properties": {"city": {"$ref": "https://example.com/city.json"}}}}}],
+      "tool_choice": "required"}, "tools[1].function.parameters",
+     "tools[1].function.parameters: properties.city.$ref: 'https://example.com/city.json' is not a JSON-pointer "
+     "reference into the schema"),
     # a pattern nesting repeats that may be empty: xgrammar would take seconds a token to match it, stalling the
     # engine loop for every request
     ({"tools": [WEATHER, {"type": "function", "function": {"name": "slow", "parameters": {

@@ -205,6 +205,12 @@ def test_a_spec_xgrammar_refuses_is_one_line_before_anything_runs(llm, so, messa
     ({"type": "object", "properties": {"a": {"anyOf": []}}, "required": ["a"]},
      "a part of the schema (xgrammar's rule root_prop_0) matches only the empty text"),
     ({"type": "array", "items": {"oneOf": []}}, "a part of the schema"),
+    # a $ref cycle with no way out: xgrammar compiles it, and a sample ran to max_tokens writing ever deeper nesting
+    ({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+     "each way through the schema needs it again (a $ref back to it under a required property or a minItems)"),
+    ({"type": "array", "items": {"$ref": "#"}, "minItems": 1}, "so no finite JSON satisfies it"),
+    ({"type": "object", "properties": {"a": {"type": "array", "items": {"$ref": "#/properties/a"}, "minItems": 1}}},
+     "a part of the schema (xgrammar's rule root_prop_0) admits no finite value"),
 ])
 def test_a_schema_no_json_value_satisfies_is_one_line_saying_so_before_anything_runs(llm, schema, message):
     started = len(llm.audit.of("generation_started"))
@@ -218,13 +224,17 @@ def test_a_schema_no_json_value_satisfies_is_one_line_saying_so_before_anything_
 def test_no_rule_of_a_satisfiable_schemas_grammar_is_read_as_matching_only_the_empty_text():
     import xgrammar
 
-    from engine.grammar_shape import empty_only_rules
+    from engine.grammar_shape import empty_only_rules, never_ending_rules
 
     for schema in (SCHEMA, {"type": "object"}, {"type": "string", "maxLength": 0}, {"type": "array", "maxItems": 0},
                    {"type": "array", "items": False}, {"anyOf": [{"type": "string"}, {"type": "null"}]},
                    {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}}}):
         assert empty_only_rules(str(xgrammar.Grammar.from_json_schema(json.dumps(schema)))) == [], schema
     assert empty_only_rules(str(xgrammar.Grammar.builtin_json_grammar())) == []
+    assert never_ending_rules(str(xgrammar.Grammar.builtin_json_grammar())) == []
+    for schema in (SCHEMA, {"anyOf": [{"$ref": "#"}, {"type": "null"}]}, {"type": "array", "items": {"$ref": "#"}},
+                   {"type": "object", "properties": {"a": {"$ref": "#"}}}):  # a $ref with a way out: finite values
+        assert never_ending_rules(str(xgrammar.Grammar.from_json_schema(json.dumps(schema)))) == [], schema
     assert empty_only_rules(str(xgrammar.Grammar.from_ebnf('root ::= "" | x\nx ::= [a]*'))) == []
     assert empty_only_rules(str(xgrammar.Grammar.from_ebnf('root ::= "a" x\nx ::= ""'))) == ["x"]
 
@@ -425,6 +435,12 @@ def test_the_server_takes_response_format_and_structured_outputs_from_the_openai
                  "structured_outputs.json: admits no value: the schema is false"),
                 ({"structured_outputs": {"json": {"type": "object", "properties": {"a": {"anyOf": []}}}}},
                  "structured_outputs", "structured_outputs.json: admits no value: a part of the schema"),
+                ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                    "type": "object", "properties": {"a": {"enum": [1, 2], "type": "string"}}}}}},
+                 "response_format", 'response_format: admits no value: properties.a: no value of enum [1, 2] is of '
+                                    'type "string"'),
+                ({"structured_outputs": {"json": '{"type": "object", "properties": {"a": {}, "a": {}}}'}},
+                 "structured_outputs", "structured_outputs.json: key 'a' appears twice in one object"),
                 ({"structured_outputs": {"regex": NESTED}}, "structured_outputs",
                  "structured_outputs.regex: too costly to match"),
                 ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
@@ -532,6 +548,27 @@ def test_generate_choice_flags_give_one_of_the_choices(capsys, bytes_ckpt):
     (("--json-schema", '{"anyOf": []}'), "error: --json-schema: admits no value: xgrammar's grammar for the schema "
                                          "matches only the empty text"),
     (("--json-schema", "false"), "error: --json-schema: admits no value: the schema is false"),
+    # JSON text that json reads and xgrammar reads otherwise: the last "type" of two (xgrammar's own parser may keep
+    # the first), 1e400 (xgrammar refused it as "RuntimeError"), NaN
+    (("--json-schema", '{"type": "string", "type": "integer"}'),
+     "error: --json-schema: key 'type' appears twice in one object; give standard JSON, each key once"),
+    (("--json-schema", '{"type": "integer", "maximum": 1e400}'),
+     "error: --json-schema: the number 1e400 is past a double's range (about 1.8e308)"),
+    (("--json-schema", '{"type": "number", "minimum": NaN}'), "error: --json-schema: NaN is not standard JSON"),
+    # xgrammar refused these as '"type mismatch! call is<type>() before get<type>()" && is<std::string>()', and took
+    # "type": [] as any value
+    (("--json-schema", '{"type": "object", "properties": {"a": {"type": "object", "required": [1]}}}'),
+     "error: --json-schema: properties.a.required: expected a list of property names (strings), got [1]"),
+    (("--json-schema", '{"type": "string", "pattern": 5}'),
+     "error: --json-schema: pattern: expected a regular expression (a string), got 5"),
+    (("--json-schema", '{"type": "array", "items": {"type": "string", "format": false}}'),
+     "error: --json-schema: items.format: expected a format name (a string), got false"),
+    (("--json-schema", '{"type": []}'), "error: --json-schema: type: expected a type name or a non-empty list of them"),
+    (("--json-schema", '{"type": "array", "items": {"$ref": "defs.json#/item"}}'),
+     "error: --json-schema: items.$ref: 'defs.json#/item' is not a JSON-pointer reference into the schema; xgrammar "
+     "resolves only '#' and '#/...' (any JSON value would be matched there) and kvload fetches nothing"),
+    (("--json-schema", '{"const": 1, "type": "string"}'),
+     'error: --json-schema: admits no value: the schema: const 1 is not of type "string"'),
     (("--json-schema", "@MISSING"), "error: --json-schema: @MISSING: not found"),
     (("--grammar", "@"), "error: --grammar: @ names no file; give @FILE, or a grammar itself"),
     (("--choice", "a", "--choice", ""), "error: --choice #2: expected a non-empty string, got ''"),

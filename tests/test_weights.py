@@ -274,6 +274,40 @@ def test_the_cli_refuses_a_bad_checkpoint_in_one_line_without_transformers_repor
     assert "lacks 20 of the model's tensors" in r.stderr and "LOAD REPORT" not in r.stderr
 
 
+@pytest.mark.parametrize("name", ["model.safetensors", "pytorch_model.bin"])
+def test_a_weights_file_that_is_a_fifo_is_one_line_not_a_hang(tmp_path, name):
+    # safetensors and torch open it and wait for a writer that never comes: kvload generate hung until killed
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    ckpt = _llama_checkpoint(tmp_path / "ckpt")
+    (ckpt / "model.safetensors").unlink()
+    os.mkfifo(ckpt / name)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    r = subprocess.run([sys.executable, "-m", "kvload", "generate", str(ckpt), "--prompt-ids", "1,2,3",
+                        "--max_new_tokens", "2", "--max_tokens", "1024"], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr == (f"error: {ckpt / name}: not a regular file (a FIFO or device?), expected a weights file "
+                        "(safetensors or a torch .bin)\n")
+
+
+@pytest.mark.parametrize(("make", "words"), [
+    (lambda p: p.mkdir(), "is a directory, expected a weights file (safetensors or a torch .bin)"),
+    (lambda p: p.symlink_to(p), "cannot read (Too many levels of symbolic links)"),
+    (lambda p: p.symlink_to(p.parent / "gone.safetensors"), "is a symbolic link to nothing; expected a weights file"),
+])
+def test_a_weights_file_that_is_no_file_names_it(tmp_path, make, words):
+    ckpt = _llama_checkpoint(tmp_path / "ckpt")
+    weights = ckpt / "model.safetensors"
+    weights.unlink()
+    make(weights)
+    with pytest.raises(ModelError) as info:
+        load_through_stages(str(ckpt))
+    assert str(info.value) == f"{weights}: {words}"
+
+
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gemma3", "tiny-deepseek-v3"])
 def test_a_float8_kv_cache_generates_on_the_cpu_in_a_quarter_of_the_float32_pools(preset):
     # full, sliding and MLA latent layers: the pools hold float8 and a step writes and reads them

@@ -33,9 +33,10 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from engine.reasoning import ReasoningText
+from engine.schema_refs import OUTSIDE
 from engine.serving import EngineStopped, ServeEvent, ServingEngine
 from engine.stopping import SampleText
-from engine.structured import COSTLY, NO_VALUE
+from engine.structured import ANY_VALUE, COSTLY, NO_VALUE, SLOW_COMPILE
 from engine.structured_params import StructuredOutputsParams
 from kvload.serve.auth import ApiKeyGate
 from kvload.serve.command import MAX_CONCURRENT_DEFAULT, READ_TIMEOUT_DEFAULT
@@ -799,7 +800,8 @@ class _Run:
                 head = msg.split(":", 1)[0].split("[", 1)[0]  # bad_words[2]: the field
                 if head.split(".", 1)[0] == "structured_outputs" and job.structured_field is not None:
                     # the schema xgrammar refused (or xgrammar missing), named as the request named it
-                    field = job.structured_field if job.tool_choice is None else self._refused_tool(ids, params, msg)
+                    field, msg = (job.structured_field, msg) if job.tool_choice is None else \
+                        self._refused_tool(ids, params, msg)
                     if field != "structured_outputs":
                         msg = field + ":" + msg.split(":", 1)[1]
                     raise BadRequest(msg, param=field) from None
@@ -838,23 +840,25 @@ class _Run:
                 self.abort()
             raise
 
-    def _refused_tool(self, ids: list[int], params: Any, msg: str) -> str:
-        """The field to name when xgrammar refused ``tool_choice``'s schema: the named function's parameters; for
-        "required", the first tool whose parameters xgrammar refuses on their own (``tools`` when none does: their
+    def _refused_tool(self, ids: list[int], params: Any, msg: str) -> tuple[str, str]:
+        """The field to name when xgrammar refused ``tool_choice``'s schema, and the refusal: the named function's
+        parameters; for "required", the first tool whose parameters are refused on their own, with that refusal (its
+        paths within the tool's parameters, not within the schema of all the calls) (``tools`` when none is: their
         combination); ``tool_choice`` when it is not the schema (xgrammar missing)."""
         choice = self.job.tool_choice
-        if "xgrammar refused it" not in msg and COSTLY not in msg and NO_VALUE not in msg:
-            return "tool_choice"
+        schema_words = ("xgrammar refused it", ANY_VALUE, COSTLY, NO_VALUE, OUTSIDE, SLOW_COMPILE)
+        if not any(words in msg for words in schema_words):
+            return "tool_choice", msg
         tools = [choice.tool] if choice.tool is not None else range(len(choice.schemas))
         for i in tools:
             alone = attrs.evolve(params, structured_outputs=StructuredOutputsParams(json=choice.schemas[i]))
             try:
                 self.engine.check(ids, alone)
-            except GenerationError:
-                return f"tools[{i}].function.parameters"
+            except GenerationError as exc:
+                return f"tools[{i}].function.parameters", str(exc).removeprefix("generate: ")
             except KvBuildError:  # past the schema's checks: not this one
                 continue
-        return "tools"
+        return "tools", msg
 
     def _never_fits(self, job: Any, i: int, prompt: int, exc: KvBuildError) -> BadRequest:
         """A request that could not complete even alone in the KV cache, with the advice a client can follow: fewer

@@ -371,6 +371,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
                             enable_reset_prefix_cache=ns.enable_reset_prefix_cache,
                             tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
                             metrics_naming=ns.metrics_name_prefix, responses_store_max=ns.responses_store_max)
+        _warn_when_the_audit_log_fails(state, getattr(ns, "audit_sink", None))
         mirror = None
         if ns.kv_events_file is not None:  # a full disk later stops the mirror with a warning, never a request
             mirror = mirror_kv_events(state, ns.kv_events_file, "--kv-events-file")
@@ -396,6 +397,22 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
                 result.kv_manager.kv_events.mirror = None
                 mirror.close()
     return 0
+
+
+def _warn_when_the_audit_log_fails(state: Any, sink: Any) -> None:
+    """An ``audit_log_failed`` warning (the server's log and in-memory audit) as soon as ``--audit-log`` cannot be
+    written, not only the error line at the server's stop; requests go on."""
+    if sink is None:
+        return
+    from pipeline.events import AuditLogFailed
+
+    def failed(exc: OSError) -> None:  # on whichever thread emitted the record: queued for the loop to emit
+        state.engine.notify(AuditLogFailed(
+            field="--audit-log", path=str(sink.path), error=str(exc),
+            reason="the file will not be published (kvload serve exits 1 when it stops); the records from here on "
+                   "are kept only in memory (GET /v1/kvload/audit); requests go on"))
+
+    sink.watch(failed)
 
 
 def _follow(ns: argparse.Namespace, result: Any) -> int:
