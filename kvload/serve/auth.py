@@ -115,18 +115,24 @@ class ApiKeyGate:
             await self.app(scope, receive, send)
             return
         values = [v for k, v in scope["headers"] if k == b"authorization"]  # ASGI names are lower-case
-        if values and self.accepts(values):
+        # Anthropic's clients send the key as X-Api-Key (vLLM's Messages API takes it so too)
+        keys = [v for k, v in scope["headers"] if k == b"x-api-key"]
+        if (values and self.accepts(values)) or (keys and self.accepts_key(keys)):
             await self.app(scope, receive, send)
             return
-        if values:
+        if values or keys:
             message = ("Incorrect API key provided: the Authorization header must be 'Bearer ' and a key this server "
-                       "accepts")
+                       "accepts (or the X-Api-Key header that key)")
         else:
             message = ("You didn't provide an API key: this server requires the header 'Authorization: Bearer KEY' "
-                       "(the openai client sends its api_key so)")
+                       "(the openai client sends its api_key so) or 'X-Api-Key: KEY' (the anthropic client's)")
         refused = BadRequest(message, status=401, code="invalid_api_key")
         if self.metrics is not None:
             self.metrics.on_refused(401)
+        if scope["path"].startswith("/v1/messages"):  # Anthropic's error document on Anthropic's paths
+            from kvload.serve.messages_input import AnthropicError
+
+            refused = AnthropicError.of(refused)
         await self._response(refused.body(), status_code=401,
                            headers={"WWW-Authenticate": "Bearer", "Connection": "close"})(scope, receive, send)
 
@@ -139,7 +145,14 @@ class ApiKeyGate:
         scheme, _, rest = values[0].partition(b" ")
         if scheme.lower() != b"bearer":
             return False
-        presented = hashlib.sha256(rest.lstrip(b" ")).digest()
+        return self._known(rest.lstrip(b" "))
+
+    def accepts_key(self, values: list[bytes]) -> bool:
+        """Whether the request's X-Api-Key header (one) is one of the keys."""
+        return len(values) == 1 and self._known(values[0].strip(b" "))
+
+    def _known(self, key: bytes) -> bool:
+        presented = hashlib.sha256(key).digest()
         ok = False
         for known in self.digests:  # every key compared, so the time says nothing about which one matched
             ok |= hmac.compare_digest(presented, known)
