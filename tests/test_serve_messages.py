@@ -15,7 +15,7 @@ import pytest
 from anthropic.types import Message, MessageTokensCount, RawMessageStreamEvent
 from pydantic import TypeAdapter
 
-from tests.serve_support import TIMEOUT, Script, serving
+from tests.serve_support import TIMEOUT, Script, fails_once, serving
 from tests.test_serve_responses import ANSWER, TEMPLATE, THOUGHT, Seen
 from tests.text_support import bytelevel_checkpoint
 
@@ -317,3 +317,25 @@ def test_the_anthropic_clients_x_api_key_is_taken_as_the_key(keyed):
         assert http.post("/tokenize", json={"prompt": "a"}, headers={"X-Api-Key": KEY}).status_code == 200
         refused = http.post("/tokenize", json={"prompt": "a"}, headers={"X-Api-Key": "sk-wrong"})
         assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_a_step_the_engine_fails_is_an_api_error_or_an_error_event_and_the_server_serves_on(plain, monkeypatch):
+    served = plain.served
+    plain.script.say("Blue.")
+    executor = served.state.engine.executor
+    fails_once(monkeypatch, executor, "forward_scored", RuntimeError("injected: the device failed"))
+    with pytest.raises(anthropic.InternalServerError) as caught:
+        create(plain, max_tokens=5)
+    assert caught.value.body == {"type": "error", "error": {"type": "api_error",
+                                                            "message": "RuntimeError: injected: the device failed"}}
+    fails_once(monkeypatch, executor, "forward_scored", RuntimeError("injected again"))
+    # read raw (the SDK raises on it): the stream began, and its last event is Anthropic's error
+    with served.http.stream("POST", "/v1/messages", json={"model": served.state.model_name, "messages": HELLO,
+                                                           "max_tokens": 5, "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[0] == "event: message_start" and lines[-2] == "event: error"
+    assert json.loads(lines[-1].removeprefix("data: ")) == {"type": "error", "error": {
+        "type": "api_error", "message": "RuntimeError: injected again"}}
+    assert served.metrics()["kvload_kv_cache_blocks{layer_group=uniform,state=used}"] == 0
+    assert create(plain, max_tokens=5).content[0].text == "Blue."  # and it serves on
+    assert plain.served.http.get("/v1/messages").json()["type"] == "error"  # a wrong method: Anthropic's document too
