@@ -3,7 +3,8 @@
 vLLM (``--api-key`` / ``VLLM_API_KEY``, its ``AuthenticationMiddleware``) answers 401 to a request under ``/v1``
 without ``Authorization: Bearer KEY`` (any of its keys; the scheme in any case), lets ``OPTIONS`` through (a CORS
 preflight carries no credentials) and leaves every other path open. kvload checks the same header the same way,
-but only ``/health``, ``/metrics`` and ``/version`` stay open (probes and scrapers send no key, as under vLLM):
+and takes the key as ``X-Api-Key`` too (Anthropic's clients send it so, to ``/v1/messages``), but only
+``/health``, ``/metrics`` and ``/version`` stay open (probes and scrapers send no key, as under vLLM):
 
 * ``/tokenize`` and ``/detokenize``, open in vLLM (its issue #18892 reports them as reachable without the key),
   share the server's ``--max-concurrent-requests`` slots and its one-at-a-time parse gate with completions and run
@@ -91,8 +92,9 @@ def is_loopback(address: str) -> bool:
 
 
 class ApiKeyGate:
-    """ASGI middleware: 401, in OpenAI's error body, for a request without an accepted ``Authorization: Bearer KEY``
-    on any path but :data:`OPEN_PATHS` (``OPTIONS`` passes, as in vLLM).
+    """ASGI middleware: 401, in OpenAI's error body (Anthropic's under ``/v1/messages``), for a request without an
+    accepted ``Authorization: Bearer KEY`` or ``X-Api-Key: KEY`` on any path but :data:`OPEN_PATHS` (``OPTIONS``
+    passes, as in vLLM).
 
     Outermost, so a request refused here holds no ``--max-concurrent-requests`` slot and has no body read: the
     answer closes the connection (``Connection: close``), as the server's other refusals before the body do.
@@ -115,7 +117,7 @@ class ApiKeyGate:
             await self.app(scope, receive, send)
             return
         values = [v for k, v in scope["headers"] if k == b"authorization"]  # ASGI names are lower-case
-        # Anthropic's clients send the key as X-Api-Key (vLLM's Messages API takes it so too)
+        # Anthropic's clients send the key as X-Api-Key
         keys = [v for k, v in scope["headers"] if k == b"x-api-key"]
         if (values and self.accepts(values)) or (keys and self.accepts_key(keys)):
             await self.app(scope, receive, send)
