@@ -339,3 +339,34 @@ def test_a_step_the_engine_fails_is_an_api_error_or_an_error_event_and_the_serve
     assert served.metrics()["kvload_kv_cache_blocks{layer_group=uniform,state=used}"] == 0
     assert create(plain, max_tokens=5).content[0].text == "Blue."  # and it serves on
     assert plain.served.http.get("/v1/messages").json()["type"] == "error"  # a wrong method: Anthropic's document too
+
+
+def test_settings_that_change_nothing_here_are_reported(plain):
+    plain.script.say("Ok.")
+    reply = create(plain, thinking={"type": "enabled", "budget_tokens": 2048}, tools=[CLOCK],
+                   tool_choice={"type": "none"}, messages=[
+                       {"role": "user", "content": "Time?"},
+                       {"role": "assistant", "content": [
+                           {"type": "thinking", "thinking": "Look it up.", "signature": "s"},
+                           {"type": "tool_use", "id": "t1", "name": "get_time", "input": {"zone": "UTC"}}]},
+                       {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "is_error": True,
+                                                     "content": [{"type": "text", "text": "no clock"}]}]}])
+    assert reply.content[0].text == "Ok."
+    assert ignored_settings(plain, reply.id) == {"serve.thinking": "enabled",  # no --reasoning-parser here
+                                                 "serve.messages[1].content[0]": "thinking",
+                                                 "serve.messages[2].content[0].is_error": True}
+    assert plain.seen.messages[-1][1:] == [
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "t1", "type": "function", "function": {"name": "get_time", "arguments": {"zone": "UTC"}}}]},
+        {"role": "tool", "tool_call_id": "t1", "content": "no clock"}]
+
+
+def test_disable_parallel_tool_use_keeps_the_reply_to_one_call(r1):
+    calls = "".join(f'<tool_call>{{"name": "get_time", "arguments": {{"zone": "{z}"}}}}</tool_call>'
+                    for z in ("UTC", "CET"))
+    r1.script.say(THOUGHT + "</think>" + calls)
+    both = create(r1, tools=[CLOCK], max_tokens=200)
+    assert [b.input for b in both.content if b.type == "tool_use"] == [{"zone": "UTC"}, {"zone": "CET"}]
+    one = create(r1, tools=[CLOCK], max_tokens=200, tool_choice={"type": "auto", "disable_parallel_tool_use": True})
+    assert [b.input for b in one.content if b.type == "tool_use"] == [{"zone": "UTC"}]
+    assert one.stop_reason == "tool_use"
