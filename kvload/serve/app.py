@@ -1,5 +1,6 @@
 """The HTTP face of ``kvload serve``: OpenAI's completions, chat completions and Responses API (run as the chat request
-saying the same: ``responses_input``, ``responses_output``), vLLM's /tokenize, /detokenize and /version, metrics,
+saying the same: ``responses_input``, ``responses_output``), Anthropic's Messages API (so: ``messages_input``,
+``messages_output``; its refusals in Anthropic's error document), vLLM's /tokenize, /detokenize and /version, metrics,
 kvload's audit.
 
 Handlers turn a request body into engine requests (one per prompt and choice) on a worker thread (parsing
@@ -750,8 +751,8 @@ class _Run:
 
     def prepare(self, raw: bytes | bytearray, kind: str) -> None:
         """Parse, tokenize, check and queue the request (on a worker thread); ``BadRequest`` when refused.
-        ``kind`` "responses": OpenAI's Responses body, served as the chat body saying the same, its refusals named
-        in its own words."""
+        ``kind`` "responses": OpenAI's Responses body ("messages": Anthropic's Messages body), served as the chat
+        body saying the same, its refusals named in its own words."""
         if kind == "messages":
             self._prepare_messages(raw)
             return
