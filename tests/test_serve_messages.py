@@ -188,6 +188,10 @@ def test_count_tokens_is_the_prompts_token_count(plain):
     assert counted.input_tokens == create(plain, **body).usage.input_tokens
     chat = [{"role": "system", "content": "Be brief."}, *body["messages"]]
     assert counted.input_tokens == plain.served.http.post("/tokenize", json={"messages": chat}).json()["count"] > 10
+    # tools are part of the prompt (the template shows them), and counting them needs no tool-call parser
+    with_tools = plain.client.messages.count_tokens(model=plain.served.state.model_name, tools=[CLOCK], **body)
+    assert with_tools.input_tokens == create(plain, tools=[CLOCK], tool_choice={"type": "none"},
+                                             **body).usage.input_tokens > counted.input_tokens
 
 
 # --- tools and thinking ----------------------------------------------------------------------------------------------
@@ -370,3 +374,23 @@ def test_disable_parallel_tool_use_keeps_the_reply_to_one_call(r1):
     one = create(r1, tools=[CLOCK], max_tokens=200, tool_choice={"type": "auto", "disable_parallel_tool_use": True})
     assert [b.input for b in one.content if b.type == "tool_use"] == [{"zone": "UTC"}]
     assert one.stop_reason == "tool_use"
+
+
+def test_the_chat_paths_names_are_read_back_as_the_messages_body_names_them():
+    from kvload.serve.messages_input import renamed, to_chat
+
+    chat, request = to_chat({"model": "m", "max_tokens": 5, "system": "Be brief.", "stop_sequences": ["x"],
+                             "messages": [
+                                 {"role": "user", "content": "a"},
+                                 {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f",
+                                                                    "input": {}}]},
+                                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t"},
+                                                              {"type": "text", "text": "b"}]}]})
+    assert [m["role"] for m in chat["messages"]] == ["system", "user", "assistant", "tool", "user"]
+    assert request.sources == ("system", "messages[0]", "messages[1]", "messages[2].content[0]", "messages[2]")
+    assert renamed("messages[3].content: bad", request) == "messages[2].content[0].content: bad"
+    assert renamed("messages[0].content: bad", request) == "system.content: bad"
+    assert renamed("tools[1].function.parameters: xgrammar refused it", request) == \
+        "tools[1].input_schema: xgrammar refused it"
+    assert renamed("stop[0]: too long", request) == "stop_sequences[0]: too long"
+    assert renamed("stop: too many", request) == "stop_sequences: too many"

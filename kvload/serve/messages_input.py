@@ -112,7 +112,9 @@ def to_chat(body: Any, tool_parser: str | None = None, reasoning_parser: str | N
     tools = _tools(body.get("tools"), ignored)
     if tools:
         chat["tools"] = tools
-    choice, parallel = _tool_choice(body.get("tool_choice"), tools, tool_parser)
+    choice, parallel = _tool_choice(body.get("tool_choice"), tools, tool_parser, count)
+    if count and tools:  # checked, but nothing is generated: the prompt (the tools given to the template) is the same
+        choice, parallel = "none", None  # whatever the choice, and "auto" needs no parser to be counted
     if choice is not None:
         chat["tool_choice"] = choice
     if parallel is not None:
@@ -273,9 +275,11 @@ _AUTO_FLAGS = f"--enable-auto-tool-choice --tool-call-parser {'|'.join(TOOL_CALL
 _CHOICES = '{"type": "auto"}, {"type": "any"}, {"type": "tool", "name": ...} or {"type": "none"}'
 
 
-def _tool_choice(value: Any, tools: list[dict[str, Any]], parser: str | None) -> tuple[Any, bool | None]:
+def _tool_choice(value: Any, tools: list[dict[str, Any]], parser: str | None,
+                 count: bool = False) -> tuple[Any, bool | None]:
     """Anthropic's ``tool_choice`` as chat's, and ``parallel_tool_calls`` (false for ``disable_parallel_tool_use``).
-    "auto" (the default with tools) needs a tool-call parser: the model chooses between text and calls."""
+    "auto" (the default with tools) needs a tool-call parser (but to be ``count``-ed): the model chooses between text
+    and calls."""
     if value is None:
         value = {"type": "auto"}
     _need(isinstance(value, dict) and value.get("type") in ("auto", "any", "tool", "none"), "tool_choice", _CHOICES,
@@ -287,7 +291,7 @@ def _tool_choice(value: Any, tools: list[dict[str, Any]], parser: str | None) ->
     _need(serial is None or isinstance(serial, bool), "tool_choice.disable_parallel_tool_use", "true or false", serial)
     parallel = None if serial is None else not serial
     if kind == "auto":
-        if tools and parser is None:
+        if tools and parser is None and not count:
             raise BadRequest('tool_choice: "auto" (the default with tools): the model would choose between text and '
                              f"tool calls, which needs a tool-call parser: start kvload serve with {_AUTO_FLAGS} "
                              '(vLLM\'s flags); else pass tool_choice {"type": "any"} or {"type": "tool", "name": ...} '
