@@ -222,13 +222,15 @@ def _assert_busy(served) -> None:
         r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 503
         assert http.post("/v1/responses", json={"input": "hi"}).status_code == 503
+        r = http.post("/v1/messages", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded_error"  # Anthropic's error there
         # /tokenize reads a body of up to --max-request-bytes too: counted, so a flood of them is refused unread
         assert http.post("/tokenize", json={"prompt": "hi"}).status_code == 503
         # what a load balancer and a scraper ask keeps answering (uvicorn's limit_concurrency would 503 them)
         assert http.get("/health").json() == {"status": "ok"}
         assert "kvload_generation_tokens_total" in http.get("/metrics").text
     after = served.metrics()
-    assert after[BUSY] == before[BUSY] + 4  # every refusal counted; /health and /metrics are neither in flight
+    assert after[BUSY] == before[BUSY] + 5  # every refusal counted; /health and /metrics are neither in flight
     assert after[IN_FLIGHT] == before[IN_FLIGHT] == LIMIT  # nor refused
 
 

@@ -1,5 +1,6 @@
 """The HTTP face of ``kvload serve``: OpenAI's completions, chat completions and Responses API (run as the chat request
-saying the same: ``responses_input``, ``responses_output``), vLLM's /tokenize, /detokenize and /version, metrics,
+saying the same: ``responses_input``, ``responses_output``), Anthropic's Messages API (so: ``messages_input``,
+``messages_output``; its refusals in Anthropic's error document), vLLM's /tokenize, /detokenize and /version, metrics,
 kvload's audit.
 
 Handlers turn a request body into engine requests (one per prompt and choice) on a worker thread (parsing
@@ -40,6 +41,11 @@ from engine.structured import ANY_VALUE, COSTLY, NO_VALUE, SLOW_COMPILE
 from engine.structured_params import StructuredOutputsParams
 from kvload.serve.auth import ApiKeyGate
 from kvload.serve.command import MAX_CONCURRENT_DEFAULT, READ_TIMEOUT_DEFAULT
+from kvload.serve.messages_input import AnthropicError, MessagesRequest
+from kvload.serve.messages_input import renamed as messages_renamed
+from kvload.serve.messages_input import renamed_error as messages_error
+from kvload.serve.messages_input import to_chat as messages_to_chat
+from kvload.serve.messages_output import message_document, message_events
 from kvload.serve.metrics import ServeMetrics
 from kvload.serve.protocol import BadRequest, Job, parse, parse_detokenize, parse_tokenize, request_id
 from kvload.serve.responses_input import ResponsesRequest, renamed, renamed_error, to_chat
@@ -107,7 +113,8 @@ def create_app(state: ServeState) -> FastAPI:
         # Starlette's own answers (an unknown path, a method the path does not take) in OpenAI's error body, not
         # FastAPI's {"detail": ...}. Not counted as refusals: no request the server serves was refused, and a 404
         # here is no model_not_found (a probe of random paths would look like clients asking for other models).
-        return JSONResponse(_routing_error(app, request, exc).body(), status_code=exc.status_code,
+        return JSONResponse(_shaped(request.scope.get("path", ""), _routing_error(app, request, exc)).body(),
+                            status_code=exc.status_code,
                             headers=exc.headers)
 
     @app.exception_handler(Exception)
@@ -209,6 +216,20 @@ def create_app(state: ServeState) -> FastAPI:
     async def responses(request: Request) -> Response:
         return await _serve(state, request, "responses", gate, stopping)
 
+    @app.post("/v1/messages")  # Anthropic's Messages API: every refusal in Anthropic's error document
+    async def messages(request: Request) -> Response:
+        try:
+            return await _serve(state, request, "messages", gate, stopping)
+        except BadRequest as exc:
+            raise AnthropicError.of(exc) from None
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        try:
+            return await _tokenizer_call(state, request, _count_tokens, gate, stopping)
+        except BadRequest as exc:
+            raise AnthropicError.of(exc) from None
+
     @app.get("/v1/responses/{response_id}")
     async def stored_response(response_id: str, request: Request) -> dict[str, Any]:
         return state.responses.retrieve(response_id, request.query_params).response
@@ -265,7 +286,8 @@ class _Admission:
     """
 
     #: all read a body
-    PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"})
+    PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
+                       "/v1/messages/count_tokens", "/tokenize", "/detokenize"})
 
     def __init__(self, app: Any, state: ServeState) -> None:
         self.app = app
@@ -284,7 +306,7 @@ class _Admission:
                               "retry later", status=503, kind="server_error", code="server_busy")
             state.metrics.on_refused(503)
             # Connection: close, so the body it refused is not read (uvicorn would drain it up to the read timeout)
-            await JSONResponse(busy.body(), status_code=503,
+            await JSONResponse(_shaped(scope["path"], busy).body(), status_code=503,
                                headers={"Retry-After": "1", "Connection": "close"})(scope, receive, send)
             return
         state.in_flight += 1
@@ -373,11 +395,16 @@ async def _serve(state: ServeState, request: Request, kind: str, gate: asyncio.L
             run.cancel()
             raise
     if run.job.stream:
-        events = run.stream() if run.responses is None else response_events(run)
+        events = response_events(run) if run.responses is not None else message_events(run) \
+            if run.messages is not None else run.stream()
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     doc = await run.collect()
-    return JSONResponse(response_document(run, doc) if run.responses is not None and doc else doc)
+    if doc and run.responses is not None:
+        doc = response_document(run, doc)
+    elif doc and run.messages is not None:
+        doc = message_document(run, doc)
+    return JSONResponse(doc)
 
 
 async def _tokenizer_call(state: ServeState, request: Request, work: Any, gate: asyncio.Lock,
@@ -412,6 +439,22 @@ def _tokenize(state: ServeState, raw: bytes | bytearray) -> dict[str, Any]:
                else _field_error(exc, "prompt")) from None
     return {"count": len(ids), "max_model_len": engine.executor.max_seq_len, "tokens": ids,
             "token_strs": engine.token_strs(ids) if job.return_token_strs else None}
+
+
+def _count_tokens(state: ServeState, raw: bytes | bytearray) -> dict[str, Any]:
+    """Anthropic's ``POST /v1/messages/count_tokens`` (on a worker thread): the prompt's tokens, as
+    ``/v1/messages`` templates the same body; ``BadRequest`` naming the Messages field."""
+    chat, request = messages_to_chat(_load(raw), state.tool_call_parser, state.reasoning_parser, count=True)
+    try:
+        ids, _ = _encode(state.engine, _parse_body(state, chat, "chat"))
+    except BadRequest as exc:
+        raise messages_error(exc, request) from None
+    return {"input_tokens": len(ids[0])}
+
+
+def _shaped(path: str, exc: BadRequest) -> BadRequest:
+    """``exc`` in the error document of the API that ``path`` serves (Anthropic's under /v1/messages)."""
+    return AnthropicError.of(exc) if path.startswith("/v1/messages") else exc
 
 
 def _detokenize(state: ServeState, raw: bytes | bytearray) -> dict[str, Any]:
@@ -705,11 +748,15 @@ class _Run:
         self.lock = threading.Lock()
         self.cancelled = False
         self.responses: ResponsesRequest | None = None  # a /v1/responses request: what its answer echoes
+        self.messages: MessagesRequest | None = None  # a /v1/messages request: where its chat messages came from
 
     def prepare(self, raw: bytes | bytearray, kind: str) -> None:
         """Parse, tokenize, check and queue the request (on a worker thread); ``BadRequest`` when refused.
-        ``kind`` "responses": OpenAI's Responses body, served as the chat body saying the same, its refusals named
-        in its own words."""
+        ``kind`` "responses": OpenAI's Responses body ("messages": Anthropic's Messages body), served as the chat
+        body saying the same, its refusals named in its own words."""
+        if kind == "messages":
+            self._prepare_messages(raw)
+            return
         if kind != "responses":
             self._prepare(_parse(self.state, raw, kind))
             return
@@ -725,12 +772,27 @@ class _Run:
         except BadRequest as exc:
             raise renamed_error(exc, self.responses) from None
 
+    def _prepare_messages(self, raw: bytes | bytearray) -> None:
+        """:meth:`prepare` for Anthropic's Messages body: served as the chat body saying the same, refusals and
+        reported settings named in its own words."""
+        try:
+            chat, self.messages = messages_to_chat(_load(raw), self.state.tool_call_parser,
+                                                   self.state.reasoning_parser)
+            job = _parse_body(self.state, chat, "chat")
+            job = attrs.evolve(job, max_tokens_field="max_tokens",
+                               ignored=tuple((messages_renamed(name, self.messages), value, why)
+                                             for name, value, why in job.ignored) + self.messages.ignored)
+            self._prepare(job)
+        except BadRequest as exc:
+            raise messages_error(exc, self.messages) from None
+
     def _prepare(self, job: Job) -> None:
         """:meth:`prepare` once the body is a ``Job``."""
         self.job = job
         # vLLM's: an X-Request-Id header names the request, else its request_id, else a fresh id
         given = request_id(self.request.headers.get("x-request-id"), "X-Request-Id") or job.request_id
-        prefix = "resp_" if self.responses is not None else "chatcmpl-" if job.kind == "chat" else "cmpl-"
+        prefix = "resp_" if self.responses is not None else "msg_" if self.messages is not None \
+            else "chatcmpl-" if job.kind == "chat" else "cmpl-"
         self.id = prefix + (given or uuid.uuid4().hex)
         self.prompts, cut = _encode(self.engine, job)
         scored = sum(map(len, self.prompts)) if job.params.prompt_logprobs is not None else 0

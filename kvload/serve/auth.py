@@ -3,7 +3,8 @@
 vLLM (``--api-key`` / ``VLLM_API_KEY``, its ``AuthenticationMiddleware``) answers 401 to a request under ``/v1``
 without ``Authorization: Bearer KEY`` (any of its keys; the scheme in any case), lets ``OPTIONS`` through (a CORS
 preflight carries no credentials) and leaves every other path open. kvload checks the same header the same way,
-but only ``/health``, ``/metrics`` and ``/version`` stay open (probes and scrapers send no key, as under vLLM):
+and takes the key as ``X-Api-Key`` too (Anthropic's clients send it so, to ``/v1/messages``), but only
+``/health``, ``/metrics`` and ``/version`` stay open (probes and scrapers send no key, as under vLLM):
 
 * ``/tokenize`` and ``/detokenize``, open in vLLM (its issue #18892 reports them as reachable without the key),
   share the server's ``--max-concurrent-requests`` slots and its one-at-a-time parse gate with completions and run
@@ -91,8 +92,9 @@ def is_loopback(address: str) -> bool:
 
 
 class ApiKeyGate:
-    """ASGI middleware: 401, in OpenAI's error body, for a request without an accepted ``Authorization: Bearer KEY``
-    on any path but :data:`OPEN_PATHS` (``OPTIONS`` passes, as in vLLM).
+    """ASGI middleware: 401, in OpenAI's error body (Anthropic's under ``/v1/messages``), for a request without an
+    accepted ``Authorization: Bearer KEY`` or ``X-Api-Key: KEY`` on any path but :data:`OPEN_PATHS` (``OPTIONS``
+    passes, as in vLLM).
 
     Outermost, so a request refused here holds no ``--max-concurrent-requests`` slot and has no body read: the
     answer closes the connection (``Connection: close``), as the server's other refusals before the body do.
@@ -115,18 +117,24 @@ class ApiKeyGate:
             await self.app(scope, receive, send)
             return
         values = [v for k, v in scope["headers"] if k == b"authorization"]  # ASGI names are lower-case
-        if values and self.accepts(values):
+        # Anthropic's clients send the key as X-Api-Key
+        keys = [v for k, v in scope["headers"] if k == b"x-api-key"]
+        if (values and self.accepts(values)) or (keys and self.accepts_key(keys)):
             await self.app(scope, receive, send)
             return
-        if values:
+        if values or keys:
             message = ("Incorrect API key provided: the Authorization header must be 'Bearer ' and a key this server "
-                       "accepts")
+                       "accepts (or the X-Api-Key header that key)")
         else:
             message = ("You didn't provide an API key: this server requires the header 'Authorization: Bearer KEY' "
-                       "(the openai client sends its api_key so)")
+                       "(the openai client sends its api_key so) or 'X-Api-Key: KEY' (the anthropic client's)")
         refused = BadRequest(message, status=401, code="invalid_api_key")
         if self.metrics is not None:
             self.metrics.on_refused(401)
+        if scope["path"].startswith("/v1/messages"):  # Anthropic's error document on Anthropic's paths
+            from kvload.serve.messages_input import AnthropicError
+
+            refused = AnthropicError.of(refused)
         await self._response(refused.body(), status_code=401,
                            headers={"WWW-Authenticate": "Bearer", "Connection": "close"})(scope, receive, send)
 
@@ -139,7 +147,14 @@ class ApiKeyGate:
         scheme, _, rest = values[0].partition(b" ")
         if scheme.lower() != b"bearer":
             return False
-        presented = hashlib.sha256(rest.lstrip(b" ")).digest()
+        return self._known(rest.lstrip(b" "))
+
+    def accepts_key(self, values: list[bytes]) -> bool:
+        """Whether the request's X-Api-Key header (one) is one of the keys."""
+        return len(values) == 1 and self._known(values[0].strip(b" "))
+
+    def _known(self, key: bytes) -> bool:
+        presented = hashlib.sha256(key).digest()
         ok = False
         for known in self.digests:  # every key compared, so the time says nothing about which one matched
             ok |= hmac.compare_digest(presented, known)
