@@ -629,6 +629,7 @@ class _Choice:
     reused: int = 0
     echo: _Echo | None = None  # completions' echo: the prompt, put before the choice's text (and its logprobs)
     echoed: bool = False  # a stream sent the echo (in the choice's first chunk)
+    echo_only: bool = False  # echo without generation (max_tokens 0): the token the engine draws is dropped
     opened: bool = False  # a stream sent the choice's first chunk (return_token_ids: its prompt_token_ids)
     prompt_logprobs: list[dict[int, float] | None] | None = None  # when scored (engine): echo or prompt_logprobs
     tools: ToolCallText | None = None  # chat's tool_choice named or "required": the reply read as tool calls
@@ -644,6 +645,12 @@ class _Choice:
         """Take one engine event; the new text, token ids, logprobs and text offsets to report."""
         if ev.prompt_logprobs is not None:
             self.prompt_logprobs = list(ev.prompt_logprobs)
+        if self.echo_only:  # vLLM's echo without generation: the prompt alone, ended by max_tokens 0
+            self.prompt_tokens, self.reused = ev.prompt_tokens, ev.reused_prompt_tokens
+            if ev.finish_reason is not None:
+                self.finish_reason = "length" if ev.finish_reason in ("stop", "length") else ev.finish_reason
+                self.error = ev.error
+            return _Update("", [], [], [])
         self.token_ids = list(ev.token_ids)
         self.logprobs.extend(ev.logprobs)
         self.prompt_tokens, self.reused = ev.prompt_tokens, ev.reused_prompt_tokens
@@ -816,7 +823,7 @@ class _Run:
                                p.spaces_between_special_tokens)
                       for prompt, ids, was_cut in zip(job.prompts, self.prompts, cut, strict=True)]
             for c in self.choices:
-                c.echo = echoes[c.index // job.n]
+                c.echo, c.echo_only = echoes[c.index // job.n], job.echo_only
         if job.tool_choice is not None:
             for c in self.choices:
                 c.tools = ToolCallText(job.tool_choice)
@@ -1019,6 +1026,8 @@ class _Run:
                     yield _sse(err.body())
                     yield "data: [DONE]\n\n"  # vLLM's too: a client reading to [DONE] is not left waiting on the close
                     return
+                if c.echo_only and not c.echoed:  # echo without generation: the prompt, then the ending on its own
+                    yield _sse(self._chunk(c, "", update, False))
                 yield _sse(self._chunk(c, delta, update, finished))
             if self.job.include_usage:
                 yield _sse({"id": self.id, "object": self._chunk_object, "created": self.created,
@@ -1068,7 +1077,8 @@ class _Run:
             body = delta if isinstance(delta, dict) else {"content": delta}
             choice = {"index": c.index, "delta": body, "logprobs": self._chat_logprobs(ids, lps), **ending}
         else:
-            echo = c.echo is not None and not c.echoed and bool(ids or finished)  # the prompt, in the first chunk
+            # the prompt, in the first chunk (echo without generation: in one before the ending's)
+            echo = c.echo is not None and not c.echoed and bool(ids or finished or c.echo_only)
             c.echoed = c.echoed or echo
             choice = {"index": c.index, "text": (c.echo.text if echo else "") + delta,
                       "logprobs": self._completion_logprobs(ids, lps, update.offsets, c, echo), **ending}

@@ -117,6 +117,9 @@ class Job:
     stop_token_ids: tuple[int, ...]
     logprobs: int | None  # top alternatives per token; None = not asked
     echo: bool = False
+    #: vLLM's echo without generation (a completion's ``max_tokens: 0`` with ``echo``): each choice is its prompt
+    #: alone, finish_reason "length"; the engine draws one token (``params.max_tokens`` 1) that no answer shows
+    echo_only: bool = False
     salt: str | None = None
     max_tokens_given: bool = True
     max_tokens_field: str = "max_tokens"  # the name it was given by (chat: max_completion_tokens too)
@@ -311,8 +314,14 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
                              param="max_completion_tokens")
         max_tokens, field = body["max_completion_tokens"], "max_completion_tokens"
     given = max_tokens is not None
-    if given:
-        _need(_is_int(max_tokens) and max_tokens >= 1, field, "an integer >= 1", max_tokens)
+    # vLLM's echo without generation: max_tokens 0 with echo answers the prompt alone (lm-eval scores text so)
+    echo_only = kind == "completion" and _is_int(max_tokens) and max_tokens == 0 and _flag(body, "echo", False)
+    if given and not echo_only:
+        _need(_is_int(max_tokens) and max_tokens >= 1, field, "an integer >= 1, or 0 with echo: true (the prompt "
+              "alone, no token generated)" if kind == "completion" else "an integer >= 1", max_tokens)
+    if echo_only and extras.get("min_tokens"):  # the model's default holds back nothing shown: dropped
+        _need("min_tokens" in defaulted, "min_tokens", "an integer in [0, max_tokens=0]", extras["min_tokens"])
+        extras["min_tokens"] = 0
     temperature = body.get("temperature")
     if temperature is None:
         temperature = defaults.get("temperature", 0.0)
@@ -404,7 +413,8 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
             attrs.evolve(structured, reasoning_parser=reasoning)
         ignored += _not_enforced(structured, structured_field, tool_choice)
     try:
-        params = SamplingParams(max_tokens=max_tokens if given else default_max_tokens,
+        # echo without generation draws one token no answer shows (vLLM's way): the engine needs max_tokens >= 1
+        params = SamplingParams(max_tokens=1 if echo_only else max_tokens if given else default_max_tokens,
                                 temperature=float(temperature), top_p=float(top_p), top_k=top_k, seed=seed,
                                 stop=stops, stop_token_ids=stop_ids, logprobs=logprobs, ignore_eos=ignore_eos,
                                 **extras)
@@ -413,7 +423,8 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
     special = _flag(body, "add_special_tokens", kind == "completion")
     return Job(kind=kind, prompts=prompts, params=params, n=n, stream=stream, include_usage=include_usage,
                stop=stops, stop_token_ids=tuple(stop_ids), logprobs=logprobs, echo=echo, salt=salt,
-               max_tokens_given=given, max_tokens_field=field, template=template, add_special_tokens=special,
+               echo_only=echo_only, max_tokens_given=given, max_tokens_field=field, template=template,
+               add_special_tokens=special,
                prompt_logprobs=prompt_logprobs, truncate=truncate, truncation_side=side or "left",
                request_id=request_id(body.get("request_id")),
                continuous_usage=continuous, ignored=tuple(ignored), priority=priority,
