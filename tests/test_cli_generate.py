@@ -237,8 +237,8 @@ def test_penalty_flags_give_the_python_apis_tokens_and_the_audit_records_them(ca
 @pytest.mark.parametrize(("args", "message"), [
     ((), "error: --prompt: give at least one --prompt TEXT"),
     (("--prompt", "hello"), "error: generate: prompt 0 is text, but tiny-llama has no tokenizer"),
-    (("--prompt-ids", "1,x"), "error: --prompt-ids: expected token ids such as 1,2,3, got '1,x'"),
-    (("--prompt-ids", "1,,3"), "error: --prompt-ids: expected token ids such as 1,2,3, got '1,,3'"),
+    (("--prompt-ids", "1,x"), "error: --prompt-ids: expected token ids such as 1,2,3 (the digits 0-9), got '1,x'"),
+    (("--prompt-ids", "1,,3"), "error: --prompt-ids: expected token ids such as 1,2,3 (the digits 0-9), got '1,,3'"),
     (("--prompt-ids", "1", "--chat"), "error: generate: prompt 0: chat=True needs text prompts"),
     (("--prompt-ids", "1", "--max_new_tokens", "0"), "error: --max_new_tokens: expected an integer >= 1, got '0'"),
     (("--prompt-ids", "1", "--temperature", "-1"), "error: --temperature: expected a number >= 0, got '-1'"),
