@@ -41,8 +41,11 @@ def limited_kvload(*argv: Any, cwd: Path | None = None, env: dict[str, str] | No
 def _signals_as_a_terminal_gives_them() -> None:  # runs in the child before exec
     # a suite started in the background (`pytest ... &`) runs with SIGINT ignored, which the child would inherit, and
     # Python installs no KeyboardInterrupt handler for an ignored SIGINT: the SIGINT tests would then watch the run
-    # finish instead of being interrupted
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    # finish instead of being interrupted; likewise a SIGHUP ignored (a suite run under nohup or a detached job, which
+    # kvload then keeps ignoring, as nohup asks) or any of the three blocked by whatever started the suite
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM, signal.SIGHUP))
     _limits()
 
 
