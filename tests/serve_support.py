@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -164,3 +165,21 @@ class Script:
         self.ids = self.tokenizer.encode(text, add_special_tokens=False)
         assert self.tokenizer.decode(self.ids) == text, "the tokenizer cannot spell the script exactly"
         return list(self.ids)
+
+
+def typed_events(served: Served, path: str, body: dict[str, Any], models: Any) -> list[Any]:
+    """POST a streamed request and read its server-sent events, each validated by ``models`` (a pydantic
+    ``TypeAdapter`` of the client SDK's event union) and named by its own ``type``, as OpenAI's Responses API and
+    Anthropic's Messages API send them."""
+    out = []
+    with served.http.stream("POST", path, json=body) as r:
+        assert r.status_code == 200
+        kind = None
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                kind = line[7:]
+            elif line.startswith("data: "):
+                event = models.validate_python(json.loads(line[6:]))
+                assert event.type == kind  # the SSE event name is the event's type
+                out.append(event)
+    return out

@@ -15,7 +15,7 @@ import pytest
 from anthropic.types import Message, MessageTokensCount, RawMessageStreamEvent
 from pydantic import TypeAdapter
 
-from tests.serve_support import TIMEOUT, Script, fails_once, serving
+from tests.serve_support import TIMEOUT, Script, fails_once, serving, typed_events
 from tests.test_serve_responses import ANSWER, TEMPLATE, THOUGHT, Seen
 from tests.text_support import bytelevel_checkpoint
 
@@ -74,18 +74,7 @@ def events_of(server, **body) -> list:
     """A raw stream's events, each checked against anthropic's event models, in order."""
     served = server.served
     body = {"model": served.state.model_name, "messages": HELLO, "max_tokens": 60, "stream": True, **body}
-    out = []
-    with served.http.stream("POST", "/v1/messages", json=body) as r:
-        assert r.status_code == 200
-        kind = None
-        for line in r.iter_lines():
-            if line.startswith("event: "):
-                kind = line[7:]
-            elif line.startswith("data: "):
-                event = EVENTS.validate_python(json.loads(line[6:]))
-                assert event.type == kind  # the SSE event name is the event's type, as Anthropic sends it
-                out.append(event)
-    return out
+    return typed_events(served, "/v1/messages", body, EVENTS)
 
 
 def ignored_settings(server, request_id: str) -> dict:

@@ -41,6 +41,18 @@ def served(request, tiny_checkpoints, tmp_path_factory):
         yield s
 
 
+def streamed_choices(stream, n: int) -> tuple[dict[int, list[int]], dict[int, str]]:
+    """A streamed answer's ``n`` choices: each one's token ids, in order, and its finish reason."""
+    got: dict[int, list[int]] = {j: [] for j in range(n)}
+    reasons = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            got[c.index] += c.model_extra.get("token_ids") or []
+            if c.finish_reason:
+                reasons[c.index] = c.finish_reason
+    return got, reasons
+
+
 def salt() -> str:
     """A reuse scope nothing was cached under: every prompt below is computed, not read from an earlier test's."""
     return f"nfork-{next(_salts)}"
@@ -95,13 +107,7 @@ def test_streamed_chat_choices_stream_independently_from_one_prefill(served, nam
     stream = served.client.chat.completions.create(model="words", messages=messages, max_tokens=5, n=4, seed=7,
                                                    temperature=1.2, stream=True,
                                                    extra_body={"ignore_eos": True, "cache_salt": salt()})
-    got: dict[int, list[int]] = {j: [] for j in range(4)}
-    reasons = {}
-    for chunk in stream:
-        for c in chunk.choices:
-            got[c.index] += c.model_extra.get("token_ids") or []
-            if c.finish_reason:
-                reasons[c.index] = c.finish_reason
+    got, reasons = streamed_choices(stream, 4)
     assert computed(served) - before == prompt
     assert reasons == dict.fromkeys(range(4), "length")
     for j in range(4):

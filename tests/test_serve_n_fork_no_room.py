@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from tests.serve_support import TIMEOUT, serving, wait_for
-from tests.test_serve_n_fork import COMPUTED, used
+from tests.test_serve_n_fork import COMPUTED, streamed_choices, used
 from tests.test_serve_vllm import _tokenizer
 
 T = 8  # tokens per block
@@ -110,13 +110,7 @@ def test_streamed_chat_choices_without_room_each_stream_to_the_end(tight, refuse
     stream = tight.client.chat.completions.create(model="words", messages=messages, max_tokens=6, n=3, seed=2,
                                                   temperature=1.3, stream=True,
                                                   extra_body={"ignore_eos": True, "cache_salt": salt()})
-    got: dict[int, list[int]] = {j: [] for j in range(3)}
-    reasons = {}
-    for chunk in stream:
-        for c in chunk.choices:
-            got[c.index] += c.model_extra.get("token_ids") or []
-            if c.finish_reason:
-                reasons[c.index] = c.finish_reason
+    got, reasons = streamed_choices(stream, 3)
     assert refused  # some choice could not join at once
     assert reasons == dict.fromkeys(range(3), "length")
     for j in range(3):

@@ -16,7 +16,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import BaseModel, TypeAdapter
 
-from tests.serve_support import TIMEOUT, Script, fails_once, serving, wait_for
+from tests.serve_support import TIMEOUT, Script, fails_once, serving, typed_events, wait_for
 from tests.text_support import bytelevel_checkpoint
 
 #: Shows each tool's name, then every message's role and content (a tool call's name and arguments too).
@@ -99,18 +99,7 @@ def posted(server, **body):
 def events_of(server, **body) -> list:
     """A raw stream's events, each checked against openai's event models, in order."""
     served = server.served
-    out = []
-    with served.http.stream("POST", "/v1/responses", json={"model": served.state.model_name, "stream": True,
-                                                            **body}) as r:
-        assert r.status_code == 200
-        kind = None
-        for line in r.iter_lines():
-            if line.startswith("event: "):
-                kind = line[7:]
-            elif line.startswith("data: "):
-                event = EVENTS.validate_python(json.loads(line[6:]))
-                assert event.type == kind  # the SSE event name is the event's type, as OpenAI sends it
-                out.append(event)
+    out = typed_events(served, "/v1/responses", {"model": served.state.model_name, "stream": True, **body}, EVENTS)
     assert [e.sequence_number for e in out] == list(range(len(out)))
     return out
 
