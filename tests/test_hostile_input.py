@@ -1195,8 +1195,9 @@ def test_a_signal_during_simulate_replay_leaves_no_audit_file(tmp_path, signum, 
     audit for a run that never finished."""
     out = tmp_path / "out"
     out.mkdir()
-    # long enough to interrupt (thousands of steps), small enough to start fast (4096-token pools)
-    proc = start_kvload("simulate", "tiny-llama", "--workload", "no-reuse", "--requests", "5000", "--workload-arg",
+    # long enough to interrupt (tens of thousands of steps: about 12 s uninterrupted, so a suite slow to see the first
+    # progress line still signals mid-run), small enough to start fast (4096-token pools)
+    proc = start_kvload("simulate", "tiny-llama", "--workload", "no-reuse", "--requests", "20000", "--workload-arg",
                         "prompt_len=16", "--workload-arg", "answer_len=128", "--max_tokens", "4096", "--progress",
                         "--audit-log", out / "a.jsonl", cwd=tmp_path)
     text = _wait_for_progress(proc)
