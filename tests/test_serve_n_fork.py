@@ -8,11 +8,15 @@ One server per manager over the tiny llama with ``test_serve_vllm``'s word-level
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import shutil
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -30,14 +34,23 @@ COMPUTED = "kvload_request_prefill_kv_computed_tokens_sum"  # prompt tokens whos
 _salts = itertools.count()
 
 
-@pytest.fixture(scope="module", params=["v1", "v2"])
-def served(request, tiny_checkpoints, tmp_path_factory):
-    path = tmp_path_factory.mktemp(f"nfork-{request.param}") / "ckpt"
+@contextlib.contextmanager
+def words_server(manager: str, folder: Path, budget: int, max_seq_len: int, tiny_checkpoints) -> Iterator[Any]:
+    """The tiny llama with the word tokenizer served as "words" on ``manager`` ("v1" or "v2"), ``budget`` KV tokens
+    in ``T``-token blocks."""
+    path = folder / "ckpt"
     shutil.copytree(tiny_checkpoints("llama"), path)
     _tokenizer().save_pretrained(path)
-    config = {"max_tokens": 8192, "tokens_per_block": T, "use_kv_cache_manager_v2": request.param == "v2"}
-    with serving(str(path), max_seq_len=2048, max_num_tokens=16, kv_cache_config=config,
+    config = {"max_tokens": budget, "tokens_per_block": T, "use_kv_cache_manager_v2": manager == "v2"}
+    with serving(str(path), max_seq_len=max_seq_len, max_num_tokens=16, kv_cache_config=config,
                  state={"model_name": "words"}) as s:
+        yield s
+
+
+@pytest.fixture(scope="module", params=["v1", "v2"])
+def served(request, tiny_checkpoints, tmp_path_factory):
+    with words_server(request.param, tmp_path_factory.mktemp(f"nfork-{request.param}"), 8192, 2048,
+                      tiny_checkpoints) as s:
         yield s
 
 

@@ -9,33 +9,24 @@ The budget (24 tokens in 8-token blocks, ``max_seq_len`` 24) is ``tests/test_n_f
 
 from __future__ import annotations
 
-import itertools
 import json
-import shutil
 import threading
 import time
 
 import httpx
 import pytest
 
-from tests.serve_support import TIMEOUT, serving, wait_for
-from tests.test_serve_n_fork import COMPUTED, streamed_choices, used
-from tests.test_serve_vllm import _tokenizer
+from tests.serve_support import TIMEOUT, wait_for
+from tests.test_serve_n_fork import COMPUTED, salt, streamed_choices, used, words_server
 
-T = 8  # tokens per block
 BUDGET = 24  # tokens: three blocks, one sequence's worth at max_seq_len
 PROMPT = [1, 5, 17, 30, 42, 9, 88, 12, 7, 64, 25, 11, 3]  # one full block + 5: with 10 new tokens, all three blocks
-_salts = itertools.count()
 
 
 @pytest.fixture(scope="module", params=["v1", "v2"])
 def tight(request, tiny_checkpoints, tmp_path_factory):
-    path = tmp_path_factory.mktemp(f"noroom-{request.param}") / "ckpt"
-    shutil.copytree(tiny_checkpoints("llama"), path)
-    _tokenizer().save_pretrained(path)
-    config = {"max_tokens": BUDGET, "tokens_per_block": T, "use_kv_cache_manager_v2": request.param == "v2"}
-    with serving(str(path), max_seq_len=BUDGET, max_num_tokens=16, kv_cache_config=config,
-                 state={"model_name": "words"}) as s:
+    with words_server(request.param, tmp_path_factory.mktemp(f"noroom-{request.param}"), BUDGET, BUDGET,
+                      tiny_checkpoints) as s:
         yield s
 
 
@@ -53,10 +44,6 @@ def refused(tight, monkeypatch):
 
     monkeypatch.setattr(scheduler, "fork", fork)
     return seen
-
-
-def salt() -> str:
-    return f"noroom-{next(_salts)}"
 
 
 def alone(served, prompt: list[int], j: int, **kw) -> tuple[list[int], str]:
