@@ -57,11 +57,16 @@ def dropped_lengths(schema: Any) -> list[tuple[Path, str, int, str]]:
 MAX_SHOWN_CHARS = 200
 
 
+def path_text(path: Path) -> str:
+    """A JSON path as messages write it after a field: ``.properties.code[0]`` (strip the dot where nothing
+    precedes it)."""
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path)
+
+
 def named(field: str, entries: Iterable[tuple[Path, str, Any, str]]) -> list[tuple[str, Any, str]]:
     """``(path, key, value, why)`` entries as ``setting_ignored`` ones (name, :func:`shown` value, why), each named by
     its JSON path under ``field`` (``structured_outputs.json.properties.code.maxLength``)."""
-    return [(field + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in (*path, key)), shown(value), why)
-            for path, key, value, why in entries]
+    return [(field + path_text((*path, key)), shown(value), why) for path, key, value, why in entries]
 
 
 def shown(value: Any) -> Any:
@@ -192,4 +197,4 @@ def _why_dropped(node: Mapping[str, Any], names: bool) -> str | None:
 
 
 __all__ = ["XGRAMMAR_FORMATS", "Path", "drop_lengths", "dropped_lengths", "edited", "ignored_lengths", "named",
-           "without_dropped_lengths"]
+           "path_text", "without_dropped_lengths"]

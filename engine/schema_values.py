@@ -16,7 +16,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from engine.schema_lengths import Path, _subschemas
+from engine.schema_lengths import Path, _subschemas, path_text
 
 #: JSON Schema's type names.
 _TYPES = frozenset({"null", "boolean", "integer", "number", "string", "array", "object"})
@@ -53,7 +53,7 @@ def _where(path: Path) -> str:
     """A subschema's path as the message names it: ``properties.a.items``, or "the schema" for the root."""
     if not path:
         return "the schema"
-    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
+    return path_text(path).lstrip(".")
 
 
 def _typed(kinds: frozenset[str]) -> str:

@@ -30,6 +30,7 @@ from engine.grammar_shape import empty_only_rules, matches_nothing, never_ending
 from engine.schema_all_of import unmerged_all_of
 from engine.schema_ignored import for_xgrammar
 from engine.schema_keywords import misshapen
+from engine.schema_lengths import path_text
 from engine.schema_patterns import pattern_cost
 from engine.schema_refs import OUTSIDE, foreign_refs
 from engine.schema_values import contradictions
@@ -315,19 +316,23 @@ def check_admits_a_value(grammar_text: str) -> None:
                           "drop it or give it a schema some JSON value satisfies")
 
 
-def check_keywords_shaped(spec: str) -> None:
-    """``GenerationError`` naming ``structured_outputs.json``, the keyword's path and what it takes when the JSON
-    schema text ``spec`` has a ``required``, ``pattern``, ``format`` or ``type`` of the wrong shape
-    (``engine.schema_keywords``), which xgrammar refused in C++ words or took as any value."""
-    if not any(key in spec for key in ('"required"', '"pattern"', '"format"', '"type"', "\\u")):
-        return
+def parsed_schema(spec: str) -> Any:
+    """The JSON schema text ``spec`` parsed once for the checks below; None when it is not JSON (xgrammar refuses it
+    then, in its own words)."""
     try:
-        found = misshapen(json.loads(spec))
-    except (ValueError, RecursionError):  # not JSON: xgrammar refuses it in its own words
-        return
+        return json.loads(spec)
+    except (ValueError, RecursionError):
+        return None
+
+
+def check_keywords_shaped(schema: Any) -> None:
+    """``GenerationError`` naming ``structured_outputs.json``, the keyword's path and what it takes when the parsed
+    JSON schema (:func:`parsed_schema`) has a ``required``, ``pattern``, ``format`` or ``type`` of the wrong shape
+    (``engine.schema_keywords``), which xgrammar refused in C++ words or took as any value."""
+    found = misshapen(schema) if schema is not None else []
     if found:
         path, key, value, what = found[0]
-        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in (*path, key)).lstrip(".")
+        where = path_text((*path, key)).lstrip(".")
         text = json.dumps(value, ensure_ascii=False)
         raise GenerationError(f"generate: structured_outputs.json: {where}: expected {what}, got "
                               f"{text if len(text) <= 80 else text[:77] + '...'}")
@@ -338,20 +343,16 @@ def check_keywords_shaped(spec: str) -> None:
 SLOW_COMPILE = "too costly to compile"
 
 
-def check_pattern_counts(spec: str) -> None:
+def check_pattern_counts(schema: Any) -> None:
     """``GenerationError`` naming ``structured_outputs.json`` and the largest count when the squares of the repetition
-    counts in the JSON schema text ``spec``'s patterns add up past :data:`~pipeline.limits.MAX_PATTERN_COUNT_SQUARES`
+    counts in the parsed JSON schema's patterns add up past :data:`~pipeline.limits.MAX_PATTERN_COUNT_SQUARES`
     (``engine.schema_patterns``): xgrammar would take seconds to minutes compiling it, on the thread that parses every
     request."""
-    if '"pattern' not in spec and "\\u" not in spec:  # no pattern nor patternProperties: not parsed
+    if schema is None:
         return
-    try:
-        total, path, key, n = pattern_cost(json.loads(spec))
-    except (ValueError, RecursionError):  # not JSON: xgrammar refuses it in its own words
-        return
+    total, path, key, n = pattern_cost(schema)
     if total > MAX_PATTERN_COUNT_SQUARES:
-        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path)
-        where = f"{where.lstrip('.')}.{key}" if where else key
+        where = path_text((*path, key)).lstrip(".")
         raise GenerationError(
             f"generate: structured_outputs.json: {where}: {SLOW_COMPILE}: a repetition count of {n:,} (the squares of "
             f"the schema's pattern counts add up to {total:,}, at most {MAX_PATTERN_COUNT_SQUARES:,} are taken); "
@@ -360,43 +361,34 @@ def check_pattern_counts(spec: str) -> None:
             "counts at once")
 
 
-def check_refs_local(spec: str) -> None:
-    """``GenerationError`` naming ``structured_outputs.json`` and the path when the JSON schema text ``spec`` has an
+def check_refs_local(schema: Any) -> None:
+    """``GenerationError`` naming ``structured_outputs.json`` and the path when the parsed JSON schema has an
     ``allOf`` of more than one schema (``engine.schema_all_of``) or refers outside itself (``engine.schema_refs``):
     xgrammar would match any JSON value there (and kvload fetches nothing)."""
-    if "$ref" not in spec and "allOf" not in spec and "\\u" not in spec:  # the common case, not parsed
-        return
-    try:
-        schema = json.loads(spec)
-    except (ValueError, RecursionError):  # not JSON: xgrammar refuses it in its own words
+    if schema is None:
         return
     merged = unmerged_all_of(schema)
     if merged:
         path, n = merged[0]
-        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in (*path, "allOf")).lstrip(".")
+        where = path_text((*path, "allOf")).lstrip(".")
         raise GenerationError(f"generate: structured_outputs.json: {where}: an allOf of {n} schemas {ANY_VALUE}: "
                               "xgrammar matches any JSON value there, dropping the type and every keyword beside it "
                               "too; merge them into one schema (an allOf of one schema is held)")
     found = foreign_refs(schema)
     if found:
         path, ref = found[0]
-        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in (*path, "$ref")).lstrip(".")
+        where = path_text((*path, "$ref")).lstrip(".")
         shown = ref if len(ref) <= 100 else ref[:97] + "..."
         raise GenerationError(f"generate: structured_outputs.json: {where}: {shown!r} {OUTSIDE}; xgrammar resolves "
                               "only '#' and '#/...' (any JSON value would be matched there) and kvload fetches "
                               "nothing; put the schema it names under $defs and refer to it as '#/$defs/NAME'")
 
 
-def check_values_admitted(spec: str) -> None:
-    """``GenerationError`` naming ``structured_outputs.json`` when a subschema of the JSON schema text ``spec`` has a
+def check_values_admitted(schema: Any) -> None:
+    """``GenerationError`` naming ``structured_outputs.json`` when a subschema of the parsed JSON schema has a
     ``const``, or an ``enum`` none of whose values, that the keywords beside it exclude (its ``type``, a bound:
     ``engine.schema_values``): no JSON value satisfies them all, and xgrammar would match the value alone."""
-    if "const" not in spec and "enum" not in spec and "\\u" not in spec:  # the common case, not parsed
-        return
-    try:
-        found = contradictions(json.loads(spec))
-    except (ValueError, RecursionError):  # not JSON: xgrammar refuses it in its own words
-        return
+    found = contradictions(schema) if schema is not None else []
     if found:
         more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
         raise GenerationError(f"generate: structured_outputs.json: {NO_VALUE}: {found[0]}{more}; a value must "
@@ -468,11 +460,12 @@ def _build(params: StructuredOutputsParams, json_schema: Any, regex: Any, ebnf: 
     """``params``' spec through xgrammar's three entry points (a compiler's or ``Grammar``'s); its refusal as one line
     naming the field."""
     kind = params.kind
-    if kind == "json":
-        check_keywords_shaped(params.spec)
-        check_pattern_counts(params.spec)
-        check_refs_local(params.spec)
-        check_values_admitted(params.spec)
+    if kind == "json":  # parsed once for the four checks (each walked its own parse, on the request's thread)
+        schema = parsed_schema(params.spec)
+        check_keywords_shaped(schema)
+        check_pattern_counts(schema)
+        check_refs_local(schema)
+        check_values_admitted(schema)
     try:
         spaces = not params.disable_any_whitespace
         if kind == "json":  # without the length bounds xgrammar drops, oneOf it reads as anyOf written so (both
@@ -534,4 +527,4 @@ def constrain(logits: torch.Tensor, raw: torch.Tensor, counts: Sequence[int],
 __all__ = ["ANY_VALUE", "COMPILED_GRAMMARS", "COSTLY", "INSTALL_HINT", "NO_VALUE", "SLOW_COMPILE", "Constraint",
            "GrammarBackend", "ThinkingGate", "check_admits_a_value", "check_keywords_shaped", "check_matching_cost",
            "check_pattern_counts", "check_refs_local", "check_spec", "check_values_admitted", "choice_grammar",
-           "classify_start", "constrain", "load_xgrammar", "reason"]
+           "classify_start", "constrain", "load_xgrammar", "parsed_schema", "reason"]
