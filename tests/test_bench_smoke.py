@@ -320,15 +320,12 @@ def test_serve_n_bench_sides_generate_the_same_tokens_and_count_the_prompts_they
     by the forked side, once per request with own salts, and the server's counters read back."""
     import asyncio
     import os
-    import shutil
 
     from bench import bench_serve_n
     from tests.serve_support import serving
-    from tests.test_serve_vllm import _tokenizer
+    from tests.test_serve_vllm import words_checkpoint
 
-    path = tmp_path / "ckpt"
-    shutil.copytree(tiny_checkpoints("llama"), path)
-    _tokenizer().save_pretrained(path)
+    path = words_checkpoint(tiny_checkpoints, tmp_path)
     prompt = " ".join(f"w{10 + i}" for i in range(20))  # 21 tokens with the BOS
     with serving(str(path), max_seq_len=64, kv_cache_config={"max_tokens": 1024, "tokens_per_block": 8},
                  state={"model_name": "words"}) as s:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tests.serve_support import serving
-from tests.test_serve_vllm import _tokenizer
+from tests.test_serve_vllm import words_checkpoint
 
 PROMPT = "w5 w17 w30 w42 w7 w9"  # <s> and six words: 7 tokens
 OTHER = [1, 9, 8, 300]  # token ids: echoed as their text, "<s> w9 w8 w300" (the BOS shows as nothing: "w9 w8 w300")
@@ -19,11 +19,7 @@ OTHER = [1, 9, 8, 300]  # token ids: echoed as their text, "<s> w9 w8 w300" (the
 
 @pytest.fixture(scope="module")
 def served(tiny_checkpoints, tmp_path_factory):
-    import shutil
-
-    path = tmp_path_factory.mktemp("echo-only") / "ckpt"
-    shutil.copytree(tiny_checkpoints("llama"), path)
-    _tokenizer().save_pretrained(path)
+    path = words_checkpoint(tiny_checkpoints, tmp_path_factory.mktemp("echo-only"))
     with serving(str(path), max_seq_len=64, kv_cache_config={"max_tokens": 512, "tokens_per_block": 4},
                  state={"model_name": "words"}) as s:
         yield s

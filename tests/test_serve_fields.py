@@ -15,7 +15,7 @@ import json
 import pytest
 
 from tests.serve_support import serving
-from tests.test_serve_vllm import CONV, _tokenizer
+from tests.test_serve_vllm import CONV, words_checkpoint
 
 MAX_SEQ = 64
 PROMPT = "w5 w17 w30 w42 w7 w9"  # <s> and six words: 7 tokens
@@ -23,11 +23,7 @@ PROMPT = "w5 w17 w30 w42 w7 w9"  # <s> and six words: 7 tokens
 
 @pytest.fixture(scope="module")
 def served(tiny_checkpoints, tmp_path_factory):
-    import shutil
-
-    path = tmp_path_factory.mktemp("fields") / "ckpt"
-    shutil.copytree(tiny_checkpoints("llama"), path)
-    _tokenizer().save_pretrained(path)
+    path = words_checkpoint(tiny_checkpoints, tmp_path_factory.mktemp("fields"))
     with serving(str(path), max_seq_len=MAX_SEQ, kv_cache_config={"max_tokens": 512, "tokens_per_block": 4},
                  state={"model_name": "words", "trust_request_chat_template": True}) as s:
         yield s

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -23,7 +22,7 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from tests.serve_support import TIMEOUT, serving, wait_for
-from tests.test_serve_vllm import _tokenizer
+from tests.test_serve_vllm import words_checkpoint
 
 T = 8  # tokens per block
 PROMPTS = {
@@ -38,9 +37,7 @@ _salts = itertools.count()
 def words_server(manager: str, folder: Path, budget: int, max_seq_len: int, tiny_checkpoints) -> Iterator[Any]:
     """The tiny llama with the word tokenizer served as "words" on ``manager`` ("v1" or "v2"), ``budget`` KV tokens
     in ``T``-token blocks."""
-    path = folder / "ckpt"
-    shutil.copytree(tiny_checkpoints("llama"), path)
-    _tokenizer().save_pretrained(path)
+    path = words_checkpoint(tiny_checkpoints, folder)
     config = {"max_tokens": budget, "tokens_per_block": T, "use_kv_cache_manager_v2": manager == "v2"}
     with serving(str(path), max_seq_len=max_seq_len, max_num_tokens=16, kv_cache_config=config,
                  state={"model_name": "words"}) as s:

@@ -9,7 +9,9 @@ a ``who`` variable when one is given: every prompt's token ids can be read off t
 from __future__ import annotations
 
 import json
+import shutil
 import socket
+from pathlib import Path
 
 import httpx
 import pytest
@@ -37,13 +39,17 @@ def _tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
-@pytest.fixture(scope="module")
-def served(tiny_checkpoints, tmp_path_factory):
-    import shutil
-
-    path = tmp_path_factory.mktemp("bos-words") / "ckpt"
+def words_checkpoint(tiny_checkpoints, folder: Path) -> Path:
+    """The tiny llama with this word tokenizer, as a checkpoint directory under ``folder``: what these tests serve."""
+    path = folder / "ckpt"
     shutil.copytree(tiny_checkpoints("llama"), path)
     _tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def served(tiny_checkpoints, tmp_path_factory):
+    path = words_checkpoint(tiny_checkpoints, tmp_path_factory.mktemp("bos-words"))
     with serving(str(path), max_seq_len=64, kv_cache_config={"max_tokens": 512, "tokens_per_block": 4},
                  state={"model_name": "words", "read_timeout_s": READ_TIMEOUT, "max_request_bytes": MAX_BYTES,
                         "trust_request_chat_template": True}) as s:
