@@ -16,6 +16,8 @@ import json
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+from kvload.serve.responses_output import ChatDeltas
+
 if TYPE_CHECKING:
     from kvload.serve.app import _Choice, _Run
 
@@ -71,8 +73,10 @@ def message_document(run: _Run, chat: dict[str, Any]) -> dict[str, Any]:
     return _message(run, blocks, _stop(c, bool(calls)), len(c.token_ids))
 
 
-class _Blocks:
+class _Blocks(ChatDeltas):
     """A stream's content blocks: the one open grows; a new kind (or a new tool call) closes it and opens another."""
+
+    ANSWER, THINKING = "text", "thinking"
 
     def __init__(self) -> None:
         self.count = 0  # blocks opened
@@ -125,23 +129,6 @@ class _Blocks:
                                   delta={"type": "input_json_delta", "partial_json": piece}))
         return out
 
-    def delta(self, delta: Any) -> list[str]:
-        """The events of one chat delta (text, or chat's delta object)."""
-        if isinstance(delta, str):
-            return self.text("text", delta) if delta else []
-        out: list[str] = []
-        reasoning, content = delta.get("reasoning_content"), delta.get("content")
-        if content and reasoning and not self.thought:  # qwen3's text before the <think> that opened the thinking
-            out += self.text("text", content)
-            content = None
-        if reasoning:
-            self.thought = True
-            out += self.text("thinking", reasoning)
-        if content:
-            out += self.text("text", content)
-        for call in delta.get("tool_calls") or []:
-            out += self.call(call)
-        return out
 
 
 async def message_events(run: _Run) -> AsyncIterator[str]:

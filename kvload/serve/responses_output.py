@@ -108,8 +108,46 @@ def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: st
             "status": status}
 
 
-class _Events:
+class ChatDeltas:
+    """Reads chat's streamed deltas as a stream's events (the Responses and Messages APIs' streams): answer text,
+    thinking text and tool-call pieces, each through the subclass's :meth:`text` and :meth:`call`, the two kinds of
+    text named by :attr:`ANSWER` and :attr:`THINKING`."""
+
+    ANSWER: str
+    THINKING: str
+    thought = False  # thinking was opened: text from now on is the answer, after the thinking
+
+    def text(self, kind: str, piece: str) -> list[str]:
+        """The events of ``piece`` of text of ``kind`` (:attr:`ANSWER` or :attr:`THINKING`)."""
+        raise NotImplementedError
+
+    def call(self, delta: dict[str, Any]) -> list[str]:
+        """The events of one chat tool-call delta."""
+        raise NotImplementedError
+
+    def delta(self, delta: Any) -> list[str]:
+        """The events of one chat delta (text, or chat's delta object)."""
+        if isinstance(delta, str):
+            return self.text(self.ANSWER, delta) if delta else []
+        out: list[str] = []
+        reasoning, content = delta.get("reasoning_content"), delta.get("content")
+        if content and reasoning and not self.thought:  # qwen3's text before the <think> that opened the thinking
+            out += self.text(self.ANSWER, content)
+            content = None
+        if reasoning:
+            self.thought = True
+            out += self.text(self.THINKING, reasoning)
+        if content:
+            out += self.text(self.ANSWER, content)
+        for call in delta.get("tool_calls") or []:
+            out += self.call(call)
+        return out
+
+
+class _Events(ChatDeltas):
     """A stream's events: each numbered, and the output items they open, grow and close."""
+
+    ANSWER, THINKING = "message", "reasoning"
 
     def __init__(self, run: _Run) -> None:
         self.run = run
@@ -199,23 +237,6 @@ class _Events:
             out.append(self.event("response.function_call_arguments.delta", **self._where(item), delta=piece))
         return out
 
-    def delta(self, delta: Any) -> list[str]:
-        """The events of one chat delta (text, or chat's delta object)."""
-        if isinstance(delta, str):
-            return self.text("message", delta) if delta else []
-        out: list[str] = []
-        reasoning, content = delta.get("reasoning_content"), delta.get("content")
-        if content and reasoning and not self.thought:  # qwen3's text before the <think> that opened the thinking
-            out += self.text("message", content)
-            content = None
-        if reasoning:
-            self.thought = True
-            out += self.text("reasoning", reasoning)
-        if content:
-            out += self.text("message", content)
-        for call in delta.get("tool_calls") or []:
-            out += self.call(call)
-        return out
 
 
 def _shown(item: dict[str, Any], status: str) -> dict[str, Any]:
@@ -259,4 +280,4 @@ async def response_events(run: _Run) -> AsyncIterator[str]:
         run.abort()
 
 
-__all__ = ["response_document", "response_events"]
+__all__ = ["ChatDeltas", "response_document", "response_events"]
