@@ -183,10 +183,12 @@ def test_suspend_then_resume_restores_every_page_byte_exact_after_the_device_was
     saved = _snapshot(m, r)
     assert sum(b < 0 for b in m.block_table(r, "sliding_w10.0")) == 3  # the window released blocks 0..2
     assert m.suspend(r)
+    stored = m.host.bytes_stored  # the partial last block only: the cached ones wait on the device (write-back)
 
     hog = Request("hog", [500 + i for i in range(48)], 0)  # needs every block: evicts r's cached pages
     admit(m, hog)
     assert m.allocate(hog, 48)
+    assert m.host.bytes_stored > stored  # each of r's cached pages went to its host slot as it was evicted
     for t in m.pools.tensors.values():
         t.copy_(torch.randn(t.shape).to(t.dtype))
     m.free(hog)
@@ -207,10 +209,15 @@ def test_resume_takes_back_untouched_cached_blocks_without_copying_them():
     saved = _snapshot(m, r)
     before = m.block_table(r, "full")
     assert m.suspend(r)
+    # only the private tail crosses the host link; the cached blocks are copied only if evicted (write-back)
+    tails = sum(g.bytes_per_block for g in m.pools.groups.values())
+    assert m.host.bytes_stored == tails
     assert m.resume(r)
     after = m.block_table(r, "full")
     assert after[:3] == before[:3]  # still cached and never evicted: taken back in place
+    assert m.host.bytes_loaded == tails
     _assert_pages_equal(m, r, saved)
+    m.check_invariants()
 
 
 # --- sliding windows -------------------------------------------------------------------------------

@@ -93,11 +93,20 @@ class HostTier:
 
     def store(self, group: str, block: int) -> int:
         """Copy device ``block`` into a free slot and return the slot (call :meth:`sync` before reuse)."""
+        slot = self.reserve(group)
+        self.write(group, slot, block)
+        return slot
+
+    def reserve(self, group: str) -> int:
+        """Take a free slot for a page :meth:`write` copies later (write-back: when its device block is evicted)."""
         slot = self._free[group].pop()
         self._used[group] += 1
+        return slot
+
+    def write(self, group: str, slot: int, block: int) -> None:
+        """Copy device ``block`` into reserved ``slot`` (call :meth:`sync` before the block is reused)."""
         self.tensors[group][slot].copy_(self.pools.tensors[group][:, block], non_blocking=self.pinned)
         self.bytes_stored += self.pools.groups[group].bytes_per_block
-        return slot
 
     def load(self, group: str, slot: int, block: int) -> None:
         """Copy ``slot`` back into device ``block`` (call :meth:`sync` before the slot is freed)."""

@@ -42,9 +42,13 @@ How the pieces fit (TensorRT-LLM's V2 ideas, this project's code):
   group spans more than ``T``, or the compress rates' lcm is not below ``T`` (DeepSeek V4) — partial
   reuse is off and ``stats().reuse.partial_disabled_reason`` says why
   (:func:`cache_backends.reuse.partial_reuse_off_reason`, which the plan stage asks too).
-* **Host tier.** ``suspend`` copies every page of the request to host slots and drops its device
-  blocks (cached ones stay cached); ``resume`` takes back cached blocks that were never evicted and
-  copies the rest back, byte-exact, into fresh blocks. ``resume`` is refused when the pools lack room
+* **Host tier.** ``suspend`` reserves a host slot for every page of the request and drops its device
+  blocks (cached ones stay cached). Pages no one else can find (the partial last block; every page
+  without prefix reuse) are copied at once; a cached page is copied only when its device block is
+  evicted or dropped, just before it changes hands (write-back, SGLang HiCache's ``write_back``
+  policy): a request resumed before the pool needed its blocks crossed the host link for its tail
+  alone. ``resume`` takes back cached blocks that were never evicted and copies the rest back,
+  byte-exact, into fresh blocks. ``resume`` is refused when the pools lack room
   for the pages plus the block the next token starts (a resumed request must be able to run), or
   when it would lift any group's device use above ``max_util_for_resume`` — the latter unless nothing
   else holds device blocks, since waiting could not help then.
@@ -232,6 +236,9 @@ class KVCacheManagerV2:
         slots = host_slots(pools, options.host_cache_size)
         if slots:
             self.host = HostTier(pools, slots)
+        #: per group, a cached device block a suspended cache left on the device -> (cache, logical block) whose
+        #: reserved host slot it is copied to when it is evicted or dropped (write-back)
+        self._write_back: dict[str, dict[int, list[tuple[SequenceCache, int]]]] = {g.name: {} for g in self.groups}
         self._caches: dict[Request, SequenceCache] = {}
         #: requests whose pages wait on the host tier (suspended, not resumed or freed yet)
         self.num_on_host = 0
@@ -405,16 +412,20 @@ class KVCacheManagerV2:
             pool = self._pool[g.name]
             slots = [-1] * keep[g.name]
             marks: dict[int, tuple[int, int]] = {}
+            later = self._write_back[g.name]
             for j, b in enumerate(cache.tables[g.name][: keep[g.name]]):
                 if b >= 0:
-                    slots[j] = self.host.store(g.name, b)
-                    if pool.node[b] is not None:
+                    if pool.node[b] is not None:  # stays cached on the device: copied only if it is evicted first
+                        slots[j] = self.host.reserve(g.name)
                         marks[j] = (b, pool.gen[b])
+                        later.setdefault(b, []).append((cache, j))
+                    else:
+                        slots[j] = self.host.store(g.name, b)
             host[g.name] = slots
             reclaim[g.name] = marks
-        self.host.sync()  # the pages are on the host before any device block changes hands
+        self.host.sync()  # the uncached pages are on the host before their device blocks change hands
+        cache.host, cache.reclaim = host, reclaim  # before the release: one that drops a cached block writes it back
         self._release_blocks(cache)
-        cache.host, cache.reclaim = host, reclaim
         self.num_on_host += 1
         cache.state = CacheState.SUSPENDED
         cache.history = cache.capacity = cache.committed
@@ -437,6 +448,7 @@ class KVCacheManagerV2:
         if cache.is_active:
             self._release_blocks(cache)
         if cache.host is not None and self.host is not None:
+            self._forget_write_back(cache)
             for name, slots in cache.host.items():
                 self.host.free(name, slots)
             cache.host = None
@@ -1042,6 +1054,25 @@ class KVCacheManagerV2:
                 taken = [s for name in names for s in held[name]]
                 if sorted(free + taken) != list(range(n)):
                     problems.append(f"host {self._where(names)}: {len(free)} free + {len(taken)} held slots != {n}")
+        # write-back: exactly the suspended caches' pages still cached on the device wait to be copied at eviction
+        live = {id(c) for c in self._caches.values()}
+        waiting = {(name, b, id(c), j) for name, later in self._write_back.items() for b, entries in later.items()
+                   for c, j in entries}
+        for name, b, c, j in waiting:
+            if c not in live:
+                problems.append(f"group {name}: block {b} waits to be written back for a cache that is gone")
+        marked = {(name, b, id(c), j) for c in self._caches.values() if c.host is not None
+                  for name, marks in c.reclaim.items() for j, (b, _) in marks.items()}
+        for name, b, c, j in marked - waiting:
+            problems.append(f"group {name}: suspended page {j} on block {b} is not in the write-back map")
+        for name, b, c, j in waiting - marked:
+            problems.append(f"group {name}: block {b} waits to be written back for page {j} no cache marks")
+        for c in self._caches.values():
+            for name, marks in (c.reclaim.items() if c.host is not None else ()):
+                for j, (b, gen) in marks.items():
+                    pool = self._pool[name]
+                    if pool.node[b] is None or pool.gen[b] != gen:
+                        problems.append(f"group {name}: suspended page {j}'s block {b} changed hands unwritten")
         if problems:
             raise AssertionError("; ".join(problems))
 
@@ -1159,12 +1190,34 @@ class KVCacheManagerV2:
 
     def _detach(self, group: str, blocks: list[int]) -> None:
         """Unhook evicted or dropped blocks of ``group`` from their radix runs (the pool's other bookkeeping is the
-        caller's)."""
+        caller's); a suspended cache's page among them is copied to its host slot first (write-back)."""
+        later = self._write_back[group]
+        if later:
+            written = False
+            for b in blocks:
+                for cache, j in later.pop(b, ()):
+                    assert self.host is not None and cache.host is not None
+                    self.host.write(group, cache.host[group][j], b)
+                    del cache.reclaim[group][j]
+                    written = True
+            if written:
+                self.host.sync()  # type: ignore[union-attr]  # on the host before the block changes hands
         if self.kv_events is not None:
             key, pool = self._tree.key, self._pool[group]
             self.kv_events.removed([key(pool.node[b], pool.pos[b] - pool.node[b].start)  # type: ignore[union-attr]
                                     for b in blocks], group)
         self._tree.detach(group, blocks)
+
+    def _forget_write_back(self, cache: SequenceCache) -> None:
+        """Drop a suspended cache's pages still waiting on the device from the write-back map (resumed or freed)."""
+        for name, marks in cache.reclaim.items():
+            later = self._write_back[name]
+            for j, (b, _) in marks.items():
+                entries = later.get(b)
+                if entries is not None:
+                    entries[:] = [e for e in entries if not (e[0] is cache and e[1] == j)]
+                    if not entries:
+                        del later[b]
 
     def _attach(self, run: RadixNode, i: int, group: str, block: int) -> None:
         """Hang ``group``'s ``block`` at position ``i`` of ``run`` unless either already has a partner."""
@@ -1753,6 +1806,7 @@ class KVCacheManagerV2:
                         self._attach(*self._tree.position(cache.last, end // T - 1), g.name, b)
             cache.tables[g.name] = table
         self.host.sync()  # the copies are done before the slots can be overwritten
+        self._forget_write_back(cache)
         for name, slots in cache.host.items():
             self.host.free(name, slots)
         cache.host, cache.reclaim = None, {}
