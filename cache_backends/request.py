@@ -56,6 +56,10 @@ class Request:
     #: the model confirms (they become output tokens) and the rest is never read — drafts never enter
     #: ``all_token_ids`` unconfirmed.
     draft_token_ids: list[int] = attrs.Factory(list)
+    #: V2's cache-aware admission: the cached prefix (tokens) found when the scheduler first saw the request waiting,
+    #: and the scheduler step it first saw it (-1: not yet)
+    cached_hint: int = -1
+    queued_at: int = -1
 
     def __attrs_post_init__(self) -> None:
         # its own copy (see above); here, not an attrs converter: a converter makes attrs check every attribute

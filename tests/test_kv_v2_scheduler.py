@@ -11,7 +11,15 @@ from hypothesis import strategies as st
 from cache_backends import LayerKV
 from cache_backends.request import Request, RequestState
 from cache_backends.v2 import KVCacheV2Scheduler
-from tests.kv_v2_support import admit, compute, drive, full_sliding_layers, make_manager, split_sliding_layers
+from tests.kv_v2_support import (
+    admit,
+    compute,
+    drive,
+    full_sliding_layers,
+    make_manager,
+    prefill,
+    split_sliding_layers,
+)
 
 FULL = [LayerKV(0, "full", 4)]
 
@@ -362,3 +370,46 @@ def test_admission_shortcuts_decide_what_the_full_estimate_decides(seed):
     the estimate for the head it refused last step: shortcuts only. With the bound made useless (so the estimate is
     computed for every admission), every step's decisions must be the same."""
     assert _admission_case(seed, useless_bound=True) == _admission_case(seed, useless_bound=False)
+
+
+# --- cache-aware admission under "fcfs" ------------------------------------------------------------
+
+
+def _cached_and_two_waiting(m) -> tuple[Request, Request]:
+    """Cache a 16-token prefix (a finished turn), then queue a fresh prompt ahead of its follow-up turn."""
+    done = Request("turn0", list(range(1, 17)), 0)
+    prefill(m, done)
+    m.free(done)
+    fresh = Request("fresh", [60 + i for i in range(16)], 4, arrival=1)
+    follow = Request("turn1", list(range(1, 17)) + [50, 51, 52, 53], 4, arrival=2)
+    return fresh, follow
+
+
+def test_fcfs_admits_a_follow_up_whose_prefix_is_cached_before_an_earlier_fresh_prompt():
+    m = make_manager(FULL, 16)
+    s = KVCacheV2Scheduler(m, max_batch_size=1, max_num_tokens=64, init_ratio=0.0)  # room for one of the two
+    fresh, follow = _cached_and_two_waiting(m)
+    waiting = deque([fresh, follow])
+    out = s.step(waiting, running := [])
+    # the follow-up goes first while its conversation's blocks are cached, and hits them (SGLang's longest prefix)
+    assert out.admitted == [follow] and follow.num_reused_tokens == 16
+    assert list(waiting) == [fresh] and running == [follow]
+
+
+def test_requests_that_waited_lpm_age_admission_rounds_go_in_arrival_order(monkeypatch):
+    import cache_backends.v2.scheduler as scheduler
+
+    monkeypatch.setattr(scheduler, "LPM_AGE", 0)  # every request counts as waited long enough at once
+    m = make_manager(FULL, 16)
+    s = KVCacheV2Scheduler(m, max_batch_size=1, max_num_tokens=64, init_ratio=0.0)
+    fresh, follow = _cached_and_two_waiting(m)
+    out = s.step(deque([fresh, follow]), [])
+    assert out.admitted == [fresh]  # no overtaking: the earlier arrival first
+
+
+def test_without_prefix_reuse_fcfs_admits_in_arrival_order():
+    m = make_manager(FULL, 16, enable_block_reuse=False)
+    s = KVCacheV2Scheduler(m, max_batch_size=1, max_num_tokens=64, init_ratio=0.0)
+    fresh, follow = _cached_and_two_waiting(m)
+    out = s.step(deque([fresh, follow]), [])
+    assert out.admitted == [fresh]

@@ -708,6 +708,16 @@ class KVCacheManagerV2:
         first = pack_tokens(_tokens(request, 0, 1))
         return self._tree.pending_prefix(request.salt, first) is None and self._cheap_miss(request, first)
 
+    def cached_prefix_tokens(self, request: Request) -> int:
+        """The whole-block prefix of ``request`` a hit would claim if it were admitted now, claiming nothing (a
+        pending prefix the lookup reaches is keyed, as admission's lookup would key it)."""
+        if self.claims_nothing(request):
+            return 0
+        prefix = self._tree.pending_prefix(request.salt, pack_tokens(_tokens(request, 0, 1)))
+        if prefix is not None:
+            self._materialize(prefix)
+        return self._match(request)[0]
+
     def fit_tokens_new(self, request: Request, want: int, extra: list[int] | None = None) -> int:
         """:meth:`fit_tokens` for ``request`` as :meth:`create` + :meth:`resume` would leave it, when
         :meth:`claims_nothing` holds (an empty cache); nothing is built."""
