@@ -381,7 +381,7 @@ def _cached_and_two_waiting(m) -> tuple[Request, Request]:
     prefill(m, done)
     m.free(done)
     fresh = Request("fresh", [60 + i for i in range(16)], 4, arrival=1)
-    follow = Request("turn1", list(range(1, 17)) + [50, 51, 52, 53], 4, arrival=2)
+    follow = Request("turn1", [*range(1, 17), 50, 51, 52, 53], 4, arrival=2)
     return fresh, follow
 
 

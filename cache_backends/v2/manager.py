@@ -1068,14 +1068,14 @@ class KVCacheManagerV2:
         live = {id(c) for c in self._caches.values()}
         waiting = {(name, b, id(c), j) for name, later in self._write_back.items() for b, entries in later.items()
                    for c, j in entries}
-        for name, b, c, j in waiting:
+        for name, b, c, _j in waiting:
             if c not in live:
                 problems.append(f"group {name}: block {b} waits to be written back for a cache that is gone")
         marked = {(name, b, id(c), j) for c in self._caches.values() if c.host is not None
                   for name, marks in c.reclaim.items() for j, (b, _) in marks.items()}
-        for name, b, c, j in marked - waiting:
+        for name, b, _c, j in marked - waiting:
             problems.append(f"group {name}: suspended page {j} on block {b} is not in the write-back map")
-        for name, b, c, j in waiting - marked:
+        for name, b, _c, j in waiting - marked:
             problems.append(f"group {name}: block {b} waits to be written back for page {j} no cache marks")
         for c in self._caches.values():
             for name, marks in (c.reclaim.items() if c.host is not None else ()):
