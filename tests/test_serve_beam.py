@@ -10,14 +10,16 @@ The tiny llama with ``test_serve_vllm``'s word tokenizer (token ``i`` is ``w<i>`
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 import openai
 import pytest
 
-from engine.beam_search import BeamSearchParams
-from tests.serve_support import TIMEOUT
-from tests.test_serve_n_fork import salt, streamed_choices, words_server
+from engine.beam_search import BeamSearchParams, _Search
+from kvload.serve.protocol import parse
+from tests.serve_support import TIMEOUT, wait_for
+from tests.test_serve_n_fork import salt, streamed_choices, used, words_server
 
 PROMPT = [1, 5, 17, 30, 42, 9, 88, 12, 7, 64]
 WIDTH = 4
@@ -105,6 +107,41 @@ def test_a_beam_search_waits_its_turn_and_counts_as_requests(served):
     assert served.metrics()[key] == before + 5
 
 
+def test_aborting_a_running_beam_search_frees_every_beam_and_the_loop_goes_on(served, monkeypatch):
+    engine = served.state.engine
+    compute = _Search._compute
+
+    def slow(self, out):  # the tiny model's steps take well under a millisecond: the search would end first
+        time.sleep(0.005)
+        return compute(self, out)
+
+    monkeypatch.setattr(_Search, "_compute", slow)
+    events: dict[int, object] = {}
+    done = threading.Event()
+
+    def sink(j, ev):
+        events[j] = ev
+        if len(events) == 3:
+            done.set()
+
+    ids = engine.submit_beam(PROMPT, BeamSearchParams(beam_width=3, max_tokens=200, ignore_eos=True),
+                             [lambda ev, j=j: sink(j, ev) for j in range(3)], salt=salt())
+    wait_for(lambda: used(served) > 0, what="the beams hold blocks")
+    engine.abort(ids[1])  # any choice's id stands for the whole search
+    assert done.wait(TIMEOUT)
+    assert [events[j].finish_reason for j in range(3)] == ["abort"] * 3
+    wait_for(lambda: used(served) == 0, what="no block held")
+    monkeypatch.undo()
+    r = completion(served, {"prompt": PROMPT, "use_beam_search": True, "n": 2, "max_tokens": 2})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2
+
+
+def test_length_penalty_without_beam_search_is_reported_as_ignored():
+    job = parse({"prompt": "w5", "length_penalty": 1.5}, "completion", default_max_tokens=4)
+    assert job.beam is None
+    assert [(name, value) for name, value, _ in job.ignored] == [("length_penalty", 1.5)]
+
+
 def test_n_past_max_beam_width_names_the_flag(served):
     r = completion(served, {"prompt": PROMPT, "use_beam_search": True, "n": WIDTH + 1})
     assert r.status_code == 400
@@ -126,10 +163,10 @@ def test_what_beam_search_cannot_honour_is_refused_by_name(served, field, value)
                                                 ("v2", "--max_beam_width 2 --use_kv_cache_manager_v2 false")])
 def test_a_server_without_beam_search_names_the_flags_to_start_it_with(manager, flags, tiny_checkpoints,
                                                                       tmp_path_factory):
-    with words_server(manager, tmp_path_factory.mktemp(f"nobeam-{manager}"), 2048, 256, tiny_checkpoints) as s:
-        with pytest.raises(openai.BadRequestError) as info:
-            s.client.completions.create(model="words", prompt=PROMPT, n=2, max_tokens=3,
-                                        extra_body={"use_beam_search": True})
+    with words_server(manager, tmp_path_factory.mktemp(f"nobeam-{manager}"), 2048, 256, tiny_checkpoints) as s, \
+            pytest.raises(openai.BadRequestError) as info:
+        s.client.completions.create(model="words", prompt=PROMPT, n=2, max_tokens=3,
+                                    extra_body={"use_beam_search": True})
     err = info.value.body
     assert err["param"] == "use_beam_search"
     assert flags in err["message"] and "max_beam_width=1" in err["message"]
