@@ -611,6 +611,8 @@ class ServingEngine:
             if beam is not None:  # the beams of the search the loop runs now
                 running += len(beam.driver.running)
                 waiting += len(beam.driver.waiting)
+            # requests waiting behind a beam search, and the searches waiting for their turn (one per choice)
+            waiting += sum(len(entry.sinks) if isinstance(entry, _BeamJob) else len(entry) for entry in self._held)
             waiting += self.driver.forks_waiting  # choices waiting for their prompt's prefill
             stats = None if getattr(self.manager, "closed", False) else self.manager.stats()
         return {"running": running, "waiting": waiting, "suspended": suspended, "manager": stats,

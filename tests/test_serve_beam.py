@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from engine.beam_search import BeamSearchParams, _Search
+from engine.sampling_params import SamplingParams
 from kvload.serve.protocol import parse
 from tests.serve_support import TIMEOUT, wait_for
 from tests.test_serve_n_fork import salt, streamed_choices, used, words_server
@@ -134,6 +135,35 @@ def test_aborting_a_running_beam_search_frees_every_beam_and_the_loop_goes_on(se
     monkeypatch.undo()
     r = completion(served, {"prompt": PROMPT, "use_beam_search": True, "n": 2, "max_tokens": 2})
     assert r.status_code == 200 and len(r.json()["choices"]) == 2
+
+
+def test_a_request_sent_after_a_beam_search_waits_until_it_ends(served, monkeypatch):
+    """First come, first served: the loop runs a search alone, so a short request queued behind a long search ends
+    after it, and /metrics counts it waiting meanwhile."""
+    engine = served.state.engine
+    compute = _Search._compute
+
+    def slow(self, out):
+        time.sleep(0.005)
+        return compute(self, out)
+
+    monkeypatch.setattr(_Search, "_compute", slow)
+    ended: list[str] = []
+    done = threading.Event()
+
+    def sink(name, ev):
+        if ev.finished:
+            ended.append(name)
+            if name == "plain":
+                done.set()
+
+    with engine.state_lock:  # both queued before the loop's next step
+        engine.submit_beam(PROMPT, BeamSearchParams(beam_width=2, max_tokens=150, ignore_eos=True),
+                           [lambda ev: sink("beam", ev)] * 2, salt=salt())
+        engine.submit(PROMPT, SamplingParams(max_tokens=1), lambda ev: sink("plain", ev), salt=salt())
+    wait_for(lambda: served.metrics()["kvload_num_requests_waiting"] >= 1, what="the request counted waiting")
+    assert done.wait(TIMEOUT)
+    assert ended == ["beam", "beam", "plain"]
 
 
 def test_length_penalty_without_beam_search_is_reported_as_ignored():
