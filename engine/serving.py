@@ -815,7 +815,8 @@ class ServingEngine:
             self._beam = None
             if output is None and job.search is not None:
                 with contextlib.suppress(Exception):  # freeing must not take the loop down
-                    job.search.fail(failed or GenerationError(f"beam search ended: {reason}"))
+                    why = "its client went away, or the server stopped" if reason == "abort" else error or reason
+                    job.search.fail(failed or GenerationError(f"beam_search: aborted: {why}"))
         elif job in self._held:
             self._held.remove(job)
         for req_id in job.req_ids:
