@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +42,12 @@ QUESTIONS = [
 REPO = Path(__file__).resolve().parents[1]
 
 
-def start_server(model: str, max_tokens: int) -> tuple[subprocess.Popen, str]:
-    """``kvload serve`` on a free port; the process and its URL once it listens."""
+def start_server(model: str, max_tokens: int, extra: Sequence[str] = ()) -> tuple[subprocess.Popen, str]:
+    """``kvload serve`` on a free port (``extra``: more of its flags); the process and its URL once it listens."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-m", "kvload", "serve", model, "--port", "0", "--max_tokens",
-                             str(max_tokens)], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env,
-                            cwd=REPO)
+                             str(max_tokens), *extra], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            env=env, cwd=REPO)
     deadline = time.monotonic() + 600
     assert proc.stderr is not None
     while True:

@@ -36,7 +36,7 @@ import attrs
 
 from cache_backends.interface import SchedulerOutput
 from cache_backends.request import Request
-from engine.driver import MAX_IDLE_STEPS, Driver, StalledError
+from engine.driver import MAX_IDLE_STEPS, Driver, StalledError, StepStats
 from engine.outputs import GenerationStats
 from engine.sampling import sample_rows, top_logprobs
 from engine.sampling_params import (
@@ -176,6 +176,7 @@ class _Search:
             self.prompts.append(_Prompt(i, text, list(ids), room, [beam]))
         self.firsts = [p.live[0].request for p in self.prompts]  # each prompt's prefill (its prefix-cache hit)
         self.engine_steps = self.generated = 0
+        self.last_step: StepStats | None = None  # what the last step did (the serving loop reports it)
         self.forward_s = self.kv_s = 0.0
 
     def _new_beam(self, index: int, ids: list[int], room: int, tokens: Sequence[int] = ()) -> _Beam:
@@ -187,32 +188,52 @@ class _Search:
 
     def run(self) -> list[BeamSearchOutput]:
         """Search every prompt; the call's audit segment (generation_started ... generation_finished) around it."""
+        self.start()
+        try:
+            with self.executor.paged_attention():
+                while not self.advance():
+                    pass
+        except BaseException as exc:
+            self.fail(exc)
+            raise
+        return self.finish()
+
+    def start(self) -> None:
+        """Open the call's audit segment; then :meth:`advance` until it says the search ended, and :meth:`finish`
+        (or :meth:`fail`). ``run`` does all of it; the serving loop calls them one step at a time."""
         x = self.executor
         x._event(GenerationStarted(
             call=self.call, requests=self.k * len(self.prompts), prompt_tokens=sum(len(p.ids) for p in self.prompts),
             max_new_tokens=self.params.max_tokens, temperature=0.0, top_p=1.0, seed=None,
             salted=self.salt is not None, kv_manager=type(x.manager).__name__, n=self.k, logprobs=2 * self.k,
             llm_seed=x.llm_seed))
-        warm_before = x.flex.warmup_s if x.flex is not None else 0.0
-        start = time.perf_counter()
-        try:
-            unscoped = x.salt_ignored() if self.salt is not None else None
-            if unscoped is not None:
-                x._event(SettingIgnored(field="generate.salt", value=self.salt, reason=unscoped))
-            with x.paged_attention():
-                self._loop()
-        except BaseException as exc:
-            x._abort(self.driver)
-            x._block_tables.keep_only(())
-            x._check_flex()
-            x._event(GenerationFailed(call=self.call, error=type(exc).__name__,
-                                      message=retitled(first_line(exc, ""), x._caller),
-                                      finished=sum(p.final is not None for p in self.prompts)))
-            raise
+        self._warm_before = x.flex.warmup_s if x.flex is not None else 0.0
+        self._start = time.perf_counter()
+        self._queue = deque(self.prompts)
+        self._active: list[_Prompt] = []
+        self._idle = 0
+        unscoped = x.salt_ignored() if self.salt is not None else None
+        if unscoped is not None:
+            x._event(SettingIgnored(field="generate.salt", value=self.salt, reason=unscoped))
+
+    def fail(self, exc: BaseException) -> None:
+        """The search ended on ``exc``: every beam's blocks freed, ``generation_failed`` recorded."""
+        x = self.executor
+        x._abort(self.driver)
+        self.beams.clear()
         x._block_tables.keep_only(())
-        warmup = (x.flex.warmup_s if x.flex is not None else 0.0) - warm_before
         x._check_flex()
-        wall = time.perf_counter() - start - warmup
+        x._event(GenerationFailed(call=self.call, error=type(exc).__name__,
+                                  message=retitled(first_line(exc, ""), x._caller),
+                                  finished=sum(p.final is not None for p in self.prompts)))
+
+    def finish(self) -> list[BeamSearchOutput]:
+        """The ended search's outputs, its stats kept (``executor.last_stats``) and its audit segment closed."""
+        x = self.executor
+        x._block_tables.keep_only(())
+        warmup = (x.flex.warmup_s if x.flex is not None else 0.0) - self._warm_before
+        x._check_flex()
+        wall = time.perf_counter() - self._start - warmup
         reused = sum(r.num_reused_tokens for r in self.firsts)
         stats = GenerationStats(
             requests=len(self.prompts), prompt_tokens=sum(len(p.ids) for p in self.prompts),
@@ -226,37 +247,39 @@ class _Search:
             duration_ms=round(wall * 1000, 3), tokens_per_s=round(stats.tokens_per_s, 3)))
         return [self._output(p) for p in self.prompts]
 
-    def _loop(self) -> None:
-        """Steps until every prompt's search ended: start prompts while their beams fit the batch, compute, rank."""
+    def advance(self) -> bool:
+        """One engine step: start prompts while their beams fit the batch, compute, rank; whether every prompt's
+        search has ended (then nothing more is computed)."""
         x, driver = self.executor, self.driver
-        queue = deque(self.prompts)
-        active: list[_Prompt] = []
-        idle = 0
-        while queue or active:
-            while queue and (not active or (len(active) + 1) * self.k <= x.scheduler.max_batch_size):
-                p = queue.popleft()
-                driver.add(p.live[0].request)
-                active.append(p)
-            if x._stopped is not None:
-                raise GenerationError(x._stopped)
-            try:
-                st = driver.step(self._compute)
-            except StalledError as exc:
-                if self._park():
-                    continue
-                raise KvRuntimeError(f"beam_search: the {type(x.scheduler).__name__} cannot make progress: "
-                                     f"{exc}") from None
-            self.engine_steps += 1
-            self.forward_s += st.compute_seconds
-            self.kv_s += st.kv_seconds
-            idle = idle + 1 if st.scheduled_tokens == 0 else 0
-            if idle > MAX_IDLE_STEPS:
-                raise KvRuntimeError(f"beam_search: {idle} steps in a row scheduled nothing while "
-                                     f"{len(driver.running)} running and {len(driver.waiting)} waiting beams remain")
-            for p in active:
-                if all(b.top is not None for b in p.live):
-                    self._rank(p)
-            active = [p for p in active if p.final is None]
+        queue = self._queue
+        if not (queue or self._active):
+            return True
+        while queue and (not self._active or (len(self._active) + 1) * self.k <= x.scheduler.max_batch_size):
+            p = queue.popleft()
+            driver.add(p.live[0].request)
+            self._active.append(p)
+        if x._stopped is not None:
+            raise GenerationError(x._stopped)
+        try:
+            st = driver.step(self._compute)
+        except StalledError as exc:
+            if self._park():
+                return False
+            raise KvRuntimeError(f"beam_search: the {type(x.scheduler).__name__} cannot make progress: "
+                                 f"{exc}") from None
+        self.last_step = st
+        self.engine_steps += 1
+        self.forward_s += st.compute_seconds
+        self.kv_s += st.kv_seconds
+        self._idle = self._idle + 1 if st.scheduled_tokens == 0 else 0
+        if self._idle > MAX_IDLE_STEPS:
+            raise KvRuntimeError(f"beam_search: {self._idle} steps in a row scheduled nothing while "
+                                 f"{len(driver.running)} running and {len(driver.waiting)} waiting beams remain")
+        for p in self._active:
+            if all(b.top is not None for b in p.live):
+                self._rank(p)
+        self._active = [p for p in self._active if p.final is None]
+        return not (queue or self._active)
 
     def _compute(self, out: SchedulerOutput) -> dict[str, int | list[int]]:
         """The step's forward; each beam whose tokens are all computed keeps its next token's top 2k. No token is

@@ -15,6 +15,13 @@ holds any. A scored prompt (``prompt_logprobs``, completions' echo with logprobs
 it whole and the others get a copy of its scores. Each choice streams, finishes and aborts on its own; an aborted
 choice 0 hands its place (the prefill) to the next choice still waiting.
 
+A beam search (:meth:`ServingEngine.submit_beam`, the server's ``use_beam_search``) is a unit of work of its own in
+this loop, not rows of its steps: it starts once every request before it has ended, and the requests after it wait
+until it ends (first come, first served), because its beams are requests of a driver of their own
+(``engine.beam_search``) over the same scheduler and pools, and two drivers would each fill the batch. Meanwhile
+each turn of the loop runs one step of the search, so aborts, notices and a stop are taken between its steps as
+between any others. Its ``beam_width`` choices get their one event each when the search ends, best first.
+
 With ``max_draft_len`` a request (greedy or sampled) drafts as in ``generate`` (``engine.speculation``) while at most
 ``speculation_max_batch_size`` requests run.
 
@@ -43,6 +50,7 @@ import torch
 
 from cache_backends.interface import SchedulerOutput
 from cache_backends.request import Request
+from engine.beam_search import BeamSearchOutput, BeamSearchParams, _Search
 from engine.driver import Driver, StalledError, StepStats, at_length
 from engine.executor import GenerationExecutor
 from engine.penalties import penalize
@@ -161,6 +169,22 @@ class _Live:
     forked_from: _Live | None = None  # a choice given its first token from this first choice's prefill, until sent
 
 
+@attrs.define(eq=False)
+class _BeamJob:
+    """One beam search the loop runs as a unit of work: its prompt, its choices' sinks and ids, and once started its
+    search (``engine.beam_search._Search``)."""
+
+    ids: list[int]
+    params: BeamSearchParams
+    sampling: SamplingParams  # what metrics see (max_tokens, greedy)
+    sinks: list[Callable[[ServeEvent], Any]]
+    req_ids: list[str]  # choice j's id: aborting any of them aborts the search
+    salt: str | None
+    queued_at: float
+    search: _Search | None = None
+    scheduled_at: float | None = None
+
+
 class _ServeDriver(Driver):
     """The driver with per-request end-of-sequence rules (``ignore_eos``, stop token ids)."""
 
@@ -244,7 +268,11 @@ class ServingEngine:
                                    emit=executor._emit, live=self._live,
                                    propose=self._propose if executor.proposer is not None else None)
         self._cond = threading.Condition()
-        self._inbox: list[list[_Live]] = []  # each entry: one request's choices (submit_group)
+        self._inbox: list[list[_Live] | _BeamJob] = []  # each entry: one request's choices, or a beam search
+        #: entries that came after a beam search still waiting or running: applied, in order, once it has ended
+        self._held: list[list[_Live] | _BeamJob] = []
+        self._beam: _BeamJob | None = None  # the beam search the loop runs now
+        self._beam_ids: dict[str, _BeamJob] = {}  # each queued or running beam search, by each choice's id
         self._aborts: set[str] = set()
         self._notices: list[Event] = []  # events for the loop thread to emit (the event bus is not thread-safe)
         self._stopping = False
@@ -503,6 +531,36 @@ class ServingEngine:
             self._cond.notify_all()
         return [live.request.req_id for live in group]
 
+    def submit_beam(self, prompt_token_ids: Sequence[int], params: BeamSearchParams,
+                    sinks: Sequence[Callable[[ServeEvent], Any]], *, salt: str | None = None) -> list[str]:
+        """Queue one beam search of one prompt (``engine.beam_search``, what ``LLM.beam_search`` does): choice ``j``
+        is its ``j``-th best hypothesis, reported to ``sinks[j]`` in one event once the search ends (module
+        docstring); ``len(sinks)`` is ``params.beam_width``. Their ids, in order; nothing queued (``GenerationError``
+        / ``KvBuildError``) when it could never run."""
+        if len(sinks) != params.beam_width:
+            raise GenerationError(f"beam_search: {len(sinks)} sinks for beam_width={params.beam_width}")
+        if self._stopping or self.loop_error is not None:
+            raise EngineStopped(self._why_stopped())
+        if self.ranks is not None:  # its ranking is not in StepOrders: the ranks could not be kept alike
+            raise GenerationError("beam_search: not served under tensor parallel; serve the model on one device")
+        width = self.executor.max_beam_width
+        if params.beam_width > width:
+            raise GenerationError(f"beam_search: beam_width={params.beam_width} exceeds max_beam_width={width}, the "
+                                  f"width the model was loaded for")
+        check_salt(salt)
+        sampling = SamplingParams(max_tokens=params.max_tokens, ignore_eos=params.ignore_eos)
+        first = self.check(prompt_token_ids, sampling)  # the vocabulary, the length, one sequence fits the pools
+        ids = [first.req_id, *(f"srv-{next(self._ids)}" for _ in sinks[1:])]
+        job = _BeamJob(list(first.prompt_token_ids), params, sampling, list(sinks), ids, salt, time.perf_counter())
+        with self._cond:  # as submit's: checked again under the lock the loop's last drain takes
+            if self._stopping or self.loop_error is not None:
+                raise EngineStopped(self._why_stopped())
+            for req_id in ids:
+                self._beam_ids[req_id] = job
+            self._inbox.append(job)
+            self._cond.notify_all()
+        return ids
+
     def _new_live(self, request: Request, params: SamplingParams, sink: Callable[[ServeEvent], Any],
                   seed: int | None) -> _Live:
         """A request's loop-side state: its generator from ``seed`` (None: greedy), its stop-string text."""
@@ -549,6 +607,12 @@ class ServingEngine:
             running = len(self.driver.running)
             waiting = sum(1 for r in self.driver.waiting if r.state.value == "waiting")
             suspended = len(self.driver.waiting) - waiting
+            beam = self._beam.search if self._beam is not None else None
+            if beam is not None:  # the beams of the search the loop runs now
+                running += len(beam.driver.running)
+                waiting += len(beam.driver.waiting)
+            # requests waiting behind a beam search, and the searches waiting for their turn (one per choice)
+            waiting += sum(len(entry.sinks) if isinstance(entry, _BeamJob) else len(entry) for entry in self._held)
             waiting += self.driver.forks_waiting  # choices waiting for their prompt's prefill
             stats = None if getattr(self.manager, "closed", False) else self.manager.stats()
         return {"running": running, "waiting": waiting, "suspended": suspended, "manager": stats,
@@ -589,12 +653,13 @@ class ServingEngine:
 
     def _loop_once(self) -> bool:
         with self._cond:
-            while not (self._stopping or self._inbox or self._aborts or self._notices or self.driver.has_work):
+            while not (self._stopping or self._inbox or self._aborts or self._notices or self.driver.has_work
+                       or self._beam is not None or self._held):
                 if not self._cond.wait(self.idle_wait_s) and self.ranks is not None:
                     break  # a heartbeat: the other ranks wait for the next orders in a collective with a timeout
             notices, self._notices = self._notices, []
             stopping = self._stopping
-            inbox: list[list[_Live]] = []
+            inbox: list[list[_Live] | _BeamJob] = []
             aborts: list[str] = []
             if not stopping:
                 inbox, self._inbox = self._inbox, []
@@ -677,21 +742,111 @@ class ServingEngine:
             self._fail_all("the engine stopped", reason="abort")
             self.executor._block_tables.keep_only(())
 
-    def _apply(self, inbox: list[list[_Live]], aborts: list[str]) -> None:
-        """New requests join the driver (a request's other choices as forks of its first), then the aborted end
-        (under ``state_lock``)."""
-        for first, *others in inbox:
+    def _apply(self, inbox: Sequence[list[_Live] | _BeamJob], aborts: list[str]) -> None:
+        """New requests join the driver (a request's other choices as forks of its first), in order until a beam
+        search: it starts once the driver has no work, and what comes after it waits until it ended (module
+        docstring); then the aborted end (under ``state_lock``)."""
+        entries, self._held = [*self._held, *inbox], []
+        for k, entry in enumerate(entries):
+            if self._beam is not None or (isinstance(entry, _BeamJob) and self.driver.has_work):
+                self._held = entries[k:]
+                break
+            if isinstance(entry, _BeamJob):
+                self._start_beam(entry)
+                continue
+            first, *others = entry
             for live in (first, *others):
                 self._live[live.request.req_id] = live
             self.driver.add(first.request)
             self.driver.fork(first.request, [live.request for live in others])
         for req_id in aborts:
-            self._finish_early(req_id, "abort")
+            job = self._beam_ids.get(req_id)
+            if job is not None:
+                self._end_beam(job, None, "abort")
+            else:
+                self._finish_early(req_id, "abort")
+
+    def _start_beam(self, job: _BeamJob) -> None:
+        """Start a beam search (the driver has no work): its audit segment opens, its first step runs next."""
+        try:
+            job.search = _Search(self.executor, [(None, job.ids)], job.params, job.salt)
+            job.search.start()
+        except Exception as exc:  # checked at submission: the pools changed since (say so, free nothing twice)
+            self._end_beam(job, None, "error", f"{type(exc).__name__}: {exc}")
+            return
+        self._beam = job
+
+    def _beam_step(self, job: _BeamJob) -> None:
+        """One step of the running beam search; when it ends, each choice gets its hypothesis (best first)."""
+        search = job.search
+        assert search is not None
+        started = time.perf_counter()
+        before = search.generated
+        try:
+            done = search.advance()
+        except Exception as exc:
+            message = f"{type(exc).__name__}: {exc}"
+            self._end_beam(job, None, "error", message, failed=exc)
+            if self.executor._emit is not None:  # the operator's one error record, as a failed step gives
+                with contextlib.suppress(Exception):
+                    self.executor._emit(EngineStepFailed(error=type(exc).__name__, message=first_line(exc, ""),
+                                                         requests=len(job.sinks)))
+            return
+        self.steps += 1
+        st = search.last_step
+        if st is not None and st.scheduled_tokens and job.scheduled_at is None:
+            job.scheduled_at = started
+        if self.observer is not None and st is not None:
+            with contextlib.suppress(Exception):
+                self.observer.on_step(st, search.generated - before)
+        if done:
+            try:
+                outputs = search.finish()
+            except Exception as exc:
+                self._end_beam(job, None, "error", f"{type(exc).__name__}: {exc}", failed=exc)
+                return
+            self._end_beam(job, outputs[0], "length")
+
+    def _end_beam(self, job: _BeamJob, output: BeamSearchOutput | None, reason: str, error: str | None = None,
+                  failed: BaseException | None = None) -> None:
+        """A beam search ended: with ``output`` each choice gets its hypothesis; without (aborted, failed, stopped)
+        each ends with ``reason``, its beams freed and its audit segment closed as failed."""
+        if self._beam is job:
+            self._beam = None
+            if output is None and job.search is not None:
+                with contextlib.suppress(Exception):  # freeing must not take the loop down
+                    why = "its client went away, or the server stopped" if reason == "abort" else error or reason
+                    job.search.fail(failed or GenerationError(f"beam_search: aborted: {why}"))
+        elif job in self._held:
+            self._held.remove(job)
+        for req_id in job.req_ids:
+            self._beam_ids.pop(req_id, None)
+        now = time.perf_counter()
+        search = job.search
+        reused = search.firsts[0].num_reused_tokens if search is not None and output is not None else 0
+        sequences = output.sequences if output is not None else ()
+        for j, (req_id, sink) in enumerate(zip(job.req_ids, job.sinks, strict=True)):
+            # a vocabulary smaller than the width has fewer hypotheses: the choices past them end with no tokens
+            seq = sequences[j] if j < len(sequences) else None
+            tokens = seq.token_ids if seq is not None else ()
+            why = seq.finish_reason if seq is not None else reason
+            if self.observer is not None:
+                done = FinishedRequest(len(job.ids), len(tokens), reused, why, job.sampling, j, len(job.sinks),
+                                       job.queued_at, job.scheduled_at, (now,) * len(tokens))
+                with contextlib.suppress(Exception):
+                    self.observer.on_finished(done)
+            event = ServeEvent(req_id, tokens, tokens, finish_reason=why, error=error if seq is None else None,
+                               prompt_tokens=len(job.ids), reused_prompt_tokens=reused)
+            with contextlib.suppress(Exception):  # a broken sink is its client's problem, not the loop's
+                sink(event)
 
     def _step(self) -> None:
         """One step of the driver when there is work, its tokens sent (under ``state_lock``). A failed step fails its
         requests; under tensor parallel any failure but a stalled scheduler (which every rank meets alike) is raised:
         the ranks may have parted mid-step."""
+        if self._beam is not None:  # it runs alone: it started once the driver had no work, nothing joined since
+            self._beam_step(self._beam)
+            return
         if not self.driver.has_work:
             return
         started = time.perf_counter()  # the scheduler decides at the start of the step
@@ -904,12 +1059,18 @@ class ServingEngine:
         """End every queued and live request with ``reason``; how many there were."""
         with self._cond:
             pending, self._inbox = self._inbox, []
-        for live in (lv for group in pending for lv in group):
+        pending, self._held = [*self._held, *pending], []
+        beams = [entry for entry in pending if isinstance(entry, _BeamJob)]
+        if self._beam is not None:
+            beams.append(self._beam)
+        for live in (lv for group in pending if not isinstance(group, _BeamJob) for lv in group):
             self._live[live.request.req_id] = live
         ended = list(self._live)
         for req_id in ended:
             self._finish_early(req_id, reason, error=message if reason == "error" else None)
-        return len(ended)
+        for job in beams:
+            self._end_beam(job, None, reason, message if reason == "error" else None)
+        return len(ended) + sum(len(job.sinks) for job in beams)
 
     @staticmethod
     def _send(live: _Live, event: ServeEvent) -> None:

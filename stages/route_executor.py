@@ -81,7 +81,7 @@ class RouteExecutor:
             emit(SettingIgnored(field="max_beam_width", value=ctx.args.max_beam_width,
                                 reason="the KV pools are not sized for beams (beams share their blocks by forking, and "
                                        "prefix cache) and generate returns one sequence per prompt; it bounds "
-                                       "LLM.beam_search's beam_width"))
+                                       "LLM.beam_search's beam_width (and kvload serve's n with use_beam_search)"))
         if ctx.args.max_draft_len == 0:
             for path in ("max_matching_ngram_size", "speculation_max_batch_size"):
                 if path in ctx.user_fields:

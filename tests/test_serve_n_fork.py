@@ -34,13 +34,14 @@ _salts = itertools.count()
 
 
 @contextlib.contextmanager
-def words_server(manager: str, folder: Path, budget: int, max_seq_len: int, tiny_checkpoints) -> Iterator[Any]:
+def words_server(manager: str, folder: Path, budget: int, max_seq_len: int, tiny_checkpoints,
+                 **load: Any) -> Iterator[Any]:
     """The tiny llama with the word tokenizer served as "words" on ``manager`` ("v1" or "v2"), ``budget`` KV tokens
-    in ``T``-token blocks."""
+    in ``T``-token blocks (``load``: more of ``pipeline.load``'s keywords, e.g. ``max_beam_width``)."""
     path = words_checkpoint(tiny_checkpoints, folder)
     config = {"max_tokens": budget, "tokens_per_block": T, "use_kv_cache_manager_v2": manager == "v2"}
     with serving(str(path), max_seq_len=max_seq_len, max_num_tokens=16, kv_cache_config=config,
-                 state={"model_name": "words"}) as s:
+                 state={"model_name": "words"}, **load) as s:
         yield s
 
 

@@ -493,7 +493,28 @@ def _parse_body(state: ServeState, body: Any, kind: str) -> Job:
                 tool_parser=state.tool_call_parser, reasoning_parser=state.reasoning_parser)
     _check_model(state, body)
     _check_template(state, job.template)
+    if job.beam is not None:
+        _check_beam(state, job.n)
     return job
+
+
+def _check_beam(state: ServeState, n: int) -> None:
+    """A beam search this server can run, or the 400 that says which flags serve it: beam search needs KV cache
+    manager V1 and a ``max_beam_width`` of at least ``n`` (the load routes ``max_beam_width > 1`` to V1)."""
+    engine = state.engine
+    if engine.ranks is not None:
+        raise BadRequest("use_beam_search: not served under tensor parallel (--tp_size > 1); serve the model on one "
+                         "device for beam search", param="use_beam_search")
+    width = engine.executor.max_beam_width
+    if width <= 1:
+        v2 = type(engine.manager).__name__ == "KVCacheManagerV2"
+        why = "on KV cache manager V2, which cannot fork beams; " if v2 else ""
+        flags = f"--max_beam_width {max(n, 2)}" + (" --use_kv_cache_manager_v2 false" if v2 else "")
+        raise BadRequest(f"use_beam_search: this server was started with max_beam_width=1 {why}start it with {flags} "
+                         "to serve beam search", param="use_beam_search")
+    if n > width:
+        raise BadRequest(f"n: {n} beams with use_beam_search exceed this server's max_beam_width={width}; send n <= "
+                         f"{width}, or start the server with --max_beam_width {n}", param="n")
 
 
 def _check_template(state: ServeState, template: dict[str, Any]) -> None:
@@ -879,7 +900,9 @@ class _Run:
                 raise self._never_fits(job, i, len(ids), exc) from None
             plan.append((ids, params))
         # once per HTTP request (not per prompt or choice), and only for one that is served
-        self.engine.report_ignored(job.params, job.n, request=self.id, salt=job.salt, model_defaults=job.model_defaults)
+        # under beam search n is its width, not identical greedy samples
+        self.engine.report_ignored(job.params, 1 if job.beam is not None else job.n, request=self.id, salt=job.salt,
+                                   model_defaults=job.model_defaults)
         if job.params.structured_outputs is not None:  # what was asked, never the spec itself
             self.engine.notify(StructuredOutputsRequested(request=self.id, field=job.structured_field or "",
                                                           tool_choice=job.tool_choice and job.tool_choice.mode,
@@ -895,7 +918,12 @@ class _Run:
                     if self.cancelled:
                         return
                     try:
-                        rids = self.engine.submit_group(ids, params, sinks, salt=job.salt, priority=job.priority)
+                        if job.beam is not None:  # the prompt's n best hypotheses, best first
+                            rids = self.engine.submit_beam(ids, attrs.evolve(job.beam, max_tokens=params.max_tokens),
+                                                           sinks, salt=job.salt)
+                        else:
+                            rids = self.engine.submit_group(ids, params, sinks, salt=job.salt,
+                                                            priority=job.priority)
                     except EngineStopped as exc:  # a 503 naming the cause, not a 500 with a traceback
                         if self.engine.loop_error is None:
                             raise _shutting_down() from None

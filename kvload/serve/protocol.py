@@ -1,14 +1,14 @@
 """OpenAI request bodies → what the engine needs, checked field by field (no web framework needed here).
 
-Completions and chat completions (:func:`parse`: OpenAI's fields, kvload's and vLLM's ``top_k``,
-``stop_token_ids``, ``ignore_eos``, ``add_special_tokens``, ``cache_salt``, ``prompt_logprobs``,
-``truncate_prompt_tokens``, ``request_id``, and for chat vLLM's template options, checked by
-``engine.prompts.template_options`` as ``LLM.chat`` checks them), and vLLM's ``/tokenize`` and ``/detokenize``
-(:func:`parse_tokenize`, :func:`parse_detokenize`). Every problem raises :class:`BadRequest` naming the field
-(``param``) and what is accepted; the app turns it into HTTP 400 with OpenAI's error body. Fields kvload cannot
-honour are refused, never silently dropped: an accepted setting must act (or be what kvload does anyway:
-``priority`` 0, ``best_of`` = ``n``), or is reported as ``setting_ignored`` (:attr:`Job.ignored`) where vLLM
-accepts it and it can change nothing. Structured outputs come as OpenAI's ``response_format`` (``json_object``,
+Completions and chat completions (:func:`parse`: OpenAI's fields, kvload's and vLLM's ``top_k``, ``stop_token_ids``,
+``ignore_eos``, ``add_special_tokens``, ``cache_salt``, ``prompt_logprobs``, ``truncate_prompt_tokens``,
+``request_id``, ``use_beam_search`` with ``length_penalty`` (:func:`_beam`), and for chat vLLM's template options,
+checked by ``engine.prompts.template_options`` as ``LLM.chat`` checks them), and vLLM's ``/tokenize`` and
+``/detokenize`` (:func:`parse_tokenize`, :func:`parse_detokenize`). Every problem raises :class:`BadRequest` naming
+the field (``param``) and what is accepted; the app turns it into HTTP 400 with OpenAI's error body. Fields kvload
+cannot honour are refused, never silently dropped: an accepted setting must act (or be what kvload does anyway:
+``priority`` 0, ``best_of`` = ``n``), or is reported as ``setting_ignored`` (:attr:`Job.ignored`) where vLLM accepts
+it and it can change nothing. Structured outputs come as OpenAI's ``response_format`` (``json_object``,
 ``json_schema``) or vLLM's ``structured_outputs`` (:func:`_structured`); chat's ``tool_choice`` named or
 ``"required"`` constrains the reply to tool calls the same way (:func:`_tool_choice`), as vLLM does without a
 tool-call parser. Under the server's reasoning parser a chat reply is split into thinking and answer
@@ -25,6 +25,7 @@ from typing import Any
 
 import attrs
 
+from engine.beam_search import BeamSearchParams
 from engine.messages import MessageError, chat_messages
 from engine.prompts import TEMPLATE_OPTIONS, lone_surrogate, surrogate_in, template_options
 from engine.sampling_params import (
@@ -161,6 +162,9 @@ class Job:
     #: vLLM's ``return_token_ids``: the answer carries each prompt's ``prompt_token_ids`` (a stream: each choice's
     #: first chunk)
     return_token_ids: bool = False
+    #: vLLM's ``use_beam_search``: the search's parameters (``n`` is its width, ``length_penalty`` its score's
+    #: exponent), else None
+    beam: BeamSearchParams | None = None
 
 
 @attrs.frozen
@@ -242,6 +246,7 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "
            "cache_salt", "prompt_logprobs", "truncate_prompt_tokens", "request_id", "response_format", "priority",
            "return_token_ids",  # vLLM's: the prompt's token ids in the answer (a choice's own are always there)
            "truncation_side",  # vLLM's: which end truncate_prompt_tokens keeps
+           "use_beam_search", "length_penalty",  # vLLM's beam search: n beams, the best n hypotheses as choices
            # vLLM's sampling constraints, checked by SamplingParams (bad_words by the tokenizer, at submission)
            "allowed_token_ids", "bad_words",
            # vLLM's structured outputs (compiled by xgrammar at submission); its older guided_* fields are refused
@@ -421,6 +426,7 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
     except GenerationError as exc:  # the API's own checks, should the two ever disagree
         raise _bad(exc) from None
     special = _flag(body, "add_special_tokens", kind == "completion")
+    beam = _beam(body, n, params, echo_only, structured_field, defaulted, ignored)
     return Job(kind=kind, prompts=prompts, params=params, n=n, stream=stream, include_usage=include_usage,
                stop=stops, stop_token_ids=tuple(stop_ids), logprobs=logprobs, echo=echo, salt=salt,
                echo_only=echo_only, max_tokens_given=given, max_tokens_field=field, template=template,
@@ -429,7 +435,54 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
                request_id=request_id(body.get("request_id")),
                continuous_usage=continuous, ignored=tuple(ignored), priority=priority,
                model_defaults=tuple(defaulted), structured_field=structured_field, tool_choice=tool_choice,
-               auto_tools=auto, reasoning=reasoning, return_token_ids=_flag(body, "return_token_ids", False))
+               auto_tools=auto, reasoning=reasoning, return_token_ids=_flag(body, "return_token_ids", False),
+               beam=beam)
+
+
+#: What beam search takes of the sampling fields a request sent, each (field, its neutral value or None for "not
+#: sent"): any other value is refused with use_beam_search, as beam search ranks by the model's own log-probabilities
+#: and ends only at EOS or max_tokens (``engine.beam_search``). vLLM drops these silently; kvload says so.
+_NOT_WITH_BEAM = (("stop", None), ("stop_token_ids", None), ("bad_words", None), ("allowed_token_ids", None),
+                  ("logit_bias", None), ("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1),
+                  ("min_tokens", 0), ("logprobs", None), ("top_logprobs", None), ("prompt_logprobs", None))
+
+
+def _beam(body: dict[str, Any], n: int, params: SamplingParams, echo_only: bool, structured_field: str | None,
+          defaulted: list[str], ignored: list[tuple[str, Any, str]]) -> BeamSearchParams | None:
+    """vLLM's ``use_beam_search`` (``n`` beams; ``max_tokens``, ``ignore_eos`` and ``length_penalty`` as its
+    ``to_beam_search_params`` takes them) as :class:`BeamSearchParams`, or None without it; a sampling field beam
+    search cannot honour is refused (:data:`_NOT_WITH_BEAM`), and ``length_penalty`` without it is reported."""
+    penalty = body.get("length_penalty")
+    _need(penalty is None or is_finite(penalty), "length_penalty", "a finite number (1.0: the mean log-probability "
+          "per token ranks the hypotheses)", penalty)
+    if not _flag(body, "use_beam_search", False):
+        if penalty is not None:
+            ignored.append(("length_penalty", penalty, "only beam search (use_beam_search: true) ranks by it"))
+        return None
+    with_beam = " does not go with use_beam_search"
+    if params.temperature > 0 and "temperature" not in defaulted:
+        raise BadRequest(f"temperature: {short(body.get('temperature'))}{with_beam}: beam search keeps the most likely "
+                         "beams (send 0 or leave it out)", param="temperature")
+    for name, neutral in _NOT_WITH_BEAM:
+        value = body.get(name)
+        if value is not None and value is not False and value != [] and value != {} and value != neutral:
+            raise BadRequest(f"{name}: {short(value)}{with_beam} (beam search ranks the beams by the model's own "
+                             "log-probabilities and ends them only at EOS or max_tokens; leave it out)", param=name)
+    if structured_field is not None:
+        raise BadRequest(f"{structured_field}{with_beam}: structured outputs are not served with beam search",
+                         param=structured_field)
+    if echo_only:
+        raise BadRequest(f"max_tokens: 0 (echo without generation){with_beam}; ask for max_tokens >= 1",
+                         param="max_tokens")
+    if body.get("priority"):
+        ignored.append(("priority", body["priority"], "a beam search is served in arrival order"))
+    # the model's default penalties and min_tokens (not the request's): the search takes none, as vLLM's
+    for name in ("repetition_penalty", "min_tokens"):
+        if name in defaulted and getattr(params, name) not in (0, 1.0):
+            ignored.append((name, getattr(params, name), "the model's default; beam search ranks by the model's own "
+                                                         "log-probabilities"))
+    return BeamSearchParams(beam_width=n, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
+                            length_penalty=float(1.0 if penalty is None else penalty))
 
 
 def _not_enforced(structured: StructuredOutputsParams, field: str | None,
