@@ -69,7 +69,11 @@ def _v2_state(m: Any) -> Any:
         caches.append((req.req_id, c.state.value, c.admitted, c.committed, c.history, c.capacity,
                        sorted(c.tables.items()), sorted(c.released.items()), c.reused_tokens, c.partial_hit,
                        sorted(c.host.items()) if c.host is not None else None,
-                       sorted((k, sorted(v.items())) for k, v in c.reclaim.items())))
+                       # the marks a resume can still take back (a mark whose block changed hands is dead: whether
+                       # it is dropped then or at the resume is internal)
+                       sorted((k, sorted((j, bg) for j, bg in v.items()
+                                         if m._pool[k].node[bg[0]] is not None and m._pool[k].gen[bg[0]] == bg[1]))
+                              for k, v in c.reclaim.items())))
     pools = []
     for name, p in sorted(m._pool.items()):
         # what the prefix cache holds of the blocks nobody uses (a used block's keying is internal: lazy keying
