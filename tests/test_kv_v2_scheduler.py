@@ -385,7 +385,10 @@ def _cached_and_two_waiting(m) -> tuple[Request, Request]:
     return fresh, follow
 
 
-def test_fcfs_admits_a_follow_up_whose_prefix_is_cached_before_an_earlier_fresh_prompt():
+def test_fcfs_admits_a_follow_up_whose_prefix_is_cached_before_an_earlier_fresh_prompt(monkeypatch):
+    import cache_backends.v2.scheduler as scheduler
+
+    monkeypatch.setattr(scheduler, "LPM_MIN_HIT", 16)  # the floor at this test's scale: its 16 cached tokens count
     m = make_manager(FULL, 16)
     s = KVCacheV2Scheduler(m, max_batch_size=1, max_num_tokens=64, init_ratio=0.0)  # room for one of the two
     fresh, follow = _cached_and_two_waiting(m)
@@ -400,6 +403,7 @@ def test_requests_that_waited_lpm_age_admission_rounds_go_in_arrival_order(monke
     import cache_backends.v2.scheduler as scheduler
 
     monkeypatch.setattr(scheduler, "LPM_AGE", 0)  # every request counts as waited long enough at once
+    monkeypatch.setattr(scheduler, "LPM_MIN_HIT", 16)
     m = make_manager(FULL, 16)
     s = KVCacheV2Scheduler(m, max_batch_size=1, max_num_tokens=64, init_ratio=0.0)
     fresh, follow = _cached_and_two_waiting(m)
@@ -409,6 +413,14 @@ def test_requests_that_waited_lpm_age_admission_rounds_go_in_arrival_order(monke
 
 def test_without_prefix_reuse_fcfs_admits_in_arrival_order():
     m = make_manager(FULL, 16, enable_block_reuse=False)
+    s = KVCacheV2Scheduler(m, max_batch_size=1, max_num_tokens=64, init_ratio=0.0)
+    fresh, follow = _cached_and_two_waiting(m)
+    out = s.step(deque([fresh, follow]), [])
+    assert out.admitted == [fresh]
+
+
+def test_a_cached_prefix_shorter_than_lpm_min_hit_does_not_overtake():
+    m = make_manager(FULL, 16)  # the real floor (512 tokens) is above the 16 cached ones
     s = KVCacheV2Scheduler(m, max_batch_size=1, max_num_tokens=64, init_ratio=0.0)
     fresh, follow = _cached_and_two_waiting(m)
     out = s.step(deque([fresh, follow]), [])

@@ -19,12 +19,12 @@ One :meth:`~KVCacheV2Scheduler.step`:
    requests first come first served while the batch has room and their first chunk fits.
    Under ``scheduling_policy="fcfs"`` (the default) priority orders suspensions only; admission never displaces a
    running request and is first come first served but **cache-aware**: of the first ``LPM_WINDOW`` waiting
-   requests, those with the longest cached prefix (looked up once, when each joins the queue) go first, ties in
-   arrival order (SGLang's default longest-prefix-match policy), and a request that has waited ``LPM_AGE``
-   admission rounds is overtaken no more. Why: under pressure, strict arrival order admits a conversation's next
-   turn only after everyone queued before it, whose prompts evict the turn's cached history first: on
-   ``multi-turn`` at a quarter of the budget V1 and V2 reused 0% of prompt tokens (BENCHMARKS.md, "Cache-aware
-   admission"). Under ``"priority"`` suspended and waiting requests form one queue,
+   requests, those with the longest cached prefix of at least ``LPM_MIN_HIT`` tokens (looked up once, when each
+   joins the queue) go first, ties in arrival order (SGLang's default longest-prefix-match policy), and a request
+   that has waited ``LPM_AGE`` admission rounds is overtaken no more. Why: under pressure, strict arrival order
+   admits a conversation's next turn only after everyone queued before it, whose prompts evict the turn's cached
+   history first: on ``multi-turn`` at a quarter of the budget V1 and V2 reused 0% of prompt tokens
+   (BENCHMARKS.md, "Cache-aware admission"). Under ``"priority"`` suspended and waiting requests form one queue,
    best-ranked first (vLLM's one priority queue for new and preempted requests): each is resumed or
    admitted in turn until one cannot be; and a waiting request refused for lack of room moves out the
    worst-ranked running request ranked below it (suspended, or preempted for recompute, as under
@@ -95,9 +95,14 @@ _ARRIVAL, _PRIORITY, _RANK = attrgetter("arrival"), attrgetter("priority"), attr
 _HINT = attrgetter("cached_hint")
 
 #: Cache-aware admission under "fcfs" (module docstring): how many waiting requests at the queue's front are ranked
-#: by their cached prefix (SGLang ranks by longest prefix match only while its queue holds at most 128), and after how
-#: many steps in the queue a request goes first regardless.
-LPM_WINDOW, LPM_AGE = 128, 1024
+#: by their cached prefix (SGLang ranks by longest prefix match only while its queue holds at most 128), after how
+#: many admission rounds in the queue a request goes first regardless, and the shortest cached prefix (tokens) that
+#: lets a request go ahead. Why a floor: overtaking lets a conversation run its turns back to back, so those that
+#: start late run theirs at the end with the batch half empty; a hit must save a prefill worth that. Without it, 32
+#: three-turn conversations of 96 + 16-token turns and 32-token answers at 2,048 tokens of KV took 1.09x V1's steps and
+#: modeled time (Llama 3.1 8B, Gemma 2 9B) for 39% reuse; a 512-token prefill of an 8B model is about two and a half
+#: decode steps' weight read on an H200 (BENCHMARKS.md, "Cache-aware admission").
+LPM_WINDOW, LPM_AGE, LPM_MIN_HIT = 128, 1024, 512
 
 
 def _sort_by_rank(requests: list[Request]) -> None:
@@ -345,7 +350,8 @@ class KVCacheV2Scheduler(SchedulerBase):
             if r.queued_at < 0:
                 r.queued_at = now
             if r.cached_hint < 0:  # once per stay in the queue: a lookup per request per step would cost more
-                r.cached_hint = m.cached_prefix_tokens(r)
+                hit = m.cached_prefix_tokens(r)
+                r.cached_hint = hit if hit >= LPM_MIN_HIT else 0
         aged = [r for r in window if now - r.queued_at >= LPM_AGE]
         young = [r for r in window if now - r.queued_at < LPM_AGE]
         young.sort(key=_HINT, reverse=True)  # stable: equal hints stay in arrival order
