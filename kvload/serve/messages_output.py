@@ -7,8 +7,8 @@ and a ``tool_use`` block per tool call (its ``input`` the call's arguments, pars
 ``stop_sequences``, named in ``stop_sequence``) or ``end_turn``. A stream sends Anthropic's event sequence:
 ``message_start``, per block ``content_block_start``, its deltas (``text_delta``, ``thinking_delta``,
 ``input_json_delta``) and ``content_block_stop``, then ``message_delta`` (stop reason, usage) and ``message_stop``; an
-engine failure is an ``error`` event. Anthropic has no stop reason for an answer cut short by the server stopping (chat's
-``abort``), so that is an error too (503 ``overloaded_error``; a stream's ``error`` event), never ``end_turn``.
+engine failure is an ``error`` event. Anthropic has no stop reason for an answer cut short by the server stopping
+(chat's ``abort``), so that is an error too (503 ``overloaded_error``; a stream's ``error`` event), never ``end_turn``.
 """
 
 from __future__ import annotations
