@@ -283,6 +283,27 @@ def test_an_unknown_path_and_a_wrong_method_get_openais_error_body_not_fastapis_
     assert _complete(served, 2).choices[0].model_extra["token_ids"] == REFERENCE[2]
 
 
+def test_a_wrong_method_names_every_method_the_path_takes(served):
+    """/v1/responses/{id} takes GET and DELETE: Starlette's Allow named only the first route's GET."""
+    for method in ("POST", "PUT"):
+        r = served.http.request(method, "/v1/responses/resp_x")
+        assert r.status_code == 405 and r.headers["allow"] == "DELETE, GET", r.headers
+        assert r.json()["error"]["message"] == (f"Invalid method ({method} /v1/responses/resp_x): /v1/responses/resp_x "
+                                                "takes DELETE, GET only")
+    assert served.http.delete("/v1/responses/resp_x").json()["error"]["code"] == "response_not_found"  # it does
+
+
+def test_a_trailing_slash_is_a_404_naming_the_endpoints_not_a_redirect_to_the_clients_host(served):
+    """Starlette answered "/v1/completions/" with a bodiless 307 to the host the request's Host header named."""
+    for path in ("/v1/completions/", "/v1/messages/", "/health/"):
+        r = served.http.post(path, json={"prompt": [1], "max_tokens": 1}, headers={"Host": "elsewhere.example"})
+        assert r.status_code == 404 and "location" not in r.headers, (path, r.status_code, r.headers)
+        error = r.json()["error"]
+        assert error["message"].startswith(f"Invalid URL (POST {path}): no such endpoint; kvload serve answers ")
+        assert error.get("type") in ("invalid_request_error", "not_found_error")
+    assert _complete(served, 2).choices[0].model_extra["token_ids"] == REFERENCE[2]
+
+
 @pytest.mark.parametrize("path, body, param, words", [
     ("/v1/completions", b'{"prompt": "\\ud800", "max_tokens": 2}', "prompt",
      "prompt: not valid Unicode text (a lone surrogate at character 0"),

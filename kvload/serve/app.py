@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
+from starlette.routing import Match
 
 from engine.reasoning import ReasoningText
 from engine.schema_refs import OUTSIDE
@@ -97,6 +98,9 @@ class ServeState:
 def create_app(state: ServeState) -> FastAPI:
     """The FastAPI app over a started (or about to start) engine."""
     app = FastAPI(title="kvload serve", docs_url=None, redoc_url=None, openapi_url=None)
+    # Starlette answers "/v1/completions/" with a bodiless 307 to the URL the request's Host header names (anyone's
+    # host, an open redirect); OpenAI and vLLM's clients never add the slash: a 404 naming the endpoints instead
+    app.router.redirect_slashes = False
     app.state.serve = state
     app.add_middleware(_Admission, state=state)
     if state.api_key_digests:  # added last, so outermost: a request without the key takes no admission slot
@@ -113,9 +117,12 @@ def create_app(state: ServeState) -> FastAPI:
         # Starlette's own answers (an unknown path, a method the path does not take) in OpenAI's error body, not
         # FastAPI's {"detail": ...}. Not counted as refusals: no request the server serves was refused, and a 404
         # here is no model_not_found (a probe of random paths would look like clients asking for other models).
+        headers = exc.headers
+        if exc.status_code == 405:  # Starlette's Allow names the first route the path matched, not every one
+            headers = {**(headers or {}), "Allow": ", ".join(_allowed(app, request))}
+        exc = HTTPException(exc.status_code, exc.detail, headers)
         return JSONResponse(_shaped(request.scope.get("path", ""), _routing_error(app, request, exc)).body(),
-                            status_code=exc.status_code,
-                            headers=exc.headers)
+                            status_code=exc.status_code, headers=headers)
 
     @app.exception_handler(Exception)
     async def failure(_: Request, exc: Exception) -> JSONResponse:  # never a dead server over one request
@@ -255,6 +262,16 @@ def create_app(state: ServeState) -> FastAPI:
         return {"version": __version__}
 
     return app
+
+
+def _allowed(app: FastAPI, request: Request) -> list[str]:
+    """Every method some route takes at the request's path (``/v1/responses/{id}``: GET and DELETE), sorted."""
+    methods: set[str] = set()
+    for route in app.router.routes:
+        match, _ = route.matches(request.scope)
+        if match is Match.PARTIAL:  # the path matched, the method did not
+            methods |= getattr(route, "methods", None) or set()
+    return sorted(methods)
 
 
 def _routing_error(app: FastAPI, request: Request, exc: HTTPException) -> BadRequest:
