@@ -472,7 +472,12 @@ def test_under_qwen3_only_a_reply_that_thinks_has_a_reasoning_item_and_reasoning
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": False}}}, "text.format.schema",
      "text.format.schema: admits no value: the schema is false"),
     ({"tools": [{**CLOCK, "parameters": False}]}, "tools[0].parameters", "admits no value: the schema is false"),
-    ({"reasoning": {"effort": 3}}, "reasoning.effort", "a string"),
+    ({"reasoning": {"effort": 3}}, "reasoning.effort", '"low", "medium", "high"'),
+    # any string was taken (and reported ignored) where chat's reasoning_effort is checked
+    ({"reasoning": {"effort": "ultra"}}, "reasoning.effort", 'expected "none", "minimal", "low"'),
+    ({"reasoning": {"summary": "verbose"}}, "reasoning.summary", 'expected "auto", "concise" or "detailed"'),
+    ({"extra_body": {"stream_options": {"include_obfuscation": "yes"}}}, "stream_options.include_obfuscation",
+     "true or false"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]",
      "kvload serves text"),
     ({"input": [{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}]}, "input[1].role", "robot"),
@@ -491,13 +496,17 @@ def test_a_bad_field_is_refused_naming_it(plain, body, param, says):
     assert says in refused(plain, param, **body)
 
 
-def test_a_message_refused_by_the_chat_checks_is_named_as_its_input_item(plain):
-    # the chat path checks the assistant's call arguments; the refusal names the item they came from
+def test_call_arguments_that_are_not_json_are_named_as_the_items_own_field(plain):
+    # the chat path's name, input[k].tool_calls[j].function.arguments, named a field no item has, and for the second
+    # call of one reply the item of the first (the calls join one chat message, named by where it began)
     call = {"type": "function_call", "call_id": "c1", "name": "get_time", "arguments": "{not json"}
-    message = refused(plain, "input[2].tool_calls[0].function.arguments", instructions="Be brief.",
+    message = refused(plain, "input[2].arguments", instructions="Be brief.",
                       input=[{"role": "user", "content": "a"}, {"type": "reasoning", "id": "rs_1", "summary": []},
                              call, {"type": "function_call_output", "call_id": "c1", "output": "x"}])
-    assert message.startswith("input[2].tool_calls[0].function.arguments: expected JSON text")
+    assert message.startswith("input[2].arguments: expected JSON text")
+    good = {**call, "call_id": "c0", "arguments": '{"zone": "UTC"}'}
+    message = refused(plain, "input[2].arguments", input=[{"role": "user", "content": "a"}, good, call])
+    assert message.startswith("input[2].arguments: expected JSON text")
 
 
 def test_settings_that_change_nothing_are_reported_once(plain):
