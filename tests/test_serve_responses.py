@@ -198,6 +198,27 @@ def test_max_output_tokens_cuts_the_reply_and_the_response_is_incomplete(plain):
     assert events[-1].response.incomplete_details.reason == "max_output_tokens"
 
 
+def test_a_response_the_servers_stop_cut_short_is_cancelled_and_its_last_item_incomplete(plain, monkeypatch):
+    """A request in flight when the server stops ends with chat's "abort": the response is "cancelled", and the item
+    it cut short said "completed", as if it were whole."""
+    engine = plain.served.state.engine
+    plain.script.say("Blue sky and more.")
+    submit = engine.submit_group
+
+    def stopped(*args, **kwargs):  # as the stop ends each request in flight (ServingEngine._fail_all, "abort")
+        rids = submit(*args, **kwargs)
+        for rid in rids:
+            engine.abort(rid)
+        return rids
+
+    monkeypatch.setattr(engine, "submit_group", stopped)
+    doc = posted(plain, input="Hi", max_output_tokens=50)
+    assert doc["status"] == "cancelled" and doc["output"][-1]["status"] == "incomplete"
+    events = events_of(plain, input="Hi", max_output_tokens=50)
+    assert events[-1].response.status == "cancelled" and events[-1].response.output[-1].status == "incomplete"
+    assert [e.item.status for e in events if e.type == "response.output_item.done"] == ["incomplete"]
+
+
 def test_a_client_that_leaves_a_stream_has_its_request_aborted_and_its_blocks_freed(plain):
     served = plain.served
     plain.script.say("ab " * 400)
