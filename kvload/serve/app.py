@@ -344,12 +344,20 @@ async def _read_body(request: Request, limit: int, timeout: float, stopping: asy
     that stops sending, or trickles, would otherwise hold the connection and the handler forever. Refused with
     503 as soon as ``stopping`` is set: uvicorn's shutdown would wait for the upload, then cancel the handler
     (a traceback and a plain-text 500). Refused with 415, unread, when it comes compressed (a Content-Encoding but
-    identity): kvload reads request bodies as they are, as vLLM does."""
+    identity), or in a Content-Type other than JSON's (none given is read as JSON)."""
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
     if encoding not in ("", "identity"):  # its bytes were read as JSON text: "not valid JSON: can't decode 0x8b"
         raise BadRequest(f"Content-Encoding {encoding[:40]!r}: not accepted; send the request body uncompressed "
                          "(identity)", status=415, code="unsupported_content_encoding",
                          headers={"Connection": "close"})  # refused unread, as a 413: the body is not waited for
+    media = request.headers.get("content-type")
+    if media is not None and not _is_json(media):
+        # vLLM refuses these too (FastAPI reads only a JSON body as JSON); a browser sends text/plain, a form or
+        # multipart from any web page without asking the server first (no CORS preflight), so taking them as JSON
+        # let every site a user visits run requests on a server with no --api-key on their machine
+        raise BadRequest(f"Content-Type {media[:80]!r}: not accepted; send the request body as JSON "
+                         "(Content-Type: application/json)", status=415, code="unsupported_media_type",
+                         headers={"Connection": "close"})
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:  # the HTTP layer refuses a malformed Content-Length itself
         raise _too_large(limit, f"Content-Length {int(length):,}")
@@ -378,6 +386,12 @@ async def _read_body(request: Request, limit: int, timeout: float, stopping: asy
         raise _shutting_down()
     reader.result()  # a 413, or ClientDisconnect (the client hung up mid-upload)
     return body
+
+
+def _is_json(media: str) -> bool:
+    """Whether a Content-Type names JSON (``application/json``, ``application/*+json``, any parameters), or is blank."""
+    kind = media.split(";", 1)[0].strip().lower()
+    return kind in ("", "application/json") or (kind.startswith("application/") and kind.endswith("+json"))
 
 
 def _shutting_down() -> BadRequest:
