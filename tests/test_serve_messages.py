@@ -382,6 +382,14 @@ def test_settings_that_change_nothing_here_are_reported(plain):
         {"role": "tool", "tool_call_id": "t1", "content": "no clock"}]
 
 
+def test_two_tools_of_one_name_are_refused_under_the_default_auto_choice_too(r1):
+    """Messages' default tool_choice is "auto": the chat path checked names only for a grammar ("any", "tool")."""
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        create(r1, tools=[CLOCK, {**WEATHER, "name": CLOCK["name"]}])
+    assert caught.value.body["error"]["message"] == ("tools[1].name: 'get_time' is given twice (tools[0] too); each "
+                                                     "tool needs its own name")
+
+
 def test_disable_parallel_tool_use_keeps_the_reply_to_one_call(r1):
     calls = "".join(f'<tool_call>{{"name": "get_time", "arguments": {{"zone": "{z}"}}}}</tool_call>'
                     for z in ("UTC", "CET"))
