@@ -264,6 +264,10 @@ def test_a_named_tool_holds_the_reply_to_its_call(plain):
     ({"stop_sequences": [""]}, "stop_sequences: expected non-empty strings"),
     ({"temperature": "hot"}, "temperature"),
     ({"thinking": {"type": "enabled"}}, "thinking.budget_tokens: expected an integer"),
+    # any object was taken (and reported ignored), though the refusal of a non-object said {"user_id"?}
+    ({"metadata": {"user": "u-7"}}, "metadata.user: not supported here; accepted: user_id"),
+    ({"metadata": {"user_id": 7}}, "metadata.user_id: expected a string of at most 256 characters"),
+    ({"metadata": {"user_id": "u" * 257}}, "metadata.user_id: expected a string of at most 256 characters"),
 ])
 def test_a_bad_field_is_an_anthropic_error_naming_it(plain, body, says):
     with pytest.raises(anthropic.BadRequestError) as caught:  # sent as the body's fields, the client's checks aside
