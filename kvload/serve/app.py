@@ -420,6 +420,8 @@ async def _serve(state: ServeState, request: Request, kind: str, gate: asyncio.L
     async with gate:
         if state.engine.stopping:  # queued here when a stop was asked for: refused at once, not parsed first
             raise _shutting_down()
+        if await request.is_disconnected():  # left while it queued here: its parse (seconds for a big body) is
+            return Response(status_code=CLIENT_CLOSED)  # work for no one, ahead of every request queued behind it
         try:
             await asyncio.to_thread(run.prepare, raw, kind)
         except asyncio.CancelledError:  # the server is stopping: what the worker submitted, or still does, ends
@@ -448,6 +450,8 @@ async def _tokenizer_call(state: ServeState, request: Request, work: Any, gate: 
     except ClientDisconnect:
         return Response(status_code=CLIENT_CLOSED)
     async with gate:
+        if await request.is_disconnected():  # as _serve: no one to answer
+            return Response(status_code=CLIENT_CLOSED)
         return JSONResponse(await asyncio.to_thread(work, state, raw))
 
 
