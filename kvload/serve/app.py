@@ -58,7 +58,7 @@ from kvload.serve.tool_reader import ToolReader
 from pipeline.audit import dropped_record
 from pipeline.errors import ConfigError, GenerationError, KvBuildError
 from pipeline.events import SettingIgnored, StructuredOutputsRequested
-from pipeline.limits import MAX_DEPTH, MAX_SCORED_PROMPT_TOKENS, json_depth, unique_keys
+from pipeline.limits import MAX_DEPTH, MAX_LOGPROB_TOKENS, MAX_SCORED_PROMPT_TOKENS, json_depth, unique_keys
 from pipeline.version import __version__
 
 
@@ -913,6 +913,13 @@ class _Run:
             except KvBuildError as exc:
                 raise self._never_fits(job, i, len(ids), exc) from None
             plan.append((ids, params))
+        if job.params.logprobs is not None:
+            most = sum(params.max_tokens for _, params in plan) * job.n
+            if most > MAX_LOGPROB_TOKENS:
+                raise BadRequest(f"logprobs: every generated token's top log-probabilities are kept until the answer "
+                                 f"is sent; at most {MAX_LOGPROB_TOKENS:,} generated tokens per request with logprobs, "
+                                 f"and this one may generate {most:,} ({len(plan) * job.n:,} choices × max_tokens); "
+                                 "ask for fewer choices or tokens per request", param="logprobs")
         # once per HTTP request (not per prompt or choice), and only for one that is served
         self.engine.report_ignored(job.params, job.n, request=self.id, salt=job.salt, model_defaults=job.model_defaults)
         if job.params.structured_outputs is not None:  # what was asked, never the spec itself
