@@ -153,10 +153,10 @@ def test_logprobs_over_more_generated_tokens_than_a_request_may_keep_are_refused
             "temperature": 1.0}
     r = served.http.post("/v1/completions", json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
-    assert r.json()["error"]["message"].startswith(f"logprobs: every generated token's top log-probabilities are kept "
-                                                   f"until the answer is sent; at most {MAX_LOGPROB_TOKENS:,} generated "
-                                                   "tokens per request with logprobs, and this one may generate "
-                                                   f"{1024 * body['max_tokens']:,} (1,024 choices")
+    message = r.json()["error"]["message"]
+    assert message.startswith("logprobs: every generated token's top log-probabilities are kept until the answer is "
+                              f"sent; at most {MAX_LOGPROB_TOKENS:,} generated tokens per request with logprobs, and "
+                              f"this one may generate {1024 * body['max_tokens']:,} (1,024 choices")
     assert served.metrics()["kvload_num_requests_running"] == running  # nothing queued
     small = served.http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "logprobs": 1})
     assert small.status_code == 200 and len(small.json()["choices"][0]["logprobs"]["top_logprobs"]) == 2
