@@ -274,7 +274,7 @@ def test_an_unknown_path_and_a_wrong_method_get_openais_error_body_not_fastapis_
     assert r.json() == {"error": {"message": "Invalid method (GET /v1/completions): /v1/completions takes POST only",
                                   "type": "invalid_request_error", "param": None, "code": None}}
     r = served.http.delete("/health")
-    assert r.status_code == 405 and r.json()["error"]["message"].endswith("/health takes GET only"), r.text
+    assert r.status_code == 405 and r.json()["error"]["message"].endswith("/health takes GET, HEAD only"), r.text
     with pytest.raises(openai.NotFoundError) as info:  # the real client reads the message out of the body
         served.client.embeddings.create(model="tiny-llama", input=[1, 2])
     assert info.value.body["message"].startswith("Invalid URL (POST /v1/embeddings): no such endpoint")
@@ -287,10 +287,20 @@ def test_a_wrong_method_names_every_method_the_path_takes(served):
     """/v1/responses/{id} takes GET and DELETE: Starlette's Allow named only the first route's GET."""
     for method in ("POST", "PUT"):
         r = served.http.request(method, "/v1/responses/resp_x")
-        assert r.status_code == 405 and r.headers["allow"] == "DELETE, GET", r.headers
+        assert r.status_code == 405 and r.headers["allow"] == "DELETE, GET, HEAD", r.headers
         assert r.json()["error"]["message"] == (f"Invalid method ({method} /v1/responses/resp_x): /v1/responses/resp_x "
-                                                "takes DELETE, GET only")
+                                                "takes DELETE, GET, HEAD only")
     assert served.http.delete("/v1/responses/resp_x").json()["error"]["code"] == "response_not_found"  # it does
+
+
+def test_every_get_route_answers_head_with_its_headers_alone(served):
+    """HTTP's rule (RFC 9110: a general-purpose server supports GET and HEAD); a monitor's HEAD /health was a 405."""
+    for path in ("/health", "/v1/models", "/v1/models/tiny-llama", "/version", "/metrics"):
+        get, head = served.http.get(path), served.http.head(path)
+        assert head.status_code == get.status_code == 200 and head.content == b"", (path, head.status_code)
+        assert head.headers["content-type"] == get.headers["content-type"]
+    assert served.http.head("/v1/responses/resp_x").status_code == 404  # as its GET
+    assert served.http.head("/v1/completions").headers["allow"] == "POST"  # a POST route takes no HEAD
 
 
 def test_a_trailing_slash_is_a_404_naming_the_endpoints_not_a_redirect_to_the_clients_host(served):

@@ -28,6 +28,7 @@ from typing import Any
 
 import attrs
 from fastapi import FastAPI, Request
+from fastapi.routing import APIRoute
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
@@ -261,6 +262,9 @@ def create_app(state: ServeState) -> FastAPI:
     async def version() -> dict[str, str]:  # vLLM's: clients check what they talk to
         return {"version": __version__}
 
+    for route in app.router.routes:  # HTTP's rule: a GET route answers HEAD (its headers; a probe's liveness check)
+        if isinstance(route, APIRoute) and route.methods == {"GET"}:
+            route.methods.add("HEAD")
     return app
 
 
