@@ -28,8 +28,8 @@ from typing import Any
 
 import attrs
 from fastapi import FastAPI, Request
-from fastapi.routing import APIRoute
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
