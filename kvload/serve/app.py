@@ -263,7 +263,8 @@ def create_app(state: ServeState) -> FastAPI:
         return {"version": __version__}
 
     for route in app.router.routes:  # HTTP's rule: a GET route answers HEAD (its headers; a probe's liveness check)
-        if isinstance(route, APIRoute) and route.methods == {"GET"}:
+        # but kv_events, whose GET drains the events it answers: a HEAD would drop them unseen
+        if isinstance(route, APIRoute) and route.methods == {"GET"} and route.path != "/v1/kvload/kv_events":
             route.methods.add("HEAD")
     return app
 
