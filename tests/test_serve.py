@@ -433,6 +433,21 @@ def test_models_audit_and_explain(served):
     assert r.json()["error"]["message"].startswith("field: '" + "a" * 77 + "'... is not an LlmArgs field; fields: ")
 
 
+def test_kvloads_routes_refuse_a_query_parameter_they_do_not_read_or_one_given_twice(served):
+    """?field=a&field=b explained b alone, and a misspelt parameter (?feild=...) was dropped unread; the /v1/responses
+    routes refused theirs already."""
+    cases = [("/v1/kvload/explain?field=max_tokens&field=dtype", "field", "field: given 2 times; give it once"),
+             ("/v1/kvload/explain?field=dtype&verbose=1", "verbose",
+              "verbose: query parameter not supported; accepted: field"),
+             ("/v1/kvload/audit?since=5", "since", "since: query parameter not supported; this route takes none"),
+             ("/v1/kvload/kv_events?limit=5", "limit", "limit: query parameter not supported; this route takes none")]
+    for path, param, message in cases:
+        r = served.http.get(path)
+        assert r.status_code == 400 and r.json()["error"] == {"message": message, "type": "invalid_request_error",
+                                                              "param": param, "code": None}, (path, r.text)
+    assert served.http.get("/v1/kvload/explain?field=dtype").json()["field"] == "dtype"
+
+
 def test_a_client_that_hangs_up_while_sending_its_body_is_not_a_server_error(served):
     """A dropped upload is the client's doing: the app answers it without raising (uvicorn logs what escapes an app
     as "Exception in ASGI application" with a traceback) and submits nothing."""

@@ -169,7 +169,8 @@ def create_app(state: ServeState) -> FastAPI:
             return {"reset": False, "reason": event.reason}
 
     @app.get("/v1/kvload/audit")
-    async def audit() -> Response:
+    async def audit(request: Request) -> Response:
+        _only_query(request)
         log = state.result.audit
         head, tail, dropped = log.tail()
         if dropped:  # said where the records are missing, so no reader takes the log for complete
@@ -179,7 +180,8 @@ def create_app(state: ServeState) -> FastAPI:
                         headers={"X-Kvload-Audit-Dropped": str(dropped)})
 
     @app.get("/v1/kvload/explain")
-    async def explain(field: str | None = None) -> dict[str, Any]:
+    async def explain(request: Request, field: str | None = None) -> dict[str, Any]:
+        _only_query(request, "field")
         from kvload.cli import flag_aliases
         from kvload.explain import field_chain, resolve_field
         from pipeline.config import framework_defaults
@@ -198,7 +200,8 @@ def create_app(state: ServeState) -> FastAPI:
         return field_chain(state.result.audit, path)
 
     @app.get("/v1/kvload/kv_events")
-    async def kv_events() -> dict[str, Any]:
+    async def kv_events(request: Request) -> dict[str, Any]:
+        _only_query(request)
         from pipeline.errors import ConfigError as Off
 
         try:
@@ -267,6 +270,18 @@ def create_app(state: ServeState) -> FastAPI:
         if isinstance(route, APIRoute) and route.methods == {"GET"} and route.path != "/v1/kvload/kv_events":
             route.methods.add("HEAD")
     return app
+
+
+def _only_query(request: Request, *accepted: str) -> None:
+    """A kvload route's query: each of ``accepted`` at most once, nothing else (``?field=a&field=b`` read the last;
+    a misspelt parameter was dropped unread), as the /v1/responses routes take theirs."""
+    params = request.query_params
+    for name in params:
+        if name not in accepted:
+            takes = f"accepted: {', '.join(accepted)}" if accepted else "this route takes none"
+            raise BadRequest(f"{name[:60]}: query parameter not supported; {takes}", param=name[:60])
+        if len(params.getlist(name)) > 1:
+            raise BadRequest(f"{name[:60]}: given {len(params.getlist(name))} times; give it once", param=name[:60])
 
 
 def _allowed(app: FastAPI, request: Request) -> list[str]:
