@@ -36,6 +36,10 @@ MAX_LOGPROBS = 20
 #: Most prompt tokens one server request may have scored (completions' ``echo`` with ``logprobs``): each costs its
 #: logits row while prefilled and ~4 KB of answer at ``logprobs=20``, so 262,144 keep one request near 1 GB.
 MAX_SCORED_PROMPT_TOKENS = 262_144
+#: Most tokens one server request may generate with ``logprobs`` (its choices × ``max_tokens``): each keeps its top
+#: tokens' log-probabilities until the answer is sent, as a scored prompt token does (1,024 choices × 8,191 tokens at
+#: ``logprobs=20`` were ~170 million entries, tens of GB, from one request).
+MAX_LOGPROB_TOKENS = MAX_SCORED_PROMPT_TOKENS
 #: Most tokens one ``logit_bias`` may bias (OpenAI sets no number; each is a scatter per step, and a body's share).
 MAX_LOGIT_BIAS = 4096
 #: Most ``allowed_token_ids`` (a vocabulary of 262,144 is Gemma 3's, the largest kvload serves) and ``bad_words``

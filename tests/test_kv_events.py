@@ -114,6 +114,7 @@ def test_served_at_the_kv_events_endpoint():
     kv = {"max_tokens": 1024, "tokens_per_block": T, "event_buffer_max_size": 100}
     with serving("tiny-llama", kv_cache_config=kv) as s:
         r = s.client.completions.create(model="tiny-llama", prompt=PREFIX, max_tokens=2)
+        assert s.http.head("/v1/kvload/kv_events").headers["allow"] == "GET"  # a HEAD would drain them unseen
         events = s.http.get("/v1/kvload/kv_events").json()
         stored = [h for e in events["events"] if e["type"] == "kv_block_stored" for h in e["block_hashes"]]
         assert stored[:3] == _keys(PREFIX)[:3] and events["dropped"] == 0

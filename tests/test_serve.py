@@ -274,12 +274,43 @@ def test_an_unknown_path_and_a_wrong_method_get_openais_error_body_not_fastapis_
     assert r.json() == {"error": {"message": "Invalid method (GET /v1/completions): /v1/completions takes POST only",
                                   "type": "invalid_request_error", "param": None, "code": None}}
     r = served.http.delete("/health")
-    assert r.status_code == 405 and r.json()["error"]["message"].endswith("/health takes GET only"), r.text
+    assert r.status_code == 405 and r.json()["error"]["message"].endswith("/health takes GET, HEAD only"), r.text
     with pytest.raises(openai.NotFoundError) as info:  # the real client reads the message out of the body
         served.client.embeddings.create(model="tiny-llama", input=[1, 2])
     assert info.value.body["message"].startswith("Invalid URL (POST /v1/embeddings): no such endpoint")
     # a routing answer is no refusal of a request the server serves (and no model_not_found): counted as before
     assert _refusals(served) == refused
+    assert _complete(served, 2).choices[0].model_extra["token_ids"] == REFERENCE[2]
+
+
+def test_a_wrong_method_names_every_method_the_path_takes(served):
+    """/v1/responses/{id} takes GET and DELETE: Starlette's Allow named only the first route's GET."""
+    for method in ("POST", "PUT"):
+        r = served.http.request(method, "/v1/responses/resp_x")
+        assert r.status_code == 405 and r.headers["allow"] == "DELETE, GET, HEAD", r.headers
+        assert r.json()["error"]["message"] == (f"Invalid method ({method} /v1/responses/resp_x): /v1/responses/resp_x "
+                                                "takes DELETE, GET, HEAD only")
+    assert served.http.delete("/v1/responses/resp_x").json()["error"]["code"] == "response_not_found"  # it does
+
+
+def test_every_get_route_answers_head_with_its_headers_alone(served):
+    """HTTP's rule (RFC 9110: a general-purpose server supports GET and HEAD); a monitor's HEAD /health was a 405."""
+    for path in ("/health", "/v1/models", "/v1/models/tiny-llama", "/version", "/metrics"):
+        get, head = served.http.get(path), served.http.head(path)
+        assert head.status_code == get.status_code == 200 and head.content == b"", (path, head.status_code)
+        assert head.headers["content-type"] == get.headers["content-type"]
+    assert served.http.head("/v1/responses/resp_x").status_code == 404  # as its GET
+    assert served.http.head("/v1/completions").headers["allow"] == "POST"  # a POST route takes no HEAD
+
+
+def test_a_trailing_slash_is_a_404_naming_the_endpoints_not_a_redirect_to_the_clients_host(served):
+    """Starlette answered "/v1/completions/" with a bodiless 307 to the host the request's Host header named."""
+    for path in ("/v1/completions/", "/v1/messages/", "/health/"):
+        r = served.http.post(path, json={"prompt": [1], "max_tokens": 1}, headers={"Host": "elsewhere.example"})
+        assert r.status_code == 404 and "location" not in r.headers, (path, r.status_code, r.headers)
+        error = r.json()["error"]
+        assert error["message"].startswith(f"Invalid URL (POST {path}): no such endpoint; kvload serve answers ")
+        assert error.get("type") in ("invalid_request_error", "not_found_error")
     assert _complete(served, 2).choices[0].model_extra["token_ids"] == REFERENCE[2]
 
 
@@ -400,6 +431,21 @@ def test_models_audit_and_explain(served):
     r = served.http.get("/v1/kvload/explain", params={"field": "a" * 60_000})
     assert r.status_code == 400 and "a" * 78 not in r.text, len(r.text)
     assert r.json()["error"]["message"].startswith("field: '" + "a" * 77 + "'... is not an LlmArgs field; fields: ")
+
+
+def test_kvloads_routes_refuse_a_query_parameter_they_do_not_read_or_one_given_twice(served):
+    """?field=a&field=b explained b alone, and a misspelt parameter (?feild=...) was dropped unread; the /v1/responses
+    routes refused theirs already."""
+    cases = [("/v1/kvload/explain?field=max_tokens&field=dtype", "field", "field: given 2 times; give it once"),
+             ("/v1/kvload/explain?field=dtype&verbose=1", "verbose",
+              "verbose: query parameter not supported; accepted: field"),
+             ("/v1/kvload/audit?since=5", "since", "since: query parameter not supported; this route takes none"),
+             ("/v1/kvload/kv_events?limit=5", "limit", "limit: query parameter not supported; this route takes none")]
+    for path, param, message in cases:
+        r = served.http.get(path)
+        assert r.status_code == 400 and r.json()["error"] == {"message": message, "type": "invalid_request_error",
+                                                              "param": param, "code": None}, (path, r.text)
+    assert served.http.get("/v1/kvload/explain?field=dtype").json()["field"] == "dtype"
 
 
 def test_a_client_that_hangs_up_while_sending_its_body_is_not_a_server_error(served):

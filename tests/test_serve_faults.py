@@ -305,3 +305,28 @@ def test_health_answers_while_a_request_is_being_tokenized(served):
                            lambda http: http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3,
                                                                           "ignore_eos": True}), scrape)
     assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 3
+
+
+def test_a_request_whose_client_left_while_it_waited_to_be_parsed_is_never_parsed(served, monkeypatch):
+    """Requests are parsed one at a time; one whose client left meanwhile was still parsed and tokenized (seconds of
+    CPU for a big body) and queued for the engine, ahead of every request waiting behind it."""
+    engine = served.state.engine
+    connections = served.server.server.server_state.connections  # uvicorn's: a connection leaves it once closed
+    encoded: list[object] = []
+    real = engine.encode
+    monkeypatch.setattr(engine, "encode", lambda *a, **k: (encoded.append(a), real(*a, **k))[1])
+    body = json.dumps({"prompt": [7, 8, 9], "max_tokens": 2}).encode()
+
+    def then_leave(http: httpx.Client) -> None:  # A is held in its parse: B waits for the parse gate, then leaves
+        with _connect(served) as left:
+            left.sendall(_post_head(f"Content-Length: {len(body)}\r\n") + body)
+            wait_for(lambda: served.metrics()["kvload_http_requests_in_flight"] == 2, what="B waits to be parsed")
+            open_now = len(connections)
+        wait_for(lambda: len(connections) == open_now - 1, what="the server saw B's connection close")
+
+    r = answers_while_held(served, engine, "encode", lambda http: http.post("/v1/completions", json={
+        "prompt": PROMPT, "max_tokens": 3, "ignore_eos": True}), then_leave)
+    assert r.status_code == 200
+    wait_for(lambda: served.metrics()["kvload_http_requests_in_flight"] == 0, what="B's handler ended")
+    assert len(encoded) == 1  # A's prompt alone
+    _served_normally(served)

@@ -120,6 +120,49 @@ def test_a_compressed_body_is_a_415_naming_content_encoding_refused_unread(serve
     _served_normally(served)
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/messages", "/tokenize"])
+@pytest.mark.parametrize("media", ["text/plain", "application/x-www-form-urlencoded",
+                                   "multipart/form-data; boundary=x"])
+def test_a_body_in_a_content_type_other_than_json_is_a_415_refused_unread(served, path, media):
+    """Read as JSON whatever it said: a browser posts these three from any web page without a CORS preflight, so any
+    site a user visited could run requests on their local server (vLLM refuses them too)."""
+    head = f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: {media}\r\nContent-Length: 100\r\n\r\n".encode()
+    status, headers, payload = _raw(served, head)
+    assert status == 415 and headers["connection"] == "close", payload
+    error = json.loads(payload)["error"]
+    assert error["message"] == (f"Content-Type {media!r}: not accepted; send the request body as JSON "
+                                "(Content-Type: application/json)")
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 2}).encode()  # JSON, said in any spelling, or unsaid, is served
+    for said in ("application/json; charset=utf-8", "application/vnd.x+json", None):
+        head = _post_head(f"Content-Length: {len(body)}\r\nConnection: close\r\n")
+        if said != "application/json":
+            head = head.replace(b"application/json", said.encode()) if said else head.replace(
+                b"Content-Type: application/json\r\n", b"")
+        got = _raw(served, head, body)
+        assert got[0] == 200, got
+    _served_normally(served)
+
+
+def test_logprobs_over_more_generated_tokens_than_a_request_may_keep_are_refused_before_anything_runs(served):
+    """Each generated token's top log-probabilities are kept until the answer is sent: 1,024 choices of 8,191 tokens
+    at logprobs=20 were tens of GB from one request (scored prompt tokens had this bound, generated ones none)."""
+    from pipeline.limits import MAX_LOGPROB_TOKENS
+
+    running = served.metrics()["kvload_num_requests_running"]
+    body = {"prompt": [PROMPT] * 8, "n": 128, "max_tokens": MAX_LOGPROB_TOKENS // 1024 + 1, "logprobs": 1,
+            "temperature": 1.0}
+    r = served.http.post("/v1/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
+    message = r.json()["error"]["message"]
+    assert message.startswith("logprobs: every generated token's top log-probabilities are kept until the answer is "
+                              f"sent; at most {MAX_LOGPROB_TOKENS:,} generated tokens per request with logprobs, and "
+                              f"this one may generate {1024 * body['max_tokens']:,} (1,024 choices")
+    assert served.metrics()["kvload_num_requests_running"] == running  # nothing queued
+    small = served.http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "logprobs": 1})
+    assert small.status_code == 200 and len(small.json()["choices"][0]["logprobs"]["top_logprobs"]) == 2
+    _served_normally(served)
+
+
 def test_the_default_cap_takes_the_largest_request_of_token_ids_the_model_serves(served):
     """1024 prompts (MAX_PROMPTS) of max_seq_len - 1 token ids, each the widest id, as json.dumps writes them."""
     from kvload.serve.protocol import MAX_PROMPTS, default_max_request_bytes

@@ -264,6 +264,10 @@ def test_a_named_tool_holds_the_reply_to_its_call(plain):
     ({"stop_sequences": [""]}, "stop_sequences: expected non-empty strings"),
     ({"temperature": "hot"}, "temperature"),
     ({"thinking": {"type": "enabled"}}, "thinking.budget_tokens: expected an integer"),
+    # any object was taken (and reported ignored), though the refusal of a non-object said {"user_id"?}
+    ({"metadata": {"user": "u-7"}}, "metadata.user: not supported here; accepted: user_id"),
+    ({"metadata": {"user_id": 7}}, "metadata.user_id: expected a string of at most 256 characters"),
+    ({"metadata": {"user_id": "u" * 257}}, "metadata.user_id: expected a string of at most 256 characters"),
 ])
 def test_a_bad_field_is_an_anthropic_error_naming_it(plain, body, says):
     with pytest.raises(anthropic.BadRequestError) as caught:  # sent as the body's fields, the client's checks aside
@@ -334,6 +338,34 @@ def test_a_step_the_engine_fails_is_an_api_error_or_an_error_event_and_the_serve
     assert plain.served.http.get("/v1/messages").json()["type"] == "error"  # a wrong method: Anthropic's document too
 
 
+def test_an_answer_the_servers_stop_cut_short_is_an_overloaded_error_never_end_turn(plain, monkeypatch):
+    """Anthropic has no stop reason for chat's ``abort`` (what a request in flight ends with when the server stops):
+    ``end_turn`` would tell the client the answer was whole."""
+    served, engine = plain.served, plain.served.state.engine
+    plain.script.say("Blue sky and more.")
+    submit = engine.submit_group
+
+    def stopped(*args, **kwargs):  # as the stop ends each request in flight (ServingEngine._fail_all, "abort")
+        rids = submit(*args, **kwargs)
+        for rid in rids:
+            engine.abort(rid)
+        return rids
+
+    monkeypatch.setattr(engine, "submit_group", stopped)
+    with pytest.raises(anthropic.InternalServerError) as caught:
+        create(plain, max_tokens=50)
+    assert caught.value.status_code == 503 and caught.value.body["error"]["type"] == "overloaded_error"
+    assert "shutting down" in caught.value.body["error"]["message"]
+    with served.http.stream("POST", "/v1/messages", json={"model": served.state.model_name, "messages": HELLO,
+                                                           "max_tokens": 50, "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[0] == "event: message_start" and lines[-2] == "event: error"
+    assert json.loads(lines[-1].removeprefix("data: "))["error"]["type"] == "overloaded_error"
+    assert not any("end_turn" in line for line in lines)
+    monkeypatch.undo()
+    assert create(plain, max_tokens=50).stop_reason == "end_turn"  # a whole answer still says so
+
+
 def test_settings_that_change_nothing_here_are_reported(plain):
     plain.script.say("Ok.")
     reply = create(plain, thinking={"type": "enabled", "budget_tokens": 2048}, tools=[CLOCK],
@@ -352,6 +384,14 @@ def test_settings_that_change_nothing_here_are_reported(plain):
         {"role": "assistant", "content": "", "tool_calls": [
             {"id": "t1", "type": "function", "function": {"name": "get_time", "arguments": {"zone": "UTC"}}}]},
         {"role": "tool", "tool_call_id": "t1", "content": "no clock"}]
+
+
+def test_two_tools_of_one_name_are_refused_under_the_default_auto_choice_too(r1):
+    """Messages' default tool_choice is "auto": the chat path checked names only for a grammar ("any", "tool")."""
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        create(r1, tools=[CLOCK, {**WEATHER, "name": CLOCK["name"]}])
+    assert caught.value.body["error"]["message"] == ("tools[1].name: 'get_time' is given twice (tools[0] too); each "
+                                                     "tool needs its own name")
 
 
 def test_disable_parallel_tool_use_keeps_the_reply_to_one_call(r1):

@@ -198,6 +198,27 @@ def test_max_output_tokens_cuts_the_reply_and_the_response_is_incomplete(plain):
     assert events[-1].response.incomplete_details.reason == "max_output_tokens"
 
 
+def test_a_response_the_servers_stop_cut_short_is_cancelled_and_its_last_item_incomplete(plain, monkeypatch):
+    """A request in flight when the server stops ends with chat's "abort": the response is "cancelled", and the item
+    it cut short said "completed", as if it were whole."""
+    engine = plain.served.state.engine
+    plain.script.say("Blue sky and more.")
+    submit = engine.submit_group
+
+    def stopped(*args, **kwargs):  # as the stop ends each request in flight (ServingEngine._fail_all, "abort")
+        rids = submit(*args, **kwargs)
+        for rid in rids:
+            engine.abort(rid)
+        return rids
+
+    monkeypatch.setattr(engine, "submit_group", stopped)
+    doc = posted(plain, input="Hi", max_output_tokens=50)
+    assert doc["status"] == "cancelled" and doc["output"][-1]["status"] == "incomplete"
+    events = events_of(plain, input="Hi", max_output_tokens=50)
+    assert events[-1].response.status == "cancelled" and events[-1].response.output[-1].status == "incomplete"
+    assert [e.item.status for e in events if e.type == "response.output_item.done"] == ["incomplete"]
+
+
 def test_a_client_that_leaves_a_stream_has_its_request_aborted_and_its_blocks_freed(plain):
     served = plain.served
     plain.script.say("ab " * 400)
@@ -472,7 +493,12 @@ def test_under_qwen3_only_a_reply_that_thinks_has_a_reasoning_item_and_reasoning
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": False}}}, "text.format.schema",
      "text.format.schema: admits no value: the schema is false"),
     ({"tools": [{**CLOCK, "parameters": False}]}, "tools[0].parameters", "admits no value: the schema is false"),
-    ({"reasoning": {"effort": 3}}, "reasoning.effort", "a string"),
+    ({"reasoning": {"effort": 3}}, "reasoning.effort", '"low", "medium", "high"'),
+    # any string was taken (and reported ignored) where chat's reasoning_effort is checked
+    ({"reasoning": {"effort": "ultra"}}, "reasoning.effort", 'expected "none", "minimal", "low"'),
+    ({"reasoning": {"summary": "verbose"}}, "reasoning.summary", 'expected "auto", "concise" or "detailed"'),
+    ({"extra_body": {"stream_options": {"include_obfuscation": "yes"}}}, "stream_options.include_obfuscation",
+     "true or false"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]",
      "kvload serves text"),
     ({"input": [{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}]}, "input[1].role", "robot"),
@@ -491,13 +517,17 @@ def test_a_bad_field_is_refused_naming_it(plain, body, param, says):
     assert says in refused(plain, param, **body)
 
 
-def test_a_message_refused_by_the_chat_checks_is_named_as_its_input_item(plain):
-    # the chat path checks the assistant's call arguments; the refusal names the item they came from
+def test_call_arguments_that_are_not_json_are_named_as_the_items_own_field(plain):
+    # the chat path's name, input[k].tool_calls[j].function.arguments, named a field no item has, and for the second
+    # call of one reply the item of the first (the calls join one chat message, named by where it began)
     call = {"type": "function_call", "call_id": "c1", "name": "get_time", "arguments": "{not json"}
-    message = refused(plain, "input[2].tool_calls[0].function.arguments", instructions="Be brief.",
+    message = refused(plain, "input[2].arguments", instructions="Be brief.",
                       input=[{"role": "user", "content": "a"}, {"type": "reasoning", "id": "rs_1", "summary": []},
                              call, {"type": "function_call_output", "call_id": "c1", "output": "x"}])
-    assert message.startswith("input[2].tool_calls[0].function.arguments: expected JSON text")
+    assert message.startswith("input[2].arguments: expected JSON text")
+    good = {**call, "call_id": "c0", "arguments": '{"zone": "UTC"}'}
+    message = refused(plain, "input[2].arguments", input=[{"role": "user", "content": "a"}, good, call])
+    assert message.startswith("input[2].arguments: expected JSON text")
 
 
 def test_settings_that_change_nothing_are_reported_once(plain):

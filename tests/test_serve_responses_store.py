@@ -123,7 +123,8 @@ def test_unknown_ids_are_404s_in_openais_error_body_counted_as_such(kept):
     kept.script.say("Ok.")
     rid = create(kept, input="Hi", max_output_tokens=5).id
     for query, param in (("limit=0", "limit"), ("limit=101", "limit"), ("order=up", "order"),
-                         ("after=msg_none", "after"), ("before=x", "before")):
+                         ("after=msg_none", "after"), ("before=x", "before"),
+                         ("limit=1&limit=50", "limit")):  # one of the two was read, unsaid
         r = http.get(f"/v1/responses/{rid}/input_items?{query}")
         assert (r.status_code, r.json()["error"]["param"]) == (400, param), query
     for method, query in (("GET", "stream=true"), ("DELETE", "force=1")):  # taken by none: not silently unread

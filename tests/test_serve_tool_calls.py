@@ -180,6 +180,9 @@ REFUSED = "holds the reply to tool calls"
      'expected a {"type": "function"'),
     ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools[1].function.name",
      "'get_weather' is given twice (tools[0] too)"),
+    # under "none" too (it was checked only where a grammar is built): the template shows both to the model
+    ({"tools": [WEATHER, WEATHER], "tool_choice": "none"}, "tools[1].function.name",
+     "'get_weather' is given twice (tools[0] too)"),
     ({"tools": [{"type": "function", "function": {"name": "x", "parameters": [1]}}], "tool_choice": "required"},
      "tools[0].function.parameters", "expected a JSON schema object, got [1]"),
     ({"tools": [WEATHER, {"type": "function", "function": {"name": "bad", "parameters": {"type": "objectx"}}}],

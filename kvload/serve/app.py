@@ -29,9 +29,11 @@ from typing import Any
 import attrs
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
+from starlette.routing import Match
 
 from engine.reasoning import ReasoningText
 from engine.schema_refs import OUTSIDE
@@ -57,7 +59,7 @@ from kvload.serve.tool_reader import ToolReader
 from pipeline.audit import dropped_record
 from pipeline.errors import ConfigError, GenerationError, KvBuildError
 from pipeline.events import SettingIgnored, StructuredOutputsRequested
-from pipeline.limits import MAX_DEPTH, MAX_SCORED_PROMPT_TOKENS, json_depth, unique_keys
+from pipeline.limits import MAX_DEPTH, MAX_LOGPROB_TOKENS, MAX_SCORED_PROMPT_TOKENS, json_depth, unique_keys
 from pipeline.version import __version__
 
 
@@ -97,6 +99,9 @@ class ServeState:
 def create_app(state: ServeState) -> FastAPI:
     """The FastAPI app over a started (or about to start) engine."""
     app = FastAPI(title="kvload serve", docs_url=None, redoc_url=None, openapi_url=None)
+    # Starlette answers "/v1/completions/" with a bodiless 307 to the URL the request's Host header names (anyone's
+    # host, an open redirect); OpenAI and vLLM's clients never add the slash: a 404 naming the endpoints instead
+    app.router.redirect_slashes = False
     app.state.serve = state
     app.add_middleware(_Admission, state=state)
     if state.api_key_digests:  # added last, so outermost: a request without the key takes no admission slot
@@ -113,9 +118,12 @@ def create_app(state: ServeState) -> FastAPI:
         # Starlette's own answers (an unknown path, a method the path does not take) in OpenAI's error body, not
         # FastAPI's {"detail": ...}. Not counted as refusals: no request the server serves was refused, and a 404
         # here is no model_not_found (a probe of random paths would look like clients asking for other models).
+        headers = exc.headers
+        if exc.status_code == 405:  # Starlette's Allow names the first route the path matched, not every one
+            headers = {**(headers or {}), "Allow": ", ".join(_allowed(app, request))}
+        exc = HTTPException(exc.status_code, exc.detail, headers)
         return JSONResponse(_shaped(request.scope.get("path", ""), _routing_error(app, request, exc)).body(),
-                            status_code=exc.status_code,
-                            headers=exc.headers)
+                            status_code=exc.status_code, headers=headers)
 
     @app.exception_handler(Exception)
     async def failure(_: Request, exc: Exception) -> JSONResponse:  # never a dead server over one request
@@ -161,7 +169,8 @@ def create_app(state: ServeState) -> FastAPI:
             return {"reset": False, "reason": event.reason}
 
     @app.get("/v1/kvload/audit")
-    async def audit() -> Response:
+    async def audit(request: Request) -> Response:
+        _only_query(request)
         log = state.result.audit
         head, tail, dropped = log.tail()
         if dropped:  # said where the records are missing, so no reader takes the log for complete
@@ -171,7 +180,8 @@ def create_app(state: ServeState) -> FastAPI:
                         headers={"X-Kvload-Audit-Dropped": str(dropped)})
 
     @app.get("/v1/kvload/explain")
-    async def explain(field: str | None = None) -> dict[str, Any]:
+    async def explain(request: Request, field: str | None = None) -> dict[str, Any]:
+        _only_query(request, "field")
         from kvload.cli import flag_aliases
         from kvload.explain import field_chain, resolve_field
         from pipeline.config import framework_defaults
@@ -190,7 +200,8 @@ def create_app(state: ServeState) -> FastAPI:
         return field_chain(state.result.audit, path)
 
     @app.get("/v1/kvload/kv_events")
-    async def kv_events() -> dict[str, Any]:
+    async def kv_events(request: Request) -> dict[str, Any]:
+        _only_query(request)
         from pipeline.errors import ConfigError as Off
 
         try:
@@ -254,7 +265,33 @@ def create_app(state: ServeState) -> FastAPI:
     async def version() -> dict[str, str]:  # vLLM's: clients check what they talk to
         return {"version": __version__}
 
+    for route in app.router.routes:  # HTTP's rule: a GET route answers HEAD (its headers; a probe's liveness check)
+        # but kv_events, whose GET drains the events it answers: a HEAD would drop them unseen
+        if isinstance(route, APIRoute) and route.methods == {"GET"} and route.path != "/v1/kvload/kv_events":
+            route.methods.add("HEAD")
     return app
+
+
+def _only_query(request: Request, *accepted: str) -> None:
+    """A kvload route's query: each of ``accepted`` at most once, nothing else (``?field=a&field=b`` read the last;
+    a misspelt parameter was dropped unread), as the /v1/responses routes take theirs."""
+    params = request.query_params
+    for name in params:
+        if name not in accepted:
+            takes = f"accepted: {', '.join(accepted)}" if accepted else "this route takes none"
+            raise BadRequest(f"{name[:60]}: query parameter not supported; {takes}", param=name[:60])
+        if len(params.getlist(name)) > 1:
+            raise BadRequest(f"{name[:60]}: given {len(params.getlist(name))} times; give it once", param=name[:60])
+
+
+def _allowed(app: FastAPI, request: Request) -> list[str]:
+    """Every method some route takes at the request's path (``/v1/responses/{id}``: GET and DELETE), sorted."""
+    methods: set[str] = set()
+    for route in app.router.routes:
+        match, _ = route.matches(request.scope)
+        if match is Match.PARTIAL:  # the path matched, the method did not
+            methods |= getattr(route, "methods", None) or set()
+    return sorted(methods)
 
 
 def _routing_error(app: FastAPI, request: Request, exc: HTTPException) -> BadRequest:
@@ -327,12 +364,20 @@ async def _read_body(request: Request, limit: int, timeout: float, stopping: asy
     that stops sending, or trickles, would otherwise hold the connection and the handler forever. Refused with
     503 as soon as ``stopping`` is set: uvicorn's shutdown would wait for the upload, then cancel the handler
     (a traceback and a plain-text 500). Refused with 415, unread, when it comes compressed (a Content-Encoding but
-    identity): kvload reads request bodies as they are, as vLLM does."""
+    identity), or in a Content-Type other than JSON's (none given is read as JSON)."""
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
     if encoding not in ("", "identity"):  # its bytes were read as JSON text: "not valid JSON: can't decode 0x8b"
         raise BadRequest(f"Content-Encoding {encoding[:40]!r}: not accepted; send the request body uncompressed "
                          "(identity)", status=415, code="unsupported_content_encoding",
                          headers={"Connection": "close"})  # refused unread, as a 413: the body is not waited for
+    media = request.headers.get("content-type")
+    if media is not None and not _is_json(media):
+        # vLLM refuses these too (FastAPI reads only a JSON body as JSON); a browser sends text/plain, a form or
+        # multipart from any web page without asking the server first (no CORS preflight), so taking them as JSON
+        # let every site a user visits run requests on a server with no --api-key on their machine
+        raise BadRequest(f"Content-Type {media[:80]!r}: not accepted; send the request body as JSON "
+                         "(Content-Type: application/json)", status=415, code="unsupported_media_type",
+                         headers={"Connection": "close"})
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:  # the HTTP layer refuses a malformed Content-Length itself
         raise _too_large(limit, f"Content-Length {int(length):,}")
@@ -363,6 +408,12 @@ async def _read_body(request: Request, limit: int, timeout: float, stopping: asy
     return body
 
 
+def _is_json(media: str) -> bool:
+    """Whether a Content-Type names JSON (``application/json``, ``application/*+json``, any parameters), or is blank."""
+    kind = media.split(";", 1)[0].strip().lower()
+    return kind in ("", "application/json") or (kind.startswith("application/") and kind.endswith("+json"))
+
+
 def _shutting_down() -> BadRequest:
     # Connection: close, as uvicorn closes every connection once a stop is asked for
     return BadRequest("the server is shutting down and takes no new requests; retry on another server", status=503,
@@ -389,6 +440,8 @@ async def _serve(state: ServeState, request: Request, kind: str, gate: asyncio.L
     async with gate:
         if state.engine.stopping:  # queued here when a stop was asked for: refused at once, not parsed first
             raise _shutting_down()
+        if await request.is_disconnected():  # left while it queued here: its parse (seconds for a big body) is
+            return Response(status_code=CLIENT_CLOSED)  # work for no one, ahead of every request queued behind it
         try:
             await asyncio.to_thread(run.prepare, raw, kind)
         except asyncio.CancelledError:  # the server is stopping: what the worker submitted, or still does, ends
@@ -417,6 +470,8 @@ async def _tokenizer_call(state: ServeState, request: Request, work: Any, gate: 
     except ClientDisconnect:
         return Response(status_code=CLIENT_CLOSED)
     async with gate:
+        if await request.is_disconnected():  # as _serve: no one to answer
+            return Response(status_code=CLIENT_CLOSED)
         return JSONResponse(await asyncio.to_thread(work, state, raw))
 
 
@@ -899,6 +954,13 @@ class _Run:
             except KvBuildError as exc:
                 raise self._never_fits(job, i, len(ids), exc) from None
             plan.append((ids, params))
+        if job.params.logprobs is not None:
+            most = sum(params.max_tokens for _, params in plan) * job.n
+            if most > MAX_LOGPROB_TOKENS:
+                raise BadRequest(f"logprobs: every generated token's top log-probabilities are kept until the answer "
+                                 f"is sent; at most {MAX_LOGPROB_TOKENS:,} generated tokens per request with logprobs, "
+                                 f"and this one may generate {most:,} ({len(plan) * job.n:,} choices × max_tokens); "
+                                 "ask for fewer choices or tokens per request", param="logprobs")
         # once per HTTP request (not per prompt or choice), and only for one that is served
         # under beam search n is its width, not identical greedy samples
         self.engine.report_ignored(job.params, 1 if job.beam is not None else job.n, request=self.id, salt=job.salt,

@@ -32,6 +32,8 @@ _KINDS = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
           405: "invalid_request_error", 408: "timeout_error", 409: "invalid_request_error",
           413: "request_too_large", 415: "invalid_request_error", 429: "rate_limit_error", 500: "api_error",
           503: "overloaded_error"}
+#: Anthropic's longest ``metadata.user_id`` (an opaque id: a uuid or a hash, never personal data)
+MAX_USER_ID = 256
 _CACHED = "kvload caches every prompt's prefix whatever is marked (cache_salt scopes sharing on the chat endpoint)"
 
 
@@ -99,6 +101,10 @@ def to_chat(body: Any, tool_parser: str | None = None, reasoning_parser: str | N
                 chat["stop"] = stops
         if body.get("metadata") is not None:
             _need(isinstance(body["metadata"], dict), "metadata", 'an object {"user_id"?}', body["metadata"])
+            _fields(body["metadata"], "metadata", {"user_id"})  # Anthropic's one key; any other is its 400 too
+            user = body["metadata"].get("user_id")
+            _need(user is None or (isinstance(user, str) and len(user) <= MAX_USER_ID), "metadata.user_id",
+                  f"a string of at most {MAX_USER_ID} characters", user)
             ignored.append(("metadata", body["metadata"], "kvload keeps no per-user records of requests"))
     messages, sources = _messages(body.get("messages"), ignored)
     system = _system(body.get("system"), ignored)

@@ -7,7 +7,8 @@ and a ``tool_use`` block per tool call (its ``input`` the call's arguments, pars
 ``stop_sequences``, named in ``stop_sequence``) or ``end_turn``. A stream sends Anthropic's event sequence:
 ``message_start``, per block ``content_block_start``, its deltas (``text_delta``, ``thinking_delta``,
 ``input_json_delta``) and ``content_block_stop``, then ``message_delta`` (stop reason, usage) and ``message_stop``; an
-engine failure is an ``error`` event.
+engine failure is an ``error`` event. Anthropic has no stop reason for an answer cut short by the server stopping
+(chat's ``abort``), so that is an error too (503 ``overloaded_error``; a stream's ``error`` event), never ``end_turn``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+from kvload.serve.messages_input import AnthropicError
 from kvload.serve.responses_output import ChatDeltas
 
 if TYPE_CHECKING:
@@ -31,6 +33,10 @@ def _stop(c: _Choice, called: bool) -> tuple[str, str | None]:
     if isinstance(c.stop_reason, str):  # a stop string (a stop token's id is an int: the turn ended)
         return "stop_sequence", c.stop_reason
     return "end_turn", None
+
+
+#: what an answer the server's stop cut short says: Anthropic's clients take ``end_turn`` for a finished answer
+CUT_SHORT = "the server stopped before the answer was finished (it is shutting down); retry on another server"
 
 
 def _message(run: _Run, content: list[dict[str, Any]], stop: tuple[str | None, str | None],
@@ -56,6 +62,9 @@ def message_document(run: _Run, chat: dict[str, Any]) -> dict[str, Any]:
     (choice,) = chat["choices"]
     message = choice["message"]
     c = run.choices[0]
+    if c.reason == "abort":
+        raise AnthropicError(CUT_SHORT, status=503, kind="server_error", code="server_shutting_down",
+                             headers={"Connection": "close"})
     blocks: list[dict[str, Any]] = []
     reasoning = message.get("reasoning_content")
     content, calls = message.get("content"), message.get("tool_calls") or []
@@ -151,6 +160,9 @@ async def message_events(run: _Run) -> AsyncIterator[str]:
             return
         for event in blocks.close():
             yield event
+        if last.reason == "abort":  # the server is stopping: no stop reason says so
+            yield blocks.event("error", error={"type": "overloaded_error", "message": CUT_SHORT})
+            return
         reason, sequence = _stop(last, bool(blocks.calls))
         yield blocks.event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
                            usage={"input_tokens": len(run.prompts[0]), "output_tokens": len(last.token_ids)})

@@ -792,6 +792,14 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
         need_schema(parameters, f"tools[{i}].function.parameters", optional=True)
         _check_unicode(function.get("name"), f"tools[{i}].function.name")  # type: ignore[union-attr]
         _check_unicode(tool, f"tools[{i}]")  # the chat template renders the tools into the prompt text
+    first: dict[str, int] = {}
+    for j, tool in enumerate(tools):
+        # whatever tool_choice says: which one a call means (its schema, under "auto" the parser's) is not for the
+        # server to guess, and the template shows the model two tools of one name
+        tool_name = tool["function"]["name"]
+        if first.setdefault(tool_name, j) != j:
+            raise BadRequest(f"tools[{j}].function.name: {tool_name[:80]!r} is given twice (tools[{first[tool_name]}] "
+                             "too); each tool needs its own name", param=f"tools[{j}].function.name")
     return tools or None
 
 
@@ -855,12 +863,7 @@ def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None, parse
     if not tools:
         raise BadRequest(f"tool_choice: {_shown(choice)} needs the functions it may call in tools; got none",
                          param="tools")
-    names = [tool["function"]["name"] for tool in tools]
-    first: dict[str, int] = {}
-    for j, tool_name in enumerate(names):
-        if first.setdefault(tool_name, j) != j:  # which one a call means is not for the server to guess
-            raise BadRequest(f"tools[{j}].function.name: {tool_name[:80]!r} is given twice (tools[{first[tool_name]}] "
-                             "too); each tool needs its own name", param=f"tools[{j}].function.name")
+    names = [tool["function"]["name"] for tool in tools]  # each once: _tools checked them
     if name is not None and name not in names:
         listed = ", ".join(repr(n[:40]) for n in names[:20]) + (", ..." if len(names) > 20 else "")
         raise BadRequest(f"tool_choice.function.name: {name[:80]!r} is not among the tools ({listed})",

@@ -17,8 +17,9 @@ from typing import Any
 
 import attrs
 
+from engine.messages import MessageError, json_text
 from kvload.serve.command import TOOL_CALL_PARSERS
-from kvload.serve.protocol import EFFORT_IGNORED, BadRequest, need_schema, openai_hints
+from kvload.serve.protocol import EFFORT_IGNORED, EFFORTS, BadRequest, need_schema, openai_hints
 from kvload.serve.protocol import metadata as _metadata
 from kvload.serve.responses_store import ResponseStore, Stored, input_items
 
@@ -37,6 +38,7 @@ _PASSED = ("model", "temperature", "top_p", "user", "stream", "parallel_tool_cal
 
 _ROLES = ("user", "system", "developer", "assistant")
 _ITEMS = "message, function_call, function_call_output or reasoning"
+_SUMMARIES = ("auto", "concise", "detailed")  # OpenAI's reasoning.summary values
 _INCLUDABLE = ("reasoning.encrypted_content",)  # agents send it with store=false; a reasoning item carries its text
 
 
@@ -162,7 +164,9 @@ def _unserved(body: dict[str, Any], ignored: list[tuple[str, Any, str]]) -> None
         if unknown:
             raise BadRequest(f"stream_options.{unknown[0]!s:.80}: not supported; accepted: include_obfuscation",
                              param="stream_options")
-        ignored.append(("stream_options.include_obfuscation", options["include_obfuscation"],
+        obfuscation = options["include_obfuscation"]
+        _need(isinstance(obfuscation, bool), "stream_options.include_obfuscation", "true or false", obfuscation)
+        ignored.append(("stream_options.include_obfuscation", obfuscation,
                         "kvload's stream events carry no obfuscation padding"))
     reasoning = body.get("reasoning")
     if reasoning is None:
@@ -171,7 +175,9 @@ def _unserved(body: dict[str, Any], ignored: list[tuple[str, Any, str]]) -> None
           'an object {"effort"?, "summary"?}', reasoning)
     for key in ("effort", "summary", "generate_summary"):
         value = reasoning.get(key)
-        _need(value is None or isinstance(value, str), f"reasoning.{key}", "a string", value)
+        accepted = EFFORTS if key == "effort" else _SUMMARIES  # as OpenAI (and chat's reasoning_effort) take them
+        _need(value is None or value in accepted, f"reasoning.{key}",
+              ", ".join(f'"{a}"' for a in accepted[:-1]) + f' or "{accepted[-1]}"', value)
         if value is not None:
             why = (EFFORT_IGNORED if key == "effort" else
                    "a reasoning item carries the thinking itself (its content), never a summary")
@@ -234,6 +240,11 @@ def _input(value: Any, ignored: list[tuple[str, Any, str]],
             for key in ("call_id", "name", "arguments"):
                 _need(isinstance(item.get(key), str) and (key == "arguments" or bool(item[key])), f"{where}.{key}",
                       "a string" if key == "arguments" else "a non-empty string", item.get(key))
+            if item["arguments"].strip():  # checked here: the chat path would name its own message's tool_calls[j]
+                try:
+                    json_text(f"{where}.arguments", item["arguments"])
+                except MessageError as exc:
+                    raise BadRequest(str(exc), param=exc.field) from None
             calls.add(item["call_id"])
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}

@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 
 #: A chat finish reason as the response's status.
 _STATUS = {"stop": "completed", "tool_calls": "completed", "length": "incomplete", "abort": "cancelled"}
+#: a response's statuses whose last item was cut short: that item is "incomplete" (by max_output_tokens, or the
+#: server's stop), never "completed"
+_CUT = ("incomplete", "cancelled")
 
 
 def _id(prefix: str) -> str:
@@ -52,7 +55,7 @@ def response_document(run: _Run, chat: dict[str, Any]) -> dict[str, Any]:
         items.append(_message_item(_id("msg"), content or "", "completed"))
     items += [_call_item(_id("fc"), call["id"], call["function"]["name"], call["function"]["arguments"],
                          "completed") for call in calls]
-    if status == "incomplete" and items:  # the last item is the one cut short
+    if status in _CUT and items:  # the last item is the one cut short
         items[-1]["status"] = "incomplete"
     return _kept(run, _response(run, status, items, run.choices[0]))
 
@@ -272,7 +275,7 @@ async def response_events(run: _Run) -> AsyncIterator[str]:
         if not events.items:  # a reply with nothing in it is still a message
             for event in events.start(_message_item(_id("msg"), "", "in_progress")):
                 yield event
-        for event in events.close("incomplete" if status == "incomplete" else "completed"):
+        for event in events.close("incomplete" if status in _CUT else "completed"):
             yield event
         kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(status, "response.failed")
         yield events.event(kind, response=_kept(run, _response(run, status, events.items, last)))

@@ -164,6 +164,10 @@ def _query(query: Mapping[str, str], accepted: tuple[str, ...]) -> None:
     if unknown:
         takes = f"accepted: {', '.join(accepted)}" if accepted else "this route takes none"
         raise BadRequest(f"{unknown[0][:60]}: query parameter not supported; {takes}", param=unknown[0][:60])
+    getlist = getattr(query, "getlist", None)  # a request's query (a multi-dict): ?limit=1&limit=50 read one of them
+    for name in sorted(query) if getlist is not None else ():
+        if len(getlist(name)) > 1:
+            raise BadRequest(f"{name}: given {len(getlist(name))} times; give it once", param=name)
 
 
 def _not_found(response_id: str) -> BadRequest:
