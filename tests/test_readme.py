@@ -155,6 +155,7 @@ def resolves(package: str, dotted: str) -> bool:
     for name in (f"{package}.{head}", head):
         with contextlib.suppress(ModuleNotFoundError):
             starts.append(importlib.import_module(name))
+    starts.append(getattr(importlib.import_module(package), head, None))  # kvload's lazy re-exports
     for path in sorted((ROOT / package).rglob("*.py")):
         reexport = path.name == "__init__.py" and re.search(rf"^from \S+ import .*\b{head}\b", path.read_text(), re.M)
         if reexport or re.search(rf"^class {head}\b", path.read_text(), re.M):
