@@ -325,3 +325,14 @@ def test_every_event_the_readme_names_is_one_kvload_emits():
     named |= {n for n in re.findall(r"`([a-z][a-z_]+)`", re.sub(r"\([^()]*(?:\([^()]*\)[^()]*)*\)", "", beyond))}
     assert len(named) > 25
     assert sorted(n for n in named if n not in EVENT_TYPES) == []
+
+
+def test_the_stage_diagram_is_the_pipelines_order():
+    from stages import load_stages, plan_stages
+
+    diagram = FENCED.findall(section(README.read_text(), "How it loads"))[0]
+    shown = re.findall(r"\b[a-z]+(?:_[a-z]+)+\b", re.sub(r"\([^)]*\)", "", diagram))  # the notes left out
+    plan, load = [s.name for s in plan_stages()], [s.name for s in load_stages()]
+    # plan's stages, then the ones load runs in place of plan's last (plan_kv)
+    assert shown == plan + [name for name in load if name not in plan]
+    assert load == plan[:-1] + [name for name in load if name not in plan]
