@@ -336,3 +336,59 @@ def test_the_stage_diagram_is_the_pipelines_order():
     # plan's stages, then the ones load runs in place of plan's last (plan_kv)
     assert shown == plan + [name for name in load if name not in plan]
     assert load == plan[:-1] + [name for name in load if name not in plan]
+
+
+# the console blocks a test can replay in a second or two: plan/run/explain/audit of presets (no weights, no timings)
+REPLAYED = ("plan", "run", "explain", "audit")
+
+
+def console_sessions(text: str) -> list[tuple[str, list[str]]]:
+    """Each ``$ kvload ...`` line of the README's console blocks with the output lines shown under it."""
+    sessions: list[tuple[str, list[str]]] = []
+    for block in re.findall(r"^```console\n(.*?)^```", text, re.S | re.M):
+        for line in block.splitlines():
+            if line.startswith("$ "):
+                sessions.append((line[2:], []))
+            elif sessions:
+                sessions[-1][1].append(line.rstrip())
+    return sessions
+
+
+def test_the_readmes_plan_run_explain_audit_sessions_print_what_it_shows(tmp_path, monkeypatch, capsys):
+    import json
+    import shlex
+
+    from tests.cli_support import run_cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CC", "cc")  # the runs shown were on a machine with a C compiler (linear_backend's reason)
+    replayed = 0
+    for command, shown in console_sessions(README.read_text()):
+        if not command.startswith("kvload "):
+            continue
+        words = shlex.split(command.split(";")[0].split(">")[0])
+        files = [w for w in words if w.endswith(".jsonl")]
+        if files == ["tampered.jsonl"] and Path("v4.jsonl").exists():  # the edit the README describes
+            tampered = [json.loads(line) for line in Path("v4.jsonl").read_text().splitlines()]
+            for record in tampered:
+                if record.get("event") == "auto_resolved" and record["field"].endswith("use_kv_cache_manager_v2"):
+                    record["new"] = False
+            Path("tampered.jsonl").write_text("".join(json.dumps(r) + "\n" for r in tampered))
+        if words[1] not in REPLAYED or "smollm2-135m" in words or (
+                words[1] in ("explain", "audit") and not all(Path(f).exists() for f in files)):
+            continue
+        result = run_cli(capsys, *words[1:])
+        printed = [] if ">" in command else result.out.splitlines()
+        printed = [line.rstrip() for line in printed + result.err.splitlines()]
+        if 'echo "exit $?"' in command:
+            printed.append(f"exit {result.code}")
+        else:
+            assert result.code == 0, (command, result.err)
+        at = 0  # every line shown, in order ("..." stands for lines left out)
+        for line in shown:
+            if line.strip() in ("...", ""):
+                continue
+            assert line in printed[at:], f"README's `{command}` shows {line!r}, which kvload did not print"
+            at = printed.index(line, at) + 1
+        replayed += 1
+    assert replayed >= 6  # the walk-through's run, explain, audit, tampered audit, refused route; plan --compare
