@@ -392,3 +392,18 @@ def test_the_readmes_plan_run_explain_audit_sessions_print_what_it_shows(tmp_pat
             at = printed.index(line, at) + 1
         replayed += 1
     assert replayed >= 6  # the walk-through's run, explain, audit, tampered audit, refused route; plan --compare
+
+
+def test_every_event_kvload_emits_is_in_designs_list_or_the_readmes():
+    from pipeline.events import EVENT_TYPES
+
+    design = (ROOT.parent / "shared" / "DESIGN.md")
+    if not design.is_file():
+        pytest.skip("DESIGN.md is not beside this checkout")
+    text = design.read_text().split("Names are a public contract")[1].split("Value-changing")[0]
+    listed = set(re.findall(r"`([a-z_]+)`", text))
+    beyond = README.read_text().split("**Events beyond DESIGN.md's list:**")[1].split("Value-changing events are")[0]
+    named = set(re.findall(r"`([a-z][a-z_]+)`", beyond))
+    for first, rest in re.findall(r"`([a-z]+)_[a-z]+`((?:/`_[a-z]+`)+)", beyond):  # `request_admitted`/`_suspended`
+        named |= {first + suffix for suffix in re.findall(r"`(_[a-z]+)`", rest)}
+    assert sorted(set(EVENT_TYPES) - listed - named) == []
