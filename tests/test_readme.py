@@ -407,3 +407,18 @@ def test_every_event_kvload_emits_is_in_designs_list_or_the_readmes():
     for first, rest in re.findall(r"`([a-z]+)_[a-z]+`((?:/`_[a-z]+`)+)", beyond):  # `request_admitted`/`_suspended`
         named |= {first + suffix for suffix in re.findall(r"`(_[a-z]+)`", rest)}
     assert sorted(set(EVENT_TYPES) - listed - named) == []
+
+
+def test_the_sampling_params_table_names_every_field():
+    import attrs
+
+    from engine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
+
+    text = README.read_text()
+    start = text.index("| `SamplingParams` field |")
+    rows = text[start:text.index("\n\n", start)].splitlines()[2:]
+    named = {name for row in rows for name in re.findall(r"`(\w+)`", row.split("|")[1])}
+    fields = {a.name for a in attrs.fields(SamplingParams) if not a.name.startswith("_")}
+    assert named - fields == {"max_new_tokens"}  # max_tokens' alias, which the row says
+    assert sorted(fields - named) == []
+    assert f"default {DEFAULT_MAX_TOKENS}" in rows[0] and SamplingParams(max_new_tokens=5).max_tokens == 5
