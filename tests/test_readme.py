@@ -422,3 +422,16 @@ def test_the_sampling_params_table_names_every_field():
     assert named - fields == {"max_new_tokens"}  # max_tokens' alias, which the row says
     assert sorted(fields - named) == []
     assert f"default {DEFAULT_MAX_TOKENS}" in rows[0] and SamplingParams(max_new_tokens=5).max_tokens == 5
+
+
+def test_the_serve_table_lists_every_endpoint_the_app_has():
+    source = (ROOT / "kvload" / "serve" / "app.py").read_text()
+    decorated = re.findall(r'@app\.(get|post|delete)\("([^"]+)"\)', source)
+    routes = {f"{m.upper()} {re.sub(r'{[^}]*}', '{}', p)}" for m, p in decorated}
+    body = section(README.read_text(), "Serve")
+    start = body.index("| endpoint | what |")
+    table = body[start:body.index("\n\n", start)]
+    named = {re.sub(r"{[^}]*}", "{}", e.split("?")[0]) for row in table.splitlines()[2:]
+             for e in re.findall(r"`((?:GET|POST|DELETE) /[^`\s]*)`", row.split("|")[1])}
+    assert len(routes) > 15
+    assert sorted(routes - named) == [] and sorted(named - routes) == []
