@@ -435,3 +435,25 @@ def test_the_serve_table_lists_every_endpoint_the_app_has():
              for e in re.findall(r"`((?:GET|POST|DELETE) /[^`\s]*)`", row.split("|")[1])}
     assert len(routes) > 15
     assert sorted(routes - named) == [] and sorted(named - routes) == []
+
+
+def test_the_dotted_names_the_readme_gives_resolve():
+    import importlib
+
+    text = README.read_text()
+    layer = r"(?:kvload|engine|pipeline|stages|models|cache_backends)"
+    names = set(re.findall(rf"`({layer}(?:\.\w+)+)(?:\([^`]*\))?`", text))  # a call's arguments left out
+    unresolved = []
+    for name in sorted(names):
+        parts = name.split(".")
+        for i in range(len(parts), 0, -1):  # the longest module prefix, then attributes
+            try:
+                obj = importlib.import_module(".".join(parts[:i]))
+                break
+            except ModuleNotFoundError:
+                continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr, None)
+        if obj is None:
+            unresolved.append(name)
+    assert len(names) > 10 and unresolved == []
