@@ -115,9 +115,9 @@ def add_serve_command(sub: Any) -> None:
     g.add_argument("--max-concurrent-requests", "--max_concurrent_requests", dest="max_concurrent_requests",
                    default=MAX_CONCURRENT_DEFAULT, metavar="N",
                    type=cli._bounded(cli.integer, lambda v: v >= 1, "an integer >= 1"),
-                   help="completion, chat and (de)tokenize requests the server holds at once, from their "
-                        "headers until their answer ends (queued for the engine included); more get HTTP 503 at "
-                        "once, before their body is read, and /health and /metrics keep answering "
+                   help="completion, chat, responses, messages and (de)tokenize requests the server holds at once, "
+                        "from their headers until their answer ends (queued for the engine included); more get HTTP "
+                        "503 at once, before their body is read, and /health and /metrics keep answering "
                         "(default %(default)s)")
     g.add_argument("--responses-store-max", "--responses_store_max", dest="responses_store_max",
                    default=RESPONSES_STORE_MAX_DEFAULT, metavar="N",
