@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 import attrs
 
 from pipeline.config import ATTENTION_BACKENDS, LINEAR_BACKENDS, SIZE_HELP, parse_size
-from pipeline.errors import ConfigError, KvloadError, first_line
+from pipeline.errors import ConfigError, KvloadError, OutputError, first_line
 from pipeline.limits import MAX_INT, MAX_INT_DIGITS, MAX_LOGPROBS, MAX_N, short_text
 from pipeline.signals import Terminated, handle_sigterm, release_sigterm  # at import: main's first line is in its try
 
@@ -1235,6 +1235,7 @@ def _main(ns: argparse.Namespace, argv: Sequence[str] | None, said: list[bool]) 
     ns.held_log = held  # a command that runs on after its set-up (serve) lets the warnings through then
     ns.effective_log_level = level  # what serve's uvicorn logs at: kvload's level, not uvicorn's own default (info)
     ok = False
+    stdout, sys.stdout = sys.stdout, ResultStream(sys.stdout, _unwritten(ns))
     try:
         code = _run(ns)
         ok = code == 0
@@ -1271,8 +1272,55 @@ def _main(ns: argparse.Namespace, argv: Sequence[str] | None, said: list[bool]) 
             print(f"error: {type(exc).__name__}: {detail} (run with --debug for the traceback)", file=sys.stderr)
         return 1
     finally:
+        sys.stdout = stdout
         if held is not None:
             held.release(ok)
+
+
+class ResultStream:
+    """``sys.stdout`` while a command runs: a write or flush the OS refuses (a full disk, a closed descriptor, an I/O
+    error) becomes one ``OutputError`` naming stdout (exit 1), where it was ``OSError: [Errno 28] ...`` or, with
+    stdout closed at start (``kvload plan ... >&-``: Python's ``sys.stdout`` is None), an ``AttributeError``. A
+    closed pipe stays ``BrokenPipeError``, which ``_main`` reports as exit 141."""
+
+    def __init__(self, stream: Any, unwritten: str) -> None:
+        self._stream = stream
+        self._unwritten = unwritten  # what the error line adds: the --audit-log not written
+
+    def _failed(self, exc: OSError | None) -> OutputError:
+        if exc is None:
+            return OutputError(f"stdout is closed, so the result cannot be written (redirect it to a file or "
+                               f"/dev/null instead of closing it){self._unwritten}")
+        _drop_stdout()  # what the buffer still holds would fail again in the interpreter's last flush (exit 120)
+        reason = exc.strerror or type(exc).__name__
+        return OutputError(f"stdout: cannot write the result ({reason}){self._unwritten}")
+
+    def write(self, text: str) -> int:
+        """The stream's ``write``; an OS failure (not a closed pipe) as one ``OutputError``."""
+        if self._stream is None:
+            raise self._failed(None)
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise self._failed(exc) from exc
+
+    def flush(self) -> None:
+        """The stream's ``flush``; an OS failure (not a closed pipe) as one ``OutputError``."""
+        if self._stream is None:
+            return
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise self._failed(exc) from exc
+
+    def __getattr__(self, name: str) -> Any:
+        if self._stream is None:
+            raise self._failed(None)
+        return getattr(self._stream, name)
 
 
 def _run(ns: argparse.Namespace) -> int:

@@ -1052,6 +1052,35 @@ def test_a_reader_gone_before_the_output_is_written_gets_exit_141_and_no_audit(t
     assert list(out.iterdir()) == []
 
 
+def _stdout_closed() -> None:  # runs in the child before exec: `kvload ... >&-`
+    os.close(1)
+
+
+@pytest.mark.parametrize(("stdout", "argv", "line"), [
+    ("full", ["plan", "tiny-llama"],
+     "error: stdout: cannot write the result (No space left on device); the --audit-log file was not written"),
+    ("closed", ["generate", "tiny-llama", "--prompt-ids", "1,2", "--max_new_tokens", "2"],
+     "error: stdout is closed, so the result cannot be written (redirect it to a file or /dev/null instead of closing "
+     "it); the --audit-log file was not written"),
+], ids=["plan-full-disk", "generate-closed"])
+def test_a_result_stdout_cannot_take_is_one_line_naming_stdout(tmp_path, stdout, argv, line):
+    """``kvload plan ... > /dev/full`` (a full disk) said ``OSError: [Errno 28] No space left on device``, naming no
+    output; with stdout closed (``>&-``) it was ``AttributeError: 'NoneType' object has no attribute 'write'``. The
+    result was not delivered: exit 1, one line naming stdout, and the --audit-log is not published."""
+    if stdout == "full" and not Path("/dev/full").exists():
+        pytest.skip("no /dev/full on this system")
+    out = tmp_path / "out"
+    out.mkdir()
+    with contextlib.ExitStack() as stack:
+        sink = stack.enter_context(open("/dev/full", "w")) if stdout == "full" else None
+        r = subprocess.run([sys.executable, "-m", "kvload", *argv, "--audit-log", out / "a.jsonl"], stdout=sink,
+                           stderr=subprocess.PIPE, text=True, cwd=tmp_path, timeout=120,
+                           env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+                           preexec_fn=_stdout_closed if stdout == "closed" else None)
+    assert (r.returncode, r.stderr) == (1, line + "\n"), r.stderr[-2000:]
+    assert list(out.iterdir()) == []
+
+
 @pytest.mark.parametrize("argv", [
     ["plan", "tiny-llama"],
     ["plan", "tiny-deepseek-v4", "--max_tokens", "65536", "--compare", "--json"],  # past Python's 8 KiB buffer
