@@ -141,6 +141,10 @@ def test_a_config_json_that_is_no_file_is_named_not_missing(capsys, tmp_path, ou
     ('{"eos_token_id": [2, true]}', "generation_config.json: eos_token_id:"),
     ('{"eos_token_id": 2.0}', "generation_config.json: eos_token_id:"),
     ('{"eos_token_id": 2, "eos_token_id": 3}', "generation_config.json: key 'eos_token_id' appears twice"),
+    # an id outside the vocabulary (BASE's vocab_size is 128) was taken: EOS never came, or banned a real token
+    ('{"eos_token_id": -1}', "generation_config.json: eos_token_id: token id -1 is not in the vocabulary; accepted: "
+                             "an integer in [0, 127] (vocab_size 128), a list of them, or null"),
+    ('{"eos_token_id": [2, 128]}', "generation_config.json: eos_token_id: token id 128 is not in the vocabulary"),
     ('{"temperature": NaN}', "generation_config.json: temperature: NaN is not standard JSON"),
 ])
 def test_a_bad_generation_config_json_is_refused_naming_it(capsys, tmp_path, out, text, needle):
