@@ -456,6 +456,55 @@ def _audit_subscribers(ns: argparse.Namespace) -> list[Any]:
     return [ns.audit_sink]
 
 
+#: The flags that name a file a command writes (argparse dest → spellings), and those naming one it reads.
+OUTPUT_FILE_FLAGS: dict[str, tuple[str, ...]] = {
+    "audit_log": ("--audit-log", "--audit_log"),
+    "chart": ("--chart",),
+    "kv_events_file": ("--kv-events-file", "--kv_events_file"),
+}
+INPUT_FILE_FLAGS: dict[str, tuple[str, ...]] = {
+    "config": ("--config", "--extra_llm_api_options", "--extra-llm-api-options"),
+    "chat_template": ("--chat-template", "--chat_template"),
+}
+
+
+def _same_file(a: str, b: str) -> bool:
+    import os
+
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:  # two names of one file (a hard link)
+        return os.path.samefile(a, b)
+    except (OSError, ValueError):  # one does not exist yet (or cannot be read: its own check says so)
+        return False
+
+
+def check_distinct_files(ns: argparse.Namespace, argv: Sequence[str]) -> None:
+    """``ConfigError`` when one file is named by two flags of which one writes it: ``--chart X --audit-log X`` drew
+    the chart, then refused the audit as "appeared while the run was going" (exit 2, with the result on stdout and
+    the chart left behind); ``--audit-log`` on the ``--config`` file (with ``--force``) replaced the config with the
+    log; ``serve``'s ``--kv-events-file`` and ``--audit-log`` on one file wrote both streams into it."""
+    import os
+
+    outputs = [(dest, getattr(ns, dest, None)) for dest in OUTPUT_FILE_FLAGS]
+    inputs = [(dest, getattr(ns, dest, None)) for dest in INPUT_FILE_FLAGS]
+    outputs = [(d, v) for d, v in outputs if isinstance(v, str) and v]
+    inputs = [(d, v) for d, v in inputs if isinstance(v, str) and v and os.path.isfile(v)]  # a template text is none
+
+    def flag(dest: str) -> str:
+        return typed_spelling({**OUTPUT_FILE_FLAGS, **INPUT_FILE_FLAGS}[dest], argv)
+
+    for i, (dest, path) in enumerate(outputs):
+        for other, other_path in outputs[i + 1:]:
+            if _same_file(path, other_path):
+                raise ConfigError(f"{flag(other)} {other_path}: is also the {flag(dest)} file; give each "
+                                  "output a file of its own")
+        for other, other_path in inputs:
+            if _same_file(path, other_path):
+                raise ConfigError(f"{flag(dest)} {path}: is the {flag(other)} file this command reads; "
+                                  "give the output a file of its own")
+
+
 def prints(result: Any) -> bool:
     """Whether this process prints the result: always alone; under torchrun only rank 0 (the others log)."""
     ranks = result.context.ranks
@@ -1237,6 +1286,7 @@ def _main(ns: argparse.Namespace, argv: Sequence[str] | None, said: list[bool]) 
     ok = False
     stdout, sys.stdout = sys.stdout, ResultStream(sys.stdout, _unwritten(ns))
     try:
+        check_distinct_files(ns, sys.argv[1:] if argv is None else argv)
         code = _run(ns)
         ok = code == 0
         return code

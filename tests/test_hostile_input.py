@@ -894,6 +894,36 @@ def test_an_existing_audit_log_is_kept_unless_force(capsys, tmp_path):
     assert r.code == 0 and verify_log(AuditLog.from_jsonl(log))["ok"]
 
 
+def test_two_outputs_on_one_file_are_refused_before_any_work(capsys, tmp_path, out):
+    """``--chart X --audit-log X``: the chart was drawn, then the audit refused as "appeared while the run was going":
+    exit 2 with the result on stdout and the chart left behind."""
+    same = out / "same.png"
+    r = run_cli(capsys, "plan", "tiny-llama", "--compare", "--chart", same, "--audit_log", same)
+    assert_refused(r, f"--chart {same}: is also the --audit_log file; give each output a file of its own", folder=out)
+
+
+def test_an_audit_log_on_the_config_file_it_reads_is_refused_even_with_force(capsys, tmp_path):
+    """With ``--force`` the audit log replaced the ``--config`` file the run had read (a hard link too)."""
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("max_batch_size: 4\n")
+    (tmp_path / "link.yaml").hardlink_to(cfg)
+    for log in (cfg, tmp_path / "link.yaml"):
+        r = _plan(capsys, "tiny-llama", "--extra_llm_api_options", cfg, "--force", audit=log)
+        assert_refused(r, f"--audit-log {log}: is the --extra_llm_api_options file this command reads")
+    assert cfg.read_text() == "max_batch_size: 4\n"
+
+
+def test_serve_refuses_its_audit_log_and_kv_events_file_on_one_file(tmp_path):
+    """Both streams went into the one file (refused before the server starts, so checked here without one)."""
+    from kvload.cli import build_parser, check_distinct_files
+    from pipeline.errors import ConfigError
+
+    same = str(tmp_path / "e.jsonl")
+    argv = ["serve", "tiny-llama", "--audit-log", same, "--kv-events-file", same, "--event_buffer_max_size", "8"]
+    with pytest.raises(ConfigError, match=f"^--kv-events-file {same}: is also the --audit-log file"):
+        check_distinct_files(build_parser().parse_args(argv), argv)
+
+
 @pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
 def test_audit_log_follows_the_umask(capsys, tmp_path, umask, mode):
     log = tmp_path / "a.jsonl"
