@@ -1115,6 +1115,29 @@ def test_a_result_stdout_cannot_take_is_one_line_naming_stdout(tmp_path, stdout,
     assert list(out.iterdir()) == []
 
 
+def _stderr_closed() -> None:  # runs in the child before exec: `kvload ... 2>&-`
+    os.close(2)
+
+
+@pytest.mark.parametrize("stderr", ["full", "closed"])
+def test_warnings_stderr_cannot_take_do_not_fail_a_run_that_succeeded(tmp_path, stderr):
+    """A run that succeeded (result on stdout, --audit-log published) exited 1 when its held warnings could not be
+    written at the end (``2>/dev/full``, ``2>&-``), with no line to say why; streamed (``--debug``) it exited 0. The
+    warnings are lost, not the run."""
+    if stderr == "full" and not Path("/dev/full").exists():
+        pytest.skip("no /dev/full on this system")
+    log = tmp_path / "a.jsonl"
+    with contextlib.ExitStack() as stack:
+        sink = stack.enter_context(open("/dev/full", "w")) if stderr == "full" else None
+        # V1 has no host tier: a setting_ignored warning is held until the run's outcome is known
+        r = subprocess.run([sys.executable, "-m", "kvload", "plan", "tiny-llama", "--host_cache_size", "1GiB",
+                            "--audit-log", log], stdout=subprocess.PIPE, stderr=sink, text=True, cwd=tmp_path,
+                           timeout=120, env={**ENV, "PYTHONPATH": str(REPO)},
+                           preexec_fn=_stderr_closed if stderr == "closed" else None)
+    assert r.returncode == 0 and r.stdout.startswith("model  tiny-llama")
+    assert verify_log(AuditLog.from_jsonl(log))["ok"]
+
+
 @pytest.mark.parametrize("argv", [
     ["plan", "tiny-llama"],
     ["plan", "tiny-deepseek-v4", "--max_tokens", "65536", "--compare", "--json"],  # past Python's 8 KiB buffer
