@@ -98,6 +98,14 @@ def _looks_like_path(name: str) -> bool:
     return "/" in name or name.startswith((".", "~")) or Path(name).suffix in (".json", ".gguf")
 
 
+def _holds_checkpoint(path: Path) -> bool:
+    """Whether a directory holds a config.json or a .gguf file (what :func:`_directory_checkpoint` looks for)."""
+    try:
+        return os.path.lexists(path / "config.json") or any(path.glob("*.gguf"))
+    except OSError:
+        return True  # unreadable: let _directory_checkpoint name the problem
+
+
 def _directory_checkpoint(name: str, path: Path) -> Checkpoint:
     # a config.json that is a directory, FIFO or dangling link is still the one meant: read_config_json names it
     try:
@@ -138,15 +146,22 @@ def resolve_checkpoint(name: str) -> Checkpoint:
     """Map a model argument to a preset, a packaged model, or a local checkpoint; ``ModelError`` otherwise."""
     path = expand_user(name)
     try:  # Path.exists/is_file raise PermissionError on Python 3.11 (a directory the user cannot search)
-        exists, is_file = path.exists(), path.is_file()
+        exists, is_file, is_dir = path.exists(), path.is_file(), path.is_dir()
     except OSError as exc:  # a directory the user cannot search, a name too long, ...
         raise ModelError(f"model {name!r}: {cannot_read(exc)}") from None
+    if exists and (name in presets() or name in PACKAGED) and not _looks_like_path(name) \
+            and not (is_dir and _holds_checkpoint(path)):
+        exists = False  # a stray file or folder named like a preset in the working directory (a log, an output
+        # folder) made `kvload plan tiny-llama` fail with "is a file"; a real checkpoint there still wins
     if exists:
         if is_file:
             if path.suffix == ".gguf":
                 return Checkpoint(name, "directory", path.parent.resolve(), gguf_file=path.name)
             raise ModelError(f"model {name!r}: is a file; give the checkpoint directory that holds config.json "
                              "(or a .gguf file)")
+        if not is_dir:  # was "cannot read NAME/config.json (Not a directory)"
+            raise ModelError(f"model {name!r}: not a regular file or directory (a FIFO or device?); give the "
+                             "checkpoint directory that holds config.json (or a .gguf file)")
         return _directory_checkpoint(name, path)
     if name in presets():
         return Checkpoint(name, "preset", PRESETS_DIR / name)
