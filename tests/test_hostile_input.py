@@ -477,6 +477,18 @@ def test_huge_tokens_per_block_is_named_not_max_tokens(capsys, out):
     assert "max_tokens" not in r.err
 
 
+@pytest.mark.parametrize(("flags", "field"), [
+    (["--max_tokens", str(2**63 - 1)], "lower kv_cache_config.max_tokens"),
+    (["--max_seq_len", str(2**63 - 1)], "lower max_seq_len"),  # the default budget: 16 such sequences
+])
+def test_a_compare_budget_past_int64_names_what_set_it_not_max_gpu_total_bytes(capsys, out, flags, field):
+    """--compare hands both managers the routed budget as max_gpu_total_bytes: past 2**63 - 1 the line was
+    "--max_gpu_total_bytes: expected an integer >= 0 and at most 2**63 - 1", a flag nobody typed."""
+    r = run_cli(capsys, "plan", "tiny-llama", "--compare", *flags, "--audit-log", out / "a.jsonl")
+    assert_refused(r, "--compare plans both managers at one budget in bytes", field, folder=out)
+    assert "max_gpu_total_bytes" not in r.err
+
+
 def test_huge_max_new_tokens_is_capped_by_max_seq_len_not_refused(capsys, out):
     """generate sizes its CPU default pools from --max_new_tokens, capped at what max_seq_len lets a sample hold (the
     checkpoint's here): a huge value runs as the Python API runs it, and no internal field surfaces in an error."""
