@@ -233,7 +233,11 @@ class OneLineParser(argparse.ArgumentParser):
         """Print ``error: <flag>: <what>`` on one line; no usage dump."""
         if message.startswith("argument "):
             head, _, rest = message[len("argument "):].partition(": ")
-            message = f"{typed_spelling(head.split('/'), getattr(self, '_argv', []))}: {rest}"
+            name = typed_spelling(head.split('/'), getattr(self, '_argv', []))
+            if rest.startswith("ignored explicit argument "):  # argparse's words for `--json=true`: say what it takes
+                rest = f"a switch, it takes no value (got {rest.removeprefix('ignored explicit argument ')}); give " \
+                       f"{name} alone"
+            message = f"{name}: {rest}"
         elif message.startswith("unrecognized arguments: "):
             unknown = message.split(": ", 1)[1].split()[0]
             vllm = _vllm_difference(unknown)
