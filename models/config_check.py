@@ -27,6 +27,11 @@ INT_FIELDS: dict[str, tuple[int, int, bool]] = {
     "sliding_window": (1, 2**32, True),
     "kv_lora_rank": (1, 1_048_576, True),
     "qk_rope_head_dim": (1, 65_536, True),
+    # MLA's other head sizes and its query compression: transformers built a negative one into the model and the load
+    # failed as "Trying to create tensor with negative dimension -4: [64, -4]", naming no field
+    "qk_nope_head_dim": (0, 65_536, True),
+    "v_head_dim": (1, 65_536, True),
+    "q_lora_rank": (1, 1_048_576, True),
     "index_head_dim": (0, 65_536, True),
     "max_position_embeddings": (1, 2**32, True),
     "vocab_size": (1, 2**24, True),

@@ -91,6 +91,16 @@ def test_every_config_json_mutation_is_refused_naming_file_and_field(capsys, tmp
             raise AssertionError(f"case {case}: {exc}") from None
 
 
+@pytest.mark.parametrize(("field", "value"), [("v_head_dim", -1), ("qk_nope_head_dim", -1), ("q_lora_rank", -3),
+                                            ("v_head_dim", "16")])
+def test_mla_head_sizes_are_checked_before_transformers_builds_them(capsys, tmp_path, out, field, value):
+    """DeepSeek's MLA sizes: a negative one failed the load as "Trying to create tensor with negative dimension -4:
+    [64, -4]", naming no field (the mutator covers them too, from INT_FIELDS)."""
+    ckpt = write_config(tmp_path / "ckpt", {**BASE, field: value})
+    assert_refused(_plan(capsys, ckpt, audit=out / "a.jsonl"), f"{ckpt}/config.json: {field}: expected an integer in",
+                   folder=out)
+
+
 @pytest.mark.parametrize(("name", "text", "needle"), [
     ("nesting", '{"model_type": "llama", "x": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
     ("nesting-64", '{"model_type": "llama", "x": ' + "[" * 64 + "]" * 64 + "}", "nested deeper than 32"),
