@@ -32,6 +32,7 @@ from cache_backends.kinds import KINDS, V1, V2
 from pipeline.config import V2_FIELD
 from pipeline.context import LoadRequest
 from pipeline.errors import ConfigError, KvBuildError, RouteError
+from pipeline.limits import MAX_INT
 from pipeline.paths import flatten, unflatten
 from pipeline.run import RunResult, execute
 from pipeline.sources import overrides_to_tree
@@ -243,6 +244,11 @@ def compare_capacity(result: RunResult, *, log: bool = False) -> CapacityCompari
                           path=V2_FIELD)
     max_seq_len = result.args.max_seq_len
     budget = routed_budget(result, DEFAULT_PLAN_SEQUENCES, max_seq_len)
+    if budget.bytes > MAX_INT:  # each manager gets it as max_gpu_total_bytes, whose bound named a flag nobody gave
+        limited_by = result.kv.budget.limited_by if result.kv.budget is not None else None
+        field = "max_seq_len" if budget.default or limited_by is None else f"kv_cache_config.{limited_by}"
+        raise ConfigError(f"--compare plans both managers at one budget in bytes, here {budget.bytes:,} B "
+                          f"({budget.source}), past the 2**63 - 1 a byte count may be; lower {field}", path=field)
     managers = {name: plan_manager(result, name, budget.bytes, log=log) for name in MANAGERS}
     return CapacityComparison(result.model.name, max_seq_len, budget, manager_lengths(max_seq_len), managers)
 

@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 import attrs
 
 from pipeline.config import ATTENTION_BACKENDS, LINEAR_BACKENDS, SIZE_HELP, parse_size
-from pipeline.errors import ConfigError, KvloadError, first_line
+from pipeline.errors import ConfigError, KvloadError, OutputError, first_line
 from pipeline.limits import MAX_INT, MAX_INT_DIGITS, MAX_LOGPROBS, MAX_N, short_text
 from pipeline.signals import Terminated, handle_sigterm, release_sigterm  # at import: main's first line is in its try
 
@@ -233,7 +233,11 @@ class OneLineParser(argparse.ArgumentParser):
         """Print ``error: <flag>: <what>`` on one line; no usage dump."""
         if message.startswith("argument "):
             head, _, rest = message[len("argument "):].partition(": ")
-            message = f"{typed_spelling(head.split('/'), getattr(self, '_argv', []))}: {rest}"
+            name = typed_spelling(head.split('/'), getattr(self, '_argv', []))
+            if rest.startswith("ignored explicit argument "):  # argparse's words for `--json=true`: say what it takes
+                rest = f"a switch, it takes no value (got {rest.removeprefix('ignored explicit argument ')}); give " \
+                       f"{name} alone"
+            message = f"{name}: {rest}"
         elif message.startswith("unrecognized arguments: "):
             unknown = message.split(": ", 1)[1].split()[0]
             vllm = _vllm_difference(unknown)
@@ -454,6 +458,55 @@ def _audit_subscribers(ns: argparse.Namespace) -> list[Any]:
     check_output_path(path, "--audit-log", replace=ns.force)
     ns.audit_sink = JsonlSink(path, replace=ns.force, flag="--audit-log")
     return [ns.audit_sink]
+
+
+#: The flags that name a file a command writes (argparse dest → spellings), and those naming one it reads.
+OUTPUT_FILE_FLAGS: dict[str, tuple[str, ...]] = {
+    "audit_log": ("--audit-log", "--audit_log"),
+    "chart": ("--chart",),
+    "kv_events_file": ("--kv-events-file", "--kv_events_file"),
+}
+INPUT_FILE_FLAGS: dict[str, tuple[str, ...]] = {
+    "config": ("--config", "--extra_llm_api_options", "--extra-llm-api-options"),
+    "chat_template": ("--chat-template", "--chat_template"),
+}
+
+
+def _same_file(a: str, b: str) -> bool:
+    import os
+
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:  # two names of one file (a hard link)
+        return os.path.samefile(a, b)
+    except (OSError, ValueError):  # one does not exist yet (or cannot be read: its own check says so)
+        return False
+
+
+def check_distinct_files(ns: argparse.Namespace, argv: Sequence[str]) -> None:
+    """``ConfigError`` when one file is named by two flags of which one writes it: ``--chart X --audit-log X`` drew
+    the chart, then refused the audit as "appeared while the run was going" (exit 2, with the result on stdout and
+    the chart left behind); ``--audit-log`` on the ``--config`` file (with ``--force``) replaced the config with the
+    log; ``serve``'s ``--kv-events-file`` and ``--audit-log`` on one file wrote both streams into it."""
+    import os
+
+    outputs = [(dest, getattr(ns, dest, None)) for dest in OUTPUT_FILE_FLAGS]
+    inputs = [(dest, getattr(ns, dest, None)) for dest in INPUT_FILE_FLAGS]
+    outputs = [(d, v) for d, v in outputs if isinstance(v, str) and v]
+    inputs = [(d, v) for d, v in inputs if isinstance(v, str) and v and os.path.isfile(v)]  # a template text is none
+
+    def flag(dest: str) -> str:
+        return typed_spelling({**OUTPUT_FILE_FLAGS, **INPUT_FILE_FLAGS}[dest], argv)
+
+    for i, (dest, path) in enumerate(outputs):
+        for other, other_path in outputs[i + 1:]:
+            if _same_file(path, other_path):
+                raise ConfigError(f"{flag(other)} {other_path}: is also the {flag(dest)} file; give each "
+                                  "output a file of its own")
+        for other, other_path in inputs:
+            if _same_file(path, other_path):
+                raise ConfigError(f"{flag(dest)} {path}: is the {flag(other)} file this command reads; "
+                                  "give the output a file of its own")
 
 
 def prints(result: Any) -> bool:
@@ -1235,7 +1288,9 @@ def _main(ns: argparse.Namespace, argv: Sequence[str] | None, said: list[bool]) 
     ns.held_log = held  # a command that runs on after its set-up (serve) lets the warnings through then
     ns.effective_log_level = level  # what serve's uvicorn logs at: kvload's level, not uvicorn's own default (info)
     ok = False
+    stdout, sys.stdout = sys.stdout, ResultStream(sys.stdout, _unwritten(ns))
     try:
+        check_distinct_files(ns, sys.argv[1:] if argv is None else argv)
         code = _run(ns)
         ok = code == 0
         return code
@@ -1271,8 +1326,55 @@ def _main(ns: argparse.Namespace, argv: Sequence[str] | None, said: list[bool]) 
             print(f"error: {type(exc).__name__}: {detail} (run with --debug for the traceback)", file=sys.stderr)
         return 1
     finally:
+        sys.stdout = stdout
         if held is not None:
             held.release(ok)
+
+
+class ResultStream:
+    """``sys.stdout`` while a command runs: a write or flush the OS refuses (a full disk, a closed descriptor, an I/O
+    error) becomes one ``OutputError`` naming stdout (exit 1), where it was ``OSError: [Errno 28] ...`` or, with
+    stdout closed at start (``kvload plan ... >&-``: Python's ``sys.stdout`` is None), an ``AttributeError``. A
+    closed pipe stays ``BrokenPipeError``, which ``_main`` reports as exit 141."""
+
+    def __init__(self, stream: Any, unwritten: str) -> None:
+        self._stream = stream
+        self._unwritten = unwritten  # what the error line adds: the --audit-log not written
+
+    def _failed(self, exc: OSError | None) -> OutputError:
+        if exc is None:
+            return OutputError(f"stdout is closed, so the result cannot be written (redirect it to a file or "
+                               f"/dev/null instead of closing it){self._unwritten}")
+        _drop_stdout()  # what the buffer still holds would fail again in the interpreter's last flush (exit 120)
+        reason = exc.strerror or type(exc).__name__
+        return OutputError(f"stdout: cannot write the result ({reason}){self._unwritten}")
+
+    def write(self, text: str) -> int:
+        """The stream's ``write``; an OS failure (not a closed pipe) as one ``OutputError``."""
+        if self._stream is None:
+            raise self._failed(None)
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise self._failed(exc) from exc
+
+    def flush(self) -> None:
+        """The stream's ``flush``; an OS failure (not a closed pipe) as one ``OutputError``."""
+        if self._stream is None:
+            return
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise self._failed(exc) from exc
+
+    def __getattr__(self, name: str) -> Any:
+        if self._stream is None:
+            raise self._failed(None)
+        return getattr(self._stream, name)
 
 
 def _run(ns: argparse.Namespace) -> int:

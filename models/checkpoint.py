@@ -26,7 +26,7 @@ from typing import Any
 
 import attrs
 
-from models.config_check import check_fields
+from models.config_check import check_fields, token_ids_problem
 from models.user_paths import expand_user
 from pipeline.errors import ModelError, cannot_read, first_line
 from pipeline.limits import MAX_DEPTH, nesting_depth, short, unique_keys
@@ -98,6 +98,14 @@ def _looks_like_path(name: str) -> bool:
     return "/" in name or name.startswith((".", "~")) or Path(name).suffix in (".json", ".gguf")
 
 
+def _holds_checkpoint(path: Path) -> bool:
+    """Whether a directory holds a config.json or a .gguf file (what :func:`_directory_checkpoint` looks for)."""
+    try:
+        return os.path.lexists(path / "config.json") or any(path.glob("*.gguf"))
+    except OSError:
+        return True  # unreadable: let _directory_checkpoint name the problem
+
+
 def _directory_checkpoint(name: str, path: Path) -> Checkpoint:
     # a config.json that is a directory, FIFO or dangling link is still the one meant: read_config_json names it
     try:
@@ -138,15 +146,22 @@ def resolve_checkpoint(name: str) -> Checkpoint:
     """Map a model argument to a preset, a packaged model, or a local checkpoint; ``ModelError`` otherwise."""
     path = expand_user(name)
     try:  # Path.exists/is_file raise PermissionError on Python 3.11 (a directory the user cannot search)
-        exists, is_file = path.exists(), path.is_file()
+        exists, is_file, is_dir = path.exists(), path.is_file(), path.is_dir()
     except OSError as exc:  # a directory the user cannot search, a name too long, ...
         raise ModelError(f"model {name!r}: {cannot_read(exc)}") from None
+    if exists and (name in presets() or name in PACKAGED) and not _looks_like_path(name) \
+            and not (is_dir and _holds_checkpoint(path)):
+        exists = False  # a stray file or folder named like a preset in the working directory (a log, an output
+        # folder) made `kvload plan tiny-llama` fail with "is a file"; a real checkpoint there still wins
     if exists:
         if is_file:
             if path.suffix == ".gguf":
                 return Checkpoint(name, "directory", path.parent.resolve(), gguf_file=path.name)
             raise ModelError(f"model {name!r}: is a file; give the checkpoint directory that holds config.json "
                              "(or a .gguf file)")
+        if not is_dir:  # was "cannot read NAME/config.json (Not a directory)"
+            raise ModelError(f"model {name!r}: not a regular file or directory (a FIFO or device?); give the "
+                             "checkpoint directory that holds config.json (or a .gguf file)")
         return _directory_checkpoint(name, path)
     if name in presets():
         return Checkpoint(name, "preset", PRESETS_DIR / name)
@@ -271,25 +286,27 @@ def read_config_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def read_generation_config(path: Path) -> dict[str, Any] | None:
+def read_generation_config(path: Path, vocab_size: Any = None) -> dict[str, Any] | None:
     """A checkpoint directory's ``generation_config.json`` (None when it has none), checked as kvload reads it.
 
     transformers skips a malformed one with a log line only, and drops an ``eos_token_id`` of the wrong type;
-    either way generation would stop at other tokens than the checkpoint means, with no error.
+    either way generation would stop at other tokens than the checkpoint means, with no error. Its ids must be in
+    the vocabulary (``[0, vocab_size)``, the model's ``vocab_size`` when known).
     """
     file = path / "generation_config.json"
     if not os.path.lexists(file):
         return None
     data = read_json_object(file, "a generation config")
-    eos = data.get("eos_token_id")
-    if eos is not None and not (_is_token_id(eos) or (isinstance(eos, list) and all(map(_is_token_id, eos)))):
-        raise ModelError(f"{file}: eos_token_id: expected an integer token id, a list of them, or null; "
-                         f"got {short(eos)}")
+    problem = token_ids_problem(data.get("eos_token_id"), vocab_size)
+    if problem:
+        raise ModelError(f"{file}: eos_token_id: {problem}")
     return data
 
 
-def _is_token_id(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)  # transformers types it int | list[int]
+def _vocab_size(raw: dict[str, Any]) -> Any:
+    """The vocabulary size config.json states (a multimodal config's in its ``text_config``), or None."""
+    inner = raw.get("text_config")
+    return raw.get("vocab_size", inner.get("vocab_size") if isinstance(inner, dict) else None)
 
 
 #: The largest config.json read (real ones are a few KB; a tokenizer's vocabulary does not live there).
@@ -304,7 +321,7 @@ def load_hf_config(checkpoint: Checkpoint) -> Any:
         return _load_gguf_config(checkpoint)
     raw = read_config_json(checkpoint.path)
     if checkpoint.kind != "preset":  # presets are configs only; a GGUF's generation settings live in the file
-        read_generation_config(checkpoint.path)
+        read_generation_config(checkpoint.path, _vocab_size(raw))
     if checkpoint.kind == "preset":
         from models.config_view import ConfigView
 

@@ -27,6 +27,11 @@ INT_FIELDS: dict[str, tuple[int, int, bool]] = {
     "sliding_window": (1, 2**32, True),
     "kv_lora_rank": (1, 1_048_576, True),
     "qk_rope_head_dim": (1, 65_536, True),
+    # MLA's other head sizes and its query compression: transformers built a negative one into the model and the load
+    # failed as "Trying to create tensor with negative dimension -4: [64, -4]", naming no field
+    "qk_nope_head_dim": (0, 65_536, True),
+    "v_head_dim": (1, 65_536, True),
+    "q_lora_rank": (1, 1_048_576, True),
     "index_head_dim": (0, 65_536, True),
     "max_position_embeddings": (1, 2**32, True),
     "vocab_size": (1, 2**24, True),
@@ -80,6 +85,24 @@ def _int_problem(value: Any, least: int, most: int, nullable: bool) -> str | Non
     return None
 
 
+def token_ids_problem(value: Any, vocab_size: Any) -> str | None:
+    """What is wrong with an ``eos_token_id`` (an integer token id, a list of them, or null), or None. An id outside
+    the vocabulary (``vocab_size`` when the file states it) is refused: transformers only logs that it "may result in
+    unexpected behavior"; generation then never stopped at EOS, and under ``min_tokens`` a negative id, indexing from
+    the end, kept a real token from being drawn in its place."""
+    if value is None:
+        return None
+    ids = value if isinstance(value, list) else [value]
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        return f"expected an integer token id, a list of them, or null; got {short(value)}"
+    vocab = vocab_size if isinstance(vocab_size, int) and not isinstance(vocab_size, bool) else None
+    bad = next((t for t in ids if t < 0 or (vocab is not None and t >= vocab)), None)
+    if bad is None:
+        return None
+    accepted = f"an integer in [0, {vocab - 1:,}] (vocab_size {vocab:,})" if vocab is not None else "an integer >= 0"
+    return f"token id {short(bad)} is not in the vocabulary; accepted: {accepted}, a list of them, or null"
+
+
 def head_groups_problem(cfg: Mapping[str, Any], prefix: str = "") -> str | None:
     """Why the query heads cannot be split evenly over the KV heads (grouped-query attention), or None.
 
@@ -125,6 +148,11 @@ def check_fields(data: Mapping[str, Any], file: Path, prefix: str = "") -> None:
     problem = head_groups_problem(data, prefix)
     if problem:
         raise ModelError(f"{file}: {problem}")
+    inner = data.get("text_config") if not prefix else None  # a multimodal config states the decoder's vocabulary there
+    vocab = data.get("vocab_size", inner.get("vocab_size") if isinstance(inner, Mapping) else None)
+    problem = token_ids_problem(data.get("eos_token_id"), vocab)
+    if problem:
+        fail("eos_token_id", problem)
     rates = data.get("compress_rates")
     if rates is not None:
         if not isinstance(rates, Mapping):

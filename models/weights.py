@@ -23,6 +23,7 @@ import attrs
 
 from models.checkpoint import Checkpoint, read_config_json, read_json_object
 from pipeline.errors import KvRuntimeError, ModelError, cannot_read, first_line
+from pipeline.limits import short
 
 #: Model dtypes transformers can load weights in (float8 is a KV cache dtype only).
 WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
@@ -360,10 +361,17 @@ def load_tokenizer(path: Path) -> Any:
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
     if (path / "tokenizer_config.json").is_file():  # read as config.json is: transformers calls .get on what it holds,
-        read_json_object(path / "tokenizer_config.json", "a tokenizer config")  # so a list was an AttributeError
+        # so a list was an AttributeError
+        config = read_json_object(path / "tokenizer_config.json", "a tokenizer config")
+        name = config.get("tokenizer_class")
+        if name is not None and not isinstance(name, str):  # transformers called name.removesuffix: AttributeError
+            raise ModelError(f"{path / 'tokenizer_config.json'}: tokenizer_class: expected a tokenizer class name "
+                             f"such as 'PreTrainedTokenizerFast', or null; got {short(name)}")
+    if os.path.lexists(path / "special_tokens_map.json"):  # transformers calls .items() on it: a list was too
+        read_json_object(path / "special_tokens_map.json", "a special tokens map")
     try:
         return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False, local_files_only=True)
-    except (ValueError, KeyError, TypeError, OSError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, OSError) as exc:  # a shape transformers did not expect
         raise ModelError(f"{path}: transformers cannot load the tokenizer: {first_line(exc)}") from exc
 
 

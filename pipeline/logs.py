@@ -28,9 +28,7 @@ class HeldStream:
     def write(self, text: str) -> int:
         """Hold ``text`` (or write it at once, after :meth:`pass_through`)."""
         if self._through:
-            target = self._target or sys.stderr
-            target.write(text)
-            target.flush()
+            self._emit(text)
         else:
             self._held.append(text)
         return len(text)
@@ -47,10 +45,18 @@ class HeldStream:
     def release(self, ok: bool) -> None:
         """Write what was held (``ok``) or drop it."""
         if ok and self._held:
-            target = self._target or sys.stderr
-            target.write("".join(self._held))
-            target.flush()
+            self._emit("".join(self._held))
         self._held.clear()
+
+    def _emit(self, text: str) -> None:
+        # a stderr that cannot take the lines (a full disk, closed) has nowhere to say so either: the warnings are
+        # lost, not the run; the OSError made a run that had succeeded (its --audit-log published) exit 1
+        target = self._target or sys.stderr
+        if target is None:  # started with stderr closed (`2>&-`): Python's sys.stderr is None
+            return
+        with contextlib.suppress(OSError, ValueError):
+            target.write(text)
+            target.flush()
 
 
 def configure_logging(fmt: str = "console", level: str = "info", stream: TextIO | None = None) -> None:

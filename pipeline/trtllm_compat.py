@@ -21,7 +21,7 @@ from typing import Any
 from pipeline.config import KvCacheConfig, LlmArgs, public_fields
 from pipeline.errors import ConfigError
 from pipeline.limits import short
-from pipeline.vllm_compat import refused_key, vllm_knob
+from pipeline.vllm_compat import refused_key, vllm_knob, write_as
 
 _ENGINE = "a TensorRT-LLM option kvload does not act on"
 
@@ -139,9 +139,30 @@ def split_ignored(tree: Mapping[str, Any], python: bool = False) -> tuple[dict[s
             vllm = refused_key(key, value, python) if isinstance(key, str) and key not in own else None
             if vllm is not None:
                 raise ConfigError(f"{key}: {vllm}", path=key, detail=vllm)
+            placed = misplaced_key(key, value, python) if isinstance(key, str) and key not in own else None
+            if placed is not None:
+                raise ConfigError(f"{key}: {placed}", path=key, detail="unknown key")
             _near_miss("", key, own, IGNORED_LLM_ARGS)
             kept[key] = value
     return kept, ignored
+
+
+#: The command line's names (trtllm-serve's flags) for fields whose key is spelled otherwise.
+FLAG_NAMES: dict[str, str] = {
+    "tp_size": "tensor_parallel_size",
+    "kv_cache_free_gpu_memory_fraction": "kv_cache_config.free_gpu_memory_fraction",
+}
+
+
+def misplaced_key(key: str, value: Any, python: bool) -> str | None:
+    """Where a top-level key that is not an ``LlmArgs`` field belongs, when it is a ``KvCacheConfig`` field
+    (``max_tokens``: difflib offered ``max_num_tokens``, another setting) or a command-line flag's name (``tp_size``:
+    it offered ``max_batch_size``); None for any other key."""
+    if key in FLAG_NAMES:
+        return f"the command line's name for {FLAG_NAMES[key]}; {write_as(FLAG_NAMES[key], value, python)}"
+    if key in _known(KvCacheConfig):
+        return f"a kv_cache_config field, not a top-level one; {write_as('kv_cache_config.' + key, value, python)}"
+    return None
 
 
 def _near_miss(prefix: str, key: Any, own: set[str], ignored: Mapping[str, str]) -> None:

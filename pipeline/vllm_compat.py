@@ -103,10 +103,16 @@ def refused_key(name: str, value: Any, python: bool) -> str | None:
     path = SAME_MEANING.get(name)
     if path is None:
         return different_meaning(name, lambda p: p)
+    return f"vLLM's name for {path}; {write_as(path, value, python)}"
+
+
+def write_as(path: str, value: Any, python: bool) -> str:
+    """``pass kv_cache_config={'max_tokens': 5}`` (``python``: a keyword argument) or ``write kv_cache_config:
+    {max_tokens: 5}`` (a YAML key): how to give ``value`` to the dotted field ``path``."""
     *parents, leaf = path.split(".")
     if python:  # Python's True/False; any other value cut short as errors quote values
         shown = repr(value) if isinstance(value, bool) else short(value)
         given = f"{leaf}={shown}" if not parents else f"{parents[0]}={{{leaf!r}: {shown}}}"
-        return f"vLLM's name for {path}; pass {given}"
+        return f"pass {given}"
     given = f"{leaf}: {describe(value)}" if not parents else f"{parents[0]}: {{{leaf}: {describe(value)}}}"
-    return f"vLLM's name for {path}; write {given}"
+    return f"write {given}"

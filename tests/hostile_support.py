@@ -143,6 +143,11 @@ def config_mutations(base: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]
         "text_config.num_attention_heads"
     for value in ("yes", 1):
         yield f"use_sliding_window={json.dumps(value)}", {**base, "use_sliding_window": value}, "use_sliding_window"
+    # transformers only logs an EOS outside the vocabulary: generation never stopped at it, and under min_tokens a
+    # negative id (indexing from the end) kept a real token from being drawn
+    for value in (-1, base["vocab_size"], 2**40, [2, -5], "2", 2.0, [True]):
+        yield f"eos_token_id={json.dumps(value)}", {**base, "eos_token_id": value}, "eos_token_id"
+    yield "text_config.eos_token_id", {**base, "text_config": {**base, "eos_token_id": -1}}, "text_config.eos_token_id"
     # transformers only logs that a RoPE factor must be >= 1, then builds the model: positions scaled by -2, text out
     for value in (-2, 0, 0.5, "4", True, [2]):
         rope = {"rope_type": "linear", "factor": value}

@@ -37,6 +37,33 @@ def test_an_unreadable_gguf_file_is_one_clear_line(tmp_path):
         pipeline.plan(str(tmp_path), log=False)
 
 
+@pytest.mark.parametrize("stray", ["file", "empty folder"])
+def test_a_stray_entry_named_like_a_preset_does_not_shadow_it(tmp_path, monkeypatch, stray):
+    """A log file or an output folder called ``tiny-llama`` in the working directory made ``kvload plan tiny-llama``
+    fail ("is a file", "directory has no config.json"); a checkpoint directory of that name is still taken."""
+    monkeypatch.chdir(tmp_path)
+    if stray == "file":
+        (tmp_path / "tiny-llama").write_text("a log\n")
+    else:
+        (tmp_path / "tiny-llama").mkdir()
+    assert resolve_checkpoint("tiny-llama").kind == "preset"
+
+
+def test_a_checkpoint_directory_named_like_a_preset_is_still_taken(checkpoint_dir, monkeypatch):
+    ckpt = checkpoint_dir(name="tiny-llama")
+    monkeypatch.chdir(ckpt.parent)
+    assert resolve_checkpoint("tiny-llama").kind == "directory"
+
+
+@pytest.mark.parametrize("model", ["/dev/null", "fifo.gguf"])
+def test_a_model_that_is_a_fifo_or_device_is_named_as_one(tmp_path, monkeypatch, model):
+    """It was "cannot read /dev/null/config.json (Not a directory)"."""
+    monkeypatch.chdir(tmp_path)
+    os.mkfifo(tmp_path / "fifo.gguf")
+    with pytest.raises(ModelError, match=rf"^model '{model}': not a regular file or directory \(a FIFO or device\?\)"):
+        resolve_checkpoint(model)
+
+
 def test_missing_package_names_it_and_how_to_install_it(monkeypatch):
     def missing(name):
         raise importlib.metadata.PackageNotFoundError(name)

@@ -163,6 +163,15 @@ def test_a_flag_given_twice_is_refused_naming_both_spellings(capsys, argv, named
     assert r.err.startswith(f"error: {named}: given more than once"), r.err
 
 
+@pytest.mark.parametrize(("flag", "value"), [("--json", "true"), ("--disable-kv-cache-reuse", "1"), ("--force", "")])
+def test_a_switch_given_a_value_says_it_takes_none(capsys, flag, value):
+    """argparse's line was "--json: ignored explicit argument 'true'", which says neither what is wrong nor what is
+    accepted (and the value was not ignored: the run stopped)."""
+    r = run_cli(capsys, "plan", "tiny-llama", f"{flag}={value}")
+    assert r.code == 2 and r.one_error_line
+    assert r.err == f"error: {flag}: a switch, it takes no value (got {value!r}); give {flag} alone\n"
+
+
 def test_repeatable_flags_and_switches_still_repeat(capsys):
     r = run_cli(capsys, "generate", "tiny-llama", "--prompt-ids", "1,2", "--prompt-ids", "3", "--stop_token_ids", "5",
                 "--max_new_tokens", "2", "--ignore_eos", "--ignore_eos", "--json", "--json")

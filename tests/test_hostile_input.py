@@ -91,6 +91,16 @@ def test_every_config_json_mutation_is_refused_naming_file_and_field(capsys, tmp
             raise AssertionError(f"case {case}: {exc}") from None
 
 
+@pytest.mark.parametrize(("field", "value"), [("v_head_dim", -1), ("qk_nope_head_dim", -1), ("q_lora_rank", -3),
+                                            ("v_head_dim", "16")])
+def test_mla_head_sizes_are_checked_before_transformers_builds_them(capsys, tmp_path, out, field, value):
+    """DeepSeek's MLA sizes: a negative one failed the load as "Trying to create tensor with negative dimension -4:
+    [64, -4]", naming no field (the mutator covers them too, from INT_FIELDS)."""
+    ckpt = write_config(tmp_path / "ckpt", {**BASE, field: value})
+    assert_refused(_plan(capsys, ckpt, audit=out / "a.jsonl"), f"{ckpt}/config.json: {field}: expected an integer in",
+                   folder=out)
+
+
 @pytest.mark.parametrize(("name", "text", "needle"), [
     ("nesting", '{"model_type": "llama", "x": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
     ("nesting-64", '{"model_type": "llama", "x": ' + "[" * 64 + "]" * 64 + "}", "nested deeper than 32"),
@@ -141,6 +151,10 @@ def test_a_config_json_that_is_no_file_is_named_not_missing(capsys, tmp_path, ou
     ('{"eos_token_id": [2, true]}', "generation_config.json: eos_token_id:"),
     ('{"eos_token_id": 2.0}', "generation_config.json: eos_token_id:"),
     ('{"eos_token_id": 2, "eos_token_id": 3}', "generation_config.json: key 'eos_token_id' appears twice"),
+    # an id outside the vocabulary (BASE's vocab_size is 128) was taken: EOS never came, or banned a real token
+    ('{"eos_token_id": -1}', "generation_config.json: eos_token_id: token id -1 is not in the vocabulary; accepted: "
+                             "an integer in [0, 127] (vocab_size 128), a list of them, or null"),
+    ('{"eos_token_id": [2, 128]}', "generation_config.json: eos_token_id: token id 128 is not in the vocabulary"),
     ('{"temperature": NaN}', "generation_config.json: temperature: NaN is not standard JSON"),
 ])
 def test_a_bad_generation_config_json_is_refused_naming_it(capsys, tmp_path, out, text, needle):
@@ -471,6 +485,18 @@ def test_huge_tokens_per_block_is_named_not_max_tokens(capsys, out):
                 "--audit-log", out / "a.jsonl")
     assert_refused(r, "tokens_per_block", folder=out)
     assert "max_tokens" not in r.err
+
+
+@pytest.mark.parametrize(("flags", "field"), [
+    (["--max_tokens", str(2**63 - 1)], "lower kv_cache_config.max_tokens"),
+    (["--max_seq_len", str(2**63 - 1)], "lower max_seq_len"),  # the default budget: 16 such sequences
+])
+def test_a_compare_budget_past_int64_names_what_set_it_not_max_gpu_total_bytes(capsys, out, flags, field):
+    """--compare hands both managers the routed budget as max_gpu_total_bytes: past 2**63 - 1 the line was
+    "--max_gpu_total_bytes: expected an integer >= 0 and at most 2**63 - 1", a flag nobody typed."""
+    r = run_cli(capsys, "plan", "tiny-llama", "--compare", *flags, "--audit-log", out / "a.jsonl")
+    assert_refused(r, "--compare plans both managers at one budget in bytes", field, folder=out)
+    assert "max_gpu_total_bytes" not in r.err
 
 
 def test_huge_max_new_tokens_is_capped_by_max_seq_len_not_refused(capsys, out):
@@ -890,6 +916,36 @@ def test_an_existing_audit_log_is_kept_unless_force(capsys, tmp_path):
     assert r.code == 0 and verify_log(AuditLog.from_jsonl(log))["ok"]
 
 
+def test_two_outputs_on_one_file_are_refused_before_any_work(capsys, tmp_path, out):
+    """``--chart X --audit-log X``: the chart was drawn, then the audit refused as "appeared while the run was going":
+    exit 2 with the result on stdout and the chart left behind."""
+    same = out / "same.png"
+    r = run_cli(capsys, "plan", "tiny-llama", "--compare", "--chart", same, "--audit_log", same)
+    assert_refused(r, f"--chart {same}: is also the --audit_log file; give each output a file of its own", folder=out)
+
+
+def test_an_audit_log_on_the_config_file_it_reads_is_refused_even_with_force(capsys, tmp_path):
+    """With ``--force`` the audit log replaced the ``--config`` file the run had read (a hard link too)."""
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("max_batch_size: 4\n")
+    (tmp_path / "link.yaml").hardlink_to(cfg)
+    for log in (cfg, tmp_path / "link.yaml"):
+        r = _plan(capsys, "tiny-llama", "--extra_llm_api_options", cfg, "--force", audit=log)
+        assert_refused(r, f"--audit-log {log}: is the --extra_llm_api_options file this command reads")
+    assert cfg.read_text() == "max_batch_size: 4\n"
+
+
+def test_serve_refuses_its_audit_log_and_kv_events_file_on_one_file(tmp_path):
+    """Both streams went into the one file (refused before the server starts, so checked here without one)."""
+    from kvload.cli import build_parser, check_distinct_files
+    from pipeline.errors import ConfigError
+
+    same = str(tmp_path / "e.jsonl")
+    argv = ["serve", "tiny-llama", "--audit-log", same, "--kv-events-file", same, "--event_buffer_max_size", "8"]
+    with pytest.raises(ConfigError, match=f"^--kv-events-file {same}: is also the --audit-log file"):
+        check_distinct_files(build_parser().parse_args(argv), argv)
+
+
 @pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
 def test_audit_log_follows_the_umask(capsys, tmp_path, umask, mode):
     log = tmp_path / "a.jsonl"
@@ -1050,6 +1106,58 @@ def test_a_reader_gone_before_the_output_is_written_gets_exit_141_and_no_audit(t
     assert (r.returncode, r.stderr) == (141, "error: the output was closed before it was all written (broken pipe); "
                                              "the --audit-log file was not written\n")
     assert list(out.iterdir()) == []
+
+
+def _stdout_closed() -> None:  # runs in the child before exec: `kvload ... >&-`
+    os.close(1)
+
+
+@pytest.mark.parametrize(("stdout", "argv", "line"), [
+    ("full", ["plan", "tiny-llama"],
+     "error: stdout: cannot write the result (No space left on device); the --audit-log file was not written"),
+    ("closed", ["generate", "tiny-llama", "--prompt-ids", "1,2", "--max_new_tokens", "2"],
+     "error: stdout is closed, so the result cannot be written (redirect it to a file or /dev/null instead of closing "
+     "it); the --audit-log file was not written"),
+], ids=["plan-full-disk", "generate-closed"])
+def test_a_result_stdout_cannot_take_is_one_line_naming_stdout(tmp_path, stdout, argv, line):
+    """``kvload plan ... > /dev/full`` (a full disk) said ``OSError: [Errno 28] No space left on device``, naming no
+    output; with stdout closed (``>&-``) it was ``AttributeError: 'NoneType' object has no attribute 'write'``. The
+    result was not delivered: exit 1, one line naming stdout, and the --audit-log is not published."""
+    if stdout == "full" and not Path("/dev/full").exists():
+        pytest.skip("no /dev/full on this system")
+    out = tmp_path / "out"
+    out.mkdir()
+    with contextlib.ExitStack() as stack:
+        sink = stack.enter_context(open("/dev/full", "w")) if stdout == "full" else None
+        r = subprocess.run([sys.executable, "-m", "kvload", *argv, "--audit-log", out / "a.jsonl"], stdout=sink,
+                           stderr=subprocess.PIPE, text=True, cwd=tmp_path, timeout=120,
+                           env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+                           preexec_fn=_stdout_closed if stdout == "closed" else None)
+    assert (r.returncode, r.stderr) == (1, line + "\n"), r.stderr[-2000:]
+    assert list(out.iterdir()) == []
+
+
+def _stderr_closed() -> None:  # runs in the child before exec: `kvload ... 2>&-`
+    os.close(2)
+
+
+@pytest.mark.parametrize("stderr", ["full", "closed"])
+def test_warnings_stderr_cannot_take_do_not_fail_a_run_that_succeeded(tmp_path, stderr):
+    """A run that succeeded (result on stdout, --audit-log published) exited 1 when its held warnings could not be
+    written at the end (``2>/dev/full``, ``2>&-``), with no line to say why; streamed (``--debug``) it exited 0. The
+    warnings are lost, not the run."""
+    if stderr == "full" and not Path("/dev/full").exists():
+        pytest.skip("no /dev/full on this system")
+    log = tmp_path / "a.jsonl"
+    with contextlib.ExitStack() as stack:
+        sink = stack.enter_context(open("/dev/full", "w")) if stderr == "full" else None
+        # V1 has no host tier: a setting_ignored warning is held until the run's outcome is known
+        r = subprocess.run([sys.executable, "-m", "kvload", "plan", "tiny-llama", "--host_cache_size", "1GiB",
+                            "--audit-log", log], stdout=subprocess.PIPE, stderr=sink, text=True, cwd=tmp_path,
+                           timeout=120, env={**ENV, "PYTHONPATH": str(REPO)},
+                           preexec_fn=_stderr_closed if stderr == "closed" else None)
+    assert r.returncode == 0 and r.stdout.startswith("model  tiny-llama")
+    assert verify_log(AuditLog.from_jsonl(log))["ok"]
 
 
 @pytest.mark.parametrize("argv", [

@@ -3,6 +3,8 @@ and the same verdict on a value whichever source (CLI, YAML, Python) gave it."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -93,6 +95,30 @@ def test_truly_unknown_keys_still_fail_with_a_suggestion(capsys, tmp_path, yaml_
     r = run_cli(capsys, "plan", "tiny-llama", "--config", cfg)
     assert r.code == 2 and r.one_error_line, r.err
     assert needle in r.err and str(cfg) in r.err
+
+
+@pytest.mark.parametrize(("yaml_text", "needle"), [
+    # difflib offered max_num_tokens (another setting: tokens per step, not the cache's size)
+    ("max_tokens: 4096\n", "max_tokens: a kv_cache_config field, not a top-level one; write kv_cache_config: "
+                           "{max_tokens: 4096}"),
+    ("tokens_per_block: 64\n", "write kv_cache_config: {tokens_per_block: 64}"),
+    # the flags' names: difflib offered max_batch_size for tp_size
+    ("tp_size: 2\n", "tp_size: the command line's name for tensor_parallel_size; write tensor_parallel_size: 2"),
+    ("kv_cache_free_gpu_memory_fraction: 0.5\n",
+     "write kv_cache_config: {free_gpu_memory_fraction: 0.5}"),
+])
+def test_a_key_at_the_wrong_level_or_in_the_flags_spelling_says_where_it_goes(capsys, tmp_path, yaml_text, needle):
+    cfg = tmp_path / "extra.yaml"
+    cfg.write_text(yaml_text)
+    r = run_cli(capsys, "plan", "tiny-llama", "--config", cfg)
+    assert r.code == 2 and r.one_error_line, r.err
+    assert needle in r.err and str(cfg) in r.err
+
+
+def test_a_python_keyword_at_the_wrong_level_says_where_it_goes():
+    with pytest.raises(ConfigError, match=re.escape("max_tokens: a kv_cache_config field, not a top-level one; pass "
+                                                    "kv_cache_config={'max_tokens': 4096}")):
+        plan("tiny-llama", max_tokens=4096, log=False)
 
 
 def test_python_overrides_get_the_same_treatment():

@@ -239,6 +239,25 @@ def test_a_tokenizer_config_json_that_is_no_object_is_one_line_naming_it(tmp_pat
     assert_refused(r, f"{ckpt / 'tokenizer_config.json'}: {words}")
 
 
+@pytest.mark.parametrize(("files", "needle"), [
+    # transformers called .removesuffix on the class name: "load_weights: AttributeError: 'int' object has no ..."
+    ({"tokenizer_config.json": '{"tokenizer_class": 5}'},
+     "tokenizer_config.json: tokenizer_class: expected a tokenizer class name such as 'PreTrainedTokenizerFast', or "
+     "null; got 5"),
+    # and .items() on the map: "load_weights: AttributeError: 'list' object has no attribute 'items'"
+    ({"tokenizer_config.json": "{}", "special_tokens_map.json": "[1]"},
+     "special_tokens_map.json: expected a JSON object, got list"),
+], ids=["tokenizer_class", "special_tokens_map"])
+def test_a_tokenizer_file_of_the_wrong_shape_is_one_line_naming_it(tmp_path, files, needle):
+    from tests.hostile_support import assert_refused, limited_kvload
+
+    ckpt = _llama_checkpoint(tmp_path / "ckpt")
+    for name, text in files.items():
+        (ckpt / name).write_text(text)
+    r = limited_kvload("generate", ckpt, "--prompt-ids", "1,2,3", "--max_new_tokens", "2", "--max_tokens", "1024")
+    assert_refused(r, f"{ckpt}/{needle}")
+
+
 @pytest.mark.parametrize("field", ["rope_scaling", "rope_parameters"])
 def test_a_rope_type_transformers_lacks_names_the_field_and_the_accepted_ones(tmp_path, field):
     """transformers logs that it cannot validate the type, then fails on its table of RoPE types: the line was
