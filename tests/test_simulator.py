@@ -113,6 +113,20 @@ def test_multi_turn_reuses_each_previous_turn_rounded_down_to_whole_blocks():
         assert r.metrics.hit_rate < r.metrics.ideal_hit_rate
 
 
+def test_under_pressure_v2_admits_a_conversations_next_turn_while_its_history_is_cached():
+    # 16 conversations of two turns (640-token first prompts) in room for about nine sequences: in arrival order
+    # every second turn queues behind the others' first turns, which evict its history (V1 reuses nothing); V2's
+    # cache-aware admission lets it in first
+    report = simulate("tiny-llama", "multi-turn", compare=True, kv_cache_config={"max_tokens": 6144}, requests=32,
+                      params={"turns": 2, "first_len": 640, "user_len": 32, "answer_len": 32}, **CPU)
+    v1, v2 = report.results["KVCacheManager"].metrics, report.results["KVCacheManagerV2"].metrics
+    assert v1.reused_tokens == 0
+    assert v2.hit_rate > 0.8 * v2.ideal_hit_rate
+    assert v2.admission_delay_mean < v1.admission_delay_mean
+    for r in report.results.values():
+        accounted(r.metrics, report.workload)
+
+
 @pytest.mark.parametrize("v2", [False, True])
 def test_reuse_disabled_hits_nothing(v2):
     report = simulate("tiny-llama", "shared-prefix", kv_cache_config={
