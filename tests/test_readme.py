@@ -204,6 +204,7 @@ def test_where_things_are_names_modules_that_exist():
 NOT_KVLOAD_FLAGS = {
     "--nproc-per-node": "torchrun's",
     "--no-deps": "pip's",
+    "--index-url": "pip's",
     "--gpu-memory-utilization": "vLLM's, refused (Coming from vLLM)",
     "--swap-space": "vLLM's, refused (Coming from vLLM)",
     "--max_tok": "an abbreviation, shown refused",
