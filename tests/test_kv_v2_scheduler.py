@@ -399,7 +399,7 @@ def test_fcfs_admits_a_follow_up_whose_prefix_is_cached_before_an_earlier_fresh_
     assert list(waiting) == [fresh] and running == [follow]
 
 
-def test_requests_that_waited_lpm_age_admission_rounds_go_in_arrival_order(monkeypatch):
+def test_requests_that_waited_lpm_age_steps_go_in_arrival_order(monkeypatch):
     import cache_backends.v2.scheduler as scheduler
 
     monkeypatch.setattr(scheduler, "LPM_AGE", 0)  # every request counts as waited long enough at once

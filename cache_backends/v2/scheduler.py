@@ -21,7 +21,7 @@ One :meth:`~KVCacheV2Scheduler.step`:
    running request and is first come first served but **cache-aware**: of the first ``LPM_WINDOW`` waiting
    requests, those with the longest cached prefix of at least ``LPM_MIN_HIT`` tokens (looked up once, when each
    joins the queue) go first, ties in arrival order (SGLang's default longest-prefix-match policy), and a request
-   that has waited ``LPM_AGE`` admission rounds is overtaken no more. Why: under pressure, strict arrival order
+   that has waited ``LPM_AGE`` scheduler steps is overtaken no more. Why: under pressure, strict arrival order
    admits a conversation's next turn only after everyone queued before it, whose prompts evict the turn's cached
    history first: on ``multi-turn`` at a quarter of the budget V1 and V2 reused 0% of prompt tokens
    (BENCHMARKS.md, "Cache-aware admission"). Under ``"priority"`` suspended and waiting requests form one queue,
@@ -96,7 +96,7 @@ _HINT = attrgetter("cached_hint")
 
 #: Cache-aware admission under "fcfs" (module docstring): how many waiting requests at the queue's front are ranked
 #: by their cached prefix (SGLang ranks by longest prefix match only while its queue holds at most 128), after how
-#: many admission rounds in the queue a request goes first regardless, and the shortest cached prefix (tokens) that
+#: many scheduler steps in the queue a request goes first regardless, and the shortest cached prefix (tokens) that
 #: lets a request go ahead. Why a floor: overtaking lets a conversation run its turns back to back, so those that
 #: start late run theirs at the end with the batch half empty; a hit must save a prefill worth that. Without it, 32
 #: three-turn conversations of 96 + 16-token turns and 32-token answers at 2,048 tokens of KV took 1.09x V1's steps and
@@ -144,7 +144,7 @@ class KVCacheV2Scheduler(SchedulerBase):
         self.new_token_ratio = init_ratio  # share of running requests' remaining growth admission keeps room for
         self._refused: Request | None = None  # the request the headroom estimate last refused (admission's head)
         self._longest = 0  # the longest running sequence this step, in tokens, admissions included (held_back)
-        self._steps = 0  # admission rounds so far: the clock of cache-aware admission's aging
+        self._steps = 0  # steps so far: the clock of cache-aware admission's aging
 
     def step(self, waiting: deque[Request], running: list[Request]) -> SchedulerOutput:
         """Decide this iteration: move requests between ``waiting`` and ``running``, allocate, report."""
