@@ -1137,6 +1137,26 @@ def test_a_result_stdout_cannot_take_is_one_line_naming_stdout(tmp_path, stdout,
     assert list(out.iterdir()) == []
 
 
+@pytest.mark.parametrize(("stdout", "argv", "line"), [
+    ("full", ["--help"], "error: stdout: cannot write the help (No space left on device)"),
+    ("full", ["plan", "--help"], "error: stdout: cannot write the help (No space left on device)"),
+    ("full", ["--version"], "error: stdout: cannot write the version (No space left on device)"),
+    ("closed", ["--help"], "error: stdout is closed, so the help cannot be written (redirect it to a file or "
+                           "/dev/null instead of closing it)"),
+], ids=["help-full", "plan-help-full", "version-full", "help-closed"])
+def test_help_or_version_stdout_cannot_take_is_one_line_naming_stdout(tmp_path, stdout, argv, line):
+    """argparse drops a failed write of the help or the version and exits 0: ``kvload --help > /dev/full`` was a
+    success that printed nothing. As for a result: one line naming stdout, exit 1."""
+    if stdout == "full" and not Path("/dev/full").exists():
+        pytest.skip("no /dev/full on this system")
+    with contextlib.ExitStack() as stack:
+        sink = stack.enter_context(open("/dev/full", "w")) if stdout == "full" else None
+        r = subprocess.run([sys.executable, "-m", "kvload", *argv], stdout=sink, stderr=subprocess.PIPE, text=True,
+                           cwd=tmp_path, timeout=120, env={**ENV, "PYTHONPATH": str(REPO)},
+                           preexec_fn=_stdout_closed if stdout == "closed" else None)
+    assert (r.returncode, r.stderr) == (1, line + "\n"), r.stderr[-2000:]
+
+
 def _stderr_closed() -> None:  # runs in the child before exec: `kvload ... 2>&-`
     os.close(2)
 
@@ -1327,3 +1347,4 @@ def test_a_failing_simulate_leaves_no_audit_file(capsys, out):
     r = run_cli(capsys, "simulate", "tiny-llama", "--workload", "long-context", "--max_seq_len", "1024",
                 "--audit-log", out / "a.jsonl")
     assert_refused(r, "max_seq_len", folder=out)
+
