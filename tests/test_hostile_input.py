@@ -1348,3 +1348,12 @@ def test_a_failing_simulate_leaves_no_audit_file(capsys, out):
                 "--audit-log", out / "a.jsonl")
     assert_refused(r, "max_seq_len", folder=out)
 
+
+def test_serve_quotes_the_host_it_cannot_resolve():
+    """``--host ""`` read ``--host : cannot resolve it``: the empty value vanished from the line."""
+    from kvload.serve.server import bind
+    from pipeline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^--host '': cannot resolve it \("):
+        bind("", 0)
+
