@@ -1357,3 +1357,22 @@ def test_serve_quotes_the_host_it_cannot_resolve():
     with pytest.raises(ConfigError, match=r"^--host '': cannot resolve it \("):
         bind("", 0)
 
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_a_bad_shard_among_several_is_named_not_only_the_checkpoint(capsys, tmp_path, out, damage):
+    """safetensors' "Error while deserializing header" names no file, and the line named the checkpoint folder:
+    with nine shards, which one to fetch again was left to guess."""
+    from models.checkpoint import load_hf_config, resolve_checkpoint
+    from models.weights import random_model
+
+    ckpt = tmp_path / "ckpt"
+    cfg = load_hf_config(resolve_checkpoint("tiny-llama"))
+    random_model(cfg, device="cpu", dtype="float32").save_pretrained(ckpt, max_shard_size="100KB")
+    shards = sorted(ckpt.glob("*.safetensors"))
+    assert len(shards) > 2
+    bad = shards[1]
+    bad.write_bytes(bad.read_bytes()[:100] if damage == "truncated" else b"garbage")
+    r = run_cli(capsys, "generate", ckpt, "--prompt-ids", "1,2", "--max_new_tokens", "1", "--audit-log",
+                out / "a.jsonl")
+    assert_refused(r, f"error: {bad}: transformers cannot load the weights: Error while deserializing header: ",
+                   folder=out)
