@@ -231,6 +231,13 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         """Print ``error: <flag>: <what>`` on one line; no usage dump."""
+        required = ""
+        if message.startswith("the following arguments are required: "):
+            # argparse checks the required arguments before it reports the unknown ones: `plan -tiny-llama` said
+            # MODEL is missing, never naming the option it did not know (where MODEL went)
+            unknown = self._unknown_options()
+            if unknown:
+                required, message = message, f"unrecognized arguments: {' '.join(unknown)}"
         if message.startswith("argument "):
             head, _, rest = message[len("argument "):].partition(": ")
             name = typed_spelling(head.split('/'), getattr(self, '_argv', []))
@@ -241,8 +248,43 @@ class OneLineParser(argparse.ArgumentParser):
         elif message.startswith("unrecognized arguments: "):
             unknown = message.split(": ", 1)[1].split()[0]
             vllm = _vllm_difference(unknown)
-            message = vllm if vllm is not None else message + self._suggestion(unknown)
+            model = _dashed_model(unknown) if "MODEL" in required else None
+            if model is not None:
+                message += f"; did you mean the model {model}? (MODEL takes no leading dash)"
+            else:
+                message = vllm if vllm is not None else message + self._suggestion(unknown)
+                message += f" (and {required})" if required else ""
         self.exit(2, f"error: {message}\n")
+
+    def _unknown_options(self) -> list[str]:
+        """The arguments argparse took for options this parser does not have (secrets hidden), as it classes them."""
+        argv = getattr(self, "_argv", [])
+        end = argv.index("--") if "--" in argv else len(argv)
+        unknown = []
+        for arg in argv[:end]:
+            found = self._parse_optional(arg)
+            if isinstance(found, list):  # Python 3.12+: a list of interpretations
+                found = found[0] if len(found) == 1 else None
+            if found is not None and found[0] is None:
+                unknown.append(arg)
+        return hide_secrets(argv, unknown, self._options())
+
+    def _print_message(self, message: str, file: Any = None) -> None:
+        """argparse's, but help or a version stdout cannot take (``--help > /dev/full``, ``>&-``) is one line naming
+        stdout and exit 1, as a result is; argparse dropped the error and exited 0."""
+        if not message or file is not sys.stdout or file is sys.stderr:  # stderr (usage errors); both closed: None
+            super()._print_message(message, file)
+            return
+        what = "the help" if message.startswith("usage:") else "the version"
+        stream = ResultStream(file, "", what)
+        try:
+            stream.write(message)
+            stream.flush()  # block-buffered (a file, /dev/full): the write failed only here
+        except OutputError as exc:
+            self.exit(1, f"error: {exc}\n")
+        except BrokenPipeError:  # a reader already gone: as a result's (exit 141), not a failure at interpreter exit
+            _drop_stdout()
+            self.exit(141, "error: the output was closed before it was all written (broken pipe)\n")
 
     def _suggestion(self, unknown: str) -> str:
         """``; did you mean --x?`` for a mistyped option, from this parser's and its subcommands' options."""
@@ -266,7 +308,8 @@ class OneLineParser(argparse.ArgumentParser):
         options: set[str] = set()
         for action in self._actions:
             options.update(action.option_strings)
-            for sub in (getattr(action, "choices", None) or {}).values():
+            choices = getattr(action, "choices", None)
+            for sub in choices.values() if isinstance(choices, dict) else ():  # a flag's choices may be a tuple
                 if isinstance(sub, argparse.ArgumentParser):
                     options.update(o for a in sub._actions for o in a.option_strings)
         return options
@@ -335,6 +378,19 @@ def _vllm_difference(unknown: str) -> str | None:
     name = unknown.split("=", 1)[0]
     why = different_meaning(_norm(name).lstrip("_"), FLAG_FOR_PATH.__getitem__) if name.startswith("--") else None
     return f"{name}: {why}" if why is not None else None
+
+
+def _dashed_model(unknown: str) -> str | None:
+    """``tiny-llama`` for ``-tiny-llama`` (``--tiny-llama``): an unknown option that is a model name with a stray
+    dash (a preset, a packaged model, a path that exists); None otherwise."""
+    import os
+
+    from models.checkpoint import packaged_models, presets
+
+    name = unknown.lstrip("-")
+    if not name or "=" in unknown:
+        return None
+    return name if name in presets() or name in packaged_models() or os.path.exists(name) else None
 
 
 def typed_spelling(spellings: Sequence[str], argv: Sequence[str]) -> str:
@@ -1337,17 +1393,18 @@ class ResultStream:
     stdout closed at start (``kvload plan ... >&-``: Python's ``sys.stdout`` is None), an ``AttributeError``. A
     closed pipe stays ``BrokenPipeError``, which ``_main`` reports as exit 141."""
 
-    def __init__(self, stream: Any, unwritten: str) -> None:
+    def __init__(self, stream: Any, unwritten: str, what: str = "the result") -> None:
         self._stream = stream
         self._unwritten = unwritten  # what the error line adds: the --audit-log not written
+        self._what = what  # what was to be written: the result, the help, the version
 
     def _failed(self, exc: OSError | None) -> OutputError:
         if exc is None:
-            return OutputError(f"stdout is closed, so the result cannot be written (redirect it to a file or "
+            return OutputError(f"stdout is closed, so {self._what} cannot be written (redirect it to a file or "
                                f"/dev/null instead of closing it){self._unwritten}")
         _drop_stdout()  # what the buffer still holds would fail again in the interpreter's last flush (exit 120)
         reason = exc.strerror or type(exc).__name__
-        return OutputError(f"stdout: cannot write the result ({reason}){self._unwritten}")
+        return OutputError(f"stdout: cannot write {self._what} ({reason}){self._unwritten}")
 
     def write(self, text: str) -> int:
         """The stream's ``write``; an OS failure (not a closed pipe) as one ``OutputError``."""

@@ -195,6 +195,9 @@ def pretrained_model(path: Path, *, device: str, dtype: str, tp_size: int = 1) -
         unreadable = _unreadable_weight_file(path)
         if unreadable is not None:  # safetensors reports a file it may not open as "No such file or directory"
             raise ModelError(f"{unreadable}: cannot read the weights (permission denied)") from exc
+        corrupt = _corrupt_safetensors(path)
+        if corrupt is not None:  # safetensors' "Error while deserializing header" names no file: one of many shards
+            raise ModelError(f"{corrupt[0]}: transformers cannot load the weights: {corrupt[1]}") from exc
         raise _activation_error(path, exc) or _load_error(f"{path}: transformers cannot load the weights",
                                                           exc) from exc
     try:
@@ -288,6 +291,20 @@ def _unreadable_weight_file(path: Path) -> Path | None:
             return file
         except OSError:
             continue
+    return None
+
+
+def _corrupt_safetensors(path: Path) -> tuple[Path, str] | None:
+    """The first ``.safetensors`` file in ``path`` whose header does not parse (truncated, garbage), with
+    safetensors' reason; None when every header parses (asked after a failed load only)."""
+    from safetensors import safe_open
+
+    for file in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                f.keys()
+        except Exception as exc:  # SafetensorError, OSError: whatever stops the header being read
+            return file, first_line(exc)
     return None
 
 

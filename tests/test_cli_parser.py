@@ -163,6 +163,23 @@ def test_a_flag_given_twice_is_refused_naming_both_spellings(capsys, argv, named
     assert r.err.startswith(f"error: {named}: given more than once"), r.err
 
 
+@pytest.mark.parametrize(("argv", "line"), [
+    (("plan", "-tiny-llama"),
+     "unrecognized arguments: -tiny-llama; did you mean the model tiny-llama? (MODEL takes no leading dash)"),
+    (("serve", "--smollm2-135m"),  # serve's own MODEL check (MODEL may come after --api-key) says it the same way
+     "unrecognized arguments: --smollm2-135m; did you mean the model smollm2-135m? (MODEL takes no leading dash)"),
+    (("plan", "-frob"), "unrecognized arguments: -frob (and the following arguments are required: MODEL)"),
+    (("plan", "--max-tokns", "5"),  # 5 was taken for MODEL: argparse's own line, with its suggestion
+     "unrecognized arguments: --max-tokns; did you mean --max-tokens?"),
+    (("--frob",), "unrecognized arguments: --frob (and the following arguments are required: COMMAND)"),
+], ids=["dashed-preset", "serve-dashed-packaged", "unknown-and-no-model", "unknown-with-model", "no-command"])
+def test_an_unknown_option_is_named_even_when_model_is_missing(capsys, argv, line):
+    """argparse checks required arguments first: ``plan -tiny-llama`` said "the following arguments are required:
+    MODEL", never naming the option it did not know, which was where MODEL had gone (a stray dash)."""
+    r = run_cli(capsys, *argv)
+    assert (r.code, r.err) == (2, f"error: {line}\n")
+
+
 @pytest.mark.parametrize(("flag", "value"), [("--json", "true"), ("--disable-kv-cache-reuse", "1"), ("--force", "")])
 def test_a_switch_given_a_value_says_it_takes_none(capsys, flag, value):
     """argparse's line was "--json: ignored explicit argument 'true'", which says neither what is wrong nor what is

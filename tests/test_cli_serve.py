@@ -402,7 +402,8 @@ def test_a_fifo_or_device_as_chat_template_is_refused_before_it_is_opened(tmp_pa
     for path in (fifo, "/dev/null"):
         r = kvload("serve", "tiny-llama", "--port", "0", "--chat-template", path)
         assert r.code == 2 and r.one_error_line, r.err[-2000:]
-        assert r.err == f"error: --chat-template {path}: not a regular file (a FIFO or device?); give a template file\n"
+        assert r.err == f"error: --chat-template '{path}': not a regular file (a FIFO or device?); give a template " \
+                        "file\n"
 
 
 @pytest.mark.parametrize("template", [
@@ -426,7 +427,7 @@ def test_a_chat_template_file_is_read_and_checked(tmp_path):
     assert chat_template_text(str(good)) == good.read_text(encoding="utf-8")
     bad = tmp_path / "b.jinja"
     bad.write_bytes(b"{{ \xff }}")
-    with pytest.raises(ConfigError, match=r"^--chat-template .*b\.jinja: not UTF-8 text$"):
+    with pytest.raises(ConfigError, match=r"^--chat-template '.*b\.jinja': not UTF-8 text$"):
         chat_template_text(str(bad))
 
 

@@ -1137,6 +1137,26 @@ def test_a_result_stdout_cannot_take_is_one_line_naming_stdout(tmp_path, stdout,
     assert list(out.iterdir()) == []
 
 
+@pytest.mark.parametrize(("stdout", "argv", "line"), [
+    ("full", ["--help"], "error: stdout: cannot write the help (No space left on device)"),
+    ("full", ["plan", "--help"], "error: stdout: cannot write the help (No space left on device)"),
+    ("full", ["--version"], "error: stdout: cannot write the version (No space left on device)"),
+    ("closed", ["--help"], "error: stdout is closed, so the help cannot be written (redirect it to a file or "
+                           "/dev/null instead of closing it)"),
+], ids=["help-full", "plan-help-full", "version-full", "help-closed"])
+def test_help_or_version_stdout_cannot_take_is_one_line_naming_stdout(tmp_path, stdout, argv, line):
+    """argparse drops a failed write of the help or the version and exits 0: ``kvload --help > /dev/full`` was a
+    success that printed nothing. As for a result: one line naming stdout, exit 1."""
+    if stdout == "full" and not Path("/dev/full").exists():
+        pytest.skip("no /dev/full on this system")
+    with contextlib.ExitStack() as stack:
+        sink = stack.enter_context(open("/dev/full", "w")) if stdout == "full" else None
+        r = subprocess.run([sys.executable, "-m", "kvload", *argv], stdout=sink, stderr=subprocess.PIPE, text=True,
+                           cwd=tmp_path, timeout=120, env={**ENV, "PYTHONPATH": str(REPO)},
+                           preexec_fn=_stdout_closed if stdout == "closed" else None)
+    assert (r.returncode, r.stderr) == (1, line + "\n"), r.stderr[-2000:]
+
+
 def _stderr_closed() -> None:  # runs in the child before exec: `kvload ... 2>&-`
     os.close(2)
 
@@ -1327,3 +1347,32 @@ def test_a_failing_simulate_leaves_no_audit_file(capsys, out):
     r = run_cli(capsys, "simulate", "tiny-llama", "--workload", "long-context", "--max_seq_len", "1024",
                 "--audit-log", out / "a.jsonl")
     assert_refused(r, "max_seq_len", folder=out)
+
+
+def test_serve_quotes_the_host_it_cannot_resolve():
+    """``--host ""`` read ``--host : cannot resolve it``: the empty value vanished from the line."""
+    from kvload.serve.server import bind
+    from pipeline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^--host '': cannot resolve it \("):
+        bind("", 0)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_a_bad_shard_among_several_is_named_not_only_the_checkpoint(capsys, tmp_path, out, damage):
+    """safetensors' "Error while deserializing header" names no file, and the line named the checkpoint folder:
+    with nine shards, which one to fetch again was left to guess."""
+    from models.checkpoint import load_hf_config, resolve_checkpoint
+    from models.weights import random_model
+
+    ckpt = tmp_path / "ckpt"
+    cfg = load_hf_config(resolve_checkpoint("tiny-llama"))
+    random_model(cfg, device="cpu", dtype="float32").save_pretrained(ckpt, max_shard_size="100KB")
+    shards = sorted(ckpt.glob("*.safetensors"))
+    assert len(shards) > 2
+    bad = shards[1]
+    bad.write_bytes(bad.read_bytes()[:100] if damage == "truncated" else b"garbage")
+    r = run_cli(capsys, "generate", ckpt, "--prompt-ids", "1,2", "--max_new_tokens", "1", "--audit-log",
+                out / "a.jsonl")
+    assert_refused(r, f"error: {bad}: transformers cannot load the weights: Error while deserializing header: ",
+                   folder=out)

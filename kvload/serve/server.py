@@ -40,7 +40,7 @@ from kvload.serve.protocol import BadRequest, default_max_request_bytes
 from kvload.serve.responses_store import ResponseStore
 from pipeline.errors import ConfigError, KvloadError
 from pipeline.events import ApiKeyRequired, AutoToolChoiceEnabled, KvEventsFileFailed, ReasoningParserEnabled
-from pipeline.limits import MAX_INT, short
+from pipeline.limits import MAX_INT, short, short_text
 
 
 def build_state(result: Any, *, model_name: str | None = None, default_max_tokens: int | None = None,
@@ -160,26 +160,27 @@ def chat_template_text(value: str, flag: str = "--chat-template") -> str:
 
     if "{{" in value or "{%" in value:  # the template itself, not a path
         return check_chat_template(flag, value)
+    named = f"{flag} {short_text(value, 200)}"  # quoted: a path with spaces, or an empty one, reads as one value
     try:
         mode = os.stat(value).st_mode
         if stat.S_ISDIR(mode):
-            raise ConfigError(f"{flag} {value}: is a directory; give a template file (or the template itself)")
+            raise ConfigError(f"{named}: is a directory; give a template file (or the template itself)")
         if not stat.S_ISREG(mode):
-            raise ConfigError(f"{flag} {value}: not a regular file (a FIFO or device?); give a template file")
+            raise ConfigError(f"{named}: not a regular file (a FIFO or device?); give a template file")
         with open(value, "rb") as f:
             raw = f.read(MAX_CHAT_TEMPLATE_BYTES + 1)  # at most that: the file may grow after the stat
         if len(raw) > MAX_CHAT_TEMPLATE_BYTES:
-            raise ConfigError(f"{flag} {value}: larger than {MAX_CHAT_TEMPLATE_BYTES:,} bytes; a chat template is a "
+            raise ConfigError(f"{named}: larger than {MAX_CHAT_TEMPLATE_BYTES:,} bytes; a chat template is a "
                               "few KiB")
         text = raw.decode("utf-8")
     except FileNotFoundError:
-        raise ConfigError(f"{flag}: {value!r} is neither a file nor a Jinja template (one holds {{{{ or {{%)") \
-            from None
+        raise ConfigError(f"{flag}: {short_text(value, 200)} is neither a file nor a Jinja template (one holds "
+                          "{{ or {%)") from None
     except UnicodeDecodeError:
-        raise ConfigError(f"{flag} {value}: not UTF-8 text") from None
+        raise ConfigError(f"{named}: not UTF-8 text") from None
     except OSError as exc:
-        raise ConfigError(f"{flag} {value}: cannot read ({exc.strerror or type(exc).__name__})") from None
-    return check_chat_template(f"{flag} {value}", text)
+        raise ConfigError(f"{named}: cannot read ({exc.strerror or type(exc).__name__})") from None
+    return check_chat_template(named, text)
 
 
 def check_chat_template(where: str, text: Any) -> str:
@@ -211,7 +212,8 @@ def mirror_kv_events(state: ServeState, path: str, flag: str = "--kv-events-file
     try:
         mirror = KvEventMirror(path, flag, on_failure=failed)
     except OSError as exc:
-        raise ConfigError(f"{flag} {path}: cannot open it for writing ({exc.strerror or exc})") from None
+        raise ConfigError(f"{flag} {short_text(path, 200)}: cannot open it for writing ({exc.strerror or exc})") \
+            from None
     buffer.mirror = mirror
     return mirror
 
@@ -221,7 +223,7 @@ def bind(host: str, port: int) -> socket.socket:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
-        raise ConfigError(f"--host {host}: cannot resolve it ({exc.strerror})") from None
+        raise ConfigError(f"--host {short_text(host)}: cannot resolve it ({exc.strerror})") from None
     family, kind, proto, _, addr = infos[0]
     sock = socket.socket(family, kind, proto)
     try:
