@@ -10,7 +10,10 @@ the same beam is a fork of it at its committed length (``Driver.branch``: whole 
 the partial last block copied); a beam no candidate extends is freed at once. At the end every hypothesis —
 finished or still running at ``max_tokens`` — is scored ``cumulative_logprob / generated_tokens **
 length_penalty`` and the best ``beam_width`` are returned, best first. With ``ignore_eos`` this is transformers'
-``generate(num_beams=...)`` run without an EOS token.
+``generate(num_beams=...)`` run without an EOS token. Each hypothesis carries per token the log-probability entry of
+the step that chose it (the chosen token and the ``logprobs`` most likely, default the ``2 * beam_width`` ranked, as
+vLLM's ``BeamSearchSequence.logprobs``); their sum is its cumulative log-probability. A beam keeps its entries as a
+chain shared with the beams it forked from, so a fork copies none of them.
 
 Room: prompts start while their beams fit the batch (``max_batch_size``). A fork the scheduler cannot admit now
 (no room in the batch or the pools) waits as a request of its own, admitted later with what the prefix cache
@@ -38,12 +41,13 @@ from cache_backends.interface import SchedulerOutput
 from cache_backends.request import Request
 from engine.driver import MAX_IDLE_STEPS, Driver, StalledError, StepStats
 from engine.outputs import GenerationStats
-from engine.sampling import sample_rows, top_logprobs
+from engine.sampling import Logprob, TokenLogprobs, sample_rows, top_logprobs
 from engine.sampling_params import (
     DEFAULT_MAX_TOKENS,
     SamplingParams,
     _plain_int,
     check,
+    check_logprobs,
     check_salt,
     is_finite,
     is_int,
@@ -66,17 +70,20 @@ if TYPE_CHECKING:
 
 @attrs.frozen(init=False)
 class BeamSearchParams:
-    """vLLM's ``BeamSearchParams``: ``beam_width`` beams, up to ``max_tokens`` new tokens each, greedy."""
+    """vLLM's ``BeamSearchParams``: ``beam_width`` beams, up to ``max_tokens`` new tokens each, greedy; kvload's
+    ``logprobs``: the most likely tokens each token's logprob entry holds besides itself (None: the ``2 *
+    beam_width`` a step ranks, vLLM's)."""
 
     beam_width: int
     max_tokens: int = DEFAULT_MAX_TOKENS
     ignore_eos: bool = False
     length_penalty: float = 1.0
+    logprobs: int | None = None
 
     def __init__(self, *, beam_width: int, max_tokens: int = DEFAULT_MAX_TOKENS, ignore_eos: bool = False,
-                 length_penalty: float = 1.0, temperature: float = 0.0) -> None:
+                 length_penalty: float = 1.0, temperature: float = 0.0, logprobs: int | None = None) -> None:
         """Keywords only; ``temperature`` is taken for vLLM's signature and must be 0 (beam search is greedy)."""
-        beam_width, max_tokens = _plain_int(beam_width), _plain_int(max_tokens)
+        beam_width, max_tokens, logprobs = _plain_int(beam_width), _plain_int(max_tokens), _plain_int(logprobs)
         check(is_int(beam_width) and 1 <= beam_width <= MAX_N, "beam_width", f"an integer in [1, {MAX_N}]",
               beam_width)
         check(is_int(max_tokens) and max_tokens >= 1, "max_tokens", "an integer >= 1", max_tokens)
@@ -85,18 +92,25 @@ class BeamSearchParams:
               length_penalty)
         check(is_number(temperature) and temperature == 0, "temperature",
               "0 (beam search keeps the most likely beams; sample with generate instead)", temperature)
-        self.__attrs_init__(beam_width, max_tokens, ignore_eos, float(length_penalty))
+        check_logprobs(logprobs)
+        self.__attrs_init__(beam_width, max_tokens, ignore_eos, float(length_penalty), logprobs)
 
 
 @attrs.frozen
 class BeamSequence:
-    """One finished hypothesis: its generated ids, their summed log-probability and its length-penalised score."""
+    """One finished hypothesis: its generated ids, their summed log-probability and its length-penalised score.
+
+    ``logprobs[t]`` is generated token ``t``'s entry, shaped as ``CompletionOutput.logprobs``': the ``logprobs`` most
+    likely ids at that step and the chosen one -> log-probability (``engine.sampling.TokenLogprobs``, its ``rank``
+    the chosen token's); the chosen ones sum to ``cumulative_logprob``.
+    """
 
     token_ids: tuple[int, ...]
     cumulative_logprob: float
     score: float
     finish_reason: str  # "stop": it ended with EOS; "length": it reached max_tokens
     text: str | None = None
+    logprobs: list[dict[int, float]] | None = None
 
 
 @attrs.frozen
@@ -129,12 +143,28 @@ class _Beam:
     request: Request
     cum: float = 0.0  # the beam's summed log-probability
     top: Any = None  # its next token's 2 x beam_width most likely ids -> log-probability, once computed
+    row: Any = None  # with top: the step's most likely ids (as many as its entries keep, at least top's) -> (lp, rank)
+    trail: _Trail | None = None  # its tokens' logprob entries, last first, shared with the beams it forked from
     parked: bool = False  # it let go of its KV (its request ended): a beam extending it is a request of its own
 
     @property
     def tokens(self) -> tuple[int, ...]:
         """The beam's generated tokens."""
         return tuple(self.request.output_token_ids)
+
+
+#: a beam's logprob entries as a chain: (the entries before, the last token's entry); None for no token
+_Trail = tuple[Any, TokenLogprobs]
+
+
+def _entries(trail: _Trail | None) -> list[dict[int, float]]:
+    """A chain's entries, first token first."""
+    out: list[dict[int, float]] = []
+    while trail is not None:
+        trail, entry = trail
+        out.append(entry)
+    out.reverse()
+    return out
 
 
 @attrs.define(eq=False)
@@ -146,9 +176,9 @@ class _Prompt:
     ids: list[int]
     room: int  # tokens a beam may generate (max_tokens, cut by max_seq_len)
     live: list[_Beam]
-    done: list[tuple[tuple[int, ...], float, str]] = attrs.Factory(list)
+    done: list[tuple[tuple[int, ...], float, str, _Trail]] = attrs.Factory(list)
     chosen: int = 0  # tokens each live beam has
-    final: list[tuple[tuple[int, ...], float]] | None = None  # None while it runs
+    final: list[tuple[tuple[int, ...], float, _Trail]] | None = None  # None while it runs
 
 
 class _Search:
@@ -161,6 +191,9 @@ class _Search:
         self.k = params.beam_width
         self.eos = frozenset() if params.ignore_eos else frozenset(executor.eos_token_ids)
         self.step = SamplingParams._beam_step(2 * self.k)  # the top 2k extend the beams even when an end takes k
+        #: the most likely tokens each logprob entry keeps, and how many a step computes (the 2k ranked at least)
+        self.alts = 2 * self.k if params.logprobs is None else params.logprobs
+        self.width = max(2 * self.k, self.alts)
         self.salt = salt
         self.call = executor._calls
         executor._calls += 1
@@ -287,63 +320,75 @@ class _Search:
         x = self.executor
         logits, rows, _, _ = x.forward(out, self.beams)
         if rows:
-            entries = top_logprobs(logits, 2 * self.k, sample_rows(logits, self.step, [None] * len(rows)))
-            tops = {out.scheduled[i].request.req_id: {int(t): float(lp) for t, lp in e.items()}
+            entries = top_logprobs(logits, self.width, sample_rows(logits, self.step, [None] * len(rows)))
+            tops = {out.scheduled[i].request.req_id: [(int(t), float(lp), lp.rank) for t, lp in e.items()]
                     for i, e in zip(rows, entries, strict=True)}
             if x.lockstep is not None:  # rank 0's: every rank ranks, forks and frees the same beams
                 tops = x.lockstep.ranks.broadcast(tops)
-            for req_id, entry in tops.items():
-                self.beams[req_id].top = entry
+            for req_id, row in tops.items():
+                beam = self.beams[req_id]
+                # the ranked ones are the 2k most likely alone, whatever more the entries keep
+                ranked = row if self.width == 2 * self.k else row[:2 * self.k]
+                beam.top = {t: lp for t, lp, _ in ranked}
+                beam.row = {t: (lp, rank) for t, lp, rank in row}
         return {}
+
+    def _entry(self, beam: _Beam, token: int) -> TokenLogprobs:
+        """The logprob entry of ``token`` chosen after ``beam``: the step's ``alts`` most likely and the token."""
+        entry = {t: Logprob(lp, rank) for t, (lp, rank) in itertools.islice(beam.row.items(), self.alts)}
+        lp, rank = beam.row[token]
+        entry.setdefault(token, Logprob(lp, rank))
+        return TokenLogprobs(entry, rank)
 
     def _rank(self, p: _Prompt) -> None:
         """Every live beam of ``p`` has its next token's top 2k: keep the best ``beam_width`` (module doc)."""
         k = self.k
         cands = [(b.cum + lp, j, tok) for j, b in enumerate(p.live) for tok, lp in b.top.items()]
         cands.sort(key=lambda c: -c[0])  # stable: equal scores keep the beams' order, then the tokens'
-        nxt: list[tuple[int, int, float]] = []  # (beam, token, cumulative log-probability)
+        nxt: list[tuple[int, int, float, _Trail]] = []  # (beam, token, cumulative log-probability, entries)
         for rank, (cum, j, tok) in enumerate(cands):
             if tok in self.eos:
                 if rank < k:  # an ending as likely as the kept beams is a hypothesis of its own
-                    p.done.append(((*p.live[j].tokens, tok), cum, "stop"))
+                    beam = p.live[j]
+                    p.done.append(((*beam.tokens, tok), cum, "stop", (beam.trail, self._entry(beam, tok))))
                 continue
-            nxt.append((j, tok, cum))
+            nxt.append((j, tok, cum, (p.live[j].trail, self._entry(p.live[j], tok))))
             if len(nxt) == k:
                 break
         p.chosen += 1
         self.generated += len(nxt)
         ended = bool(self.eos) and len(p.done) >= k
         if ended or not nxt or p.chosen >= p.room:
-            p.final = [] if ended else [((*p.live[j].tokens, tok), cum) for j, tok, cum in nxt]
+            p.final = [] if ended else [((*p.live[j].tokens, tok), cum, trail) for j, tok, cum, trail in nxt]
             for beam in p.live:
                 self._release(beam, "length" if p.chosen >= p.room and not ended else "stop")
             p.live = []
             return
         p.live = self._extend(p, nxt)
 
-    def _extend(self, p: _Prompt, nxt: list[tuple[int, int, float]]) -> list[_Beam]:
+    def _extend(self, p: _Prompt, nxt: list[tuple[int, int, float, _Trail]]) -> list[_Beam]:
         """The next live beams: a beam's first candidate takes its request on, each further one forks it at its
         committed length, and a beam no candidate extends is freed first (its blocks and batch place go to the
         forks)."""
         first: dict[int, int] = {}
-        for n, (j, _, _) in enumerate(nxt):
+        for n, (j, *_) in enumerate(nxt):
             first.setdefault(j, n)
         for j, beam in enumerate(p.live):
             if j not in first:
                 self._release(beam, "pruned")
         beams: list[_Beam | None] = [None] * len(nxt)
-        for n, (j, tok, cum) in enumerate(nxt):  # forks before any parent's own token is appended
+        for n, (j, tok, cum, trail) in enumerate(nxt):  # forks before any parent's own token is appended
             parent = p.live[j]
             if first[j] == n and not parent.parked:
                 continue
             beam = beams[n] = self._new_beam(p.index, p.ids, p.room, (*parent.tokens, tok))
-            beam.cum = cum
+            beam.cum, beam.trail = cum, trail
             self.driver.branch(parent.request, beam.request)
-        for n, (j, tok, cum) in enumerate(nxt):
+        for n, (j, tok, cum, trail) in enumerate(nxt):
             if beams[n] is None:
                 beam = beams[n] = p.live[j]
                 beam.request.output_token_ids.append(tok)
-                beam.cum, beam.top = cum, None
+                beam.cum, beam.trail, beam.top, beam.row = cum, trail, None, None
         return [b for b in beams if b is not None]
 
     def _release(self, beam: _Beam, reason: str) -> None:
@@ -381,11 +426,11 @@ class _Search:
 
     def _output(self, p: _Prompt) -> BeamSearchOutput:
         """The prompt's best ``beam_width`` hypotheses by length-penalised score, best first."""
-        hyps = p.done + [(tokens, cum, "length") for tokens, cum in p.final or []]
-        scored = sorted(((cum / max(1, len(tokens)) ** self.params.length_penalty, tokens, cum, why)
-                         for tokens, cum, why in hyps), key=lambda h: -h[0])[:self.k]
-        sequences = tuple(BeamSequence(tokens, cum, score, why, _decode(self.executor, tokens))
-                          for score, tokens, cum, why in scored)
+        hyps = p.done + [(tokens, cum, "length", trail) for tokens, cum, trail in p.final or []]
+        scored = sorted(((cum / max(1, len(tokens)) ** self.params.length_penalty, tokens, cum, why, trail)
+                         for tokens, cum, why, trail in hyps), key=lambda h: -h[0])[:self.k]
+        sequences = tuple(BeamSequence(tokens, cum, score, why, _decode(self.executor, tokens), _entries(trail))
+                          for score, tokens, cum, why, trail in scored)
         return BeamSearchOutput(p.text, tuple(p.ids), sequences)
 
 

@@ -835,8 +835,12 @@ class ServingEngine:
                                        job.queued_at, job.scheduled_at, (now,) * len(tokens))
                 with contextlib.suppress(Exception):
                     self.observer.on_finished(done)
+            # with logprobs asked, each token's as a plain request's: its entry from the step that chose it
+            k = job.params.logprobs
+            lps = tuple(_token_logprobs(t, entry, k) for t, entry in zip(tokens, seq.logprobs or (), strict=True)) \
+                if seq is not None and k is not None else ()
             event = ServeEvent(req_id, tokens, tokens, finish_reason=why, error=error if seq is None else None,
-                               prompt_tokens=len(job.ids), reused_prompt_tokens=reused)
+                               prompt_tokens=len(job.ids), reused_prompt_tokens=reused, logprobs=lps)
             with contextlib.suppress(Exception):  # a broken sink is its client's problem, not the loop's
                 sink(event)
 
@@ -961,9 +965,7 @@ class ServingEngine:
     @staticmethod
     def _keep_logprobs(live: _Live, token: int, top: dict[int, float]) -> None:
         """One generated token's log-probability and the request's top ``logprobs`` alternatives."""
-        n = live.logprobs or 0
-        alts = dict(sorted(top.items(), key=lambda kv: -kv[1])[:n])
-        live.token_logprobs.append((top[token], alts))
+        live.token_logprobs.append(_token_logprobs(token, top, live.logprobs or 0))
 
     def _propose(self, request: Request, running: int) -> list[int]:
         """The driver's propose hook: a live request's drafts, greedy or sampled (the proposer says while how many
@@ -1076,6 +1078,11 @@ class ServingEngine:
     def _send(live: _Live, event: ServeEvent) -> None:
         with contextlib.suppress(Exception):  # a broken sink is its client's problem, not the loop's
             live.sink(event)
+
+
+def _token_logprobs(token: int, entry: dict[int, float], k: int) -> tuple[float, dict[int, float]]:
+    """A generated token's log-probability and its entry's ``k`` most likely tokens (``ServeEvent.logprobs``)."""
+    return entry[token], dict(sorted(entry.items(), key=lambda kv: -kv[1])[:k])
 
 
 def _no_sink(event: ServeEvent) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import kvload
 import pipeline
@@ -170,3 +171,38 @@ def test_a_width_past_ten_still_gets_its_2k_alternatives_a_step(tiny_checkpoints
         p = prompts_for(result.hf_model.config.vocab_size, lengths=(6,))[0]
         (out,) = result.executor.beam_search([p], BeamSearchParams(beam_width=11, max_tokens=2, ignore_eos=True))
         assert [s.token_ids for s in out.sequences] == hf_beams(result.hf_model, p, 11, 2)
+
+
+def test_each_sequence_carries_its_tokens_logprobs_summing_to_its_cumulative_logprob(tiny_checkpoints):
+    """Per generated token, the entry of the step that chose it (vLLM's ``BeamSearchSequence.logprobs``): the chosen
+    token's log-probability is the model's log-softmax there (transformers' forward over the sequence), the entry
+    holds the ``logprobs`` most likely besides it, and the chosen ones sum to ``cumulative_logprob``."""
+    with load_beams(tiny_checkpoints("llama")) as result:
+        p = prompts_for(result.hf_model.config.vocab_size, lengths=(9,))[0]
+        eos = result.executor.eos_token_ids = {
+            result.executor.beam_search([p], BeamSearchParams(beam_width=WIDTH, max_tokens=NEW, ignore_eos=True))[0]
+            .sequences[0].token_ids[2]}  # the best beam's third token ends a sequence: an EOS entry too
+        for alts in (None, 0, 2 * WIDTH + 3):  # the 2k ranked (vLLM's), none besides the chosen, more than ranked
+            (out,) = result.executor.beam_search([p], BeamSearchParams(beam_width=WIDTH, max_tokens=NEW,
+                                                                       logprobs=alts))
+            assert "stop" in {s.finish_reason for s in out.sequences}
+            for s in out.sequences:
+                assert len(s.logprobs) == len(s.token_ids)
+                assert sum(e[t] for t, e in zip(s.token_ids, s.logprobs, strict=True)) == \
+                    pytest.approx(s.cumulative_logprob, abs=1e-9)
+                with torch.no_grad():
+                    logits = result.hf_model(torch.tensor([[*p, *s.token_ids]])).logits[0].float()
+                want = torch.log_softmax(logits[len(p) - 1:-1], dim=-1)
+                for row, t, entry in zip(want, s.token_ids, s.logprobs, strict=True):
+                    top = row.topk(2 * WIDTH if alts is None else alts)
+                    assert entry[t] == pytest.approx(float(row[t]), abs=1e-4)
+                    assert entry.rank == int((row >= row[t]).sum())
+                    assert set(entry) == {t, *top.indices.tolist()}
+                    for a, v in zip(top.indices.tolist(), top.values.tolist(), strict=True):
+                        assert entry[a] == pytest.approx(v, abs=1e-4)
+            assert eos & {s.token_ids[-1] for s in out.sequences}
+
+
+def test_logprobs_past_max_logprobs_is_refused_by_name():
+    with pytest.raises(GenerationError, match=r"logprobs: expected an integer in \[0, 20\]"):
+        BeamSearchParams(beam_width=2, logprobs=21)

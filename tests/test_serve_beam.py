@@ -180,7 +180,7 @@ def test_n_past_max_beam_width_names_the_flag(served):
     assert f"--max_beam_width {WIDTH + 1}" in err["message"] and f"max_beam_width={WIDTH}" in err["message"]
 
 
-@pytest.mark.parametrize(("field", "value"), [("stop", ["w9"]), ("logprobs", 2), ("temperature", 0.7),
+@pytest.mark.parametrize(("field", "value"), [("stop", ["w9"]), ("prompt_logprobs", 2), ("temperature", 0.7),
                                                ("response_format", {"type": "json_object"})])
 def test_what_beam_search_cannot_honour_is_refused_by_name(served, field, value):
     r = completion(served, {"prompt": PROMPT, "use_beam_search": True, "n": 2, field: value})
@@ -200,3 +200,42 @@ def test_a_server_without_beam_search_names_the_flags_to_start_it_with(manager, 
     err = info.value.body
     assert err["param"] == "use_beam_search"
     assert flags in err["message"] and "max_beam_width=1" in err["message"]
+
+
+def test_completion_logprobs_of_a_one_beam_search_equal_a_greedy_requests(served):
+    """One beam is greedy decoding: its choice's ``logprobs`` (tokens, values, the top 3 — more than the 2 a step
+    ranks — and text offsets) are the plain greedy request's, in the same shape."""
+    body = {"prompt": PROMPT, "max_tokens": 5, "ignore_eos": True, "logprobs": 3, "temperature": 0}
+    plain = completion(served, {**body, "cache_salt": salt()})
+    beam = completion(served, {**body, "use_beam_search": True, "n": 1, "cache_salt": salt()})
+    assert plain.status_code == 200 and beam.status_code == 200, beam.text
+    want, got = plain.json()["choices"][0]["logprobs"], beam.json()["choices"][0]["logprobs"]
+    assert got["tokens"] == want["tokens"] and got["text_offset"] == want["text_offset"]
+    assert got["token_logprobs"] == pytest.approx(want["token_logprobs"], abs=1e-5)
+    assert [list(t) for t in got["top_logprobs"]] == [list(t) for t in want["top_logprobs"]]
+    for g, w in zip(got["top_logprobs"], want["top_logprobs"], strict=True):
+        assert g == pytest.approx(w, abs=1e-5)
+
+
+def test_each_beam_choice_carries_its_hypothesis_logprobs(served):
+    """Completions and chat: per choice, its hypothesis' tokens' log-probabilities (summing to the search's
+    cumulative log-probability) with the asked number of alternatives, in each endpoint's usual shape."""
+    want = reference(served, PROMPT, beam_width=3, max_tokens=4, ignore_eos=True)
+    r = completion(served, {"prompt": PROMPT, "use_beam_search": True, "n": 3, "max_tokens": 4, "ignore_eos": True,
+                            "logprobs": 2, "cache_salt": salt()})
+    assert r.status_code == 200, r.text
+    for c, s in zip(sorted(r.json()["choices"], key=lambda c: c["index"]), want, strict=True):
+        lp = c["logprobs"]
+        assert lp["tokens"] == [f"w{t}" for t in s.token_ids]
+        assert sum(lp["token_logprobs"]) == pytest.approx(s.cumulative_logprob, abs=1e-5)
+        assert all(len(top) in (2, 3) and tok in top for tok, top in zip(lp["tokens"], lp["top_logprobs"],
+                                                                         strict=True))
+    chat = reference(served, [5, 17, 2], beam_width=2, max_tokens=3, ignore_eos=True)
+    r = served.client.chat.completions.create(model="words", messages=[{"role": "user", "content": "w5 w17"}], n=2,
+                                              max_tokens=3, logprobs=True, top_logprobs=5,
+                                              extra_body={"use_beam_search": True, "ignore_eos": True})
+    for c, s in zip(sorted(r.choices, key=lambda c: c.index), chat, strict=True):
+        content = c.logprobs.content
+        assert [t.token for t in content] == [f"w{t}" for t in s.token_ids]
+        assert sum(t.logprob for t in content) == pytest.approx(s.cumulative_logprob, abs=1e-5)
+        assert all(len(t.top_logprobs) == 5 for t in content)

@@ -442,9 +442,10 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
 #: What beam search takes of the sampling fields a request sent, each (field, its neutral value or None for "not
 #: sent"): any other value is refused with use_beam_search, as beam search ranks by the model's own log-probabilities
 #: and ends only at EOS or max_tokens (``engine.beam_search``). vLLM drops these silently; kvload says so.
+#: ``logprobs`` / ``top_logprobs`` are served: each hypothesis keeps its tokens' entries (the prompt is not scored).
 _NOT_WITH_BEAM = (("stop", None), ("stop_token_ids", None), ("bad_words", None), ("allowed_token_ids", None),
                   ("logit_bias", None), ("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1),
-                  ("min_tokens", 0), ("logprobs", None), ("top_logprobs", None), ("prompt_logprobs", None))
+                  ("min_tokens", 0), ("prompt_logprobs", None))
 
 
 def _beam(body: dict[str, Any], n: int, params: SamplingParams, echo_only: bool, structured_field: str | None,
@@ -482,7 +483,7 @@ def _beam(body: dict[str, Any], n: int, params: SamplingParams, echo_only: bool,
             ignored.append((name, getattr(params, name), "the model's default; beam search ranks by the model's own "
                                                          "log-probabilities"))
     return BeamSearchParams(beam_width=n, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
-                            length_penalty=float(1.0 if penalty is None else penalty))
+                            length_penalty=float(1.0 if penalty is None else penalty), logprobs=params.logprobs)
 
 
 def _not_enforced(structured: StructuredOutputsParams, field: str | None,
