@@ -130,6 +130,20 @@ def fails_once(monkeypatch: Any, owner: object, name: str, exc: BaseException) -
     monkeypatch.setattr(owner, name, failing)
 
 
+def aborted_on_submit(monkeypatch: Any, engine: Any) -> None:
+    """Every request the engine takes is aborted at once, as a server stop ends each request in flight
+    (``ServingEngine._fail_all``, finish reason ``"abort"``)."""
+    submit = engine.submit_group
+
+    def stopped(*args: Any, **kwargs: Any) -> list[str]:
+        rids = submit(*args, **kwargs)
+        for rid in rids:
+            engine.abort(rid)
+        return rids
+
+    monkeypatch.setattr(engine, "submit_group", stopped)
+
+
 class Script:
     """A scripted model in a served engine (or any object with its ``executor`` and ``tokenizer``, as ``kvload.LLM``'s
     result): every reply is the text last given to :meth:`say`, token by token, then the end-of-sequence token. The

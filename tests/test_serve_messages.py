@@ -15,7 +15,7 @@ import pytest
 from anthropic.types import Message, MessageTokensCount, RawMessageStreamEvent
 from pydantic import TypeAdapter
 
-from tests.serve_support import TIMEOUT, Script, fails_once, serving, typed_events
+from tests.serve_support import TIMEOUT, Script, aborted_on_submit, fails_once, serving, typed_events
 from tests.test_serve_responses import ANSWER, TEMPLATE, THOUGHT, Seen
 from tests.text_support import bytelevel_checkpoint
 
@@ -343,15 +343,7 @@ def test_an_answer_the_servers_stop_cut_short_is_an_overloaded_error_never_end_t
     ``end_turn`` would tell the client the answer was whole."""
     served, engine = plain.served, plain.served.state.engine
     plain.script.say("Blue sky and more.")
-    submit = engine.submit_group
-
-    def stopped(*args, **kwargs):  # as the stop ends each request in flight (ServingEngine._fail_all, "abort")
-        rids = submit(*args, **kwargs)
-        for rid in rids:
-            engine.abort(rid)
-        return rids
-
-    monkeypatch.setattr(engine, "submit_group", stopped)
+    aborted_on_submit(monkeypatch, engine)
     with pytest.raises(anthropic.InternalServerError) as caught:
         create(plain, max_tokens=50)
     assert caught.value.status_code == 503 and caught.value.body["error"]["type"] == "overloaded_error"

@@ -16,7 +16,15 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import BaseModel, TypeAdapter
 
-from tests.serve_support import TIMEOUT, Script, fails_once, serving, typed_events, wait_for
+from tests.serve_support import (
+    TIMEOUT,
+    Script,
+    aborted_on_submit,
+    fails_once,
+    serving,
+    typed_events,
+    wait_for,
+)
 from tests.text_support import bytelevel_checkpoint
 
 #: Shows each tool's name, then every message's role and content (a tool call's name and arguments too).
@@ -203,15 +211,7 @@ def test_a_response_the_servers_stop_cut_short_is_cancelled_and_its_last_item_in
     it cut short said "completed", as if it were whole."""
     engine = plain.served.state.engine
     plain.script.say("Blue sky and more.")
-    submit = engine.submit_group
-
-    def stopped(*args, **kwargs):  # as the stop ends each request in flight (ServingEngine._fail_all, "abort")
-        rids = submit(*args, **kwargs)
-        for rid in rids:
-            engine.abort(rid)
-        return rids
-
-    monkeypatch.setattr(engine, "submit_group", stopped)
+    aborted_on_submit(monkeypatch, engine)
     doc = posted(plain, input="Hi", max_output_tokens=50)
     assert doc["status"] == "cancelled" and doc["output"][-1]["status"] == "incomplete"
     events = events_of(plain, input="Hi", max_output_tokens=50)
