@@ -80,6 +80,15 @@ def test_an_audit_log_with_ignored_trtllm_keys_still_verifies(capsys, tmp_path):
     assert run_cli(capsys, "audit", log, "--verify").code == 0
 
 
+def _config_refused(capsys, tmp_path, yaml_text: str, needle: str) -> None:
+    """``plan --config`` of ``yaml_text`` exits 2 with one error line that holds ``needle`` and names the file."""
+    cfg = tmp_path / "extra.yaml"
+    cfg.write_text(yaml_text)
+    r = run_cli(capsys, "plan", "tiny-llama", "--config", cfg)
+    assert r.code == 2 and r.one_error_line, r.err
+    assert needle in r.err and str(cfg) in r.err
+
+
 @pytest.mark.parametrize(("yaml_text", "needle"), [
     ("cuda_graph_confg: {}\n", "cuda_graph_confg: unknown key; did you mean 'cuda_graph_config'"),
     ("max_batch_sise: 4\n", "max_batch_sise: unknown key; did you mean 'max_batch_size'"),
@@ -90,11 +99,7 @@ def test_an_audit_log_with_ignored_trtllm_keys_still_verifies(capsys, tmp_path):
     ("trust_remote_code: true\n", "never runs code shipped with a checkpoint; accepted: false, got true"),
 ])
 def test_truly_unknown_keys_still_fail_with_a_suggestion(capsys, tmp_path, yaml_text, needle):
-    cfg = tmp_path / "extra.yaml"
-    cfg.write_text(yaml_text)
-    r = run_cli(capsys, "plan", "tiny-llama", "--config", cfg)
-    assert r.code == 2 and r.one_error_line, r.err
-    assert needle in r.err and str(cfg) in r.err
+    _config_refused(capsys, tmp_path, yaml_text, needle)
 
 
 @pytest.mark.parametrize(("yaml_text", "needle"), [
@@ -108,11 +113,7 @@ def test_truly_unknown_keys_still_fail_with_a_suggestion(capsys, tmp_path, yaml_
      "write kv_cache_config: {free_gpu_memory_fraction: 0.5}"),
 ])
 def test_a_key_at_the_wrong_level_or_in_the_flags_spelling_says_where_it_goes(capsys, tmp_path, yaml_text, needle):
-    cfg = tmp_path / "extra.yaml"
-    cfg.write_text(yaml_text)
-    r = run_cli(capsys, "plan", "tiny-llama", "--config", cfg)
-    assert r.code == 2 and r.one_error_line, r.err
-    assert needle in r.err and str(cfg) in r.err
+    _config_refused(capsys, tmp_path, yaml_text, needle)
 
 
 def test_a_python_keyword_at_the_wrong_level_says_where_it_goes():
