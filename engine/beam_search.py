@@ -133,7 +133,7 @@ def beam_search(executor: Executor, prompts: Any, params: BeamSearchParams, *, m
                               f"model was loaded for; load it with max_beam_width >= {k}")
     check_salt(salt)
     items = executor._prompts(prompts, chat=False)
-    return _Search(executor, items, params, salt).run()
+    return BeamSearch(executor, items, params, salt).run()
 
 
 @attrs.define(eq=False)
@@ -181,8 +181,9 @@ class _Prompt:
     final: list[tuple[tuple[int, ...], float, _Trail]] | None = None  # None while it runs
 
 
-class _Search:
-    """One ``beam_search`` call: the driver loop over the executor's forward, ranking each prompt's beams."""
+class BeamSearch:
+    """One ``beam_search`` call: the driver loop over the executor's forward, ranking each prompt's beams; ``run``
+    does it all, the serving loop steps it (``start``, ``advance``, ``finish`` or ``fail``)."""
 
     def __init__(self, executor: Executor, items: list[tuple[str | None, list[int]]], params: BeamSearchParams,
                  salt: str | None) -> None:
@@ -440,4 +441,4 @@ def _decode(executor: Executor, tokens: Sequence[int]) -> str | None:
     return tokenizer.decode(list(tokens), skip_special_tokens=True) if tokenizer is not None else None
 
 
-__all__ = ["BeamSearchOutput", "BeamSearchParams", "BeamSequence", "beam_search"]
+__all__ = ["BeamSearch", "BeamSearchOutput", "BeamSearchParams", "BeamSequence", "beam_search"]

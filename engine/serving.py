@@ -50,7 +50,7 @@ import torch
 
 from cache_backends.interface import SchedulerOutput
 from cache_backends.request import Request
-from engine.beam_search import BeamSearchOutput, BeamSearchParams, _Search
+from engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from engine.driver import Driver, StalledError, StepStats, at_length
 from engine.executor import GenerationExecutor
 from engine.penalties import penalize
@@ -172,7 +172,7 @@ class _Live:
 @attrs.define(eq=False)
 class _BeamJob:
     """One beam search the loop runs as a unit of work: its prompt, its choices' sinks and ids, and once started its
-    search (``engine.beam_search._Search``)."""
+    search (``engine.beam_search.BeamSearch``)."""
 
     ids: list[int]
     params: BeamSearchParams
@@ -181,7 +181,7 @@ class _BeamJob:
     req_ids: list[str]  # choice j's id: aborting any of them aborts the search
     salt: str | None
     queued_at: float
-    search: _Search | None = None
+    search: BeamSearch | None = None
     scheduled_at: float | None = None
 
 
@@ -769,7 +769,7 @@ class ServingEngine:
     def _start_beam(self, job: _BeamJob) -> None:
         """Start a beam search (the driver has no work): its audit segment opens, its first step runs next."""
         try:
-            job.search = _Search(self.executor, [(None, job.ids)], job.params, job.salt)
+            job.search = BeamSearch(self.executor, [(None, job.ids)], job.params, job.salt)
             job.search.start()
         except Exception as exc:  # checked at submission: the pools changed since (say so, free nothing twice)
             self._end_beam(job, None, "error", f"{type(exc).__name__}: {exc}")

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from engine.beam_search import BeamSearchParams, _Search
+from engine.beam_search import BeamSearch, BeamSearchParams
 from engine.sampling_params import SamplingParams
 from kvload.serve.protocol import parse
 from tests.serve_support import TIMEOUT, wait_for
@@ -110,13 +110,13 @@ def test_a_beam_search_waits_its_turn_and_counts_as_requests(served):
 
 def test_aborting_a_running_beam_search_frees_every_beam_and_the_loop_goes_on(served, monkeypatch):
     engine = served.state.engine
-    compute = _Search._compute
+    compute = BeamSearch._compute
 
     def slow(self, out):  # the tiny model's steps take well under a millisecond: the search would end first
         time.sleep(0.005)
         return compute(self, out)
 
-    monkeypatch.setattr(_Search, "_compute", slow)
+    monkeypatch.setattr(BeamSearch, "_compute", slow)
     events: dict[int, object] = {}
     done = threading.Event()
 
@@ -141,13 +141,13 @@ def test_a_request_sent_after_a_beam_search_waits_until_it_ends(served, monkeypa
     """First come, first served: the loop runs a search alone, so a short request queued behind a long search ends
     after it, and /metrics counts it waiting meanwhile."""
     engine = served.state.engine
-    compute = _Search._compute
+    compute = BeamSearch._compute
 
     def slow(self, out):
         time.sleep(0.005)
         return compute(self, out)
 
-    monkeypatch.setattr(_Search, "_compute", slow)
+    monkeypatch.setattr(BeamSearch, "_compute", slow)
     ended: list[str] = []
     done = threading.Event()
 
