@@ -711,11 +711,14 @@ class KVCacheManagerV2:
     def cached_prefix_tokens(self, request: Request) -> int:
         """The whole-block prefix of ``request`` a hit would claim if it were admitted now, claiming nothing (a
         pending prefix the lookup reaches is keyed, as admission's lookup would key it)."""
-        if self.claims_nothing(request):
+        if not self._reuse or request.skip_prefix_read:
             return 0
-        prefix = self._tree.pending_prefix(request.salt, pack_tokens(_tokens(request, 0, 1)))
+        first = pack_tokens(_tokens(request, 0, 1))
+        prefix = self._tree.pending_prefix(request.salt, first)
         if prefix is not None:
             self._materialize(prefix)
+        elif self._cheap_miss(request, first):  # claims_nothing's answer, its first token packed once
+            return 0
         return self._match(request)[0]
 
     def fit_tokens_new(self, request: Request, want: int, extra: list[int] | None = None) -> int:

@@ -233,8 +233,9 @@ class KVCacheV2Scheduler(SchedulerBase):
                 if suspended:
                     budget = self._resume(suspended, waiting, running, out, chunks, budget, reasons)
                 if not any(r.state is RequestState.SUSPENDED for r in suspended):
-                    order = self._cache_aware(waiting) if len(running) < self.max_batch_size and budget else waiting
-                    self._admit(list(order), waiting, running, out, chunks, budget, reasons)
+                    order = (self._cache_aware(waiting) if len(running) < self.max_batch_size and budget
+                             else list(waiting))
+                    self._admit(order, waiting, running, out, chunks, budget, reasons)
 
         out.scheduled = list(chunks.values())
         self.report_stall(out, reasons, waiting, running)
