@@ -250,6 +250,8 @@ class ManagerResult:
     layer_groups: dict[str, int] | None = None
     metrics: RunMetrics | None = None
     wall_seconds: float | None = None
+    #: V2's auto host tier on the priced hardware: why it was kept or left out (None: not chosen, or V1)
+    host_tier: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object under ``results[kv_manager]``: status, budget, and every metric (None if not run)."""
@@ -265,6 +267,7 @@ class ManagerResult:
             "layer_groups": self.layer_groups,
             **metrics,
             "wall_seconds": self.wall_seconds,
+            "host_tier": self.host_tier,
         }
 
 
@@ -368,6 +371,8 @@ class SimulationReport:
             r = self.results[n]
             if r.status != "ok":
                 lines.append(f"  {n}: {r.status.replace('_', ' ')}: {r.reason}")
+            if r.host_tier is not None:
+                lines.append(f"  {n} host tier: {r.host_tier}")
         lines.append("  (step time: scheduler.step + commits + finishes per engine step; usage sampled after "
                      "the scheduler's decision)")
         if s.get("modeled_time_off") is None:
@@ -412,7 +417,7 @@ def run_manager(routed: RunResult, name: str, v2: bool | None, budget: Budget, w
         name = type(manager).__name__
         base = {"scheduler": type(scheduler).__name__, "budget_bytes": kv.budget_bytes,
                 "pool_bytes": kv.pools.total_bytes, "capacity_tokens": kv.capacity_tokens,
-                "layer_groups": dict(kv.pools.num_blocks)}
+                "layer_groups": dict(kv.pools.num_blocks), "host_tier": kv.host_choice}
         bar = _progress(len(workload.requests), f"{name} {workload.name}", progress)
         start = time.perf_counter()
         try:
@@ -473,8 +478,9 @@ def _simulate(model: str, workload: str | Workload, requests: int | None, seed: 
         except ValueError as exc:
             raise ConfigError(str(exc), path="workload") from None
     # the replay reads and writes no KV: pools of any budget, without the memory (LoadRequest.pools_unbacked)
+    # priced on ``hardware``: V2's auto host tier is chosen for it (stages.host_tier_choice)
     request = LoadRequest(model=model, overrides=overrides, source=source, config_file=config_file,
-                          pools_unbacked=True)
+                          pools_unbacked=True, hardware=hardware)
     if compare and V2_FIELD in flatten(overrides_to_tree(overrides)):
         raise ConfigError("--compare simulates both managers; drop --use_kv_cache_manager_v2",
                           path=V2_FIELD)

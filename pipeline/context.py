@@ -74,6 +74,10 @@ class LoadRequest:
     #: budget this machine could not hold (a GPU's) is simulated as given. The V2 host tier is sized as for pools on
     #: a device, and unbacked too.
     pools_unbacked: bool = False
+    #: The accelerator the caller prices the run on (``kvload simulate --hardware``: a key of
+    #: ``models.cost.HARDWARE``), which V2's auto host tier is chosen for; None: the device's own (a CUDA device named
+    #: in the table), or no choice (the tier is kept).
+    hardware: str | None = None
 
 
 

@@ -481,6 +481,18 @@ class KvBudgetComputed(Event):
     rank_budget_bytes: list[int | None] | None = None
 
 
+@event("kv_host_tier_chosen")
+class KvHostTierChosen(Event):
+    """V2's auto host tier (``host_cache_size`` null) kept or left out: whether copying an evicted token's KV to the
+    host and back costs less than recomputing it on ``hardware``."""
+
+    hardware: str
+    copy_us_per_token: float  # the token's KV in every layer, out and back over the host link
+    recompute_us_per_token: float  # the token through the projections at the accelerator's peak
+    host_tier: bool  # kept (suspends copy) or none (preemptions recompute)
+    reason: str
+
+
 @event("kv_budget_short", level="warning")
 class KvBudgetShort(Event):
     """The KV pools hold no whole sequence of ``max_seq_len``: a request that long would never be admitted."""

@@ -28,8 +28,9 @@ from cache_backends.reuse import partial_reuse_off_reason
 from pipeline.bus import Emit
 from pipeline.context import DEFAULT_MAX_TOKENS_FIELD, Context
 from pipeline.errors import KvBuildError
-from pipeline.events import KvBlocksOversized, KvBudgetComputed, KvBudgetShort, SettingIgnored
+from pipeline.events import KvBlocksOversized, KvBudgetComputed, KvBudgetShort, KvHostTierChosen, SettingIgnored
 from pipeline.text import cell, table
+from stages.host_tier_choice import choose_host_tier
 from stages.rank_budget import agree_rest, min_budget
 
 #: What each budget rule is called in messages: the field a user changes to move it.
@@ -60,6 +61,7 @@ class KvPlan:
     host_cache_size: int | None = None  # the setting: bytes, 0 = no host tier, None = auto-size (V2)
     host_slots: dict[str, int] | None = None  # V2 host tier slots per group ({} = none); None when unknown
     host_bytes: int | None = None  # host memory of the V2 host tier (0 = none); None when unknown
+    host_choice: str | None = None  # auto (host_cache_size null): why the tier was kept or left out, on what hardware
     tensor_parallel_size: int = 1
     heads: dict[str, Any] | None = None  # HeadSharding.to_dict(): the KV heads each rank holds
     limited_by_rank: int | None = None  # with several ranks: whose budget (the smallest) every rank took
@@ -122,6 +124,7 @@ class KvPlan:
             "total_bytes": self.pools.total_bytes if self.pools else None,
             "host_bytes": self.host_bytes,
             "host_slots": self.host_slots,
+            "host_choice": self.host_choice,
             "capacity_tokens": self.capacity_tokens,
             "max_concurrency": self.max_concurrency,
             "problem": self.problem,
@@ -194,6 +197,8 @@ class KvPlan:
         return f"{h.get('attention_heads_per_rank')} of {h.get('attention_heads')} query heads and {kv}"
 
     def _host_origin(self) -> str:
+        if self.host_choice is not None:  # auto, decided on the accelerator's costs
+            return f"{'auto-sized' if self.host_slots else 'none'}: {self.host_choice}"
         if not self.host_slots:
             return f"none: {HOST_FIELD}=0"
         size = self.host_cache_size
@@ -314,10 +319,18 @@ def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
     if manager == "v2":
         warn_inert_partial_reuse(ctx, layout, emit)
     host_slots, host_bytes = ({}, 0) if manager == "v1" else (None, None)
-    host_size = kv.host_cache_size
+    host_size, host_choice = kv.host_cache_size, None
     if manager == "v2" and pools is not None:
+        if host_size is None and device_issue is None:
+            choice = choose_host_tier(ctx, layout, device)
+            if choice is not None:
+                host_choice = choice.reason
+                host_size = None if choice.keep else 0
+                emit(KvHostTierChosen(hardware=choice.hardware, copy_us_per_token=choice.copy_s * 1e6,
+                                      recompute_us_per_token=choice.recompute_s * 1e6, host_tier=choice.keep,
+                                      reason=choice.reason))
         unbacked = ctx.request is not None and ctx.request.pools_unbacked
-        host_slots, host_bytes, host_problem = plan_host_tier(layout, pools, kv.host_cache_size, device, unbacked)
+        host_slots, host_bytes, host_problem = plan_host_tier(layout, pools, host_size, device, unbacked)
         problem = problem or host_problem
     if ranks is not None and ranks.distributed:
         problem, host_size, host_slots, host_bytes = agree_rest(ranks, layout, pools, problem, host_size, host_slots,
@@ -325,7 +338,7 @@ def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
     if manager == "v2":
         warn_inert_v2_settings(ctx, layout, host_bytes, emit)
     plan = KvPlan(manager, route.kv_manager, route.scheduler, device, kv.dtype, kv.tokens_per_block,
-                  args.max_seq_len, layout, budget, pools, problem, host_size, host_slots, host_bytes,
+                  args.max_seq_len, layout, budget, pools, problem, host_size, host_slots, host_bytes, host_choice,
                   tensor_parallel_size=tp, heads=ctx.heads.to_dict() if ctx.heads is not None else None,
                   limited_by_rank=agreed.limited_by_rank if agreed is not None else None,
                   rank_budget_bytes=agreed.rank_budget_bytes if agreed is not None else None)
@@ -346,7 +359,8 @@ def warn_inert_v2_settings(ctx: Context, layout: KvLayout, host_bytes: int | Non
     resume = "kv_cache_config.max_util_for_resume"
     if resume in ctx.user_fields and host_bytes == 0:
         emit(SettingIgnored(field=resume, value=kv.max_util_for_resume,
-                            reason="there is no host tier (host_cache_size 0), so nothing is suspended or resumed"))
+                            reason="there is no host tier (host_cache_size 0, or auto where recomputing costs less), "
+                                   "so nothing is suspended or resumed"))
     scratch = "kv_cache_config.enable_swa_scratch_reuse"
     if scratch in ctx.user_fields and kv.enable_swa_scratch_reuse is True:
         if all(g.window is None for g in layout.groups):

@@ -31,6 +31,19 @@ def test_simulate_compare_json_has_both_managers_at_one_budget(capsys):
     assert budgets == {doc["budget_bytes"]} == {4096 * 1024}
 
 
+def test_simulate_says_why_v2_has_no_host_tier_on_the_priced_hardware(capsys):
+    """tiny-llama recomputes an evicted token for less than a copy to the host and back costs, on an H200 as on an
+    L40S: V2's result says so, and V1's (no host tier to choose) says nothing."""
+    for hardware in ("h200", "l40s"):
+        r = run_cli(capsys, "simulate", "tiny-llama", "--workload", "no-reuse", "--requests", "2", "--workload-arg",
+                    "prompt_len=40", "--workload-arg", "answer_len=3", "--device", "cpu", "--compare", "--hardware",
+                    hardware)
+        assert r.code == 0, r.err
+        name = {"h200": "H200", "l40s": "L40S"}[hardware]
+        assert f"  KVCacheManagerV2 host tier: on {name}, recomputing an evicted token (" in r.out
+        assert "KVCacheManager host tier" not in r.out
+
+
 def test_simulate_without_compare_runs_the_routed_manager_and_prints_a_table(capsys):
     r = run_cli(capsys, "simulate", "tiny-llama", "--workload", "no-reuse", "--requests", "4",
                 "--workload-arg", "prompt_len=40", "--workload-arg", "answer_len=3", "--device", "cpu")
@@ -130,20 +143,21 @@ def test_simulate_runs_a_v2_host_tier_this_host_could_not_hold(capsys):
     assert res["status"] == "ok" and res["finished"] == 4
 
 
-@pytest.mark.parametrize("host", ["auto", "0"])
+@pytest.mark.parametrize("host", ["slot per block", "0"])
 def test_simulate_counts_the_v2_host_tiers_bookkeeping(capsys, monkeypatch, host):
-    """An auto-sized V2 host tier keeps a slot per block (its free list: ~40 B each) beside the blocks' ~86 B; the
-    bound counted the blocks only, so a budget whose blocks fit half the memory but whose slots did not ran on."""
+    """A V2 host tier of a slot per block (its free list: ~40 B each) beside the blocks' ~86 B; the bound counted the
+    blocks only, so a budget whose blocks fit half the memory but whose slots did not ran on. (Sized in bytes: on the
+    priced H200 the auto tier is none for tiny-llama, whose tokens recompute for less than their copies cost.)"""
     import stages.build_kv_manager as build
 
     blocks = 2**16  # --max_tokens 2**16 at one token a block
     # the blocks' bookkeeping fits half of it, theirs and their slots' does not
     monkeypatch.setattr(build, "host_available_bytes",
                         lambda: 2 * blocks * (build.BOOKKEEPING_BYTES_PER_BLOCK + 20))
+    size = "0" if host == "0" else str(blocks * 1024)  # tiny-llama: 1,024 B of KV a token
     r = run_cli(capsys, "simulate", "tiny-llama", "--device", "cpu", "--workload", "no-reuse", "--requests", "2",
                 "--workload-arg", "prompt_len=8", "--workload-arg", "answer_len=2", "--max_tokens", str(blocks),
-                "--tokens_per_block", "1", "--use_kv_cache_manager_v2", "true",
-                *(() if host == "auto" else ("--host_cache_size", host)))
+                "--tokens_per_block", "1", "--use_kv_cache_manager_v2", "true", "--host_cache_size", size)
     if host == "0":  # no tier: the blocks alone, which fit
         assert r.code == 0, r.err
         return

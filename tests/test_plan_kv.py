@@ -240,3 +240,60 @@ def test_pools_too_big_name_the_api_field(monkeypatch, track_pools):
                                            r"when neither max_tokens nor max_gpu_total_bytes bounds them\)$"):
         kvload.LLM("tiny-llama", device="cpu", kv_cache_config={"default_max_tokens": 4096}, log=False)
     assert not track_pools
+
+
+# --- V2's auto host tier: kept where a copy out and back costs less than the recompute, on the priced accelerator ----
+
+
+def _plan_on(model: str, hardware: str | None, **kv):
+    from pipeline.context import LoadRequest
+    from pipeline.run import execute
+    from stages import plan_stages
+
+    overrides = {"device": "cpu", "kv_cache_config": {"use_kv_cache_manager_v2": True, "max_tokens": 8192, **kv}}
+    return execute(LoadRequest(model=model, overrides=overrides, pools_unbacked=True, hardware=hardware),
+                   plan_stages(), log=False)
+
+
+def test_a_small_model_priced_on_an_h200_recomputes_instead_of_keeping_a_host_tier():
+    """tiny-llama's token recomputes in a fraction of its copy's time over PCIe: the auto tier is none, said once."""
+    result = _plan_on("tiny-llama", "h200")
+    (chosen,) = result.audit.of("kv_host_tier_chosen")
+    assert chosen["hardware"] == "H200" and chosen["host_tier"] is False
+    assert chosen["recompute_us_per_token"] < chosen["copy_us_per_token"]
+    kv = result.kv
+    assert kv.host_slots == {} and kv.host_bytes == 0 and kv.to_dict()["host_choice"] == chosen["reason"]
+    assert "preempted for recompute" in chosen["reason"] and "set kv_cache_config.host_cache_size" in chosen["reason"]
+    assert any(line.startswith("  host tier  0 B of host memory (none: on H200, recomputing") for line in kv.render())
+
+
+def test_a_9b_model_priced_on_an_h200_keeps_its_host_tier():
+    """Gemma 2 9B's published config: 344 KB of KV a token out and back (10.8 µs) against 2 x its 8.3B projection
+    parameters at peak (16.8 µs)."""
+    result = _plan_on("tests/data/configs/gemma-2-9b-it", "h200")
+    (chosen,) = result.audit.of("kv_host_tier_chosen")
+    assert chosen["host_tier"] is True
+    assert 10 < chosen["copy_us_per_token"] < 11.5 and 16 < chosen["recompute_us_per_token"] < 18
+    assert result.kv.host_bytes > 0 and result.kv.host_choice == chosen["reason"]
+
+
+def test_a_host_cache_size_the_user_set_is_not_second_guessed():
+    result = _plan_on("tiny-llama", "h200", host_cache_size=2**20)
+    assert result.audit.of("kv_host_tier_chosen") == []
+    assert result.kv.host_bytes > 0 and result.kv.host_choice is None
+
+
+def test_without_an_accelerator_the_auto_tier_stays_as_it_was():
+    """On a CPU the pools are in host memory already: a copy is a memcpy, nothing is chosen, the tier is auto-sized."""
+    result = _plan_on("tiny-llama", None)
+    assert result.audit.of("kv_host_tier_chosen") == []
+    assert result.kv.host_bytes > 0 and any("(auto-sized)" in line for line in result.kv.render())
+
+
+@pytest.mark.parametrize(("name", "key"), [("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"),
+                                           ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA L40S", "l40s"),
+                                           ("Tesla T4", None)])
+def test_a_cuda_device_is_priced_by_its_name(name, key):
+    from models.cost import hardware_for_device_name
+
+    assert hardware_for_device_name(name) == key
