@@ -21,6 +21,7 @@ from pipeline.paths import flatten
 from pipeline.text import literal, table
 
 V2 = V2_FIELD
+HOST = "kv_cache_config.host_cache_size"
 
 _SOURCE_WORDS = {
     "cli": "set on the command line",
@@ -99,6 +100,10 @@ def field_chain(audit: AuditLog, path: str) -> dict[str, Any]:
             value = _final_args(audit).get(path)
             steps.append(_step(e, source="model", old=value, new=value, changed=False,
                                reason=sampling_text(e, reason=False)))
+            continue
+        if name == "kv_host_tier_chosen" and path == HOST:  # the auto (null) tier decided on the accelerator's costs
+            steps.append(_step(e, source=f"plan ({e.get('hardware')})", old=None, new=None, changed=False,
+                               reason=e.get("reason")))
             continue
         if e.get("field") != path:
             continue

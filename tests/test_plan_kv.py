@@ -297,3 +297,16 @@ def test_a_cuda_device_is_priced_by_its_name(name, key):
     from models.cost import hardware_for_device_name
 
     assert hardware_for_device_name(name) == key
+
+
+def test_explaining_host_cache_size_shows_the_auto_tiers_choice():
+    """`kvload explain --field host_cache_size` on such a run: the null stays null, and the chain says what it meant."""
+    from kvload.explain import field_chain, render_chain
+
+    result = _plan_on("tiny-llama", "h200")
+    chain = field_chain(result.audit, "kv_cache_config.host_cache_size")
+    assert chain["final"] is None
+    (step,) = [s for s in chain["chain"] if s["event"] == "kv_host_tier_chosen"]
+    assert step["source"] == "plan (H200)" and step["changed"] is False
+    assert step["reason"].startswith("on H200, recomputing an evicted token (")
+    assert any("recomputing an evicted token" in line for line in render_chain(chain))
