@@ -61,8 +61,7 @@ def accelerator(ctx: Context, device: str) -> str | None:
         return None
     import torch
 
-    index = torch.device(device).index
-    return hardware_for_device_name(torch.cuda.get_device_name(index if index is not None else 0))
+    return hardware_for_device_name(torch.cuda.get_device_name(torch.device(device)))  # no index: the current one
 
 
 def choose_host_tier(ctx: Context, layout: KvLayout, device: str) -> HostTierChoice | None:
