@@ -310,3 +310,20 @@ def test_explaining_host_cache_size_shows_the_auto_tiers_choice():
     assert step["source"] == "plan (H200)" and step["changed"] is False
     assert step["reason"].startswith("on H200, recomputing an evicted token (")
     assert any("recomputing an evicted token" in line for line in render_chain(chain))
+
+
+def test_a_cuda_run_is_priced_on_the_device_it_runs_on(monkeypatch):
+    """No hardware from the caller: a CUDA device is looked up by its name (the device asked for, not device 0)."""
+    import types
+
+    import torch
+
+    from stages.host_tier_choice import accelerator
+
+    names = {1: "NVIDIA H100 80GB HBM3", 0: "NVIDIA A100-SXM4-80GB"}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: names[torch.device(d).index])
+    ctx = types.SimpleNamespace(request=types.SimpleNamespace(hardware=None))
+    assert accelerator(ctx, "cuda:1") == "h100" and accelerator(ctx, "cuda:0") == "a100"
+    assert accelerator(ctx, "cpu") is None
+    ctx.request.hardware = "l40s"  # simulate's --hardware wins: the pools are the simulation's, not this device's
+    assert accelerator(ctx, "cuda:1") == "l40s"
