@@ -313,6 +313,10 @@ def _routing_error(app: FastAPI, request: Request, exc: HTTPException) -> BadReq
                       kind="server_error" if exc.status_code >= 500 else "invalid_request_error")
 
 
+#: The scope key of the response id a kept Responses request reserved (``ResponseStore.claim``).
+CLAIMED = "kvload.claimed_response_id"
+
+
 class _Admission:
     """At most ``state.max_concurrent_requests`` generation requests in the server at once; past it, 503 at once.
 
@@ -351,6 +355,9 @@ class _Admission:
             await self.app(scope, receive, send)
         finally:  # an exception, a cancellation (the client left mid-stream) or the answer's end
             state.in_flight -= 1
+            claimed = scope.get(CLAIMED)
+            if claimed is not None:
+                state.responses.release(claimed)
 
 
 #: The status nginx logs for a client that closed the connection before the answer; nobody receives it.
@@ -877,6 +884,10 @@ class _Run:
         prefix = "resp_" if self.responses is not None else "msg_" if self.messages is not None \
             else "chatcmpl-" if job.kind == "chat" else "cmpl-"
         self.id = prefix + (given or uuid.uuid4().hex)
+        if given and self.responses is not None and self.responses.store:  # a fresh id names nothing kept
+            header = self.request.headers.get("x-request-id") is not None
+            self.state.responses.claim(self.id, "X-Request-Id" if header else "request_id")
+            self.request.scope[CLAIMED] = self.id  # let go by _Admission once the request ends, however it ends
         self.prompts, cut = _encode(self.engine, job)
         scored = sum(map(len, self.prompts)) if job.params.prompt_logprobs is not None else 0
         if scored > MAX_SCORED_PROMPT_TOKENS:

@@ -65,6 +65,7 @@ class ResponseStore:
         self.max_responses = max_responses
         self.on_evicted = on_evicted  # told how many were dropped (the metrics count them)
         self._kept: OrderedDict[str, Stored] = OrderedDict()
+        self._claimed: set[str] = set()  # ids of requests in flight whose response will be kept
         self._lock = threading.Lock()
 
     @property
@@ -75,9 +76,30 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._kept)
 
+    def claim(self, response_id: str, field: str) -> None:
+        """Reserve ``response_id`` for a request in flight whose response will be kept; a 400 naming ``field`` (the
+        ``X-Request-Id`` header or ``request_id``, which chose it) when a kept response or another request in flight
+        has it already: a later response replacing a kept one would silently change every chain through it."""
+        with self._lock:
+            kept = response_id in self._kept
+            if not kept and response_id not in self._claimed:
+                self._claimed.add(response_id)
+                return
+        shown = response_id[:200]
+        whose = "names a kept response" if kept else "names a request still in flight whose response will be kept"
+        fix = f"; send another id, store: false, or DELETE /v1/responses/{shown} first" if kept else \
+            "; send another id, or store: false"
+        raise BadRequest(f"{field}: {shown!r} already {whose} (each kept response has its own id){fix}",
+                         param=field, code="response_id_in_use")
+
+    def release(self, response_id: str) -> None:
+        """Let go of :meth:`claim`'s reservation (the request ended, kept or not)."""
+        with self._lock:
+            self._claimed.discard(response_id)
+
     def put(self, response: dict[str, Any], items: tuple[dict[str, Any], ...], parent: Stored | None = None) -> None:
-        """Keep ``response``, made from its request's input ``items`` after the kept response ``parent`` (a later
-        response of the same id replaces it), dropping the least recently used past the bound."""
+        """Keep ``response``, made from its request's input ``items`` after the kept response ``parent``, dropping
+        the least recently used past the bound."""
         if not self.enabled:
             return
         with self._lock:
