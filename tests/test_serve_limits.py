@@ -229,6 +229,30 @@ def test_refusals_are_counted_by_reason_as_a_client_meets_them(served):
     assert moved == {"too_large": 2, "bad_request": 3, "model_not_found": 1}
 
 
+@pytest.mark.parametrize("sent, status, code, says", [
+    (b"NOT HTTP AT ALL\r\n\r\n", 400, "invalid_http_request", "(illegal request line: 'NOT HTTP AT ALL')"),
+    (b"GET /health HTTP/1.1\r\nHost: t\r\nBad Header: x\r\n\r\n", 400, "invalid_http_request",
+     "(illegal header line: 'Bad Header: x')"),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}", 400,
+     "invalid_http_request", "(conflicting Content-Length headers)"),
+    (b"GET /health HTTP/1.1\r\n\r\n", 400, "invalid_http_request", "(Missing mandatory Host: header)"),
+    # a head still arriving past h11's limit (all of it sent, so the close is a FIN, not a reset)
+    (b"GET /health HTTP/1.1\r\nHost: t\r\nX-Big: " + b"a" * 20_000, 431, "request_header_fields_too_large",
+     "more than 16,384 bytes came without the blank line that ends the headers"),
+])
+def test_bytes_that_are_not_http_get_openais_error_body_counted(served, sent, status, code, says):
+    """uvicorn answered these itself, below the app, in plain text ("Invalid HTTP request received."): a client
+    reading OpenAI's error document got none, and what was wrong went unsaid."""
+    before = _refused(served)["bad_request"]
+    got, headers, payload = _raw(served, sent)
+    assert (got, headers["content-type"], headers["connection"]) == (status, "application/json", "close")
+    error = json.loads(payload)["error"]
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", None, code)
+    assert says in error["message"], error["message"]
+    assert _refused(served)["bad_request"] == before + 1
+    _served_normally(served)
+
+
 def test_a_refusal_s_reason_follows_its_status_and_a_server_failure_is_no_refusal():
     from kvload.serve.metrics import ServeMetrics
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http
 import json
+import re
 import signal
 import socket
 import threading
@@ -18,6 +20,7 @@ from typing import Any
 
 import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE as HEAD_LIMIT
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from cache_backends.kv_events import KvEventMirror
@@ -301,6 +304,17 @@ class _Deadlines(H11Protocol):
     def connection_made(self, transport: Any) -> None:
         self._deadline: asyncio.TimerHandle | None = None
         self._phase: tuple[Any, ...] | None = None
+        self._refused: h11.RemoteProtocolError | None = None
+        next_event = self.conn.next_event
+
+        def caught() -> Any:  # uvicorn drops h11's reason before send_400_response: kept here, for the answer
+            try:
+                return next_event()
+            except h11.RemoteProtocolError as exc:
+                self._refused = exc
+                raise
+
+        self.conn.next_event = caught  # type: ignore[method-assign]
         super().connection_made(transport)
         self._track()
 
@@ -326,9 +340,18 @@ class _Deadlines(H11Protocol):
         if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
             self.transport.close()
             return
+        status, body = _not_http(self._refused, self.config.h11_max_incomplete_event_size or HEAD_LIMIT)
         if self.metrics is not None:
-            self.metrics.on_refused(400)
-        super().send_400_response(msg)
+            self.metrics.on_refused(status)
+        # uvicorn's answer is plain text ("Invalid HTTP request received."): a client reading OpenAI's error body got
+        # no JSON, and the reason h11 gave (a bad header line, a head too large) was not said
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
+                   (b"connection", b"close")]
+        self.transport.write(self.conn.send(h11.Response(status_code=status, headers=headers,
+                                                         reason=http.HTTPStatus(status).phrase.encode())))
+        self.transport.write(self.conn.send(h11.Data(data=body)))
+        self.transport.write(self.conn.send(h11.EndOfMessage()))
+        self.transport.close()
 
     def _track(self) -> None:
         """A fresh deadline whenever the connection starts waiting for a new head or a new body; none otherwise."""
@@ -367,6 +390,20 @@ class _Deadlines(H11Protocol):
         elif self.cycle is not None and self.cycle.response_complete:
             self.transport.close()  # answered without reading the body, which still has not all come
         # else the app is reading the body under its own deadline (a 408), or answering: it ends the request
+
+
+def _not_http(exc: h11.RemoteProtocolError | None, head_limit: int) -> tuple[int, bytes]:
+    """The status and OpenAI's error body for bytes h11 refused as HTTP/1.1: 431 for a head past ``head_limit``
+    bytes (h11's hint), else 400 saying what h11 found wrong."""
+    if exc is not None and exc.error_status_hint == 431:
+        error = BadRequest(f"the request head is too large: more than {head_limit:,} bytes came without the blank "
+                           "line that ends the headers; send fewer or shorter headers", status=431,
+                           code="request_header_fields_too_large")
+    else:
+        # h11 quotes what it refused as bytearray(b'...'): the bytes' repr alone, shorter and still escaped
+        why = re.sub(r"bytearray\(b('.*'|\".*\")\)", r"\1", str(exc)) if exc is not None and str(exc) else "malformed"
+        error = BadRequest(f"the request is not valid HTTP/1.1 ({why[:200]})", code="invalid_http_request")
+    return error.status, json.dumps(error.body()).encode()
 
 
 def _head_timeout(timeout: float) -> bytes:
