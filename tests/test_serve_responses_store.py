@@ -135,6 +135,16 @@ def test_unknown_ids_are_404s_in_openais_error_body_counted_as_such(kept):
     assert (refused.status_code, refused.json()["error"]["param"]) == (400, "previous_response_id")
 
 
+@pytest.mark.parametrize("limit", ["%C2%B2", "1" * 5000, "%EF%BC%95"])  # superscript 2, 5,000 digits, fullwidth 5
+def test_a_page_limit_that_is_no_plain_number_is_a_400_naming_it(kept, limit):
+    """Digits int() refuses, or too many for it to read, were a 500 with a traceback in the server's log."""
+    kept.script.say("Ok.")
+    rid = create(kept, input="Hi", max_output_tokens=5).id
+    r = kept.served.http.get(f"/v1/responses/{rid}/input_items?limit={limit}")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "limit", r.text
+    assert r.json()["error"]["message"].startswith("limit: expected an integer from 1 to 100, got ")
+
+
 def test_store_false_is_not_kept_and_a_stream_is_kept_as_it_completed(kept):
     kept.script.say("Not kept.")
     gone = create(kept, input="Hi", store=False, max_output_tokens=20)

@@ -160,7 +160,8 @@ class ResponseStore:
         unless ``order=asc``, ``limit`` 1 to 100 (20), after the item ``after``); 404 when none is kept."""
         _query(query, ("after", "limit", "order"))
         limit = query.get("limit", str(PAGE_DEFAULT))
-        if not (limit.isdigit() and 1 <= int(limit) <= PAGE_MAX):
+        # ASCII digits, and few: "²" is a digit int() refuses, and 5,000 digits pass int()'s own limit (each a 500)
+        if not (limit.isascii() and limit.isdigit() and len(limit) <= 3 and 1 <= int(limit) <= PAGE_MAX):
             raise BadRequest(f"limit: expected an integer from 1 to {PAGE_MAX}, got {limit[:40]!r}", param="limit")
         order = query.get("order", "desc")
         if order not in ("asc", "desc"):
