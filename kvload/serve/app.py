@@ -49,7 +49,15 @@ from kvload.serve.messages_input import renamed_error as messages_error
 from kvload.serve.messages_input import to_chat as messages_to_chat
 from kvload.serve.messages_output import message_document, message_events
 from kvload.serve.metrics import ServeMetrics
-from kvload.serve.protocol import BadRequest, Job, parse, parse_detokenize, parse_tokenize, request_id
+from kvload.serve.protocol import (
+    MAX_REQUEST_ID_CHARS,
+    BadRequest,
+    Job,
+    parse,
+    parse_detokenize,
+    parse_tokenize,
+    request_id,
+)
 from kvload.serve.responses_input import ResponsesRequest, renamed, renamed_error, to_chat
 from kvload.serve.responses_output import response_document, response_events
 from kvload.serve.responses_store import ResponseStore
@@ -805,6 +813,21 @@ class _Echo:
         return cls(prompt if isinstance(prompt, str) else decoded.text, list(ids), offsets)
 
 
+def _header_request_id(request: Request) -> str | None:
+    """The ``X-Request-Id`` header (vLLM's), checked as ``request_id`` is, and ASCII: a header's other bytes are read
+    as Latin-1, so UTF-8 sent there came back in the answer's id as mojibake (``Ã¿``). Given twice is a 400: which one
+    names the request is not for the server to guess."""
+    values = request.headers.getlist("x-request-id")
+    if len(values) > 1:
+        raise BadRequest(f"X-Request-Id: given {len(values)} times; give it once", param="X-Request-Id")
+    value = values[0] if values else None
+    if value is not None and not value.isascii():
+        raise BadRequest(f"X-Request-Id: expected printable ASCII of 1 to {MAX_REQUEST_ID_CHARS} characters (a header "
+                         f"carries no other text; send request_id in the body for Unicode), got {value[:60]!r}",
+                         param="X-Request-Id")
+    return request_id(value, "X-Request-Id")
+
+
 def _token_offsets(text: SampleText, token_ids: list[int], first: int, final: bool = False) -> list[int]:
     """Where tokens ``first`` on begin in ``text``, decoded up to each in turn (``text`` holds tokens ``:first``
     already); a token that only starts a character begins where the token completing it does. ``final``: the last
@@ -880,12 +903,12 @@ class _Run:
         """:meth:`prepare` once the body is a ``Job``."""
         self.job = job
         # vLLM's: an X-Request-Id header names the request, else its request_id, else a fresh id
-        given = request_id(self.request.headers.get("x-request-id"), "X-Request-Id") or job.request_id
+        given = _header_request_id(self.request) or job.request_id
         prefix = "resp_" if self.responses is not None else "msg_" if self.messages is not None \
             else "chatcmpl-" if job.kind == "chat" else "cmpl-"
         self.id = prefix + (given or uuid.uuid4().hex)
         if given and self.responses is not None and self.responses.store:  # a fresh id names nothing kept
-            header = self.request.headers.get("x-request-id") is not None
+            header = "x-request-id" in self.request.headers
             self.state.responses.claim(self.id, "X-Request-Id" if header else "request_id")
             self.request.scope[CLAIMED] = self.id  # let go by _Admission once the request ends, however it ends
         self.prompts, cut = _encode(self.engine, job)
