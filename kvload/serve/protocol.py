@@ -36,6 +36,7 @@ from engine.sampling_params import (
     check_stop_sizes,
     check_stop_token_ids_count,
     is_finite,
+    is_number,
 )
 from engine.schema_ignored import ignored_settings
 from engine.structured_params import FALSE_SCHEMA, StructuredOutputsParams
@@ -199,7 +200,9 @@ def _is_int(v: Any) -> bool:
 
 def _need(ok: bool, field: str, expected: str, value: Any) -> None:
     if not ok:
-        raise BadRequest(f"{field}: expected {expected}, got {value!r}"[:300], param=field)
+        # an integer as its size past 20 digits: a JSON literal of 4,000 digits filled the message with them
+        shown = short(value) if isinstance(value, int) and not isinstance(value, bool) else repr(value)
+        raise BadRequest(f"{field}: expected {expected}, got {shown}"[:300], param=field)
 
 
 def need_schema(value: Any, field: str, optional: bool = False) -> None:
@@ -287,9 +290,9 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
     # OpenAI's penalties and vLLM's extras: null is absent; SamplingParams checks the rest (bool is no number)
     extras = {name: body[name] for name in ("presence_penalty", "frequency_penalty", *_SAMPLING_EXTRAS)
               if body.get(name) is not None}
-    for name, value in extras.items():
+    for name, value in extras.items():  # the type here; SamplingParams says the range (1e400 is a number past it)
         expected = "an integer" if name == "min_tokens" else "a number"
-        _need(_is_int(value) if name == "min_tokens" else is_finite(value), name, expected, value)
+        _need(_is_int(value) if name == "min_tokens" else is_number(value), name, expected, value)
     defaulted = [name for name in ("temperature", "top_p", "top_k", *_SAMPLING_EXTRAS)
                  if name in defaults and body.get(name) is None]  # the model's, checked when it was loaded
     extras.update({name: defaults[name] for name in defaulted if name in _SAMPLING_EXTRAS})
