@@ -202,6 +202,21 @@ def test_bad_requests_get_400_naming_the_field(served, body, param, words):
     assert words in error["message"]
 
 
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": [1, 2], "k" * 12_000: 1}, "k" * 80),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "k" * 12_000: 1}]}, "messages[0]." + "k" * 80),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {}, "k" * 12_000: 1}}}, "response_format"),
+    ("/v1/responses", {"input": "hi", "k" * 12_000: 1}, "k" * 80),
+])
+def test_an_unknown_field_with_a_huge_name_is_named_in_a_short_line(served, path, body, param):
+    """The name was quoted whole, in the message and in ``param``: 24 KB of error for a 12 KB key."""
+    r = served.http.post(path, json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and "not supported" in error["message"] and len(r.content) < 2_000, r.text[:300]
+
+
 def test_a_request_that_could_never_fit_gets_advice_a_client_can_follow(served):
     """A client cannot raise the server's KV budget: it is told how many max_tokens would fit after its prompt,
     or, when not one would, to shorten the prompt (naming ``prompt``, not ``max_tokens``)."""

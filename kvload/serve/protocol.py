@@ -678,7 +678,7 @@ def _structured(body: dict[str, Any]) -> tuple[StructuredOutputsParams | None, s
             spec = fmt["json_schema"]
             extra = sorted(set(spec) - {"name", "schema", "strict", "description"})
             if extra:
-                raise BadRequest(f"response_format.json_schema.{extra[0]}: not supported; accepted: name, schema, "
+                raise BadRequest(f"response_format.json_schema.{extra[0][:60]}: not supported; accepted: name, schema, "
                                  "strict, description", param="response_format")
             _need(isinstance(spec.get("name"), str) and bool(spec["name"]), "response_format.json_schema.name",
                   "a non-empty string", spec.get("name"))
@@ -1023,9 +1023,9 @@ def _object(body: Any) -> dict[str, Any]:
 
 def _known(body: dict[str, Any], allowed: set[str] | frozenset[str]) -> None:
     unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise BadRequest(f"{unknown[0]}: not supported by kvload serve; accepted fields: {', '.join(sorted(allowed))}",
-                         param=unknown[0])
+    if unknown:  # the name cut short: a 12,000-character key was quoted whole, twice, in a 24 KB answer
+        raise BadRequest(f"{unknown[0][:80]}: not supported by kvload serve; accepted fields: "
+                         f"{', '.join(sorted(allowed))}", param=unknown[0][:80])
 
 
 def _model(body: dict[str, Any]) -> None:

@@ -80,8 +80,8 @@ def to_chat(body: Any, tool_parser: str | None = None,
         raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
     unknown = sorted(set(body) - ACCEPTED)
     if unknown:
-        raise BadRequest(f"{unknown[0]}: not supported by kvload serve's /v1/responses; accepted fields: "
-                         f"{', '.join(sorted(ACCEPTED))}", param=unknown[0])
+        raise BadRequest(f"{unknown[0][:80]}: not supported by kvload serve's /v1/responses; accepted fields: "
+                         f"{', '.join(sorted(ACCEPTED))}", param=unknown[0][:80])
     ignored: list[tuple[str, Any, str]] = []
     _unserved(body, ignored)
     chat: dict[str, Any] = {k: body[k] for k in _PASSED if body.get(k) is not None}
