@@ -217,6 +217,25 @@ def test_an_id_a_kept_request_in_flight_holds_is_refused(kept):
     assert kept.served.client.responses.retrieve("resp_live-1").output_text == "Held."
 
 
+def test_a_request_too_large_to_keep_is_refused_naming_store_and_served_with_store_false(kept):
+    """A kept response holds what its request sent besides the prompt (a reasoning item's text, ids), which nothing
+    bounded: 20 MB reasoning items, kept 1,000 times over, grew the server by gigabytes."""
+    kept.script.say("Ok.")
+    limit = kept.served.state.responses.max_request_bytes
+    thinking = {"type": "reasoning", "id": "rs_1", "summary": [],
+                "content": [{"type": "reasoning_text", "text": "t" * limit}]}
+    body = {"input": [{"role": "user", "content": "Hi"}, thinking, {"role": "user", "content": "Again"}],
+            "max_output_tokens": 5}
+    stored = len(kept.served.state.responses)
+    r = kept.served.http.post("/v1/responses", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "store", r.text
+    assert r.json()["error"]["message"].startswith(f"store: a response is kept only for a request of at most "
+                                                   f"{limit:,} bytes (one 8,192-token prompt as text")
+    assert len(kept.served.state.responses) == stored
+    r = kept.served.http.post("/v1/responses", json={**body, "store": False})
+    assert r.status_code == 200 and r.json()["store"] is False
+
+
 def test_a_function_call_output_answers_the_kept_responses_call(kept):
     pytest.importorskip("xgrammar")
     kept.script.say('{"city": "Paris"}')

@@ -875,6 +875,8 @@ class _Run:
             return
         try:
             chat, self.responses = to_chat(_load(raw), self.state.tool_call_parser, self.state.responses)
+            if self.responses.store:  # what a kept response holds is about what its request sent
+                self.state.responses.check_size(len(raw), self.engine.executor.max_seq_len)
             job = _parse_body(self.state, chat, "chat")
             job = attrs.evolve(job, max_tokens_field="max_output_tokens",
                                structured_field="text.format" if job.structured_field == "response_format"

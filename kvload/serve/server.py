@@ -40,7 +40,7 @@ from kvload.serve.command import (
 )
 from kvload.serve.metrics import ServeMetrics
 from kvload.serve.protocol import BadRequest, default_max_request_bytes
-from kvload.serve.responses_store import ResponseStore
+from kvload.serve.responses_store import ResponseStore, kept_request_bytes
 from pipeline.errors import ConfigError, KvloadError
 from pipeline.events import ApiKeyRequired, AutoToolChoiceEnabled, KvEventsFileFailed, ReasoningParserEnabled
 from pipeline.limits import MAX_INT, short, short_text
@@ -136,7 +136,8 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
     metrics = ServeMetrics(name, naming=metrics_naming, max_model_len=engine.executor.max_seq_len)
     engine.observer = metrics
     metrics.attach(engine)
-    responses = ResponseStore(responses_store_max, on_evicted=metrics.responses_evicted.inc)
+    responses = ResponseStore(responses_store_max, on_evicted=metrics.responses_evicted.inc,
+                              max_request_bytes=kept_request_bytes(engine.executor.max_seq_len))
     metrics.watch_responses(responses)
     if max_request_bytes is None:
         max_request_bytes = default_max_request_bytes(engine.executor.max_seq_len, engine.executor.vocab_size)
