@@ -253,6 +253,27 @@ def test_bytes_that_are_not_http_get_openais_error_body_counted(served, sent, st
     _served_normally(served)
 
 
+def test_an_upgrade_request_is_answered_as_plain_http_without_warnings_in_the_operators_log(served):
+    """uvicorn logged two warnings for each, one telling the operator to install a WebSocket library kvload never
+    uses: any client could fill the log with them."""
+    import logging
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("uvicorn.error")
+    logger.addHandler(handler)
+    try:
+        for upgrade in ("websocket", "h2c"):
+            got, _, payload = _raw(served, f"GET /health HTTP/1.1\r\nHost: t\r\nConnection: Upgrade, close\r\n"
+                                           f"Upgrade: {upgrade}\r\nSec-WebSocket-Key: AAAAAAAAAAAAAAAAAAAAAA==\r\n"
+                                           "Sec-WebSocket-Version: 13\r\n\r\n".encode())
+            assert (got, json.loads(payload)) == (200, {"status": "ok"})
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage() for r in records] == []
+
+
 def test_a_refusal_s_reason_follows_its_status_and_a_server_failure_is_no_refusal():
     from kvload.serve.metrics import ServeMetrics
 

@@ -354,6 +354,13 @@ class _Deadlines(H11Protocol):
         self.transport.write(self.conn.send(h11.EndOfMessage()))
         self.transport.close()
 
+    def _unsupported_upgrade_warning(self) -> None:
+        """uvicorn's two warnings for a request asking to switch protocols (a WebSocket, h2c), logged at debug: the
+        request is answered as the plain HTTP request it also is, and any client could fill the operator's log with
+        "No supported WebSocket library detected. Please use pip install 'uvicorn[standard]'", advice that does not
+        apply (kvload serves no WebSocket)."""
+        self.logger.debug("upgrade request (%s) answered as plain HTTP", (self._get_upgrade() or b"").decode("latin-1"))
+
     def _track(self) -> None:
         """A fresh deadline whenever the connection starts waiting for a new head or a new body; none otherwise."""
         state = self.conn.their_state
@@ -428,7 +435,7 @@ def _server(state: ServeState, log_level: str, *, exit_on_engine_failure: bool =
     protocol = type("_Deadlines", (_Deadlines,), {"read_timeout_s": state.read_timeout_s, "metrics": state.metrics})
     app = create_app(state)
     config = uvicorn.Config(app, log_level=log_level, access_log=log_level in ("debug", "info"),
-                            timeout_graceful_shutdown=5, lifespan="off", http=protocol)
+                            timeout_graceful_shutdown=5, lifespan="off", http=protocol, ws="none")
     return _Server(config, state, app.state.stopping, exit_on_engine_failure=exit_on_engine_failure)
 
 
