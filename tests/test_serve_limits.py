@@ -274,6 +274,18 @@ def test_an_upgrade_request_is_answered_as_plain_http_without_warnings_in_the_op
     assert [r.getMessage() for r in records] == []
 
 
+@pytest.mark.parametrize("headers, code", [
+    ("Content-Encoding: identity\r\nContent-Encoding: gzip\r\n", "unsupported_content_encoding"),
+    ("Content-Type: text/plain\r\n", "unsupported_media_type"),  # after _post_head's application/json
+])
+def test_a_header_given_twice_is_read_whole_not_by_its_first_field(served, headers, code):
+    """The first field alone was read: a gzip body sent after "Content-Encoding: identity" was parsed as JSON text
+    (a 400 saying it is not UTF-8), and a text/plain after application/json passed as JSON."""
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 2}).encode()
+    status, _, payload = _raw(served, _post_head(f"Content-Length: {len(body)}\r\n{headers}"), body)
+    assert status == 415 and json.loads(payload)["error"]["code"] == code, payload
+
+
 def test_a_refusal_s_reason_follows_its_status_and_a_server_failure_is_no_refusal():
     from kvload.serve.metrics import ServeMetrics
 

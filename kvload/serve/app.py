@@ -380,12 +380,14 @@ async def _read_body(request: Request, limit: int, timeout: float, stopping: asy
     503 as soon as ``stopping`` is set: uvicorn's shutdown would wait for the upload, then cancel the handler
     (a traceback and a plain-text 500). Refused with 415, unread, when it comes compressed (a Content-Encoding but
     identity), or in a Content-Type other than JSON's (none given is read as JSON)."""
-    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    # each header as all its fields joined (HTTP's list rule): the first alone let "Content-Encoding: identity" then
+    # "Content-Encoding: gzip" through, and the gzip bytes were read as JSON text
+    encoding = ", ".join(request.headers.getlist("content-encoding")).strip().lower() or "identity"
     if encoding not in ("", "identity"):  # its bytes were read as JSON text: "not valid JSON: can't decode 0x8b"
         raise BadRequest(f"Content-Encoding {encoding[:40]!r}: not accepted; send the request body uncompressed "
                          "(identity)", status=415, code="unsupported_content_encoding",
                          headers={"Connection": "close"})  # refused unread, as a 413: the body is not waited for
-    media = request.headers.get("content-type")
+    media = ", ".join(request.headers.getlist("content-type")) or None
     if media is not None and not _is_json(media):
         # vLLM refuses these too (FastAPI reads only a JSON body as JSON); a browser sends text/plain, a form or
         # multipart from any web page without asking the server first (no CORS preflight), so taking them as JSON
