@@ -204,7 +204,8 @@ def test_bad_requests_get_400_naming_the_field(served, body, param, words):
 
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/completions", {"prompt": [1, 2], "k" * 12_000: 1}, "k" * 80),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "k" * 12_000: 1}]}, "messages[0]." + "k" * 80),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "k" * 12_000: 1}]},
+     "messages[0]." + "k" * 80),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": {}, "k" * 12_000: 1}}}, "response_format"),
     ("/v1/responses", {"input": "hi", "k" * 12_000: 1}, "k" * 80),
