@@ -8,8 +8,11 @@ not wait to read, let alone hold, the body it refused.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import socket
+from collections.abc import Iterator
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -242,9 +245,12 @@ def test_refusals_are_counted_by_reason_as_a_client_meets_them(served):
 ])
 def test_bytes_that_are_not_http_get_openais_error_body_counted(served, sent, status, code, says):
     """uvicorn answered these itself, below the app, in plain text ("Invalid HTTP request received."): a client
-    reading OpenAI's error document got none, and what was wrong went unsaid."""
+    reading OpenAI's error document got none, and what was wrong went unsaid; and it logged that line as a warning
+    for each, which any client could repeat into the operator's log."""
     before = _refused(served)["bad_request"]
-    got, headers, payload = _raw(served, sent)
+    with _warnings() as records:
+        got, headers, payload = _raw(served, sent)
+    assert [r.getMessage() for r in records] == []
     assert (got, headers["content-type"], headers["connection"]) == (status, "application/json", "close")
     error = json.loads(payload)["error"]
     assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", None, code)
@@ -253,24 +259,29 @@ def test_bytes_that_are_not_http_get_openais_error_body_counted(served, sent, st
     _served_normally(served)
 
 
-def test_an_upgrade_request_is_answered_as_plain_http_without_warnings_in_the_operators_log(served):
-    """uvicorn logged two warnings for each, one telling the operator to install a WebSocket library kvload never
-    uses: any client could fill the log with them."""
-    import logging
-
+@contextlib.contextmanager
+def _warnings() -> Iterator[list[logging.LogRecord]]:
+    """What uvicorn's error logger (which does not propagate to the root) logs at WARNING or above meanwhile."""
     records: list[logging.LogRecord] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = records.append  # type: ignore[method-assign]
     logger = logging.getLogger("uvicorn.error")
     logger.addHandler(handler)
     try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+
+
+def test_an_upgrade_request_is_answered_as_plain_http_without_warnings_in_the_operators_log(served):
+    """uvicorn logged two warnings for each, one telling the operator to install a WebSocket library kvload never
+    uses: any client could fill the log with them."""
+    with _warnings() as records:
         for upgrade in ("websocket", "h2c"):
             got, _, payload = _raw(served, f"GET /health HTTP/1.1\r\nHost: t\r\nConnection: Upgrade, close\r\n"
                                            f"Upgrade: {upgrade}\r\nSec-WebSocket-Key: AAAAAAAAAAAAAAAAAAAAAA==\r\n"
                                            "Sec-WebSocket-Version: 13\r\n\r\n".encode())
             assert (got, json.loads(payload)) == (200, {"status": "ok"})
-    finally:
-        logger.removeHandler(handler)
     assert [r.getMessage() for r in records] == []
 
 

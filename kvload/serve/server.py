@@ -316,6 +316,7 @@ class _Deadlines(H11Protocol):
                 raise
 
         self.conn.next_event = caught  # type: ignore[method-assign]
+        self.logger = _HttpLog(self.logger)  # type: ignore[assignment]
         super().connection_made(transport)
         self._track()
 
@@ -421,6 +422,25 @@ def _head_timeout(timeout: float) -> bytes:
                                  code="request_timeout").body()).encode()
     return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
             b"content-length: %d\r\n\r\n%s" % (len(body), body))
+
+
+class _HttpLog:
+    """uvicorn's ``uvicorn.error`` logger as its h11 protocol uses it, but for the warning it logs for each request
+    that is not HTTP ("Invalid HTTP request received.", saying nothing of why), logged at debug: the client is told
+    why (:func:`_not_http`) and ``kvload_http_requests_refused_total`` counts it, and any client could fill the
+    operator's log with the line."""
+
+    NOT_HTTP = "Invalid HTTP request received."
+
+    def __init__(self, logger: Any) -> None:
+        self._logger = logger
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._logger, name)
+
+    def warning(self, msg: Any, *args: Any, **kwargs: Any) -> None:
+        """``logger.warning``, but for :attr:`NOT_HTTP`, at debug."""
+        (self._logger.debug if msg == self.NOT_HTTP else self._logger.warning)(msg, *args, **kwargs)
 
 
 class EngineFailed(KvloadError):
