@@ -65,7 +65,7 @@ def chat_message(i: int, m: Any) -> dict[str, Any]:
     # null is "not given": a message the openai client built, model_dump()ed, has refusal, audio, ... as null
     extra = sorted(str(k) for k in m if k not in ("role", "content", "name", *carried) and m[k] is not None)
     if extra:
-        raise MessageError(f"messages[{i}].{extra[0]}", f"not supported{_WHOSE.get(extra[0], '')}; a message has "
+        raise MessageError(f"messages[{i}].{extra[0][:80]}", f"not supported{_WHOSE.get(extra[0], '')}; a message has "
                            f"role, content, name{''.join(', ' + c for c in carried)}")
     message: dict[str, Any] = {"role": "system" if m["role"] == "developer" else m["role"], "content": content}
     if m.get("tool_calls") not in (None, []):  # [] or null: a plain assistant turn (vLLM drops an empty list too);

@@ -169,8 +169,13 @@ def test_a_client_that_gives_up_on_a_plain_request_has_it_aborted(served):
     ({"prompt": [1, 2], "frequency_penalty": "high"}, "frequency_penalty", "expected a number, got 'high'"),
     ({"prompt": [1, 2], "repetition_penalty": 0}, "repetition_penalty", "expected a number in [0.01, 100]"),
     ({"prompt": [1, 2], "repetition_penalty": 1e308}, "repetition_penalty", "expected a number in [0.01, 100]"),
-    ({"prompt": [1, 2], "repetition_penalty": 10**400}, "repetition_penalty", "repetition_penalty: expected a number"),
-    ({"prompt": [1, 2], "temperature": 10**400}, "temperature", "temperature: expected a number in [0, 2]"),
+    # a number past a float: its range said, and its size, not 300 of its digits
+    ({"prompt": [1, 2], "repetition_penalty": 10**400}, "repetition_penalty",
+     "repetition_penalty: expected a number in [0.01, 100] (1 = off), got an integer of about 401 digits"),
+    ({"prompt": [1, 2], "frequency_penalty": -10**400}, "frequency_penalty",
+     "frequency_penalty: expected a number in [-2, 2] (0 = off), got an integer of about 401 digits"),
+    ({"prompt": [1, 2], "temperature": 10**400}, "temperature",
+     "temperature: expected a number in [0, 2] (0 = greedy), got an integer of about 401 digits"),
     ({"prompt": [1, 2], "logit_bias": {"3": 10**400}}, "logit_bias", "to numbers in [-100, 100]"),
     ({"prompt": [1, 2], "min_tokens": 9, "max_tokens": 4}, "min_tokens", "an integer in [0, max_tokens=4]"),
     ({"prompt": [1, 2], "min_p": 2}, "min_p", "min_p: expected a number in [0, 1]"),
@@ -195,6 +200,22 @@ def test_bad_requests_get_400_naming_the_field(served, body, param, words):
     error = r.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error"
     assert words in error["message"]
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": [1, 2], "k" * 12_000: 1}, "k" * 80),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "k" * 12_000: 1}]},
+     "messages[0]." + "k" * 80),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {}, "k" * 12_000: 1}}}, "response_format"),
+    ("/v1/responses", {"input": "hi", "k" * 12_000: 1}, "k" * 80),
+])
+def test_an_unknown_field_with_a_huge_name_is_named_in_a_short_line(served, path, body, param):
+    """The name was quoted whole, in the message and in ``param``: 24 KB of error for a 12 KB key."""
+    r = served.http.post(path, json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and "not supported" in error["message"] and len(r.content) < 2_000, r.text[:300]
 
 
 def test_a_request_that_could_never_fit_gets_advice_a_client_can_follow(served):

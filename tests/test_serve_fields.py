@@ -208,6 +208,18 @@ def test_request_id_names_the_answer_and_an_x_request_id_header_wins(served):
     _refused(served, "/v1/completions", {"prompt": PROMPT, "request_id": "a\nb"}, "request_id")
 
 
+def test_an_x_request_id_header_that_is_not_ascii_or_given_twice_is_a_400_naming_it(served):
+    """Its bytes past ASCII were read as Latin-1, so UTF-8 sent there named the answer in mojibake ("cmpl-Ã¿Ã¾"); two
+    of them named it by the first, the second dropped unsaid."""
+    for headers in ([("X-Request-Id", "\u00ff\u00fe".encode())], [("X-Request-Id", b"a"), ("X-Request-Id", b"b")]):
+        r = served.http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}, headers=headers)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "X-Request-Id", r.text
+    assert "expected printable ASCII" in served.http.post(
+        "/v1/chat/completions", json={"messages": CONV, "max_tokens": 1},
+        headers=[("X-Request-Id", "caf\u00e9".encode())]).json()["error"]["message"]
+    assert _complete(served, request_id="caf\u00e9").id == "cmpl-caf\u00e9"  # Unicode belongs in the body
+
+
 def test_continuous_usage_stats_put_each_choices_usage_so_far_in_every_chunk(served):
     stream = served.client.completions.create(model="words", prompt=PROMPT, max_tokens=4, n=2, temperature=1.0,
                                               stream=True, stream_options={"include_usage": True},

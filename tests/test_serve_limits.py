@@ -8,8 +8,11 @@ not wait to read, let alone hold, the body it refused.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import socket
+from collections.abc import Iterator
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -227,6 +230,71 @@ def test_refusals_are_counted_by_reason_as_a_client_meets_them(served):
     after = _refused(served)
     moved = {reason: after[reason] - before[reason] for reason in after if after[reason] != before[reason]}
     assert moved == {"too_large": 2, "bad_request": 3, "model_not_found": 1}
+
+
+@pytest.mark.parametrize("sent, status, code, says", [
+    (b"NOT HTTP AT ALL\r\n\r\n", 400, "invalid_http_request", "(illegal request line: 'NOT HTTP AT ALL')"),
+    (b"GET /health HTTP/1.1\r\nHost: t\r\nBad Header: x\r\n\r\n", 400, "invalid_http_request",
+     "(illegal header line: 'Bad Header: x')"),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}", 400,
+     "invalid_http_request", "(conflicting Content-Length headers)"),
+    (b"GET /health HTTP/1.1\r\n\r\n", 400, "invalid_http_request", "(Missing mandatory Host: header)"),
+    # a head still arriving past h11's limit (all of it sent, so the close is a FIN, not a reset)
+    (b"GET /health HTTP/1.1\r\nHost: t\r\nX-Big: " + b"a" * 20_000, 431, "request_header_fields_too_large",
+     "more than 16,384 bytes came without the blank line that ends the headers"),
+])
+def test_bytes_that_are_not_http_get_openais_error_body_counted(served, sent, status, code, says):
+    """uvicorn answered these itself, below the app, in plain text ("Invalid HTTP request received."): a client
+    reading OpenAI's error document got none, and what was wrong went unsaid; and it logged that line as a warning
+    for each, which any client could repeat into the operator's log."""
+    before = _refused(served)["bad_request"]
+    with _warnings() as records:
+        got, headers, payload = _raw(served, sent)
+    assert [r.getMessage() for r in records] == []
+    assert (got, headers["content-type"], headers["connection"]) == (status, "application/json", "close")
+    error = json.loads(payload)["error"]
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", None, code)
+    assert says in error["message"], error["message"]
+    assert _refused(served)["bad_request"] == before + 1
+    _served_normally(served)
+
+
+@contextlib.contextmanager
+def _warnings() -> Iterator[list[logging.LogRecord]]:
+    """What uvicorn's error logger (which does not propagate to the root) logs at WARNING or above meanwhile."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("uvicorn.error")
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+
+
+def test_an_upgrade_request_is_answered_as_plain_http_without_warnings_in_the_operators_log(served):
+    """uvicorn logged two warnings for each, one telling the operator to install a WebSocket library kvload never
+    uses: any client could fill the log with them."""
+    with _warnings() as records:
+        for upgrade in ("websocket", "h2c"):
+            got, _, payload = _raw(served, f"GET /health HTTP/1.1\r\nHost: t\r\nConnection: Upgrade, close\r\n"
+                                           f"Upgrade: {upgrade}\r\nSec-WebSocket-Key: AAAAAAAAAAAAAAAAAAAAAA==\r\n"
+                                           "Sec-WebSocket-Version: 13\r\n\r\n".encode())
+            assert (got, json.loads(payload)) == (200, {"status": "ok"})
+    assert [r.getMessage() for r in records] == []
+
+
+@pytest.mark.parametrize("headers, code", [
+    ("Content-Encoding: identity\r\nContent-Encoding: gzip\r\n", "unsupported_content_encoding"),
+    ("Content-Type: text/plain\r\n", "unsupported_media_type"),  # after _post_head's application/json
+])
+def test_a_header_given_twice_is_read_whole_not_by_its_first_field(served, headers, code):
+    """The first field alone was read: a gzip body sent after "Content-Encoding: identity" was parsed as JSON text
+    (a 400 saying it is not UTF-8), and a text/plain after application/json passed as JSON."""
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 2}).encode()
+    status, _, payload = _raw(served, _post_head(f"Content-Length: {len(body)}\r\n{headers}"), body)
+    assert status == 415 and json.loads(payload)["error"]["code"] == code, payload
 
 
 def test_a_refusal_s_reason_follows_its_status_and_a_server_failure_is_no_refusal():

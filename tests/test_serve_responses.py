@@ -512,6 +512,17 @@ def test_under_qwen3_only_a_reply_that_thinks_has_a_reasoning_item_and_reasoning
      "input[0].call_id", "before its output"),
     ({"max_output_tokens": 10**7}, "max_output_tokens", "max_output_tokens"),
     ({"metadata": {"k": 1}}, "metadata", "string"),
+    # an item's id and status are kept and listed back as sent: any JSON there broke input_items for the client
+    ({"input": [{"role": "user", "content": "a", "status": {"any": 1}}]}, "input[0].status",
+     "expected 'in_progress' or 'completed' or 'incomplete'"),
+    ({"input": [{"role": "user", "content": "a", "id": 5}]}, "input[0].id", "a string of 1 to 256 characters"),
+    ({"input": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "phase": "draft"}]},
+     "input[1].phase", "'commentary' or 'final_answer'"),
+    ({"input": [{"role": "user", "content": "a"}, {"type": "reasoning", "summary": [{"type": "x", "text": "t"}]},
+                {"role": "user", "content": "b"}]}, "input[1].summary", '{"type": "summary_text", "text": ...}'),
+    ({"input": [{"role": "user", "content": "a"}, {"type": "reasoning", "summary": [],
+                                                   "content": [{"type": "reasoning_text", "text": 5}]},
+                {"role": "user", "content": "b"}]}, "input[1].content", '{"type": "reasoning_text", "text": ...}'),
 ])
 def test_a_bad_field_is_refused_naming_it(plain, body, param, says):
     assert says in refused(plain, param, **body)

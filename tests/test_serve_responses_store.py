@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from openai.types.responses import Response, ResponseItemList
 
 from tests.cli_support import run_cli
-from tests.serve_support import Script
+from tests.serve_support import Script, answers_while_held
 from tests.test_serve_responses import WEATHER, Seen, _serve, create, events_of
 
 BOUND = 4
@@ -135,6 +135,16 @@ def test_unknown_ids_are_404s_in_openais_error_body_counted_as_such(kept):
     assert (refused.status_code, refused.json()["error"]["param"]) == (400, "previous_response_id")
 
 
+@pytest.mark.parametrize("limit", ["%C2%B2", "1" * 5000, "%EF%BC%95"])  # superscript 2, 5,000 digits, fullwidth 5
+def test_a_page_limit_that_is_no_plain_number_is_a_400_naming_it(kept, limit):
+    """Digits int() refuses, or too many for it to read, were a 500 with a traceback in the server's log."""
+    kept.script.say("Ok.")
+    rid = create(kept, input="Hi", max_output_tokens=5).id
+    r = kept.served.http.get(f"/v1/responses/{rid}/input_items?limit={limit}")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "limit", r.text
+    assert r.json()["error"]["message"].startswith("limit: expected an integer from 1 to 100, got ")
+
+
 def test_store_false_is_not_kept_and_a_stream_is_kept_as_it_completed(kept):
     kept.script.say("Not kept.")
     gone = create(kept, input="Hi", store=False, max_output_tokens=20)
@@ -153,6 +163,77 @@ def test_store_false_is_not_kept_and_a_stream_is_kept_as_it_completed(kept):
     assert kept.seen.messages[-1] == [{"role": "user", "content": "Stream it"},
                                       {"role": "assistant", "content": "Streamed and kept."},
                                       {"role": "user", "content": "And then?"}]
+
+
+def _id_in_use(call) -> dict:
+    with pytest.raises(openai.BadRequestError) as caught:
+        call()
+    assert caught.value.body["code"] == "response_id_in_use"
+    return caught.value.body
+
+
+def test_an_id_that_names_a_kept_response_is_refused_not_replaced(kept):
+    """A reused X-Request-Id (or request_id) must not silently swap the response a chain reaches for another."""
+    kept.script.say("First.")
+    first = create(kept, input="One", max_output_tokens=10, extra_headers={"X-Request-Id": "same-1"})
+    assert first.id == "resp_same-1"
+    kept.script.say("Second.")
+    body = _id_in_use(lambda: create(kept, input="Two", max_output_tokens=10, extra_headers={"X-Request-Id": "same-1"}))
+    assert body["param"] == "X-Request-Id" and "'resp_same-1' already names a kept response" in body["message"]
+    body = _id_in_use(lambda: create(kept, input="Two", max_output_tokens=10, extra_body={"request_id": "same-1"}))
+    assert body["param"] == "request_id"
+    assert kept.served.client.responses.retrieve(first.id).output_text == "First."  # the kept one is untouched
+    # not kept, it takes nothing: store false answers under that id; once deleted, the id is free again
+    assert create(kept, input="Two", store=False, max_output_tokens=10, extra_body={"request_id": "same-1"}).id == \
+        first.id
+    kept.served.client.responses.delete(first.id)
+    again = create(kept, input="Three", max_output_tokens=10, extra_body={"request_id": "same-1"})
+    assert kept.served.client.responses.retrieve(again.id).output_text == "Second."
+    # a request refused after its id was reserved leaves the id free
+    refused = kept.served.http.post("/v1/responses", headers={"X-Request-Id": "same-2"},
+                                    json={"input": "x", "max_output_tokens": 10**6})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_output_tokens"
+    assert create(kept, input="Four", max_output_tokens=10, extra_headers={"X-Request-Id": "same-2"}).id == \
+        "resp_same-2"
+
+
+def test_an_id_a_kept_request_in_flight_holds_is_refused(kept):
+    """Two requests in flight with one id: the second is refused, not left to replace the first once both end."""
+    kept.script.say("Held.")
+
+    def first(http):
+        return http.post("/v1/responses", json={"input": "Hold", "max_output_tokens": 10},
+                         headers={"X-Request-Id": "live-1"})
+
+    def second(http):
+        r = http.post("/v1/responses", json={"input": "Also", "max_output_tokens": 10},
+                      headers={"X-Request-Id": "live-1"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "response_id_in_use", r.text
+        assert "request still in flight" in r.json()["error"]["message"]
+
+    # the engine's forward is held: the first request is queued, its id reserved, while the second arrives
+    done = answers_while_held(kept.served, kept.served.state.engine.executor, "forward_scored", first, second)
+    assert done.status_code == 200 and done.json()["id"] == "resp_live-1"
+    assert kept.served.client.responses.retrieve("resp_live-1").output_text == "Held."
+
+
+def test_a_request_too_large_to_keep_is_refused_naming_store_and_served_with_store_false(kept):
+    """A kept response holds what its request sent besides the prompt (a reasoning item's text, ids), which nothing
+    bounded: 20 MB reasoning items, kept 1,000 times over, grew the server by gigabytes."""
+    kept.script.say("Ok.")
+    limit = kept.served.state.responses.max_request_bytes
+    thinking = {"type": "reasoning", "id": "rs_1", "summary": [],
+                "content": [{"type": "reasoning_text", "text": "t" * limit}]}
+    body = {"input": [{"role": "user", "content": "Hi"}, thinking, {"role": "user", "content": "Again"}],
+            "max_output_tokens": 5}
+    stored = len(kept.served.state.responses)
+    r = kept.served.http.post("/v1/responses", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "store", r.text
+    assert r.json()["error"]["message"].startswith(f"store: a response is kept only for a request of at most "
+                                                   f"{limit:,} bytes (one 8,192-token prompt as text")
+    assert len(kept.served.state.responses) == stored
+    r = kept.served.http.post("/v1/responses", json={**body, "store": False})
+    assert r.status_code == 200 and r.json()["store"] is False
 
 
 def test_a_function_call_output_answers_the_kept_responses_call(kept):

@@ -49,7 +49,15 @@ from kvload.serve.messages_input import renamed_error as messages_error
 from kvload.serve.messages_input import to_chat as messages_to_chat
 from kvload.serve.messages_output import message_document, message_events
 from kvload.serve.metrics import ServeMetrics
-from kvload.serve.protocol import BadRequest, Job, parse, parse_detokenize, parse_tokenize, request_id
+from kvload.serve.protocol import (
+    MAX_REQUEST_ID_CHARS,
+    BadRequest,
+    Job,
+    parse,
+    parse_detokenize,
+    parse_tokenize,
+    request_id,
+)
 from kvload.serve.responses_input import ResponsesRequest, renamed, renamed_error, to_chat
 from kvload.serve.responses_output import response_document, response_events
 from kvload.serve.responses_store import ResponseStore
@@ -313,6 +321,10 @@ def _routing_error(app: FastAPI, request: Request, exc: HTTPException) -> BadReq
                       kind="server_error" if exc.status_code >= 500 else "invalid_request_error")
 
 
+#: The scope key of the response id a kept Responses request reserved (``ResponseStore.claim``).
+CLAIMED = "kvload.claimed_response_id"
+
+
 class _Admission:
     """At most ``state.max_concurrent_requests`` generation requests in the server at once; past it, 503 at once.
 
@@ -351,6 +363,9 @@ class _Admission:
             await self.app(scope, receive, send)
         finally:  # an exception, a cancellation (the client left mid-stream) or the answer's end
             state.in_flight -= 1
+            claimed = scope.get(CLAIMED)
+            if claimed is not None:
+                state.responses.release(claimed)
 
 
 #: The status nginx logs for a client that closed the connection before the answer; nobody receives it.
@@ -365,12 +380,14 @@ async def _read_body(request: Request, limit: int, timeout: float, stopping: asy
     503 as soon as ``stopping`` is set: uvicorn's shutdown would wait for the upload, then cancel the handler
     (a traceback and a plain-text 500). Refused with 415, unread, when it comes compressed (a Content-Encoding but
     identity), or in a Content-Type other than JSON's (none given is read as JSON)."""
-    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    # each header as all its fields joined (HTTP's list rule): the first alone let "Content-Encoding: identity" then
+    # "Content-Encoding: gzip" through, and the gzip bytes were read as JSON text
+    encoding = ", ".join(request.headers.getlist("content-encoding")).strip().lower() or "identity"
     if encoding not in ("", "identity"):  # its bytes were read as JSON text: "not valid JSON: can't decode 0x8b"
         raise BadRequest(f"Content-Encoding {encoding[:40]!r}: not accepted; send the request body uncompressed "
                          "(identity)", status=415, code="unsupported_content_encoding",
                          headers={"Connection": "close"})  # refused unread, as a 413: the body is not waited for
-    media = request.headers.get("content-type")
+    media = ", ".join(request.headers.getlist("content-type")) or None
     if media is not None and not _is_json(media):
         # vLLM refuses these too (FastAPI reads only a JSON body as JSON); a browser sends text/plain, a form or
         # multipart from any web page without asking the server first (no CORS preflight), so taking them as JSON
@@ -798,6 +815,21 @@ class _Echo:
         return cls(prompt if isinstance(prompt, str) else decoded.text, list(ids), offsets)
 
 
+def _header_request_id(request: Request) -> str | None:
+    """The ``X-Request-Id`` header (vLLM's), checked as ``request_id`` is, and ASCII: a header's other bytes are read
+    as Latin-1, so UTF-8 sent there came back in the answer's id as mojibake (``Ã¿``). Given twice is a 400: which one
+    names the request is not for the server to guess."""
+    values = request.headers.getlist("x-request-id")
+    if len(values) > 1:
+        raise BadRequest(f"X-Request-Id: given {len(values)} times; give it once", param="X-Request-Id")
+    value = values[0] if values else None
+    if value is not None and not value.isascii():
+        raise BadRequest(f"X-Request-Id: expected printable ASCII of 1 to {MAX_REQUEST_ID_CHARS} characters (a header "
+                         f"carries no other text; send request_id in the body for Unicode), got {value[:60]!r}",
+                         param="X-Request-Id")
+    return request_id(value, "X-Request-Id")
+
+
 def _token_offsets(text: SampleText, token_ids: list[int], first: int, final: bool = False) -> list[int]:
     """Where tokens ``first`` on begin in ``text``, decoded up to each in turn (``text`` holds tokens ``:first``
     already); a token that only starts a character begins where the token completing it does. ``final``: the last
@@ -845,6 +877,8 @@ class _Run:
             return
         try:
             chat, self.responses = to_chat(_load(raw), self.state.tool_call_parser, self.state.responses)
+            if self.responses.store:  # what a kept response holds is about what its request sent
+                self.state.responses.check_size(len(raw), self.engine.executor.max_seq_len)
             job = _parse_body(self.state, chat, "chat")
             job = attrs.evolve(job, max_tokens_field="max_output_tokens",
                                structured_field="text.format" if job.structured_field == "response_format"
@@ -873,10 +907,14 @@ class _Run:
         """:meth:`prepare` once the body is a ``Job``."""
         self.job = job
         # vLLM's: an X-Request-Id header names the request, else its request_id, else a fresh id
-        given = request_id(self.request.headers.get("x-request-id"), "X-Request-Id") or job.request_id
+        given = _header_request_id(self.request) or job.request_id
         prefix = "resp_" if self.responses is not None else "msg_" if self.messages is not None \
             else "chatcmpl-" if job.kind == "chat" else "cmpl-"
         self.id = prefix + (given or uuid.uuid4().hex)
+        if given and self.responses is not None and self.responses.store:  # a fresh id names nothing kept
+            header = "x-request-id" in self.request.headers
+            self.state.responses.claim(self.id, "X-Request-Id" if header else "request_id")
+            self.request.scope[CLAIMED] = self.id  # let go by _Admission once the request ends, however it ends
         self.prompts, cut = _encode(self.engine, job)
         scored = sum(map(len, self.prompts)) if job.params.prompt_logprobs is not None else 0
         if scored > MAX_SCORED_PROMPT_TOKENS:

@@ -36,6 +36,7 @@ from engine.sampling_params import (
     check_stop_sizes,
     check_stop_token_ids_count,
     is_finite,
+    is_number,
 )
 from engine.schema_ignored import ignored_settings
 from engine.structured_params import FALSE_SCHEMA, StructuredOutputsParams
@@ -199,7 +200,9 @@ def _is_int(v: Any) -> bool:
 
 def _need(ok: bool, field: str, expected: str, value: Any) -> None:
     if not ok:
-        raise BadRequest(f"{field}: expected {expected}, got {value!r}"[:300], param=field)
+        # an integer as its size past 20 digits: a JSON literal of 4,000 digits filled the message with them
+        shown = short(value) if isinstance(value, int) and not isinstance(value, bool) else repr(value)
+        raise BadRequest(f"{field}: expected {expected}, got {shown}"[:300], param=field)
 
 
 def need_schema(value: Any, field: str, optional: bool = False) -> None:
@@ -287,9 +290,9 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
     # OpenAI's penalties and vLLM's extras: null is absent; SamplingParams checks the rest (bool is no number)
     extras = {name: body[name] for name in ("presence_penalty", "frequency_penalty", *_SAMPLING_EXTRAS)
               if body.get(name) is not None}
-    for name, value in extras.items():
+    for name, value in extras.items():  # the type here; SamplingParams says the range (1e400 is a number past it)
         expected = "an integer" if name == "min_tokens" else "a number"
-        _need(_is_int(value) if name == "min_tokens" else is_finite(value), name, expected, value)
+        _need(_is_int(value) if name == "min_tokens" else is_number(value), name, expected, value)
     defaulted = [name for name in ("temperature", "top_p", "top_k", *_SAMPLING_EXTRAS)
                  if name in defaults and body.get(name) is None]  # the model's, checked when it was loaded
     extras.update({name: defaults[name] for name in defaulted if name in _SAMPLING_EXTRAS})
@@ -675,7 +678,7 @@ def _structured(body: dict[str, Any]) -> tuple[StructuredOutputsParams | None, s
             spec = fmt["json_schema"]
             extra = sorted(set(spec) - {"name", "schema", "strict", "description"})
             if extra:
-                raise BadRequest(f"response_format.json_schema.{extra[0]}: not supported; accepted: name, schema, "
+                raise BadRequest(f"response_format.json_schema.{extra[0][:60]}: not supported; accepted: name, schema, "
                                  "strict, description", param="response_format")
             _need(isinstance(spec.get("name"), str) and bool(spec["name"]), "response_format.json_schema.name",
                   "a non-empty string", spec.get("name"))
@@ -1020,9 +1023,9 @@ def _object(body: Any) -> dict[str, Any]:
 
 def _known(body: dict[str, Any], allowed: set[str] | frozenset[str]) -> None:
     unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise BadRequest(f"{unknown[0]}: not supported by kvload serve; accepted fields: {', '.join(sorted(allowed))}",
-                         param=unknown[0])
+    if unknown:  # the name cut short: a 12,000-character key was quoted whole, twice, in a 24 KB answer
+        raise BadRequest(f"{unknown[0][:80]}: not supported by kvload serve; accepted fields: "
+                         f"{', '.join(sorted(allowed))}", param=unknown[0][:80])
 
 
 def _model(body: dict[str, Any]) -> None:

@@ -19,7 +19,14 @@ import attrs
 
 from engine.messages import MessageError, json_text
 from kvload.serve.command import TOOL_CALL_PARSERS
-from kvload.serve.protocol import EFFORT_IGNORED, EFFORTS, BadRequest, need_schema, openai_hints
+from kvload.serve.protocol import (
+    EFFORT_IGNORED,
+    EFFORTS,
+    MAX_REQUEST_ID_CHARS,
+    BadRequest,
+    need_schema,
+    openai_hints,
+)
 from kvload.serve.protocol import metadata as _metadata
 from kvload.serve.responses_store import ResponseStore, Stored, input_items
 
@@ -80,8 +87,8 @@ def to_chat(body: Any, tool_parser: str | None = None,
         raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
     unknown = sorted(set(body) - ACCEPTED)
     if unknown:
-        raise BadRequest(f"{unknown[0]}: not supported by kvload serve's /v1/responses; accepted fields: "
-                         f"{', '.join(sorted(ACCEPTED))}", param=unknown[0])
+        raise BadRequest(f"{unknown[0][:80]}: not supported by kvload serve's /v1/responses; accepted fields: "
+                         f"{', '.join(sorted(ACCEPTED))}", param=unknown[0][:80])
     ignored: list[tuple[str, Any, str]] = []
     _unserved(body, ignored)
     chat: dict[str, Any] = {k: body[k] for k in _PASSED if body.get(k) is not None}
@@ -221,6 +228,8 @@ def _input(value: Any, ignored: list[tuple[str, Any, str]],
         where = f"input[{k}]" if k >= 0 else "previous_response_id"  # a kept item was checked when it was sent
         _need(isinstance(item, dict), where, f"an item ({_ITEMS})", item)
         kind = item.get("type", "message" if "role" in item else None)
+        if k >= 0 and kind in ("message", "function_call", "function_call_output", "reasoning"):
+            _item_meta(item, where, kind)
         if kind == "message":
             _fields(item, where, {"type", "role", "content", "id", "status", "phase"})
             role = item.get("role")
@@ -279,6 +288,36 @@ def _input(value: Any, ignored: list[tuple[str, Any, str]],
     if not messages:
         raise BadRequest("input: holds no message (only reasoning items); give the conversation", param="input")
     return messages, sources
+
+
+_STATUSES = ("in_progress", "completed", "incomplete")  # an item's status, as OpenAI's types have it
+_PHASES = ("commentary", "final_answer")  # an assistant message's phase
+_REASONING_PARTS = {"summary": "summary_text", "content": "reasoning_text"}
+
+
+def _item_meta(item: dict[str, Any], where: str, kind: str) -> None:
+    """An item's ``id``, ``status`` (and a message's ``phase``, a reasoning item's parts) in OpenAI's shapes: they are
+    kept and listed back (``input_items``) as sent, and a status of any JSON made the list one the openai client
+    could not read."""
+    item_id = item.get("id")
+    _need(item_id is None or (isinstance(item_id, str) and 1 <= len(item_id) <= MAX_REQUEST_ID_CHARS),
+          f"{where}.id", f"a string of 1 to {MAX_REQUEST_ID_CHARS} characters", item_id)
+    _need(item.get("status") in (None, *_STATUSES), f"{where}.status", " or ".join(map(repr, _STATUSES)),
+          item.get("status"))
+    if kind == "message":
+        _need(item.get("phase") in (None, *_PHASES), f"{where}.phase", " or ".join(map(repr, _PHASES)),
+              item.get("phase"))
+    if kind != "reasoning":
+        return
+    for key, part in _REASONING_PARTS.items():
+        parts = item.get(key)
+        ok = parts is None or (isinstance(parts, list) and all(
+            isinstance(p, dict) and p.get("type") == part and isinstance(p.get("text"), str) and set(p) <= {"type",
+                                                                                                        "text"}
+            for p in parts))
+        _need(ok, f"{where}.{key}", f'a list of {{"type": "{part}", "text": ...}} parts', parts)
+    encrypted = item.get("encrypted_content")
+    _need(encrypted is None or isinstance(encrypted, str), f"{where}.encrypted_content", "a string", encrypted)
 
 
 def _fields(item: dict[str, Any], where: str, allowed: set[str]) -> None:

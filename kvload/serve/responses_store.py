@@ -22,6 +22,10 @@ import attrs
 from kvload.serve.command import RESPONSES_STORE_MAX_DEFAULT as STORE_MAX_DEFAULT
 from kvload.serve.protocol import BadRequest
 
+#: The largest request whose response is kept when the model is unknown (``build_state`` derives it from the context
+#: length: :func:`kept_request_bytes`).
+KEPT_BYTES_DEFAULT = 16 * 8192 + (1 << 20)
+
 #: ``GET /v1/responses/{id}/input_items``' page size: OpenAI's default and most.
 PAGE_DEFAULT = 20
 PAGE_MAX = 100
@@ -61,10 +65,14 @@ class ResponseStore:
     event loop and from the worker thread that prepares a request, so every method holds a lock."""
 
     def __init__(self, max_responses: int = STORE_MAX_DEFAULT,
-                 on_evicted: Callable[[int], None] | None = None) -> None:
+                 on_evicted: Callable[[int], None] | None = None, max_request_bytes: int = KEPT_BYTES_DEFAULT) -> None:
         self.max_responses = max_responses
         self.on_evicted = on_evicted  # told how many were dropped (the metrics count them)
+        #: the largest request body whose response is kept: the count alone bounded no memory, as a kept response
+        #: holds what its request sent besides the prompt (reasoning items, ids, a schema), of any size
+        self.max_request_bytes = max_request_bytes
         self._kept: OrderedDict[str, Stored] = OrderedDict()
+        self._claimed: set[str] = set()  # ids of requests in flight whose response will be kept
         self._lock = threading.Lock()
 
     @property
@@ -75,9 +83,41 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._kept)
 
+    def check_size(self, size: int, context: int | None = None) -> None:
+        """A 400 naming ``store`` when a request of ``size`` bytes asks for its response to be kept past
+        :attr:`max_request_bytes` (``context``: the model's context length, said in the message)."""
+        if size <= self.max_request_bytes:
+            return
+        derived = context is not None and self.max_request_bytes == kept_request_bytes(context)
+        why = f" (one {context:,}-token prompt as text, 16 bytes a token, plus 1 MiB)" if derived else ""
+        raise BadRequest(f"store: a response is kept only for a request of at most {self.max_request_bytes:,} bytes"
+                         f"{why}, got {size:,}: send store: false (nothing is kept), or chain the turns with "
+                         "previous_response_id (the kept turns are not sent again)", param="store")
+
+    def claim(self, response_id: str, field: str) -> None:
+        """Reserve ``response_id`` for a request in flight whose response will be kept; a 400 naming ``field`` (the
+        ``X-Request-Id`` header or ``request_id``, which chose it) when a kept response or another request in flight
+        has it already: a later response replacing a kept one would silently change every chain through it."""
+        with self._lock:
+            kept = response_id in self._kept
+            if not kept and response_id not in self._claimed:
+                self._claimed.add(response_id)
+                return
+        shown = response_id[:200]
+        whose = "names a kept response" if kept else "names a request still in flight whose response will be kept"
+        fix = f"; send another id, store: false, or DELETE /v1/responses/{shown} first" if kept else \
+            "; send another id, or store: false"
+        raise BadRequest(f"{field}: {shown!r} already {whose} (each kept response has its own id){fix}",
+                         param=field, code="response_id_in_use")
+
+    def release(self, response_id: str) -> None:
+        """Let go of :meth:`claim`'s reservation (the request ended, kept or not)."""
+        with self._lock:
+            self._claimed.discard(response_id)
+
     def put(self, response: dict[str, Any], items: tuple[dict[str, Any], ...], parent: Stored | None = None) -> None:
-        """Keep ``response``, made from its request's input ``items`` after the kept response ``parent`` (a later
-        response of the same id replaces it), dropping the least recently used past the bound."""
+        """Keep ``response``, made from its request's input ``items`` after the kept response ``parent``, dropping
+        the least recently used past the bound."""
         if not self.enabled:
             return
         with self._lock:
@@ -138,7 +178,8 @@ class ResponseStore:
         unless ``order=asc``, ``limit`` 1 to 100 (20), after the item ``after``); 404 when none is kept."""
         _query(query, ("after", "limit", "order"))
         limit = query.get("limit", str(PAGE_DEFAULT))
-        if not (limit.isdigit() and 1 <= int(limit) <= PAGE_MAX):
+        # ASCII digits, and few: "²" is a digit int() refuses, and 5,000 digits pass int()'s own limit (each a 500)
+        if not (limit.isascii() and limit.isdigit() and len(limit) <= 3 and 1 <= int(limit) <= PAGE_MAX):
             raise BadRequest(f"limit: expected an integer from 1 to {PAGE_MAX}, got {limit[:40]!r}", param="limit")
         order = query.get("order", "desc")
         if order not in ("asc", "desc"):
@@ -156,6 +197,12 @@ class ResponseStore:
         page = items[:int(limit)]
         return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
                 "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)}
+
+
+def kept_request_bytes(max_seq_len: int) -> int:
+    """The largest request body whose response is kept: one prompt of ``max_seq_len`` tokens as text (16 bytes a
+    token, as the default ``--max-request-bytes`` counts them), plus 1 MiB for the rest."""
+    return 16 * max_seq_len + (1 << 20)
 
 
 def _query(query: Mapping[str, str], accepted: tuple[str, ...]) -> None:
@@ -215,4 +262,4 @@ def input_items(value: Any) -> list[dict[str, Any]]:
     return out
 
 
-__all__ = ["PAGE_MAX", "STORE_MAX_DEFAULT", "ResponseStore", "Stored", "input_items"]
+__all__ = ["PAGE_MAX", "STORE_MAX_DEFAULT", "ResponseStore", "Stored", "input_items", "kept_request_bytes"]

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http
 import json
+import re
 import signal
 import socket
 import threading
@@ -18,6 +20,7 @@ from typing import Any
 
 import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE as HEAD_LIMIT
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from cache_backends.kv_events import KvEventMirror
@@ -37,7 +40,7 @@ from kvload.serve.command import (
 )
 from kvload.serve.metrics import ServeMetrics
 from kvload.serve.protocol import BadRequest, default_max_request_bytes
-from kvload.serve.responses_store import ResponseStore
+from kvload.serve.responses_store import ResponseStore, kept_request_bytes
 from pipeline.errors import ConfigError, KvloadError
 from pipeline.events import ApiKeyRequired, AutoToolChoiceEnabled, KvEventsFileFailed, ReasoningParserEnabled
 from pipeline.limits import MAX_INT, short, short_text
@@ -133,7 +136,8 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
     metrics = ServeMetrics(name, naming=metrics_naming, max_model_len=engine.executor.max_seq_len)
     engine.observer = metrics
     metrics.attach(engine)
-    responses = ResponseStore(responses_store_max, on_evicted=metrics.responses_evicted.inc)
+    responses = ResponseStore(responses_store_max, on_evicted=metrics.responses_evicted.inc,
+                              max_request_bytes=kept_request_bytes(engine.executor.max_seq_len))
     metrics.watch_responses(responses)
     if max_request_bytes is None:
         max_request_bytes = default_max_request_bytes(engine.executor.max_seq_len, engine.executor.vocab_size)
@@ -301,6 +305,18 @@ class _Deadlines(H11Protocol):
     def connection_made(self, transport: Any) -> None:
         self._deadline: asyncio.TimerHandle | None = None
         self._phase: tuple[Any, ...] | None = None
+        self._refused: h11.RemoteProtocolError | None = None
+        next_event = self.conn.next_event
+
+        def caught() -> Any:  # uvicorn drops h11's reason before send_400_response: kept here, for the answer
+            try:
+                return next_event()
+            except h11.RemoteProtocolError as exc:
+                self._refused = exc
+                raise
+
+        self.conn.next_event = caught  # type: ignore[method-assign]
+        self.logger = _HttpLog(self.logger)  # type: ignore[assignment]
         super().connection_made(transport)
         self._track()
 
@@ -326,9 +342,25 @@ class _Deadlines(H11Protocol):
         if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
             self.transport.close()
             return
+        status, body = _not_http(self._refused, self.config.h11_max_incomplete_event_size or HEAD_LIMIT)
         if self.metrics is not None:
-            self.metrics.on_refused(400)
-        super().send_400_response(msg)
+            self.metrics.on_refused(status)
+        # uvicorn's answer is plain text ("Invalid HTTP request received."): a client reading OpenAI's error body got
+        # no JSON, and the reason h11 gave (a bad header line, a head too large) was not said
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
+                   (b"connection", b"close")]
+        self.transport.write(self.conn.send(h11.Response(status_code=status, headers=headers,
+                                                         reason=http.HTTPStatus(status).phrase.encode())))
+        self.transport.write(self.conn.send(h11.Data(data=body)))
+        self.transport.write(self.conn.send(h11.EndOfMessage()))
+        self.transport.close()
+
+    def _unsupported_upgrade_warning(self) -> None:
+        """uvicorn's two warnings for a request asking to switch protocols (a WebSocket, h2c), logged at debug: the
+        request is answered as the plain HTTP request it also is, and any client could fill the operator's log with
+        "No supported WebSocket library detected. Please use pip install 'uvicorn[standard]'", advice that does not
+        apply (kvload serves no WebSocket)."""
+        self.logger.debug("upgrade request (%s) answered as plain HTTP", (self._get_upgrade() or b"").decode("latin-1"))
 
     def _track(self) -> None:
         """A fresh deadline whenever the connection starts waiting for a new head or a new body; none otherwise."""
@@ -369,6 +401,20 @@ class _Deadlines(H11Protocol):
         # else the app is reading the body under its own deadline (a 408), or answering: it ends the request
 
 
+def _not_http(exc: h11.RemoteProtocolError | None, head_limit: int) -> tuple[int, bytes]:
+    """The status and OpenAI's error body for bytes h11 refused as HTTP/1.1: 431 for a head past ``head_limit``
+    bytes (h11's hint), else 400 saying what h11 found wrong."""
+    if exc is not None and exc.error_status_hint == 431:
+        error = BadRequest(f"the request head is too large: more than {head_limit:,} bytes came without the blank "
+                           "line that ends the headers; send fewer or shorter headers", status=431,
+                           code="request_header_fields_too_large")
+    else:
+        # h11 quotes what it refused as bytearray(b'...'): the bytes' repr alone, shorter and still escaped
+        why = re.sub(r"bytearray\(b('.*'|\".*\")\)", r"\1", str(exc)) if exc is not None and str(exc) else "malformed"
+        error = BadRequest(f"the request is not valid HTTP/1.1 ({why[:200]})", code="invalid_http_request")
+    return error.status, json.dumps(error.body()).encode()
+
+
 def _head_timeout(timeout: float) -> bytes:
     """The raw 408 for a head that did not arrive in time (h11 sends no response before a request's head)."""
     body = json.dumps(BadRequest(f"the request head did not arrive in time: its headers were not all in within "
@@ -376,6 +422,25 @@ def _head_timeout(timeout: float) -> bytes:
                                  code="request_timeout").body()).encode()
     return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
             b"content-length: %d\r\n\r\n%s" % (len(body), body))
+
+
+class _HttpLog:
+    """uvicorn's ``uvicorn.error`` logger as its h11 protocol uses it, but for the warning it logs for each request
+    that is not HTTP ("Invalid HTTP request received.", saying nothing of why), logged at debug: the client is told
+    why (:func:`_not_http`) and ``kvload_http_requests_refused_total`` counts it, and any client could fill the
+    operator's log with the line."""
+
+    NOT_HTTP = "Invalid HTTP request received."
+
+    def __init__(self, logger: Any) -> None:
+        self._logger = logger
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._logger, name)
+
+    def warning(self, msg: Any, *args: Any, **kwargs: Any) -> None:
+        """``logger.warning``, but for :attr:`NOT_HTTP`, at debug."""
+        (self._logger.debug if msg == self.NOT_HTTP else self._logger.warning)(msg, *args, **kwargs)
 
 
 class EngineFailed(KvloadError):
@@ -390,7 +455,7 @@ def _server(state: ServeState, log_level: str, *, exit_on_engine_failure: bool =
     protocol = type("_Deadlines", (_Deadlines,), {"read_timeout_s": state.read_timeout_s, "metrics": state.metrics})
     app = create_app(state)
     config = uvicorn.Config(app, log_level=log_level, access_log=log_level in ("debug", "info"),
-                            timeout_graceful_shutdown=5, lifespan="off", http=protocol)
+                            timeout_graceful_shutdown=5, lifespan="off", http=protocol, ws="none")
     return _Server(config, state, app.state.stopping, exit_on_engine_failure=exit_on_engine_failure)
 
 
