@@ -3,8 +3,9 @@
 TensorRT-LLM min-all-reduces the KV block count across tensor-parallel ranks; kvload gathers each
 rank's whole budget and every rank adopts the smallest one (ties: the lowest rank), so the pools, their
 block counts and the capacity are identical everywhere. The V2 host tier is agreed the same way
-(the smallest rank's host bytes, split by one deterministic rule), and a rank that cannot build
-makes every rank refuse, naming it.
+(the smallest rank's host bytes, split by one deterministic rule; none on every rank when any rank has none,
+as when ranks on different accelerators choose the auto tier differently), and a rank that cannot build makes every
+rank refuse, naming it.
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ def agree_rest(ranks: Ranks, layout: KvLayout, pools: PoolPlan | None, problem: 
         if other is not None:
             problem = f"rank {other[0]} cannot build its pools: {other[1]}"
     sizes = [b for _, b in gathered]
+    if pools is not None and host_slots and 0 in sizes:
+        # a rank without a tier (its own 0, or its accelerator's auto choice): the smallest is none, on every rank,
+        # or one would suspend where another preempts and the per-step schedule check would part them mid-run
+        return problem, 0, {}, 0
     if pools is not None and host_slots and all(b for b in sizes):
         smallest = min(sizes)  # type: ignore[type-var]
         if len(set(sizes)) > 1 or host_size is None:

@@ -170,3 +170,25 @@ def test_a_diverging_schedule_fails_before_the_forward():
     with pytest.raises(KvRuntimeError, match="step 1: the ranks' schedulers diverged: rank 1 scheduled nothing"):
         other.check_schedule(out, [{"uniform": [0]}])
 
+
+
+def test_ranks_whose_accelerators_choose_the_auto_host_tier_differently_all_go_without_one():
+    """Rank 0 keeps the auto tier (its device is not one kvload prices), rank 1's H200 drops it: every rank must build
+    the same manager, or one suspends where the other preempts and the schedule check parts them mid-run."""
+    from pipeline.context import LoadRequest
+    from pipeline.run import execute
+    from stages import plan_stages
+    from stages.rank_budget import agree_rest
+
+    def plan(hardware):
+        overrides = {"device": "cpu", "kv_cache_config": {"use_kv_cache_manager_v2": True, "max_tokens": 8192}}
+        return execute(LoadRequest(model="tiny-llama", overrides=overrides, pools_unbacked=True, hardware=hardware),
+                       plan_stages(), log=False).kv
+
+    keep, drop = plan(None), plan("h200")
+    assert keep.host_bytes > 0 and drop.host_bytes == 0
+    rank0 = agree_rest(FakeRanks(lambda mine: (None, 0)), keep.layout, keep.pools, None, None, keep.host_slots,
+                       keep.host_bytes)
+    rank1 = agree_rest(FakeRanks(lambda mine: (None, keep.host_bytes)), drop.layout, drop.pools, None, 0,
+                       drop.host_slots, drop.host_bytes)
+    assert rank0[1:] == rank1[1:] == (0, {}, 0)
