@@ -320,23 +320,23 @@ def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
         warn_inert_partial_reuse(ctx, layout, emit)
     host_slots, host_bytes = ({}, 0) if manager == "v1" else (None, None)
     host_size, host_choice = kv.host_cache_size, None
+    if manager == "v2" and host_size is None and device_issue is None:  # the budget plays no part in it
+        choice = choose_host_tier(ctx, layout, device)
+        if choice is not None:
+            host_choice = choice.reason
+            host_size = None if choice.keep else 0
+            emit(KvHostTierChosen(hardware=choice.hardware, copy_us_per_token=choice.copy_s * 1e6,
+                                  recompute_us_per_token=choice.recompute_s * 1e6, host_tier=choice.keep,
+                                  reason=choice.reason))
     if manager == "v2" and pools is not None:
-        if host_size is None and device_issue is None:
-            choice = choose_host_tier(ctx, layout, device)
-            if choice is not None:
-                host_choice = choice.reason
-                host_size = None if choice.keep else 0
-                emit(KvHostTierChosen(hardware=choice.hardware, copy_us_per_token=choice.copy_s * 1e6,
-                                      recompute_us_per_token=choice.recompute_s * 1e6, host_tier=choice.keep,
-                                      reason=choice.reason))
         unbacked = ctx.request is not None and ctx.request.pools_unbacked
         host_slots, host_bytes, host_problem = plan_host_tier(layout, pools, host_size, device, unbacked)
         problem = problem or host_problem
     if ranks is not None and ranks.distributed:
         problem, host_size, host_slots, host_bytes = agree_rest(ranks, layout, pools, problem, host_size, host_slots,
                                                                 host_bytes)
-    if manager == "v2":
-        warn_inert_v2_settings(ctx, layout, host_bytes, emit)
+    if manager == "v2":  # no tier is known before the pools are when the setting or the choice says 0
+        warn_inert_v2_settings(ctx, layout, 0 if host_size == 0 else host_bytes, emit)
     plan = KvPlan(manager, route.kv_manager, route.scheduler, device, kv.dtype, kv.tokens_per_block,
                   args.max_seq_len, layout, budget, pools, problem, host_size, host_slots, host_bytes, host_choice,
                   tensor_parallel_size=tp, heads=ctx.heads.to_dict() if ctx.heads is not None else None,

@@ -327,3 +327,20 @@ def test_a_cuda_run_is_priced_on_the_device_it_runs_on(monkeypatch):
     assert accelerator(ctx, "cpu") is None
     ctx.request.hardware = "l40s"  # simulate's --hardware wins: the pools are the simulation's, not this device's
     assert accelerator(ctx, "cuda:1") == "l40s"
+
+
+def test_the_auto_tier_is_chosen_and_said_before_any_budget_is():
+    """simulate's routed plan has no budget until the workload sizes it: the choice (which needs none) and the
+    setting it leaves inert are still in its audit, where `kvload simulate --audit-log` keeps them."""
+    from pipeline.context import LoadRequest
+    from pipeline.run import execute
+    from stages import plan_stages
+
+    overrides = {"device": "cpu", "kv_cache_config": {"use_kv_cache_manager_v2": True, "max_util_for_resume": 0.9}}
+    result = execute(LoadRequest(model="tiny-llama", overrides=overrides, pools_unbacked=True, hardware="h200"),
+                     plan_stages(), log=False)
+    assert result.kv.pools is None  # no budget here
+    (chosen,) = result.audit.of("kv_host_tier_chosen")
+    assert chosen["host_tier"] is False and result.kv.host_cache_size == 0
+    (ignored,) = result.audit.of("setting_ignored")
+    assert ignored["field"] == "kv_cache_config.max_util_for_resume" and "no host tier" in ignored["reason"]
