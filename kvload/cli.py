@@ -130,7 +130,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--enable_prefix_caching", "kv_cache_config.enable_block_reuse",
          "turn prefix (block) reuse on (the default; vLLM's spelling)", const=True),
     Flag("--host_cache_size", "kv_cache_config.host_cache_size",
-         "V2 host tier size in bytes (0 = none; absent = auto-size)", size, metavar="BYTES"),
+         "V2 host tier size in bytes (0 = none; absent = auto: sized, or none where the accelerator recomputes a token "
+         "for less than its copy out and back)", size, metavar="BYTES"),
     Flag("--event_buffer_max_size", "kv_cache_config.event_buffer_max_size",
          "KV cache events (block stored/removed/cleared) kept for readers; 0 = off (default)", integer, metavar="N"),
     Flag("--kv_cache_dtype", "kv_cache_config.dtype", "KV cache dtype: auto or a dtype name", str, metavar="DTYPE"),
@@ -1279,7 +1280,7 @@ def add_simulate_command(sub: Any) -> None:
                    help="progress bar on stderr (default: only when stderr is a terminal)")
     g.add_argument("--hardware", choices=tuple(HARDWARE), default=DEFAULT_HARDWARE,
                    help="the accelerator whose nominal bandwidth and FLOPs price each step's batch (modeled time; "
-                        f"default {DEFAULT_HARDWARE})")
+                        f"default {DEFAULT_HARDWARE}); V2's auto host tier is chosen for it too")
     p.set_defaults(func=cmd_simulate)
 
 

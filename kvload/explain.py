@@ -103,7 +103,7 @@ def field_chain(audit: AuditLog, path: str) -> dict[str, Any]:
             continue
         if name == "kv_host_tier_chosen" and path == HOST:  # the auto (null) tier decided on the accelerator's costs
             steps.append(_step(e, source=f"plan ({e.get('hardware')})", old=None, new=None, changed=False,
-                               reason=e.get("reason")))
+                               reason=e.get("reason"), host_tier=e.get("host_tier")))
             continue
         if e.get("field") != path:
             continue
@@ -168,6 +168,8 @@ def _change(step: dict[str, Any]) -> str:
         return literal(step["new"])
     if step["event"] == "executor_routed":
         return f"{literal(step['old'])} → {step['new']}"
+    if step["event"] == "kv_host_tier_chosen":  # the value stays null; what it meant on this accelerator
+        return "null: a host tier" if step.get("host_tier") else "null: no host tier"
     if not step["changed"]:
         return f"{literal(step['new'])} (kept)" if step["event"] != "auto_captured" else '"auto" captured'
     old = step["old"]

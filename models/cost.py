@@ -7,6 +7,7 @@ Two readers: ``kvload simulate``'s roofline of each step (``engine.step_model``)
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import attrs
@@ -101,8 +102,7 @@ def count_weights(hf_config: Any, dtype_bytes: int) -> ModelCost:
 
 def hardware_for_device_name(name: str) -> str | None:
     """The :data:`HARDWARE` key of a CUDA device name (``torch.cuda.get_device_name``), or None when none matches."""
-    upper = name.upper()
-    for key in HARDWARE:
-        if key.upper() in upper:
+    for key in HARDWARE:  # a whole word: "NVIDIA GH200" is not an H200 (its host link is NVLink-C2C, not PCIe)
+        if re.search(rf"(?<![A-Z0-9]){re.escape(key.upper())}(?![A-Z0-9])", name.upper()):
             return key
     return None

@@ -7,12 +7,16 @@ token costs its projections' FLOPs. Per token, on the accelerator's nominal figu
 * copy: ``2 x`` the token's KV in every layer (this rank's) ``/`` the host link one way;
 * recompute: ``2 x`` the active parameters (this rank's share) ``/`` the peak FLOPs (attention left out).
 
-A model under about 1B parameters recomputes for less, which is what vLLM's default preemption assumes; Gemma 2 9B
-copies for less (10.8 µs against 16.8 µs a token on an H200). On the grid the choice took the tiny presets' cells
-with suspends from 1.08–1.21x V1's modeled time to under 1.0x and left the published configs' tiers alone
-(BENCHMARKS.md, "Auto host tier"). It is made only where the accelerator is known: ``kvload simulate --hardware``
-(``LoadRequest.hardware``), or a CUDA device whose name is in the table. On a CPU the pools already live in host
-memory, a copy is a ``memcpy`` and the tier is kept; so it is for a model transformers cannot build to count.
+Recompute wins where the active parameters are fewer than ``peak FLOPs / host link`` (about 15,500 on an H200) per
+byte of KV a token holds: the tiny presets (tiny-llama: 0.0003 µs against 0.032 µs), and older models whose every
+head keeps its own KV; checkpoints with grouped-query attention keep their tiers, small ones included (a
+Qwen2.5-0.5B shape: 0.38 µs to copy against 0.72 µs to recompute), as Gemma 2 9B does (10.8 µs against 16.8 µs).
+On the grid the choice took the tiny presets' cells with suspends from 1.08–1.21x V1's modeled time to 0.75–1.00x
+and left the published configs' tiers alone (BENCHMARKS.md, "Auto host tier"). It is made only where the
+accelerator is known: ``kvload simulate --hardware`` (``LoadRequest.hardware``), or a CUDA device whose name is in
+the table. On a CPU the pools already live in host
+memory, a copy is a ``memcpy`` and the tier is kept; so it is for a model transformers cannot build to count, and
+for accelerators not in the table (a GH200's host link is several times PCIe's).
 """
 
 from __future__ import annotations
@@ -81,5 +85,5 @@ def choose_host_tier(ctx: Context, layout: KvLayout, device: str) -> HostTierCho
 def _cost(hf_config: Any, dtype: str) -> Any:
     try:
         return model_cost(hf_config, DTYPE_SIZES.get(dtype, 2))
-    except Exception:  # transformers cannot build it on meta (DeepSeek V4's preset): nothing to count, tier kept
+    except Exception:  # transformers cannot build it on meta: nothing to count, the tier is kept
         return None
