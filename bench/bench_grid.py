@@ -14,7 +14,7 @@ the same replay loop; ``mixed-urgent`` is ``--workload mixed --workload-arg urge
 priority``), at three budgets: ``default`` (the simulator's default, sized for the workload in
 the routed layout), ``tight`` (a quarter of it) and ``generous`` (four times it), passed to both
 managers as ``max_gpu_total_bytes``. Per cell: V2 steps to finish over V1's, each manager's hit rate
-against the ideal, mean concurrency, V2's suspends, and the step-time ratio (median manager +
+against the ideal, mean concurrency, V2's suspends and preemptions, and the step-time ratio (median manager +
 scheduler time per engine step, V2 / V1). A manager that cannot run the cell says so (``stalled``:
 the budget cannot hold one of the workload's sequences).
 
@@ -82,8 +82,8 @@ def grid(presets: tuple[str, ...] = PRESETS, workloads: tuple[str, ...] = WORKLO
     cmd = "python -m bench.bench_grid" + (" --quick" if quick else "") + (" --real" if presets == REAL else "")
     table = Table("V1 vs V2 at the same budget: presets x workloads x budgets", cmd,
                   ["preset", "workload", "budget", "V2/V1 steps", "hit V1 (of ideal)", "hit V2 (of ideal)",
-                   "mean conc. V1 / V2", "V2 suspends", "V2/V1 step time", "V2/V1 modeled time (+ manager)",
-                   "cell target"])
+                   "mean conc. V1 / V2", "V2 suspends / preemptions", "V2/V1 step time",
+                   "V2/V1 modeled time (+ manager)", "cell target"])
     for preset in presets:
         for name in workloads:
             kind, extra, policy = VARIANTS.get(name, (name, {}, "fcfs"))
@@ -106,7 +106,7 @@ def grid(presets: tuple[str, ...] = PRESETS, workloads: tuple[str, ...] = WORKLO
                 if m1 is None or m2 is None:
                     cells += [f"V1 {v1.status} / V2 {v2.status}", _hit(m1) if m1 else "-", _hit(m2) if m2 else "-",
                               f"{m1.mean_concurrency if m1 else '-'} / {m2.mean_concurrency if m2 else '-'}",
-                              str(m2.suspends) if m2 else "-", "-", "-",
+                              f"{m2.suspends:,} / {m2.preemptions:,}" if m2 else "-", "-", "-",
                               "V2 runs where V1 cannot" if m2 is not None else "-"]
                     row["ok"] = m2 is not None or m1 is None
                 else:
@@ -122,8 +122,8 @@ def grid(presets: tuple[str, ...] = PRESETS, workloads: tuple[str, ...] = WORKLO
                         modeled = ratio(row["modeled_ratio"]) + ("" if os.path.basename(preset).startswith("tiny-")
                                                                  else f" ({ratio(row['total_ratio'])})")
                     conc = f"{m1.mean_concurrency:.1f} / {m2.mean_concurrency:.1f}"
-                    cells += [ratio(steps), _hit(m1), _hit(m2), conc, f"{m2.suspends:,}", ratio(t), modeled,
-                              verdict(ok)]
+                    moved = f"{m2.suspends:,} / {m2.preemptions:,}"
+                    cells += [ratio(steps), _hit(m1), _hit(m2), conc, moved, ratio(t), modeled, verdict(ok)]
                 table.rows.append(cells)
                 rows.append(row)
                 print(f"  {preset} {name} {label}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
