@@ -19,6 +19,7 @@ from tests.kv_v2_support import (
     make_manager,
     prefill,
     split_sliding_layers,
+    write_kv,
 )
 
 FULL = [LayerKV(0, "full", 4)]
@@ -425,3 +426,40 @@ def test_a_cached_prefix_shorter_than_lpm_min_hit_does_not_overtake():
     fresh, follow = _cached_and_two_waiting(m)
     out = s.step(deque([fresh, follow]), [])
     assert out.admitted == [fresh]
+
+
+def test_a_follow_up_whose_history_was_evicted_while_it_waited_does_not_go_ahead_of_one_whose_history_is_cached(
+        monkeypatch):
+    """Two conversations' next turns wait while the pool is full. The first turn's history is evicted by a running
+    request's growth after it joined the queue; the second one's is cached. Ranked by the hit it found on joining, the
+    first went ahead, recomputed its prompt and evicted the second's history on the way (at a quarter of the budget
+    that cascade cost tiny-gemma3 multi-turn most of its reuse); now the second goes first and reuses its history."""
+    import cache_backends.v2.scheduler as scheduler
+
+    monkeypatch.setattr(scheduler, "LPM_MIN_HIT", 8)  # the floor at this test's scale: two 4-token blocks
+    m = make_manager(FULL, 12)
+    a0 = Request("a0", list(range(1, 9)), 1)
+    prefill(m, a0)
+    m.free(a0)  # conversation A's history: 2 cached blocks
+    grower = Request("grower", list(range(300, 331)), 8)  # 8 blocks; its second next token starts a ninth
+    b0 = Request("b0", list(range(101, 108)), 1)  # conversation B's turn, finishing after the next step
+    for r in (grower, b0):
+        prefill(m, r)
+        r.output_token_ids.append(7)
+        r.state = RequestState.RUNNING
+    s = KVCacheV2Scheduler(m, max_batch_size=8, max_num_tokens=64, init_ratio=0.0)
+    fresh = Request("fresh", list(range(200, 204)), 4, arrival=0)
+    a1 = Request("a1", [*a0.prompt_token_ids, 9, 10, 11, 12], 4, arrival=1)
+    waiting, running = deque([fresh, a1]), [grower, b0]
+    out = s.step(waiting, running)  # a1 finds its history, but no block is free for its new tokens
+    assert out.admitted == []
+    for chunk in out.scheduled:  # the step's decodes, within their last blocks
+        write_kv(m, chunk.request, chunk.request.num_computed_tokens, chunk.num_tokens)
+        m.commit(chunk.request, chunk.num_tokens)
+    grower.output_token_ids.append(8)  # its next token needs a block: it evicts A's history, oldest first
+    running.remove(b0)
+    m.free(b0)  # B's history cached
+    b1 = Request("b1", [*b0.all_token_ids, 110, 111, 112, 113], 4, arrival=2)
+    waiting.append(b1)
+    out = s.step(waiting, running)
+    assert out.admitted == [b1] and b1.num_reused_tokens == 8

@@ -19,19 +19,29 @@ One :meth:`~KVCacheV2Scheduler.step`:
    requests first come first served while the batch has room and their first chunk fits.
    Under ``scheduling_policy="fcfs"`` (the default) priority orders suspensions only; admission never displaces a
    running request and is first come first served but **cache-aware**: of the first ``LPM_WINDOW`` waiting
-   requests, those with the longest cached prefix of at least ``LPM_MIN_HIT`` tokens (looked up once, when each
-   joins the queue) go first, ties in arrival order (SGLang's default longest-prefix-match policy), and a request
-   that has waited ``LPM_AGE`` scheduler steps is overtaken no more. Why: under pressure, strict arrival order
-   admits a conversation's next turn only after everyone queued before it, whose prompts evict the turn's cached
-   history first: on ``multi-turn`` at a quarter of the budget V1 and V2 reused 0% of prompt tokens
-   (BENCHMARKS.md, "Cache-aware admission"). Under ``"priority"`` suspended and waiting requests form one queue,
-   best-ranked first (vLLM's one priority queue for new and preempted requests): each is resumed or
-   admitted in turn until one cannot be; and a waiting request refused for lack of room moves out the
-   worst-ranked running request ranked below it (suspended, or preempted for recompute, as under
-   pressure), one at a time, until it fits — but only if moving out every running request ranked below
-   it would make it fit (their blocks no one else holds, the headroom of the rest: SGLang's rule), so
-   nobody is moved out for a request that stays refused. A full batch (``max_batch_size``)
-   displaces nobody (vLLM's rule).
+   requests, those with the longest cached prefix of at least ``LPM_MIN_HIT`` tokens go first, ties in arrival
+   order (SGLang's default longest-prefix-match policy), and a request that has waited ``LPM_AGE`` scheduler steps
+   is overtaken no more. Why: under pressure, strict arrival order admits a conversation's next turn only after
+   everyone queued before it, whose prompts evict the turn's cached history first: on ``multi-turn`` at a quarter
+   of the budget V1 and V2 reused 0% of prompt tokens (BENCHMARKS.md, "Cache-aware admission"). A request is
+   looked up when it joins the queue, and one that found a hit is looked up again every step: its hit may have
+   gone stale. Why: under pressure the running requests use nearly every page, so a history waits in the eviction
+   queue beside one or two others, and the next allocation evicts its last blocks; with sliding windows that
+   loses the whole hit (the shorter prefix needs window blocks let go long before). Ranked by the hit it had found,
+   such a turn went ahead of the turns whose history was still cached, recomputed its whole prompt and evicted
+   the next finished conversation's history, whose turn then did the same: on tiny-gemma3 ``multi-turn`` at a
+   quarter of the budget 47 of 192 follow-up turns lost their history, in chains of up to 18, for 56.5% of prompt
+   tokens reused (73% of the ideal); ranked by the hit now, 8 did, 71.8% (92%) in 0.90x the steps (tiny-llama
+   42.2% -> 64.9%; BENCHMARKS.md, "Stale hits"). A stale hit still goes ahead of requests that never had one:
+   a system prompt others share comes back cached with the first of them admitted (ranked among them, tiny-mistral
+   ``mixed`` at a quarter of the budget took 893 steps instead of 857).
+   Under ``"priority"`` suspended and waiting requests form one queue, best-ranked first (vLLM's one priority
+   queue for new and preempted requests): each is resumed or admitted in turn until one cannot be; and a waiting
+   request refused for lack of room moves out the worst-ranked running request ranked below it (suspended, or
+   preempted for recompute, as under pressure), one at a time, until it fits — but only if moving out every running
+   request ranked below it would make it fit (their blocks no one else holds, the headroom of the rest: SGLang's
+   rule), so nobody is moved out for a request that stays refused. A full batch (``max_batch_size``) displaces
+   nobody (vLLM's rule).
    **Headroom** (SGLang's new-token ratio): while others run, a request is admitted only if every
    group keeps, beyond the new request's first chunk and its own estimated growth, room for the
    running requests' estimated growth (the groups of a shared arena together: ``shortfall``):
@@ -92,7 +102,6 @@ from cache_backends.scheduler_base import SchedulerBase
 from cache_backends.v2.manager import KVCacheManagerV2
 
 _ARRIVAL, _PRIORITY, _RANK = attrgetter("arrival"), attrgetter("priority"), attrgetter("rank")
-_HINT = attrgetter("cached_hint")
 
 #: Cache-aware admission under "fcfs" (module docstring): how many waiting requests at the queue's front are ranked
 #: by their cached prefix (SGLang ranks by longest prefix match only while its queue holds at most 128), after how
@@ -341,21 +350,33 @@ class KVCacheV2Scheduler(SchedulerBase):
 
     def _cache_aware(self, waiting: deque[Request]) -> list[Request]:
         """The "fcfs" admission order: of the first ``LPM_WINDOW`` waiting requests, those waiting ``LPM_AGE`` steps
-        or longer in arrival order, then the rest by the cached prefix each found when it joined the queue, longest
-        first (ties and the queue beyond the window in arrival order)."""
+        or longer in arrival order, then the rest by their cached prefix now, longest first; a request whose prefix
+        was evicted since it joined goes behind every live hit but ahead of those that never had one (ties and the
+        queue beyond the window in arrival order).
+
+        A request is looked up when it joins the queue; only one that found a hit then is looked up again, every step
+        (a few requests: a lookup of every waiting request per step would cost more than the scheduler's step)."""
         if len(waiting) < 2 or self.manager.reuse_off_reason is not None:
             return list(waiting)
         window = [r for r in itertools.islice(waiting, LPM_WINDOW) if r.state is RequestState.WAITING]
         now, m = self._steps, self.manager
+        rank: dict[Request, int] = {}
         for r in window:
             if r.queued_at < 0:
                 r.queued_at = now
-            if r.cached_hint < 0:  # once per stay in the queue: a lookup per request per step would cost more
+            if r.cached_hint < 0:
                 hit = m.cached_prefix_tokens(r)
-                r.cached_hint = hit if hit >= LPM_MIN_HIT else 0
+                rank[r] = r.cached_hint = hit if hit >= LPM_MIN_HIT else 0
+            elif r.cached_hint:
+                # the running requests' growth may have evicted it while the request waited (module docstring, "a
+                # stale hit"); 1: a prefix others share may come back, cached again by the first of them admitted
+                hit = m.cached_prefix_tokens(r)
+                rank[r] = hit if hit >= LPM_MIN_HIT else 1
+            else:
+                rank[r] = 0
         aged = [r for r in window if now - r.queued_at >= LPM_AGE]
         young = [r for r in window if now - r.queued_at < LPM_AGE]
-        young.sort(key=_HINT, reverse=True)  # stable: equal hints stay in arrival order
+        young.sort(key=rank.__getitem__, reverse=True)  # stable: equal ranks stay in arrival order
         return aged + young + list(itertools.islice(waiting, LPM_WINDOW, None))
 
     def _displaceable(self, request: Request, running: list[Request]) -> Request | None:
