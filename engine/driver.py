@@ -102,6 +102,10 @@ class StepStats:
     output: SchedulerOutput | None = None  # the scheduler's decision of this step
     draft_tokens: int = 0  # speculative decoding: draft tokens the step computed
     accepted_draft_tokens: int = 0  # and of those, the ones the model confirmed (now output tokens)
+    drafts: int = 0  # requests whose drafts the step computed (vLLM's num_drafts: one per request and step)
+    #: per draft position (0: the first draft), how many of the step's drafts had it confirmed; sums to
+    #: ``accepted_draft_tokens`` (a draft's position i is confirmed only after 0 ... i-1)
+    accepted_per_position: list[int] = attrs.Factory(list)
 
 
 class Driver:
@@ -238,6 +242,7 @@ class Driver:
         t2 = time.perf_counter()
         done: list[Request] = []
         drafted = accepted = 0
+        per_position: list[int] = []
         computed: dict[Request, int] = {}  # draft tokens each request's chunk computed this step
         for chunk in out.scheduled:
             req = chunk.request
@@ -269,6 +274,10 @@ class Driver:
                 req.output_token_ids.append(token)
                 confirmed = i < len(tokens) - 1  # a draft the model confirmed: its KV was written this step
                 accepted += confirmed
+                if confirmed:
+                    if i == len(per_position):
+                        per_position.append(0)
+                    per_position[i] += 1
                 reason = self._finish_reason(req, token)
                 if reason is not None:
                     self.scheduler.finish(req, reason)
@@ -289,7 +298,7 @@ class Driver:
                                            prompt_tokens=req.num_prompt_tokens, output_tokens=len(req.output_token_ids),
                                            reused_prompt_tokens=req.num_reused_tokens))
         return StepStats(out.num_tokens, len(self.running), len(self.waiting), kv_seconds, compute_seconds, done, out,
-                         drafted, accepted)
+                         drafted, accepted, len(computed), per_position)
 
     def _fork(self, parent: Request, children: list[Request], next_tokens: dict[str, int | list[int]],
               done: list[Request]) -> None:
