@@ -25,7 +25,8 @@ HISTOGRAMS = (*REQUEST_HISTOGRAMS, "time_per_output_token_seconds", "inter_token
               "iteration_tokens_total")
 #: kvload's own series, which keep their name under either scheme
 OWN = ("kvload_num_requests_suspended", "kvload_engine_steps", "kvload_num_suspensions", "kvload_kv_cache_blocks",
-       "kvload_http_requests_in_flight", "kvload_http_requests_refused", "kvload_responses_stored",
+       "kvload_preemption_recomputed_tokens", "kvload_http_requests_in_flight", "kvload_http_requests_refused",
+       "kvload_responses_stored",
        "kvload_responses_store_max", "kvload_responses_evicted")
 
 PROMPTS = [[3, 4, 5, 6, 7], [9, 10, 11], [20, 21, 22, 23, 24, 25, 26, 27]]

@@ -89,6 +89,9 @@ class ServeMetrics:
         self.preemptions = counter("num_preemptions", "Requests preempted for recompute")
         self.suspensions = Counter("kvload_num_suspensions", "Requests suspended to the host tier (V2)", own,
                                    registry=r).labels(model_name)
+        self.recomputed = Counter("kvload_preemption_recomputed_tokens", "Tokens computed again after a preemption "
+                                  "for recompute: what the preempted request had computed, less the prefix cache's "
+                                  "hit on its re-admission", own, registry=r).labels(model_name)
         self.steps = Counter("kvload_engine_steps", "Engine steps run", own, registry=r).labels(model_name)
         # vLLM's spec_decode_num_draft_tokens / _num_accepted_tokens (max_draft_len > 0)
         self.draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens computed (speculative decoding)")
@@ -174,12 +177,14 @@ class ServeMetrics:
     # --- EngineObserver ------------------------------------------------------------------------
 
     def on_step(self, stats: Any, new_tokens: int) -> None:
-        """Count the step, its generated tokens and drafts, its preemptions and suspensions."""
+        """Count the step, its generated tokens and drafts, its preemptions, suspensions and recomputed tokens."""
         self.steps.inc()
         if stats.scheduled_tokens:
             self.iteration_tokens.observe(stats.scheduled_tokens)
         if new_tokens:
             self.generation_tokens.inc(new_tokens)
+        if getattr(stats, "recomputed_tokens", 0):
+            self.recomputed.inc(stats.recomputed_tokens)
         if getattr(stats, "draft_tokens", 0):
             self.draft_tokens.inc(stats.draft_tokens)
             self.accepted_tokens.inc(stats.accepted_draft_tokens)
