@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import heapq
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -102,6 +103,13 @@ class StepStats:
     output: SchedulerOutput | None = None  # the scheduler's decision of this step
     draft_tokens: int = 0  # speculative decoding: draft tokens the step computed
     accepted_draft_tokens: int = 0  # and of those, the ones the model confirmed (now output tokens)
+    drafts: int = 0  # requests whose drafts the step computed (vLLM's num_drafts: one per request and step)
+    #: per draft position (0: the first draft), how many of the step's drafts had it confirmed; sums to
+    #: ``accepted_draft_tokens`` (a draft's position i is confirmed only after 0 ... i-1)
+    accepted_per_position: list[int] = attrs.Factory(list)
+    #: tokens whose KV the step computed again: a preempted request's tokens it had computed before (less the
+    #: prefix cache's hit on its re-admission, which it need not compute)
+    recomputed_tokens: int = 0
 
 
 class Driver:
@@ -123,6 +131,9 @@ class Driver:
         self._emit = emit
         self._arrivals = 0
         self._admitted_before: set[Request] = set()  # so a re-admission after preemption says so
+        #: a preempted request -> its tokens computed before (its KV dropped), until it has computed them again; weak:
+        #: one aborted meanwhile is not kept
+        self._lost: weakref.WeakKeyDictionary[Request, int] = weakref.WeakKeyDictionary()
         #: prompt's first request id -> (it, its other samples), until the step its prompt is committed
         self._forks: dict[str, tuple[Request, list[Request]]] = {}
         self._on_arrival: Callable[[Request, int], Any] | None = None  # run's hook, for forked samples too
@@ -223,8 +234,11 @@ class Driver:
     def step(self, compute: Compute) -> StepStats:
         """Run one iteration; raise :class:`StalledError` when the scheduler reports no possible progress."""
         t0 = time.perf_counter()
+        before = [(req, req.num_computed_tokens) for req in self.running]  # a preemption resets the count
         out = self.scheduler.step(self.waiting, self.running)
         kv_seconds = time.perf_counter() - t0
+        if out.preempted:
+            self._remember_lost(out.preempted, before)
         self._report(out)
         if not out.scheduled:
             if out.stalled and self.has_work:
@@ -237,11 +251,14 @@ class Driver:
 
         t2 = time.perf_counter()
         done: list[Request] = []
-        drafted = accepted = 0
+        drafted = accepted = recomputed = 0
+        per_position: list[int] = []
         computed: dict[Request, int] = {}  # draft tokens each request's chunk computed this step
         for chunk in out.scheduled:
             req = chunk.request
             drafts = req.num_computed_tokens + chunk.num_tokens - req.num_tokens
+            if self._lost:
+                recomputed += self._computed_again(req, chunk.num_tokens - max(drafts, 0))
             if drafts > 0:
                 computed[req] = drafts
                 drafted += drafts
@@ -269,6 +286,10 @@ class Driver:
                 req.output_token_ids.append(token)
                 confirmed = i < len(tokens) - 1  # a draft the model confirmed: its KV was written this step
                 accepted += confirmed
+                if confirmed:
+                    if i == len(per_position):
+                        per_position.append(0)
+                    per_position[i] += 1
                 reason = self._finish_reason(req, token)
                 if reason is not None:
                     self.scheduler.finish(req, reason)
@@ -289,7 +310,26 @@ class Driver:
                                            prompt_tokens=req.num_prompt_tokens, output_tokens=len(req.output_token_ids),
                                            reused_prompt_tokens=req.num_reused_tokens))
         return StepStats(out.num_tokens, len(self.running), len(self.waiting), kv_seconds, compute_seconds, done, out,
-                         drafted, accepted)
+                         drafted, accepted, len(computed), per_position, recomputed)
+
+    def _remember_lost(self, preempted: list[Request], before: list[tuple[Request, int]]) -> None:
+        """Keep what each preempted request had computed (the most, when preempted again before computing it all)."""
+        had = {id(req): n for req, n in before}
+        for req in preempted:
+            lost = max(had.get(id(req), 0), self._lost.get(req, 0))
+            if lost:
+                self._lost[req] = lost
+
+    def _computed_again(self, req: Request, tokens: int) -> int:
+        """Of the ``tokens`` known tokens ``req`` computes this step from ``num_computed_tokens`` on, those it had
+        computed before a preemption."""
+        lost = self._lost.get(req)
+        if lost is None:
+            return 0
+        start = req.num_computed_tokens
+        if start + tokens >= lost:
+            del self._lost[req]
+        return max(0, min(start + tokens, lost) - start)
 
     def _fork(self, parent: Request, children: list[Request], next_tokens: dict[str, int | list[int]],
               done: list[Request]) -> None:

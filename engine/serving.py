@@ -104,7 +104,9 @@ class FinishedRequest:
 
     prompt_tokens: int
     output_tokens: int
-    reused_prompt_tokens: int  # prompt tokens whose KV came from the prefix cache
+    #: prompt tokens whose KV came from the prefix cache (or a sibling's prefill) when it was first scheduled; a
+    #: preempted request's later re-admissions do not change it (vLLM's ``num_cached_tokens``)
+    reused_prompt_tokens: int
     reason: str  # "stop", "length", "abort" or "error"
     params: SamplingParams
     sample: int  # which of its prompt's samples (0 ... samples - 1)
@@ -112,6 +114,7 @@ class FinishedRequest:
     queued_at: float
     scheduled_at: float | None
     token_times: tuple[float, ...]
+    group: str | None = None  # the first request id of its prompt's n samples (None: a group of one)
 
     @property
     def ttft_s(self) -> float | None:
@@ -167,6 +170,9 @@ class _Live:
     samples: int = 1  # its prompt's n
     scheduled_at: float | None = None  # when a step first scheduled it (the queue time ends there)
     forked_from: _Live | None = None  # a choice given its first token from this first choice's prefill, until sent
+    group: str | None = None  # its prompt's first choice's request id (what metrics group the n choices by)
+    #: its reused prompt tokens when a step first scheduled it (None: never scheduled; a fork holds its sibling's)
+    prefill_reused: int | None = None
 
 
 @attrs.define(eq=False)
@@ -484,7 +490,7 @@ class ServingEngine:
         if not params.greedy:
             seed = (params.seed if params.seed is not None else random.SystemRandom().getrandbits(62)) + seed_offset
         live = self._new_live(request, params, sink, seed)
-        live.sample, live.samples = seed_offset, samples
+        live.sample, live.samples, live.group = seed_offset, samples, req_id
         with self._cond:
             # checked again under the lock request_stop takes: a stop asked for during the checks above may have
             # ended the loop, whose last act (_fail_all) drained the inbox; a request queued after that never ended.
@@ -522,7 +528,7 @@ class ServingEngine:
             # only the first prefills: a scored prompt whole (a cached prefix computes no logits), once for all
             request.skip_prefix_read = params.prompt_logprobs is not None and j == 0
             live = self._new_live(request, params, sink, None if base is None else base + j)
-            live.sample, live.samples = j, len(sinks)
+            live.sample, live.samples, live.group = j, len(sinks), first.req_id
             group.append(live)
         with self._cond:  # as submit's: checked again under the lock the loop's last drain takes
             if self._stopping or self.loop_error is not None:
@@ -832,7 +838,7 @@ class ServingEngine:
             why = seq.finish_reason if seq is not None else reason
             if self.observer is not None:
                 done = FinishedRequest(len(job.ids), len(tokens), reused, why, job.sampling, j, len(job.sinks),
-                                       job.queued_at, job.scheduled_at, (now,) * len(tokens))
+                                       job.queued_at, job.scheduled_at, (now,) * len(tokens), job.req_ids[0])
                 with contextlib.suppress(Exception):
                     self.observer.on_finished(done)
             # with logprobs asked, each token's as a plain request's: its entry from the step that chose it
@@ -869,6 +875,8 @@ class ServingEngine:
             live = self._live.get(chunk.request.req_id)
             if live is not None and live.scheduled_at is None:
                 live.scheduled_at = started
+            if live is not None and live.prefill_reused is None:  # its reuse at admission, before a preemption
+                live.prefill_reused = chunk.request.num_reused_tokens
         for live in self._live.values():  # a forked choice was scheduled when its prompt's first choice was
             if live.forked_from is not None:
                 live.scheduled_at, live.forked_from = live.forked_from.scheduled_at, None
@@ -1042,9 +1050,10 @@ class ServingEngine:
         if self.observer is None:
             return
         req = live.request
-        done = FinishedRequest(req.num_prompt_tokens, len(req.output_token_ids), req.num_reused_tokens, reason,
+        reused = live.prefill_reused if live.prefill_reused is not None else req.num_reused_tokens
+        done = FinishedRequest(req.num_prompt_tokens, len(req.output_token_ids), reused, reason,
                                live.params, live.sample, live.samples, live.queued_at, live.scheduled_at,
-                               tuple(live.token_times))
+                               tuple(live.token_times), live.group)
         with contextlib.suppress(Exception):
             self.observer.on_finished(done)
 

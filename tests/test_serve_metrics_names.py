@@ -12,7 +12,8 @@ from tests.serve_support import serving
 
 #: family (prometheus_client's name: a counter's without ``_total``) → type, with the prefix left off
 COUNTERS = ("prompt_tokens", "generation_tokens", "num_preemptions", "request_success", "prefix_cache_queries",
-            "prefix_cache_hits", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+            "prefix_cache_hits", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+            "spec_decode_num_drafts", "prompt_tokens_by_source", "prompt_tokens_cached", "prompt_tokens_recomputed")
 GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "cache_config_info")
 #: the histograms with one observation per request served
 REQUEST_HISTOGRAMS = ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
@@ -20,10 +21,12 @@ REQUEST_HISTOGRAMS = ("time_to_first_token_seconds", "e2e_request_latency_second
                       "request_inference_time_seconds", "request_prompt_tokens", "request_generation_tokens",
                       "request_prefill_kv_computed_tokens", "request_time_per_output_token_seconds")
 HISTOGRAMS = (*REQUEST_HISTOGRAMS, "time_per_output_token_seconds", "inter_token_latency_seconds",
-              "request_params_n", "request_params_max_tokens", "iteration_tokens_total")
+              "request_params_n", "request_params_max_tokens", "request_max_num_generation_tokens",
+              "iteration_tokens_total")
 #: kvload's own series, which keep their name under either scheme
 OWN = ("kvload_num_requests_suspended", "kvload_engine_steps", "kvload_num_suspensions", "kvload_kv_cache_blocks",
-       "kvload_http_requests_in_flight", "kvload_http_requests_refused", "kvload_responses_stored",
+       "kvload_preemption_recomputed_tokens", "kvload_http_requests_in_flight", "kvload_http_requests_refused",
+       "kvload_responses_stored",
        "kvload_responses_store_max", "kvload_responses_evicted")
 
 PROMPTS = [[3, 4, 5, 6, 7], [9, 10, 11], [20, 21, 22, 23, 24, 25, 26, 27]]
@@ -76,7 +79,7 @@ def test_every_family_has_the_schemes_name_type_and_labels(served):
                 continue
             extra = set(s.labels) - want_labels
             assert want_labels <= set(s.labels), (s.name, s.labels)
-            allowed = {"le", "finished_reason", "block_size", "num_gpu_blocks", "enable_prefix_caching",
+            allowed = {"le", "finished_reason", "source", "block_size", "num_gpu_blocks", "enable_prefix_caching",
                        "kv_cache_manager"}
             if served.naming == "kvload":  # kvload's usage is per layer group; vLLM's one gauge has no such label
                 allowed.add("layer_group")
@@ -115,6 +118,9 @@ def test_counters_move_and_request_histograms_count_every_request_served(served)
     prompt_sum = sum(map(len, PROMPTS)) + 2 * len(PROMPTS[0])
     generated = sum(MAX_TOKENS) + 2 * 3
     assert delta("prompt_tokens", "_total") == prompt_sum
+    computed, hit = (delta("prompt_tokens_by_source", "_total", source=s) for s in ("local_compute", "local_cache_hit"))
+    assert computed + hit - delta("prompt_tokens_recomputed", "_total") == prompt_sum
+    assert hit - delta("prompt_tokens_recomputed", "_total") == delta("prompt_tokens_cached", "_total")
     assert delta("generation_tokens", "_total") == generated
     assert delta("request_success", "_total", finished_reason="length") == served_requests
     assert delta("prefix_cache_queries", "_total") > 0
@@ -130,6 +136,8 @@ def test_counters_move_and_request_histograms_count_every_request_served(served)
     assert delta("request_params_n", "_count") == len(PROMPTS) + 1
     assert delta("request_params_n", "_sum") == len(PROMPTS) + 2
     assert delta("request_params_max_tokens", "_sum") == sum(MAX_TOKENS) + 3
+    assert delta("request_max_num_generation_tokens", "_count") == len(PROMPTS) + 1  # when the group's last ends
+    assert delta("request_max_num_generation_tokens", "_sum") == sum(MAX_TOKENS) + 3
     # the phases add up: inference = prefill + decode, end-to-end = queue + inference (one clock, per request)
     assert delta("request_inference_time_seconds", "_sum") == pytest.approx(
         delta("request_prefill_time_seconds", "_sum") + delta("request_decode_time_seconds", "_sum"), abs=1e-6)

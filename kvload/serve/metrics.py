@@ -30,6 +30,10 @@ from kvload.metrics import (
 #: ``layer_group`` label of the free pages of an arena shared by several layer groups (V2, equal pages)
 SHARED_ARENA_LABEL = "shared_arena"
 
+#: ``source`` label values of ``prompt_tokens_by_source`` (vLLM's, each a series from the start): computed here, read
+#: from this server's prefix cache, received from a KV connector (kvload has none: always 0, as vLLM's without one)
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+
 #: ``reason`` label of ``kvload_http_requests_refused_total`` by the HTTP status the server refused with; another
 #: 4xx counts as ``bad_request``, a 5xx other than 503 is a failure, not a refusal, and is not counted.
 REFUSAL_REASONS = {400: "bad_request", 401: "unauthorized", 404: "model_not_found", 408: "read_timeout",
@@ -46,9 +50,11 @@ class ServeMetrics:
     ``naming``: ``"kvload"`` (``kvload_*``, label ``model_name``) or ``"vllm"``: every series vLLM has under vLLM's
     own name and labels (``vllm:num_requests_waiting{model_name,engine="0"}``), so vLLM's dashboards, alerts and
     autoscalers read it unchanged; the series vLLM has no name for keep their ``kvload_`` name. ``max_model_len``:
-    the top of the token-count histograms' buckets (vLLM's 1-2-5 series up to it)."""
+    the top of the token-count histograms' buckets (vLLM's 1-2-5 series up to it). ``max_draft_len``: the draft
+    positions ``spec_decode_num_accepted_tokens_per_pos`` has a series for from the start (vLLM's)."""
 
-    def __init__(self, model_name: str, *, naming: str = "kvload", max_model_len: int = 4096) -> None:
+    def __init__(self, model_name: str, *, naming: str = "kvload", max_model_len: int = 4096,
+                 max_draft_len: int = 0) -> None:
         disable_created_metrics()  # no *_created series: scrapers of vLLM-style metrics do not expect them
         self.model_name = model_name
         self.naming = naming
@@ -69,14 +75,32 @@ class ServeMetrics:
 
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that ended after their prefill "
                                      "(reused included; a request aborted before its first token counts none)")
+        # vLLM's breakdown of the same prompt tokens, counted with them: by source, the cached ones, and the last
+        # token of a prompt cached but for it, computed again for its logits (vLLM's rule: cached == prompt - 1)
+        by_source = Counter(metric_name(naming, "prompt_tokens_by_source"), "Prompt tokens by source: local_compute "
+                            "(computed), local_cache_hit (prefix cache; a recomputed last token counts here too), "
+                            "external_kv_transfer (none here)", [*self.labels, "source"], registry=r)
+        self.prompt_by_source = {s: by_source.labels(*self.label_values, s) for s in PROMPT_SOURCES}
+        self.prompt_cached = counter("prompt_tokens_cached", "Cached prompt tokens (local + external) when the "
+                                     "request was first scheduled")
+        self.prompt_recomputed = counter("prompt_tokens_recomputed", "Cached prompt tokens recomputed for the forward "
+                                         "pass (the last token of a prompt cached but for it)")
         self.generation_tokens = counter("generation_tokens", "Generated tokens")
         self.preemptions = counter("num_preemptions", "Requests preempted for recompute")
         self.suspensions = Counter("kvload_num_suspensions", "Requests suspended to the host tier (V2)", own,
                                    registry=r).labels(model_name)
+        self.recomputed = Counter("kvload_preemption_recomputed_tokens", "Tokens computed again after a preemption "
+                                  "for recompute: what the preempted request had computed, less the prefix cache's "
+                                  "hit on its re-admission", own, registry=r).labels(model_name)
         self.steps = Counter("kvload_engine_steps", "Engine steps run", own, registry=r).labels(model_name)
         # vLLM's spec_decode_num_draft_tokens / _num_accepted_tokens (max_draft_len > 0)
         self.draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens computed (speculative decoding)")
         self.accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens the model confirmed")
+        self.drafts = counter("spec_decode_num_drafts", "Drafts verified: one per request and step that computed "
+                              "draft tokens")
+        per_pos = Counter(metric_name(naming, "spec_decode_num_accepted_tokens_per_pos"), "Accepted tokens per "
+                          "draft position (0: the first draft)", [*self.labels, "position"], registry=r)
+        self.accepted_per_pos = [per_pos.labels(*self.label_values, str(i)) for i in range(max_draft_len)]
         self.success = Counter(metric_name(naming, "request_success"), "Requests that ended, by finish reason",
                                [*self.labels, "finished_reason"], registry=r)
         for reason in FINISH_REASONS:  # every series from the start, at 0 (as vLLM's): rate() needs a first sample
@@ -106,6 +130,10 @@ class ServeMetrics:
         self.request_generation = histogram("request_generation_tokens", "Generated tokens per request", sizes)
         self.request_computed = histogram("request_prefill_kv_computed_tokens", "Prompt tokens per request whose KV "
                                           "was computed (not read from the prefix cache)", sizes)
+        self.max_generation = histogram("request_max_num_generation_tokens", "The most tokens generated by one of a "
+                                        "prompt's n samples (once per prompt, when its last sample ends)", sizes)
+        # group -> [samples not ended yet, most tokens so far, whether params_n observed it]: until its last ends
+        self._groups: dict[str, list[Any]] = {}
         self.params_n = histogram("request_params_n", "The n request parameter (once per prompt's n samples)",
                                   N_BUCKETS)
         self.params_max_tokens = histogram("request_params_max_tokens", "The max_tokens request parameter (once per "
@@ -149,15 +177,20 @@ class ServeMetrics:
     # --- EngineObserver ------------------------------------------------------------------------
 
     def on_step(self, stats: Any, new_tokens: int) -> None:
-        """Count the step, its generated tokens and drafts, its preemptions and suspensions."""
+        """Count the step, its generated tokens and drafts, its preemptions, suspensions and recomputed tokens."""
         self.steps.inc()
         if stats.scheduled_tokens:
             self.iteration_tokens.observe(stats.scheduled_tokens)
         if new_tokens:
             self.generation_tokens.inc(new_tokens)
+        if getattr(stats, "recomputed_tokens", 0):
+            self.recomputed.inc(stats.recomputed_tokens)
         if getattr(stats, "draft_tokens", 0):
             self.draft_tokens.inc(stats.draft_tokens)
             self.accepted_tokens.inc(stats.accepted_draft_tokens)
+            self.drafts.inc(getattr(stats, "drafts", 0))
+            for counter, n in zip(self.accepted_per_pos, getattr(stats, "accepted_per_position", ()), strict=False):
+                counter.inc(n)
         out = stats.output
         if out is not None:
             if out.preempted:
@@ -174,9 +207,17 @@ class ServeMetrics:
         for t in gaps:
             self.itl.observe(t)
         ttft = done.ttft_s
+        self._end_of_sample(done, ttft is not None)
         if ttft is None:
             return
         self.prompt_tokens.inc(done.prompt_tokens)
+        cached = done.reused_prompt_tokens
+        recomputed = 1 if cached + 1 == done.prompt_tokens else 0  # vLLM's rule: the whole prompt was cached
+        self.prompt_by_source["local_compute"].inc(done.prompt_tokens - cached)
+        self.prompt_by_source["local_cache_hit"].inc(cached + recomputed)
+        self.prompt_cached.inc(cached)
+        if recomputed:
+            self.prompt_recomputed.inc(recomputed)
         self.ttft.observe(ttft)
         self.e2e.observe(done.token_times[-1] - done.queued_at)
         phases = done.phases
@@ -192,6 +233,22 @@ class ServeMetrics:
         if done.sample == 0:  # the parameters of a prompt's n samples, once
             self.params_n.observe(done.samples)
             self.params_max_tokens.observe(done.params.max_tokens)
+
+    def _end_of_sample(self, done: Any, first_token: bool) -> None:
+        """Observe a prompt's most generated tokens when its last sample ended, once (vLLM's
+        request_max_num_generation_tokens), for the groups ``request_params_n`` counts (its sample 0 got a token)."""
+        if done.group is None or done.samples <= 1:
+            if first_token:
+                self.max_generation.observe(done.output_tokens)
+            return
+        group = self._groups.setdefault(done.group, [done.samples, 0, False])
+        group[0] -= 1
+        group[1] = max(group[1], done.output_tokens)
+        group[2] = group[2] or (done.sample == 0 and first_token)
+        if group[0] <= 0:
+            del self._groups[done.group]
+            if group[2]:
+                self.max_generation.observe(group[1])
 
     # --- the HTTP layer --------------------------------------------------------------------------
 

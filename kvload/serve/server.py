@@ -133,7 +133,9 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
     result.audit.keep_tail(audit_keep)
     name = model_name or (result.model.name if result.model is not None else str(result.args.model))
     engine = ServingEngine.from_result(result)
-    metrics = ServeMetrics(name, naming=metrics_naming, max_model_len=engine.executor.max_seq_len)
+    proposer = engine.executor.proposer  # speculative decoding: the draft positions to count acceptance at
+    metrics = ServeMetrics(name, naming=metrics_naming, max_model_len=engine.executor.max_seq_len,
+                           max_draft_len=proposer.max_draft_len if proposer is not None else 0)
     engine.observer = metrics
     metrics.attach(engine)
     responses = ResponseStore(responses_store_max, on_evicted=metrics.responses_evicted.inc,
