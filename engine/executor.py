@@ -560,7 +560,12 @@ class GenerationExecutor:
             if keywords:
                 raise GenerationError("generate: pass sampling settings either as sampling_params or as keywords "
                                       f"({', '.join(sorted(keywords))}), not both")
-            params = [SamplingParams.build(p, {}) for p in sampling_params]
+            for i, p in enumerate(sampling_params):  # a None here took kvload's built-in defaults, silently, where a
+                if not isinstance(p, SamplingParams):  # call given no SamplingParams takes the model's
+                    raise GenerationError(f"generate: sampling_params[{i}]: expected a SamplingParams, got "
+                                          f"{type(p).__name__}" + (" (sampling_params=None, not a list, takes the "
+                                                                   "model's defaults)" if p is None else ""))
+            params = list(sampling_params)
             if count and len(params) != count:
                 raise GenerationError(f"generate: sampling_params: expected one SamplingParams or a list of {count} "
                                       f"(one per prompt), got a list of {len(params)}")

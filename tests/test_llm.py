@@ -590,6 +590,17 @@ def test_one_sampling_params_per_prompt(llm):
     assert [len(o.outputs) for o in outs] == [1, 2] and len(outs[1].outputs[1].token_ids) == 4
     with pytest.raises(GenerationError, match="expected one SamplingParams or a list of 2"):
         llm.generate([PROMPT, PROMPT], [SamplingParams()])
+    # an item that is no SamplingParams is named by its index: a None took kvload's built-in defaults, silently,
+    # where sampling_params=None takes the model's (its generation_config.json), and a dict said only "dict"
+    before = len(llm.audit.of("generation_started"))
+    with pytest.raises(GenerationError, match=r"^generate: sampling_params\[1\]: expected a SamplingParams, got "
+                                              r"NoneType \(sampling_params=None, not a list, takes the model's "
+                                              r"defaults\)$"):
+        llm.generate([PROMPT, PROMPT], [SamplingParams(max_tokens=2), None])
+    with pytest.raises(GenerationError, match=r"^generate: sampling_params\[0\]: expected a SamplingParams, got "
+                                              r"dict$"):
+        llm.generate([PROMPT], [{"max_tokens": 2}])
+    assert len(llm.audit.of("generation_started")) == before
 
 
 # --- the LLM itself -------------------------------------------------------------------------------
