@@ -13,7 +13,7 @@ import kvload
 from engine.beam_search import BeamSearchParams
 from engine.sampling_params import SamplingParams
 from kvload.llm import DEFAULT_CPU_MAX_TOKENS
-from pipeline.errors import GenerationError
+from pipeline.errors import ConfigError, GenerationError
 from tests.generate_support import hf_greedy, used_blocks
 from tests.llm_support import llm_kwargs, with_tokenizer
 
@@ -823,6 +823,22 @@ def test_a_subscriber_failing_as_a_call_starts_still_ends_it_in_the_audit(tmp_pa
     assert failed[0]["call"] == 0 and failed[0]["error"] == "RuntimeError"
     report = verify_log(AuditLog.from_jsonl(audit))
     assert report["ok"], report
+
+
+@pytest.mark.parametrize(("subscribers", "message"), [
+    (print, r"^subscribers: expected a list of callables \(each called with every event record\), got "
+            r"builtin_function_or_method$"),
+    (5, r"^subscribers: expected a list of callables .*, got int$"),
+    ([print, "audit.jsonl"], r"^subscribers\[1\]: expected a callable \(called with every event record\), got str$"),
+])
+def test_subscribers_that_are_not_callables_are_one_config_error_before_anything_loads(tmp_path, subscribers,
+                                                                                         message):
+    """A lone callable or a number was Python's bare TypeError ("'int' object is not iterable"), naming no argument,
+    and a list holding a non-callable raised "'str' object is not callable" at the load's first event."""
+    with pytest.raises(ConfigError, match=message) as info:
+        kvload.LLM("tiny-llama", **llm_kwargs(), audit_log=tmp_path / "a.jsonl", subscribers=subscribers)
+    assert getattr(info.value, "audit", None) is None  # refused before any stage ran (a stage's error carries them)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_load_result_close_from_another_thread_stops_its_generate():
