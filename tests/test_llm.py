@@ -13,7 +13,7 @@ import kvload
 from engine.beam_search import BeamSearchParams
 from engine.sampling_params import SamplingParams
 from kvload.llm import DEFAULT_CPU_MAX_TOKENS
-from pipeline.errors import ConfigError, GenerationError
+from pipeline.errors import ConfigError, GenerationError, OutputError
 from tests.generate_support import hf_greedy, used_blocks
 from tests.llm_support import llm_kwargs, with_tokenizer
 
@@ -839,6 +839,39 @@ def test_subscribers_that_are_not_callables_are_one_config_error_before_anything
         kvload.LLM("tiny-llama", **llm_kwargs(), audit_log=tmp_path / "a.jsonl", subscribers=subscribers)
     assert getattr(info.value, "audit", None) is None  # refused before any stage ran (a stage's error carries them)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_when_close_rewrites_the_audit_log_says_the_file_keeps_the_loads_events(tmp_path, monkeypatch):
+    """close() rewrites audit_log with the generation segments; on a full disk it said "audit log PATH: cannot write
+    it ...; nothing was written" while PATH held the load's events, published when the LLM was created."""
+    import errno
+    import os
+
+    import pipeline.audit
+
+    target = tmp_path / "llm.jsonl"
+    llm = kvload.LLM("tiny-llama", **llm_kwargs(), audit_log=target)
+    llm.generate([[1, 2, 3]], max_tokens=2)
+    loaded = target.read_text()
+
+    class FullDisk:
+        def __init__(self, real: Any) -> None:
+            self.real = real
+
+        def write(self, text: str) -> int:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def close(self) -> None:
+            self.real.close()
+
+    real_fdopen = os.fdopen
+    monkeypatch.setattr(pipeline.audit.os, "fdopen", lambda fd, *a, **k: FullDisk(real_fdopen(fd, *a, **k)))
+    with pytest.raises(OutputError, match=rf"^audit_log {re.escape(str(target))}: cannot write the generation events "
+                                          r"\(No space left on device\); the file keeps the load's events only, as "
+                                          r"written when the LLM was created$"):
+        llm.close()
+    assert target.read_text() == loaded and list(tmp_path.iterdir()) == [target]  # no temporary left
+    assert llm.result.kv_manager.closed  # the pools were released all the same
 
 
 def test_load_result_close_from_another_thread_stops_its_generate():
