@@ -535,6 +535,10 @@ class GenerationExecutor:
         is refused here: use :meth:`run` (or ``kvload.LLM.generate``), which returns ``RequestOutput``s.
         """
         on_delta = None
+        # stream=True (read as "stream it") raised "'bool' object is not callable" at the first token, mid-call
+        if stream is not None and not callable(stream):
+            raise GenerationError(f"generate: stream: expected a callable (called with a StreamEvent per token) or "
+                                  f"None, got {type(stream).__name__}; kvload.LLM.generate_stream yields the tokens")
         if stream is not None:
             tokens: dict[int, list[int]] = {}
 
