@@ -10,6 +10,16 @@ from pathlib import Path
 from pipeline.errors import cannot_read
 
 
+def read_opened(path: Path, fd: int, limit: int) -> bytes:
+    """At most ``limit`` bytes of the file ``path`` opened as ``fd``, from where it stands to its end (the one read of a
+    user's text file: a test that changes the file right after it is read hooks this)."""
+    chunks = []
+    while limit > 0 and (chunk := os.read(fd, min(limit, 1 << 20))):
+        chunks.append(chunk)
+        limit -= len(chunk)
+    return b"".join(chunks)
+
+
 def read_text_file(path: Path, fail: Callable[[str], Exception], *, expected: str, max_chars: int, too_big: str,
                    utf8_hint: str = "") -> str:
     """The UTF-8 text of the regular file ``path``, at most ``max_chars`` characters; otherwise ``fail(problem)``
@@ -42,14 +52,10 @@ def read_text_file(path: Path, fail: Callable[[str], Exception], *, expected: st
             raise fail(f"not a regular file (a FIFO or device?); give {expected}")
         if st.st_size > 4 * max_chars:  # before reading: a huge (or sparse) file would be read into memory whole
             raise fail(f"{st.st_size:,} bytes; {too_big}")
-        chunks, left = [], 4 * max_chars + 1  # a file grown since fstat is read no further than the bound
-        try:
-            while left > 0 and (chunk := os.read(fd, min(left, 1 << 20))):
-                chunks.append(chunk)
-                left -= len(chunk)
+        try:  # a file grown since fstat is read no further than the bound
+            raw = read_opened(path, fd, 4 * max_chars + 1)
         except OSError as exc:
             raise fail(cannot_read(exc)) from None
-        raw = b"".join(chunks)
     finally:
         os.close(fd)
     if len(raw) > 4 * max_chars:
@@ -63,4 +69,4 @@ def read_text_file(path: Path, fail: Callable[[str], Exception], *, expected: st
     return text
 
 
-__all__ = ["read_text_file"]
+__all__ = ["read_opened", "read_text_file"]
