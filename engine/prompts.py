@@ -21,6 +21,14 @@ from pipeline.errors import GenerationError, first_line
 
 #: Keys of vLLM's prompt dicts kvload acts on; any other key (multi_modal_data, ...) is refused.
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
+#: Keys of vLLM's prompt dicts kvload does not take → what to do instead (said after the refusal).
+VLLM_PROMPT_KEYS_NOT_TAKEN = {
+    "cache_salt": "kvload salts a whole call: generate(..., salt=...)",
+    "multi_modal_data": "kvload serves text-only models",
+    "mm_processor_kwargs": "kvload serves text-only models",
+    "multi_modal_uuids": "kvload serves text-only models",
+    "prompt_embeds": "kvload takes text or token ids",
+}
 #: Message roles a chat template takes.
 ROLES = ("system", "user", "assistant", "developer", "tool")
 
@@ -82,9 +90,12 @@ def _from_dict(i: int, prompt: Mapping[str, Any]) -> Any:
     """vLLM's TextPrompt / TokensPrompt → its text or token ids."""
     unknown = sorted(str(k) for k in prompt if k not in PROMPT_KEYS)
     if unknown or len(prompt) != 1:
-        what = f"key {unknown[0]!r} is not supported" if unknown else f"has keys {sorted(prompt)}"
-        raise GenerationError(f"generate: prompt {i}: a prompt dict {what}; give exactly one of "
-                              "{'prompt': TEXT} or {'prompt_token_ids': [IDS]}")
+        # a key is quoted cut to 80 characters: a huge one made the line as long
+        what = f"key {unknown[0][:80]!r} is not supported" if unknown else f"has keys {sorted(prompt)}"
+        instead = VLLM_PROMPT_KEYS_NOT_TAKEN.get(unknown[0]) if unknown else None
+        raise GenerationError(f"generate: prompt {i}: a prompt dict {what}"
+                              + (f" (vLLM's; {instead})" if instead else "")
+                              + "; give exactly one of {'prompt': TEXT} or {'prompt_token_ids': [IDS]}")
     if "prompt" in prompt:
         text = prompt["prompt"]
         if not isinstance(text, str):
@@ -295,5 +306,5 @@ def template_options(add_generation_prompt: Any = True, continue_final_message: 
 
 
 __all__ = ["APPLY_SETTINGS", "CHAT_ARGUMENTS", "PROMPT_KEYS", "ROLES", "TEMPLATE_MAX_CHARS", "TEMPLATE_MAX_SECONDS",
-           "TEMPLATE_MAX_STEPS", "TEMPLATE_OPTIONS", "apply_template", "check_text",
+           "TEMPLATE_MAX_STEPS", "TEMPLATE_OPTIONS", "VLLM_PROMPT_KEYS_NOT_TAKEN", "apply_template", "check_text",
            "is_conversation", "is_token_id", "lone_surrogate", "missing_template", "normalize", "template_options"]

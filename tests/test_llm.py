@@ -287,7 +287,13 @@ def test_vllm_prompt_forms_give_what_a_list_of_token_ids_gives(llm):
                          ([{"prompt_token_ids": ids, "multi_modal_data": {}}], "key 'multi_modal_data' is not "
                                                                                 "supported"),
                          ([{"prompt": 5}], "'prompt' must be a string"),
-                         ([[{"role": "user", "content": "w5"}]], "a conversation .* needs chat=True")]:
+                         ([[{"role": "user", "content": "w5"}]], "a conversation .* needs chat=True"),
+                         # vLLM's per-prompt salt is named with kvload's per-call one; a huge key is quoted cut
+                         ([{"prompt_token_ids": ids, "cache_salt": "a"}],
+                          r"^generate: prompt 0: a prompt dict key 'cache_salt' is not supported \(vLLM's; kvload "
+                          r"salts a whole call: generate\(\.\.\., salt=\.\.\.\)\); give exactly one of"),
+                         ([{"prompt_token_ids": ids, "k" * 10**6: 1}],
+                          r"^generate: prompt 0: a prompt dict key 'k{80}' is not supported; give exactly one of")]:
         with pytest.raises(GenerationError, match=message):
             llm.generate(bad, params)
 
