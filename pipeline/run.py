@@ -96,6 +96,17 @@ def path_argument(name: str, value: Any) -> str:
     return text
 
 
+def _same_file(a: str, b: str) -> bool:
+    """Whether two paths name one file: the same real path, or two names of it (a hard link); a path that does not
+    exist yet names no file another does."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except (OSError, ValueError):
+        return False
+
+
 def _subscribers(value: Any) -> list[Subscriber]:
     """``subscribers``: callables, each given every event record; anything else is a ``ConfigError`` naming it before
     anything runs (a non-iterable was a bare ``TypeError`` naming nothing, a non-callable one raised at the first
@@ -135,6 +146,10 @@ def execute(
     if audit_log is not None:  # a directory or missing parent fails now, not after the whole load
         audit_log = path_argument("audit_log", audit_log)
         check_output_path(audit_log, flag="audit_log")
+        config_file = getattr(request, "config_file", None)
+        if config_file and _same_file(audit_log, config_file):  # the log replaced the YAML this call had just read
+            raise ConfigError(f"audit_log {audit_log}: is the config_file this call reads; give the audit log a "
+                              "file of its own")
         sink = JsonlSink(rank_audit_path(audit_log, ranks), flag="audit_log")
     subs: list[Subscriber] = [audit]
     if log:

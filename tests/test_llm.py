@@ -847,6 +847,24 @@ def test_subscribers_that_are_not_callables_are_one_config_error_before_anything
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("name", ["same", "hard link"])
+def test_an_audit_log_on_the_config_file_the_call_reads_is_refused_and_the_config_kept(tmp_path, name):
+    """audit_log= replaces a file, as Python's file APIs do, but LLM(config_file=C, audit_log=C) replaced the YAML
+    config it had just read with the audit log (kvload --audit-log refuses the --config file the same way)."""
+    import os
+
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("max_batch_size: 4\n")
+    target = cfg
+    if name == "hard link":
+        target = tmp_path / "log.jsonl"
+        os.link(cfg, target)
+    with pytest.raises(ConfigError, match=rf"^audit_log {re.escape(str(target))}: is the config_file this call reads; "
+                                          r"give the audit log a file of its own$"):
+        kvload.LLM("tiny-llama", **llm_kwargs(), config_file=cfg, audit_log=target)
+    assert cfg.read_text() == "max_batch_size: 4\n"
+
+
 def test_a_full_disk_when_close_rewrites_the_audit_log_says_the_file_keeps_the_loads_events(tmp_path, monkeypatch):
     """close() rewrites audit_log with the generation segments; on a full disk it said "audit log PATH: cannot write
     it ...; nothing was written" while PATH held the load's events, published when the LLM was created."""
