@@ -113,7 +113,7 @@ class LLM:
                 for record in self.result.audit.events:
                     sink(record)
         except OutputError as exc:
-            failed = sink._failed  # the write the OS refused; None: publishing failed, and the sink's line says why
+            failed = sink.failed  # the write the OS refused; None: publishing failed, and the sink's line says why
             if failed is None:
                 raise
             raise OutputError(f"audit_log {os.fspath(path)}: cannot write the generation events "
