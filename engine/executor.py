@@ -61,6 +61,7 @@ from engine.penalties import penalize
 from engine.prompts import (
     TEMPLATE_OPTIONS,
     apply_template,
+    array_ints,
     check_text,
     is_conversation,
     missing_template,
@@ -1061,6 +1062,7 @@ class GenerationExecutor:
         """vLLM's ``priority`` list (lower first) as kvload's ranks (higher first: each value negated); None: all 0."""
         if priority is None:
             return None
+        priority = array_ints(priority)  # a 1-D integer array, as a prompt's ids may be (it was refused whole)
         if isinstance(priority, (str, bytes)) or not isinstance(priority, Sequence) or len(priority) != n:
             raise GenerationError(f"generate: priority: expected a list of {n} integers (one per prompt), "
                                   f"got {short(priority)}")

@@ -38,8 +38,9 @@ def is_token_id(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and type(value).__name__ != "bool_"
 
 
-def _array_ids(value: Any) -> Any:
-    """A 1-D integer array or tensor → a list of ints; anything else is returned unchanged."""
+def array_ints(value: Any) -> Any:
+    """A 1-D integer array or tensor → a list of ints; anything else is returned unchanged (prompts' token ids, and
+    ``generate``'s ``priority``, one per prompt)."""
     if not hasattr(value, "tolist") or getattr(value, "ndim", None) != 1:
         return value
     dtype = str(getattr(value, "dtype", ""))
@@ -56,11 +57,11 @@ def is_conversation(value: Any) -> bool:
 
 def normalize(prompts: Any) -> list[Any]:
     """Every prompt as a ``str``, a ``list[int]`` or (chat) a list of messages; ``GenerationError`` naming one."""
-    prompts = _array_ids(prompts)
+    prompts = array_ints(prompts)
     if isinstance(prompts, (str, Mapping)):
         prompts = [prompts]
     if hasattr(prompts, "tolist") and getattr(prompts, "ndim", None) == 2:  # a batch of equal-length id rows
-        prompts = [_array_ids(row) for row in prompts]
+        prompts = [array_ints(row) for row in prompts]
     if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)):
         raise GenerationError(f"generate: prompts: expected a string or a list of prompts (strings, lists of token "
                               f"ids, or {{'prompt': ...}} / {{'prompt_token_ids': [...]}} dicts), got "
@@ -74,7 +75,7 @@ def normalize(prompts: Any) -> list[Any]:
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, Mapping):
             prompt = _from_dict(i, prompt)
-        prompt = _array_ids(prompt)
+        prompt = array_ints(prompt)
         if isinstance(prompt, str) or is_conversation(prompt):
             out.append(prompt)
             continue
@@ -101,7 +102,7 @@ def _from_dict(i: int, prompt: Mapping[str, Any]) -> Any:
         if not isinstance(text, str):
             raise GenerationError(f"generate: prompt {i}: 'prompt' must be a string, got {type(text).__name__}")
         return text
-    ids = _array_ids(prompt["prompt_token_ids"])
+    ids = array_ints(prompt["prompt_token_ids"])
     if isinstance(ids, (str, bytes, Mapping)) or not isinstance(ids, Sequence) \
             or not all(is_token_id(t) for t in ids):
         raise GenerationError(f"generate: prompt {i}: 'prompt_token_ids' must be a list of token ids (ints), "
@@ -306,5 +307,6 @@ def template_options(add_generation_prompt: Any = True, continue_final_message: 
 
 
 __all__ = ["APPLY_SETTINGS", "CHAT_ARGUMENTS", "PROMPT_KEYS", "ROLES", "TEMPLATE_MAX_CHARS", "TEMPLATE_MAX_SECONDS",
-           "TEMPLATE_MAX_STEPS", "TEMPLATE_OPTIONS", "VLLM_PROMPT_KEYS_NOT_TAKEN", "apply_template", "check_text",
+           "TEMPLATE_MAX_STEPS", "TEMPLATE_OPTIONS", "VLLM_PROMPT_KEYS_NOT_TAKEN", "apply_template", "array_ints",
+           "check_text",
            "is_conversation", "is_token_id", "lone_surrogate", "missing_template", "normalize", "template_options"]
