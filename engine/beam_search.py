@@ -62,10 +62,17 @@ from pipeline.events import (
     RequestPreempted,
     SettingIgnored,
 )
-from pipeline.limits import MAX_N
+from pipeline.limits import MAX_INT, MAX_N, int_text
 
 if TYPE_CHECKING:
     from engine.executor import GenerationExecutor as Executor
+
+
+#: vLLM's ``BeamSearchParams`` fields kvload does not have → what to do instead.
+VLLM_BEAM_FIELDS_NOT_TAKEN: dict[str, str] = {
+    "include_stop_str_in_output": "kvload's beam search takes no stop strings (a hypothesis ends at EOS or "
+                                  "max_tokens), so there is none to include",
+}
 
 
 @attrs.frozen(init=False)
@@ -81,12 +88,22 @@ class BeamSearchParams:
     logprobs: int | None = None
 
     def __init__(self, *, beam_width: int, max_tokens: int = DEFAULT_MAX_TOKENS, ignore_eos: bool = False,
-                 length_penalty: float = 1.0, temperature: float = 0.0, logprobs: int | None = None) -> None:
+                 length_penalty: float = 1.0, temperature: float = 0.0, logprobs: int | None = None,
+                 **unknown: Any) -> None:
         """Keywords only; ``temperature`` is taken for vLLM's signature and must be 0 (beam search is greedy)."""
+        if unknown:  # one line naming it, as SamplingParams words an unknown field (Python's TypeError named none)
+            name = next(iter(unknown))
+            why = VLLM_BEAM_FIELDS_NOT_TAKEN.get(name)
+            if why is not None:
+                raise GenerationError(f"generate: {name}: vLLM's BeamSearchParams field, not kvload's: {why}")
+            raise GenerationError(f"generate: unknown BeamSearchParams field {name[:80]!r}; fields are beam_width, "
+                                  "ignore_eos, length_penalty, logprobs, max_tokens, temperature")
         beam_width, max_tokens, logprobs = _plain_int(beam_width), _plain_int(max_tokens), _plain_int(logprobs)
         check(is_int(beam_width) and 1 <= beam_width <= MAX_N, "beam_width", f"an integer in [1, {MAX_N}]",
               beam_width)
         check(is_int(max_tokens) and max_tokens >= 1, "max_tokens", "an integer >= 1", max_tokens)
+        if max_tokens > MAX_INT:  # as SamplingParams bounds it: an integer setting is at most int64
+            raise GenerationError(f"generate: max_tokens: expected at most 2**63 - 1, got {int_text(max_tokens)}")
         check(isinstance(ignore_eos, bool), "ignore_eos", "true or false", ignore_eos)
         check(is_finite(length_penalty), "length_penalty", "a finite number",
               length_penalty)
@@ -441,4 +458,5 @@ def _decode(executor: Executor, tokens: Sequence[int]) -> str | None:
     return tokenizer.decode(list(tokens), skip_special_tokens=True) if tokenizer is not None else None
 
 
-__all__ = ["BeamSearch", "BeamSearchOutput", "BeamSearchParams", "BeamSequence", "beam_search"]
+__all__ = ["VLLM_BEAM_FIELDS_NOT_TAKEN", "BeamSearch", "BeamSearchOutput", "BeamSearchParams", "BeamSequence",
+           "beam_search"]

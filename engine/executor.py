@@ -61,6 +61,7 @@ from engine.penalties import penalize
 from engine.prompts import (
     TEMPLATE_OPTIONS,
     apply_template,
+    array_ints,
     check_text,
     is_conversation,
     missing_template,
@@ -535,6 +536,10 @@ class GenerationExecutor:
         is refused here: use :meth:`run` (or ``kvload.LLM.generate``), which returns ``RequestOutput``s.
         """
         on_delta = None
+        # stream=True (read as "stream it") raised "'bool' object is not callable" at the first token, mid-call
+        if stream is not None and not callable(stream):
+            raise GenerationError(f"generate: stream: expected a callable (called with a StreamEvent per token) or "
+                                  f"None, got {type(stream).__name__}; kvload.LLM.generate_stream yields the tokens")
         if stream is not None:
             tokens: dict[int, list[int]] = {}
 
@@ -560,7 +565,12 @@ class GenerationExecutor:
             if keywords:
                 raise GenerationError("generate: pass sampling settings either as sampling_params or as keywords "
                                       f"({', '.join(sorted(keywords))}), not both")
-            params = [SamplingParams.build(p, {}) for p in sampling_params]
+            for i, p in enumerate(sampling_params):  # a None here took kvload's built-in defaults, silently, where a
+                if not isinstance(p, SamplingParams):  # call given no SamplingParams takes the model's
+                    raise GenerationError(f"generate: sampling_params[{i}]: expected a SamplingParams, got "
+                                          f"{type(p).__name__}" + (" (sampling_params=None, not a list, takes the "
+                                                                   "model's defaults)" if p is None else ""))
+            params = list(sampling_params)
             if count and len(params) != count:
                 raise GenerationError(f"generate: sampling_params: expected one SamplingParams or a list of {count} "
                                       f"(one per prompt), got a list of {len(params)}")
@@ -1052,6 +1062,7 @@ class GenerationExecutor:
         """vLLM's ``priority`` list (lower first) as kvload's ranks (higher first: each value negated); None: all 0."""
         if priority is None:
             return None
+        priority = array_ints(priority)  # a 1-D integer array, as a prompt's ids may be (it was refused whole)
         if isinstance(priority, (str, bytes)) or not isinstance(priority, Sequence) or len(priority) != n:
             raise GenerationError(f"generate: priority: expected a list of {n} integers (one per prompt), "
                                   f"got {short(priority)}")

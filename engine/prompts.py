@@ -21,6 +21,14 @@ from pipeline.errors import GenerationError, first_line
 
 #: Keys of vLLM's prompt dicts kvload acts on; any other key (multi_modal_data, ...) is refused.
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
+#: Keys of vLLM's prompt dicts kvload does not take → what to do instead (said after the refusal).
+VLLM_PROMPT_KEYS_NOT_TAKEN = {
+    "cache_salt": "kvload salts a whole call: generate(..., salt=...)",
+    "multi_modal_data": "kvload serves text-only models",
+    "mm_processor_kwargs": "kvload serves text-only models",
+    "multi_modal_uuids": "kvload serves text-only models",
+    "prompt_embeds": "kvload takes text or token ids",
+}
 #: Message roles a chat template takes.
 ROLES = ("system", "user", "assistant", "developer", "tool")
 
@@ -30,8 +38,9 @@ def is_token_id(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and type(value).__name__ != "bool_"
 
 
-def _array_ids(value: Any) -> Any:
-    """A 1-D integer array or tensor → a list of ints; anything else is returned unchanged."""
+def array_ints(value: Any) -> Any:
+    """A 1-D integer array or tensor → a list of ints; anything else is returned unchanged (prompts' token ids, and
+    ``generate``'s ``priority``, one per prompt)."""
     if not hasattr(value, "tolist") or getattr(value, "ndim", None) != 1:
         return value
     dtype = str(getattr(value, "dtype", ""))
@@ -48,11 +57,11 @@ def is_conversation(value: Any) -> bool:
 
 def normalize(prompts: Any) -> list[Any]:
     """Every prompt as a ``str``, a ``list[int]`` or (chat) a list of messages; ``GenerationError`` naming one."""
-    prompts = _array_ids(prompts)
+    prompts = array_ints(prompts)
     if isinstance(prompts, (str, Mapping)):
         prompts = [prompts]
     if hasattr(prompts, "tolist") and getattr(prompts, "ndim", None) == 2:  # a batch of equal-length id rows
-        prompts = [_array_ids(row) for row in prompts]
+        prompts = [array_ints(row) for row in prompts]
     if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)):
         raise GenerationError(f"generate: prompts: expected a string or a list of prompts (strings, lists of token "
                               f"ids, or {{'prompt': ...}} / {{'prompt_token_ids': [...]}} dicts), got "
@@ -66,7 +75,7 @@ def normalize(prompts: Any) -> list[Any]:
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, Mapping):
             prompt = _from_dict(i, prompt)
-        prompt = _array_ids(prompt)
+        prompt = array_ints(prompt)
         if isinstance(prompt, str) or is_conversation(prompt):
             out.append(prompt)
             continue
@@ -82,15 +91,18 @@ def _from_dict(i: int, prompt: Mapping[str, Any]) -> Any:
     """vLLM's TextPrompt / TokensPrompt → its text or token ids."""
     unknown = sorted(str(k) for k in prompt if k not in PROMPT_KEYS)
     if unknown or len(prompt) != 1:
-        what = f"key {unknown[0]!r} is not supported" if unknown else f"has keys {sorted(prompt)}"
-        raise GenerationError(f"generate: prompt {i}: a prompt dict {what}; give exactly one of "
-                              "{'prompt': TEXT} or {'prompt_token_ids': [IDS]}")
+        # a key is quoted cut to 80 characters: a huge one made the line as long
+        what = f"key {unknown[0][:80]!r} is not supported" if unknown else f"has keys {sorted(prompt)}"
+        instead = VLLM_PROMPT_KEYS_NOT_TAKEN.get(unknown[0]) if unknown else None
+        raise GenerationError(f"generate: prompt {i}: a prompt dict {what}"
+                              + (f" (vLLM's; {instead})" if instead else "")
+                              + "; give exactly one of {'prompt': TEXT} or {'prompt_token_ids': [IDS]}")
     if "prompt" in prompt:
         text = prompt["prompt"]
         if not isinstance(text, str):
             raise GenerationError(f"generate: prompt {i}: 'prompt' must be a string, got {type(text).__name__}")
         return text
-    ids = _array_ids(prompt["prompt_token_ids"])
+    ids = array_ints(prompt["prompt_token_ids"])
     if isinstance(ids, (str, bytes, Mapping)) or not isinstance(ids, Sequence) \
             or not all(is_token_id(t) for t in ids):
         raise GenerationError(f"generate: prompt {i}: 'prompt_token_ids' must be a list of token ids (ints), "
@@ -295,5 +307,6 @@ def template_options(add_generation_prompt: Any = True, continue_final_message: 
 
 
 __all__ = ["APPLY_SETTINGS", "CHAT_ARGUMENTS", "PROMPT_KEYS", "ROLES", "TEMPLATE_MAX_CHARS", "TEMPLATE_MAX_SECONDS",
-           "TEMPLATE_MAX_STEPS", "TEMPLATE_OPTIONS", "apply_template", "check_text",
+           "TEMPLATE_MAX_STEPS", "TEMPLATE_OPTIONS", "VLLM_PROMPT_KEYS_NOT_TAKEN", "apply_template", "array_ints",
+           "check_text",
            "is_conversation", "is_token_id", "lone_surrogate", "missing_template", "normalize", "template_options"]

@@ -317,6 +317,12 @@ class SamplingParams:
             check_text(f"stop[{i}]", text)
         check(isinstance(self.stop_token_ids, tuple) and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
               "stop_token_ids", "a list of token ids (integers >= 0)", self.stop_token_ids)
+        # bounded as logit_bias and allowed_token_ids are: an id past int64 reached the vocabulary check only at
+        # generate, so a SamplingParams built ahead held what no model takes
+        huge = next((t for t in self.stop_token_ids if t > MAX_INT), None)
+        if huge is not None:
+            raise GenerationError(f"generate: stop_token_ids: expected token ids of at most 2**63 - 1, got "
+                                  f"{int_text(huge)}")
         check(is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"an integer in [1, {MAX_N}]", self.n)
         check_logprobs(self.logprobs)
         check_logprobs(self.prompt_logprobs, "prompt_logprobs")

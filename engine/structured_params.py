@@ -110,6 +110,25 @@ def _choices(value: Any) -> Any:
     return value
 
 
+#: vLLM's ``StructuredOutputsParams`` fields kvload does not have → what to do instead.
+VLLM_FIELDS_NOT_TAKEN: dict[str, str] = {
+    "disable_fallback": "kvload compiles every spec with xgrammar alone, so there is no other backend to fall back to",
+    "disable_additional_properties": "write \"additionalProperties\": false in the schema's objects",
+    "whitespace_pattern": "JSON whitespace is xgrammar's: any (the default) or compact with "
+                          "disable_any_whitespace=True",
+    "structural_tag": "kvload takes no structural tags; constrain the output with json, regex, choice or grammar",
+}
+
+
+def _unknown_field(name: str) -> GenerationError:
+    """The one line for a keyword that is no field: vLLM's with what to do instead, else the fields there are."""
+    why = VLLM_FIELDS_NOT_TAKEN.get(name)
+    if why is not None:
+        return _refuse(name, f"vLLM's StructuredOutputsParams field, not kvload's: {why}")
+    fields = sorted(a.name for a in attrs.fields(StructuredOutputsParams) if a.init)
+    return _refuse("", f"unknown field {name[:80]!r}; fields are {', '.join(fields)}")
+
+
 @attrs.frozen(init=False)
 class StructuredOutputsParams:
     """vLLM's structured outputs: exactly one of ``json`` (a JSON schema, as a dict or its JSON text), ``regex`` (the
@@ -136,8 +155,10 @@ class StructuredOutputsParams:
     def __init__(self, *, json: Mapping[str, Any] | str | None = None, regex: str | None = None,
                  choice: Sequence[str] | None = None, grammar: str | None = None,
                  json_object: bool | None = None, disable_any_whitespace: bool = False,
-                 reasoning_parser: str | None = None) -> None:
+                 reasoning_parser: str | None = None, **unknown: Any) -> None:
         """Keywords only; exactly one of the five kinds (``json_object=False`` counts as not given)."""
+        if unknown:  # one line naming it, as SamplingParams words an unknown field (Python's TypeError named none)
+            raise _unknown_field(next(iter(unknown)))
         self.__attrs_init__(json, regex, _choices(choice), grammar, json_object, disable_any_whitespace,
                             reasoning_parser)
 
@@ -217,4 +238,4 @@ class StructuredOutputsParams:
         return data
 
 
-__all__ = ["FALSE_SCHEMA", "KINDS", "StructuredOutputsParams"]
+__all__ = ["FALSE_SCHEMA", "KINDS", "VLLM_FIELDS_NOT_TAKEN", "StructuredOutputsParams"]

@@ -140,16 +140,42 @@ class LoadResult(RunResult):
             raise ConfigError("kv_cache_events: KV cache events are off; load with "
                               "kv_cache_config.event_buffer_max_size > 0 (a load, not a plan)",
                               path="kv_cache_config.event_buffer_max_size")
-        batch = buffer.drain()
-        if jsonl is not None:
-            import json
-
-            with open(jsonl, "a", encoding="utf-8") as f:
-                f.writelines(json.dumps(e, separators=(",", ":")) + "\n" for e in batch["events"])
-        return batch
+        if jsonl is None:
+            return buffer.drain()
+        return _append_events(buffer, path_argument("kv_cache_events: jsonl", jsonl))
 
     def __enter__(self) -> LoadResult:
         return self
+
+
+def _append_events(buffer: Any, path: str) -> dict[str, Any]:
+    """Drain ``buffer`` and append its events to ``path``, one JSON object per line. The file is opened before the
+    drain (a directory, a missing folder: refused with the events kept), and a write that fails (a full disk) cuts
+    the file back to its last whole line: no half-written event. ``open`` took an int as a file descriptor, so
+    ``jsonl=5`` wrote into whatever descriptor 5 was."""
+    import json
+
+    from pipeline.errors import ConfigError, OutputError
+
+    try:
+        f = open(path, "ab", buffering=0)  # noqa: SIM115 - closed below, after the drain; unbuffered: close writes nothing
+    except OSError as exc:
+        raise ConfigError(f"kv_cache_events: jsonl {path}: cannot append to it ({exc.strerror or exc}); the events "
+                          "stay in the buffer") from None
+    with f:
+        batch = buffer.drain()
+        data = memoryview("".join(json.dumps(e, separators=(",", ":")) + "\n" for e in batch["events"]).encode())
+        start = f.seek(0, os.SEEK_END)
+        try:
+            while data:
+                data = data[f.write(data):]
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.ftruncate(f.fileno(), start)
+            raise OutputError(f"kv_cache_events: jsonl {path}: cannot write the {len(batch['events']):,} events "
+                              f"drained ({exc.strerror or exc}); the file is cut back to what it held, the events are "
+                              "lost") from None
+    return batch
 
 
 _CLOSED = ("generate: this result was closed (LoadResult.close released its KV pools and weights); load the model "

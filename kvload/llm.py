@@ -25,9 +25,10 @@ from engine.prompts import check_tree, is_conversation
 from engine.sampling_params import SamplingParams, is_int
 from kvload.api import LoadResult, api_request, execute
 from kvload.metrics import METRIC_NAMINGS, LlmMetrics, Metric
+from pipeline.audit import JsonlSink
 from pipeline.bus import Subscriber
 from pipeline.context import DEFAULT_MAX_TOKENS_FIELD, CallerDefault
-from pipeline.errors import ConfigError, GenerationError, retitled
+from pipeline.errors import ConfigError, GenerationError, OutputError, retitled
 from pipeline.events import SettingIgnored
 from pipeline.limits import MAX_INT, short
 from stages import load_stages
@@ -95,13 +96,29 @@ class LLM:
         self.result: LoadResult = execute(request, load_stages(), audit_log=audit_log, subscribers=subscribers,
                                           log=log)
         if audit_log is not None:  # registered after the pools: runs first, while the release is under way
-            self.result.context.on_close(lambda: self.result.audit.to_jsonl(audit_log))
+            self.result.context.on_close(lambda: self._write_audit(audit_log))
         self._closed = False
         self._said_no_tqdm = False  # use_tqdm=True is reported once per LLM, not once per call
         self._metrics = LlmMetrics(str(self.args.model))
         if seed is not None:  # vLLM's engine seed: unseeded samples draw from one seeded sequence, so a run repeats
             executor = self.result.executor
             executor.call_seeds, executor.llm_seed = random.Random(seed), int(seed)
+
+    def _write_audit(self, path: str | os.PathLike[str]) -> None:
+        """On close: rewrite ``audit_log`` with the generation segments too. A failed write (a full disk) leaves the
+        file the load published, so the one line says that, not "nothing was written" (which named no argument)."""
+        sink = JsonlSink(path, flag="audit_log")
+        try:
+            with sink:
+                for record in self.result.audit.events:
+                    sink(record)
+        except OutputError as exc:
+            failed = sink.failed  # the write the OS refused; None: publishing failed, and the sink's line says why
+            if failed is None:
+                raise
+            raise OutputError(f"audit_log {os.fspath(path)}: cannot write the generation events "
+                              f"({failed.strerror or failed}); the file keeps the load's events only, as written when "
+                              "the LLM was created") from exc
 
     # --- what was loaded ------------------------------------------------------------------------
 

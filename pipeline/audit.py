@@ -386,6 +386,11 @@ class JsonlSink:
         self._failed: OSError | None = None  # a write that failed (a full disk): reported, file discarded, at close
         self._on_failure: Callable[[OSError], None] | None = None
 
+    @property
+    def failed(self) -> OSError | None:
+        """The write the OS refused (a full disk), if one did: the file was then discarded at close."""
+        return self._failed
+
     def _open(self) -> None:
         with deferred():  # no signal between creating the file and remembering to remove it
             self._tmp, fd = _create_temp(self.path, self.flag)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import attrs
@@ -96,6 +96,32 @@ def path_argument(name: str, value: Any) -> str:
     return text
 
 
+def _same_file(a: str, b: str) -> bool:
+    """Whether two paths name one file: the same real path, or two names of it (a hard link); a path that does not
+    exist yet names no file another does."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except (OSError, ValueError):
+        return False
+
+
+def _subscribers(value: Any) -> list[Subscriber]:
+    """``subscribers``: callables, each given every event record; anything else is a ``ConfigError`` naming it before
+    anything runs (a non-iterable was a bare ``TypeError`` naming nothing, a non-callable one raised at the first
+    event, mid-stage)."""
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise ConfigError(f"subscribers: expected a list of callables (each called with every event record), got "
+                          f"{type(value).__name__}")
+    subs = list(value)
+    for i, sub in enumerate(subs):
+        if not callable(sub):
+            raise ConfigError(f"subscribers[{i}]: expected a callable (called with every event record), got "
+                              f"{type(sub).__name__}")
+    return subs
+
+
 def execute(
     request: LoadRequest,
     stages: Sequence[Stage] | Pipeline,
@@ -112,6 +138,7 @@ def execute(
     """
     if not isinstance(log, bool):  # "no" or 0 would silently mean the opposite of what was meant
         raise ConfigError(f"log: expected true or false, got {log!r}"[:300])
+    subscribers = _subscribers(subscribers)
     pipeline = stages if isinstance(stages, Pipeline) else Pipeline(stages)
     audit = AuditLog()
     ranks = ranks_from_env()
@@ -119,6 +146,10 @@ def execute(
     if audit_log is not None:  # a directory or missing parent fails now, not after the whole load
         audit_log = path_argument("audit_log", audit_log)
         check_output_path(audit_log, flag="audit_log")
+        config_file = getattr(request, "config_file", None)
+        if config_file and _same_file(audit_log, config_file):  # the log replaced the YAML this call had just read
+            raise ConfigError(f"audit_log {audit_log}: is the config_file this call reads; give the audit log a "
+                              "file of its own")
         sink = JsonlSink(rank_audit_path(audit_log, ranks), flag="audit_log")
     subs: list[Subscriber] = [audit]
     if log:

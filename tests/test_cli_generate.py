@@ -119,21 +119,21 @@ def test_the_config_file_is_read_once_so_the_pools_and_the_run_agree(capsys, tmp
     """generate read --config for its pool size (max_seq_len), then parse_args read it again: a file saved in
     between (an editor, a generator script) sized the pools for one max_seq_len and ran with another. The file is
     rewritten right after its first read here; the run must use what that read saw, everywhere, and read it once."""
-    from pathlib import Path
+    import pipeline.textfile
 
     config = tmp_path / "seq.yaml"
     config.write_text("max_seq_len: 32\n")
     reads = []
-    read_bytes = Path.read_bytes
+    read_opened = pipeline.textfile.read_opened
 
-    def read_then_change(self: Path) -> bytes:
-        data = read_bytes(self)
-        if self == config:
+    def read_then_change(path, fd, limit):
+        data = read_opened(path, fd, limit)
+        if path == config:
             reads.append(data)
             config.write_text("max_seq_len: 64\n")
         return data
 
-    monkeypatch.setattr(Path, "read_bytes", read_then_change)
+    monkeypatch.setattr(pipeline.textfile, "read_opened", read_then_change)
     audit = tmp_path / "gen.jsonl"
     r = run_cli(capsys, *TINY, "--prompt-ids", "1,2", "--n", "2", "--temperature", "1", "--max_new_tokens",
                 "1000000000", "--config", config, "--ignore_eos", "--json", "--audit-log", audit)

@@ -104,6 +104,9 @@ def test_max_seq_len_ends_a_request_with_length_and_longer_prompts_are_refused(t
     ({"prompts": [[5], []]}, "prompt 1: empty"),
     ({"prompts": [[5]], "chat": True}, "chat=True needs text prompts"),
     ({"prompts": [[5]], "arrival_steps": [0, 1]}, "arrival_steps: expected 1 integers >= 0"),
+    # stream=True (read as "stream it") was "'bool' object is not callable" at the first token, mid-call
+    ({"stream": True}, r"^generate: stream: expected a callable \(called with a StreamEvent per token\) or None, got "
+                       r"bool; kvload.LLM.generate_stream yields the tokens$"),
 ])
 def test_bad_arguments_are_one_clear_error_and_nothing_runs(tiny_checkpoints, kwargs, message):
     with load(tiny_checkpoints("llama"), "v1") as result:

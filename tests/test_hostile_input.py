@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 from kvload.explain import verify_log
 from pipeline.audit import AuditLog
 from pipeline.audit_chain import HEAD, KEY_ENV, PREV, Chain
-from pipeline.errors import AuditError
+from pipeline.errors import AuditError, ConfigError
 from tests.cli_support import ENV, REPO, read_events, run_cli, write_events
 from tests.conftest import llama_config, write_config
 from tests.hostile_support import (
@@ -905,6 +905,30 @@ def test_a_config_file_that_cannot_be_read_says_why(capsys, tmp_path, out, kind,
         cfg.write_bytes(b"dtype: \xe9\n")
     r = _plan(capsys, "tiny-llama", "--config", cfg, audit=out / "a.jsonl")
     assert_refused(r, f"config file {cfg}: {needle}", folder=out)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/null") or sys.platform == "win32", reason="needs /dev/null and symlinks")
+def test_a_config_file_swapped_for_a_device_after_its_check_is_refused_not_read(tmp_path, monkeypatch):
+    """The file was checked by one stat and read by its path again: one replaced in between by a link to a device was
+    read unchecked (/dev/null as an empty config, silently; /dev/zero without end; a FIFO waited for a writer forever).
+    Now it is opened once and checked and read through that descriptor."""
+    import pipeline
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("max_batch_size: 7\n")
+    real_stat = Path.stat
+
+    def stat_then_swap(self, *args, **kwargs):
+        st = real_stat(self, *args, **kwargs)
+        if self == cfg and not os.path.islink(cfg):  # the check saw the file; a link to a device takes its place
+            os.unlink(cfg)
+            os.symlink("/dev/null", cfg)
+        return st
+
+    monkeypatch.setattr(Path, "stat", stat_then_swap)
+    with pytest.raises(ConfigError, match=rf"^config file {cfg}: not a regular file \(a FIFO or device\?\); give a "
+                                          r"YAML file$"):
+        pipeline.plan("tiny-llama", config_file=cfg, log=False)
 
 
 def test_an_existing_audit_log_is_kept_unless_force(capsys, tmp_path):

@@ -11,7 +11,7 @@ import pytest
 
 import pipeline
 from cache_backends.hashing import block_hash
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, OutputError
 
 T = 16
 PREFIX = list(range(100, 164))  # 64 tokens: four full blocks
@@ -88,6 +88,25 @@ def test_eviction_reports_removed_blocks_that_were_stored(v2, tmp_path):
         stats = r.kv_manager.stats()
         assert len(removed) == stats.evictions == sum(g.evictions for g in stats.groups.values())
         assert [json.loads(line) for line in log.read_text().splitlines()] == events
+
+
+def test_a_jsonl_kvload_cannot_append_to_is_one_line_and_nothing_half_written(tmp_path):
+    """kv_cache_events(jsonl=5) appended to file descriptor 5 (open() takes an int as one), a directory was a bare
+    IsADirectoryError after the events were drained (lost), and a full disk could leave half an event line."""
+    with _load(False) as r:
+        r.generate([[*PREFIX, 1]], max_new_tokens=2, ignore_eos=True)
+        with pytest.raises(ConfigError, match=r"^kv_cache_events: jsonl: expected a path \(a str or os.PathLike\), "
+                                              r"got 5$"):
+            r.kv_cache_events(jsonl=5)
+        with pytest.raises(ConfigError, match=rf"^kv_cache_events: jsonl {tmp_path}: cannot append to it \(Is a "
+                                              r"directory\); the events stay in the buffer$"):
+            r.kv_cache_events(jsonl=tmp_path)
+        assert r.kv_cache_events()["events"]  # still there: refused before the drain
+        if os.path.exists("/dev/full"):  # a disk that is full
+            r.generate([list(range(300, 340))], max_new_tokens=2, ignore_eos=True)  # new blocks: new events
+            with pytest.raises(OutputError, match=r"^kv_cache_events: jsonl /dev/full: cannot write the \d+ events "
+                                                  r"drained \(No space left on device\)"):
+                r.kv_cache_events(jsonl="/dev/full")
 
 
 def test_a_full_buffer_drops_the_oldest_and_says_how_many():

@@ -13,7 +13,7 @@ import kvload
 from engine.beam_search import BeamSearchParams
 from engine.sampling_params import SamplingParams
 from kvload.llm import DEFAULT_CPU_MAX_TOKENS
-from pipeline.errors import GenerationError
+from pipeline.errors import ConfigError, GenerationError, OutputError
 from tests.generate_support import hf_greedy, used_blocks
 from tests.llm_support import llm_kwargs, with_tokenizer
 
@@ -244,9 +244,9 @@ def test_stream_errors_surface_in_the_loop(llm):
     ({"salt": "s" * 1025}, r"^generate: salt: expected a string of at most 1,024 characters, got 1,025$"),
     ({"max_tokens": 10**5000}, r"^generate: max_tokens: expected at most 2\*\*63 - 1, got an integer of about 5001"),
     # an id past Python's 4,300-digit str() limit: was a bare ValueError ("Exceeds the limit ... integer string
-    # conversion") naming no field, raised while the refusal was worded
-    ({"stop_token_ids": [10**5000]}, r"^generate: stop_token_ids: token id an integer of about 5001 digits is outside "
-                                     r"the vocabulary \(0\.\.\d+\)$"),
+    # conversion") naming no field, raised while the refusal was worded; past int64, SamplingParams refuses it
+    ({"stop_token_ids": [10**5000]}, r"^generate: stop_token_ids: expected token ids of at most 2\*\*63 - 1, got an "
+                                     r"integer of about 5001 digits$"),
     ({"logit_bias": {10**5000: 1}}, r"^generate: logit_bias: expected a mapping of token ids \(integers >= 0\) to "
                                     r"numbers in \[-100, 100\], got a mapping of 1 keys$"),
 ])
@@ -287,7 +287,13 @@ def test_vllm_prompt_forms_give_what_a_list_of_token_ids_gives(llm):
                          ([{"prompt_token_ids": ids, "multi_modal_data": {}}], "key 'multi_modal_data' is not "
                                                                                 "supported"),
                          ([{"prompt": 5}], "'prompt' must be a string"),
-                         ([[{"role": "user", "content": "w5"}]], "a conversation .* needs chat=True")]:
+                         ([[{"role": "user", "content": "w5"}]], "a conversation .* needs chat=True"),
+                         # vLLM's per-prompt salt is named with kvload's per-call one; a huge key is quoted cut
+                         ([{"prompt_token_ids": ids, "cache_salt": "a"}],
+                          r"^generate: prompt 0: a prompt dict key 'cache_salt' is not supported \(vLLM's; kvload "
+                          r"salts a whole call: generate\(\.\.\., salt=\.\.\.\)\); give exactly one of"),
+                         ([{"prompt_token_ids": ids, "k" * 10**6: 1}],
+                          r"^generate: prompt 0: a prompt dict key 'k{80}' is not supported; give exactly one of")]:
         with pytest.raises(GenerationError, match=message):
             llm.generate(bad, params)
 
@@ -590,6 +596,17 @@ def test_one_sampling_params_per_prompt(llm):
     assert [len(o.outputs) for o in outs] == [1, 2] and len(outs[1].outputs[1].token_ids) == 4
     with pytest.raises(GenerationError, match="expected one SamplingParams or a list of 2"):
         llm.generate([PROMPT, PROMPT], [SamplingParams()])
+    # an item that is no SamplingParams is named by its index: a None took kvload's built-in defaults, silently,
+    # where sampling_params=None takes the model's (its generation_config.json), and a dict said only "dict"
+    before = len(llm.audit.of("generation_started"))
+    with pytest.raises(GenerationError, match=r"^generate: sampling_params\[1\]: expected a SamplingParams, got "
+                                              r"NoneType \(sampling_params=None, not a list, takes the model's "
+                                              r"defaults\)$"):
+        llm.generate([PROMPT, PROMPT], [SamplingParams(max_tokens=2), None])
+    with pytest.raises(GenerationError, match=r"^generate: sampling_params\[0\]: expected a SamplingParams, got "
+                                              r"dict$"):
+        llm.generate([PROMPT], [{"max_tokens": 2}])
+    assert len(llm.audit.of("generation_started")) == before
 
 
 # --- the LLM itself -------------------------------------------------------------------------------
@@ -812,6 +829,73 @@ def test_a_subscriber_failing_as_a_call_starts_still_ends_it_in_the_audit(tmp_pa
     assert failed[0]["call"] == 0 and failed[0]["error"] == "RuntimeError"
     report = verify_log(AuditLog.from_jsonl(audit))
     assert report["ok"], report
+
+
+@pytest.mark.parametrize(("subscribers", "message"), [
+    (print, r"^subscribers: expected a list of callables \(each called with every event record\), got "
+            r"builtin_function_or_method$"),
+    (5, r"^subscribers: expected a list of callables .*, got int$"),
+    ([print, "audit.jsonl"], r"^subscribers\[1\]: expected a callable \(called with every event record\), got str$"),
+])
+def test_subscribers_that_are_not_callables_are_one_config_error_before_anything_loads(tmp_path, subscribers,
+                                                                                         message):
+    """A lone callable or a number was Python's bare TypeError ("'int' object is not iterable"), naming no argument,
+    and a list holding a non-callable raised "'str' object is not callable" at the load's first event."""
+    with pytest.raises(ConfigError, match=message) as info:
+        kvload.LLM("tiny-llama", **llm_kwargs(), audit_log=tmp_path / "a.jsonl", subscribers=subscribers)
+    assert getattr(info.value, "audit", None) is None  # refused before any stage ran (a stage's error carries them)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["same", "hard link"])
+def test_an_audit_log_on_the_config_file_the_call_reads_is_refused_and_the_config_kept(tmp_path, name):
+    """audit_log= replaces a file, as Python's file APIs do, but LLM(config_file=C, audit_log=C) replaced the YAML
+    config it had just read with the audit log (kvload --audit-log refuses the --config file the same way)."""
+    import os
+
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("max_batch_size: 4\n")
+    target = cfg
+    if name == "hard link":
+        target = tmp_path / "log.jsonl"
+        os.link(cfg, target)
+    with pytest.raises(ConfigError, match=rf"^audit_log {re.escape(str(target))}: is the config_file this call reads; "
+                                          r"give the audit log a file of its own$"):
+        kvload.LLM("tiny-llama", **llm_kwargs(), config_file=cfg, audit_log=target)
+    assert cfg.read_text() == "max_batch_size: 4\n"
+
+
+def test_a_full_disk_when_close_rewrites_the_audit_log_says_the_file_keeps_the_loads_events(tmp_path, monkeypatch):
+    """close() rewrites audit_log with the generation segments; on a full disk it said "audit log PATH: cannot write
+    it ...; nothing was written" while PATH held the load's events, published when the LLM was created."""
+    import errno
+    import os
+
+    import pipeline.audit
+
+    target = tmp_path / "llm.jsonl"
+    llm = kvload.LLM("tiny-llama", **llm_kwargs(), audit_log=target)
+    llm.generate([[1, 2, 3]], max_tokens=2)
+    loaded = target.read_text()
+
+    class FullDisk:
+        def __init__(self, real: Any) -> None:
+            self.real = real
+
+        def write(self, text: str) -> int:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def close(self) -> None:
+            self.real.close()
+
+    real_fdopen = os.fdopen
+    monkeypatch.setattr(pipeline.audit.os, "fdopen", lambda fd, *a, **k: FullDisk(real_fdopen(fd, *a, **k)))
+    with pytest.raises(OutputError, match=rf"^audit_log {re.escape(str(target))}: cannot write the generation events "
+                                          r"\(No space left on device\); the file keeps the load's events only, as "
+                                          r"written when the LLM was created$"):
+        llm.close()
+    assert target.read_text() == loaded and list(tmp_path.iterdir()) == [target]  # no temporary left
+    assert llm.result.kv_manager.closed  # the pools were released all the same
 
 
 def test_load_result_close_from_another_thread_stops_its_generate():

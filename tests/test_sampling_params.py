@@ -91,6 +91,9 @@ def test_the_front_door_names_load_lazily_without_torch():
     # past int64 (what torch and the KV budget take): refused by the field, as seed is
     ({"max_tokens": 2**63}, r"max_tokens: expected at most 2\*\*63 - 1, got 9223372036854775808"),
     ({"top_k": 10**5000}, r"top_k: expected at most 2\*\*63 - 1, got an integer of about 5001 digits"),
+    # an id past int64 is no token id: refused here, as logit_bias and allowed_token_ids refuse one
+    ({"stop_token_ids": [1, 2**63]}, r"stop_token_ids: expected token ids of at most 2\*\*63 - 1, got "
+                                     r"9223372036854775808"),
     ({"stop_token_ids": [-1] * 1000}, r"stop_token_ids: expected a list of token ids \(integers >= 0\), got a list "
                                       r"of 1,000 items"),
 ])

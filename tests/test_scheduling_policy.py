@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 
+import numpy as np
 import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -229,6 +230,13 @@ def test_generate_priority_orders_admission_lowest_vllm_value_first(manager):
         assert _admitted(llm, before) == ["0.1", "0.2", "0.0"]  # vLLM's sign: -1 first, then 2, then 5
         with pytest.raises(GenerationError, match=r"priority: expected a list of 3 integers \(one per prompt\)"):
             llm.generate(PROMPTS, SamplingParams(max_tokens=1), priority=[1, 2])
+        # a 1-D integer array, as prompts take (it was refused whole: "got array([5, -1, 2])")
+        before = len(llm.audit.events)
+        llm.generate(PROMPTS, SamplingParams(max_tokens=1, ignore_eos=True), priority=np.array([5, -1, 2]))
+        assert _admitted(llm, before) == ["1.1", "1.2", "1.0"]  # the refused call never started
+        with pytest.raises(GenerationError, match=r"^generate: priority: expected a list of 3 integers \(one per "
+                                                  r"prompt\), got array\(\[0\.5, 1\. , 2\. \]\)$"):
+            llm.generate(PROMPTS, SamplingParams(max_tokens=1), priority=np.array([0.5, 1.0, 2.0]))
 
 
 def test_generate_under_fcfs_refuses_a_nonzero_priority_as_vllm_does():

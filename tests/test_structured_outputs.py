@@ -307,6 +307,14 @@ def test_a_grammar_that_matches_no_text_is_told_from_xgrammars_grammar(grammar, 
      r"^generate: structured_outputs\.json\.anyOf\[1\]\.enum\[1\]: not valid Unicode text"),
     ({"json": {"type": "object", "properties": {"\ud800": {"type": "string"}}}},
      r"^generate: structured_outputs\.json\.properties: not valid Unicode text"),
+    # a keyword that is no field is the same one line as SamplingParams' (it was Python's TypeError, naming no
+    # field); vLLM's own fields say what to do instead
+    ({"regex": "a", "jsn": {}}, r"^generate: structured_outputs: unknown field 'jsn'; fields are choice, "
+                                r"disable_any_whitespace, grammar, json, json_object, reasoning_parser, regex$"),
+    ({"json": {}, "disable_additional_properties": True},
+     r"^generate: structured_outputs\.disable_additional_properties: vLLM's StructuredOutputsParams field, not "
+     r"kvload's: write \"additionalProperties\": false"),
+    ({"regex": "a", "whitespace_pattern": " "}, r"^generate: structured_outputs\.whitespace_pattern: vLLM's"),
 ])
 def test_bad_structured_outputs_params_are_one_line(kw, message):
     with pytest.raises(GenerationError, match=message):
