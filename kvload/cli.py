@@ -529,23 +529,14 @@ INPUT_FILE_FLAGS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _same_file(a: str, b: str) -> bool:
-    import os
-
-    if os.path.realpath(a) == os.path.realpath(b):
-        return True
-    try:  # two names of one file (a hard link)
-        return os.path.samefile(a, b)
-    except (OSError, ValueError):  # one does not exist yet (or cannot be read: its own check says so)
-        return False
-
-
 def check_distinct_files(ns: argparse.Namespace, argv: Sequence[str]) -> None:
     """``ConfigError`` when one file is named by two flags of which one writes it: ``--chart X --audit-log X`` drew
     the chart, then refused the audit as "appeared while the run was going" (exit 2, with the result on stdout and
     the chart left behind); ``--audit-log`` on the ``--config`` file (with ``--force``) replaced the config with the
     log; ``serve``'s ``--kv-events-file`` and ``--audit-log`` on one file wrote both streams into it."""
     import os
+
+    from pipeline.run import same_file
 
     outputs = [(dest, getattr(ns, dest, None)) for dest in OUTPUT_FILE_FLAGS]
     inputs = [(dest, getattr(ns, dest, None)) for dest in INPUT_FILE_FLAGS]
@@ -557,11 +548,11 @@ def check_distinct_files(ns: argparse.Namespace, argv: Sequence[str]) -> None:
 
     for i, (dest, path) in enumerate(outputs):
         for other, other_path in outputs[i + 1:]:
-            if _same_file(path, other_path):
+            if same_file(path, other_path):
                 raise ConfigError(f"{flag(other)} {other_path}: is also the {flag(dest)} file; give each "
                                   "output a file of its own")
         for other, other_path in inputs:
-            if _same_file(path, other_path):
+            if same_file(path, other_path):
                 raise ConfigError(f"{flag(dest)} {path}: is the {flag(other)} file this command reads; "
                                   "give the output a file of its own")
 

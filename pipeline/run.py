@@ -96,7 +96,7 @@ def path_argument(name: str, value: Any) -> str:
     return text
 
 
-def _same_file(a: str, b: str) -> bool:
+def same_file(a: str, b: str) -> bool:
     """Whether two paths name one file: the same real path, or two names of it (a hard link); a path that does not
     exist yet names no file another does."""
     if os.path.realpath(a) == os.path.realpath(b):
@@ -147,7 +147,7 @@ def execute(
         audit_log = path_argument("audit_log", audit_log)
         check_output_path(audit_log, flag="audit_log")
         config_file = getattr(request, "config_file", None)
-        if config_file and _same_file(audit_log, config_file):  # the log replaced the YAML this call had just read
+        if config_file and same_file(audit_log, config_file):  # the log replaced the YAML this call had just read
             raise ConfigError(f"audit_log {audit_log}: is the config_file this call reads; give the audit log a "
                               "file of its own")
         sink = JsonlSink(rank_audit_path(audit_log, ranks), flag="audit_log")
