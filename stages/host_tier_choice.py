@@ -14,9 +14,9 @@ Qwen2.5-0.5B shape: 0.38 µs to copy against 0.72 µs to recompute), as Gemma 2 
 On the grid the choice took the tiny presets' cells with suspends from 1.08–1.21x V1's modeled time to 0.75–1.00x
 and left the published configs' tiers alone (BENCHMARKS.md, "Auto host tier"). It is made only where the
 accelerator is known: ``kvload simulate --hardware`` (``LoadRequest.hardware``), or a CUDA device whose name is in
-the table. On a CPU the pools already live in host
-memory, a copy is a ``memcpy`` and the tier is kept; so it is for a model transformers cannot build to count, and
-for accelerators not in the table (a GH200's host link is several times PCIe's).
+the table. On a CPU the pools already live in host memory, a copy is a ``memcpy`` and the tier is kept; so it is for
+a model transformers cannot build to count, and for accelerators not in the table (a GH200's host link is several
+times PCIe's).
 """
 
 from __future__ import annotations
