@@ -60,6 +60,11 @@ class Request:
     #: and the scheduler step it first saw it (-1: not yet)
     cached_hint: int = -1
     queued_at: int = -1
+    #: written by a preemption (V2), which resets ``num_computed_tokens`` and ``num_reused_tokens``: the most tokens it
+    #: had computed, until a later step computes them again (the driver counts those as recomputed), and the prompt
+    #: tokens its first admission reused (None: never preempted)
+    lost_tokens: int = 0
+    first_reused_tokens: int | None = None
 
     def __attrs_post_init__(self) -> None:
         # its own copy (see above); here, not an attrs converter: a converter makes attrs check every attribute
@@ -74,6 +79,12 @@ class Request:
     def rank(self) -> tuple[int, int]:
         """Sort key, best first: higher priority, then earlier arrival (vLLM's ``(priority, arrival_time)``)."""
         return (-self.priority, self.arrival)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens reused when first admitted (vLLM's ``num_cached_tokens``): after a preemption the
+        re-admission finds the request's own prefix cached, which is not a hit its prompt earned."""
+        return self.num_reused_tokens if self.first_reused_tokens is None else self.first_reused_tokens
 
     @property
     def all_token_ids(self) -> list[int]:

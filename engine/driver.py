@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import heapq
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -131,9 +130,6 @@ class Driver:
         self._emit = emit
         self._arrivals = 0
         self._admitted_before: set[Request] = set()  # so a re-admission after preemption says so
-        #: a preempted request -> its tokens computed before (its KV dropped), until it has computed them again; weak:
-        #: one aborted meanwhile is not kept
-        self._lost: weakref.WeakKeyDictionary[Request, int] = weakref.WeakKeyDictionary()
         #: prompt's first request id -> (it, its other samples), until the step its prompt is committed
         self._forks: dict[str, tuple[Request, list[Request]]] = {}
         self._on_arrival: Callable[[Request, int], Any] | None = None  # run's hook, for forked samples too
@@ -233,13 +229,9 @@ class Driver:
 
     def step(self, compute: Compute) -> StepStats:
         """Run one iteration; raise :class:`StalledError` when the scheduler reports no possible progress."""
-        # a preemption resets the count; taken outside kv_seconds, which times the scheduler alone
-        before = [(req, req.num_computed_tokens) for req in self.running]
         t0 = time.perf_counter()
         out = self.scheduler.step(self.waiting, self.running)
         kv_seconds = time.perf_counter() - t0
-        if out.preempted:
-            self._remember_lost(out.preempted, before)
         self._report(out)
         if not out.scheduled:
             if out.stalled and self.has_work:
@@ -258,8 +250,8 @@ class Driver:
         for chunk in out.scheduled:
             req = chunk.request
             drafts = req.num_computed_tokens + chunk.num_tokens - req.num_tokens
-            if self._lost:
-                recomputed += self._computed_again(req, chunk.num_tokens - max(drafts, 0))
+            if req.lost_tokens:
+                recomputed += _computed_again(req, chunk.num_tokens - max(drafts, 0))
             if drafts > 0:
                 computed[req] = drafts
                 drafted += drafts
@@ -312,25 +304,6 @@ class Driver:
                                            reused_prompt_tokens=req.num_reused_tokens))
         return StepStats(out.num_tokens, len(self.running), len(self.waiting), kv_seconds, compute_seconds, done, out,
                          drafted, accepted, len(computed), per_position, recomputed)
-
-    def _remember_lost(self, preempted: list[Request], before: list[tuple[Request, int]]) -> None:
-        """Keep what each preempted request had computed (the most, when preempted again before computing it all)."""
-        had = {id(req): n for req, n in before}
-        for req in preempted:
-            lost = max(had.get(id(req), 0), self._lost.get(req, 0))
-            if lost:
-                self._lost[req] = lost
-
-    def _computed_again(self, req: Request, tokens: int) -> int:
-        """Of the ``tokens`` known tokens ``req`` computes this step from ``num_computed_tokens`` on, those it had
-        computed before a preemption."""
-        lost = self._lost.get(req)
-        if lost is None:
-            return 0
-        start = req.num_computed_tokens
-        if start + tokens >= lost:
-            del self._lost[req]
-        return max(0, min(start + tokens, lost) - start)
 
     def _fork(self, parent: Request, children: list[Request], next_tokens: dict[str, int | list[int]],
               done: list[Request]) -> None:
@@ -439,3 +412,12 @@ class Driver:
             self._emit(RequestSuspended(req_id=req.req_id, tokens=req.num_computed_tokens))
         for req in out.resumed:
             self._emit(RequestResumed(req_id=req.req_id, tokens=req.num_computed_tokens))
+
+
+def _computed_again(req: Request, tokens: int) -> int:
+    """Of the ``tokens`` known tokens ``req`` computes this step from ``num_computed_tokens`` on, those it had computed
+    before a preemption (``lost_tokens``, cleared once all are computed again)."""
+    lost, start = req.lost_tokens, req.num_computed_tokens
+    if start + tokens >= lost:
+        req.lost_tokens = 0
+    return max(0, min(start + tokens, lost) - start)

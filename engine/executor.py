@@ -968,8 +968,8 @@ class GenerationExecutor:
             request_id=first.request.req_id.rsplit(".", 1)[0] if first.params.n > 1 else first.request.req_id,
             prompt=first.prompt, prompt_token_ids=list(first.request.prompt_token_ids), outputs=completions,
             prompt_logprobs=first.prompt_logprobs,
-            computed_prompt_tokens=sum(s.request.num_prompt_tokens - s.request.num_reused_tokens for s in samples),
-            reused_prompt_tokens=sum(s.request.num_reused_tokens for s in samples),
+            computed_prompt_tokens=sum(s.request.num_prompt_tokens - s.request.num_cached_tokens for s in samples),
+            reused_prompt_tokens=sum(s.request.num_cached_tokens for s in samples),
             timings=GenerationTimings(first_token_s=first_token - first.queued_at, total_s=end - first.queued_at),
             metrics=metrics)
 

@@ -171,8 +171,6 @@ class _Live:
     scheduled_at: float | None = None  # when a step first scheduled it (the queue time ends there)
     forked_from: _Live | None = None  # a choice given its first token from this first choice's prefill, until sent
     group: str | None = None  # its prompt's first choice's request id (what metrics group the n choices by)
-    #: its reused prompt tokens when a step first scheduled it (None: never scheduled; a fork holds its sibling's)
-    prefill_reused: int | None = None
 
 
 @attrs.define(eq=False)
@@ -875,8 +873,6 @@ class ServingEngine:
             live = self._live.get(chunk.request.req_id)
             if live is not None and live.scheduled_at is None:
                 live.scheduled_at = started
-            if live is not None and live.prefill_reused is None:  # its reuse at admission, before a preemption
-                live.prefill_reused = chunk.request.num_reused_tokens
         for live in self._live.values():  # a forked choice was scheduled when its prompt's first choice was
             if live.forked_from is not None:
                 live.scheduled_at, live.forked_from = live.forked_from.scheduled_at, None
@@ -999,7 +995,7 @@ class ServingEngine:
                                finish_reason=live.request.finish_reason if req_id in done else None,
                                stop_reason=live.stop_reason if req_id in done else None,
                                prompt_tokens=live.request.num_prompt_tokens,
-                               reused_prompt_tokens=live.request.num_reused_tokens,
+                               reused_prompt_tokens=live.request.num_cached_tokens,
                                logprobs=tuple(live.token_logprobs[live.reported:len(tokens)]),
                                prompt_logprobs=tuple(live.prompt_logprobs)
                                if live.prompt_logprobs is not None and live.reported == 0 else None)
@@ -1039,7 +1035,7 @@ class ServingEngine:
         tokens = req.output_token_ids
         self._send(live, ServeEvent(req_id, tuple(tokens[live.reported:]), tuple(tokens), finish_reason=reason,
                                     error=error, prompt_tokens=req.num_prompt_tokens,
-                                    reused_prompt_tokens=req.num_reused_tokens,
+                                    reused_prompt_tokens=live.request.num_cached_tokens,
                                     logprobs=tuple(live.token_logprobs[live.reported:len(tokens)])))
         live.reported = len(tokens)
 
@@ -1050,8 +1046,7 @@ class ServingEngine:
         if self.observer is None:
             return
         req = live.request
-        reused = live.prefill_reused if live.prefill_reused is not None else req.num_reused_tokens
-        done = FinishedRequest(req.num_prompt_tokens, len(req.output_token_ids), reused, reason,
+        done = FinishedRequest(req.num_prompt_tokens, len(req.output_token_ids), live.request.num_cached_tokens, reason,
                                live.params, live.sample, live.samples, live.queued_at, live.scheduled_at,
                                tuple(live.token_times), live.group)
         with contextlib.suppress(Exception):

@@ -159,3 +159,5 @@ def test_v2_without_a_host_tier_recomputes_preempted_requests(tiny_checkpoints):
         assert [o.token_ids for o in outs] == [hf_greedy(model, p) for p in ps]
         assert result.executor.last_stats.preemptions >= 1
         assert result.executor.last_stats.suspends == 0
+        # the prompts share no block: a preempted request's re-admission finds only its own prefix, not a cache hit
+        assert [o.reused_prompt_tokens for o in outs] == [0] * len(ps)

@@ -106,18 +106,19 @@ def test_n_samples_observe_the_most_tokens_one_of_them_generated_once_the_last_e
 
 
 def test_prompt_tokens_recomputed_after_a_preemption_are_not_counted_as_cached():
-    """vLLM counts a prompt's sources once, as it was first scheduled: the prefix a preempted request finds again on
+    """Neither in /metrics nor in the response's ``usage.prompt_tokens_details.cached_tokens``: vLLM counts a prompt's sources once, as it was first scheduled: the prefix a preempted request finds again on
     re-admission is its own recompute, not a cache hit (it shows in iteration_tokens_total, as in vLLM, and in kvload's
     own kvload_preemption_recomputed_tokens)."""
     kv = {"max_tokens": 128, "tokens_per_block": 16, "use_kv_cache_manager_v2": True, "host_cache_size": 0}
     prompts = [[i * 20 + k + 1 for k in range(20)] for i in range(6)]  # no two share a block
     with serving(M, state={"metrics_naming": "vllm"}, kv_cache_config=kv, max_seq_len=128) as s:
         before = _families(s)
-        done = []
+        done, cached = [], []
 
         def ask(prompt):
             r = s.client.completions.create(model=M, prompt=prompt, max_tokens=60, extra_body={"ignore_eos": True})
             done.append(r.usage.completion_tokens)
+            cached.append(r.usage.prompt_tokens_details.cached_tokens)
 
         threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
         for t in threads:
@@ -127,6 +128,7 @@ def test_prompt_tokens_recomputed_after_a_preemption_are_not_counted_as_cached()
         d = _Delta(before, _families(s))
     assert done == [60] * 6
     assert d("vllm:num_preemptions_total") > 0  # six requests growing to 80 tokens in 128 tokens of KV
+    assert cached == [0] * 6  # the client's usage says the same: its prompt was first computed, not found cached
     assert d("vllm:prompt_tokens_total") == 120
     assert d.source("local_compute") == 120 and d.source("local_cache_hit") == 0
     assert d("vllm:prompt_tokens_cached_total") == 0 and d("vllm:prompt_tokens_recomputed_total") == 0

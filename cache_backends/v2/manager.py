@@ -458,8 +458,12 @@ class KVCacheManagerV2:
             cache.last = None
 
     def preempt(self, request: Request) -> None:
-        """Drop ``request``'s cache so it is recomputed later (its prefix stays cached for reuse)."""
+        """Drop ``request``'s cache so it is recomputed later (its prefix stays cached for reuse); what it loses is
+        recorded on it (``lost_tokens``, ``first_reused_tokens``)."""
         self.free(request)
+        request.lost_tokens = max(request.lost_tokens, request.num_computed_tokens)
+        if request.first_reused_tokens is None:
+            request.first_reused_tokens = request.num_reused_tokens
         request.num_computed_tokens = 0
         request.num_reused_tokens = 0
         self.counters["preemptions"] += 1
