@@ -13,7 +13,8 @@ The buffer keeps the newest ``max_size`` events; older ones are dropped and coun
 (:attr:`KvEventBuffer.dropped`), so a slow reader learns it missed some. A manager without a
 buffer pays one ``is None`` test per hook site. Thread-safe: the engine records, a server drains.
 
-A :class:`KvEventMirror` (``kvload serve --kv-events-file``) appends each event to a file as one whole line.
+A :class:`KvEventMirror` (``kvload serve --kv-events-file``) appends each event to a file as one whole line; a
+``publisher`` (``kvload serve --kv-events-config``, vLLM's ZeroMQ publisher) gets each event to send.
 Publishing never fails the engine step that recorded the event (as in vLLM): a failed write (a full disk) cuts
 the file back to its last complete line, stops the mirror and is reported once through ``on_failure``; the
 in-memory buffer goes on.
@@ -93,7 +94,7 @@ class KvEventMirror:
 class KvEventBuffer:
     """A bounded buffer of KV cache events, optionally mirrored to a JSON Lines file as they happen."""
 
-    def __init__(self, max_size: int, mirror: KvEventMirror | None = None) -> None:
+    def __init__(self, max_size: int, mirror: KvEventMirror | None = None, publisher: Any = None) -> None:
         if max_size < 1:
             raise ValueError(f"a KV event buffer needs max_size >= 1, got {max_size}")
         self.max_size = max_size
@@ -102,6 +103,9 @@ class KvEventBuffer:
         self._seq = 0
         self.dropped = 0  # events pushed out before anyone drained them (since the last drain)
         self.mirror = mirror
+        #: anything with ``put(event)`` that never blocks nor raises (``kvload serve --kv-events-config``'s ZeroMQ
+        #: publisher); it gets each event's dict, which nothing changes after
+        self.publisher = publisher
 
     def stored(self, hashes: Sequence[bytes], parent: bytes | None, token_ids: Sequence[int], tokens_per_block: int,
                group: str, medium: str = "device") -> None:
@@ -140,6 +144,8 @@ class KvEventBuffer:
                 self._events.popleft()
                 self.dropped += 1
             self._events.append(event)
+            if self.publisher is not None:
+                self.publisher.put(event)
             mirror = self.mirror
             if mirror is None:
                 return

@@ -130,6 +130,12 @@ def _check(pred, expected: str):
     return validator
 
 
+def field_check(pred: Any, expected: str) -> Any:
+    """An attrs validator for config classes outside this module: ``pred(value)``, else one ``FieldError`` naming the
+    field and ``expected`` (the converter prefixes its parents' path)."""
+    return _check(pred, expected)
+
+
 strict_bool = _check(lambda v: isinstance(v, bool), "true or false")
 tri_state = _check(lambda v: v is True or v is False or v == AUTO, 'true, false or "auto"')
 pos_int = _check(lambda v: _is_int(v) and v >= 1, "an integer >= 1")

@@ -42,6 +42,9 @@ class CallerDefault:
     #: for a token count: the sequences it is for, so the pools never exceed that many of the resolved max_seq_len
     #: (a huge max_new_tokens cannot outgrow max_seq_len, which the checkpoint may set only after the caller ran)
     sequences: int | None = None
+    #: fill the field over its framework default, not only over null: a caller that needs a setting on (``serve
+    #: --kv-events-config`` needs ``event_buffer_max_size``, whose default 0 is off) when the user left it unset
+    over_default: bool = False
 
 
 @attrs.define

@@ -62,7 +62,7 @@ class ParseArgs:
         # a value generate / serve / LLM derived is not the user's: it fills a field only the framework default
         # (null) holds, and the audit says who derived it and from what
         for path, derived in req.caller_defaults.items():
-            if path in merged or get_in(ctx.args, path) is not None:
+            if path in merged or (get_in(ctx.args, path) is not None and not derived.over_default):
                 continue
             set_field(ctx.args, path, derived.value)
             emit(FieldDerived(field=path, old=None, new=derived.value, source=derived.source, reason=derived.reason))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from typing import Any
@@ -10,6 +11,10 @@ from typing import Any
 from engine.reasoning import PARSERS
 from kvload.metrics import METRIC_NAMINGS
 from pipeline.limits import MAX_INT
+
+#: ``kv_cache_config.event_buffer_max_size`` when ``--kv-events-config`` turns events on and nothing set it
+EVENT_BUFFER_FIELD = "kv_cache_config.event_buffer_max_size"
+EVENT_BUFFER_DEFAULT = 10_000
 
 #: ``max_tokens`` of a request that gives none, when neither ``--default-max-tokens`` nor the model's
 #: generation_config.json (max_new_tokens) says.
@@ -94,6 +99,12 @@ def add_serve_command(sub: Any) -> None:
     g.add_argument("--kv-events-file", "--kv_events_file", dest="kv_events_file", default=None, metavar="FILE.jsonl",
                    help="also append every KV cache event to this file as it happens (needs "
                         "--event_buffer_max_size N > 0)")
+    g.add_argument("--kv-events-config", "--kv_events_config", dest="kv_events_config", default=None,
+                   metavar="JSON", type=cli.json_object,
+                   help="vLLM's KV events config: publish the KV cache events as vLLM does, e.g. "
+                        "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": "
+                        "\"tcp://*:5557\"}' (keys: enable_kv_cache_events, publisher null|zmq, endpoint, "
+                        "replay_endpoint, buffer_steps, hwm, max_queue_size, topic; zmq needs kvload[kv-events])")
     g.add_argument("--audit-keep", "--audit_keep", dest="audit_keep", default=AUDIT_KEEP_DEFAULT, metavar="N",
                    type=cli._bounded(cli.integer, lambda v: v >= 0, "an integer >= 0"),
                    help="request-time audit records (request_admitted, request_finished, ...) kept in memory for "
@@ -283,6 +294,20 @@ def _event_buffer_size(ns: argparse.Namespace) -> Any:
     return kv.get("event_buffer_max_size") if isinstance(kv, dict) else None
 
 
+def _kv_events_config(ns: argparse.Namespace) -> Any:
+    """``--kv-events-config`` checked (None when not given); ``ConfigError`` naming it."""
+    if ns.kv_events_config is None:
+        return None
+    from kvload.serve.kv_publisher import parse_kv_events_config
+    from pipeline.errors import ConfigError
+
+    config = parse_kv_events_config(ns.kv_events_config)
+    if config.enable_kv_cache_events and _event_buffer_size(ns) == 0:
+        raise ConfigError("--kv-events-config: enable_kv_cache_events is true but kv_cache_config."
+                          "event_buffer_max_size is 0 (events off); drop that setting or give N > 0")
+    return config
+
+
 def cmd_serve(ns: argparse.Namespace) -> int:
     """Load with weights, build the engine, serve until interrupted."""
     if not getattr(ns, "model_after_api_key", False):
@@ -322,9 +347,11 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     # under torchrun rank 0 serves HTTP and the other ranks follow its loop step by step (ServingEngine.follow)
     ranks = ranks_from_env()
     audit = cli._audit_subscribers(ns)  # published by main once the server stopped cleanly
+    events_config = _kv_events_config(ns)
+    events_on = events_config is not None and events_config.enable_kv_cache_events
     if ns.kv_events_file is not None:
         cli._check_output_path("--kv-events-file", ns.kv_events_file)
-        if not _event_buffer_size(ns):
+        if not _event_buffer_size(ns) and not events_on:
             from pipeline.errors import ConfigError
 
             raise ConfigError("--kv-events-file: KV cache events are off; add --event_buffer_max_size N (N > 0), or "
@@ -350,7 +377,19 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         tokens, "serve", f"{length} (serve sizes the pools for {SERVE_DEFAULT_SEQUENCES} x "
                          f"(default-max-tokens + {SERVE_PROMPT_ALLOWANCE}) = {tokens} tokens when no --max_tokens "
                          "is given)", sequences=SERVE_DEFAULT_SEQUENCES if from_model else None)
-    with execute(request, load_stages(), subscribers=audit) as result:  # request events reach the audit too
+    if events_on and _event_buffer_size(ns) is None:  # vLLM's switch turns the recording on, as it does there
+        request.caller_defaults[EVENT_BUFFER_FIELD] = CallerDefault(
+            EVENT_BUFFER_DEFAULT, "serve", f"--kv-events-config enables KV cache events (vLLM's "
+            f"enable_kv_cache_events); GET /v1/kvload/kv_events keeps the newest {EVENT_BUFFER_DEFAULT:,}",
+            over_default=True)
+    publisher = None
+    if ranks.is_first and events_config is not None and events_config.publishes:
+        from kvload.serve.kv_publisher import ZmqKvEventPublisher
+
+        publisher = ZmqKvEventPublisher(events_config)  # a taken port fails now, before minutes of loading
+    # closed after the load's own teardown, also when the load fails
+    with contextlib.closing(publisher) if publisher is not None else contextlib.nullcontext(), \
+            execute(request, load_stages(), subscribers=audit) as result:  # request events reach the audit too
         if ns.json and result.bus is not None:  # the output flag every command shares: serve prints no document
             from pipeline.events import SettingIgnored
 
@@ -361,6 +400,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
             return _follow(ns, result)
         if result.bus is not None:
             _announce_auth(result.bus.emitter("serve"), ns.host, address, key_source, unused)
+        _start_publishing(result, events_config, publisher)
         state = build_state(result, model_name=ns.served_model_name, default_max_tokens=ns.default_max_tokens,
                             audit_keep=ns.audit_keep, max_request_bytes=ns.max_request_bytes,
                             read_timeout_s=ns.request_read_timeout,
@@ -396,7 +436,23 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
             if mirror is not None:
                 result.kv_manager.kv_events.mirror = None
                 mirror.close()
+            if publisher is not None:
+                result.kv_manager.kv_events.publisher = None
     return 0
+
+
+def _start_publishing(result: Any, config: Any, publisher: Any) -> None:
+    """Hand the manager's events to ``publisher``; a publisher named but switched off says it is ignored."""
+    if publisher is not None:
+        publisher.attach(result.kv_manager.layout)
+        result.kv_manager.kv_events.publisher = publisher
+    elif config is not None and config.publisher == "zmq" and not config.enable_kv_cache_events \
+            and result.bus is not None:
+        from pipeline.events import SettingIgnored
+
+        result.bus.emitter("serve")(SettingIgnored(
+            field="--kv-events-config publisher", value="zmq",
+            reason="enable_kv_cache_events is false, so no KV cache events are recorded to publish (vLLM's rule)"))
 
 
 def _warn_when_the_audit_log_fails(state: Any, sink: Any) -> None:

@@ -1,0 +1,262 @@
+"""``kvload serve --kv-events-config``: vLLM's KV event publisher, so a KV-aware router (llm-d, Dynamo, vLLM's own
+examples) can follow kvload's prefix cache the way it follows vLLM's.
+
+The flag takes vLLM's ``KVEventsConfig`` as JSON (``enable_kv_cache_events``, ``publisher`` ``"null"`` or ``"zmq"``,
+``endpoint``, ``replay_endpoint``, ``buffer_steps``, ``hwm``, ``max_queue_size``, ``topic``). With ``"zmq"`` the
+manager's events (:mod:`cache_backends.kv_events`) go out as vLLM sends them: a ZeroMQ PUB socket, each message three
+frames ``(topic, sequence number as 8 bytes big-endian, msgpack payload)``, the payload a ``KVEventBatch`` of
+``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` (msgspec structs, tagged by class name under ``"type"``);
+the last ``buffer_steps`` batches are kept for a ROUTER ``replay_endpoint`` (a client sends the first sequence number
+it wants, 8 bytes big-endian, and gets ``(seq, payload)`` frames then ``(-1, b"")``).
+
+kvload's names map onto vLLM's: a hex block hash becomes its bytes, ``tokens_per_block`` is ``block_size``, the layer
+group is ``group_idx`` (its index in the plan's layout) with its kind (``full_attention``, ``sliding_window`` and the
+window, ``mla_attention``), and the medium ``device`` is vLLM's ``"GPU"`` (``host``: ``"CPU"``).
+
+Publishing never blocks nor fails the engine step that recorded an event (as in vLLM): the step only puts the event
+on a bounded queue that a thread drains into batches; a full queue drops the event and counts it
+(:attr:`ZmqKvEventPublisher.dropped`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from collections import deque
+from typing import Any
+
+import attrs
+
+from pipeline.config import field_check
+from pipeline.converter import structure
+from pipeline.errors import ConfigError
+
+FLAG = "--kv-events-config"
+PUBLISHERS = ("null", "zmq")
+#: kvload's group kinds as vLLM's ``KVCacheSpecKind`` names them (a compressed group has no vLLM kind)
+SPEC_KINDS = {"full": "full_attention", "sliding": "sliding_window", "mla": "mla_attention"}
+MEDIUMS = {"device": "GPU", "host": "CPU"}
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+MAX_QUEUE = 10_000_000  # bounds a typo's memory: vLLM's defaults are 100,000
+
+
+def _int_in(lo: int, hi: int) -> Any:
+    return field_check(lambda v: isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi,
+                       f"an integer from {lo:,} to {hi:,}")
+
+
+def _endpoint(optional: bool) -> Any:
+    ok = "a ZeroMQ address such as tcp://*:5557 (bind), tcp://host:5557 (connect), ipc://PATH or inproc://NAME"
+    return field_check(lambda v: (optional and v is None) or (isinstance(v, str) and "://" in v and v.strip() == v
+                                                                and len(v) <= 1024),
+                       ok + (" or null" if optional else ""))
+
+
+@attrs.frozen
+class KvEventsConfig:
+    """vLLM's ``--kv-events-config`` fields, with its defaults."""
+
+    enable_kv_cache_events: bool = attrs.field(default=False, validator=field_check(
+        lambda v: isinstance(v, bool), "true or false"))
+    publisher: str = attrs.field(default="null", validator=field_check(
+        lambda v: v in PUBLISHERS, " or ".join(f'"{p}"' for p in PUBLISHERS)))
+    endpoint: str = attrs.field(default="tcp://*:5557", validator=_endpoint(False))
+    replay_endpoint: str | None = attrs.field(default=None, validator=_endpoint(True))
+    buffer_steps: int = attrs.field(default=10_000, validator=_int_in(1, MAX_QUEUE))
+    hwm: int = attrs.field(default=100_000, validator=_int_in(0, 2**31 - 1))
+    max_queue_size: int = attrs.field(default=100_000, validator=_int_in(1, MAX_QUEUE))
+    topic: str = attrs.field(default="", validator=field_check(lambda v: isinstance(v, str) and len(v) <= 1024,
+                                                               "a string of at most 1,024 characters"))
+
+    @property
+    def publishes(self) -> bool:
+        """Whether events go out over ZeroMQ."""
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+
+def parse_kv_events_config(raw: dict[str, Any]) -> KvEventsConfig:
+    """The flag's JSON object as a :class:`KvEventsConfig`; ``ConfigError`` naming the flag and the key."""
+    try:
+        config = structure(raw, KvEventsConfig)
+    except ConfigError as exc:
+        raise ConfigError(f"{FLAG}: {exc}") from None
+    if config.publishes:
+        _zmq_modules()  # missing libraries are named before minutes of loading
+    return config
+
+
+def _zmq_modules() -> tuple[Any, Any]:
+    try:
+        import msgspec
+        import zmq
+    except ImportError as exc:
+        raise ConfigError(f'{FLAG}: publisher "zmq" needs pyzmq and msgspec ({exc.name} is missing); install them '
+                          "with pip install 'kvload[kv-events]'") from None
+    return zmq, msgspec
+
+
+def _structs(msgspec: Any) -> tuple[Any, Any, Any, Any]:
+    """vLLM's wire classes (``vllm.distributed.kv_events``): the same names, fields and msgspec options."""
+
+    class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+        """Base of the tagged events."""
+
+    class BlockStored(KVCacheEvent):
+        block_hashes: list[bytes]
+        parent_block_hash: bytes | None
+        token_ids: list[int]
+        block_size: int
+        lora_id: int | None
+        medium: str | None
+        lora_name: str | None
+        extra_keys: list[Any] | None = None
+        group_idx: int | None = None
+        kv_cache_spec_kind: str | None = None
+        kv_cache_spec_sliding_window: int | None = None
+
+    class BlockRemoved(KVCacheEvent):
+        block_hashes: list[bytes]
+        medium: str | None
+        group_idx: int | None = None
+
+    class AllBlocksCleared(KVCacheEvent):
+        pass
+
+    class KVEventBatch(msgspec.Struct, omit_defaults=True, gc=False):
+        ts: float
+        events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+        data_parallel_rank: int | None = None
+
+    return BlockStored, BlockRemoved, AllBlocksCleared, KVEventBatch
+
+
+class ZmqKvEventPublisher:
+    """Sends a KV event buffer's events as vLLM's ``KVEventBatch`` messages on a ZeroMQ PUB socket (see the module).
+
+    Built before the model loads (a taken port fails at once); :meth:`attach` names the layout's groups once it is
+    known. ``put`` is what the buffer calls, on the engine's thread: it never blocks nor raises.
+    """
+
+    def __init__(self, config: KvEventsConfig, data_parallel_rank: int = 0) -> None:
+        zmq, msgspec = _zmq_modules()
+        self.config = config
+        self.rank = data_parallel_rank
+        self.dropped = 0  # events a full queue refused
+        self.published = 0  # batches sent
+        self.groups: dict[str, tuple[int, str | None, int | None]] = {}  # name -> (index, vLLM kind, window)
+        self._zmq = zmq
+        self._encoder = msgspec.msgpack.Encoder()
+        self._stored, self._removed, self._cleared, self._batch = _structs(msgspec)
+        self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue(maxsize=config.max_queue_size)
+        self._replayable: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self._seq = 0
+        self._topic = config.topic.encode()
+        self._ctx = zmq.Context.instance()
+        self._pub = self._socket(zmq.PUB, config.endpoint, "endpoint")
+        self._replay = None
+        try:
+            if config.replay_endpoint is not None:
+                self._replay = self._socket(zmq.ROUTER, config.replay_endpoint, "replay_endpoint", bind=True)
+        except ConfigError:
+            self._pub.close(linger=0)
+            raise
+        self._thread = threading.Thread(target=self._run, name="kvload-kv-events", daemon=True)
+        self._thread.start()
+
+    def _socket(self, kind: int, address: str, field: str, bind: bool | None = None) -> Any:
+        sock = self._ctx.socket(kind)
+        if kind == self._zmq.PUB:
+            sock.set_hwm(self.config.hwm)
+        # vLLM's rule: a wildcard host, ipc or inproc binds (the stable side); a named host connects
+        if bind is None:
+            bind = "*" in address or "::" in address or address.startswith(("ipc://", "inproc://"))
+        try:
+            sock.bind(address) if bind else sock.connect(address)
+        except self._zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise ConfigError(f"{FLAG}: {field} {address}: cannot {'bind' if bind else 'connect'} it "
+                              f"({exc.strerror})") from None
+        return sock
+
+    def attach(self, layout: Any) -> None:
+        """Name the layout's groups as vLLM does: index, spec kind, sliding window."""
+        self.groups = {g.name: (i, SPEC_KINDS.get(g.kind), g.window if g.kind == "sliding" else None)
+                       for i, g in enumerate(layout.groups)}
+
+    def put(self, event: dict[str, Any]) -> None:
+        """Queue one event of the buffer (its dict, never changed after); a full queue drops it, counted."""
+        try:
+            self._queue.put_nowait(event)
+        except queue.Full:
+            self.dropped += 1
+
+    def close(self) -> None:
+        """Send what is queued (up to a second), stop the thread, close the sockets (idempotent)."""
+        if self._thread.is_alive():
+            with contextlib.suppress(queue.Full):  # a queue still full after a second: the thread is stuck anyway
+                self._queue.put(None, timeout=1.0)
+            self._thread.join(timeout=2.0)
+        for sock in (self._pub, self._replay):
+            if sock is not None and not sock.closed:
+                sock.close(linger=0)
+
+    # --- the publishing thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        stop = False
+        while not stop:
+            if self._replay is not None and self._replay.poll(0):
+                self._serve_replay()
+            try:
+                first = self._queue.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            events = [first]
+            while len(events) < 4096:  # what the engine recorded meanwhile goes out as one batch
+                try:
+                    events.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            stop = None in events
+            wire = [self._wire(e) for e in events if e is not None]
+            if wire:
+                self._send(wire, next(e["ts"] for e in events if e is not None))
+
+    def _send(self, wire: list[Any], ts: float) -> None:
+        payload = self._encoder.encode(self._batch(ts=ts, events=wire, data_parallel_rank=self.rank))
+        seq = self._seq
+        with contextlib.suppress(self._zmq.ZMQError):  # a closed context at exit: the batch stays replayable
+            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+        self._seq += 1
+        self.published += 1
+        self._replayable.append((seq, payload))
+
+    def _wire(self, event: dict[str, Any]) -> Any:
+        kind = event["type"]
+        if kind == "kv_all_blocks_cleared":
+            return self._cleared()
+        index, spec, window = self.groups.get(event["layer_group"], (None, None, None))
+        hashes = [bytes.fromhex(h) for h in event["block_hashes"]]
+        medium = MEDIUMS.get(event["medium"], event["medium"])
+        if kind == "kv_block_removed":
+            return self._removed(block_hashes=hashes, medium=medium, group_idx=index)
+        parent = event["parent_block_hash"]
+        return self._stored(block_hashes=hashes, parent_block_hash=bytes.fromhex(parent) if parent else None,
+                            token_ids=event["token_ids"], block_size=event["tokens_per_block"], lora_id=None,
+                            medium=medium, lora_name=None, group_idx=index, kv_cache_spec_kind=spec,
+                            kv_cache_spec_sliding_window=window)
+
+    def _serve_replay(self) -> None:
+        """Answer one replay request: every kept batch from the asked sequence number on, then the end mark."""
+        assert self._replay is not None
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:
+            return  # not a replay request (vLLM logs and ignores it too)
+        client, _, start = frames
+        first = int.from_bytes(start, "big")
+        for seq, payload in list(self._replayable):
+            if seq >= first:
+                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((client, b"", END_SEQ, b""))
+

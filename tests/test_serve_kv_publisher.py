@@ -1,0 +1,195 @@
+"""``kvload serve --kv-events-config``: the KV cache events as vLLM publishes them, read by what a KV-aware router
+runs — a ZeroMQ SUB socket decoding msgpack into vLLM's own ``KVEventBatch`` classes, and a replay request on the
+ROUTER endpoint — against a real server process; bad configs are one line naming the flag, exit 2."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.cli_support import ENV, REPO, reap, run_cli
+
+zmq = pytest.importorskip("zmq")
+msgspec = pytest.importorskip("msgspec")
+
+
+# vLLM's wire classes, as vllm/distributed/kv_events.py declares them (the consumer's side of the contract)
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[bytes | int]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(msgspec.Struct, omit_defaults=True, gc=False):
+    ts: float
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(config: dict) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "kvload", "serve", "tiny-llama", "--port", "0", "--max_tokens",
+                             "1024", "--enable-reset-prefix-cache", "--kv-events-config", json.dumps(config)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, cwd=REPO)
+    deadline, line = time.monotonic() + 120, ""
+    while " at http://" not in line:
+        assert time.monotonic() < deadline and proc.poll() is None, f"server did not start: {proc.stderr.read()}"
+        line = proc.stderr.readline()
+    return proc, line.split(" at ", 1)[1].split(" ", 1)[0]
+
+
+def _batches(sock, until) -> list[tuple[bytes, int, KVEventBatch]]:
+    """(topic, sequence number, batch) of every message until ``until(batches)`` holds (10 s at most)."""
+    got: list[tuple[bytes, int, KVEventBatch]] = []
+    deadline = time.monotonic() + 10
+    while not until(got):
+        assert time.monotonic() < deadline, got
+        if sock.poll(200):
+            topic, seq, payload = sock.recv_multipart()
+            got.append((topic, int.from_bytes(seq, "big"), DECODER.decode(payload)))
+    return got
+
+
+def test_a_router_follows_the_prefix_cache_over_zeromq_and_replays_what_it_missed():
+    pub, replay = _free_port(), _free_port()
+    proc, url = _start({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
+                        "replay_endpoint": f"tcp://*:{replay}", "topic": "kv@tiny"})
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    dealer = ctx.socket(zmq.DEALER)
+    try:
+        sub.connect(f"tcp://127.0.0.1:{pub}")
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv@tiny")
+        time.sleep(0.5)  # a SUB socket hears only what is sent after it joined
+        with httpx.Client(base_url=url, timeout=60) as http:
+            r = http.post("/v1/completions", json={"prompt": list(range(1, 41)), "max_tokens": 4,
+                                                   "ignore_eos": True})
+            assert r.status_code == 200
+            got = _batches(sub, lambda b: any(isinstance(e, BlockStored) for _, _, batch in b for e in batch.events))
+            # vLLM's switch alone turned the recording on: kvload's own endpoint sees the same events
+            served = http.get("/v1/kvload/kv_events").json()
+            assert http.post("/reset_prefix_cache").status_code == 200
+            got += _batches(sub, lambda b: any(isinstance(e, AllBlocksCleared) for _, _, x in b for e in x.events))
+        topic, seq, batch = got[0]
+        assert topic == b"kv@tiny" and seq == 0 and batch.data_parallel_rank == 0
+        stored = next(e for _, _, b in got for e in b.events if isinstance(e, BlockStored))
+        assert stored.token_ids == list(range(1, 33)) and stored.block_size == 32  # the prompt's one full block
+        assert stored.parent_block_hash is None and len(stored.block_hashes) == 1
+        assert stored.group_idx == 0 and stored.kv_cache_spec_kind == "full_attention"
+        assert stored.medium == "GPU" and stored.lora_id is None  # vLLM's name for the device tier
+        first = served["events"][0]
+        assert first["type"] == "kv_block_stored" and stored.block_hashes == [bytes.fromhex(first["block_hashes"][0])]
+        # a router that joined late asks the ROUTER endpoint for everything from sequence number 0
+        dealer.connect(f"tcp://127.0.0.1:{replay}")
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        replayed = []
+        while True:
+            assert dealer.poll(10_000), replayed
+            _, seq_bytes, payload = dealer.recv_multipart()
+            seq = int.from_bytes(seq_bytes, "big", signed=True)
+            if seq == -1:
+                assert payload == b""
+                break
+            replayed.append((seq, DECODER.decode(payload)))
+        assert [s for s, _ in replayed] == list(range(len(replayed))) and replayed[0][1] == batch
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()
+        for port in (pub, replay):  # the publisher's ports are let go with the process (TIME_WAIT aside)
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(("0.0.0.0", port))
+                s.listen()
+    finally:
+        sub.close(linger=0)
+        dealer.close(linger=0)
+        ctx.term()
+        reap(proc)
+
+
+@pytest.mark.parametrize(("config", "expected"), [
+    ('{"enable_kv_cache_events": true, "topics": "kv"}', "--kv-events-config: topics: unknown key; did you mean "
+                                                         "'topic'?"),
+    ('{"enable_kv_cache_events": true, "publisher": "kafka"}', '--kv-events-config: publisher: expected "null" or '
+                                                               '"zmq", got \'kafka\''),
+    ('{"enable_kv_cache_events": "yes"}', "--kv-events-config: enable_kv_cache_events: expected true or false"),
+    ('{"publisher": "zmq", "endpoint": "localhost:5557"}', "--kv-events-config: endpoint: expected a ZeroMQ address"),
+    ('{"buffer_steps": 0}', "--kv-events-config: buffer_steps: expected an integer from 1 to"),
+    ("enable", "--kv-events-config: expected a JSON object"),
+])
+def test_a_bad_kv_events_config_is_one_line_naming_the_key(capsys, config, expected):
+    r = run_cli(capsys, "serve", "tiny-llama", "--port", "0", "--kv-events-config", config)
+    assert r.code == 2 and expected in r.err and "Traceback" not in r.err, r.err
+    assert len(r.err.strip().splitlines()) == 1, r.err
+
+
+def test_events_switched_on_with_the_buffer_set_to_zero_is_refused(capsys):
+    r = run_cli(capsys, "serve", "tiny-llama", "--port", "0", "--event_buffer_max_size", "0",
+                "--kv-events-config", '{"enable_kv_cache_events": true}')
+    assert r.code == 2 and "--kv-events-config: enable_kv_cache_events is true but kv_cache_config." \
+                           "event_buffer_max_size is 0" in r.err, r.err
+
+
+def test_a_taken_endpoint_fails_before_the_model_loads(capsys):
+    ctx = zmq.Context()
+    taken = ctx.socket(zmq.PUB)
+    port = taken.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        r = run_cli(capsys, "serve", "tiny-llama", "--port", "0", "--kv-events-config",
+                    json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}))
+    finally:
+        taken.close(linger=0)
+        ctx.term()
+    assert r.code == 2 and f"--kv-events-config: endpoint tcp://*:{port}: cannot bind it" in r.err, r.err
+    assert "pipeline_started" not in r.err  # refused before anything loaded
+
+
+def test_a_publisher_named_with_events_off_says_it_is_ignored(monkeypatch, log):
+    from tests.cli_support import served_with
+
+    served_with(monkeypatch, "--kv-events-config", '{"publisher": "zmq"}')  # vLLM's enable_kv_cache_events: false
+    assert log.has("setting_ignored", field="--kv-events-config publisher", value="zmq", level="warning")
+
+
+def test_vllms_switch_turns_the_recording_on_and_the_audit_says_who(monkeypatch, log):
+    from tests.cli_support import served_with
+
+    served_with(monkeypatch, "--kv-events-config", '{"enable_kv_cache_events": true}')  # publisher "null": no socket
+    assert log.has("field_derived", field="kv_cache_config.event_buffer_max_size", new=10_000, source="serve")
