@@ -106,9 +106,10 @@ def test_n_samples_observe_the_most_tokens_one_of_them_generated_once_the_last_e
 
 
 def test_prompt_tokens_recomputed_after_a_preemption_are_not_counted_as_cached():
-    """Neither in /metrics nor in the response's ``usage.prompt_tokens_details.cached_tokens``: vLLM counts a prompt's sources once, as it was first scheduled: the prefix a preempted request finds again on
-    re-admission is its own recompute, not a cache hit (it shows in iteration_tokens_total, as in vLLM, and in kvload's
-    own kvload_preemption_recomputed_tokens)."""
+    """Neither in /metrics nor in the response's ``usage.prompt_tokens_details.cached_tokens``: vLLM counts a prompt's
+    sources once, as it was first scheduled: the prefix a preempted request finds again on re-admission is its own
+    recompute, not a cache hit (it shows in iteration_tokens_total, as in vLLM, and in kvload's own
+    kvload_preemption_recomputed_tokens)."""
     kv = {"max_tokens": 128, "tokens_per_block": 16, "use_kv_cache_manager_v2": True, "host_cache_size": 0}
     prompts = [[i * 20 + k + 1 for k in range(20)] for i in range(6)]  # no two share a block
     with serving(M, state={"metrics_naming": "vllm"}, kv_cache_config=kv, max_seq_len=128) as s:
