@@ -173,6 +173,33 @@ FLAGS: tuple[Flag, ...] = (
          "tensor-parallel ranks (launch that many with torchrun; plan alone shows rank 0's view)", integer,
          metavar="N", aliases=("--tensor_parallel_size", "-tp")),
 )
+#: vLLM's engine flags kvload has no counterpart for (a launch script copied from ``vllm serve``): each goes into the
+#: command line's tree under vLLM's key, where ``pipeline.trtllm_compat.split_ignored`` reports it as
+#: ``setting_ignored`` with the reason (``pipeline.vllm_compat``), or refuses a value kvload cannot honour
+#: (``--quantization awq``, ``--trust-remote-code``). (flag, key, type, metavar; a None type is a switch.)
+VLLM_KNOB_FLAGS: tuple[tuple[str, str, Callable[[str], Any] | None, str | None], ...] = (
+    ("--enforce-eager", "enforce_eager", None, None),
+    ("--max-seq-len-to-capture", "max_seq_len_to_capture", integer, "N"),
+    ("--compilation-config", "compilation_config", json_object, "JSON"),
+    ("--disable-log-stats", "disable_log_stats", None, None),
+    ("--async-scheduling", "async_scheduling", None, None),
+    ("--enable-sleep-mode", "enable_sleep_mode", None, None),
+    ("--disable-custom-all-reduce", "disable_custom_all_reduce", None, None),
+    ("--distributed-executor-backend", "distributed_executor_backend", str, "NAME"),
+    ("--max-logprobs", "max_logprobs", integer, "N"),
+    ("--download-dir", "download_dir", str, "DIR"),
+    ("--enable-chunked-prefill", "enable_chunked_prefill", None, None),
+    ("--quantization", "quantization", str, "METHOD"),
+    ("--cpu-offload-gb", "cpu_offload_gb", number, "GIB"),
+    ("--hf-overrides", "hf_overrides", json_object, "JSON"),
+    ("--trust-remote-code", "trust_remote_code", None, None),
+)
+
+
+def _knob_dest(key: str) -> str:
+    return "vllm_knob__" + key
+
+
 FLAG_FOR_PATH: dict[str, str] = {}
 for _f in FLAGS:  # the first flag of a field (--disable_kv_cache_reuse, not its --enable_prefix_caching)
     FLAG_FOR_PATH.setdefault(_f.path, _f.name)
@@ -449,6 +476,16 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         else:
             group.add_argument(*names, dest=f.dest, type=f.type, choices=f.choices, metavar=f.metavar,
                                default=None, help=f.help)
+    knobs = p.add_argument_group("vLLM engine options kvload does not act on (each accepted with a setting_ignored "
+                                 "warning saying why, or refused where its value would change the model)")
+    for name, key, kind, metavar in VLLM_KNOB_FLAGS:
+        names = (name, "--" + name[2:].replace("-", "_"))
+        if kind is None:
+            knobs.add_argument(*names, dest=_knob_dest(key), action="store_const", const=True, default=None,
+                               help=argparse.SUPPRESS)
+        else:
+            knobs.add_argument(*names, dest=_knob_dest(key), type=kind, metavar=metavar, default=None,
+                               help=argparse.SUPPRESS)
     group.add_argument("--config", "--extra_llm_api_options", "--extra-llm-api-options", dest="config",
                        metavar="FILE.yaml", help="YAML file of LlmArgs fields (CLI flags win); TensorRT-LLM options "
                                                  "kvload does not act on are accepted with a warning each")
@@ -484,6 +521,10 @@ def cli_overrides(ns: argparse.Namespace) -> dict[str, Any]:
         for part in parents:
             node = node.setdefault(part, {})
         node[leaf] = value
+    for _, key, _, _ in VLLM_KNOB_FLAGS:
+        value = getattr(ns, _knob_dest(key), None)
+        if value is not None:
+            tree[key] = value
     return tree
 
 
@@ -1462,6 +1503,11 @@ def _cli_message(exc: KvloadError, argv: Sequence[str] = ()) -> str:
         if typed is not None and got:
             detail = f"{head} got {short_text(typed)}"
         return f"{typed_spelling(spellings, argv)}: {detail}"
+    knob = next((name for name, key, _, _ in VLLM_KNOB_FLAGS if exc.path == key), None) \
+        if isinstance(exc, ConfigError) and exc.source == "cli" and exc.path else None
+    if knob is not None:  # vLLM's flag refused (--quantization awq): named as typed, not as its key
+        spellings = (knob, "--" + knob[2:].replace("-", "_"))
+        return f"{typed_spelling(spellings, argv)}: {str(exc).removeprefix(exc.path + ': ')}"
     return str(exc)
 
 

@@ -571,7 +571,7 @@ def test_the_reasoning_parser_reaches_the_served_state_and_the_ready_line_names_
         return line
 
     monkeypatch.setattr(server, "build_state", build_state)
-    monkeypatch.setattr(server, "serve", lambda state, host, port, log_level, ready: ready("http://127.0.0.1:9"))
+    monkeypatch.setattr(server, "serve", lambda state, host, port, log_level, ready, **_: ready("http://127.0.0.1:9"))
     line = ready_line("--reasoning_parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     assert seen["reasoning_parser"] == "qwen3"
     assert line.endswith(" KV tokens); tool-call parser hermes; reasoning parser qwen3; Ctrl-C stops"), line

@@ -363,7 +363,7 @@ def test_the_flag_bounds_the_served_store(monkeypatch, capsys):
         return state
 
     monkeypatch.setattr(server, "build_state", build_state)
-    monkeypatch.setattr(server, "serve", lambda state, host, port, log_level, ready: None)
+    monkeypatch.setattr(server, "serve", lambda state, host, port, log_level, ready, **_: None)
     base = ["serve", "tiny-llama", "--port", "0", "--max_tokens", "1024"]
     for flags in (["--responses-store-max", "7"], ["--responses_store_max", "0"], []):
         assert command.cmd_serve(parse([*base, *flags])) == 0

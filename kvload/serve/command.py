@@ -105,6 +105,17 @@ def add_serve_command(sub: Any) -> None:
                         "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": "
                         "\"tcp://*:5557\"}' (keys: enable_kv_cache_events, publisher null|zmq, endpoint, "
                         "replay_endpoint, buffer_steps, hwm, max_queue_size, topic; zmq needs kvload[kv-events])")
+    g.add_argument("--uvicorn-log-level", "--uvicorn_log_level", dest="uvicorn_log_level", default=None,
+                   choices=("critical", "error", "warning", "info", "debug", "trace"),
+                   help="uvicorn's log level (vLLM's flag; default: --log-level's); info and below log a line "
+                        "per HTTP request")
+    g.add_argument("--disable-uvicorn-access-log", "--disable_uvicorn_access_log", dest="disable_uvicorn_access_log",
+                   action="store_true", help="no line per HTTP request, whatever the log level (vLLM's flag)")
+    for flag in ("--disable-log-requests", "--enable-log-requests", "--enable-prompt-tokens-details"):
+        g.add_argument(flag, "--" + flag[2:].replace("-", "_"), dest=flag[2:].replace("-", "_"),
+                       action="store_true", help=argparse.SUPPRESS)
+    g.add_argument("--max-log-len", "--max_log_len", dest="max_log_len", default=None, metavar="N",
+                   type=cli._bounded(cli.integer, lambda v: v >= 0, "an integer >= 0"), help=argparse.SUPPRESS)
     g.add_argument("--audit-keep", "--audit_keep", dest="audit_keep", default=AUDIT_KEEP_DEFAULT, metavar="N",
                    type=cli._bounded(cli.integer, lambda v: v >= 0, "an integer >= 0"),
                    help="request-time audit records (request_admitted, request_finished, ...) kept in memory for "
@@ -396,6 +407,8 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
             result.bus.emitter("serve")(SettingIgnored(
                 field="--json", value=True, reason="kvload serve prints no result document; its answers are the "
                                                    "HTTP API's JSON (--log-format json makes its log JSON)"))
+        if result.bus is not None:
+            _report_ignored_serve_flags(ns, result.bus.emitter("serve"))
         if not ranks.is_first:
             return _follow(ns, result)
         if result.bus is not None:
@@ -431,7 +444,8 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
 
         try:
             level = getattr(ns, "effective_log_level", None) or ns.log_level or "warning"  # uvicorn's default: info
-            serve(state, ns.host, ns.port, log_level=level, ready=ready)
+            serve(state, ns.host, ns.port, log_level=ns.uvicorn_log_level or level, ready=ready,
+                  access_log=False if ns.disable_uvicorn_access_log else None)
         finally:
             if mirror is not None:
                 result.kv_manager.kv_events.mirror = None
@@ -439,6 +453,25 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
             if publisher is not None:
                 result.kv_manager.kv_events.publisher = None
     return 0
+
+
+#: ``vllm serve`` flags about request logging and usage details that kvload serve takes and does not act on → why.
+IGNORED_SERVE_FLAGS: dict[str, str] = {
+    **dict.fromkeys(("--disable-log-requests", "--enable-log-requests", "--max-log-len"),
+                    "kvload serve logs no line per request; each request's admission and end are audit records "
+                    "(GET /v1/kvload/audit, --audit-log FILE), and --uvicorn-log-level info logs each HTTP request"),
+    "--enable-prompt-tokens-details": "kvload always returns usage.prompt_tokens_details (cached_tokens)",
+}
+
+
+def _report_ignored_serve_flags(ns: argparse.Namespace, emit: Any) -> None:
+    """One ``setting_ignored`` per vLLM serve flag given that kvload takes without acting on."""
+    from pipeline.events import SettingIgnored
+
+    for flag, why in IGNORED_SERVE_FLAGS.items():
+        value = getattr(ns, flag[2:].replace("-", "_"), None)
+        if value is not None and value is not False:
+            emit(SettingIgnored(field=flag, value=value, reason=why))
 
 
 def _start_publishing(result: Any, config: Any, publisher: Any) -> None:

@@ -451,18 +451,21 @@ class EngineFailed(KvloadError):
     exit_code = 1
 
 
-def _server(state: ServeState, log_level: str, *, exit_on_engine_failure: bool = False) -> _Server:
+def _server(state: ServeState, log_level: str, *, exit_on_engine_failure: bool = False,
+            access_log: bool | None = None) -> _Server:
     # h11, named rather than "auto": the read deadlines above are built on its protocol class (httptools is
     # not a dependency of the serve extra, so "auto" meant h11 unless something else installed it)
     protocol = type("_Deadlines", (_Deadlines,), {"read_timeout_s": state.read_timeout_s, "metrics": state.metrics})
     app = create_app(state)
-    config = uvicorn.Config(app, log_level=log_level, access_log=log_level in ("debug", "info"),
+    if access_log is None:  # a line per request where the operator asked for info or more
+        access_log = log_level in ("debug", "info", "trace")
+    config = uvicorn.Config(app, log_level=log_level, access_log=access_log,
                             timeout_graceful_shutdown=5, lifespan="off", http=protocol, ws="none")
     return _Server(config, state, app.state.stopping, exit_on_engine_failure=exit_on_engine_failure)
 
 
 def serve(state: ServeState, host: str, port: int, *, log_level: str = "warning",
-          ready: Any = None) -> None:
+          ready: Any = None, access_log: bool | None = None) -> None:
     """Serve until SIGINT, SIGTERM or SIGHUP; the engine loop runs for exactly as long. ``ready(url)`` once
     listening: a stop signal from then on, whenever it comes, ends the call (not the process) once the server
     has shut down. Should the engine loop die, the server shuts down the same way and :class:`EngineFailed` is
@@ -475,7 +478,7 @@ def serve(state: ServeState, host: str, port: int, *, log_level: str = "warning"
     # which afterwards takes the re-raised signal without ending the process. SIGHUP (the terminal closed), which
     # uvicorn leaves alone, stops the server the same way, its audit published as for SIGTERM.
     main = threading.current_thread() is threading.main_thread()
-    server = _server(state, log_level, exit_on_engine_failure=True)
+    server = _server(state, log_level, exit_on_engine_failure=True, access_log=access_log)
     previous: dict[int, Any] = {}
     sock: socket.socket | None = None
     try:

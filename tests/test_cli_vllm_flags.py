@@ -1,0 +1,81 @@
+"""A launch line copied from ``vllm serve``: vLLM's engine and server flags kvload has no counterpart for are taken,
+each with one ``setting_ignored`` saying why (never a silent no-op, never "unrecognized arguments"); a value that
+would change the model is refused naming the flag as typed; the uvicorn flags act."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from tests.cli_support import run_cli, served_with
+
+
+def test_vllm_engine_flags_are_taken_with_a_warning_each(capsys):
+    r = run_cli(capsys, "plan", "tiny-llama", "--enforce-eager", "--disable-log-stats", "--max-logprobs", "5",
+                "--enable-chunked-prefill", "--cpu-offload-gb", "0", "--distributed_executor_backend", "mp")
+    assert r.code == 0, r.err
+    warned = [line for line in r.err.splitlines() if "setting_ignored" in line]
+    for key in ("enforce_eager", "disable_log_stats", "max_logprobs", "enable_chunked_prefill", "cpu_offload_gb",
+                "distributed_executor_backend"):
+        assert any(f"field={key} " in line for line in warned), (key, warned)
+    assert any("CUDA graphs" in line for line in warned)  # the reason, not only the name
+
+
+@pytest.mark.parametrize(("flags", "expected"), [
+    (["--quantization", "awq"], "--quantization: vLLM's setting; kvload runs the checkpoint's weights in dtype, "
+                                "unquantized; accepted: None, got 'awq'"),
+    (["--trust_remote_code"], "--trust_remote_code: kvload never runs code shipped with a checkpoint"),
+    (["--cpu-offload-gb", "4"], "--cpu-offload-gb: vLLM's setting; kvload keeps every weight on the device"),
+    (["--max-logprobs", "x"], "--max-logprobs: expected an integer, got 'x'"),
+])
+def test_a_vllm_flag_whose_value_kvload_cannot_honour_is_one_line_naming_it(capsys, flags, expected):
+    r = run_cli(capsys, "plan", "tiny-llama", *flags)
+    assert r.code == 2 and expected in r.err, r.err
+    assert len(r.err.strip().splitlines()) == 1 and "Traceback" not in r.err, r.err
+
+
+def test_vllm_serve_request_logging_flags_say_they_are_ignored(monkeypatch, log):
+    served_with(monkeypatch, "--disable-log-requests", "--max-log-len", "100", "--enable-prompt-tokens-details")
+    assert log.has("setting_ignored", field="--disable-log-requests", value=True, level="warning")
+    assert log.has("setting_ignored", field="--max-log-len", value=100)
+    assert log.has("setting_ignored", field="--enable-prompt-tokens-details", value=True)
+    assert not log.has("setting_ignored", field="--enable-log-requests")  # only what was given
+
+
+def _serve_kwargs(monkeypatch, *flags: str) -> dict:
+    """What ``kvload serve tiny-llama --port 0 FLAGS`` hands uvicorn's ``serve`` (the command stops there)."""
+    from kvload.cli import build_parser
+    from kvload.serve import command, server
+
+    seen: dict = {}
+
+    def serve(state, host, port, **kwargs):
+        seen.update(kwargs)
+
+    monkeypatch.setattr(server, "build_state", lambda result, **kw: types.SimpleNamespace(model_name="m"))
+    monkeypatch.setattr(command, "_warn_when_the_audit_log_fails", lambda *a: None)
+    monkeypatch.setattr(server, "serve", serve)
+    command.cmd_serve(build_parser().parse_args(["serve", "tiny-llama", "--port", "0", *flags]))
+    return seen
+
+
+def test_uvicorns_log_level_and_access_log_flags_act(monkeypatch):
+    assert _serve_kwargs(monkeypatch, "--uvicorn-log-level", "info")["log_level"] == "info"
+    assert _serve_kwargs(monkeypatch, "--disable-uvicorn-access-log")["access_log"] is False
+    plain = _serve_kwargs(monkeypatch)
+    assert plain["log_level"] == "warning" and plain["access_log"] is None  # on at info and below, as before
+
+
+def test_the_access_log_follows_the_level_unless_switched_off():
+    from kvload.serve.server import _server
+
+    state = types.SimpleNamespace(read_timeout_s=5.0, metrics=None)
+    with pytest.MonkeyPatch.context() as mp:
+        import kvload.serve.server as server
+
+        app = types.SimpleNamespace(state=types.SimpleNamespace(stopping=None))
+        mp.setattr(server, "create_app", lambda s: app)
+        assert _server(state, "info").config.access_log is True
+        assert _server(state, "warning").config.access_log is False
+        assert _server(state, "info", access_log=False).config.access_log is False
