@@ -324,6 +324,11 @@ class ServingEngine:
             self._stopping = True
             self._cond.notify_all()
 
+    def _fresh_seed(self) -> int:
+        """A seed for a sampled request that sent none: from the server's ``--seed`` sequence (the executor's
+        ``call_seeds``: the same arrivals draw the same seeds after a restart, vLLM's ``--seed``), else fresh."""
+        return (self.executor.call_seeds or random.SystemRandom()).getrandbits(62)
+
     @property
     def stopping(self) -> bool:
         """Whether a stop was asked for: :meth:`submit` refuses from then on (``EngineStopped``)."""
@@ -486,7 +491,7 @@ class ServingEngine:
         req_id = request.req_id
         seed = None
         if not params.greedy:
-            seed = (params.seed if params.seed is not None else random.SystemRandom().getrandbits(62)) + seed_offset
+            seed = (params.seed if params.seed is not None else self._fresh_seed()) + seed_offset
         live = self._new_live(request, params, sink, seed)
         live.sample, live.samples, live.group = seed_offset, samples, req_id
         with self._cond:
@@ -516,7 +521,7 @@ class ServingEngine:
         first = self.check(prompt_token_ids, params)
         base = None
         if not params.greedy:
-            base = params.seed if params.seed is not None else random.SystemRandom().getrandbits(62)
+            base = params.seed if params.seed is not None else self._fresh_seed()
         group = []
         for j, sink in enumerate(sinks):
             request = first if j == 0 else Request(f"srv-{next(self._ids)}", first.prompt_token_ids,

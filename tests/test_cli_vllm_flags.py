@@ -79,3 +79,38 @@ def test_the_access_log_follows_the_level_unless_switched_off():
         assert _server(state, "info").config.access_log is True
         assert _server(state, "warning").config.access_log is False
         assert _server(state, "info", access_log=False).config.access_log is False
+
+
+def test_serve_seed_sets_where_unseeded_requests_draw_their_seeds(monkeypatch):
+    from kvload.cli import build_parser
+    from kvload.serve import command, server
+
+    seen = {}
+
+    def build_state(result, **kw):
+        seen["executor"] = result.executor
+        raise SystemExit(0)
+
+    monkeypatch.setattr(server, "build_state", build_state)
+    with pytest.raises(SystemExit):
+        command.cmd_serve(build_parser().parse_args(["serve", "tiny-llama", "--port", "0", "--seed", "7"]))
+    import random
+
+    assert seen["executor"].llm_seed == 7  # the audit's generation_started says it
+    assert seen["executor"].call_seeds.getrandbits(62) == random.Random(7).getrandbits(62)
+
+
+def test_a_seeded_server_samples_unseeded_requests_the_same_after_a_restart():
+    import random
+
+    from tests.serve_support import serving
+
+    def run() -> list[list[int]]:
+        with serving("tiny-llama", before=lambda r: setattr(r.executor, "call_seeds", random.Random(11))) as s:
+            return [s.client.completions.create(model="tiny-llama", prompt=[5, 6, 7], max_tokens=8, temperature=1.0,
+                                                extra_body={"ignore_eos": True}).choices[0].model_extra["token_ids"]
+                    for _ in range(2)]
+
+    first, again = run(), run()
+    assert first == again  # the same arrivals, the same samples
+    assert first[0] != first[1]  # yet each request draws its own seed: not one fixed seed for all

@@ -105,6 +105,10 @@ def add_serve_command(sub: Any) -> None:
                         "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": "
                         "\"tcp://*:5557\"}' (keys: enable_kv_cache_events, publisher null|zmq, endpoint, "
                         "replay_endpoint, buffer_steps, hwm, max_queue_size, topic; zmq needs kvload[kv-events])")
+    g.add_argument("--seed", default=None, metavar="S",
+                   type=cli._bounded(cli.integer, lambda v: 0 <= v < 2**63, "an integer from 0 to 2**63 - 1"),
+                   help="vLLM's: sampled requests that send no seed draw theirs from this seed's sequence, so the "
+                        "same requests in the same order sample the same after a restart (default: fresh randomness)")
     g.add_argument("--uvicorn-log-level", "--uvicorn_log_level", dest="uvicorn_log_level", default=None,
                    choices=("critical", "error", "warning", "info", "debug", "trace"),
                    help="uvicorn's log level (vLLM's flag; default: --log-level's); info and below log a line "
@@ -409,6 +413,10 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
                                                    "HTTP API's JSON (--log-format json makes its log JSON)"))
         if result.bus is not None:
             _report_ignored_serve_flags(ns, result.bus.emitter("serve"))
+        if ns.seed is not None:  # rank 0 draws; under tensor parallel its seeds reach the others in the step orders
+            import random
+
+            result.executor.call_seeds, result.executor.llm_seed = random.Random(ns.seed), ns.seed
         if not ranks.is_first:
             return _follow(ns, result)
         if result.bus is not None:
