@@ -114,3 +114,33 @@ def test_a_seeded_server_samples_unseeded_requests_the_same_after_a_restart():
     first, again = run(), run()
     assert first == again  # the same arrivals, the same samples
     assert first[0] != first[1]  # yet each request draws its own seed: not one fixed seed for all
+
+
+def test_cors_takes_vllms_defaults_and_flags(monkeypatch, capsys):
+    from kvload.serve.app import CorsPolicy
+
+    assert served_with(monkeypatch)["cors"] == CorsPolicy(("*",), ("*",), ("*",), False)  # vLLM's: any origin
+    got = served_with(monkeypatch, "--allowed-origins", '["https://ui.example"]', "--allowed-methods",
+                      '["GET", "POST"]', "--allow-credentials")["cors"]
+    assert got == CorsPolicy(("https://ui.example",), ("GET", "POST"), ("*",), True)
+    r = run_cli(capsys, "serve", "tiny-llama", "--port", "0", "--allowed-origins", "https://ui.example")
+    assert r.code == 2 and "--allowed-origins: expected a JSON list of strings" in r.err, r.err
+
+
+def test_a_browser_preflight_passes_the_api_key_gate_and_only_allowed_origins_get_the_header():
+    from kvload.serve.app import CorsPolicy
+    from tests.serve_support import serving
+
+    policy = CorsPolicy(origins=("https://ui.example",))
+    with serving("tiny-llama", state={"cors": policy, "api_keys": ["k1"]}) as s:
+        pre = s.http.options("/v1/completions", headers={
+            "Origin": "https://ui.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type"})
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "https://ui.example"
+        r = s.http.post("/v1/completions", json={"model": "tiny-llama", "prompt": [1, 2], "max_tokens": 1},
+                        headers={"Origin": "https://ui.example", "Authorization": "Bearer k1"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://ui.example"
+        other = s.http.get("/health", headers={"Origin": "https://evil.example"})
+        assert "access-control-allow-origin" not in other.headers
+        assert s.http.post("/v1/completions", json={"model": "tiny-llama", "prompt": [1], "max_tokens": 1},
+                           headers={"Origin": "https://ui.example"}).status_code == 401  # the key is still needed

@@ -71,6 +71,16 @@ from pipeline.limits import MAX_DEPTH, MAX_LOGPROB_TOKENS, MAX_SCORED_PROMPT_TOK
 from pipeline.version import __version__
 
 
+@attrs.frozen
+class CorsPolicy:
+    """Which browser origins may call the server, with which methods and headers (vLLM's flags and defaults)."""
+
+    origins: tuple[str, ...] = ("*",)
+    methods: tuple[str, ...] = ("*",)
+    headers: tuple[str, ...] = ("*",)
+    credentials: bool = False
+
+
 @attrs.define
 class ServeState:
     """What the app serves: the loaded result, its engine and metrics, the served model name, limits and defaults."""
@@ -100,6 +110,8 @@ class ServeState:
     api_key_digests: tuple[bytes, ...] = attrs.field(default=(), repr=False)
     #: the responses kept for previous_response_id and GET /v1/responses/{id} (``--responses-store-max``)
     responses: ResponseStore = attrs.Factory(ResponseStore)
+    #: cross-origin requests from browsers (vLLM's ``--allowed-origins`` ...); None: no CORS headers at all
+    cors: CorsPolicy | None = None
     in_flight: int = 0  # generation requests in the server now (only the event loop's thread touches it)
     created: int = attrs.Factory(lambda: int(time.time()))
 
@@ -114,6 +126,12 @@ def create_app(state: ServeState) -> FastAPI:
     app.add_middleware(_Admission, state=state)
     if state.api_key_digests:  # added last, so outermost: a request without the key takes no admission slot
         app.add_middleware(ApiKeyGate, digests=state.api_key_digests, metrics=state.metrics)
+    if state.cors is not None:  # outermost: a browser's preflight carries no API key and takes no admission slot
+        from starlette.middleware.cors import CORSMiddleware
+
+        cors = state.cors
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors.origins), allow_methods=list(cors.methods),
+                           allow_headers=list(cors.headers), allow_credentials=cors.credentials)
     state.metrics.http_in_flight.set_function(lambda: state.in_flight)  # what _Admission counts, read at scrape
 
     @app.exception_handler(BadRequest)

@@ -109,6 +109,14 @@ def add_serve_command(sub: Any) -> None:
                    type=cli._bounded(cli.integer, lambda v: 0 <= v < 2**63, "an integer from 0 to 2**63 - 1"),
                    help="vLLM's: sampled requests that send no seed draw theirs from this seed's sequence, so the "
                         "same requests in the same order sample the same after a restart (default: fresh randomness)")
+    cors = p.add_argument_group("cross-origin requests from browsers (CORS; vLLM's flags and defaults)")
+    for flag, what in (("--allowed-origins", "origins"), ("--allowed-methods", "methods"),
+                       ("--allowed-headers", "headers")):
+        cors.add_argument(flag, "--" + flag[2:].replace("-", "_"), dest=flag[2:].replace("-", "_"), default=None,
+                          metavar="JSON", type=_json_strings,
+                          help=f"the {what} allowed, a JSON list of strings (default [\"*\"]: any)")
+    cors.add_argument("--allow-credentials", "--allow_credentials", dest="allow_credentials", action="store_true",
+                      help="let browsers send cookies and HTTP authentication (default: not)")
     g.add_argument("--uvicorn-log-level", "--uvicorn_log_level", dest="uvicorn_log_level", default=None,
                    choices=("critical", "error", "warning", "info", "debug", "trace"),
                    help="uvicorn's log level (vLLM's flag; default: --log-level's); info and below log a line "
@@ -309,6 +317,30 @@ def _event_buffer_size(ns: argparse.Namespace) -> Any:
     return kv.get("event_buffer_max_size") if isinstance(kv, dict) else None
 
 
+def _json_strings(text: str) -> tuple[str, ...]:
+    """A JSON list of strings (``'["https://a.example"]'``), as vLLM's CORS flags take."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value) or len(value) > 1024:
+        from pipeline.limits import short_text
+
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings such as '[\"*\"]', got "
+                                         f"{short_text(text)}")
+    return tuple(value)
+
+
+def _cors(ns: argparse.Namespace) -> Any:
+    """The CORS policy the flags give: vLLM's defaults (any origin, method and header; no credentials)."""
+    from kvload.serve.app import CorsPolicy
+
+    return CorsPolicy(origins=ns.allowed_origins or ("*",), methods=ns.allowed_methods or ("*",),
+                      headers=ns.allowed_headers or ("*",), credentials=ns.allow_credentials)
+
+
 def _kv_events_config(ns: argparse.Namespace) -> Any:
     """``--kv-events-config`` checked (None when not given); ``ConfigError`` naming it."""
     if ns.kv_events_config is None:
@@ -431,7 +463,8 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
                             api_key_source=key_source or "api_keys",
                             enable_reset_prefix_cache=ns.enable_reset_prefix_cache,
                             tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
-                            metrics_naming=ns.metrics_name_prefix, responses_store_max=ns.responses_store_max)
+                            metrics_naming=ns.metrics_name_prefix, responses_store_max=ns.responses_store_max,
+                            cors=_cors(ns))
         _warn_when_the_audit_log_fails(state, getattr(ns, "audit_sink", None))
         mirror = None
         if ns.kv_events_file is not None:  # a full disk later stops the mirror with a warning, never a request

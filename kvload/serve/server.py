@@ -26,7 +26,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from cache_backends.kv_events import KvEventMirror
 from engine.serving import ServingEngine
 from kvload.metrics import METRIC_NAMINGS
-from kvload.serve.app import ServeState, create_app
+from kvload.serve.app import CorsPolicy, ServeState, create_app
 from kvload.serve.auth import OPEN_PATHS, check_api_key, digest
 from kvload.serve.command import (
     AUDIT_KEEP_DEFAULT,
@@ -55,7 +55,7 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
                 api_key_source: str = "api_keys", enable_reset_prefix_cache: bool = False,
                 tool_call_parser: str | None = None, reasoning_parser: str | None = None,
                 metrics_naming: str = "kvload",
-                responses_store_max: int = RESPONSES_STORE_MAX_DEFAULT) -> ServeState:
+                responses_store_max: int = RESPONSES_STORE_MAX_DEFAULT, cors: CorsPolicy | None = None) -> ServeState:
     """Engine (not started) and metrics over a ``load(..., load_weights=True)`` result; from now on its audit log
     keeps the load's records and the newest ``audit_keep`` (``/v1/kvload/audit`` serves them). A request body
     over ``max_request_bytes`` is refused unread (None: :func:`default_max_request_bytes` of the model); a
@@ -149,7 +149,7 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
                       read_timeout_s=float(read_timeout_s), max_concurrent_requests=max_concurrent_requests,
                       trust_request_chat_template=trust_request_chat_template, api_key_digests=digests,
                       enable_reset_prefix_cache=enable_reset_prefix_cache, tool_call_parser=tool_call_parser,
-                      reasoning_parser=reasoning_parser, responses=responses)
+                      reasoning_parser=reasoning_parser, responses=responses, cors=cors)
 
 
 
