@@ -36,10 +36,12 @@ def test_a_vllm_flag_whose_value_kvload_cannot_honour_is_one_line_naming_it(caps
 
 
 def test_vllm_serve_request_logging_flags_say_they_are_ignored(monkeypatch, log):
-    served_with(monkeypatch, "--disable-log-requests", "--max-log-len", "100", "--enable-prompt-tokens-details")
+    served_with(monkeypatch, "--disable-log-requests", "--max-log-len", "100", "--enable-prompt-tokens-details",
+                "--disable-fastapi-docs")
     assert log.has("setting_ignored", field="--disable-log-requests", value=True, level="warning")
     assert log.has("setting_ignored", field="--max-log-len", value=100)
     assert log.has("setting_ignored", field="--enable-prompt-tokens-details", value=True)
+    assert log.has("setting_ignored", field="--disable-fastapi-docs", value=True)
     assert not log.has("setting_ignored", field="--enable-log-requests")  # only what was given
 
 

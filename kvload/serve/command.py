@@ -123,7 +123,8 @@ def add_serve_command(sub: Any) -> None:
                         "per HTTP request")
     g.add_argument("--disable-uvicorn-access-log", "--disable_uvicorn_access_log", dest="disable_uvicorn_access_log",
                    action="store_true", help="no line per HTTP request, whatever the log level (vLLM's flag)")
-    for flag in ("--disable-log-requests", "--enable-log-requests", "--enable-prompt-tokens-details"):
+    for flag in ("--disable-log-requests", "--enable-log-requests", "--enable-prompt-tokens-details",
+                 "--disable-fastapi-docs"):
         g.add_argument(flag, "--" + flag[2:].replace("-", "_"), dest=flag[2:].replace("-", "_"),
                        action="store_true", help=argparse.SUPPRESS)
     g.add_argument("--max-log-len", "--max_log_len", dest="max_log_len", default=None, metavar="N",
@@ -502,6 +503,7 @@ IGNORED_SERVE_FLAGS: dict[str, str] = {
                     "kvload serve logs no line per request; each request's admission and end are audit records "
                     "(GET /v1/kvload/audit, --audit-log FILE), and --uvicorn-log-level info logs each HTTP request"),
     "--enable-prompt-tokens-details": "kvload always returns usage.prompt_tokens_details (cached_tokens)",
+    "--disable-fastapi-docs": "kvload serve has no /docs, /redoc or /openapi.json to disable",
 }
 
 
