@@ -68,6 +68,7 @@ def test_probes_stay_open_and_every_other_path_needs_the_key(served):
     http = served.http
     # what vLLM leaves open: liveness probes, Prometheus, version checks send no key
     assert http.get("/health").json() == {"status": "ok"}
+    assert http.get("/ping").json() == http.post("/ping").json() == {"status": "ok"}  # SageMaker's probe, as vLLM's
     assert "kvload_generation_tokens_total" in http.get("/metrics").text
     assert "version" in http.get("/version").json()
     # OPTIONS passes as in vLLM (a CORS preflight carries no credentials): kvload's 405, not a 401
@@ -153,7 +154,7 @@ def test_a_request_without_the_key_takes_no_slot_and_learns_nothing_of_the_load(
 def test_the_audit_says_a_key_is_required_and_where_it_came_from_never_the_key(served):
     (record,) = served.result.audit.of("api_key_required")
     assert record["source"] == "api_keys" and record["keys"] == 2
-    assert record["open_paths"] == ["/health", "/metrics", "/version"]
+    assert record["open_paths"] == ["/health", "/metrics", "/ping", "/version"]
     served_audit = served.http.get("/v1/kvload/audit", headers={"Authorization": f"Bearer {OTHER}"}).text
     assert '"api_key_required"' in served_audit
     for text in (served_audit, repr(served.state), json.dumps(served.result.audit.events, default=str)):

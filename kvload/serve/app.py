@@ -162,6 +162,11 @@ def create_app(state: ServeState) -> FastAPI:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "down", "error": state.engine.loop_error}, status_code=503)
 
+    @app.get("/ping")  # vLLM's: the probe SageMaker sends, by either method
+    @app.post("/ping")
+    async def ping() -> Response:
+        return await health()
+
     def model_card() -> dict[str, Any]:
         return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "kvload",
                 "max_model_len": state.engine.executor.max_seq_len}

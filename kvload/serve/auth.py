@@ -36,7 +36,7 @@ API_KEY_ENV = "KVLOAD_API_KEY"
 #: vLLM's, honoured after kvload's own: a server moved over from vLLM with it set stays protected, never open.
 VLLM_API_KEY_ENV = "VLLM_API_KEY"
 #: Paths answered without a key (with one too): liveness probes, Prometheus scrapers, version checks.
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
 
 
 def check_api_key(where: str, key: Any) -> str:
