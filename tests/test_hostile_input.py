@@ -1400,3 +1400,19 @@ def test_a_bad_shard_among_several_is_named_not_only_the_checkpoint(capsys, tmp_
                 out / "a.jsonl")
     assert_refused(r, f"error: {bad}: transformers cannot load the weights: Error while deserializing header: ",
                    folder=out)
+
+
+# --- the environment --------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("env", "needle"), [
+    # the whole value was quoted into the line: 100,000 characters of one "error:" line
+    ({"KVLOAD_LOG_LEVEL": "x" * 100_000}, "KVLOAD_LOG_LEVEL='xxx"),
+    ({"KVLOAD_LOG_FORMAT": "y" * 100_000}, "KVLOAD_LOG_FORMAT='yyy"),
+    ({"WORLD_SIZE": "9" * 5000}, "environment WORLD_SIZE='999"),
+    # int() reads other scripts' digits: WORLD_SIZE=2 in Arabic-Indic digits launched as 2 ranks
+    ({"WORLD_SIZE": "\u0662"}, "environment WORLD_SIZE='\u0662': expected an integer (torchrun sets it)"),
+    ({"RANK": "1_0", "WORLD_SIZE": "20"}, "environment RANK='1_0': expected an integer"),
+], ids=["log-level", "log-format", "world-size-5000-digits", "world-size-arabic-digit", "rank-underscore"])
+def test_an_environment_variable_kvload_reads_is_quoted_short_and_in_digits_0_9(tmp_path, out, env, needle):
+    r = limited_kvload("plan", "tiny-llama", "--audit-log", out / "a.jsonl", env=env)
+    assert_refused(r, needle, folder=out)
