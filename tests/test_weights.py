@@ -376,7 +376,34 @@ def test_a_cuda_device_that_is_not_there_is_refused_before_weights_load(capsys, 
     from tests.cli_support import run_cli
 
     extra = ("--prompt-ids", "1,2,3") if command == "generate" else ("--port", "0")
-    r = run_cli(capsys, command, "tiny-llama", *extra, "--device", "cuda:999", "--max_tokens", "1024")
+    r = run_cli(capsys, command, "tiny-llama", *extra, "--device", "cuda:99", "--max_tokens", "1024")
     assert r.code == 2 and r.one_error_line, r.err
-    assert r.err.startswith("error: device=cuda:999: "), r.err  # none at all, or not that many
+    assert r.err.startswith("error: device=cuda:99: "), r.err  # none at all, or not that many
     assert "load_weights" not in r.err and "Error" not in r.err
+
+
+@pytest.mark.parametrize(("value", "dtype", "words"), [
+    (float("nan"), "float32", "holds NaN or infinite values in float32; a damaged file: every logit would be NaN"),
+    (float("-inf"), "float32", "holds NaN or infinite values in float32; a damaged file"),
+    # finite in the file, past float16's 65,504 once cast: the same NaN logits
+    (1e6, "float16", "holds NaN or infinite values in float16; values past float16's range (try --dtype float32 or "
+                     "bfloat16) or a damaged file"),
+], ids=["nan", "minus-infinity", "past-float16"])
+def test_a_weight_that_is_not_finite_is_refused_naming_the_tensor(capsys, tmp_path, value, dtype, words):
+    """A NaN weight made every logit NaN: generate wrote token 0 over and over, exit 0."""
+    from tests.cli_support import run_cli
+    from tests.hostile_support import assert_refused
+
+    ckpt = _llama_checkpoint(tmp_path / "ckpt")
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def poison(key, tensor) -> bool:
+        if key == "model.norm.weight":
+            tensor.view(-1)[5] = value
+        return True  # every tensor stays
+
+    _keep_tensors(ckpt, poison)
+    r = run_cli(capsys, "generate", ckpt, "--prompt-ids", "1,2,3", "--max_new_tokens", "2", "--max_tokens", "1024",
+                "--dtype", dtype, "--audit-log", out / "a.jsonl")
+    assert_refused(r, f"{ckpt}: tensor model.norm.weight in model.safetensors {words}", folder=out)
