@@ -103,19 +103,25 @@ def check_weight_files(path: Path) -> None:
     (safetensors and torch would wait for a writer forever: ``generate`` hung), a device, a directory, a symbolic
     link to nothing or in a loop."""
     for file in _weight_files(path):
-        try:
-            st = file.stat()
-        except FileNotFoundError:
-            raise ModelError(f"{file}: is a symbolic link to nothing; expected a weights file") from None
-        except OSError as exc:  # a symbolic link loop, a name too long, ...
-            raise ModelError(f"{file}: {cannot_read(exc)}") from None
-        if stat.S_ISDIR(st.st_mode):
-            raise ModelError(f"{file}: is a directory, expected a weights file (safetensors or a torch .bin)")
-        if not stat.S_ISREG(st.st_mode):
-            raise ModelError(f"{file}: not a regular file (a FIFO or device?), expected a weights file "
-                             "(safetensors or a torch .bin)")
-        if not os.access(file, os.R_OK):
-            raise ModelError(f"{file}: cannot read the weights (permission denied)")
+        check_regular_file(file, "a weights file (safetensors or a torch .bin)", "the weights")
+
+
+def check_regular_file(file: Path, expected: str, what: str) -> None:
+    """``ModelError`` naming ``file`` when it is not a regular file one may read: a symbolic link to nothing or in a
+    loop, a directory, a FIFO or device (a reader would wait for a writer forever), or one without read permission.
+    ``expected`` ("a weights file ...") and ``what`` ("the weights") word the line."""
+    try:
+        st = file.stat()
+    except FileNotFoundError:
+        raise ModelError(f"{file}: is a symbolic link to nothing; expected {expected}") from None
+    except OSError as exc:  # a symbolic link loop, a name too long, ...
+        raise ModelError(f"{file}: {cannot_read(exc)}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise ModelError(f"{file}: is a directory, expected {expected}")
+    if not stat.S_ISREG(st.st_mode):
+        raise ModelError(f"{file}: not a regular file (a FIFO or device?), expected {expected}")
+    if not os.access(file, os.R_OK):
+        raise ModelError(f"{file}: cannot read {what} (permission denied)")
 
 
 def tensor_parallel_options(hf_config: Any, tp_size: int) -> dict[str, Any]:
@@ -400,8 +406,12 @@ def load_tokenizer(path: Path) -> Any:
     """The tokenizer saved in a checkpoint directory, or None when it has none."""
     from transformers import AutoTokenizer
 
-    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    present = [path / f for f in names if os.path.lexists(path / f)]
+    if not present:
         return None
+    for file in present:  # a FIFO, a directory or a broken link was "has no tokenizer", with the culprit right there
+        check_regular_file(file, "a tokenizer file", "the tokenizer")
     if (path / "tokenizer_config.json").is_file():  # read as config.json is: transformers calls .get on what it holds,
         # so a list was an AttributeError
         config = read_json_object(path / "tokenizer_config.json", "a tokenizer config")
@@ -414,7 +424,30 @@ def load_tokenizer(path: Path) -> Any:
     try:
         return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False, local_files_only=True)
     except (ValueError, KeyError, TypeError, AttributeError, OSError) as exc:  # a shape transformers did not expect
-        raise ModelError(f"{path}: transformers cannot load the tokenizer: {first_line(exc)}") from exc
+        raise _malformed_tokenizer_json(path) or ModelError(
+            f"{path}: transformers cannot load the tokenizer: {first_line(exc)}") from exc
+
+
+def _malformed_tokenizer_json(path: Path) -> ModelError | None:
+    """``tokenizer.json`` named, with where, when it is not UTF-8 JSON holding an object (asked after a failed load
+    only: the file runs to megabytes, and transformers' words named the folder: "Expecting ',' delimiter: ...")."""
+    import json
+
+    file = path / "tokenizer.json"
+    if not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        return ModelError(f"{file}: not UTF-8 (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); JSON files "
+                          "are UTF-8 text")
+    except json.JSONDecodeError as exc:
+        return ModelError(f"{file}: malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}")
+    except (OSError, RecursionError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return ModelError(f"{file}: expected a JSON object (a tokenizers model), got {type(data).__name__}")
+    return None
 
 
 def load_weights(checkpoint: Checkpoint, hf_config: Any, *, device: str, dtype: str, seed: int = 0,

@@ -315,7 +315,8 @@ def test_a_weights_file_that_is_a_fifo_is_one_line_not_a_hang(tmp_path, name):
 @pytest.mark.parametrize(("make", "words"), [
     (lambda p: p.mkdir(), "is a directory, expected a weights file (safetensors or a torch .bin)"),
     (lambda p: p.symlink_to(p), "cannot read (Too many levels of symbolic links)"),
-    (lambda p: p.symlink_to(p.parent / "gone.safetensors"), "is a symbolic link to nothing; expected a weights file"),
+    (lambda p: p.symlink_to(p.parent / "gone.safetensors"), "is a symbolic link to nothing; expected a weights file "
+                                                                  "(safetensors or a torch .bin)"),
 ])
 def test_a_weights_file_that_is_no_file_names_it(tmp_path, make, words):
     ckpt = _llama_checkpoint(tmp_path / "ckpt")
@@ -407,3 +408,25 @@ def test_a_weight_that_is_not_finite_is_refused_naming_the_tensor(capsys, tmp_pa
     r = run_cli(capsys, "generate", ckpt, "--prompt-ids", "1,2,3", "--max_new_tokens", "2", "--max_tokens", "1024",
                 "--dtype", dtype, "--audit-log", out / "a.jsonl")
     assert_refused(r, f"{ckpt}: tensor model.norm.weight in model.safetensors {words}", folder=out)
+
+
+@pytest.mark.parametrize(("make", "words"), [
+    # a FIFO or a directory in its place read as no tokenizer at all: "prompt 1 is text, but ... has no tokenizer"
+    (lambda f: os.mkfifo(f), "tokenizer.json: not a regular file (a FIFO or device?), expected a tokenizer file"),
+    (lambda f: f.mkdir(), "tokenizer.json: is a directory, expected a tokenizer file"),
+    # transformers' words named the folder: "cannot load the tokenizer: Expecting ',' delimiter: line 1 column 43"
+    (lambda f: f.write_text('{"version": "1.0", "model": {"type": "BPE"'),
+     "tokenizer.json: malformed JSON at line 1 column 43: Expecting ',' delimiter"),
+    (lambda f: f.write_bytes(b'{"version": "\xff"}'), "tokenizer.json: not UTF-8 (byte 0xff at offset 13)"),
+], ids=["fifo", "directory", "truncated", "not-utf8"])
+def test_a_tokenizer_json_that_cannot_be_read_is_named(capsys, tmp_path, make, words):
+    from tests.cli_support import run_cli
+    from tests.hostile_support import assert_refused
+
+    ckpt = _llama_checkpoint(tmp_path / "ckpt")
+    make(ckpt / "tokenizer.json")
+    out = tmp_path / "out"
+    out.mkdir()
+    r = run_cli(capsys, "generate", ckpt, "--prompt", "hi", "--max_new_tokens", "2", "--max_tokens", "1024",
+                "--audit-log", out / "a.jsonl")
+    assert_refused(r, f"{ckpt}/{words}", folder=out)
