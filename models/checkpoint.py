@@ -163,6 +163,16 @@ def resolve_checkpoint(name: str) -> Checkpoint:
             raise ModelError(f"model {name!r}: not a regular file or directory (a FIFO or device?); give the "
                              "checkpoint directory that holds config.json (or a .gguf file)")
         return _directory_checkpoint(name, path)
+    shadow = (name in presets() or name in PACKAGED) and not _looks_like_path(name)
+    if not shadow and os.path.lexists(path):  # a symbolic link in a loop or to nothing: exists() is False, and the
+        # line was "no such directory" (or a hub lookup) with the link right there
+        try:
+            path.stat()
+        except FileNotFoundError:
+            raise ModelError(f"model {name!r}: is a symbolic link to nothing; give the checkpoint directory that "
+                             "holds config.json (or a .gguf file)") from None
+        except OSError as exc:
+            raise ModelError(f"model {name!r}: {cannot_read(exc)}") from None
     if name in presets():
         return Checkpoint(name, "preset", PRESETS_DIR / name)
     if name in PACKAGED:
