@@ -238,10 +238,12 @@ def _not_standard(data: Any, where: str = "") -> tuple[str, _NotStandard] | None
     return None
 
 
-def read_json_object(file: Path, what: str) -> dict[str, Any]:
+def read_json_object(file: Path, what: str, max_bytes: int | None = None) -> dict[str, Any]:
     """A checkpoint's JSON file (``what``: "a model config", ...) as a dict; ``ModelError`` naming the file
     (and the field where there is one) when it is not a regular UTF-8 file of standard JSON with one object
-    at the top, each key once, at most :data:`MAX_DEPTH` levels deep."""
+    at the top, each key once, at most :data:`MAX_DEPTH` levels deep, at most ``max_bytes`` (default
+    :data:`MAX_CONFIG_BYTES`) long."""
+    max_bytes = MAX_CONFIG_BYTES if max_bytes is None else max_bytes
     try:
         st = file.stat()
     except FileNotFoundError:
@@ -254,8 +256,8 @@ def read_json_object(file: Path, what: str) -> dict[str, Any]:
         raise ModelError(f"{file}: is a directory, expected a JSON file")
     if not stat.S_ISREG(st.st_mode):  # a FIFO would block the read forever, a device never ends
         raise ModelError(f"{file}: not a regular file (a FIFO or device?), expected a JSON file")
-    if st.st_size > MAX_CONFIG_BYTES:  # read nothing huge: real configs are a few KB
-        raise ModelError(f"{file}: {st.st_size:,} bytes; {what} is at most {MAX_CONFIG_BYTES:,}")
+    if st.st_size > max_bytes:  # read nothing huge: real configs are a few KB
+        raise ModelError(f"{file}: {st.st_size:,} bytes; {what} is at most {max_bytes:,}")
     try:
         raw = file.read_bytes()
     except OSError as exc:

@@ -106,6 +106,28 @@ def check_weight_files(path: Path) -> None:
         check_regular_file(file, "a weights file (safetensors or a torch .bin)", "the weights")
 
 
+#: The largest ``model.safetensors.index.json`` read (DeepSeek V3's, 91,000 tensors, is about 9 MB).
+MAX_INDEX_BYTES = 64 * 1024 * 1024
+
+
+def check_shard_index(path: Path) -> None:
+    """``ModelError`` naming ``model.safetensors.index.json`` when transformers would read it (no single
+    ``model.safetensors`` beside it) and it is not JSON with a ``weight_map`` object of tensor name to shard file:
+    transformers' words named the folder only ("'list' object has no attribute 'values'", "Expecting property name
+    ..."). A shard it names that is absent is left to transformers, whose line names the file."""
+    index = path / "model.safetensors.index.json"
+    if not os.path.lexists(index) or os.path.lexists(path / "model.safetensors"):
+        return
+    data = read_json_object(index, "a shard index", MAX_INDEX_BYTES)
+    weight_map = data.get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise ModelError(f"{index}: weight_map: expected an object of tensor name to shard file name, got "
+                         f"{short(weight_map)}")
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str):
+            raise ModelError(f"{index}: weight_map.{name}: expected a shard file name, got {short(shard)}")
+
+
 def check_regular_file(file: Path, expected: str, what: str) -> None:
     """``ModelError`` naming ``file`` when it is not a regular file one may read: a symbolic link to nothing or in a
     loop, a directory, a FIFO or device (a reader would wait for a writer forever), or one without read permission.
@@ -184,6 +206,7 @@ def pretrained_model(path: Path, *, device: str, dtype: str, tp_size: int = 1) -
     if not _weight_files(path):
         raise ModelError(f"{path}: no weights (*.safetensors or pytorch_model*.bin) in the checkpoint directory")
     check_weight_files(path)  # before anything opens them: a FIFO blocks the open
+    check_shard_index(path)
     check_shapes_unloaded(path)
     placement: dict[str, Any] = {"device_map": device}
     if tp_size > 1:

@@ -430,3 +430,25 @@ def test_a_tokenizer_json_that_cannot_be_read_is_named(capsys, tmp_path, make, w
     r = run_cli(capsys, "generate", ckpt, "--prompt", "hi", "--max_new_tokens", "2", "--max_tokens", "1024",
                 "--audit-log", out / "a.jsonl")
     assert_refused(r, f"{ckpt}/{words}", folder=out)
+
+
+@pytest.mark.parametrize(("text", "words"), [
+    # transformers' words, naming the folder: "cannot load the weights: 'list' object has no attribute 'values'"
+    ('{"weight_map": [1]}', "weight_map: expected an object of tensor name to shard file name, got a list of 1 items"),
+    ('{"weight_map": {"lm_head.weight": 5}}', "weight_map.lm_head.weight: expected a shard file name, got 5"),
+    ("{not json", "malformed JSON at line 1 column 2"),
+    ('{"metadata": {}}', "weight_map: expected an object of tensor name to shard file name, got null"),
+], ids=["list", "number", "malformed", "absent"])
+def test_a_shard_index_of_the_wrong_shape_is_named(capsys, tmp_path, text, words):
+    from tests.cli_support import run_cli
+    from tests.hostile_support import assert_refused
+
+    ckpt = tmp_path / "ckpt"
+    cfg = load_hf_config(resolve_checkpoint("tiny-llama"))
+    random_model(cfg, device="cpu", dtype="float32").save_pretrained(ckpt, max_shard_size="100KB")
+    (ckpt / "model.safetensors.index.json").write_text(text)
+    out = tmp_path / "out"
+    out.mkdir()
+    r = run_cli(capsys, "generate", ckpt, "--prompt-ids", "1,2", "--max_new_tokens", "1", "--audit-log",
+                out / "a.jsonl")
+    assert_refused(r, f"{ckpt / 'model.safetensors.index.json'}: {words}", folder=out)
