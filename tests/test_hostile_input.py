@@ -533,6 +533,19 @@ def test_an_empty_config_path_is_an_error(capsys, out):
                    folder=out)
 
 
+@pytest.mark.parametrize(("text", "where"), [("max_batch_size:\t4\n", "line 1 column 16"),
+                                           ("kv_cache_config:\n\tmax_tokens: 4096\n", "line 2 column 1")],
+                         ids=["after-colon", "indent"])
+def test_a_tab_in_yaml_says_to_use_spaces(capsys, tmp_path, out, text, where):
+    """PyYAML's words alone ("found character '\\t' that cannot start any token") left the fix to guess; a tab after
+    "key:" is even valid YAML 1.2, which PyYAML does not read."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(text)
+    assert_refused(_plan(capsys, "tiny-llama", "--config", cfg, audit=out / "a.jsonl"),
+                   f"c.yaml: {where}: malformed YAML: found character '\\t' that cannot start any token; use spaces "
+                   "there, not a tab", folder=out)
+
+
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None, max_examples=40,
           derandomize=True)
 @given(key=st.sampled_from(["max_batch_size", "kv_cache_config", "tokens_per_block", "max_tokens", "dtype"]),
