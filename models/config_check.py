@@ -49,6 +49,17 @@ DTYPE_FIELDS = ("dtype", "torch_dtype")
 ROPE_FIELDS = ("rope_scaling", "rope_parameters")
 
 
+#: RoPE types transformers has had for years: a name among them needs no import of transformers to be accepted.
+KNOWN_ROPE_TYPES = frozenset({"default", "linear", "dynamic", "yarn", "longrope", "llama3"})
+
+
+def rope_types() -> list[str]:
+    """The RoPE types this transformers has ("default" and its ``ROPE_INIT_FUNCTIONS``), sorted after "default"."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    return ["default", *sorted(ROPE_INIT_FUNCTIONS)]
+
+
 def rope_problem(value: Any) -> tuple[str, str] | None:
     """What is wrong with a ``rope_scaling`` / ``rope_parameters`` value, as (the path below the field, e.g.
     ``.factor`` or ``.full_attention.factor``; the problem), or None. Its ``factor`` must be a finite number >= 1,
@@ -66,6 +77,11 @@ def rope_problem(value: Any) -> tuple[str, str] | None:
         if key in value and not isinstance(value[key], str):
             return f".{key}", ("expected a RoPE type name such as 'default', 'linear' or 'yarn', "
                                f"got {short(value[key])}")
+        if key in value and value[key] not in KNOWN_ROPE_TYPES:
+            accepted = rope_types()
+            if value[key] not in accepted:  # plan went through with transformers' log line; generate refused it
+                return f".{key}", (f"{short(value[key])} is not a RoPE type transformers has; accepted: "
+                                   f"{', '.join(accepted)}")
     factor = value.get("factor")
     if factor is not None and not (isinstance(factor, int | float) and not isinstance(factor, bool)
                                    and math.isfinite(factor) and factor >= 1):

@@ -166,8 +166,9 @@ def config_mutations(base: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]
         yield f"{field}={json.dumps(value)}", {**base, field: value}, field
     # a number as the RoPE type failed the load as "transformers cannot load the weights: 5"
     for field, key in (("rope_parameters", "rope_type"), ("rope_scaling", "type")):
-        rope = {key: 5, "rope_theta": 10000.0}
-        yield f"{field}.{key}=5", {**base, field: rope}, f"{field}.{key}"
+        for name in (5, "banana", "x" * 10_000):  # a name transformers lacks: plan went through, generate refused it
+            rope = {key: name, "factor": 2.0, "rope_theta": 10000.0}
+            yield f"{field}.{key}={json.dumps(name)[:20]}", {**base, field: rope}, f"{field}.{key}"
     # RoPE's base: a string failed the load naming no field; 0 or a negative one gave NaN angles, text out, exit 0
     for value in (0, -1, -10000.0, "10000", True, [10000]):
         yield f"rope_theta={json.dumps(value)}", {**base, "rope_theta": value}, "rope_theta"
