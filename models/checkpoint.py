@@ -177,7 +177,7 @@ def resolve_checkpoint(name: str) -> Checkpoint:
         return Checkpoint(name, "preset", PRESETS_DIR / name)
     if name in PACKAGED:
         return _packaged_checkpoint(name)
-    from models.hub_cache import cached_snapshot, looks_like_model_id, missing_revision
+    from models.hub_cache import cache_setting_problem, cached_snapshot, looks_like_model_id, missing_revision
 
     if looks_like_model_id(name):
         snapshot, folder = cached_snapshot(name)
@@ -186,9 +186,11 @@ def resolve_checkpoint(name: str) -> Checkpoint:
             return Checkpoint(name, "hub", found.path, gguf_file=found.gguf_file)
         if folder.is_dir():  # the model is cached, the revision asked for is not
             raise ModelError(missing_revision(name, folder))
+        setting = cache_setting_problem()  # the lookup went through a file: say so, not only where it looked
         raise ModelError(
             f"model {name!r}: not a preset or a directory; presets: {', '.join(presets())}; packaged models: "
-            f"{', '.join(packaged_models())}; nor a model in the local Hugging Face cache (looked for {folder}); "
+            f"{', '.join(packaged_models())}; nor a model in the local Hugging Face cache (looked for {folder}"
+            f"{'; ' + setting if setting else ''}); "
             f"kvload never downloads: fetch it first (hf download {name.partition('@')[0]}) or point HF_HOME / "
             "HF_HUB_CACHE at the cache that holds it"
         )
