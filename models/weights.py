@@ -433,6 +433,8 @@ def load_tokenizer(path: Path) -> Any:
     present = [path / f for f in names if os.path.lexists(path / f)]
     if not present:
         return None
+    if os.path.lexists(path / "chat_template.jinja"):  # a FIFO there read as an empty template: "Can't compile
+        present.append(path / "chat_template.jinja")  # non template nodes", naming neither file nor template
     for file in present:  # a FIFO, a directory or a broken link was "has no tokenizer", with the culprit right there
         check_regular_file(file, "a tokenizer file", "the tokenizer")
     if (path / "tokenizer_config.json").is_file():  # read as config.json is: transformers calls .get on what it holds,

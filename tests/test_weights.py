@@ -410,26 +410,39 @@ def test_a_weight_that_is_not_finite_is_refused_naming_the_tensor(capsys, tmp_pa
     assert_refused(r, f"{ckpt}: tensor model.norm.weight in model.safetensors {words}", folder=out)
 
 
-@pytest.mark.parametrize(("make", "words"), [
+@pytest.mark.parametrize(("name", "make", "words"), [
     # a FIFO or a directory in its place read as no tokenizer at all: "prompt 1 is text, but ... has no tokenizer"
-    (lambda f: os.mkfifo(f), "tokenizer.json: not a regular file (a FIFO or device?), expected a tokenizer file"),
-    (lambda f: f.mkdir(), "tokenizer.json: is a directory, expected a tokenizer file"),
+    ("tokenizer.json", lambda f: os.mkfifo(f), "not a regular file (a FIFO or device?), expected a tokenizer file"),
+    ("tokenizer.json", lambda f: f.mkdir(), "is a directory, expected a tokenizer file"),
     # transformers' words named the folder: "cannot load the tokenizer: Expecting ',' delimiter: line 1 column 43"
-    (lambda f: f.write_text('{"version": "1.0", "model": {"type": "BPE"'),
-     "tokenizer.json: malformed JSON at line 1 column 43: Expecting ',' delimiter"),
-    (lambda f: f.write_bytes(b'{"version": "\xff"}'), "tokenizer.json: not UTF-8 (byte 0xff at offset 13)"),
-], ids=["fifo", "directory", "truncated", "not-utf8"])
-def test_a_tokenizer_json_that_cannot_be_read_is_named(capsys, tmp_path, make, words):
+    ("tokenizer.json", lambda f: f.write_text('{"version": "1.0", "model": {"type": "BPE"'),
+     "malformed JSON at line 1 column 43: Expecting ',' delimiter"),
+    ("tokenizer.json", lambda f: f.write_bytes(b'{"version": "\xff"}'), "not UTF-8 (byte 0xff at offset 13)"),
+    # transformers read a FIFO there as an empty template: "Can't compile non template nodes"
+    ("chat_template.jinja", lambda f: os.mkfifo(f), "not a regular file (a FIFO or device?)"),
+], ids=["fifo", "directory", "truncated", "not-utf8", "chat-template-fifo"])
+def test_a_tokenizer_json_that_cannot_be_read_is_named(capsys, tmp_path, name, make, words):
     from tests.cli_support import run_cli
     from tests.hostile_support import assert_refused
 
     ckpt = _llama_checkpoint(tmp_path / "ckpt")
-    make(ckpt / "tokenizer.json")
+    if name != "tokenizer.json":  # a tokenizer for the template to belong to
+        _tokenizer_json(ckpt / "tokenizer.json")
+    make(ckpt / name)
     out = tmp_path / "out"
     out.mkdir()
     r = run_cli(capsys, "generate", ckpt, "--prompt", "hi", "--max_new_tokens", "2", "--max_tokens", "1024",
                 "--audit-log", out / "a.jsonl")
-    assert_refused(r, f"{ckpt}/{words}", folder=out)
+    assert_refused(r, f"{ckpt}/{name}: {words}", folder=out)
+
+
+def _tokenizer_json(file) -> None:
+    """A minimal word-level tokenizer.json (the tokenizers library's own format)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hi": 1}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(file))
 
 
 @pytest.mark.parametrize(("text", "words"), [
