@@ -1429,3 +1429,23 @@ def test_a_bad_shard_among_several_is_named_not_only_the_checkpoint(capsys, tmp_
 def test_an_environment_variable_kvload_reads_is_quoted_short_and_in_digits_0_9(tmp_path, out, env, needle):
     r = limited_kvload("plan", "tiny-llama", "--audit-log", out / "a.jsonl", env=env)
     assert_refused(r, needle, folder=out)
+
+
+@pytest.mark.parametrize("case", ["checkpoint-folder", "config-path", "unknown-flag"])
+def test_a_control_character_in_a_path_or_flag_stays_one_escaped_line(capsys, tmp_path, out, case):
+    """A folder named with a newline split the one error line in two (and an escape sequence in a file name reached
+    the terminal); paths and flags are the user's, so they are printed with the control characters escaped."""
+    if case == "checkpoint-folder":
+        ckpt = tmp_path / "a\nb"
+        ckpt.mkdir()
+        (ckpt / "config.json").write_text("{bad")
+        r = _plan(capsys, ckpt, audit=out / "a.jsonl")
+        needle = f"{tmp_path}/a\\nb/config.json: malformed JSON at line 1 column 2"
+    elif case == "config-path":
+        r = _plan(capsys, "tiny-llama", "--config", tmp_path / "\x1b[31mred.yaml", audit=out / "a.jsonl")
+        needle = f"config file {tmp_path}/\\x1b[31mred.yaml: not found"
+    else:
+        r = _plan(capsys, "tiny-llama", "--max\ntok", audit=out / "a.jsonl")
+        needle = "unrecognized arguments: --max\\ntok"
+    assert_refused(r, needle, folder=out)
+    assert "\x1b" not in r.err
