@@ -168,6 +168,9 @@ def check_fields(data: Mapping[str, Any], file: Path, prefix: str = "") -> None:
         if value is not None and not (isinstance(value, int | float) and not isinstance(value, bool)
                                       and math.isfinite(value) and 0 < value <= 1):
             fail(field, f"expected a number in (0, 1] (1e-6 in most models) or null, got {short(value)}")
+    quant = data.get("quantization_config")
+    if quant is not None and not isinstance(quant, Mapping):  # transformers: "'str' object has no attribute 'to_dict'"
+        fail("quantization_config", f"expected an object with a quant_method, got {short(quant)}")
     for field in DTYPE_FIELDS:
         if data.get(field) is not None and not isinstance(data[field], str):
             fail(field, f"expected a torch dtype name such as float32, float16 or bfloat16, or null; got "

@@ -106,6 +106,26 @@ def check_weight_files(path: Path) -> None:
         check_regular_file(file, "a weights file (safetensors or a torch .bin)", "the weights")
 
 
+def check_quantization(path: Path) -> None:
+    """``ModelError`` naming ``config.json``'s ``quantization_config`` when transformers would skip it: not an
+    object, or a ``quant_method`` it has no quantizer for. transformers then loads the weights as if unquantized,
+    saying so only in a warning kvload's quiet load keeps off stderr: the setting was dropped without a word."""
+    from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING
+
+    file = path / "config.json"
+    quant = read_config_json(path).get("quantization_config")
+    if quant is None:
+        return
+    if not isinstance(quant, dict):  # refused when the config was read (models.config_check); here for other callers
+        raise ModelError(f"{file}: quantization_config: expected an object with a quant_method, got {short(quant)}")
+    if quant.get("load_in_8bit") is True or quant.get("load_in_4bit") is True:  # bitsandbytes' older spelling
+        return
+    method = quant.get("quant_method")
+    if method not in AUTO_QUANTIZATION_CONFIG_MAPPING:
+        raise ModelError(f"{file}: quantization_config.quant_method: {short(method)} is not a quantization "
+                         f"transformers has; accepted: {', '.join(sorted(AUTO_QUANTIZATION_CONFIG_MAPPING))}")
+
+
 #: The largest ``model.safetensors.index.json`` read (DeepSeek V3's, 91,000 tensors, is about 9 MB).
 MAX_INDEX_BYTES = 64 * 1024 * 1024
 
@@ -207,6 +227,7 @@ def pretrained_model(path: Path, *, device: str, dtype: str, tp_size: int = 1) -
         raise ModelError(f"{path}: no weights (*.safetensors or pytorch_model*.bin) in the checkpoint directory")
     check_weight_files(path)  # before anything opens them: a FIFO blocks the open
     check_shard_index(path)
+    check_quantization(path)
     check_shapes_unloaded(path)
     placement: dict[str, Any] = {"device_map": device}
     if tp_size > 1:

@@ -465,3 +465,26 @@ def test_a_shard_index_of_the_wrong_shape_is_named(capsys, tmp_path, text, words
     r = run_cli(capsys, "generate", ckpt, "--prompt-ids", "1,2", "--max_new_tokens", "1", "--audit-log",
                 out / "a.jsonl")
     assert_refused(r, f"{ckpt / 'model.safetensors.index.json'}: {words}", folder=out)
+
+
+@pytest.mark.parametrize(("quant", "words"), [
+    # transformers warns "Unknown quantization type ... we will skip the quantization", a warning the quiet load hides
+    ({"quant_method": "banana"}, "quantization_config.quant_method: 'banana' is not a quantization transformers has; "
+                                 "accepted: "),
+    ({"bits": 4}, "quantization_config.quant_method: null is not a quantization transformers has"),
+    ("fp8", "quantization_config: expected an object with a quant_method, got 'fp8'"),
+], ids=["unknown-method", "no-method", "not-an-object"])
+def test_a_quantization_config_transformers_would_skip_is_refused(capsys, tmp_path, quant, words):
+    import json
+
+    from tests.cli_support import run_cli
+    from tests.hostile_support import assert_refused
+
+    ckpt = _llama_checkpoint(tmp_path / "ckpt")
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+    out = tmp_path / "out"
+    out.mkdir()
+    r = run_cli(capsys, "generate", ckpt, "--prompt-ids", "1,2", "--max_new_tokens", "1", "--max_tokens", "1024",
+                "--audit-log", out / "a.jsonl")
+    assert_refused(r, f"{ckpt}/config.json: {words}", folder=out)
