@@ -282,7 +282,7 @@ class OneLineParser(argparse.ArgumentParser):
             else:
                 message = vllm if vllm is not None else message + self._suggestion(unknown)
                 message += f" (and {required})" if required else ""
-        self.exit(2, f"error: {message}\n")
+        self.exit(2, f"error: {one_line(message)}\n")
 
     def _unknown_options(self) -> list[str]:
         """The arguments argparse took for options this parser does not have (secrets hidden), as it classes them."""
@@ -1108,8 +1108,8 @@ def cmd_audit(ns: argparse.Namespace) -> int:
         print_result(render_summary(summary, check))
     if check is not None and not check["ok"]:
         sys.stdout.flush()
-        print(f"error: {ns.audit}: does not verify: {check['problems'][0]}"
-              + (f" (and {len(check['problems']) - 1} more)" if len(check["problems"]) > 1 else ""),
+        print(one_line(f"error: {ns.audit}: does not verify: {check['problems'][0]}"
+                       + (f" (and {len(check['problems']) - 1} more)" if len(check["problems"]) > 1 else "")),
               file=sys.stderr)
         return 1
     return 0
@@ -1352,12 +1352,22 @@ def _unwritten(ns: argparse.Namespace | None) -> str:
     return "; the --audit-log file was not written" if getattr(ns, "audit_log", None) is not None else ""
 
 
+#: Control characters (C0, DEL, C1) as their escapes: a path holding a newline split the one error line in two, and an
+#: escape sequence in a file name would reach the terminal.
+_CONTROL_ESCAPES = {c: repr(chr(c))[1:-1] for c in (*range(0x20), *range(0x7F, 0xA0))}
+
+
+def one_line(text: str) -> str:
+    """``text`` with control characters written as escapes (``\\n``, ``\\x1b``): one line, printable."""
+    return text.translate(_CONTROL_ESCAPES)
+
+
 def _say(line: str, said: list[bool]) -> None:
     """Print ``error: line`` on stderr, once per run; after a hangup the terminal may be gone: the status tells."""
     if not said[0]:
         said[0] = True
         with contextlib.suppress(OSError):
-            print(f"error: {line}", file=sys.stderr)
+            print(f"error: {one_line(line)}", file=sys.stderr)
 
 
 def _main(ns: argparse.Namespace, argv: Sequence[str] | None, said: list[bool]) -> int:
@@ -1386,7 +1396,7 @@ def _main(ns: argparse.Namespace, argv: Sequence[str] | None, said: list[bool]) 
     except KvloadError as exc:
         if ns.debug:  # the traceback, then the same line and exit status as without --debug
             traceback.print_exc()
-        print(f"error: {_cli_message(exc, sys.argv[1:] if argv is None else argv)}", file=sys.stderr)
+        print(f"error: {one_line(_cli_message(exc, sys.argv[1:] if argv is None else argv))}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt as exc:
         return _stopped(exc, said, ns)
@@ -1410,9 +1420,10 @@ def _main(ns: argparse.Namespace, argv: Sequence[str] | None, said: list[bool]) 
         detail = first_line(exc, "")
         if ns.debug:
             traceback.print_exc()
-            print(f"error: {type(exc).__name__}: {detail}", file=sys.stderr)
+            print(f"error: {type(exc).__name__}: {one_line(detail)}", file=sys.stderr)
         else:
-            print(f"error: {type(exc).__name__}: {detail} (run with --debug for the traceback)", file=sys.stderr)
+            print(f"error: {type(exc).__name__}: {one_line(detail)} (run with --debug for the traceback)",
+                  file=sys.stderr)
         return 1
     finally:
         sys.stdout = stdout

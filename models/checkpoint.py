@@ -163,11 +163,21 @@ def resolve_checkpoint(name: str) -> Checkpoint:
             raise ModelError(f"model {name!r}: not a regular file or directory (a FIFO or device?); give the "
                              "checkpoint directory that holds config.json (or a .gguf file)")
         return _directory_checkpoint(name, path)
+    shadow = (name in presets() or name in PACKAGED) and not _looks_like_path(name)
+    if not shadow and os.path.lexists(path):  # a symbolic link in a loop or to nothing: exists() is False, and the
+        # line was "no such directory" (or a hub lookup) with the link right there
+        try:
+            path.stat()
+        except FileNotFoundError:
+            raise ModelError(f"model {name!r}: is a symbolic link to nothing; give the checkpoint directory that "
+                             "holds config.json (or a .gguf file)") from None
+        except OSError as exc:
+            raise ModelError(f"model {name!r}: {cannot_read(exc)}") from None
     if name in presets():
         return Checkpoint(name, "preset", PRESETS_DIR / name)
     if name in PACKAGED:
         return _packaged_checkpoint(name)
-    from models.hub_cache import cached_snapshot, looks_like_model_id, missing_revision
+    from models.hub_cache import cache_setting_problem, cached_snapshot, looks_like_model_id, missing_revision
 
     if looks_like_model_id(name):
         snapshot, folder = cached_snapshot(name)
@@ -176,9 +186,11 @@ def resolve_checkpoint(name: str) -> Checkpoint:
             return Checkpoint(name, "hub", found.path, gguf_file=found.gguf_file)
         if folder.is_dir():  # the model is cached, the revision asked for is not
             raise ModelError(missing_revision(name, folder))
+        setting = cache_setting_problem()  # the lookup went through a file: say so, not only where it looked
         raise ModelError(
             f"model {name!r}: not a preset or a directory; presets: {', '.join(presets())}; packaged models: "
-            f"{', '.join(packaged_models())}; nor a model in the local Hugging Face cache (looked for {folder}); "
+            f"{', '.join(packaged_models())}; nor a model in the local Hugging Face cache (looked for {folder}"
+            f"{'; ' + setting if setting else ''}); "
             f"kvload never downloads: fetch it first (hf download {name.partition('@')[0]}) or point HF_HOME / "
             "HF_HUB_CACHE at the cache that holds it"
         )
@@ -228,10 +240,12 @@ def _not_standard(data: Any, where: str = "") -> tuple[str, _NotStandard] | None
     return None
 
 
-def read_json_object(file: Path, what: str) -> dict[str, Any]:
+def read_json_object(file: Path, what: str, max_bytes: int | None = None) -> dict[str, Any]:
     """A checkpoint's JSON file (``what``: "a model config", ...) as a dict; ``ModelError`` naming the file
     (and the field where there is one) when it is not a regular UTF-8 file of standard JSON with one object
-    at the top, each key once, at most :data:`MAX_DEPTH` levels deep."""
+    at the top, each key once, at most :data:`MAX_DEPTH` levels deep, at most ``max_bytes`` (default
+    :data:`MAX_CONFIG_BYTES`) long."""
+    max_bytes = MAX_CONFIG_BYTES if max_bytes is None else max_bytes
     try:
         st = file.stat()
     except FileNotFoundError:
@@ -244,8 +258,8 @@ def read_json_object(file: Path, what: str) -> dict[str, Any]:
         raise ModelError(f"{file}: is a directory, expected a JSON file")
     if not stat.S_ISREG(st.st_mode):  # a FIFO would block the read forever, a device never ends
         raise ModelError(f"{file}: not a regular file (a FIFO or device?), expected a JSON file")
-    if st.st_size > MAX_CONFIG_BYTES:  # read nothing huge: real configs are a few KB
-        raise ModelError(f"{file}: {st.st_size:,} bytes; {what} is at most {MAX_CONFIG_BYTES:,}")
+    if st.st_size > max_bytes:  # read nothing huge: real configs are a few KB
+        raise ModelError(f"{file}: {st.st_size:,} bytes; {what} is at most {max_bytes:,}")
     try:
         raw = file.read_bytes()
     except OSError as exc:

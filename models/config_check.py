@@ -37,10 +37,27 @@ INT_FIELDS: dict[str, tuple[int, int, bool]] = {
     "vocab_size": (1, 2**24, True),
 }
 BOOL_FIELDS = ("use_sliding_window",)
+#: The normalisation epsilons: a finite number in (0, 1] (published models use 1e-6 to 1e-5). transformers takes any
+#: float: a negative one made RMSNorm's square root NaN and 1e308 scaled every hidden state to zero, and either way
+#: generate wrote token 0 over and over with exit 0.
+EPS_FIELDS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps")
+#: The model's dtype: a name (transformers ignored a number there and the model took kvload's default dtype).
+DTYPE_FIELDS = ("dtype", "torch_dtype")
 
 
 #: The RoPE scaling settings (``rope_scaling``, transformers 5's ``rope_parameters``): an object, or one per layer type.
 ROPE_FIELDS = ("rope_scaling", "rope_parameters")
+
+
+#: RoPE types transformers has had for years: a name among them needs no import of transformers to be accepted.
+KNOWN_ROPE_TYPES = frozenset({"default", "linear", "dynamic", "yarn", "longrope", "llama3"})
+
+
+def rope_types() -> list[str]:
+    """The RoPE types this transformers has ("default" and its ``ROPE_INIT_FUNCTIONS``), sorted after "default"."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    return ["default", *sorted(ROPE_INIT_FUNCTIONS)]
 
 
 def rope_problem(value: Any) -> tuple[str, str] | None:
@@ -56,6 +73,15 @@ def rope_problem(value: Any) -> tuple[str, str] | None:
             if problem:
                 return f".{kind}{problem[0]}", problem[1]
         return None
+    for key in ("rope_type", "type"):  # a number there failed the load as "transformers cannot load the weights: 5"
+        if key in value and not isinstance(value[key], str):
+            return f".{key}", ("expected a RoPE type name such as 'default', 'linear' or 'yarn', "
+                               f"got {short(value[key])}")
+        if key in value and value[key] not in KNOWN_ROPE_TYPES:
+            accepted = rope_types()
+            if value[key] not in accepted:  # plan went through with transformers' log line; generate refused it
+                return f".{key}", (f"{short(value[key])} is not a RoPE type transformers has; accepted: "
+                                   f"{', '.join(accepted)}")
     factor = value.get("factor")
     if factor is not None and not (isinstance(factor, int | float) and not isinstance(factor, bool)
                                    and math.isfinite(factor) and factor >= 1):
@@ -137,6 +163,18 @@ def check_fields(data: Mapping[str, Any], file: Path, prefix: str = "") -> None:
     for field in BOOL_FIELDS:
         if field in data and data[field] is not None and not isinstance(data[field], bool):
             fail(field, f"expected true, false or null, got {short(data[field])}")
+    for field in EPS_FIELDS:
+        value = data.get(field)
+        if value is not None and not (isinstance(value, int | float) and not isinstance(value, bool)
+                                      and math.isfinite(value) and 0 < value <= 1):
+            fail(field, f"expected a number in (0, 1] (1e-6 in most models) or null, got {short(value)}")
+    quant = data.get("quantization_config")
+    if quant is not None and not isinstance(quant, Mapping):  # transformers: "'str' object has no attribute 'to_dict'"
+        fail("quantization_config", f"expected an object with a quant_method, got {short(quant)}")
+    for field in DTYPE_FIELDS:
+        if data.get(field) is not None and not isinstance(data[field], str):
+            fail(field, f"expected a torch dtype name such as float32, float16 or bfloat16, or null; got "
+                        f"{short(data[field])}")
     layer_types = data.get("layer_types")
     if layer_types is not None:
         if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):

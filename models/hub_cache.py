@@ -31,6 +31,22 @@ def hub_cache_dir() -> Path:
     return base / "huggingface" / "hub"
 
 
+def cache_setting_problem() -> str | None:
+    """The environment variable that places the hub cache (the first of ``HF_HUB_CACHE``, ``HF_HOME``,
+    ``XDG_CACHE_HOME`` set) when it names something that is not a directory, as "VAR='value' is not a
+    directory"; None otherwise (a cache that does not exist yet is no problem: it is only empty)."""
+    from pipeline.limits import short_text
+
+    for var in ("HF_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
+        value = os.environ.get(var)
+        if value:
+            path = expand_user(value)
+            if os.path.lexists(path) and not path.is_dir():
+                return f"{var}={short_text(value, 300)} is not a directory"
+            return None
+    return None
+
+
 def looks_like_model_id(name: str) -> bool:
     """Whether ``name`` could be a Hugging Face model id (``org/name``, ``name``, optional ``@rev``)."""
     return bool(_REPO_ID.match(name)) and ".." not in name and not name.endswith((".json", ".gguf"))

@@ -103,19 +103,67 @@ def check_weight_files(path: Path) -> None:
     (safetensors and torch would wait for a writer forever: ``generate`` hung), a device, a directory, a symbolic
     link to nothing or in a loop."""
     for file in _weight_files(path):
-        try:
-            st = file.stat()
-        except FileNotFoundError:
-            raise ModelError(f"{file}: is a symbolic link to nothing; expected a weights file") from None
-        except OSError as exc:  # a symbolic link loop, a name too long, ...
-            raise ModelError(f"{file}: {cannot_read(exc)}") from None
-        if stat.S_ISDIR(st.st_mode):
-            raise ModelError(f"{file}: is a directory, expected a weights file (safetensors or a torch .bin)")
-        if not stat.S_ISREG(st.st_mode):
-            raise ModelError(f"{file}: not a regular file (a FIFO or device?), expected a weights file "
-                             "(safetensors or a torch .bin)")
-        if not os.access(file, os.R_OK):
-            raise ModelError(f"{file}: cannot read the weights (permission denied)")
+        check_regular_file(file, "a weights file (safetensors or a torch .bin)", "the weights")
+
+
+def check_quantization(path: Path) -> None:
+    """``ModelError`` naming ``config.json``'s ``quantization_config`` when transformers would skip it: not an
+    object, or a ``quant_method`` it has no quantizer for. transformers then loads the weights as if unquantized,
+    saying so only in a warning kvload's quiet load keeps off stderr: the setting was dropped without a word."""
+    from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING
+
+    file = path / "config.json"
+    quant = read_config_json(path).get("quantization_config")
+    if quant is None:
+        return
+    if not isinstance(quant, dict):  # refused when the config was read (models.config_check); here for other callers
+        raise ModelError(f"{file}: quantization_config: expected an object with a quant_method, got {short(quant)}")
+    if quant.get("load_in_8bit") is True or quant.get("load_in_4bit") is True:  # bitsandbytes' older spelling
+        return
+    method = quant.get("quant_method")
+    if method not in AUTO_QUANTIZATION_CONFIG_MAPPING:
+        raise ModelError(f"{file}: quantization_config.quant_method: {short(method)} is not a quantization "
+                         f"transformers has; accepted: {', '.join(sorted(AUTO_QUANTIZATION_CONFIG_MAPPING))}")
+
+
+#: The largest ``model.safetensors.index.json`` read (DeepSeek V3's, 91,000 tensors, is about 9 MB).
+MAX_INDEX_BYTES = 64 * 1024 * 1024
+
+
+def check_shard_index(path: Path) -> None:
+    """``ModelError`` naming ``model.safetensors.index.json`` when transformers would read it (no single
+    ``model.safetensors`` beside it) and it is not JSON with a ``weight_map`` object of tensor name to shard file:
+    transformers' words named the folder only ("'list' object has no attribute 'values'", "Expecting property name
+    ..."). A shard it names that is absent is left to transformers, whose line names the file."""
+    index = path / "model.safetensors.index.json"
+    if not os.path.lexists(index) or os.path.lexists(path / "model.safetensors"):
+        return
+    data = read_json_object(index, "a shard index", MAX_INDEX_BYTES)
+    weight_map = data.get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise ModelError(f"{index}: weight_map: expected an object of tensor name to shard file name, got "
+                         f"{short(weight_map)}")
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str):
+            raise ModelError(f"{index}: weight_map.{name}: expected a shard file name, got {short(shard)}")
+
+
+def check_regular_file(file: Path, expected: str, what: str) -> None:
+    """``ModelError`` naming ``file`` when it is not a regular file one may read: a symbolic link to nothing or in a
+    loop, a directory, a FIFO or device (a reader would wait for a writer forever), or one without read permission.
+    ``expected`` ("a weights file ...") and ``what`` ("the weights") word the line."""
+    try:
+        st = file.stat()
+    except FileNotFoundError:
+        raise ModelError(f"{file}: is a symbolic link to nothing; expected {expected}") from None
+    except OSError as exc:  # a symbolic link loop, a name too long, ...
+        raise ModelError(f"{file}: {cannot_read(exc)}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise ModelError(f"{file}: is a directory, expected {expected}")
+    if not stat.S_ISREG(st.st_mode):
+        raise ModelError(f"{file}: not a regular file (a FIFO or device?), expected {expected}")
+    if not os.access(file, os.R_OK):
+        raise ModelError(f"{file}: cannot read {what} (permission denied)")
 
 
 def tensor_parallel_options(hf_config: Any, tp_size: int) -> dict[str, Any]:
@@ -178,6 +226,8 @@ def pretrained_model(path: Path, *, device: str, dtype: str, tp_size: int = 1) -
     if not _weight_files(path):
         raise ModelError(f"{path}: no weights (*.safetensors or pytorch_model*.bin) in the checkpoint directory")
     check_weight_files(path)  # before anything opens them: a FIFO blocks the open
+    check_shard_index(path)
+    check_quantization(path)
     check_shapes_unloaded(path)
     placement: dict[str, Any] = {"device_map": device}
     if tp_size > 1:
@@ -202,10 +252,35 @@ def pretrained_model(path: Path, *, device: str, dtype: str, tp_size: int = 1) -
                                                           exc) from exc
     try:
         check_loading_info(path, info)
+        check_finite(path, model, dtype)
     except BaseException:
         del model
         raise
     return model.eval()
+
+
+def check_finite(path: Path, model: Any, dtype: str) -> None:
+    """``ModelError`` naming the first parameter holding NaN or an infinity, as loaded in ``dtype``.
+
+    Such a weight makes every logit NaN, and sampling then drew token 0 over and over with exit 0; it comes from a
+    damaged file, or from values past the range of the dtype they were cast to (a bfloat16 model loaded in float16).
+    A sum per tensor (a NaN or an infinity makes it non-finite; 14 ms for SmolLM2's 135M weights on one CPU thread,
+    isfinite 0.66 s); only a tensor whose sum is not finite, which finite values can overflow to, is looked at whole.
+    """
+    import torch
+
+    def finite(p: Any) -> bool:
+        return bool(torch.isfinite(p.sum())) or bool(torch.isfinite(p).all())
+
+    bad = [name for name, p in model.named_parameters() if p.is_floating_point() and not finite(p)]
+    if not bad:
+        return
+    files = ", ".join(p.name for p in _weight_files(path))
+    more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
+    cause = (f"values past {dtype}'s range (try --dtype float32 or bfloat16) or a damaged file" if dtype == "float16"
+             else "a damaged file")
+    raise ModelError(f"{path}: tensor {bad[0]} in {files} holds NaN or infinite values in {dtype}{more}; {cause}: "
+                     "every logit would be NaN")
 
 
 def check_shapes_unloaded(path: Path) -> None:
@@ -375,8 +450,14 @@ def load_tokenizer(path: Path) -> Any:
     """The tokenizer saved in a checkpoint directory, or None when it has none."""
     from transformers import AutoTokenizer
 
-    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    present = [path / f for f in names if os.path.lexists(path / f)]
+    if not present:
         return None
+    if os.path.lexists(path / "chat_template.jinja"):  # a FIFO there read as an empty template: "Can't compile
+        present.append(path / "chat_template.jinja")  # non template nodes", naming neither file nor template
+    for file in present:  # a FIFO, a directory or a broken link was "has no tokenizer", with the culprit right there
+        check_regular_file(file, "a tokenizer file", "the tokenizer")
     if (path / "tokenizer_config.json").is_file():  # read as config.json is: transformers calls .get on what it holds,
         # so a list was an AttributeError
         config = read_json_object(path / "tokenizer_config.json", "a tokenizer config")
@@ -389,7 +470,30 @@ def load_tokenizer(path: Path) -> Any:
     try:
         return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False, local_files_only=True)
     except (ValueError, KeyError, TypeError, AttributeError, OSError) as exc:  # a shape transformers did not expect
-        raise ModelError(f"{path}: transformers cannot load the tokenizer: {first_line(exc)}") from exc
+        raise _malformed_tokenizer_json(path) or ModelError(
+            f"{path}: transformers cannot load the tokenizer: {first_line(exc)}") from exc
+
+
+def _malformed_tokenizer_json(path: Path) -> ModelError | None:
+    """``tokenizer.json`` named, with where, when it is not UTF-8 JSON holding an object (asked after a failed load
+    only: the file runs to megabytes, and transformers' words named the folder: "Expecting ',' delimiter: ...")."""
+    import json
+
+    file = path / "tokenizer.json"
+    if not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        return ModelError(f"{file}: not UTF-8 (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); JSON files "
+                          "are UTF-8 text")
+    except json.JSONDecodeError as exc:
+        return ModelError(f"{file}: malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}")
+    except (OSError, RecursionError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return ModelError(f"{file}: expected a JSON object (a tokenizers model), got {type(data).__name__}")
+    return None
 
 
 def load_weights(checkpoint: Checkpoint, hf_config: Any, *, device: str, dtype: str, seed: int = 0,

@@ -11,6 +11,7 @@ import decimal
 import fractions
 import functools
 import math
+import re
 from typing import Any, Literal, NewType, Union
 
 import attrs
@@ -161,16 +162,23 @@ model_dtype_name = _check(
 )
 
 
+#: The highest CUDA device index torch can hold: it keeps the index in 8 bits, so ``torch.device("cuda:256")`` is
+#: cuda:0 and "cuda:128" is cuda:-128 (a run on another GPU than the one asked for, or torch's traceback).
+MAX_CUDA_INDEX = 127
+
+
 def _is_device(v: Any) -> bool:
     if not isinstance(v, str):
         return False
     if v in (AUTO, "cpu", "cuda"):
         return True
     head, _, idx = v.partition(":")
-    return head == "cuda" and idx.isdigit()
+    # the digits 0-9 only (str.isdigit takes other scripts' digits, which torch refuses), no leading zero (torch
+    # refuses "cuda:01" too), and an index torch does not wrap
+    return head == "cuda" and re.fullmatch(r"0|[1-9][0-9]{0,2}", idx) is not None and int(idx) <= MAX_CUDA_INDEX
 
 
-device_name = _check(_is_device, '"auto", "cpu", "cuda" or "cuda:N"')
+device_name = _check(_is_device, f'"auto", "cpu", "cuda" or "cuda:N" (N from 0 to {MAX_CUDA_INDEX})')
 #: Paged attention of ``generate``: compiled FlexAttention over the pools, gather + SDPA (the reference), or a
 #: paged decode kernel (Triton on CUDA, C on CPU); "auto" picks by device (``stages.resolve_auto``).
 ATTENTION_BACKENDS = ("auto", "flex", "sdpa", "triton", "cpu_kernel")

@@ -89,13 +89,14 @@ def env_log_settings() -> tuple[str | None, str | None]:
     A value that is not accepted is a ``ConfigError`` naming the variable.
     """
     from pipeline.errors import ConfigError
+    from pipeline.limits import short_text  # quoted and cut: the line must stay one readable line
 
     level = os.environ.get(LEVEL_ENV, "").strip().lower() or None
     fmt = os.environ.get(FORMAT_ENV, "").strip().lower() or None
     if level is not None and level not in _LEVELS:
-        raise ConfigError(f"{LEVEL_ENV}={os.environ[LEVEL_ENV]!r}: expected one of {', '.join(_LEVELS)}")
+        raise ConfigError(f"{LEVEL_ENV}={short_text(os.environ[LEVEL_ENV])}: expected one of {', '.join(_LEVELS)}")
     if fmt is not None and fmt not in FORMATS:
-        raise ConfigError(f"{FORMAT_ENV}={os.environ[FORMAT_ENV]!r}: expected one of {', '.join(FORMATS)}")
+        raise ConfigError(f"{FORMAT_ENV}={short_text(os.environ[FORMAT_ENV])}: expected one of {', '.join(FORMATS)}")
     return level, fmt
 
 

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import attrs
 
 from pipeline.errors import RankError, RankLostError
+from pipeline.limits import short_text
 
 #: Seconds a collective waits for the other ranks before failing (weights load between two of them).
 TIMEOUT_ENV = "KVLOAD_DIST_TIMEOUT_S"
@@ -119,10 +120,11 @@ def _env_int(environ: Mapping[str, str], name: str, default: int) -> int:
     text = environ.get(name)
     if text is None or text == "":
         return default
-    try:
-        return int(text)
-    except ValueError:
-        raise RankError(f"environment {name}={text!r}: expected an integer (torchrun sets it)") from None
+    # the digits 0-9 only, as the flags read them: int() also reads other scripts' digits (and "1_0"), and a value
+    # of thousands of digits is quoted cut short, so the error stays one readable line
+    if re.fullmatch(r"-?[0-9]{1,18}", text.strip()) is None:
+        raise RankError(f"environment {name}={short_text(text)}: expected an integer (torchrun sets it)")
+    return int(text)
 
 
 def timeout_s(environ: Mapping[str, str] = os.environ) -> float:
@@ -135,7 +137,7 @@ def timeout_s(environ: Mapping[str, str] = os.environ) -> float:
     except ValueError:
         value = -1.0
     if not 0 < value <= MAX_TIMEOUT_S:  # NaN too: it, and inf, reached torch's timedelta as a traceback's words
-        raise RankError(f"environment {TIMEOUT_ENV}={text!r}: expected a number of seconds in (0, "
+        raise RankError(f"environment {TIMEOUT_ENV}={short_text(text)}: expected a number of seconds in (0, "
                         f"{MAX_TIMEOUT_S:g}] (a week)")
     return value
 

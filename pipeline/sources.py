@@ -124,6 +124,8 @@ def read_yaml(path: str) -> dict[str, Any]:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1} column {mark.column + 1}:" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        if "'\\t'" in problem:  # PyYAML takes no tab where a token starts, also after "key:" (YAML 1.2 would)
+            problem += "; use spaces there, not a tab"
         raise ConfigError(f"config file {path}:{where} malformed YAML: {problem}", source="config_file") from None
     if data is None:
         return {}

@@ -157,6 +157,18 @@ def config_mutations(base: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]
         "rope_parameters.sliding_attention.factor")
     for value in ("linear", 4, [1]):
         yield f"rope_scaling={json.dumps(value)}", {**base, "rope_scaling": value}, "rope_scaling"
+    # a negative epsilon made RMSNorm's root NaN, 1e308 zeroed every hidden state: token 0 over and over, exit 0
+    for field in ("rms_norm_eps", "layer_norm_eps"):
+        for value in (-1e-6, 0, 1e308, 2, "1e-6", True, [1e-6]):
+            yield f"{field}={json.dumps(value)}", {**base, field: value}, field
+    # a number as the dtype was dropped: the model took kvload's default dtype
+    for field, value in (("dtype", 5), ("torch_dtype", [16])):
+        yield f"{field}={json.dumps(value)}", {**base, field: value}, field
+    # a number as the RoPE type failed the load as "transformers cannot load the weights: 5"
+    for field, key in (("rope_parameters", "rope_type"), ("rope_scaling", "type")):
+        for name in (5, "banana", "x" * 10_000):  # a name transformers lacks: plan went through, generate refused it
+            rope = {key: name, "factor": 2.0, "rope_theta": 10000.0}
+            yield f"{field}.{key}={json.dumps(name)[:20]}", {**base, field: rope}, f"{field}.{key}"
     # RoPE's base: a string failed the load naming no field; 0 or a negative one gave NaN angles, text out, exit 0
     for value in (0, -1, -10000.0, "10000", True, [10000]):
         yield f"rope_theta={json.dumps(value)}", {**base, "rope_theta": value}, "rope_theta"

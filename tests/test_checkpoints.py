@@ -64,6 +64,24 @@ def test_a_model_that_is_a_fifo_or_device_is_named_as_one(tmp_path, monkeypatch,
         resolve_checkpoint(model)
 
 
+@pytest.mark.parametrize(("target", "words"), [
+    ("ckpt", r"cannot read \(Too many levels of symbolic links\)"),
+    ("gone", r"is a symbolic link to nothing; give the checkpoint directory that holds config\.json"),
+], ids=["loop", "dangling"])
+def test_a_model_that_is_a_broken_symbolic_link_is_named_as_one(tmp_path, monkeypatch, target, words):
+    """Path.exists() is False for both, and the line was "no such directory" with the link right there."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ckpt").symlink_to(tmp_path / target)
+    with pytest.raises(ModelError, match=rf"^model '\./ckpt': {words}"):
+        resolve_checkpoint("./ckpt")
+
+
+def test_a_broken_link_named_like_a_preset_does_not_shadow_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny-llama").symlink_to(tmp_path / "gone")
+    assert resolve_checkpoint("tiny-llama").kind == "preset"
+
+
 def test_missing_package_names_it_and_how_to_install_it(monkeypatch):
     def missing(name):
         raise importlib.metadata.PackageNotFoundError(name)

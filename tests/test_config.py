@@ -61,7 +61,7 @@ def test_direct_construction_is_as_strict_as_structuring():
          "kv_cache_config.free_gpu_memory_fraction: expected a number in (0, 1]"),
         ({"kv_cache_config": {"dtype": "int3"}}, "kv_cache_config.dtype: expected \"auto\" or one of"),
         ({"kv_cache_config": "big"}, "kv_cache_config: expected a mapping of KvCacheConfig fields, got 'big'"),
-        ({"device": "tpu"}, "device: expected \"auto\", \"cpu\", \"cuda\" or \"cuda:N\", got 'tpu'"),
+        ({"device": "tpu"}, "device: expected \"auto\", \"cpu\", \"cuda\" or \"cuda:N\" (N from 0 to 127), got 'tpu'"),
         ({"max_batch_size": True}, "max_batch_size: expected an integer >= 1, got true"),
         ({"kv_cache_config": {"host_cache_size": "lots"}}, "kv_cache_config.host_cache_size: expected a byte count"),
     ],

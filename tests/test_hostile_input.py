@@ -533,6 +533,19 @@ def test_an_empty_config_path_is_an_error(capsys, out):
                    folder=out)
 
 
+@pytest.mark.parametrize(("text", "where"), [("max_batch_size:\t4\n", "line 1 column 16"),
+                                           ("kv_cache_config:\n\tmax_tokens: 4096\n", "line 2 column 1")],
+                         ids=["after-colon", "indent"])
+def test_a_tab_in_yaml_says_to_use_spaces(capsys, tmp_path, out, text, where):
+    """PyYAML's words alone ("found character '\\t' that cannot start any token") left the fix to guess; a tab after
+    "key:" is even valid YAML 1.2, which PyYAML does not read."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(text)
+    assert_refused(_plan(capsys, "tiny-llama", "--config", cfg, audit=out / "a.jsonl"),
+                   f"c.yaml: {where}: malformed YAML: found character '\\t' that cannot start any token; use spaces "
+                   "there, not a tab", folder=out)
+
+
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None, max_examples=40,
           derandomize=True)
 @given(key=st.sampled_from(["max_batch_size", "kv_cache_config", "tokens_per_block", "max_tokens", "dtype"]),
@@ -1400,3 +1413,39 @@ def test_a_bad_shard_among_several_is_named_not_only_the_checkpoint(capsys, tmp_
                 out / "a.jsonl")
     assert_refused(r, f"error: {bad}: transformers cannot load the weights: Error while deserializing header: ",
                    folder=out)
+
+
+# --- the environment --------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("env", "needle"), [
+    # the whole value was quoted into the line: 100,000 characters of one "error:" line
+    ({"KVLOAD_LOG_LEVEL": "x" * 100_000}, "KVLOAD_LOG_LEVEL='xxx"),
+    ({"KVLOAD_LOG_FORMAT": "y" * 100_000}, "KVLOAD_LOG_FORMAT='yyy"),
+    ({"WORLD_SIZE": "9" * 5000}, "environment WORLD_SIZE='999"),
+    # int() reads other scripts' digits: WORLD_SIZE=2 in Arabic-Indic digits launched as 2 ranks
+    ({"WORLD_SIZE": "\u0662"}, "environment WORLD_SIZE='\u0662': expected an integer (torchrun sets it)"),
+    ({"RANK": "1_0", "WORLD_SIZE": "20"}, "environment RANK='1_0': expected an integer"),
+], ids=["log-level", "log-format", "world-size-5000-digits", "world-size-arabic-digit", "rank-underscore"])
+def test_an_environment_variable_kvload_reads_is_quoted_short_and_in_digits_0_9(tmp_path, out, env, needle):
+    r = limited_kvload("plan", "tiny-llama", "--audit-log", out / "a.jsonl", env=env)
+    assert_refused(r, needle, folder=out)
+
+
+@pytest.mark.parametrize("case", ["checkpoint-folder", "config-path", "unknown-flag"])
+def test_a_control_character_in_a_path_or_flag_stays_one_escaped_line(capsys, tmp_path, out, case):
+    """A folder named with a newline split the one error line in two (and an escape sequence in a file name reached
+    the terminal); paths and flags are the user's, so they are printed with the control characters escaped."""
+    if case == "checkpoint-folder":
+        ckpt = tmp_path / "a\nb"
+        ckpt.mkdir()
+        (ckpt / "config.json").write_text("{bad")
+        r = _plan(capsys, ckpt, audit=out / "a.jsonl")
+        needle = f"{tmp_path}/a\\nb/config.json: malformed JSON at line 1 column 2"
+    elif case == "config-path":
+        r = _plan(capsys, "tiny-llama", "--config", tmp_path / "\x1b[31mred.yaml", audit=out / "a.jsonl")
+        needle = f"config file {tmp_path}/\\x1b[31mred.yaml: not found"
+    else:
+        r = _plan(capsys, "tiny-llama", "--max\ntok", audit=out / "a.jsonl")
+        needle = "unrecognized arguments: --max\\ntok"
+    assert_refused(r, needle, folder=out)
+    assert "\x1b" not in r.err

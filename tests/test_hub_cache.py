@@ -115,6 +115,17 @@ def test_a_missing_id_says_where_it_looked_and_never_downloads(hf_home, capsys):
     assert "kvload never downloads" in r.err and "hf download acme/not-cached" in r.err
 
 
+@pytest.mark.parametrize("var", ["HF_HOME", "HF_HUB_CACHE"])
+def test_a_cache_setting_that_names_a_file_is_named(hf_home, tmp_path, monkeypatch, capsys, var):
+    """The line said only where it looked (``<file>/hub/models--...``), as if the cache were empty."""
+    file = tmp_path / "a-file"
+    file.write_text("not a cache\n")
+    monkeypatch.setenv(var, str(file))
+    r = run_cli(capsys, "plan", "acme/not-cached")
+    assert r.code == 2 and r.one_error_line, r.err
+    assert f"; {var}='{file}' is not a directory); kvload never downloads" in r.err, r.err
+
+
 def test_hf_hub_cache_wins_over_hf_home(hf_home, tmp_path, monkeypatch):
     other = tmp_path / "elsewhere"
     monkeypatch.setenv("HF_HUB_CACHE", str(other))

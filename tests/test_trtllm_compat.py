@@ -194,6 +194,15 @@ def test_unknown_device_is_refused_from_every_source_with_one_message(capsys, tm
     assert all('expected "auto", "cpu", "cuda" or "cuda:N"' in msg for _, msg in verdicts)
 
 
+@pytest.mark.parametrize("value", ["cuda:256", "cuda:128", "cuda:01", "cuda:\u0663"])
+def test_a_cuda_index_torch_would_wrap_or_refuse_is_refused_from_every_source(capsys, tmp_path, value):
+    """torch keeps a device index in 8 bits: cuda:256 was cuda:0 (a run on another GPU than the one asked for) and
+    cuda:128 cuda:-128; "cuda:01" and other scripts' digits planned, then failed in torch with a traceback."""
+    verdicts = _verdicts(capsys, tmp_path, "--device", "device", value)
+    assert [code for code, _ in verdicts] == [2, 2, 2], verdicts
+    assert all(f'"cuda:N" (N from 0 to 127), got {value!r}' in msg for _, msg in verdicts), verdicts
+
+
 def test_fp8_model_dtype_is_refused_from_every_source_before_generate(capsys, tmp_path):
     verdicts = _verdicts(capsys, tmp_path, "--dtype", "dtype", "fp8")
     assert [code for code, _ in verdicts] == [2, 2, 2]

@@ -315,7 +315,8 @@ def test_a_weights_file_that_is_a_fifo_is_one_line_not_a_hang(tmp_path, name):
 @pytest.mark.parametrize(("make", "words"), [
     (lambda p: p.mkdir(), "is a directory, expected a weights file (safetensors or a torch .bin)"),
     (lambda p: p.symlink_to(p), "cannot read (Too many levels of symbolic links)"),
-    (lambda p: p.symlink_to(p.parent / "gone.safetensors"), "is a symbolic link to nothing; expected a weights file"),
+    (lambda p: p.symlink_to(p.parent / "gone.safetensors"), "is a symbolic link to nothing; expected a weights file "
+                                                                  "(safetensors or a torch .bin)"),
 ])
 def test_a_weights_file_that_is_no_file_names_it(tmp_path, make, words):
     ckpt = _llama_checkpoint(tmp_path / "ckpt")
@@ -376,7 +377,114 @@ def test_a_cuda_device_that_is_not_there_is_refused_before_weights_load(capsys, 
     from tests.cli_support import run_cli
 
     extra = ("--prompt-ids", "1,2,3") if command == "generate" else ("--port", "0")
-    r = run_cli(capsys, command, "tiny-llama", *extra, "--device", "cuda:999", "--max_tokens", "1024")
+    r = run_cli(capsys, command, "tiny-llama", *extra, "--device", "cuda:99", "--max_tokens", "1024")
     assert r.code == 2 and r.one_error_line, r.err
-    assert r.err.startswith("error: device=cuda:999: "), r.err  # none at all, or not that many
+    assert r.err.startswith("error: device=cuda:99: "), r.err  # none at all, or not that many
     assert "load_weights" not in r.err and "Error" not in r.err
+
+
+@pytest.mark.parametrize(("value", "dtype", "words"), [
+    (float("nan"), "float32", "holds NaN or infinite values in float32; a damaged file: every logit would be NaN"),
+    (float("-inf"), "float32", "holds NaN or infinite values in float32; a damaged file"),
+    # finite in the file, past float16's 65,504 once cast: the same NaN logits
+    (1e6, "float16", "holds NaN or infinite values in float16; values past float16's range (try --dtype float32 or "
+                     "bfloat16) or a damaged file"),
+], ids=["nan", "minus-infinity", "past-float16"])
+def test_a_weight_that_is_not_finite_is_refused_naming_the_tensor(capsys, tmp_path, value, dtype, words):
+    """A NaN weight made every logit NaN: generate wrote token 0 over and over, exit 0."""
+    from tests.cli_support import run_cli
+    from tests.hostile_support import assert_refused
+
+    ckpt = _llama_checkpoint(tmp_path / "ckpt")
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def poison(key, tensor) -> bool:
+        if key == "model.norm.weight":
+            tensor.view(-1)[5] = value
+        return True  # every tensor stays
+
+    _keep_tensors(ckpt, poison)
+    r = run_cli(capsys, "generate", ckpt, "--prompt-ids", "1,2,3", "--max_new_tokens", "2", "--max_tokens", "1024",
+                "--dtype", dtype, "--audit-log", out / "a.jsonl")
+    assert_refused(r, f"{ckpt}: tensor model.norm.weight in model.safetensors {words}", folder=out)
+
+
+@pytest.mark.parametrize(("name", "make", "words"), [
+    # a FIFO or a directory in its place read as no tokenizer at all: "prompt 1 is text, but ... has no tokenizer"
+    ("tokenizer.json", lambda f: os.mkfifo(f), "not a regular file (a FIFO or device?), expected a tokenizer file"),
+    ("tokenizer.json", lambda f: f.mkdir(), "is a directory, expected a tokenizer file"),
+    # transformers' words named the folder: "cannot load the tokenizer: Expecting ',' delimiter: line 1 column 43"
+    ("tokenizer.json", lambda f: f.write_text('{"version": "1.0", "model": {"type": "BPE"'),
+     "malformed JSON at line 1 column 43: Expecting ',' delimiter"),
+    ("tokenizer.json", lambda f: f.write_bytes(b'{"version": "\xff"}'), "not UTF-8 (byte 0xff at offset 13)"),
+    # transformers read a FIFO there as an empty template: "Can't compile non template nodes"
+    ("chat_template.jinja", lambda f: os.mkfifo(f), "not a regular file (a FIFO or device?)"),
+], ids=["fifo", "directory", "truncated", "not-utf8", "chat-template-fifo"])
+def test_a_tokenizer_json_that_cannot_be_read_is_named(capsys, tmp_path, name, make, words):
+    from tests.cli_support import run_cli
+    from tests.hostile_support import assert_refused
+
+    ckpt = _llama_checkpoint(tmp_path / "ckpt")
+    if name != "tokenizer.json":  # a tokenizer for the template to belong to
+        _tokenizer_json(ckpt / "tokenizer.json")
+    make(ckpt / name)
+    out = tmp_path / "out"
+    out.mkdir()
+    r = run_cli(capsys, "generate", ckpt, "--prompt", "hi", "--max_new_tokens", "2", "--max_tokens", "1024",
+                "--audit-log", out / "a.jsonl")
+    assert_refused(r, f"{ckpt}/{name}: {words}", folder=out)
+
+
+def _tokenizer_json(file) -> None:
+    """A minimal word-level tokenizer.json (the tokenizers library's own format)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hi": 1}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(file))
+
+
+@pytest.mark.parametrize(("text", "words"), [
+    # transformers' words, naming the folder: "cannot load the weights: 'list' object has no attribute 'values'"
+    ('{"weight_map": [1]}', "weight_map: expected an object of tensor name to shard file name, got a list of 1 items"),
+    ('{"weight_map": {"lm_head.weight": 5}}', "weight_map.lm_head.weight: expected a shard file name, got 5"),
+    ("{not json", "malformed JSON at line 1 column 2"),
+    ('{"metadata": {}}', "weight_map: expected an object of tensor name to shard file name, got null"),
+], ids=["list", "number", "malformed", "absent"])
+def test_a_shard_index_of_the_wrong_shape_is_named(capsys, tmp_path, text, words):
+    from tests.cli_support import run_cli
+    from tests.hostile_support import assert_refused
+
+    ckpt = tmp_path / "ckpt"
+    cfg = load_hf_config(resolve_checkpoint("tiny-llama"))
+    random_model(cfg, device="cpu", dtype="float32").save_pretrained(ckpt, max_shard_size="100KB")
+    (ckpt / "model.safetensors.index.json").write_text(text)
+    out = tmp_path / "out"
+    out.mkdir()
+    r = run_cli(capsys, "generate", ckpt, "--prompt-ids", "1,2", "--max_new_tokens", "1", "--audit-log",
+                out / "a.jsonl")
+    assert_refused(r, f"{ckpt / 'model.safetensors.index.json'}: {words}", folder=out)
+
+
+@pytest.mark.parametrize(("quant", "words"), [
+    # transformers warns "Unknown quantization type ... we will skip the quantization", a warning the quiet load hides
+    ({"quant_method": "banana"}, "quantization_config.quant_method: 'banana' is not a quantization transformers has; "
+                                 "accepted: "),
+    ({"bits": 4}, "quantization_config.quant_method: null is not a quantization transformers has"),
+    ("fp8", "quantization_config: expected an object with a quant_method, got 'fp8'"),
+], ids=["unknown-method", "no-method", "not-an-object"])
+def test_a_quantization_config_transformers_would_skip_is_refused(capsys, tmp_path, quant, words):
+    import json
+
+    from tests.cli_support import run_cli
+    from tests.hostile_support import assert_refused
+
+    ckpt = _llama_checkpoint(tmp_path / "ckpt")
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+    out = tmp_path / "out"
+    out.mkdir()
+    r = run_cli(capsys, "generate", ckpt, "--prompt-ids", "1,2", "--max_new_tokens", "1", "--max_tokens", "1024",
+                "--audit-log", out / "a.jsonl")
+    assert_refused(r, f"{ckpt}/config.json: {words}", folder=out)
