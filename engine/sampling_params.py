@@ -516,15 +516,25 @@ def greedy_ignored(params: SamplingParams, n: int | None = None,
     return [(name, value, why) for name, value, unset, why in asked if value != unset and name not in model_defaults]
 
 
-def inert_settings(params: SamplingParams, has_tokenizer: bool) -> list[tuple[str, Any, str]]:
+def inert_settings(params: SamplingParams, has_tokenizer: bool,
+                   eos_special: bool = True) -> list[tuple[str, Any, str]]:
     """The settings in ``params`` that can change nothing whatever the model does, each as (name, value, why): the
     text settings where there is no text or no stop string, ``min_tokens`` where nothing could end a sample early.
-    Reported as ``setting_ignored`` beside :func:`greedy_ignored`'s, by the Python API and ``kvload serve``."""
+    Reported as ``setting_ignored`` beside :func:`greedy_ignored`'s, by the Python API and ``kvload serve``.
+    ``eos_special``: every EOS id is a special token (``skip_special_tokens`` leaves its text out)."""
     out = []
     no_text = ("the model has no tokenizer: there is no text" if not has_tokenizer
                else "detokenize is false: there is no text" if not params.detokenize else None)
-    if params.include_stop_str_in_output and not params.stop:
-        out.append(("include_stop_str_in_output", True, "no stop strings: there is no stop string to keep"))
+    # it keeps a stop string, and (vLLM's) the text of the stop token id or EOS that ended a sample: EOS shows only with
+    # skip_special_tokens false (a special token decodes to nothing otherwise) and ends nothing under ignore_eos
+    if params.include_stop_str_in_output:
+        eos_silent = params.ignore_eos or (params.skip_special_tokens and eos_special)
+        if not params.stop and not params.stop_token_ids and eos_silent:
+            eos = "ends nothing (ignore_eos)" if params.ignore_eos else "decodes to nothing (skip_special_tokens)"
+            out.append(("include_stop_str_in_output", True,
+                        f"no stop strings or stop token ids, and EOS {eos}: there is no stop text to keep"))
+        elif no_text is not None:
+            out.append(("include_stop_str_in_output", True, no_text))
     if not params.skip_special_tokens and no_text is not None:
         out.append(("skip_special_tokens", False, no_text))
     if not params.spaces_between_special_tokens:

@@ -119,6 +119,26 @@ def test_include_stop_str_in_output_keeps_the_stop_string_and_skip_special_token
     assert greedy(llm, n=3, logit_bias={0: 100}, skip_special_tokens=False).text == "w0 w0 w0"
 
 
+def test_include_stop_str_in_output_keeps_the_stop_token_or_eos_that_ended_the_sample_in_the_text(llm):
+    """vLLM's rule: the token that ended a sample (a stop token id, or EOS) is decoded into ``.text`` under
+    ``include_stop_str_in_output``, as any token is (a special one only with ``skip_special_tokens`` false)."""
+    ref = greedy(llm)
+    stop = next(t for t in ref.token_ids[2:] if t not in ref.token_ids[:2])
+    end = ref.token_ids.index(stop) + 1
+    out = greedy(llm, stop_token_ids=[stop], include_stop_str_in_output=True)
+    assert (out.finish_reason, out.stop_reason, out.token_ids) == ("stop", stop, ref.token_ids[:end])
+    assert out.text == " ".join(f"w{t}" for t in ref.token_ids[:end])
+    executor = llm.result.executor
+    saved = executor.eos_token_ids
+    executor.eos_token_ids = frozenset({ref.token_ids[3]})
+    try:
+        kept = llm.generate(PROMPT, SamplingParams(max_tokens=12, include_stop_str_in_output=True))[0].outputs[0]
+    finally:
+        executor.eos_token_ids = saved
+    assert kept.token_ids == ref.token_ids[:4] and kept.text == " ".join(f"w{t}" for t in ref.token_ids[:4])
+    assert not any(e["field"] == "generate.include_stop_str_in_output" for e in llm.audit.of("setting_ignored"))
+
+
 def test_eos_ends_with_stop_and_ignore_eos_runs_to_length(llm):
     ref = greedy(llm)
     eos = ref.token_ids[3]
