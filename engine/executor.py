@@ -663,7 +663,8 @@ class GenerationExecutor:
                 req_id = f"{call}.{i}" if p.n == 1 else f"{call}.{i}.{j}"
                 # a scored prompt is prefilled whole by its first sample (a cached prefix computes no logits), whose
                 # blocks are cached as any request's: the later samples, and later requests, reuse them
-                request = Request(req_id, ids, min(p.max_tokens, room), salt=salt,
+                cap = room if p.max_tokens is None else min(p.max_tokens, room)  # None: vLLM's "up to the context"
+                request = Request(req_id, ids, cap, salt=salt,
                                   skip_prefix_read=p.prompt_logprobs is not None and j == 0,
                                   priority=ranks[i] if ranks is not None else 0)
                 if j == 0:

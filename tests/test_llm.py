@@ -71,6 +71,15 @@ def test_top_k_draws_only_among_the_k_most_likely_tokens(llm):
     assert all(t in top3[i].tolist() for i, t in enumerate(out.outputs[0].token_ids))
 
 
+def test_max_tokens_none_generates_up_to_the_context_length_as_in_vllm(llm):
+    """vLLM's ``max_tokens=None``: no cap but the context (it gave kvload's default of 64 tokens, silently)."""
+    assert SamplingParams().max_tokens == 64 and SamplingParams(max_tokens=None).max_tokens is None
+    room = llm.result.executor.max_seq_len - 13  # PROMPT's 13 tokens
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=None, ignore_eos=True, min_tokens=3))[0].outputs[0]
+    assert (len(out.token_ids), out.finish_reason) == (room, "length")
+    assert llm.audit.of("generation_started")[-1]["max_new_tokens"] is None
+
+
 # --- stopping -------------------------------------------------------------------------------------
 
 
