@@ -103,6 +103,15 @@ def test_a_vllm_knob_kvload_cannot_honour_is_refused_naming_what_it_accepts(kwar
     assert str(info.value) == message and info.value.source == "api"
 
 
+def test_a_torch_dtype_is_taken_as_its_name_as_vllm_takes_it():
+    import torch
+
+    assert kvload.plan("tiny-llama", dtype=torch.bfloat16).args.dtype == "bfloat16"
+    assert kvload.plan("tiny-llama", kv_cache_config={"dtype": torch.float16}).args.kv_cache_config.dtype == "float16"
+    with pytest.raises(ConfigError, match=r"^dtype: expected .*, got 'int8'$"):
+        kvload.plan("tiny-llama", dtype=torch.int8)
+
+
 # --- generate and chat arguments ------------------------------------------------------------------
 
 
