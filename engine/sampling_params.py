@@ -373,8 +373,8 @@ class SamplingParams:
                                   "use stop_token_ids, or detokenize=True")
 
     def clone(self) -> SamplingParams:
-        """A deep copy (vLLM's ``SamplingParams.clone``): a frozen SamplingParams is never changed in place, but its
-        ``logit_bias`` dict and structured outputs spec are the copy's own."""
+        """A deep copy (vLLM's ``SamplingParams.clone``): its fields, ``logit_bias`` dict and structured outputs spec
+        are the copy's own, so setting one (``copy.max_tokens = 8``) leaves the original alone."""
         return copy.deepcopy(self)
 
     @classmethod
@@ -469,6 +469,21 @@ VLLM_CALL_ARGUMENTS_NOT_TAKEN: dict[str, str] = {
 
 def _known_keywords() -> set[str]:
     return {a.name for a in attrs.fields(SamplingParams) if a.init} | {"max_new_tokens"}
+
+
+def _set_field(self: SamplingParams, name: str, value: Any) -> None:
+    """``params.max_tokens = 256``: vLLM's SamplingParams is mutable and its examples set fields on the default params
+    (``llm.get_default_sampling_params()``); the new value is checked with the others as the constructor checks it, and
+    a bad one changes nothing."""
+    name = "max_tokens" if name == "max_new_tokens" else name
+    if name not in _known_keywords():
+        raise GenerationError(unknown_field(name))
+    checked = attrs.evolve(self, **{name: value})  # the constructor's conversions (a stop string to a tuple) and checks
+    for field in attrs.fields(SamplingParams):  # _bad_words_token_ids too: the executor derives it again each call
+        object.__setattr__(self, field.name, getattr(checked, field.name))
+
+
+SamplingParams.__setattr__ = _set_field  # type: ignore[method-assign,assignment]
 
 
 def unknown_field(name: str) -> str:

@@ -214,6 +214,22 @@ def test_clone_is_an_equal_independent_copy():
     assert copy.deepcopy(sp) == twin
 
 
+def test_fields_set_on_the_default_params_act_as_in_vllms_example(llm):
+    """vLLM's examples/offline_inference/basic/generate.py sets fields on ``llm.get_default_sampling_params()``."""
+    sp = llm.get_default_sampling_params()
+    sp.max_tokens, sp.temperature, sp.seed, sp.stop_token_ids = 3, 1.0, 5, [7]
+    assert (sp.max_tokens, sp.temperature, sp.stop_token_ids) == (3, 1.0, (7,))
+    (out,) = llm.generate(IDS[:1], sp)
+    assert len(out.outputs[0].token_ids) <= 3
+    assert out.outputs[0].token_ids == llm.generate(IDS[:1], SamplingParams(max_tokens=3, temperature=1.0, seed=5,
+                                                                            stop_token_ids=[7]))[0].outputs[0].token_ids
+    with pytest.raises(GenerationError, match=r"^generate: min_tokens: expected an integer in \[0, max_tokens=3\]"):
+        sp.min_tokens = 4
+    with pytest.raises(GenerationError, match="^generate: logits_processors: vLLM's SamplingParams field"):
+        sp.logits_processors = []
+    assert sp.min_tokens == 0 and sp == SamplingParams(max_tokens=3, temperature=1.0, seed=5, stop_token_ids=[7])
+
+
 def test_from_optional_takes_none_as_kvloads_default():
     sp = SamplingParams.from_optional(temperature=None, top_p=None, max_tokens=8, n=None, seed=None, stop=None)
     assert sp == SamplingParams(max_tokens=8)
