@@ -68,7 +68,7 @@ from engine.prompts import (
     normalize,
     template_options,
 )
-from engine.sampling import eos_token_ids, sample_rows, top_logprobs
+from engine.sampling import Logprob, eos_token_ids, sample_rows, top_logprobs
 from engine.sampling_params import (
     SamplingParams,
     check,
@@ -157,6 +157,7 @@ class GenerationExecutor:
         self.manager = manager
         self.scheduler = scheduler
         self.tokenizer = tokenizer
+        self._token_texts: dict[int, str] = {}  # token id -> its text, for Logprob.decoded_token (at most the vocab)
         self.name = name
         self.pools = manager.pools
         self.groups = [g.name for g in manager.layout.groups]
@@ -951,9 +952,25 @@ class GenerationExecutor:
                 output = outputs[live.index] = self._output([s for s in lives if s.index == live.index])
             if on_delta is not None:
                 text = live.text.delta(final=ended) if live.text is not None else ""
+                self._name_tokens(new_logprobs, live.params)
                 on_delta(TokenDelta(live.index, live.sample, list(new), text, new_logprobs,
                                     live.finish_reason if ended else None,
                                     live.stop_reason if ended else None, output))
+
+    def _name_tokens(self, entries: Sequence[Mapping[int, Any] | None] | None, params: SamplingParams) -> None:
+        """vLLM's ``Logprob.decoded_token`` on each entry's values: the token's text with special tokens shown (the
+        server's token text), decoded once per token id; left None without a tokenizer or with ``detokenize=False``."""
+        if entries is None or self.tokenizer is None or not params.detokenize:
+            return
+        texts = self._token_texts
+        for entry in entries:
+            for token, logprob in (entry or {}).items():
+                if isinstance(logprob, Logprob) and logprob.decoded_token is None:
+                    text = texts.get(token)
+                    if text is None:
+                        text = texts[token] = self.tokenizer.decode([token], skip_special_tokens=False,
+                                                                    clean_up_tokenization_spaces=False)
+                    logprob.decoded_token = text
 
     def _output(self, samples: list[_Live]) -> RequestOutput:
         """The RequestOutput of one prompt whose samples all finished."""
@@ -967,6 +984,9 @@ class GenerationExecutor:
                 index=s.sample, text=s.text.text if s.text is not None else None,
                 token_ids=list(req.output_token_ids), cumulative_logprob=cumulative, logprobs=s.logprobs,
                 finish_reason=s.finish_reason, stop_reason=s.stop_reason))
+        for s in samples:
+            self._name_tokens(s.logprobs, s.params)
+        self._name_tokens(first.prompt_logprobs, first.params)
         started = [s.first_token_at for s in samples if s.first_token_at is not None]
         end = max(s.finished_at for s in samples)
         first_token = min(started) if started else end

@@ -204,6 +204,20 @@ def test_logprob_entries_read_as_vllms_logprob_objects_and_stay_floats(llm):
     assert copied == sample.logprobs and copied[-1][token].rank == sample.logprobs[-1][token].rank
 
 
+def test_logprob_entries_carry_vllms_decoded_token(llm):
+    """vLLM's ``Logprob.decoded_token``: each listed token's text, on generated and prompt tokens and in a stream's
+    deltas; None where there is no text (``detokenize=False``)."""
+    sp = SamplingParams(max_tokens=3, temperature=1.0, seed=3, logprobs=2, prompt_logprobs=1, ignore_eos=True)
+    (out,) = llm.generate(IDS[:1], sp)
+    entries = [e for e in out.outputs[0].logprobs + out.prompt_logprobs if e is not None]
+    assert all(v.decoded_token == f"w{t}" for e in entries for t, v in e.items())
+    streamed = [e for d in llm.generate_stream(IDS[:1], sp) for e in d.logprobs]
+    assert [{t: v.decoded_token for t, v in e.items()} for e in streamed] == \
+        [{t: f"w{t}" for t in e} for e in out.outputs[0].logprobs]
+    (bare,) = llm.generate(IDS[:1], SamplingParams(max_tokens=2, logprobs=1, detokenize=False))
+    assert all(v.decoded_token is None for e in bare.outputs[0].logprobs for v in e.values())
+
+
 # --- SamplingParams -------------------------------------------------------------------------------
 
 
