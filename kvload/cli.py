@@ -173,6 +173,15 @@ FLAGS: tuple[Flag, ...] = (
          "tensor-parallel ranks (launch that many with torchrun; plan alone shows rank 0's view)", integer,
          metavar="N", aliases=("--tensor_parallel_size", "-tp")),
 )
+#: vLLM's engine flags kvload has no counterpart for (``pipeline.vllm_compat.IGNORED``, and the names TensorRT-LLM
+#: shares): taken so a ``vllm serve`` command line runs, each reported ``setting_ignored`` as the same keys are from
+#: Python and YAML (``--trust-remote-code`` is refused there: kvload never runs a checkpoint's code). Switches set true.
+VLLM_NOOP_SWITCHES: tuple[str, ...] = (
+    "enforce_eager", "disable_log_stats", "disable_custom_all_reduce", "disable_async_output_proc", "async_scheduling",
+    "enable_sleep_mode", "enable_chunked_prefill", "skip_tokenizer_init", "trust_remote_code")
+VLLM_NOOP_VALUES: tuple[str, ...] = (
+    "max_logprobs", "max_seq_len_to_capture", "tokenizer", "tokenizer_mode", "revision", "download_dir",
+    "distributed_executor_backend")
 FLAG_FOR_PATH: dict[str, str] = {}
 for _f in FLAGS:  # the first flag of a field (--disable_kv_cache_reuse, not its --enable_prefix_caching)
     FLAG_FOR_PATH.setdefault(_f.path, _f.name)
@@ -449,6 +458,15 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         else:
             group.add_argument(*names, dest=f.dest, type=f.type, choices=f.choices, metavar=f.metavar,
                                default=None, help=f.help)
+    vllm = p.add_argument_group("vLLM's engine flags kvload has no counterpart for (accepted, reported "
+                                "setting_ignored)")
+    for key in VLLM_NOOP_SWITCHES + VLLM_NOOP_VALUES:
+        names = list(dict.fromkeys((f"--{key}", _dashed(f"--{key}"))))
+        if key in VLLM_NOOP_SWITCHES:
+            vllm.add_argument(*names, dest=f"vllm__{key}", action="store_const", const=True, default=None,
+                              help=argparse.SUPPRESS)
+        else:
+            vllm.add_argument(*names, dest=f"vllm__{key}", default=None, help=argparse.SUPPRESS)
     group.add_argument("--config", "--extra_llm_api_options", "--extra-llm-api-options", dest="config",
                        metavar="FILE.yaml", help="YAML file of LlmArgs fields (CLI flags win); TensorRT-LLM options "
                                                  "kvload does not act on are accepted with a warning each")
@@ -484,6 +502,10 @@ def cli_overrides(ns: argparse.Namespace) -> dict[str, Any]:
         for part in parents:
             node = node.setdefault(part, {})
         node[leaf] = value
+    for key in VLLM_NOOP_SWITCHES + VLLM_NOOP_VALUES:  # taken out again, with a setting_ignored each, by parse_args
+        value = getattr(ns, f"vllm__{key}", None)
+        if value is not None:
+            tree[key] = value
     return tree
 
 

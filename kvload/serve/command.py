@@ -68,6 +68,20 @@ examples:
 """
 
 
+#: vLLM's server flags kvload serve has no counterpart for → (takes a value, why it changes nothing): accepted so a
+#: `vllm serve` command line runs, each reported ``setting_ignored`` once the model is loaded.
+VLLM_SERVE_NOOP: dict[str, tuple[bool, str]] = {
+    "--disable-log-requests": (False, "kvload serve logs no request's prompt or settings (the audit records each "
+                                      "request's events: --audit-log, /v1/kvload/audit)"),
+    "--enable-log-requests": (False, "kvload serve logs no request's prompt or settings; --log-level info adds one "
+                                     "access line per request, and the audit records each request's events"),
+    "--uvicorn-log-level": (True, "uvicorn logs at kvload's --log-level"),
+    "--disable-uvicorn-access-log": (False, "uvicorn's access log is written only at --log-level info or debug"),
+    "--disable-fastapi-docs": (False, "kvload serve has no /docs, /redoc or /openapi.json"),
+    "--enable-prompt-tokens-details": (False, "usage.prompt_tokens_details.cached_tokens is always sent"),
+}
+
+
 def add_serve_command(sub: Any) -> None:
     """``serve``: load, build the routed KV manager, answer OpenAI-style HTTP requests."""
     from kvload import cli
@@ -176,6 +190,13 @@ def add_serve_command(sub: Any) -> None:
                         "the command line shows in ps to every user of the machine: prefer $KVLOAD_API_KEY (one key; "
                         "vLLM's $VLLM_API_KEY is read when neither is given). --api-key=KEY takes exactly one (a key "
                         "may start with '-'). The audit says where the key came from, never the key")
+    for flag, (valued, _) in VLLM_SERVE_NOOP.items():  # a `vllm serve` command line runs; each is reported ignored
+        names = list(dict.fromkeys((flag, flag.replace("-", "_").replace("__", "--", 1))))
+        if valued:
+            g.add_argument(*names, dest="vllm__" + flag[2:], default=None, help=argparse.SUPPRESS)
+        else:
+            g.add_argument(*names, dest="vllm__" + flag[2:], action="store_true", default=None,
+                           help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_serve)
     # MODEL may come last in --api-key's values (`--api-key KEY MODEL`): optional to argparse, required by _finish
     (model,) = [a for a in p._actions if a.dest == "model"]
@@ -357,6 +378,14 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
             result.bus.emitter("serve")(SettingIgnored(
                 field="--json", value=True, reason="kvload serve prints no result document; its answers are the "
                                                    "HTTP API's JSON (--log-format json makes its log JSON)"))
+        if result.bus is not None:
+            from pipeline.events import SettingIgnored
+
+            for flag, (_, why) in VLLM_SERVE_NOOP.items():
+                value = getattr(ns, "vllm__" + flag[2:], None)
+                if value is not None:
+                    result.bus.emitter("serve")(SettingIgnored(field=flag, value=value,
+                                                               reason=f"a vLLM server flag: {why}"))
         if not ranks.is_first:
             return _follow(ns, result)
         if result.bus is not None:
