@@ -65,6 +65,21 @@ def _named(call: str) -> Iterator[None]:
         raise
 
 
+#: ``vllm.LLM`` attributes ``kvload.LLM`` does not have → what to use instead (the AttributeError says it).
+VLLM_ATTRIBUTES_NOT_TAKEN: dict[str, str] = {
+    "llm_engine": "the engine object; kvload's load is llm.result (its executor, kv_manager, scheduler, audit), "
+                  "the settings llm.args (llm.args.max_seq_len is vLLM's model_config.max_model_len), the tokenizer "
+                  "llm.get_tokenizer()",
+    **dict.fromkeys(("encode", "embed", "classify", "score", "reward"),
+                    "kvload generates text (no pooling, embedding or scoring models)"),
+    **dict.fromkeys(("sleep", "wake_up"), "kvload.LLM has no sleep mode; close() releases the pools and weights"),
+    **dict.fromkeys(("collective_rpc", "apply_model"),
+                    "kvload runs no user functions on its workers; the torch model is llm.result.hf_model"),
+    **dict.fromkeys(("start_profile", "stop_profile"), "profile a generate call with torch.profiler"),
+    "set_tokenizer": "kvload uses the checkpoint's own tokenizer",
+}
+
+
 class LLM:
     """A loaded model that generates through kvload's KV cache manager (``with LLM(...) as llm:``).
 
@@ -374,9 +389,16 @@ class LLM:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    def __getattr__(self, name: str) -> Any:
+        """Only for what is missing: vLLM's attributes kvload lacks are named with what to use instead."""
+        why = VLLM_ATTRIBUTES_NOT_TAKEN.get(name)
+        if why is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}", name=name, obj=self)
+        raise AttributeError(f"LLM.{name}: vLLM's, not kvload's: {why}", name=name, obj=self)
+
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self.route.kv_manager} on {self.args.device}"
         return f"LLM({self.args.model!r}, {state})"
 
 
-__all__ = ["DEFAULT_CPU_MAX_TOKENS", "LLM"]
+__all__ = ["DEFAULT_CPU_MAX_TOKENS", "LLM", "VLLM_ATTRIBUTES_NOT_TAKEN"]

@@ -218,6 +218,15 @@ def test_logprob_entries_carry_vllms_decoded_token(llm):
     assert all(v.decoded_token is None for e in bare.outputs[0].logprobs for v in e.values())
 
 
+def test_a_vllm_llm_attribute_kvload_lacks_says_what_to_use_instead(llm):
+    with pytest.raises(AttributeError, match=r"^LLM\.llm_engine: vLLM's, not kvload's: .*llm\.get_tokenizer\(\)$"):
+        llm.llm_engine.get_tokenizer()
+    with pytest.raises(AttributeError, match=r"^LLM\.embed: vLLM's, not kvload's: kvload generates text"):
+        llm.embed(["w5"])
+    assert not hasattr(llm, "llm_engine") and not hasattr(llm, "no_such_thing")
+    assert llm.result.kv_manager is not None and llm.args.max_seq_len == 64  # where the message points
+
+
 # --- SamplingParams -------------------------------------------------------------------------------
 
 
