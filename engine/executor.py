@@ -1003,7 +1003,7 @@ class GenerationExecutor:
             computed_prompt_tokens=sum(s.request.num_prompt_tokens - s.request.num_reused_tokens for s in samples),
             reused_prompt_tokens=sum(s.request.num_reused_tokens for s in samples),
             timings=GenerationTimings(first_token_s=first_token - first.queued_at, total_s=end - first.queued_at),
-            metrics=metrics)
+            metrics=metrics, num_cached_tokens=first.request.num_reused_tokens)
 
     # --- checks and bookkeeping ----------------------------------------------------------------
 

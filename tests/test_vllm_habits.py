@@ -177,7 +177,17 @@ def test_request_output_metrics_time_the_request_as_vllms_do(llm):
         assert m.first_token_latency == pytest.approx(out.timings.first_token_s)
         assert m.last_token_ts - m.queued_ts == pytest.approx(out.timings.total_s)
         assert m.num_generation_tokens == sum(len(c.token_ids) for c in out.outputs) == 8
-        assert out.num_cached_tokens == out.reused_prompt_tokens
+        assert out.num_cached_tokens <= len(out.prompt_token_ids)
+
+
+def test_num_cached_tokens_is_the_prompts_prefix_cache_hit_at_most_its_length_whatever_n(llm):
+    """vLLM's ``num_cached_tokens`` counts one request's prompt tokens found cached; it summed every sample's reuse
+    (the forks included), so with n samples it passed the prompt's length."""
+    ids = [[401, 402, 403, 404, 405, 406]]  # one full 4-token block, then 2 tokens
+    params = SamplingParams(max_tokens=2, temperature=1.0, n=3, seed=0, ignore_eos=True)
+    first, again = llm.generate(ids, params)[0], llm.generate(ids, params)[0]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == 4  # the full block, from the prefix cache
+    assert again.reused_prompt_tokens > len(ids[0])  # the forks' share is kvload's own count
 
 
 def test_completion_output_finished_is_a_method_as_in_vllm(llm):
