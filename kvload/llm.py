@@ -175,9 +175,9 @@ class LLM:
 
     # --- generating -----------------------------------------------------------------------------
 
-    def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: Any = None, salt: str | None = None, chat: bool | Mapping[str, Any] = False,
-                 priority: Sequence[int] | None = None, lora_request: Any = None,
+    def generate(self, prompts: Any = None, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, use_tqdm: Any = None, salt: str | None = None, chat: bool | Mapping[str, Any] = False,
+                 priority: Sequence[int] | None = None, lora_request: Any = None, prompt_token_ids: Any = None,
                  **sampling: Any) -> list[RequestOutput]:
         """One :class:`RequestOutput` per prompt, in order (a single prompt still gives a list of one).
 
@@ -189,9 +189,17 @@ class LLM:
         value is reported once as ``setting_ignored``. ``salt`` scopes prefix reuse (prompts under
         different salts never share cached blocks). ``priority``: vLLM's, one integer per prompt, lower served
         first (ties by arrival); it needs ``scheduling_policy="priority"`` (under "fcfs" only 0 is accepted).
-        ``lora_request``: vLLM's; kvload has no LoRA adapters, so only None is accepted.
+        ``lora_request``: vLLM's; kvload has no LoRA adapters, so only None is accepted. ``prompt_token_ids``: vLLM's
+        older way to give token ids (one list, or a list of them), in place of ``prompts``.
         """
         _no_lora("generate", lora_request)
+        if prompt_token_ids is not None:  # vLLM's legacy keyword (scripts written for vLLM before 0.10 pass it)
+            if prompts is not None:
+                raise GenerationError("generate: give the prompts as prompts or as prompt_token_ids, not both (a "
+                                      "text with its ids: {'prompt_token_ids': IDS})")
+            flat = isinstance(prompt_token_ids, Sequence) and bool(prompt_token_ids) and all(
+                is_int(t) for t in prompt_token_ids)
+            prompts = [prompt_token_ids] if flat else prompt_token_ids
         return self._generate("generate", prompts, sampling_params, use_tqdm, salt, chat, sampling, priority)
 
     def _generate(self, call: str, prompts: Any, sampling_params: Any, use_tqdm: Any, salt: str | None,

@@ -228,6 +228,16 @@ def test_logprob_entries_carry_vllms_decoded_token(llm):
     assert all(v.decoded_token is None for e in bare.outputs[0].logprobs for v in e.values())
 
 
+def test_vllms_legacy_prompt_token_ids_keyword_gives_the_prompts(llm):
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(IDS, sp)]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=IDS, sampling_params=sp)] == want
+    (one,) = llm.generate(sampling_params=sp, prompt_token_ids=IDS[0])  # one list of ids: one prompt
+    assert one.prompt_token_ids == IDS[0] and one.outputs[0].token_ids == want[0]
+    with pytest.raises(GenerationError, match="^generate: give the prompts as prompts or as prompt_token_ids"):
+        llm.generate(["w5"], sp, prompt_token_ids=IDS)
+
+
 def test_a_vllm_llm_attribute_kvload_lacks_says_what_to_use_instead(llm):
     with pytest.raises(AttributeError, match=r"^LLM\.llm_engine: vLLM's, not kvload's: .*llm\.get_tokenizer\(\)$"):
         llm.llm_engine.get_tokenizer()
