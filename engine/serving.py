@@ -489,7 +489,7 @@ class ServingEngine:
         req_id = request.req_id
         seed = None
         if not params.greedy:
-            seed = (params.seed if params.seed is not None else random.SystemRandom().getrandbits(62)) + seed_offset
+            seed = (params.seed if params.seed is not None else self._fresh_seed()) + seed_offset
         live = self._new_live(request, params, sink, seed)
         live.sample, live.samples, live.group = seed_offset, samples, req_id
         with self._cond:
@@ -501,6 +501,11 @@ class ServingEngine:
             self._inbox.append([live])
             self._cond.notify_all()
         return req_id
+
+    def _fresh_seed(self) -> int:
+        """An unseeded request's seed: the next of the engine seed's sequence (``kvload serve --seed``, vLLM's; an
+        ``LLM(seed=...)`` served in-process), so a run of requests repeats run to run; else fresh randomness."""
+        return (self.executor.call_seeds or random.SystemRandom()).getrandbits(62)
 
     def submit_group(self, prompt_token_ids: Sequence[int], params: SamplingParams,
                      sinks: Sequence[Callable[[ServeEvent], Any]], *, salt: str | None = None,
@@ -519,7 +524,7 @@ class ServingEngine:
         first = self.check(prompt_token_ids, params)
         base = None
         if not params.greedy:
-            base = params.seed if params.seed is not None else random.SystemRandom().getrandbits(62)
+            base = params.seed if params.seed is not None else self._fresh_seed()
         group = []
         for j, sink in enumerate(sinks):
             request = first if j == 0 else Request(f"srv-{next(self._ids)}", first.prompt_token_ids,

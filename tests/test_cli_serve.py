@@ -137,7 +137,7 @@ def test_a_vllm_serve_command_line_runs_and_says_what_it_ignores():
     """vLLM's engine and server flags with no kvload counterpart were "unrecognized arguments" (exit 2): each is taken
     and reported setting_ignored once, before the ready line."""
     flags = ("--enforce-eager", "--disable-log-requests", "--uvicorn-log-level", "warning", "--max-logprobs", "20",
-             "--enable-chunked-prefill", "--disable-log-stats")
+             "--enable-chunked-prefill", "--disable-log-stats", "--seed", "7")
     proc = _start_server(*flags)
     try:
         lines = []

@@ -98,6 +98,10 @@ def add_serve_command(sub: Any) -> None:
     g.add_argument("--port", default=8000, metavar="N",
                    type=cli._bounded(cli.integer, lambda v: 0 <= v <= 65535, "an integer in [0, 65535]"),
                    help="TCP port (default 8000; 0 = any free port)")
+    g.add_argument("--seed", default=None, metavar="N",
+                   type=cli._bounded(cli.integer, lambda v: 0 <= v <= MAX_INT, "an integer in [0, 2**63 - 1]"),
+                   help="vLLM's engine seed: a request without a seed of its own draws from one sequence it starts, so "
+                        "the same requests in the same order repeat run to run (default: fresh randomness)")
     g.add_argument("--served-model-name", "--served_model_name", dest="served_model_name", default=None,
                    metavar="NAME", type=_model_name,
                    help="the model name clients send and /v1/models lists (default: MODEL's name)")
@@ -386,6 +390,10 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
                 if value is not None:
                     result.bus.emitter("serve")(SettingIgnored(field=flag, value=value,
                                                                reason=f"a vLLM server flag: {why}"))
+        if ns.seed is not None:  # vLLM's engine seed, as LLM(seed=...): unseeded requests draw from its sequence
+            import random
+
+            result.executor.call_seeds, result.executor.llm_seed = random.Random(ns.seed), ns.seed
         if not ranks.is_first:
             return _follow(ns, result)
         if result.bus is not None:
