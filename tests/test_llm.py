@@ -421,7 +421,7 @@ def test_chat_takes_the_message_forms_the_server_takes_and_a_refusing_template_i
                  {"role": "assistant", "content": None},  # a turn that only called tools
                  {"role": "user", "content": "w9"}]
         (out,) = llm.chat(parts, params)
-        assert out.prompt == "w5 w17 w3  w9 w1"
+        assert out.prompt == "w5 w17 \nw3  w9 w1"  # text parts joined by a newline, as vLLM joins them
         with pytest.raises(GenerationError, match="chat template refused the conversation: Conversation roles must"):
             llm.chat([{"role": "user", "content": "w2"}, {"role": "user", "content": "w3"}], params)
         (again,) = llm.chat([{"role": "user", "content": "w2"}], params)  # the LLM is still usable
