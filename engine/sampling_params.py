@@ -462,8 +462,6 @@ VLLM_CALL_ARGUMENTS_NOT_TAKEN: dict[str, str] = {
     "prompt_adapter_request": "kvload has no prompt adapters",
     "guided_options_request": "vLLM's older argument; pass SamplingParams(structured_outputs=...)",
     "mm_processor_kwargs": "kvload serves text-only models",
-    "chat_template_content_format": "kvload takes message content as a string or OpenAI's text parts, whichever "
-                                    "is given",
 }
 
 

@@ -227,7 +227,8 @@ class LLM:
              use_tqdm: Any = None, salt: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template: str | None = None,
              chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
-             lora_request: Any = None, **sampling: Any) -> list[RequestOutput]:
+             lora_request: Any = None, chat_template_content_format: str = "auto",
+             **sampling: Any) -> list[RequestOutput]:
         """Reply to a conversation through the tokenizer's chat template (vLLM's ``LLM.chat``).
 
         ``messages``: one conversation (a list of ``{"role": ..., "content": ...}`` dicts) or a list of
@@ -237,9 +238,15 @@ class LLM:
         ``add_generation_prompt=False``), ``chat_template`` (a Jinja template in place of the tokenizer's) and
         ``chat_template_kwargs`` (extra template variables). ``tools``: vLLM's, OpenAI-style tool definitions handed
         to the template as its ``tools`` variable (the model may then write a call; ``kvload serve`` parses them).
-        The other arguments are :meth:`generate`'s.
+        ``chat_template_content_format``: vLLM's; kvload gives the template each message's content as a string (text
+        parts joined by newlines), vLLM's ``"string"``, which its ``"auto"`` picks for a text template: those two are
+        accepted, ``"openai"`` (the parts as a list) is refused. The other arguments are :meth:`generate`'s.
         """
         _no_lora("chat", lora_request)
+        if chat_template_content_format not in ("auto", "string"):
+            raise GenerationError("chat: chat_template_content_format: kvload gives the template each message's "
+                                  "content as a string (text parts joined by newlines, vLLM's 'string'); accepted: "
+                                  f"'auto' or 'string', got {short(chat_template_content_format)}")
         if tools is not None:
             if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
                 raise GenerationError(f"chat: tools: expected a list of tool definitions (dicts), got {tools!r}"[:200])

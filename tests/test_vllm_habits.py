@@ -238,6 +238,20 @@ def test_vllms_legacy_prompt_token_ids_keyword_gives_the_prompts(llm):
         llm.generate(["w5"], sp, prompt_token_ids=IDS)
 
 
+def test_chat_template_content_format_auto_and_string_are_what_kvload_does_and_openai_is_refused(llm):
+    conv = [{"role": "user", "content": [{"type": "text", "text": "w5"}, {"type": "text", "text": "w17"}]}]
+    sp = SamplingParams(max_tokens=2, ignore_eos=True)
+    template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    (plain,) = llm.chat(conv, sp, chat_template=template)
+    assert plain.prompt == "w5\nw17 "
+    for fmt in ("auto", "string"):
+        (out,) = llm.chat(conv, sp, chat_template=template, chat_template_content_format=fmt)
+        assert out.prompt == plain.prompt
+    with pytest.raises(GenerationError, match="^chat: chat_template_content_format: .*accepted: 'auto' or 'string', "
+                                              "got 'openai'$"):
+        llm.chat(conv, sp, chat_template=template, chat_template_content_format="openai")
+
+
 def test_a_vllm_llm_attribute_kvload_lacks_says_what_to_use_instead(llm):
     with pytest.raises(AttributeError, match=r"^LLM\.llm_engine: vLLM's, not kvload's: .*llm\.get_tokenizer\(\)$"):
         llm.llm_engine.get_tokenizer()
