@@ -980,8 +980,10 @@ class GenerationExecutor:
             req = s.request
             cumulative = sum(lp[t] for lp, t in zip(s.logprobs, req.output_token_ids, strict=True)) \
                 if s.logprobs is not None else None
+            # detokenize=False: "" as vLLM's text (a str); None only where the model has no tokenizer (a preset)
+            text = s.text.text if s.text is not None else "" if self.tokenizer is not None else None
             completions.append(CompletionOutput(
-                index=s.sample, text=s.text.text if s.text is not None else None,
+                index=s.sample, text=text,
                 token_ids=list(req.output_token_ids), cumulative_logprob=cumulative, logprobs=s.logprobs,
                 finish_reason=s.finish_reason, stop_reason=s.stop_reason))
         for s in samples:
