@@ -128,6 +128,23 @@ class BeamSequence:
     finish_reason: str  # "stop": it ended with EOS; "length": it reached max_tokens
     text: str | None = None
     logprobs: list[dict[int, float]] | None = None
+    #: the prompt's ids (vLLM's ``tokens`` begin with them); the output's ``prompt_token_ids`` too
+    prompt_token_ids: tuple[int, ...] = attrs.field(default=(), repr=False)
+
+    @property
+    def tokens(self) -> list[int]:
+        """vLLM's ``BeamSearchSequence.tokens``: the whole sequence, the prompt's ids then the generated ones."""
+        return [*self.prompt_token_ids, *self.token_ids]
+
+    @property
+    def cum_logprob(self) -> float:
+        """vLLM's name for :attr:`cumulative_logprob`."""
+        return self.cumulative_logprob
+
+    @property
+    def stop_reason(self) -> None:
+        """vLLM's: None (a hypothesis ends at EOS or max_tokens; beam search takes no stop strings or ids)."""
+        return None
 
 
 @attrs.frozen
@@ -447,7 +464,8 @@ class BeamSearch:
         hyps = p.done + [(tokens, cum, "length", trail) for tokens, cum, trail in p.final or []]
         scored = sorted(((cum / max(1, len(tokens)) ** self.params.length_penalty, tokens, cum, why, trail)
                          for tokens, cum, why, trail in hyps), key=lambda h: -h[0])[:self.k]
-        sequences = tuple(BeamSequence(tokens, cum, score, why, _decode(self.executor, tokens), _entries(trail))
+        sequences = tuple(BeamSequence(tokens, cum, score, why, _decode(self.executor, tokens), _entries(trail),
+                                       tuple(p.ids))
                           for score, tokens, cum, why, trail in scored)
         return BeamSearchOutput(p.text, tuple(p.ids), sequences)
 

@@ -68,7 +68,7 @@ from engine.prompts import (
     normalize,
     template_options,
 )
-from engine.sampling import eos_token_ids, sample_rows, top_logprobs
+from engine.sampling import Logprob, eos_token_ids, sample_rows, top_logprobs
 from engine.sampling_params import (
     SamplingParams,
     check,
@@ -157,6 +157,7 @@ class GenerationExecutor:
         self.manager = manager
         self.scheduler = scheduler
         self.tokenizer = tokenizer
+        self._token_texts: dict[int, str] = {}  # token id -> its text, for Logprob.decoded_token (at most the vocab)
         self.name = name
         self.pools = manager.pools
         self.groups = [g.name for g in manager.layout.groups]
@@ -456,10 +457,12 @@ class GenerationExecutor:
                 presence_penalty=float(p0.presence_penalty), frequency_penalty=float(p0.frequency_penalty),
                 min_tokens=p0.min_tokens, min_p=float(p0.min_p), model_defaults=defaulted, llm_seed=self.llm_seed,
                 structured_outputs=p0.structured_outputs.describe() if p0.structured_outputs is not None else None))
+            eos_silent = self.eos_decodes_to_nothing()  # include_stop_str_in_output keeps an EOS no text shows
             has_text = self.tokenizer is not None  # a setting that does nothing (greedy draws nothing: a seed, top-p,
             for p in {id(p): p for p in params}.values():  # top-k or n; a text setting with no text) is said to
                 dropped = p.structured_outputs.ignored_settings() if p.structured_outputs is not None else []
-                for name, value, why in (greedy_ignored(p, model_defaults=defaulted) + inert_settings(p, has_text)
+                for name, value, why in (greedy_ignored(p, model_defaults=defaulted)
+                                         + inert_settings(p, has_text, eos_silent)
                                          + dropped):  # ... and what a schema holds that xgrammar does not enforce
                     self._event(SettingIgnored(field=f"generate.{name}", value=value, reason=why))
             unscoped = self.salt_ignored() if salt is not None else None  # with reuse off a salt would do nothing
@@ -661,7 +664,8 @@ class GenerationExecutor:
                 req_id = f"{call}.{i}" if p.n == 1 else f"{call}.{i}.{j}"
                 # a scored prompt is prefilled whole by its first sample (a cached prefix computes no logits), whose
                 # blocks are cached as any request's: the later samples, and later requests, reuse them
-                request = Request(req_id, ids, min(p.max_tokens, room), salt=salt,
+                cap = room if p.max_tokens is None else min(p.max_tokens, room)  # None: vLLM's "up to the context"
+                request = Request(req_id, ids, cap, salt=salt,
                                   skip_prefix_read=p.prompt_logprobs is not None and j == 0,
                                   priority=ranks[i] if ranks is not None else 0)
                 if j == 0:
@@ -720,6 +724,12 @@ class GenerationExecutor:
         """Why the manager shares no prefix between requests, or None when prefix reuse is on."""
         off = getattr(self.manager, "reuse_off_reason", None)  # V2 says why (a layout that cannot be keyed, ...)
         return off or (None if self.manager.options.enable_block_reuse else "enable_block_reuse is false")
+
+    def eos_decodes_to_nothing(self) -> bool:
+        """Whether every EOS id is a special token, whose text ``skip_special_tokens`` leaves out (so keeping it under
+        ``include_stop_str_in_output`` shows nothing)."""
+        special = set(getattr(self.tokenizer, "all_special_ids", None) or ())
+        return all(t in special for t in self.eos_token_ids)
 
     def salt_ignored(self) -> str | None:
         """Why a reuse salt does nothing here (the manager shares no prefix between requests), or None when it
@@ -928,8 +938,11 @@ class GenerationExecutor:
                 live.finish_reason = live.request.finish_reason or "length"
             if live.text is not None:
                 ids = tokens
-                if ended and live.finish_reason == "stop" and not isinstance(live.stop_reason, str):
-                    ids = tokens[:-1]  # the EOS or stop token that ended it is not part of the text
+                if (ended and live.finish_reason == "stop" and not isinstance(live.stop_reason, str)
+                        and not live.params.include_stop_str_in_output):
+                    ids = tokens[:-1]  # the EOS or stop token that ended it is not part of the text (vLLM: unless
+                    # include_stop_str_in_output, which keeps it, decoded as any token: a special one shows only
+                    # with skip_special_tokens false)
                 if ended:
                     live.text.update(ids, final=True)
                 elif on_delta is not None:
@@ -939,9 +952,25 @@ class GenerationExecutor:
                 output = outputs[live.index] = self._output([s for s in lives if s.index == live.index])
             if on_delta is not None:
                 text = live.text.delta(final=ended) if live.text is not None else ""
+                self._name_tokens(new_logprobs, live.params)
                 on_delta(TokenDelta(live.index, live.sample, list(new), text, new_logprobs,
                                     live.finish_reason if ended else None,
                                     live.stop_reason if ended else None, output))
+
+    def _name_tokens(self, entries: Sequence[Mapping[int, Any] | None] | None, params: SamplingParams) -> None:
+        """vLLM's ``Logprob.decoded_token`` on each entry's values: the token's text with special tokens shown (the
+        server's token text), decoded once per token id; left None without a tokenizer or with ``detokenize=False``."""
+        if entries is None or self.tokenizer is None or not params.detokenize:
+            return
+        texts = self._token_texts
+        for entry in entries:
+            for token, logprob in (entry or {}).items():
+                if isinstance(logprob, Logprob) and logprob.decoded_token is None:
+                    text = texts.get(token)
+                    if text is None:
+                        text = texts[token] = self.tokenizer.decode([token], skip_special_tokens=False,
+                                                                    clean_up_tokenization_spaces=False)
+                    logprob.decoded_token = text
 
     def _output(self, samples: list[_Live]) -> RequestOutput:
         """The RequestOutput of one prompt whose samples all finished."""
@@ -951,10 +980,15 @@ class GenerationExecutor:
             req = s.request
             cumulative = sum(lp[t] for lp, t in zip(s.logprobs, req.output_token_ids, strict=True)) \
                 if s.logprobs is not None else None
+            # detokenize=False: "" as vLLM's text (a str); None only where the model has no tokenizer (a preset)
+            text = s.text.text if s.text is not None else "" if self.tokenizer is not None else None
             completions.append(CompletionOutput(
-                index=s.sample, text=s.text.text if s.text is not None else None,
+                index=s.sample, text=text,
                 token_ids=list(req.output_token_ids), cumulative_logprob=cumulative, logprobs=s.logprobs,
                 finish_reason=s.finish_reason, stop_reason=s.stop_reason))
+        for s in samples:
+            self._name_tokens(s.logprobs, s.params)
+        self._name_tokens(first.prompt_logprobs, first.params)
         started = [s.first_token_at for s in samples if s.first_token_at is not None]
         end = max(s.finished_at for s in samples)
         first_token = min(started) if started else end
@@ -971,7 +1005,7 @@ class GenerationExecutor:
             computed_prompt_tokens=sum(s.request.num_prompt_tokens - s.request.num_cached_tokens for s in samples),
             reused_prompt_tokens=sum(s.request.num_cached_tokens for s in samples),
             timings=GenerationTimings(first_token_s=first_token - first.queued_at, total_s=end - first.queued_at),
-            metrics=metrics)
+            metrics=metrics, num_cached_tokens=first.request.num_cached_tokens)
 
     # --- checks and bookkeeping ----------------------------------------------------------------
 

@@ -45,8 +45,8 @@ def chat_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
 
 def chat_message(i: int, m: Any) -> dict[str, Any]:
     """Message ``i`` checked and as the chat template gets it: role (``developer`` read as ``system``), content (a
-    string; text parts joined; an assistant's null is ``""``), and the name, tool calls and tool call id it carries;
-    ``MessageError`` naming the field."""
+    string; text parts joined by newlines, as vLLM joins them; an assistant's null is ``""``), and the name, tool
+    calls and tool call id it carries; ``MessageError`` naming the field."""
     _need(isinstance(m, Mapping) and isinstance(m.get("role"), str), f"messages[{i}]", "an object with a string role",
           m)
     _need(m["role"] in ROLES, f"messages[{i}].role", f"{', '.join(ROLES[:-1])} or {ROLES[-1]}", m["role"])
@@ -59,7 +59,7 @@ def chat_message(i: int, m: Any) -> dict[str, Any]:
             _need(isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str),
                   f"messages[{i}].content[{j}]", 'a {"type": "text", "text": ...} part (text only)', part)
             parts.append(part["text"])
-        content = "".join(parts)
+        content = "\n".join(parts)  # vLLM's (and TensorRT-LLM's) join of text parts for a string-content template
     _need(isinstance(content, str), f"messages[{i}].content", "a string or a list of text parts", content)
     carried = CARRIED.get(m["role"], ())
     # null is "not given": a message the openai client built, model_dump()ed, has refusal, audio, ... as null

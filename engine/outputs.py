@@ -116,11 +116,9 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     #: vLLM's ``metrics``: queue, admission and token times (None only where built without them)
     metrics: RequestMetrics | None = None
-
-    @property
-    def num_cached_tokens(self) -> int:
-        """vLLM's name for :attr:`reused_prompt_tokens`."""
-        return self.reused_prompt_tokens
+    #: vLLM's: the prompt tokens whose KV the prefix cache held, at most the prompt's length (the first sample's reuse;
+    #: ``reused_prompt_tokens`` also counts what the other samples forked from it)
+    num_cached_tokens: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """Plain form for ``--json``."""

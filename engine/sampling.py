@@ -65,18 +65,20 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generat
 
 
 class Logprob(float):
-    """One token's log-probability: a float, with vLLM's ``Logprob`` attributes ``logprob`` (the same value) and
-    ``rank`` (its 1-based rank in the vocabulary), so ``entry[token].logprob`` reads as it does in vLLM."""
+    """One token's log-probability: a float, with vLLM's ``Logprob`` attributes ``logprob`` (the same value),
+    ``rank`` (its 1-based rank in the vocabulary) and ``decoded_token`` (the token's text, special tokens shown; None
+    without a tokenizer or with ``detokenize=False``), so ``entry[token].logprob`` reads as it does in vLLM."""
 
-    __slots__ = ("rank",)
+    __slots__ = ("decoded_token", "rank")
 
-    def __new__(cls, value: float, rank: int) -> Logprob:
+    def __new__(cls, value: float, rank: int, decoded_token: str | None = None) -> Logprob:
         self = super().__new__(cls, value)
         self.rank = rank
+        self.decoded_token = decoded_token
         return self
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (Logprob, (float(self), self.rank))
+        return (Logprob, (float(self), self.rank, self.decoded_token))
 
     @property
     def logprob(self) -> float:

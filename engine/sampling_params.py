@@ -41,6 +41,10 @@ from pipeline.limits import (
 #: share it (vLLM defaults to 16, TensorRT-LLM to 32; 64 lets a short chat reply finish).
 DEFAULT_MAX_TOKENS = 64
 
+#: ``max_tokens`` not given (it is then :data:`DEFAULT_MAX_TOKENS`); a ``max_tokens`` of None is vLLM's "up to the
+#: context length": as many tokens as ``max_seq_len`` leaves after the prompt
+_NOT_GIVEN: Any = type("_NotGiven", (), {"__repr__": lambda self: "<not given>"})()
+
 
 def _is_bool(v: Any) -> bool:
     return isinstance(v, bool) or type(v).__name__ == "bool_"  # numpy's bool is no int subclass, but still a flag
@@ -239,7 +243,7 @@ class SamplingParams:
     choices or a grammar (``engine.structured``; needs xgrammar and a tokenizer).
     """
 
-    max_tokens: int = DEFAULT_MAX_TOKENS
+    max_tokens: int | None = DEFAULT_MAX_TOKENS
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -266,7 +270,7 @@ class SamplingParams:
     #: ``bad_words`` as token id sequences, set by the executor from its tokenizer (vLLM's ``_bad_words_token_ids``)
     _bad_words_token_ids: tuple[tuple[int, ...], ...] = attrs.field(default=(), init=False, eq=False, repr=False)
 
-    def __init__(self, *, max_tokens: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
+    def __init__(self, *, max_tokens: int | None = _NOT_GIVEN, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | None = None, stop: str | Sequence[str] | None = None,
                  stop_token_ids: Sequence[int] | None = None, n: int = 1, logprobs: int | None = None,
                  ignore_eos: bool = False, max_new_tokens: int | None = None, repetition_penalty: float = 1.0,
@@ -277,23 +281,25 @@ class SamplingParams:
                  allowed_token_ids: Sequence[int] | None = None, bad_words: Sequence[str] | None = None,
                  structured_outputs: StructuredOutputsParams | None = None, detokenize: bool = True,
                  **unknown: Any) -> None:
-        """Keywords only (the field order may grow); ``max_new_tokens`` is an alias of ``max_tokens``."""
+        """Keywords only (the field order may grow); ``max_new_tokens`` is an alias of ``max_tokens``; ``max_tokens``
+        None (vLLM's): no cap but the context, as many tokens as ``max_seq_len`` leaves after the prompt."""
         if unknown:
             raise GenerationError(unknown_field(next(iter(unknown))))
         length_name = "max_tokens"
         if max_new_tokens is not None:
-            if max_tokens is not None and max_tokens != max_new_tokens:
+            if max_tokens is not _NOT_GIVEN and max_tokens is not None and max_tokens != max_new_tokens:
                 raise GenerationError(f"generate: max_tokens={max_tokens!r} and max_new_tokens={max_new_tokens!r}: "
                                       "they are one setting (max_new_tokens is an alias); give one")
             max_tokens, length_name = max_new_tokens, "max_new_tokens"
-        if max_tokens is None:
+        if max_tokens is _NOT_GIVEN:
             max_tokens = DEFAULT_MAX_TOKENS
         # numpy scalars (an n, a seed or a temperature taken from an array) count as numbers, stored as Python's
         max_tokens, top_k, seed, n, logprobs, min_tokens, prompt_logprobs = map(
             _plain_int, (max_tokens, top_k, seed, n, logprobs, min_tokens, prompt_logprobs))
         temperature, top_p, repetition_penalty, presence_penalty, frequency_penalty, min_p = map(
             _plain_number, (temperature, top_p, repetition_penalty, presence_penalty, frequency_penalty, min_p))
-        check(is_int(max_tokens) and max_tokens >= 1, length_name, "an integer >= 1", max_tokens)
+        check(max_tokens is None or (is_int(max_tokens) and max_tokens >= 1), length_name, "an integer >= 1",
+              max_tokens)
         _at_most_int64(length_name, max_tokens)
         self.__attrs_init__(max_tokens, temperature, top_p, top_k, seed, _strings(stop), _ints(stop_token_ids), n,
                             logprobs, ignore_eos, repetition_penalty, presence_penalty, frequency_penalty,
@@ -334,7 +340,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             check(is_number(value) and -2 <= value <= 2, name, "a number in [-2, 2] (0 = off)", value)
-        check(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+        most = MAX_INT if self.max_tokens is None else self.max_tokens
+        check(is_int(self.min_tokens) and 0 <= self.min_tokens <= most, "min_tokens",
               f"an integer in [0, max_tokens={self.max_tokens}]", self.min_tokens)
         check(is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "a number in [0, 1] (0 = off)", self.min_p)
 
@@ -366,8 +373,8 @@ class SamplingParams:
                                   "use stop_token_ids, or detokenize=True")
 
     def clone(self) -> SamplingParams:
-        """A deep copy (vLLM's ``SamplingParams.clone``): a frozen SamplingParams is never changed in place, but its
-        ``logit_bias`` dict and structured outputs spec are the copy's own."""
+        """A deep copy (vLLM's ``SamplingParams.clone``): its fields, ``logit_bias`` dict and structured outputs spec
+        are the copy's own, so setting one (``copy.max_tokens = 8``) leaves the original alone."""
         return copy.deepcopy(self)
 
     @classmethod
@@ -393,7 +400,7 @@ class SamplingParams:
         return params
 
     @property
-    def max_new_tokens(self) -> int:
+    def max_new_tokens(self) -> int | None:
         """Alias of :attr:`max_tokens` (transformers' spelling)."""
         return self.max_tokens
 
@@ -455,13 +462,26 @@ VLLM_CALL_ARGUMENTS_NOT_TAKEN: dict[str, str] = {
     "prompt_adapter_request": "kvload has no prompt adapters",
     "guided_options_request": "vLLM's older argument; pass SamplingParams(structured_outputs=...)",
     "mm_processor_kwargs": "kvload serves text-only models",
-    "chat_template_content_format": "kvload takes message content as a string or OpenAI's text parts, whichever "
-                                    "is given",
 }
 
 
 def _known_keywords() -> set[str]:
     return {a.name for a in attrs.fields(SamplingParams) if a.init} | {"max_new_tokens"}
+
+
+def _set_field(self: SamplingParams, name: str, value: Any) -> None:
+    """``params.max_tokens = 256``: vLLM's SamplingParams is mutable and its examples set fields on the default params
+    (``llm.get_default_sampling_params()``); the new value is checked with the others as the constructor checks it, and
+    a bad one changes nothing."""
+    name = "max_tokens" if name == "max_new_tokens" else name
+    if name not in _known_keywords():
+        raise GenerationError(unknown_field(name))
+    checked = attrs.evolve(self, **{name: value})  # the constructor's conversions (a stop string to a tuple) and checks
+    for field in attrs.fields(SamplingParams):  # _bad_words_token_ids too: the executor derives it again each call
+        object.__setattr__(self, field.name, getattr(checked, field.name))
+
+
+SamplingParams.__setattr__ = _set_field  # type: ignore[method-assign,assignment]
 
 
 def unknown_field(name: str) -> str:
@@ -516,15 +536,25 @@ def greedy_ignored(params: SamplingParams, n: int | None = None,
     return [(name, value, why) for name, value, unset, why in asked if value != unset and name not in model_defaults]
 
 
-def inert_settings(params: SamplingParams, has_tokenizer: bool) -> list[tuple[str, Any, str]]:
+def inert_settings(params: SamplingParams, has_tokenizer: bool,
+                   eos_special: bool = True) -> list[tuple[str, Any, str]]:
     """The settings in ``params`` that can change nothing whatever the model does, each as (name, value, why): the
     text settings where there is no text or no stop string, ``min_tokens`` where nothing could end a sample early.
-    Reported as ``setting_ignored`` beside :func:`greedy_ignored`'s, by the Python API and ``kvload serve``."""
+    Reported as ``setting_ignored`` beside :func:`greedy_ignored`'s, by the Python API and ``kvload serve``.
+    ``eos_special``: every EOS id is a special token (``skip_special_tokens`` leaves its text out)."""
     out = []
     no_text = ("the model has no tokenizer: there is no text" if not has_tokenizer
                else "detokenize is false: there is no text" if not params.detokenize else None)
-    if params.include_stop_str_in_output and not params.stop:
-        out.append(("include_stop_str_in_output", True, "no stop strings: there is no stop string to keep"))
+    # it keeps a stop string, and (vLLM's) the text of the stop token id or EOS that ended a sample: EOS shows only with
+    # skip_special_tokens false (a special token decodes to nothing otherwise) and ends nothing under ignore_eos
+    if params.include_stop_str_in_output:
+        eos_silent = params.ignore_eos or (params.skip_special_tokens and eos_special)
+        if not params.stop and not params.stop_token_ids and eos_silent:
+            eos = "ends nothing (ignore_eos)" if params.ignore_eos else "decodes to nothing (skip_special_tokens)"
+            out.append(("include_stop_str_in_output", True,
+                        f"no stop strings or stop token ids, and EOS {eos}: there is no stop text to keep"))
+        elif no_text is not None:
+            out.append(("include_stop_str_in_output", True, no_text))
     if not params.skip_special_tokens and no_text is not None:
         out.append(("skip_special_tokens", False, no_text))
     if not params.spaces_between_special_tokens:

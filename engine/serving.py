@@ -435,7 +435,8 @@ class ServingEngine:
         choices per prompt; ``model_defaults``: fields the request did not send, which hold the model's default),
         settings that can change nothing (``inert_settings``), and a reuse ``salt`` while prefix reuse is off."""
         where = f" (request {request})" if request else ""
-        ignored = greedy_ignored(params, n, model_defaults) + inert_settings(params, self.tokenizer is not None)
+        ignored = greedy_ignored(params, n, model_defaults) + inert_settings(params, self.tokenizer is not None,
+                                                                         self.executor.eos_decodes_to_nothing())
         events = [SettingIgnored(field=f"serve.{name}", value=value, reason=why + where)
                   for name, value, why in ignored]
         unscoped = self.executor.salt_ignored() if salt is not None else None

@@ -193,6 +193,11 @@ VLLM_KNOB_FLAGS: tuple[tuple[str, str, Callable[[str], Any] | None, str | None],
     ("--cpu-offload-gb", "cpu_offload_gb", number, "GIB"),
     ("--hf-overrides", "hf_overrides", json_object, "JSON"),
     ("--trust-remote-code", "trust_remote_code", None, None),
+    ("--disable-async-output-proc", "disable_async_output_proc", None, None),
+    ("--skip-tokenizer-init", "skip_tokenizer_init", None, None),
+    ("--tokenizer", "tokenizer", str, "NAME"),
+    ("--tokenizer-mode", "tokenizer_mode", str, "MODE"),
+    ("--revision", "revision", str, "REV"),
 )
 
 

@@ -65,6 +65,21 @@ def _named(call: str) -> Iterator[None]:
         raise
 
 
+#: ``vllm.LLM`` attributes ``kvload.LLM`` does not have → what to use instead (the AttributeError says it).
+VLLM_ATTRIBUTES_NOT_TAKEN: dict[str, str] = {
+    "llm_engine": "the engine object; kvload's load is llm.result (its executor, kv_manager, scheduler, audit), "
+                  "the settings llm.args (llm.args.max_seq_len is vLLM's model_config.max_model_len), the tokenizer "
+                  "llm.get_tokenizer()",
+    **dict.fromkeys(("encode", "embed", "classify", "score", "reward"),
+                    "kvload generates text (no pooling, embedding or scoring models)"),
+    **dict.fromkeys(("sleep", "wake_up"), "kvload.LLM has no sleep mode; close() releases the pools and weights"),
+    **dict.fromkeys(("collective_rpc", "apply_model"),
+                    "kvload runs no user functions on its workers; the torch model is llm.result.hf_model"),
+    **dict.fromkeys(("start_profile", "stop_profile"), "profile a generate call with torch.profiler"),
+    "set_tokenizer": "kvload uses the checkpoint's own tokenizer",
+}
+
+
 class LLM:
     """A loaded model that generates through kvload's KV cache manager (``with LLM(...) as llm:``).
 
@@ -160,9 +175,9 @@ class LLM:
 
     # --- generating -----------------------------------------------------------------------------
 
-    def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: Any = None, salt: str | None = None, chat: bool | Mapping[str, Any] = False,
-                 priority: Sequence[int] | None = None, lora_request: Any = None,
+    def generate(self, prompts: Any = None, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, use_tqdm: Any = None, salt: str | None = None, chat: bool | Mapping[str, Any] = False,
+                 priority: Sequence[int] | None = None, lora_request: Any = None, prompt_token_ids: Any = None,
                  **sampling: Any) -> list[RequestOutput]:
         """One :class:`RequestOutput` per prompt, in order (a single prompt still gives a list of one).
 
@@ -174,9 +189,17 @@ class LLM:
         value is reported once as ``setting_ignored``. ``salt`` scopes prefix reuse (prompts under
         different salts never share cached blocks). ``priority``: vLLM's, one integer per prompt, lower served
         first (ties by arrival); it needs ``scheduling_policy="priority"`` (under "fcfs" only 0 is accepted).
-        ``lora_request``: vLLM's; kvload has no LoRA adapters, so only None is accepted.
+        ``lora_request``: vLLM's; kvload has no LoRA adapters, so only None is accepted. ``prompt_token_ids``: vLLM's
+        older way to give token ids (one list, or a list of them), in place of ``prompts``.
         """
         _no_lora("generate", lora_request)
+        if prompt_token_ids is not None:  # vLLM's legacy keyword (scripts written for vLLM before 0.10 pass it)
+            if prompts is not None:
+                raise GenerationError("generate: give the prompts as prompts or as prompt_token_ids, not both (a "
+                                      "text with its ids: {'prompt_token_ids': IDS})")
+            flat = isinstance(prompt_token_ids, Sequence) and bool(prompt_token_ids) and all(
+                is_int(t) for t in prompt_token_ids)
+            prompts = [prompt_token_ids] if flat else prompt_token_ids
         return self._generate("generate", prompts, sampling_params, use_tqdm, salt, chat, sampling, priority)
 
     def _generate(self, call: str, prompts: Any, sampling_params: Any, use_tqdm: Any, salt: str | None,
@@ -204,7 +227,8 @@ class LLM:
              use_tqdm: Any = None, salt: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template: str | None = None,
              chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
-             lora_request: Any = None, **sampling: Any) -> list[RequestOutput]:
+             lora_request: Any = None, chat_template_content_format: str = "auto",
+             **sampling: Any) -> list[RequestOutput]:
         """Reply to a conversation through the tokenizer's chat template (vLLM's ``LLM.chat``).
 
         ``messages``: one conversation (a list of ``{"role": ..., "content": ...}`` dicts) or a list of
@@ -214,9 +238,15 @@ class LLM:
         ``add_generation_prompt=False``), ``chat_template`` (a Jinja template in place of the tokenizer's) and
         ``chat_template_kwargs`` (extra template variables). ``tools``: vLLM's, OpenAI-style tool definitions handed
         to the template as its ``tools`` variable (the model may then write a call; ``kvload serve`` parses them).
-        The other arguments are :meth:`generate`'s.
+        ``chat_template_content_format``: vLLM's; kvload gives the template each message's content as a string (text
+        parts joined by newlines), vLLM's ``"string"``, which its ``"auto"`` picks for a text template: those two are
+        accepted, ``"openai"`` (the parts as a list) is refused. The other arguments are :meth:`generate`'s.
         """
         _no_lora("chat", lora_request)
+        if chat_template_content_format not in ("auto", "string"):
+            raise GenerationError("chat: chat_template_content_format: kvload gives the template each message's "
+                                  "content as a string (text parts joined by newlines, vLLM's 'string'); accepted: "
+                                  f"'auto' or 'string', got {short(chat_template_content_format)}")
         if tools is not None:
             if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
                 raise GenerationError(f"chat: tools: expected a list of tool definitions (dicts), got {tools!r}"[:200])
@@ -374,9 +404,16 @@ class LLM:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    def __getattr__(self, name: str) -> Any:
+        """Only for what is missing: vLLM's attributes kvload lacks are named with what to use instead."""
+        why = VLLM_ATTRIBUTES_NOT_TAKEN.get(name)
+        if why is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}", name=name, obj=self)
+        raise AttributeError(f"LLM.{name}: vLLM's, not kvload's: {why}", name=name, obj=self)
+
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self.route.kv_manager} on {self.args.device}"
         return f"LLM({self.args.model!r}, {state})"
 
 
-__all__ = ["DEFAULT_CPU_MAX_TOKENS", "LLM"]
+__all__ = ["DEFAULT_CPU_MAX_TOKENS", "LLM", "VLLM_ATTRIBUTES_NOT_TAKEN"]

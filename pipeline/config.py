@@ -224,6 +224,8 @@ opt_bool = _check(lambda v: v is None or isinstance(v, bool), "true, false or nu
 
 
 def _norm_dtype(v: Any) -> Any:
+    if type(v).__module__ == "torch" and type(v).__name__ == "dtype":  # vLLM takes torch.float16 too (no torch import
+        v = str(v).removeprefix("torch.")  # here: the config layer stays light)
     return normalize_dtype(v) if isinstance(v, str) else v
 
 

@@ -363,7 +363,7 @@ class GenerationStarted(Event):
     call: int  # 0 for the first generate call on a loaded result, then 1, 2, ...
     requests: int  # sequences: every sample of every prompt
     prompt_tokens: int
-    max_new_tokens: int
+    max_new_tokens: int | None  # None: up to max_seq_len (SamplingParams(max_tokens=None), vLLM's)
     temperature: float
     top_p: float
     seed: int | None

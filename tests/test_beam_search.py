@@ -171,6 +171,9 @@ def test_llm_beam_search_returns_texts_like_vllm(tiny_checkpoints, tmp_path):
         assert len(out.sequences) == 2 and out.sequences[0].token_ids != out.sequences[1].token_ids
         for s in out.sequences:
             assert s.text == " ".join(f"w{t}" for t in s.token_ids)
+            # vLLM's BeamSearchSequence names: the whole sequence, the summed log-probability, no stop string or id
+            assert s.tokens == [*out.prompt_token_ids, *s.token_ids] and out.prompt_token_ids[-4:] == (5, 17, 300, 42)
+            assert (s.cum_logprob, s.stop_reason) == (s.cumulative_logprob, None)
 
 
 def test_a_width_past_ten_still_gets_its_2k_alternatives_a_step(tiny_checkpoints):

@@ -133,6 +133,29 @@ def test_json_says_it_is_ignored_by_serve():
         reap(proc)
 
 
+def test_a_vllm_serve_command_line_runs_and_says_what_it_ignores():
+    """vLLM's engine and server flags with no kvload counterpart were "unrecognized arguments" (exit 2): each is taken
+    and reported setting_ignored once, before the ready line (--uvicorn-log-level acts: it is uvicorn's level)."""
+    flags = ("--enforce-eager", "--disable-log-requests", "--uvicorn-log-level", "warning", "--max-logprobs", "20",
+             "--enable-chunked-prefill", "--disable-log-stats", "--seed", "7")
+    proc = _start_server(*flags)
+    try:
+        lines = []
+        deadline = time.monotonic() + 120
+        while not lines or " at http://" not in lines[-1]:
+            assert time.monotonic() < deadline and proc.poll() is None, f"server did not start: {lines}"
+            lines.append(proc.stderr.readline())
+        ignored = " ".join(line for line in lines if "setting_ignored" in line)
+        for field in ("enforce_eager", "--disable-log-requests", "max_logprobs", "enable_chunked_prefill",
+                      "disable_log_stats"):
+            assert f"field={field} " in ignored, (field, lines)
+        assert "field=--uvicorn-log-level" not in ignored
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        reap(proc)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_a_signal_sent_as_the_ready_line_appears_stops_the_server(signum, tmp_path):
     """The ready line tells a service manager the server runs, so a stop may come at once: it came before uvicorn

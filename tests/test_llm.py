@@ -71,6 +71,15 @@ def test_top_k_draws_only_among_the_k_most_likely_tokens(llm):
     assert all(t in top3[i].tolist() for i, t in enumerate(out.outputs[0].token_ids))
 
 
+def test_max_tokens_none_generates_up_to_the_context_length_as_in_vllm(llm):
+    """vLLM's ``max_tokens=None``: no cap but the context (it gave kvload's default of 64 tokens, silently)."""
+    assert SamplingParams().max_tokens == 64 and SamplingParams(max_tokens=None).max_tokens is None
+    room = llm.result.executor.max_seq_len - 13  # PROMPT's 13 tokens
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=None, ignore_eos=True, min_tokens=3))[0].outputs[0]
+    assert (len(out.token_ids), out.finish_reason) == (room, "length")
+    assert llm.audit.of("generation_started")[-1]["max_new_tokens"] is None
+
+
 # --- stopping -------------------------------------------------------------------------------------
 
 
@@ -117,6 +126,26 @@ def test_include_stop_str_in_output_keeps_the_stop_string_and_skip_special_token
     forced = greedy(llm, n=3, logit_bias={0: 100})
     assert forced.token_ids == [0, 0, 0] and forced.text == ""
     assert greedy(llm, n=3, logit_bias={0: 100}, skip_special_tokens=False).text == "w0 w0 w0"
+
+
+def test_include_stop_str_in_output_keeps_the_stop_token_or_eos_that_ended_the_sample_in_the_text(llm):
+    """vLLM's rule: the token that ended a sample (a stop token id, or EOS) is decoded into ``.text`` under
+    ``include_stop_str_in_output``, as any token is (a special one only with ``skip_special_tokens`` false)."""
+    ref = greedy(llm)
+    stop = next(t for t in ref.token_ids[2:] if t not in ref.token_ids[:2])
+    end = ref.token_ids.index(stop) + 1
+    out = greedy(llm, stop_token_ids=[stop], include_stop_str_in_output=True)
+    assert (out.finish_reason, out.stop_reason, out.token_ids) == ("stop", stop, ref.token_ids[:end])
+    assert out.text == " ".join(f"w{t}" for t in ref.token_ids[:end])
+    executor = llm.result.executor
+    saved = executor.eos_token_ids
+    executor.eos_token_ids = frozenset({ref.token_ids[3]})
+    try:
+        kept = llm.generate(PROMPT, SamplingParams(max_tokens=12, include_stop_str_in_output=True))[0].outputs[0]
+    finally:
+        executor.eos_token_ids = saved
+    assert kept.token_ids == ref.token_ids[:4] and kept.text == " ".join(f"w{t}" for t in ref.token_ids[:4])
+    assert not any(e["field"] == "generate.include_stop_str_in_output" for e in llm.audit.of("setting_ignored"))
 
 
 def test_eos_ends_with_stop_and_ignore_eos_runs_to_length(llm):
@@ -392,7 +421,7 @@ def test_chat_takes_the_message_forms_the_server_takes_and_a_refusing_template_i
                  {"role": "assistant", "content": None},  # a turn that only called tools
                  {"role": "user", "content": "w9"}]
         (out,) = llm.chat(parts, params)
-        assert out.prompt == "w5 w17 w3  w9 w1"
+        assert out.prompt == "w5 w17 \nw3  w9 w1"  # text parts joined by a newline, as vLLM joins them
         with pytest.raises(GenerationError, match="chat template refused the conversation: Conversation roles must"):
             llm.chat([{"role": "user", "content": "w2"}, {"role": "user", "content": "w3"}], params)
         (again,) = llm.chat([{"role": "user", "content": "w2"}], params)  # the LLM is still usable

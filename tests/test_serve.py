@@ -527,3 +527,23 @@ def test_the_served_model_answers_its_own_callers_while_the_server_runs(served):
         alone = model(input_ids=ids[:1, 2:]).logits  # the padded row, unpadded: padding must not change it
     assert torch.allclose(both[0, 2:], alone[0], atol=1e-5)
     assert _complete(served, 0).choices[0].model_extra["token_ids"] == REFERENCE[0]  # and the server still serves
+
+
+def test_an_engine_seed_makes_unseeded_requests_repeat_as_vllms_serve_seed_does(served):
+    """``kvload serve --seed N`` (vLLM's engine seed) starts the sequence unseeded requests draw from, so the same
+    requests in the same order sample the same tokens run to run; without it each draws fresh randomness."""
+    import random
+
+    executor = served.result.executor
+
+    def run() -> list[list[int]]:
+        executor.call_seeds = random.Random(7)  # what --seed 7 sets at start-up
+        body = {"ignore_eos": True, "top_k": 0}
+        return [c.model_extra["token_ids"] for n in (1, 3) for c in served.client.completions.create(
+            model="tiny-llama", prompt=PROMPTS[0], max_tokens=6, temperature=1.5, n=n, extra_body=body).choices]
+
+    try:
+        first, again = run(), run()
+    finally:
+        executor.call_seeds = None
+    assert first == again and len({tuple(t) for t in first}) > 1

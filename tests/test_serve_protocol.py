@@ -170,3 +170,10 @@ def test_tokenize_bodies_take_vllms_two_forms():
         with pytest.raises(BadRequest) as info:
             parse_detokenize(bad)
         assert info.value.param == param
+
+
+def test_text_parts_of_a_message_are_joined_by_newlines_as_vllm_joins_them():
+    job = parse({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "Describe:"},
+                                                                         {"type": "text", "text": "the sky"}]}]},
+                "chat", default_max_tokens=16)
+    assert job.prompts == [[{"role": "user", "content": "Describe:\nthe sky"}]]  # it was "Describe:the sky"

@@ -255,6 +255,20 @@ def test_stop_strings_min_tokens_and_include_stop_str_in_output_cut_the_text_as_
         assert r.status_code == 400 and r.json()["error"]["param"] == field
 
 
+def test_include_stop_str_in_output_keeps_the_stop_token_that_ended_a_choice_as_vllm_does(served):
+    body = {"model": "words", "prompt": "w5 w17", "max_tokens": 8, "ignore_eos": True}
+    base = served.http.post("/v1/completions", json=body).json()["choices"][0]
+    stop = base["token_ids"][2]
+    for stream in (False, True):
+        r = served.http.post("/v1/completions", json={**body, "stop_token_ids": [stop], "stream": stream,
+                                                      "include_stop_str_in_output": True})
+        assert r.status_code == 200, r.text
+        chunks = ([json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")] if stream
+                  else [r.json()])
+        text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+        assert text == " ".join(f"w{t}" for t in base["token_ids"][:3]), (stream, text)
+
+
 def test_echo_puts_the_prompt_and_its_logprobs_before_the_completion_as_lm_eval_reads_them(served):
     """lm-evaluation-harness scores a continuation by one completions request: echo, logprobs=1, max_tokens=1; the
     prompt's token_logprobs (the first null) are the model's, the same numbers the Python API's prompt_logprobs give."""

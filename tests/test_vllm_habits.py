@@ -103,6 +103,15 @@ def test_a_vllm_knob_kvload_cannot_honour_is_refused_naming_what_it_accepts(kwar
     assert str(info.value) == message and info.value.source == "api"
 
 
+def test_a_torch_dtype_is_taken_as_its_name_as_vllm_takes_it():
+    import torch
+
+    assert kvload.plan("tiny-llama", dtype=torch.bfloat16).args.dtype == "bfloat16"
+    assert kvload.plan("tiny-llama", kv_cache_config={"dtype": torch.float16}).args.kv_cache_config.dtype == "float16"
+    with pytest.raises(ConfigError, match=r"^dtype: expected .*, got 'int8'$"):
+        kvload.plan("tiny-llama", dtype=torch.int8)
+
+
 # --- generate and chat arguments ------------------------------------------------------------------
 
 
@@ -168,7 +177,17 @@ def test_request_output_metrics_time_the_request_as_vllms_do(llm):
         assert m.first_token_latency == pytest.approx(out.timings.first_token_s)
         assert m.last_token_ts - m.queued_ts == pytest.approx(out.timings.total_s)
         assert m.num_generation_tokens == sum(len(c.token_ids) for c in out.outputs) == 8
-        assert out.num_cached_tokens == out.reused_prompt_tokens
+        assert out.num_cached_tokens <= len(out.prompt_token_ids)
+
+
+def test_num_cached_tokens_is_the_prompts_prefix_cache_hit_at_most_its_length_whatever_n(llm):
+    """vLLM's ``num_cached_tokens`` counts one request's prompt tokens found cached; it summed every sample's reuse
+    (the forks included), so with n samples it passed the prompt's length."""
+    ids = [[401, 402, 403, 404, 405, 406]]  # one full 4-token block, then 2 tokens
+    params = SamplingParams(max_tokens=2, temperature=1.0, n=3, seed=0, ignore_eos=True)
+    first, again = llm.generate(ids, params)[0], llm.generate(ids, params)[0]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == 4  # the full block, from the prefix cache
+    assert again.reused_prompt_tokens > len(ids[0])  # the forks' share is kvload's own count
 
 
 def test_completion_output_finished_is_a_method_as_in_vllm(llm):
@@ -195,6 +214,53 @@ def test_logprob_entries_read_as_vllms_logprob_objects_and_stay_floats(llm):
     assert copied == sample.logprobs and copied[-1][token].rank == sample.logprobs[-1][token].rank
 
 
+def test_logprob_entries_carry_vllms_decoded_token(llm):
+    """vLLM's ``Logprob.decoded_token``: each listed token's text, on generated and prompt tokens and in a stream's
+    deltas; None where there is no text (``detokenize=False``)."""
+    sp = SamplingParams(max_tokens=3, temperature=1.0, seed=3, logprobs=2, prompt_logprobs=1, ignore_eos=True)
+    (out,) = llm.generate(IDS[:1], sp)
+    entries = [e for e in out.outputs[0].logprobs + out.prompt_logprobs if e is not None]
+    assert all(v.decoded_token == f"w{t}" for e in entries for t, v in e.items())
+    streamed = [e for d in llm.generate_stream(IDS[:1], sp) for e in d.logprobs]
+    assert [{t: v.decoded_token for t, v in e.items()} for e in streamed] == \
+        [{t: f"w{t}" for t in e} for e in out.outputs[0].logprobs]
+    (bare,) = llm.generate(IDS[:1], SamplingParams(max_tokens=2, logprobs=1, detokenize=False))
+    assert all(v.decoded_token is None for e in bare.outputs[0].logprobs for v in e.values())
+
+
+def test_vllms_legacy_prompt_token_ids_keyword_gives_the_prompts(llm):
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(IDS, sp)]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=IDS, sampling_params=sp)] == want
+    (one,) = llm.generate(sampling_params=sp, prompt_token_ids=IDS[0])  # one list of ids: one prompt
+    assert one.prompt_token_ids == IDS[0] and one.outputs[0].token_ids == want[0]
+    with pytest.raises(GenerationError, match="^generate: give the prompts as prompts or as prompt_token_ids"):
+        llm.generate(["w5"], sp, prompt_token_ids=IDS)
+
+
+def test_chat_template_content_format_auto_and_string_are_what_kvload_does_and_openai_is_refused(llm):
+    conv = [{"role": "user", "content": [{"type": "text", "text": "w5"}, {"type": "text", "text": "w17"}]}]
+    sp = SamplingParams(max_tokens=2, ignore_eos=True)
+    template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    (plain,) = llm.chat(conv, sp, chat_template=template)
+    assert plain.prompt == "w5\nw17 "
+    for fmt in ("auto", "string"):
+        (out,) = llm.chat(conv, sp, chat_template=template, chat_template_content_format=fmt)
+        assert out.prompt == plain.prompt
+    with pytest.raises(GenerationError, match="^chat: chat_template_content_format: .*accepted: 'auto' or 'string', "
+                                              "got 'openai'$"):
+        llm.chat(conv, sp, chat_template=template, chat_template_content_format="openai")
+
+
+def test_a_vllm_llm_attribute_kvload_lacks_says_what_to_use_instead(llm):
+    with pytest.raises(AttributeError, match=r"^LLM\.llm_engine: vLLM's, not kvload's: .*llm\.get_tokenizer\(\)$"):
+        llm.llm_engine.get_tokenizer()
+    with pytest.raises(AttributeError, match=r"^LLM\.embed: vLLM's, not kvload's: kvload generates text"):
+        llm.embed(["w5"])
+    assert not hasattr(llm, "llm_engine") and not hasattr(llm, "no_such_thing")
+    assert llm.result.kv_manager is not None and llm.args.max_seq_len == 64  # where the message points
+
+
 # --- SamplingParams -------------------------------------------------------------------------------
 
 
@@ -203,6 +269,22 @@ def test_clone_is_an_equal_independent_copy():
     twin = sp.clone()
     assert twin == sp and twin is not sp and twin.logit_bias is not sp.logit_bias
     assert copy.deepcopy(sp) == twin
+
+
+def test_fields_set_on_the_default_params_act_as_in_vllms_example(llm):
+    """vLLM's examples/offline_inference/basic/generate.py sets fields on ``llm.get_default_sampling_params()``."""
+    sp = llm.get_default_sampling_params()
+    sp.max_tokens, sp.temperature, sp.seed, sp.stop_token_ids = 3, 1.0, 5, [7]
+    assert (sp.max_tokens, sp.temperature, sp.stop_token_ids) == (3, 1.0, (7,))
+    (out,) = llm.generate(IDS[:1], sp)
+    assert len(out.outputs[0].token_ids) <= 3
+    assert out.outputs[0].token_ids == llm.generate(IDS[:1], SamplingParams(max_tokens=3, temperature=1.0, seed=5,
+                                                                            stop_token_ids=[7]))[0].outputs[0].token_ids
+    with pytest.raises(GenerationError, match=r"^generate: min_tokens: expected an integer in \[0, max_tokens=3\]"):
+        sp.min_tokens = 4
+    with pytest.raises(GenerationError, match="^generate: logits_processors: vLLM's SamplingParams field"):
+        sp.logits_processors = []
+    assert sp.min_tokens == 0 and sp == SamplingParams(max_tokens=3, temperature=1.0, seed=5, stop_token_ids=[7])
 
 
 def test_from_optional_takes_none_as_kvloads_default():
@@ -216,7 +298,7 @@ def test_detokenize_false_keeps_the_tokens_and_skips_the_text(llm):
     params = {"max_tokens": 5, "temperature": 1.0, "seed": 4, "ignore_eos": True}
     (text,) = llm.generate(IDS[:1], SamplingParams(**params))
     (bare,) = llm.generate(IDS[:1], SamplingParams(detokenize=False, skip_special_tokens=False, **params))
-    assert text.outputs[0].text and bare.outputs[0].text is None
+    assert text.outputs[0].text and bare.outputs[0].text == ""  # vLLM's: a str, empty (it was None)
     assert bare.outputs[0].token_ids == text.outputs[0].token_ids
     assert ignored(llm)["generate.skip_special_tokens"] == "detokenize is false: there is no text"
     deltas = list(llm.generate_stream(IDS[:1], SamplingParams(detokenize=False, **params)))

@@ -84,6 +84,20 @@ def test_a_vllm_flag_that_means_something_else_is_refused_with_the_difference(ca
         assert r.err.startswith(line), r.err
 
 
+def test_vllm_engine_flags_without_a_counterpart_are_taken_and_reported_as_python_reports_them(capsys, tmp_path):
+    log = tmp_path / "audit.jsonl"
+    r = run_cli(capsys, "plan", "tiny-llama", "--enforce-eager", "--max_logprobs", "5", "--tokenizer", "x",
+                "--audit-log", log)
+    assert r.code == 0, r.err
+    said = {e["field"]: e["reason"] for e in read_events(log) if e["event"] == "setting_ignored"}
+    assert set(said) == {"enforce_eager", "max_logprobs", "tokenizer"}
+    assert said["enforce_eager"].startswith("a vLLM option kvload does not act on: CUDA graphs")
+    assert said["enforce_eager"].endswith("(from cli)")
+    r = run_cli(capsys, "plan", "tiny-llama", "--trust-remote-code")
+    assert (r.code, r.out) == (2, "") and r.err.startswith(
+        "error: --trust-remote-code: kvload never runs code shipped with a checkpoint"), r.err
+
+
 @pytest.mark.parametrize(("argv", "line"), [
     (["--enable-prefix-caching", "--no-enable-prefix-caching"],
      "error: --no-enable-prefix-caching: contradicts --enable-prefix-caching; give one\n"),

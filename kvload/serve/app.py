@@ -779,8 +779,9 @@ class _Choice:
         delta = ""
         if self.sample is not None:  # the same text rules as LLM.generate: stop strings cut, never shown
             final = self.finish_reason is not None
-            # the EOS or stop token that ended it stays in token_ids, not in the text (generate's rule, vLLM's)
-            ids = self.token_ids[:-1] if ev.stopped_by_token else self.token_ids
+            # the EOS or stop token that ended it stays in token_ids, not in the text unless include_stop_str_in_output
+            # (generate's rule, vLLM's)
+            ids = self.token_ids[:-1] if ev.stopped_by_token and not self.sample.include_stop else self.token_ids
             m, new = self.min_tokens, len(ev.new_token_ids)
             if m and new > 1:  # confirmed drafts: searched token by token, as the engine searched them
                 for end in range(max(1, len(self.token_ids) - new + 1), len(ids)):
