@@ -88,13 +88,32 @@ def _batches(sock, until) -> list[tuple[bytes, int, KVEventBatch]]:
     return got
 
 
+def _replayed(address: str) -> list[tuple[int, KVEventBatch]]:
+    """(sequence number, batch) of every batch kept, asked of the ROUTER ``address`` as a router that joined late asks:
+    from sequence number 0, until the end mark ``(-1, b"")``."""
+    dealer = zmq.Context.instance().socket(zmq.DEALER)  # the publisher's context: inproc:// reaches it too
+    try:
+        dealer.connect(address)
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        got = []
+        while True:
+            assert dealer.poll(10_000), got
+            _, seq_bytes, payload = dealer.recv_multipart()
+            seq = int.from_bytes(seq_bytes, "big", signed=True)
+            if seq == -1:
+                assert payload == b""
+                return got
+            got.append((seq, DECODER.decode(payload)))
+    finally:
+        dealer.close(linger=0)
+
+
 def test_a_router_follows_the_prefix_cache_over_zeromq_and_replays_what_it_missed():
     pub, replay = _free_port(), _free_port()
     proc, url = _start({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
                         "replay_endpoint": f"tcp://*:{replay}", "topic": "kv@tiny"})
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
-    dealer = ctx.socket(zmq.DEALER)
     try:
         sub.connect(f"tcp://127.0.0.1:{pub}")
         sub.setsockopt(zmq.SUBSCRIBE, b"kv@tiny")
@@ -119,17 +138,7 @@ def test_a_router_follows_the_prefix_cache_over_zeromq_and_replays_what_it_misse
         assert first["type"] == "kv_block_stored"
         assert stored.block_hashes == [int.from_bytes(bytes.fromhex(first["block_hashes"][0])[-8:], "big")]
         # a router that joined late asks the ROUTER endpoint for everything from sequence number 0
-        dealer.connect(f"tcp://127.0.0.1:{replay}")
-        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
-        replayed = []
-        while True:
-            assert dealer.poll(10_000), replayed
-            _, seq_bytes, payload = dealer.recv_multipart()
-            seq = int.from_bytes(seq_bytes, "big", signed=True)
-            if seq == -1:
-                assert payload == b""
-                break
-            replayed.append((seq, DECODER.decode(payload)))
+        replayed = _replayed(f"tcp://127.0.0.1:{replay}")
         assert [s for s, _ in replayed] == list(range(len(replayed))) and replayed[0][1] == batch
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, proc.stderr.read()
@@ -140,7 +149,6 @@ def test_a_router_follows_the_prefix_cache_over_zeromq_and_replays_what_it_misse
                 s.listen()
     finally:
         sub.close(linger=0)
-        dealer.close(linger=0)
         ctx.term()
         reap(proc)
 
@@ -210,23 +218,6 @@ def test_vllms_switch_alone_publishes_over_zeromq_as_vllm_does():
     assert not parse_kv_events_config({"enable_kv_cache_events": True, "publisher": "null"}).publishes
 
 
-def _replayed(publisher, name: str) -> list[KVEventBatch]:
-    """Every batch ``publisher`` kept, asked of its ROUTER endpoint ``inproc://name`` as a late router asks."""
-    dealer = zmq.Context.instance().socket(zmq.DEALER)
-    try:
-        dealer.connect(f"inproc://{name}")
-        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
-        got = []
-        while True:
-            assert dealer.poll(10_000), got
-            _, seq, payload = dealer.recv_multipart()
-            if int.from_bytes(seq, "big", signed=True) == -1:
-                return got
-            got.append(DECODER.decode(payload))
-    finally:
-        dealer.close(linger=0)
-
-
 @pytest.mark.parametrize("env", [None, "1", "0"])
 def test_block_hashes_go_out_in_vllms_default_form(monkeypatch, env):
     """vLLM sends each block hash as the digest's low 64 bits, an unsigned integer (``VLLM_KV_EVENTS_USE_INT_BLOCK_
@@ -250,7 +241,7 @@ def test_block_hashes_go_out_in_vllms_default_form(monkeypatch, env):
         while publisher.published < 1 or publisher._queue.qsize():
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        batches = _replayed(publisher, name)
+        batches = [batch for _, batch in _replayed(f"inproc://{name}")]
     finally:
         publisher.close()
     stored, removed = (e for b in batches for e in b.events)
