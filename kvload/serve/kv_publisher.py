@@ -14,7 +14,8 @@ kvload's names map onto vLLM's: a hex block hash becomes, as vLLM sends it by de
 integer (its bytes under vLLM's ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``), ``tokens_per_block`` is ``block_size``,
 the layer group is ``group_idx`` (its index in the plan's layout) with its kind (``full_attention``,
 ``sliding_window`` and the window, ``mla_attention``), and the medium ``device`` is vLLM's ``"GPU"`` (``host``:
-``"CPU"``).
+``"CPU"``). The hashes stay kvload's own (:mod:`cache_backends.hashing`, not vLLM's hash of the tokens): a router
+that keys blocks by the events' token ids follows kvload, one that hashes a prompt with vLLM's algorithm finds none.
 
 Publishing never blocks nor fails the engine step that recorded an event (as in vLLM): the step only puts the event
 on a bounded queue that a thread drains into batches; a full queue drops the event and counts it
