@@ -136,6 +136,9 @@ def test_cors_takes_vllms_defaults_and_flags(monkeypatch, capsys):
     got = served_with(monkeypatch, "--allowed-origins", '["https://ui.example"]', "--allowed-methods",
                       '["GET", "POST"]', "--allow-credentials")["cors"]
     assert got == CorsPolicy(("https://ui.example",), ("GET", "POST"), ("*",), True)
+    # an empty list allows none (Starlette's, and so vLLM's, reading of it), never any
+    nobody = served_with(monkeypatch, "--allowed-origins", "[]", "--allowed-methods", "[]", "--allowed-headers", "[]")
+    assert nobody["cors"] == CorsPolicy((), (), (), False)
     r = run_cli(capsys, "serve", "tiny-llama", "--port", "0", "--allowed-origins", "https://ui.example")
     assert r.code == 2 and "--allowed-origins: expected a JSON list of strings" in r.err, r.err
 

@@ -338,8 +338,11 @@ def _cors(ns: argparse.Namespace) -> Any:
     """The CORS policy the flags give: vLLM's defaults (any origin, method and header; no credentials)."""
     from kvload.serve.app import CorsPolicy
 
-    return CorsPolicy(origins=ns.allowed_origins or ("*",), methods=ns.allowed_methods or ("*",),
-                      headers=ns.allowed_headers or ("*",), credentials=ns.allow_credentials)
+    def given(value: tuple[str, ...] | None) -> tuple[str, ...]:  # an explicit [] allows none, not any
+        return ("*",) if value is None else value
+
+    return CorsPolicy(origins=given(ns.allowed_origins), methods=given(ns.allowed_methods),
+                      headers=given(ns.allowed_headers), credentials=ns.allow_credentials)
 
 
 def _kv_events_config(ns: argparse.Namespace) -> Any:
