@@ -260,3 +260,21 @@ def test_a_bad_int_hashes_switch_is_refused_naming_it(monkeypatch):
     monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "yes")
     with pytest.raises(ConfigError, match="--kv-events-config: VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES must be 1"):
         parse_kv_events_config({"enable_kv_cache_events": True, "publisher": "zmq"})
+
+
+def test_closing_the_publisher_leaves_no_ipc_socket_file(tmp_path):
+    """ZeroMQ leaves a bound ipc:// file behind; the publisher removes its own, also when the replay endpoint fails."""
+    from kvload.serve.kv_publisher import KvEventsConfig, ZmqKvEventPublisher
+    from pipeline.errors import ConfigError
+
+    pub, replay = tmp_path / "kv.sock", tmp_path / "replay.sock"
+    publisher = ZmqKvEventPublisher(KvEventsConfig(enable_kv_cache_events=True, endpoint=f"ipc://{pub}",
+                                                   replay_endpoint=f"ipc://{replay}"))
+    assert pub.exists() and replay.exists()
+    publisher.close()
+    publisher.close()  # idempotent
+    assert not pub.exists() and not replay.exists()
+    with pytest.raises(ConfigError, match="replay_endpoint"):
+        ZmqKvEventPublisher(KvEventsConfig(enable_kv_cache_events=True, endpoint=f"ipc://{pub}",
+                                           replay_endpoint=f"ipc://{tmp_path}/missing/replay.sock"))
+    assert list(tmp_path.iterdir()) == []

@@ -186,6 +186,7 @@ class ZmqKvEventPublisher:
         self._seq = 0
         self._topic = config.topic.encode()
         self._ctx = zmq.Context.instance()
+        self._ipc_files: list[str] = []  # the ipc:// paths bound, removed at close
         self._pub = self._socket(zmq.PUB, config.endpoint, "endpoint")
         self._replay = None
         try:
@@ -193,6 +194,7 @@ class ZmqKvEventPublisher:
                 self._replay = self._socket(zmq.ROUTER, config.replay_endpoint, "replay_endpoint", bind=True)
         except ConfigError:
             self._pub.close(linger=0)
+            self._remove_ipc_files()
             raise
         self._thread = threading.Thread(target=self._run, name="kvload-kv-events", daemon=True)
         self._thread.start()
@@ -210,7 +212,16 @@ class ZmqKvEventPublisher:
             sock.close(linger=0)
             raise ConfigError(f"{FLAG}: {field} {address}: cannot {'bind' if bind else 'connect'} it "
                               f"({exc.strerror})") from None
+        if bind and address.startswith("ipc://") and not address.startswith("ipc://@"):  # @: no file to remove
+            self._ipc_files.append(address.removeprefix("ipc://"))
         return sock
+
+    def _remove_ipc_files(self) -> None:
+        # ZeroMQ leaves a bound ipc:// socket file behind when the socket closes
+        for path in self._ipc_files:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        self._ipc_files.clear()
 
     def attach(self, layout: Any) -> None:
         """Name the layout's groups as vLLM does: index, spec kind, sliding window."""
@@ -225,7 +236,8 @@ class ZmqKvEventPublisher:
             self.dropped += 1
 
     def close(self) -> None:
-        """Send what is queued (up to a second), stop the thread, close the sockets (idempotent)."""
+        """Send what is queued (up to a second), stop the thread, close the sockets and remove their ipc:// files
+        (idempotent)."""
         if self._thread.is_alive():
             with contextlib.suppress(queue.Full):  # a queue still full after a second: the thread is stuck anyway
                 self._queue.put(None, timeout=1.0)
@@ -233,6 +245,7 @@ class ZmqKvEventPublisher:
         for sock in (self._pub, self._replay):
             if sock is not None and not sock.closed:
                 sock.close(linger=0)
+        self._remove_ipc_files()
 
     # --- the publishing thread -------------------------------------------------------------------
 
