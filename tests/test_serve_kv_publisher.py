@@ -204,7 +204,8 @@ def test_vllms_switch_turns_the_recording_on_and_the_audit_says_who(monkeypatch,
     from tests.cli_support import served_with
 
     served_with(monkeypatch, "--kv-events-config", '{"enable_kv_cache_events": true, "publisher": "null"}')  # no socket
-    assert log.has("field_derived", field="kv_cache_config.event_buffer_max_size", new=10_000, source="serve")
+    # old: the framework default (0, events off) the switch fills over
+    assert log.has("field_derived", field="kv_cache_config.event_buffer_max_size", old=0, new=10_000, source="serve")
 
 
 def test_vllms_switch_alone_publishes_over_zeromq_as_vllm_does():
