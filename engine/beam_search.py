@@ -302,7 +302,7 @@ class BeamSearch:
         warmup = (x.flex.warmup_s if x.flex is not None else 0.0) - self._warm_before
         x._check_flex()
         wall = time.perf_counter() - self._start - warmup
-        reused = sum(r.num_reused_tokens for r in self.firsts)
+        reused = sum(r.num_cached_tokens for r in self.firsts)
         stats = GenerationStats(
             requests=len(self.prompts), prompt_tokens=sum(len(p.ids) for p in self.prompts),
             reused_prompt_tokens=reused, generated_tokens=self.generated, steps=self.engine_steps, wall_s=wall,
@@ -441,7 +441,7 @@ class BeamSearch:
         self.executor._event(RequestFinished(req_id=request.req_id, reason=reason,
                                              prompt_tokens=request.num_prompt_tokens,
                                              output_tokens=len(request.output_token_ids),
-                                             reused_prompt_tokens=request.num_reused_tokens))
+                                             reused_prompt_tokens=request.num_cached_tokens))
 
     def _park(self) -> bool:
         """Nothing can run: running beams that wait for their prompt's other beams let go of their KV (they keep

@@ -301,7 +301,7 @@ class Driver:
             if self._emit:
                 self._emit(RequestFinished(req_id=req.req_id, reason=req.finish_reason,
                                            prompt_tokens=req.num_prompt_tokens, output_tokens=len(req.output_token_ids),
-                                           reused_prompt_tokens=req.num_reused_tokens))
+                                           reused_prompt_tokens=req.num_cached_tokens))
         return StepStats(out.num_tokens, len(self.running), len(self.waiting), kv_seconds, compute_seconds, done, out,
                          drafted, accepted, len(computed), per_position, recomputed)
 

@@ -833,7 +833,7 @@ class ServingEngine:
             self._beam_ids.pop(req_id, None)
         now = time.perf_counter()
         search = job.search
-        reused = search.firsts[0].num_reused_tokens if search is not None and output is not None else 0
+        reused = search.firsts[0].num_cached_tokens if search is not None and output is not None else 0
         sequences = output.sequences if output is not None else ()
         for j, (req_id, sink) in enumerate(zip(job.req_ids, job.sinks, strict=True)):
             # a vocabulary smaller than the width has fewer hypotheses: the choices past them end with no tokens
@@ -1037,7 +1037,7 @@ class ServingEngine:
             with contextlib.suppress(Exception):
                 self.executor._emit(RequestFinished(req_id=req_id, reason=reason, prompt_tokens=req.num_prompt_tokens,
                                                     output_tokens=len(req.output_token_ids),
-                                                    reused_prompt_tokens=req.num_reused_tokens))
+                                                    reused_prompt_tokens=req.num_cached_tokens))
         tokens = req.output_token_ids
         self._send(live, ServeEvent(req_id, tuple(tokens[live.reported:]), tuple(tokens), finish_reason=reason,
                                     error=error, prompt_tokens=req.num_prompt_tokens,

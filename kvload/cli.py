@@ -200,6 +200,9 @@ VLLM_KNOB_FLAGS: tuple[tuple[str, str, Callable[[str], Any] | None, str | None],
     ("--revision", "revision", str, "REV"),
 )
 
+#: the switches of ``VLLM_KNOB_FLAGS`` vLLM declares ``store_true`` (no ``--no-`` form there either)
+VLLM_STORE_TRUE_FLAGS = frozenset({"--disable-log-stats"})
+
 
 def _knob_dest(key: str) -> str:
     return "vllm_knob__" + key
@@ -488,6 +491,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         if kind is None:
             knobs.add_argument(*names, dest=_knob_dest(key), action="store_const", const=True, default=None,
                                help=argparse.SUPPRESS)
+            if name not in VLLM_STORE_TRUE_FLAGS:  # vLLM's config booleans are --X/--no-X (BooleanOptionalAction)
+                knobs.add_argument("--no-" + name[2:], "--no_" + key, dest=_knob_dest(key), action="store_const",
+                                   const=False, default=None, help=argparse.SUPPRESS)
         else:
             knobs.add_argument(*names, dest=_knob_dest(key), type=kind, metavar=metavar, default=None,
                                help=argparse.SUPPRESS)

@@ -343,6 +343,8 @@ class RequestFinished(Event):
     reason: str | None
     prompt_tokens: int
     output_tokens: int
+    #: as its output's ``usage``: the reuse of its first admission (a preempted request finding its own prefix again
+    #: on re-admission is ``request_admitted``'s to tell, ``readmitted`` true)
     reused_prompt_tokens: int
 
 

@@ -62,10 +62,11 @@ class ParseArgs:
         # a value generate / serve / LLM derived is not the user's: it fills a field only the framework default
         # (null) holds, and the audit says who derived it and from what
         for path, derived in req.caller_defaults.items():
-            if path in merged or (get_in(ctx.args, path) is not None and not derived.over_default):
+            old = get_in(ctx.args, path)  # null, or the framework default an over_default caller fills over
+            if path in merged or (old is not None and not derived.over_default):
                 continue
             set_field(ctx.args, path, derived.value)
-            emit(FieldDerived(field=path, old=None, new=derived.value, source=derived.source, reason=derived.reason))
+            emit(FieldDerived(field=path, old=old, new=derived.value, source=derived.source, reason=derived.reason))
 
     @staticmethod
     def _drop_ignored(label: str, tree: dict[str, Any], config_file: str | None, emit: Emit) -> dict[str, Any]:

@@ -22,6 +22,17 @@ def test_vllm_engine_flags_are_taken_with_a_warning_each(capsys):
     assert any("CUDA graphs" in line for line in warned)  # the reason, not only the name
 
 
+def test_vllms_negated_switches_are_taken_too(capsys):
+    """vLLM's boolean engine flags are ``--X/--no-X`` (argparse's BooleanOptionalAction): a launch line that turns
+    chunked prefill or eager mode off is taken as the positive one is, not refused as unrecognized."""
+    r = run_cli(capsys, "plan", "tiny-llama", "--no-enable-chunked-prefill", "--no-enforce-eager",
+                "--no-trust-remote-code", "--no_async_scheduling")
+    assert r.code == 0, r.err
+    warned = [line for line in r.err.splitlines() if "setting_ignored" in line]
+    for key in ("enable_chunked_prefill", "enforce_eager", "async_scheduling"):
+        assert any(f"field={key} " in line for line in warned), (key, warned)
+
+
 @pytest.mark.parametrize(("flags", "expected"), [
     (["--quantization", "awq"], "--quantization: vLLM's setting; kvload runs the checkpoint's weights in dtype, "
                                 "unquantized; accepted: None, got 'awq'"),
@@ -125,6 +136,9 @@ def test_cors_takes_vllms_defaults_and_flags(monkeypatch, capsys):
     got = served_with(monkeypatch, "--allowed-origins", '["https://ui.example"]', "--allowed-methods",
                       '["GET", "POST"]', "--allow-credentials")["cors"]
     assert got == CorsPolicy(("https://ui.example",), ("GET", "POST"), ("*",), True)
+    # an empty list allows none (Starlette's, and so vLLM's, reading of it), never any
+    nobody = served_with(monkeypatch, "--allowed-origins", "[]", "--allowed-methods", "[]", "--allowed-headers", "[]")
+    assert nobody["cors"] == CorsPolicy((), (), (), False)
     r = run_cli(capsys, "serve", "tiny-llama", "--port", "0", "--allowed-origins", "https://ui.example")
     assert r.code == 2 and "--allowed-origins: expected a JSON list of strings" in r.err, r.err
 

@@ -161,3 +161,6 @@ def test_v2_without_a_host_tier_recomputes_preempted_requests(tiny_checkpoints):
         assert result.executor.last_stats.suspends == 0
         # the prompts share no block: a preempted request's re-admission finds only its own prefix, not a cache hit
         assert [o.reused_prompt_tokens for o in outs] == [0] * len(ps)
+        # and the audit's request_finished says what the output says (re-admissions are request_admitted's to tell)
+        assert [r["reused_prompt_tokens"] for r in result.audit.of("request_finished")] == [0] * len(ps)
+        assert any(r["readmitted"] and r["reused_prompt_tokens"] for r in result.audit.of("request_admitted"))

@@ -239,6 +239,9 @@ def test_every_kvload_flag_is_in_the_readme():
         long_flags = {f for f in flags if f.startswith("--")} - {"--help"}
         # a flag counts as named when one of its spellings is (the parser has dashed and underscored ones)
         spellings = {f: {f, f.replace("_", "-"), f.replace("-", "_").replace("__", "--")} for f in long_flags}
+        for f, s in spellings.items():  # vLLM's --no-X of a switch the README names (it says the --no- forms are taken)
+            if f.replace("_", "-").startswith("--no-"):
+                s |= {"--" + f[5:].replace("_", "-"), "--" + f[5:].replace("-", "_")}
         left_out += [f"{command} {f}" for f, s in sorted(spellings.items()) if not s & named]
     assert left_out == []
 

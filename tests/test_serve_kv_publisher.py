@@ -88,13 +88,32 @@ def _batches(sock, until) -> list[tuple[bytes, int, KVEventBatch]]:
     return got
 
 
+def _replayed(address: str) -> list[tuple[int, KVEventBatch]]:
+    """(sequence number, batch) of every batch kept, asked of the ROUTER ``address`` as a router that joined late asks:
+    from sequence number 0, until the end mark ``(-1, b"")``."""
+    dealer = zmq.Context.instance().socket(zmq.DEALER)  # the publisher's context: inproc:// reaches it too
+    try:
+        dealer.connect(address)
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        got = []
+        while True:
+            assert dealer.poll(10_000), got
+            _, seq_bytes, payload = dealer.recv_multipart()
+            seq = int.from_bytes(seq_bytes, "big", signed=True)
+            if seq == -1:
+                assert payload == b""
+                return got
+            got.append((seq, DECODER.decode(payload)))
+    finally:
+        dealer.close(linger=0)
+
+
 def test_a_router_follows_the_prefix_cache_over_zeromq_and_replays_what_it_missed():
     pub, replay = _free_port(), _free_port()
     proc, url = _start({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
                         "replay_endpoint": f"tcp://*:{replay}", "topic": "kv@tiny"})
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
-    dealer = ctx.socket(zmq.DEALER)
     try:
         sub.connect(f"tcp://127.0.0.1:{pub}")
         sub.setsockopt(zmq.SUBSCRIBE, b"kv@tiny")
@@ -115,20 +134,11 @@ def test_a_router_follows_the_prefix_cache_over_zeromq_and_replays_what_it_misse
         assert stored.parent_block_hash is None and len(stored.block_hashes) == 1
         assert stored.group_idx == 0 and stored.kv_cache_spec_kind == "full_attention"
         assert stored.medium == "GPU" and stored.lora_id is None  # vLLM's name for the device tier
-        first = served["events"][0]
-        assert first["type"] == "kv_block_stored" and stored.block_hashes == [bytes.fromhex(first["block_hashes"][0])]
+        first = served["events"][0]  # the hash as vLLM sends it by default: the digest's low 64 bits
+        assert first["type"] == "kv_block_stored"
+        assert stored.block_hashes == [int.from_bytes(bytes.fromhex(first["block_hashes"][0])[-8:], "big")]
         # a router that joined late asks the ROUTER endpoint for everything from sequence number 0
-        dealer.connect(f"tcp://127.0.0.1:{replay}")
-        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
-        replayed = []
-        while True:
-            assert dealer.poll(10_000), replayed
-            _, seq_bytes, payload = dealer.recv_multipart()
-            seq = int.from_bytes(seq_bytes, "big", signed=True)
-            if seq == -1:
-                assert payload == b""
-                break
-            replayed.append((seq, DECODER.decode(payload)))
+        replayed = _replayed(f"tcp://127.0.0.1:{replay}")
         assert [s for s, _ in replayed] == list(range(len(replayed))) and replayed[0][1] == batch
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, proc.stderr.read()
@@ -139,7 +149,6 @@ def test_a_router_follows_the_prefix_cache_over_zeromq_and_replays_what_it_misse
                 s.listen()
     finally:
         sub.close(linger=0)
-        dealer.close(linger=0)
         ctx.term()
         reap(proc)
 
@@ -152,6 +161,9 @@ def test_a_router_follows_the_prefix_cache_over_zeromq_and_replays_what_it_misse
     ('{"enable_kv_cache_events": "yes"}', "--kv-events-config: enable_kv_cache_events: expected true or false"),
     ('{"publisher": "zmq", "endpoint": "localhost:5557"}', "--kv-events-config: endpoint: expected a ZeroMQ address"),
     ('{"buffer_steps": 0}', "--kv-events-config: buffer_steps: expected an integer from 1 to"),
+    # ZeroMQ would bind port 99999 modulo 65536 (34463): a router listening where the operator said hears nothing
+    ('{"publisher": "zmq", "endpoint": "tcp://*:99999"}', "--kv-events-config: endpoint: expected a ZeroMQ address"),
+    ('{"replay_endpoint": "tcp://*:70000"}', "--kv-events-config: replay_endpoint: expected a ZeroMQ address"),
     ("enable", "--kv-events-config: expected a JSON object"),
 ])
 def test_a_bad_kv_events_config_is_one_line_naming_the_key(capsys, config, expected):
@@ -191,5 +203,79 @@ def test_a_publisher_named_with_events_off_says_it_is_ignored(monkeypatch, log):
 def test_vllms_switch_turns_the_recording_on_and_the_audit_says_who(monkeypatch, log):
     from tests.cli_support import served_with
 
-    served_with(monkeypatch, "--kv-events-config", '{"enable_kv_cache_events": true}')  # publisher "null": no socket
-    assert log.has("field_derived", field="kv_cache_config.event_buffer_max_size", new=10_000, source="serve")
+    served_with(monkeypatch, "--kv-events-config", '{"enable_kv_cache_events": true, "publisher": "null"}')  # no socket
+    # old: the framework default (0, events off) the switch fills over
+    assert log.has("field_derived", field="kv_cache_config.event_buffer_max_size", old=0, new=10_000, source="serve")
+
+
+def test_vllms_switch_alone_publishes_over_zeromq_as_vllm_does():
+    """vLLM's ``KVEventsConfig``: an unset ``publisher`` is ``"zmq"`` when events are on (else ``"null"``), so a
+    launch line giving only ``enable_kv_cache_events: true`` publishes on tcp://*:5557 there, and here."""
+    from kvload.serve.kv_publisher import parse_kv_events_config
+
+    assert parse_kv_events_config({"enable_kv_cache_events": True}).publisher == "zmq"
+    assert parse_kv_events_config({"enable_kv_cache_events": True}).publishes
+    assert parse_kv_events_config({}).publisher == "null"
+    assert not parse_kv_events_config({"enable_kv_cache_events": True, "publisher": "null"}).publishes
+
+
+@pytest.mark.parametrize("env", [None, "1", "0"])
+def test_block_hashes_go_out_in_vllms_default_form(monkeypatch, env):
+    """vLLM sends each block hash as the digest's low 64 bits, an unsigned integer (``VLLM_KV_EVENTS_USE_INT_BLOCK_
+    HASHES``, default 1; 0: the digest's bytes): a router decoding vLLM's default gets the integers it expects."""
+    from cache_backends.kv_events import KvEventBuffer
+    from kvload.serve.kv_publisher import KvEventsConfig, ZmqKvEventPublisher
+
+    if env is None:
+        monkeypatch.delenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", env)
+    name = f"kv-hashes-{env}"
+    publisher = ZmqKvEventPublisher(KvEventsConfig(enable_kv_cache_events=True, endpoint=f"inproc://{name}-pub",
+                                                   replay_endpoint=f"inproc://{name}"))
+    parent, child = bytes(range(32)), bytes(range(100, 132))
+    try:
+        events = KvEventBuffer(16, publisher=publisher)
+        events.stored([child], parent, list(range(16)), 16, "uniform")
+        events.removed([child], "uniform")
+        deadline = time.monotonic() + 10
+        while publisher.published < 1 or publisher._queue.qsize():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        batches = [batch for _, batch in _replayed(f"inproc://{name}")]
+    finally:
+        publisher.close()
+    stored, removed = (e for b in batches for e in b.events)
+    if env == "0":
+        assert stored.block_hashes == [child] and stored.parent_block_hash == parent and removed.block_hashes == [child]
+    else:  # vLLM's maybe_convert_block_hash: int.from_bytes(digest, "big") & (2**64 - 1)
+        low = int.from_bytes(child[-8:], "big")
+        assert stored.block_hashes == [low] and removed.block_hashes == [low]
+        assert stored.parent_block_hash == int.from_bytes(parent[-8:], "big")
+
+
+def test_a_bad_int_hashes_switch_is_refused_naming_it(monkeypatch):
+    from kvload.serve.kv_publisher import parse_kv_events_config
+    from pipeline.errors import ConfigError
+
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "yes")
+    with pytest.raises(ConfigError, match="--kv-events-config: VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES must be 1"):
+        parse_kv_events_config({"enable_kv_cache_events": True, "publisher": "zmq"})
+
+
+def test_closing_the_publisher_leaves_no_ipc_socket_file(tmp_path):
+    """ZeroMQ leaves a bound ipc:// file behind; the publisher removes its own, also when the replay endpoint fails."""
+    from kvload.serve.kv_publisher import KvEventsConfig, ZmqKvEventPublisher
+    from pipeline.errors import ConfigError
+
+    pub, replay = tmp_path / "kv.sock", tmp_path / "replay.sock"
+    publisher = ZmqKvEventPublisher(KvEventsConfig(enable_kv_cache_events=True, endpoint=f"ipc://{pub}",
+                                                   replay_endpoint=f"ipc://{replay}"))
+    assert pub.exists() and replay.exists()
+    publisher.close()
+    publisher.close()  # idempotent
+    assert not pub.exists() and not replay.exists()
+    with pytest.raises(ConfigError, match="replay_endpoint"):
+        ZmqKvEventPublisher(KvEventsConfig(enable_kv_cache_events=True, endpoint=f"ipc://{pub}",
+                                           replay_endpoint=f"ipc://{tmp_path}/missing/replay.sock"))
+    assert list(tmp_path.iterdir()) == []

@@ -103,8 +103,9 @@ def add_serve_command(sub: Any) -> None:
                    metavar="JSON", type=cli.json_object,
                    help="vLLM's KV events config: publish the KV cache events as vLLM does, e.g. "
                         "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": "
-                        "\"tcp://*:5557\"}' (keys: enable_kv_cache_events, publisher null|zmq, endpoint, "
-                        "replay_endpoint, buffer_steps, hwm, max_queue_size, topic; zmq needs kvload[kv-events])")
+                        "\"tcp://*:5557\"}' (keys: enable_kv_cache_events, publisher null|zmq (default zmq when "
+                        "events are on, as in vLLM), endpoint, replay_endpoint, buffer_steps, hwm, max_queue_size, "
+                        "topic; zmq needs kvload[kv-events])")
     g.add_argument("--seed", default=None, metavar="S",
                    type=cli._bounded(cli.integer, lambda v: 0 <= v < 2**63, "an integer from 0 to 2**63 - 1"),
                    help="vLLM's: sampled requests that send no seed draw theirs from this seed's sequence, so the "
@@ -338,8 +339,11 @@ def _cors(ns: argparse.Namespace) -> Any:
     """The CORS policy the flags give: vLLM's defaults (any origin, method and header; no credentials)."""
     from kvload.serve.app import CorsPolicy
 
-    return CorsPolicy(origins=ns.allowed_origins or ("*",), methods=ns.allowed_methods or ("*",),
-                      headers=ns.allowed_headers or ("*",), credentials=ns.allow_credentials)
+    def given(value: tuple[str, ...] | None) -> tuple[str, ...]:  # an explicit [] allows none, not any
+        return ("*",) if value is None else value
+
+    return CorsPolicy(origins=given(ns.allowed_origins), methods=given(ns.allowed_methods),
+                      headers=given(ns.allowed_headers), credentials=ns.allow_credentials)
 
 
 def _kv_events_config(ns: argparse.Namespace) -> Any:

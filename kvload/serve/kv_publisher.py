@@ -1,17 +1,21 @@
 """``kvload serve --kv-events-config``: vLLM's KV event publisher, so a KV-aware router (llm-d, Dynamo, vLLM's own
 examples) can follow kvload's prefix cache the way it follows vLLM's.
 
-The flag takes vLLM's ``KVEventsConfig`` as JSON (``enable_kv_cache_events``, ``publisher`` ``"null"`` or ``"zmq"``,
-``endpoint``, ``replay_endpoint``, ``buffer_steps``, ``hwm``, ``max_queue_size``, ``topic``). With ``"zmq"`` the
-manager's events (:mod:`cache_backends.kv_events`) go out as vLLM sends them: a ZeroMQ PUB socket, each message three
-frames ``(topic, sequence number as 8 bytes big-endian, msgpack payload)``, the payload a ``KVEventBatch`` of
-``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` (msgspec structs, tagged by class name under ``"type"``);
-the last ``buffer_steps`` batches are kept for a ROUTER ``replay_endpoint`` (a client sends the first sequence number
-it wants, 8 bytes big-endian, and gets ``(seq, payload)`` frames then ``(-1, b"")``).
+The flag takes vLLM's ``KVEventsConfig`` as JSON (``enable_kv_cache_events``, ``publisher`` ``"null"`` or ``"zmq"``
+(vLLM's default: ``"zmq"`` when events are on), ``endpoint``, ``replay_endpoint``, ``buffer_steps``, ``hwm``,
+``max_queue_size``, ``topic``). With ``"zmq"`` the manager's events (:mod:`cache_backends.kv_events`) go out as vLLM
+sends them: a ZeroMQ PUB socket, each message three frames ``(topic, sequence number as 8 bytes big-endian, msgpack
+payload)``, the payload a ``KVEventBatch`` of ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` (msgspec
+structs, tagged by class name under ``"type"``); the last ``buffer_steps`` batches are kept for a ROUTER
+``replay_endpoint`` (a client sends the first sequence number it wants, 8 bytes big-endian, and gets ``(seq,
+payload)`` frames then ``(-1, b"")``).
 
-kvload's names map onto vLLM's: a hex block hash becomes its bytes, ``tokens_per_block`` is ``block_size``, the layer
-group is ``group_idx`` (its index in the plan's layout) with its kind (``full_attention``, ``sliding_window`` and the
-window, ``mla_attention``), and the medium ``device`` is vLLM's ``"GPU"`` (``host``: ``"CPU"``).
+kvload's names map onto vLLM's: a hex block hash becomes, as vLLM sends it by default, its low 64 bits as an unsigned
+integer (its bytes under vLLM's ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``), ``tokens_per_block`` is ``block_size``,
+the layer group is ``group_idx`` (its index in the plan's layout) with its kind (``full_attention``,
+``sliding_window`` and the window, ``mla_attention``), and the medium ``device`` is vLLM's ``"GPU"`` (``host``:
+``"CPU"``). The hashes stay kvload's own (:mod:`cache_backends.hashing`, not vLLM's hash of the tokens): a router
+that keys blocks by the events' token ids follows kvload, one that hashes a prompt with vLLM's algorithm finds none.
 
 Publishing never blocks nor fails the engine step that recorded an event (as in vLLM): the step only puts the event
 on a bounded queue that a thread drains into batches; a full queue drops the event and counts it
@@ -21,6 +25,7 @@ on a bounded queue that a thread drains into batches; a full queue drops the eve
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 from collections import deque
@@ -37,7 +42,9 @@ PUBLISHERS = ("null", "zmq")
 #: kvload's group kinds as vLLM's ``KVCacheSpecKind`` names them (a compressed group has no vLLM kind)
 SPEC_KINDS = {"full": "full_attention", "sliding": "sliding_window", "mla": "mla_attention"}
 MEDIUMS = {"device": "GPU", "host": "CPU"}
+MASK64 = (1 << 64) - 1
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+INT_HASHES_ENV = "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"
 MAX_QUEUE = 10_000_000  # bounds a typo's memory: vLLM's defaults are 100,000
 
 
@@ -46,11 +53,20 @@ def _int_in(lo: int, hi: int) -> Any:
                        f"an integer from {lo:,} to {hi:,}")
 
 
+def _address(v: Any) -> bool:
+    if not (isinstance(v, str) and "://" in v and v.strip() == v and len(v) <= 1024):
+        return False
+    if not v.startswith("tcp://"):
+        return True
+    # ZeroMQ takes a port past 65535 modulo 65536 (tcp://*:99999 binds 34463): a typo must not publish elsewhere
+    port = v.rpartition(":")[2]
+    return port.isdecimal() and 1 <= int(port) <= 65535
+
+
 def _endpoint(optional: bool) -> Any:
-    ok = "a ZeroMQ address such as tcp://*:5557 (bind), tcp://host:5557 (connect), ipc://PATH or inproc://NAME"
-    return field_check(lambda v: (optional and v is None) or (isinstance(v, str) and "://" in v and v.strip() == v
-                                                                and len(v) <= 1024),
-                       ok + (" or null" if optional else ""))
+    ok = ("a ZeroMQ address such as tcp://*:5557 (bind), tcp://host:5557 (connect; a port from 1 to 65535), "
+          "ipc://PATH or inproc://NAME")
+    return field_check(lambda v: (optional and v is None) or _address(v), ok + (" or null" if optional else ""))
 
 
 @attrs.frozen
@@ -59,8 +75,9 @@ class KvEventsConfig:
 
     enable_kv_cache_events: bool = attrs.field(default=False, validator=field_check(
         lambda v: isinstance(v, bool), "true or false"))
-    publisher: str = attrs.field(default="null", validator=field_check(
-        lambda v: v in PUBLISHERS, " or ".join(f'"{p}"' for p in PUBLISHERS)))
+    #: None: vLLM's default, ``"zmq"`` when events are on, else ``"null"`` (see ``__attrs_post_init__``)
+    publisher: str | None = attrs.field(default=None, validator=field_check(
+        lambda v: v is None or v in PUBLISHERS, " or ".join(f'"{p}"' for p in PUBLISHERS)))
     endpoint: str = attrs.field(default="tcp://*:5557", validator=_endpoint(False))
     replay_endpoint: str | None = attrs.field(default=None, validator=_endpoint(True))
     buffer_steps: int = attrs.field(default=10_000, validator=_int_in(1, MAX_QUEUE))
@@ -68,6 +85,10 @@ class KvEventsConfig:
     max_queue_size: int = attrs.field(default=100_000, validator=_int_in(1, MAX_QUEUE))
     topic: str = attrs.field(default="", validator=field_check(lambda v: isinstance(v, str) and len(v) <= 1024,
                                                                "a string of at most 1,024 characters"))
+
+    def __attrs_post_init__(self) -> None:
+        if self.publisher is None:  # vLLM's KVEventsConfig.__post_init__: the switch alone publishes over ZeroMQ
+            object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
 
     @property
     def publishes(self) -> bool:
@@ -83,7 +104,18 @@ def parse_kv_events_config(raw: dict[str, Any]) -> KvEventsConfig:
         raise ConfigError(f"{FLAG}: {exc}") from None
     if config.publishes:
         _zmq_modules()  # missing libraries are named before minutes of loading
+        int_block_hashes()
     return config
+
+
+def int_block_hashes() -> bool:
+    """Whether block hashes go out as vLLM's default, the digest's low 64 bits as an unsigned integer, or (under
+    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``, as vLLM reads it) as the digest's bytes; ``ConfigError`` naming it."""
+    raw = os.environ.get(INT_HASHES_ENV, "1").strip()
+    if raw not in ("0", "1"):
+        raise ConfigError(f"{FLAG}: {INT_HASHES_ENV} must be 1 (block hashes as 64-bit integers, vLLM's default) or "
+                          f"0 (as bytes), got {raw[:40]!r}")
+    return raw == "1"
 
 
 def _zmq_modules() -> tuple[Any, Any]:
@@ -103,8 +135,8 @@ def _structs(msgspec: Any) -> tuple[Any, Any, Any, Any]:
         """Base of the tagged events."""
 
     class BlockStored(KVCacheEvent):
-        block_hashes: list[bytes]
-        parent_block_hash: bytes | None
+        block_hashes: list[bytes | int]  # vLLM's ExternalBlockHash
+        parent_block_hash: bytes | int | None
         token_ids: list[int]
         block_size: int
         lora_id: int | None
@@ -116,7 +148,7 @@ def _structs(msgspec: Any) -> tuple[Any, Any, Any, Any]:
         kv_cache_spec_sliding_window: int | None = None
 
     class BlockRemoved(KVCacheEvent):
-        block_hashes: list[bytes]
+        block_hashes: list[bytes | int]
         medium: str | None
         group_idx: int | None = None
 
@@ -146,6 +178,7 @@ class ZmqKvEventPublisher:
         self.published = 0  # batches sent
         self.groups: dict[str, tuple[int, str | None, int | None]] = {}  # name -> (index, vLLM kind, window)
         self._zmq = zmq
+        self._int_hashes = int_block_hashes()
         self._encoder = msgspec.msgpack.Encoder()
         self._stored, self._removed, self._cleared, self._batch = _structs(msgspec)
         self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue(maxsize=config.max_queue_size)
@@ -153,6 +186,7 @@ class ZmqKvEventPublisher:
         self._seq = 0
         self._topic = config.topic.encode()
         self._ctx = zmq.Context.instance()
+        self._ipc_files: list[str] = []  # the ipc:// paths bound, removed at close
         self._pub = self._socket(zmq.PUB, config.endpoint, "endpoint")
         self._replay = None
         try:
@@ -160,6 +194,7 @@ class ZmqKvEventPublisher:
                 self._replay = self._socket(zmq.ROUTER, config.replay_endpoint, "replay_endpoint", bind=True)
         except ConfigError:
             self._pub.close(linger=0)
+            self._remove_ipc_files()
             raise
         self._thread = threading.Thread(target=self._run, name="kvload-kv-events", daemon=True)
         self._thread.start()
@@ -177,7 +212,16 @@ class ZmqKvEventPublisher:
             sock.close(linger=0)
             raise ConfigError(f"{FLAG}: {field} {address}: cannot {'bind' if bind else 'connect'} it "
                               f"({exc.strerror})") from None
+        if bind and address.startswith("ipc://") and not address.startswith("ipc://@"):  # @: no file to remove
+            self._ipc_files.append(address.removeprefix("ipc://"))
         return sock
+
+    def _remove_ipc_files(self) -> None:
+        # ZeroMQ leaves a bound ipc:// socket file behind when the socket closes
+        for path in self._ipc_files:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        self._ipc_files.clear()
 
     def attach(self, layout: Any) -> None:
         """Name the layout's groups as vLLM does: index, spec kind, sliding window."""
@@ -192,7 +236,8 @@ class ZmqKvEventPublisher:
             self.dropped += 1
 
     def close(self) -> None:
-        """Send what is queued (up to a second), stop the thread, close the sockets (idempotent)."""
+        """Send what is queued (up to a second), stop the thread, close the sockets and remove their ipc:// files
+        (idempotent)."""
         if self._thread.is_alive():
             with contextlib.suppress(queue.Full):  # a queue still full after a second: the thread is stuck anyway
                 self._queue.put(None, timeout=1.0)
@@ -200,6 +245,7 @@ class ZmqKvEventPublisher:
         for sock in (self._pub, self._replay):
             if sock is not None and not sock.closed:
                 sock.close(linger=0)
+        self._remove_ipc_files()
 
     # --- the publishing thread -------------------------------------------------------------------
 
@@ -237,15 +283,20 @@ class ZmqKvEventPublisher:
         if kind == "kv_all_blocks_cleared":
             return self._cleared()
         index, spec, window = self.groups.get(event["layer_group"], (None, None, None))
-        hashes = [bytes.fromhex(h) for h in event["block_hashes"]]
+        hashes = [self._hash(h) for h in event["block_hashes"]]
         medium = MEDIUMS.get(event["medium"], event["medium"])
         if kind == "kv_block_removed":
             return self._removed(block_hashes=hashes, medium=medium, group_idx=index)
         parent = event["parent_block_hash"]
-        return self._stored(block_hashes=hashes, parent_block_hash=bytes.fromhex(parent) if parent else None,
+        return self._stored(block_hashes=hashes, parent_block_hash=self._hash(parent) if parent else None,
                             token_ids=event["token_ids"], block_size=event["tokens_per_block"], lora_id=None,
                             medium=medium, lora_name=None, group_idx=index, kv_cache_spec_kind=spec,
                             kv_cache_spec_sliding_window=window)
+
+    def _hash(self, hex_digest: str) -> bytes | int:
+        """vLLM's ``maybe_convert_block_hash``: the digest's low 64 bits big-endian, or its bytes."""
+        digest = bytes.fromhex(hex_digest)
+        return int.from_bytes(digest, "big") & MASK64 if self._int_hashes else digest
 
     def _serve_replay(self) -> None:
         """Answer one replay request: every kept batch from the asked sequence number on, then the end mark."""
