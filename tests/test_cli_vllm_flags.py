@@ -160,3 +160,10 @@ def test_a_browser_preflight_passes_the_api_key_gate_and_only_allowed_origins_ge
         assert "access-control-allow-origin" not in other.headers
         assert s.http.post("/v1/completions", json={"model": "tiny-llama", "prompt": [1], "max_tokens": 1},
                            headers={"Origin": "https://ui.example"}).status_code == 401  # the key is still needed
+
+
+def test_response_role_reaches_the_server_and_a_bad_one_is_named(monkeypatch, capsys):
+    assert served_with(monkeypatch)["response_role"] == "assistant"
+    assert served_with(monkeypatch, "--response-role", "bot")["response_role"] == "bot"
+    r = run_cli(capsys, "serve", "tiny-llama", "--port", "0", "--response-role", "a b")
+    assert r.code == 2 and "--response-role: expected a role name" in r.err, r.err

@@ -480,3 +480,19 @@ def test_stream_options_include_obfuscation_is_served_and_reported_as_on_the_res
     _refused(served, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "stream": True,
                                          "stream_options": {"include_obfuscation": "no"}},
              "stream_options.include_obfuscation")
+
+
+def test_the_response_role_names_the_reply_of_a_generation_prompt_as_vllms_flag_does(served):
+    user = [{"role": "user", "content": "w5 w17"}]
+    served.state.response_role = "w-bot"  # kvload serve --response-role w-bot
+    try:
+        r = served.client.chat.completions.create(model="words", messages=user, max_tokens=2)
+        assert r.choices[0].message.role == "w-bot"
+        stream = served.client.chat.completions.create(model="words", messages=user, max_tokens=2, stream=True)
+        assert [c.choices[0].delta.role for c in stream if c.choices][0] == "w-bot"
+        # without a generation prompt the reply goes on the last message, in its role (vLLM's rule)
+        cont = served.client.chat.completions.create(model="words", messages=CONV, max_tokens=2, extra_body={
+            "add_generation_prompt": False, "continue_final_message": True})
+        assert cont.choices[0].message.role == CONV[-1]["role"]
+    finally:
+        served.state.response_role = "assistant"

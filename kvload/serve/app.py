@@ -110,6 +110,8 @@ class ServeState:
     api_key_digests: tuple[bytes, ...] = attrs.field(default=(), repr=False)
     #: the responses kept for previous_response_id and GET /v1/responses/{id} (``--responses-store-max``)
     responses: ResponseStore = attrs.Factory(ResponseStore)
+    #: chat completions' reply role when the request asks for a generation prompt (vLLM's ``--response-role``)
+    response_role: str = "assistant"
     #: cross-origin requests from browsers (vLLM's ``--allowed-origins`` ...); None: no CORS headers at all
     cors: CorsPolicy | None = None
     in_flight: int = 0  # generation requests in the server now (only the event loop's thread touches it)
@@ -975,7 +977,7 @@ class _Run:
                     c.gauge = ReasoningText(job.reasoning)
         if job.kind == "chat":  # vLLM's reply role, and its echo: the last message when it is the reply's role
             last = job.prompts[0][-1]
-            self.role = "assistant" if job.template.get("add_generation_prompt", True) else last["role"]
+            self.role = self.state.response_role if job.template.get("add_generation_prompt", True) else last["role"]
             self.chat_echo = last["content"] if job.echo and last["role"] == self.role else ""
         self.created = int(time.time())
         self.submit()

@@ -118,6 +118,9 @@ def add_serve_command(sub: Any) -> None:
                           help=f"the {what} allowed, a JSON list of strings (default [\"*\"]: any)")
     cors.add_argument("--allow-credentials", "--allow_credentials", dest="allow_credentials", action="store_true",
                       help="let browsers send cookies and HTTP authentication (default: not)")
+    g.add_argument("--response-role", "--response_role", dest="response_role", default="assistant", metavar="ROLE",
+                   type=_role, help="chat completions' reply role when the request asks for a generation prompt "
+                                    "(vLLM's flag; default %(default)s)")
     g.add_argument("--uvicorn-log-level", "--uvicorn_log_level", dest="uvicorn_log_level", default=None,
                    choices=("critical", "error", "warning", "info", "debug", "trace"),
                    help="uvicorn's log level (vLLM's flag; default: --log-level's); info and below log a line "
@@ -319,6 +322,18 @@ def _event_buffer_size(ns: argparse.Namespace) -> Any:
     return kv.get("event_buffer_max_size") if isinstance(kv, dict) else None
 
 
+def _role(text: str) -> str:
+    """A reply role: a non-empty name of printable ASCII letters, digits, ``_`` or ``-``, at most 64 characters."""
+    import re
+
+    if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", text):
+        from pipeline.limits import short_text
+
+        raise argparse.ArgumentTypeError(f"expected a role name such as assistant (letters, digits, _ or -, at most "
+                                         f"64), got {short_text(text)}")
+    return text
+
+
 def _json_strings(text: str) -> tuple[str, ...]:
     """A JSON list of strings (``'["https://a.example"]'``), as vLLM's CORS flags take."""
     import json
@@ -469,7 +484,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
                             enable_reset_prefix_cache=ns.enable_reset_prefix_cache,
                             tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
                             metrics_naming=ns.metrics_name_prefix, responses_store_max=ns.responses_store_max,
-                            cors=_cors(ns))
+                            cors=_cors(ns), response_role=ns.response_role)
         _warn_when_the_audit_log_fails(state, getattr(ns, "audit_sink", None))
         mirror = None
         if ns.kv_events_file is not None:  # a full disk later stops the mirror with a warning, never a request
