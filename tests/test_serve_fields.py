@@ -489,7 +489,8 @@ def test_the_response_role_names_the_reply_of_a_generation_prompt_as_vllms_flag_
         r = served.client.chat.completions.create(model="words", messages=user, max_tokens=2)
         assert r.choices[0].message.role == "w-bot"
         stream = served.client.chat.completions.create(model="words", messages=user, max_tokens=2, stream=True)
-        assert [c.choices[0].delta.role for c in stream if c.choices][0] == "w-bot"
+        roles = [c.choices[0].delta.role for c in stream if c.choices]  # read to the end: the stream closes
+        assert roles[0] == "w-bot"
         # without a generation prompt the reply goes on the last message, in its role (vLLM's rule)
         cont = served.client.chat.completions.create(model="words", messages=CONV, max_tokens=2, extra_body={
             "add_generation_prompt": False, "continue_final_message": True})
