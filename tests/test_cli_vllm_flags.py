@@ -167,3 +167,16 @@ def test_response_role_reaches_the_server_and_a_bad_one_is_named(monkeypatch, ca
     assert served_with(monkeypatch, "--response-role", "bot")["response_role"] == "bot"
     r = run_cli(capsys, "serve", "tiny-llama", "--port", "0", "--response-role", "a b")
     assert r.code == 2 and "--response-role: expected a role name" in r.err, r.err
+
+
+def test_token_ids_force_usage_and_root_path_reach_the_server_and_a_bad_prefix_is_named(monkeypatch, capsys):
+    off = served_with(monkeypatch)
+    assert (off["return_tokens_as_token_ids"], off["force_include_usage"], off["root_path"]) == (False, False, "")
+    on = served_with(monkeypatch, "--return-tokens-as-token-ids", "--enable_force_include_usage",
+                     "--root-path", "/llm/v1/")
+    assert (on["return_tokens_as_token_ids"], on["force_include_usage"], on["root_path"]) == (True, True, "/llm/v1")
+    again = served_with(monkeypatch, "--return_tokens_as_token_ids", "--enable-force-include-usage",
+                        "--root_path", "/p")
+    assert (again["return_tokens_as_token_ids"], again["force_include_usage"], again["root_path"]) == (True, True, "/p")
+    r = run_cli(capsys, "serve", "tiny-llama", "--port", "0", "--root-path", "llm")
+    assert r.code == 2 and "--root-path: expected a path prefix such as /api" in r.err, r.err

@@ -387,3 +387,27 @@ def test_api_key_without_the_serve_extra_is_the_one_line_that_names_it(capsys, m
     r = run_cli(capsys, "serve", "tiny-llama", "--api-key", KEY)
     assert r.code == 2 and r.one_error_line, r.err
     assert "serve: fastapi is not installed; pip install 'kvload[serve]'" in r.err and KEY not in r.err, r.err
+
+
+def test_root_path_serves_the_proxys_prefix_with_the_same_key_check_open_paths_and_admission():
+    """``kvload serve --root-path /proxy`` (vLLM's): behind a proxy that keeps the prefix, ``/proxy/v1/models`` is
+    served (``/v1/models`` still is); the prefixed path is judged as its route: the key still needed, /health
+    still open, a generation request still taking its admission slot."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with serving(state={"api_keys": [KEY], "root_path": "/proxy"}) as s:
+        name = s.state.model_name
+        for path in ("/proxy/v1/models", "/v1/models"):
+            r = s.http.get(path, headers=auth)
+            assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == [name], (path, r.text)
+        assert s.http.get("/proxy/v1/models").status_code == 401
+        assert s.http.get("/proxy/health").status_code == 200
+        assert s.http.get("/proxy/nothing", headers=auth).status_code == 404
+        s.state.max_concurrent_requests = 1
+        body = {"prompt": [5, 6], "max_tokens": 1}
+
+        def check(http: httpx.Client) -> None:
+            assert http.post("/proxy/v1/completions", json=body, headers=auth).status_code == 503
+
+        r = answers_while_held(s, s.state.engine, "check",
+                               lambda http: http.post("/proxy/v1/completions", json=body, headers=auth), check)
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"], r.text

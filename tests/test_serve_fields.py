@@ -497,3 +497,54 @@ def test_the_response_role_names_the_reply_of_a_generation_prompt_as_vllms_flag_
         assert cont.choices[0].message.role == CONV[-1]["role"]
     finally:
         served.state.response_role = "assistant"
+
+
+def test_return_tokens_as_token_ids_names_each_logprob_token_by_its_id_as_vllms_flag_does(served):
+    """``kvload serve --return-tokens-as-token-ids``: every logprobs token (the chosen and its top alternatives,
+    streamed too) is ``token_id:N``, so a token whose text JSON cannot carry is still identified."""
+    user = [{"role": "user", "content": "w5 w17"}]
+    served.state.return_tokens_as_token_ids = True
+    try:
+        r = served.http.post("/v1/completions", json={"model": "words", "prompt": PROMPT, "max_tokens": 3,
+                                                      "ignore_eos": True, "logprobs": 2})
+        choice = r.json()["choices"][0]
+        assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+        assert all(k.startswith("token_id:") for top in choice["logprobs"]["top_logprobs"] for k in top)
+        chat = served.client.chat.completions.create(model="words", messages=user, max_tokens=3, logprobs=True,
+                                                     top_logprobs=2, extra_body={"ignore_eos": True})
+        content = chat.choices[0].logprobs.content
+        assert [c.token for c in content] == [f"token_id:{t}" for t in chat.choices[0].token_ids]
+        assert all(a.token.startswith("token_id:") for c in content for a in c.top_logprobs)
+        assert content[0].bytes != list(content[0].token.encode())  # the token's own bytes, as vLLM keeps them
+        stream = served.client.chat.completions.create(model="words", messages=user, max_tokens=3, logprobs=True,
+                                                       stream=True, extra_body={"ignore_eos": True})
+        streamed = [c.choices[0].logprobs.content for c in stream if c.choices and c.choices[0].logprobs]
+        assert [t.token for part in streamed for t in part] == [c.token for c in content]
+        stream = served.client.completions.create(model="words", prompt=PROMPT, max_tokens=3, logprobs=1,
+                                                  stream=True, extra_body={"ignore_eos": True})
+        tokens = [t for c in stream if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+        assert tokens == choice["logprobs"]["tokens"]
+    finally:
+        served.state.return_tokens_as_token_ids = False
+
+
+def test_force_include_usage_puts_usage_in_every_stream_as_vllms_flag_does(served):
+    """``kvload serve --enable-force-include-usage``: a stream that asks for no usage gets it anyway, as vLLM's
+    flag gives it: in every chunk (the choice's so far) and a last chunk with the whole request's."""
+    served.state.force_include_usage = True
+    try:
+        for create, kwargs in ((served.client.completions.create, {"prompt": PROMPT}),
+                               (served.client.chat.completions.create,
+                                {"messages": [{"role": "user", "content": "w5 w17"}]})):
+            chunks = list(create(model="words", max_tokens=3, stream=True, extra_body={"ignore_eos": True},
+                                 **kwargs))
+            assert all(c.usage is not None for c in chunks), chunks
+            last = chunks[-1]
+            assert last.choices == [] and last.usage.completion_tokens == 3
+            assert last.usage.total_tokens == last.usage.prompt_tokens + 3
+            # and a request that says no usage still gets it (the flag overrides stream_options)
+            said_no = list(create(model="words", max_tokens=1, stream=True, stream_options={"include_usage": False},
+                                  extra_body={"ignore_eos": True}, **kwargs))
+            assert said_no[-1].choices == [] and said_no[-1].usage.completion_tokens == 1
+    finally:
+        served.state.force_include_usage = False

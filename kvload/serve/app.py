@@ -41,7 +41,7 @@ from engine.serving import EngineStopped, ServeEvent, ServingEngine
 from engine.stopping import SampleText
 from engine.structured import ANY_VALUE, COSTLY, NO_VALUE, SLOW_COMPILE
 from engine.structured_params import StructuredOutputsParams
-from kvload.serve.auth import ApiKeyGate
+from kvload.serve.auth import ApiKeyGate, route_path
 from kvload.serve.command import MAX_CONCURRENT_DEFAULT, READ_TIMEOUT_DEFAULT
 from kvload.serve.messages_input import AnthropicError, MessagesRequest
 from kvload.serve.messages_input import renamed as messages_renamed
@@ -114,6 +114,13 @@ class ServeState:
     response_role: str = "assistant"
     #: cross-origin requests from browsers (vLLM's ``--allowed-origins`` ...); None: no CORS headers at all
     cors: CorsPolicy | None = None
+    #: logprobs name each token ``token_id:N`` rather than its text (vLLM's ``--return-tokens-as-token-ids``)
+    return_tokens_as_token_ids: bool = False
+    #: every stream carries usage, in each chunk and a last one, whatever ``stream_options`` says (vLLM's
+    #: ``--enable-force-include-usage``)
+    force_include_usage: bool = False
+    #: the path prefix a proxy keeps in front of every endpoint (vLLM's ``--root-path``); "": none
+    root_path: str = ""
     in_flight: int = 0  # generation requests in the server now (only the event loop's thread touches it)
     created: int = attrs.Factory(lambda: int(time.time()))
 
@@ -125,6 +132,9 @@ def create_app(state: ServeState) -> FastAPI:
     # host, an open redirect); OpenAI and vLLM's clients never add the slash: a 404 naming the endpoints instead
     app.router.redirect_slashes = False
     app.state.serve = state
+    # vLLM's --root-path (its app.root_path): behind a proxy that keeps the prefix, /PREFIX/v1/models is served;
+    # /v1/models still is (Starlette strips the prefix only where the path has it)
+    app.root_path = state.root_path
     app.add_middleware(_Admission, state=state)
     if state.api_key_digests:  # added last, so outermost: a request without the key takes no admission slot
         app.add_middleware(ApiKeyGate, digests=state.api_key_digests, metrics=state.metrics)
@@ -150,7 +160,7 @@ def create_app(state: ServeState) -> FastAPI:
         if exc.status_code == 405:  # Starlette's Allow names the first route the path matched, not every one
             headers = {**(headers or {}), "Allow": ", ".join(_allowed(app, request))}
         exc = HTTPException(exc.status_code, exc.detail, headers)
-        return JSONResponse(_shaped(request.scope.get("path", ""), _routing_error(app, request, exc)).body(),
+        return JSONResponse(_shaped(route_path(request.scope), _routing_error(app, request, exc)).body(),
                             status_code=exc.status_code, headers=headers)
 
     @app.exception_handler(Exception)
@@ -370,7 +380,7 @@ class _Admission:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         """Admit the request, or answer 503 without reading it."""
         state = self.state
-        if scope["type"] != "http" or scope["path"] not in self.PATHS:
+        if scope["type"] != "http" or route_path(scope) not in self.PATHS:
             await self.app(scope, receive, send)
             return
         if state.in_flight >= state.max_concurrent_requests:
@@ -380,7 +390,7 @@ class _Admission:
                               "retry later", status=503, kind="server_error", code="server_busy")
             state.metrics.on_refused(503)
             # Connection: close, so the body it refused is not read (uvicorn would drain it up to the read timeout)
-            await JSONResponse(_shaped(scope["path"], busy).body(), status_code=503,
+            await JSONResponse(_shaped(route_path(scope), busy).body(), status_code=503,
                                headers={"Retry-After": "1", "Connection": "close"})(scope, receive, send)
             return
         state.in_flight += 1
@@ -1183,7 +1193,7 @@ class _Run:
                 if c.echo_only and not c.echoed:  # echo without generation: the prompt, then the ending on its own
                     yield _sse(self._chunk(c, "", update, False))
                 yield _sse(self._chunk(c, delta, update, finished))
-            if self.job.include_usage:
+            if self.job.include_usage or self.state.force_include_usage:
                 yield _sse({"id": self.id, "object": self._chunk_object, "created": self.created,
                             "model": self.state.model_name, "choices": [], "usage": self._usage()})
             yield "data: [DONE]\n\n"
@@ -1241,7 +1251,8 @@ class _Run:
         if self.job.return_token_ids and not c.opened:  # vLLM's: in the choice's first chunk (chat: its role's)
             (doc if self.job.kind == "chat" else choice)["prompt_token_ids"] = self.prompts[c.index // self.job.n]
         c.opened = True
-        if self.job.continuous_usage:  # vLLM's: the choice's prompt and its tokens so far, in every chunk
+        # vLLM's: the choice's prompt and its tokens so far, in every chunk (--enable-force-include-usage: always)
+        if self.job.continuous_usage or self.state.force_include_usage:
             prompt = len(self.prompts[c.index // self.job.n])
             doc["usage"] = {"prompt_tokens": prompt, "completion_tokens": len(c.token_ids),
                             "total_tokens": prompt + len(c.token_ids)}
@@ -1352,8 +1363,9 @@ class _Run:
         return out
 
     def _scored(self, token: int, logprob: float, rank: int | None) -> dict[str, Any]:
+        # the text, under --return-tokens-as-token-ids too (vLLM names only the answer's logprobs so)
+        text = self.engine.token_piece(token)[0] if self.engine.tokenizer is not None else None
         # -inf (a token the model rules out) as -9999.0, vLLM's and OpenAI's stand-in JSON can hold
-        text = self._token(token) if self.engine.tokenizer is not None else None
         return {"logprob": max(logprob, -9999.0), "rank": rank, "decoded_token": text}
 
     def _usage(self) -> dict[str, Any]:
@@ -1364,7 +1376,13 @@ class _Run:
                 "prompt_tokens_details": {"cached_tokens": sum(c.reused for c in per_prompt)}}
 
     def _token(self, token_id: int) -> str:
-        return self.engine.token_piece(token_id)[0]
+        return self._piece(token_id)[0]
+
+    def _piece(self, token_id: int) -> tuple[str, bytes]:
+        """A token as logprobs name it, and its raw bytes: ``token_id:N`` under ``--return-tokens-as-token-ids``
+        (vLLM's, for tokens whose text JSON cannot carry), its bytes still the token's own, as vLLM's are."""
+        text, raw = self.engine.token_piece(token_id)
+        return (f"token_id:{token_id}", raw) if self.state.return_tokens_as_token_ids else (text, raw)
 
     def _completion_logprobs(self, ids: list[int], lps: list[Any], offsets: list[int], c: _Choice,
                              echo: bool = False) -> dict[str, Any] | None:
@@ -1405,10 +1423,10 @@ class _Run:
             return None
         content = []
         for t, (lp, alts) in zip(ids, lps, strict=False):
-            token, raw = self.engine.token_piece(t)
+            token, raw = self._piece(t)
             top = []
             for a, v in alts.items():
-                alt, alt_raw = self.engine.token_piece(a)
+                alt, alt_raw = self._piece(a)
                 top.append({"token": alt, "logprob": v, "bytes": list(alt_raw)})
             content.append({"token": token, "logprob": lp, "bytes": list(raw), "top_logprobs": top})
         return {"content": content}

@@ -39,6 +39,13 @@ VLLM_API_KEY_ENV = "VLLM_API_KEY"
 OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
 
 
+def route_path(scope: Mapping[str, Any]) -> str:
+    """The request's path as the router matches it: under ``--root-path /p`` (vLLM's, FastAPI's ``root_path``)
+    ``/p/v1/models`` is ``/v1/models``, as Starlette strips it, so the middleware judges what the route serves."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root + "/") else path
+
+
 def check_api_key(where: str, key: Any) -> str:
     """``key`` when it can be sent as ``Authorization: Bearer KEY``: a non-empty string of visible ASCII characters
     (an HTTP header carries no other reliably, and a space would end it); else ``ConfigError`` naming ``where`` and
@@ -113,7 +120,7 @@ class ApiKeyGate:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         """Pass the request on, or answer 401 without reading it."""
         # only HTTP: the app has no websocket route (the router closes any such connection) and lifespan is off
-        if scope["type"] != "http" or scope["method"] == "OPTIONS" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or route_path(scope) in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         values = [v for k, v in scope["headers"] if k == b"authorization"]  # ASGI names are lower-case
@@ -131,7 +138,7 @@ class ApiKeyGate:
         refused = BadRequest(message, status=401, code="invalid_api_key")
         if self.metrics is not None:
             self.metrics.on_refused(401)
-        if scope["path"].startswith("/v1/messages"):  # Anthropic's error document on Anthropic's paths
+        if route_path(scope).startswith("/v1/messages"):  # Anthropic's error document on Anthropic's paths
             from kvload.serve.messages_input import AnthropicError
 
             refused = AnthropicError.of(refused)

@@ -121,6 +121,15 @@ def add_serve_command(sub: Any) -> None:
     g.add_argument("--response-role", "--response_role", dest="response_role", default="assistant", metavar="ROLE",
                    type=_role, help="chat completions' reply role when the request asks for a generation prompt "
                                     "(vLLM's flag; default %(default)s)")
+    g.add_argument("--return-tokens-as-token-ids", "--return_tokens_as_token_ids", dest="return_tokens_as_token_ids",
+                   action="store_true", help="logprobs name each token 'token_id:N' rather than its text, for tokens "
+                                             "whose text JSON cannot carry (vLLM's flag)")
+    g.add_argument("--enable-force-include-usage", "--enable_force_include_usage", dest="enable_force_include_usage",
+                   action="store_true", help="every stream carries usage, in each chunk and a last one, whatever "
+                                             "stream_options says (vLLM's flag)")
+    g.add_argument("--root-path", "--root_path", dest="root_path", default="", metavar="/PREFIX", type=_root_path,
+                   help="the path prefix a proxy keeps in front of the endpoints: /PREFIX/v1/models is served as "
+                        "/v1/models (which still answers too; vLLM's flag)")
     g.add_argument("--uvicorn-log-level", "--uvicorn_log_level", dest="uvicorn_log_level", default=None,
                    choices=("critical", "error", "warning", "info", "debug", "trace"),
                    help="uvicorn's log level (vLLM's flag; default: --log-level's); info and below log a line "
@@ -334,6 +343,18 @@ def _role(text: str) -> str:
     return text
 
 
+def _root_path(text: str) -> str:
+    """A URL path prefix such as ``/api/v1``: "/" then segments without spaces, ``?`` or ``#``; "" or "/": none."""
+    import re
+
+    if text and not re.fullmatch(r"(/[^/\s?#%]+)*/?", text):
+        from pipeline.limits import short_text
+
+        raise argparse.ArgumentTypeError(f"expected a path prefix such as /api (starting with /, no spaces, ?, # or "
+                                         f"%), got {short_text(text)}")
+    return text.rstrip("/")  # Starlette strips the prefix only before a "/": "/api/" would match nothing
+
+
 def _json_strings(text: str) -> tuple[str, ...]:
     """A JSON list of strings (``'["https://a.example"]'``), as vLLM's CORS flags take."""
     import json
@@ -484,7 +505,9 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
                             enable_reset_prefix_cache=ns.enable_reset_prefix_cache,
                             tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
                             metrics_naming=ns.metrics_name_prefix, responses_store_max=ns.responses_store_max,
-                            cors=_cors(ns), response_role=ns.response_role)
+                            cors=_cors(ns), response_role=ns.response_role,
+                            return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
+                            force_include_usage=ns.enable_force_include_usage, root_path=ns.root_path)
         _warn_when_the_audit_log_fails(state, getattr(ns, "audit_sink", None))
         mirror = None
         if ns.kv_events_file is not None:  # a full disk later stops the mirror with a warning, never a request

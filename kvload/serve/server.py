@@ -56,7 +56,8 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
                 tool_call_parser: str | None = None, reasoning_parser: str | None = None,
                 metrics_naming: str = "kvload",
                 responses_store_max: int = RESPONSES_STORE_MAX_DEFAULT, cors: CorsPolicy | None = None,
-                response_role: str = "assistant") -> ServeState:
+                response_role: str = "assistant", return_tokens_as_token_ids: bool = False,
+                force_include_usage: bool = False, root_path: str = "") -> ServeState:
     """Engine (not started) and metrics over a ``load(..., load_weights=True)`` result; from now on its audit log
     keeps the load's records and the newest ``audit_keep`` (``/v1/kvload/audit`` serves them). A request body
     over ``max_request_bytes`` is refused unread (None: :func:`default_max_request_bytes` of the model); a
@@ -150,7 +151,9 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
                       read_timeout_s=float(read_timeout_s), max_concurrent_requests=max_concurrent_requests,
                       trust_request_chat_template=trust_request_chat_template, api_key_digests=digests,
                       enable_reset_prefix_cache=enable_reset_prefix_cache, tool_call_parser=tool_call_parser,
-                      reasoning_parser=reasoning_parser, responses=responses, cors=cors, response_role=response_role)
+                      reasoning_parser=reasoning_parser, responses=responses, cors=cors, response_role=response_role,
+                      return_tokens_as_token_ids=return_tokens_as_token_ids,
+                      force_include_usage=force_include_usage, root_path=root_path)
 
 
 
