@@ -548,3 +548,20 @@ def test_force_include_usage_puts_usage_in_every_stream_as_vllms_flag_does(serve
             assert said_no[-1].choices == [] and said_no[-1].usage.completion_tokens == 1
     finally:
         served.state.force_include_usage = False
+
+
+def test_the_request_field_return_tokens_as_token_ids_wins_over_the_servers_flag_as_in_vllm(served):
+    body = {"model": "words", "prompt": PROMPT, "max_tokens": 2, "ignore_eos": True, "logprobs": 1}
+    chat = {"model": "words", "messages": [{"role": "user", "content": "w5 w17"}], "max_tokens": 2,
+            "ignore_eos": True, "logprobs": True, "top_logprobs": 1}
+    asked = served.http.post("/v1/completions", json={**body, "return_tokens_as_token_ids": True}).json()
+    assert all(t.startswith("token_id:") for t in asked["choices"][0]["logprobs"]["tokens"])
+    asked = served.http.post("/v1/chat/completions", json={**chat, "return_tokens_as_token_ids": True}).json()
+    assert all(c["token"].startswith("token_id:") for c in asked["choices"][0]["logprobs"]["content"])
+    served.state.return_tokens_as_token_ids = True  # kvload serve --return-tokens-as-token-ids
+    try:
+        declined = served.http.post("/v1/completions", json={**body, "return_tokens_as_token_ids": False}).json()
+        assert not any(t.startswith("token_id:") for t in declined["choices"][0]["logprobs"]["tokens"])
+    finally:
+        served.state.return_tokens_as_token_ids = False
+    _refused(served, "/v1/completions", {**body, "return_tokens_as_token_ids": "yes"}, "return_tokens_as_token_ids")

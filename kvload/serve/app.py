@@ -1380,9 +1380,12 @@ class _Run:
 
     def _piece(self, token_id: int) -> tuple[str, bytes]:
         """A token as logprobs name it, and its raw bytes: ``token_id:N`` under ``--return-tokens-as-token-ids``
-        (vLLM's, for tokens whose text JSON cannot carry), its bytes still the token's own, as vLLM's are."""
+        or the request's ``return_tokens_as_token_ids`` (vLLM's, which wins over the flag; for tokens whose text JSON
+        cannot carry), its bytes still the token's own, as vLLM's are."""
         text, raw = self.engine.token_piece(token_id)
-        return (f"token_id:{token_id}", raw) if self.state.return_tokens_as_token_ids else (text, raw)
+        asked = self.job.return_tokens_as_token_ids
+        as_id = self.state.return_tokens_as_token_ids if asked is None else asked
+        return (f"token_id:{token_id}", raw) if as_id else (text, raw)
 
     def _completion_logprobs(self, ids: list[int], lps: list[Any], offsets: list[int], c: _Choice,
                              echo: bool = False) -> dict[str, Any] | None:

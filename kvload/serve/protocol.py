@@ -163,6 +163,8 @@ class Job:
     #: vLLM's ``return_token_ids``: the answer carries each prompt's ``prompt_token_ids`` (a stream: each choice's
     #: first chunk)
     return_token_ids: bool = False
+    #: vLLM's ``return_tokens_as_token_ids``: logprobs name tokens ``token_id:N``; None: as the server's flag says
+    return_tokens_as_token_ids: bool | None = None
     #: vLLM's ``use_beam_search``: the search's parameters (``n`` is its width, ``length_penalty`` its score's
     #: exponent), else None
     beam: BeamSearchParams | None = None
@@ -248,6 +250,7 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "
            # at the one value kvload serves) and priority (any value under --scheduling_policy priority, else 0)
            "cache_salt", "prompt_logprobs", "truncate_prompt_tokens", "request_id", "response_format", "priority",
            "return_token_ids",  # vLLM's: the prompt's token ids in the answer (a choice's own are always there)
+           "return_tokens_as_token_ids",  # vLLM's: logprobs tokens as token_id:N (the server's flag the default)
            "truncation_side",  # vLLM's: which end truncate_prompt_tokens keeps
            "use_beam_search", "length_penalty",  # vLLM's beam search: n beams, the best n hypotheses as choices
            # vLLM's sampling constraints, checked by SamplingParams (bad_words by the tokenizer, at submission)
@@ -439,6 +442,8 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
                continuous_usage=continuous, ignored=tuple(ignored), priority=priority,
                model_defaults=tuple(defaulted), structured_field=structured_field, tool_choice=tool_choice,
                auto_tools=auto, reasoning=reasoning, return_token_ids=_flag(body, "return_token_ids", False),
+               return_tokens_as_token_ids=None if body.get("return_tokens_as_token_ids") is None
+               else _flag(body, "return_tokens_as_token_ids", False),
                beam=beam)
 
 
