@@ -178,5 +178,8 @@ def test_token_ids_force_usage_and_root_path_reach_the_server_and_a_bad_prefix_i
     again = served_with(monkeypatch, "--return_tokens_as_token_ids", "--enable-force-include-usage",
                         "--root_path", "/p")
     assert (again["return_tokens_as_token_ids"], again["force_include_usage"], again["root_path"]) == (True, True, "/p")
+    no = served_with(monkeypatch, "--return-tokens-as-token-ids", "--no-return-tokens-as-token-ids",
+                     "--enable-force-include-usage", "--no_enable_force_include_usage")  # vLLM's --no-X forms
+    assert (no["return_tokens_as_token_ids"], no["force_include_usage"]) == (False, False)
     r = run_cli(capsys, "serve", "tiny-llama", "--port", "0", "--root-path", "llm")
     assert r.code == 2 and "--root-path: expected a path prefix such as /api" in r.err, r.err

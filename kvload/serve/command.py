@@ -127,6 +127,9 @@ def add_serve_command(sub: Any) -> None:
     g.add_argument("--enable-force-include-usage", "--enable_force_include_usage", dest="enable_force_include_usage",
                    action="store_true", help="every stream carries usage, in each chunk and a last one, whatever "
                                              "stream_options says (vLLM's flag)")
+    for key in ("return_tokens_as_token_ids", "enable_force_include_usage"):  # vLLM's --X/--no-X switches
+        g.add_argument("--no-" + key.replace("_", "-"), "--no_" + key, dest=key, action="store_false",
+                       help=argparse.SUPPRESS)
     g.add_argument("--root-path", "--root_path", dest="root_path", default="", metavar="/PREFIX", type=_root_path,
                    help="the path prefix a proxy keeps in front of the endpoints: /PREFIX/v1/models is served as "
                         "/v1/models (which still answers too; vLLM's flag)")
