@@ -400,6 +400,23 @@ def test_fcfs_admits_a_follow_up_whose_prefix_is_cached_before_an_earlier_fresh_
     assert list(waiting) == [fresh] and running == [follow]
 
 
+def test_under_pressure_one_whole_prompt_is_admitted_per_step_and_cached_hits_join_it(monkeypatch):
+    import cache_backends.v2.scheduler as scheduler
+
+    monkeypatch.setattr(scheduler, "LPM_MIN_HIT", 16)
+    m = make_manager(FULL, 20)  # every first chunk fits at once, not every worst case (runner 8 + 6 + 5 + 3 + 3)
+    s = KVCacheV2Scheduler(m, max_batch_size=8, max_num_tokens=256, init_ratio=0.0)  # greedy: no headroom refusal
+    fresh, follow = _cached_and_two_waiting(m)
+    others = [Request(f"fresh{i}", [70 + 8 * i + j for j in range(8)], 4, arrival=3 + i) for i in range(2)]
+    running: list[Request] = []
+    assert s.step(deque([Request("run", list(range(100, 108)), 24)]), running).admitted  # an empty batch admits
+    waiting = deque([fresh, *others, follow])
+    out = s.step(waiting, running)
+    # the hit and one whole prompt: two prompts' prefill in one step cost their sum, and they would finish together
+    assert out.admitted == [follow, fresh] and list(waiting) == others
+    assert s.step(waiting, running).admitted == [others[0]]
+
+
 def test_requests_that_waited_lpm_age_steps_go_in_arrival_order(monkeypatch):
     import cache_backends.v2.scheduler as scheduler
 

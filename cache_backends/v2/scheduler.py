@@ -69,6 +69,14 @@ One :meth:`~KVCacheV2Scheduler.step`:
    nothing (Gemma 2 9B's 4,096 over mixed traffic of at most 2,304 tokens: holding cost 1.04x V1's steps with a
    quarter of the requests urgent; without it 0.94x). Decodes never wait
    for it, so under pressure a running request's growth still evicts them, and an empty batch admits regardless.
+   **Spread**: while others run and their worst cases with the candidate's would overcommit the pools (what V1
+   refuses), at most one request that claims no cached prefix is admitted per step (hits go in as many as fit; with
+   room for every worst case, as many as fit). Why: a whole prompt's prefill fills a step's compute, so two in one
+   step cost their sum while a later step decodes alone, paying the weights' read a prefill would have hidden; and
+   requests admitted together finish together, freeing their slots together for the next group, a convoy that
+   repeats (Gemma 2 9B ``no-reuse`` at a quarter of the budget: 2 to 10 prompts at once in 29 steps, 1.029x V1's
+   modeled time; spread, 1.009x; BENCHMARKS.md "Spread admissions"). Only under pressure: a burst into ample
+   memory goes in at once, as on V1.
    A request that claims no cached prefix is asked about before its cache is built
    (:meth:`KVCacheManagerV2.fit_tokens_new` and friends answer as the built cache would), so a refusal —
    a long prompt waiting for room, step after step — builds and cancels nothing.
@@ -424,6 +432,13 @@ class KVCacheV2Scheduler(SchedulerBase):
                   if v.num_computed_tokens == v.num_tokens - 1 and v.num_tokens + 1 >= min(v.max_total_tokens, cap)]
         return bool(ending) and self._fits_without(request, new, running, chunks, budget, ratio, leaving=ending)
 
+    def _overcommits(self, request: Request, running: list[Request], budget: int) -> bool:
+        """Whether admitting ``request`` (claiming nothing) beside ``running`` leaves the pools short of every one's
+        worst case (V1 would refuse it): the pressure under which admission spreads whole prompts over steps."""
+        m = self.manager
+        n = m.fit_tokens_new(request, min(_pending(request), budget))
+        return n > 0 and m.short_of(m.growth_blocks_new(request, 1.0, n), m.headroom_blocks(running, 1.0))
+
     def _admit(self, candidates: list[Request], waiting: deque[Request], running: list[Request],
                out: SchedulerOutput, chunks: dict[Request, ScheduledChunk], budget: int,
                reasons: list[str]) -> tuple[int, bool]:
@@ -431,10 +446,14 @@ class KVCacheV2Scheduler(SchedulerBase):
         m = self.manager
         ratio = self.new_token_ratio
         headroom: dict[str, int] | None = None  # running requests' estimated growth, per group (on first use)
+        others_run, cold = bool(running), False  # cold: a request that claims no cached prefix was admitted
         for r in candidates:
             if r.state is not RequestState.WAITING:
                 continue
             if len(running) >= self.max_batch_size or budget == 0:
+                return budget, False
+            # one whole prompt per step while the batch's worst cases overcommit the pools (module docstring, "Spread")
+            if cold and others_run and m.claims_nothing(r) and self._overcommits(r, running, budget):
                 return budget, False
             why = m.never_fits(r)
             if why is not None:
@@ -497,4 +516,5 @@ class KVCacheV2Scheduler(SchedulerBase):
             running.append(r)
             self._longest = max(self._longest, r.num_tokens)  # running now: the next admission's hold counts it
             out.admitted.append(r)
+            cold = cold or new
         return budget, True
