@@ -385,15 +385,16 @@ def _cors(ns: argparse.Namespace) -> Any:
                       headers=given(ns.allowed_headers), credentials=ns.allow_credentials)
 
 
-def _kv_events_config(ns: argparse.Namespace) -> Any:
-    """``--kv-events-config`` checked (None when not given); ``ConfigError`` naming it."""
+def _kv_events_config(ns: argparse.Namespace, buffer_size: Any) -> Any:
+    """``--kv-events-config`` checked (None when not given) against the run's ``event_buffer_max_size``
+    (:func:`_event_buffer_size`); ``ConfigError`` naming it."""
     if ns.kv_events_config is None:
         return None
     from kvload.serve.kv_publisher import parse_kv_events_config
     from pipeline.errors import ConfigError
 
     config = parse_kv_events_config(ns.kv_events_config)
-    if config.enable_kv_cache_events and _event_buffer_size(ns) == 0:
+    if config.enable_kv_cache_events and buffer_size == 0:
         raise ConfigError("--kv-events-config: enable_kv_cache_events is true but kv_cache_config."
                           "event_buffer_max_size is 0 (events off); drop that setting or give N > 0")
     return config
@@ -438,11 +439,14 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     # under torchrun rank 0 serves HTTP and the other ranks follow its loop step by step (ServingEngine.follow)
     ranks = ranks_from_env()
     audit = cli._audit_subscribers(ns)  # published by main once the server stopped cleanly
-    events_config = _kv_events_config(ns)
+    # the flag, else the --config file's: read once, and only where an events flag asks
+    buffer_size = _event_buffer_size(ns) if ns.kv_events_file is not None or ns.kv_events_config is not None \
+        else None
+    events_config = _kv_events_config(ns, buffer_size)
     events_on = events_config is not None and events_config.enable_kv_cache_events
     if ns.kv_events_file is not None:
         cli._check_output_path("--kv-events-file", ns.kv_events_file)
-        if not _event_buffer_size(ns) and not events_on:
+        if not buffer_size and not events_on:
             from pipeline.errors import ConfigError
 
             raise ConfigError("--kv-events-file: KV cache events are off; add --event_buffer_max_size N (N > 0), or "
@@ -468,7 +472,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         tokens, "serve", f"{length} (serve sizes the pools for {SERVE_DEFAULT_SEQUENCES} x "
                          f"(default-max-tokens + {SERVE_PROMPT_ALLOWANCE}) = {tokens} tokens when no --max_tokens "
                          "is given)", sequences=SERVE_DEFAULT_SEQUENCES if from_model else None)
-    if events_on and _event_buffer_size(ns) is None:  # vLLM's switch turns the recording on, as it does there
+    if events_on and buffer_size is None:  # vLLM's switch turns the recording on, as it does there
         request.caller_defaults[EVENT_BUFFER_FIELD] = CallerDefault(
             EVENT_BUFFER_DEFAULT, "serve", f"--kv-events-config enables KV cache events (vLLM's "
             f"enable_kv_cache_events); GET /v1/kvload/kv_events keeps the newest {EVENT_BUFFER_DEFAULT:,}",
