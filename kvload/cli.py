@@ -471,6 +471,11 @@ def _dashed(name: str) -> str:
     return "--" + name[2:].replace("_", "-") if name.startswith("--") else name
 
 
+def _underscored(name: str) -> str:
+    """``--max-tokens`` → ``--max_tokens``: a dashed flag's other spelling (:func:`_dashed`'s inverse)."""
+    return "--" + name[2:].replace("-", "_")
+
+
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     """MODEL, the config flags (with dashed aliases), and the output/logging options."""
     p.add_argument("model", metavar="MODEL",
@@ -487,7 +492,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     knobs = p.add_argument_group("vLLM engine options kvload does not act on (each accepted with a setting_ignored "
                                  "warning saying why, or refused where its value would change the model)")
     for name, key, kind, metavar in VLLM_KNOB_FLAGS:
-        names = (name, "--" + name[2:].replace("-", "_"))
+        names = (name, _underscored(name))
         if kind is None:
             knobs.add_argument(*names, dest=_knob_dest(key), action="store_const", const=True, default=None,
                                help=argparse.SUPPRESS)
@@ -1528,7 +1533,7 @@ def _cli_message(exc: KvloadError, argv: Sequence[str] = ()) -> str:
     knob = next((name for name, key, _, _ in VLLM_KNOB_FLAGS if exc.path == key), None) \
         if isinstance(exc, ConfigError) and exc.source == "cli" and exc.path else None
     if knob is not None:  # vLLM's flag refused (--quantization awq): named as typed, not as its key
-        spellings = (knob, "--" + knob[2:].replace("-", "_"))
+        spellings = (knob, _underscored(knob))
         return f"{typed_spelling(spellings, argv)}: {str(exc).removeprefix(exc.path + ': ')}"
     return str(exc)
 

@@ -113,8 +113,7 @@ def add_serve_command(sub: Any) -> None:
     cors = p.add_argument_group("cross-origin requests from browsers (CORS; vLLM's flags and defaults)")
     for flag, what in (("--allowed-origins", "origins"), ("--allowed-methods", "methods"),
                        ("--allowed-headers", "headers")):
-        cors.add_argument(flag, "--" + flag[2:].replace("-", "_"), dest=flag[2:].replace("-", "_"), default=None,
-                          metavar="JSON", type=_json_strings,
+        cors.add_argument(flag, cli._underscored(flag), default=None, metavar="JSON", type=_json_strings,
                           help=f"the {what} allowed, a JSON list of strings (default [\"*\"]: any)")
     cors.add_argument("--allow-credentials", "--allow_credentials", dest="allow_credentials", action="store_true",
                       help="let browsers send cookies and HTTP authentication (default: not)")
@@ -141,8 +140,7 @@ def add_serve_command(sub: Any) -> None:
                    action="store_true", help="no line per HTTP request, whatever the log level (vLLM's flag)")
     for flag in ("--disable-log-requests", "--enable-log-requests", "--enable-prompt-tokens-details",
                  "--disable-fastapi-docs"):
-        g.add_argument(flag, "--" + flag[2:].replace("-", "_"), dest=flag[2:].replace("-", "_"),
-                       action="store_true", help=argparse.SUPPRESS)
+        g.add_argument(flag, cli._underscored(flag), action="store_true", help=argparse.SUPPRESS)
     g.add_argument("--max-log-len", "--max_log_len", dest="max_log_len", default=None, metavar="N",
                    type=cli._bounded(cli.integer, lambda v: v >= 0, "an integer >= 0"), help=argparse.SUPPRESS)
     g.add_argument("--audit-keep", "--audit_keep", dest="audit_keep", default=AUDIT_KEEP_DEFAULT, metavar="N",
@@ -558,10 +556,11 @@ IGNORED_SERVE_FLAGS: dict[str, str] = {
 
 def _report_ignored_serve_flags(ns: argparse.Namespace, emit: Any) -> None:
     """One ``setting_ignored`` per vLLM serve flag given that kvload takes without acting on."""
+    from kvload import cli
     from pipeline.events import SettingIgnored
 
     for flag, why in IGNORED_SERVE_FLAGS.items():
-        value = getattr(ns, flag[2:].replace("-", "_"), None)
+        value = getattr(ns, cli._underscored(flag)[2:], None)  # argparse's dest for the flag
         if value is not None and value is not False:
             emit(SettingIgnored(field=flag, value=value, reason=why))
 
