@@ -163,6 +163,10 @@ class GenerationExecutor:
         self.groups = [g.name for g in manager.layout.groups]
         self.max_seq_len = manager.options.max_seq_len
         self.eos_token_ids = eos_token_ids(model, tokenizer)
+        #: every EOS id is a special token, whose text ``skip_special_tokens`` leaves out (so keeping it under
+        #: ``include_stop_str_in_output`` shows nothing); fixed with the tokenizer, so found once, not per request
+        special = set(getattr(tokenizer, "all_special_ids", None) or ())
+        self.eos_is_special = all(t in special for t in self.eos_token_ids)
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
         self._emit = emit
         self._calls = 0
@@ -457,12 +461,11 @@ class GenerationExecutor:
                 presence_penalty=float(p0.presence_penalty), frequency_penalty=float(p0.frequency_penalty),
                 min_tokens=p0.min_tokens, min_p=float(p0.min_p), model_defaults=defaulted, llm_seed=self.llm_seed,
                 structured_outputs=p0.structured_outputs.describe() if p0.structured_outputs is not None else None))
-            eos_silent = self.eos_decodes_to_nothing()  # include_stop_str_in_output keeps an EOS no text shows
             has_text = self.tokenizer is not None  # a setting that does nothing (greedy draws nothing: a seed, top-p,
             for p in {id(p): p for p in params}.values():  # top-k or n; a text setting with no text) is said to
                 dropped = p.structured_outputs.ignored_settings() if p.structured_outputs is not None else []
                 for name, value, why in (greedy_ignored(p, model_defaults=defaulted)
-                                         + inert_settings(p, has_text, eos_silent)
+                                         + inert_settings(p, has_text, self.eos_is_special)
                                          + dropped):  # ... and what a schema holds that xgrammar does not enforce
                     self._event(SettingIgnored(field=f"generate.{name}", value=value, reason=why))
             unscoped = self.salt_ignored() if salt is not None else None  # with reuse off a salt would do nothing
@@ -724,12 +727,6 @@ class GenerationExecutor:
         """Why the manager shares no prefix between requests, or None when prefix reuse is on."""
         off = getattr(self.manager, "reuse_off_reason", None)  # V2 says why (a layout that cannot be keyed, ...)
         return off or (None if self.manager.options.enable_block_reuse else "enable_block_reuse is false")
-
-    def eos_decodes_to_nothing(self) -> bool:
-        """Whether every EOS id is a special token, whose text ``skip_special_tokens`` leaves out (so keeping it under
-        ``include_stop_str_in_output`` shows nothing)."""
-        special = set(getattr(self.tokenizer, "all_special_ids", None) or ())
-        return all(t in special for t in self.eos_token_ids)
 
     def salt_ignored(self) -> str | None:
         """Why a reuse salt does nothing here (the manager shares no prefix between requests), or None when it

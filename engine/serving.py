@@ -436,7 +436,7 @@ class ServingEngine:
         settings that can change nothing (``inert_settings``), and a reuse ``salt`` while prefix reuse is off."""
         where = f" (request {request})" if request else ""
         ignored = greedy_ignored(params, n, model_defaults) + inert_settings(params, self.tokenizer is not None,
-                                                                         self.executor.eos_decodes_to_nothing())
+                                                                         self.executor.eos_is_special)
         events = [SettingIgnored(field=f"serve.{name}", value=value, reason=why + where)
                   for name, value, why in ignored]
         unscoped = self.executor.salt_ignored() if salt is not None else None
@@ -1041,7 +1041,7 @@ class ServingEngine:
         tokens = req.output_token_ids
         self._send(live, ServeEvent(req_id, tuple(tokens[live.reported:]), tuple(tokens), finish_reason=reason,
                                     error=error, prompt_tokens=req.num_prompt_tokens,
-                                    reused_prompt_tokens=live.request.num_cached_tokens,
+                                    reused_prompt_tokens=req.num_cached_tokens,
                                     logprobs=tuple(live.token_logprobs[live.reported:len(tokens)])))
         live.reported = len(tokens)
 
@@ -1052,7 +1052,7 @@ class ServingEngine:
         if self.observer is None:
             return
         req = live.request
-        done = FinishedRequest(req.num_prompt_tokens, len(req.output_token_ids), live.request.num_cached_tokens, reason,
+        done = FinishedRequest(req.num_prompt_tokens, len(req.output_token_ids), req.num_cached_tokens, reason,
                                live.params, live.sample, live.samples, live.queued_at, live.scheduled_at,
                                tuple(live.token_times), live.group)
         with contextlib.suppress(Exception):
