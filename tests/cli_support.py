@@ -91,6 +91,22 @@ def imports_after(code: str) -> dict:
     return json.loads(r.stderr.strip().splitlines()[-1])
 
 
+def until_ready(proc: subprocess.Popen, timeout: float = 120) -> list[str]:
+    """A ``kvload serve`` process's stderr lines up to its ready line (the last: ``... at http://HOST:PORT ...``)."""
+    import time
+
+    deadline, lines = time.monotonic() + timeout, []
+    while not lines or " at http://" not in lines[-1]:
+        assert time.monotonic() < deadline and proc.poll() is None, f"server did not start: {lines}"
+        lines.append(proc.stderr.readline())
+    return lines
+
+
+def ready_url(line: str) -> str:
+    """The URL a ``kvload serve`` ready line names."""
+    return line.split(" at ", 1)[1].split(" ", 1)[0]
+
+
 def reap(proc: subprocess.Popen) -> None:
     """Kill a server process a failed assertion left running, and close its pipes."""
     if proc.poll() is None:

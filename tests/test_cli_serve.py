@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.cli_support import ENV, REPO, kvload, reap, run_cli, served_with
+from tests.cli_support import ENV, REPO, kvload, reap, run_cli, served_with, until_ready
 
 
 def test_serve_process_answers_then_stops_cleanly_on_sigterm(tmp_path):
@@ -107,12 +107,7 @@ def _start_server(*flags: str) -> subprocess.Popen:
 
 
 def _ready_line(proc: subprocess.Popen) -> str:
-    deadline = time.monotonic() + 120
-    line = ""
-    while " at http://" not in line:
-        assert time.monotonic() < deadline and proc.poll() is None, f"server did not start: {line}"
-        line = proc.stderr.readline()
-    return line
+    return until_ready(proc)[-1]
 
 
 def test_json_says_it_is_ignored_by_serve():
@@ -120,11 +115,7 @@ def test_json_says_it_is_ignored_by_serve():
     the ready line, that the flag changes nothing (it was accepted silently)."""
     proc = _start_server("--json")
     try:
-        lines = []
-        deadline = time.monotonic() + 120
-        while not lines or " at http://" not in lines[-1]:
-            assert time.monotonic() < deadline and proc.poll() is None, f"server did not start: {lines}"
-            lines.append(proc.stderr.readline())
+        lines = until_ready(proc)
         ignored = [line for line in lines if "setting_ignored" in line]
         assert len(ignored) == 1 and "--json" in ignored[0] and "prints no result document" in ignored[0], lines
         proc.send_signal(signal.SIGTERM)
@@ -140,11 +131,7 @@ def test_a_vllm_serve_command_line_runs_and_says_what_it_ignores():
              "--enable-chunked-prefill", "--disable-log-stats", "--seed", "7")
     proc = _start_server(*flags)
     try:
-        lines = []
-        deadline = time.monotonic() + 120
-        while not lines or " at http://" not in lines[-1]:
-            assert time.monotonic() < deadline and proc.poll() is None, f"server did not start: {lines}"
-            lines.append(proc.stderr.readline())
+        lines = until_ready(proc)
         ignored = " ".join(line for line in lines if "setting_ignored" in line)
         for field in ("enforce_eager", "--disable-log-requests", "max_logprobs", "enable_chunked_prefill",
                       "disable_log_stats"):

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.cli_support import ENV, REPO, reap, run_cli
+from tests.cli_support import ENV, REPO, ready_url, reap, run_cli, until_ready
 
 zmq = pytest.importorskip("zmq")
 msgspec = pytest.importorskip("msgspec")
@@ -69,11 +69,7 @@ def _start(config: dict) -> tuple[subprocess.Popen, str]:
                              "1024", "--enable-reset-prefix-cache", "--kv-events-config", json.dumps(config)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, cwd=REPO)
-    deadline, line = time.monotonic() + 120, ""
-    while " at http://" not in line:
-        assert time.monotonic() < deadline and proc.poll() is None, f"server did not start: {proc.stderr.read()}"
-        line = proc.stderr.readline()
-    return proc, line.split(" at ", 1)[1].split(" ", 1)[0]
+    return proc, ready_url(until_ready(proc)[-1])
 
 
 def _batches(sock, until) -> list[tuple[bytes, int, KVEventBatch]]:
