@@ -32,9 +32,11 @@ of the ideal; tiny-gemma3 long-context: V2 >= 3x V1's concurrency.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from bench.common import Table, machine, ratio, thread_cpu_step_clock, verdict
@@ -215,6 +217,67 @@ def _step_time(quick: bool, pairs: int, simulate: Any, make_workload: Any) -> Ta
     return table
 
 
+@contextlib.contextmanager
+def _split_for_max_seq_len() -> Iterator[None]:
+    """Split pools sized for ``max_seq_len`` sequences, the rule before ``KvLayout.split_length`` (for comparison)."""
+    from cache_backends.layout import KvLayout
+
+    rule = KvLayout.split_length
+    KvLayout.split_length = lambda self, seq_len: seq_len  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        KvLayout.split_length = rule  # type: ignore[method-assign]
+
+
+def split_pools(preset: str = "tiny-deepseek-v4", workloads: tuple[str, ...] = WORKLOADS,
+                budgets: tuple[str, ...] = tuple(BUDGETS), quick: bool = False) -> Table:
+    """DeepSeek V4 (the model "auto" routes to V2; V1 cannot take it): V2 with its split pools sized for
+    ``max_seq_len`` sequences (the rule before) and for the length where windows cost what growth does, side by
+    side in one run at each cell's budget."""
+    from engine.simulator import simulate
+    from engine.workloads import make_workload
+    from pipeline.errors import KvBuildError
+
+    cmd = "python -m bench.bench_grid --only split" + (" --quick" if quick else "")
+    table = Table(f"{preset}: split pools sized for max_seq_len -> for S / u tokens (V2 only)", cmd,
+                  ["workload", "budget", "steps", "hit (of ideal)", "max / mean concurrency", "preemptions",
+                   "modeled time"])
+    for name in workloads:
+        kind, extra, policy = VARIANTS.get(name, (name, {}, "fcfs"))
+        wl = make_workload(kind, None, 0, **extra)
+        if quick:
+            wl = make_workload(kind, max(4, len(wl.requests) // 4), 0, **extra)
+        base = simulate(preset, wl, scheduling_policy=policy, **CPU).budget.bytes
+        for label in budgets:
+            kv = {"max_gpu_total_bytes": int(base * BUDGETS[label])}
+            runs = []
+            for old in (True, False):
+                with _split_for_max_seq_len() if old else contextlib.nullcontext():
+                    try:
+                        (result,) = simulate(preset, wl, kv_cache_config=kv, scheduling_policy=policy,
+                                             **CPU).results.values()
+                    except KvBuildError:  # a request needs more than its pool holds: it could never run
+                        runs.append(None)
+                        continue
+                runs.append(result.metrics)
+            def pair(f: Callable[[Any], str], runs: list[Any] = runs) -> str:
+                return " -> ".join("cannot run" if m is None else f(m) for m in runs)
+
+            a, b = runs
+            steps = pair(lambda m: f"{m.steps:,}") + (f" ({ratio(b.steps / a.steps)})" if a and b else "")
+            modeled = (ratio(b.modeled_seconds / a.modeled_seconds) if a and b and a.modeled_seconds else "-")
+            table.rows.append([name, label, steps, pair(_hit), pair(lambda m: f"{m.max_concurrency} / "
+                                                                    f"{m.mean_concurrency:.1f}"),
+                               pair(lambda m: f"{m.preemptions:,}"), modeled])
+            print(f"  split {preset} {name} {label}", file=sys.stderr, flush=True)
+    table.notes.append("Both columns in one run: V2 on the same workload and budget, its split pools sized for "
+                       "max_seq_len sequences (KvLayout.split_length patched to return max_seq_len) -> sized as "
+                       "kvload now sizes them (one max_seq_len sequence, then windows for sequences of S / u "
+                       "tokens). modeled time: after / before. Budgets as in the grid.")
+    return table
+
+
 def run(quick: bool = False) -> list[Table]:
     """The grid table and the step-time table (``bench.run_all`` entry point)."""
     return [grid(quick=quick)[1], step_time(quick)]
@@ -228,7 +291,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--real", action="store_true", help="the published sliding-window configs (REAL) as the presets")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated workloads")
     p.add_argument("--budgets", default=",".join(BUDGETS), help=f"comma-separated subset of {', '.join(BUDGETS)}")
-    p.add_argument("--only", choices=("grid", "timing"), help="run one part (default: both)")
+    p.add_argument("--only", choices=("grid", "timing", "split"),
+                   help="run one part (default: grid and timing; split: DeepSeek V4's split pools, old rule vs new)")
     args = p.parse_args(argv)
     budgets = tuple(b.strip() for b in args.budgets.split(",") if b.strip())
     unknown = [b for b in budgets if b not in BUDGETS]
@@ -244,6 +308,8 @@ def main(argv: list[str] | None = None) -> None:
         print(table.markdown())
     if args.only in (None, "timing"):
         print(step_time(args.quick).markdown())
+    if args.only == "split":
+        print(split_pools(workloads=tuple(args.workloads.split(",")), budgets=budgets, quick=args.quick).markdown())
 
 
 if __name__ == "__main__":

@@ -169,7 +169,12 @@ class KvLayout:
         if len(self.groups) < 2:
             return None
         if not self.shared:
-            return f"memory: split between groups ({self.unshared_reason})"
+            text = f"memory: split between groups ({self.unshared_reason})"
+            if seq_len and (split := self.split_length(seq_len)) < seq_len and (
+                    not blocks or self.sequence_shortfall(seq_len, blocks) is None):
+                text += (f"; windows sized for sequences of {split:,} tokens, where they cost what growth does, "
+                         f"not {seq_len:,}")
+            return text
         text = f"memory: one arena shared by {len(self.groups)} groups"
         if blocks:
             text += (f", {self.arena_blocks(blocks):,} pages of {self.groups[0].bytes_per_block:,} B "
@@ -223,10 +228,30 @@ class KvLayout:
         tokens = max(tokens, 0)
         if self.shared or len(self.groups) == 1:
             return {g.name: max(1, math.ceil(tokens / g.tokens_per_block)) for g in self.groups}
-        length = max(seq_len, 1)
+        length = self.split_length(max(seq_len, 1))
         sequences, longest = math.ceil(tokens / length), min(tokens, length)
         return {g.name: math.ceil(tokens / g.tokens_per_block) if g.keeps_all_tokens
                 else sequences * g.blocks_for(longest) for g in self.groups}
+
+    def split_length(self, seq_len: int) -> int:
+        """The sequence length split pools are sized for: ``seq_len``, or ``ceil(S / u)`` when shorter.
+
+        ``S`` is the bytes of every window group's whole window, ``u`` the growing groups' bytes per token. Why:
+        a split is exact for one length only, and the workload's lengths are not known when the pools are built.
+        Sized for ``max_seq_len`` (the rule before), DeepSeek V4's window pool got 2.9% of the budget, so
+        1,216-token sequences ran 4 at a time in a budget priced for 64 (``kvload simulate tiny-deepseek-v4
+        --workload multi-turn``: 14,055 steps and 8.5% of prompt tokens reused). Sized for ``S / u`` tokens, half
+        the budget goes to windows and half to growth, and sequences of any one length ``L`` run at least half as
+        many at once as the best split for ``L`` would run: shorter than ``S / u`` the windows bind, at ``(S + uL)
+        / 2S >= 1/2`` of the best; longer, the growing pools, at ``(S + uL) / 2uL >= 1/2``. (Sized for
+        ``max_seq_len`` it was ``(S + uL) / (S + u max_seq_len)``: 3% there.) Layouts with no window group or no
+        growing one have nothing to weigh and keep ``seq_len``.
+        """
+        windows = sum(g.blocks_for(seq_len) * g.bytes_per_block for g in self.groups if not g.keeps_all_tokens)
+        growth = sum(g.bytes_per_token for g in self.groups)
+        if self.shared or not windows or not growth:
+            return seq_len
+        return max(1, min(seq_len, math.ceil(windows / growth)))
 
     def bytes_for_tokens(self, tokens: int, seq_len: int) -> int:
         """Bytes of the pools :meth:`blocks_for_tokens` gives (V1: ``ceil(tokens / T)`` blocks)."""
@@ -234,7 +259,7 @@ class KvLayout:
         return sum(own[g.name] * g.bytes_per_block for g in self.groups)
 
     def split_budget(self, budget_bytes: int, seq_len: int) -> dict[str, int]:
-        """Blocks per group for a byte budget, shared in proportion to sequences of ``seq_len``.
+        """Blocks per group for a byte budget, in proportion to sequences of ``seq_len`` (split pools: see below).
 
         The budget holds as many whole ``seq_len`` sequences as fit plus the longest partial one
         the rest allows, so a budget below one sequence still gets whole windows, and a one-group
@@ -245,16 +270,28 @@ class KvLayout:
         group counts all of them, since any group can take any page; ``seq_len`` does not matter.
 
         Only layouts that cannot share (DeepSeek V4: its compressed groups have other page sizes) are
-        split, and there window groups are sized for the number of ``seq_len`` sequences the budget
-        holds — one window per sequence of ``max_seq_len`` — not for the number that will actually
-        run, so many sequences much shorter than ``max_seq_len`` can be limited by the window pool
-        while the growing pools still have room. Lower ``max_seq_len`` to the longest sequence
-        expected to get more windows for the same tokens; :meth:`blocks_for_tokens` is alike for them.
+        split. A budget that holds one sequence of ``seq_len`` gets that sequence's blocks first (the
+        longest request must still fit), and the rest is split for sequences of :meth:`split_length`
+        tokens, where windows and growth weigh the same: many short sequences are then not held back
+        by a window pool sized for a few long ones (:meth:`blocks_for_tokens` is alike). A smaller
+        budget is split for :meth:`split_length` whole: the longest sequence it holds alone is then
+        about half as long as a split for ``seq_len`` would hold, and shorter ones run many at once.
         """
         if self.shared:
             arena = max(1, max(budget_bytes, 0) // self.groups[0].bytes_per_block)
             return {g.name: arena for g in self.groups}
         length = max(seq_len, 1)
+        split = self.split_length(length)
+        one = self.bytes_for_sequence(length)
+        if split < length and budget_bytes >= one:
+            first = self.blocks_for_sequence(length)
+            rest = self._split_for(budget_bytes - one, split)
+            return {g.name: first[g.name] + rest[g.name] for g in self.groups}
+        return {name: max(1, n) for name, n in self._split_for(budget_bytes, split).items()}
+
+    def _split_for(self, budget_bytes: int, length: int) -> dict[str, int]:
+        """Blocks per group for the whole sequences of ``length`` tokens a budget holds, plus the longest partial one
+        (a group may get 0)."""
         need = self.blocks_for_sequence(length)
         per_seq = self.bytes_for_sequence(length)
         full = max(budget_bytes, 0) // per_seq
@@ -263,7 +300,7 @@ class KvLayout:
         lo = _longest(lambda n: self.bytes_for_sequence(n) <= rest, length - 1)
         # What is left is less than one more token costs: extra blocks in some groups only would
         # overstate the capacity (a window group could not follow), so it stays unspent.
-        return {g.name: max(1, full * need[g.name] + g.blocks_for(lo)) for g in self.groups}
+        return {g.name: full * need[g.name] + g.blocks_for(lo) for g in self.groups}
 
     def max_sequences(self, blocks: dict[str, int], seq_len: int) -> int:
         """How many sequences of ``seq_len`` tokens fit in pools of these block counts."""

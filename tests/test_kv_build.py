@@ -185,7 +185,7 @@ def test_v2_is_built_through_the_agreed_construction_contract():
         assert set(pools.tensors) == {g.name for g in result.kv.layout.groups} == {"sliding_w128", "hca_c128",
                                                                                      "csa_c4"}
         assert result.kv.capacity_tokens == 65536 and result.kv.max_concurrency == 1
-        assert pools.num_blocks == {"sliding_w128": 2, "hca_c128": 512, "csa_c4": 512}
+        assert pools.num_blocks == {"sliding_w128": 66, "hca_c128": 512, "csa_c4": 512}
 
 
 def test_the_build_stage_hands_v2_its_pools_options_and_limits(monkeypatch, track_pools):
@@ -210,7 +210,7 @@ def test_the_build_stage_hands_v2_its_pools_options_and_limits(monkeypatch, trac
                        kv_cache_config={"max_tokens": 65536, "host_cache_size": 0}) as result:
         m, s = result.kv_manager, result.scheduler
         assert s.args == (m, 8, 512, "fcfs")
-        assert m.pools.num_blocks == {"sliding_w128": 2, "hca_c128": 512, "csa_c4": 512}
+        assert m.pools.num_blocks == {"sliding_w128": 66, "hca_c128": 512, "csa_c4": 512}
         assert (m.options.max_seq_len, m.options.host_cache_size, m.options.enable_swa_scratch_reuse) == (
             65536, 0, True)
         built = result.audit.of("kv_manager_built")[0]

@@ -248,28 +248,65 @@ def test_a_shared_arena_takes_the_whole_budget_and_counts_sequences_jointly(budg
         assert layout.max_sequences(need, seq_len) >= tokens // seq_len
 
 
-@given(budget=st.integers(0, 5_000_000), seq_len=st.integers(1, 4096))
-def test_split_budget_stays_within_the_budget_and_gives_windows_whole(budget, seq_len):
-    layout = _gemma_like()
+def _v4_like(T=16):
+    """DeepSeek V4's shape: every layer a raw window, some with compressed entries per 4 or 128 tokens."""
+    layers = [LayerKV(i, "v4_sliding", 64, window=128, compressed_elems=96 if i % 2 else 64,
+                      compress_rate=4 if i % 2 else 128) for i in range(6)]
+    layout = build_layout(layers, "v2", T, "float32")
+    assert not layout.shared and {g.kind for g in layout.groups} == {"sliding", "compressed"}
+    return layout
+
+
+@pytest.mark.parametrize("make", [_gemma_like, _v4_like])
+@given(budget=st.integers(0, 5_000_000), seq_len=st.integers(1, 4096), length=st.integers(1, 4096))
+def test_split_pools_run_any_one_length_at_least_half_as_many_as_the_best_split_for_it(make, budget, seq_len,
+                                                                                        length):
+    layout = make()
     if budget < layout.min_bytes():
         return
     blocks = layout.split_budget(budget, seq_len)
-    spent = sum(blocks[g.name] * g.bytes_per_block for g in layout.groups)
-    assert spent <= budget
+    assert sum(blocks[g.name] * g.bytes_per_block for g in layout.groups) <= budget
     # at least one whole sequence of the length the growing pool holds fits in the window pool too
     sliding = next(g for g in layout.groups if g.window)
     held = layout.capacity_tokens(blocks)
     assert blocks[sliding.name] >= sliding.blocks_for(min(held, seq_len))
-    # the sequences of seq_len that fit use the budget: one more would not fit
-    fits = layout.max_sequences(blocks, seq_len)
-    assert (fits + 1) * layout.bytes_for_sequence(seq_len) > budget
+    one = layout.bytes_for_sequence(seq_len)
+    if budget >= one:  # the longest request the budget can hold alone still fits
+        assert layout.sequence_shortfall(seq_len, blocks) is None
+    # sequences of any one length up to max_seq_len: at least half as many run at once as the best split for that
+    # length would run in the budget left beside that longest one (a split for max_seq_len ran 3% on V4); lengths in
+    # whole blocks of every group, since a block holds a few tokens as dearly as a full one
+    step = max(g.tokens_per_block for g in layout.groups)
+    length = min(length, seq_len) // step * step
+    if not length:
+        return
+    spare = budget - one if budget >= one and layout.split_length(seq_len) < seq_len else budget
+    assert layout.max_sequences(blocks, length) >= spare // layout.bytes_for_sequence(length) // 2
+
+
+def test_split_pools_size_windows_for_the_length_where_they_cost_what_growth_does():
+    layout = _gemma_like()  # 5 sliding layers (window 64: 5 blocks of 16 tokens) and one full layer
+    windows = 5 * layout.groups[0].bytes_per_block
+    assert layout.split_length(4096) == math.ceil(windows / layout.bytes_per_token) == 200
+    assert layout.split_length(150) == 150  # never longer than max_seq_len
+    assert _gemma_shared().split_length(4096) == 4096  # a shared arena is not split
+    # a budget of three 4,096-token sequences: one of them, then the rest for 200-token ones, half to windows. Split
+    # for 4,096 (the rule before) it ran 3 sequences of 200 tokens at once; the best split for 200 runs 31
+    budget = 3 * layout.bytes_for_sequence(4096)
+    blocks = layout.split_budget(budget, 4096)
+    assert layout.max_sequences(blocks, 4096) == 2 and layout.max_sequences(blocks, 200) == 22
+    assert layout.max_sequences(layout.split_budget(budget, 200), 200) == budget // layout.bytes_for_sequence(200) == 31
+    # the pools max_tokens buys: every token in the growing pool, windows for the 200-token sequences those make
+    need = layout.blocks_for_tokens(4096, 4096)
+    assert need == {"sliding_w64": 5 * math.ceil(4096 / 200), "full": 4096 // 16}
+    assert layout.pool_bytes(need) == layout.bytes_for_tokens(4096, 4096)
 
 
 def test_bytes_for_tokens_then_split_gives_back_at_least_those_tokens():
     layout = _gemma_like()
     for tokens, seq_len in [(4096, 1024), (1000, 4096), (65536, 65536), (17, 16)]:
         blocks = layout.split_budget(layout.bytes_for_tokens(tokens, seq_len), seq_len)
-        assert tokens <= layout.capacity_tokens(blocks) < tokens + layout.tokens_per_block
+        assert tokens <= layout.capacity_tokens(blocks)
         assert layout.max_sequences(blocks, seq_len) >= tokens // seq_len
 
 

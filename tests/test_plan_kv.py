@@ -13,7 +13,7 @@ from cache_backends import LayerKV
 # --- 5. plan and load agree on host_cache_size; 6. the host tier is counted and reported --------------------
 
 V4 = {"device": "cpu", "kv_cache_config": {"max_tokens": 65536}}
-V4_POOL_BYTES = 6_684_672  # tiny-deepseek-v4 at max_tokens=65536 (float32)
+V4_POOL_BYTES = 12_976_128  # tiny-deepseek-v4 at max_tokens=65536 (float32; windows for 33 sequences of 1,986)
 
 
 def _v4(host_cache_size):
@@ -62,11 +62,12 @@ def test_the_host_tier_is_in_the_plan_the_built_event_and_the_run_report():
         assert planned.host_bytes == loaded.kv.host_bytes == m.host.nbytes == m.stats().host_bytes
         assert planned.host_slots == m.host.num_slots
         assert planned.to_dict()["host_bytes"] == V4_POOL_BYTES
-        assert "  host tier  6,684,672 B of host memory (auto-sized)" in planned.render()
+        assert f"  host tier  {V4_POOL_BYTES:,} B of host memory (auto-sized)" in planned.render()
         (built,) = loaded.audit.of("kv_manager_built")
         assert built["host_bytes"] == V4_POOL_BYTES and built["total_bytes"] == V4_POOL_BYTES
         assert allocation_document(loaded)["host_bytes"] == V4_POOL_BYTES
-        assert render_allocation(loaded)[-1] == "  host tier 6,684,672 B of host memory (suspended requests' pages)"
+        assert render_allocation(loaded)[-1] == (f"  host tier {V4_POOL_BYTES:,} B of host memory (suspended "
+                                                 "requests' pages)")
     with pipeline.load("tiny-llama", log=False, device="cpu", kv_cache_config={"max_tokens": 64}) as v1:
         assert v1.kv.host_bytes == 0 and v1.audit.of("kv_manager_built")[0]["host_bytes"] == 0
 
