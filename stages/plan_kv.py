@@ -139,6 +139,9 @@ class KvPlan:
             "unshared_reason": layout.unshared_reason,
             "arena_blocks": layout.arena_blocks(blocks) if layout.shared and blocks else None,
             "page_bytes": layout.page_bytes,
+            # split pools: the sequence length the windows are sized for (KvLayout.split_length)
+            "split_length": (layout.split_length(self.max_seq_len)
+                             if not layout.shared and len(layout.groups) > 1 else None),
             "text": layout.memory_text(blocks, self.max_seq_len),
         }
 

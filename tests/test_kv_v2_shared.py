@@ -172,6 +172,13 @@ def test_a_layout_whose_pages_differ_keeps_the_split_and_says_why():
     assert "memory: split between groups (compressed groups have other page sizes" in "\n".join(kv.render())
     blocks = {g["name"]: g["blocks"] for g in kv.to_dict()["layer_groups"]}
     assert len(set(blocks.values())) > 1  # each group's own pool
+    # the windows are sized for the sequences where they cost what growth does, and the plan says which length
+    groups = {g["name"]: g for g in kv.to_dict()["layer_groups"]}
+    window = 2 * groups["sliding_w128"]["bytes_per_block"]  # a 128-token window spans 2 blocks of 128
+    growth = sum(g["bytes_per_block"] / g["tokens_per_block"] for g in groups.values() if g["window"] is None)
+    assert memory["split_length"] == -(-window // growth) == 1986
+    assert blocks["sliding_w128"] == 2 * -(-65536 // 1986)  # windows for the 1,986-token sequences of 65,536
+    assert "windows sized for sequences of 1,986 tokens, where they cost what growth does, not 65,536" in memory["text"]
 
 
 def test_manager_stats_say_the_memory_is_shared():
