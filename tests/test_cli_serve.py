@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.cli_support import ENV, REPO, kvload, reap, run_cli, served_with, until_ready
+from tests.cli_support import ENV, REPO, kvload, ready_url, reap, run_cli, served_with, until_ready
 
 
 def test_serve_process_answers_then_stops_cleanly_on_sigterm(tmp_path):
@@ -26,16 +26,11 @@ def test_serve_process_answers_then_stops_cleanly_on_sigterm(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, cwd=REPO)
     try:
-        deadline = time.monotonic() + 120
-        line, before = "", []
-        while " at http://" not in line:
-            assert time.monotonic() < deadline and proc.poll() is None, f"server did not start: {line}"
-            line = proc.stderr.readline()
-            before.append(line)
+        before = until_ready(proc)
         # the load's warnings reach the operator while the server runs, not when it stops (--max_tokens 1024 is
         # shorter than tiny-llama's 8,192-token max_seq_len)
         assert any("kv_budget_short" in b for b in before), before
-        url = line.split(" at ", 1)[1].split(" ", 1)[0]
+        url = ready_url(before[-1])
         with httpx.Client(base_url=url, timeout=30) as http:
             assert http.get("/health").json() == {"status": "ok"}
             # a body past --max-request-bytes: 413 naming the flag, before the server reads it (small enough that
@@ -174,7 +169,7 @@ def test_a_server_whose_log_reader_went_away_serves_on(tmp_path):
     while /health said ok. A log line that cannot be written is lost; the request is served and audited."""
     proc = _start_server("--log-level", "info", "--audit-log", str(tmp_path / "audit.jsonl"))
     try:
-        url = _ready_line(proc).split(" at ", 1)[1].split(" ", 1)[0]
+        url = ready_url(_ready_line(proc))
         proc.stderr.close()  # the reader of the server's log is gone
         with httpx.Client(base_url=url, timeout=60) as http:
             for _ in range(2):
@@ -210,12 +205,7 @@ def test_a_kv_events_file_that_hits_its_size_limit_warns_once_and_fails_no_reque
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=small_files,
                             env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, cwd=REPO)
     try:
-        deadline = time.monotonic() + 120
-        line = ""
-        while " at http://" not in line:
-            assert time.monotonic() < deadline and proc.poll() is None, f"server did not start: {line}"
-            line = proc.stderr.readline()
-        url = line.split(" at ", 1)[1].split(" ", 1)[0]
+        url = ready_url(until_ready(proc)[-1])
         with httpx.Client(base_url=url, timeout=30) as http:
             for base in range(10, 440, 70):
                 r = http.post("/v1/completions", json={"prompt": list(range(base, base + 70)), "max_tokens": 2})
@@ -257,11 +247,8 @@ def test_an_audit_log_that_cannot_be_written_is_said_while_the_server_runs_and_f
                             env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, cwd=REPO)
     lines: list[str] = []
     try:
-        deadline = time.monotonic() + 120
-        while not lines or " at http://" not in lines[-1]:
-            assert time.monotonic() < deadline and proc.poll() is None, f"server did not start: {lines}"
-            lines.append(proc.stderr.readline())
-        url = lines[-1].split(" at ", 1)[1].split(" ", 1)[0]
+        lines += until_ready(proc)
+        url = ready_url(lines[-1])
         reader = threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True)
         reader.start()
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
@@ -483,7 +470,7 @@ def test_a_dead_engine_loop_ends_the_server_with_exit_1_after_answering_its_requ
                             env={**ENV, "PYTHONPATH": f"{hook}{os.pathsep}{REPO}", "OMP_NUM_THREADS": "1",
                                  "KVLOAD_TEST_FAULT": str(fault)})
     try:
-        url = _ready_line(proc).split(" at ", 1)[1].split(" ", 1)[0]
+        url = ready_url(_ready_line(proc))
         lines, answers, first = [], [], threading.Event()
         long = {"prompt": [9, 8, 7], "max_tokens": 3000, "ignore_eos": True}
 
