@@ -170,8 +170,7 @@ class KvLayout:
             return None
         if not self.shared:
             text = f"memory: split between groups ({self.unshared_reason})"
-            if seq_len and (split := self.split_length(seq_len)) < seq_len and (
-                    not blocks or self.sequence_shortfall(seq_len, blocks) is None):
+            if seq_len and (split := self.split_length(seq_len)) < seq_len:
                 text += (f"; windows sized for sequences of {split:,} tokens, where they cost what growth does, "
                          f"not {seq_len:,}")
             return text
