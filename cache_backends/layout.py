@@ -210,10 +210,11 @@ class KvLayout:
         A shared arena gets the sum of those blocks, and every group counts all of them.
 
         Pools split between groups (:attr:`shared` false with several groups: DeepSeek V4) cannot lend each
-        other pages, so there a window group gets the windows of the ``ceil(tokens / seq_len)`` sequences of
-        ``seq_len`` those tokens make (each at most ``min(tokens, seq_len)`` long), as :meth:`split_budget`
-        prices a byte budget: ``max_tokens`` window slots would sit idle while long sequences fill the
-        growing pools (7.5x the bytes for tiny-deepseek-v4 at 65,536 tokens, for the same one sequence). Such a
+        other pages, so there a window group gets the windows of the ``ceil(tokens / L)`` sequences of ``L =``
+        :meth:`split_length` tokens those tokens make, as :meth:`split_budget` prices a byte budget:
+        ``max_tokens`` window slots would sit idle while long sequences fill the growing pools (7.5x the bytes for
+        tiny-deepseek-v4 at 65,536 tokens), and the windows of ``max_seq_len`` sequences left short ones waiting
+        for a window while the growing pools had room (2 blocks for tiny-deepseek-v4; now 66). Such a
         split layout can then get fewer bytes than V1 would at one ``max_tokens`` (no supported model that V1
         can serve is split: their layers share an arena).
         """
@@ -269,24 +270,28 @@ class KvLayout:
         group counts all of them, since any group can take any page; ``seq_len`` does not matter.
 
         Only layouts that cannot share (DeepSeek V4: its compressed groups have other page sizes) are
-        split. A budget that holds one sequence of ``seq_len`` gets that sequence's blocks first (the
-        longest request must still fit), and the rest is split for sequences of :meth:`split_length`
-        tokens, where windows and growth weigh the same: many short sequences are then not held back
-        by a window pool sized for a few long ones (:meth:`blocks_for_tokens` is alike). A smaller
-        budget is split for :meth:`split_length` whole: the longest sequence it holds alone is then
-        about half as long as a split for ``seq_len`` would hold, and shorter ones run many at once.
+        split, for sequences of :meth:`split_length` tokens, where windows and growth weigh the same: many
+        short sequences are then not held back by a window pool sized for a few long ones
+        (:meth:`blocks_for_tokens` is alike). Where that leaves the growing pools short of one ``seq_len``
+        sequence and the budget holds one, they get its blocks and the windows what is left (the longest
+        request must still fit). A budget below one sequence then holds a longest sequence about half as
+        long as a split for ``seq_len`` would, and shorter ones run many at once.
         """
         if self.shared:
             arena = max(1, max(budget_bytes, 0) // self.groups[0].bytes_per_block)
             return {g.name: arena for g in self.groups}
         length = max(seq_len, 1)
-        split = self.split_length(length)
-        one = self.bytes_for_sequence(length)
-        if split < length and budget_bytes >= one:
-            first = self.blocks_for_sequence(length)
-            rest = self._split_for(budget_bytes - one, split)
-            return {g.name: first[g.name] + rest[g.name] for g in self.groups}
-        return {name: max(1, n) for name, n in self._split_for(budget_bytes, split).items()}
+        blocks = {name: max(1, n) for name, n in self._split_for(budget_bytes, self.split_length(length)).items()}
+        if budget_bytes < self.bytes_for_sequence(length) or self.sequence_shortfall(length, blocks) is None:
+            return blocks
+        # The growing pools cannot hold one max_seq_len sequence: they get its blocks, and the windows what is left,
+        # in whole windows (at least one: the budget holds that sequence's too).
+        need = self.blocks_for_sequence(length)
+        growing = {g.name: max(blocks[g.name], need[g.name]) for g in self.groups if g.keeps_all_tokens}
+        left = budget_bytes - sum(n * g.bytes_per_block for g in self.groups for n in [growing.get(g.name, 0)])
+        windows = sum(need[g.name] * g.bytes_per_block for g in self.groups if not g.keeps_all_tokens)
+        sequences = left // windows
+        return {g.name: growing[g.name] if g.keeps_all_tokens else sequences * need[g.name] for g in self.groups}
 
     def _split_for(self, budget_bytes: int, length: int) -> dict[str, int]:
         """Blocks per group for the whole sequences of ``length`` tokens a budget holds, plus the longest partial one

@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import pipeline
@@ -259,6 +259,7 @@ def _v4_like(T=16):
 
 @pytest.mark.parametrize("make", [_gemma_like, _v4_like])
 @given(budget=st.integers(0, 5_000_000), seq_len=st.integers(1, 4096), length=st.integers(1, 4096))
+@example(budget=5_000_000, seq_len=4096, length=200)  # many short sequences in a budget of two long ones
 def test_split_pools_run_any_one_length_at_least_half_as_many_as_the_best_split_for_it(make, budget, seq_len,
                                                                                         length):
     layout = make()
@@ -280,7 +281,7 @@ def test_split_pools_run_any_one_length_at_least_half_as_many_as_the_best_split_
     length = min(length, seq_len) // step * step
     if not length:
         return
-    spare = budget - one if budget >= one and layout.split_length(seq_len) < seq_len else budget
+    spare = budget - one if budget >= one else budget
     assert layout.max_sequences(blocks, length) >= spare // layout.bytes_for_sequence(length) // 2
 
 
@@ -290,12 +291,18 @@ def test_split_pools_size_windows_for_the_length_where_they_cost_what_growth_doe
     assert layout.split_length(4096) == math.ceil(windows / layout.bytes_per_token) == 200
     assert layout.split_length(150) == 150  # never longer than max_seq_len
     assert _gemma_shared().split_length(4096) == 4096  # a shared arena is not split
-    # a budget of three 4,096-token sequences: one of them, then the rest for 200-token ones, half to windows. Split
-    # for 4,096 (the rule before) it ran 3 sequences of 200 tokens at once; the best split for 200 runs 31
+    # a budget of three 4,096-token sequences, split for 200-token ones: half to windows, and the full pool still
+    # holds one 4,096-token sequence. Split for 4,096 (the rule before) it ran 3 sequences of 200 tokens at once;
+    # now as many as the best split for 200 tokens runs
     budget = 3 * layout.bytes_for_sequence(4096)
     blocks = layout.split_budget(budget, 4096)
-    assert layout.max_sequences(blocks, 4096) == 2 and layout.max_sequences(blocks, 200) == 22
+    assert layout.max_sequences(blocks, 4096) == 1 and layout.max_sequences(blocks, 200) == 31
     assert layout.max_sequences(layout.split_budget(budget, 200), 200) == budget // layout.bytes_for_sequence(200) == 31
+    # a budget just over one 4,096-token sequence: split for 200 tokens, the full pool would hold half of it; it
+    # gets that sequence's blocks and the windows what is left, whole
+    budget = layout.bytes_for_sequence(4096) + 10 * 5 * layout.groups[0].bytes_per_block
+    blocks = layout.split_budget(budget, 4096)
+    assert layout.sequence_shortfall(4096, blocks) is None and blocks == {"sliding_w64": 11 * 5, "full": 4096 // 16}
     # the pools max_tokens buys: every token in the growing pool, windows for the 200-token sequences those make
     need = layout.blocks_for_tokens(4096, 4096)
     assert need == {"sliding_w64": 5 * math.ceil(4096 / 200), "full": 4096 // 16}
