@@ -185,6 +185,17 @@ def test_a_model_v1_cannot_serve_is_reported_not_routable_and_v2_still_runs():
     assert doc["status"] == "not_routable" and all(doc[k] is None for k in METRIC_FIELDS)
 
 
+def test_deepseek_v4_runs_at_least_half_the_conversations_its_budget_is_priced_for():
+    """The model "auto" sends to V2: its split pools must not hold short requests back behind a window pool sized
+    for max_seq_len sequences (4 of 64 conversations ran at once; BENCHMARKS.md "DeepSeek V4's split pools")."""
+    report = simulate("tiny-deepseek-v4", "multi-turn", requests=64, **CPU)  # 16 conversations of 4 turns
+    (v2,) = report.results.values()
+    assert report.budget.default and "16 sequence(s) of 1,216 tokens" in report.budget.source
+    assert report.settings["max_seq_len"] == 65536 and v2.metrics.finished == 64
+    assert v2.metrics.max_concurrency >= 16 // 2
+    assert v2.metrics.hit_rate >= 0.8 * v2.metrics.ideal_hit_rate
+
+
 def test_the_default_budget_holds_the_workloads_sequences_in_the_routed_layout():
     report = simulate("tiny-llama", "no-reuse", **small("no-reuse"), **CPU)
     w = report.workload
