@@ -204,6 +204,48 @@ def test_a_body_still_arriving_when_the_server_stops_gets_a_503_at_once():
         assert served.state.in_flight == 0
 
 
+def test_a_second_stop_signal_still_ends_each_stream_with_its_last_chunk_and_done():
+    """Ctrl-C pressed twice (or SIGINT then SIGTERM) while a stream waited on a step: the second signal was uvicorn's
+    "force quit", which skipped waiting for open answers and cancelled their handlers, so the client read a chunked
+    body cut short and the log an "Exception in ASGI application" CancelledError traceback. The first stop already
+    ends every request at once, so the stream gets its last chunk (``finish_reason: "abort"``) and ``[DONE]``."""
+    import signal
+
+    with serving("tiny-llama") as served:
+        executor = served.state.engine.executor
+        forward = executor.forward_scored
+        entered, release, calls = threading.Event(), threading.Event(), []
+
+        def held_forward(*args, **kw):  # the third step waits: a long step on a big model
+            calls.append(None)
+            if len(calls) == 3:
+                entered.set()
+                release.wait(TIMEOUT)
+            return forward(*args, **kw)
+
+        executor.forward_scored = held_forward
+        body = {"prompt": PROMPT, "max_tokens": 50, "ignore_eos": True, "stream": True}
+        try:
+            with _logged_errors() as errors, httpx.Client(base_url=served.url, timeout=TIMEOUT) as http, \
+                    http.stream("POST", "/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                assert next(line for line in lines if line.startswith("data: ")) != "data: [DONE]"
+                assert entered.wait(TIMEOUT)
+                for sig in (signal.SIGINT, signal.SIGINT):  # what serve()'s handler gets for each
+                    served.server.server.handle_exit(sig, None)
+                served.server.thread.join(0.5)  # a forced exit ends the server now, cutting the stream
+                release.set()
+                events = [line[6:] for line in lines if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            assert json.loads(events[-2])["choices"][0]["finish_reason"] == "abort"
+            assert [r.getMessage() for r in errors] == []
+            served.server.thread.join(TIMEOUT)
+            assert not served.server.thread.is_alive()
+        finally:
+            release.set()
+            executor.forward_scored = forward
+
+
 def test_a_request_submitted_as_the_engine_stops_is_refused_not_queued_after_the_last_drain():
     """``submit`` checked for a stop before its checks and queued after them: a loop that ended meanwhile had
     drained its inbox for the last time, so the request was queued for no one and its client waited forever."""

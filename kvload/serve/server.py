@@ -283,6 +283,11 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame: Any) -> None:  # the stop handler: uvicorn's, and serve()'s around it
         self.state.engine.request_stop()
         super().handle_exit(sig, frame)
+        # uvicorn takes a second SIGINT as "force quit": it stops waiting for open answers and cancels their handlers,
+        # so a stream waiting on a step was cut mid-body and logged a CancelledError traceback. The first stop ends
+        # every request at once (a stream's last chunk, then [DONE]), so another signal only repeats it; the wait
+        # stays bounded by the graceful timeout (5 s).
+        self.force_exit = False
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         """uvicorn's shutdown, after telling the handlers (on the loop, which a signal handler is not)."""
