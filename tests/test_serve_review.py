@@ -246,6 +246,43 @@ def test_a_second_stop_signal_still_ends_each_stream_with_its_last_chunk_and_don
             executor.forward_scored = forward
 
 
+def test_a_stream_still_waiting_on_a_step_when_the_graceful_timeout_ends_logs_no_traceback():
+    """A step longer than the stop's graceful timeout (a long prefill on a big model): uvicorn cancels the stream's
+    handler, as it must to stop, and said so in one line, then logged "Exception in ASGI application" with a
+    CancelledError traceback for each such request. Now its one line is all the log holds, and the server ends."""
+    with serving("tiny-llama") as served:
+        served.server.server.config.timeout_graceful_shutdown = 0.2  # uvicorn reads it when the stop comes
+        executor = served.state.engine.executor
+        forward = executor.forward_scored
+        entered, release, calls = threading.Event(), threading.Event(), []
+
+        def held_forward(*args, **kw):  # the second step outlasts the graceful timeout
+            calls.append(None)
+            if len(calls) == 2:
+                entered.set()
+                release.wait(TIMEOUT)
+            return forward(*args, **kw)
+
+        executor.forward_scored = held_forward
+        body = {"prompt": PROMPT, "max_tokens": 50, "ignore_eos": True, "stream": True}
+        try:
+            with _logged_errors() as errors, httpx.Client(base_url=served.url, timeout=TIMEOUT) as http, \
+                    http.stream("POST", "/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                assert next(line for line in lines if line.startswith("data: ")) != "data: [DONE]"
+                assert entered.wait(TIMEOUT)
+                served.server.server.handle_exit(15, None)  # SIGTERM
+                served.server.thread.join(TIMEOUT)
+                assert not served.server.thread.is_alive()
+                with pytest.raises(httpx.RemoteProtocolError):  # cut: the stop could wait no longer
+                    list(lines)
+            assert [(r.getMessage(), r.exc_info) for r in errors] == [
+                ("Cancel 1 running task(s), timeout graceful shutdown exceeded", None)]
+        finally:
+            release.set()
+            executor.forward_scored = forward
+
+
 def test_a_request_submitted_as_the_engine_stops_is_refused_not_queued_after_the_last_drain():
     """``submit`` checked for a stop before its checks and queued after them: a loop that ended meanwhile had
     drained its inbox for the last time, so the request was queued for no one and its client waited forever."""

@@ -439,9 +439,12 @@ class _HttpLog:
     """uvicorn's ``uvicorn.error`` logger as its h11 protocol uses it, but for the warning it logs for each request
     that is not HTTP ("Invalid HTTP request received.", saying nothing of why), logged at debug: the client is told
     why (:func:`_not_http`) and ``kvload_http_requests_refused_total`` counts it, and any client could fill the
-    operator's log with the line."""
+    operator's log with the line. Likewise a handler the stop cancelled (its graceful timeout ran out while the
+    answer waited on a step): uvicorn has said so in one line ("Cancel N running task(s), ..."), and then logged a
+    CancelledError traceback for each such request, at debug here."""
 
     NOT_HTTP = "Invalid HTTP request received."
+    ASGI_FAILED = "Exception in ASGI application\n"
 
     def __init__(self, logger: Any) -> None:
         self._logger = logger
@@ -452,6 +455,11 @@ class _HttpLog:
     def warning(self, msg: Any, *args: Any, **kwargs: Any) -> None:
         """``logger.warning``, but for :attr:`NOT_HTTP`, at debug."""
         (self._logger.debug if msg == self.NOT_HTTP else self._logger.warning)(msg, *args, **kwargs)
+
+    def error(self, msg: Any, *args: Any, **kwargs: Any) -> None:
+        """``logger.error``, but for a handler's cancellation (only uvicorn's stop cancels one), at debug."""
+        cancelled = msg == self.ASGI_FAILED and isinstance(kwargs.get("exc_info"), asyncio.CancelledError)
+        (self._logger.debug if cancelled else self._logger.error)(msg, *args, **kwargs)
 
 
 class EngineFailed(KvloadError):
