@@ -615,9 +615,9 @@ def _check_beam(state: ServeState, n: int) -> None:
     width = engine.executor.max_beam_width
     if width <= 1:
         v2 = type(engine.manager).__name__ == "KVCacheManagerV2"
-        why = "on KV cache manager V2, which cannot fork beams; " if v2 else ""
+        why = " on KV cache manager V2, which cannot fork beams" if v2 else ""
         flags = f"--max_beam_width {max(n, 2)}" + (" --use_kv_cache_manager_v2 false" if v2 else "")
-        raise BadRequest(f"use_beam_search: this server was started with max_beam_width=1 {why}start it with {flags} "
+        raise BadRequest(f"use_beam_search: this server was started with max_beam_width=1{why}; start it with {flags} "
                          "to serve beam search", param="use_beam_search")
     if n > width:
         raise BadRequest(f"n: {n} beams with use_beam_search exceed this server's max_beam_width={width}; send n <= "
