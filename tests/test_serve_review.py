@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import socket
+import struct
 import threading
 from collections.abc import Iterator
 
@@ -280,6 +281,56 @@ def test_a_stream_still_waiting_on_a_step_when_the_graceful_timeout_ends_logs_no
                 ("Cancel 1 running task(s), timeout graceful shutdown exceeded", None)]
         finally:
             release.set()
+            executor.forward_scored = forward
+
+
+def test_a_client_gone_mid_burst_leaves_no_warning_per_chunk_in_the_log(caplog):
+    """A stream's chunks written to a socket the client had reset: the first send failed and closed the transport,
+    but uvicorn stops writing only once told on a later turn of the loop, so each chunk of the burst (16 choices
+    of a step) was written to the dead socket and asyncio warned "socket.send() raised exception." for each past
+    the fourth. A client that hangs up is no news for the operator's log; its request still ends, its blocks freed.
+
+    Deterministic: the loop is held while the client resets and the engine posts its step, so the burst is written
+    before the loop reads the reset, as a burst already under way meets a client leaving."""
+    with serving("tiny-llama") as served:
+        executor, loop = served.state.engine.executor, served.server.server.servers[0].get_loop()
+        forward = executor.forward_scored
+        entered, release, stepped, calls = threading.Event(), threading.Event(), threading.Event(), []
+
+        def held_forward(*args, **kw):
+            calls.append(None)
+            if len(calls) == 3:
+                entered.set()
+                release.wait(TIMEOUT)
+            if len(calls) == 4:
+                stepped.set()  # step 3's events are posted to the loop before step 4 runs
+            return forward(*args, **kw)
+
+        executor.forward_scored = held_forward
+        looping, unhold = threading.Event(), threading.Event()
+        body = json.dumps({"prompt": PROMPT, "max_tokens": 50, "ignore_eos": True, "stream": True, "n": 16})
+        try:
+            with caplog.at_level(logging.WARNING, logger="asyncio"):
+                sock = _connect(served.server.port)
+                sock.sendall(_post(body.encode()))
+                got = b""
+                while b"data: " not in got:  # the stream is under way (a server that sends nothing times this out)
+                    got += sock.recv(65536)
+                assert entered.wait(TIMEOUT)
+                loop.call_soon_threadsafe(lambda: (looping.set(), unhold.wait(TIMEOUT)))
+                assert looping.wait(TIMEOUT)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                sock.close()  # a reset: the server's next send fails
+                release.set()
+                assert stepped.wait(TIMEOUT)
+                unhold.set()
+                wait_for(lambda: served.state.in_flight == 0, what="the request ended")
+            assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
+            wait_for(lambda: served.metrics()["kvload_num_requests_running"] == 0, what="its choices aborted")
+            assert served.metrics()['kvload_kv_cache_blocks{layer_group=uniform,state=used}'] == 0
+        finally:
+            release.set()
+            unhold.set()
             executor.forward_scored = forward
 
 

@@ -329,6 +329,7 @@ class _Deadlines(H11Protocol):
         self.conn.next_event = caught  # type: ignore[method-assign]
         self.logger = _HttpLog(self.logger)  # type: ignore[assignment]
         super().connection_made(transport)
+        self.transport = _Writes(transport)  # type: ignore[assignment]  # what each request's cycle writes to
         self._track()
 
     def data_received(self, data: bytes) -> None:
@@ -433,6 +434,27 @@ def _head_timeout(timeout: float) -> bytes:
                                  code="request_timeout").body()).encode()
     return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
             b"content-length: %d\r\n\r\n%s" % (len(body), body))
+
+
+class _Writes:
+    """A connection's transport that drops what is written once it is closing.
+
+    A send that fails (the client went away: a reset, a broken pipe) closes the transport at once, but uvicorn
+    hears of it (``connection_lost``, which stops its writes) only on a later turn of the loop; a stream's chunks
+    queued meanwhile (``n`` choices, a step's burst) were each written to the dead socket, and asyncio logged
+    "socket.send() raised exception." at warning for each past the fourth: lines in the operator's log that any
+    client could cause by hanging up, saying nothing of which request. Nothing written after a close is sent."""
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def write(self, data: bytes) -> None:
+        """``transport.write``, unless the transport is closing."""
+        if not self._transport.is_closing():
+            self._transport.write(data)
 
 
 class _HttpLog:
