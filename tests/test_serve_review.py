@@ -186,6 +186,43 @@ def test_requests_waiting_to_be_parsed_when_the_server_stops_get_one_clear_503()
                 sock.close()
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/tokenize"])
+def test_a_request_being_parsed_when_the_server_stops_gets_a_503_at_once(path):
+    """A big body's parse runs on a worker thread for seconds (100 MB of token ids: about 7); a stop meanwhile
+    waited for it past uvicorn's graceful timeout, then cancelled the handler: uvicorn's plain-text 500, never
+    OpenAI's error body. It is answered the stop's 503 at once; the worker ends its parse for no one."""
+    with serving("tiny-llama") as served:
+        served.server.server.config.timeout_graceful_shutdown = 0.5  # a failure is a 500 soon, not in 5 s
+        engine = served.state.engine
+        entered, release = threading.Event(), threading.Event()
+        held_name = "encode" if path == "/v1/completions" else "tokenize"
+        original = getattr(engine, held_name)
+
+        def held(*args, **kw):  # a parse that takes long
+            entered.set()
+            release.wait(TIMEOUT)
+            return original(*args, **kw)
+
+        setattr(engine, held_name, held)
+        body = json.dumps({"prompt": PROMPT, "max_tokens": 4} if path == "/v1/completions" else {"prompt": "hi"})
+        try:
+            with _logged_errors() as errors, _connect(served.server.port) as sock:
+                sock.sendall(_post(body.encode(), path.encode()))
+                assert entered.wait(TIMEOUT)
+                stopper = threading.Thread(target=served.server.stop)
+                stopper.start()
+                answer = _read_to_close(sock)
+                release.set()
+                stopper.join(TIMEOUT)
+                assert not stopper.is_alive() and not served.server.thread.is_alive()
+            _assert_shutting_down(answer)
+            assert [r.getMessage() for r in errors] == []
+            assert served.state.in_flight == 0
+        finally:
+            release.set()
+            delattr(engine, held_name)
+
+
 def test_a_body_still_arriving_when_the_server_stops_gets_a_503_at_once():
     """The stop waited out uvicorn's graceful timeout (5 s) for the rest of the body, then cancelled the handler:
     "Exception in ASGI application" with a CancelledError traceback, and uvicorn's plain-text 500."""
