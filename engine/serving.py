@@ -347,7 +347,7 @@ class ServingEngine:
         if isinstance(prompt, str) and not add_special_tokens and not chat:
             prompt = self.prompt_ids(prompt, add_special_tokens=False)
         limit = self.executor.max_seq_len
-        if not isinstance(prompt, str) and len(prompt) >= limit:  # ids as given: refused by their count first, as
+        if not chat and not isinstance(prompt, str) and len(prompt) >= limit:  # ids: refused by their count first, as
             # generate words it, not after each of them is checked (a server's body of tens of millions of ids held
             # its one parsing worker, which every request waits on, for a minute)
             raise GenerationError(f"generate: prompt 0: {len(prompt)} tokens leave no room to generate under "
