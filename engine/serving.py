@@ -346,6 +346,12 @@ class ServingEngine:
         ``generate`` checks a prompt. ``add_special_tokens=False``: text without the tokenizer's BOS (vLLM's)."""
         if isinstance(prompt, str) and not add_special_tokens and not chat:
             prompt = self.prompt_ids(prompt, add_special_tokens=False)
+        limit = self.executor.max_seq_len
+        if not chat and not isinstance(prompt, str) and len(prompt) >= limit:  # ids: refused by their count first, as
+            # generate words it, not after each of them is checked (a server's body of tens of millions of ids held
+            # its one parsing worker, which every request waits on, for a minute)
+            raise GenerationError(f"generate: prompt 0: {len(prompt)} tokens leave no room to generate under "
+                                  f"max_seq_len={limit}; shorten it or raise max_seq_len")
         ((_, ids),) = self.executor._prompts([prompt], chat)
         return ids
 

@@ -202,6 +202,24 @@ def test_bad_requests_get_400_naming_the_field(served, body, param, words):
     assert words in error["message"]
 
 
+@pytest.mark.parametrize("prompt, field", [([5] * 1_000_000, "prompt"), ([[1, 2], [5] * 1_000_000], "prompt[1]")])
+def test_token_ids_past_the_context_length_are_refused_by_their_count_before_each_id_is_checked(served, monkeypatch,
+                                                                                               prompt, field):
+    """A body of tens of millions of token ids fits under the default --max-request-bytes (100 MB: 73 s measured):
+    each id was checked against the vocabulary before the count refused the prompt, on the one parsing worker
+    every request waits on. The count refuses it first, in the same words."""
+    ex = served.state.engine.executor
+    checked = []
+    check_vocab = ex._check_vocab
+    monkeypatch.setattr(ex, "_check_vocab", lambda where, ids: (checked.append(len(ids)), check_vocab(where, ids)))
+    r = served.http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == {"message": f"{field}: 1000000 tokens leave no room to generate under "
+                                            f"max_seq_len={ex.max_seq_len}; shorten it or raise max_seq_len",
+                                 "type": "invalid_request_error", "param": field, "code": None}
+    assert all(n < ex.max_seq_len for n in checked)  # the prompt's million ids never went through one by one
+
+
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/completions", {"prompt": [1, 2], "k" * 12_000: 1}, "k" * 80),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "k" * 12_000: 1}]},

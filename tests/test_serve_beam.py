@@ -189,17 +189,20 @@ def test_what_beam_search_cannot_honour_is_refused_by_name(served, field, value)
     assert err["param"] == field and "use_beam_search" in err["message"]
 
 
-@pytest.mark.parametrize(("manager", "flags"), [("v1", "--max_beam_width 2"),
-                                                ("v2", "--max_beam_width 2 --use_kv_cache_manager_v2 false")])
+@pytest.mark.parametrize(("manager", "flags"), [("v1", "; start it with --max_beam_width 2"),
+                                                ("v2", " on KV cache manager V2, which cannot fork beams; start it "
+                                                       "with --max_beam_width 2 --use_kv_cache_manager_v2 false")])
 def test_a_server_without_beam_search_names_the_flags_to_start_it_with(manager, flags, tiny_checkpoints,
                                                                       tmp_path_factory):
+    """One sentence each: V1's ran "max_beam_width=1 start it with ..." together."""
     with words_server(manager, tmp_path_factory.mktemp(f"nobeam-{manager}"), 2048, 256, tiny_checkpoints) as s, \
             pytest.raises(openai.BadRequestError) as info:
         s.client.completions.create(model="words", prompt=PROMPT, n=2, max_tokens=3,
                                     extra_body={"use_beam_search": True})
     err = info.value.body
     assert err["param"] == "use_beam_search"
-    assert flags in err["message"] and "max_beam_width=1" in err["message"]
+    assert err["message"] == (f"use_beam_search: this server was started with max_beam_width=1{flags} to serve "
+                              "beam search")
 
 
 def test_completion_logprobs_of_a_one_beam_search_equal_a_greedy_requests(served):

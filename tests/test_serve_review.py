@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import socket
+import struct
 import threading
 from collections.abc import Iterator
 
@@ -185,6 +186,43 @@ def test_requests_waiting_to_be_parsed_when_the_server_stops_get_one_clear_503()
                 sock.close()
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/tokenize"])
+def test_a_request_being_parsed_when_the_server_stops_gets_a_503_at_once(path):
+    """A big body's parse runs on a worker thread for seconds (100 MB of token ids: about 7); a stop meanwhile
+    waited for it past uvicorn's graceful timeout, then cancelled the handler: uvicorn's plain-text 500, never
+    OpenAI's error body. It is answered the stop's 503 at once; the worker ends its parse for no one."""
+    with serving("tiny-llama") as served:
+        served.server.server.config.timeout_graceful_shutdown = 0.5  # a failure is a 500 soon, not in 5 s
+        engine = served.state.engine
+        entered, release = threading.Event(), threading.Event()
+        held_name = "encode" if path == "/v1/completions" else "tokenize"
+        original = getattr(engine, held_name)
+
+        def held(*args, **kw):  # a parse that takes long
+            entered.set()
+            release.wait(TIMEOUT)
+            return original(*args, **kw)
+
+        setattr(engine, held_name, held)
+        body = json.dumps({"prompt": PROMPT, "max_tokens": 4} if path == "/v1/completions" else {"prompt": "hi"})
+        try:
+            with _logged_errors() as errors, _connect(served.server.port) as sock:
+                sock.sendall(_post(body.encode(), path.encode()))
+                assert entered.wait(TIMEOUT)
+                stopper = threading.Thread(target=served.server.stop)
+                stopper.start()
+                answer = _read_to_close(sock)
+                release.set()
+                stopper.join(TIMEOUT)
+                assert not stopper.is_alive() and not served.server.thread.is_alive()
+            _assert_shutting_down(answer)
+            assert [r.getMessage() for r in errors] == []
+            assert served.state.in_flight == 0
+        finally:
+            release.set()
+            delattr(engine, held_name)
+
+
 def test_a_body_still_arriving_when_the_server_stops_gets_a_503_at_once():
     """The stop waited out uvicorn's graceful timeout (5 s) for the rest of the body, then cancelled the handler:
     "Exception in ASGI application" with a CancelledError traceback, and uvicorn's plain-text 500."""
@@ -202,6 +240,135 @@ def test_a_body_still_arriving_when_the_server_stops_gets_a_503_at_once():
         _assert_shutting_down(answer)
         assert [r.getMessage() for r in errors] == []
         assert served.state.in_flight == 0
+
+
+def test_a_second_stop_signal_still_ends_each_stream_with_its_last_chunk_and_done():
+    """Ctrl-C pressed twice (or SIGINT then SIGTERM) while a stream waited on a step: the second signal was uvicorn's
+    "force quit", which skipped waiting for open answers and cancelled their handlers, so the client read a chunked
+    body cut short and the log an "Exception in ASGI application" CancelledError traceback. The first stop already
+    ends every request at once, so the stream gets its last chunk (``finish_reason: "abort"``) and ``[DONE]``."""
+    import signal
+
+    with serving("tiny-llama") as served:
+        executor = served.state.engine.executor
+        forward = executor.forward_scored
+        entered, release, calls = threading.Event(), threading.Event(), []
+
+        def held_forward(*args, **kw):  # the third step waits: a long step on a big model
+            calls.append(None)
+            if len(calls) == 3:
+                entered.set()
+                release.wait(TIMEOUT)
+            return forward(*args, **kw)
+
+        executor.forward_scored = held_forward
+        body = {"prompt": PROMPT, "max_tokens": 50, "ignore_eos": True, "stream": True}
+        try:
+            with _logged_errors() as errors, httpx.Client(base_url=served.url, timeout=TIMEOUT) as http, \
+                    http.stream("POST", "/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                assert next(line for line in lines if line.startswith("data: ")) != "data: [DONE]"
+                assert entered.wait(TIMEOUT)
+                for sig in (signal.SIGINT, signal.SIGINT):  # what serve()'s handler gets for each
+                    served.server.server.handle_exit(sig, None)
+                served.server.thread.join(0.5)  # a forced exit ends the server now, cutting the stream
+                release.set()
+                events = [line[6:] for line in lines if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            assert json.loads(events[-2])["choices"][0]["finish_reason"] == "abort"
+            assert [r.getMessage() for r in errors] == []
+            served.server.thread.join(TIMEOUT)
+            assert not served.server.thread.is_alive()
+        finally:
+            release.set()
+            executor.forward_scored = forward
+
+
+def test_a_stream_still_waiting_on_a_step_when_the_graceful_timeout_ends_logs_no_traceback():
+    """A step longer than the stop's graceful timeout (a long prefill on a big model): uvicorn cancels the stream's
+    handler, as it must to stop, and said so in one line, then logged "Exception in ASGI application" with a
+    CancelledError traceback for each such request. Now its one line is all the log holds, and the server ends."""
+    with serving("tiny-llama") as served:
+        served.server.server.config.timeout_graceful_shutdown = 0.2  # uvicorn reads it when the stop comes
+        executor = served.state.engine.executor
+        forward = executor.forward_scored
+        entered, release, calls = threading.Event(), threading.Event(), []
+
+        def held_forward(*args, **kw):  # the second step outlasts the graceful timeout
+            calls.append(None)
+            if len(calls) == 2:
+                entered.set()
+                release.wait(TIMEOUT)
+            return forward(*args, **kw)
+
+        executor.forward_scored = held_forward
+        body = {"prompt": PROMPT, "max_tokens": 50, "ignore_eos": True, "stream": True}
+        try:
+            with _logged_errors() as errors, httpx.Client(base_url=served.url, timeout=TIMEOUT) as http, \
+                    http.stream("POST", "/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                assert next(line for line in lines if line.startswith("data: ")) != "data: [DONE]"
+                assert entered.wait(TIMEOUT)
+                served.server.server.handle_exit(15, None)  # SIGTERM
+                served.server.thread.join(TIMEOUT)
+                assert not served.server.thread.is_alive()
+                with pytest.raises(httpx.RemoteProtocolError):  # cut: the stop could wait no longer
+                    list(lines)
+            assert [(r.getMessage(), r.exc_info) for r in errors] == [
+                ("Cancel 1 running task(s), timeout graceful shutdown exceeded", None)]
+        finally:
+            release.set()
+            executor.forward_scored = forward
+
+
+def test_a_client_gone_mid_burst_leaves_no_warning_per_chunk_in_the_log(caplog):
+    """A stream's chunks written to a socket the client had reset: the first send failed and closed the transport,
+    but uvicorn stops writing only once told on a later turn of the loop, so each chunk of the burst (16 choices
+    of a step) was written to the dead socket and asyncio warned "socket.send() raised exception." for each past
+    the fourth. A client that hangs up is no news for the operator's log; its request still ends, its blocks freed.
+
+    Deterministic: the loop is held while the client resets and the engine posts its step, so the burst is written
+    before the loop reads the reset, as a burst already under way meets a client leaving."""
+    with serving("tiny-llama") as served:
+        executor, loop = served.state.engine.executor, served.server.server.servers[0].get_loop()
+        forward = executor.forward_scored
+        entered, release, stepped, calls = threading.Event(), threading.Event(), threading.Event(), []
+
+        def held_forward(*args, **kw):
+            calls.append(None)
+            if len(calls) == 3:
+                entered.set()
+                release.wait(TIMEOUT)
+            if len(calls) == 4:
+                stepped.set()  # step 3's events are posted to the loop before step 4 runs
+            return forward(*args, **kw)
+
+        executor.forward_scored = held_forward
+        looping, unhold = threading.Event(), threading.Event()
+        body = json.dumps({"prompt": PROMPT, "max_tokens": 50, "ignore_eos": True, "stream": True, "n": 16})
+        try:
+            with caplog.at_level(logging.WARNING, logger="asyncio"):
+                sock = _connect(served.server.port)
+                sock.sendall(_post(body.encode()))
+                got = b""
+                while b"data: " not in got:  # the stream is under way (a server that sends nothing times this out)
+                    got += sock.recv(65536)
+                assert entered.wait(TIMEOUT)
+                loop.call_soon_threadsafe(lambda: (looping.set(), unhold.wait(TIMEOUT)))
+                assert looping.wait(TIMEOUT)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                sock.close()  # a reset: the server's next send fails
+                release.set()
+                assert stepped.wait(TIMEOUT)
+                unhold.set()
+                wait_for(lambda: served.state.in_flight == 0, what="the request ended")
+            assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
+            wait_for(lambda: served.metrics()["kvload_num_requests_running"] == 0, what="its choices aborted")
+            assert served.metrics()['kvload_kv_cache_blocks{layer_group=uniform,state=used}'] == 0
+        finally:
+            release.set()
+            unhold.set()
+            executor.forward_scored = forward
 
 
 def test_a_request_submitted_as_the_engine_stops_is_refused_not_queued_after_the_last_drain():

@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import attrs
@@ -495,7 +495,7 @@ async def _serve(state: ServeState, request: Request, kind: str, gate: asyncio.L
         if await request.is_disconnected():  # left while it queued here: its parse (seconds for a big body) is
             return Response(status_code=CLIENT_CLOSED)  # work for no one, ahead of every request queued behind it
         try:
-            await asyncio.to_thread(run.prepare, raw, kind)
+            await _on_worker(stopping, run.cancel, run.prepare, raw, kind)
         except asyncio.CancelledError:  # the server is stopping: what the worker submitted, or still does, ends
             run.cancel()
             raise
@@ -524,7 +524,28 @@ async def _tokenizer_call(state: ServeState, request: Request, work: Any, gate: 
     async with gate:
         if await request.is_disconnected():  # as _serve: no one to answer
             return Response(status_code=CLIENT_CLOSED)
-        return JSONResponse(await asyncio.to_thread(work, state, raw))
+        return JSONResponse(await _on_worker(stopping, lambda: None, work, state, raw))
+
+
+async def _on_worker(stopping: asyncio.Event, on_stop: Callable[[], Any], work: Callable[..., Any], *args: Any) -> Any:
+    """``work(*args)`` on a worker thread; 503 ``server_shutting_down`` as soon as ``stopping`` is set, after
+    ``on_stop()``. A thread cannot be stopped, and uvicorn's stop waited for it (a 100 MB body's parse takes
+    seconds), then past its graceful timeout cancelled the handler: uvicorn's plain-text 500. The thread runs on to
+    its end; ``on_stop`` sees that what it queues, if anything, is aborted."""
+    worker = asyncio.ensure_future(asyncio.to_thread(work, *args))
+    stop = asyncio.ensure_future(stopping.wait())
+    try:
+        await asyncio.wait((worker, stop), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        worker.cancel()
+        raise
+    finally:
+        stop.cancel()
+    if not worker.done():
+        on_stop()
+        worker.add_done_callback(lambda f: f.cancelled() or f.exception())  # its refusal: no one left to tell
+        raise _shutting_down()
+    return worker.result()
 
 
 def _tokenize(state: ServeState, raw: bytes | bytearray) -> dict[str, Any]:
@@ -615,9 +636,9 @@ def _check_beam(state: ServeState, n: int) -> None:
     width = engine.executor.max_beam_width
     if width <= 1:
         v2 = type(engine.manager).__name__ == "KVCacheManagerV2"
-        why = "on KV cache manager V2, which cannot fork beams; " if v2 else ""
+        why = " on KV cache manager V2, which cannot fork beams" if v2 else ""
         flags = f"--max_beam_width {max(n, 2)}" + (" --use_kv_cache_manager_v2 false" if v2 else "")
-        raise BadRequest(f"use_beam_search: this server was started with max_beam_width=1 {why}start it with {flags} "
+        raise BadRequest(f"use_beam_search: this server was started with max_beam_width=1{why}; start it with {flags} "
                          "to serve beam search", param="use_beam_search")
     if n > width:
         raise BadRequest(f"n: {n} beams with use_beam_search exceed this server's max_beam_width={width}; send n <= "

@@ -283,6 +283,11 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame: Any) -> None:  # the stop handler: uvicorn's, and serve()'s around it
         self.state.engine.request_stop()
         super().handle_exit(sig, frame)
+        # uvicorn takes a second SIGINT as "force quit": it stops waiting for open answers and cancels their handlers,
+        # so a stream waiting on a step was cut mid-body and logged a CancelledError traceback. The first stop ends
+        # every request at once (a stream's last chunk, then [DONE]), so another signal only repeats it; the wait
+        # stays bounded by the graceful timeout (5 s).
+        self.force_exit = False
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         """uvicorn's shutdown, after telling the handlers (on the loop, which a signal handler is not)."""
@@ -324,6 +329,7 @@ class _Deadlines(H11Protocol):
         self.conn.next_event = caught  # type: ignore[method-assign]
         self.logger = _HttpLog(self.logger)  # type: ignore[assignment]
         super().connection_made(transport)
+        self.transport = _Writes(transport)  # type: ignore[assignment]  # what each request's cycle writes to
         self._track()
 
     def data_received(self, data: bytes) -> None:
@@ -430,13 +436,37 @@ def _head_timeout(timeout: float) -> bytes:
             b"content-length: %d\r\n\r\n%s" % (len(body), body))
 
 
+class _Writes:
+    """A connection's transport that drops what is written once it is closing.
+
+    A send that fails (the client went away: a reset, a broken pipe) closes the transport at once, but uvicorn
+    hears of it (``connection_lost``, which stops its writes) only on a later turn of the loop; a stream's chunks
+    queued meanwhile (``n`` choices, a step's burst) were each written to the dead socket, and asyncio logged
+    "socket.send() raised exception." at warning for each past the fourth: lines in the operator's log that any
+    client could cause by hanging up, saying nothing of which request. Nothing written after a close is sent."""
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def write(self, data: bytes) -> None:
+        """``transport.write``, unless the transport is closing."""
+        if not self._transport.is_closing():
+            self._transport.write(data)
+
+
 class _HttpLog:
     """uvicorn's ``uvicorn.error`` logger as its h11 protocol uses it, but for the warning it logs for each request
     that is not HTTP ("Invalid HTTP request received.", saying nothing of why), logged at debug: the client is told
     why (:func:`_not_http`) and ``kvload_http_requests_refused_total`` counts it, and any client could fill the
-    operator's log with the line."""
+    operator's log with the line. Likewise a handler the stop cancelled (its graceful timeout ran out while the
+    answer waited on a step): uvicorn has said so in one line ("Cancel N running task(s), ..."), and then logged a
+    CancelledError traceback for each such request, at debug here."""
 
     NOT_HTTP = "Invalid HTTP request received."
+    ASGI_FAILED = "Exception in ASGI application\n"
 
     def __init__(self, logger: Any) -> None:
         self._logger = logger
@@ -447,6 +477,11 @@ class _HttpLog:
     def warning(self, msg: Any, *args: Any, **kwargs: Any) -> None:
         """``logger.warning``, but for :attr:`NOT_HTTP`, at debug."""
         (self._logger.debug if msg == self.NOT_HTTP else self._logger.warning)(msg, *args, **kwargs)
+
+    def error(self, msg: Any, *args: Any, **kwargs: Any) -> None:
+        """``logger.error``, but for a handler's cancellation (only uvicorn's stop cancels one), at debug."""
+        cancelled = msg == self.ASGI_FAILED and isinstance(kwargs.get("exc_info"), asyncio.CancelledError)
+        (self._logger.debug if cancelled else self._logger.error)(msg, *args, **kwargs)
 
 
 class EngineFailed(KvloadError):
