@@ -582,6 +582,8 @@ class GenerationExecutor:
                                       f"(one per prompt), got a list of {len(params)}")
         else:  # no SamplingParams: the keywords over the model's sampling defaults (vLLM's default params)
             params = [SamplingParams.build(sampling_params, keywords, self.sampling_defaults)] * max(count, 1)
+        for p in {id(p): p for p in params}.values():  # a list changed in place since it was built (vLLM's habit)
+            p.recheck()
         for p in params:
             if p.stop and self.tokenizer is None:
                 raise GenerationError(f"generate: stop: stop strings are matched on the text, but {self.name} has no "

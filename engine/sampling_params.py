@@ -144,14 +144,15 @@ def _at_most_int64(name: str, value: Any) -> None:
 
 
 def _strings(value: Any) -> Any:
-    """``stop``: one string or a list of strings → a tuple (anything else is left for the check to name)."""
+    """``stop``: one string or a list of strings → a list of its own (vLLM's type: ``params.stop.append(...)``; anything
+    else is left for the check to name)."""
     if value is None:
-        return ()
+        return []
     if isinstance(value, str):
-        return (value,)
+        return [value]
     if isinstance(value, Sequence) and not isinstance(value, (bytes, bytearray)):
         check_stop_sizes(value)  # counted before it is copied
-        return tuple(value)
+        return list(value)
     return value
 
 
@@ -174,15 +175,15 @@ def check_logit_bias_count(count: int) -> None:
 
 def _ints(value: Any) -> Any:
     if value is None:
-        return ()
+        return []
     if isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray)):
         check_stop_token_ids_count(len(value))  # counted before it is copied
-        return tuple(map(_plain_int, value))  # numpy ids (from an array) stored as Python ints
+        return list(map(_plain_int, value))  # numpy ids (from an array) stored as Python ints
     return value
 
 
 def _allowed(value: Any) -> Any:
-    """``allowed_token_ids``: None stays None; a list → a tuple of plain ints, counted before it is copied (anything
+    """``allowed_token_ids``: None stays None; a list → a list of plain ints, counted before it is copied (anything
     else is left for the check to name)."""
     if value is None:
         return None
@@ -190,20 +191,20 @@ def _allowed(value: Any) -> Any:
         if len(value) > MAX_ALLOWED_TOKEN_IDS:
             raise GenerationError(f"generate: allowed_token_ids: expected at most {MAX_ALLOWED_TOKEN_IDS:,} token ids, "
                                   f"got a list of {len(value):,}")
-        return tuple(map(_plain_int, value))
+        return list(map(_plain_int, value))
     return value
 
 
 def _words(value: Any) -> Any:
-    """``bad_words``: None → (); a list → a tuple, counted before it is copied (a lone string is refused by the
-    check: vLLM takes a list, and a string would be read as its characters)."""
+    """``bad_words``: None → []; a list → a list of its own, counted before it is copied (a lone string is refused by
+    the check: vLLM takes a list, and a string would be read as its characters)."""
     if value is None:
-        return ()
+        return []
     if isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray)):
         if len(value) > MAX_BAD_WORDS:
             raise GenerationError(f"generate: bad_words: expected at most {MAX_BAD_WORDS:,} strings, got a list of "
                                   f"{len(value):,}")
-        return tuple(value)
+        return list(value)
     return value
 
 
@@ -248,8 +249,10 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
+    # lists, as vLLM's (scripts append to them: ``params.stop.append("###")``); a list changed in place is checked again
+    # by the next generate call (:meth:`SamplingParams.recheck`); not hashed, as ``logit_bias`` is not
+    stop: list[str] = attrs.field(factory=list, hash=False)
+    stop_token_ids: list[int] = attrs.field(factory=list, hash=False)
     n: int = 1
     logprobs: int | None = None
     ignore_eos: bool = False
@@ -263,8 +266,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
     spaces_between_special_tokens: bool = True
-    allowed_token_ids: tuple[int, ...] | None = None
-    bad_words: tuple[str, ...] = ()
+    allowed_token_ids: list[int] | None = attrs.field(default=None, hash=False)
+    bad_words: list[str] = attrs.field(factory=list, hash=False)
     structured_outputs: StructuredOutputsParams | None = attrs.field(default=None, hash=False)
     detokenize: bool = True
     #: ``bad_words`` as token id sequences, set by the executor from its tokenizer (vLLM's ``_bad_words_token_ids``)
@@ -316,12 +319,12 @@ class SamplingParams:
         _at_most_int64("top_k", self.top_k)
         check(self.seed is None or (is_int(self.seed) and 0 <= self.seed <= 2**63 - 1), "seed",
               "an integer in [0, 2**63 - 1] or None", self.seed)
-        check(isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop), "stop",
+        check(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop), "stop",
               "a non-empty string or a list of them", self.stop)
         check_stop_sizes(self.stop)
         for i, text in enumerate(self.stop):  # decoded text is valid Unicode: a lone surrogate could never match
             check_text(f"stop[{i}]", text)
-        check(isinstance(self.stop_token_ids, tuple) and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
+        check(isinstance(self.stop_token_ids, list) and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
               "stop_token_ids", "a list of token ids (integers >= 0)", self.stop_token_ids)
         # bounded as logit_bias and allowed_token_ids are: an id past int64 reached the vocabulary check only at
         # generate, so a SamplingParams built ahead held what no model takes
@@ -354,11 +357,11 @@ class SamplingParams:
               "logit_bias", f"a mapping of token ids (integers >= 0) to numbers in [-{MAX_BIAS:g}, {MAX_BIAS:g}]",
               self.logit_bias)
         check(self.allowed_token_ids is None
-              or (isinstance(self.allowed_token_ids, tuple) and self.allowed_token_ids
+              or (isinstance(self.allowed_token_ids, list) and self.allowed_token_ids
                   and all(is_int(t) and 0 <= t <= MAX_INT for t in self.allowed_token_ids)),
               "allowed_token_ids", "a non-empty list of token ids (integers >= 0), or None for any",
               self.allowed_token_ids)
-        check(isinstance(self.bad_words, tuple) and all(isinstance(w, str) and w.strip() for w in self.bad_words),
+        check(isinstance(self.bad_words, list) and all(isinstance(w, str) and w.strip() for w in self.bad_words),
               "bad_words", "a list of non-empty strings", self.bad_words)
         for i, word in enumerate(self.bad_words):
             if len(word) > MAX_STOP_CHARS:
@@ -371,6 +374,20 @@ class SamplingParams:
         if self.stop and not self.detokenize:  # vLLM's rule: stop strings are looked for in the text
             raise GenerationError("generate: stop: stop strings are matched on the text, and detokenize is false; "
                                   "use stop_token_ids, or detokenize=True")
+
+    def recheck(self) -> None:
+        """Check the fields again as the constructor checks them: a list or dict changed in place since
+        (``params.stop.append("")``, vLLM's lists invite it) is refused naming the field, and what it holds is kept in
+        its plain form (a numpy id appended as an int), in place, so the caller's reference to the list still reaches
+        it. Every generate call runs this on the SamplingParams it is given, before anything runs."""
+        checked = attrs.evolve(self)
+        for name in ("stop", "stop_token_ids", "bad_words"):
+            getattr(self, name)[:] = getattr(checked, name)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids[:] = checked.allowed_token_ids
+        if any(type(t) is not int or type(b) not in (int, float) for t, b in self.logit_bias.items()):
+            self.logit_bias.clear()
+            self.logit_bias.update(checked.logit_bias)
 
     def clone(self) -> SamplingParams:
         """A deep copy (vLLM's ``SamplingParams.clone``): its fields, ``logit_bias`` dict and structured outputs spec
@@ -410,7 +427,7 @@ class SamplingParams:
         return self.temperature == 0
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain form (lists for the tuples), e.g. for JSON."""
+        """Plain form (copies of the lists, JSON's string keys for ``logit_bias``), e.g. for JSON."""
         data = attrs.asdict(self)
         del data["_bad_words_token_ids"]  # derived from the tokenizer, not a setting
         data["stop"], data["stop_token_ids"] = list(self.stop), list(self.stop_token_ids)
@@ -476,7 +493,7 @@ def _set_field(self: SamplingParams, name: str, value: Any) -> None:
     name = "max_tokens" if name == "max_new_tokens" else name
     if name not in _known_keywords():
         raise GenerationError(unknown_field(name))
-    checked = attrs.evolve(self, **{name: value})  # the constructor's conversions (a stop string to a tuple) and checks
+    checked = attrs.evolve(self, **{name: value})  # the constructor's conversions (a stop string to a list) and checks
     for field in attrs.fields(SamplingParams):  # _bad_words_token_ids too: the executor derives it again each call
         object.__setattr__(self, field.name, getattr(checked, field.name))
 

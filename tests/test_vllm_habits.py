@@ -275,7 +275,7 @@ def test_fields_set_on_the_default_params_act_as_in_vllms_example(llm):
     """vLLM's examples/offline_inference/basic/generate.py sets fields on ``llm.get_default_sampling_params()``."""
     sp = llm.get_default_sampling_params()
     sp.max_tokens, sp.temperature, sp.seed, sp.stop_token_ids = 3, 1.0, 5, [7]
-    assert (sp.max_tokens, sp.temperature, sp.stop_token_ids) == (3, 1.0, (7,))
+    assert (sp.max_tokens, sp.temperature, sp.stop_token_ids) == (3, 1.0, [7])
     (out,) = llm.generate(IDS[:1], sp)
     assert len(out.outputs[0].token_ids) <= 3
     assert out.outputs[0].token_ids == llm.generate(IDS[:1], SamplingParams(max_tokens=3, temperature=1.0, seed=5,
@@ -292,6 +292,47 @@ def test_from_optional_takes_none_as_kvloads_default():
     assert sp == SamplingParams(max_tokens=8)
     with pytest.raises(GenerationError, match="^generate: top_p: expected a number in"):
         SamplingParams.from_optional(top_p=0)
+
+
+def test_list_fields_are_lists_a_script_appends_to_and_the_next_call_acts_on(llm):
+    """vLLM keeps ``stop``, ``stop_token_ids``, ``bad_words`` and ``allowed_token_ids`` as lists, and scripts append
+    to them (``sp.stop.append("###")``); kvload's tuples raised AttributeError there."""
+    sp = SamplingParams(max_tokens=6, ignore_eos=True, stop="w9999", allowed_token_ids=[5, 6])
+    assert all(type(v) is list for v in (sp.stop, sp.stop_token_ids, sp.bad_words, sp.allowed_token_ids))
+    assert sp.stop == ["w9999"] and SamplingParams().stop == [] and SamplingParams().bad_words == []
+    free = llm.generate(IDS[:1], SamplingParams(max_tokens=6, ignore_eos=True))[0].outputs[0]
+    word = free.text.split()[2]  # the third generated word
+    plain = SamplingParams(max_tokens=6, ignore_eos=True)
+    plain.stop.append(word)
+    (out,) = llm.generate(IDS[:1], plain)
+    assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", word)
+    assert out.outputs[0].token_ids == free.token_ids[:3]
+    ids = SamplingParams(max_tokens=6, ignore_eos=True)
+    ids.stop_token_ids.append(free.token_ids[1])
+    assert llm.generate(IDS[:1], ids)[0].outputs[0].token_ids == free.token_ids[:2]
+    # allowed_token_ids changed between two calls of one SamplingParams: the second draws from the new list
+    assert set(llm.generate(IDS[:1], sp)[0].outputs[0].token_ids) <= {5, 6}
+    sp.allowed_token_ids[:] = [7]
+    assert llm.generate(IDS[:1], sp)[0].outputs[0].token_ids == [7] * 6
+
+
+def test_a_list_changed_in_place_is_checked_by_the_next_call_as_the_constructor_checks_it(llm):
+    import numpy as np
+
+    sp = SamplingParams(max_tokens=2, ignore_eos=True)
+    sp.stop.append("")
+    with pytest.raises(GenerationError, match="^generate: stop: expected a non-empty string or a list of them, "
+                                              "got \\[''\\]$"):
+        llm.generate(IDS[:1], sp)
+    sp.stop.clear()
+    sp.stop_token_ids.append(-3)
+    with pytest.raises(GenerationError, match="^generate: stop_token_ids: expected a list of token ids"):
+        llm.generate(IDS[:1], sp)
+    sp.stop_token_ids[:] = [np.int64(7)]  # a numpy id: taken as the int it holds, in the list the caller holds
+    held = sp.stop_token_ids
+    llm.generate(IDS[:1], sp)
+    assert held is sp.stop_token_ids and type(held[0]) is int
+    assert llm.audit.of("generation_started")[-1]["stop_token_ids"] == [7]
 
 
 def test_detokenize_false_keeps_the_tokens_and_skips_the_text(llm):
