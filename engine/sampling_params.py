@@ -214,8 +214,9 @@ class SamplingParams:
 
     ``max_tokens`` (alias ``max_new_tokens``): most tokens generated per sample. ``top_k``: keep the k
     most likely tokens (0 or -1: all). ``seed``: prompt ``i``'s sample ``j`` draws from a generator
-    seeded with ``seed + i * n + j`` (None: a fresh random seed per call). ``stop``: strings that end a
-    sample when they appear in its text (not included in ``.text``); ``stop_token_ids``: ids that end
+    seeded with ``seed + i * n + j`` (None: the next seed of ``kvload.LLM``'s seeded sequence, or fresh without one).
+    ``stop``: strings that end a sample when they appear in its text (not included in ``.text``); ``stop_token_ids``:
+    ids that end
     it (kept in ``token_ids``, as EOS is); at most ``pipeline.limits.MAX_STOP`` strings of ``MAX_STOP_CHARS``
     characters and ``MAX_STOP_TOKEN_IDS`` ids. ``n``: samples per prompt (at most ``pipeline.limits.MAX_N``),
     sharing the prompt's KV blocks. ``logprobs``: per generated token, the log-probabilities of the

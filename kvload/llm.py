@@ -86,16 +86,16 @@ class LLM:
     ``llm_args`` are ``LlmArgs`` fields (``kv_cache_config`` as a dict or ``KvCacheConfig``,
     ``max_seq_len``, ``device``, ``dtype``, ...); ``config_file`` is a YAML of them (arguments win).
     ``audit_log``: the load's events go there, and on :meth:`close` the file is rewritten with the
-    generation events too. ``log=False`` keeps kvload's event lines off stderr. ``seed``: vLLM's engine seed: samples
-    whose SamplingParams has no seed draw their seeds from one sequence it starts, so a script repeats run to run
-    (None: fresh randomness each call). vLLM's engine knobs kvload has no counterpart for (``enforce_eager``) are
-    accepted and reported ``setting_ignored``; README "Coming from vLLM" lists what maps, what is ignored, what is
-    refused.
+    generation events too. ``log=False`` keeps kvload's event lines off stderr. ``seed``: vLLM's engine seed (0 by
+    default, as in vLLM's V1 engine): samples whose SamplingParams has no seed draw their seeds from one sequence it
+    starts, so a script repeats run to run (None: fresh randomness each call). vLLM's engine knobs kvload has no
+    counterpart for (``enforce_eager``) are accepted and reported ``setting_ignored``; README "Coming from vLLM" lists
+    what maps, what is ignored, what is refused.
     """
 
     def __init__(self, model: str | os.PathLike[str], *, config_file: str | os.PathLike[str] | None = None,
                  audit_log: str | os.PathLike[str] | None = None, subscribers: Iterable[Subscriber] = (),
-                 log: bool = True, seed: int | None = None, **llm_args: Any) -> None:
+                 log: bool = True, seed: int | None = 0, **llm_args: Any) -> None:
         if seed is not None and not (is_int(seed) and 0 <= seed <= MAX_INT):  # checked before anything loads
             detail = f"expected an integer in [0, 2**63 - 1] or None, got {short(seed)}"
             raise ConfigError(f"seed: {detail}", path="seed", detail=detail, source="api")

@@ -59,6 +59,22 @@ def test_llm_seed_makes_unseeded_sampling_repeat_across_runs_and_differ_between_
         assert sampled(other) != runs[0][0]
 
 
+def test_unseeded_sampling_repeats_run_to_run_by_default_as_vllms_seed_0_does_and_seed_none_is_fresh(words):
+    """vLLM's ``LLM(seed: int = 0)`` (its V1 engine): a script that passes no seed samples the same run to run."""
+    runs, fresh = [], []
+    for _ in range(2):
+        with kvload.LLM(str(words), **llm_kwargs("v1")) as llm:
+            runs.append((sampled(llm), sampled(llm)))
+            assert llm.audit.of("generation_started")[-1]["llm_seed"] == 0
+        with kvload.LLM(str(words), seed=None, **llm_kwargs("v1")) as llm:
+            fresh.append(sampled(llm))
+            assert llm.audit.of("generation_started")[-1]["llm_seed"] is None
+    assert runs[0] == runs[1] and runs[0][0] != runs[0][1]
+    with kvload.LLM(str(words), seed=0, **llm_kwargs("v1")) as llm:
+        assert sampled(llm) == runs[0][0]
+    assert fresh[0] != fresh[1]  # 12 tokens drawn from 512 each: equal by chance about never
+
+
 def test_a_per_request_seed_still_wins_over_the_llm_seed(words):
     outs = []
     for seed in (1, 2):
