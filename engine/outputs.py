@@ -47,9 +47,10 @@ class GenerationOutput:
 FinishReason = Literal["stop", "length"]
 
 
-@attrs.frozen
+@attrs.define
 class CompletionOutput:
-    """One sample of a prompt, as vLLM's and TensorRT-LLM's ``CompletionOutput``.
+    """One sample of a prompt, as vLLM's and TensorRT-LLM's ``CompletionOutput`` (mutable, as vLLM's dataclass is:
+    a script may rewrite ``out.text`` in place).
 
     ``token_ids`` are every generated id (an EOS or stop token that ended the sample included);
     ``text`` is their decoded text without special tokens, cut before a stop string (None without a
@@ -76,7 +77,7 @@ class CompletionOutput:
         return attrs.asdict(self)
 
 
-@attrs.frozen
+@attrs.define
 class RequestMetrics:
     """When one prompt's request moved through the engine, with the names of vLLM's ``RequestOutput.metrics``
     (its V1 ``RequestStateStats``). ``arrival_time`` is wall-clock (``time.time()``); the ``*_ts`` times are
@@ -92,9 +93,10 @@ class RequestMetrics:
     num_generation_tokens: int  # over every sample
 
 
-@attrs.frozen
+@attrs.define
 class RequestOutput:
-    """One prompt's result: its samples (``outputs``), the prompt, prompt-token reuse, and timings.
+    """One prompt's result: its samples (``outputs``), the prompt, prompt-token reuse, and timings (mutable, as
+    vLLM's is).
 
     ``computed_prompt_tokens`` + ``reused_prompt_tokens`` count over all ``n`` samples: the samples fork
     one prefill, so ``computed_prompt_tokens`` is one prompt's length (less what the prefix cache held) and

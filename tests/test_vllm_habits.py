@@ -206,6 +206,19 @@ def test_num_cached_tokens_is_the_prompts_prefix_cache_hit_at_most_its_length_wh
     assert again.reused_prompt_tokens > len(ids[0])  # the forks' share is kvload's own count
 
 
+def test_outputs_are_mutable_as_vllms_dataclasses_are(llm):
+    """vLLM's ``CompletionOutput`` is a dataclass and ``RequestOutput`` a plain class: scripts tidy their results in
+    place (``c.text = c.text.strip()``); kvload's frozen ones raised FrozenInstanceError."""
+    (out,) = llm.generate(IDS[:1], SamplingParams(max_tokens=3, ignore_eos=True))
+    c = out.outputs[0]
+    words = c.text.split()
+    c.text, c.finish_reason = f"  {c.text}  ".strip().upper(), "stop"
+    out.prompt, out.metrics.num_generation_tokens = "w5 w17", 0
+    assert (c.text, c.finish_reason, out.prompt) == (" ".join(words).upper(), "stop", "w5 w17")
+    assert out.outputs[0] is c and out.metrics.num_generation_tokens == 0
+    assert pickle.loads(pickle.dumps(out)) == out
+
+
 def test_completion_output_finished_is_a_method_as_in_vllm(llm):
     (out,) = llm.generate(IDS[:1], max_tokens=2)
     assert out.finished is True and out.outputs[0].finished() is True
