@@ -149,6 +149,27 @@ def test_lora_request_none_is_the_base_model_and_an_adapter_is_refused(llm):
         llm.generate_stream(IDS[:1], params, lora_request=object())
 
 
+def test_vllms_list_of_lora_requests_all_none_is_the_base_model_too(llm):
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in llm.generate(IDS, params)]
+    assert [o.outputs[0].token_ids for o in llm.generate(IDS, params, lora_request=[None, None])] == plain
+    with pytest.raises(GenerationError, match="^generate: lora_request: .*; accepted: None, got list$"):
+        llm.generate(IDS, params, lora_request=[None, object()])
+
+
+def test_chat_takes_vllms_arguments_by_position_in_vllms_order(llm):
+    """vLLM's ``LLM.chat(messages, sampling_params, use_tqdm, lora_request, chat_template,
+    chat_template_content_format, add_generation_prompt, continue_final_message, tools, chat_template_kwargs)``."""
+    conv = [{"role": "user", "content": "w5"}, {"role": "assistant", "content": "w17"}]
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    template = ("{% if tools %}w{{ tools | length }} {% endif %}{% if extra %}w{{ extra }} {% endif %}"
+                "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w2{% endif %}")
+    (out,) = llm.chat(conv, params, False, None, template, "string", False, True, [{"type": "function"}], {"extra": 9})
+    by_name = llm.chat(conv, params, use_tqdm=False, chat_template=template, add_generation_prompt=False,
+                       continue_final_message=True, tools=[{"type": "function"}], chat_template_kwargs={"extra": 9})
+    assert out.prompt == by_name[0].prompt == "w1 w9 w5 w17"  # the last message continued, not closed
+
+
 def test_a_vllm_call_argument_kvload_lacks_is_named_not_mistaken_for_a_sampling_setting(llm):
     with pytest.raises(GenerationError, match="^generate: tokenization_kwargs: vLLM's argument, not kvload's"):
         llm.generate(IDS, SamplingParams(max_tokens=2), tokenization_kwargs={"truncation": True})
