@@ -167,6 +167,14 @@ def _biases(value: Any) -> Any:
     return value
 
 
+def _token_key(key: Any) -> Any:
+    """A ``logit_bias`` key written as text (``"50256"``, JSON's object keys) as the token id it names; anything else
+    unchanged, for the check to judge."""
+    if isinstance(key, str) and key.strip().isascii() and key.strip().isdigit() and len(key) <= 20:
+        return int(key)
+    return key
+
+
 def check_logit_bias_count(count: int) -> None:
     """At most :data:`MAX_LOGIT_BIAS` biased tokens (the server's bound too)."""
     if count > MAX_LOGIT_BIAS:
@@ -297,6 +305,9 @@ class SamplingParams:
             max_tokens, length_name = max_new_tokens, "max_new_tokens"
         if max_tokens is _NOT_GIVEN:
             max_tokens = DEFAULT_MAX_TOKENS
+        # vLLM's rule: True asks for the sampled (or prompt) token's logprob and its 1 most likely alternative
+        logprobs = 1 if logprobs is True else logprobs
+        prompt_logprobs = 1 if prompt_logprobs is True else prompt_logprobs
         # numpy scalars (an n, a seed or a temperature taken from an array) count as numbers, stored as Python's
         max_tokens, top_k, seed, n, logprobs, min_tokens, prompt_logprobs = map(
             _plain_int, (max_tokens, top_k, seed, n, logprobs, min_tokens, prompt_logprobs))
@@ -398,7 +409,14 @@ class SamplingParams:
     @classmethod
     def from_optional(cls, **fields: Any) -> SamplingParams:
         """vLLM's ``SamplingParams.from_optional``: a field given as None takes kvload's default (where vLLM's
-        defaults differ, kvload's: temperature 0, max_tokens 64), the others are checked as the constructor does."""
+        defaults differ, kvload's: temperature 0, max_tokens 64), the others are checked as the constructor does.
+        ``logit_bias`` as vLLM's takes it there: keys may be token ids written as text (JSON's ``{"50256": -100}``), and
+        each bias is clamped to [-100, 100]."""
+        bias = fields.get("logit_bias")
+        if isinstance(bias, Mapping):
+            check_logit_bias_count(len(bias))
+            fields["logit_bias"] = {_token_key(t): max(-MAX_BIAS, min(MAX_BIAS, b)) if is_finite(b) else b
+                                    for t, b in bias.items()}
         return cls(**{k: v for k, v in fields.items() if v is not None})
 
     @property

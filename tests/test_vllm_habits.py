@@ -385,6 +385,23 @@ def test_a_list_changed_in_place_is_checked_by_the_next_call_as_the_constructor_
     assert llm.audit.of("generation_started")[-1]["stop_token_ids"] == [7]
 
 
+def test_from_optional_takes_logit_bias_as_vllms_does_text_keys_and_clamped_biases():
+    sp = SamplingParams.from_optional(logit_bias={"50": 200, 7: -300.5, "8": 1.5}, temperature=None)
+    assert sp.logit_bias == {50: 100, 7: -100, 8: 1.5} and all(type(t) is int for t in sp.logit_bias)
+    with pytest.raises(GenerationError, match="^generate: logit_bias: expected a mapping of token ids"):
+        SamplingParams.from_optional(logit_bias={"w5": 1.0})
+
+
+def test_logprobs_true_is_one_as_in_vllm(llm):
+    sp = SamplingParams(max_tokens=2, logprobs=True, prompt_logprobs=True, ignore_eos=True)
+    assert (sp.logprobs, sp.prompt_logprobs) == (1, 1)
+    (out,) = llm.generate(IDS[:1], sp)
+    assert out.outputs[0].logprobs == llm.generate(IDS[:1], SamplingParams(
+        max_tokens=2, logprobs=1, prompt_logprobs=1, ignore_eos=True))[0].outputs[0].logprobs
+    with pytest.raises(GenerationError, match="^generate: logprobs: expected an integer in \\[0, 20\\]"):
+        SamplingParams(logprobs=False)  # vLLM's False reads as 0 there; None is "no logprobs" here
+
+
 def test_detokenize_false_keeps_the_tokens_and_skips_the_text(llm):
     params = {"max_tokens": 5, "temperature": 1.0, "seed": 4, "ignore_eos": True}
     (text,) = llm.generate(IDS[:1], SamplingParams(**params))
