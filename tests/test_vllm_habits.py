@@ -278,6 +278,18 @@ def test_logprob_entries_carry_vllms_decoded_token(llm):
     assert all(v.decoded_token is None for e in bare.outputs[0].logprobs for v in e.values())
 
 
+def test_vllms_prompt_types_are_there_and_generate_takes_them(llm):
+    """``from vllm.inputs import TokensPrompt, TextPrompt`` reads ``from kvload import TokensPrompt, TextPrompt``."""
+    from kvload import TextPrompt, TokensPrompt
+
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    prompts = [TokensPrompt(prompt_token_ids=IDS[0]), TextPrompt(prompt="w88 w123 w7")]
+    assert prompts == [{"prompt_token_ids": IDS[0]}, {"prompt": "w88 w123 w7"}]
+    outs = llm.generate(prompts, sp)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in llm.generate(IDS, sp)]
+    assert outs[1].prompt == "w88 w123 w7" and outs[0].prompt is None
+
+
 def test_vllms_legacy_prompt_token_ids_keyword_gives_the_prompts(llm):
     sp = SamplingParams(max_tokens=3, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in llm.generate(IDS, sp)]
