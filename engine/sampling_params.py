@@ -221,8 +221,8 @@ class SamplingParams:
     """How a call picks tokens: greedy at ``temperature == 0``, else softmax(logits / T) within top-k and top-p.
 
     ``max_tokens`` (alias ``max_new_tokens``): most tokens generated per sample. ``top_k``: keep the k
-    most likely tokens (0 or -1: all). ``seed``: prompt ``i``'s sample ``j`` draws from a generator
-    seeded with ``seed + i * n + j`` (None: the next seed of ``kvload.LLM``'s seeded sequence, or fresh without one).
+    most likely tokens (0 or -1: all). ``seed``: each prompt's sample ``j`` draws from a generator seeded with
+    ``seed + j`` (vLLM's rule; None: the next seed of ``kvload.LLM``'s seeded sequence, or fresh without one).
     ``stop``: strings that end a sample when they appear in its text (not included in ``.text``); ``stop_token_ids``:
     ids that end
     it (kept in ``token_ids``, as EOS is); at most ``pipeline.limits.MAX_STOP`` strings of ``MAX_STOP_CHARS``

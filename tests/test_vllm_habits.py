@@ -75,6 +75,24 @@ def test_unseeded_sampling_repeats_run_to_run_by_default_as_vllms_seed_0_does_an
     assert fresh[0] != fresh[1]  # 12 tokens drawn from 512 each: equal by chance about never
 
 
+def test_a_seeded_prompts_samples_do_not_depend_on_the_calls_other_prompts_as_in_vllm(llm):
+    """vLLM seeds each request (its sample j with seed + j): a prompt's seeded samples are the same alone, beside
+    others, or repeated, and one SamplingParams for all prompts equals a list of it. kvload's seed + i*n + j gave
+    a prompt other samples at another place in the batch (a sharded eval did not match the whole run)."""
+    sp = SamplingParams(max_tokens=5, temperature=1.0, seed=11, n=2, ignore_eos=True)
+    both = llm.generate(IDS, sp)
+    alone = llm.generate(IDS[1:], sp)
+    assert [c.token_ids for c in both[1].outputs] == [c.token_ids for c in alone[0].outputs]
+    assert [[c.token_ids for c in o.outputs] for o in llm.generate(IDS, [sp, sp])] == \
+        [[c.token_ids for c in o.outputs] for o in both]
+    twice = llm.generate([IDS[0], IDS[0]], sp)
+    assert [c.token_ids for c in twice[0].outputs] == [c.token_ids for c in twice[1].outputs]
+    # unseeded, each sample its own stream: a prompt given twice (one SamplingParams each) samples twice
+    free = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True)
+    a, b = llm.generate([IDS[0], IDS[0]], [free, free])
+    assert a.outputs[0].token_ids != b.outputs[0].token_ids
+
+
 def test_a_per_request_seed_still_wins_over_the_llm_seed(words):
     outs = []
     for seed in (1, 2):
