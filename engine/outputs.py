@@ -72,6 +72,16 @@ class CompletionOutput:
         """Whether the sample ended (a method, as vLLM's ``CompletionOutput.finished()``)."""
         return self.finish_reason is not None
 
+    @property
+    def lora_request(self) -> None:
+        """vLLM's: the LoRA adapter that generated it; None, as kvload runs the checkpoint's own weights."""
+        return None
+
+    @property
+    def kv_transfer_params(self) -> None:
+        """vLLM's: remote KV transfer (disaggregated prefill) parameters; None, as kvload transfers no KV."""
+        return None
+
     def to_dict(self) -> dict[str, Any]:
         """Plain form for ``--json``."""
         return attrs.asdict(self)
@@ -121,6 +131,26 @@ class RequestOutput:
     #: vLLM's: the prompt tokens whose KV the prefix cache held, at most the prompt's length (the first sample's reuse;
     #: ``reused_prompt_tokens`` also counts what the other samples forked from it)
     num_cached_tokens: int = 0
+
+    @property
+    def lora_request(self) -> None:
+        """vLLM's: the LoRA adapter that generated it; None, as kvload runs the checkpoint's own weights."""
+        return None
+
+    @property
+    def encoder_prompt(self) -> None:
+        """vLLM's: an encoder-decoder model's encoder prompt; None, as for vLLM's decoder-only models."""
+        return None
+
+    @property
+    def encoder_prompt_token_ids(self) -> None:
+        """vLLM's: the encoder prompt's token ids; None, as for vLLM's decoder-only models."""
+        return None
+
+    @property
+    def kv_transfer_params(self) -> None:
+        """vLLM's: remote KV transfer (disaggregated prefill) parameters; None, as kvload transfers no KV."""
+        return None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain form for ``--json``."""

@@ -80,6 +80,8 @@ VLLM_ATTRIBUTES_NOT_TAKEN: dict[str, str] = {
                     "kvload runs no user functions on its workers; the torch model is llm.result.hf_model"),
     **dict.fromkeys(("start_profile", "stop_profile"), "profile a generate call with torch.profiler"),
     "set_tokenizer": "kvload uses the checkpoint's own tokenizer",
+    "model_config": "vLLM's model settings; kvload's resolved settings are llm.args (llm.args.max_seq_len is vLLM's "
+                    "model_config.max_model_len, llm.args.dtype its dtype)",
 }
 
 

@@ -258,6 +258,16 @@ def test_outputs_are_mutable_as_vllms_dataclasses_are(llm):
     assert pickle.loads(pickle.dumps(out)) == out
 
 
+def test_vllms_other_output_attributes_read_as_none(llm):
+    """``out.lora_request``, ``out.encoder_prompt``, ``c.kv_transfer_params``: what vLLM sets for a decoder-only
+    model run without adapters or KV transfer (a script that logs them raised AttributeError)."""
+    (out,) = llm.generate(IDS[:1], SamplingParams(max_tokens=2, ignore_eos=True))
+    c = out.outputs[0]
+    assert (out.lora_request, out.encoder_prompt, out.encoder_prompt_token_ids, out.kv_transfer_params) == (None,) * 4
+    assert (c.lora_request, c.kv_transfer_params) == (None, None)
+    assert "lora_request" not in out.to_dict()  # kvload's --json documents are as they were
+
+
 def test_completion_output_finished_is_a_method_as_in_vllm(llm):
     (out,) = llm.generate(IDS[:1], max_tokens=2)
     assert out.finished is True and out.outputs[0].finished() is True
@@ -337,6 +347,9 @@ def test_a_vllm_llm_attribute_kvload_lacks_says_what_to_use_instead(llm):
         llm.llm_engine.get_tokenizer()
     with pytest.raises(AttributeError, match=r"^LLM\.embed: vLLM's, not kvload's: kvload generates text"):
         llm.embed(["w5"])
+    with pytest.raises(AttributeError, match=r"^LLM\.model_config: vLLM's, not kvload's: .*llm\.args\.max_seq_len is "
+                                             r"vLLM's model_config\.max_model_len"):
+        _ = llm.model_config.max_model_len
     assert not hasattr(llm, "llm_engine") and not hasattr(llm, "no_such_thing")
     assert llm.result.kv_manager is not None and llm.args.max_seq_len == 64  # where the message points
 
