@@ -305,7 +305,9 @@ class SamplingParams:
             max_tokens, length_name = max_new_tokens, "max_new_tokens"
         if max_tokens is _NOT_GIVEN:
             max_tokens = DEFAULT_MAX_TOKENS
-        # vLLM's rule: True asks for the sampled (or prompt) token's logprob and its 1 most likely alternative
+        # vLLM's rules: seed -1 is no seed of the request's own; True asks for the sampled (or prompt) token's logprob
+        # and its 1 most likely alternative
+        seed = None if is_int(seed) and seed == -1 else seed
         logprobs = 1 if logprobs is True else logprobs
         prompt_logprobs = 1 if prompt_logprobs is True else prompt_logprobs
         # numpy scalars (an n, a seed or a temperature taken from an array) count as numbers, stored as Python's

@@ -39,7 +39,7 @@ def test_stop_and_stop_token_ids_take_one_or_many():
     ({"top_p": 1.5}, r"top_p: expected a number in \(0, 1\], got 1.5"),
     ({"top_k": -2}, "top_k: expected an integer >= 1, or 0 / -1 for all tokens, got -2"),
     ({"top_k": 2.5}, "top_k: expected an integer"),
-    ({"seed": -1}, r"seed: expected an integer in \[0, 2\*\*63 - 1\] or None, got -1"),
+    ({"seed": -2}, r"seed: expected an integer in \[0, 2\*\*63 - 1\] or None, got -2"),
     ({"stop": ""}, "stop: expected a non-empty string or a list of them"),
     ({"stop": 5}, "stop: expected a non-empty string or a list of them, got 5"),
     # decoded text is valid Unicode, so a stop string with a lone surrogate could never match: a silent no-op

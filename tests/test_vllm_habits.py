@@ -435,6 +435,18 @@ def test_from_optional_takes_logit_bias_as_vllms_does_text_keys_and_clamped_bias
         SamplingParams.from_optional(logit_bias={"w5": 1.0})
 
 
+def test_seed_minus_one_is_no_seed_as_in_vllm(words):
+    """vLLM's ``SamplingParams(seed=-1)`` is ``seed=None`` (scripts pass an argparse default of -1 for "random")."""
+    assert SamplingParams(seed=-1).seed is None and SamplingParams.from_optional(seed=-1).seed is None
+    with kvload.LLM(str(words), seed=3, **llm_kwargs("v1")) as llm:
+        minus_one = sampled(llm, seed=-1)
+    with kvload.LLM(str(words), seed=3, **llm_kwargs("v1")) as llm:
+        assert sampled(llm) == minus_one  # the LLM's seeded sequence, as an unseeded request's
+    with pytest.raises(GenerationError, match=r"^generate: seed: expected an integer in \[0, 2\*\*63 - 1\] or None, "
+                                              "got -2$"):
+        SamplingParams(seed=-2)
+
+
 def test_logprobs_true_is_one_as_in_vllm(llm):
     sp = SamplingParams(max_tokens=2, logprobs=True, prompt_logprobs=True, ignore_eos=True)
     assert (sp.logprobs, sp.prompt_logprobs) == (1, 1)
