@@ -224,11 +224,11 @@ class SamplingParams:
     most likely tokens (0 or -1: all). ``seed``: each prompt's sample ``j`` draws from a generator seeded with
     ``seed + j`` (vLLM's rule; None: the next seed of ``kvload.LLM``'s seeded sequence, or fresh without one).
     ``stop``: strings that end a sample when they appear in its text (not included in ``.text``); ``stop_token_ids``:
-    ids that end
-    it (kept in ``token_ids``, as EOS is); at most ``pipeline.limits.MAX_STOP`` strings of ``MAX_STOP_CHARS``
-    characters and ``MAX_STOP_TOKEN_IDS`` ids. ``n``: samples per prompt (at most ``pipeline.limits.MAX_N``),
-    sharing the prompt's KV blocks. ``logprobs``: per generated token, the log-probabilities of the
-    ``logprobs`` most likely tokens plus the sampled one (None: none; at most ``MAX_LOGPROBS``).
+    ids that end it (kept in ``token_ids``, as EOS is); at most ``pipeline.limits.MAX_STOP`` strings of
+    ``MAX_STOP_CHARS`` characters and ``MAX_STOP_TOKEN_IDS`` ids. ``n``: samples per prompt (at most
+    ``pipeline.limits.MAX_N``), sharing the prompt's KV blocks. ``logprobs``: per generated token, the
+    log-probabilities of the ``logprobs`` most likely tokens plus the sampled one (None: none; at most
+    ``MAX_LOGPROBS``).
     ``ignore_eos``: keep going past EOS (stop strings/ids still end).
 
     vLLM's penalties and bounds (``engine.penalties``; applied to the logits before temperature, greedy or sampled):
