@@ -421,6 +421,12 @@ def test_a_list_changed_in_place_is_checked_by_the_next_call_as_the_constructor_
     sp.stop_token_ids.append(-3)
     with pytest.raises(GenerationError, match="^generate: stop_token_ids: expected a list of token ids"):
         llm.generate(IDS[:1], sp)
+    sp.stop_token_ids.clear()
+    sp.logit_bias[5] = 1000.0  # the dict was mutable before the lists were: a bias past 100 reached the logits
+    with pytest.raises(GenerationError, match=r"^generate: logit_bias: expected a mapping of token ids .* got \{5: "
+                                              r"1000\.0\}$"):
+        llm.generate(IDS[:1], sp)
+    sp.logit_bias.clear()
     sp.stop_token_ids[:] = [np.int64(7)]  # a numpy id: taken as the int it holds, in the list the caller holds
     held = sp.stop_token_ids
     llm.generate(IDS[:1], sp)
