@@ -83,9 +83,11 @@ def normalize(prompts: Any) -> list[Any]:
                               f"{type(prompts).__name__}")
     if not prompts:
         raise GenerationError("generate: prompts: expected at least one prompt, got an empty list")
-    if any(is_token_id(p) for p in prompts):
-        raise GenerationError("generate: prompts: expected a list of prompts; wrap one prompt of token ids "
-                              "in a list: [[1, 2, 3]]")
+    if all(is_token_id(p) for p in prompts):  # vLLM's rule (prompt_to_seq): a flat list of token ids is one prompt
+        prompts = [prompts]
+    elif any(is_token_id(p) for p in prompts):
+        raise GenerationError("generate: prompts: a list of prompts mixes token ids with other prompts; give one "
+                              "prompt of token ids as [1, 2, 3] and several as [[1, 2, 3], [4, 5]]")
     out = []
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, Mapping):

@@ -318,6 +318,14 @@ def test_vllms_prompt_types_are_there_and_generate_takes_them(llm):
     assert outs[1].prompt == "w88 w123 w7" and outs[0].prompt is None
 
 
+def test_a_flat_list_of_token_ids_is_one_prompt_as_in_vllm(llm):
+    """vLLM's ``prompt_to_seq``: ``llm.generate(tokenizer.encode(text), sp)`` is one prompt (it was refused)."""
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    (one,) = llm.generate(IDS[0], sp)
+    assert one.prompt_token_ids == IDS[0]
+    assert one.outputs[0].token_ids == llm.generate([IDS[0]], sp)[0].outputs[0].token_ids
+
+
 def test_vllms_legacy_prompt_token_ids_keyword_gives_the_prompts(llm):
     sp = SamplingParams(max_tokens=3, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in llm.generate(IDS, sp)]
