@@ -405,7 +405,7 @@ class GenerationExecutor:
         ranks = self._priorities(priority, len(items))
         call = self._calls
         self._calls += 1
-        lives = self._lives(call, items, params, per_prompt, salt, arrivals, ranks)
+        lives = self._lives(call, items, params, salt, arrivals, ranks)
         now_arrivals, forks = [], {}
         for live in lives:
             if live.parent is not None:  # forked from the prompt's first sample when its prefill completes
@@ -582,6 +582,8 @@ class GenerationExecutor:
                                       f"(one per prompt), got a list of {len(params)}")
         else:  # no SamplingParams: the keywords over the model's sampling defaults (vLLM's default params)
             params = [SamplingParams.build(sampling_params, keywords, self.sampling_defaults)] * max(count, 1)
+        for p in {id(p): p for p in params}.values():  # a list changed in place since it was built (vLLM's habit)
+            p.recheck()
         for p in params:
             if p.stop and self.tokenizer is None:
                 raise GenerationError(f"generate: stop: stop strings are matched on the text, but {self.name} has no "
@@ -652,13 +654,14 @@ class GenerationExecutor:
         return tuple(out)
 
     def _lives(self, call: int, items: list[tuple[str | None, list[int]]], params: list[SamplingParams],
-               per_prompt: bool, salt: str | None, arrivals: list[int], ranks: list[int] | None = None) -> list[_Live]:
+               salt: str | None, arrivals: list[int], ranks: list[int] | None = None) -> list[_Live]:
         """Every sample of every prompt as a request, with its generator (seeded as SamplingParams says)."""
         lives = []
         # unseeded samples: a fresh base per call, or the next of the LLM's seeded sequence (vLLM's engine seed)
         random_base = (self.call_seeds or random.SystemRandom()).getrandbits(62)
         if self.lockstep is not None:
             random_base = self.lockstep.ranks.broadcast(random_base)  # one fresh seed, rank 0's, on every rank
+        unseeded = 0  # unseeded samples drawn so far: each takes the next offset from random_base
         for i, ((text, ids), p) in enumerate(zip(items, params, strict=True)):
             room = self.max_seq_len - len(ids)  # a sequence never grows past max_seq_len
             base = p.seed if p.seed is not None else random_base
@@ -674,8 +677,11 @@ class GenerationExecutor:
                 if j == 0:
                     self._check_fits(i, request, p.max_tokens)
                 gen = None
-                if not p.greedy:  # shared params: prompt i's sample j is seed + i*n + j; per prompt: seed_i + j
-                    offset = j if per_prompt else i * p.n + j
+                if not p.greedy:  # vLLM's rule: a seeded prompt's sample j is seed + j, whatever else the call holds
+                    # (a prompt's samples do not change with its place in the batch); unseeded samples each draw on
+                    # from the call's base, so no two share a stream
+                    offset = j if p.seed is not None else unseeded
+                    unseeded += p.seed is None
                     gen = torch.Generator(device=self.pools.device).manual_seed(base + offset)
                 live = _Live(i, request, text, arrivals[i], gen, params=p, sample=j, parent=parent)
                 if self.tokenizer is not None and p.detokenize:  # detokenize=False: token ids only, no decoding

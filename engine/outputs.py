@@ -47,9 +47,10 @@ class GenerationOutput:
 FinishReason = Literal["stop", "length"]
 
 
-@attrs.frozen
+@attrs.define
 class CompletionOutput:
-    """One sample of a prompt, as vLLM's and TensorRT-LLM's ``CompletionOutput``.
+    """One sample of a prompt, as vLLM's and TensorRT-LLM's ``CompletionOutput`` (mutable, as vLLM's dataclass is:
+    a script may rewrite ``out.text`` in place).
 
     ``token_ids`` are every generated id (an EOS or stop token that ended the sample included);
     ``text`` is their decoded text without special tokens, cut before a stop string (None without a
@@ -71,12 +72,22 @@ class CompletionOutput:
         """Whether the sample ended (a method, as vLLM's ``CompletionOutput.finished()``)."""
         return self.finish_reason is not None
 
+    @property
+    def lora_request(self) -> None:
+        """vLLM's: the LoRA adapter that generated it; None, as kvload runs the checkpoint's own weights."""
+        return None
+
+    @property
+    def kv_transfer_params(self) -> None:
+        """vLLM's: remote KV transfer (disaggregated prefill) parameters; None, as kvload transfers no KV."""
+        return None
+
     def to_dict(self) -> dict[str, Any]:
         """Plain form for ``--json``."""
         return attrs.asdict(self)
 
 
-@attrs.frozen
+@attrs.define
 class RequestMetrics:
     """When one prompt's request moved through the engine, with the names of vLLM's ``RequestOutput.metrics``
     (its V1 ``RequestStateStats``). ``arrival_time`` is wall-clock (``time.time()``); the ``*_ts`` times are
@@ -92,9 +103,10 @@ class RequestMetrics:
     num_generation_tokens: int  # over every sample
 
 
-@attrs.frozen
+@attrs.define
 class RequestOutput:
-    """One prompt's result: its samples (``outputs``), the prompt, prompt-token reuse, and timings.
+    """One prompt's result: its samples (``outputs``), the prompt, prompt-token reuse, and timings (mutable, as
+    vLLM's is).
 
     ``computed_prompt_tokens`` + ``reused_prompt_tokens`` count over all ``n`` samples: the samples fork
     one prefill, so ``computed_prompt_tokens`` is one prompt's length (less what the prefix cache held) and
@@ -119,6 +131,26 @@ class RequestOutput:
     #: vLLM's: the prompt tokens whose KV the prefix cache held, at most the prompt's length (the first sample's reuse;
     #: ``reused_prompt_tokens`` also counts what the other samples forked from it)
     num_cached_tokens: int = 0
+
+    @property
+    def lora_request(self) -> None:
+        """vLLM's: the LoRA adapter that generated it; None, as kvload runs the checkpoint's own weights."""
+        return None
+
+    @property
+    def encoder_prompt(self) -> None:
+        """vLLM's: an encoder-decoder model's encoder prompt; None, as for vLLM's decoder-only models."""
+        return None
+
+    @property
+    def encoder_prompt_token_ids(self) -> None:
+        """vLLM's: the encoder prompt's token ids; None, as for vLLM's decoder-only models."""
+        return None
+
+    @property
+    def kv_transfer_params(self) -> None:
+        """vLLM's: remote KV transfer (disaggregated prefill) parameters; None, as kvload transfers no KV."""
+        return None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain form for ``--json``."""

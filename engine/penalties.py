@@ -110,9 +110,10 @@ def _bias(params: SamplingParams, device: torch.device) -> tuple[torch.Tensor, t
 
 
 def _allowed(params: SamplingParams, device: torch.device) -> torch.Tensor:
-    """``params.allowed_token_ids`` as a long tensor, built once per SamplingParams and device (a tuple: immutable)."""
+    """``params.allowed_token_ids`` as a long tensor, built once per SamplingParams and device (a list the caller may
+    change in place between calls, as ``logit_bias``: kept as a copy to compare)."""
     return _ALLOWED.get(params, device, params.allowed_token_ids, lambda: torch.tensor(
-        sorted(set(params.allowed_token_ids or ())), dtype=torch.long, device=device))
+        sorted(set(params.allowed_token_ids or ())), dtype=torch.long, device=device), keep=list)
 
 
 def _banned(words: Sequence[Sequence[int]], out: Sequence[int], drafts: Sequence[int]) -> list[int]:

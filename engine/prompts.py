@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
-from typing import Any
+from typing import Any, TypedDict
 
 from pipeline.errors import GenerationError, first_line
 
@@ -29,6 +29,21 @@ VLLM_PROMPT_KEYS_NOT_TAKEN = {
     "multi_modal_uuids": "kvload serves text-only models",
     "prompt_embeds": "kvload takes text or token ids",
 }
+
+
+class TextPrompt(TypedDict):
+    """vLLM's ``TextPrompt`` (``vllm.inputs``): ``TextPrompt(prompt="...")`` is the dict ``{"prompt": "..."}``."""
+
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    """vLLM's ``TokensPrompt`` (``vllm.inputs``): ``TokensPrompt(prompt_token_ids=[...])`` is the dict
+    ``{"prompt_token_ids": [...]}``."""
+
+    prompt_token_ids: list[int]
+
+
 #: Message roles a chat template takes.
 ROLES = ("system", "user", "assistant", "developer", "tool")
 
@@ -68,9 +83,11 @@ def normalize(prompts: Any) -> list[Any]:
                               f"{type(prompts).__name__}")
     if not prompts:
         raise GenerationError("generate: prompts: expected at least one prompt, got an empty list")
-    if any(is_token_id(p) for p in prompts):
-        raise GenerationError("generate: prompts: expected a list of prompts; wrap one prompt of token ids "
-                              "in a list: [[1, 2, 3]]")
+    if all(is_token_id(p) for p in prompts):  # vLLM's rule (prompt_to_seq): a flat list of token ids is one prompt
+        prompts = [prompts]
+    elif any(is_token_id(p) for p in prompts):
+        raise GenerationError("generate: prompts: a list of prompts mixes token ids with other prompts; give one "
+                              "prompt of token ids as [1, 2, 3] and several as [[1, 2, 3], [4, 5]]")
     out = []
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, Mapping):
@@ -307,6 +324,6 @@ def template_options(add_generation_prompt: Any = True, continue_final_message: 
 
 
 __all__ = ["APPLY_SETTINGS", "CHAT_ARGUMENTS", "PROMPT_KEYS", "ROLES", "TEMPLATE_MAX_CHARS", "TEMPLATE_MAX_SECONDS",
-           "TEMPLATE_MAX_STEPS", "TEMPLATE_OPTIONS", "VLLM_PROMPT_KEYS_NOT_TAKEN", "apply_template", "array_ints",
-           "check_text",
-           "is_conversation", "is_token_id", "lone_surrogate", "missing_template", "normalize", "template_options"]
+           "TEMPLATE_MAX_STEPS", "TEMPLATE_OPTIONS", "VLLM_PROMPT_KEYS_NOT_TAKEN", "TextPrompt", "TokensPrompt",
+           "apply_template", "array_ints", "check_text", "is_conversation", "is_token_id", "lone_surrogate",
+           "missing_template", "normalize", "template_options"]

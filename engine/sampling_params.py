@@ -144,14 +144,15 @@ def _at_most_int64(name: str, value: Any) -> None:
 
 
 def _strings(value: Any) -> Any:
-    """``stop``: one string or a list of strings → a tuple (anything else is left for the check to name)."""
+    """``stop``: one string or a list of strings → a list of its own (vLLM's type: ``params.stop.append(...)``; anything
+    else is left for the check to name)."""
     if value is None:
-        return ()
+        return []
     if isinstance(value, str):
-        return (value,)
+        return [value]
     if isinstance(value, Sequence) and not isinstance(value, (bytes, bytearray)):
         check_stop_sizes(value)  # counted before it is copied
-        return tuple(value)
+        return list(value)
     return value
 
 
@@ -166,6 +167,14 @@ def _biases(value: Any) -> Any:
     return value
 
 
+def _token_key(key: Any) -> Any:
+    """A ``logit_bias`` key written as text (``"50256"``, JSON's object keys) as the token id it names; anything else
+    unchanged, for the check to judge."""
+    if isinstance(key, str) and key.strip().isascii() and key.strip().isdigit() and len(key) <= 20:
+        return int(key)
+    return key
+
+
 def check_logit_bias_count(count: int) -> None:
     """At most :data:`MAX_LOGIT_BIAS` biased tokens (the server's bound too)."""
     if count > MAX_LOGIT_BIAS:
@@ -174,15 +183,15 @@ def check_logit_bias_count(count: int) -> None:
 
 def _ints(value: Any) -> Any:
     if value is None:
-        return ()
+        return []
     if isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray)):
         check_stop_token_ids_count(len(value))  # counted before it is copied
-        return tuple(map(_plain_int, value))  # numpy ids (from an array) stored as Python ints
+        return list(map(_plain_int, value))  # numpy ids (from an array) stored as Python ints
     return value
 
 
 def _allowed(value: Any) -> Any:
-    """``allowed_token_ids``: None stays None; a list → a tuple of plain ints, counted before it is copied (anything
+    """``allowed_token_ids``: None stays None; a list → a list of plain ints, counted before it is copied (anything
     else is left for the check to name)."""
     if value is None:
         return None
@@ -190,20 +199,20 @@ def _allowed(value: Any) -> Any:
         if len(value) > MAX_ALLOWED_TOKEN_IDS:
             raise GenerationError(f"generate: allowed_token_ids: expected at most {MAX_ALLOWED_TOKEN_IDS:,} token ids, "
                                   f"got a list of {len(value):,}")
-        return tuple(map(_plain_int, value))
+        return list(map(_plain_int, value))
     return value
 
 
 def _words(value: Any) -> Any:
-    """``bad_words``: None → (); a list → a tuple, counted before it is copied (a lone string is refused by the
-    check: vLLM takes a list, and a string would be read as its characters)."""
+    """``bad_words``: None → []; a list → a list of its own, counted before it is copied (a lone string is refused by
+    the check: vLLM takes a list, and a string would be read as its characters)."""
     if value is None:
-        return ()
+        return []
     if isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray)):
         if len(value) > MAX_BAD_WORDS:
             raise GenerationError(f"generate: bad_words: expected at most {MAX_BAD_WORDS:,} strings, got a list of "
                                   f"{len(value):,}")
-        return tuple(value)
+        return list(value)
     return value
 
 
@@ -212,13 +221,14 @@ class SamplingParams:
     """How a call picks tokens: greedy at ``temperature == 0``, else softmax(logits / T) within top-k and top-p.
 
     ``max_tokens`` (alias ``max_new_tokens``): most tokens generated per sample. ``top_k``: keep the k
-    most likely tokens (0 or -1: all). ``seed``: prompt ``i``'s sample ``j`` draws from a generator
-    seeded with ``seed + i * n + j`` (None: a fresh random seed per call). ``stop``: strings that end a
-    sample when they appear in its text (not included in ``.text``); ``stop_token_ids``: ids that end
-    it (kept in ``token_ids``, as EOS is); at most ``pipeline.limits.MAX_STOP`` strings of ``MAX_STOP_CHARS``
-    characters and ``MAX_STOP_TOKEN_IDS`` ids. ``n``: samples per prompt (at most ``pipeline.limits.MAX_N``),
-    sharing the prompt's KV blocks. ``logprobs``: per generated token, the log-probabilities of the
-    ``logprobs`` most likely tokens plus the sampled one (None: none; at most ``MAX_LOGPROBS``).
+    most likely tokens (0 or -1: all). ``seed``: each prompt's sample ``j`` draws from a generator seeded with
+    ``seed + j`` (vLLM's rule; None: the next seed of ``kvload.LLM``'s seeded sequence, or fresh without one).
+    ``stop``: strings that end a sample when they appear in its text (not included in ``.text``); ``stop_token_ids``:
+    ids that end it (kept in ``token_ids``, as EOS is); at most ``pipeline.limits.MAX_STOP`` strings of
+    ``MAX_STOP_CHARS`` characters and ``MAX_STOP_TOKEN_IDS`` ids. ``n``: samples per prompt (at most
+    ``pipeline.limits.MAX_N``), sharing the prompt's KV blocks. ``logprobs``: per generated token, the
+    log-probabilities of the ``logprobs`` most likely tokens plus the sampled one (None: none; at most
+    ``MAX_LOGPROBS``).
     ``ignore_eos``: keep going past EOS (stop strings/ids still end).
 
     vLLM's penalties and bounds (``engine.penalties``; applied to the logits before temperature, greedy or sampled):
@@ -248,8 +258,10 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
+    # lists, as vLLM's (scripts append to them: ``params.stop.append("###")``); a list changed in place is checked again
+    # by the next generate call (:meth:`SamplingParams.recheck`); not hashed, as ``logit_bias`` is not
+    stop: list[str] = attrs.field(factory=list, hash=False)
+    stop_token_ids: list[int] = attrs.field(factory=list, hash=False)
     n: int = 1
     logprobs: int | None = None
     ignore_eos: bool = False
@@ -263,12 +275,15 @@ class SamplingParams:
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
     spaces_between_special_tokens: bool = True
-    allowed_token_ids: tuple[int, ...] | None = None
-    bad_words: tuple[str, ...] = ()
+    allowed_token_ids: list[int] | None = attrs.field(default=None, hash=False)
+    bad_words: list[str] = attrs.field(factory=list, hash=False)
     structured_outputs: StructuredOutputsParams | None = attrs.field(default=None, hash=False)
     detokenize: bool = True
     #: ``bad_words`` as token id sequences, set by the executor from its tokenizer (vLLM's ``_bad_words_token_ids``)
     _bad_words_token_ids: tuple[tuple[int, ...], ...] = attrs.field(default=(), init=False, eq=False, repr=False)
+    #: what the list and dict fields held when last checked (:meth:`recheck` checks again only what changed since: a
+    #: server's request of 262,144 allowed ids took 0.3 s to check, and a comparison takes milliseconds)
+    _checked: tuple[Any, ...] | None = attrs.field(default=None, init=False, eq=False, repr=False, hash=False)
 
     def __init__(self, *, max_tokens: int | None = _NOT_GIVEN, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | None = None, stop: str | Sequence[str] | None = None,
@@ -293,6 +308,11 @@ class SamplingParams:
             max_tokens, length_name = max_new_tokens, "max_new_tokens"
         if max_tokens is _NOT_GIVEN:
             max_tokens = DEFAULT_MAX_TOKENS
+        # vLLM's rules: seed -1 is no seed of the request's own; True asks for the sampled (or prompt) token's logprob
+        # and its 1 most likely alternative
+        seed = None if is_int(seed) and seed == -1 else seed
+        logprobs = 1 if logprobs is True else logprobs
+        prompt_logprobs = 1 if prompt_logprobs is True else prompt_logprobs
         # numpy scalars (an n, a seed or a temperature taken from an array) count as numbers, stored as Python's
         max_tokens, top_k, seed, n, logprobs, min_tokens, prompt_logprobs = map(
             _plain_int, (max_tokens, top_k, seed, n, logprobs, min_tokens, prompt_logprobs))
@@ -316,12 +336,12 @@ class SamplingParams:
         _at_most_int64("top_k", self.top_k)
         check(self.seed is None or (is_int(self.seed) and 0 <= self.seed <= 2**63 - 1), "seed",
               "an integer in [0, 2**63 - 1] or None", self.seed)
-        check(isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop), "stop",
+        check(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop), "stop",
               "a non-empty string or a list of them", self.stop)
         check_stop_sizes(self.stop)
         for i, text in enumerate(self.stop):  # decoded text is valid Unicode: a lone surrogate could never match
             check_text(f"stop[{i}]", text)
-        check(isinstance(self.stop_token_ids, tuple) and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
+        check(isinstance(self.stop_token_ids, list) and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
               "stop_token_ids", "a list of token ids (integers >= 0)", self.stop_token_ids)
         # bounded as logit_bias and allowed_token_ids are: an id past int64 reached the vocabulary check only at
         # generate, so a SamplingParams built ahead held what no model takes
@@ -354,11 +374,11 @@ class SamplingParams:
               "logit_bias", f"a mapping of token ids (integers >= 0) to numbers in [-{MAX_BIAS:g}, {MAX_BIAS:g}]",
               self.logit_bias)
         check(self.allowed_token_ids is None
-              or (isinstance(self.allowed_token_ids, tuple) and self.allowed_token_ids
+              or (isinstance(self.allowed_token_ids, list) and self.allowed_token_ids
                   and all(is_int(t) and 0 <= t <= MAX_INT for t in self.allowed_token_ids)),
               "allowed_token_ids", "a non-empty list of token ids (integers >= 0), or None for any",
               self.allowed_token_ids)
-        check(isinstance(self.bad_words, tuple) and all(isinstance(w, str) and w.strip() for w in self.bad_words),
+        check(isinstance(self.bad_words, list) and all(isinstance(w, str) and w.strip() for w in self.bad_words),
               "bad_words", "a list of non-empty strings", self.bad_words)
         for i, word in enumerate(self.bad_words):
             if len(word) > MAX_STOP_CHARS:
@@ -371,6 +391,30 @@ class SamplingParams:
         if self.stop and not self.detokenize:  # vLLM's rule: stop strings are looked for in the text
             raise GenerationError("generate: stop: stop strings are matched on the text, and detokenize is false; "
                                   "use stop_token_ids, or detokenize=True")
+        object.__setattr__(self, "_checked", self._contents())
+
+    def _contents(self) -> tuple[Any, ...]:
+        """What the mutable fields hold now, as a value to compare (:attr:`_checked`)."""
+        allowed = None if self.allowed_token_ids is None else tuple(self.allowed_token_ids)
+        return (tuple(self.stop), tuple(self.stop_token_ids), tuple(self.bad_words), allowed,
+                tuple(self.logit_bias.items()))
+
+    def recheck(self) -> None:
+        """Check the fields again as the constructor checks them: a list or dict changed in place since
+        (``params.stop.append("")``, vLLM's lists invite it) is refused naming the field, and what it holds is kept in
+        its plain form (a numpy id appended as an int), in place, so the caller's reference to the list still reaches
+        it. Every generate call runs this on the SamplingParams it is given, before anything runs."""
+        if self._contents() == self._checked:
+            return
+        checked = attrs.evolve(self)
+        for name in ("stop", "stop_token_ids", "bad_words"):
+            getattr(self, name)[:] = getattr(checked, name)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids[:] = checked.allowed_token_ids
+        if any(type(t) is not int or type(b) not in (int, float) for t, b in self.logit_bias.items()):
+            self.logit_bias.clear()
+            self.logit_bias.update(checked.logit_bias)
+        object.__setattr__(self, "_checked", checked._checked)
 
     def clone(self) -> SamplingParams:
         """A deep copy (vLLM's ``SamplingParams.clone``): its fields, ``logit_bias`` dict and structured outputs spec
@@ -380,7 +424,14 @@ class SamplingParams:
     @classmethod
     def from_optional(cls, **fields: Any) -> SamplingParams:
         """vLLM's ``SamplingParams.from_optional``: a field given as None takes kvload's default (where vLLM's
-        defaults differ, kvload's: temperature 0, max_tokens 64), the others are checked as the constructor does."""
+        defaults differ, kvload's: temperature 0, max_tokens 64), the others are checked as the constructor does.
+        ``logit_bias`` as vLLM's takes it there: keys may be token ids written as text (JSON's ``{"50256": -100}``), and
+        each bias is clamped to [-100, 100]."""
+        bias = fields.get("logit_bias")
+        if isinstance(bias, Mapping):
+            check_logit_bias_count(len(bias))
+            fields["logit_bias"] = {_token_key(t): max(-MAX_BIAS, min(MAX_BIAS, b)) if is_finite(b) else b
+                                    for t, b in bias.items()}
         return cls(**{k: v for k, v in fields.items() if v is not None})
 
     @property
@@ -410,9 +461,9 @@ class SamplingParams:
         return self.temperature == 0
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain form (lists for the tuples), e.g. for JSON."""
+        """Plain form (copies of the lists, JSON's string keys for ``logit_bias``), e.g. for JSON."""
         data = attrs.asdict(self)
-        del data["_bad_words_token_ids"]  # derived from the tokenizer, not a setting
+        del data["_bad_words_token_ids"], data["_checked"]  # derived, not settings
         data["stop"], data["stop_token_ids"] = list(self.stop), list(self.stop_token_ids)
         data["bad_words"] = list(self.bad_words)
         data["allowed_token_ids"] = None if self.allowed_token_ids is None else list(self.allowed_token_ids)
@@ -476,7 +527,7 @@ def _set_field(self: SamplingParams, name: str, value: Any) -> None:
     name = "max_tokens" if name == "max_new_tokens" else name
     if name not in _known_keywords():
         raise GenerationError(unknown_field(name))
-    checked = attrs.evolve(self, **{name: value})  # the constructor's conversions (a stop string to a tuple) and checks
+    checked = attrs.evolve(self, **{name: value})  # the constructor's conversions (a stop string to a list) and checks
     for field in attrs.fields(SamplingParams):  # _bad_words_token_ids too: the executor derives it again each call
         object.__setattr__(self, field.name, getattr(checked, field.name))
 

@@ -3,8 +3,8 @@
 The front door: ``kvload.LLM`` (load a model, ``.generate`` / ``.generate_stream`` / ``.beam_search``),
 ``kvload.SamplingParams`` (with ``kvload.StructuredOutputsParams``), ``kvload.BeamSearchParams`` and the outputs
 (``RequestOutput``, ``CompletionOutput``,
-``TokenDelta``, ``BeamSearchOutput``); ``kvload.plan`` / ``kvload.load``
-(the pipeline API).
+``TokenDelta``, ``BeamSearchOutput``), vLLM's prompt dicts ``TextPrompt`` / ``TokensPrompt``;
+``kvload.plan`` / ``kvload.load`` (the pipeline API).
 Names are imported on first use, so ``import kvload`` (and the CLI) stays quick: torch and
 transformers load only when something needs them.
 """
@@ -30,6 +30,8 @@ _EXPORTS = {
     "RequestOutput": "engine.outputs",
     "CompletionOutput": "engine.outputs",
     "TokenDelta": "engine.outputs",
+    "TextPrompt": "engine.prompts",
+    "TokensPrompt": "engine.prompts",
     "KvCacheConfig": "pipeline.config",
     "LlmArgs": "pipeline.config",
     "AUTO": "pipeline.config",

@@ -1056,7 +1056,7 @@ def add_generate_command(sub: Any) -> None:
                    help="report the K most likely tokens' log-probabilities per generated token (printed after "
                         "each reply; in --json, each sample's logprobs)")
     g.add_argument("--seed", default=None, metavar="S", type=_bounded(integer, lambda v: v >= 0, "an integer >= 0"),
-                   help="sampling seed (prompt i's sample j uses S + i*n + j); absent = a fresh random seed")
+                   help="sampling seed (each prompt's sample j uses S + j, vLLM's rule); absent = a fresh random seed")
     g.add_argument("--salt", default=None, metavar="TEXT",
                    help="prefix-reuse scope: prompts under different salts never share cached blocks")
     g.add_argument("--ignore_eos", "--ignore-eos", dest="ignore_eos", action="store_true",

@@ -44,7 +44,10 @@ CLOSED_DURING_GENERATION = ("generate: the LLM was closed during generation (LLM
 
 
 def _no_lora(call: str, lora_request: Any) -> None:
-    """vLLM's ``lora_request``: None asks for the base weights, which is all kvload serves."""
+    """vLLM's ``lora_request``: None asks for the base weights, which is all kvload serves; so does vLLM's list of one
+    per prompt when every one is None."""
+    if isinstance(lora_request, (list, tuple)) and all(r is None for r in lora_request):
+        return
     if lora_request is not None:
         raise GenerationError(f"{call}: lora_request: kvload serves the checkpoint's own weights and has no LoRA "
                               f"adapters; accepted: None, got {type(lora_request).__name__}")
@@ -77,6 +80,8 @@ VLLM_ATTRIBUTES_NOT_TAKEN: dict[str, str] = {
                     "kvload runs no user functions on its workers; the torch model is llm.result.hf_model"),
     **dict.fromkeys(("start_profile", "stop_profile"), "profile a generate call with torch.profiler"),
     "set_tokenizer": "kvload uses the checkpoint's own tokenizer",
+    "model_config": "vLLM's model settings; kvload's resolved settings are llm.args (llm.args.max_seq_len is vLLM's "
+                    "model_config.max_model_len, llm.args.dtype its dtype)",
 }
 
 
@@ -86,16 +91,16 @@ class LLM:
     ``llm_args`` are ``LlmArgs`` fields (``kv_cache_config`` as a dict or ``KvCacheConfig``,
     ``max_seq_len``, ``device``, ``dtype``, ...); ``config_file`` is a YAML of them (arguments win).
     ``audit_log``: the load's events go there, and on :meth:`close` the file is rewritten with the
-    generation events too. ``log=False`` keeps kvload's event lines off stderr. ``seed``: vLLM's engine seed: samples
-    whose SamplingParams has no seed draw their seeds from one sequence it starts, so a script repeats run to run
-    (None: fresh randomness each call). vLLM's engine knobs kvload has no counterpart for (``enforce_eager``) are
-    accepted and reported ``setting_ignored``; README "Coming from vLLM" lists what maps, what is ignored, what is
-    refused.
+    generation events too. ``log=False`` keeps kvload's event lines off stderr. ``seed``: vLLM's engine seed (0 by
+    default, as in vLLM's V1 engine): samples whose SamplingParams has no seed draw their seeds from one sequence it
+    starts, so a script repeats run to run (None: fresh randomness each call). vLLM's engine knobs kvload has no
+    counterpart for (``enforce_eager``) are accepted and reported ``setting_ignored``; README "Coming from vLLM" lists
+    what maps, what is ignored, what is refused.
     """
 
     def __init__(self, model: str | os.PathLike[str], *, config_file: str | os.PathLike[str] | None = None,
                  audit_log: str | os.PathLike[str] | None = None, subscribers: Iterable[Subscriber] = (),
-                 log: bool = True, seed: int | None = None, **llm_args: Any) -> None:
+                 log: bool = True, seed: int | None = 0, **llm_args: Any) -> None:
         if seed is not None and not (is_int(seed) and 0 <= seed <= MAX_INT):  # checked before anything loads
             detail = f"expected an integer in [0, 2**63 - 1] or None, got {short(seed)}"
             raise ConfigError(f"seed: {detail}", path="seed", detail=detail, source="api")
@@ -189,7 +194,8 @@ class LLM:
         value is reported once as ``setting_ignored``. ``salt`` scopes prefix reuse (prompts under
         different salts never share cached blocks). ``priority``: vLLM's, one integer per prompt, lower served
         first (ties by arrival); it needs ``scheduling_policy="priority"`` (under "fcfs" only 0 is accepted).
-        ``lora_request``: vLLM's; kvload has no LoRA adapters, so only None is accepted. ``prompt_token_ids``: vLLM's
+        ``lora_request``: vLLM's; kvload has no LoRA adapters, so only None (or vLLM's list of one per prompt, all
+        None) is accepted. ``prompt_token_ids``: vLLM's
         older way to give token ids (one list, or a list of them), in place of ``prompts``.
         """
         _no_lora("generate", lora_request)
@@ -223,11 +229,11 @@ class LLM:
         with self._exclusive("beam_search"), self._running("beam_search") as executor:
             return executor.beam_search(prompts, params)
 
-    def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-             use_tqdm: Any = None, salt: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, chat_template: str | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
-             lora_request: Any = None, chat_template_content_format: str = "auto",
+    def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: Any = None, lora_request: Any = None, chat_template: str | None = None,
+             chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None, *, salt: str | None = None,
              **sampling: Any) -> list[RequestOutput]:
         """Reply to a conversation through the tokenizer's chat template (vLLM's ``LLM.chat``).
 
@@ -240,7 +246,8 @@ class LLM:
         to the template as its ``tools`` variable (the model may then write a call; ``kvload serve`` parses them).
         ``chat_template_content_format``: vLLM's; kvload gives the template each message's content as a string (text
         parts joined by newlines), vLLM's ``"string"``, which its ``"auto"`` picks for a text template: those two are
-        accepted, ``"openai"`` (the parts as a list) is refused. The other arguments are :meth:`generate`'s.
+        accepted, ``"openai"`` (the parts as a list) is refused. The other arguments are :meth:`generate`'s. Those
+        before ``salt`` stand in vLLM's order, so a call that passes them by position reads as it does there.
         """
         _no_lora("chat", lora_request)
         if chat_template_content_format not in ("auto", "string"):

@@ -93,9 +93,10 @@ def test_max_seq_len_ends_a_request_with_length_and_longer_prompts_are_refused(t
     ({"max_new_tokens": 0}, "max_new_tokens: expected an integer >= 1, got 0"),
     ({"temperature": -0.5}, "temperature: expected a finite number >= 0"),
     ({"top_p": 0}, r"top_p: expected a number in \(0, 1\], got 0"),
-    ({"seed": -1}, r"seed: expected an integer in \[0, 2\*\*63 - 1\] or None, got -1"),
+    ({"seed": -2}, r"seed: expected an integer in \[0, 2\*\*63 - 1\] or None, got -2"),
     ({"prompts": []}, "prompts: expected at least one prompt"),
-    ({"prompts": [1, 2, 3]}, r"wrap one prompt of token ids in a list: \[\[1, 2, 3\]\]"),
+    ({"prompts": [[1, 2], 3]}, r"^generate: prompts: a list of prompts mixes token ids with other prompts; give one "
+                               r"prompt of token ids as \[1, 2, 3\] and several as \[\[1, 2, 3\], \[4, 5\]\]$"),
     ({"prompts": ["hello"]}, "prompt 0 is text, but .* has no tokenizer"),
     ({"prompts": [[5], [1, 10_000]]}, r"prompt 1: token id 10000 is outside the vocabulary \(0\.\.\d+\)"),
     # past str()'s 4,300 digits: was a bare ValueError raised while the refusal was worded

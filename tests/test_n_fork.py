@@ -102,10 +102,10 @@ def test_many_prompts_each_computed_once(llm):
     outs = llm.generate(prompts, SamplingParams(n=8, max_tokens=4, temperature=0.9, seed=5, ignore_eos=True,
                                                 repetition_penalty=1.3, logprobs=2), salt=fresh_salt(llm))
     assert [o.computed_prompt_tokens for o in outs] == [len(p) for p in prompts]
-    # shared params: prompt i's sample j draws from seed + i*n + j
-    for i, (ids, o) in enumerate(zip(prompts, outs, strict=True)):
+    # vLLM's rule: every prompt's sample j draws from seed + j, whatever the call's other prompts
+    for ids, o in zip(prompts, outs, strict=True):
         for j, c in enumerate(o.outputs):
-            got = llm.generate([ids], SamplingParams(max_tokens=4, temperature=0.9, seed=5 + i * 8 + j, ignore_eos=True,
+            got = llm.generate([ids], SamplingParams(max_tokens=4, temperature=0.9, seed=5 + j, ignore_eos=True,
                                                      repetition_penalty=1.3, logprobs=2), salt=fresh_salt(llm))[0]
             assert (c.token_ids, c.logprobs) == (got.outputs[0].token_ids, got.outputs[0].logprobs)
     assert_clean(llm)

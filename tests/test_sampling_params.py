@@ -26,9 +26,9 @@ def test_defaults_match_the_cli_and_the_alias_reads_and_writes_max_tokens():
 
 
 def test_stop_and_stop_token_ids_take_one_or_many():
-    assert SamplingParams(stop="\n").stop == ("\n",)
+    assert SamplingParams(stop="\n").stop == ["\n"]
     assert SamplingParams(stop=["a", "bc"], stop_token_ids=[2, 7]).to_dict()["stop_token_ids"] == [2, 7]
-    assert SamplingParams().stop == () and SamplingParams().stop_token_ids == ()
+    assert SamplingParams().stop == [] and SamplingParams().stop_token_ids == []
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -39,7 +39,7 @@ def test_stop_and_stop_token_ids_take_one_or_many():
     ({"top_p": 1.5}, r"top_p: expected a number in \(0, 1\], got 1.5"),
     ({"top_k": -2}, "top_k: expected an integer >= 1, or 0 / -1 for all tokens, got -2"),
     ({"top_k": 2.5}, "top_k: expected an integer"),
-    ({"seed": -1}, r"seed: expected an integer in \[0, 2\*\*63 - 1\] or None, got -1"),
+    ({"seed": -2}, r"seed: expected an integer in \[0, 2\*\*63 - 1\] or None, got -2"),
     ({"stop": ""}, "stop: expected a non-empty string or a list of them"),
     ({"stop": 5}, "stop: expected a non-empty string or a list of them, got 5"),
     # decoded text is valid Unicode, so a stop string with a lone surrogate could never match: a silent no-op
@@ -116,7 +116,7 @@ def test_numpy_scalars_are_taken_as_the_python_numbers_they_hold():
 
     p = SamplingParams(stop_token_ids=[np.int64(2), np.uint16(7)], temperature=np.float32(0.5), top_p=np.float16(0.5),
                        n=np.int32(2), top_k=np.int8(3), seed=np.uint64(4), logprobs=np.int64(1))
-    assert p.stop_token_ids == (2, 7) and p.temperature == 0.5 and p.top_p == 0.5
+    assert p.stop_token_ids == [2, 7] and p.temperature == 0.5 and p.top_p == 0.5
     assert {type(v) for v in (*p.stop_token_ids, p.n, p.top_k, p.seed, p.logprobs)} == {int}
     assert type(p.temperature) is float and type(p.top_p) is float
     json.dumps(p.to_dict())  # plain Python values: it serializes

@@ -43,7 +43,7 @@ def test_a_good_chat_body_becomes_sampling_params():
                 "chat", default_max_tokens=16)
     assert job.prompts == [[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]]
     p = job.params
-    assert (p.max_tokens, p.temperature, p.top_p, p.seed, p.stop, p.logprobs) == (5, 0.7, 0.9, 3, ("x",), 2)
+    assert (p.max_tokens, p.temperature, p.top_p, p.seed, p.stop, p.logprobs) == (5, 0.7, 0.9, 3, ["x"], 2)
     assert job.n == 2 and job.stream and job.include_usage and job.max_tokens_given
 
 

@@ -59,6 +59,40 @@ def test_llm_seed_makes_unseeded_sampling_repeat_across_runs_and_differ_between_
         assert sampled(other) != runs[0][0]
 
 
+def test_unseeded_sampling_repeats_run_to_run_by_default_as_vllms_seed_0_does_and_seed_none_is_fresh(words):
+    """vLLM's ``LLM(seed: int = 0)`` (its V1 engine): a script that passes no seed samples the same run to run."""
+    runs, fresh = [], []
+    for _ in range(2):
+        with kvload.LLM(str(words), **llm_kwargs("v1")) as llm:
+            runs.append((sampled(llm), sampled(llm)))
+            assert llm.audit.of("generation_started")[-1]["llm_seed"] == 0
+        with kvload.LLM(str(words), seed=None, **llm_kwargs("v1")) as llm:
+            fresh.append(sampled(llm))
+            assert llm.audit.of("generation_started")[-1]["llm_seed"] is None
+    assert runs[0] == runs[1] and runs[0][0] != runs[0][1]
+    with kvload.LLM(str(words), seed=0, **llm_kwargs("v1")) as llm:
+        assert sampled(llm) == runs[0][0]
+    assert fresh[0] != fresh[1]  # 12 tokens drawn from 512 each: equal by chance about never
+
+
+def test_a_seeded_prompts_samples_do_not_depend_on_the_calls_other_prompts_as_in_vllm(llm):
+    """vLLM seeds each request (its sample j with seed + j): a prompt's seeded samples are the same alone, beside
+    others, or repeated, and one SamplingParams for all prompts equals a list of it. kvload's seed + i*n + j gave
+    a prompt other samples at another place in the batch (a sharded eval did not match the whole run)."""
+    sp = SamplingParams(max_tokens=5, temperature=1.0, seed=11, n=2, ignore_eos=True)
+    both = llm.generate(IDS, sp)
+    alone = llm.generate(IDS[1:], sp)
+    assert [c.token_ids for c in both[1].outputs] == [c.token_ids for c in alone[0].outputs]
+    assert [[c.token_ids for c in o.outputs] for o in llm.generate(IDS, [sp, sp])] == \
+        [[c.token_ids for c in o.outputs] for o in both]
+    twice = llm.generate([IDS[0], IDS[0]], sp)
+    assert [c.token_ids for c in twice[0].outputs] == [c.token_ids for c in twice[1].outputs]
+    # unseeded, each sample its own stream: a prompt given twice (one SamplingParams each) samples twice
+    free = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True)
+    a, b = llm.generate([IDS[0], IDS[0]], [free, free])
+    assert a.outputs[0].token_ids != b.outputs[0].token_ids
+
+
 def test_a_per_request_seed_still_wins_over_the_llm_seed(words):
     outs = []
     for seed in (1, 2):
@@ -133,6 +167,27 @@ def test_lora_request_none_is_the_base_model_and_an_adapter_is_refused(llm):
         llm.generate_stream(IDS[:1], params, lora_request=object())
 
 
+def test_vllms_list_of_lora_requests_all_none_is_the_base_model_too(llm):
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in llm.generate(IDS, params)]
+    assert [o.outputs[0].token_ids for o in llm.generate(IDS, params, lora_request=[None, None])] == plain
+    with pytest.raises(GenerationError, match="^generate: lora_request: .*; accepted: None, got list$"):
+        llm.generate(IDS, params, lora_request=[None, object()])
+
+
+def test_chat_takes_vllms_arguments_by_position_in_vllms_order(llm):
+    """vLLM's ``LLM.chat(messages, sampling_params, use_tqdm, lora_request, chat_template,
+    chat_template_content_format, add_generation_prompt, continue_final_message, tools, chat_template_kwargs)``."""
+    conv = [{"role": "user", "content": "w5"}, {"role": "assistant", "content": "w17"}]
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    template = ("{% if tools %}w{{ tools | length }} {% endif %}{% if extra %}w{{ extra }} {% endif %}"
+                "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w2{% endif %}")
+    (out,) = llm.chat(conv, params, False, None, template, "string", False, True, [{"type": "function"}], {"extra": 9})
+    by_name = llm.chat(conv, params, use_tqdm=False, chat_template=template, add_generation_prompt=False,
+                       continue_final_message=True, tools=[{"type": "function"}], chat_template_kwargs={"extra": 9})
+    assert out.prompt == by_name[0].prompt == "w1 w9 w5 w17"  # the last message continued, not closed
+
+
 def test_a_vllm_call_argument_kvload_lacks_is_named_not_mistaken_for_a_sampling_setting(llm):
     with pytest.raises(GenerationError, match="^generate: tokenization_kwargs: vLLM's argument, not kvload's"):
         llm.generate(IDS, SamplingParams(max_tokens=2), tokenization_kwargs={"truncation": True})
@@ -190,6 +245,29 @@ def test_num_cached_tokens_is_the_prompts_prefix_cache_hit_at_most_its_length_wh
     assert again.reused_prompt_tokens > len(ids[0])  # the forks' share is kvload's own count
 
 
+def test_outputs_are_mutable_as_vllms_dataclasses_are(llm):
+    """vLLM's ``CompletionOutput`` is a dataclass and ``RequestOutput`` a plain class: scripts tidy their results in
+    place (``c.text = c.text.strip()``); kvload's frozen ones raised FrozenInstanceError."""
+    (out,) = llm.generate(IDS[:1], SamplingParams(max_tokens=3, ignore_eos=True))
+    c = out.outputs[0]
+    words = c.text.split()
+    c.text, c.finish_reason = f"  {c.text}  ".strip().upper(), "stop"
+    out.prompt, out.metrics.num_generation_tokens = "w5 w17", 0
+    assert (c.text, c.finish_reason, out.prompt) == (" ".join(words).upper(), "stop", "w5 w17")
+    assert out.outputs[0] is c and out.metrics.num_generation_tokens == 0
+    assert pickle.loads(pickle.dumps(out)) == out
+
+
+def test_vllms_other_output_attributes_read_as_none(llm):
+    """``out.lora_request``, ``out.encoder_prompt``, ``c.kv_transfer_params``: what vLLM sets for a decoder-only
+    model run without adapters or KV transfer (a script that logs them raised AttributeError)."""
+    (out,) = llm.generate(IDS[:1], SamplingParams(max_tokens=2, ignore_eos=True))
+    c = out.outputs[0]
+    assert (out.lora_request, out.encoder_prompt, out.encoder_prompt_token_ids, out.kv_transfer_params) == (None,) * 4
+    assert (c.lora_request, c.kv_transfer_params) == (None, None)
+    assert "lora_request" not in out.to_dict()  # kvload's --json documents are as they were
+
+
 def test_completion_output_finished_is_a_method_as_in_vllm(llm):
     (out,) = llm.generate(IDS[:1], max_tokens=2)
     assert out.finished is True and out.outputs[0].finished() is True
@@ -228,6 +306,26 @@ def test_logprob_entries_carry_vllms_decoded_token(llm):
     assert all(v.decoded_token is None for e in bare.outputs[0].logprobs for v in e.values())
 
 
+def test_vllms_prompt_types_are_there_and_generate_takes_them(llm):
+    """``from vllm.inputs import TokensPrompt, TextPrompt`` reads ``from kvload import TokensPrompt, TextPrompt``."""
+    from kvload import TextPrompt, TokensPrompt
+
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    prompts = [TokensPrompt(prompt_token_ids=IDS[0]), TextPrompt(prompt="w88 w123 w7")]
+    assert prompts == [{"prompt_token_ids": IDS[0]}, {"prompt": "w88 w123 w7"}]
+    outs = llm.generate(prompts, sp)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in llm.generate(IDS, sp)]
+    assert outs[1].prompt == "w88 w123 w7" and outs[0].prompt is None
+
+
+def test_a_flat_list_of_token_ids_is_one_prompt_as_in_vllm(llm):
+    """vLLM's ``prompt_to_seq``: ``llm.generate(tokenizer.encode(text), sp)`` is one prompt (it was refused)."""
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    (one,) = llm.generate(IDS[0], sp)
+    assert one.prompt_token_ids == IDS[0]
+    assert one.outputs[0].token_ids == llm.generate([IDS[0]], sp)[0].outputs[0].token_ids
+
+
 def test_vllms_legacy_prompt_token_ids_keyword_gives_the_prompts(llm):
     sp = SamplingParams(max_tokens=3, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in llm.generate(IDS, sp)]
@@ -257,6 +355,9 @@ def test_a_vllm_llm_attribute_kvload_lacks_says_what_to_use_instead(llm):
         llm.llm_engine.get_tokenizer()
     with pytest.raises(AttributeError, match=r"^LLM\.embed: vLLM's, not kvload's: kvload generates text"):
         llm.embed(["w5"])
+    with pytest.raises(AttributeError, match=r"^LLM\.model_config: vLLM's, not kvload's: .*llm\.args\.max_seq_len is "
+                                             r"vLLM's model_config\.max_model_len"):
+        _ = llm.model_config.max_model_len
     assert not hasattr(llm, "llm_engine") and not hasattr(llm, "no_such_thing")
     assert llm.result.kv_manager is not None and llm.args.max_seq_len == 64  # where the message points
 
@@ -275,7 +376,7 @@ def test_fields_set_on_the_default_params_act_as_in_vllms_example(llm):
     """vLLM's examples/offline_inference/basic/generate.py sets fields on ``llm.get_default_sampling_params()``."""
     sp = llm.get_default_sampling_params()
     sp.max_tokens, sp.temperature, sp.seed, sp.stop_token_ids = 3, 1.0, 5, [7]
-    assert (sp.max_tokens, sp.temperature, sp.stop_token_ids) == (3, 1.0, (7,))
+    assert (sp.max_tokens, sp.temperature, sp.stop_token_ids) == (3, 1.0, [7])
     (out,) = llm.generate(IDS[:1], sp)
     assert len(out.outputs[0].token_ids) <= 3
     assert out.outputs[0].token_ids == llm.generate(IDS[:1], SamplingParams(max_tokens=3, temperature=1.0, seed=5,
@@ -292,6 +393,82 @@ def test_from_optional_takes_none_as_kvloads_default():
     assert sp == SamplingParams(max_tokens=8)
     with pytest.raises(GenerationError, match="^generate: top_p: expected a number in"):
         SamplingParams.from_optional(top_p=0)
+
+
+def test_list_fields_are_lists_a_script_appends_to_and_the_next_call_acts_on(llm):
+    """vLLM keeps ``stop``, ``stop_token_ids``, ``bad_words`` and ``allowed_token_ids`` as lists, and scripts append
+    to them (``sp.stop.append("###")``); kvload's tuples raised AttributeError there."""
+    sp = SamplingParams(max_tokens=6, ignore_eos=True, stop="w9999", allowed_token_ids=[5, 6])
+    assert all(type(v) is list for v in (sp.stop, sp.stop_token_ids, sp.bad_words, sp.allowed_token_ids))
+    assert sp.stop == ["w9999"] and SamplingParams().stop == [] and SamplingParams().bad_words == []
+    free = llm.generate(IDS[:1], SamplingParams(max_tokens=6, ignore_eos=True))[0].outputs[0]
+    word = free.text.split()[2]  # the third generated word
+    plain = SamplingParams(max_tokens=6, ignore_eos=True)
+    plain.stop.append(word)
+    (out,) = llm.generate(IDS[:1], plain)
+    assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", word)
+    assert out.outputs[0].token_ids == free.token_ids[:3]
+    ids = SamplingParams(max_tokens=6, ignore_eos=True)
+    ids.stop_token_ids.append(free.token_ids[1])
+    assert llm.generate(IDS[:1], ids)[0].outputs[0].token_ids == free.token_ids[:2]
+    # allowed_token_ids changed between two calls of one SamplingParams: the second draws from the new list
+    assert set(llm.generate(IDS[:1], sp)[0].outputs[0].token_ids) <= {5, 6}
+    sp.allowed_token_ids[:] = [7]
+    assert llm.generate(IDS[:1], sp)[0].outputs[0].token_ids == [7] * 6
+
+
+def test_a_list_changed_in_place_is_checked_by_the_next_call_as_the_constructor_checks_it(llm):
+    import numpy as np
+
+    sp = SamplingParams(max_tokens=2, ignore_eos=True)
+    sp.stop.append("")
+    with pytest.raises(GenerationError, match="^generate: stop: expected a non-empty string or a list of them, "
+                                              "got \\[''\\]$"):
+        llm.generate(IDS[:1], sp)
+    sp.stop.clear()
+    sp.stop_token_ids.append(-3)
+    with pytest.raises(GenerationError, match="^generate: stop_token_ids: expected a list of token ids"):
+        llm.generate(IDS[:1], sp)
+    sp.stop_token_ids.clear()
+    sp.logit_bias[5] = 1000.0  # the dict was mutable before the lists were: a bias past 100 reached the logits
+    with pytest.raises(GenerationError, match=r"^generate: logit_bias: expected a mapping of token ids .* got \{5: "
+                                              r"1000\.0\}$"):
+        llm.generate(IDS[:1], sp)
+    sp.logit_bias.clear()
+    sp.stop_token_ids[:] = [np.int64(7)]  # a numpy id: taken as the int it holds, in the list the caller holds
+    held = sp.stop_token_ids
+    llm.generate(IDS[:1], sp)
+    assert held is sp.stop_token_ids and type(held[0]) is int
+    assert llm.audit.of("generation_started")[-1]["stop_token_ids"] == [7]
+
+
+def test_from_optional_takes_logit_bias_as_vllms_does_text_keys_and_clamped_biases():
+    sp = SamplingParams.from_optional(logit_bias={"50": 200, 7: -300.5, "8": 1.5}, temperature=None)
+    assert sp.logit_bias == {50: 100, 7: -100, 8: 1.5} and all(type(t) is int for t in sp.logit_bias)
+    with pytest.raises(GenerationError, match="^generate: logit_bias: expected a mapping of token ids"):
+        SamplingParams.from_optional(logit_bias={"w5": 1.0})
+
+
+def test_seed_minus_one_is_no_seed_as_in_vllm(words):
+    """vLLM's ``SamplingParams(seed=-1)`` is ``seed=None`` (scripts pass an argparse default of -1 for "random")."""
+    assert SamplingParams(seed=-1).seed is None and SamplingParams.from_optional(seed=-1).seed is None
+    with kvload.LLM(str(words), seed=3, **llm_kwargs("v1")) as llm:
+        minus_one = sampled(llm, seed=-1)
+    with kvload.LLM(str(words), seed=3, **llm_kwargs("v1")) as llm:
+        assert sampled(llm) == minus_one  # the LLM's seeded sequence, as an unseeded request's
+    with pytest.raises(GenerationError, match=r"^generate: seed: expected an integer in \[0, 2\*\*63 - 1\] or None, "
+                                              "got -2$"):
+        SamplingParams(seed=-2)
+
+
+def test_logprobs_true_is_one_as_in_vllm(llm):
+    sp = SamplingParams(max_tokens=2, logprobs=True, prompt_logprobs=True, ignore_eos=True)
+    assert (sp.logprobs, sp.prompt_logprobs) == (1, 1)
+    (out,) = llm.generate(IDS[:1], sp)
+    assert out.outputs[0].logprobs == llm.generate(IDS[:1], SamplingParams(
+        max_tokens=2, logprobs=1, prompt_logprobs=1, ignore_eos=True))[0].outputs[0].logprobs
+    with pytest.raises(GenerationError, match="^generate: logprobs: expected an integer in \\[0, 20\\]"):
+        SamplingParams(logprobs=False)  # vLLM's False reads as 0 there; None is "no logprobs" here
 
 
 def test_detokenize_false_keeps_the_tokens_and_skips_the_text(llm):
