@@ -239,6 +239,12 @@ def test_refusals_are_counted_by_reason_as_a_client_meets_them(served):
     (b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}", 400,
      "invalid_http_request", "(conflicting Content-Length headers)"),
     (b"GET /health HTTP/1.1\r\n\r\n", 400, "invalid_http_request", "(Missing mandatory Host: header)"),
+    # both lengths (RFC 9112 6.1: how requests are smuggled): refused at once, the connection closed, whichever
+    # framing the body has (framed by its Content-Length, h11 read it as a chunk header and waited for the 408)
+    *[(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\nContent-Length: %d\r\n\r\n%s"
+       % (len(body), body), 400, "invalid_http_request",
+       "(both Transfer-Encoding and Content-Length given; send the body with one of them")
+      for body in (b'{"prompt": [1], "max_tokens": 1}', b'20\r\n{"prompt": [1], "max_tokens": 1}\r\n0\r\n\r\n')],
     # a head still arriving past h11's limit (all of it sent, so the close is a FIN, not a reset)
     (b"GET /health HTTP/1.1\r\nHost: t\r\nX-Big: " + b"a" * 20_000, 431, "request_header_fields_too_large",
      "more than 16,384 bytes came without the blank line that ends the headers"),

@@ -5,9 +5,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
+from collections.abc import Iterator
 from types import SimpleNamespace
 
+import httpx
 import openai
 import pytest
 from hypothesis import given, settings
@@ -15,7 +19,7 @@ from hypothesis import strategies as st
 from openai.types.responses import Response, ResponseItemList
 
 from tests.cli_support import run_cli
-from tests.serve_support import Script, answers_while_held
+from tests.serve_support import TIMEOUT, Script, answers_while_held, wait_for
 from tests.test_serve_responses import WEATHER, Seen, _serve, create, events_of
 
 BOUND = 4
@@ -215,6 +219,97 @@ def test_an_id_a_kept_request_in_flight_holds_is_refused(kept):
     done = answers_while_held(kept.served, kept.served.state.engine.executor, "forward_scored", first, second)
     assert done.status_code == 200 and done.json()["id"] == "resp_live-1"
     assert kept.served.client.responses.retrieve("resp_live-1").output_text == "Held."
+
+
+@contextlib.contextmanager
+def _held_at_step(served, step: int) -> Iterator[threading.Event]:
+    """The engine's forward held at its ``step``-th call from now (1: the next) until the block ends; yields the
+    event set once it is held (the steps before it ran: their tokens are out)."""
+    executor = served.state.engine.executor
+    forward, reached, release, calls = executor.forward_scored, threading.Event(), threading.Event(), [0]
+
+    def held(*args):
+        calls[0] += 1
+        if calls[0] == step:
+            reached.set()
+            release.wait(TIMEOUT)
+        return forward(*args)
+
+    executor.forward_scored = held
+    try:
+        yield reached
+    finally:
+        release.set()
+        executor.forward_scored = forward
+
+
+def _refused_in_progress(r, param: str, code: str) -> None:
+    assert (r.status_code, r.json()["error"]["param"], r.json()["error"]["code"]) == (400, param, code), r.text
+    assert "is still in progress" in r.json()["error"]["message"]
+
+
+def test_a_kept_stream_in_progress_is_answered_as_it_stands_not_as_unknown(kept):
+    """While a kept response is generated, GET is its object so far (status in_progress, OpenAI's answer), and
+    DELETE and previous_response_id are 400s saying why: all three were 404s saying it did not exist."""
+    http, script = kept.served.http, "Partly there, then all done."
+    kept.script.say(script)
+    events: list[dict] = []
+
+    def stream() -> None:
+        body = {"model": kept.served.state.model_name, "input": "Stream it", "stream": True, "max_output_tokens": 40}
+        with httpx.Client(base_url=kept.served.url, timeout=TIMEOUT) as client, \
+                client.stream("POST", "/v1/responses", json=body) as r:
+            events.extend(json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: "))
+
+    def text_so_far() -> str:
+        return "".join(e["delta"] for e in list(events) if e["type"] == "response.output_text.delta")
+
+    with _held_at_step(kept.served, 4) as reached:  # three tokens out, the fourth held
+        thread = threading.Thread(target=stream)
+        thread.start()
+        wait_for(lambda: reached.is_set() and text_so_far() != "", what="the stream's first text")
+        rid = events[0]["response"]["id"]
+        now = http.get(f"/v1/responses/{rid}")
+        assert now.status_code == 200, now.text
+        Response.model_validate(now.json())
+        doc = now.json()
+        assert (doc["id"], doc["status"], doc["usage"], doc["store"]) == (rid, "in_progress", None, True)
+        (item,) = doc["output"]
+        assert (item["type"], item["status"]) == ("message", "in_progress")
+        assert item["content"][0]["text"].startswith(text_so_far()) and script.startswith(item["content"][0]["text"])
+        items = http.get(f"/v1/responses/{rid}/input_items").json()["data"]
+        assert [i["content"][0]["text"] for i in items] == ["Stream it"]
+        _refused_in_progress(http.delete(f"/v1/responses/{rid}"), "response_id", "response_in_progress")
+        _refused_in_progress(http.post("/v1/responses", json={"input": "Next", "previous_response_id": rid}),
+                             "previous_response_id", "previous_response_in_progress")
+        assert thread.is_alive()  # all answered while it was still being generated
+    thread.join(TIMEOUT)
+    assert events[-1]["type"] == "response.completed"
+    done = http.get(f"/v1/responses/{rid}").json()
+    assert done == events[-1]["response"] and done["output"][0]["content"][0]["text"] == script
+    assert http.delete(f"/v1/responses/{rid}").json()["deleted"] is True  # once it ended, as any kept one
+
+
+def test_a_kept_response_answered_whole_is_in_progress_until_it_is(kept):
+    kept.script.say("Held.")
+    rid = "resp_whole-1"
+
+    def first(client):
+        return client.post("/v1/responses", json={"input": "Hold", "max_output_tokens": 10},
+                           headers={"X-Request-Id": "whole-1"})
+
+    def meanwhile(client):
+        doc = client.get(f"/v1/responses/{rid}").json()
+        assert (doc["id"], doc["status"], doc["output"]) == (rid, "in_progress", []), doc
+        _refused_in_progress(client.delete(f"/v1/responses/{rid}"), "response_id", "response_in_progress")
+
+    done = answers_while_held(kept.served, kept.served.state.engine.executor, "forward_scored", first, meanwhile)
+    assert done.status_code == 200
+    assert kept.served.client.responses.retrieve(rid).model_dump()["status"] == "completed"
+    # not kept: never in progress either (store: false answers nothing to GET)
+    kept.script.say("Gone.")
+    gone = create(kept, input="Hi", store=False, max_output_tokens=10)
+    assert _not_found(lambda: kept.served.client.responses.retrieve(gone.id))["code"] == "response_not_found"
 
 
 def test_a_request_too_large_to_keep_is_refused_naming_store_and_served_with_store_false(kept):

@@ -59,7 +59,7 @@ from kvload.serve.protocol import (
     request_id,
 )
 from kvload.serve.responses_input import ResponsesRequest, renamed, renamed_error, to_chat
-from kvload.serve.responses_output import response_document, response_events
+from kvload.serve.responses_output import in_progress, response_document, response_events
 from kvload.serve.responses_store import ResponseStore
 from kvload.serve.tool_calls import ToolCallText
 from kvload.serve.tool_parser import tool_reader
@@ -921,6 +921,7 @@ class _Run:
         self.cancelled = False
         self.responses: ResponsesRequest | None = None  # a /v1/responses request: what its answer echoes
         self.messages: MessagesRequest | None = None  # a /v1/messages request: where its chat messages came from
+        self.streamed: list[dict[str, Any]] = []  # a Responses stream's output items so far (the open one last)
 
     def prepare(self, raw: bytes | bytearray, kind: str) -> None:
         """Parse, tokenize, check and queue the request (on a worker thread); ``BadRequest`` when refused.
@@ -1011,6 +1012,9 @@ class _Run:
             self.role = self.state.response_role if job.template.get("add_generation_prompt", True) else last["role"]
             self.chat_echo = last["content"] if job.echo and last["role"] == self.role else ""
         self.created = int(time.time())
+        if self.responses is not None and self.responses.store:  # GET answers it while it is generated, not a 404
+            self.state.responses.begin(self.id, functools.partial(in_progress, self))
+            self.request.scope[CLAIMED] = self.id  # dropped by _Admission once the request ends, however it ends
         self.submit()
 
     def cancel(self) -> None:

@@ -20,6 +20,8 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+from kvload.serve.responses_store import Stored
+
 if TYPE_CHECKING:
     from kvload.serve.app import _Choice, _Run
 
@@ -58,6 +60,15 @@ def response_document(run: _Run, chat: dict[str, Any]) -> dict[str, Any]:
     if status in _CUT and items:  # the last item is the one cut short
         items[-1]["status"] = "incomplete"
     return _kept(run, _response(run, status, items, run.choices[0]))
+
+
+def in_progress(run: _Run) -> Stored:
+    """The kept response ``run`` will answer, as it stands while it is generated: ``status: "in_progress"``, no
+    usage, and its output so far (a stream's items as written, the open one growing; none for an answer sent
+    whole)."""
+    req = run.responses
+    assert req is not None
+    return Stored(_response(run, "in_progress", copy.deepcopy(run.streamed), None), req.items, req.previous)
 
 
 def _kept(run: _Run, doc: dict[str, Any]) -> dict[str, Any]:
@@ -255,6 +266,7 @@ async def response_events(run: _Run) -> AsyncIterator[str]:
     """The Responses stream of a run: server-sent events, each numbered, ending with ``response.completed`` (or
     ``response.incomplete`` / ``response.failed``). A closed connection cancels it, which aborts the run."""
     events = _Events(run)
+    run.streamed = events.items  # what GET /v1/responses/{id} shows meanwhile
     try:
         begun = _response(run, "in_progress", [], None)
         yield events.event("response.created", response=begun)
@@ -283,4 +295,4 @@ async def response_events(run: _Run) -> AsyncIterator[str]:
         run.abort()
 
 
-__all__ = ["ChatDeltas", "response_document", "response_events"]
+__all__ = ["ChatDeltas", "in_progress", "response_document", "response_events"]

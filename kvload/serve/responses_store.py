@@ -7,6 +7,10 @@ items (each turn's input, then its output) before its own ``input`` (OpenAI's ru
 carried). A turn holds only its own items and a link to the turn before, so a long conversation costs its text once,
 not once per turn; a turn dropped from the store stays reachable from the later turns that hold it.
 Past the bound the least recently used response (stored, retrieved or chained from) is dropped, and counted.
+A response still being generated is not kept yet, but is no stranger either: ``GET`` answers it as it stands
+(``status: "in_progress"``, its output so far), and ``DELETE`` and ``previous_response_id`` are refused with a 400
+saying it is still in progress (OpenAI's ``GET`` answer; vLLM, which keeps one only for ``background: true``, answers
+it the same way and has no ``DELETE``), never a 404 that says it does not exist.
 """
 
 from __future__ import annotations
@@ -73,6 +77,8 @@ class ResponseStore:
         self.max_request_bytes = max_request_bytes
         self._kept: OrderedDict[str, Stored] = OrderedDict()
         self._claimed: set[str] = set()  # ids of requests in flight whose response will be kept
+        #: those being generated: how each stands now (the route's answer while it is in progress)
+        self._running: dict[str, Callable[[], Stored]] = {}
         self._lock = threading.Lock()
 
     @property
@@ -111,9 +117,26 @@ class ResponseStore:
                          param=field, code="response_id_in_use")
 
     def release(self, response_id: str) -> None:
-        """Let go of :meth:`claim`'s reservation (the request ended, kept or not)."""
+        """Let go of :meth:`claim`'s reservation and :meth:`begin`'s entry (the request ended, kept or not)."""
         with self._lock:
             self._claimed.discard(response_id)
+            self._running.pop(response_id, None)
+
+    def begin(self, response_id: str, now: Callable[[], Stored]) -> None:
+        """``response_id``'s response, to be kept, is being generated; ``now()`` is how it stands (status
+        ``in_progress``). Until :meth:`put` keeps it or :meth:`release` drops it, the routes answer it so."""
+        with self._lock:
+            self._running[response_id] = now
+
+    def in_progress(self, response_id: str) -> Stored | None:
+        """The response of that id as it stands while it is generated, or None when none of that id is."""
+        with self._lock:
+            now = self._running.get(response_id)
+        return now() if now is not None else None  # outside the lock: it copies the output so far
+
+    def _is_running(self, response_id: str) -> bool:
+        with self._lock:
+            return response_id in self._running
 
     def put(self, response: dict[str, Any], items: tuple[dict[str, Any], ...], parent: Stored | None = None) -> None:
         """Keep ``response``, made from its request's input ``items`` after the kept response ``parent``, dropping
@@ -121,6 +144,7 @@ class ResponseStore:
         if not self.enabled:
             return
         with self._lock:
+            self._running.pop(response["id"], None)  # kept from now on (a DELETE of it must not find it running)
             self._kept[response["id"]] = Stored(response, items, parent)
             self._kept.move_to_end(response["id"])
             dropped = 0
@@ -146,7 +170,13 @@ class ResponseStore:
     # --- what the routes answer ---------------------------------------------------------------------------------
 
     def previous(self, response_id: str) -> Stored:
-        """``previous_response_id``'s kept response; 404 (OpenAI's error) when none is kept."""
+        """``previous_response_id``'s kept response; 400 when it is still being generated (it has no output to
+        follow yet), 404 (OpenAI's error) when none is kept."""
+        # running first: put() moves a response from running to kept at once, so one found in neither is in neither
+        if self._is_running(response_id):
+            raise BadRequest(f"previous_response_id: response {response_id[:200]!r} is still in progress (being "
+                             "generated): wait until it ends (its answer, or its stream's response.completed), then "
+                             "send this request", param="previous_response_id", code="previous_response_in_progress")
         stored = self.get(response_id)
         if stored is None:
             hint = (f"kvload serve keeps the {self.max_responses:,} most recently used responses "
@@ -158,17 +188,23 @@ class ResponseStore:
         return stored
 
     def retrieve(self, response_id: str, query: Mapping[str, str] | None = None) -> Stored:
-        """The kept response for ``GET``; 404 when none is kept. ``query``: the request's query parameters, none
-        taken (OpenAI's ``stream`` re-streams a background response, which kvload does not run)."""
+        """The kept response for ``GET``, or one still being generated as it stands (``status: "in_progress"``);
+        404 when there is neither. ``query``: the request's query parameters, none taken (OpenAI's ``stream``
+        re-streams a background response, which kvload does not run)."""
         _query(query or {}, ())
-        stored = self.get(response_id)
+        stored = self.in_progress(response_id) or self.get(response_id)
         if stored is None:
             raise _not_found(response_id)
         return stored
 
     def remove(self, response_id: str, query: Mapping[str, str] | None = None) -> dict[str, Any]:
-        """``DELETE /v1/responses/{id}``'s answer; 404 when none is kept."""
+        """``DELETE /v1/responses/{id}``'s answer; 400 for one still being generated (it is kept once it ends),
+        404 when none is kept."""
         _query(query or {}, ())
+        if self._is_running(response_id):
+            raise BadRequest(f"response {response_id[:200]!r} is still in progress (being generated) and is kept "
+                             "once it ends: delete it then (or send store: false to keep none)",
+                             param="response_id", code="response_in_progress")
         if not self.delete(response_id):
             raise _not_found(response_id)
         return {"id": response_id, "object": "response", "deleted": True}

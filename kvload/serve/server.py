@@ -321,7 +321,10 @@ class _Deadlines(H11Protocol):
 
         def caught() -> Any:  # uvicorn drops h11's reason before send_400_response: kept here, for the answer
             try:
-                return next_event()
+                event = next_event()
+                if isinstance(event, h11.Request):
+                    _check_framing(event)
+                return event
             except h11.RemoteProtocolError as exc:
                 self._refused = exc
                 raise
@@ -411,6 +414,20 @@ class _Deadlines(H11Protocol):
         elif self.cycle is not None and self.cycle.response_complete:
             self.transport.close()  # answered without reading the body, which still has not all come
         # else the app is reading the body under its own deadline (a 408), or answering: it ends the request
+
+
+def _check_framing(request: h11.Request) -> None:
+    """A ``RemoteProtocolError`` for a request that gives both ``Transfer-Encoding`` and ``Content-Length``.
+
+    h11 reads such a body as chunked and ignores the length (RFC 9112 §6.3's rule), so a body framed by its
+    Content-Length alone was read as a chunk header that never ended, and the client waited for the body's 408.
+    RFC 9112 §6.1 lets a server refuse it instead, and says to close the connection after answering either way (the
+    two lengths are how requests are smuggled past a proxy that reads the other one): refused at once, 400, closed.
+    """
+    names = {name for name, _ in request.headers}  # h11 gives the names lowercased
+    if b"transfer-encoding" in names and b"content-length" in names:
+        raise h11.RemoteProtocolError("both Transfer-Encoding and Content-Length given; send the body with one of "
+                                      "them (RFC 9112 section 6.1)", error_status_hint=400)
 
 
 def _not_http(exc: h11.RemoteProtocolError | None, head_limit: int) -> tuple[int, bytes]:
