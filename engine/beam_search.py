@@ -117,6 +117,7 @@ class BeamSearchParams:
 class BeamSequence:
     """One finished hypothesis: its generated ids, their summed log-probability and its length-penalised score.
 
+    ``text`` is vLLM's: the whole sequence (:attr:`tokens`, the prompt's ids first) decoded, special tokens shown.
     ``logprobs[t]`` is generated token ``t``'s entry, shaped as ``CompletionOutput.logprobs``': the ``logprobs`` most
     likely ids at that step and the chosen one -> log-probability (``engine.sampling.TokenLogprobs``, its ``rank``
     the chosen token's); the chosen ones sum to ``cumulative_logprob``.
@@ -464,16 +465,17 @@ class BeamSearch:
         hyps = p.done + [(tokens, cum, "length", trail) for tokens, cum, trail in p.final or []]
         scored = sorted(((cum / max(1, len(tokens)) ** self.params.length_penalty, tokens, cum, why, trail)
                          for tokens, cum, why, trail in hyps), key=lambda h: -h[0])[:self.k]
-        sequences = tuple(BeamSequence(tokens, cum, score, why, _decode(self.executor, tokens), _entries(trail),
-                                       tuple(p.ids))
+        sequences = tuple(BeamSequence(tokens, cum, score, why, _decode(self.executor, [*p.ids, *tokens]),
+                                       _entries(trail), tuple(p.ids))
                           for score, tokens, cum, why, trail in scored)
         return BeamSearchOutput(p.text, tuple(p.ids), sequences)
 
 
 def _decode(executor: Executor, tokens: Sequence[int]) -> str | None:
-    """A hypothesis' text without special tokens (None without a tokenizer)."""
+    """A hypothesis' whole sequence as text (None without a tokenizer): vLLM's ``tokenizer.decode(beam.tokens)``, its
+    special tokens shown (vLLM's decode default). The server's choices decode the generated tokens themselves."""
     tokenizer = executor.tokenizer
-    return tokenizer.decode(list(tokens), skip_special_tokens=True) if tokenizer is not None else None
+    return tokenizer.decode(list(tokens), skip_special_tokens=False) if tokenizer is not None else None
 
 
 __all__ = ["VLLM_BEAM_FIELDS_NOT_TAKEN", "BeamSearch", "BeamSearchOutput", "BeamSearchParams", "BeamSequence",

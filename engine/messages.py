@@ -1,9 +1,10 @@
 """Chat messages as OpenAI clients send them → what a chat template takes: one set of checks for ``kvload serve``'s
 ``/v1/chat/completions`` (and ``/tokenize``) and ``LLM.chat``.
 
-An agent's next turn sends back the assistant's message with its ``tool_calls`` and each tool's answer as
-``{"role": "tool", "tool_call_id", "content"}``; a message the openai client built and ``model_dump()``ed has
-``refusal``, ``audio``, ``annotations``, ``function_call`` as null, which count as absent. Each call's
+An agent's next turn sends back the assistant's message with its ``tool_calls`` (and its ``reasoning``, for
+interleaved thinking) and each tool's answer as ``{"role": "tool", "tool_call_id", "content"}``; a message the
+openai client built and ``model_dump()``ed has ``refusal``, ``audio``, ``annotations``, ``function_call`` as null,
+which count as absent. Each call's
 ``function.arguments`` JSON text reaches the template parsed to its value, as vLLM passes it (tool-use templates
 write ``arguments | tojson``). Every problem is a :class:`MessageError` naming the field as the server names it
 (``messages[1].tool_calls[0].function.arguments``); each caller words it as its errors are worded.
@@ -20,9 +21,10 @@ from pipeline.errors import GenerationError
 from pipeline.limits import MAX_DEPTH, json_depth, unique_keys
 
 #: The fields a message of each role may carry besides role, content and name (an agent's turn sends them back).
-CARRIED = {"assistant": ("tool_calls",), "tool": ("tool_call_id",)}
+CARRIED = {"assistant": ("tool_calls", "reasoning", "reasoning_content"), "tool": ("tool_call_id",)}
 #: Whose field one carried elsewhere is, for the refusal.
-_WHOSE = {"tool_calls": " (an assistant message's)", "tool_call_id": " (a tool message's)"}
+_WHOSE = {"tool_calls": " (an assistant message's)", "reasoning": " (an assistant message's)",
+          "reasoning_content": " (an assistant message's)", "tool_call_id": " (a tool message's)"}
 
 
 class MessageError(GenerationError):
@@ -46,7 +48,7 @@ def chat_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
 def chat_message(i: int, m: Any) -> dict[str, Any]:
     """Message ``i`` checked and as the chat template gets it: role (``developer`` read as ``system``), content (a
     string; text parts joined by newlines, as vLLM joins them; an assistant's null is ``""``), and the name, tool
-    calls and tool call id it carries; ``MessageError`` naming the field."""
+    calls, reasoning and tool call id it carries; ``MessageError`` naming the field."""
     _need(isinstance(m, Mapping) and isinstance(m.get("role"), str), f"messages[{i}]", "an object with a string role",
           m)
     _need(m["role"] in ROLES, f"messages[{i}].role", f"{', '.join(ROLES[:-1])} or {ROLES[-1]}", m["role"])
@@ -74,11 +76,26 @@ def chat_message(i: int, m: Any) -> dict[str, Any]:
         _need(isinstance(m["tool_call_id"], str) and lone_surrogate(m["tool_call_id"]) is None,
               f"messages[{i}].tool_call_id", "a string (the id of the call this answers)", m["tool_call_id"])
         message["tool_call_id"] = m["tool_call_id"]
+    reasoning = _reasoning(i, m)
+    if reasoning is not None:  # by vLLM's two names: Qwen3's template reads reasoning_content, newer ones reasoning
+        message["reasoning"] = message["reasoning_content"] = reasoning
     if m.get("name") is not None:  # passed to the chat template, as vLLM's llm.chat does (templates that use it act)
         _need(isinstance(m["name"], str) and lone_surrogate(m["name"]) is None, f"messages[{i}].name",
               "a string of valid Unicode text", m["name"])
         message["name"] = m["name"]
     return message
+
+
+def _reasoning(i: int, m: Mapping[str, Any]) -> str | None:
+    """An assistant message's earlier thinking sent back (interleaved thinking): ``reasoning`` (vLLM's name) or
+    ``reasoning_content`` (its older one, DeepSeek's); both only when they agree."""
+    given = {k: m[k] for k in ("reasoning", "reasoning_content") if m.get(k) is not None}
+    for key, value in given.items():
+        _need(isinstance(value, str) and lone_surrogate(value) is None, f"messages[{i}].{key}",
+              "a string of valid Unicode text (the assistant's reasoning)", value)
+    if len(set(given.values())) > 1:
+        raise MessageError(f"messages[{i}].reasoning_content", "differs from reasoning (send one of them)")
+    return next(iter(given.values()), None)
 
 
 def tool_calls(field: str, calls: Any) -> list[dict[str, Any]]:

@@ -170,10 +170,15 @@ def test_llm_beam_search_returns_texts_like_vllm(tiny_checkpoints, tmp_path):
         assert isinstance(out, kvload.BeamSearchOutput) and out.prompt == "w5 w17 w300 w42"
         assert len(out.sequences) == 2 and out.sequences[0].token_ids != out.sequences[1].token_ids
         for s in out.sequences:
-            assert s.text == " ".join(f"w{t}" for t in s.token_ids)
+            # vLLM's text: tokenizer.decode(beam.tokens), the prompt's then the generated words (it left the prompt out)
+            assert s.text == "w5 w17 w300 w42 " + " ".join(f"w{t}" for t in s.token_ids)
             # vLLM's BeamSearchSequence names: the whole sequence, the summed log-probability, no stop string or id
             assert s.tokens == [*out.prompt_token_ids, *s.token_ids] and out.prompt_token_ids[-4:] == (5, 17, 300, 42)
             assert (s.cum_logprob, s.stop_reason) == (s.cumulative_logprob, None)
+        # special tokens shown, as vLLM's decode shows them (w0 is this tokenizer's unk_token)
+        (out,) = llm.beam_search([[0, 5]], kvload.BeamSearchParams(beam_width=2, max_tokens=2, ignore_eos=True))
+        assert [s.text for s in out.sequences] == [" ".join(f"w{t}" for t in s.tokens) for s in out.sequences]
+        assert out.sequences[0].text.startswith("w0 w5 w")
 
 
 def test_a_width_past_ten_still_gets_its_2k_alternatives_a_step(tiny_checkpoints):

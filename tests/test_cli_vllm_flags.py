@@ -94,7 +94,10 @@ def test_the_access_log_follows_the_level_unless_switched_off():
         assert _server(state, "info", access_log=False).config.access_log is False
 
 
-def test_serve_seed_sets_where_unseeded_requests_draw_their_seeds(monkeypatch):
+@pytest.mark.parametrize("flags, seed", [(["--seed", "7"], 7), ([], 0)])
+def test_serve_seed_sets_where_unseeded_requests_draw_their_seeds(monkeypatch, flags, seed):
+    """Without --seed the server is seeded 0, as `vllm serve`'s V1 engine (and kvload.LLM) are: it drew fresh
+    randomness, so the same requests sampled differently after a restart."""
     from kvload.cli import build_parser
     from kvload.serve import command, server
 
@@ -106,11 +109,11 @@ def test_serve_seed_sets_where_unseeded_requests_draw_their_seeds(monkeypatch):
 
     monkeypatch.setattr(server, "build_state", build_state)
     with pytest.raises(SystemExit):
-        command.cmd_serve(build_parser().parse_args(["serve", "tiny-llama", "--port", "0", "--seed", "7"]))
+        command.cmd_serve(build_parser().parse_args(["serve", "tiny-llama", "--port", "0", *flags]))
     import random
 
-    assert seen["executor"].llm_seed == 7  # the audit's generation_started says it
-    assert seen["executor"].call_seeds.getrandbits(62) == random.Random(7).getrandbits(62)
+    assert seen["executor"].llm_seed == seed  # the audit's generation_started says it
+    assert seen["executor"].call_seeds.getrandbits(62) == random.Random(seed).getrandbits(62)
 
 
 def test_a_seeded_server_samples_unseeded_requests_the_same_after_a_restart():

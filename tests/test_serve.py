@@ -549,7 +549,7 @@ def test_the_served_model_answers_its_own_callers_while_the_server_runs(served):
 
 def test_an_engine_seed_makes_unseeded_requests_repeat_as_vllms_serve_seed_does(served):
     """``kvload serve --seed N`` (vLLM's engine seed) starts the sequence unseeded requests draw from, so the same
-    requests in the same order sample the same tokens run to run; without it each draws fresh randomness."""
+    requests in the same order sample the same tokens run to run (0 by default, as vLLM's V1 engine)."""
     import random
 
     executor = served.result.executor

@@ -292,6 +292,19 @@ def test_tools_with_tool_choice_none_reach_the_chat_template_as_vllm_shows_them(
              "tools[0]")
 
 
+def test_an_assistant_messages_reasoning_reaches_the_chat_template_as_llm_chat_passes_it(served):
+    """Interleaved thinking sent back: a 400 ("messages[1].reasoning: not supported"); vLLM shows it to the template."""
+    template = "{% for m in messages %}{{ m['content'] }} {{ m.get('reasoning_content') or '' }} {% endfor %}"
+    conv = [{"role": "user", "content": "w5"}, {"role": "assistant", "content": "w6", "reasoning": "w7 w8"}]
+    tokens = served.http.post("/tokenize", json={"messages": conv, "chat_template": template}).json()["tokens"]
+    assert tokens == [5, 6, 7, 8]
+    body = {"model": "words", "messages": conv, "max_tokens": 1, "chat_template": template}
+    assert served.http.post("/v1/chat/completions", json=body).json()["usage"]["prompt_tokens"] == 4
+    conv[0]["reasoning"] = "w7"
+    assert "not supported (an assistant message's)" in _refused(served, "/v1/chat/completions", body,
+                                                                "messages[0].reasoning")
+
+
 # --- accepted at the one value kvload serves, else refused naming the field ----------------------------------------
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import pickle
+import re
 import time
 
 import pytest
@@ -217,6 +218,31 @@ def test_chat_tools_reach_the_template_as_vllm_passes_them(llm):
                 llm.chat(conv, params, tools=tools, chat_template_kwargs=bad)
     finally:
         tok.chat_template = None
+
+
+#: prints each assistant message's reasoning by both of vLLM's names for it
+REASONING_TEMPLATE = ("{% for m in messages %}{{ m['content'] }} {% if m.get('reasoning') %}{{ m['reasoning'] }} "
+                      "{{ m['reasoning_content'] }} {% endif %}{% endfor %}")
+
+
+def test_an_assistant_messages_reasoning_reaches_the_template_as_vllm_passes_it(llm):
+    """Interleaved thinking: the reasoning of an earlier turn sent back was refused ("messages[1].reasoning: not
+    supported"); vLLM passes it to the template as both `reasoning` and `reasoning_content`."""
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    for key in ("reasoning", "reasoning_content"):
+        conv = [{"role": "user", "content": "w5"}, {"role": "assistant", "content": "w6", key: "w7"},
+                {"role": "user", "content": "w8"}]
+        (out,) = llm.chat(conv, params, chat_template=REASONING_TEMPLATE)
+        assert out.prompt == "w5 w6 w7 w7 w8 "
+    for message, says in [
+        ({"role": "assistant", "content": "w6", "reasoning": 7}, "messages[1].reasoning: expected a string"),
+        ({"role": "assistant", "content": "w6", "reasoning": "w7", "reasoning_content": "w9"},
+         "messages[1].reasoning_content: differs from reasoning"),
+        ({"role": "user", "content": "w6", "reasoning": "w7"},
+         "messages[1].reasoning: not supported (an assistant message's)"),
+    ]:
+        with pytest.raises(GenerationError, match=f"^chat: prompt 0: {re.escape(says)}"):
+            llm.chat([{"role": "user", "content": "w5"}, message], params, chat_template=REASONING_TEMPLATE)
 
 
 # --- the outputs ----------------------------------------------------------------------------------

@@ -106,10 +106,11 @@ def add_serve_command(sub: Any) -> None:
                         "\"tcp://*:5557\"}' (keys: enable_kv_cache_events, publisher null|zmq (default zmq when "
                         "events are on, as in vLLM), endpoint, replay_endpoint, buffer_steps, hwm, max_queue_size, "
                         "topic; zmq needs kvload[kv-events])")
-    g.add_argument("--seed", default=None, metavar="S",
+    g.add_argument("--seed", default=0, metavar="S",
                    type=cli._bounded(cli.integer, lambda v: 0 <= v < 2**63, "an integer from 0 to 2**63 - 1"),
                    help="vLLM's: sampled requests that send no seed draw theirs from this seed's sequence, so the "
-                        "same requests in the same order sample the same after a restart (default: fresh randomness)")
+                        "same requests in the same order sample the same after a restart (default 0, as vLLM's V1 "
+                        "engine; another seed, e.g. --seed $RANDOM, gives other draws)")
     cors = p.add_argument_group("cross-origin requests from browsers (CORS; vLLM's flags and defaults)")
     for flag, what in (("--allowed-origins", "origins"), ("--allowed-methods", "methods"),
                        ("--allowed-headers", "headers")):
@@ -491,10 +492,11 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
                                                    "HTTP API's JSON (--log-format json makes its log JSON)"))
         if result.bus is not None:
             _report_ignored_serve_flags(ns, result.bus.emitter("serve"))
-        if ns.seed is not None:  # rank 0 draws; under tensor parallel its seeds reach the others in the step orders
-            import random
+        import random
 
-            result.executor.call_seeds, result.executor.llm_seed = random.Random(ns.seed), ns.seed
+        # always seeded (0 by default, vLLM V1's): rank 0 draws; under tensor parallel its seeds reach the others in
+        # the step orders
+        result.executor.call_seeds, result.executor.llm_seed = random.Random(ns.seed), ns.seed
         if not ranks.is_first:
             return _follow(ns, result)
         if result.bus is not None:
