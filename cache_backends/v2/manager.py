@@ -666,7 +666,7 @@ class KVCacheManagerV2:
         assert arena is not None
         one = len(per_span) == 1
         counts = [per_span[0]] * len(self.groups) if one else [per_span[s] for s in self._span_slot]
-        pieces = arena.take_each(self._share_index, counts, self._detach)
+        pieces = arena.take_each(self._share_index, counts, self._detach, self._detach_mixed)
         for (name, _, _), piece in zip(self._group_pools, pieces, strict=True):
             if piece:
                 tables[name] += piece
@@ -1224,6 +1224,21 @@ class KVCacheManagerV2:
             self.kv_events.removed([key(pool.node[b], pool.pos[b] - pool.node[b].start)  # type: ignore[union-attr]
                                     for b in blocks], group)
         self._tree.detach(group, blocks)
+
+    def _detach_mixed(self, blocks: list[int], groups: list[int]) -> None:
+        """:meth:`_detach` for a shared arena's evicted blocks of several groups (``groups[k]``: the arena index of
+        ``blocks[k]``'s group), in one pass when there is nothing to do per group (no KV events, no write-back
+        waiting); else group by group, each group's blocks in eviction order, the groups in order of first eviction
+        (as :meth:`SharedPool.take_each` without it calls them)."""
+        names = self._arena.names  # type: ignore[union-attr]
+        if self.kv_events is None and not any(self._write_back.values()):
+            self._tree.detach_mixed(names, blocks, groups)
+            return
+        by_group: dict[int, list[int]] = {}
+        for b, g in zip(blocks, groups, strict=True):
+            by_group.setdefault(g, []).append(b)
+        for g, got in by_group.items():
+            self._detach(names[g], got)
 
     def _forget_write_back(self, cache: SequenceCache) -> None:
         """Drop a suspended cache's pages still waiting on the device from the write-back map (resumed or freed)."""

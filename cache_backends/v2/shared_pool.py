@@ -31,7 +31,7 @@ step by step); only the per-block work remains per group.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from operator import itemgetter
 from typing import TYPE_CHECKING
 
@@ -39,6 +39,11 @@ from cache_backends.v2.group_pool import Detach, EvictionQueue
 
 if TYPE_CHECKING:
     from cache_backends.v2.radix import RadixNode
+
+#: ``detach_mixed(blocks, groups)``: :data:`~cache_backends.v2.group_pool.Detach` for evicted blocks of several groups
+#: in one call, ``groups[k]`` the arena index of the group of ``blocks[k]`` (in eviction order); what one ``Detach``
+#: call per group would do.
+DetachMixed = Callable[[list[int], list[int]], None]
 
 
 def _interleave(lists: list[list[int]]) -> list[int]:
@@ -100,7 +105,8 @@ class SharedPool:
         """``n`` pages for ``group`` with ``ref == 1``: free ones first, then the globally next to evict."""
         return self.take_each((group,), (n,), detach)[0]
 
-    def take_each(self, groups: Sequence[int], counts: Sequence[int], detach: Detach) -> list[list[int]]:
+    def take_each(self, groups: Sequence[int], counts: Sequence[int], detach: Detach,
+                  detach_mixed: DetachMixed | None = None) -> list[list[int]]:
         """``counts[i]`` pages for ``groups[i]`` each, exactly as :meth:`take` called group by group in this order
         would hand them out (the same blocks and evictions; the same blocks detached), in one pass.
 
@@ -109,7 +115,9 @@ class SharedPool:
         Group by group, the free list hands out its blocks in order and, once it is empty, the eviction queue
         does; so the blocks are the free list's then one ``pop_many`` (the queue pops in the same order either
         way). The evicted blocks are detached in one call per group they belong to (a group's ``take`` detached per
-        call: the radix runs end the same, ``RadixTree.detach`` being confluent; KV events come grouped so).
+        call: the radix runs end the same, ``RadixTree.detach`` being confluent; KV events come grouped so), or,
+        given ``detach_mixed``, all of them in one call with their groups (a decode's block boundary on Gemma 3 27B
+        evicts a block or two of each of up to 31 groups: a call per group cost more than the detaching itself).
         """
         free = self._free
         total = sum(counts)
@@ -119,10 +127,18 @@ class SharedPool:
         k = min(total, len(free))
         out = free[len(free) - k:][::-1]
         del free[len(free) - k:]
-        gen, ref, group_of, used = self.gen, self.ref, self.group_of, self.used
         if total > k:
+            group_of = self.group_of
             evicted = self.evictable.pop_many(total - k)
             names, cached, evictions = self.names, self.cached, self.evicted
+            if detach_mixed is not None:  # one call for every group's evicted blocks, in eviction order
+                of = [group_of[b] for b in evicted]
+                for g in of:
+                    cached[g] -= 1
+                    evictions[g] += 1
+                detach_mixed(evicted, of)
+                out += evicted
+                return self._hand_out(out, groups, counts)
             # every evicted block's group, then one detach per group: a finish queues its groups' blocks position
             # by position, so evictions alternate groups, and a detach per group per take cost Gemma 3 27B's
             # no-reuse a fifth more Python work (detaching is confluent: the runs end the same whatever the order)
@@ -139,6 +155,12 @@ class SharedPool:
                 evictions[g] += len(blocks)
                 detach(names[g], blocks)
             out += evicted
+        return self._hand_out(out, groups, counts)
+
+    def _hand_out(self, out: list[int], groups: Sequence[int], counts: Sequence[int]) -> list[list[int]]:
+        """:meth:`take_each`'s end: the blocks ``out`` (free ones, then evicted ones) given to ``groups`` in order,
+        ``counts[i]`` each, with ``ref == 1``."""
+        gen, ref, group_of, used = self.gen, self.ref, self.group_of, self.used
         if counts and min(counts) == 1 == max(counts):  # a block boundary of a decode: a block for every group
             for b, g in zip(out, groups, strict=True):  # this loop runs for every block handed out: kept lean
                 gen[b] += 1
