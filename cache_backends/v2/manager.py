@@ -176,6 +176,11 @@ class KVCacheManagerV2:
         # with reuse on, every group block spans a whole number of token blocks.
         self._attach_steps = [(g.name, max(1, g.tokens_per_block // self.T), self._pool[g.name].node,
                                self._pool[g.name].pos) for g in self.groups]
+        self._names = [g.name for g in self.groups]
+        # a shared arena whose every group block spans one token block: its block -> run list, which every group's
+        # view shares (a decode that fills a block keys every group's block at one position, checked in bulk)
+        self._one_owner = (self._arena.node if self._arena is not None and all(g.tokens_per_block == self.T
+                                                                                for g in self.groups) else None)
         self._sliding = [g for g in self.groups if g.window is not None]
         # sliding groups by (window, block span): they release in lockstep, so one bound serves them all
         windows: dict[tuple[int, int], list[tuple[str, GroupPool | GroupShare]]] = {}
@@ -1389,9 +1394,22 @@ class KVCacheManagerV2:
             if full == first + 1 and events is None:  # a decode filled one block: no slicing, no bulk checks
                 i = len(last.held)
                 last.tokens += packed
+                self._tree.num_nodes += 1
+                owner = self._one_owner
+                if owner is not None:  # one block per group at one position: checked at C speed, hung in bulk
+                    names = self._names
+                    got = [table[first] for table in map(tables.__getitem__, names)]
+                    if -1 not in got and list(map(owner.__getitem__, got)).count(None) == len(got):
+                        pos = self._arena.pos  # type: ignore[union-attr]
+                        for blocks, b in zip(map(last.blocks.__getitem__, names), got, strict=True):
+                            blocks.append(b)
+                        for b in got:
+                            owner[b] = last
+                            pos[b] = first
+                        last.held.append(len(got))
+                        return
                 for blocks in last.blocks.values():
                     blocks.append(-1)
-                self._tree.num_nodes += 1
                 held = 0
                 for name, step, owner, pos in self._attach_steps:
                     if step == 1 or not full % step:  # a group block ends at this position
