@@ -1020,6 +1020,8 @@ class KVCacheManagerV2:
                 for j, b in enumerate(table):
                     if b < 0 and j >= cache.released[g.name]:
                         problems.append(f"{rid}: group {g.name} block {j} missing above the window")
+                    if b >= 0 and j < cache.released[g.name]:  # a finish does not look there (release_tables)
+                        problems.append(f"{rid}: group {g.name} holds block {j} below its window's release mark")
                     if b >= 0:
                         owners[g.name][b] = owners[g.name].get(b, 0) + 1
         worst = [sum(g.blocks_for(c.worst) for c in self._caches.values() if c.is_active) for g in self.groups]
@@ -1326,10 +1328,11 @@ class KVCacheManagerV2:
         self._count_worst(cache, -1)
         priority = cache.request.priority
         if self._arena is not None:
-            tables = cache.tables
+            tables, released = cache.tables, cache.released
+            # below released[name] a table holds only -1 (what its window let go): not looked at again
             self._arena.release_tables([(i, tables[name]) for i, (name, _, _) in zip(self._share_index,
                                                                                       self._group_pools, strict=True)],
-                                       priority)
+                                       priority, [released[name] for name in self._names])
             for name in tables:
                 tables[name] = []
             cache.room = 0
