@@ -224,16 +224,15 @@ class SharedPool:
         leaves), or all held by this table alone and then all cached in runs without children, or none cached."""
         ref, owner, free, group_of = self.ref, self.node, self._free, self.group_of
         k = hi - lo
-        if k > 0 and len(members) > 1:
-            got = [b for _, table in members for b in table[lo:hi]]
+        if k == 1 and len(members) > 1:  # (a prefill's slide of several blocks is rarer: it takes the loop)
+            got = [table[lo] for _, table in members]
             get = itemgetter(*got)
-            if -1 not in got and list(get(group_of)) == [g for g, _ in members for _ in range(k)]:
+            if -1 not in got and list(get(group_of)) == [g for g, _ in members]:
                 refs = get(ref)
                 ones = refs.count(1)
                 if not ones and 0 not in refs:  # every block held by others too: nothing leaves
-                    gone = [-1] * k
                     for _, table in members:
-                        table[lo:hi] = gone
+                        table[lo] = -1
                     for b in got:
                         ref[b] -= 1
                     return
@@ -241,9 +240,8 @@ class SharedPool:
                     nodes = get(owner)
                     none = nodes.count(None)
                     if none == ones or (not none and not any(node.children for node in {*nodes})):  # type: ignore[union-attr]
-                        gone = [-1] * k
                         for _, table in members:
-                            table[lo:hi] = gone
+                            table[lo] = -1
                         used = self.used
                         if none:  # none cached: all go free, in order
                             for b in got:
@@ -294,21 +292,14 @@ class SharedPool:
 
         ``starts[i]``: table ``i`` holds only ids below 0 before it (a sliding window released them), so they are not
         looked at: at a long request's finish most of a sliding table is such a run (Gemma 3 27B: 26 of 31 tables).
-
-        The usual table, tail first, is checked at C speed and let go of without the per-block branches: every block
-        there and its group's; first the blocks only it holds (its own tail), then blocks others hold too (a shared
-        prefix it claimed), and of its own, first uncached ones (the partial last block), then cached ones."""
+        (Checking a whole table at C speed first and then letting go of it in bulk was tried: on Python 3.11 each
+        ``itemgetter`` pass over a table costs about what the loop's own step does, and it came out slower.)"""
         ref, owner, free, group_of = self.ref, self.node, self._free, self.group_of
         used, kept = self.used, self.cached
         by_group: list[tuple[list[int], list[int]]] = []  # each group's cached (leaves, shared), tail first
         for t, (group, table) in enumerate(tables):
             lo = starts[t] if starts is not None else 0
             tail = table[:lo - 1:-1] if lo else table[::-1]
-            if len(tail) > 1 and -1 not in tail:
-                got = self._release_usual(group, tail)
-                if got is not None:
-                    by_group.append(got)
-                    continue
             n_free = len(free)
             leaves: list[int] = []  # cached blocks split as EvictionQueue.add_split would, in the same pass
             shared: list[int] = []
@@ -332,43 +323,6 @@ class SharedPool:
             kept[group] += n_cached
             by_group.append((leaves, shared))
         self._queue(_interleave([lv for lv, _ in by_group]), _interleave([sh for _, sh in by_group]), priority)
-
-    def _release_usual(self, group: int, tail: list[int]) -> tuple[list[int], list[int]] | None:
-        """:meth:`release_tables`' work on one table's blocks ``tail`` (tail first, at least two, none below 0) when
-        they are in the usual order (its docstring), checked at C speed: the blocks that go free are put on the free
-        list, the ones that stay cached are returned as (leaves, shared), as the per-block loop would; None (nothing
-        changed) when they are not."""
-        ref, group_of = self.ref, self.group_of
-        get = itemgetter(*tail)
-        n = len(tail)
-        if get(group_of).count(group) != n:
-            return None
-        refs = get(ref)
-        mine = refs.count(1)  # the blocks only this table holds: they must lead
-        if refs[:mine].count(1) != mine or 0 in refs:
-            return None
-        own = tail[:mine]
-        nodes = get(self.node)[:mine]
-        uncached = nodes.count(None)  # of those, the uncached ones must lead
-        if nodes[:uncached].count(None) != uncached:
-            return None
-        leaves, shared = own[uncached:], []
-        if any(node.children for node in {*nodes[uncached:]}):  # type: ignore[union-attr]  # a run others branch from
-            leaves = []
-            for b, node in zip(own[uncached:], nodes[uncached:], strict=True):
-                (shared if node.children else leaves).append(b)  # type: ignore[union-attr]
-        for b in own:
-            ref[b] = 0
-        for b in tail[mine:]:  # held by others too: stays in use
-            ref[b] -= 1
-        if uncached:
-            freed = own[:uncached]
-            for b in freed:
-                group_of[b] = -1
-            self._free += freed
-        self.used[group] -= mine
-        self.cached[group] += mine - uncached
-        return leaves, shared
 
     def _queue(self, leaves: list[int], shared: list[int], priority: int) -> None:
         """Queue released cached blocks, split by their runs' shape as :meth:`EvictionQueue.add_split` splits them
