@@ -309,3 +309,32 @@ def test_partial_reuse_on_an_indexed_node_picks_what_comparing_every_child_would
     if source is not None:  # the copied block went back to the eviction queue as its most recent entry
         assert m._pool["full"].evictable.blocks()[-1] == source
     m.check_invariants()
+
+
+def test_detaching_several_groups_in_one_call_leaves_the_tree_as_a_call_per_group():
+    # a shared arena's take evicts blocks of many groups, position by position: detach_mixed unhooks them in one pass
+    # and must leave the runs, trims and block owners exactly as one detach per group does
+    def build() -> tuple[RadixTree, RadixNode]:
+        owner: list = [None] * 64
+        pos = [0] * 64
+        tree = RadixTree({"a": (owner, pos), "b": (owner, pos)})  # the groups share one pool's lists, as an arena's
+        run, _ = tree.extend(None, "s", pack_tokens(list(range(16))), 4)
+        for g, base in (("a", 10), ("b", 20)):
+            for i in range(4):
+                run.blocks[g][i] = base + i
+                run.held[i] += 1
+                owner[base + i], pos[base + i] = run, i
+        tree.leave(run)  # nobody's path: its empty tail positions are trimmed
+        return tree, run
+
+    def state(tree: RadixTree, run: RadixNode) -> tuple:
+        return tree.num_nodes, len(run), dict(run.blocks), list(run.held), list(tree.owners["a"]), tree.root("s")
+
+    one, run1 = build()
+    one.detach_mixed(["a", "b"], [13, 23, 12, 22, 20], [0, 1, 0, 1, 1])
+    per, run2 = build()
+    per.detach("a", [13, 12])
+    per.detach("b", [23, 22, 20])
+    assert len(run1) == 2 and run1.blocks["b"][0] == -1
+    assert state(one, run1)[:4] == state(per, run2)[:4]
+    assert [o is not None for o in one.owners["a"]] == [o is not None for o in per.owners["a"]]

@@ -176,6 +176,11 @@ class KVCacheManagerV2:
         # with reuse on, every group block spans a whole number of token blocks.
         self._attach_steps = [(g.name, max(1, g.tokens_per_block // self.T), self._pool[g.name].node,
                                self._pool[g.name].pos) for g in self.groups]
+        self._names = [g.name for g in self.groups]
+        # a shared arena whose every group block spans one token block: its block -> run list, which every group's
+        # view shares (a decode that fills a block keys every group's block at one position, checked in bulk)
+        self._one_owner = (self._arena.node if self._arena is not None and all(g.tokens_per_block == self.T
+                                                                                for g in self.groups) else None)
         self._sliding = [g for g in self.groups if g.window is not None]
         # sliding groups by (window, block span): they release in lockstep, so one bound serves them all
         windows: dict[tuple[int, int], list[tuple[str, GroupPool | GroupShare]]] = {}
@@ -666,7 +671,7 @@ class KVCacheManagerV2:
         assert arena is not None
         one = len(per_span) == 1
         counts = [per_span[0]] * len(self.groups) if one else [per_span[s] for s in self._span_slot]
-        pieces = arena.take_each(self._share_index, counts, self._detach)
+        pieces = arena.take_each(self._share_index, counts, self._detach, self._detach_mixed)
         for (name, _, _), piece in zip(self._group_pools, pieces, strict=True):
             if piece:
                 tables[name] += piece
@@ -1015,6 +1020,8 @@ class KVCacheManagerV2:
                 for j, b in enumerate(table):
                     if b < 0 and j >= cache.released[g.name]:
                         problems.append(f"{rid}: group {g.name} block {j} missing above the window")
+                    if b >= 0 and j < cache.released[g.name]:  # a finish does not look there (release_tables)
+                        problems.append(f"{rid}: group {g.name} holds block {j} below its window's release mark")
                     if b >= 0:
                         owners[g.name][b] = owners[g.name].get(b, 0) + 1
         worst = [sum(g.blocks_for(c.worst) for c in self._caches.values() if c.is_active) for g in self.groups]
@@ -1225,6 +1232,21 @@ class KVCacheManagerV2:
                                     for b in blocks], group)
         self._tree.detach(group, blocks)
 
+    def _detach_mixed(self, blocks: list[int], groups: list[int]) -> None:
+        """:meth:`_detach` for a shared arena's evicted blocks of several groups (``groups[k]``: the arena index of
+        ``blocks[k]``'s group), in one pass when there is nothing to do per group (no KV events, no write-back
+        waiting); else group by group, each group's blocks in eviction order, the groups in order of first eviction
+        (as :meth:`SharedPool.take_each` without it calls them)."""
+        names = self._arena.names  # type: ignore[union-attr]
+        if self.kv_events is None and not any(self._write_back.values()):
+            self._tree.detach_mixed(names, blocks, groups)
+            return
+        by_group: dict[int, list[int]] = {}
+        for b, g in zip(blocks, groups, strict=True):
+            by_group.setdefault(g, []).append(b)
+        for g, got in by_group.items():
+            self._detach(names[g], got)
+
     def _forget_write_back(self, cache: SequenceCache) -> None:
         """Drop a suspended cache's pages still waiting on the device from the write-back map (resumed or freed)."""
         for name, marks in cache.reclaim.items():
@@ -1306,10 +1328,11 @@ class KVCacheManagerV2:
         self._count_worst(cache, -1)
         priority = cache.request.priority
         if self._arena is not None:
-            tables = cache.tables
+            tables, released = cache.tables, cache.released
+            # below released[name] a table holds only -1 (what its window let go): not looked at again
             self._arena.release_tables([(i, tables[name]) for i, (name, _, _) in zip(self._share_index,
                                                                                       self._group_pools, strict=True)],
-                                       priority)
+                                       priority, [released[name] for name in self._names])
             for name in tables:
                 tables[name] = []
             cache.room = 0
@@ -1374,9 +1397,22 @@ class KVCacheManagerV2:
             if full == first + 1 and events is None:  # a decode filled one block: no slicing, no bulk checks
                 i = len(last.held)
                 last.tokens += packed
+                self._tree.num_nodes += 1
+                owner = self._one_owner
+                if owner is not None:  # one block per group at one position: checked at C speed, hung in bulk
+                    names = self._names
+                    got = [table[first] for table in map(tables.__getitem__, names)]
+                    if -1 not in got and list(map(owner.__getitem__, got)).count(None) == len(got):
+                        pos = self._arena.pos  # type: ignore[union-attr]
+                        for blocks, b in zip(map(last.blocks.__getitem__, names), got, strict=True):
+                            blocks.append(b)
+                        for b in got:
+                            owner[b] = last
+                            pos[b] = first
+                        last.held.append(len(got))
+                        return
                 for blocks in last.blocks.values():
                     blocks.append(-1)
-                self._tree.num_nodes += 1
                 held = 0
                 for name, step, owner, pos in self._attach_steps:
                     if step == 1 or not full % step:  # a group block ends at this position

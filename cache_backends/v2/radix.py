@@ -337,6 +337,32 @@ class RadixTree:
             if run is not prev:
                 runs.append(run)  # type: ignore[arg-type]
                 prev = run
+        self._trim_detached(runs)
+
+    def detach_mixed(self, names: Sequence[str], blocks: Sequence[int], groups: Sequence[int]) -> None:
+        """:meth:`detach` of blocks of several groups in one pass, ``blocks[k]`` of group ``names[groups[k]]``: what a
+        detach per group leaves (trimming is confluent). The groups must share one pool's block -> run and block ->
+        position lists (a shared arena's groups do).
+
+        Why: a decode's block boundary on a shared arena evicts a block or two of each of many groups (Gemma 3 27B:
+        31), in eviction order, so a call per group cost more than the blocks' own work."""
+        owner, pos = self.owners[names[0]], self.positions[names[0]]
+        runs: list[RadixNode] = []
+        prev = None
+        for b, g in zip(blocks, groups, strict=True):  # this loop runs for every evicted block: kept lean
+            run = owner[b]
+            owner[b] = None
+            i = pos[b] - run.start  # type: ignore[union-attr]
+            run.blocks[names[g]][i] = -1  # type: ignore[union-attr]
+            run.held[i] -= 1  # type: ignore[union-attr]
+            if run is not prev:  # the groups' blocks of one position, evicted together, are in one run
+                runs.append(run)  # type: ignore[arg-type]
+                prev = run
+        self._trim_detached(runs)
+
+    def _trim_detached(self, runs: list[RadixNode]) -> None:
+        """Trim each of ``runs`` (runs that just lost blocks) as :meth:`trim` does when it is left with an empty,
+        unused, childless tail, or drop a released request's pending prefix left with nothing."""
         for run in runs:  # trimming is confluent: once after the batch leaves what once per block would
             if run.parent is not None:
                 if not run.users and not run.children and not run.held[-1]:

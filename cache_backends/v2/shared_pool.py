@@ -31,7 +31,7 @@ step by step); only the per-block work remains per group.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from operator import itemgetter
 from typing import TYPE_CHECKING
 
@@ -39,6 +39,11 @@ from cache_backends.v2.group_pool import Detach, EvictionQueue
 
 if TYPE_CHECKING:
     from cache_backends.v2.radix import RadixNode
+
+#: ``detach_mixed(blocks, groups)``: :data:`~cache_backends.v2.group_pool.Detach` for evicted blocks of several groups
+#: in one call, ``groups[k]`` the arena index of the group of ``blocks[k]`` (in eviction order); what one ``Detach``
+#: call per group would do.
+DetachMixed = Callable[[list[int], list[int]], None]
 
 
 def _interleave(lists: list[list[int]]) -> list[int]:
@@ -100,7 +105,8 @@ class SharedPool:
         """``n`` pages for ``group`` with ``ref == 1``: free ones first, then the globally next to evict."""
         return self.take_each((group,), (n,), detach)[0]
 
-    def take_each(self, groups: Sequence[int], counts: Sequence[int], detach: Detach) -> list[list[int]]:
+    def take_each(self, groups: Sequence[int], counts: Sequence[int], detach: Detach,
+                  detach_mixed: DetachMixed | None = None) -> list[list[int]]:
         """``counts[i]`` pages for ``groups[i]`` each, exactly as :meth:`take` called group by group in this order
         would hand them out (the same blocks and evictions; the same blocks detached), in one pass.
 
@@ -109,7 +115,9 @@ class SharedPool:
         Group by group, the free list hands out its blocks in order and, once it is empty, the eviction queue
         does; so the blocks are the free list's then one ``pop_many`` (the queue pops in the same order either
         way). The evicted blocks are detached in one call per group they belong to (a group's ``take`` detached per
-        call: the radix runs end the same, ``RadixTree.detach`` being confluent; KV events come grouped so).
+        call: the radix runs end the same, ``RadixTree.detach`` being confluent; KV events come grouped so), or,
+        given ``detach_mixed``, all of them in one call with their groups (a decode's block boundary on Gemma 3 27B
+        evicts a block or two of each of up to 31 groups: a call per group cost more than the detaching itself).
         """
         free = self._free
         total = sum(counts)
@@ -119,10 +127,18 @@ class SharedPool:
         k = min(total, len(free))
         out = free[len(free) - k:][::-1]
         del free[len(free) - k:]
-        gen, ref, group_of, used = self.gen, self.ref, self.group_of, self.used
         if total > k:
+            group_of = self.group_of
             evicted = self.evictable.pop_many(total - k)
             names, cached, evictions = self.names, self.cached, self.evicted
+            if detach_mixed is not None:  # one call for every group's evicted blocks, in eviction order
+                of = [group_of[b] for b in evicted]
+                for g in of:
+                    cached[g] -= 1
+                    evictions[g] += 1
+                detach_mixed(evicted, of)
+                out += evicted
+                return self._hand_out(out, groups, counts)
             # every evicted block's group, then one detach per group: a finish queues its groups' blocks position
             # by position, so evictions alternate groups, and a detach per group per take cost Gemma 3 27B's
             # no-reuse a fifth more Python work (detaching is confluent: the runs end the same whatever the order)
@@ -139,6 +155,12 @@ class SharedPool:
                 evictions[g] += len(blocks)
                 detach(names[g], blocks)
             out += evicted
+        return self._hand_out(out, groups, counts)
+
+    def _hand_out(self, out: list[int], groups: Sequence[int], counts: Sequence[int]) -> list[list[int]]:
+        """:meth:`take_each`'s end: the blocks ``out`` (free ones, then evicted ones) given to ``groups`` in order,
+        ``counts[i]`` each, with ``ref == 1``."""
+        gen, ref, group_of, used = self.gen, self.ref, self.group_of, self.used
         if counts and min(counts) == 1 == max(counts):  # a block boundary of a decode: a block for every group
             for b, g in zip(out, groups, strict=True):  # this loop runs for every block handed out: kept lean
                 gen[b] += 1
@@ -194,8 +216,49 @@ class SharedPool:
     def release_slices(self, members: Sequence[tuple[int, list[int]]], lo: int, hi: int, priority: int) -> None:
         """Let go of ``table[lo:hi]`` of every ``(group, table)`` (ids below 0 skipped) and mark them -1; blocks in
         the prefix cache stay cached. The same as :meth:`release` with ``keep_cached`` per block, in order, in one
-        pass: the sliding sub-groups of one window leave it together."""
+        pass: the sliding sub-groups of one window leave it together.
+
+        The usual slides are checked at C speed and done without the per-block branches (Gemma 3 27B's window sets
+        slide 26 groups at every block boundary of every decode): every block there and its group's, and either
+        all held by other tables too (a shared prompt's blocks that other requests' windows still see: nothing
+        leaves), or all held by this table alone and then all cached in runs without children, or none cached."""
         ref, owner, free, group_of = self.ref, self.node, self._free, self.group_of
+        k = hi - lo
+        if k == 1 and len(members) > 1:  # (a prefill's slide of several blocks is rarer: it takes the loop)
+            got = [table[lo] for _, table in members]
+            get = itemgetter(*got)
+            if -1 not in got and list(get(group_of)) == [g for g, _ in members]:
+                refs = get(ref)
+                ones = refs.count(1)
+                if not ones and 0 not in refs:  # every block held by others too: nothing leaves
+                    for _, table in members:
+                        table[lo] = -1
+                    for b in got:
+                        ref[b] -= 1
+                    return
+                if ones == len(got):
+                    nodes = get(owner)
+                    none = nodes.count(None)
+                    if none == ones or (not none and not any(node.children for node in {*nodes})):  # type: ignore[union-attr]
+                        for _, table in members:
+                            table[lo] = -1
+                        used = self.used
+                        if none:  # none cached: all go free, in order
+                            for b in got:
+                                ref[b] = 0
+                                group_of[b] = -1
+                            free += got
+                            for g, _ in members:
+                                used[g] -= k
+                            return
+                        for b in got:
+                            ref[b] = 0
+                        cached = self.cached
+                        for g, _ in members:
+                            used[g] -= k
+                            cached[g] += k
+                        self._queue(got, [], priority)
+                        return
         leaves: list[int] = []  # cached blocks split as EvictionQueue.add_split would, in the same pass
         shared: list[int] = []
         for group, table in members:
@@ -222,17 +285,25 @@ class SharedPool:
             self.cached[group] += len(leaves) + len(shared) - n_cached
         self._queue(leaves, shared, priority)
 
-    def release_tables(self, tables: Sequence[tuple[int, list[int]]], priority: int) -> None:
+    def release_tables(self, tables: Sequence[tuple[int, list[int]]], priority: int,
+                       starts: Sequence[int] | None = None) -> None:
         """Let go of every block of every ``(group, table)``, each table tail first (ids below 0 skipped); blocks in
-        the prefix cache stay cached. :meth:`release` group by group with ``keep_cached``, in one pass."""
+        the prefix cache stay cached. :meth:`release` group by group with ``keep_cached``, in one pass.
+
+        ``starts[i]``: table ``i`` holds only ids below 0 before it (a sliding window released them), so they are not
+        looked at: at a long request's finish most of a sliding table is such a run (Gemma 3 27B: 26 of 31 tables).
+        (Checking a whole table at C speed first and then letting go of it in bulk was tried: on Python 3.11 each
+        ``itemgetter`` pass over a table costs about what the loop's own step does, and it came out slower.)"""
         ref, owner, free, group_of = self.ref, self.node, self._free, self.group_of
         used, kept = self.used, self.cached
         by_group: list[tuple[list[int], list[int]]] = []  # each group's cached (leaves, shared), tail first
-        for group, table in tables:
+        for t, (group, table) in enumerate(tables):
+            lo = starts[t] if starts is not None else 0
+            tail = table[:lo - 1:-1] if lo else table[::-1]
             n_free = len(free)
             leaves: list[int] = []  # cached blocks split as EvictionQueue.add_split would, in the same pass
             shared: list[int] = []
-            for b in reversed(table):  # this loop runs for every block of every group: kept lean
+            for b in tail:  # this loop runs for every block of every group: kept lean
                 if b < 0:
                     continue
                 r = ref[b] - 1
