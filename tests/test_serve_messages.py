@@ -209,9 +209,12 @@ def test_a_tool_call_is_a_tool_use_block_and_its_result_the_next_turn(r1):
     assert r1.seen.messages[-1] == [
         *ask,
         {"role": "assistant", "content": "Let me look.", "tool_calls": [
-            {"id": use.id, "type": "function", "function": {"name": "get_time", "arguments": {"zone": "CET"}}}]},
+            {"id": use.id, "type": "function", "function": {"name": "get_time", "arguments": {"zone": "CET"}}}],
+         # the thinking sent back reaches the template as the turn's reasoning, as vLLM converts it (interleaved
+         # thinking); it was dropped before
+         "reasoning": THOUGHT, "reasoning_content": THOUGHT},
         {"role": "tool", "tool_call_id": use.id, "content": "1:00"}, {"role": "user", "content": "Thanks."}]
-    assert "serve.messages[1].content[0]" in ignored_settings(r1, after.id)  # the thinking sent back: dropped, said
+    assert "serve.messages[1].content[0]" not in ignored_settings(r1, after.id)
 
 
 def test_a_streamed_tool_call_is_a_tool_use_block_with_its_input_as_json_deltas(r1):
@@ -264,6 +267,10 @@ def test_a_named_tool_holds_the_reply_to_its_call(plain):
     ({"stop_sequences": [""]}, "stop_sequences: expected non-empty strings"),
     ({"temperature": "hot"}, "temperature"),
     ({"thinking": {"type": "enabled"}}, "thinking.budget_tokens: expected an integer"),
+    ({"messages": [*HELLO, {"role": "assistant", "content": [{"type": "thinking", "thinking": 7, "signature": "s"}]},
+                   {"role": "user", "content": "and?"}]}, "messages[1].content[0].thinking: expected a string"),
+    ({"messages": [{"role": "user", "content": [{"type": "thinking", "thinking": "t"}]}]},
+     "messages[0].content[0].type: 'thinking' is not supported in a user message"),
     # any object was taken (and reported ignored), though the refusal of a non-object said {"user_id"?}
     ({"metadata": {"user": "u-7"}}, "metadata.user: not supported here; accepted: user_id"),
     ({"metadata": {"user_id": 7}}, "metadata.user_id: expected a string of at most 256 characters"),
@@ -364,13 +371,13 @@ def test_settings_that_change_nothing_here_are_reported(plain):
                    tool_choice={"type": "none"}, messages=[
                        {"role": "user", "content": "Time?"},
                        {"role": "assistant", "content": [
-                           {"type": "thinking", "thinking": "Look it up.", "signature": "s"},
+                           {"type": "redacted_thinking", "data": "opaque"},
                            {"type": "tool_use", "id": "t1", "name": "get_time", "input": {"zone": "UTC"}}]},
                        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "is_error": True,
                                                      "content": [{"type": "text", "text": "no clock"}]}]}])
     assert reply.content[0].text == "Ok."
     assert ignored_settings(plain, reply.id) == {"serve.thinking": "enabled",  # no --reasoning-parser here
-                                                 "serve.messages[1].content[0]": "thinking",
+                                                 "serve.messages[1].content[0]": "redacted_thinking",
                                                  "serve.messages[2].content[0].is_error": True}
     assert plain.seen.messages[-1][1:] == [
         {"role": "assistant", "content": "", "tool_calls": [

@@ -161,7 +161,7 @@ def _messages(value: Any, ignored: list[tuple[str, Any, str]]) -> tuple[list[dic
     """``messages`` as chat messages, and the body's name for where each came from. A user message's ``tool_result``
     blocks are ``tool`` messages (each answering a ``tool_use`` block before it, as Anthropic requires), then its
     text a user message; an assistant's ``tool_use`` blocks are its ``tool_calls``; its ``thinking`` blocks (a past
-    answer's) are dropped, reported: chat messages carry no past thinking."""
+    answer's) its ``reasoning``, joined, as vLLM converts them (``redacted_thinking``: dropped, reported)."""
     _need(isinstance(value, list) and bool(value), "messages", "a non-empty list of {role, content} messages", value)
     messages: list[dict[str, Any]] = []
     sources: list[str] = []
@@ -180,6 +180,7 @@ def _messages(value: Any, ignored: list[tuple[str, Any, str]]) -> tuple[list[dic
         _need(isinstance(content, list), f"{where}.content", f"a string or a list of {_BLOCKS[role]} blocks", content)
         texts: list[str] = []
         uses: list[dict[str, Any]] = []
+        thoughts: list[str] = []
         for j, block in enumerate(content):
             at = f"{where}.content[{j}]"
             _need(isinstance(block, dict) and isinstance(block.get("type"), str), at, "a content block with a type",
@@ -198,9 +199,14 @@ def _messages(value: Any, ignored: list[tuple[str, Any, str]]) -> tuple[list[dic
                 calls.add(block["id"])
                 uses.append({"id": block["id"], "type": "function",
                              "function": {"name": block["name"], "arguments": json.dumps(block["input"])}})
-            elif kind in ("thinking", "redacted_thinking") and role == "assistant":
-                ignored.append((at, kind, "a past answer's thinking: the chat template is given none (chat messages "
-                                "carry no reasoning)"))
+            elif kind == "thinking" and role == "assistant":  # vLLM's rule: the turn's reasoning, for the template
+                _fields(block, at, {"type", "thinking", "signature", "cache_control"})
+                _need(isinstance(block.get("thinking"), str), f"{at}.thinking", "a string (the answer's thinking)",
+                      block.get("thinking"))
+                _cache_control(block, at, ignored)
+                thoughts.append(block["thinking"])
+            elif kind == "redacted_thinking" and role == "assistant":
+                ignored.append((at, kind, "thinking encrypted by another provider: the chat template is given none"))
             elif kind == "tool_result" and role == "user":
                 messages.append(_tool_result(block, at, calls, ignored))
                 sources.append(at)
@@ -211,6 +217,8 @@ def _messages(value: Any, ignored: list[tuple[str, Any, str]]) -> tuple[list[dic
             turn: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts or not uses else None}
             if uses:
                 turn["tool_calls"] = uses
+            if thoughts:  # as chat's reasoning field: the template sees it as reasoning and reasoning_content
+                turn["reasoning"] = "".join(thoughts)
             messages.append(turn)
             sources.append(where)
         elif texts or not content:  # the text after a user turn's tool results (Anthropic puts the results first)
