@@ -41,6 +41,18 @@ def test_grid_compares_v1_and_v2_per_cell_and_judges_the_targets():
     assert any(note.startswith("Every cell") for note in table.notes)
 
 
+def test_the_split_bench_runs_both_rules_and_puts_the_old_one_back():
+    from bench import bench_grid
+    from cache_backends.layout import KvLayout
+
+    rule = KvLayout.split_length
+    table = bench_grid.split_pools(workloads=("no-reuse",), budgets=("default",), quick=True)
+    (row,) = table.rows
+    before, after = (int(n.replace(",", "")) for n in row[2].split(" (")[0].split(" -> "))
+    assert row[:2] == ["no-reuse", "default"] and after < before  # windows for short requests: fewer steps
+    assert KvLayout.split_length is rule
+
+
 def test_the_grids_mixed_urgent_cells_run_mixed_traffic_with_urgent_requests_under_the_priority_policy(monkeypatch):
     import engine.simulator
     from bench import bench_grid
