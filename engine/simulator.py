@@ -424,8 +424,15 @@ def run_manager(routed: RunResult, name: str, v2: bool | None, budget: Budget, w
             metrics = replay(manager, scheduler, workload, on_finish=bar.update, step_model=step_model)
         except StalledError as exc:
             if not keep_going:
+                layout, seq_len = kv.layout, routed.context.args.max_seq_len
+                lower = ("" if layout.split_length(seq_len) >= seq_len
+                         or budget.bytes >= layout.bytes_for_sequence(seq_len) else
+                         f", or lower --max_seq_len ({seq_len:,}) to the longest request: these pools are split for "
+                         f"sequences of {layout.split_length(seq_len):,} tokens beside one of max_seq_len, which a "
+                         "budget this small does not hold")
                 raise KvBuildError(f"{name} cannot finish workload {workload.name} at a budget of "
-                                   f"{budget.bytes:,} B: {exc}; raise --max_tokens or --max_gpu_total_bytes") from None
+                                   f"{budget.bytes:,} B: {exc}; raise --max_tokens or --max_gpu_total_bytes"
+                                   f"{lower}") from None
             return ManagerResult(name, "stalled", str(exc), **base)
         finally:
             bar.close()

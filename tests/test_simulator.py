@@ -196,6 +196,23 @@ def test_deepseek_v4_runs_at_least_half_the_conversations_its_budget_is_priced_f
     assert v2.metrics.hit_rate >= 0.8 * v2.metrics.ideal_hit_rate
 
 
+def test_a_split_budget_below_one_max_seq_len_sequence_that_stalls_says_to_lower_max_seq_len():
+    """Split pools under one max_seq_len sequence hold a longest request about half as long as the budget could hold
+    alone; the refusal names the flag that gives it back (an 8,192-token request in a budget of exactly one)."""
+    budget = {"max_gpu_total_bytes": 1_007_616}  # one 8,192-token tiny-deepseek-v4 sequence, windows included
+    kw = {"requests": 2, "params": {"prompt_len": 8000, "answer_len": 192}, **CPU}
+    with pytest.raises(KvBuildError, match=r"or lower --max_seq_len \(65,536\) to the longest request: these pools "
+                                           r"are split for sequences of 1,986 tokens"):
+        simulate("tiny-deepseek-v4", "long-context", kv_cache_config=budget, **kw)
+    (v2,) = simulate("tiny-deepseek-v4", "long-context", kv_cache_config=budget, max_seq_len=8192,
+                     **kw).results.values()
+    assert v2.metrics.finished == 2
+    with pytest.raises(KvBuildError) as caught:  # one pool for every layer: no such advice
+        simulate("tiny-llama", "long-context", kv_cache_config={"max_tokens": 64}, requests=2,
+                 params={"prompt_len": 100, "answer_len": 4}, **CPU)
+    assert "--max_seq_len" not in str(caught.value)
+
+
 def test_the_default_budget_holds_the_workloads_sequences_in_the_routed_layout():
     report = simulate("tiny-llama", "no-reuse", **small("no-reuse"), **CPU)
     w = report.workload
