@@ -288,7 +288,7 @@ class KvLayout:
         # in whole windows (at least one: the budget holds that sequence's too).
         need = self.blocks_for_sequence(length)
         growing = {g.name: max(blocks[g.name], need[g.name]) for g in self.groups if g.keeps_all_tokens}
-        left = budget_bytes - sum(n * g.bytes_per_block for g in self.groups for n in [growing.get(g.name, 0)])
+        left = budget_bytes - sum(growing[g.name] * g.bytes_per_block for g in self.groups if g.keeps_all_tokens)
         windows = sum(need[g.name] * g.bytes_per_block for g in self.groups if not g.keeps_all_tokens)
         sequences = left // windows
         return {g.name: growing[g.name] if g.keeps_all_tokens else sequences * need[g.name] for g in self.groups}

@@ -425,11 +425,11 @@ def run_manager(routed: RunResult, name: str, v2: bool | None, budget: Budget, w
         except StalledError as exc:
             if not keep_going:
                 layout, seq_len = kv.layout, routed.context.args.max_seq_len
-                lower = ("" if layout.split_length(seq_len) >= seq_len
-                         or budget.bytes >= layout.bytes_for_sequence(seq_len) else
+                split = layout.split_length(seq_len)
+                lower = ("" if split >= seq_len or budget.bytes >= layout.bytes_for_sequence(seq_len) else
                          f", or lower --max_seq_len ({seq_len:,}) to the longest request: these pools are split for "
-                         f"sequences of {layout.split_length(seq_len):,} tokens beside one of max_seq_len, which a "
-                         "budget this small does not hold")
+                         f"sequences of {split:,} tokens beside one of max_seq_len, which a budget this small does "
+                         "not hold")
                 raise KvBuildError(f"{name} cannot finish workload {workload.name} at a budget of "
                                    f"{budget.bytes:,} B: {exc}; raise --max_tokens or --max_gpu_total_bytes"
                                    f"{lower}") from None
