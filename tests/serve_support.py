@@ -76,6 +76,31 @@ def wait_for(check: Callable[[], bool], timeout: float = 30.0, what: str = "cond
         time.sleep(0.05)
 
 
+@contextlib.contextmanager
+def held_at_step(served: Served, step: int) -> Iterator[tuple[Any, Any]]:
+    """The engine's forward held at its ``step``-th call from now (1: the next) until the block ends or ``release`` is
+    set; yields ``(reached, release)``: events set once it is held (the steps before it ran: their tokens are out)
+    and to let it go on. The hold gives up after ``TIMEOUT``, so a failure is not a hang."""
+    import threading
+
+    executor = served.state.engine.executor
+    forward, reached, release, calls = executor.forward_scored, threading.Event(), threading.Event(), [0]
+
+    def held(*args: Any, **kw: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == step:
+            reached.set()
+            release.wait(TIMEOUT)
+        return forward(*args, **kw)
+
+    executor.forward_scored = held  # an instance attribute shadows the method
+    try:
+        yield reached, release
+    finally:
+        release.set()
+        executor.forward_scored = forward
+
+
 def answers_while_held(served: Served, target: Any, name: str, request: Callable[[httpx.Client], Any],
                        check: Callable[[httpx.Client], Any]) -> Any:
     """Hold ``target.name`` (a method the server calls while preparing a request) until ``check`` ran against the

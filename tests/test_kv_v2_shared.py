@@ -322,9 +322,13 @@ def _finishing_arena(spec: list[tuple[str, int, int, int, bool, bool]]) -> tuple
     return pool, tables
 
 
+#: specs for _finishing_arena: per group (shape, blocks, cached head, released window, a hole, a block held twice)
+_FINISHING = st.lists(st.tuples(st.sampled_from(_SHAPES), st.integers(0, 12), st.integers(0, 12), st.integers(0, 4),
+                                st.booleans(), st.booleans()), min_size=1, max_size=4)
+
+
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(_SHAPES), st.integers(0, 12), st.integers(0, 12), st.integers(0, 4),
-                          st.booleans(), st.booleans()), min_size=1, max_size=4))
+@given(_FINISHING)
 def test_a_finish_and_a_hit_leave_the_arena_as_block_by_block_calls_would(spec):
     # a finish releases every group's table in one release_tables, and a hit takes the usual case (every block the
     # group's and cached) in bulk, checked at C speed: whatever a table's shape (released windows, holes, blocks held
@@ -359,8 +363,7 @@ def test_a_finish_and_a_hit_leave_the_arena_as_block_by_block_calls_would(spec):
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(_SHAPES), st.integers(0, 12), st.integers(0, 12), st.integers(0, 4),
-                          st.booleans(), st.booleans()), min_size=1, max_size=4))
+@given(_FINISHING)
 def test_a_finish_that_skips_the_released_window_ends_as_one_that_reads_it(spec):
     # the manager tells release_tables where each table's window-released run of -1 ends (cache.released), so a
     # finish skips it: the arena must end exactly as a finish that reads every entry

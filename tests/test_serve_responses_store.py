@@ -5,10 +5,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import threading
-from collections.abc import Iterator
 from types import SimpleNamespace
 
 import httpx
@@ -19,7 +17,7 @@ from hypothesis import strategies as st
 from openai.types.responses import Response, ResponseItemList
 
 from tests.cli_support import run_cli
-from tests.serve_support import TIMEOUT, Script, answers_while_held, wait_for
+from tests.serve_support import TIMEOUT, Script, answers_while_held, held_at_step, wait_for
 from tests.test_serve_responses import WEATHER, Seen, _serve, create, events_of
 
 BOUND = 4
@@ -221,28 +219,6 @@ def test_an_id_a_kept_request_in_flight_holds_is_refused(kept):
     assert kept.served.client.responses.retrieve("resp_live-1").output_text == "Held."
 
 
-@contextlib.contextmanager
-def _held_at_step(served, step: int) -> Iterator[threading.Event]:
-    """The engine's forward held at its ``step``-th call from now (1: the next) until the block ends; yields the
-    event set once it is held (the steps before it ran: their tokens are out)."""
-    executor = served.state.engine.executor
-    forward, reached, release, calls = executor.forward_scored, threading.Event(), threading.Event(), [0]
-
-    def held(*args):
-        calls[0] += 1
-        if calls[0] == step:
-            reached.set()
-            release.wait(TIMEOUT)
-        return forward(*args)
-
-    executor.forward_scored = held
-    try:
-        yield reached
-    finally:
-        release.set()
-        executor.forward_scored = forward
-
-
 def _refused_in_progress(r, param: str, code: str) -> None:
     assert (r.status_code, r.json()["error"]["param"], r.json()["error"]["code"]) == (400, param, code), r.text
     assert "is still in progress" in r.json()["error"]["message"]
@@ -264,7 +240,7 @@ def test_a_kept_stream_in_progress_is_answered_as_it_stands_not_as_unknown(kept)
     def text_so_far() -> str:
         return "".join(e["delta"] for e in list(events) if e["type"] == "response.output_text.delta")
 
-    with _held_at_step(kept.served, 4) as reached:  # three tokens out, the fourth held
+    with held_at_step(kept.served, 4) as (reached, _):  # three tokens out, the fourth held
         thread = threading.Thread(target=stream)
         thread.start()
         wait_for(lambda: reached.is_set() and text_so_far() != "", what="the stream's first text")

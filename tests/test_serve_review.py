@@ -24,7 +24,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import pipeline
-from tests.serve_support import TIMEOUT, fails_once, serving, wait_for
+from tests.serve_support import TIMEOUT, fails_once, held_at_step, serving, wait_for
 
 PROMPT = [3, 1, 4, 1, 5]
 
@@ -249,76 +249,46 @@ def test_a_second_stop_signal_still_ends_each_stream_with_its_last_chunk_and_don
     ends every request at once, so the stream gets its last chunk (``finish_reason: "abort"``) and ``[DONE]``."""
     import signal
 
-    with serving("tiny-llama") as served:
-        executor = served.state.engine.executor
-        forward = executor.forward_scored
-        entered, release, calls = threading.Event(), threading.Event(), []
-
-        def held_forward(*args, **kw):  # the third step waits: a long step on a big model
-            calls.append(None)
-            if len(calls) == 3:
-                entered.set()
-                release.wait(TIMEOUT)
-            return forward(*args, **kw)
-
-        executor.forward_scored = held_forward
+    # the third step waits: a long step on a big model
+    with serving("tiny-llama") as served, held_at_step(served, 3) as (entered, release):
         body = {"prompt": PROMPT, "max_tokens": 50, "ignore_eos": True, "stream": True}
-        try:
-            with _logged_errors() as errors, httpx.Client(base_url=served.url, timeout=TIMEOUT) as http, \
-                    http.stream("POST", "/v1/completions", json=body) as r:
-                lines = r.iter_lines()
-                assert next(line for line in lines if line.startswith("data: ")) != "data: [DONE]"
-                assert entered.wait(TIMEOUT)
-                for sig in (signal.SIGINT, signal.SIGINT):  # what serve()'s handler gets for each
-                    served.server.server.handle_exit(sig, None)
-                served.server.thread.join(0.5)  # a forced exit ends the server now, cutting the stream
-                release.set()
-                events = [line[6:] for line in lines if line.startswith("data: ")]
-            assert events[-1] == "[DONE]"
-            assert json.loads(events[-2])["choices"][0]["finish_reason"] == "abort"
-            assert [r.getMessage() for r in errors] == []
-            served.server.thread.join(TIMEOUT)
-            assert not served.server.thread.is_alive()
-        finally:
+        with _logged_errors() as errors, httpx.Client(base_url=served.url, timeout=TIMEOUT) as http, \
+                http.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: ")) != "data: [DONE]"
+            assert entered.wait(TIMEOUT)
+            for sig in (signal.SIGINT, signal.SIGINT):  # what serve()'s handler gets for each
+                served.server.server.handle_exit(sig, None)
+            served.server.thread.join(0.5)  # a forced exit ends the server now, cutting the stream
             release.set()
-            executor.forward_scored = forward
+            events = [line[6:] for line in lines if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["choices"][0]["finish_reason"] == "abort"
+        assert [r.getMessage() for r in errors] == []
+        served.server.thread.join(TIMEOUT)
+        assert not served.server.thread.is_alive()
 
 
 def test_a_stream_still_waiting_on_a_step_when_the_graceful_timeout_ends_logs_no_traceback():
     """A step longer than the stop's graceful timeout (a long prefill on a big model): uvicorn cancels the stream's
     handler, as it must to stop, and said so in one line, then logged "Exception in ASGI application" with a
     CancelledError traceback for each such request. Now its one line is all the log holds, and the server ends."""
-    with serving("tiny-llama") as served:
+    # the second step outlasts the graceful timeout
+    with serving("tiny-llama") as served, held_at_step(served, 2) as (entered, _):
         served.server.server.config.timeout_graceful_shutdown = 0.2  # uvicorn reads it when the stop comes
-        executor = served.state.engine.executor
-        forward = executor.forward_scored
-        entered, release, calls = threading.Event(), threading.Event(), []
-
-        def held_forward(*args, **kw):  # the second step outlasts the graceful timeout
-            calls.append(None)
-            if len(calls) == 2:
-                entered.set()
-                release.wait(TIMEOUT)
-            return forward(*args, **kw)
-
-        executor.forward_scored = held_forward
         body = {"prompt": PROMPT, "max_tokens": 50, "ignore_eos": True, "stream": True}
-        try:
-            with _logged_errors() as errors, httpx.Client(base_url=served.url, timeout=TIMEOUT) as http, \
-                    http.stream("POST", "/v1/completions", json=body) as r:
-                lines = r.iter_lines()
-                assert next(line for line in lines if line.startswith("data: ")) != "data: [DONE]"
-                assert entered.wait(TIMEOUT)
-                served.server.server.handle_exit(15, None)  # SIGTERM
-                served.server.thread.join(TIMEOUT)
-                assert not served.server.thread.is_alive()
-                with pytest.raises(httpx.RemoteProtocolError):  # cut: the stop could wait no longer
-                    list(lines)
-            assert [(r.getMessage(), r.exc_info) for r in errors] == [
-                ("Cancel 1 running task(s), timeout graceful shutdown exceeded", None)]
-        finally:
-            release.set()
-            executor.forward_scored = forward
+        with _logged_errors() as errors, httpx.Client(base_url=served.url, timeout=TIMEOUT) as http, \
+                http.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: ")) != "data: [DONE]"
+            assert entered.wait(TIMEOUT)
+            served.server.server.handle_exit(15, None)  # SIGTERM
+            served.server.thread.join(TIMEOUT)
+            assert not served.server.thread.is_alive()
+            with pytest.raises(httpx.RemoteProtocolError):  # cut: the stop could wait no longer
+                list(lines)
+        assert [(r.getMessage(), r.exc_info) for r in errors] == [
+            ("Cancel 1 running task(s), timeout graceful shutdown exceeded", None)]
 
 
 def test_a_client_gone_mid_burst_leaves_no_warning_per_chunk_in_the_log(caplog):
