@@ -38,7 +38,8 @@ def limited_kvload(*argv: Any, cwd: Path | None = None, env: dict[str, str] | No
     return CliResult(r.returncode, r.stdout, r.stderr)
 
 
-def _signals_as_a_terminal_gives_them() -> None:  # runs in the child before exec
+def signals_as_a_terminal_gives_them() -> None:
+    """``preexec_fn`` for a kvload child a test signals: SIGINT, SIGTERM and SIGHUP at their defaults, unblocked."""
     # a suite started in the background (`pytest ... &`) runs with SIGINT ignored, which the child would inherit, and
     # Python installs no KeyboardInterrupt handler for an ignored SIGINT: the SIGINT tests would then watch the run
     # finish instead of being interrupted; likewise a SIGHUP ignored (a suite run under nohup or a detached job, which
@@ -46,6 +47,10 @@ def _signals_as_a_terminal_gives_them() -> None:  # runs in the child before exe
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM, signal.SIGHUP))
+
+
+def _signals_as_a_terminal_gives_them() -> None:  # runs in the child before exec
+    signals_as_a_terminal_gives_them()
     _limits()
 
 

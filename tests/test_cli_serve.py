@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from tests.cli_support import ENV, REPO, kvload, ready_url, reap, run_cli, served_with, until_ready
+from tests.hostile_support import signals_as_a_terminal_gives_them
 
 
 def test_serve_process_answers_then_stops_cleanly_on_sigterm(tmp_path):
@@ -98,7 +99,7 @@ def _start_server(*flags: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "kvload", "serve", "tiny-llama", "--port", "0", *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, cwd=REPO,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as a terminal gives it
+                            preexec_fn=signals_as_a_terminal_gives_them)  # as a terminal gives it
 
 
 def _ready_line(proc: subprocess.Popen) -> str:

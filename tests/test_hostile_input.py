@@ -48,6 +48,7 @@ from tests.hostile_support import (
     exit_signal_name,
     interrupt,
     limited_kvload,
+    signals_as_a_terminal_gives_them,
     start_kvload,
     wait_for_temporary,
     yaml_bomb,
@@ -1053,7 +1054,7 @@ def test_a_signal_in_start_up_gets_the_one_line_and_its_status(tmp_path, signum,
               "sys.exit(main(['generate', 'tiny-llama', '--prompt-ids', '1,2,3', '--max_new_tokens', '2']))\n")
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path,
                        env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
-                       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                       preexec_fn=signals_as_a_terminal_gives_them)
     assert r.stderr.startswith("sent\n"), r.stderr[-2000:]  # the signal came in start-up, not at some other time
     # no --audit-log, so nothing to say was not written (the line said "nothing was written" whatever was printed)
     assert r.stderr == f"sent\nerror: {line}\n" and r.returncode == code, (r.returncode, r.stderr[-2000:])
@@ -1093,7 +1094,7 @@ def test_a_ctrl_c_while_the_cli_is_imported_gets_the_one_line_and_130(tmp_path, 
     start = ["-m", "kvload"] if launch == "python -m kvload" else ["-c", _console_script()]
     r = subprocess.run([sys.executable, *start, "plan", "tiny-llama"], capture_output=True, text=True, timeout=120,
                        cwd=tmp_path, env={**ENV, "PYTHONPATH": f"{hook}{os.pathsep}{REPO}", "SIGNAL_ON_IMPORT": module},
-                       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                       preexec_fn=signals_as_a_terminal_gives_them)
     assert r.stderr.startswith("sent\n"), r.stderr[-2000:]  # the signal came during the import, not at some other time
     assert (r.returncode, r.stderr) == (130, "sent\nerror: interrupted\n"), r.stderr[-2000:]
     assert r.stdout == ""
