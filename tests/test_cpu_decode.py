@@ -255,9 +255,24 @@ def compiler_runs(monkeypatch):
     return calls
 
 
+#: a source that compiles in milliseconds: the cache and fallback tests check the build's bookkeeping, not the kernel
+#: (the real one takes 5-15 s a compile on this CI's two cores)
+TINY_SOURCE = b"int kvload_probe(void) { return 1; }\n"
+
+
+@pytest.fixture
+def tiny_source(tmp_path, monkeypatch):
+    """``cpu_kernel_build.SOURCE`` pointed at :data:`TINY_SOURCE`."""
+    source = tmp_path / "probe.c"
+    source.write_bytes(TINY_SOURCE)
+    monkeypatch.setattr(cpu_kernel_build, "SOURCE", source)
+    return source
+
+
 @needs_cc
-def test_the_build_is_cached_per_machine_and_reused(tmp_path, monkeypatch, compiler_runs):
+def test_the_build_is_cached_per_machine_and_reused(tmp_path, monkeypatch, compiler_runs, tiny_source):
     calls = compiler_runs
+    tmp_path = tmp_path / "kernels"
     first = cpu_kernel_build.build_kernel(tmp_path)
     compiles = [c for c in calls if "-c" in c or "-shared" in c]
     assert len(compiles) == 2 and first.exists()  # compile, then link
@@ -265,20 +280,17 @@ def test_the_build_is_cached_per_machine_and_reused(tmp_path, monkeypatch, compi
     calls.clear()
     assert cpu_kernel_build.build_kernel(tmp_path) == first
     assert not [c for c in calls if "-c" in c or "-shared" in c]  # found, not compiled again
-    (tmp_path / "changed.c").write_bytes(cpu_kernel_build.SOURCE.read_bytes() + b"\n/* changed */\n")
-    monkeypatch.setattr(cpu_kernel_build, "SOURCE", tmp_path / "changed.c")
+    tiny_source.write_bytes(TINY_SOURCE + b"/* changed */\n")
     assert cpu_kernel_build.build_kernel(tmp_path) != first  # a changed source is a new build
 
 
 @needs_cc
-def test_a_cached_library_that_does_not_load_is_built_again(tmp_path):
+def test_a_cached_library_that_does_not_load_is_built_again(tmp_path, tiny_source):
     # (a disk that filled up while a copy of the cache was written, say): not a fallback to gather + SDPA forever
-    path = cpu_kernel_build.build_kernel(tmp_path)
+    path = cpu_kernel_build.build_kernel(tmp_path / "kernels")
     path.write_bytes(b"\x7fELF truncated")
-    kernel = load_cpu_kernel(tmp_path)
-    assert kernel.path == path and path.stat().st_size > 1000
-    got, ref = decode_step(kernel, [40, 3], 4, 16, None, "float32", None, seed=5, head_dim=64)
-    torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
+    lib, loaded = cpu_kernel_build.load_library(tmp_path / "kernels")  # what load_cpu_kernel loads the kernel with
+    assert loaded == path and path.stat().st_size > 1000 and lib.kvload_probe() == 1
 
 
 @needs_cc
@@ -294,7 +306,7 @@ def test_loading_the_kernel_leaves_the_process_floating_point_mode_alone(kernel_
 
 
 @needs_cc
-def test_a_flag_the_compiler_refuses_falls_back_once_not_every_process(tmp_path, monkeypatch, request):
+def test_a_flag_the_compiler_refuses_falls_back_once_not_every_process(tmp_path, monkeypatch, request, tiny_source):
     real = cpu_kernel_build.compiler()
     cc = tmp_path / "cc"
     cc.write_text("#!/bin/sh\nfor a in \"$@\"; do\n"
@@ -391,6 +403,6 @@ def test_a_hung_compiler_is_stopped_with_its_children_and_not_retried(tmp_path, 
 
 
 @needs_cc
-def test_cc_may_be_a_command_line(tmp_path, monkeypatch):
+def test_cc_may_be_a_command_line(tmp_path, monkeypatch, tiny_source):
     monkeypatch.setenv("CC", f"{cpu_kernel_build.compiler()} -DKVLOAD_UNUSED=1")  # as `ccache gcc` would be
     assert cpu_kernel_build.build_kernel(tmp_path / "kernels").exists()
