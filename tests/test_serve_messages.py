@@ -183,6 +183,37 @@ def test_count_tokens_is_the_prompts_token_count(plain):
                                              **body).usage.input_tokens > counted.input_tokens
 
 
+def test_chat_template_kwargs_reach_the_template_as_on_the_chat_endpoint(plain):
+    """vLLM's extra on /v1/messages (Qwen3's enable_thinking is the usual one): the template's variables."""
+    name = plain.served.state.model_name
+    listed = {"chat_template_kwargs": {"tools": [{"function": {"name": "abc"}}]}}  # the template lists tools' names
+    counted = plain.client.messages.count_tokens(model=name, messages=HELLO)
+    assert plain.client.messages.count_tokens(model=name, messages=HELLO, extra_body=listed).input_tokens == \
+        counted.input_tokens + len("abc: ")
+    plain.script.say("Ok.")
+    assert create(plain, extra_body=listed).usage.input_tokens == counted.input_tokens + len("abc: ")
+
+
+def test_output_config_format_holds_the_reply_to_its_schema(plain):
+    """Anthropic's structured outputs (the anthropic client's output_config, vLLM's too): the reply is JSON the schema
+    admits, whatever the model would say; its effort is reported, as chat's reasoning_effort is."""
+    pytest.importorskip("xgrammar")
+    plain.script.say("Paris is lovely.")
+    reply = create(plain, output_config={"format": {"type": "json_schema",
+                                                    "schema": {"type": "string", "enum": ["yes", "no"]}},
+                                         "effort": "low"})
+    (block,) = reply.content
+    assert json.loads(block.text) in ("yes", "no") and reply.stop_reason == "end_turn"
+    assert ignored_settings(plain, reply.id) == {"serve.output_config.effort": "low"}
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        create(plain, output_config={"format": {"type": "json_schema", "schema": False}})
+    assert caught.value.body["error"]["message"].startswith("output_config.format.schema: ")
+    with pytest.raises(anthropic.BadRequestError) as caught:  # two constraints on one reply, named as sent
+        create(plain, tools=[WEATHER], tool_choice={"type": "any"},
+               output_config={"format": {"type": "json_schema", "schema": {"type": "string"}}})
+    assert "output_config.format constrains it too" in caught.value.body["error"]["message"]
+
+
 # --- tools and thinking ----------------------------------------------------------------------------------------------
 
 
@@ -254,6 +285,9 @@ def test_a_named_tool_holds_the_reply_to_its_call(plain):
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": 10**7}, "max_tokens is too large: 10000000. This model's maximum context length is"),
     ({"container": "c1"}, "container: not supported by kvload serve's /v1/messages"),
+    ({"output_config": {"format": {"type": "json_object"}}}, 'output_config.format: expected {"type": "json_schema"'),
+    ({"output_config": {"effort": "extreme"}}, "output_config.effort: expected \"low\""),
+    ({"output_config": {"task_budget": 5}}, "output_config.task_budget: not supported here"),
     ({"messages": [{"role": "system", "content": "a"}]}, "messages[0].role: expected \"user\" or \"assistant\""),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
      "messages[0].content[0].type: 'image' is not supported"),

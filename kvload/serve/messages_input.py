@@ -4,7 +4,8 @@ As vLLM serves it (so Claude Code and Anthropic SDK clients can use a local mode
 field, in its own names, then turned into the chat completions body that says the same (``system`` → a system message
 first, content blocks → chat messages: ``tool_use`` blocks → the assistant's ``tool_calls``, ``tool_result`` blocks →
 ``tool`` messages; ``tools[i].input_schema`` → a function's ``parameters``; ``tool_choice`` auto/any/tool/none →
-"auto"/"required"/a named function/"none"; ``stop_sequences`` → ``stop``), so one path (``kvload.serve.protocol.parse``,
+"auto"/"required"/a named function/"none"; ``stop_sequences`` → ``stop``; ``output_config.format`` →
+``response_format``), so one path (``kvload.serve.protocol.parse``,
 templating, sampling, tool calls, the reasoning split, limits) serves it. What that path then refuses is named back in
 the Messages body's words (:func:`renamed_error`), and every refusal on these paths is Anthropic's error document
 (:class:`AnthropicError`). Settings accepted that change nothing are reported ``setting_ignored``.
@@ -23,9 +24,12 @@ from kvload.serve.protocol import EFFORT_IGNORED, BadRequest, need_schema
 
 #: The Messages fields kvload acts on or reports (count_tokens takes those that shape the prompt).
 ACCEPTED = frozenset({"model", "messages", "system", "max_tokens", "temperature", "top_p", "top_k", "stop_sequences",
-                      "stream", "tools", "tool_choice", "metadata", "thinking"})
-COUNT_ACCEPTED = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking"})
-_PASSED = ("model", "temperature", "top_p", "top_k", "stream")
+                      "stream", "tools", "tool_choice", "metadata", "thinking", "output_config",
+                      "chat_template_kwargs"})  # vLLM's extra, as on the chat endpoint
+COUNT_ACCEPTED = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking", "chat_template_kwargs"})
+_PASSED = ("model", "temperature", "top_p", "top_k", "stream", "chat_template_kwargs")
+#: Anthropic's ``output_config.effort`` values.
+_EFFORTS = ("low", "medium", "high", "xhigh", "max")
 
 #: Anthropic's error type for each HTTP status kvload answers with.
 _KINDS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
@@ -106,6 +110,7 @@ def to_chat(body: Any, tool_parser: str | None = None, reasoning_parser: str | N
             _need(user is None or (isinstance(user, str) and len(user) <= MAX_USER_ID), "metadata.user_id",
                   f"a string of at most {MAX_USER_ID} characters", user)
             ignored.append(("metadata", body["metadata"], "kvload keeps no per-user records of requests"))
+        _output_config(body.get("output_config"), chat, ignored)
     messages, sources = _messages(body.get("messages"), ignored)
     system = _system(body.get("system"), ignored)
     if system is not None:
@@ -320,6 +325,29 @@ def _tool_choice(value: Any, tools: list[dict[str, Any]], parser: str | None,
     return {"type": "function", "function": {"name": value["name"]}}, parallel
 
 
+def _output_config(value: Any, chat: dict[str, Any], ignored: list[tuple[str, Any, str]]) -> None:
+    """Anthropic's ``output_config`` (vLLM's too): ``format`` ``{"type": "json_schema", "schema": {...}}`` holds the
+    reply to the schema (chat's ``response_format``: structured outputs); ``effort`` is reported, as chat's
+    ``reasoning_effort`` is."""
+    if value is None:
+        return
+    _need(isinstance(value, dict), "output_config", 'an object {"format"?, "effort"?}', value)
+    _fields(value, "output_config", {"format", "effort"})
+    effort = value.get("effort")
+    if effort is not None:
+        _need(effort in _EFFORTS, "output_config.effort", ", ".join(f'"{e}"' for e in _EFFORTS[:-1]) +
+              f' or "{_EFFORTS[-1]}"', effort)
+        ignored.append(("output_config.effort", effort, EFFORT_IGNORED))
+    fmt = value.get("format")
+    if fmt is None:
+        return
+    _need(isinstance(fmt, dict) and fmt.get("type") == "json_schema", "output_config.format",
+          '{"type": "json_schema", "schema": {...}}', fmt)
+    _fields(fmt, "output_config.format", {"type", "schema"})
+    need_schema(fmt.get("schema"), "output_config.format.schema")
+    chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+
+
 def _thinking(value: Any, parser: str | None, ignored: list[tuple[str, Any, str]]) -> None:
     """``thinking``: under ``--reasoning-parser`` the model's thinking is a ``thinking`` block whatever is asked
     (kvload does not switch it on or off, nor bound it); what cannot act is reported."""
@@ -351,6 +379,8 @@ _NAMES = [
     (re.compile(r"\btools\[(\d+)\]\.function\.parameters\b"), r"tools[\1].input_schema"),
     (re.compile(r"\btools\[(\d+)\]\.function\b"), r"tools[\1]"),
     (re.compile(r"\btool_choice\.function\.name\b"), "tool_choice.name"),
+    (re.compile(r"\bresponse_format\.json_schema\.schema\b"), "output_config.format.schema"),
+    (re.compile(r"\bresponse_format\b"), "output_config.format"),
     (re.compile(r"^stop\b"), "stop_sequences"),
     (re.compile(r"\bstop\[(\d+)\]"), r"stop_sequences[\1]"),
 ]
