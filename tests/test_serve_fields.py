@@ -292,6 +292,32 @@ def test_tools_with_tool_choice_none_reach_the_chat_template_as_vllm_shows_them(
              "tools[0]")
 
 
+def test_documents_reach_the_chat_template_as_vllm_passes_them(served):
+    """vLLM's documents (a RAG template's): the template's ``documents`` variable, as chat_template_kwargs would be."""
+    template = "{% for d in documents or [] %}{{ d['text'] }} {% endfor %}" + TOOL_TEMPLATE
+    body = {"model": "words", "messages": CONV, "max_tokens": 1, "chat_template": template}
+    without = served.http.post("/v1/chat/completions", json=body).json()["usage"]["prompt_tokens"]
+    docs = [{"title": "a", "text": "w11 w12"}]
+    shown = served.http.post("/v1/chat/completions", json={**body, "documents": docs, "return_token_ids": True})
+    assert shown.json()["prompt_token_ids"][:2] == [11, 12] and shown.json()["usage"]["prompt_tokens"] == without + 2
+    assert "a list of objects of strings" in _refused(served, "/v1/chat/completions",
+                                                      {**body, "documents": ["w11"]}, "documents")
+    assert "give one" in _refused(served, "/v1/chat/completions", {
+        **body, "documents": docs, "chat_template_kwargs": {"documents": docs}}, "documents")
+
+
+def test_include_reasoning_without_a_reasoning_parser_is_reported(served):
+    """vLLM's include_reasoning: false leaves a reply's thinking out, which only a --reasoning-parser tells apart."""
+    reply = served.client.chat.completions.create(model="words", messages=CONV, max_tokens=3,
+                                                  extra_body={"ignore_eos": True, "include_reasoning": False})
+    assert _ignored(served, reply.id) == {"serve.include_reasoning": False}
+    kept = served.client.chat.completions.create(model="words", messages=CONV, max_tokens=3,
+                                                 extra_body={"ignore_eos": True, "include_reasoning": True})
+    assert _ignored(served, kept.id) == {}
+    _refused(served, "/v1/chat/completions", {"messages": CONV, "max_tokens": 1, "include_reasoning": "no"},
+             "include_reasoning")
+
+
 def test_an_assistant_messages_reasoning_reaches_the_chat_template_as_llm_chat_passes_it(served):
     """Interleaved thinking sent back: a 400 ("messages[1].reasoning: not supported"); vLLM shows it to the template."""
     template = "{% for m in messages %}{{ m['content'] }} {{ m.get('reasoning_content') or '' }} {% endfor %}"

@@ -110,6 +110,18 @@ def test_a_stream_sends_the_thinking_then_the_answer_as_the_whole_reply_splits_t
     assert got["reasons"][-1] == "stop" and got["logprobs"] == got["usage"].completion_tokens
 
 
+def test_include_reasoning_false_leaves_the_thinking_out_whole_and_streamed(r1):
+    """vLLM's include_reasoning (default true): false answers with the answer alone, the thinking in no field."""
+    ids = r1.script.say(THOUGHT + "</think>" + ANSWER)
+    reply = chat(r1, extra_body={"include_reasoning": False})
+    c, reasoning, content = message_of(reply)
+    assert (reasoning, content, c.finish_reason) == (None, ANSWER, "stop")
+    assert reply.usage.completion_tokens == len(ids) + 1  # the thinking's tokens were made, and are counted
+    got = read_stream(chat(r1, stream=True, extra_body={"include_reasoning": False}))
+    assert (got["reasoning"], got["content"], got["order"][0]) == ("", ANSWER, "content")
+    assert message_of(chat(r1, extra_body={"include_reasoning": True}))[1:] == (THOUGHT, ANSWER)
+
+
 @pytest.mark.parametrize("tools", [{}, {"tools": [CLOCK]}])  # an "auto" reply's answer is read for calls
 def test_a_reply_cut_before_its_end_marker_is_all_thinking(r1, tools):
     ids = r1.script.say(THOUGHT + "</think>" + ANSWER)

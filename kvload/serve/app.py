@@ -1334,6 +1334,8 @@ class _Run:
                        else self.chat_echo or None}
             if auto is not None:
                 message["tool_calls"] = []
+        if not self.job.include_reasoning:  # vLLM's include_reasoning: false
+            reasoning = None
         return {**message, "reasoning_content": reasoning, "reasoning": reasoning}
 
     def _thinking_delta(self, c: _Choice, text: str, finished: bool) -> dict[str, Any]:
@@ -1354,7 +1356,9 @@ class _Run:
             delta = self._auto_delta(c.auto, before + answer, finished)
         else:
             delta = {"content": before + answer} if before or answer else {}
-        return {"reasoning_content": reasoning, "reasoning": reasoning, **delta} if reasoning else delta
+        if reasoning and self.job.include_reasoning:
+            return {"reasoning_content": reasoning, "reasoning": reasoning, **delta}
+        return delta
 
     @staticmethod
     def _auto_delta(auto: ToolReader, text: str, finished: bool) -> dict[str, Any]:

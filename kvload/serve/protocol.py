@@ -160,6 +160,9 @@ class Job:
     #: the server's reasoning parser (``--reasoning-parser``) when it splits this chat reply into reasoning and
     #: content; None for completions, without one, and for qwen3 under ``enable_thinking: false``
     reasoning: str | None = None
+    #: vLLM's ``include_reasoning`` (default true): false leaves the thinking out of the answer (reasoning_content
+    #: null, no reasoning in a stream's deltas); the reply is still split, its answer alone the content
+    include_reasoning: bool = True
     #: vLLM's ``return_token_ids``: the answer carries each prompt's ``prompt_token_ids`` (a stream: each choice's
     #: first chunk)
     return_token_ids: bool = False
@@ -270,7 +273,7 @@ _COMPLETION = _COMMON | {"prompt", "best_of"}
 _CHAT_HINTS = {"reasoning_effort", "verbosity", "prompt_cache_key", "prompt_cache_retention", "safety_identifier",
                "service_tier", "store", "metadata"}
 _CHAT = (_COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                   "parallel_tool_calls"} | TEMPLATE_OPTIONS | _CHAT_HINTS)
+                   "parallel_tool_calls", "include_reasoning", "documents"} | TEMPLATE_OPTIONS | _CHAT_HINTS)
 #: OpenAI's limits on ``metadata``: 16 pairs, keys of 64 characters, values of 512.
 MAX_METADATA = 16
 MAX_METADATA_KEY = 64
@@ -425,6 +428,10 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
         structured, structured_field = tool_params, "tool_choice"
     template = _template(body, tools) if kind == "chat" else {}
     reasoning = _reasoning(reasoning_parser, template) if kind == "chat" else None
+    include_reasoning = _flag(body, "include_reasoning", True)
+    if not include_reasoning and reasoning_parser is None:  # nothing is told apart to leave out
+        ignored.append(("include_reasoning", False, "this server has no --reasoning-parser: a thinking model's "
+                        "thinking is part of the text"))
     if structured is not None:  # under a reasoning parser the model thinks freely; the grammar holds its answer
         extras["structured_outputs"] = structured if reasoning is None else \
             attrs.evolve(structured, reasoning_parser=reasoning)
@@ -447,7 +454,8 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
                request_id=request_id(body.get("request_id")),
                continuous_usage=continuous, ignored=tuple(ignored), priority=priority,
                model_defaults=tuple(defaulted), structured_field=structured_field, tool_choice=tool_choice,
-               auto_tools=auto, reasoning=reasoning, return_token_ids=_flag(body, "return_token_ids", False),
+               auto_tools=auto, reasoning=reasoning, include_reasoning=include_reasoning,
+               return_token_ids=_flag(body, "return_token_ids", False),
                return_tokens_as_token_ids=None if body.get("return_tokens_as_token_ids") is None
                else _flag(body, "return_tokens_as_token_ids", False),
                beam=beam)
@@ -782,6 +790,16 @@ def _template(body: dict[str, Any], tools: list[dict[str, Any]] | None = None) -
         if "tools" in options:
             raise BadRequest("tools: given both as tools and in chat_template_kwargs; give one", param="tools")
         options["tools"] = tools
+    documents = body.get("documents")
+    if documents is not None:  # vLLM's: a RAG template's documents (a template that reads none shows nothing)
+        _need(isinstance(documents, list) and all(isinstance(d, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in d.items()) for d in documents), "documents",
+            'a list of objects of strings, e.g. [{"title": ..., "text": ...}]', documents)
+        _check_unicode(documents, "documents")
+        if "documents" in options:
+            raise BadRequest("documents: given both as documents and in chat_template_kwargs; give one",
+                             param="documents")
+        options["documents"] = documents
     return options
 
 
