@@ -306,6 +306,27 @@ def test_documents_reach_the_chat_template_as_vllm_passes_them(served):
         **body, "documents": docs, "chat_template_kwargs": {"documents": docs}}, "documents")
 
 
+def test_reasoning_effort_reaches_the_chat_template_as_vllm_passes_it(served):
+    """vLLM's: reasoning_effort is the template's variable (gpt-oss's reads it), and enable_thinking is true unless it
+    is "none" (Qwen3's switch), the request's own chat_template_kwargs winning; reported only when the template reads
+    neither."""
+    template = ("{% if reasoning_effort == 'low' %}w11 {% endif %}{% if enable_thinking is false %}w12 {% endif %}"
+                + TOOL_TEMPLATE)
+    body = {"model": "words", "messages": CONV, "max_tokens": 1, "chat_template": template, "return_token_ids": True}
+
+    def prompt(**extra):
+        reply = served.http.post("/v1/chat/completions", json={**body, **extra}).json()
+        return reply["prompt_token_ids"][:1], _ignored(served, reply["id"])
+
+    plain = served.http.post("/v1/chat/completions", json=body).json()["prompt_token_ids"][:1]
+    assert prompt(reasoning_effort="low") == ([11], {})
+    assert prompt(reasoning_effort="none") == ([12], {})
+    assert prompt(reasoning_effort="high") == (plain, {})  # read, and thinking on: what the template does unasked
+    assert prompt(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True}) == (plain, {})
+    assert "give one" in _refused(served, "/v1/chat/completions", {
+        **body, "reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}}, "reasoning_effort")
+
+
 def test_include_reasoning_without_a_reasoning_parser_is_reported(served):
     """vLLM's include_reasoning: false leaves a reply's thinking out, which only a --reasoning-parser tells apart."""
     reply = served.client.chat.completions.create(model="words", messages=CONV, max_tokens=3,

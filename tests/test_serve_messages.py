@@ -212,6 +212,9 @@ def test_output_config_format_holds_the_reply_to_its_schema(plain):
         create(plain, tools=[WEATHER], tool_choice={"type": "any"},
                output_config={"format": {"type": "json_schema", "schema": {"type": "string"}}})
     assert "output_config.format constrains it too" in caught.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError) as caught:  # the effort is the template's reasoning_effort (vLLM's)
+        create(plain, output_config={"effort": "low"}, extra_body={"chat_template_kwargs": {"reasoning_effort": "x"}})
+    assert caught.value.body["error"]["message"].startswith("output_config.effort: given both as output_config.effort")
 
 
 # --- tools and thinking ----------------------------------------------------------------------------------------------

@@ -327,8 +327,8 @@ def _tool_choice(value: Any, tools: list[dict[str, Any]], parser: str | None,
 
 def _output_config(value: Any, chat: dict[str, Any], ignored: list[tuple[str, Any, str]]) -> None:
     """Anthropic's ``output_config`` (vLLM's too): ``format`` ``{"type": "json_schema", "schema": {...}}`` holds the
-    reply to the schema (chat's ``response_format``: structured outputs); ``effort`` is reported, as chat's
-    ``reasoning_effort`` is."""
+    reply to the schema (chat's ``response_format``: structured outputs); ``effort`` is chat's ``reasoning_effort``
+    (the chat template's)."""
     if value is None:
         return
     _need(isinstance(value, dict), "output_config", 'an object {"format"?, "effort"?}', value)
@@ -337,7 +337,7 @@ def _output_config(value: Any, chat: dict[str, Any], ignored: list[tuple[str, An
     if effort is not None:
         _need(effort in _EFFORTS, "output_config.effort", ", ".join(f'"{e}"' for e in _EFFORTS[:-1]) +
               f' or "{_EFFORTS[-1]}"', effort)
-        ignored.append(("output_config.effort", effort, EFFORT_IGNORED))
+        chat["reasoning_effort"] = effort  # vLLM's: the chat template's reasoning_effort, as on the chat endpoint
     fmt = value.get("format")
     if fmt is None:
         return
@@ -382,6 +382,7 @@ _NAMES = [
     (re.compile(r"\bresponse_format\.json_schema\.schema\b"), "output_config.format.schema"),
     (re.compile(r"\bresponse_format\b"), "output_config.format"),
     (re.compile(r"^stop\b"), "stop_sequences"),
+    (re.compile(r"\breasoning_effort\b"), "output_config.effort"),
     (re.compile(r"\bstop\[(\d+)\]"), r"stop_sequences[\1]"),
 ]
 _MESSAGE = re.compile(r"\bmessages\[(\d+)\]")

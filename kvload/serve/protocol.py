@@ -160,6 +160,9 @@ class Job:
     #: the server's reasoning parser (``--reasoning-parser``) when it splits this chat reply into reasoning and
     #: content; None for completions, without one, and for qwen3 under ``enable_thinking: false``
     reasoning: str | None = None
+    #: the body field that gave the chat template ``reasoning_effort`` (vLLM's; ``output_config.effort`` and
+    #: ``reasoning.effort`` on the other paths), reported when the template reads it not, else None
+    effort_field: str | None = None
     #: vLLM's ``include_reasoning`` (default true): false leaves the thinking out of the answer (reasoning_content
     #: null, no reasoning in a stream's deltas); the reply is still split, its answer alone the content
     include_reasoning: bool = True
@@ -282,6 +285,9 @@ MAX_METADATA_VALUE = 512
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 EFFORT_IGNORED = ("kvload does not steer how long a model thinks (its chat template may: chat_template_kwargs, e.g. "
                   "Qwen3's enable_thinking)")
+#: Why a ``reasoning_effort`` the chat template does not read is reported.
+EFFORT_UNREAD = ("the chat template reads neither reasoning_effort nor enable_thinking (vLLM passes the effort to the "
+                 "template, and thinking off for \"none\"; kvload does not steer thinking otherwise)")
 
 
 _NO_DEFAULTS: Mapping[str, Any] = MappingProxyType({})
@@ -455,6 +461,8 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
                continuous_usage=continuous, ignored=tuple(ignored), priority=priority,
                model_defaults=tuple(defaulted), structured_field=structured_field, tool_choice=tool_choice,
                auto_tools=auto, reasoning=reasoning, include_reasoning=include_reasoning,
+               effort_field="reasoning_effort" if kind == "chat" and body.get("reasoning_effort") is not None
+               else None,
                return_token_ids=_flag(body, "return_token_ids", False),
                return_tokens_as_token_ids=None if body.get("return_tokens_as_token_ids") is None
                else _flag(body, "return_tokens_as_token_ids", False),
@@ -575,7 +583,6 @@ def _chat_hints(body: dict[str, Any], ignored: list[tuple[str, Any, str]]) -> No
     if effort is not None:
         _need(effort in EFFORTS, "reasoning_effort", ", ".join(f'"{e}"' for e in EFFORTS[:-1]) + f' or "{EFFORTS[-1]}"',
               effort)
-        ignored.append(("reasoning_effort", effort, EFFORT_IGNORED))
     verbosity = body.get("verbosity")
     if verbosity is not None:
         _need(verbosity in ("low", "medium", "high"), "verbosity", '"low", "medium" or "high"', verbosity)
@@ -800,6 +807,13 @@ def _template(body: dict[str, Any], tools: list[dict[str, Any]] | None = None) -
             raise BadRequest("documents: given both as documents and in chat_template_kwargs; give one",
                              param="documents")
         options["documents"] = documents
+    effort = body.get("reasoning_effort")  # checked by _chat_hints
+    if effort is not None:  # vLLM's: the template's variable, and thinking on unless "none" (Qwen3's switch)
+        if "reasoning_effort" in options:
+            raise BadRequest("reasoning_effort: given both as reasoning_effort and in chat_template_kwargs; give one",
+                             param="reasoning_effort")
+        options["reasoning_effort"] = effort
+        options.setdefault("enable_thinking", effort != "none")
     return options
 
 

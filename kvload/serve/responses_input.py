@@ -20,7 +20,6 @@ import attrs
 from engine.messages import MessageError, json_text
 from kvload.serve.command import TOOL_CALL_PARSERS
 from kvload.serve.protocol import (
-    EFFORT_IGNORED,
     EFFORTS,
     MAX_REQUEST_ID_CHARS,
     BadRequest,
@@ -119,6 +118,9 @@ def to_chat(body: Any, tool_parser: str | None = None,
         fmt = text["format"]
         chat["response_format"] = {"type": "json_object"} if fmt["type"] == "json_object" else {
             "type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+    effort = (body.get("reasoning") or {}).get("effort")  # checked by _unserved
+    if effort is not None:  # vLLM's: the chat template's reasoning_effort, as on the chat endpoint
+        chat["reasoning_effort"] = effort
     metadata = _metadata(body.get("metadata"))
     parallel = body.get("parallel_tool_calls")
     echo = ResponsesRequest(instructions=instructions, max_output_tokens=limit, metadata=metadata, tools=tools,
@@ -185,10 +187,9 @@ def _unserved(body: dict[str, Any], ignored: list[tuple[str, Any, str]]) -> None
         accepted = EFFORTS if key == "effort" else _SUMMARIES  # as OpenAI (and chat's reasoning_effort) take them
         _need(value is None or value in accepted, f"reasoning.{key}",
               ", ".join(f'"{a}"' for a in accepted[:-1]) + f' or "{accepted[-1]}"', value)
-        if value is not None:
-            why = (EFFORT_IGNORED if key == "effort" else
-                   "a reasoning item carries the thinking itself (its content), never a summary")
-            ignored.append((f"reasoning.{key}", value, why))
+        if value is not None and key != "effort":  # the effort is chat's reasoning_effort (to_chat)
+            ignored.append((f"reasoning.{key}", value,
+                            "a reasoning item carries the thinking itself (its content), never a summary"))
 
 
 def _text_of(parts: Any, field: str, kinds: tuple[str, ...]) -> str:
@@ -418,6 +419,7 @@ _NAMES = [
     (re.compile(r"\bresponse_format\b"), "text.format"),
     (re.compile(r"\btools\[(\d+)\]\.function\b"), r"tools[\1]"),
     (re.compile(r"\btool_choice\.function\.name\b"), "tool_choice.name"),
+    (re.compile(r"\breasoning_effort\b"), "reasoning.effort"),
 ]
 _MESSAGE = re.compile(r"\bmessages\[(\d+)\]")
 
