@@ -288,6 +288,8 @@ def test_a_named_tool_holds_the_reply_to_its_call(plain):
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": 10**7}, "max_tokens is too large: 10000000. This model's maximum context length is"),
     ({"container": "c1"}, "container: not supported by kvload serve's /v1/messages"),
+    # named as sent: it read "max_tokens: not supported", max_tokens being among the accepted fields
+    ({"max_completion_tokens": 5}, "max_completion_tokens: not supported by kvload serve's /v1/messages"),
     ({"output_config": {"format": {"type": "json_object"}}}, 'output_config.format: expected {"type": "json_schema"'),
     ({"output_config": {"effort": "extreme"}}, "output_config.effort: expected \"low\""),
     ({"output_config": {"task_budget": 5}}, "output_config.task_budget: not supported here"),

@@ -481,6 +481,12 @@ def test_under_qwen3_only_a_reply_that_thinks_has_a_reasoning_item_and_reasoning
 
 @pytest.mark.parametrize(("body", "param", "says"), [
     ({"extra_body": {"stop": ["."]}}, "stop", "not supported"),
+    # chat's names, sent by a client moving from chat: named as sent (they read as "input: not supported", "accepted:
+    # ..., input, ..."), with the Responses name
+    ({"extra_body": {"messages": [{"role": "user", "content": "a"}]}}, "messages",
+     "messages: not supported by kvload serve's /v1/responses (the Responses API calls it input)"),
+    ({"extra_body": {"max_tokens": 5}}, "max_tokens",
+     "max_tokens: not supported by kvload serve's /v1/responses (the Responses API calls it max_output_tokens)"),
     ({"background": True}, "background", "not supported"),
     ({"truncation": "auto"}, "truncation", "disabled"),
     ({"include": ["message.output_text.logprobs"]}, "include", "not supported"),

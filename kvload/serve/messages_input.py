@@ -20,7 +20,7 @@ from typing import Any
 import attrs
 
 from kvload.serve.command import TOOL_CALL_PARSERS
-from kvload.serve.protocol import EFFORT_IGNORED, BadRequest, need_schema
+from kvload.serve.protocol import EFFORT_IGNORED, AsSent, BadRequest, need_schema
 
 #: The Messages fields kvload acts on or reports (count_tokens takes those that shape the prompt).
 ACCEPTED = frozenset({"model", "messages", "system", "max_tokens", "temperature", "top_p", "top_k", "stop_sequences",
@@ -87,8 +87,8 @@ def to_chat(body: Any, tool_parser: str | None = None, reasoning_parser: str | N
     unknown = sorted(str(k) for k in set(body) - accepted)
     if unknown:
         path = "/v1/messages/count_tokens" if count else "/v1/messages"
-        raise BadRequest(f"{unknown[0][:80]}: not supported by kvload serve's {path}; accepted fields: "
-                         f"{', '.join(sorted(accepted))}", param=unknown[0][:80])
+        raise AsSent(f"{unknown[0][:80]}: not supported by kvload serve's {path}; accepted fields: "
+                     f"{', '.join(sorted(accepted))}", param=unknown[0][:80])
     model = body.get("model")
     _need(isinstance(model, str) and bool(model), "model", "the served model's name (a non-empty string)", model)
     ignored: list[tuple[str, Any, str]] = []
@@ -405,6 +405,8 @@ def renamed(text: str, request: MessagesRequest | None) -> str:
 
 def renamed_error(exc: BadRequest, request: MessagesRequest | None) -> BadRequest:
     """The chat path's refusal named as the Messages body named it."""
+    if isinstance(exc, AsSent):
+        return exc
     param = renamed(exc.param, request) if exc.param else exc.param
     return BadRequest(renamed(exc.message, request), param=param, status=exc.status, kind=exc.kind, code=exc.code,
                       headers=exc.headers)

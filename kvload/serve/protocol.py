@@ -100,6 +100,12 @@ class BadRequest(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+class AsSent(BadRequest):
+    """A refusal on the Responses or Messages path that already names the body's own fields (an unknown one): not
+    renamed as the chat path's refusals are (``messages`` is no Responses ``input``, ``max_tokens`` no
+    ``max_output_tokens``)."""
+
+
 def _printable(text: str) -> str:
     """``text`` with each lone surrogate written as its ``\\udXXX`` escape, so it encodes as UTF-8."""
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
@@ -1124,5 +1130,5 @@ def _logprobs(body: dict[str, Any], kind: str) -> int | None:
 
 
 __all__ = ["BODY_BYTES_PER_TOKEN", "BODY_SLACK", "MAX_CHOICES", "MAX_LOGPROBS", "MAX_N", "MAX_PROMPTS", "MAX_STOP",
-           "MAX_STOP_CHARS", "MAX_STOP_TOKEN_IDS", "BadRequest", "Job", "TokenizeJob", "ToolChoice",
+           "MAX_STOP_CHARS", "MAX_STOP_TOKEN_IDS", "AsSent", "BadRequest", "Job", "TokenizeJob", "ToolChoice",
            "default_max_request_bytes", "parse", "parse_detokenize", "parse_tokenize"]

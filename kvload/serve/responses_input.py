@@ -22,6 +22,7 @@ from kvload.serve.command import TOOL_CALL_PARSERS
 from kvload.serve.protocol import (
     EFFORTS,
     MAX_REQUEST_ID_CHARS,
+    AsSent,
     BadRequest,
     need_schema,
     openai_hints,
@@ -41,6 +42,10 @@ ACCEPTED = frozenset({
 _PASSED = ("model", "temperature", "top_p", "user", "stream", "parallel_tool_calls",
            "top_k", "cache_salt", "request_id", "priority", "chat_template_kwargs")
 
+
+#: Chat completions' names of Responses fields, which a client moving from chat sends: the refusal says the name.
+_CHAT_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
+               "response_format": "text.format", "reasoning_effort": "reasoning.effort"}
 
 _ROLES = ("user", "system", "developer", "assistant")
 _ITEMS = "message, function_call, function_call_output or reasoning"
@@ -86,8 +91,11 @@ def to_chat(body: Any, tool_parser: str | None = None,
         raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
     unknown = sorted(set(body) - ACCEPTED)
     if unknown:
-        raise BadRequest(f"{unknown[0][:80]}: not supported by kvload serve's /v1/responses; accepted fields: "
-                         f"{', '.join(sorted(ACCEPTED))}", param=unknown[0][:80])
+        name = unknown[0][:80]
+        hint = _CHAT_NAMES.get(name)
+        raise AsSent(f"{name}: not supported by kvload serve's /v1/responses"
+                     + (f" (the Responses API calls it {hint})" if hint else "")
+                     + f"; accepted fields: {', '.join(sorted(ACCEPTED))}", param=name)
     ignored: list[tuple[str, Any, str]] = []
     _unserved(body, ignored)
     chat: dict[str, Any] = {k: body[k] for k in _PASSED if body.get(k) is not None}
@@ -443,6 +451,8 @@ def renamed(text: str, request: ResponsesRequest | None) -> str:
 
 def renamed_error(exc: BadRequest, request: ResponsesRequest | None) -> BadRequest:
     """The chat path's refusal named as the Responses body named it."""
+    if isinstance(exc, AsSent):
+        return exc
     param = renamed(exc.param, request) if exc.param else exc.param
     return BadRequest(renamed(exc.message, request), param=param, status=exc.status, kind=exc.kind, code=exc.code,
                       headers=exc.headers)
