@@ -183,6 +183,24 @@ def test_count_tokens_is_the_prompts_token_count(plain):
                                              **body).usage.input_tokens > counted.input_tokens
 
 
+def test_claude_codes_attribution_block_is_dropped_so_the_prefix_cache_holds(plain):
+    """Claude Code puts a per-request hash first in ``system`` (vLLM drops the block): kept, no turn's prompt began as
+    the last one's, so the prefix cache reused nothing."""
+    plain.script.say("Ok.")
+
+    def turn(cch: str) -> Message:
+        return create(plain, system=[
+            {"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.3; cch={cch};"},
+            {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}])
+
+    first = turn("a1b2c")
+    assert plain.seen.messages[-1] == [{"role": "system", "content": "You are Claude Code."}, *HELLO]
+    assert ignored_settings(plain, first.id) == {"serve.system[0]": "x-anthropic-billing-header",
+                                                 "serve.system[1].cache_control": {"type": "ephemeral"}}
+    turn("f9e8d")
+    assert plain.seen.messages[-1] == plain.seen.messages[-2]  # the same prompt, whatever the hash
+
+
 def test_chat_template_kwargs_reach_the_template_as_on_the_chat_endpoint(plain):
     """vLLM's extra on /v1/messages (Qwen3's enable_thinking is the usual one): the template's variables."""
     name = plain.served.state.model_name

@@ -153,10 +153,29 @@ def _cache_control(block: dict[str, Any], where: str, ignored: list[tuple[str, A
         ignored.append((f"{where}.cache_control", block["cache_control"], _CACHED))
 
 
+#: How Claude Code's per-request attribution block in ``system`` begins: its hash changes every request.
+BILLING_HEADER = "x-anthropic-billing-header"
+
+
 def _system(value: Any, ignored: list[tuple[str, Any, str]]) -> str | None:
+    """``system`` as one text; Claude Code's attribution block (:data:`BILLING_HEADER`) is dropped, as vLLM drops it:
+    put first in the prompt, its per-request hash left the prefix cache nothing to reuse between turns."""
     if value is None:
         return None
-    return _text(value, "system", ignored)
+    if not isinstance(value, list):
+        return _text(value, "system", ignored)
+    out = []
+    for j, block in enumerate(value):
+        where = f"system[{j}]"
+        _need(isinstance(block, dict) and block.get("type") == "text", where,
+              'a text block {"type": "text", "text": ...} (kvload serves text)', block)
+        text = _block_text(block, where, ignored)
+        if text.startswith(BILLING_HEADER):
+            ignored.append((where, BILLING_HEADER, "Claude Code's per-request attribution: dropped from the prompt "
+                            "(as vLLM drops it), so the prefix cache holds across turns"))
+        else:
+            out.append(text)
+    return "".join(out) if out or not value else None
 
 
 _BLOCKS = {"user": "text or tool_result", "assistant": "text, tool_use, thinking or redacted_thinking"}
