@@ -30,6 +30,9 @@ from kvload.serve.protocol import (
 from kvload.serve.protocol import metadata as _metadata
 from kvload.serve.responses_store import ResponseStore, Stored, input_items
 
+#: vLLM's sampling extras on /v1/responses (its ResponsesRequest takes them), passed to the chat path as they are.
+_VLLM_SAMPLING = ("seed", "stop", "ignore_eos", "repetition_penalty", "logit_bias", "skip_special_tokens",
+                  "include_stop_str_in_output", "structured_outputs")
 #: OpenAI's Responses fields kvload acts on or reports, and vLLM's extras it passes to the chat path as they are.
 ACCEPTED = frozenset({
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "metadata", "user", "tools",
@@ -37,10 +40,10 @@ ACCEPTED = frozenset({
     "truncation", "service_tier", "previous_response_id", "prompt_cache_key", "prompt_cache_retention",
     "safety_identifier", "stream_options",
     # vLLM's, as on the chat endpoint (the openai client sends them in extra_body)
-    "top_k", "cache_salt", "request_id", "priority", "chat_template_kwargs",
+    "top_k", "cache_salt", "request_id", "priority", "chat_template_kwargs", *_VLLM_SAMPLING,
 })
 _PASSED = ("model", "temperature", "top_p", "user", "stream", "parallel_tool_calls",
-           "top_k", "cache_salt", "request_id", "priority", "chat_template_kwargs")
+           "top_k", "cache_salt", "request_id", "priority", "chat_template_kwargs", *_VLLM_SAMPLING)
 
 
 #: Chat completions' names of Responses fields, which a client moving from chat sends: the refusal says the name.
