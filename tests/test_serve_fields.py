@@ -440,6 +440,11 @@ def test_openai_chat_fields_agents_send_are_served_and_reported_not_refused(serv
     chunks = list(streamed)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain.choices[0].message.content
     assert _ignored(served, chunks[0].id) == {"serve.reasoning_effort": "none"}
+    hinted = served.client.chat.completions.create(model="words", messages=CONV, max_tokens=3, modalities=["text"],
+                                                   prediction={"type": "content", "content": "w5 w6"},
+                                                   extra_body={"ignore_eos": True})
+    assert hinted.choices[0].model_extra["token_ids"] == plain.choices[0].model_extra["token_ids"]
+    assert _ignored(served, hinted.id) == {"serve.prediction": "content"}  # text is what kvload writes: no report
     null = served.client.chat.completions.create(model="words", messages=CONV, max_tokens=3,
                                                  extra_body={"ignore_eos": True, "reasoning_effort": None,
                                                              "prompt_cache_key": None})
@@ -475,6 +480,8 @@ def test_openai_chat_store_and_metadata_are_served_and_reported_not_refused(serv
     ({"safety_identifier": ["u"]}, "safety_identifier", "a string"),
     ({"service_tier": "flex"}, "service_tier", '"auto" or "default" (kvload serves one tier)'),
     ({"prompt_cache_retention": "1h"}, "prompt_cache_retention", '"in_memory" or "24h"'),
+    ({"modalities": ["text", "audio"]}, "modalities", '["text"] (kvload writes text; no audio)'),
+    ({"prediction": {"type": "content", "content": 5}}, "prediction", '{"type": "content", "content": a string'),
 ])
 def test_openai_chat_fields_with_a_value_kvload_cannot_take_are_a_400_naming_the_field(served, extra, param, words):
     assert words in _refused(served, "/v1/chat/completions", {"messages": CONV, "max_tokens": 1, **extra}, param)

@@ -280,7 +280,7 @@ _COMPLETION = _COMMON | {"prompt", "best_of"}
 #: OpenAI's chat fields that the openai SDK takes and agents send, which change nothing kvload generates: checked and
 #: reported (``service_tier`` taken at the one tier kvload serves), as ``/v1/responses`` takes its own (openai_hints)
 _CHAT_HINTS = {"reasoning_effort", "verbosity", "prompt_cache_key", "prompt_cache_retention", "safety_identifier",
-               "service_tier", "store", "metadata"}
+               "service_tier", "store", "metadata", "modalities", "prediction"}
 _CHAT = (_COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                    "parallel_tool_calls", "include_reasoning", "documents"} | TEMPLATE_OPTIONS | _CHAT_HINTS)
 #: OpenAI's limits on ``metadata``: 16 pairs, keys of 64 characters, values of 512.
@@ -589,6 +589,19 @@ def _chat_hints(body: dict[str, Any], ignored: list[tuple[str, Any, str]]) -> No
     if effort is not None:
         _need(effort in EFFORTS, "reasoning_effort", ", ".join(f'"{e}"' for e in EFFORTS[:-1]) + f' or "{EFFORTS[-1]}"',
               effort)
+    modalities = body.get("modalities")  # OpenAI's output kinds: text is what kvload writes
+    _need(modalities is None or modalities == ["text"], "modalities", '["text"] (kvload writes text; no audio)',
+          modalities)
+    prediction = body.get("prediction")  # OpenAI's predicted output: a latency hint, the reply the same either way
+    if prediction is not None:
+        content = prediction.get("content") if isinstance(prediction, dict) else None
+        _need(isinstance(prediction, dict) and set(prediction) == {"type", "content"}
+              and prediction["type"] == "content" and (isinstance(content, str) or (isinstance(content, list) and all(
+                  isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                  for p in content))), "prediction", '{"type": "content", "content": a string or text parts}',
+              prediction)
+        ignored.append(("prediction", "content", "a latency hint (OpenAI's predicted outputs): the reply is the "
+                        "same either way, and kvload drafts no tokens from it"))
     verbosity = body.get("verbosity")
     if verbosity is not None:
         _need(verbosity in ("low", "medium", "high"), "verbosity", '"low", "medium" or "high"', verbosity)
