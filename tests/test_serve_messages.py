@@ -89,7 +89,7 @@ def ignored_settings(server, request_id: str) -> dict:
 def test_a_plain_answer_is_the_chat_endpoints_answer(plain):
     ids = plain.script.say("Blue, mostly.")
     # greedy (this client version sends sampling settings as extra fields)
-    reply = create(plain, system="Be brief.", max_tokens=40, metadata={"user_id": "u-7"},
+    reply = create(plain, system="Be brief.", max_tokens=40, metadata={"user_id": "u-7"}, service_tier="auto",
                    extra_body={"temperature": 0, "top_p": 1, "top_k": -1})
     assert (reply.type, reply.role, reply.model) == ("message", "assistant", plain.served.state.model_name)
     assert reply.id.startswith("msg_") and reply.stop_reason == "end_turn" and reply.stop_sequence is None
@@ -311,6 +311,7 @@ def test_a_named_tool_holds_the_reply_to_its_call(plain):
     ({"output_config": {"format": {"type": "json_object"}}}, 'output_config.format: expected {"type": "json_schema"'),
     ({"output_config": {"effort": "extreme"}}, "output_config.effort: expected \"low\""),
     ({"output_config": {"task_budget": 5}}, "output_config.task_budget: not supported here"),
+    ({"service_tier": "priority"}, 'service_tier: expected "auto" or "standard_only" (kvload serves one tier)'),
     ({"messages": [{"role": "system", "content": "a"}]}, "messages[0].role: expected \"user\" or \"assistant\""),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
      "messages[0].content[0].type: 'image' is not supported"),

@@ -24,7 +24,7 @@ from kvload.serve.protocol import EFFORT_IGNORED, AsSent, BadRequest, need_schem
 
 #: The Messages fields kvload acts on or reports (count_tokens takes those that shape the prompt).
 ACCEPTED = frozenset({"model", "messages", "system", "max_tokens", "temperature", "top_p", "top_k", "stop_sequences",
-                      "stream", "tools", "tool_choice", "metadata", "thinking", "output_config",
+                      "stream", "tools", "tool_choice", "metadata", "thinking", "output_config", "service_tier",
                       "chat_template_kwargs"})  # vLLM's extra, as on the chat endpoint
 COUNT_ACCEPTED = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking", "chat_template_kwargs"})
 _PASSED = ("model", "temperature", "top_p", "top_k", "stream", "chat_template_kwargs")
@@ -111,6 +111,9 @@ def to_chat(body: Any, tool_parser: str | None = None, reasoning_parser: str | N
                   f"a string of at most {MAX_USER_ID} characters", user)
             ignored.append(("metadata", body["metadata"], "kvload keeps no per-user records of requests"))
         _output_config(body.get("output_config"), chat, ignored)
+        tier = body.get("service_tier")  # Anthropic's: standard capacity is the one kvload has ("auto" falls to it)
+        _need(tier in (None, "auto", "standard_only"), "service_tier", '"auto" or "standard_only" (kvload serves one '
+              "tier)", tier)
     messages, sources = _messages(body.get("messages"), ignored)
     system = _system(body.get("system"), ignored)
     if system is not None:
