@@ -327,6 +327,20 @@ def test_reasoning_effort_reaches_the_chat_template_as_vllm_passes_it(served):
         **body, "reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}}, "reasoning_effort")
 
 
+def test_vllms_fields_kvload_does_not_serve_are_refused_saying_what_it_does_instead(served):
+    """They read "not supported by kvload serve" and a list of 70 fields; session_id (an agent's conversation id)
+    changes nothing here, so it is served and reported."""
+    message = _refused(served, "/v1/chat/completions", {"messages": CONV, "max_tokens": 1,
+                                                        "thinking_token_budget": 64}, "thinking_token_budget")
+    assert message.startswith("thinking_token_budget: not supported by kvload serve (vLLM's field: kvload does not "
+                              "bound a model's thinking; max_tokens bounds the whole reply); accepted fields: ")
+    assert "fill-in-the-middle" in _refused(served, "/v1/completions", {"prompt": PROMPT, "suffix": "w9"}, "suffix")
+    reply = served.client.chat.completions.create(model="words", messages=CONV, max_tokens=3,
+                                                  extra_body={"ignore_eos": True, "session_id": "conv-9"})
+    assert _ignored(served, reply.id) == {"serve.session_id": "conv-9"}
+    _refused(served, "/v1/completions", {"prompt": PROMPT, "session_id": 9}, "session_id")
+
+
 def test_include_reasoning_without_a_reasoning_parser_is_reported(served):
     """vLLM's include_reasoning: false leaves a reply's thinking out, which only a --reasoning-parser tells apart."""
     reply = served.client.chat.completions.create(model="words", messages=CONV, max_tokens=3,

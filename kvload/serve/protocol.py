@@ -275,7 +275,8 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "
            "allowed_token_ids", "bad_words",
            # vLLM's structured outputs (compiled by xgrammar at submission); its older guided_* fields are refused
            # with a pointer to it
-           "structured_outputs", *_GUIDED}
+           "structured_outputs", *_GUIDED,
+           "session_id"}  # vLLM's: a conversation's stable id, for routing; reported (kvload routes nothing)
 _COMPLETION = _COMMON | {"prompt", "best_of"}
 #: OpenAI's chat fields that the openai SDK takes and agents send, which change nothing kvload generates: checked and
 #: reported (``service_tier`` taken at the one tier kvload serves), as ``/v1/responses`` takes its own (openai_hints)
@@ -427,6 +428,11 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
     if side is not None and truncate is None:
         ignored.append(("truncation_side", side, "no truncate_prompt_tokens: no prompt is cut"))
     priority = _accepted_as_done(body, kind, n, by_priority)
+    session = body.get("session_id")
+    _need(session is None or isinstance(session, str), "session_id", "a string", session)
+    if session is not None:
+        ignored.append(("session_id", session[:200], "vLLM's session identity, for routing and tracing; one kvload "
+                        "server routes nothing (cache_salt scopes prefix sharing)"))
     structured, structured_field = _structured(body)
     tools = _tools(body) if kind == "chat" else None
     tool_choice, tool_params = _tool_choice(body, tools, tool_parser) if kind == "chat" else (None, None)
@@ -1083,11 +1089,29 @@ def _object(body: Any) -> dict[str, Any]:
     return body
 
 
+#: vLLM's request fields kvload serve does not take → what kvload does instead (said before the accepted fields).
+VLLM_FIELDS_NOT_SERVED: dict[str, str] = {
+    "thinking_token_budget": "kvload does not bound a model's thinking; max_tokens bounds the whole reply",
+    "logprob_token_ids": "kvload returns the top logprobs (top_logprobs on chat) tokens and the sampled one, not "
+                         "chosen ids",
+    "stream_interval": "kvload streams every token as it comes",
+    "repetition_detection": "kvload does not end a reply on repeated n-grams; repetition_penalty, frequency_penalty "
+                            "and presence_penalty discourage repeats",
+    "suffix": "kvload does no fill-in-the-middle (vLLM refuses it too)",
+    **dict.fromkeys(("kv_transfer_params", "ec_transfer_params"), "kvload serves no disaggregated prefill"),
+    "vllm_xargs": "kvload has no sampler plugins to read them",
+    **dict.fromkeys(("prompt_embeds", "mm_processor_kwargs", "media_io_kwargs"), "kvload serves text-only models "
+                    "from text or token ids"),
+}
+
+
 def _known(body: dict[str, Any], allowed: set[str] | frozenset[str]) -> None:
     unknown = sorted(set(body) - allowed)
     if unknown:  # the name cut short: a 12,000-character key was quoted whole, twice, in a 24 KB answer
-        raise BadRequest(f"{unknown[0][:80]}: not supported by kvload serve; accepted fields: "
-                         f"{', '.join(sorted(allowed))}", param=unknown[0][:80])
+        why = VLLM_FIELDS_NOT_SERVED.get(unknown[0])
+        raise BadRequest(f"{unknown[0][:80]}: not supported by kvload serve"
+                         + (f" (vLLM's field: {why})" if why else "")
+                         + f"; accepted fields: {', '.join(sorted(allowed))}", param=unknown[0][:80])
 
 
 def _model(body: dict[str, Any]) -> None:
