@@ -527,6 +527,7 @@ def test_under_qwen3_only_a_reply_that_thinks_has_a_reasoning_item_and_reasoning
     # any string was taken (and reported ignored) where chat's reasoning_effort is checked
     ({"reasoning": {"effort": "ultra"}}, "reasoning.effort", 'expected "none", "minimal", "low"'),
     ({"reasoning": {"summary": "verbose"}}, "reasoning.summary", 'expected "auto", "concise" or "detailed"'),
+    ({"max_tool_calls": 0}, "max_tool_calls", "an integer >= 1"),
     ({"extra_body": {"stream_options": {"include_obfuscation": "yes"}}}, "stream_options.include_obfuscation",
      "true or false"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]",
@@ -575,13 +576,14 @@ def test_settings_that_change_nothing_are_reported_once(plain):
     plain.script.say("Ok.")
     reply = plain.served.client.responses.with_raw_response.create(
         model=plain.served.state.model_name, input="Hi", store=True, reasoning={"effort": "high"},
-        include=["reasoning.encrypted_content"], max_output_tokens=10, text={"verbosity": "low"})
+        include=["reasoning.encrypted_content"], max_output_tokens=10, text={"verbosity": "low"}, max_tool_calls=3)
     rid = reply.parse().id
     records = [json.loads(line) for line in plain.served.http.get("/v1/kvload/audit").text.splitlines()]
     ignored = {r["field"]: r["value"] for r in records
                if r["event"] == "setting_ignored" and r["reason"].endswith(f"(request {rid})")}
     assert ignored == {"serve.reasoning.effort": "high",  # store: true acts (test_serve_responses_store)
-                       "serve.include": "reasoning.encrypted_content", "serve.text.verbosity": "low"}
+                       "serve.include": "reasoning.encrypted_content", "serve.text.verbosity": "low",
+                       "serve.max_tool_calls": 3}  # the openai client takes it (was a 400)
 
 
 def test_fields_agents_send_by_default_are_reported_not_refused(plain):

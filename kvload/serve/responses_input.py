@@ -38,7 +38,7 @@ ACCEPTED = frozenset({
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "metadata", "user", "tools",
     "tool_choice", "parallel_tool_calls", "text", "reasoning", "store", "stream", "background", "include",
     "truncation", "service_tier", "previous_response_id", "prompt_cache_key", "prompt_cache_retention",
-    "safety_identifier", "stream_options",
+    "safety_identifier", "stream_options", "max_tool_calls",
     # vLLM's, as on the chat endpoint (the openai client sends them in extra_body)
     "top_k", "cache_salt", "request_id", "priority", "chat_template_kwargs", *_VLLM_SAMPLING,
 })
@@ -165,6 +165,12 @@ def _unserved(body: dict[str, Any], ignored: list[tuple[str, Any, str]]) -> None
     if background:
         raise BadRequest("background: true is not supported: kvload serve answers in the request (stream: true sends "
                          "the answer as it is generated); send false or leave it out", param="background")
+    most = body.get("max_tool_calls")  # OpenAI's bound on its built-in tools' calls (web search, file search, ...)
+    _need(most is None or (isinstance(most, int) and not isinstance(most, bool) and most >= 1), "max_tool_calls",
+          "an integer >= 1", most)
+    if most is not None:
+        ignored.append(("max_tool_calls", most, "it bounds calls of OpenAI's built-in tools, which kvload has none of "
+                        "(function calls are the client's to run)"))
     include = body.get("include")
     _need(include is None or (isinstance(include, list) and all(isinstance(i, str) for i in include)), "include",
           "a list of strings", include)
