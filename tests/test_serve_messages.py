@@ -201,6 +201,22 @@ def test_claude_codes_attribution_block_is_dropped_so_the_prefix_cache_holds(pla
     assert plain.seen.messages[-1] == plain.seen.messages[-2]  # the same prompt, whatever the hash
 
 
+def test_the_clients_request_level_cache_control_and_count_tokens_output_config_are_taken(plain):
+    """The anthropic client sends both (automatic caching; count_tokens takes output_config too): each was a 400."""
+    name = plain.served.state.model_name
+    plain.script.say("Ok.")
+    reply = create(plain, cache_control={"type": "ephemeral"})
+    assert ignored_settings(plain, reply.id) == {"serve.cache_control": {"type": "ephemeral"}}
+    counted = plain.client.messages.count_tokens(model=name, messages=HELLO)
+    shaped = plain.client.messages.count_tokens(
+        model=name, messages=HELLO, cache_control={"type": "ephemeral", "ttl": "1h"},
+        output_config={"effort": "high", "format": {"type": "json_schema", "schema": {"type": "string"}}})
+    assert shaped.input_tokens == counted.input_tokens == reply.usage.input_tokens
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        plain.client.messages.count_tokens(model=name, messages=HELLO, output_config={"format": {"type": "x"}})
+    assert caught.value.body["error"]["message"].startswith("output_config.format: expected")
+
+
 def test_chat_template_kwargs_reach_the_template_as_on_the_chat_endpoint(plain):
     """vLLM's extra on /v1/messages (Qwen3's enable_thinking is the usual one): the template's variables."""
     name = plain.served.state.model_name

@@ -25,8 +25,9 @@ from kvload.serve.protocol import EFFORT_IGNORED, AsSent, BadRequest, need_schem
 #: The Messages fields kvload acts on or reports (count_tokens takes those that shape the prompt).
 ACCEPTED = frozenset({"model", "messages", "system", "max_tokens", "temperature", "top_p", "top_k", "stop_sequences",
                       "stream", "tools", "tool_choice", "metadata", "thinking", "output_config", "service_tier",
-                      "chat_template_kwargs"})  # vLLM's extra, as on the chat endpoint
-COUNT_ACCEPTED = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking", "chat_template_kwargs"})
+                      "cache_control", "chat_template_kwargs"})  # the last vLLM's extra, as on the chat endpoint
+COUNT_ACCEPTED = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking", "output_config",
+                            "cache_control", "chat_template_kwargs"})
 _PASSED = ("model", "temperature", "top_p", "top_k", "stream", "chat_template_kwargs")
 #: Anthropic's ``output_config.effort`` values.
 _EFFORTS = ("low", "medium", "high", "xhigh", "max")
@@ -110,10 +111,14 @@ def to_chat(body: Any, tool_parser: str | None = None, reasoning_parser: str | N
             _need(user is None or (isinstance(user, str) and len(user) <= MAX_USER_ID), "metadata.user_id",
                   f"a string of at most {MAX_USER_ID} characters", user)
             ignored.append(("metadata", body["metadata"], "kvload keeps no per-user records of requests"))
-        _output_config(body.get("output_config"), chat, ignored)
         tier = body.get("service_tier")  # Anthropic's: standard capacity is the one kvload has ("auto" falls to it)
         _need(tier in (None, "auto", "standard_only"), "service_tier", '"auto" or "standard_only" (kvload serves one '
               "tier)", tier)
+    _output_config(body.get("output_config"), chat, ignored, count)
+    if body.get("cache_control") is not None:  # Anthropic's automatic caching, for the whole request
+        _need(isinstance(body["cache_control"], dict), "cache_control", '{"type": "ephemeral", "ttl"?}',
+              body["cache_control"])
+        _cache_control(body, "", ignored)
     messages, sources = _messages(body.get("messages"), ignored)
     system = _system(body.get("system"), ignored)
     if system is not None:
@@ -152,8 +157,8 @@ def _text(value: Any, field: str, ignored: list[tuple[str, Any, str]]) -> str:
 
 
 def _cache_control(block: dict[str, Any], where: str, ignored: list[tuple[str, Any, str]]) -> None:
-    if block.get("cache_control") is not None:
-        ignored.append((f"{where}.cache_control", block["cache_control"], _CACHED))
+    if block.get("cache_control") is not None:  # where "": the request's own (Anthropic's automatic caching)
+        ignored.append((f"{where}.cache_control" if where else "cache_control", block["cache_control"], _CACHED))
 
 
 #: How Claude Code's per-request attribution block in ``system`` begins: its hash changes every request.
@@ -347,7 +352,7 @@ def _tool_choice(value: Any, tools: list[dict[str, Any]], parser: str | None,
     return {"type": "function", "function": {"name": value["name"]}}, parallel
 
 
-def _output_config(value: Any, chat: dict[str, Any], ignored: list[tuple[str, Any, str]]) -> None:
+def _output_config(value: Any, chat: dict[str, Any], ignored: list[tuple[str, Any, str]], count: bool = False) -> None:
     """Anthropic's ``output_config`` (vLLM's too): ``format`` ``{"type": "json_schema", "schema": {...}}`` holds the
     reply to the schema (chat's ``response_format``: structured outputs); ``effort`` is chat's ``reasoning_effort``
     (the chat template's)."""
@@ -367,6 +372,8 @@ def _output_config(value: Any, chat: dict[str, Any], ignored: list[tuple[str, An
           '{"type": "json_schema", "schema": {...}}', fmt)
     _fields(fmt, "output_config.format", {"type", "schema"})
     need_schema(fmt.get("schema"), "output_config.format.schema")
+    if count:  # the format holds what is generated; the prompt counted is the same
+        return
     chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
