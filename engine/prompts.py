@@ -9,6 +9,7 @@ a 1-D integer numpy array / torch tensor), vLLM's prompt dicts ``{"prompt": "...
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import sys
@@ -185,6 +186,29 @@ def missing_template(tokenizer: Any, template: Mapping[str, Any], name: str) -> 
     return None
 
 
+@functools.lru_cache(maxsize=32)
+def _template_names(source: str) -> frozenset[str] | None:
+    """The variables a Jinja chat template reads (None: it does not parse here, e.g. transformers' own tags)."""
+    import jinja2
+    from jinja2 import meta
+
+    try:
+        return frozenset(meta.find_undeclared_variables(
+            jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(source)))
+    except jinja2.TemplateError:  # transformers' own tags ({% generation %}): taken as reading anything
+        return None
+
+
+def template_reads(tokenizer: Any, template: Mapping[str, Any], names: Sequence[str]) -> bool:
+    """Whether the chat template a conversation goes through (``template["chat_template"]`` or the tokenizer's)
+    reads any of ``names``; true when that cannot be told (no template as text, one that does not parse here)."""
+    source = template.get("chat_template") or getattr(tokenizer, "chat_template", None)
+    if not isinstance(source, str):
+        return True
+    read = _template_names(source)
+    return read is None or any(name in read for name in names)
+
+
 #: Steps one chat template rendering may take: the lines of the template's own code it runs and the Python calls
 #: (filters, the sandbox's attribute checks) they make. Jinja's sandbox bounds a ``range`` (100,000 items) but not a
 #: loop inside a loop: two nested ranges ran 10**10 steps, for ever in practice, and the Jinja a server runs may be a
@@ -326,4 +350,4 @@ def template_options(add_generation_prompt: Any = True, continue_final_message: 
 __all__ = ["APPLY_SETTINGS", "CHAT_ARGUMENTS", "PROMPT_KEYS", "ROLES", "TEMPLATE_MAX_CHARS", "TEMPLATE_MAX_SECONDS",
            "TEMPLATE_MAX_STEPS", "TEMPLATE_OPTIONS", "VLLM_PROMPT_KEYS_NOT_TAKEN", "TextPrompt", "TokensPrompt",
            "apply_template", "array_ints", "check_text", "is_conversation", "is_token_id", "lone_surrogate",
-           "missing_template", "normalize", "template_options"]
+           "missing_template", "normalize", "template_options", "template_reads"]

@@ -502,6 +502,19 @@ VLLM_FIELDS_NOT_TAKEN: dict[str, str] = {
     "truncate_prompt_tokens": "kvload does not cut prompts; a prompt longer than max_seq_len is refused with its "
                               "length",
     "extra_args": "kvload has no sampler plugins to read them",
+    "logprob_token_ids": "kvload returns the top logprobs=k tokens (and the sampled one), not chosen ids; ask for "
+                         "logprobs=20 and read the ids you need, or score a candidate with prompt_logprobs",
+    **dict.fromkeys(("prompt_logprob_token_ids", "prompt_logprob_start"),
+                    "kvload scores every prompt token with prompt_logprobs=k (its top k and the token itself)"),
+    "flat_logprobs": "kvload's logprobs are vLLM's list of dicts of Logprob-like floats",
+    "stream_interval": "LLM.generate_stream yields every token as it comes; batch the deltas yourself",
+    "thinking_token_budget": "kvload does not bound a model's thinking; max_tokens bounds the whole reply",
+    "repetition_detection": "kvload does not end a sample on repeated n-grams; repetition_penalty, "
+                            "frequency_penalty and presence_penalty discourage repeats",
+    "skip_reading_prefix_cache": "give the call its own salt= (LLM.generate(..., salt=...)): prompts under "
+                                 "different salts share no cached blocks",
+    **dict.fromkeys(("skip_clone", "routed_experts_prompt_start", "trace_decode_token_ids"),
+                    "vLLM's internal or debugging field; kvload has none"),
 }
 
 #: vLLM's ``LLM.generate`` / ``LLM.chat`` arguments kvload does not take (None, which asks for nothing, is accepted by

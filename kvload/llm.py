@@ -21,7 +21,7 @@ from typing import Any
 
 from engine.beam_search import BeamSearchOutput, BeamSearchParams
 from engine.outputs import GenerationStats, RequestOutput, TokenDelta
-from engine.prompts import check_tree, is_conversation
+from engine.prompts import check_tree, is_conversation, is_token_id
 from engine.sampling_params import SamplingParams, is_int
 from kvload.api import LoadResult, api_request, execute
 from kvload.metrics import METRIC_NAMINGS, LlmMetrics, Metric
@@ -219,15 +219,28 @@ class LLM:
                 self._metrics.record(outputs, executor.last_stats)
                 return outputs
 
-    def beam_search(self, prompts: Any, params: BeamSearchParams) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts: Any, params: BeamSearchParams, lora_request: Any = None, use_tqdm: Any = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
         """vLLM's ``LLM.beam_search``: the best ``params.beam_width`` hypotheses of every prompt, best first.
 
         Every live beam is a running request that computes one token a step, a new beam a fork of its parent
         (``engine.beam_search``); the width is bounded by the load's ``max_beam_width``
-        (``LLM(model, max_beam_width=4)``).
+        (``LLM(model, max_beam_width=4)``). vLLM's other arguments, in its order: ``lora_request`` (only None, as
+        :meth:`generate`'s), ``use_tqdm`` (as :meth:`generate`'s) and ``concurrency_limit`` (at most this many
+        prompts searched at once, the next ones after them: less KV held at a time, the same hypotheses).
         """
-        with self._exclusive("beam_search"), self._running("beam_search") as executor:
-            return executor.beam_search(prompts, params)
+        _no_lora("beam_search", lora_request)
+        if concurrency_limit is not None and not (is_int(concurrency_limit) and concurrency_limit >= 1):
+            raise GenerationError(f"beam_search: concurrency_limit: expected an integer >= 1 (prompts searched at "
+                                  f"once) or None, got {short(concurrency_limit)}")
+        with self._exclusive("beam_search"):
+            self._no_progress_bar(use_tqdm)
+            with self._running("beam_search") as executor:
+                many = isinstance(prompts, (list, tuple)) and not all(is_token_id(p) for p in prompts)
+                if concurrency_limit is None or not many:
+                    return executor.beam_search(prompts, params)
+                return [out for start in range(0, len(prompts), concurrency_limit)
+                        for out in executor.beam_search(list(prompts[start:start + concurrency_limit]), params)]
 
     def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: Any = None, lora_request: Any = None, chat_template: str | None = None,

@@ -181,6 +181,26 @@ def test_llm_beam_search_returns_texts_like_vllm(tiny_checkpoints, tmp_path):
         assert out.sequences[0].text.startswith("w0 w5 w")
 
 
+def test_llm_beam_search_takes_vllms_other_arguments(tiny_checkpoints, tmp_path, monkeypatch):
+    """vLLM's beam_search(prompts, params, lora_request, use_tqdm, concurrency_limit): a script passing them ran
+    into a TypeError; concurrency_limit searches that many prompts at once, the same hypotheses."""
+    words = with_tokenizer(tiny_checkpoints("llama"), tmp_path / "ckpt", 512)
+    params = kvload.BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True)
+    prompts = ["w5 w17 w300 w42", [7, 8, 9]]
+    with kvload.LLM(str(words), max_beam_width=2, **llm_kwargs("v1")) as llm:
+        seen = watch_steps(llm.result, monkeypatch)
+        together = llm.beam_search(prompts, params)
+        both = max(held for _, held in seen)
+        seen.clear()
+        apart = llm.beam_search(prompts, params, None, False, 1)
+        assert [[s.tokens for s in o.sequences] for o in apart] == [[s.tokens for s in o.sequences] for o in together]
+        assert max(held for _, held in seen) <= 2 < both  # one prompt's beams at a time, not both prompts'
+        with pytest.raises(GenerationError, match="beam_search: concurrency_limit: expected an integer >= 1"):
+            llm.beam_search(prompts, params, concurrency_limit=0)
+        with pytest.raises(GenerationError, match="beam_search: lora_request: kvload serves the checkpoint's own"):
+            llm.beam_search(prompts, params, lora_request=object())
+
+
 def test_a_width_past_ten_still_gets_its_2k_alternatives_a_step(tiny_checkpoints):
     """A step asks for 2 x beam_width alternatives: past the MAX_LOGPROBS (20) a caller may ask for, and allowed."""
     with load_beams(tiny_checkpoints("llama"), width=11) as result:

@@ -292,6 +292,67 @@ def test_tools_with_tool_choice_none_reach_the_chat_template_as_vllm_shows_them(
              "tools[0]")
 
 
+def test_documents_reach_the_chat_template_as_vllm_passes_them(served):
+    """vLLM's documents (a RAG template's): the template's ``documents`` variable, as chat_template_kwargs would be."""
+    template = "{% for d in documents or [] %}{{ d['text'] }} {% endfor %}" + TOOL_TEMPLATE
+    body = {"model": "words", "messages": CONV, "max_tokens": 1, "chat_template": template}
+    without = served.http.post("/v1/chat/completions", json=body).json()["usage"]["prompt_tokens"]
+    docs = [{"title": "a", "text": "w11 w12"}]
+    shown = served.http.post("/v1/chat/completions", json={**body, "documents": docs, "return_token_ids": True})
+    assert shown.json()["prompt_token_ids"][:2] == [11, 12] and shown.json()["usage"]["prompt_tokens"] == without + 2
+    assert "a list of objects of strings" in _refused(served, "/v1/chat/completions",
+                                                      {**body, "documents": ["w11"]}, "documents")
+    assert "give one" in _refused(served, "/v1/chat/completions", {
+        **body, "documents": docs, "chat_template_kwargs": {"documents": docs}}, "documents")
+
+
+def test_reasoning_effort_reaches_the_chat_template_as_vllm_passes_it(served):
+    """vLLM's: reasoning_effort is the template's variable (gpt-oss's reads it), and enable_thinking is true unless it
+    is "none" (Qwen3's switch), the request's own chat_template_kwargs winning; reported only when the template reads
+    neither."""
+    template = ("{% if reasoning_effort == 'low' %}w11 {% endif %}{% if enable_thinking is false %}w12 {% endif %}"
+                + TOOL_TEMPLATE)
+    body = {"model": "words", "messages": CONV, "max_tokens": 1, "chat_template": template, "return_token_ids": True}
+
+    def prompt(**extra):
+        reply = served.http.post("/v1/chat/completions", json={**body, **extra}).json()
+        return reply["prompt_token_ids"][:1], _ignored(served, reply["id"])
+
+    plain = served.http.post("/v1/chat/completions", json=body).json()["prompt_token_ids"][:1]
+    assert prompt(reasoning_effort="low") == ([11], {})
+    assert prompt(reasoning_effort="none") == ([12], {})
+    assert prompt(reasoning_effort="high") == (plain, {})  # read, and thinking on: what the template does unasked
+    assert prompt(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True}) == (plain, {})
+    assert "give one" in _refused(served, "/v1/chat/completions", {
+        **body, "reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}}, "reasoning_effort")
+
+
+def test_vllms_fields_kvload_does_not_serve_are_refused_saying_what_it_does_instead(served):
+    """They read "not supported by kvload serve" and a list of 70 fields; session_id (an agent's conversation id)
+    changes nothing here, so it is served and reported."""
+    message = _refused(served, "/v1/chat/completions", {"messages": CONV, "max_tokens": 1,
+                                                        "thinking_token_budget": 64}, "thinking_token_budget")
+    assert message.startswith("thinking_token_budget: not supported by kvload serve (vLLM's field: kvload does not "
+                              "bound a model's thinking; max_tokens bounds the whole reply); accepted fields: ")
+    assert "fill-in-the-middle" in _refused(served, "/v1/completions", {"prompt": PROMPT, "suffix": "w9"}, "suffix")
+    reply = served.client.chat.completions.create(model="words", messages=CONV, max_tokens=3,
+                                                  extra_body={"ignore_eos": True, "session_id": "conv-9"})
+    assert _ignored(served, reply.id) == {"serve.session_id": "conv-9"}
+    _refused(served, "/v1/completions", {"prompt": PROMPT, "session_id": 9}, "session_id")
+
+
+def test_include_reasoning_without_a_reasoning_parser_is_reported(served):
+    """vLLM's include_reasoning: false leaves a reply's thinking out, which only a --reasoning-parser tells apart."""
+    reply = served.client.chat.completions.create(model="words", messages=CONV, max_tokens=3,
+                                                  extra_body={"ignore_eos": True, "include_reasoning": False})
+    assert _ignored(served, reply.id) == {"serve.include_reasoning": False}
+    kept = served.client.chat.completions.create(model="words", messages=CONV, max_tokens=3,
+                                                 extra_body={"ignore_eos": True, "include_reasoning": True})
+    assert _ignored(served, kept.id) == {}
+    _refused(served, "/v1/chat/completions", {"messages": CONV, "max_tokens": 1, "include_reasoning": "no"},
+             "include_reasoning")
+
+
 def test_an_assistant_messages_reasoning_reaches_the_chat_template_as_llm_chat_passes_it(served):
     """Interleaved thinking sent back: a 400 ("messages[1].reasoning: not supported"); vLLM shows it to the template."""
     template = "{% for m in messages %}{{ m['content'] }} {{ m.get('reasoning_content') or '' }} {% endfor %}"
@@ -393,6 +454,11 @@ def test_openai_chat_fields_agents_send_are_served_and_reported_not_refused(serv
     chunks = list(streamed)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain.choices[0].message.content
     assert _ignored(served, chunks[0].id) == {"serve.reasoning_effort": "none"}
+    hinted = served.client.chat.completions.create(model="words", messages=CONV, max_tokens=3, modalities=["text"],
+                                                   prediction={"type": "content", "content": "w5 w6"},
+                                                   extra_body={"ignore_eos": True})
+    assert hinted.choices[0].model_extra["token_ids"] == plain.choices[0].model_extra["token_ids"]
+    assert _ignored(served, hinted.id) == {"serve.prediction": "content"}  # text is what kvload writes: no report
     null = served.client.chat.completions.create(model="words", messages=CONV, max_tokens=3,
                                                  extra_body={"ignore_eos": True, "reasoning_effort": None,
                                                              "prompt_cache_key": None})
@@ -428,6 +494,8 @@ def test_openai_chat_store_and_metadata_are_served_and_reported_not_refused(serv
     ({"safety_identifier": ["u"]}, "safety_identifier", "a string"),
     ({"service_tier": "flex"}, "service_tier", '"auto" or "default" (kvload serves one tier)'),
     ({"prompt_cache_retention": "1h"}, "prompt_cache_retention", '"in_memory" or "24h"'),
+    ({"modalities": ["text", "audio"]}, "modalities", '["text"] (kvload writes text; no audio)'),
+    ({"prediction": {"type": "content", "content": 5}}, "prediction", '{"type": "content", "content": a string'),
 ])
 def test_openai_chat_fields_with_a_value_kvload_cannot_take_are_a_400_naming_the_field(served, extra, param, words):
     assert words in _refused(served, "/v1/chat/completions", {"messages": CONV, "max_tokens": 1, **extra}, param)

@@ -89,7 +89,7 @@ def ignored_settings(server, request_id: str) -> dict:
 def test_a_plain_answer_is_the_chat_endpoints_answer(plain):
     ids = plain.script.say("Blue, mostly.")
     # greedy (this client version sends sampling settings as extra fields)
-    reply = create(plain, system="Be brief.", max_tokens=40, metadata={"user_id": "u-7"},
+    reply = create(plain, system="Be brief.", max_tokens=40, metadata={"user_id": "u-7"}, service_tier="auto",
                    extra_body={"temperature": 0, "top_p": 1, "top_k": -1})
     assert (reply.type, reply.role, reply.model) == ("message", "assistant", plain.served.state.model_name)
     assert reply.id.startswith("msg_") and reply.stop_reason == "end_turn" and reply.stop_sequence is None
@@ -183,6 +183,74 @@ def test_count_tokens_is_the_prompts_token_count(plain):
                                              **body).usage.input_tokens > counted.input_tokens
 
 
+def test_claude_codes_attribution_block_is_dropped_so_the_prefix_cache_holds(plain):
+    """Claude Code puts a per-request hash first in ``system`` (vLLM drops the block): kept, no turn's prompt began as
+    the last one's, so the prefix cache reused nothing."""
+    plain.script.say("Ok.")
+
+    def turn(cch: str) -> Message:
+        return create(plain, system=[
+            {"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.3; cch={cch};"},
+            {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}])
+
+    first = turn("a1b2c")
+    assert plain.seen.messages[-1] == [{"role": "system", "content": "You are Claude Code."}, *HELLO]
+    assert ignored_settings(plain, first.id) == {"serve.system[0]": "x-anthropic-billing-header",
+                                                 "serve.system[1].cache_control": {"type": "ephemeral"}}
+    turn("f9e8d")
+    assert plain.seen.messages[-1] == plain.seen.messages[-2]  # the same prompt, whatever the hash
+
+
+def test_the_clients_request_level_cache_control_and_count_tokens_output_config_are_taken(plain):
+    """The anthropic client sends both (automatic caching; count_tokens takes output_config too): each was a 400."""
+    name = plain.served.state.model_name
+    plain.script.say("Ok.")
+    reply = create(plain, cache_control={"type": "ephemeral"})
+    assert ignored_settings(plain, reply.id) == {"serve.cache_control": {"type": "ephemeral"}}
+    counted = plain.client.messages.count_tokens(model=name, messages=HELLO)
+    shaped = plain.client.messages.count_tokens(
+        model=name, messages=HELLO, cache_control={"type": "ephemeral", "ttl": "1h"},
+        output_config={"effort": "high", "format": {"type": "json_schema", "schema": {"type": "string"}}})
+    assert shaped.input_tokens == counted.input_tokens == reply.usage.input_tokens
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        plain.client.messages.count_tokens(model=name, messages=HELLO, output_config={"format": {"type": "x"}})
+    assert caught.value.body["error"]["message"].startswith("output_config.format: expected")
+
+
+def test_chat_template_kwargs_reach_the_template_as_on_the_chat_endpoint(plain):
+    """vLLM's extra on /v1/messages (Qwen3's enable_thinking is the usual one): the template's variables."""
+    name = plain.served.state.model_name
+    listed = {"chat_template_kwargs": {"tools": [{"function": {"name": "abc"}}]}}  # the template lists tools' names
+    counted = plain.client.messages.count_tokens(model=name, messages=HELLO)
+    assert plain.client.messages.count_tokens(model=name, messages=HELLO, extra_body=listed).input_tokens == \
+        counted.input_tokens + len("abc: ")
+    plain.script.say("Ok.")
+    assert create(plain, extra_body=listed).usage.input_tokens == counted.input_tokens + len("abc: ")
+
+
+def test_output_config_format_holds_the_reply_to_its_schema(plain):
+    """Anthropic's structured outputs (the anthropic client's output_config, vLLM's too): the reply is JSON the schema
+    admits, whatever the model would say; its effort is reported, as chat's reasoning_effort is."""
+    pytest.importorskip("xgrammar")
+    plain.script.say("Paris is lovely.")
+    reply = create(plain, output_config={"format": {"type": "json_schema",
+                                                    "schema": {"type": "string", "enum": ["yes", "no"]}},
+                                         "effort": "low"})
+    (block,) = reply.content
+    assert json.loads(block.text) in ("yes", "no") and reply.stop_reason == "end_turn"
+    assert ignored_settings(plain, reply.id) == {"serve.output_config.effort": "low"}
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        create(plain, output_config={"format": {"type": "json_schema", "schema": False}})
+    assert caught.value.body["error"]["message"].startswith("output_config.format.schema: ")
+    with pytest.raises(anthropic.BadRequestError) as caught:  # two constraints on one reply, named as sent
+        create(plain, tools=[WEATHER], tool_choice={"type": "any"},
+               output_config={"format": {"type": "json_schema", "schema": {"type": "string"}}})
+    assert "output_config.format constrains it too" in caught.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError) as caught:  # the effort is the template's reasoning_effort (vLLM's)
+        create(plain, output_config={"effort": "low"}, extra_body={"chat_template_kwargs": {"reasoning_effort": "x"}})
+    assert caught.value.body["error"]["message"].startswith("output_config.effort: given both as output_config.effort")
+
+
 # --- tools and thinking ----------------------------------------------------------------------------------------------
 
 
@@ -254,6 +322,12 @@ def test_a_named_tool_holds_the_reply_to_its_call(plain):
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": 10**7}, "max_tokens is too large: 10000000. This model's maximum context length is"),
     ({"container": "c1"}, "container: not supported by kvload serve's /v1/messages"),
+    # named as sent: it read "max_tokens: not supported", max_tokens being among the accepted fields
+    ({"max_completion_tokens": 5}, "max_completion_tokens: not supported by kvload serve's /v1/messages"),
+    ({"output_config": {"format": {"type": "json_object"}}}, 'output_config.format: expected {"type": "json_schema"'),
+    ({"output_config": {"effort": "extreme"}}, "output_config.effort: expected \"low\""),
+    ({"output_config": {"task_budget": 5}}, "output_config.task_budget: not supported here"),
+    ({"service_tier": "priority"}, 'service_tier: expected "auto" or "standard_only" (kvload serves one tier)'),
     ({"messages": [{"role": "system", "content": "a"}]}, "messages[0].role: expected \"user\" or \"assistant\""),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
      "messages[0].content[0].type: 'image' is not supported"),

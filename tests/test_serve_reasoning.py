@@ -110,6 +110,18 @@ def test_a_stream_sends_the_thinking_then_the_answer_as_the_whole_reply_splits_t
     assert got["reasons"][-1] == "stop" and got["logprobs"] == got["usage"].completion_tokens
 
 
+def test_include_reasoning_false_leaves_the_thinking_out_whole_and_streamed(r1):
+    """vLLM's include_reasoning (default true): false answers with the answer alone, the thinking in no field."""
+    ids = r1.script.say(THOUGHT + "</think>" + ANSWER)
+    reply = chat(r1, extra_body={"include_reasoning": False})
+    c, reasoning, content = message_of(reply)
+    assert (reasoning, content, c.finish_reason) == (None, ANSWER, "stop")
+    assert reply.usage.completion_tokens == len(ids) + 1  # the thinking's tokens were made, and are counted
+    got = read_stream(chat(r1, stream=True, extra_body={"include_reasoning": False}))
+    assert (got["reasoning"], got["content"], got["order"][0]) == ("", ANSWER, "content")
+    assert message_of(chat(r1, extra_body={"include_reasoning": True}))[1:] == (THOUGHT, ANSWER)
+
+
 @pytest.mark.parametrize("tools", [{}, {"tools": [CLOCK]}])  # an "auto" reply's answer is read for calls
 def test_a_reply_cut_before_its_end_marker_is_all_thinking(r1, tools):
     ids = r1.script.say(THOUGHT + "</think>" + ANSWER)
@@ -245,6 +257,39 @@ def test_qwen3_thinks_only_inside_the_markers_the_model_writes(qwen3):
     assert (reasoning, content) == (None, ANSWER) and "reasoning_content" in reply.choices[0].message.model_extra
     got = read_stream(chat(qwen3, stream=True))
     assert (got["reasoning"], got["content"]) == ("", ANSWER)
+
+
+def _split_reply(path: str, reply: dict) -> tuple:
+    """(the thinking or None, the answer's text, the prompt's tokens) of a chat or Responses answer."""
+    if path == "/v1/chat/completions":
+        message = reply["choices"][0]["message"]
+        return message["reasoning_content"], message["content"], reply["usage"]["prompt_tokens"]
+    parts = {part["type"]: part for part in reply["output"]}
+    thinking = parts["reasoning"]["content"][0]["text"] if "reasoning" in parts else None
+    return thinking, parts["message"]["content"][0]["text"], reply["usage"]["input_tokens"]
+
+
+@pytest.mark.parametrize(("path", "key"), [("/v1/chat/completions", "reasoning_effort"),
+                                           ("/v1/responses", "reasoning")])
+def test_qwen3_with_an_effort_of_none_does_not_think(qwen3, path, key):
+    """vLLM's: an effort of "none" is enable_thinking false for the chat template (Qwen3's switch), so the reply is
+    content whole; any other effort leaves the thinking on. Responses' reasoning.effort is chat's reasoning_effort."""
+    written = "<think>" + THOUGHT + "</think>" + ANSWER
+    qwen3.script.say(written)
+    served = qwen3.served
+    body = {"model": served.state.model_name, "input" if path == "/v1/responses" else "messages": MESSAGES,
+            "max_output_tokens" if path == "/v1/responses" else "max_tokens": 200}
+
+    def ask(effort: str) -> tuple:
+        r = served.http.post(path, json={**body, key: effort if key == "reasoning_effort" else {"effort": effort}})
+        assert r.status_code == 200, r.text
+        return _split_reply(path, r.json())
+
+    thinking, answer, off = ask("none")
+    assert (thinking, answer) == (None, written)
+    thinking, answer, on = ask("low")
+    assert (thinking, answer) == (THOUGHT, ANSWER)
+    assert off > on  # the template wrote its empty thinking block for "none"
 
 
 def test_qwen3_with_thinking_switched_off_answers_in_content_and_takes_a_grammar(qwen3):

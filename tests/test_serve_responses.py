@@ -124,6 +124,30 @@ def refused(server, param: str, **body) -> str:
 # --- text -------------------------------------------------------------------------------------------------------------
 
 
+def test_vllms_sampling_extras_act_as_on_the_chat_endpoint(plain):
+    """vLLM's ResponsesRequest takes stop, seed, ignore_eos, repetition_penalty, logit_bias, skip_special_tokens,
+    include_stop_str_in_output and structured_outputs (the openai client sends them in extra_body): each was a 400."""
+    plain.script.say("Blue, mostly.")
+    cut = create(plain, max_output_tokens=40, extra_body={"stop": [","], "seed": 3, "ignore_eos": False,
+                                                          "repetition_penalty": 1.0, "skip_special_tokens": True})
+    assert (cut.output_text, cut.status) == ("Blue", "completed")
+    kept = create(plain, max_output_tokens=40, extra_body={"stop": ",", "include_stop_str_in_output": True})
+    assert kept.output_text == "Blue,"
+    comma = plain.script.tokenizer.encode(",", add_special_tokens=False)[0]
+    banned = create(plain, max_output_tokens=4, extra_body={"logit_bias": {str(comma): -100}})
+    assert not banned.output_text.startswith("Blue,")
+    assert "logit_bias" in refused(plain, "logit_bias", extra_body={"logit_bias": {"x": 1}})
+
+
+def test_vllms_structured_outputs_hold_a_response_as_on_the_chat_endpoint(plain):
+    pytest.importorskip("xgrammar")
+    plain.script.say("Blue, mostly.")
+    held = create(plain, max_output_tokens=40, extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert held.output_text in ("yes", "no")
+    assert "give one" in refused(plain, "structured_outputs", text={"format": {"type": "json_object"}},
+                                 extra_body={"structured_outputs": {"regex": "[a-z]+"}})
+
+
 def test_a_plain_input_is_answered_as_the_chat_endpoint_answers_it(plain):
     ids = plain.script.say("Blue, mostly.")
     reply = create(plain, max_output_tokens=40, metadata={"run": "7"})
@@ -480,7 +504,13 @@ def test_under_qwen3_only_a_reply_that_thinks_has_a_reasoning_item_and_reasoning
 
 
 @pytest.mark.parametrize(("body", "param", "says"), [
-    ({"extra_body": {"stop": ["."]}}, "stop", "not supported"),
+    ({"extra_body": {"stop_token_ids": [5]}}, "stop_token_ids", "not supported"),
+    # chat's names, sent by a client moving from chat: named as sent (they read as "input: not supported", "accepted:
+    # ..., input, ..."), with the Responses name
+    ({"extra_body": {"messages": [{"role": "user", "content": "a"}]}}, "messages",
+     "messages: not supported by kvload serve's /v1/responses (the Responses API calls it input)"),
+    ({"extra_body": {"max_tokens": 5}}, "max_tokens",
+     "max_tokens: not supported by kvload serve's /v1/responses (the Responses API calls it max_output_tokens)"),
     ({"background": True}, "background", "not supported"),
     ({"truncation": "auto"}, "truncation", "disabled"),
     ({"include": ["message.output_text.logprobs"]}, "include", "not supported"),
@@ -497,6 +527,7 @@ def test_under_qwen3_only_a_reply_that_thinks_has_a_reasoning_item_and_reasoning
     # any string was taken (and reported ignored) where chat's reasoning_effort is checked
     ({"reasoning": {"effort": "ultra"}}, "reasoning.effort", 'expected "none", "minimal", "low"'),
     ({"reasoning": {"summary": "verbose"}}, "reasoning.summary", 'expected "auto", "concise" or "detailed"'),
+    ({"max_tool_calls": 0}, "max_tool_calls", "an integer >= 1"),
     ({"extra_body": {"stream_options": {"include_obfuscation": "yes"}}}, "stream_options.include_obfuscation",
      "true or false"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]",
@@ -545,13 +576,14 @@ def test_settings_that_change_nothing_are_reported_once(plain):
     plain.script.say("Ok.")
     reply = plain.served.client.responses.with_raw_response.create(
         model=plain.served.state.model_name, input="Hi", store=True, reasoning={"effort": "high"},
-        include=["reasoning.encrypted_content"], max_output_tokens=10, text={"verbosity": "low"})
+        include=["reasoning.encrypted_content"], max_output_tokens=10, text={"verbosity": "low"}, max_tool_calls=3)
     rid = reply.parse().id
     records = [json.loads(line) for line in plain.served.http.get("/v1/kvload/audit").text.splitlines()]
     ignored = {r["field"]: r["value"] for r in records
                if r["event"] == "setting_ignored" and r["reason"].endswith(f"(request {rid})")}
     assert ignored == {"serve.reasoning.effort": "high",  # store: true acts (test_serve_responses_store)
-                       "serve.include": "reasoning.encrypted_content", "serve.text.verbosity": "low"}
+                       "serve.include": "reasoning.encrypted_content", "serve.text.verbosity": "low",
+                       "serve.max_tool_calls": 3}  # the openai client takes it (was a 400)
 
 
 def test_fields_agents_send_by_default_are_reported_not_refused(plain):

@@ -518,6 +518,11 @@ def test_detokenize_false_keeps_the_tokens_and_skips_the_text(llm):
     ("guided_decoding", "vLLM's older name; pass structured_outputs=kvload.StructuredOutputsParams(...)"),
     ("truncate_prompt_tokens", "kvload does not cut prompts"),
     ("logits_processors", "kvload runs no user code in its sampler"),
+    # vLLM's newer fields: each said with what kvload does instead (they read "unknown SamplingParams field")
+    ("logprob_token_ids", "kvload returns the top logprobs=k tokens"),
+    ("thinking_token_budget", "kvload does not bound a model's thinking; max_tokens bounds the whole reply"),
+    ("skip_reading_prefix_cache", "give the call its own salt="),
+    ("stream_interval", "LLM.generate_stream yields every token as it comes"),
 ])
 def test_a_vllm_sampling_field_kvload_lacks_is_one_line_with_what_to_do(field, words):
     with pytest.raises(GenerationError) as info:

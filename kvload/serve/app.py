@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
+from engine.prompts import template_reads
 from engine.reasoning import ReasoningText
 from engine.schema_refs import OUTSIDE
 from engine.serving import EngineStopped, ServeEvent, ServingEngine
@@ -50,6 +51,7 @@ from kvload.serve.messages_input import to_chat as messages_to_chat
 from kvload.serve.messages_output import message_document, message_events
 from kvload.serve.metrics import ServeMetrics
 from kvload.serve.protocol import (
+    EFFORT_UNREAD,
     MAX_REQUEST_ID_CHARS,
     BadRequest,
     Job,
@@ -939,6 +941,7 @@ class _Run:
                 self.state.responses.check_size(len(raw), self.engine.executor.max_seq_len)
             job = _parse_body(self.state, chat, "chat")
             job = attrs.evolve(job, max_tokens_field="max_output_tokens",
+                               effort_field=job.effort_field and "reasoning.effort",
                                structured_field="text.format" if job.structured_field == "response_format"
                                else job.structured_field,
                                ignored=tuple((renamed(name, self.responses), value, why)
@@ -955,6 +958,7 @@ class _Run:
                                                    self.state.reasoning_parser)
             job = _parse_body(self.state, chat, "chat")
             job = attrs.evolve(job, max_tokens_field="max_tokens",
+                               effort_field=job.effort_field and "output_config.effort",
                                ignored=tuple((messages_renamed(name, self.messages), value, why)
                                              for name, value, why in job.ignored) + self.messages.ignored)
             self._prepare(job)
@@ -1068,6 +1072,10 @@ class _Run:
             self.engine.notify(StructuredOutputsRequested(request=self.id, field=job.structured_field or "",
                                                           tool_choice=job.tool_choice and job.tool_choice.mode,
                                                           **job.params.structured_outputs.describe()))
+        if job.effort_field is not None and not template_reads(self.engine.tokenizer, job.template,
+                                                               ("reasoning_effort", "enable_thinking")):
+            job = attrs.evolve(job, ignored=(*job.ignored, (job.effort_field, job.template["reasoning_effort"],
+                                                            EFFORT_UNREAD)))
         if job.ignored:  # accepted as vLLM accepts them, yet they can change nothing here
             self.engine.notify(*[SettingIgnored(field=f"serve.{name}", value=value, reason=f"{why} (request {self.id})")
                                  for name, value, why in job.ignored])
@@ -1334,6 +1342,8 @@ class _Run:
                        else self.chat_echo or None}
             if auto is not None:
                 message["tool_calls"] = []
+        if not self.job.include_reasoning:  # vLLM's include_reasoning: false
+            reasoning = None
         return {**message, "reasoning_content": reasoning, "reasoning": reasoning}
 
     def _thinking_delta(self, c: _Choice, text: str, finished: bool) -> dict[str, Any]:
@@ -1354,7 +1364,9 @@ class _Run:
             delta = self._auto_delta(c.auto, before + answer, finished)
         else:
             delta = {"content": before + answer} if before or answer else {}
-        return {"reasoning_content": reasoning, "reasoning": reasoning, **delta} if reasoning else delta
+        if reasoning and self.job.include_reasoning:
+            return {"reasoning_content": reasoning, "reasoning": reasoning, **delta}
+        return delta
 
     @staticmethod
     def _auto_delta(auto: ToolReader, text: str, finished: bool) -> dict[str, Any]:

@@ -4,7 +4,8 @@ As vLLM serves it (so Claude Code and Anthropic SDK clients can use a local mode
 field, in its own names, then turned into the chat completions body that says the same (``system`` → a system message
 first, content blocks → chat messages: ``tool_use`` blocks → the assistant's ``tool_calls``, ``tool_result`` blocks →
 ``tool`` messages; ``tools[i].input_schema`` → a function's ``parameters``; ``tool_choice`` auto/any/tool/none →
-"auto"/"required"/a named function/"none"; ``stop_sequences`` → ``stop``), so one path (``kvload.serve.protocol.parse``,
+"auto"/"required"/a named function/"none"; ``stop_sequences`` → ``stop``; ``output_config.format`` →
+``response_format``), so one path (``kvload.serve.protocol.parse``,
 templating, sampling, tool calls, the reasoning split, limits) serves it. What that path then refuses is named back in
 the Messages body's words (:func:`renamed_error`), and every refusal on these paths is Anthropic's error document
 (:class:`AnthropicError`). Settings accepted that change nothing are reported ``setting_ignored``.
@@ -19,13 +20,17 @@ from typing import Any
 import attrs
 
 from kvload.serve.command import TOOL_CALL_PARSERS
-from kvload.serve.protocol import EFFORT_IGNORED, BadRequest, need_schema
+from kvload.serve.protocol import EFFORT_IGNORED, AsSent, BadRequest, need_schema
 
 #: The Messages fields kvload acts on or reports (count_tokens takes those that shape the prompt).
 ACCEPTED = frozenset({"model", "messages", "system", "max_tokens", "temperature", "top_p", "top_k", "stop_sequences",
-                      "stream", "tools", "tool_choice", "metadata", "thinking"})
-COUNT_ACCEPTED = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking"})
-_PASSED = ("model", "temperature", "top_p", "top_k", "stream")
+                      "stream", "tools", "tool_choice", "metadata", "thinking", "output_config", "service_tier",
+                      "cache_control", "chat_template_kwargs"})  # the last vLLM's extra, as on the chat endpoint
+COUNT_ACCEPTED = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking", "output_config",
+                            "cache_control", "chat_template_kwargs"})
+_PASSED = ("model", "temperature", "top_p", "top_k", "stream", "chat_template_kwargs")
+#: Anthropic's ``output_config.effort`` values.
+_EFFORTS = ("low", "medium", "high", "xhigh", "max")
 
 #: Anthropic's error type for each HTTP status kvload answers with.
 _KINDS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
@@ -83,8 +88,8 @@ def to_chat(body: Any, tool_parser: str | None = None, reasoning_parser: str | N
     unknown = sorted(str(k) for k in set(body) - accepted)
     if unknown:
         path = "/v1/messages/count_tokens" if count else "/v1/messages"
-        raise BadRequest(f"{unknown[0][:80]}: not supported by kvload serve's {path}; accepted fields: "
-                         f"{', '.join(sorted(accepted))}", param=unknown[0][:80])
+        raise AsSent(f"{unknown[0][:80]}: not supported by kvload serve's {path}; accepted fields: "
+                     f"{', '.join(sorted(accepted))}", param=unknown[0][:80])
     model = body.get("model")
     _need(isinstance(model, str) and bool(model), "model", "the served model's name (a non-empty string)", model)
     ignored: list[tuple[str, Any, str]] = []
@@ -106,6 +111,14 @@ def to_chat(body: Any, tool_parser: str | None = None, reasoning_parser: str | N
             _need(user is None or (isinstance(user, str) and len(user) <= MAX_USER_ID), "metadata.user_id",
                   f"a string of at most {MAX_USER_ID} characters", user)
             ignored.append(("metadata", body["metadata"], "kvload keeps no per-user records of requests"))
+        tier = body.get("service_tier")  # Anthropic's: standard capacity is the one kvload has ("auto" falls to it)
+        _need(tier in (None, "auto", "standard_only"), "service_tier", '"auto" or "standard_only" (kvload serves one '
+              "tier)", tier)
+    _output_config(body.get("output_config"), chat, ignored, count)
+    if body.get("cache_control") is not None:  # Anthropic's automatic caching, for the whole request
+        _need(isinstance(body["cache_control"], dict), "cache_control", '{"type": "ephemeral", "ttl"?}',
+              body["cache_control"])
+        _cache_control(body, "", ignored)
     messages, sources = _messages(body.get("messages"), ignored)
     system = _system(body.get("system"), ignored)
     if system is not None:
@@ -144,14 +157,33 @@ def _text(value: Any, field: str, ignored: list[tuple[str, Any, str]]) -> str:
 
 
 def _cache_control(block: dict[str, Any], where: str, ignored: list[tuple[str, Any, str]]) -> None:
-    if block.get("cache_control") is not None:
-        ignored.append((f"{where}.cache_control", block["cache_control"], _CACHED))
+    if block.get("cache_control") is not None:  # where "": the request's own (Anthropic's automatic caching)
+        ignored.append((f"{where}.cache_control" if where else "cache_control", block["cache_control"], _CACHED))
+
+
+#: How Claude Code's per-request attribution block in ``system`` begins: its hash changes every request.
+BILLING_HEADER = "x-anthropic-billing-header"
 
 
 def _system(value: Any, ignored: list[tuple[str, Any, str]]) -> str | None:
+    """``system`` as one text; Claude Code's attribution block (:data:`BILLING_HEADER`) is dropped, as vLLM drops it:
+    put first in the prompt, its per-request hash left the prefix cache nothing to reuse between turns."""
     if value is None:
         return None
-    return _text(value, "system", ignored)
+    if not isinstance(value, list):
+        return _text(value, "system", ignored)
+    out = []
+    for j, block in enumerate(value):
+        where = f"system[{j}]"
+        _need(isinstance(block, dict) and block.get("type") == "text", where,
+              'a text block {"type": "text", "text": ...} (kvload serves text)', block)
+        text = _block_text(block, where, ignored)
+        if text.startswith(BILLING_HEADER):
+            ignored.append((where, BILLING_HEADER, "Claude Code's per-request attribution: dropped from the prompt "
+                            "(as vLLM drops it), so the prefix cache holds across turns"))
+        else:
+            out.append(text)
+    return "".join(out) if out or not value else None
 
 
 _BLOCKS = {"user": "text or tool_result", "assistant": "text, tool_use, thinking or redacted_thinking"}
@@ -320,6 +352,31 @@ def _tool_choice(value: Any, tools: list[dict[str, Any]], parser: str | None,
     return {"type": "function", "function": {"name": value["name"]}}, parallel
 
 
+def _output_config(value: Any, chat: dict[str, Any], ignored: list[tuple[str, Any, str]], count: bool = False) -> None:
+    """Anthropic's ``output_config`` (vLLM's too): ``format`` ``{"type": "json_schema", "schema": {...}}`` holds the
+    reply to the schema (chat's ``response_format``: structured outputs); ``effort`` is chat's ``reasoning_effort``
+    (the chat template's)."""
+    if value is None:
+        return
+    _need(isinstance(value, dict), "output_config", 'an object {"format"?, "effort"?}', value)
+    _fields(value, "output_config", {"format", "effort"})
+    effort = value.get("effort")
+    if effort is not None:
+        _need(effort in _EFFORTS, "output_config.effort", ", ".join(f'"{e}"' for e in _EFFORTS[:-1]) +
+              f' or "{_EFFORTS[-1]}"', effort)
+        chat["reasoning_effort"] = effort  # vLLM's: the chat template's reasoning_effort, as on the chat endpoint
+    fmt = value.get("format")
+    if fmt is None:
+        return
+    _need(isinstance(fmt, dict) and fmt.get("type") == "json_schema", "output_config.format",
+          '{"type": "json_schema", "schema": {...}}', fmt)
+    _fields(fmt, "output_config.format", {"type", "schema"})
+    need_schema(fmt.get("schema"), "output_config.format.schema")
+    if count:  # the format holds what is generated; the prompt counted is the same
+        return
+    chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+
+
 def _thinking(value: Any, parser: str | None, ignored: list[tuple[str, Any, str]]) -> None:
     """``thinking``: under ``--reasoning-parser`` the model's thinking is a ``thinking`` block whatever is asked
     (kvload does not switch it on or off, nor bound it); what cannot act is reported."""
@@ -351,7 +408,10 @@ _NAMES = [
     (re.compile(r"\btools\[(\d+)\]\.function\.parameters\b"), r"tools[\1].input_schema"),
     (re.compile(r"\btools\[(\d+)\]\.function\b"), r"tools[\1]"),
     (re.compile(r"\btool_choice\.function\.name\b"), "tool_choice.name"),
+    (re.compile(r"\bresponse_format\.json_schema\.schema\b"), "output_config.format.schema"),
+    (re.compile(r"\bresponse_format\b"), "output_config.format"),
     (re.compile(r"^stop\b"), "stop_sequences"),
+    (re.compile(r"\breasoning_effort\b"), "output_config.effort"),
     (re.compile(r"\bstop\[(\d+)\]"), r"stop_sequences[\1]"),
 ]
 _MESSAGE = re.compile(r"\bmessages\[(\d+)\]")
@@ -374,6 +434,8 @@ def renamed(text: str, request: MessagesRequest | None) -> str:
 
 def renamed_error(exc: BadRequest, request: MessagesRequest | None) -> BadRequest:
     """The chat path's refusal named as the Messages body named it."""
+    if isinstance(exc, AsSent):
+        return exc
     param = renamed(exc.param, request) if exc.param else exc.param
     return BadRequest(renamed(exc.message, request), param=param, status=exc.status, kind=exc.kind, code=exc.code,
                       headers=exc.headers)

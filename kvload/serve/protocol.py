@@ -100,6 +100,12 @@ class BadRequest(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+class AsSent(BadRequest):
+    """A refusal on the Responses or Messages path that already names the body's own fields (an unknown one): not
+    renamed as the chat path's refusals are (``messages`` is no Responses ``input``, ``max_tokens`` no
+    ``max_output_tokens``)."""
+
+
 def _printable(text: str) -> str:
     """``text`` with each lone surrogate written as its ``\\udXXX`` escape, so it encodes as UTF-8."""
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
@@ -160,6 +166,12 @@ class Job:
     #: the server's reasoning parser (``--reasoning-parser``) when it splits this chat reply into reasoning and
     #: content; None for completions, without one, and for qwen3 under ``enable_thinking: false``
     reasoning: str | None = None
+    #: the body field that gave the chat template ``reasoning_effort`` (vLLM's; ``output_config.effort`` and
+    #: ``reasoning.effort`` on the other paths), reported when the template reads it not, else None
+    effort_field: str | None = None
+    #: vLLM's ``include_reasoning`` (default true): false leaves the thinking out of the answer (reasoning_content
+    #: null, no reasoning in a stream's deltas); the reply is still split, its answer alone the content
+    include_reasoning: bool = True
     #: vLLM's ``return_token_ids``: the answer carries each prompt's ``prompt_token_ids`` (a stream: each choice's
     #: first chunk)
     return_token_ids: bool = False
@@ -263,14 +275,15 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "
            "allowed_token_ids", "bad_words",
            # vLLM's structured outputs (compiled by xgrammar at submission); its older guided_* fields are refused
            # with a pointer to it
-           "structured_outputs", *_GUIDED}
+           "structured_outputs", *_GUIDED,
+           "session_id"}  # vLLM's: a conversation's stable id, for routing; reported (kvload routes nothing)
 _COMPLETION = _COMMON | {"prompt", "best_of"}
 #: OpenAI's chat fields that the openai SDK takes and agents send, which change nothing kvload generates: checked and
 #: reported (``service_tier`` taken at the one tier kvload serves), as ``/v1/responses`` takes its own (openai_hints)
 _CHAT_HINTS = {"reasoning_effort", "verbosity", "prompt_cache_key", "prompt_cache_retention", "safety_identifier",
-               "service_tier", "store", "metadata"}
+               "service_tier", "store", "metadata", "modalities", "prediction"}
 _CHAT = (_COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                   "parallel_tool_calls"} | TEMPLATE_OPTIONS | _CHAT_HINTS)
+                   "parallel_tool_calls", "include_reasoning", "documents"} | TEMPLATE_OPTIONS | _CHAT_HINTS)
 #: OpenAI's limits on ``metadata``: 16 pairs, keys of 64 characters, values of 512.
 MAX_METADATA = 16
 MAX_METADATA_KEY = 64
@@ -279,6 +292,9 @@ MAX_METADATA_VALUE = 512
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 EFFORT_IGNORED = ("kvload does not steer how long a model thinks (its chat template may: chat_template_kwargs, e.g. "
                   "Qwen3's enable_thinking)")
+#: Why a ``reasoning_effort`` the chat template does not read is reported.
+EFFORT_UNREAD = ("the chat template reads neither reasoning_effort nor enable_thinking (vLLM passes the effort to the "
+                 "template, and thinking off for \"none\"; kvload does not steer thinking otherwise)")
 
 
 _NO_DEFAULTS: Mapping[str, Any] = MappingProxyType({})
@@ -412,6 +428,11 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
     if side is not None and truncate is None:
         ignored.append(("truncation_side", side, "no truncate_prompt_tokens: no prompt is cut"))
     priority = _accepted_as_done(body, kind, n, by_priority)
+    session = body.get("session_id")
+    _need(session is None or isinstance(session, str), "session_id", "a string", session)
+    if session is not None:
+        ignored.append(("session_id", session[:200], "vLLM's session identity, for routing and tracing; one kvload "
+                        "server routes nothing (cache_salt scopes prefix sharing)"))
     structured, structured_field = _structured(body)
     tools = _tools(body) if kind == "chat" else None
     tool_choice, tool_params = _tool_choice(body, tools, tool_parser) if kind == "chat" else (None, None)
@@ -425,6 +446,10 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
         structured, structured_field = tool_params, "tool_choice"
     template = _template(body, tools) if kind == "chat" else {}
     reasoning = _reasoning(reasoning_parser, template) if kind == "chat" else None
+    include_reasoning = _flag(body, "include_reasoning", True)
+    if not include_reasoning and reasoning_parser is None:  # nothing is told apart to leave out
+        ignored.append(("include_reasoning", False, "this server has no --reasoning-parser: a thinking model's "
+                        "thinking is part of the text"))
     if structured is not None:  # under a reasoning parser the model thinks freely; the grammar holds its answer
         extras["structured_outputs"] = structured if reasoning is None else \
             attrs.evolve(structured, reasoning_parser=reasoning)
@@ -447,7 +472,10 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
                request_id=request_id(body.get("request_id")),
                continuous_usage=continuous, ignored=tuple(ignored), priority=priority,
                model_defaults=tuple(defaulted), structured_field=structured_field, tool_choice=tool_choice,
-               auto_tools=auto, reasoning=reasoning, return_token_ids=_flag(body, "return_token_ids", False),
+               auto_tools=auto, reasoning=reasoning, include_reasoning=include_reasoning,
+               effort_field="reasoning_effort" if kind == "chat" and body.get("reasoning_effort") is not None
+               else None,
+               return_token_ids=_flag(body, "return_token_ids", False),
                return_tokens_as_token_ids=None if body.get("return_tokens_as_token_ids") is None
                else _flag(body, "return_tokens_as_token_ids", False),
                beam=beam)
@@ -567,7 +595,19 @@ def _chat_hints(body: dict[str, Any], ignored: list[tuple[str, Any, str]]) -> No
     if effort is not None:
         _need(effort in EFFORTS, "reasoning_effort", ", ".join(f'"{e}"' for e in EFFORTS[:-1]) + f' or "{EFFORTS[-1]}"',
               effort)
-        ignored.append(("reasoning_effort", effort, EFFORT_IGNORED))
+    modalities = body.get("modalities")  # OpenAI's output kinds: text is what kvload writes
+    _need(modalities is None or modalities == ["text"], "modalities", '["text"] (kvload writes text; no audio)',
+          modalities)
+    prediction = body.get("prediction")  # OpenAI's predicted output: a latency hint, the reply the same either way
+    if prediction is not None:
+        content = prediction.get("content") if isinstance(prediction, dict) else None
+        _need(isinstance(prediction, dict) and set(prediction) == {"type", "content"}
+              and prediction["type"] == "content" and (isinstance(content, str) or (isinstance(content, list) and all(
+                  isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                  for p in content))), "prediction", '{"type": "content", "content": a string or text parts}',
+              prediction)
+        ignored.append(("prediction", "content", "a latency hint (OpenAI's predicted outputs): the reply is the "
+                        "same either way, and kvload drafts no tokens from it"))
     verbosity = body.get("verbosity")
     if verbosity is not None:
         _need(verbosity in ("low", "medium", "high"), "verbosity", '"low", "medium" or "high"', verbosity)
@@ -782,6 +822,23 @@ def _template(body: dict[str, Any], tools: list[dict[str, Any]] | None = None) -
         if "tools" in options:
             raise BadRequest("tools: given both as tools and in chat_template_kwargs; give one", param="tools")
         options["tools"] = tools
+    documents = body.get("documents")
+    if documents is not None:  # vLLM's: a RAG template's documents (a template that reads none shows nothing)
+        _need(isinstance(documents, list) and all(isinstance(d, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in d.items()) for d in documents), "documents",
+            'a list of objects of strings, e.g. [{"title": ..., "text": ...}]', documents)
+        _check_unicode(documents, "documents")
+        if "documents" in options:
+            raise BadRequest("documents: given both as documents and in chat_template_kwargs; give one",
+                             param="documents")
+        options["documents"] = documents
+    effort = body.get("reasoning_effort")  # checked by _chat_hints
+    if effort is not None:  # vLLM's: the template's variable, and thinking on unless "none" (Qwen3's switch)
+        if "reasoning_effort" in options:
+            raise BadRequest("reasoning_effort: given both as reasoning_effort and in chat_template_kwargs; give one",
+                             param="reasoning_effort")
+        options["reasoning_effort"] = effort
+        options.setdefault("enable_thinking", effort != "none")
     return options
 
 
@@ -1032,11 +1089,29 @@ def _object(body: Any) -> dict[str, Any]:
     return body
 
 
+#: vLLM's request fields kvload serve does not take → what kvload does instead (said before the accepted fields).
+VLLM_FIELDS_NOT_SERVED: dict[str, str] = {
+    "thinking_token_budget": "kvload does not bound a model's thinking; max_tokens bounds the whole reply",
+    "logprob_token_ids": "kvload returns the top logprobs (top_logprobs on chat) tokens and the sampled one, not "
+                         "chosen ids",
+    "stream_interval": "kvload streams every token as it comes",
+    "repetition_detection": "kvload does not end a reply on repeated n-grams; repetition_penalty, frequency_penalty "
+                            "and presence_penalty discourage repeats",
+    "suffix": "kvload does no fill-in-the-middle (vLLM refuses it too)",
+    **dict.fromkeys(("kv_transfer_params", "ec_transfer_params"), "kvload serves no disaggregated prefill"),
+    "vllm_xargs": "kvload has no sampler plugins to read them",
+    **dict.fromkeys(("prompt_embeds", "mm_processor_kwargs", "media_io_kwargs"), "kvload serves text-only models "
+                    "from text or token ids"),
+}
+
+
 def _known(body: dict[str, Any], allowed: set[str] | frozenset[str]) -> None:
     unknown = sorted(set(body) - allowed)
     if unknown:  # the name cut short: a 12,000-character key was quoted whole, twice, in a 24 KB answer
-        raise BadRequest(f"{unknown[0][:80]}: not supported by kvload serve; accepted fields: "
-                         f"{', '.join(sorted(allowed))}", param=unknown[0][:80])
+        why = VLLM_FIELDS_NOT_SERVED.get(unknown[0])
+        raise BadRequest(f"{unknown[0][:80]}: not supported by kvload serve"
+                         + (f" (vLLM's field: {why})" if why else "")
+                         + f"; accepted fields: {', '.join(sorted(allowed))}", param=unknown[0][:80])
 
 
 def _model(body: dict[str, Any]) -> None:
@@ -1092,5 +1167,5 @@ def _logprobs(body: dict[str, Any], kind: str) -> int | None:
 
 
 __all__ = ["BODY_BYTES_PER_TOKEN", "BODY_SLACK", "MAX_CHOICES", "MAX_LOGPROBS", "MAX_N", "MAX_PROMPTS", "MAX_STOP",
-           "MAX_STOP_CHARS", "MAX_STOP_TOKEN_IDS", "BadRequest", "Job", "TokenizeJob", "ToolChoice",
+           "MAX_STOP_CHARS", "MAX_STOP_TOKEN_IDS", "AsSent", "BadRequest", "Job", "TokenizeJob", "ToolChoice",
            "default_max_request_bytes", "parse", "parse_detokenize", "parse_tokenize"]

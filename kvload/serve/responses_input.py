@@ -20,9 +20,9 @@ import attrs
 from engine.messages import MessageError, json_text
 from kvload.serve.command import TOOL_CALL_PARSERS
 from kvload.serve.protocol import (
-    EFFORT_IGNORED,
     EFFORTS,
     MAX_REQUEST_ID_CHARS,
+    AsSent,
     BadRequest,
     need_schema,
     openai_hints,
@@ -30,18 +30,25 @@ from kvload.serve.protocol import (
 from kvload.serve.protocol import metadata as _metadata
 from kvload.serve.responses_store import ResponseStore, Stored, input_items
 
+#: vLLM's sampling extras on /v1/responses (its ResponsesRequest takes them), passed to the chat path as they are.
+_VLLM_SAMPLING = ("seed", "stop", "ignore_eos", "repetition_penalty", "logit_bias", "skip_special_tokens",
+                  "include_stop_str_in_output", "structured_outputs")
 #: OpenAI's Responses fields kvload acts on or reports, and vLLM's extras it passes to the chat path as they are.
 ACCEPTED = frozenset({
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "metadata", "user", "tools",
     "tool_choice", "parallel_tool_calls", "text", "reasoning", "store", "stream", "background", "include",
     "truncation", "service_tier", "previous_response_id", "prompt_cache_key", "prompt_cache_retention",
-    "safety_identifier", "stream_options",
+    "safety_identifier", "stream_options", "max_tool_calls",
     # vLLM's, as on the chat endpoint (the openai client sends them in extra_body)
-    "top_k", "cache_salt", "request_id", "priority", "chat_template_kwargs",
+    "top_k", "cache_salt", "request_id", "priority", "chat_template_kwargs", *_VLLM_SAMPLING,
 })
 _PASSED = ("model", "temperature", "top_p", "user", "stream", "parallel_tool_calls",
-           "top_k", "cache_salt", "request_id", "priority", "chat_template_kwargs")
+           "top_k", "cache_salt", "request_id", "priority", "chat_template_kwargs", *_VLLM_SAMPLING)
 
+
+#: Chat completions' names of Responses fields, which a client moving from chat sends: the refusal says the name.
+_CHAT_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
+               "response_format": "text.format", "reasoning_effort": "reasoning.effort"}
 
 _ROLES = ("user", "system", "developer", "assistant")
 _ITEMS = "message, function_call, function_call_output or reasoning"
@@ -87,8 +94,11 @@ def to_chat(body: Any, tool_parser: str | None = None,
         raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
     unknown = sorted(set(body) - ACCEPTED)
     if unknown:
-        raise BadRequest(f"{unknown[0][:80]}: not supported by kvload serve's /v1/responses; accepted fields: "
-                         f"{', '.join(sorted(ACCEPTED))}", param=unknown[0][:80])
+        name = unknown[0][:80]
+        hint = _CHAT_NAMES.get(name)
+        raise AsSent(f"{name}: not supported by kvload serve's /v1/responses"
+                     + (f" (the Responses API calls it {hint})" if hint else "")
+                     + f"; accepted fields: {', '.join(sorted(ACCEPTED))}", param=name)
     ignored: list[tuple[str, Any, str]] = []
     _unserved(body, ignored)
     chat: dict[str, Any] = {k: body[k] for k in _PASSED if body.get(k) is not None}
@@ -119,6 +129,9 @@ def to_chat(body: Any, tool_parser: str | None = None,
         fmt = text["format"]
         chat["response_format"] = {"type": "json_object"} if fmt["type"] == "json_object" else {
             "type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+    effort = (body.get("reasoning") or {}).get("effort")  # checked by _unserved
+    if effort is not None:  # vLLM's: the chat template's reasoning_effort, as on the chat endpoint
+        chat["reasoning_effort"] = effort
     metadata = _metadata(body.get("metadata"))
     parallel = body.get("parallel_tool_calls")
     echo = ResponsesRequest(instructions=instructions, max_output_tokens=limit, metadata=metadata, tools=tools,
@@ -152,6 +165,12 @@ def _unserved(body: dict[str, Any], ignored: list[tuple[str, Any, str]]) -> None
     if background:
         raise BadRequest("background: true is not supported: kvload serve answers in the request (stream: true sends "
                          "the answer as it is generated); send false or leave it out", param="background")
+    most = body.get("max_tool_calls")  # OpenAI's bound on its built-in tools' calls (web search, file search, ...)
+    _need(most is None or (isinstance(most, int) and not isinstance(most, bool) and most >= 1), "max_tool_calls",
+          "an integer >= 1", most)
+    if most is not None:
+        ignored.append(("max_tool_calls", most, "it bounds calls of OpenAI's built-in tools, which kvload has none of "
+                        "(function calls are the client's to run)"))
     include = body.get("include")
     _need(include is None or (isinstance(include, list) and all(isinstance(i, str) for i in include)), "include",
           "a list of strings", include)
@@ -185,10 +204,9 @@ def _unserved(body: dict[str, Any], ignored: list[tuple[str, Any, str]]) -> None
         accepted = EFFORTS if key == "effort" else _SUMMARIES  # as OpenAI (and chat's reasoning_effort) take them
         _need(value is None or value in accepted, f"reasoning.{key}",
               ", ".join(f'"{a}"' for a in accepted[:-1]) + f' or "{accepted[-1]}"', value)
-        if value is not None:
-            why = (EFFORT_IGNORED if key == "effort" else
-                   "a reasoning item carries the thinking itself (its content), never a summary")
-            ignored.append((f"reasoning.{key}", value, why))
+        if value is not None and key != "effort":  # the effort is chat's reasoning_effort (to_chat)
+            ignored.append((f"reasoning.{key}", value,
+                            "a reasoning item carries the thinking itself (its content), never a summary"))
 
 
 def _text_of(parts: Any, field: str, kinds: tuple[str, ...]) -> str:
@@ -418,6 +436,7 @@ _NAMES = [
     (re.compile(r"\bresponse_format\b"), "text.format"),
     (re.compile(r"\btools\[(\d+)\]\.function\b"), r"tools[\1]"),
     (re.compile(r"\btool_choice\.function\.name\b"), "tool_choice.name"),
+    (re.compile(r"\breasoning_effort\b"), "reasoning.effort"),
 ]
 _MESSAGE = re.compile(r"\bmessages\[(\d+)\]")
 
@@ -441,6 +460,8 @@ def renamed(text: str, request: ResponsesRequest | None) -> str:
 
 def renamed_error(exc: BadRequest, request: ResponsesRequest | None) -> BadRequest:
     """The chat path's refusal named as the Responses body named it."""
+    if isinstance(exc, AsSent):
+        return exc
     param = renamed(exc.param, request) if exc.param else exc.param
     return BadRequest(renamed(exc.message, request), param=param, status=exc.status, kind=exc.kind, code=exc.code,
                       headers=exc.headers)
