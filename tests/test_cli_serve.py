@@ -25,6 +25,7 @@ def test_serve_process_answers_then_stops_cleanly_on_sigterm(tmp_path):
                              "--audit-log", str(tmp_path / "audit.jsonl"), "--audit-keep", "1",
                              "--max-request-bytes", "4KiB", "--request-read-timeout", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=signals_as_a_terminal_gives_them,
                             env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, cwd=REPO)
     try:
         before = until_ready(proc)
@@ -199,6 +200,7 @@ def test_a_kv_events_file_that_hits_its_size_limit_warns_once_and_fails_no_reque
     limit = 700  # a line or two of events, then a write cut short, then refused
 
     def small_files() -> None:  # in the child only; Python ignores SIGXFSZ, so the write fails with EFBIG
+        signals_as_a_terminal_gives_them()
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
     proc = subprocess.Popen([sys.executable, "-m", "kvload", "serve", "tiny-llama", "--port", "0", "--max_tokens",
@@ -240,6 +242,7 @@ def test_an_audit_log_that_cannot_be_written_is_said_while_the_server_runs_and_f
     limit = 48_000  # the load's records fit; some requests' later do not
 
     def small_files() -> None:  # in the child only; Python ignores SIGXFSZ, so the write fails with EFBIG
+        signals_as_a_terminal_gives_them()
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
     proc = subprocess.Popen([sys.executable, "-m", "kvload", "serve", "tiny-llama", "--port", "0", "--max_tokens",
@@ -467,7 +470,8 @@ def test_a_dead_engine_loop_ends_the_server_with_exit_1_after_answering_its_requ
     fault = tmp_path / "fault"
     proc = subprocess.Popen([sys.executable, "-m", "kvload", "serve", "tiny-llama", "--port", "0", "--max_tokens",
                              "8192", "--audit-log", str(tmp_path / "audit.jsonl")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=signals_as_a_terminal_gives_them, cwd=REPO,
                             env={**ENV, "PYTHONPATH": f"{hook}{os.pathsep}{REPO}", "OMP_NUM_THREADS": "1",
                                  "KVLOAD_TEST_FAULT": str(fault)})
     try:

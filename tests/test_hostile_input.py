@@ -1108,7 +1108,8 @@ def test_a_reader_that_closes_the_pipe_early_gets_exit_141_and_no_audit(tmp_path
     out.mkdir()
     proc = subprocess.Popen([sys.executable, "-m", "kvload", "generate", "tiny-llama", "--prompt-ids", "1,2,3",
                              "--max_new_tokens", "1000", "--ignore_eos", "--audit-log", out / "a.jsonl"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=signals_as_a_terminal_gives_them, cwd=tmp_path,
                             env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
     try:
         assert proc.stdout.read(10)  # the tokens have started to stream
@@ -1268,7 +1269,8 @@ def test_a_hangup_during_a_kernel_compile_stops_the_compiler_and_leaves_no_file(
     cc.chmod(0o755)
     proc = subprocess.Popen([sys.executable, "-m", "kvload", "generate", "tiny-llama", "--prompt-ids", "1,2,3",
                              "--max_new_tokens", "2", "--audit-log", out / "a.jsonl"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=signals_as_a_terminal_gives_them, cwd=tmp_path,
                             env={**ENV, "PYTHONPATH": str(REPO), "CC": str(cc), "KVLOAD_CACHE": str(cache)})
     deadline = time.monotonic() + 120
     while not pidfile.exists() and proc.poll() is None and time.monotonic() < deadline:

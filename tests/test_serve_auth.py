@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from tests.cli_support import ENV, REPO, reap, run_cli
+from tests.hostile_support import signals_as_a_terminal_gives_them
 from tests.serve_support import TIMEOUT, answers_while_held, serving
 
 KEY = "sk-kvload-test-3f9a2c"
@@ -313,6 +314,7 @@ def test_other_unrecognised_values_are_still_shown(capsys):
 def _start(*flags: str, env: dict[str, str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "kvload", "serve", "tiny-llama", "--port", "0", "--max_tokens",
                              "1024", *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=signals_as_a_terminal_gives_them,
                             env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **env}, cwd=REPO)
 
 

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from tests.cli_support import ENV, REPO, ready_url, reap, run_cli, until_ready
+from tests.hostile_support import signals_as_a_terminal_gives_them
 
 zmq = pytest.importorskip("zmq")
 msgspec = pytest.importorskip("msgspec")
@@ -68,6 +69,7 @@ def _start(config: dict) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "kvload", "serve", "tiny-llama", "--port", "0", "--max_tokens",
                              "1024", "--enable-reset-prefix-cache", "--kv-events-config", json.dumps(config)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=signals_as_a_terminal_gives_them,
                             env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, cwd=REPO)
     return proc, ready_url(until_ready(proc)[-1])
 

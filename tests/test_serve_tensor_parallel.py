@@ -22,6 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import pipeline
+from tests.hostile_support import signals_as_a_terminal_gives_them
 from tests.tp_support import DIST_TIMEOUT_S, REPO, free_port
 
 #: generous bounds: start-up is two loads on a shared 2-core machine
@@ -101,6 +102,7 @@ def _torchrun(out: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), "-m", "kvload", *SERVE, "--audit-log", str(out / "audit.jsonl")]
     return subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    preexec_fn=signals_as_a_terminal_gives_them,
                             start_new_session=True)
 
 
@@ -251,7 +253,8 @@ def test_a_follower_that_dies_fails_the_requests_and_ends_rank_0(tmp_path):
     env = _env(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     procs = [subprocess.Popen([sys.executable, "-m", "kvload", *SERVE], cwd=tmp_path,
                               env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, start_new_session=True) for rank in (0, 1)]
+                              stderr=subprocess.PIPE, text=True,
+                              preexec_fn=signals_as_a_terminal_gives_them, start_new_session=True) for rank in (0, 1)]
     try:
         url = _url(procs[0])
         with httpx.Client(base_url=url, timeout=60) as http:

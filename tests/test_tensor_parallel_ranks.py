@@ -12,6 +12,7 @@ import json
 import pytest
 
 import pipeline
+from tests.hostile_support import signals_as_a_terminal_gives_them
 from tests.tp_support import run_scenarios, torchrun
 
 
@@ -166,6 +167,7 @@ def test_sigterm_ends_a_rank_waiting_for_one_that_never_came(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "kvload", "run", "tiny-llama", "--tp_size", "2", "--max_tokens",
                              "4096", "--audit-log", str(audit), "--log-format", "json", "--log-level", "info"],
                             cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=signals_as_a_terminal_gives_them,
                             start_new_session=True)
     try:
         for line in proc.stderr:  # until the stage that meets the other rank starts
@@ -210,7 +212,8 @@ def test_a_rank_that_dies_mid_generation_is_one_line_on_the_rank_left(tmp_path):
             "TRANSFORMERS_VERBOSITY": "error"}
     procs = [subprocess.Popen([sys.executable, *(["-m", "kvload"] if rank == 0 else ["-c", dying]), *argv],
                               cwd=tmp_path, env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              preexec_fn=signals_as_a_terminal_gives_them, start_new_session=True)
              for rank in (0, 1)]
     try:
         err = procs[0].communicate(timeout=120)[1]
