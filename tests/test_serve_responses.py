@@ -452,6 +452,53 @@ def test_the_thinking_is_a_reasoning_item_before_the_message(r1):
         assert stream.get_final_response().output_text == ANSWER
 
 
+def test_a_reasoning_item_sent_back_is_its_turns_reasoning_for_the_template(r1):
+    """An agent sends a reply's output back as input (OpenAI's way, and vLLM's example): its reasoning item was dropped
+    and reported, so a template that shows the model its own thinking between tool calls (interleaved thinking) got
+    none. As vLLM converts it, the item is the reasoning of the assistant turn after it; kept responses' too."""
+    r1.script.say(THOUGHT + "</think>" + ANSWER)
+    first = create(r1, input="Sky?", max_output_tokens=200)
+    r1.script.say("Ok.")
+    create(r1, input=[{"role": "user", "content": "Sky?"}, *[item.model_dump() for item in first.output],
+                      {"role": "user", "content": "Sure?"}], max_output_tokens=20)
+    user, turn, again = r1.seen.messages[-1]
+    assert turn["role"] == "assistant" and turn["content"] == ANSWER
+    assert turn["reasoning"] == turn["reasoning_content"] == THOUGHT  # vLLM's two names: templates read either
+    assert (user["content"], again["content"]) == ("Sky?", "Sure?")
+    r1.script.say("Ok.")  # the same thinking carried by previous_response_id
+    create(r1, previous_response_id=first.id, input="Sure?", max_output_tokens=20)
+    assert r1.seen.messages[-1][1]["reasoning"] == THOUGHT
+    # OpenAI's own reasoning items carry a summary (their content is encrypted): the summary is the thinking
+    r1.script.say("Ok.")
+    reply = r1.served.client.responses.with_raw_response.create(
+        model=r1.served.state.model_name, max_output_tokens=20, input=[
+            {"role": "user", "content": "Times?"},
+            {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "Check the clock."}],
+             "encrypted_content": "gAAAA"},
+            {"type": "function_call", "call_id": "c0", "name": "get_time", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c0", "output": "1:00"}])
+    _, call, _ = r1.seen.messages[-1]
+    assert call["reasoning"] == "Check the clock." and call["tool_calls"][0]["id"] == "c0"
+    records = [json.loads(line) for line in r1.served.http.get("/v1/kvload/audit").text.splitlines()]
+    assert not [r for r in records if r["event"] == "setting_ignored" and r.get("field") == "serve.input[1]"
+                and r["reason"].endswith(f"(request {reply.parse().id})")]
+
+
+def test_a_reasoning_item_no_turn_follows_or_without_text_is_reported(plain):
+    for thinking, why in [
+            ({"type": "reasoning", "summary": [{"type": "summary_text", "text": "Hmm."}]},
+             "no assistant message or function_call follows it"),
+            ({"type": "reasoning", "summary": [], "encrypted_content": "gAAAA"}, "only encrypted_content")]:
+        plain.script.say("Ok.")
+        rid = create(plain, max_output_tokens=10, input=[{"role": "user", "content": "a"}, thinking,
+                                                         {"role": "user", "content": "b"}]).id
+        assert all("reasoning" not in m for m in plain.seen.messages[-1])
+        records = [json.loads(line) for line in plain.served.http.get("/v1/kvload/audit").text.splitlines()]
+        (ignored,) = [r for r in records
+                      if r["event"] == "setting_ignored" and r["reason"].endswith(f"(request {rid})")]
+        assert ignored["field"] == "serve.input[1]" and why in ignored["reason"], ignored
+
+
 def test_a_reply_cut_while_thinking_has_only_its_reasoning_item(r1):
     ids = r1.script.say(THOUGHT + "</think>" + ANSWER)
     reply = create(r1, max_output_tokens=6)

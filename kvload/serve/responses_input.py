@@ -230,8 +230,8 @@ def _input(value: Any, ignored: list[tuple[str, Any, str]],
     ``previous_response_id``, and the item each came from. An assistant's
     ``function_call`` items join its message (or make one) as its ``tool_calls``; a ``function_call_output`` is a
     ``tool`` message answering its ``call_id`` (a ``function_call`` item before it must have it, as OpenAI
-    requires); a ``reasoning`` item (a past answer's thinking) is dropped: the
-    chat messages carry no past thinking."""
+    requires); a ``reasoning`` item (a past answer's thinking) is the ``reasoning`` of the assistant turn the items
+    after it make (vLLM's rule), reported when no such turn follows or it holds no text."""
     if value is None:
         raise BadRequest("input: required: a string, or a list of items (messages, function_call, "
                          "function_call_output)", param="input")
@@ -242,12 +242,17 @@ def _input(value: Any, ignored: list[tuple[str, Any, str]],
     sources: list[int | str | None] = []
     calls: set[str] = set()  # the call_ids of the function_call items so far: what an output may answer
     turn = False  # the last message is an assistant turn that items of the same reply still join
+    thinking: tuple[str, str] | None = None  # (where, text): a reasoning item's, for the assistant turn after it
     for k, item in enumerate([*carried, *value], -len(carried)):
         where = f"input[{k}]" if k >= 0 else "previous_response_id"  # a kept item was checked when it was sent
         _need(isinstance(item, dict), where, f"an item ({_ITEMS})", item)
         kind = item.get("type", "message" if "role" in item else None)
         if k >= 0 and kind in ("message", "function_call", "function_call_output", "reasoning"):
             _item_meta(item, where, kind)
+        if thinking is not None and kind != "reasoning" and not (
+                kind == "function_call" or (kind == "message" and item.get("role") == "assistant")):
+            _unattached(thinking, ignored)
+            thinking = None
         if kind == "message":
             _fields(item, where, {"type", "role", "content", "id", "status", "phase"})
             role = item.get("role")
@@ -260,8 +265,11 @@ def _input(value: Any, ignored: list[tuple[str, Any, str]],
             turn = role == "assistant"
             if joins:  # a reply's text after its calls: one assistant turn
                 messages[-1]["content"] = content
+                thinking = _think(messages[-1], thinking)
                 continue
             messages.append({"role": role, "content": content})
+            if role == "assistant":
+                thinking = _think(messages[-1], thinking)
         elif kind == "function_call":
             _fields(item, where, {"type", "call_id", "name", "arguments", "id", "status"})
             for key in ("call_id", "name", "arguments"):
@@ -277,9 +285,11 @@ def _input(value: Any, ignored: list[tuple[str, Any, str]],
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
             if turn:  # the calls of one reply (after its text, if any): one assistant turn
                 messages[-1].setdefault("tool_calls", []).append(call)
+                thinking = _think(messages[-1], thinking)
                 continue
             turn = True
             messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            thinking = _think(messages[-1], thinking)
         elif kind == "function_call_output":
             _fields(item, where, {"type", "call_id", "output", "id", "status"})
             _need(isinstance(item.get("call_id"), str) and bool(item["call_id"]), f"{where}.call_id",
@@ -293,19 +303,51 @@ def _input(value: Any, ignored: list[tuple[str, Any, str]],
                 output = _text_of(output, f"{where}.output", ("input_text",))
             turn = False
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
-        elif kind == "reasoning":  # the thinking of the reply whose items follow: it leaves the turn as it is
+        elif kind == "reasoning":  # the thinking of the reply whose items follow: that assistant turn's reasoning
             _fields(item, where, {"type", "id", "summary", "content", "encrypted_content", "status"})
-            if k >= 0:  # a kept response's own thinking is dropped too, as README says: not the client's setting
-                ignored.append((where, "reasoning", "a past answer's thinking: the chat template is given none "
-                                "(chat messages carry no reasoning)"))
+            text = _reasoning_text(item)
+            if text is None:
+                if k >= 0:  # a kept response's item always has its text
+                    why = ("only encrypted_content, which another provider encrypted" if item.get("encrypted_content")
+                           else "its summary and content are empty")
+                    ignored.append((where, "reasoning", f"it holds no text ({why}): the chat template is given none"))
+                continue
+            # vLLM's rule: the reply's thinking is its assistant message's reasoning (an agent's tool loop needs it)
+            thinking = (where, text if thinking is None else f"{thinking[1]}\n{text}")
             continue
         else:
             raise BadRequest(f"{where}.type: {kind!r} is not supported; accepted items: {_ITEMS}"[:300],
                              param=f"{where}.type")
         sources.append(k if k >= 0 else "previous_response_id")
+    if thinking is not None:
+        _unattached(thinking, ignored)
     if not messages:
         raise BadRequest("input: holds no message (only reasoning items); give the conversation", param="input")
     return messages, sources
+
+
+def _reasoning_text(item: dict[str, Any]) -> str | None:
+    """A reasoning item's thinking: its ``content`` parts' text (the whole thinking, as kvload's replies give it),
+    else its ``summary`` parts' (what OpenAI's replies give); None when it has neither (only encrypted content)."""
+    for key in ("content", "summary"):
+        parts = [p["text"] for p in item.get(key) or () if p["text"]]
+        if parts:
+            return "\n".join(parts)
+    return None
+
+
+def _unattached(thinking: tuple[str, str], ignored: list[tuple[str, Any, str]]) -> None:
+    """Report a reasoning item that no assistant turn follows (one a kept response carried is not the client's)."""
+    if thinking[0] != "previous_response_id":
+        ignored.append((thinking[0], "reasoning", "no assistant message or function_call follows it: the thinking "
+                        "belongs to no turn, so the chat template is given none"))
+
+
+def _think(turn: dict[str, Any], thinking: tuple[str, str] | None) -> None:
+    """Give the assistant ``turn`` the pending reasoning item's text (chat's ``reasoning`` field); nothing pending
+    after it."""
+    if thinking is not None:
+        turn["reasoning"] = thinking[1] if "reasoning" not in turn else f"{turn['reasoning']}\n{thinking[1]}"
 
 
 _STATUSES = ("in_progress", "completed", "incomplete")  # an item's status, as OpenAI's types have it
