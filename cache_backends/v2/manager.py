@@ -73,6 +73,8 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable
+from itertools import repeat
+from operator import sub
 
 from cache_backends.hashing import pack_tokens
 from cache_backends.interface import ManagerOptions, prefix_cache_in_use
@@ -209,6 +211,9 @@ class KVCacheManagerV2:
         self._pool_cycles: list[list[tuple[LayerGroup, int]]] = [
             [(self._cycles[c][0], k) for c, k in Counter(self._cycle_of[index[name]] for name in names).items()]
             for _, names in self._pool_sets]
+        # the same as (cycle index, groups of the set in it): admission's estimates are per cycle (:meth:`short_of`)
+        self._set_cycles: list[list[tuple[int, int]]] = [
+            list(Counter(self._cycle_of[index[name]] for name in names).items()) for _, names in self._pool_sets]
         # a shared arena's window sets as (window, span, first member, [(arena index, member name)], member names):
         # released at once
         self._arena_windows = [(w, tpb, members[0][0], [(pool.index, name) for name, pool in members],  # type: ignore[union-attr]
@@ -335,11 +340,17 @@ class KVCacheManagerV2:
         """How messages name a pool: its group, or the arena the groups share."""
         return f"group {names[0]}" if len(names) == 1 else f"the arena shared by {len(names)} groups"
 
-    def short_of(self, *needs: dict[str, int], extra: list[int] | None = None) -> bool:
-        """Whether :meth:`shortfall` of the per-group sum of ``needs`` says something, without wording it (the
-        admission bound's check, refused step after step under pressure); ``extra`` (per pool set, as
-        :meth:`freed_by` counts) adds blocks to what each pool set has available."""
-        return self._first_short(needs, extra) is not None
+    def short_of(self, *needs: list[int], extra: list[int] | None = None, sets: list[int] | None = None) -> bool:
+        """Whether :meth:`shortfall` of the sum of ``needs`` says something, without wording it (the admission
+        estimate's check, refused step after step under pressure). ``needs`` are per life cycle, as
+        :meth:`cycle_growth` and :meth:`cycle_headroom` give them (every group of a cycle needs the same blocks; a
+        cycle's negative sum counts as 0); ``sets`` (per pool set, as :meth:`growth_bound_sets`) adds blocks needed,
+        ``extra`` (per pool set, as :meth:`freed_by` counts) adds blocks to what each pool set has available."""
+        return self._short_cycles(needs, extra, sets) is not None
+
+    def per_group(self, per_cycle: list[int]) -> dict[str, int]:
+        """A per-cycle estimate (:meth:`cycle_growth`, :meth:`cycle_headroom`) as blocks per group, by name."""
+        return {g.name: per_cycle[c] for g, c in zip(self.groups, self._cycle_of, strict=True)}
 
     def shortfall(self, need: dict[str, int]) -> str | None:
         """Why blocks per group ``need`` (negative counts as 0) cannot all be allocated now, or None when they can.
@@ -352,6 +363,24 @@ class KVCacheManagerV2:
             return None
         pool, names, n = short
         return f"{n} blocks of {self._where(names)} needed, {pool.available} free or evictable"
+
+    def _short_cycles(self, needs: tuple[list[int], ...], extra: list[int] | None = None,
+                      sets: list[int] | None = None) -> tuple[GroupPool | SharedPool, list[str], int] | None:
+        """:meth:`_first_short` for needs per life cycle, plus ``sets[i]`` blocks needed in pool set ``i``: the
+        groups of a cycle need the same, so a set's need is one product per cycle in it (2 on Gemma 3 27B's arena of
+        31 groups), not a sum over its groups."""
+        set_cycles = self._set_cycles
+        for i, (pool, names) in enumerate(self._pool_sets):
+            n = sets[i] if sets else 0
+            for c, k in set_cycles[i]:
+                t = 0
+                for need in needs:
+                    t += need[c]
+                if t > 0:
+                    n += k * t
+            if n > pool.available + (extra[i] if extra else 0):
+                return pool, names, n
+        return None
 
     def _first_short(self, needs: tuple[dict[str, int], ...], extra: list[int] | None = None,
                      ) -> tuple[GroupPool | SharedPool, list[str], int] | None:
@@ -746,35 +775,57 @@ class KVCacheManagerV2:
     def growth_blocks_new(self, request: Request, ratio: float, scheduled: int) -> dict[str, int]:
         """:meth:`growth_blocks` for ``request`` as :meth:`create` + :meth:`resume` would leave it, when
         :meth:`claims_nothing` holds (capacity 0); nothing is built."""
+        return self.per_group(self.cycle_growth_new(request, ratio, scheduled))
+
+    def cycle_growth_new(self, request: Request, ratio: float, scheduled: int) -> list[int]:
+        """:meth:`growth_blocks_new` per life cycle (``_cycles``), as :meth:`short_of` takes it."""
         target = scheduled + math.ceil(ratio * max(0, self.worst_case_tokens(request) - scheduled))
-        per = [g.blocks_for(target) for g, _ in self._cycles]
-        return {g.name: per[c] for g, c in zip(self.groups, self._cycle_of, strict=True)}
+        return [g.blocks_for(target) for g, _ in self._cycles]
 
     def growth_bound_with(self, request: Request) -> dict[str, int]:
         """:meth:`growth_bound` once ``request`` (not admitted yet, claiming nothing) would be active."""
-        worst = min(request.max_total_tokens, self.options.max_seq_len)
-        extra = [0] * len(self.groups)
-        for g, members in self._cycles:
-            n = g.blocks_for(worst)
-            for i in members:
-                extra[i] = n
-        return {name: max(0, w + e - pool.num_used)
-                for (name, _, pool), w, e in zip(self._group_pools, self._worst_blocks, extra, strict=True)}
+        return dict(zip(self._names, self._bound_per_group(request), strict=True))
+
+    def growth_bound_sets(self, request: Request | None = None) -> list[int]:
+        """:meth:`growth_bound` (with ``request``: :meth:`growth_bound_with`) summed per pool set, as ``sets`` for
+        :meth:`short_of`: admission's cheap check needs no group's name."""
+        per = self._bound_per_group(request)
+        if self._arena is not None:  # one pool set, every group
+            return [sum(per)]
+        return list(per)  # a pool per group: pool set i is group i
+
+    def _bound_per_group(self, request: Request | None) -> Iterable[int]:
+        """Per group (``groups`` order), :meth:`growth_bound`'s entry, with ``request`` counted as active."""
+        worst: Iterable[int] = self._worst_blocks
+        if request is not None:
+            n = min(request.max_total_tokens, self.options.max_seq_len)
+            per = [g.blocks_for(n) for g, _ in self._cycles]
+            worst = [w + per[c] for w, c in zip(self._worst_blocks, self._cycle_of, strict=True)]
+        # a shared arena keeps every group's use in one list, in groups order (its shares' indexes)
+        used = self._arena.used if self._arena is not None else [pool.num_used for _, _, pool in self._group_pools]
+        return map(max, map(sub, worst, used), repeat(0))
 
     def growth_blocks(self, request: Request, ratio: float, scheduled: int = 0) -> dict[str, int]:
         """Blocks per group ``request`` would still take for ``scheduled`` more tokens, then ``ratio`` of the way on
         to its worst case (:meth:`worst_case_tokens`); a sliding group never needs more than its window's blocks.
         An estimate for admission (block rounding per group, windows as whole), never an allocation."""
+        return self.per_group(self.cycle_growth(request, ratio, scheduled))
+
+    def cycle_growth(self, request: Request, ratio: float, scheduled: int = 0) -> list[int]:
+        """:meth:`growth_blocks` per life cycle (``_cycles``): every group of a cycle takes the same blocks."""
         cache = self._active(request)
         now = cache.capacity
         start = max(now, cache.committed + scheduled)
         target = start + math.ceil(ratio * max(0, self.worst_case_tokens(request) - start))
-        per = [max(0, g.blocks_for(target) - g.blocks_for(now)) for g, _ in self._cycles]
-        return {g.name: per[c] for g, c in zip(self.groups, self._cycle_of, strict=True)}
+        return [max(0, g.blocks_for(target) - g.blocks_for(now)) for g, _ in self._cycles]
 
     def headroom_blocks(self, requests: Iterable[Request], ratio: float) -> dict[str, int]:
-        """:meth:`growth_blocks` summed over active ``requests`` (one pass, no per-request dicts: it runs every
-        step that admits)."""
+        """:meth:`growth_blocks` summed over active ``requests``."""
+        return self.per_group(self.cycle_headroom(requests, ratio))
+
+    def cycle_headroom(self, requests: Iterable[Request], ratio: float) -> list[int]:
+        """:meth:`headroom_blocks` per life cycle (one pass, no per-request lists: it runs every step that
+        admits)."""
         limit, caches, ceil = self.options.max_seq_len, self._caches, math.ceil
         spans: list[tuple[int, int]] = []  # (tokens held now, tokens after growing ``ratio`` of the way)
         for r in requests:
@@ -792,7 +843,7 @@ class KVCacheManagerV2:
                 per.append(sum(-(-target // tpb) + (now // -tpb) for now, target in spans))
             else:
                 per.append(sum(min(-(-target // tpb), cap) - min(-(-now // tpb), cap) for now, target in spans))
-        return {g.name: per[c] for g, c in zip(self.groups, self._cycle_of, strict=True)}
+        return per
 
     def check_running(self, requests: Iterable[Request]) -> None:
         """``ValueError`` unless every request has an active cache here (the scheduler's guard, one pass)."""
@@ -806,8 +857,7 @@ class KVCacheManagerV2:
     def growth_bound(self) -> dict[str, int]:
         """Per group, an upper bound of :meth:`headroom_blocks` over every active cache at any ratio, in O(groups):
         the blocks active caches hold at their worst cases minus the blocks in use (shared ones count once)."""
-        return {name: max(0, w - pool.num_used)
-                for (name, _, pool), w in zip(self._group_pools, self._worst_blocks, strict=True)}
+        return dict(zip(self._names, self._bound_per_group(None), strict=True))
 
     def available_blocks(self) -> dict[str, int]:
         """Blocks per group an allocation could take now (free plus evictable); the groups of a shared arena each
@@ -1501,6 +1551,17 @@ class KVCacheManagerV2:
         top = n * T // unit * unit
         if top == 0:
             return 0
+        # the usual case: every group holds a block at every position of the path (a run's held counts them), so
+        # every length suits every group; checked per run, not per group (31 path walks on Gemma 3 27B's arena)
+        groups = len(self.groups)
+        held = last.held[: n - last.start]
+        whole = held.count(groups) == len(held)
+        node = last.parent
+        while whole and node is not None and node.parent is not None:
+            whole = node.held.count(groups) == len(node.held)
+            node = node.parent
+        if whole:
+            return top
         covered: dict[str, int] = {}  # growing groups: group blocks present from 0
         counts: dict[str, list[int]] = {}  # sliding groups whose blocks span several positions: prefix counts
         along_of: dict[str, list[int]] = {}  # sliding groups with a block per position: their blocks on the path

@@ -269,7 +269,7 @@ class KVCacheV2Scheduler(SchedulerBase):
         ratio = self.new_token_ratio
         if running and ratio:
             hold = m.held_back(SHARED_HOLD, max(self._longest, child.num_tokens))
-            if m.short_of(m.growth_blocks(child, ratio, 1), m.headroom_blocks(running, ratio), extra=hold):
+            if m.short_of(m.cycle_growth(child, ratio, 1), m.cycle_headroom(running, ratio), extra=hold):
                 m.unfork(child)
                 return False
         child.state = RequestState.RUNNING
@@ -326,12 +326,14 @@ class KVCacheV2Scheduler(SchedulerBase):
                 budget -= self._schedule(r, n, chunks)
         return budget
 
-    def _refusal(self, request: Request, n: int, own: dict[str, int], headroom: dict[str, int] | None,
+    def _refusal(self, request: Request, n: int, own: list[int], headroom: list[int] | None,
                  ratio: float) -> str:
-        """Why :meth:`_admit` refused ``request`` (``n``: tokens of its first chunk that fit)."""
+        """Why :meth:`_admit` refused ``request`` (``n``: tokens of its first chunk that fit; ``own`` and
+        ``headroom`` per life cycle)."""
         if n == 0 or headroom is None:
             return f"no room to admit request {request.req_id} until running requests free blocks"
-        short = self.manager.shortfall({name: k + headroom[name] for name, k in own.items()})
+        m = self.manager
+        short = m.shortfall(m.per_group([k + h for k, h in zip(own, headroom, strict=True)]))
         return (f"request {request.req_id} waits: admitting it would leave less than the running "
                 f"requests' estimated growth ({short}; new-token ratio {ratio:.2f})")
 
@@ -414,8 +416,8 @@ class KVCacheV2Scheduler(SchedulerBase):
             return False
         if not rest or not ratio:
             return True
-        own = m.growth_blocks_new(request, ratio, n) if new else m.growth_blocks(request, ratio, n)
-        return not m.short_of(own, m.headroom_blocks(rest, ratio), extra=extra)
+        own = m.cycle_growth_new(request, ratio, n) if new else m.cycle_growth(request, ratio, n)
+        return not m.short_of(own, m.cycle_headroom(rest, ratio), extra=extra)
 
     def _room_next_step(self, request: Request, new: bool, running: list[Request],
                         chunks: dict[Request, ScheduledChunk], budget: int, ratio: float) -> bool:
@@ -437,7 +439,7 @@ class KVCacheV2Scheduler(SchedulerBase):
         worst case (V1 would refuse it): the pressure under which admission spreads whole prompts over steps."""
         m = self.manager
         n = m.fit_tokens_new(request, min(_pending(request), budget))
-        return n > 0 and m.short_of(m.growth_blocks_new(request, 1.0, n), m.headroom_blocks(running, 1.0))
+        return n > 0 and m.short_of(m.cycle_growth_new(request, 1.0, n), m.cycle_headroom(running, 1.0))
 
     def _admit(self, candidates: list[Request], waiting: deque[Request], running: list[Request],
                out: SchedulerOutput, chunks: dict[Request, ScheduledChunk], budget: int,
@@ -445,7 +447,8 @@ class KVCacheV2Scheduler(SchedulerBase):
         """Admit ``candidates`` in order while they fit; the budget left, and whether none was refused."""
         m = self.manager
         ratio = self.new_token_ratio
-        headroom: dict[str, int] | None = None  # running requests' estimated growth, per group (on first use)
+        # running requests' estimated growth, per life cycle (on first use): every group of a cycle needs the same
+        headroom: list[int] | None = None
         others_run, cold = bool(running), False  # cold: a request that claims no cached prefix was admitted
         for r in candidates:
             if r.state is not RequestState.WAITING:
@@ -471,15 +474,15 @@ class KVCacheV2Scheduler(SchedulerBase):
                 # kept for the next hits on their prefixes
                 hold = m.held_back(SHARED_HOLD, max(self._longest, r.num_tokens)) if running else None
                 n = m.fit_tokens_new(r, want, hold) if new else m.fit_tokens(r, want, hold)
-                refused, own = n == 0, {}
+                refused, own = n == 0, []
                 if not refused and running and ratio:
-                    own = m.growth_blocks_new(r, ratio, n) if new else m.growth_blocks(r, ratio, n)
+                    own = m.cycle_growth_new(r, ratio, n) if new else m.cycle_growth(r, ratio, n)
                     # cheap: when even the bound (>= the estimate) fits, the estimate is not needed; a head the
                     # estimate refused last step goes straight to it (the bound failed then, and most likely fails
                     # again)
                     if headroom is None and (r is self._refused or m.short_of(
-                            own, m.growth_bound_with(r) if new else m.growth_bound(), extra=hold)):
-                        headroom = m.headroom_blocks(running, ratio)
+                            own, extra=hold, sets=m.growth_bound_sets(r if new else None))):
+                        headroom = m.cycle_headroom(running, ratio)
                     refused = headroom is not None and m.short_of(own, headroom, extra=hold)
                 victim = self._displaceable(r, running) if refused else None
                 if victim is not None and not displacing and (
@@ -507,9 +510,9 @@ class KVCacheV2Scheduler(SchedulerBase):
                 m.create(r)
                 m.resume(r)
             if running and ratio and headroom is not None:
-                chunk = m.growth_blocks(r, 0.0, n)  # allocated below; the rest of its growth joins the headroom
-                for name, k in own.items():
-                    headroom[name] += k - chunk[name]
+                chunk = m.cycle_growth(r, 0.0, n)  # allocated below; the rest of its growth joins the headroom
+                for c, k in enumerate(own):
+                    headroom[c] += k - chunk[c]
             budget -= self._schedule(r, n, chunks)
             r.state = RequestState.RUNNING
             waiting.remove(r)
