@@ -22,6 +22,7 @@ from pipeline.config import ATTENTION_BACKENDS, LINEAR_BACKENDS, SIZE_HELP, pars
 from pipeline.errors import ConfigError, KvloadError, OutputError, first_line
 from pipeline.limits import MAX_INT, MAX_INT_DIGITS, MAX_LOGPROBS, MAX_N, short_text
 from pipeline.signals import Terminated, handle_sigterm, release_sigterm  # at import: main's first line is in its try
+from pipeline.text import one_line
 
 # --- text-layer value parsers (argparse `type=`) ---------------------------------------------
 
@@ -1366,16 +1367,6 @@ def _unwritten(ns: argparse.Namespace | None) -> str:
     """What a command that did not finish says it left out: its ``--audit-log`` (never published then). Nothing
     else: what it printed on the way (generate's tokens) was printed, so "nothing was written" would not be true."""
     return "; the --audit-log file was not written" if getattr(ns, "audit_log", None) is not None else ""
-
-
-#: Control characters (C0, DEL, C1) as their escapes: a path holding a newline split the one error line in two, and an
-#: escape sequence in a file name would reach the terminal.
-_CONTROL_ESCAPES = {c: repr(chr(c))[1:-1] for c in (*range(0x20), *range(0x7F, 0xA0))}
-
-
-def one_line(text: str) -> str:
-    """``text`` with control characters written as escapes (``\\n``, ``\\x1b``): one line, printable."""
-    return text.translate(_CONTROL_ESCAPES)
 
 
 def _say(line: str, said: list[bool]) -> None:

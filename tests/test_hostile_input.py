@@ -751,6 +751,27 @@ def test_an_audit_log_with_a_byte_that_is_not_utf8_names_its_line(capsys, real_l
     assert (r.code, r.out) == (2, "")
 
 
+@pytest.mark.parametrize("command", [["audit"], ["audit", "--verify"], ["explain"]])
+def test_control_characters_in_an_audit_files_text_stay_escaped_on_one_line(capsys, real_log, tmp_path, command):
+    """An audit file is input anyone may have written: its free text (a reason, the header's version) reached the
+    terminal as it was, so an escape sequence cleared the screen or recoloured it and a newline forged a table row."""
+    clean = read_events(real_log)
+    path = tmp_path / "clean.jsonl"
+    write_events(path, clean)
+    expected = run_cli(capsys, *command[:1], path, *command[1:]).out.count("\n")
+    records = copy.deepcopy(clean)
+    records[0]["kvload_version"] = "0.1\x1b[2J\nforged"
+    for record in records:
+        if record["event"] == "auto_resolved":
+            record["reason"] = "why\x1b]0;title\x07\nverify  ok: forged\r"
+    path = tmp_path / "escapes.jsonl"
+    write_events(path, records)
+    r = run_cli(capsys, *command[:1], path, *command[1:])
+    assert not any((ord(c) < 0x20 and c != "\n") or 0x7F <= ord(c) < 0xA0 for c in r.out), r.out
+    assert r.out.count("\n") == expected
+    assert "why\\x1b]0;title\\x07\\nverify  ok: forged\\r" in r.out
+
+
 def _rechain(records: list[dict], key: bytes | None = None) -> list[dict]:
     """What a forger does after editing: recompute every link (possible without a key, impossible with one)."""
     chain = Chain(key)
