@@ -37,6 +37,10 @@ def tri_state(text: str) -> bool | str:
     raise argparse.ArgumentTypeError(f"expected auto, true or false, got {text!r}")
 
 
+class _TooBig(argparse.ArgumentTypeError):
+    """An integer past 2**63 - 1: a flag with a smaller range of its own says that range instead."""
+
+
 def integer(text: str) -> int:
     """A whole number (``1_000`` allowed), at most 2**63 - 1 in size (what torch and the budget arithmetic take)."""
     digits = text.replace("_", "").strip()
@@ -49,7 +53,7 @@ def integer(text: str) -> int:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {short_text(text)}") from None
     if abs(value) > MAX_INT:
-        raise argparse.ArgumentTypeError(f"expected an integer of at most 2**63 - 1, got {short_text(text)}")
+        raise _TooBig(f"expected an integer of at most 2**63 - 1, got {short_text(text)}")
     return value
 
 
@@ -976,7 +980,14 @@ def token_ids(text: str) -> list[int]:
 
 def _bounded(kind: Callable[[str], Any], ok: Callable[[Any], bool], expected: str) -> Callable[[str], Any]:
     def parse(text: str) -> Any:
-        value = kind(text)
+        try:
+            value = kind(text)
+        except _TooBig:
+            if ok(MAX_INT):  # the range reaches 2**63 - 1: that is the bound the value passed
+                raise
+            # --n 99999999999999999999999 was "expected an integer of at most 2**63 - 1", where --n 200 was
+            # "expected an integer in [1, 128]": true, but not what the flag accepts
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {short_text(text)}") from None
         if not ok(value):
             raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
         return value

@@ -388,6 +388,17 @@ def test_generate_sampling_flags_at_the_edges(capsys, data):
     assert_refused(r, flag)
 
 
+@pytest.mark.parametrize(("flag", "accepted"), [("--n", "an integer in [1, 128]"),
+                                                ("--logprobs", "an integer in [0, 20]")])
+def test_a_huge_value_for_a_flag_with_a_small_range_is_told_that_range(capsys, flag, accepted):
+    """--n 99999999999999999999999 was "expected an integer of at most 2**63 - 1" where --n 200 was "expected an
+    integer in [1, 128]": one flag, two different ranges, the first not what it accepts."""
+    for text in ("99999999999999999999999", "200"):
+        r = run_cli(capsys, "generate", "tiny-llama", "--prompt-ids", "1,2,3", flag, text)
+        assert r.err == f"error: {flag}: expected {accepted}, got '{text}'\n", r.err
+        assert (r.code, r.out) == (2, "")
+
+
 @FAST
 @given(flag=st.sampled_from(["--requests", "--seed"]), text=st.one_of(too_big, huge_digits, non_positive))
 def test_simulate_numbers_at_the_edges(capsys, flag, text):
