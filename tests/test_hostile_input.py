@@ -731,6 +731,9 @@ def test_every_record_mutation_is_caught(real_log, tmp_path):
 @pytest.mark.parametrize(("name", "edit", "needle"), [
     ("schema_version true", lambda r: r[0].update(schema_version=True), "schema_version true"),
     ("schema_version '1'", lambda r: r[0].update(schema_version="1"), "schema_version '1'"),
+    # printed by `kvload audit` as it was: a list as Python's repr, 100,000 characters as one line
+    ("kvload_version 5", lambda r: r[0].update(kvload_version=5), "kvload_version 5: expected the version string"),
+    ("kvload_version long", lambda r: r[0].update(kvload_version="9" * 100_000), "at most 64 characters"),
     ("args: 5", lambda r: r[-1].update(args=5), "'args' must be an object"),
     ("field into a string", lambda r: next(e for e in r if e["event"] == "args_parsed").update(field="model.x"),
      "not an LlmArgs field"),
