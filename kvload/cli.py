@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import json
 import math
+import re
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -295,7 +296,7 @@ class OneLineParser(argparse.ArgumentParser):
             else:
                 message = vllm if vllm is not None else message + self._suggestion(unknown)
                 message += f" (and {required})" if required else ""
-        self.exit(2, f"error: {one_line(message)}\n")
+        self.exit(2, f"error: {error_text(message)}\n")
 
     def _unknown_options(self) -> list[str]:
         """The arguments argparse took for options this parser does not have (secrets hidden), as it classes them."""
@@ -1136,7 +1137,7 @@ def cmd_audit(ns: argparse.Namespace) -> int:
         print_result(render_summary(summary, check))
     if check is not None and not check["ok"]:
         sys.stdout.flush()
-        print(one_line(f"error: {ns.audit}: does not verify: {check['problems'][0]}"
+        print(error_text(f"error: {ns.audit}: does not verify: {check['problems'][0]}"
                        + (f" (and {len(check['problems']) - 1} more)" if len(check["problems"]) > 1 else "")),
               file=sys.stderr)
         return 1
@@ -1380,12 +1381,26 @@ def _unwritten(ns: argparse.Namespace | None) -> str:
     return "; the --audit-log file was not written" if getattr(ns, "audit_log", None) is not None else ""
 
 
+#: A run of non-space characters longer than this in an error line is cut to its ends: a 100,000-character flag
+#: value, model name or config value was quoted whole, a 100 KB error line.
+_LONGEST_RUN = 300
+
+
+def error_text(text: str) -> str:
+    """``text`` as one printable line (:func:`one_line`), each overlong run of non-space characters cut to its ends."""
+    def cut(match: re.Match[str]) -> str:
+        run = match.group(0)
+        return f"{run[:100]}...({len(run) - 120:,} characters cut)...{run[-20:]}"
+
+    return re.sub(rf"\S{{{_LONGEST_RUN + 1},}}", cut, one_line(text))
+
+
 def _say(line: str, said: list[bool]) -> None:
     """Print ``error: line`` on stderr, once per run; after a hangup the terminal may be gone: the status tells."""
     if not said[0]:
         said[0] = True
         with contextlib.suppress(OSError):
-            print(f"error: {one_line(line)}", file=sys.stderr)
+            print(f"error: {error_text(line)}", file=sys.stderr)
 
 
 def _main(ns: argparse.Namespace, argv: Sequence[str] | None, said: list[bool]) -> int:
@@ -1414,7 +1429,7 @@ def _main(ns: argparse.Namespace, argv: Sequence[str] | None, said: list[bool]) 
     except KvloadError as exc:
         if ns.debug:  # the traceback, then the same line and exit status as without --debug
             traceback.print_exc()
-        print(f"error: {one_line(_cli_message(exc, sys.argv[1:] if argv is None else argv))}", file=sys.stderr)
+        print(f"error: {error_text(_cli_message(exc, sys.argv[1:] if argv is None else argv))}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt as exc:
         return _stopped(exc, said, ns)
@@ -1438,9 +1453,9 @@ def _main(ns: argparse.Namespace, argv: Sequence[str] | None, said: list[bool]) 
         detail = first_line(exc, "")
         if ns.debug:
             traceback.print_exc()
-            print(f"error: {type(exc).__name__}: {one_line(detail)}", file=sys.stderr)
+            print(f"error: {type(exc).__name__}: {error_text(detail)}", file=sys.stderr)
         else:
-            print(f"error: {type(exc).__name__}: {one_line(detail)} (run with --debug for the traceback)",
+            print(f"error: {type(exc).__name__}: {error_text(detail)} (run with --debug for the traceback)",
                   file=sys.stderr)
         return 1
     finally:

@@ -388,6 +388,25 @@ def test_generate_sampling_flags_at_the_edges(capsys, data):
     assert_refused(r, flag)
 
 
+LONG = "k" * 100_000
+
+
+@pytest.mark.parametrize(("argv", "start"), [
+    (["plan", LONG], "error: model 'kkkk"),
+    (["plan", "tiny-llama", "--use_kv_cache_manager_v2", LONG], "error: --use_kv_cache_manager_v2: expected"),
+    (["plan", "tiny-llama", "--attention_backend", LONG], "error: --attention_backend: invalid choice"),
+    (["plan", "tiny-llama", "--generation_config", LONG], "error: --generation_config"),
+    (["plan", "tiny-llama", f"--{LONG}"], "error: unrecognized arguments: --kkkk"),
+    (["simulate", "tiny-llama", "--workload", "no-reuse", "--workload-arg", f"{LONG}=1"], "error: workload no-reuse"),
+    ([LONG], "error: COMMAND"),
+])
+def test_a_100000_character_value_is_quoted_cut_not_whole(capsys, argv, start):
+    """A flag value, model name or command of 100,000 characters came back whole in the one error line (100 KB)."""
+    r = run_cli(capsys, *argv)
+    assert r.code == 2 and r.one_error_line and r.out == "", r.err[:300]
+    assert r.err.startswith(start) and len(r.err) < 1000 and "characters cut)" in r.err, r.err[:1200]
+
+
 @pytest.mark.parametrize(("flag", "accepted"), [("--n", "an integer in [1, 128]"),
                                                 ("--logprobs", "an integer in [0, 20]")])
 def test_a_huge_value_for_a_flag_with_a_small_range_is_told_that_range(capsys, flag, accepted):
