@@ -1503,3 +1503,15 @@ def test_a_control_character_in_a_path_or_flag_stays_one_escaped_line(capsys, tm
         needle = "unrecognized arguments: --max\\ntok"
     assert_refused(r, needle, folder=out)
     assert "\x1b" not in r.err
+
+
+def test_a_checkpoint_folder_named_with_control_characters_plans_with_them_escaped(capsys, tmp_path):
+    """The same folder name in a successful plan's report: the heading line printed it raw, an escape sequence reached
+    the terminal and a newline split the line."""
+    ckpt = tmp_path / "a\nb\x1b[31m"
+    ckpt.mkdir()
+    write_config(ckpt, llama_config())
+    r = _plan(capsys, ckpt)
+    assert r.code == 0, r.err
+    assert not any((ord(c) < 0x20 and c != "\n") or 0x7F <= ord(c) < 0xA0 for c in r.out), r.out[:300]
+    assert r.out.startswith(f"model  {tmp_path}/a\\nb\\x1b[31m  (directory: LlamaForCausalLM"), r.out[:300]
