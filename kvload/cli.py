@@ -58,6 +58,16 @@ def integer(text: str) -> int:
     return value
 
 
+def field_integer(text: str) -> int:
+    """An integer for a flag that sets an LlmArgs field: the field's own check bounds it (at most 2**63 - 1, or its
+    range), so --max_draft_len 99999999999999999999999 gets the verdict --max_draft_len 65 and a config file get
+    ("from 0 to 64"), not "at most 2**63 - 1"."""
+    try:
+        return integer(text)
+    except _TooBig:
+        return int(text.replace("_", "").strip())  # integer() checked the digits: 0-9, at most MAX_INT_DIGITS
+
+
 def number(text: str) -> float:
     """A finite decimal number (``inf``, ``nan`` and overflowing exponents such as ``1e400`` refused)."""
     if not text.strip().isascii():  # float() reads any script's digits ('０.５'), as int() does
@@ -124,11 +134,12 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--kv_cache_free_gpu_memory_fraction", "kv_cache_config.free_gpu_memory_fraction",
          "fraction of free device memory for the KV cache, in (0, 1]", number, metavar="F",
          aliases=("--kv_cache_fraction", "--kv_cache_free_gpu_mem_fraction")),
-    Flag("--max_tokens", "kv_cache_config.max_tokens", "cap the KV cache at this many tokens", integer, metavar="N"),
+    Flag("--max_tokens", "kv_cache_config.max_tokens", "cap the KV cache at this many tokens", field_integer,
+         metavar="N"),
     Flag("--max_gpu_total_bytes", "kv_cache_config.max_gpu_total_bytes",
          "cap the KV cache at this many bytes (0 = no cap; 8GiB = 8G = 8*2**30, 8GB = 8*10**9)", size,
          metavar="BYTES"),
-    Flag("--tokens_per_block", "kv_cache_config.tokens_per_block", "tokens per KV block", integer, metavar="N",
+    Flag("--tokens_per_block", "kv_cache_config.tokens_per_block", "tokens per KV block", field_integer, metavar="N",
          aliases=("--block_size",)),
     Flag("--disable_kv_cache_reuse", "kv_cache_config.enable_block_reuse",
          "turn prefix (block) reuse off", const=False, aliases=("--no_enable_prefix_caching",)),
@@ -139,18 +150,19 @@ FLAGS: tuple[Flag, ...] = (
          "V2 host tier size in bytes (0 = none; absent = auto: sized, or none where the accelerator recomputes a token "
          "for less than its copy out and back)", size, metavar="BYTES"),
     Flag("--event_buffer_max_size", "kv_cache_config.event_buffer_max_size",
-         "KV cache events (block stored/removed/cleared) kept for readers; 0 = off (default)", integer, metavar="N"),
+         "KV cache events (block stored/removed/cleared) kept for readers; 0 = off (default)", field_integer,
+         metavar="N"),
     Flag("--kv_cache_dtype", "kv_cache_config.dtype", "KV cache dtype: auto or a dtype name", str, metavar="DTYPE"),
     Flag("--dtype", "dtype", "model dtype: auto, float32, float16, bfloat16", str, metavar="DTYPE"),
     Flag("--device", "device", "where to build: auto (cuda when available), cuda, cuda:N or cpu", str,
          metavar="{auto,cuda,cuda:N,cpu}"),
-    Flag("--max_batch_size", "max_batch_size", "most requests scheduled at once", integer, metavar="N",
+    Flag("--max_batch_size", "max_batch_size", "most requests scheduled at once", field_integer, metavar="N",
          aliases=("--max_num_seqs",)),
-    Flag("--max_seq_len", "max_seq_len", "longest sequence (default: the checkpoint's)", integer, metavar="N",
+    Flag("--max_seq_len", "max_seq_len", "longest sequence (default: the checkpoint's)", field_integer, metavar="N",
          aliases=("--max_model_len",)),
-    Flag("--max_num_tokens", "max_num_tokens", "most tokens in one forward (prefill chunk)", integer, metavar="N",
+    Flag("--max_num_tokens", "max_num_tokens", "most tokens in one forward (prefill chunk)", field_integer, metavar="N",
          aliases=("--max_num_batched_tokens",)),
-    Flag("--max_beam_width", "max_beam_width", "beam width (V2 serves only 1)", integer, metavar="N"),
+    Flag("--max_beam_width", "max_beam_width", "beam width (V2 serves only 1)", field_integer, metavar="N"),
     Flag("--scheduling_policy", "scheduling_policy", "fcfs (default: arrival order) or priority (vLLM's: a request's "
          "priority, lower first, orders admission; V2 also moves out lower-ranked running requests for it)", str,
          metavar="{fcfs,priority}"),
@@ -162,12 +174,12 @@ FLAGS: tuple[Flag, ...] = (
          "(steps of few rows on a matmul kernel compiled for this CPU; float32)", str, choices=LINEAR_BACKENDS),
     Flag("--max_draft_len", "max_draft_len", "speculative decoding by n-gram lookup: draft tokens copied from "
          "earlier in the sequence, verified in the step that computes the last token (greedy or sampled); 0 = off "
-         "(default)", integer, metavar="N"),
+         "(default)", field_integer, metavar="N"),
     Flag("--max_matching_ngram_size", "max_matching_ngram_size", "with --max_draft_len: the longest suffix "
-         "looked up among earlier tokens (default 2)", integer, metavar="N"),
+         "looked up among earlier tokens (default 2)", field_integer, metavar="N"),
     Flag("--speculation_max_batch_size", "speculation_max_batch_size", "with --max_draft_len: draft only while at "
-         "most this many requests run (default 1; more rows per step cost more than drafts save on a CPU)", integer,
-         metavar="N"),
+         "most this many requests run (default 1; more rows per step cost more than drafts save on a CPU)",
+         field_integer, metavar="N"),
     Flag("--generation_config", "generation_config", "sampling defaults of what the command generates, for each "
          "setting a request leaves unset: auto (the checkpoint's generation_config.json; default), vllm (ignore it: "
          "kvload's built-in defaults) or a directory holding a generation_config.json (vLLM's flag)", str,
@@ -176,7 +188,7 @@ FLAGS: tuple[Flag, ...] = (
          "model's sampling defaults, as a JSON object: temperature, top_p, top_k, min_p, repetition_penalty, "
          "max_new_tokens, do_sample (vLLM's flag), e.g. '{\"temperature\": 0.5}'", json_object, metavar="JSON"),
     Flag("--tp_size", "tensor_parallel_size",
-         "tensor-parallel ranks (launch that many with torchrun; plan alone shows rank 0's view)", integer,
+         "tensor-parallel ranks (launch that many with torchrun; plan alone shows rank 0's view)", field_integer,
          metavar="N", aliases=("--tensor_parallel_size", "-tp")),
 )
 #: vLLM's engine flags kvload has no counterpart for (a launch script copied from ``vllm serve``): each goes into the

@@ -388,6 +388,23 @@ def test_generate_sampling_flags_at_the_edges(capsys, data):
     assert_refused(r, flag)
 
 
+@pytest.mark.parametrize(("flag", "field"), [("--max_draft_len", "max_draft_len"),
+                                              ("--max_matching_ngram_size", "max_matching_ngram_size"),
+                                              ("--max_tokens", "kv_cache_config.max_tokens")])
+def test_a_value_past_int64_gets_the_same_verdict_as_a_flag_and_in_the_config_file(capsys, tmp_path, flag, field):
+    """--max_draft_len 99999999999999999999999 was "expected an integer of at most 2**63 - 1" where the same value in
+    a config file (and --max_draft_len 65) was "expected an integer from 0 to 64": one field, two verdicts."""
+    text = "99999999999999999999999"
+    *parents, leaf = field.split(".")
+    cfg = tmp_path / "n.yaml"
+    cfg.write_text(f"{leaf}: {text}\n" if not parents else f"{parents[0]}:\n  {leaf}: {text}\n")
+    from_file = _plan(capsys, "tiny-llama", "--config", cfg)
+    from_flag = _plan(capsys, "tiny-llama", flag, text)
+    assert from_file.code == from_flag.code == 2 and from_flag.one_error_line, from_flag.err
+    assert from_file.err.split(f"{field}: ", 1)[1] == from_flag.err.split(f"{flag}: ", 1)[1], (from_file.err,
+                                                                                                from_flag.err)
+
+
 LONG = "k" * 100_000
 
 
