@@ -8,6 +8,9 @@ from typing import Any
 from cache_backends.interface import ScheduledChunk, SchedulerOutput
 from cache_backends.request import SCHEDULING_POLICY_NAMES, Request, RequestState
 
+#: Why-stalled reasons a stall message names before "and N more reasons": a small run names every request.
+STALL_REASONS_SHOWN = 8
+
 
 class SchedulerBase:
     """Holds the manager and the per-step limits; subclasses implement ``step``."""
@@ -64,7 +67,13 @@ class SchedulerBase:
         """Set ``out.stalled`` when nothing was scheduled though work remains, saying why."""
         if out.scheduled or not (waiting or running):
             return
+        # a reason per request: 1,000 requests that never fit made a 140 KB error line; the first few say it
+        unique = list(dict.fromkeys(reasons))
+        shown = unique[:STALL_REASONS_SHOWN]
+        if len(unique) > STALL_REASONS_SHOWN:
+            more = len(unique) - STALL_REASONS_SHOWN
+            shown.append(f"and {more:,} more reason{'s' if more > 1 else ''}")
         idle = sum(1 for r in running if r.num_tokens == r.num_computed_tokens)
         if idle:
-            reasons.append(f"{idle} running request(s) have no token to compute (append the sampled tokens first)")
-        out.stalled = "; ".join(dict.fromkeys(reasons)) or "no request has a token to compute"
+            shown.append(f"{idle} running request(s) have no token to compute (append the sampled tokens first)")
+        out.stalled = "; ".join(shown) or "no request has a token to compute"

@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import json
 import math
+import re
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -22,6 +23,7 @@ from pipeline.config import ATTENTION_BACKENDS, LINEAR_BACKENDS, SIZE_HELP, pars
 from pipeline.errors import ConfigError, KvloadError, OutputError, first_line
 from pipeline.limits import MAX_INT, MAX_INT_DIGITS, MAX_LOGPROBS, MAX_N, short_text
 from pipeline.signals import Terminated, handle_sigterm, release_sigterm  # at import: main's first line is in its try
+from pipeline.text import one_line
 
 # --- text-layer value parsers (argparse `type=`) ---------------------------------------------
 
@@ -36,6 +38,10 @@ def tri_state(text: str) -> bool | str:
     raise argparse.ArgumentTypeError(f"expected auto, true or false, got {text!r}")
 
 
+class _TooBig(argparse.ArgumentTypeError):
+    """An integer past 2**63 - 1: a flag with a smaller range of its own says that range instead."""
+
+
 def integer(text: str) -> int:
     """A whole number (``1_000`` allowed), at most 2**63 - 1 in size (what torch and the budget arithmetic take)."""
     digits = text.replace("_", "").strip()
@@ -48,8 +54,18 @@ def integer(text: str) -> int:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {short_text(text)}") from None
     if abs(value) > MAX_INT:
-        raise argparse.ArgumentTypeError(f"expected an integer of at most 2**63 - 1, got {short_text(text)}")
+        raise _TooBig(f"expected an integer of at most 2**63 - 1, got {short_text(text)}")
     return value
+
+
+def field_integer(text: str) -> int:
+    """An integer for a flag that sets an LlmArgs field: the field's own check bounds it (at most 2**63 - 1, or its
+    range), so --max_draft_len 99999999999999999999999 gets the verdict --max_draft_len 65 and a config file get
+    ("from 0 to 64"), not "at most 2**63 - 1"."""
+    try:
+        return integer(text)
+    except _TooBig:
+        return int(text.replace("_", "").strip())  # integer() checked the digits: 0-9, at most MAX_INT_DIGITS
 
 
 def number(text: str) -> float:
@@ -118,11 +134,12 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--kv_cache_free_gpu_memory_fraction", "kv_cache_config.free_gpu_memory_fraction",
          "fraction of free device memory for the KV cache, in (0, 1]", number, metavar="F",
          aliases=("--kv_cache_fraction", "--kv_cache_free_gpu_mem_fraction")),
-    Flag("--max_tokens", "kv_cache_config.max_tokens", "cap the KV cache at this many tokens", integer, metavar="N"),
+    Flag("--max_tokens", "kv_cache_config.max_tokens", "cap the KV cache at this many tokens", field_integer,
+         metavar="N"),
     Flag("--max_gpu_total_bytes", "kv_cache_config.max_gpu_total_bytes",
          "cap the KV cache at this many bytes (0 = no cap; 8GiB = 8G = 8*2**30, 8GB = 8*10**9)", size,
          metavar="BYTES"),
-    Flag("--tokens_per_block", "kv_cache_config.tokens_per_block", "tokens per KV block", integer, metavar="N",
+    Flag("--tokens_per_block", "kv_cache_config.tokens_per_block", "tokens per KV block", field_integer, metavar="N",
          aliases=("--block_size",)),
     Flag("--disable_kv_cache_reuse", "kv_cache_config.enable_block_reuse",
          "turn prefix (block) reuse off", const=False, aliases=("--no_enable_prefix_caching",)),
@@ -133,18 +150,19 @@ FLAGS: tuple[Flag, ...] = (
          "V2 host tier size in bytes (0 = none; absent = auto: sized, or none where the accelerator recomputes a token "
          "for less than its copy out and back)", size, metavar="BYTES"),
     Flag("--event_buffer_max_size", "kv_cache_config.event_buffer_max_size",
-         "KV cache events (block stored/removed/cleared) kept for readers; 0 = off (default)", integer, metavar="N"),
+         "KV cache events (block stored/removed/cleared) kept for readers; 0 = off (default)", field_integer,
+         metavar="N"),
     Flag("--kv_cache_dtype", "kv_cache_config.dtype", "KV cache dtype: auto or a dtype name", str, metavar="DTYPE"),
     Flag("--dtype", "dtype", "model dtype: auto, float32, float16, bfloat16", str, metavar="DTYPE"),
     Flag("--device", "device", "where to build: auto (cuda when available), cuda, cuda:N or cpu", str,
          metavar="{auto,cuda,cuda:N,cpu}"),
-    Flag("--max_batch_size", "max_batch_size", "most requests scheduled at once", integer, metavar="N",
+    Flag("--max_batch_size", "max_batch_size", "most requests scheduled at once", field_integer, metavar="N",
          aliases=("--max_num_seqs",)),
-    Flag("--max_seq_len", "max_seq_len", "longest sequence (default: the checkpoint's)", integer, metavar="N",
+    Flag("--max_seq_len", "max_seq_len", "longest sequence (default: the checkpoint's)", field_integer, metavar="N",
          aliases=("--max_model_len",)),
-    Flag("--max_num_tokens", "max_num_tokens", "most tokens in one forward (prefill chunk)", integer, metavar="N",
+    Flag("--max_num_tokens", "max_num_tokens", "most tokens in one forward (prefill chunk)", field_integer, metavar="N",
          aliases=("--max_num_batched_tokens",)),
-    Flag("--max_beam_width", "max_beam_width", "beam width (V2 serves only 1)", integer, metavar="N"),
+    Flag("--max_beam_width", "max_beam_width", "beam width (V2 serves only 1)", field_integer, metavar="N"),
     Flag("--scheduling_policy", "scheduling_policy", "fcfs (default: arrival order) or priority (vLLM's: a request's "
          "priority, lower first, orders admission; V2 also moves out lower-ranked running requests for it)", str,
          metavar="{fcfs,priority}"),
@@ -156,12 +174,12 @@ FLAGS: tuple[Flag, ...] = (
          "(steps of few rows on a matmul kernel compiled for this CPU; float32)", str, choices=LINEAR_BACKENDS),
     Flag("--max_draft_len", "max_draft_len", "speculative decoding by n-gram lookup: draft tokens copied from "
          "earlier in the sequence, verified in the step that computes the last token (greedy or sampled); 0 = off "
-         "(default)", integer, metavar="N"),
+         "(default)", field_integer, metavar="N"),
     Flag("--max_matching_ngram_size", "max_matching_ngram_size", "with --max_draft_len: the longest suffix "
-         "looked up among earlier tokens (default 2)", integer, metavar="N"),
+         "looked up among earlier tokens (default 2)", field_integer, metavar="N"),
     Flag("--speculation_max_batch_size", "speculation_max_batch_size", "with --max_draft_len: draft only while at "
-         "most this many requests run (default 1; more rows per step cost more than drafts save on a CPU)", integer,
-         metavar="N"),
+         "most this many requests run (default 1; more rows per step cost more than drafts save on a CPU)",
+         field_integer, metavar="N"),
     Flag("--generation_config", "generation_config", "sampling defaults of what the command generates, for each "
          "setting a request leaves unset: auto (the checkpoint's generation_config.json; default), vllm (ignore it: "
          "kvload's built-in defaults) or a directory holding a generation_config.json (vLLM's flag)", str,
@@ -170,7 +188,7 @@ FLAGS: tuple[Flag, ...] = (
          "model's sampling defaults, as a JSON object: temperature, top_p, top_k, min_p, repetition_penalty, "
          "max_new_tokens, do_sample (vLLM's flag), e.g. '{\"temperature\": 0.5}'", json_object, metavar="JSON"),
     Flag("--tp_size", "tensor_parallel_size",
-         "tensor-parallel ranks (launch that many with torchrun; plan alone shows rank 0's view)", integer,
+         "tensor-parallel ranks (launch that many with torchrun; plan alone shows rank 0's view)", field_integer,
          metavar="N", aliases=("--tensor_parallel_size", "-tp")),
 )
 #: vLLM's engine flags kvload has no counterpart for (a launch script copied from ``vllm serve``): each goes into the
@@ -290,7 +308,7 @@ class OneLineParser(argparse.ArgumentParser):
             else:
                 message = vllm if vllm is not None else message + self._suggestion(unknown)
                 message += f" (and {required})" if required else ""
-        self.exit(2, f"error: {one_line(message)}\n")
+        self.exit(2, f"error: {error_text(message)}\n")
 
     def _unknown_options(self) -> list[str]:
         """The arguments argparse took for options this parser does not have (secrets hidden), as it classes them."""
@@ -975,7 +993,14 @@ def token_ids(text: str) -> list[int]:
 
 def _bounded(kind: Callable[[str], Any], ok: Callable[[Any], bool], expected: str) -> Callable[[str], Any]:
     def parse(text: str) -> Any:
-        value = kind(text)
+        try:
+            value = kind(text)
+        except _TooBig:
+            if ok(MAX_INT):  # the range reaches 2**63 - 1: that is the bound the value passed
+                raise
+            # --n 99999999999999999999999 was "expected an integer of at most 2**63 - 1", where --n 200 was
+            # "expected an integer in [1, 128]": true, but not what the flag accepts
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {short_text(text)}") from None
         if not ok(value):
             raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
         return value
@@ -1124,7 +1149,7 @@ def cmd_audit(ns: argparse.Namespace) -> int:
         print_result(render_summary(summary, check))
     if check is not None and not check["ok"]:
         sys.stdout.flush()
-        print(one_line(f"error: {ns.audit}: does not verify: {check['problems'][0]}"
+        print(error_text(f"error: {ns.audit}: does not verify: {check['problems'][0]}"
                        + (f" (and {len(check['problems']) - 1} more)" if len(check["problems"]) > 1 else "")),
               file=sys.stderr)
         return 1
@@ -1368,14 +1393,18 @@ def _unwritten(ns: argparse.Namespace | None) -> str:
     return "; the --audit-log file was not written" if getattr(ns, "audit_log", None) is not None else ""
 
 
-#: Control characters (C0, DEL, C1) as their escapes: a path holding a newline split the one error line in two, and an
-#: escape sequence in a file name would reach the terminal.
-_CONTROL_ESCAPES = {c: repr(chr(c))[1:-1] for c in (*range(0x20), *range(0x7F, 0xA0))}
+#: A run of non-space characters longer than this in an error line is cut to its ends: a 100,000-character flag
+#: value, model name or config value was quoted whole, a 100 KB error line.
+_LONGEST_RUN = 300
 
 
-def one_line(text: str) -> str:
-    """``text`` with control characters written as escapes (``\\n``, ``\\x1b``): one line, printable."""
-    return text.translate(_CONTROL_ESCAPES)
+def error_text(text: str) -> str:
+    """``text`` as one printable line (:func:`one_line`), each overlong run of non-space characters cut to its ends."""
+    def cut(match: re.Match[str]) -> str:
+        run = match.group(0)
+        return f"{run[:100]}...({len(run) - 120:,} characters cut)...{run[-20:]}"
+
+    return re.sub(rf"\S{{{_LONGEST_RUN + 1},}}", cut, one_line(text))
 
 
 def _say(line: str, said: list[bool]) -> None:
@@ -1383,7 +1412,7 @@ def _say(line: str, said: list[bool]) -> None:
     if not said[0]:
         said[0] = True
         with contextlib.suppress(OSError):
-            print(f"error: {one_line(line)}", file=sys.stderr)
+            print(f"error: {error_text(line)}", file=sys.stderr)
 
 
 def _main(ns: argparse.Namespace, argv: Sequence[str] | None, said: list[bool]) -> int:
@@ -1412,7 +1441,7 @@ def _main(ns: argparse.Namespace, argv: Sequence[str] | None, said: list[bool]) 
     except KvloadError as exc:
         if ns.debug:  # the traceback, then the same line and exit status as without --debug
             traceback.print_exc()
-        print(f"error: {one_line(_cli_message(exc, sys.argv[1:] if argv is None else argv))}", file=sys.stderr)
+        print(f"error: {error_text(_cli_message(exc, sys.argv[1:] if argv is None else argv))}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt as exc:
         return _stopped(exc, said, ns)
@@ -1436,9 +1465,9 @@ def _main(ns: argparse.Namespace, argv: Sequence[str] | None, said: list[bool]) 
         detail = first_line(exc, "")
         if ns.debug:
             traceback.print_exc()
-            print(f"error: {type(exc).__name__}: {one_line(detail)}", file=sys.stderr)
+            print(f"error: {type(exc).__name__}: {error_text(detail)}", file=sys.stderr)
         else:
-            print(f"error: {type(exc).__name__}: {one_line(detail)} (run with --debug for the traceback)",
+            print(f"error: {type(exc).__name__}: {error_text(detail)} (run with --debug for the traceback)",
                   file=sys.stderr)
         return 1
     finally:

@@ -18,7 +18,7 @@ from pipeline.errors import ConfigError
 from pipeline.events import is_value_event
 from pipeline.limits import short_text
 from pipeline.paths import flatten
-from pipeline.text import literal, table
+from pipeline.text import literal, one_line, table
 
 V2 = V2_FIELD
 HOST = "kv_cache_config.host_cache_size"
@@ -183,7 +183,7 @@ def render_chain(chain: dict[str, Any]) -> list[str]:
     rows = [["stage", "source", "change", "why"]]
     for step in chain["chain"]:
         rows.append([step["stage"] or "(framework)", step["source"] or "", _change(step), step["reason"]])
-    return [f"{chain['field']} = {literal(chain['final'])}", *table(rows)]
+    return [one_line(f"{chain['field']} = {literal(chain['final'])}"), *table(rows)]
 
 
 def render_explain(chains: list[dict[str, Any]]) -> str:
@@ -357,7 +357,8 @@ def render_summary(summary: dict[str, Any], check: dict[str, Any] | None = None)
     if check is not None:
         lines.append("")
         lines += render_verify(check)
-    return "\n".join(lines)
+    # every text here came from the audit file, which anyone may have written: one line each, no terminal escapes
+    return "\n".join(one_line(line) for line in lines)
 
 
 def render_verify(check: dict[str, Any]) -> list[str]:

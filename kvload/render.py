@@ -8,7 +8,7 @@ from kvload.api import LoadResult
 from pipeline.config import framework_defaults
 from pipeline.converter import unstructure
 from pipeline.paths import flatten
-from pipeline.text import show, table
+from pipeline.text import one_line, show, table
 
 
 def provenance_map(result: LoadResult) -> dict[str, list[dict[str, Any]]]:
@@ -79,7 +79,8 @@ def render_result(result: LoadResult) -> str:
     kv = result.kv
     if kv is not None and hasattr(kv, "render"):
         lines += ["", *kv.render()]
-    return "\n".join(lines)
+    # the model's name is a path the user gave (a folder named with an escape sequence): one line each, as printed
+    return "\n".join(one_line(line) for line in lines)
 
 
 def allocation_document(result: LoadResult) -> dict[str, Any]:

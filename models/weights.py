@@ -472,6 +472,14 @@ def load_tokenizer(path: Path) -> Any:
     except (ValueError, KeyError, TypeError, AttributeError, OSError) as exc:  # a shape transformers did not expect
         raise _malformed_tokenizer_json(path) or ModelError(
             f"{path}: transformers cannot load the tokenizer: {first_line(exc)}") from exc
+    except Exception as exc:
+        if type(exc) is not Exception:  # MemoryError and the like stay what they are
+            raise
+        # the tokenizers library raises a bare Exception for a tokenizer.json that is JSON but not a tokenizer it
+        # knows ("data did not match any variant of untagged enum ModelUntagged at line 1 column 2053629"); the line
+        # was "load_weights: Exception: ...", naming neither the file nor the checkpoint
+        file = path / "tokenizer.json" if (path / "tokenizer.json").is_file() else path
+        raise ModelError(f"{file}: the tokenizers library cannot read it as a tokenizer: {first_line(exc)}") from exc
 
 
 def _malformed_tokenizer_json(path: Path) -> ModelError | None:

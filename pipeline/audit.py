@@ -187,6 +187,11 @@ class AuditLog:
                 f"{p}: line {first}: schema_version {short(version)} is not supported "
                 f"(this kvload reads {AUDIT_SCHEMA_VERSION}, an integer)"
             )
+        written_by = header.get("kvload_version", "")  # printed by `kvload audit`: a list came out as Python's repr,
+        # a 100,000-character string as one line of it
+        if not isinstance(written_by, str) or len(written_by) > MAX_VERSION_CHARS:
+            raise AuditError(f"{p}: line {first}: kvload_version {short(written_by)}: expected the version string of "
+                             f"the kvload that wrote the log (at most {MAX_VERSION_CHARS} characters)")
         known = frozenset(flatten(framework_defaults()))
         events = []
         dropped: tuple[int, int] | None = None  # (index of the first event after the gap, records missing)
@@ -207,6 +212,9 @@ class AuditLog:
         log.dropped_at, log.dropped = dropped if dropped is not None else (None, 0)
         return log
 
+
+#: The longest ``kvload_version`` a header may hold (kvload's own are a few characters: ``0.1.0``).
+MAX_VERSION_CHARS = 64
 
 #: The largest audit file read (a long generation logs a few hundred bytes per request).
 MAX_AUDIT_BYTES = 512 * 1024 * 1024

@@ -69,6 +69,11 @@ def _config_hook_factory(cls: type) -> Any:
             return value
         if not isinstance(value, Mapping):
             raise ValueError(f"expected a mapping of {what}, got {describe(value)}")
+        # a Python caller can pass {1: 2}: the unknown-key hint compared it with the field names and the line was
+        # "parse_args: TypeError: 'int' object is not iterable" (YAML's keys are checked as the file is read)
+        for key in value:
+            if not isinstance(key, str):
+                raise ValueError(f"expected a mapping of {what} with string keys, got the key {describe(key)}")
         return generated(value, _type)
 
     return hook

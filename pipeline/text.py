@@ -5,9 +5,19 @@ from __future__ import annotations
 import json
 from typing import Any
 
+#: Control characters (C0, DEL, C1) as their escapes: a path holding a newline split a one-line message in two, and an
+#: escape sequence in a file name (or in an audit file's text, which anyone may have written) reached the terminal.
+_CONTROL_ESCAPES = {c: repr(chr(c))[1:-1] for c in (*range(0x20), *range(0x7F, 0xA0))}
+
+
+def one_line(text: str) -> str:
+    """``text`` with control characters written as escapes (``\\n``, ``\\x1b``): one line, printable."""
+    return text.translate(_CONTROL_ESCAPES)
+
 
 def table(rows: list[list[str]], indent: str = "  ") -> list[str]:
-    """Left-aligned columns two spaces apart; the last column is not padded."""
+    """Left-aligned columns two spaces apart; the last column is not padded; each cell stays on its line."""
+    rows = [[one_line(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
 
@@ -37,4 +47,4 @@ def cell(value: Any, spec: str = "{:,}") -> str:
     return str(value)
 
 
-__all__ = ["cell", "literal", "show", "table"]
+__all__ = ["cell", "literal", "one_line", "show", "table"]

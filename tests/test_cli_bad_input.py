@@ -121,6 +121,11 @@ CASES = [
     # model / config.json
     ("unknown-preset", "plan tiny-llama3", 2,
      ["'tiny-llama3'", "not a preset", "tiny-deepseek-v4, tiny-gemma3, tiny-llama"]),
+    # a preset nearly spelt: the list alone left it to the user to spot, and a name shaped like a Hugging Face id was
+    # told to `hf download` the typo
+    ("preset-typo", "plan tiny-lama", 2, ["'tiny-lama': not a preset or a directory; did you mean 'tiny-llama'?"]),
+    ("preset-case-underscore", "run Tiny_Llama", 2, ["did you mean 'tiny-llama'?"]),
+    ("packaged-short", "generate smollm2 --prompt hi", 2, ["'smollm2'", "did you mean 'smollm2-135m'?"]),
     ("missing-dir", "plan {in}/no-such-ckpt", 2, ["no-such-ckpt", "no such directory"]),
     # ~user with no such user: Path.expanduser raised RuntimeError ("apply_model_defaults: RuntimeError: Could not
     # determine home directory."); a shell leaves it as it is, and so does kvload

@@ -98,6 +98,18 @@ def test_simulate_bad_input_is_one_line_and_exit_2(capsys, args, message):
     assert r.one_error_line and r.err.startswith(message), r.err
 
 
+def test_many_requests_that_never_fit_name_the_first_few_and_count_the_rest(capsys):
+    """Every request the pool could never admit had its own clause: 1,000 of them made a 140 KB error line."""
+    r = run_cli(capsys, "simulate", "tiny-llama", "--device", "cpu", "--workload", "long-context", "--requests", "200",
+                "--max_tokens", "64")
+    assert r.code == 2 and r.one_error_line, r.err[:300]
+    assert r.err.startswith("error: KVCacheManager cannot finish workload long-context at a budget of 65,536 B: "
+                            "request lc-0 needs 256 blocks for 8192 tokens (prompt + max_new_tokens) but the pool "
+                            "holds 2 blocks of 32 tokens; it can never be admitted; request lc-1 "), r.err[:300]
+    assert r.err.endswith("; and 192 more reasons; raise --max_tokens or --max_gpu_total_bytes\n"), r.err[-300:]
+    assert len(r.err) < 2000
+
+
 @pytest.mark.parametrize("compare", [(), ("--compare",)])
 def test_a_budget_past_host_memory_names_the_flag_given_not_the_bytes_it_became(capsys, compare):
     """simulate hands every manager the budget as max_gpu_total_bytes; the advice named that field (never typed) and,

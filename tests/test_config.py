@@ -78,6 +78,24 @@ def test_unknown_key_without_a_close_match_lists_known_keys():
         structure({"model": "m", "zzzz": 1}, LlmArgs)
 
 
+@pytest.mark.parametrize(("raw", "message"), [
+    ({"kv_cache_config": {1: 2}}, "kv_cache_config: expected a mapping of KvCacheConfig fields with string keys, "
+                                  "got the key 1"),
+    ({"kv_cache_config": {None: 2, "max_tokens": 8}}, "kv_cache_config: expected a mapping of KvCacheConfig "
+                                                      "fields with string keys, got the key null"),
+    ({"override_generation_config": {5: 0.5}}, "override_generation_config: expected a mapping of "
+                                               "generation_config.json keys"),
+])
+def test_a_key_that_is_not_a_string_is_named_through_the_python_api(raw, message):
+    """A YAML file's keys are checked as it is read; a Python dict's were not, and the unknown-key hint crashed
+    comparing 1 with the field names: "parse_args: TypeError: 'int' object is not iterable"."""
+    import pipeline
+
+    with pytest.raises(ConfigError) as err:
+        pipeline.plan("tiny-llama", log=False, **raw)
+    assert str(err.value).startswith(message), str(err.value)
+
+
 def test_missing_model_is_reported():
     with pytest.raises(ConfigError, match="^model: required"):
         structure({}, LlmArgs)

@@ -389,6 +389,53 @@ def test_generate_sampling_flags_at_the_edges(capsys, data):
     assert_refused(r, flag)
 
 
+@pytest.mark.parametrize(("flag", "field"), [("--max_draft_len", "max_draft_len"),
+                                              ("--max_matching_ngram_size", "max_matching_ngram_size"),
+                                              ("--max_tokens", "kv_cache_config.max_tokens")])
+def test_a_value_past_int64_gets_the_same_verdict_as_a_flag_and_in_the_config_file(capsys, tmp_path, flag, field):
+    """--max_draft_len 99999999999999999999999 was "expected an integer of at most 2**63 - 1" where the same value in
+    a config file (and --max_draft_len 65) was "expected an integer from 0 to 64": one field, two verdicts."""
+    text = "99999999999999999999999"
+    *parents, leaf = field.split(".")
+    cfg = tmp_path / "n.yaml"
+    cfg.write_text(f"{leaf}: {text}\n" if not parents else f"{parents[0]}:\n  {leaf}: {text}\n")
+    from_file = _plan(capsys, "tiny-llama", "--config", cfg)
+    from_flag = _plan(capsys, "tiny-llama", flag, text)
+    assert from_file.code == from_flag.code == 2 and from_flag.one_error_line, from_flag.err
+    assert from_file.err.split(f"{field}: ", 1)[1] == from_flag.err.split(f"{flag}: ", 1)[1], (from_file.err,
+                                                                                                from_flag.err)
+
+
+LONG = "k" * 100_000
+
+
+@pytest.mark.parametrize(("argv", "start"), [
+    (["plan", LONG], "error: model 'kkkk"),
+    (["plan", "tiny-llama", "--use_kv_cache_manager_v2", LONG], "error: --use_kv_cache_manager_v2: expected"),
+    (["plan", "tiny-llama", "--attention_backend", LONG], "error: --attention_backend: invalid choice"),
+    (["plan", "tiny-llama", "--generation_config", LONG], "error: --generation_config"),
+    (["plan", "tiny-llama", f"--{LONG}"], "error: unrecognized arguments: --kkkk"),
+    (["simulate", "tiny-llama", "--workload", "no-reuse", "--workload-arg", f"{LONG}=1"], "error: workload no-reuse"),
+    ([LONG], "error: COMMAND"),
+])
+def test_a_100000_character_value_is_quoted_cut_not_whole(capsys, argv, start):
+    """A flag value, model name or command of 100,000 characters came back whole in the one error line (100 KB)."""
+    r = run_cli(capsys, *argv)
+    assert r.code == 2 and r.one_error_line and r.out == "", r.err[:300]
+    assert r.err.startswith(start) and len(r.err) < 1000 and "characters cut)" in r.err, r.err[:1200]
+
+
+@pytest.mark.parametrize(("flag", "accepted"), [("--n", "an integer in [1, 128]"),
+                                                ("--logprobs", "an integer in [0, 20]")])
+def test_a_huge_value_for_a_flag_with_a_small_range_is_told_that_range(capsys, flag, accepted):
+    """--n 99999999999999999999999 was "expected an integer of at most 2**63 - 1" where --n 200 was "expected an
+    integer in [1, 128]": one flag, two different ranges, the first not what it accepts."""
+    for text in ("99999999999999999999999", "200"):
+        r = run_cli(capsys, "generate", "tiny-llama", "--prompt-ids", "1,2,3", flag, text)
+        assert r.err == f"error: {flag}: expected {accepted}, got '{text}'\n", r.err
+        assert (r.code, r.out) == (2, "")
+
+
 @FAST
 @given(flag=st.sampled_from(["--requests", "--seed"]), text=st.one_of(too_big, huge_digits, non_positive))
 def test_simulate_numbers_at_the_edges(capsys, flag, text):
@@ -721,6 +768,9 @@ def test_every_record_mutation_is_caught(real_log, tmp_path):
 @pytest.mark.parametrize(("name", "edit", "needle"), [
     ("schema_version true", lambda r: r[0].update(schema_version=True), "schema_version true"),
     ("schema_version '1'", lambda r: r[0].update(schema_version="1"), "schema_version '1'"),
+    # printed by `kvload audit` as it was: a list as Python's repr, 100,000 characters as one line
+    ("kvload_version 5", lambda r: r[0].update(kvload_version=5), "kvload_version 5: expected the version string"),
+    ("kvload_version long", lambda r: r[0].update(kvload_version="9" * 100_000), "at most 64 characters"),
     ("args: 5", lambda r: r[-1].update(args=5), "'args' must be an object"),
     ("field into a string", lambda r: next(e for e in r if e["event"] == "args_parsed").update(field="model.x"),
      "not an LlmArgs field"),
@@ -750,6 +800,27 @@ def test_an_audit_log_with_a_byte_that_is_not_utf8_names_its_line(capsys, real_l
     r = run_cli(capsys, command[0], path, *command[1:])
     assert r.err == f"error: {path}: line 4: not UTF-8 (byte 0xe9); an audit log is JSON Lines in UTF-8\n"
     assert (r.code, r.out) == (2, "")
+
+
+@pytest.mark.parametrize("command", [["audit"], ["audit", "--verify"], ["explain"]])
+def test_control_characters_in_an_audit_files_text_stay_escaped_on_one_line(capsys, real_log, tmp_path, command):
+    """An audit file is input anyone may have written: its free text (a reason, the header's version) reached the
+    terminal as it was, so an escape sequence cleared the screen or recoloured it and a newline forged a table row."""
+    clean = read_events(real_log)
+    path = tmp_path / "clean.jsonl"
+    write_events(path, clean)
+    expected = run_cli(capsys, *command[:1], path, *command[1:]).out.count("\n")
+    records = copy.deepcopy(clean)
+    records[0]["kvload_version"] = "0.1\x1b[2J\nforged"
+    for record in records:
+        if record["event"] == "auto_resolved":
+            record["reason"] = "why\x1b]0;title\x07\nverify  ok: forged\r"
+    path = tmp_path / "escapes.jsonl"
+    write_events(path, records)
+    r = run_cli(capsys, *command[:1], path, *command[1:])
+    assert not any((ord(c) < 0x20 and c != "\n") or 0x7F <= ord(c) < 0xA0 for c in r.out), r.out
+    assert r.out.count("\n") == expected
+    assert "why\\x1b]0;title\\x07\\nverify  ok: forged\\r" in r.out
 
 
 def _rechain(records: list[dict], key: bytes | None = None) -> list[dict]:
@@ -1452,3 +1523,15 @@ def test_a_control_character_in_a_path_or_flag_stays_one_escaped_line(capsys, tm
         needle = "unrecognized arguments: --max\\ntok"
     assert_refused(r, needle, folder=out)
     assert "\x1b" not in r.err
+
+
+def test_a_checkpoint_folder_named_with_control_characters_plans_with_them_escaped(capsys, tmp_path):
+    """The same folder name in a successful plan's report: the heading line printed it raw, an escape sequence reached
+    the terminal and a newline split the line."""
+    ckpt = tmp_path / "a\nb\x1b[31m"
+    ckpt.mkdir()
+    write_config(ckpt, llama_config())
+    r = _plan(capsys, ckpt)
+    assert r.code == 0, r.err
+    assert not any((ord(c) < 0x20 and c != "\n") or 0x7F <= ord(c) < 0xA0 for c in r.out), r.out[:300]
+    assert r.out.startswith(f"model  {tmp_path}/a\\nb\\x1b[31m  (directory: LlamaForCausalLM"), r.out[:300]

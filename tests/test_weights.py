@@ -418,9 +418,13 @@ def test_a_weight_that_is_not_finite_is_refused_naming_the_tensor(capsys, tmp_pa
     ("tokenizer.json", lambda f: f.write_text('{"version": "1.0", "model": {"type": "BPE"'),
      "malformed JSON at line 1 column 43: Expecting ',' delimiter"),
     ("tokenizer.json", lambda f: f.write_bytes(b'{"version": "\xff"}'), "not UTF-8 (byte 0xff at offset 13)"),
+    # JSON, but no tokenizer the tokenizers library knows: its bare Exception was "load_weights: Exception: data did
+    # not match any variant of untagged enum ModelUntagged at line 1 column 66", naming no file
+    ("tokenizer.json", lambda f: f.write_text('{"version": "1.0", "added_tokens": [], "model": {"type": "Bogus"}}'),
+     "the tokenizers library cannot read it as a tokenizer: data did not match any variant"),
     # transformers read a FIFO there as an empty template: "Can't compile non template nodes"
     ("chat_template.jinja", lambda f: os.mkfifo(f), "not a regular file (a FIFO or device?)"),
-], ids=["fifo", "directory", "truncated", "not-utf8", "chat-template-fifo"])
+], ids=["fifo", "directory", "truncated", "not-utf8", "not-a-tokenizer", "chat-template-fifo"])
 def test_a_tokenizer_json_that_cannot_be_read_is_named(capsys, tmp_path, name, make, words):
     from tests.cli_support import run_cli
     from tests.hostile_support import assert_refused
