@@ -446,12 +446,25 @@ def _load_error(what: str, exc: Exception) -> Exception:
     return ModelError(f"{what}: {first_line(exc)}")
 
 
+#: The files whose presence makes a checkpoint directory's tokenizer (any one of them).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def has_tokenizer(checkpoint: Checkpoint) -> bool:
+    """Whether :func:`load_weights` will give ``checkpoint`` a tokenizer (told before anything loads): a preset has
+    none (random weights), a GGUF carries its own, a directory has one when it holds a tokenizer file."""
+    if checkpoint.kind == "preset":
+        return False
+    if checkpoint.gguf_file:
+        return True
+    return any(os.path.lexists(checkpoint.path / f) for f in TOKENIZER_FILES)
+
+
 def load_tokenizer(path: Path) -> Any:
     """The tokenizer saved in a checkpoint directory, or None when it has none."""
     from transformers import AutoTokenizer
 
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-    present = [path / f for f in names if os.path.lexists(path / f)]
+    present = [path / f for f in TOKENIZER_FILES if os.path.lexists(path / f)]
     if not present:
         return None
     if os.path.lexists(path / "chat_template.jinja"):  # a FIFO there read as an empty template: "Can't compile

@@ -236,10 +236,12 @@ def test_penalty_flags_give_the_python_apis_tokens_and_the_audit_records_them(ca
 
 @pytest.mark.parametrize(("args", "message"), [
     ((), "error: --prompt: give at least one --prompt TEXT"),
-    (("--prompt", "hello"), "error: generate: prompt 0 is text, but tiny-llama has no tokenizer"),
+    (("--prompt", "hello"), "error: --prompt: tiny-llama has no tokenizer (presets have random weights and none), so "
+                            "a text prompt cannot be tokenized; give token ids with --prompt-ids"),
     (("--prompt-ids", "1,x"), "error: --prompt-ids: expected token ids such as 1,2,3 (the digits 0-9), got '1,x'"),
     (("--prompt-ids", "1,,3"), "error: --prompt-ids: expected token ids such as 1,2,3 (the digits 0-9), got '1,,3'"),
-    (("--prompt-ids", "1", "--chat"), "error: generate: prompt 0: chat=True needs text prompts"),
+    (("--prompt-ids", "1", "--chat"), "error: --chat: wraps each --prompt TEXT in the chat template, and --prompt-ids "
+                                      "gives token ids, which it cannot wrap"),
     (("--prompt-ids", "1", "--max_new_tokens", "0"), "error: --max_new_tokens: expected an integer >= 1, got '0'"),
     (("--prompt-ids", "1", "--temperature", "-1"), "error: --temperature: expected a number >= 0, got '-1'"),
     (("--prompt-ids", "1", "--top-p", "1.5"), r"error: --top-p: expected a number in (0, 1], got '1.5'"),
@@ -274,6 +276,22 @@ def test_bad_input_is_one_line_exit_2_and_no_audit_file(capsys, tmp_path, args, 
     assert r.code == 2 and r.one_error_line, r.err
     assert r.err.startswith(message)
     assert not audit.exists() and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args", [("--prompt", "hello"), ("--prompt-ids", "1", "--prompt", "hi"),
+                                  ("--prompt-ids", "1", "--chat")])
+def test_prompts_the_model_cannot_take_are_refused_before_anything_loads(capsys, monkeypatch, args):
+    """A text prompt for a preset (no tokenizer) and --chat with token ids were refused by the executor, after the
+    weights had loaded (5.6 s here, minutes for a large model); both are known from the arguments."""
+    import kvload.api
+
+    def loads(*_args, **_kw):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(kvload.api, "execute", loads)
+    r = run_cli(capsys, *TINY, *args)
+    assert r.code == 2 and r.one_error_line, r.err
+    assert r.err.startswith("error: --chat: " if "--chat" in args else "error: --prompt: tiny-llama has no tokenizer")
 
 
 def test_a_real_process_streams_and_writes_the_audit(tmp_path):
