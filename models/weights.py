@@ -514,6 +514,9 @@ def _malformed_tokenizer_json(path: Path) -> ModelError | None:
         return None
     if not isinstance(data, dict):
         return ModelError(f"{file}: expected a JSON object (a tokenizers model), got {type(data).__name__}")
+    if "model" not in data:  # `{}` read "<folder>: transformers cannot load the tokenizer: 'added_tokens'"
+        return ModelError(f"{file}: no 'model' key: a tokenizer.json of the tokenizers library holds its model (and "
+                          "version, added_tokens, ...)")
     return None
 
 

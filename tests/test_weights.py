@@ -422,9 +422,11 @@ def test_a_weight_that_is_not_finite_is_refused_naming_the_tensor(capsys, tmp_pa
     # not match any variant of untagged enum ModelUntagged at line 1 column 66", naming no file
     ("tokenizer.json", lambda f: f.write_text('{"version": "1.0", "added_tokens": [], "model": {"type": "Bogus"}}'),
      "the tokenizers library cannot read it as a tokenizer: data did not match any variant"),
+    # an object without a model: "<folder>: transformers cannot load the tokenizer: 'added_tokens'", no file named
+    ("tokenizer.json", lambda f: f.write_text("{}"), "no 'model' key: a tokenizer.json of the tokenizers library"),
     # transformers read a FIFO there as an empty template: "Can't compile non template nodes"
     ("chat_template.jinja", lambda f: os.mkfifo(f), "not a regular file (a FIFO or device?)"),
-], ids=["fifo", "directory", "truncated", "not-utf8", "not-a-tokenizer", "chat-template-fifo"])
+], ids=["fifo", "directory", "truncated", "not-utf8", "not-a-tokenizer", "empty-object", "chat-template-fifo"])
 def test_a_tokenizer_json_that_cannot_be_read_is_named(capsys, tmp_path, name, make, words):
     from tests.cli_support import run_cli
     from tests.hostile_support import assert_refused
