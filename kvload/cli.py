@@ -734,6 +734,7 @@ GENERATE_PROMPT_ALLOWANCE = 1024
 
 def cmd_generate(ns: argparse.Namespace) -> int:
     """Load the weights, build the routed KV manager, generate for every prompt, stream, end with throughput."""
+    from engine.prompts import check_text
     from engine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
     from kvload.api import execute
     from pipeline.context import DEFAULT_MAX_TOKENS_FIELD, CallerDefault
@@ -747,8 +748,12 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     if ns.chat and any(not isinstance(p, str) for p in prompts):  # refused here, not after seconds of loading
         raise ConfigError("--chat: wraps each --prompt TEXT in the chat template, and --prompt-ids gives token ids, "
                           "which it cannot wrap; give the conversation's text with --prompt, or leave out --chat")
+    for i, prompt in enumerate(prompts):  # text no tokenizer could encode, named before anything loads
+        if isinstance(prompt, str):
+            check_text(f"prompt {i}", prompt)
     request = _request(ns, load_weights=True, kv_events_reader=False, generates=True)  # prints outputs, no KV events
-    _check_text_prompts(request.model, prompts)
+    if any(isinstance(p, str) for p in prompts):  # a model without a tokenizer is refused before its weights load
+        request.text_prompts = "--prompt"
     if ns.config is not None:  # read once: its max_seq_len sizes the pools below, and parse_args takes the same tree
         from pipeline.sources import read_yaml
 
@@ -837,30 +842,6 @@ def _generate_pool_tokens(prompts: int, n: int, max_new_tokens: int, max_seq_len
     tokens = min(MAX_INT, prompts * per_prompt)
     return tokens, "generate", (f"{flags}, --n or the number of prompts (generate sizes the pools for prompts x "
                                 f"{formula} = {tokens} tokens when no --max_tokens is given)")
-
-
-def _check_text_prompts(model: str, prompts: list[Any]) -> None:
-    """Refuse text prompts for a model that will load without a tokenizer (a preset) before anything loads; what
-    cannot be told yet (a model that does not resolve) is left to the load, which names it."""
-    if all(not isinstance(p, str) for p in prompts):
-        return
-    from engine.prompts import check_text
-    from models.checkpoint import resolve_checkpoint
-    from models.weights import has_tokenizer
-
-    for i, prompt in enumerate(prompts):  # text no tokenizer could encode is named first, as the load would
-        if isinstance(prompt, str):
-            check_text(f"prompt {i}", prompt)
-
-    try:
-        checkpoint = resolve_checkpoint(model)
-    except KvloadError:
-        return
-    if not has_tokenizer(checkpoint):
-        why = "presets have random weights and none" if checkpoint.kind == "preset" else \
-            f"{checkpoint.path} holds no tokenizer file"
-        raise ConfigError(f"--prompt: {checkpoint.name} has no tokenizer ({why}), so a text prompt cannot be "
-                          "tokenized; give token ids with --prompt-ids")
 
 
 def peek_sampling_defaults(request: Any) -> Any:

@@ -72,6 +72,9 @@ class LoadRequest:
     #: Whether the caller generates through what it loads (``kvload generate``, ``kvload serve``, ``kvload.LLM``):
     #: a model whose attention kvload cannot run is then refused before its weights load (seconds, gigabytes).
     generates: bool = False
+    #: The flag that gives the caller text prompts (``kvload generate --prompt``), when it does: a model that loads
+    #: without a tokenizer (a preset) is then refused, naming it, before its weights load.
+    text_prompts: str | None = None
     #: Whether the caller never reads or writes the KV pools (``kvload simulate`` replays decisions, not attention):
     #: they are then built on torch's ``meta`` device, shapes without memory, and no host-memory check applies, so a
     #: budget this machine could not hold (a GPU's) is simulated as given. The V2 host tier is sized as for pools on

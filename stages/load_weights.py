@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from cache_backends.layout import cannot_generate
-from models.weights import load_weights, plan_kv_heads_per_rank, save_random_model
+from models.weights import has_tokenizer, load_weights, plan_kv_heads_per_rank, save_random_model
 from pipeline.bus import Emit
 from pipeline.context import Context
 from pipeline.errors import GenerationError, KvBuildError, ModelError
@@ -37,6 +37,12 @@ class LoadWeights:
             why = cannot_generate(ctx.model.name, ctx.spec.kv_layers())
             if why is not None:  # the executor would refuse it after the weights and pools were built
                 raise GenerationError(why)
+        flag = ctx.request.text_prompts
+        if flag is not None and ctx.checkpoint is not None and not has_tokenizer(ctx.checkpoint):
+            why = "presets have random weights and none" if ctx.checkpoint.kind == "preset" else \
+                f"{ctx.checkpoint.path} holds no tokenizer file"
+            raise GenerationError(f"{flag}: {ctx.checkpoint.name} has no tokenizer ({why}), so a text prompt cannot "
+                                  "be tokenized; give token ids with --prompt-ids")
         seed = ctx.args.weights_seed
         device, dtype = str(ctx.args.device), str(ctx.args.dtype)
         problem = device_problem(device)  # build_kv_manager's check, before torch fails inside the weights' .to()

@@ -282,13 +282,13 @@ def test_bad_input_is_one_line_exit_2_and_no_audit_file(capsys, tmp_path, args, 
                                   ("--prompt-ids", "1", "--chat")])
 def test_prompts_the_model_cannot_take_are_refused_before_anything_loads(capsys, monkeypatch, args):
     """A text prompt for a preset (no tokenizer) and --chat with token ids were refused by the executor, after the
-    weights had loaded (5.6 s here, minutes for a large model); both are known from the arguments."""
-    import kvload.api
+    weights had loaded (5.6 s here, minutes for a large model); both are known before the weights load."""
+    import stages.load_weights
 
     def loads(*_args, **_kw):
-        raise AssertionError("the model was loaded")
+        raise AssertionError("the weights were loaded")
 
-    monkeypatch.setattr(kvload.api, "execute", loads)
+    monkeypatch.setattr(stages.load_weights, "load_weights", loads)
     r = run_cli(capsys, *TINY, *args)
     assert r.code == 2 and r.one_error_line, r.err
     assert r.err.startswith("error: --chat: " if "--chat" in args else "error: --prompt: tiny-llama has no tokenizer")
