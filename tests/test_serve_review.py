@@ -24,7 +24,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import pipeline
-from tests.serve_support import TIMEOUT, fails_once, held_at_step, serving, wait_for
+from tests.serve_support import TIMEOUT, Served, fails_once, held_at_step, serving, wait_for
 
 PROMPT = [3, 1, 4, 1, 5]
 
@@ -61,6 +61,20 @@ def _logged_errors() -> Iterator[list[logging.LogRecord]]:
     finally:
         for logger in loggers:
             logger.removeHandler(handler)
+
+
+@contextlib.contextmanager
+def _stream_held_at_step(served: Served,
+                         entered: threading.Event) -> Iterator[tuple[list[logging.LogRecord], Iterator[str]]]:
+    """A 50-token completion streamed until its first chunk is out and the engine is held at the step ``entered``
+    marks (:func:`held_at_step`); yields what the server logs at ERROR meanwhile and the stream's remaining lines."""
+    body = {"prompt": PROMPT, "max_tokens": 50, "ignore_eos": True, "stream": True}
+    with _logged_errors() as errors, httpx.Client(base_url=served.url, timeout=TIMEOUT) as http, \
+            http.stream("POST", "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: ")) != "data: [DONE]"
+        assert entered.wait(TIMEOUT)
+        yield errors, lines
 
 
 def _connect(port: int) -> socket.socket:
@@ -251,12 +265,7 @@ def test_a_second_stop_signal_still_ends_each_stream_with_its_last_chunk_and_don
 
     # the third step waits: a long step on a big model
     with serving("tiny-llama") as served, held_at_step(served, 3) as (entered, release):
-        body = {"prompt": PROMPT, "max_tokens": 50, "ignore_eos": True, "stream": True}
-        with _logged_errors() as errors, httpx.Client(base_url=served.url, timeout=TIMEOUT) as http, \
-                http.stream("POST", "/v1/completions", json=body) as r:
-            lines = r.iter_lines()
-            assert next(line for line in lines if line.startswith("data: ")) != "data: [DONE]"
-            assert entered.wait(TIMEOUT)
+        with _stream_held_at_step(served, entered) as (errors, lines):
             for sig in (signal.SIGINT, signal.SIGINT):  # what serve()'s handler gets for each
                 served.server.server.handle_exit(sig, None)
             served.server.thread.join(0.5)  # a forced exit ends the server now, cutting the stream
@@ -276,12 +285,7 @@ def test_a_stream_still_waiting_on_a_step_when_the_graceful_timeout_ends_logs_no
     # the second step outlasts the graceful timeout
     with serving("tiny-llama") as served, held_at_step(served, 2) as (entered, _):
         served.server.server.config.timeout_graceful_shutdown = 0.2  # uvicorn reads it when the stop comes
-        body = {"prompt": PROMPT, "max_tokens": 50, "ignore_eos": True, "stream": True}
-        with _logged_errors() as errors, httpx.Client(base_url=served.url, timeout=TIMEOUT) as http, \
-                http.stream("POST", "/v1/completions", json=body) as r:
-            lines = r.iter_lines()
-            assert next(line for line in lines if line.startswith("data: ")) != "data: [DONE]"
-            assert entered.wait(TIMEOUT)
+        with _stream_held_at_step(served, entered) as (errors, lines):
             served.server.server.handle_exit(15, None)  # SIGTERM
             served.server.thread.join(TIMEOUT)
             assert not served.server.thread.is_alive()
