@@ -819,13 +819,9 @@ class KVCacheManagerV2:
         target = start + math.ceil(ratio * max(0, self.worst_case_tokens(request) - start))
         return [max(0, g.blocks_for(target) - g.blocks_for(now)) for g, _ in self._cycles]
 
-    def headroom_blocks(self, requests: Iterable[Request], ratio: float) -> dict[str, int]:
-        """:meth:`growth_blocks` summed over active ``requests``."""
-        return self.per_group(self.cycle_headroom(requests, ratio))
-
     def cycle_headroom(self, requests: Iterable[Request], ratio: float) -> list[int]:
-        """:meth:`headroom_blocks` per life cycle (one pass, no per-request lists: it runs every step that
-        admits)."""
+        """:meth:`cycle_growth` summed over active ``requests``, per life cycle (one pass, no per-request lists: it
+        runs every step that admits)."""
         limit, caches, ceil = self.options.max_seq_len, self._caches, math.ceil
         spans: list[tuple[int, int]] = []  # (tokens held now, tokens after growing ``ratio`` of the way)
         for r in requests:
@@ -855,7 +851,7 @@ class KVCacheManagerV2:
                                  "only the scheduler moves requests into running")
 
     def growth_bound(self) -> dict[str, int]:
-        """Per group, an upper bound of :meth:`headroom_blocks` over every active cache at any ratio, in O(groups):
+        """Per group, an upper bound of :meth:`cycle_headroom` over every active cache at any ratio, in O(groups):
         the blocks active caches hold at their worst cases minus the blocks in use (shared ones count once)."""
         return dict(zip(self._names, self._bound_per_group(None), strict=True))
 
