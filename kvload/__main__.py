@@ -13,7 +13,7 @@ import sys
 def main() -> int:
     """Import the command line, then run it; exit 130 with one line if SIGINT came during the import."""
     try:
-        from kvload.cli import main as cli_main
+        from kvload.cli.entry import main as cli_main
     except KeyboardInterrupt:
         with contextlib.suppress(OSError):  # kvload.cli's words for a Ctrl-C; a closed terminal: the status tells
             print("error: interrupted", file=sys.stderr)

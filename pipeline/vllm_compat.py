@@ -1,7 +1,7 @@
 """vLLM's engine-argument names: those that mean exactly a kvload field, and those that only look like one.
 
 Many users arrive from vLLM. The command line accepts vLLM's flag for a field whose meaning is the same (the
-``aliases`` of ``kvload.cli.FLAGS``); the Python API and the YAML file keep one name per field (TensorRT-LLM's
+``aliases`` of ``kvload.cli.flags.FLAGS``); the Python API and the YAML file keep one name per field (TensorRT-LLM's
 ``LlmArgs``) and refuse vLLM's with the name to use. A vLLM setting whose meaning differs (a share of the whole GPU,
 a size in GiB) is never taken as kvload's nearest one: it is refused with the difference, from every source.
 vLLM's engine knobs kvload has no counterpart for (CUDA graphs, stats logging, sleep mode) are accepted and reported as

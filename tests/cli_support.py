@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 import structlog
 
-from kvload.cli import main
+from kvload.cli.entry import main
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
 REPO = Path(__file__).resolve().parents[1]
@@ -39,7 +39,7 @@ class CliResult:
 
 
 def run_cli(capsys: Any, *argv: str) -> CliResult:
-    """Call ``kvload.cli.main`` in this process; restore structlog's global config afterwards."""
+    """Call ``kvload.cli.entry.main`` in this process; restore structlog's global config afterwards."""
     saved, was_configured = structlog.get_config(), structlog.is_configured()
     capsys.readouterr()
     try:
@@ -120,7 +120,7 @@ def served_with(monkeypatch: Any, *flags: str) -> dict:
     """What ``kvload serve tiny-llama --port 0 FLAGS`` hands ``build_state`` (the command is stopped there)."""
     import pytest
 
-    from kvload.cli import build_parser
+    from kvload.cli.commands import build_parser
     from kvload.serve import command, server
 
     seen: dict = {}

@@ -164,7 +164,7 @@ def test_logprobs_print_under_each_reply_without_json(capsys):
 def test_logprobs_show_each_token_as_quoted_text_with_a_tokenizer(capsys):
     from types import SimpleNamespace
 
-    from kvload.cli import _TokenPrinter
+    from kvload.cli.token_printer import _TokenPrinter
     from tests.llm_support import word_tokenizer
 
     printer = _TokenPrinter(word_tokenizer(16), several=True, labelled_samples=True, logprobs=True)

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from kvload.cli import FLAGS, build_parser, cli_overrides
+from kvload.cli.commands import build_parser
+from kvload.cli.flags import FLAGS, cli_overrides
 from pipeline.paths import flatten, get_in
 from tests.cli_support import read_events, run_cli
 

@@ -337,7 +337,7 @@ def test_a_bad_max_request_bytes_exits_2_with_one_line_naming_it(capsys, value):
 
 
 def test_max_request_bytes_takes_a_byte_count_or_a_size():
-    from kvload.cli import build_parser
+    from kvload.cli.commands import build_parser
 
     parse = build_parser().parse_args
     assert parse(["serve", "tiny-llama", "--max-request-bytes", "4096"]).max_request_bytes == 4096
@@ -353,7 +353,7 @@ def test_a_bad_request_read_timeout_exits_2_with_one_line_naming_it(capsys, valu
 
 
 def test_request_read_timeout_takes_seconds():
-    from kvload.cli import build_parser
+    from kvload.cli.commands import build_parser
 
     parse = build_parser().parse_args
     assert parse(["serve", "tiny-llama"]).request_read_timeout == 30.0
@@ -368,7 +368,7 @@ def test_a_bad_max_concurrent_requests_exits_2_with_one_line_naming_it(capsys, v
 
 
 def test_max_concurrent_requests_defaults_to_256():
-    from kvload.cli import build_parser
+    from kvload.cli.commands import build_parser
 
     parse = build_parser().parse_args
     assert parse(["serve", "tiny-llama"]).max_concurrent_requests == 256
@@ -377,7 +377,7 @@ def test_max_concurrent_requests_defaults_to_256():
 
 def test_a_requests_chat_template_is_trusted_only_with_the_flag(monkeypatch):
     """--trust-request-chat-template reaches the served state; without it, requests' templates are refused."""
-    from kvload.cli import build_parser
+    from kvload.cli.commands import build_parser
 
     assert build_parser().parse_args(["serve", "tiny-llama"]).trust_request_chat_template is False
     assert served_with(monkeypatch, "--trust-request-chat-template")["trust_request_chat_template"] is True
@@ -555,7 +555,7 @@ def test_an_unknown_reasoning_parser_exits_2_with_one_line_naming_the_accepted(c
 def test_the_reasoning_parser_reaches_the_served_state_and_the_ready_line_names_the_parsers(monkeypatch, capsys):
     """vLLM's flag (and kvload's underscore spelling) gives build_state the parser; the ready line says how chat
     replies are read (none: as before)."""
-    from kvload.cli import build_parser
+    from kvload.cli.commands import build_parser
     from kvload.serve import command, server
 
     parse = build_parser().parse_args

@@ -58,7 +58,7 @@ def test_vllm_serve_request_logging_flags_say_they_are_ignored(monkeypatch, log)
 
 def _serve_kwargs(monkeypatch, *flags: str) -> dict:
     """What ``kvload serve tiny-llama --port 0 FLAGS`` hands uvicorn's ``serve`` (the command stops there)."""
-    from kvload.cli import build_parser
+    from kvload.cli.commands import build_parser
     from kvload.serve import command, server
 
     seen: dict = {}
@@ -98,7 +98,7 @@ def test_the_access_log_follows_the_level_unless_switched_off():
 def test_serve_seed_sets_where_unseeded_requests_draw_their_seeds(monkeypatch, flags, seed):
     """Without --seed the server is seeded 0, as `vllm serve`'s V1 engine (and kvload.LLM) are: it drew fresh
     randomness, so the same requests sampled differently after a restart."""
-    from kvload.cli import build_parser
+    from kvload.cli.commands import build_parser
     from kvload.serve import command, server
 
     seen = {}

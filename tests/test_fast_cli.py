@@ -41,7 +41,7 @@ def test_plan_of_a_preset_imports_neither_torch_nor_transformers(preset, device)
     if device == "auto" and gpu_driver_present():
         pytest.skip("a GPU driver is present: device auto asks torch whether CUDA works, as it must")
     loaded = imports_after(f"""
-        from kvload.cli import main
+        from kvload.cli.entry import main
         assert main(["plan", "{preset}", "--max_tokens", "65536", "--device", "{device}"]) == 0
     """)
     assert loaded == {"torch": False, "transformers": False}
@@ -50,7 +50,7 @@ def test_plan_of_a_preset_imports_neither_torch_nor_transformers(preset, device)
 def test_models_and_explain_import_neither_torch_nor_transformers(tmp_path):
     log = tmp_path / "plan.jsonl"
     loaded = imports_after(f"""
-        from kvload.cli import main
+        from kvload.cli.entry import main
         assert main(["plan", "tiny-gemma3", "--max_tokens", "8192", "--device", "cpu", "--audit-log", r"{log}"]) == 0
         assert main(["explain", r"{log}", "use_kv_cache_manager_v2"]) == 0
         assert main(["models"]) == 0

@@ -178,7 +178,7 @@ def test_reading_the_defaults_imports_neither_torch_nor_transformers(tmp_path):
     (tmp_path / "gen").mkdir()
     other = _with_file(tmp_path / "gen", FILE)
     loaded = imports_after(f"""
-        from kvload.cli import main
+        from kvload.cli.entry import main
         assert main(["plan", "tiny-llama", "--device", "cpu", "--generation-config", r"{other}",
                      "--override-generation-config", '{{"top_k": 3}}']) == 0
     """)
@@ -404,7 +404,7 @@ def test_cli_serve_sizes_its_pools_and_default_max_tokens_by_the_models_max_new_
                                                                                       monkeypatch):
     """Without --default-max-tokens a request's max_tokens is the model's max_new_tokens, and the CPU pools are sized
     for it before loading (8 x (1,100 + 1,024), not 8 x (256 + 1,024)); the flag given wins."""
-    from kvload.cli import build_parser
+    from kvload.cli.commands import build_parser
     from kvload.serve import command, server
 
     path = tmp_path / "long"
@@ -431,7 +431,7 @@ def test_cli_serve_pools_for_the_models_max_new_tokens_stop_at_max_seq_len(tmp_p
     serve's CPU pools for 8 sequences of max_seq_len, as generate's are capped, not for 8 x (max_new_tokens + 1,024):
     that refused to serve naming --default-max-tokens, a flag the user never gave, or allocated memory no request
     could use; the audit names the file."""
-    from kvload.cli import build_parser
+    from kvload.cli.commands import build_parser
     from kvload.serve import command, server
 
     path = tmp_path / "long"

@@ -1046,7 +1046,8 @@ def test_an_audit_log_on_the_config_file_it_reads_is_refused_even_with_force(cap
 
 def test_serve_refuses_its_audit_log_and_kv_events_file_on_one_file(tmp_path):
     """Both streams went into the one file (refused before the server starts, so checked here without one)."""
-    from kvload.cli import build_parser, check_distinct_files
+    from kvload.cli.commands import build_parser
+    from kvload.cli.files import check_distinct_files
     from pipeline.errors import ConfigError
 
     same = str(tmp_path / "e.jsonl")
@@ -1121,7 +1122,7 @@ def test_a_signal_in_start_up_gets_the_one_line_and_its_status(tmp_path, signum,
               "            print('sent', file=sys.stderr)\n"
               f"            os.kill(os.getpid(), {int(signum)})\n"
               "sys.meta_path.insert(0, Hook())\n"
-              "from kvload.cli import main\n"
+              "from kvload.cli.entry import main\n"
               "sys.exit(main(['generate', 'tiny-llama', '--prompt-ids', '1,2,3', '--max_new_tokens', '2']))\n")
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path,
                        env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
@@ -1156,7 +1157,7 @@ def _console_script() -> str:
 @pytest.mark.parametrize("launch", ["python -m kvload", "kvload script"])
 @pytest.mark.parametrize("module", ["kvload.cli", "pipeline.config", "pipeline.signals"])
 def test_a_ctrl_c_while_the_cli_is_imported_gets_the_one_line_and_130(tmp_path, launch, module):
-    """A Ctrl-C before ``kvload.cli`` had loaded (the console script's ``from kvload.cli import main``, ``-m``'s
+    """A Ctrl-C before ``kvload.cli`` had loaded (the console script's ``from kvload.cli.entry import main``, ``-m``'s
     ``__main__``, main's own first import) printed a Python traceback. Sent while the import is provably under way
     (the import system is looking ``module`` up), it now gets ``error: interrupted`` and exit 130."""
     hook = tmp_path / "hook"
@@ -1314,7 +1315,7 @@ def test_a_result_reaches_stdout_in_one_write(monkeypatch, argv):
 
     stdout = Writes()
     monkeypatch.setattr(sys, "stdout", stdout)
-    from kvload.cli import main
+    from kvload.cli.entry import main
 
     try:
         assert main(argv) == 0
@@ -1369,7 +1370,7 @@ def test_a_sigterm_during_interpreter_shutdown_ends_the_process_without_a_traceb
     registered before main (so it runs after main's own) sends the SIGTERM, deterministically."""
     script = ("import atexit, os, signal, sys, time\n"
               "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(5)))\n"
-              "from kvload.cli import main\n"
+              "from kvload.cli.entry import main\n"
               "sys.exit(main(['plan', 'tiny-llama', '--max_tokens', '4096']))\n")
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path,
                        env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
@@ -1381,14 +1382,14 @@ def test_a_sigterm_during_interpreter_shutdown_ends_the_process_without_a_traceb
 def test_main_gives_sigterm_back_when_it_returns(capsys, monkeypatch):
     """While a command runs SIGTERM raises Terminated (cleanup as for Ctrl-C); once main returned the process's
     own handler is back, and kvload's, if a signal still reaches it, hands over to that one instead of raising."""
-    import kvload.cli
+    from kvload.cli import entry
     from pipeline.signals import Terminated, _raise_terminated
 
     heard = []
     own = signal.signal(signal.SIGTERM, lambda signum, frame: heard.append(signum))
     try:
         mine = signal.getsignal(signal.SIGTERM)
-        ns = kvload.cli.build_parser().parse_args(["plan", "tiny-llama"])
+        ns = entry.build_parser().parse_args(["plan", "tiny-llama"])
         seen = {}
 
         def command(ns):
@@ -1398,7 +1399,7 @@ def test_main_gives_sigterm_back_when_it_returns(capsys, monkeypatch):
             return 0
 
         ns.func = command
-        monkeypatch.setattr(kvload.cli, "build_parser", lambda: type("P", (), {"parse_args": lambda self, a: ns})())
+        monkeypatch.setattr(entry, "build_parser", lambda: type("P", (), {"parse_args": lambda self, a: ns})())
         assert run_cli(capsys).code == 0
         assert seen["during"] is _raise_terminated
         assert signal.getsignal(signal.SIGTERM) is mine

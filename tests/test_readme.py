@@ -101,7 +101,7 @@ def subcommand_flags() -> dict[str, set[str]]:
     """Every option string of each ``kvload`` subcommand."""
     import argparse
 
-    from kvload.cli import build_parser
+    from kvload.cli.commands import build_parser
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     return {name: {o for a in p._actions for o in a.option_strings} for name, p in sub.choices.items()}
@@ -266,7 +266,7 @@ def test_the_config_table_matches_the_classes_and_the_cli():
     import attrs
 
     from cache_backends.request import SCHEDULING_POLICY_NAMES
-    from kvload.cli import FLAGS
+    from kvload.cli.flags import FLAGS
     from pipeline.config import (
         ATTENTION_BACKENDS,
         LINEAR_BACKENDS,

@@ -14,7 +14,7 @@ from pipeline.limits import MAX_LOGPROBS, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOK
 
 
 def test_defaults_match_the_cli_and_the_alias_reads_and_writes_max_tokens():
-    from kvload.cli import build_parser
+    from kvload.cli.commands import build_parser
 
     ns = build_parser().parse_args(["generate", "tiny-llama", "--prompt-ids", "1"])
     # the flag left out is unset: the model's max_new_tokens (generation_config.json) applies, else the API's default

@@ -227,7 +227,7 @@ def test_model_may_follow_api_key_and_several_keys_stay_possible(argv, model, ke
     """``kvload serve --api-key K MODEL`` read MODEL as a second key (the flag takes a list, as vLLM's does) and
     exited 2 with "the following arguments are required: MODEL". With no MODEL before it, the flag's last value is
     MODEL; several keys, by repeating the flag or listing them after MODEL, still work."""
-    from kvload.cli import build_parser
+    from kvload.cli.commands import build_parser
 
     ns = build_parser().parse_args(["serve", *argv])
     assert (ns.model, ns.api_key) == (model, keys)

@@ -421,7 +421,7 @@ def test_a_bad_responses_store_max_exits_2_with_one_line_naming_it(capsys, value
 
 def test_the_flag_bounds_the_served_store(monkeypatch, capsys):
     """``--responses-store-max`` (and its underscore spelling) reaches the served state; the default is 1000."""
-    from kvload.cli import build_parser
+    from kvload.cli.commands import build_parser
     from kvload.serve import command, server
 
     parse = build_parser().parse_args

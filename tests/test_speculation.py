@@ -323,7 +323,7 @@ def test_sampled_verification_draws_each_token_from_the_requests_own_distributio
 
 def test_ngram_size_without_drafts_is_reported_ignored_and_a_bad_value_is_one_line(tmp_path, capsys):
     import pipeline
-    from kvload.cli import main
+    from kvload.cli.entry import main
 
     result = pipeline.plan("tiny-llama", max_matching_ngram_size=3)
     ignored = result.audit.of("setting_ignored")

@@ -205,7 +205,7 @@ def test_a_rank_that_dies_mid_generation_is_one_line_on_the_rank_left(tmp_path):
     dying = ("import os, sys\n"
              "import pipeline.ranks\n"
              "pipeline.ranks.Ranks.broadcast = lambda self, obj, src=0: os._exit(9)\n"
-             "from kvload.cli import main\n"
+             "from kvload.cli.entry import main\n"
              "sys.exit(main(sys.argv[1:]))\n")
     base = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2",
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "KVLOAD_DIST_TIMEOUT_S": "60",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import kvload
-from kvload.cli import flag_aliases
+from kvload.cli.flags import flag_aliases
 from pipeline.errors import ConfigError
 from pipeline.paths import get_in
 from pipeline.vllm_compat import DIFFERENT_MEANING, SAME_MEANING

@@ -230,7 +230,7 @@ def compare_cli(out: Path, rank: int) -> dict[str, Any]:
     import contextlib
     import io
 
-    from kvload.cli import main
+    from kvload.cli.entry import main
 
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):

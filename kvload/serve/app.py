@@ -227,7 +227,7 @@ def create_app(state: ServeState) -> FastAPI:
     @app.get("/v1/kvload/explain")
     async def explain(request: Request, field: str | None = None) -> dict[str, Any]:
         _only_query(request, "field")
-        from kvload.cli import flag_aliases
+        from kvload.cli.flags import flag_aliases
         from kvload.explain import field_chain, resolve_field
         from pipeline.config import framework_defaults
         from pipeline.paths import flatten

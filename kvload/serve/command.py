@@ -75,46 +75,48 @@ examples:
 
 def add_serve_command(sub: Any) -> None:
     """``serve``: load, build the routed KV manager, answer OpenAI-style HTTP requests."""
-    from kvload import cli
+    from kvload.cli.flags import _underscored, add_model_flags
+    from kvload.cli.parser import HelpFormatter
+    from kvload.cli.values import _bounded, integer, json_object, number, size
 
     p = sub.add_parser(
         "serve", help="serve the model over an OpenAI-compatible HTTP API (continuous batching)",
-        formatter_class=cli.HelpFormatter, epilog=_EPILOG,
+        formatter_class=HelpFormatter, epilog=_EPILOG,
         description="Run all stages with weights, then serve OpenAI-compatible completions and chat "
                     "completions through the routed KV cache manager, with Prometheus metrics and the audit "
                     "log over HTTP. Needs the serve extra: pip install 'kvload[serve]'.")
-    cli.add_model_flags(p)
+    add_model_flags(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     g.add_argument("--port", default=8000, metavar="N",
-                   type=cli._bounded(cli.integer, lambda v: 0 <= v <= 65535, "an integer in [0, 65535]"),
+                   type=_bounded(integer, lambda v: 0 <= v <= 65535, "an integer in [0, 65535]"),
                    help="TCP port (default 8000; 0 = any free port)")
     g.add_argument("--served-model-name", "--served_model_name", dest="served_model_name", default=None,
                    metavar="NAME", type=_model_name,
                    help="the model name clients send and /v1/models lists (default: MODEL's name)")
     g.add_argument("--default-max-tokens", "--default_max_tokens", dest="default_max_tokens", default=None,
-                   metavar="N", type=cli._bounded(cli.integer, lambda v: v >= 1, "an integer >= 1"),
+                   metavar="N", type=_bounded(integer, lambda v: v >= 1, "an integer >= 1"),
                    help=f"max_tokens of a request that gives none (default: the model's max_new_tokens from its "
                         f"generation_config.json, else {DEFAULT_MAX_TOKENS}; never past max_seq_len)")
     g.add_argument("--kv-events-file", "--kv_events_file", dest="kv_events_file", default=None, metavar="FILE.jsonl",
                    help="also append every KV cache event to this file as it happens (needs "
                         "--event_buffer_max_size N > 0)")
     g.add_argument("--kv-events-config", "--kv_events_config", dest="kv_events_config", default=None,
-                   metavar="JSON", type=cli.json_object,
+                   metavar="JSON", type=json_object,
                    help="vLLM's KV events config: publish the KV cache events as vLLM does, e.g. "
                         "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": "
                         "\"tcp://*:5557\"}' (keys: enable_kv_cache_events, publisher null|zmq (default zmq when "
                         "events are on, as in vLLM), endpoint, replay_endpoint, buffer_steps, hwm, max_queue_size, "
                         "topic; zmq needs kvload[kv-events])")
     g.add_argument("--seed", default=0, metavar="S",
-                   type=cli._bounded(cli.integer, lambda v: 0 <= v < 2**63, "an integer from 0 to 2**63 - 1"),
+                   type=_bounded(integer, lambda v: 0 <= v < 2**63, "an integer from 0 to 2**63 - 1"),
                    help="vLLM's: sampled requests that send no seed draw theirs from this seed's sequence, so the "
                         "same requests in the same order sample the same after a restart (default 0, as vLLM's V1 "
                         "engine; another seed, e.g. --seed $RANDOM, gives other draws)")
     cors = p.add_argument_group("cross-origin requests from browsers (CORS; vLLM's flags and defaults)")
     for flag, what in (("--allowed-origins", "origins"), ("--allowed-methods", "methods"),
                        ("--allowed-headers", "headers")):
-        cors.add_argument(flag, cli._underscored(flag), default=None, metavar="JSON", type=_json_strings,
+        cors.add_argument(flag, _underscored(flag), default=None, metavar="JSON", type=_json_strings,
                           help=f"the {what} allowed, a JSON list of strings (default [\"*\"]: any)")
     cors.add_argument("--allow-credentials", "--allow_credentials", dest="allow_credentials", action="store_true",
                       help="let browsers send cookies and HTTP authentication (default: not)")
@@ -141,37 +143,37 @@ def add_serve_command(sub: Any) -> None:
                    action="store_true", help="no line per HTTP request, whatever the log level (vLLM's flag)")
     for flag in ("--disable-log-requests", "--enable-log-requests", "--enable-prompt-tokens-details",
                  "--disable-fastapi-docs"):
-        g.add_argument(flag, cli._underscored(flag), action="store_true", help=argparse.SUPPRESS)
+        g.add_argument(flag, _underscored(flag), action="store_true", help=argparse.SUPPRESS)
     g.add_argument("--max-log-len", "--max_log_len", dest="max_log_len", default=None, metavar="N",
-                   type=cli._bounded(cli.integer, lambda v: v >= 0, "an integer >= 0"), help=argparse.SUPPRESS)
+                   type=_bounded(integer, lambda v: v >= 0, "an integer >= 0"), help=argparse.SUPPRESS)
     g.add_argument("--audit-keep", "--audit_keep", dest="audit_keep", default=AUDIT_KEEP_DEFAULT, metavar="N",
-                   type=cli._bounded(cli.integer, lambda v: v >= 0, "an integer >= 0"),
+                   type=_bounded(integer, lambda v: v >= 0, "an integer >= 0"),
                    help="request-time audit records (request_admitted, request_finished, ...) kept in memory for "
                         "GET /v1/kvload/audit, the newest; the load's are always kept and --audit-log FILE gets "
                         "every record (default %(default)s, a few hundred bytes each)")
     g.add_argument("--max-request-bytes", "--max_request_bytes", dest="max_request_bytes", default=None,
-                   metavar="BYTES", type=cli._bounded(cli.size, lambda v: v >= 1,
-                                                      "a byte count >= 1 such as 1048576 or 64MiB"),
+                   metavar="BYTES", type=_bounded(size, lambda v: v >= 1,
+                                                  "a byte count >= 1 such as 1048576 or 64MiB"),
                    help="refuse a request body larger than this with HTTP 413, before reading it (default: "
                         "what 1024 prompts of max_seq_len tokens can take, 16 bytes a token, plus 1 MiB; "
                         "64MiB = 64*2**20)")
     g.add_argument("--request-read-timeout", "--request_read_timeout", dest="request_read_timeout",
                    default=READ_TIMEOUT_DEFAULT, metavar="SECONDS",
-                   type=cli._bounded(cli.number, lambda v: 0 < v <= MAX_TIMEOUT_S,
-                                     f"seconds in (0, {MAX_TIMEOUT_S:g}]"),
+                   type=_bounded(number, lambda v: 0 < v <= MAX_TIMEOUT_S,
+                                 f"seconds in (0, {MAX_TIMEOUT_S:g}]"),
                    help="a client gets this long to send a request's headers, and again this long for its body; "
                         "past either, HTTP 408 and the connection closes, so a client that stops sending or "
                         "trickles holds nothing (default %(default)g)")
     g.add_argument("--max-concurrent-requests", "--max_concurrent_requests", dest="max_concurrent_requests",
                    default=MAX_CONCURRENT_DEFAULT, metavar="N",
-                   type=cli._bounded(cli.integer, lambda v: v >= 1, "an integer >= 1"),
+                   type=_bounded(integer, lambda v: v >= 1, "an integer >= 1"),
                    help="completion, chat, responses, messages and (de)tokenize requests the server holds at once, "
                         "from their headers until their answer ends (queued for the engine included); more get HTTP "
                         "503 at once, before their body is read, and /health and /metrics keep answering "
                         "(default %(default)s)")
     g.add_argument("--responses-store-max", "--responses_store_max", dest="responses_store_max",
                    default=RESPONSES_STORE_MAX_DEFAULT, metavar="N",
-                   type=cli._bounded(cli.integer, lambda v: v >= 0, "an integer >= 0"),
+                   type=_bounded(integer, lambda v: v >= 0, "an integer >= 0"),
                    help="responses of POST /v1/responses kept in memory (all but those sent with store: false, as "
                         "OpenAI keeps them) for previous_response_id and GET/DELETE /v1/responses/{id}; past N the "
                         "least recently used is dropped (kvload_responses_evicted_total counts them); 0 keeps none "
@@ -318,9 +320,9 @@ def _reasoning_parser(text: str) -> str:
 def _event_buffer_size(ns: argparse.Namespace) -> Any:
     """``kv_cache_config.event_buffer_max_size`` as the run will see it (the flag, else the ``--config`` file), read
     before minutes of loading; a file that does not parse is left for the pipeline to name."""
-    from kvload import cli
+    from kvload.cli.flags import cli_overrides
 
-    given = cli.cli_overrides(ns).get("kv_cache_config", {}).get("event_buffer_max_size")
+    given = cli_overrides(ns).get("kv_cache_config", {}).get("event_buffer_max_size")
     if given is not None or ns.config is None:
         return given
     from pipeline.errors import ConfigError
@@ -418,7 +420,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 
 def _cmd_serve(ns: argparse.Namespace) -> int:
-    from kvload import cli
+    from kvload.cli.files import _audit_subscribers, _check_output_path
+    from kvload.cli.flags import _request
+    from kvload.cli.sampling_defaults import default_length_origin, peek_sampling_defaults
 
     try:
         import fastapi  # noqa: F401
@@ -437,14 +441,14 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
 
     # under torchrun rank 0 serves HTTP and the other ranks follow its loop step by step (ServingEngine.follow)
     ranks = ranks_from_env()
-    audit = cli._audit_subscribers(ns)  # published by main once the server stopped cleanly
+    audit = _audit_subscribers(ns)  # published by main once the server stopped cleanly
     # the flag, else the --config file's: read once, and only where an events flag asks
     buffer_size = _event_buffer_size(ns) if ns.kv_events_file is not None or ns.kv_events_config is not None \
         else None
     events_config = _kv_events_config(ns, buffer_size)
     events_on = events_config is not None and events_config.enable_kv_cache_events
     if ns.kv_events_file is not None:
-        cli._check_output_path("--kv-events-file", ns.kv_events_file)
+        _check_output_path("--kv-events-file", ns.kv_events_file)
         if not buffer_size and not events_on:
             from pipeline.errors import ConfigError
 
@@ -458,15 +462,15 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         address = probe.getsockname()[0]
         probe.close()
     template = chat_template_text(ns.chat_template) if ns.chat_template is not None else None  # and a bad template
-    request = cli._request(ns, load_weights=True, generates=True)
+    request = _request(ns, load_weights=True, generates=True)
     # capped like generate's: past 2**63 - 1 the budget names --default-max-tokens
-    peeked = cli.peek_sampling_defaults(request)
+    peeked = peek_sampling_defaults(request)
     default_max_tokens = serve_max_tokens(ns.default_max_tokens, peeked.values)
     tokens = min(MAX_INT, SERVE_DEFAULT_SEQUENCES * (default_max_tokens + SERVE_PROMPT_ALLOWANCE))
     # the model's max_new_tokens is no choice of the operator's: a file's value past max_seq_len (no request grows
     # past it) must neither size pools nothing can use nor be refused naming a flag the operator never gave
     from_model = ns.default_max_tokens is None and "max_tokens" in peeked.values
-    length = cli.default_length_origin(peeked) if from_model else "--default-max-tokens"
+    length = default_length_origin(peeked) if from_model else "--default-max-tokens"
     request.caller_defaults[DEFAULT_MAX_TOKENS_FIELD] = CallerDefault(
         tokens, "serve", f"{length} (serve sizes the pools for {SERVE_DEFAULT_SEQUENCES} x "
                          f"(default-max-tokens + {SERVE_PROMPT_ALLOWANCE}) = {tokens} tokens when no --max_tokens "
@@ -558,11 +562,11 @@ IGNORED_SERVE_FLAGS: dict[str, str] = {
 
 def _report_ignored_serve_flags(ns: argparse.Namespace, emit: Any) -> None:
     """One ``setting_ignored`` per vLLM serve flag given that kvload takes without acting on."""
-    from kvload import cli
+    from kvload.cli.flags import _underscored
     from pipeline.events import SettingIgnored
 
     for flag, why in IGNORED_SERVE_FLAGS.items():
-        value = getattr(ns, cli._underscored(flag)[2:], None)  # argparse's dest for the flag
+        value = getattr(ns, _underscored(flag)[2:], None)  # argparse's dest for the flag
         if value is not None and value is not False:
             emit(SettingIgnored(field=flag, value=value, reason=why))
 

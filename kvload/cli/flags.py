@@ -1,0 +1,233 @@
+"""The configuration flags: their table, how a parser takes them, what the given ones set (overrides, LoadRequest)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from kvload.cli.values import field_integer, integer, json_object, number, size, tri_state
+from pipeline.config import ATTENTION_BACKENDS, LINEAR_BACKENDS
+
+
+@attrs.frozen
+class Flag:
+    """One plan/run flag: its TensorRT-LLM spelling, the dotted field it sets, and how to parse it."""
+
+    name: str
+    path: str
+    help: str
+    type: Callable[[str], Any] | None = None
+    choices: tuple[str, ...] | None = None
+    const: Any = None  # for switches: the value the flag sets when present
+    metavar: str | None = None
+    # other spellings users bring (trtllm-serve, trtllm-bench, vLLM's where the meaning is the same: each also dashed)
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def dest(self) -> str:
+        """argparse destination, distinct from every other option's."""
+        return "field__" + self.path.replace(".", "__")
+
+
+FLAGS: tuple[Flag, ...] = (
+    Flag("--use_kv_cache_manager_v2", "kv_cache_config.use_kv_cache_manager_v2",
+         "KV cache manager V2: auto (let the model decide), true or false; absent = unset", tri_state,
+         metavar="{auto,true,false}"),
+    Flag("--kv_cache_free_gpu_memory_fraction", "kv_cache_config.free_gpu_memory_fraction",
+         "fraction of free device memory for the KV cache, in (0, 1]", number, metavar="F",
+         aliases=("--kv_cache_fraction", "--kv_cache_free_gpu_mem_fraction")),
+    Flag("--max_tokens", "kv_cache_config.max_tokens", "cap the KV cache at this many tokens", field_integer,
+         metavar="N"),
+    Flag("--max_gpu_total_bytes", "kv_cache_config.max_gpu_total_bytes",
+         "cap the KV cache at this many bytes (0 = no cap; 8GiB = 8G = 8*2**30, 8GB = 8*10**9)", size,
+         metavar="BYTES"),
+    Flag("--tokens_per_block", "kv_cache_config.tokens_per_block", "tokens per KV block", field_integer, metavar="N",
+         aliases=("--block_size",)),
+    Flag("--disable_kv_cache_reuse", "kv_cache_config.enable_block_reuse",
+         "turn prefix (block) reuse off", const=False, aliases=("--no_enable_prefix_caching",)),
+    # vLLM's switch on: the default already, so it only overrides a --config file's enable_block_reuse: false
+    Flag("--enable_prefix_caching", "kv_cache_config.enable_block_reuse",
+         "turn prefix (block) reuse on (the default; vLLM's spelling)", const=True),
+    Flag("--host_cache_size", "kv_cache_config.host_cache_size",
+         "V2 host tier size in bytes (0 = none; absent = auto: sized, or none where the accelerator recomputes a token "
+         "for less than its copy out and back)", size, metavar="BYTES"),
+    Flag("--event_buffer_max_size", "kv_cache_config.event_buffer_max_size",
+         "KV cache events (block stored/removed/cleared) kept for readers; 0 = off (default)", field_integer,
+         metavar="N"),
+    Flag("--kv_cache_dtype", "kv_cache_config.dtype", "KV cache dtype: auto or a dtype name", str, metavar="DTYPE"),
+    Flag("--dtype", "dtype", "model dtype: auto, float32, float16, bfloat16", str, metavar="DTYPE"),
+    Flag("--device", "device", "where to build: auto (cuda when available), cuda, cuda:N or cpu", str,
+         metavar="{auto,cuda,cuda:N,cpu}"),
+    Flag("--max_batch_size", "max_batch_size", "most requests scheduled at once", field_integer, metavar="N",
+         aliases=("--max_num_seqs",)),
+    Flag("--max_seq_len", "max_seq_len", "longest sequence (default: the checkpoint's)", field_integer, metavar="N",
+         aliases=("--max_model_len",)),
+    Flag("--max_num_tokens", "max_num_tokens", "most tokens in one forward (prefill chunk)", field_integer, metavar="N",
+         aliases=("--max_num_batched_tokens",)),
+    Flag("--max_beam_width", "max_beam_width", "beam width (V2 serves only 1)", field_integer, metavar="N"),
+    Flag("--scheduling_policy", "scheduling_policy", "fcfs (default: arrival order) or priority (vLLM's: a request's "
+         "priority, lower first, orders admission; V2 also moves out lower-ranked running requests for it)", str,
+         metavar="{fcfs,priority}"),
+    Flag("--attention_backend", "attention_backend", "paged attention of generate: auto, flex (compiled "
+         "FlexAttention over the pools), sdpa (gather + SDPA), triton (decode steps on a paged decode kernel, "
+         "CUDA) or cpu_kernel (decode steps on a paged decode kernel compiled for this CPU)", str,
+         choices=ATTENTION_BACKENDS),
+    Flag("--linear_backend", "linear_backend", "projections of generate: auto, torch (F.linear) or cpu_kernel "
+         "(steps of few rows on a matmul kernel compiled for this CPU; float32)", str, choices=LINEAR_BACKENDS),
+    Flag("--max_draft_len", "max_draft_len", "speculative decoding by n-gram lookup: draft tokens copied from "
+         "earlier in the sequence, verified in the step that computes the last token (greedy or sampled); 0 = off "
+         "(default)", field_integer, metavar="N"),
+    Flag("--max_matching_ngram_size", "max_matching_ngram_size", "with --max_draft_len: the longest suffix "
+         "looked up among earlier tokens (default 2)", field_integer, metavar="N"),
+    Flag("--speculation_max_batch_size", "speculation_max_batch_size", "with --max_draft_len: draft only while at "
+         "most this many requests run (default 1; more rows per step cost more than drafts save on a CPU)",
+         field_integer, metavar="N"),
+    Flag("--generation_config", "generation_config", "sampling defaults of what the command generates, for each "
+         "setting a request leaves unset: auto (the checkpoint's generation_config.json; default), vllm (ignore it: "
+         "kvload's built-in defaults) or a directory holding a generation_config.json (vLLM's flag)", str,
+         metavar="{auto,vllm,DIR}"),
+    Flag("--override_generation_config", "override_generation_config", "generation_config.json keys laid over the "
+         "model's sampling defaults, as a JSON object: temperature, top_p, top_k, min_p, repetition_penalty, "
+         "max_new_tokens, do_sample (vLLM's flag), e.g. '{\"temperature\": 0.5}'", json_object, metavar="JSON"),
+    Flag("--tp_size", "tensor_parallel_size",
+         "tensor-parallel ranks (launch that many with torchrun; plan alone shows rank 0's view)", field_integer,
+         metavar="N", aliases=("--tensor_parallel_size", "-tp")),
+)
+#: vLLM's engine flags kvload has no counterpart for (a launch script copied from ``vllm serve``): each goes into the
+#: command line's tree under vLLM's key, where ``pipeline.trtllm_compat.split_ignored`` reports it as
+#: ``setting_ignored`` with the reason (``pipeline.vllm_compat``), or refuses a value kvload cannot honour
+#: (``--quantization awq``, ``--trust-remote-code``). (flag, key, type, metavar; a None type is a switch.)
+VLLM_KNOB_FLAGS: tuple[tuple[str, str, Callable[[str], Any] | None, str | None], ...] = (
+    ("--enforce-eager", "enforce_eager", None, None),
+    ("--max-seq-len-to-capture", "max_seq_len_to_capture", integer, "N"),
+    ("--compilation-config", "compilation_config", json_object, "JSON"),
+    ("--disable-log-stats", "disable_log_stats", None, None),
+    ("--async-scheduling", "async_scheduling", None, None),
+    ("--enable-sleep-mode", "enable_sleep_mode", None, None),
+    ("--disable-custom-all-reduce", "disable_custom_all_reduce", None, None),
+    ("--distributed-executor-backend", "distributed_executor_backend", str, "NAME"),
+    ("--max-logprobs", "max_logprobs", integer, "N"),
+    ("--download-dir", "download_dir", str, "DIR"),
+    ("--enable-chunked-prefill", "enable_chunked_prefill", None, None),
+    ("--quantization", "quantization", str, "METHOD"),
+    ("--cpu-offload-gb", "cpu_offload_gb", number, "GIB"),
+    ("--hf-overrides", "hf_overrides", json_object, "JSON"),
+    ("--trust-remote-code", "trust_remote_code", None, None),
+    ("--disable-async-output-proc", "disable_async_output_proc", None, None),
+    ("--skip-tokenizer-init", "skip_tokenizer_init", None, None),
+    ("--tokenizer", "tokenizer", str, "NAME"),
+    ("--tokenizer-mode", "tokenizer_mode", str, "MODE"),
+    ("--revision", "revision", str, "REV"),
+)
+
+#: the switches of ``VLLM_KNOB_FLAGS`` vLLM declares ``store_true`` (no ``--no-`` form there either)
+VLLM_STORE_TRUE_FLAGS = frozenset({"--disable-log-stats"})
+
+
+def _knob_dest(key: str) -> str:
+    return "vllm_knob__" + key
+
+
+FLAG_FOR_PATH: dict[str, str] = {}
+for _f in FLAGS:  # the first flag of a field (--disable_kv_cache_reuse, not its --enable_prefix_caching)
+    FLAG_FOR_PATH.setdefault(_f.path, _f.name)
+
+
+def _dashed(name: str) -> str:
+    """``--max_tokens`` → ``--max-tokens``; a one-dash name (vLLM's ``-tp``) as it is."""
+    return "--" + name[2:].replace("_", "-") if name.startswith("--") else name
+
+
+def _underscored(name: str) -> str:
+    """``--max-tokens`` → ``--max_tokens``: a dashed flag's other spelling (:func:`_dashed`'s inverse)."""
+    return "--" + name[2:].replace("-", "_")
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """MODEL, the config flags (with dashed aliases), and the output/logging options."""
+    p.add_argument("model", metavar="MODEL",
+                   help="a preset or packaged model (see `kvload models`), a checkpoint directory, a .gguf file, "
+                        "or a Hugging Face id in the local cache")
+    group = p.add_argument_group("configuration (TensorRT-LLM spelling; dashed and vLLM aliases accepted)")
+    for f in FLAGS:
+        names = list(dict.fromkeys(n for name in (f.name, *f.aliases) for n in (name, _dashed(name))))
+        if f.const is not None:
+            group.add_argument(*names, dest=f.dest, action="store_const", const=f.const, default=None, help=f.help)
+        else:
+            group.add_argument(*names, dest=f.dest, type=f.type, choices=f.choices, metavar=f.metavar,
+                               default=None, help=f.help)
+    knobs = p.add_argument_group("vLLM engine options kvload does not act on (each accepted with a setting_ignored "
+                                 "warning saying why, or refused where its value would change the model)")
+    for name, key, kind, metavar in VLLM_KNOB_FLAGS:
+        names = (name, _underscored(name))
+        if kind is None:
+            knobs.add_argument(*names, dest=_knob_dest(key), action="store_const", const=True, default=None,
+                               help=argparse.SUPPRESS)
+            if name not in VLLM_STORE_TRUE_FLAGS:  # vLLM's config booleans are --X/--no-X (BooleanOptionalAction)
+                knobs.add_argument("--no-" + name[2:], "--no_" + key, dest=_knob_dest(key), action="store_const",
+                                   const=False, default=None, help=argparse.SUPPRESS)
+        else:
+            knobs.add_argument(*names, dest=_knob_dest(key), type=kind, metavar=metavar, default=None,
+                               help=argparse.SUPPRESS)
+    group.add_argument("--config", "--extra_llm_api_options", "--extra-llm-api-options", dest="config",
+                       metavar="FILE.yaml", help="YAML file of LlmArgs fields (CLI flags win); TensorRT-LLM options "
+                                                 "kvload does not act on are accepted with a warning each")
+    out = p.add_argument_group("output")
+    out.add_argument("--audit-log", "--audit_log", dest="audit_log", metavar="FILE.jsonl",
+                     help="write every event as JSON Lines, hash-chained (HMAC with KVLOAD_AUDIT_KEY when set); "
+                          "written only when the command succeeds")
+    out.add_argument("--force", action="store_true",
+                     help="replace an --audit-log (or plan --chart) file that already exists (without it, an "
+                          "existing file is refused)")
+    out.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+    add_log_flags(out)
+
+
+def add_log_flags(p: Any) -> None:
+    """``--log-format``, ``--log-level`` and ``--debug``."""
+    p.add_argument("--log-format", "--log_format", dest="log_format", choices=("console", "json"), default=None,
+                   help="how events are logged on stderr (default: $KVLOAD_LOG_FORMAT, else console)")
+    p.add_argument("--log-level", "--log_level", dest="log_level", choices=("debug", "info", "warning", "error"),
+                   default=None, help="least severe event logged on stderr (default: $KVLOAD_LOG_LEVEL, else warning)")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def cli_overrides(ns: argparse.Namespace) -> dict[str, Any]:
+    """The flags the user gave, as a nested dict of fields (absent flags are absent, not defaults)."""
+    tree: dict[str, Any] = {}
+    for f in FLAGS:
+        value = getattr(ns, f.dest, None)
+        if value is None:
+            continue
+        *parents, leaf = f.path.split(".")
+        node = tree
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    for _, key, _, _ in VLLM_KNOB_FLAGS:
+        value = getattr(ns, _knob_dest(key), None)
+        if value is not None:
+            tree[key] = value
+    return tree
+
+
+def flag_aliases() -> dict[str, str]:
+    """Each flag's name, with and without dashes, in either spelling → the field it sets."""
+    out: dict[str, str] = {}
+    for f in FLAGS:
+        for name in (f.name, _dashed(f.name), *f.aliases, *map(_dashed, f.aliases)):
+            out[name] = out[name.lstrip("-")] = f.path
+    return out
+
+
+def _request(ns: argparse.Namespace, load_weights: bool = False, kv_events_reader: bool = True,
+             generates: bool = False) -> Any:
+    """The command's LoadRequest; ``kv_events_reader=False`` where the command reads no KV cache events,
+    ``generates=True`` where it generates through what it loads."""
+    from pipeline.context import LoadRequest
+
+    return LoadRequest(model=ns.model, overrides=cli_overrides(ns), source="cli", config_file=ns.config,
+                       load_weights=load_weights, kv_events_reader=kv_events_reader, generates=generates)

@@ -1,0 +1,48 @@
+"""The model's sampling defaults as the load will resolve them, read before it: generate and serve size pools by it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.errors import KvloadError
+
+
+def peek_sampling_defaults(request: Any) -> Any:
+    """The model's sampling defaults (a ``SamplingDefaults``) as the load will resolve them: its
+    generation_config.json under generation_config / override_generation_config (the flags, else the --config
+    file's). Read before minutes of loading, because generate and serve size the KV pools by max_tokens; a value the
+    load would refuse gives none here, and the load names it in its own words."""
+    from models.checkpoint import resolve_checkpoint
+    from pipeline.config import GENERATION_CONFIG_AUTO, GenerationDefaults
+    from pipeline.converter import structure
+    from pipeline.generation_config import SamplingDefaults, resolve_sampling_defaults
+
+    try:
+        tree = request.config
+        if tree is None and request.config_file is not None:
+            from pipeline.sources import read_yaml
+
+            # parse_args takes this tree: one read, so a file changed in between cannot answer twice
+            tree = request.config = read_yaml(request.config_file)
+        tree = tree if isinstance(tree, dict) else {}
+        setting = request.overrides.get("generation_config", tree.get("generation_config", GENERATION_CONFIG_AUTO))
+        override = {}
+        for source in (tree, request.overrides):  # flags beat the file, key by key
+            given = source.get("override_generation_config")
+            override.update(given if isinstance(given, dict) else {})
+        checkpoint = resolve_checkpoint(request.model)
+        return resolve_sampling_defaults(setting, structure(override, GenerationDefaults), checkpoint.path,
+                                         model=checkpoint.name)
+    except (KvloadError, TypeError, ValueError):
+        return SamplingDefaults()
+
+
+def default_length_origin(defaults: Any) -> str:
+    """Where the default ``max_tokens`` of ``defaults`` (a ``SamplingDefaults`` that has one) came from, for messages
+    and audit reasons: ``override_generation_config.max_new_tokens`` (the user's, a flag or a --config key), else
+    ``max_new_tokens (FILE)``."""
+    from pipeline.generation_config import FROM_OVERRIDE
+
+    if defaults.sources.get("max_tokens") == FROM_OVERRIDE:
+        return "override_generation_config.max_new_tokens"
+    return f"max_new_tokens ({defaults.path or 'generation_config.json'})"

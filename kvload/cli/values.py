@@ -1,0 +1,129 @@
+"""Flag value types: the text-layer parsers argparse calls (``type=``), each refusing bad text in one line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Callable
+from typing import Any
+
+from pipeline.config import SIZE_HELP, parse_size
+from pipeline.limits import MAX_INT, MAX_INT_DIGITS, short_text
+
+# --- text-layer value parsers (argparse `type=`) ---------------------------------------------
+
+
+def tri_state(text: str) -> bool | str:
+    """``auto`` | ``true`` | ``false`` → ``"auto"`` | True | False."""
+    word = text.strip().lower()
+    if word == "auto":
+        return "auto"
+    if word in ("true", "false"):
+        return word == "true"
+    raise argparse.ArgumentTypeError(f"expected auto, true or false, got {text!r}")
+
+
+class _TooBig(argparse.ArgumentTypeError):
+    """An integer past 2**63 - 1: a flag with a smaller range of its own says that range instead."""
+
+
+def integer(text: str) -> int:
+    """A whole number (``1_000`` allowed), at most 2**63 - 1 in size (what torch and the budget arithmetic take)."""
+    digits = text.replace("_", "").strip()
+    if not digits.isascii():  # int() reads any script's digits ('٣٣', '１６'), where a YAML config reads a string
+        raise argparse.ArgumentTypeError(f"expected an integer in the digits 0-9, got {short_text(text)}")
+    try:
+        if len(digits.lstrip("+-")) > MAX_INT_DIGITS:  # never hand int() a 5,000-digit string
+            raise ValueError(text)
+        value = int(digits)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {short_text(text)}") from None
+    if abs(value) > MAX_INT:
+        raise _TooBig(f"expected an integer of at most 2**63 - 1, got {short_text(text)}")
+    return value
+
+
+def field_integer(text: str) -> int:
+    """An integer for a flag that sets an LlmArgs field: the field's own check bounds it (at most 2**63 - 1, or its
+    range), so --max_draft_len 99999999999999999999999 gets the verdict --max_draft_len 65 and a config file get
+    ("from 0 to 64"), not "at most 2**63 - 1"."""
+    try:
+        return integer(text)
+    except _TooBig:
+        return int(text.replace("_", "").strip())  # integer() checked the digits: 0-9, at most MAX_INT_DIGITS
+
+
+def number(text: str) -> float:
+    """A finite decimal number (``inf``, ``nan`` and overflowing exponents such as ``1e400`` refused)."""
+    if not text.strip().isascii():  # float() reads any script's digits ('０.５'), as int() does
+        raise argparse.ArgumentTypeError(f"expected a number in the digits 0-9, got {short_text(text)}")
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {short_text(text)}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {short_text(text)}")
+    return value
+
+
+def size(text: str) -> int:
+    """A byte count: ``8589934592``, ``8GiB`` (= ``8G``), ``512MB`` (at most 2**63 - 1)."""
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {SIZE_HELP} (at most 2**63 - 1), got {short_text(text)}") from None
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A JSON object (``'{"temperature": 0.5}'``): standard JSON only (no NaN), each key once."""
+    from pipeline.limits import unique_keys
+
+    def constant(name: str) -> Any:
+        raise ValueError(f"{name} is not standard JSON")
+
+    twice = unique_keys(lambda message: argparse.ArgumentTypeError(f"{message}; keep one"))
+    try:
+        value = json.loads(text, object_pairs_hook=twice, parse_constant=constant)
+    except (ValueError, RecursionError):  # JSONDecodeError, NaN, an integer literal past Python's digit limit
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"temperature\": 0.5}}', got "
+                                         f"{short_text(text)}")
+    return value
+
+
+def token_ids(text: str) -> list[int]:
+    """``1,2,3`` or ``"1 2 3"`` → ``[1, 2, 3]``."""
+    parts = text.split(",") if "," in text else text.split()
+    parts = [p.strip() for p in parts]
+    # an empty item (1,,3) is a typo, not a skip; str.isdigit() is true of '²' and '①', which int() refuses (argparse
+    # then said "invalid token_ids value"), and of other scripts' digits; a 5,000-digit id int() refuses too
+    if not parts or not all(p.isascii() and p.isdigit() and len(p) <= MAX_INT_DIGITS for p in parts):
+        raise argparse.ArgumentTypeError(f"expected token ids such as 1,2,3 (the digits 0-9), got {short_text(text)}")
+    return [int(p) for p in parts]
+
+
+def _bounded(kind: Callable[[str], Any], ok: Callable[[Any], bool], expected: str) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except _TooBig:
+            if ok(MAX_INT):  # the range reaches 2**63 - 1: that is the bound the value passed
+                raise
+            # --n 99999999999999999999999 was "expected an integer of at most 2**63 - 1", where --n 200 was
+            # "expected an integer in [1, 128]": true, but not what the flag accepts
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {short_text(text)}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    return parse
+
+
+def workload_arg(text: str) -> tuple[str, int]:
+    """``KEY=INT`` → (key, int)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=INTEGER, got {text!r}")
+    return key.strip(), integer(value)
