@@ -133,7 +133,7 @@ def test_a_seeded_server_samples_unseeded_requests_the_same_after_a_restart():
 
 
 def test_cors_takes_vllms_defaults_and_flags(monkeypatch, capsys):
-    from kvload.serve.app import CorsPolicy
+    from kvload.serve.state import CorsPolicy
 
     assert served_with(monkeypatch)["cors"] == CorsPolicy(("*",), ("*",), ("*",), False)  # vLLM's: any origin
     got = served_with(monkeypatch, "--allowed-origins", '["https://ui.example"]', "--allowed-methods",
@@ -147,7 +147,7 @@ def test_cors_takes_vllms_defaults_and_flags(monkeypatch, capsys):
 
 
 def test_a_browser_preflight_passes_the_api_key_gate_and_only_allowed_origins_get_the_header():
-    from kvload.serve.app import CorsPolicy
+    from kvload.serve.state import CorsPolicy
     from tests.serve_support import serving
 
     policy = CorsPolicy(origins=("https://ui.example",))

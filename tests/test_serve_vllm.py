@@ -361,9 +361,9 @@ def test_a_scored_prompt_reads_no_cached_prefix_and_leaves_its_blocks_to_later_r
 
 
 def test_echo_with_logprobs_is_bounded_per_request(served, monkeypatch):
-    from kvload.serve import app
+    from kvload.serve import request_run
 
-    monkeypatch.setattr(app, "MAX_SCORED_PROMPT_TOKENS", 4)
+    monkeypatch.setattr(request_run, "MAX_SCORED_PROMPT_TOKENS", 4)
     body = {"prompt": ["w5 w17", "w30 w42 w7"], "max_tokens": 1, "echo": True, "logprobs": 1}
     r = served.http.post("/v1/completions", json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == "echo"

@@ -377,7 +377,7 @@ def _json_strings(text: str) -> tuple[str, ...]:
 
 def _cors(ns: argparse.Namespace) -> Any:
     """The CORS policy the flags give: vLLM's defaults (any origin, method and header; no credentials)."""
-    from kvload.serve.app import CorsPolicy
+    from kvload.serve.state import CorsPolicy
 
     def given(value: tuple[str, ...] | None) -> tuple[str, ...]:  # an explicit [] allows none, not any
         return ("*",) if value is None else value

@@ -21,7 +21,8 @@ from kvload.serve.messages_input import AnthropicError
 from kvload.serve.responses_output import ChatDeltas
 
 if TYPE_CHECKING:
-    from kvload.serve.app import _Choice, _Run
+    from kvload.serve.choices import _Choice
+    from kvload.serve.request_run import _Run
 
 
 def _stop(c: _Choice, called: bool) -> tuple[str, str | None]:

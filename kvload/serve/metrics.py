@@ -140,7 +140,7 @@ class ServeMetrics:
                                            "prompt's n samples)", sizes)
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step",
                                           ITERATION_TOKEN_BUCKETS)
-        # read at scrape time from the count the admission middleware keeps (app._Admission): one source of truth
+        # read at scrape time from the count the admission middleware keeps (admission._Admission): one source of truth
         self.http_in_flight = Gauge("kvload_http_requests_in_flight",
                                     "Completion, chat and (de)tokenize requests in the server now, from their "
                                     "headers until their answer ends (what --max-concurrent-requests limits)", own,

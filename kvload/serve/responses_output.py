@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 from kvload.serve.responses_store import Stored
 
 if TYPE_CHECKING:
-    from kvload.serve.app import _Choice, _Run
+    from kvload.serve.choices import _Choice
+    from kvload.serve.request_run import _Run
 
 #: A chat finish reason as the response's status.
 _STATUS = {"stop": "completed", "tool_calls": "completed", "length": "incomplete", "abort": "cancelled"}

@@ -26,7 +26,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from cache_backends.kv_events import KvEventMirror
 from engine.serving import ServingEngine
 from kvload.metrics import METRIC_NAMINGS
-from kvload.serve.app import CorsPolicy, ServeState, create_app
+from kvload.serve.app import create_app
 from kvload.serve.auth import OPEN_PATHS, check_api_key, digest
 from kvload.serve.command import (
     AUDIT_KEEP_DEFAULT,
@@ -41,6 +41,7 @@ from kvload.serve.command import (
 from kvload.serve.metrics import ServeMetrics
 from kvload.serve.protocol import BadRequest, default_max_request_bytes
 from kvload.serve.responses_store import ResponseStore, kept_request_bytes
+from kvload.serve.state import CorsPolicy, ServeState
 from pipeline.errors import ConfigError, KvloadError
 from pipeline.events import ApiKeyRequired, AutoToolChoiceEnabled, KvEventsFileFailed, ReasoningParserEnabled
 from pipeline.limits import MAX_INT, short, short_text
@@ -304,7 +305,7 @@ class _Deadlines(H11Protocol):
     arrives). A client that connects and never finishes a request's head, or starts one after a response and
     stops, held the connection forever; so did one trickling a body the app answered without reading (uvicorn
     drops those bytes, and the first one cancelled its keep-alive timer). The app times the bodies it reads
-    (408 with OpenAI's error body, :func:`kvload.serve.app._read_body`); this closes the rest. A head's time
+    (408 with OpenAI's error body, :func:`kvload.serve.request_body._read_body`); this closes the rest. A head's time
     runs from its first byte (a new connection's also from its opening); a head not all in by then gets the
     same 408 and the connection closes. A body's time runs from the end of its head; one still arriving then,
     after the app answered without reading it, has its connection closed.

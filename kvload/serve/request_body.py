@@ -1,0 +1,113 @@
+"""A request's body: read under the size, time and media-type limits (413, 408, 415, 503), then loaded as JSON."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from typing import Any
+
+from fastapi import Request
+
+from kvload.serve.protocol import BadRequest
+from pipeline.limits import MAX_DEPTH, json_depth, unique_keys
+
+#: The status nginx logs for a client that closed the connection before the answer; nobody receives it.
+CLIENT_CLOSED = 499
+
+
+async def _read_body(request: Request, limit: int, timeout: float, stopping: asyncio.Event) -> bytearray:
+    """The request body, refused with 413 once it is known to pass ``limit`` bytes: by its Content-Length
+    before a byte is read, else (chunked) as soon as what arrived passes it, so no oversized body is held.
+    Refused with 408 when it has not all arrived ``timeout`` seconds after the handler began reading: a client
+    that stops sending, or trickles, would otherwise hold the connection and the handler forever. Refused with
+    503 as soon as ``stopping`` is set: uvicorn's shutdown would wait for the upload, then cancel the handler
+    (a traceback and a plain-text 500). Refused with 415, unread, when it comes compressed (a Content-Encoding but
+    identity), or in a Content-Type other than JSON's (none given is read as JSON)."""
+    # each header as all its fields joined (HTTP's list rule): the first alone let "Content-Encoding: identity" then
+    # "Content-Encoding: gzip" through, and the gzip bytes were read as JSON text
+    encoding = ", ".join(request.headers.getlist("content-encoding")).strip().lower() or "identity"
+    if encoding not in ("", "identity"):  # its bytes were read as JSON text: "not valid JSON: can't decode 0x8b"
+        raise BadRequest(f"Content-Encoding {encoding[:40]!r}: not accepted; send the request body uncompressed "
+                         "(identity)", status=415, code="unsupported_content_encoding",
+                         headers={"Connection": "close"})  # refused unread, as a 413: the body is not waited for
+    media = ", ".join(request.headers.getlist("content-type")) or None
+    if media is not None and not _is_json(media):
+        # vLLM refuses these too (FastAPI reads only a JSON body as JSON); a browser sends text/plain, a form or
+        # multipart from any web page without asking the server first (no CORS preflight), so taking them as JSON
+        # let every site a user visits run requests on a server with no --api-key on their machine
+        raise BadRequest(f"Content-Type {media[:80]!r}: not accepted; send the request body as JSON "
+                         "(Content-Type: application/json)", status=415, code="unsupported_media_type",
+                         headers={"Connection": "close"})
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:  # the HTTP layer refuses a malformed Content-Length itself
+        raise _too_large(limit, f"Content-Length {int(length):,}")
+    body = bytearray()
+
+    async def read() -> None:
+        async for chunk in request.stream():
+            body.extend(chunk)
+            if len(body) > limit:
+                raise _too_large(limit, f"more than {limit:,} bytes sent")
+
+    reader = asyncio.ensure_future(read())
+    stop = asyncio.ensure_future(stopping.wait())
+    try:
+        async with asyncio.timeout(timeout):  # the whole body, not each read: a trickle gets no more time
+            await asyncio.wait((reader, stop), return_when=asyncio.FIRST_COMPLETED)
+    except TimeoutError:
+        expected = f"of {int(length):,}" if length.isdigit() else "of a chunked body"
+        raise BadRequest(f"the request body did not arrive in time: {len(body):,} bytes {expected} came within "
+                         f"{timeout:g} s (--request-read-timeout sets it)", status=408, code="request_timeout",
+                         headers={"Connection": "close"}) from None
+    finally:  # whichever did not finish (a cancelled handler leaves neither behind)
+        stop.cancel()
+        reader.cancel()
+    if not reader.done() or reader.cancelled():
+        raise _shutting_down()
+    reader.result()  # a 413, or ClientDisconnect (the client hung up mid-upload)
+    return body
+
+
+def _is_json(media: str) -> bool:
+    """Whether a Content-Type names JSON (``application/json``, ``application/*+json``, any parameters), or is blank."""
+    kind = media.split(";", 1)[0].strip().lower()
+    return kind in ("", "application/json") or (kind.startswith("application/") and kind.endswith("+json"))
+
+
+def _shutting_down() -> BadRequest:
+    # Connection: close, as uvicorn closes every connection once a stop is asked for
+    return BadRequest("the server is shutting down and takes no new requests; retry on another server", status=503,
+                      kind="server_error", code="server_shutting_down", headers={"Connection": "close"})
+
+
+def _too_large(limit: int, got: str) -> BadRequest:
+    # Connection: close, so the server never reads (or waits for) the rest of the body it refused
+    return BadRequest(f"the request body is too large: at most {limit:,} bytes are accepted (--max-request-bytes "
+                      f"sets it), got {got}", status=413, code="request_too_large", headers={"Connection": "close"})
+
+
+def _load(raw: bytes | bytearray) -> Any:
+    """A request body's JSON (UTF-8 text, RFC 8259's rule for JSON between systems; a leading BOM is skipped);
+    ``BadRequest`` for one that is not UTF-8, nested too deeply, not JSON, or with a key given twice."""
+    try:
+        # decoded here, strictly: json.loads of bytes also reads UTF-16 and UTF-32, whose bytes the depth check below
+        # cannot read (a "\u2200" is a quote byte there: 100,000 brackets passed as a string, then json's decoder
+        # raised RecursionError, a 500 with a traceback), and lets UTF-8-encoded surrogates through
+        text = raw.decode("utf-8-sig")  # straight from the bytearray: no bytes copy of up to 129 MiB first
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"the request body is not UTF-8 text: byte 0x{raw[exc.start]:02x} at offset {exc.start:,} "
+                         f"({exc.reason}); JSON request bodies must be UTF-8") from None
+    if json_depth(raw) > MAX_DEPTH:  # before parsing: json's decoder recurses once per level
+        raise BadRequest(f"the request body nests too deeply: at most {MAX_DEPTH} levels of arrays and objects "
+                         "are accepted (an OpenAI request needs about 5)")
+    try:
+        # json keeps the last of a key given twice: refused, as in config.json and audit files
+        body = json.loads(text, object_pairs_hook=unique_keys(lambda m: BadRequest(f"the request body is ambiguous: "
+                                                                                    f"{m}; keep one")))
+    except json.JSONDecodeError as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    except ValueError:  # int() refuses a literal past sys.get_int_max_str_digits(): was a 500 with Python's advice
+        raise BadRequest(f"the request body holds an integer literal of more than {sys.get_int_max_str_digits()} "
+                         "digits; no field takes one past 2**63 - 1") from None
+    return body

@@ -1,0 +1,151 @@
+"""A request body as a ``Job`` under this server's rules (model, template, beam), its prompts as token ids."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+
+from engine.serving import ServingEngine
+from kvload.serve.protocol import MAX_REQUEST_ID_CHARS, BadRequest, Job, parse, request_id
+from kvload.serve.request_body import _load, _shutting_down
+from kvload.serve.state import ServeState
+from pipeline.errors import GenerationError
+
+
+def _field_error(exc: GenerationError, field: str) -> BadRequest:
+    return BadRequest(str(exc).removeprefix("generate: "), param=field)
+
+
+def _messages_error(exc: GenerationError, template: dict[str, Any]) -> BadRequest:
+    """A conversation the tokenizer or the chat template refused; a template the request gave is named for
+    what it refused (its Jinja is the client's)."""
+    msg = str(exc).removeprefix("generate: ")
+    given = "chat_template" in template and "chat_template given " in msg  # refused it, or was stopped
+    return BadRequest(msg, param="chat_template" if given else "messages")
+
+
+def _parse(state: ServeState, raw: bytes | bytearray, kind: str) -> Job:
+    """The request body as a ``Job``; ``BadRequest`` naming what is wrong."""
+    body = _load(raw)
+    return _parse_body(state, body, kind)
+
+
+def _parse_body(state: ServeState, body: Any, kind: str) -> Job:
+    """A loaded request body as a ``Job`` (``kind``: "completion" or "chat"); ``BadRequest`` naming what is wrong."""
+    job = parse(body, kind, default_max_tokens=state.default_max_tokens,
+                by_priority=getattr(state.engine.scheduler, "by_priority", False), defaults=state.sampling_defaults,
+                tool_parser=state.tool_call_parser, reasoning_parser=state.reasoning_parser)
+    _check_model(state, body)
+    _check_template(state, job.template)
+    if job.beam is not None:
+        _check_beam(state, job.n)
+    return job
+
+
+def _check_beam(state: ServeState, n: int) -> None:
+    """A beam search this server can run, or the 400 that says which flags serve it: beam search needs KV cache
+    manager V1 and a ``max_beam_width`` of at least ``n`` (the load routes ``max_beam_width > 1`` to V1)."""
+    engine = state.engine
+    if engine.ranks is not None:
+        raise BadRequest("use_beam_search: not served under tensor parallel (--tp_size > 1); serve the model on one "
+                         "device for beam search", param="use_beam_search")
+    width = engine.executor.max_beam_width
+    if width <= 1:
+        v2 = type(engine.manager).__name__ == "KVCacheManagerV2"
+        why = " on KV cache manager V2, which cannot fork beams" if v2 else ""
+        flags = f"--max_beam_width {max(n, 2)}" + (" --use_kv_cache_manager_v2 false" if v2 else "")
+        raise BadRequest(f"use_beam_search: this server was started with max_beam_width=1{why}; start it with {flags} "
+                         "to serve beam search", param="use_beam_search")
+    if n > width:
+        raise BadRequest(f"n: {n} beams with use_beam_search exceed this server's max_beam_width={width}; send n <= "
+                         f"{width}, or start the server with --max_beam_width {n}", param="n")
+
+
+def _check_template(state: ServeState, template: dict[str, Any]) -> None:
+    """A request's own ``chat_template`` is Jinja the server runs, as slow as the client writes it (and one request
+    parses at a time): refused unless the server was started with ``--trust-request-chat-template`` (vLLM's rule)."""
+    if template.get("chat_template") is not None and not state.trust_request_chat_template:
+        raise BadRequest("chat_template: a request's own chat template needs a server started with "
+                         "--trust-request-chat-template; this one applies the model's", param="chat_template")
+
+
+def _check_model(state: ServeState, body: dict[str, Any]) -> None:
+    """404 ``model_not_found`` for a ``model`` (checked a string already) that is not the one served."""
+    model = body.get("model")
+    if model is not None and model != state.model_name:
+        raise _not_served(model, state.model_name)
+
+
+def _not_served(model: str, served: str) -> BadRequest:
+    return BadRequest(f"model: {model[:300]!r} is not served here; this server serves {served!r}", param="model",
+                      status=404, code="model_not_found")
+
+
+def _encode(engine: ServingEngine, job: Job) -> tuple[list[list[int]], list[bool]]:
+    """Token ids of every prompt, kept to their last (``truncation_side`` "right": first) ``truncate_prompt_tokens``
+    (and whether each was cut); ``BadRequest`` naming the prompt or the messages when one is unusable."""
+    keep = _kept_tokens(engine, job)
+
+    def kept(ids: list[int]) -> list[int]:
+        return ids if not keep else ids[:keep] if job.truncation_side == "right" else ids[-keep:]
+
+    if job.kind == "chat":
+        try:
+            ids = engine.encode_messages(job.prompts[0], job.template, add_special_tokens=job.add_special_tokens,
+                                         room=keep is None)  # cut first, then it fits
+        except GenerationError as exc:
+            raise _messages_error(exc, job.template) from None
+        return [kept(ids)], [keep is not None and len(ids) > keep]
+    out, cut = [], []
+    for i, prompt in enumerate(job.prompts):
+        field = "prompt" if len(job.prompts) == 1 else f"prompt[{i}]"
+        if engine.stopping:  # a stop asked for mid-request: end now, not after encoding up to 1,024 prompts
+            raise _shutting_down()
+        try:
+            if keep is not None:  # vLLM's: the token ids are cut (a BOS too), then checked as any prompt's
+                ids = engine.prompt_ids(prompt, add_special_tokens=job.add_special_tokens)
+                cut.append(len(ids) > keep)
+                prompt = kept(ids)
+            out.append(engine.encode(prompt, add_special_tokens=job.add_special_tokens))
+        except GenerationError as exc:
+            detail = str(exc).removeprefix("generate: ").removeprefix("prompt 0: ").removeprefix("prompt 0 ")
+            raise BadRequest(f"{field}: {detail}", param=field) from None
+    return out, cut or [False] * len(out)
+
+
+def _kept_tokens(engine: ServingEngine, job: Job) -> int | None:
+    """How many of each prompt's last tokens ``truncate_prompt_tokens`` keeps (None: all): at most what the
+    context length leaves after ``max_tokens`` (1 when not given), which -1 asks for, as vLLM counts it."""
+    if job.truncate is None:
+        return None
+    limit = engine.executor.max_seq_len
+    wanted = job.params.max_tokens if job.max_tokens_given else 1
+    room = limit - wanted
+    if room < 1:  # no truncation can help: max_tokens alone fills the context (a prompt needs a token)
+        raise BadRequest(f"{job.max_tokens_field}: {wanted} leaves no room for a prompt in this model's context "
+                         f"length of {limit} tokens (truncate_prompt_tokens cannot help); ask for fewer",
+                         param=job.max_tokens_field)
+    if job.truncate == -1:
+        return max(room, 1)  # a max_tokens past the context length is refused as such (submit)
+    if job.truncate > room:
+        raise BadRequest(f"truncate_prompt_tokens: {job.truncate} is more than max_model_len - "
+                         f"{job.max_tokens_field if job.max_tokens_given else 'one generated token'} = {limit} - "
+                         f"{wanted} = {room}; request a smaller truncation size (or -1 for that many)",
+                         param="truncate_prompt_tokens")
+    return job.truncate
+
+
+def _header_request_id(request: Request) -> str | None:
+    """The ``X-Request-Id`` header (vLLM's), checked as ``request_id`` is, and ASCII: a header's other bytes are read
+    as Latin-1, so UTF-8 sent there came back in the answer's id as mojibake (``Ã¿``). Given twice is a 400: which one
+    names the request is not for the server to guess."""
+    values = request.headers.getlist("x-request-id")
+    if len(values) > 1:
+        raise BadRequest(f"X-Request-Id: given {len(values)} times; give it once", param="X-Request-Id")
+    value = values[0] if values else None
+    if value is not None and not value.isascii():
+        raise BadRequest(f"X-Request-Id: expected printable ASCII of 1 to {MAX_REQUEST_ID_CHARS} characters (a header "
+                         f"carries no other text; send request_id in the body for Unicode), got {value[:60]!r}",
+                         param="X-Request-Id")
+    return request_id(value, "X-Request-Id")
