@@ -249,6 +249,11 @@ class GenerationExecutor:
         self.decode_kernel = None
         if backend == "sdpa":
             return
+        if self.v4 is not None:  # an accepted setting never silently does nothing
+            self._event(SettingIgnored(field="attention_backend", value=backend, reason=(
+                "DeepSeek V4's layers attend through their own forward (each sequence's window and compressed entries "
+                "gathered from the pools, the model's softmax with its sinks); generate attends that way")))
+            return
         if backend in ("triton", "cpu_kernel"):
             kernel, why = self._decode_kernel(backend)
             if why is not None:
@@ -478,8 +483,9 @@ class GenerationExecutor:
                                          + inert_settings(p, has_text, self.eos_is_special)
                                          + dropped):  # ... and what a schema holds that xgrammar does not enforce
                     self._event(SettingIgnored(field=f"generate.{name}", value=value, reason=why))
-            if self.v4 is not None and self.manager.options.enable_block_reuse:
-                self._event(SettingIgnored(field="kv_cache_config.enable_block_reuse", value=True, reason=V4_NO_REUSE))
+            reuse = self.reuse_ignored()
+            if reuse is not None:
+                self._event(reuse)
             unscoped = self.salt_ignored() if salt is not None else None  # with reuse off a salt would do nothing
             if unscoped is not None:
                 self._event(SettingIgnored(field="generate.salt", value=salt, reason=unscoped))
@@ -536,10 +542,24 @@ class GenerationExecutor:
         from engine.beam_search import beam_search
 
         self._check_open()
-        if self.v4 is not None:
-            raise GenerationError(f"beam_search: {self.name} is a DeepSeek V4 model, whose compressor side state "
-                                  "kvload does not fork or reorder between beams; use generate")
+        refused = self.beam_refusal()
+        if refused is not None:
+            raise GenerationError(refused)
         return beam_search(self, prompts, params, max_beam_width=self.max_beam_width, salt=salt)
+
+    def reuse_ignored(self) -> SettingIgnored | None:
+        """DeepSeek V4 with prefix reuse on: the ``setting_ignored`` that says its requests read no prefix (``run`` and
+        the serving loop record it); None otherwise."""
+        if self.v4 is None or not self.manager.options.enable_block_reuse:
+            return None
+        return SettingIgnored(field="kv_cache_config.enable_block_reuse", value=True, reason=V4_NO_REUSE)
+
+    def beam_refusal(self) -> str | None:
+        """Why this model cannot beam search (one line, for ``LLM.beam_search`` and the server), or None."""
+        if self.v4 is None:
+            return None
+        return (f"beam_search: {self.name} is a DeepSeek V4 model, whose compressor side state kvload does not fork "
+                "or reorder between beams; use generate")
 
     def generate(
         self,

@@ -3,6 +3,9 @@ the pools and its compressor side state dropped when a request finishes."""
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import pytest
 import torch
 
@@ -10,12 +13,13 @@ import kvload
 from cache_backends.layout import build_layout, cannot_generate
 from cache_backends.paged_attention import PagedBatch, SeqChunk
 from cache_backends.pools import BlockPools
-from models.deepseek_v4_paged import V4States, step_states
+from models.deepseek_v4_paged import V4_NO_REUSE, V4States, step_states
 from models.geometry import layers_from_config
 from models.paged_forward import route_paged_attention, run_forward
 from pipeline.errors import GenerationError
 from tests.generate_support import hf_greedy, load, prompts_for, used_blocks
 from tests.paged_support import tiny_config
+from tests.serve_support import wait_for
 
 V4 = "deepseek-v4"
 #: past the window (8) and several CSA (4) and HCA (8) windows, one shorter than a compressed window
@@ -115,11 +119,11 @@ def test_the_pools_hold_the_window_keys_and_the_compressed_entries(v4_path):
 
 def test_prefix_reuse_is_off_and_says_so_forked_samples_continue_the_prompts_state(v4_path):
     """A repeated prompt is computed again (its compressor state is not in the cached blocks), the audit says so once
-    per call; drafts are ignored (said once); a prompt's second greedy sample, forked from the first, continues its
-    side state and equals it; beam search is refused in one line."""
+    per call; drafts and the compiled attention are ignored (said once each); a prompt's second greedy sample, forked
+    from the first, continues its side state and equals it; beam search is refused in one line."""
     events: list[dict] = []
     llm = kvload.LLM(str(v4_path), kv_cache_config={"tokens_per_block": 4, "max_tokens": 1024}, max_seq_len=64,
-                     max_draft_len=2, log=False, subscribers=[events.append])
+                     max_draft_len=2, attention_backend="flex", log=False, subscribers=[events.append])
     try:
         model = llm.result.hf_model
         prompt = prompts_for(model.config.vocab_size, (24,), seed=3)[0]
@@ -131,6 +135,7 @@ def test_prefix_reuse_is_off_and_says_so_forked_samples_continue_the_prompts_sta
         ignored = {e["field"]: e["reason"] for e in events if e["event"] == "setting_ignored"}
         assert "compressor side state" in ignored["kv_cache_config.enable_block_reuse"]
         assert "rejected draft" in ignored["max_draft_len"]
+        assert "their own forward" in ignored["attention_backend"]
         assert used_blocks(llm.result) == 0 and len(llm.result.executor.v4) == 0
         with pytest.raises(GenerationError, match=r"beam_search: .* DeepSeek V4 .*; use generate"):
             llm.beam_search([{"prompt_token_ids": prompt}], kvload.BeamSearchParams(beam_width=2, max_tokens=2))
@@ -144,3 +149,41 @@ def test_v1_is_refused_in_one_line_naming_v2():
     why = cannot_generate("tiny-deepseek-v4", layers, "v1")
     assert why is not None and "\n" not in why
     assert "csa, hca" in why and "use_kv_cache_manager_v2: true" in why
+
+
+def ended(ends: dict[int, Any], j: int, event: Any) -> None:
+    """A serving sink: keeps choice ``j``'s last event."""
+    if event.finished:
+        ends[j] = event
+
+
+def test_the_serving_loop_forks_choices_from_the_prompts_state_and_reads_no_prefix(v4_path):
+    """``kvload serve``'s loop: a repeated prompt's two greedy choices (forked from one prefill) equal transformers'
+    tokens both times, the second computes its prompt again (no prefix read), the loop's audit says reuse is
+    ignored, beam search is refused in one line, and nothing is held once the requests end."""
+    from engine.sampling_params import SamplingParams
+    from engine.serving import ServingEngine
+
+    events: list[dict] = []
+    result = load(v4_path, "v2", max_tokens=1024, max_seq_len=64)
+    result.bus.subscribe(events.append)
+    engine = ServingEngine.from_result(result)
+    try:
+        engine.start()
+        prompt = prompts_for(result.hf_model.config.vocab_size, (19,), seed=11)[0]
+        want = hf_greedy(result.hf_model, prompt, 6)
+        for _ in range(2):
+            ends: dict[int, Any] = {}
+            engine.submit_group(prompt, SamplingParams(max_tokens=6, temperature=0.0),
+                                [functools.partial(ended, ends, j) for j in (0, 1)])
+            wait_for(lambda: len(ends) == 2, what="both choices")  # noqa: B023 (waited for within the iteration)
+            assert [list(ends[j].token_ids) for j in (0, 1)] == [want, want]
+            assert ends[0].reused_prompt_tokens == 0
+        with pytest.raises(GenerationError, match="DeepSeek V4"):
+            engine.submit_beam(prompt, kvload.BeamSearchParams(beam_width=2, max_tokens=2), [print, print])
+        wait_for(lambda: len(result.executor.v4) == 0, what="side state dropped")
+        assert used_blocks(result) == 0
+    finally:
+        engine.stop(60)
+        result.close()
+    assert [e["reason"] for e in events if e.get("field") == "kv_cache_config.enable_block_reuse"] == [V4_NO_REUSE]
