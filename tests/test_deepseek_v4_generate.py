@@ -17,7 +17,7 @@ from models.deepseek_v4_paged import V4_NO_REUSE, V4States, step_states
 from models.geometry import layers_from_config
 from models.paged_forward import route_paged_attention, run_forward
 from pipeline.errors import GenerationError
-from tests.generate_support import hf_greedy, load, prompts_for, used_blocks
+from tests.generate_support import greedy_admission, hf_greedy, load, prompts_for, used_blocks
 from tests.paged_support import tiny_config
 from tests.serve_support import wait_for
 
@@ -57,6 +57,22 @@ def test_a_finished_request_leaves_no_block_and_no_side_state(v4_result):
     assert max(held) == 2
     assert len(executor.v4) == 0
     assert used_blocks(v4_result) == 0
+
+
+@pytest.mark.parametrize(("host", "moved"), [(0, "preemptions"), (1 << 20, "suspends")])
+def test_a_preempted_or_suspended_request_continues_with_the_right_side_state(v4_path, host, moved):
+    """Under a budget too small for six requests at once, a preempted request recomputes from position 0 with a fresh
+    side state, and one suspended to the host tier resumes with the state it had: every token is still transformers'."""
+    result = load(v4_path, "v2", max_tokens=144, max_seq_len=64, host_cache_size=host)
+    try:
+        greedy_admission(result)
+        prompts = prompts_for(result.hf_model.config.vocab_size, (21, 5, 34, 2, 17, 30))
+        outs = result.generate(prompts, max_new_tokens=14)
+        assert getattr(result.executor.last_stats, moved) > 0
+        assert [o.token_ids for o in outs] == [hf_greedy(result.hf_model, p, 14) for p in prompts]
+        assert used_blocks(result) == 0 and len(result.executor.v4) == 0
+    finally:
+        result.close()
 
 
 def test_the_pools_hold_the_window_keys_and_the_compressed_entries(v4_path):
