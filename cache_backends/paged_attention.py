@@ -90,7 +90,8 @@ def _families(pools: BlockPools) -> tuple[dict[str, tuple[str, ...]], dict[str, 
 
     A slot is ``block * entries_per_block + pos % tokens_per_block``, so groups with the same block
     geometry share the write arithmetic whatever their window; a gather also depends on the window,
-    so gather families add it. Compressed groups (never served) stay alone.
+    so gather families add it. Compressed groups (DeepSeek V4 writes and reads them per entry, in its own forward)
+    stay alone.
     """
     writes: dict[tuple, list[str]] = {}
     gathers: dict[tuple, list[str]] = {}
