@@ -270,8 +270,10 @@ class PagedBatch:
         self._write_slots: dict[str, torch.Tensor] = {}
         self._splits: dict[int, list[tuple[int, int, int, int, bool]] | None] = {}
         self._biases: dict[tuple[int | None, torch.dtype], torch.Tensor] = {}
-        #: DeepSeek V4: each sequence's side state (``models.deepseek_v4_paged.V4SequenceState``), in chunk order
+        #: DeepSeek V4: each sequence's side state (``models.deepseek_v4_paged.V4SequenceState``), in chunk order, and
+        #: the window gathers its layers share, planned at the first layer of the step
         self.side: list[Any] | None = None
+        self.side_plans: dict[Any, Any] = {}
 
     def attend_decode(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
                       softcap: float | None, written: bool = False) -> torch.Tensor | None:

@@ -208,6 +208,24 @@ def _groups(batch: Any, layer: int) -> tuple[tuple[str, int], tuple[str, int] | 
     return window, compressed
 
 
+def _window_plan(group: Any, table: torch.Tensor, start: int, n: int, window: int, dtype: torch.dtype,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's window keys in a step: their slots in the window group, and the additive mask ``(1, 1, n, k)``
+    of its ``n`` queries over them (a key is seen when it is not after the query and within ``window`` of it)."""
+    end = start + n
+    lo = max(0, start - window + 1)
+    k_pos = torch.arange(lo, end)
+    blocks = table[k_pos // group.tokens_per_block]
+    if int(blocks.min()) < 0:
+        raise RuntimeError(f"group {group.name!r}: no window block for positions {lo}..{end - 1} (released or never "
+                           "allocated)")
+    slots = (blocks * group.entries_per_block + k_pos % group.tokens_per_block).to(device)
+    q_pos = torch.arange(start, end)
+    seen = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
+    mask = torch.zeros(seen.shape, dtype=dtype).masked_fill_(~seen, float("-inf")).to(device)[None, None]
+    return slots, mask
+
+
 def paged_v4_forward(module: Any, hidden_states: torch.Tensor, position_embeddings: Any, position_ids: torch.Tensor,
                      attention_mask: Any = None, cache: Any = None, *, kvload_batch: Any,
                      **kwargs: Any) -> tuple[torch.Tensor, None]:
@@ -240,18 +258,13 @@ def paged_v4_forward(module: Any, hidden_states: torch.Tensor, position_embeddin
     outs = []
     first = 0
     for b, chunk in enumerate(batch.chunks):
-        n, start = len(chunk.token_ids), chunk.start_pos
-        end = start + n
-        lo = max(0, start - window + 1)
-        k_pos = torch.arange(lo, end)
-        blocks = wtable[b][k_pos // wgroup.tokens_per_block]
-        if int(blocks.min()) < 0:
-            raise RuntimeError(f"layer {layer}: sequence {b} has no window block for position {lo}..{end - 1}")
-        slots = (blocks * wgroup.entries_per_block + k_pos % wgroup.tokens_per_block).to(wview.device)
+        n = len(chunk.token_ids)
+        plan = batch.side_plans.get((wname, window, b))
+        if plan is None:  # every layer reads the same window through the same table: planned once a step
+            plan = batch.side_plans[(wname, window, b)] = _window_plan(wgroup, wtable[b], chunk.start_pos, n, window,
+                                                                       q.dtype, wview.device)
+        slots, mask = plan
         keys = wview[slots].to(kv.dtype).view(1, 1, -1, hd)
-        q_pos = torch.arange(start, end)
-        seen = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
-        mask = torch.zeros(seen.shape, dtype=q.dtype).masked_fill_(~seen, float("-inf")).to(q.device)[None, None]
         if module.compressor is not None:
             series = states[b].layers.setdefault(layer, {})
             seq_cache = _SeqCache(layer, _SeqCacheLayer(series, cview, ctable[b], cgroup, hd))
