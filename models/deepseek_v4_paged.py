@@ -292,6 +292,11 @@ def _forward(self: Any, *args: Any, **kwargs: Any) -> Any:
     return type(self).forward(self, *args, **kwargs)
 
 
+# A bound method pickles as ``getattr(module, its name)``: named "forward", an unpickled routed module gets its class's
+# forward back (and route_v4_attention routes it again) instead of failing to load.
+_forward.__name__ = _forward.__qualname__ = "forward"
+
+
 def route_v4_attention(model: Any) -> int:
     """Give every DeepSeek V4 attention module of ``model`` kvload's forward when a step's batch comes with the call
     (its own otherwise); idempotent. Returns how many modules it routed."""
@@ -299,8 +304,8 @@ def route_v4_attention(model: Any) -> int:
     for module in model.modules():
         if type(module).__name__ != ATTENTION_CLASS:
             continue
-        if "forward" not in module.__dict__:  # an instance attribute: the class's forward stays the model's own
-            module.forward = types.MethodType(_forward, module)
+        if getattr(module.__dict__.get("forward"), "__func__", None) is not _forward:
+            module.forward = types.MethodType(_forward, module)  # on the instance: the class's stays the model's own
         routed += 1
     return routed
 
