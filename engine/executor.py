@@ -550,7 +550,8 @@ class GenerationExecutor:
     def reuse_ignored(self) -> SettingIgnored | None:
         """DeepSeek V4 with prefix reuse on: the ``setting_ignored`` that says its requests read no prefix (``run`` and
         the serving loop record it); None otherwise."""
-        if self.v4 is None or not self.manager.options.enable_block_reuse:
+        if self.v4 is None or not self.manager.options.enable_block_reuse \
+                or getattr(self.manager, "reuse_off_reason", None) is not None:  # off anyway, and said so where it acts
             return None
         return SettingIgnored(field="kv_cache_config.enable_block_reuse", value=True, reason=V4_NO_REUSE)
 
