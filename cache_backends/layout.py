@@ -25,26 +25,36 @@ import attrs
 
 #: Bytes per element of each KV dtype this library stores.
 #: Layer kinds whose entries the paged attention reads and writes (``paged_attention`` imports this
-#: torch-free copy, so ``kvload models`` can say what generates without importing torch). Compressed
-#: DeepSeek V4 layers are not served.
+#: torch-free copy, so ``kvload models`` can say what generates without importing torch). DeepSeek V4's layers
+#: (:data:`V4_KINDS`) are served on V2 by their own forward (``models.deepseek_v4_paged``), not by the paged attention.
 SERVED_KINDS: tuple[str, ...] = ("full", "sliding", "mla")
+#: DeepSeek V4's layer kinds: generate runs them on V2 only (their compressed entries need per-group pools).
+V4_KINDS: tuple[str, ...] = ("v4_sliding", "csa", "hca")
 #: Layer kinds a paged decode kernel (Triton on CUDA, the C kernel on CPU) attends: rows of K and V per KV head
 #: (MLA's latent rows and DeepSeek V4's compressed ones stay on gather + SDPA or the compiled path).
 DECODE_KERNEL_KINDS: frozenset[str] = frozenset({"full", "sliding"})
 
 
 def unserved_kinds(layers: Iterable[LayerKV]) -> list[str]:
-    """Kinds among ``layers`` the paged attention cannot serve (compressed layers included), sorted."""
-    return sorted({layer.kind for layer in layers if layer.kind not in SERVED_KINDS or layer.compress_rate is not None})
+    """Kinds among ``layers`` that generate cannot serve (DeepSeek V4's are served, on V2), sorted."""
+    return sorted({layer.kind for layer in layers if layer.kind not in V4_KINDS
+                   and (layer.kind not in SERVED_KINDS or layer.compress_rate is not None)})
 
 
-def cannot_generate(name: str, layers: Iterable[LayerKV]) -> str | None:
-    """Why kvload cannot generate for model ``name`` with these layers (one line), or None when it can."""
+def cannot_generate(name: str, layers: Iterable[LayerKV], manager: LayoutName | None = None) -> str | None:
+    """Why kvload cannot generate for model ``name`` with these layers on ``manager``'s layout (one line), or None
+    when it can (``manager`` None: on some layout)."""
+    layers = list(layers)
     unserved = unserved_kinds(layers)
-    if not unserved:
-        return None
-    return (f"generate: {name} has {', '.join(unserved)} attention layers; kvload's paged attention serves "
-            f"{', '.join(SERVED_KINDS)} layers only, so this model is plan/build only")
+    if unserved:
+        return (f"generate: {name} has {', '.join(unserved)} attention layers; kvload's paged attention serves "
+                f"{', '.join((*SERVED_KINDS, *V4_KINDS))} layers only, so this model is plan/build only")
+    v4 = sorted({layer.kind for layer in layers if layer.kind in V4_KINDS})
+    if v4 and manager == "v1":
+        return (f"generate: {name} has DeepSeek V4 attention layers ({', '.join(v4)}); generate runs them on KV cache "
+                "manager V2 only (kv_cache_config.use_kv_cache_manager_v2: true), whose groups hold the window and "
+                "the compressed entries apart")
+    return None
 
 
 DTYPE_SIZES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}

@@ -90,7 +90,8 @@ def _families(pools: BlockPools) -> tuple[dict[str, tuple[str, ...]], dict[str, 
 
     A slot is ``block * entries_per_block + pos % tokens_per_block``, so groups with the same block
     geometry share the write arithmetic whatever their window; a gather also depends on the window,
-    so gather families add it. Compressed groups (never served) stay alone.
+    so gather families add it. Compressed groups (DeepSeek V4 writes and reads them per entry, in its own forward)
+    stay alone.
     """
     writes: dict[tuple, list[str]] = {}
     gathers: dict[tuple, list[str]] = {}
@@ -269,6 +270,10 @@ class PagedBatch:
         self._write_slots: dict[str, torch.Tensor] = {}
         self._splits: dict[int, list[tuple[int, int, int, int, bool]] | None] = {}
         self._biases: dict[tuple[int | None, torch.dtype], torch.Tensor] = {}
+        #: DeepSeek V4: each sequence's side state (``models.deepseek_v4_paged.V4SequenceState``), in chunk order, and
+        #: the window gathers its layers share, planned at the first layer of the step
+        self.side: list[Any] | None = None
+        self.side_plans: dict[Any, Any] = {}
 
     def attend_decode(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
                       softcap: float | None, written: bool = False) -> torch.Tensor | None:
@@ -448,8 +453,9 @@ class PagedBatch:
         batch.flex = flex
         batch.decode_kernel = decode_kernel
         if decode_kernel is None or batch.max_q != 1:
-            for group in pools.groups:
-                batch.write_slots(group)
+            for group, g in pools.groups.items():
+                if g.compress_rate is None:  # DeepSeek V4's compressed entries are written per entry, not per token
+                    batch.write_slots(group)
         # else: a decode step on a paged decode kernel: the kernel stores its full and sliding layers' new K/V and
         # checks the page it stores into; the slots of a layer it does not serve are computed on that layer's write
         return batch

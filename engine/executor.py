@@ -82,6 +82,7 @@ from engine.sampling_params import (
 from engine.speculation import NgramProposer, verify_drafted
 from engine.stopping import SampleText
 from engine.structured import Constraint, GrammarBackend, constrain
+from models.deepseek_v4_paged import V4_NO_DRAFTS, V4_NO_REUSE, V4States, step_states, uses_v4
 from models.geometry import head_dim as config_head_dim
 from models.geometry import kv_heads as config_kv_heads
 from models.geometry import text_config
@@ -201,9 +202,12 @@ class GenerationExecutor:
         self._grammars_lock = threading.Lock()
         #: set by :meth:`stop`: the running call (and any later one) fails with this message between two steps
         self._stopped: str | None = None
-        why = cannot_generate(name, manager.layout.layers)
+        why = cannot_generate(name, manager.layout.layers, manager.layout.manager)
         if why is not None:
             raise GenerationError(why)
+        #: DeepSeek V4: every running request's compressor side state (the partial window and CSA's overlap, which
+        #: are no full compressed entry yet), dropped when the request finishes; None for other models
+        self.v4: V4States | None = V4States() if uses_v4(manager.layout.layers) else None
 
     @classmethod
     def from_result(cls, result: Any) -> GenerationExecutor:
@@ -244,6 +248,11 @@ class GenerationExecutor:
         self.flex = None
         self.decode_kernel = None
         if backend == "sdpa":
+            return
+        if self.v4 is not None:  # an accepted setting never silently does nothing
+            self._event(SettingIgnored(field="attention_backend", value=backend, reason=(
+                "DeepSeek V4's layers attend through their own forward (each sequence's window and compressed entries "
+                "gathered from the pools, the model's softmax with its sinks); generate attends that way")))
             return
         if backend in ("triton", "cpu_kernel"):
             kernel, why = self._decode_kernel(backend)
@@ -309,6 +318,9 @@ class GenerationExecutor:
                                          ("speculation_max_batch_size", max_batch_size, 1, MAX_INT)):
             if not (is_int(value) and least <= value <= most):
                 raise GenerationError(f"generate: {name}: expected an integer from {least} to {most}, got {value!r}")
+        if max_draft_len and self.v4 is not None:  # a rejected draft would leave its projections in the compressor
+            self._event(SettingIgnored(field="max_draft_len", value=max_draft_len, reason=V4_NO_DRAFTS))
+            max_draft_len = 0
         self.proposer = NgramProposer(max_draft_len, max_matching_ngram_size, self.max_seq_len, max_batch_size) \
             if max_draft_len else None
 
@@ -442,6 +454,9 @@ class GenerationExecutor:
             if proposer is not None:
                 for req in st.finished:
                     proposer.forget(req.req_id)
+            if self.v4 is not None:
+                for req in st.finished:
+                    self.v4.free(req.req_id)
             self._report_tokens(st.finished, lives, outputs, on_delta)
             # between steps: nothing is half-computed
             if self._stopped is not None and (driver.has_work or driver.forks_pending):
@@ -468,6 +483,9 @@ class GenerationExecutor:
                                          + inert_settings(p, has_text, self.eos_is_special)
                                          + dropped):  # ... and what a schema holds that xgrammar does not enforce
                     self._event(SettingIgnored(field=f"generate.{name}", value=value, reason=why))
+            reuse = self.reuse_ignored()
+            if reuse is not None:
+                self._event(reuse)
             unscoped = self.salt_ignored() if salt is not None else None  # with reuse off a salt would do nothing
             if unscoped is not None:
                 self._event(SettingIgnored(field="generate.salt", value=salt, reason=unscoped))
@@ -483,6 +501,7 @@ class GenerationExecutor:
                 proposer.clear()
             self._live, self._forks = {}, {}
             self._block_tables.keep_only(())
+            self._drop_v4(lives)
             self._check_flex()
             self._event(GenerationFailed(call=call, error=type(exc).__name__,
                                          message=retitled(first_line(exc, ""), self._caller),
@@ -492,6 +511,7 @@ class GenerationExecutor:
         if proposer is not None:
             proposer.clear()
         self._block_tables.keep_only(())
+        self._drop_v4(lives)
         # compiling a new attention shape is a one-off (later calls reuse it): reported apart, not as generation
         warmup = (self.flex.warmup_s if self.flex is not None else 0.0) - warm_before
         self._check_flex()
@@ -522,7 +542,25 @@ class GenerationExecutor:
         from engine.beam_search import beam_search
 
         self._check_open()
+        refused = self.beam_refusal()
+        if refused is not None:
+            raise GenerationError(refused)
         return beam_search(self, prompts, params, max_beam_width=self.max_beam_width, salt=salt)
+
+    def reuse_ignored(self) -> SettingIgnored | None:
+        """DeepSeek V4 with prefix reuse on: the ``setting_ignored`` that says its requests read no prefix (``run`` and
+        the serving loop record it); None otherwise."""
+        if self.v4 is None or not self.manager.options.enable_block_reuse \
+                or getattr(self.manager, "reuse_off_reason", None) is not None:  # off anyway, and said so where it acts
+            return None
+        return SettingIgnored(field="kv_cache_config.enable_block_reuse", value=True, reason=V4_NO_REUSE)
+
+    def beam_refusal(self) -> str | None:
+        """Why this model cannot beam search (one line, for ``LLM.beam_search`` and the server), or None."""
+        if self.v4 is None:
+            return None
+        return (f"beam_search: {self.name} is a DeepSeek V4 model, whose compressor side state kvload does not fork "
+                "or reorder between beams; use generate")
 
     def generate(
         self,
@@ -671,8 +709,8 @@ class GenerationExecutor:
                 # a scored prompt is prefilled whole by its first sample (a cached prefix computes no logits), whose
                 # blocks are cached as any request's: the later samples, and later requests, reuse them
                 cap = room if p.max_tokens is None else min(p.max_tokens, room)  # None: vLLM's "up to the context"
-                request = Request(req_id, ids, cap, salt=salt,
-                                  skip_prefix_read=p.prompt_logprobs is not None and j == 0,
+                request = Request(req_id, ids, cap, salt=salt,  # DeepSeek V4 reads no prefix: V4_NO_REUSE
+                                  skip_prefix_read=(p.prompt_logprobs is not None and j == 0) or self.v4 is not None,
                                   priority=ranks[i] if ranks is not None else 0)
                 if j == 0:
                     self._check_fits(i, request, p.max_tokens)
@@ -732,6 +770,8 @@ class GenerationExecutor:
     def _reuse_off(self) -> str | None:
         """Why the manager shares no prefix between requests, or None when prefix reuse is on."""
         off = getattr(self.manager, "reuse_off_reason", None)  # V2 says why (a layout that cannot be keyed, ...)
+        if off is None and self.v4 is not None:
+            return V4_NO_REUSE
         return off or (None if self.manager.options.enable_block_reuse else "enable_block_reuse is false")
 
     def salt_ignored(self) -> str | None:
@@ -881,8 +921,17 @@ class GenerationExecutor:
                                  decode_kernel=self.decode_kernel)
         if any(k > 1 for k in keep):
             batch.keep_last(keep)
+        if self.v4 is not None:
+            self.v4.keep_only(live)  # a request that left (finished, aborted, preempted) takes its side state along
+            step_states(batch, self.v4, [s.request.req_id for s in out.scheduled])
         with self.linear.active() if self.linear is not None else contextlib.nullcontext():
             logits = run_forward(self.model, batch)
+        if self.v4 is not None and self._forks:  # the samples forked from a prompt just computed continue its state
+            for s in out.scheduled:
+                req = s.request
+                if req.req_id in self._forks and req.num_computed_tokens + s.num_tokens >= req.num_prompt_tokens:
+                    for kid in self._forks[req.req_id]:
+                        self.v4.copy(req.req_id, kid.request.req_id)
         scores: dict[str, PromptScores] = {}
         offsets = list(itertools.accumulate(keep, initial=0))
         for i, req, first, n in scored:
@@ -1134,6 +1183,12 @@ class GenerationExecutor:
             # the parts, for a face that words its own advice (the server: a client cannot raise --max_tokens)
             exc.shortfall, exc.longest_sequence = shortfall, fits
             raise exc
+
+    def _drop_v4(self, lives: Iterable[_Live]) -> None:
+        """Drop the side state of a call's requests (DeepSeek V4), finished or not."""
+        if self.v4 is not None:
+            for live in lives:
+                self.v4.free(live.request.req_id)
 
     def _counters(self) -> dict[str, int]:
         stats = self.manager.stats()

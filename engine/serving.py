@@ -307,6 +307,9 @@ class ServingEngine:
     def start(self) -> None:
         """Start the loop thread (idempotent)."""
         if self._thread is None:
+            reuse = self.executor.reuse_ignored()
+            if reuse is not None:
+                self.notify(reuse)
             self._thread = threading.Thread(target=self._run, name="kvload-engine", daemon=True)
             self._thread.start()
 
@@ -494,7 +497,8 @@ class ServingEngine:
         request.salt = salt
         request.priority = -int(priority)  # kvload ranks higher first; vLLM's value is lower first
         # a scored prompt is prefilled whole (a cached prefix computes no logits); its blocks are cached for others
-        request.skip_prefix_read = params.prompt_logprobs is not None
+        # DeepSeek V4 reads no prefix at all: its compressor side state is not in the cached blocks
+        request.skip_prefix_read = params.prompt_logprobs is not None or self.executor.v4 is not None
         req_id = request.req_id
         seed = None
         if not params.greedy:
@@ -536,7 +540,7 @@ class ServingEngine:
             request.salt = salt
             request.priority = -int(priority)
             # only the first prefills: a scored prompt whole (a cached prefix computes no logits), once for all
-            request.skip_prefix_read = params.prompt_logprobs is not None and j == 0
+            request.skip_prefix_read = (params.prompt_logprobs is not None and j == 0) or self.executor.v4 is not None
             live = self._new_live(request, params, sink, None if base is None else base + j)
             live.sample, live.samples, live.group = j, len(sinks), first.req_id
             group.append(live)
@@ -559,6 +563,9 @@ class ServingEngine:
             raise EngineStopped(self._why_stopped())
         if self.ranks is not None:  # its ranking is not in StepOrders: the ranks could not be kept alike
             raise GenerationError("beam_search: not served under tensor parallel; serve the model on one device")
+        refused = self.executor.beam_refusal()
+        if refused is not None:
+            raise GenerationError(refused)
         width = self.executor.max_beam_width
         if params.beam_width > width:
             raise GenerationError(f"beam_search: beam_width={params.beam_width} exceeds max_beam_width={width}, the "
@@ -954,6 +961,8 @@ class ServingEngine:
                 continue
             parent = lives[k]
             for kid in self.driver.forks_for(req.req_id):
+                if self.executor.v4 is not None:  # DeepSeek V4: the choice continues the prompt's side state
+                    self.executor.v4.copy(req.req_id, kid.req_id)
                 live = self._live[kid.req_id]
                 if parent.prompt_logprobs is not None and live.prompt_logprobs is not None:
                     live.prompt_logprobs = list(parent.prompt_logprobs)
@@ -1035,7 +1044,8 @@ class ServingEngine:
         kids = self.driver.forks_of(req)  # the choices waiting for its prefill: the next one prefills for them
         if kids:
             heir = self._live[kids[0].req_id]
-            heir.request.skip_prefix_read = live.params.prompt_logprobs is not None  # it scores the prompt now
+            heir.request.skip_prefix_read = (live.params.prompt_logprobs is not None  # it scores the prompt now
+                                             or self.executor.v4 is not None)
             self.driver.add(heir.request)
             self.driver.fork(heir.request, kids[1:])
         self._retire(live, reason)
@@ -1055,6 +1065,8 @@ class ServingEngine:
         self._live.pop(live.request.req_id, None)
         if self.executor.proposer is not None:
             self.executor.proposer.forget(live.request.req_id)
+        if self.executor.v4 is not None:  # DeepSeek V4: its compressor side state goes with it
+            self.executor.v4.free(live.request.req_id)
         if self.observer is None:
             return
         req = live.request

@@ -10,7 +10,8 @@ from models.spec import ModelSpec
 
 @register_model("DeepseekV4ForCausalLM")
 class DeepseekV4Spec(ModelSpec):
-    """Opts in to KV cache manager V2: its compressed layers need per-group pools."""
+    """Opts in to KV cache manager V2: its compressed layers need per-group pools (generate runs them through
+    ``models.deepseek_v4_paged``, on V2 only)."""
 
     def get_model_defaults(self, args: Any) -> dict[str, Any]:
         """V2 with 128-token blocks (one hca entry per block)."""

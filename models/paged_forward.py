@@ -45,6 +45,7 @@ from cache_backends.paged_attention import (
     attend_latent_gathered,
     attend_packed,
 )
+from models.deepseek_v4_paged import advance, route_v4_attention, step_states, uses_v4
 
 ATTN_IMPLEMENTATION = "kvload_paged"
 
@@ -277,6 +278,7 @@ def route_paged_attention(model: Any) -> tuple[Any, ...]:
     this one) runs the model's own attention and masks meanwhile. Idempotent; returns the configs.
     """
     register_paged_attention()
+    route_v4_attention(model)  # DeepSeek V4's layers run their own forward over the pools (with a step's batch only)
     configs = {id(c): c for c in [model.config, *(getattr(m, "config", None) for m in model.modules())]
                if hasattr(type(c), "_attn_implementation")}
     for config in configs.values():
@@ -312,6 +314,7 @@ def register_paged_attention() -> str:
 def use_paged_attention(model: Any) -> Any:
     """Switch a loaded model's attention to ``kvload_paged`` (its ``generate`` then needs kvload's driver)."""
     register_paged_attention()
+    route_v4_attention(model)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     return model
 
@@ -329,7 +332,12 @@ def run_forward(model: Any, batch: PagedBatch) -> torch.Tensor:
         raise RuntimeError(f"the model's attention is {impl!r}; call models.paged_forward.route_paged_attention(model) "
                            "(or use_paged_attention) first")
     cache = PagedLatentCache(batch, model.config) if uses_latent_cache(batch) else None
+    v4 = uses_v4(batch.pools.layout.layers)
+    if v4 and batch.side is None:  # a one-off forward (no executor): every chunk must start at position 0
+        step_states(batch)
     with torch.inference_mode(), (_paged_here(model) if routed else contextlib.nullcontext()):
         out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, cache=cache, use_cache=False,
                     logits_to_keep=batch.logits_to_keep, kvload_batch=batch)
+    if v4:
+        advance(batch)
     return out.logits[0]

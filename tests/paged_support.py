@@ -148,13 +148,19 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "deepseek-v3": ("tiny-deepseek-v3", {}),
 }
 
+#: DeepSeek V4 with windows and compression rates small enough that short prompts cross several of each (V2 only, and
+#: not driven by RefDriver, which keeps no side state: see tests/test_deepseek_v4_generate.py)
+V4_FAMILY = ("tiny-deepseek-v4", {
+    "sliding_window": WINDOW, "index_topk": 3,
+    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}})
+
 CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
                                                                          reason="needs a CUDA device")])
 
 
 def tiny_config(family: str, **extra: Any) -> Any:
     """The preset config of a family with a raised initializer range (and its window shrunk to ``WINDOW``)."""
-    preset, overrides = FAMILIES[family]
+    preset, overrides = V4_FAMILY if family == "deepseek-v4" else FAMILIES[family]
     cfg = load_hf_config(resolve_checkpoint(preset))
     for key, value in {"initializer_range": 0.2, **overrides, **extra}.items():
         setattr(cfg, key, value)

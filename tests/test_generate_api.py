@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import re
 
 import pytest
 import torch
@@ -14,7 +13,6 @@ from engine.executor import GenerationExecutor
 from engine.sampling import sample_token
 from kvload.explain import verify_log
 from pipeline.errors import GenerationError, KvBuildError
-from tests.cli_support import run_cli
 from tests.generate_support import NEW_TOKENS, greedy_admission, hf_greedy, load, prompts_for, used_blocks
 
 # --- sampling -------------------------------------------------------------------------------------
@@ -149,31 +147,19 @@ def test_results_without_a_model_or_closed_cannot_generate(tiny_checkpoints):
         result.generate([[1, 2]])
 
 
-def test_deepseek_v4_is_plan_and_build_only():
-    with pipeline.load("tiny-deepseek-v4", load_weights=True, kv_cache_config={"max_tokens": 256}, log=False) as r, \
-            pytest.raises(GenerationError, match=r"csa, hca, v4_sliding attention layers; .* plan/build only"):
-        r.generate([[1, 2, 3]])
-
-
-@pytest.mark.parametrize("door", ["LLM", "generate", "serve"])
-def test_deepseek_v4_is_refused_by_every_generating_front_door_before_its_weights_load(capsys, door):
-    """``kvload.LLM``, ``kvload generate`` and ``kvload serve`` exist to generate: a model kvload cannot generate for
-    is refused at the weights stage, before seconds of loading weights and building pools, in the executor's words
-    (one line; exit 2 on the command line). Loading its weights on purpose (``pipeline.load``) still works."""
-    why = r"csa, hca, v4_sliding attention layers; .* plan/build only"
-    events: list[dict] = []
-    if door == "LLM":
-        with pytest.raises(GenerationError, match=why):
-            kvload.LLM("tiny-deepseek-v4", log=False, subscribers=[events.append])
-        (failed,) = [e for e in events if e["event"] == "stage_failed"]
-        assert failed["stage"] == "load_weights"
-        assert not [e for e in events if e["event"] in ("weights_loaded", "kv_manager_built")]
-    else:
-        extra = ["--port", "0"] if door == "serve" else ["--prompt", "hi"]
-        r = run_cli(capsys, door, "tiny-deepseek-v4", *extra, "--log-level", "info")
-        assert r.code == 2 and re.search(why, r.err)
-        assert "stage_failed" in r.err and "stage=load_weights" in r.err
-        assert "weights_loaded" not in r.err
+def test_the_deepseek_v4_preset_generates_transformers_greedy_tokens_through_load_and_llm():
+    """kvload's bundled DeepSeek V4 preset (128-token window and blocks, CSA and HCA layers) generates on V2 through
+    ``pipeline.load`` and ``kvload.LLM``, token-equal to transformers' greedy decode of the same weights."""
+    prompt = [(i * 37) % 500 + 2 for i in range(140)]  # past one 128-token HCA window
+    with pipeline.load("tiny-deepseek-v4", load_weights=True, kv_cache_config={"max_tokens": 512}, log=False) as r:
+        (out,) = r.generate([prompt], max_new_tokens=4)
+        assert out.token_ids == hf_greedy(r.hf_model, prompt, 4)
+    llm = kvload.LLM("tiny-deepseek-v4", log=False)
+    try:
+        (got,) = llm.generate([prompt[:20]], kvload.SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+        assert list(got.outputs[0].token_ids) == hf_greedy(llm.result.hf_model, prompt[:20], 4)
+    finally:
+        llm.close()
 
 
 # --- failures free what the call held ---------------------------------------------------------------

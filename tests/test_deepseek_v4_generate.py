@@ -1,0 +1,205 @@
+"""DeepSeek V4 generates on KV cache manager V2: token-equal to transformers, with its window and compressed entries in
+the pools and its compressor side state dropped when a request finishes."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+
+import kvload
+from cache_backends.layout import build_layout, cannot_generate
+from cache_backends.paged_attention import PagedBatch, SeqChunk
+from cache_backends.pools import BlockPools
+from models.deepseek_v4_paged import V4_NO_REUSE, V4States, step_states
+from models.geometry import layers_from_config
+from models.paged_forward import route_paged_attention, run_forward
+from pipeline.errors import GenerationError
+from tests.generate_support import greedy_admission, hf_greedy, load, prompts_for, used_blocks
+from tests.paged_support import tiny_config
+from tests.serve_support import wait_for
+
+V4 = "deepseek-v4"
+#: past the window (8) and several CSA (4) and HCA (8) windows, one shorter than a compressed window
+LENGTHS = (21, 5, 34, 2)
+
+
+@pytest.fixture(scope="module")
+def v4_path(tiny_checkpoints):
+    return tiny_checkpoints(V4)
+
+
+@pytest.fixture(scope="module")
+def v4_result(v4_path):
+    result = load(v4_path, "v2", max_tokens=1024, max_seq_len=64, max_num_tokens=16)
+    yield result
+    result.close()
+
+
+def test_greedy_tokens_equal_transformers_generate_on_v2_with_chunked_prefill(v4_result):
+    """Four prompts packed in one forward per step, prefilled in chunks of 16 tokens over 4-token blocks: every token is
+    transformers' own greedy token (its DynamicCache, compressor and indexer)."""
+    model = v4_result.hf_model
+    prompts = prompts_for(model.config.vocab_size, LENGTHS)
+    outs = v4_result.generate(prompts, max_new_tokens=12)
+    assert [o.token_ids for o in outs] == [hf_greedy(model, p, 12) for p in prompts]
+
+
+def test_a_finished_request_leaves_no_block_and_no_side_state(v4_result):
+    """While requests run the executor holds their compressor side state; once they finish, neither blocks nor side
+    state are left (blocks that left the window were released on the way: a read of one would have failed)."""
+    executor = v4_result.executor
+    held = []
+    prompts = prompts_for(v4_result.hf_model.config.vocab_size, (30, 9), seed=7)
+    executor.run(prompts, max_tokens=6, temperature=0.0, on_delta=lambda d: held.append(len(executor.v4)))
+    assert max(held) == 2
+    assert len(executor.v4) == 0
+    assert used_blocks(v4_result) == 0
+
+
+@pytest.mark.parametrize(("host", "moved"), [(0, "preemptions"), (1 << 20, "suspends")])
+def test_a_preempted_or_suspended_request_continues_with_the_right_side_state(v4_path, host, moved):
+    """Under a budget too small for six requests at once, a preempted request recomputes from position 0 with a fresh
+    side state, and one suspended to the host tier resumes with the state it had: every token is still transformers'."""
+    result = load(v4_path, "v2", max_tokens=144, max_seq_len=64, host_cache_size=host)
+    try:
+        greedy_admission(result)
+        prompts = prompts_for(result.hf_model.config.vocab_size, (21, 5, 34, 2, 17, 30))
+        outs = result.generate(prompts, max_new_tokens=14)
+        assert getattr(result.executor.last_stats, moved) > 0
+        assert [o.token_ids for o in outs] == [hf_greedy(result.hf_model, p, 14) for p in prompts]
+        assert used_blocks(result) == 0 and len(result.executor.v4) == 0
+    finally:
+        result.close()
+
+
+def test_the_pools_hold_the_window_keys_and_the_compressed_entries(v4_path):
+    """One prefill through run_forward: each layer's window group holds the raw K (== V) of the window's tokens at the
+    request's slots, each compressed group the compressor's (and CSA's indexer's) entries, equal to what transformers'
+    cache layers hold; the partial window is the request's side state. A decode with the blocks before the window
+    released (-1) then gives transformers' next logits."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(v4_path, dtype=torch.float32)
+    cfg = model.config
+    prompt = prompts_for(cfg.vocab_size, (21,))[0]
+    with torch.inference_mode():
+        ref = model(torch.tensor([prompt]), use_cache=True)
+    cache = ref.cache
+    layout = build_layout(layers_from_config(cfg), "v2", 4, "float32")
+    pools = BlockPools(layout, {g.name: 16 for g in layout.groups}, "cpu")
+    # blocks handed out backwards, so a slot is not its position by accident
+    tables = {g.name: list(range(15, 15 - (32 // g.tokens_per_block) - 1, -1)) for g in layout.groups}
+    route_paged_attention(model)
+    states = V4States()
+    batch = PagedBatch.build([SeqChunk(prompt, 0, tables)], pools)
+    step_states(batch, states, ["r"])
+    logits = run_forward(model, batch)
+    torch.testing.assert_close(logits[0], ref.logits[0, -1], rtol=1e-4, atol=1e-4)
+    state = states.states["r"]
+    assert state.pos == len(prompt)
+    hd = cfg.head_dim
+    for i, ref_layer in enumerate(cache.layers):
+        for name, pos in pools.layer_index[i]:
+            g = pools.groups[name]
+            view = pools.layer_slots(name, pos)
+            if g.compress_rate is None:  # the last W - 1 tokens, which transformers' sliding layer keeps
+                kept = range(len(prompt) - ref_layer.keys.shape[2], len(prompt))
+                slots = [tables[name][p // g.tokens_per_block] * g.entries_per_block + p % g.tokens_per_block
+                         for p in kept]
+                torch.testing.assert_close(view[slots], ref_layer.keys[0, 0])
+                continue
+            for series, cols in (("compressor", slice(0, hd)), ("indexer", slice(hd, None))):
+                want = ref_layer.compressed_kv.get(series)
+                if want is None:
+                    continue
+                entries = range(want.shape[1])
+                slots = [tables[name][w * g.compress_rate // g.tokens_per_block] * g.entries_per_block
+                         + w % g.entries_per_block for w in entries]
+                torch.testing.assert_close(view[slots, cols], want[0])
+                torch.testing.assert_close(state.layers[i][series].buf_kv, ref_layer.buffer_kv[series])
+    nxt = int(logits[0].argmax())
+    window = cfg.sliding_window
+    for g in layout.groups:
+        if g.window is not None:  # what the manager releases: blocks wholly before the next query's window
+            for j in range((len(prompt) + 1 - window) // g.tokens_per_block):
+                tables[g.name][j] = -1
+    batch = PagedBatch.build([SeqChunk([nxt], len(prompt), tables)], pools)
+    step_states(batch, states, ["r"])
+    with torch.inference_mode():
+        want = model(torch.tensor([[nxt]]), cache=cache, use_cache=True).logits[0, -1]
+    torch.testing.assert_close(run_forward(model, batch)[0], want, rtol=1e-4, atol=1e-4)
+
+
+def test_prefix_reuse_is_off_and_says_so_forked_samples_continue_the_prompts_state(v4_path):
+    """A repeated prompt is computed again (its compressor state is not in the cached blocks), the audit says so once
+    per call; drafts and the compiled attention are ignored (said once each); a prompt's second greedy sample, forked
+    from the first, continues its side state and equals it; beam search is refused in one line."""
+    events: list[dict] = []
+    llm = kvload.LLM(str(v4_path), kv_cache_config={"tokens_per_block": 4, "max_tokens": 1024}, max_seq_len=64,
+                     max_draft_len=2, attention_backend="flex", log=False, subscribers=[events.append])
+    try:
+        model = llm.result.hf_model
+        prompt = prompts_for(model.config.vocab_size, (24,), seed=3)[0]
+        want = hf_greedy(model, prompt, 8)
+        for _ in range(2):
+            (out,) = llm.generate([prompt], kvload.SamplingParams(max_tokens=8, temperature=0.0, n=2), use_tqdm=False)
+            assert [list(c.token_ids) for c in out.outputs] == [want, want]
+            assert out.num_cached_tokens == 0
+        ignored = {e["field"]: e["reason"] for e in events if e["event"] == "setting_ignored"}
+        assert "compressor side state" in ignored["kv_cache_config.enable_block_reuse"]
+        assert "rejected draft" in ignored["max_draft_len"]
+        assert "their own forward" in ignored["attention_backend"]
+        assert used_blocks(llm.result) == 0 and len(llm.result.executor.v4) == 0
+        with pytest.raises(GenerationError, match=r"beam_search: .* DeepSeek V4 .*; use generate"):
+            llm.beam_search([{"prompt_token_ids": prompt}], kvload.BeamSearchParams(beam_width=2, max_tokens=2))
+    finally:
+        llm.close()
+
+
+def test_v1_is_refused_in_one_line_naming_v2():
+    layers = layers_from_config(tiny_config(V4))
+    assert cannot_generate("tiny-deepseek-v4", layers, "v2") is None
+    why = cannot_generate("tiny-deepseek-v4", layers, "v1")
+    assert why is not None and "\n" not in why
+    assert "csa, hca" in why and "use_kv_cache_manager_v2: true" in why
+
+
+def ended(ends: dict[int, Any], j: int, event: Any) -> None:
+    """A serving sink: keeps choice ``j``'s last event."""
+    if event.finished:
+        ends[j] = event
+
+
+def test_the_serving_loop_forks_choices_from_the_prompts_state_and_reads_no_prefix(v4_path):
+    """``kvload serve``'s loop: a repeated prompt's two greedy choices (forked from one prefill) equal transformers'
+    tokens both times, the second computes its prompt again (no prefix read), the loop's audit says reuse is
+    ignored, beam search is refused in one line, and nothing is held once the requests end."""
+    from engine.sampling_params import SamplingParams
+    from engine.serving import ServingEngine
+
+    events: list[dict] = []
+    result = load(v4_path, "v2", max_tokens=1024, max_seq_len=64)
+    result.bus.subscribe(events.append)
+    engine = ServingEngine.from_result(result)
+    try:
+        engine.start()
+        prompt = prompts_for(result.hf_model.config.vocab_size, (19,), seed=11)[0]
+        want = hf_greedy(result.hf_model, prompt, 6)
+        for _ in range(2):
+            ends: dict[int, Any] = {}
+            engine.submit_group(prompt, SamplingParams(max_tokens=6, temperature=0.0),
+                                [functools.partial(ended, ends, j) for j in (0, 1)])
+            wait_for(lambda: len(ends) == 2, what="both choices")  # noqa: B023 (waited for within the iteration)
+            assert [list(ends[j].token_ids) for j in (0, 1)] == [want, want]
+            assert ends[0].reused_prompt_tokens == 0
+        with pytest.raises(GenerationError, match="DeepSeek V4"):
+            engine.submit_beam(prompt, kvload.BeamSearchParams(beam_width=2, max_tokens=2), [print, print])
+        wait_for(lambda: len(result.executor.v4) == 0, what="side state dropped")
+        assert used_blocks(result) == 0
+    finally:
+        engine.stop(60)
+        result.close()
+    assert [e["reason"] for e in events if e.get("field") == "kv_cache_config.enable_block_reuse"] == [V4_NO_REUSE]
