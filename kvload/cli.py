@@ -1120,9 +1120,9 @@ def add_generate_command(sub: Any) -> None:
 
 
 def _read_audit(path: str) -> Any:
-    from pipeline.audit import AuditLog
+    from kvload.explain import read_log  # streamed: a long run's log is too big to hold
 
-    return AuditLog.from_jsonl(path)
+    return read_log(path)
 
 
 def flag_aliases() -> dict[str, str]:
