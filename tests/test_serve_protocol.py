@@ -177,3 +177,18 @@ def test_text_parts_of_a_message_are_joined_by_newlines_as_vllm_joins_them():
                                                                          {"type": "text", "text": "the sky"}]}]},
                 "chat", default_max_tokens=16)
     assert job.prompts == [[{"role": "user", "content": "Describe:\nthe sky"}]]  # it was "Describe:the sky"
+
+
+@pytest.mark.parametrize("choice", [{}, {"tool_choice": "none"}, {"tool_choice": "required"}])
+def test_chat_refuses_an_empty_tools_array_as_vllm_does(choice):
+    """``tools: []`` was taken as no tools; vLLM's chat completions refuse it (a 400 naming ``tools``, matching
+    OpenAI), whatever tool_choice says; /tokenize, whose vLLM request has no such rule, still takes it."""
+    from kvload.serve.protocol import parse_tokenize
+
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(BadRequest) as info:
+        parse({"messages": messages, "tools": [], **choice}, "chat", default_max_tokens=16)
+    assert info.value.param == "tools"
+    assert info.value.message == ("tools: must not be an empty array (vLLM's and OpenAI's rule); give at least one "
+                                  "tool or leave tools out")
+    assert parse_tokenize({"messages": messages, "tools": []}).template.get("tools") is None

@@ -849,12 +849,16 @@ _TOOL_CHOICES = ('"none", "required", or {"type": "function", "function": {"name
 _NO_PARAMETERS: Mapping[str, Any] = MappingProxyType({"type": "object", "properties": {}})
 
 
-def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """OpenAI's ``tools``, passed to the chat template as vLLM does (the model sees them); None when there are none."""
+def _tools(body: dict[str, Any], empty: bool = False) -> list[dict[str, Any]] | None:
+    """OpenAI's ``tools``, passed to the chat template as vLLM does (the model sees them); None when there are none.
+    ``[]`` is a 400 unless ``empty`` (``/tokenize``, where vLLM takes it): vLLM's chat refuses it, as OpenAI does."""
     tools = body.get("tools")
     if tools is None:
         return None
     _need(isinstance(tools, list), "tools", _TOOLS, tools)
+    if not tools and not empty:
+        raise BadRequest("tools: must not be an empty array (vLLM's and OpenAI's rule); give at least one tool or "
+                         "leave tools out", param="tools")
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         _need(isinstance(tool, dict) and tool.get("type", "function") == "function" and isinstance(function, dict)
@@ -1064,7 +1068,7 @@ def parse_tokenize(body: Any) -> TokenizeJob:
     _model(body)
     strs = _flag(body, "return_token_strs", False)
     if chat:
-        return TokenizeJob(None, _messages(body), _template(body, _tools(body)),
+        return TokenizeJob(None, _messages(body), _template(body, _tools(body, empty=True)),
                            _flag(body, "add_special_tokens", False), strs)
     if "prompt" not in body:
         raise BadRequest("prompt: required (the text to tokenize), or messages (a conversation)", param="prompt")
