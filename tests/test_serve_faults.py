@@ -169,6 +169,39 @@ def test_read_timeouts_are_counted_head_and_body_alike(served):
     assert served.metrics()["kvload_http_requests_in_flight"] == 0  # the timed-out body's slot was freed
 
 
+def test_a_stream_whose_client_reads_nothing_is_dropped_and_frees_its_slot(served, monkeypatch):
+    """A client that sends a streamed request and never reads: once the socket's buffers filled, each send waited
+    for ever, so the request held its --max-concurrent-requests slot and its connection long after its answer was
+    generated. Still reading nothing ``--request-read-timeout`` later, it is dropped, its request aborted.
+
+    The server's buffers for this connection are made small, so they fill after a few chunks, not megabytes."""
+    from kvload.serve import server
+
+    made = server._Deadlines.connection_made
+
+    def small_buffers(self, transport):
+        transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        transport.set_write_buffer_limits(high=2048)
+        made(self, transport)
+
+    monkeypatch.setattr(server._Deadlines, "connection_made", small_buffers)
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True, "stream": True,
+                       "logprobs": 20}).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)  # before connecting: the window it advertises
+    sock.settimeout(TIMEOUT)
+    try:
+        sock.connect(("127.0.0.1", served.server.port))
+        sock.sendall(_post_head(f"Content-Length: {len(body)}\r\n") + body)
+        wait_for(lambda: served.state.in_flight == 1, what="the stream in flight")
+        monkeypatch.undo()  # the connections below get the usual buffers
+        wait_for(lambda: served.state.in_flight == 0, what="the stalled stream's slot freed")
+        wait_for(lambda: served.state.engine.snapshot()["running"] == 0, what="its request aborted")
+    finally:
+        sock.close()
+    _served_normally(served)
+
+
 @pytest.mark.parametrize("value", [0, -1.0, True, "30", float("nan"), float("inf"), 86401])
 def test_build_state_refuses_a_read_timeout_that_is_not_positive_seconds(served, value):
     from kvload.serve.server import build_state

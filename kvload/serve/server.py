@@ -315,6 +315,7 @@ class _Deadlines(H11Protocol):
 
     def connection_made(self, transport: Any) -> None:
         self._deadline: asyncio.TimerHandle | None = None
+        self._stalled: asyncio.TimerHandle | None = None
         self._phase: tuple[Any, ...] | None = None
         self._refused: h11.RemoteProtocolError | None = None
         next_event = self.conn.next_event
@@ -345,7 +346,33 @@ class _Deadlines(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel()
+        self._unstall()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        """The socket's buffers are full: the client reads nothing of its answer. One that still reads nothing
+        ``read_timeout_s`` seconds later is dropped: it held its request's slot (--max-concurrent-requests) and
+        connection for ever once its answer was generated, each send waiting on a socket it never drained, so a
+        few such clients could keep the server refusing everyone else (503) while it generated nothing."""
+        super().pause_writing()
+        if self._stalled is None:
+            self._stalled = self.loop.call_later(self.read_timeout_s, self._write_stalled)
+
+    def resume_writing(self) -> None:
+        self._unstall()
+        super().resume_writing()
+
+    def _unstall(self) -> None:
+        if self._stalled is not None:
+            self._stalled.cancel()
+            self._stalled = None
+
+    def _write_stalled(self) -> None:
+        self._stalled = None
+        if not self.transport.is_closing():
+            # aborted, not closed: a close would wait for the unread bytes to drain. connection_lost follows, which
+            # marks the request's client gone (the app aborts it and frees its slot) and wakes its waiting send
+            self.transport.abort()
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's plain-text 400 for bytes h11 cannot parse as HTTP (a malformed or oversized head), counted."""
