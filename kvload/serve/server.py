@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import http
 import json
+import logging
 import re
 import signal
 import socket
@@ -289,11 +290,53 @@ class _Server(uvicorn.Server):
         # stays bounded by the graceful timeout (5 s).
         self.force_exit = False
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's startup, with :func:`_out_of_files` handling the loop's errors first."""
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(_out_of_files(loop.get_exception_handler()))
+        await super().startup(sockets)
+
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         """uvicorn's shutdown, after telling the handlers (on the loop, which a signal handler is not)."""
         self.state.engine.request_stop()  # already, unless should_exit was set some other way
         self.stopping.set()
         await super().shutdown(sockets)
+
+
+#: How long the out-of-files line stays said (:func:`_out_of_files`): once a minute while it lasts.
+OUT_OF_FILES_EVERY_S = 60.0
+
+
+def _out_of_files(then: Any) -> Any:
+    """The loop's exception handler: a connection that cannot be accepted for want of file descriptors (a flood
+    of connections past ``ulimit -n``) is one warning line a minute, not asyncio's error and traceback for each
+    try. Python 3.11's accept loop (cpython gh-151615) retried it up to uvicorn's backlog (2,048) times a second,
+    each logged: 342,240 lines in 10 s under ``ulimit -n 200`` and 400 connections. The connections wait in the
+    listen backlog and are taken once some close (the read timeout closes idle ones). Anything else goes to
+    ``then`` (the loop's default handler when None)."""
+    said = [float("-inf"), 0]  # when the line was last said, tries since
+
+    def handle(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if context.get("message") != "socket.accept() out of system resource":
+            if then is not None:
+                then(loop, context)
+            else:
+                loop.default_exception_handler(context)
+            return
+        said[1] += 1
+        now = time.monotonic()
+        if now - said[0] < OUT_OF_FILES_EVERY_S:
+            return
+        exc = context.get("exception")
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        again = "" if said[0] == float("-inf") else f"; {said[1]:,} tries in the last {OUT_OF_FILES_EVERY_S:g} s"
+        logging.getLogger("uvicorn.error").warning(
+            "serve: %scannot accept new connections (%s%s); they wait until some close: raise the open-file limit "
+            "(ulimit -n); each open connection holds a file, an idle one until --request-read-timeout",
+            "still " if again else "", why, again)
+        said[:] = [now, 0]
+
+    return handle
 
 
 class _Deadlines(H11Protocol):
