@@ -192,3 +192,19 @@ def test_chat_refuses_an_empty_tools_array_as_vllm_does(choice):
     assert info.value.message == ("tools: must not be an empty array (vLLM's and OpenAI's rule); give at least one "
                                   "tool or leave tools out")
     assert parse_tokenize({"messages": messages, "tools": []}).template.get("tools") is None
+
+
+@pytest.mark.parametrize(("prompt", "param", "got"), [
+    ([1, 2.0], "prompt[1]", "2.0"),
+    ([5, 6, True], "prompt[2]", "True"),
+    ([7, "x"], "prompt[1]", "'x'"),
+    ([[1, 2], [3, None]], "prompt[1][1]", "None"),
+])
+def test_a_token_id_list_with_one_bad_item_names_that_item(prompt, param, got):
+    """``[1, 2.0]`` was read as a list of prompts and refused as ``prompt[0]: expected a non-empty string or a
+    non-empty list of token ids, got 1``: the one id that was right, not the item that was wrong."""
+    with pytest.raises(BadRequest) as info:
+        parse({"prompt": prompt, "max_tokens": 2}, "completion", default_max_tokens=16)
+    assert info.value.param == param
+    assert info.value.message == (f"{param}: expected a token id (an integer >= 0; the list's first item is one), "
+                                  f"got {got}")

@@ -1135,13 +1135,24 @@ def _prompts(body: dict[str, Any]) -> list[Any]:
     _need(isinstance(prompt, list) and bool(prompt), "prompt", expected, prompt)
     if _token_ids(prompt):
         return [list(prompt)]
+    _bad_token_id(prompt, "prompt")
     if len(prompt) > MAX_PROMPTS:
         raise BadRequest(f"prompt: a list of {len(prompt):,} prompts; at most {MAX_PROMPTS} per request (send "
                          "several requests)", param="prompt")
     for i, p in enumerate(prompt):
+        if isinstance(p, list) and p and not _token_ids(p):
+            _bad_token_id(p, f"prompt[{i}]")
         ok = (isinstance(p, str) and bool(p)) or (isinstance(p, list) and bool(p) and _token_ids(p))
         _need(ok, f"prompt[{i}]", "a non-empty string or a non-empty list of token ids", p)
     return list(prompt)
+
+
+def _bad_token_id(ids: list[Any], field: str) -> None:
+    """``BadRequest`` naming the first element that is no integer of a list that starts with a token id: ``[1, 2.0]``
+    was read as a list of prompts and refused as ``prompt[0]: ... got 1``, naming the one id that was right."""
+    if type(ids[0]) is int:
+        i, bad = next((i, v) for i, v in enumerate(ids) if type(v) is not int)
+        _need(False, f"{field}[{i}]", "a token id (an integer >= 0; the list's first item is one)", bad)
 
 
 def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
