@@ -292,8 +292,8 @@ def verify_log(audit: AuditLog) -> dict[str, Any]:
     }
 
 
-#: The events :func:`summarize`, :func:`verify_log` and :func:`explain` read besides value events, events naming a
-#: field, and warnings; :func:`needed` keeps only these when a file is read (a long run's request records are not).
+#: The events :func:`summarize`, :func:`verify_log` and :func:`explain` read besides value events and warnings;
+#: :func:`needed` keeps only these when a file is read (a long run's request records are not kept).
 READ_EVENTS = frozenset({
     "model_resolved", "executor_routed", "user_fields_snapshotted", "pipeline_finished", "stage_failed",
     "stage_finished", "sampling_defaults_resolved", "auto_captured", "auto_resolved", "route_fallback",
@@ -304,8 +304,7 @@ READ_EVENTS = frozenset({
 
 def needed(record: dict[str, Any]) -> bool:
     """Whether the reports of this module read this event (``AuditLog.from_jsonl(path, keep=needed)``)."""
-    return (record["event"] in READ_EVENTS or "field" in record or record.get("level") in ("warning", "error")
-            or is_value_event(record))
+    return record["event"] in READ_EVENTS or record.get("level") in ("warning", "error") or is_value_event(record)
 
 
 def read_log(path: str) -> AuditLog:

@@ -382,3 +382,6 @@ def test_a_streamed_read_reports_what_a_whole_read_does(tmp_path):
     assert verify_log(streamed) == check
     assert summarize(streamed, "x") == summarize(whole, "x")
     assert explain(streamed) == explain(whole)
+    fields = ["max_seq_len", "kv_cache_config.use_kv_cache_manager_v2", "kv_cache_config.host_cache_size", "device",
+              "generation_config", "override_generation_config"]
+    assert explain(streamed, fields) == explain(whole, fields)
