@@ -300,6 +300,9 @@ class _Server(uvicorn.Server):
         """uvicorn's shutdown, after telling the handlers (on the loop, which a signal handler is not)."""
         self.state.engine.request_stop()  # already, unless should_exit was set some other way
         self.stopping.set()
+        for connection in list(self.server_state.connections):
+            if isinstance(connection, _Deadlines):
+                connection.refuse_unfinished_head()
         await super().shutdown(sockets)
 
 
@@ -404,6 +407,18 @@ class _Deadlines(H11Protocol):
     def resume_writing(self) -> None:
         self._unstall()
         super().resume_writing()
+
+    def refuse_unfinished_head(self) -> None:
+        """At the stop, a request whose head is still arriving gets the 503 one whose body is still arriving gets
+        (``server_shutting_down``), not uvicorn's bare close, which left its client guessing why."""
+        if self.transport.is_closing() or self.conn.their_state is not h11.IDLE or not self.conn.trailing_data[0]:
+            return
+        self.transport.write(_raw_error(BadRequest(
+            "the server is shutting down and takes no new requests; retry on another server", status=503,
+            kind="server_error", code="server_shutting_down")))
+        if self.metrics is not None:
+            self.metrics.on_refused(503, "server_shutting_down")
+        self.transport.close()
 
     def _unstall(self) -> None:
         if self._stalled is not None:
@@ -516,11 +531,18 @@ def _not_http(exc: h11.RemoteProtocolError | None, head_limit: int) -> tuple[int
 
 def _head_timeout(timeout: float) -> bytes:
     """The raw 408 for a head that did not arrive in time (h11 sends no response before a request's head)."""
-    body = json.dumps(BadRequest(f"the request head did not arrive in time: its headers were not all in within "
+    return _raw_error(BadRequest(f"the request head did not arrive in time: its headers were not all in within "
                                  f"{timeout:g} s (--request-read-timeout sets it)", status=408,
-                                 code="request_timeout").body()).encode()
-    return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
-            b"content-length: %d\r\n\r\n%s" % (len(body), body))
+                                 code="request_timeout"))
+
+
+def _raw_error(error: BadRequest) -> bytes:
+    """An error answer as raw bytes, its connection closing: for a request whose head is not all in (h11 sends no
+    response before one)."""
+    body = json.dumps(error.body()).encode()
+    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"content-length: %d\r\n\r\n%s" % (error.status, http.HTTPStatus(error.status).phrase.encode(),
+                                                len(body), body))
 
 
 class _Writes:
