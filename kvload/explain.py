@@ -257,14 +257,10 @@ def summarize(audit: AuditLog, source: str = "") -> dict[str, Any]:
 def verify_log(audit: AuditLog) -> dict[str, Any]:
     """Check a log is what kvload wrote: replay equals the recorded args, seq is unbroken, the route agrees."""
     problems = list(audit.verify())
-    seqs = [e.get("seq") for e in audit.events]
-    for i, seq in enumerate(seqs):
-        # a served log says how many records it let go where (--audit-keep): seq skips exactly that many there
-        expected = i + (audit.dropped if audit.dropped_at is not None and i >= audit.dropped_at else 0)
-        if seq != expected:
-            problems.append(f"event {i + 1} has seq {seq!r}, expected {expected}: events were removed, added or "
-                            "reordered")
-            break
+    # a served log says how many records it let go where (--audit-keep): seq skips exactly that many there
+    seq_problem = audit.seq_problem()
+    if seq_problem is not None:
+        problems.append(seq_problem)
     finished = audit.of("pipeline_finished")
     routes = audit.of("executor_routed")
     recorded = finished[-1].get("route") if finished else None
@@ -279,12 +275,9 @@ def verify_log(audit: AuditLog) -> dict[str, Any]:
             problems.append(f"{V2}: final args say {v2!r}, the route was chosen for "
                             f"{recorded['use_kv_cache_manager_v2']!r}")
     problems += cross_check(audit.events, audit.final_args(), flatten(framework_defaults()))
-    ended = {e.get("call") for e in audit.events if e.get("event") in ("generation_finished", "generation_failed")}
-    for e in audit.of("generation_started"):  # a call with no end: written while it ran, or its end was cut out
-        if e.get("call") not in ended:
-            problems.append(f"generate call {e.get('call')!r} (seq {e.get('seq')!r}) started and never ended: no "
-                            "generation_finished or generation_failed (the log was written while it ran, or its "
-                            "end was removed)")
+    for call, seq in audit.unended_calls():  # a call with no end: written while it ran, or its end was cut out
+        problems.append(f"generate call {call!r} (seq {seq!r}) started and never ended: no generation_finished or "
+                        "generation_failed (the log was written while it ran, or its end was removed)")
     chain = audit.chain
     if chain is not None and not chain["ok"]:
         problems.append(f"chain: {chain['problem']}")
@@ -297,6 +290,26 @@ def verify_log(audit: AuditLog) -> dict[str, Any]:
         "problems": problems,
         "chain": chain,
     }
+
+
+#: The events :func:`summarize`, :func:`verify_log` and :func:`explain` read besides value events and warnings;
+#: :func:`needed` keeps only these when a file is read (a long run's request records are not kept).
+READ_EVENTS = frozenset({
+    "model_resolved", "executor_routed", "user_fields_snapshotted", "pipeline_finished", "stage_failed",
+    "stage_finished", "sampling_defaults_resolved", "auto_captured", "auto_resolved", "route_fallback",
+    "model_default_applied", "model_default_skipped", "field_derived", "source_conflict", "setting_ignored",
+    "max_seq_len_beyond_positions", "kv_host_tier_chosen", "kv_budget_computed", "kv_manager_built", "args_parsed",
+})
+
+
+def needed(record: dict[str, Any]) -> bool:
+    """Whether the reports of this module read this event (``AuditLog.from_jsonl(path, keep=needed)``)."""
+    return record["event"] in READ_EVENTS or record.get("level") in ("warning", "error") or is_value_event(record)
+
+
+def read_log(path: str) -> AuditLog:
+    """An audit file read for ``kvload audit``/``explain``: streamed, holding only the events they read."""
+    return AuditLog.from_jsonl(path, keep=needed)
 
 
 def _route_line(route: dict[str, Any] | None) -> list[str]:

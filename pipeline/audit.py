@@ -17,7 +17,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from pipeline.audit_chain import HEAD, PREV, Chain, audit_key, check_chain
+import attrs
+
+from pipeline.audit_chain import HEAD, PREV, Chain, ChainCheck, audit_key
 from pipeline.audit_schema import record_problem
 from pipeline.config import framework_defaults
 from pipeline.errors import AuditError, ConfigError, OutputError, cannot_read
@@ -66,6 +68,8 @@ class AuditLog:
         self.max_tail: int | None = None
         #: Records :meth:`keep_tail` let go of (oldest first); the sinks of the bus still got them.
         self.dropped = 0
+        #: Set by a streamed read that kept only some events (``from_jsonl(keep=...)``).
+        self._digest: _Digest | None = None
 
     def __call__(self, record: dict[str, Any]) -> None:
         events = self.events
@@ -97,7 +101,7 @@ class AuditLog:
         return head, rest[extra:], dropped + extra
 
     def __len__(self) -> int:
-        return len(self.events)
+        return len(self.events) if self._digest is None else self._digest.count
 
     def of(self, name: str) -> list[dict[str, Any]]:
         """All events with this name, in order."""
@@ -158,58 +162,183 @@ class AuditLog:
                 sink(record)
 
     @classmethod
-    def from_jsonl(cls, path: str | os.PathLike[str]) -> AuditLog:
+    def from_jsonl(cls, path: str | os.PathLike[str],
+                   keep: Callable[[dict[str, Any]], bool] | None = None) -> AuditLog:
         """Read an audit file; raise ``AuditError`` naming the file and line when it is unusable.
 
         Every record is checked against its event's schema (:mod:`pipeline.audit_schema`); the hash
-        chain is checked too, its verdict kept in :attr:`chain` for ``audit --verify``.
+        chain is checked too, its verdict kept in :attr:`chain` for ``audit --verify``. The file is read
+        as a stream: with ``keep``, only the events it accepts are held (a long served log's request records
+        are most of it), the count, ``seq`` and generate-call checks being made on the way (:meth:`seq_problem`,
+        :meth:`unended_calls`, ``len``).
         """
         if os.fspath(path) == "":  # Path("") is ".", which would be refused as a directory
             raise AuditError("audit file: empty path, expected an audit .jsonl file (written with --audit-log)")
         p = Path(path)
-        text = _read_text(p)
-        lines = text.splitlines()
-        records: list[tuple[int, dict[str, Any]]] = []
-        for n, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            # only an unterminated last line can be cut short: every record is written with its newline
-            record = _parse_line(p, n, line, last=n == len(lines) and not text.endswith(("\n", "\r")))
-            records.append((n, record))
-        if not records:  # 0 bytes, or only blank lines: nothing to read either way
-            raise AuditError(f"{p}: empty file, expected a kvload audit log (JSON Lines)")
-        first, header = records[0]
+        reader = _Reader(p, keep)
+        for n, line, last in _lines(p):
+            reader.line(n, line, last)
+        return reader.finish(cls)
+
+    def seq_problem(self) -> str | None:
+        """The first event whose ``seq`` is not its place (a served log's gap of dropped records allowed for)."""
+        if self._digest is not None:
+            return self._digest.seq_problem
+        for i, e in enumerate(self.events):
+            problem = _seq_problem(i, e.get("seq"), self.dropped if self.dropped_at is not None else 0,
+                                   self.dropped_at)
+            if problem is not None:
+                return problem
+        return None
+
+    def unended_calls(self) -> list[tuple[Any, Any]]:
+        """(call, seq) of each ``generation_started`` with no ``generation_finished``/``generation_failed``."""
+        if self._digest is not None:
+            return list(self._digest.calls.unended())
+        calls = _Calls()
+        for e in self.events:
+            calls.add(e)
+        return list(calls.unended())
+
+
+def _seq_problem(i: int, seq: Any, dropped: int, dropped_at: int | None) -> str | None:
+    expected = i + (dropped if dropped_at is not None and i >= dropped_at else 0)
+    if seq != expected:
+        return f"event {i + 1} has seq {seq!r}, expected {expected}: events were removed, added or reordered"
+    return None
+
+
+class _Calls:
+    """The generate calls started and not (yet) ended, in the order they started; memory for the open ones and the
+    ids of the ended ones, not for every record."""
+
+    def __init__(self) -> None:
+        self.ended: set[Any] = set()
+        self.open: dict[int, tuple[Any, Any]] = {}  # by order of start: (call, seq)
+        self.by_call: dict[Any, list[int]] = {}
+        self.started = 0
+
+    def add(self, record: dict[str, Any]) -> None:
+        """Take note of one event."""
+        name = record["event"]
+        if name == "generation_started":
+            call = record.get("call")
+            if call not in self.ended:
+                self.open[self.started] = (call, record.get("seq"))
+                self.by_call.setdefault(call, []).append(self.started)
+            self.started += 1
+        elif name in ("generation_finished", "generation_failed"):
+            call = record.get("call")
+            self.ended.add(call)
+            for i in self.by_call.pop(call, ()):
+                del self.open[i]
+
+    def unended(self) -> Iterator[tuple[Any, Any]]:
+        """(call, seq) of each call started and never ended."""
+        return iter(self.open.values())
+
+
+@attrs.define
+class _Digest:
+    """What a streamed read found about the events it did not keep."""
+
+    count: int
+    seq_problem: str | None
+    calls: _Calls
+
+
+class _Reader:
+    """:meth:`AuditLog.from_jsonl`, one line at a time. The errors come out as a whole-file read gave them: one not
+    UTF-8 first, then a line that is not a record, then the first record that does not fit (header, schema)."""
+
+    def __init__(self, p: Path, keep: Callable[[dict[str, Any]], bool] | None) -> None:
+        self.p, self.keep = p, keep
+        self.parse_error: AuditError | None = None
+        self.problem: AuditError | None = None  # the first unusable record; later lines are only parsed
+        self.header: dict[str, Any] | None = None
+        self.chain: ChainCheck | None = None
+        self.known = frozenset(flatten(framework_defaults()))
+        self.events: list[dict[str, Any]] = []
+        self.count = 0
+        self.dropped: tuple[int, int] | None = None  # (index of the first event after the gap, records missing)
+        self.seq_problem: str | None = None
+        self.calls = _Calls()
+
+    def line(self, n: int, line: str, last: bool) -> None:
+        """One line of the file (blank ones included)."""
+        if self.parse_error is not None or not line.strip():
+            return
+        try:
+            record = _parse_line(self.p, n, line, last)
+        except AuditError as exc:
+            self.parse_error = exc
+            return
+        if self.problem is not None:
+            return
+        try:
+            self._record(n, record)
+        except AuditError as exc:
+            self.problem = exc
+
+    def _record(self, n: int, record: dict[str, Any]) -> None:
+        p = self.p
+        if self.header is None:
+            self._check_header(n, record)
+            self.header = record
+            self.chain = ChainCheck(record, audit_key())
+            return
+        assert self.chain is not None
+        self.chain.add(n, record)
+        if record.get("event") == DROPPED_EVENT:
+            count = record.get("dropped")
+            if self.dropped is not None or not (isinstance(count, int) and not isinstance(count, bool) and count > 0):
+                raise AuditError(f"{p}: line {n}: {DROPPED_EVENT}: expected one such line with 'dropped' an "
+                                 f"integer >= 1, got {short(count)}")
+            self.dropped = (self.count, count)
+            return
+        problem = record_problem(record, self.known)
+        if problem is not None:
+            raise AuditError(f"{p}: line {n}: {problem}")
+        event = {k: v for k, v in record.items() if k not in (PREV, HEAD)}
+        if self.keep is not None:  # the checks a kept event list would allow, made now
+            if self.seq_problem is None:
+                gap, at = self.dropped[::-1] if self.dropped is not None else (0, None)
+                self.seq_problem = _seq_problem(self.count, event.get("seq"), gap, at)
+            self.calls.add(event)
+        if self.keep is None or self.keep(event):
+            self.events.append(event)
+        self.count += 1
+
+    def _check_header(self, n: int, header: dict[str, Any]) -> None:
+        p = self.p
         if header.get("event") != HEADER_EVENT:
-            raise AuditError(f"{p}: line {first}: not a kvload audit log (no {HEADER_EVENT} line)")
+            raise AuditError(f"{p}: line {n}: not a kvload audit log (no {HEADER_EVENT} line)")
         version = header.get("schema_version")
         if not isinstance(version, int) or isinstance(version, bool) or version != AUDIT_SCHEMA_VERSION:
             raise AuditError(
-                f"{p}: line {first}: schema_version {short(version)} is not supported "
+                f"{p}: line {n}: schema_version {short(version)} is not supported "
                 f"(this kvload reads {AUDIT_SCHEMA_VERSION}, an integer)"
             )
         written_by = header.get("kvload_version", "")  # printed by `kvload audit`: a list came out as Python's repr,
         # a 100,000-character string as one line of it
         if not isinstance(written_by, str) or len(written_by) > MAX_VERSION_CHARS:
-            raise AuditError(f"{p}: line {first}: kvload_version {short(written_by)}: expected the version string of "
+            raise AuditError(f"{p}: line {n}: kvload_version {short(written_by)}: expected the version string of "
                              f"the kvload that wrote the log (at most {MAX_VERSION_CHARS} characters)")
-        known = frozenset(flatten(framework_defaults()))
-        events = []
-        dropped: tuple[int, int] | None = None  # (index of the first event after the gap, records missing)
-        for n, record in records[1:]:
-            if record.get("event") == DROPPED_EVENT:
-                count = record.get("dropped")
-                if dropped is not None or not (isinstance(count, int) and not isinstance(count, bool) and count > 0):
-                    raise AuditError(f"{p}: line {n}: {DROPPED_EVENT}: expected one such line with 'dropped' an "
-                                     f"integer >= 1, got {short(count)}")
-                dropped = (len(events), count)
-                continue
-            problem = record_problem(record, known)
-            if problem is not None:
-                raise AuditError(f"{p}: line {n}: {problem}")
-            events.append({k: v for k, v in record.items() if k not in (PREV, HEAD)})
-        log = cls(events, header={k: v for k, v in header.items() if k != HEAD})
-        log.chain = check_chain(header, records[1:], audit_key())
-        log.dropped_at, log.dropped = dropped if dropped is not None else (None, 0)
+
+    def finish(self, cls: type[AuditLog]) -> AuditLog:
+        """The log read, or the error that makes the file unusable."""
+        if self.parse_error is not None:
+            raise self.parse_error
+        if self.header is None and self.problem is None:  # 0 bytes, or only blank lines: nothing to read either way
+            raise AuditError(f"{self.p}: empty file, expected a kvload audit log (JSON Lines)")
+        if self.problem is not None:
+            raise self.problem
+        assert self.header is not None and self.chain is not None
+        log = cls(self.events, header={k: v for k, v in self.header.items() if k != HEAD})
+        log.chain = self.chain.verdict()
+        log.dropped_at, log.dropped = self.dropped if self.dropped is not None else (None, 0)
+        if self.keep is not None:
+            log._digest = _Digest(self.count, self.seq_problem, self.calls)
         return log
 
 
@@ -220,7 +349,9 @@ MAX_VERSION_CHARS = 64
 MAX_AUDIT_BYTES = 512 * 1024 * 1024
 
 
-def _read_text(p: Path) -> str:
+def _lines(p: Path) -> Iterator[tuple[int, str, bool]]:
+    """(line number, line, whether it is an unterminated last line) for each line of the file, as ``splitlines`` of
+    the whole text numbers them; read a line at a time. A line that is not UTF-8 is an ``AuditError`` there."""
     try:
         st = p.stat()
     except FileNotFoundError:
@@ -234,15 +365,30 @@ def _read_text(p: Path) -> str:
     if st.st_size > MAX_AUDIT_BYTES:
         raise AuditError(f"{p}: {st.st_size:,} bytes, larger than any kvload audit log ({MAX_AUDIT_BYTES:,})")
     try:
-        raw = p.read_bytes()
+        f = p.open("rb")
     except OSError as exc:
         raise AuditError(f"{p}: {cannot_read(exc, 'audit file')}") from None
+    n = 0
+    with f:
+        for newlines, raw in enumerate(_raw_lines(p, f)):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:  # where: a log kvload wrote is UTF-8, so the bytes there were changed
+                raise AuditError(f"{p}: line {newlines + 1}: not UTF-8 (byte 0x{raw[exc.start]:02x}); an audit log "
+                                 "is JSON Lines in UTF-8") from None
+            # splitlines also breaks at \r, \x0c, U+2028 ...: the numbering a whole-text read gave
+            parts = text.splitlines()
+            ends = text.endswith(("\n", "\r"))
+            for i, part in enumerate(parts):
+                n += 1
+                yield n, part, i == len(parts) - 1 and not ends
+
+
+def _raw_lines(p: Path, f: Any) -> Iterator[bytes]:
     try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:  # where: a log kvload wrote is UTF-8, so the bytes there were changed
-        line = raw.count(b"\n", 0, exc.start) + 1
-        raise AuditError(f"{p}: line {line}: not UTF-8 (byte 0x{raw[exc.start]:02x}); an audit log is JSON Lines in "
-                         "UTF-8") from None
+        yield from f
+    except OSError as exc:
+        raise AuditError(f"{p}: {cannot_read(exc, 'audit file')}") from None
 
 
 def _parse_line(p: Path, n: int, line: str, last: bool) -> dict[str, Any]:

@@ -64,47 +64,82 @@ def check_chain(header: dict[str, Any], records: list[tuple[int, dict[str, Any]]
     (``none`` without one), ``checked`` whether the links could be recomputed (an HMAC chain needs
     the key), ``problem`` the first break, and ``guarantee`` one sentence on what was proved.
     """
-    kind = header.get("chain")
-    if kind is None:
-        problem = (f"{KEY_ENV} is set but this log has no hash chain (written before chaining, or stripped): "
-                   "its origin cannot be proved") if key else None
-        return {"kind": "none", "checked": False, "ok": problem is None, "problem": problem,
-                "guarantee": "no chain: this log predates hash chaining (or its chain was stripped); only the "
-                             "replay was checked"}
-    if kind not in ("sha256", "hmac-sha256"):
-        return {"kind": str(kind), "checked": False, "ok": False, "problem": f"unknown chain kind {kind!r}",
-                "guarantee": "none"}
-    if kind == "hmac-sha256" and key is None:
-        return {"kind": kind, "checked": False, "ok": False,
-                "problem": f"the log is signed (hmac-sha256); set {KEY_ENV} to the key it was written with",
-                "guarantee": "not checked: no key"}
-    if kind == "sha256" and key is not None:
-        return {"kind": kind, "checked": False, "ok": False,
-                "problem": f"{KEY_ENV} is set but this log was written without a key (sha256 chain): its origin "
-                           "cannot be proved", "guarantee": "not checked: unsigned log"}
-    chain = Chain(key if kind == "hmac-sha256" else None)
-    chain.link(header)
-    problem = None
-    for i, (line, record) in enumerate(records):
+    check = ChainCheck(header, key)
+    for line, record in records:
+        check.add(line, record)
+    return check.verdict()
+
+
+class ChainCheck:
+    """:func:`check_chain` one record at a time, holding only the last record (a file is read as a stream)."""
+
+    def __init__(self, header: dict[str, Any], key: bytes | None) -> None:
+        self.header = header
+        kind = header.get("chain")
+        self._early: dict[str, Any] | None = None  # the verdict when the header alone decides it
+        if kind is None:
+            problem = (f"{KEY_ENV} is set but this log has no hash chain (written before chaining, or stripped): "
+                       "its origin cannot be proved") if key else None
+            self._early = {"kind": "none", "checked": False, "ok": problem is None, "problem": problem,
+                           "guarantee": "no chain: this log predates hash chaining (or its chain was stripped); "
+                                        "only the replay was checked"}
+        elif kind not in ("sha256", "hmac-sha256"):
+            self._early = {"kind": str(kind), "checked": False, "ok": False,
+                           "problem": f"unknown chain kind {kind!r}", "guarantee": "none"}
+        elif kind == "hmac-sha256" and key is None:
+            self._early = {"kind": kind, "checked": False, "ok": False,
+                           "problem": f"the log is signed (hmac-sha256); set {KEY_ENV} to the key it was written "
+                                      "with", "guarantee": "not checked: no key"}
+        elif kind == "sha256" and key is not None:
+            self._early = {"kind": kind, "checked": False, "ok": False,
+                           "problem": f"{KEY_ENV} is set but this log was written without a key (sha256 chain): "
+                                      "its origin cannot be proved", "guarantee": "not checked: unsigned log"}
+        self.kind = kind
+        self.chain = Chain(key if kind == "hmac-sha256" else None)
+        if self._early is None:
+            self.chain.link(header)
+        self.problem: str | None = None
+        self._held: tuple[int, dict[str, Any]] | None = None  # a record is checked once it is known not to be last
+        self._any = False
+
+    def add(self, line: int, record: dict[str, Any]) -> None:
+        """The next record after the header, with its line number."""
+        if self._early is not None:
+            return
+        self._any = True
+        if self._held is not None and self.problem is None:
+            self._check(*self._held, last=False)
+        self._held = (line, record)
+
+    def _check(self, line: int, record: dict[str, Any], last: bool) -> None:
+        chain = self.chain
         if record.get(PREV) != chain.head:
-            problem = (f"line {line}: chain broken ('{PREV}' does not match the record before): a record was "
-                       "edited, removed, inserted or reordered" + (" or the key is wrong" if chain.key else ""))
-            break
-        last = i == len(records) - 1
+            self.problem = (f"line {line}: chain broken ('{PREV}' does not match the record before): a record was "
+                            "edited, removed, inserted or reordered" + (" or the key is wrong" if chain.key else ""))
+            return
         if HEAD in record and not last:
-            problem = f"line {line}: chain sealed before the end: records were appended after it"
-            break
+            self.problem = f"line {line}: chain sealed before the end: records were appended after it"
+            return
         link = chain.link(record)
         if last and record.get(HEAD) != link:
-            problem = (f"line {line}: " + (f"the last record's {HEAD} does not match: it was edited"
-                                           + (" or the key is wrong" if chain.key else "") if HEAD in record
-                                           else "the chain is not sealed: the file was cut short"))
-    if not records and header.get(HEAD) != chain.head:
-        problem = "line 1: the chain is not sealed: the file was cut short"
-    if kind == "hmac-sha256":
-        guarantee = (f"hmac-sha256 chain verified with {KEY_ENV}: written by a holder of the key, no record edited, "
-                     "removed, reordered or cut off")
-    else:
-        guarantee = ("sha256 chain intact: no record edited, removed, reordered or cut off without the chain being "
-                     f"recomputed (anyone can recompute it; set {KEY_ENV} when writing to prove origin)")
-    return {"kind": kind, "checked": True, "ok": problem is None, "problem": problem, "guarantee": guarantee}
+            self.problem = (f"line {line}: " + (f"the last record's {HEAD} does not match: it was edited"
+                                                + (" or the key is wrong" if chain.key else "") if HEAD in record
+                                                else "the chain is not sealed: the file was cut short"))
+
+    def verdict(self) -> dict[str, Any]:
+        """The verdict once every record was added."""
+        if self._early is not None:
+            return self._early
+        if self._held is not None and self.problem is None:
+            self._check(*self._held, last=True)
+            self._held = None
+        if not self._any and self.header.get(HEAD) != self.chain.head:
+            self.problem = "line 1: the chain is not sealed: the file was cut short"
+        if self.kind == "hmac-sha256":
+            guarantee = (f"hmac-sha256 chain verified with {KEY_ENV}: written by a holder of the key, no record "
+                         "edited, removed, reordered or cut off")
+        else:
+            guarantee = ("sha256 chain intact: no record edited, removed, reordered or cut off without the chain "
+                         f"being recomputed (anyone can recompute it; set {KEY_ENV} when writing to prove origin)")
+        return {"kind": self.kind, "checked": True, "ok": self.problem is None, "problem": self.problem,
+                "guarantee": guarantee}

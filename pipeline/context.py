@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -75,6 +75,9 @@ class LoadRequest:
     #: The flag that gives the caller text prompts (``kvload generate --prompt``), when it does: a model that loads
     #: without a tokenizer (a preset) is then refused, naming it, before its weights load.
     text_prompts: str | None = None
+    #: Token ids the caller will give the model, by what names them (``prompt 0 (--prompt-ids)``): an id outside the
+    #: vocabulary the model's config states is refused before its weights load (the executor checks again after).
+    token_ids: dict[str, Sequence[int]] = attrs.Factory(dict)
     #: Whether the caller never reads or writes the KV pools (``kvload simulate`` replays decisions, not attention):
     #: they are then built on torch's ``meta`` device, shapes without memory, and no host-memory check applies, so a
     #: budget this machine could not hold (a GPU's) is simulated as given. The V2 host tier is sized as for pools on

@@ -12,6 +12,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from cache_backends.layout import cannot_generate
 from models.weights import has_tokenizer, load_weights, plan_kv_heads_per_rank, save_random_model
@@ -19,6 +20,7 @@ from pipeline.bus import Emit
 from pipeline.context import Context
 from pipeline.errors import GenerationError, KvBuildError, ModelError
 from pipeline.events import SettingIgnored, WeightsLoaded
+from pipeline.limits import int_text
 from stages.check_parallel import require_all_ranks
 from stages.plan_kv import device_problem
 
@@ -37,6 +39,7 @@ class LoadWeights:
             why = cannot_generate(ctx.model.name, ctx.spec.kv_layers())
             if why is not None:  # the executor would refuse it after the weights and pools were built
                 raise GenerationError(why)
+        check_token_ids(ctx)
         flag = ctx.request.text_prompts
         if flag is not None and ctx.checkpoint is not None and not has_tokenizer(ctx.checkpoint):
             why = "presets have random weights and none" if ctx.checkpoint.kind == "preset" else \
@@ -68,6 +71,28 @@ class LoadWeights:
             converted=loaded.converted, seed=seed if loaded.source == "random" else None,
             duration_ms=loaded.duration_ms,
         ))
+
+
+def config_vocab_size(hf_config: Any) -> int | None:
+    """The vocabulary size a transformers config states (its text config's for a multimodal one), None if none."""
+    vocab = getattr(hf_config, "vocab_size", None)
+    if vocab is None and hasattr(hf_config, "get_text_config"):
+        vocab = getattr(hf_config.get_text_config(), "vocab_size", None)
+    return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0 else None
+
+
+def check_token_ids(ctx: Context) -> None:
+    """``GenerationError`` for the first id of ``request.token_ids`` outside the vocabulary of the model's config:
+    ``--prompt-ids 1,99999`` was refused by the executor after the weights (seconds to minutes) had loaded."""
+    vocab = config_vocab_size(ctx.hf_config) if ctx.request.token_ids else None
+    if vocab is None:
+        return
+    for what, ids in ctx.request.token_ids.items():
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            name = ctx.checkpoint.name if ctx.checkpoint is not None else "the model"
+            raise GenerationError(f"generate: {what}: token id {int_text(bad)} is outside the vocabulary "
+                                  f"(0..{vocab - 1}: vocab_size {vocab} in {name}'s config)")
 
 
 def check_plan_matches_pools(ctx: Context) -> None:

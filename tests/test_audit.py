@@ -307,3 +307,81 @@ def test_verify_names_a_generate_call_that_never_ended():
     seq = events[started]["seq"]
     assert mid_call["problems"] == [f"generate call 0 (seq {seq}) started and never ended: no generation_finished or "
                                     "generation_failed (the log was written while it ran, or its end was removed)"]
+
+
+def _long_log(path, calls: int, edit=None) -> None:
+    """A plan's load records, then ``calls`` generate calls of 4 requests each, as a long run's --audit-log holds
+    them (chained as kvload writes it); ``edit(records)`` may damage the list first."""
+    from pipeline.audit import JsonlSink
+
+    records = [dict(e) for e in pipeline.plan("tiny-llama", log=False).audit.events]
+    for call in range(calls):
+        common = {"stage": "generate", "prompt_tokens": 3, "reused_prompt_tokens": 0}
+        records.append({"event": "generation_started", "stage": "generate", "call": call, "requests": 4,
+                        "prompt_tokens": 12, "max_new_tokens": 2, "temperature": 0.0, "top_p": 1.0, "seed": None,
+                        "salted": False, "kv_manager": "KVCacheManager"})
+        records += [{"event": "request_admitted", **common, "req_id": f"{call}-{i}"} for i in range(4)]
+        records += [{"event": "request_finished", **common, "req_id": f"{call}-{i}", "reason": "length",
+                     "output_tokens": 2} for i in range(4)]
+        records.append({"event": "generation_finished", "stage": "generate", "call": call, "requests": 4,
+                        "prompt_tokens": 12, "reused_prompt_tokens": 0, "generated_tokens": 8, "steps": 2,
+                        "suspends": 0, "resumes": 0, "preemptions": 0, "duration_ms": 1.0, "tokens_per_s": 8.0})
+    for seq, record in enumerate(records):
+        record["seq"] = seq
+    if edit is not None:
+        edit(records)
+    with JsonlSink(path) as sink:
+        for record in records:
+            sink(record)
+
+
+@pytest.mark.parametrize("command", [["audit", "--verify"], ["explain"]])
+def test_audit_and_explain_read_a_long_log_without_holding_it(capsys, tmp_path, command):
+    """A 121 MB log of a long run took 2 GB to `kvload audit --verify`: the whole text, its lines and every record
+    were held at once. Read as a stream, only the records the reports use are held."""
+    import tracemalloc
+
+    from tests.cli_support import run_cli
+
+    path = tmp_path / "long.jsonl"
+    _long_log(path, calls=600)
+    size = path.stat().st_size
+    run_cli(capsys, command[0], path, *command[1:])  # imports and caches warmed outside the measurement
+    tracemalloc.start()
+    try:
+        r = run_cli(capsys, command[0], path, *command[1:])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert r.code == 0, r.err
+    assert peak < size / 2, f"peak {peak:,} bytes reading a {size:,}-byte log"
+
+
+def test_a_streamed_read_reports_what_a_whole_read_does(tmp_path):
+    """``kvload audit``/``explain`` keep only the events their reports read and make the seq and generate-call checks
+    on the way: on a damaged log (a call that never ended, a record removed) they say what the full log says."""
+    from kvload.explain import explain, read_log, summarize, verify_log
+
+    def damage(records):
+        def at(name, call):
+            return next(i for i, r in enumerate(records) if r["event"] == name and r.get("call") == call)
+        records[at("generation_finished", 3)]["call"] = 9  # call 3 never ended; an end of no call
+        records[at("generation_started", 4)]["call"] = 0  # a start of a call that ended before
+        del records[at("generation_finished", 1)]  # call 1 never ended, and seq skips one from there
+    path = tmp_path / "long.jsonl"
+    _long_log(path, calls=5, edit=damage)
+    whole, streamed = AuditLog.from_jsonl(path), read_log(path)
+    assert len(streamed.events) < len(whole.events) and len(streamed) == len(whole)
+    check = verify_log(whole)
+    gap = next(i for i, e in enumerate(whole.events) if e["seq"] != i)
+    starts = {e["call"]: e["seq"] for e in whole.of("generation_started")}
+    assert [p for p in check["problems"] if "seq" in p] == [
+        f"event {gap + 1} has seq {gap + 1}, expected {gap}: events were removed, added or reordered",
+        *(f"generate call {call} (seq {starts[call]}) started and never ended: no generation_finished or "
+          "generation_failed (the log was written while it ran, or its end was removed)" for call in (1, 3))]
+    assert verify_log(streamed) == check
+    assert summarize(streamed, "x") == summarize(whole, "x")
+    assert explain(streamed) == explain(whole)
+    fields = ["max_seq_len", "kv_cache_config.use_kv_cache_manager_v2", "kv_cache_config.host_cache_size", "device",
+              "generation_config", "override_generation_config"]
+    assert explain(streamed, fields) == explain(whole, fields)

@@ -294,6 +294,26 @@ def test_prompts_the_model_cannot_take_are_refused_before_anything_loads(capsys,
     assert r.err.startswith("error: --chat: " if "--chat" in args else "error: --prompt: tiny-llama has no tokenizer")
 
 
+@pytest.mark.parametrize(("args", "message"), [
+    (("--prompt-ids", "1,2,99999"), "prompt 0 (--prompt-ids): token id 99999"),
+    (("--prompt-ids", "1", "--prompt-ids", "3,512"), "prompt 1 (--prompt-ids): token id 512"),
+    (("--prompt-ids", "1", "--stop_token_ids", "5,600"), "--stop_token_ids: token id 600"),
+])
+def test_token_ids_outside_the_vocabulary_are_refused_before_the_weights_load(capsys, monkeypatch, args, message):
+    """An id past the model's vocab_size was refused by the executor after the weights had loaded (14 s here for
+    tiny-llama, minutes for a large model); the model's config states the vocabulary size before that."""
+    import stages.load_weights
+
+    def loads(*_args, **_kw):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(stages.load_weights, "load_weights", loads)
+    r = run_cli(capsys, *TINY, *args)
+    assert r.code == 2 and r.one_error_line, r.err
+    assert r.err == (f"error: generate: {message} is outside the vocabulary (0..511: vocab_size 512 in tiny-llama's "
+                     "config)\n")
+
+
 def test_a_real_process_streams_and_writes_the_audit(tmp_path):
     audit = tmp_path / "g.jsonl"
     r = kvload(*TINY, "--prompt-ids", "3,4,5", "--max_new_tokens", "3", "--temperature", "0.7", "--seed", "11",

@@ -169,6 +169,82 @@ def test_read_timeouts_are_counted_head_and_body_alike(served):
     assert served.metrics()["kvload_http_requests_in_flight"] == 0  # the timed-out body's slot was freed
 
 
+def test_a_stream_whose_client_reads_nothing_is_dropped_and_frees_its_slot(served, monkeypatch):
+    """A client that sends a streamed request and never reads: once the socket's buffers filled, each send waited
+    for ever, so the request held its --max-concurrent-requests slot and its connection long after its answer was
+    generated. Still reading nothing ``--request-read-timeout`` later, it is dropped, its request aborted.
+
+    The server's buffers for this connection are made small, so they fill after a few chunks, not megabytes."""
+    from kvload.serve import server
+
+    made = server._Deadlines.connection_made
+
+    def small_buffers(self, transport):
+        transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        transport.set_write_buffer_limits(high=2048)
+        made(self, transport)
+
+    monkeypatch.setattr(server._Deadlines, "connection_made", small_buffers)
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True, "stream": True,
+                       "logprobs": 20}).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)  # before connecting: the window it advertises
+    sock.settimeout(TIMEOUT)
+    try:
+        sock.connect(("127.0.0.1", served.server.port))
+        sock.sendall(_post_head(f"Content-Length: {len(body)}\r\n") + body)
+        wait_for(lambda: served.state.in_flight == 1, what="the stream in flight")
+        monkeypatch.undo()  # the connections below get the usual buffers
+        wait_for(lambda: served.state.in_flight == 0, what="the stalled stream's slot freed")
+        wait_for(lambda: served.state.engine.snapshot()["running"] == 0, what="its request aborted")
+    finally:
+        sock.close()
+    _served_normally(served)
+
+
+def test_connections_past_the_open_file_limit_are_one_warning_not_a_traceback_per_try(served, monkeypatch, caplog):
+    """A flood of connections past ``ulimit -n``: each accept that failed for want of a file descriptor was
+    asyncio's error with a traceback, and Python 3.11 retries up to uvicorn's backlog (2,048) times a second: 342,240
+    log lines in 10 s. It is one warning line; the connection waiting in the backlog is served once files free up.
+
+    The listening socket's accept fails with EMFILE until the test lets it succeed, as it does at the limit."""
+    import errno
+    import logging
+    import threading
+
+    listening, accept = served.server.sock, socket.socket.accept
+    full, tries = threading.Event(), []
+    full.set()
+
+    def out_of_files(self):
+        if self is listening and full.is_set():
+            tries.append(None)
+            raise OSError(errno.EMFILE, "Too many open files")
+        return accept(self)
+
+    said: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = said.append  # type: ignore[method-assign]
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    uvicorn_log.addHandler(handler)
+    monkeypatch.setattr(socket.socket, "accept", out_of_files)
+    try:
+        with caplog.at_level(logging.ERROR, logger="asyncio"), _connect(served) as sock:
+            sock.sendall(_post_head("Content-Length: 2\r\nConnection: close\r\n") + b"{}")
+            wait_for(lambda: len(tries) > 100, what="accept failing")
+            full.clear()
+            status, _, payload = _response(_read_to_close(sock))  # served once a descriptor is free
+        assert status == 400 and b"prompt: required" in payload
+        assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
+    finally:
+        uvicorn_log.removeHandler(handler)
+    (line,) = [r for r in said if "cannot accept" in r.getMessage()]
+    assert line.getMessage() == ("serve: cannot accept new connections (Too many open files); they wait until some "
+                                 "close: raise the open-file limit (ulimit -n); each open connection holds a file, an "
+                                 "idle one until --request-read-timeout")
+    assert line.exc_info is None  # no traceback
+
+
 @pytest.mark.parametrize("value", [0, -1.0, True, "30", float("nan"), float("inf"), 86401])
 def test_build_state_refuses_a_read_timeout_that_is_not_positive_seconds(served, value):
     from kvload.serve.server import build_state

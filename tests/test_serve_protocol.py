@@ -177,3 +177,34 @@ def test_text_parts_of_a_message_are_joined_by_newlines_as_vllm_joins_them():
                                                                          {"type": "text", "text": "the sky"}]}]},
                 "chat", default_max_tokens=16)
     assert job.prompts == [[{"role": "user", "content": "Describe:\nthe sky"}]]  # it was "Describe:the sky"
+
+
+@pytest.mark.parametrize("choice", [{}, {"tool_choice": "none"}, {"tool_choice": "required"}])
+def test_chat_refuses_an_empty_tools_array_as_vllm_does(choice):
+    """``tools: []`` was taken as no tools; vLLM's chat completions refuse it (a 400 naming ``tools``, matching
+    OpenAI), whatever tool_choice says; /tokenize, whose vLLM request has no such rule, still takes it."""
+    from kvload.serve.protocol import parse_tokenize
+
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(BadRequest) as info:
+        parse({"messages": messages, "tools": [], **choice}, "chat", default_max_tokens=16)
+    assert info.value.param == "tools"
+    assert info.value.message == ("tools: must not be an empty array (vLLM's and OpenAI's rule); give at least one "
+                                  "tool or leave tools out")
+    assert parse_tokenize({"messages": messages, "tools": []}).template.get("tools") is None
+
+
+@pytest.mark.parametrize(("prompt", "param", "got"), [
+    ([1, 2.0], "prompt[1]", "2.0"),
+    ([5, 6, True], "prompt[2]", "True"),
+    ([7, "x"], "prompt[1]", "'x'"),
+    ([[1, 2], [3, None]], "prompt[1][1]", "None"),
+])
+def test_a_token_id_list_with_one_bad_item_names_that_item(prompt, param, got):
+    """``[1, 2.0]`` was read as a list of prompts and refused as ``prompt[0]: expected a non-empty string or a
+    non-empty list of token ids, got 1``: the one id that was right, not the item that was wrong."""
+    with pytest.raises(BadRequest) as info:
+        parse({"prompt": prompt, "max_tokens": 2}, "completion", default_max_tokens=16)
+    assert info.value.param == param
+    assert info.value.message == (f"{param}: expected a token id (an integer >= 0; the list's first item is one), "
+                                  f"got {got}")

@@ -256,6 +256,32 @@ def test_a_body_still_arriving_when_the_server_stops_gets_a_503_at_once():
         assert served.state.in_flight == 0
 
 
+def _refused_shutting_down(served: Served) -> float:
+    """``kvload_http_requests_refused_total{reason="shutting_down"}``, from the metrics (the server may be gone)."""
+    text = served.state.metrics.render().decode()
+    return next(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+                if sample.name == "kvload_http_requests_refused_total" and sample.labels["reason"] == "shutting_down")
+
+
+def test_a_head_still_arriving_when_the_server_stops_gets_the_same_503():
+    """A client part-way through a request's headers when the server stopped had its connection closed with no
+    answer, where one part-way through the body gets 503 server_shutting_down; it gets that 503 too, counted."""
+    with serving("tiny-llama") as served:
+        before = _refused_shutting_down(served)
+        with _logged_errors() as errors, _connect(served.server.port) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Ty")
+            wait_for(lambda: any(c.conn.trailing_data[0] for c in served.server.server.server_state.connections),
+                     what="the partial head read")
+            stopper = threading.Thread(target=served.server.stop)
+            stopper.start()
+            answer = _read_to_close(sock)
+            stopper.join(TIMEOUT)
+            assert not stopper.is_alive() and not served.server.thread.is_alive()
+        _assert_shutting_down(answer)
+        assert [r.getMessage() for r in errors] == []
+        assert _refused_shutting_down(served) == before + 1
+
+
 def test_a_second_stop_signal_still_ends_each_stream_with_its_last_chunk_and_done():
     """Ctrl-C pressed twice (or SIGINT then SIGTERM) while a stream waited on a step: the second signal was uvicorn's
     "force quit", which skipped waiting for open answers and cancelled their handlers, so the client read a chunked

@@ -13,9 +13,9 @@ from kvload.cli.parser import HelpFormatter
 
 
 def _read_audit(path: str) -> Any:
-    from pipeline.audit import AuditLog
+    from kvload.explain import read_log  # streamed: a long run's log is too big to hold
 
-    return AuditLog.from_jsonl(path)
+    return read_log(path)
 
 
 def cmd_explain(ns: argparse.Namespace) -> int:

@@ -849,12 +849,16 @@ _TOOL_CHOICES = ('"none", "required", or {"type": "function", "function": {"name
 _NO_PARAMETERS: Mapping[str, Any] = MappingProxyType({"type": "object", "properties": {}})
 
 
-def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """OpenAI's ``tools``, passed to the chat template as vLLM does (the model sees them); None when there are none."""
+def _tools(body: dict[str, Any], empty: bool = False) -> list[dict[str, Any]] | None:
+    """OpenAI's ``tools``, passed to the chat template as vLLM does (the model sees them); None when there are none.
+    ``[]`` is a 400 unless ``empty`` (``/tokenize``, where vLLM takes it): vLLM's chat refuses it, as OpenAI does."""
     tools = body.get("tools")
     if tools is None:
         return None
     _need(isinstance(tools, list), "tools", _TOOLS, tools)
+    if not tools and not empty:
+        raise BadRequest("tools: must not be an empty array (vLLM's and OpenAI's rule); give at least one tool or "
+                         "leave tools out", param="tools")
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         _need(isinstance(tool, dict) and tool.get("type", "function") == "function" and isinstance(function, dict)
@@ -1064,7 +1068,7 @@ def parse_tokenize(body: Any) -> TokenizeJob:
     _model(body)
     strs = _flag(body, "return_token_strs", False)
     if chat:
-        return TokenizeJob(None, _messages(body), _template(body, _tools(body)),
+        return TokenizeJob(None, _messages(body), _template(body, _tools(body, empty=True)),
                            _flag(body, "add_special_tokens", False), strs)
     if "prompt" not in body:
         raise BadRequest("prompt: required (the text to tokenize), or messages (a conversation)", param="prompt")
@@ -1131,13 +1135,24 @@ def _prompts(body: dict[str, Any]) -> list[Any]:
     _need(isinstance(prompt, list) and bool(prompt), "prompt", expected, prompt)
     if _token_ids(prompt):
         return [list(prompt)]
+    _bad_token_id(prompt, "prompt")
     if len(prompt) > MAX_PROMPTS:
         raise BadRequest(f"prompt: a list of {len(prompt):,} prompts; at most {MAX_PROMPTS} per request (send "
                          "several requests)", param="prompt")
     for i, p in enumerate(prompt):
+        if isinstance(p, list) and p and not _token_ids(p):
+            _bad_token_id(p, f"prompt[{i}]")
         ok = (isinstance(p, str) and bool(p)) or (isinstance(p, list) and bool(p) and _token_ids(p))
         _need(ok, f"prompt[{i}]", "a non-empty string or a non-empty list of token ids", p)
     return list(prompt)
+
+
+def _bad_token_id(ids: list[Any], field: str) -> None:
+    """``BadRequest`` naming the first element that is no integer of a list that starts with a token id: ``[1, 2.0]``
+    was read as a list of prompts and refused as ``prompt[0]: ... got 1``, naming the one id that was right."""
+    if type(ids[0]) is int:
+        i, bad = next((i, v) for i, v in enumerate(ids) if type(v) is not int)
+        _need(False, f"{field}[{i}]", "a token id (an integer >= 0; the list's first item is one)", bad)
 
 
 def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import http
 import json
+import logging
 import re
 import signal
 import socket
@@ -290,11 +291,56 @@ class _Server(uvicorn.Server):
         # stays bounded by the graceful timeout (5 s).
         self.force_exit = False
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's startup, with :func:`_out_of_files` handling the loop's errors first."""
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(_out_of_files(loop.get_exception_handler()))
+        await super().startup(sockets)
+
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         """uvicorn's shutdown, after telling the handlers (on the loop, which a signal handler is not)."""
         self.state.engine.request_stop()  # already, unless should_exit was set some other way
         self.stopping.set()
+        for connection in list(self.server_state.connections):
+            if isinstance(connection, _Deadlines):
+                connection.refuse_unfinished_head()
         await super().shutdown(sockets)
+
+
+#: How long the out-of-files line stays said (:func:`_out_of_files`): once a minute while it lasts.
+OUT_OF_FILES_EVERY_S = 60.0
+
+
+def _out_of_files(then: Any) -> Any:
+    """The loop's exception handler: a connection that cannot be accepted for want of file descriptors (a flood
+    of connections past ``ulimit -n``) is one warning line a minute, not asyncio's error and traceback for each
+    try. Python 3.11's accept loop (cpython gh-151615) retried it up to uvicorn's backlog (2,048) times a second,
+    each logged: 342,240 lines in 10 s under ``ulimit -n 200`` and 400 connections. The connections wait in the
+    listen backlog and are taken once some close (the read timeout closes idle ones). Anything else goes to
+    ``then`` (the loop's default handler when None)."""
+    said = [float("-inf"), 0]  # when the line was last said, tries since
+
+    def handle(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if context.get("message") != "socket.accept() out of system resource":
+            if then is not None:
+                then(loop, context)
+            else:
+                loop.default_exception_handler(context)
+            return
+        said[1] += 1
+        now = time.monotonic()
+        if now - said[0] < OUT_OF_FILES_EVERY_S:
+            return
+        exc = context.get("exception")
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        again = "" if said[0] == float("-inf") else f"; {said[1]:,} tries in the last {OUT_OF_FILES_EVERY_S:g} s"
+        logging.getLogger("uvicorn.error").warning(
+            "serve: %scannot accept new connections (%s%s); they wait until some close: raise the open-file limit "
+            "(ulimit -n); each open connection holds a file, an idle one until --request-read-timeout",
+            "still " if again else "", why, again)
+        said[:] = [now, 0]
+
+    return handle
 
 
 class _Deadlines(H11Protocol):
@@ -316,6 +362,7 @@ class _Deadlines(H11Protocol):
 
     def connection_made(self, transport: Any) -> None:
         self._deadline: asyncio.TimerHandle | None = None
+        self._stalled: asyncio.TimerHandle | None = None
         self._phase: tuple[Any, ...] | None = None
         self._refused: h11.RemoteProtocolError | None = None
         next_event = self.conn.next_event
@@ -346,7 +393,45 @@ class _Deadlines(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel()
+        self._unstall()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        """The socket's buffers are full: the client reads nothing of its answer. One that still reads nothing
+        ``read_timeout_s`` seconds later is dropped: it held its request's slot (--max-concurrent-requests) and
+        connection for ever once its answer was generated, each send waiting on a socket it never drained, so a
+        few such clients could keep the server refusing everyone else (503) while it generated nothing."""
+        super().pause_writing()
+        if self._stalled is None:
+            self._stalled = self.loop.call_later(self.read_timeout_s, self._write_stalled)
+
+    def resume_writing(self) -> None:
+        self._unstall()
+        super().resume_writing()
+
+    def refuse_unfinished_head(self) -> None:
+        """At the stop, a request whose head is still arriving gets the 503 one whose body is still arriving gets
+        (``server_shutting_down``), not uvicorn's bare close, which left its client guessing why."""
+        if self.transport.is_closing() or self.conn.their_state is not h11.IDLE or not self.conn.trailing_data[0]:
+            return
+        self.transport.write(_raw_error(BadRequest(
+            "the server is shutting down and takes no new requests; retry on another server", status=503,
+            kind="server_error", code="server_shutting_down")))
+        if self.metrics is not None:
+            self.metrics.on_refused(503, "server_shutting_down")
+        self.transport.close()
+
+    def _unstall(self) -> None:
+        if self._stalled is not None:
+            self._stalled.cancel()
+            self._stalled = None
+
+    def _write_stalled(self) -> None:
+        self._stalled = None
+        if not self.transport.is_closing():
+            # aborted, not closed: a close would wait for the unread bytes to drain. connection_lost follows, which
+            # marks the request's client gone (the app aborts it and frees its slot) and wakes its waiting send
+            self.transport.abort()
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's plain-text 400 for bytes h11 cannot parse as HTTP (a malformed or oversized head), counted."""
@@ -447,11 +532,18 @@ def _not_http(exc: h11.RemoteProtocolError | None, head_limit: int) -> tuple[int
 
 def _head_timeout(timeout: float) -> bytes:
     """The raw 408 for a head that did not arrive in time (h11 sends no response before a request's head)."""
-    body = json.dumps(BadRequest(f"the request head did not arrive in time: its headers were not all in within "
+    return _raw_error(BadRequest(f"the request head did not arrive in time: its headers were not all in within "
                                  f"{timeout:g} s (--request-read-timeout sets it)", status=408,
-                                 code="request_timeout").body()).encode()
-    return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
-            b"content-length: %d\r\n\r\n%s" % (len(body), body))
+                                 code="request_timeout"))
+
+
+def _raw_error(error: BadRequest) -> bytes:
+    """An error answer as raw bytes, its connection closing: for a request whose head is not all in (h11 sends no
+    response before one)."""
+    body = json.dumps(error.body()).encode()
+    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"content-length: %d\r\n\r\n%s" % (error.status, http.HTTPStatus(error.status).phrase.encode(),
+                                                len(body), body))
 
 
 class _Writes:
