@@ -8,5 +8,6 @@ One module per concern: ``entry`` (``main``: signals, logging, the error line, t
 parser with every subcommand), ``plan``, ``generate``, ``simulate``, ``inspection`` (each command's flags and its
 ``cmd_*``), ``flags`` (the configuration flags), ``values`` (flag value types), ``parser`` (the one-line argparse
 parser, secrets hidden), ``files`` (files a command writes or reads), ``output`` (stdout and the error text),
-``sampling_defaults`` (read by generate and serve) and ``token_printer`` (generate's output).
+``sampling_defaults`` (read by generate and serve), ``token_printer`` (generate's output) and
+``structured_flags`` (generate's structured-output flags).
 """

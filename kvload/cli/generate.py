@@ -64,7 +64,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         default_length_origin(peeked)
     if ns.min_tokens > max_new_tokens:
         raise ConfigError(f"--min_tokens: expected at most {length} ({max_new_tokens}), got {ns.min_tokens}")
-    from kvload.structured_flags import flag_named, reasoning_ignored, structured_outputs
+    from kvload.cli.structured_flags import flag_named, reasoning_ignored, structured_outputs
 
     structured = structured_outputs(ns)  # its spec parsed by xgrammar: a bad one is refused before the weights load
     if structured is not None:
@@ -246,7 +246,7 @@ def add_generate_command(sub: Any) -> None:
                    type=_bounded(number, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
                    help="sample only among tokens at least P times as likely as the most likely one (default: the "
                         "model's, else 0)")
-    from kvload.structured_flags import add_structured_flags
+    from kvload.cli.structured_flags import add_structured_flags
 
     add_structured_flags(p)
     p.set_defaults(func=cmd_generate, prompts=None)
