@@ -91,6 +91,7 @@ class V4SequenceState:
 
 
 def _copy_layers(layers: dict[int, dict[str, _Series]]) -> dict[int, dict[str, _Series]]:
+    """A deep copy of a state's series (a snapshot is restored into, and forked from, copies)."""
     return {i: {n: s.clone() for n, s in series.items()} for i, series in layers.items()}
 
 
@@ -114,7 +115,8 @@ class V4Snapshot:
 class V4Snapshots:
     """Snapshots of cached prefixes, one per block of the window group that ends at a reuse boundary, kept while that
     block holds what it held when the snapshot was taken (its generation) and is cached or held by a request
-    (:meth:`prune`): never more of them than such blocks, none after ``reset_prefix_cache``."""
+    (:meth:`prune`): once no request runs, never more of them than such blocks in the prefix cache, and none after
+    ``reset_prefix_cache``."""
 
     def __init__(self, tokens_per_block: int) -> None:
         self.T = tokens_per_block
