@@ -82,7 +82,7 @@ from engine.sampling_params import (
 from engine.speculation import NgramProposer, verify_drafted
 from engine.stopping import SampleText
 from engine.structured import Constraint, GrammarBackend, constrain
-from models.deepseek_v4_paged import V4_NO_DRAFTS, V4_NO_REUSE, V4States, step_states, uses_v4
+from models.deepseek_v4_paged import V4_NO_DRAFTS, V4Snapshot, V4States, prefix_digest, step_states, uses_v4
 from models.geometry import head_dim as config_head_dim
 from models.geometry import kv_heads as config_kv_heads
 from models.geometry import text_config
@@ -206,8 +206,20 @@ class GenerationExecutor:
         if why is not None:
             raise GenerationError(why)
         #: DeepSeek V4: every running request's compressor side state (the partial window and CSA's overlap, which
-        #: are no full compressed entry yet), dropped when the request finishes; None for other models
-        self.v4: V4States | None = V4States() if uses_v4(manager.layout.layers) else None
+        #: are no full compressed entry yet), dropped when the request finishes, and the snapshots of cached prefixes
+        #: at reuse boundaries, kept with the window group's block that ends there; None for other models
+        self.v4: V4States | None = None
+        self._v4_key: str | None = None  # the window group whose blocks key the snapshots (None: reuse off)
+        if uses_v4(manager.layout.layers):
+            unit = getattr(manager, "reuse_unit", None) if self._reuse_off() is None else None
+            key = next((g for g in manager.layout.groups if g.compress_rate is None
+                        and g.tokens_per_block == manager.layout.tokens_per_block), None)
+            if unit is None or key is None:
+                self.v4 = V4States()
+            else:  # the manager reuses a prefix only up to a boundary whose side state was snapshotted
+                self.v4 = V4States(unit, manager.layout.tokens_per_block)
+                self._v4_key = key.name
+                manager.limit_reuse(key.name, self._v4_reusable)
 
     @classmethod
     def from_result(cls, result: Any) -> GenerationExecutor:
@@ -457,6 +469,7 @@ class GenerationExecutor:
             if self.v4 is not None:
                 for req in st.finished:
                     self.v4.free(req.req_id)
+                self.prune_v4()
             self._report_tokens(st.finished, lives, outputs, on_delta)
             # between steps: nothing is half-computed
             if self._stopped is not None and (driver.has_work or driver.forks_pending):
@@ -483,9 +496,6 @@ class GenerationExecutor:
                                          + inert_settings(p, has_text, self.eos_is_special)
                                          + dropped):  # ... and what a schema holds that xgrammar does not enforce
                     self._event(SettingIgnored(field=f"generate.{name}", value=value, reason=why))
-            reuse = self.reuse_ignored()
-            if reuse is not None:
-                self._event(reuse)
             unscoped = self.salt_ignored() if salt is not None else None  # with reuse off a salt would do nothing
             if unscoped is not None:
                 self._event(SettingIgnored(field="generate.salt", value=salt, reason=unscoped))
@@ -546,14 +556,6 @@ class GenerationExecutor:
         if refused is not None:
             raise GenerationError(refused)
         return beam_search(self, prompts, params, max_beam_width=self.max_beam_width, salt=salt)
-
-    def reuse_ignored(self) -> SettingIgnored | None:
-        """DeepSeek V4 with prefix reuse on: the ``setting_ignored`` that says its requests read no prefix (``run`` and
-        the serving loop record it); None otherwise."""
-        if self.v4 is None or not self.manager.options.enable_block_reuse \
-                or getattr(self.manager, "reuse_off_reason", None) is not None:  # off anyway, and said so where it acts
-            return None
-        return SettingIgnored(field="kv_cache_config.enable_block_reuse", value=True, reason=V4_NO_REUSE)
 
     def beam_refusal(self) -> str | None:
         """Why this model cannot beam search (one line, for ``LLM.beam_search`` and the server), or None."""
@@ -709,8 +711,8 @@ class GenerationExecutor:
                 # a scored prompt is prefilled whole by its first sample (a cached prefix computes no logits), whose
                 # blocks are cached as any request's: the later samples, and later requests, reuse them
                 cap = room if p.max_tokens is None else min(p.max_tokens, room)  # None: vLLM's "up to the context"
-                request = Request(req_id, ids, cap, salt=salt,  # DeepSeek V4 reads no prefix: V4_NO_REUSE
-                                  skip_prefix_read=(p.prompt_logprobs is not None and j == 0) or self.v4 is not None,
+                request = Request(req_id, ids, cap, salt=salt,
+                                  skip_prefix_read=p.prompt_logprobs is not None and j == 0,
                                   priority=ranks[i] if ranks is not None else 0)
                 if j == 0:
                     self._check_fits(i, request, p.max_tokens)
@@ -770,8 +772,6 @@ class GenerationExecutor:
     def _reuse_off(self) -> str | None:
         """Why the manager shares no prefix between requests, or None when prefix reuse is on."""
         off = getattr(self.manager, "reuse_off_reason", None)  # V2 says why (a layout that cannot be keyed, ...)
-        if off is None and self.v4 is not None:
-            return V4_NO_REUSE
         return off or (None if self.manager.options.enable_block_reuse else "enable_block_reuse is false")
 
     def salt_ignored(self) -> str | None:
@@ -795,6 +795,7 @@ class GenerationExecutor:
             self.manager.reset_prefix_cache()
         except PrefixCacheInUseError as exc:
             return False, SettingIgnored(field=caller, value=True, reason=first_line(exc, "requests hold a cache"))
+        self.prune_v4()  # every block went back to the free list: their snapshots go too
         return True, PrefixCacheReset(caller=caller, cached_blocks=cached)
 
     @contextlib.contextmanager
@@ -923,9 +924,12 @@ class GenerationExecutor:
             batch.keep_last(keep)
         if self.v4 is not None:
             self.v4.keep_only(live)  # a request that left (finished, aborted, preempted) takes its side state along
+            self._v4_restore(out)
             step_states(batch, self.v4, [s.request.req_id for s in out.scheduled])
         with self.linear.active() if self.linear is not None else contextlib.nullcontext():
             logits = run_forward(self.model, batch)
+        if self._v4_key is not None:
+            self._v4_file(out)
         if self.v4 is not None and self._forks:  # the samples forked from a prompt just computed continue its state
             for s in out.scheduled:
                 req = s.request
@@ -1183,6 +1187,58 @@ class GenerationExecutor:
             # the parts, for a face that words its own advice (the server: a client cannot raise --max_tokens)
             exc.shortfall, exc.longest_sequence = shortfall, fits
             raise exc
+
+    def _v4_reusable(self, request: Request, m: int, block: int) -> bool:
+        """The manager's :meth:`limit_reuse` check: whether the side state of ``request``'s first ``m`` tokens was
+        snapshotted with the window-group ``block`` that ends there (DeepSeek V4)."""
+        assert self.v4 is not None and self._v4_key is not None
+        if block < 0:
+            return False
+        gen = self.manager.block_life(self._v4_key, block)[0]
+        digest = prefix_digest(request.salt, request.token_span(0, m))
+        return self.v4.snapshots.get(block, gen, m, digest) is not None
+
+    def _v4_restore(self, out: SchedulerOutput) -> None:
+        """A request that continues a reused prefix (no side state at its start) gets it back from the snapshot the
+        manager's check found (DeepSeek V4)."""
+        assert self.v4 is not None
+        states, key = self.v4.states, self._v4_key
+        for s in out.scheduled:
+            req = s.request
+            start = req.num_computed_tokens
+            state = states.get(req.req_id)
+            if not start or key is None or (state is not None and state.pos == start):
+                continue
+            block = self.manager.block_table(req, key)[start // self.v4.snapshots.T - 1]
+            if block < 0:
+                continue
+            snap = self.v4.snapshots.get(block, self.manager.block_life(key, block)[0], start,
+                                         prefix_digest(req.salt, req.token_span(0, start)))
+            if snap is not None:  # else V4States.for_step says, in one line, that the state cannot be rebuilt
+                self.v4.restore(req.req_id, snap)
+
+    def _v4_file(self, out: SchedulerOutput) -> None:
+        """Keep the snapshots a step took at reuse boundaries, each with the window-group block that ends there."""
+        assert self.v4 is not None and self._v4_key is not None
+        key, T = self._v4_key, self.v4.snapshots.T
+        for s in out.scheduled:
+            req = s.request
+            state = self.v4.states.get(req.req_id)
+            if state is None or not state.captured:
+                continue
+            table = self.manager.block_table(req, key)
+            for pos, layers in state.captured.items():
+                block = table[pos // T - 1]
+                if block >= 0:
+                    self.v4.snapshots.put(block, self.manager.block_life(key, block)[0],
+                                          V4Snapshot(pos, prefix_digest(req.salt, req.token_span(0, pos)), layers))
+            state.captured = {}
+
+    def prune_v4(self) -> None:
+        """Drop the DeepSeek V4 snapshots whose block left the prefix cache (after each step, and a reset)."""
+        if self.v4 is not None and self._v4_key is not None and self.v4.snapshots.by_block:
+            key = self._v4_key
+            self.v4.snapshots.prune(lambda b: self.manager.block_life(key, b))
 
     def _drop_v4(self, lives: Iterable[_Live]) -> None:
         """Drop the side state of a call's requests (DeepSeek V4), finished or not."""

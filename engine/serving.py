@@ -307,9 +307,6 @@ class ServingEngine:
     def start(self) -> None:
         """Start the loop thread (idempotent)."""
         if self._thread is None:
-            reuse = self.executor.reuse_ignored()
-            if reuse is not None:
-                self.notify(reuse)
             self._thread = threading.Thread(target=self._run, name="kvload-engine", daemon=True)
             self._thread.start()
 
@@ -497,8 +494,7 @@ class ServingEngine:
         request.salt = salt
         request.priority = -int(priority)  # kvload ranks higher first; vLLM's value is lower first
         # a scored prompt is prefilled whole (a cached prefix computes no logits); its blocks are cached for others
-        # DeepSeek V4 reads no prefix at all: its compressor side state is not in the cached blocks
-        request.skip_prefix_read = params.prompt_logprobs is not None or self.executor.v4 is not None
+        request.skip_prefix_read = params.prompt_logprobs is not None
         req_id = request.req_id
         seed = None
         if not params.greedy:
@@ -540,7 +536,7 @@ class ServingEngine:
             request.salt = salt
             request.priority = -int(priority)
             # only the first prefills: a scored prompt whole (a cached prefix computes no logits), once for all
-            request.skip_prefix_read = (params.prompt_logprobs is not None and j == 0) or self.executor.v4 is not None
+            request.skip_prefix_read = params.prompt_logprobs is not None and j == 0
             live = self._new_live(request, params, sink, None if base is None else base + j)
             live.sample, live.samples, live.group = j, len(sinks), first.req_id
             group.append(live)
@@ -888,6 +884,7 @@ class ServingEngine:
             self._step_failed(exc, f"{type(exc).__name__}: {exc}")
             return
         self.steps += 1
+        self.executor.prune_v4()  # after the step's commit: snapshots of blocks that left the prefix cache go
         for chunk in st.output.scheduled if st.output is not None else ():
             live = self._live.get(chunk.request.req_id)
             if live is not None and live.scheduled_at is None:
@@ -1044,8 +1041,7 @@ class ServingEngine:
         kids = self.driver.forks_of(req)  # the choices waiting for its prefill: the next one prefills for them
         if kids:
             heir = self._live[kids[0].req_id]
-            heir.request.skip_prefix_read = (live.params.prompt_logprobs is not None  # it scores the prompt now
-                                             or self.executor.v4 is not None)
+            heir.request.skip_prefix_read = live.params.prompt_logprobs is not None  # it scores the prompt now
             self.driver.add(heir.request)
             self.driver.fork(heir.request, kids[1:])
         self._retire(live, reason)

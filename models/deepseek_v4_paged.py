@@ -19,7 +19,13 @@ installed per module by :func:`route_v4_attention`; a forward without a ``kvload
 * what is not yet a full entry — the partial window of raw ``kv``/``gate`` projections (fewer than ``c`` tokens per
   compressor series) and CSA's overlap state (the last full window's first-half series) — lives in a per-request
   :class:`V4SequenceState` that the executor owns (:class:`V4States`) and drops when the request finishes, like a
-  recurrent model's state.
+  recurrent model's state;
+* prefix reuse (like SGLang's state caching for hybrid models): at every multiple of the manager's reuse unit (a
+  multiple of every group's block span, so of every compress rate: no series has a partial window there) a chunk that
+  crosses it snapshots what the blocks cannot give back, CSA's overlap series (:class:`V4Snapshots`, keyed by the
+  window group's block that ends there and the prefix's digest, dropped once that block leaves the radix tree); the
+  manager reuses a cached prefix only up to a length with a snapshot (``limit_reuse``), and the request's side state
+  is rebuilt from it.
 
 The compressor and attention run one sequence at a time inside the packed forward (the projections, MoE and
 hyper-connections run on the packed row): correctness first, the per-sequence loop is what DeepSeek V4 costs here.
@@ -27,9 +33,11 @@ hyper-connections run on the packed row): correctness first, the per-sequence lo
 
 from __future__ import annotations
 
+import array
+import hashlib
 import sys
 import types
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -38,9 +46,6 @@ import torch
 from cache_backends.layout import V4_KINDS
 
 ATTENTION_CLASS = "DeepseekV4Attention"
-#: Why generate shares no prefix for DeepSeek V4 (the ``setting_ignored`` reason for ``enable_block_reuse``).
-V4_NO_REUSE = ("DeepSeek V4's compressor side state (the partial window, CSA's overlap) is not in the reused blocks, "
-               "so a reused prefix could not continue; generate computes every prompt (blocks are still cached)")
 #: Why generate drafts nothing for DeepSeek V4 (the ``setting_ignored`` reason for ``max_draft_len``).
 V4_NO_DRAFTS = ("a rejected draft token would stay in DeepSeek V4's compressor side state, which kvload cannot roll "
                 "back; generate decodes one token per step")
@@ -70,11 +75,14 @@ class V4SequenceState:
 
     pos: int = 0
     layers: dict[int, dict[str, _Series]] = attrs.Factory(dict)
+    #: reuse boundaries the step's chunk crosses (positions to snapshot at), and the snapshots taken there: position ->
+    #: layer -> series (entry count and CSA's overlap; no partial window at a boundary), filed by the executor
+    marks: tuple[int, ...] = ()
+    captured: dict[int, dict[int, dict[str, _Series]]] = attrs.Factory(dict)
 
     def clone(self) -> V4SequenceState:
-        """A deep copy."""
-        return V4SequenceState(self.pos, {i: {n: s.clone() for n, s in series.items()}
-                                          for i, series in self.layers.items()})
+        """A deep copy (of the state, not of the step's snapshots)."""
+        return V4SequenceState(self.pos, _copy_layers(self.layers))
 
     def nbytes(self) -> int:
         """Bytes of the tensors held."""
@@ -82,12 +90,82 @@ class V4SequenceState:
                    for t in (s.buf_kv, s.buf_gate, s.overlap_kv, s.overlap_gate) if t is not None)
 
 
+def _copy_layers(layers: dict[int, dict[str, _Series]]) -> dict[int, dict[str, _Series]]:
+    """A deep copy of a state's series (a snapshot is restored into, and forked from, copies)."""
+    return {i: {n: s.clone() for n, s in series.items()} for i, series in layers.items()}
+
+
+def prefix_digest(salt: str | None, tokens: Sequence[int]) -> bytes:
+    """What identifies a prefix a snapshot belongs to: its scope (salt) and token ids."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(repr(salt).encode())
+    h.update(array.array("q", tokens).tobytes())
+    return h.digest()
+
+
+@attrs.define
+class V4Snapshot:
+    """The side state of a prefix at a reuse boundary ``pos``: what its cached blocks cannot give back."""
+
+    pos: int
+    digest: bytes
+    layers: dict[int, dict[str, _Series]]
+
+
+class V4Snapshots:
+    """Snapshots of cached prefixes, one per block of the window group that ends at a reuse boundary, kept while that
+    block holds what it held when the snapshot was taken (its generation) and is cached or held by a request
+    (:meth:`prune`): once no request runs, never more of them than such blocks in the prefix cache, and none after
+    ``reset_prefix_cache``."""
+
+    def __init__(self, tokens_per_block: int) -> None:
+        self.T = tokens_per_block
+        self.by_block: dict[int, tuple[int, V4Snapshot]] = {}  # block -> (its generation, snapshot)
+
+    def __len__(self) -> int:
+        return len(self.by_block)
+
+    def put(self, block: int, gen: int, snapshot: V4Snapshot) -> None:
+        """Keep ``snapshot`` with the window-group ``block`` (of generation ``gen``) that ends at its position."""
+        self.by_block[block] = (gen, snapshot)
+
+    def get(self, block: int, gen: int, pos: int, digest: bytes) -> V4Snapshot | None:
+        """The snapshot of the prefix ``digest`` at ``pos`` kept with ``block`` at generation ``gen``, or None."""
+        got = self.by_block.get(block)
+        if got is None or got[0] != gen or got[1].pos != pos or got[1].digest != digest:
+            return None
+        return got[1]
+
+    def prune(self, life: Callable[[int], tuple[int, int | None, bool]]) -> None:
+        """Drop the snapshots whose block was handed out again, or is neither cached where they put it nor held
+        (``life(block)``: the manager's ``block_life`` of the window group)."""
+        T = self.T
+        gone = []
+        for b, (gen, snap) in self.by_block.items():
+            now, at, held = life(b)
+            if now != gen or not (at == snap.pos // T - 1 or (at is None and held)):
+                gone.append(b)
+        for b in gone:
+            del self.by_block[b]
+
+    def clear(self) -> None:
+        """Drop every snapshot."""
+        self.by_block.clear()
+
+
 class V4States:
     """Per-request DeepSeek V4 side state, owned by the executor: created at a request's first chunk, dropped when
-    it finishes (:meth:`free`, :meth:`keep_only`, :meth:`clear`)."""
+    it finishes (:meth:`free`, :meth:`keep_only`, :meth:`clear`). With a reuse ``unit`` (prefix reuse on), a chunk
+    that crosses a multiple of it snapshots its state there (:class:`V4Snapshots`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, unit: int | None = None, tokens_per_block: int = 1) -> None:
         self.states: dict[str, V4SequenceState] = {}
+        self.unit = unit
+        self.snapshots = V4Snapshots(tokens_per_block)
+
+    def restore(self, req_id: str, snapshot: V4Snapshot) -> None:
+        """``req_id`` continues a reused prefix from its snapshot (entries before it are in the pools)."""
+        self.states[req_id] = V4SequenceState(snapshot.pos, _copy_layers(snapshot.layers))
 
     def __len__(self) -> int:
         return len(self.states)
@@ -103,10 +181,17 @@ class V4States:
             elif state is None or state.pos != start:
                 have = "none" if state is None else f"one at position {state.pos}"
                 raise RuntimeError(f"request {req_id}: DeepSeek V4 continues at position {start}, but its compressor "
-                                   f"side state is {have}; kvload cannot rebuild it (prefix reuse, speculative "
-                                   "decoding and beam search are off for DeepSeek V4 for this reason)")
+                                   f"side state is {have}, and no snapshot of it was kept; kvload cannot rebuild it "
+                                   "(speculative decoding and beam search are off for DeepSeek V4 for this reason)")
             out.append(state)
         return out
+
+    def mark(self, states: Sequence[V4SequenceState], starts: Sequence[int], lengths: Sequence[int]) -> None:
+        """Set the reuse boundaries each chunk crosses (where its forward snapshots the state)."""
+        unit = self.unit
+        for state, start, n in zip(states, starts, lengths, strict=True):
+            state.captured = {}
+            state.marks = tuple(range((start // unit + 1) * unit, start + n + 1, unit)) if unit else ()
 
     def copy(self, src: str, dst: str) -> None:
         """``dst`` continues from ``src``'s state (a sample forked from a prompt's first one)."""
@@ -137,8 +222,11 @@ class _SeqCacheLayer:
     partial window and overlap in the request's side state, the compressed entries in the pool."""
 
     def __init__(self, series: dict[str, _Series], view: torch.Tensor, table: torch.Tensor, group: Any,
-                 head_dim: int) -> None:
+                 head_dim: int, layer: int = 0, state: V4SequenceState | None = None) -> None:
         self.series = series
+        self.layer = layer
+        self.marks = state.marks if state is not None else ()
+        self.captured = state.captured if state is not None else {}
         self.view = view  # the layer's compressed pool entries, (slots, entry_elems)
         self.table = table  # the sequence's block table in the compressed group, (width,) int64 (-1: none)
         self.group = group
@@ -166,6 +254,9 @@ class _SeqCacheLayer:
             gate = torch.cat([s.buf_gate, gate], dim=1)
         usable = (kv.shape[1] // rate) * rate
         s.buf_kv, s.buf_gate = kv[:, usable:].clone(), gate[:, usable:].clone()
+        for b in self.marks:  # a boundary is a multiple of every rate: this series has no partial window there
+            if first < b <= first + usable:
+                self.captured.setdefault(b, {}).setdefault(self.layer, {})[name] = _Series(b // rate)
         return kv[:, :usable], gate[:, :usable], first
 
     def update_overlap_state(self, name: str, chunk_kv: torch.Tensor, chunk_gate: torch.Tensor,
@@ -173,6 +264,13 @@ class _SeqCacheLayer:
         """CSA: the previous full window's first-half series (None at the first), and keep this call's last."""
         s = self._series(name)
         prior = (s.overlap_kv, s.overlap_gate)
+        rate = self.group.compress_rate
+        for b in self.marks:  # the overlap a continuation at b starts from: the window that ends at b
+            j = (b - s.count * rate) // rate - 1  # the windows of this call start at the series' entry count
+            if 0 <= j < chunk_kv.shape[1]:
+                snap = self.captured[b][self.layer][name]
+                snap.overlap_kv = chunk_kv[:, j, :, :head_dim].clone()
+                snap.overlap_gate = chunk_gate[:, j, :, :head_dim].clone()
         s.overlap_kv = chunk_kv[:, -1, :, :head_dim].clone()
         s.overlap_gate = chunk_gate[:, -1, :, :head_dim].clone()
         return prior
@@ -267,7 +365,7 @@ def paged_v4_forward(module: Any, hidden_states: torch.Tensor, position_embeddin
         keys = wview[slots].to(kv.dtype).view(1, 1, -1, hd)
         if module.compressor is not None:
             series = states[b].layers.setdefault(layer, {})
-            seq_cache = _SeqCache(layer, _SeqCacheLayer(series, cview, ctable[b], cgroup, hd))
+            seq_cache = _SeqCache(layer, _SeqCacheLayer(series, cview, ctable[b], cgroup, hd, layer, states[b]))
             rows = slice(first, first + n)
             compressed, block_bias = module.compressor(hidden_states[:, rows], q_residual[:, rows],
                                                        position_ids[:, rows], seq_cache, layer)
@@ -320,6 +418,7 @@ def step_states(batch: Any, states: V4States | None = None, req_ids: Sequence[st
         batch.side = [V4SequenceState() for _ in starts]
         return
     batch.side = states.for_step(list(req_ids or ()), starts)
+    states.mark(batch.side, starts, [len(c.token_ids) for c in batch.chunks])
 
 
 def advance(batch: Any) -> None:

@@ -1,5 +1,6 @@
 """DeepSeek V4 generates on KV cache manager V2: token-equal to transformers, with its window and compressed entries in
-the pools and its compressor side state dropped when a request finishes."""
+the pools, its compressor side state dropped when a request finishes, and shared prefixes reused from snapshots of
+that state."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import kvload
 from cache_backends.layout import build_layout, cannot_generate
 from cache_backends.paged_attention import PagedBatch, SeqChunk
 from cache_backends.pools import BlockPools
-from models.deepseek_v4_paged import V4_NO_REUSE, V4States, step_states
+from models.deepseek_v4_paged import V4States, step_states
 from models.geometry import layers_from_config
 from models.paged_forward import route_paged_attention, run_forward
 from pipeline.errors import GenerationError
@@ -133,30 +134,79 @@ def test_the_pools_hold_the_window_keys_and_the_compressed_entries(v4_path):
     torch.testing.assert_close(run_forward(model, batch)[0], want, rtol=1e-4, atol=1e-4)
 
 
-def test_prefix_reuse_is_off_and_says_so_forked_samples_continue_the_prompts_state(v4_path):
-    """A repeated prompt is computed again (its compressor state is not in the cached blocks), the audit says so once
-    per call; drafts and the compiled attention are ignored (said once each); a prompt's second greedy sample, forked
-    from the first, continues its side state and equals it; beam search is refused in one line."""
+def snapshots_within_cached_boundaries(result: Any) -> int:
+    """The executor's DeepSeek V4 snapshots, checked to be no more than the window group's cached blocks that end at
+    a reuse boundary (what they are kept with); returns how many there are."""
+    executor, manager = result.executor, result.kv_manager
+    key, unit, T = executor._v4_key, manager.reuse_unit, manager.T
+    cached = sum(1 for b in range(manager.pools.num_blocks[key])
+                 if (at := manager.block_life(key, b)[1]) is not None and (at + 1) * T % unit == 0)
+    held = len(executor.v4.snapshots)
+    assert held <= cached
+    return held
+
+
+def test_a_shared_prefix_is_reused_from_its_snapshot_and_forked_samples_continue_the_prompts_state(v4_path):
+    """A second prompt sharing 37 tokens with the first (past the window, over several CSA and HCA windows) reuses
+    32 of them (the longest boundary of the reuse unit, 8 tokens, with a snapshot), a third that continues the first's
+    conversation (its answer included) reuses more, and every token is transformers' own; reuse is not said ignored
+    any more, drafts and the compiled attention are (once each); a prompt's second greedy sample, forked from the
+    first, continues its side state; beam search is refused in one line; the snapshots go with the prefix cache."""
     events: list[dict] = []
-    llm = kvload.LLM(str(v4_path), kv_cache_config={"tokens_per_block": 4, "max_tokens": 1024}, max_seq_len=64,
+    llm = kvload.LLM(str(v4_path), kv_cache_config={"tokens_per_block": 4, "max_tokens": 1024}, max_seq_len=96,
                      max_draft_len=2, attention_backend="flex", log=False, subscribers=[events.append])
     try:
         model = llm.result.hf_model
-        prompt = prompts_for(model.config.vocab_size, (24,), seed=3)[0]
-        want = hf_greedy(model, prompt, 8)
-        for _ in range(2):
-            (out,) = llm.generate([prompt], kvload.SamplingParams(max_tokens=8, temperature=0.0, n=2), use_tqdm=False)
-            assert [list(c.token_ids) for c in out.outputs] == [want, want]
-            assert out.num_cached_tokens == 0
+        first, tail, more = prompts_for(model.config.vocab_size, (40, 6, 5), seed=3)
+        second = first[:37] + tail
+        greedy = kvload.SamplingParams(max_tokens=8, temperature=0.0, n=2)
+        (out,) = llm.generate([first], greedy, use_tqdm=False)
+        answer = hf_greedy(model, first, 8)
+        assert [list(c.token_ids) for c in out.outputs] == [answer, answer]
+        assert out.num_cached_tokens == 0
+        (out,) = llm.generate([second], greedy, use_tqdm=False)
+        assert [list(c.token_ids) for c in out.outputs] == [hf_greedy(model, second, 8)] * 2
+        assert out.num_cached_tokens == 32
+        third = first + answer[:7] + more  # the first's answer is cached too, up to its last computed token
+        (out,) = llm.generate([third], kvload.SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+        assert list(out.outputs[0].token_ids) == hf_greedy(model, third, 8)
+        assert out.num_cached_tokens == 40
         ignored = {e["field"]: e["reason"] for e in events if e["event"] == "setting_ignored"}
-        assert "compressor side state" in ignored["kv_cache_config.enable_block_reuse"]
+        assert "kv_cache_config.enable_block_reuse" not in ignored
         assert "rejected draft" in ignored["max_draft_len"]
         assert "their own forward" in ignored["attention_backend"]
         assert used_blocks(llm.result) == 0 and len(llm.result.executor.v4) == 0
+        assert snapshots_within_cached_boundaries(llm.result) > 0
+        assert llm.reset_prefix_cache()
+        assert len(llm.result.executor.v4.snapshots) == 0
         with pytest.raises(GenerationError, match=r"beam_search: .* DeepSeek V4 .*; use generate"):
-            llm.beam_search([{"prompt_token_ids": prompt}], kvload.BeamSearchParams(beam_width=2, max_tokens=2))
+            llm.beam_search([{"prompt_token_ids": first}], kvload.BeamSearchParams(beam_width=2, max_tokens=2))
     finally:
         llm.close()
+
+
+def test_after_eviction_a_shorter_cached_prefix_is_reused_from_its_own_snapshot(v4_path):
+    """Under a small budget a second prompt that shares the first 16 tokens of a cached 48-token prefix reuses them and
+    evicts the rest of it (its window blocks and their snapshots go first): the prefix read again reuses only those 16
+    tokens, the longest boundary left with its blocks and snapshot, and every token is still transformers'; the
+    snapshots never outnumber the cached boundary blocks."""
+    result = load(v4_path, "v2", max_tokens=256, max_seq_len=64)
+    try:
+        model = result.hf_model
+        prefix, tail, other = prompts_for(model.config.vocab_size, (48, 4, 32), seed=5)
+        result.generate([prefix], max_new_tokens=4)
+        before = snapshots_within_cached_boundaries(result)
+        (out,) = result.generate([prefix[:16] + other], max_new_tokens=4)
+        assert out.token_ids == hf_greedy(model, prefix[:16] + other, 4)
+        assert result.executor.last_stats.reused_prompt_tokens == 16
+        snapshots_within_cached_boundaries(result)
+        prompt = prefix + tail
+        (out,) = result.generate([prompt], max_new_tokens=6)
+        assert out.token_ids == hf_greedy(model, prompt, 6)
+        assert result.executor.last_stats.reused_prompt_tokens == 16
+        assert before > 0 and snapshots_within_cached_boundaries(result) > 0
+    finally:
+        result.close()
 
 
 def test_v1_is_refused_in_one_line_naming_v2():
@@ -173,10 +223,11 @@ def ended(ends: dict[int, Any], j: int, event: Any) -> None:
         ends[j] = event
 
 
-def test_the_serving_loop_forks_choices_from_the_prompts_state_and_reads_no_prefix(v4_path):
-    """``kvload serve``'s loop: a repeated prompt's two greedy choices (forked from one prefill) equal transformers'
-    tokens both times, the second computes its prompt again (no prefix read), the loop's audit says reuse is
-    ignored, beam search is refused in one line, and nothing is held once the requests end."""
+def test_the_serving_loop_reuses_a_shared_prefix_and_forks_choices_from_the_prompts_state(v4_path):
+    """``kvload serve``'s loop: a prompt's two greedy choices (forked from one prefill) equal transformers' tokens; a
+    second prompt sharing its first 37 tokens reuses 32 of them (restored from the snapshot at that boundary) and its
+    choices equal transformers' too; reuse is not said ignored, beam search is refused in one line, and nothing is
+    held once the requests end."""
     from engine.sampling_params import SamplingParams
     from engine.serving import ServingEngine
 
@@ -186,20 +237,20 @@ def test_the_serving_loop_forks_choices_from_the_prompts_state_and_reads_no_pref
     engine = ServingEngine.from_result(result)
     try:
         engine.start()
-        prompt = prompts_for(result.hf_model.config.vocab_size, (19,), seed=11)[0]
-        want = hf_greedy(result.hf_model, prompt, 6)
-        for _ in range(2):
+        first, tail = prompts_for(result.hf_model.config.vocab_size, (40, 5), seed=11)
+        for prompt, reused in ((first, 0), (first[:37] + tail, 32)):
+            want = hf_greedy(result.hf_model, prompt, 6)
             ends: dict[int, Any] = {}
             engine.submit_group(prompt, SamplingParams(max_tokens=6, temperature=0.0),
                                 [functools.partial(ended, ends, j) for j in (0, 1)])
             wait_for(lambda: len(ends) == 2, what="both choices")  # noqa: B023 (waited for within the iteration)
             assert [list(ends[j].token_ids) for j in (0, 1)] == [want, want]
-            assert ends[0].reused_prompt_tokens == 0
+            assert ends[0].reused_prompt_tokens == reused
         with pytest.raises(GenerationError, match="DeepSeek V4"):
-            engine.submit_beam(prompt, kvload.BeamSearchParams(beam_width=2, max_tokens=2), [print, print])
+            engine.submit_beam(first, kvload.BeamSearchParams(beam_width=2, max_tokens=2), [print, print])
         wait_for(lambda: len(result.executor.v4) == 0, what="side state dropped")
         assert used_blocks(result) == 0
     finally:
         engine.stop(60)
         result.close()
-    assert [e["reason"] for e in events if e.get("field") == "kv_cache_config.enable_block_reuse"] == [V4_NO_REUSE]
+    assert not [e for e in events if e.get("field") == "kv_cache_config.enable_block_reuse"]

@@ -239,6 +239,8 @@ class KVCacheManagerV2:
         else:
             self.partial_off_reason = partial_reuse_off_reason(self.layout)
         self._partial = self.partial_off_reason is None
+        #: a caller's say on which cached prefix lengths a request may reuse (:meth:`limit_reuse`), or None
+        self._prefix_check: tuple[str, Callable[[Request, int, int], bool]] | None = None
         # lazy keying (cache_backends.v2.radix): where a request's blocks stay as they are until it lets go of them
         self._lazy = self._reuse and all(g.tokens_per_block == self.T for g in self.groups)
         self._tree = self._new_tree()
@@ -929,6 +931,19 @@ class KVCacheManagerV2:
         tables = self._active(request).tables
         return [tables[g.name] for g in self.groups]
 
+    def limit_reuse(self, group: str, check: Callable[[Request, int, int], bool]) -> None:
+        """Reuse a cached prefix of length ``m`` only where ``check(request, m, block)`` holds, ``block`` being
+        ``group``'s cached block that ends at ``m`` on the matched path: a caller that keeps state the blocks do not
+        hold (DeepSeek V4's compressor overlap) keys it by that block. Whole blocks only: no partial block is claimed
+        past such a length."""
+        self._prefix_check = (group, check)
+
+    def block_life(self, group: str, block: int) -> tuple[int, int | None, bool]:
+        """``group``'s ``block``: how often it was handed out (what it holds is the same while this stays), the block
+        position it holds in the radix tree or a pending prefix (None: in neither), and whether a request holds it."""
+        pool = self._pool[group]
+        return pool.gen[block], None if pool.node[block] is None else pool.pos[block], pool.ref[block] > 0
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix: the radix tree is emptied and every block of every group is free.
 
@@ -1538,11 +1553,12 @@ class KVCacheManagerV2:
             n += 1
         if run is None:
             return 0, None, 0
-        return self._usable_prefix(run, n), run, i
+        return self._usable_prefix(run, n, request), run, i
 
-    def _usable_prefix(self, last: RadixNode, n: int) -> int:
+    def _usable_prefix(self, last: RadixNode, n: int, request: Request | None = None) -> int:
         """The longest multiple of the reuse unit, within the first ``n`` positions of the path through ``last``
-        (which holds position ``n - 1``), whose blocks every group still holds."""
+        (which holds position ``n - 1``), whose blocks every group still holds (and :meth:`limit_reuse`'s check
+        accepts for ``request``)."""
         T, unit = self.T, self.reuse_unit or self.T
         top = n * T // unit * unit
         if top == 0:
@@ -1556,13 +1572,15 @@ class KVCacheManagerV2:
         while whole and node is not None and node.parent is not None:
             whole = node.held.count(groups) == len(node.held)
             node = node.parent
-        if whole:
+        limit = self._prefix_check
+        if whole and limit is None:
             return top
+        ends = self._tree.path_blocks(last, n, limit[0]) if limit is not None else []
         covered: dict[str, int] = {}  # growing groups: group blocks present from 0
         counts: dict[str, list[int]] = {}  # sliding groups whose blocks span several positions: prefix counts
         along_of: dict[str, list[int]] = {}  # sliding groups with a block per position: their blocks on the path
         gaps = []  # the groups missing a block on the path: only they can rule a length out
-        for g in self.groups:
+        for g in () if whole else self.groups:
             step = g.tokens_per_block // T
             along = self._tree.path_blocks(last, n, g.name)
             if step == 1:  # a group block per position: searched at C speed
@@ -1598,6 +1616,8 @@ class KVCacheManagerV2:
                         ok = counts[g.name][hi] - counts[g.name][lo] == hi - lo
                 if not ok:
                     break
+            if ok and limit is not None:
+                ok = request is not None and limit[1](request, m, ends[m // T - 1])
             if ok:
                 return m
         return 0
@@ -1651,7 +1671,7 @@ class KVCacheManagerV2:
             cache.key_at = (m // T + 1) * T
             if self._lazy and not cache.keyed and first:
                 self._add_latent(cache, first)
-            if self._partial:
+            if self._partial and self._prefix_check is None:  # a limited prefix ends where its caller's state does
                 m += self._claim_partial(cache, m)
         self._activate(cache, m)
 
