@@ -132,6 +132,17 @@ def test_weights_shard_by_transformers_plan_and_greedy_output_equals_one_process
     assert r0["beams"] == r1["beams"] == want
 
 
+def test_deepseek_v4_under_tensor_parallel_generates_one_process_s_tokens_and_reuses_its_prefix(ranks):
+    from tests.tp_support import V4_PROMPTS
+
+    r0, r1 = scenario(ranks, "deepseek_v4")
+    with pipeline.load("tiny-deepseek-v4", load_weights=True, kv_cache_config={"max_tokens": 4096},
+                       log=False) as alone:
+        outs = [alone.generate([p], max_new_tokens=6, ignore_eos=True)[0] for p in V4_PROMPTS]
+    assert r0["greedy"] == r1["greedy"] == [o.token_ids for o in outs]
+    assert r0["reused"] == r1["reused"] == [0, 256]  # the second prompt reads two 128-token units of the first
+
+
 def test_torchrun_generate_prints_what_one_process_prints(tmp_path, capsys):
     from tests.cli_support import run_cli
 

@@ -181,6 +181,21 @@ def generate(out: Path, rank: int) -> dict[str, Any]:
                 "linear_asked": linear_asked(), "drafted": drafted(), "beams": beams()}
 
 
+#: DeepSeek V4 under TP: two prompts sharing their first 260 tokens (two of the preset's 128-token reuse units)
+V4_PROMPTS = [[(7 * i) % 500 + 1 for i in range(300)], [(7 * i) % 500 + 1 for i in range(260)] + [3, 1, 4, 1, 5]]
+
+
+def deepseek_v4(out: Path, rank: int) -> dict[str, Any]:
+    """DeepSeek V4 under TP (transformers' plan shards its experts, its attention is whole on every rank): greedy
+    tokens of two prompts run one after the other, the second reusing the first's prefix."""
+    import pipeline
+
+    with pipeline.load("tiny-deepseek-v4", load_weights=True, tensor_parallel_size=2,
+                       kv_cache_config={"max_tokens": 4096}, log=False) as loaded:
+        outs = [loaded.generate([p], max_new_tokens=6, ignore_eos=True)[0] for p in V4_PROMPTS]
+        return {"greedy": [o.token_ids for o in outs], "reused": [o.reused_prompt_tokens for o in outs]}
+
+
 #: the prompts and width of the beam search run on every rank (and in one process, by the test)
 BEAM_PROMPTS, BEAM_WIDTH = [[1, 2, 3, 4, 5], [9, 8, 7, 6, 5, 4, 3]], 3
 
@@ -240,7 +255,7 @@ def compare_cli(out: Path, rank: int) -> dict[str, Any]:
 
 SCENARIOS: dict[str, Callable[[Path, int], dict[str, Any]]] = {
     "agree": agree, "disagree": disagree, "geometry": geometry, "budget": budget, "block_tables": block_tables,
-    "generate": generate, "compare_cli": compare_cli,
+    "generate": generate, "compare_cli": compare_cli, "deepseek_v4": deepseek_v4,
 }
 
 
