@@ -156,7 +156,7 @@ def test_a_long_request_admitted_in_a_step_makes_the_next_admission_of_that_step
     s = KVCacheV2Scheduler(m, max_batch_size=8, max_num_tokens=64, init_ratio=0.0)
     held = []
     original = m.held_back
-    m.held_back = lambda share, longest: held.append(original(share, longest)) or held[-1]  # type: ignore[method-assign]
+    m.held_back = lambda share, longest, probe=None: held.append(original(share, longest, probe)) or held[-1]  # type: ignore[method-assign]
     long, short = Request("long", list(range(40, 52)), 2), Request("short", [60, 61, 62], 2)  # 12 > 8 > 3 tokens
     out = s.step(deque([long, short]), [])
     assert out.admitted == [long, short]
