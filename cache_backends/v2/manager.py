@@ -73,7 +73,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable
-from itertools import compress, repeat
+from itertools import chain, compress, repeat
 from operator import add, not_, sub
 
 import attrs
@@ -818,13 +818,17 @@ class KVCacheManagerV2:
         tree.leave(last)
         if self._partial and self._partial_source(request, last, m)[0] is not None:
             return None
-        positions = m // T
+        path = [last]  # the path's runs, root side last: walked once, not once per group (tree.path_blocks)
+        while path[-1].parent is not None and path[-1].parent.parent is not None:
+            path.append(path[-1].parent)  # type: ignore[arg-type]
+        path.reverse()
         claimed: list[tuple[list[int], list[int], int]] = []
         taken_groups: list[int] = []
         shared_groups: list[int] = []
         for g, (name, _, pool) in zip(self.groups, self._group_pools, strict=True):
             lo = 0 if g.window is None else max(0, m - g.window + 1) // T
-            blocks = tree.path_blocks(last, positions, name)[lo:]
+            # the path's blocks from position lo (the claim's: the last run ends at the claimed prefix's end)
+            blocks = list(chain.from_iterable(run.blocks[name] for run in path))[lo:]
             refs = list(map(pool.ref.__getitem__, blocks))
             cached = refs.count(0)  # the blocks nobody holds: the claim takes them out of the eviction queue
             taken_groups.append(cached)
