@@ -396,12 +396,20 @@ def test_a_probed_hit_answers_and_is_refused_as_its_built_claim_would_be(seed, w
     bound = m.growth_bound_sets(r, probe)
     refused, r_again, probe_again = _probed_hit(seed)  # the same state, refused without being built
     refused.refuse_hit(probe_again, r_again)
+    built, r_built, probe_built = _probed_hit(seed)  # the same state, built from the probe (an admission)
+    built.admit_hit(probe_built, r_built)
     admit(m, r)
-    assert r.num_computed_tokens == probe.tokens  # it claimed what the probe found
+    assert r.num_computed_tokens == probe.tokens == r_built.num_computed_tokens  # it claimed what the probe found
     assert m.held_back(0.5, 10**6) == hold
     assert m.fit_tokens(r, want, hold) == asked
     assert m.cycle_growth(r, ratio, asked) == own
     assert m.growth_bound_sets() == bound
+    ours, theirs = built.cache(r_built), m.cache(r)
+    assert (ours.tables, ours.released, ours.keyed, ours.key_at, ours.slide_at, ours.last.start, len(ours.last)) == (
+        theirs.tables, theirs.released, theirs.keyed, theirs.key_at, theirs.slide_at, theirs.last.start,
+        len(theirs.last))
+    built.check_invariants()
+    assert _pool_state(built) == _pool_state(m)
     m.cancel_admission(r)
     m.check_invariants()
     refused.check_invariants()

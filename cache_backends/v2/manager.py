@@ -822,26 +822,46 @@ class KVCacheManagerV2:
         while path[-1].parent is not None and path[-1].parent.parent is not None:
             path.append(path[-1].parent)  # type: ignore[arg-type]
         path.reverse()
+        # per life cycle: the first position the claim holds (a window's start), the same for every group of it
+        los = [0 if g.window is None else max(0, m - g.window + 1) // T for g, _ in self._cycles]
         claimed: list[tuple[list[int], list[int], int]] = []
         taken_groups: list[int] = []
-        shared_groups: list[int] = []
-        for g, (name, _, pool) in zip(self.groups, self._group_pools, strict=True):
-            lo = 0 if g.window is None else max(0, m - g.window + 1) // T
-            # the path's blocks from position lo (the claim's: the last run ends at the claimed prefix's end)
-            blocks = list(chain.from_iterable(run.blocks[name] for run in path))[lo:]
+        cached_of: list[list[int]] = []  # per group, the blocks nobody holds: the claim takes them out of the queue
+        for (name, _, pool), c in zip(self._group_pools, self._cycle_of, strict=True):
+            lo = los[c]
+            # the path's blocks from position lo (the last run ends where the claimed prefix does)
+            blocks = (last.blocks[name][lo:] if len(path) == 1
+                      else list(chain.from_iterable(run.blocks[name] for run in path))[lo:])
             refs = list(map(pool.ref.__getitem__, blocks))
-            cached = refs.count(0)  # the blocks nobody holds: the claim takes them out of the eviction queue
+            cached = refs.count(0)
             taken_groups.append(cached)
-            if cached == len(blocks):  # the usual: a waiting request's history, held by nobody
-                shared_groups.append(pool.evictable.count_shared(blocks))
-            else:
-                shared_groups.append(pool.evictable.count_shared(list(compress(blocks, map(not_, refs)))))
+            # the usual: a waiting request's history, held by nobody
+            cached_of.append(blocks if cached == len(blocks) else list(compress(blocks, map(not_, refs))))
             claimed.append((blocks, refs, lo))
-        if self._arena is not None:  # one pool set
-            taken, shared_taken = [sum(taken_groups)], [sum(shared_groups)]
+        if self._arena is not None:  # one pool set, one eviction queue
+            taken = [sum(taken_groups)]
+            shared_taken = [self._arena.evictable.count_shared(list(chain.from_iterable(cached_of)))]
         else:  # a pool per group: pool set i is group i
-            taken, shared_taken = taken_groups, shared_groups
+            taken = taken_groups
+            shared_taken = [pool.evictable.count_shared(cached)
+                            for (_, _, pool), cached in zip(self._group_pools, cached_of, strict=True)]
         return HitProbe(m, last, claimed, taken, taken_groups, shared_taken)
+
+    def admit_hit(self, probe: HitProbe, request: Request) -> None:
+        """:meth:`create` + :meth:`resume` for the request ``probe`` was made for, claiming what the probe found (the
+        pools and tree are as it found them: :class:`HitProbe`), without looking it up again: the same cache, the
+        same blocks taken out of the eviction queue, the same counters."""
+        cache = self.create(request)
+        m, last = probe.tokens, probe.last
+        self.counters["reuse_query_tokens"] += request.num_tokens
+        for (name, _, pool), (blocks, _, lo) in zip(self._group_pools, probe.claimed, strict=True):
+            pool.incref_many(blocks)
+            cache.tables[name] = [-1] * lo + blocks
+            cache.released[name] = lo
+        cache.last = self._tree.claim(last, len(last.held) - 1)  # the path ends at the run's end: no split
+        cache.keyed = m // self.T
+        cache.key_at = (cache.keyed + 1) * self.T
+        self._activate(cache, m)
 
     def refuse_hit(self, probe: HitProbe, request: Request) -> None:
         """What building ``probe``'s claim for ``request`` and cancelling it (:meth:`cancel_admission`) leaves

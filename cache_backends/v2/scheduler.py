@@ -514,12 +514,11 @@ class KVCacheV2Scheduler(SchedulerBase):
                 if not chunks:  # the reason is read only when nothing runs this step (report_stall)
                     reasons.append(self._refusal(r, n, own, headroom, ratio))
                 return budget, False
-            if asked:  # admitted: now build it (claiming nothing, or the probed prefix, as asked)
+            if probe is not None:  # admitted: now build it, claiming what the probe found
+                m.admit_hit(probe, r)
+            elif new:  # admitted: now build it (claiming nothing, as asked)
                 m.create(r)
                 m.resume(r)
-                if r.num_computed_tokens != start:  # the probe and the build read one state: a bookkeeping bug
-                    raise RuntimeError(f"request {r.req_id}: claimed {r.num_computed_tokens} cached tokens, "
-                                       f"probed {start}")
             if running and ratio and headroom is not None:
                 chunk = m.cycle_growth(r, 0.0, n)  # allocated below; the rest of its growth joins the headroom
                 for c, k in enumerate(own):
