@@ -79,7 +79,11 @@ One :meth:`~KVCacheV2Scheduler.step`:
    memory goes in at once, as on V1.
    A request that claims no cached prefix is asked about before its cache is built
    (:meth:`KVCacheManagerV2.fit_tokens_new` and friends answer as the built cache would), so a refusal —
-   a long prompt waiting for room, step after step — builds and cancels nothing.
+   a long prompt waiting for room, step after step — builds and cancels nothing. Under "fcfs" so is one whose
+   cached prefix is whole blocks (:meth:`KVCacheManagerV2.probe_hit`: a turn whose history waits for room): when
+   refused, :meth:`KVCacheManagerV2.refuse_hit` requeues its history as the youngest in the eviction queue, in the
+   order building and cancelling it did (so a waiting turn keeps its history warm, as before), and when admitted
+   its cache is built from the probe.
    **Forks**: a sample of an ``n > 1`` prompt joins ``running`` in the step its prompt's prefill completes,
    holding that prompt's KV (:meth:`KVCacheV2Scheduler.fork`), when the batch has room, the copy of the
    partial block fits and the headroom rule above admits it; otherwise its driver queues it as any request.
