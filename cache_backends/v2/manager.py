@@ -90,7 +90,7 @@ from cache_backends.v2.group_pool import GroupPool
 from cache_backends.v2.host_tier import HostTier, host_slots
 from cache_backends.v2.radix import PendingPrefix, RadixNode, RadixTree
 from cache_backends.v2.sequence import NEVER, CacheState, SequenceCache
-from cache_backends.v2.shared_pool import GroupShare, SharedPool, _interleave
+from cache_backends.v2.shared_pool import GroupShare, SharedPool, interleave
 
 
 def _most_fitting(want: int, fits: Callable[[int], bool], lo: int = 0) -> int:
@@ -885,7 +885,7 @@ class KVCacheManagerV2:
             leaves_of.append(tail[::-1])
             shared_of.append(head[::-1])
         if self._arena is not None:
-            self._arena.evictable.requeue(_interleave(leaves_of), _interleave(shared_of), priority)
+            self._arena.evictable.requeue(interleave(leaves_of), interleave(shared_of), priority)
             return
         for (_, _, pool), leaves, shared in zip(self._group_pools, leaves_of, shared_of, strict=True):
             pool.evictable.requeue(leaves, shared, priority)
