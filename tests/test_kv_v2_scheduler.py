@@ -340,6 +340,150 @@ def test_admission_asked_before_building_answers_as_the_built_cache_would(data, 
     assert m.stats().reuse_query_tokens == queried
 
 
+def _pool_state(m) -> list:
+    """What a refused admission may leave changed, per pool set: the eviction queue bucket by bucket (blocks in order,
+    with the clock each was queued at), priorities, the free list, references, generations; and the counters."""
+    out: list = [dict(m.counters)]
+    for pool, _ in m._pool_sets:
+        q = pool.evictable
+        out.append(([(key, list(bucket.items())) for key, bucket in sorted(q._by_key.items()) if bucket], q._clock,
+                    q.num_shared, [pool.priority[b] for b in q.blocks()], list(pool._free), list(pool.ref),
+                    list(pool.gen)))
+    return out
+
+
+def _probed_hit(seed: int):
+    """A manager holding cached histories (some branched, some still held by a running request) and a turn that hits
+    one of them, from ``seed`` (the same seed, the same state): (manager, turn, its probe or None)."""
+    import random
+
+    rng = random.Random(seed)
+    layers = rng.choice([FULL, full_sliding_layers(8), split_sliding_layers(8)])
+    m = make_manager(layers, rng.randint(8, 30), enable_partial_reuse=rng.random() < .5)
+    stems = [[rng.randint(0, 3)] + [(i * 5 + j) % 13 for j in range(rng.randint(4, 24))] for i in range(3)]
+    prompts = []
+    for i in range(rng.randint(1, 6)):
+        r = Request(f"o{i}", rng.choice(stems) + [40 + i] * rng.randint(0, 9), 0, priority=rng.randint(0, 2))
+        if m.never_fits(r) is not None or m.fit_tokens_new(r, r.num_tokens) < r.num_tokens:
+            continue
+        prefill(m, r)
+        prompts.append(r.prompt_token_ids)
+        if rng.randint(0, 3):
+            m.free(r)
+    if not prompts:
+        return m, None, None
+    r = Request("turn", rng.choice(prompts) + [44] * rng.randint(1, 9), rng.randint(1, 12), priority=rng.randint(0, 2))
+    if m.never_fits(r) is not None:
+        return m, None, None
+    return m, r, m.probe_hit(r)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 100_000), want=st.integers(1, 64), ratio=st.sampled_from([0.0, 0.1, 0.55, 1.0]))
+def test_a_probed_hit_answers_and_is_refused_as_its_built_claim_would_be(seed, want, ratio):
+    """The scheduler asks ``probe_hit`` about a waiting request whose whole-block prefix is cached instead of creating
+    its cache first: the estimates with the probe must be what create + resume + ``fit_tokens`` / ``cycle_growth``
+    / ``growth_bound_sets`` / ``held_back`` say, and ``refuse_hit`` must leave the pools as ``cancel_admission``
+    does (the claimed history requeued as the youngest, in the release's order, whatever holds part of it)."""
+    m, r, probe = _probed_hit(seed)
+    if probe is None:
+        return
+    want = min(want, r.num_tokens - probe.tokens)
+    hold = m.held_back(0.5, 10**6, probe)
+    extra = probe.less(hold)
+    asked = m.fit_tokens_new(r, want, extra, probe.tokens)
+    own = m.cycle_growth_new(r, ratio, asked, probe.tokens)
+    bound = m.growth_bound_sets(r, probe)
+    refused, r_again, probe_again = _probed_hit(seed)  # the same state, refused without being built
+    refused.refuse_hit(probe_again, r_again)
+    built, r_built, probe_built = _probed_hit(seed)  # the same state, built from the probe (an admission)
+    built.admit_hit(probe_built, r_built)
+    admit(m, r)
+    assert r.num_computed_tokens == probe.tokens == r_built.num_computed_tokens  # it claimed what the probe found
+    assert m.held_back(0.5, 10**6) == hold
+    assert m.fit_tokens(r, want, hold) == asked
+    assert m.cycle_growth(r, ratio, asked) == own
+    assert m.growth_bound_sets() == bound
+    ours, theirs = built.cache(r_built), m.cache(r)
+    assert (ours.tables, ours.released, ours.keyed, ours.key_at, ours.slide_at, ours.last.start, len(ours.last)) == (
+        theirs.tables, theirs.released, theirs.keyed, theirs.key_at, theirs.slide_at, theirs.last.start,
+        len(theirs.last))
+    built.check_invariants()
+    assert _pool_state(built) == _pool_state(m)
+    m.cancel_admission(r)
+    m.check_invariants()
+    refused.check_invariants()
+    assert _pool_state(refused) == _pool_state(m)
+
+
+def _probe_case(seed: int, build: bool) -> tuple[list[tuple], list]:
+    """Each step's decisions and pool state (``_pool_state``), on follow-up turns whose histories are cached while
+    others hold the pools (hits refused for room, step after step); ``build``: every hit built, then cancelled."""
+    import random
+
+    rng = random.Random(seed)
+    layers = rng.choice([FULL, full_sliding_layers(8), split_sliding_layers(8)])
+    m = make_manager(layers, rng.randint(10, 30), enable_partial_reuse=rng.random() < .5)
+    if build:  # the path the probe stands for: create + resume, estimate, cancel_admission when refused
+        m.probe_hit = lambda request: None
+    stems = [[rng.randint(0, 50) for _ in range(rng.randint(5, 20))] for _ in range(3)]
+    for i, stem in enumerate(stems):  # finished turns: their histories stay cached
+        prefill(m, h := Request(f"h{i}", stem, 0, priority=rng.randint(0, 1)))
+        m.free(h)
+    reqs = []
+    for i in range(rng.randint(3, 12)):
+        tail = [rng.randint(0, 50) for _ in range(rng.randint(1, 10))]
+        prompt = rng.choice(stems) + tail if rng.random() < .6 else tail + [rng.randint(0, 50) for _ in range(8)]
+        reqs.append(Request(f"r{i}", prompt, rng.randint(1, 24), arrival=i, priority=rng.randint(0, 1)))
+    s = KVCacheV2Scheduler(m, rng.randint(2, 6), rng.randint(8, 48))
+    states: list = []
+    step = s.step
+
+    def traced(waiting, running):
+        out = step(waiting, running)
+        states.append(_pool_state(m))
+        return out
+
+    s.step = traced  # type: ignore[method-assign]
+    return _decisions(drive(m, s, reqs, max_steps=3000)), states
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 100_000))
+def test_refused_hits_probed_decide_and_leave_the_pools_as_built_and_cancelled_ones(seed):
+    """Under "fcfs" a waiting request whose cached prefix is found by ``probe_hit`` is estimated and, when refused,
+    requeued without building its cache: every step's decisions and pool state must be what building and cancelling
+    it gave (KV contents and the manager's invariants checked every step by ``drive``)."""
+    assert _probe_case(seed, build=False) == _probe_case(seed, build=True)
+
+
+def test_a_follow_up_turn_refused_for_room_is_not_built():
+    """The head of the queue, a turn whose history is cached, refused by the headroom estimate while another request
+    runs: its cache is not created (nor cancelled), yet its history becomes the youngest in the eviction queue, as
+    building and cancelling it left it (step after step under pressure, that build was most of V2's work)."""
+    m = make_manager(FULL, 10)
+    history = list(range(1, 17))  # four blocks
+    prefill(m, h := Request("turn0", history, 0))
+    m.free(h)
+    other = Request("other", [30, 31, 32, 33], 20)  # grows to six blocks: the headroom refuses the turn beside it
+    s = KVCacheV2Scheduler(m, max_batch_size=4, max_num_tokens=64)
+    out = s.step(deque([other]), [])
+    assert out.admitted == [other]
+    m.commit(other, 4)
+    prefill(m, late := Request("late", [60, 61, 62, 63], 0))  # released after the history: ahead of it in the queue
+    m.free(late)
+    created = []
+    create = m.create
+    m.create = lambda request: created.append(request.req_id) or create(request)  # type: ignore[method-assign]
+    turn = Request("turn1", [*history, 50, 51], 8, arrival=1)
+    out = s.step(deque([turn]), [other])
+    assert out.admitted == [] and not m.has_cache(turn) and created == []
+    pool = m._pool_sets[0][0]
+    assert pool.evictable.blocks()[-4:] == m._tree.path_blocks(next(iter(m._tree.roots[None].children.values())),
+                                                               4, "full")[::-1]  # tail first, the youngest
+    m.check_invariants()
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), layout=st.sampled_from(["full", "shared", "split"]), reuse=st.booleans())
 def test_admission_per_life_cycle_decides_as_the_per_group_estimates_would(data, layout, reuse):
@@ -410,7 +554,7 @@ def _admission_case(seed: int, useless_bound: bool):
             for i in range(rng.randint(2, 12))]
     if useless_bound:  # the estimate is then computed for every admission that has running requests to watch
         useless = [10**9] * len(m._pool_sets)
-        m.growth_bound_sets = lambda request=None: useless
+        m.growth_bound_sets = lambda request=None, probe=None: useless
     return _decisions(drive(m, s, reqs, max_steps=3000, check=False))
 
 

@@ -19,7 +19,7 @@ import pipeline
 from cache_backends import LayerKV, build_layout
 from cache_backends.pools import BlockPools
 from cache_backends.request import Request
-from cache_backends.v2.shared_pool import SharedPool, _interleave
+from cache_backends.v2.shared_pool import SharedPool, interleave
 from engine.simulator import simulate
 from engine.workloads import make_workload
 from tests.kv_v2_support import admit, blocks_add_up, check_kv, compute, make_manager, prefill
@@ -290,7 +290,7 @@ def test_batched_arena_calls_do_exactly_what_the_per_group_calls_do():
 def test_a_finish_queues_the_groups_blocks_position_by_position(lists):
     # what release_tables queues: each group's blocks (tail first) taken one position at a time, in group order
     expect = [lst[k] for k in range(max(map(len, lists), default=0)) for lst in lists if k < len(lst)]
-    assert _interleave(lists) == expect
+    assert interleave(lists) == expect
 
 
 _SHAPES = ("leaves", "shared", "uncached", "any")

@@ -87,6 +87,48 @@ def test_taking_many_blocks_out_of_the_queue_leaves_the_order_one_by_one_would(q
     assert q.pop_many(len(left)) == left and q.num_shared == 0
 
 
+def _queue_state(q: EvictionQueue) -> tuple:
+    """Everything an eviction queue decides from: each bucket's blocks in order with their clocks, counts, clock."""
+    return [(key, list(bucket.items())) for key, bucket in sorted(q._by_key.items()) if bucket], len(q), \
+        q.num_shared, q._clock
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.booleans()), min_size=1, max_size=8), st.integers(0, 12),
+       st.integers(0, 2), st.booleans(), st.data())
+def test_requeueing_blocks_leaves_the_queue_as_taking_them_out_and_queueing_them_again(queued, short, priority,
+                                                                                       in_place, data):
+    # a refused admission's history goes back to the queue through requeue (KVCacheManagerV2.refuse_hit), at C speed
+    # where its blocks already sit where they go: the queue must end exactly as remove_many, then add_many of the
+    # leaves and of the shared ones (stale shared blocks demoted between, as add_many demotes them) would leave it
+    n = len(queued)
+    picked = data.draw(st.lists(st.sampled_from(range(n)), unique=True))
+    cut = data.draw(st.integers(0, len(picked)))
+    leaves, shared = picked[:cut], picked[cut:]
+    queues = []
+    for _ in range(2):
+        q = EvictionQueue([0] * (n + 1))  # block n churns; shared blocks are stale after 8 x (n + 1) queued
+        for b, (p, is_shared) in enumerate(queued):
+            q.add(b, p, is_shared)
+        if in_place:  # the usual: every block already in the bucket it goes back to (last step's refusal)
+            q.remove_many(picked)
+            q.add_many(leaves, priority)
+            q.add_many(shared, priority, True)
+        for _ in range(8 * (n + 1) - short):  # the pool turning over: shared blocks queued first nearly stale
+            q.add(n, 0)
+            q.remove(n)
+        queues.append(q)
+    fast, slow = queues
+    fast.requeue(list(leaves), list(shared), priority)
+    slow.remove_many(leaves + shared)
+    if leaves:
+        slow.add_many(leaves, priority)
+    if shared:
+        slow.add_many(shared, priority, True)
+    assert _queue_state(fast) == _queue_state(slow)
+    assert fast.pop_many(len(fast)) == slow.pop_many(len(slow))
+
+
 def test_a_system_prompt_two_prompts_branched_from_outlives_a_burst_that_evicts():
     m = make_manager(FULL, 12, T=4)
     system = list(range(1, 9))  # two blocks
@@ -156,7 +198,7 @@ def test_a_long_request_admitted_in_a_step_makes_the_next_admission_of_that_step
     s = KVCacheV2Scheduler(m, max_batch_size=8, max_num_tokens=64, init_ratio=0.0)
     held = []
     original = m.held_back
-    m.held_back = lambda share, longest: held.append(original(share, longest)) or held[-1]  # type: ignore[method-assign]
+    m.held_back = lambda share, longest, probe=None: held.append(original(share, longest, probe)) or held[-1]  # type: ignore[method-assign]
     long, short = Request("long", list(range(40, 52)), 2), Request("short", [60, 61, 62], 2)  # 12 > 8 > 3 tokens
     out = s.step(deque([long, short]), [])
     assert out.admitted == [long, short]

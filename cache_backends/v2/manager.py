@@ -73,8 +73,10 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable
-from itertools import repeat
-from operator import sub
+from itertools import chain, compress, repeat
+from operator import add, not_, sub
+
+import attrs
 
 from cache_backends.hashing import pack_tokens
 from cache_backends.interface import ManagerOptions, prefix_cache_in_use
@@ -88,7 +90,7 @@ from cache_backends.v2.group_pool import GroupPool
 from cache_backends.v2.host_tier import HostTier, host_slots
 from cache_backends.v2.radix import PendingPrefix, RadixNode, RadixTree
 from cache_backends.v2.sequence import NEVER, CacheState, SequenceCache
-from cache_backends.v2.shared_pool import GroupShare, SharedPool
+from cache_backends.v2.shared_pool import GroupShare, SharedPool, interleave
 
 
 def _most_fitting(want: int, fits: Callable[[int], bool], lo: int = 0) -> int:
@@ -141,6 +143,29 @@ def _common_prefix(a: bytes, b: bytes) -> int:
             break
         n += 1
     return n
+
+
+@attrs.define(eq=False)
+class HitProbe:
+    """What admitting a waiting request would claim, found without claiming it (:meth:`KVCacheManagerV2.probe_hit`).
+
+    Invariant: the pools and the tree are as they were when it was made (the scheduler asks about it, then admits
+    the request, building it, or refuses it with :meth:`KVCacheManagerV2.refuse_hit`, before anything else changes).
+    """
+
+    tokens: int  # the whole-block prefix the claim holds (a multiple of every group's block span)
+    last: RadixNode  # the run the claimed path ends at (already split there, as the claim splits it)
+    claimed: list[tuple[list[int], list[int], int]]  # per group: its blocks on the path from ``lo``, their refs, lo
+    taken: list[int]  # per pool set: cached blocks (nobody holds them) the claim takes out of the available ones
+    taken_groups: list[int]  # the same per group (its use grows by them: the bound's ``used``)
+    shared_taken: list[int]  # per pool set: how many of ``taken`` are queued as shared prefixes' (``held_back``)
+
+    def less(self, extra: list[int] | None) -> list[int]:
+        """``extra`` (per pool set, as :meth:`KVCacheManagerV2.short_of` takes it) less :attr:`taken`: the built
+        claim's pools have those fewer blocks available."""
+        if extra is None:
+            return [-k for k in self.taken]
+        return [e - k for e, k in zip(extra, self.taken, strict=True)]
 
 
 class KVCacheManagerV2:
@@ -243,6 +268,8 @@ class KVCacheManagerV2:
         self._prefix_check: tuple[str, Callable[[Request, int, int], bool]] | None = None
         # lazy keying (cache_backends.v2.radix): where a request's blocks stay as they are until it lets go of them
         self._lazy = self._reuse and all(g.tokens_per_block == self.T for g in self.groups)
+        # where a hit's claim is asked about before it is built (probe_hit): every group holds a block per position
+        self._probes = self._lazy
         self._tree = self._new_tree()
         self.host: HostTier | None = None
         slots = host_slots(pools, options.host_cache_size)
@@ -401,13 +428,17 @@ class KVCacheManagerV2:
                 return pool, names, n
         return None
 
-    def held_back(self, share: float, longest: int) -> list[int] | None:
+    def held_back(self, share: float, longest: int, probe: HitProbe | None = None) -> list[int] | None:
         """Per pool set, minus the cached blocks of shared prefixes admission leaves alone (at most ``share`` of the
         pool set's blocks), as ``extra`` for :meth:`fit_tokens` and :meth:`short_of`; None on a layout without
         sliding windows, or while no sequence (``longest``: the longest's tokens) is longer than the shortest window:
-        then the windows free nothing, V2 has no more room than V1, and holding prefixes would cost concurrency."""
+        then the windows free nothing, V2 has no more room than V1, and holding prefixes would cost concurrency.
+        With ``probe``: as its claim, built, would leave them (the shared blocks it takes are no longer queued)."""
         if longest <= self._min_window:
             return None
+        if probe is not None:
+            return [-min(pool.evictable.num_shared - k, int(share * pool.num_blocks))
+                    for (pool, _), k in zip(self._pool_sets, probe.shared_taken, strict=True)]
         return [-min(pool.evictable.num_shared, int(share * pool.num_blocks)) for pool, _ in self._pool_sets]
 
     def freed_by(self, requests: Iterable[Request]) -> list[int]:
@@ -761,10 +792,112 @@ class KVCacheManagerV2:
             return 0
         return self._match(request)[0]
 
-    def fit_tokens_new(self, request: Request, want: int, extra: list[int] | None = None) -> int:
+    def probe_hit(self, request: Request) -> HitProbe | None:
+        """What :meth:`create` + :meth:`resume` would claim for ``request`` now (a whole-block cached prefix), found
+        without claiming it, for the estimates (``start``/``probe`` arguments) and :meth:`refuse_hit`; None where
+        only building it answers: no whole block usable, a partial block to copy (it allocates, and may evict),
+        groups whose blocks span several token blocks, reuse off. Nothing a build would not do changes: a pending
+        prefix its lookup reaches is hung in the tree and the run the claimed path ends inside is split, as the
+        build's lookup and claim do first (so the build, if it follows, finds the same prefix).
+
+        Why: under pressure the head of the waiting queue is refused step after step, and building its claim of a
+        cached history, then cancelling it, was most of V2's work (Gemma 3 27B: every block of the history in each
+        of 31 groups, twice, every step; BENCHMARKS.md "V2 refuses a hit without building it")."""
+        if not self._probes or request.skip_prefix_read or request in self._caches:
+            return None
+        T, tree = self.T, self._tree
+        first = pack_tokens(_tokens(request, 0, 1))
+        prefix = tree.pending_prefix(request.salt, first)
+        if prefix is not None:  # as the build's lookup does before anything else
+            self._materialize(prefix)
+        if self._cheap_miss(request, first):
+            return None
+        m, run, _ = self._match(request)
+        if not m:
+            return None
+        assert run is not None
+        last = tree.claim(*tree.position(run, m // T - 1))  # the build's split; its user is given back at once
+        tree.leave(last)
+        if self._partial and self._partial_source(request, last, m)[0] is not None:
+            return None
+        path = [last]  # the path's runs, root side last: walked once, not once per group (tree.path_blocks)
+        while path[-1].parent is not None and path[-1].parent.parent is not None:
+            path.append(path[-1].parent)  # type: ignore[arg-type]
+        path.reverse()
+        # per life cycle: the first position the claim holds (a window's start), the same for every group of it
+        los = [0 if g.window is None else max(0, m - g.window + 1) // T for g, _ in self._cycles]
+        claimed: list[tuple[list[int], list[int], int]] = []
+        taken_groups: list[int] = []
+        cached_of: list[list[int]] = []  # per group, the blocks nobody holds: the claim takes them out of the queue
+        for (name, _, pool), c in zip(self._group_pools, self._cycle_of, strict=True):
+            lo = los[c]
+            # the path's blocks from position lo (the last run ends where the claimed prefix does)
+            blocks = (last.blocks[name][lo:] if len(path) == 1
+                      else list(chain.from_iterable(run.blocks[name] for run in path))[lo:])
+            refs = list(map(pool.ref.__getitem__, blocks))
+            cached = refs.count(0)
+            taken_groups.append(cached)
+            # the usual: a waiting request's history, held by nobody
+            cached_of.append(blocks if cached == len(blocks) else list(compress(blocks, map(not_, refs))))
+            claimed.append((blocks, refs, lo))
+        if self._arena is not None:  # one pool set, one eviction queue
+            taken = [sum(taken_groups)]
+            shared_taken = [self._arena.evictable.count_shared(list(chain.from_iterable(cached_of)))]
+        else:  # a pool per group: pool set i is group i
+            taken = taken_groups
+            shared_taken = [pool.evictable.count_shared(cached)
+                            for (_, _, pool), cached in zip(self._group_pools, cached_of, strict=True)]
+        return HitProbe(m, last, claimed, taken, taken_groups, shared_taken)
+
+    def admit_hit(self, probe: HitProbe, request: Request) -> None:
+        """:meth:`create` + :meth:`resume` for the request ``probe`` was made for, claiming what the probe found (the
+        pools and tree are as it found them: :class:`HitProbe`), without looking it up again: the same cache, the
+        same blocks taken out of the eviction queue, the same counters."""
+        cache = self.create(request)
+        m, last = probe.tokens, probe.last
+        self.counters["reuse_query_tokens"] += request.num_tokens
+        for (name, _, pool), (blocks, _, lo) in zip(self._group_pools, probe.claimed, strict=True):
+            pool.incref_many(blocks)
+            cache.tables[name] = [-1] * lo + blocks
+            cache.released[name] = lo
+        cache.last = self._tree.claim(last, len(last.held) - 1)  # the path ends at the run's end: no split
+        cache.keyed = m // self.T
+        cache.key_at = (cache.keyed + 1) * self.T
+        self._activate(cache, m)
+
+    def refuse_hit(self, probe: HitProbe, request: Request) -> None:
+        """What building ``probe``'s claim for ``request`` and cancelling it (:meth:`cancel_admission`) leaves
+        changed: the claimed blocks nobody else holds go back to the eviction queue as the youngest of the
+        request's priority, in the order the release queues them — per group tail first, leaves of the path's last
+        run before the shared prefixes' blocks (every earlier run of the path has the next as its child), a shared
+        arena's groups position by position (``SharedPool.release_tables``). Everything else a build and cancel
+        touch (reference counts, use counts, counters, the request's token counts, the path's users) ends as it
+        was. So a refused hit keeps its history warm (young in the queue), as it did when it was built."""
+        priority = request.priority
+        last = probe.last
+        whole_shared = bool(last.children)  # the claimed path's last run has children: all of it is queued shared
+        leaves_of: list[list[int]] = []
+        shared_of: list[list[int]] = []
+        for blocks, refs, lo in probe.claimed:
+            k = len(blocks) if whole_shared else max(0, last.start - lo)  # blocks[k:] lie in the last run
+            head, tail = blocks[:k], blocks[k:]
+            if refs.count(0) != len(refs):  # some held by running requests: only the others go back to the queue
+                head = list(compress(head, map(not_, refs[:k])))
+                tail = list(compress(tail, map(not_, refs[k:])))
+            leaves_of.append(tail[::-1])
+            shared_of.append(head[::-1])
+        if self._arena is not None:
+            self._arena.evictable.requeue(interleave(leaves_of), interleave(shared_of), priority)
+            return
+        for (_, _, pool), leaves, shared in zip(self._group_pools, leaves_of, shared_of, strict=True):
+            pool.evictable.requeue(leaves, shared, priority)
+
+    def fit_tokens_new(self, request: Request, want: int, extra: list[int] | None = None, start: int = 0) -> int:
         """:meth:`fit_tokens` for ``request`` as :meth:`create` + :meth:`resume` would leave it, when
-        :meth:`claims_nothing` holds (an empty cache); nothing is built."""
-        want = min(want, self.options.max_seq_len, request.num_tokens_with_drafts)
+        :meth:`claims_nothing` holds (an empty cache); nothing is built. With ``start``, a :meth:`probe_hit`'s
+        ``tokens`` (and ``extra`` less what it takes: :meth:`HitProbe.less`), as they would leave it: a cache of whole
+        blocks of every group needs for ``n`` more tokens what an empty one needs for ``n``."""
+        want = min(want, self.options.max_seq_len - start, request.num_tokens_with_drafts - start)
         if want <= 0:
             return 0
         arena, spans = self._arena, self._spans
@@ -779,32 +912,37 @@ class KVCacheManagerV2:
         :meth:`claims_nothing` holds (capacity 0); nothing is built."""
         return self.per_group(self.cycle_growth_new(request, ratio, scheduled))
 
-    def cycle_growth_new(self, request: Request, ratio: float, scheduled: int) -> list[int]:
-        """:meth:`growth_blocks_new` per life cycle (``_cycles``), as :meth:`short_of` takes it."""
-        target = scheduled + math.ceil(ratio * max(0, self.worst_case_tokens(request) - scheduled))
-        return [g.blocks_for(target) for g, _ in self._cycles]
+    def cycle_growth_new(self, request: Request, ratio: float, scheduled: int, start: int = 0) -> list[int]:
+        """:meth:`growth_blocks_new` per life cycle (``_cycles``), as :meth:`short_of` takes it; with ``start``, a
+        :meth:`probe_hit`'s ``tokens``, as its claim would leave it (capacity and committed ``start``)."""
+        return self._growth(request, start, start + scheduled, ratio)
 
     def growth_bound_with(self, request: Request) -> dict[str, int]:
         """:meth:`growth_bound` once ``request`` (not admitted yet, claiming nothing) would be active."""
         return dict(zip(self._names, self._bound_per_group(request), strict=True))
 
-    def growth_bound_sets(self, request: Request | None = None) -> list[int]:
+    def growth_bound_sets(self, request: Request | None = None, probe: HitProbe | None = None) -> list[int]:
         """:meth:`growth_bound` (with ``request``: :meth:`growth_bound_with`) summed per pool set, as ``sets`` for
-        :meth:`short_of`: admission's cheap check needs no group's name."""
-        per = self._bound_per_group(request)
+        :meth:`short_of`: admission's cheap check needs no group's name. With ``probe`` (and its ``request``): as its
+        claim would leave it (the cached blocks it takes in use)."""
+        per = self._bound_per_group(request, probe.taken_groups if probe is not None else None)
         if self._arena is not None:  # one pool set, every group
             return [sum(per)]
         return list(per)  # a pool per group: pool set i is group i
 
-    def _bound_per_group(self, request: Request | None) -> Iterable[int]:
-        """Per group (``groups`` order), :meth:`growth_bound`'s entry, with ``request`` counted as active."""
+    def _bound_per_group(self, request: Request | None, taken: list[int] | None = None) -> Iterable[int]:
+        """Per group (``groups`` order), :meth:`growth_bound`'s entry, with ``request`` counted as active (and, per
+        group, ``taken`` more blocks in use)."""
         worst: Iterable[int] = self._worst_blocks
         if request is not None:
             n = min(request.max_total_tokens, self.options.max_seq_len)
             per = [g.blocks_for(n) for g, _ in self._cycles]
             worst = [w + per[c] for w, c in zip(self._worst_blocks, self._cycle_of, strict=True)]
         # a shared arena keeps every group's use in one list, in groups order (its shares' indexes)
-        used = self._arena.used if self._arena is not None else [pool.num_used for _, _, pool in self._group_pools]
+        used: Iterable[int] = (self._arena.used if self._arena is not None
+                               else [pool.num_used for _, _, pool in self._group_pools])
+        if taken is not None:
+            used = map(add, used, taken)
         return map(max, map(sub, worst, used), repeat(0))
 
     def growth_blocks(self, request: Request, ratio: float, scheduled: int = 0) -> dict[str, int]:
@@ -816,9 +954,15 @@ class KVCacheManagerV2:
     def cycle_growth(self, request: Request, ratio: float, scheduled: int = 0) -> list[int]:
         """:meth:`growth_blocks` per life cycle (``_cycles``): every group of a cycle takes the same blocks."""
         cache = self._active(request)
-        now = cache.capacity
-        start = max(now, cache.committed + scheduled)
+        return self._growth(request, cache.capacity, cache.committed + scheduled, ratio)
+
+    def _growth(self, request: Request, now: int, start: int, ratio: float) -> list[int]:
+        """Per life cycle: the blocks a cache holding ``now`` tokens takes to grow to ``start`` tokens (at least
+        ``now``), then ``ratio`` of the way on to the request's worst case."""
+        start = max(now, start)
         target = start + math.ceil(ratio * max(0, self.worst_case_tokens(request) - start))
+        if not now:
+            return [g.blocks_for(target) for g, _ in self._cycles]
         return [max(0, g.blocks_for(target) - g.blocks_for(now)) for g, _ in self._cycles]
 
     def cycle_headroom(self, requests: Iterable[Request], ratio: float) -> list[int]:
@@ -1824,35 +1968,9 @@ class KVCacheManagerV2:
         self._release_window(cache)
 
     def _claim_partial(self, cache: SequenceCache, m: int) -> int:
-        """Copy the best partially matching next block into fresh blocks (copy-on-write); tokens gained.
-
-        The candidates are the first positions of the children of the run the cache's claimed path ends at
-        (:meth:`RadixTree.claim` split it there): a node per block's children, exactly."""
+        """Copy the best partially matching next block into fresh blocks (copy-on-write); tokens gained."""
         request = cache.request
-        parent = cache.last if m else self._tree.root(request.salt)
-        if parent is None or request.num_tokens < 2:  # nothing cached, or nothing to match (_match's limit)
-            return 0
-        limit = min(self.T - 1, request.num_tokens - 1 - m)
-        if limit < 1:  # nothing a partial block could add
-            return 0
-        want_ids = _tokens(request, m, m + self.T)
-        want = pack_tokens(want_ids)
-        best, best_k = None, 0
-        groups = len(self.groups)
-        # An indexed node (many children, e.g. every cached prompt after a common BOS): the earliest child with the
-        # longest match shares two tokens if any does, so only those are compared; else every child that shares the
-        # first token is (any other shares no token).
-        two = parent.children_sharing_two(want) if self._partial_unit == 1 and limit >= 2 else None
-        for child in two if two is not None else parent.children_starting_with(want_ids[0]):
-            if child.held[0] != groups:
-                continue
-            k = min(_common_prefix(child.block(0), want), limit)
-            k -= k % self._partial_unit
-            if k > best_k:
-                best, best_k = child, k
-        if best is None and two is not None:  # none shares two: the earliest that shares the first one, by one token
-            best = next((c for c in parent.children_starting_with(want_ids[0]) if c.held[0] == groups), None)
-            best_k = 1
+        best, best_k = self._partial_source(request, cache.last if m else self._tree.root(request.salt), m)
         if best is None:
             return 0
         src_of = {g.name: best.blocks[g.name][0] for g in self.groups}
@@ -1878,6 +1996,37 @@ class KVCacheManagerV2:
             pool, src = self._pool[g.name], src_of[g.name]
             pool.decref(src, pool.priority[src], True, self._detach)
         return gained
+
+    def _partial_source(self, request: Request, parent: RadixNode | None, m: int) -> tuple[RadixNode | None, int]:
+        """The run whose first block :meth:`_claim_partial` would copy after a claimed prefix of ``m`` tokens ending
+        at ``parent`` (the root when ``m`` is 0), and the tokens it shares; (None, 0) when there is none.
+
+        The candidates are the first positions of the children of the run the cache's claimed path ends at
+        (:meth:`RadixTree.claim` split it there): a node per block's children, exactly."""
+        if parent is None or request.num_tokens < 2:  # nothing cached, or nothing to match (_match's limit)
+            return None, 0
+        limit = min(self.T - 1, request.num_tokens - 1 - m)
+        if limit < 1:  # nothing a partial block could add
+            return None, 0
+        want_ids = _tokens(request, m, m + self.T)
+        want = pack_tokens(want_ids)
+        best, best_k = None, 0
+        groups = len(self.groups)
+        # An indexed node (many children, e.g. every cached prompt after a common BOS): the earliest child with the
+        # longest match shares two tokens if any does, so only those are compared; else every child that shares the
+        # first token is (any other shares no token).
+        two = parent.children_sharing_two(want) if self._partial_unit == 1 and limit >= 2 else None
+        for child in two if two is not None else parent.children_starting_with(want_ids[0]):
+            if child.held[0] != groups:
+                continue
+            k = min(_common_prefix(child.block(0), want), limit)
+            k -= k % self._partial_unit
+            if k > best_k:
+                best, best_k = child, k
+        if best is None and two is not None:  # none shares two: the earliest that shares the first one, by one token
+            best = next((c for c in parent.children_starting_with(want_ids[0]) if c.held[0] == groups), None)
+            best_k = 1
+        return best, best_k
 
     def _restore_needs(self, cache: SequenceCache) -> dict[str, tuple[int, int, int]]:
         """Per group: (pages to allocate and copy back, cached unowned blocks to take back as they are,

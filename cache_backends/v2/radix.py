@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterator, Mapping, MutableSequence, Sequence
+from itertools import chain
 from types import MappingProxyType
 
 from cache_backends.hashing import chain_packed_hashes, pack_tokens
@@ -318,7 +319,7 @@ class RadixTree:
             node = node.parent
         if len(parts) == 1:
             return parts[0]
-        return [b for part in reversed(parts) for b in part]
+        return list(chain.from_iterable(reversed(parts)))  # at C speed: a hit's path, in every group, every step
 
     # --- blocks -----------------------------------------------------------------------------------
 

@@ -79,7 +79,11 @@ One :meth:`~KVCacheV2Scheduler.step`:
    memory goes in at once, as on V1.
    A request that claims no cached prefix is asked about before its cache is built
    (:meth:`KVCacheManagerV2.fit_tokens_new` and friends answer as the built cache would), so a refusal —
-   a long prompt waiting for room, step after step — builds and cancels nothing.
+   a long prompt waiting for room, step after step — builds and cancels nothing. Under "fcfs" so is one whose
+   cached prefix is whole blocks (:meth:`KVCacheManagerV2.probe_hit`: a turn whose history waits for room): when
+   refused, :meth:`KVCacheManagerV2.refuse_hit` requeues its history as the youngest in the eviction queue, in the
+   order building and cancelling it did (so a waiting turn keeps its history warm, as before), and when admitted
+   its cache is built from the probe.
    **Forks**: a sample of an ``n > 1`` prompt joins ``running`` in the step its prompt's prefill completes,
    holding that prompt's KV (:meth:`KVCacheV2Scheduler.fork`), when the batch has room, the copy of the
    partial block fits and the headroom rule above admits it; otherwise its driver queues it as any request.
@@ -464,26 +468,32 @@ class KVCacheV2Scheduler(SchedulerBase):
                 continue
             displacing = False  # whether moving out worse-ranked requests was found to make room for r
             while True:
-                # a request that claims no cached prefix is asked about before its cache is built: a refusal (a long
-                # prompt waiting for room, step after step) then builds and cancels nothing
+                # a request is asked about before its cache is built where the answer does not need it: one that
+                # claims no cached prefix (a long prompt waiting for room), or, under "fcfs", one whose whole-block
+                # hit a probe finds (a turn whose history waits for room): a refusal, step after step under
+                # pressure, then builds and cancels nothing (priority's displacement asks the built cache)
                 new = m.claims_nothing(r)
-                if not new:
+                probe = None if new or self.by_priority else m.probe_hit(r)
+                if not new and probe is None:
                     m.create(r)
                     m.resume(r)
-                want = min(_pending(r), budget)
+                start = probe.tokens if probe is not None else 0  # what the claim would hold (built: it holds it)
+                want = min(_pending(r) - start, budget)
                 # kept for the next hits on their prefixes
-                hold = m.held_back(SHARED_HOLD, max(self._longest, r.num_tokens)) if running else None
-                n = m.fit_tokens_new(r, want, hold) if new else m.fit_tokens(r, want, hold)
+                hold = m.held_back(SHARED_HOLD, max(self._longest, r.num_tokens), probe) if running else None
+                extra = hold if probe is None else probe.less(hold)  # built, the claim took blocks from the pools
+                asked = new or probe is not None
+                n = m.fit_tokens_new(r, want, extra, start) if asked else m.fit_tokens(r, want, extra)
                 refused, own = n == 0, []
                 if not refused and running and ratio:
-                    own = m.cycle_growth_new(r, ratio, n) if new else m.cycle_growth(r, ratio, n)
+                    own = m.cycle_growth_new(r, ratio, n, start) if asked else m.cycle_growth(r, ratio, n)
                     # cheap: when even the bound (>= the estimate) fits, the estimate is not needed; a head the
                     # estimate refused last step goes straight to it (the bound failed then, and most likely fails
                     # again)
                     if headroom is None and (r is self._refused or m.short_of(
-                            own, extra=hold, sets=m.growth_bound_sets(r if new else None))):
+                            own, extra=extra, sets=m.growth_bound_sets(r if asked else None, probe))):
                         headroom = m.cycle_headroom(running, ratio)
-                    refused = headroom is not None and m.short_of(own, headroom, extra=hold)
+                    refused = headroom is not None and m.short_of(own, headroom, extra=extra)
                 victim = self._displaceable(r, running) if refused else None
                 if victim is not None and not displacing and (
                         not self._fits_without(r, new, running, chunks, budget, ratio)
@@ -501,12 +511,16 @@ class KVCacheV2Scheduler(SchedulerBase):
                 headroom = None  # the running requests changed
             if refused:
                 self._refused = r if headroom is not None else None
-                if not new:
+                if probe is not None:
+                    m.refuse_hit(probe, r)  # what building and cancelling it would leave changed
+                elif not new:
                     m.cancel_admission(r)
                 if not chunks:  # the reason is read only when nothing runs this step (report_stall)
                     reasons.append(self._refusal(r, n, own, headroom, ratio))
                 return budget, False
-            if new:  # admitted: now build it (claiming nothing, as asked)
+            if probe is not None:  # admitted: now build it, claiming what the probe found
+                m.admit_hit(probe, r)
+            elif new:  # admitted: now build it (claiming nothing, as asked)
                 m.create(r)
                 m.resume(r)
             if running and ratio and headroom is not None:

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 DetachMixed = Callable[[list[int], list[int]], None]
 
 
-def _interleave(lists: list[list[int]]) -> list[int]:
+def interleave(lists: list[list[int]]) -> list[int]:
     """The lists' blocks position by position (each list's first, then each one's second, ...).
 
     Why: the groups of an arena hold a prefix together, and a hit needs every group's blocks for it. Queued group by
@@ -322,7 +322,7 @@ class SharedPool:
             used[group] -= len(free) - n_free + n_cached
             kept[group] += n_cached
             by_group.append((leaves, shared))
-        self._queue(_interleave([lv for lv, _ in by_group]), _interleave([sh for _, sh in by_group]), priority)
+        self._queue(interleave([lv for lv, _ in by_group]), interleave([sh for _, sh in by_group]), priority)
 
     def _queue(self, leaves: list[int], shared: list[int], priority: int) -> None:
         """Queue released cached blocks, split by their runs' shape as :meth:`EvictionQueue.add_split` splits them
