@@ -27,8 +27,11 @@ installed per module by :func:`route_v4_attention`; a forward without a ``kvload
   manager reuses a cached prefix only up to a length with a snapshot (``limit_reuse``), and the request's side state
   is rebuilt from it.
 
-The compressor and attention run one sequence at a time inside the packed forward (the projections, MoE and
-hyper-connections run on the packed row): correctness first, the per-sequence loop is what DeepSeek V4 costs here.
+The projections, MoE and hyper-connections run on the packed row. A step's one-token (decode) chunks attend in one
+call (:func:`_decode_attention`): window keys and compressed entries padded to the longest, ``-inf`` on the padding,
+their compressor and indexer batched (:func:`_absorb`, which pools a window that fills as the model's compressor does).
+A chunk of several tokens, or one that crosses a reuse boundary (it snapshots), runs the model's own compressor and
+indexer one sequence at a time.
 """
 
 from __future__ import annotations
