@@ -272,6 +272,21 @@ def bench_scenario(result: pipeline.LoadResult, prompts: list[list[int]], args: 
     return rows
 
 
+def pools_short_by(result: pipeline.LoadResult, scenarios: list[list[int]], new_tokens: int, n: int) -> float:
+    """How many times larger the pools must be for every group to hold each scenario's prompts at once (1.0: they
+    do): a V2 group whose blocks span more tokens than ``--tokens-per-block`` rounds each prompt further up."""
+    pools = getattr(result.kv_manager, "pools", None)
+    layout = getattr(pools, "layout", None)
+    if layout is None:
+        return 1.0
+    grow = 1.0
+    for g in layout.groups:
+        span = g.tokens_per_block
+        need = n * max(sum(-(-(length + new_tokens) // span) for length in ls) for ls in scenarios)
+        grow = max(grow, need / pools.num_blocks[g.name])
+    return grow
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parse flags, load once, run each scenario, print a table (or ``--json``)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -352,8 +367,15 @@ def main(argv: list[str] | None = None) -> None:
                                  "max_seq_len": max(*MIXED_LENGTHS, args.single_length) + args.new_tokens}
     if args.dtype != "auto":
         overrides["dtype"] = args.dtype
-    with pipeline.load(model_argument(args.model, args.dtype), load_weights=True, kv_cache_config=kv, log=False,
-                       **overrides) as result:
+    result = pipeline.load(model_argument(args.model, args.dtype), load_weights=True, kv_cache_config=kv, log=False,
+                           **overrides)
+    grow = pools_short_by(result, list(lengths.values()), args.new_tokens, args.n)
+    if grow > 1:  # blocks of more tokens than --tokens-per-block (DeepSeek V4's HCA): loaded again, large enough
+        result.close()
+        kv["max_tokens"] = -(-int(max_tokens * grow) // T) * T
+        result = pipeline.load(model_argument(args.model, args.dtype), load_weights=True, kv_cache_config=kv,
+                               log=False, **overrides)
+    with result:
         device = result.kv_manager.pools.device
         vocab = result.hf_model.get_input_embeddings().num_embeddings
         rows = [row for b in batches

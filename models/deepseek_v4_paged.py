@@ -27,8 +27,11 @@ installed per module by :func:`route_v4_attention`; a forward without a ``kvload
   manager reuses a cached prefix only up to a length with a snapshot (``limit_reuse``), and the request's side state
   is rebuilt from it.
 
-The compressor and attention run one sequence at a time inside the packed forward (the projections, MoE and
-hyper-connections run on the packed row): correctness first, the per-sequence loop is what DeepSeek V4 costs here.
+The projections, MoE and hyper-connections run on the packed row. A step's one-token (decode) chunks attend in one
+call (:func:`_decode_attention`): window keys and compressed entries padded to the longest, ``-inf`` on the padding,
+their compressor and indexer batched (:func:`_absorb`, which pools a window that fills as the model's compressor does).
+A chunk of several tokens, or one that crosses a reuse boundary (it snapshots), runs the model's own compressor and
+indexer one sequence at a time.
 """
 
 from __future__ import annotations
@@ -324,6 +327,175 @@ def _window_plan(group: Any, table: torch.Tensor, start: int, n: int, window: in
     return slots, mask
 
 
+@attrs.define
+class _DecodePlan:
+    """The step's one-token chunks that attend together (see :func:`_decode_attention`): their packed rows and
+    positions, and their window keys' slots, padded to the longest window with a validity mask."""
+
+    seqs: list[int]  # chunk indices, in packed order
+    rows: torch.Tensor  # (B,) packed rows
+    pos: list[int]  # each one's position
+    pos_ids: torch.Tensor  # (B, 1) positions (the compressor's and indexer's rope)
+    slots: torch.Tensor  # (B, W) window slots (padding: slot 0, masked)
+    valid: torch.Tensor  # (B, W) bool
+    mask: torch.Tensor  # (B, 1, 1, W) additive mask: -inf on padding
+
+
+def _decode_plan(batch: Any, group: Any, table: torch.Tensor, window: int, dtype: torch.dtype,
+                 device: torch.device, position_ids: torch.Tensor) -> _DecodePlan | None:
+    """The step's decode plan (None when no chunk qualifies): a one-token chunk that snapshots nothing this step."""
+    seqs, rows, pos = [], [], []
+    first = 0
+    for b, chunk in enumerate(batch.chunks):
+        n = len(chunk.token_ids)
+        if n == 1 and not batch.side[b].marks:
+            seqs.append(b)
+            rows.append(first)
+            pos.append(chunk.start_pos)
+        first += n
+    if not seqs:
+        return None
+    T, epb = group.tokens_per_block, group.entries_per_block
+    lows = [max(0, p - window + 1) for p in pos]
+    width = max(p - lo + 1 for p, lo in zip(pos, lows, strict=True))
+    k = torch.arange(width)
+    k_pos = torch.tensor(lows)[:, None] + k[None, :]
+    valid = k_pos <= torch.tensor(pos)[:, None]
+    k_pos = torch.where(valid, k_pos, 0)
+    blocks = table[torch.tensor(seqs)[:, None], k_pos // T]
+    if bool((blocks[valid] < 0).any()):
+        raise RuntimeError(f"group {group.name!r}: no window block for a decode sequence's window (released or never "
+                           "allocated)")
+    slots = torch.where(valid, blocks * epb + k_pos % T, 0).to(device)
+    mask = torch.zeros(valid.shape, dtype=dtype).masked_fill_(~valid, float("-inf")).to(device)[:, None, None]
+    row_t = torch.tensor(rows, device=device)
+    return _DecodePlan(seqs, row_t, pos, position_ids[0, row_t][:, None], slots, valid.to(device), mask)
+
+
+def _entry_slots(group: Any, table: torch.Tensor, seqs: list[int], counts: list[int],
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slots of every compressed entry of each sequence, ``(B, most)`` padded with slot 0, and which are real."""
+    most = max(counts)
+    w = torch.arange(most)[None, :].expand(len(seqs), most)
+    valid = w < torch.tensor(counts)[:, None]
+    blocks = table[torch.tensor(seqs)[:, None], w * group.compress_rate // group.tokens_per_block]
+    if bool((blocks[valid] < 0).any()):
+        raise RuntimeError(f"group {group.name!r}: no block for a decode sequence's compressed entries")
+    slots = torch.where(valid, blocks * group.entries_per_block + w % group.entries_per_block, 0)
+    return slots.to(device), valid.to(device)
+
+
+def _pool(comp: Any, series: Any, kv: torch.Tensor, gate: torch.Tensor, csa: bool, rate: int, hd: int,
+          pos_ids: torch.Tensor) -> torch.Tensor:
+    """The entries of ``E`` windows that close this step, ``(E, width)`` each, as the model's compressor (or CSA's
+    indexer, ``series``) pools them: one window per sequence, after the overlap its series kept (CSA)."""
+    E = kv.shape[0]
+    chunk_kv = kv.view(E, 1, rate, -1)
+    chunk_gate = gate.view(E, 1, rate, -1) + comp.position_bias
+    if csa:
+        new_kv = chunk_kv.new_zeros((E, 1, 2 * rate, hd))
+        new_gate = chunk_gate.new_full((E, 1, 2 * rate, hd), float("-inf"))
+        new_kv[:, :, rate:] = chunk_kv[..., hd:]
+        new_gate[:, :, rate:] = chunk_gate[..., hd:]
+        for e, s in enumerate(series):
+            if s.overlap_kv is not None:
+                new_kv[e, 0, :rate] = s.overlap_kv[0].to(new_kv.dtype)
+                new_gate[e, 0, :rate] = s.overlap_gate[0].to(new_gate.dtype)
+            s.overlap_kv = chunk_kv[e:e + 1, -1, :, :hd].clone()
+            s.overlap_gate = chunk_gate[e:e + 1, -1, :, :hd].clone()
+        chunk_kv, chunk_gate = new_kv, new_gate
+    compressed = comp.kv_norm((chunk_kv * chunk_gate.softmax(dim=2, dtype=torch.float32).to(chunk_kv.dtype)).sum(dim=2))
+    cos, sin = comp.rotary_emb(compressed, position_ids=pos_ids, layer_type=comp.rope_layer_type)
+    return sys.modules[type(comp).__module__].apply_rotary_pos_emb(compressed.unsqueeze(1), cos, sin).squeeze(1)
+
+
+def _absorb(comp: Any, name: str, plan: _DecodePlan, states: Sequence[V4SequenceState], layer: int,
+            h: torch.Tensor, view: torch.Tensor, table: torch.Tensor, group: Any, cols: tuple[int, int], csa: bool,
+            hd: int, plans: dict[Any, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One compressor series over the decode sequences' tokens: each token's projections join its sequence's partial
+    window; a window that fills is pooled into its entry and stored in the pool (the model's compressor would emit
+    nothing else at one token). Returns every entry of each sequence read back, padded to ``(B, most, width)`` with
+    zeros (the pool's unwritten slots may hold anything), and which are real ``(B, most)``."""
+    kv, gate = comp.kv_proj(h), comp.gate_proj(h)  # (B, width)
+    rate = group.compress_rate
+    full, counts = [], []
+    for i, b in enumerate(plan.seqs):
+        s = states[b].layers.setdefault(layer, {}).setdefault(name, _Series())
+        if s.buf_kv is not None and s.buf_kv.shape[1]:
+            s.buf_kv = torch.cat([s.buf_kv, kv[None, i:i + 1]], dim=1)
+            s.buf_gate = torch.cat([s.buf_gate, gate[None, i:i + 1]], dim=1)
+        else:
+            s.buf_kv, s.buf_gate = kv[None, i:i + 1].clone(), gate[None, i:i + 1].clone()
+        if s.buf_kv.shape[1] == rate:
+            full.append((i, b, s))
+        counts.append(s.count + (s.buf_kv.shape[1] == rate))
+    lo, hi = cols
+    if full:
+        series = [s for _, _, s in full]
+        new = _pool(comp, series, torch.cat([s.buf_kv for s in series]), torch.cat([s.buf_gate for s in series]),
+                    csa, rate, hd, torch.tensor([[s.count * rate] for s in series], device=h.device))
+        slots = []
+        for _, b, s in full:
+            blk = int(table[b, s.count * rate // group.tokens_per_block])
+            if blk < 0:
+                raise RuntimeError(f"group {group.name!r}: no block for compressed entry {s.count}")
+            slots.append(blk * group.entries_per_block + s.count % group.entries_per_block)
+            s.count += 1
+            s.buf_kv, s.buf_gate = s.buf_kv[:, rate:].clone(), s.buf_gate[:, rate:].clone()
+        view[torch.tensor(slots, device=view.device), lo:hi] = new[:, 0].to(view.dtype)
+    if not max(counts):
+        return h.new_zeros((len(plan.seqs), 0, hi - lo)), torch.zeros((len(plan.seqs), 0), dtype=torch.bool)
+    key = ("v4-entries", group.name, tuple(counts))  # every layer of the group has the same entries in a step
+    got = plans.get(key)
+    if got is None:
+        got = plans[key] = _entry_slots(group, table, plan.seqs, counts, view.device)
+    slots, valid = got
+    entries = view[slots, lo:hi].to(h.dtype)
+    return entries.masked_fill_(~valid[..., None], 0.0), valid
+
+
+def _decode_attention(module: Any, mod: Any, plan: _DecodePlan, q: torch.Tensor, q_residual: torch.Tensor,
+                      hidden_states: torch.Tensor, keys: torch.Tensor, states: Sequence[V4SequenceState], layer: int,
+                      comp: tuple[Any, torch.Tensor, torch.Tensor] | None, plans: dict[Any, Any]) -> torch.Tensor:
+    """The decode sequences' attention in one call: each query over its window keys then its compressed entries (CSA:
+    its indexer's top-k of them), both padded to the longest with ``-inf`` in the mask. Returns ``(B, 1, H, hd)``."""
+    hd = module.head_dim
+    mask = plan.mask
+    if module.compressor is not None:
+        group, view, table = comp
+        c = module.compressor
+        h = hidden_states[0, plan.rows]
+        csa = hasattr(c, "indexer")
+        entries, real = _absorb(c, "compressor", plan, states, layer, h, view, table, group, (0, hd), csa, hd, plans)
+        most = entries.shape[1]
+        if most:
+            if csa:  # the indexer's pick of entries per query (at one token every entry is before the query)
+                idx = c.indexer
+                ikeys, _ = _absorb(idx, "indexer", plan, states, layer, h, view, table, group,
+                                   (hd, group.entry_elems), True, idx.head_dim, plans)
+                B = len(plan.seqs)
+                cos_q, sin_q = idx.rotary_emb(h, position_ids=plan.pos_ids, layer_type=idx.rope_layer_type)
+                qi = idx.q_b_proj(q_residual[0, plan.rows]).view(B, 1, -1, idx.head_dim).transpose(1, 2)
+                qi = mod.apply_rotary_pos_emb(qi, cos_q, sin_q).transpose(1, 2)
+                scores = idx.scorer(qi, ikeys, h[:, None])[:, 0]  # (B, most)
+                scores = scores.masked_fill(~real, float("-inf"))
+                top = scores.topk(min(idx.index_topk, most), dim=-1).indices
+                picked = torch.zeros_like(real).scatter_(1, top, True) & real
+                extra = torch.zeros(real.shape, dtype=mask.dtype, device=mask.device).masked_fill_(~picked,
+                                                                                                   float("-inf"))
+            else:
+                extra = torch.zeros(real.shape, dtype=mask.dtype, device=mask.device).masked_fill_(~real,
+                                                                                                 float("-inf"))
+            keys = torch.cat([keys, entries[:, None]], dim=2)
+            mask = torch.cat([mask, extra[:, None, None]], dim=-1)
+        elif csa:  # the indexer still absorbs its tokens
+            _absorb(c.indexer, "indexer", plan, states, layer, h, view, table, group, (hd, group.entry_elems), True,
+                    c.indexer.head_dim, plans)
+    qd = q[0][:, plan.rows].transpose(0, 1).unsqueeze(2)  # (B, H, 1, hd)
+    out, _ = mod.eager_attention_forward(module, qd, keys, keys, mask, scaling=module.scaling, dropout=0.0)
+    return out
+
+
 def paged_v4_forward(module: Any, hidden_states: torch.Tensor, position_embeddings: Any, position_ids: torch.Tensor,
                      attention_mask: Any = None, cache: Any = None, *, kvload_batch: Any,
                      **kwargs: Any) -> tuple[torch.Tensor, None]:
@@ -353,10 +525,30 @@ def paged_v4_forward(module: Any, hidden_states: torch.Tensor, position_embeddin
         cgroup = batch.pools.groups[comp[0]]
         cview = batch.pools.layer_slots(*comp)
         ctable = batch.table(comp[0])
+    key = ("v4-decode", wname, window)
+    dplan = batch.side_plans.get(key, False)
+    if dplan is False:  # every layer reads the same windows through the same table: planned once a step
+        dplan = batch.side_plans[key] = _decode_plan(batch, wgroup, wtable, window, q.dtype, wview.device,
+                                                     position_ids)
+    batched = None
+    if dplan is not None:
+        keys = wview[dplan.slots].to(kv.dtype).masked_fill_(~dplan.valid[..., None], 0.0).unsqueeze(1)
+        batched = _decode_attention(module, mod, dplan, q, q_residual, hidden_states, keys, states, layer,
+                                    (cgroup, cview, ctable) if comp is not None else None, batch.side_plans)
+        if len(dplan.seqs) == batch.num_seqs:  # a decode-only step: the packed order is the batch's
+            attn_output = batched.transpose(0, 1)
+            attn_output = mod.apply_rotary_pos_emb(attn_output.transpose(1, 2), cos, -sin).transpose(1, 2)
+            grouped = module.o_a_proj(attn_output.reshape(1, n_tok, module.config.o_groups, -1)).flatten(2)
+            return module.o_b_proj(grouped), None
+    where = {b: i for i, b in enumerate(dplan.seqs)} if dplan is not None else {}
     outs = []
     first = 0
     for b, chunk in enumerate(batch.chunks):
         n = len(chunk.token_ids)
+        if b in where:
+            outs.append(batched[where[b]:where[b] + 1])
+            first += n
+            continue
         plan = batch.side_plans.get((wname, window, b))
         if plan is None:  # every layer reads the same window through the same table: planned once a step
             plan = batch.side_plans[(wname, window, b)] = _window_plan(wgroup, wtable[b], chunk.start_pos, n, window,

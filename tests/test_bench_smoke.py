@@ -352,3 +352,25 @@ def test_serve_n_bench_sides_generate_the_same_tokens_and_count_the_prompts_they
     assert all(len(ids) == 4 for ids in got["forked"][0]) and len(set(map(tuple, got["forked"][0]))) > 1
     assert got["forked"][1] == 21 and got["own salts"][1] == 3 * 21
     assert 21 <= got["one salt"][1] <= 3 * 21 and got["forked"][2] >= 4
+
+
+def test_bench_generate_sizes_pools_that_hold_a_scenario_in_every_group():
+    """DeepSeek V4's HCA group has 128-token blocks: pools sized in ``--tokens-per-block`` units hold fewer of its
+    sequences at once than the scenario has (it would run in waves); the bench's larger budget holds them all."""
+    import pipeline
+    from bench import bench_generate
+
+    lengths = [list(bench_generate.MIXED_LENGTHS)]
+    tight = sum(-(-(n + 32) // 32) * 32 for n in lengths[0])
+    grown = None
+    for budget in (tight, None):
+        kv = {"max_tokens": budget or grown, "tokens_per_block": 32}
+        with pipeline.load("tiny-deepseek-v4", load_weights=False, kv_cache_config=kv, log=False,
+                           max_seq_len=232) as result:
+            grow = bench_generate.pools_short_by(result, lengths, 32, 1)
+            spans = {g.tokens_per_block for g in result.kv_manager.pools.layout.groups}
+        if budget:
+            assert spans == {32, 128} and grow > 1
+            grown = -(-int(tight * grow) // 32) * 32
+        else:
+            assert grow == 1.0

@@ -134,6 +134,60 @@ def test_the_pools_hold_the_window_keys_and_the_compressed_entries(v4_path):
     torch.testing.assert_close(run_forward(model, batch)[0], want, rtol=1e-4, atol=1e-4)
 
 
+def test_a_decode_step_of_several_lengths_attends_in_one_call_per_layer_with_transformers_logits(v4_path, monkeypatch):
+    """Five sequences (past the window or not, with CSA's top-k choosing among more entries than it keeps, or no
+    compressed entry yet) decode four steps together: each step's attention is one call per layer for all of them
+    (their keys padded to the longest), and every sequence's logits are transformers' own for that sequence, windows
+    that close on the step included."""
+    import transformers.models.deepseek_v4.modeling_deepseek_v4 as v4_modeling
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(v4_path, dtype=torch.float32)
+    cfg = model.config
+    lengths = (23, 5, 35, 2, 12)
+    prompts = prompts_for(cfg.vocab_size, lengths, seed=13)
+    layout = build_layout(layers_from_config(cfg), "v2", 4, "float32")
+    per_seq = {g.name: -(-48 // g.tokens_per_block) for g in layout.groups}
+    pools = BlockPools(layout, {name: n * len(lengths) for name, n in per_seq.items()}, "cpu")
+    # each sequence's blocks handed out backwards from its own range, so a padded slot is never a real one by accident
+    tables = [{name: list(range((b + 1) * n - 1, b * n - 1, -1)) for name, n in per_seq.items()}
+              for b in range(len(lengths))]
+    route_paged_attention(model)
+    states = V4States()
+    ids = [f"r{b}" for b in range(len(lengths))]
+    batch = PagedBatch.build([SeqChunk(p, 0, t) for p, t in zip(prompts, tables, strict=True)], pools)
+    step_states(batch, states, ids)
+    logits = run_forward(model, batch)
+    caches = []
+    with torch.inference_mode():
+        for b, prompt in enumerate(prompts):
+            ref = model(torch.tensor([prompt]), use_cache=True)
+            torch.testing.assert_close(logits[b], ref.logits[0, -1], rtol=1e-4, atol=1e-4)
+            caches.append(ref.cache)
+    calls = []
+    eager = v4_modeling.eager_attention_forward
+
+    def counted(module, query, *args, **kwargs):
+        calls.append(query.shape[0])
+        return eager(module, query, *args, **kwargs)
+
+    monkeypatch.setattr(v4_modeling, "eager_attention_forward", counted)
+    positions = list(lengths)
+    for _ in range(4):
+        nxt = [int(row.argmax()) for row in logits]
+        batch = PagedBatch.build([SeqChunk([t], p, tb) for t, p, tb in zip(nxt, positions, tables, strict=True)],
+                                 pools)
+        step_states(batch, states, ids)
+        calls.clear()
+        logits = run_forward(model, batch)
+        assert calls == [len(lengths)] * cfg.num_hidden_layers  # one call per layer, every sequence in it
+        with torch.inference_mode():
+            for b, t in enumerate(nxt):
+                want = model(torch.tensor([[t]]), cache=caches[b], use_cache=True).logits[0, -1]
+                torch.testing.assert_close(logits[b], want, rtol=1e-4, atol=1e-4)
+        positions = [p + 1 for p in positions]
+
+
 def snapshots_within_cached_boundaries(result: Any) -> int:
     """The executor's DeepSeek V4 snapshots, checked to be no more than the window group's cached blocks that end at
     a reuse boundary (what they are kept with); returns how many there are."""
