@@ -1245,6 +1245,7 @@ class GenerationExecutor:
         if self.v4 is not None:
             for live in lives:
                 self.v4.free(live.request.req_id)
+            self.prune_v4()  # a call that failed freed its requests' blocks after its last step: their snapshots go
 
     def _counters(self) -> dict[str, int]:
         stats = self.manager.stats()
