@@ -1192,8 +1192,9 @@ class GenerationExecutor:
         """The manager's :meth:`limit_reuse` check: whether the side state of ``request``'s first ``m`` tokens was
         snapshotted with the window-group ``block`` that ends there (DeepSeek V4)."""
         assert self.v4 is not None and self._v4_key is not None
-        if block < 0:
-            return False
+        kept = self.v4.snapshots.by_block.get(block) if block >= 0 else None
+        if kept is None or kept[1].pos != m:  # no prefix hashed (2 ms at 32k tokens) for a length with no snapshot:
+            return False  # the manager tries every boundary down from the longest
         gen = self.manager.block_life(self._v4_key, block)[0]
         digest = prefix_digest(request.salt, request.token_span(0, m))
         return self.v4.snapshots.get(block, gen, m, digest) is not None

@@ -205,3 +205,28 @@ def test_a_failed_generate_call_drops_the_snapshots_of_the_blocks_it_left_uncach
         check_idle(result)
     finally:
         result.close()
+
+
+def test_a_lookup_through_cached_blocks_without_snapshots_hashes_no_prefix(v4_path, monkeypatch):
+    """The manager asks, for each reuse boundary down from the longest cached one, whether a snapshot is kept there;
+    where none is (here its snapshots were dropped by hand) the answer must not hash the
+    prompt's prefix each time (2 ms per boundary at 32k tokens, every lookup of every waiting request): the only
+    hashes are of the boundaries the prompt's own forward files, nothing is reused, the tokens are transformers'."""
+    import engine.executor
+
+    result = load(v4_path, "v2", max_tokens=256, max_seq_len=64)
+    try:
+        prefix = list(range(10, 58))
+        result.generate([prefix], max_new_tokens=2)
+        result.executor.v4.snapshots.clear()
+        hashed: list[int] = []
+        digest = engine.executor.prefix_digest
+        monkeypatch.setattr(engine.executor, "prefix_digest",
+                            lambda salt, tokens: hashed.append(len(tokens)) or digest(salt, tokens))
+        prompt = [*prefix, 5, 6, 7]
+        (out,) = result.generate([prompt], max_new_tokens=3)
+        assert result.executor.last_stats.reused_prompt_tokens == 0
+        assert out.token_ids == hf_greedy(result.hf_model, prompt, 3)
+        assert hashed == list(range(8, 49, 8)), "hashed where no snapshot is (only its own new ones are filed)"
+    finally:
+        result.close()
