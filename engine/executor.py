@@ -1192,8 +1192,9 @@ class GenerationExecutor:
         """The manager's :meth:`limit_reuse` check: whether the side state of ``request``'s first ``m`` tokens was
         snapshotted with the window-group ``block`` that ends there (DeepSeek V4)."""
         assert self.v4 is not None and self._v4_key is not None
-        if block < 0:
-            return False
+        kept = self.v4.snapshots.by_block.get(block) if block >= 0 else None
+        if kept is None or kept[1].pos != m:  # no prefix hashed (2 ms at 32k tokens) for a length with no snapshot:
+            return False  # the manager tries every boundary down from the longest
         gen = self.manager.block_life(self._v4_key, block)[0]
         digest = prefix_digest(request.salt, request.token_span(0, m))
         return self.v4.snapshots.get(block, gen, m, digest) is not None
@@ -1245,6 +1246,7 @@ class GenerationExecutor:
         if self.v4 is not None:
             for live in lives:
                 self.v4.free(live.request.req_id)
+            self.prune_v4()  # a call that failed freed its requests' blocks after its last step: their snapshots go
 
     def _counters(self) -> dict[str, int]:
         stats = self.manager.stats()

@@ -784,6 +784,8 @@ class ServingEngine:
                 self._end_beam(job, None, "abort")
             else:
                 self._finish_early(req_id, "abort")
+        if aborts:  # no step may follow: the snapshots of blocks the aborted held (and left uncached) go now
+            self.executor.prune_v4()
 
     def _start_beam(self, job: _BeamJob) -> None:
         """Start a beam search (the driver has no work): its audit segment opens, its first step runs next."""
@@ -1096,6 +1098,8 @@ class ServingEngine:
             self._finish_early(req_id, reason, error=message if reason == "error" else None)
         for job in beams:
             self._end_beam(job, None, reason, message if reason == "error" else None)
+        if ended:  # as after aborts: no step follows to drop the snapshots of blocks they left uncached
+            self.executor.prune_v4()
         return len(ended) + sum(len(job.sinks) for job in beams)
 
     @staticmethod

@@ -520,6 +520,17 @@ def _malformed_tokenizer_json(path: Path) -> ModelError | None:
     return None
 
 
+def check_fp32_kept(hf_config: Any, dtype: str) -> None:
+    """``ModelError`` for DeepSeek V4 weights loaded in float16: transformers keeps its compressor projections in
+    float32 there (``_keep_in_fp32_modules``, float16 only) and then feeds them float16, so every forward fails
+    (``model.generate`` too) with a dtype mismatch, after the weights loaded."""
+    model_type = getattr(hf_config, "model_type", None)
+    if dtype == "float16" and model_type == "deepseek_v4":
+        raise ModelError(f"dtype 'float16': transformers' {model_type} keeps its compressor projections in float32 "
+                         "under float16 and cannot run them on float16 inputs (model.generate fails too); "
+                         "set dtype to bfloat16 or float32")
+
+
 def load_weights(checkpoint: Checkpoint, hf_config: Any, *, device: str, dtype: str, seed: int = 0,
                  tp_size: int = 1, random_dir: Path | None = None) -> LoadedWeights:
     """Weights and tokenizer of a checkpoint on ``device`` in ``dtype`` (see the module docstring).
@@ -529,6 +540,8 @@ def load_weights(checkpoint: Checkpoint, hf_config: Any, *, device: str, dtype: 
     """
     start = time.perf_counter()
     converted = False
+    if checkpoint.kind != "preset" or tp_size > 1:  # from_pretrained: a preset's from_config casts every weight
+        check_fp32_kept(hf_config, dtype)
     if checkpoint.kind == "preset" and tp_size > 1:
         if random_dir is None:
             raise ValueError("a preset sharded over several ranks loads from the directory one rank saved it to")
