@@ -41,6 +41,7 @@ from kvload.serve.command import (
 )
 from kvload.serve.metrics import ServeMetrics
 from kvload.serve.protocol import BadRequest, default_max_request_bytes
+from kvload.serve.request_body import _shutting_down
 from kvload.serve.responses_store import ResponseStore, kept_request_bytes
 from kvload.serve.state import CorsPolicy, ServeState
 from pipeline.errors import ConfigError, KvloadError
@@ -414,9 +415,7 @@ class _Deadlines(H11Protocol):
         (``server_shutting_down``), not uvicorn's bare close, which left its client guessing why."""
         if self.transport.is_closing() or self.conn.their_state is not h11.IDLE or not self.conn.trailing_data[0]:
             return
-        self.transport.write(_raw_error(BadRequest(
-            "the server is shutting down and takes no new requests; retry on another server", status=503,
-            kind="server_error", code="server_shutting_down")))
+        self.transport.write(_raw_error(_shutting_down()))
         if self.metrics is not None:
             self.metrics.on_refused(503, "server_shutting_down")
         self.transport.close()
