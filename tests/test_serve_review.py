@@ -237,6 +237,17 @@ def test_a_request_being_parsed_when_the_server_stops_gets_a_503_at_once(path):
             delattr(engine, held_name)
 
 
+def _stop_and_read(served: Served, sock: socket.socket) -> bytes:
+    """Stop the server while ``sock``'s request is part-sent: what the client reads until the close; the stop (and the
+    server's thread) must end within ``TIMEOUT``."""
+    stopper = threading.Thread(target=served.server.stop)
+    stopper.start()
+    answer = _read_to_close(sock)
+    stopper.join(TIMEOUT)
+    assert not stopper.is_alive() and not served.server.thread.is_alive()
+    return answer
+
+
 def test_a_body_still_arriving_when_the_server_stops_gets_a_503_at_once():
     """The stop waited out uvicorn's graceful timeout (5 s) for the rest of the body, then cancelled the handler:
     "Exception in ASGI application" with a CancelledError traceback, and uvicorn's plain-text 500."""
@@ -246,11 +257,7 @@ def test_a_body_still_arriving_when_the_server_stops_gets_a_503_at_once():
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
                          b"Content-Length: %d\r\n\r\n%s" % (len(body), body[:5]))
             wait_for(lambda: served.state.in_flight == 1, what="the upload in flight")
-            stopper = threading.Thread(target=served.server.stop)
-            stopper.start()
-            answer = _read_to_close(sock)
-            stopper.join(TIMEOUT)
-            assert not stopper.is_alive() and not served.server.thread.is_alive()
+            answer = _stop_and_read(served, sock)
         _assert_shutting_down(answer)
         assert [r.getMessage() for r in errors] == []
         assert served.state.in_flight == 0
@@ -272,11 +279,7 @@ def test_a_head_still_arriving_when_the_server_stops_gets_the_same_503():
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Ty")
             wait_for(lambda: any(c.conn.trailing_data[0] for c in served.server.server.server_state.connections),
                      what="the partial head read")
-            stopper = threading.Thread(target=served.server.stop)
-            stopper.start()
-            answer = _read_to_close(sock)
-            stopper.join(TIMEOUT)
-            assert not stopper.is_alive() and not served.server.thread.is_alive()
+            answer = _stop_and_read(served, sock)
         _assert_shutting_down(answer)
         assert [r.getMessage() for r in errors] == []
         assert _refused_shutting_down(served) == before + 1
