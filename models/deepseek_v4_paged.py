@@ -536,10 +536,7 @@ def paged_v4_forward(module: Any, hidden_states: torch.Tensor, position_embeddin
         batched = _decode_attention(module, mod, dplan, q, q_residual, hidden_states, keys, states, layer,
                                     (cgroup, cview, ctable) if comp is not None else None, batch.side_plans)
         if len(dplan.seqs) == batch.num_seqs:  # a decode-only step: the packed order is the batch's
-            attn_output = batched.transpose(0, 1)
-            attn_output = mod.apply_rotary_pos_emb(attn_output.transpose(1, 2), cos, -sin).transpose(1, 2)
-            grouped = module.o_a_proj(attn_output.reshape(1, n_tok, module.config.o_groups, -1)).flatten(2)
-            return module.o_b_proj(grouped), None
+            return _project_out(module, mod, batched.transpose(0, 1), cos, sin), None
     where = {b: i for i, b in enumerate(dplan.seqs)} if dplan is not None else {}
     outs = []
     first = 0
@@ -569,10 +566,16 @@ def paged_v4_forward(module: Any, hidden_states: torch.Tensor, position_embeddin
                                              scaling=module.scaling, dropout=0.0)
         outs.append(out)  # (1, n, H, hd)
         first += n
-    attn_output = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+    return _project_out(module, mod, torch.cat(outs, dim=1) if len(outs) > 1 else outs[0], cos, sin), None
+
+
+def _project_out(module: Any, mod: Any, attn_output: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> torch.Tensor:
+    """The packed attention output ``(1, N, H, hd)`` with its rope undone, through the grouped output projections
+    (as transformers' forward ends)."""
     attn_output = mod.apply_rotary_pos_emb(attn_output.transpose(1, 2), cos, -sin).transpose(1, 2)
-    grouped = module.o_a_proj(attn_output.reshape(1, n_tok, module.config.o_groups, -1)).flatten(2)
-    return module.o_b_proj(grouped), None
+    grouped = module.o_a_proj(attn_output.reshape(1, attn_output.shape[1], module.config.o_groups, -1)).flatten(2)
+    return module.o_b_proj(grouped)
 
 
 def _forward(self: Any, *args: Any, **kwargs: Any) -> Any:
