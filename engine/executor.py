@@ -1192,12 +1192,11 @@ class GenerationExecutor:
         """The manager's :meth:`limit_reuse` check: whether the side state of ``request``'s first ``m`` tokens was
         snapshotted with the window-group ``block`` that ends there (DeepSeek V4)."""
         assert self.v4 is not None and self._v4_key is not None
-        kept = self.v4.snapshots.by_block.get(block) if block >= 0 else None
-        if kept is None or kept[1].pos != m:  # no prefix hashed (2 ms at 32k tokens) for a length with no snapshot:
-            return False  # the manager tries every boundary down from the longest
+        if block < 0:
+            return False
         gen = self.manager.block_life(self._v4_key, block)[0]
-        digest = prefix_digest(request.salt, request.token_span(0, m))
-        return self.v4.snapshots.get(block, gen, m, digest) is not None
+        return self.v4.snapshots.get(block, gen, m, lambda: prefix_digest(request.salt, request.token_span(0, m))) \
+            is not None
 
     def _v4_restore(self, out: SchedulerOutput) -> None:
         """A request that continues a reused prefix (no side state at its start) gets it back from the snapshot the
@@ -1214,7 +1213,7 @@ class GenerationExecutor:
             if block < 0:
                 continue
             snap = self.v4.snapshots.get(block, self.manager.block_life(key, block)[0], start,
-                                         prefix_digest(req.salt, req.token_span(0, start)))
+                                         lambda r=req, n=start: prefix_digest(r.salt, r.token_span(0, n)))
             if snap is not None:  # else V4States.for_step says, in one line, that the state cannot be rebuilt
                 self.v4.restore(req.req_id, snap)
 

@@ -132,10 +132,12 @@ class V4Snapshots:
         """Keep ``snapshot`` with the window-group ``block`` (of generation ``gen``) that ends at its position."""
         self.by_block[block] = (gen, snapshot)
 
-    def get(self, block: int, gen: int, pos: int, digest: bytes) -> V4Snapshot | None:
-        """The snapshot of the prefix ``digest`` at ``pos`` kept with ``block`` at generation ``gen``, or None."""
+    def get(self, block: int, gen: int, pos: int, digest: Callable[[], bytes]) -> V4Snapshot | None:
+        """The snapshot at ``pos`` kept with ``block`` at generation ``gen`` of the prefix whose :func:`prefix_digest`
+        ``digest()`` gives, or None; the prefix is hashed only where such a snapshot is kept (2 ms at 32k tokens, and
+        the manager asks about every boundary down from the longest)."""
         got = self.by_block.get(block)
-        if got is None or got[0] != gen or got[1].pos != pos or got[1].digest != digest:
+        if got is None or got[0] != gen or got[1].pos != pos or got[1].digest != digest():
             return None
         return got[1]
 
