@@ -421,9 +421,10 @@ class GenerationExecutor:
             chat = template_options(**chat)
         else:
             check(isinstance(chat, bool), "chat", "true or false, or LLM.chat's template options", chat)
-        items = self._prompts(prompts, chat)
+        items = self._prompts(prompts, chat, checked=False)
         per_prompt = isinstance(sampling_params, Sequence)
         params = self._params(sampling_params, sampling, len(items))
+        items = self._check_items(self._truncated(items, params))  # cut first (truncate_prompt_tokens), then it fits
         defaulted = [] if per_prompt else sorted(defaulted_fields(sampling_params, sampling, self.sampling_defaults))
         arrivals = self._arrivals(arrival_steps, len(items))
         ranks = self._priorities(priority, len(items))
@@ -1072,11 +1073,13 @@ class GenerationExecutor:
             raise GenerationError("generate: this result was closed (LoadResult.close released its KV pools and "
                                   "weights); load the model again")
 
-    def _prompts(self, prompts: Any, chat: bool | Mapping[str, Any]) -> list[tuple[str | None, list[int]]]:
+    def _prompts(self, prompts: Any, chat: bool | Mapping[str, Any],
+                 checked: bool = True) -> list[tuple[str | None, list[int]]]:
         """Each prompt as (text or None, token ids), validated (``engine.prompts.normalize`` says what is taken).
 
         ``chat``: true, or the chat template's options (``engine.prompts.template_options``, from ``LLM.chat``);
-        a chat prompt's text is the templated text."""
+        a chat prompt's text is the templated text. ``checked=False`` leaves the ids' checks (empty, vocabulary,
+        length) to :meth:`_check_items`, for a caller that cuts the prompts first."""
         template = dict(chat) if isinstance(chat, Mapping) else {}
         items: list[tuple[str | None, list[int]]] = []
         for i, prompt in enumerate(normalize(prompts)):
@@ -1096,6 +1099,10 @@ class GenerationExecutor:
             if chat:
                 raise GenerationError(f"generate: prompt {i}: chat=True needs text prompts, got token ids")
             items.append((None, prompt))
+        return self._check_items(items) if checked else items
+
+    def _check_items(self, items: list[tuple[str | None, list[int]]]) -> list[tuple[str | None, list[int]]]:
+        """``items`` unchanged once every prompt's ids are non-empty, in the vocabulary and leave room to generate."""
         for i, (_, ids) in enumerate(items):
             if not ids:
                 raise GenerationError(f"generate: prompt {i}: empty (no tokens)")
@@ -1104,6 +1111,24 @@ class GenerationExecutor:
                 raise GenerationError(f"generate: prompt {i}: {len(ids)} tokens leave no room to generate under "
                                       f"max_seq_len={self.max_seq_len}; shorten it or raise max_seq_len")
         return items
+
+    def _truncated(self, items: list[tuple[str | None, list[int]]],
+                   params: list[SamplingParams]) -> list[tuple[str | None, list[int]]]:
+        """Each prompt's ids cut to the last ``truncate_prompt_tokens`` of its SamplingParams (vLLM's left truncation,
+        a BOS included; the text stays as given, as vLLM's ``RequestOutput.prompt`` does); -1: as many as
+        ``max_seq_len`` leaves after ``max_tokens``, at least one (the server's rule, where max_tokens is given)."""
+        out = []
+        for (text, ids), p in zip(items, params, strict=True):
+            keep = p.truncate_prompt_tokens
+            if keep == -1:
+                keep = max(1, self.max_seq_len - (p.max_tokens if p.max_tokens is not None else 1))
+            elif keep is not None and keep >= self.max_seq_len:  # vLLM refuses a size past max_model_len too
+                raise GenerationError(f"generate: truncate_prompt_tokens: {int_text(keep)} keeps prompts of up to "
+                                      f"that many tokens, which leaves no room to generate under max_seq_len="
+                                      f"{self.max_seq_len}; use at most {self.max_seq_len - 1} (or -1: as many as "
+                                      "max_seq_len leaves after max_tokens)")
+            out.append((text, ids[-keep:] if keep is not None and len(ids) > keep else ids))
+        return out
 
     def _tokenize(self, i: int, text: str) -> list[int]:
         check_text(f"prompt {i}", text)  # a lone surrogate would reach the tokenizer as a TypeError

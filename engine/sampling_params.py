@@ -250,7 +250,9 @@ class SamplingParams:
     last token is banned wherever the output so far ends with the tokens before it; needs a tokenizer (at most
     ``MAX_BAD_WORDS`` of ``MAX_STOP_CHARS`` characters). ``structured_outputs`` (vLLM's): a
     :class:`~engine.structured_params.StructuredOutputsParams`: the output matches a JSON schema, a regex, one of some
-    choices or a grammar (``engine.structured``; needs xgrammar and a tokenizer).
+    choices or a grammar (``engine.structured``; needs xgrammar and a tokenizer). ``truncate_prompt_tokens`` (vLLM's):
+    each prompt is cut to its last k tokens (a BOS too) before it runs; -1 keeps as many as ``max_seq_len`` leaves
+    after ``max_tokens`` (at least one); None cuts nothing.
     """
 
     max_tokens: int | None = DEFAULT_MAX_TOKENS
@@ -279,6 +281,8 @@ class SamplingParams:
     bad_words: list[str] = attrs.field(factory=list, hash=False)
     structured_outputs: StructuredOutputsParams | None = attrs.field(default=None, hash=False)
     detokenize: bool = True
+    #: vLLM's: keep each prompt's last k tokens (-1: as many as ``max_seq_len`` leaves after ``max_tokens``)
+    truncate_prompt_tokens: int | None = None
     #: ``bad_words`` as token id sequences, set by the executor from its tokenizer (vLLM's ``_bad_words_token_ids``)
     _bad_words_token_ids: tuple[tuple[int, ...], ...] = attrs.field(default=(), init=False, eq=False, repr=False)
     #: what the list and dict fields held when last checked (:meth:`recheck` checks again only what changed since: a
@@ -295,7 +299,7 @@ class SamplingParams:
                  prompt_logprobs: int | None = None, spaces_between_special_tokens: bool = True,
                  allowed_token_ids: Sequence[int] | None = None, bad_words: Sequence[str] | None = None,
                  structured_outputs: StructuredOutputsParams | None = None, detokenize: bool = True,
-                 **unknown: Any) -> None:
+                 truncate_prompt_tokens: int | None = None, **unknown: Any) -> None:
         """Keywords only (the field order may grow); ``max_new_tokens`` is an alias of ``max_tokens``; ``max_tokens``
         None (vLLM's): no cap but the context, as many tokens as ``max_seq_len`` leaves after the prompt."""
         if unknown:
@@ -314,8 +318,8 @@ class SamplingParams:
         logprobs = 1 if logprobs is True else logprobs
         prompt_logprobs = 1 if prompt_logprobs is True else prompt_logprobs
         # numpy scalars (an n, a seed or a temperature taken from an array) count as numbers, stored as Python's
-        max_tokens, top_k, seed, n, logprobs, min_tokens, prompt_logprobs = map(
-            _plain_int, (max_tokens, top_k, seed, n, logprobs, min_tokens, prompt_logprobs))
+        max_tokens, top_k, seed, n, logprobs, min_tokens, prompt_logprobs, truncate_prompt_tokens = map(
+            _plain_int, (max_tokens, top_k, seed, n, logprobs, min_tokens, prompt_logprobs, truncate_prompt_tokens))
         temperature, top_p, repetition_penalty, presence_penalty, frequency_penalty, min_p = map(
             _plain_number, (temperature, top_p, repetition_penalty, presence_penalty, frequency_penalty, min_p))
         check(max_tokens is None or (is_int(max_tokens) and max_tokens >= 1), length_name, "an integer >= 1",
@@ -325,7 +329,8 @@ class SamplingParams:
                             logprobs, ignore_eos, repetition_penalty, presence_penalty, frequency_penalty,
                             min_tokens, min_p, _biases(logit_bias), include_stop_str_in_output,
                             skip_special_tokens, prompt_logprobs, spaces_between_special_tokens,
-                            _allowed(allowed_token_ids), _words(bad_words), structured_outputs, detokenize)
+                            _allowed(allowed_token_ids), _words(bad_words), structured_outputs, detokenize,
+                            truncate_prompt_tokens)
 
     def __attrs_post_init__(self) -> None:
         check(is_finite(self.temperature) and self.temperature >= 0,
@@ -364,6 +369,11 @@ class SamplingParams:
         check(is_int(self.min_tokens) and 0 <= self.min_tokens <= most, "min_tokens",
               f"an integer in [0, max_tokens={self.max_tokens}]", self.min_tokens)
         check(is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "a number in [0, 1] (0 = off)", self.min_p)
+        check(self.truncate_prompt_tokens is None or (is_int(self.truncate_prompt_tokens) and (
+            self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1)), "truncate_prompt_tokens",
+              "an integer >= 1 (keep each prompt's last k tokens), -1 (as many as max_seq_len leaves after "
+              "max_tokens) or None (no cut)", self.truncate_prompt_tokens)
+        _at_most_int64("truncate_prompt_tokens", self.truncate_prompt_tokens)
 
         for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
                      "detokenize"):
@@ -499,8 +509,6 @@ VLLM_FIELDS_NOT_TAKEN: dict[str, str] = {
                          "structured_outputs shape the logits",
     "output_kind": "LLM.generate returns each prompt's final RequestOutput; LLM.generate_stream yields a TokenDelta "
                    "per token",
-    "truncate_prompt_tokens": "kvload does not cut prompts; a prompt longer than max_seq_len is refused with its "
-                              "length",
     "extra_args": "kvload has no sampler plugins to read them",
     "logprob_token_ids": "kvload returns the top logprobs=k tokens (and the sampled one), not chosen ids; ask for "
                          "logprobs=20 and read the ids you need, or score a candidate with prompt_logprobs",

@@ -352,6 +352,40 @@ def test_a_flat_list_of_token_ids_is_one_prompt_as_in_vllm(llm):
     assert one.outputs[0].token_ids == llm.generate([IDS[0]], sp)[0].outputs[0].token_ids
 
 
+def test_truncate_prompt_tokens_keeps_each_prompts_last_k_tokens_as_vllm_does(llm):
+    """vLLM's ``SamplingParams(truncate_prompt_tokens=k)``: the prompt's last k tokens run (it was refused); the text
+    given stays ``out.prompt``, as vLLM's does."""
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    text = " ".join(f"w{i}" for i in range(10, 30))
+    cut, ids = llm.generate([text, list(range(40, 60))], SamplingParams(max_tokens=3, ignore_eos=True,
+                                                                          truncate_prompt_tokens=5))
+    assert cut.prompt == text and cut.prompt_token_ids == [25, 26, 27, 28, 29]
+    assert ids.prompt_token_ids == [55, 56, 57, 58, 59]
+    direct = llm.generate([[25, 26, 27, 28, 29], [55, 56, 57, 58, 59]], sp)
+    assert [o.outputs[0].token_ids for o in (cut, ids)] == [o.outputs[0].token_ids for o in direct]
+    short_one, whole = llm.generate([[1, 2, 3], [4, 5, 6]], [SamplingParams(max_tokens=3, truncate_prompt_tokens=5),
+                                                             sp])  # shorter than k: uncut; each prompt its own
+    assert short_one.prompt_token_ids == [1, 2, 3] and whole.prompt_token_ids == [4, 5, 6]
+    deltas = list(llm.generate_stream([list(range(40, 60))], SamplingParams(max_tokens=3, ignore_eos=True,
+                                                                            truncate_prompt_tokens=5)))
+    assert deltas[-1].output.prompt_token_ids == [55, 56, 57, 58, 59]
+
+
+def test_truncate_prompt_tokens_minus_one_fits_a_prompt_past_max_seq_len_and_a_bad_size_is_one_line(llm):
+    long = list(range(1, 101))  # 100 tokens; the fixture's max_seq_len is 64
+    with pytest.raises(GenerationError, match="^generate: prompt 0: 100 tokens leave no room"):
+        llm.generate([long], SamplingParams(max_tokens=4))
+    (out,) = llm.generate([long], SamplingParams(max_tokens=4, ignore_eos=True, truncate_prompt_tokens=-1))
+    assert out.prompt_token_ids == long[-60:] and len(out.outputs[0].token_ids) == 4  # 64 - max_tokens
+    with pytest.raises(GenerationError, match="^generate: truncate_prompt_tokens: 64 keeps prompts of up to that "
+                                              "many tokens, which leaves no room to generate under max_seq_len=64"):
+        llm.generate([long], SamplingParams(max_tokens=4, truncate_prompt_tokens=64))
+    for bad in (0, -2, True, 1.5):
+        with pytest.raises(GenerationError, match="^generate: truncate_prompt_tokens: expected an integer >= 1"):
+            SamplingParams(truncate_prompt_tokens=bad)
+    assert SamplingParams(truncate_prompt_tokens=None) == SamplingParams()
+
+
 def test_vllms_legacy_prompt_token_ids_keyword_gives_the_prompts(llm):
     sp = SamplingParams(max_tokens=3, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in llm.generate(IDS, sp)]
@@ -516,7 +550,6 @@ def test_detokenize_false_keeps_the_tokens_and_skips_the_text(llm):
 @pytest.mark.parametrize(("field", "words"), [
     ("best_of", "vLLM's V1 engine dropped it too; ask for n samples"),
     ("guided_decoding", "vLLM's older name; pass structured_outputs=kvload.StructuredOutputsParams(...)"),
-    ("truncate_prompt_tokens", "kvload does not cut prompts"),
     ("logits_processors", "kvload runs no user code in its sampler"),
     # vLLM's newer fields: each said with what kvload does instead (they read "unknown SamplingParams field")
     ("logprob_token_ids", "kvload returns the top logprobs=k tokens"),
