@@ -302,6 +302,8 @@ class SamplingParams:
                  truncate_prompt_tokens: int | None = None, **unknown: Any) -> None:
         """Keywords only (the field order may grow); ``max_new_tokens`` is an alias of ``max_tokens``; ``max_tokens``
         None (vLLM's): no cap but the context, as many tokens as ``max_seq_len`` leaves after the prompt."""
+        for name in [k for k, v in unknown.items() if _asks_nothing(k, v, n)]:  # vLLM's "not set": taken, as vLLM's
+            del unknown[name]  # defaults they are (SamplingParams(best_of=None), a config's logits_processors: [])
         if unknown:
             raise GenerationError(unknown_field(next(iter(unknown))))
         length_name = "max_tokens"
@@ -537,6 +539,24 @@ VLLM_CALL_ARGUMENTS_NOT_TAKEN: dict[str, str] = {
 }
 
 
+#: vLLM's ``SamplingParams`` fields kvload lacks → the values that ask for nothing there (vLLM's defaults): accepted
+#: and dropped, so a script or config that spells the defaults out runs; any other value is refused
+#: (:data:`VLLM_FIELDS_NOT_TAKEN`).
+VLLM_FIELDS_AT_NO_OP: dict[str, tuple[Any, ...]] = {
+    "best_of": (None,),  # and best_of == n: n drawn, the best n kept, is the n samples
+    "guided_decoding": (None,),
+    "logits_processors": (None, []),
+    "extra_args": (None, {}),
+}
+
+
+def _asks_nothing(name: str, value: Any, n: Any) -> bool:
+    """Whether vLLM's field ``name`` at ``value`` asks for nothing kvload does not do."""
+    if name == "best_of" and is_int(value) and value == n:
+        return True
+    return any(value == v and type(value) is type(v) for v in VLLM_FIELDS_AT_NO_OP.get(name, ()))
+
+
 def _known_keywords() -> set[str]:
     return {a.name for a in attrs.fields(SamplingParams) if a.init} | {"max_new_tokens"}
 
@@ -560,6 +580,10 @@ def unknown_field(name: str) -> str:
     """The one-line error for a ``SamplingParams`` keyword that is not a field: vLLM's with what to do instead."""
     why = VLLM_FIELDS_NOT_TAKEN.get(name)
     if why is not None:
+        taken = VLLM_FIELDS_AT_NO_OP.get(name)
+        if taken is not None:  # what is accepted: vLLM's "not set"
+            why += f"; accepted: {' or '.join(map(repr, taken))}" + (
+                ", or n itself" if name == "best_of" else "") + ", which ask for nothing"
         return f"generate: {name}: vLLM's SamplingParams field, not kvload's: {why}"
     return f"generate: unknown SamplingParams field {name!r}; fields are {', '.join(sorted(_known_keywords()))}"
 
@@ -568,6 +592,8 @@ def check_keywords(keywords: Mapping[str, Any]) -> None:
     """Sampling keywords given to a generate call (``llm.generate(p, max_tokens=8)``): each a SamplingParams field;
     vLLM's call arguments kvload does not take are named with what to do instead."""
     for name in sorted(set(keywords) - _known_keywords()):
+        if _asks_nothing(name, keywords[name], keywords.get("n", 1)):
+            continue  # taken as the constructor takes it
         why = VLLM_CALL_ARGUMENTS_NOT_TAKEN.get(name) or VLLM_FIELDS_NOT_TAKEN.get(name)
         if why is not None:
             raise GenerationError(f"generate: {name}: vLLM's argument, not kvload's: {why}")

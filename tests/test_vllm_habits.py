@@ -565,6 +565,23 @@ def test_a_vllm_sampling_field_kvload_lacks_is_one_line_with_what_to_do(field, w
         SamplingParams(top_q=2)
 
 
+def test_vllms_fields_at_the_values_that_ask_for_nothing_are_taken(llm):
+    """A script or config spelling vLLM's defaults out (``SamplingParams(n=n, best_of=best_of)`` with best_of None,
+    ``logits_processors=[]``) ran there and was refused here; another value is still one line saying what is taken."""
+    plain = SamplingParams(max_tokens=3, n=2, temperature=1.0, seed=5)
+    spelled = SamplingParams(max_tokens=3, n=2, temperature=1.0, seed=5, best_of=None, logits_processors=[],
+                             guided_decoding=None, extra_args={})
+    assert spelled == plain and SamplingParams(n=2, best_of=2) == SamplingParams(n=2)
+    assert llm.generate(IDS, spelled)[0].outputs[1].token_ids == llm.generate(IDS, plain)[0].outputs[1].token_ids
+    (out,) = llm.generate(IDS[:1], max_tokens=2, best_of=None, logits_processors=None)  # as keywords too
+    assert len(out.outputs[0].token_ids) == 2
+    with pytest.raises(GenerationError, match=r"^generate: best_of: .*; accepted: None, or n itself, which ask for "
+                                              "nothing$"):
+        SamplingParams(n=2, best_of=3)
+    with pytest.raises(GenerationError, match=r"^generate: logits_processors: .*; accepted: None or \[\], which"):
+        SamplingParams(logits_processors=[lambda ids, logits: logits])
+
+
 # --- get_metrics ----------------------------------------------------------------------------------
 
 
