@@ -126,15 +126,15 @@ def check_logprobs(value: Any, name: str = "logprobs") -> None:
           f"an integer in [0, {MAX_LOGPROBS}] (top tokens to report per {what})", value)
 
 
-def check_salt(salt: Any) -> None:
+def check_salt(salt: Any, name: str = "salt") -> None:
     """A prefix-reuse salt: None or valid Unicode text of at most :data:`MAX_SALT_CHARS` characters (the server's
-    bound too); it is hashed into every block key of its request."""
-    check(salt is None or isinstance(salt, str), "salt", "a string or None", salt)
+    bound too); it is hashed into every block key of its request. ``name``: the setting, as errors name it."""
+    check(salt is None or isinstance(salt, str), name, "a string or None", salt)
     if salt is not None:
         if len(salt) > MAX_SALT_CHARS:
-            raise GenerationError(f"generate: salt: expected a string of at most {MAX_SALT_CHARS:,} characters, got "
+            raise GenerationError(f"generate: {name}: expected a string of at most {MAX_SALT_CHARS:,} characters, got "
                                   f"{len(salt):,}")
-        check_text("salt", salt)  # hashed as UTF-8 into every block key
+        check_text(name, salt)  # hashed as UTF-8 into every block key
 
 
 def _at_most_int64(name: str, value: Any) -> None:

@@ -344,6 +344,42 @@ def test_vllms_prompt_types_are_there_and_generate_takes_them(llm):
     assert outs[1].prompt == "w88 w123 w7" and outs[0].prompt is None
 
 
+def test_a_prompt_dicts_cache_salt_scopes_that_prompts_prefix_reuse_as_vllms_does(llm):
+    """vLLM's ``TokensPrompt(..., cache_salt=...)`` / ``TextPrompt``: each prompt its own salt (it was refused: kvload
+    salted only a whole call); prompts under one salt share cached blocks, under another none."""
+    from kvload import TextPrompt, TokensPrompt
+
+    sp = SamplingParams(max_tokens=2, ignore_eos=True)
+    ids = list(range(200, 216))  # four full blocks of 4, used by no other test
+    text = " ".join(f"w{i}" for i in ids)
+    (warm,) = llm.generate([TokensPrompt(prompt_token_ids=ids, cache_salt="tenant-a")], sp)
+    assert warm.num_cached_tokens == 0
+    same, other, unsalted, as_text = llm.generate(
+        [TokensPrompt(prompt_token_ids=ids, cache_salt="tenant-a"), TokensPrompt(prompt_token_ids=ids,
+                                                                                 cache_salt="tenant-b"),
+         ids, TextPrompt(prompt=text, cache_salt="tenant-a")], sp)
+    assert same.num_cached_tokens > 0 and as_text.num_cached_tokens > 0  # one salt: one scope, text or ids
+    assert other.num_cached_tokens == 0 and unsalted.num_cached_tokens == 0
+    (call_salted,) = llm.generate([ids], sp, salt="tenant-a")  # a prompt's cache_salt is the call's salt, per prompt
+    assert call_salted.num_cached_tokens > 0
+    assert llm.audit.of("generation_started")[-2]["salted"] is True
+    with pytest.raises(GenerationError, match="^generate: prompt 0: its cache_salt and the call's salt differ"):
+        llm.generate([TokensPrompt(prompt_token_ids=ids, cache_salt="tenant-b")], sp, salt="tenant-a")
+    with pytest.raises(GenerationError, match="^generate: prompt 0: 'cache_salt' must be a non-empty string"):
+        llm.generate([{"prompt_token_ids": ids, "cache_salt": 7}], sp)
+
+
+def test_a_tokens_prompts_own_text_is_the_outputs_prompt_as_in_vllm(llm):
+    """vLLM's ``TokensPrompt`` may carry the text of its ids (``prompt``): ``RequestOutput.prompt`` is then that text;
+    the ids are what runs (a script feeding an output's prompt and ids back was refused: "has keys")."""
+    from kvload import TokensPrompt
+
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    (out,) = llm.generate([TokensPrompt(prompt_token_ids=IDS[0], prompt="five ids")], sp)
+    assert out.prompt == "five ids" and out.prompt_token_ids == IDS[0]
+    assert out.outputs[0].token_ids == llm.generate([IDS[0]], sp)[0].outputs[0].token_ids
+
+
 def test_a_flat_list_of_token_ids_is_one_prompt_as_in_vllm(llm):
     """vLLM's ``prompt_to_seq``: ``llm.generate(tokenizer.encode(text), sp)`` is one prompt (it was refused)."""
     sp = SamplingParams(max_tokens=3, ignore_eos=True)
