@@ -60,6 +60,7 @@ from engine.outputs import (
 from engine.penalties import penalize
 from engine.prompts import (
     TEMPLATE_OPTIONS,
+    PromptOptions,
     apply_template,
     array_ints,
     check_text,
@@ -421,15 +422,18 @@ class GenerationExecutor:
             chat = template_options(**chat)
         else:
             check(isinstance(chat, bool), "chat", "true or false, or LLM.chat's template options", chat)
-        items = self._prompts(prompts, chat)
+        options: list[PromptOptions] = []
+        items = self._prompts(prompts, chat, checked=False, options=options)
+        salts = self._salts(salt, options)
         per_prompt = isinstance(sampling_params, Sequence)
         params = self._params(sampling_params, sampling, len(items))
+        items = self._check_items(self._truncated(items, params))  # cut first (truncate_prompt_tokens), then it fits
         defaulted = [] if per_prompt else sorted(defaulted_fields(sampling_params, sampling, self.sampling_defaults))
         arrivals = self._arrivals(arrival_steps, len(items))
         ranks = self._priorities(priority, len(items))
         call = self._calls
         self._calls += 1
-        lives = self._lives(call, items, params, salt, arrivals, ranks)
+        lives = self._lives(call, items, params, salts, arrivals, ranks)
         now_arrivals, forks = [], {}
         for live in lives:
             if live.parent is not None:  # forked from the prompt's first sample when its prefill completes
@@ -483,7 +487,8 @@ class GenerationExecutor:
             self._event(GenerationStarted(
                 call=call, requests=len(lives), prompt_tokens=sum(len(ids) for _, ids in items),
                 max_new_tokens=p0.max_tokens, temperature=float(p0.temperature), top_p=float(p0.top_p),
-                seed=p0.seed, salted=salt is not None, kv_manager=type(self.manager).__name__, top_k=p0.top_k, n=p0.n,
+                seed=p0.seed, salted=any(s is not None for s in salts), kv_manager=type(self.manager).__name__,
+                top_k=p0.top_k, n=p0.n,
                 stop_strings=len(p0.stop), stop_token_ids=list(p0.stop_token_ids), logprobs=p0.logprobs,
                 per_prompt_params=per_prompt, repetition_penalty=float(p0.repetition_penalty),
                 presence_penalty=float(p0.presence_penalty), frequency_penalty=float(p0.frequency_penalty),
@@ -496,9 +501,11 @@ class GenerationExecutor:
                                          + inert_settings(p, has_text, self.eos_is_special)
                                          + dropped):  # ... and what a schema holds that xgrammar does not enforce
                     self._event(SettingIgnored(field=f"generate.{name}", value=value, reason=why))
-            unscoped = self.salt_ignored() if salt is not None else None  # with reuse off a salt would do nothing
+            given = salt if salt is not None else next((o.cache_salt for o in options if o.cache_salt), None)
+            unscoped = self.salt_ignored() if given is not None else None  # with reuse off a salt would do nothing
             if unscoped is not None:
-                self._event(SettingIgnored(field="generate.salt", value=salt, reason=unscoped))
+                self._event(SettingIgnored(field="generate.salt" if salt is not None else "generate.cache_salt",
+                                           value=given, reason=unscoped))
             with self.paged_attention():
                 try:
                     run = driver.run(now_arrivals, self._compute, on_arrival=queued, on_step=stepped)
@@ -693,8 +700,23 @@ class GenerationExecutor:
                 out.append(ids)
         return tuple(out)
 
+    def _salts(self, salt: str | None, options: list[PromptOptions]) -> list[str | None]:
+        """Each prompt's prefix-reuse salt: its dict's ``cache_salt`` (vLLM's), else the call's ``salt``; the two given
+        and different is refused, as the server refuses ``salt`` and ``cache_salt`` that differ."""
+        out = []
+        for i, said in enumerate(options):
+            if said.cache_salt is None:
+                out.append(salt)
+                continue
+            if salt is not None and said.cache_salt != salt:
+                raise GenerationError(f"generate: prompt {i}: its cache_salt and the call's salt differ; give one (a "
+                                      "prompt's cache_salt scopes that prompt, salt= every prompt of the call)")
+            check_salt(said.cache_salt, f"prompt {i}: cache_salt")
+            out.append(said.cache_salt)
+        return out
+
     def _lives(self, call: int, items: list[tuple[str | None, list[int]]], params: list[SamplingParams],
-               salt: str | None, arrivals: list[int], ranks: list[int] | None = None) -> list[_Live]:
+               salts: list[str | None], arrivals: list[int], ranks: list[int] | None = None) -> list[_Live]:
         """Every sample of every prompt as a request, with its generator (seeded as SamplingParams says)."""
         lives = []
         # unseeded samples: a fresh base per call, or the next of the LLM's seeded sequence (vLLM's engine seed)
@@ -711,7 +733,7 @@ class GenerationExecutor:
                 # a scored prompt is prefilled whole by its first sample (a cached prefix computes no logits), whose
                 # blocks are cached as any request's: the later samples, and later requests, reuse them
                 cap = room if p.max_tokens is None else min(p.max_tokens, room)  # None: vLLM's "up to the context"
-                request = Request(req_id, ids, cap, salt=salt,
+                request = Request(req_id, ids, cap, salt=salts[i],
                                   skip_prefix_read=p.prompt_logprobs is not None and j == 0,
                                   priority=ranks[i] if ranks is not None else 0)
                 if j == 0:
@@ -1072,14 +1094,19 @@ class GenerationExecutor:
             raise GenerationError("generate: this result was closed (LoadResult.close released its KV pools and "
                                   "weights); load the model again")
 
-    def _prompts(self, prompts: Any, chat: bool | Mapping[str, Any]) -> list[tuple[str | None, list[int]]]:
+    def _prompts(self, prompts: Any, chat: bool | Mapping[str, Any], checked: bool = True,
+                 options: list[PromptOptions] | None = None) -> list[tuple[str | None, list[int]]]:
         """Each prompt as (text or None, token ids), validated (``engine.prompts.normalize`` says what is taken).
 
         ``chat``: true, or the chat template's options (``engine.prompts.template_options``, from ``LLM.chat``);
-        a chat prompt's text is the templated text."""
+        a chat prompt's text is the templated text. ``checked=False`` leaves the ids' checks (empty, vocabulary,
+        length) to :meth:`_check_items`, for a caller that cuts the prompts first. ``options``: a list to fill with
+        what each vLLM prompt dict says beside its prompt (its salt; a TokensPrompt's text is the item's text); None:
+        a dict's ``cache_salt`` is refused (``engine.prompts.normalize``)."""
         template = dict(chat) if isinstance(chat, Mapping) else {}
         items: list[tuple[str | None, list[int]]] = []
-        for i, prompt in enumerate(normalize(prompts)):
+        said: list[PromptOptions] = [] if options is None else options
+        for i, prompt in enumerate(normalize(prompts, said, take_salt=options is not None)):
             if isinstance(prompt, str):
                 if chat:
                     check_text(f"prompt {i}", prompt)
@@ -1095,7 +1122,11 @@ class GenerationExecutor:
                 continue
             if chat:
                 raise GenerationError(f"generate: prompt {i}: chat=True needs text prompts, got token ids")
-            items.append((None, prompt))
+            items.append((said[i].text, prompt))  # a TokensPrompt's own text, if it gave one (vLLM's)
+        return self._check_items(items) if checked else items
+
+    def _check_items(self, items: list[tuple[str | None, list[int]]]) -> list[tuple[str | None, list[int]]]:
+        """``items`` unchanged once every prompt's ids are non-empty, in the vocabulary and leave room to generate."""
         for i, (_, ids) in enumerate(items):
             if not ids:
                 raise GenerationError(f"generate: prompt {i}: empty (no tokens)")
@@ -1104,6 +1135,24 @@ class GenerationExecutor:
                 raise GenerationError(f"generate: prompt {i}: {len(ids)} tokens leave no room to generate under "
                                       f"max_seq_len={self.max_seq_len}; shorten it or raise max_seq_len")
         return items
+
+    def _truncated(self, items: list[tuple[str | None, list[int]]],
+                   params: list[SamplingParams]) -> list[tuple[str | None, list[int]]]:
+        """Each prompt's ids cut to the last ``truncate_prompt_tokens`` of its SamplingParams (vLLM's left truncation,
+        a BOS included; the text stays as given, as vLLM's ``RequestOutput.prompt`` does); -1: as many as
+        ``max_seq_len`` leaves after ``max_tokens``, at least one (the server's rule, where max_tokens is given)."""
+        out = []
+        for (text, ids), p in zip(items, params, strict=True):
+            keep = p.truncate_prompt_tokens
+            if keep == -1:
+                keep = max(1, self.max_seq_len - (p.max_tokens if p.max_tokens is not None else 1))
+            elif keep is not None and keep >= self.max_seq_len:  # vLLM refuses a size past max_model_len too
+                raise GenerationError(f"generate: truncate_prompt_tokens: {int_text(keep)} keeps prompts of up to "
+                                      f"that many tokens, which leaves no room to generate under max_seq_len="
+                                      f"{self.max_seq_len}; use at most {self.max_seq_len - 1} (or -1: as many as "
+                                      "max_seq_len leaves after max_tokens)")
+            out.append((text, ids[-keep:] if keep is not None and len(ids) > keep else ids))
+        return out
 
     def _tokenize(self, i: int, text: str) -> list[int]:
         check_text(f"prompt {i}", text)  # a lone surrogate would reach the tokenizer as a TypeError

@@ -16,15 +16,17 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
-from typing import Any, TypedDict
+from typing import Any, NotRequired, TypedDict
+
+import attrs
 
 from pipeline.errors import GenerationError, first_line
 
-#: Keys of vLLM's prompt dicts kvload acts on; any other key (multi_modal_data, ...) is refused.
-PROMPT_KEYS = ("prompt", "prompt_token_ids")
+#: Keys of vLLM's prompt dicts kvload acts on; any other key (multi_modal_data, ...) is refused. A TokensPrompt may
+#: carry its text too (vLLM's ``prompt``, the ``RequestOutput.prompt`` then), and either its prefix cache salt.
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 #: Keys of vLLM's prompt dicts kvload does not take → what to do instead (said after the refusal).
 VLLM_PROMPT_KEYS_NOT_TAKEN = {
-    "cache_salt": "kvload salts a whole call: generate(..., salt=...)",
     "multi_modal_data": "kvload serves text-only models",
     "mm_processor_kwargs": "kvload serves text-only models",
     "multi_modal_uuids": "kvload serves text-only models",
@@ -33,16 +35,30 @@ VLLM_PROMPT_KEYS_NOT_TAKEN = {
 
 
 class TextPrompt(TypedDict):
-    """vLLM's ``TextPrompt`` (``vllm.inputs``): ``TextPrompt(prompt="...")`` is the dict ``{"prompt": "..."}``."""
+    """vLLM's ``TextPrompt`` (``vllm.inputs``): ``TextPrompt(prompt="...")`` is the dict ``{"prompt": "..."}``;
+    ``cache_salt`` scopes its prefix reuse, as ``generate``'s ``salt`` does for a whole call."""
 
     prompt: str
+    cache_salt: NotRequired[str]
 
 
 class TokensPrompt(TypedDict):
     """vLLM's ``TokensPrompt`` (``vllm.inputs``): ``TokensPrompt(prompt_token_ids=[...])`` is the dict
-    ``{"prompt_token_ids": [...]}``."""
+    ``{"prompt_token_ids": [...]}``; ``prompt``: the text of those ids, if known (``RequestOutput.prompt``);
+    ``cache_salt`` as :class:`TextPrompt`'s."""
 
     prompt_token_ids: list[int]
+    prompt: NotRequired[str]
+    cache_salt: NotRequired[str]
+
+
+@attrs.frozen
+class PromptOptions:
+    """What a vLLM prompt dict says beside its text or ids: the text of a TokensPrompt (None: none given) and its
+    prefix cache salt (None: the call's)."""
+
+    text: str | None = None
+    cache_salt: str | None = None
 
 
 #: Message roles a chat template takes.
@@ -71,8 +87,12 @@ def is_conversation(value: Any) -> bool:
             and all(isinstance(m, Mapping) for m in value))
 
 
-def normalize(prompts: Any) -> list[Any]:
-    """Every prompt as a ``str``, a ``list[int]`` or (chat) a list of messages; ``GenerationError`` naming one."""
+def normalize(prompts: Any, options: list[PromptOptions] | None = None, *, take_salt: bool | None = None) -> list[Any]:
+    """Every prompt as a ``str``, a ``list[int]`` or (chat) a list of messages; ``GenerationError`` naming one.
+
+    ``options``: a list to fill with each prompt's :class:`PromptOptions`. ``take_salt`` (default: whether ``options``
+    is given): false for a caller that cannot honour a prompt dict's ``cache_salt``, which is then refused."""
+    take_salt = options is not None if take_salt is None else take_salt
     prompts = array_ints(prompts)
     if isinstance(prompts, (str, Mapping)):
         prompts = [prompts]
@@ -91,8 +111,14 @@ def normalize(prompts: Any) -> list[Any]:
                               "prompt of token ids as [1, 2, 3] and several as [[1, 2, 3], [4, 5]]")
     out = []
     for i, prompt in enumerate(prompts):
+        said = PromptOptions()
         if isinstance(prompt, Mapping):
-            prompt = _from_dict(i, prompt)
+            prompt, said = _from_dict(i, prompt)
+            if said.cache_salt is not None and not take_salt:
+                raise GenerationError(f"generate: prompt {i}: a prompt dict's 'cache_salt' is not taken here "
+                                      "(LLM.generate takes it); give the prompt without it")
+        if options is not None:
+            options.append(said)
         prompt = array_ints(prompt)
         if isinstance(prompt, str) or is_conversation(prompt):
             out.append(prompt)
@@ -105,27 +131,33 @@ def normalize(prompts: Any) -> list[Any]:
     return out
 
 
-def _from_dict(i: int, prompt: Mapping[str, Any]) -> Any:
-    """vLLM's TextPrompt / TokensPrompt → its text or token ids."""
+def _from_dict(i: int, prompt: Mapping[str, Any]) -> tuple[Any, PromptOptions]:
+    """vLLM's TextPrompt / TokensPrompt → its text or token ids, and what else it says."""
     unknown = sorted(str(k) for k in prompt if k not in PROMPT_KEYS)
-    if unknown or len(prompt) != 1:
+    if unknown or not ("prompt" in prompt or "prompt_token_ids" in prompt):
         # a key is quoted cut to 80 characters: a huge one made the line as long
         what = f"key {unknown[0][:80]!r} is not supported" if unknown else f"has keys {sorted(prompt)}"
         instead = VLLM_PROMPT_KEYS_NOT_TAKEN.get(unknown[0]) if unknown else None
         raise GenerationError(f"generate: prompt {i}: a prompt dict {what}"
                               + (f" (vLLM's; {instead})" if instead else "")
-                              + "; give exactly one of {'prompt': TEXT} or {'prompt_token_ids': [IDS]}")
-    if "prompt" in prompt:
-        text = prompt["prompt"]
-        if not isinstance(text, str):
-            raise GenerationError(f"generate: prompt {i}: 'prompt' must be a string, got {type(text).__name__}")
-        return text
+                              + "; give {'prompt': TEXT} or {'prompt_token_ids': [IDS]} (with its text as 'prompt', "
+                                "if known), and a 'cache_salt' if you like")
+    salt = prompt.get("cache_salt")
+    if salt is not None and not (isinstance(salt, str) and salt):  # vLLM's key holds a string (None: not given)
+        raise GenerationError(f"generate: prompt {i}: 'cache_salt' must be a non-empty string, got {salt!r}"[:200])
+    text = prompt.get("prompt")
+    if "prompt" in prompt and not isinstance(text, str):
+        raise GenerationError(f"generate: prompt {i}: 'prompt' must be a string, got {type(text).__name__}")
+    if "prompt_token_ids" not in prompt:
+        return text, PromptOptions(cache_salt=salt)
     ids = array_ints(prompt["prompt_token_ids"])
     if isinstance(ids, (str, bytes, Mapping)) or not isinstance(ids, Sequence) \
             or not all(is_token_id(t) for t in ids):
         raise GenerationError(f"generate: prompt {i}: 'prompt_token_ids' must be a list of token ids (ints), "
                               f"got {ids!r}"[:200])
-    return list(ids)
+    if text is not None:
+        check_text(f"prompt {i}", text)
+    return list(ids), PromptOptions(text=text, cache_salt=salt)
 
 
 def check_text(where: str, text: str) -> None:

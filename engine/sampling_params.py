@@ -126,15 +126,15 @@ def check_logprobs(value: Any, name: str = "logprobs") -> None:
           f"an integer in [0, {MAX_LOGPROBS}] (top tokens to report per {what})", value)
 
 
-def check_salt(salt: Any) -> None:
+def check_salt(salt: Any, name: str = "salt") -> None:
     """A prefix-reuse salt: None or valid Unicode text of at most :data:`MAX_SALT_CHARS` characters (the server's
-    bound too); it is hashed into every block key of its request."""
-    check(salt is None or isinstance(salt, str), "salt", "a string or None", salt)
+    bound too); it is hashed into every block key of its request. ``name``: the setting, as errors name it."""
+    check(salt is None or isinstance(salt, str), name, "a string or None", salt)
     if salt is not None:
         if len(salt) > MAX_SALT_CHARS:
-            raise GenerationError(f"generate: salt: expected a string of at most {MAX_SALT_CHARS:,} characters, got "
+            raise GenerationError(f"generate: {name}: expected a string of at most {MAX_SALT_CHARS:,} characters, got "
                                   f"{len(salt):,}")
-        check_text("salt", salt)  # hashed as UTF-8 into every block key
+        check_text(name, salt)  # hashed as UTF-8 into every block key
 
 
 def _at_most_int64(name: str, value: Any) -> None:
@@ -250,7 +250,9 @@ class SamplingParams:
     last token is banned wherever the output so far ends with the tokens before it; needs a tokenizer (at most
     ``MAX_BAD_WORDS`` of ``MAX_STOP_CHARS`` characters). ``structured_outputs`` (vLLM's): a
     :class:`~engine.structured_params.StructuredOutputsParams`: the output matches a JSON schema, a regex, one of some
-    choices or a grammar (``engine.structured``; needs xgrammar and a tokenizer).
+    choices or a grammar (``engine.structured``; needs xgrammar and a tokenizer). ``truncate_prompt_tokens`` (vLLM's):
+    each prompt is cut to its last k tokens (a BOS too) before it runs; -1 keeps as many as ``max_seq_len`` leaves
+    after ``max_tokens`` (at least one); None cuts nothing.
     """
 
     max_tokens: int | None = DEFAULT_MAX_TOKENS
@@ -279,6 +281,8 @@ class SamplingParams:
     bad_words: list[str] = attrs.field(factory=list, hash=False)
     structured_outputs: StructuredOutputsParams | None = attrs.field(default=None, hash=False)
     detokenize: bool = True
+    #: vLLM's: keep each prompt's last k tokens (-1: as many as ``max_seq_len`` leaves after ``max_tokens``)
+    truncate_prompt_tokens: int | None = None
     #: ``bad_words`` as token id sequences, set by the executor from its tokenizer (vLLM's ``_bad_words_token_ids``)
     _bad_words_token_ids: tuple[tuple[int, ...], ...] = attrs.field(default=(), init=False, eq=False, repr=False)
     #: what the list and dict fields held when last checked (:meth:`recheck` checks again only what changed since: a
@@ -295,9 +299,11 @@ class SamplingParams:
                  prompt_logprobs: int | None = None, spaces_between_special_tokens: bool = True,
                  allowed_token_ids: Sequence[int] | None = None, bad_words: Sequence[str] | None = None,
                  structured_outputs: StructuredOutputsParams | None = None, detokenize: bool = True,
-                 **unknown: Any) -> None:
+                 truncate_prompt_tokens: int | None = None, **unknown: Any) -> None:
         """Keywords only (the field order may grow); ``max_new_tokens`` is an alias of ``max_tokens``; ``max_tokens``
         None (vLLM's): no cap but the context, as many tokens as ``max_seq_len`` leaves after the prompt."""
+        for name in [k for k, v in unknown.items() if _asks_nothing(k, v, n)]:  # vLLM's "not set": taken, as vLLM's
+            del unknown[name]  # defaults they are (SamplingParams(best_of=None), a config's logits_processors: [])
         if unknown:
             raise GenerationError(unknown_field(next(iter(unknown))))
         length_name = "max_tokens"
@@ -314,8 +320,8 @@ class SamplingParams:
         logprobs = 1 if logprobs is True else logprobs
         prompt_logprobs = 1 if prompt_logprobs is True else prompt_logprobs
         # numpy scalars (an n, a seed or a temperature taken from an array) count as numbers, stored as Python's
-        max_tokens, top_k, seed, n, logprobs, min_tokens, prompt_logprobs = map(
-            _plain_int, (max_tokens, top_k, seed, n, logprobs, min_tokens, prompt_logprobs))
+        max_tokens, top_k, seed, n, logprobs, min_tokens, prompt_logprobs, truncate_prompt_tokens = map(
+            _plain_int, (max_tokens, top_k, seed, n, logprobs, min_tokens, prompt_logprobs, truncate_prompt_tokens))
         temperature, top_p, repetition_penalty, presence_penalty, frequency_penalty, min_p = map(
             _plain_number, (temperature, top_p, repetition_penalty, presence_penalty, frequency_penalty, min_p))
         check(max_tokens is None or (is_int(max_tokens) and max_tokens >= 1), length_name, "an integer >= 1",
@@ -325,7 +331,8 @@ class SamplingParams:
                             logprobs, ignore_eos, repetition_penalty, presence_penalty, frequency_penalty,
                             min_tokens, min_p, _biases(logit_bias), include_stop_str_in_output,
                             skip_special_tokens, prompt_logprobs, spaces_between_special_tokens,
-                            _allowed(allowed_token_ids), _words(bad_words), structured_outputs, detokenize)
+                            _allowed(allowed_token_ids), _words(bad_words), structured_outputs, detokenize,
+                            truncate_prompt_tokens)
 
     def __attrs_post_init__(self) -> None:
         check(is_finite(self.temperature) and self.temperature >= 0,
@@ -364,6 +371,11 @@ class SamplingParams:
         check(is_int(self.min_tokens) and 0 <= self.min_tokens <= most, "min_tokens",
               f"an integer in [0, max_tokens={self.max_tokens}]", self.min_tokens)
         check(is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "a number in [0, 1] (0 = off)", self.min_p)
+        check(self.truncate_prompt_tokens is None or (is_int(self.truncate_prompt_tokens) and (
+            self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1)), "truncate_prompt_tokens",
+              "an integer >= 1 (keep each prompt's last k tokens), -1 (as many as max_seq_len leaves after "
+              "max_tokens) or None (no cut)", self.truncate_prompt_tokens)
+        _at_most_int64("truncate_prompt_tokens", self.truncate_prompt_tokens)
 
         for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
                      "detokenize"):
@@ -499,8 +511,6 @@ VLLM_FIELDS_NOT_TAKEN: dict[str, str] = {
                          "structured_outputs shape the logits",
     "output_kind": "LLM.generate returns each prompt's final RequestOutput; LLM.generate_stream yields a TokenDelta "
                    "per token",
-    "truncate_prompt_tokens": "kvload does not cut prompts; a prompt longer than max_seq_len is refused with its "
-                              "length",
     "extra_args": "kvload has no sampler plugins to read them",
     "logprob_token_ids": "kvload returns the top logprobs=k tokens (and the sampled one), not chosen ids; ask for "
                          "logprobs=20 and read the ids you need, or score a candidate with prompt_logprobs",
@@ -529,6 +539,24 @@ VLLM_CALL_ARGUMENTS_NOT_TAKEN: dict[str, str] = {
 }
 
 
+#: vLLM's ``SamplingParams`` fields kvload lacks → the values that ask for nothing there (vLLM's defaults): accepted
+#: and dropped, so a script or config that spells the defaults out runs; any other value is refused
+#: (:data:`VLLM_FIELDS_NOT_TAKEN`).
+VLLM_FIELDS_AT_NO_OP: dict[str, tuple[Any, ...]] = {
+    "best_of": (None,),  # and best_of == n: n drawn, the best n kept, is the n samples
+    "guided_decoding": (None,),
+    "logits_processors": (None, []),
+    "extra_args": (None, {}),
+}
+
+
+def _asks_nothing(name: str, value: Any, n: Any) -> bool:
+    """Whether vLLM's field ``name`` at ``value`` asks for nothing kvload does not do."""
+    if name == "best_of" and is_int(value) and value == n:
+        return True
+    return any(value == v and type(value) is type(v) for v in VLLM_FIELDS_AT_NO_OP.get(name, ()))
+
+
 def _known_keywords() -> set[str]:
     return {a.name for a in attrs.fields(SamplingParams) if a.init} | {"max_new_tokens"}
 
@@ -552,6 +580,10 @@ def unknown_field(name: str) -> str:
     """The one-line error for a ``SamplingParams`` keyword that is not a field: vLLM's with what to do instead."""
     why = VLLM_FIELDS_NOT_TAKEN.get(name)
     if why is not None:
+        taken = VLLM_FIELDS_AT_NO_OP.get(name)
+        if taken is not None:  # what is accepted: vLLM's "not set"
+            why += f"; accepted: {' or '.join(map(repr, taken))}" + (
+                ", or n itself" if name == "best_of" else "") + ", which ask for nothing"
         return f"generate: {name}: vLLM's SamplingParams field, not kvload's: {why}"
     return f"generate: unknown SamplingParams field {name!r}; fields are {', '.join(sorted(_known_keywords()))}"
 
@@ -560,6 +592,8 @@ def check_keywords(keywords: Mapping[str, Any]) -> None:
     """Sampling keywords given to a generate call (``llm.generate(p, max_tokens=8)``): each a SamplingParams field;
     vLLM's call arguments kvload does not take are named with what to do instead."""
     for name in sorted(set(keywords) - _known_keywords()):
+        if _asks_nothing(name, keywords[name], keywords.get("n", 1)):
+            continue  # taken as the constructor takes it
         why = VLLM_CALL_ARGUMENTS_NOT_TAKEN.get(name) or VLLM_FIELDS_NOT_TAKEN.get(name)
         if why is not None:
             raise GenerationError(f"generate: {name}: vLLM's argument, not kvload's: {why}")

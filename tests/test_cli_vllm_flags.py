@@ -56,6 +56,15 @@ def test_vllm_serve_request_logging_flags_say_they_are_ignored(monkeypatch, log)
     assert not log.has("setting_ignored", field="--enable-log-requests")  # only what was given
 
 
+def test_served_model_name_takes_several_names_as_vllms_does(monkeypatch, capsys):
+    """``vllm serve MODEL --served-model-name A B`` (a launch line's aliases) was "unrecognized arguments: B"."""
+    assert served_with(monkeypatch, "--served-model-name", "gpt-4o", "llama3")["model_name"] == ["gpt-4o", "llama3"]
+    assert served_with(monkeypatch, "--served-model-name", "one")["model_name"] == ["one"]
+    r = run_cli(capsys, "serve", "--served-model-name", "a", "b", "tiny-llama", "--port", "0")
+    assert r.code == 2 and r.one_error_line, r.err  # MODEL was taken for a name: said, with what to do
+    assert "give MODEL first: kvload serve MODEL --served-model-name NAME" in r.err, r.err
+
+
 def _serve_kwargs(monkeypatch, *flags: str) -> dict:
     """What ``kvload serve tiny-llama --port 0 FLAGS`` hands uvicorn's ``serve`` (the command stops there)."""
     from kvload.cli.commands import build_parser

@@ -369,3 +369,23 @@ def test_echo_with_logprobs_is_bounded_per_request(served, monkeypatch):
     assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
     assert "at most 4 prompt tokens per request, got 7" in r.json()["error"]["message"]
     assert served.http.post("/v1/completions", json={**body, "logprobs": None}).status_code == 200  # echo alone
+
+
+def test_several_served_model_names_are_each_served_and_answers_carry_the_first():
+    """vLLM's ``--served-model-name A B``: a request may give any of the names, ``/v1/models`` lists each, and every
+    answer (and the metrics' ``model_name``) says the first; another name is still a 404 naming them all."""
+    import openai
+
+    with serving("tiny-llama", state={"model_name": ["first", "org/second"]}) as s:
+        ids = [c.id for c in s.client.models.list().data]
+        assert ids == ["first", "org/second"]
+        assert s.http.get("/v1/models/org/second").json()["id"] == "org/second"
+        for name in ("first", "org/second"):
+            done = s.client.completions.create(model=name, prompt=[1, 2, 3], max_tokens=2)
+            assert done.model == "first" and len(done.choices[0].token_ids) == 2
+        with pytest.raises(openai.NotFoundError) as info:
+            s.client.completions.create(model="third", prompt=[1, 2, 3], max_tokens=2)
+        assert info.value.body["message"] == ("model: 'third' is not served here; this server serves 'first' or "
+                                              "'org/second'")
+        assert s.http.get("/v1/models/third").status_code == 404
+        assert 'model_name="first"' in s.http.get("/metrics").text

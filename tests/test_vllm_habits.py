@@ -344,12 +344,82 @@ def test_vllms_prompt_types_are_there_and_generate_takes_them(llm):
     assert outs[1].prompt == "w88 w123 w7" and outs[0].prompt is None
 
 
+def test_a_prompt_dicts_cache_salt_scopes_that_prompts_prefix_reuse_as_vllms_does(llm):
+    """vLLM's ``TokensPrompt(..., cache_salt=...)`` / ``TextPrompt``: each prompt its own salt (it was refused: kvload
+    salted only a whole call); prompts under one salt share cached blocks, under another none."""
+    from kvload import TextPrompt, TokensPrompt
+
+    sp = SamplingParams(max_tokens=2, ignore_eos=True)
+    ids = list(range(200, 216))  # four full blocks of 4, used by no other test
+    text = " ".join(f"w{i}" for i in ids)
+    (warm,) = llm.generate([TokensPrompt(prompt_token_ids=ids, cache_salt="tenant-a")], sp)
+    assert warm.num_cached_tokens == 0
+    same, other, unsalted, as_text = llm.generate(
+        [TokensPrompt(prompt_token_ids=ids, cache_salt="tenant-a"), TokensPrompt(prompt_token_ids=ids,
+                                                                                 cache_salt="tenant-b"),
+         ids, TextPrompt(prompt=text, cache_salt="tenant-a")], sp)
+    assert same.num_cached_tokens > 0 and as_text.num_cached_tokens > 0  # one salt: one scope, text or ids
+    assert other.num_cached_tokens == 0 and unsalted.num_cached_tokens == 0
+    (call_salted,) = llm.generate([ids], sp, salt="tenant-a")  # a prompt's cache_salt is the call's salt, per prompt
+    assert call_salted.num_cached_tokens > 0
+    assert llm.audit.of("generation_started")[-2]["salted"] is True
+    with pytest.raises(GenerationError, match="^generate: prompt 0: its cache_salt and the call's salt differ"):
+        llm.generate([TokensPrompt(prompt_token_ids=ids, cache_salt="tenant-b")], sp, salt="tenant-a")
+    with pytest.raises(GenerationError, match="^generate: prompt 0: 'cache_salt' must be a non-empty string"):
+        llm.generate([{"prompt_token_ids": ids, "cache_salt": 7}], sp)
+
+
+def test_a_tokens_prompts_own_text_is_the_outputs_prompt_as_in_vllm(llm):
+    """vLLM's ``TokensPrompt`` may carry the text of its ids (``prompt``): ``RequestOutput.prompt`` is then that text;
+    the ids are what runs (a script feeding an output's prompt and ids back was refused: "has keys")."""
+    from kvload import TokensPrompt
+
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    (out,) = llm.generate([TokensPrompt(prompt_token_ids=IDS[0], prompt="five ids")], sp)
+    assert out.prompt == "five ids" and out.prompt_token_ids == IDS[0]
+    assert out.outputs[0].token_ids == llm.generate([IDS[0]], sp)[0].outputs[0].token_ids
+
+
 def test_a_flat_list_of_token_ids_is_one_prompt_as_in_vllm(llm):
     """vLLM's ``prompt_to_seq``: ``llm.generate(tokenizer.encode(text), sp)`` is one prompt (it was refused)."""
     sp = SamplingParams(max_tokens=3, ignore_eos=True)
     (one,) = llm.generate(IDS[0], sp)
     assert one.prompt_token_ids == IDS[0]
     assert one.outputs[0].token_ids == llm.generate([IDS[0]], sp)[0].outputs[0].token_ids
+
+
+def test_truncate_prompt_tokens_keeps_each_prompts_last_k_tokens_as_vllm_does(llm):
+    """vLLM's ``SamplingParams(truncate_prompt_tokens=k)``: the prompt's last k tokens run (it was refused); the text
+    given stays ``out.prompt``, as vLLM's does."""
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    text = " ".join(f"w{i}" for i in range(10, 30))
+    cut, ids = llm.generate([text, list(range(40, 60))], SamplingParams(max_tokens=3, ignore_eos=True,
+                                                                          truncate_prompt_tokens=5))
+    assert cut.prompt == text and cut.prompt_token_ids == [25, 26, 27, 28, 29]
+    assert ids.prompt_token_ids == [55, 56, 57, 58, 59]
+    direct = llm.generate([[25, 26, 27, 28, 29], [55, 56, 57, 58, 59]], sp)
+    assert [o.outputs[0].token_ids for o in (cut, ids)] == [o.outputs[0].token_ids for o in direct]
+    short_one, whole = llm.generate([[1, 2, 3], [4, 5, 6]], [SamplingParams(max_tokens=3, truncate_prompt_tokens=5),
+                                                             sp])  # shorter than k: uncut; each prompt its own
+    assert short_one.prompt_token_ids == [1, 2, 3] and whole.prompt_token_ids == [4, 5, 6]
+    deltas = list(llm.generate_stream([list(range(40, 60))], SamplingParams(max_tokens=3, ignore_eos=True,
+                                                                            truncate_prompt_tokens=5)))
+    assert deltas[-1].output.prompt_token_ids == [55, 56, 57, 58, 59]
+
+
+def test_truncate_prompt_tokens_minus_one_fits_a_prompt_past_max_seq_len_and_a_bad_size_is_one_line(llm):
+    long = list(range(1, 101))  # 100 tokens; the fixture's max_seq_len is 64
+    with pytest.raises(GenerationError, match="^generate: prompt 0: 100 tokens leave no room"):
+        llm.generate([long], SamplingParams(max_tokens=4))
+    (out,) = llm.generate([long], SamplingParams(max_tokens=4, ignore_eos=True, truncate_prompt_tokens=-1))
+    assert out.prompt_token_ids == long[-60:] and len(out.outputs[0].token_ids) == 4  # 64 - max_tokens
+    with pytest.raises(GenerationError, match="^generate: truncate_prompt_tokens: 64 keeps prompts of up to that "
+                                              "many tokens, which leaves no room to generate under max_seq_len=64"):
+        llm.generate([long], SamplingParams(max_tokens=4, truncate_prompt_tokens=64))
+    for bad in (0, -2, True, 1.5):
+        with pytest.raises(GenerationError, match="^generate: truncate_prompt_tokens: expected an integer >= 1"):
+            SamplingParams(truncate_prompt_tokens=bad)
+    assert SamplingParams(truncate_prompt_tokens=None) == SamplingParams()
 
 
 def test_vllms_legacy_prompt_token_ids_keyword_gives_the_prompts(llm):
@@ -516,7 +586,6 @@ def test_detokenize_false_keeps_the_tokens_and_skips_the_text(llm):
 @pytest.mark.parametrize(("field", "words"), [
     ("best_of", "vLLM's V1 engine dropped it too; ask for n samples"),
     ("guided_decoding", "vLLM's older name; pass structured_outputs=kvload.StructuredOutputsParams(...)"),
-    ("truncate_prompt_tokens", "kvload does not cut prompts"),
     ("logits_processors", "kvload runs no user code in its sampler"),
     # vLLM's newer fields: each said with what kvload does instead (they read "unknown SamplingParams field")
     ("logprob_token_ids", "kvload returns the top logprobs=k tokens"),
@@ -530,6 +599,23 @@ def test_a_vllm_sampling_field_kvload_lacks_is_one_line_with_what_to_do(field, w
     assert str(info.value).startswith(f"generate: {field}: vLLM's SamplingParams field, not kvload's: {words}")
     with pytest.raises(GenerationError, match="^generate: unknown SamplingParams field 'top_q'; fields are .*top_p"):
         SamplingParams(top_q=2)
+
+
+def test_vllms_fields_at_the_values_that_ask_for_nothing_are_taken(llm):
+    """A script or config spelling vLLM's defaults out (``SamplingParams(n=n, best_of=best_of)`` with best_of None,
+    ``logits_processors=[]``) ran there and was refused here; another value is still one line saying what is taken."""
+    plain = SamplingParams(max_tokens=3, n=2, temperature=1.0, seed=5)
+    spelled = SamplingParams(max_tokens=3, n=2, temperature=1.0, seed=5, best_of=None, logits_processors=[],
+                             guided_decoding=None, extra_args={})
+    assert spelled == plain and SamplingParams(n=2, best_of=2) == SamplingParams(n=2)
+    assert llm.generate(IDS, spelled)[0].outputs[1].token_ids == llm.generate(IDS, plain)[0].outputs[1].token_ids
+    (out,) = llm.generate(IDS[:1], max_tokens=2, best_of=None, logits_processors=None)  # as keywords too
+    assert len(out.outputs[0].token_ids) == 2
+    with pytest.raises(GenerationError, match=r"^generate: best_of: .*; accepted: None, or n itself, which ask for "
+                                              "nothing$"):
+        SamplingParams(n=2, best_of=3)
+    with pytest.raises(GenerationError, match=r"^generate: logits_processors: .*; accepted: None or \[\], which"):
+        SamplingParams(logits_processors=[lambda ids, logits: logits])
 
 
 # --- get_metrics ----------------------------------------------------------------------------------

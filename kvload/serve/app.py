@@ -97,19 +97,19 @@ def create_app(state: ServeState) -> FastAPI:
     async def ping() -> Response:
         return await health()
 
-    def model_card() -> dict[str, Any]:
-        return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "kvload",
+    def model_card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": state.created, "owned_by": "kvload",
                 "max_model_len": state.engine.executor.max_seq_len}
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+    async def models() -> dict[str, Any]:  # one card per served name, as vLLM lists them
+        return {"object": "list", "data": [model_card(name) for name in state.served_names]}
 
     @app.get("/v1/models/{model:path}")  # a served name may hold a slash ("HuggingFaceTB/SmolLM2-135M")
     async def model(model: str) -> dict[str, Any]:
-        if model != state.model_name:
-            raise _not_served(model, state.model_name)
-        return model_card()
+        if model not in state.served_names:
+            raise _not_served(model, state.served_names)
+        return model_card(model)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -92,8 +92,9 @@ def add_serve_command(sub: Any) -> None:
                    type=_bounded(integer, lambda v: 0 <= v <= 65535, "an integer in [0, 65535]"),
                    help="TCP port (default 8000; 0 = any free port)")
     g.add_argument("--served-model-name", "--served_model_name", dest="served_model_name", default=None,
-                   metavar="NAME", type=_model_name,
-                   help="the model name clients send and /v1/models lists (default: MODEL's name)")
+                   metavar="NAME", type=_model_name, nargs="+",
+                   help="the model name clients send and /v1/models lists (default: MODEL's name); several, as vLLM "
+                        "takes them: a request may give any, answers and metrics carry the first")
     g.add_argument("--default-max-tokens", "--default_max_tokens", dest="default_max_tokens", default=None,
                    metavar="N", type=_bounded(integer, lambda v: v >= 1, "an integer >= 1"),
                    help=f"max_tokens of a request that gives none (default: the model's max_new_tokens from its "
@@ -256,6 +257,9 @@ def _finish(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
     if ns.model is None:
         # one value: a key, never MODEL (a server with no key instead)
         ends = [end for end, n in getattr(ns, "api_key_runs", []) if n >= 2]
+        if not ends and len(ns.served_model_name or ()) >= 2:  # it took MODEL for a name: say so, and what to do
+            parser.error("the following arguments are required: MODEL (--served-model-name takes every value after "
+                         "it; give MODEL first: kvload serve MODEL --served-model-name NAME ...)")
         if not ends:
             parser.error("the following arguments are required: MODEL")
         if len(ends) > 1:  # `--api-key A B --api-key C D`: B or D may be MODEL, or neither; guessing serves a key

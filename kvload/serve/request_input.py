@@ -71,14 +71,15 @@ def _check_template(state: ServeState, template: dict[str, Any]) -> None:
 
 
 def _check_model(state: ServeState, body: dict[str, Any]) -> None:
-    """404 ``model_not_found`` for a ``model`` (checked a string already) that is not the one served."""
+    """404 ``model_not_found`` for a ``model`` (checked a string already) that is none of the served names."""
     model = body.get("model")
-    if model is not None and model != state.model_name:
-        raise _not_served(model, state.model_name)
+    if model is not None and model not in state.served_names:
+        raise _not_served(model, state.served_names)
 
 
-def _not_served(model: str, served: str) -> BadRequest:
-    return BadRequest(f"model: {model[:300]!r} is not served here; this server serves {served!r}", param="model",
+def _not_served(model: str, served: tuple[str, ...]) -> BadRequest:
+    names = " or ".join(repr(name) for name in served)
+    return BadRequest(f"model: {model[:300]!r} is not served here; this server serves {names}", param="model",
                       status=404, code="model_not_found")
 
 

@@ -49,7 +49,8 @@ from pipeline.events import ApiKeyRequired, AutoToolChoiceEnabled, KvEventsFileF
 from pipeline.limits import MAX_INT, short, short_text
 
 
-def build_state(result: Any, *, model_name: str | None = None, default_max_tokens: int | None = None,
+def build_state(result: Any, *, model_name: str | Sequence[str] | None = None,
+                default_max_tokens: int | None = None,
                 audit_keep: int = AUDIT_KEEP_DEFAULT, max_request_bytes: int | None = None,
                 read_timeout_s: float = READ_TIMEOUT_DEFAULT,
                 max_concurrent_requests: int = MAX_CONCURRENT_DEFAULT,
@@ -61,7 +62,9 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
                 responses_store_max: int = RESPONSES_STORE_MAX_DEFAULT, cors: CorsPolicy | None = None,
                 response_role: str = "assistant", return_tokens_as_token_ids: bool = False,
                 force_include_usage: bool = False, root_path: str = "") -> ServeState:
-    """Engine (not started) and metrics over a ``load(..., load_weights=True)`` result; from now on its audit log
+    """Engine (not started) and metrics over a ``load(..., load_weights=True)`` result, served as ``model_name`` (None:
+    the model's own name; a list: vLLM's several ``--served-model-name``, the first in every answer, any of them taken
+    in a request's ``model``); from now on its audit log
     keeps the load's records and the newest ``audit_keep`` (``/v1/kvload/audit`` serves them). A request body
     over ``max_request_bytes`` is refused unread (None: :func:`default_max_request_bytes` of the model); a
     request's head, and then its body, must each arrive within ``read_timeout_s`` seconds (408); past
@@ -88,8 +91,11 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
     ``GET /v1/responses/{id}``, the least recently used dropped past it (0: none kept)."""
     if metrics_naming not in METRIC_NAMINGS:
         raise ConfigError(f"metrics_naming: expected one of {', '.join(METRIC_NAMINGS)}, got {metrics_naming!r}")
-    if model_name is not None and not (isinstance(model_name, str) and model_name.strip()):
-        raise ConfigError(f"model_name: expected a non-empty name (or None: the model's own), got {model_name!r}")
+    # vLLM's served_model_name: one name, or several, the first in every answer and any of them in a request
+    names = list(model_name) if isinstance(model_name, (list, tuple)) else [model_name]
+    if not names or not (names == [None] or all(isinstance(n, str) and n.strip() for n in names)):
+        raise ConfigError(f"model_name: expected a non-empty name, a list of them (the first answers) or None (the "
+                          f"model's own), got {model_name!r}")
     if max_request_bytes is not None and not (isinstance(max_request_bytes, int)
                                               and not isinstance(max_request_bytes, bool)
                                               and 1 <= max_request_bytes <= MAX_INT):
@@ -136,7 +142,8 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
     if reasoning_parser is not None and bus is not None:  # and how every chat reply is split
         bus.emitter("serve")(ReasoningParserEnabled(parser=reasoning_parser))
     result.audit.keep_tail(audit_keep)
-    name = model_name or (result.model.name if result.model is not None else str(result.args.model))
+    name = names[0] or (result.model.name if result.model is not None else str(result.args.model))
+    aliases = tuple(dict.fromkeys(n for n in names[1:] if n != name))
     engine = ServingEngine.from_result(result)
     proposer = engine.executor.proposer  # speculative decoding: the draft positions to count acceptance at
     metrics = ServeMetrics(name, naming=metrics_naming, max_model_len=engine.executor.max_seq_len,
@@ -148,7 +155,7 @@ def build_state(result: Any, *, model_name: str | None = None, default_max_token
     metrics.watch_responses(responses)
     if max_request_bytes is None:
         max_request_bytes = default_max_request_bytes(engine.executor.max_seq_len, engine.executor.vocab_size)
-    return ServeState(result=result, engine=engine, metrics=metrics, model_name=name,
+    return ServeState(result=result, engine=engine, metrics=metrics, model_name=name, aliases=aliases,
                       max_request_bytes=max_request_bytes, default_max_tokens=default_max_tokens,
                       sampling_defaults={k: v for k, v in sampling.items() if k != "max_tokens"},
                       read_timeout_s=float(read_timeout_s), max_concurrent_requests=max_concurrent_requests,

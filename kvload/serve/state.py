@@ -30,7 +30,7 @@ class ServeState:
     result: Any
     engine: ServingEngine
     metrics: ServeMetrics
-    model_name: str
+    model_name: str  # the first served name: every answer's ``model`` (vLLM's rule)
     max_request_bytes: int  # a larger body is refused unread (413); build_state derives it from max_seq_len
     default_max_tokens: int = 256
     #: the model's sampling defaults (``SamplingDefaults.values``): what a request that does not send a field takes
@@ -63,5 +63,12 @@ class ServeState:
     force_include_usage: bool = False
     #: the path prefix a proxy keeps in front of every endpoint (vLLM's ``--root-path``); "": none
     root_path: str = ""
+    #: the other names a request's ``model`` may give (vLLM's ``--served-model-name A B``: any of them is served)
+    aliases: tuple[str, ...] = ()
     in_flight: int = 0  # generation requests in the server now (only the event loop's thread touches it)
     created: int = attrs.Factory(lambda: int(time.time()))
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """Every name a request's ``model`` may give: the model name first, then its aliases."""
+        return (self.model_name, *self.aliases)
