@@ -220,7 +220,8 @@ def plan(
     """Resolve a model's arguments and route (stages 1–5), and plan the KV cache; allocates nothing.
 
     ``overrides`` are ``LlmArgs`` fields; ``kv_cache_config`` may be a dict or a ``KvCacheConfig``
-    (only the fields passed to it count as user-set). Precedence: defaults < ``config_file`` < overrides.
+    (only the fields passed to it count as user-set); vLLM's names of fields (``max_model_len``, ``block_size``:
+    ``pipeline.vllm_compat.SAME_MEANING``) are taken as them. Precedence: defaults < ``config_file`` < overrides.
     """
     request = api_request(model, config_file, False, overrides)
     return execute(request, stages or plan_stages(), audit_log=audit_log, subscribers=subscribers, log=log)

@@ -109,6 +109,8 @@ def field_chain(audit: AuditLog, path: str) -> dict[str, Any]:
             continue
         if name == "args_parsed":
             reason = _SOURCE_WORDS.get(e.get("source"), f"given by {e.get('source')}")
+            if isinstance(e.get("given_as"), str):  # kvload.LLM(max_model_len=...): vLLM's keyword of this field
+                reason += f" as vLLM's {e['given_as']}"
             clash = conflicts.get((path, e.get("source")))
             if clash is not None:
                 reason += (f"; overrides {literal(clash['overridden'])} from {clash['overridden_source']} "

@@ -89,7 +89,8 @@ class LLM:
     """A loaded model that generates through kvload's KV cache manager (``with LLM(...) as llm:``).
 
     ``llm_args`` are ``LlmArgs`` fields (``kv_cache_config`` as a dict or ``KvCacheConfig``,
-    ``max_seq_len``, ``device``, ``dtype``, ...); ``config_file`` is a YAML of them (arguments win).
+    ``max_seq_len``, ``device``, ``dtype``, ...), or vLLM's names of them (``max_model_len``, ``max_num_seqs``,
+    ``block_size``, ...: ``pipeline.vllm_compat.SAME_MEANING``); ``config_file`` is a YAML of them (arguments win).
     ``audit_log``: the load's events go there, and on :meth:`close` the file is rewritten with the
     generation events too. ``log=False`` keeps kvload's event lines off stderr. ``seed``: vLLM's engine seed (0 by
     default, as in vLLM's V1 engine): samples whose SamplingParams has no seed draw their seeds from one sequence it

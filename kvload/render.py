@@ -56,8 +56,11 @@ def render_args(result: LoadResult) -> list[str]:
         why = last.get("reason", "")
         if "original" in last:
             why = f'"auto" → {show(last["new"])}: {why}'
-        elif last["event"] == "args_parsed" and final[path] == defaults.get(path):
-            why = "explicit, equal to the default"
+        elif last["event"] == "args_parsed":
+            said = ["explicit, equal to the default"] if final[path] == defaults.get(path) else []
+            if last.get("given_as"):  # LLM(max_model_len=...): the vLLM keyword the user wrote
+                said.append(f"given as vLLM's {last['given_as']}")
+            why = "; ".join(said)
         rows.append([path, show(final[path]), last["source"], why])
     return ["resolved arguments (fields not at a plain framework default):", *table(rows)]
 

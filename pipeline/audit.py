@@ -108,7 +108,8 @@ class AuditLog:
         return [e for e in self.events if e["event"] == name]
 
     def provenance(self, path: str) -> list[dict[str, Any]]:
-        """The ordered chain of changes to one field: each step's event, stage, source, old, new, reason."""
+        """The ordered chain of changes to one field: each step's event, stage, source, old, new, reason (and
+        ``given_as``, the vLLM keyword, where one gave the value)."""
         chain = []
         for e in self.events:
             if is_value_event(e) and e.get("field") == path:
@@ -117,6 +118,8 @@ class AuditLog:
                     step["reason"] = e["reason"]
                 if "original" in e:
                     step["original"] = e["original"]
+                if "given_as" in e:  # a vLLM keyword gave it (LLM(max_model_len=...))
+                    step["given_as"] = e["given_as"]
                 chain.append(step)
         return chain
 

@@ -89,12 +89,21 @@ class PipelineFinished(Event):
 
 @event("args_parsed", changes_value=True)
 class ArgsParsed(Event):
-    """One leaf the user provided, taken into the args."""
+    """One leaf the user provided, taken into the args; ``given_as``: the vLLM keyword that gave it (``max_model_len``
+    for ``max_seq_len``; ``pipeline.vllm_compat.SAME_MEANING``), left out of the record when it was kvload's name."""
 
     field: str
     old: Any
     new: Any
     source: str
+    given_as: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The wire form; ``given_as`` only when a vLLM name gave the value (records read as they always did)."""
+        record = super().to_dict()
+        if self.given_as is None:
+            del record["given_as"]
+        return record
 
 
 @event("source_conflict", level="warning")

@@ -1,9 +1,14 @@
 """vLLM's engine-argument names: those that mean exactly a kvload field, and those that only look like one.
 
-Many users arrive from vLLM. The command line accepts vLLM's flag for a field whose meaning is the same (the
-``aliases`` of ``kvload.cli.flags.FLAGS``); the Python API and the YAML file keep one name per field (TensorRT-LLM's
-``LlmArgs``) and refuse vLLM's with the name to use. A vLLM setting whose meaning differs (a share of the whole GPU,
-a size in GiB) is never taken as kvload's nearest one: it is refused with the difference, from every source.
+Many users arrive from vLLM. The command line accepts vLLM's flag for a field whose meaning is the same (the ``aliases``
+of ``kvload.cli.flags.FLAGS``), and so does the Python API (``kvload.LLM``, ``plan``, ``load``,
+``engine.simulator.simulate``: :func:`take_same_meaning`, run by ``parse_args`` on the keywords), as vLLM's ``LLM(...)``
+takes them: ``max_model_len=4096`` sets ``max_seq_len``, ``block_size=16`` ``kv_cache_config.tokens_per_block`` (merged
+with a ``kv_cache_config`` also given), each checked as kvload's field and recorded as the user's (``args_parsed`` with
+``given_as``); the same field under both names is refused unless the values agree. The YAML file keeps one name per
+field (TensorRT-LLM's ``LlmArgs``) and refuses vLLM's with the key to write. A vLLM setting whose meaning differs (a
+share of the whole GPU, a size in GiB) is never taken as kvload's nearest one: it is refused with the difference, from
+every source.
 vLLM's engine knobs kvload has no counterpart for (CUDA graphs, stats logging, sleep mode) are accepted and reported as
 ``setting_ignored``, as TensorRT-LLM's are (``pipeline.trtllm_compat``); those whose value would change the model or
 the task (``quantization``, ``hf_overrides``, ``cpu_offload_gb``, ``task``) are accepted only at their no-op value.
@@ -13,15 +18,18 @@ Checked against vLLM's engine arguments (``vllm/engine/arg_utils.py``, ``vllm/co
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from pipeline.config import describe
+from pipeline.config import LlmArgs, describe
+from pipeline.converter import structure
 from pipeline.errors import ConfigError
 from pipeline.limits import short
+from pipeline.paths import get_in, unflatten
 
 #: vLLM's name → kvload's dotted field, where vLLM's setting means exactly what kvload's does (defaults may differ:
-#: vLLM's block size is 16, kvload's 32; the CLI flags are aliases of kvload's, the Python names are refused).
+#: vLLM's block size is 16, kvload's 32; the CLI flags and the Python keywords are aliases of kvload's, the YAML keys
+#: are refused).
 SAME_MEANING: dict[str, str] = {
     "max_model_len": "max_seq_len",  # the longest sequence, prompt and output; default: the checkpoint's
     "max_num_seqs": "max_batch_size",  # most requests scheduled in one step
@@ -116,3 +124,67 @@ def write_as(path: str, value: Any, python: bool) -> str:
         return f"pass {given}"
     given = f"{leaf}: {describe(value)}" if not parents else f"{parents[0]}: {{{leaf}: {describe(value)}}}"
     return f"write {given}"
+
+
+def take_same_meaning(tree: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Python keywords with vLLM's names of kvload fields (:data:`SAME_MEANING`) put at kvload's field, and
+    kvload's dotted path → the vLLM name it was given as (for the audit).
+
+    Each value is checked as kvload's field is, the error naming vLLM's name; a nested one (``block_size``) joins a
+    ``kv_cache_config`` given beside it. A field given under both names is ``ConfigError`` naming both unless the
+    values agree once checked (``kv_cache_dtype="fp8"`` and ``dtype: "float8_e4m3fn"``): then kvload's name stands.
+    """
+    names = [key for key in tree if key in SAME_MEANING]
+    if not names:
+        return dict(tree), {}
+    nested = tree.get("kv_cache_config")
+    if "kv_cache_config" in tree and not isinstance(nested, Mapping) \
+            and any("." in SAME_MEANING[n] for n in names):
+        _checked("kv_cache_config", nested)  # not a mapping to join: the field's own error
+    kv: dict[str, Any] | None = dict(nested) if isinstance(nested, Mapping) else None
+    out: dict[str, Any] = {}
+    given_as: dict[str, str] = {}
+    for key, value in tree.items():
+        path = SAME_MEANING.get(key)
+        if path is None:
+            out[key] = kv if key == "kv_cache_config" and kv is not None else value
+            continue
+        try:
+            mine = _checked(path, value)
+        except ConfigError as exc:
+            raise ConfigError(f"{key}: {exc.detail} (vLLM's name for {path})", path=key, detail=exc.detail) from None
+        parent, _, leaf = path.rpartition(".")
+        holder: Mapping[str, Any]  # where kvload's name of the field would be
+        target: dict[str, Any]  # where this value goes
+        if parent:
+            if kv is None:  # no kv_cache_config given: this name starts it, where it stands
+                kv = out[parent] = {}
+            holder = target = kv
+        else:
+            holder, target = tree, out
+        if leaf in holder:  # kvload's name too: it stands when the two agree
+            try:
+                theirs = _checked(path, holder[leaf])
+            except ConfigError:
+                continue  # its own error comes when the keywords are checked
+            if not (theirs == mine and type(theirs) is type(mine)):
+                shown = _python(holder[leaf])
+                other = f"{parent}={{{leaf!r}: {shown}}}" if parent else f"{leaf}={shown}"
+                raise ConfigError(f"{key}={_python(value)} and {other} set one field ({key} is vLLM's name for "
+                                  f"{path}) to different values; give one", path=key, detail="given under two names")
+            continue
+        target[leaf] = value
+        given_as[path] = key
+    return out, given_as
+
+
+def _checked(path: str, value: Any) -> Any:
+    """``value`` for the dotted field ``path`` as the args would hold it (``"fp8"`` → ``"float8_e4m3fn"``);
+    ``ConfigError`` as the field's check words it."""
+    probe = unflatten({"model": "<model>", path: value})
+    return get_in(structure(probe, LlmArgs), path)
+
+
+def _python(value: Any) -> str:
+    """A value as a Python keyword's is written in an error: True/False as Python spells them, others cut short."""
+    return repr(value) if isinstance(value, bool) else short(value)

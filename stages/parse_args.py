@@ -14,6 +14,7 @@ from pipeline.events import ArgsParsed, FieldDerived, SettingIgnored, SourceConf
 from pipeline.paths import flatten, get_in, unflatten
 from pipeline.sources import overrides_to_tree, read_yaml
 from pipeline.trtllm_compat import split_ignored
+from pipeline.vllm_compat import take_same_meaning
 
 _PLACEHOLDER_MODEL = "<model>"
 
@@ -33,6 +34,12 @@ class ParseArgs:
         tree = overrides_to_tree(req.overrides)
         if req.model is not None:
             tree = {"model": req.model, **tree}
+        given_as: dict[str, str] = {}  # field -> the vLLM keyword it was given as (max_model_len for max_seq_len)
+        if req.source == "api":  # vLLM's LLM(...) keywords of kvload's fields; YAML keeps one name per field
+            try:
+                tree, given_as = take_same_meaning(tree)
+            except ConfigError as exc:
+                raise ConfigError(str(exc), path=exc.path, detail=exc.detail, source=req.source) from None
         sources.append((req.source, tree))
         sources = [(label, self._drop_ignored(label, tree, req.config_file, emit)) for label, tree in sources]
 
@@ -55,7 +62,8 @@ class ParseArgs:
                 if earlier is not None and earlier.value != value:
                     emit(SourceConflict(field=path, kept=value, kept_source=label,
                                         overridden=earlier.value, overridden_source=earlier.source))
-                emit(ArgsParsed(field=path, old=current.get(path), new=value, source=label))
+                alias = given_as.get(path) if label == req.source else None
+                emit(ArgsParsed(field=path, old=current.get(path), new=value, source=label, given_as=alias))
                 current[path] = value
                 seen[path] = UserValue(value, label)
         ctx.user_values = merged

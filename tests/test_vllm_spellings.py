@@ -1,5 +1,6 @@
 """vLLM's spellings: the flags that mean exactly a kvload field are aliases; the look-alikes are refused with the
-difference; the Python API and the YAML file refuse vLLM's names with the field to set instead."""
+difference; the Python API takes vLLM's names of kvload fields as vLLM's ``LLM(...)`` does; the YAML file refuses them
+with the key to write instead."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import pytest
 
 import kvload
 from kvload.cli.flags import flag_aliases
-from pipeline.errors import ConfigError
+from kvload.render import render_args
+from pipeline.errors import ConfigError, GenerationError
 from pipeline.paths import get_in
 from pipeline.vllm_compat import DIFFERENT_MEANING, SAME_MEANING
 from tests.cli_support import read_events, run_cli
@@ -120,28 +122,119 @@ def test_every_vllm_name_of_the_same_meaning_is_a_flag_of_that_field():
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"max_model_len": 512}, "max_model_len: vLLM's name for max_seq_len; pass max_seq_len=512"),
-    ({"max_num_seqs": 8}, "max_num_seqs: vLLM's name for max_batch_size; pass max_batch_size=8"),
-    ({"max_num_batched_tokens": 256},
-     "max_num_batched_tokens: vLLM's name for max_num_tokens; pass max_num_tokens=256"),
-    ({"block_size": 16}, "block_size: vLLM's name for kv_cache_config.tokens_per_block; pass "
-                         "kv_cache_config={'tokens_per_block': 16}"),
-    ({"enable_prefix_caching": False}, "enable_prefix_caching: vLLM's name for kv_cache_config.enable_block_reuse; "
-                                       "pass kv_cache_config={'enable_block_reuse': False}"),
-    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype: vLLM's name for kv_cache_config.dtype; pass "
-                                "kv_cache_config={'dtype': 'fp8'}"),
     ({"gpu_memory_utilization": 0.9}, "gpu_memory_utilization: vLLM's share of the whole GPU's memory (weights, "
                                       "activations and KV cache); kvload sizes the KV cache from the memory free "
                                       "after the weights: kv_cache_config.free_gpu_memory_fraction (or "
                                       "kv_cache_config.max_gpu_total_bytes)"),
     ({"swap_space": 4}, "swap_space: vLLM's CPU swap space in GiB per GPU; kvload's host tier (V2 only) is a byte "
                         "count: kv_cache_config.host_cache_size (4GiB where vLLM says 4)"),
+    ({"max_model_len": 64, "swap_space": 4}, "swap_space: vLLM's CPU swap space in GiB per GPU"),  # a taken one first
 ])
-def test_the_python_api_refuses_a_vllm_name_with_the_field_to_pass(kwargs, message):
+def test_the_python_api_refuses_a_vllm_name_that_means_something_else_with_the_difference(kwargs, message):
     with pytest.raises(ConfigError) as info:
         kvload.LLM("tiny-llama", log=False, **kwargs)
-    assert str(info.value) == message
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)
     assert info.value.source == "api"
+
+
+#: vLLM's ``LLM(...)`` keywords the tests below pass, and kvload's fields they must set.
+VLLM_KEYWORDS = {"max_model_len": 32, "max_num_seqs": 2, "enable_prefix_caching": False, "block_size": 8,
+                 "max_num_batched_tokens": 16}
+
+
+def test_llm_takes_vllms_names_of_kvload_fields_and_they_act():
+    with kvload.LLM("tiny-llama", device="cpu", log=False, kv_cache_config={"max_tokens": 256},
+                    **VLLM_KEYWORDS) as llm:
+        args = llm.args
+        assert (args.max_seq_len, args.max_batch_size, args.max_num_tokens) == (32, 2, 16)
+        assert (args.kv_cache_config.enable_block_reuse, args.kv_cache_config.tokens_per_block) == (False, 8)
+        assert args.kv_cache_config.max_tokens == 256  # the kv_cache_config given beside them is kept
+        (built,) = llm.audit.of("kv_manager_built")
+        assert (built["tokens_per_block"], built["max_seq_len"]) == (8, 32)
+        with pytest.raises(GenerationError, match=r"prompt 0: 40 tokens leave no room to generate under "
+                                                  r"max_seq_len=32"):
+            llm.generate([list(range(1, 41))], max_tokens=2)
+        prompt = list(range(1, 21))
+        llm.generate([prompt], max_tokens=2)
+        assert llm.generate([prompt], max_tokens=2)[0].num_cached_tokens == 0  # prefix caching off: nothing reused
+        llm.generate([[1, 2, 3]] * 4, max_tokens=3, ignore_eos=True)
+        assert llm.last_stats.steps == 2 * 3  # two requests at a time: a prefill and two decodes each
+    with kvload.LLM("tiny-llama", device="cpu", log=False, block_size=8, kv_cache_config={"max_tokens": 256}) as llm:
+        llm.generate([prompt], max_tokens=2)
+        assert llm.generate([prompt], max_tokens=2)[0].num_cached_tokens == 16  # on: its two full 8-token blocks
+
+
+def test_a_vllm_keyword_is_the_users_setting_in_the_audit_and_the_plan_table(capsys, tmp_path):
+    log = tmp_path / "a.jsonl"
+    result = kvload.plan("tiny-llama", log=False, audit_log=log, kv_cache_dtype="fp8",
+                         kv_cache_config=kvload.KvCacheConfig(max_tokens=512), **VLLM_KEYWORDS)
+    parsed = {e["field"]: (e["source"], e["new"], e.get("given_as")) for e in result.audit.of("args_parsed")}
+    assert parsed == {"model": ("api", "tiny-llama", None), "max_seq_len": ("api", 32, "max_model_len"),
+                      "max_batch_size": ("api", 2, "max_num_seqs"),
+                      "kv_cache_config.enable_block_reuse": ("api", False, "enable_prefix_caching"),
+                      "kv_cache_config.tokens_per_block": ("api", 8, "block_size"),
+                      "max_num_tokens": ("api", 16, "max_num_batched_tokens"),
+                      "kv_cache_config.dtype": ("api", "float8_e4m3fn", "kv_cache_dtype"),
+                      "kv_cache_config.max_tokens": ("api", 512, None)}
+    (snapshot,) = result.audit.of("user_fields_snapshotted")
+    assert snapshot["fields"]["max_seq_len"] == {"value": 32, "source": "api"}
+    rows = {line.split()[0]: line for line in render_args(result)[2:]}
+    assert rows["max_seq_len"].split()[1:] == ["32", "api", "given", "as", "vLLM's", "max_model_len"]
+    assert rows["max_num_tokens"].endswith("api     given as vLLM's max_num_batched_tokens")
+    assert result.audit.provenance("max_seq_len")[-1]["given_as"] == "max_model_len"
+    with kvload.load("tiny-llama", log=False, max_model_len=48, kv_cache_config={"max_tokens": 256}) as loaded:
+        assert loaded.kv.max_seq_len == 48
+    r = run_cli(capsys, "audit", log, "--verify")
+    assert r.code == 0, r.err
+    r = run_cli(capsys, "explain", log, "max_model_len")
+    assert r.code == 0 and "passed to the Python API as vLLM's max_model_len" in r.out, r.out
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"max_model_len": 4096, "max_seq_len": 2048},
+     "max_model_len=4096 and max_seq_len=2048 set one field (max_model_len is vLLM's name for max_seq_len) to "
+     "different values; give one"),
+    ({"max_seq_len": 2048, "max_model_len": 4096},
+     "max_model_len=4096 and max_seq_len=2048 set one field (max_model_len is vLLM's name for max_seq_len) to "
+     "different values; give one"),
+    ({"block_size": 16, "kv_cache_config": {"tokens_per_block": 32}},
+     "block_size=16 and kv_cache_config={'tokens_per_block': 32} set one field (block_size is vLLM's name for "
+     "kv_cache_config.tokens_per_block) to different values; give one"),
+    ({"enable_prefix_caching": False, "kv_cache_config": kvload.KvCacheConfig(enable_block_reuse=True)},
+     "enable_prefix_caching=False and kv_cache_config={'enable_block_reuse': True} set one field "
+     "(enable_prefix_caching is vLLM's name for kv_cache_config.enable_block_reuse) to different values; give one"),
+])
+def test_one_field_given_under_both_names_with_different_values_is_one_line_naming_both(kwargs, message):
+    with pytest.raises(ConfigError) as info:
+        kvload.LLM("tiny-llama", log=False, **kwargs)
+    assert (str(info.value), info.value.source) == (message, "api")
+
+
+def test_one_field_given_under_both_names_with_one_value_is_taken_as_kvloads():
+    result = kvload.plan("tiny-llama", log=False, max_model_len=64, max_seq_len=64, kv_cache_dtype="fp8",
+                         kv_cache_config={"dtype": "float8_e4m3fn"})  # fp8 is float8_e4m3fn: one value
+    assert (result.args.max_seq_len, result.args.kv_cache_config.dtype) == (64, "float8_e4m3fn")
+    parsed = {e["field"]: e.get("given_as") for e in result.audit.of("args_parsed")}
+    assert parsed == {"model": None, "max_seq_len": None, "kv_cache_config.dtype": None}
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"max_model_len": 0}, "max_model_len: expected an integer >= 1 or null, got 0 (vLLM's name for max_seq_len)"),
+    ({"max_num_seqs": True}, "max_num_seqs: expected an integer >= 1, got true (vLLM's name for max_batch_size)"),
+    ({"block_size": "16"}, "block_size: expected an integer >= 1, got '16' (vLLM's name for "
+                           "kv_cache_config.tokens_per_block)"),
+    ({"enable_prefix_caching": "yes", "kv_cache_config": {"max_tokens": 64}},
+     "enable_prefix_caching: expected true or false, got 'yes' (vLLM's name for kv_cache_config.enable_block_reuse)"),
+    ({"kv_cache_dtype": "fp9"}, "kv_cache_dtype: expected \"auto\" or one of float32, float16, bfloat16, "
+                                "float8_e4m3fn, float8_e5m2 (aliases: fp32, float, fp16, half, bf16, fp8, fp8_e4m3, "
+                                "fp8_e5m2), got 'fp9' (vLLM's name for kv_cache_config.dtype)"),
+    ({"block_size": 16, "kv_cache_config": "x"},
+     "kv_cache_config: expected a mapping of KvCacheConfig fields, got 'x'"),
+])
+def test_a_bad_value_under_a_vllm_keyword_is_one_line_naming_it_and_what_is_accepted(kwargs, message):
+    with pytest.raises(ConfigError) as info:
+        kvload.LLM("tiny-llama", log=False, **kwargs)
+    assert (str(info.value), info.value.source) == (message, "api")
 
 
 def test_a_config_file_refuses_a_vllm_name_with_the_key_to_write(capsys, tmp_path):
