@@ -338,3 +338,54 @@ def test_detaching_several_groups_in_one_call_leaves_the_tree_as_a_call_per_grou
     assert len(run1) == 2 and run1.blocks["b"][0] == -1
     assert state(one, run1)[:4] == state(per, run2)[:4]
     assert [o is not None for o in one.owners["a"]] == [o is not None for o in per.owners["a"]]
+
+
+def _match_block_by_block(m, request: Request) -> tuple[int, RadixNode | None, int]:
+    """The lookup as a node per block would walk it: one block packed and compared at a time (the reference)."""
+    limit, root, w = request.num_tokens - 1, m._tree.root(request.salt), 8 * T
+    run, i, n = None, 0, 0
+    if root is None or limit < 1:
+        return 0, None, 0
+    tokens = request.prompt_token_ids + request.output_token_ids
+    for j in range(limit // T):
+        block = pack_tokens(tokens[j * T:(j + 1) * T])
+        if run is not None and i + 1 < len(run.held):
+            if bytes(run.tokens[(i + 1) * w:(i + 2) * w]) != block:
+                break
+            i += 1
+        else:
+            child = (run if run is not None else root).children.get(block)
+            if child is None:
+                break
+            run, i = child, 0
+        n += 1
+    return (0, None, 0) if run is None else (m._usable_prefix(run, n, request), run, i)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=14 * T), min_size=1, max_size=6),
+       st.lists(st.tuples(st.integers(0, 5), st.integers(0, 14 * T), st.lists(st.integers(0, 2), max_size=3 * T)),
+                min_size=1, max_size=8),
+       st.lists(st.integers(0, 3), max_size=6))
+def test_a_lookup_compares_runs_whole_and_stops_where_a_block_by_block_walk_does(cached, queries, outputs):
+    # Queries are cached prompts cut anywhere and continued at random (few distinct ids), so they leave the tree at
+    # any block, inside a run or at its end, or run out inside one; cached prompts stay running (held) or are
+    # freed (evictable), some after growing outputs, and branch off each other (runs split).
+    m = make_manager(FULL, 256)
+    for k, prompt in enumerate(cached):
+        r = Request(f"c{k}", prompt, 4)
+        prefill(m, r)
+        for _ in range(outputs[k] if k < len(outputs) else 0):
+            r.output_token_ids.append(prompt[-1])
+            compute(m, r, 1)
+        if k % 2:
+            m.free(r)
+    m.key_pending()
+    hits = 0
+    for k, (source, cut, tail) in enumerate(queries):
+        query = cached[source % len(cached)][:cut] + tail or [0]
+        q = Request(f"q{k}", query, 2)
+        q.output_token_ids.extend(query[: k % 3])  # a preempted request's lookup reads its outputs too
+        want = _match_block_by_block(m, q)
+        assert m._match(q) == want
+        hits += want[0] > 0

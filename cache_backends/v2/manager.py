@@ -1674,27 +1674,38 @@ class KVCacheManagerV2:
 
     def _match(self, request: Request) -> tuple[int, RadixNode | None, int]:
         """Walk the radix tree over the request's full blocks, comparing tokens: (usable prefix, the run and offset
-        of the last matched position)."""
+        of the last matched position).
+
+        Run by run: a run's positions are compared in one slice, the request's blocks packed as far as runs reach (a
+        conversation's history is a few runs of many blocks, looked up every step while its next turn waits)."""
         limit = request.num_tokens - 1  # at least the last token is computed, so there are logits
         root = self._tree.root(request.salt)
-        if root is None or limit < 1:
-            return 0, None, 0
-        run: RadixNode | None = None
-        i = n = 0
         T = self.T
+        blocks = limit // T
+        if root is None or blocks < 1:
+            return 0, None, 0
         w = 8 * T
-        for j in range(limit // T):
-            block = pack_tokens(_tokens(request, j * T, (j + 1) * T))
-            if run is not None and i + 1 < len(run.held):  # inside a run: its next position or nothing
-                if run.tokens[(i + 1) * w:(i + 2) * w] != block:
-                    break
-                i += 1
-            else:
-                child = (run if run is not None else root).children.get(block)
-                if child is None:
-                    break
-                run, i = child, 0
-            n += 1
+        run: RadixNode | None = None
+        node, i, n = root, 0, 0
+        while n < blocks:
+            child = node.children.get(pack_tokens(_tokens(request, n * T, (n + 1) * T)))
+            if child is None:
+                break
+            run = child
+            m = min(len(child.held), blocks - n)  # the run's positions the request's blocks reach
+            rest = pack_tokens(_tokens(request, (n + 1) * T, (n + m) * T)) if m > 1 else b""
+            if child.tokens[w:m * w] == rest:
+                i, n, node = m - 1, n + m, child  # the whole run, or the request's blocks end inside it
+                continue
+            lo, hi = 1, m - 1  # equal positions: the first (the child's key), not all m
+            while lo < hi:  # the longest equal stretch: equal prefixes are nested, so bisect
+                mid = (lo + hi + 1) // 2
+                if child.tokens[w:mid * w] == rest[:(mid - 1) * w]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            i, n = lo - 1, n + lo
+            break
         if run is None:
             return 0, None, 0
         return self._usable_prefix(run, n, request), run, i
