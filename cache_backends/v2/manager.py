@@ -1756,26 +1756,48 @@ class KVCacheManagerV2:
                 for p in present:
                     acc.append(acc[-1] + p)
                 counts[g.name] = acc
-        for m in range(top, 0, -unit):
-            ok = True
-            for g in gaps:
-                tpb = g.tokens_per_block
-                if g.window is None:
-                    ok = m // tpb <= covered[g.name]
-                else:
-                    lo, hi = max(0, m - g.window + 1) // tpb, m // tpb
-                    blocks = along_of.get(g.name)
-                    if blocks is not None:
-                        ok = -1 not in blocks[lo:hi]
-                    else:
-                        ok = counts[g.name][hi] - counts[g.name][lo] == hi - lo
-                if not ok:
+        m = top
+        while m > 0:
+            for g in gaps:  # each group: the longest length up to m it holds the blocks for; any shorter: start over
+                fit = self._group_fit(g, m, unit, covered, along_of, counts)
+                if fit < m:
+                    m = fit
                     break
-            if ok and limit is not None:
-                ok = request is not None and limit[1](request, m, ends[m // T - 1])
-            if ok:
-                return m
+            else:
+                if limit is None or (request is not None and limit[1](request, m, ends[m // T - 1])):
+                    return m
+                m -= unit
         return 0
+
+    @staticmethod
+    def _group_fit(g: LayerGroup, m: int, unit: int, covered: dict[str, int], along_of: dict[str, list[int]],
+                   counts: dict[str, list[int]]) -> int:
+        """The longest multiple of ``unit``, at most ``m``, whose blocks ``g`` holds (:meth:`_usable_prefix`'s
+        tables; 0: none).
+
+        Why a jump rather than a step: a stale hit (a waiting turn whose history's window blocks were evicted) is
+        looked up every step, and stepping down one unit at a time re-checked every group at every length below a
+        gap; a length fails exactly while its window (or growing prefix) covers a missing block, so the next length
+        that can fit is the one whose window ends before the first missing block it covered."""
+        tpb = g.tokens_per_block
+        if g.window is None:  # blocks present from 0 up to covered[g.name]
+            c = covered[g.name]
+            return m if m // tpb <= c else ((c + 1) * tpb - 1) // unit * unit
+        lo, hi = max(0, m - g.window + 1) // tpb, m // tpb
+        blocks = along_of.get(g.name)
+        if blocks is not None:
+            window = blocks[lo:hi]
+            if -1 not in window:
+                return m
+            gap = lo + window.index(-1)
+        else:
+            acc = counts[g.name]
+            if acc[hi] - acc[lo] == hi - lo:
+                return m
+            gap = next(j for j in range(lo, hi) if acc[j + 1] == acc[j])
+        # a shorter length's window starts no later, so it covers the window's first missing block until it ends
+        # before it
+        return ((gap + 1) * tpb - 1) // unit * unit
 
     def _admit(self, cache: SequenceCache) -> None:
         """First resume: claim the longest usable cached prefix (plus a partial block), activate. A request that
