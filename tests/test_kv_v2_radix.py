@@ -8,10 +8,11 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cache_backends import LayerKV
 from cache_backends.hashing import chain_hashes, pack_tokens
 from cache_backends.request import Request
 from cache_backends.v2.radix import INDEX_CHILDREN_AFTER, RadixNode, RadixTree
-from tests.kv_v2_support import FULL, admit, compute, make_manager, prefill
+from tests.kv_v2_support import FULL, admit, compute, full_sliding_layers, make_manager, prefill, split_sliding_layers
 
 T = 4
 
@@ -338,3 +339,109 @@ def test_detaching_several_groups_in_one_call_leaves_the_tree_as_a_call_per_grou
     assert len(run1) == 2 and run1.blocks["b"][0] == -1
     assert state(one, run1)[:4] == state(per, run2)[:4]
     assert [o is not None for o in one.owners["a"]] == [o is not None for o in per.owners["a"]]
+
+
+def _match_block_by_block(m, request: Request) -> tuple[int, RadixNode | None, int]:
+    """The lookup as a node per block would walk it: one block packed and compared at a time (the reference)."""
+    limit, root, w = request.num_tokens - 1, m._tree.root(request.salt), 8 * T
+    run, i, n = None, 0, 0
+    if root is None or limit < 1:
+        return 0, None, 0
+    tokens = request.prompt_token_ids + request.output_token_ids
+    for j in range(limit // T):
+        block = pack_tokens(tokens[j * T:(j + 1) * T])
+        if run is not None and i + 1 < len(run.held):
+            if bytes(run.tokens[(i + 1) * w:(i + 2) * w]) != block:
+                break
+            i += 1
+        else:
+            child = (run if run is not None else root).children.get(block)
+            if child is None:
+                break
+            run, i = child, 0
+        n += 1
+    return (0, None, 0) if run is None else (m._usable_prefix(run, n, request), run, i)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=14 * T), min_size=1, max_size=6),
+       st.lists(st.tuples(st.integers(0, 5), st.integers(0, 14 * T), st.lists(st.integers(0, 2), max_size=3 * T)),
+                min_size=1, max_size=8),
+       st.lists(st.integers(0, 3), max_size=6))
+def test_a_lookup_compares_runs_whole_and_stops_where_a_block_by_block_walk_does(cached, queries, outputs):
+    # Queries are cached prompts cut anywhere and continued at random (few distinct ids), so they leave the tree at
+    # any block, inside a run or at its end, or run out inside one; cached prompts stay running (held) or are
+    # freed (evictable), some after growing outputs, and branch off each other (runs split).
+    m = make_manager(FULL, 256)
+    for k, prompt in enumerate(cached):
+        r = Request(f"c{k}", prompt, 4)
+        prefill(m, r)
+        for _ in range(outputs[k] if k < len(outputs) else 0):
+            r.output_token_ids.append(prompt[-1])
+            compute(m, r, 1)
+        if k % 2:
+            m.free(r)
+    m.key_pending()
+    hits = 0
+    for k, (source, cut, tail) in enumerate(queries):
+        query = cached[source % len(cached)][:cut] + tail or [0]
+        q = Request(f"q{k}", query, 2)
+        q.output_token_ids.extend(query[: k % 3])  # a preempted request's lookup reads its outputs too
+        want = _match_block_by_block(m, q)
+        assert m._match(q) == want
+        hits += want[0] > 0
+
+
+def _usable_by_scan(m, last: RadixNode, n: int) -> int:
+    """The longest multiple of the reuse unit whose blocks every group holds: each length checked group by group,
+    from the longest down (the reference)."""
+    T, unit = m.T, m.reuse_unit or m.T
+    for length in range(n * T // unit * unit, 0, -unit):
+        ok = True
+        for g in m.groups:
+            tpb, step = g.tokens_per_block, g.tokens_per_block // T
+            along = m._tree.path_blocks(last, n, g.name)
+            present = [along[(j + 1) * step - 1] >= 0 for j in range(n // step)]
+            lo = 0 if g.window is None else max(0, length - g.window + 1) // tpb
+            ok = ok and all(present[lo:length // tpb])
+        if ok:
+            return length
+    return 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(["shared", "split", "compressed"]), st.sampled_from([4, 8, 12]),
+       st.lists(st.tuples(st.integers(0, 4), st.integers(1, 16 * T), st.booleans()), min_size=2, max_size=12))
+def test_the_usable_prefix_jumps_over_gaps_to_the_length_a_scan_of_every_length_finds(arena, window, requests):
+    # Sliding windows let their early blocks go while a request runs, and a small pool evicts cached ones as later
+    # requests need room: paths with gaps in some groups and not others, at any position. Every position of every
+    # run is asked (a hit may end anywhere).
+    layers = {"shared": full_sliding_layers(window), "split": split_sliding_layers(window),  # blocks of 3 positions:
+              "compressed": [LayerKV(0, "full", 4), LayerKV(1, "csa", 4, window=window, compressed_elems=2,
+                                                            compress_rate=3)]}[arena]
+    m = make_manager(layers, 24)
+    live = []
+    for k, (source, length, keep) in enumerate(requests):
+        # odd sources share a first half (runs split where the second halves differ), even ones repeat one id
+        prompt = [7] * (length // 2) + [k % 3] * (length - length // 2) if source % 2 else [source] * length
+        r = Request(f"r{k}", prompt, 2)
+        m.create(r)
+        rest = r.num_tokens - r.num_computed_tokens if m.resume(r) else -1  # a hit claims its cached prefix
+        if rest < 0 or not m.allocate(r, rest):
+            m.cancel_admission(r)
+            continue
+        m.commit(r, rest)
+        if keep:
+            live.insert(0, r)
+        else:
+            m.free(r)
+        while len(live) > 2:
+            m.free(live.pop())
+    m.key_pending()
+    gaps = 0
+    for run in list(m._tree.nodes()):
+        for p in range(len(run)):
+            n = run.start + p + 1
+            want = _usable_by_scan(m, run, n)
+            assert m._usable_prefix(run, n) == want
+            gaps += want < n * T

@@ -1674,27 +1674,38 @@ class KVCacheManagerV2:
 
     def _match(self, request: Request) -> tuple[int, RadixNode | None, int]:
         """Walk the radix tree over the request's full blocks, comparing tokens: (usable prefix, the run and offset
-        of the last matched position)."""
+        of the last matched position).
+
+        Run by run: a run's positions are compared in one slice, the request's blocks packed as far as runs reach (a
+        conversation's history is a few runs of many blocks, looked up every step while its next turn waits)."""
         limit = request.num_tokens - 1  # at least the last token is computed, so there are logits
         root = self._tree.root(request.salt)
-        if root is None or limit < 1:
-            return 0, None, 0
-        run: RadixNode | None = None
-        i = n = 0
         T = self.T
+        blocks = limit // T
+        if root is None or blocks < 1:
+            return 0, None, 0
         w = 8 * T
-        for j in range(limit // T):
-            block = pack_tokens(_tokens(request, j * T, (j + 1) * T))
-            if run is not None and i + 1 < len(run.held):  # inside a run: its next position or nothing
-                if run.tokens[(i + 1) * w:(i + 2) * w] != block:
-                    break
-                i += 1
-            else:
-                child = (run if run is not None else root).children.get(block)
-                if child is None:
-                    break
-                run, i = child, 0
-            n += 1
+        run: RadixNode | None = None
+        node, i, n = root, 0, 0
+        while n < blocks:
+            child = node.children.get(pack_tokens(_tokens(request, n * T, (n + 1) * T)))
+            if child is None:
+                break
+            run = child
+            m = min(len(child.held), blocks - n)  # the run's positions the request's blocks reach
+            rest = pack_tokens(_tokens(request, (n + 1) * T, (n + m) * T)) if m > 1 else b""
+            if child.tokens[w:m * w] == rest:
+                i, n, node = m - 1, n + m, child  # the whole run, or the request's blocks end inside it
+                continue
+            lo, hi = 1, m - 1  # equal positions: the first (the child's key), not all m
+            while lo < hi:  # the longest equal stretch: equal prefixes are nested, so bisect
+                mid = (lo + hi + 1) // 2
+                if child.tokens[w:mid * w] == rest[:(mid - 1) * w]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            i, n = lo - 1, n + lo
+            break
         if run is None:
             return 0, None, 0
         return self._usable_prefix(run, n, request), run, i
@@ -1745,26 +1756,48 @@ class KVCacheManagerV2:
                 for p in present:
                     acc.append(acc[-1] + p)
                 counts[g.name] = acc
-        for m in range(top, 0, -unit):
-            ok = True
-            for g in gaps:
-                tpb = g.tokens_per_block
-                if g.window is None:
-                    ok = m // tpb <= covered[g.name]
-                else:
-                    lo, hi = max(0, m - g.window + 1) // tpb, m // tpb
-                    blocks = along_of.get(g.name)
-                    if blocks is not None:
-                        ok = -1 not in blocks[lo:hi]
-                    else:
-                        ok = counts[g.name][hi] - counts[g.name][lo] == hi - lo
-                if not ok:
+        m = top
+        while m > 0:
+            for g in gaps:  # each group: the longest length up to m it holds the blocks for; any shorter: start over
+                fit = self._group_fit(g, m, unit, covered, along_of, counts)
+                if fit < m:
+                    m = fit
                     break
-            if ok and limit is not None:
-                ok = request is not None and limit[1](request, m, ends[m // T - 1])
-            if ok:
-                return m
+            else:
+                if limit is None or (request is not None and limit[1](request, m, ends[m // T - 1])):
+                    return m
+                m -= unit
         return 0
+
+    @staticmethod
+    def _group_fit(g: LayerGroup, m: int, unit: int, covered: dict[str, int], along_of: dict[str, list[int]],
+                   counts: dict[str, list[int]]) -> int:
+        """The longest multiple of ``unit``, at most ``m``, whose blocks ``g`` holds (:meth:`_usable_prefix`'s
+        tables; 0: none).
+
+        Why a jump rather than a step: a stale hit (a waiting turn whose history's window blocks were evicted) is
+        looked up every step, and stepping down one unit at a time re-checked every group at every length below a
+        gap; a length fails exactly while its window (or growing prefix) covers a missing block, so the next length
+        that can fit is the one whose window ends before the first missing block it covered."""
+        tpb = g.tokens_per_block
+        if g.window is None:  # blocks present from 0 up to covered[g.name]
+            c = covered[g.name]
+            return m if m // tpb <= c else ((c + 1) * tpb - 1) // unit * unit
+        lo, hi = max(0, m - g.window + 1) // tpb, m // tpb
+        blocks = along_of.get(g.name)
+        if blocks is not None:
+            window = blocks[lo:hi]
+            if -1 not in window:
+                return m
+            gap = lo + window.index(-1)
+        else:
+            acc = counts[g.name]
+            if acc[hi] - acc[lo] == hi - lo:
+                return m
+            gap = next(j for j in range(lo, hi) if acc[j + 1] == acc[j])
+        # a shorter length's window starts no later, so it covers the window's first missing block until it ends
+        # before it
+        return ((gap + 1) * tpb - 1) // unit * unit
 
     def _admit(self, cache: SequenceCache) -> None:
         """First resume: claim the longest usable cached prefix (plus a partial block), activate. A request that
