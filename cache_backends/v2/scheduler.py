@@ -106,7 +106,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 
 from cache_backends.interface import ScheduledChunk, SchedulerOutput
 from cache_backends.request import Request, RequestState
@@ -372,26 +372,31 @@ class KVCacheV2Scheduler(SchedulerBase):
         (a few requests: a lookup of every waiting request per step would cost more than the scheduler's step)."""
         if len(waiting) < 2 or self.manager.reuse_off_reason is not None:
             return list(waiting)
-        window = [r for r in itertools.islice(waiting, LPM_WINDOW) if r.state is RequestState.WAITING]
         now, m = self._steps, self.manager
-        rank: dict[Request, int] = {}
-        for r in window:
+        aged: list[Request] = []
+        young: list[tuple[int, Request]] = []  # (rank, request)
+        waiting_state = RequestState.WAITING
+        for r in itertools.islice(waiting, LPM_WINDOW):  # one pass: this runs every step over up to 128 requests
+            if r.state is not waiting_state:
+                continue
             if r.queued_at < 0:
                 r.queued_at = now
             if r.cached_hint < 0:
                 hit = m.cached_prefix_tokens(r)
-                rank[r] = r.cached_hint = hit if hit >= LPM_MIN_HIT else 0
+                rank = r.cached_hint = hit if hit >= LPM_MIN_HIT else 0
             elif r.cached_hint:
                 # the running requests' growth may have evicted it while the request waited (module docstring, "a
                 # stale hit"); 1: a prefix others share may come back, cached again by the first of them admitted
                 hit = m.cached_prefix_tokens(r)
-                rank[r] = hit if hit >= LPM_MIN_HIT else 1
+                rank = hit if hit >= LPM_MIN_HIT else 1
             else:
-                rank[r] = 0
-        aged = [r for r in window if now - r.queued_at >= LPM_AGE]
-        young = [r for r in window if now - r.queued_at < LPM_AGE]
-        young.sort(key=rank.__getitem__, reverse=True)  # stable: equal ranks stay in arrival order
-        return aged + young + list(itertools.islice(waiting, LPM_WINDOW, None))
+                rank = 0
+            if now - r.queued_at >= LPM_AGE:
+                aged.append(r)
+            else:
+                young.append((rank, r))
+        young.sort(key=itemgetter(0), reverse=True)  # stable: equal ranks stay in arrival order
+        return aged + [r for _, r in young] + list(itertools.islice(waiting, LPM_WINDOW, None))
 
     def _displaceable(self, request: Request, running: list[Request]) -> Request | None:
         """Under "priority": the worst-ranked running request when it ranks below ``request``, else None."""
