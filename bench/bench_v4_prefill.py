@@ -6,18 +6,22 @@ imports only ``kvload`` and ``torch``)::
     python -m bench.bench_v4_prefill                          # 8 prompts of 300..601 tokens, one step each chunk
     python -m bench.bench_v4_prefill --max-num-tokens 1024    # chunked: steps mix several prompts' chunks
     python bench/bench_v4_prefill.py --profile 25             # cProfile of one generate, the top 25 by own time
+    python -m bench.bench_v4_prefill --against ../base        # A/B in one process against another tree's forward
 
 ``--prompts`` prompts of lengths spread evenly over ``--lengths LO,HI`` (seeded random ids), one ``generate`` call,
 greedy, ``--new-tokens`` each (few: prefill dominates), prefix reuse off (every repeat computes every prompt), one
 torch thread. Prints the median wall and calling-thread CPU time (``time.thread_time``: with one torch thread the model
 computes on it, so other processes on a shared machine barely move it) of ``--repeats`` generates after a warm-up, and
-the steps taken.
+the steps taken. ``--against TREE`` loads ``TREE/models/deepseek_v4_paged.py`` beside this tree's and alternates
+the two forwards generate by generate in one process (on a shared machine drift then hits both alike), printing both
+medians and their ratio.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import importlib.util
 import pstats
 import statistics
 import sys
@@ -38,6 +42,7 @@ def main() -> None:
     p.add_argument("--max-num-tokens", type=int, default=8192, help="most tokens in one forward (chunked prefill)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--profile", type=int, default=0, metavar="N", help="profile one generate; print the top N")
+    p.add_argument("--against", default="", metavar="TREE", help="alternate with TREE's DeepSeek V4 forward")
     args = p.parse_args()
     lo, hi = (int(x) for x in args.lengths.split(","))
     torch.set_num_threads(1)
@@ -57,6 +62,25 @@ def main() -> None:
             llm.generate(prompts, params, use_tqdm=False)
             prof.disable()
             pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile)
+            return
+        if args.against:
+            here = sys.modules["models.deepseek_v4_paged"]
+            spec = importlib.util.spec_from_file_location("v4_against", f"{args.against}/models/deepseek_v4_paged.py")
+            other = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(other)
+            forwards = {"this": here.paged_v4_forward, "against": other.paged_v4_forward}
+            cpus = {name: [] for name in forwards}
+            for _ in range(args.repeats):
+                for name, forward in forwards.items():
+                    here.paged_v4_forward = forward  # what the routed modules' forward calls
+                    cpu = time.thread_time()
+                    llm.generate(prompts, params, use_tqdm=False)
+                    cpus[name].append(time.thread_time() - cpu)
+            here.paged_v4_forward = forwards["this"]
+            this, against = (statistics.median(cpus[name]) for name in forwards)
+            print(f"prefill: {args.prompts} prompts of {lo}..{hi} tokens, max_num_tokens {args.max_num_tokens}: thread "
+                  f"CPU {this:.3f} s (this tree) vs {against:.3f} s ({args.against}): {this / against:.2f}x (medians "
+                  f"of {args.repeats}, alternated)", flush=True)
             return
         walls, cpus = [], []
         for _ in range(args.repeats):

@@ -438,21 +438,36 @@ CPU_SCORES_PER_CALL = 1 << 18
 class _PrefillPlan:
     """The step's other chunks (several tokens, or a snapshot to take), cut into query tiles of up to
     :data:`PREFILL_TILE` tokens that attend together (see :func:`_prefill_attention`): each tile's queries over the
-    window keys they need (at most ``tile + window - 1``, padded to the most) then their sequence's compressed entries
-    (padded to the most)."""
+    window keys they need (at most ``tile + window - 1``) then their sequence's compressed entries."""
 
     seqs: list[int]  # chunk indices, in packed order
     lens: list[int]  # each one's tokens
     rows: torch.Tensor | None  # (R,) their packed rows, in order (None: every row of the step)
     pos_ids: torch.Tensor  # (1, R) their positions
-    tile_seq: torch.Tensor  # (T,) each tile's sequence (an index into seqs)
-    tile_r: torch.Tensor  # (T, t) each tile's rows among the R (padding: 0)
-    tile_p: torch.Tensor  # (T, t) the same rows in the packed step
-    q_pos: torch.Tensor  # (T, t) their positions (padding: -1, which sees nothing)
-    q_real: torch.Tensor  # (T * t,) which tile rows are real (in order they are the R rows)
-    slots: torch.Tensor  # (T, K) window slots (padding: slot 0, masked)
-    valid: torch.Tensor  # (T, K) bool
-    mask: torch.Tensor  # (T, 1, t, K) additive mask of the window keys
+    #: (sequence, first row among the R, first row packed, first position, queries, keys spanned), widest keys first
+    tiles: list[tuple[int, int, int, int, int, int]]
+    firsts: list[int]  # each sequence's first row packed
+    window: int
+    group: Any  # the window group
+    table: torch.Tensor
+    dtype: torch.dtype
+    device: torch.device
+
+
+@attrs.define
+class _Slice:
+    """Tiles that attend in one call, padded to their own most queries, window keys and compressed entries."""
+
+    seq: torch.Tensor  # (n,) each tile's sequence (an index into the plan's seqs)
+    tile_r: torch.Tensor  # (n, t) each tile's rows among the R (padding: 0)
+    tile_p: torch.Tensor  # (n, t) the same rows in the packed step
+    real: torch.Tensor  # (n * t,) which tile rows are real
+    out: torch.Tensor  # (V,) the R row of each real one
+    slots: torch.Tensor  # (n, K) window slots (padding: slot 0, masked)
+    valid: torch.Tensor  # (n, K) bool
+    mask: torch.Tensor  # (n, 1, t, K) additive mask of the window keys
+    most: int  # compressed entries of its sequences, most
+    seen: torch.Tensor | None  # (n, t, most) which entries each query sees (their windows closed before it)
 
 
 def _prefill_plan(batch: Any, group: Any, table: torch.Tensor, window: int, dtype: torch.dtype,
@@ -471,38 +486,69 @@ def _prefill_plan(batch: Any, group: Any, table: torch.Tensor, window: int, dtyp
     if not seqs:
         return None
     t = min(window, PREFILL_TILE)
-    tiles = []  # (sequence, first row among the R, first row packed, first position, queries)
+    tiles = []
     r = 0
     for i, (n, f, s) in enumerate(zip(lens, firsts, starts, strict=True)):
-        tiles.extend((i, r + a, f + a, s + a, min(t, n - a)) for a in range(0, n, t))
+        for a in range(0, n, t):
+            count = min(t, n - a)
+            tiles.append((i, r + a, f + a, s + a, count, s + a + count - max(0, s + a - window + 1)))
         r += n
-    tile_seq, r0, p0, pos0, count = (torch.tensor(col) for col in zip(*tiles, strict=True))
-    t = int(count.max())
-    j = torch.arange(t)[None, :]
-    q_real = j < count[:, None]
-    tile_r = torch.where(q_real, r0[:, None] + j, 0)
-    tile_p = torch.where(q_real, p0[:, None] + j, 0)
-    q_pos = torch.where(q_real, pos0[:, None] + j, -1)
-    lows = (pos0 - window + 1).clamp(min=0)
-    last = pos0 + count - 1
-    K = int((last - lows).max()) + 1
-    k_pos = lows[:, None] + torch.arange(K)[None, :]
-    valid = k_pos <= last[:, None]
-    k_pos = torch.where(valid, k_pos, 0)
-    blocks = table[torch.tensor(seqs)[tile_seq][:, None], k_pos // group.tokens_per_block]
-    if bool((blocks[valid] < 0).any()):
-        raise RuntimeError(f"group {group.name!r}: no window block for a prefill chunk's window (released or never "
-                           "allocated)")
-    slots = torch.where(valid, blocks * group.entries_per_block + k_pos % group.tokens_per_block, 0)
-    seen = (valid[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])
-            & (k_pos[:, None, :] > q_pos[:, :, None] - window))
-    mask = torch.zeros(seen.shape, dtype=dtype).masked_fill_(~seen, float("-inf"))[:, None]
+    tiles.sort(key=lambda tile: -tile[5])  # a call's tiles alike in keys: a short prompt's are not padded to a long's
     everything = len(seqs) == len(batch.chunks)
     rows = None if everything else torch.cat([torch.arange(f, f + n) for f, n in zip(firsts, lens, strict=True)])
     pos = position_ids if rows is None else position_ids[:, rows.to(position_ids.device)]
-    return _PrefillPlan(seqs, lens, None if rows is None else rows.to(device), pos, tile_seq.to(device),
-                        tile_r.to(device), tile_p.to(device), q_pos.to(device), q_real.flatten().to(device),
-                        slots.to(device), valid.to(device), mask.to(device))
+    return _PrefillPlan(seqs, lens, None if rows is None else rows.to(device), pos, tiles, firsts, window, group,
+                        table, dtype, device)
+
+
+def _slices(plan: _PrefillPlan, heads: int, counts: Sequence[int], rate: int | None) -> list[_Slice]:
+    """The plan's tiles in calls of at most :data:`CPU_SCORES_PER_CALL` scores (on CPU; elsewhere one call), for a
+    layer of ``heads`` whose sequences have ``counts`` compressed entries (of ``rate`` tokens each)."""
+    g, dev, window = plan.group, plan.device, plan.window
+    most = max(counts, default=0)
+    tiles = plan.tiles
+    cuts = []
+    a = 0
+    while a < len(tiles):
+        b = a + 1
+        if dev.type == "cpu":
+            t, K = tiles[a][4], tiles[a][5]  # the widest keys come first
+            while b < len(tiles) and (b - a + 1) * heads * max(t, tiles[b][4]) * (K + most) <= CPU_SCORES_PER_CALL:
+                t = max(t, tiles[b][4])
+                b += 1
+        else:
+            b = len(tiles)
+        cuts.append((a, b))
+        a = b
+    out = []
+    for a, b in cuts:
+        seq, r0, p0, pos0, count, span = (torch.tensor(col) for col in zip(*tiles[a:b], strict=True))
+        t, K = int(count.max()), int(span.max())
+        j = torch.arange(t)[None, :]
+        q_real = j < count[:, None]
+        q_pos = torch.where(q_real, pos0[:, None] + j, -1)
+        lows = (pos0 - window + 1).clamp(min=0)
+        last = pos0 + count - 1
+        k_pos = lows[:, None] + torch.arange(K)[None, :]
+        valid = k_pos <= last[:, None]
+        k_pos = torch.where(valid, k_pos, 0)
+        blocks = plan.table[torch.tensor(plan.seqs)[seq][:, None], k_pos // g.tokens_per_block]
+        if bool((blocks[valid] < 0).any()):
+            raise RuntimeError(f"group {g.name!r}: no window block for a prefill chunk's window (released or never "
+                               "allocated)")
+        slots = torch.where(valid, blocks * g.entries_per_block + k_pos % g.tokens_per_block, 0)
+        seen = (valid[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])
+                & (k_pos[:, None, :] > q_pos[:, :, None] - window))
+        mask = torch.zeros(seen.shape, dtype=plan.dtype).masked_fill_(~seen, float("-inf"))[:, None]
+        m = max(counts[i] for i in seq.tolist()) if counts else 0
+        entries = None
+        if m:
+            entries = (torch.arange(m)[None, None, :] < ((q_pos + 1) // rate)[..., None]).to(dev)
+        tile_r = torch.where(q_real, r0[:, None] + j, 0)
+        out.append(_Slice(seq.to(dev), tile_r.to(dev), torch.where(q_real, p0[:, None] + j, 0).to(dev),
+                          q_real.flatten().to(dev), tile_r.flatten()[q_real.flatten()].to(dev), slots.to(dev),
+                          valid.to(dev), mask.to(dev), m, entries))
+    return out
 
 
 def _absorb_chunks(comp: Any, name: str, plan: _PrefillPlan, states: Sequence[V4SequenceState], layer: int,
@@ -560,34 +606,37 @@ def _prefill_attention(module: Any, mod: Any, plan: _PrefillPlan, q: torch.Tenso
                        layer: int, comp: tuple[Any, torch.Tensor, torch.Tensor] | None,
                        plans: dict[Any, Any]) -> torch.Tensor:
     """The prefill chunks' attention over their query tiles, as many tiles a call as fit
-    :data:`CPU_SCORES_PER_CALL` (all of them off the CPU): each tile's queries over its window keys then its
-    sequence's compressed entries (those whose window closed at or before the query; CSA: the indexer's top-k of
-    them), padding masked with ``-inf``; their compressor and indexer run over every chunk at once
+    :data:`CPU_SCORES_PER_CALL` (all of them off the CPU; see :func:`_slices`): each tile's queries over its window
+    keys then its sequence's compressed entries (those whose window closed at or before the query; CSA: the indexer's
+    top-k of them), padding masked with ``-inf``; their compressor and indexer run over every chunk at once
     (:func:`_absorb_chunks`). Returns ``(R, H, hd)``, the chunks' rows in packed order."""
     hd = module.head_dim
     rows = plan.rows
     h = hidden_states[0] if rows is None else hidden_states[0, rows]
     qt_all = q[0].transpose(0, 1)  # (N, H, hd)
-    most = 0
+    counts: list[int] = []
+    rate = csa = None
     if module.compressor is not None:
         group, view, table = comp
         c = module.compressor
         csa = hasattr(c, "indexer")
+        rate = group.compress_rate
         counts = _absorb_chunks(c, "compressor", plan, states, layer, h, view, table, group, (0, hd), csa, hd)
         if csa:
             idx = c.indexer
             _absorb_chunks(idx, "indexer", plan, states, layer, h, view, table, group, (hd, group.entry_elems), True,
                            idx.head_dim)
-        most = max(counts)
+    key = ("v4-prefill-slices", module.num_heads, rate, tuple(counts))  # the same for every layer of the group
+    cuts = plans.get(key)
+    if cuts is None:
+        cuts = plans[key] = _slices(plan, module.num_heads, counts, rate)
+    most = max(counts, default=0)
     if most:
-        key = ("v4-prefill-entries", group.name, tuple(counts))  # the same for every layer of the group
-        got = plans.get(key)
+        ekey = ("v4-prefill-entries", group.name, tuple(counts))
+        got = plans.get(ekey)
         if got is None:
-            eslots, real = _entry_slots(group, table, plan.seqs, counts, view.device)
-            w = torch.arange(most, device=view.device)
-            seen_all = w[None, None, :] < ((plan.q_pos + 1) // group.compress_rate)[..., None]  # (T, t, most)
-            got = plans[key] = (eslots, real, seen_all)
-        eslots, real, seen_all = got
+            got = plans[ekey] = _entry_slots(group, table, plan.seqs, counts, view.device)
+        eslots, real = got
         entries_all = view[eslots].to(h.dtype).masked_fill_(~real[..., None], 0.0)  # (P, most, width)
         if csa:
             R = h.shape[0]
@@ -595,32 +644,25 @@ def _prefill_attention(module: Any, mod: Any, plan: _PrefillPlan, q: torch.Tenso
             cos_q, sin_q = idx.rotary_emb(h[None], position_ids=plan.pos_ids, layer_type=idx.rope_layer_type)
             qi_all = idx.q_b_proj(res).view(1, R, -1, idx.head_dim).transpose(1, 2)
             qi_all = mod.apply_rotary_pos_emb(qi_all, cos_q, sin_q).transpose(1, 2)[0]  # (R, Hi, d)
-    T, t = plan.tile_r.shape
-    per_call = T
-    if q.device.type == "cpu":
-        per_call = max(1, CPU_SCORES_PER_CALL // (module.num_heads * t * (plan.slots.shape[1] + most)))
-    outs = []
-    for a in range(0, T, per_call):
-        cut = slice(a, a + per_call)
-        keys = wview[plan.slots[cut]].to(q.dtype).masked_fill_(~plan.valid[cut, :, None], 0.0).unsqueeze(1)
-        mask = plan.mask[cut]
-        if most:
-            seq = plan.tile_seq[cut]
-            seen = seen_all[cut]
+    out = q.new_empty((h.shape[0], *qt_all.shape[1:]))
+    for cut in cuts:
+        keys = wview[cut.slots].to(q.dtype).masked_fill_(~cut.valid[..., None], 0.0).unsqueeze(1)
+        mask = cut.mask
+        if cut.most:
+            entries = entries_all[cut.seq, :cut.most]
+            seen = cut.seen
             if csa:  # the indexer's pick of the entries each query sees
-                tr = plan.tile_r[cut]
-                scores = idx.scorer(qi_all[tr], entries_all[seq, :, hd:], h[tr])  # (tiles, t, most)
+                scores = idx.scorer(qi_all[cut.tile_r], entries[..., hd:], h[cut.tile_r])  # (tiles, t, most)
                 scores = scores.masked_fill(~seen, float("-inf"))
-                top = scores.topk(min(idx.index_topk, most), dim=-1).indices
+                top = scores.topk(min(idx.index_topk, cut.most), dim=-1).indices
                 seen = torch.zeros_like(seen).scatter_(-1, top, True) & seen
             extra = torch.zeros(seen.shape, dtype=mask.dtype, device=mask.device).masked_fill_(~seen, float("-inf"))
-            keys = torch.cat([keys, entries_all[seq, None, :, :hd]], dim=2)
+            keys = torch.cat([keys, entries[:, None, :, :hd]], dim=2)
             mask = torch.cat([mask, extra[:, None]], dim=-1)
-        qt = qt_all[plan.tile_p[cut]].transpose(1, 2)  # (tiles, H, t, hd)
-        out, _ = mod.eager_attention_forward(module, qt, keys, keys, mask, scaling=module.scaling, dropout=0.0)
-        outs.append(out)  # (tiles, t, H, hd)
-    out = torch.cat(outs) if len(outs) > 1 else outs[0]
-    return out.flatten(0, 1)[plan.q_real]  # the real rows, in order
+        qt = qt_all[cut.tile_p].transpose(1, 2)  # (tiles, H, t, hd)
+        o, _ = mod.eager_attention_forward(module, qt, keys, keys, mask, scaling=module.scaling, dropout=0.0)
+        out[cut.out] = o.flatten(0, 1)[cut.real]  # (tiles, t, H, hd): the real rows, to their places
+    return out
 
 
 def paged_v4_forward(module: Any, hidden_states: torch.Tensor, position_embeddings: Any, position_ids: torch.Tensor,
