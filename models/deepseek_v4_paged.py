@@ -429,9 +429,9 @@ def _decode_attention(module: Any, mod: Any, plan: _DecodePlan, q: torch.Tensor,
 #: queries per prefill tile: a tile's keys span ``tile + window - 1`` positions, its chunk's would span it all
 PREFILL_TILE = 32
 #: on CPU, most attention scores (tiles x heads x queries x keys) in one call: larger calls' intermediates leave the
-#: cache and cost more than the calls saved (one call of 33 128-query tiles took 1.5x the time of the same tiles 8 at a
-#: time on the tiny preset's shapes)
-CPU_SCORES_PER_CALL = 1 << 18
+#: cache and cost more than the calls they save (eight prompts' prefill on the tiny preset, thread CPU: 0.45 s at 2**15,
+#: 0.36 s at 2**17, 0.37 s at 2**18; one call for all tiles took 1.5x a call per 8 of them)
+CPU_SCORES_PER_CALL = 1 << 17
 
 
 @attrs.define
