@@ -446,7 +446,6 @@ class _PrefillPlan:
     pos_ids: torch.Tensor  # (1, R) their positions
     #: (sequence, first row among the R, first row packed, first position, queries, keys spanned), widest keys first
     tiles: list[tuple[int, int, int, int, int, int]]
-    firsts: list[int]  # each sequence's first row packed
     window: int
     group: Any  # the window group
     table: torch.Tensor
@@ -467,7 +466,7 @@ class _Slice:
     valid: torch.Tensor  # (n, K) bool
     mask: torch.Tensor  # (n, 1, t, K) additive mask of the window keys
     most: int  # compressed entries of its sequences, most
-    seen: torch.Tensor | None  # (n, t, most) which entries each query sees (their windows closed before it)
+    seen: torch.Tensor | None  # (n, t, most) which entries each query sees (their window ends at or before it)
 
 
 def _prefill_plan(batch: Any, group: Any, table: torch.Tensor, window: int, dtype: torch.dtype,
@@ -497,8 +496,8 @@ def _prefill_plan(batch: Any, group: Any, table: torch.Tensor, window: int, dtyp
     everything = len(seqs) == len(batch.chunks)
     rows = None if everything else torch.cat([torch.arange(f, f + n) for f, n in zip(firsts, lens, strict=True)])
     pos = position_ids if rows is None else position_ids[:, rows.to(position_ids.device)]
-    return _PrefillPlan(seqs, lens, None if rows is None else rows.to(device), pos, tiles, firsts, window, group,
-                        table, dtype, device)
+    return _PrefillPlan(seqs, lens, None if rows is None else rows.to(device), pos, tiles, window, group, table, dtype,
+                        device)
 
 
 def _slices(plan: _PrefillPlan, heads: int, counts: Sequence[int], rate: int | None) -> list[_Slice]:
