@@ -26,13 +26,14 @@ import pstats
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 import kvload
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """Time the prefill-heavy generate and print one line (or a profile)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="tiny-deepseek-v4")
@@ -43,8 +44,19 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--profile", type=int, default=0, metavar="N", help="profile one generate; print the top N")
     p.add_argument("--against", default="", metavar="TREE", help="alternate with TREE's DeepSeek V4 forward")
-    args = p.parse_args()
-    lo, hi = (int(x) for x in args.lengths.split(","))
+    args = p.parse_args(argv)
+    try:
+        lo, hi = (int(x) for x in args.lengths.split(","))
+    except ValueError:
+        lo = hi = 0
+    if not 1 <= lo <= hi:
+        p.error(f"--lengths: expected LO,HI, two integers with 1 <= LO <= HI, got {args.lengths!r}")
+    for flag in ("prompts", "new_tokens", "max_num_tokens", "repeats"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')}: expected an integer >= 1, got {getattr(args, flag)}")
+    against = Path(args.against) / "models" / "deepseek_v4_paged.py"
+    if args.against and not against.is_file():
+        p.error(f"--against: {args.against} has no models/deepseek_v4_paged.py (expected a kvload tree)")
     torch.set_num_threads(1)
     kv = {"max_tokens": 16384, "enable_block_reuse": False}
     llm = kvload.LLM(args.model, kv_cache_config=kv, max_seq_len=1024, max_num_tokens=args.max_num_tokens, log=False)
@@ -65,18 +77,20 @@ def main() -> None:
             return
         if args.against:
             here = sys.modules["models.deepseek_v4_paged"]
-            spec = importlib.util.spec_from_file_location("v4_against", f"{args.against}/models/deepseek_v4_paged.py")
+            spec = importlib.util.spec_from_file_location("v4_against", against)
             other = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(other)
             forwards = {"this": here.paged_v4_forward, "against": other.paged_v4_forward}
             cpus = {name: [] for name in forwards}
-            for _ in range(args.repeats):
-                for name, forward in forwards.items():
-                    here.paged_v4_forward = forward  # what the routed modules' forward calls
-                    cpu = time.thread_time()
-                    llm.generate(prompts, params, use_tqdm=False)
-                    cpus[name].append(time.thread_time() - cpu)
-            here.paged_v4_forward = forwards["this"]
+            try:
+                for _ in range(args.repeats):
+                    for name, forward in forwards.items():
+                        here.paged_v4_forward = forward  # what the routed modules' forward calls
+                        cpu = time.thread_time()
+                        llm.generate(prompts, params, use_tqdm=False)
+                        cpus[name].append(time.thread_time() - cpu)
+            finally:
+                here.paged_v4_forward = forwards["this"]
             this, against = (statistics.median(cpus[name]) for name in forwards)
             print(f"prefill: {args.prompts} prompts of {lo}..{hi} tokens, max_num_tokens {args.max_num_tokens}: thread "
                   f"CPU {this:.3f} s (this tree) vs {against:.3f} s ({args.against}): {this / against:.2f}x (medians "
