@@ -625,7 +625,8 @@ def _prefill_attention(module: Any, mod: Any, plan: _PrefillPlan, q: torch.Tenso
             idx = c.indexer
             _absorb_chunks(idx, "indexer", plan, states, layer, h, view, table, group, (hd, group.entry_elems), True,
                            idx.head_dim)
-    key = ("v4-prefill-slices", module.num_heads, rate, tuple(counts))  # the same for every layer of the group
+    # the same for every layer of the window and compressed groups
+    key = ("v4-prefill-slices", plan.group.name, plan.window, module.num_heads, rate, tuple(counts))
     cuts = plans.get(key)
     if cuts is None:
         cuts = plans[key] = _slices(plan, module.num_heads, counts, rate)
