@@ -13,9 +13,9 @@ installed per module by :func:`route_v4_attention`; a forward without a ``kvload
   releases blocks that left the window, as for Mistral);
 * the compressed entries go into the layer's compressed group, entry ``w`` of a sequence at
   ``table[w * c // tokens_per_block] * entries_per_block + w % entries_per_block`` (a CSA entry holds the
-  compressor's ``head_dim`` then the indexer's ``index_head_dim``); the model's own compressor and indexer modules
-  compute them, per sequence, against :class:`_SeqCache`, whose ``update_compressor_states`` writes the new entries
-  into the pool and hands back every entry so far read from it;
+  compressor's ``head_dim`` then the indexer's ``index_head_dim``); kvload pools them with the weights of the
+  model's own compressor and indexer modules and their math (:func:`_pool_windows`), writes them into the pool and
+  reads every entry so far back from it;
 * what is not yet a full entry — the partial window of raw ``kv``/``gate`` projections (fewer than ``c`` tokens per
   compressor series) and CSA's overlap state (the last full window's first-half series) — lives in a per-request
   :class:`V4SequenceState` that the executor owns (:class:`V4States`) and drops when the request finishes, like a
@@ -30,8 +30,11 @@ installed per module by :func:`route_v4_attention`; a forward without a ``kvload
 The projections, MoE and hyper-connections run on the packed row. A step's one-token (decode) chunks attend in one
 call (:func:`_decode_attention`): window keys and compressed entries padded to the longest, ``-inf`` on the padding,
 their compressor and indexer batched (:func:`_absorb`, which pools a window that fills as the model's compressor does).
-A chunk of several tokens, or one that crosses a reuse boundary (it snapshots), runs the model's own compressor and
-indexer one sequence at a time.
+The other chunks (several tokens, or one that crosses a reuse boundary: it snapshots) are cut into tiles of up to
+:data:`PREFILL_TILE` queries that attend together (:func:`_prefill_attention`): each tile over the window keys its
+queries need (not its whole chunk's) and its sequence's compressed entries, padded to the most; their compressor and
+indexer run over every chunk at once (:func:`_absorb_chunks`: one projection, every window that fills pooled in one
+call).
 """
 
 from __future__ import annotations
@@ -222,82 +225,6 @@ def uses_v4(layers: Iterable[Any]) -> bool:
     return any(layer.kind in V4_KINDS for layer in layers)
 
 
-class _SeqCacheLayer:
-    """What transformers' DeepSeek V4 compressor and indexer call on ``cache.layers[i]``, for one sequence: the
-    partial window and overlap in the request's side state, the compressed entries in the pool."""
-
-    def __init__(self, series: dict[str, _Series], view: torch.Tensor, table: torch.Tensor, group: Any,
-                 head_dim: int, layer: int = 0, state: V4SequenceState | None = None) -> None:
-        self.series = series
-        self.layer = layer
-        self.marks = state.marks if state is not None else ()
-        self.captured = state.captured if state is not None else {}
-        self.view = view  # the layer's compressed pool entries, (slots, entry_elems)
-        self.table = table  # the sequence's block table in the compressed group, (width,) int64 (-1: none)
-        self.group = group
-        self.cols = {"compressor": (0, head_dim), "indexer": (head_dim, group.entry_elems)}
-
-    def _series(self, name: str) -> _Series:
-        return self.series.setdefault(name, _Series())
-
-    def _slots(self, first: int, count: int) -> torch.Tensor:
-        g = self.group
-        entries = torch.arange(first, first + count, dtype=torch.long)
-        blocks = self.table[entries * g.compress_rate // g.tokens_per_block]
-        if count and int(blocks.min()) < 0:
-            raise RuntimeError(f"group {g.name!r}: no block for compressed entry {first}..{first + count - 1}")
-        return (blocks * g.entries_per_block + entries % g.entries_per_block).to(self.view.device)
-
-    def store_compression_weights(self, name: str, kv: torch.Tensor,
-                                  gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """The new projections after the buffered ones, cut at the last full window (the rest stays buffered)."""
-        s = self._series(name)
-        rate = self.group.compress_rate
-        first = s.count * rate
-        if s.buf_kv is not None and s.buf_kv.shape[1]:
-            kv = torch.cat([s.buf_kv, kv], dim=1)
-            gate = torch.cat([s.buf_gate, gate], dim=1)
-        usable = (kv.shape[1] // rate) * rate
-        s.buf_kv, s.buf_gate = kv[:, usable:].clone(), gate[:, usable:].clone()
-        for b in self.marks:  # a boundary is a multiple of every rate: this series has no partial window there
-            if first < b <= first + usable:
-                self.captured.setdefault(b, {}).setdefault(self.layer, {})[name] = _Series(b // rate)
-        return kv[:, :usable], gate[:, :usable], first
-
-    def update_overlap_state(self, name: str, chunk_kv: torch.Tensor, chunk_gate: torch.Tensor,
-                             head_dim: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """CSA: the previous full window's first-half series (None at the first), and keep this call's last."""
-        s = self._series(name)
-        prior = (s.overlap_kv, s.overlap_gate)
-        rate = self.group.compress_rate
-        for b in self.marks:  # the overlap a continuation at b starts from: the window that ends at b
-            j = (b - s.count * rate) // rate - 1  # the windows of this call start at the series' entry count
-            if 0 <= j < chunk_kv.shape[1]:
-                snap = self.captured[b][self.layer][name]
-                snap.overlap_kv = chunk_kv[:, j, :, :head_dim].clone()
-                snap.overlap_gate = chunk_gate[:, j, :, :head_dim].clone()
-        s.overlap_kv = chunk_kv[:, -1, :, :head_dim].clone()
-        s.overlap_gate = chunk_gate[:, -1, :, :head_dim].clone()
-        return prior
-
-    def update_compressor_states(self, name: str, compressed: torch.Tensor) -> torch.Tensor:
-        """Store the new entries ``(1, n, width)`` in the pool; return every entry so far, read from it."""
-        s = self._series(name)
-        lo, hi = self.cols[name]
-        n = compressed.shape[1]
-        if n:
-            self.view[self._slots(s.count, n), lo:hi] = compressed[0].to(self.view.dtype)
-        s.count += n
-        return self.view[self._slots(0, s.count), lo:hi].to(compressed.dtype).unsqueeze(0)
-
-
-class _SeqCache:
-    """The ``cache`` a DeepSeek V4 compressor gets for one sequence: ``layers[i]`` only."""
-
-    def __init__(self, layer: int, cache_layer: _SeqCacheLayer) -> None:
-        self.layers = {layer: cache_layer}
-
-
 def _groups(batch: Any, layer: int) -> tuple[tuple[str, int], tuple[str, int] | None]:
     """(window group, position) and (compressed group, position) or None of a V4 layer."""
     window = compressed = None
@@ -309,24 +236,6 @@ def _groups(batch: Any, layer: int) -> tuple[tuple[str, int], tuple[str, int] | 
     if window is None:
         raise RuntimeError(f"layer {layer}: no window group in the KV layout (DeepSeek V4 generates on V2 only)")
     return window, compressed
-
-
-def _window_plan(group: Any, table: torch.Tensor, start: int, n: int, window: int, dtype: torch.dtype,
-                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's window keys in a step: their slots in the window group, and the additive mask ``(1, 1, n, k)``
-    of its ``n`` queries over them (a key is seen when it is not after the query and within ``window`` of it)."""
-    end = start + n
-    lo = max(0, start - window + 1)
-    k_pos = torch.arange(lo, end)
-    blocks = table[k_pos // group.tokens_per_block]
-    if int(blocks.min()) < 0:
-        raise RuntimeError(f"group {group.name!r}: no window block for positions {lo}..{end - 1} (released or never "
-                           "allocated)")
-    slots = (blocks * group.entries_per_block + k_pos % group.tokens_per_block).to(device)
-    q_pos = torch.arange(start, end)
-    seen = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
-    mask = torch.zeros(seen.shape, dtype=dtype).masked_fill_(~seen, float("-inf")).to(device)[None, None]
-    return slots, mask
 
 
 @attrs.define
@@ -392,23 +301,42 @@ def _pool(comp: Any, series: Any, kv: torch.Tensor, gate: torch.Tensor, csa: boo
     """The entries of ``E`` windows that close this step, ``(E, width)`` each, as the model's compressor (or CSA's
     indexer, ``series``) pools them: one window per sequence, after the overlap its series kept (CSA)."""
     E = kv.shape[0]
-    chunk_kv = kv.view(E, 1, rate, -1)
-    chunk_gate = gate.view(E, 1, rate, -1) + comp.position_bias
+    each = list(enumerate(series)) if csa else []
+    return _pool_windows(comp, kv.view(E, rate, -1), gate.view(E, rate, -1), csa, rate, hd, pos_ids.view(1, E),
+                         each, each)[:, None]
+
+
+def _pool_windows(comp: Any, kv: torch.Tensor, gate: torch.Tensor, csa: bool, rate: int, hd: int,
+                  positions: torch.Tensor, priors: Sequence[tuple[int, _Series]],
+                  keeps: Sequence[tuple[int, _Series]]) -> torch.Tensor:
+    """The entries of ``W`` full windows ``(W, rate, width)`` of one or more sequences, each sequence's in order, as
+    the model's compressor (or CSA's indexer) pools them: ``(W, width)``; ``positions`` ``(1, W)``: each window's
+    first token. CSA: a window pools the previous window's first-half series with its own second half; a sequence's
+    first window ``w`` (``priors``: ``(w, series)``) takes the overlap that series kept (none: zero weight), and
+    ``keeps`` ``(w, series)``: the series (or a snapshot) keeps window ``w``'s first half as its overlap."""
+    gate = gate + comp.position_bias
     if csa:
-        new_kv = chunk_kv.new_zeros((E, 1, 2 * rate, hd))
-        new_gate = chunk_gate.new_full((E, 1, 2 * rate, hd), float("-inf"))
-        new_kv[:, :, rate:] = chunk_kv[..., hd:]
-        new_gate[:, :, rate:] = chunk_gate[..., hd:]
-        for e, s in enumerate(series):
+        W = kv.shape[0]
+        new_kv = kv.new_zeros((W, 2 * rate, hd))
+        new_gate = gate.new_full((W, 2 * rate, hd), float("-inf"))
+        new_kv[:, rate:] = kv[..., hd:]
+        new_gate[:, rate:] = gate[..., hd:]
+        new_kv[1:, :rate] = kv[:-1, :, :hd]  # across a sequence's first window too: set from its own series below
+        new_gate[1:, :rate] = gate[:-1, :, :hd]
+        for w, s in priors:
             if s.overlap_kv is not None:
-                new_kv[e, 0, :rate] = s.overlap_kv[0].to(new_kv.dtype)
-                new_gate[e, 0, :rate] = s.overlap_gate[0].to(new_gate.dtype)
-            s.overlap_kv = chunk_kv[e:e + 1, -1, :, :hd].clone()
-            s.overlap_gate = chunk_gate[e:e + 1, -1, :, :hd].clone()
-        chunk_kv, chunk_gate = new_kv, new_gate
-    compressed = comp.kv_norm((chunk_kv * chunk_gate.softmax(dim=2, dtype=torch.float32).to(chunk_kv.dtype)).sum(dim=2))
-    cos, sin = comp.rotary_emb(compressed, position_ids=pos_ids, layer_type=comp.rope_layer_type)
-    return sys.modules[type(comp).__module__].apply_rotary_pos_emb(compressed.unsqueeze(1), cos, sin).squeeze(1)
+                new_kv[w, :rate] = s.overlap_kv[0].to(new_kv.dtype)
+                new_gate[w, :rate] = s.overlap_gate[0].to(new_gate.dtype)
+            else:
+                new_kv[w, :rate] = 0.0
+                new_gate[w, :rate] = float("-inf")
+        for w, s in keeps:
+            s.overlap_kv = kv[w:w + 1, :, :hd].clone()
+            s.overlap_gate = gate[w:w + 1, :, :hd].clone()
+        kv, gate = new_kv, new_gate
+    compressed = comp.kv_norm((kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1))[None]
+    cos, sin = comp.rotary_emb(compressed, position_ids=positions, layer_type=comp.rope_layer_type)
+    return sys.modules[type(comp).__module__].apply_rotary_pos_emb(compressed.unsqueeze(1), cos, sin)[0, 0]
 
 
 def _absorb(comp: Any, name: str, plan: _DecodePlan, states: Sequence[V4SequenceState], layer: int,
@@ -498,6 +426,245 @@ def _decode_attention(module: Any, mod: Any, plan: _DecodePlan, q: torch.Tensor,
     return out
 
 
+#: queries per prefill tile: a tile's keys span ``tile + window - 1`` positions, its chunk's would span it all
+PREFILL_TILE = 32
+#: on CPU, most attention scores (tiles x heads x queries x keys) in one call: larger calls' intermediates leave the
+#: cache and cost more than the calls they save (eight prompts' prefill on the tiny preset, thread CPU: 0.45 s at 2**15,
+#: 0.36 s at 2**17, 0.37 s at 2**18; one call for all tiles took 1.5x a call per 8 of them)
+CPU_SCORES_PER_CALL = 1 << 17
+
+
+@attrs.define
+class _PrefillPlan:
+    """The step's other chunks (several tokens, or a snapshot to take), cut into query tiles of up to
+    :data:`PREFILL_TILE` tokens that attend together (see :func:`_prefill_attention`): each tile's queries over the
+    window keys they need (at most ``tile + window - 1``) then their sequence's compressed entries."""
+
+    seqs: list[int]  # chunk indices, in packed order
+    lens: list[int]  # each one's tokens
+    rows: torch.Tensor | None  # (R,) their packed rows, in order (None: every row of the step)
+    pos_ids: torch.Tensor  # (1, R) their positions
+    #: (sequence, first row among the R, first row packed, first position, queries, keys spanned), widest keys first
+    tiles: list[tuple[int, int, int, int, int, int]]
+    window: int
+    group: Any  # the window group
+    table: torch.Tensor
+    dtype: torch.dtype
+    device: torch.device
+
+
+@attrs.define
+class _Slice:
+    """Tiles that attend in one call, padded to their own most queries, window keys and compressed entries."""
+
+    seq: torch.Tensor  # (n,) each tile's sequence (an index into the plan's seqs)
+    tile_r: torch.Tensor  # (n, t) each tile's rows among the R (padding: 0)
+    tile_p: torch.Tensor  # (n, t) the same rows in the packed step
+    real: torch.Tensor  # (n * t,) which tile rows are real
+    out: torch.Tensor  # (V,) the R row of each real one
+    slots: torch.Tensor  # (n, K) window slots (padding: slot 0, masked)
+    valid: torch.Tensor  # (n, K) bool
+    mask: torch.Tensor  # (n, 1, t, K) additive mask of the window keys
+    most: int  # compressed entries of its sequences, most
+    seen: torch.Tensor | None  # (n, t, most) which entries each query sees (their window ends at or before it)
+
+
+def _prefill_plan(batch: Any, group: Any, table: torch.Tensor, window: int, dtype: torch.dtype,
+                  device: torch.device, position_ids: torch.Tensor, skip: set[int]) -> _PrefillPlan | None:
+    """The step's prefill plan over the chunks not in ``skip`` (the decode plan's), or None when there are none."""
+    seqs, lens, firsts, starts = [], [], [], []
+    first = 0
+    for b, chunk in enumerate(batch.chunks):
+        n = len(chunk.token_ids)
+        if b not in skip:
+            seqs.append(b)
+            lens.append(n)
+            firsts.append(first)
+            starts.append(chunk.start_pos)
+        first += n
+    if not seqs:
+        return None
+    t = min(window, PREFILL_TILE)
+    tiles = []
+    r = 0
+    for i, (n, f, s) in enumerate(zip(lens, firsts, starts, strict=True)):
+        for a in range(0, n, t):
+            count = min(t, n - a)
+            tiles.append((i, r + a, f + a, s + a, count, s + a + count - max(0, s + a - window + 1)))
+        r += n
+    tiles.sort(key=lambda tile: -tile[5])  # a call's tiles alike in keys: a short prompt's are not padded to a long's
+    everything = len(seqs) == len(batch.chunks)
+    rows = None if everything else torch.cat([torch.arange(f, f + n) for f, n in zip(firsts, lens, strict=True)])
+    pos = position_ids if rows is None else position_ids[:, rows.to(position_ids.device)]
+    return _PrefillPlan(seqs, lens, None if rows is None else rows.to(device), pos, tiles, window, group, table, dtype,
+                        device)
+
+
+def _slices(plan: _PrefillPlan, heads: int, counts: Sequence[int], rate: int | None) -> list[_Slice]:
+    """The plan's tiles in calls of at most :data:`CPU_SCORES_PER_CALL` scores (on CPU; elsewhere one call), for a
+    layer of ``heads`` whose sequences have ``counts`` compressed entries (of ``rate`` tokens each)."""
+    g, dev, window = plan.group, plan.device, plan.window
+    most = max(counts, default=0)
+    tiles = plan.tiles
+    cuts = []
+    a = 0
+    while a < len(tiles):
+        b = a + 1
+        if dev.type == "cpu":
+            t, K = tiles[a][4], tiles[a][5]  # the widest keys come first
+            while b < len(tiles) and (b - a + 1) * heads * max(t, tiles[b][4]) * (K + most) <= CPU_SCORES_PER_CALL:
+                t = max(t, tiles[b][4])
+                b += 1
+        else:
+            b = len(tiles)
+        cuts.append((a, b))
+        a = b
+    out = []
+    for a, b in cuts:
+        seq, r0, p0, pos0, count, span = (torch.tensor(col) for col in zip(*tiles[a:b], strict=True))
+        t, K = int(count.max()), int(span.max())
+        j = torch.arange(t)[None, :]
+        q_real = j < count[:, None]
+        q_pos = torch.where(q_real, pos0[:, None] + j, -1)
+        lows = (pos0 - window + 1).clamp(min=0)
+        last = pos0 + count - 1
+        k_pos = lows[:, None] + torch.arange(K)[None, :]
+        valid = k_pos <= last[:, None]
+        k_pos = torch.where(valid, k_pos, 0)
+        blocks = plan.table[torch.tensor(plan.seqs)[seq][:, None], k_pos // g.tokens_per_block]
+        if bool((blocks[valid] < 0).any()):
+            raise RuntimeError(f"group {g.name!r}: no window block for a prefill chunk's window (released or never "
+                               "allocated)")
+        slots = torch.where(valid, blocks * g.entries_per_block + k_pos % g.tokens_per_block, 0)
+        seen = (valid[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])
+                & (k_pos[:, None, :] > q_pos[:, :, None] - window))
+        mask = torch.zeros(seen.shape, dtype=plan.dtype).masked_fill_(~seen, float("-inf"))[:, None]
+        m = max(counts[i] for i in seq.tolist()) if counts else 0
+        entries = None
+        if m:
+            entries = (torch.arange(m)[None, None, :] < ((q_pos + 1) // rate)[..., None]).to(dev)
+        tile_r = torch.where(q_real, r0[:, None] + j, 0)
+        out.append(_Slice(seq.to(dev), tile_r.to(dev), torch.where(q_real, p0[:, None] + j, 0).to(dev),
+                          q_real.flatten().to(dev), tile_r.flatten()[q_real.flatten()].to(dev), slots.to(dev),
+                          valid.to(dev), mask.to(dev), m, entries))
+    return out
+
+
+def _absorb_chunks(comp: Any, name: str, plan: _PrefillPlan, states: Sequence[V4SequenceState], layer: int,
+                   h: torch.Tensor, view: torch.Tensor, table: torch.Tensor, group: Any, cols: tuple[int, int],
+                   csa: bool, hd: int) -> list[int]:
+    """One compressor series over the prefill chunks' tokens ``h`` ``(R, hidden)``: each chunk's projections after its
+    sequence's partial window; the windows that fill, of every chunk, pooled in one call as the model's compressor
+    pools them and stored in the pool; the rest kept as the partial windows, and at a reuse boundary a chunk crosses
+    the series' snapshot. Returns each sequence's entry count."""
+    kv, gate = comp.kv_proj(h), comp.gate_proj(h)  # (R, width)
+    rate = group.compress_rate
+    T, epb = group.tokens_per_block, group.entries_per_block
+    kvs, gates, positions, slots, priors, keeps, counts = [], [], [], [], [], [], []
+    W = r = 0
+    for b, n in zip(plan.seqs, plan.lens, strict=True):
+        state = states[b]
+        s = state.layers.setdefault(layer, {}).setdefault(name, _Series())
+        ckv, cgate = kv[r:r + n], gate[r:r + n]
+        r += n
+        if s.buf_kv is not None and s.buf_kv.shape[1]:
+            ckv, cgate = torch.cat([s.buf_kv[0], ckv]), torch.cat([s.buf_gate[0], cgate])
+        usable = (ckv.shape[0] // rate) * rate
+        s.buf_kv, s.buf_gate = ckv[None, usable:].clone(), cgate[None, usable:].clone()
+        first = s.count * rate
+        for m in state.marks:  # a boundary is a multiple of every rate: this series has no partial window there
+            if first < m <= first + usable:
+                snap = state.captured.setdefault(m, {}).setdefault(layer, {})[name] = _Series(m // rate)
+                if csa:  # the overlap a continuation at m starts from: the window that ends at m
+                    keeps.append((W + (m - first) // rate - 1, snap))
+        nw = usable // rate
+        if nw:
+            kvs.append(ckv[:usable])
+            gates.append(cgate[:usable])
+            positions.extend(range(first, first + usable, rate))
+            if csa:
+                priors.append((W, s))
+                keeps.append((W + nw - 1, s))
+            entries = torch.arange(s.count, s.count + nw)
+            blocks = table[b, entries * rate // T]
+            if int(blocks.min()) < 0:
+                raise RuntimeError(f"group {group.name!r}: no block for compressed entry {s.count}..{s.count + nw - 1}")
+            slots.append(blocks * epb + entries % epb)
+            s.count += nw
+            W += nw
+        counts.append(s.count)
+    if W:
+        pooled = _pool_windows(comp, torch.cat(kvs).view(W, rate, -1), torch.cat(gates).view(W, rate, -1), csa, rate,
+                               hd, torch.tensor([positions], device=h.device), priors, keeps)
+        view[torch.cat(slots).to(view.device), cols[0]:cols[1]] = pooled.to(view.dtype)
+    return counts
+
+
+def _prefill_attention(module: Any, mod: Any, plan: _PrefillPlan, q: torch.Tensor, q_residual: torch.Tensor,
+                       hidden_states: torch.Tensor, wview: torch.Tensor, states: Sequence[V4SequenceState],
+                       layer: int, comp: tuple[Any, torch.Tensor, torch.Tensor] | None,
+                       plans: dict[Any, Any]) -> torch.Tensor:
+    """The prefill chunks' attention over their query tiles, as many tiles a call as fit
+    :data:`CPU_SCORES_PER_CALL` (all of them off the CPU; see :func:`_slices`): each tile's queries over its window
+    keys then its sequence's compressed entries (those whose window closed at or before the query; CSA: the indexer's
+    top-k of them), padding masked with ``-inf``; their compressor and indexer run over every chunk at once
+    (:func:`_absorb_chunks`). Returns ``(R, H, hd)``, the chunks' rows in packed order."""
+    hd = module.head_dim
+    rows = plan.rows
+    h = hidden_states[0] if rows is None else hidden_states[0, rows]
+    qt_all = q[0].transpose(0, 1)  # (N, H, hd)
+    counts: list[int] = []
+    rate = csa = None
+    if module.compressor is not None:
+        group, view, table = comp
+        c = module.compressor
+        csa = hasattr(c, "indexer")
+        rate = group.compress_rate
+        counts = _absorb_chunks(c, "compressor", plan, states, layer, h, view, table, group, (0, hd), csa, hd)
+        if csa:
+            idx = c.indexer
+            _absorb_chunks(idx, "indexer", plan, states, layer, h, view, table, group, (hd, group.entry_elems), True,
+                           idx.head_dim)
+    # the same for every layer of the window and compressed groups
+    key = ("v4-prefill-slices", plan.group.name, plan.window, module.num_heads, rate, tuple(counts))
+    cuts = plans.get(key)
+    if cuts is None:
+        cuts = plans[key] = _slices(plan, module.num_heads, counts, rate)
+    most = max(counts, default=0)
+    if most:
+        ekey = ("v4-prefill-entries", group.name, tuple(counts))
+        got = plans.get(ekey)
+        if got is None:
+            got = plans[ekey] = _entry_slots(group, table, plan.seqs, counts, view.device)
+        eslots, real = got
+        entries_all = view[eslots].to(h.dtype).masked_fill_(~real[..., None], 0.0)  # (P, most, width)
+        if csa:
+            R = h.shape[0]
+            res = q_residual[0] if rows is None else q_residual[0, rows]
+            cos_q, sin_q = idx.rotary_emb(h[None], position_ids=plan.pos_ids, layer_type=idx.rope_layer_type)
+            qi_all = idx.q_b_proj(res).view(1, R, -1, idx.head_dim).transpose(1, 2)
+            qi_all = mod.apply_rotary_pos_emb(qi_all, cos_q, sin_q).transpose(1, 2)[0]  # (R, Hi, d)
+    out = q.new_empty((h.shape[0], *qt_all.shape[1:]))
+    for cut in cuts:
+        keys = wview[cut.slots].to(q.dtype).masked_fill_(~cut.valid[..., None], 0.0).unsqueeze(1)
+        mask = cut.mask
+        if cut.most:
+            entries = entries_all[cut.seq, :cut.most]
+            seen = cut.seen
+            if csa:  # the indexer's pick of the entries each query sees
+                scores = idx.scorer(qi_all[cut.tile_r], entries[..., hd:], h[cut.tile_r])  # (tiles, t, most)
+                scores = scores.masked_fill(~seen, float("-inf"))
+                top = scores.topk(min(idx.index_topk, cut.most), dim=-1).indices
+                seen = torch.zeros_like(seen).scatter_(-1, top, True) & seen
+            extra = torch.zeros(seen.shape, dtype=mask.dtype, device=mask.device).masked_fill_(~seen, float("-inf"))
+            keys = torch.cat([keys, entries[:, None, :, :hd]], dim=2)
+            mask = torch.cat([mask, extra[:, None]], dim=-1)
+        qt = qt_all[cut.tile_p].transpose(1, 2)  # (tiles, H, t, hd)
+        o, _ = mod.eager_attention_forward(module, qt, keys, keys, mask, scaling=module.scaling, dropout=0.0)
+        out[cut.out] = o.flatten(0, 1)[cut.real]  # (tiles, t, H, hd): the real rows, to their places
+    return out
+
+
 def paged_v4_forward(module: Any, hidden_states: torch.Tensor, position_embeddings: Any, position_ids: torch.Tensor,
                      attention_mask: Any = None, cache: Any = None, *, kvload_batch: Any,
                      **kwargs: Any) -> tuple[torch.Tensor, None]:
@@ -539,36 +706,19 @@ def paged_v4_forward(module: Any, hidden_states: torch.Tensor, position_embeddin
                                     (cgroup, cview, ctable) if comp is not None else None, batch.side_plans)
         if len(dplan.seqs) == batch.num_seqs:  # a decode-only step: the packed order is the batch's
             return _project_out(module, mod, batched.transpose(0, 1), cos, sin), None
-    where = {b: i for i, b in enumerate(dplan.seqs)} if dplan is not None else {}
-    outs = []
-    first = 0
-    for b, chunk in enumerate(batch.chunks):
-        n = len(chunk.token_ids)
-        if b in where:
-            outs.append(batched[where[b]:where[b] + 1])
-            first += n
-            continue
-        plan = batch.side_plans.get((wname, window, b))
-        if plan is None:  # every layer reads the same window through the same table: planned once a step
-            plan = batch.side_plans[(wname, window, b)] = _window_plan(wgroup, wtable[b], chunk.start_pos, n, window,
-                                                                       q.dtype, wview.device)
-        slots, mask = plan
-        keys = wview[slots].to(kv.dtype).view(1, 1, -1, hd)
-        if module.compressor is not None:
-            series = states[b].layers.setdefault(layer, {})
-            seq_cache = _SeqCache(layer, _SeqCacheLayer(series, cview, ctable[b], cgroup, hd, layer, states[b]))
-            rows = slice(first, first + n)
-            compressed, block_bias = module.compressor(hidden_states[:, rows], q_residual[:, rows],
-                                                       position_ids[:, rows], seq_cache, layer)
-            keys = torch.cat([keys, compressed], dim=2)
-            extra = (block_bias.to(mask.dtype) if block_bias is not None
-                     else mask.new_zeros((1, 1, n, compressed.shape[2])))
-            mask = torch.cat([mask, extra], dim=-1)
-        out, _ = mod.eager_attention_forward(module, q[:, :, first:first + n], keys, keys, mask,
-                                             scaling=module.scaling, dropout=0.0)
-        outs.append(out)  # (1, n, H, hd)
-        first += n
-    return _project_out(module, mod, torch.cat(outs, dim=1) if len(outs) > 1 else outs[0], cos, sin), None
+    key = ("v4-prefill", wname, window)
+    pplan = batch.side_plans.get(key, False)
+    if pplan is False:
+        pplan = batch.side_plans[key] = _prefill_plan(batch, wgroup, wtable, window, q.dtype, wview.device,
+                                                      position_ids, set(dplan.seqs) if dplan is not None else set())
+    out = _prefill_attention(module, mod, pplan, q, q_residual, hidden_states, wview, states, layer,
+                             (cgroup, cview, ctable) if comp is not None else None, batch.side_plans)
+    if dplan is None and pplan.rows is None:  # a prefill-only step: the tiles' rows are the packed rows
+        return _project_out(module, mod, out[None], cos, sin), None
+    full = out.new_empty((n_tok, *out.shape[1:]))
+    full[pplan.rows] = out
+    full[dplan.rows] = batched[:, 0]
+    return _project_out(module, mod, full[None], cos, sin), None
 
 
 def _project_out(module: Any, mod: Any, attn_output: torch.Tensor, cos: torch.Tensor,

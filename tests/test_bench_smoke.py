@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -374,3 +376,28 @@ def test_bench_generate_sizes_pools_that_hold_a_scenario_in_every_group():
             grown = -(-int(tight * grow) // 32) * 32
         else:
             assert grow == 1.0
+
+
+def test_bench_v4_prefill_refuses_bad_flags_before_loading(capsys, monkeypatch, tmp_path):
+    from bench import bench_v4_prefill
+
+    monkeypatch.setattr(bench_v4_prefill.kvload, "LLM", lambda *a, **k: pytest.fail("loaded before refusing"))
+    for argv, said in ((["--lengths", "600,300"], "--lengths: expected LO,HI"),
+                       (["--lengths", "x"], "--lengths: expected LO,HI"),
+                       (["--repeats", "0"], "--repeats: expected an integer >= 1"),
+                       (["--against", str(tmp_path)], "--against: ")):
+        with pytest.raises(SystemExit) as exc:
+            bench_v4_prefill.main(argv)
+        assert exc.value.code == 2
+        assert said in capsys.readouterr().err
+
+
+def test_bench_v4_prefill_alternates_two_trees_forwards_and_puts_its_own_back(capsys):
+    import models.deepseek_v4_paged as v4_paged
+    from bench import bench_v4_prefill
+
+    own = v4_paged.paged_v4_forward
+    root = str(Path(v4_paged.__file__).parents[1])
+    bench_v4_prefill.main(["--prompts", "2", "--lengths", "40,70", "--repeats", "1", "--against", root])
+    assert v4_paged.paged_v4_forward is own
+    assert re.search(r"thread CPU [\d.]+ s \(this tree\) vs [\d.]+ s \(.*\): [\d.]+x", capsys.readouterr().out)

@@ -19,7 +19,7 @@ from models.geometry import layers_from_config
 from models.paged_forward import route_paged_attention, run_forward
 from pipeline.errors import GenerationError
 from tests.generate_support import greedy_admission, hf_greedy, load, prompts_for, used_blocks
-from tests.paged_support import tiny_config
+from tests.paged_support import WINDOW, tiny_config
 from tests.serve_support import wait_for
 
 V4 = "deepseek-v4"
@@ -186,6 +186,84 @@ def test_a_decode_step_of_several_lengths_attends_in_one_call_per_layer_with_tra
                 want = model(torch.tensor([[t]]), cache=caches[b], use_cache=True).logits[0, -1]
                 torch.testing.assert_close(logits[b], want, rtol=1e-4, atol=1e-4)
         positions = [p + 1 for p in positions]
+
+
+@pytest.mark.parametrize("one_tile_a_call", [False, True])
+def test_prefill_chunks_of_several_sequences_attend_together_with_transformers_logits(v4_path, monkeypatch,
+                                                                                      one_tile_a_call):
+    """Five prompts of different lengths prefill in one step (their CSA and HCA windows closing at different offsets,
+    two past the window, one with no compressed entry yet), then three of them continue with chunks that start inside
+    a compressed window beside two one-token decodes: a step's prefill chunks attend in one call per layer (a mixed
+    step: one more for its decodes; or, with a budget of scores per call that fits one tile, one call per tile), and
+    every sequence's logits are transformers' own for that sequence."""
+    import transformers.models.deepseek_v4.modeling_deepseek_v4 as v4_modeling
+    from transformers import AutoModelForCausalLM
+
+    import models.deepseek_v4_paged as v4_paged
+
+    if one_tile_a_call:
+        monkeypatch.setattr(v4_paged, "CPU_SCORES_PER_CALL", 1)
+
+    model = AutoModelForCausalLM.from_pretrained(v4_path, dtype=torch.float32)
+    cfg = model.config
+    firsts = (13, 6, 22, 3, 9)
+    seconds = (11, 1, 7, 18, 1)
+    chunks = prompts_for(cfg.vocab_size, firsts + seconds, seed=17)
+    layout = build_layout(layers_from_config(cfg), "v2", 4, "float32")
+    per_seq = {g.name: -(-40 // g.tokens_per_block) for g in layout.groups}
+    pools = BlockPools(layout, {name: n * len(firsts) for name, n in per_seq.items()}, "cpu")
+    # each sequence's blocks handed out backwards from its own range, so a slot of another sequence is never right
+    tables = [{name: list(range((b + 1) * n - 1, b * n - 1, -1)) for name, n in per_seq.items()}
+              for b in range(len(firsts))]
+    route_paged_attention(model)
+    states = V4States()
+    ids = [f"r{b}" for b in range(len(firsts))]
+    calls = []
+    eager = v4_modeling.eager_attention_forward
+
+    def counted(module, query, *args, **kwargs):
+        calls.append(query.shape[0])
+        return eager(module, query, *args, **kwargs)
+
+    monkeypatch.setattr(v4_modeling, "eager_attention_forward", counted)
+    caches = [None] * len(firsts)
+    starts = [0] * len(firsts)
+    for step, lengths in enumerate((firsts, seconds)):
+        part = chunks[step * len(firsts):(step + 1) * len(firsts)]
+        batch = PagedBatch.build([SeqChunk(c[:n], s, t) for c, n, s, t in zip(part, lengths, starts, tables,
+                                                                                strict=True)], pools)
+        step_states(batch, states, ids)
+        calls.clear()
+        logits = run_forward(model, batch)
+        tile = min(WINDOW, v4_paged.PREFILL_TILE)
+        prefill_calls = sum(-(-n // tile) for n in lengths if n > 1) if one_tile_a_call else 1
+        assert len(calls) == cfg.num_hidden_layers * (prefill_calls + (step > 0))
+        with torch.inference_mode():
+            for b, (c, n) in enumerate(zip(part, lengths, strict=True)):
+                ref = model(torch.tensor([c[:n]]), cache=caches[b], use_cache=True)
+                torch.testing.assert_close(logits[b], ref.logits[0, -1], rtol=1e-4, atol=1e-4)
+                caches[b] = ref.cache
+        starts = [s + n for s, n in zip(starts, lengths, strict=True)]
+
+
+def test_prompts_prefilled_together_snapshot_their_own_side_state_for_reuse(v4_path):
+    """Four prompts prefilled in one step each snapshot their side state at the reuse boundaries they cross; four
+    prompts that share a prefix of each, prefilled together again, reuse it from that sequence's snapshot (not a
+    neighbour's) and continue from different positions: every token is transformers' own."""
+    result = load(v4_path, "v2", max_tokens=1024, max_seq_len=64, max_num_tokens=256)
+    try:
+        model = result.hf_model
+        vocab = model.config.vocab_size
+        firsts = prompts_for(vocab, (19, 30, 11, 26), seed=21)
+        outs = result.generate(firsts, max_new_tokens=2)
+        assert [o.token_ids for o in outs] == [hf_greedy(model, p, 2) for p in firsts]
+        tails = prompts_for(vocab, (5, 3, 9, 2), seed=22)
+        seconds = [p[:k] + t for p, k, t in zip(firsts, (18, 27, 10, 25), tails, strict=True)]
+        outs = result.generate(seconds, max_new_tokens=6)
+        assert result.executor.last_stats.reused_prompt_tokens == 16 + 24 + 8 + 24
+        assert [o.token_ids for o in outs] == [hf_greedy(model, p, 6) for p in seconds]
+    finally:
+        result.close()
 
 
 def snapshots_within_cached_boundaries(result: Any) -> int:
