@@ -1016,6 +1016,63 @@ def test_a_config_file_swapped_for_a_device_after_its_check_is_refused_not_read(
         pipeline.plan("tiny-llama", config_file=cfg, log=False)
 
 
+_SWAP_TO_FIFO = """
+import os, sys
+from pathlib import Path
+from kvload.cli.entry import main
+target, real_stat, real_os_stat = Path(sys.argv[2]), Path.stat, os.stat
+def swap():  # once the path was looked at, a FIFO takes the file's place (as another process could do)
+    if not os.path.exists(str(target) + ".swapped"):
+        os.unlink(target)
+        os.mkfifo(target)
+        open(str(target) + ".swapped", "w").close()
+def path_stat(self, *args, **kwargs):
+    st = real_stat(self, *args, **kwargs)
+    if self == target:
+        swap()
+    return st
+def os_stat(path, *args, **kwargs):
+    st = real_os_stat(path, *args, **kwargs)
+    if os.fspath(path) == str(target):
+        swap()
+    return st
+Path.stat, os.stat = path_stat, os_stat
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+@pytest.mark.parametrize("command", ["audit", "explain"])
+def test_an_audit_file_swapped_for_a_fifo_after_its_check_does_not_hang_the_reader(capsys, tmp_path, command):
+    """``audit``/``explain`` checked the path (a regular file?) and then opened it again by path: a FIFO swapped in
+    between made the open wait for a writer forever. Now the file is opened first (without waiting) and the opened
+    descriptor is checked and read: the reader ends, reading the log it opened or refusing the FIFO in one line."""
+    log = tmp_path / "a.jsonl"
+    assert _plan(capsys, "tiny-llama", audit=log).code == 0
+    try:
+        r = subprocess.run([sys.executable, "-c", _SWAP_TO_FIFO, command, str(log)], capture_output=True, text=True,
+                           env={**ENV, "PYTHONPATH": str(REPO)}, cwd=tmp_path, timeout=60)
+    except subprocess.TimeoutExpired:  # subprocess.run killed it
+        pytest.fail(f"kvload {command} hung opening a FIFO swapped in for the audit file")
+    if r.returncode == 0:
+        assert "Traceback" not in r.stderr
+    else:
+        assert (r.returncode, r.stderr) == (2, f"error: {log}: not a regular file (a FIFO or device?), expected an "
+                                               "audit .jsonl file\n")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+@pytest.mark.parametrize("command", ["audit", "explain"])
+def test_a_fifo_given_as_the_audit_file_is_refused_in_one_line_by_a_real_process(tmp_path, command):
+    fifo = tmp_path / "a.jsonl"
+    os.mkfifo(fifo)
+    r = subprocess.run([sys.executable, "-m", "kvload", command, str(fifo)], capture_output=True, text=True,
+                       env={**ENV, "PYTHONPATH": str(REPO)}, cwd=tmp_path, timeout=60)
+    assert (r.returncode, r.stdout, r.stderr) == (
+        2, "", f"error: {fifo}: not a regular file (a FIFO or device?), expected an audit .jsonl file\n")
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
 def test_an_existing_audit_log_is_kept_unless_force(capsys, tmp_path):
     log = tmp_path / "a.jsonl"
     log.write_text("precious\n")
