@@ -895,6 +895,20 @@ def test_a_consistent_forgery_passes_sha256_but_not_the_hmac_key(capsys, tmp_pat
         assert r.code == 1 and "does not verify" in r.err and "chain" in r.out, (forger_key, r.out)
 
 
+def test_an_audit_key_that_is_not_utf8_signs_and_verifies_as_its_bytes(capsys, tmp_path, monkeypatch):
+    """``KVLOAD_AUDIT_KEY`` of random bytes: every command that wrote or verified an audit exited 1 with "error:
+    UnicodeEncodeError: 'utf-8' codec can't encode characters ...: surrogates not allowed", naming no variable. The
+    key is the bytes the environment holds; the log it signs verifies with those bytes only."""
+    monkeypatch.setenv(KEY_ENV, os.fsdecode(b"\xff\xfe the operator's random key"))
+    log = tmp_path / "a.jsonl"
+    assert _plan(capsys, "tiny-llama", audit=log).code == 0
+    ok = run_cli(capsys, "audit", log, "--verify")
+    assert ok.code == 0 and "hmac-sha256 chain verified with KVLOAD_AUDIT_KEY" in ok.out, ok.err
+    monkeypatch.setenv(KEY_ENV, os.fsdecode(b"\xff\xfd the operator's random key"))
+    r = run_cli(capsys, "audit", log, "--verify")
+    assert r.code == 1 and "does not verify" in r.err and "chain" in r.out
+
+
 def test_old_logs_without_a_chain_read_and_say_no_chain(capsys, real_log, tmp_path, monkeypatch):
     old = tmp_path / "old.jsonl"
     records = [{k: v for k, v in r.items() if k not in (PREV, HEAD, "chain")} for r in read_events(real_log)]
