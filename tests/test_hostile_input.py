@@ -1541,6 +1541,15 @@ def test_serve_quotes_the_host_it_cannot_resolve():
         bind("", 0)
 
 
+def test_serve_names_the_host_when_it_is_not_an_address_of_this_machine(capsys):
+    """``--host 192.0.2.1`` (an address of no machine here) read ``--port 8000: cannot listen on 192.0.2.1:8000
+    (Cannot assign requested address)``: the port was blamed, and it was fine."""
+    r = run_cli(capsys, "serve", "tiny-llama", "--host", "192.0.2.1", "--port", "0")
+    assert_refused(r, "error: --host '192.0.2.1': not an address of this machine, cannot listen on it (Cannot "
+                      "assign requested address); give one of its addresses (127.0.0.1: this machine only, 0.0.0.0: "
+                      "all of them)")
+
+
 @pytest.mark.parametrize("damage", ["truncated", "garbage"])
 def test_a_bad_shard_among_several_is_named_not_only_the_checkpoint(capsys, tmp_path, out, damage):
     """safetensors' "Error while deserializing header" names no file, and the line named the checkpoint folder:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import http
 import json
 import logging
@@ -245,7 +246,12 @@ def bind(host: str, port: int) -> socket.socket:
         sock.listen(2048)
     except OSError as exc:
         sock.close()
-        raise ConfigError(f"--port {port}: cannot listen on {host}:{port} ({exc.strerror})") from None
+        if exc.errno == errno.EADDRNOTAVAIL:  # the host, not the port: the line named --port, which was fine
+            raise ConfigError(f"--host {short_text(host)}: not an address of this machine, cannot listen on it "
+                              f"({exc.strerror}); give one of its addresses (127.0.0.1: this machine only, "
+                              "0.0.0.0: all of them)") from None
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        raise ConfigError(f"--port {port}: cannot listen on {where} ({exc.strerror})") from None
     sock.set_inheritable(True)
     return sock
 
