@@ -1243,6 +1243,24 @@ def test_a_ctrl_c_while_the_cli_is_imported_gets_the_one_line_and_130(tmp_path, 
     assert r.stdout == ""
 
 
+@pytest.mark.parametrize(("launch", "module"), [("kvload", "kvload.cli.plan"), ("kvload", "pipeline.runner"),
+                                               ("kvload.cli", "pipeline.runner")])
+def test_a_ctrl_c_inside_code_built_from_a_string_still_exits_130(tmp_path, launch, module):
+    """A Ctrl-C raised inside an ``exec`` of a string (dataclasses and namedtuple build their methods so, at import:
+    a serve interrupted while loading landed there often) was answered with the one line, but CPython had marked it
+    unhandled and ``python -m`` ended the process by SIGINT: the parent saw -2, not the exit status 130. Sent from
+    such an ``exec`` while ``module`` is looked up (in start-up; in the command)."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SITECUSTOMIZE.replace(
+        "os.kill(os.getpid(), signal.SIGINT)", 'exec("os.kill(os.getpid(), signal.SIGINT)\\nfor _ in range(3): pass")'))
+    r = subprocess.run([sys.executable, "-m", launch, "plan", "tiny-llama"], capture_output=True, text=True,
+                       timeout=120, cwd=tmp_path,
+                       env={**ENV, "PYTHONPATH": f"{hook}{os.pathsep}{REPO}", "SIGNAL_ON_IMPORT": module},
+                       preexec_fn=signals_as_a_terminal_gives_them)
+    assert (r.returncode, r.stderr, r.stdout) == (130, "sent\nerror: interrupted\n", ""), r.stderr[-2000:]
+
+
 def test_a_reader_that_closes_the_pipe_early_gets_exit_141_and_no_audit(tmp_path):
     """``kvload generate ... | head -c 10``: the BrokenPipeError was answered with exit 0 after the run had already
     discarded its audit as failed, so an exit 0 came without the audit file it promises. The output was not all
