@@ -151,6 +151,28 @@ def _timeouts_counted(served) -> float:
     return served.metrics()["kvload_http_requests_refused_total{reason=read_timeout}"]
 
 
+@pytest.mark.parametrize("request_bytes", [
+    b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00",  # curl --http2-prior-knowledge's start
+    b"GET /health HTTP/3.0\r\nHost: test\r\n\r\n",
+], ids=["http2-preface", "http3-request-line"])
+def test_a_request_in_another_http_version_is_a_505_saying_which(served, request_bytes):
+    """h11 reads any HTTP/d.d: HTTP/2's preface was routed as a request for the path ``*`` and answered 404 "Invalid
+    URL (PRI *): no such endpoint", which said nothing of the version the client spoke."""
+    before = served.metrics()["kvload_http_requests_refused_total{reason=bad_request}"]
+    with _connect(served) as sock:
+        sock.sendall(request_bytes)
+        status, headers, payload = _response(_read_to_close(sock))  # answered, then closed
+    assert served.metrics()["kvload_http_requests_refused_total{reason=bad_request}"] == before + 1
+    version = request_bytes.split(b"\r\n", 1)[0].rsplit(b"/", 1)[1].decode()
+    assert status == 505, payload
+    assert headers["connection"] == "close"
+    assert json.loads(payload)["error"] == {
+        "message": f"the request is HTTP/{version}; kvload serve speaks HTTP/1.1 (and 1.0): send it over HTTP/1.1 "
+                   "(curl: without --http2-prior-knowledge)",
+        "type": "invalid_request_error", "param": None, "code": "http_version_not_supported"}
+    _served_normally(served)
+
+
 def test_read_timeouts_are_counted_head_and_body_alike(served):
     """A head's 408 is written below the app (the h11 protocol), a body's by the app: both reach /metrics."""
     before = _timeouts_counted(served)

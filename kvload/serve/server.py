@@ -378,6 +378,7 @@ class _Deadlines(H11Protocol):
             try:
                 event = next_event()
                 if isinstance(event, h11.Request):
+                    _check_version(event)
                     _check_framing(event)
                 return event
             except h11.RemoteProtocolError as exc:
@@ -521,10 +522,25 @@ def _check_framing(request: h11.Request) -> None:
                                       "them (RFC 9112 section 6.1)", error_status_hint=400)
 
 
+def _check_version(request: h11.Request) -> None:
+    """A ``RemoteProtocolError`` (505) for a request line naming an HTTP version other than 1.0 or 1.1.
+
+    h11 reads any ``HTTP/d.d``: HTTP/2's prior-knowledge preface (``PRI * HTTP/2.0``, what ``curl
+    --http2-prior-knowledge`` sends first) was routed as a request for the path ``*`` and answered 404 "no such
+    endpoint", which said nothing of the version; RFC 9110 §15.6.6's 505 says it, then the connection closes."""
+    if request.http_version not in (b"1.0", b"1.1"):
+        version = request.http_version.decode("ascii", "replace")
+        raise h11.RemoteProtocolError(f"the request is HTTP/{version}; kvload serve speaks HTTP/1.1 (and 1.0): send "
+                                      "it over HTTP/1.1 (curl: without --http2-prior-knowledge)",
+                                      error_status_hint=505)
+
+
 def _not_http(exc: h11.RemoteProtocolError | None, head_limit: int) -> tuple[int, bytes]:
     """The status and OpenAI's error body for bytes h11 refused as HTTP/1.1: 431 for a head past ``head_limit``
-    bytes (h11's hint), else 400 saying what h11 found wrong."""
-    if exc is not None and exc.error_status_hint == 431:
+    bytes (h11's hint), 505 for another HTTP version (:func:`_check_version`), else 400 saying what h11 found wrong."""
+    if exc is not None and exc.error_status_hint == 505:
+        error = BadRequest(str(exc), status=505, code="http_version_not_supported")
+    elif exc is not None and exc.error_status_hint == 431:
         error = BadRequest(f"the request head is too large: more than {head_limit:,} bytes came without the blank "
                            "line that ends the headers; send fewer or shorter headers", status=431,
                            code="request_header_fields_too_large")
