@@ -1087,6 +1087,26 @@ def test_a_fifo_given_as_the_audit_file_is_refused_in_one_line_by_a_real_process
     assert stat.S_ISFIFO(os.stat(fifo).st_mode)
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_checkpoint_json_file_swapped_for_a_fifo_after_its_check_does_not_hang_the_read(tmp_path):
+    """A checkpoint's JSON files (config.json, generation_config.json, tokenizer_config.json) were checked by one
+    stat and read by path again: a FIFO swapped in between blocked the read for ever. Now each is opened first
+    (without waiting) and checked and read through that descriptor."""
+    config = write_config(tmp_path / "ckpt", BASE) / "config.json"
+    script = _SWAP_TO_FIFO.replace("from kvload.cli.entry import main",
+                                   "from models.checkpoint import read_json_object")
+    script = script.replace("sys.exit(main(sys.argv[1:]))",
+                            "try:\n    print(sorted(read_json_object(target, 'a model config'))[:2])\n"
+                            "except Exception as exc:\n    print(exc)")
+    try:
+        r = subprocess.run([sys.executable, "-c", script, "-", str(config)], capture_output=True, text=True,
+                           env={**ENV, "PYTHONPATH": str(REPO)}, cwd=tmp_path, timeout=60)
+    except subprocess.TimeoutExpired:  # subprocess.run killed it
+        pytest.fail("reading config.json hung on a FIFO swapped in after its check")
+    assert r.stdout in (f"{sorted(BASE)[:2]}\n",
+                        f"{config}: not a regular file (a FIFO or device?), expected a JSON file\n"), r.stderr[-2000:]
+
+
 def test_an_existing_audit_log_is_kept_unless_force(capsys, tmp_path):
     log = tmp_path / "a.jsonl"
     log.write_text("precious\n")
