@@ -466,6 +466,22 @@ def test_a_pad_token_id_past_the_vocabulary_is_one_line_naming_it(capsys, tmp_pa
     assert r.code == 0, r.err
 
 
+def test_a_checkpoint_chat_template_with_a_syntax_error_is_named_as_one(capsys, tmp_path):
+    """A chat_template.jinja that does not parse read "the model's chat template refused the conversation: unexpected
+    '}'": the conversation was blamed for a broken template. Prompts without --chat still generate."""
+    from tests.cli_support import run_cli
+    from tests.hostile_support import assert_refused
+
+    ckpt = _llama_checkpoint(tmp_path / "ckpt")
+    _tokenizer_json(ckpt / "tokenizer.json")
+    (ckpt / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }")
+    argv = ("generate", ckpt, "--prompt", "hi", "--max_new_tokens", "2", "--max_tokens", "1024")
+    assert_refused(run_cli(capsys, *argv, "--chat"), "error: generate: prompt 0: the model's chat template is not a "
+                                                     "Jinja template: line 1: unexpected '}'")
+    r = run_cli(capsys, *argv)
+    assert r.code == 0, r.err
+
+
 def _tokenizer_json(file) -> None:
     """A minimal word-level tokenizer.json (the tokenizers library's own format)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
