@@ -319,6 +319,11 @@ def apply_template(tokenizer: Any, where: str, messages: list[dict[str, str]], *
     except _TemplateRanAway as exc:
         raise GenerationError(f"generate: {where}: {whose} {exc}") from None
     except Exception as exc:  # jinja2.TemplateError from raise_exception(), or a template's own TypeError
+        import jinja2
+
+        if isinstance(exc, jinja2.TemplateSyntaxError):  # the template is broken, not the conversation wrong
+            raise GenerationError(f"generate: {where}: {whose} is not a Jinja template: line {exc.lineno}: "
+                                  f"{first_line(exc, 'syntax error')}"[:300]) from None
         raise GenerationError(f"generate: {where}: {whose} refused the conversation: "
                               f"{first_line(exc, type(exc).__name__)}"[:300]) from None
 

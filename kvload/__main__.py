@@ -17,6 +17,7 @@ def main() -> int:
     except KeyboardInterrupt:
         with contextlib.suppress(OSError):  # kvload.cli's words for a Ctrl-C; a closed terminal: the status tells
             print("error: interrupted", file=sys.stderr)
+        exec("")  # the Ctrl-C was handled: clear CPython's mark of an unhandled one (see kvload.cli.entry.main)
         return 130
     return cli_main()
 

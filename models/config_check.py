@@ -129,6 +129,18 @@ def token_ids_problem(value: Any, vocab_size: Any) -> str | None:
     return f"token id {short(bad)} is not in the vocabulary; accepted: {accepted}, a list of them, or null"
 
 
+def pad_id_problem(value: Any, vocab_size: Any) -> str | None:
+    """What is wrong with a ``pad_token_id``, or None. transformers makes it the embedding's ``padding_idx``: one
+    outside ``[-vocab_size, vocab_size)`` failed the weights' load as "Padding_idx must be within num_embeddings"
+    behind transformers' own warning line, naming neither the file nor the field (plan went through). A negative
+    id inside counts from the end, as torch reads it (old LLaMA conversions say -1): transformers only warns."""
+    vocab = vocab_size if isinstance(vocab_size, int) and not isinstance(vocab_size, bool) else None
+    if vocab is None or not isinstance(value, int) or isinstance(value, bool) or -vocab <= value < vocab:
+        return None  # a wrong type is transformers' to refuse: its line names the field
+    return (f"token id {short(value)} is not in the vocabulary; accepted: an integer in [0, {vocab - 1:,}] "
+            f"(vocab_size {vocab:,}; a negative one counts from the end) or null")
+
+
 def head_groups_problem(cfg: Mapping[str, Any], prefix: str = "") -> str | None:
     """Why the query heads cannot be split evenly over the KV heads (grouped-query attention), or None.
 
@@ -191,6 +203,9 @@ def check_fields(data: Mapping[str, Any], file: Path, prefix: str = "") -> None:
     problem = token_ids_problem(data.get("eos_token_id"), vocab)
     if problem:
         fail("eos_token_id", problem)
+    problem = pad_id_problem(data.get("pad_token_id"), vocab)
+    if problem:
+        fail("pad_token_id", problem)
     rates = data.get("compress_rates")
     if rates is not None:
         if not isinstance(rates, Mapping):

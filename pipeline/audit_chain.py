@@ -29,9 +29,12 @@ PREV, HEAD = "prev", "chain_head"
 
 
 def audit_key() -> bytes | None:
-    """The HMAC key from ``KVLOAD_AUDIT_KEY`` (None when unset or empty)."""
+    """The HMAC key from ``KVLOAD_AUDIT_KEY``, its bytes as the environment holds them (None when unset or empty)."""
     key = os.environ.get(KEY_ENV, "")
-    return key.encode("utf-8") if key else None
+    # fsencode gives back the bytes Python decoded the variable from: a key that is not UTF-8 (random bytes) stood for
+    # itself no less, but encode("utf-8") failed on its escapes, every command that writes or verifies an audit exiting
+    # 1 with "UnicodeEncodeError: ... surrogates not allowed", naming no variable. A UTF-8 key's bytes are unchanged.
+    return os.fsencode(key) if key else None
 
 
 def canonical(record: dict[str, Any]) -> bytes:

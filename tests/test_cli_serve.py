@@ -407,6 +407,41 @@ def test_a_fifo_or_device_as_chat_template_is_refused_before_it_is_opened(tmp_pa
                         "file\n"
 
 
+_SWAP_TEMPLATE_FOR_A_FIFO = """
+import os, sys
+from kvload.serve.server import chat_template_text
+target, real_stat = sys.argv[1], os.stat
+def stat_then_swap(path, *args, **kwargs):  # once the path was looked at, a FIFO takes the file's place
+    st = real_stat(path, *args, **kwargs)
+    if os.fspath(path) == target and not os.path.exists(target + ".swapped"):
+        os.unlink(target)
+        os.mkfifo(target)
+        open(target + ".swapped", "w").close()
+    return st
+os.stat = stat_then_swap
+try:
+    print(repr(chat_template_text(target)))
+except Exception as exc:
+    print(f"{type(exc).__name__}: {exc}")
+"""
+
+
+def test_a_chat_template_file_swapped_for_a_fifo_after_its_check_does_not_hang_the_start(tmp_path):
+    """``--chat-template FILE`` was checked by path (a regular file?) and opened by path again: a FIFO swapped in
+    between blocked the open for ever. Now it is opened first, without waiting, and that descriptor is checked and
+    read: the start reads the template it opened, or refuses the FIFO in one line."""
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
+    try:
+        r = subprocess.run([sys.executable, "-c", _SWAP_TEMPLATE_FOR_A_FIFO, str(template)], capture_output=True,
+                           text=True, env={**ENV, "PYTHONPATH": str(REPO)}, timeout=60)
+    except subprocess.TimeoutExpired:  # subprocess.run killed it
+        pytest.fail("--chat-template hung opening a FIFO swapped in for the template file")
+    assert r.stdout in ("\"{{ messages[0]['content'] }}\"\n",
+                        f"ConfigError: --chat-template '{template}': not a regular file (a FIFO or device?); give a "
+                        "template file\n"), (r.stdout, r.stderr[-2000:])
+
+
 @pytest.mark.parametrize("template", [
     "{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}{{ m['content'] }}{% endfor %}",
     "{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}{% endfor %}",

@@ -895,6 +895,20 @@ def test_a_consistent_forgery_passes_sha256_but_not_the_hmac_key(capsys, tmp_pat
         assert r.code == 1 and "does not verify" in r.err and "chain" in r.out, (forger_key, r.out)
 
 
+def test_an_audit_key_that_is_not_utf8_signs_and_verifies_as_its_bytes(capsys, tmp_path, monkeypatch):
+    """``KVLOAD_AUDIT_KEY`` of random bytes: every command that wrote or verified an audit exited 1 with "error:
+    UnicodeEncodeError: 'utf-8' codec can't encode characters ...: surrogates not allowed", naming no variable. The
+    key is the bytes the environment holds; the log it signs verifies with those bytes only."""
+    monkeypatch.setenv(KEY_ENV, os.fsdecode(b"\xff\xfe the operator's random key"))
+    log = tmp_path / "a.jsonl"
+    assert _plan(capsys, "tiny-llama", audit=log).code == 0
+    ok = run_cli(capsys, "audit", log, "--verify")
+    assert ok.code == 0 and "hmac-sha256 chain verified with KVLOAD_AUDIT_KEY" in ok.out, ok.err
+    monkeypatch.setenv(KEY_ENV, os.fsdecode(b"\xff\xfd the operator's random key"))
+    r = run_cli(capsys, "audit", log, "--verify")
+    assert r.code == 1 and "does not verify" in r.err and "chain" in r.out
+
+
 def test_old_logs_without_a_chain_read_and_say_no_chain(capsys, real_log, tmp_path, monkeypatch):
     old = tmp_path / "old.jsonl"
     records = [{k: v for k, v in r.items() if k not in (PREV, HEAD, "chain")} for r in read_events(real_log)]
@@ -1014,6 +1028,83 @@ def test_a_config_file_swapped_for_a_device_after_its_check_is_refused_not_read(
     with pytest.raises(ConfigError, match=rf"^config file {cfg}: not a regular file \(a FIFO or device\?\); give a "
                                           r"YAML file$"):
         pipeline.plan("tiny-llama", config_file=cfg, log=False)
+
+
+_SWAP_TO_FIFO = """
+import os, sys
+from pathlib import Path
+from kvload.cli.entry import main
+target, real_stat, real_os_stat = Path(sys.argv[2]), Path.stat, os.stat
+def swap():  # once the path was looked at, a FIFO takes the file's place (as another process could do)
+    if not os.path.exists(str(target) + ".swapped"):
+        os.unlink(target)
+        os.mkfifo(target)
+        open(str(target) + ".swapped", "w").close()
+def path_stat(self, *args, **kwargs):
+    st = real_stat(self, *args, **kwargs)
+    if self == target:
+        swap()
+    return st
+def os_stat(path, *args, **kwargs):
+    st = real_os_stat(path, *args, **kwargs)
+    if os.fspath(path) == str(target):
+        swap()
+    return st
+Path.stat, os.stat = path_stat, os_stat
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+@pytest.mark.parametrize("command", ["audit", "explain"])
+def test_an_audit_file_swapped_for_a_fifo_after_its_check_does_not_hang_the_reader(capsys, tmp_path, command):
+    """``audit``/``explain`` checked the path (a regular file?) and then opened it again by path: a FIFO swapped in
+    between made the open wait for a writer forever. Now the file is opened first (without waiting) and the opened
+    descriptor is checked and read: the reader ends, reading the log it opened or refusing the FIFO in one line."""
+    log = tmp_path / "a.jsonl"
+    assert _plan(capsys, "tiny-llama", audit=log).code == 0
+    try:
+        r = subprocess.run([sys.executable, "-c", _SWAP_TO_FIFO, command, str(log)], capture_output=True, text=True,
+                           env={**ENV, "PYTHONPATH": str(REPO)}, cwd=tmp_path, timeout=60)
+    except subprocess.TimeoutExpired:  # subprocess.run killed it
+        pytest.fail(f"kvload {command} hung opening a FIFO swapped in for the audit file")
+    if r.returncode == 0:
+        assert "Traceback" not in r.stderr
+    else:
+        assert (r.returncode, r.stderr) == (2, f"error: {log}: not a regular file (a FIFO or device?), expected an "
+                                               "audit .jsonl file\n")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+@pytest.mark.parametrize("command", ["audit", "explain"])
+def test_a_fifo_given_as_the_audit_file_is_refused_in_one_line_by_a_real_process(tmp_path, command):
+    fifo = tmp_path / "a.jsonl"
+    os.mkfifo(fifo)
+    r = subprocess.run([sys.executable, "-m", "kvload", command, str(fifo)], capture_output=True, text=True,
+                       env={**ENV, "PYTHONPATH": str(REPO)}, cwd=tmp_path, timeout=60)
+    assert (r.returncode, r.stdout, r.stderr) == (
+        2, "", f"error: {fifo}: not a regular file (a FIFO or device?), expected an audit .jsonl file\n")
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_checkpoint_json_file_swapped_for_a_fifo_after_its_check_does_not_hang_the_read(tmp_path):
+    """A checkpoint's JSON files (config.json, generation_config.json, tokenizer_config.json) were checked by one
+    stat and read by path again: a FIFO swapped in between blocked the read for ever. Now each is opened first
+    (without waiting) and checked and read through that descriptor."""
+    config = write_config(tmp_path / "ckpt", BASE) / "config.json"
+    script = _SWAP_TO_FIFO.replace("from kvload.cli.entry import main",
+                                   "from models.checkpoint import read_json_object")
+    script = script.replace("sys.exit(main(sys.argv[1:]))",
+                            "try:\n    print(sorted(read_json_object(target, 'a model config'))[:2])\n"
+                            "except Exception as exc:\n    print(exc)")
+    try:
+        r = subprocess.run([sys.executable, "-c", script, "-", str(config)], capture_output=True, text=True,
+                           env={**ENV, "PYTHONPATH": str(REPO)}, cwd=tmp_path, timeout=60)
+    except subprocess.TimeoutExpired:  # subprocess.run killed it
+        pytest.fail("reading config.json hung on a FIFO swapped in after its check")
+    assert r.stdout in (f"{sorted(BASE)[:2]}\n",
+                        f"{config}: not a regular file (a FIFO or device?), expected a JSON file\n"), r.stderr[-2000:]
 
 
 def test_an_existing_audit_log_is_kept_unless_force(capsys, tmp_path):
@@ -1170,6 +1261,24 @@ def test_a_ctrl_c_while_the_cli_is_imported_gets_the_one_line_and_130(tmp_path, 
     assert r.stderr.startswith("sent\n"), r.stderr[-2000:]  # the signal came during the import, not at some other time
     assert (r.returncode, r.stderr) == (130, "sent\nerror: interrupted\n"), r.stderr[-2000:]
     assert r.stdout == ""
+
+
+@pytest.mark.parametrize(("launch", "module"), [("kvload", "kvload.cli.plan"), ("kvload", "pipeline.runner"),
+                                               ("kvload.cli", "pipeline.runner")])
+def test_a_ctrl_c_inside_code_built_from_a_string_still_exits_130(tmp_path, launch, module):
+    """A Ctrl-C raised inside an ``exec`` of a string (dataclasses and namedtuple build their methods so, at import:
+    a serve interrupted while loading landed there often) was answered with the one line, but CPython had marked it
+    unhandled and ``python -m`` ended the process by SIGINT: the parent saw -2, not the exit status 130. Sent from
+    such an ``exec`` while ``module`` is looked up (in start-up; in the command)."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SITECUSTOMIZE.replace(
+        "os.kill(os.getpid(), signal.SIGINT)", 'exec("os.kill(os.getpid(), signal.SIGINT)\\nfor _ in range(3): pass")'))
+    r = subprocess.run([sys.executable, "-m", launch, "plan", "tiny-llama"], capture_output=True, text=True,
+                       timeout=120, cwd=tmp_path,
+                       env={**ENV, "PYTHONPATH": f"{hook}{os.pathsep}{REPO}", "SIGNAL_ON_IMPORT": module},
+                       preexec_fn=signals_as_a_terminal_gives_them)
+    assert (r.returncode, r.stderr, r.stdout) == (130, "sent\nerror: interrupted\n", ""), r.stderr[-2000:]
 
 
 def test_a_reader_that_closes_the_pipe_early_gets_exit_141_and_no_audit(tmp_path):
@@ -1468,6 +1577,15 @@ def test_serve_quotes_the_host_it_cannot_resolve():
 
     with pytest.raises(ConfigError, match=r"^--host '': cannot resolve it \("):
         bind("", 0)
+
+
+def test_serve_names_the_host_when_it_is_not_an_address_of_this_machine(capsys):
+    """``--host 192.0.2.1`` (an address of no machine here) read ``--port 8000: cannot listen on 192.0.2.1:8000
+    (Cannot assign requested address)``: the port was blamed, and it was fine."""
+    r = run_cli(capsys, "serve", "tiny-llama", "--host", "192.0.2.1", "--port", "0")
+    assert_refused(r, "error: --host '192.0.2.1': not an address of this machine, cannot listen on it (Cannot "
+                      "assign requested address); give one of its addresses (127.0.0.1: this machine only, 0.0.0.0: "
+                      "all of them)")
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage"])

@@ -16,7 +16,7 @@ import socket
 import httpx
 import pytest
 
-from tests.serve_support import TIMEOUT, answers_while_held, serving, wait_for
+from tests.serve_support import TIMEOUT, answers_while_held, held_at_step, serving, wait_for
 
 READ_TIMEOUT = 1.0
 PROMPT = [1, 2, 3, 4, 5]
@@ -151,6 +151,28 @@ def _timeouts_counted(served) -> float:
     return served.metrics()["kvload_http_requests_refused_total{reason=read_timeout}"]
 
 
+@pytest.mark.parametrize("request_bytes", [
+    b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00",  # curl --http2-prior-knowledge's start
+    b"GET /health HTTP/3.0\r\nHost: test\r\n\r\n",
+], ids=["http2-preface", "http3-request-line"])
+def test_a_request_in_another_http_version_is_a_505_saying_which(served, request_bytes):
+    """h11 reads any HTTP/d.d: HTTP/2's preface was routed as a request for the path ``*`` and answered 404 "Invalid
+    URL (PRI *): no such endpoint", which said nothing of the version the client spoke."""
+    before = served.metrics()["kvload_http_requests_refused_total{reason=bad_request}"]
+    with _connect(served) as sock:
+        sock.sendall(request_bytes)
+        status, headers, payload = _response(_read_to_close(sock))  # answered, then closed
+    assert served.metrics()["kvload_http_requests_refused_total{reason=bad_request}"] == before + 1
+    version = request_bytes.split(b"\r\n", 1)[0].rsplit(b"/", 1)[1].decode()
+    assert status == 505, payload
+    assert headers["connection"] == "close"
+    assert json.loads(payload)["error"] == {
+        "message": f"the request is HTTP/{version}; kvload serve speaks HTTP/1.1 (and 1.0): send it over HTTP/1.1 "
+                   "(curl: without --http2-prior-knowledge)",
+        "type": "invalid_request_error", "param": None, "code": "http_version_not_supported"}
+    _served_normally(served)
+
+
 def test_read_timeouts_are_counted_head_and_body_alike(served):
     """A head's 408 is written below the app (the h11 protocol), a body's by the app: both reach /metrics."""
     before = _timeouts_counted(served)
@@ -199,6 +221,33 @@ def test_a_stream_whose_client_reads_nothing_is_dropped_and_frees_its_slot(serve
         wait_for(lambda: served.state.engine.snapshot()["running"] == 0, what="its request aborted")
     finally:
         sock.close()
+    _served_normally(served)
+
+
+def _kv_blocks_used(served) -> float:
+    return sum(v for k, v in served.metrics().items() if k.startswith("kvload_kv_cache_blocks{") and "state=used" in k)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_half_closes_after_its_request_is_a_client_that_left(served, stream):
+    """The decision pinned: a client that shuts its sending side (``shutdown(SHUT_WR)``) once its request is sent is
+    taken as gone, as uvicorn (and so vLLM), Go's net/http and nginx (499) take an end of stream: its request is
+    aborted, nothing is answered, its slot and KV blocks are freed at once. A close and a half-close look the same
+    to the server until it writes, and a client that hung up (Ctrl-C on curl) must not keep its request generating
+    up to ``max_tokens``; a client wanting its answer keeps its sending side open until it has read it."""
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True, "stream": stream}).encode()
+    with held_at_step(served, 2) as (reached, release), _connect(served) as sock:
+        sock.sendall(_post_head(f"Content-Length: {len(body)}\r\n") + body)
+        assert reached.wait(TIMEOUT)  # generating: its blocks are held (the step holds the engine's lock: read as is)
+        assert served.state.in_flight == 1 and served.state.engine.manager.stats().usage > 0
+        sock.shutdown(socket.SHUT_WR)
+        release.set()
+        answer = _read_to_close(sock)
+    assert b"[DONE]" not in answer and (answer == b"" or stream)  # a stream's first chunk may have gone out
+    wait_for(lambda: served.state.in_flight == 0, what="its slot freed")
+    wait_for(lambda: served.state.engine.snapshot()["running"] == 0, what="its request aborted")
+    wait_for(lambda: _kv_blocks_used(served) == 0, what="its KV blocks freed")
+    assert served.metrics()["kvload_http_requests_in_flight"] == 0
     _served_normally(served)
 
 

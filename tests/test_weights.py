@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -440,6 +441,45 @@ def test_a_tokenizer_json_that_cannot_be_read_is_named(capsys, tmp_path, name, m
     r = run_cli(capsys, "generate", ckpt, "--prompt", "hi", "--max_new_tokens", "2", "--max_tokens", "1024",
                 "--audit-log", out / "a.jsonl")
     assert_refused(r, f"{ckpt}/{name}: {words}", folder=out)
+
+
+def test_a_pad_token_id_past_the_vocabulary_is_one_line_naming_it(capsys, tmp_path):
+    """transformers makes ``pad_token_id`` the embedding's padding index: one past the vocabulary failed generate as
+    "transformers cannot load the weights: Padding_idx must be within num_embeddings" behind transformers' own
+    warning line, naming neither config.json nor the field; plan went through."""
+    from tests.cli_support import run_cli
+    from tests.hostile_support import assert_refused
+
+    ckpt = _llama_checkpoint(tmp_path / "ckpt")  # vocab_size 100
+    config = json.loads((ckpt / "config.json").read_text())
+    out = tmp_path / "out"
+    out.mkdir()
+    for pad in (100, -101):
+        (ckpt / "config.json").write_text(json.dumps({**config, "pad_token_id": pad}))
+        for command in (("generate", "--prompt-ids", "1,2,3", "--max_new_tokens", "2"), ("plan",)):
+            r = run_cli(capsys, command[0], ckpt, *command[1:], "--max_tokens", "1024", "--audit-log", out / "a.jsonl")
+            assert_refused(r, f"{ckpt}/config.json: pad_token_id: token id {pad} is not in the vocabulary; accepted: "
+                              "an integer in [0, 99] (vocab_size 100; a negative one counts from the end) or null",
+                           folder=out)
+    (ckpt / "config.json").write_text(json.dumps({**config, "pad_token_id": -1}))  # old LLaMA conversions: it loads
+    r = run_cli(capsys, "generate", ckpt, "--prompt-ids", "1,2,3", "--max_new_tokens", "2", "--max_tokens", "1024")
+    assert r.code == 0, r.err
+
+
+def test_a_checkpoint_chat_template_with_a_syntax_error_is_named_as_one(capsys, tmp_path):
+    """A chat_template.jinja that does not parse read "the model's chat template refused the conversation: unexpected
+    '}'": the conversation was blamed for a broken template. Prompts without --chat still generate."""
+    from tests.cli_support import run_cli
+    from tests.hostile_support import assert_refused
+
+    ckpt = _llama_checkpoint(tmp_path / "ckpt")
+    _tokenizer_json(ckpt / "tokenizer.json")
+    (ckpt / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }")
+    argv = ("generate", ckpt, "--prompt", "hi", "--max_new_tokens", "2", "--max_tokens", "1024")
+    assert_refused(run_cli(capsys, *argv, "--chat"), "error: generate: prompt 0: the model's chat template is not a "
+                                                     "Jinja template: line 1: unexpected '}'")
+    r = run_cli(capsys, *argv)
+    assert r.code == 0, r.err
 
 
 def _tokenizer_json(file) -> None:

@@ -31,6 +31,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _stopped(exc, said, ns)
     finally:  # past here is interpreter shutdown: a SIGTERM must not raise into its atexit callbacks
         release_sigterm()
+        # CPython marks a KeyboardInterrupt that leaves an exec() of a string (dataclasses and namedtuple build their
+        # methods so, at import) as unhandled, even once it is caught, and `python -m kvload` then ended the process
+        # by SIGINT at exit, whatever main returned: a Ctrl-C landing there gave its parent -2, not 130. Every exec of
+        # a string clears that mark before it runs: one of nothing, once the command is over, says it was handled.
+        exec("")
 
 
 def _stopped(exc: KeyboardInterrupt, said: list[bool], ns: argparse.Namespace | None) -> int:

@@ -37,7 +37,7 @@ PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 #: ``reason`` label of ``kvload_http_requests_refused_total`` by the HTTP status the server refused with; another
 #: 4xx counts as ``bad_request``, a 5xx other than 503 is a failure, not a refusal, and is not counted.
 REFUSAL_REASONS = {400: "bad_request", 401: "unauthorized", 404: "model_not_found", 408: "read_timeout",
-                   413: "too_large", 503: "busy"}
+                   413: "too_large", 503: "busy", 505: "bad_request"}  # 505: an HTTP version other than 1.x
 #: ... and by the error ``code`` where one status has several causes: a 503 while the server stops is not a busy
 #: server (an alert on ``busy`` must not fire on every rolling restart)
 REFUSAL_CODES = {"server_shutting_down": "shutting_down", "previous_response_not_found": "response_not_found",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import http
 import json
 import logging
@@ -173,8 +174,10 @@ MAX_CHAT_TEMPLATE_BYTES = 1 << 20
 
 def chat_template_text(value: str, flag: str = "--chat-template") -> str:
     """``--chat-template``: a file's text, or the template itself (vLLM's flag takes either), checked to compile;
-    ``ConfigError`` naming ``flag``. A FIFO or device is refused before it is opened: a FIFO with no writer blocked
-    the start for ever, and ``/dev/zero`` (size 0) was read without end."""
+    ``ConfigError`` naming ``flag``. A FIFO or device is refused without waiting on it: a FIFO with no writer blocked
+    the start for ever, and ``/dev/zero`` (size 0) was read without end. The file is opened first (not waiting for a
+    FIFO's writer) and checked and read through that descriptor: checked by path and opened by path again, a FIFO
+    swapped in between blocked the open for ever."""
     import os
     import stat
 
@@ -182,24 +185,33 @@ def chat_template_text(value: str, flag: str = "--chat-template") -> str:
         return check_chat_template(flag, value)
     named = f"{flag} {short_text(value, 200)}"  # quoted: a path with spaces, or an empty one, reads as one value
     try:
-        mode = os.stat(value).st_mode
+        fd = os.open(value, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise ConfigError(f"{flag}: {short_text(value, 200)} is neither a file nor a Jinja template (one holds "
+                          "{{ or {%)") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{named}: is a directory; give a template file (or the template itself)") from None
+    except OSError as exc:
+        raise ConfigError(f"{named}: cannot read ({exc.strerror or type(exc).__name__})") from None
+    try:
+        mode = os.fstat(fd).st_mode
         if stat.S_ISDIR(mode):
             raise ConfigError(f"{named}: is a directory; give a template file (or the template itself)")
         if not stat.S_ISREG(mode):
             raise ConfigError(f"{named}: not a regular file (a FIFO or device?); give a template file")
-        with open(value, "rb") as f:
-            raw = f.read(MAX_CHAT_TEMPLATE_BYTES + 1)  # at most that: the file may grow after the stat
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            raw = f.read(MAX_CHAT_TEMPLATE_BYTES + 1)  # at most that: the file may grow after the fstat
         if len(raw) > MAX_CHAT_TEMPLATE_BYTES:
             raise ConfigError(f"{named}: larger than {MAX_CHAT_TEMPLATE_BYTES:,} bytes; a chat template is a "
                               "few KiB")
         text = raw.decode("utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{flag}: {short_text(value, 200)} is neither a file nor a Jinja template (one holds "
-                          "{{ or {%)") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{named}: not UTF-8 text") from None
     except OSError as exc:
         raise ConfigError(f"{named}: cannot read ({exc.strerror or type(exc).__name__})") from None
+    finally:
+        os.close(fd)
     return check_chat_template(named, text)
 
 
@@ -252,7 +264,12 @@ def bind(host: str, port: int) -> socket.socket:
         sock.listen(2048)
     except OSError as exc:
         sock.close()
-        raise ConfigError(f"--port {port}: cannot listen on {host}:{port} ({exc.strerror})") from None
+        if exc.errno == errno.EADDRNOTAVAIL:  # the host, not the port: the line named --port, which was fine
+            raise ConfigError(f"--host {short_text(host)}: not an address of this machine, cannot listen on it "
+                              f"({exc.strerror}); give one of its addresses (127.0.0.1: this machine only, "
+                              "0.0.0.0: all of them)") from None
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        raise ConfigError(f"--port {port}: cannot listen on {where} ({exc.strerror})") from None
     sock.set_inheritable(True)
     return sock
 
@@ -379,6 +396,7 @@ class _Deadlines(H11Protocol):
             try:
                 event = next_event()
                 if isinstance(event, h11.Request):
+                    _check_version(event)
                     _check_framing(event)
                 return event
             except h11.RemoteProtocolError as exc:
@@ -522,10 +540,25 @@ def _check_framing(request: h11.Request) -> None:
                                       "them (RFC 9112 section 6.1)", error_status_hint=400)
 
 
+def _check_version(request: h11.Request) -> None:
+    """A ``RemoteProtocolError`` (505) for a request line naming an HTTP version other than 1.0 or 1.1.
+
+    h11 reads any ``HTTP/d.d``: HTTP/2's prior-knowledge preface (``PRI * HTTP/2.0``, what ``curl
+    --http2-prior-knowledge`` sends first) was routed as a request for the path ``*`` and answered 404 "no such
+    endpoint", which said nothing of the version; RFC 9110 §15.6.6's 505 says it, then the connection closes."""
+    if request.http_version not in (b"1.0", b"1.1"):
+        version = request.http_version.decode("ascii", "replace")
+        raise h11.RemoteProtocolError(f"the request is HTTP/{version}; kvload serve speaks HTTP/1.1 (and 1.0): send "
+                                      "it over HTTP/1.1 (curl: without --http2-prior-knowledge)",
+                                      error_status_hint=505)
+
+
 def _not_http(exc: h11.RemoteProtocolError | None, head_limit: int) -> tuple[int, bytes]:
     """The status and OpenAI's error body for bytes h11 refused as HTTP/1.1: 431 for a head past ``head_limit``
-    bytes (h11's hint), else 400 saying what h11 found wrong."""
-    if exc is not None and exc.error_status_hint == 431:
+    bytes (h11's hint), 505 for another HTTP version (:func:`_check_version`), else 400 saying what h11 found wrong."""
+    if exc is not None and exc.error_status_hint == 505:
+        error = BadRequest(str(exc), status=505, code="http_version_not_supported")
+    elif exc is not None and exc.error_status_hint == 431:
         error = BadRequest(f"the request head is too large: more than {head_limit:,} bytes came without the blank "
                            "line that ends the headers; send fewer or shorter headers", status=431,
                            code="request_header_fields_too_large")
