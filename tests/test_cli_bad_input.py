@@ -292,7 +292,12 @@ def test_a_full_disk_under_the_audit_log_names_the_flag_and_leaves_nothing(capsy
     import pipeline.audit
 
     real_fdopen = os.fdopen
-    monkeypatch.setattr(pipeline.audit.os, "fdopen", lambda fd, *a, **k: _FullDisk(real_fdopen(fd, *a, **k), room))
+
+    def fdopen(fd, mode="r", *args, **kwargs):  # only the log's writes: the run also reads files through os.fdopen
+        f = real_fdopen(fd, mode, *args, **kwargs)
+        return _FullDisk(f, room) if mode.startswith(("w", "a")) else f
+
+    monkeypatch.setattr(pipeline.audit.os, "fdopen", fdopen)
     target = tmp_path / "a.jsonl"
     r = run_cli(capsys, "generate", "tiny-llama", "--prompt-ids", "1,2", "--max_tokens", "1024",
                 "--max_new_tokens", "2", "--audit-log", target)
