@@ -480,7 +480,7 @@ def test_fields_set_on_the_default_params_act_as_in_vllms_example(llm):
     with pytest.raises(GenerationError, match=r"^generate: min_tokens: expected an integer in \[0, max_tokens=3\]"):
         sp.min_tokens = 4
     with pytest.raises(GenerationError, match="^generate: logits_processors: vLLM's SamplingParams field"):
-        sp.logits_processors = []
+        sp.logits_processors = [lambda ids, logits: logits]  # a processor to run ([] asks for nothing: taken)
     assert sp.min_tokens == 0 and sp == SamplingParams(max_tokens=3, temperature=1.0, seed=5, stop_token_ids=[7])
 
 
@@ -616,6 +616,21 @@ def test_vllms_fields_at_the_values_that_ask_for_nothing_are_taken(llm):
         SamplingParams(n=2, best_of=3)
     with pytest.raises(GenerationError, match=r"^generate: logits_processors: .*; accepted: None or \[\], which"):
         SamplingParams(logits_processors=[lambda ids, logits: logits])
+
+
+def test_vllms_fields_set_on_params_at_the_values_that_ask_for_nothing_are_taken_as_the_constructor_takes_them():
+    """vLLM's SamplingParams is mutable (``params.best_of = None`` on the default params): the refusal of another value
+    says None is accepted, so None set as an attribute must be, as the constructor takes it; the params stay as they
+    were."""
+    params = SamplingParams(n=2, max_tokens=3)
+    params.best_of = None
+    params.best_of = 2  # n itself
+    params.logits_processors = []
+    params.guided_decoding = None
+    params.extra_args = {}
+    assert params == SamplingParams(n=2, max_tokens=3)
+    with pytest.raises(GenerationError, match=r"^generate: best_of: .*; accepted: None, or n itself"):
+        params.best_of = 3
 
 
 # --- get_metrics ----------------------------------------------------------------------------------
