@@ -567,6 +567,8 @@ def _set_field(self: SamplingParams, name: str, value: Any) -> None:
     a bad one changes nothing."""
     name = "max_tokens" if name == "max_new_tokens" else name
     if name not in _known_keywords():
+        if _asks_nothing(name, value, self.n):  # vLLM's "not set", which the error below says is accepted
+            return
         raise GenerationError(unknown_field(name))
     checked = attrs.evolve(self, **{name: value})  # the constructor's conversions (a stop string to a list) and checks
     for field in attrs.fields(SamplingParams):  # _bad_words_token_ids too: the executor derives it again each call

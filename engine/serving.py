@@ -463,9 +463,14 @@ class ServingEngine:
         return self.executor.max_seq_len - len(prompt_token_ids)
 
     def check(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> Request:
-        """The request these would make; ``GenerationError``/``KvBuildError`` when it could never run."""
-        ((_, ids),) = self.executor._prompts([[int(t) for t in prompt_token_ids]], False)  # vocabulary, length
-        self.executor._params(params, {}, 1)  # the same checks as generate: stop ids in the vocabulary, logprobs
+        """The request these would make, its prompt cut to ``params.truncate_prompt_tokens`` as ``generate`` cuts it;
+        ``GenerationError``/``KvBuildError`` when it could never run."""
+        executor = self.executor
+        items = executor._prompts([[int(t) for t in prompt_token_ids]], False, checked=False)
+        # cut to params.truncate_prompt_tokens first, as generate does (kvload serve cuts before: no field set), then
+        # the vocabulary and the length are checked
+        ((_, ids),) = executor._check_items(executor._truncated(items, [params]))
+        executor._params(params, {}, 1)  # the same checks as generate: stop ids in the vocabulary, logprobs
         request = Request(f"srv-{next(self._ids)}", ids, min(params.max_new_tokens, self.room(ids)))
         self.executor._check_fits(0, request, params.max_new_tokens)  # KvBuildError with the numbers
         return request

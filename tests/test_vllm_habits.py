@@ -422,6 +422,30 @@ def test_truncate_prompt_tokens_minus_one_fits_a_prompt_past_max_seq_len_and_a_b
     assert SamplingParams(truncate_prompt_tokens=None) == SamplingParams()
 
 
+def test_the_serving_engine_cuts_a_submitted_prompt_to_its_params_truncate_prompt_tokens():
+    """``ServingEngine.submit``/``check`` took ``SamplingParams(truncate_prompt_tokens=k)`` and ran the whole prompt
+    (too long for ``max_seq_len``: refused as such), saying nothing: the field acts there as in ``generate``."""
+    import pipeline
+    from engine.serving import ServingEngine
+
+    result = pipeline.load("tiny-llama", load_weights=True, log=False, max_seq_len=64,
+                           kv_cache_config={"max_tokens": 256})
+    try:
+        engine = ServingEngine.from_result(result)
+        limit = engine.executor.max_seq_len
+        long = [1 + i % 300 for i in range(limit + 10)]
+        request = engine.check(long, SamplingParams(max_tokens=4, truncate_prompt_tokens=5))
+        assert request.prompt_token_ids == long[-5:]
+        request = engine.check(long, SamplingParams(max_tokens=4, truncate_prompt_tokens=-1))
+        assert request.prompt_token_ids == long[-(limit - 4):]
+        assert engine.check([1, 2, 3], SamplingParams(max_tokens=4, truncate_prompt_tokens=5)).prompt_token_ids == [
+            1, 2, 3]
+        with pytest.raises(GenerationError, match="^generate: prompt 0: .* tokens leave no room"):
+            engine.check(long, SamplingParams(max_tokens=4))  # no cut asked for: still refused
+    finally:
+        result.close()
+
+
 def test_vllms_legacy_prompt_token_ids_keyword_gives_the_prompts(llm):
     sp = SamplingParams(max_tokens=3, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in llm.generate(IDS, sp)]
@@ -480,7 +504,7 @@ def test_fields_set_on_the_default_params_act_as_in_vllms_example(llm):
     with pytest.raises(GenerationError, match=r"^generate: min_tokens: expected an integer in \[0, max_tokens=3\]"):
         sp.min_tokens = 4
     with pytest.raises(GenerationError, match="^generate: logits_processors: vLLM's SamplingParams field"):
-        sp.logits_processors = []
+        sp.logits_processors = [lambda ids, logits: logits]  # a processor to run ([] asks for nothing: taken)
     assert sp.min_tokens == 0 and sp == SamplingParams(max_tokens=3, temperature=1.0, seed=5, stop_token_ids=[7])
 
 
@@ -616,6 +640,21 @@ def test_vllms_fields_at_the_values_that_ask_for_nothing_are_taken(llm):
         SamplingParams(n=2, best_of=3)
     with pytest.raises(GenerationError, match=r"^generate: logits_processors: .*; accepted: None or \[\], which"):
         SamplingParams(logits_processors=[lambda ids, logits: logits])
+
+
+def test_vllms_fields_set_on_params_at_the_values_that_ask_for_nothing_are_taken_as_the_constructor_takes_them():
+    """vLLM's SamplingParams is mutable (``params.best_of = None`` on the default params): the refusal of another value
+    says None is accepted, so None set as an attribute must be, as the constructor takes it; the params stay as they
+    were."""
+    params = SamplingParams(n=2, max_tokens=3)
+    params.best_of = None
+    params.best_of = 2  # n itself
+    params.logits_processors = []
+    params.guided_decoding = None
+    params.extra_args = {}
+    assert params == SamplingParams(n=2, max_tokens=3)
+    with pytest.raises(GenerationError, match=r"^generate: best_of: .*; accepted: None, or n itself"):
+        params.best_of = 3
 
 
 # --- get_metrics ----------------------------------------------------------------------------------

@@ -78,6 +78,7 @@ def _check_model(state: ServeState, body: dict[str, Any]) -> None:
 
 
 def _not_served(model: str, served: tuple[str, ...]) -> BadRequest:
+    """The 404 ``model_not_found`` for ``model``, naming every served name a request may give instead."""
     names = " or ".join(repr(name) for name in served)
     return BadRequest(f"model: {model[:300]!r} is not served here; this server serves {names}", param="model",
                       status=404, code="model_not_found")
