@@ -133,6 +133,7 @@ def take_same_meaning(tree: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str
     Each value is checked as kvload's field is, the error naming vLLM's name; a nested one (``block_size``) joins a
     ``kv_cache_config`` given beside it. A field given under both names is ``ConfigError`` naming both unless the
     values agree once checked (``kv_cache_dtype="fp8"`` and ``dtype: "float8_e4m3fn"``): then kvload's name stands.
+    ``None`` under a vLLM name is vLLM's unset default and sets nothing.
     """
     names = [key for key in tree if key in SAME_MEANING]
     if not names:
@@ -148,6 +149,8 @@ def take_same_meaning(tree: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str
         path = SAME_MEANING.get(key)
         if path is None:
             out[key] = kv if key == "kv_cache_config" and kv is not None else value
+            continue
+        if value is None:  # vLLM's "not set" (its default for every one of these): kvload's default stands
             continue
         try:
             mine = _checked(path, value)

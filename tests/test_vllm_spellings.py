@@ -164,6 +164,18 @@ def test_llm_takes_vllms_names_of_kvload_fields_and_they_act():
         assert llm.generate([prompt], max_tokens=2)[0].num_cached_tokens == 16  # on: its two full 8-token blocks
 
 
+def test_none_under_a_vllm_name_is_vllms_unset_default_and_sets_nothing():
+    unset = {name: None for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                                     "kv_cache_dtype", "enable_prefix_caching")}
+    given = kvload.plan("tiny-llama", log=False, **unset)
+    plain = kvload.plan("tiny-llama", log=False)
+    assert given.args == plain.args  # every field at kvload's default, as vLLM's None leaves vLLM's
+    assert {e["field"] for e in given.audit.of("args_parsed")} == {e["field"] for e in plain.audit.of("args_parsed")}
+    # beside kvload's own name, None is no second value to conflict with
+    assert kvload.plan("tiny-llama", log=False, max_seq_len=64, max_model_len=None).args.max_seq_len \
+        == 64
+
+
 def test_a_vllm_keyword_is_the_users_setting_in_the_audit_and_the_plan_table(capsys, tmp_path):
     log = tmp_path / "a.jsonl"
     result = kvload.plan("tiny-llama", log=False, audit_log=log, kv_cache_dtype="fp8",
