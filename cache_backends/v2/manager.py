@@ -153,8 +153,8 @@ class HitProbe:
     the request, building it, or refuses it with :meth:`KVCacheManagerV2.refuse_hit`, before anything else changes).
     """
 
-    tokens: int  # the whole-block prefix the claim holds (a multiple of every group's block span)
-    last: RadixNode  # the run the claimed path ends at (already split there, as the claim splits it)
+    tokens: int  # the whole-block prefix the claim holds (a multiple of every group's block span; 0: none)
+    last: RadixNode | None  # the run the claimed path ends at (already split there, as the claim splits it); None: 0
     claimed: list[tuple[list[int], list[int], int]]  # per group: its blocks on the path from ``lo``, their refs, lo
     taken: list[int]  # per pool set: cached blocks (nobody holds them) the claim takes out of the available ones
     taken_groups: list[int]  # the same per group (its use grows by them: the bound's ``used``)
@@ -795,15 +795,18 @@ class KVCacheManagerV2:
     def probe_hit(self, request: Request) -> HitProbe | None:
         """What :meth:`create` + :meth:`resume` would claim for ``request`` now (a whole-block cached prefix), found
         without claiming it, for the estimates (``start``/``probe`` arguments) and :meth:`refuse_hit`; None where
-        only building it answers: no whole block usable, a partial block to copy (it allocates, and may evict),
-        groups whose blocks span several token blocks, reuse off. Nothing a build would not do changes: a pending
-        prefix its lookup reaches is hung in the tree and the run the claimed path ends inside is split, as the
-        build's lookup and claim do first (so the build, if it follows, finds the same prefix).
+        only building it answers: a partial block to copy (it allocates, and may evict), a whole-block hit where
+        groups' blocks span several token blocks, reuse off. A request whose first token starts a cached run but
+        which can use no whole block (and copies none) is probed on any layout: its claim is empty (``tokens`` 0).
+        Nothing a build would not do changes: a pending prefix its lookup reaches is hung in the tree and the run
+        the claimed path ends inside is split, as the build's lookup and claim do first (so the build, if it
+        follows, finds the same prefix).
 
         Why: under pressure the head of the waiting queue is refused step after step, and building its claim of a
         cached history, then cancelling it, was most of V2's work (Gemma 3 27B: every block of the history in each
-        of 31 groups, twice, every step; BENCHMARKS.md "V2 refuses a hit without building it")."""
-        if not self._probes or request.skip_prefix_read or request in self._caches:
+        of 31 groups, twice, every step; BENCHMARKS.md "V2 refuses a hit without building it"); an empty claim
+        was built and cancelled too, its lookup done twice (DeepSeek V4 mixed at a quarter of the budget: 8.8%)."""
+        if not self._reuse or request.skip_prefix_read or request in self._caches:
             return None
         T, tree = self.T, self._tree
         first = pack_tokens(_tokens(request, 0, 1))
@@ -813,7 +816,13 @@ class KVCacheManagerV2:
         if self._cheap_miss(request, first):
             return None
         m, run, _ = self._match(request)
-        if not m:
+        if not m:  # the build would claim nothing whole; a partial block only where one is copied
+            if (self._partial and self._prefix_check is None
+                    and self._partial_source(request, tree.root(request.salt), 0)[0] is not None):
+                return None
+            sets, groups = len(self._pool_sets), len(self.groups)
+            return HitProbe(0, None, [([], [], 0)] * groups, [0] * sets, [0] * groups, [0] * sets)
+        if not self._probes:
             return None
         assert run is not None
         last = tree.claim(*tree.position(run, m // T - 1))  # the build's split; its user is given back at once
@@ -856,6 +865,14 @@ class KVCacheManagerV2:
         cache = self.create(request)
         m, last = probe.tokens, probe.last
         self.counters["reuse_query_tokens"] += request.num_tokens
+        if last is None:  # an empty claim: as _admit leaves a lookup that matched no whole block (and no partial)
+            cache.last = None
+            cache.keyed = 0
+            cache.key_at = self.T
+            if self._lazy:  # a probed request has two tokens or more (no cheap miss): a first one
+                self._add_latent(cache, pack_tokens(_tokens(request, 0, 1)))
+            self._activate(cache, 0)
+            return
         for (name, _, pool), (blocks, _, lo) in zip(self._group_pools, probe.claimed, strict=True):
             pool.incref_many(blocks)
             cache.tables[name] = [-1] * lo + blocks
@@ -875,6 +892,8 @@ class KVCacheManagerV2:
         was. So a refused hit keeps its history warm (young in the queue), as it did when it was built."""
         priority = request.priority
         last = probe.last
+        if last is None:  # an empty claim: building and cancelling it leaves nothing changed
+            return
         whole_shared = bool(last.children)  # the claimed path's last run has children: all of it is queued shared
         leaves_of: list[list[int]] = []
         shared_of: list[list[int]] = []
