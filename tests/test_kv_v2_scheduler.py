@@ -407,7 +407,7 @@ def _check_probe(seed: int, want: int, ratio: float, compressed: bool = False) -
         if r is not None and compressed and not m.claims_nothing(r):  # only a claim of whole blocks spanning
             admit(m, r)  # several token blocks, or a copy
             cache = m.cache(r)
-            assert cache.partial_hit or (cache.reused_tokens and not m._probes), "an empty claim was not probed"
+            assert cache.partial_hit or (cache.reused_tokens and not m._probes), "a claim was not probed"
         return
     want = min(want, r.num_tokens - probe.tokens)
     hold = m.held_back(0.5, 10**6, probe)
@@ -460,11 +460,12 @@ def test_a_probed_claim_on_compressed_layouts_answers_and_is_refused_as_built(se
 
 
 def _probe_case(seed: int, build: bool, compressed: bool = False,
-                empty_cancels: list[str] | None = None) -> tuple[list[tuple], list]:
+                built_cancels: list[str] | None = None) -> tuple[list[tuple], list]:
     """Each step's decisions and pool state (``_pool_state``), on follow-up turns whose histories are cached while
     others hold the pools (hits refused for room, step after step); ``build``: every hit built, then cancelled.
     ``compressed``: over :data:`COMPRESSED` layouts, some turns sharing only their first tokens with a history;
-    ``empty_cancels`` collects the requests whose cancelled admission looked up their prefix and claimed nothing."""
+    ``built_cancels`` collects the requests whose cancelled admission looked up their prefix and copied no partial
+    block (what a probe answers on these split pools)."""
     import random
 
     rng = random.Random(seed)
@@ -472,14 +473,17 @@ def _probe_case(seed: int, build: bool, compressed: bool = False,
     m = make_manager(layers, rng.randint(10, 30), enable_partial_reuse=rng.random() < .5)
     if build:  # the path the probe stands for: create + resume, estimate, cancel_admission when refused
         m.probe_hit = lambda request: None
-    if empty_cancels is not None:
+    if built_cancels is not None:
         cancel = m.cancel_admission
 
         def noted(request: Request) -> None:
-            # claimed nothing though its first token starts a cached run (not a miss: a vanished pending prefix's
-            # first lookup finds none, and is built as one)
-            if not m.cache(request).reused_tokens and not m.claims_nothing(request):
-                empty_cancels.append(request.req_id)
+            # looked up (not a miss: a vanished pending prefix's first lookup finds none, and is built as one), and
+            # copied no partial block (nor tried to, short of room)
+            cache = m.cache(request)
+            if not cache.partial_hit and not m.claims_nothing(request) and not (
+                    m._partial and m._partial_source(request, cache.last or m._tree.root(request.salt),
+                                                     cache.reused_tokens)[0] is not None):
+                built_cancels.append(request.req_id)
             cancel(request)
 
         m.cancel_admission = noted  # type: ignore[method-assign]
@@ -521,12 +525,13 @@ def test_refused_hits_probed_decide_and_leave_the_pools_as_built_and_cancelled_o
 @given(seed=st.integers(0, 100_000))
 def test_refused_claims_on_compressed_layouts_decide_as_built_and_cancelled_ones(seed):
     """DeepSeek V4-like layouts under pressure: every step's decisions and pool state with the probe are what building
-    and cancelling every refused admission gave, and no admission that claims nothing is built and cancelled (its
-    first tokens start a cached run, so it is looked up; refused, it was built and cancelled every step)."""
-    empty: list[str] = []
-    assert _probe_case(seed, build=False, compressed=True, empty_cancels=empty) == _probe_case(
+    and cancelling every refused admission gave, and no refused admission is built and cancelled but one that copies
+    a partial block: not a whole-block hit whose compressed groups' blocks span several token blocks, nor one that
+    claims nothing though its first tokens start a cached run (refused, each was built and cancelled every step)."""
+    built: list[str] = []
+    assert _probe_case(seed, build=False, compressed=True, built_cancels=built) == _probe_case(
         seed, build=True, compressed=True)
-    assert empty == []
+    assert built == []
 
 
 def test_a_follow_up_turn_refused_for_room_is_not_built():
