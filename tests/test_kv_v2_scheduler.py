@@ -352,13 +352,26 @@ def _pool_state(m) -> list:
     return out
 
 
-def _probed_hit(seed: int):
+# DeepSeek V4-like layouts: compressed groups beside full and sliding ones; CSA at rate 8 (and HCA) spans two token
+# blocks per group block (whole hits there are still built), CSA at rate 2 one (probed like any other group)
+COMPRESSED = [
+    [LayerKV(0, "full", 2), LayerKV(1, "sliding", 2, window=5),
+     LayerKV(2, "csa", 2, window=5, compressed_elems=2, compress_rate=2)],
+    [LayerKV(0, "full", 4), LayerKV(1, "csa", 2, window=6, compressed_elems=2, compress_rate=8)],
+    [LayerKV(0, "full", 4), LayerKV(1, "csa", 2, window=8, compressed_elems=2, compress_rate=4),
+     LayerKV(2, "hca", 2, compressed_elems=2, compress_rate=8)],
+]
+
+
+def _probed_hit(seed: int, compressed: bool = False):
     """A manager holding cached histories (some branched, some still held by a running request) and a turn that hits
-    one of them, from ``seed`` (the same seed, the same state): (manager, turn, its probe or None)."""
+    one of them, from ``seed`` (the same seed, the same state): (manager, turn, its probe or None). ``compressed``:
+    over :data:`COMPRESSED` layouts, the turn sometimes sharing only a few first tokens with a history (a claim of no
+    whole block)."""
     import random
 
     rng = random.Random(seed)
-    layers = rng.choice([FULL, full_sliding_layers(8), split_sliding_layers(8)])
+    layers = rng.choice(COMPRESSED if compressed else [FULL, full_sliding_layers(8), split_sliding_layers(8)])
     m = make_manager(layers, rng.randint(8, 30), enable_partial_reuse=rng.random() < .5)
     stems = [[rng.randint(0, 3)] + [(i * 5 + j) % 13 for j in range(rng.randint(4, 24))] for i in range(3)]
     prompts = []
@@ -372,10 +385,58 @@ def _probed_hit(seed: int):
             m.free(r)
     if not prompts:
         return m, None, None
-    r = Request("turn", rng.choice(prompts) + [44] * rng.randint(1, 9), rng.randint(1, 12), priority=rng.randint(0, 2))
+    stem = rng.choice(prompts)
+    if compressed and rng.random() < .5:  # the first tokens only: no whole block of the history matches
+        stem = [*stem[:rng.randint(1, 3)], 45]
+    r = Request("turn", stem + [44] * rng.randint(1, 9), rng.randint(1, 12), priority=rng.randint(0, 2))
     if m.never_fits(r) is not None:
         return m, None, None
     return m, r, m.probe_hit(r)
+
+
+def _last(cache) -> tuple[int, int] | None:
+    """Where a cache's claimed path ends (its last run's start and length), None where it claimed none."""
+    return None if cache.last is None else (cache.last.start, len(cache.last))
+
+
+def _check_probe(seed: int, want: int, ratio: float, compressed: bool = False) -> None:
+    """A probe's estimates are its built claim's, and refuse_hit / admit_hit leave what build + cancel / build do
+    (:func:`test_a_probed_hit_answers_and_is_refused_as_its_built_claim_would_be`)."""
+    m, r, probe = _probed_hit(seed, compressed)
+    if probe is None:
+        if r is not None and compressed and not m.claims_nothing(r):  # only a claim of whole blocks spanning
+            admit(m, r)  # several token blocks, or a copy
+            cache = m.cache(r)
+            assert cache.partial_hit or (cache.reused_tokens and not m._probes), "a claim was not probed"
+        return
+    want = min(want, r.num_tokens - probe.tokens)
+    hold = m.held_back(0.5, 10**6, probe)
+    extra = probe.less(hold)
+    asked = m.fit_tokens_new(r, want, extra, probe.tokens)
+    own = m.cycle_growth_new(r, ratio, asked, probe.tokens)
+    bound = m.growth_bound_sets(r, probe)
+    refused, r_again, probe_again = _probed_hit(seed, compressed)  # the same state, refused without being built
+    refused.refuse_hit(probe_again, r_again)
+    built, r_built, probe_built = _probed_hit(seed, compressed)  # the same state, built from the probe (admitted)
+    built.admit_hit(probe_built, r_built)
+    admit(m, r)
+    assert r.num_computed_tokens == probe.tokens == r_built.num_computed_tokens  # it claimed what the probe found
+    assert m.held_back(0.5, 10**6) == hold
+    assert m.fit_tokens(r, want, hold) == asked
+    assert m.cycle_growth(r, ratio, asked) == own
+    assert m.growth_bound_sets() == bound
+    ours, theirs = built.cache(r_built), m.cache(r)
+    assert (ours.tables, ours.released, ours.keyed, ours.key_at, ours.slide_at, _last(ours), ours.latent,
+            ours.pending is None) == (theirs.tables, theirs.released, theirs.keyed, theirs.key_at, theirs.slide_at,
+                                      _last(theirs), theirs.latent, theirs.pending is None)
+    assert built._tree.latent == m._tree.latent
+    built.check_invariants()
+    assert _pool_state(built) == _pool_state(m)
+    m.cancel_admission(r)
+    m.check_invariants()
+    refused.check_invariants()
+    assert _pool_state(refused) == _pool_state(m)
+    assert refused._tree.latent == m._tree.latent
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -385,47 +446,47 @@ def test_a_probed_hit_answers_and_is_refused_as_its_built_claim_would_be(seed, w
     its cache first: the estimates with the probe must be what create + resume + ``fit_tokens`` / ``cycle_growth``
     / ``growth_bound_sets`` / ``held_back`` say, and ``refuse_hit`` must leave the pools as ``cancel_admission``
     does (the claimed history requeued as the youngest, in the release's order, whatever holds part of it)."""
-    m, r, probe = _probed_hit(seed)
-    if probe is None:
-        return
-    want = min(want, r.num_tokens - probe.tokens)
-    hold = m.held_back(0.5, 10**6, probe)
-    extra = probe.less(hold)
-    asked = m.fit_tokens_new(r, want, extra, probe.tokens)
-    own = m.cycle_growth_new(r, ratio, asked, probe.tokens)
-    bound = m.growth_bound_sets(r, probe)
-    refused, r_again, probe_again = _probed_hit(seed)  # the same state, refused without being built
-    refused.refuse_hit(probe_again, r_again)
-    built, r_built, probe_built = _probed_hit(seed)  # the same state, built from the probe (an admission)
-    built.admit_hit(probe_built, r_built)
-    admit(m, r)
-    assert r.num_computed_tokens == probe.tokens == r_built.num_computed_tokens  # it claimed what the probe found
-    assert m.held_back(0.5, 10**6) == hold
-    assert m.fit_tokens(r, want, hold) == asked
-    assert m.cycle_growth(r, ratio, asked) == own
-    assert m.growth_bound_sets() == bound
-    ours, theirs = built.cache(r_built), m.cache(r)
-    assert (ours.tables, ours.released, ours.keyed, ours.key_at, ours.slide_at, ours.last.start, len(ours.last)) == (
-        theirs.tables, theirs.released, theirs.keyed, theirs.key_at, theirs.slide_at, theirs.last.start,
-        len(theirs.last))
-    built.check_invariants()
-    assert _pool_state(built) == _pool_state(m)
-    m.cancel_admission(r)
-    m.check_invariants()
-    refused.check_invariants()
-    assert _pool_state(refused) == _pool_state(m)
+    _check_probe(seed, want, ratio)
 
 
-def _probe_case(seed: int, build: bool) -> tuple[list[tuple], list]:
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 100_000), want=st.integers(1, 64), ratio=st.sampled_from([0.0, 0.1, 0.55, 1.0]))
+def test_a_probed_claim_on_compressed_layouts_answers_and_is_refused_as_built(seed, want, ratio):
+    """DeepSeek V4-like layouts (compressed groups, some spanning two token blocks per block): a waiting request whose
+    first tokens start a cached run but which can use no whole block (and copies none) is probed, not built; its
+    empty claim's estimates, refusal and admission are what building it (and cancelling it) give, as a whole-block
+    hit's are where every group's block spans one token block."""
+    _check_probe(seed, want, ratio, compressed=True)
+
+
+def _probe_case(seed: int, build: bool, compressed: bool = False,
+                built_cancels: list[str] | None = None) -> tuple[list[tuple], list]:
     """Each step's decisions and pool state (``_pool_state``), on follow-up turns whose histories are cached while
-    others hold the pools (hits refused for room, step after step); ``build``: every hit built, then cancelled."""
+    others hold the pools (hits refused for room, step after step); ``build``: every hit built, then cancelled.
+    ``compressed``: over :data:`COMPRESSED` layouts, some turns sharing only their first tokens with a history;
+    ``built_cancels`` collects the requests whose cancelled admission looked up their prefix and copied no partial
+    block (what a probe answers on these split pools)."""
     import random
 
     rng = random.Random(seed)
-    layers = rng.choice([FULL, full_sliding_layers(8), split_sliding_layers(8)])
+    layers = rng.choice(COMPRESSED if compressed else [FULL, full_sliding_layers(8), split_sliding_layers(8)])
     m = make_manager(layers, rng.randint(10, 30), enable_partial_reuse=rng.random() < .5)
     if build:  # the path the probe stands for: create + resume, estimate, cancel_admission when refused
         m.probe_hit = lambda request: None
+    if built_cancels is not None:
+        cancel = m.cancel_admission
+
+        def noted(request: Request) -> None:
+            # looked up (not a miss: a vanished pending prefix's first lookup finds none, and is built as one), and
+            # copied no partial block (nor tried to, short of room)
+            cache = m.cache(request)
+            if not cache.partial_hit and not m.claims_nothing(request) and not (
+                    m._partial and m._partial_source(request, cache.last or m._tree.root(request.salt),
+                                                     cache.reused_tokens)[0] is not None):
+                built_cancels.append(request.req_id)
+            cancel(request)
+
+        m.cancel_admission = noted  # type: ignore[method-assign]
     stems = [[rng.randint(0, 50) for _ in range(rng.randint(5, 20))] for _ in range(3)]
     for i, stem in enumerate(stems):  # finished turns: their histories stay cached
         prefill(m, h := Request(f"h{i}", stem, 0, priority=rng.randint(0, 1)))
@@ -433,7 +494,10 @@ def _probe_case(seed: int, build: bool) -> tuple[list[tuple], list]:
     reqs = []
     for i in range(rng.randint(3, 12)):
         tail = [rng.randint(0, 50) for _ in range(rng.randint(1, 10))]
-        prompt = rng.choice(stems) + tail if rng.random() < .6 else tail + [rng.randint(0, 50) for _ in range(8)]
+        stem = rng.choice(stems)
+        if compressed and rng.random() < .4:  # its first tokens only: no whole block of the history matches
+            stem = stem[:rng.randint(1, 3)]
+        prompt = stem + tail if rng.random() < .6 else tail + [rng.randint(0, 50) for _ in range(8)]
         reqs.append(Request(f"r{i}", prompt, rng.randint(1, 24), arrival=i, priority=rng.randint(0, 1)))
     s = KVCacheV2Scheduler(m, rng.randint(2, 6), rng.randint(8, 48))
     states: list = []
@@ -455,6 +519,19 @@ def test_refused_hits_probed_decide_and_leave_the_pools_as_built_and_cancelled_o
     requeued without building its cache: every step's decisions and pool state must be what building and cancelling
     it gave (KV contents and the manager's invariants checked every step by ``drive``)."""
     assert _probe_case(seed, build=False) == _probe_case(seed, build=True)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 100_000))
+def test_refused_claims_on_compressed_layouts_decide_as_built_and_cancelled_ones(seed):
+    """DeepSeek V4-like layouts under pressure: every step's decisions and pool state with the probe are what building
+    and cancelling every refused admission gave, and no refused admission is built and cancelled but one that copies
+    a partial block: not a whole-block hit whose compressed groups' blocks span several token blocks, nor one that
+    claims nothing though its first tokens start a cached run (refused, each was built and cancelled every step)."""
+    built: list[str] = []
+    assert _probe_case(seed, build=False, compressed=True, built_cancels=built) == _probe_case(
+        seed, build=True, compressed=True)
+    assert built == []
 
 
 def test_a_follow_up_turn_refused_for_room_is_not_built():

@@ -153,8 +153,8 @@ class HitProbe:
     the request, building it, or refuses it with :meth:`KVCacheManagerV2.refuse_hit`, before anything else changes).
     """
 
-    tokens: int  # the whole-block prefix the claim holds (a multiple of every group's block span)
-    last: RadixNode  # the run the claimed path ends at (already split there, as the claim splits it)
+    tokens: int  # the whole-block prefix the claim holds (a multiple of every group's block span; 0: none)
+    last: RadixNode | None  # the run the claimed path ends at (already split there, as the claim splits it); None: 0
     claimed: list[tuple[list[int], list[int], int]]  # per group: its blocks on the path from ``lo``, their refs, lo
     taken: list[int]  # per pool set: cached blocks (nobody holds them) the claim takes out of the available ones
     taken_groups: list[int]  # the same per group (its use grows by them: the bound's ``used``)
@@ -268,8 +268,9 @@ class KVCacheManagerV2:
         self._prefix_check: tuple[str, Callable[[Request, int, int], bool]] | None = None
         # lazy keying (cache_backends.v2.radix): where a request's blocks stay as they are until it lets go of them
         self._lazy = self._reuse and all(g.tokens_per_block == self.T for g in self.groups)
-        # where a hit's claim is asked about before it is built (probe_hit): every group holds a block per position
-        self._probes = self._lazy
+        # where a whole-block hit's claim is asked about before it is built (probe_hit): pools per group, or an arena
+        # whose every group holds a block per position (its release interleaves the groups position by position)
+        self._probes = self._reuse and (self._arena is None or self._lazy)
         self._tree = self._new_tree()
         self.host: HostTier | None = None
         slots = host_slots(pools, options.host_cache_size)
@@ -795,15 +796,20 @@ class KVCacheManagerV2:
     def probe_hit(self, request: Request) -> HitProbe | None:
         """What :meth:`create` + :meth:`resume` would claim for ``request`` now (a whole-block cached prefix), found
         without claiming it, for the estimates (``start``/``probe`` arguments) and :meth:`refuse_hit`; None where
-        only building it answers: no whole block usable, a partial block to copy (it allocates, and may evict),
-        groups whose blocks span several token blocks, reuse off. Nothing a build would not do changes: a pending
-        prefix its lookup reaches is hung in the tree and the run the claimed path ends inside is split, as the
-        build's lookup and claim do first (so the build, if it follows, finds the same prefix).
+        only building it answers: a partial block to copy (it allocates, and may evict), a whole-block hit on a
+        shared arena whose groups' blocks span several token blocks, reuse off. A request whose first token starts a
+        cached run but which can use no whole block (and copies none) is probed on any layout: its claim is empty
+        (``tokens`` 0). Pools per group whose blocks span several token blocks (DeepSeek V4's compressed groups)
+        are probed too: such a block is kept at the last position it spans.
+        Nothing a build would not do changes: a pending prefix its lookup reaches is hung in the tree and the run
+        the claimed path ends inside is split, as the build's lookup and claim do first (so the build, if it
+        follows, finds the same prefix).
 
         Why: under pressure the head of the waiting queue is refused step after step, and building its claim of a
         cached history, then cancelling it, was most of V2's work (Gemma 3 27B: every block of the history in each
-        of 31 groups, twice, every step; BENCHMARKS.md "V2 refuses a hit without building it")."""
-        if not self._probes or request.skip_prefix_read or request in self._caches:
+        of 31 groups, twice, every step; BENCHMARKS.md "V2 refuses a hit without building it"); an empty claim
+        was built and cancelled too, its lookup done twice (DeepSeek V4 mixed at a quarter of the budget: 8.8%)."""
+        if not self._reuse or request.skip_prefix_read or request in self._caches:
             return None
         T, tree = self.T, self._tree
         first = pack_tokens(_tokens(request, 0, 1))
@@ -813,27 +819,35 @@ class KVCacheManagerV2:
         if self._cheap_miss(request, first):
             return None
         m, run, _ = self._match(request)
-        if not m:
+        if not m:  # the build would claim nothing whole; a partial block only where one is copied
+            if (self._partial and self._prefix_check is None
+                    and self._partial_source(request, tree.root(request.salt), 0)[0] is not None):
+                return None
+            sets, groups = len(self._pool_sets), len(self.groups)
+            return HitProbe(0, None, [([], [], 0)] * groups, [0] * sets, [0] * groups, [0] * sets)
+        if not self._probes:
             return None
         assert run is not None
         last = tree.claim(*tree.position(run, m // T - 1))  # the build's split; its user is given back at once
         tree.leave(last)
-        if self._partial and self._partial_source(request, last, m)[0] is not None:
-            return None
+        if self._partial and self._prefix_check is None and self._partial_source(request, last, m)[0] is not None:
+            return None  # a copy follows (a limited prefix, DeepSeek V4's, copies none: _admit)
         path = [last]  # the path's runs, root side last: walked once, not once per group (tree.path_blocks)
         while path[-1].parent is not None and path[-1].parent.parent is not None:
             path.append(path[-1].parent)  # type: ignore[arg-type]
         path.reverse()
-        # per life cycle: the first position the claim holds (a window's start), the same for every group of it
-        los = [0 if g.window is None else max(0, m - g.window + 1) // T for g, _ in self._cycles]
+        # per life cycle: the first group block the claim holds (a window's start), the same for every group of it
+        los = [0 if g.window is None else max(0, m - g.window + 1) // g.tokens_per_block for g, _ in self._cycles]
         claimed: list[tuple[list[int], list[int], int]] = []
         taken_groups: list[int] = []
         cached_of: list[list[int]] = []  # per group, the blocks nobody holds: the claim takes them out of the queue
-        for (name, _, pool), c in zip(self._group_pools, self._cycle_of, strict=True):
+        for (name, tpb, pool), c in zip(self._group_pools, self._cycle_of, strict=True):
             lo = los[c]
-            # the path's blocks from position lo (the last run ends where the claimed prefix does)
-            blocks = (last.blocks[name][lo:] if len(path) == 1
-                      else list(chain.from_iterable(run.blocks[name] for run in path))[lo:])
+            # the path's blocks from position lo (the last run ends where the claimed prefix does); a block spanning
+            # several token blocks (DeepSeek V4's compressed groups) is kept at the last position it spans
+            along = last.blocks[name] if len(path) == 1 else list(chain.from_iterable(run.blocks[name] for run in path))
+            step = tpb // T
+            blocks = along[lo:] if step == 1 else along[(lo + 1) * step - 1:m // T:step]
             refs = list(map(pool.ref.__getitem__, blocks))
             cached = refs.count(0)
             taken_groups.append(cached)
@@ -856,6 +870,14 @@ class KVCacheManagerV2:
         cache = self.create(request)
         m, last = probe.tokens, probe.last
         self.counters["reuse_query_tokens"] += request.num_tokens
+        if last is None:  # an empty claim: as _admit leaves a lookup that matched no whole block (and no partial)
+            cache.last = None
+            cache.keyed = 0
+            cache.key_at = self.T
+            if self._lazy:  # a probed request has two tokens or more (no cheap miss): a first one
+                self._add_latent(cache, pack_tokens(_tokens(request, 0, 1)))
+            self._activate(cache, 0)
+            return
         for (name, _, pool), (blocks, _, lo) in zip(self._group_pools, probe.claimed, strict=True):
             pool.incref_many(blocks)
             cache.tables[name] = [-1] * lo + blocks
@@ -875,11 +897,16 @@ class KVCacheManagerV2:
         was. So a refused hit keeps its history warm (young in the queue), as it did when it was built."""
         priority = request.priority
         last = probe.last
+        if last is None:  # an empty claim: building and cancelling it leaves nothing changed
+            return
         whole_shared = bool(last.children)  # the claimed path's last run has children: all of it is queued shared
         leaves_of: list[list[int]] = []
         shared_of: list[list[int]] = []
-        for blocks, refs, lo in probe.claimed:
-            k = len(blocks) if whole_shared else max(0, last.start - lo)  # blocks[k:] lie in the last run
+        T = self.T
+        for (blocks, refs, lo), (_, tpb, _) in zip(probe.claimed, self._group_pools, strict=True):
+            # blocks[k:] lie in the last run (group block j at position (j + 1) * step - 1)
+            step = tpb // T
+            k = len(blocks) if whole_shared else max(0, -(-(last.start + 1) // step) - 1 - lo)
             head, tail = blocks[:k], blocks[k:]
             if refs.count(0) != len(refs):  # some held by running requests: only the others go back to the queue
                 head = list(compress(head, map(not_, refs[:k])))

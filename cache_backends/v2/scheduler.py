@@ -83,7 +83,8 @@ One :meth:`~KVCacheV2Scheduler.step`:
    cached prefix is whole blocks (:meth:`KVCacheManagerV2.probe_hit`: a turn whose history waits for room): when
    refused, :meth:`KVCacheManagerV2.refuse_hit` requeues its history as the youngest in the eviction queue, in the
    order building and cancelling it did (so a waiting turn keeps its history warm, as before), and when admitted
-   its cache is built from the probe.
+   its cache is built from the probe. So is one whose first tokens start a cached run but which can use no whole
+   block of it (on any layout, DeepSeek V4's included): its probed claim is empty, a refusal changes nothing.
    **Forks**: a sample of an ``n > 1`` prompt joins ``running`` in the step its prompt's prefill completes,
    holding that prompt's KV (:meth:`KVCacheV2Scheduler.fork`), when the batch has room, the copy of the
    partial block fits and the headroom rule above admits it; otherwise its driver queues it as any request.
@@ -475,7 +476,8 @@ class KVCacheV2Scheduler(SchedulerBase):
             while True:
                 # a request is asked about before its cache is built where the answer does not need it: one that
                 # claims no cached prefix (a long prompt waiting for room), or, under "fcfs", one whose whole-block
-                # hit a probe finds (a turn whose history waits for room): a refusal, step after step under
+                # hit a probe finds (a turn whose history waits for room; or no whole block, though its first
+                # tokens start a cached run): a refusal, step after step under
                 # pressure, then builds and cancels nothing (priority's displacement asks the built cache)
                 new = m.claims_nothing(r)
                 probe = None if new or self.by_priority else m.probe_hit(r)
