@@ -214,6 +214,24 @@ def warning_text(record: dict[str, Any]) -> str:
     return f"{subject}: {detail}" if subject else detail
 
 
+def _grouped_warnings(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every warning or error once, in the order each first came, with how many times it came (``count``).
+
+    Why: a served run warns per request (a setting a request gave that acts on nothing), so a day's log held the
+    same line tens of thousands of times, and the report printed every one of them."""
+    seen: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for e in events:
+        if e.get("level") not in ("warning", "error"):
+            continue
+        entry = {"event": e["event"], "level": e["level"], "stage": e.get("stage"), "message": warning_text(e)}
+        key = tuple(entry.values())
+        if key in seen:
+            seen[key]["count"] += 1
+        else:
+            seen[key] = {**entry, "count": 1}
+    return list(seen.values())
+
+
 def summarize(audit: AuditLog, source: str = "") -> dict[str, Any]:
     """Model, user-set fields, route, auto resolutions, model defaults, derived fields, sampling defaults, warnings,
     outcome."""
@@ -245,8 +263,7 @@ def summarize(audit: AuditLog, source: str = "") -> dict[str, Any]:
         },
         "derived": [_payload(e) for e in audit.of("field_derived")],
         "sampling_defaults": _payload(sampling[-1]) if sampling else None,
-        "warnings": [{"event": e["event"], "level": e["level"], "stage": e.get("stage"), "message": warning_text(e)}
-                     for e in audit.events if e.get("level") in ("warning", "error")],
+        "warnings": _grouped_warnings(audit.events),
         "outcome": {
             "finished": bool(finished),
             "stages": finished[-1].get("stages", []) if finished else [],
@@ -368,7 +385,8 @@ def render_summary(summary: dict[str, Any], check: dict[str, Any] | None = None)
     lines.append(f"  {sampling_text(sampling)}" if sampling else "  (not resolved)")
 
     lines += ["", "warnings:"]
-    lines += [f"  {w['event']}  {w['message']}" for w in summary["warnings"]] or ["  (none)"]
+    lines += [f"  {w['event']}  {w['message']}" + (f"  (x{w['count']:,})" if w.get("count", 1) > 1 else "")
+              for w in summary["warnings"]] or ["  (none)"]
     if check is not None:
         lines.append("")
         lines += render_verify(check)

@@ -146,6 +146,22 @@ def test_audit_lists_warnings(capsys, tmp_path):
     assert doc["warnings"][0]["message"] == "max_batch_size: cli 8 beats config_file 4"
 
 
+def test_audit_lists_a_warning_that_came_many_times_once_with_its_count(capsys, tmp_path):
+    import kvload
+
+    log = tmp_path / "a.jsonl"  # a long run warns per call (or per request): the same line, again and again
+    with kvload.LLM("tiny-llama", device="cpu", log=False, audit_log=log, kv_cache_config={"max_tokens": 256}) as llm:
+        for _ in range(3):
+            llm.generate([[1, 2, 3]], kvload.SamplingParams(max_tokens=2, min_p=0.1))
+    doc = run_cli(capsys, "audit", log, "--json").json()
+    ignored = [w for w in doc["warnings"] if w["event"] == "setting_ignored"]
+    assert [(w["message"], w["count"]) for w in ignored] == [
+        ("generate.min_p: temperature is 0 (greedy): nothing is sampled", 3)]
+    assert all(w["count"] == 1 for w in doc["warnings"] if w["event"] != "setting_ignored")
+    text = run_cli(capsys, "audit", log).out
+    assert text.count("generate.min_p") == 1 and "nothing is sampled  (x3)" in text
+
+
 def test_audit_verify_passes_and_reports(capsys, tmp_path):
     log = plan_log(capsys, tmp_path, "tiny-gemma3")
     r = run_cli(capsys, "audit", log, "--verify")
