@@ -43,7 +43,7 @@ import array
 import hashlib
 import sys
 import types
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -252,18 +252,24 @@ class _DecodePlan:
     mask: torch.Tensor  # (B, 1, 1, W) additive mask: -inf on padding
 
 
+def _packed_rows(batch: Any) -> Iterator[tuple[int, int, int, int]]:
+    """Each chunk of the step as (its index, its first row in the packed tokens, its tokens, its first position)."""
+    first = 0
+    for b, chunk in enumerate(batch.chunks):
+        n = len(chunk.token_ids)
+        yield b, first, n, chunk.start_pos
+        first += n
+
+
 def _decode_plan(batch: Any, group: Any, table: torch.Tensor, window: int, dtype: torch.dtype,
                  device: torch.device, position_ids: torch.Tensor) -> _DecodePlan | None:
     """The step's decode plan (None when no chunk qualifies): a one-token chunk that snapshots nothing this step."""
     seqs, rows, pos = [], [], []
-    first = 0
-    for b, chunk in enumerate(batch.chunks):
-        n = len(chunk.token_ids)
+    for b, first, n, start in _packed_rows(batch):
         if n == 1 and not batch.side[b].marks:
             seqs.append(b)
             rows.append(first)
-            pos.append(chunk.start_pos)
-        first += n
+            pos.append(start)
     if not seqs:
         return None
     T, epb = group.tokens_per_block, group.entries_per_block
@@ -473,15 +479,12 @@ def _prefill_plan(batch: Any, group: Any, table: torch.Tensor, window: int, dtyp
                   device: torch.device, position_ids: torch.Tensor, skip: set[int]) -> _PrefillPlan | None:
     """The step's prefill plan over the chunks not in ``skip`` (the decode plan's), or None when there are none."""
     seqs, lens, firsts, starts = [], [], [], []
-    first = 0
-    for b, chunk in enumerate(batch.chunks):
-        n = len(chunk.token_ids)
+    for b, first, n, start in _packed_rows(batch):
         if b not in skip:
             seqs.append(b)
             lens.append(n)
             firsts.append(first)
-            starts.append(chunk.start_pos)
-        first += n
+            starts.append(start)
     if not seqs:
         return None
     t = min(window, PREFILL_TILE)
