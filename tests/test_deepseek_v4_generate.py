@@ -134,24 +134,44 @@ def test_the_pools_hold_the_window_keys_and_the_compressed_entries(v4_path):
     torch.testing.assert_close(run_forward(model, batch)[0], want, rtol=1e-4, atol=1e-4)
 
 
+def _apart_pools(cfg: Any, sequences: int, tokens: int) -> tuple[BlockPools, list[dict[str, list[int]]]]:
+    """Pools for ``sequences`` sequences of up to ``tokens`` tokens, and each one's block tables: its blocks handed
+    out backwards from its own range, so a slot of another sequence (or a padded one) is never right by accident."""
+    layout = build_layout(layers_from_config(cfg), "v2", 4, "float32")
+    per_seq = {g.name: -(-tokens // g.tokens_per_block) for g in layout.groups}
+    pools = BlockPools(layout, {name: n * sequences for name, n in per_seq.items()}, "cpu")
+    tables = [{name: list(range((b + 1) * n - 1, b * n - 1, -1)) for name, n in per_seq.items()}
+              for b in range(sequences)]
+    return pools, tables
+
+
+def _count_attention_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The batch size of every call of transformers' V4 attention from now on (the list fills as they come)."""
+    import transformers.models.deepseek_v4.modeling_deepseek_v4 as v4_modeling
+
+    calls: list[int] = []
+    eager = v4_modeling.eager_attention_forward
+
+    def counted(module, query, *args, **kwargs):
+        calls.append(query.shape[0])
+        return eager(module, query, *args, **kwargs)
+
+    monkeypatch.setattr(v4_modeling, "eager_attention_forward", counted)
+    return calls
+
+
 def test_a_decode_step_of_several_lengths_attends_in_one_call_per_layer_with_transformers_logits(v4_path, monkeypatch):
     """Five sequences (past the window or not, with CSA's top-k choosing among more entries than it keeps, or no
     compressed entry yet) decode four steps together: each step's attention is one call per layer for all of them
     (their keys padded to the longest), and every sequence's logits are transformers' own for that sequence, windows
     that close on the step included."""
-    import transformers.models.deepseek_v4.modeling_deepseek_v4 as v4_modeling
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(v4_path, dtype=torch.float32)
     cfg = model.config
     lengths = (23, 5, 35, 2, 12)
     prompts = prompts_for(cfg.vocab_size, lengths, seed=13)
-    layout = build_layout(layers_from_config(cfg), "v2", 4, "float32")
-    per_seq = {g.name: -(-48 // g.tokens_per_block) for g in layout.groups}
-    pools = BlockPools(layout, {name: n * len(lengths) for name, n in per_seq.items()}, "cpu")
-    # each sequence's blocks handed out backwards from its own range, so a padded slot is never a real one by accident
-    tables = [{name: list(range((b + 1) * n - 1, b * n - 1, -1)) for name, n in per_seq.items()}
-              for b in range(len(lengths))]
+    pools, tables = _apart_pools(cfg, len(lengths), 48)
     route_paged_attention(model)
     states = V4States()
     ids = [f"r{b}" for b in range(len(lengths))]
@@ -164,14 +184,7 @@ def test_a_decode_step_of_several_lengths_attends_in_one_call_per_layer_with_tra
             ref = model(torch.tensor([prompt]), use_cache=True)
             torch.testing.assert_close(logits[b], ref.logits[0, -1], rtol=1e-4, atol=1e-4)
             caches.append(ref.cache)
-    calls = []
-    eager = v4_modeling.eager_attention_forward
-
-    def counted(module, query, *args, **kwargs):
-        calls.append(query.shape[0])
-        return eager(module, query, *args, **kwargs)
-
-    monkeypatch.setattr(v4_modeling, "eager_attention_forward", counted)
+    calls = _count_attention_calls(monkeypatch)
     positions = list(lengths)
     for _ in range(4):
         nxt = [int(row.argmax()) for row in logits]
@@ -196,7 +209,6 @@ def test_prefill_chunks_of_several_sequences_attend_together_with_transformers_l
     a compressed window beside two one-token decodes: a step's prefill chunks attend in one call per layer (a mixed
     step: one more for its decodes; or, with a budget of scores per call that fits one tile, one call per tile), and
     every sequence's logits are transformers' own for that sequence."""
-    import transformers.models.deepseek_v4.modeling_deepseek_v4 as v4_modeling
     from transformers import AutoModelForCausalLM
 
     import models.deepseek_v4_paged as v4_paged
@@ -209,23 +221,11 @@ def test_prefill_chunks_of_several_sequences_attend_together_with_transformers_l
     firsts = (13, 6, 22, 3, 9)
     seconds = (11, 1, 7, 18, 1)
     chunks = prompts_for(cfg.vocab_size, firsts + seconds, seed=17)
-    layout = build_layout(layers_from_config(cfg), "v2", 4, "float32")
-    per_seq = {g.name: -(-40 // g.tokens_per_block) for g in layout.groups}
-    pools = BlockPools(layout, {name: n * len(firsts) for name, n in per_seq.items()}, "cpu")
-    # each sequence's blocks handed out backwards from its own range, so a slot of another sequence is never right
-    tables = [{name: list(range((b + 1) * n - 1, b * n - 1, -1)) for name, n in per_seq.items()}
-              for b in range(len(firsts))]
+    pools, tables = _apart_pools(cfg, len(firsts), 40)
     route_paged_attention(model)
     states = V4States()
     ids = [f"r{b}" for b in range(len(firsts))]
-    calls = []
-    eager = v4_modeling.eager_attention_forward
-
-    def counted(module, query, *args, **kwargs):
-        calls.append(query.shape[0])
-        return eager(module, query, *args, **kwargs)
-
-    monkeypatch.setattr(v4_modeling, "eager_attention_forward", counted)
+    calls = _count_attention_calls(monkeypatch)
     caches = [None] * len(firsts)
     starts = [0] * len(firsts)
     for step, lengths in enumerate((firsts, seconds)):
