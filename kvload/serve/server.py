@@ -237,7 +237,11 @@ def bind(host: str, port: int) -> socket.socket:
     except socket.gaierror as exc:
         raise ConfigError(f"--host {short_text(host)}: cannot resolve it ({exc.strerror})") from None
     family, kind, proto, _, addr = infos[0]
-    sock = socket.socket(family, kind, proto)
+    try:
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:  # an IPv6 address where IPv6 is off (EAFNOSUPPORT): the host's kind, not the port
+        raise ConfigError(f"--host {short_text(host)}: cannot listen on it ({exc.strerror}); give an address of a "
+                          "kind this machine has (127.0.0.1: this machine only, 0.0.0.0: all of them)") from None
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(addr)
