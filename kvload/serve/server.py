@@ -183,8 +183,8 @@ def chat_template_text(value: str, flag: str = "--chat-template") -> str:
     named = f"{flag} {short_text(value, 200)}"  # quoted: a path with spaces, or an empty one, reads as one value
     try:
         raw = read_regular(value, lambda problem: ConfigError(f"{named}: {problem}"), tail="; give a template file",
-                           max_bytes=MAX_CHAT_TEMPLATE_BYTES, missing=None,
-                           too_big=f"at most {MAX_CHAT_TEMPLATE_BYTES:,} are read (a chat template is a few KiB)")
+                           max_bytes=MAX_CHAT_TEMPLATE_BYTES, missing=None, too_big=f"a chat template is at most "
+                           f"{MAX_CHAT_TEMPLATE_BYTES:,} bytes (real ones: a few KiB)")
     except FileNotFoundError:  # not a path: a template with no Jinja tag in it, or a path mistyped
         raise ConfigError(f"{flag}: {short_text(value, 200)} is neither a file nor a Jinja template (one holds "
                           "{{ or {%)") from None
