@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 import pipeline
-from bench.common import machine
+from bench.common import machine, timed
 from engine.beam_search import BeamSearchParams
 from engine.sampling_params import SamplingParams
 
@@ -83,13 +82,6 @@ def counting(scheduler: Any) -> list[int]:
     return total
 
 
-def timed(call: Callable[[], Any]) -> tuple[Any, float, float]:
-    """``call()``'s result, thread CPU seconds and wall seconds."""
-    start, cpu = time.perf_counter(), time.thread_time()
-    got = call()
-    return got, time.thread_time() - cpu, time.perf_counter() - start
-
-
 def main(argv: list[str] | None = None) -> None:
     """Run the sides and print one markdown table (plus the machine)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -134,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
         for repeat in range(args.repeats + 1):  # repeat 0 warms up
             for name, side in sides.items():
                 before = computed[0]
-                got, c, w = timed(side)
+                got, w, c = timed(side)
                 if want is None:
                     want = got
                 if got != want:

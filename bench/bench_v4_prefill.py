@@ -1,7 +1,7 @@
 """DeepSeek V4 prefill: several prompts' prefill chunks in one step, on tiny-deepseek-v4.
 
 Run from the repository root (or with ``PYTHONPATH`` on another tree, to measure that tree's kvload: the script
-imports only ``kvload`` and ``torch``)::
+imports only ``kvload``, ``torch`` and its own ``bench/common.py``)::
 
     python -m bench.bench_v4_prefill                          # 8 prompts of 300..601 tokens, one step each chunk
     python -m bench.bench_v4_prefill --max-num-tokens 1024    # chunked: steps mix several prompts' chunks
@@ -23,14 +23,17 @@ import argparse
 import cProfile
 import importlib.util
 import pstats
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 import kvload
+
+try:
+    from bench.common import Timings, repeat_timed
+except ImportError:  # run as a script on another tree's PYTHONPATH: this script's folder is on the path, not its root
+    from common import Timings, repeat_timed  # type: ignore[no-redef]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -81,32 +84,25 @@ def main(argv: list[str] | None = None) -> None:
             other = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(other)
             forwards = {"this": here.paged_v4_forward, "against": other.paged_v4_forward}
-            cpus = {name: [] for name in forwards}
+            times = {name: Timings() for name in forwards}
             try:
                 for _ in range(args.repeats):
                     for name, forward in forwards.items():
                         here.paged_v4_forward = forward  # what the routed modules' forward calls
-                        cpu = time.thread_time()
-                        llm.generate(prompts, params, use_tqdm=False)
-                        cpus[name].append(time.thread_time() - cpu)
+                        times[name].add(lambda: llm.generate(prompts, params, use_tqdm=False))
             finally:
                 here.paged_v4_forward = forwards["this"]
-            this, against = (statistics.median(cpus[name]) for name in forwards)
+            this, against = (times[name].cpu for name in forwards)
             print(f"prefill: {args.prompts} prompts of {lo}..{hi} tokens, max_num_tokens {args.max_num_tokens}: thread "
                   f"CPU {this:.3f} s (this tree) vs {against:.3f} s ({args.against}): {this / against:.2f}x (medians "
                   f"of {args.repeats}, alternated)", flush=True)
             return
-        walls, cpus = [], []
-        for _ in range(args.repeats):
-            start, cpu = time.perf_counter(), time.thread_time()
-            llm.generate(prompts, params, use_tqdm=False)
-            walls.append(time.perf_counter() - start)
-            cpus.append(time.thread_time() - cpu)
+        times, _ = repeat_timed(lambda: llm.generate(prompts, params, use_tqdm=False), args.repeats)
         steps = llm.result.executor.last_stats.steps
         tree = sys.modules["models.deepseek_v4_paged"].__file__.rsplit("/models/", 1)[0]
         print(f"{tree}: prefill: {args.prompts} prompts of {lo}..{hi} tokens, max_num_tokens {args.max_num_tokens}, "
-              f"{steps} steps: {statistics.median(walls):.3f} s wall, {statistics.median(cpus):.3f} s thread CPU "
-              f"(medians of {args.repeats}; CPU runs {', '.join(f'{c:.3f}' for c in cpus)})", flush=True)
+              f"{steps} steps: {times.wall:.3f} s wall, {times.cpu:.3f} s thread CPU "
+              f"(medians of {args.repeats}; CPU runs {', '.join(f'{c:.3f}' for c in times.cpus)})", flush=True)
     finally:
         llm.close()
 

@@ -17,12 +17,11 @@ with one torch thread the model computes on it, so other processes on a shared m
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 import kvload
+from bench.common import repeat_timed
 
 
 def ids(gen: torch.Generator, n: int, vocab: int) -> list[int]:
@@ -76,16 +75,11 @@ def main() -> None:
     try:
         vocab = llm.result.hf_model.config.vocab_size
         for name, run in (("multi-turn", multi_turn), ("shared-prefix", shared_prefix)):
-            walls, cpus = [], []
-            for _ in range(args.repeats + 1):  # the first is a warm-up
-                if not args.no_reuse:
-                    llm.reset_prefix_cache()
-                start, cpu = time.perf_counter(), time.thread_time()
-                total, reused = run(llm, args, vocab)
-                walls.append(time.perf_counter() - start)
-                cpus.append(time.thread_time() - cpu)
+            times, (total, reused) = repeat_timed(  # each on a fresh prefix cache, after one warm-up
+                lambda run=run: run(llm, args, vocab), args.repeats, warmups=1,
+                before=None if args.no_reuse else llm.reset_prefix_cache)
             print(f"{name}: {'reuse off' if args.no_reuse else 'reuse on'}: {reused}/{total} prompt tokens reused, "
-                  f"{statistics.median(walls[1:]):.2f} s wall, {statistics.median(cpus[1:]):.2f} s thread CPU "
+                  f"{times.wall:.2f} s wall, {times.cpu:.2f} s thread CPU "
                   f"(medians of {args.repeats})", flush=True)
     finally:
         llm.close()

@@ -10,9 +10,11 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
+
+T = TypeVar("T")
 
 
 @contextlib.contextmanager
@@ -123,6 +125,58 @@ def timed_us(fn: Callable[[], Any]) -> tuple[float, Any]:
     start = time.perf_counter_ns()
     out = fn()
     return (time.perf_counter_ns() - start) / 1e3, out
+
+
+def timed(call: Callable[[], T]) -> tuple[T, float, float]:
+    """``call()``'s result, its wall seconds and the calling thread's CPU seconds (``time.thread_time``: with one torch
+    thread the model computes on it, so other processes on a shared machine barely move it)."""
+    start, cpu = time.perf_counter(), time.thread_time()
+    out = call()
+    return out, time.perf_counter() - start, time.thread_time() - cpu
+
+
+@attrs.define
+class Timings:
+    """Wall and calling-thread CPU seconds of the timed runs of one thing, in run order."""
+
+    walls: list[float] = attrs.Factory(list)
+    cpus: list[float] = attrs.Factory(list)
+
+    def add(self, call: Callable[[], T]) -> T:
+        """Run ``call`` timed, keep its times, and return its result."""
+        out, wall, cpu = timed(call)
+        self.walls.append(wall)
+        self.cpus.append(cpu)
+        return out
+
+    @property
+    def wall(self) -> float:
+        """The median wall seconds."""
+        return statistics.median(self.walls)
+
+    @property
+    def cpu(self) -> float:
+        """The median thread CPU seconds."""
+        return statistics.median(self.cpus)
+
+
+def repeat_timed(call: Callable[[], T], repeats: int, *, warmups: int = 0,
+                 before: Callable[[], object] | None = None) -> tuple[Timings, T]:
+    """``repeats`` timed calls after ``warmups`` untimed ones, ``before()`` (untimed) ahead of each: their
+    :class:`Timings` and the last call's result."""
+    if repeats < 1:
+        raise ValueError(f"repeats: expected an integer >= 1, got {repeats}")
+    for _ in range(warmups):
+        if before is not None:
+            before()
+        call()
+    timings = Timings()
+    out: T
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        out = timings.add(call)
+    return timings, out
 
 
 def us(value: float) -> str:

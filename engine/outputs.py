@@ -47,8 +47,28 @@ class GenerationOutput:
 FinishReason = Literal["stop", "length"]
 
 
+class _VllmOutput:
+    """What vLLM's output classes carry that kvload has no counterpart for (None), and the plain form."""
+
+    __slots__ = ()
+
+    @property
+    def lora_request(self) -> None:
+        """vLLM's: the LoRA adapter that generated it; None, as kvload runs the checkpoint's own weights."""
+        return None
+
+    @property
+    def kv_transfer_params(self) -> None:
+        """vLLM's: remote KV transfer (disaggregated prefill) parameters; None, as kvload transfers no KV."""
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain form for ``--json``."""
+        return attrs.asdict(self)
+
+
 @attrs.define
-class CompletionOutput:
+class CompletionOutput(_VllmOutput):
     """One sample of a prompt, as vLLM's and TensorRT-LLM's ``CompletionOutput`` (mutable, as vLLM's dataclass is:
     a script may rewrite ``out.text`` in place).
 
@@ -72,20 +92,6 @@ class CompletionOutput:
         """Whether the sample ended (a method, as vLLM's ``CompletionOutput.finished()``)."""
         return self.finish_reason is not None
 
-    @property
-    def lora_request(self) -> None:
-        """vLLM's: the LoRA adapter that generated it; None, as kvload runs the checkpoint's own weights."""
-        return None
-
-    @property
-    def kv_transfer_params(self) -> None:
-        """vLLM's: remote KV transfer (disaggregated prefill) parameters; None, as kvload transfers no KV."""
-        return None
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain form for ``--json``."""
-        return attrs.asdict(self)
-
 
 @attrs.define
 class RequestMetrics:
@@ -104,7 +110,7 @@ class RequestMetrics:
 
 
 @attrs.define
-class RequestOutput:
+class RequestOutput(_VllmOutput):
     """One prompt's result: its samples (``outputs``), the prompt, prompt-token reuse, and timings (mutable, as
     vLLM's is).
 
@@ -133,11 +139,6 @@ class RequestOutput:
     num_cached_tokens: int = 0
 
     @property
-    def lora_request(self) -> None:
-        """vLLM's: the LoRA adapter that generated it; None, as kvload runs the checkpoint's own weights."""
-        return None
-
-    @property
     def encoder_prompt(self) -> None:
         """vLLM's: an encoder-decoder model's encoder prompt; None, as for vLLM's decoder-only models."""
         return None
@@ -146,15 +147,6 @@ class RequestOutput:
     def encoder_prompt_token_ids(self) -> None:
         """vLLM's: the encoder prompt's token ids; None, as for vLLM's decoder-only models."""
         return None
-
-    @property
-    def kv_transfer_params(self) -> None:
-        """vLLM's: remote KV transfer (disaggregated prefill) parameters; None, as kvload transfers no KV."""
-        return None
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain form for ``--json``."""
-        return attrs.asdict(self)
 
 
 @attrs.frozen

@@ -21,7 +21,6 @@ import difflib
 import importlib.metadata
 import json
 import os
-import stat
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ from models.config_check import check_fields, token_ids_problem
 from models.user_paths import expand_user
 from pipeline.errors import ModelError, cannot_read, first_line
 from pipeline.limits import MAX_DEPTH, nesting_depth, short, unique_keys
+from pipeline.textfile import read_regular
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 
@@ -257,36 +257,8 @@ def read_json_object(file: Path, what: str, max_bytes: int | None = None) -> dic
     at the top, each key once, at most :data:`MAX_DEPTH` levels deep, at most ``max_bytes`` (default
     :data:`MAX_CONFIG_BYTES`) long."""
     max_bytes = MAX_CONFIG_BYTES if max_bytes is None else max_bytes
-    # opened first (O_NONBLOCK: a FIFO's open does not wait for a writer), then checked and read through that one
-    # descriptor: checked by path and read by path again, a FIFO swapped in between blocked the read for ever
-    try:
-        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        if os.path.lexists(file):
-            raise ModelError(f"{file}: is a symbolic link to nothing; expected a JSON file") from None
-        raise ModelError(f"{file}: not found") from None
-    except IsADirectoryError:
-        raise ModelError(f"{file}: is a directory, expected a JSON file") from None
-    except OSError as exc:  # no permission, a symbolic link loop, a name too long, ...
-        raise ModelError(f"{file}: {cannot_read(exc)}") from None
-    try:
-        st = os.fstat(fd)
-        if stat.S_ISDIR(st.st_mode):
-            raise ModelError(f"{file}: is a directory, expected a JSON file")
-        if not stat.S_ISREG(st.st_mode):  # a FIFO would block the read forever, a device never ends
-            raise ModelError(f"{file}: not a regular file (a FIFO or device?), expected a JSON file")
-        if st.st_size > max_bytes:  # read nothing huge: real configs are a few KB
-            raise ModelError(f"{file}: {st.st_size:,} bytes; {what} is at most {max_bytes:,}")
-        os.set_blocking(fd, True)
-        try:
-            with os.fdopen(fd, "rb", closefd=False) as f:
-                raw = f.read(max_bytes + 1)  # no further than the bound: the file may grow after the fstat
-        except OSError as exc:
-            raise ModelError(f"{file}: {cannot_read(exc)}") from None
-    finally:
-        os.close(fd)
-    if len(raw) > max_bytes:
-        raise ModelError(f"{file}: more than {max_bytes:,} bytes; {what} is at most {max_bytes:,}")
+    raw = read_regular(file, lambda problem: ModelError(f"{file}: {problem}"), tail=", expected a JSON file",
+                       max_bytes=max_bytes, too_big=f"{what} is at most {max_bytes:,}")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -27,6 +27,7 @@ from pipeline.events import is_value_event
 from pipeline.limits import MAX_DEPTH, nesting_depth, short, unique_keys
 from pipeline.paths import flatten, set_in
 from pipeline.signals import deferred
+from pipeline.textfile import open_regular
 from pipeline.version import AUDIT_SCHEMA_VERSION, __version__
 
 HEADER_EVENT = "audit_header"
@@ -355,27 +356,10 @@ MAX_AUDIT_BYTES = 512 * 1024 * 1024
 def _lines(p: Path) -> Iterator[tuple[int, str, bool]]:
     """(line number, line, whether it is an unterminated last line) for each line of the file, as ``splitlines`` of
     the whole text numbers them; read a line at a time. A line that is not UTF-8 is an ``AuditError`` there."""
-    # Opened first, then checked and read through that one descriptor: a check by path and an open by path again
-    # read whatever was swapped in between (a FIFO: the open waited for a writer forever). O_NONBLOCK: opening a FIFO
-    # does not wait for a writer (it is refused below); the flag is cleared before a regular file is read.
+    fd = open_regular(p, lambda problem: AuditError(f"{p}: {problem}"), tail=", expected an audit .jsonl file",
+                      max_bytes=MAX_AUDIT_BYTES, too_big=f"larger than any kvload audit log ({MAX_AUDIT_BYTES:,})",
+                      missing="audit file not found", what="audit file")
     try:
-        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        why = "is a symbolic link to nothing" if os.path.lexists(p) else "audit file not found"
-        raise AuditError(f"{p}: {why}") from None
-    except IsADirectoryError:
-        raise AuditError(f"{p}: is a directory, expected an audit .jsonl file") from None
-    except OSError as exc:
-        raise AuditError(f"{p}: {cannot_read(exc, 'audit file')}") from None
-    try:
-        st = os.fstat(fd)
-        if stat.S_ISDIR(st.st_mode):
-            raise AuditError(f"{p}: is a directory, expected an audit .jsonl file")
-        if not stat.S_ISREG(st.st_mode):  # a FIFO would block the read forever, a device never ends
-            raise AuditError(f"{p}: not a regular file (a FIFO or device?), expected an audit .jsonl file")
-        if st.st_size > MAX_AUDIT_BYTES:
-            raise AuditError(f"{p}: {st.st_size:,} bytes, larger than any kvload audit log ({MAX_AUDIT_BYTES:,})")
-        os.set_blocking(fd, True)
         f = os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)

@@ -1,4 +1,10 @@
-"""Reading a small text file a user named (a YAML config, a JSON schema, a grammar): every problem one line."""
+"""Reading a file a user named (a YAML config, a JSON schema, a model's JSON, a chat template, an audit log): opened
+first, then checked and read through that one descriptor; every problem one line.
+
+Checked by path and opened by path again, a file swapped in between was read unchecked (a FIFO: the open or the read
+waited for a writer for ever; a link to /dev/zero: read without end). ``O_NONBLOCK``: opening a FIFO does not wait for
+a writer (it is refused after the ``fstat``); the flag is cleared before a regular file is read.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +15,13 @@ from pathlib import Path
 
 from pipeline.errors import cannot_read
 
+#: Turns a one-line problem ("not found", "is a directory; give a YAML file") into the caller's error.
+Fail = Callable[[str], Exception]
 
-def read_opened(path: Path, fd: int, limit: int) -> bytes:
+
+def read_opened(path: str | os.PathLike[str], fd: int, limit: int) -> bytes:
     """At most ``limit`` bytes of the file ``path`` opened as ``fd``, from where it stands to its end (the one read of a
-    user's text file: a test that changes the file right after it is read hooks this)."""
+    user's file: a test that changes the file right after it is read hooks this)."""
     chunks = []
     while limit > 0 and (chunk := os.read(fd, min(limit, 1 << 20))):
         chunks.append(chunk)
@@ -20,7 +29,57 @@ def read_opened(path: Path, fd: int, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def read_text_file(path: Path, fail: Callable[[str], Exception], *, expected: str, max_chars: int, too_big: str,
+def open_regular(path: str | os.PathLike[str], fail: Fail, *, tail: str, max_bytes: int | None = None,
+                 too_big: str = "", missing: str | None = "not found", what: str = "") -> int:
+    """A blocking descriptor of the regular file ``path`` (the caller closes it), or ``fail(problem)`` raised: not
+    found (``missing``; ``None`` lets ``FileNotFoundError`` through), a symbolic link to nothing, a directory, a FIFO
+    or device (``tail``, such as ``"; give a YAML file"``, says what to give), unreadable (``cannot_read`` of
+    ``what``), or over ``max_bytes`` by its size (``too_big`` says the limit)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        if os.path.lexists(path):
+            raise fail(f"is a symbolic link to nothing{tail}") from None
+        if missing is None:
+            raise
+        raise fail(missing) from None
+    except IsADirectoryError:  # where a directory cannot be opened for reading at all
+        raise fail(f"is a directory{tail}") from None
+    except OSError as exc:  # no permission, a symbolic link loop, a name too long, a socket ...
+        raise fail(cannot_read(exc, what)) from None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise fail(f"is a directory{tail}")
+        if not stat.S_ISREG(st.st_mode):  # a FIFO would block the read for ever, a device never ends
+            raise fail(f"not a regular file (a FIFO or device?){tail}")
+        if max_bytes is not None and st.st_size > max_bytes:  # before reading: a huge (or sparse) file
+            raise fail(f"{st.st_size:,} bytes; {too_big}")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular(path: str | os.PathLike[str], fail: Fail, *, tail: str, max_bytes: int, too_big: str,
+                 missing: str | None = "not found", what: str = "") -> bytes:
+    """The bytes of the regular file ``path``, at most ``max_bytes`` of them, or ``fail(problem)`` raised as
+    :func:`open_regular` says (and for a read that fails, or a file grown past ``max_bytes`` since it was checked)."""
+    fd = open_regular(path, fail, tail=tail, max_bytes=max_bytes, too_big=too_big, missing=missing, what=what)
+    try:
+        try:  # a file grown since the fstat is read no further than the bound
+            raw = read_opened(path, fd, max_bytes + 1)
+        except OSError as exc:
+            raise fail(cannot_read(exc, what)) from None
+    finally:
+        os.close(fd)
+    if len(raw) > max_bytes:
+        raise fail(f"more than {max_bytes:,} bytes; {too_big}")
+    return raw
+
+
+def read_text_file(path: Path, fail: Fail, *, expected: str, max_chars: int, too_big: str,
                    utf8_hint: str = "") -> str:
     """The UTF-8 text of the regular file ``path``, at most ``max_chars`` characters; otherwise ``fail(problem)``
     is raised, ``problem`` one line: not found, a dangling link, a directory or FIFO (``expected`` says what to give),
@@ -33,33 +92,8 @@ def read_text_file(path: Path, fail: Callable[[str], Exception], *, expected: st
             from None
     except OSError as exc:
         raise fail(cannot_read(exc)) from None
-    # Then opened once, and checked and read through that one descriptor: checked by path and read by path again, a
-    # file swapped in between (a FIFO: read_bytes waited for a writer forever; a link to /dev/zero: read without end)
-    # was read unchecked. O_NONBLOCK: opening a FIFO does not wait for a writer (it is refused below).
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise fail("not found (it was removed while being read)") from None
-    except IsADirectoryError:  # where a directory cannot be opened for reading at all
-        raise fail(f"is a directory, expected {expected}") from None
-    except OSError as exc:
-        raise fail(cannot_read(exc)) from None
-    try:
-        st = os.fstat(fd)
-        if stat.S_ISDIR(st.st_mode):
-            raise fail(f"is a directory, expected {expected}")
-        if not stat.S_ISREG(st.st_mode):
-            raise fail(f"not a regular file (a FIFO or device?); give {expected}")
-        if st.st_size > 4 * max_chars:  # before reading: a huge (or sparse) file would be read into memory whole
-            raise fail(f"{st.st_size:,} bytes; {too_big}")
-        try:  # a file grown since fstat is read no further than the bound
-            raw = read_opened(path, fd, 4 * max_chars + 1)
-        except OSError as exc:
-            raise fail(cannot_read(exc)) from None
-    finally:
-        os.close(fd)
-    if len(raw) > 4 * max_chars:
-        raise fail(f"more than {4 * max_chars:,} bytes; {too_big}")
+    raw = read_regular(path, fail, tail=f"; give {expected}", max_bytes=4 * max_chars, too_big=too_big,
+                       missing="not found (it was removed while being read)")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -69,4 +103,4 @@ def read_text_file(path: Path, fail: Callable[[str], Exception], *, expected: st
     return text
 
 
-__all__ = ["read_opened", "read_text_file"]
+__all__ = ["Fail", "open_regular", "read_opened", "read_regular", "read_text_file"]

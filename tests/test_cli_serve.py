@@ -395,6 +395,19 @@ def test_a_bad_chat_template_exits_2_with_one_line_naming_the_flag(capsys, value
     assert r.err.startswith(message), r.err
 
 
+def test_a_chat_template_link_to_nothing_is_named_as_one(tmp_path):
+    """``--chat-template t.jinja`` where t.jinja is a link whose target is gone read "is neither a file nor a Jinja
+    template": the file is right there; the line names what is wrong with it."""
+    from kvload.serve.server import chat_template_text
+    from pipeline.errors import ConfigError
+
+    link = tmp_path / "t.jinja"
+    link.symlink_to(tmp_path / "gone.jinja")
+    with pytest.raises(ConfigError, match=rf"^--chat-template '{link}': is a symbolic link to nothing; give a "
+                                          r"template file$"):
+        chat_template_text(str(link))
+
+
 def test_a_fifo_or_device_as_chat_template_is_refused_before_it_is_opened(tmp_path):
     """``--chat-template FIFO`` blocked the start for ever (opening a FIFO waits for a writer: the helper's 180 s
     timeout), and a device was read as a file (``/dev/zero``, size 0, without end). Both are refused, one line."""

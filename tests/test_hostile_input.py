@@ -1588,6 +1588,25 @@ def test_serve_names_the_host_when_it_is_not_an_address_of_this_machine(capsys):
                       "all of them)")
 
 
+def test_serve_names_the_host_whose_address_family_this_machine_lacks(capsys, monkeypatch):
+    """``--host ::1`` on a machine with IPv6 off: creating the socket failed outside the checks, and the run ended
+    "error: OSError: [Errno 97] Address family not supported by protocol", exit 1, naming no flag."""
+    import errno
+    import socket
+
+    real = socket.socket
+
+    def no_ipv6(family=-1, *args, **kwargs):
+        if family == socket.AF_INET6:
+            raise OSError(errno.EAFNOSUPPORT, os.strerror(errno.EAFNOSUPPORT))
+        return real(family, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "socket", no_ipv6)
+    r = run_cli(capsys, "serve", "tiny-llama", "--host", "::1", "--port", "0")
+    assert_refused(r, f"error: --host '::1': cannot listen on it ({os.strerror(errno.EAFNOSUPPORT)}); give an "
+                      "address of a kind this machine has (127.0.0.1: this machine only, 0.0.0.0: all of them)")
+
+
 @pytest.mark.parametrize("damage", ["truncated", "garbage"])
 def test_a_bad_shard_among_several_is_named_not_only_the_checkpoint(capsys, tmp_path, out, damage):
     """safetensors' "Error while deserializing header" names no file, and the line named the checkpoint folder:

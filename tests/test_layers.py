@@ -15,9 +15,9 @@ ROOT = Path(__file__).resolve().parent.parent
 #: Bottom to top. A module may import its own layer and the layers below it, never one above.
 LAYERS = ["cache_backends", "models", "pipeline", "stages", "engine", "kvload"]
 
-#: Leaf modules every layer above the backends may use (they import nothing of kvload): the typed errors
-#: and the bounds every input is checked against.
-SHARED = {"pipeline.errors", "pipeline.limits"}
+#: Leaf modules every layer above the backends may use (they import nothing of kvload but each other): the typed
+#: errors, the bounds every input is checked against, and the one reader of a file a user named.
+SHARED = {"pipeline.errors", "pipeline.limits", "pipeline.textfile"}
 
 
 def layer_of(module: str) -> int | None:

@@ -20,7 +20,7 @@ from typing import Any
 import attrs
 
 from kvload.serve.command import TOOL_CALL_PARSERS
-from kvload.serve.protocol import EFFORT_IGNORED, AsSent, BadRequest, need_schema
+from kvload.serve.protocol import EFFORT_IGNORED, AsSent, BadRequest, need_schema, renamed_as
 
 #: The Messages fields kvload acts on or reports (count_tokens takes those that shape the prompt).
 ACCEPTED = frozenset({"model", "messages", "system", "max_tokens", "temperature", "top_p", "top_k", "stop_sequences",
@@ -434,11 +434,7 @@ def renamed(text: str, request: MessagesRequest | None) -> str:
 
 def renamed_error(exc: BadRequest, request: MessagesRequest | None) -> BadRequest:
     """The chat path's refusal named as the Messages body named it."""
-    if isinstance(exc, AsSent):
-        return exc
-    param = renamed(exc.param, request) if exc.param else exc.param
-    return BadRequest(renamed(exc.message, request), param=param, status=exc.status, kind=exc.kind, code=exc.code,
-                      headers=exc.headers)
+    return renamed_as(exc, lambda text: renamed(text, request))
 
 
 __all__ = ["ACCEPTED", "COUNT_ACCEPTED", "AnthropicError", "MessagesRequest", "renamed", "renamed_error", "to_chat"]

@@ -19,7 +19,7 @@ does.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -104,6 +104,16 @@ class AsSent(BadRequest):
     """A refusal on the Responses or Messages path that already names the body's own fields (an unknown one): not
     renamed as the chat path's refusals are (``messages`` is no Responses ``input``, ``max_tokens`` no
     ``max_output_tokens``)."""
+
+
+def renamed_as(exc: BadRequest, rename: Callable[[str], str]) -> BadRequest:
+    """The chat path's refusal ``exc`` with its message and ``param`` put in another body's words by ``rename`` (the
+    Responses or Messages path's); an :class:`AsSent` one already names that body's fields and stands."""
+    if isinstance(exc, AsSent):
+        return exc
+    param = rename(exc.param) if exc.param else exc.param
+    return BadRequest(rename(exc.message), param=param, status=exc.status, kind=exc.kind, code=exc.code,
+                      headers=exc.headers)
 
 
 def _printable(text: str) -> str:
@@ -1183,4 +1193,4 @@ def _logprobs(body: dict[str, Any], kind: str) -> int | None:
 
 __all__ = ["BODY_BYTES_PER_TOKEN", "BODY_SLACK", "MAX_CHOICES", "MAX_LOGPROBS", "MAX_N", "MAX_PROMPTS", "MAX_STOP",
            "MAX_STOP_CHARS", "MAX_STOP_TOKEN_IDS", "AsSent", "BadRequest", "Job", "TokenizeJob", "ToolChoice",
-           "default_max_request_bytes", "parse", "parse_detokenize", "parse_tokenize"]
+           "default_max_request_bytes", "parse", "parse_detokenize", "parse_tokenize", "renamed_as"]

@@ -26,6 +26,7 @@ from kvload.serve.protocol import (
     BadRequest,
     need_schema,
     openai_hints,
+    renamed_as,
 )
 from kvload.serve.protocol import metadata as _metadata
 from kvload.serve.responses_store import ResponseStore, Stored, input_items
@@ -502,11 +503,7 @@ def renamed(text: str, request: ResponsesRequest | None) -> str:
 
 def renamed_error(exc: BadRequest, request: ResponsesRequest | None) -> BadRequest:
     """The chat path's refusal named as the Responses body named it."""
-    if isinstance(exc, AsSent):
-        return exc
-    param = renamed(exc.param, request) if exc.param else exc.param
-    return BadRequest(renamed(exc.message, request), param=param, status=exc.status, kind=exc.kind, code=exc.code,
-                      headers=exc.headers)
+    return renamed_as(exc, lambda text: renamed(text, request))
 
 
 __all__ = ["ACCEPTED", "ResponsesRequest", "renamed", "renamed_error", "to_chat"]

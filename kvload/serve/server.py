@@ -48,6 +48,7 @@ from kvload.serve.state import CorsPolicy, ServeState
 from pipeline.errors import ConfigError, KvloadError
 from pipeline.events import ApiKeyRequired, AutoToolChoiceEnabled, KvEventsFileFailed, ReasoningParserEnabled
 from pipeline.limits import MAX_INT, short, short_text
+from pipeline.textfile import read_regular
 
 
 def build_state(result: Any, *, model_name: str | Sequence[str] | None = None,
@@ -174,44 +175,23 @@ MAX_CHAT_TEMPLATE_BYTES = 1 << 20
 
 def chat_template_text(value: str, flag: str = "--chat-template") -> str:
     """``--chat-template``: a file's text, or the template itself (vLLM's flag takes either), checked to compile;
-    ``ConfigError`` naming ``flag``. A FIFO or device is refused without waiting on it: a FIFO with no writer blocked
-    the start for ever, and ``/dev/zero`` (size 0) was read without end. The file is opened first (not waiting for a
-    FIFO's writer) and checked and read through that descriptor: checked by path and opened by path again, a FIFO
-    swapped in between blocked the open for ever."""
-    import os
-    import stat
-
+    ``ConfigError`` naming ``flag``. The file is opened first and checked and read through that descriptor
+    (:func:`pipeline.textfile.read_regular`): a FIFO or device is refused without waiting on it (a FIFO with no writer
+    blocked the start for ever, and ``/dev/zero``, size 0, was read without end)."""
     if "{{" in value or "{%" in value:  # the template itself, not a path
         return check_chat_template(flag, value)
     named = f"{flag} {short_text(value, 200)}"  # quoted: a path with spaces, or an empty one, reads as one value
     try:
-        fd = os.open(value, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
+        raw = read_regular(value, lambda problem: ConfigError(f"{named}: {problem}"), tail="; give a template file",
+                           max_bytes=MAX_CHAT_TEMPLATE_BYTES, missing=None, too_big=f"a chat template is at most "
+                           f"{MAX_CHAT_TEMPLATE_BYTES:,} bytes (real ones: a few KiB)")
+    except FileNotFoundError:  # not a path: a template with no Jinja tag in it, or a path mistyped
         raise ConfigError(f"{flag}: {short_text(value, 200)} is neither a file nor a Jinja template (one holds "
                           "{{ or {%)") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{named}: is a directory; give a template file (or the template itself)") from None
-    except OSError as exc:
-        raise ConfigError(f"{named}: cannot read ({exc.strerror or type(exc).__name__})") from None
     try:
-        mode = os.fstat(fd).st_mode
-        if stat.S_ISDIR(mode):
-            raise ConfigError(f"{named}: is a directory; give a template file (or the template itself)")
-        if not stat.S_ISREG(mode):
-            raise ConfigError(f"{named}: not a regular file (a FIFO or device?); give a template file")
-        os.set_blocking(fd, True)
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            raw = f.read(MAX_CHAT_TEMPLATE_BYTES + 1)  # at most that: the file may grow after the fstat
-        if len(raw) > MAX_CHAT_TEMPLATE_BYTES:
-            raise ConfigError(f"{named}: larger than {MAX_CHAT_TEMPLATE_BYTES:,} bytes; a chat template is a "
-                              "few KiB")
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise ConfigError(f"{named}: not UTF-8 text") from None
-    except OSError as exc:
-        raise ConfigError(f"{named}: cannot read ({exc.strerror or type(exc).__name__})") from None
-    finally:
-        os.close(fd)
     return check_chat_template(named, text)
 
 
@@ -257,7 +237,11 @@ def bind(host: str, port: int) -> socket.socket:
     except socket.gaierror as exc:
         raise ConfigError(f"--host {short_text(host)}: cannot resolve it ({exc.strerror})") from None
     family, kind, proto, _, addr = infos[0]
-    sock = socket.socket(family, kind, proto)
+    try:
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:  # an IPv6 address where IPv6 is off (EAFNOSUPPORT): the host's kind, not the port
+        raise ConfigError(f"--host {short_text(host)}: cannot listen on it ({exc.strerror}); give an address of a "
+                          "kind this machine has (127.0.0.1: this machine only, 0.0.0.0: all of them)") from None
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(addr)
