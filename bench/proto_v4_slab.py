@@ -48,8 +48,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import cache_backends.v2 as v2
-from cache_backends.pools import BlockPools
 from cache_backends.interface import ManagerOptions
+from cache_backends.pools import BlockPools
 from cache_backends.request import Request
 from cache_backends.v2.group_pool import Detach, GroupPool
 from cache_backends.v2.manager import KVCacheManagerV2, _most_fitting
@@ -60,9 +60,15 @@ PRESET = "tiny-deepseek-v4"
 class SlabArena:
     """Who owns each slab, the free slabs, and the slab-level counters of one run."""
 
-    def __init__(self, num_slabs: int, slab_bytes: int) -> None:
+    def __init__(self, num_slabs: int, slab_bytes: int, policy: str = "own-first") -> None:
         self.num_slabs = num_slabs
         self.slab_bytes = slab_bytes
+        if policy not in POLICIES:
+            raise ValueError(f"slab policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        self.policy = policy
+        self.clock = 0  # releases so far, every group's: orders cached blocks across groups ("oldest")
+        self.touched = [0] * num_slabs  # the clock when a block of the slab was last cached
+        self.pending = [0] * 0  # per group, blocks an allocation in progress still asks of it (reclaims spare them)
         self.owner = [-1] * num_slabs
         self.free = list(range(num_slabs - 1, -1, -1))  # a stack: low ids first
         self.pools: list[SlabPool] = []
@@ -75,7 +81,7 @@ class SlabArena:
         """The prototype's invariants: every slab free or owned by one group, per pool free + used + cached ==
         the blocks of its slabs, and a slab with every block free is not kept."""
         owned = [0] * len(self.pools)
-        for s, o in enumerate(self.owner):
+        for o in self.owner:
             if o >= 0:
                 owned[o] += 1
         if len(self.free) + sum(owned) != self.num_slabs or len(set(self.free)) != len(self.free):
@@ -116,6 +122,7 @@ class SlabArena:
         """Give every group short of its own free + cached blocks for ``need`` (per group) the slabs it lacks: free
         slabs first, then reclaimed ones (:class:`SlabPool` docstring); the caller checked :meth:`short` first."""
         pools = self.pools
+        self.pending = [max(0, n) for n in need]
         for i, pool in enumerate(pools):
             n = need[i]
             while n > pool.available:
@@ -142,6 +149,21 @@ class SlabArena:
         self.counters["evicted_by_reclaim"] += self.pools[j].give_up(s, detach)
         self.counters["slabs_reclaimed"] += 1
         return s
+
+    def oldest_slab(self, taker: int) -> tuple[int, int, int] | None:
+        """("oldest" policy) (last cached at, slab, group) of the least recently touched slab with no block in use
+        that another group can spare beside what the allocation in progress asks of it; None if there is none."""
+        best: tuple[int, int, int] | None = None
+        touched, pending = self.touched, self.pending
+        for j, pool in enumerate(self.pools):
+            if j == taker or not pool.empty:
+                continue
+            if pool.available - pool.per < (pending[j] if j < len(pending) else 0):
+                continue
+            for s in pool.empty:
+                if best is None or touched[s] < best[0]:
+                    best = (touched[s], s, j)
+        return best
 
     def short(self, need: Sequence[int], extra: Sequence[int] | None = None) -> int | None:
         """The first group whose ``need`` the arena cannot meet together with the others' (``extra``: blocks more,
@@ -173,6 +195,7 @@ class SlabPool(GroupPool):
         self.empty: set[int] = set()  # owned slabs with no block in use (free or cached only): reclaimable
         self.owned = 0
         self.num_blocks = 1  # blocks of the owned slabs (at least 1: the manager divides by it)
+        self.touched_at = [0] * (arena.num_slabs * per)  # the arena's clock when the block was last cached
 
     @property
     def num_free(self) -> int:
@@ -232,6 +255,14 @@ class SlabPool(GroupPool):
                 self.arena.free.append(s)
                 self.arena.counters["slabs_returned"] += 1
 
+    def _cached(self, blocks: Sequence[int]) -> None:
+        arena = self.arena
+        arena.clock += 1
+        now, per, at, touched = arena.clock, self.per, self.touched_at, arena.touched
+        for b in blocks:
+            at[b] = now
+            touched[b // per] = now
+
     def _used(self, blocks: Iterable[int]) -> None:
         per, used_in, empty = self.per, self.used_in, self.empty
         for b in blocks:
@@ -261,12 +292,15 @@ class SlabPool(GroupPool):
                 if self.arena.free:  # a free slab before evicting cached blocks
                     self.take_slab(self.arena.free.pop())
                     self.arena.counters["slabs_taken"] += 1
+                elif self.arena.policy == "oldest" and self._reclaim_older(detach):
+                    pass  # a slab of another group, cached longer ago than this group's next eviction
                 else:
-                    evicted = self.evictable.pop_many(n - len(out))
+                    k = n - len(out) if self.arena.policy != "oldest" else 1
+                    evicted = self.evictable.pop_many(k)
                     detach(self.name, evicted)
                     self.evictions += len(evicted)
                     out += evicted
-                    break
+                    continue
             used_in = self.used_in
             s = min(self.free_in, key=lambda s: (not used_in[s], len(self.free_in[s]), s))
             lst = self.free_in[s]
@@ -282,7 +316,27 @@ class SlabPool(GroupPool):
             ref[b] = 1
         self.num_used += n
         self._used(out)
+        if self.index < len(self.arena.pending):
+            self.arena.pending[self.index] = max(0, self.arena.pending[self.index] - n)
         return out
+
+    def _reclaim_older(self, detach: Detach) -> bool:
+        """("oldest") Take another group's slab if it was last cached into before this group's next block to evict
+        was; whether it did. Priorities and shared prefixes are not compared across groups (a prototype)."""
+        if not len(self.evictable):
+            mine = None
+        else:
+            queue = self.evictable
+            b = next(iter(queue._by_key[min(queue._by_key)]))  # the next pop (buckets are dropped once empty)
+            mine = self.touched_at[b]
+        other = self.arena.oldest_slab(self.index)
+        if other is None or (mine is not None and other[0] >= mine):
+            return False
+        _, s, j = other
+        self.arena.counters["evicted_by_reclaim"] += self.arena.pools[j].give_up(s, detach)
+        self.arena.counters["slabs_reclaimed"] += 1
+        self.take_slab(s)
+        return True
 
     def incref(self, b: int) -> None:
         """One more holder of ``b``; a cached block comes into use."""
@@ -309,6 +363,7 @@ class SlabPool(GroupPool):
         node = self.node[b]
         if node is not None and keep_cached:
             self.evictable.add(b, priority, bool(node.children))
+            self._cached((b,))
             return
         if node is not None:
             detach(self.name, [b])
@@ -339,6 +394,7 @@ class SlabPool(GroupPool):
                 dropped.append(b)
         if cached:
             self.evictable.add_split(cached, owner, priority)
+            self._cached(cached)
         if dropped:
             detach(self.name, dropped)
         self._to_free(freed + dropped)
@@ -353,6 +409,7 @@ class SlabManagerV2(KVCacheManagerV2):
 
     #: the bytes the arena is cut from (set by the harness before each run: the cell's budget)
     budget_bytes = 0
+    policy = "own-first"  #: or "oldest" (:class:`SlabArena`)
     last: SlabManagerV2 | None = None  # the last one built (the harness reads its arena after the run)
 
     def __init__(self, pools: BlockPools, options: ManagerOptions) -> None:
@@ -364,7 +421,7 @@ class SlabManagerV2(KVCacheManagerV2):
         slab = max(g.bytes_per_block for g in layout.groups)
         if any(slab % g.bytes_per_block for g in layout.groups):
             raise ValueError("the slab prototype needs every page to divide the largest")
-        arena = SlabArena(self.budget_bytes // slab, slab)
+        arena = SlabArena(self.budget_bytes // slab, slab, self.policy)
         made = iter(range(len(layout.groups)))
         pages = {g.name: g.bytes_per_block for g in layout.groups}
 
@@ -480,9 +537,10 @@ class SlabManagerV2(KVCacheManagerV2):
 
 
 @contextlib.contextmanager
-def slab_manager(budget_bytes: int) -> Iterator[None]:
-    """Within the block, V2 is built as :class:`SlabManagerV2` over ``budget_bytes``."""
+def slab_manager(budget_bytes: int, policy: str = "own-first") -> Iterator[None]:
+    """Within the block, V2 is built as :class:`SlabManagerV2` over ``budget_bytes`` with slab ``policy``."""
     SlabManagerV2.budget_bytes = budget_bytes
+    SlabManagerV2.policy = policy
     SlabManagerV2.last = None
     saved = v2.KVCacheManagerV2
     v2.KVCacheManagerV2 = SlabManagerV2  # type: ignore[misc]  # what cache_backends.kinds builds V2 from
@@ -492,16 +550,17 @@ def slab_manager(budget_bytes: int) -> Iterator[None]:
         v2.KVCacheManagerV2 = saved  # type: ignore[misc]
 
 
+POLICIES = ("own-first", "oldest")
 CPU = {"device": "cpu", "log": False, "progress": False}
 BUDGETS = {"default": 1.0, "tight": 0.25, "generous": 4.0}
 
 
-def _run(wl: Any, budget: int, policy: str, **overrides: Any) -> Any:
+def _run(wl: Any, budget: int, sched: str, **overrides: Any) -> Any:
     from engine.simulator import simulate
     from pipeline.errors import KvBuildError
 
     try:
-        (result,) = simulate(PRESET, wl, kv_cache_config={"max_gpu_total_bytes": budget}, scheduling_policy=policy,
+        (result,) = simulate(PRESET, wl, kv_cache_config={"max_gpu_total_bytes": budget}, scheduling_policy=sched,
                              **overrides, **CPU).results.values()
     except KvBuildError:
         return None
@@ -514,25 +573,25 @@ def _hit(m: Any) -> str:
     return f"{m.hit_rate:.1%} ({m.hit_rate / m.ideal_hit_rate:.0%})"
 
 
-def cells(workloads: Sequence[str], budgets: Sequence[str]) -> list[dict[str, Any]]:
+def cells(workloads: Sequence[str], budgets: Sequence[str], policy: str = "own-first") -> list[dict[str, Any]]:
     """Each cell's three runs: {workload, budget, bytes, split, best, slab: metrics or None, arena}."""
     from bench.bench_grid import VARIANTS
-    from engine.workloads import make_workload
     from engine.simulator import simulate
+    from engine.workloads import make_workload
 
     out = []
     for name in workloads:
-        kind, extra, policy = VARIANTS.get(name, (name, {}, "fcfs"))
+        kind, extra, sched = VARIANTS.get(name, (name, {}, "fcfs"))
         wl = make_workload(kind, None, 0, **extra)
-        base = simulate(PRESET, wl, scheduling_policy=policy, **CPU).budget.bytes
+        base = simulate(PRESET, wl, scheduling_policy=sched, **CPU).budget.bytes
         for label in budgets:
             start = time.perf_counter()
             budget = int(base * BUDGETS[label])
             row: dict[str, Any] = {"workload": name, "budget": label, "bytes": budget}
-            row["split"] = _run(wl, budget, policy)
-            row["best"] = _run(wl, budget, policy, max_seq_len=wl.max_sequence_tokens)
-            with slab_manager(budget):
-                row["slab"] = _run(wl, budget, policy)
+            row["split"] = _run(wl, budget, sched)
+            row["best"] = _run(wl, budget, sched, max_seq_len=wl.max_sequence_tokens)
+            with slab_manager(budget, policy):
+                row["slab"] = _run(wl, budget, sched)
                 row["arena"] = SlabManagerV2.last.arena if SlabManagerV2.last is not None else None
             out.append(row)
             print(f"  {name} {label}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
@@ -584,6 +643,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated workloads")
     p.add_argument("--budgets", default=",".join(BUDGETS), help=f"comma-separated subset of {', '.join(BUDGETS)}")
+    p.add_argument("--policy", choices=POLICIES, default=POLICIES[0],
+                   help="where a group short of blocks evicts: its own cached blocks first, or whichever is older")
     p.add_argument("--check", action="store_true", help="check the arena's invariants every step (slow)")
     args = p.parse_args(argv)
     budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
@@ -602,7 +663,7 @@ def main(argv: list[str] | None = None) -> None:
                                              " " + " ".join(argv if argv is not None else sys.argv[1:]))
     if args.check:
         _check_every_step()
-    print(table(cells(workloads, budgets), cmd))
+    print(table(cells(workloads, budgets, args.policy), cmd))
 
 
 if __name__ == "__main__":
