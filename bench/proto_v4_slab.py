@@ -15,7 +15,10 @@ allocated (the simulator's pools are unbacked). The slab policy, kept simple:
 
 * **Where a group's blocks come from**, in order: its own free blocks (those of the slab with the fewest free blocks
   that holds a used block first: best fit, so empty slabs stay whole), then a free slab of the arena, then its own
-  cached blocks (LRU, as today), then a slab reclaimed from another group.
+  cached blocks (LRU, as today), then a slab reclaimed from another group (``--policy own-first``, the default).
+  ``--policy oldest`` instead compares, block by block, this group's next cached block to evict with the least
+  recently cached-into reclaimable slab of the others and takes the older (one global release clock; priorities and
+  shared prefixes are not compared across groups).
 * **Which slab is reclaimed**: one whose blocks are all free or cached (none in use), from a group that can spare it
   (its free + cached blocks, less what the same allocation asks of it, cover the slab), the one holding the fewest
   cached bytes (ties: lowest id). Its cached blocks are evicted (unhooked from the radix tree, as an eviction is).
@@ -34,6 +37,7 @@ used block pins to a group without using them (free or cached blocks beside a us
 
     python -m bench.proto_v4_slab                      # all six workloads x three budgets (a few minutes)
     python -m bench.proto_v4_slab --workloads no-reuse --budgets tight
+    python -m bench.proto_v4_slab --policy oldest --check   # the other slab policy; the arena checked every step
 """
 
 from __future__ import annotations
