@@ -18,7 +18,8 @@ allocated (the simulator's pools are unbacked). The slab policy, kept simple:
   cached blocks (LRU, as today), then a slab reclaimed from another group (``--policy own-first``, the default).
   ``--policy oldest`` instead compares, block by block, this group's next cached block to evict with the least
   recently cached-into reclaimable slab of the others and takes the older (one global release clock; priorities and
-  shared prefixes are not compared across groups).
+  shared prefixes are not compared across groups). ``--policy free-only`` never reclaims: memory flows only through
+  slabs whose blocks all went free (no group evicts another's cache).
 * **Which slab is reclaimed**: one whose blocks are all free or cached (none in use), from a group that can spare it
   (its free + cached blocks, less what the same allocation asks of it, cover the slab), the one holding the fewest
   cached bytes (ties: lowest id). Its cached blocks are evicted (unhooked from the radix tree, as an eviction is).
@@ -180,7 +181,7 @@ class SlabArena:
                 want += -(-(n - have) // pool.per)
                 if first is None:
                     first = i
-            elif pool.empty:
+            elif pool.empty and self.policy != "free-only":
                 offer += min(len(pool.empty), (have - n) // pool.per)
         return first if want > offer else None
 
@@ -554,7 +555,7 @@ def slab_manager(budget_bytes: int, policy: str = "own-first") -> Iterator[None]
         v2.KVCacheManagerV2 = saved  # type: ignore[misc]
 
 
-POLICIES = ("own-first", "oldest")
+POLICIES = ("own-first", "oldest", "free-only")
 CPU = {"device": "cpu", "log": False, "progress": False}
 BUDGETS = {"default": 1.0, "tight": 0.25, "generous": 4.0}
 
@@ -566,8 +567,9 @@ def _run(wl: Any, budget: int, sched: str, **overrides: Any) -> Any:
     try:
         (result,) = simulate(PRESET, wl, kv_cache_config={"max_gpu_total_bytes": budget}, scheduling_policy=sched,
                              **overrides, **CPU).results.values()
-    except KvBuildError:
-        return None
+    except KvBuildError as exc:  # the budget cannot hold one of the workload's requests, or the run stalled
+        # (a lone request could not grow: free-only slabs never leave the groups that cached into them)
+        return "stalled" if "although it runs alone" in str(exc) else None
     return result.metrics
 
 
@@ -578,7 +580,8 @@ def _hit(m: Any) -> str:
 
 
 def cells(workloads: Sequence[str], budgets: Sequence[str], policy: str = "own-first") -> list[dict[str, Any]]:
-    """Each cell's three runs: {workload, budget, bytes, split, best, slab: metrics or None, arena}."""
+    """Each cell's three runs: {workload, budget, bytes, split, best, slab: metrics, None (cannot be built) or a
+    status ("stalled"), arena}."""
     from bench.bench_grid import VARIANTS
     from engine.simulator import simulate
     from engine.workloads import make_workload
@@ -616,21 +619,22 @@ def _check_every_step() -> None:
 def table(rows: list[dict[str, Any]], cmd: str) -> str:
     """The markdown table of :func:`cells`."""
     def three(f: Callable[[Any], str], row: dict[str, Any]) -> str:
-        return " · ".join("cannot run" if row[k] is None else f(row[k]) for k in ("split", "best", "slab"))
+        return " · ".join("cannot run" if row[k] is None else row[k] if isinstance(row[k], str) else f(row[k])
+                          for k in ("split", "best", "slab"))
 
     head = ["workload", "budget", "steps: split · best static · slab", "hit (of ideal)", "max / mean concurrency",
             "preemptions", "slabs", "partly used slabs mean / max", "pinned, not in use (mean)", "slab reclaims"]
     lines = [f"`{cmd}`", "", "| " + " | ".join(head) + " |", "|---|---|" + "--:|" * (len(head) - 2)]
     for r in rows:
         a = r["arena"]
-        if a is not None and a.partly:
+        if a is not None and a.partly and not isinstance(r["slab"], str | None):  # a run that finished
             frag = [f"{a.num_slabs:,}", f"{statistics.fmean(a.partly):.1f} / {max(a.partly)}",
                     f"{statistics.fmean(a.pinned):.1%}",
                     f"{a.counters['slabs_reclaimed']:,} ({a.counters['evicted_by_reclaim']:,} blocks evicted)"]
         else:
             frag = ["-"] * 4
         steps = three(lambda m: f"{m.steps:,}", r)
-        if r["split"] is not None and r["slab"] is not None:
+        if not isinstance(r["split"], str | None) and not isinstance(r["slab"], str | None):
             steps += f" ({r['slab'].steps / r['split'].steps:.2f}x)"
         lines.append("| " + " | ".join([
             r["workload"], r["budget"], steps, three(_hit, r),
@@ -648,7 +652,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated workloads")
     p.add_argument("--budgets", default=",".join(BUDGETS), help=f"comma-separated subset of {', '.join(BUDGETS)}")
     p.add_argument("--policy", choices=POLICIES, default=POLICIES[0],
-                   help="where a group short of blocks evicts: its own cached blocks first, or whichever is older")
+                   help="where a group short of blocks evicts: its own cached blocks before another group's slab "
+                        "(own-first), whichever is older (oldest), or never another group's (free-only)")
     p.add_argument("--check", action="store_true", help="check the arena's invariants every step (slow)")
     args = p.parse_args(argv)
     budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
