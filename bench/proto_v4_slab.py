@@ -73,7 +73,7 @@ class SlabArena:
         self.policy = policy
         self.clock = 0  # releases so far, every group's: orders cached blocks across groups ("oldest")
         self.touched = [0] * num_slabs  # the clock when a block of the slab was last cached
-        self.pending = [0] * 0  # per group, blocks an allocation in progress still asks of it (reclaims spare them)
+        self.pending: list[int] = []  # per group, blocks an allocation in progress still asks (reclaims spare them)
         self.owner = [-1] * num_slabs
         self.free = list(range(num_slabs - 1, -1, -1))  # a stack: low ids first
         self.pools: list[SlabPool] = []
