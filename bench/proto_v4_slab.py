@@ -38,7 +38,7 @@ used block pins to a group without using them (free or cached blocks beside a us
 
     python -m bench.proto_v4_slab                      # all six workloads x three budgets (a few minutes)
     python -m bench.proto_v4_slab --workloads no-reuse --budgets tight
-    python -m bench.proto_v4_slab --policy oldest --check   # the other slab policy; the arena checked every step
+    python -m bench.proto_v4_slab --policy oldest --check   # another slab policy; the arena checked every step
 """
 
 from __future__ import annotations
