@@ -611,56 +611,6 @@ def test_admission_per_life_cycle_decides_as_the_per_group_estimates_would(data,
     assert m.short_of(own, headroom, sets=m.growth_bound_sets(new)) is (m.shortfall(per_group) is not None)
 
 
-def _headroom_by_request(m, requests: list[Request], ratio: float) -> list[int]:
-    """The running requests' growth per life cycle as a pass over the requests, then over their spans, sums it (the
-    reference)."""
-    spans = []
-    for r in requests:
-        now, worst = m.cache(r).capacity, min(r.max_total_tokens, m.options.max_seq_len)
-        if worst > now:
-            spans.append((now, now + math.ceil(ratio * (worst - now))))
-    per = []
-    for g, _ in m._cycles:
-        tpb, cap = g.tokens_per_block, g.max_blocks_per_sequence
-        if cap is None:
-            per.append(sum(-(-target // tpb) + (now // -tpb) for now, target in spans))
-        else:
-            per.append(sum(min(-(-target // tpb), cap) - min(-(-now // tpb), cap) for now, target in spans))
-    return per
-
-
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.sampled_from(["full", "shared", "split"]), st.integers(12, 64),
-       st.lists(st.tuples(st.integers(1, 30), st.integers(1, 30), st.integers(0, 40), st.integers(0, 12)),
-                max_size=6),
-       st.floats(0, 1))
-def test_the_running_requests_headroom_summed_in_c_passes_is_the_per_request_sum(layout, limit, requests, ratio):
-    # Requests at any point of their growth, some held to a max_seq_len below their worst case, some fed past it
-    # (tokens beyond max_new_tokens: they take nothing more), at any ratio; asked twice, some worst cases not yet
-    # computed the first time.
-    layers = {"full": FULL, "shared": full_sliding_layers(8), "split": split_sliding_layers(8)}[layout]
-    m = make_manager(layers, 40, max_seq_len=limit)
-    running = []
-    for i, (prompt, new, computed, past) in enumerate(requests):
-        r = Request(f"r{i}", [(i * 7 + j) % 11 for j in range(prompt)], new)
-        if prompt > limit or m.fit_tokens_new(r, prompt) < prompt:
-            continue
-        admit(m, r)
-        n = m.fit_tokens(r, computed)
-        if n:
-            compute(m, r, n)
-        for _ in range(past if r.num_computed_tokens == r.num_tokens else 0):  # outputs past max_new_tokens
-            r.output_token_ids.append(1)
-            if not m.fit_tokens(r, 1):
-                break
-            compute(m, r, 1)
-        running.append(r)
-        if i % 2:
-            m.cache(r).worst = -1
-    for _ in range(2):
-        assert m.cycle_headroom(running, ratio) == _headroom_by_request(m, running, ratio)
-
-
 def _decisions(res) -> list[tuple]:
     """Each step's decisions by request id: chunks, admissions, suspensions, preemptions, resumptions."""
     ids = lambda rs: tuple(r.req_id for r in rs)  # noqa: E731

@@ -74,7 +74,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Iterable
 from itertools import chain, compress, repeat
-from operator import add, attrgetter, floordiv, gt, itemgetter, lt, mul, neg, not_, sub
+from operator import add, itemgetter, not_, sub
 
 import attrs
 
@@ -91,8 +91,6 @@ from cache_backends.v2.host_tier import HostTier, host_slots
 from cache_backends.v2.radix import PendingPrefix, RadixNode, RadixTree
 from cache_backends.v2.sequence import NEVER, CacheState, SequenceCache
 from cache_backends.v2.shared_pool import GroupShare, SharedPool, interleave
-
-_WORST, _CAPACITY = attrgetter("worst"), attrgetter("capacity")
 
 
 def _most_fitting(want: int, fits: Callable[[int], bool], lo: int = 0) -> int:
@@ -995,32 +993,25 @@ class KVCacheManagerV2:
         return [max(0, g.blocks_for(target) - g.blocks_for(now)) for g, _ in self._cycles]
 
     def cycle_headroom(self, requests: Iterable[Request], ratio: float) -> list[int]:
-        """:meth:`cycle_growth` summed over active ``requests``, per life cycle.
-
-        In C passes over the requests (their capacities, worst cases, targets), then a sum per life cycle: it runs
-        every step that admits under pressure, over every running request (a Python pass over them was a twelfth of
-        V2's work on tiny-llama ``multi-turn`` at a quarter of the budget)."""
-        requests = list(requests)
-        caches = list(map(self._caches.__getitem__, requests))
-        worsts = list(map(_WORST, caches))
-        if worsts and min(worsts) < 0:  # once per request: prompt + max_new_tokens within max_seq_len (never changes)
-            limit = self.options.max_seq_len
-            for i in compress(range(len(worsts)), map(lt, worsts, repeat(0))):
-                worsts[i] = caches[i].worst = min(requests[i].max_total_tokens, limit)
-        nows = list(map(_CAPACITY, caches))
-        growing = list(map(gt, worsts, nows))
-        if growing.count(True) != len(growing):  # those at their worst case already take nothing more
-            nows, worsts = list(compress(nows, growing)), list(compress(worsts, growing))
-        # tokens after growing ``ratio`` of the way, negated: a cycle's blocks for t tokens are -(-t // tpb)
-        low = list(map(neg, map(add, nows, map(math.ceil, map(mul, repeat(ratio), map(sub, worsts, nows))))))
+        """:meth:`cycle_growth` summed over active ``requests``, per life cycle (one pass, no per-request lists: it
+        runs every step that admits)."""
+        limit, caches, ceil = self.options.max_seq_len, self._caches, math.ceil
+        spans: list[tuple[int, int]] = []  # (tokens held now, tokens after growing ``ratio`` of the way)
+        for r in requests:
+            cache = caches[r]
+            now = cache.capacity
+            worst = cache.worst
+            if worst < 0:  # once per request: prompt + max_new_tokens within max_seq_len (it never changes)
+                worst = cache.worst = min(r.max_total_tokens, limit)
+            if worst > now:
+                spans.append((now, now + ceil(ratio * (worst - now))))
         per = []
         for g, _ in self._cycles:  # once per life cycle, not per group
             tpb, cap = g.tokens_per_block, g.max_blocks_per_sequence
             if cap is None:
-                per.append(sum(map(floordiv, nows, repeat(-tpb))) - sum(map(floordiv, low, repeat(tpb))))
+                per.append(sum(-(-target // tpb) + (now // -tpb) for now, target in spans))
             else:
-                per.append(sum(map(min, map(neg, map(floordiv, low, repeat(tpb))), repeat(cap)))
-                           - sum(map(min, map(neg, map(floordiv, map(neg, nows), repeat(tpb))), repeat(cap))))
+                per.append(sum(min(-(-target // tpb), cap) - min(-(-now // tpb), cap) for now, target in spans))
         return per
 
     def check_running(self, requests: Iterable[Request]) -> None:
