@@ -470,6 +470,65 @@ def test_resume_is_refused_above_max_util_for_resume_unless_nothing_else_runs():
     check_kv(m, a)
 
 
+def _restore_needs_by_page(m: KVCacheManagerV2, cache) -> dict[str, tuple[int, int, int]]:
+    """A suspended cache's per-group needs as a pass over every host page computes them (the reference)."""
+    next_len = cache.committed + (1 if cache.request.num_tokens > cache.committed else 0)
+    needs = {}
+    for g in m.groups:
+        pool, new, reclaim_cached = m._pool[g.name], 0, 0
+        for j, slot in enumerate(cache.host[g.name]):
+            if slot < 0:
+                continue
+            b = m._reclaimable(cache, g.name, j)
+            if b is None:
+                new += 1
+            elif pool.ref[b] == 0:
+                reclaim_cached += 1
+        needs[g.name] = (new, reclaim_cached, max(0, -(-next_len // g.tokens_per_block) - len(cache.host[g.name])))
+    return needs
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(["shared", "split"]), st.integers(2, 40), st.integers(0, 12), st.integers(0, 40),
+       st.lists(st.integers(1, 40), max_size=6), st.integers(-1, 12))
+def test_a_suspended_caches_needs_checked_at_once_are_what_a_pass_over_every_page_finds(
+        arena, length, extra, shared, others, stale):
+    # A suspended request whose cached pages other requests share (held: not counted as taking back a cached
+    # block), whose windows let early pages go, and whose cached pages later prompts evict (written back: their
+    # marks dropped) in any number; ``stale`` >= 0 makes one remaining mark outdated as a page handed out again or
+    # dropped from the tree without its write-back would be.
+    m = make_manager(full_sliding_layers(8) if arena == "shared" else split_sliding_layers(8), 16)
+    a = Request("a", [1 + i % 7 for i in range(length)] + [50 + i for i in range(extra)], 4)
+    prefill(m, a)
+    if shared:
+        b = Request("b", a.prompt_token_ids[:shared] or [1], 2)
+        m.create(b)
+        if m.resume(b) and m.allocate(b, b.num_tokens - b.num_computed_tokens):
+            m.commit(b, b.num_tokens - b.num_computed_tokens)
+        else:
+            m.cancel_admission(b)
+    if not m.suspend(a):
+        return
+    cache = m.cache(a)
+    for k, n in enumerate(others):  # fresh prompts evict cached pages, the suspended request's among them
+        c = Request(f"c{k}", [100 + 41 * k + i for i in range(n)], 0)
+        m.create(c)
+        if m.resume(c) and m.allocate(c, n):
+            m.commit(c, n)
+            m.free(c)
+        else:
+            m.cancel_admission(c)
+    marks = [(name, j) for name, got in cache.reclaim.items() for j in got]
+    if stale >= 0 and marks:  # handed out again (its generation moved on), or dropped from the tree
+        name, j = marks[stale % len(marks)]
+        b, gen = cache.reclaim[name][j]
+        if stale % 2:
+            cache.reclaim[name][j] = (b, gen + 1)
+        else:
+            m._pool[name].node[b] = None
+    assert m._restore_needs(cache) == _restore_needs_by_page(m, cache)
+
+
 def test_resume_is_refused_without_room():
     m = make_manager(FULL, 6, enable_block_reuse=False)
     a = Request("a", list(range(16)), 0)

@@ -700,6 +700,86 @@ def test_requests_that_waited_lpm_age_steps_go_in_arrival_order(monkeypatch):
     assert out.admitted == [fresh]  # no overtaking: the earlier arrival first
 
 
+def _cache_aware_by_loop(s: KVCacheV2Scheduler, waiting: deque[Request]) -> list[Request]:
+    """The "fcfs" admission order as one Python pass over the window computes it (the reference)."""
+    import itertools
+
+    import cache_backends.v2.scheduler as scheduler
+
+    if len(waiting) < 2 or s.manager.reuse_off_reason is not None:
+        return list(waiting)
+    now, m = s._steps, s.manager
+    aged, young = [], []
+    for r in itertools.islice(waiting, scheduler.LPM_WINDOW):
+        if r.state is not RequestState.WAITING:
+            continue
+        if r.queued_at < 0:
+            r.queued_at = now
+        if r.cached_hint < 0:
+            hit = m.cached_prefix_tokens(r)
+            rank = r.cached_hint = hit if hit >= scheduler.LPM_MIN_HIT else 0
+        elif r.cached_hint:
+            hit = m.cached_prefix_tokens(r)
+            rank = hit if hit >= scheduler.LPM_MIN_HIT else 1
+        else:
+            rank = 0
+        if now - r.queued_at >= scheduler.LPM_AGE:
+            aged.append(r)
+        else:
+            young.append((rank, r))
+    young.sort(key=lambda e: e[0], reverse=True)
+    return aged + [r for _, r in young] + list(itertools.islice(waiting, scheduler.LPM_WINDOW, None))
+
+
+_STATES = [RequestState.WAITING] * 6 + [RequestState.SUSPENDED]
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 12), st.sampled_from(_STATES), st.integers(-1, 16),
+                          st.integers(-1, 6)), min_size=0, max_size=12),
+       st.lists(st.integers(0, 3), min_size=1, max_size=6))
+def test_the_cache_aware_order_read_in_c_passes_is_the_one_a_loop_over_the_window_gives(queue, evictions):
+    # Queues longer and shorter than the window, requests joining it (no clock yet), aged ones, suspended ones
+    # skipped, hints unknown / none / found, cached prefixes that go stale as fresh prompts evict them between steps.
+    # Both orders are taken step after step from twin queues (the same requests' copies): the orders and what each
+    # leaves on the requests (their clocks and hints) must match.
+    from unittest import mock
+
+    import cache_backends.v2.scheduler as scheduler
+
+    m = make_manager(FULL, 14)
+    for k in range(4):  # four cached 8- to 16-token prompts: hits of 4 to 16 tokens
+        done = Request(f"c{k}", [10 * k + j for j in range(8 + 4 * (k % 3))], 0)
+        prefill(m, done)
+        m.free(done)
+    twins = []
+    for i, (source, extra, state, hint, queued) in enumerate(queue):
+        prompt = [10 * source + j for j in range(8 + 4 * (source % 3))] if source < 4 else [90 + source] * 6
+        reqs = []
+        for _ in range(2):
+            r = Request(f"w{i}", prompt + [80 + i] * extra, 4, arrival=i)
+            r.state, r.cached_hint, r.queued_at = state, hint, queued
+            reqs.append(r)
+        twins.append(reqs)
+    fast_q, loop_q = deque(t[0] for t in twins), deque(t[1] for t in twins)
+    fast_s = KVCacheV2Scheduler(m, max_batch_size=4, max_num_tokens=64)
+    loop_s = KVCacheV2Scheduler(m, max_batch_size=4, max_num_tokens=64)
+    with mock.patch.multiple(scheduler, LPM_WINDOW=5, LPM_AGE=3, LPM_MIN_HIT=8):
+        for step, evict in enumerate(evictions):
+            fast_s._steps = loop_s._steps = step + 2
+            fast = [r.req_id for r in fast_s._cache_aware(fast_q)]
+            loop = [r.req_id for r in _cache_aware_by_loop(loop_s, loop_q)]
+            assert fast == loop
+            assert [(r.queued_at, r.cached_hint) for r in fast_q] == [(r.queued_at, r.cached_hint) for r in loop_q]
+            for k in range(evict):  # fresh prompts take the pool's room: the oldest cached blocks are evicted
+                fresh = Request(f"f{step}.{k}", [200 + 16 * step + 4 * k + j for j in range(16)], 0)
+                prefill(m, fresh)
+                m.free(fresh)
+            if fast_q and step % 2:  # the head was admitted
+                fast_q.popleft()
+                loop_q.popleft()
+
+
 def test_without_prefix_reuse_fcfs_admits_in_arrival_order():
     m = make_manager(FULL, 16, enable_block_reuse=False)
     s = KVCacheV2Scheduler(m, max_batch_size=1, max_num_tokens=64, init_ratio=0.0)

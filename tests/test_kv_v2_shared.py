@@ -285,6 +285,41 @@ def test_batched_arena_calls_do_exactly_what_the_per_group_calls_do():
             assert _pool_state(a) == _pool_state(b)
 
 
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 14), st.integers(0, 14), st.integers(0, 2)), min_size=1, max_size=5))
+def test_a_take_of_every_group_in_one_call_counts_each_groups_evictions_as_a_take_per_group(groups):
+    # Per group: (cached blocks queued, in group order, so a group's run of evictions can be long or short; blocks
+    # asked; priority of its cached ones). A take evicting a few groups' many blocks counts them per group at C
+    # speed, one evicting a block or two of many groups block by block: both must leave every group's cached and
+    # evicted counts (and everything else) as takes group by group with a detach per group do.
+    names = [f"g{g}" for g in range(len(groups))]
+    arenas = []
+    for _ in range(2):
+        pool = SharedPool(names, 48)
+        for g, (cached, _, priority) in enumerate(groups):
+            table = pool.take(g, cached, lambda n, x: None)
+            for b in table:
+                pool.node[b] = _Run(f"run{b}")  # type: ignore[assignment]
+            pool.release(g, table[::-1], priority, True, lambda n, x: None)
+        arenas.append(pool)
+    a, b = arenas
+    counts = [k for _, k, _ in groups]
+    if sum(counts) > a.available:
+        counts = [min(k, a.available // len(counts)) for k in counts]
+    seen_a: list = []
+    seen_b: list = []
+    record_a = _recorder(seen_a, a)
+
+    def mixed(blocks: list[int], of: list[int]) -> None:
+        for block, g in zip(blocks, of, strict=True):
+            seen_b.append((names[g], [block], [b.node[block]]))
+            b.node[block] = None
+
+    got_a = [a.take(g, k, record_a) if k else [] for g, k in enumerate(counts)]
+    got_b = b.take_each(range(len(counts)), counts, lambda n, x: None, mixed)
+    assert got_a == got_b and _detached(seen_a) == _detached(seen_b) and _pool_state(a) == _pool_state(b)
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.lists(st.integers(0, 10**6), max_size=12), max_size=8))
 def test_a_finish_queues_the_groups_blocks_position_by_position(lists):

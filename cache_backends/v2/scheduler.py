@@ -107,7 +107,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from operator import attrgetter, itemgetter
+from operator import attrgetter, gt, is_, itemgetter, le, lt, not_
 
 from cache_backends.interface import ScheduledChunk, SchedulerOutput
 from cache_backends.request import Request, RequestState
@@ -115,6 +115,7 @@ from cache_backends.scheduler_base import SchedulerBase
 from cache_backends.v2.manager import KVCacheManagerV2
 
 _ARRIVAL, _PRIORITY, _RANK = attrgetter("arrival"), attrgetter("priority"), attrgetter("rank")
+_STATE, _QUEUED_AT, _HINT = attrgetter("state"), attrgetter("queued_at"), attrgetter("cached_hint")
 
 #: Cache-aware admission under "fcfs" (module docstring): how many waiting requests at the queue's front are ranked
 #: by their cached prefix (SGLang ranks by longest prefix match only while its queue holds at most 128), after how
@@ -374,30 +375,43 @@ class KVCacheV2Scheduler(SchedulerBase):
         if len(waiting) < 2 or self.manager.reuse_off_reason is not None:
             return list(waiting)
         now, m = self._steps, self.manager
-        aged: list[Request] = []
-        young: list[tuple[int, Request]] = []  # (rank, request)
-        waiting_state = RequestState.WAITING
-        for r in itertools.islice(waiting, LPM_WINDOW):  # one pass: this runs every step over up to 128 requests
-            if r.state is not waiting_state:
-                continue
-            if r.queued_at < 0:
-                r.queued_at = now
-            if r.cached_hint < 0:
-                hit = m.cached_prefix_tokens(r)
-                rank = r.cached_hint = hit if hit >= LPM_MIN_HIT else 0
-            elif r.cached_hint:
+        # The window's requests are read in C passes (states, arrival steps, hints); Python work is done only for the
+        # few that need it: those joining the window, those with a hint to look up, those aged. Why: under pressure
+        # the window is full of requests that never had a hit and rank 0 step after step; a Python pass over them
+        # was a fifth of V2's KV work on tiny-gemma3 ``mixed`` at a quarter of the budget (BENCHMARKS.md).
+        window = list(itertools.islice(waiting, LPM_WINDOW))
+        states = list(map(_STATE, window))
+        if states.count(RequestState.WAITING) != len(window):
+            window = list(itertools.compress(window, map(is_, states, itertools.repeat(RequestState.WAITING))))
+        n = len(window)
+        tail = list(itertools.islice(waiting, LPM_WINDOW, None))
+        if not n:
+            return tail
+        queued = list(map(_QUEUED_AT, window))
+        if min(queued) < 0:  # joined the window: its clock of waiting starts now
+            for i in itertools.compress(range(n), map(lt, queued, itertools.repeat(0))):
+                window[i].queued_at = queued[i] = now
+        ranks = [0] * n  # 0: never had a hit (or its first lookup found none)
+        for i in itertools.compress(range(n), list(map(_HINT, window))):  # a hint to look up, in window order
+            r = window[i]
+            hit = m.cached_prefix_tokens(r)
+            if r.cached_hint < 0:  # joined the queue: looked up once
+                ranks[i] = r.cached_hint = hit if hit >= LPM_MIN_HIT else 0
+            else:
                 # the running requests' growth may have evicted it while the request waited (module docstring, "a
                 # stale hit"); 1: a prefix others share may come back, cached again by the first of them admitted
-                hit = m.cached_prefix_tokens(r)
-                rank = hit if hit >= LPM_MIN_HIT else 1
-            else:
-                rank = 0
-            if now - r.queued_at >= LPM_AGE:
-                aged.append(r)
-            else:
-                young.append((rank, r))
-        young.sort(key=itemgetter(0), reverse=True)  # stable: equal ranks stay in arrival order
-        return aged + [r for _, r in young] + list(itertools.islice(waiting, LPM_WINDOW, None))
+                ranks[i] = hit if hit >= LPM_MIN_HIT else 1
+        aged: list[Request] = []
+        old = now - LPM_AGE
+        if min(queued) <= old:  # waited LPM_AGE steps or longer: first, in arrival order
+            mask = list(map(le, queued, itertools.repeat(old)))
+            aged = list(itertools.compress(window, mask))
+            for i in itertools.compress(range(n), mask):
+                ranks[i] = -1
+        hits = [(ranks[i], window[i]) for i in itertools.compress(range(n), map(gt, ranks, itertools.repeat(0)))]
+        hits.sort(key=itemgetter(0), reverse=True)  # stable: equal ranks stay in arrival order
+        return (aged + [r for _, r in hits] + list(itertools.compress(window, map(not_, ranks)))  # rank 0 in order
+                + tail)
 
     def _displaceable(self, request: Request, running: list[Request]) -> Request | None:
         """Under "priority": the worst-ranked running request when it ranks below ``request``, else None."""
