@@ -251,8 +251,8 @@ class SamplingParams:
     ``MAX_BAD_WORDS`` of ``MAX_STOP_CHARS`` characters). ``structured_outputs`` (vLLM's): a
     :class:`~engine.structured_params.StructuredOutputsParams`: the output matches a JSON schema, a regex, one of some
     choices or a grammar (``engine.structured``; needs xgrammar and a tokenizer). ``truncate_prompt_tokens`` (vLLM's):
-    each prompt is cut to its last k tokens (a BOS too) before it runs; -1 keeps as many as ``max_seq_len`` leaves
-    after ``max_tokens`` (at least one); None cuts nothing.
+    each prompt is cut to its last k tokens (a BOS too) before it runs, k at most ``max_seq_len``; -1 is
+    ``max_seq_len`` (vLLM's ``max_model_len``); None cuts nothing.
     """
 
     max_tokens: int | None = DEFAULT_MAX_TOKENS
@@ -373,8 +373,8 @@ class SamplingParams:
         check(is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "a number in [0, 1] (0 = off)", self.min_p)
         check(self.truncate_prompt_tokens is None or (is_int(self.truncate_prompt_tokens) and (
             self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1)), "truncate_prompt_tokens",
-              "an integer >= 1 (keep each prompt's last k tokens), -1 (as many as max_seq_len leaves after "
-              "max_tokens) or None (no cut)", self.truncate_prompt_tokens)
+              "an integer >= 1 (keep each prompt's last k tokens, k at most max_seq_len), -1 (max_seq_len: "
+              "vLLM's max_model_len) or None (no cut)", self.truncate_prompt_tokens)
         _at_most_int64("truncate_prompt_tokens", self.truncate_prompt_tokens)
 
         for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",

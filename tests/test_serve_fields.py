@@ -193,6 +193,27 @@ def test_truncate_prompt_tokens_minus_one_fits_a_long_prompt_to_what_max_tokens_
                        "tokens (truncate_prompt_tokens cannot help); ask for fewer")
 
 
+def test_truncate_prompt_tokens_of_max_model_len_without_max_tokens_is_taken_as_vllm_takes_it(served):
+    """vLLM bounds ``truncate_prompt_tokens`` by ``max_model_len - max_tokens``, ``max_model_len`` when no
+    ``max_tokens`` is given; kvload refused k = max_model_len there whatever the prompt. A shorter prompt is served
+    whole; one that long keeps one token fewer (a sequence never grows past max_seq_len), said as setting_ignored."""
+    def complete(prompt):
+        r = served.http.post("/v1/completions", json={"prompt": prompt, "truncate_prompt_tokens": MAX_SEQ,
+                                                       "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    short = complete(PROMPT)
+    assert short["usage"]["prompt_tokens"] == len(_ids(served, PROMPT))
+    assert _ignored(served, short["id"]) == {}
+    r = complete(" ".join(f"w{10 + i}" for i in range(80)))
+    assert r["usage"]["prompt_tokens"] == MAX_SEQ - 1 and r["usage"]["completion_tokens"] == 1
+    assert _ignored(served, r["id"]) == {"serve.truncate_prompt_tokens": MAX_SEQ}
+    message = _refused(served, "/v1/completions", {"prompt": PROMPT, "truncate_prompt_tokens": MAX_SEQ + 1},
+                       "truncate_prompt_tokens")
+    assert f"{MAX_SEQ + 1} is more than max_model_len = {MAX_SEQ}" in message
+
+
 # --- the answer's id, usage per chunk -------------------------------------------------------------------------------
 
 

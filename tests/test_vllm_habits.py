@@ -411,15 +411,34 @@ def test_truncate_prompt_tokens_minus_one_fits_a_prompt_past_max_seq_len_and_a_b
     long = list(range(1, 101))  # 100 tokens; the fixture's max_seq_len is 64
     with pytest.raises(GenerationError, match="^generate: prompt 0: 100 tokens leave no room"):
         llm.generate([long], SamplingParams(max_tokens=4))
+    # vLLM's -1 is max_model_len: a prompt that long keeps one token fewer here, and generates that one (as vLLM)
     (out,) = llm.generate([long], SamplingParams(max_tokens=4, ignore_eos=True, truncate_prompt_tokens=-1))
-    assert out.prompt_token_ids == long[-60:] and len(out.outputs[0].token_ids) == 4  # 64 - max_tokens
-    with pytest.raises(GenerationError, match="^generate: truncate_prompt_tokens: 64 keeps prompts of up to that "
-                                              "many tokens, which leaves no room to generate under max_seq_len=64"):
-        llm.generate([long], SamplingParams(max_tokens=4, truncate_prompt_tokens=64))
+    assert out.prompt_token_ids == long[-63:] and len(out.outputs[0].token_ids) == 1
+    assert out.outputs[0].finish_reason == "length"
+    shorter = list(range(1, 62))  # under max_seq_len: kept whole and max_tokens cut to what is left, as vLLM does
+    (out,) = llm.generate([shorter], SamplingParams(max_tokens=4, ignore_eos=True, truncate_prompt_tokens=-1))
+    assert out.prompt_token_ids == shorter and len(out.outputs[0].token_ids) == 3
+    with pytest.raises(GenerationError, match=r"^generate: truncate_prompt_tokens: 65 is greater than max_seq_len "
+                                              r"\(vLLM's max_model_len\) 64; use at most 64"):
+        llm.generate([long], SamplingParams(max_tokens=4, truncate_prompt_tokens=65))
     for bad in (0, -2, True, 1.5):
         with pytest.raises(GenerationError, match="^generate: truncate_prompt_tokens: expected an integer >= 1"):
             SamplingParams(truncate_prompt_tokens=bad)
     assert SamplingParams(truncate_prompt_tokens=None) == SamplingParams()
+
+
+def test_truncate_prompt_tokens_of_max_model_len_is_taken_as_vllm_takes_it(llm):
+    """vLLM takes ``1 <= truncate_prompt_tokens <= max_model_len``: a script capping prompts at the model's length
+    (TRL's ``max_prompt_length`` equal to ``max_model_len``) was refused whatever its prompts. A shorter prompt runs
+    whole; one that long keeps one token fewer than asked, generates that one, and a ``setting_ignored`` says so."""
+    sp = SamplingParams(max_tokens=4, ignore_eos=True, truncate_prompt_tokens=64)
+    (short,) = llm.generate([[5, 6, 7]], sp)
+    assert short.prompt_token_ids == [5, 6, 7] and len(short.outputs[0].token_ids) == 4
+    long = list(range(1, 101))
+    (out,) = llm.generate([long, long], sp)[:1]
+    assert out.prompt_token_ids == long[-63:] and len(out.outputs[0].token_ids) == 1
+    said = [r for r in llm.audit.of("setting_ignored") if r["field"] == "generate.truncate_prompt_tokens"]
+    assert [(r["value"], r["reason"][:46]) for r in said] == [(64, "2 prompts (the first: 0) kept the last 63 tokens")]
 
 
 def test_the_serving_engine_cuts_a_submitted_prompt_to_its_params_truncate_prompt_tokens():
@@ -437,7 +456,7 @@ def test_the_serving_engine_cuts_a_submitted_prompt_to_its_params_truncate_promp
         request = engine.check(long, SamplingParams(max_tokens=4, truncate_prompt_tokens=5))
         assert request.prompt_token_ids == long[-5:]
         request = engine.check(long, SamplingParams(max_tokens=4, truncate_prompt_tokens=-1))
-        assert request.prompt_token_ids == long[-(limit - 4):]
+        assert request.prompt_token_ids == long[-(limit - 1):]  # generate's -1: one token left to generate
         assert engine.check([1, 2, 3], SamplingParams(max_tokens=4, truncate_prompt_tokens=5)).prompt_token_ids == [
             1, 2, 3]
         with pytest.raises(GenerationError, match="^generate: prompt 0: .* tokens leave no room"):
