@@ -438,7 +438,7 @@ def test_truncate_prompt_tokens_of_max_model_len_is_taken_as_vllm_takes_it(llm):
     (out,) = llm.generate([long, long], sp)[:1]
     assert out.prompt_token_ids == long[-63:] and len(out.outputs[0].token_ids) == 1
     said = [r for r in llm.audit.of("setting_ignored") if r["field"] == "generate.truncate_prompt_tokens"]
-    assert [(r["value"], r["reason"][:46]) for r in said] == [(64, "2 prompts (the first: 0) kept the last 63 tokens")]
+    assert [(r["value"], r["reason"][:48]) for r in said] == [(64, "2 prompts (the first: 0) kept the last 63 tokens")]
 
 
 def test_the_serving_engine_cuts_a_submitted_prompt_to_its_params_truncate_prompt_tokens():
