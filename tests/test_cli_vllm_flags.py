@@ -195,3 +195,21 @@ def test_token_ids_force_usage_and_root_path_reach_the_server_and_a_bad_prefix_i
     assert (no["return_tokens_as_token_ids"], no["force_include_usage"]) == (False, False)
     r = run_cli(capsys, "serve", "tiny-llama", "--port", "0", "--root-path", "llm")
     assert r.code == 2 and "--root-path: expected a path prefix such as /api" in r.err, r.err
+
+
+def test_vllms_model_flag_names_the_model_on_every_command(capsys):
+    """``vllm serve --model X`` and ``python -m vllm.entrypoints.openai.api_server --model X`` launch lines: kvload
+    refused ``--model`` as an unrecognized argument. It names MODEL; MODEL given both ways must agree."""
+    from kvload.cli.commands import build_parser
+
+    ns = build_parser().parse_args(["serve", "--model", "tiny-llama", "--port", "0"])
+    assert ns.model == "tiny-llama"
+    assert build_parser().parse_args(["serve", "--model=tiny-llama", "--api-key", "k1", "k2"]).api_key == ["k1", "k2"]
+    r = run_cli(capsys, "generate", "--model", "tiny-llama", "--prompt-ids", "1,2", "--max_new_tokens", "2", "--json")
+    assert r.code == 0 and len(r.json()["outputs"][0]["outputs"][0]["token_ids"]) == 2, r.err
+    r = run_cli(capsys, "plan", "tiny-llama", "--model", "tiny-mistral")
+    assert r.code == 2 and r.err.strip() == ("error: --model tiny-mistral: MODEL is tiny-llama already; give the model "
+                                             "once (MODEL or --model)"), r.err
+    assert run_cli(capsys, "plan", "tiny-llama", "--model", "tiny-llama").code == 0
+    r = run_cli(capsys, "plan", "--max_tokens", "5")
+    assert r.code == 2 and r.err.strip() == "error: the following arguments are required: MODEL", r.err

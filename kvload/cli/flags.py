@@ -148,9 +148,14 @@ def _underscored(name: str) -> str:
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     """MODEL, the config flags (with dashed aliases), and the output/logging options."""
-    p.add_argument("model", metavar="MODEL",
-                   help="a preset or packaged model (see `kvload models`), a checkpoint directory, a .gguf file, "
-                        "or a Hugging Face id in the local cache")
+    model = p.add_argument("model", metavar="MODEL", nargs="?", default=None,
+                           help="a preset or packaged model (see `kvload models`), a checkpoint directory, a .gguf "
+                                "file, or a Hugging Face id in the local cache (--model MODEL too, vLLM's spelling)")
+    # MODEL may come as vLLM's --model (`python -m vllm.entrypoints.openai.api_server --model X` launch lines):
+    # optional to argparse, required by take_model_option (the usage line still says MODEL, not [MODEL])
+    model.shown_required = True  # type: ignore[attr-defined]
+    p.add_argument("--model", dest="model_option", metavar="MODEL", default=None, help=argparse.SUPPRESS)
+    p.finish = take_model_option  # type: ignore[attr-defined]
     group = p.add_argument_group("configuration (TensorRT-LLM spelling; dashed and vLLM aliases accepted)")
     for f in FLAGS:
         names = list(dict.fromkeys(n for name in (f.name, *f.aliases) for n in (name, _dashed(name))))
@@ -184,6 +189,18 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                           "existing file is refused)")
     out.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     add_log_flags(out)
+
+
+def take_model_option(parser: argparse.ArgumentParser, ns: argparse.Namespace, *, required: bool = True) -> None:
+    """MODEL from vLLM's ``--model`` when it was given that way; the same model both ways is taken, two different
+    ones are one usage error, and none at all (``required``) argparse's own."""
+    option = getattr(ns, "model_option", None)
+    if option is not None:
+        if ns.model is not None and ns.model != option:
+            parser.error(f"--model {option}: MODEL is {ns.model} already; give the model once (MODEL or --model)")
+        ns.model = option
+    if ns.model is None and required:
+        parser.error("the following arguments are required: MODEL")
 
 
 def add_log_flags(p: Any) -> None:

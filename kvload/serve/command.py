@@ -230,10 +230,8 @@ def add_serve_command(sub: Any) -> None:
                         "vLLM's $VLLM_API_KEY is read when neither is given). --api-key=KEY takes exactly one (a key "
                         "may start with '-'). The audit says where the key came from, never the key")
     p.set_defaults(func=cmd_serve)
-    # MODEL may come last in --api-key's values (`--api-key KEY MODEL`): optional to argparse, required by _finish
-    (model,) = [a for a in p._actions if a.dest == "model"]
-    model.nargs, model.required, model.default = "?", False, None
-    model.shown_required = True  # type: ignore[attr-defined]  # the usage line says MODEL, not [MODEL]
+    # MODEL may come last in --api-key's values (`--api-key KEY MODEL`): optional to argparse (add_model_flags), and
+    # required by _finish
     p.finish = _finish
 
 
@@ -250,10 +248,13 @@ class _ApiKeys(argparse.Action):
 
 
 def _finish(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    from kvload.cli.flags import take_model_option
+
     """MODEL, else the last value of the one ``--api-key KEY ... MODEL`` that took more than one (argparse's
     nargs="+" took it for a key; vLLM takes several keys to one flag, so ``MODEL --api-key K1 K2`` stays two keys;
     two such uses are refused: either may end with MODEL); then each key checked."""
     ns.model_after_api_key = False
+    take_model_option(parser, ns, required=False)  # vLLM's --model MODEL
     if ns.model is None:
         # one value: a key, never MODEL (a server with no key instead)
         ends = [end for end, n in getattr(ns, "api_key_runs", []) if n >= 2]
