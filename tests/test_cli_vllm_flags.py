@@ -36,7 +36,7 @@ def test_vllms_negated_switches_are_taken_too(capsys):
 @pytest.mark.parametrize(("flags", "expected"), [
     (["--quantization", "awq"], "--quantization: vLLM's setting; kvload runs the checkpoint's weights in dtype, "
                                 "unquantized; accepted: None, got 'awq'"),
-    (["--trust_remote_code"], "--trust_remote_code: kvload never runs code shipped with a checkpoint"),
+    (["--data_parallel_size", "4"], "--data_parallel_size: vLLM's setting; kvload runs one engine per process"),
     (["--cpu-offload-gb", "4"], "--cpu-offload-gb: vLLM's setting; kvload keeps every weight on the device"),
     (["--max-logprobs", "x"], "--max-logprobs: expected an integer, got 'x'"),
 ])

@@ -95,9 +95,56 @@ def test_vllm_engine_flags_without_a_counterpart_are_taken_and_reported_as_pytho
     assert set(said) == {"enforce_eager", "max_logprobs", "tokenizer"}
     assert said["enforce_eager"].startswith("a vLLM option kvload does not act on: CUDA graphs")
     assert said["enforce_eager"].endswith("(from cli)")
-    r = run_cli(capsys, "plan", "tiny-llama", "--trust-remote-code")
-    assert (r.code, r.out) == (2, "") and r.err.startswith(
-        "error: --trust-remote-code: kvload never runs code shipped with a checkpoint"), r.err
+
+
+def test_trust_remote_code_is_taken_and_reported_as_ignored_since_no_checkpoint_code_ever_runs(capsys, tmp_path):
+    """``LLM(model, trust_remote_code=True)`` / ``vllm serve --trust-remote-code`` are in most vLLM scripts; kvload
+    refused them, though nothing would run differently: vLLM runs its own implementation of the families kvload serves,
+    kvload runs transformers' built-in one, and no code from the checkpoint runs either way."""
+    log = tmp_path / "audit.jsonl"
+    r = run_cli(capsys, "plan", "tiny-llama", "--trust-remote-code", "--audit-log", log)
+    assert r.code == 0, r.err
+    said = {e["field"]: e["reason"] for e in read_events(log) if e["event"] == "setting_ignored"}
+    assert said["trust_remote_code"].startswith("kvload never runs a checkpoint's own code"), said
+    result = kvload.plan("tiny-llama", trust_remote_code=True, log=False)
+    (event,) = [e for e in result.audit.of("setting_ignored") if e["field"] == "trust_remote_code"]
+    assert event["value"] is True
+    with pytest.raises(ConfigError, match="^trust_remote_code: expected true or false, got 'yes'"):
+        kvload.plan("tiny-llama", trust_remote_code="yes", log=False)
+
+
+@pytest.mark.parametrize(("argv", "field", "reason"), [
+    (["--hf-token", "hf_secret"], "hf_token", "kvload never downloads"),
+    (["-dp", "1"], "data_parallel_size", "kvload runs one engine per process"),
+    (["--pipeline-parallel-size", "1"], "pipeline_parallel_size", "kvload splits a model by tensor parallel only"),
+    (["--max-lora-rank", "16"], "max_lora_rank", "LoRA adapters"),
+    (["--limit-mm-per-prompt", '{"image": 0}'], "limit_mm_per_prompt", "multimodal inputs"),
+    (["--load-format", "safetensors"], "load_format", "loading / serving feature"),
+    (["--logprobs-mode", "raw_logprobs"], "logprobs_mode", "kvload's logprobs are the model's raw distribution"),
+    (["--enable-expert-parallel"], "enable_expert_parallel", "MoE expert parallelism"),
+])
+def test_more_vllm_launch_line_flags_are_taken_with_a_warning_each(capsys, tmp_path, argv, field, reason):
+    """Flags of common ``vllm serve`` launch lines were "unrecognized arguments" (``--hf-token`` even suggested
+    ``--max-num-tokens``); each is taken with one setting_ignored saying why, a secret's value hidden."""
+    log = tmp_path / "audit.jsonl"
+    r = run_cli(capsys, "plan", "tiny-llama", *argv, "--audit-log", log)
+    assert r.code == 0, r.err
+    said = {e["field"]: e for e in read_events(log) if e["event"] == "setting_ignored"}
+    assert reason in said[field]["reason"], said
+    assert "hf_secret" not in r.err and "hf_secret" not in log.read_text()
+
+
+@pytest.mark.parametrize(("argv", "line"), [
+    (["-dp", "2"], "error: --data-parallel-size: vLLM's setting; kvload runs one engine per process (start one kvload "
+                   "serve per replica); accepted: 1, got 2"),
+    (["-pp", "2"], "error: --pipeline-parallel-size: vLLM's setting; kvload splits a model by tensor parallel only "
+                   "(tensor_parallel_size); accepted: 1, got 2"),
+    (["--logprobs-mode", "processed_logprobs"], "error: --logprobs-mode: vLLM's setting; kvload's logprobs are the "
+                                                "model's raw distribution"),
+])
+def test_a_vllm_parallel_or_logprobs_setting_kvload_cannot_honour_is_one_line(capsys, argv, line):
+    r = run_cli(capsys, "plan", "tiny-llama", *argv)
+    assert (r.code, r.out, r.one_error_line) == (2, "", True) and r.err.startswith(line), r.err
 
 
 @pytest.mark.parametrize(("argv", "line"), [

@@ -121,10 +121,22 @@ VLLM_KNOB_FLAGS: tuple[tuple[str, str, Callable[[str], Any] | None, str | None],
     ("--tokenizer", "tokenizer", str, "NAME"),
     ("--tokenizer-mode", "tokenizer_mode", str, "MODE"),
     ("--revision", "revision", str, "REV"),
+    ("--load-format", "load_format", str, "FORMAT"),
+    ("--hf-token", "hf_token", str, "TOKEN"),
+    ("--max-lora-rank", "max_lora_rank", integer, "N"),
+    ("--max-loras", "max_loras", integer, "N"),
+    ("--limit-mm-per-prompt", "limit_mm_per_prompt", json_object, "JSON"),
+    ("--mm-processor-kwargs", "mm_processor_kwargs", json_object, "JSON"),
+    ("--enable-expert-parallel", "enable_expert_parallel", None, None),
+    ("--data-parallel-size", "data_parallel_size", integer, "N"),
+    ("--pipeline-parallel-size", "pipeline_parallel_size", integer, "N"),
+    ("--logprobs-mode", "logprobs_mode", str, "MODE"),
 )
+#: vLLM's one-dash spellings of some of them
+VLLM_KNOB_SHORT: dict[str, tuple[str, ...]] = {"--data-parallel-size": ("-dp",), "--pipeline-parallel-size": ("-pp",)}
 
 #: the switches of ``VLLM_KNOB_FLAGS`` vLLM declares ``store_true`` (no ``--no-`` form there either)
-VLLM_STORE_TRUE_FLAGS = frozenset({"--disable-log-stats"})
+VLLM_STORE_TRUE_FLAGS = frozenset({"--disable-log-stats", "--enable-expert-parallel"})
 
 
 def _knob_dest(key: str) -> str:
@@ -167,7 +179,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     knobs = p.add_argument_group("vLLM engine options kvload does not act on (each accepted with a setting_ignored "
                                  "warning saying why, or refused where its value would change the model)")
     for name, key, kind, metavar in VLLM_KNOB_FLAGS:
-        names = (name, _underscored(name))
+        names = (name, _underscored(name), *VLLM_KNOB_SHORT.get(name, ()))
         if kind is None:
             knobs.add_argument(*names, dest=_knob_dest(key), action="store_const", const=True, default=None,
                                help=argparse.SUPPRESS)
