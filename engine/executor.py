@@ -617,7 +617,7 @@ class GenerationExecutor:
     def _params(self, sampling_params: Any, keywords: dict[str, Any], count: int) -> list[SamplingParams]:
         """One SamplingParams per prompt (``count`` of them; 0: as many as a given list holds), checked."""
         if isinstance(sampling_params, Sequence) and not isinstance(sampling_params, (str, bytes)):
-            check_keywords(keywords)
+            keywords = check_keywords(keywords)
             if keywords:
                 raise GenerationError("generate: pass sampling settings either as sampling_params or as keywords "
                                       f"({', '.join(sorted(keywords))}), not both")

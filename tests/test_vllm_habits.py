@@ -196,6 +196,27 @@ def test_a_vllm_call_argument_kvload_lacks_is_named_not_mistaken_for_a_sampling_
         llm.generate(IDS, SamplingParams(max_tokens=2), top_q=0.5)
 
 
+def test_vllms_call_arguments_and_sampling_fields_at_their_defaults_ask_for_nothing_and_are_taken(llm):
+    """``llm.chat(messages, sp, mm_processor_kwargs=None)`` (vLLM's signature, its default spelled out) and
+    ``SamplingParams(flat_logprobs=False, ...)`` (a dict of every vLLM field) were refused though they ask for
+    nothing; a value that asks for something is still refused naming it."""
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    want = llm.generate(IDS, sp)[0].outputs[0].token_ids
+    for kw in ({"mm_processor_kwargs": None}, {"tokenization_kwargs": {}}, {"prompt_adapter_request": None}):
+        assert llm.generate(IDS, sp, **kw)[0].outputs[0].token_ids == want, kw
+    conv = [{"role": "user", "content": "w5 w17"}]
+    template = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w2{% endif %}"
+    assert llm.chat(conv, sp, chat_template=template, mm_processor_kwargs=None)[0].prompt == "w5 w17 w2"
+    with pytest.raises(GenerationError, match="^chat: mm_processor_kwargs: vLLM's argument, not kvload's"):
+        llm.chat(conv, sp, chat_template=template, mm_processor_kwargs={"num_crops": 4})
+    spelled = SamplingParams(max_tokens=3, ignore_eos=True, flat_logprobs=False, skip_clone=False, stream_interval=None,
+                             thinking_token_budget=None, repetition_detection=None, logprob_token_ids=None,
+                             skip_reading_prefix_cache=None, routed_experts_prompt_start=0)
+    assert spelled == sp
+    with pytest.raises(GenerationError, match="^generate: flat_logprobs: vLLM's SamplingParams field, not kvload's"):
+        SamplingParams(flat_logprobs=True)
+
+
 def test_chat_tools_reach_the_template_as_vllm_passes_them(llm):
     tok = llm.tokenizer
     tok.chat_template = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
