@@ -72,6 +72,11 @@ IGNORED: dict[str, str] = {
                     "multimodal inputs: kvload serves text-only models (a prompt's multi_modal_data is refused)"),
     "enable_expert_parallel": "MoE expert parallelism: kvload parallelizes by tensor parallel only "
                               "(tensor_parallel_size)",
+    **dict.fromkeys(("use_v2_block_manager", "num_scheduler_steps", "max_parallel_loading_workers"),
+                    "an older vLLM engine's knob: kvload's KV cache manager and scheduler are chosen by the route "
+                    "(kv_cache_config.use_kv_cache_manager_v2) and step one token at a time"),
+    "preemption_mode": "kvload's managers choose: V1 recomputes a preempted request, V2 suspends it to the host tier "
+                       "or recomputes it (kv_cache_config.host_cache_size)",
 }
 
 #: vLLM knobs whose value is a secret: recorded as hidden, never as given (the log, the audit).

@@ -131,12 +131,16 @@ VLLM_KNOB_FLAGS: tuple[tuple[str, str, Callable[[str], Any] | None, str | None],
     ("--data-parallel-size", "data_parallel_size", integer, "N"),
     ("--pipeline-parallel-size", "pipeline_parallel_size", integer, "N"),
     ("--logprobs-mode", "logprobs_mode", str, "MODE"),
+    ("--use-v2-block-manager", "use_v2_block_manager", None, None),
+    ("--num-scheduler-steps", "num_scheduler_steps", integer, "N"),
+    ("--max-parallel-loading-workers", "max_parallel_loading_workers", integer, "N"),
+    ("--preemption-mode", "preemption_mode", str, "MODE"),
 )
 #: vLLM's one-dash spellings of some of them
 VLLM_KNOB_SHORT: dict[str, tuple[str, ...]] = {"--data-parallel-size": ("-dp",), "--pipeline-parallel-size": ("-pp",)}
 
 #: the switches of ``VLLM_KNOB_FLAGS`` vLLM declares ``store_true`` (no ``--no-`` form there either)
-VLLM_STORE_TRUE_FLAGS = frozenset({"--disable-log-stats", "--enable-expert-parallel"})
+VLLM_STORE_TRUE_FLAGS = frozenset({"--disable-log-stats", "--enable-expert-parallel", "--use-v2-block-manager"})
 
 
 def _knob_dest(key: str) -> str:

@@ -143,8 +143,13 @@ def add_serve_command(sub: Any) -> None:
     g.add_argument("--disable-uvicorn-access-log", "--disable_uvicorn_access_log", dest="disable_uvicorn_access_log",
                    action="store_true", help="no line per HTTP request, whatever the log level (vLLM's flag)")
     for flag in ("--disable-log-requests", "--enable-log-requests", "--enable-prompt-tokens-details",
-                 "--disable-fastapi-docs"):
+                 "--disable-fastapi-docs", "--disable-frontend-multiprocessing", "--enable-server-load-tracking"):
         g.add_argument(flag, _underscored(flag), action="store_true", help=argparse.SUPPRESS)
+    g.add_argument("--guided-decoding-backend", "--guided_decoding_backend", dest="guided_decoding_backend",
+                   default=None, metavar="NAME", choices=("auto", "xgrammar"), help=argparse.SUPPRESS)
+    g.add_argument("--chat-template-content-format", "--chat_template_content_format",
+                   dest="chat_template_content_format", default=None, metavar="FORMAT", choices=("auto", "string"),
+                   help=argparse.SUPPRESS)
     g.add_argument("--max-log-len", "--max_log_len", dest="max_log_len", default=None, metavar="N",
                    type=_bounded(integer, lambda v: v >= 0, "an integer >= 0"), help=argparse.SUPPRESS)
     g.add_argument("--audit-keep", "--audit_keep", dest="audit_keep", default=AUDIT_KEEP_DEFAULT, metavar="N",
@@ -562,6 +567,11 @@ IGNORED_SERVE_FLAGS: dict[str, str] = {
                     "(GET /v1/kvload/audit, --audit-log FILE), and --uvicorn-log-level info logs each HTTP request"),
     "--enable-prompt-tokens-details": "kvload always returns usage.prompt_tokens_details (cached_tokens)",
     "--disable-fastapi-docs": "kvload serve has no /docs, /redoc or /openapi.json to disable",
+    "--disable-frontend-multiprocessing": "kvload serve runs its HTTP front end and its engine loop in one process",
+    "--enable-server-load-tracking": "GET /metrics reports the running and waiting requests at any time",
+    "--guided-decoding-backend": "kvload's structured outputs always run on xgrammar",
+    "--chat-template-content-format": "kvload joins a message's text parts into one string for the template (vLLM's "
+                                      "string format); the openai format is not served",
 }
 
 
