@@ -303,3 +303,24 @@ def test_a_config_file_refuses_a_vllm_name_with_the_key_to_write(capsys, tmp_pat
     assert (r.code, r.out) == (2, "")
     assert r.err == (f"error: config file {cfg}: block_size: vLLM's name for kv_cache_config.tokens_per_block; "
                      "write kv_cache_config: {tokens_per_block: 16}\n")
+
+
+@pytest.mark.parametrize(("argv", "field", "value"), [
+    (["--max-model-len", "32k"], "max_seq_len", 32_000),
+    (["--max-model-len", "32K"], "max_seq_len", 32_768),
+    (["--max_seq_len", "25.6k"], "max_seq_len", 25_600),
+    (["--max-num-batched-tokens", "8K"], "max_num_tokens", 8_192),
+    (["--max-num-batched-tokens", "2048"], "max_num_tokens", 2_048),
+])
+def test_token_counts_take_vllms_suffixes_as_vllm_reads_them(capsys, argv, field, value):
+    """vLLM reads ``--max-model-len 32k`` as 32,000 and ``32K`` as 32,768 (``human_readable_int``); a launch line
+    with one was "expected an integer"."""
+    r = run_cli(capsys, "plan", "tiny-llama", *argv, "--json")
+    assert r.code == 0, r.err
+    assert get_in(r.json()["args"], field) == value
+
+
+def test_a_binary_suffix_on_a_decimal_is_refused_as_vllm_refuses_it(capsys):
+    r = run_cli(capsys, "plan", "tiny-llama", "--max-model-len", "1.5K")
+    assert (r.code, r.one_error_line) == (2, True) and r.err.startswith(
+        "error: --max-model-len: a binary suffix (K) takes a whole number, got '1.5K'"), r.err

@@ -8,7 +8,7 @@ from typing import Any
 
 import attrs
 
-from kvload.cli.values import field_integer, integer, json_object, number, size, tri_state
+from kvload.cli.values import field_integer, integer, json_object, number, size, token_count, tri_state
 from pipeline.config import ATTENTION_BACKENDS, LINEAR_BACKENDS
 
 
@@ -63,10 +63,10 @@ FLAGS: tuple[Flag, ...] = (
          metavar="{auto,cuda,cuda:N,cpu}"),
     Flag("--max_batch_size", "max_batch_size", "most requests scheduled at once", field_integer, metavar="N",
          aliases=("--max_num_seqs",)),
-    Flag("--max_seq_len", "max_seq_len", "longest sequence (default: the checkpoint's)", field_integer, metavar="N",
-         aliases=("--max_model_len",)),
-    Flag("--max_num_tokens", "max_num_tokens", "most tokens in one forward (prefill chunk)", field_integer, metavar="N",
-         aliases=("--max_num_batched_tokens",)),
+    Flag("--max_seq_len", "max_seq_len", "longest sequence (default: the checkpoint's; 32k = 32,000 and 32K = 32,768, "
+         "as vLLM reads them)", token_count, metavar="N", aliases=("--max_model_len",)),
+    Flag("--max_num_tokens", "max_num_tokens", "most tokens in one forward (prefill chunk; 8k, 8K as vLLM reads them)",
+         token_count, metavar="N", aliases=("--max_num_batched_tokens",)),
     Flag("--max_beam_width", "max_beam_width", "beam width (V2 serves only 1)", field_integer, metavar="N"),
     Flag("--scheduling_policy", "scheduling_policy", "fcfs (default: arrival order) or priority (vLLM's: a request's "
          "priority, lower first, orders admission; V2 also moves out lower-ranked running requests for it)", str,
