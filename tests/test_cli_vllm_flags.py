@@ -236,3 +236,12 @@ def test_more_vllm_serve_launch_line_flags_say_they_are_ignored(monkeypatch, log
 def test_a_serve_flag_value_kvload_does_not_run_is_one_line(capsys, flags, expected):
     r = run_cli(capsys, "serve", "tiny-llama", *flags)
     assert r.code == 2 and r.err.strip() == expected, r.err
+
+
+def test_default_chat_template_kwargs_flag_reaches_the_server(monkeypatch, capsys):
+    """vLLM's ``--default-chat-template-kwargs JSON`` was an unrecognized argument; a value that is no JSON object is
+    one line naming the flag."""
+    seen = served_with(monkeypatch, "--default-chat-template-kwargs", '{"enable_thinking": false}')
+    assert seen["default_chat_template_kwargs"] == {"enable_thinking": False}
+    r = run_cli(capsys, "serve", "tiny-llama", "--default-chat-template-kwargs", "[1]")
+    assert r.code == 2 and r.err.startswith("error: --default-chat-template-kwargs: "), r.err

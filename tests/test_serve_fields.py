@@ -667,3 +667,31 @@ def test_the_request_field_return_tokens_as_token_ids_wins_over_the_servers_flag
     finally:
         served.state.return_tokens_as_token_ids = False
     _refused(served, "/v1/completions", {**body, "return_tokens_as_token_ids": "yes"}, "return_tokens_as_token_ids")
+
+
+def test_default_chat_template_kwargs_reach_every_chat_request_under_its_own(served):
+    """vLLM's ``--default-chat-template-kwargs '{"enable_thinking": false}'`` (Qwen3 served without thinking): every
+    chat request's template gets them, a request's own value of a name wins; /tokenize of messages agrees."""
+    from kvload.serve.server import build_state
+    from pipeline.errors import ConfigError
+
+    template = "{% if extra %}w{{ extra }} {% endif %}{% for m in messages %}{{ m['content'] }} {% endfor %}w2"
+    messages = [{"role": "user", "content": "w5"}]
+    served.state.default_chat_template_kwargs = {"extra": 9}  # kvload serve --default-chat-template-kwargs
+    try:
+        def prompt_ids(**extra):
+            r = served.http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1,
+                                                                "chat_template": template, "return_token_ids": True,
+                                                                **extra})
+            assert r.status_code == 200, r.text
+            return r.json()["prompt_token_ids"]
+
+        assert prompt_ids() == [9, 5, 2]  # token i is "w<i>"
+        assert prompt_ids(chat_template_kwargs={"extra": 8}) == [8, 5, 2]  # the request's wins
+        tokens = served.http.post("/tokenize", json={"messages": messages, "chat_template": template}).json()
+        assert tokens["tokens"] == [9, 5, 2]
+    finally:
+        served.state.default_chat_template_kwargs = {}
+    assert prompt_ids() == [5, 2]
+    with pytest.raises(ConfigError, match="^default_chat_template_kwargs: "):
+        build_state(served.result, default_chat_template_kwargs={"not a name": 1})

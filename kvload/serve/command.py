@@ -121,6 +121,10 @@ def add_serve_command(sub: Any) -> None:
                           help=f"the {what} allowed, a JSON list of strings (default [\"*\"]: any)")
     cors.add_argument("--allow-credentials", "--allow_credentials", dest="allow_credentials", action="store_true",
                       help="let browsers send cookies and HTTP authentication (default: not)")
+    g.add_argument("--default-chat-template-kwargs", "--default_chat_template_kwargs",
+                   dest="default_chat_template_kwargs", default=None, metavar="JSON", type=json_object,
+                   help="chat template variables every chat request gets unless it sends its own of that name, as a "
+                        "JSON object, e.g. '{\"enable_thinking\": false}' for Qwen3 (vLLM's flag)")
     g.add_argument("--response-role", "--response_role", dest="response_role", default="assistant", metavar="ROLE",
                    type=_role, help="chat completions' reply role when the request asks for a generation prompt "
                                     "(vLLM's flag; default %(default)s)")
@@ -528,7 +532,8 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
                             metrics_naming=ns.metrics_name_prefix, responses_store_max=ns.responses_store_max,
                             cors=_cors(ns), response_role=ns.response_role,
                             return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
-                            force_include_usage=ns.enable_force_include_usage, root_path=ns.root_path)
+                            force_include_usage=ns.enable_force_include_usage, root_path=ns.root_path,
+                            default_chat_template_kwargs=ns.default_chat_template_kwargs)
         _warn_when_the_audit_log_fails(state, getattr(ns, "audit_sink", None))
         mirror = None
         if ns.kv_events_file is not None:  # a full disk later stops the mirror with a warning, never a request

@@ -31,8 +31,22 @@ def _parse(state: ServeState, raw: bytes | bytearray, kind: str) -> Job:
     return _parse_body(state, body, kind)
 
 
+def with_default_template_kwargs(state: ServeState, body: Any) -> Any:
+    """A chat body with the server's ``--default-chat-template-kwargs`` (vLLM's) under its own
+    ``chat_template_kwargs``: the request's value of a name wins; a malformed one is left to be refused as such."""
+    defaults = state.default_chat_template_kwargs
+    if not defaults or not isinstance(body, dict):
+        return body
+    given = body.get("chat_template_kwargs")
+    if given is not None and not isinstance(given, dict):
+        return body
+    return {**body, "chat_template_kwargs": {**defaults, **(given or {})}}
+
+
 def _parse_body(state: ServeState, body: Any, kind: str) -> Job:
     """A loaded request body as a ``Job`` (``kind``: "completion" or "chat"); ``BadRequest`` naming what is wrong."""
+    if kind == "chat":
+        body = with_default_template_kwargs(state, body)
     job = parse(body, kind, default_max_tokens=state.default_max_tokens,
                 by_priority=getattr(state.engine.scheduler, "by_priority", False), defaults=state.sampling_defaults,
                 tool_parser=state.tool_call_parser, reasoning_parser=state.reasoning_parser)
