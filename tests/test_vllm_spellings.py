@@ -58,7 +58,7 @@ def test_explain_finds_a_field_by_its_vllm_spelling(capsys, tmp_path):
 
 @pytest.mark.parametrize(("argv", "line"), [
     (["--max-model-len", "0"], "error: --max-model-len: expected an integer >= 1 or null, got 0\n"),
-    (["--max-model-len", "1k"], "error: --max-model-len: expected an integer, got '1k'\n"),
+    (["--max-model-len", "1kb"], "error: --max-model-len: expected an integer, got '1kb'\n"),
     (["--max-num-seqs", "0"], "error: --max-num-seqs: expected an integer >= 1, got 0\n"),
     (["--block-size", "0"], "error: --block-size: expected an integer >= 1, got 0\n"),
     (["-tp", "x"], "error: -tp: expected an integer, got 'x'\n"),
