@@ -245,3 +245,11 @@ def test_default_chat_template_kwargs_flag_reaches_the_server(monkeypatch, capsy
     assert seen["default_chat_template_kwargs"] == {"enable_thinking": False}
     r = run_cli(capsys, "serve", "tiny-llama", "--default-chat-template-kwargs", "[1]")
     assert r.code == 2 and r.err.startswith("error: --default-chat-template-kwargs: "), r.err
+
+
+@pytest.mark.parametrize("command", ["plan", "run", "generate", "serve", "simulate"])
+def test_the_usage_line_still_says_model_is_required(capsys, command):
+    """MODEL became optional to argparse so that --model may give it; the usage line must not turn it into
+    [MODEL]."""
+    r = run_cli(capsys, command, "--help")
+    assert r.code == 0 and " MODEL" in r.out and "[MODEL]" not in r.out, r.out[:600]
