@@ -427,7 +427,8 @@ class GenerationExecutor:
         salts = self._salts(salt, options)
         per_prompt = isinstance(sampling_params, Sequence)
         params = self._params(sampling_params, sampling, len(items))
-        items = self._check_items(self._truncated(items, params))  # cut first (truncate_prompt_tokens), then it fits
+        cut_notes: list[tuple[str, Any, str]] = []  # said as setting_ignored once the call has started
+        items = self._check_items(self._truncated(items, params, cut_notes))  # cut first, then it fits
         defaulted = [] if per_prompt else sorted(defaulted_fields(sampling_params, sampling, self.sampling_defaults))
         arrivals = self._arrivals(arrival_steps, len(items))
         ranks = self._priorities(priority, len(items))
@@ -501,6 +502,8 @@ class GenerationExecutor:
                                          + inert_settings(p, has_text, self.eos_is_special)
                                          + dropped):  # ... and what a schema holds that xgrammar does not enforce
                     self._event(SettingIgnored(field=f"generate.{name}", value=value, reason=why))
+            for name, value, why in cut_notes:
+                self._event(SettingIgnored(field=f"generate.{name}", value=value, reason=why))
             given = salt if salt is not None else next((o.cache_salt for o in options if o.cache_salt), None)
             unscoped = self.salt_ignored() if given is not None else None  # with reuse off a salt would do nothing
             if unscoped is not None:
@@ -614,7 +617,7 @@ class GenerationExecutor:
     def _params(self, sampling_params: Any, keywords: dict[str, Any], count: int) -> list[SamplingParams]:
         """One SamplingParams per prompt (``count`` of them; 0: as many as a given list holds), checked."""
         if isinstance(sampling_params, Sequence) and not isinstance(sampling_params, (str, bytes)):
-            check_keywords(keywords)
+            keywords = check_keywords(keywords)
             if keywords:
                 raise GenerationError("generate: pass sampling settings either as sampling_params or as keywords "
                                       f"({', '.join(sorted(keywords))}), not both")
@@ -1136,22 +1139,35 @@ class GenerationExecutor:
                                       f"max_seq_len={self.max_seq_len}; shorten it or raise max_seq_len")
         return items
 
-    def _truncated(self, items: list[tuple[str | None, list[int]]],
-                   params: list[SamplingParams]) -> list[tuple[str | None, list[int]]]:
+    def _truncated(self, items: list[tuple[str | None, list[int]]], params: list[SamplingParams],
+                   notes: list[tuple[str, Any, str]] | None = None) -> list[tuple[str | None, list[int]]]:
         """Each prompt's ids cut to the last ``truncate_prompt_tokens`` of its SamplingParams (vLLM's left truncation,
-        a BOS included; the text stays as given, as vLLM's ``RequestOutput.prompt`` does); -1: as many as
-        ``max_seq_len`` leaves after ``max_tokens``, at least one (the server's rule, where max_tokens is given)."""
-        out = []
-        for (text, ids), p in zip(items, params, strict=True):
+        a BOS included; the text stays as given, as vLLM's ``RequestOutput.prompt`` does); a k past ``max_seq_len``
+        (vLLM's ``max_model_len``) is refused, as vLLM's is. A cut to ``max_seq_len`` tokens keeps one fewer, leaving
+        room for the one token vLLM generates there (a sequence never grows past ``max_seq_len`` here), which is what
+        -1 asks for; ``notes`` gets a (field, value, reason) for each prompt a k of ``max_seq_len`` cut so."""
+        out, short = [], []
+        for i, ((text, ids), p) in enumerate(zip(items, params, strict=True)):
             keep = p.truncate_prompt_tokens
-            if keep == -1:
-                keep = max(1, self.max_seq_len - (p.max_tokens if p.max_tokens is not None else 1))
-            elif keep is not None and keep >= self.max_seq_len:  # vLLM refuses a size past max_model_len too
-                raise GenerationError(f"generate: truncate_prompt_tokens: {int_text(keep)} keeps prompts of up to "
-                                      f"that many tokens, which leaves no room to generate under max_seq_len="
-                                      f"{self.max_seq_len}; use at most {self.max_seq_len - 1} (or -1: as many as "
-                                      "max_seq_len leaves after max_tokens)")
-            out.append((text, ids[-keep:] if keep is not None and len(ids) > keep else ids))
+            if keep is None:
+                out.append((text, ids))
+                continue
+            if keep == -1:  # vLLM's -1, "cap at the model's max length": here one token short of it (below)
+                keep = self.max_seq_len - 1
+            elif keep > self.max_seq_len:  # vLLM's _validate_truncation_size refuses it too
+                raise GenerationError(f"generate: truncate_prompt_tokens: {int_text(keep)} is greater than "
+                                      f"max_seq_len (vLLM's max_model_len) {self.max_seq_len}; use at most "
+                                      f"{self.max_seq_len} (or -1 for that many)")
+            if len(ids) >= self.max_seq_len and keep >= self.max_seq_len:
+                keep = self.max_seq_len - 1
+                short.append(i)
+            out.append((text, ids[-keep:] if len(ids) > keep else ids))
+        if short and notes is not None:  # one line for the call, however many prompts
+            which = f"prompt {short[0]}" if len(short) == 1 else f"{len(short)} prompts (the first: {short[0]})"
+            notes.append(("truncate_prompt_tokens", self.max_seq_len,
+                          f"{which} kept the last {self.max_seq_len - 1} tokens, not {self.max_seq_len}: a sequence "
+                          f"never grows past max_seq_len={self.max_seq_len}, so one token is left to generate "
+                          "(vLLM keeps max_model_len tokens and generates one past it)"))
         return out
 
     def _tokenize(self, i: int, text: str) -> list[int]:

@@ -251,8 +251,8 @@ class SamplingParams:
     ``MAX_BAD_WORDS`` of ``MAX_STOP_CHARS`` characters). ``structured_outputs`` (vLLM's): a
     :class:`~engine.structured_params.StructuredOutputsParams`: the output matches a JSON schema, a regex, one of some
     choices or a grammar (``engine.structured``; needs xgrammar and a tokenizer). ``truncate_prompt_tokens`` (vLLM's):
-    each prompt is cut to its last k tokens (a BOS too) before it runs; -1 keeps as many as ``max_seq_len`` leaves
-    after ``max_tokens`` (at least one); None cuts nothing.
+    each prompt is cut to its last k tokens (a BOS too) before it runs, k at most ``max_seq_len``; -1 is
+    ``max_seq_len`` (vLLM's ``max_model_len``); None cuts nothing.
     """
 
     max_tokens: int | None = DEFAULT_MAX_TOKENS
@@ -373,8 +373,8 @@ class SamplingParams:
         check(is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "a number in [0, 1] (0 = off)", self.min_p)
         check(self.truncate_prompt_tokens is None or (is_int(self.truncate_prompt_tokens) and (
             self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1)), "truncate_prompt_tokens",
-              "an integer >= 1 (keep each prompt's last k tokens), -1 (as many as max_seq_len leaves after "
-              "max_tokens) or None (no cut)", self.truncate_prompt_tokens)
+              "an integer >= 1 (keep each prompt's last k tokens, k at most max_seq_len), -1 (max_seq_len: "
+              "vLLM's max_model_len) or None (no cut)", self.truncate_prompt_tokens)
         _at_most_int64("truncate_prompt_tokens", self.truncate_prompt_tokens)
 
         for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
@@ -489,7 +489,7 @@ class SamplingParams:
         """``params`` as given (vLLM's rule: an explicit SamplingParams is used as it is), or one built from keyword
         fields over ``defaults`` (the model's sampling defaults, ``SamplingDefaults.values``: a keyword wins); an
         unknown keyword or both forms is an error."""
-        check_keywords(keywords)
+        keywords = check_keywords(keywords)
         if params is not None:
             if not isinstance(params, SamplingParams):
                 raise GenerationError(f"generate: sampling_params: expected a SamplingParams, got "
@@ -547,6 +547,19 @@ VLLM_FIELDS_AT_NO_OP: dict[str, tuple[Any, ...]] = {
     "guided_decoding": (None,),
     "logits_processors": (None, []),
     "extra_args": (None, {}),
+    # vLLM's defaults of its newer fields: a script (or a dict of every field) spelling them out asks for nothing
+    "flat_logprobs": (False,),
+    "skip_clone": (False, True),  # whether vLLM may skip copying the params: nothing to skip here either way
+    **dict.fromkeys(("stream_interval", "thinking_token_budget", "repetition_detection", "skip_reading_prefix_cache",
+                     "logprob_token_ids", "prompt_logprob_token_ids", "prompt_logprob_start",
+                     "trace_decode_token_ids"), (None,)),
+    "routed_experts_prompt_start": (0,),
+}
+
+#: vLLM's ``LLM.generate`` / ``LLM.chat`` arguments kvload lacks → the values that ask for nothing (their defaults).
+VLLM_CALL_ARGUMENTS_AT_NO_OP: dict[str, tuple[Any, ...]] = {
+    **dict.fromkeys(("mm_processor_kwargs", "tokenization_kwargs"), (None, {})),
+    **dict.fromkeys(("prompt_adapter_request", "guided_options_request"), (None,)),
 }
 
 
@@ -590,17 +603,24 @@ def unknown_field(name: str) -> str:
     return f"generate: unknown SamplingParams field {name!r}; fields are {', '.join(sorted(_known_keywords()))}"
 
 
-def check_keywords(keywords: Mapping[str, Any]) -> None:
+def check_keywords(keywords: Mapping[str, Any]) -> dict[str, Any]:
     """Sampling keywords given to a generate call (``llm.generate(p, max_tokens=8)``): each a SamplingParams field;
-    vLLM's call arguments kvload does not take are named with what to do instead."""
+    vLLM's call arguments kvload does not take are named with what to do instead. The keywords, less vLLM's call
+    arguments at their defaults (``mm_processor_kwargs=None``), which ask for nothing."""
+    out = dict(keywords)
     for name in sorted(set(keywords) - _known_keywords()):
-        if _asks_nothing(name, keywords[name], keywords.get("n", 1)):
+        value = keywords[name]
+        if any(value == v and type(value) is type(v) for v in VLLM_CALL_ARGUMENTS_AT_NO_OP.get(name, ())):
+            del out[name]  # vLLM's default for its argument: nothing asked
+            continue
+        if _asks_nothing(name, value, keywords.get("n", 1)):
             continue  # taken as the constructor takes it
         why = VLLM_CALL_ARGUMENTS_NOT_TAKEN.get(name) or VLLM_FIELDS_NOT_TAKEN.get(name)
         if why is not None:
             raise GenerationError(f"generate: {name}: vLLM's argument, not kvload's: {why}")
         raise GenerationError(f"generate: unknown argument {name!r}; sampling fields are "
                               f"{', '.join(sorted(_known_keywords()))}")
+    return out
 
 
 def _given_fields(keywords: Mapping[str, Any]) -> set[str]:

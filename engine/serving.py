@@ -469,10 +469,13 @@ class ServingEngine:
         items = executor._prompts([[int(t) for t in prompt_token_ids]], False, checked=False)
         # cut to params.truncate_prompt_tokens first, as generate does (kvload serve cuts before: no field set), then
         # the vocabulary and the length are checked
-        ((_, ids),) = executor._check_items(executor._truncated(items, [params]))
+        notes: list[tuple[str, Any, str]] = []
+        ((_, ids),) = executor._check_items(executor._truncated(items, [params], notes))
         executor._params(params, {}, 1)  # the same checks as generate: stop ids in the vocabulary, logprobs
         request = Request(f"srv-{next(self._ids)}", ids, min(params.max_new_tokens, self.room(ids)))
         self.executor._check_fits(0, request, params.max_new_tokens)  # KvBuildError with the numbers
+        if notes:  # a cut that kept one token fewer than asked (generate says it the same way)
+            self.notify(*(SettingIgnored(field=f"serve.{name}", value=value, reason=why) for name, value, why in notes))
         return request
 
     def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams, sink: Callable[[ServeEvent], Any], *,

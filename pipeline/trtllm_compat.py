@@ -21,7 +21,7 @@ from typing import Any
 from pipeline.config import KvCacheConfig, LlmArgs, public_fields
 from pipeline.errors import ConfigError
 from pipeline.limits import short
-from pipeline.vllm_compat import refused_key, vllm_knob, write_as
+from pipeline.vllm_compat import SECRET_KNOBS, refused_key, vllm_knob, write_as
 
 _ENGINE = "a TensorRT-LLM option kvload does not act on"
 
@@ -38,7 +38,7 @@ IGNORED_LLM_ARGS: dict[str, str] = {
         "enable_early_first_token_response", "garbage_collection_gen0_threshold",
     ), "scheduling knob: kvload's driver always chunks prefill up to max_num_tokens and has no overlap scheduler"),
     **dict.fromkeys((
-        "pipeline_parallel_size", "context_parallel_size", "gpus_per_node",
+        "context_parallel_size", "gpus_per_node",
         "moe_cluster_parallel_size", "moe_tensor_parallel_size", "moe_expert_parallel_size",
         "enable_attention_dp", "attention_dp_config", "enable_lm_head_tp_in_adp", "pp_partition", "cp_config",
         "allreduce_strategy", "orchestrator_type", "dwdp_config", "ray_worker_extension_cls",
@@ -107,9 +107,9 @@ def split_ignored(tree: Mapping[str, Any], python: bool = False) -> tuple[dict[s
     """Take the TensorRT-LLM keys kvload does not act on out of a source's tree.
 
     Returns the tree kvload validates and ``(dotted path, value, reason)`` for each key taken out.
-    ``trust_remote_code: true`` is refused: kvload never runs code shipped with a checkpoint; so is a vLLM name
-    (``max_model_len``), with kvload's field to set (written for ``python`` keyword arguments, else for YAML). vLLM's
-    engine knobs kvload has no counterpart for (``enforce_eager``) are taken out as TensorRT-LLM's are
+    ``trust_remote_code`` is reported ignored: kvload never runs code shipped with a checkpoint. A vLLM name
+    (``max_model_len``) is refused, with kvload's field to set (written for ``python`` keyword arguments, else for
+    YAML). vLLM's engine knobs kvload has no counterpart for (``enforce_eager``) are taken out as TensorRT-LLM's are
     (``pipeline.vllm_compat.vllm_knob``).
     """
     kept: dict[str, Any] = {}
@@ -117,14 +117,19 @@ def split_ignored(tree: Mapping[str, Any], python: bool = False) -> tuple[dict[s
     own = _known(LlmArgs)
     for key, value in tree.items():
         if key == "trust_remote_code" and key not in own:
-            if value is not False:
-                raise ConfigError("trust_remote_code: kvload never runs code shipped with a checkpoint; "
-                                  f"accepted: false, got {short(value)}", path="trust_remote_code", detail="refused")
-            ignored.append((key, value, "kvload never runs a checkpoint's own code (false is its only setting)"))
+            if not isinstance(value, bool):
+                raise ConfigError(f"trust_remote_code: expected true or false, got {short(value)}",
+                                  path="trust_remote_code", detail="not a bool")
+            # vLLM scripts pass true habitually; vLLM itself runs its own implementation of the families kvload
+            # serves, as kvload runs transformers' built-in one: taken, and nothing from the checkpoint runs
+            ignored.append((key, value, "kvload never runs a checkpoint's own code: the families it serves run "
+                                        "transformers' built-in classes (a checkpoint that needs its own code is "
+                                        "refused when it loads)"))
         elif key in IGNORED_LLM_ARGS and key not in own:
             ignored.append((key, value, f"{_ENGINE}: {IGNORED_LLM_ARGS[key]}"))
         elif isinstance(key, str) and key not in own and (why := vllm_knob(key, value)) is not None:
-            ignored.append((key, value, f"a vLLM option kvload does not act on: {why}"))
+            shown = "(hidden)" if key in SECRET_KNOBS and value is not None else value
+            ignored.append((key, shown, f"a vLLM option kvload does not act on: {why}"))
         elif key == "kv_cache_config" and isinstance(value, Mapping):
             kv_own = _known(KvCacheConfig)
             sub: dict[str, Any] = {}

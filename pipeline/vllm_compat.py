@@ -65,7 +65,22 @@ IGNORED: dict[str, str] = {
     "enable_sleep_mode": "kvload.LLM has no sleep/wake_up; close() releases the pools and weights",
     "download_dir": "kvload never downloads from a model hub (local directories, presets, smollm2-135m)",
     "max_logprobs": "kvload's bound is fixed: at most 20 logprobs per token (pipeline.limits.MAX_LOGPROBS)",
+    "hf_token": "kvload never downloads from a model hub: it reads local directories and the local Hugging Face cache",
+    **dict.fromkeys(("max_lora_rank", "max_loras", "max_cpu_loras"),
+                    "LoRA adapters: kvload runs the base weights (a lora_request is refused)"),
+    **dict.fromkeys(("limit_mm_per_prompt", "mm_processor_kwargs"),
+                    "multimodal inputs: kvload serves text-only models (a prompt's multi_modal_data is refused)"),
+    "enable_expert_parallel": "MoE expert parallelism: kvload parallelizes by tensor parallel only "
+                              "(tensor_parallel_size)",
+    **dict.fromkeys(("use_v2_block_manager", "num_scheduler_steps", "max_parallel_loading_workers"),
+                    "an older vLLM engine's knob: kvload's KV cache manager and scheduler are chosen by the route "
+                    "(kv_cache_config.use_kv_cache_manager_v2) and step one token at a time"),
+    "preemption_mode": "kvload's managers choose: V1 recomputes a preempted request, V2 suspends it to the host tier "
+                       "or recomputes it (kv_cache_config.host_cache_size)",
 }
+
+#: vLLM knobs whose value is a secret: recorded as hidden, never as given (the log, the audit).
+SECRET_KNOBS = frozenset({"hf_token"})
 
 #: vLLM's knobs whose only value kvload can honour is their no-op one → (the accepted values, why others are refused).
 NO_OP_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
@@ -74,6 +89,10 @@ NO_OP_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "hf_overrides": ((None, {}), "kvload reads the checkpoint's config.json as it is"),
     "task": (("auto", "generate"), "kvload generates text (no pooling, embedding or scoring models)"),
     "runner": (("auto", "generate"), "kvload generates text (no pooling, embedding or scoring models)"),
+    "data_parallel_size": ((1,), "kvload runs one engine per process (start one kvload serve per replica)"),
+    "pipeline_parallel_size": ((1,), "kvload splits a model by tensor parallel only (tensor_parallel_size)"),
+    "logprobs_mode": (("raw_logprobs",), "kvload's logprobs are the model's raw distribution, before temperature "
+                                         "and the penalties (vLLM's default, raw_logprobs)"),
 }
 
 

@@ -36,7 +36,7 @@ def test_vllms_negated_switches_are_taken_too(capsys):
 @pytest.mark.parametrize(("flags", "expected"), [
     (["--quantization", "awq"], "--quantization: vLLM's setting; kvload runs the checkpoint's weights in dtype, "
                                 "unquantized; accepted: None, got 'awq'"),
-    (["--trust_remote_code"], "--trust_remote_code: kvload never runs code shipped with a checkpoint"),
+    (["--data_parallel_size", "4"], "--data_parallel_size: vLLM's setting; kvload runs one engine per process"),
     (["--cpu-offload-gb", "4"], "--cpu-offload-gb: vLLM's setting; kvload keeps every weight on the device"),
     (["--max-logprobs", "x"], "--max-logprobs: expected an integer, got 'x'"),
 ])
@@ -195,3 +195,61 @@ def test_token_ids_force_usage_and_root_path_reach_the_server_and_a_bad_prefix_i
     assert (no["return_tokens_as_token_ids"], no["force_include_usage"]) == (False, False)
     r = run_cli(capsys, "serve", "tiny-llama", "--port", "0", "--root-path", "llm")
     assert r.code == 2 and "--root-path: expected a path prefix such as /api" in r.err, r.err
+
+
+def test_vllms_model_flag_names_the_model_on_every_command(capsys):
+    """``vllm serve --model X`` and ``python -m vllm.entrypoints.openai.api_server --model X`` launch lines: kvload
+    refused ``--model`` as an unrecognized argument. It names MODEL; MODEL given both ways must agree."""
+    from kvload.cli.commands import build_parser
+
+    ns = build_parser().parse_args(["serve", "--model", "tiny-llama", "--port", "0"])
+    assert ns.model == "tiny-llama"
+    assert build_parser().parse_args(["serve", "--model=tiny-llama", "--api-key", "k1", "k2"]).api_key == ["k1", "k2"]
+    r = run_cli(capsys, "generate", "--model", "tiny-llama", "--prompt-ids", "1,2", "--max_new_tokens", "2", "--json")
+    assert r.code == 0 and len(r.json()["outputs"][0]["outputs"][0]["token_ids"]) == 2, r.err
+    r = run_cli(capsys, "plan", "tiny-llama", "--model", "tiny-mistral")
+    assert r.code == 2 and r.err.strip() == ("error: --model tiny-mistral: MODEL is tiny-llama already; give the model "
+                                             "once (MODEL or --model)"), r.err
+    assert run_cli(capsys, "plan", "tiny-llama", "--model", "tiny-llama").code == 0
+    r = run_cli(capsys, "plan", "--max_tokens", "5")
+    assert r.code == 2 and r.err.strip() == "error: the following arguments are required: MODEL", r.err
+
+
+def test_more_vllm_serve_launch_line_flags_say_they_are_ignored(monkeypatch, log):
+    """``--disable-frontend-multiprocessing``, ``--guided-decoding-backend xgrammar`` and the older engines'
+    ``--use-v2-block-manager`` / ``--num-scheduler-steps`` are in many copied launch lines; each was "unrecognized
+    arguments". A backend or content format kvload does not run stays refused, naming what it takes."""
+    served_with(monkeypatch, "--disable-frontend-multiprocessing", "--enable-server-load-tracking",
+                "--guided-decoding-backend", "xgrammar", "--chat-template-content-format", "string",
+                "--use-v2-block-manager", "--num-scheduler-steps", "8", "--preemption-mode", "swap")
+    for field in ("--disable-frontend-multiprocessing", "--enable-server-load-tracking", "--guided-decoding-backend",
+                  "--chat-template-content-format", "use_v2_block_manager", "num_scheduler_steps", "preemption_mode"):
+        assert log.has("setting_ignored", field=field), field
+
+
+@pytest.mark.parametrize(("flags", "expected"), [
+    (["--guided-decoding-backend", "outlines"], "error: --guided-decoding-backend: invalid choice: 'outlines' "
+                                                "(choose from 'auto', 'xgrammar')"),
+    (["--chat-template-content-format", "openai"], "error: --chat-template-content-format: invalid choice: 'openai' "
+                                                   "(choose from 'auto', 'string')"),
+])
+def test_a_serve_flag_value_kvload_does_not_run_is_one_line(capsys, flags, expected):
+    r = run_cli(capsys, "serve", "tiny-llama", *flags)
+    assert r.code == 2 and r.err.strip() == expected, r.err
+
+
+def test_default_chat_template_kwargs_flag_reaches_the_server(monkeypatch, capsys):
+    """vLLM's ``--default-chat-template-kwargs JSON`` was an unrecognized argument; a value that is no JSON object is
+    one line naming the flag."""
+    seen = served_with(monkeypatch, "--default-chat-template-kwargs", '{"enable_thinking": false}')
+    assert seen["default_chat_template_kwargs"] == {"enable_thinking": False}
+    r = run_cli(capsys, "serve", "tiny-llama", "--default-chat-template-kwargs", "[1]")
+    assert r.code == 2 and r.err.startswith("error: --default-chat-template-kwargs: "), r.err
+
+
+@pytest.mark.parametrize("command", ["plan", "run", "generate", "serve", "simulate"])
+def test_the_usage_line_still_says_model_is_required(capsys, command):
+    """MODEL became optional to argparse so that --model may give it; the usage line must not turn it into
+    [MODEL]."""
+    r = run_cli(capsys, command, "--help")
+    assert r.code == 0 and " MODEL" in r.out and "[MODEL]" not in r.out, r.out[:600]

@@ -286,7 +286,8 @@ def test_two_api_key_flags_with_several_values_and_no_model_first_are_refused(ca
     (["serve", "--api-keyy", KEY, "tiny-llama"], "--api-keyy (value hidden); did you mean --api-key?"),
     (["serve", "tiny-llama", "--api-keyy=" + KEY], "--api-keyy=(value hidden); did you mean --api-key?"),
     (["serve", "tiny-llama", "--api_keyy", "-" + KEY], "--api_keyy (value hidden); did you mean --api_key?"),
-    (["serve", "tiny-llama", "--hf-token", KEY, OTHER], "--hf-token (value hidden) (value hidden)"),
+    (["serve", "tiny-llama", "--registry-token", KEY, OTHER], "--registry-token (value hidden) (value hidden)"),
+    (["serve", "tiny-llama", "--hf-token", KEY, OTHER], "(value hidden)"),  # vLLM's flag, taken: what follows it
     (["generate", "tiny-llama", "--api-key", KEY],
      "--api-key (value hidden); --api-key belongs to another command (see kvload --help)"),
     (["serve", "tiny-llama", "--client-secret", KEY, "--port", "9"], "--client-secret (value hidden)"),

@@ -193,6 +193,27 @@ def test_truncate_prompt_tokens_minus_one_fits_a_long_prompt_to_what_max_tokens_
                        "tokens (truncate_prompt_tokens cannot help); ask for fewer")
 
 
+def test_truncate_prompt_tokens_of_max_model_len_without_max_tokens_is_taken_as_vllm_takes_it(served):
+    """vLLM bounds ``truncate_prompt_tokens`` by ``max_model_len - max_tokens``, ``max_model_len`` when no
+    ``max_tokens`` is given; kvload refused k = max_model_len there whatever the prompt. A shorter prompt is served
+    whole; one that long keeps one token fewer (a sequence never grows past max_seq_len), said as setting_ignored."""
+    def complete(prompt):
+        r = served.http.post("/v1/completions", json={"prompt": prompt, "truncate_prompt_tokens": MAX_SEQ,
+                                                       "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    short = complete(PROMPT)
+    assert short["usage"]["prompt_tokens"] == len(_ids(served, PROMPT))
+    assert _ignored(served, short["id"]) == {}
+    r = complete(" ".join(f"w{10 + i}" for i in range(80)))
+    assert r["usage"]["prompt_tokens"] == MAX_SEQ - 1 and r["usage"]["completion_tokens"] == 1
+    assert _ignored(served, r["id"]) == {"serve.truncate_prompt_tokens": MAX_SEQ}
+    message = _refused(served, "/v1/completions", {"prompt": PROMPT, "truncate_prompt_tokens": MAX_SEQ + 1},
+                       "truncate_prompt_tokens")
+    assert f"{MAX_SEQ + 1} is more than max_model_len = {MAX_SEQ}" in message
+
+
 # --- the answer's id, usage per chunk -------------------------------------------------------------------------------
 
 
@@ -646,3 +667,31 @@ def test_the_request_field_return_tokens_as_token_ids_wins_over_the_servers_flag
     finally:
         served.state.return_tokens_as_token_ids = False
     _refused(served, "/v1/completions", {**body, "return_tokens_as_token_ids": "yes"}, "return_tokens_as_token_ids")
+
+
+def test_default_chat_template_kwargs_reach_every_chat_request_under_its_own(served):
+    """vLLM's ``--default-chat-template-kwargs '{"enable_thinking": false}'`` (Qwen3 served without thinking): every
+    chat request's template gets them, a request's own value of a name wins; /tokenize of messages agrees."""
+    from kvload.serve.server import build_state
+    from pipeline.errors import ConfigError
+
+    template = "{% if extra %}w{{ extra }} {% endif %}{% for m in messages %}{{ m['content'] }} {% endfor %}w2"
+    messages = [{"role": "user", "content": "w5"}]
+    served.state.default_chat_template_kwargs = {"extra": 9}  # kvload serve --default-chat-template-kwargs
+    try:
+        def prompt_ids(**extra):
+            r = served.http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1,
+                                                                "chat_template": template, "return_token_ids": True,
+                                                                **extra})
+            assert r.status_code == 200, r.text
+            return r.json()["prompt_token_ids"]
+
+        assert prompt_ids() == [9, 5, 2]  # token i is "w<i>"
+        assert prompt_ids(chat_template_kwargs={"extra": 8}) == [8, 5, 2]  # the request's wins
+        tokens = served.http.post("/tokenize", json={"messages": messages, "chat_template": template}).json()
+        assert tokens["tokens"] == [9, 5, 2]
+    finally:
+        served.state.default_chat_template_kwargs = {}
+    assert prompt_ids() == [5, 2]
+    with pytest.raises(ConfigError, match="^default_chat_template_kwargs: "):
+        build_state(served.result, default_chat_template_kwargs={"not a name": 1})

@@ -81,6 +81,14 @@ def test_completion_top_logprobs_hold_the_top_k_and_the_chosen_token(served):
         extra_body={"ignore_eos": True}).choices[0].logprobs.top_logprobs)
 
 
+def test_the_model_card_names_the_loaded_model_as_vllms_root_for_clients_that_find_the_tokenizer_there(served):
+    """vLLM's ``/v1/models`` card carries ``root`` (the model it loaded; benchmark and eval clients load the tokenizer
+    from it when the served name is an alias) and ``parent`` (a LoRA's base, null otherwise); kvload's had neither."""
+    (card,) = served.client.models.list().data
+    assert (card.model_extra["root"], card.model_extra["parent"]) == ("tiny-llama", None)
+    assert served.client.models.retrieve("tiny-llama").model_extra["root"] == "tiny-llama"
+
+
 def test_the_openai_client_retrieves_the_served_model_and_an_unknown_one_is_a_404(served):
     model = served.client.models.retrieve("tiny-llama")
     assert model.id == "tiny-llama" and model.object == "model" and model.model_extra["max_model_len"] == 8192

@@ -208,3 +208,24 @@ def test_a_token_id_list_with_one_bad_item_names_that_item(prompt, param, got):
     assert info.value.param == param
     assert info.value.message == (f"{param}: expected a token id (an integer >= 0; the list's first item is one), "
                                   f"got {got}")
+
+
+def test_a_field_kvload_does_not_serve_sent_as_null_asks_for_nothing_and_is_taken():
+    """Clients that serialize every field of OpenAI's or vLLM's request type send the unset ones as null
+    (``"audio": null``, ``"kv_transfer_params": null``): each was a 400 though it asked for nothing, as vLLM takes it.
+    Given a value, each is still refused naming it and what to send instead."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    nulls = dict.fromkeys(("audio", "functions", "function_call", "web_search_options", "kv_transfer_params",
+                           "vllm_xargs", "mm_processor_kwargs", "thinking_token_budget"))
+    assert parse({**chat, **nulls}, "chat", default_max_tokens=16).params == parse(chat, "chat",
+                                                                                   default_max_tokens=16).params
+    assert parse({"prompt": "hi", "suffix": None, "prompt_embeds": None}, "completion",
+                 default_max_tokens=16).prompts == ["hi"]
+    with pytest.raises(BadRequest, match=r"^functions: not supported by kvload serve \(OpenAI's field: the deprecated "
+                                         r"form of tools and tool_choice") as info:
+        parse({**chat, "functions": [{"name": "f", "parameters": {}}]}, "chat", default_max_tokens=16)
+    assert info.value.param == "functions"
+    with pytest.raises(BadRequest, match=r"^suffix: not supported by kvload serve \(vLLM's field"):
+        parse({"prompt": "hi", "suffix": "x"}, "completion", default_max_tokens=16)
+    with pytest.raises(BadRequest, match="^no_such_field: not supported by kvload serve; accepted fields"):
+        parse({**chat, "no_such_field": None}, "chat", default_max_tokens=16)  # a name kvload does not know

@@ -196,6 +196,27 @@ def test_a_vllm_call_argument_kvload_lacks_is_named_not_mistaken_for_a_sampling_
         llm.generate(IDS, SamplingParams(max_tokens=2), top_q=0.5)
 
 
+def test_vllms_call_arguments_and_sampling_fields_at_their_defaults_ask_for_nothing_and_are_taken(llm):
+    """``llm.chat(messages, sp, mm_processor_kwargs=None)`` (vLLM's signature, its default spelled out) and
+    ``SamplingParams(flat_logprobs=False, ...)`` (a dict of every vLLM field) were refused though they ask for
+    nothing; a value that asks for something is still refused naming it."""
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    want = llm.generate(IDS, sp)[0].outputs[0].token_ids
+    for kw in ({"mm_processor_kwargs": None}, {"tokenization_kwargs": {}}, {"prompt_adapter_request": None}):
+        assert llm.generate(IDS, sp, **kw)[0].outputs[0].token_ids == want, kw
+    conv = [{"role": "user", "content": "w5 w17"}]
+    template = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w2{% endif %}"
+    assert llm.chat(conv, sp, chat_template=template, mm_processor_kwargs=None)[0].prompt == "w5 w17 w2"
+    with pytest.raises(GenerationError, match="^chat: mm_processor_kwargs: vLLM's argument, not kvload's"):
+        llm.chat(conv, sp, chat_template=template, mm_processor_kwargs={"num_crops": 4})
+    spelled = SamplingParams(max_tokens=3, ignore_eos=True, flat_logprobs=False, skip_clone=False, stream_interval=None,
+                             thinking_token_budget=None, repetition_detection=None, logprob_token_ids=None,
+                             skip_reading_prefix_cache=None, routed_experts_prompt_start=0)
+    assert spelled == sp
+    with pytest.raises(GenerationError, match="^generate: flat_logprobs: vLLM's SamplingParams field, not kvload's"):
+        SamplingParams(flat_logprobs=True)
+
+
 def test_chat_tools_reach_the_template_as_vllm_passes_them(llm):
     tok = llm.tokenizer
     tok.chat_template = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
@@ -411,15 +432,34 @@ def test_truncate_prompt_tokens_minus_one_fits_a_prompt_past_max_seq_len_and_a_b
     long = list(range(1, 101))  # 100 tokens; the fixture's max_seq_len is 64
     with pytest.raises(GenerationError, match="^generate: prompt 0: 100 tokens leave no room"):
         llm.generate([long], SamplingParams(max_tokens=4))
+    # vLLM's -1 is max_model_len: a prompt that long keeps one token fewer here, and generates that one (as vLLM)
     (out,) = llm.generate([long], SamplingParams(max_tokens=4, ignore_eos=True, truncate_prompt_tokens=-1))
-    assert out.prompt_token_ids == long[-60:] and len(out.outputs[0].token_ids) == 4  # 64 - max_tokens
-    with pytest.raises(GenerationError, match="^generate: truncate_prompt_tokens: 64 keeps prompts of up to that "
-                                              "many tokens, which leaves no room to generate under max_seq_len=64"):
-        llm.generate([long], SamplingParams(max_tokens=4, truncate_prompt_tokens=64))
+    assert out.prompt_token_ids == long[-63:] and len(out.outputs[0].token_ids) == 1
+    assert out.outputs[0].finish_reason == "length"
+    shorter = list(range(1, 62))  # under max_seq_len: kept whole and max_tokens cut to what is left, as vLLM does
+    (out,) = llm.generate([shorter], SamplingParams(max_tokens=4, ignore_eos=True, truncate_prompt_tokens=-1))
+    assert out.prompt_token_ids == shorter and len(out.outputs[0].token_ids) == 3
+    with pytest.raises(GenerationError, match=r"^generate: truncate_prompt_tokens: 65 is greater than max_seq_len "
+                                              r"\(vLLM's max_model_len\) 64; use at most 64"):
+        llm.generate([long], SamplingParams(max_tokens=4, truncate_prompt_tokens=65))
     for bad in (0, -2, True, 1.5):
         with pytest.raises(GenerationError, match="^generate: truncate_prompt_tokens: expected an integer >= 1"):
             SamplingParams(truncate_prompt_tokens=bad)
     assert SamplingParams(truncate_prompt_tokens=None) == SamplingParams()
+
+
+def test_truncate_prompt_tokens_of_max_model_len_is_taken_as_vllm_takes_it(llm):
+    """vLLM takes ``1 <= truncate_prompt_tokens <= max_model_len``: a script capping prompts at the model's length
+    (TRL's ``max_prompt_length`` equal to ``max_model_len``) was refused whatever its prompts. A shorter prompt runs
+    whole; one that long keeps one token fewer than asked, generates that one, and a ``setting_ignored`` says so."""
+    sp = SamplingParams(max_tokens=4, ignore_eos=True, truncate_prompt_tokens=64)
+    (short,) = llm.generate([[5, 6, 7]], sp)
+    assert short.prompt_token_ids == [5, 6, 7] and len(short.outputs[0].token_ids) == 4
+    long = list(range(1, 101))
+    (out,) = llm.generate([long, long], sp)[:1]
+    assert out.prompt_token_ids == long[-63:] and len(out.outputs[0].token_ids) == 1
+    said = [r for r in llm.audit.of("setting_ignored") if r["field"] == "generate.truncate_prompt_tokens"]
+    assert [(r["value"], r["reason"][:48]) for r in said] == [(64, "2 prompts (the first: 0) kept the last 63 tokens")]
 
 
 def test_the_serving_engine_cuts_a_submitted_prompt_to_its_params_truncate_prompt_tokens():
@@ -437,7 +477,7 @@ def test_the_serving_engine_cuts_a_submitted_prompt_to_its_params_truncate_promp
         request = engine.check(long, SamplingParams(max_tokens=4, truncate_prompt_tokens=5))
         assert request.prompt_token_ids == long[-5:]
         request = engine.check(long, SamplingParams(max_tokens=4, truncate_prompt_tokens=-1))
-        assert request.prompt_token_ids == long[-(limit - 4):]
+        assert request.prompt_token_ids == long[-(limit - 1):]  # generate's -1: one token left to generate
         assert engine.check([1, 2, 3], SamplingParams(max_tokens=4, truncate_prompt_tokens=5)).prompt_token_ids == [
             1, 2, 3]
         with pytest.raises(GenerationError, match="^generate: prompt 0: .* tokens leave no room"):

@@ -58,7 +58,7 @@ def test_explain_finds_a_field_by_its_vllm_spelling(capsys, tmp_path):
 
 @pytest.mark.parametrize(("argv", "line"), [
     (["--max-model-len", "0"], "error: --max-model-len: expected an integer >= 1 or null, got 0\n"),
-    (["--max-model-len", "1k"], "error: --max-model-len: expected an integer, got '1k'\n"),
+    (["--max-model-len", "1kb"], "error: --max-model-len: expected an integer, got '1kb'\n"),
     (["--max-num-seqs", "0"], "error: --max-num-seqs: expected an integer >= 1, got 0\n"),
     (["--block-size", "0"], "error: --block-size: expected an integer >= 1, got 0\n"),
     (["-tp", "x"], "error: -tp: expected an integer, got 'x'\n"),
@@ -95,9 +95,56 @@ def test_vllm_engine_flags_without_a_counterpart_are_taken_and_reported_as_pytho
     assert set(said) == {"enforce_eager", "max_logprobs", "tokenizer"}
     assert said["enforce_eager"].startswith("a vLLM option kvload does not act on: CUDA graphs")
     assert said["enforce_eager"].endswith("(from cli)")
-    r = run_cli(capsys, "plan", "tiny-llama", "--trust-remote-code")
-    assert (r.code, r.out) == (2, "") and r.err.startswith(
-        "error: --trust-remote-code: kvload never runs code shipped with a checkpoint"), r.err
+
+
+def test_trust_remote_code_is_taken_and_reported_as_ignored_since_no_checkpoint_code_ever_runs(capsys, tmp_path):
+    """``LLM(model, trust_remote_code=True)`` / ``vllm serve --trust-remote-code`` are in most vLLM scripts; kvload
+    refused them, though nothing would run differently: vLLM runs its own implementation of the families kvload serves,
+    kvload runs transformers' built-in one, and no code from the checkpoint runs either way."""
+    log = tmp_path / "audit.jsonl"
+    r = run_cli(capsys, "plan", "tiny-llama", "--trust-remote-code", "--audit-log", log)
+    assert r.code == 0, r.err
+    said = {e["field"]: e["reason"] for e in read_events(log) if e["event"] == "setting_ignored"}
+    assert said["trust_remote_code"].startswith("kvload never runs a checkpoint's own code"), said
+    result = kvload.plan("tiny-llama", trust_remote_code=True, log=False)
+    (event,) = [e for e in result.audit.of("setting_ignored") if e["field"] == "trust_remote_code"]
+    assert event["value"] is True
+    with pytest.raises(ConfigError, match="^trust_remote_code: expected true or false, got 'yes'"):
+        kvload.plan("tiny-llama", trust_remote_code="yes", log=False)
+
+
+@pytest.mark.parametrize(("argv", "field", "reason"), [
+    (["--hf-token", "hf_secret"], "hf_token", "kvload never downloads"),
+    (["-dp", "1"], "data_parallel_size", "kvload runs one engine per process"),
+    (["--pipeline-parallel-size", "1"], "pipeline_parallel_size", "kvload splits a model by tensor parallel only"),
+    (["--max-lora-rank", "16"], "max_lora_rank", "LoRA adapters"),
+    (["--limit-mm-per-prompt", '{"image": 0}'], "limit_mm_per_prompt", "multimodal inputs"),
+    (["--load-format", "safetensors"], "load_format", "loading / serving feature"),
+    (["--logprobs-mode", "raw_logprobs"], "logprobs_mode", "kvload's logprobs are the model's raw distribution"),
+    (["--enable-expert-parallel"], "enable_expert_parallel", "MoE expert parallelism"),
+])
+def test_more_vllm_launch_line_flags_are_taken_with_a_warning_each(capsys, tmp_path, argv, field, reason):
+    """Flags of common ``vllm serve`` launch lines were "unrecognized arguments" (``--hf-token`` even suggested
+    ``--max-num-tokens``); each is taken with one setting_ignored saying why, a secret's value hidden."""
+    log = tmp_path / "audit.jsonl"
+    r = run_cli(capsys, "plan", "tiny-llama", *argv, "--audit-log", log)
+    assert r.code == 0, r.err
+    said = {e["field"]: e for e in read_events(log) if e["event"] == "setting_ignored"}
+    assert reason in said[field]["reason"], said
+    assert "hf_secret" not in r.err and "hf_secret" not in log.read_text()
+
+
+@pytest.mark.parametrize(("argv", "line"), [
+    (["-dp", "2"], "error: --data-parallel-size: vLLM's setting; kvload runs one engine per process (start one kvload "
+                   "serve per replica); accepted: 1, got 2"),
+    (["-pp", "2"], "error: --pipeline-parallel-size: vLLM's setting; kvload splits a model by tensor parallel only "
+                   "(tensor_parallel_size); accepted: 1, got 2"),
+    (["--logprobs-mode", "processed_logprobs"], "error: --logprobs-mode: vLLM's setting; kvload's logprobs are the "
+                                                "model's raw distribution"),
+])
+def test_a_vllm_parallel_or_logprobs_setting_kvload_cannot_honour_is_one_line(capsys, argv, line):
+    r = run_cli(capsys, "plan", "tiny-llama", *argv)
+    assert (r.code, r.out, r.one_error_line) == (2, "", True) and r.err.startswith(line), r.err
 
 
 @pytest.mark.parametrize(("argv", "line"), [
@@ -256,3 +303,24 @@ def test_a_config_file_refuses_a_vllm_name_with_the_key_to_write(capsys, tmp_pat
     assert (r.code, r.out) == (2, "")
     assert r.err == (f"error: config file {cfg}: block_size: vLLM's name for kv_cache_config.tokens_per_block; "
                      "write kv_cache_config: {tokens_per_block: 16}\n")
+
+
+@pytest.mark.parametrize(("argv", "field", "value"), [
+    (["--max-model-len", "32k"], "max_seq_len", 32_000),
+    (["--max-model-len", "32K"], "max_seq_len", 32_768),
+    (["--max_seq_len", "25.6k"], "max_seq_len", 25_600),
+    (["--max-num-batched-tokens", "8K"], "max_num_tokens", 8_192),
+    (["--max-num-batched-tokens", "2048"], "max_num_tokens", 2_048),
+])
+def test_token_counts_take_vllms_suffixes_as_vllm_reads_them(capsys, argv, field, value):
+    """vLLM reads ``--max-model-len 32k`` as 32,000 and ``32K`` as 32,768 (``human_readable_int``); a launch line
+    with one was "expected an integer"."""
+    r = run_cli(capsys, "plan", "tiny-llama", *argv, "--json")
+    assert r.code == 0, r.err
+    assert get_in(r.json()["args"], field) == value
+
+
+def test_a_binary_suffix_on_a_decimal_is_refused_as_vllm_refuses_it(capsys):
+    r = run_cli(capsys, "plan", "tiny-llama", "--max-model-len", "1.5K")
+    assert (r.code, r.one_error_line) == (2, True) and r.err.startswith(
+        "error: --max-model-len: a binary suffix (K) takes a whole number, got '1.5K'"), r.err

@@ -8,7 +8,7 @@ from typing import Any
 
 import attrs
 
-from kvload.cli.values import field_integer, integer, json_object, number, size, tri_state
+from kvload.cli.values import field_integer, integer, json_object, number, size, token_count, tri_state
 from pipeline.config import ATTENTION_BACKENDS, LINEAR_BACKENDS
 
 
@@ -63,10 +63,10 @@ FLAGS: tuple[Flag, ...] = (
          metavar="{auto,cuda,cuda:N,cpu}"),
     Flag("--max_batch_size", "max_batch_size", "most requests scheduled at once", field_integer, metavar="N",
          aliases=("--max_num_seqs",)),
-    Flag("--max_seq_len", "max_seq_len", "longest sequence (default: the checkpoint's)", field_integer, metavar="N",
-         aliases=("--max_model_len",)),
-    Flag("--max_num_tokens", "max_num_tokens", "most tokens in one forward (prefill chunk)", field_integer, metavar="N",
-         aliases=("--max_num_batched_tokens",)),
+    Flag("--max_seq_len", "max_seq_len", "longest sequence (default: the checkpoint's; 32k = 32,000 and 32K = 32,768, "
+         "as vLLM reads them)", token_count, metavar="N", aliases=("--max_model_len",)),
+    Flag("--max_num_tokens", "max_num_tokens", "most tokens in one forward (prefill chunk; 8k, 8K as vLLM reads them)",
+         token_count, metavar="N", aliases=("--max_num_batched_tokens",)),
     Flag("--max_beam_width", "max_beam_width", "beam width (V2 serves only 1)", field_integer, metavar="N"),
     Flag("--scheduling_policy", "scheduling_policy", "fcfs (default: arrival order) or priority (vLLM's: a request's "
          "priority, lower first, orders admission; V2 also moves out lower-ranked running requests for it)", str,
@@ -121,10 +121,26 @@ VLLM_KNOB_FLAGS: tuple[tuple[str, str, Callable[[str], Any] | None, str | None],
     ("--tokenizer", "tokenizer", str, "NAME"),
     ("--tokenizer-mode", "tokenizer_mode", str, "MODE"),
     ("--revision", "revision", str, "REV"),
+    ("--load-format", "load_format", str, "FORMAT"),
+    ("--hf-token", "hf_token", str, "TOKEN"),
+    ("--max-lora-rank", "max_lora_rank", integer, "N"),
+    ("--max-loras", "max_loras", integer, "N"),
+    ("--limit-mm-per-prompt", "limit_mm_per_prompt", json_object, "JSON"),
+    ("--mm-processor-kwargs", "mm_processor_kwargs", json_object, "JSON"),
+    ("--enable-expert-parallel", "enable_expert_parallel", None, None),
+    ("--data-parallel-size", "data_parallel_size", integer, "N"),
+    ("--pipeline-parallel-size", "pipeline_parallel_size", integer, "N"),
+    ("--logprobs-mode", "logprobs_mode", str, "MODE"),
+    ("--use-v2-block-manager", "use_v2_block_manager", None, None),
+    ("--num-scheduler-steps", "num_scheduler_steps", integer, "N"),
+    ("--max-parallel-loading-workers", "max_parallel_loading_workers", integer, "N"),
+    ("--preemption-mode", "preemption_mode", str, "MODE"),
 )
+#: vLLM's one-dash spellings of some of them
+VLLM_KNOB_SHORT: dict[str, tuple[str, ...]] = {"--data-parallel-size": ("-dp",), "--pipeline-parallel-size": ("-pp",)}
 
 #: the switches of ``VLLM_KNOB_FLAGS`` vLLM declares ``store_true`` (no ``--no-`` form there either)
-VLLM_STORE_TRUE_FLAGS = frozenset({"--disable-log-stats"})
+VLLM_STORE_TRUE_FLAGS = frozenset({"--disable-log-stats", "--enable-expert-parallel", "--use-v2-block-manager"})
 
 
 def _knob_dest(key: str) -> str:
@@ -148,9 +164,14 @@ def _underscored(name: str) -> str:
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     """MODEL, the config flags (with dashed aliases), and the output/logging options."""
-    p.add_argument("model", metavar="MODEL",
-                   help="a preset or packaged model (see `kvload models`), a checkpoint directory, a .gguf file, "
-                        "or a Hugging Face id in the local cache")
+    model = p.add_argument("model", metavar="MODEL", nargs="?", default=None,
+                           help="a preset or packaged model (see `kvload models`), a checkpoint directory, a .gguf "
+                                "file, or a Hugging Face id in the local cache (--model MODEL too, vLLM's spelling)")
+    # MODEL may come as vLLM's --model (`python -m vllm.entrypoints.openai.api_server --model X` launch lines):
+    # optional to argparse, required by take_model_option (the usage line still says MODEL, not [MODEL])
+    model.shown_required = True  # type: ignore[attr-defined]
+    p.add_argument("--model", dest="model_option", metavar="MODEL", default=None, help=argparse.SUPPRESS)
+    p.finish = take_model_option  # type: ignore[attr-defined]
     group = p.add_argument_group("configuration (TensorRT-LLM spelling; dashed and vLLM aliases accepted)")
     for f in FLAGS:
         names = list(dict.fromkeys(n for name in (f.name, *f.aliases) for n in (name, _dashed(name))))
@@ -162,7 +183,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     knobs = p.add_argument_group("vLLM engine options kvload does not act on (each accepted with a setting_ignored "
                                  "warning saying why, or refused where its value would change the model)")
     for name, key, kind, metavar in VLLM_KNOB_FLAGS:
-        names = (name, _underscored(name))
+        names = (name, _underscored(name), *VLLM_KNOB_SHORT.get(name, ()))
         if kind is None:
             knobs.add_argument(*names, dest=_knob_dest(key), action="store_const", const=True, default=None,
                                help=argparse.SUPPRESS)
@@ -184,6 +205,18 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                           "existing file is refused)")
     out.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     add_log_flags(out)
+
+
+def take_model_option(parser: argparse.ArgumentParser, ns: argparse.Namespace, *, required: bool = True) -> None:
+    """MODEL from vLLM's ``--model`` when it was given that way; the same model both ways is taken, two different
+    ones are one usage error, and none at all (``required``) argparse's own."""
+    option = getattr(ns, "model_option", None)
+    if option is not None:
+        if ns.model is not None and ns.model != option:
+            parser.error(f"--model {option}: MODEL is {ns.model} already; give the model once (MODEL or --model)")
+        ns.model = option
+    if ns.model is None and required:
+        parser.error("the following arguments are required: MODEL")
 
 
 def add_log_flags(p: Any) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 from kvload.cli.files import _audit_subscribers
 from kvload.cli.flags import _request, add_model_flags
 from kvload.cli.output import print_result, prints
+from kvload.cli.parser import HelpFormatter
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:
@@ -68,7 +69,8 @@ def add_plan_command(sub: Any) -> None:
     """``plan``: resolve and route, with the capacity report flags."""
     p = sub.add_parser("plan", help="resolve the configuration and route (no allocation)",
                        description="Resolve a model's arguments (stages 1-5) and show each field with its "
-                                   "source, the route and why; nothing is allocated.")
+                                   "source, the route and why; nothing is allocated.",
+                       formatter_class=HelpFormatter)  # MODEL is required, though --model may give it
     add_model_flags(p)
     cap = p.add_argument_group("capacity report")
     cap.add_argument("--compare", action="store_true",
@@ -85,6 +87,7 @@ def add_run_command(sub: Any) -> None:
     """``run``: every stage, the pools allocated."""
     p = sub.add_parser("run", help="resolve, route and build the KV cache manager (allocates the pools)",
                        description="Run every stage: resolve the arguments, route, compute the KV budget and "
-                                   "allocate the pools on the device; print the plan and what was allocated.")
+                                   "allocate the pools on the device; print the plan and what was allocated.",
+                       formatter_class=HelpFormatter)
     add_model_flags(p)
     p.set_defaults(func=cmd_run)

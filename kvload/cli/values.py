@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 from collections.abc import Callable
+from decimal import Decimal
 from typing import Any
 
 from pipeline.config import SIZE_HELP, parse_size
@@ -52,6 +53,32 @@ def field_integer(text: str) -> int:
         return integer(text)
     except _TooBig:
         return int(text.replace("_", "").strip())  # integer() checked the digits: 0-9, at most MAX_INT_DIGITS
+
+
+#: vLLM's suffixes of a token count (``human_readable_int``): lowercase decimal, uppercase binary
+_DECIMAL_SUFFIX = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY_SUFFIX = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def token_count(text: str) -> int:
+    """A token count as vLLM's ``--max-model-len`` and ``--max-num-batched-tokens`` take it: an integer, or one with
+    vLLM's suffix, ``32k`` (32,000: decimal, a decimal point allowed, ``25.6k``) or ``32K`` (32,768: binary, whole
+    numbers only), so a copied launch line means what it meant there."""
+    stripped = text.strip()
+    suffix = stripped[-1:]
+    if suffix in _DECIMAL_SUFFIX or suffix in _BINARY_SUFFIX:
+        digits = stripped[:-1]
+        whole = digits.isascii() and digits.isdigit() and len(digits) <= MAX_INT_DIGITS
+        decimal = digits.count(".") == 1 and digits.replace(".", "", 1).isdigit() and digits.isascii() \
+            and len(digits) <= MAX_INT_DIGITS and not digits.startswith(".") and not digits.endswith(".")
+        if suffix in _DECIMAL_SUFFIX and (whole or decimal):
+            return field_integer(str(int(Decimal(digits) * _DECIMAL_SUFFIX[suffix])))
+        if suffix in _BINARY_SUFFIX and whole:
+            return field_integer(str(int(digits) * _BINARY_SUFFIX[suffix]))
+        if suffix in _BINARY_SUFFIX and decimal:
+            raise argparse.ArgumentTypeError(f"a binary suffix ({suffix}) takes a whole number, got {short_text(text)}"
+                                             f" (vLLM's rule; {digits}{suffix.lower()} is decimal)")
+    return field_integer(text)
 
 
 def number(text: str) -> float:

@@ -97,9 +97,13 @@ def create_app(state: ServeState) -> FastAPI:
     async def ping() -> Response:
         return await health()
 
+    given = getattr(getattr(state.result, "args", None), "model", None)  # MODEL as given: vLLM's card's root
+    root = str(given) if given is not None else state.model_name
+
     def model_card(name: str) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": state.created, "owned_by": "kvload",
-                "max_model_len": state.engine.executor.max_seq_len}
+        # vLLM's card: ``root`` is the model it loaded (clients find its tokenizer there), ``parent`` a LoRA's base
+        return {"id": name, "object": "model", "created": state.created, "owned_by": "kvload", "root": root,
+                "parent": None, "max_model_len": state.engine.executor.max_seq_len}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:  # one card per served name, as vLLM lists them

@@ -121,6 +121,10 @@ def add_serve_command(sub: Any) -> None:
                           help=f"the {what} allowed, a JSON list of strings (default [\"*\"]: any)")
     cors.add_argument("--allow-credentials", "--allow_credentials", dest="allow_credentials", action="store_true",
                       help="let browsers send cookies and HTTP authentication (default: not)")
+    g.add_argument("--default-chat-template-kwargs", "--default_chat_template_kwargs",
+                   dest="default_chat_template_kwargs", default=None, metavar="JSON", type=json_object,
+                   help="chat template variables every chat request gets unless it sends its own of that name, as a "
+                        "JSON object, e.g. '{\"enable_thinking\": false}' for Qwen3 (vLLM's flag)")
     g.add_argument("--response-role", "--response_role", dest="response_role", default="assistant", metavar="ROLE",
                    type=_role, help="chat completions' reply role when the request asks for a generation prompt "
                                     "(vLLM's flag; default %(default)s)")
@@ -143,8 +147,13 @@ def add_serve_command(sub: Any) -> None:
     g.add_argument("--disable-uvicorn-access-log", "--disable_uvicorn_access_log", dest="disable_uvicorn_access_log",
                    action="store_true", help="no line per HTTP request, whatever the log level (vLLM's flag)")
     for flag in ("--disable-log-requests", "--enable-log-requests", "--enable-prompt-tokens-details",
-                 "--disable-fastapi-docs"):
+                 "--disable-fastapi-docs", "--disable-frontend-multiprocessing", "--enable-server-load-tracking"):
         g.add_argument(flag, _underscored(flag), action="store_true", help=argparse.SUPPRESS)
+    g.add_argument("--guided-decoding-backend", "--guided_decoding_backend", dest="guided_decoding_backend",
+                   default=None, metavar="NAME", choices=("auto", "xgrammar"), help=argparse.SUPPRESS)
+    g.add_argument("--chat-template-content-format", "--chat_template_content_format",
+                   dest="chat_template_content_format", default=None, metavar="FORMAT", choices=("auto", "string"),
+                   help=argparse.SUPPRESS)
     g.add_argument("--max-log-len", "--max_log_len", dest="max_log_len", default=None, metavar="N",
                    type=_bounded(integer, lambda v: v >= 0, "an integer >= 0"), help=argparse.SUPPRESS)
     g.add_argument("--audit-keep", "--audit_keep", dest="audit_keep", default=AUDIT_KEEP_DEFAULT, metavar="N",
@@ -230,10 +239,8 @@ def add_serve_command(sub: Any) -> None:
                         "vLLM's $VLLM_API_KEY is read when neither is given). --api-key=KEY takes exactly one (a key "
                         "may start with '-'). The audit says where the key came from, never the key")
     p.set_defaults(func=cmd_serve)
-    # MODEL may come last in --api-key's values (`--api-key KEY MODEL`): optional to argparse, required by _finish
-    (model,) = [a for a in p._actions if a.dest == "model"]
-    model.nargs, model.required, model.default = "?", False, None
-    model.shown_required = True  # type: ignore[attr-defined]  # the usage line says MODEL, not [MODEL]
+    # MODEL may come last in --api-key's values (`--api-key KEY MODEL`): optional to argparse (add_model_flags), and
+    # required by _finish
     p.finish = _finish
 
 
@@ -250,10 +257,13 @@ class _ApiKeys(argparse.Action):
 
 
 def _finish(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    from kvload.cli.flags import take_model_option
+
     """MODEL, else the last value of the one ``--api-key KEY ... MODEL`` that took more than one (argparse's
     nargs="+" took it for a key; vLLM takes several keys to one flag, so ``MODEL --api-key K1 K2`` stays two keys;
     two such uses are refused: either may end with MODEL); then each key checked."""
     ns.model_after_api_key = False
+    take_model_option(parser, ns, required=False)  # vLLM's --model MODEL
     if ns.model is None:
         # one value: a key, never MODEL (a server with no key instead)
         ends = [end for end, n in getattr(ns, "api_key_runs", []) if n >= 2]
@@ -522,7 +532,8 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
                             metrics_naming=ns.metrics_name_prefix, responses_store_max=ns.responses_store_max,
                             cors=_cors(ns), response_role=ns.response_role,
                             return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
-                            force_include_usage=ns.enable_force_include_usage, root_path=ns.root_path)
+                            force_include_usage=ns.enable_force_include_usage, root_path=ns.root_path,
+                            default_chat_template_kwargs=ns.default_chat_template_kwargs)
         _warn_when_the_audit_log_fails(state, getattr(ns, "audit_sink", None))
         mirror = None
         if ns.kv_events_file is not None:  # a full disk later stops the mirror with a warning, never a request
@@ -561,6 +572,11 @@ IGNORED_SERVE_FLAGS: dict[str, str] = {
                     "(GET /v1/kvload/audit, --audit-log FILE), and --uvicorn-log-level info logs each HTTP request"),
     "--enable-prompt-tokens-details": "kvload always returns usage.prompt_tokens_details (cached_tokens)",
     "--disable-fastapi-docs": "kvload serve has no /docs, /redoc or /openapi.json to disable",
+    "--disable-frontend-multiprocessing": "kvload serve runs its HTTP front end and its engine loop in one process",
+    "--enable-server-load-tracking": "GET /metrics reports the running and waiting requests at any time",
+    "--guided-decoding-backend": "kvload's structured outputs always run on xgrammar",
+    "--chat-template-content-format": "kvload joins a message's text parts into one string for the template (vLLM's "
+                                      "string format); the openai format is not served",
 }
 
 

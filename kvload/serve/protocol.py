@@ -1119,12 +1119,26 @@ VLLM_FIELDS_NOT_SERVED: dict[str, str] = {
 }
 
 
+#: OpenAI's request fields kvload does not serve → what to do instead (refused naming it, unless null: see _known).
+OPENAI_FIELDS_NOT_SERVED: dict[str, str] = {
+    **dict.fromkeys(("functions", "function_call"), "the deprecated form of tools and tool_choice, which kvload "
+                    "serves: send those"),
+    "audio": 'kvload writes text only (modalities ["text"])',
+    "web_search_options": "kvload searches nothing; it answers from the model alone",
+}
+
+
 def _known(body: dict[str, Any], allowed: set[str] | frozenset[str]) -> None:
-    unknown = sorted(set(body) - allowed)
+    """``BadRequest`` naming the first field kvload does not serve. OpenAI's or vLLM's field sent as null, its unset
+    default, asks for nothing and is taken (clients that serialize every field of a request type send them so)."""
+    unknown = sorted(k for k in set(body) - allowed
+                     if not (body[k] is None and (k in VLLM_FIELDS_NOT_SERVED or k in OPENAI_FIELDS_NOT_SERVED)))
     if unknown:  # the name cut short: a 12,000-character key was quoted whole, twice, in a 24 KB answer
         why = VLLM_FIELDS_NOT_SERVED.get(unknown[0])
+        theirs = OPENAI_FIELDS_NOT_SERVED.get(unknown[0])
         raise BadRequest(f"{unknown[0][:80]}: not supported by kvload serve"
                          + (f" (vLLM's field: {why})" if why else "")
+                         + (f" (OpenAI's field: {theirs})" if theirs else "")
                          + f"; accepted fields: {', '.join(sorted(allowed))}", param=unknown[0][:80])
 
 

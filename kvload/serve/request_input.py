@@ -31,8 +31,22 @@ def _parse(state: ServeState, raw: bytes | bytearray, kind: str) -> Job:
     return _parse_body(state, body, kind)
 
 
+def with_default_template_kwargs(state: ServeState, body: Any) -> Any:
+    """A chat body with the server's ``--default-chat-template-kwargs`` (vLLM's) under its own
+    ``chat_template_kwargs``: the request's value of a name wins; a malformed one is left to be refused as such."""
+    defaults = state.default_chat_template_kwargs
+    if not defaults or not isinstance(body, dict):
+        return body
+    given = body.get("chat_template_kwargs")
+    if given is not None and not isinstance(given, dict):
+        return body
+    return {**body, "chat_template_kwargs": {**defaults, **(given or {})}}
+
+
 def _parse_body(state: ServeState, body: Any, kind: str) -> Job:
     """A loaded request body as a ``Job`` (``kind``: "completion" or "chat"); ``BadRequest`` naming what is wrong."""
+    if kind == "chat":
+        body = with_default_template_kwargs(state, body)
     job = parse(body, kind, default_max_tokens=state.default_max_tokens,
                 by_priority=getattr(state.engine.scheduler, "by_priority", False), defaults=state.sampling_defaults,
                 tool_parser=state.tool_call_parser, reasoning_parser=state.reasoning_parser)
@@ -117,25 +131,37 @@ def _encode(engine: ServingEngine, job: Job) -> tuple[list[list[int]], list[bool
 
 
 def _kept_tokens(engine: ServingEngine, job: Job) -> int | None:
-    """How many of each prompt's last tokens ``truncate_prompt_tokens`` keeps (None: all): at most what the
-    context length leaves after ``max_tokens`` (1 when not given), which -1 asks for, as vLLM counts it."""
+    """How many of each prompt's last tokens ``truncate_prompt_tokens`` keeps (None: all), bounded as vLLM bounds
+    it: by the context length less ``max_tokens`` when given, else by the context length (which -1 asks for); a
+    sequence never grows past it here, so without ``max_tokens`` at most one token fewer is kept (one to generate:
+    :func:`cut_short` says when that made a difference)."""
     if job.truncate is None:
         return None
     limit = engine.executor.max_seq_len
-    wanted = job.params.max_tokens if job.max_tokens_given else 1
+    wanted = job.params.max_tokens if job.max_tokens_given else 0
     room = limit - wanted
     if room < 1:  # no truncation can help: max_tokens alone fills the context (a prompt needs a token)
         raise BadRequest(f"{job.max_tokens_field}: {wanted} leaves no room for a prompt in this model's context "
                          f"length of {limit} tokens (truncate_prompt_tokens cannot help); ask for fewer",
                          param=job.max_tokens_field)
-    if job.truncate == -1:
-        return max(room, 1)  # a max_tokens past the context length is refused as such (submit)
     if job.truncate > room:
-        raise BadRequest(f"truncate_prompt_tokens: {job.truncate} is more than max_model_len - "
-                         f"{job.max_tokens_field if job.max_tokens_given else 'one generated token'} = {limit} - "
-                         f"{wanted} = {room}; request a smaller truncation size (or -1 for that many)",
-                         param="truncate_prompt_tokens")
-    return job.truncate
+        given = f"- {job.max_tokens_field} = {limit} - {wanted} = {room}" if job.max_tokens_given else f"= {limit}"
+        raise BadRequest(f"truncate_prompt_tokens: {job.truncate} is more than max_model_len {given}; request a "
+                         "smaller truncation size (or -1 for that many)", param="truncate_prompt_tokens")
+    keep = room if job.truncate == -1 else job.truncate  # a max_tokens past the context is refused as such (submit)
+    return min(keep, limit - 1)
+
+
+def cut_short(engine: ServingEngine, job: Job, cut: list[bool]) -> tuple[str, Any, str] | None:
+    """The ``setting_ignored`` (field, value, reason) when ``truncate_prompt_tokens`` asked to keep the whole context
+    length (k = max_model_len without ``max_tokens``) and a prompt that long kept one token fewer (-1 means that)."""
+    limit = engine.executor.max_seq_len
+    if job.truncate != limit or job.max_tokens_given or not any(cut):
+        return None
+    return ("truncate_prompt_tokens", limit,
+            f"a prompt kept its last {limit - 1} tokens, not max_model_len={limit}: a sequence never grows past it "
+            "here, so one token is left to generate (vLLM keeps max_model_len tokens and refuses the request: "
+            "no max_tokens fits)")
 
 
 def _header_request_id(request: Request) -> str | None:

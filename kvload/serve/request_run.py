@@ -31,7 +31,7 @@ from kvload.serve.messages_input import to_chat as messages_to_chat
 from kvload.serve.openai_output import _OpenAIDocuments
 from kvload.serve.protocol import EFFORT_UNREAD, BadRequest, Job
 from kvload.serve.request_body import _load, _shutting_down
-from kvload.serve.request_input import _encode, _header_request_id, _parse, _parse_body
+from kvload.serve.request_input import _encode, _header_request_id, _parse, _parse_body, cut_short
 from kvload.serve.responses_input import ResponsesRequest, renamed, renamed_error, to_chat
 from kvload.serve.responses_output import in_progress
 from kvload.serve.state import ServeState
@@ -120,6 +120,9 @@ class _Run(_OpenAIDocuments):
             self.state.responses.claim(self.id, "X-Request-Id" if header else "request_id")
             self.request.scope[CLAIMED] = self.id  # let go by _Admission once the request ends, however it ends
         self.prompts, cut = _encode(self.engine, job)
+        short = cut_short(self.engine, job, cut)
+        if short is not None:  # reported with the request's other ignored settings (submit)
+            job = self.job = attrs.evolve(job, ignored=(*job.ignored, short))
         scored = sum(map(len, self.prompts)) if job.params.prompt_logprobs is not None else 0
         if scored > MAX_SCORED_PROMPT_TOKENS:
             field = "prompt_logprobs" if job.prompt_logprobs is not None else "echo"

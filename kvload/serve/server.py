@@ -17,7 +17,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import h11
@@ -45,7 +45,7 @@ from kvload.serve.protocol import BadRequest, default_max_request_bytes
 from kvload.serve.request_body import _shutting_down
 from kvload.serve.responses_store import ResponseStore, kept_request_bytes
 from kvload.serve.state import CorsPolicy, ServeState
-from pipeline.errors import ConfigError, KvloadError
+from pipeline.errors import ConfigError, GenerationError, KvloadError
 from pipeline.events import ApiKeyRequired, AutoToolChoiceEnabled, KvEventsFileFailed, ReasoningParserEnabled
 from pipeline.limits import MAX_INT, short, short_text
 from pipeline.textfile import read_regular
@@ -63,7 +63,8 @@ def build_state(result: Any, *, model_name: str | Sequence[str] | None = None,
                 metrics_naming: str = "kvload",
                 responses_store_max: int = RESPONSES_STORE_MAX_DEFAULT, cors: CorsPolicy | None = None,
                 response_role: str = "assistant", return_tokens_as_token_ids: bool = False,
-                force_include_usage: bool = False, root_path: str = "") -> ServeState:
+                force_include_usage: bool = False, root_path: str = "",
+                default_chat_template_kwargs: Mapping[str, Any] | None = None) -> ServeState:
     """Engine (not started) and metrics over a ``load(..., load_weights=True)`` result, served as ``model_name`` (None:
     the model's own name; a list: vLLM's several ``--served-model-name``, the first in every answer, any of them taken
     in a request's ``model``); from now on its audit log
@@ -90,7 +91,17 @@ def build_state(result: Any, *, model_name: str | Sequence[str] | None = None,
     ``reasoning_parser_enabled`` record); None: chat replies are all content. ``metrics_naming`` (one of
     :data:`~kvload.metrics.METRIC_NAMINGS`): ``/metrics`` under kvload's names or vLLM's own (``vllm:*``).
     ``responses_store_max``: ``/v1/responses`` answers kept for ``previous_response_id`` and
-    ``GET /v1/responses/{id}``, the least recently used dropped past it (0: none kept)."""
+    ``GET /v1/responses/{id}``, the least recently used dropped past it (0: none kept).
+    ``default_chat_template_kwargs`` (vLLM's ``--default-chat-template-kwargs``): template variables every chat
+    request gets under its own ``chat_template_kwargs`` (a request's value of a name wins), checked as those are."""
+    template_defaults = dict(default_chat_template_kwargs or {})
+    if template_defaults:
+        from engine.prompts import template_options
+
+        try:
+            template_options(chat_template_kwargs=template_defaults)
+        except GenerationError as exc:
+            raise ConfigError(f"default_chat_template_kwargs: {str(exc).split(': ', 2)[-1]}") from None
     if metrics_naming not in METRIC_NAMINGS:
         raise ConfigError(f"metrics_naming: expected one of {', '.join(METRIC_NAMINGS)}, got {metrics_naming!r}")
     # vLLM's served_model_name: one name, or several, the first in every answer and any of them in a request
@@ -165,7 +176,8 @@ def build_state(result: Any, *, model_name: str | Sequence[str] | None = None,
                       enable_reset_prefix_cache=enable_reset_prefix_cache, tool_call_parser=tool_call_parser,
                       reasoning_parser=reasoning_parser, responses=responses, cors=cors, response_role=response_role,
                       return_tokens_as_token_ids=return_tokens_as_token_ids,
-                      force_include_usage=force_include_usage, root_path=root_path)
+                      force_include_usage=force_include_usage, root_path=root_path,
+                      default_chat_template_kwargs=template_defaults)
 
 
 

@@ -65,6 +65,9 @@ class ServeState:
     root_path: str = ""
     #: the other names a request's ``model`` may give (vLLM's ``--served-model-name A B``: any of them is served)
     aliases: tuple[str, ...] = ()
+    #: chat template variables every chat request gets unless it sends its own of that name (vLLM's
+    #: ``--default-chat-template-kwargs``, e.g. Qwen3's ``{"enable_thinking": false}``)
+    default_chat_template_kwargs: dict[str, Any] = attrs.Factory(dict)
     in_flight: int = 0  # generation requests in the server now (only the event loop's thread touches it)
     created: int = attrs.Factory(lambda: int(time.time()))
 

@@ -15,6 +15,7 @@ from kvload.serve.request_input import (
     _field_error,
     _messages_error,
     _parse_body,
+    with_default_template_kwargs,
 )
 from kvload.serve.state import ServeState
 from pipeline.errors import GenerationError
@@ -24,6 +25,8 @@ def _tokenize(state: ServeState, raw: bytes | bytearray) -> dict[str, Any]:
     """``POST /tokenize``'s answer (on a worker thread): a text's token ids, or a conversation's as the chat
     endpoint prompts with it; ``BadRequest`` naming the field."""
     body = _load(raw)
+    if isinstance(body, dict) and "messages" in body:  # templated as the chat endpoint templates it
+        body = with_default_template_kwargs(state, body)
     job = parse_tokenize(body)
     _check_model(state, body)
     _check_template(state, job.template)
