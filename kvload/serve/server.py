@@ -398,6 +398,7 @@ class _Deadlines(H11Protocol):
                 if isinstance(event, h11.Request):
                     _check_version(event)
                     _check_framing(event)
+                    event = _origin_form(event)
                 return event
             except h11.RemoteProtocolError as exc:
                 self._refused = exc
@@ -538,6 +539,30 @@ def _check_framing(request: h11.Request) -> None:
     if b"transfer-encoding" in names and b"content-length" in names:
         raise h11.RemoteProtocolError("both Transfer-Encoding and Content-Length given; send the body with one of "
                                       "them (RFC 9112 section 6.1)", error_status_hint=400)
+
+
+_ABSOLUTE_FORM = re.compile(rb"(?i)https?://([^/?#]*)(.*)", re.DOTALL)
+
+
+def _origin_form(request: h11.Request) -> h11.Request:
+    """A request whose target is in absolute form (``GET http://host:port/v1/models``, as a client sends it to a
+    proxy) as the same request in origin form (``GET /v1/models``), its ``Host`` the target's authority.
+
+    RFC 9112 §3.2.2: a server MUST accept the absolute form, and MUST use the target's host, not the Host header's.
+    uvicorn took the whole URL for the path, so every such request was a 404 "no such endpoint"."""
+    match = _ABSOLUTE_FORM.fullmatch(request.target)
+    if match is None:
+        return request
+    authority = match[1].rpartition(b"@")[2]  # a userinfo is no part of the host (RFC 9110 §4.2.4)
+    if not authority:  # RFC 9110 §4.2.1: an http(s) URI with an empty host must be rejected as invalid
+        target = request.target.decode("ascii", "replace")
+        raise h11.RemoteProtocolError(f"the request target {short_text(target, 80)} names no host; send the path "
+                                      "alone (/v1/models) or a URL with a host", error_status_hint=400)
+    rest = match[2]
+    target = rest if rest.startswith(b"/") else b"/" + rest  # "http://host" and "http://host?x" have the path "/"
+    headers = [(name, value) for name, value in request.headers if name != b"host"]
+    headers.insert(0, (b"host", authority))  # an HTTP/1.0 request may have no Host: it gets the target's
+    return h11.Request(method=request.method, headers=headers, target=target, http_version=request.http_version)
 
 
 def _check_version(request: h11.Request) -> None:
