@@ -470,16 +470,16 @@ def test_a_pad_token_id_past_the_vocabulary_is_taken_where_the_model_pads_no_emb
     """GPT-NeoX (like GPT-2, Falcon, Bloom, MPT) reads ``pad_token_id`` only in heads kvload never builds: transformers
     loads it with an id past the vocabulary. Registered through ``register_model``, such a family was refused for it
     by plan and load alike; a Llama, whose embedding pads with it, still is."""
-    import pipeline
-    from models import ModelSpec, register_model, unregister_model
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    from models import ModelSpec, register_model, unregister_model
 
     @register_model("GPTNeoXForCausalLM")
     class NeoxSpec(ModelSpec):
         """A user's family over transformers' GPT-NeoX."""
 
-    cfg = GPTNeoXConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                        max_position_embeddings=128, pad_token_id=100)
+    cfg = GPTNeoXConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, max_position_embeddings=128, pad_token_id=100)
     torch.manual_seed(0)
     GPTNeoXForCausalLM(cfg).save_pretrained(tmp_path / "neox")
     try:
