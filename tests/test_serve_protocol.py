@@ -208,3 +208,18 @@ def test_a_token_id_list_with_one_bad_item_names_that_item(prompt, param, got):
     assert info.value.param == param
     assert info.value.message == (f"{param}: expected a token id (an integer >= 0; the list's first item is one), "
                                   f"got {got}")
+
+
+@pytest.mark.parametrize("body, kind", [(None, "null"), ([], "an array"), ("x", "a string"), (3, "a number"),
+                                        (1.5, "a number"), (True, "true or false")])
+def test_a_body_that_is_json_but_not_an_object_is_named_in_jsons_words(body, kind):
+    """It said Python's type: "got NoneType" for a body of ``null``, "got list" for an array, on every endpoint."""
+    from kvload.serve import messages_input, responses_input
+
+    calls = [lambda: parse(body, "completion", default_max_tokens=16),
+             lambda: parse(body, "chat", default_max_tokens=16),
+             lambda: responses_input.to_chat(body), lambda: messages_input.to_chat(body)]
+    for call in calls:
+        with pytest.raises(BadRequest) as info:
+            call()
+        assert info.value.message == f"the request body must be a JSON object ({{...}}), got {kind}"
