@@ -130,6 +130,15 @@ def test_a_size_in_decimal_or_exponent_form_is_read_exactly_and_must_be_whole_by
             parse_size(text)
 
 
+def test_a_size_takes_an_underscore_only_between_two_digits_as_an_integer_does():
+    """Every underscore was dropped before the number was read: "_8GiB", "8__GiB" and "8_GiB" were 8 GiB, where an
+    integer flag, int() and a YAML number refuse them (--host_cache_size, --max_gpu_total_bytes, the config file's)."""
+    assert (parse_size("1_024KiB"), parse_size("1_000"), parse_size("1_0.5e1KB")) == (1_048_576, 1000, 105_000)
+    for text in ("_8GiB", "8__GiB", "8_GiB", "8_", "_", "1_.5KiB"):
+        with pytest.raises(ValueError):
+            parse_size(text)
+
+
 def test_frozen_config_rejects_assignment_everywhere():
     args = freeze(LlmArgs(model="m"))
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
