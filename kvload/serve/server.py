@@ -704,7 +704,7 @@ def serve(state: ServeState, host: str, port: int, *, log_level: str = "warning"
         state.engine.on_fatal = lambda: setattr(server, "should_exit", True)
         state.engine.start()
         if ready is not None:
-            ready(f"http://{host}:{sock.getsockname()[1]}")
+            ready(http_url(host, sock.getsockname()[1]))
         server.run(sockets=[sock])
     finally:
         for sig, handler in previous.items():
@@ -717,6 +717,14 @@ def serve(state: ServeState, host: str, port: int, *, log_level: str = "warning"
     if server.engine_failure is not None:
         raise EngineFailed(f"serve: the engine loop failed ({server.engine_failure}); the server stopped, its "
                            "requests in flight answered HTTP 500; restart it") from state.engine.loop_exception
+
+
+def http_url(host: str, port: int) -> str:
+    """``http://host:port``, an IPv6 address in brackets (``http://[::1]:8000``, its zone's ``%`` as ``%25``, RFC 6874):
+    the ready line said ``http://::1:8000``, which no client reads as a URL."""
+    if ":" in host:
+        host = "[" + host.replace("%", "%25") + "]"
+    return f"http://{host}:{port}"
 
 
 #: What stops :func:`serve`: uvicorn's two, and the hangup of a closed terminal or a dropped ssh session.
@@ -738,7 +746,7 @@ class ServerThread:
     @property
     def url(self) -> str:
         """``http://host:port``."""
-        return f"http://{self.host}:{self.port}"
+        return http_url(self.host, self.port)
 
     def start(self, timeout: float = 30.0) -> ServerThread:
         """Start the engine and the HTTP server; return once it accepts connections."""
