@@ -73,6 +73,22 @@ def test_errors_name_the_dotted_path(raw, message):
     assert "\n" not in str(err.value)
 
 
+def test_an_empty_key_and_a_null_or_true_key_are_named_as_written(tmp_path):
+    """An empty key vanished from its own line ("kv_cache_config: unknown key", blaming the parent), and a YAML key of
+    null or true was said in Python's words (None, True)."""
+    from pipeline.sources import read_yaml
+
+    with pytest.raises(ConfigError) as err:
+        structure({"model": "m", "kv_cache_config": {"": 1}}, LlmArgs)
+    assert str(err.value).startswith("kv_cache_config.'': unknown key; known keys: use_kv_cache_manager_v2")
+    for key, shown in (("null", "null"), ("true", "true"), ("~", "null"), ("1.5", "1.5")):
+        cfg = tmp_path / "c.yaml"
+        cfg.write_text(f"kv_cache_config: {{{key}: 2}}\n")
+        with pytest.raises(ConfigError) as err:
+            read_yaml(str(cfg))
+        assert str(err.value) == f"config file {cfg}: keys must be strings, got {shown}"
+
+
 def test_unknown_key_without_a_close_match_lists_known_keys():
     with pytest.raises(ConfigError, match="zzzz: unknown key; known keys: model, dtype, device"):
         structure({"model": "m", "zzzz": 1}, LlmArgs)
