@@ -443,11 +443,12 @@ class ServingEngine:
         where = f" (request {request})" if request else ""
         ignored = greedy_ignored(params, n, model_defaults) + inert_settings(params, self.tokenizer is not None,
                                                                          self.executor.eos_is_special)
-        events = [SettingIgnored(field=f"serve.{name}", value=value, reason=why + where)
+        asked = request or None
+        events = [SettingIgnored(field=f"serve.{name}", value=value, reason=why + where, request=asked)
                   for name, value, why in ignored]
         unscoped = self.executor.salt_ignored() if salt is not None else None
         if unscoped is not None:
-            events.append(SettingIgnored(field="serve.salt", value=salt, reason=unscoped + where))
+            events.append(SettingIgnored(field="serve.salt", value=salt, reason=unscoped + where, request=asked))
         if events:
             self.notify(*events)
 

@@ -290,7 +290,7 @@ def _unused_sharing(name: str, merged: dict[str, int], given: dict[str, int]) ->
     return None
 
 
-def make_workload(name: str, requests: int | None = None, seed: int = 0, **params: int) -> Workload:
+def make_workload(name: str, requests: int | None = None, seed: int = 0, /, **params: int) -> Workload:
     """Build a workload by name; ``requests`` None keeps the workload's default size.
 
     ``ValueError`` names an unknown workload or parameter, a size below 1 (0 where none is a choice: no shared
@@ -299,6 +299,10 @@ def make_workload(name: str, requests: int | None = None, seed: int = 0, **param
     """
     known = workload_params(name)
     for key, value in params.items():
+        if key in ("requests", "seed"):  # positional only above, so a parameter of that name reaches this line (it
+            # was Python's "TypeError: make_workload() got multiple values for argument 'requests'")
+            raise ValueError(f"workload {name}: {key} is no workload parameter (--workload-arg) but the simulation's "
+                             f"own: give --{key} N (make_workload's {key} argument)")
         if key not in known:
             raise ValueError(f"workload {name} has no parameter {key!r}; known: {', '.join(known)}")
         least = 2 if key == "vocab" else 0 if key in _MAY_BE_ZERO else 1

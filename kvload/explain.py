@@ -201,8 +201,9 @@ def _payload(record: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in record.items() if k not in ("event", "level", "stage", "seq", "ts")}
 
 
-def warning_text(record: dict[str, Any]) -> str:
-    """One line for a warning or error event."""
+def warning_text(record: dict[str, Any], grouped: bool = False) -> str:
+    """One line for a warning or error event; ``grouped``: without the request it came with (a served request's
+    ``setting_ignored`` names its request), so the same warning of many requests is one line."""
     name = record["event"]
     if name == "source_conflict":
         return (f"{record['field']}: {record['kept_source']} {literal(record['kept'])} beats "
@@ -211,25 +212,45 @@ def warning_text(record: dict[str, Any]) -> str:
         return f"stage {record.get('stage')} failed: {record.get('error')}: {record.get('message')}"
     subject = record.get("field") or record.get("architecture") or record.get("stage") or ""
     detail = record.get("reason") or record.get("message") or json.dumps(_payload(record), default=str)
+    request = record.get("request")
+    if grouped and isinstance(request, str) and isinstance(detail, str):
+        detail = detail.removesuffix(f" (request {request})")
     return f"{subject}: {detail}" if subject else detail
 
 
-def _grouped_warnings(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every warning or error once, in the order each first came, with how many times it came (``count``).
+class WarningGroups:
+    """Every warning or error once, in the order each first came, with how many times it came (``count``); it holds
+    one entry per distinct warning, however many records it is given.
 
     Why: a served run warns per request (a setting a request gave that acts on nothing), so a day's log held the
-    same line tens of thousands of times, and the report printed every one of them."""
-    seen: dict[tuple[Any, ...], dict[str, Any]] = {}
-    for e in events:
-        if e.get("level") not in ("warning", "error"):
-            continue
-        entry = {"event": e["event"], "level": e["level"], "stage": e.get("stage"), "message": warning_text(e)}
+    same line tens of thousands of times, and the report printed every one of them (and held every record to)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple[Any, ...], dict[str, Any]] = {}
+
+    def add(self, record: dict[str, Any]) -> None:
+        """Count one record (anything not a warning or error is passed over)."""
+        if record.get("level") not in ("warning", "error"):
+            return
+        entry = {"event": record["event"], "level": record["level"], "stage": record.get("stage"),
+                 "message": warning_text(record, grouped=True)}
         key = tuple(entry.values())
-        if key in seen:
-            seen[key]["count"] += 1
+        if key in self._seen:
+            self._seen[key]["count"] += 1
         else:
-            seen[key] = {**entry, "count": 1}
-    return list(seen.values())
+            self._seen[key] = {**entry, "count": 1}
+
+    def entries(self) -> list[dict[str, Any]]:
+        """The grouped warnings, in the order each first came."""
+        return [dict(entry) for entry in self._seen.values()]
+
+
+def _grouped_warnings(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """:class:`WarningGroups` of a list of events."""
+    groups = WarningGroups()
+    for e in events:
+        groups.add(e)
+    return groups.entries()
 
 
 def summarize(audit: AuditLog, source: str = "") -> dict[str, Any]:
@@ -263,7 +284,7 @@ def summarize(audit: AuditLog, source: str = "") -> dict[str, Any]:
         },
         "derived": [_payload(e) for e in audit.of("field_derived")],
         "sampling_defaults": _payload(sampling[-1]) if sampling else None,
-        "warnings": _grouped_warnings(audit.events),
+        "warnings": audit.warnings if isinstance(audit, ReadLog) else _grouped_warnings(audit.events),
         "outcome": {
             "finished": bool(finished),
             "stages": finished[-1].get("stages", []) if finished else [],
@@ -321,14 +342,39 @@ READ_EVENTS = frozenset({
 })
 
 
+_KNOWN_FIELDS = frozenset(flatten(framework_defaults()))
+
+
 def needed(record: dict[str, Any]) -> bool:
-    """Whether the reports of this module read this event (``AuditLog.from_jsonl(path, keep=needed)``)."""
-    return record["event"] in READ_EVENTS or record.get("level") in ("warning", "error") or is_value_event(record)
+    """Whether the reports of this module read this event (``AuditLog.from_jsonl(path, keep=needed)``). A warning is
+    read through :class:`WarningGroups` (its count), so it is not kept for that; a ``setting_ignored`` is kept only
+    when it names an LlmArgs field (a chain of :func:`explain` shows it), not a served request's setting."""
+    name = record["event"]
+    if name == "setting_ignored":
+        return record.get("field") in _KNOWN_FIELDS
+    return name in READ_EVENTS or is_value_event(record)
 
 
-def read_log(path: str) -> AuditLog:
-    """An audit file read for ``kvload audit``/``explain``: streamed, holding only the events they read."""
-    return AuditLog.from_jsonl(path, keep=needed)
+class ReadLog(AuditLog):
+    """An audit file as ``kvload audit``/``explain`` read it: the events they use, and the warnings grouped as the
+    file streamed past (:attr:`warnings`), so memory grows with the distinct warnings, not with the records."""
+
+    warnings: list[dict[str, Any]]
+
+
+def read_log(path: str) -> ReadLog:
+    """An audit file read for ``kvload audit``/``explain``: streamed, holding only the events they read and one entry
+    per distinct warning."""
+    groups = WarningGroups()
+
+    def keep(record: dict[str, Any]) -> bool:
+        groups.add(record)
+        return needed(record)
+
+    log = ReadLog.from_jsonl(path, keep=keep)
+    assert isinstance(log, ReadLog)
+    log.warnings = groups.entries()
+    return log
 
 
 def _route_line(route: dict[str, Any] | None) -> list[str]:

@@ -141,6 +141,32 @@ def pad_id_problem(value: Any, vocab_size: Any) -> str | None:
             f"(vocab_size {vocab:,}; a negative one counts from the end) or null")
 
 
+def pads_an_embedding(data: Mapping[str, Any]) -> bool:
+    """Whether the model a ``config.json`` describes makes its ``pad_token_id`` an embedding's ``padding_idx``, found
+    by building it on the meta device (nothing allocated) as the load builds it (``AutoModelForCausalLM``).
+
+    Llama, Qwen, Gemma, DeepSeek and most decoders do; GPT-2, GPT-NeoX, GPT-J, Falcon, Bloom and MPT read it only in
+    heads kvload never builds, so an id past their vocabulary harms nothing (transformers loads them with a warning),
+    and a family registered with ``register_model`` over one of them was refused for it. Asked only of an id already
+    out of range; a config transformers cannot build here counts as padding one (refused, as before)."""
+    import warnings
+
+    import torch
+    import transformers
+
+    from models.weights import _quiet_load_report
+
+    try:
+        with _quiet_load_report(), warnings.catch_warnings(), torch.device("meta"):
+            warnings.simplefilter("ignore")  # the load says what it has to say about the config, once
+            settings = {k: v for k, v in data.items() if k != "model_type"}
+            config = transformers.AutoConfig.for_model(data["model_type"], **settings)
+            transformers.AutoModelForCausalLM.from_config(config)
+    except Exception:  # torch's "Padding_idx must be within num_embeddings", or a config that does not build
+        return True
+    return False
+
+
 def head_groups_problem(cfg: Mapping[str, Any], prefix: str = "") -> str | None:
     """Why the query heads cannot be split evenly over the KV heads (grouped-query attention), or None.
 
@@ -204,7 +230,7 @@ def check_fields(data: Mapping[str, Any], file: Path, prefix: str = "") -> None:
     if problem:
         fail("eos_token_id", problem)
     problem = pad_id_problem(data.get("pad_token_id"), vocab)
-    if problem:
+    if problem and pads_an_embedding(data):
         fail("pad_token_id", problem)
     rates = data.get("compress_rates")
     if rates is not None:

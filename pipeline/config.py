@@ -91,7 +91,12 @@ SIZE_HELP = ("a byte count, in whole bytes, such as 8589934592, 8GiB (= 8G = 8*2
 
 def parse_size(text: str) -> int:
     """Parse ``"8GiB"``, ``"8G"`` (GiB), ``"512MB"``, ``"1e9"`` or ``"4096"`` into bytes; ``ValueError`` otherwise."""
-    s = text.strip().lower().replace("_", "")
+    s = text.strip().lower()
+    # an underscore only between two digits, as int() and a YAML number take them: every one was dropped first, so
+    # "_8GiB" and "8__GiB" were 8 GiB (Decimal() takes those too)
+    if re.search(r"(?<![0-9])_|_(?![0-9])", s):
+        raise ValueError(text)
+    s = s.replace("_", "")
     if not s.isascii():  # Decimal() reads any script's digits ('٣GiB'); the integer flags take 0-9 only
         raise ValueError(text)
     num = s.rstrip("abcdefghijklmnopqrstuvwxyz")

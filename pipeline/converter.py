@@ -100,7 +100,8 @@ def _describe(exc: BaseException, _type: Any) -> str:
         key = sorted(exc.extra_fields)[0]
         close = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
         hint = f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(known)}"
-        return f"{key}{_SEP}unknown key; {hint}"
+        # an empty key named as one: the line read "kv_cache_config: unknown key", blaming the parent
+        return f"{key or repr(key)}{_SEP}unknown key; {hint}"
     if isinstance(exc, FieldError):
         return f"{exc.field}{_SEP}{exc.detail}"
     if isinstance(exc, KeyError):  # cattrs already noted the missing attribute in the path

@@ -255,6 +255,17 @@ class SettingIgnored(Event):
     field: str
     value: Any
     reason: str
+    #: The served request that gave it (``kvload serve``; its reason ends ``(request ID)`` too, for the log line):
+    #: ``kvload audit`` counts the same warning of many requests as one.
+    request: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The wire form; ``request`` only where a served request gave the setting (no ``request=None`` on a load's
+        or ``generate``'s log line)."""
+        record = Event.to_dict(self)
+        if self.request is None:
+            del record["request"]
+        return record
 
 
 @event("max_seq_len_beyond_positions", level="warning")

@@ -144,7 +144,9 @@ def read_yaml(path: str) -> dict[str, Any]:
                           source="config_file")
     bad = [k for k in _all_keys(data) if not isinstance(k, str)]
     if bad:
-        raise ConfigError(f"config file {path}: keys must be strings, got {bad[0]!r}", source="config_file")
+        key = bad[0]  # in YAML's words: a key of null or true said Python's None, True
+        shown = "null" if key is None else str(key).lower() if isinstance(key, bool) else repr(key)
+        raise ConfigError(f"config file {path}: keys must be strings, got {shown}", source="config_file")
     return data
 
 

@@ -385,3 +385,50 @@ def test_a_streamed_read_reports_what_a_whole_read_does(tmp_path):
     fields = ["max_seq_len", "kv_cache_config.use_kv_cache_manager_v2", "kv_cache_config.host_cache_size", "device",
               "generation_config", "override_generation_config"]
     assert explain(streamed, fields) == explain(whole, fields)
+
+
+def _served_log(path, requests: int) -> None:
+    """A plan's load records, then one ``setting_ignored`` per served request (``top_k`` under greedy decoding), each
+    naming its request as ``kvload serve`` writes them."""
+    from pipeline.audit import JsonlSink
+
+    records = [dict(e) for e in pipeline.plan("tiny-llama", log=False).audit.events]
+    records += [{"event": "setting_ignored", "stage": "serve", "level": "warning", "field": "serve.top_k",
+                 "value": 5, "reason": f"temperature is 0 (greedy): nothing is sampled (request cmpl-{i:08x})",
+                 "request": f"cmpl-{i:08x}"} for i in range(requests)]
+    for seq, record in enumerate(records):
+        record["seq"] = seq
+    with JsonlSink(path) as sink:
+        for record in records:
+            sink(record)
+
+
+def test_audit_holds_one_entry_per_distinct_warning_not_one_per_record(capsys, tmp_path):
+    """A served run warns per request (a setting that acts on nothing under greedy decoding): `kvload audit` held
+    every such record while reading the log, and each named its request, so none grouped with another and a day's log
+    printed one line per request. Read now, each distinct warning is one entry with its count, and the memory of the
+    read does not grow with the number of requests."""
+    import tracemalloc
+
+    from tests.cli_support import run_cli
+
+    peaks = {}
+    for requests in (250, 10_000):
+        path = tmp_path / f"served-{requests}.jsonl"
+        _served_log(path, requests)
+        run_cli(capsys, "audit", path, "--json")  # imports and caches warmed outside the measurement
+        tracemalloc.start()
+        try:
+            r = run_cli(capsys, "audit", path, "--json")
+            peaks[requests] = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert r.code == 0, r.err
+        served = [w for w in r.json()["warnings"] if w["event"] == "setting_ignored"]
+        assert [(w["message"], w["count"]) for w in served] == [
+            ("serve.top_k: temperature is 0 (greedy): nothing is sampled", requests)]
+    # 40 times the records: a read holding each one peaked at about 36 times the memory (0.4 MB, 15.7 MB), a bounded
+    # one at the same
+    assert peaks[10_000] < 3 * peaks[250], peaks
+    text = run_cli(capsys, "audit", tmp_path / "served-10000.jsonl").out
+    assert text.count("serve.top_k") == 1 and "nothing is sampled  (x10,000)" in text

@@ -164,6 +164,29 @@ def test_a_signal_sent_as_the_ready_line_appears_stops_the_server(signum, tmp_pa
         reap(proc)
 
 
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this machine")
+def test_the_ready_line_names_an_ipv6_address_in_brackets_as_a_url_has_it():
+    """``--host ::1`` printed "at http://::1:PORT", which no HTTP client reads as a URL (httpx: "Invalid port")."""
+    proc = _start_server("--host", "::1", "--max_tokens", "256")
+    try:
+        url = ready_url(_ready_line(proc))
+        assert url.startswith("http://[::1]:"), url
+        assert httpx.get(f"{url}/health", timeout=30).json() == {"status": "ok"}
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        reap(proc)
+
+
 def test_a_server_whose_log_reader_went_away_serves_on(tmp_path):
     """``kvload serve ... --log-level info 2>&1 | tee serve.log`` whose tee died, or a log shipper that restarted:
     every request's info lines meet a broken pipe. The write's BrokenPipeError failed the engine step that logged it

@@ -81,6 +81,10 @@ def test_simulate_progress_bar_goes_to_stderr_only_when_asked(capsys):
     (("--workload", "no-reuse", "--requests", "0"), "error: --requests: expected an integer >= 1, got '0'"),
     (("--workload", "no-reuse", "--workload-arg", "depth=3"), "error: workload no-reuse has no parameter 'depth'"),
     (("--workload", "no-reuse", "--workload-arg", "prompt_len"), "error: --workload-arg: expected KEY=INTEGER"),
+    # the simulation's own sizes: Python's "TypeError: make_workload() got multiple values for argument 'requests'"
+    *[(("--workload", "shared-prefix", "--workload-arg", f"{key}=4"),
+       f"error: workload shared-prefix: {key} is no workload parameter (--workload-arg) but the simulation's own: "
+       f"give --{key} N") for key in ("requests", "seed")],
     (("--workload", "no-reuse", "--workload-arg", "prompt_len=64", "--workload-arg", "prompt_len=2048"),
      "error: --workload-arg prompt_len: given twice (64 and 2048)"),
     (("--workload", "long-context", "--max_seq_len", "1024"), "error: max_seq_len=1024 is below the longest"),

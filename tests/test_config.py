@@ -73,6 +73,22 @@ def test_errors_name_the_dotted_path(raw, message):
     assert "\n" not in str(err.value)
 
 
+def test_an_empty_key_and_a_null_or_true_key_are_named_as_written(tmp_path):
+    """An empty key vanished from its own line ("kv_cache_config: unknown key", blaming the parent), and a YAML key of
+    null or true was said in Python's words (None, True)."""
+    from pipeline.sources import read_yaml
+
+    with pytest.raises(ConfigError) as err:
+        structure({"model": "m", "kv_cache_config": {"": 1}}, LlmArgs)
+    assert str(err.value).startswith("kv_cache_config.'': unknown key; known keys: use_kv_cache_manager_v2")
+    for key, shown in (("null", "null"), ("true", "true"), ("~", "null"), ("1.5", "1.5")):
+        cfg = tmp_path / "c.yaml"
+        cfg.write_text(f"kv_cache_config: {{{key}: 2}}\n")
+        with pytest.raises(ConfigError) as err:
+            read_yaml(str(cfg))
+        assert str(err.value) == f"config file {cfg}: keys must be strings, got {shown}"
+
+
 def test_unknown_key_without_a_close_match_lists_known_keys():
     with pytest.raises(ConfigError, match="zzzz: unknown key; known keys: model, dtype, device"):
         structure({"model": "m", "zzzz": 1}, LlmArgs)
@@ -126,6 +142,15 @@ def test_a_size_in_decimal_or_exponent_form_is_read_exactly_and_must_be_whole_by
     assert parse_size("9.007199254740993e15") == 9_007_199_254_740_993
     assert (parse_size("1.5KiB"), parse_size("1e3"), parse_size("0.5e1KB")) == (1536, 1000, 5000)
     for text in ("1e-400GiB", "1.0000000000000000001KiB", "1e999999999", "1e-999999999KiB"):
+        with pytest.raises(ValueError):
+            parse_size(text)
+
+
+def test_a_size_takes_an_underscore_only_between_two_digits_as_an_integer_does():
+    """Every underscore was dropped before the number was read: "_8GiB", "8__GiB" and "8_GiB" were 8 GiB, where an
+    integer flag, int() and a YAML number refuse them (--host_cache_size, --max_gpu_total_bytes, the config file's)."""
+    assert (parse_size("1_024KiB"), parse_size("1_000"), parse_size("1_0.5e1KB")) == (1_048_576, 1000, 105_000)
+    for text in ("_8GiB", "8__GiB", "8_GiB", "8_", "_", "1_.5KiB"):
         with pytest.raises(ValueError):
             parse_size(text)
 

@@ -482,6 +482,9 @@ def test_yaml_numbers_read_as_yaml_1_2(text, value):
 @pytest.mark.parametrize(("field", "text"), [
     ("kv_cache_config.tokens_per_block", "064"), ("max_batch_size", "1:30"), ("max_num_tokens", "2:00:00"),
     ("kv_cache_config.free_gpu_memory_fraction", "1:30.5"),
+    # an underscore not between two digits: a string to YAML and to Python's int(); the flags read them as 10, their
+    # underscores all dropped before int() saw them
+    ("max_batch_size", "_10"), ("max_batch_size", "1__0"), ("kv_cache_config.tokens_per_block", "10_"),
 ])
 def test_a_yaml_number_gets_the_flags_verdict(capsys, tmp_path, out, field, text):
     """One verdict per value: 064 was octal 52 in a --config file and 64 as a flag; 1:30 was 90 (base 60) in a

@@ -45,7 +45,8 @@ def _refused(served, path, body, param):
 def _ignored(served, request_id):
     records = [json.loads(line) for line in served.http.get("/v1/kvload/audit").text.splitlines()]
     return {r["field"]: r["value"] for r in records
-            if r["event"] == "setting_ignored" and r["reason"].endswith(f"(request {request_id})")}
+            if r["event"] == "setting_ignored" and r.get("request") == request_id  # `kvload audit` groups by it
+            and r["reason"].endswith(f"(request {request_id})")}
 
 
 def _ids(served, text):

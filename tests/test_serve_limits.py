@@ -245,6 +245,9 @@ def test_refusals_are_counted_by_reason_as_a_client_meets_them(served):
        % (len(body), body), 400, "invalid_http_request",
        "(both Transfer-Encoding and Content-Length given; send the body with one of them")
       for body in (b'{"prompt": [1], "max_tokens": 1}', b'20\r\n{"prompt": [1], "max_tokens": 1}\r\n0\r\n\r\n')],
+    # an absolute-form target with no host (RFC 9110 4.2.1: to be rejected as invalid); with one it is served
+    (b"GET http:///v1/models HTTP/1.1\r\nHost: t\r\n\r\n", 400, "invalid_http_request",
+     "(the request target 'http:///v1/models' names no host; send the path alone (/v1/models) or a URL with a host)"),
     # a head still arriving past h11's limit (all of it sent, so the close is a FIN, not a reset)
     (b"GET /health HTTP/1.1\r\nHost: t\r\nX-Big: " + b"a" * 20_000, 431, "request_header_fields_too_large",
      "more than 16,384 bytes came without the blank line that ends the headers"),
@@ -289,6 +292,27 @@ def test_an_upgrade_request_is_answered_as_plain_http_without_warnings_in_the_op
                                            "Sec-WebSocket-Version: 13\r\n\r\n".encode())
             assert (got, json.loads(payload)) == (200, {"status": "ok"})
     assert [r.getMessage() for r in records] == []
+
+
+@pytest.mark.parametrize("target, host", [
+    ("http://127.0.0.1:{port}/v1/models", "Host: 127.0.0.1:{port}\r\n"),
+    ("HTTP://proxy.example/v1/models?limit=1", "Host: 127.0.0.1:{port}\r\n"),  # the target's host, not Host's
+    ("https://user@proxy.example:8443/v1/models", "Host: t\r\n"),
+])
+def test_an_absolute_form_request_target_is_served_as_its_path(served, target, host):
+    """RFC 9112 3.2.2: a server MUST accept a request target in absolute form (a client configured with the server as
+    its proxy sends one). uvicorn took the whole URL for the path: every such request was a 404 "no such endpoint"."""
+    port = served.server.port
+    head = f"GET {target} HTTP/1.1\r\n{host}Connection: close\r\n\r\n".format(port=port)
+    got, _, payload = _raw(served, head.encode())
+    assert got == 200, payload
+    assert [card["id"] for card in json.loads(payload)["data"]] == ["tiny-llama"]
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 3, "ignore_eos": True}).encode()
+    head = (f"POST http://127.0.0.1:{port}/v1/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n")  # HTTP/1.0: no Host header, the target's host stands for it
+    got, _, payload = _raw(served, head.encode(), body)
+    assert got == 200, payload
+    assert len(json.loads(payload)["choices"][0]["token_ids"]) == 3
 
 
 @pytest.mark.parametrize("headers, code", [

@@ -29,7 +29,8 @@ def _ignored(served, request_id: str) -> dict[str, object]:
     """The ``setting_ignored`` records ``/v1/kvload/audit`` holds for one request: field → value."""
     records = [json.loads(line) for line in served.http.get("/v1/kvload/audit").text.splitlines()]
     return {r["field"]: r["value"] for r in records
-            if r["event"] == "setting_ignored" and r["reason"].endswith(f"(request {request_id})")}
+            if r["event"] == "setting_ignored" and r.get("request") == request_id  # `kvload audit` groups by it
+            and r["reason"].endswith(f"(request {request_id})")}
 
 
 def test_sampling_settings_greedy_decoding_ignores_are_reported_once_per_request(served):

@@ -229,3 +229,18 @@ def test_a_field_kvload_does_not_serve_sent_as_null_asks_for_nothing_and_is_take
         parse({"prompt": "hi", "suffix": "x"}, "completion", default_max_tokens=16)
     with pytest.raises(BadRequest, match="^no_such_field: not supported by kvload serve; accepted fields"):
         parse({**chat, "no_such_field": None}, "chat", default_max_tokens=16)  # a name kvload does not know
+
+
+@pytest.mark.parametrize("body, kind", [(None, "null"), ([], "an array"), ("x", "a string"), (3, "a number"),
+                                        (1.5, "a number"), (True, "true or false")])
+def test_a_body_that_is_json_but_not_an_object_is_named_in_jsons_words(body, kind):
+    """It said Python's type: "got NoneType" for a body of ``null``, "got list" for an array, on every endpoint."""
+    from kvload.serve import messages_input, responses_input
+
+    calls = [lambda: parse(body, "completion", default_max_tokens=16),
+             lambda: parse(body, "chat", default_max_tokens=16),
+             lambda: responses_input.to_chat(body), lambda: messages_input.to_chat(body)]
+    for call in calls:
+        with pytest.raises(BadRequest) as info:
+            call()
+        assert info.value.message == f"the request body must be a JSON object ({{...}}), got {kind}"

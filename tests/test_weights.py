@@ -466,6 +466,32 @@ def test_a_pad_token_id_past_the_vocabulary_is_one_line_naming_it(capsys, tmp_pa
     assert r.code == 0, r.err
 
 
+def test_a_pad_token_id_past_the_vocabulary_is_taken_where_the_model_pads_no_embedding(tmp_path):
+    """GPT-NeoX (like GPT-2, Falcon, Bloom, MPT) reads ``pad_token_id`` only in heads kvload never builds: transformers
+    loads it with an id past the vocabulary. Registered through ``register_model``, such a family was refused for it
+    by plan and load alike; a Llama, whose embedding pads with it, still is."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    from models import ModelSpec, register_model, unregister_model
+
+    @register_model("GPTNeoXForCausalLM")
+    class NeoxSpec(ModelSpec):
+        """A user's family over transformers' GPT-NeoX."""
+
+    cfg = GPTNeoXConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, max_position_embeddings=128, pad_token_id=100)
+    torch.manual_seed(0)
+    GPTNeoXForCausalLM(cfg).save_pretrained(tmp_path / "neox")
+    try:
+        assert json.loads((tmp_path / "neox" / "config.json").read_text())["pad_token_id"] == 100
+        pipeline.plan(str(tmp_path / "neox"), log=False, kv_cache_config={"max_tokens": 256})
+        with pipeline.load(str(tmp_path / "neox"), load_weights=True, log=False,
+                           kv_cache_config={"max_tokens": 256}) as result:
+            assert result.hf_model.config.pad_token_id == 100
+    finally:
+        unregister_model("GPTNeoXForCausalLM")
+
+
 def test_a_checkpoint_chat_template_with_a_syntax_error_is_named_as_one(capsys, tmp_path):
     """A chat_template.jinja that does not parse read "the model's chat template refused the conversation: unexpected
     '}'": the conversation was blamed for a broken template. Prompts without --chat still generate."""

@@ -30,13 +30,16 @@ class _TooBig(argparse.ArgumentTypeError):
 
 
 def integer(text: str) -> int:
-    """A whole number (``1_000`` allowed), at most 2**63 - 1 in size (what torch and the budget arithmetic take)."""
-    digits = text.replace("_", "").strip()
+    """A whole number (``1_000`` allowed, an underscore between two digits, Python's rule and a YAML config's), at most
+    2**63 - 1 in size (what torch and the budget arithmetic take)."""
+    digits = text.strip()
     if not digits.isascii():  # int() reads any script's digits ('٣٣', '１６'), where a YAML config reads a string
         raise argparse.ArgumentTypeError(f"expected an integer in the digits 0-9, got {short_text(text)}")
     try:
-        if len(digits.lstrip("+-")) > MAX_INT_DIGITS:  # never hand int() a 5,000-digit string
+        if len(digits.lstrip("+-").replace("_", "")) > MAX_INT_DIGITS:  # never hand int() a 5,000-digit string
             raise ValueError(text)
+        # int() itself, not int() of the text without its underscores: that read "_10", "1__0" and "10_" as 10, where
+        # the same value in a config file was refused as a string
         value = int(digits)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {short_text(text)}") from None
@@ -52,7 +55,7 @@ def field_integer(text: str) -> int:
     try:
         return integer(text)
     except _TooBig:
-        return int(text.replace("_", "").strip())  # integer() checked the digits: 0-9, at most MAX_INT_DIGITS
+        return int(text.strip())  # integer() checked the digits: 0-9, at most MAX_INT_DIGITS
 
 
 #: vLLM's suffixes of a token count (``human_readable_int``): lowercase decimal, uppercase binary

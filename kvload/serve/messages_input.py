@@ -20,7 +20,7 @@ from typing import Any
 import attrs
 
 from kvload.serve.command import TOOL_CALL_PARSERS
-from kvload.serve.protocol import EFFORT_IGNORED, AsSent, BadRequest, need_schema, renamed_as
+from kvload.serve.protocol import EFFORT_IGNORED, AsSent, BadRequest, need_schema, not_an_object, renamed_as
 
 #: The Messages fields kvload acts on or reports (count_tokens takes those that shape the prompt).
 ACCEPTED = frozenset({"model", "messages", "system", "max_tokens", "temperature", "top_p", "top_k", "stop_sequences",
@@ -83,7 +83,7 @@ def to_chat(body: Any, tool_parser: str | None = None, reasoning_parser: str | N
     """A Messages body as the chat endpoint's body saying the same, and what the answer needs; ``BadRequest`` naming
     the Messages field. ``count``: a count_tokens body (no ``max_tokens``, nothing generated)."""
     if not isinstance(body, dict):
-        raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+        raise not_an_object(body)
     accepted = COUNT_ACCEPTED if count else ACCEPTED
     unknown = sorted(str(k) for k in set(body) - accepted)
     if unknown:

@@ -1097,9 +1097,18 @@ def parse_detokenize(body: Any) -> list[int]:
     return list(tokens)
 
 
+def not_an_object(body: Any) -> BadRequest:
+    """The 400 for a request body that is JSON but not an object, naming what it is in JSON's words (it said
+    Python's: "got NoneType" for ``null``, "got list" for an array)."""
+    kind = ("null" if body is None else "true or false" if isinstance(body, bool) else "a number"
+            if isinstance(body, int | float) else "a string" if isinstance(body, str) else "an array"
+            if isinstance(body, list) else type(body).__name__)
+    return BadRequest(f"the request body must be a JSON object ({{...}}), got {kind}")
+
+
 def _object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
-        raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+        raise not_an_object(body)
     return body
 
 

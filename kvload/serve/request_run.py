@@ -222,7 +222,8 @@ class _Run(_OpenAIDocuments):
             job = attrs.evolve(job, ignored=(*job.ignored, (job.effort_field, job.template["reasoning_effort"],
                                                             EFFORT_UNREAD)))
         if job.ignored:  # accepted as vLLM accepts them, yet they can change nothing here
-            self.engine.notify(*[SettingIgnored(field=f"serve.{name}", value=value, reason=f"{why} (request {self.id})")
+            self.engine.notify(*[SettingIgnored(field=f"serve.{name}", value=value, reason=f"{why} (request {self.id})",
+                                                request=self.id)
                                  for name, value, why in job.ignored])
         try:
             for i, (ids, params) in enumerate(plan):

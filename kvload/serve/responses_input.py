@@ -25,6 +25,7 @@ from kvload.serve.protocol import (
     AsSent,
     BadRequest,
     need_schema,
+    not_an_object,
     openai_hints,
     renamed_as,
 )
@@ -92,7 +93,7 @@ def to_chat(body: Any, tool_parser: str | None = None,
     ``BadRequest`` naming the Responses field. ``kept``: the server's responses (None: none kept), which
     ``previous_response_id`` names and ``store`` adds to."""
     if not isinstance(body, dict):
-        raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+        raise not_an_object(body)
     unknown = sorted(set(body) - ACCEPTED)
     if unknown:
         name = unknown[0][:80]

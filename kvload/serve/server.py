@@ -394,6 +394,7 @@ class _Deadlines(H11Protocol):
                 if isinstance(event, h11.Request):
                     _check_version(event)
                     _check_framing(event)
+                    event = _origin_form(event)
                 return event
             except h11.RemoteProtocolError as exc:
                 self._refused = exc
@@ -536,6 +537,30 @@ def _check_framing(request: h11.Request) -> None:
                                       "them (RFC 9112 section 6.1)", error_status_hint=400)
 
 
+_ABSOLUTE_FORM = re.compile(rb"(?i)https?://([^/?#]*)(.*)", re.DOTALL)
+
+
+def _origin_form(request: h11.Request) -> h11.Request:
+    """A request whose target is in absolute form (``GET http://host:port/v1/models``, as a client sends it to a
+    proxy) as the same request in origin form (``GET /v1/models``), its ``Host`` the target's authority.
+
+    RFC 9112 §3.2.2: a server MUST accept the absolute form, and MUST use the target's host, not the Host header's.
+    uvicorn took the whole URL for the path, so every such request was a 404 "no such endpoint"."""
+    match = _ABSOLUTE_FORM.fullmatch(request.target)
+    if match is None:
+        return request
+    authority = match[1].rpartition(b"@")[2]  # a userinfo is no part of the host (RFC 9110 §4.2.4)
+    if not authority:  # RFC 9110 §4.2.1: an http(s) URI with an empty host must be rejected as invalid
+        target = request.target.decode("ascii", "replace")
+        raise h11.RemoteProtocolError(f"the request target {short_text(target, 80)} names no host; send the path "
+                                      "alone (/v1/models) or a URL with a host", error_status_hint=400)
+    rest = match[2]
+    target = rest if rest.startswith(b"/") else b"/" + rest  # "http://host" and "http://host?x" have the path "/"
+    headers = [(name, value) for name, value in request.headers if name != b"host"]
+    headers.insert(0, (b"host", authority))  # an HTTP/1.0 request may have no Host: it gets the target's
+    return h11.Request(method=request.method, headers=headers, target=target, http_version=request.http_version)
+
+
 def _check_version(request: h11.Request) -> None:
     """A ``RemoteProtocolError`` (505) for a request line naming an HTTP version other than 1.0 or 1.1.
 
@@ -675,7 +700,7 @@ def serve(state: ServeState, host: str, port: int, *, log_level: str = "warning"
         state.engine.on_fatal = lambda: setattr(server, "should_exit", True)
         state.engine.start()
         if ready is not None:
-            ready(f"http://{host}:{sock.getsockname()[1]}")
+            ready(http_url(host, sock.getsockname()[1]))
         server.run(sockets=[sock])
     finally:
         for sig, handler in previous.items():
@@ -688,6 +713,14 @@ def serve(state: ServeState, host: str, port: int, *, log_level: str = "warning"
     if server.engine_failure is not None:
         raise EngineFailed(f"serve: the engine loop failed ({server.engine_failure}); the server stopped, its "
                            "requests in flight answered HTTP 500; restart it") from state.engine.loop_exception
+
+
+def http_url(host: str, port: int) -> str:
+    """``http://host:port``, an IPv6 address in brackets (``http://[::1]:8000``, its zone's ``%`` as ``%25``, RFC 6874):
+    the ready line said ``http://::1:8000``, which no client reads as a URL."""
+    if ":" in host:
+        host = "[" + host.replace("%", "%25") + "]"
+    return f"http://{host}:{port}"
 
 
 #: What stops :func:`serve`: uvicorn's two, and the hangup of a closed terminal or a dropped ssh session.
@@ -709,7 +742,7 @@ class ServerThread:
     @property
     def url(self) -> str:
         """``http://host:port``."""
-        return f"http://{self.host}:{self.port}"
+        return http_url(self.host, self.port)
 
     def start(self, timeout: float = 30.0) -> ServerThread:
         """Start the engine and the HTTP server; return once it accepts connections."""
