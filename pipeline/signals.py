@@ -5,6 +5,12 @@ session) into :class:`HungUp` (both ``KeyboardInterrupt``), so every cleanup pat
 for Ctrl-C (releasing pools, discarding a half-written audit file, killing a kernel compile) runs
 for ``kill`` and a hangup too. :func:`deferred` holds the signals back while a temporary file is created or
 published, so it is never left behind between ``open`` and the bookkeeping that removes it.
+
+A stop signal whose exception Python swallows is sent again. The handler raises where the main thread is, and when
+that is a finalizer (a ``__del__``, a generator closed by the garbage collector, a weakref callback) Python only
+reports it to :func:`sys.unraisablehook` ("Exception ignored in ...") and goes on: the command ran to its end and
+exited 0 as if never stopped. While armed, kvload's hook has that signal sent to the process again (from a thread of
+its own), so it is raised once the main thread is out of the finalizer.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -36,8 +43,28 @@ class HungUp(Terminated):
     describe = "hung up (SIGHUP)"
 
 
-#: ``armed``: the signals raise :class:`Terminated`; ``previous``: the handlers :func:`handle_sigterm` replaced.
-_state: dict[str, Any] = {"armed": False, "previous": {}}
+#: ``armed``: the signals raise :class:`Terminated`; ``previous``: the handlers :func:`handle_sigterm` replaced;
+#: ``unraisable``: the :func:`sys.unraisablehook` it replaced (``None`` while not armed).
+_state: dict[str, Any] = {"armed": False, "previous": {}, "unraisable": None}
+
+
+def _swallowed_stop(unraisable: Any) -> None:
+    """:func:`sys.unraisablehook` while armed: a stop signal's exception raised inside a finalizer, which Python would
+    only print and drop, is sent as its signal again (raised outside it); anything else goes to the hook replaced."""
+    exc = unraisable.exc_value
+    if _state["armed"] and isinstance(exc, KeyboardInterrupt):
+        signum = exc.signal_number if isinstance(exc, Terminated) else signal.SIGINT
+        # sent a moment later from another thread: sent at once, its handler ran inside this hook (or in
+        # Thread.start's wait, still inside it), and that raise was dropped too
+        again = threading.Timer(0.05, os.kill, (os.getpid(), signum))
+        again.daemon = True
+        try:
+            again.start()
+        except RuntimeError:  # no new thread at interpreter shutdown: reported as Python would
+            pass
+        else:
+            return
+    (_state["unraisable"] or sys.__unraisablehook__)(unraisable)
 
 
 def _raise_terminated(signum: int, frame: Any) -> None:
@@ -63,6 +90,9 @@ def handle_sigterm() -> None:
             previous = signal.signal(signum, _raise_terminated)
             if previous is not _raise_terminated:
                 _state["previous"][signum] = signal.SIG_DFL if previous is None else previous
+        if sys.unraisablehook is not _swallowed_stop:
+            _state["unraisable"] = sys.unraisablehook
+            sys.unraisablehook = _swallowed_stop
         _state["armed"] = True
 
 
@@ -78,6 +108,8 @@ def release_sigterm() -> None:
         _state["armed"] = False  # first: a signal during the swap already acts as the previous handler
         for signum, previous in _state["previous"].items():
             signal.signal(signum, previous)
+        if sys.unraisablehook is _swallowed_stop:
+            sys.unraisablehook = _state["unraisable"] or sys.__unraisablehook__
 
 
 @contextlib.contextmanager

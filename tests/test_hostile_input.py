@@ -1491,6 +1491,29 @@ def test_a_sigterm_during_interpreter_shutdown_ends_the_process_without_a_traceb
     assert r.stdout  # the plan was printed before
 
 
+def test_a_stop_signal_raised_inside_a_finalizer_stops_the_command_all_the_same():
+    """The handler raises Terminated where the main thread is; inside a ``__del__`` (or a generator the garbage
+    collector closes) Python only printed "Exception ignored in ..." and went on: a simulation ran on for minutes after
+    its SIGTERM and exited 0. Here the finalizer sends the SIGTERM itself and spins, so the handler runs inside it."""
+    script = ("import os, signal, sys, time\n"
+              "from pipeline.signals import Terminated, handle_sigterm\n"
+              "handle_sigterm()\n"
+              "class Finalized:\n"
+              "    def __del__(self):\n"
+              "        os.kill(os.getpid(), signal.SIGTERM)\n"
+              "        for _ in range(10 ** 6): pass\n"
+              "try:\n"
+              "    Finalized()\n"
+              "    for _ in range(500): time.sleep(0.01)\n"
+              "except Terminated:\n"
+              "    print('stopped'); sys.exit(143)\n"
+              "print('ran to its end')\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                       env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    assert (r.returncode, r.stdout) == (143, "stopped\n"), (r.returncode, r.stdout, r.stderr[-2000:])
+    assert "Exception ignored" not in r.stderr, r.stderr[-2000:]
+
+
 def test_main_gives_sigterm_back_when_it_returns(capsys, monkeypatch):
     """While a command runs SIGTERM raises Terminated (cleanup as for Ctrl-C); once main returned the process's
     own handler is back, and kvload's, if a signal still reaches it, hands over to that one instead of raising."""
