@@ -209,6 +209,7 @@ NOT_KVLOAD_FLAGS = {
     "--swap-space": "vLLM's, refused (Coming from vLLM)",
     "--max_tok": "an abbreviation, shown refused",
     "--api-keyy": "a typo, shown refused with its value hidden",
+    "--hf-tokenn": "a typo of a secret flag, its value hidden",
 }
 
 

@@ -166,6 +166,21 @@ def secret_option(arg: str) -> bool:
     return any(part in name for part in _SECRET_PARTS) or not _SECRET_WORDS.isdisjoint(re.split(r"[-_.]", name))
 
 
+def _secret_like(arg: str, options: set[str]) -> bool:
+    """Whether ``arg`` names a secret option, or is a typo of one: the known option it is closest to (as the "did you
+    mean" hint finds it) takes a secret (``--hf-tokenn``, which the whole word "token" misses, is ``--hf-token``;
+    ``--max-tokenz`` is ``--max-tokens``, whose value shows)."""
+    if secret_option(arg):
+        return True
+    import difflib
+
+    name = arg.split("=", 1)[0]
+    if name in options:
+        return False
+    close = difflib.get_close_matches(name, sorted(options), n=1, cutoff=0.75)
+    return bool(close) and secret_option(close[0])
+
+
 def hide_secrets(argv: Sequence[str], extras: Sequence[str], options: set[str]) -> list[str]:
     """``extras`` (arguments argparse did not take, in ``argv``'s order) with what may be a secret replaced by
     :data:`HIDDEN`: the value of ``--secret-ish=VALUE``, and the arguments after a ``--secret-ish`` option up to the
@@ -178,7 +193,7 @@ def hide_secrets(argv: Sequence[str], extras: Sequence[str], options: set[str]) 
         if i > 0 and after and argv[i - 1].startswith("-") and arg.split("=", 1)[0] not in options:
             hidden.add(i)  # the value right after a secret-named option, whatever it looks like
         elif arg.startswith("-") and len(arg) > 1:
-            after = "=" not in arg and secret_option(arg)
+            after = "=" not in arg and _secret_like(arg, options)
         elif after:
             hidden.add(i)
     out, at = [], 0
@@ -187,7 +202,7 @@ def hide_secrets(argv: Sequence[str], extras: Sequence[str], options: set[str]) 
             at += 1
         if at in hidden:
             out.append(HIDDEN)
-        elif extra.startswith("-") and "=" in extra and secret_option(extra):
+        elif extra.startswith("-") and "=" in extra and _secret_like(extra, options):
             out.append(f"{extra.split('=', 1)[0]}={HIDDEN}")
         else:
             out.append(extra)
