@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 from typing import Any
 
 import pytest
@@ -741,6 +743,44 @@ def test_close_from_the_thread_reading_a_stream(tmp_path):
         list(stream)  # the deltas produced before the stop, then the error
     assert [e["event"] for e in llm.audit.events if e["event"].startswith("generation_")] == \
         ["generation_started", "generation_failed"]
+
+
+def test_a_forked_child_is_told_it_cannot_use_the_llm_and_leaves_the_parents_alone(tmp_path):
+    # a forward in a child forked after torch ran multi-threaded waited for ever (the parent's OpenMP pool), and the
+    # child's close() rewrote the parent's audit log: every call there is now one error, its close touches nothing
+    audit = tmp_path / "llm.jsonl"
+    with kvload.LLM("tiny-llama", audit_log=audit, **llm_kwargs()) as llm:
+        first = llm.generate([[1, 2, 3]], max_tokens=4)[0].outputs[0].token_ids
+        written = audit.read_text()
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report what each call did, never return into pytest
+            code = 1
+            try:
+                signal.alarm(60)  # a hang ends the child, and the parent sees no report
+                said = []
+                for call in (lambda: llm.generate([[1, 2, 3]], max_tokens=4), lambda: llm.generate_stream([[1]]),
+                             llm.get_metrics):
+                    try:
+                        call()
+                        said.append("ran")
+                    except GenerationError as exc:
+                        said.append(str(exc))
+                llm.close()
+                os.write(write, json.dumps(said).encode())
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(write)
+        with os.fdopen(read) as pipe:
+            said = json.loads(pipe.read() or "null")
+        os.waitpid(pid, 0)
+        assert said is not None and len(said) == 3, said
+        for call, line in zip(("generate", "generate_stream", "get_metrics"), said, strict=True):
+            assert line.startswith(f"{call}: this LLM was built in process {os.getpid()} and this is a child forked "
+                                   "from it"), line
+        assert audit.read_text() == written  # the child's close() left the parent's file alone
+        assert llm.generate([[1, 2, 3]], max_tokens=4)[0].outputs[0].token_ids == first  # the parent's still works
 
 
 def test_cpu_without_a_bound_gets_the_default_budget_and_the_audit_says_so(tiny_checkpoints, tmp_path):
