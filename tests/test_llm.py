@@ -783,6 +783,37 @@ def test_a_forked_child_is_told_it_cannot_use_the_llm_and_leaves_the_parents_alo
         assert llm.generate([[1, 2, 3]], max_tokens=4)[0].outputs[0].token_ids == first  # the parent's still works
 
 
+#: A script that ends with a stream still open; its steps made long (a bigger model's), so that at exit kvload's thread
+#: is inside torch, where Python's end of daemon threads aborted the process
+OPEN_STREAM_AT_EXIT = """
+import torch
+import kvload
+llm = kvload.LLM("tiny-llama", log=False, kv_cache_config={"max_tokens": 4096})
+executor, big = llm.result.executor, torch.randn(1500, 1500)
+forward = executor.forward
+def slow_forward(*args, **kwargs):
+    torch.mm(big, big)
+    return forward(*args, **kwargs)
+executor.forward = slow_forward
+stream = llm.generate_stream([[1, 2, 3]], max_tokens=1000, ignore_eos=True)
+next(stream)
+"""
+
+
+def test_a_script_that_ends_with_a_stream_open_exits_with_its_own_status(tmp_path):
+    # it ended in C++'s "terminate called without an active exception", SIGABRT (134), most runs: the stream's call
+    # is now stopped at exit, at its next step, before Python ends the thread
+    import subprocess
+    import sys
+
+    from tests.tp_support import REPO
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-c", OPEN_STREAM_AT_EXIT], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert (r.returncode, r.stderr) == (0, ""), r.stderr[-2000:]
+
+
 def test_cpu_without_a_bound_gets_the_default_budget_and_the_audit_says_so(tiny_checkpoints, tmp_path):
     audit = tmp_path / "llm.jsonl"
     with kvload.LLM(str(tiny_checkpoints("llama")), device="cpu", log=False, audit_log=audit) as llm:
