@@ -224,6 +224,8 @@ class EngineStopped(GenerationError):
 
 #: Seconds a rank > 0 that got a stop signal waits for rank 0's stop order (sent as soon as rank 0 stops).
 FOLLOW_GRACE_S = 10.0
+#: Seconds a follower that gave up waiting lets its steps leave their collective (rank 0's heartbeat is 0.5 s)
+FOLLOW_QUIT_S = 2.0
 
 
 @attrs.frozen
@@ -281,6 +283,7 @@ class ServingEngine:
         self._notices: list[Event] = []  # events for the loop thread to emit (the event bus is not thread-safe)
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._follow_quit = threading.Event()  # set by follow() when a signal's grace ran out: the steps end
         self._ids = itertools.count()
         #: held by the loop during a step; readers (metrics) take it to see a consistent manager
         self.state_lock = threading.Lock()
@@ -725,21 +728,30 @@ class ServingEngine:
         if self.ranks is None or self.ranks.is_first:
             raise GenerationError("serve: follow() is for ranks > 0 of a tensor-parallel run; rank 0 serves")
         failed: list[BaseException] = []
+        # waited on through an Event, not Thread.join: CPython 3.11's join, interrupted by the signal's exception,
+        # marks a thread that still runs as stopped, so the grace wait returned at once and the process exited with
+        # the steps mid-collective (C++ "terminate called", SIGABRT)
+        ended = threading.Event()
 
         def run() -> None:
             try:
                 self._follow_steps()
             except BaseException as exc:  # handed to the caller's thread
                 failed.append(exc)
+            finally:
+                ended.set()
 
         thread = threading.Thread(target=run, name="kvload-engine", daemon=True)
         thread.start()
         try:
-            while thread.is_alive():
-                thread.join(0.1)  # in slices: a signal's handler runs in between
+            while not ended.wait(0.1):  # in slices: a signal's handler runs in between
+                pass
         except KeyboardInterrupt:
-            thread.join(grace_s)
-            if thread.is_alive() or failed:  # rank 0 did not stop in time (or the ranks parted): the signal wins
+            if not ended.wait(grace_s) or failed:  # rank 0 did not stop in time (or the ranks parted): the signal wins
+                # ... once the steps left their collective (at rank 0's next order, within its heartbeat): exiting
+                # with a thread inside gloo ended the process in C++'s "terminate called" (SIGABRT), not the signal
+                self._follow_quit.set()
+                ended.wait(FOLLOW_QUIT_S)
                 raise
         if failed:
             lost = lost_rank_message(failed[0])
@@ -755,7 +767,7 @@ class ServingEngine:
             with self.executor.paged_attention():
                 while True:
                     orders: StepOrders = self.ranks.broadcast(None)
-                    if orders.stop:
+                    if orders.stop or self._follow_quit.is_set():
                         return
                     with self.state_lock:
                         if orders.reset:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import threading
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -92,6 +94,7 @@ class LoadResult(RunResult):
                                       "call is inside a running one's callback); wait for it to end")
             calls.runner, calls.executor = threading.current_thread(), executor
             calls.idle.clear()
+            _generating[id(self)] = self
         try:
             yield executor
         finally:
@@ -116,6 +119,16 @@ class LoadResult(RunResult):
                 return
         calls.idle.wait()  # the pools go only once nothing runs on them
         self._release()
+
+    def stop_running(self, message: str, timeout: float) -> None:
+        """Stop the call running on another thread, if any (it raises ``GenerationError(message)`` at its next step,
+        freeing its requests), and wait up to ``timeout`` s for it to end; the pools stay (unlike :meth:`close`)."""
+        calls = self._calls
+        with calls.lock:
+            if calls.executor is None or calls.runner is threading.current_thread():
+                return
+            calls.executor.stop(message)
+        calls.idle.wait(timeout)
 
     def _release(self) -> None:
         with self._calls.release_lock:
@@ -177,6 +190,26 @@ def _append_events(buffer: Any, path: str) -> dict[str, Any]:
                               "lost") from None
     return batch
 
+
+#: What a call still running when the interpreter exits raises (on its own thread; nobody reads it by then).
+EXITED_DURING_GENERATION = "generate: the interpreter exited during generation; the call was stopped at its next step"
+#: Seconds exit waits for such a call to reach its next step.
+EXIT_WAIT_S = 30.0
+#: Results that have run a call, by id (attrs' eq makes a result unhashable): at exit, one still running is stopped
+#: (weak: a result dropped is not kept alive).
+_generating: weakref.WeakValueDictionary[int, LoadResult] = weakref.WeakValueDictionary()
+
+
+def _stop_calls_at_exit() -> None:
+    """At interpreter exit, stop a call still running on another thread (a ``generate_stream`` left open, a
+    ``generate`` on a daemon thread) and let it leave torch: Python ends daemon threads where they stand, and one
+    inside a torch op aborted the process ("terminate called without an active exception", SIGABRT) instead of
+    letting the script exit with its own status."""
+    for result in list(_generating.values()):
+        result.stop_running(EXITED_DURING_GENERATION, EXIT_WAIT_S)
+
+
+atexit.register(_stop_calls_at_exit)
 
 _CLOSED = ("generate: this result was closed (LoadResult.close released its KV pools and weights); load the model "
            "again")

@@ -43,6 +43,15 @@ CLOSED_DURING_GENERATION = ("generate: the LLM was closed during generation (LLM
                             "the call was stopped and its KV blocks freed")
 
 
+#: What every call of an LLM raises in a process forked after it was built: torch's intra-op threads do not survive a
+#: fork (a forward in the child waited for ever on the parent's OpenMP pool), and a close there rewrote the parent's
+#: audit log.
+FORKED = ("generate: this LLM was built in process {pid} and this is a child forked from it (os.fork(), "
+          "multiprocessing's 'fork'), which cannot use it: torch's threads do not survive a fork, so a forward here "
+          "could wait for ever, and its KV pools and audit log are the parent's; create the LLM in a process started "
+          "with multiprocessing's 'spawn' or 'forkserver'")
+
+
 def _no_lora(call: str, lora_request: Any) -> None:
     """vLLM's ``lora_request``: None asks for the base weights, which is all kvload serves; so does vLLM's list of one
     per prompt when every one is None."""
@@ -114,6 +123,7 @@ class LLM:
                                            f"{DEFAULT_CPU_MAX_TOKENS} tokens when neither max_tokens nor "
                                            "max_gpu_total_bytes bounds them)")
         self._busy = threading.Lock()
+        self._pid = os.getpid()  # a forked child has this object but not what it stands on (see _check_open)
         self.result: LoadResult = execute(request, load_stages(), audit_log=audit_log, subscribers=subscribers,
                                           log=log)
         if audit_log is not None:  # registered after the pools: runs first, while the release is under way
@@ -385,6 +395,8 @@ class LLM:
     # --- lifetime -------------------------------------------------------------------------------
 
     def _check_open(self) -> None:
+        if os.getpid() != self._pid:
+            raise GenerationError(FORKED.format(pid=self._pid))
         if self._closed:
             raise GenerationError("generate: this LLM was closed (its KV pools and weights were released); "
                                   "create a new kvload.LLM")
@@ -414,9 +426,12 @@ class LLM:
         """Stop a running generation, wait for it to end, then release the KV pools and weights.
 
         The stopped call raises ``GenerationError`` (the audit records ``generation_failed``); with ``audit_log``,
-        the file is rewritten with the generation events too. Safe to call twice, from any thread.
+        the file is rewritten with the generation events too. Safe to call twice, from any thread; in a forked child it
+        only marks this copy closed (what it would release is the parent's).
         """
         self._closed = True
+        if os.getpid() != self._pid:  # a forked child: the pools, the audit log and the running call are the parent's
+            return
         self.result.close(CLOSED_DURING_GENERATION)  # the result's: stop the call, wait for it, then release
 
     def __enter__(self) -> LLM:

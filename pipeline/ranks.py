@@ -248,6 +248,13 @@ def object_group() -> Any:
         try:  # the rendezvous waits for every rank: interruptible, so kill acts while one never comes
             interruptible(init)
         except (RuntimeError, ValueError) as exc:
+            if "EADDRINUSE" in str(exc) or "address already in use" in str(exc).lower():
+                # rank 0 listens there for the rendezvous; "launch the ranks with torchrun" sent a user who did to
+                # look for something else
+                where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+                raise RankError(f"torch.distributed cannot start: the rendezvous address MASTER_ADDR:MASTER_PORT "
+                                f"{where} is already in use by another process; give a free port (torchrun "
+                                "--master-port PORT, or MASTER_PORT)") from exc
             raise RankError(f"torch.distributed cannot start ({str(exc).splitlines()[0] if str(exc) else exc!r}); "
                             "launch the ranks with torchrun") from exc
         atexit.register(shutdown)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 from typing import Any
 
 import pytest
@@ -741,6 +743,75 @@ def test_close_from_the_thread_reading_a_stream(tmp_path):
         list(stream)  # the deltas produced before the stop, then the error
     assert [e["event"] for e in llm.audit.events if e["event"].startswith("generation_")] == \
         ["generation_started", "generation_failed"]
+
+
+def test_a_forked_child_is_told_it_cannot_use_the_llm_and_leaves_the_parents_alone(tmp_path):
+    # a forward in a child forked after torch ran multi-threaded waited for ever (the parent's OpenMP pool), and the
+    # child's close() rewrote the parent's audit log: every call there is now one error, its close touches nothing
+    audit = tmp_path / "llm.jsonl"
+    with kvload.LLM("tiny-llama", audit_log=audit, **llm_kwargs()) as llm:
+        first = llm.generate([[1, 2, 3]], max_tokens=4)[0].outputs[0].token_ids
+        written = audit.read_text()
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report what each call did, never return into pytest
+            code = 1
+            try:
+                signal.alarm(60)  # a hang ends the child, and the parent sees no report
+                said = []
+                for call in (lambda: llm.generate([[1, 2, 3]], max_tokens=4), lambda: llm.generate_stream([[1]]),
+                             llm.get_metrics):
+                    try:
+                        call()
+                        said.append("ran")
+                    except GenerationError as exc:
+                        said.append(str(exc))
+                llm.close()
+                os.write(write, json.dumps(said).encode())
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(write)
+        with os.fdopen(read) as pipe:
+            said = json.loads(pipe.read() or "null")
+        os.waitpid(pid, 0)
+        assert said is not None and len(said) == 3, said
+        for call, line in zip(("generate", "generate_stream", "get_metrics"), said, strict=True):
+            assert line.startswith(f"{call}: this LLM was built in process {os.getpid()} and this is a child forked "
+                                   "from it"), line
+        assert audit.read_text() == written  # the child's close() left the parent's file alone
+        assert llm.generate([[1, 2, 3]], max_tokens=4)[0].outputs[0].token_ids == first  # the parent's still works
+
+
+#: A script that ends with a stream still open; its steps made long (a bigger model's), so that at exit kvload's thread
+#: is inside torch, where Python's end of daemon threads aborted the process
+OPEN_STREAM_AT_EXIT = """
+import torch
+import kvload
+llm = kvload.LLM("tiny-llama", log=False, kv_cache_config={"max_tokens": 4096})
+executor, big = llm.result.executor, torch.randn(1500, 1500)
+forward = executor.forward
+def slow_forward(*args, **kwargs):
+    torch.mm(big, big)
+    return forward(*args, **kwargs)
+executor.forward = slow_forward
+stream = llm.generate_stream([[1, 2, 3]], max_tokens=1000, ignore_eos=True)
+next(stream)
+"""
+
+
+def test_a_script_that_ends_with_a_stream_open_exits_with_its_own_status(tmp_path):
+    # it ended in C++'s "terminate called without an active exception", SIGABRT (134), most runs: the stream's call
+    # is now stopped at exit, at its next step, before Python ends the thread
+    import subprocess
+    import sys
+
+    from tests.tp_support import REPO
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-c", OPEN_STREAM_AT_EXIT], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert (r.returncode, r.stderr) == (0, ""), r.stderr[-2000:]
 
 
 def test_cpu_without_a_bound_gets_the_default_budget_and_the_audit_says_so(tiny_checkpoints, tmp_path):

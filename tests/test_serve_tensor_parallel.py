@@ -280,3 +280,43 @@ def test_a_follower_that_dies_fails_the_requests_and_ends_rank_0(tmp_path):
     assert "Traceback" not in err, err[-3000:]
     (line,) = [x for x in err.splitlines() if x.startswith("error: ")]
     assert line.startswith("error: lost contact with another rank (it exited or was killed): "), line
+
+
+def _two_ranks(cwd: Path, *signals: tuple[int, signal.Signals]) -> list[tuple[int, str]]:
+    """Two serving ranks launched here (each rank's exit status seen, which torchrun's own hides); once rank 0 is
+    ready, send each ``(rank, signal)`` in turn (0.5 s apart, as a launcher passing a signal on may); each rank's
+    exit status and stderr."""
+    env = _env(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    procs = [subprocess.Popen([sys.executable, "-m", "kvload", *SERVE], cwd=cwd,
+                              env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, preexec_fn=signals_as_a_terminal_gives_them,
+                              start_new_session=True) for rank in (0, 1)]
+    try:
+        _url(procs[0])
+        for k, (rank, sig) in enumerate(signals):
+            if k:
+                time.sleep(0.5)
+            procs[rank].send_signal(sig)
+        errs = [p.communicate(timeout=EXIT_S)[1] for p in procs]
+        return [(p.returncode, err) for p, err in zip(procs, errs, strict=True)]
+    finally:
+        for p in procs:
+            _kill_group(p)
+
+
+def test_a_stop_signal_to_every_rank_ends_the_follower_cleanly_too(tmp_path):
+    # Ctrl-C or torchrun reach rank 1 first: it waits for rank 0's stop and exits 0. It used to end at once, its steps
+    # still inside a gloo collective: C++ "terminate called", SIGABRT (-6), which torchrun's own status hid
+    (rc0, err0), (rc1, err1) = _two_ranks(tmp_path, (1, signal.SIGTERM), (0, signal.SIGTERM))
+    assert (rc0, rc1) == (0, 0), err1[-2000:]
+    for err in (err0, err1):
+        assert "terminate called" not in err and "Fatal Python error" not in err and "error:" not in err, err[-2000:]
+
+
+def test_a_follower_whose_rank_0_does_not_stop_ends_by_its_signal_in_one_line(tmp_path):
+    # SIGTERM to rank 1 alone: after its grace it ends by the signal (143, one line); rank 0 then loses it (exit 1)
+    (rc0, err0), (rc1, err1) = _two_ranks(tmp_path, (1, signal.SIGTERM))
+    assert rc1 == 143, err1[-2000:]
+    assert "terminate called" not in err1 and "Traceback" not in err1, err1[-2000:]
+    assert [x for x in err1.splitlines() if x.startswith("error: ")] == ["error: terminated (SIGTERM)"]
+    assert rc0 == 1 and "error: lost contact with another rank" in err0, err0[-2000:]

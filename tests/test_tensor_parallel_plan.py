@@ -120,6 +120,30 @@ def test_a_collective_timeout_torch_cannot_take_is_named_before_anything_runs(ca
     assert run_cli(capsys, "plan", "tiny-llama").code == 0
 
 
+def test_a_rendezvous_port_in_use_is_one_line_naming_it():
+    # rank 0 listens at MASTER_ADDR:MASTER_PORT; another process holding it was "launch the ranks with torchrun"
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from tests.tp_support import REPO
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "RANK": "0",
+               "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "KVLOAD_DIST_TIMEOUT_S": "30"}
+        r = subprocess.run([sys.executable, "-m", "kvload", "plan", "tiny-llama", "--tp_size", "2"], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == "", r.stderr
+    assert r.stderr == (f"error: torch.distributed cannot start: the rendezvous address MASTER_ADDR:MASTER_PORT "
+                        f"127.0.0.1:{port} is already in use by another process; give a free port (torchrun "
+                        "--master-port PORT, or MASTER_PORT)\n")
+
+
 def test_a_collective_timeout_is_bounded_and_finite():
     """A week at most (a billion seconds waited that long for a rank that never came), and a number."""
     assert timeout_s({}) == 600.0 and timeout_s({"KVLOAD_DIST_TIMEOUT_S": "604800"}) == 604800.0
