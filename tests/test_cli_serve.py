@@ -713,3 +713,25 @@ def test_a_bad_ssl_flag_exits_2_with_one_line_naming_it_before_the_model_loads(c
     r = run_cli(capsys, "serve", "tiny-llama", "--port", "0", *flags)
     assert r.code == 2 and r.one_error_line and said in r.err and "unrecognized" not in r.err, r.err
     assert "Traceback" not in r.err
+
+
+def test_ssl_cert_reqs_2_with_a_ca_serves_only_clients_presenting_a_certificate_it_signed(tmp_path):
+    """--ssl-ca-certs and --ssl-cert-reqs reach uvicorn: with 2 (required) a client without a certificate is refused
+    in the handshake, one with a certificate the CA signed (here the self-signed one, its own CA) is served."""
+    import ssl
+
+    cert, key = _self_signed(tmp_path)
+    proc = _start_server("--ssl-certfile", cert, "--ssl-keyfile", key, "--ssl-ca-certs", cert, "--ssl-cert-reqs", "2",
+                         "--max_tokens", "256")
+    try:
+        url = ready_url(_ready_line(proc))
+        anonymous = ssl.create_default_context(cafile=cert)
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"{url}/health", verify=anonymous, timeout=30)
+        known = ssl.create_default_context(cafile=cert)
+        known.load_cert_chain(cert, key)
+        assert httpx.get(f"{url}/health", verify=known, timeout=30).json() == {"status": "ok"}
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        reap(proc)
