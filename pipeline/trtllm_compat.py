@@ -21,7 +21,7 @@ from typing import Any
 from pipeline.config import KvCacheConfig, LlmArgs, public_fields
 from pipeline.errors import ConfigError
 from pipeline.limits import short
-from pipeline.vllm_compat import SECRET_KNOBS, refused_key, vllm_knob, write_as
+from pipeline.vllm_compat import SECRET_KNOBS, refused_key, speculative_config, vllm_knob, write_as
 
 _ENGINE = "a TensorRT-LLM option kvload does not act on"
 
@@ -114,6 +114,7 @@ def split_ignored(tree: Mapping[str, Any], python: bool = False) -> tuple[dict[s
     """
     kept: dict[str, Any] = {}
     ignored: list[tuple[str, Any, str]] = []
+    mapped: dict[str, Any] = {}  # kvload's fields vLLM's speculative_config sets
     own = _known(LlmArgs)
     for key, value in tree.items():
         if key == "trust_remote_code" and key not in own:
@@ -125,6 +126,11 @@ def split_ignored(tree: Mapping[str, Any], python: bool = False) -> tuple[dict[s
             ignored.append((key, value, "kvload never runs a checkpoint's own code: the families it serves run "
                                         "transformers' built-in classes (a checkpoint that needs its own code is "
                                         "refused when it loads)"))
+        elif key == "speculative_config" and key not in own and not _trtllm_speculative(value):
+            if value is not None:  # vLLM's shape (TensorRT-LLM's has a decoding_type); None: vLLM's unset default
+                fields, dropped = speculative_config(value)
+                mapped.update(fields)
+                ignored.extend(dropped)
         elif key in IGNORED_LLM_ARGS and key not in own:
             ignored.append((key, value, f"{_ENGINE}: {IGNORED_LLM_ARGS[key]}"))
         elif isinstance(key, str) and key not in own and (why := vllm_knob(key, value)) is not None:
@@ -149,7 +155,25 @@ def split_ignored(tree: Mapping[str, Any], python: bool = False) -> tuple[dict[s
                 raise ConfigError(f"{key}: {placed}", path=key, detail="unknown key")
             _near_miss("", key, own, IGNORED_LLM_ARGS)
             kept[key] = value
+    for field, value in mapped.items():  # vLLM's speculative_config beside kvload's own names: they must agree
+        if field in tree and not (tree[field] == value and type(tree[field]) is type(value)):
+            raise ConfigError(f"speculative_config: its {_SPECULATIVE_NAMES[field]} {short(value)} and {field} "
+                              f"{short(tree[field])} set one field ({_SPECULATIVE_NAMES[field]} is vLLM's name for "
+                              f"{field}) to different values; give one", path="speculative_config",
+                              detail="given under two names")
+        kept[field] = value
     return kept, ignored
+
+
+#: kvload's field → the ``speculative_config`` key of vLLM's that sets it
+_SPECULATIVE_NAMES = {"max_draft_len": "num_speculative_tokens", "max_matching_ngram_size": "prompt_lookup_max",
+                      "speculation_max_batch_size": "disable_by_batch_size"}
+
+
+def _trtllm_speculative(value: Any) -> bool:
+    """Whether a ``speculative_config`` is TensorRT-LLM's (``decoding_type: NGram``, ``Eagle``, ...: accepted and
+    ignored as before) rather than vLLM's (``method``)."""
+    return isinstance(value, Mapping) and "decoding_type" in value
 
 
 #: The command line's names (trtllm-serve's flags) for fields whose key is spelled otherwise.

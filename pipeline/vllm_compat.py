@@ -24,7 +24,7 @@ from typing import Any
 from pipeline.config import LlmArgs, describe
 from pipeline.converter import structure
 from pipeline.errors import ConfigError
-from pipeline.limits import short
+from pipeline.limits import MAX_DRAFT_LEN, MAX_NGRAM, short
 from pipeline.paths import get_in, unflatten
 
 #: vLLM's name → kvload's dotted field, where vLLM's setting means exactly what kvload's does (defaults may differ:
@@ -210,3 +210,97 @@ def _checked(path: str, value: Any) -> Any:
 def _python(value: Any) -> str:
     """A value as a Python keyword's is written in an error: True/False as Python spells them, others cut short."""
     return repr(value) if isinstance(value, bool) else short(value)
+
+
+#: vLLM's ``speculative_config`` methods that are n-gram lookup in the prompt and output, which kvload drafts by
+#: (``[ngram]`` is older vLLM's spelling, also given as ``model``; ``ngram_gpu`` the same lookup run on the GPU)
+NGRAM_METHODS = ("ngram", "[ngram]", "ngram_gpu")
+#: vLLM's default n-gram size when neither ``prompt_lookup_max`` nor ``prompt_lookup_min`` is given
+#: (``vllm/config/speculative.py``: 5 and 5)
+VLLM_PROMPT_LOOKUP_DEFAULT = 5
+#: ``speculative_config`` keys vLLM has that kvload's n-gram drafts have no counterpart for → why (``setting_ignored``)
+SPECULATIVE_IGNORED: dict[str, str] = {
+    **dict.fromkeys(("draft_tensor_parallel_size", "quantization", "max_model_len", "revision", "code_revision",
+                     "enforce_eager", "draft_load_config", "moe_backend", "attention_backend",
+                     "speculative_token_tree", "parallel_drafting", "hf_overrides", "tensor_parallel_size"),
+                    "a draft model's setting: n-gram drafts run no draft model"),
+    "disable_logprobs": "kvload returns the logprobs a request asks for with drafts on or off",
+    "disable_log_stats": "kvload records every step's drafts and acceptances in its audit log and metrics",
+    "disable_padded_drafter_batch": "a drafter batching knob: kvload's drafts are rows of the next step",
+    **dict.fromkeys(("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+                     "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"),
+                    "suffix decoding's setting: kvload drafts by n-gram lookup"),
+}
+
+
+def speculative_config(value: Any) -> tuple[dict[str, Any], list[tuple[str, Any, str]]]:
+    """vLLM's ``speculative_config`` (``LLM(speculative_config={...})``, ``--speculative-config JSON``) as kvload's
+    n-gram fields, and ``(dotted key, value, why)`` for each key given that kvload cannot honour.
+
+    ``method: "ngram"`` (or older vLLM's ``model: "[ngram]"``) maps ``num_speculative_tokens`` to ``max_draft_len``,
+    ``prompt_lookup_max`` to ``max_matching_ngram_size`` (vLLM's defaults: ``prompt_lookup_min`` when only it is
+    given, else 5) and ``disable_by_batch_size`` to ``speculation_max_batch_size``; ``prompt_lookup_min`` above 1 is
+    reported (kvload looks shorter suffixes up down to one token). Any other method (a draft model, EAGLE, Medusa,
+    MTP, ...) is ``ConfigError`` naming it; so is a key vLLM does not have."""
+    where = "speculative_config"
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where}: expected an object such as {{\"method\": \"ngram\", "
+                          f"\"num_speculative_tokens\": 4}}, got {short(value)}", path=where, detail="not an object")
+    method, model = value.get("method"), value.get("model")
+    if method is None and model in NGRAM_METHODS:
+        method = model
+    if method not in NGRAM_METHODS:
+        what = f"method {short(method)}" if method is not None else (
+            f"model {short(model)} (a draft model)" if model is not None else "no method")
+        raise ConfigError(f"{where}: {what}: kvload drafts by n-gram lookup in the prompt and output only; accepted: "
+                          "method 'ngram' with num_speculative_tokens (and prompt_lookup_max, prompt_lookup_min)",
+                          path=where, detail="not an n-gram method")
+    known = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+             "disable_by_batch_size", *SPECULATIVE_IGNORED}
+    for key in value:
+        if key not in known:
+            raise ConfigError(f"{where}: {short(key)}: not a vLLM speculative_config key kvload knows; its n-gram "
+                              "keys: method, num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, "
+                              "disable_by_batch_size", path=where, detail="unknown key")
+    drafts = _spec_int(value, "num_speculative_tokens", 1, MAX_DRAFT_LEN, required=True)
+    low = _spec_int(value, "prompt_lookup_min", 1, None)
+    high = _spec_int(value, "prompt_lookup_max", 1, MAX_NGRAM)
+    if high is None:
+        high = low if low is not None else VLLM_PROMPT_LOOKUP_DEFAULT
+        if high > MAX_NGRAM:
+            raise ConfigError(f"{where}: prompt_lookup_min {high} without prompt_lookup_max: kvload matches at most "
+                              f"{MAX_NGRAM} tokens; give prompt_lookup_max (1 to {MAX_NGRAM})", path=where,
+                              detail="too long")
+    if low is not None and low > high:  # vLLM's rule
+        raise ConfigError(f"{where}: prompt_lookup_min {low} is more than prompt_lookup_max {high}", path=where,
+                          detail="min above max")
+    fields: dict[str, Any] = {"max_draft_len": drafts, "max_matching_ngram_size": high}
+    batch = _spec_int(value, "disable_by_batch_size", 1, None)
+    if batch is not None:
+        fields["speculation_max_batch_size"] = batch
+    ignored: list[tuple[str, Any, str]] = []
+    if low is not None and low > 1:
+        ignored.append((f"{where}.prompt_lookup_min", low,
+                        "kvload looks up shorter suffixes down to one token when the longest never occurred (vLLM "
+                        "stops at prompt_lookup_min); the tokens are the same, verified either way"))
+    if model is not None and model not in NGRAM_METHODS:
+        ignored.append((f"{where}.model", model, "n-gram drafts run no draft model"))
+    for key, why in SPECULATIVE_IGNORED.items():
+        if key in value and value[key] is not None:
+            ignored.append((f"{where}.{key}", value[key], why))
+    return fields, ignored
+
+
+def _spec_int(value: Mapping[str, Any], key: str, low: int, high: int | None, required: bool = False) -> int | None:
+    """``speculative_config[key]``, an integer from ``low`` to ``high``; None when absent (or null)."""
+    given = value.get(key)
+    if given is None:
+        if required:
+            raise ConfigError(f"speculative_config: {key}: required with method 'ngram' (the draft tokens per step, "
+                              "kvload's max_draft_len)", path="speculative_config", detail="required")
+        return None
+    if not isinstance(given, int) or isinstance(given, bool) or given < low or (high is not None and given > high):
+        bound = f"from {low} to {high}" if high is not None else f">= {low}"
+        raise ConfigError(f"speculative_config: {key}: expected an integer {bound}, got {short(given)}",
+                          path="speculative_config", detail="out of range")
+    return given

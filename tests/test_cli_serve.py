@@ -653,3 +653,85 @@ def test_the_reasoning_parser_reaches_the_served_state_and_the_ready_line_names_
     assert line.endswith(" KV tokens); reasoning parser deepseek_r1; Ctrl-C stops"), line
     line = ready_line()
     assert seen["reasoning_parser"] is None and line.endswith(" KV tokens); Ctrl-C stops"), line
+
+
+def _self_signed(tmp_path) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 and its key, made by the openssl CLI (the test is skipped without it)."""
+    import shutil
+
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl command to make a certificate with")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-keyout", key, "-out", cert, "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"], check=True, capture_output=True)
+    return str(cert), str(key)
+
+
+def test_ssl_flags_serve_https_that_a_client_verifying_the_certificate_talks_to(tmp_path):
+    """vLLM's --ssl-certfile / --ssl-keyfile were unrecognized arguments (exit 2): the server now answers HTTPS, the
+    ready line says https://, and a client checking the certificate generates through it."""
+    import ssl
+
+    cert, key = _self_signed(tmp_path)
+    proc = _start_server("--ssl-certfile", cert, "--ssl-keyfile", key, "--max_tokens", "256")
+    try:
+        url = ready_url(_ready_line(proc))
+        assert url.startswith("https://127.0.0.1:"), url
+        trust = ssl.create_default_context(cafile=cert)
+        with httpx.Client(verify=trust, timeout=30) as client:
+            assert client.get(f"{url}/health").json() == {"status": "ok"}
+            done = client.post(f"{url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}).json()
+            assert len(done["choices"][0]["token_ids"]) == 2, done
+        with pytest.raises(httpx.HTTPError):  # plain HTTP is not served on that port
+            httpx.get(url.replace("https://", "http://") + "/health", timeout=30)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        reap(proc)
+
+
+@pytest.mark.parametrize("case", ["key_alone", "missing_cert", "cert_not_pem", "key_not_pem", "ca_without_cert",
+                                  "required_without_ca", "bad_reqs"])
+def test_a_bad_ssl_flag_exits_2_with_one_line_naming_it_before_the_model_loads(capsys, tmp_path, case):
+    cert, key = _self_signed(tmp_path)
+    text = tmp_path / "notes.txt"
+    text.write_text("not a certificate\n")
+    flags, _ = {
+        "key_alone": (["--ssl-keyfile", key], "--ssl-keyfile"),
+        "missing_cert": (["--ssl-certfile", str(tmp_path / "none.pem"), "--ssl-keyfile", key], "--ssl-certfile"),
+        "cert_not_pem": (["--ssl-certfile", str(text), "--ssl-keyfile", key], "--ssl-certfile"),
+        "key_not_pem": (["--ssl-certfile", cert, "--ssl-keyfile", str(text)], "--ssl-keyfile"),
+        "ca_without_cert": (["--ssl-ca-certs", cert], "--ssl-ca-certs"),
+        "required_without_ca": (["--ssl-certfile", cert, "--ssl-keyfile", key, "--ssl-cert-reqs", "2"],
+                                "--ssl-cert-reqs"),
+        "bad_reqs": (["--ssl-certfile", cert, "--ssl-keyfile", key, "--ssl-cert-reqs", "3"], "--ssl-cert-reqs"),
+    }[case]
+    said = {"key_alone": "needs --ssl-certfile", "missing_cert": "no such file", "cert_not_pem": "no PEM certificate",
+            "key_not_pem": "not an unencrypted PEM private key", "ca_without_cert": "needs --ssl-certfile",
+            "required_without_ca": "needs --ssl-ca-certs", "bad_reqs": "expected 0"}[case]
+    r = run_cli(capsys, "serve", "tiny-llama", "--port", "0", *flags)
+    assert r.code == 2 and r.one_error_line and said in r.err and "unrecognized" not in r.err, r.err
+    assert "Traceback" not in r.err
+
+
+def test_ssl_cert_reqs_2_with_a_ca_serves_only_clients_presenting_a_certificate_it_signed(tmp_path):
+    """--ssl-ca-certs and --ssl-cert-reqs reach uvicorn: with 2 (required) a client without a certificate is refused
+    in the handshake, one with a certificate the CA signed (here the self-signed one, its own CA) is served."""
+    import ssl
+
+    cert, key = _self_signed(tmp_path)
+    proc = _start_server("--ssl-certfile", cert, "--ssl-keyfile", key, "--ssl-ca-certs", cert, "--ssl-cert-reqs", "2",
+                         "--max_tokens", "256")
+    try:
+        url = ready_url(_ready_line(proc))
+        anonymous = ssl.create_default_context(cafile=cert)
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"{url}/health", verify=anonymous, timeout=30)
+        known = ssl.create_default_context(cafile=cert)
+        known.load_cert_chain(cert, key)
+        assert httpx.get(f"{url}/health", verify=known, timeout=30).json() == {"status": "ok"}
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        reap(proc)

@@ -135,6 +135,8 @@ VLLM_KNOB_FLAGS: tuple[tuple[str, str, Callable[[str], Any] | None, str | None],
     ("--num-scheduler-steps", "num_scheduler_steps", integer, "N"),
     ("--max-parallel-loading-workers", "max_parallel_loading_workers", integer, "N"),
     ("--preemption-mode", "preemption_mode", str, "MODE"),
+    # acts: its n-gram method is kvload's drafts (pipeline.vllm_compat.speculative_config); other methods refused
+    ("--speculative-config", "speculative_config", json_object, "JSON"),
 )
 #: vLLM's one-dash spellings of some of them
 VLLM_KNOB_SHORT: dict[str, tuple[str, ...]] = {"--data-parallel-size": ("-dp",), "--pipeline-parallel-size": ("-pp",)}

@@ -114,6 +114,16 @@ def add_serve_command(sub: Any) -> None:
                    help="vLLM's: sampled requests that send no seed draw theirs from this seed's sequence, so the "
                         "same requests in the same order sample the same after a restart (default 0, as vLLM's V1 "
                         "engine; another seed, e.g. --seed $RANDOM, gives other draws)")
+    tls = p.add_argument_group("HTTPS (vLLM's flags; uvicorn serves TLS)")
+    tls.add_argument("--ssl-certfile", "--ssl_certfile", dest="ssl_certfile", default=None, metavar="CERT",
+                     help="serve HTTPS with this PEM certificate (chain); the key in --ssl-keyfile, or in this file")
+    tls.add_argument("--ssl-keyfile", "--ssl_keyfile", dest="ssl_keyfile", default=None, metavar="KEY",
+                     help="the certificate's PEM private key (unencrypted)")
+    tls.add_argument("--ssl-ca-certs", "--ssl_ca_certs", dest="ssl_ca_certs", default=None, metavar="CA",
+                     help="PEM certificates client certificates are checked against (with --ssl-cert-reqs)")
+    tls.add_argument("--ssl-cert-reqs", "--ssl_cert_reqs", dest="ssl_cert_reqs", default=None, metavar="{0,1,2}",
+                     type=_tls_cert_reqs, help="client certificates: 0 none (default), 1 optional, 2 required "
+                                               "(Python's ssl.CERT_*)")
     cors = p.add_argument_group("cross-origin requests from browsers (CORS; vLLM's flags and defaults)")
     for flag, what in (("--allowed-origins", "origins"), ("--allowed-methods", "methods"),
                        ("--allowed-headers", "headers")):
@@ -300,6 +310,13 @@ def serve_max_tokens(flag: int | None, sampling_defaults: dict[str, Any]) -> int
     return flag if flag is not None else sampling_defaults.get("max_tokens", DEFAULT_MAX_TOKENS)
 
 
+def _tls_cert_reqs(text: str) -> int:
+    """``--ssl-cert-reqs``: 0, 1 or 2 (``kvload.serve.tls.cert_reqs``; imported only when given)."""
+    from kvload.serve.tls import cert_reqs
+
+    return cert_reqs(text)
+
+
 def _model_name(text: str) -> str:
     """``--served-model-name``: a blank name fell back to MODEL's without a word, so it is refused."""
     if not text.strip():
@@ -449,6 +466,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     from kvload.api import execute
     from kvload.serve.auth import resolve_api_keys
     from kvload.serve.server import bind, build_state, chat_template_text, mirror_kv_events, serve
+    from kvload.serve.tls import tls_from_flags
     from pipeline.context import DEFAULT_MAX_TOKENS_FIELD, CallerDefault
     from pipeline.ranks import ranks_from_env
     from stages import load_stages
@@ -475,6 +493,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         probe = bind(ns.host, ns.port)  # a taken port fails now, before minutes of loading
         address = probe.getsockname()[0]
         probe.close()
+    tls = tls_from_flags(ns.ssl_keyfile, ns.ssl_certfile, ns.ssl_ca_certs, ns.ssl_cert_reqs)  # a bad file: now
     template = chat_template_text(ns.chat_template) if ns.chat_template is not None else None  # and a bad template
     request = _request(ns, load_weights=True, generates=True)
     # capped like generate's: past 2**63 - 1 the budget names --default-max-tokens
@@ -555,7 +574,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         try:
             level = getattr(ns, "effective_log_level", None) or ns.log_level or "warning"  # uvicorn's default: info
             serve(state, ns.host, ns.port, log_level=ns.uvicorn_log_level or level, ready=ready,
-                  access_log=False if ns.disable_uvicorn_access_log else None)
+                  access_log=False if ns.disable_uvicorn_access_log else None, tls=tls)
         finally:
             if mirror is not None:
                 result.kv_manager.kv_events.mirror = None

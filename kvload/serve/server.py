@@ -45,6 +45,7 @@ from kvload.serve.protocol import BadRequest, default_max_request_bytes
 from kvload.serve.request_body import _shutting_down
 from kvload.serve.responses_store import ResponseStore, kept_request_bytes
 from kvload.serve.state import CorsPolicy, ServeState
+from kvload.serve.tls import Tls
 from pipeline.errors import ConfigError, GenerationError, KvloadError
 from pipeline.events import ApiKeyRequired, AutoToolChoiceEnabled, KvEventsFileFailed, ReasoningParserEnabled
 from pipeline.limits import MAX_INT, short, short_text
@@ -661,7 +662,7 @@ class EngineFailed(KvloadError):
 
 
 def _server(state: ServeState, log_level: str, *, exit_on_engine_failure: bool = False,
-            access_log: bool | None = None) -> _Server:
+            access_log: bool | None = None, tls: Tls | None = None) -> _Server:
     # h11, named rather than "auto": the read deadlines above are built on its protocol class (httptools is
     # not a dependency of the serve extra, so "auto" meant h11 unless something else installed it)
     protocol = type("_Deadlines", (_Deadlines,), {"read_timeout_s": state.read_timeout_s, "metrics": state.metrics})
@@ -669,12 +670,13 @@ def _server(state: ServeState, log_level: str, *, exit_on_engine_failure: bool =
     if access_log is None:  # a line per request where the operator asked for info or more
         access_log = log_level in ("debug", "info", "trace")
     config = uvicorn.Config(app, log_level=log_level, access_log=access_log,
-                            timeout_graceful_shutdown=5, lifespan="off", http=protocol, ws="none")
+                            timeout_graceful_shutdown=5, lifespan="off", http=protocol, ws="none",
+                            **(tls.uvicorn_options() if tls is not None else {}))
     return _Server(config, state, app.state.stopping, exit_on_engine_failure=exit_on_engine_failure)
 
 
 def serve(state: ServeState, host: str, port: int, *, log_level: str = "warning",
-          ready: Any = None, access_log: bool | None = None) -> None:
+          ready: Any = None, access_log: bool | None = None, tls: Tls | None = None) -> None:
     """Serve until SIGINT, SIGTERM or SIGHUP; the engine loop runs for exactly as long. ``ready(url)`` once
     listening: a stop signal from then on, whenever it comes, ends the call (not the process) once the server
     has shut down. Should the engine loop die, the server shuts down the same way and :class:`EngineFailed` is
@@ -687,7 +689,7 @@ def serve(state: ServeState, host: str, port: int, *, log_level: str = "warning"
     # which afterwards takes the re-raised signal without ending the process. SIGHUP (the terminal closed), which
     # uvicorn leaves alone, stops the server the same way, its audit published as for SIGTERM.
     main = threading.current_thread() is threading.main_thread()
-    server = _server(state, log_level, exit_on_engine_failure=True, access_log=access_log)
+    server = _server(state, log_level, exit_on_engine_failure=True, access_log=access_log, tls=tls)
     previous: dict[int, Any] = {}
     sock: socket.socket | None = None
     try:
@@ -700,7 +702,7 @@ def serve(state: ServeState, host: str, port: int, *, log_level: str = "warning"
         state.engine.on_fatal = lambda: setattr(server, "should_exit", True)
         state.engine.start()
         if ready is not None:
-            ready(http_url(host, sock.getsockname()[1]))
+            ready(http_url(host, sock.getsockname()[1], scheme="https" if tls is not None else "http"))
         server.run(sockets=[sock])
     finally:
         for sig, handler in previous.items():
@@ -715,12 +717,12 @@ def serve(state: ServeState, host: str, port: int, *, log_level: str = "warning"
                            "requests in flight answered HTTP 500; restart it") from state.engine.loop_exception
 
 
-def http_url(host: str, port: int) -> str:
-    """``http://host:port``, an IPv6 address in brackets (``http://[::1]:8000``, its zone's ``%`` as ``%25``, RFC 6874):
-    the ready line said ``http://::1:8000``, which no client reads as a URL."""
+def http_url(host: str, port: int, scheme: str = "http") -> str:
+    """``http://host:port`` (``https://`` under TLS), an IPv6 address in brackets (``http://[::1]:8000``, its zone's
+    ``%`` as ``%25``, RFC 6874): the ready line said ``http://::1:8000``, which no client reads as a URL."""
     if ":" in host:
         host = "[" + host.replace("%", "%25") + "]"
-    return f"http://{host}:{port}"
+    return f"{scheme}://{host}:{port}"
 
 
 #: What stops :func:`serve`: uvicorn's two, and the hangup of a closed terminal or a dropped ssh session.
