@@ -710,5 +710,16 @@ def test_default_chat_template_kwargs_reach_every_chat_request_under_its_own(ser
     finally:
         served.state.default_chat_template_kwargs = {}
     assert prompt_ids() == [5, 2]
+    # a default of a name the request gives as its own field: the request's field wins (it was a 400 "given both")
+    effort = "{{ reasoning_effort }} {% for m in messages %}{{ m['content'] }} {% endfor %}w2"
+    served.state.default_chat_template_kwargs = {"reasoning_effort": "w7", "documents": [{"text": "x"}]}
+    try:
+        for extra, want in (({}, [7, 5, 2]), ({"reasoning_effort": "high", "documents": [{"text": "y"}]}, None)):
+            r = served.http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1, **extra,
+                                                                "chat_template": effort, "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            assert want is None or r.json()["prompt_token_ids"] == want
+    finally:
+        served.state.default_chat_template_kwargs = {}
     with pytest.raises(ConfigError, match="^default_chat_template_kwargs: "):
         build_state(served.result, default_chat_template_kwargs={"not a name": 1})

@@ -31,15 +31,23 @@ def _parse(state: ServeState, raw: bytes | bytearray, kind: str) -> Job:
     return _parse_body(state, body, kind)
 
 
+#: Request fields that are template variables of their own name: the request's own value of that name.
+_TEMPLATE_FIELDS = ("reasoning_effort", "tools", "documents")
+
+
 def with_default_template_kwargs(state: ServeState, body: Any) -> Any:
     """A chat body with the server's ``--default-chat-template-kwargs`` (vLLM's) under its own
-    ``chat_template_kwargs``: the request's value of a name wins; a malformed one is left to be refused as such."""
+    ``chat_template_kwargs``: the request's value of a name wins, in ``chat_template_kwargs`` or as the field of that
+    name (``reasoning_effort``, ``tools``, ``documents``); a malformed one is left to be refused as such."""
     defaults = state.default_chat_template_kwargs
     if not defaults or not isinstance(body, dict):
         return body
     given = body.get("chat_template_kwargs")
     if given is not None and not isinstance(given, dict):
         return body
+    # a default of a name the request gives as a field of its own is not the request's: it would be refused as
+    # "given both as reasoning_effort and in chat_template_kwargs"
+    defaults = {k: v for k, v in defaults.items() if k not in _TEMPLATE_FIELDS or body.get(k) is None}
     return {**body, "chat_template_kwargs": {**defaults, **(given or {})}}
 
 
