@@ -7,7 +7,9 @@ from typing import Any
 
 #: Control characters (C0, DEL, C1) as their escapes: a path holding a newline split a one-line message in two, and an
 #: escape sequence in a file name (or in an audit file's text, which anyone may have written) reached the terminal.
-_CONTROL_ESCAPES = {c: repr(chr(c))[1:-1] for c in (*range(0x20), *range(0x7F, 0xA0))}
+#: U+2028 and U+2029 too: str.splitlines, JSON viewers and log shippers break a line there (a config key holding one).
+_CONTROL_ESCAPES = {c: repr(chr(c))[1:-1] if c < 0xA0 else f"\\u{c:04x}"
+                    for c in (*range(0x20), *range(0x7F, 0xA0), 0x2028, 0x2029)}
 
 
 def one_line(text: str) -> str:

@@ -89,6 +89,20 @@ def test_an_empty_key_and_a_null_or_true_key_are_named_as_written(tmp_path):
         assert str(err.value) == f"config file {cfg}: keys must be strings, got {shown}"
 
 
+def test_a_key_holding_a_unicode_line_separator_is_refused_on_one_line(capsys, tmp_path):
+    """A config key holding U+2028 (or U+2029) was printed raw in "unknown key": str.splitlines, JSON viewers and log
+    shippers read two lines there. It is escaped as the control characters are."""
+    from tests.cli_support import run_cli
+
+    cfg = tmp_path / "c.yaml"
+    for text, said in (('"a\\u2028b": 1\n', "a\\u2028b: unknown key"),
+                       ('kv_cache_config: {"c\\u2029d": 1}\n', "kv_cache_config.c\\u2029d: unknown key")):
+        cfg.write_text(text)
+        r = run_cli(capsys, "plan", "tiny-llama", "--config", str(cfg))
+        assert r.code == 2 and r.one_error_line, r.err
+        assert len(r.err.splitlines()) == 1 and said in r.err, r.err
+
+
 def test_unknown_key_without_a_close_match_lists_known_keys():
     with pytest.raises(ConfigError, match="zzzz: unknown key; known keys: model, dtype, device"):
         structure({"model": "m", "zzzz": 1}, LlmArgs)

@@ -1633,6 +1633,21 @@ def test_serve_names_the_host_whose_address_family_this_machine_lacks(capsys, mo
                       "address of a kind this machine has (127.0.0.1: this machine only, 0.0.0.0: all of them)")
 
 
+def test_serve_blames_no_flag_when_the_machine_is_out_of_sockets(capsys, monkeypatch):
+    """socket() failing for want of descriptors (EMFILE) is a runtime failure, exit 1: it was a usage error telling to
+    give --host "an address of a kind this machine has", for 127.0.0.1."""
+    import errno
+    import socket
+
+    def no_descriptors(*args, **kwargs):
+        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+    monkeypatch.setattr(socket, "socket", no_descriptors)
+    r = run_cli(capsys, "serve", "tiny-llama", "--host", "127.0.0.1", "--port", "0")
+    assert r.code == 1 and r.one_error_line, r.err
+    assert os.strerror(errno.EMFILE) in r.err and "--host" not in r.err, r.err
+
+
 @pytest.mark.parametrize("damage", ["truncated", "garbage"])
 def test_a_bad_shard_among_several_is_named_not_only_the_checkpoint(capsys, tmp_path, out, damage):
     """safetensors' "Error while deserializing header" names no file, and the line named the checkpoint folder:

@@ -215,6 +215,22 @@ def test_truncate_prompt_tokens_of_max_model_len_without_max_tokens_is_taken_as_
     assert f"{MAX_SEQ + 1} is more than max_model_len = {MAX_SEQ}" in message
 
 
+def test_truncate_prompt_tokens_with_echos_max_tokens_zero_counts_no_generated_token(served):
+    """``echo`` with ``max_tokens`` 0 asks for no token: k = max_model_len is bounded as without ``max_tokens`` (it was
+    a 400 reading "max_tokens = 64 - 1", a max_tokens of 1 the request never sent), and the one token fewer kept
+    is said, as it is there."""
+    long = " ".join(f"w{10 + i}" for i in range(80))
+    r = served.http.post("/v1/completions", json={"prompt": long, "max_tokens": 0, "echo": True,
+                                                   "truncate_prompt_tokens": MAX_SEQ})
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (MAX_SEQ - 1, 0)
+    assert _ignored(served, r.json()["id"]) == {"serve.truncate_prompt_tokens": MAX_SEQ}
+    message = _refused(served, "/v1/completions", {"prompt": long, "max_tokens": 0, "echo": True,
+                                                   "truncate_prompt_tokens": MAX_SEQ + 1}, "truncate_prompt_tokens")
+    assert f"is more than max_model_len - max_tokens = {MAX_SEQ} - 0 = {MAX_SEQ};" in message
+
+
 # --- the answer's id, usage per chunk -------------------------------------------------------------------------------
 
 
@@ -694,5 +710,16 @@ def test_default_chat_template_kwargs_reach_every_chat_request_under_its_own(ser
     finally:
         served.state.default_chat_template_kwargs = {}
     assert prompt_ids() == [5, 2]
+    # a default of a name the request gives as its own field: the request's field wins (it was a 400 "given both")
+    effort = "{{ reasoning_effort }} {% for m in messages %}{{ m['content'] }} {% endfor %}w2"
+    served.state.default_chat_template_kwargs = {"reasoning_effort": "w7", "documents": [{"text": "x"}]}
+    try:
+        for extra, want in (({}, [7, 5, 2]), ({"reasoning_effort": "high", "documents": [{"text": "y"}]}, None)):
+            r = served.http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1, **extra,
+                                                                "chat_template": effort, "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            assert want is None or r.json()["prompt_token_ids"] == want
+    finally:
+        served.state.default_chat_template_kwargs = {}
     with pytest.raises(ConfigError, match="^default_chat_template_kwargs: "):
         build_state(served.result, default_chat_template_kwargs={"not a name": 1})

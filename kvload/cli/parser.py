@@ -123,19 +123,14 @@ class OneLineParser(argparse.ArgumentParser):
 
     def _suggestion(self, unknown: str) -> str:
         """``; did you mean --x?`` for a mistyped option, from this parser's and its subcommands' options."""
-        import difflib
-
         if not unknown.startswith("-"):
             return ""
         options = self._options()
         name = unknown.split("=", 1)[0]
         if name in options:  # an option of another subcommand
             return f"; {name} belongs to another command (see kvload --help)"
-        prefixed = {_norm(o): o for o in sorted(options) if o.startswith(name)}  # "_" sorts after "-": kept
-        if len(prefixed) == 1:  # what argparse's prefix matching used to expand it to
-            return f"; did you mean {next(iter(prefixed.values()))}?"
-        close = difflib.get_close_matches(name, sorted(options), n=1, cutoff=0.75)
-        return f"; did you mean {close[0]}?" if close else ""
+        close = closest_option(name, options)
+        return f"; did you mean {close}?" if close else ""
 
 
     def _options(self) -> set[str]:
@@ -172,13 +167,23 @@ def _secret_like(arg: str, options: set[str]) -> bool:
     ``--max-tokenz`` is ``--max-tokens``, whose value shows)."""
     if secret_option(arg):
         return True
-    import difflib
-
     name = arg.split("=", 1)[0]
     if name in options:
         return False
+    close = closest_option(name, options)  # the hint's own choice: --api, hinted --api_key, hides its value too
+    return close is not None and secret_option(close)
+
+
+def closest_option(name: str, options: set[str]) -> str | None:
+    """The known option a mistyped ``name`` most likely meant (None: none close): the only one it begins, as argparse's
+    prefix matching would have expanded it, else the nearest spelling."""
+    import difflib
+
+    prefixed = {_norm(o): o for o in sorted(options) if o.startswith(name)}  # "_" sorts after "-": kept
+    if len(prefixed) == 1:  # what argparse's prefix matching used to expand it to
+        return next(iter(prefixed.values()))
     close = difflib.get_close_matches(name, sorted(options), n=1, cutoff=0.75)
-    return bool(close) and secret_option(close[0])
+    return close[0] if close else None
 
 
 def hide_secrets(argv: Sequence[str], extras: Sequence[str], options: set[str]) -> list[str]:

@@ -31,15 +31,23 @@ def _parse(state: ServeState, raw: bytes | bytearray, kind: str) -> Job:
     return _parse_body(state, body, kind)
 
 
+#: Request fields that are template variables of their own name: the request's own value of that name.
+_TEMPLATE_FIELDS = ("reasoning_effort", "tools", "documents")
+
+
 def with_default_template_kwargs(state: ServeState, body: Any) -> Any:
     """A chat body with the server's ``--default-chat-template-kwargs`` (vLLM's) under its own
-    ``chat_template_kwargs``: the request's value of a name wins; a malformed one is left to be refused as such."""
+    ``chat_template_kwargs``: the request's value of a name wins, in ``chat_template_kwargs`` or as the field of that
+    name (``reasoning_effort``, ``tools``, ``documents``); a malformed one is left to be refused as such."""
     defaults = state.default_chat_template_kwargs
     if not defaults or not isinstance(body, dict):
         return body
     given = body.get("chat_template_kwargs")
     if given is not None and not isinstance(given, dict):
         return body
+    # a default of a name the request gives as a field of its own is not the request's: it would be refused as
+    # "given both as reasoning_effort and in chat_template_kwargs"
+    defaults = {k: v for k, v in defaults.items() if k not in _TEMPLATE_FIELDS or body.get(k) is None}
     return {**body, "chat_template_kwargs": {**defaults, **(given or {})}}
 
 
@@ -138,7 +146,8 @@ def _kept_tokens(engine: ServingEngine, job: Job) -> int | None:
     if job.truncate is None:
         return None
     limit = engine.executor.max_seq_len
-    wanted = job.params.max_tokens if job.max_tokens_given else 0
+    # echo with max_tokens 0 runs one token it never shows (job.params.max_tokens is 1): the user asked for none
+    wanted = job.params.max_tokens if job.max_tokens_given and not job.echo_only else 0
     room = limit - wanted
     if room < 1:  # no truncation can help: max_tokens alone fills the context (a prompt needs a token)
         raise BadRequest(f"{job.max_tokens_field}: {wanted} leaves no room for a prompt in this model's context "
@@ -154,10 +163,15 @@ def _kept_tokens(engine: ServingEngine, job: Job) -> int | None:
 
 def cut_short(engine: ServingEngine, job: Job, cut: list[bool]) -> tuple[str, Any, str] | None:
     """The ``setting_ignored`` (field, value, reason) when ``truncate_prompt_tokens`` asked to keep the whole context
-    length (k = max_model_len without ``max_tokens``) and a prompt that long kept one token fewer (-1 means that)."""
+    length (k = max_model_len without ``max_tokens``, or with echo's ``max_tokens`` 0) and a prompt that long kept one
+    token fewer (-1 means that)."""
     limit = engine.executor.max_seq_len
-    if job.truncate != limit or job.max_tokens_given or not any(cut):
+    if job.truncate != limit or (job.max_tokens_given and not job.echo_only) or not any(cut):
         return None
+    if job.echo_only:  # nothing is generated, but the sequence still holds the one token it runs
+        return ("truncate_prompt_tokens", limit,
+                f"a prompt kept its last {limit - 1} tokens, not max_model_len={limit}: a sequence never grows past "
+                "it here, and echo with max_tokens 0 still runs one token (vLLM echoes max_model_len tokens)")
     return ("truncate_prompt_tokens", limit,
             f"a prompt kept its last {limit - 1} tokens, not max_model_len={limit}: a sequence never grows past it "
             "here, so one token is left to generate (vLLM keeps max_model_len tokens and refuses the request: "

@@ -243,6 +243,10 @@ def mirror_kv_events(state: ServeState, path: str, flag: str = "--kv-events-file
     return mirror
 
 
+#: socket()'s errors that mean the machine has no such kind of address (IPv6 off): --host's to change.
+_FAMILY_ERRNOS = frozenset({errno.EAFNOSUPPORT, errno.EPROTONOSUPPORT, errno.ESOCKTNOSUPPORT, errno.EPFNOSUPPORT})
+
+
 def bind(host: str, port: int) -> socket.socket:
     """A listening socket; ``ConfigError`` naming ``--host``/``--port`` when it cannot be had."""
     try:
@@ -253,6 +257,8 @@ def bind(host: str, port: int) -> socket.socket:
     try:
         sock = socket.socket(family, kind, proto)
     except OSError as exc:  # an IPv6 address where IPv6 is off (EAFNOSUPPORT): the host's kind, not the port
+        if exc.errno not in _FAMILY_ERRNOS:  # out of descriptors or memory (EMFILE, ENOBUFS): no fault of --host's
+            raise
         raise ConfigError(f"--host {short_text(host)}: cannot listen on it ({exc.strerror}); give an address of a "
                           "kind this machine has (127.0.0.1: this machine only, 0.0.0.0: all of them)") from None
     try:
