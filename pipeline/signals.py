@@ -110,6 +110,7 @@ def release_sigterm() -> None:
             signal.signal(signum, previous)
         if sys.unraisablehook is _swallowed_stop:
             sys.unraisablehook = _state["unraisable"] or sys.__unraisablehook__
+        _state["unraisable"] = None
 
 
 @contextlib.contextmanager
