@@ -135,10 +135,14 @@ def test_more_vllm_launch_line_flags_are_taken_with_a_warning_each(capsys, tmp_p
 
 
 @pytest.mark.parametrize(("argv", "line"), [
-    (["-dp", "2"], "error: --data-parallel-size: vLLM's setting; kvload runs one engine per process (start one kvload "
-                   "serve per replica); accepted: 1, got 2"),
-    (["-pp", "2"], "error: --pipeline-parallel-size: vLLM's setting; kvload splits a model by tensor parallel only "
+    # named as typed, as kvload's own flags are (-tp 0): the short spelling, not the long one the user never wrote
+    (["-dp", "2"], "error: -dp: vLLM's setting; kvload runs one engine per process (start one kvload serve per "
+                   "replica); accepted: 1, got 2"),
+    (["-dp=2"], "error: -dp: vLLM's setting; kvload runs one engine per process"),
+    (["--data-parallel-size", "2"], "error: --data-parallel-size: vLLM's setting; kvload runs one engine per process"),
+    (["-pp", "2"], "error: -pp: vLLM's setting; kvload splits a model by tensor parallel only "
                    "(tensor_parallel_size); accepted: 1, got 2"),
+    (["-q", "awq"], "error: -q: vLLM's setting; kvload runs the checkpoint's weights in dtype, unquantized"),
     (["--logprobs-mode", "processed_logprobs"], "error: --logprobs-mode: vLLM's setting; kvload's logprobs are the "
                                                 "model's raw distribution"),
 ])
