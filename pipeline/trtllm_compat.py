@@ -21,7 +21,15 @@ from typing import Any
 from pipeline.config import KvCacheConfig, LlmArgs, public_fields
 from pipeline.errors import ConfigError
 from pipeline.limits import short
-from pipeline.vllm_compat import SECRET_KNOBS, refused_key, speculative_config, vllm_knob, write_as
+from pipeline.vllm_compat import (
+    DUMMY_LOAD,
+    DUMMY_LOAD_FORMATS,
+    SECRET_KNOBS,
+    refused_key,
+    speculative_config,
+    vllm_knob,
+    write_as,
+)
 
 _ENGINE = "a TensorRT-LLM option kvload does not act on"
 
@@ -103,14 +111,16 @@ def _known(cls: type) -> set[str]:
     return {a.name for a in public_fields(cls)}
 
 
-def split_ignored(tree: Mapping[str, Any], python: bool = False) -> tuple[dict[str, Any], list[tuple[str, Any, str]]]:
+def split_ignored(tree: Mapping[str, Any], python: bool = False,
+                  vllm_first: bool = False) -> tuple[dict[str, Any], list[tuple[str, Any, str]]]:
     """Take the TensorRT-LLM keys kvload does not act on out of a source's tree.
 
     Returns the tree kvload validates and ``(dotted path, value, reason)`` for each key taken out.
     ``trust_remote_code`` is reported ignored: kvload never runs code shipped with a checkpoint. A vLLM name
     (``max_model_len``) is refused, with kvload's field to set (written for ``python`` keyword arguments, else for
     YAML). vLLM's engine knobs kvload has no counterpart for (``enforce_eager``) are taken out as TensorRT-LLM's are
-    (``pipeline.vllm_compat.vllm_knob``).
+    (``pipeline.vllm_compat.vllm_knob``). A name both have (``load_format``, ``tokenizer``) is TensorRT-LLM's unless
+    ``vllm_first`` (the command line's vLLM flags, ``LLM(...)`` keywords): then it is reported as vLLM's.
     """
     kept: dict[str, Any] = {}
     ignored: list[tuple[str, Any, str]] = []
@@ -131,11 +141,13 @@ def split_ignored(tree: Mapping[str, Any], python: bool = False) -> tuple[dict[s
                 fields, dropped = speculative_config(value)
                 mapped.update(fields)
                 ignored.extend(dropped)
+        elif vllm_first and isinstance(key, str) and key not in own and (why := vllm_knob(key, value)) is not None:
+            ignored.append(_vllm_ignored(key, value, why))
         elif key in IGNORED_LLM_ARGS and key not in own:
-            ignored.append((key, value, f"{_ENGINE}: {IGNORED_LLM_ARGS[key]}"))
+            why = DUMMY_LOAD if key == "load_format" and value in DUMMY_LOAD_FORMATS else IGNORED_LLM_ARGS[key]
+            ignored.append((key, value, f"{_ENGINE}: {why}"))
         elif isinstance(key, str) and key not in own and (why := vllm_knob(key, value)) is not None:
-            shown = "(hidden)" if key in SECRET_KNOBS and value is not None else value
-            ignored.append((key, shown, f"a vLLM option kvload does not act on: {why}"))
+            ignored.append(_vllm_ignored(key, value, why))
         elif key == "kv_cache_config" and isinstance(value, Mapping):
             kv_own = _known(KvCacheConfig)
             sub: dict[str, Any] = {}
@@ -163,6 +175,12 @@ def split_ignored(tree: Mapping[str, Any], python: bool = False) -> tuple[dict[s
                               detail="given under two names")
         kept[field] = value
     return kept, ignored
+
+
+def _vllm_ignored(key: str, value: Any, why: str) -> tuple[str, Any, str]:
+    """A vLLM knob's ``setting_ignored`` entry, a secret's value hidden."""
+    shown = "(hidden)" if key in SECRET_KNOBS and value is not None else value
+    return key, shown, f"a vLLM option kvload does not act on: {why}"
 
 
 #: kvload's field → the ``speculative_config`` key of vLLM's that sets it

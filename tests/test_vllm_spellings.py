@@ -119,7 +119,8 @@ def test_trust_remote_code_is_taken_and_reported_as_ignored_since_no_checkpoint_
     (["--pipeline-parallel-size", "1"], "pipeline_parallel_size", "kvload splits a model by tensor parallel only"),
     (["--max-lora-rank", "16"], "max_lora_rank", "LoRA adapters"),
     (["--limit-mm-per-prompt", '{"image": 0}'], "limit_mm_per_prompt", "multimodal inputs"),
-    (["--load-format", "safetensors"], "load_format", "loading / serving feature"),
+    (["--load-format", "safetensors"], "load_format", "a vLLM option kvload does not act on: kvload reads the "
+                                                      "checkpoint's own files"),
     (["--logprobs-mode", "raw_logprobs"], "logprobs_mode", "kvload's logprobs are the model's raw distribution"),
     (["--enable-expert-parallel"], "enable_expert_parallel", "MoE expert parallelism"),
 ])
