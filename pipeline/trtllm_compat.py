@@ -2,9 +2,10 @@
 
 A TensorRT-LLM ``extra_llm_api_options`` file mixes keys kvload acts on (``max_batch_size``,
 ``kv_cache_config.free_gpu_memory_fraction``, ...) with engine knobs kvload has no counterpart for
-(CUDA graphs, overlap scheduler, attention DP, speculative decoding, ...). The known ones are taken
-out of the tree before validation and reported as ``setting_ignored`` (one warning line each); a key
-that is neither kvload's nor TensorRT-LLM's still fails with a suggestion.
+(CUDA graphs, overlap scheduler, attention DP, ...). The known ones are taken out of the tree before
+validation and reported as ``setting_ignored`` (one warning line each); a key that is neither kvload's
+nor TensorRT-LLM's still fails with a suggestion. A ``speculative_config`` of ``decoding_type: NGram``
+sets kvload's n-gram fields (:func:`trtllm_speculative_config`), as vLLM's shape does.
 
 The names come from TensorRT-LLM's ``tensorrt_llm/llmapi/llm_args.py`` (``BaseLlmArgs``,
 ``TorchLlmArgs``, ``KvCacheConfig``; read at commit 0004396 of NVIDIA/TensorRT-LLM), plus a few
@@ -20,8 +21,16 @@ from typing import Any
 
 from pipeline.config import KvCacheConfig, LlmArgs, public_fields
 from pipeline.errors import ConfigError
-from pipeline.limits import short
-from pipeline.vllm_compat import SECRET_KNOBS, refused_key, speculative_config, vllm_knob, write_as
+from pipeline.limits import MAX_DRAFT_LEN, MAX_NGRAM, short
+from pipeline.vllm_compat import (
+    DUMMY_LOAD,
+    DUMMY_LOAD_FORMATS,
+    SECRET_KNOBS,
+    refused_key,
+    speculative_config,
+    vllm_knob,
+    write_as,
+)
 
 _ENGINE = "a TensorRT-LLM option kvload does not act on"
 
@@ -103,18 +112,21 @@ def _known(cls: type) -> set[str]:
     return {a.name for a in public_fields(cls)}
 
 
-def split_ignored(tree: Mapping[str, Any], python: bool = False) -> tuple[dict[str, Any], list[tuple[str, Any, str]]]:
+def split_ignored(tree: Mapping[str, Any], python: bool = False,
+                  vllm_first: bool = False) -> tuple[dict[str, Any], list[tuple[str, Any, str]]]:
     """Take the TensorRT-LLM keys kvload does not act on out of a source's tree.
 
     Returns the tree kvload validates and ``(dotted path, value, reason)`` for each key taken out.
     ``trust_remote_code`` is reported ignored: kvload never runs code shipped with a checkpoint. A vLLM name
     (``max_model_len``) is refused, with kvload's field to set (written for ``python`` keyword arguments, else for
     YAML). vLLM's engine knobs kvload has no counterpart for (``enforce_eager``) are taken out as TensorRT-LLM's are
-    (``pipeline.vllm_compat.vllm_knob``).
+    (``pipeline.vllm_compat.vllm_knob``). A name both have (``load_format``, ``tokenizer``) is TensorRT-LLM's unless
+    ``vllm_first`` (the command line's vLLM flags, ``LLM(...)`` keywords): then it is reported as vLLM's.
     """
     kept: dict[str, Any] = {}
     ignored: list[tuple[str, Any, str]] = []
-    mapped: dict[str, Any] = {}  # kvload's fields vLLM's speculative_config sets
+    mapped: dict[str, Any] = {}  # kvload's fields a speculative_config sets (vLLM's or TensorRT-LLM's NGram)
+    names = _SPECULATIVE_NAMES  # kvload's field → the speculative_config key that set it
     own = _known(LlmArgs)
     for key, value in tree.items():
         if key == "trust_remote_code" and key not in own:
@@ -126,16 +138,28 @@ def split_ignored(tree: Mapping[str, Any], python: bool = False) -> tuple[dict[s
             ignored.append((key, value, "kvload never runs a checkpoint's own code: the families it serves run "
                                         "transformers' built-in classes (a checkpoint that needs its own code is "
                                         "refused when it loads)"))
-        elif key == "speculative_config" and key not in own and not _trtllm_speculative(value):
+        elif key == "speculative_config" and key not in own and _trtllm_speculative(value):
+            found = trtllm_speculative_config(value)
+            if found is None:  # a draft model, EAGLE, MTP, ...: accepted and ignored
+                why = f"decoding_type {short(value['decoding_type'])}: kvload drafts by n-gram lookup only " \
+                      "(decoding_type: NGram)"
+                ignored.append((key, value, f"{_ENGINE}: {why}"))
+            else:
+                mapped.update(found[0])
+                ignored.extend(found[1])
+                names = _TRTLLM_SPECULATIVE_NAMES
+        elif key == "speculative_config" and key not in own:
             if value is not None:  # vLLM's shape (TensorRT-LLM's has a decoding_type); None: vLLM's unset default
                 fields, dropped = speculative_config(value)
                 mapped.update(fields)
                 ignored.extend(dropped)
+        elif vllm_first and isinstance(key, str) and key not in own and (why := vllm_knob(key, value)) is not None:
+            ignored.append(_vllm_ignored(key, value, why))
         elif key in IGNORED_LLM_ARGS and key not in own:
-            ignored.append((key, value, f"{_ENGINE}: {IGNORED_LLM_ARGS[key]}"))
+            why = DUMMY_LOAD if key == "load_format" and value in DUMMY_LOAD_FORMATS else IGNORED_LLM_ARGS[key]
+            ignored.append((key, value, f"{_ENGINE}: {why}"))
         elif isinstance(key, str) and key not in own and (why := vllm_knob(key, value)) is not None:
-            shown = "(hidden)" if key in SECRET_KNOBS and value is not None else value
-            ignored.append((key, shown, f"a vLLM option kvload does not act on: {why}"))
+            ignored.append(_vllm_ignored(key, value, why))
         elif key == "kv_cache_config" and isinstance(value, Mapping):
             kv_own = _known(KvCacheConfig)
             sub: dict[str, Any] = {}
@@ -155,14 +179,23 @@ def split_ignored(tree: Mapping[str, Any], python: bool = False) -> tuple[dict[s
                 raise ConfigError(f"{key}: {placed}", path=key, detail="unknown key")
             _near_miss("", key, own, IGNORED_LLM_ARGS)
             kept[key] = value
-    for field, value in mapped.items():  # vLLM's speculative_config beside kvload's own names: they must agree
+    for field, value in mapped.items():  # a speculative_config beside kvload's own names: they must agree
         if field in tree and not (tree[field] == value and type(tree[field]) is type(value)):
-            raise ConfigError(f"speculative_config: its {_SPECULATIVE_NAMES[field]} {short(value)} and {field} "
-                              f"{short(tree[field])} set one field ({_SPECULATIVE_NAMES[field]} is vLLM's name for "
-                              f"{field}) to different values; give one", path="speculative_config",
-                              detail="given under two names")
+            whose = "vLLM's" if names is _SPECULATIVE_NAMES else "TensorRT-LLM's"
+            same = names[field] == field
+            also = "" if same else f" ({names[field]} is {whose} name for {field})"
+            raise ConfigError(f"speculative_config: its {names[field]} {short(value)} and "
+                              f"{'the top-level ' if same else ''}{field} {short(tree[field])} set one field{also} "
+                              "to different values; give one",
+                              path="speculative_config", detail="given under two names")
         kept[field] = value
     return kept, ignored
+
+
+def _vllm_ignored(key: str, value: Any, why: str) -> tuple[str, Any, str]:
+    """A vLLM knob's ``setting_ignored`` entry, a secret's value hidden."""
+    shown = "(hidden)" if key in SECRET_KNOBS and value is not None else value
+    return key, shown, f"a vLLM option kvload does not act on: {why}"
 
 
 #: kvload's field → the ``speculative_config`` key of vLLM's that sets it
@@ -171,9 +204,95 @@ _SPECULATIVE_NAMES = {"max_draft_len": "num_speculative_tokens", "max_matching_n
 
 
 def _trtllm_speculative(value: Any) -> bool:
-    """Whether a ``speculative_config`` is TensorRT-LLM's (``decoding_type: NGram``, ``Eagle``, ...: accepted and
-    ignored as before) rather than vLLM's (``method``)."""
+    """Whether a ``speculative_config`` is TensorRT-LLM's (``decoding_type: NGram``, ``Eagle``, ...) rather than
+    vLLM's (``method``)."""
     return isinstance(value, Mapping) and "decoding_type" in value
+
+
+#: kvload's field → the key of TensorRT-LLM's ``NGramDecodingConfig`` that sets it
+_TRTLLM_SPECULATIVE_NAMES = {"max_draft_len": "max_draft_len", "max_matching_ngram_size": "max_matching_ngram_size",
+                             "speculation_max_batch_size": "max_concurrency"}
+#: TensorRT-LLM's ``NGramDecodingConfig`` switches (default true) → why kvload does not do what true asks; false is
+#: what kvload's n-gram index does (``engine/speculation.py``)
+_TRTLLM_NGRAM_SWITCHES: dict[str, str] = {
+    "is_keep_all": "kvload keeps one match per n-gram, its latest occurrence",
+    "is_use_oldest": "kvload drafts from the latest earlier occurrence of the n-gram",
+    "is_public_pool": "kvload's n-gram index is each request's own (its prompt and output)",
+}
+#: keys of TensorRT-LLM's ``DecodingBaseConfig`` kvload's n-gram drafts have no counterpart for → why
+_TRTLLM_NGRAM_IGNORED: dict[str, str] = {
+    **dict.fromkeys(("speculative_model", "speculative_model_dir", "load_format"),
+                    "a draft model's setting: n-gram drafts run no draft model"),
+    "draft_len_schedule": "kvload drafts max_draft_len tokens while at most max_concurrency requests run "
+                          "(speculation_max_batch_size), none beyond",
+    **dict.fromkeys(("acceptance_window", "acceptance_length_threshold"),
+                    "kvload keeps drafting whatever the acceptance (its audit log and metrics count drafts and "
+                    "acceptances)"),
+    "use_rejection_sampling": "kvload verifies a sampled request's drafts by drawing each token from the request's "
+                              "own distribution, a seed giving the same tokens with drafts on or off",
+    "allow_advanced_sampling": "a no-op in TensorRT-LLM too: kvload drafts for greedy and sampled requests alike",
+}
+
+
+def trtllm_speculative_config(value: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[str, Any, str]]] | None:
+    """TensorRT-LLM's ``speculative_config`` with ``decoding_type: NGram`` (``NGramDecodingConfig``) as kvload's
+    n-gram fields, and ``(dotted key, value, why)`` for each key given that kvload cannot honour; None for another
+    decoding type (a draft model, EAGLE, MTP, ...), which kvload does not run.
+
+    ``max_draft_len`` (required, as TensorRT-LLM requires it) and ``max_matching_ngram_size`` are kvload's fields of
+    the same names, ``max_concurrency`` is ``speculation_max_batch_size``; a key ``NGramDecodingConfig`` does not have
+    is ``ConfigError`` naming it, as TensorRT-LLM's strict model refuses it."""
+    where = "speculative_config"
+    kind = value.get("decoding_type")
+    if not (isinstance(kind, str) and kind.lower() == "ngram"):
+        return None
+    known = {"decoding_type", "max_draft_len", "max_matching_ngram_size", "max_concurrency", "max_total_draft_tokens",
+             *_TRTLLM_NGRAM_SWITCHES, *_TRTLLM_NGRAM_IGNORED}
+    for key in value:
+        if key not in known:
+            raise ConfigError(f"{where}: {short(key)}: not a key of TensorRT-LLM's NGramDecodingConfig; its keys: "
+                              "decoding_type, max_draft_len, max_matching_ngram_size, max_concurrency, is_keep_all, "
+                              "is_use_oldest, is_public_pool, ...", path=where, detail="unknown key")
+    drafts = _ngram_int(value, "max_draft_len", 1, MAX_DRAFT_LEN, required=True)
+    fields: dict[str, Any] = {"max_draft_len": drafts}
+    size = _ngram_int(value, "max_matching_ngram_size", 1, MAX_NGRAM)
+    if size is not None:  # absent: TensorRT-LLM's default, 2, is kvload's too
+        fields["max_matching_ngram_size"] = size
+    batch = _ngram_int(value, "max_concurrency", 1, None)
+    if batch is not None:  # absent: TensorRT-LLM drafts at any batch size; kvload's default (1) stands
+        fields["speculation_max_batch_size"] = batch
+    ignored: list[tuple[str, Any, str]] = []
+    total = value.get("max_total_draft_tokens")
+    if total is not None and total != drafts:
+        ignored.append((f"{where}.max_total_draft_tokens", total, "kvload drafts one chain of max_draft_len tokens "
+                                                                  "(no draft tree)"))
+    for key, why in _TRTLLM_NGRAM_SWITCHES.items():
+        given = value.get(key)
+        if given is not None and not isinstance(given, bool):
+            raise ConfigError(f"{where}: {key}: expected true or false, got {short(given)}", path=where,
+                              detail="not a bool")
+        if given:
+            ignored.append((f"{where}.{key}", given, why))
+    for key, why in _TRTLLM_NGRAM_IGNORED.items():
+        if value.get(key) is not None:
+            ignored.append((f"{where}.{key}", value[key], why))
+    return fields, ignored
+
+
+def _ngram_int(value: Mapping[str, Any], key: str, low: int, high: int | None, required: bool = False) -> int | None:
+    """``speculative_config[key]`` of an NGram config, an integer from ``low`` to ``high``; None when absent (or
+    null)."""
+    given = value.get(key)
+    if given is None:
+        if required:
+            raise ConfigError(f"speculative_config: {key}: required with decoding_type NGram (the draft tokens per "
+                              "step)", path="speculative_config", detail="required")
+        return None
+    if not isinstance(given, int) or isinstance(given, bool) or given < low or (high is not None and given > high):
+        bound = f"from {low} to {high}" if high is not None else f">= {low}"
+        raise ConfigError(f"speculative_config: {key}: expected an integer {bound}, got {short(given)}",
+                          path="speculative_config", detail="out of range")
+    return given
 
 
 #: The command line's names (trtllm-serve's flags) for fields whose key is spelled otherwise.

@@ -77,6 +77,36 @@ IGNORED: dict[str, str] = {
                     "(kv_cache_config.use_kv_cache_manager_v2) and step one token at a time"),
     "preemption_mode": "kvload's managers choose: V1 recomputes a preempted request, V2 suspends it to the host tier "
                        "or recomputes it (kv_cache_config.host_cache_size)",
+    # names TensorRT-LLM has too: a TensorRT-LLM options file's are reported with its reasons (pipeline.trtllm_compat)
+    **dict.fromkeys(("tokenizer", "tokenizer_mode", "skip_tokenizer_init", "revision"),
+                    "kvload loads the checkpoint's own tokenizer and files, from the local directory or cache"),
+    "enable_chunked_prefill": "kvload always chunks a prefill up to max_num_tokens",
+    "load_format": "kvload reads the checkpoint's own files as they are (safetensors, .bin or .gguf)",
+}
+
+#: ``load_format`` values that ask for random weights instead of the checkpoint's (vLLM's and TensorRT-LLM's
+#: ``dummy``): the reason kvload gives says what it does instead
+DUMMY_LOAD_FORMATS = frozenset({"dummy", "DUMMY", "LoadFormat.DUMMY"})
+DUMMY_LOAD = ("dummy asks for random weights without reading the checkpoint; kvload loads the checkpoint's real "
+              "weights wherever it loads any (plan reads none)")
+
+
+def _count_at_least(low: int) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+
+#: vLLM's own checks of knobs kvload ignores → (the check, what vLLM accepts): a value vLLM refuses is refused here too,
+#: as a kvload field's bad value is, rather than taken and ignored (``vllm/config/scheduler.py``, ``lora.py``, ...)
+KNOB_VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "num_scheduler_steps": (_count_at_least(1), "an integer >= 1"),
+    "max_parallel_loading_workers": (_count_at_least(1), "an integer >= 1 (a number of workers)"),
+    "max_loras": (_count_at_least(1), "an integer >= 1"),
+    "max_lora_rank": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v in (1, 8, 16, 32, 64, 128, 256,
+                                                                                         320, 512),
+                      "one of 1, 8, 16, 32, 64, 128, 256, 320, 512"),
+    "preemption_mode": (lambda v: v in ("recompute", "swap"), "recompute or swap"),
+    "distributed_executor_backend": (lambda v: v in ("ray", "mp", "uni", "external_launcher"),
+                                     "ray, mp, uni or external_launcher"),
 }
 
 #: vLLM knobs whose value is a secret: recorded as hidden, never as given (the log, the audit).
@@ -100,6 +130,12 @@ def vllm_knob(name: str, value: Any) -> str | None:
     """Why vLLM's engine knob ``name`` does nothing in kvload (reported as ``setting_ignored``), or None for a name
     that is not one; ``ConfigError`` for a knob given a value kvload cannot honour (``quantization="awq"``)."""
     if name in IGNORED:
+        entry_check = KNOB_VALUES.get(name)
+        if entry_check is not None and value is not None and not entry_check[0](value):
+            raise ConfigError(f"{name}: vLLM's setting; expected {entry_check[1]}, got {short(value)}", path=name,
+                              detail="not a value vLLM accepts")
+        if name == "load_format" and value in DUMMY_LOAD_FORMATS:
+            return DUMMY_LOAD
         return IGNORED[name]
     entry = NO_OP_ONLY.get(name)
     if entry is None:

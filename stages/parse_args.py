@@ -80,7 +80,9 @@ class ParseArgs:
     def _drop_ignored(label: str, tree: dict[str, Any], config_file: str | None, emit: Emit) -> dict[str, Any]:
         """Take out TensorRT-LLM keys kvload does not act on; one ``setting_ignored`` (a warning) for each."""
         try:
-            kept, ignored = split_ignored(tree, python=label == "api")
+            # the command line's and LLM(...)'s names are vLLM's where both have one (--load-format); a YAML file's
+            # TensorRT-LLM's (extra_llm_api_options)
+            kept, ignored = split_ignored(tree, python=label == "api", vllm_first=label in ("cli", "api"))
         except ConfigError as exc:
             where = f"config file {config_file}: " if label == "config_file" else ""
             raise ConfigError(f"{where}{exc}", path=exc.path, detail=exc.detail, source=label) from None

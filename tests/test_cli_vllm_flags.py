@@ -253,3 +253,61 @@ def test_the_usage_line_still_says_model_is_required(capsys, command):
     [MODEL]."""
     r = run_cli(capsys, command, "--help")
     assert r.code == 0 and " MODEL" in r.out and "[MODEL]" not in r.out, r.out[:600]
+
+
+@pytest.mark.parametrize(("flags", "expected"), [
+    (["--num-scheduler-steps", "0"], "error: --num-scheduler-steps: vLLM's setting; expected an integer >= 1, got 0"),
+    (["--num_scheduler_steps=-1"], "error: --num_scheduler_steps: vLLM's setting; expected an integer >= 1, got -1"),
+    (["--max-parallel-loading-workers", "-3"], "error: --max-parallel-loading-workers: vLLM's setting; expected an "
+                                               "integer >= 1 (a number of workers), got -3"),
+    (["--max-loras", "0"], "error: --max-loras: vLLM's setting; expected an integer >= 1, got 0"),
+    (["--max-lora-rank", "7"], "error: --max-lora-rank: vLLM's setting; expected one of 1, 8, 16, 32, 64, 128, 256, "
+                               "320, 512, got 7"),
+    (["--preemption-mode", "evict"], "error: --preemption-mode: vLLM's setting; expected recompute or swap, got "
+                                     "'evict'"),
+    (["--distributed-executor-backend", "slurm"], "error: --distributed-executor-backend: vLLM's setting; expected "
+                                                  "ray, mp, uni or external_launcher, got 'slurm'"),
+])
+def test_a_value_vllm_itself_refuses_is_refused_though_kvload_ignores_the_flag(capsys, flags, expected):
+    """A launch line that vLLM would refuse (``--num-scheduler-steps 0``) was taken with a setting_ignored as if it
+    were fine: the same one line naming the flag as typed, and exit 2, as a bad value of kvload's own flags gets."""
+    r = run_cli(capsys, "plan", "tiny-llama", *flags)
+    assert (r.code, r.out, r.err) == (2, "", expected + "\n")
+
+
+def test_valid_values_of_those_flags_are_still_taken_and_reported_ignored(capsys):
+    r = run_cli(capsys, "plan", "tiny-llama", "--num-scheduler-steps", "8", "--max-parallel-loading-workers", "2",
+                "--max-loras", "1", "--max-lora-rank", "16", "--preemption-mode", "recompute")
+    assert r.code == 0, r.err
+    warned = [line for line in r.err.splitlines() if "setting_ignored" in line]
+    for key in ("num_scheduler_steps", "max_parallel_loading_workers", "max_loras", "max_lora_rank", "preemption_mode"):
+        assert any(f"field={key} " in line for line in warned), (key, warned)
+
+
+@pytest.mark.parametrize("flags", [["--load-format", "safetensors"], ["--tokenizer", "x"], ["--revision", "main"],
+                                   ["--tokenizer-mode", "slow"], ["--skip-tokenizer-init"],
+                                   ["--enable-chunked-prefill"]])
+def test_a_vllm_flag_that_tensorrt_llm_also_has_is_reported_as_vllms(capsys, flags):
+    """``--load-format`` is vLLM's flag: its warning called it "a TensorRT-LLM option kvload does not act on"."""
+    r = run_cli(capsys, "plan", "tiny-llama", *flags)
+    assert r.code == 0, r.err
+    (line,) = [line for line in r.err.splitlines() if "setting_ignored" in line]
+    assert "a vLLM option kvload does not act on: " in line and "TensorRT-LLM" not in line, line
+
+
+def test_load_format_dummy_says_kvload_loads_the_real_weights(capsys, tmp_path):
+    """vLLM's ``--load-format dummy`` builds random weights without reading the checkpoint; kvload has no such mode,
+    and the warning must say the real weights are what runs (a benchmark script would otherwise assume random ones),
+    from the command line and from a TensorRT-LLM options file alike (TensorRT-LLM's DUMMY is the same)."""
+    r = run_cli(capsys, "plan", "tiny-llama", "--load-format", "dummy")
+    assert r.code == 0, r.err
+    (line,) = [line for line in r.err.splitlines() if "setting_ignored" in line]
+    assert "a vLLM option kvload does not act on: dummy asks for random weights" in line, line
+    assert "kvload loads the checkpoint's real weights" in line, line
+    config = tmp_path / "extra.yaml"
+    config.write_text("load_format: dummy\n")
+    r = run_cli(capsys, "plan", "tiny-llama", "--config", config)
+    assert r.code == 0, r.err
+    (line,) = [line for line in r.err.splitlines() if "setting_ignored" in line]
+    assert "a TensorRT-LLM option kvload does not act on: dummy asks for random weights" in line, line
+    assert "kvload loads the checkpoint's real weights" in line, line

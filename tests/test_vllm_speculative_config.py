@@ -89,3 +89,77 @@ def test_the_flag_sets_kvloads_fields_on_every_command_and_names_itself_when_ref
     assert r.code == 2 and r.one_error_line and r.err.startswith("error: --speculative-config: method 'medusa'"), r.err
     ns = build_parser().parse_args(["serve", "tiny-llama", "--speculative-config", json.dumps(NGRAM)])
     assert cli_overrides(ns)["speculative_config"] == NGRAM  # kvload serve takes it, as vllm serve does
+
+
+#: TensorRT-LLM's ``NGramDecodingConfig`` as an ``extra_llm_api_options`` file writes it
+TRTLLM_NGRAM = """\
+speculative_config:
+  decoding_type: NGram
+  max_draft_len: 4
+  max_matching_ngram_size: 3
+  max_concurrency: 2
+"""
+
+
+def test_a_trtllm_ngram_speculative_config_in_yaml_runs_kvloads_drafts(capsys, tmp_path):
+    """TensorRT-LLM's NGram shape was only reported ignored, so a file that asks for n-gram drafts ran without them
+    while vLLM's shape ran them: its fields are kvload's (max_concurrency is speculation_max_batch_size)."""
+    config = tmp_path / "extra.yaml"
+    config.write_text(TRTLLM_NGRAM)
+    r = run_cli(capsys, "plan", "tiny-llama", "--extra_llm_api_options", config, "--json")
+    assert r.code == 0, r.err
+    args = json.loads(r.out)["args"]
+    assert (args["max_draft_len"], args["max_matching_ngram_size"], args["speculation_max_batch_size"]) == (4, 3, 2)
+    assert "setting_ignored" not in r.err, r.err  # every key given acted
+    with kvload.LLM("tiny-llama", device="cpu", log=False, kv_cache_config={"max_tokens": 256},
+                    speculative_config={"decoding_type": "NGram", "max_draft_len": 4}) as llm:
+        assert (llm.args.max_draft_len, llm.args.max_matching_ngram_size) == (4, 2)  # TensorRT-LLM's default size
+        llm.generate([REPEATING], max_tokens=24, ignore_eos=True)
+        assert llm.last_stats.draft_tokens > 0  # the drafts ran
+
+
+def test_trtllm_ngram_keys_kvload_cannot_honour_are_reported_ignored():
+    result = kvload.plan("tiny-llama", log=False, speculative_config={
+        "decoding_type": "NGram", "max_draft_len": 3, "is_keep_all": True, "is_use_oldest": True,
+        "is_public_pool": False, "max_total_draft_tokens": 3, "speculative_model_dir": "/drafts/x"})
+    assert result.args.max_draft_len == 3
+    ignored = {e["field"]: e["reason"] for e in result.audit.of("setting_ignored")}
+    # is_public_pool false and max_total_draft_tokens equal to max_draft_len are what kvload does: not reported
+    assert set(ignored) == {"speculative_config.is_keep_all", "speculative_config.is_use_oldest",
+                            "speculative_config.speculative_model_dir"}, ignored
+    assert "latest" in ignored["speculative_config.is_use_oldest"]
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ({"decoding_type": "NGram", "max_matching_ngram_size": 3},
+     "speculative_config: max_draft_len: required with decoding_type NGram"),
+    ({"decoding_type": "NGram", "max_draft_len": 4, "max_matching_ngram_sizee": 3},
+     "speculative_config: 'max_matching_ngram_sizee': not a key of TensorRT-LLM's NGramDecodingConfig"),
+    ({"decoding_type": "NGram", "max_draft_len": 4, "max_concurrency": 0},
+     "speculative_config: max_concurrency: expected an integer >= 1, got 0"),
+    ({"decoding_type": "NGram", "max_draft_len": 4, "is_keep_all": "yes"},
+     "speculative_config: is_keep_all: expected true or false, got 'yes'"),
+])
+def test_a_bad_trtllm_ngram_config_is_one_line_naming_the_key(config, message):
+    with pytest.raises(ConfigError) as info:
+        kvload.plan("tiny-llama", log=False, speculative_config=config)
+    assert str(info.value).startswith(message), str(info.value)
+
+
+def test_a_trtllm_ngram_config_and_a_different_top_level_max_draft_len_are_one_line(capsys, tmp_path):
+    config = tmp_path / "extra.yaml"
+    config.write_text(TRTLLM_NGRAM + "max_draft_len: 2\n")
+    r = run_cli(capsys, "plan", "tiny-llama", "--config", config)
+    assert r.code == 2 and r.one_error_line, r.err
+    assert "speculative_config: its max_draft_len 4 and the top-level max_draft_len 2 set one field" in r.err, r.err
+
+
+def test_another_trtllm_decoding_type_is_still_taken_and_reported_ignored(capsys, tmp_path):
+    config = tmp_path / "extra.yaml"
+    config.write_text("speculative_config:\n  decoding_type: Eagle\n  max_draft_len: 3\n"
+                      "  speculative_model_dir: /drafts/eagle\n")
+    r = run_cli(capsys, "plan", "tiny-llama", "--config", config, "--json")
+    assert r.code == 0, r.err
+    assert json.loads(r.out)["args"]["max_draft_len"] == 0
+    (line,) = [line for line in r.err.splitlines() if "setting_ignored" in line]
+    assert "field=speculative_config " in line and "kvload drafts by n-gram lookup only" in line, line

@@ -119,7 +119,8 @@ def test_trust_remote_code_is_taken_and_reported_as_ignored_since_no_checkpoint_
     (["--pipeline-parallel-size", "1"], "pipeline_parallel_size", "kvload splits a model by tensor parallel only"),
     (["--max-lora-rank", "16"], "max_lora_rank", "LoRA adapters"),
     (["--limit-mm-per-prompt", '{"image": 0}'], "limit_mm_per_prompt", "multimodal inputs"),
-    (["--load-format", "safetensors"], "load_format", "loading / serving feature"),
+    (["--load-format", "safetensors"], "load_format", "a vLLM option kvload does not act on: kvload reads the "
+                                                      "checkpoint's own files"),
     (["--logprobs-mode", "raw_logprobs"], "logprobs_mode", "kvload's logprobs are the model's raw distribution"),
     (["--enable-expert-parallel"], "enable_expert_parallel", "MoE expert parallelism"),
 ])
@@ -135,10 +136,14 @@ def test_more_vllm_launch_line_flags_are_taken_with_a_warning_each(capsys, tmp_p
 
 
 @pytest.mark.parametrize(("argv", "line"), [
-    (["-dp", "2"], "error: --data-parallel-size: vLLM's setting; kvload runs one engine per process (start one kvload "
-                   "serve per replica); accepted: 1, got 2"),
-    (["-pp", "2"], "error: --pipeline-parallel-size: vLLM's setting; kvload splits a model by tensor parallel only "
+    # named as typed, as kvload's own flags are (-tp 0): the short spelling, not the long one the user never wrote
+    (["-dp", "2"], "error: -dp: vLLM's setting; kvload runs one engine per process (start one kvload serve per "
+                   "replica); accepted: 1, got 2"),
+    (["-dp=2"], "error: -dp: vLLM's setting; kvload runs one engine per process"),
+    (["--data-parallel-size", "2"], "error: --data-parallel-size: vLLM's setting; kvload runs one engine per process"),
+    (["-pp", "2"], "error: -pp: vLLM's setting; kvload splits a model by tensor parallel only "
                    "(tensor_parallel_size); accepted: 1, got 2"),
+    (["-q", "awq"], "error: -q: vLLM's setting; kvload runs the checkpoint's weights in dtype, unquantized"),
     (["--logprobs-mode", "processed_logprobs"], "error: --logprobs-mode: vLLM's setting; kvload's logprobs are the "
                                                 "model's raw distribution"),
 ])

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from kvload.cli.commands import build_parser
 from kvload.cli.files import check_distinct_files
-from kvload.cli.flags import FLAGS, VLLM_KNOB_FLAGS, _underscored
+from kvload.cli.flags import FLAGS, VLLM_KNOB_FLAGS, VLLM_KNOB_SHORT, _underscored
 from kvload.cli.output import ResultStream, _drop_stdout, error_text
 from kvload.cli.parser import typed_spelling, typed_value
 from kvload.cli.values import number
@@ -158,7 +158,7 @@ def _cli_message(exc: KvloadError, argv: Sequence[str] = ()) -> str:
         return f"{typed_spelling(spellings, argv)}: {detail}"
     knob = next((name for name, key, _, _ in VLLM_KNOB_FLAGS if exc.path == key), None) \
         if isinstance(exc, ConfigError) and exc.source == "cli" and exc.path else None
-    if knob is not None:  # vLLM's flag refused (--quantization awq): named as typed, not as its key
-        spellings = (knob, _underscored(knob))
+    if knob is not None:  # vLLM's flag refused (--quantization awq, -dp 2): named as typed, not as its key
+        spellings = (knob, _underscored(knob), *VLLM_KNOB_SHORT.get(knob, ()))
         return f"{typed_spelling(spellings, argv)}: {str(exc).removeprefix(exc.path + ': ')}"
     return str(exc)

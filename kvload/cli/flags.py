@@ -138,8 +138,9 @@ VLLM_KNOB_FLAGS: tuple[tuple[str, str, Callable[[str], Any] | None, str | None],
     # acts: its n-gram method is kvload's drafts (pipeline.vllm_compat.speculative_config); other methods refused
     ("--speculative-config", "speculative_config", json_object, "JSON"),
 )
-#: vLLM's one-dash spellings of some of them
-VLLM_KNOB_SHORT: dict[str, tuple[str, ...]] = {"--data-parallel-size": ("-dp",), "--pipeline-parallel-size": ("-pp",)}
+#: vLLM's one-dash spellings of some of them (``vllm/engine/arg_utils.py``)
+VLLM_KNOB_SHORT: dict[str, tuple[str, ...]] = {"--data-parallel-size": ("-dp",), "--pipeline-parallel-size": ("-pp",),
+                                               "--quantization": ("-q",)}
 
 #: the switches of ``VLLM_KNOB_FLAGS`` vLLM declares ``store_true`` (no ``--no-`` form there either)
 VLLM_STORE_TRUE_FLAGS = frozenset({"--disable-log-stats", "--enable-expert-parallel", "--use-v2-block-manager"})
