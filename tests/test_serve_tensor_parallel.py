@@ -284,15 +284,17 @@ def test_a_follower_that_dies_fails_the_requests_and_ends_rank_0(tmp_path):
 
 def _two_ranks(cwd: Path, *signals: tuple[int, signal.Signals]) -> list[tuple[int, str]]:
     """Two serving ranks launched here (each rank's exit status seen, which torchrun's own hides); once rank 0 is
-    ready, send each ``(rank, signal)`` in turn (0.5 s apart, as a launcher passing a signal on may); each rank's
-    exit status and stderr."""
+    ready and a completion has run (so rank 1 is stepping: rank 0's ready line can come while rank 1 still sets up, and
+    a signal then ends its set-up, exit 143), send each ``(rank, signal)`` in turn (0.5 s apart, as a launcher passing
+    a signal on may); each rank's exit status and stderr."""
     env = _env(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     procs = [subprocess.Popen([sys.executable, "-m", "kvload", *SERVE], cwd=cwd,
                               env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True, preexec_fn=signals_as_a_terminal_gives_them,
                               start_new_session=True) for rank in (0, 1)]
     try:
-        _url(procs[0])
+        client = openai.OpenAI(base_url=_url(procs[0]) + "/v1", api_key="unused", timeout=60, max_retries=0)
+        _complete(client, 0)
         for k, (rank, sig) in enumerate(signals):
             if k:
                 time.sleep(0.5)
