@@ -844,10 +844,12 @@ def test_a_probe_and_refusal_in_c_passes_match_the_per_group_loop(seed):
     (a refused head is probed and requeued every step under pressure); what they find and what a refusal leaves in
     the pools (queue order, clocks, priorities) must be what the per-group loop gives, whatever holds part of the
     history and whether its last run has children."""
-    fast, r, probe = _probed_hit(seed)
+    fast, r, probe = _probed_hit(seed)  # (every layout of it has a block per position; few groups: the loop)
     if probe is None:
         return
-    fast._unit_spans = False  # the per-group loop on the same state (a probe changes nothing a second one sees)
+    fast._unit_spans = True  # the passes, then the per-group loop, on the same state (a probe changes nothing a
+    probe = fast.probe_hit(r)  # second one sees)
+    fast._unit_spans = False
     assert _probe_fields(fast.probe_hit(r)) == _probe_fields(probe)
     fast._unit_spans = True
     slow, r_slow, probe_slow = _probed_hit(seed)

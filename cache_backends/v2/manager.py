@@ -271,8 +271,10 @@ class KVCacheManagerV2:
         # where a whole-block hit's claim is asked about before it is built (probe_hit): pools per group, or an arena
         # whose every group holds a block per position (its release interleaves the groups position by position)
         self._probes = self._reuse and (self._arena is None or self._lazy)
-        # every group block spans one token block: probe_hit's claim per group is a slice of the run's blocks
-        self._unit_spans = all(g.tokens_per_block == self.T for g in self.groups)
+        # every group block spans one token block: probe_hit's claim per group is a slice of the run's blocks, taken
+        # (and refuse_hit's requeue) in C passes over the groups where there are a few (for one or two, the passes'
+        # fixed cost is more than the loop's: tiny-llama +0.2% opcodes)
+        self._unit_spans = all(g.tokens_per_block == self.T for g in self.groups) and len(self.groups) >= 4
         # per group, its pool's reference counts' reader (the list is never rebound; an arena's groups share it)
         self._ref_of = [pool.ref.__getitem__ for _, _, pool in self._group_pools]
         self._tree = self._new_tree()
@@ -845,7 +847,7 @@ class KVCacheManagerV2:
         claimed: list[tuple[list[int], list[int], int]] = []
         taken_groups: list[int] = []
         cached_of: list[list[int]] = []  # per group, the blocks nobody holds: the claim takes them out of the queue
-        if len(path) == 1 and self._unit_spans:
+        if self._unit_spans and len(path) == 1:
             # the usual (a history ending in one run, a block per position): the loop below in C passes over the
             # groups. Why: a refused head is probed every step under pressure, a Python pass per group of 31 on
             # Gemma 3 27B (BENCHMARKS.md, "V2 per-step work under pressure")
@@ -923,8 +925,8 @@ class KVCacheManagerV2:
         leaves_of: list[list[int]] = []
         shared_of: list[list[int]] = []
         T = self.T
-        blocks_of = list(map(itemgetter(0), probe.claimed))
-        if self._unit_spans and probe.taken_groups == list(map(len, blocks_of)):
+        blocks_of = list(map(itemgetter(0), probe.claimed)) if self._unit_spans else []
+        if blocks_of and probe.taken_groups == list(map(len, blocks_of)):
             # the usual (a block per position, the claim held by nobody): the loop below in C passes over the
             # groups, as probe_hit's; blocks[k:] lie in the last run, k = max(0, last.start - lo) with a step of 1
             ks = (list(map(len, blocks_of)) if whole_shared
