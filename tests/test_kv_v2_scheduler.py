@@ -6,7 +6,7 @@ import math
 from collections import deque
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from cache_backends import LayerKV
@@ -839,6 +839,8 @@ def _probe_fields(probe) -> tuple:
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 100_000))
+@example(seed=423)  # rare at random (13 of 3,000 seeds): held blocks of the claim that count as queued shared
+@example(seed=613)
 def test_a_probe_and_refusal_in_c_passes_match_the_per_group_loop(seed):
     """``probe_hit`` and ``refuse_hit`` over groups whose blocks span one token block take C passes over the groups
     (a refused head is probed and requeued every step under pressure); what they find and what a refusal leaves in
