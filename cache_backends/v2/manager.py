@@ -74,7 +74,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Iterable
 from itertools import chain, compress, repeat
-from operator import add, itemgetter, not_, sub
+from operator import add, getitem, itemgetter, not_, sub
 
 import attrs
 
@@ -271,6 +271,12 @@ class KVCacheManagerV2:
         # where a whole-block hit's claim is asked about before it is built (probe_hit): pools per group, or an arena
         # whose every group holds a block per position (its release interleaves the groups position by position)
         self._probes = self._reuse and (self._arena is None or self._lazy)
+        # every group block spans one token block: probe_hit's claim per group is a slice of the run's blocks, taken
+        # (and refuse_hit's requeue) in C passes over the groups where there are a few (for one or two, the passes'
+        # fixed cost is more than the loop's: tiny-llama +0.2% opcodes)
+        self._unit_spans = all(g.tokens_per_block == self.T for g in self.groups) and len(self.groups) >= 4
+        # per group, its pool's reference counts' reader (the list is never rebound; an arena's groups share it)
+        self._ref_of = [pool.ref.__getitem__ for _, _, pool in self._group_pools]
         self._tree = self._new_tree()
         self.host: HostTier | None = None
         slots = host_slots(pools, options.host_cache_size)
@@ -841,19 +847,35 @@ class KVCacheManagerV2:
         claimed: list[tuple[list[int], list[int], int]] = []
         taken_groups: list[int] = []
         cached_of: list[list[int]] = []  # per group, the blocks nobody holds: the claim takes them out of the queue
-        for (name, tpb, pool), c in zip(self._group_pools, self._cycle_of, strict=True):
-            lo = los[c]
-            # the path's blocks from position lo (the last run ends where the claimed prefix does); a block spanning
-            # several token blocks (DeepSeek V4's compressed groups) is kept at the last position it spans
-            along = last.blocks[name] if len(path) == 1 else list(chain.from_iterable(run.blocks[name] for run in path))
-            step = tpb // T
-            blocks = along[lo:] if step == 1 else along[(lo + 1) * step - 1:m // T:step]
-            refs = list(map(pool.ref.__getitem__, blocks))
-            cached = refs.count(0)
-            taken_groups.append(cached)
-            # the usual: a waiting request's history, held by nobody
-            cached_of.append(blocks if cached == len(blocks) else list(compress(blocks, map(not_, refs))))
-            claimed.append((blocks, refs, lo))
+        if self._unit_spans and len(path) == 1:
+            # the usual (a history ending in one run, a block per position): the loop below in C passes over the
+            # groups. Why: a refused head is probed every step under pressure, a Python pass per group of 31 on
+            # Gemma 3 27B (BENCHMARKS.md, "V2 per-step work under pressure")
+            lo_of = list(map(los.__getitem__, self._cycle_of))
+            blocks_of = list(map(getitem, map(last.blocks.__getitem__, self._names), map(slice, lo_of, repeat(None))))
+            refs_of = list(map(list, map(map, self._ref_of, blocks_of)))
+            taken_groups = list(map(list.count, refs_of, repeat(0)))
+            claimed = list(zip(blocks_of, refs_of, lo_of, strict=True))
+            if sum(taken_groups) == sum(map(len, blocks_of)):  # nobody holds any: every block is taken
+                cached_of = blocks_of
+            else:
+                cached_of = [blocks if cached == len(blocks) else list(compress(blocks, map(not_, refs)))
+                             for blocks, refs, cached in zip(blocks_of, refs_of, taken_groups, strict=True)]
+        else:
+            for (name, tpb, pool), c in zip(self._group_pools, self._cycle_of, strict=True):
+                lo = los[c]
+                # the path's blocks from position lo (the last run ends where the claimed prefix does); a block
+                # spanning several token blocks (DeepSeek V4's compressed groups) is kept at the last position it spans
+                along = (last.blocks[name] if len(path) == 1
+                         else list(chain.from_iterable(run.blocks[name] for run in path)))
+                step = tpb // T
+                blocks = along[lo:] if step == 1 else along[(lo + 1) * step - 1:m // T:step]
+                refs = list(map(pool.ref.__getitem__, blocks))
+                cached = refs.count(0)
+                taken_groups.append(cached)
+                # the usual: a waiting request's history, held by nobody
+                cached_of.append(blocks if cached == len(blocks) else list(compress(blocks, map(not_, refs))))
+                claimed.append((blocks, refs, lo))
         if self._arena is not None:  # one pool set, one eviction queue
             taken = [sum(taken_groups)]
             shared_taken = [self._arena.evictable.count_shared(list(chain.from_iterable(cached_of)))]
@@ -903,16 +925,26 @@ class KVCacheManagerV2:
         leaves_of: list[list[int]] = []
         shared_of: list[list[int]] = []
         T = self.T
-        for (blocks, refs, lo), (_, tpb, _) in zip(probe.claimed, self._group_pools, strict=True):
-            # blocks[k:] lie in the last run (group block j at position (j + 1) * step - 1)
-            step = tpb // T
-            k = len(blocks) if whole_shared else max(0, -(-(last.start + 1) // step) - 1 - lo)
-            head, tail = blocks[:k], blocks[k:]
-            if refs.count(0) != len(refs):  # some held by running requests: only the others go back to the queue
-                head = list(compress(head, map(not_, refs[:k])))
-                tail = list(compress(tail, map(not_, refs[k:])))
-            leaves_of.append(tail[::-1])
-            shared_of.append(head[::-1])
+        blocks_of = list(map(itemgetter(0), probe.claimed)) if self._unit_spans else []
+        if blocks_of and probe.taken_groups == list(map(len, blocks_of)):
+            # the usual (a block per position, the claim held by nobody): the loop below in C passes over the
+            # groups, as probe_hit's; blocks[k:] lie in the last run, k = max(0, last.start - lo) with a step of 1
+            ks = (list(map(len, blocks_of)) if whole_shared
+                  else list(map(max, repeat(0), map(sub, repeat(last.start), map(itemgetter(2), probe.claimed)))))
+            back = repeat(slice(None, None, -1))
+            leaves_of = list(map(getitem, map(getitem, blocks_of, map(slice, ks, repeat(None))), back))
+            shared_of = list(map(getitem, map(getitem, blocks_of, map(slice, repeat(None), ks)), back))
+        else:
+            for (blocks, refs, lo), (_, tpb, _) in zip(probe.claimed, self._group_pools, strict=True):
+                # blocks[k:] lie in the last run (group block j at position (j + 1) * step - 1)
+                step = tpb // T
+                k = len(blocks) if whole_shared else max(0, -(-(last.start + 1) // step) - 1 - lo)
+                head, tail = blocks[:k], blocks[k:]
+                if refs.count(0) != len(refs):  # some held by running requests: only the others go back to the queue
+                    head = list(compress(head, map(not_, refs[:k])))
+                    tail = list(compress(tail, map(not_, refs[k:])))
+                leaves_of.append(tail[::-1])
+                shared_of.append(head[::-1])
         if self._arena is not None:
             self._arena.evictable.requeue(interleave(leaves_of), interleave(shared_of), priority)
             return
