@@ -27,6 +27,7 @@ from pipeline.vllm_compat import (
     DUMMY_LOAD_FORMATS,
     SECRET_KNOBS,
     refused_key,
+    spec_int,
     speculative_config,
     vllm_knob,
     write_as,
@@ -253,12 +254,13 @@ def trtllm_speculative_config(value: Mapping[str, Any]) -> tuple[dict[str, Any],
             raise ConfigError(f"{where}: {short(key)}: not a key of TensorRT-LLM's NGramDecodingConfig; its keys: "
                               "decoding_type, max_draft_len, max_matching_ngram_size, max_concurrency, is_keep_all, "
                               "is_use_oldest, is_public_pool, ...", path=where, detail="unknown key")
-    drafts = _ngram_int(value, "max_draft_len", 1, MAX_DRAFT_LEN, required=True)
+    drafts = spec_int(value, "max_draft_len", 1, MAX_DRAFT_LEN,
+                      required="decoding_type NGram (the draft tokens per step)")
     fields: dict[str, Any] = {"max_draft_len": drafts}
-    size = _ngram_int(value, "max_matching_ngram_size", 1, MAX_NGRAM)
+    size = spec_int(value, "max_matching_ngram_size", 1, MAX_NGRAM)
     if size is not None:  # absent: TensorRT-LLM's default, 2, is kvload's too
         fields["max_matching_ngram_size"] = size
-    batch = _ngram_int(value, "max_concurrency", 1, None)
+    batch = spec_int(value, "max_concurrency", 1, None)
     if batch is not None:  # absent: TensorRT-LLM drafts at any batch size; kvload's default (1) stands
         fields["speculation_max_batch_size"] = batch
     ignored: list[tuple[str, Any, str]] = []
@@ -277,22 +279,6 @@ def trtllm_speculative_config(value: Mapping[str, Any]) -> tuple[dict[str, Any],
         if value.get(key) is not None:
             ignored.append((f"{where}.{key}", value[key], why))
     return fields, ignored
-
-
-def _ngram_int(value: Mapping[str, Any], key: str, low: int, high: int | None, required: bool = False) -> int | None:
-    """``speculative_config[key]`` of an NGram config, an integer from ``low`` to ``high``; None when absent (or
-    null)."""
-    given = value.get(key)
-    if given is None:
-        if required:
-            raise ConfigError(f"speculative_config: {key}: required with decoding_type NGram (the draft tokens per "
-                              "step)", path="speculative_config", detail="required")
-        return None
-    if not isinstance(given, int) or isinstance(given, bool) or given < low or (high is not None and given > high):
-        bound = f"from {low} to {high}" if high is not None else f">= {low}"
-        raise ConfigError(f"speculative_config: {key}: expected an integer {bound}, got {short(given)}",
-                          path="speculative_config", detail="out of range")
-    return given
 
 
 #: The command line's names (trtllm-serve's flags) for fields whose key is spelled otherwise.

@@ -298,9 +298,10 @@ def speculative_config(value: Any) -> tuple[dict[str, Any], list[tuple[str, Any,
             raise ConfigError(f"{where}: {short(key)}: not a vLLM speculative_config key kvload knows; its n-gram "
                               "keys: method, num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, "
                               "disable_by_batch_size", path=where, detail="unknown key")
-    drafts = _spec_int(value, "num_speculative_tokens", 1, MAX_DRAFT_LEN, required=True)
-    low = _spec_int(value, "prompt_lookup_min", 1, None)
-    high = _spec_int(value, "prompt_lookup_max", 1, MAX_NGRAM)
+    drafts = spec_int(value, "num_speculative_tokens", 1, MAX_DRAFT_LEN,
+                      required="method 'ngram' (the draft tokens per step, kvload's max_draft_len)")
+    low = spec_int(value, "prompt_lookup_min", 1, None)
+    high = spec_int(value, "prompt_lookup_max", 1, MAX_NGRAM)
     if high is None:
         high = low if low is not None else VLLM_PROMPT_LOOKUP_DEFAULT
         if high > MAX_NGRAM:
@@ -311,7 +312,7 @@ def speculative_config(value: Any) -> tuple[dict[str, Any], list[tuple[str, Any,
         raise ConfigError(f"{where}: prompt_lookup_min {low} is more than prompt_lookup_max {high}", path=where,
                           detail="min above max")
     fields: dict[str, Any] = {"max_draft_len": drafts, "max_matching_ngram_size": high}
-    batch = _spec_int(value, "disable_by_batch_size", 1, None)
+    batch = spec_int(value, "disable_by_batch_size", 1, None)
     if batch is not None:
         fields["speculation_max_batch_size"] = batch
     ignored: list[tuple[str, Any, str]] = []
@@ -327,13 +328,16 @@ def speculative_config(value: Any) -> tuple[dict[str, Any], list[tuple[str, Any,
     return fields, ignored
 
 
-def _spec_int(value: Mapping[str, Any], key: str, low: int, high: int | None, required: bool = False) -> int | None:
-    """``speculative_config[key]``, an integer from ``low`` to ``high``; None when absent (or null)."""
+def spec_int(value: Mapping[str, Any], key: str, low: int, high: int | None,
+             required: str | None = None) -> int | None:
+    """``speculative_config[key]``, an integer from ``low`` to ``high``; None when absent (or null), refused when
+    absent if ``required`` (what the key is required with, said in the error). vLLM's shape and TensorRT-LLM's NGram
+    (``pipeline.trtllm_compat``) check theirs through this."""
     given = value.get(key)
     if given is None:
-        if required:
-            raise ConfigError(f"speculative_config: {key}: required with method 'ngram' (the draft tokens per step, "
-                              "kvload's max_draft_len)", path="speculative_config", detail="required")
+        if required is not None:
+            raise ConfigError(f"speculative_config: {key}: required with {required}", path="speculative_config",
+                              detail="required")
         return None
     if not isinstance(given, int) or isinstance(given, bool) or given < low or (high is not None and given > high):
         bound = f"from {low} to {high}" if high is not None else f">= {low}"
