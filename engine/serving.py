@@ -63,6 +63,7 @@ from engine.structured import Constraint, constrain
 from pipeline.errors import GenerationError, KvBuildError, KvloadError, KvRuntimeError, RankLostError, first_line
 from pipeline.events import EngineLoopFailed, EngineStepFailed, Event, RequestFinished, SettingIgnored
 from pipeline.ranks import lost_rank_message
+from pipeline.thread_end import EndingThread
 
 
 @attrs.frozen
@@ -282,7 +283,7 @@ class ServingEngine:
         self._aborts: set[str] = set()
         self._notices: list[Event] = []  # events for the loop thread to emit (the event bus is not thread-safe)
         self._stopping = False
-        self._thread: threading.Thread | None = None
+        self._thread: EndingThread | None = None
         self._follow_quit = threading.Event()  # set by follow() when a signal's grace ran out: the steps end
         self._ids = itertools.count()
         #: held by the loop during a step; readers (metrics) take it to see a consistent manager
@@ -310,15 +311,18 @@ class ServingEngine:
     def start(self) -> None:
         """Start the loop thread (idempotent)."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="kvload-engine", daemon=True)
+            self._thread = EndingThread(target=self._run, name="kvload-engine", daemon=True)
             self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """End the loop; requests still queued or running end with reason ``"abort"``."""
+        """End the loop; requests still queued or running end with reason ``"abort"``. A stop signal's exception
+        while it waits is raised once the loop ended (or ``timeout`` s passed): the process never exits mid-step."""
         self.request_stop()
         if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
+            try:
+                self._thread.wait_end(timeout)
+            finally:
+                self._thread = None
 
     def request_stop(self) -> None:
         """Tell the loop to end after its step (every request left then ends with ``"abort"``); returns at once,

@@ -31,6 +31,7 @@ from pipeline.context import DEFAULT_MAX_TOKENS_FIELD, CallerDefault
 from pipeline.errors import ConfigError, GenerationError, OutputError, retitled
 from pipeline.events import SettingIgnored
 from pipeline.limits import MAX_INT, short
+from pipeline.thread_end import EndingThread
 from stages import load_stages
 
 #: Tokens the KV pools hold on CPU when no bound is given: one SmolLM2 sequence of its full 8192-token
@@ -347,7 +348,7 @@ class LLM:
                 else:
                     items.put(done)
 
-            worker = threading.Thread(target=work, name="kvload-generate-stream", daemon=True)
+            worker = EndingThread(target=work, name="kvload-generate-stream", daemon=True)
             worker.start()
             try:
                 while True:
@@ -359,7 +360,9 @@ class LLM:
                     yield item
             finally:
                 closed.set()
-                worker.join()
+                # it stops at its next token; a Ctrl-C meanwhile is raised once it has, so a caller that handles it
+                # (a REPL) finds the LLM free, not "already generating" (see pipeline.thread_end)
+                worker.wait_end()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix, so the next call computes its prompts afresh (vLLM's ``LLM.reset_prefix_cache``,

@@ -50,6 +50,7 @@ from pipeline.errors import ConfigError, GenerationError, KvloadError
 from pipeline.events import ApiKeyRequired, AutoToolChoiceEnabled, KvEventsFileFailed, ReasoningParserEnabled
 from pipeline.limits import MAX_INT, short, short_text
 from pipeline.textfile import read_regular
+from pipeline.thread_end import EndingThread
 
 
 def build_state(result: Any, *, model_name: str | Sequence[str] | None = None,
@@ -744,8 +745,8 @@ class ServerThread:
         self.host = host
         self.port = self.sock.getsockname()[1]
         self.server = _server(state, log_level)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       name="kvload-http", daemon=True)
+        self.thread = EndingThread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                   name="kvload-http", daemon=True)
 
     @property
     def url(self) -> str:
@@ -765,14 +766,17 @@ class ServerThread:
         return self
 
     def stop(self, timeout: float = 15.0) -> None:
-        """Stop accepting, end the engine's requests, finish the HTTP loop, stop the engine (idempotent)."""
+        """Stop accepting, end the engine's requests, finish the HTTP loop, stop the engine (idempotent). A stop
+        signal's exception meanwhile is raised once both threads ended (or their ``timeout`` s passed)."""
         self.state.engine.request_stop()
         self.server.should_exit = True
-        if self.thread.is_alive():
-            self.thread.join(timeout)
-        self.state.engine.stop(timeout)
-        with contextlib.suppress(OSError):
-            self.sock.close()
+        try:
+            if self.thread.is_alive():
+                self.thread.wait_end(timeout)
+        finally:
+            self.state.engine.stop(timeout)
+            with contextlib.suppress(OSError):
+                self.sock.close()
 
     def __enter__(self) -> ServerThread:
         return self.start()
