@@ -88,16 +88,21 @@ def _too_large(limit: int, got: str) -> BadRequest:
 
 
 def _load(raw: bytes | bytearray) -> Any:
-    """A request body's JSON (UTF-8 text, RFC 8259's rule for JSON between systems; a leading BOM is skipped);
-    ``BadRequest`` for one that is not UTF-8, nested too deeply, not JSON, or with a key given twice."""
+    """A request body's JSON, in UTF-8, UTF-16 or UTF-32 (a BOM or none: RFC 4627's detection by the first bytes'
+    zeros, what ``json.loads`` of bytes, so vLLM's FastAPI, reads); ``BadRequest`` for one that is not text in its
+    encoding, nested too deeply, not JSON, or with a key given twice."""
+    encoding = json.detect_encoding(raw)
     try:
-        # decoded here, strictly: json.loads of bytes also reads UTF-16 and UTF-32, whose bytes the depth check below
-        # cannot read (a "\u2200" is a quote byte there: 100,000 brackets passed as a string, then json's decoder
-        # raised RecursionError, a 500 with a traceback), and lets UTF-8-encoded surrogates through
-        text = raw.decode("utf-8-sig")  # straight from the bytearray: no bytes copy of up to 129 MiB first
+        # decoded here, strictly (json.loads of bytes lets UTF-8-encoded surrogates through), then depth-checked as
+        # UTF-8: the check reads bytes, and UTF-16's hide brackets in other characters ("\u2200" holds a quote byte:
+        # 100,000 brackets passed as a string, then json's decoder raised RecursionError, a 500 with a traceback)
+        text = raw.decode(encoding)  # straight from the bytearray: no bytes copy of up to 129 MiB first
     except UnicodeDecodeError as exc:
-        raise BadRequest(f"the request body is not UTF-8 text: byte 0x{raw[exc.start]:02x} at offset {exc.start:,} "
-                         f"({exc.reason}); JSON request bodies must be UTF-8") from None
+        name = encoding.upper().removesuffix("-SIG")
+        raise BadRequest(f"the request body is not {name} text: byte 0x{raw[exc.start]:02x} at offset {exc.start:,} "
+                         f"({exc.reason}); JSON request bodies must be UTF-8 (or UTF-16 or UTF-32)") from None
+    if encoding not in ("utf-8", "utf-8-sig"):
+        raw = text.encode("utf-8")  # strict decoding left no lone surrogate, so this cannot fail
     if json_depth(raw) > MAX_DEPTH:  # before parsing: json's decoder recurses once per level
         raise BadRequest(f"the request body nests too deeply: at most {MAX_DEPTH} levels of arrays and objects "
                          "are accepted (an OpenAI request needs about 5)")
