@@ -472,19 +472,28 @@ class ServingEngine:
 
     def check(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> Request:
         """The request these would make, its prompt cut to ``params.truncate_prompt_tokens`` as ``generate`` cuts it;
-        ``GenerationError``/``KvBuildError`` when it could never run."""
+        ``GenerationError``/``KvBuildError`` when it could never run. It reports nothing: a cut that keeps one token
+        fewer than asked is said once, by the submit that queues the request (a server checks, then submits)."""
+        return self._check(prompt_token_ids, params, [])
+
+    def _check(self, prompt_token_ids: Sequence[int], params: SamplingParams,
+               notes: list[tuple[str, Any, str]]) -> Request:
+        """:meth:`check`, ``notes`` getting the ``setting_ignored`` (field, value, reason) of its cut, if any."""
         executor = self.executor
         items = executor._prompts([[int(t) for t in prompt_token_ids]], False, checked=False)
         # cut to params.truncate_prompt_tokens first, as generate does (kvload serve cuts before: no field set), then
         # the vocabulary and the length are checked
-        notes: list[tuple[str, Any, str]] = []
         ((_, ids),) = executor._check_items(executor._truncated(items, [params], notes))
         executor._params(params, {}, 1)  # the same checks as generate: stop ids in the vocabulary, logprobs
         request = Request(f"srv-{next(self._ids)}", ids, min(params.max_new_tokens, self.room(ids)))
         self.executor._check_fits(0, request, params.max_new_tokens)  # KvBuildError with the numbers
-        if notes:  # a cut that kept one token fewer than asked (generate says it the same way)
-            self.notify(*(SettingIgnored(field=f"serve.{name}", value=value, reason=why) for name, value, why in notes))
         return request
+
+    def _say_cut(self, notes: list[tuple[str, Any, str]], req_id: str) -> None:
+        """A request's cut that kept one token fewer than asked (generate says it the same way), once: noted as it is
+        queued (under ``_cond``), so the loop emits it with the inbox that brings the request, before its first step."""
+        self._notices.extend(SettingIgnored(field=f"serve.{name}", value=value, reason=f"{why} (request {req_id})",
+                                            request=req_id) for name, value, why in notes)
 
     def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams, sink: Callable[[ServeEvent], Any], *,
                salt: str | None = None, seed_offset: int = 0, priority: int = 0, samples: int = 1) -> str:
@@ -506,7 +515,8 @@ class ServingEngine:
         refused = self.executor.priority_refusal(priority)
         if refused is not None:
             raise GenerationError(f"generate: priority: {refused}")
-        request = self.check(prompt_token_ids, params)
+        notes: list[tuple[str, Any, str]] = []
+        request = self._check(prompt_token_ids, params, notes)
         request.salt = salt
         request.priority = -int(priority)  # kvload ranks higher first; vLLM's value is lower first
         # a scored prompt is prefilled whole (a cached prefix computes no logits); its blocks are cached for others
@@ -523,6 +533,7 @@ class ServingEngine:
             # So may a failure of the loop itself, which sets loop_error under this lock before its last drain.
             if self._stopping or self.loop_error is not None:
                 raise EngineStopped(self._why_stopped())
+            self._say_cut(notes, req_id)
             self._inbox.append([live])
             self._cond.notify_all()
         return req_id
@@ -541,7 +552,8 @@ class ServingEngine:
         refused = self.executor.priority_refusal(priority)
         if refused is not None:
             raise GenerationError(f"generate: priority: {refused}")
-        first = self.check(prompt_token_ids, params)
+        notes: list[tuple[str, Any, str]] = []
+        first = self._check(prompt_token_ids, params, notes)
         base = None
         if not params.greedy:
             base = params.seed if params.seed is not None else self._fresh_seed()
@@ -559,6 +571,7 @@ class ServingEngine:
         with self._cond:  # as submit's: checked again under the lock the loop's last drain takes
             if self._stopping or self.loop_error is not None:
                 raise EngineStopped(self._why_stopped())
+            self._say_cut(notes, first.req_id)
             self._inbox.append(group)
             self._cond.notify_all()
         return [live.request.req_id for live in group]

@@ -384,15 +384,15 @@ def test_a_request_submitted_as_the_engine_stops_is_refused_not_queued_after_the
     engine = ServingEngine.from_result(result)
     try:
         engine.start()
-        check = engine.check
+        check = engine._check  # what submit checks through
 
-        def check_then_stop(ids, params):
-            request = check(ids, params)
+        def check_then_stop(ids, params, notes):
+            request = check(ids, params, notes)
             engine.stop(TIMEOUT)  # the loop ends, aborting what it holds and draining the inbox, mid-submit
             assert not engine.alive
             return request
 
-        engine.check = check_then_stop
+        engine._check = check_then_stop
         events = []
         with pytest.raises(EngineStopped, match="^the engine is shutting down$"):
             engine.submit(PROMPT, SamplingParams(max_tokens=2), events.append)

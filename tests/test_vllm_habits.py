@@ -486,6 +486,39 @@ def test_the_serving_engine_cuts_a_submitted_prompt_to_its_params_truncate_promp
         result.close()
 
 
+def test_the_serving_engine_says_a_cut_to_one_token_fewer_once_for_a_request_checked_then_submitted():
+    """A server checks a request (``check``), then queues it (``submit``): each reported the cut that kept one token
+    fewer than ``truncate_prompt_tokens`` asked, so one request's ``setting_ignored`` came twice. Now the submit that
+    queues it says it, once, naming the request; a check alone says nothing (nothing ran)."""
+    import threading
+
+    import pipeline
+    from engine.serving import ServingEngine
+
+    said = []
+    result = pipeline.load("tiny-llama", load_weights=True, log=False, max_seq_len=64,
+                           kv_cache_config={"max_tokens": 256},
+                           subscribers=[lambda e: said.append(e) if e["event"] == "setting_ignored" else None])
+    engine = ServingEngine.from_result(result)
+    try:
+        engine.start()
+        long, sp = list(range(1, 101)), SamplingParams(max_tokens=2, ignore_eos=True, truncate_prompt_tokens=64)
+        assert len(engine.check(long, sp).prompt_token_ids) == 63
+        for group in (False, True):
+            done = threading.Event()
+            sink = lambda ev, done=done: done.set() if ev.finished else None  # noqa: E731
+            (rid,) = engine.submit_group(long, sp, [sink]) if group else [engine.submit(long, sp, sink)]
+            assert done.wait(60)  # the note is emitted before the request's first step
+            cuts = [e for e in said if e["field"] == "serve.truncate_prompt_tokens"]
+            assert len(cuts) == 1, cuts  # was 2: check's and submit's
+            assert (cuts[0]["value"], cuts[0].get("request")) == (64, rid)
+            assert cuts[0]["reason"].startswith("prompt 0 kept the last 63 tokens, not 64")
+            said.clear()
+    finally:
+        engine.stop(60)
+        result.close()
+
+
 def test_vllms_legacy_prompt_token_ids_keyword_gives_the_prompts(llm):
     sp = SamplingParams(max_tokens=3, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in llm.generate(IDS, sp)]
