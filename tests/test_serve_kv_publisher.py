@@ -277,3 +277,42 @@ def test_closing_the_publisher_leaves_no_ipc_socket_file(tmp_path):
         ZmqKvEventPublisher(KvEventsConfig(enable_kv_cache_events=True, endpoint=f"ipc://{pub}",
                                            replay_endpoint=f"ipc://{tmp_path}/missing/replay.sock"))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_stop_signal_while_the_publisher_closes_leaves_no_ipc_socket_file(tmp_path):
+    """``kvload serve`` closes the publisher last, waiting for its thread to send what is queued: a SIGINT there
+    (Ctrl-C twice) was raised out of that wait before the sockets were closed, leaving the ipc:// files behind (and,
+    CPython 3.11, the thread marked stopped while it ran). It is raised once the thread ended and the files are gone."""
+    pub = tmp_path / "kv.sock"
+    code = f"""
+import json, os, sys, threading, time
+from kvload.serve.kv_publisher import KvEventsConfig, ZmqKvEventPublisher
+publisher = ZmqKvEventPublisher(KvEventsConfig(enable_kv_cache_events=True, endpoint="ipc://{pub}"))
+sending = threading.Event()
+send = publisher._send
+def slow(*a):
+    sending.set()
+    time.sleep(1.5)  # a batch going out as the close begins
+    send(*a)
+publisher._send = slow
+publisher.put({{"type": "kv_all_blocks_cleared", "ts": 1.0}})
+assert sending.wait(30)
+print("closing", flush=True)
+try:
+    publisher.close()
+except KeyboardInterrupt:
+    print(json.dumps({{"file": os.path.exists({str(pub)!r}),
+                      "running": [t.name for t in threading.enumerate() if t.name.startswith("kvload")]}}), flush=True)
+    raise
+"""
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**ENV, "PYTHONPATH": str(REPO)}, cwd=REPO)
+    try:
+        assert proc.stdout.readline().strip() == "closing"
+        time.sleep(0.5)  # inside the close's wait for the batch
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        reap(proc)
+    assert json.loads(out) == {"file": False, "running": []}, (out, err)
+    assert proc.returncode == -signal.SIGINT and err.rstrip().endswith("KeyboardInterrupt"), err[-2000:]

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
-import threading
 from collections import deque
 from typing import Any
 
@@ -36,6 +35,7 @@ import attrs
 from pipeline.config import field_check
 from pipeline.converter import structure
 from pipeline.errors import ConfigError
+from pipeline.thread_end import EndingThread
 
 FLAG = "--kv-events-config"
 PUBLISHERS = ("null", "zmq")
@@ -196,7 +196,7 @@ class ZmqKvEventPublisher:
             self._pub.close(linger=0)
             self._remove_ipc_files()
             raise
-        self._thread = threading.Thread(target=self._run, name="kvload-kv-events", daemon=True)
+        self._thread = EndingThread(target=self._run, name="kvload-kv-events", daemon=True)
         self._thread.start()
 
     def _socket(self, kind: int, address: str, field: str, bind: bool | None = None) -> Any:
@@ -238,14 +238,18 @@ class ZmqKvEventPublisher:
     def close(self) -> None:
         """Send what is queued (up to a second), stop the thread, close the sockets and remove their ipc:// files
         (idempotent)."""
-        if self._thread.is_alive():
-            with contextlib.suppress(queue.Full):  # a queue still full after a second: the thread is stuck anyway
-                self._queue.put(None, timeout=1.0)
-            self._thread.join(timeout=2.0)
-        for sock in (self._pub, self._replay):
-            if sock is not None and not sock.closed:
-                sock.close(linger=0)
-        self._remove_ipc_files()
+        try:
+            if self._thread.is_alive():
+                with contextlib.suppress(queue.Full):  # a queue still full after a second: the thread is stuck anyway
+                    self._queue.put(None, timeout=1.0)
+                # a stop signal meanwhile (kvload serve closes this last) is raised after the sockets are closed: it
+                # left the ipc:// files behind (see pipeline.thread_end)
+                self._thread.wait_end(2.0)
+        finally:
+            for sock in (self._pub, self._replay):
+                if sock is not None and not sock.closed:
+                    sock.close(linger=0)
+            self._remove_ipc_files()
 
     # --- the publishing thread -------------------------------------------------------------------
 
