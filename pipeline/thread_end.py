@@ -34,6 +34,8 @@ class EndingThread(threading.Thread):
         An exception a signal handler raises meanwhile (``KeyboardInterrupt``, ``SystemExit``) does not cut the wait
         short: the first is raised once the thread ended or the time ran out, so whoever handles it finds the thread
         gone (or, timed out, still running and said to be)."""
+        if self is threading.current_thread():  # as join: it would wait for itself
+            raise RuntimeError("cannot wait for the current thread to end")
         deadline = None if timeout is None else time.monotonic() + timeout
         held: BaseException | None = None
         while True:
