@@ -113,7 +113,7 @@ def test_ctrl_c_during_server_thread_stop_comes_once_both_threads_ended():
             print(json.dumps({"running": running()}), flush=True)
             raise
         print("not interrupted", flush=True)
-    """, slow=4.0)
+    """, slow=6.0)
     out, err = _signal_after(proc, "stopping", signal.SIGINT)
     assert json.loads(out) == {"running": []}, (out, err)
     assert proc.returncode == -signal.SIGINT and err.rstrip().endswith("KeyboardInterrupt"), err[-2000:]
@@ -129,7 +129,7 @@ def test_a_second_sigterm_while_kvload_serve_waits_for_its_engine_step_exits_143
         code = main(["serve", "tiny-llama", "--port", "0", "--max_tokens", "1024", "--device", "cpu"])
         print(json.dumps({"code": code, "running": running()}), flush=True)
         sys.exit(code)
-    """, slow=14.0)
+    """, slow=20.0)
     try:
         assert proc.stdout.readline().strip() == "serving"
         url = ready_url(until_ready(proc)[-1])
@@ -144,7 +144,7 @@ def test_a_second_sigterm_while_kvload_serve_waits_for_its_engine_step_exits_143
             pass
         assert line, "the request's second step never started"
         proc.send_signal(signal.SIGTERM)  # the server stops; its graceful shutdown gives up on the answer at 5 s
-        time.sleep(8.0)  # past that, inside the engine's stop, which waits for the 14 s step
+        time.sleep(10.0)  # past that, inside the engine's stop, which waits for the 20 s step
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
     finally:
