@@ -527,6 +527,25 @@ def test_a_yaml_octal_or_hex_number_means_the_same_as_a_flag(capsys, tmp_path, f
         assert (args[parents[0]] if parents else args)[leaf] == value
 
 
+@pytest.mark.parametrize(("flag", "text", "says"), [
+    ("--override_generation_config", '{"top_k": ' + "9" * 5000 + "}", "...: an integer of more than 4,300 digits"),
+    ("--override_generation_config", '{"a":' * 100_000 + "1" + "}" * 100_000, "...: nested too deeply"),
+    ("--override_generation_config", '{"temperature": NaN}', "'{\"temperature\": NaN}': NaN is not standard JSON"),
+    ("--override_generation_config", "temperature=0.5", "'temperature=0.5': not JSON (Expecting value at column 1)"),
+    ("--override_generation_config", "[1]", "'[1]': that is an array, not an object"),
+    ("--hf-overrides", '"x"', "error: --hf-overrides: expected a JSON object, got '\"x\"': that is a string, not an "
+                              "object"),
+    # the example was the sampling one for every JSON flag
+    ("--speculative-config", "ngram", "error: --speculative-config: expected a JSON object such as '{\"method\": "
+                                      "\"ngram\", \"num_speculative_tokens\": 4}', got 'ngram': not JSON"),
+])
+def test_a_json_flag_that_is_no_object_says_why(capsys, out, flag, text, says):
+    """'{"top_k": <5,000 digits>}' and 100,000 nested objects were "expected a JSON object, got '{...'", which they
+    are: the reason was dropped."""
+    assert_refused(_plan(capsys, "tiny-llama", flag, text, audit=out / "a.jsonl"), f"error: {flag}: ", says,
+                   folder=out)
+
+
 @settings(deadline=None, max_examples=100, derandomize=True)
 @given(logits=st.lists(st.integers(-50, 50), min_size=2, max_size=64, unique=True),
        temperature=st.floats(min_value=5e-324, max_value=1e-30), top_p=st.floats(min_value=5e-324, max_value=1.0))

@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import re
+import sys
 from collections.abc import Callable
 from decimal import Decimal
 from typing import Any
@@ -140,20 +141,41 @@ def size(text: str) -> int:
 
 def json_object(text: str) -> dict[str, Any]:
     """A JSON object (``'{"temperature": 0.5}'``): standard JSON only (no NaN), each key once."""
+    return _json_object(text, "")
+
+
+def json_object_like(example: str) -> Callable[[str], dict[str, Any]]:
+    """:func:`json_object` for a flag whose refusal shows ``example``, a value it takes."""
+    return lambda text: _json_object(text, f" such as '{example}'")
+
+
+#: What a JSON value that is no object is, in JSON's words
+_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "true or false"}
+
+
+def _json_object(text: str, such: str) -> dict[str, Any]:
     from pipeline.limits import unique_keys
 
     def constant(name: str) -> Any:
         raise ValueError(f"{name} is not standard JSON")
 
     twice = unique_keys(lambda message: argparse.ArgumentTypeError(f"{message}; keep one"))
+    # the reason goes with the refusal: '{"top_k": <5,000 digits>}' and 100,000 nested objects were "expected a JSON
+    # object, got '{...'", which they are; and every flag's example was the sampling one, --speculative-config's too
     try:
         value = json.loads(text, object_pairs_hook=twice, parse_constant=constant)
-    except (ValueError, RecursionError):  # JSONDecodeError, NaN, an integer literal past Python's digit limit
-        value = None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"temperature\": 0.5}}', got "
-                                         f"{short_text(text)}")
-    return value
+    except json.JSONDecodeError as exc:
+        why = f"not JSON ({exc.msg} at column {exc.colno})"
+    except RecursionError:
+        why = "nested too deeply"
+    except ValueError as exc:  # NaN, an integer literal past Python's digit limit
+        why = (f"an integer of more than {sys.get_int_max_str_digits():,} digits"
+               if "integer string conversion" in str(exc) else str(exc))
+    else:
+        if isinstance(value, dict):
+            return value
+        why = f"that is {'null' if value is None else _JSON_KINDS[type(value)]}, not an object"
+    raise argparse.ArgumentTypeError(f"expected a JSON object{such}, got {short_text(text)}: {why}")
 
 
 def token_ids(text: str) -> list[int]:
