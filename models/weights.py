@@ -283,6 +283,10 @@ def check_finite(path: Path, model: Any, dtype: str) -> None:
                      "every logit would be NaN")
 
 
+#: safetensors' floating-point element types (their header's ``dtype`` names)
+_FLOAT_STORAGE = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ"})
+
+
 def check_shapes_unloaded(path: Path) -> None:
     """Refuse, before a byte is allocated, safetensors whose tensors hold another number of values than the model
     ``config.json`` describes (the same one line :func:`check_loading_info` gives after a load).
@@ -307,16 +311,29 @@ def check_shapes_unloaded(path: Path) -> None:
             cfg = AutoConfig.from_pretrained(str(path), trust_remote_code=False, local_files_only=True)
             if getattr(cfg, "quantization_config", None):  # packed weights under the same names (bitsandbytes'):
                 return  # how they unpack is transformers' to say
-            expected = {name: tuple(t.shape) for name, t in AutoModelForCausalLM.from_config(cfg).state_dict().items()}
-        found = {}
+            state = AutoModelForCausalLM.from_config(cfg).state_dict()
+            expected = {name: tuple(t.shape) for name, t in state.items()}
+            floating = {name for name, t in state.items() if t.dtype.is_floating_point}
+        found, stored = {}, {}
         for file in sorted(path.glob("*.safetensors")):
             with safe_open(str(file), framework="pt") as f:
-                found.update({key: tuple(f.get_slice(key).get_shape()) for key in f.keys()})  # noqa: SIM118
+                for key in f.keys():  # noqa: SIM118
+                    found[key] = tuple(f.get_slice(key).get_shape())
+                    stored[key] = (file.name, f.get_slice(key).get_dtype())
     except Exception:  # a config transformers cannot build, a corrupt header: from_pretrained says
         return
     mismatched = [(key, shape, expected[key]) for key, shape in found.items()
                   if key in expected and math.prod(shape) != math.prod(expected[key])]
     check_loading_info(path, {"mismatched_keys": mismatched})
+    # from_pretrained casts an integer tensor to the model's dtype: a float weight whose header says I32 loaded its bits
+    # as integers (values near 1e9), and generate printed garbage with exit 0
+    integers = sorted(key for key in found if key in floating and stored[key][1] not in _FLOAT_STORAGE)
+    if integers:
+        file, kind = stored[integers[0]]
+        more = f" (and {len(integers) - 1} more)" if len(integers) > 1 else ""
+        raise ModelError(f"{path}: tensor {integers[0]} in {file} is stored as {kind}{more}, the model expects "
+                         f"floating-point weights ({', '.join(sorted(_FLOAT_STORAGE))}); integers or booleans there "
+                         "are a quantized checkpoint without its quantization_config, or a damaged file")
 
 
 def _activation_error(where: Any, exc: Exception) -> ModelError | None:

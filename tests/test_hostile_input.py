@@ -331,11 +331,13 @@ INT_FLAGS = ["--max_tokens", "--tokens_per_block", "--max_batch_size", "--max_se
              "--max_beam_width"]
 SIZE_FLAGS = ["--max_gpu_total_bytes", "--host_cache_size"]
 
-too_big = st.integers(min_value=2**63, max_value=10**60).map(str)
+too_big = st.one_of(st.integers(min_value=2**63, max_value=10**60).map(str),
+                    st.integers(min_value=2**63, max_value=10**60).map(hex))  # 0x... is a YAML 1.2 integer
 huge_digits = st.integers(min_value=41, max_value=6000).map(lambda n: "9" * n)
 not_finite = st.sampled_from(["1e400", "-1e400", "inf", "-inf", "nan", "NaN", "Infinity"])
 non_positive = st.integers(min_value=-(2**70), max_value=0).map(str)
-words = st.sampled_from(["", "four", "1e3", "0x10", "1.5", "2**64", "1_0_0_0_0_0_0_0_0_0_0_0_0_0_0_0_0_0_0_0_0"])
+words = st.sampled_from(["", "four", "1e3", "0b10", "0x1g", "0x_10", "0o8", "1.5", "2**64",
+                        "1_0_0_0_0_0_0_0_0_0_0_0_0_0_0_0_0_0_0_0_0"])
 
 
 
@@ -502,6 +504,46 @@ def test_a_yaml_number_gets_the_flags_verdict(capsys, tmp_path, out, field, text
     else:
         assert_refused(from_file, "n.yaml", f"{field}: expected", f"got {text!r}", folder=out)
         assert_refused(from_flag, flag, repr(text))
+
+
+@pytest.mark.parametrize(("field", "flag", "text", "value"), [
+    ("max_batch_size", "--max_batch_size", "0x40", 64), ("max_seq_len", "--max-model-len", "0o100", 64),
+    ("kv_cache_config.tokens_per_block", "--tokens_per_block", "+0x10", 16),
+    ("kv_cache_config.max_gpu_total_bytes", "--max_gpu_total_bytes", "0x400000", 4 * 2**20),
+    ("kv_cache_config.free_gpu_memory_fraction", "--kv_cache_fraction", "0o1", 1.0),
+])
+def test_a_yaml_octal_or_hex_number_means_the_same_as_a_flag(capsys, tmp_path, field, flag, text, value):
+    """YAML 1.2's 0o/0x integers: max_batch_size: 0x40 was 64 in a --config file, --max_batch_size 0x40 was refused
+    ("expected an integer"); one value, one verdict."""
+    *parents, leaf = field.split(".")
+    cfg = tmp_path / "n.yaml"
+    cfg.write_text(f"{leaf}: {text}\n" if not parents else f"{parents[0]}:\n  {leaf}: {text}\n")
+    budget = [] if leaf == "max_gpu_total_bytes" else ["--max_tokens", "4096"]
+    from_file = _plan(capsys, "tiny-llama", "--config", cfg, "--json", *budget)
+    from_flag = _plan(capsys, "tiny-llama", f"{flag}={text}", "--json", *budget)
+    assert from_file.code == from_flag.code == 0, (from_file.err, from_flag.err)
+    for r in (from_file, from_flag):
+        args = r.json()["args"]
+        assert (args[parents[0]] if parents else args)[leaf] == value
+
+
+@pytest.mark.parametrize(("flag", "text", "says"), [
+    ("--override_generation_config", '{"top_k": ' + "9" * 5000 + "}", "...: an integer of more than 4,300 digits"),
+    ("--override_generation_config", '{"a":' * 100_000 + "1" + "}" * 100_000, "...: nested too deeply"),
+    ("--override_generation_config", '{"temperature": NaN}', "'{\"temperature\": NaN}': NaN is not standard JSON"),
+    ("--override_generation_config", "temperature=0.5", "'temperature=0.5': not JSON (Expecting value at column 1)"),
+    ("--override_generation_config", "[1]", "'[1]': that is an array, not an object"),
+    ("--hf-overrides", '"x"', "error: --hf-overrides: expected a JSON object, got '\"x\"': that is a string, not an "
+                              "object"),
+    # the example was the sampling one for every JSON flag
+    ("--speculative-config", "ngram", "error: --speculative-config: expected a JSON object such as '{\"method\": "
+                                      "\"ngram\", \"num_speculative_tokens\": 4}', got 'ngram': not JSON"),
+])
+def test_a_json_flag_that_is_no_object_says_why(capsys, out, flag, text, says):
+    """'{"top_k": <5,000 digits>}' and 100,000 nested objects were "expected a JSON object, got '{...'", which they
+    are: the reason was dropped."""
+    assert_refused(_plan(capsys, "tiny-llama", flag, text, audit=out / "a.jsonl"), f"error: {flag}: ", says,
+                   folder=out)
 
 
 @settings(deadline=None, max_examples=100, derandomize=True)

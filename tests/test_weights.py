@@ -209,6 +209,28 @@ def test_a_tensor_of_the_wrong_shape_is_one_line_naming_it_and_both_shapes(tmp_p
         load_through_stages(str(ckpt))
 
 
+@pytest.mark.parametrize("kind", [torch.int32, torch.int8, torch.bool])
+def test_a_float_weight_stored_as_integers_is_refused_naming_it_and_its_type(capsys, tmp_path, kind):
+    """from_pretrained casts an integer tensor to the model's dtype: a weight whose safetensors header said I32 (its
+    float bits read as integers, values near 1e9) loaded and generate printed garbage with exit 0."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.cli_support import run_cli
+
+    ckpt = _llama_checkpoint(tmp_path / "ckpt")
+    tensors = load_file(ckpt / "model.safetensors")
+    weight = tensors["model.layers.1.mlp.up_proj.weight"]
+    tensors["model.layers.1.mlp.up_proj.weight"] = (weight * 1000).to(kind)  # same shape, integer storage
+    save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
+    r = run_cli(capsys, "generate", ckpt, "--prompt-ids", "1,2,3", "--max_new_tokens", "1", "--max_tokens", "256",
+                "--max_seq_len", "256")
+    stored = {torch.int32: "I32", torch.int8: "I8", torch.bool: "BOOL"}[kind]
+    assert (r.code, r.out) == (2, ""), r.err
+    assert r.one_error_line, r.err
+    assert f"{ckpt}: tensor model.layers.1.mlp.up_proj.weight in model.safetensors is stored as {stored}, the " \
+           "model expects floating-point weights (BF16, F16, F32" in r.err
+
+
 @pytest.mark.parametrize("size", [4_000_000, 10**9])
 def test_a_config_json_that_inflates_a_tensor_is_refused_before_it_is_allocated(tmp_path, size):
     """transformers builds the model at config.json's sizes before it compares them with the checkpoint's: an

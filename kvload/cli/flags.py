@@ -8,7 +8,16 @@ from typing import Any
 
 import attrs
 
-from kvload.cli.values import field_integer, integer, json_object, number, size, token_count, tri_state
+from kvload.cli.values import (
+    field_integer,
+    integer,
+    json_object,
+    json_object_like,
+    number,
+    size,
+    token_count,
+    tri_state,
+)
 from pipeline.config import ATTENTION_BACKENDS, LINEAR_BACKENDS
 
 
@@ -91,7 +100,8 @@ FLAGS: tuple[Flag, ...] = (
          metavar="{auto,vllm,DIR}"),
     Flag("--override_generation_config", "override_generation_config", "generation_config.json keys laid over the "
          "model's sampling defaults, as a JSON object: temperature, top_p, top_k, min_p, repetition_penalty, "
-         "max_new_tokens, do_sample (vLLM's flag), e.g. '{\"temperature\": 0.5}'", json_object, metavar="JSON"),
+         "max_new_tokens, do_sample (vLLM's flag), e.g. '{\"temperature\": 0.5}'",
+         json_object_like('{"temperature": 0.5}'), metavar="JSON"),
     Flag("--tp_size", "tensor_parallel_size",
          "tensor-parallel ranks (launch that many with torchrun; plan alone shows rank 0's view)", field_integer,
          metavar="N", aliases=("--tensor_parallel_size", "-tp")),
@@ -136,7 +146,8 @@ VLLM_KNOB_FLAGS: tuple[tuple[str, str, Callable[[str], Any] | None, str | None],
     ("--max-parallel-loading-workers", "max_parallel_loading_workers", integer, "N"),
     ("--preemption-mode", "preemption_mode", str, "MODE"),
     # acts: its n-gram method is kvload's drafts (pipeline.vllm_compat.speculative_config); other methods refused
-    ("--speculative-config", "speculative_config", json_object, "JSON"),
+    ("--speculative-config", "speculative_config",
+     json_object_like('{"method": "ngram", "num_speculative_tokens": 4}'), "JSON"),
 )
 #: vLLM's one-dash spellings of some of them (``vllm/engine/arg_utils.py``)
 VLLM_KNOB_SHORT: dict[str, tuple[str, ...]] = {"--data-parallel-size": ("-dp",), "--pipeline-parallel-size": ("-pp",),

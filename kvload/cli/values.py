@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
+import sys
 from collections.abc import Callable
 from decimal import Decimal
 from typing import Any
@@ -29,20 +31,46 @@ class _TooBig(argparse.ArgumentTypeError):
     """An integer past 2**63 - 1: a flag with a smaller range of its own says that range instead."""
 
 
-def integer(text: str) -> int:
-    """A whole number (``1_000`` allowed, an underscore between two digits, Python's rule and a YAML config's), at most
-    2**63 - 1 in size (what torch and the budget arithmetic take)."""
+#: YAML 1.2 core's octal and hex integers (``0o17``, ``0x1F``, signed), as a ``--config`` file reads them
+#: (``pipeline.sources``): ``max_batch_size: 0x40`` was 64 in the file where ``--max_batch_size 0x40`` was refused
+_RADIX = re.compile(r"([-+]?)0(?:o([0-7]+)|x([0-9a-fA-F]+))")
+
+
+def _radix(text: str) -> int | None:
+    """The integer a YAML 1.2 octal or hex number stands for, or None for other text."""
+    match = _RADIX.fullmatch(text)
+    if match is None:
+        return None
+    sign, octal, hexa = match.groups()
+    if len(octal or hexa) > MAX_INT_DIGITS:  # as a decimal one: such a number is refused, not converted
+        raise ValueError(text)
+    value = int(octal, 8) if octal else int(hexa, 16)
+    return -value if sign == "-" else value
+
+
+def _whole(text: str) -> int:
+    """``text`` as a whole number, unbounded; ``argparse.ArgumentTypeError`` when it is none."""
     digits = text.strip()
     if not digits.isascii():  # int() reads any script's digits ('٣٣', '１６'), where a YAML config reads a string
         raise argparse.ArgumentTypeError(f"expected an integer in the digits 0-9, got {short_text(text)}")
     try:
+        radix = _radix(digits)
+        if radix is not None:
+            return radix
         if len(digits.lstrip("+-").replace("_", "")) > MAX_INT_DIGITS:  # never hand int() a 5,000-digit string
             raise ValueError(text)
         # int() itself, not int() of the text without its underscores: that read "_10", "1__0" and "10_" as 10, where
         # the same value in a config file was refused as a string
-        value = int(digits)
+        return int(digits)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {short_text(text)}") from None
+
+
+def integer(text: str) -> int:
+    """A whole number (``1_000`` allowed, an underscore between two digits, Python's rule and a YAML config's; ``0o``
+    octal and ``0x`` hex, a YAML config's too), at most 2**63 - 1 in size (what torch and the budget arithmetic
+    take)."""
+    value = _whole(text)
     if abs(value) > MAX_INT:
         raise _TooBig(f"expected an integer of at most 2**63 - 1, got {short_text(text)}")
     return value
@@ -55,7 +83,7 @@ def field_integer(text: str) -> int:
     try:
         return integer(text)
     except _TooBig:
-        return int(text.strip())  # integer() checked the digits: 0-9, at most MAX_INT_DIGITS
+        return _whole(text)  # integer() checked the digits: 0-9, at most MAX_INT_DIGITS
 
 
 #: vLLM's suffixes of a token count (``human_readable_int``): lowercase decimal, uppercase binary
@@ -89,7 +117,10 @@ def number(text: str) -> float:
     if not text.strip().isascii():  # float() reads any script's digits ('０.５'), as int() does
         raise argparse.ArgumentTypeError(f"expected a number in the digits 0-9, got {short_text(text)}")
     try:
-        value = float(text)
+        radix = _radix(text.strip())
+        value = float(text) if radix is None else float(radix)  # a YAML config reads 0x1 as a number too
+    except OverflowError:  # a hex integer past float's range, as float("1e400") is
+        value = math.inf
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {short_text(text)}") from None
     if not math.isfinite(value):
@@ -100,6 +131,9 @@ def number(text: str) -> float:
 def size(text: str) -> int:
     """A byte count: ``8589934592``, ``8GiB`` (= ``8G``), ``512MB`` (at most 2**63 - 1)."""
     try:
+        radix = _radix(text.strip())  # a YAML config's 0o/0x integers, as a byte-count field there reads them
+        if radix is not None and 0 <= radix <= MAX_INT:
+            return radix
         return parse_size(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected {SIZE_HELP} (at most 2**63 - 1), got {short_text(text)}") from None
@@ -107,20 +141,41 @@ def size(text: str) -> int:
 
 def json_object(text: str) -> dict[str, Any]:
     """A JSON object (``'{"temperature": 0.5}'``): standard JSON only (no NaN), each key once."""
+    return _json_object(text, "")
+
+
+def json_object_like(example: str) -> Callable[[str], dict[str, Any]]:
+    """:func:`json_object` for a flag whose refusal shows ``example``, a value it takes."""
+    return lambda text: _json_object(text, f" such as '{example}'")
+
+
+#: What a JSON value that is no object is, in JSON's words
+_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "true or false"}
+
+
+def _json_object(text: str, such: str) -> dict[str, Any]:
     from pipeline.limits import unique_keys
 
     def constant(name: str) -> Any:
         raise ValueError(f"{name} is not standard JSON")
 
     twice = unique_keys(lambda message: argparse.ArgumentTypeError(f"{message}; keep one"))
+    # the reason goes with the refusal: '{"top_k": <5,000 digits>}' and 100,000 nested objects were "expected a JSON
+    # object, got '{...'", which they are; and every flag's example was the sampling one, --speculative-config's too
     try:
         value = json.loads(text, object_pairs_hook=twice, parse_constant=constant)
-    except (ValueError, RecursionError):  # JSONDecodeError, NaN, an integer literal past Python's digit limit
-        value = None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"temperature\": 0.5}}', got "
-                                         f"{short_text(text)}")
-    return value
+    except json.JSONDecodeError as exc:
+        why = f"not JSON ({exc.msg} at column {exc.colno})"
+    except RecursionError:
+        why = "nested too deeply"
+    except ValueError as exc:  # NaN, an integer literal past Python's digit limit
+        why = (f"an integer of more than {sys.get_int_max_str_digits():,} digits"
+               if "integer string conversion" in str(exc) else str(exc))
+    else:
+        if isinstance(value, dict):
+            return value
+        why = f"that is {'null' if value is None else _JSON_KINDS[type(value)]}, not an object"
+    raise argparse.ArgumentTypeError(f"expected a JSON object{such}, got {short_text(text)}: {why}")
 
 
 def token_ids(text: str) -> list[int]:
