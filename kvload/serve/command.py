@@ -592,7 +592,8 @@ IGNORED_SERVE_FLAGS: dict[str, str] = {
     "--enable-prompt-tokens-details": "kvload always returns usage.prompt_tokens_details (cached_tokens)",
     "--disable-fastapi-docs": "kvload serve has no /docs, /redoc or /openapi.json to disable",
     "--disable-frontend-multiprocessing": "kvload serve runs its HTTP front end and its engine loop in one process",
-    "--enable-server-load-tracking": "GET /metrics reports the running and waiting requests at any time",
+    "--enable-server-load-tracking": "kvload serve always tracks it: GET /load answers the requests in the server at "
+                                     "any time, and GET /metrics the running and waiting ones",
     "--guided-decoding-backend": "kvload's structured outputs always run on xgrammar",
     "--chat-template-content-format": "kvload joins a message's text parts into one string for the template (vLLM's "
                                       "string format); the openai format is not served",
