@@ -437,6 +437,10 @@ class LLM:
             return
         self.result.close(CLOSED_DURING_GENERATION)  # the result's: stop the call, wait for it, then release
 
+    def shutdown(self) -> None:
+        """TensorRT-LLM's ``LLM.shutdown()``, which its scripts (and vLLM's proposed teardown) call: :meth:`close`."""
+        self.close()
+
     def __enter__(self) -> LLM:
         return self
 

@@ -745,6 +745,21 @@ def test_close_from_the_thread_reading_a_stream(tmp_path):
         ["generation_started", "generation_failed"]
 
 
+def test_shutdown_releases_as_close_does_under_tensorrt_llms_name():
+    """TensorRT-LLM scripts end with ``llm.shutdown()``: it stops what runs and releases the pools, as close() does."""
+    llm = kvload.LLM("tiny-llama", **llm_kwargs())
+    seen = _watch_release(llm)
+    stream = llm.generate_stream([[1, 2, 3]], max_tokens=50, ignore_eos=True)
+    next(stream)
+    llm.shutdown()
+    assert seen == {"used_blocks": 0, "workers": []}
+    with pytest.raises(GenerationError, match="closed during generation"):
+        list(stream)
+    with pytest.raises(GenerationError, match="this LLM was closed"):
+        llm.generate([[1, 2, 3]], max_tokens=2)
+    llm.shutdown()  # twice, as close(): nothing left to release
+
+
 def test_a_forked_child_is_told_it_cannot_use_the_llm_and_leaves_the_parents_alone(tmp_path):
     # a forward in a child forked after torch ran multi-threaded waited for ever (the parent's OpenMP pool), and the
     # child's close() rewrote the parent's audit log: every call there is now one error, its close touches nothing

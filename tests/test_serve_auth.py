@@ -72,6 +72,7 @@ def test_probes_stay_open_and_every_other_path_needs_the_key(served):
     assert http.get("/ping").json() == http.post("/ping").json() == {"status": "ok"}  # SageMaker's probe, as vLLM's
     assert "kvload_generation_tokens_total" in http.get("/metrics").text
     assert "version" in http.get("/version").json()
+    assert http.get("/load").json() == {"server_load": 0}  # vLLM's, a load-aware router's poll
     # OPTIONS passes as in vLLM (a CORS preflight carries no credentials): kvload's 405, not a 401
     assert http.options("/v1/completions").status_code == 405
     closed = [("GET", "/v1/models"), ("GET", f"/v1/models/{served.state.model_name}"),
@@ -79,7 +80,7 @@ def test_probes_stay_open_and_every_other_path_needs_the_key(served):
               ("GET", "/v1/kvload/explain?field=max_batch_size"), ("GET", "/v1/kvload/kv_events"),
               ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
               # open in vLLM; here they share the admission slots and the parse gate with completions
-              ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/v1/responses"),
+              ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/v1/responses"), ("POST", "/invocations"),
               ("GET", "/v1/responses/resp_1"), ("DELETE", "/v1/responses/resp_1"),
               ("GET", "/v1/responses/resp_1/input_items"),
               ("GET", "/nowhere")]  # not the 404 that lists every endpoint
@@ -155,7 +156,7 @@ def test_a_request_without_the_key_takes_no_slot_and_learns_nothing_of_the_load(
 def test_the_audit_says_a_key_is_required_and_where_it_came_from_never_the_key(served):
     (record,) = served.result.audit.of("api_key_required")
     assert record["source"] == "api_keys" and record["keys"] == 2
-    assert record["open_paths"] == ["/health", "/metrics", "/ping", "/version"]
+    assert record["open_paths"] == ["/health", "/load", "/metrics", "/ping", "/version"]
     served_audit = served.http.get("/v1/kvload/audit", headers={"Authorization": f"Bearer {OTHER}"}).text
     assert '"api_key_required"' in served_audit
     for text in (served_audit, repr(served.state), json.dumps(served.result.audit.events, default=str)):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 import socket
+import threading
 from pathlib import Path
 
 import httpx
@@ -18,7 +19,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from tests.serve_support import TIMEOUT, answers_while_held, serving
+from tests.serve_support import TIMEOUT, answers_while_held, held_at_step, serving
 
 VOCAB = 512  # the tiny llama's
 TEMPLATE = ("{% if who %}{{ who }} {% endif %}{% for m in messages %}{{ m['content'] }} {% endfor %}"
@@ -390,3 +391,44 @@ def test_several_served_model_names_are_each_served_and_answers_carry_the_first(
                                               "'org/second'")
         assert s.http.get("/v1/models/third").status_code == 404
         assert 'model_name="first"' in s.http.get("/metrics").text
+
+
+# --- SageMaker's /invocations, vLLM's /load ---------------------------------------------------------------------
+
+
+def test_invocations_serves_a_chat_or_a_completions_body_as_its_own_endpoint_does(served):
+    """SageMaker sends every request to POST /invocations: vLLM answers a body with messages as a chat completion,
+    one with a prompt as a completion; each answer is the one its own endpoint gives (greedy: the same tokens)."""
+    chat = {"model": "words", "messages": CONV, "max_tokens": 3, "ignore_eos": True}
+    completion = {"model": "words", "prompt": "w5 w17", "max_tokens": 3, "ignore_eos": True}
+    for body, endpoint, kind in [(chat, "/v1/chat/completions", "chat.completion"),
+                                 (completion, "/v1/completions", "text_completion")]:
+        r = served.http.post("/invocations", json=body)
+        assert r.status_code == 200, r.text
+        doc, own = r.json(), served.http.post(endpoint, json=body).json()
+        assert doc["object"] == own["object"] == kind
+        assert doc["choices"][0]["token_ids"] == own["choices"][0]["token_ids"] and doc["usage"] == own["usage"]
+    with served.http.stream("POST", "/invocations", json={**chat, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert r.status_code == 200 and chunks[0]["object"] == "chat.completion.chunk"
+    # a chat body's refusal is the chat endpoint's, naming its field
+    r = served.http.post("/invocations", json={**chat, "temperature": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+    for body in [{"model": "words", "input": "w5"}, ["w5"]]:  # an embeddings body; not an object
+        r = served.http.post("/invocations", json=body)
+        message = r.json()["error"]["message"]
+        assert r.status_code == 400 and "neither a chat completion" in message and "prompt" in message, r.text
+
+
+def test_load_counts_the_requests_in_the_server_as_vllms_does(served):
+    """vLLM's GET /load, a load-aware router's poll: {"server_load": N}, the requests in the server now."""
+    assert served.http.get("/load").json() == {"server_load": 0}
+    answers = []
+    with held_at_step(served, 2) as (reached, _release):
+        thread = threading.Thread(target=lambda: answers.append(served.http.post("/invocations", json={
+            "model": "words", "prompt": "w5", "max_tokens": 3, "ignore_eos": True})))
+        thread.start()
+        assert reached.wait(TIMEOUT)
+        assert served.http.get("/load").json() == {"server_load": 1}
+    thread.join(TIMEOUT)
+    assert answers[0].status_code == 200 and served.http.get("/load").json() == {"server_load": 0}

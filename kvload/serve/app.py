@@ -115,6 +115,10 @@ def create_app(state: ServeState) -> FastAPI:
             raise _not_served(model, state.served_names)
         return model_card(model)
 
+    @app.get("/load")  # vLLM's: what a load-aware router polls; the requests _Admission counts, as /metrics' gauge
+    async def load() -> dict[str, int]:
+        return {"server_load": state.in_flight}
+
     @app.get("/metrics")
     async def metrics() -> Response:
         body = await asyncio.to_thread(state.metrics.render)  # a scrape may wait for the step in flight
@@ -187,6 +191,10 @@ def create_app(state: ServeState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await _serve(state, request, "chat", gate, stopping)
+
+    @app.post("/invocations")  # SageMaker's inference route, as vLLM serves it: a chat or a completions body
+    async def invocations(request: Request) -> Response:
+        return await _serve(state, request, "invocations", gate, stopping)
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:

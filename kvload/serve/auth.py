@@ -4,7 +4,8 @@ vLLM (``--api-key`` / ``VLLM_API_KEY``, its ``AuthenticationMiddleware``) answer
 without ``Authorization: Bearer KEY`` (any of its keys; the scheme in any case), lets ``OPTIONS`` through (a CORS
 preflight carries no credentials) and leaves every other path open. kvload checks the same header the same way,
 and takes the key as ``X-Api-Key`` too (Anthropic's clients send it so, to ``/v1/messages``), but only
-``/health``, ``/metrics`` and ``/version`` stay open (probes and scrapers send no key, as under vLLM):
+``/health``, ``/ping``, ``/metrics``, ``/version`` and ``/load`` stay open (probes, scrapers and routers send no key,
+as under vLLM):
 
 * ``/tokenize`` and ``/detokenize``, open in vLLM (its issue #18892 reports them as reachable without the key),
   share the server's ``--max-concurrent-requests`` slots and its one-at-a-time parse gate with completions and run
@@ -35,8 +36,9 @@ from pipeline.errors import ConfigError
 API_KEY_ENV = "KVLOAD_API_KEY"
 #: vLLM's, honoured after kvload's own: a server moved over from vLLM with it set stays protected, never open.
 VLLM_API_KEY_ENV = "VLLM_API_KEY"
-#: Paths answered without a key (with one too): liveness probes, Prometheus scrapers, version checks.
-OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
+#: Paths answered without a key (with one too): liveness probes, Prometheus scrapers, version checks, and vLLM's
+#: ``/load`` (a load-aware router's poll: the count /metrics' ``kvload_http_requests_in_flight`` gives anyway).
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version", "/load"})
 
 
 def route_path(scope: Mapping[str, Any]) -> str:

@@ -42,7 +42,8 @@ Endpoints (OpenAI-compatible): POST /v1/completions, POST /v1/chat/completions (
 server-sent events), POST /v1/responses (OpenAI's Responses API, run as chat; GET and DELETE
 /v1/responses/{id} for the --responses-store-max newest kept), GET /v1/models,
 /v1/models/{id}, /health, /version, /metrics (Prometheus,
-kvload_*), vLLM's POST /tokenize and /detokenize, and kvload's own
+kvload_*), vLLM's POST /tokenize and /detokenize, GET /load ({"server_load": N}) and
+SageMaker's GET|POST /ping and POST /invocations (a chat or completions body), and kvload's own
 GET /v1/kvload/audit (the load's audit log as JSON Lines, generation events included),
 GET /v1/kvload/explain?field=NAME (one field's provenance chain), GET /v1/kvload/kv_events.
 
@@ -592,7 +593,8 @@ IGNORED_SERVE_FLAGS: dict[str, str] = {
     "--enable-prompt-tokens-details": "kvload always returns usage.prompt_tokens_details (cached_tokens)",
     "--disable-fastapi-docs": "kvload serve has no /docs, /redoc or /openapi.json to disable",
     "--disable-frontend-multiprocessing": "kvload serve runs its HTTP front end and its engine loop in one process",
-    "--enable-server-load-tracking": "GET /metrics reports the running and waiting requests at any time",
+    "--enable-server-load-tracking": "kvload serve always tracks it: GET /load answers the requests in the server at "
+                                     "any time, and GET /metrics the running and waiting ones",
     "--guided-decoding-backend": "kvload's structured outputs always run on xgrammar",
     "--chat-template-content-format": "kvload joins a message's text parts into one string for the template (vLLM's "
                                       "string format); the openai format is not served",

@@ -42,6 +42,18 @@ from pipeline.events import SettingIgnored, StructuredOutputsRequested
 from pipeline.limits import MAX_LOGPROB_TOKENS, MAX_SCORED_PROMPT_TOKENS
 
 
+def invocation_kind(body: Any) -> str:
+    """What SageMaker's ``POST /invocations`` body asks for, as vLLM routes it: a chat completion when it has
+    ``messages`` (vLLM tries that request type first), else a completion when it has ``prompt``; else a 400."""
+    if isinstance(body, dict) and "messages" in body:
+        return "chat"
+    if isinstance(body, dict) and "prompt" in body:
+        return "completion"
+    raise BadRequest("/invocations: the body is neither a chat completion (it has no messages) nor a completion (no "
+                     "prompt); send the body POST /v1/chat/completions or POST /v1/completions takes (embedding, "
+                     "scoring and pooling requests are not served: kvload generates text)")
+
+
 class _Run(_OpenAIDocuments):
     """The engine requests of one HTTP request, and their answer."""
 
@@ -73,6 +85,10 @@ class _Run(_OpenAIDocuments):
         body saying the same, its refusals named in its own words."""
         if kind == "messages":
             self._prepare_messages(raw)
+            return
+        if kind == "invocations":
+            body = _load(raw)
+            self._prepare(_parse_body(self.state, body, invocation_kind(body)))
             return
         if kind != "responses":
             self._prepare(_parse(self.state, raw, kind))
