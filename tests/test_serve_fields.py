@@ -723,3 +723,27 @@ def test_default_chat_template_kwargs_reach_every_chat_request_under_its_own(ser
         served.state.default_chat_template_kwargs = {}
     with pytest.raises(ConfigError, match="^default_chat_template_kwargs: "):
         build_state(served.result, default_chat_template_kwargs={"not a name": 1})
+
+
+def test_a_requests_reasoning_effort_overrides_the_servers_default_enable_thinking_as_vllm_does(served):
+    """kvload serve --default-chat-template-kwargs '{"enable_thinking": false}' (Qwen3 served without thinking): a
+    request asking reasoning_effort "high" thinks, as vLLM's does (the effort's enable_thinking is the request's, the
+    server's default is not); "none" under a default true does not; the request's own enable_thinking still wins."""
+    template = "{% if enable_thinking is false %}w12 {% endif %}" + TOOL_TEMPLATE
+    body = {"model": "words", "messages": CONV, "max_tokens": 1, "chat_template": template, "return_token_ids": True}
+
+    def first(default, **extra):
+        served.state.default_chat_template_kwargs = default
+        try:
+            r = served.http.post("/v1/chat/completions", json={**body, **extra})
+        finally:
+            served.state.default_chat_template_kwargs = {}
+        assert r.status_code == 200, r.text
+        return r.json()["prompt_token_ids"][0]
+
+    off, on = {"enable_thinking": False}, {"enable_thinking": True}
+    plain = first({})
+    assert plain != 12 and first(off) == 12  # the default alone: thinking off
+    assert first(off, reasoning_effort="high") == plain  # the request asked for effort: thinking on
+    assert first(on, reasoning_effort="none") == 12
+    assert first(off, reasoning_effort="high", chat_template_kwargs={"enable_thinking": False}) == 12
