@@ -66,8 +66,10 @@ IGNORED: dict[str, str] = {
     "download_dir": "kvload never downloads from a model hub (local directories, presets, smollm2-135m)",
     "max_logprobs": "kvload's bound is fixed: at most 20 logprobs per token (pipeline.limits.MAX_LOGPROBS)",
     "hf_token": "kvload never downloads from a model hub: it reads local directories and the local Hugging Face cache",
-    **dict.fromkeys(("max_lora_rank", "max_loras", "max_cpu_loras"),
-                    "LoRA adapters: kvload runs the base weights (a lora_request is refused)"),
+    **dict.fromkeys(("max_lora_rank", "max_loras", "max_cpu_loras", "enable_lora", "fully_sharded_loras",
+                     "lora_dtype"),
+                    "LoRA adapters: kvload runs the base weights, no adapter is loaded (lora_modules and a "
+                    "lora_request are refused)"),
     **dict.fromkeys(("limit_mm_per_prompt", "mm_processor_kwargs"),
                     "multimodal inputs: kvload serves text-only models (a prompt's multi_modal_data is refused)"),
     "enable_expert_parallel": "MoE expert parallelism: kvload parallelizes by tensor parallel only "
@@ -126,9 +128,21 @@ NO_OP_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 
 
+#: vLLM's settings that would load something kvload does not serve → why, and what to do instead: refused with any
+#: value but their unset one (None, or an empty list)
+REFUSED: dict[str, str] = {
+    "lora_modules": "LoRA adapters are not served by kvload (it runs the base weights); serve a checkpoint with the "
+                    "adapter merged into its weights (peft's merge_and_unload) instead",
+}
+
+
 def vllm_knob(name: str, value: Any) -> str | None:
     """Why vLLM's engine knob ``name`` does nothing in kvload (reported as ``setting_ignored``), or None for a name
     that is not one; ``ConfigError`` for a knob given a value kvload cannot honour (``quantization="awq"``)."""
+    if name in REFUSED:
+        if value is None or value == []:
+            return f"{REFUSED[name]} (none was given)"
+        raise ConfigError(f"{name}: {REFUSED[name]}", path=name, detail="not served")
     if name in IGNORED:
         entry_check = KNOB_VALUES.get(name)
         if entry_check is not None and value is not None and not entry_check[0](value):

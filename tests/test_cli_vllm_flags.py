@@ -311,3 +311,26 @@ def test_load_format_dummy_says_kvload_loads_the_real_weights(capsys, tmp_path):
     (line,) = [line for line in r.err.splitlines() if "setting_ignored" in line]
     assert "a TensorRT-LLM option kvload does not act on: dummy asks for random weights" in line, line
     assert "kvload loads the checkpoint's real weights" in line, line
+
+
+def test_lora_modules_is_one_line_saying_adapters_are_not_served_and_the_lora_switches_are_reported(capsys):
+    """``vllm serve BASE --enable-lora --lora-modules sql=/adapters/sql`` was "unrecognized arguments": the flag
+    that loads adapters is one line naming it (exit 2, every value of it read: no "unrecognized b=/y"); the switches
+    and sizes that load nothing are taken, each with a setting_ignored saying kvload runs the base weights; the
+    Python API refuses the keyword alike."""
+    import kvload
+    from pipeline.errors import ConfigError
+
+    for spelling in ("--lora-modules", "--lora_modules"):
+        r = run_cli(capsys, "serve", "tiny-llama", "--enable-lora", spelling, "sql=/adapters/sql", "chat=/adapters/c")
+        assert (r.code, r.out) == (2, ""), r.err
+        assert r.err == (f"error: {spelling}: LoRA adapters are not served by kvload (it runs the base weights); serve "
+                         "a checkpoint with the adapter merged into its weights (peft's merge_and_unload) instead\n")
+    r = run_cli(capsys, "plan", "tiny-llama", "--enable-lora", "--max-cpu-loras", "4", "--fully-sharded-loras",
+                "--lora-dtype", "auto", "--max-loras", "2")
+    assert r.code == 0, r.err
+    warned = [line for line in r.err.splitlines() if "setting_ignored" in line]
+    for key in ("enable_lora", "max_cpu_loras", "fully_sharded_loras", "lora_dtype", "max_loras"):
+        assert any(f"field={key} " in line and "kvload runs the base weights" in line for line in warned), key
+    with pytest.raises(ConfigError, match="^lora_modules: LoRA adapters are not served by kvload"):
+        kvload.plan("tiny-llama", lora_modules=[{"name": "sql", "path": "/adapters/sql"}], log=False)

@@ -125,6 +125,12 @@ VLLM_KNOB_FLAGS: tuple[tuple[str, str, Callable[[str], Any] | None, str | None],
     ("--hf-token", "hf_token", str, "TOKEN"),
     ("--max-lora-rank", "max_lora_rank", integer, "N"),
     ("--max-loras", "max_loras", integer, "N"),
+    ("--max-cpu-loras", "max_cpu_loras", integer, "N"),
+    ("--enable-lora", "enable_lora", None, None),
+    ("--fully-sharded-loras", "fully_sharded_loras", None, None),
+    ("--lora-dtype", "lora_dtype", str, "DTYPE"),
+    # refused (pipeline.vllm_compat.REFUSED): it loads adapters, which kvload does not serve
+    ("--lora-modules", "lora_modules", str, "NAME=PATH"),
     ("--limit-mm-per-prompt", "limit_mm_per_prompt", json_object, "JSON"),
     ("--mm-processor-kwargs", "mm_processor_kwargs", json_object, "JSON"),
     ("--enable-expert-parallel", "enable_expert_parallel", None, None),
@@ -144,6 +150,9 @@ VLLM_KNOB_SHORT: dict[str, tuple[str, ...]] = {"--data-parallel-size": ("-dp",),
 
 #: the switches of ``VLLM_KNOB_FLAGS`` vLLM declares ``store_true`` (no ``--no-`` form there either)
 VLLM_STORE_TRUE_FLAGS = frozenset({"--disable-log-stats", "--enable-expert-parallel", "--use-v2-block-manager"})
+#: the ``VLLM_KNOB_FLAGS`` vLLM takes one or more values of (``--lora-modules a=/x b=/y``): all of them, so the flag's
+#: own line answers, not "unrecognized arguments: b=/y"
+VLLM_LIST_FLAGS = frozenset({"--lora-modules"})
 
 
 def _knob_dest(key: str) -> str:
@@ -195,7 +204,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                                    const=False, default=None, help=argparse.SUPPRESS)
         else:
             knobs.add_argument(*names, dest=_knob_dest(key), type=kind, metavar=metavar, default=None,
-                               help=argparse.SUPPRESS)
+                               nargs="+" if name in VLLM_LIST_FLAGS else None, help=argparse.SUPPRESS)
     group.add_argument("--config", "--extra_llm_api_options", "--extra-llm-api-options", dest="config",
                        metavar="FILE.yaml", help="YAML file of LlmArgs fields (CLI flags win); TensorRT-LLM options "
                                                  "kvload does not act on are accepted with a warning each")
