@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from pipeline.config import LlmArgs, describe
+from pipeline.config import AUTO, LlmArgs, describe
 from pipeline.converter import structure
 from pipeline.errors import ConfigError
 from pipeline.limits import MAX_DRAFT_LEN, MAX_NGRAM, short
@@ -221,6 +221,8 @@ def take_same_meaning(tree: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str
             continue
         if value is None:  # vLLM's "not set" (its default for every one of these): kvload's default stands
             continue
+        if key == "max_model_len" and value == -1 and type(value) is int:  # vLLM's sentinel of "auto"
+            value = AUTO
         try:
             mine = _checked(path, value)
         except ConfigError as exc:

@@ -8,7 +8,16 @@ from typing import Any
 
 import attrs
 
-from kvload.cli.values import field_integer, integer, json_object, number, size, token_count, tri_state
+from kvload.cli.values import (
+    field_integer,
+    integer,
+    json_object,
+    number,
+    size,
+    token_count,
+    token_count_or_auto,
+    tri_state,
+)
 from pipeline.config import ATTENTION_BACKENDS, LINEAR_BACKENDS
 
 
@@ -64,7 +73,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--max_batch_size", "max_batch_size", "most requests scheduled at once", field_integer, metavar="N",
          aliases=("--max_num_seqs",)),
     Flag("--max_seq_len", "max_seq_len", "longest sequence (default: the checkpoint's; 32k = 32,000 and 32K = 32,768, "
-         "as vLLM reads them)", token_count, metavar="N", aliases=("--max_model_len",)),
+         "as vLLM reads them; auto or -1: the longest one sequence the KV cache holds, at most the checkpoint's, "
+         "vLLM's max_model_len -1)", token_count_or_auto, metavar="N", aliases=("--max_model_len",)),
     Flag("--max_num_tokens", "max_num_tokens", "most tokens in one forward (prefill chunk; 8k, 8K as vLLM reads them)",
          token_count, metavar="N", aliases=("--max_num_batched_tokens",)),
     Flag("--max_beam_width", "max_beam_width", "beam width (V2 serves only 1)", field_integer, metavar="N"),
