@@ -48,3 +48,16 @@ def test_the_flag_takes_vllms_auto_spellings_and_the_audit_verifies(capsys, tmp_
 def test_a_bad_value_names_auto_among_what_is_accepted(capsys):
     r = run_cli(capsys, "plan", "tiny-llama", "--max-model-len", "-2")
     assert (r.code, r.err) == (2, 'error: --max-model-len: expected an integer >= 1, "auto" or null, got -2\n')
+
+
+def test_generate_and_the_python_llm_run_under_auto(capsys):
+    """generate sizes its CPU pools before the run (prompts x (n x max_new_tokens + 1024)): auto is no length of the
+    user's there ("invalid literal for int(): 'auto'" before), the fit follows those pools; kvload.LLM alike."""
+    import kvload
+
+    r = run_cli(capsys, "generate", "tiny-llama", "--prompt-ids", "1,2,3", "--max_new_tokens", "4", "--max-model-len",
+                "auto", "--json")
+    assert r.code == 0, r.err
+    with kvload.LLM("tiny-llama", max_model_len=-1, kv_cache_config={"max_tokens": 512}, log=False) as llm:
+        assert llm.args.max_seq_len == 512
+        assert len(llm.generate([[1, 2, 3]], kvload.SamplingParams(max_tokens=3))[0].outputs[0].token_ids) == 3
