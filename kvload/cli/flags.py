@@ -139,6 +139,21 @@ VLLM_KNOB_FLAGS: tuple[tuple[str, str, Callable[[str], Any] | None, str | None],
     ("--enable-lora", "enable_lora", None, None),
     ("--fully-sharded-loras", "fully_sharded_loras", None, None),
     ("--lora-dtype", "lora_dtype", str, "DTYPE"),
+    ("--cuda-graph-sizes", "cuda_graph_sizes", integer, "N"),
+    ("--max-cudagraph-capture-size", "max_cudagraph_capture_size", integer, "N"),
+    ("--disable-cascade-attn", "disable_cascade_attn", None, None),
+    ("--otlp-traces-endpoint", "otlp_traces_endpoint", str, "URL"),
+    ("--collect-detailed-traces", "collect_detailed_traces", str, "MODULES"),
+    ("--show-hidden-metrics-for-version", "show_hidden_metrics_for_version", str, "VERSION"),
+    ("--enable-mfu-metrics", "enable_mfu_metrics", None, None),
+    ("--long-prefill-token-threshold", "long_prefill_token_threshold", integer, "N"),
+    ("--max-num-partial-prefills", "max_num_partial_prefills", integer, "N"),
+    ("--max-long-partial-prefills", "max_long_partial_prefills", integer, "N"),
+    ("--tokenizer-pool-size", "tokenizer_pool_size", integer, "N"),
+    ("--model-impl", "model_impl", str, "IMPL"),
+    ("--rope-scaling", "rope_scaling", json_object, "JSON"),
+    ("--rope-theta", "rope_theta", number, "THETA"),
+    ("--kv-transfer-config", "kv_transfer_config", json_object, "JSON"),
     # refused (pipeline.vllm_compat.REFUSED): it loads adapters, which kvload does not serve
     ("--lora-modules", "lora_modules", str, "NAME=PATH"),
     ("--limit-mm-per-prompt", "limit_mm_per_prompt", json_object, "JSON"),
@@ -162,7 +177,7 @@ VLLM_KNOB_SHORT: dict[str, tuple[str, ...]] = {"--data-parallel-size": ("-dp",),
 VLLM_STORE_TRUE_FLAGS = frozenset({"--disable-log-stats", "--enable-expert-parallel", "--use-v2-block-manager"})
 #: the ``VLLM_KNOB_FLAGS`` vLLM takes one or more values of (``--lora-modules a=/x b=/y``): all of them, so the flag's
 #: own line answers, not "unrecognized arguments: b=/y"
-VLLM_LIST_FLAGS = frozenset({"--lora-modules"})
+VLLM_LIST_FLAGS = frozenset({"--lora-modules", "--cuda-graph-sizes"})
 
 
 def _knob_dest(key: str) -> str:
