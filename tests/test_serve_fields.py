@@ -747,3 +747,17 @@ def test_a_requests_reasoning_effort_overrides_the_servers_default_enable_thinki
     assert first(off, reasoning_effort="high") == plain  # the request asked for effort: thinking on
     assert first(on, reasoning_effort="none") == 12
     assert first(off, reasoning_effort="high", chat_template_kwargs={"enable_thinking": False}) == 12
+
+
+def test_newer_vllm_fields_are_refused_saying_what_kvload_does_and_taken_as_null(served):
+    """vLLM's watermarking, return_prompt_text, return_token_offsets and routed_experts_prompt_start were refused as
+    any unknown name ("not supported by kvload serve" and the list): now each says what kvload does instead, and a
+    client that sends every field of vLLM's request type as null is served."""
+    body = {"model": "words", "messages": CONV, "max_tokens": 1}
+    for field, said in (("watermarking", "kvload does not watermark its output"),
+                        ("return_prompt_text", "POST /tokenize with the same messages"),
+                        ("return_token_offsets", "not character offsets"),
+                        ("routed_experts_prompt_start", "kvload returns no MoE routing decisions")):
+        message = _refused(served, "/v1/chat/completions", {**body, field: True}, field)
+        assert message.startswith(f"{field}: not supported by kvload serve (vLLM's field: ") and said in message
+        assert served.http.post("/v1/chat/completions", json={**body, field: None}).status_code == 200, field
