@@ -38,6 +38,8 @@ Bytes = NewType("Bytes", int)
 DTypeName = NewType("DTypeName", str)
 #: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
 DeviceName = NewType("DeviceName", str)
+#: A sequence length in tokens, or ``"auto"`` (``max_seq_len``; after the KV plan only the integer remains).
+SeqLen = NewType("SeqLen", int)
 
 #: Bytes per element of each dtype name kvload accepts: the KV library's own table (one table, one truth).
 DTYPE_BYTES: dict[str, int] = DTYPE_SIZES
@@ -148,6 +150,9 @@ pos_int = _check(lambda v: _is_int(v) and v >= 1, "an integer >= 1")
 non_neg_int = _check(lambda v: _is_int(v) and v >= 0, "an integer >= 0")
 opt_pos_int = _check(lambda v: v is None or (_is_int(v) and v >= 1), "an integer >= 1 or null")
 opt_non_neg_int = _check(lambda v: v is None or (_is_int(v) and v >= 0), "an integer >= 0 or null")
+#: max_seq_len: "auto" is vLLM's max_model_len -1/auto, the longest one sequence the KV budget holds (at most the
+#: checkpoint's)
+seq_len = _check(lambda v: v is None or v == AUTO or (_is_int(v) and v >= 1), 'an integer >= 1, "auto" or null')
 draft_len = _check(lambda v: _is_int(v) and 0 <= v <= MAX_DRAFT_LEN, f"an integer from 0 to {MAX_DRAFT_LEN}")
 ngram_size = _check(lambda v: _is_int(v) and 1 <= v <= MAX_NGRAM, f"an integer from 1 to {MAX_NGRAM}")
 fraction = _check(
@@ -307,6 +312,16 @@ def set_field(root: Any, path: str, value: Any) -> None:
     object.__setattr__(obj, leaf, value)
 
 
+def refit_max_seq_len(args: Any, value: int) -> None:
+    """Lower ``max_seq_len`` in frozen args: the one write after the freeze, for ``max_seq_len: auto`` (vLLM's
+    ``max_model_len`` -1), which needs the KV budget, known only once the pools are planned."""
+    args._frozen = False
+    try:
+        set_field(args, "max_seq_len", value)
+    finally:
+        args._frozen = True
+
+
 def public_fields(cls: type) -> list[attrs.Attribute]:
     """The user-facing fields of a config class (internal bookkeeping left out)."""
     return [a for a in attrs.fields(cls) if not a.metadata.get("internal")]
@@ -365,7 +380,7 @@ class LlmArgs:
     dtype: DTypeName = attrs.field(default=AUTO, converter=_norm_dtype, validator=model_dtype_name)
     device: DeviceName = attrs.field(default=AUTO, validator=device_name)
     max_batch_size: int = attrs.field(default=2048, validator=pos_int)
-    max_seq_len: int | None = attrs.field(default=None, validator=opt_pos_int)
+    max_seq_len: SeqLen | None = attrs.field(default=None, validator=seq_len)
     max_num_tokens: int = attrs.field(default=8192, validator=pos_int)
     max_beam_width: int = attrs.field(default=1, validator=pos_int)
     # vLLM's --scheduling-policy: "priority" admits (and on V2 moves out) requests by their priority (README)
@@ -406,7 +421,7 @@ V2_FIELD = "kv_cache_config.use_kv_cache_manager_v2"
 
 #: Fields whose value may be ``"auto"`` and that ``resolve_auto`` turns into a concrete value.
 AUTO_FIELDS: tuple[str, ...] = ("dtype", "device", V2_FIELD, "kv_cache_config.dtype", "attention_backend",
-                                 "linear_backend", "generation_config")
+                                 "linear_backend", "generation_config", "max_seq_len")
 
 
 def framework_defaults() -> dict[str, Any]:

@@ -138,6 +138,9 @@ class Context:
     model_defaults: dict[str, Any] = attrs.Factory(dict)  # apply_model_defaults: proposals, flat
     sampling_defaults: Any = None  # apply_model_defaults: pipeline.generation_config.SamplingDefaults
     route: Route | None = None  # route_executor
+    #: resolve_auto: True when max_seq_len was "auto" (vLLM's max_model_len -1): the KV plan lowers it to the longest
+    #: sequence its budget holds
+    fit_max_seq_len: bool = False
     ranks: Any = None  # pipeline.ranks.Ranks: this process among the run's ranks (set by execute)
     heads: Any = None  # check_parallel: models.geometry.HeadSharding, the heads this rank holds
     kv: Any = None  # KV plan (geometry, budget), for plan and load

@@ -24,6 +24,7 @@ from pipeline.config import (
     GenerationDefaults,
     KvCacheConfig,
     LlmArgs,
+    SeqLen,
     TriState,
     describe,
     parse_size,
@@ -49,7 +50,7 @@ def _bytes(value: Any, _type: Any) -> Any:
     return value
 
 
-for _t in (bool, int, float, str, DTypeName, DeviceName):
+for _t in (bool, int, float, str, DTypeName, DeviceName, SeqLen):
     converter.register_structure_hook(_t, _passthrough)
 converter.register_structure_hook(Bytes, _bytes)
 converter.register_structure_hook_func(lambda t: t == TriState, _passthrough)

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from pipeline.config import LlmArgs, describe
+from pipeline.config import AUTO, LlmArgs, describe
 from pipeline.converter import structure
 from pipeline.errors import ConfigError
 from pipeline.limits import MAX_DRAFT_LEN, MAX_NGRAM, short
@@ -50,13 +50,32 @@ DIFFERENT_MEANING: dict[str, tuple[str, str, tuple[str, ...], str]] = {
         "vLLM's CPU swap space in GiB per GPU",
         "kvload's host tier (V2 only) is a byte count",
         ("kv_cache_config.host_cache_size",), " (4GiB where vLLM says 4)"),
+    "num_gpu_blocks_override": (
+        "vLLM's count of KV cache blocks (of block_size tokens each), in place of the profiled one",
+        "kvload sizes its KV cache in tokens",
+        ("kv_cache_config.max_tokens",), " (the blocks times the block size)"),
+    "kv_cache_memory_bytes": (
+        "vLLM's KV cache size in bytes per GPU, in place of gpu_memory_utilization",
+        "kvload caps the KV cache at a byte count and within the share of free memory it is allowed",
+        ("kv_cache_config.max_gpu_total_bytes",), ""),
 }
 
 
 #: vLLM's engine knobs (``LLM(...)`` keywords, YAML keys) kvload has no counterpart for → why: ``setting_ignored``.
 IGNORED: dict[str, str] = {
-    **dict.fromkeys(("enforce_eager", "max_seq_len_to_capture", "cuda_graph_sizes", "compilation_config"),
+    **dict.fromkeys(("enforce_eager", "max_seq_len_to_capture", "cuda_graph_sizes", "compilation_config",
+                     "max_cudagraph_capture_size"),
                     "CUDA graphs / torch.compile: kvload runs the forward eagerly"),
+    "disable_cascade_attn": "cascade attention is a path of vLLM's FlashAttention backend; kvload's paged attention "
+                            "is --attention_backend's",
+    **dict.fromkeys(("otlp_traces_endpoint", "collect_detailed_traces"),
+                    "OpenTelemetry tracing: kvload records each request's admission, steps and end in its audit log "
+                    "(kvload serve: GET /v1/kvload/audit, --audit-log FILE) and its timings in /metrics"),
+    **dict.fromkeys(("show_hidden_metrics_for_version", "enable_mfu_metrics"),
+                    "metrics: kvload's /metrics and LLM.get_metrics() have a fixed set of series"),
+    **dict.fromkeys(("long_prefill_token_threshold", "max_num_partial_prefills", "max_long_partial_prefills"),
+                    "partial-prefill concurrency: kvload chunks every prefill up to max_num_tokens per step"),
+    "tokenizer_pool_size": "kvload loads the checkpoint's own tokenizer, one per process",
     **dict.fromkeys(("disable_custom_all_reduce", "distributed_executor_backend"),
                     "multi-GPU plumbing: kvload's ranks are torchrun processes over torch.distributed"),
     **dict.fromkeys(("disable_log_stats", "disable_async_output_proc", "async_scheduling"),
@@ -66,8 +85,10 @@ IGNORED: dict[str, str] = {
     "download_dir": "kvload never downloads from a model hub (local directories, presets, smollm2-135m)",
     "max_logprobs": "kvload's bound is fixed: at most 20 logprobs per token (pipeline.limits.MAX_LOGPROBS)",
     "hf_token": "kvload never downloads from a model hub: it reads local directories and the local Hugging Face cache",
-    **dict.fromkeys(("max_lora_rank", "max_loras", "max_cpu_loras"),
-                    "LoRA adapters: kvload runs the base weights (a lora_request is refused)"),
+    **dict.fromkeys(("max_lora_rank", "max_loras", "max_cpu_loras", "enable_lora", "fully_sharded_loras",
+                     "lora_dtype"),
+                    "LoRA adapters: kvload runs the base weights, no adapter is loaded (lora_modules and a "
+                    "lora_request are refused)"),
     **dict.fromkeys(("limit_mm_per_prompt", "mm_processor_kwargs"),
                     "multimodal inputs: kvload serves text-only models (a prompt's multi_modal_data is refused)"),
     "enable_expert_parallel": "MoE expert parallelism: kvload parallelizes by tensor parallel only "
@@ -121,14 +142,32 @@ NO_OP_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "runner": (("auto", "generate"), "kvload generates text (no pooling, embedding or scoring models)"),
     "data_parallel_size": ((1,), "kvload runs one engine per process (start one kvload serve per replica)"),
     "pipeline_parallel_size": ((1,), "kvload splits a model by tensor parallel only (tensor_parallel_size)"),
+    "model_impl": (("auto", "transformers"), "kvload runs transformers' built-in model classes"),
+    "rope_scaling": ((None, {}), "kvload reads the checkpoint's config.json as it is (its rope_scaling)"),
+    "rope_theta": ((None,), "kvload reads the checkpoint's config.json as it is (its rope_theta)"),
+    "kv_transfer_config": ((None, {}), "disaggregated prefill (KV transfer between instances) is not served: one "
+                                       "kvload serve runs prefill and decode; its KV cache events go out by "
+                                       "--kv-events-config"),
     "logprobs_mode": (("raw_logprobs",), "kvload's logprobs are the model's raw distribution, before temperature "
                                          "and the penalties (vLLM's default, raw_logprobs)"),
+}
+
+
+#: vLLM's settings that would load something kvload does not serve → why, and what to do instead: refused with any
+#: value but their unset one (None, or an empty list)
+REFUSED: dict[str, str] = {
+    "lora_modules": "LoRA adapters are not served by kvload (it runs the base weights); serve a checkpoint with the "
+                    "adapter merged into its weights (peft's merge_and_unload) instead",
 }
 
 
 def vllm_knob(name: str, value: Any) -> str | None:
     """Why vLLM's engine knob ``name`` does nothing in kvload (reported as ``setting_ignored``), or None for a name
     that is not one; ``ConfigError`` for a knob given a value kvload cannot honour (``quantization="awq"``)."""
+    if name in REFUSED:
+        if value is None or value == []:
+            return f"{REFUSED[name]} (none was given)"
+        raise ConfigError(f"{name}: {REFUSED[name]}", path=name, detail="not served")
     if name in IGNORED:
         entry_check = KNOB_VALUES.get(name)
         if entry_check is not None and value is not None and not entry_check[0](value):
@@ -207,6 +246,8 @@ def take_same_meaning(tree: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str
             continue
         if value is None:  # vLLM's "not set" (its default for every one of these): kvload's default stands
             continue
+        if key == "max_model_len" and value == -1 and type(value) is int:  # vLLM's sentinel of "auto"
+            value = AUTO
         try:
             mine = _checked(path, value)
         except ConfigError as exc:

@@ -26,9 +26,17 @@ from cache_backends.kinds import kind_for
 from cache_backends.layout import KvLayout, build_layout
 from cache_backends.reuse import partial_reuse_off_reason
 from pipeline.bus import Emit
+from pipeline.config import refit_max_seq_len
 from pipeline.context import DEFAULT_MAX_TOKENS_FIELD, Context
 from pipeline.errors import KvBuildError
-from pipeline.events import KvBlocksOversized, KvBudgetComputed, KvBudgetShort, KvHostTierChosen, SettingIgnored
+from pipeline.events import (
+    FieldDerived,
+    KvBlocksOversized,
+    KvBudgetComputed,
+    KvBudgetShort,
+    KvHostTierChosen,
+    SettingIgnored,
+)
 from pipeline.text import cell, table
 from stages.host_tier_choice import choose_host_tier
 from stages.rank_budget import agree_rest, min_budget
@@ -300,6 +308,8 @@ def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
     agreed = min_budget(ranks, budget, reason) if ranks is not None and ranks.distributed else None
     if agreed is not None:
         budget, reason = agreed.budget, agreed.reason
+    if ctx.fit_max_seq_len and budget.budget_bytes is not None:
+        budget = fit_max_seq_len(ctx, layout, budget, emit)
     emit(KvBudgetComputed(
         manager=manager, device=device, free_bytes=budget.free_bytes, weights_bytes=budget.weights_bytes,
         free_gpu_memory_fraction=budget.free_gpu_memory_fraction, max_gpu_total_bytes=budget.max_gpu_total_bytes,
@@ -354,6 +364,35 @@ def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
     if oversized is not None:
         emit(oversized)
     return plan
+
+
+def fit_max_seq_len(ctx: Context, layout: KvLayout, budget: KvBudget, emit: Emit) -> KvBudget:
+    """``max_seq_len: auto`` (vLLM's ``max_model_len`` -1): the longest sequence whose blocks the budget's pools hold
+    at least once, at most the checkpoint's length (resolve_auto's); ``field_derived`` saying so when it is less."""
+    limit = ctx.args.max_seq_len
+
+    def fits(length: int) -> bool:
+        capped = budget.max_tokens if budget.limited_by == "max_tokens" else None
+        try:
+            return plan_pools(layout, budget.budget_bytes, length, max_tokens=capped).max_concurrency > 0
+        except BudgetError:
+            return False
+
+    if fits(limit):
+        return budget
+    low, high = 0, limit  # fits(low) or low == 0; not fits(high)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    if low == 0:  # not one block per group: the plan's problem says so, as for any length
+        return budget
+    rule = budget.limited_by or "the KV budget"
+    refit_max_seq_len(ctx.args, low)
+    emit(FieldDerived(field="max_seq_len", old=limit, new=low, source="kv_budget",
+                      reason=f"auto (vLLM's max_model_len -1): the KV budget ({budget.budget_bytes:,} B, set by "
+                             f"{RULE_FIELDS.get(rule, rule)}) holds one sequence of {low} tokens, not the "
+                             f"checkpoint's {limit}"))
+    return attrs.evolve(budget, max_seq_len=low)
 
 
 def warn_inert_v2_settings(ctx: Context, layout: KvLayout, host_bytes: int | None, emit: Emit) -> None:

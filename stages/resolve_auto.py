@@ -180,13 +180,28 @@ class ResolveAuto:
 
     @staticmethod
     def _derive_max_seq_len(ctx: Context, emit: Emit) -> None:
-        if ctx.args.max_seq_len is not None:
+        current = ctx.args.max_seq_len
+        auto = "max_seq_len" in ctx.auto_originals
+        if auto and current != AUTO:  # a model default got here first; keep it and say so
+            spec_name = ctx.spec.name if ctx.spec is not None else "the model"
+            emit(AutoResolved(field="max_seq_len", original=AUTO, old=current, new=current, source="model_default",
+                              reason=f"{spec_name} set it through its model defaults"))
+            return
+        if current is not None and not auto:
             return
         limit = ctx.spec.max_position_embeddings() if ctx.spec is not None else None
         if limit is None:
-            raise ConfigError("max_seq_len: the checkpoint declares no max_position_embeddings; set max_seq_len",
-                              path="max_seq_len")
+            why = "auto (vLLM's max_model_len -1) starts from it" if auto else "set max_seq_len"
+            raise ConfigError(f"max_seq_len: the checkpoint declares no max_position_embeddings; {why}; set "
+                              "max_seq_len to a number", path="max_seq_len")
         set_field(ctx.args, "max_seq_len", limit)
+        if auto:
+            ctx.fit_max_seq_len = True
+            emit(AutoResolved(field="max_seq_len", original=AUTO, old=AUTO, new=limit, source="checkpoint",
+                              reason=f"the checkpoint's max_position_embeddings {limit}, lowered by the KV plan to "
+                                     "the longest sequence its budget holds when that is less (vLLM's max_model_len "
+                                     "-1/auto)"))
+            return
         emit(FieldDerived(field="max_seq_len", old=None, new=limit, source="checkpoint",
                           reason="null takes the checkpoint's max_position_embeddings"))
 

@@ -735,3 +735,31 @@ def test_ssl_cert_reqs_2_with_a_ca_serves_only_clients_presenting_a_certificate_
         assert proc.wait(timeout=30) == 0
     finally:
         reap(proc)
+
+
+def test_server_thread_serves_https_with_the_ssl_flags_of_kvload_serve(tmp_path):
+    """The in-process server (Python API, tests) takes kvload serve's --ssl-* as keywords, checked by the same code:
+    its url is https://, a client verifying the certificate generates through it; a bad file is the same one-line
+    ConfigError before any port is bound."""
+    import ssl
+
+    import pipeline
+    from kvload.serve.server import ServerThread, build_state
+    from pipeline.errors import ConfigError
+
+    cert, key = _self_signed(tmp_path)
+    result = pipeline.load("tiny-llama", load_weights=True, log=False, kv_cache_config={"max_tokens": 256})
+    try:
+        state = build_state(result)
+        with pytest.raises(ConfigError, match=r"^--ssl-keyfile .*: not an unencrypted PEM private key"):
+            ServerThread(state, ssl_certfile=cert, ssl_keyfile=cert)
+        with ServerThread(state, ssl_certfile=cert, ssl_keyfile=key) as server:
+            assert server.url.startswith("https://127.0.0.1:"), server.url
+            trust = ssl.create_default_context(cafile=cert)
+            with httpx.Client(base_url=server.url, verify=trust, timeout=60) as client:
+                done = client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}).json()
+                assert len(done["choices"][0]["token_ids"]) == 2, done
+            with pytest.raises(httpx.HTTPError):  # plain HTTP is not served on that port
+                httpx.get(server.url.replace("https://", "http://") + "/health", timeout=30)
+    finally:
+        result.close()

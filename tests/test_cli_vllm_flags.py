@@ -311,3 +311,61 @@ def test_load_format_dummy_says_kvload_loads_the_real_weights(capsys, tmp_path):
     (line,) = [line for line in r.err.splitlines() if "setting_ignored" in line]
     assert "a TensorRT-LLM option kvload does not act on: dummy asks for random weights" in line, line
     assert "kvload loads the checkpoint's real weights" in line, line
+
+
+def test_lora_modules_is_one_line_saying_adapters_are_not_served_and_the_lora_switches_are_reported(capsys):
+    """``vllm serve BASE --enable-lora --lora-modules sql=/adapters/sql`` was "unrecognized arguments": the flag
+    that loads adapters is one line naming it (exit 2, every value of it read: no "unrecognized b=/y"); the switches
+    and sizes that load nothing are taken, each with a setting_ignored saying kvload runs the base weights; the
+    Python API refuses the keyword alike."""
+    import kvload
+    from pipeline.errors import ConfigError
+
+    for spelling in ("--lora-modules", "--lora_modules"):
+        r = run_cli(capsys, "serve", "tiny-llama", "--enable-lora", spelling, "sql=/adapters/sql", "chat=/adapters/c")
+        assert (r.code, r.out) == (2, ""), r.err
+        assert r.err == (f"error: {spelling}: LoRA adapters are not served by kvload (it runs the base weights); serve "
+                         "a checkpoint with the adapter merged into its weights (peft's merge_and_unload) instead\n")
+    r = run_cli(capsys, "plan", "tiny-llama", "--enable-lora", "--max-cpu-loras", "4", "--fully-sharded-loras",
+                "--lora-dtype", "auto", "--max-loras", "2")
+    assert r.code == 0, r.err
+    warned = [line for line in r.err.splitlines() if "setting_ignored" in line]
+    for key in ("enable_lora", "max_cpu_loras", "fully_sharded_loras", "lora_dtype", "max_loras"):
+        assert any(f"field={key} " in line and "kvload runs the base weights" in line for line in warned), key
+    with pytest.raises(ConfigError, match="^lora_modules: LoRA adapters are not served by kvload"):
+        kvload.plan("tiny-llama", lora_modules=[{"name": "sql", "path": "/adapters/sql"}], log=False)
+
+
+def test_more_vllm_engine_flags_from_launch_lines_are_reported_or_refused_saying_why(capsys):
+    """These were "unrecognized arguments": CUDA-graph, tracing, metrics and partial-prefill tuning flags are taken
+    with a setting_ignored each saying why; those that would change the model or the KV cache are refused in one line
+    with what kvload does instead (their no-op values taken)."""
+    r = run_cli(capsys, "plan", "tiny-llama", "--cuda-graph-sizes", "1", "2", "4", "--max-cudagraph-capture-size", "8",
+                "--disable-cascade-attn", "--otlp-traces-endpoint", "http://collector:4317",
+                "--collect-detailed-traces", "all", "--show-hidden-metrics-for-version", "0.10",
+                "--enable-mfu-metrics", "--long-prefill-token-threshold", "512", "--max-num-partial-prefills", "2",
+                "--max-long-partial-prefills", "1", "--tokenizer-pool-size", "0", "--model-impl", "transformers",
+                "--rope-scaling", "{}", "--kv-transfer-config", "{}")
+    assert r.code == 0, r.err
+    warned = [line for line in r.err.splitlines() if "setting_ignored" in line]
+    for key, why in (("cuda_graph_sizes", "CUDA graphs"), ("max_cudagraph_capture_size", "CUDA graphs"),
+                     ("disable_cascade_attn", "--attention_backend"), ("otlp_traces_endpoint", "audit log"),
+                     ("collect_detailed_traces", "audit log"), ("show_hidden_metrics_for_version", "/metrics"),
+                     ("enable_mfu_metrics", "/metrics"), ("long_prefill_token_threshold", "max_num_tokens"),
+                     ("max_num_partial_prefills", "max_num_tokens"), ("max_long_partial_prefills", "max_num_tokens"),
+                     ("tokenizer_pool_size", "tokenizer"), ("model_impl", "transformers"),
+                     ("rope_scaling", "config.json"), ("kv_transfer_config", "--kv-events-config")):
+        assert any(f"field={key} " in line and why in line for line in warned), (key, warned)
+    for flags, said in ((["--rope-theta", "500000"], "error: --rope-theta: vLLM's setting; kvload reads the "
+                                                      "checkpoint's config.json as it is (its rope_theta)"),
+                        (["--model-impl", "vllm"], "error: --model-impl: vLLM's setting; kvload runs transformers' "
+                                                   "built-in model classes"),
+                        (["--kv-transfer-config", '{"kv_connector": "NixlConnector"}'],
+                         "error: --kv-transfer-config: vLLM's setting; disaggregated prefill"),
+                        (["--num-gpu-blocks-override", "512"], "error: --num-gpu-blocks-override: vLLM's count of KV "
+                                                               "cache blocks"),
+                        (["--kv-cache-memory-bytes", "8G"], "error: --kv-cache-memory-bytes: vLLM's KV cache size in "
+                                                            "bytes per GPU")):
+        r = run_cli(capsys, "plan", "tiny-llama", *flags)
+        assert r.code == 2 and r.err.startswith(said) and len(r.err.splitlines()) == 1, r.err
+        assert "unrecognized" not in r.err

@@ -207,6 +207,8 @@ NOT_KVLOAD_FLAGS = {
     "--index-url": "pip's",
     "--gpu-memory-utilization": "vLLM's, refused (Coming from vLLM)",
     "--swap-space": "vLLM's, refused (Coming from vLLM)",
+    "--num-gpu-blocks-override": "vLLM's, refused (Coming from vLLM)",
+    "--kv-cache-memory-bytes": "vLLM's, refused (Coming from vLLM)",
     "--max_tok": "an abbreviation, shown refused",
     "--api-keyy": "a typo, shown refused with its value hidden",
     "--hf-tokenn": "a typo of a secret flag, its value hidden",

@@ -723,3 +723,41 @@ def test_default_chat_template_kwargs_reach_every_chat_request_under_its_own(ser
         served.state.default_chat_template_kwargs = {}
     with pytest.raises(ConfigError, match="^default_chat_template_kwargs: "):
         build_state(served.result, default_chat_template_kwargs={"not a name": 1})
+
+
+def test_a_requests_reasoning_effort_overrides_the_servers_default_enable_thinking_as_vllm_does(served):
+    """kvload serve --default-chat-template-kwargs '{"enable_thinking": false}' (Qwen3 served without thinking): a
+    request asking reasoning_effort "high" thinks, as vLLM's does (the effort's enable_thinking is the request's, the
+    server's default is not); "none" under a default true does not; the request's own enable_thinking still wins."""
+    template = "{% if enable_thinking is false %}w12 {% endif %}" + TOOL_TEMPLATE
+    body = {"model": "words", "messages": CONV, "max_tokens": 1, "chat_template": template, "return_token_ids": True}
+
+    def first(default, **extra):
+        served.state.default_chat_template_kwargs = default
+        try:
+            r = served.http.post("/v1/chat/completions", json={**body, **extra})
+        finally:
+            served.state.default_chat_template_kwargs = {}
+        assert r.status_code == 200, r.text
+        return r.json()["prompt_token_ids"][0]
+
+    off, on = {"enable_thinking": False}, {"enable_thinking": True}
+    plain = first({})
+    assert plain != 12 and first(off) == 12  # the default alone: thinking off
+    assert first(off, reasoning_effort="high") == plain  # the request asked for effort: thinking on
+    assert first(on, reasoning_effort="none") == 12
+    assert first(off, reasoning_effort="high", chat_template_kwargs={"enable_thinking": False}) == 12
+
+
+def test_newer_vllm_fields_are_refused_saying_what_kvload_does_and_taken_as_null(served):
+    """vLLM's watermarking, return_prompt_text, return_token_offsets and routed_experts_prompt_start were refused as
+    any unknown name ("not supported by kvload serve" and the list): now each says what kvload does instead, and a
+    client that sends every field of vLLM's request type as null is served."""
+    body = {"model": "words", "messages": CONV, "max_tokens": 1}
+    for field, said in (("watermarking", "kvload does not watermark its output"),
+                        ("return_prompt_text", "POST /tokenize with the same messages"),
+                        ("return_token_offsets", "not character offsets"),
+                        ("routed_experts_prompt_start", "kvload returns no MoE routing decisions")):
+        message = _refused(served, "/v1/chat/completions", {**body, field: True}, field)
+        assert message.startswith(f"{field}: not supported by kvload serve (vLLM's field: ") and said in message
+        assert served.http.post("/v1/chat/completions", json={**body, field: None}).status_code == 200, field

@@ -57,7 +57,7 @@ def test_explain_finds_a_field_by_its_vllm_spelling(capsys, tmp_path):
 
 
 @pytest.mark.parametrize(("argv", "line"), [
-    (["--max-model-len", "0"], "error: --max-model-len: expected an integer >= 1 or null, got 0\n"),
+    (["--max-model-len", "0"], "error: --max-model-len: expected an integer >= 1, \"auto\" or null, got 0\n"),
     (["--max-model-len", "1kb"], "error: --max-model-len: expected an integer, got '1kb'\n"),
     (["--max-num-seqs", "0"], "error: --max-num-seqs: expected an integer >= 1, got 0\n"),
     (["--block-size", "0"], "error: --block-size: expected an integer >= 1, got 0\n"),
@@ -283,7 +283,8 @@ def test_one_field_given_under_both_names_with_one_value_is_taken_as_kvloads():
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"max_model_len": 0}, "max_model_len: expected an integer >= 1 or null, got 0 (vLLM's name for max_seq_len)"),
+    ({"max_model_len": 0}, "max_model_len: expected an integer >= 1, \"auto\" or null, got 0 (vLLM's name for "
+                           "max_seq_len)"),
     ({"max_num_seqs": True}, "max_num_seqs: expected an integer >= 1, got true (vLLM's name for max_batch_size)"),
     ({"block_size": "16"}, "block_size: expected an integer >= 1, got '16' (vLLM's name for "
                            "kv_cache_config.tokens_per_block)"),

@@ -16,6 +16,7 @@ from kvload.cli.values import (
     number,
     size,
     token_count,
+    token_count_or_auto,
     tri_state,
 )
 from pipeline.config import ATTENTION_BACKENDS, LINEAR_BACKENDS
@@ -73,7 +74,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--max_batch_size", "max_batch_size", "most requests scheduled at once", field_integer, metavar="N",
          aliases=("--max_num_seqs",)),
     Flag("--max_seq_len", "max_seq_len", "longest sequence (default: the checkpoint's; 32k = 32,000 and 32K = 32,768, "
-         "as vLLM reads them)", token_count, metavar="N", aliases=("--max_model_len",)),
+         "as vLLM reads them; auto or -1: the longest one sequence the KV cache holds, at most the checkpoint's, "
+         "vLLM's max_model_len -1)", token_count_or_auto, metavar="N", aliases=("--max_model_len",)),
     Flag("--max_num_tokens", "max_num_tokens", "most tokens in one forward (prefill chunk; 8k, 8K as vLLM reads them)",
          token_count, metavar="N", aliases=("--max_num_batched_tokens",)),
     Flag("--max_beam_width", "max_beam_width", "beam width (V2 serves only 1)", field_integer, metavar="N"),
@@ -135,6 +137,27 @@ VLLM_KNOB_FLAGS: tuple[tuple[str, str, Callable[[str], Any] | None, str | None],
     ("--hf-token", "hf_token", str, "TOKEN"),
     ("--max-lora-rank", "max_lora_rank", integer, "N"),
     ("--max-loras", "max_loras", integer, "N"),
+    ("--max-cpu-loras", "max_cpu_loras", integer, "N"),
+    ("--enable-lora", "enable_lora", None, None),
+    ("--fully-sharded-loras", "fully_sharded_loras", None, None),
+    ("--lora-dtype", "lora_dtype", str, "DTYPE"),
+    ("--cuda-graph-sizes", "cuda_graph_sizes", integer, "N"),
+    ("--max-cudagraph-capture-size", "max_cudagraph_capture_size", integer, "N"),
+    ("--disable-cascade-attn", "disable_cascade_attn", None, None),
+    ("--otlp-traces-endpoint", "otlp_traces_endpoint", str, "URL"),
+    ("--collect-detailed-traces", "collect_detailed_traces", str, "MODULES"),
+    ("--show-hidden-metrics-for-version", "show_hidden_metrics_for_version", str, "VERSION"),
+    ("--enable-mfu-metrics", "enable_mfu_metrics", None, None),
+    ("--long-prefill-token-threshold", "long_prefill_token_threshold", integer, "N"),
+    ("--max-num-partial-prefills", "max_num_partial_prefills", integer, "N"),
+    ("--max-long-partial-prefills", "max_long_partial_prefills", integer, "N"),
+    ("--tokenizer-pool-size", "tokenizer_pool_size", integer, "N"),
+    ("--model-impl", "model_impl", str, "IMPL"),
+    ("--rope-scaling", "rope_scaling", json_object, "JSON"),
+    ("--rope-theta", "rope_theta", number, "THETA"),
+    ("--kv-transfer-config", "kv_transfer_config", json_object, "JSON"),
+    # refused (pipeline.vllm_compat.REFUSED): it loads adapters, which kvload does not serve
+    ("--lora-modules", "lora_modules", str, "NAME=PATH"),
     ("--limit-mm-per-prompt", "limit_mm_per_prompt", json_object, "JSON"),
     ("--mm-processor-kwargs", "mm_processor_kwargs", json_object, "JSON"),
     ("--enable-expert-parallel", "enable_expert_parallel", None, None),
@@ -155,6 +178,9 @@ VLLM_KNOB_SHORT: dict[str, tuple[str, ...]] = {"--data-parallel-size": ("-dp",),
 
 #: the switches of ``VLLM_KNOB_FLAGS`` vLLM declares ``store_true`` (no ``--no-`` form there either)
 VLLM_STORE_TRUE_FLAGS = frozenset({"--disable-log-stats", "--enable-expert-parallel", "--use-v2-block-manager"})
+#: the ``VLLM_KNOB_FLAGS`` vLLM takes one or more values of (``--lora-modules a=/x b=/y``): all of them, so the flag's
+#: own line answers, not "unrecognized arguments: b=/y"
+VLLM_LIST_FLAGS = frozenset({"--lora-modules", "--cuda-graph-sizes"})
 
 
 def _knob_dest(key: str) -> str:
@@ -206,7 +232,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                                    const=False, default=None, help=argparse.SUPPRESS)
         else:
             knobs.add_argument(*names, dest=_knob_dest(key), type=kind, metavar=metavar, default=None,
-                               help=argparse.SUPPRESS)
+                               nargs="+" if name in VLLM_LIST_FLAGS else None, help=argparse.SUPPRESS)
     group.add_argument("--config", "--extra_llm_api_options", "--extra-llm-api-options", dest="config",
                        metavar="FILE.yaml", help="YAML file of LlmArgs fields (CLI flags win); TensorRT-LLM options "
                                                  "kvload does not act on are accepted with a warning each")

@@ -136,7 +136,10 @@ def _generate_pool_tokens(prompts: int, n: int, max_new_tokens: int, max_seq_len
 
 
 def _user_max_seq_len(request: Any) -> int | None:
-    """The max_seq_len the user set (the flag, else the --config file's), or None: the checkpoint's applies later."""
+    """The max_seq_len the user set (the flag, else the --config file's), or None: the checkpoint's applies later
+    (also for "auto", which the KV plan lowers from it to what the pools sized here hold)."""
+    if request.overrides.get("max_seq_len") == "auto":
+        return None
     if request.overrides.get("max_seq_len") is not None:
         return int(request.overrides["max_seq_len"])
     value = (request.config or {}).get("max_seq_len")  # a bad one is reported by parse_args, naming the file

@@ -112,6 +112,14 @@ def token_count(text: str) -> int:
     return field_integer(text)
 
 
+def token_count_or_auto(text: str) -> int | str:
+    """``--max-model-len``: a :func:`token_count`, or ``auto`` / ``-1`` (vLLM's: the longest sequence the KV cache
+    holds, at most the checkpoint's), taken as ``"auto"``."""
+    if text.strip().lower() == "auto" or text.strip() == "-1":
+        return "auto"
+    return token_count(text)
+
+
 def number(text: str) -> float:
     """A finite decimal number (``inf``, ``nan`` and overflowing exponents such as ``1e400`` refused)."""
     if not text.strip().isascii():  # float() reads any script's digits ('０.５'), as int() does

@@ -1123,6 +1123,11 @@ VLLM_FIELDS_NOT_SERVED: dict[str, str] = {
     "suffix": "kvload does no fill-in-the-middle (vLLM refuses it too)",
     **dict.fromkeys(("kv_transfer_params", "ec_transfer_params"), "kvload serves no disaggregated prefill"),
     "vllm_xargs": "kvload has no sampler plugins to read them",
+    "watermarking": "kvload does not watermark its output",
+    "return_prompt_text": "POST /tokenize with the same messages and return_token_strs gives the templated prompt's "
+                          "tokens; return_token_ids its ids in the answer",
+    "return_token_offsets": "kvload returns token ids (return_token_ids) and logprobs' tokens, not character offsets",
+    "routed_experts_prompt_start": "kvload returns no MoE routing decisions",
     **dict.fromkeys(("prompt_embeds", "mm_processor_kwargs", "media_io_kwargs"), "kvload serves text-only models "
                     "from text or token ids"),
 }

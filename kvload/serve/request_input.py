@@ -38,7 +38,8 @@ _TEMPLATE_FIELDS = ("reasoning_effort", "tools", "documents")
 def with_default_template_kwargs(state: ServeState, body: Any) -> Any:
     """A chat body with the server's ``--default-chat-template-kwargs`` (vLLM's) under its own
     ``chat_template_kwargs``: the request's value of a name wins, in ``chat_template_kwargs`` or as the field of that
-    name (``reasoning_effort``, ``tools``, ``documents``); a malformed one is left to be refused as such."""
+    name (``reasoning_effort``, ``tools``, ``documents``), and a request's ``reasoning_effort`` over a default
+    ``enable_thinking``; a malformed one is left to be refused as such."""
     defaults = state.default_chat_template_kwargs
     if not defaults or not isinstance(body, dict):
         return body
@@ -48,6 +49,11 @@ def with_default_template_kwargs(state: ServeState, body: Any) -> Any:
     # a default of a name the request gives as a field of its own is not the request's: it would be refused as
     # "given both as reasoning_effort and in chat_template_kwargs"
     defaults = {k: v for k, v in defaults.items() if k not in _TEMPLATE_FIELDS or body.get(k) is None}
+    if body.get("reasoning_effort") is not None and "enable_thinking" not in (given or {}):
+        # vLLM's order: the request's effort sets enable_thinking (on unless "none") over the server's default (a
+        # Qwen3 served with '{"enable_thinking": false}' thinks for reasoning_effort "high"); only the request's
+        # own chat_template_kwargs.enable_thinking overrides its effort
+        defaults.pop("enable_thinking", None)
     return {**body, "chat_template_kwargs": {**defaults, **(given or {})}}
 
 

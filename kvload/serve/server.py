@@ -45,7 +45,7 @@ from kvload.serve.protocol import BadRequest, default_max_request_bytes
 from kvload.serve.request_body import _shutting_down
 from kvload.serve.responses_store import ResponseStore, kept_request_bytes
 from kvload.serve.state import CorsPolicy, ServeState
-from kvload.serve.tls import Tls
+from kvload.serve.tls import Tls, tls_from_flags
 from pipeline.errors import ConfigError, GenerationError, KvloadError
 from pipeline.events import ApiKeyRequired, AutoToolChoiceEnabled, KvEventsFileFailed, ReasoningParserEnabled
 from pipeline.limits import MAX_INT, short, short_text
@@ -737,21 +737,28 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class ServerThread:
-    """The server on 127.0.0.1 (a free port by default) in a background thread; ``stop()`` ends both loops."""
+    """The server on 127.0.0.1 (a free port by default) in a background thread; ``stop()`` ends both loops.
 
-    def __init__(self, state: ServeState, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
+    ``ssl_certfile``, ``ssl_keyfile``, ``ssl_ca_certs``, ``ssl_cert_reqs``: HTTPS as ``kvload serve``'s
+    ``--ssl-*`` flags (vLLM's) serve it, checked by the same code before the port is bound (``ConfigError`` naming the
+    flag of the same name)."""
+
+    def __init__(self, state: ServeState, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", *,
+                 ssl_certfile: str | None = None, ssl_keyfile: str | None = None, ssl_ca_certs: str | None = None,
+                 ssl_cert_reqs: int | None = None) -> None:
         self.state = state
+        self.tls = tls_from_flags(ssl_keyfile, ssl_certfile, ssl_ca_certs, ssl_cert_reqs)  # before binding: no leak
         self.sock = bind(host, port)
         self.host = host
         self.port = self.sock.getsockname()[1]
-        self.server = _server(state, log_level)
+        self.server = _server(state, log_level, tls=self.tls)
         self.thread = EndingThread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                    name="kvload-http", daemon=True)
 
     @property
     def url(self) -> str:
-        """``http://host:port``."""
-        return http_url(self.host, self.port)
+        """``http://host:port`` (``https://`` with a certificate)."""
+        return http_url(self.host, self.port, scheme="https" if self.tls is not None else "http")
 
     def start(self, timeout: float = 30.0) -> ServerThread:
         """Start the engine and the HTTP server; return once it accepts connections."""
