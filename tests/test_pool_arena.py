@@ -268,3 +268,23 @@ def test_a_passing_joint_check_always_allocates(pages, slabs, data):
             got = pool.allocate_many(n, detach)
             assert len(set(got)) == n and all(arena.owner[b // pool.per] == pool.index for b in got)
     assert not arena.check()
+
+
+def test_a_check_for_a_hits_claim_counts_no_slab_its_cached_blocks_lie_in_as_reclaimable():
+    # group g1 (4 blocks a slab): slab 0 holds 4 cached blocks (reclaimable), slab 1 one used block and 3 free ones;
+    # g0 (1 block a slab) uses the other two slabs. A hit's claim takes one cached block into use (extra -1): it can
+    # only be in slab 0, which then holds a used block, so no slab is left for g0
+    arena = SlabArena(4, 1024)
+    g0, g1 = SlabPool("g0", arena, 1024), SlabPool("g1", arena, 256)
+    detach = lambda name, blocks: [g1.node.__setitem__(b, None) for b in blocks]  # noqa: E731
+    cached = g1.allocate_many(4, detach)
+    for b in cached:
+        g1.node[b] = SimpleNamespace(children=())
+    g1.release(cached, 0, True, detach)
+    g1.allocate_many(1, detach)
+    g0.allocate_many(2, detach)
+    assert not arena.free and g1.empty == {0} and not arena.check()
+    assert arena.short([1, 0], extra=[0, -1]) == 0  # the claim leaves g0 short
+    assert arena.short([1, 0]) is None  # without it, g1's slab 0 is reclaimed
+    arena.acquire([1, 0], detach)
+    assert g0.allocate_many(1, detach) == [0] and arena.counters["evicted_by_reclaim"] == 4 and not arena.check()
