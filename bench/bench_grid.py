@@ -249,9 +249,11 @@ def split_pools(preset: str = "tiny-deepseek-v4", workloads: tuple[str, ...] = W
         wl = make_workload(kind, None, 0, **extra)
         if quick:
             wl = make_workload(kind, max(4, len(wl.requests) // 4), 0, **extra)
-        base = simulate(preset, wl, scheduling_policy=policy, **CPU).budget.bytes
+        base = simulate(preset, wl, kv_cache_config={"pool_arena": False}, scheduling_policy=policy,
+                        **CPU).budget.bytes
         for label in budgets:
-            kv = {"max_gpu_total_bytes": int(base * BUDGETS[label])}
+            # split pools both times: "auto" would draw the groups from one slab arena where the budget holds it
+            kv = {"max_gpu_total_bytes": int(base * BUDGETS[label]), "pool_arena": False}
             runs = []
             for old in (True, False):
                 with _split_for_max_seq_len() if old else contextlib.nullcontext():
