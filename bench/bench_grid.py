@@ -6,6 +6,7 @@ Run from the repository root (one thread is enough: nothing here runs torch kern
     python -m bench.bench_grid --quick    # a quarter of the requests, for a smoke run
     python -m bench.bench_grid --presets tiny-gemma3 --workloads no-reuse --budgets default
     python -m bench.bench_grid --only timing   # the step-time target alone (interleaved V1/V2 pairs)
+    python -m bench.bench_grid --only arena    # DeepSeek V4: split pools vs one slab arena (pool_arena false/true)
     python -m bench.bench_grid --only grid --real   # published sliding-window checkpoints' configs (GPT-OSS 20B,
                                                     # Gemma 3 27B, Gemma 2 9B) at GPU-sized budgets: pools unbacked
 
@@ -248,9 +249,11 @@ def split_pools(preset: str = "tiny-deepseek-v4", workloads: tuple[str, ...] = W
         wl = make_workload(kind, None, 0, **extra)
         if quick:
             wl = make_workload(kind, max(4, len(wl.requests) // 4), 0, **extra)
-        base = simulate(preset, wl, scheduling_policy=policy, **CPU).budget.bytes
+        base = simulate(preset, wl, kv_cache_config={"pool_arena": False}, scheduling_policy=policy,
+                        **CPU).budget.bytes
         for label in budgets:
-            kv = {"max_gpu_total_bytes": int(base * BUDGETS[label])}
+            # split pools both times: "auto" would draw the groups from one slab arena where the budget holds it
+            kv = {"max_gpu_total_bytes": int(base * BUDGETS[label]), "pool_arena": False}
             runs = []
             for old in (True, False):
                 with _split_for_max_seq_len() if old else contextlib.nullcontext():
@@ -278,6 +281,62 @@ def split_pools(preset: str = "tiny-deepseek-v4", workloads: tuple[str, ...] = W
     return table
 
 
+def arena_pools(preset: str = "tiny-deepseek-v4", workloads: tuple[str, ...] = WORKLOADS,
+                budgets: tuple[str, ...] = tuple(BUDGETS), quick: bool = False) -> Table:
+    """DeepSeek V4 on V2 through ``kv_cache_config.pool_arena``: split pools (false) against one slab arena (true), side
+    by side in one run at each cell's budget, and what "auto" resolves to there."""
+    from engine.simulator import simulate
+    from engine.workloads import make_workload
+    from pipeline.context import LoadRequest
+    from pipeline.errors import KvBuildError
+    from pipeline.run import execute
+    from stages import plan_stages
+
+    cmd = "python -m bench.bench_grid --only arena" + (" --quick" if quick else "")
+    table = Table(f"{preset}: pool_arena false -> true (V2 only)", cmd,
+                  ["workload", "budget", "slabs", "auto", "steps", "hit (of ideal)", "max / mean concurrency",
+                   "preemptions", "modeled time"])
+    for name in workloads:
+        kind, extra, policy = VARIANTS.get(name, (name, {}, "fcfs"))
+        wl = make_workload(kind, None, 0, **extra)
+        if quick:
+            wl = make_workload(kind, max(4, len(wl.requests) // 4), 0, **extra)
+        base = simulate(preset, wl, scheduling_policy=policy, **CPU).budget.bytes
+        for label in budgets:
+            kv = {"max_gpu_total_bytes": int(base * BUDGETS[label])}
+            runs, slabs = [], "-"
+            for arena in (False, True):
+                try:
+                    (result,) = simulate(preset, wl, kv_cache_config={**kv, "pool_arena": arena},
+                                         scheduling_policy=policy, **CPU).results.values()
+                except KvBuildError:  # a request needs more than the pools (or the arena's slabs) hold alone
+                    runs.append(None)
+                    continue
+                runs.append(result.metrics)
+                if arena:
+                    slabs = f"{result.arena_slabs:,}"
+            events: list[dict[str, Any]] = []  # what "auto" resolves to: the plan a simulation makes at this budget
+            execute(LoadRequest(model=preset, overrides={"device": "cpu", "kv_cache_config": kv}, pools_unbacked=True),
+                    plan_stages(), subscribers=[events.append], log=False)
+            auto = next(e["new"] for e in events if e["event"] == "auto_resolved"
+                        and e["field"] == "kv_cache_config.pool_arena")
+
+            def pair(f: Callable[[Any], str], runs: list[Any] = runs) -> str:
+                return " -> ".join("cannot run" if m is None else f(m) for m in runs)
+
+            a, b = runs
+            steps = pair(lambda m: f"{m.steps:,}") + (f" ({ratio(b.steps / a.steps)})" if a and b else "")
+            modeled = (ratio(b.modeled_seconds / a.modeled_seconds) if a and b and a.modeled_seconds else "-")
+            table.rows.append([name, label, slabs, "arena" if auto else "split", steps, pair(_hit),
+                               pair(lambda m: f"{m.max_concurrency} / {m.mean_concurrency:.1f}"),
+                               pair(lambda m: f"{m.preemptions:,}"), modeled])
+            print(f"  arena {preset} {name} {label}", file=sys.stderr, flush=True)
+    table.notes.append("Both runs in one process: V2 on the same workload and budget (max_gpu_total_bytes), pools "
+                       "split once (pool_arena false) -> one slab arena (true); auto: what pool_arena \"auto\" "
+                       "resolves to at that budget. modeled time: arena / split. Budgets as in the grid.")
+    return table
+
+
 def run(quick: bool = False) -> list[Table]:
     """The grid table and the step-time table (``bench.run_all`` entry point)."""
     return [grid(quick=quick)[1], step_time(quick)]
@@ -291,8 +350,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--real", action="store_true", help="the published sliding-window configs (REAL) as the presets")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated workloads")
     p.add_argument("--budgets", default=",".join(BUDGETS), help=f"comma-separated subset of {', '.join(BUDGETS)}")
-    p.add_argument("--only", choices=("grid", "timing", "split"),
-                   help="run one part (default: grid and timing; split: DeepSeek V4's split pools, old rule vs new)")
+    p.add_argument("--only", choices=("grid", "timing", "split", "arena"),
+                   help="run one part (default: grid and timing; split: DeepSeek V4's split pools, old rule vs new; "
+                        "arena: DeepSeek V4's split pools vs its slab arena, pool_arena false vs true)")
     args = p.parse_args(argv)
     budgets = tuple(b.strip() for b in args.budgets.split(",") if b.strip())
     unknown = [b for b in budgets if b not in BUDGETS]
@@ -310,6 +370,8 @@ def main(argv: list[str] | None = None) -> None:
         print(step_time(args.quick).markdown())
     if args.only == "split":
         print(split_pools(workloads=tuple(args.workloads.split(",")), budgets=budgets, quick=args.quick).markdown())
+    if args.only == "arena":
+        print(arena_pools(workloads=tuple(args.workloads.split(",")), budgets=budgets, quick=args.quick).markdown())
 
 
 if __name__ == "__main__":

@@ -194,6 +194,7 @@ class PoolPlan:
     total_bytes: int
     capacity_tokens: int
     max_concurrency: int  # sequences of max_seq_len that fit at once
+    slabs: int | None = None  # a slab arena (pool_arena): its slabs; num_blocks are then each group's id space
 
 
 def plan_pools(layout: KvLayout, budget_bytes: int, max_seq_len: int, max_tokens: int | None = None) -> PoolPlan:
@@ -218,3 +219,76 @@ def plan_pools(layout: KvLayout, budget_bytes: int, max_seq_len: int, max_tokens
     total = layout.pool_bytes(blocks)
     return PoolPlan(blocks, total, layout.capacity_tokens(blocks, max_seq_len),
                     layout.max_sequences(blocks, max_seq_len))
+
+
+def arena_unfit_reason(layout: KvLayout) -> str | None:
+    """Why ``layout``'s groups cannot draw on one slab arena (``pool_arena``), or None when they can: V2 groups of
+    unequal pages, each dividing the largest (DeepSeek V4)."""
+    if layout.manager != "v2":
+        return "KV cache manager V1 keeps one pool of equal blocks"
+    if len(layout.groups) < 2:
+        return "the model has one layer group: one pool holds all of it"
+    if layout.shared:
+        return "the layer groups already share one arena of equal pages"
+    slab = max(g.bytes_per_block for g in layout.groups)
+    odd = [g.name for g in layout.groups if slab % g.bytes_per_block]
+    if odd:
+        return f"the pages of {', '.join(odd)} do not divide the largest ({slab} B), so slabs cannot be carved"
+    return None
+
+
+def slab_bytes(layout: KvLayout) -> int:
+    """A slab arena's slab: the largest page."""
+    return max(g.bytes_per_block for g in layout.groups)
+
+
+def slabs_for_sequence(layout: KvLayout, length: int) -> int:
+    """Slabs one sequence of ``length`` tokens takes alone in a slab arena (each group's blocks in slabs of its own)."""
+    slab = slab_bytes(layout)
+    return sum(-(-g.blocks_for(length) // (slab // g.bytes_per_block)) for g in layout.groups)
+
+
+def arena_sequences(layout: KvLayout, slabs: int, length: int) -> int:
+    """How many sequences of ``length`` tokens a slab arena of ``slabs`` slabs holds at once (the groups' blocks of
+    all of them packed into whole slabs)."""
+    slab = slab_bytes(layout)
+    per = [(g.blocks_for(max(length, 1)), slab // g.bytes_per_block) for g in layout.groups]
+
+    def fits(n: int) -> bool:
+        return sum(-(-(n * b) // k) for b, k in per) <= slabs
+
+    lo, hi = 0, max(1, slabs)  # every sequence takes at least a block of each group: at most slabs * k each
+    hi = hi * max(k for _, k in per)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def arena_longest(layout: KvLayout, slabs: int, most: int) -> int:
+    """The longest sequence, up to ``most`` tokens, a slab arena of ``slabs`` slabs holds alone (0: none)."""
+    lo, hi = 0, max(0, most)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if slabs_for_sequence(layout, mid) <= slabs:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def plan_arena(layout: KvLayout, budget_bytes: int, max_seq_len: int) -> PoolPlan:
+    """The slab arena a budget buys (``pool_arena``): ``budget // slab`` slabs, each group's ids ``slabs * k``;
+    :class:`BudgetError` below one slab per group. ``capacity_tokens``: the longest sequence it holds alone, up to
+    ``max_seq_len`` (no group's share is fixed, so no per-group figure is)."""
+    slab = slab_bytes(layout)
+    slabs = budget_bytes // slab
+    if slabs < len(layout.groups):
+        raise BudgetError(f"a KV budget of {budget_bytes} bytes holds {slabs} slabs of {slab} B; a slab arena needs "
+                          f"one per layer group ({len(layout.groups)})")
+    blocks = {g.name: slabs * (slab // g.bytes_per_block) for g in layout.groups}
+    return PoolPlan(blocks, slabs * slab, arena_longest(layout, slabs, max_seq_len),
+                    arena_sequences(layout, slabs, max_seq_len), slabs=slabs)

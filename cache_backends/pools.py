@@ -12,6 +12,11 @@ The memory contract, shared by the managers, the host tier and the paged attenti
   arena tensor ``(G, P, entries_per_block, entry_elems)`` and every group's ``tensors[g]`` *is* that
   arena, with ``num_blocks[g] == P``: block ids are global (a block belongs to whichever group the
   manager handed it to), and the layer-major contract above holds unchanged for every group.
+* A slab arena (``slabs``: groups of unequal pages, each dividing the largest, drawing on one budget;
+  ``cache_backends.v2.slab_pool``) has ``num_blocks[g] == slabs * k_g`` block ids per group (``k_g`` =
+  largest page / the group's page); block ``b`` of group ``g`` lies in slab ``b // k_g``. Only simulations
+  (``meta`` pools) build one so far: the flat-slot contract above assumes a layer's blocks are contiguous, which
+  a block-major arena breaks, so real pools refuse it.
 * Attention layers (full, sliding): ``entry_elems == 2 * kv_heads * head_dim``, viewed as
   ``(2, kv_heads, head_dim)``: K at index 0, V at index 1. MLA: the latent, then the rope part.
 """
@@ -36,7 +41,8 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 class BlockPools:
     """The device tensors of a KV layout; :meth:`release` (or a failed allocation) frees them all."""
 
-    def __init__(self, layout: KvLayout, num_blocks: dict[str, int], device: str | torch.device) -> None:
+    def __init__(self, layout: KvLayout, num_blocks: dict[str, int], device: str | torch.device,
+                 slabs: int | None = None) -> None:
         missing = [g.name for g in layout.groups if num_blocks.get(g.name, 0) < 1]
         if missing:
             raise ValueError(f"every layer group needs at least one block; none for {', '.join(missing)}")
@@ -44,6 +50,14 @@ class BlockPools:
         self.num_blocks = dict(num_blocks)
         self.device = torch.device(device)
         self.dtype = TORCH_DTYPES[layout.dtype]
+        #: a slab arena's slabs (None: a pool per group, or a shared arena) and its slab's bytes (the largest page)
+        self.slabs = slabs
+        self.slab_bytes = max(g.bytes_per_block for g in layout.groups)
+        if slabs is not None:
+            check_slab_layout(layout, self.num_blocks, slabs)
+            if self.device.type != "meta":
+                raise ValueError("a slab arena (pool_arena) is built for simulations only (meta pools): the paged "
+                                 "attention's flat slots assume each layer's blocks are contiguous")
         self.groups: dict[str, LayerGroup] = {g.name: g for g in layout.groups}
         self.tensors: dict[str, torch.Tensor] = {}
         #: views of these tensors that readers build once and keep (paged attention's per-layer K/V views);
@@ -70,13 +84,20 @@ class BlockPools:
                 self.layer_index.setdefault(layer, []).append((g.name, pos))
 
     @property
+    def arena_bytes(self) -> int | None:
+        """A slab arena's bytes (every group's memory together), or None without one."""
+        return None if self.slabs is None else self.slabs * self.slab_bytes
+
+    @property
     def shared(self) -> bool:
         """Whether every group's blocks come from one arena (:attr:`KvLayout.shared`)."""
         return self.layout.shared
 
     @property
     def nbytes(self) -> int:
-        """Bytes held on the device (a shared arena counted once)."""
+        """Bytes held on the device (a shared arena counted once; a slab arena's, the slabs')."""
+        if self.slabs is not None:
+            return self.slabs * self.slab_bytes
         unique = {id(t): t for t in self.tensors.values()}
         return sum(t.numel() * t.element_size() for t in unique.values())
 
@@ -102,9 +123,27 @@ class BlockPools:
         return not self.tensors
 
     def describe(self) -> dict[str, Any]:
-        """Per-group blocks and bytes, for events and reports (a shared arena's groups each show the whole arena)."""
+        """Per-group blocks and bytes, for events and reports (a shared arena's groups each show the whole arena; a slab
+        arena's show none: no group's share is fixed)."""
+        if self.slabs is not None:  # a slab arena: a group's ids span every slab, its share of them is not fixed
+            return {name: {"blocks": None, "bytes": None, "shape": list(t.shape), "shared": False, "arena": True}
+                    for name, t in self.tensors.items()}
         return {
             name: {"blocks": self.num_blocks[name], "bytes": t.numel() * t.element_size(), "shape": list(t.shape),
                    "shared": self.shared}
             for name, t in self.tensors.items()
         }
+
+
+def check_slab_layout(layout: KvLayout, num_blocks: dict[str, int], slabs: int) -> None:
+    """``ValueError`` unless ``layout`` can be a slab arena of ``slabs`` slabs with ``num_blocks`` ids per group."""
+    if layout.shared or len(layout.groups) < 2:
+        raise ValueError("a slab arena is for several layer groups of unequal pages (pool_arena)")
+    slab = max(g.bytes_per_block for g in layout.groups)
+    odd = [g.name for g in layout.groups if slab % g.bytes_per_block]
+    if odd:
+        raise ValueError(f"a slab arena needs every page to divide the largest ({slab} B); not {', '.join(odd)}")
+    wrong = [g.name for g in layout.groups if num_blocks[g.name] != slabs * (slab // g.bytes_per_block)]
+    if wrong:
+        raise ValueError(f"a slab arena of {slabs} slabs gives each group slabs x blocks a slab ids; not "
+                         f"{', '.join(wrong)}")

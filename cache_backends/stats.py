@@ -27,6 +27,9 @@ class GroupStats:
     evictions: int  # cached blocks overwritten by allocation since the manager was built
     tokens_per_block: int  # tokens one block of this group spans
     shared: bool = False  # its pages come from an arena shared with other groups (``free`` is the arena's)
+    # a slab arena (pool_arena): the slabs the group owns now; ``total`` is their blocks, and moves as the group takes
+    # slabs and gives them back (None: the group's pool has a fixed size)
+    slabs: int | None = None
 
 
 @attrs.frozen
@@ -70,6 +73,9 @@ class ManagerStats:
     host_bytes: int  # bytes of host memory the host tier holds, 0 without one
     reuse: ReuseStats  # prefix reuse settings
     memory: str | None = None  # V2 with several groups: one arena shared by all, or split between them (why)
+    # a slab arena (pool_arena): {"slabs", "free_slabs", "slab_bytes", "slabs_taken", "slabs_reclaimed",
+    # "evicted_by_reclaim", "slabs_returned"}; None without one
+    arena: dict[str, int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dicts, lists and numbers (JSON-ready)."""

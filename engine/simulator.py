@@ -252,6 +252,8 @@ class ManagerResult:
     wall_seconds: float | None = None
     #: V2's auto host tier on the priced hardware: why it was kept or left out (None: not chosen, or V1)
     host_tier: str | None = None
+    #: a slab arena (pool_arena): its slabs, and ``layer_groups`` is None (no group's share is fixed)
+    arena_slabs: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object under ``results[kv_manager]``: status, budget, and every metric (None if not run)."""
@@ -268,6 +270,7 @@ class ManagerResult:
             **metrics,
             "wall_seconds": self.wall_seconds,
             "host_tier": self.host_tier,
+            **({"arena_slabs": self.arena_slabs} if self.arena_slabs is not None else {}),
         }
 
 
@@ -417,7 +420,9 @@ def run_manager(routed: RunResult, name: str, v2: bool | None, budget: Budget, w
         name = type(manager).__name__
         base = {"scheduler": type(scheduler).__name__, "budget_bytes": kv.budget_bytes,
                 "pool_bytes": kv.pools.total_bytes, "capacity_tokens": kv.capacity_tokens,
-                "layer_groups": dict(kv.pools.num_blocks), "host_tier": kv.host_choice}
+                "layer_groups": None if kv.arena else dict(kv.pools.num_blocks), "host_tier": kv.host_choice}
+        if kv.arena:
+            base["arena_slabs"] = kv.arena_slabs
         bar = _progress(len(workload.requests), f"{name} {workload.name}", progress)
         start = time.perf_counter()
         try:
@@ -487,7 +492,8 @@ def _simulate(model: str, workload: str | Workload, requests: int | None, seed: 
     # the replay reads and writes no KV: pools of any budget, without the memory (LoadRequest.pools_unbacked)
     # priced on ``hardware``: V2's auto host tier is chosen for it (stages.host_tier_choice)
     request = LoadRequest(model=model, overrides=overrides, source=source, config_file=config_file,
-                          pools_unbacked=True, hardware=hardware)
+                          pools_unbacked=True, hardware=hardware,
+                          default_budget=(default_budget_sequences(wl), wl.max_sequence_tokens))
     if compare and V2_FIELD in flatten(overrides_to_tree(overrides)):
         raise ConfigError("--compare simulates both managers; drop --use_kv_cache_manager_v2",
                           path=V2_FIELD)

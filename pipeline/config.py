@@ -351,6 +351,9 @@ class KvCacheConfig:
     # sliding-window models get prefix hits (issue 10); False drops them as they leave the window.
     enable_swa_scratch_reuse: bool = attrs.field(default=True, validator=strict_bool)
     event_buffer_max_size: int = attrs.field(default=0, validator=non_neg_int)
+    # V2 layer groups of unequal pages (DeepSeek V4): true draws every group's blocks from one slab arena, false splits
+    # the budget between per-group pools once; "auto" picks by the budget (stages.arena_choice). Elsewhere inert.
+    pool_arena: TriState = attrs.field(default=AUTO, validator=tri_state)
     _explicit: set[str] = _internal(set)
     _frozen: bool = _internal(bool)
 
@@ -419,9 +422,12 @@ class LlmArgs:
 #: The dotted path of the decision at kvload's heart.
 V2_FIELD = "kv_cache_config.use_kv_cache_manager_v2"
 
+#: Whether V2's groups of unequal pages share one slab arena (``stages.arena_choice``).
+ARENA_FIELD = "kv_cache_config.pool_arena"
+
 #: Fields whose value may be ``"auto"`` and that ``resolve_auto`` turns into a concrete value.
 AUTO_FIELDS: tuple[str, ...] = ("dtype", "device", V2_FIELD, "kv_cache_config.dtype", "attention_backend",
-                                 "linear_backend", "generation_config", "max_seq_len")
+                                 "linear_backend", "generation_config", "max_seq_len", ARENA_FIELD)
 
 
 def framework_defaults() -> dict[str, Any]:

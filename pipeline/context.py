@@ -83,6 +83,9 @@ class LoadRequest:
     #: budget this machine could not hold (a GPU's) is simulated as given. The V2 host tier is sized as for pools on
     #: a device, and unbacked too.
     pools_unbacked: bool = False
+    #: (sequences, tokens): the budget the caller sets when the user sets none (``kvload simulate``: that many
+    #: sequences' exact bytes in the routed layout), which ``pool_arena: "auto"`` is weighed on; None: no such default
+    default_budget: tuple[int, int] | None = None
     #: The accelerator the caller prices the run on (``kvload simulate --hardware``: a key of
     #: ``models.cost.HARDWARE``), which V2's auto host tier is chosen for; None: the device's own (a CUDA device named
     #: in the table), or no choice (the tier is kept).

@@ -46,6 +46,10 @@ for _wl in ("multi-turn", "no-reuse"):
     SCENARIOS.append((_GEMMA27, _wl, 0.25, {"use_kv_cache_manager_v2": True, "enable_swa_scratch_reuse": False}))
     SCENARIOS.append((_GEMMA27, _wl, 0.5, {"use_kv_cache_manager_v2": True, "enable_partial_reuse": False,
                                            "host_cache_size": 1 << 28}))
+# DeepSeek V4's groups drawing on one slab arena (kv_cache_config.pool_arena); last, so the indexes above stay
+for _wl in ("shared-prefix", "multi-turn", "no-reuse", "long-context"):
+    for _scale in (1.0, 0.25):
+        SCENARIOS.append(("tiny-deepseek-v4", _wl, _scale, {"use_kv_cache_manager_v2": True, "pool_arena": True}))
 
 
 def _prefix_block(pool: Any, b: int) -> tuple[int, int] | None:
@@ -79,7 +83,8 @@ def _v2_state(m: Any) -> Any:
         # what the prefix cache holds of the blocks nobody uses (a used block's keying is internal: lazy keying
         # hangs a running request's blocks in the tree only when a lookup reaches them)
         nodes = [_prefix_block(p, b) if not p.ref[b] else None for b in range(len(p.node))]
-        pools.append((name, list(p._free), p.evictable.blocks(), list(p.ref), list(p.gen), list(p.priority),
+        free = p.free_ids() if hasattr(p, "free_in") else list(p._free)  # a slab pool keeps its free blocks per slab
+        pools.append((name, free, p.evictable.blocks(), list(p.ref), list(p.gen), list(p.priority),
                       p.num_used, p.evictions, nodes))
     arena = getattr(m, "_arena", None)  # a shared arena: which group each block belongs to, per-group counts
     shared = None if arena is None else (list(arena.group_of), arena.used, arena.cached, arena.evicted)

@@ -86,7 +86,8 @@ class BuildKvManager:
         try:
             from cache_backends.pools import BlockPools  # torch: only when something is allocated
 
-            pools = BlockPools(plan.layout, plan.pools.num_blocks, "meta" if unbacked else plan.device)
+            pools = BlockPools(plan.layout, plan.pools.num_blocks, "meta" if unbacked else plan.device,
+                               slabs=plan.arena_slabs)
         except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
             detail = first_line(exc)
             raise KvRuntimeError(f"allocating {plan.pools.total_bytes} B of KV pools on {plan.device} failed: "

@@ -14,19 +14,23 @@ from cache_backends.budget import (
     BudgetError,
     KvBudget,
     PoolPlan,
+    arena_unfit_reason,
     compute_budget,
     host_available_bytes,
     host_tier_bytes,
     host_tier_slots,
     is_cuda,
     measure_free_bytes,
+    plan_arena,
     plan_pools,
+    slab_bytes,
+    slabs_for_sequence,
 )
 from cache_backends.kinds import kind_for
 from cache_backends.layout import KvLayout, build_layout
 from cache_backends.reuse import partial_reuse_off_reason
 from pipeline.bus import Emit
-from pipeline.config import refit_max_seq_len
+from pipeline.config import ARENA_FIELD, refit_max_seq_len
 from pipeline.context import DEFAULT_MAX_TOKENS_FIELD, Context
 from pipeline.errors import KvBuildError
 from pipeline.events import (
@@ -38,6 +42,7 @@ from pipeline.events import (
     SettingIgnored,
 )
 from pipeline.text import cell, table
+from stages.arena_choice import SIMULATION_ONLY
 from stages.host_tier_choice import choose_host_tier
 from stages.rank_budget import agree_rest, min_budget
 
@@ -74,6 +79,12 @@ class KvPlan:
     heads: dict[str, Any] | None = None  # HeadSharding.to_dict(): the KV heads each rank holds
     limited_by_rank: int | None = None  # with several ranks: whose budget (the smallest) every rank took
     rank_budget_bytes: list[int | None] | None = None  # with several ranks: each rank's own budget
+    arena_slabs: int | None = None  # a slab arena (pool_arena): its slabs; None: pools of fixed sizes
+
+    @property
+    def arena(self) -> bool:
+        """Whether the groups draw on one slab arena (``pools.num_blocks`` is then each group's id space)."""
+        return self.arena_slabs is not None
 
     @property
     def bytes_per_token(self) -> float:
@@ -109,6 +120,8 @@ class KvPlan:
             # a shared arena's groups all view the same pages: their bytes are the arena's, counted once in
             # total_bytes, so a group has none of its own to add up
             own = n * g.bytes_per_block if n is not None and not self.layout.shared else None
+            if self.arena:  # no group's share of a slab arena is fixed: nothing to count per group
+                n = own = None
             groups.append({**g.to_dict(), "blocks": n, "bytes": own, "shared": self.layout.shared})
         return {
             "manager": self.manager,
@@ -149,9 +162,19 @@ class KvPlan:
             "page_bytes": layout.page_bytes,
             # split pools: the sequence length the windows are sized for (KvLayout.split_length)
             "split_length": (layout.split_length(self.max_seq_len)
-                             if not layout.shared and len(layout.groups) > 1 else None),
-            "text": layout.memory_text(blocks, self.max_seq_len),
+                             if not layout.shared and len(layout.groups) > 1 and not self.arena else None),
+            "arena_slabs": self.arena_slabs,
+            "slab_bytes": slab_bytes(layout) if self.arena else None,
+            "text": self.arena_text() if self.arena else layout.memory_text(blocks, self.max_seq_len),
         }
+
+    def arena_text(self) -> str:
+        """The memory line of a slab arena: its slabs, and why no group's blocks are a fixed figure."""
+        slab = slab_bytes(self.layout)
+        each = ", ".join(f"{g.name} {slab // g.bytes_per_block}" for g in self.layout.groups)
+        return (f"memory: one slab arena of {self.arena_slabs:,} slabs of {slab:,} B (pool_arena); a slab holds one "
+                f"group's blocks at a time ({each} a slab), taken as the group grows and given back once free, so "
+                "no group's share is fixed")
 
     def render(self) -> list[str]:
         """The table's KV section: one row per layer group, then budget and capacity."""
@@ -164,10 +187,13 @@ class KvPlan:
             nbytes = cell(None if n is None else n * g.bytes_per_block)
             if self.layout.shared and n is not None:
                 nbytes = "shared"  # the arena's bytes are counted once, in the memory line
+            if self.arena:
+                n, nbytes = "arena", "arena"  # no group's share is fixed (the memory line says so)
             rows.append([g.name, g.kind, layer_ranges(g.layers), cell(g.window), cell(g.compress_rate),
                          f"{g.bytes_per_block:,}", cell(n), nbytes])
         lines += table(rows)
-        memory = self.layout.memory_text(blocks or None, self.max_seq_len if blocks else None)
+        memory = (self.arena_text() if self.arena else
+                  self.layout.memory_text(blocks or None, self.max_seq_len if blocks else None))
         if memory is not None:
             lines.append(f"  {memory}")
         lines.append(f"  bytes/token {self.bytes_per_token:,.6g} (each token past every window); "
@@ -186,8 +212,12 @@ class KvPlan:
                 by_rank = f", the same on all {len(per_rank)} ranks"
             lines.append(f"  budget  {b.budget_bytes:,} B (set by {RULE_FIELDS.get(b.limited_by or '', b.limited_by)}"
                          f"{by_rank}); pools {self.pools.total_bytes:,} B")
-            lines.append(f"  capacity  {self.pools.capacity_tokens:,} tokens; {self.pools.max_concurrency} "
-                         f"sequence(s) of max_seq_len at once")
+            if self.arena:
+                lines.append(f"  capacity  {self.pools.max_concurrency} sequence(s) of max_seq_len at once; one "
+                             f"sequence alone up to {self.pools.capacity_tokens:,} tokens")
+            else:
+                lines.append(f"  capacity  {self.pools.capacity_tokens:,} tokens; {self.pools.max_concurrency} "
+                             f"sequence(s) of max_seq_len at once")
             if self.pools.max_concurrency == 0:
                 lines.append(f"  note: the pools hold less than one sequence of max_seq_len {self.max_seq_len}; "
                              "longer requests will never be admitted")
@@ -320,19 +350,30 @@ def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
         rank_budget_bytes=agreed.rank_budget_bytes if agreed is not None else None,
     ))
     pools, problem = None, device_issue
+    unbacked = ctx.request is not None and ctx.request.pools_unbacked
+    arena, arena_problem = arena_setting(ctx, layout, unbacked, emit)
     if budget.budget_bytes is None:
         problem = problem or (f"no KV cache budget: {budget.unbounded_reason}; set kv_cache_config.max_tokens or "
                               "kv_cache_config.max_gpu_total_bytes (--max_tokens / --max_gpu_total_bytes)")
+    elif arena:
+        try:
+            pools = plan_arena(layout, budget.budget_bytes, args.max_seq_len)
+        except BudgetError as exc:
+            field = RULE_FIELDS.get(budget.limited_by or "", "the budget")
+            problem = problem or f"{ARENA_FIELD}=true: {exc}; raise {field} or set {ARENA_FIELD} to false"
     else:
         try:
             pools = plan_pools(layout, budget.budget_bytes, args.max_seq_len,
                                max_tokens=budget.max_tokens if budget.limited_by == "max_tokens" else None)
         except BudgetError:
             problem = problem or too_small_message(layout, budget)
+    problem = problem or arena_problem
     if manager == "v2":
         warn_inert_partial_reuse(ctx, layout, emit)
     host_slots, host_bytes = ({}, 0) if manager == "v1" else (None, None)
     host_size, host_choice = kv.host_cache_size, None
+    if arena and not host_size:  # the arena runs without a host tier (an asked-for one is arena_problem)
+        host_size, host_choice = 0, "the slab arena (pool_arena) runs without a host tier"
     if manager == "v2" and host_size is None and device_issue is None:  # the budget plays no part in it
         choice = choose_host_tier(ctx, layout, device)
         if choice is not None:
@@ -342,7 +383,6 @@ def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
                                   recompute_us_per_token=choice.recompute_s * 1e6, host_tier=choice.keep,
                                   reason=choice.reason))
     if manager == "v2" and pools is not None:
-        unbacked = ctx.request is not None and ctx.request.pools_unbacked
         host_slots, host_bytes, host_problem = plan_host_tier(layout, pools, host_size, device, unbacked)
         problem = problem or host_problem
     if ranks is not None and ranks.distributed:
@@ -354,7 +394,8 @@ def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
                   args.max_seq_len, layout, budget, pools, problem, host_size, host_slots, host_bytes, host_choice,
                   tensor_parallel_size=tp, heads=ctx.heads.to_dict() if ctx.heads is not None else None,
                   limited_by_rank=agreed.limited_by_rank if agreed is not None else None,
-                  rank_budget_bytes=agreed.rank_budget_bytes if agreed is not None else None)
+                  rank_budget_bytes=agreed.rank_budget_bytes if agreed is not None else None,
+                  arena_slabs=pools.slabs if pools is not None else None)
     # plan and run both say it as a warning, not only as a note in the table; a budget sized by
     # default_max_tokens (generate, for its own prompts) was chosen for shorter requests on purpose
     short = None if defaulted else budget_short(plan)
@@ -393,6 +434,28 @@ def fit_max_seq_len(ctx: Context, layout: KvLayout, budget: KvBudget, emit: Emit
                              f"{RULE_FIELDS.get(rule, rule)}) holds one sequence of {low} tokens, not the "
                              f"checkpoint's {limit}"))
     return attrs.evolve(budget, max_seq_len=low)
+
+
+def arena_setting(ctx: Context, layout: KvLayout, unbacked: bool, emit: Emit) -> tuple[bool, str | None]:
+    """Whether the pools are a slab arena (``pool_arena`` resolved true, on a layout of unequal pages), and why
+    ``load`` cannot build it (None when it can); ``setting_ignored`` for a value the user set that has nothing to
+    act on."""
+    kv = ctx.args.kv_cache_config
+    unfit = arena_unfit_reason(layout)
+    if unfit is not None:
+        if ARENA_FIELD in ctx.user_fields and kv.pool_arena in (True, False):
+            emit(SettingIgnored(field=ARENA_FIELD, value=kv.pool_arena,
+                                reason=f"{unfit}; pool_arena chooses between one slab arena and split pools for V2 "
+                                       "layer groups of unequal pages (DeepSeek V4)"))
+        return False, None
+    if kv.pool_arena is not True:
+        return False, None
+    if not unbacked:
+        return True, f"{ARENA_FIELD}=true: {SIMULATION_ONLY}; set it to false or \"auto\""
+    if kv.host_cache_size:
+        return True, (f"{ARENA_FIELD}=true runs without a host tier, and {HOST_FIELD}={kv.host_cache_size} asks "
+                      f"for one; set {HOST_FIELD} to 0 or {ARENA_FIELD} to false")
+    return True, None
 
 
 def warn_inert_v2_settings(ctx: Context, layout: KvLayout, host_bytes: int | None, emit: Emit) -> None:
@@ -536,6 +599,8 @@ def budget_short(plan: KvPlan) -> KvBudgetShort | None:
     if pools is None or pools.max_concurrency > 0:
         return None
     need = plan.layout.bytes_for_sequence(plan.max_seq_len)
+    if plan.arena:  # each group's blocks in whole slabs of its own
+        need = slabs_for_sequence(plan.layout, plan.max_seq_len) * slab_bytes(plan.layout)
     rule = plan.budget.limited_by or ""
     field = RULE_FIELDS.get(rule, rule or "the KV budget")
     flag = _RULE_FLAGS.get(rule)

@@ -8,7 +8,15 @@ from typing import Any
 
 from models.spec import describe_rope
 from pipeline.bus import Emit
-from pipeline.config import AUTO, GENERATION_CONFIG_NONE, MODEL_DTYPES, V2_FIELD, normalize_dtype, set_field
+from pipeline.config import (
+    ARENA_FIELD,
+    AUTO,
+    GENERATION_CONFIG_NONE,
+    MODEL_DTYPES,
+    V2_FIELD,
+    normalize_dtype,
+    set_field,
+)
 from pipeline.context import AutoOrigin, Context
 from pipeline.errors import ConfigError
 from pipeline.events import AutoResolved, FieldDerived, MaxSeqLenBeyondPositions
@@ -114,7 +122,8 @@ def resolve_generation_config(found: Any, model: str) -> tuple[str, str, str]:
 
 class ResolveAuto:
     """Resolves ``device``, ``dtype``, ``kv_cache_config.dtype``, ``use_kv_cache_manager_v2``,
-    ``attention_backend``, ``linear_backend`` and ``generation_config``, in that order.
+    ``attention_backend``, ``linear_backend``, ``generation_config`` and (once ``max_seq_len`` is derived)
+    ``kv_cache_config.pool_arena``, in that order.
 
     ``auto_resolved`` fires for every field captured as ``"auto"`` by the snapshot, also when a
     model default already replaced the value: then ``old`` is the model's value and the reason says so.
@@ -127,17 +136,21 @@ class ResolveAuto:
         """Resolve in dependency order (the dtype rule needs the device, the KV dtype needs the dtype)."""
         for path in ("device", "dtype", "kv_cache_config.dtype", V2, "attention_backend", "linear_backend",
                      "generation_config"):
-            origin = ctx.auto_originals.get(path)
-            if origin is None:
-                continue
-            old = get_in(ctx.args, path)
-            new, source, reason = self._decide(ctx, path, old, origin)
-            if new != old:
-                set_field(ctx.args, path, new)
-            emit(AutoResolved(field=path, original=AUTO, old=old, new=get_in(ctx.args, path), source=source,
-                              reason=reason))
+            self._resolve(ctx, emit, path)
         self._derive_max_seq_len(ctx, emit)
         self._warn_past_positions(ctx, emit)
+        self._resolve(ctx, emit, ARENA_FIELD)  # weighs the budget against max_seq_len: after it is derived
+
+    def _resolve(self, ctx: Context, emit: Emit, path: str) -> None:
+        origin = ctx.auto_originals.get(path)
+        if origin is None:
+            return
+        old = get_in(ctx.args, path)
+        new, source, reason = self._decide(ctx, path, old, origin)
+        if new != old:
+            set_field(ctx.args, path, new)
+        emit(AutoResolved(field=path, original=AUTO, old=old, new=get_in(ctx.args, path), source=source,
+                          reason=reason))
 
     def _decide(self, ctx: Context, path: str, current: Any, origin: AutoOrigin) -> tuple[Any, str, str]:
         spec_name = ctx.spec.name if ctx.spec is not None else "the model"
@@ -176,6 +189,10 @@ class ResolveAuto:
             return resolve_linear_backend(str(ctx.args.device), str(ctx.args.dtype), ctx.args.tensor_parallel_size)
         if path == "generation_config":
             return resolve_generation_config(ctx.sampling_defaults, ctx.model.name if ctx.model else "the model")
+        if path == ARENA_FIELD:
+            from stages.arena_choice import resolve_pool_arena
+
+            return resolve_pool_arena(ctx)
         raise AssertionError(f"no rule resolves {path}")
 
     @staticmethod

@@ -403,25 +403,13 @@ def test_bench_v4_prefill_alternates_two_trees_forwards_and_puts_its_own_back(ca
     assert re.search(r"thread CPU [\d.]+ s \(this tree\) vs [\d.]+ s \(.*\): [\d.]+x", capsys.readouterr().out)
 
 
-def test_slab_arena_prototype_keeps_every_slab_free_or_owned_once_while_memory_flows_between_groups(monkeypatch):
-    # DeepSeek V4's groups have unequal pages: the prototype carves one arena into slabs a group owns at a time
-    from bench import proto_v4_slab as slab
-    from engine.workloads import make_workload
+def test_the_arena_bench_runs_split_and_arena_through_pool_arena_and_says_what_auto_picks():
+    # DeepSeek V4's groups of unequal pages: pools split once against one slab arena they take memory from
+    from bench import bench_grid
 
-    checked = []
-    plain = slab.SlabManagerV2.usage
-
-    def usage(self):  # the replay samples usage once a step: check the arena there
-        self.arena.check()
-        checked.append(self.arena)
-        return plain(self)
-
-    monkeypatch.setattr(slab.SlabManagerV2, "usage", usage)
-    wl = make_workload("multi-turn", 32, 0)
-    budget = 6 * 98_304 + 50_000  # 6 slabs of the largest page (a sliding_w128 block): groups take them from each other
-    with slab.slab_manager(budget):
-        flow = slab._run(wl, budget, "fcfs")
-    arena = checked[-1]
-    assert flow.finished == len(wl.requests) and len(checked) >= flow.engine_steps
-    assert arena.num_slabs == 6 and arena.counters["slabs_reclaimed"] > 0  # and every check held
-    assert slab.v2.KVCacheManagerV2 is slab.KVCacheManagerV2  # the product's class is put back
+    table = bench_grid.arena_pools(workloads=("mixed",), budgets=("default",), quick=True)
+    (row,) = table.rows
+    assert row[:2] == ["mixed", "default"] and int(row[2].replace(",", "")) > 0
+    split, arena = (int(n.replace(",", "")) for n in row[4].split(" (")[0].split(" -> "))
+    assert arena < split  # the groups lend each other the memory they do not use
+    assert row[3] in ("arena", "split")

@@ -124,7 +124,7 @@ def test_audit_summary_names_model_route_autos_defaults_and_warnings(capsys, tmp
     assert doc["model"]["spec"] == "DeepseekV4Spec" and doc["route"]["kv_manager"] == "KVCacheManagerV2"
     autos = {a["field"]: a for a in doc["auto_resolutions"]}
     assert set(autos) == {"device", "dtype", "kv_cache_config.dtype", V2, "attention_backend", "linear_backend",
-                          "generation_config"}
+                          "generation_config", "kv_cache_config.pool_arena"}
     assert autos[V2]["new"] is True and autos[V2]["explicit"] is True and autos[V2]["captured_from"] == "cli"
     assert doc["model_defaults"]["applied"] == []  # the user's two settings win over both model defaults
     assert {d["field"] for d in doc["model_defaults"]["skipped"]} == {V2, "kv_cache_config.tokens_per_block"}

@@ -72,6 +72,7 @@ SAMPLES = {
     "--enable_prefix_caching": ([], True),
     "--host_cache_size": (["512MiB"], 512 << 20),
     "--event_buffer_max_size": (["1000"], 1000),
+    "--pool_arena": (["true"], True),
     "--kv_cache_dtype": (["bf16"], "bfloat16"),
     "--attention_backend": (["flex"], "flex"),
     "--linear_backend": (["torch"], "torch"),

@@ -93,4 +93,4 @@ def test_to_dict_round_trips_through_json(kind):
     })
     assert rebuilt == stats
     assert set(doc["groups"][next(iter(doc["groups"]))]) == {"total", "free", "evictable", "used", "usage",
-                                                             "evictions", "tokens_per_block", "shared"}
+                                                             "evictions", "tokens_per_block", "shared", "slabs"}

@@ -114,7 +114,7 @@ def test_every_auto_field_resolves_with_a_reason(log):
     assert result.args.kv_cache_config.dtype == "float32"
     fields = [e["field"] for e in log.events if e["event"] == "auto_resolved"]
     assert fields == ["device", "dtype", "kv_cache_config.dtype", V2, "attention_backend",
-                      "linear_backend", "generation_config"]
+                      "linear_backend", "generation_config", "kv_cache_config.pool_arena"]
     assert all(e["reason"] for e in log.events if e["event"] == "auto_resolved")
     assert log.has("field_derived", field="max_seq_len", new=8192, source="checkpoint")
 

@@ -91,6 +91,7 @@ from cache_backends.v2.host_tier import HostTier, host_slots
 from cache_backends.v2.radix import PendingPrefix, RadixNode, RadixTree
 from cache_backends.v2.sequence import NEVER, CacheState, SequenceCache
 from cache_backends.v2.shared_pool import GroupShare, SharedPool, interleave
+from cache_backends.v2.slab_pool import SlabArena, SlabPool
 
 
 def _most_fitting(want: int, fits: Callable[[int], bool], lo: int = 0) -> int:
@@ -187,6 +188,8 @@ class KVCacheManagerV2:
         self.groups: tuple[LayerGroup, ...] = self.layout.groups
         self._group = {g.name: g for g in self.groups}
         self._arena: SharedPool | None = None
+        #: a slab arena (``pools.slabs``: groups of unequal pages drawing on one budget), or None
+        self._slabs: SlabArena | None = None
         # (pool, its groups' names) per distinct pool: one SharedPool for a shared layout, else a GroupPool per group
         self._pool_sets: list[tuple[GroupPool | SharedPool, list[str]]]
         if self.layout.shared:
@@ -194,6 +197,11 @@ class KVCacheManagerV2:
             self._arena = SharedPool(names, pools.num_blocks[names[0]])
             self._pool: dict[str, GroupPool | GroupShare] = dict(zip(names, self._arena.shares, strict=True))
             self._pool_sets = [(self._arena, names)]
+        elif pools.slabs is not None:
+            self._slabs = SlabArena(pools.slabs, pools.slab_bytes)
+            own = {g.name: SlabPool(g.name, self._slabs, g.bytes_per_block) for g in self.groups}
+            self._pool = dict(own)
+            self._pool_sets = [(pool, [name]) for name, pool in own.items()]
         else:
             own = {g.name: GroupPool(g.name, pools.num_blocks[g.name]) for g in self.groups}
             self._pool = dict(own)
@@ -279,7 +287,9 @@ class KVCacheManagerV2:
         self._ref_of = [pool.ref.__getitem__ for _, _, pool in self._group_pools]
         self._tree = self._new_tree()
         self.host: HostTier | None = None
-        slots = host_slots(pools, options.host_cache_size)
+        slots = host_slots(pools, options.host_cache_size) if self._slabs is None else {}
+        if self._slabs is not None and options.host_cache_size:
+            raise ValueError("a slab arena (pool_arena) runs without a host tier; set host_cache_size to 0")
         if slots:
             self.host = HostTier(pools, slots)
         #: per group, a cached device block a suspended cache left on the device -> (cache, logical block) whose
@@ -398,6 +408,9 @@ class KVCacheManagerV2:
         if short is None:
             return None
         pool, names, n = short
+        if self._slabs is not None:
+            return (f"{n} blocks of {self._where(names)} needed, {pool.available} free or evictable in its slabs, "
+                    f"{len(self._slabs.free)} free slabs, with the other groups' needs")
         return f"{n} blocks of {self._where(names)} needed, {pool.available} free or evictable"
 
     def _short_cycles(self, needs: tuple[list[int], ...], extra: list[int] | None = None,
@@ -406,6 +419,16 @@ class KVCacheManagerV2:
         groups of a cycle need the same, so a set's need is one product per cycle in it (2 on Gemma 3 27B's arena of
         31 groups), not a sum over its groups."""
         set_cycles = self._set_cycles
+        if self._slabs is not None:  # pool set i is group i, checked with every other at once
+            per_group = []
+            for i in range(len(self._pool_sets)):
+                n = sets[i] if sets else 0
+                for c, k in set_cycles[i]:
+                    t = sum(need[c] for need in needs)
+                    if t > 0:
+                        n += k * t
+                per_group.append(n)
+            return self._joint(per_group, extra)
         for i, (pool, names) in enumerate(self._pool_sets):
             n = sets[i] if sets else 0
             for c, k in set_cycles[i]:
@@ -423,6 +446,9 @@ class KVCacheManagerV2:
         """The first pool set that cannot hold the per-group sum of ``needs`` (a group's negative sum counts as 0),
         with ``extra[i]`` more blocks available in pool set ``i``: (pool, its groups, blocks needed); None when every
         one can."""
+        if self._slabs is not None:
+            return self._joint([max(0, sum(need.get(name, 0) for need in needs)) for _, (name,) in self._pool_sets],
+                               extra)
         for i, (pool, names) in enumerate(self._pool_sets):
             n = 0
             for name in names:
@@ -434,6 +460,16 @@ class KVCacheManagerV2:
             if n > pool.available + (extra[i] if extra else 0):
                 return pool, names, n
         return None
+
+    def _joint(self, per_group: list[int], extra: list[int] | None) -> tuple[GroupPool, list[str], int] | None:
+        """A slab arena's :meth:`_first_short`: the first group whose blocks the arena cannot give together with the
+        others' (:meth:`SlabArena.short`)."""
+        assert self._slabs is not None
+        i = self._slabs.short(per_group, extra)
+        if i is None:
+            return None
+        pool, names = self._pool_sets[i]
+        return pool, names, per_group[i]  # type: ignore[return-value]
 
     def held_back(self, share: float, longest: int, probe: HitProbe | None = None) -> list[int] | None:
         """Per pool set, minus the cached blocks of shared prefixes admission leaves alone (at most ``share`` of the
@@ -649,6 +685,8 @@ class KVCacheManagerV2:
         need = {g.name: math.ceil(capacity / g.tokens_per_block) - len(cache.tables[g.name]) for g in self.groups}
         if self.shortfall(need) is not None:
             return False
+        if self._slabs is not None:  # the slabs the groups lack, taken before any group allocates
+            self._slabs.acquire([need[g.name] for g in self.groups], self._detach)
         for name, n in need.items():
             pool, table = self._pool[name], cache.tables[name]
             if n > 0:
@@ -693,12 +731,17 @@ class KVCacheManagerV2:
         it did. Pools per group: each group's new blocks against its own pool."""
         tables = cache.tables
         needs = []
+        slabs = self._slabs
         for name, tpb, pool in self._group_pools:
             k = -(-target // tpb) - len(tables[name])
-            if k > len(pool._free) + len(pool.evictable):  # pool.available, inlined (hot path)
+            if slabs is None and k > len(pool._free) + len(pool.evictable):  # pool.available, inlined (hot path)
                 return False
             needs.append(k)
         detach = self._detach
+        if slabs is not None:  # every group's blocks at once: the slabs they lack first
+            if slabs.short(needs) is not None:
+                return False
+            slabs.acquire(needs, detach)
         for (name, _, pool), k in zip(self._group_pools, needs, strict=True):
             if k > 0:
                 tables[name].extend(pool.allocate_many(k, detach))
@@ -755,6 +798,14 @@ class KVCacheManagerV2:
             return 0
 
         arena, spans = self._arena, self._spans
+        if self._slabs is not None:
+            slabs, tables, committed = self._slabs, cache.tables, cache.committed
+
+            def joint(n: int) -> bool:
+                return slabs.short([-(-(committed + n) // tpb) - len(tables[name])
+                                    for name, tpb, _ in self._group_pools], extra) is None
+
+            return _most_fitting(want, joint)
         if arena is None:  # a pool per group: group g can hold len(table) + available blocks, that many tokens
             tables, committed = cache.tables, cache.committed
             if extra is None:
@@ -960,6 +1011,13 @@ class KVCacheManagerV2:
         if want <= 0:
             return 0
         arena, spans = self._arena, self._spans
+        if self._slabs is not None:
+            slabs = self._slabs
+
+            def joint(n: int) -> bool:
+                return slabs.short([-(-n // tpb) for _, tpb, _ in self._group_pools], extra) is None
+
+            return _most_fitting(want, joint)
         if arena is None:
             more = extra or [0] * len(self._group_pools)  # a pool per group: pool set i is group i
             most = min((pool.available + k) * tpb for (_, tpb, pool), k in zip(self._group_pools, more, strict=True))
@@ -1094,6 +1152,15 @@ class KVCacheManagerV2:
         if n > request.num_tokens:
             capped = f" capped at max_seq_len={limit}" if n < request.max_total_tokens else ""
             what = f" (prompt + max_new_tokens{capped})"
+        if self._slabs is not None:  # alone in the arena: every group's blocks in slabs of its own
+            slabs = self._slabs
+            per_group = [g.blocks_for(n) for g in self.groups]
+            k = slabs.slabs_for(per_group)
+            if k > slabs.num_slabs:
+                each = ", ".join(f"{g.name} {b} blocks" for g, b in zip(self.groups, per_group, strict=True))
+                return (f"request {request.req_id} needs {k} slabs of the arena for {n} tokens{what} ({each}; a slab "
+                        f"holds one group's blocks); the arena has {slabs.num_slabs}")
+            return None
         for (pool, names), cycles in zip(self._pool_sets, self._pool_cycles, strict=True):
             need = sum(g.blocks_for(n) * count for g, count in cycles)
             if need > pool.num_blocks:
@@ -1167,9 +1234,15 @@ class KVCacheManagerV2:
     def _fixed_stats(self) -> tuple[int, int, str | None]:
         """What never changes after construction: pool bytes, host bytes, the memory line (computed once)."""
         if self._stats_fixed is None:
-            self._stats_fixed = (self.layout.pool_bytes(self.pools.num_blocks),
-                                 self.host.nbytes if self.host is not None else 0,
-                                 self.layout.memory_text(self.pools.num_blocks, self.options.max_seq_len))
+            slabs = self._slabs
+            if slabs is not None:
+                total = slabs.num_slabs * slabs.slab_bytes
+                memory = (f"memory: a slab arena of {slabs.num_slabs:,} slabs of {slabs.slab_bytes:,} B that the "
+                          "groups take as they grow and give back once free (pool_arena); no group's share is fixed")
+            else:
+                total = self.layout.pool_bytes(self.pools.num_blocks)
+                memory = self.layout.memory_text(self.pools.num_blocks, self.options.max_seq_len)
+            self._stats_fixed = (total, self.host.nbytes if self.host is not None else 0, memory)
         return self._stats_fixed
 
     def usage(self) -> float:
@@ -1189,9 +1262,11 @@ class KVCacheManagerV2:
         for g in self.groups:
             pool = self._pool[g.name]
             groups[g.name] = GroupStats(total=pool.num_blocks, free=pool.num_free, evictable=pool.num_evictable,
-                                        used=pool.num_used, usage=pool.num_used / pool.num_blocks,
+                                        used=pool.num_used,
+                                        usage=pool.num_used / pool.num_blocks if pool.num_blocks else 0.0,
                                         evictions=pool.evictions, tokens_per_block=g.tokens_per_block,
-                                        shared=self.layout.shared)
+                                        shared=self.layout.shared,
+                                        slabs=pool.owned if isinstance(pool, SlabPool) else None)
             used_bytes += pool.num_used * g.bytes_per_block
         total_bytes, host_bytes, memory = self._fixed_stats()  # stats runs every step in a driver
         host = None
@@ -1220,6 +1295,9 @@ class KVCacheManagerV2:
                              unit_tokens=self.reuse_unit if self._reuse else None, partial=self._partial,
                              partial_disabled_reason=self.partial_off_reason, radix_nodes=self._tree.num_nodes),
             memory=memory,
+            arena=None if self._slabs is None else {
+                "slabs": self._slabs.num_slabs, "free_slabs": len(self._slabs.free),
+                "slab_bytes": self._slabs.slab_bytes, **self._slabs.counters},
         )
 
     def close(self) -> None:
@@ -1291,12 +1369,15 @@ class KVCacheManagerV2:
         worst = [sum(g.blocks_for(c.worst) for c in self._caches.values() if c.is_active) for g in self.groups]
         if worst != self._worst_blocks:
             problems.append(f"worst-case blocks of active caches {self._worst_blocks}, recomputed {worst}")
+        if self._slabs is not None:
+            problems += self._slabs.check()
         for pool, names in self._pool_sets:  # per distinct pool: free + every group's used + evictable == blocks
-            free, evictable = set(pool._free), set(pool.evictable.blocks())
+            listed = pool.free_ids() if isinstance(pool, SlabPool) else pool._free
+            free, evictable = set(listed), set(pool.evictable.blocks())
             if free & evictable:
                 problems.append(f"{self._where(names)}: blocks both free and evictable: {sorted(free & evictable)}")
-            used = {b for b in range(pool.num_blocks) if pool.ref[b] > 0}
-            if len(free) + len(evictable) + len(used) != pool.num_blocks or len(free) != len(pool._free) \
+            used = {b for b in range(len(pool.ref)) if pool.ref[b] > 0}  # (a slab pool's ids span the whole arena)
+            if len(free) + len(evictable) + len(used) != pool.num_blocks or len(free) != len(listed) \
                     or len(used) != pool.num_used:
                 problems.append(f"{self._where(names)}: free {len(free)} + evictable {len(evictable)} + used "
                                 f"{len(used)} != {pool.num_blocks} (num_used {pool.num_used})")
@@ -1304,7 +1385,8 @@ class KVCacheManagerV2:
             pool = self._pool[g.name]
             holds = pool.holds if isinstance(pool, GroupShare) else None
             free, evictable = set(pool.free_ids()), set(pool.evictable.blocks())
-            mine = range(pool.num_blocks) if holds is None else [b for b in range(pool.num_blocks) if holds(b)]
+            ids = range(len(pool.ref))  # a slab pool's ids span the arena; elsewhere len(ref) == num_blocks
+            mine = ids if holds is None else [b for b in ids if holds(b)]
             used = {b for b in mine if pool.ref[b] > 0}
             if len(used) != pool.num_used or len(evictable.intersection(mine)) != pool.num_evictable:
                 problems.append(f"group {g.name}: used {len(used)} (num_used {pool.num_used}), evictable "

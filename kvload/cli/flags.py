@@ -64,6 +64,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--host_cache_size", "kv_cache_config.host_cache_size",
          "V2 host tier size in bytes (0 = none; absent = auto: sized, or none where the accelerator recomputes a token "
          "for less than its copy out and back)", size, metavar="BYTES"),
+    Flag("--pool_arena", "kv_cache_config.pool_arena",
+         "V2 groups of unequal pages (DeepSeek V4): one slab arena they take memory from as they need it (true), "
+         "pools split once (false), or auto (the arena when the budget holds a max_seq_len sequence in slabs; "
+         "simulations only so far)", tri_state, metavar="{auto,true,false}"),
     Flag("--event_buffer_max_size", "kv_cache_config.event_buffer_max_size",
          "KV cache events (block stored/removed/cleared) kept for readers; 0 = off (default)", field_integer,
          metavar="N"),

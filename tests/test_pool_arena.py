@@ -1,0 +1,290 @@
+"""``kv_cache_config.pool_arena``: DeepSeek V4's groups of unequal pages drawing on one slab arena.
+
+The setting (validation, "auto" and its audit record, ``setting_ignored`` elsewhere, the refusals), the arena's
+invariants over random traffic, its joint room checks (never an allocation that fails after a check passed), the
+floor (a slab per group in use), and what stats and the plan report.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cache_backends import build_layout
+from cache_backends.budget import BudgetError, plan_arena, slabs_for_sequence
+from cache_backends.interface import ManagerOptions
+from cache_backends.pools import BlockPools
+from cache_backends.request import Request
+from cache_backends.v2 import KVCacheManagerV2, KVCacheV2Scheduler
+from cache_backends.v2.slab_pool import SlabArena, SlabPool
+from engine.driver import Driver
+
+ARENA = "kv_cache_config.pool_arena"
+SLAB = 98_304  # tiny-deepseek-v4's largest page: a sliding_w128 block (float32, 32-token blocks)
+CPU = {"device": "cpu", "log": False, "progress": False}
+
+
+def v4_layout(T: int = 128):
+    from models import load_hf_config, resolve_checkpoint, spec_class_for
+
+    cfg = load_hf_config(resolve_checkpoint("tiny-deepseek-v4"))
+    return build_layout(spec_class_for(cfg.architectures[0])(cfg).kv_layers(), "v2", T, "float32")
+
+
+def arena_manager(slabs: int, max_seq_len: int = 4096, **options: Any) -> KVCacheManagerV2:
+    """A V2 manager over a slab arena of ``slabs`` slabs (meta pools: nothing allocated, as a simulation's)."""
+    layout = v4_layout()
+    plan = plan_arena(layout, slabs * SLAB, max_seq_len)
+    pools = BlockPools(layout, plan.num_blocks, "meta", slabs=plan.slabs)
+    return KVCacheManagerV2(pools, ManagerOptions(max_seq_len=max_seq_len, host_cache_size=0, **options))
+
+
+def sim(budget: int | None = None, workload: str = "mixed", max_seq_len: int | None = None, **kv: Any):
+    """Simulate tiny-deepseek-v4 on ``workload``; (result metrics, events)."""
+    from engine.simulator import simulate
+
+    events: list[dict[str, Any]] = []
+    if budget is not None:
+        kv["max_gpu_total_bytes"] = budget
+    more = {} if max_seq_len is None else {"max_seq_len": max_seq_len}
+    report = simulate("tiny-deepseek-v4", workload, kv_cache_config=kv, subscribers=[events.append], **more, **CPU)
+    (result,) = report.results.values()
+    return result, events
+
+
+def planned(**overrides: Any) -> list[dict[str, Any]]:
+    """The events of planning tiny-deepseek-v4 as a simulation does (pools that allocate nothing)."""
+    from pipeline.context import LoadRequest
+    from pipeline.run import execute
+    from stages import plan_stages
+
+    events: list[dict[str, Any]] = []
+    execute(LoadRequest(model="tiny-deepseek-v4", overrides={"device": "cpu", **overrides}, pools_unbacked=True),
+            plan_stages(), subscribers=[events.append], log=False)
+    return events
+
+
+# --- the setting -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None, "arena"])
+def test_a_bad_pool_arena_is_one_line_naming_the_field_and_what_is_accepted(value):
+    import pipeline
+    from pipeline.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        pipeline.plan("tiny-deepseek-v4", log=False, kv_cache_config={"pool_arena": value})
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith(f"{ARENA}: expected true, false or \"auto\", got ")
+
+
+def test_auto_is_the_arena_when_one_max_seq_len_sequence_fits_in_slabs_and_the_audit_says_why():
+    layout = v4_layout()
+    need = slabs_for_sequence(layout, 4096)  # max_seq_len 4096: 7 (2 window slabs, 4 csa_c4, 1 hca_c128)
+    built, roomy = sim(need * SLAB, max_seq_len=4096)
+    tight = planned(max_seq_len=4096, kv_cache_config={"max_gpu_total_bytes": (need - 1) * SLAB})
+    (yes,) = [e for e in roomy if e["event"] == "auto_resolved" and e["field"] == ARENA]
+    (no,) = [e for e in tight if e["event"] == "auto_resolved" and e["field"] == ARENA]
+    assert (yes["original"], yes["old"], yes["new"], yes["source"]) == ("auto", "auto", True, "auto")
+    assert f"holds {need:,} slabs" in yes["reason"] and f"takes {need:,}" in yes["reason"]
+    assert (no["new"], no["source"]) == (False, "auto") and f"holds {need - 1:,} slabs" in no["reason"]
+    assert (built.arena_slabs, built.layer_groups) == (need, None) and built.to_dict()["arena_slabs"] == need
+
+
+def test_auto_keeps_the_split_for_real_pools_and_says_so():
+    import pipeline
+
+    result = pipeline.plan("tiny-deepseek-v4", device="cpu", kv_cache_config={"max_tokens": 65536})
+    (event,) = [e for e in result.audit.of("auto_resolved") if e["field"] == ARENA]
+    assert event["new"] is False and "simulations only" in event["reason"]
+    assert result.args.kv_cache_config.pool_arena is False and not result.kv.arena
+
+
+def test_an_explicit_arena_on_real_pools_is_refused_in_one_line_before_allocating(track_pools):
+    import pipeline
+    from pipeline import KvBuildError
+
+    kw = {"device": "cpu", "kv_cache_config": {"max_tokens": 65536, "pool_arena": True}}
+    planned = pipeline.plan("tiny-deepseek-v4", log=False, **kw)
+    assert planned.kv.problem.startswith(f"{ARENA}=true: the slab arena is built in simulations only")
+    with pytest.raises(KvBuildError) as err:
+        pipeline.load("tiny-deepseek-v4", log=False, **kw)
+    assert str(err.value) == planned.kv.problem and "\n" not in str(err.value)
+    assert not track_pools
+
+
+def test_an_arena_with_a_host_tier_is_refused_and_auto_keeps_the_split():
+    from engine.simulator import simulate
+    from pipeline import KvBuildError
+
+    with pytest.raises(KvBuildError, match=r"pool_arena=true runs without a host tier, and "
+                                           r"kv_cache_config.host_cache_size=1000000 asks for one"):
+        simulate("tiny-deepseek-v4", "mixed", kv_cache_config={"pool_arena": True, "host_cache_size": 1_000_000},
+                 **CPU)
+    _, events = sim(host_cache_size=1_000_000)
+    (event,) = [e for e in events if e["event"] == "auto_resolved" and e["field"] == ARENA]
+    assert event["new"] is False and "host_cache_size=1000000" in event["reason"]
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_an_explicit_pool_arena_on_a_model_of_equal_pages_is_a_setting_ignored_warning(value):
+    import pipeline
+
+    result = pipeline.plan("tiny-gemma3", log=False, device="cpu",
+                           kv_cache_config={"max_tokens": 4096, "pool_arena": value, "use_kv_cache_manager_v2": True})
+    (ignored,) = [e for e in result.audit.of("setting_ignored") if e["field"] == ARENA]
+    assert ignored["value"] is value and "already share one arena of equal pages" in ignored["reason"]
+    quiet = pipeline.plan("tiny-gemma3", log=False, device="cpu", kv_cache_config={"max_tokens": 4096})
+    assert not [e for e in quiet.audit.of("setting_ignored") if e["field"] == ARENA]  # "auto": nothing to say
+
+
+# --- the arena through the simulator ------------------------------------------------------------------------------
+
+
+def test_the_arena_runs_the_mixed_workload_in_fewer_steps_than_the_split_at_the_same_budget():
+    split, _ = sim(pool_arena=False)
+    arena, _ = sim(pool_arena=True)
+    assert arena.metrics.finished == split.metrics.finished
+    # 1,324 steps against 1,882 (BENCHMARKS.md): the groups lend each other memory
+    assert arena.metrics.steps < split.metrics.steps
+    assert arena.pool_bytes == arena.arena_slabs * SLAB <= split.budget_bytes
+
+
+def test_below_a_slab_per_group_the_plan_refuses_and_a_request_above_the_arena_never_fits():
+    layout = v4_layout()
+    with pytest.raises(BudgetError, match="a slab arena needs one per layer group"):
+        plan_arena(layout, (len(layout.groups) - 1) * SLAB + SLAB - 1, 4096)
+    m = arena_manager(len(layout.groups), max_seq_len=4096)
+    short = Request("short", list(range(40)), 8)
+    long = Request("long", list(range(3000)), 8)
+    assert m.never_fits(short) is None
+    why = m.never_fits(long)
+    assert why is not None and why.startswith("request long needs ") and f"the arena has {len(layout.groups)}" in why
+
+
+def test_stats_and_the_plan_report_slabs_not_fixed_group_sizes():
+    m = arena_manager(12)
+    r = Request("a", list(range(300)), 4)
+    m.create(r)
+    m.resume(r)
+    assert m.schedule_tokens(r, 300) == 300
+    s = m.stats()
+    assert s.arena["slabs"] == 12 and s.arena["free_slabs"] == 12 - sum(g.slabs for g in s.groups.values())
+    for name, g in s.groups.items():
+        assert g.total == g.slabs * m._pool[name].per and g.free + g.evictable + g.used == g.total
+    assert "slab arena of 12 slabs" in s.memory and 0 < s.usage <= 1
+    m.check_invariants()
+
+    from pipeline.context import LoadRequest
+    from pipeline.run import execute
+    from stages import plan_stages
+
+    overrides = {"device": "cpu", "max_seq_len": 4096,
+                 "kv_cache_config": {"max_gpu_total_bytes": 100 * SLAB, "pool_arena": True}}
+    plan = execute(LoadRequest(model="tiny-deepseek-v4", overrides=overrides, pools_unbacked=True), plan_stages(),
+                   log=False).kv
+    text = "\n".join(plan.render())
+    assert plan.problem is None and plan.arena_slabs == 100
+    assert "one slab arena of 100 slabs" in text and "no group's share is fixed" in text
+    assert all(g["blocks"] is None for g in plan.to_dict()["layer_groups"])
+
+
+# --- invariants and joint checks over random traffic ------------------------------------------------------------
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(slabs=st.integers(4, 40),
+       reqs=st.lists(st.tuples(st.integers(1, 900), st.integers(1, 300), st.integers(0, 3), st.integers(0, 2)),
+                     min_size=1, max_size=14),
+       policy=st.sampled_from(["fcfs", "priority"]))
+def test_arena_invariants_hold_every_step_and_no_allocation_fails_after_a_passing_check(slabs, reqs, policy):
+    m = arena_manager(slabs, max_seq_len=1200)
+    scheduler = KVCacheV2Scheduler(m, 8, 256, scheduling_policy=policy)
+    prefixes = [[(7 * i) % 97 for i in range(400)], [(11 * i) % 89 for i in range(300)], []]
+    requests = []
+    for i, (n, new, shared, prio) in enumerate(reqs):
+        prompt = (prefixes[shared % 3] + [i * 1000 + j for j in range(n)])[:1100]
+        requests.append(Request(f"r{i}", prompt, new, priority=prio))
+    driver = Driver(m, scheduler)
+    steps = []
+
+    def compute(out):
+        return {c.request.req_id: 1 for c in out.scheduled
+                if c.request.num_computed_tokens + c.num_tokens == c.request.num_tokens}
+
+    def stepped(clock, stats):
+        m.check_invariants()  # every slab free or owned once, free + used + cached == each group's slabs' blocks
+        assert m.usage() == m.stats().usage
+        steps.append(clock)
+        assert len(steps) < 20_000
+
+    from engine.driver import StalledError
+
+    try:
+        driver.run(requests, compute, on_step=stepped)  # a check that over-promised raises (RuntimeError/IndexError)
+    except StalledError:  # only a request the arena can never hold (never_fits) may stop the run
+        assert any(m.never_fits(r) for r in requests)
+
+
+@settings(max_examples=200, deadline=None)
+@given(pages=st.sampled_from([(1, 8, 256), (1, 2), (4, 1, 16)]), slabs=st.integers(1, 12), data=st.data())
+def test_a_passing_joint_check_always_allocates(pages, slabs, data):
+    # random states of free, used and cached blocks; then any need the check passes is allocated in full
+    arena = SlabArena(slabs, 1024)
+    pools = [SlabPool(f"g{i}", arena, 1024 // p) for i, p in enumerate(pages)]
+    detached: list[int] = []
+
+    def detach(name: str, blocks: list[int]) -> None:
+        pool = next(p for p in pools if p.name == name)
+        for b in blocks:
+            pool.node[b] = None
+        detached.extend(blocks)
+
+    held: list[list[int]] = [[] for _ in pools]
+    for _ in range(data.draw(st.integers(0, 30))):
+        i = data.draw(st.integers(0, len(pools) - 1))
+        pool = pools[i]
+        if held[i] and data.draw(st.booleans()):
+            b = held[i].pop(data.draw(st.integers(0, len(held[i]) - 1)))
+            keep = data.draw(st.booleans())
+            if keep:
+                pool.node[b] = SimpleNamespace(children=())  # attached: cached on release
+            pool.release([b], 0, keep, detach)
+        else:
+            n = data.draw(st.integers(1, 40))
+            need = [0] * len(pools)
+            need[i] = n
+            if arena.short(need) is None:
+                held[i] += pool.allocate_many(n, detach)
+        assert not arena.check()
+    need = [data.draw(st.integers(0, 3 * slabs * p)) for p in pages]
+    if arena.short(need) is None:
+        arena.acquire(need, detach)
+        for pool, n in zip(pools, need, strict=True):
+            got = pool.allocate_many(n, detach)
+            assert len(set(got)) == n and all(arena.owner[b // pool.per] == pool.index for b in got)
+    assert not arena.check()
+
+
+def test_a_check_for_a_hits_claim_counts_no_slab_its_cached_blocks_lie_in_as_reclaimable():
+    # group g1 (4 blocks a slab): slab 0 holds 4 cached blocks (reclaimable), slab 1 one used block and 3 free ones;
+    # g0 (1 block a slab) uses the other two slabs. A hit's claim takes one cached block into use (extra -1): it can
+    # only be in slab 0, which then holds a used block, so no slab is left for g0
+    arena = SlabArena(4, 1024)
+    g0, g1 = SlabPool("g0", arena, 1024), SlabPool("g1", arena, 256)
+    detach = lambda name, blocks: [g1.node.__setitem__(b, None) for b in blocks]  # noqa: E731
+    cached = g1.allocate_many(4, detach)
+    for b in cached:
+        g1.node[b] = SimpleNamespace(children=())
+    g1.release(cached, 0, True, detach)
+    g1.allocate_many(1, detach)
+    g0.allocate_many(2, detach)
+    assert not arena.free and g1.empty == {0} and not arena.check()
+    assert arena.short([1, 0], extra=[0, -1]) == 0  # the claim leaves g0 short
+    assert arena.short([1, 0]) is None  # without it, g1's slab 0 is reclaimed
+    arena.acquire([1, 0], detach)
+    assert g0.allocate_many(1, detach) == [0] and arena.counters["evicted_by_reclaim"] == 4 and not arena.check()
