@@ -107,7 +107,12 @@ def test_many_prompts_each_computed_once(llm):
         for j, c in enumerate(o.outputs):
             got = llm.generate([ids], SamplingParams(max_tokens=4, temperature=0.9, seed=5 + j, ignore_eos=True,
                                                      repetition_penalty=1.3, logprobs=2), salt=fresh_salt(llm))[0]
-            assert (c.token_ids, c.logprobs) == (got.outputs[0].token_ids, got.outputs[0].logprobs)
+            # the tokens exactly; the logprobs to float32 rounding: a batch of 8 samples and a batch of one may sum a
+            # matmul in another order (one OpenMP thread picks other kernels than several)
+            assert c.token_ids == got.outputs[0].token_ids
+            assert [list(d) for d in c.logprobs] == [list(d) for d in got.outputs[0].logprobs]
+            assert c.logprobs == [{t: pytest.approx(v, rel=1e-4, abs=1e-5) for t, v in d.items()}
+                                  for d in got.outputs[0].logprobs]
     assert_clean(llm)
 
 
