@@ -7,6 +7,7 @@ floor (a slab per group in use), and what stats and the plan report.
 
 from __future__ import annotations
 
+import itertools
 from types import SimpleNamespace
 from typing import Any
 
@@ -164,6 +165,19 @@ def test_below_a_slab_per_group_the_plan_refuses_and_a_request_above_the_arena_n
     assert m.never_fits(short) is None
     why = m.never_fits(long)
     assert why is not None and why.startswith("request long needs ") and f"the arena has {len(layout.groups)}" in why
+
+
+@settings(max_examples=25, deadline=None)
+@given(slabs=st.integers(3, 60), most=st.integers(0, 3000))
+def test_the_arena_plan_counts_the_longest_sequence_and_how_many_fit_as_a_linear_scan_does(slabs, most):
+    """``capacity_tokens``: the longest sequence up to ``max_seq_len`` whose slabs fit alone; ``max_concurrency``: the
+    most sequences of ``max_seq_len`` tokens whose blocks, packed into whole slabs per group, fit together."""
+    layout = v4_layout()  # three groups: three slabs at the least
+    plan = plan_arena(layout, slabs * SLAB, most)
+    longest = max((n for n in range(1, most + 1) if slabs_for_sequence(layout, n) <= slabs), default=0)
+    per = [(g.blocks_for(max(most, 1)), SLAB // g.bytes_per_block) for g in layout.groups]
+    together = next(n for n in itertools.count(1) if sum(-(-(n * b) // k) for b, k in per) > slabs) - 1
+    assert (plan.capacity_tokens, plan.max_concurrency) == (longest, together)
 
 
 def test_stats_and_the_plan_report_slabs_not_fixed_group_sizes():
