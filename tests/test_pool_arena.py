@@ -247,7 +247,8 @@ def test_arena_invariants_hold_every_step_and_no_allocation_fails_after_a_passin
 @settings(max_examples=200, deadline=None)
 @given(pages=st.sampled_from([(1, 8, 256), (1, 2), (4, 1, 16)]), slabs=st.integers(1, 12), data=st.data())
 def test_a_passing_joint_check_always_allocates(pages, slabs, data):
-    # random states of free, used and cached blocks; then any need the check passes is allocated in full
+    # random states of free, used and cached blocks (let go by release or decref); then any need the check passes is
+    # allocated in full
     arena = SlabArena(slabs, 1024)
     pools = [SlabPool(f"g{i}", arena, 1024 // p) for i, p in enumerate(pages)]
     detached: list[int] = []
@@ -267,7 +268,10 @@ def test_a_passing_joint_check_always_allocates(pages, slabs, data):
             keep = data.draw(st.booleans())
             if keep:
                 pool.node[b] = SimpleNamespace(children=())  # attached: cached on release
-            pool.release([b], 0, keep, detach)
+            if data.draw(st.booleans()):
+                pool.release([b], 0, keep, detach)
+            else:  # decref: the same steps for one block
+                pool.decref(b, 0, keep, detach)
         else:
             n = data.draw(st.integers(1, 40))
             need = [0] * len(pools)
