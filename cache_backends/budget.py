@@ -21,7 +21,7 @@ from typing import Any
 
 import attrs
 
-from cache_backends.layout import KvLayout
+from cache_backends.layout import KvLayout, longest
 
 
 class BudgetError(ValueError):
@@ -257,27 +257,13 @@ def arena_sequences(layout: KvLayout, slabs: int, length: int) -> int:
     def fits(n: int) -> bool:
         return sum(-(-(n * b) // k) for b, k in per) <= slabs
 
-    lo, hi = 0, max(1, slabs)  # every sequence takes at least a block of each group: at most slabs * k each
-    hi = hi * max(k for _, k in per)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    # the bound: every sequence takes at least a block of each group, so at most slabs * k sequences fit
+    return longest(fits, max(1, slabs) * max(k for _, k in per))
 
 
 def arena_longest(layout: KvLayout, slabs: int, most: int) -> int:
     """The longest sequence, up to ``most`` tokens, a slab arena of ``slabs`` slabs holds alone (0: none)."""
-    lo, hi = 0, max(0, most)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if slabs_for_sequence(layout, mid) <= slabs:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    return longest(lambda n: slabs_for_sequence(layout, n) <= slabs, most)
 
 
 def plan_arena(layout: KvLayout, budget_bytes: int, max_seq_len: int) -> PoolPlan:

@@ -311,7 +311,7 @@ class KvLayout:
         full = max(budget_bytes, 0) // per_seq
         rest = max(budget_bytes, 0) - full * per_seq
         # bytes_for_sequence is non-decreasing in the length: bisect the longest partial sequence.
-        lo = _longest(lambda n: self.bytes_for_sequence(n) <= rest, length - 1)
+        lo = longest(lambda n: self.bytes_for_sequence(n) <= rest, length - 1)
         # What is left is less than one more token costs: extra blocks in some groups only would
         # overstate the capacity (a window group could not follow), so it stays unspent.
         return {g.name: full * need[g.name] + g.blocks_for(lo) for g in self.groups}
@@ -339,7 +339,7 @@ class KvLayout:
     def longest_sequence(self, blocks: dict[str, int], most: int) -> int:
         """The longest sequence, up to ``most`` tokens, that pools of these block counts hold alone
         (:meth:`sequence_shortfall` says None); 0 when none does."""
-        return _longest(lambda n: self.sequence_shortfall(n, blocks) is None, most)
+        return longest(lambda n: self.sequence_shortfall(n, blocks) is None, most)
 
     def capacity_tokens(self, blocks: dict[str, int], seq_len: int | None = None) -> int:
         """Tokens the pools hold: the tightest group that keeps all tokens, in tokens.
@@ -370,20 +370,24 @@ class KvLayout:
         need = self.blocks_for_sequence(length)
         left = {g.name: blocks[g.name] - fits * need[g.name] for g in self.groups}
         # the longest shorter sequence the blocks left over hold
-        return fits * length + _longest(lambda n: all(g.blocks_for(n) <= left[g.name] for g in self.groups),
-                                        length - 1)
+        return fits * length + longest(lambda n: all(g.blocks_for(n) <= left[g.name] for g in self.groups),
+                                       length - 1)
 
     def _arena_capacity_tokens(self, pages: int) -> int:
         if not any(g.keeps_all_tokens for g in self.groups):  # windows only: tokens all groups hold at once
             return pages // len(self.groups) * min(g.tokens_per_block for g in self.groups)
-        return _longest(lambda n: sum(g.blocks_for(n) for g in self.groups) <= pages,
-                        pages * max(g.tokens_per_block for g in self.groups))
+        return longest(lambda n: sum(g.blocks_for(n) for g in self.groups) <= pages,
+                       pages * max(g.tokens_per_block for g in self.groups))
 
 
-def _longest(fits: Callable[[int], bool], most: int) -> int:
-    """The largest length in ``[0, most]`` that ``fits`` (bisection: what a sequence needs never shrinks as it
-    grows, so ``fits`` holds up to some length and not past it); 0 when none longer does."""
-    lo, hi = 0, most
+def longest(fits: Callable[[int], bool], most: int, least: int = 0) -> int:
+    """The largest ``n`` in ``[least, most]`` with ``fits(n)``, by bisection; ``least`` when none above it fits.
+
+    Contract: ``fits`` is monotone over ``(least, most]``: true up to some ``n``, false past it (what a sequence
+    needs never shrinks as it grows). ``fits(least)`` is never asked (``least`` is taken to fit: with the default
+    0, "nothing fits" reads as 0), nor anything outside ``(least, most]``; ``most < least`` gives ``least``.
+    """
+    lo, hi = least, most
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if fits(mid):

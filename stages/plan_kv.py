@@ -27,7 +27,7 @@ from cache_backends.budget import (
     slabs_for_sequence,
 )
 from cache_backends.kinds import kind_for
-from cache_backends.layout import KvLayout, build_layout
+from cache_backends.layout import KvLayout, build_layout, longest
 from cache_backends.reuse import partial_reuse_off_reason
 from pipeline.bus import Emit
 from pipeline.config import ARENA_FIELD, refit_max_seq_len
@@ -421,10 +421,7 @@ def fit_max_seq_len(ctx: Context, layout: KvLayout, budget: KvBudget, emit: Emit
 
     if fits(limit):
         return budget
-    low, high = 0, limit  # fits(low) or low == 0; not fits(high)
-    while high - low > 1:
-        mid = (low + high) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid)
+    low = longest(fits, limit - 1)
     if low == 0:  # not one block per group: the plan's problem says so, as for any length
         return budget
     rule = budget.limited_by or "the KV budget"

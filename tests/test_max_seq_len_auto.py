@@ -61,3 +61,31 @@ def test_generate_and_the_python_llm_run_under_auto(capsys):
     with kvload.LLM("tiny-llama", max_model_len=-1, kv_cache_config={"max_tokens": 512}, log=False) as llm:
         assert llm.args.max_seq_len == 512
         assert len(llm.generate([[1, 2, 3]], kvload.SamplingParams(max_tokens=3))[0].outputs[0].token_ids) == 3
+
+
+@pytest.mark.parametrize(("model", "kv"), [
+    ("tiny-llama", {"max_tokens": 777}),
+    ("tiny-llama", {"max_gpu_total_bytes": 3_000_000}),
+    ("tiny-gemma3", {"max_tokens": 1000, "use_kv_cache_manager_v2": True}),
+    ("tiny-gemma3", {"max_gpu_total_bytes": 2_500_000, "use_kv_cache_manager_v2": True}),
+    ("tiny-deepseek-v4", {"max_gpu_total_bytes": 4_000_000}),
+])
+def test_auto_is_the_longest_length_whose_pools_hold_one_sequence_and_one_token_more_is_not(model, kv):
+    """The fit is a boundary: the budget's pools for the length chosen hold one sequence of it, those for one token
+    more do not (whatever the layout: one group, sliding windows in V2 pools, DeepSeek V4's groups)."""
+    import kvload
+    from cache_backends.budget import BudgetError, plan_pools
+
+    with kvload.plan(model, max_model_len=-1, kv_cache_config=kv, device="cpu", log=False) as r:
+        chosen, layout, budget = r.args.max_seq_len, r.kv.layout, r.kv.budget
+        (_, (fit,)) = _fit_events(r)
+    capped = budget.max_tokens if budget.limited_by == "max_tokens" else None
+
+    def holds_one(length: int) -> bool:
+        try:
+            return plan_pools(layout, budget.budget_bytes, length, max_tokens=capped).max_concurrency > 0
+        except BudgetError:
+            return False
+
+    assert fit["new"] == chosen < fit["old"]
+    assert holds_one(chosen) and not holds_one(chosen + 1)

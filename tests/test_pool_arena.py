@@ -7,6 +7,7 @@ floor (a slab per group in use), and what stats and the plan report.
 
 from __future__ import annotations
 
+import itertools
 from types import SimpleNamespace
 from typing import Any
 
@@ -166,6 +167,19 @@ def test_below_a_slab_per_group_the_plan_refuses_and_a_request_above_the_arena_n
     assert why is not None and why.startswith("request long needs ") and f"the arena has {len(layout.groups)}" in why
 
 
+@settings(max_examples=25, deadline=None)
+@given(slabs=st.integers(3, 60), most=st.integers(0, 3000))
+def test_the_arena_plan_counts_the_longest_sequence_and_how_many_fit_as_a_linear_scan_does(slabs, most):
+    """``capacity_tokens``: the longest sequence up to ``max_seq_len`` whose slabs fit alone; ``max_concurrency``: the
+    most sequences of ``max_seq_len`` tokens whose blocks, packed into whole slabs per group, fit together."""
+    layout = v4_layout()  # three groups: three slabs at the least
+    plan = plan_arena(layout, slabs * SLAB, most)
+    longest = max((n for n in range(1, most + 1) if slabs_for_sequence(layout, n) <= slabs), default=0)
+    per = [(g.blocks_for(max(most, 1)), SLAB // g.bytes_per_block) for g in layout.groups]
+    together = next(n for n in itertools.count(1) if sum(-(-(n * b) // k) for b, k in per) > slabs) - 1
+    assert (plan.capacity_tokens, plan.max_concurrency) == (longest, together)
+
+
 def test_stats_and_the_plan_report_slabs_not_fixed_group_sizes():
     m = arena_manager(12)
     r = Request("a", list(range(300)), 4)
@@ -233,7 +247,8 @@ def test_arena_invariants_hold_every_step_and_no_allocation_fails_after_a_passin
 @settings(max_examples=200, deadline=None)
 @given(pages=st.sampled_from([(1, 8, 256), (1, 2), (4, 1, 16)]), slabs=st.integers(1, 12), data=st.data())
 def test_a_passing_joint_check_always_allocates(pages, slabs, data):
-    # random states of free, used and cached blocks; then any need the check passes is allocated in full
+    # random states of free, used and cached blocks (let go by release or decref); then any need the check passes is
+    # allocated in full
     arena = SlabArena(slabs, 1024)
     pools = [SlabPool(f"g{i}", arena, 1024 // p) for i, p in enumerate(pages)]
     detached: list[int] = []
@@ -253,7 +268,10 @@ def test_a_passing_joint_check_always_allocates(pages, slabs, data):
             keep = data.draw(st.booleans())
             if keep:
                 pool.node[b] = SimpleNamespace(children=())  # attached: cached on release
-            pool.release([b], 0, keep, detach)
+            if data.draw(st.booleans()):
+                pool.release([b], 0, keep, detach)
+            else:  # decref: the same steps for one block
+                pool.decref(b, 0, keep, detach)
         else:
             n = data.draw(st.integers(1, 40))
             need = [0] * len(pools)

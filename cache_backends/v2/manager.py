@@ -81,7 +81,7 @@ import attrs
 from cache_backends.hashing import pack_tokens
 from cache_backends.interface import ManagerOptions, prefix_cache_in_use
 from cache_backends.kv_events import KvEventBuffer
-from cache_backends.layout import KvLayout, LayerGroup
+from cache_backends.layout import KvLayout, LayerGroup, longest
 from cache_backends.pools import BlockPools
 from cache_backends.request import Request
 from cache_backends.reuse import partial_reuse_off_reason, partial_reuse_unit, reuse_unit
@@ -96,16 +96,7 @@ from cache_backends.v2.slab_pool import SlabArena, SlabPool
 
 def _most_fitting(want: int, fits: Callable[[int], bool], lo: int = 0) -> int:
     """The largest ``n <= want`` with ``fits(n)`` (``fits`` monotone, ``fits(lo)`` true), by binary search."""
-    if fits(want):
-        return want
-    hi = want  # fits(lo) holds, fits(hi) does not
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return want if fits(want) else longest(fits, want - 1, lo)
 
 
 def fit_spans(want: int, available: int, spans: list[tuple[int, int]]) -> int:

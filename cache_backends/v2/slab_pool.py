@@ -292,21 +292,12 @@ class SlabPool(GroupPool):
         self._used(cached)
 
     def decref(self, b: int, priority: int, keep_cached: bool, detach: Detach) -> None:
-        """One holder lets go of ``b``: at zero cached (attached, ``keep_cached``) or free."""
-        if self.ref[b] <= 0:
-            raise RuntimeError(f"group {self.name}: block {b} released more often than held")
-        self.ref[b] -= 1
-        if self.ref[b]:
-            return
-        self.num_used -= 1
-        self._unused(b)
-        node = self.node[b]
-        if node is not None and keep_cached:
-            self.evictable.add(b, priority, bool(node.children))
-            return
-        if node is not None:
-            detach(self.name, [b])
-        self._to_free((b,))
+        """One holder lets go of ``b`` (``b >= 0``): at zero cached (attached, ``keep_cached``) or free.
+
+        :meth:`release` of the one block: the same steps in the same order (out of use, then queued, or detached
+        and freed). Why not hooks in ``GroupPool.decref`` for ``_unused`` and ``_to_free``: it runs per block on
+        V2's hot path, and a flag checked there a call is a cost every split pool would pay for the arena."""
+        self.release((b,), priority, keep_cached, detach)
 
     def release(self, blocks: Iterable[int], priority: int, keep_cached: bool, detach: Detach) -> None:
         """:meth:`decref` of each of ``blocks`` (ids below 0 skipped), cached ones queued together."""
