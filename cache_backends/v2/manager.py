@@ -709,7 +709,14 @@ class KVCacheManagerV2:
         if cache is None or cache.state is not CacheState.ACTIVE:
             return self.fit_tokens(request, want)  # raises the usual error
         committed = cache.committed
-        want = min(want, self.options.max_seq_len - committed, request.num_tokens_with_drafts - committed)
+        # ``min(want, max_seq_len - committed, request.num_tokens_with_drafts - committed)`` with the properties
+        # inlined: this runs for every running request every step, and the two property calls were most of its cost
+        end = len(request.prompt_token_ids) + len(request.output_token_ids) + len(request.draft_token_ids)
+        limit = self.options.max_seq_len
+        if end > limit:
+            end = limit
+        if want > end - committed:
+            want = end - committed
         if want <= 0:
             return 0
         target = committed + want
@@ -1173,12 +1180,12 @@ class KVCacheManagerV2:
         cache = self._caches.get(request)
         if cache is None or cache.state is not CacheState.ACTIVE:
             cache = self._active(request)  # raises the usual error
-        if num_tokens < 0 or cache.committed + num_tokens > cache.history:
+        committed = cache.committed + num_tokens  # (a local: this runs for every running request every step)
+        if num_tokens < 0 or committed > cache.history:
             raise ValueError(f"request {request.req_id}: cannot commit {num_tokens} tokens; "
                              f"{cache.history - cache.committed} are scheduled")
-        cache.committed += num_tokens
-        request.num_computed_tokens = cache.committed
-        if cache.committed >= cache.key_at:  # a block just filled up (never true with reuse off)
+        cache.committed = request.num_computed_tokens = committed
+        if committed >= cache.key_at:  # a block just filled up (never true with reuse off)
             self._key_full_blocks(cache)
         if self._sliding and cache.committed >= cache.slide_at:  # some window may have a block to let go
             self._release_window(cache)
