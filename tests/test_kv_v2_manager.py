@@ -97,6 +97,39 @@ def test_suspend_drops_tokens_scheduled_but_not_committed():
     check_kv(m, r)
 
 
+def test_check_running_refuses_a_request_without_an_active_cache_through_every_life_cycle_step():
+    """The scheduler's guard follows each cache's state: created, admitted, suspended, resumed, cancelled, freed
+    (its fast path reads a set kept where the state changes; ``check_invariants`` compares the two)."""
+    m = make_manager(FULL, 8)
+    a, b, c = (Request(name, list(range(10)), 0) for name in "abc")
+    admit(m, a)
+    admit(m, b)
+    m.check_running([a, b])
+    m.check_running(r for r in (a, b))  # any iterable
+    with pytest.raises(ValueError, match="request c is in running but has no active KV cache"):
+        m.check_running([a, c])  # never admitted
+    m.create(c)
+    with pytest.raises(ValueError, match="request c "):
+        m.check_running([a, b, c])  # created, not admitted yet
+    assert m.resume(c)
+    m.check_running([a, b, c])
+    compute(m, a, 5)
+    assert m.suspend(a)
+    with pytest.raises(ValueError, match="request a "):
+        m.check_running(r for r in (b, a))
+    m.check_invariants()
+    assert m.resume(a)
+    m.check_running([a, b, c])
+    m.cancel_admission(c)
+    with pytest.raises(ValueError, match="request c "):
+        m.check_running([a, b, c])
+    m.free(b)
+    with pytest.raises(ValueError, match="request b "):
+        m.check_running([a, b])
+    m.check_running([a])
+    m.check_invariants()
+
+
 def test_bad_inputs_get_one_clear_error():
     layout_v1 = build_layout(FULL, "v1", 4, "float32")
     with pytest.raises(ValueError, match="'v2' layout"):

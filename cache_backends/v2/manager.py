@@ -287,6 +287,8 @@ class KVCacheManagerV2:
         #: reserved host slot it is copied to when it is evicted or dropped (write-back)
         self._write_back: dict[str, dict[int, list[tuple[SequenceCache, int]]]] = {g.name: {} for g in self.groups}
         self._caches: dict[Request, SequenceCache] = {}
+        #: the requests whose cache is ACTIVE (kept where a cache's state changes): ``check_running``'s one C pass
+        self._active_requests: set[Request] = set()
         #: requests whose pages wait on the host tier (suspended, not resumed or freed yet)
         self.num_on_host = 0
         # per group: sum over active caches of the blocks each holds at its worst case (growth_bound's cheap bound)
@@ -529,6 +531,7 @@ class KVCacheManagerV2:
         self._release_blocks(cache)
         self.num_on_host += 1
         cache.state = CacheState.SUSPENDED
+        self._active_requests.discard(cache.request)
         cache.history = cache.capacity = cache.committed
         self.counters["suspends"] += 1
         return True
@@ -542,6 +545,7 @@ class KVCacheManagerV2:
         cache = self._caches.pop(request, None)
         if cache is None:
             return
+        self._active_requests.discard(request)
         if cache.pending is not None:
             self._park(cache)
         elif cache.latent is not None:
@@ -700,7 +704,14 @@ class KVCacheManagerV2:
         if cache is None or cache.state is not CacheState.ACTIVE:
             return self.fit_tokens(request, want)  # raises the usual error
         committed = cache.committed
-        want = min(want, self.options.max_seq_len - committed, request.num_tokens_with_drafts - committed)
+        # ``min(want, max_seq_len - committed, request.num_tokens_with_drafts - committed)`` with the properties
+        # inlined: this runs for every running request every step, and the two property calls were most of its cost
+        end = len(request.prompt_token_ids) + len(request.output_token_ids) + len(request.draft_token_ids)
+        limit = self.options.max_seq_len
+        if end > limit:
+            end = limit
+        if want > end - committed:
+            want = end - committed
         if want <= 0:
             return 0
         target = committed + want
@@ -1097,6 +1108,10 @@ class KVCacheManagerV2:
 
     def check_running(self, requests: Iterable[Request]) -> None:
         """``ValueError`` unless every request has an active cache here (the scheduler's guard, one pass)."""
+        if not isinstance(requests, list | tuple):
+            requests = list(requests)  # read twice below when the check fails
+        if self._active_requests.issuperset(requests):  # at C speed: this runs every step over every running request
+            return
         caches = self._caches
         for r in requests:
             cache = caches.get(r)
@@ -1164,12 +1179,12 @@ class KVCacheManagerV2:
         cache = self._caches.get(request)
         if cache is None or cache.state is not CacheState.ACTIVE:
             cache = self._active(request)  # raises the usual error
-        if num_tokens < 0 or cache.committed + num_tokens > cache.history:
+        committed = cache.committed + num_tokens  # (a local: this runs for every running request every step)
+        if num_tokens < 0 or committed > cache.history:
             raise ValueError(f"request {request.req_id}: cannot commit {num_tokens} tokens; "
                              f"{cache.history - cache.committed} are scheduled")
-        cache.committed += num_tokens
-        request.num_computed_tokens = cache.committed
-        if cache.committed >= cache.key_at:  # a block just filled up (never true with reuse off)
+        cache.committed = request.num_computed_tokens = committed
+        if committed >= cache.key_at:  # a block just filled up (never true with reuse off)
             self._key_full_blocks(cache)
         if self._sliding and cache.committed >= cache.slide_at:  # some window may have a block to let go
             self._release_window(cache)
@@ -1297,6 +1312,7 @@ class KVCacheManagerV2:
             return
         self._closed = True
         self._caches.clear()
+        self._active_requests.clear()
         self._tree = self._new_tree()
         if self.host is not None:
             self.host.release()
@@ -1313,6 +1329,10 @@ class KVCacheManagerV2:
         on_host = sum(1 for c in self._caches.values() if c.host is not None)
         if on_host != self.num_on_host:
             problems.append(f"num_on_host {self.num_on_host}, but {on_host} caches hold host slots")
+        active = {r for r, c in self._caches.items() if c.state is CacheState.ACTIVE}
+        if active != self._active_requests:
+            problems.append(f"{len(self._active_requests)} requests noted active, {len(active)} caches are "
+                            f"(differ: {sorted(r.req_id for r in active ^ self._active_requests)})")
         owners: dict[str, dict[int, int]] = {g.name: {} for g in self.groups}
         on_path: dict[str, RadixNode] = {}  # each cache's last radix run
         for cache in self._caches.values():
@@ -2123,6 +2143,7 @@ class KVCacheManagerV2:
         request = cache.request
         cache.committed = cache.history = cache.capacity = m
         cache.state = CacheState.ACTIVE
+        self._active_requests.add(request)
         self._count_worst(cache, 1)
         cache.admitted = True
         cache.reused_tokens = m
@@ -2267,5 +2288,6 @@ class KVCacheManagerV2:
         cache.host, cache.reclaim = None, {}
         self.num_on_host -= 1
         cache.state = CacheState.ACTIVE
+        self._active_requests.add(cache.request)
         self._count_worst(cache, 1)
         self.counters["resumes"] += 1

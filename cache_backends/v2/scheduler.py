@@ -184,7 +184,7 @@ class KVCacheV2Scheduler(SchedulerBase):
         order, chunked = [], []  # decodes (one pending token) first, then prefill chunks
         longest = 0  # the longest running sequence's tokens: shared prefixes are held only when windows free room
         for r in running:
-            n = r.num_tokens
+            n = len(r.prompt_token_ids) + len(r.output_token_ids)  # r.num_tokens inlined: every request, every step
             p = n - r.num_computed_tokens
             if n > longest:
                 longest = n
@@ -204,7 +204,7 @@ class KVCacheV2Scheduler(SchedulerBase):
                 break
             if r.state is not running_state:  # moved out earlier in this loop
                 continue
-            want = min(p, budget)
+            want = p if p < budget else budget  # min(p, budget) without the call: every request, every step
             if p > 1 and hold is not None and r is not best:
                 n = m.fit_tokens(r, want, hold)
                 if n:
