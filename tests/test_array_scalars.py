@@ -63,8 +63,9 @@ def test_sampling_params_take_0d_torch_tensors():
             SamplingParams(**bad)
 
 
-def test_llm_seed_takes_a_numpy_integer(tiny_checkpoints):
-    with kvload.LLM(str(tiny_checkpoints("llama")), seed=np.int64(7), device="cpu", log=False,
+def test_llm_seed_takes_a_torch_integer(tiny_checkpoints):
+    """numpy's was taken already; a 0-d torch tensor was refused."""
+    with kvload.LLM(str(tiny_checkpoints("llama")), seed=torch.tensor(7), device="cpu", log=False,
                     kv_cache_config={"max_tokens": 256}) as llm:
         assert llm.result.executor.llm_seed == 7 and type(llm.result.executor.llm_seed) is int
     with pytest.raises(ConfigError, match="seed: expected an integer in"):
