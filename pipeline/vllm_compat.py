@@ -61,6 +61,10 @@ DIFFERENT_MEANING: dict[str, tuple[str, str, tuple[str, ...], str]] = {
 }
 
 
+#: :data:`DIFFERENT_MEANING` names whose value is in kvload's nearest field's unit (bytes): the refusal writes it there
+SAME_UNIT = frozenset({"kv_cache_memory_bytes"})
+
+
 #: vLLM's engine knobs (``LLM(...)`` keywords, YAML keys) kvload has no counterpart for → why: ``setting_ignored``.
 IGNORED: dict[str, str] = {
     **dict.fromkeys(("enforce_eager", "max_seq_len_to_capture", "cuda_graph_sizes", "compilation_config",
@@ -248,7 +252,10 @@ def refused_key(name: str, value: Any, python: bool) -> str | None:
     kvload field to set instead, with the value given, or why there is none; None for a name vLLM does not have."""
     path = SAME_MEANING.get(name)
     if path is None:
-        return different_meaning(name, lambda p: p) or not_taken(name)
+        why = different_meaning(name, lambda p: p)
+        if why is not None and name in SAME_UNIT:  # a byte count either way: the value carries over as the cap
+            why += f" ({write_as(DIFFERENT_MEANING[name][2][0], value, python)} for that cap)"
+        return why or not_taken(name)
     return f"vLLM's name for {path}; {write_as(path, value, python)}"
 
 
