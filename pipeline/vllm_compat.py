@@ -82,7 +82,10 @@ IGNORED: dict[str, str] = {
     "tokenizer_pool_size": "kvload loads the checkpoint's own tokenizer, one per process",
     **dict.fromkeys(("disable_custom_all_reduce", "distributed_executor_backend"),
                     "multi-GPU plumbing: kvload's ranks are torchrun processes over torch.distributed"),
-    **dict.fromkeys(("disable_log_stats", "disable_async_output_proc", "async_scheduling"),
+    "disable_log_stats": "engine statistics: only kvload serve logs vLLM's periodic throughput line (engine_stats), "
+                         "which its --disable-log-stats turns off; here the totals are LLM.get_metrics()'s and the "
+                         "audit log's",
+    **dict.fromkeys(("disable_async_output_proc", "async_scheduling"),
                     "engine statistics / output processing: kvload records events in its audit log (log=False keeps "
                     "them off stderr) and has LLM.get_metrics()"),
     "enable_sleep_mode": "kvload.LLM has no sleep/wake_up; close() releases the pools and weights",

@@ -465,8 +465,10 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
 
         raise ConfigError(f"serve: {exc.name} is not installed; pip install 'kvload[serve]'") from None
     from kvload.api import execute
+    from kvload.cli.flags import _knob_dest
     from kvload.serve.auth import resolve_api_keys
     from kvload.serve.server import bind, build_state, chat_template_text, mirror_kv_events, serve
+    from kvload.serve.stats_log import interval_from_env
     from kvload.serve.tls import tls_from_flags
     from pipeline.context import DEFAULT_MAX_TOKENS_FIELD, CallerDefault
     from pipeline.ranks import ranks_from_env
@@ -489,6 +491,10 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
                               "kv_cache_config.event_buffer_max_size in the --config file")
     # the flag, else $KVLOAD_API_KEY, else $VLLM_API_KEY; an empty or unsendable one refused now, naming its source
     api_keys, key_source, unused = resolve_api_keys(ns.api_key, os.environ)
+    # vLLM's --disable-log-stats acts here: no periodic throughput line (the other commands report it ignored); the
+    # interval, vLLM's VLLM_LOG_STATS_INTERVAL, is checked now, before minutes of loading
+    stats_off = getattr(ns, _knob_dest("disable_log_stats"), None) is True
+    stats_interval = None if stats_off else interval_from_env(os.environ)
     address = ns.host
     if ranks.is_first:  # the one rank that listens
         probe = bind(ns.host, ns.port)  # a taken port fails now, before minutes of loading
@@ -497,6 +503,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     tls = tls_from_flags(ns.ssl_keyfile, ns.ssl_certfile, ns.ssl_ca_certs, ns.ssl_cert_reqs)  # a bad file: now
     template = chat_template_text(ns.chat_template) if ns.chat_template is not None else None  # and a bad template
     request = _request(ns, load_weights=True, generates=True)
+    request.overrides.pop("disable_log_stats", None)  # acted on above, not an engine setting to report ignored
     # capped like generate's: past 2**63 - 1 the budget names --default-max-tokens
     peeked = peek_sampling_defaults(request)
     default_max_tokens = serve_max_tokens(ns.default_max_tokens, peeked.values)
@@ -553,7 +560,8 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
                             cors=_cors(ns), response_role=ns.response_role,
                             return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
                             force_include_usage=ns.enable_force_include_usage, root_path=ns.root_path,
-                            default_chat_template_kwargs=ns.default_chat_template_kwargs)
+                            default_chat_template_kwargs=ns.default_chat_template_kwargs,
+                            log_stats_interval_s=stats_interval)
         _warn_when_the_audit_log_fails(state, getattr(ns, "audit_sink", None))
         mirror = None
         if ns.kv_events_file is not None:  # a full disk later stops the mirror with a warning, never a request

@@ -45,6 +45,7 @@ from kvload.serve.protocol import BadRequest, default_max_request_bytes
 from kvload.serve.request_body import _shutting_down
 from kvload.serve.responses_store import ResponseStore, kept_request_bytes
 from kvload.serve.state import CorsPolicy, ServeState
+from kvload.serve.stats_log import StatsLogger
 from kvload.serve.tls import Tls, tls_from_flags
 from pipeline.errors import ConfigError, GenerationError, KvloadError
 from pipeline.events import ApiKeyRequired, AutoToolChoiceEnabled, KvEventsFileFailed, ReasoningParserEnabled
@@ -66,7 +67,8 @@ def build_state(result: Any, *, model_name: str | Sequence[str] | None = None,
                 responses_store_max: int = RESPONSES_STORE_MAX_DEFAULT, cors: CorsPolicy | None = None,
                 response_role: str = "assistant", return_tokens_as_token_ids: bool = False,
                 force_include_usage: bool = False, root_path: str = "",
-                default_chat_template_kwargs: Mapping[str, Any] | None = None) -> ServeState:
+                default_chat_template_kwargs: Mapping[str, Any] | None = None,
+                log_stats_interval_s: float | None = None) -> ServeState:
     """Engine (not started) and metrics over a ``load(..., load_weights=True)`` result, served as ``model_name`` (None:
     the model's own name; a list: vLLM's several ``--served-model-name``, the first in every answer, any of them taken
     in a request's ``model``); from now on its audit log
@@ -95,7 +97,14 @@ def build_state(result: Any, *, model_name: str | Sequence[str] | None = None,
     ``responses_store_max``: ``/v1/responses`` answers kept for ``previous_response_id`` and
     ``GET /v1/responses/{id}``, the least recently used dropped past it (0: none kept).
     ``default_chat_template_kwargs`` (vLLM's ``--default-chat-template-kwargs``): template variables every chat
-    request gets under its own ``chat_template_kwargs`` (a request's value of a name wins), checked as those are."""
+    request gets under its own ``chat_template_kwargs`` (a request's value of a name wins), checked as those are.
+    ``log_stats_interval_s``: vLLM's throughput line (an ``engine_stats`` event) every so many seconds while requests
+    run (``kvload.serve.stats_log``); None: none."""
+    if log_stats_interval_s is not None and not (isinstance(log_stats_interval_s, (int, float))
+                                                 and not isinstance(log_stats_interval_s, bool)
+                                                 and 0 < log_stats_interval_s <= 86400):
+        raise ConfigError(f"log_stats_interval_s: expected a number of seconds > 0 (at most 86,400) or None, got "
+                          f"{short(log_stats_interval_s)}")
     template_defaults = dict(default_chat_template_kwargs or {})
     if template_defaults:
         from engine.prompts import template_options
@@ -168,6 +177,8 @@ def build_state(result: Any, *, model_name: str | Sequence[str] | None = None,
     responses = ResponseStore(responses_store_max, on_evicted=metrics.responses_evicted.inc,
                               max_request_bytes=kept_request_bytes(engine.executor.max_seq_len))
     metrics.watch_responses(responses)
+    # vLLM's throughput line every so many seconds while requests run (kvload serve: VLLM_LOG_STATS_INTERVAL, 10)
+    stats_logger = StatsLogger(engine, log_stats_interval_s) if log_stats_interval_s is not None else None
     if max_request_bytes is None:
         max_request_bytes = default_max_request_bytes(engine.executor.max_seq_len, engine.executor.vocab_size)
     return ServeState(result=result, engine=engine, metrics=metrics, model_name=name, aliases=aliases,
@@ -179,7 +190,7 @@ def build_state(result: Any, *, model_name: str | Sequence[str] | None = None,
                       reasoning_parser=reasoning_parser, responses=responses, cors=cors, response_role=response_role,
                       return_tokens_as_token_ids=return_tokens_as_token_ids,
                       force_include_usage=force_include_usage, root_path=root_path,
-                      default_chat_template_kwargs=template_defaults)
+                      default_chat_template_kwargs=template_defaults, stats_logger=stats_logger)
 
 
 
@@ -708,12 +719,16 @@ def serve(state: ServeState, host: str, port: int, *, log_level: str = "warning"
         # tensor parallel: a loop that failed (another rank lost) stops the server, whose requests it already ended
         state.engine.on_fatal = lambda: setattr(server, "should_exit", True)
         state.engine.start()
+        if state.stats_logger is not None:
+            state.stats_logger.start()
         if ready is not None:
             ready(http_url(host, sock.getsockname()[1], scheme="https" if tls is not None else "http"))
         server.run(sockets=[sock])
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if state.stats_logger is not None:
+            state.stats_logger.stop()
         state.engine.stop()
         if sock is not None:
             sock.close()
@@ -763,6 +778,8 @@ class ServerThread:
     def start(self, timeout: float = 30.0) -> ServerThread:
         """Start the engine and the HTTP server; return once it accepts connections."""
         self.state.engine.start()
+        if self.state.stats_logger is not None:
+            self.state.stats_logger.start()
         self.thread.start()
         deadline = time.monotonic() + timeout
         while not self.server.started:
@@ -781,6 +798,8 @@ class ServerThread:
             if self.thread.is_alive():
                 self.thread.wait_end(timeout)
         finally:
+            if self.state.stats_logger is not None:
+                self.state.stats_logger.stop()
             self.state.engine.stop(timeout)
             with contextlib.suppress(OSError):
                 self.sock.close()

@@ -68,6 +68,9 @@ class ServeState:
     #: chat template variables every chat request gets unless it sends its own of that name (vLLM's
     #: ``--default-chat-template-kwargs``, e.g. Qwen3's ``{"enable_thinking": false}``)
     default_chat_template_kwargs: dict[str, Any] = attrs.Factory(dict)
+    #: the periodic throughput line (vLLM's "Avg prompt throughput ..."; ``kvload.serve.stats_log``), started and
+    #: stopped with the engine; None: no line (``--disable-log-stats``)
+    stats_logger: Any = None
     in_flight: int = 0  # generation requests in the server now (only the event loop's thread touches it)
     created: int = attrs.Factory(lambda: int(time.time()))
 
