@@ -68,7 +68,9 @@ def build_state(result: Any, *, model_name: str | Sequence[str] | None = None,
                 response_role: str = "assistant", return_tokens_as_token_ids: bool = False,
                 force_include_usage: bool = False, root_path: str = "",
                 default_chat_template_kwargs: Mapping[str, Any] | None = None,
-                log_stats_interval_s: float | None = None) -> ServeState:
+                log_stats_interval_s: float | None = None, request_id_headers: bool = False,
+                h11_max_incomplete_event_size: int | None = None,
+                h11_max_header_count: int | None = None) -> ServeState:
     """Engine (not started) and metrics over a ``load(..., load_weights=True)`` result, served as ``model_name`` (None:
     the model's own name; a list: vLLM's several ``--served-model-name``, the first in every answer, any of them taken
     in a request's ``model``); from now on its audit log
@@ -99,7 +101,14 @@ def build_state(result: Any, *, model_name: str | Sequence[str] | None = None,
     ``default_chat_template_kwargs`` (vLLM's ``--default-chat-template-kwargs``): template variables every chat
     request gets under its own ``chat_template_kwargs`` (a request's value of a name wins), checked as those are.
     ``log_stats_interval_s``: vLLM's throughput line (an ``engine_stats`` event) every so many seconds while requests
-    run (``kvload.serve.stats_log``); None: none."""
+    run (``kvload.serve.stats_log``); None: none. ``request_id_headers``: every answer carries ``X-Request-Id`` (vLLM's
+    ``--enable-request-id-headers``); ``h11_max_incomplete_event_size`` / ``h11_max_header_count``: the largest request
+    head in bytes and the most headers one may have (vLLM's ``--h11-max-*``; None: uvicorn's 16 KiB, no count), HTTP
+    431 past them."""
+    for name, bound in (("h11_max_incomplete_event_size", h11_max_incomplete_event_size),
+                        ("h11_max_header_count", h11_max_header_count)):
+        if bound is not None and not (isinstance(bound, int) and not isinstance(bound, bool) and 1 <= bound <= MAX_INT):
+            raise ConfigError(f"{name}: expected an integer >= 1 or None, got {short(bound)}")
     if log_stats_interval_s is not None and not (isinstance(log_stats_interval_s, (int, float))
                                                  and not isinstance(log_stats_interval_s, bool)
                                                  and 0 < log_stats_interval_s <= 86400):
@@ -190,7 +199,10 @@ def build_state(result: Any, *, model_name: str | Sequence[str] | None = None,
                       reasoning_parser=reasoning_parser, responses=responses, cors=cors, response_role=response_role,
                       return_tokens_as_token_ids=return_tokens_as_token_ids,
                       force_include_usage=force_include_usage, root_path=root_path,
-                      default_chat_template_kwargs=template_defaults, stats_logger=stats_logger)
+                      default_chat_template_kwargs=template_defaults, stats_logger=stats_logger,
+                      request_id_headers=bool(request_id_headers),
+                      h11_max_incomplete_event_size=h11_max_incomplete_event_size,
+                      h11_max_header_count=h11_max_header_count)
 
 
 
@@ -399,6 +411,7 @@ class _Deadlines(H11Protocol):
 
     read_timeout_s: float = READ_TIMEOUT_DEFAULT  # set on the subclass :func:`_server` makes
     metrics: ServeMetrics | None = None  # likewise: counts the refusals made here, below the app
+    max_header_count: int | None = None  # likewise: --h11-max-header-count (None: no count)
 
     def connection_made(self, transport: Any) -> None:
         self._deadline: asyncio.TimerHandle | None = None
@@ -413,6 +426,7 @@ class _Deadlines(H11Protocol):
                 if isinstance(event, h11.Request):
                     _check_version(event)
                     _check_framing(event)
+                    _check_header_count(event, self.max_header_count)
                     event = _origin_form(event)
                 return event
             except h11.RemoteProtocolError as exc:
@@ -593,11 +607,25 @@ def _check_version(request: h11.Request) -> None:
                                       error_status_hint=505)
 
 
+#: what :func:`_check_header_count`'s refusal says first (:func:`_not_http` answers it as itself, not as a large head)
+TOO_MANY_HEADERS = "too many headers"
+
+
+def _check_header_count(request: h11.Request, most: int | None) -> None:
+    """A ``RemoteProtocolError`` (431) for a request with more than ``most`` headers (vLLM's
+    ``--h11-max-header-count``); None: no count."""
+    if most is not None and len(request.headers) > most:
+        raise h11.RemoteProtocolError(f"{TOO_MANY_HEADERS}: {len(request.headers):,} came, at most {most:,} are taken "
+                                      "(--h11-max-header-count); send fewer", error_status_hint=431)
+
+
 def _not_http(exc: h11.RemoteProtocolError | None, head_limit: int) -> tuple[int, bytes]:
     """The status and OpenAI's error body for bytes h11 refused as HTTP/1.1: 431 for a head past ``head_limit``
     bytes (h11's hint), 505 for another HTTP version (:func:`_check_version`), else 400 saying what h11 found wrong."""
     if exc is not None and exc.error_status_hint == 505:
         error = BadRequest(str(exc), status=505, code="http_version_not_supported")
+    elif exc is not None and exc.error_status_hint == 431 and str(exc).startswith(TOO_MANY_HEADERS):
+        error = BadRequest(f"the request has {exc}", status=431, code="request_header_fields_too_large")
     elif exc is not None and exc.error_status_hint == 431:
         error = BadRequest(f"the request head is too large: more than {head_limit:,} bytes came without the blank "
                            "line that ends the headers; send fewer or shorter headers", status=431,
@@ -683,12 +711,15 @@ def _server(state: ServeState, log_level: str, *, exit_on_engine_failure: bool =
             access_log: bool | None = None, tls: Tls | None = None) -> _Server:
     # h11, named rather than "auto": the read deadlines above are built on its protocol class (httptools is
     # not a dependency of the serve extra, so "auto" meant h11 unless something else installed it)
-    protocol = type("_Deadlines", (_Deadlines,), {"read_timeout_s": state.read_timeout_s, "metrics": state.metrics})
+    protocol = type("_Deadlines", (_Deadlines,), {"read_timeout_s": state.read_timeout_s, "metrics": state.metrics,
+                                                  "max_header_count": state.h11_max_header_count})
+    limits = {} if state.h11_max_incomplete_event_size is None else {
+        "h11_max_incomplete_event_size": state.h11_max_incomplete_event_size}
     app = create_app(state)
     if access_log is None:  # a line per request where the operator asked for info or more
         access_log = log_level in ("debug", "info", "trace")
     config = uvicorn.Config(app, log_level=log_level, access_log=access_log,
-                            timeout_graceful_shutdown=5, lifespan="off", http=protocol, ws="none",
+                            timeout_graceful_shutdown=5, lifespan="off", http=protocol, ws="none", **limits,
                             **(tls.uvicorn_options() if tls is not None else {}))
     return _Server(config, state, app.state.stopping, exit_on_engine_failure=exit_on_engine_failure)
 
