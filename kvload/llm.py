@@ -126,7 +126,9 @@ class LLM:
     default, as in vLLM's V1 engine): samples whose SamplingParams has no seed draw their seeds from one sequence it
     starts, so a script repeats run to run (None: fresh randomness each call). vLLM's engine knobs kvload has no
     counterpart for (``enforce_eager``) are accepted and reported ``setting_ignored``; README "Coming from vLLM" lists
-    what maps, what is ignored, what is refused.
+    what maps, what is ignored, what is refused. ``kv_events_config``: vLLM's KV event publisher (a dict of its
+    ``KVEventsConfig`` keys, or one), as ``kvload serve --kv-events-config``: the blocks generation stores and evicts
+    go out over ZeroMQ until :meth:`close` (``publisher: "null"``: kept for ``llm.result.kv_cache_events()``).
     """
 
     def __init__(self, model: str | os.PathLike[str], *, config_file: str | os.PathLike[str] | None = None,
