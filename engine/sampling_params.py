@@ -16,7 +16,7 @@ from typing import Any
 
 import attrs
 
-from engine.prompts import check_text, is_token_id
+from engine.prompts import check_text
 from engine.structured_params import StructuredOutputsParams
 from pipeline.errors import GenerationError
 from pipeline.limits import (
@@ -34,6 +34,7 @@ from pipeline.limits import (
     MAX_STOP_TOKEN_IDS,
     MIN_REPETITION_PENALTY,
     int_text,
+    plain_scalar,
     short,
 )
 
@@ -56,8 +57,10 @@ def is_int(v: Any) -> bool:
 
 
 def _plain_int(v: Any) -> Any:
-    """A numpy integer as a Python int; anything else unchanged (the checks then judge it)."""
-    return int(v) if is_token_id(v) and not isinstance(v, int) else v
+    """A numpy integer (or 0-d integer torch tensor) as a Python int; anything else unchanged (the checks then judge
+    it)."""
+    plain = plain_scalar(v)
+    return plain if isinstance(plain, int) and not isinstance(plain, bool) else v
 
 
 def is_number(v: Any) -> bool:
@@ -76,8 +79,11 @@ def is_finite(v: Any) -> bool:
 
 
 def _plain_number(v: Any) -> Any:
-    """A numpy float (or integer) as a Python float; Python numbers and anything else unchanged."""
-    return float(v) if is_number(v) and not isinstance(v, (int, float)) else v
+    """A numpy (or 0-d torch) float or integer as a Python float; Python numbers and anything else unchanged."""
+    if isinstance(v, (int, float)):
+        return v
+    plain = plain_scalar(v)
+    return float(plain) if plain is not v and isinstance(plain, (int, float)) else v
 
 
 def _shown(value: Any) -> str:
@@ -316,12 +322,13 @@ class SamplingParams:
             max_tokens = DEFAULT_MAX_TOKENS
         # vLLM's rules: seed -1 is no seed of the request's own; True asks for the sampled (or prompt) token's logprob
         # and its 1 most likely alternative
-        seed = None if is_int(seed) and seed == -1 else seed
         logprobs = 1 if logprobs is True else logprobs
         prompt_logprobs = 1 if prompt_logprobs is True else prompt_logprobs
-        # numpy scalars (an n, a seed or a temperature taken from an array) count as numbers, stored as Python's
+        # numpy scalars and 0-d torch tensors (an n, a seed or a temperature taken from an array) count as numbers,
+        # stored as Python's
         max_tokens, top_k, seed, n, logprobs, min_tokens, prompt_logprobs, truncate_prompt_tokens = map(
             _plain_int, (max_tokens, top_k, seed, n, logprobs, min_tokens, prompt_logprobs, truncate_prompt_tokens))
+        seed = None if is_int(seed) and seed == -1 else seed
         temperature, top_p, repetition_penalty, presence_penalty, frequency_penalty, min_p = map(
             _plain_number, (temperature, top_p, repetition_penalty, presence_penalty, frequency_penalty, min_p))
         check(max_tokens is None or (is_int(max_tokens) and max_tokens >= 1), length_name, "an integer >= 1",

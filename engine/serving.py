@@ -289,6 +289,10 @@ class ServingEngine:
         #: held by the loop during a step; readers (metrics) take it to see a consistent manager
         self.state_lock = threading.Lock()
         self.steps = 0
+        #: totals since the start, read by the server's periodic throughput line (kvload.serve.stats_log): prompt
+        #: tokens of the samples that got their first token (vLLM's count: cached ones included), tokens generated
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
         self.loop_error: str | None = None
         #: what ended the loop thread when its own code failed (``loop_error`` says it in words); None otherwise
         self.loop_exception: BaseException | None = None
@@ -855,6 +859,8 @@ class ServingEngine:
         st = search.last_step
         if st is not None and st.scheduled_tokens and job.scheduled_at is None:
             job.scheduled_at = started
+            self.prompt_tokens_total += len(job.ids)
+        self.generation_tokens_total += search.generated - before
         if self.observer is not None and st is not None:
             with contextlib.suppress(Exception):
                 self.observer.on_step(st, search.generated - before)
@@ -934,6 +940,10 @@ class ServingEngine:
                 live.scheduled_at, live.forked_from = live.forked_from.scheduled_at, None
         outbox = self._collect(st)
         self.driver.finished.clear()  # the server's driver lives for ever: its finished requests are ours to drop
+        for _, event in outbox:
+            if event.new_token_ids and len(event.new_token_ids) == len(event.token_ids):  # its first tokens
+                self.prompt_tokens_total += event.prompt_tokens
+            self.generation_tokens_total += len(event.new_token_ids)
         if self.observer is not None:  # counted before any client can see the tokens (and scrape)
             with contextlib.suppress(Exception):
                 self.observer.on_step(st, sum(len(ev.new_token_ids) for _, ev in outbox))

@@ -30,7 +30,7 @@ from pipeline.bus import Subscriber
 from pipeline.context import DEFAULT_MAX_TOKENS_FIELD, CallerDefault
 from pipeline.errors import ConfigError, GenerationError, OutputError, retitled
 from pipeline.events import SettingIgnored
-from pipeline.limits import MAX_INT, short
+from pipeline.limits import MAX_INT, plain_scalar, short
 from pipeline.thread_end import EndingThread
 from stages import load_stages
 
@@ -61,6 +61,26 @@ def _no_lora(call: str, lora_request: Any) -> None:
     if lora_request is not None:
         raise GenerationError(f"{call}: lora_request: kvload serves the checkpoint's own weights and has no LoRA "
                               f"adapters; accepted: None, got {type(lora_request).__name__}")
+
+
+def _kv_events(value: Any, kv_cache_config: Any) -> Any:
+    """vLLM's ``kv_events_config`` keyword checked (None when not given), before anything loads: events on with the
+    user's ``event_buffer_max_size`` 0 is refused, as ``kvload serve --kv-events-config`` refuses it."""
+    if value is None:
+        return None
+    from kvload.serve.kv_publisher import kv_events_argument
+
+    events = kv_events_argument(value)
+    if isinstance(kv_cache_config, Mapping):
+        size = kv_cache_config.get("event_buffer_max_size")
+    else:  # a KvCacheConfig: its value counts only where the user set it
+        size = getattr(kv_cache_config, "event_buffer_max_size", None) \
+            if "event_buffer_max_size" in getattr(kv_cache_config, "_explicit", ()) else None
+    if events.enable_kv_cache_events and size is not None and plain_scalar(size) == 0:
+        raise ConfigError("kv_events_config: enable_kv_cache_events is true but kv_cache_config.event_buffer_max_size "
+                          "is 0 (events off); drop that setting or give N > 0", path="kv_events_config",
+                          detail="events off")
+    return events
 
 
 class StreamClosed(Exception):
@@ -106,15 +126,19 @@ class LLM:
     default, as in vLLM's V1 engine): samples whose SamplingParams has no seed draw their seeds from one sequence it
     starts, so a script repeats run to run (None: fresh randomness each call). vLLM's engine knobs kvload has no
     counterpart for (``enforce_eager``) are accepted and reported ``setting_ignored``; README "Coming from vLLM" lists
-    what maps, what is ignored, what is refused.
+    what maps, what is ignored, what is refused. ``kv_events_config``: vLLM's KV event publisher (a dict of its
+    ``KVEventsConfig`` keys, or one), as ``kvload serve --kv-events-config``: the blocks generation stores and evicts
+    go out over ZeroMQ until :meth:`close` (``publisher: "null"``: kept for ``llm.result.kv_cache_events()``).
     """
 
     def __init__(self, model: str | os.PathLike[str], *, config_file: str | os.PathLike[str] | None = None,
                  audit_log: str | os.PathLike[str] | None = None, subscribers: Iterable[Subscriber] = (),
                  log: bool = True, seed: int | None = 0, **llm_args: Any) -> None:
+        seed = plain_scalar(seed)  # a numpy / torch integer, as vLLM takes it
         if seed is not None and not (is_int(seed) and 0 <= seed <= MAX_INT):  # checked before anything loads
             detail = f"expected an integer in [0, 2**63 - 1] or None, got {short(seed)}"
             raise ConfigError(f"seed: {detail}", path="seed", detail=detail, source="api")
+        events = _kv_events(llm_args.pop("kv_events_config", None), llm_args.get("kv_cache_config"))
         request = api_request(model, config_file, True, llm_args)
         request.generates = True  # a model kvload cannot generate for is refused before its weights load
         # the CPU pools' size when neither the user nor the config file bounds them: not a user setting, so the audit
@@ -123,10 +147,35 @@ class LLM:
             DEFAULT_CPU_MAX_TOKENS, "LLM", f"{DEFAULT_MAX_TOKENS_FIELD} (kvload.LLM's default: the pools hold "
                                            f"{DEFAULT_CPU_MAX_TOKENS} tokens when neither max_tokens nor "
                                            "max_gpu_total_bytes bounds them)")
+        if events is not None and events.enable_kv_cache_events:  # vLLM's switch turns the recording on, as serve's
+            from kvload.serve.command import EVENT_BUFFER_DEFAULT, EVENT_BUFFER_FIELD
+
+            request.caller_defaults[EVENT_BUFFER_FIELD] = CallerDefault(
+                EVENT_BUFFER_DEFAULT, "LLM", f"kv_events_config enables KV cache events (vLLM's "
+                f"enable_kv_cache_events); llm.result.kv_cache_events() drains the newest {EVENT_BUFFER_DEFAULT:,}",
+                over_default=True)
         self._busy = threading.Lock()
         self._pid = os.getpid()  # a forked child has this object but not what it stands on (see _check_open)
-        self.result: LoadResult = execute(request, load_stages(), audit_log=audit_log, subscribers=subscribers,
-                                          log=log)
+        publisher = None
+        if events is not None and events.publishes:
+            from kvload.serve.kv_publisher import ZmqKvEventPublisher
+
+            publisher = ZmqKvEventPublisher(events, name="kv_events_config")  # a taken port fails before the load
+        try:
+            self.result: LoadResult = execute(request, load_stages(), audit_log=audit_log, subscribers=subscribers,
+                                              log=log)
+        except BaseException:
+            if publisher is not None:
+                publisher.close()
+            raise
+        if events is not None:
+            try:
+                self._start_publishing(events, publisher)
+            except BaseException:
+                if publisher is not None:
+                    publisher.close()
+                self.result.close()
+                raise
         if audit_log is not None:  # registered after the pools: runs first, while the release is under way
             self.result.context.on_close(lambda: self._write_audit(audit_log))
         self._closed = False
@@ -135,6 +184,29 @@ class LLM:
         if seed is not None:  # vLLM's engine seed: unseeded samples draw from one seeded sequence, so a run repeats
             executor = self.result.executor
             executor.call_seeds, executor.llm_seed = random.Random(seed), int(seed)
+
+    def _start_publishing(self, events: Any, publisher: Any) -> None:
+        """Hand the manager's KV events to ``publisher`` until :meth:`close` (detached and closed before the pools
+        are released, as ``kvload serve`` does); a zmq publisher with the events off says it is ignored."""
+        buffer = getattr(self.result.kv_manager, "kv_events", None)
+        if events.enable_kv_cache_events and buffer is None:  # the config file's event_buffer_max_size: 0
+            raise ConfigError("kv_events_config: enable_kv_cache_events is true but kv_cache_config."
+                              "event_buffer_max_size is 0 (events off); drop that setting or give N > 0",
+                              path="kv_events_config", detail="events off")
+        if publisher is not None:
+            publisher.attach(self.result.kv_manager.layout)
+            buffer.publisher = publisher
+
+            def stop() -> None:
+                buffer.publisher = None
+                publisher.close()
+
+            self.result.context.on_close(stop)
+        elif events.publisher == "zmq" and not events.enable_kv_cache_events and self.result.bus is not None:
+            self.result.bus.emitter("LLM")(SettingIgnored(
+                field="kv_events_config.publisher", value="zmq",
+                reason="enable_kv_cache_events is false, so no KV cache events are recorded to publish (vLLM's "
+                       "rule)"))
 
     def _write_audit(self, path: str | os.PathLike[str]) -> None:
         """On close: rewrite ``audit_log`` with the generation segments too. A failed write (a full disk) leaves the

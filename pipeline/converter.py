@@ -31,6 +31,7 @@ from pipeline.config import (
     public_fields,
 )
 from pipeline.errors import ConfigError
+from pipeline.limits import plain_scalar
 
 T = TypeVar("T")
 
@@ -41,7 +42,14 @@ def _passthrough(value: Any, _type: Any) -> Any:
     return value
 
 
+def _number(value: Any, _type: Any) -> Any:
+    """A numpy / torch scalar as Python's number (vLLM takes ``max_model_len=np.int64(4096)``); everything else, bools
+    and non-integral floats for an integer field included, unchanged for the field's check to judge."""
+    return plain_scalar(value)
+
+
 def _bytes(value: Any, _type: Any) -> Any:
+    value = plain_scalar(value)
     if isinstance(value, str):
         try:
             return parse_size(value)
@@ -50,8 +58,10 @@ def _bytes(value: Any, _type: Any) -> Any:
     return value
 
 
-for _t in (bool, int, float, str, DTypeName, DeviceName, SeqLen):
+for _t in (bool, str, DTypeName, DeviceName):
     converter.register_structure_hook(_t, _passthrough)
+for _t in (int, float, SeqLen):
+    converter.register_structure_hook(_t, _number)
 converter.register_structure_hook(Bytes, _bytes)
 converter.register_structure_hook_func(lambda t: t == TriState, _passthrough)
 

@@ -550,6 +550,20 @@ class KvEventsFileFailed(Event):
     reason: str
 
 
+@event("engine_stats")
+class EngineStats(Event):
+    """``kvload serve``'s periodic throughput line, vLLM's "Avg prompt throughput: X tokens/s, ..." (every
+    ``VLLM_LOG_STATS_INTERVAL`` seconds, 10 by default, while requests run; ``--disable-log-stats`` turns it off)."""
+
+    prompt_throughput: float  # tokens/s of the prompts whose first token came out in the interval (cached included)
+    generation_throughput: float  # tokens/s generated in the interval
+    running: int  # requests running now
+    waiting: int  # requests waiting now (suspended ones included)
+    kv_cache_usage: float  # percent of the KV cache in use now
+    prefix_cache_hit_rate: float  # percent of the prompt tokens looked up in the interval that the prefix cache held
+    interval_s: float  # the seconds the throughputs are over
+
+
 @event("audit_log_failed", level="warning")
 class AuditLogFailed(Event):
     """``kvload serve``'s ``--audit-log`` file could not be written (a full disk), said when it happens: the file is

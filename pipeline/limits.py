@@ -8,6 +8,7 @@ out-of-memory kill, a hang in walking a YAML alias bomb, or a traceback from an 
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -79,6 +80,28 @@ MAX_STRUCTURED_CHOICES = 4096
 #: Longest prefix-reuse salt (characters): it is hashed into every block key of its request and cached per salt
 #: (1,024 salts at a time), so its size multiplies; a tenant id or a UUID is far shorter.
 MAX_SALT_CHARS = 1024
+
+
+def plain_scalar(value: Any) -> Any:
+    """A numpy scalar or 0-d torch tensor of an integer (float) dtype as Python's int (float); anything else, bools
+    included, unchanged for the checks to judge. vLLM takes them where it takes numbers (``max_tokens=np.int64(64)``,
+    a seed from an array); numpy and torch are looked up only when the caller's program imported them, so the CLI
+    path imports neither."""
+    if type(value) in (int, float, bool, str) or value is None:
+        return value
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(value, np.generic):
+        if isinstance(value, np.integer):
+            return int(value)
+        return float(value) if isinstance(value, np.floating) else value
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor) and value.ndim == 0:
+        dtype = value.dtype
+        if dtype.is_floating_point:
+            return float(value.item())
+        if dtype != torch.bool and not dtype.is_complex:
+            return int(value.item())
+    return value
 
 
 def int_text(value: int) -> str:

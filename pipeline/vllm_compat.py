@@ -61,6 +61,10 @@ DIFFERENT_MEANING: dict[str, tuple[str, str, tuple[str, ...], str]] = {
 }
 
 
+#: :data:`DIFFERENT_MEANING` names whose value is in kvload's nearest field's unit (bytes): the refusal writes it there
+SAME_UNIT = frozenset({"kv_cache_memory_bytes"})
+
+
 #: vLLM's engine knobs (``LLM(...)`` keywords, YAML keys) kvload has no counterpart for → why: ``setting_ignored``.
 IGNORED: dict[str, str] = {
     **dict.fromkeys(("enforce_eager", "max_seq_len_to_capture", "cuda_graph_sizes", "compilation_config",
@@ -78,7 +82,10 @@ IGNORED: dict[str, str] = {
     "tokenizer_pool_size": "kvload loads the checkpoint's own tokenizer, one per process",
     **dict.fromkeys(("disable_custom_all_reduce", "distributed_executor_backend"),
                     "multi-GPU plumbing: kvload's ranks are torchrun processes over torch.distributed"),
-    **dict.fromkeys(("disable_log_stats", "disable_async_output_proc", "async_scheduling"),
+    "disable_log_stats": "engine statistics: only kvload serve logs vLLM's periodic throughput line (engine_stats), "
+                         "which its --disable-log-stats turns off; here the totals are LLM.get_metrics()'s and the "
+                         "audit log's",
+    **dict.fromkeys(("disable_async_output_proc", "async_scheduling"),
                     "engine statistics / output processing: kvload records events in its audit log (log=False keeps "
                     "them off stderr) and has LLM.get_metrics()"),
     "enable_sleep_mode": "kvload.LLM has no sleep/wake_up; close() releases the pools and weights",
@@ -161,6 +168,50 @@ REFUSED: dict[str, str] = {
 }
 
 
+#: vLLM's engine arguments a ``plan`` / ``load`` call (or a YAML file) does not take → where kvload takes them: refused
+#: naming that, never with the nearest kvload spelling (``kv_events_config`` is not ``kv_cache_config``)
+TAKEN_ELSEWHERE: dict[str, str] = {
+    "kv_events_config": "vLLM's KV cache event publisher; kvload.LLM(kv_events_config={...}) and kvload serve "
+                        "--kv-events-config take it (a plan or load keeps the events with kv_cache_config="
+                        "{'event_buffer_max_size': N}, read by LoadResult.kv_cache_events())",
+    "seed": "vLLM's sampling seed; kvload.LLM(seed=N) and kvload serve --seed take it (weights_seed seeds a preset's "
+            "random weights, another setting)",
+    "served_model_name": "the model name vLLM's server answers to; kvload serve --served-model-name takes it",
+}
+
+#: vLLM's ``EngineArgs`` fields (``vllm/engine/arg_utils.py``) kvload has no field, alias or ignored entry for:
+#: refused as vLLM's, not offered a kvload field spelled alike
+VLLM_ENGINE_ARGS = frozenset({
+    "hf_config_path", "convert", "enable_prompt_embeds", "allowed_local_media_path", "allowed_media_domains",
+    "safetensors_load_strategy", "config_format", "master_addr", "master_port", "nnodes", "node_rank",
+    "decode_context_parallel_size", "dcp_kv_cache_interleave_size", "data_parallel_rank", "data_parallel_start_rank",
+    "data_parallel_size_local", "data_parallel_address", "data_parallel_rpc_port", "data_parallel_hybrid_lb",
+    "data_parallel_external_lb", "data_parallel_backend", "enable_dbo", "eplb_config", "enable_eplb",
+    "expert_placement_strategy", "num_redundant_experts", "prefix_caching_hash_algo", "disable_sliding_window",
+    "aggregate_engine_logging", "code_revision", "interleave_mm_strings", "media_io_kwargs",
+    "disable_mm_preprocessor_cache", "mm_processor_cache_gb", "mm_processor_cache_type", "mm_encoder_tp_mode",
+    "io_processor_plugin", "skip_mm_profiling", "enable_lora_bias", "default_mm_loras", "lora_extra_vocab_size",
+    "ray_workers_use_nsight", "num_lookahead_slots", "model_loader_extra_config", "ignore_patterns",
+    "disable_chunked_mm_input", "disable_hybrid_kv_cache_manager", "structured_outputs_config",
+    "logits_processor_pattern", "scheduler_cls", "pooler_config", "override_pooler_config", "worker_cls",
+    "worker_extension_cls", "ec_transfer_config", "override_attention_dtype", "calculate_kv_scales",
+    "mamba_cache_dtype", "mamba_ssm_cache_dtype", "mamba_block_size", "additional_config", "use_tqdm_on_load",
+    "pt_load_map_location", "enable_multimodal_encoder_data_parallel", "logits_processors",
+    "kv_sharing_fast_prefill", "kv_offloading_size", "kv_offloading_backend", "tokens_only",
+    "disable_log_requests", "enable_log_requests",
+})
+
+
+def not_taken(name: str) -> str | None:
+    """Why vLLM's engine argument ``name`` is refused here, naming where kvload takes it when it does; None for a
+    name that is not one (it gets the converter's unknown-key line, with a close kvload field suggested)."""
+    if name in TAKEN_ELSEWHERE:
+        return TAKEN_ELSEWHERE[name]
+    if name in VLLM_ENGINE_ARGS:
+        return "vLLM's engine argument, which kvload has no counterpart for (README \"Coming from vLLM\")"
+    return None
+
+
 def vllm_knob(name: str, value: Any) -> str | None:
     """Why vLLM's engine knob ``name`` does nothing in kvload (reported as ``setting_ignored``), or None for a name
     that is not one; ``ConfigError`` for a knob given a value kvload cannot honour (``quantization="awq"``)."""
@@ -204,7 +255,10 @@ def refused_key(name: str, value: Any, python: bool) -> str | None:
     kvload field to set instead, with the value given, or why there is none; None for a name vLLM does not have."""
     path = SAME_MEANING.get(name)
     if path is None:
-        return different_meaning(name, lambda p: p)
+        why = different_meaning(name, lambda p: p)
+        if why is not None and name in SAME_UNIT:  # a byte count either way: the value carries over as the cap
+            why += f" ({write_as(DIFFERENT_MEANING[name][2][0], value, python)} for that cap)"
+        return why or not_taken(name)
     return f"vLLM's name for {path}; {write_as(path, value, python)}"
 
 

@@ -92,7 +92,8 @@ def test_uvicorns_log_level_and_access_log_flags_act(monkeypatch):
 def test_the_access_log_follows_the_level_unless_switched_off():
     from kvload.serve.server import _server
 
-    state = types.SimpleNamespace(read_timeout_s=5.0, metrics=None)
+    state = types.SimpleNamespace(read_timeout_s=5.0, metrics=None, h11_max_header_count=None,
+                                  h11_max_incomplete_event_size=None)
     with pytest.MonkeyPatch.context() as mp:
         import kvload.serve.server as server
 

@@ -298,9 +298,10 @@ def test_two_api_key_flags_with_several_values_and_no_model_first_are_refused(ca
     # a typo of a secret flag the words miss: the flag it is closest to (the hint's) takes a secret
     (["serve", "tiny-llama", "--hf-tokenn", KEY], "--hf-tokenn (value hidden); did you mean --hf-token?"),
     (["serve", "tiny-llama", "--hf-tokn=" + KEY], "--hf-tokn=(value hidden); did you mean --hf-token?"),
-    # a prefix of only one secret flag: the hint names it, so its value is hidden too (it was shown)
-    (["serve", "tiny-llama", "--api", KEY], "--api (value hidden); did you mean --api_key?"),
-    (["serve", "tiny-llama", "--api=" + KEY], "--api=(value hidden); did you mean --api_key?"),
+    # a prefix of a secret flag (and of --api-server-count): the hint names both, and the value is hidden (it was
+    # shown, and shown again once --api-server-count made the prefix ambiguous)
+    (["serve", "tiny-llama", "--api", KEY], "--api (value hidden); did you mean --api_key or --api_server_count?"),
+    (["serve", "tiny-llama", "--api=" + KEY], "--api=(value hidden); did you mean --api_key or --api_server_count?"),
 ])
 def test_a_mistyped_key_flag_never_echoes_its_value(capsys, argv, shown):
     """argparse answered ``--api-keyy SECRET`` with "unrecognized arguments: --api-keyy SECRET": the key, in the

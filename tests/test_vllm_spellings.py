@@ -181,6 +181,11 @@ def test_every_vllm_name_of_the_same_meaning_is_a_flag_of_that_field():
     ({"swap_space": 4}, "swap_space: vLLM's CPU swap space in GiB per GPU; kvload's host tier (V2 only) is a byte "
                         "count: kv_cache_config.host_cache_size (4GiB where vLLM says 4)"),
     ({"max_model_len": 64, "swap_space": 4}, "swap_space: vLLM's CPU swap space in GiB per GPU"),  # a taken one first
+    # a byte count either way: the line writes the keyword's value where kvload takes its cap
+    ({"kv_cache_memory_bytes": 2**30}, "kv_cache_memory_bytes: vLLM's KV cache size in bytes per GPU, in place of "
+                                       "gpu_memory_utilization; kvload caps the KV cache at a byte count and within "
+                                       "the share of free memory it is allowed: kv_cache_config.max_gpu_total_bytes "
+                                       "(pass kv_cache_config={'max_gpu_total_bytes': 1073741824} for that cap)"),
 ])
 def test_the_python_api_refuses_a_vllm_name_that_means_something_else_with_the_difference(kwargs, message):
     with pytest.raises(ConfigError) as info:

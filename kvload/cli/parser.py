@@ -129,6 +129,9 @@ class OneLineParser(argparse.ArgumentParser):
         name = unknown.split("=", 1)[0]
         if name in options:  # an option of another subcommand
             return f"; {name} belongs to another command (see kvload --help)"
+        several = prefixed_options(name, options)
+        if 1 < len(several) <= 3:  # a prefix of a few (--api: --api-key, --api-server-count): each, not a guess
+            return f"; did you mean {' or '.join(several)}?"
         close = closest_option(name, options)
         return f"; did you mean {close}?" if close else ""
 
@@ -170,8 +173,15 @@ def _secret_like(arg: str, options: set[str]) -> bool:
     name = arg.split("=", 1)[0]
     if name in options:
         return False
-    close = closest_option(name, options)  # the hint's own choice: --api, hinted --api_key, hides its value too
+    if any(secret_option(o) for o in prefixed_options(name, options)):  # --api: it may be --api-key's, hidden
+        return True
+    close = closest_option(name, options)  # the hint's own choice: --hf-tokn, hinted --hf-token, hides its value too
     return close is not None and secret_option(close)
+
+
+def prefixed_options(name: str, options: set[str]) -> list[str]:
+    """The known options ``name`` begins, one spelling each (the underscored, which sorts last)."""
+    return list({_norm(o): o for o in sorted(options) if o.startswith(name)}.values())
 
 
 def closest_option(name: str, options: set[str]) -> str | None:
@@ -179,9 +189,9 @@ def closest_option(name: str, options: set[str]) -> str | None:
     prefix matching would have expanded it, else the nearest spelling."""
     import difflib
 
-    prefixed = {_norm(o): o for o in sorted(options) if o.startswith(name)}  # "_" sorts after "-": kept
+    prefixed = prefixed_options(name, options)
     if len(prefixed) == 1:  # what argparse's prefix matching used to expand it to
-        return next(iter(prefixed.values()))
+        return prefixed[0]
     close = difflib.get_close_matches(name, sorted(options), n=1, cutoff=0.75)
     return close[0] if close else None
 

@@ -34,6 +34,7 @@ from kvload.serve.auth import ApiKeyGate, route_path
 from kvload.serve.handlers import _serve, _tokenizer_call
 from kvload.serve.messages_input import AnthropicError
 from kvload.serve.protocol import BadRequest
+from kvload.serve.request_id import _RequestIdHeader
 from kvload.serve.request_input import _not_served
 from kvload.serve.route_errors import _allowed, _only_query, _routing_error, _shaped
 from kvload.serve.state import ServeState
@@ -62,6 +63,8 @@ def create_app(state: ServeState) -> FastAPI:
         cors = state.cors
         app.add_middleware(CORSMiddleware, allow_origins=list(cors.origins), allow_methods=list(cors.methods),
                            allow_headers=list(cors.headers), allow_credentials=cors.credentials)
+    if state.request_id_headers:  # outermost: a refused request's answer carries the id too
+        app.add_middleware(_RequestIdHeader)
     state.metrics.http_in_flight.set_function(lambda: state.in_flight)  # what _Admission counts, read at scrape
 
     @app.exception_handler(BadRequest)

@@ -157,8 +157,26 @@ def add_serve_command(sub: Any) -> None:
                         "per HTTP request")
     g.add_argument("--disable-uvicorn-access-log", "--disable_uvicorn_access_log", dest="disable_uvicorn_access_log",
                    action="store_true", help="no line per HTTP request, whatever the log level (vLLM's flag)")
+    g.add_argument("--enable-request-id-headers", "--enable_request_id_headers", dest="enable_request_id_headers",
+                   action="store_true", help="every answer carries an X-Request-Id header: the request's own, else a "
+                                             "fresh id (vLLM's flag)")
+    g.add_argument("--h11-max-incomplete-event-size", "--h11_max_incomplete_event_size",
+                   dest="h11_max_incomplete_event_size", default=None, metavar="BYTES",
+                   type=_bounded(integer, lambda v: 1 <= v <= MAX_INT, "an integer >= 1"),
+                   help="the largest request head (request line and headers) in bytes; a larger one gets HTTP 431 "
+                        "(vLLM's flag; default uvicorn's 16384)")
+    g.add_argument("--h11-max-header-count", "--h11_max_header_count", dest="h11_max_header_count", default=None,
+                   metavar="N", type=_bounded(integer, lambda v: 1 <= v <= MAX_INT, "an integer >= 1"),
+                   help="the most headers a request may have; more get HTTP 431 (vLLM's flag; default: no count, "
+                        "the head's size bounds them)")
+    # vLLM's front-end flags kvload serve cannot honour: parsed, so the refusal is one line saying why (cmd_serve)
+    g.add_argument("--api-server-count", "--api_server_count", "-asc", dest="api_server_count", default=None,
+                   metavar="N", type=integer, help=argparse.SUPPRESS)
+    g.add_argument("--uds", default=None, metavar="PATH", help=argparse.SUPPRESS)
+    g.add_argument("--middleware", action="append", default=None, metavar="IMPORT_PATH", help=argparse.SUPPRESS)
     for flag in ("--disable-log-requests", "--enable-log-requests", "--enable-prompt-tokens-details",
-                 "--disable-fastapi-docs", "--disable-frontend-multiprocessing", "--enable-server-load-tracking"):
+                 "--disable-fastapi-docs", "--disable-frontend-multiprocessing", "--enable-server-load-tracking",
+                 "--enable-log-outputs", "--log-error-stack"):
         g.add_argument(flag, _underscored(flag), action="store_true", help=argparse.SUPPRESS)
     g.add_argument("--guided-decoding-backend", "--guided_decoding_backend", dest="guided_decoding_backend",
                    default=None, metavar="NAME", choices=("auto", "xgrammar"), help=argparse.SUPPRESS)
@@ -465,8 +483,10 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
 
         raise ConfigError(f"serve: {exc.name} is not installed; pip install 'kvload[serve]'") from None
     from kvload.api import execute
+    from kvload.cli.flags import _knob_dest
     from kvload.serve.auth import resolve_api_keys
     from kvload.serve.server import bind, build_state, chat_template_text, mirror_kv_events, serve
+    from kvload.serve.stats_log import interval_from_env
     from kvload.serve.tls import tls_from_flags
     from pipeline.context import DEFAULT_MAX_TOKENS_FIELD, CallerDefault
     from pipeline.ranks import ranks_from_env
@@ -487,8 +507,13 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
 
             raise ConfigError("--kv-events-file: KV cache events are off; add --event_buffer_max_size N (N > 0), or "
                               "kv_cache_config.event_buffer_max_size in the --config file")
+    _refuse_unserved_flags(ns)
     # the flag, else $KVLOAD_API_KEY, else $VLLM_API_KEY; an empty or unsendable one refused now, naming its source
     api_keys, key_source, unused = resolve_api_keys(ns.api_key, os.environ)
+    # vLLM's --disable-log-stats acts here: no periodic throughput line (the other commands report it ignored); the
+    # interval, vLLM's VLLM_LOG_STATS_INTERVAL, is checked now, before minutes of loading
+    stats_off = getattr(ns, _knob_dest("disable_log_stats"), None) is True
+    stats_interval = None if stats_off else interval_from_env(os.environ)
     address = ns.host
     if ranks.is_first:  # the one rank that listens
         probe = bind(ns.host, ns.port)  # a taken port fails now, before minutes of loading
@@ -497,6 +522,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     tls = tls_from_flags(ns.ssl_keyfile, ns.ssl_certfile, ns.ssl_ca_certs, ns.ssl_cert_reqs)  # a bad file: now
     template = chat_template_text(ns.chat_template) if ns.chat_template is not None else None  # and a bad template
     request = _request(ns, load_weights=True, generates=True)
+    request.overrides.pop("disable_log_stats", None)  # acted on above, not an engine setting to report ignored
     # capped like generate's: past 2**63 - 1 the budget names --default-max-tokens
     peeked = peek_sampling_defaults(request)
     default_max_tokens = serve_max_tokens(ns.default_max_tokens, peeked.values)
@@ -553,7 +579,11 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
                             cors=_cors(ns), response_role=ns.response_role,
                             return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
                             force_include_usage=ns.enable_force_include_usage, root_path=ns.root_path,
-                            default_chat_template_kwargs=ns.default_chat_template_kwargs)
+                            default_chat_template_kwargs=ns.default_chat_template_kwargs,
+                            log_stats_interval_s=stats_interval,
+                            request_id_headers=ns.enable_request_id_headers,
+                            h11_max_incomplete_event_size=ns.h11_max_incomplete_event_size,
+                            h11_max_header_count=ns.h11_max_header_count)
         _warn_when_the_audit_log_fails(state, getattr(ns, "audit_sink", None))
         mirror = None
         if ns.kv_events_file is not None:  # a full disk later stops the mirror with a warning, never a request
@@ -596,9 +626,35 @@ IGNORED_SERVE_FLAGS: dict[str, str] = {
     "--enable-server-load-tracking": "kvload serve always tracks it: GET /load answers the requests in the server at "
                                      "any time, and GET /metrics the running and waiting ones",
     "--guided-decoding-backend": "kvload's structured outputs always run on xgrammar",
+    "--enable-log-outputs": "kvload serve logs no line per request or output; each request's end is an audit record "
+                            "(request_finished: its tokens and finish reason; GET /v1/kvload/audit, --audit-log FILE)",
+    "--log-error-stack": "kvload serve answers a failed request with one error line and records the failure "
+                         "(engine_step_failed) in its log and audit; a traceback is printed only with --debug",
     "--chat-template-content-format": "kvload joins a message's text parts into one string for the template (vLLM's "
                                       "string format); the openai format is not served",
 }
+
+
+#: ``vllm serve`` flags kvload serve cannot honour → why, and what to do instead: refused, one line, before the load
+REFUSED_SERVE_FLAGS: dict[str, str] = {
+    "--uds": "kvload serve listens on TCP (--host, --port); for a Unix socket, put a proxy in front (socat "
+             "UNIX-LISTEN:PATH,fork TCP:127.0.0.1:PORT)",
+    "--middleware": "kvload serve imports no code named on its command line into its app; put a proxy in front for "
+                    "what a middleware would do",
+}
+
+
+def _refuse_unserved_flags(ns: argparse.Namespace) -> None:
+    """``ConfigError`` (one line, exit 2) for a vLLM front-end flag kvload serve cannot honour; ``--api-server-count
+    1`` (one front end, vLLM's default) is taken."""
+    from pipeline.errors import ConfigError
+
+    if ns.api_server_count is not None and ns.api_server_count != 1:
+        raise ConfigError(f"--api-server-count: kvload serve runs one HTTP front end in its process (start one kvload "
+                          f"serve per replica behind a load balancer); accepted: 1, got {ns.api_server_count}")
+    for flag, why in REFUSED_SERVE_FLAGS.items():
+        if getattr(ns, flag[2:].replace("-", "_")) is not None:
+            raise ConfigError(f"{flag}: {why}")
 
 
 def _report_ignored_serve_flags(ns: argparse.Namespace, emit: Any) -> None:

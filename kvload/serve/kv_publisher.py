@@ -25,9 +25,11 @@ on a bounded queue that a thread drains into batches; a full queue drops the eve
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import queue
 from collections import deque
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -35,6 +37,7 @@ import attrs
 from pipeline.config import field_check
 from pipeline.converter import structure
 from pipeline.errors import ConfigError
+from pipeline.limits import short
 from pipeline.thread_end import EndingThread
 
 FLAG = "--kv-events-config"
@@ -96,34 +99,49 @@ class KvEventsConfig:
         return self.enable_kv_cache_events and self.publisher == "zmq"
 
 
-def parse_kv_events_config(raw: dict[str, Any]) -> KvEventsConfig:
-    """The flag's JSON object as a :class:`KvEventsConfig`; ``ConfigError`` naming the flag and the key."""
+def parse_kv_events_config(raw: dict[str, Any], name: str = FLAG) -> KvEventsConfig:
+    """The flag's JSON object as a :class:`KvEventsConfig`; ``ConfigError`` naming the flag (or ``name``: the
+    keyword ``kv_events_config`` of ``kvload.LLM``) and the key."""
     try:
         config = structure(raw, KvEventsConfig)
     except ConfigError as exc:
-        raise ConfigError(f"{FLAG}: {exc}") from None
+        raise ConfigError(f"{name}: {exc}", path=name, detail=exc.detail) from None
     if config.publishes:
-        _zmq_modules()  # missing libraries are named before minutes of loading
-        int_block_hashes()
+        _zmq_modules(name)  # missing libraries are named before minutes of loading
+        int_block_hashes(name)
     return config
 
 
-def int_block_hashes() -> bool:
+def kv_events_argument(value: Any, name: str = "kv_events_config") -> KvEventsConfig:
+    """``LLM(kv_events_config=...)`` as vLLM takes it: a mapping of its fields, a :class:`KvEventsConfig`, or
+    vLLM's own ``KVEventsConfig`` (a dataclass, read field by field); ``ConfigError`` naming ``name`` otherwise."""
+    if isinstance(value, KvEventsConfig):
+        value = attrs.asdict(value)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{name}: expected a mapping of vLLM's KVEventsConfig fields (enable_kv_cache_events, "
+                          f"publisher, endpoint, ...) or a KVEventsConfig, got {short(value)}", path=name,
+                          detail="not a mapping")
+    return parse_kv_events_config(dict(value), name)
+
+
+def int_block_hashes(name: str = FLAG) -> bool:
     """Whether block hashes go out as vLLM's default, the digest's low 64 bits as an unsigned integer, or (under
     ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``, as vLLM reads it) as the digest's bytes; ``ConfigError`` naming it."""
     raw = os.environ.get(INT_HASHES_ENV, "1").strip()
     if raw not in ("0", "1"):
-        raise ConfigError(f"{FLAG}: {INT_HASHES_ENV} must be 1 (block hashes as 64-bit integers, vLLM's default) or "
+        raise ConfigError(f"{name}: {INT_HASHES_ENV} must be 1 (block hashes as 64-bit integers, vLLM's default) or "
                           f"0 (as bytes), got {raw[:40]!r}")
     return raw == "1"
 
 
-def _zmq_modules() -> tuple[Any, Any]:
+def _zmq_modules(name: str = FLAG) -> tuple[Any, Any]:
     try:
         import msgspec
         import zmq
     except ImportError as exc:
-        raise ConfigError(f'{FLAG}: publisher "zmq" needs pyzmq and msgspec ({exc.name} is missing); install them '
+        raise ConfigError(f'{name}: publisher "zmq" needs pyzmq and msgspec ({exc.name} is missing); install them '
                           "with pip install 'kvload[kv-events]'") from None
     return zmq, msgspec
 
@@ -170,15 +188,16 @@ class ZmqKvEventPublisher:
     known. ``put`` is what the buffer calls, on the engine's thread: it never blocks nor raises.
     """
 
-    def __init__(self, config: KvEventsConfig, data_parallel_rank: int = 0) -> None:
-        zmq, msgspec = _zmq_modules()
+    def __init__(self, config: KvEventsConfig, data_parallel_rank: int = 0, name: str = FLAG) -> None:
+        zmq, msgspec = _zmq_modules(name)
+        self.name = name  # the flag or keyword errors name
         self.config = config
         self.rank = data_parallel_rank
         self.dropped = 0  # events a full queue refused
         self.published = 0  # batches sent
         self.groups: dict[str, tuple[int, str | None, int | None]] = {}  # name -> (index, vLLM kind, window)
         self._zmq = zmq
-        self._int_hashes = int_block_hashes()
+        self._int_hashes = int_block_hashes(name)
         self._encoder = msgspec.msgpack.Encoder()
         self._stored, self._removed, self._cleared, self._batch = _structs(msgspec)
         self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue(maxsize=config.max_queue_size)
@@ -210,7 +229,7 @@ class ZmqKvEventPublisher:
             sock.bind(address) if bind else sock.connect(address)
         except self._zmq.ZMQError as exc:
             sock.close(linger=0)
-            raise ConfigError(f"{FLAG}: {field} {address}: cannot {'bind' if bind else 'connect'} it "
+            raise ConfigError(f"{self.name}: {field} {address}: cannot {'bind' if bind else 'connect'} it "
                               f"({exc.strerror})") from None
         if bind and address.startswith("ipc://") and not address.startswith("ipc://@"):  # @: no file to remove
             self._ipc_files.append(address.removeprefix("ipc://"))

@@ -45,6 +45,7 @@ from kvload.serve.protocol import BadRequest, default_max_request_bytes
 from kvload.serve.request_body import _shutting_down
 from kvload.serve.responses_store import ResponseStore, kept_request_bytes
 from kvload.serve.state import CorsPolicy, ServeState
+from kvload.serve.stats_log import StatsLogger
 from kvload.serve.tls import Tls, tls_from_flags
 from pipeline.errors import ConfigError, GenerationError, KvloadError
 from pipeline.events import ApiKeyRequired, AutoToolChoiceEnabled, KvEventsFileFailed, ReasoningParserEnabled
@@ -66,7 +67,10 @@ def build_state(result: Any, *, model_name: str | Sequence[str] | None = None,
                 responses_store_max: int = RESPONSES_STORE_MAX_DEFAULT, cors: CorsPolicy | None = None,
                 response_role: str = "assistant", return_tokens_as_token_ids: bool = False,
                 force_include_usage: bool = False, root_path: str = "",
-                default_chat_template_kwargs: Mapping[str, Any] | None = None) -> ServeState:
+                default_chat_template_kwargs: Mapping[str, Any] | None = None,
+                log_stats_interval_s: float | None = None, request_id_headers: bool = False,
+                h11_max_incomplete_event_size: int | None = None,
+                h11_max_header_count: int | None = None) -> ServeState:
     """Engine (not started) and metrics over a ``load(..., load_weights=True)`` result, served as ``model_name`` (None:
     the model's own name; a list: vLLM's several ``--served-model-name``, the first in every answer, any of them taken
     in a request's ``model``); from now on its audit log
@@ -95,7 +99,21 @@ def build_state(result: Any, *, model_name: str | Sequence[str] | None = None,
     ``responses_store_max``: ``/v1/responses`` answers kept for ``previous_response_id`` and
     ``GET /v1/responses/{id}``, the least recently used dropped past it (0: none kept).
     ``default_chat_template_kwargs`` (vLLM's ``--default-chat-template-kwargs``): template variables every chat
-    request gets under its own ``chat_template_kwargs`` (a request's value of a name wins), checked as those are."""
+    request gets under its own ``chat_template_kwargs`` (a request's value of a name wins), checked as those are.
+    ``log_stats_interval_s``: vLLM's throughput line (an ``engine_stats`` event) every so many seconds while requests
+    run (``kvload.serve.stats_log``); None: none. ``request_id_headers``: every answer carries ``X-Request-Id`` (vLLM's
+    ``--enable-request-id-headers``); ``h11_max_incomplete_event_size`` / ``h11_max_header_count``: the largest request
+    head in bytes and the most headers one may have (vLLM's ``--h11-max-*``; None: uvicorn's 16 KiB, no count), HTTP
+    431 past them."""
+    for name, bound in (("h11_max_incomplete_event_size", h11_max_incomplete_event_size),
+                        ("h11_max_header_count", h11_max_header_count)):
+        if bound is not None and not (isinstance(bound, int) and not isinstance(bound, bool) and 1 <= bound <= MAX_INT):
+            raise ConfigError(f"{name}: expected an integer >= 1 or None, got {short(bound)}")
+    if log_stats_interval_s is not None and not (isinstance(log_stats_interval_s, (int, float))
+                                                 and not isinstance(log_stats_interval_s, bool)
+                                                 and 0 < log_stats_interval_s <= 86400):
+        raise ConfigError(f"log_stats_interval_s: expected a number of seconds > 0 (at most 86,400) or None, got "
+                          f"{short(log_stats_interval_s)}")
     template_defaults = dict(default_chat_template_kwargs or {})
     if template_defaults:
         from engine.prompts import template_options
@@ -168,6 +186,8 @@ def build_state(result: Any, *, model_name: str | Sequence[str] | None = None,
     responses = ResponseStore(responses_store_max, on_evicted=metrics.responses_evicted.inc,
                               max_request_bytes=kept_request_bytes(engine.executor.max_seq_len))
     metrics.watch_responses(responses)
+    # vLLM's throughput line every so many seconds while requests run (kvload serve: VLLM_LOG_STATS_INTERVAL, 10)
+    stats_logger = StatsLogger(engine, log_stats_interval_s) if log_stats_interval_s is not None else None
     if max_request_bytes is None:
         max_request_bytes = default_max_request_bytes(engine.executor.max_seq_len, engine.executor.vocab_size)
     return ServeState(result=result, engine=engine, metrics=metrics, model_name=name, aliases=aliases,
@@ -179,7 +199,10 @@ def build_state(result: Any, *, model_name: str | Sequence[str] | None = None,
                       reasoning_parser=reasoning_parser, responses=responses, cors=cors, response_role=response_role,
                       return_tokens_as_token_ids=return_tokens_as_token_ids,
                       force_include_usage=force_include_usage, root_path=root_path,
-                      default_chat_template_kwargs=template_defaults)
+                      default_chat_template_kwargs=template_defaults, stats_logger=stats_logger,
+                      request_id_headers=bool(request_id_headers),
+                      h11_max_incomplete_event_size=h11_max_incomplete_event_size,
+                      h11_max_header_count=h11_max_header_count)
 
 
 
@@ -388,6 +411,7 @@ class _Deadlines(H11Protocol):
 
     read_timeout_s: float = READ_TIMEOUT_DEFAULT  # set on the subclass :func:`_server` makes
     metrics: ServeMetrics | None = None  # likewise: counts the refusals made here, below the app
+    max_header_count: int | None = None  # likewise: --h11-max-header-count (None: no count)
 
     def connection_made(self, transport: Any) -> None:
         self._deadline: asyncio.TimerHandle | None = None
@@ -402,6 +426,7 @@ class _Deadlines(H11Protocol):
                 if isinstance(event, h11.Request):
                     _check_version(event)
                     _check_framing(event)
+                    _check_header_count(event, self.max_header_count)
                     event = _origin_form(event)
                 return event
             except h11.RemoteProtocolError as exc:
@@ -582,11 +607,25 @@ def _check_version(request: h11.Request) -> None:
                                       error_status_hint=505)
 
 
+#: what :func:`_check_header_count`'s refusal says first (:func:`_not_http` answers it as itself, not as a large head)
+TOO_MANY_HEADERS = "too many headers"
+
+
+def _check_header_count(request: h11.Request, most: int | None) -> None:
+    """A ``RemoteProtocolError`` (431) for a request with more than ``most`` headers (vLLM's
+    ``--h11-max-header-count``); None: no count."""
+    if most is not None and len(request.headers) > most:
+        raise h11.RemoteProtocolError(f"{TOO_MANY_HEADERS}: {len(request.headers):,} came, at most {most:,} are taken "
+                                      "(--h11-max-header-count); send fewer", error_status_hint=431)
+
+
 def _not_http(exc: h11.RemoteProtocolError | None, head_limit: int) -> tuple[int, bytes]:
     """The status and OpenAI's error body for bytes h11 refused as HTTP/1.1: 431 for a head past ``head_limit``
     bytes (h11's hint), 505 for another HTTP version (:func:`_check_version`), else 400 saying what h11 found wrong."""
     if exc is not None and exc.error_status_hint == 505:
         error = BadRequest(str(exc), status=505, code="http_version_not_supported")
+    elif exc is not None and exc.error_status_hint == 431 and str(exc).startswith(TOO_MANY_HEADERS):
+        error = BadRequest(f"the request has {exc}", status=431, code="request_header_fields_too_large")
     elif exc is not None and exc.error_status_hint == 431:
         error = BadRequest(f"the request head is too large: more than {head_limit:,} bytes came without the blank "
                            "line that ends the headers; send fewer or shorter headers", status=431,
@@ -672,12 +711,15 @@ def _server(state: ServeState, log_level: str, *, exit_on_engine_failure: bool =
             access_log: bool | None = None, tls: Tls | None = None) -> _Server:
     # h11, named rather than "auto": the read deadlines above are built on its protocol class (httptools is
     # not a dependency of the serve extra, so "auto" meant h11 unless something else installed it)
-    protocol = type("_Deadlines", (_Deadlines,), {"read_timeout_s": state.read_timeout_s, "metrics": state.metrics})
+    protocol = type("_Deadlines", (_Deadlines,), {"read_timeout_s": state.read_timeout_s, "metrics": state.metrics,
+                                                  "max_header_count": state.h11_max_header_count})
+    limits = {} if state.h11_max_incomplete_event_size is None else {
+        "h11_max_incomplete_event_size": state.h11_max_incomplete_event_size}
     app = create_app(state)
     if access_log is None:  # a line per request where the operator asked for info or more
         access_log = log_level in ("debug", "info", "trace")
     config = uvicorn.Config(app, log_level=log_level, access_log=access_log,
-                            timeout_graceful_shutdown=5, lifespan="off", http=protocol, ws="none",
+                            timeout_graceful_shutdown=5, lifespan="off", http=protocol, ws="none", **limits,
                             **(tls.uvicorn_options() if tls is not None else {}))
     return _Server(config, state, app.state.stopping, exit_on_engine_failure=exit_on_engine_failure)
 
@@ -708,12 +750,16 @@ def serve(state: ServeState, host: str, port: int, *, log_level: str = "warning"
         # tensor parallel: a loop that failed (another rank lost) stops the server, whose requests it already ended
         state.engine.on_fatal = lambda: setattr(server, "should_exit", True)
         state.engine.start()
+        if state.stats_logger is not None:
+            state.stats_logger.start()
         if ready is not None:
             ready(http_url(host, sock.getsockname()[1], scheme="https" if tls is not None else "http"))
         server.run(sockets=[sock])
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if state.stats_logger is not None:
+            state.stats_logger.stop()
         state.engine.stop()
         if sock is not None:
             sock.close()
@@ -763,6 +809,8 @@ class ServerThread:
     def start(self, timeout: float = 30.0) -> ServerThread:
         """Start the engine and the HTTP server; return once it accepts connections."""
         self.state.engine.start()
+        if self.state.stats_logger is not None:
+            self.state.stats_logger.start()
         self.thread.start()
         deadline = time.monotonic() + timeout
         while not self.server.started:
@@ -781,6 +829,8 @@ class ServerThread:
             if self.thread.is_alive():
                 self.thread.wait_end(timeout)
         finally:
+            if self.state.stats_logger is not None:
+                self.state.stats_logger.stop()
             self.state.engine.stop(timeout)
             with contextlib.suppress(OSError):
                 self.sock.close()

@@ -68,6 +68,15 @@ class ServeState:
     #: chat template variables every chat request gets unless it sends its own of that name (vLLM's
     #: ``--default-chat-template-kwargs``, e.g. Qwen3's ``{"enable_thinking": false}``)
     default_chat_template_kwargs: dict[str, Any] = attrs.Factory(dict)
+    #: the periodic throughput line (vLLM's "Avg prompt throughput ..."; ``kvload.serve.stats_log``), started and
+    #: stopped with the engine; None: no line (``--disable-log-stats``)
+    stats_logger: Any = None
+    #: every answer carries ``X-Request-Id``, the request's own or a fresh one (vLLM's ``--enable-request-id-headers``)
+    request_id_headers: bool = False
+    #: the largest request head in bytes (vLLM's ``--h11-max-incomplete-event-size``; None: uvicorn's 16 KiB) and the
+    #: most headers one may have (``--h11-max-header-count``; None: no count, the head's size bounds them): 431 past
+    h11_max_incomplete_event_size: int | None = None
+    h11_max_header_count: int | None = None
     in_flight: int = 0  # generation requests in the server now (only the event loop's thread touches it)
     created: int = attrs.Factory(lambda: int(time.time()))
 

@@ -1,0 +1,72 @@
+"""numpy scalars and 0-d torch tensors where the Python API takes numbers, as vLLM takes them: load arguments
+(through the one converter), SamplingParams and ``LLM``'s seed; bools and non-integral floats are still refused, shown
+as Python's own."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import kvload
+from kvload import SamplingParams
+from pipeline.errors import ConfigError, GenerationError
+
+
+def _plan(**kw):
+    return kvload.plan("tiny-llama", log=False, **kw)
+
+
+def test_load_arguments_take_numpy_and_torch_integers_and_floats():
+    """Before: ``max_model_len: expected an integer >= 1, "auto" or null, got np.int64(64)``."""
+    r = _plan(max_model_len=np.int64(64), max_num_seqs=torch.tensor(3), max_num_tokens=np.uint16(256),
+              kv_cache_config={"max_tokens": np.int32(4096), "free_gpu_memory_fraction": np.float32(0.5),
+                               "max_gpu_total_bytes": torch.tensor(10**9), "tokens_per_block": np.int8(16)})
+    kv = r.args.kv_cache_config
+    got = (r.args.max_seq_len, r.args.max_batch_size, r.args.max_num_tokens, kv.max_tokens,
+           kv.free_gpu_memory_fraction, kv.max_gpu_total_bytes, kv.tokens_per_block)
+    assert got == (64, 3, 256, 4096, 0.5, 10**9, 16)
+    assert [type(v) for v in got] == [int, int, int, int, float, int, int]  # held (and audited) as Python's
+    parsed = {r["field"]: r["new"] for r in r.audit.events if r["event"] == "args_parsed"}
+    json.dumps(parsed)  # the audit's values are plain JSON
+    assert parsed["max_seq_len"] == 64 and parsed["kv_cache_config.max_tokens"] == 4096
+    for flag in (np.bool_(True), torch.tensor(True)):  # a bool is no count, whoever's it is
+        with pytest.raises(ConfigError, match="max_num_seqs: expected an integer >= 1, got "):
+            _plan(max_num_seqs=flag)
+    with pytest.raises(ConfigError, match="kv_cache_config.enable_block_reuse: expected true or false"):
+        _plan(kv_cache_config={"enable_block_reuse": np.bool_(True)})
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"max_model_len": np.float64(2.5)}, 'max_model_len: expected an integer >= 1, "auto" or null, got 2.5'),
+    ({"max_num_seqs": torch.tensor(2.0)}, "max_num_seqs: expected an integer >= 1, got 2.0"),  # as Python's 2.0
+])
+def test_a_fraction_for_an_integer_is_refused_as_pythons_is(kw, message):
+    """Refused, and shown as the Python number it is (before: ``np.float64(2.5)``, ``tensor(2.)``)."""
+    with pytest.raises(ConfigError) as err:
+        _plan(**kw)
+    assert str(err.value).startswith(message), err.value
+
+
+def test_sampling_params_take_0d_torch_tensors():
+    """numpy's were taken already; torch's scalars (a length from a tensor) were refused."""
+    p = SamplingParams(max_tokens=torch.tensor(7), temperature=torch.tensor(0.5), seed=torch.tensor(-1),
+                       n=torch.tensor(2, dtype=torch.int32), top_k=np.int64(3))
+    assert (p.max_tokens, p.temperature, p.seed, p.n, p.top_k) == (7, 0.5, None, 2, 3)
+    assert type(p.max_tokens) is int and type(p.temperature) is float
+    for bad, message in [({"max_tokens": torch.tensor(True)}, "max_tokens: expected an integer >= 1"),
+                         ({"max_tokens": torch.tensor(2.5)}, "max_tokens: expected an integer >= 1"),
+                         ({"temperature": torch.tensor(True)}, "temperature: expected a finite number")]:
+        with pytest.raises(GenerationError, match=message):
+            SamplingParams(**bad)
+
+
+def test_llm_seed_takes_a_torch_integer(tiny_checkpoints):
+    """numpy's was taken already; a 0-d torch tensor was refused."""
+    with kvload.LLM(str(tiny_checkpoints("llama")), seed=torch.tensor(7), device="cpu", log=False,
+                    kv_cache_config={"max_tokens": 256}) as llm:
+        assert llm.result.executor.llm_seed == 7 and type(llm.result.executor.llm_seed) is int
+    with pytest.raises(ConfigError, match="seed: expected an integer in"):
+        kvload.LLM("tiny-llama", seed=np.bool_(True))
