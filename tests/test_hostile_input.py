@@ -847,6 +847,35 @@ def test_an_audit_log_with_a_byte_that_is_not_utf8_names_its_line(capsys, real_l
     assert (r.code, r.out) == (2, "")
 
 
+@pytest.mark.parametrize("command", [["audit", "--verify"], ["explain", "max_seq_len"]])
+def test_an_audit_line_past_the_line_limit_is_refused_naming_it_before_the_rest_is_read(capsys, real_log, tmp_path,
+                                                                                        command):
+    """A 400 MB line (under the 512 MB file cap) was read whole, decoded and split: 1.6 GB of memory to refuse it as
+    "unknown event". Lines are read at most ``MAX_AUDIT_LINE_BYTES`` at a time; one of exactly that many bytes, its
+    newline included, is still read as a record."""
+    from pipeline.audit import MAX_AUDIT_LINE_BYTES
+
+    raw = real_log.read_bytes().split(b"\n")
+    record = json.loads(raw[3])
+
+    def padded(size: int) -> bytes:  # raw[3] with a "pad" field making its line (newline included) size bytes
+        line = json.dumps({**record, "pad": ""}, separators=(",", ":")).encode()
+        return line[:-2] + b"x" * (size - len(line) - 1) + line[-2:] + b"\n"
+
+    for size in (MAX_AUDIT_LINE_BYTES, MAX_AUDIT_LINE_BYTES + 1):
+        path = tmp_path / f"long{size}.jsonl"
+        line = padded(size)
+        assert len(line) == size
+        path.write_bytes(b"\n".join([*raw[:3], line[:-1], *raw[4:]]))
+        r = run_cli(capsys, command[0], path, *command[1:])
+        if size == MAX_AUDIT_LINE_BYTES:  # read as a record (the chain then breaks at the edit; explain reads it)
+            assert "longer than" not in r.err, r.err
+            continue
+        assert (r.code, r.out) == (2, ""), r.err
+        assert r.err == (f"error: {path}: line 4: longer than {MAX_AUDIT_LINE_BYTES:,} bytes, the longest line an "
+                         "audit log is read with (kvload's records are a few KB)\n")
+
+
 @pytest.mark.parametrize("command", [["audit"], ["audit", "--verify"], ["explain"]])
 def test_control_characters_in_an_audit_files_text_stay_escaped_on_one_line(capsys, real_log, tmp_path, command):
     """An audit file is input anyone may have written: its free text (a reason, the header's version) reached the
