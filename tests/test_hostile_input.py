@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -1271,6 +1272,67 @@ def test_a_signal_during_run_leaves_nothing(tmp_path, signum, code, line):
     assert wait_for_temporary(proc, out), "the run never started writing its audit log"
     r = interrupt(proc, signum)
     assert_refused(r, f"{line}; the --audit-log file was not written", folder=out, code=code)
+
+
+def _read_terminal(master: int, until: Any, timeout: float = 240.0) -> bytes:
+    """What a process wrote to the terminal ``master`` until ``until(seen)`` or the terminal closed (bounded)."""
+    import select
+
+    seen = b""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not until(seen):
+        if not select.select([master], [], [], 0.5)[0]:
+            continue
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: every descriptor of the terminal's other side is closed
+            break
+        if not chunk:
+            break
+        seen += chunk
+    return seen
+
+
+@pytest.mark.parametrize(("signum", "code", "line"), STOPS[:2])
+def test_a_signal_mid_reply_on_a_terminal_puts_the_error_on_its_own_line(tmp_path, signum, code, line):
+    """A reply streams to the terminal token by token, with no newline until it ends: a SIGTERM or Ctrl-C mid-reply
+    printed ``129 263 129 error: terminated (SIGTERM)``, the one line glued to the last token. The process leaves no
+    child, no temporary and no audit file behind."""
+    import pty
+    import re
+
+    out = tmp_path / "out"
+    out.mkdir()
+    master, slave = pty.openpty()
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "kvload", "generate", "tiny-llama", "--prompt-ids", "1,2,3",
+                                 "--max_new_tokens", "4000", "--max_tokens", "65536", "--audit-log", out / "a.jsonl"],
+                                stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, cwd=tmp_path,
+                                env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TMPDIR": str(out)},
+                                preexec_fn=signals_as_a_terminal_gives_them)
+        os.close(slave)
+        slave = -1
+        try:
+            before = _read_terminal(master, lambda seen: re.search(rb"(\d+ ){20}", seen) is not None)
+            assert re.search(rb"(\d+ ){20}", before), before[-2000:]  # mid-reply: tokens printed, no newline yet
+            children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(proc.pid)], capture_output=True,
+                                      text=True).stdout.split()
+            proc.send_signal(signum)
+            after = _read_terminal(master, lambda seen: False)
+            assert proc.wait(timeout=60) == code
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    finally:
+        os.close(master)
+        if slave != -1:
+            os.close(slave)
+    text = (before + after).decode().replace("\r\n", "\n")
+    reply, _, tail = text.rpartition("error: ")
+    assert reply.endswith(" \n"), text[-300:]  # the reply's last token, then its line ended
+    assert tail == f"{line}; the --audit-log file was not written\n" and "Traceback" not in text, text[-2000:]
+    assert children == [] and sorted(p.name for p in out.iterdir()) in ([], ["torchinductor_root"])
 
 
 @pytest.mark.parametrize(("signum", "code", "line"), STOPS)
