@@ -260,6 +260,7 @@ class _Reader:
         self.parse_error: AuditError | None = None
         self.problem: AuditError | None = None  # the first unusable record; later lines are only parsed
         self.header: dict[str, Any] | None = None
+        self.header_line = 0  # the header's line number, once read
         self.chain: ChainCheck | None = None
         self.known = frozenset(flatten(framework_defaults()))
         self.events: list[dict[str, Any]] = []
@@ -288,7 +289,7 @@ class _Reader:
         p = self.p
         if self.header is None:
             self._check_header(n, record)
-            self.header = record
+            self.header, self.header_line = record, n
             self.chain = ChainCheck(record, audit_key())
             return
         assert self.chain is not None
@@ -300,6 +301,9 @@ class _Reader:
                                  f"integer >= 1, got {short(count)}")
             self.dropped = (self.count, count)
             return
+        if record.get("event") == HEADER_EVENT:  # was "unknown event 'audit_header' (not in this kvload's schema)"
+            raise AuditError(f"{p}: line {n}: a second {HEADER_EVENT} (the first is line {self.header_line}): an "
+                             "audit file holds one run's log; were two logs joined into one file?")
         problem = record_problem(record, self.known)
         if problem is not None:
             raise AuditError(f"{p}: line {n}: {problem}")

@@ -825,6 +825,9 @@ def test_every_record_mutation_is_caught(real_log, tmp_path):
     ("list for a dict", lambda r: next(e for e in r if e["event"] == "user_fields_snapshotted").update(fields=[1]),
      "'fields' must be an object"),
     ("unknown event", lambda r: r[3].update(event="made_up"), "unknown event 'made_up'"),
+    # two logs joined (cat a.jsonl b.jsonl): "unknown event 'audit_header' (not in this kvload's audit schema)"
+    ("second header", lambda r: r.extend(copy.deepcopy(r)),
+     "a second audit_header (the first is line 1): an audit file holds one run's log; were two logs joined"),
 ])
 def test_malformed_records_name_the_file_and_line(capsys, real_log, tmp_path, name, edit, needle):
     records = read_events(real_log)
