@@ -18,6 +18,7 @@ from typing import Any
 
 from engine.prompts import ROLES, check_text, is_conversation, lone_surrogate
 from pipeline.errors import GenerationError
+from pipeline.json_ints import LongInts, too_long_int, too_long_message
 from pipeline.limits import MAX_DEPTH, json_depth, unique_keys
 
 #: The fields a message of each role may carry besides role, content and name (an agent's turn sends them back).
@@ -143,10 +144,16 @@ def json_text(field: str, text: str) -> Any:
     def no_constant(word: str) -> Any:
         raise ValueError(f"{word} is not standard JSON")
 
+    ints = LongInts()  # a 5,000-digit integer was "expected JSON text (Exceeds the limit (4300 digits) ... t)"
     try:
-        return json.loads(text, parse_constant=no_constant, object_pairs_hook=unique_keys(ValueError))
+        value = json.loads(text, parse_constant=no_constant, object_pairs_hook=unique_keys(ValueError), parse_int=ints)
     except ValueError as exc:
         raise MessageError(field, f"expected JSON text ({str(exc).splitlines()[0][:120]})") from None
+    found = too_long_int(value) if ints.found else None
+    if found is not None:
+        where, digits = found
+        raise MessageError(field, f"{where + ': ' if where else ''}{too_long_message(digits)}")
+    return value
 
 
 def check_messages(where: str, messages: Any) -> list[dict[str, Any]]:

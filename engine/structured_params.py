@@ -14,6 +14,7 @@ from engine.prompts import check_text, check_tree, lone_surrogate
 from engine.reasoning import PARSERS
 from engine.schema_ignored import ignored_settings
 from pipeline.errors import GenerationError
+from pipeline.json_ints import LongInts, too_long_int, too_long_message
 from pipeline.limits import MAX_SCHEMA_DEPTH, MAX_STRUCTURED_CHARS, MAX_STRUCTURED_CHOICES, nesting_depth, unique_keys
 
 #: The ways to constrain an output, in vLLM's order; exactly one is given.
@@ -41,14 +42,19 @@ def _schema_text(schema: Any) -> str:
             raise _refuse("json", f"expected at most {MAX_STRUCTURED_CHARS:,} characters of JSON schema, got "
                                   f"{len(schema):,}")
         check_text(f"{_FIELD}.json", schema)
+        # an integer past Python's 4,300 digits was "not JSON text (Exceeds the limit (4300 digits) ... t)"
+        ints = LongInts()
         try:  # standard JSON, each key once: json would keep the last of two "type"s where xgrammar may keep the
             parsed = _json.loads(schema, object_pairs_hook=unique_keys(_Refused),  # first, and 1e400 or NaN reached
-                                 parse_float=_finite, parse_constant=_no_constant)  # xgrammar as "RuntimeError"
+                                 parse_float=_finite, parse_constant=_no_constant,  # xgrammar as "RuntimeError"
+                                 parse_int=ints)
         except _Refused as exc:
             raise _refuse("json", f"{exc}; give standard JSON, each key once") from None
         except (ValueError, RecursionError) as exc:
             raise _refuse("json", f"not JSON text ({str(exc).splitlines()[0][:120]}); give a JSON schema as a dict "
                                   "or its JSON text") from None
+        if ints.found:
+            _long_int(parsed)
         if parsed is False:  # a boolean schema: false admits nothing (true, any value, is no object xgrammar takes)
             raise _refuse("json", FALSE_SCHEMA)
         if not isinstance(parsed, dict):
@@ -61,6 +67,7 @@ def _schema_text(schema: Any) -> str:
     try:
         text = _json.dumps(schema, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:
+        _long_int(schema)  # an int Python will not write as text: was "not JSON-serializable (Exceeds the limit ...)"
         raise _refuse("json", f"not JSON-serializable ({exc})") from None
     if lone_surrogate(text) is not None:  # JSON's "\ud800" in a pattern, an enum, a key: xgrammar takes UTF-8 only
         check_tree(f"{_FIELD}.json", schema)
@@ -68,6 +75,14 @@ def _schema_text(schema: Any) -> str:
         raise _refuse("json", f"expected at most {MAX_STRUCTURED_CHARS:,} characters of JSON schema, got "
                               f"{len(text):,}")
     return text
+
+
+def _long_int(schema: Any) -> None:
+    """One line naming ``json`` and where in it an integer too long for Python to convert stands, if one does."""
+    found = too_long_int(schema)
+    if found is not None:
+        where, digits = found
+        raise _refuse("json", f"{where + ': ' if where else ''}{too_long_message(digits)}")
 
 
 class _Refused(Exception):

@@ -260,6 +260,7 @@ class _Reader:
         self.parse_error: AuditError | None = None
         self.problem: AuditError | None = None  # the first unusable record; later lines are only parsed
         self.header: dict[str, Any] | None = None
+        self.header_line = 0  # the header's line number, once read
         self.chain: ChainCheck | None = None
         self.known = frozenset(flatten(framework_defaults()))
         self.events: list[dict[str, Any]] = []
@@ -288,7 +289,7 @@ class _Reader:
         p = self.p
         if self.header is None:
             self._check_header(n, record)
-            self.header = record
+            self.header, self.header_line = record, n
             self.chain = ChainCheck(record, audit_key())
             return
         assert self.chain is not None
@@ -300,6 +301,9 @@ class _Reader:
                                  f"integer >= 1, got {short(count)}")
             self.dropped = (self.count, count)
             return
+        if record.get("event") == HEADER_EVENT:  # was "unknown event 'audit_header' (not in this kvload's schema)"
+            raise AuditError(f"{p}: line {n}: a second {HEADER_EVENT} (the first is line {self.header_line}): an "
+                             "audit file holds one run's log; were two logs joined into one file?")
         problem = record_problem(record, self.known)
         if problem is not None:
             raise AuditError(f"{p}: line {n}: {problem}")
@@ -351,6 +355,10 @@ MAX_VERSION_CHARS = 64
 
 #: The largest audit file read (a long generation logs a few hundred bytes per request).
 MAX_AUDIT_BYTES = 512 * 1024 * 1024
+#: The longest line of an audit file read (bytes, its newline included): kvload's records are a few hundred bytes
+#: to a few KB (``pipeline_finished`` with its arguments ~1.5 KB; 4,096 stop token ids ~30 KB). Each line is read
+#: with this bound, so a 400 MB line is refused after 8 MiB is read: whole, it took 1.6 GB of memory to refuse.
+MAX_AUDIT_LINE_BYTES = 8 * 1024 * 1024
 
 
 def _lines(p: Path) -> Iterator[tuple[int, str, bool]]:
@@ -367,6 +375,9 @@ def _lines(p: Path) -> Iterator[tuple[int, str, bool]]:
     n = 0
     with f:
         for newlines, raw in enumerate(_raw_lines(p, f)):
+            if len(raw) > MAX_AUDIT_LINE_BYTES:
+                raise AuditError(f"{p}: line {n + 1}: longer than {MAX_AUDIT_LINE_BYTES:,} bytes, the longest line "
+                                 "an audit log is read with (kvload's records are a few KB)")
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as exc:  # where: a log kvload wrote is UTF-8, so the bytes there were changed
@@ -381,8 +392,11 @@ def _lines(p: Path) -> Iterator[tuple[int, str, bool]]:
 
 
 def _raw_lines(p: Path, f: Any) -> Iterator[bytes]:
+    """Each line of ``f`` with its newline, read at most ``MAX_AUDIT_LINE_BYTES + 1`` bytes at a time: a longer line
+    comes back cut at that length, so the caller refuses it without reading the rest."""
     try:
-        yield from f
+        while raw := f.readline(MAX_AUDIT_LINE_BYTES + 1):
+            yield raw
     except OSError as exc:
         raise AuditError(f"{p}: {cannot_read(exc, 'audit file')}") from None
 

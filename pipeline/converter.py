@@ -8,6 +8,7 @@ Errors come back as one :class:`~pipeline.errors.ConfigError` that names the dot
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
@@ -31,7 +32,7 @@ from pipeline.config import (
     public_fields,
 )
 from pipeline.errors import ConfigError
-from pipeline.limits import plain_scalar
+from pipeline.limits import MAX_INT, plain_scalar
 
 T = TypeVar("T")
 
@@ -55,6 +56,13 @@ def _bytes(value: Any, _type: Any) -> Any:
             return parse_size(value)
         except ValueError:
             raise ValueError(f"expected a byte count such as 8589934592 or '8GiB', got {describe(value)}") from None
+    if isinstance(value, float) and math.isfinite(value) and 0 <= value <= MAX_INT:
+        # YAML reads 1e9 as a float, the flag reads "1e9" as bytes: "expected an integer >= 0, got 1000000000.0" named
+        # neither the string forms nor why; a float is not converted (1.5e16's digits past 2**53 are already gone)
+        why = (f"YAML reads a number with an exponent or a decimal point as a float: write {int(value)}, or quote "
+               "it" if value.is_integer() else "a byte count is whole bytes")
+        raise ValueError(f"expected a byte count such as 8589934592 or '8GiB', got the float {describe(value)}; "
+                         f"{why}")
     return value
 
 

@@ -111,11 +111,14 @@ def resolve_generation_config(found: Any, model: str) -> tuple[str, str, str]:
     """``"auto"`` sampling defaults: the directory whose generation_config.json ``apply_model_defaults`` read (its
     ``sampling_defaults_resolved`` has the values), or ``"vllm"`` (kvload's built-in defaults) when it had none."""
     if found is not None and found.path is not None:
-        from pipeline.generation_config import FROM_FILE
+        from pipeline.generation_config import FROM_DO_SAMPLE, FROM_FILE
 
-        values = found.describe(FROM_FILE) or "no sampling default applies from it"
-        return str(Path(found.path).parent), "checkpoint", (f"the checkpoint's generation_config.json gives {values} "
-                                                             "(sampling_defaults_resolved has the rest)")
+        # an empty describe() read "gives no sampling default applies from it"; do_sample alone gives a temperature
+        derived = found.describe(FROM_DO_SAMPLE)
+        gives = ", ".join(v for v in (found.describe(FROM_FILE), derived and f"{derived} through its do_sample") if v)
+        said = (f"gives {gives}; sampling_defaults_resolved has the rest" if gives else
+                "holds no sampling default kvload applies; sampling_defaults_resolved lists its keys")
+        return str(Path(found.path).parent), "checkpoint", f"the checkpoint's generation_config.json {said}"
     return GENERATION_CONFIG_NONE, "auto", (f"{model} has no generation_config.json: kvload's built-in sampling "
                                             f"defaults (\"{GENERATION_CONFIG_NONE}\")")
 

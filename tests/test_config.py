@@ -160,6 +160,29 @@ def test_a_size_in_decimal_or_exponent_form_is_read_exactly_and_must_be_whole_by
             parse_size(text)
 
 
+@pytest.mark.parametrize(("yaml_value", "says"), [
+    ("1e9", "got the float 1000000000.0; YAML reads a number with an exponent or a decimal point as a float: write "
+            "1000000000, or quote it"),
+    ("2.0", "got the float 2.0; YAML reads a number with an exponent or a decimal point as a float: write 2, or "
+            "quote it"),
+    ("8.5", "got the float 8.5; a byte count is whole bytes"),
+])
+@pytest.mark.parametrize("field", ["max_gpu_total_bytes", "host_cache_size"])
+def test_a_float_byte_count_in_a_config_file_says_what_to_write(capsys, tmp_path, field, yaml_value, says):
+    """``--max_gpu_total_bytes 1e9`` and ``'1e9'`` in the file are 10**9 bytes, but YAML reads a bare 1e9 as a float:
+    the line was "expected an integer >= 0, got 1000000000.0", naming neither the size forms taken nor why."""
+    from tests.cli_support import run_cli
+
+    config = tmp_path / "c.yaml"
+    config.write_text(f"kv_cache_config:\n  {field}: {yaml_value}\n")
+    r = run_cli(capsys, "plan", "tiny-llama", "--config", config)
+    assert (r.code, r.out) == (2, "")
+    assert r.err == (f"error: config file {config}: kv_cache_config.{field}: expected a byte count such as "
+                     f"8589934592 or '8GiB', {says}\n")
+    config.write_text(f"kv_cache_config:\n  {field}: '1e9'\n")  # quoted: a size, as the flag reads it
+    assert run_cli(capsys, "plan", "tiny-llama", "--config", config).code == 0
+
+
 def test_a_size_takes_an_underscore_only_between_two_digits_as_an_integer_does():
     """Every underscore was dropped before the number was read: "_8GiB", "8__GiB" and "8_GiB" were 8 GiB, where an
     integer flag, int() and a YAML number refuse them (--host_cache_size, --max_gpu_total_bytes, the config file's)."""

@@ -81,6 +81,23 @@ def test_the_checkpoints_file_gives_the_defaults_and_the_audit_names_file_keys_a
     assert "temperature 0.6" in resolved["reason"]
 
 
+@pytest.mark.parametrize(("data", "said"), [
+    # save_pretrained's file (eos ids only) read "the checkpoint's generation_config.json gives no sampling default
+    # applies from it"; do_sample alone read the same, though it gives the temperature
+    ({"eos_token_id": 2, "transformers_version": "5.24.0"},
+     "holds no sampling default kvload applies; sampling_defaults_resolved lists its keys"),
+    ({"do_sample": True}, "gives temperature 1.0 through its do_sample; sampling_defaults_resolved has the rest"),
+    ({"do_sample": False, "top_p": 0.8},
+     "gives top_p 0.8, temperature 0.0 through its do_sample; sampling_defaults_resolved has the rest"),
+])
+def test_plan_says_in_a_sentence_what_the_checkpoints_file_gives(capsys, tmp_path, data, said):
+    path = _config_only(tmp_path, data)
+    r = run_cli(capsys, "plan", path)
+    assert r.code == 0, r.err
+    (line,) = [row for row in r.out.splitlines() if row.lstrip().startswith("generation_config ")]
+    assert line.endswith(f'"auto" → {path}: the checkpoint\'s generation_config.json {said}'), line
+
+
 def test_a_checkpoint_without_the_file_keeps_kvloads_defaults_and_resolves_auto_to_vllm(tmp_path):
     result = kvload.plan(str(_config_only(tmp_path, None)), log=False)
     event = _event(result)

@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -824,6 +825,9 @@ def test_every_record_mutation_is_caught(real_log, tmp_path):
     ("list for a dict", lambda r: next(e for e in r if e["event"] == "user_fields_snapshotted").update(fields=[1]),
      "'fields' must be an object"),
     ("unknown event", lambda r: r[3].update(event="made_up"), "unknown event 'made_up'"),
+    # two logs joined (cat a.jsonl b.jsonl): "unknown event 'audit_header' (not in this kvload's audit schema)"
+    ("second header", lambda r: r.extend(copy.deepcopy(r)),
+     "a second audit_header (the first is line 1): an audit file holds one run's log; were two logs joined"),
 ])
 def test_malformed_records_name_the_file_and_line(capsys, real_log, tmp_path, name, edit, needle):
     records = read_events(real_log)
@@ -845,6 +849,35 @@ def test_an_audit_log_with_a_byte_that_is_not_utf8_names_its_line(capsys, real_l
     r = run_cli(capsys, command[0], path, *command[1:])
     assert r.err == f"error: {path}: line 4: not UTF-8 (byte 0xe9); an audit log is JSON Lines in UTF-8\n"
     assert (r.code, r.out) == (2, "")
+
+
+@pytest.mark.parametrize("command", [["audit", "--verify"], ["explain", "max_seq_len"]])
+def test_an_audit_line_past_the_line_limit_is_refused_naming_it_before_the_rest_is_read(capsys, real_log, tmp_path,
+                                                                                        command):
+    """A 400 MB line (under the 512 MB file cap) was read whole, decoded and split: 1.6 GB of memory to refuse it as
+    "unknown event". Lines are read at most ``MAX_AUDIT_LINE_BYTES`` at a time; one of exactly that many bytes, its
+    newline included, is still read as a record."""
+    from pipeline.audit import MAX_AUDIT_LINE_BYTES
+
+    raw = real_log.read_bytes().split(b"\n")
+    record = json.loads(raw[3])
+
+    def padded(size: int) -> bytes:  # raw[3] with a "pad" field making its line (newline included) size bytes
+        line = json.dumps({**record, "pad": ""}, separators=(",", ":")).encode()
+        return line[:-2] + b"x" * (size - len(line) - 1) + line[-2:] + b"\n"
+
+    for size in (MAX_AUDIT_LINE_BYTES, MAX_AUDIT_LINE_BYTES + 1):
+        path = tmp_path / f"long{size}.jsonl"
+        line = padded(size)
+        assert len(line) == size
+        path.write_bytes(b"\n".join([*raw[:3], line[:-1], *raw[4:]]))
+        r = run_cli(capsys, command[0], path, *command[1:])
+        if size == MAX_AUDIT_LINE_BYTES:  # read as a record (the chain then breaks at the edit; explain reads it)
+            assert "longer than" not in r.err, r.err
+            continue
+        assert (r.code, r.out) == (2, ""), r.err
+        assert r.err == (f"error: {path}: line 4: longer than {MAX_AUDIT_LINE_BYTES:,} bytes, the longest line an "
+                         "audit log is read with (kvload's records are a few KB)\n")
 
 
 @pytest.mark.parametrize("command", [["audit"], ["audit", "--verify"], ["explain"]])
@@ -1242,6 +1275,67 @@ def test_a_signal_during_run_leaves_nothing(tmp_path, signum, code, line):
     assert wait_for_temporary(proc, out), "the run never started writing its audit log"
     r = interrupt(proc, signum)
     assert_refused(r, f"{line}; the --audit-log file was not written", folder=out, code=code)
+
+
+def _read_terminal(master: int, until: Any, timeout: float = 240.0) -> bytes:
+    """What a process wrote to the terminal ``master`` until ``until(seen)`` or the terminal closed (bounded)."""
+    import select
+
+    seen = b""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not until(seen):
+        if not select.select([master], [], [], 0.5)[0]:
+            continue
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: every descriptor of the terminal's other side is closed
+            break
+        if not chunk:
+            break
+        seen += chunk
+    return seen
+
+
+@pytest.mark.parametrize(("signum", "code", "line"), STOPS[:2])
+def test_a_signal_mid_reply_on_a_terminal_puts_the_error_on_its_own_line(tmp_path, signum, code, line):
+    """A reply streams to the terminal token by token, with no newline until it ends: a SIGTERM or Ctrl-C mid-reply
+    printed ``129 263 129 error: terminated (SIGTERM)``, the one line glued to the last token. The process leaves no
+    child, no temporary and no audit file behind."""
+    import pty
+    import re
+
+    out = tmp_path / "out"
+    out.mkdir()
+    master, slave = pty.openpty()
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "kvload", "generate", "tiny-llama", "--prompt-ids", "1,2,3",
+                                 "--max_new_tokens", "4000", "--max_tokens", "65536", "--audit-log", out / "a.jsonl"],
+                                stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, cwd=tmp_path,
+                                env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TMPDIR": str(out)},
+                                preexec_fn=signals_as_a_terminal_gives_them)
+        os.close(slave)
+        slave = -1
+        try:
+            before = _read_terminal(master, lambda seen: re.search(rb"(\d+ ){20}", seen) is not None)
+            assert re.search(rb"(\d+ ){20}", before), before[-2000:]  # mid-reply: tokens printed, no newline yet
+            children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(proc.pid)], capture_output=True,
+                                      text=True).stdout.split()
+            proc.send_signal(signum)
+            after = _read_terminal(master, lambda seen: False)
+            assert proc.wait(timeout=60) == code
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    finally:
+        os.close(master)
+        if slave != -1:
+            os.close(slave)
+    text = (before + after).decode().replace("\r\n", "\n")
+    reply, _, tail = text.rpartition("error: ")
+    assert reply.endswith(" \n"), text[-300:]  # the reply's last token, then its line ended
+    assert tail == f"{line}; the --audit-log file was not written\n" and "Traceback" not in text, text[-2000:]
+    assert children == [] and sorted(p.name for p in out.iterdir()) in ([], ["torchinductor_root"])
 
 
 @pytest.mark.parametrize(("signum", "code", "line"), STOPS)

@@ -370,8 +370,17 @@ def test_a_trailing_slash_is_a_404_naming_the_endpoints_not_a_redirect_to_the_cl
     ("/v1/completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None, "nests too deeply"),
     ("/v1/completions", b'{"prompt": ' + b"[" * 40 + b"1" + b"]" * 40 + b"}", None, "at most 32 levels"),
     # json refuses to read an integer literal past 4,300 digits (a ValueError, not a JSONDecodeError): was a 500
-    ("/v1/completions", b'{"prompt": [1, 2], "max_tokens": ' + b"9" * 5000 + b"}", None,
-     "an integer literal of more than 4300 digits; no field takes one past 2**63 - 1"),
+    ("/v1/completions", b'{"prompt": [1, 2], "max_tokens": ' + b"9" * 5000 + b"}", "max_tokens",
+     "max_tokens: an integer of 5,000 digits; at most 4,300 digits are accepted; no field takes an integer past "
+     "2**63 - 1"),
+    # in a schema it named no field ("the request body holds an integer literal ..."); json's own message was
+    # Python's advice to call sys.set_int_max_str_digits()
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": '
+     b'"json_schema", "json_schema": {"name": "a", "schema": {"type": "integer", "maximum": -' + b"9" * 5000 +
+     b"}}}}", "response_format", "response_format.json_schema.schema.maximum: an integer of 5,000 digits; at most "
+     "4,300 digits are accepted"),
+    ("/v1/completions", b'{"prompt": [1, 2], "structured_outputs": {"json": {"enum": [1, ' + b"7" * 4301 + b"]}}}",
+     "structured_outputs", "structured_outputs.json.enum[1]: an integer of 4,301 digits"),
     # a lone surrogate in a JSON schema: a UnicodeEncodeError when the grammar was keyed, a 500 with a traceback
     ("/v1/completions", b'{"prompt": [1, 2], "structured_outputs": {"json": {"enum": ["ok", "\\ud800"]}}}',
      "structured_outputs", "structured_outputs.json.enum[1]: not valid Unicode text (a lone surrogate at character 0"),

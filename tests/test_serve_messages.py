@@ -496,3 +496,22 @@ def test_the_chat_paths_names_are_read_back_as_the_messages_body_names_them():
         "tools[1].input_schema: xgrammar refused it"
     assert renamed("stop[0]: too long", request) == "stop_sequences[0]: too long"
     assert renamed("stop: too many", request) == "stop_sequences: too many"
+
+
+def test_a_tool_call_with_an_integer_json_cannot_write_is_one_error_naming_the_call_and_where():
+    """A grammar's integer has no length bound, so a model may write 5,000 digits in a tool's arguments: parsing them
+    for the tool_use block raised json's ValueError ("Exceeds the limit (4300 digits) ..."), a 500 with a traceback;
+    its text was read into {} only when it was cut short. Now one Anthropic error naming the call and the place."""
+    from kvload.serve.messages_input import AnthropicError
+    from kvload.serve.messages_output import _tool_use
+
+    call = {"id": "c", "function": {"name": "count", "arguments": '{"n": [2, ' + "9" * 5000 + "]}"}}
+    with pytest.raises(AnthropicError) as caught:
+        _tool_use(call)
+    assert caught.value.status == 500 and caught.value.body()["error"] == {
+        "type": "api_error",
+        "message": "the model's call of 'count' holds an integer of 5,000 digits at n[1], past the 4,300 a tool_use "
+                   "block's input can hold; ask for a stream (its input comes as JSON text) or use "
+                   "/v1/chat/completions (arguments as text)"}
+    assert _tool_use({**call, "function": {"name": "count", "arguments": '{"n": [2, ' + "9" * 4300 + "]}"}})[
+        "input"] == {"n": [2, int("9" * 4300)]}  # at the limit: read as before

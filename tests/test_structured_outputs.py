@@ -286,6 +286,9 @@ def test_a_grammar_that_matches_no_text_is_told_from_xgrammars_grammar(grammar, 
     ({}, "give exactly one of json, regex, choice, grammar, json_object; got none"),
     ({"regex": "a", "choice": ["a"]}, "got regex and choice"),
     ({"json": "{not json"}, r"structured_outputs\.json: not JSON text"),
+    ({"json": {"type": "integer", "maximum": 10**5000}},  # was "not JSON-serializable (Exceeds the limit ...)"
+     r"^generate: structured_outputs\.json: maximum: an integer of more than 4,300 digits; at most 4,300 digits are "
+     r"accepted$"),
     ({"json": [1]}, r"structured_outputs\.json: expected a JSON schema \(a dict, or its JSON text\), got list"),
     ({"json": False}, r"^generate: structured_outputs\.json: admits no value: the schema is false"),  # not "none given"
     ({"choice": []}, r"structured_outputs\.choice: expected a non-empty list"),
@@ -549,6 +552,12 @@ def test_generate_choice_flags_give_one_of_the_choices(capsys, bytes_ckpt):
     (("--grammar", "root ::= root"), "error: --grammar: matches no text: rule root never ends"),  # was one empty token
     (("--grammar", 'root ::= "(" x\nx ::= "a" x'), "error: --grammar: matches no text"),
     (("--json-schema", "{x"), "error: --json-schema: not JSON text"),
+    # an integer past Python's 4,300 digits was "not JSON text (Exceeds the limit (4300 digits) for integer string
+    # conversion: value has 5000 digits; use sys.set_int_max_str_digits() t)", cut mid-word and naming no field
+    (("--json-schema", '{"type": "integer", "maximum": ' + "9" * 5000 + "}"),
+     "error: --json-schema: maximum: an integer of 5,000 digits; at most 4,300 digits are accepted\n"),
+    (("--json-schema", '{"enum": ["a", -' + "1" * 4301 + "]}"),
+     "error: --json-schema: enum[1]: an integer of 4,301 digits; at most 4,300 digits are accepted\n"),
     (("--json-schema", "[1]"), "error: --json-schema: expected a JSON schema object, got a JSON array"),
     (("--json-schema", "null"), "error: --json-schema: expected a JSON schema object, got null"),  # was "JSON NoneType"
     (("--json-schema", '{"type": "string", "minLength": 5, "maxLength": 2}'),

@@ -51,10 +51,18 @@ def _unwritten(ns: argparse.Namespace | None) -> str:
     return "; the --audit-log file was not written" if getattr(ns, "audit_log", None) is not None else ""
 
 
+def _end_line() -> None:
+    """End a reply a stop or a failure cut short mid-line on a terminal, so the error line that follows starts its own
+    line (it trailed the last token: ``129 263 error: terminated (SIGTERM)``)."""
+    if isinstance(sys.stdout, ResultStream):
+        sys.stdout.end_line()
+
+
 def _say(line: str, said: list[bool]) -> None:
     """Print ``error: line`` on stderr, once per run; after a hangup the terminal may be gone: the status tells."""
     if not said[0]:
         said[0] = True
+        _end_line()
         with contextlib.suppress(OSError):
             print(f"error: {error_text(line)}", file=sys.stderr)
 
@@ -83,6 +91,7 @@ def _main(ns: argparse.Namespace, argv: Sequence[str] | None, said: list[bool]) 
         ok = code == 0
         return code
     except KvloadError as exc:
+        _end_line()
         if ns.debug:  # the traceback, then the same line and exit status as without --debug
             traceback.print_exc()
         print(f"error: {error_text(_cli_message(exc, sys.argv[1:] if argv is None else argv))}", file=sys.stderr)
@@ -99,6 +108,8 @@ def _main(ns: argparse.Namespace, argv: Sequence[str] | None, said: list[bool]) 
         return 141
     except Exception as exc:  # a bug or a runtime failure: one line unless --debug
         from pipeline.ranks import lost_rank_message
+
+        _end_line()
 
         lost = lost_rank_message(exc)  # a peer rank died inside a collective kvload does not wrap (the forward's)
         if lost is not None:

@@ -60,6 +60,7 @@ class ResultStream:
         self._stream = stream
         self._unwritten = unwritten  # what the error line adds: the --audit-log not written
         self._what = what  # what was to be written: the result, the help, the version
+        self._open_line = False  # whether what was written ends inside a line (a reply streaming token by token)
 
     def _failed(self, exc: OSError | None) -> OutputError:
         if exc is None:
@@ -74,11 +75,25 @@ class ResultStream:
         if self._stream is None:
             raise self._failed(None)
         try:
-            return self._stream.write(text)
+            written = self._stream.write(text)
         except BrokenPipeError:
             raise
         except OSError as exc:
             raise self._failed(exc) from exc
+        if text:
+            self._open_line = not text.endswith("\n")
+        return written
+
+    def end_line(self) -> None:
+        """Before an error line: end a line left open on a terminal (a reply a signal or a failure cut short), so
+        ``error: ...`` starts its own line instead of trailing the last token; a file or pipe is left as written."""
+        if not self._open_line or self._stream is None:
+            return
+        self._open_line = False
+        with contextlib.suppress(OSError, ValueError):  # the terminal may be gone (a hangup): the status tells
+            if self._stream.isatty():
+                self._stream.write("\n")
+                self._stream.flush()
 
     def flush(self) -> None:
         """The stream's ``flush``; an OS failure (not a closed pipe) as one ``OutputError``."""

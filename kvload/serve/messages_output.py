@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvload.serve.messages_input import AnthropicError
 from kvload.serve.responses_output import ChatDeltas
+from pipeline.json_ints import LongInts, digit_limit, too_long_int
 
 if TYPE_CHECKING:
     from kvload.serve.choices import _Choice
@@ -50,10 +51,19 @@ def _message(run: _Run, content: list[dict[str, Any]], stop: tuple[str | None, s
 def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
     """A chat tool call as a ``tool_use`` block; arguments cut short by ``max_tokens`` (not JSON yet) as ``{}``, the
     stop reason ``max_tokens`` saying so (Anthropic's ``input`` is an object)."""
+    ints = LongInts()
     try:
-        arguments = json.loads(call["function"]["arguments"] or "{}")
+        arguments = json.loads(call["function"]["arguments"] or "{}", parse_int=ints)
     except json.JSONDecodeError:
         arguments = {}
+    found = too_long_int(arguments) if ints.found else None
+    if found is not None:  # json's ValueError was a 500 with a traceback; json.dumps could not write it either
+        where, digits = found
+        raise AnthropicError(f"the model's call of {call['function']['name']!r} holds an integer of {digits:,} digits "
+                             f"at {where}, past the {digit_limit():,} a tool_use block's input can hold; ask for a "
+                             "stream (its input comes as JSON text) or use /v1/chat/completions (arguments as text)",
+                             status=500,
+                             kind="server_error", code="output_not_representable")
     return {"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
             "input": arguments if isinstance(arguments, dict) else {}}
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 from typing import Any
 
 from fastapi import Request
 
 from kvload.serve.protocol import BadRequest
+from pipeline.json_ints import LongInts, too_long_int, too_long_message
 from pipeline.limits import MAX_DEPTH, json_depth, unique_keys
 
 #: The status nginx logs for a client that closed the connection before the answer; nobody receives it.
@@ -106,13 +106,18 @@ def _load(raw: bytes | bytearray) -> Any:
     if json_depth(raw) > MAX_DEPTH:  # before parsing: json's decoder recurses once per level
         raise BadRequest(f"the request body nests too deeply: at most {MAX_DEPTH} levels of arrays and objects "
                          "are accepted (an OpenAI request needs about 5)")
+    # int() refuses a literal past sys.get_int_max_str_digits(): it was a 500 with Python's advice, then a line naming
+    # no field; such a literal is kept as a marker and the first one's field named
+    ints = LongInts()
     try:
         # json keeps the last of a key given twice: refused, as in config.json and audit files
         body = json.loads(text, object_pairs_hook=unique_keys(lambda m: BadRequest(f"the request body is ambiguous: "
-                                                                                    f"{m}; keep one")))
+                                                                                    f"{m}; keep one")), parse_int=ints)
     except json.JSONDecodeError as exc:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from None
-    except ValueError:  # int() refuses a literal past sys.get_int_max_str_digits(): was a 500 with Python's advice
-        raise BadRequest(f"the request body holds an integer literal of more than {sys.get_int_max_str_digits()} "
-                         "digits; no field takes one past 2**63 - 1") from None
+    found = too_long_int(body) if ints.found else None
+    if found is not None:
+        where, digits = found
+        raise BadRequest(f"{where or 'the request body'}: {too_long_message(digits)}; no field takes an integer past "
+                         "2**63 - 1", param=where.split('.')[0].split('[')[0] or None)
     return body
