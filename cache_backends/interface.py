@@ -52,12 +52,22 @@ class ManagerOptions:
     enable_swa_scratch_reuse: bool = True  # V2: out-of-window blocks stay in the prefix cache (False: dropped)
 
 
-@attrs.frozen
+@attrs.frozen(init=False)
 class ScheduledChunk:
     """Compute ``num_tokens`` tokens of ``request`` this step, from ``request.num_computed_tokens`` on."""
 
     request: Request
     num_tokens: int
+
+    def __init__(self, request: Request, num_tokens: int) -> None:
+        # What attrs' frozen __init__ does, through the slots' own setters: that one binds object.__setattr__ and
+        # calls it per field (~0.7 µs a chunk, against ~0.35 µs), and a step makes a chunk per running request
+        _set_request(self, request)
+        _set_num_tokens(self, num_tokens)
+
+
+_set_request = ScheduledChunk.request.__set__  # type: ignore[attr-defined]  # the slots' member descriptors
+_set_num_tokens = ScheduledChunk.num_tokens.__set__  # type: ignore[attr-defined]
 
 
 @attrs.define

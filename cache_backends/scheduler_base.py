@@ -39,12 +39,16 @@ class SchedulerBase:
         budget or a block from a real token; it only takes free blocks the request would need for its next tokens
         anyway (drafts stay within its ``max_new_tokens`` and ``max_seq_len``: the proposer caps them).
         """
-        budget = self.max_num_tokens - out.num_tokens
+        budget: int | None = None  # the step's leftover tokens, counted at the first chunk with drafts (most have none)
         for i, chunk in enumerate(out.scheduled):
+            req = chunk.request
+            if not req.draft_token_ids:
+                continue
+            if budget is None:
+                budget = self.max_num_tokens - out.num_tokens
             if budget <= 0:
                 return
-            req = chunk.request
-            if not req.draft_token_ids or req.num_computed_tokens + chunk.num_tokens != req.num_tokens:
+            if req.num_computed_tokens + chunk.num_tokens != req.num_tokens:
                 continue
             got = self.reserve_drafts(req, chunk.num_tokens, min(len(req.draft_token_ids), budget))
             if got > 0:

@@ -106,9 +106,11 @@ class EvictionQueue:
     def add_many(self, blocks: Sequence[int], priority: int, shared: bool = False) -> None:
         """Queue ``blocks`` (none of them queued) in order, as the most recently released of their priority;
         ``shared``: they belong to a shared prefix, evicted after every leaf."""
-        key = _key_of(priority, shared)
-        bucket, prio, keys = self._bucket(key), self._prio, self._key
-        clock = self._clock
+        key = (shared << _SHARED_BIT) + priority + (1 << 63)  # _key_of, inlined: a call per release and slide
+        bucket = self._by_key.get(key)
+        if bucket is None:
+            bucket = self._bucket(key)
+        prio, keys, clock = self._prio, self._key, self._clock
         for b in blocks:
             bucket[b] = clock
             prio[b] = priority

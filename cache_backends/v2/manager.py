@@ -1716,8 +1716,13 @@ class KVCacheManagerV2:
                 self._arena.release_slices([(i, tables[name]) for i, name in shares], lo, upto, priority)
                 for name in names:
                     released[name] = upto
-            cache.slide_at = min(((released[first] + 1) * tpb + window - 1
-                                  for window, tpb, first, _, _ in self._arena_windows), default=NEVER)
+            windows = self._arena_windows
+            if len(windows) == 1:  # one window set (Gemma 3): no generator per slide
+                window, tpb, first, _, _ = windows[0]
+                cache.slide_at = (released[first] + 1) * tpb + window - 1
+            else:
+                cache.slide_at = min(((released[first] + 1) * tpb + window - 1
+                                      for window, tpb, first, _, _ in windows), default=NEVER)
             return
         for window, tpb, members in self._window_sets:
             start = max(0, cache.committed - window + 1)
@@ -2102,10 +2107,10 @@ class KVCacheManagerV2:
         prefix.held += [0] * k
         empty = [-1] * k
         blocks = prefix.blocks
-        for name, _, _, _ in self._attach_steps:
-            got = blocks.get(name)
-            if got is None:
-                blocks[name] = got = []
+        if len(blocks) < len(self._names):  # its first growth: a list per group
+            for name in self._names:
+                blocks.setdefault(name, [])
+        for got in blocks.values():  # (every window slide of a lazily keyed cache grows it by one position)
             got += empty
 
     def _park_blocks(self, prefix: PendingPrefix, names: Iterable[str], tables: dict[str, list[int]], lo: int,
@@ -2116,6 +2121,18 @@ class KVCacheManagerV2:
         if len(prefix.held) < hi:
             self._grow(prefix, hi)
         blocks, held = prefix.blocks, prefix.held
+        if hi == lo + 1:  # a decode's slide: one position of each group (no slices, no enumerate per group)
+            pools, k = self._pool, 0
+            for name in names:
+                b = tables[name][lo]
+                if b >= 0:
+                    pool = pools[name]
+                    blocks[name][lo] = b
+                    pool.node[b] = prefix  # type: ignore[call-overload]
+                    pool.pos[b] = lo
+                    k += 1
+            held[lo] += k
+            return
         whole = 0  # groups with a block at every position: their held counts are added once, after the loop
         for name in names:
             pool = self._pool[name]

@@ -350,15 +350,17 @@ class RadixTree:
         owner, pos = self.owners[names[0]], self.positions[names[0]]
         runs: list[RadixNode] = []
         prev = None
+        start, by_group, held = 0, {}, []  # the current run's (read once per stretch of its blocks, not per block)
         for b, g in zip(blocks, groups, strict=True):  # this loop runs for every evicted block: kept lean
             run = owner[b]
             owner[b] = None
-            i = pos[b] - run.start  # type: ignore[union-attr]
-            run.blocks[names[g]][i] = -1  # type: ignore[union-attr]
-            run.held[i] -= 1  # type: ignore[union-attr]
             if run is not prev:  # the groups' blocks of one position, evicted together, are in one run
                 runs.append(run)  # type: ignore[arg-type]
                 prev = run
+                start, by_group, held = run.start, run.blocks, run.held  # type: ignore[union-attr]
+            i = pos[b] - start
+            by_group[names[g]][i] = -1
+            held[i] -= 1
         self._trim_detached(runs)
 
     def _trim_detached(self, runs: list[RadixNode]) -> None:

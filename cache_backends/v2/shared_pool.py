@@ -32,7 +32,7 @@ step by step); only the per-block work remains per group.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING
 
 from cache_backends.v2.group_pool import Detach, EvictionQueue
@@ -44,6 +44,9 @@ if TYPE_CHECKING:
 #: in one call, ``groups[k]`` the arena index of the group of ``blocks[k]`` (in eviction order); what one ``Detach``
 #: call per group would do.
 DetachMixed = Callable[[list[int], list[int]], None]
+
+_first = itemgetter(0)
+_children = attrgetter("children")  # a radix run's children (C speed over a set of runs: no generator per slide)
 
 
 def interleave(lists: list[list[int]]) -> list[int]:
@@ -234,7 +237,7 @@ class SharedPool:
         if k == 1 and len(members) > 1:  # (a prefill's slide of several blocks is rarer: it takes the loop)
             got = [table[lo] for _, table in members]
             get = itemgetter(*got)
-            if -1 not in got and list(get(group_of)) == [g for g, _ in members]:
+            if -1 not in got and get(group_of) == tuple(map(_first, members)):
                 refs = get(ref)
                 ones = refs.count(1)
                 if not ones and 0 not in refs:  # every block held by others too: nothing leaves
@@ -246,7 +249,7 @@ class SharedPool:
                 if ones == len(got):
                     nodes = get(owner)
                     none = nodes.count(None)
-                    if none == ones or (not none and not any(node.children for node in {*nodes})):  # type: ignore[union-attr]
+                    if none == ones or (not none and not any(map(_children, {*nodes}))):
                         for _, table in members:
                             table[lo] = -1
                         used = self.used
