@@ -17,7 +17,10 @@ def leave(status: int) -> int:
     (BENCHMARKS.md, "Exit after the last line"), with nothing of kvload's left to do. So this runs what Python's exit
     runs that a user can see (the atexit callbacks: logging's, the process group's, ``kvload.api``'s stop of a call
     left running; then the flush of stdout and stderr, a failed one being exit 120 as Python makes it) and ends the
-    process there. A thread that is not a daemon still running is Python's to wait for: then the ordinary exit."""
+    process there. A thread that is not a daemon still running is Python's to wait for, and ``python -i`` asked
+    for a prompt after the command: then the ordinary exit."""
+    if sys.flags.inspect:
+        return status
     if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
         return status
     # as at Python's exit each callback's exception is reported and the rest still run; a Ctrl-C landing between
