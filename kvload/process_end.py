@@ -13,7 +13,7 @@ def leave(status: int) -> int:
 
     A command that loaded a model has torch and transformers imported (transformers' model modules import
     ``torch._dynamo``, ``torch._inductor``, sympy and triton: ~2,800 modules, ~380,000 objects). CPython's exit
-    then clears every module and runs full garbage collections over all of them: ~2 s of CPU after the last line
+    then clears every module and runs full garbage collections over all of them: 1.3-2.9 s after the last line
     (BENCHMARKS.md, "Exit after the last line"), with nothing of kvload's left to do. So this runs what Python's exit
     runs that a user can see (the atexit callbacks: logging's, the process group's, ``kvload.api``'s stop of a call
     left running; then the flush of stdout and stderr, a failed one being exit 120 as Python makes it) and ends the
