@@ -9,6 +9,8 @@ few milliseconds) is out of kvload's reach.
 import contextlib
 import sys
 
+from kvload.process_end import leave
+
 
 def main() -> int:
     """Import the command line, then run it; exit 130 with one line if SIGINT came during the import."""
@@ -19,7 +21,7 @@ def main() -> int:
             print("error: interrupted", file=sys.stderr)
         exec("")  # the Ctrl-C was handled: clear CPython's mark of an unhandled one (see kvload.cli.entry.main)
         return 130
-    return cli_main()
+    return leave(cli_main())  # ends the process here, past interpreter teardown
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
-"""``python -m kvload.cli``: the command line, as ``kvload`` runs it."""
+"""``python -m kvload.cli``: the command line, as ``kvload`` runs it (and ends it: :func:`kvload.process_end.leave`)."""
 
 import sys
 
 from kvload.cli.entry import main
+from kvload.process_end import leave
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(leave(main()))
