@@ -47,6 +47,7 @@ from kvload.serve.responses_store import ResponseStore, kept_request_bytes
 from kvload.serve.state import CorsPolicy, ServeState
 from kvload.serve.stats_log import StatsLogger
 from kvload.serve.tls import Tls, tls_from_flags
+from kvload.serve.uds import UnixListener, uds_url
 from pipeline.errors import ConfigError, GenerationError, KvloadError
 from pipeline.events import ApiKeyRequired, AutoToolChoiceEnabled, KvEventsFileFailed, ReasoningParserEnabled
 from pipeline.limits import MAX_INT, short, short_text
@@ -725,8 +726,9 @@ def _server(state: ServeState, log_level: str, *, exit_on_engine_failure: bool =
 
 
 def serve(state: ServeState, host: str, port: int, *, log_level: str = "warning",
-          ready: Any = None, access_log: bool | None = None, tls: Tls | None = None) -> None:
-    """Serve until SIGINT, SIGTERM or SIGHUP; the engine loop runs for exactly as long. ``ready(url)`` once
+          ready: Any = None, access_log: bool | None = None, tls: Tls | None = None, uds: str | None = None) -> None:
+    """Serve until SIGINT, SIGTERM or SIGHUP; the engine loop runs for exactly as long. ``uds``: listen on that Unix
+    socket instead of ``host``/``port`` (vLLM's ``--uds``), its file removed when the server stops. ``ready(url)`` once
     listening: a stop signal from then on, whenever it comes, ends the call (not the process) once the server
     has shut down. Should the engine loop die, the server shuts down the same way and :class:`EngineFailed` is
     raised (chained to the loop's exception); under tensor parallel (rank 0; the others run :func:`follow`) the
@@ -741,19 +743,25 @@ def serve(state: ServeState, host: str, port: int, *, log_level: str = "warning"
     server = _server(state, log_level, exit_on_engine_failure=True, access_log=access_log, tls=tls)
     previous: dict[int, Any] = {}
     sock: socket.socket | None = None
+    unix: UnixListener | None = None
     try:
         if main:
             for sig in _STOP_SIGNALS:
                 found = signal.signal(sig, server.handle_exit)
                 previous[sig] = signal.SIG_DFL if found is None else found
-        sock = bind(host, port)
+        if uds is not None:
+            unix = UnixListener(uds)
+            sock = unix.sock
+        else:
+            sock = bind(host, port)
         # tensor parallel: a loop that failed (another rank lost) stops the server, whose requests it already ended
         state.engine.on_fatal = lambda: setattr(server, "should_exit", True)
         state.engine.start()
         if state.stats_logger is not None:
             state.stats_logger.start()
         if ready is not None:
-            ready(http_url(host, sock.getsockname()[1], scheme="https" if tls is not None else "http"))
+            ready(uds_url(uds, tls=tls is not None) if uds is not None else
+                  http_url(host, sock.getsockname()[1], scheme="https" if tls is not None else "http"))
         server.run(sockets=[sock])
     finally:
         for sig, handler in previous.items():
@@ -761,7 +769,9 @@ def serve(state: ServeState, host: str, port: int, *, log_level: str = "warning"
         if state.stats_logger is not None:
             state.stats_logger.stop()
         state.engine.stop()
-        if sock is not None:
+        if unix is not None:  # closed, and its file removed: nothing left at the path once the server stopped
+            unix.close()
+        elif sock is not None:
             sock.close()
     if state.engine.fatal is not None:  # the ranks parted: the one line, exit 1 (the requests got their 500s)
         raise state.engine.fatal
