@@ -186,8 +186,11 @@ def add_serve_command(sub: Any) -> None:
     g.add_argument("--guided-decoding-backend", "--guided_decoding_backend", dest="guided_decoding_backend",
                    default=None, metavar="NAME", choices=("auto", "xgrammar"), help=argparse.SUPPRESS)
     g.add_argument("--chat-template-content-format", "--chat_template_content_format",
-                   dest="chat_template_content_format", default=None, metavar="FORMAT", choices=("auto", "string"),
-                   help=argparse.SUPPRESS)
+                   dest="chat_template_content_format", default="auto", choices=("auto", "string", "openai"),
+                   help="how a chat message's content reaches the chat template (vLLM's flag): string (text parts "
+                        "joined by newlines), openai (the list of {\"type\": \"text\", \"text\": ...} parts; a "
+                        "string is one part) or auto (default): openai for a template that loops over a message's "
+                        "content, else string")
     g.add_argument("--max-log-len", "--max_log_len", dest="max_log_len", default=None, metavar="N",
                    type=_bounded(integer, lambda v: v >= 0, "an integer >= 0"), help=argparse.SUPPRESS)
     g.add_argument("--audit-keep", "--audit_keep", dest="audit_keep", default=AUDIT_KEEP_DEFAULT, metavar="N",
@@ -604,7 +607,8 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
                             log_stats_interval_s=stats_interval,
                             request_id_headers=ns.enable_request_id_headers,
                             h11_max_incomplete_event_size=ns.h11_max_incomplete_event_size,
-                            h11_max_header_count=ns.h11_max_header_count)
+                            h11_max_header_count=ns.h11_max_header_count,
+                            chat_template_content_format=ns.chat_template_content_format)
         _warn_when_the_audit_log_fails(state, getattr(ns, "audit_sink", None))
         mirror = None
         if ns.kv_events_file is not None:  # a full disk later stops the mirror with a warning, never a request
@@ -651,8 +655,6 @@ IGNORED_SERVE_FLAGS: dict[str, str] = {
                             "(request_finished: its tokens and finish reason; GET /v1/kvload/audit, --audit-log FILE)",
     "--log-error-stack": "kvload serve answers a failed request with one error line and records the failure "
                          "(engine_step_failed) in its log and audit; a traceback is printed only with --debug",
-    "--chat-template-content-format": "kvload joins a message's text parts into one string for the template (vLLM's "
-                                      "string format); the openai format is not served",
 }
 
 

@@ -26,6 +26,7 @@ from uvicorn.protocols.http.h11_impl import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE as
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from cache_backends.kv_events import KvEventMirror
+from engine.content_format import CONTENT_FORMATS
 from engine.serving import ServingEngine
 from kvload.metrics import METRIC_NAMINGS
 from kvload.serve.app import create_app
@@ -71,7 +72,7 @@ def build_state(result: Any, *, model_name: str | Sequence[str] | None = None,
                 default_chat_template_kwargs: Mapping[str, Any] | None = None,
                 log_stats_interval_s: float | None = None, request_id_headers: bool = False,
                 h11_max_incomplete_event_size: int | None = None,
-                h11_max_header_count: int | None = None) -> ServeState:
+                h11_max_header_count: int | None = None, chat_template_content_format: str = "auto") -> ServeState:
     """Engine (not started) and metrics over a ``load(..., load_weights=True)`` result, served as ``model_name`` (None:
     the model's own name; a list: vLLM's several ``--served-model-name``, the first in every answer, any of them taken
     in a request's ``model``); from now on its audit log
@@ -105,7 +106,11 @@ def build_state(result: Any, *, model_name: str | Sequence[str] | None = None,
     run (``kvload.serve.stats_log``); None: none. ``request_id_headers``: every answer carries ``X-Request-Id`` (vLLM's
     ``--enable-request-id-headers``); ``h11_max_incomplete_event_size`` / ``h11_max_header_count``: the largest request
     head in bytes and the most headers one may have (vLLM's ``--h11-max-*``; None: uvicorn's 16 KiB, no count), HTTP
-    431 past them."""
+    431 past them. ``chat_template_content_format`` (vLLM's ``--chat-template-content-format``): how chat messages'
+    content reaches the template, one of :data:`~engine.content_format.CONTENT_FORMATS`."""
+    if chat_template_content_format not in CONTENT_FORMATS:
+        raise ConfigError(f"chat_template_content_format: expected one of {', '.join(CONTENT_FORMATS)}, got "
+                          f"{short(chat_template_content_format)}")
     for name, bound in (("h11_max_incomplete_event_size", h11_max_incomplete_event_size),
                         ("h11_max_header_count", h11_max_header_count)):
         if bound is not None and not (isinstance(bound, int) and not isinstance(bound, bool) and 1 <= bound <= MAX_INT):
@@ -179,6 +184,7 @@ def build_state(result: Any, *, model_name: str | Sequence[str] | None = None,
     name = names[0] or (result.model.name if result.model is not None else str(result.args.model))
     aliases = tuple(dict.fromkeys(n for n in names[1:] if n != name))
     engine = ServingEngine.from_result(result)
+    engine.content_format = chat_template_content_format
     proposer = engine.executor.proposer  # speculative decoding: the draft positions to count acceptance at
     metrics = ServeMetrics(name, naming=metrics_naming, max_model_len=engine.executor.max_seq_len,
                            max_draft_len=proposer.max_draft_len if proposer is not None else 0)
