@@ -59,7 +59,7 @@ from engine.outputs import (
 )
 from engine.penalties import penalize
 from engine.prompts import (
-    TEMPLATE_OPTIONS,
+    CHAT_OPTIONS,
     PromptOptions,
     apply_template,
     array_ints,
@@ -415,10 +415,10 @@ class GenerationExecutor:
         self._check_open()
         check_salt(salt)
         if isinstance(chat, Mapping):  # LLM.chat's template options, checked here (once, before any work)
-            unknown = sorted(set(chat) - TEMPLATE_OPTIONS)
+            unknown = sorted(set(chat) - CHAT_OPTIONS)
             if unknown:
                 raise GenerationError(f"chat: unknown template option {unknown[0]!r}; known: "
-                                      f"{', '.join(sorted(TEMPLATE_OPTIONS))}")
+                                      f"{', '.join(sorted(CHAT_OPTIONS))}")
             chat = template_options(**chat)
         else:
             check(isinstance(chat, bool), "chat", "true or false, or LLM.chat's template options", chat)

@@ -16,6 +16,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from engine.content_format import PartedMessage
 from engine.prompts import ROLES, check_text, is_conversation, lone_surrogate
 from pipeline.errors import GenerationError
 from pipeline.json_ints import LongInts, too_long_int, too_long_message
@@ -48,14 +49,16 @@ def chat_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
 
 def chat_message(i: int, m: Any) -> dict[str, Any]:
     """Message ``i`` checked and as the chat template gets it: role (``developer`` read as ``system``), content (a
-    string; text parts joined by newlines, as vLLM joins them; an assistant's null is ``""``), and the name, tool
-    calls, reasoning and tool call id it carries; ``MessageError`` naming the field."""
+    string; text parts joined by newlines, as vLLM joins them; an assistant's null is ``""``; the parts as sent kept
+    too, for the "openai" content format), and the name, tool calls, reasoning and tool call id it carries;
+    ``MessageError`` naming the field."""
     _need(isinstance(m, Mapping) and isinstance(m.get("role"), str), f"messages[{i}]", "an object with a string role",
           m)
     _need(m["role"] in ROLES, f"messages[{i}].role", f"{', '.join(ROLES[:-1])} or {ROLES[-1]}", m["role"])
     content = m.get("content")
+    parts: list[str] | None = None  # as sent, for a template that reads the parts ("openai" content format)
     if content is None and m["role"] == "assistant":  # OpenAI's assistant turn that only called tools
-        content = ""
+        content, parts = "", []
     if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]: text parts only
         parts = []
         for j, part in enumerate(content):
@@ -84,7 +87,7 @@ def chat_message(i: int, m: Any) -> dict[str, Any]:
         _need(isinstance(m["name"], str) and lone_surrogate(m["name"]) is None, f"messages[{i}].name",
               "a string of valid Unicode text", m["name"])
         message["name"] = m["name"]
-    return message
+    return message if parts is None else PartedMessage(message, [{"type": "text", "text": t} for t in parts])
 
 
 def _reasoning(i: int, m: Mapping[str, Any]) -> str | None:

@@ -303,12 +303,18 @@ def _bounded(render: Callable[[], Any]) -> Any:
         sys.settrace(previous)
 
 
-def apply_template(tokenizer: Any, where: str, messages: list[dict[str, str]], **kwargs: Any) -> Any:
+def apply_template(tokenizer: Any, where: str, messages: list[dict[str, Any]], *, content_format: str = "auto",
+                   **kwargs: Any) -> Any:
     """``tokenizer.apply_chat_template``; a template that refuses the conversation (Mistral's and Llama 2's raise
     when roles do not alternate) is a ``GenerationError`` naming it, not a jinja2 traceback, and so is one that
     runs past :data:`TEMPLATE_MAX_STEPS` or :data:`TEMPLATE_MAX_SECONDS` (it might never end) or writes more than
-    :data:`TEMPLATE_MAX_CHARS`."""
+    :data:`TEMPLATE_MAX_CHARS`. ``content_format``: vLLM's ``chat_template_content_format``, how each message's
+    content reaches the template (:mod:`engine.content_format`; "auto": as the template in effect reads it)."""
+    from engine.content_format import as_format, resolve
+
     kwargs.setdefault("add_generation_prompt", True)
+    shape = resolve(content_format, kwargs.get("chat_template") or getattr(tokenizer, "chat_template", None))
+    messages = [as_format(m, shape) for m in messages]
     whose = "the chat_template given" if kwargs.get("chat_template") is not None else "the model's chat template"
     try:
         text = _bounded(lambda: tokenizer.apply_chat_template(messages, **kwargs))
@@ -328,9 +334,12 @@ def apply_template(tokenizer: Any, where: str, messages: list[dict[str, str]], *
                               f"{first_line(exc, type(exc).__name__)}"[:300]) from None
 
 
-#: The keywords of :func:`template_options` (``LLM.chat``'s, passed on to ``GenerationExecutor.run`` as ``chat``).
+#: The keywords of :func:`template_options` a chat request sends (``LLM.chat``'s too).
 TEMPLATE_OPTIONS = frozenset({"add_generation_prompt", "continue_final_message", "chat_template",
                               "chat_template_kwargs"})
+#: ... and all of them: ``LLM.chat``'s, passed on to ``GenerationExecutor.run`` as ``chat`` (the content format is
+#: the server's setting in ``kvload serve``, vLLM's ``--chat-template-content-format``, not a request's).
+CHAT_OPTIONS = TEMPLATE_OPTIONS | {"chat_template_content_format"}
 
 
 #: Names a ``chat_template_kwargs`` key may not take: chat's own arguments (and the conversation itself).
@@ -346,10 +355,17 @@ APPLY_SETTINGS = frozenset({"self", "tokenize", "sanitize_control_tokens", "padd
 
 
 def template_options(add_generation_prompt: Any = True, continue_final_message: Any = False,
-                     chat_template: Any = None, chat_template_kwargs: Any = None) -> dict[str, Any]:
+                     chat_template: Any = None, chat_template_kwargs: Any = None,
+                     chat_template_content_format: Any = None) -> dict[str, Any]:
     """vLLM's ``LLM.chat`` template options, checked, as ``apply_chat_template`` keywords: whether to open the
     assistant's turn, or instead to continue the conversation's last (assistant) message; a template of the
-    caller's own (a Jinja string) in place of the tokenizer's; extra variables for the template."""
+    caller's own (a Jinja string) in place of the tokenizer's; extra variables for the template; and, given,
+    ``chat_template_content_format`` as :func:`apply_template`'s ``content_format``."""
+    from engine.content_format import CONTENT_FORMATS
+
+    if chat_template_content_format is not None and chat_template_content_format not in CONTENT_FORMATS:
+        raise GenerationError(f"chat: chat_template_content_format: expected one of {', '.join(CONTENT_FORMATS)}, "
+                              f"got {chat_template_content_format!r}"[:200])
     for name, value in (("add_generation_prompt", add_generation_prompt),
                         ("continue_final_message", continue_final_message)):
         if not isinstance(value, bool):
@@ -381,10 +397,12 @@ def template_options(add_generation_prompt: Any = True, continue_final_message: 
                                "continue_final_message": continue_final_message}
     if chat_template is not None:
         options["chat_template"] = chat_template
+    if chat_template_content_format is not None:
+        options["content_format"] = chat_template_content_format
     return options
 
 
-__all__ = ["APPLY_SETTINGS", "CHAT_ARGUMENTS", "PROMPT_KEYS", "ROLES", "TEMPLATE_MAX_CHARS", "TEMPLATE_MAX_SECONDS",
-           "TEMPLATE_MAX_STEPS", "TEMPLATE_OPTIONS", "VLLM_PROMPT_KEYS_NOT_TAKEN", "TextPrompt", "TokensPrompt",
-           "apply_template", "array_ints", "check_text", "is_conversation", "is_token_id", "lone_surrogate",
-           "missing_template", "normalize", "template_options", "template_reads"]
+__all__ = ["APPLY_SETTINGS", "CHAT_ARGUMENTS", "CHAT_OPTIONS", "PROMPT_KEYS", "ROLES", "TEMPLATE_MAX_CHARS",
+           "TEMPLATE_MAX_SECONDS", "TEMPLATE_MAX_STEPS", "TEMPLATE_OPTIONS", "VLLM_PROMPT_KEYS_NOT_TAKEN", "TextPrompt",
+           "TokensPrompt", "apply_template", "array_ints", "check_text", "is_conversation", "is_token_id",
+           "lone_surrogate", "missing_template", "normalize", "template_options", "template_reads"]

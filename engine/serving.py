@@ -268,6 +268,9 @@ class ServingEngine:
         self.manager = executor.manager
         self.scheduler = executor.scheduler
         self.tokenizer = executor.tokenizer
+        #: vLLM's ``--chat-template-content-format``: how messages' content reaches the chat template
+        #: (``engine.content_format``; "auto": as the template in effect reads it)
+        self.content_format = "auto"
         self.observer = observer
         self.idle_wait_s = idle_wait_s
         self._live: dict[str, _Live] = {}
@@ -392,7 +395,7 @@ class ServingEngine:
             raise GenerationError(f"messages: {missing}; use /v1/completions with token ids")
         # what apply_chat_template(tokenize=True) does (and LLM.chat): the text, then its ids with no special
         # tokens of the tokenizer's own unless asked (the template already holds them)
-        text = apply_template(tok, "messages", messages, tokenize=False, **template)
+        text = apply_template(tok, "messages", messages, tokenize=False, content_format=self.content_format, **template)
         # what else the template renders (its variables, its own text) may hold a lone surrogate the checks above miss
         check_text("messages: the chat template's text", text)
         ids = [int(t) for t in tok(text, add_special_tokens=add_special_tokens)["input_ids"]]

@@ -341,16 +341,13 @@ class LLM:
         ``add_generation_prompt=False``), ``chat_template`` (a Jinja template in place of the tokenizer's) and
         ``chat_template_kwargs`` (extra template variables). ``tools``: vLLM's, OpenAI-style tool definitions handed
         to the template as its ``tools`` variable (the model may then write a call; ``kvload serve`` parses them).
-        ``chat_template_content_format``: vLLM's; kvload gives the template each message's content as a string (text
-        parts joined by newlines), vLLM's ``"string"``, which its ``"auto"`` picks for a text template: those two are
-        accepted, ``"openai"`` (the parts as a list) is refused. The other arguments are :meth:`generate`'s. Those
+        ``chat_template_content_format``: vLLM's, how each message's content reaches the template: ``"string"`` (text
+        parts joined by newlines), ``"openai"`` (the list of ``{"type": "text", "text": ...}`` parts; a string is one
+        part) or ``"auto"``: ``"openai"`` for a template that loops over a message's content, else ``"string"``
+        (:mod:`engine.content_format`). The other arguments are :meth:`generate`'s. Those
         before ``salt`` stand in vLLM's order, so a call that passes them by position reads as it does there.
         """
         _no_lora("chat", lora_request)
-        if chat_template_content_format not in ("auto", "string"):
-            raise GenerationError("chat: chat_template_content_format: kvload gives the template each message's "
-                                  "content as a string (text parts joined by newlines, vLLM's 'string'); accepted: "
-                                  f"'auto' or 'string', got {short(chat_template_content_format)}")
         if tools is not None:
             if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
                 raise GenerationError(f"chat: tools: expected a list of tool definitions (dicts), got {tools!r}"[:200])
@@ -368,7 +365,8 @@ class LLM:
                                   "{'role': ..., 'content': ...} dicts) or a list of conversations, got "
                                   f"{messages!r}"[:200])
         options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
-                   "chat_template": chat_template, "chat_template_kwargs": chat_template_kwargs}  # checked by run
+                   "chat_template": chat_template, "chat_template_kwargs": chat_template_kwargs,
+                   "chat_template_content_format": chat_template_content_format}  # checked by run
         return self._generate("chat", list(conversations), sampling_params, use_tqdm, salt, options, sampling)
 
     def _no_progress_bar(self, use_tqdm: Any) -> None:

@@ -93,12 +93,12 @@ def imports_after(code: str) -> dict:
 
 def until_ready(proc: subprocess.Popen, timeout: float = 120) -> list[str]:
     """A ``kvload serve`` process's stderr lines up to its ready line (the last: ``... at http://HOST:PORT ...``, or
-    ``https://`` under TLS)."""
+    ``https://`` under TLS, or ``unix:PATH`` / ``https+unix:PATH`` with ``--uds``)."""
     import re
     import time
 
     deadline, lines = time.monotonic() + timeout, []
-    while not lines or not re.search(" at https?://", lines[-1]):
+    while not lines or not re.search(" at (https?://|(https\\+)?unix:)", lines[-1]):
         assert time.monotonic() < deadline and proc.poll() is None, f"server did not start: {lines}"
         lines.append(proc.stderr.readline())
     return lines

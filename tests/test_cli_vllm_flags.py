@@ -219,20 +219,23 @@ def test_vllms_model_flag_names_the_model_on_every_command(capsys):
 def test_more_vllm_serve_launch_line_flags_say_they_are_ignored(monkeypatch, log):
     """``--disable-frontend-multiprocessing``, ``--guided-decoding-backend xgrammar`` and the older engines'
     ``--use-v2-block-manager`` / ``--num-scheduler-steps`` are in many copied launch lines; each was "unrecognized
-    arguments". A backend or content format kvload does not run stays refused, naming what it takes."""
-    served_with(monkeypatch, "--disable-frontend-multiprocessing", "--enable-server-load-tracking",
-                "--guided-decoding-backend", "xgrammar", "--chat-template-content-format", "string",
-                "--use-v2-block-manager", "--num-scheduler-steps", "8", "--preemption-mode", "swap")
+    arguments". A backend or content format kvload does not run stays refused, naming what it takes;
+    ``--chat-template-content-format`` acts (the server's engine takes it)."""
+    seen = served_with(monkeypatch, "--disable-frontend-multiprocessing", "--enable-server-load-tracking",
+                       "--guided-decoding-backend", "xgrammar", "--chat-template-content-format", "openai",
+                       "--use-v2-block-manager", "--num-scheduler-steps", "8", "--preemption-mode", "swap")
     for field in ("--disable-frontend-multiprocessing", "--enable-server-load-tracking", "--guided-decoding-backend",
-                  "--chat-template-content-format", "use_v2_block_manager", "num_scheduler_steps", "preemption_mode"):
+                  "use_v2_block_manager", "num_scheduler_steps", "preemption_mode"):
         assert log.has("setting_ignored", field=field), field
+    assert not log.has("setting_ignored", field="--chat-template-content-format")
+    assert seen["chat_template_content_format"] == "openai"
 
 
 @pytest.mark.parametrize(("flags", "expected"), [
     (["--guided-decoding-backend", "outlines"], "error: --guided-decoding-backend: invalid choice: 'outlines' "
                                                 "(choose from 'auto', 'xgrammar')"),
-    (["--chat-template-content-format", "openai"], "error: --chat-template-content-format: invalid choice: 'openai' "
-                                                   "(choose from 'auto', 'string')"),
+    (["--chat-template-content-format", "html"], "error: --chat-template-content-format: invalid choice: 'html' "
+                                                 "(choose from 'auto', 'string', 'openai')"),
 ])
 def test_a_serve_flag_value_kvload_does_not_run_is_one_line(capsys, flags, expected):
     r = run_cli(capsys, "serve", "tiny-llama", *flags)

@@ -76,7 +76,6 @@ def test_serve_hands_the_flags_to_the_server_and_takes_one_api_server(monkeypatc
 
 @pytest.mark.parametrize(("argv", "line"), [
     (["--api-server-count", "4"], "error: --api-server-count: kvload serve runs one HTTP front end in its process"),
-    (["--uds", "/tmp/kvload.sock"], "error: --uds: kvload serve listens on TCP (--host, --port)"),
     (["--middleware", "my.module.Middleware"], "error: --middleware: kvload serve imports no code named on its "
                                                "command line"),
     (["--h11-max-header-count", "0"], "--h11-max-header-count: expected an integer >= 1"),

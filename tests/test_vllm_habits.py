@@ -529,18 +529,33 @@ def test_vllms_legacy_prompt_token_ids_keyword_gives_the_prompts(llm):
         llm.generate(["w5"], sp, prompt_token_ids=IDS)
 
 
-def test_chat_template_content_format_auto_and_string_are_what_kvload_does_and_openai_is_refused(llm):
-    conv = [{"role": "user", "content": [{"type": "text", "text": "w5"}, {"type": "text", "text": "w17"}]}]
+def test_chat_template_content_format_openai_gives_the_parts_and_auto_reads_the_template(llm):
+    """vLLM's "openai" format hands the template each message's content as its list of parts (a string as one part,
+    an assistant's null as none); "auto" picks it for a template that loops over the content, as vLLM detects it.
+    Such a template given a string looped over its characters and wrote nothing of the message."""
+    conv = [{"role": "user", "content": [{"type": "text", "text": "w5"}, {"type": "text", "text": "w17"}]},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                                                                   "function": {"name": "f", "arguments": "{}"}}]},
+            {"role": "user", "content": "w9"}]
     sp = SamplingParams(max_tokens=2, ignore_eos=True)
-    template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    (plain,) = llm.chat(conv, sp, chat_template=template)
-    assert plain.prompt == "w5\nw17 "
-    for fmt in ("auto", "string"):
-        (out,) = llm.chat(conv, sp, chat_template=template, chat_template_content_format=fmt)
-        assert out.prompt == plain.prompt
-    with pytest.raises(GenerationError, match="^chat: chat_template_content_format: .*accepted: 'auto' or 'string', "
-                                              "got 'openai'$"):
-        llm.chat(conv, sp, chat_template=template, chat_template_content_format="openai")
+    joined = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    for fmt in ("auto", "string"):  # a template that prints the content: the parts joined by newlines
+        (out,) = llm.chat(conv, sp, chat_template=joined, chat_template_content_format=fmt)
+        assert out.prompt == "w5\nw17  w9 "
+    parts = "{% for m in messages %}{% for p in m['content'] %}[{{ p['text'] }}]{% endfor %}|{% endfor %}"
+    for fmt in ("openai", "auto"):
+        (out,) = llm.chat(conv, sp, chat_template=parts, chat_template_content_format=fmt)
+        assert out.prompt == "[w5][w17]||[w9]|", fmt
+    (chars,) = llm.chat(conv, sp, chat_template=parts, chat_template_content_format="string")  # vLLM's too
+    assert chars.prompt == "[]" * 6 + "||" + "[]" * 2 + "|"
+    # detected through a name the content was set to, and through a filter over it
+    aliased = ("{% for m in messages %}{% set c = m.content %}{% for p in c | selectattr('type', 'eq', 'text') %}"
+               "{{ p.text }};{% endfor %}{% endfor %}")
+    (out,) = llm.chat(conv, sp, chat_template=aliased)
+    assert out.prompt == "w5;w17;w9;"
+    with pytest.raises(GenerationError, match="^chat: chat_template_content_format: expected one of auto, string, "
+                                              "openai, got 'html'$"):
+        llm.chat(conv, sp, chat_template=parts, chat_template_content_format="html")
 
 
 def test_a_vllm_llm_attribute_kvload_lacks_says_what_to_use_instead(llm):

@@ -70,6 +70,7 @@ examples:
        -d '{"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi"}]}'
   kvload serve tiny-llama --max_tokens 8192 --use_kv_cache_manager_v2 true
   KVLOAD_API_KEY=$(cat key.txt) kvload serve smollm2-135m --host 0.0.0.0
+  kvload serve smollm2-135m --uds /run/kvload/kvload.sock   # curl --unix-socket /run/kvload/kvload.sock http://x/health
   torchrun --nproc-per-node 2 -m kvload serve tiny-llama --tp_size 2   # rank 0 serves, rank 1 follows it
 """
 
@@ -88,10 +89,15 @@ def add_serve_command(sub: Any) -> None:
                     "log over HTTP. Needs the serve extra: pip install 'kvload[serve]'.")
     add_model_flags(p)
     g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    g.add_argument("--port", default=8000, metavar="N",
+    g.add_argument("--host", default="127.0.0.1", action=_Given, help="address to listen on (default 127.0.0.1)")
+    g.add_argument("--port", default=8000, metavar="N", action=_Given,
                    type=_bounded(integer, lambda v: 0 <= v <= 65535, "an integer in [0, 65535]"),
                    help="TCP port (default 8000; 0 = any free port)")
+    g.add_argument("--uds", default=None, metavar="PATH",
+                   help="listen on this Unix domain socket instead of --host/--port, which are then ignored (vLLM's "
+                        "flag): its directory must exist; a socket file a killed server left is replaced, anything "
+                        "else at PATH is refused; the file is removed when the server stops. Who may connect follows "
+                        "the file's permissions (the umask; vLLM's too). With --ssl-certfile it serves HTTPS over it")
     g.add_argument("--served-model-name", "--served_model_name", dest="served_model_name", default=None,
                    metavar="NAME", type=_model_name, nargs="+",
                    help="the model name clients send and /v1/models lists (default: MODEL's name); several, as vLLM "
@@ -172,7 +178,6 @@ def add_serve_command(sub: Any) -> None:
     # vLLM's front-end flags kvload serve cannot honour: parsed, so the refusal is one line saying why (cmd_serve)
     g.add_argument("--api-server-count", "--api_server_count", "-asc", dest="api_server_count", default=None,
                    metavar="N", type=integer, help=argparse.SUPPRESS)
-    g.add_argument("--uds", default=None, metavar="PATH", help=argparse.SUPPRESS)
     g.add_argument("--middleware", action="append", default=None, metavar="IMPORT_PATH", help=argparse.SUPPRESS)
     for flag in ("--disable-log-requests", "--enable-log-requests", "--enable-prompt-tokens-details",
                  "--disable-fastapi-docs", "--disable-frontend-multiprocessing", "--enable-server-load-tracking",
@@ -181,8 +186,11 @@ def add_serve_command(sub: Any) -> None:
     g.add_argument("--guided-decoding-backend", "--guided_decoding_backend", dest="guided_decoding_backend",
                    default=None, metavar="NAME", choices=("auto", "xgrammar"), help=argparse.SUPPRESS)
     g.add_argument("--chat-template-content-format", "--chat_template_content_format",
-                   dest="chat_template_content_format", default=None, metavar="FORMAT", choices=("auto", "string"),
-                   help=argparse.SUPPRESS)
+                   dest="chat_template_content_format", default="auto", choices=("auto", "string", "openai"),
+                   help="how a chat message's content reaches the chat template (vLLM's flag): string (text parts "
+                        "joined by newlines), openai (the list of {\"type\": \"text\", \"text\": ...} parts; a "
+                        "string is one part) or auto (default): openai for a template that loops over a message's "
+                        "content, else string")
     g.add_argument("--max-log-len", "--max_log_len", dest="max_log_len", default=None, metavar="N",
                    type=_bounded(integer, lambda v: v >= 0, "an integer >= 0"), help=argparse.SUPPRESS)
     g.add_argument("--audit-keep", "--audit_keep", dest="audit_keep", default=AUDIT_KEEP_DEFAULT, metavar="N",
@@ -271,6 +279,16 @@ def add_serve_command(sub: Any) -> None:
     # MODEL may come last in --api-key's values (`--api-key KEY MODEL`): optional to argparse (add_model_flags), and
     # required by _finish
     p.finish = _finish
+
+
+class _Given(argparse.Action):
+    """Store the value and note the flag as given on the command line (``--uds`` reports the --host/--port it
+    ignores, and only those the operator set)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(ns, self.dest, values)
+        ns.listen_given = {**getattr(ns, "listen_given", {}), f"--{self.dest}": values}
 
 
 class _ApiKeys(argparse.Action):
@@ -515,7 +533,12 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     stats_off = getattr(ns, _knob_dest("disable_log_stats"), None) is True
     stats_interval = None if stats_off else interval_from_env(os.environ)
     address = ns.host
-    if ranks.is_first:  # the one rank that listens
+    if ranks.is_first and ns.uds is not None:  # a missing directory, a user's file, a live server: now, not after
+        from kvload.serve.uds import UnixListener  # minutes of loading (the probe's file is removed again)
+
+        UnixListener(ns.uds).close()
+        address = None
+    elif ranks.is_first:  # the one rank that listens
         probe = bind(ns.host, ns.port)  # a taken port fails now, before minutes of loading
         address = probe.getsockname()[0]
         probe.close()
@@ -556,6 +579,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
                                                    "HTTP API's JSON (--log-format json makes its log JSON)"))
         if result.bus is not None:
             _report_ignored_serve_flags(ns, result.bus.emitter("serve"))
+            _report_ignored_listen_flags(ns, result.bus.emitter("serve"))
         import random
 
         # always seeded (0 by default, vLLM V1's): rank 0 draws; under tensor parallel its seeds reach the others in
@@ -583,7 +607,8 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
                             log_stats_interval_s=stats_interval,
                             request_id_headers=ns.enable_request_id_headers,
                             h11_max_incomplete_event_size=ns.h11_max_incomplete_event_size,
-                            h11_max_header_count=ns.h11_max_header_count)
+                            h11_max_header_count=ns.h11_max_header_count,
+                            chat_template_content_format=ns.chat_template_content_format)
         _warn_when_the_audit_log_fails(state, getattr(ns, "audit_sink", None))
         mirror = None
         if ns.kv_events_file is not None:  # a full disk later stops the mirror with a warning, never a request
@@ -605,7 +630,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         try:
             level = getattr(ns, "effective_log_level", None) or ns.log_level or "warning"  # uvicorn's default: info
             serve(state, ns.host, ns.port, log_level=ns.uvicorn_log_level or level, ready=ready,
-                  access_log=False if ns.disable_uvicorn_access_log else None, tls=tls)
+                  access_log=False if ns.disable_uvicorn_access_log else None, tls=tls, uds=ns.uds)
         finally:
             if mirror is not None:
                 result.kv_manager.kv_events.mirror = None
@@ -630,15 +655,11 @@ IGNORED_SERVE_FLAGS: dict[str, str] = {
                             "(request_finished: its tokens and finish reason; GET /v1/kvload/audit, --audit-log FILE)",
     "--log-error-stack": "kvload serve answers a failed request with one error line and records the failure "
                          "(engine_step_failed) in its log and audit; a traceback is printed only with --debug",
-    "--chat-template-content-format": "kvload joins a message's text parts into one string for the template (vLLM's "
-                                      "string format); the openai format is not served",
 }
 
 
 #: ``vllm serve`` flags kvload serve cannot honour → why, and what to do instead: refused, one line, before the load
 REFUSED_SERVE_FLAGS: dict[str, str] = {
-    "--uds": "kvload serve listens on TCP (--host, --port); for a Unix socket, put a proxy in front (socat "
-             "UNIX-LISTEN:PATH,fork TCP:127.0.0.1:PORT)",
     "--middleware": "kvload serve imports no code named on its command line into its app; put a proxy in front for "
                     "what a middleware would do",
 }
@@ -666,6 +687,18 @@ def _report_ignored_serve_flags(ns: argparse.Namespace, emit: Any) -> None:
         value = getattr(ns, _underscored(flag)[2:], None)  # argparse's dest for the flag
         if value is not None and value is not False:
             emit(SettingIgnored(field=flag, value=value, reason=why))
+
+
+def _report_ignored_listen_flags(ns: argparse.Namespace, emit: Any) -> None:
+    """With ``--uds``, one ``setting_ignored`` for each of --host and --port the command line set (vLLM ignores
+    them too): the server listens on the socket only."""
+    if ns.uds is None:
+        return
+    from pipeline.events import SettingIgnored
+
+    for flag, value in getattr(ns, "listen_given", {}).items():
+        emit(SettingIgnored(field=flag, value=value, reason=f"--uds {ns.uds}: the server listens on that Unix socket "
+                                                            "only, not on TCP (as vLLM's --uds)"))
 
 
 def _start_publishing(result: Any, config: Any, publisher: Any) -> None:
@@ -711,9 +744,10 @@ def _follow(ns: argparse.Namespace, result: Any) -> int:
     return 0
 
 
-def _announce_auth(emit: Any, host: str, address: str, source: str | None, unused: list[str]) -> None:
+def _announce_auth(emit: Any, host: str, address: str | None, source: str | None, unused: list[str]) -> None:
     """The warnings about the API key, in the server's log and audit: a key source set but not used (another wins),
-    and a server reachable from other machines with no key at all. The keys themselves are never shown."""
+    and a server reachable from other machines with no key at all (``address`` None: a Unix socket, only this
+    machine's users reach it). The keys themselves are never shown."""
     from kvload.serve.auth import is_loopback
     from pipeline.events import ServeWithoutApiKey, SettingIgnored
 
@@ -724,7 +758,7 @@ def _announce_auth(emit: Any, host: str, address: str, source: str | None, unuse
                                    "same"))
     # vLLM says nothing here; kvload does, once: such a server answers anyone who can reach the port, its audit
     # (/v1/kvload/audit: prompts, settings) included
-    if source is None and not is_loopback(address):
+    if source is None and address is not None and not is_loopback(address):
         emit(ServeWithoutApiKey(host=host, address=address,
                                 reason=f"--host {host} listens beyond this machine and no API key is set: anyone who "
                                        "can reach the port can generate and read /v1/kvload/audit; set "

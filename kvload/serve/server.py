@@ -26,6 +26,7 @@ from uvicorn.protocols.http.h11_impl import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE as
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from cache_backends.kv_events import KvEventMirror
+from engine.content_format import CONTENT_FORMATS
 from engine.serving import ServingEngine
 from kvload.metrics import METRIC_NAMINGS
 from kvload.serve.app import create_app
@@ -47,6 +48,7 @@ from kvload.serve.responses_store import ResponseStore, kept_request_bytes
 from kvload.serve.state import CorsPolicy, ServeState
 from kvload.serve.stats_log import StatsLogger
 from kvload.serve.tls import Tls, tls_from_flags
+from kvload.serve.uds import UnixListener, uds_url
 from pipeline.errors import ConfigError, GenerationError, KvloadError
 from pipeline.events import ApiKeyRequired, AutoToolChoiceEnabled, KvEventsFileFailed, ReasoningParserEnabled
 from pipeline.limits import MAX_INT, short, short_text
@@ -70,7 +72,7 @@ def build_state(result: Any, *, model_name: str | Sequence[str] | None = None,
                 default_chat_template_kwargs: Mapping[str, Any] | None = None,
                 log_stats_interval_s: float | None = None, request_id_headers: bool = False,
                 h11_max_incomplete_event_size: int | None = None,
-                h11_max_header_count: int | None = None) -> ServeState:
+                h11_max_header_count: int | None = None, chat_template_content_format: str = "auto") -> ServeState:
     """Engine (not started) and metrics over a ``load(..., load_weights=True)`` result, served as ``model_name`` (None:
     the model's own name; a list: vLLM's several ``--served-model-name``, the first in every answer, any of them taken
     in a request's ``model``); from now on its audit log
@@ -104,7 +106,11 @@ def build_state(result: Any, *, model_name: str | Sequence[str] | None = None,
     run (``kvload.serve.stats_log``); None: none. ``request_id_headers``: every answer carries ``X-Request-Id`` (vLLM's
     ``--enable-request-id-headers``); ``h11_max_incomplete_event_size`` / ``h11_max_header_count``: the largest request
     head in bytes and the most headers one may have (vLLM's ``--h11-max-*``; None: uvicorn's 16 KiB, no count), HTTP
-    431 past them."""
+    431 past them. ``chat_template_content_format`` (vLLM's ``--chat-template-content-format``): how chat messages'
+    content reaches the template, one of :data:`~engine.content_format.CONTENT_FORMATS`."""
+    if chat_template_content_format not in CONTENT_FORMATS:
+        raise ConfigError(f"chat_template_content_format: expected one of {', '.join(CONTENT_FORMATS)}, got "
+                          f"{short(chat_template_content_format)}")
     for name, bound in (("h11_max_incomplete_event_size", h11_max_incomplete_event_size),
                         ("h11_max_header_count", h11_max_header_count)):
         if bound is not None and not (isinstance(bound, int) and not isinstance(bound, bool) and 1 <= bound <= MAX_INT):
@@ -178,6 +184,7 @@ def build_state(result: Any, *, model_name: str | Sequence[str] | None = None,
     name = names[0] or (result.model.name if result.model is not None else str(result.args.model))
     aliases = tuple(dict.fromkeys(n for n in names[1:] if n != name))
     engine = ServingEngine.from_result(result)
+    engine.content_format = chat_template_content_format
     proposer = engine.executor.proposer  # speculative decoding: the draft positions to count acceptance at
     metrics = ServeMetrics(name, naming=metrics_naming, max_model_len=engine.executor.max_seq_len,
                            max_draft_len=proposer.max_draft_len if proposer is not None else 0)
@@ -725,8 +732,9 @@ def _server(state: ServeState, log_level: str, *, exit_on_engine_failure: bool =
 
 
 def serve(state: ServeState, host: str, port: int, *, log_level: str = "warning",
-          ready: Any = None, access_log: bool | None = None, tls: Tls | None = None) -> None:
-    """Serve until SIGINT, SIGTERM or SIGHUP; the engine loop runs for exactly as long. ``ready(url)`` once
+          ready: Any = None, access_log: bool | None = None, tls: Tls | None = None, uds: str | None = None) -> None:
+    """Serve until SIGINT, SIGTERM or SIGHUP; the engine loop runs for exactly as long. ``uds``: listen on that Unix
+    socket instead of ``host``/``port`` (vLLM's ``--uds``), its file removed when the server stops. ``ready(url)`` once
     listening: a stop signal from then on, whenever it comes, ends the call (not the process) once the server
     has shut down. Should the engine loop die, the server shuts down the same way and :class:`EngineFailed` is
     raised (chained to the loop's exception); under tensor parallel (rank 0; the others run :func:`follow`) the
@@ -741,19 +749,25 @@ def serve(state: ServeState, host: str, port: int, *, log_level: str = "warning"
     server = _server(state, log_level, exit_on_engine_failure=True, access_log=access_log, tls=tls)
     previous: dict[int, Any] = {}
     sock: socket.socket | None = None
+    unix: UnixListener | None = None
     try:
         if main:
             for sig in _STOP_SIGNALS:
                 found = signal.signal(sig, server.handle_exit)
                 previous[sig] = signal.SIG_DFL if found is None else found
-        sock = bind(host, port)
+        if uds is not None:
+            unix = UnixListener(uds)
+            sock = unix.sock
+        else:
+            sock = bind(host, port)
         # tensor parallel: a loop that failed (another rank lost) stops the server, whose requests it already ended
         state.engine.on_fatal = lambda: setattr(server, "should_exit", True)
         state.engine.start()
         if state.stats_logger is not None:
             state.stats_logger.start()
         if ready is not None:
-            ready(http_url(host, sock.getsockname()[1], scheme="https" if tls is not None else "http"))
+            ready(uds_url(uds, tls=tls is not None) if uds is not None else
+                  http_url(host, sock.getsockname()[1], scheme="https" if tls is not None else "http"))
         server.run(sockets=[sock])
     finally:
         for sig, handler in previous.items():
@@ -761,7 +775,9 @@ def serve(state: ServeState, host: str, port: int, *, log_level: str = "warning"
         if state.stats_logger is not None:
             state.stats_logger.stop()
         state.engine.stop()
-        if sock is not None:
+        if unix is not None:  # closed, and its file removed: nothing left at the path once the server stopped
+            unix.close()
+        elif sock is not None:
             sock.close()
     if state.engine.fatal is not None:  # the ranks parted: the one line, exit 1 (the requests got their 500s)
         raise state.engine.fatal
