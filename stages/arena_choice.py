@@ -25,12 +25,6 @@ from pipeline.context import Context
 #: The fields a user bounds the budget with (a caller's default budget applies when neither is set).
 BUDGET_FIELDS = ("kv_cache_config.max_tokens", "kv_cache_config.max_gpu_total_bytes")
 
-#: What the arena is not yet built for, in every line that says so.
-SIMULATION_ONLY = ("the slab arena is built in simulations only so far (kvload simulate: pools that allocate nothing); "
-                   "real pools keep the split, since the paged attention's slots assume a layer's blocks are "
-                   "contiguous")
-
-
 def layout_of(ctx: Context) -> KvLayout | None:
     """The KV layout the resolved args route to (None when it cannot be laid out: ``plan_kv`` says why)."""
     kv = ctx.args.kv_cache_config
@@ -50,8 +44,6 @@ def resolve_pool_arena(ctx: Context) -> tuple[bool, str, str]:
     unfit = arena_unfit_reason(layout)
     if unfit is not None:
         return False, "auto", f"{unfit}; the arena is for V2 groups of unequal pages (DeepSeek V4)"
-    if ctx.request is None or not ctx.request.pools_unbacked:
-        return False, "auto", SIMULATION_ONLY
     kv = ctx.args.kv_cache_config
     if kv.host_cache_size:
         return False, "auto", (f"kv_cache_config.host_cache_size={kv.host_cache_size} asks for a host tier; the slab "
@@ -61,7 +53,7 @@ def resolve_pool_arena(ctx: Context) -> tuple[bool, str, str]:
         return False, "auto", ("on CUDA the budget comes from free memory, measured when the pools are planned, after "
                                "this choice; set pool_arena to true to have the arena")
     budget, default = _budget(layout, ctx), ""
-    hint = ctx.request.default_budget
+    hint = ctx.request.default_budget if ctx.request is not None else None
     if hint is not None and not any(ctx.user_fields[p].value for p in BUDGET_FIELDS if p in ctx.user_fields):
         budget = hint[0] * layout.bytes_for_sequence(hint[1])  # what the caller will set: its default
         default = f" (the default of {hint[0]:,} sequence(s) of {hint[1]:,} tokens)"
