@@ -4,7 +4,10 @@ The measurement behind the rule (BENCHMARKS.md, "The slab arena through pool_are
 grid the slab arena took 0.28-1.00x the split pools' steps on every cell it could run, and it cannot run a request
 whose groups need more slabs than the arena has (a slab per group in use is its floor, where the split's floor is a
 block per group). So "auto" is the arena when the budget holds every group's blocks of one ``max_seq_len`` sequence
-in slabs of their own (no request the manager accepts can then be refused for the floor), the split otherwise.
+in slabs of their own (no request the manager accepts can then be refused for the floor), the split otherwise; the
+same for real pools (``run``, ``generate``, ``serve``) as for simulations, but on CUDA, whose budget comes from free
+memory measured after this choice (the split there; ``true`` builds the arena), and with an asked-for host tier
+(the arena runs without one).
 """
 
 from __future__ import annotations
@@ -67,7 +70,8 @@ def resolve_pool_arena(ctx: Context) -> tuple[bool, str, str]:
     one = f"one max_seq_len={length} sequence takes {need:,} (a slab per group in use is the arena's floor)"
     if slabs >= need:
         return True, "auto", (f"{held}; {one}, so any request fits, and memory flows between the groups as they "
-                              "need it (0.28-1.00x the split's steps on kvload simulate's V4 grid, BENCHMARKS.md)")
+                              "need it (0.28-1.00x the split's steps on kvload simulate's V4 grid, BENCHMARKS.md); it "
+                              "runs without a host tier (set host_cache_size for the split with one)")
     return False, "auto", (f"{held}; {one}: fewer, so a request the split pools hold could find no slab; lower "
                            "max_seq_len or raise the budget for the arena")
 

@@ -363,3 +363,16 @@ def test_a_check_for_a_hits_claim_counts_no_slab_its_cached_blocks_lie_in_as_rec
     assert arena.short([1, 0]) is None  # without it, g1's slab 0 is reclaimed
     arena.acquire([1, 0], detach)
     assert g0.allocate_many(1, detach) == [0] and arena.counters["evicted_by_reclaim"] == 4 and not arena.check()
+
+
+def test_plan_compare_counts_the_sequences_an_arena_s_slabs_hold_not_a_split_s():
+    import pipeline
+    from cache_backends.budget import arena_sequences
+    from engine.capacity import compare_capacity
+
+    comparison = compare_capacity(pipeline.plan("tiny-deepseek-v4", log=False, device="cpu", max_seq_len=4096))
+    v2 = comparison.v2
+    assert v2.plan.arena  # "auto" at the compared budget (16 sequences of max_seq_len): the arena
+    assert [v2.max_concurrency(n) for n in comparison.lengths] == [
+        arena_sequences(v2.plan.layout, v2.plan.arena_slabs, n) for n in comparison.lengths]
+    assert "a slab arena: its slabs filled with them" in comparison.render()[-1]
