@@ -6,7 +6,7 @@ A step runs every scheduled token of every sequence in one packed row (the execu
   all ``N = Σ n_b`` tokens go through the model as ``input_ids``/``position_ids`` of shape ``(1, N)``,
   so the rotary embedding sees each token's own position.
 * **writes** — before attending, a layer writes the new tokens' entries into its pool at the slots
-  its block table gives (``pools.py``: slot = ``physical_block * entries_per_block + pos % T``). The
+  its block table gives (``pools.py``: slot = ``physical_block * block_slots + pos % T``). The
   chunk then attends to itself through the pool exactly like to its cached prefix.
 * **gathers** — per sequence, the slots of the keys its queries may see: positions
   ``max(0, s_b - W + 1) .. s_b + n_b - 1`` for a layer with window ``W`` (all from 0 without one),
@@ -88,15 +88,16 @@ def _pools_plan(pools: BlockPools) -> _PoolsPlan:
 def _families(pools: BlockPools) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]:
     """Which groups a step plans together: ``(for writes, for gathers)``, each group -> its family, in pool order.
 
-    A slot is ``block * entries_per_block + pos % tokens_per_block``, so groups with the same block
-    geometry share the write arithmetic whatever their window; a gather also depends on the window,
-    so gather families add it. Compressed groups (DeepSeek V4 writes and reads them per entry, in its own forward)
-    stay alone.
+    A slot is ``block * block_slots + pos % tokens_per_block`` (``BlockPools.block_slots``: ``entries_per_block``
+    but in a slab arena), so groups with the same block geometry share the write arithmetic whatever their window; a
+    gather also depends on the window, so gather families add it. Compressed groups (DeepSeek V4 writes and reads them
+    per entry, in its own forward) stay alone.
     """
     writes: dict[tuple, list[str]] = {}
     gathers: dict[tuple, list[str]] = {}
     for name, g in pools.groups.items():
-        geometry = (g.tokens_per_block, g.entries_per_block) if g.compress_rate is None else (name,)
+        geometry = ((g.tokens_per_block, g.entries_per_block, pools.block_slots[name]) if g.compress_rate is None
+                    else (name,))
         writes.setdefault(geometry, []).append(name)
         gathers.setdefault((*geometry, g.window), []).append(name)
     return ({n: tuple(f) for f in writes.values() for n in f},
@@ -589,7 +590,7 @@ class PagedBatch:
             b, p = int(seq[i]), int(pos[i])
             raise ValueError(f"sequence {b}: group {family[f]!r} has no block for position {p}, which a new token "
                              f"needs (logical block {p // T} is -1: released or never allocated)")
-        blocks *= g.entries_per_block  # in place (the take made a fresh array): see _gather
+        blocks *= self.pools.block_slots[group]  # in place (the take made a fresh array): see _gather
         blocks += pos % T
         for name, one in zip(family, self._per_group(blocks), strict=True):
             self._write_slots[name] = one
@@ -646,7 +647,8 @@ class PagedBatch:
         if g.compress_rate is not None:
             raise ValueError(f"group {r.group!r} is compressed; paged attention does not read compressed entries")
         family = self._gather_family[r.group]
-        T, E = g.tokens_per_block, g.entries_per_block
+        T, E = g.tokens_per_block, self.pools.block_slots[r.group]  # E: a block's slots (entries_per_block but in
+        # a slab arena, whose layer views step over the other layers' entries between two blocks)
         w = self._window_keys(r.window)
         lo, k_len, max_k, k_valid = w.lo, w.k_len, w.max_k, w.k_valid
         tables = self._stack(family)  # (groups, B, width)

@@ -13,10 +13,17 @@ The memory contract, shared by the managers, the host tier and the paged attenti
   arena, with ``num_blocks[g] == P``: block ids are global (a block belongs to whichever group the
   manager handed it to), and the layer-major contract above holds unchanged for every group.
 * A slab arena (``slabs``: groups of unequal pages, each dividing the largest, drawing on one budget;
-  ``cache_backends.v2.slab_pool``) has ``num_blocks[g] == slabs * k_g`` block ids per group (``k_g`` =
-  largest page / the group's page); block ``b`` of group ``g`` lies in slab ``b // k_g``. Only simulations
-  (``meta`` pools) build one so far: the flat-slot contract above assumes a layer's blocks are contiguous, which
-  a block-major arena breaks, so real pools refuse it.
+  ``cache_backends.v2.slab_pool``) is ONE tensor of ``slabs`` slabs of the largest page, and ``num_blocks[g] ==
+  slabs * k_g`` block ids per group (``k_g`` = largest page / the group's page); block ``b`` of group ``g`` lies in
+  slab ``b // k_g`` at page ``b % k_g``, so at byte ``b * page_g``: every group's blocks are a block-major view
+  ``(slabs * k_g, layers, entries_per_block, entry_elems)`` of the one tensor, whichever group owns a slab now.
+  ``tensors[g]`` is that view transposed to the layer-major shape above (``[:, b]`` is block ``b``, as in split
+  pools), but a layer's blocks are no longer contiguous: block ``b`` of layer ``i`` starts ``b * layers *
+  entries_per_block`` entries into the group's rows, so ``layer_slots(g, i)`` is the group's rows from layer ``i``'s
+  first entry on, and the flat slot is ``physical * block_slots[g] + offset`` with ``block_slots[g] = layers *
+  entries_per_block`` (``entries_per_block`` for every other pool). Readers that take ``block_slots`` (the gather
+  paths, DeepSeek V4's forward) read an arena as they read split pools; the in-place kernels (flex, the paged
+  decode kernels) assume ``entries_per_block`` and are not used on one.
 * Attention layers (full, sliding): ``entry_elems == 2 * kv_heads * head_dim``, viewed as
   ``(2, kv_heads, head_dim)``: K at index 0, V at index 1. MLA: the latent, then the rope part.
 """
@@ -55,11 +62,12 @@ class BlockPools:
         self.slab_bytes = max(g.bytes_per_block for g in layout.groups)
         if slabs is not None:
             check_slab_layout(layout, self.num_blocks, slabs)
-            if self.device.type != "meta":
-                raise ValueError("a slab arena (pool_arena) is built for simulations only (meta pools): the paged "
-                                 "attention's flat slots assume each layer's blocks are contiguous")
         self.groups: dict[str, LayerGroup] = {g.name: g for g in layout.groups}
         self.tensors: dict[str, torch.Tensor] = {}
+        #: a block's slots in a layer's view (``layer_slots``): a flat slot is ``block * block_slots[g] + offset``
+        self.block_slots: dict[str, int] = {g.name: g.entries_per_block for g in layout.groups}
+        #: a slab arena's one tensor (``slabs * slab_bytes`` bytes in the KV dtype), None without one
+        self.arena: torch.Tensor | None = None
         #: views of these tensors that readers build once and keep (paged attention's per-layer K/V views);
         #: :meth:`release` drops them with the tensors, so no kept view holds the memory
         self.views: dict[Any, Any] = {}
@@ -67,8 +75,10 @@ class BlockPools:
             raise ValueError("a shared arena has one block count for every group, got "
                              + ", ".join(f"{g.name} {self.num_blocks[g.name]}" for g in layout.groups))
         try:
+            if slabs is not None:
+                self._build_slab_arena(slabs)
             arena: torch.Tensor | None = None
-            for g in layout.groups:
+            for g in layout.groups if slabs is None else ():
                 shape = (len(g.layers), self.num_blocks[g.name], g.entries_per_block, g.entry_elems)
                 if layout.shared and arena is not None:
                     self.tensors[g.name] = arena  # every group views the one arena (block ids are global)
@@ -83,6 +93,16 @@ class BlockPools:
             for pos, layer in enumerate(g.layers):
                 self.layer_index.setdefault(layer, []).append((g.name, pos))
 
+    def _build_slab_arena(self, slabs: int) -> None:
+        """One tensor of ``slabs`` slabs; each group's blocks a view of all of it (see the module docstring)."""
+        size = torch.empty((), dtype=self.dtype).element_size()
+        self.arena = torch.empty(slabs * self.slab_bytes // size, dtype=self.dtype, device=self.device)
+        for g in self.layout.groups:
+            per = self.slab_bytes // g.bytes_per_block
+            blocks = self.arena.view(slabs * per, len(g.layers), g.entries_per_block, g.entry_elems)
+            self.tensors[g.name] = blocks.transpose(0, 1)  # layer-major, as split pools: [:, b] is block b
+            self.block_slots[g.name] = len(g.layers) * g.entries_per_block
+
     @property
     def arena_bytes(self) -> int | None:
         """A slab arena's bytes (every group's memory together), or None without one."""
@@ -96,15 +116,21 @@ class BlockPools:
     @property
     def nbytes(self) -> int:
         """Bytes held on the device (a shared arena counted once; a slab arena's, the slabs')."""
-        if self.slabs is not None:
-            return self.slabs * self.slab_bytes
+        if self.arena is not None:
+            return self.arena.numel() * self.arena.element_size()
         unique = {id(t): t for t in self.tensors.values()}
         return sum(t.numel() * t.element_size() for t in unique.values())
 
     def layer_slots(self, group: str, layer_pos: int) -> torch.Tensor:
-        """One layer's entries in a group as a ``(num_blocks * entries_per_block, entry_elems)`` view."""
+        """One layer's entries in a group as a ``(slots, entry_elems)`` view, slot ``block * block_slots[group] +
+        offset`` (split pools: ``num_blocks * entries_per_block`` slots; a slab arena: the group's rows from this
+        layer's first entry on, every other layer's entries between two of its blocks)."""
         g = self.groups[group]
-        return self.tensors[group][layer_pos].view(self.num_blocks[group] * g.entries_per_block, g.entry_elems)
+        if self.slabs is None:
+            return self.tensors[group][layer_pos].view(self.num_blocks[group] * g.entries_per_block, g.entry_elems)
+        rows = self.tensors[group].transpose(0, 1).view(-1, g.entry_elems)  # the block-major rows
+        first = layer_pos * g.entries_per_block
+        return rows[first:first + (self.num_blocks[group] - 1) * self.block_slots[group] + g.entries_per_block]
 
     def block(self, group: str, block_id: int) -> torch.Tensor:
         """Every layer's data of one physical block: ``(n_layers, entries_per_block, entry_elems)`` (a view)."""
@@ -114,6 +140,7 @@ class BlockPools:
         """Drop the device tensors (idempotent); the caching allocator gets the memory back."""
         self.tensors.clear()
         self.views.clear()
+        self.arena = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import attrs
 
-from cache_backends.budget import BudgetError, plan_pools
+from cache_backends.budget import BudgetError, arena_sequences, plan_pools
 from cache_backends.kinds import KINDS, V1, V2
 from pipeline.config import V2_FIELD
 from pipeline.context import LoadRequest
@@ -117,9 +117,12 @@ class ManagerCapacity:
         return self.plan is not None
 
     def max_concurrency(self, seq_len: int) -> int | None:
-        """Sequences of ``seq_len`` tokens the budget holds when split for that length."""
+        """Sequences of ``seq_len`` tokens the budget holds when split for that length (a slab arena: its slabs
+        packed with them, no group's share fixed)."""
         if self.plan is None:
             return None
+        if self.plan.arena_slabs is not None:
+            return arena_sequences(self.plan.layout, self.plan.arena_slabs, seq_len)
         try:
             return plan_pools(self.plan.layout, self.plan.budget_bytes, seq_len).max_concurrency
         except BudgetError:
@@ -209,7 +212,9 @@ class CapacityComparison:
         for m in ms:
             if not m.ok:
                 lines.append(f"  {m.kv_manager}: {m.status.replace('_', ' ')}: {m.reason}")
-        lines.append("  (sequences of L: the budget split for sequences of L tokens, as with max_seq_len = L)")
+        lines.append("  (sequences of L: the budget split for sequences of L tokens, as with max_seq_len = L"
+                     + ("; a slab arena: its slabs filled with them" if any(m.ok and m.plan.arena for m in ms) else "")
+                     + ")")
         return lines
 
 

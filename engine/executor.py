@@ -267,6 +267,11 @@ class GenerationExecutor:
                 "DeepSeek V4's layers attend through their own forward (each sequence's window and compressed entries "
                 "gathered from the pools, the model's softmax with its sinks); generate attends that way")))
             return
+        if self.pools.slabs is not None:  # the kernels take a block's slots as entries_per_block; the arena's differ
+            self._event(SettingIgnored(field="attention_backend", value=backend, reason=(
+                "a slab arena's layer views step over the other layers' entries between two blocks (pool_arena), "
+                "which the compiled and paged decode kernels do not read; generate attends through gather + SDPA")))
+            return
         if backend in ("triton", "cpu_kernel"):
             kernel, why = self._decode_kernel(backend)
             if why is not None:

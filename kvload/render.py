@@ -106,11 +106,15 @@ def render_allocation(result: LoadResult) -> list[str]:
     dtype = str(result.kv_manager.pools.dtype).removeprefix("torch.")
     rows = [["pool", "shape (layers, blocks, entries, elems)", "dtype", "bytes"]]
     pools = doc["pools"]
+    slabs = result.kv_manager.pools.slabs
     if result.kv_manager.pools.shared:  # one tensor every group views: one row
         first = next(iter(pools.values()))
         pools = {f"arena ({len(pools)} groups)": first}
-    rows += [[name, "×".join(str(d) for d in pool["shape"]), dtype, f"{pool['bytes']:,}"]
-             for name, pool in pools.items()]
+    if slabs is not None:  # a slab arena: the one tensor, then each group's view of all of it
+        rows.append([f"slab arena ({len(pools)} groups)", f"{slabs:,} slabs × {result.kv_manager.pools.slab_bytes:,} B",
+                     dtype, f"{doc['total_bytes']:,}"])
+    rows += [[name, "×".join(str(d) for d in pool["shape"]), dtype,
+              "view" if pool["bytes"] is None else f"{pool['bytes']:,}"] for name, pool in pools.items()]
     kv = result.kv
     lines = [
         f"allocated  {doc['kv_manager']} + {doc['scheduler']} on {doc['device']}",

@@ -12,8 +12,9 @@ installed per module by :func:`route_v4_attention`; a forward without a ``kvload
   slots; each sequence attends over the last ``sliding_window`` of them, gathered from the pool (the manager
   releases blocks that left the window, as for Mistral);
 * the compressed entries go into the layer's compressed group, entry ``w`` of a sequence at
-  ``table[w * c // tokens_per_block] * entries_per_block + w % entries_per_block`` (a CSA entry holds the
-  compressor's ``head_dim`` then the indexer's ``index_head_dim``); kvload pools them with the weights of the
+  ``table[w * c // tokens_per_block] * block_slots + w % entries_per_block`` (``BlockPools.block_slots``: a block's
+  slots in a layer's view, ``entries_per_block`` but in a slab arena; a CSA entry holds the compressor's ``head_dim``
+  then the indexer's ``index_head_dim``); kvload pools them with the weights of the
   model's own compressor and indexer modules and their math (:func:`_pool_windows`), writes them into the pool and
   reads every entry so far back from it;
 * what is not yet a full entry — the partial window of raw ``kv``/``gate`` projections (fewer than ``c`` tokens per
@@ -272,7 +273,7 @@ def _decode_plan(batch: Any, group: Any, table: torch.Tensor, window: int, dtype
             pos.append(start)
     if not seqs:
         return None
-    T, epb = group.tokens_per_block, group.entries_per_block
+    T, stride = group.tokens_per_block, batch.pools.block_slots[group.name]
     lows = [max(0, p - window + 1) for p in pos]
     width = max(p - lo + 1 for p, lo in zip(pos, lows, strict=True))
     k = torch.arange(width)
@@ -283,22 +284,23 @@ def _decode_plan(batch: Any, group: Any, table: torch.Tensor, window: int, dtype
     if bool((blocks[valid] < 0).any()):
         raise RuntimeError(f"group {group.name!r}: no window block for a decode sequence's window (released or never "
                            "allocated)")
-    slots = torch.where(valid, blocks * epb + k_pos % T, 0).to(device)
+    slots = torch.where(valid, blocks * stride + k_pos % T, 0).to(device)
     mask = torch.zeros(valid.shape, dtype=dtype).masked_fill_(~valid, float("-inf")).to(device)[:, None, None]
     row_t = torch.tensor(rows, device=device)
     return _DecodePlan(seqs, row_t, pos, position_ids[0, row_t][:, None], slots, valid.to(device), mask)
 
 
-def _entry_slots(group: Any, table: torch.Tensor, seqs: list[int], counts: list[int],
+def _entry_slots(group: Any, stride: int, table: torch.Tensor, seqs: list[int], counts: list[int],
                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Slots of every compressed entry of each sequence, ``(B, most)`` padded with slot 0, and which are real."""
+    """Slots of every compressed entry of each sequence, ``(B, most)`` padded with slot 0, and which are real
+    (``stride``: the group's slots a block, ``BlockPools.block_slots``)."""
     most = max(counts)
     w = torch.arange(most)[None, :].expand(len(seqs), most)
     valid = w < torch.tensor(counts)[:, None]
     blocks = table[torch.tensor(seqs)[:, None], w * group.compress_rate // group.tokens_per_block]
     if bool((blocks[valid] < 0).any()):
         raise RuntimeError(f"group {group.name!r}: no block for a decode sequence's compressed entries")
-    slots = torch.where(valid, blocks * group.entries_per_block + w % group.entries_per_block, 0)
+    slots = torch.where(valid, blocks * stride + w % group.entries_per_block, 0)
     return slots.to(device), valid.to(device)
 
 
@@ -346,8 +348,8 @@ def _pool_windows(comp: Any, kv: torch.Tensor, gate: torch.Tensor, csa: bool, ra
 
 
 def _absorb(comp: Any, name: str, plan: _DecodePlan, states: Sequence[V4SequenceState], layer: int,
-            h: torch.Tensor, view: torch.Tensor, table: torch.Tensor, group: Any, cols: tuple[int, int], csa: bool,
-            hd: int, plans: dict[Any, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+            h: torch.Tensor, view: torch.Tensor, table: torch.Tensor, group: Any, stride: int, cols: tuple[int, int],
+            csa: bool, hd: int, plans: dict[Any, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """One compressor series over the decode sequences' tokens: each token's projections join its sequence's partial
     window; a window that fills is pooled into its entry and stored in the pool (the model's compressor would emit
     nothing else at one token). Returns every entry of each sequence read back, padded to ``(B, most, width)`` with
@@ -375,7 +377,7 @@ def _absorb(comp: Any, name: str, plan: _DecodePlan, states: Sequence[V4Sequence
             blk = int(table[b, s.count * rate // group.tokens_per_block])
             if blk < 0:
                 raise RuntimeError(f"group {group.name!r}: no block for compressed entry {s.count}")
-            slots.append(blk * group.entries_per_block + s.count % group.entries_per_block)
+            slots.append(blk * stride + s.count % group.entries_per_block)
             s.count += 1
             s.buf_kv, s.buf_gate = s.buf_kv[:, rate:].clone(), s.buf_gate[:, rate:].clone()
         view[torch.tensor(slots, device=view.device), lo:hi] = new[:, 0].to(view.dtype)
@@ -384,7 +386,7 @@ def _absorb(comp: Any, name: str, plan: _DecodePlan, states: Sequence[V4Sequence
     key = ("v4-entries", group.name, tuple(counts))  # every layer of the group has the same entries in a step
     got = plans.get(key)
     if got is None:
-        got = plans[key] = _entry_slots(group, table, plan.seqs, counts, view.device)
+        got = plans[key] = _entry_slots(group, stride, table, plan.seqs, counts, view.device)
     slots, valid = got
     entries = view[slots, lo:hi].to(h.dtype)
     return entries.masked_fill_(~valid[..., None], 0.0), valid
@@ -392,22 +394,23 @@ def _absorb(comp: Any, name: str, plan: _DecodePlan, states: Sequence[V4Sequence
 
 def _decode_attention(module: Any, mod: Any, plan: _DecodePlan, q: torch.Tensor, q_residual: torch.Tensor,
                       hidden_states: torch.Tensor, keys: torch.Tensor, states: Sequence[V4SequenceState], layer: int,
-                      comp: tuple[Any, torch.Tensor, torch.Tensor] | None, plans: dict[Any, Any]) -> torch.Tensor:
+                      comp: tuple[Any, torch.Tensor, torch.Tensor, int] | None, plans: dict[Any, Any]) -> torch.Tensor:
     """The decode sequences' attention in one call: each query over its window keys then its compressed entries (CSA:
     its indexer's top-k of them), both padded to the longest with ``-inf`` in the mask. Returns ``(B, 1, H, hd)``."""
     hd = module.head_dim
     mask = plan.mask
     if module.compressor is not None:
-        group, view, table = comp
+        group, view, table, stride = comp
         c = module.compressor
         h = hidden_states[0, plan.rows]
         csa = hasattr(c, "indexer")
-        entries, real = _absorb(c, "compressor", plan, states, layer, h, view, table, group, (0, hd), csa, hd, plans)
+        entries, real = _absorb(c, "compressor", plan, states, layer, h, view, table, group, stride, (0, hd), csa, hd,
+                                plans)
         most = entries.shape[1]
         if most:
             if csa:  # the indexer's pick of entries per query (at one token every entry is before the query)
                 idx = c.indexer
-                ikeys, _ = _absorb(idx, "indexer", plan, states, layer, h, view, table, group,
+                ikeys, _ = _absorb(idx, "indexer", plan, states, layer, h, view, table, group, stride,
                                    (hd, group.entry_elems), True, idx.head_dim, plans)
                 B = len(plan.seqs)
                 cos_q, sin_q = idx.rotary_emb(h, position_ids=plan.pos_ids, layer_type=idx.rope_layer_type)
@@ -425,8 +428,8 @@ def _decode_attention(module: Any, mod: Any, plan: _DecodePlan, q: torch.Tensor,
             keys = torch.cat([keys, entries[:, None]], dim=2)
             mask = torch.cat([mask, extra[:, None, None]], dim=-1)
         elif csa:  # the indexer still absorbs its tokens
-            _absorb(c.indexer, "indexer", plan, states, layer, h, view, table, group, (hd, group.entry_elems), True,
-                    c.indexer.head_dim, plans)
+            _absorb(c.indexer, "indexer", plan, states, layer, h, view, table, group, stride, (hd, group.entry_elems),
+                    True, c.indexer.head_dim, plans)
     qd = q[0][:, plan.rows].transpose(0, 1).unsqueeze(2)  # (B, H, 1, hd)
     out, _ = mod.eager_attention_forward(module, qd, keys, keys, mask, scaling=module.scaling, dropout=0.0)
     return out
@@ -457,6 +460,7 @@ class _PrefillPlan:
     table: torch.Tensor
     dtype: torch.dtype
     device: torch.device
+    stride: int  # the window group's slots a block (BlockPools.block_slots)
 
 
 @attrs.define
@@ -500,7 +504,7 @@ def _prefill_plan(batch: Any, group: Any, table: torch.Tensor, window: int, dtyp
     rows = None if everything else torch.cat([torch.arange(f, f + n) for f, n in zip(firsts, lens, strict=True)])
     pos = position_ids if rows is None else position_ids[:, rows.to(position_ids.device)]
     return _PrefillPlan(seqs, lens, None if rows is None else rows.to(device), pos, tiles, window, group, table, dtype,
-                        device)
+                        device, batch.pools.block_slots[group.name])
 
 
 def _slices(plan: _PrefillPlan, heads: int, counts: Sequence[int], rate: int | None) -> list[_Slice]:
@@ -538,7 +542,7 @@ def _slices(plan: _PrefillPlan, heads: int, counts: Sequence[int], rate: int | N
         if bool((blocks[valid] < 0).any()):
             raise RuntimeError(f"group {g.name!r}: no window block for a prefill chunk's window (released or never "
                                "allocated)")
-        slots = torch.where(valid, blocks * g.entries_per_block + k_pos % g.tokens_per_block, 0)
+        slots = torch.where(valid, blocks * plan.stride + k_pos % g.tokens_per_block, 0)
         seen = (valid[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])
                 & (k_pos[:, None, :] > q_pos[:, :, None] - window))
         mask = torch.zeros(seen.shape, dtype=plan.dtype).masked_fill_(~seen, float("-inf"))[:, None]
@@ -554,8 +558,8 @@ def _slices(plan: _PrefillPlan, heads: int, counts: Sequence[int], rate: int | N
 
 
 def _absorb_chunks(comp: Any, name: str, plan: _PrefillPlan, states: Sequence[V4SequenceState], layer: int,
-                   h: torch.Tensor, view: torch.Tensor, table: torch.Tensor, group: Any, cols: tuple[int, int],
-                   csa: bool, hd: int) -> list[int]:
+                   h: torch.Tensor, view: torch.Tensor, table: torch.Tensor, group: Any, stride: int,
+                   cols: tuple[int, int], csa: bool, hd: int) -> list[int]:
     """One compressor series over the prefill chunks' tokens ``h`` ``(R, hidden)``: each chunk's projections after its
     sequence's partial window; the windows that fill, of every chunk, pooled in one call as the model's compressor
     pools them and stored in the pool; the rest kept as the partial windows, and at a reuse boundary a chunk crosses
@@ -592,7 +596,7 @@ def _absorb_chunks(comp: Any, name: str, plan: _PrefillPlan, states: Sequence[V4
             blocks = table[b, entries * rate // T]
             if int(blocks.min()) < 0:
                 raise RuntimeError(f"group {group.name!r}: no block for compressed entry {s.count}..{s.count + nw - 1}")
-            slots.append(blocks * epb + entries % epb)
+            slots.append(blocks * stride + entries % epb)
             s.count += nw
             W += nw
         counts.append(s.count)
@@ -605,7 +609,7 @@ def _absorb_chunks(comp: Any, name: str, plan: _PrefillPlan, states: Sequence[V4
 
 def _prefill_attention(module: Any, mod: Any, plan: _PrefillPlan, q: torch.Tensor, q_residual: torch.Tensor,
                        hidden_states: torch.Tensor, wview: torch.Tensor, states: Sequence[V4SequenceState],
-                       layer: int, comp: tuple[Any, torch.Tensor, torch.Tensor] | None,
+                       layer: int, comp: tuple[Any, torch.Tensor, torch.Tensor, int] | None,
                        plans: dict[Any, Any]) -> torch.Tensor:
     """The prefill chunks' attention over their query tiles, as many tiles a call as fit
     :data:`CPU_SCORES_PER_CALL` (all of them off the CPU; see :func:`_slices`): each tile's queries over its window
@@ -619,15 +623,16 @@ def _prefill_attention(module: Any, mod: Any, plan: _PrefillPlan, q: torch.Tenso
     counts: list[int] = []
     rate = csa = None
     if module.compressor is not None:
-        group, view, table = comp
+        group, view, table, stride = comp
         c = module.compressor
         csa = hasattr(c, "indexer")
         rate = group.compress_rate
-        counts = _absorb_chunks(c, "compressor", plan, states, layer, h, view, table, group, (0, hd), csa, hd)
+        counts = _absorb_chunks(c, "compressor", plan, states, layer, h, view, table, group, stride, (0, hd), csa,
+                                hd)
         if csa:
             idx = c.indexer
-            _absorb_chunks(idx, "indexer", plan, states, layer, h, view, table, group, (hd, group.entry_elems), True,
-                           idx.head_dim)
+            _absorb_chunks(idx, "indexer", plan, states, layer, h, view, table, group, stride,
+                           (hd, group.entry_elems), True, idx.head_dim)
     # the same for every layer of the window and compressed groups
     key = ("v4-prefill-slices", plan.group.name, plan.window, module.num_heads, rate, tuple(counts))
     cuts = plans.get(key)
@@ -638,7 +643,7 @@ def _prefill_attention(module: Any, mod: Any, plan: _PrefillPlan, q: torch.Tenso
         ekey = ("v4-prefill-entries", group.name, tuple(counts))
         got = plans.get(ekey)
         if got is None:
-            got = plans[ekey] = _entry_slots(group, table, plan.seqs, counts, view.device)
+            got = plans[ekey] = _entry_slots(group, stride, table, plan.seqs, counts, view.device)
         eslots, real = got
         entries_all = view[eslots].to(h.dtype).masked_fill_(~real[..., None], 0.0)  # (P, most, width)
         if csa:
@@ -697,6 +702,7 @@ def paged_v4_forward(module: Any, hidden_states: torch.Tensor, position_embeddin
         cgroup = batch.pools.groups[comp[0]]
         cview = batch.pools.layer_slots(*comp)
         ctable = batch.table(comp[0])
+        cstride = batch.pools.block_slots[comp[0]]
     key = ("v4-decode", wname, window)
     dplan = batch.side_plans.get(key, False)
     if dplan is False:  # every layer reads the same windows through the same table: planned once a step
@@ -706,7 +712,7 @@ def paged_v4_forward(module: Any, hidden_states: torch.Tensor, position_embeddin
     if dplan is not None:
         keys = wview[dplan.slots].to(kv.dtype).masked_fill_(~dplan.valid[..., None], 0.0).unsqueeze(1)
         batched = _decode_attention(module, mod, dplan, q, q_residual, hidden_states, keys, states, layer,
-                                    (cgroup, cview, ctable) if comp is not None else None, batch.side_plans)
+                                    (cgroup, cview, ctable, cstride) if comp is not None else None, batch.side_plans)
         if len(dplan.seqs) == batch.num_seqs:  # a decode-only step: the packed order is the batch's
             return _project_out(module, mod, batched.transpose(0, 1), cos, sin), None
     key = ("v4-prefill", wname, window)
@@ -715,7 +721,7 @@ def paged_v4_forward(module: Any, hidden_states: torch.Tensor, position_embeddin
         pplan = batch.side_plans[key] = _prefill_plan(batch, wgroup, wtable, window, q.dtype, wview.device,
                                                       position_ids, set(dplan.seqs) if dplan is not None else set())
     out = _prefill_attention(module, mod, pplan, q, q_residual, hidden_states, wview, states, layer,
-                             (cgroup, cview, ctable) if comp is not None else None, batch.side_plans)
+                             (cgroup, cview, ctable, cstride) if comp is not None else None, batch.side_plans)
     if dplan is None and pplan.rows is None:  # a prefill-only step: the tiles' rows are the packed rows
         return _project_out(module, mod, out[None], cos, sin), None
     full = out.new_empty((n_tok, *out.shape[1:]))

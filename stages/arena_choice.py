@@ -4,7 +4,10 @@ The measurement behind the rule (BENCHMARKS.md, "The slab arena through pool_are
 grid the slab arena took 0.28-1.00x the split pools' steps on every cell it could run, and it cannot run a request
 whose groups need more slabs than the arena has (a slab per group in use is its floor, where the split's floor is a
 block per group). So "auto" is the arena when the budget holds every group's blocks of one ``max_seq_len`` sequence
-in slabs of their own (no request the manager accepts can then be refused for the floor), the split otherwise.
+in slabs of their own (no request the manager accepts can then be refused for the floor), the split otherwise; the
+same for real pools (``run``, ``generate``, ``serve``) as for simulations, but on CUDA, whose budget comes from free
+memory measured after this choice (the split there; ``true`` builds the arena), and with an asked-for host tier
+(the arena runs without one).
 """
 
 from __future__ import annotations
@@ -25,12 +28,6 @@ from pipeline.context import Context
 #: The fields a user bounds the budget with (a caller's default budget applies when neither is set).
 BUDGET_FIELDS = ("kv_cache_config.max_tokens", "kv_cache_config.max_gpu_total_bytes")
 
-#: What the arena is not yet built for, in every line that says so.
-SIMULATION_ONLY = ("the slab arena is built in simulations only so far (kvload simulate: pools that allocate nothing); "
-                   "real pools keep the split, since the paged attention's slots assume a layer's blocks are "
-                   "contiguous")
-
-
 def layout_of(ctx: Context) -> KvLayout | None:
     """The KV layout the resolved args route to (None when it cannot be laid out: ``plan_kv`` says why)."""
     kv = ctx.args.kv_cache_config
@@ -50,8 +47,6 @@ def resolve_pool_arena(ctx: Context) -> tuple[bool, str, str]:
     unfit = arena_unfit_reason(layout)
     if unfit is not None:
         return False, "auto", f"{unfit}; the arena is for V2 groups of unequal pages (DeepSeek V4)"
-    if ctx.request is None or not ctx.request.pools_unbacked:
-        return False, "auto", SIMULATION_ONLY
     kv = ctx.args.kv_cache_config
     if kv.host_cache_size:
         return False, "auto", (f"kv_cache_config.host_cache_size={kv.host_cache_size} asks for a host tier; the slab "
@@ -61,7 +56,7 @@ def resolve_pool_arena(ctx: Context) -> tuple[bool, str, str]:
         return False, "auto", ("on CUDA the budget comes from free memory, measured when the pools are planned, after "
                                "this choice; set pool_arena to true to have the arena")
     budget, default = _budget(layout, ctx), ""
-    hint = ctx.request.default_budget
+    hint = ctx.request.default_budget if ctx.request is not None else None
     if hint is not None and not any(ctx.user_fields[p].value for p in BUDGET_FIELDS if p in ctx.user_fields):
         budget = hint[0] * layout.bytes_for_sequence(hint[1])  # what the caller will set: its default
         default = f" (the default of {hint[0]:,} sequence(s) of {hint[1]:,} tokens)"
@@ -75,7 +70,8 @@ def resolve_pool_arena(ctx: Context) -> tuple[bool, str, str]:
     one = f"one max_seq_len={length} sequence takes {need:,} (a slab per group in use is the arena's floor)"
     if slabs >= need:
         return True, "auto", (f"{held}; {one}, so any request fits, and memory flows between the groups as they "
-                              "need it (0.28-1.00x the split's steps on kvload simulate's V4 grid, BENCHMARKS.md)")
+                              "need it (0.28-1.00x the split's steps on kvload simulate's V4 grid, BENCHMARKS.md); it "
+                              "runs without a host tier (set host_cache_size for the split with one)")
     return False, "auto", (f"{held}; {one}: fewer, so a request the split pools hold could find no slab; lower "
                            "max_seq_len or raise the budget for the arena")
 

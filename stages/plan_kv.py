@@ -42,7 +42,6 @@ from pipeline.events import (
     SettingIgnored,
 )
 from pipeline.text import cell, table
-from stages.arena_choice import SIMULATION_ONLY
 from stages.host_tier_choice import choose_host_tier
 from stages.rank_budget import agree_rest, min_budget
 
@@ -351,7 +350,7 @@ def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
     ))
     pools, problem = None, device_issue
     unbacked = ctx.request is not None and ctx.request.pools_unbacked
-    arena, arena_problem = arena_setting(ctx, layout, unbacked, emit)
+    arena, arena_problem = arena_setting(ctx, layout, emit)
     if budget.budget_bytes is None:
         problem = problem or (f"no KV cache budget: {budget.unbounded_reason}; set kv_cache_config.max_tokens or "
                               "kv_cache_config.max_gpu_total_bytes (--max_tokens / --max_gpu_total_bytes)")
@@ -433,7 +432,7 @@ def fit_max_seq_len(ctx: Context, layout: KvLayout, budget: KvBudget, emit: Emit
     return attrs.evolve(budget, max_seq_len=low)
 
 
-def arena_setting(ctx: Context, layout: KvLayout, unbacked: bool, emit: Emit) -> tuple[bool, str | None]:
+def arena_setting(ctx: Context, layout: KvLayout, emit: Emit) -> tuple[bool, str | None]:
     """Whether the pools are a slab arena (``pool_arena`` resolved true, on a layout of unequal pages), and why
     ``load`` cannot build it (None when it can); ``setting_ignored`` for a value the user set that has nothing to
     act on."""
@@ -447,8 +446,6 @@ def arena_setting(ctx: Context, layout: KvLayout, unbacked: bool, emit: Emit) ->
         return False, None
     if kv.pool_arena is not True:
         return False, None
-    if not unbacked:
-        return True, f"{ARENA_FIELD}=true: {SIMULATION_ONLY}; set it to false or \"auto\""
     if kv.host_cache_size:
         return True, (f"{ARENA_FIELD}=true runs without a host tier, and {HOST_FIELD}={kv.host_cache_size} asks "
                       f"for one; set {HOST_FIELD} to 0 or {ARENA_FIELD} to false")

@@ -413,3 +413,25 @@ def test_the_arena_bench_runs_split_and_arena_through_pool_arena_and_says_what_a
     split, arena = (int(n.replace(",", "")) for n in row[4].split(" (")[0].split(" -> "))
     assert arena < split  # the groups lend each other the memory they do not use
     assert row[3] in ("arena", "split")
+
+
+def test_bench_v4_arena_refuses_bad_flags_before_loading(capsys, monkeypatch):
+    from bench import bench_v4_arena
+
+    monkeypatch.setattr(bench_v4_arena.kvload, "LLM", lambda *a, **k: pytest.fail("loaded before refusing"))
+    for argv in (["--slabs", "x"], ["--slabs", "0"], ["--lengths", "9,3"]):
+        with pytest.raises(SystemExit) as err:
+            bench_v4_arena.main(argv)
+        assert err.value.code == 2
+
+
+def test_bench_v4_arena_runs_split_and_arena_at_one_budget_with_the_same_tokens(capsys):
+    from bench import bench_v4_arena
+
+    bench_v4_arena.main(["--slabs", "8", "--prompts", "2", "--lengths", "20,40", "--new-tokens", "2",
+                         "--repeats", "1", "--max-seq-len", "256"])
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    split, arena = (next(line for line in lines if f", {mode}: pools" in line) for mode in ("split", "arena"))
+    assert "8 slabs (786,432 B budget), arena: pools 786,432 B" in arena  # the arena: exactly its slabs
+    assert "8 slabs (786,432 B budget), split: pools" in split and "tokens equal: True" in out

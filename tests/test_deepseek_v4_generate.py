@@ -60,6 +60,49 @@ def test_a_finished_request_leaves_no_block_and_no_side_state(v4_result):
     assert used_blocks(v4_result) == 0
 
 
+def test_the_slab_arena_generates_the_split_pools_tokens_while_slabs_pass_between_groups(v4_path, monkeypatch):
+    """``pool_arena: true`` on real pools: every group's blocks are views of one tensor no larger than the budget, and
+    under a budget of 15 slabs six prompts run with slabs passing from one group to another (a slab the window group
+    held is later carved into compressed entries, and back), requests preempted: every token is the split pools' and
+    transformers' own, and the plan and the audit say the arena was built."""
+    from cache_backends.v2.slab_pool import SlabPool
+
+    owners: dict[int, set[str]] = {}
+    take = SlabPool.take_slab
+
+    def taken(pool: SlabPool, s: int) -> None:
+        owners.setdefault(s, set()).add(pool.name)
+        take(pool, s)
+
+    monkeypatch.setattr(SlabPool, "take_slab", taken)
+    tokens = {}
+    for arena in (False, True):
+        result = load(v4_path, "v2", max_tokens=144, max_seq_len=64, pool_arena=arena)
+        try:
+            greedy_admission(result)
+            prompts = prompts_for(result.hf_model.config.vocab_size, (21, 5, 34, 2, 17, 30))
+            tokens[arena] = [o.token_ids for o in result.generate(prompts, max_new_tokens=14)]
+            pools, plan = result.kv_manager.pools, result.kv
+            (built,) = result.audit.of("kv_manager_built")
+            if not arena:
+                assert plan.arena_slabs is None and pools.arena is None
+                continue
+            want = [hf_greedy(result.hf_model, p, 14) for p in prompts]
+            assert plan.arena_slabs == pools.slabs and "memory: one slab arena of" in "\n".join(plan.render())
+            assert all(g["blocks"] is None for g in built["groups"].values())
+            storage = pools.arena.untyped_storage()
+            assert {t.untyped_storage().data_ptr() for t in pools.tensors.values()} == {storage.data_ptr()}
+            assert storage.nbytes() == built["total_bytes"] == pools.slabs * pools.slab_bytes
+            assert storage.nbytes() <= plan.budget.budget_bytes
+            counters = result.kv_manager.stats().arena
+            assert counters["slabs_reclaimed"] > 0 and result.executor.last_stats.preemptions > 0
+            assert any(len(groups) > 1 for groups in owners.values())
+            assert used_blocks(result) == 0 and len(result.executor.v4) == 0
+        finally:
+            result.close()
+    assert tokens[True] == tokens[False] == want
+
+
 @pytest.mark.parametrize(("host", "moved"), [(0, "preemptions"), (1 << 20, "suspends")])
 def test_a_preempted_or_suspended_request_continues_with_the_right_side_state(v4_path, host, moved):
     """Under a budget too small for six requests at once, a preempted request recomputes from position 0 with a fresh
@@ -321,8 +364,9 @@ def test_after_eviction_a_shorter_cached_prefix_is_reused_from_its_own_snapshot(
     """Under a small budget a second prompt that shares the first 16 tokens of a cached 48-token prefix reuses them and
     evicts the rest of it (its window blocks and their snapshots go first): the prefix read again reuses only those 16
     tokens, the longest boundary left with its blocks and snapshot, and every token is still transformers'; the
-    snapshots never outnumber the cached boundary blocks."""
-    result = load(v4_path, "v2", max_tokens=256, max_seq_len=64)
+    snapshots never outnumber the cached boundary blocks. (Split pools: a slab arena of this budget lets the window
+    group take the compressed groups' spare memory, and keeps 24 tokens of the prefix.)"""
+    result = load(v4_path, "v2", max_tokens=256, max_seq_len=64, pool_arena=False)
     try:
         model = result.hf_model
         prefix, tail, other = prompts_for(model.config.vocab_size, (48, 4, 32), seed=5)

@@ -178,7 +178,8 @@ def test_the_built_manager_serves_requests_end_to_end():
 
 def test_v2_is_built_through_the_agreed_construction_contract():
     v2 = pytest.importorskip("cache_backends.v2")
-    with pipeline.load("tiny-deepseek-v4", log=False, device="cpu", kv_cache_config={"max_tokens": 65536}) as result:
+    kv = {"max_tokens": 65536, "pool_arena": False}  # split pools ("auto" builds a slab arena at this budget)
+    with pipeline.load("tiny-deepseek-v4", log=False, device="cpu", kv_cache_config=kv) as result:
         assert isinstance(result.kv_manager, v2.KVCacheManagerV2)
         assert isinstance(result.scheduler, v2.KVCacheV2Scheduler)
         pools = result.kv_manager.pools
@@ -207,7 +208,7 @@ def test_the_build_stage_hands_v2_its_pools_options_and_limits(monkeypatch, trac
     fake.KVCacheManagerV2, fake.KVCacheV2Scheduler = KVCacheManagerV2, KVCacheV2Scheduler
     monkeypatch.setitem(sys.modules, "cache_backends.v2", fake)
     with pipeline.load("tiny-deepseek-v4", log=False, device="cpu", max_batch_size=8, max_num_tokens=512,
-                       kv_cache_config={"max_tokens": 65536, "host_cache_size": 0}) as result:
+                       kv_cache_config={"max_tokens": 65536, "host_cache_size": 0, "pool_arena": False}) as result:
         m, s = result.kv_manager, result.scheduler
         assert s.args == (m, 8, 512, "fcfs")
         assert m.pools.num_blocks == {"sliding_w128": 66, "hca_c128": 512, "csa_c4": 512}

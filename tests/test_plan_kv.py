@@ -12,7 +12,8 @@ from cache_backends import LayerKV
 
 # --- 5. plan and load agree on host_cache_size; 6. the host tier is counted and reported --------------------
 
-V4 = {"device": "cpu", "kv_cache_config": {"max_tokens": 65536}}
+# split pools: "auto" would build a slab arena at this budget, which runs without a host tier
+V4 = {"device": "cpu", "kv_cache_config": {"max_tokens": 65536, "pool_arena": False}}
 V4_POOL_BYTES = 12_976_128  # tiny-deepseek-v4 at max_tokens=65536 (float32; windows for 33 sequences of 1,986)
 
 

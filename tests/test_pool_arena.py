@@ -96,26 +96,83 @@ def test_auto_is_the_arena_when_one_max_seq_len_sequence_fits_in_slabs_and_the_a
     assert (built.arena_slabs, built.layer_groups) == (need, None) and built.to_dict()["arena_slabs"] == need
 
 
-def test_auto_keeps_the_split_for_real_pools_and_says_so():
+def test_auto_is_the_arena_for_real_pools_on_a_cpu_too_and_says_why():
     import pipeline
 
     result = pipeline.plan("tiny-deepseek-v4", device="cpu", kv_cache_config={"max_tokens": 65536})
     (event,) = [e for e in result.audit.of("auto_resolved") if e["field"] == ARENA]
-    assert event["new"] is False and "simulations only" in event["reason"]
-    assert result.args.kv_cache_config.pool_arena is False and not result.kv.arena
+    assert event["new"] is True and "so any request fits" in event["reason"]
+    assert result.args.kv_cache_config.pool_arena is True and result.kv.arena_slabs
 
 
-def test_an_explicit_arena_on_real_pools_is_refused_in_one_line_before_allocating(track_pools):
+def test_an_explicit_arena_on_real_pools_allocates_one_tensor_within_the_budget(track_pools):
     import pipeline
-    from pipeline import KvBuildError
 
     kw = {"device": "cpu", "kv_cache_config": {"max_tokens": 65536, "pool_arena": True}}
-    planned = pipeline.plan("tiny-deepseek-v4", log=False, **kw)
-    assert planned.kv.problem.startswith(f"{ARENA}=true: the slab arena is built in simulations only")
-    with pytest.raises(KvBuildError) as err:
-        pipeline.load("tiny-deepseek-v4", log=False, **kw)
-    assert str(err.value) == planned.kv.problem and "\n" not in str(err.value)
-    assert not track_pools
+    result = pipeline.load("tiny-deepseek-v4", log=False, **kw)
+    try:
+        assert result.kv.problem is None
+        (pools,) = track_pools
+        storage = pools.arena.untyped_storage()
+        assert {t.untyped_storage().data_ptr() for t in pools.tensors.values()} == {storage.data_ptr()}
+        assert storage.nbytes() == result.kv.arena_slabs * SLAB <= result.kv.budget.budget_bytes
+    finally:
+        result.close()
+    assert pools.released
+
+
+def test_a_slab_one_group_gave_back_holds_the_next_groups_own_entries_in_every_layer():
+    """Real (CPU) pools of a slab arena, numbered as the slab pools hand blocks out: a compressed group writes every
+    layer of a slab's blocks, then frees them (the slab goes back to the arena); the window group takes that slab and
+    writes its own. Each reads back what it wrote, in every layer, through the views the attention indexes
+    (``layer_slots`` at ``block * block_slots + offset``) and the block views forks copy (``tensors[g][:, b]``), and
+    block ``b`` of a group lies at byte ``b * page`` of the one tensor, so the slab the window took is the memory the
+    compressed group gave back."""
+    import torch
+
+    layout = v4_layout()
+    plan = plan_arena(layout, 3 * SLAB, 4096)
+    pools = BlockPools(layout, plan.num_blocks, "cpu", slabs=plan.slabs)
+    arena = SlabArena(plan.slabs, pools.slab_bytes)
+    own = {g.name: SlabPool(g.name, arena, g.bytes_per_block) for g in layout.groups}
+    window = next(g for g in layout.groups if g.compress_rate is None)
+    small = max((g for g in layout.groups if g.compress_rate), key=lambda g: own[g.name].per)
+    gen = torch.Generator().manual_seed(0)
+
+    def detach(name: str, blocks: list[int]) -> None:
+        pass
+
+    def write(g: Any, blocks: list[int]) -> dict[tuple[int, int], torch.Tensor]:
+        wrote = {}
+        for i in range(len(g.layers)):
+            view = pools.layer_slots(g.name, i)
+            for b in blocks:
+                data = torch.randn((g.entries_per_block, g.entry_elems), generator=gen)
+                view[b * pools.block_slots[g.name] + torch.arange(g.entries_per_block)] = data
+                wrote[i, b] = data
+        return wrote
+
+    def reads_back(g: Any, wrote: dict[tuple[int, int], torch.Tensor]) -> bool:
+        view = {i: pools.layer_slots(g.name, i) for i in range(len(g.layers))}
+        step = pools.block_slots[g.name]
+        return all(torch.equal(view[i][b * step:b * step + g.entries_per_block], data)
+                   and torch.equal(pools.tensors[g.name][i, b], data) for (i, b), data in wrote.items())
+
+    assert pools.nbytes == pools.arena.untyped_storage().nbytes() == 3 * SLAB
+    compressed = own[small.name].allocate_many(own[small.name].per, detach)  # one whole slab
+    (slab,) = {b // own[small.name].per for b in compressed}
+    held = own[window.name].allocate_many(1, detach)  # another slab
+    mine, theirs = write(small, compressed), write(window, held)
+    assert reads_back(small, mine) and reads_back(window, theirs)
+    own[small.name].release(compressed, 0, False, detach)
+    assert slab in arena.free
+    (taken,) = own[window.name].allocate_many(1, detach)
+    assert taken == slab  # one window block a slab: the slab the compressed group gave back
+    base = pools.arena.data_ptr()
+    for g, b in ((window, taken), (small, compressed[0])):
+        assert pools.tensors[g.name][0, b].data_ptr() - base == b * g.bytes_per_block
+    theirs |= write(window, [taken])
+    assert reads_back(window, theirs) and not reads_back(small, mine)  # the same memory, now the window's
 
 
 def test_an_arena_with_a_host_tier_is_refused_and_auto_keeps_the_split():
@@ -306,3 +363,16 @@ def test_a_check_for_a_hits_claim_counts_no_slab_its_cached_blocks_lie_in_as_rec
     assert arena.short([1, 0]) is None  # without it, g1's slab 0 is reclaimed
     arena.acquire([1, 0], detach)
     assert g0.allocate_many(1, detach) == [0] and arena.counters["evicted_by_reclaim"] == 4 and not arena.check()
+
+
+def test_plan_compare_counts_the_sequences_an_arena_s_slabs_hold_not_a_split_s():
+    import pipeline
+    from cache_backends.budget import arena_sequences
+    from engine.capacity import compare_capacity
+
+    comparison = compare_capacity(pipeline.plan("tiny-deepseek-v4", log=False, device="cpu", max_seq_len=4096))
+    v2 = comparison.v2
+    assert v2.plan.arena  # "auto" at the compared budget (16 sequences of max_seq_len): the arena
+    assert [v2.max_concurrency(n) for n in comparison.lengths] == [
+        arena_sequences(v2.plan.layout, v2.plan.arena_slabs, n) for n in comparison.lengths]
+    assert "a slab arena: its slabs filled with them" in comparison.render()[-1]

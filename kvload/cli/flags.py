@@ -67,7 +67,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--pool_arena", "kv_cache_config.pool_arena",
          "V2 groups of unequal pages (DeepSeek V4): one slab arena they take memory from as they need it (true), "
          "pools split once (false), or auto (the arena when the budget holds a max_seq_len sequence in slabs; "
-         "simulations only so far)", tri_state, metavar="{auto,true,false}"),
+         "on CUDA, whose budget comes from free memory, the split)", tri_state, metavar="{auto,true,false}"),
     Flag("--event_buffer_max_size", "kv_cache_config.event_buffer_max_size",
          "KV cache events (block stored/removed/cleared) kept for readers; 0 = off (default)", field_integer,
          metavar="N"),

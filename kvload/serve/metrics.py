@@ -337,6 +337,15 @@ class _EngineCollector:
             blocks.add_metric([*name, SHARED_ARENA_LABEL, "free"], float(arena_free))
         yield usage
         yield blocks
+        slab_arena = stats.arena if stats is not None else None
+        if slab_arena:  # a slab arena (pool_arena): its free slabs belong to no group, and no group's total is fixed
+            slabs = GaugeMetricFamily("kvload_kv_cache_slabs", "Slabs of a slab arena (pool_arena): free, or owned by "
+                                      "a layer group (its blocks are in the group's series)",
+                                      labels=["model_name", "state"])
+            free_slabs = slab_arena["free_slabs"]
+            slabs.add_metric([*name, "free"], float(free_slabs))
+            slabs.add_metric([*name, "owned"], float(slab_arena["slabs"] - free_slabs))
+            yield slabs
         queries = CounterMetricFamily(metric_name(m.naming, "prefix_cache_queries"),
                                       "Prompt tokens looked up in the prefix cache", labels=labels)
         queries.add_metric(values, float(stats.reuse_query_tokens if stats is not None else 0))
