@@ -279,12 +279,17 @@ def pools_short_by(result: pipeline.LoadResult, scenarios: list[list[int]], new_
     layout = getattr(pools, "layout", None)
     if layout is None:
         return 1.0
-    grow = 1.0
+    grow, slabs = 1.0, getattr(pools, "slabs", None)
+    need_slabs = 0
     for g in layout.groups:
         span = g.tokens_per_block
         need = n * max(sum(-(-(length + new_tokens) // span) for length in ls) for ls in scenarios)
-        grow = max(grow, need / pools.num_blocks[g.name])
-    return grow
+        if slabs:  # a slab arena: the groups draw on the same slabs, so their needs add up
+            per_slab = pools.num_blocks[g.name] // slabs
+            need_slabs += -(-need // per_slab)
+        else:
+            grow = max(grow, need / pools.num_blocks[g.name])
+    return max(grow, need_slabs / slabs) if slabs else grow
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -366,7 +366,7 @@ def test_bench_generate_sizes_pools_that_hold_a_scenario_in_every_group():
     tight = sum(-(-(n + 32) // 32) * 32 for n in lengths[0])
     grown = None
     for budget in (tight, None):
-        kv = {"max_tokens": budget or grown, "tokens_per_block": 32}
+        kv = {"max_tokens": budget or grown, "tokens_per_block": 32, "pool_arena": False}  # per-group pools
         with pipeline.load("tiny-deepseek-v4", load_weights=False, kv_cache_config=kv, log=False,
                            max_seq_len=232) as result:
             grow = bench_generate.pools_short_by(result, lengths, 32, 1)

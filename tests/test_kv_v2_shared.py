@@ -165,7 +165,7 @@ def test_plan_reports_the_arena_and_the_joint_sequence_count():
 
 def test_a_layout_whose_pages_differ_keeps_the_split_and_says_why():
     kv = pipeline.plan("tiny-deepseek-v4", log=False, device="cpu",
-                       kv_cache_config={"max_tokens": 65536}).kv
+                       kv_cache_config={"max_tokens": 65536, "pool_arena": False}).kv  # not the slab arena
     memory = kv.to_dict()["memory"]
     assert memory["shared"] is False and memory["arena_blocks"] is None
     assert memory["unshared_reason"].startswith("compressed groups have other page sizes")

@@ -205,6 +205,7 @@ NOT_KVLOAD_FLAGS = {
     "--nproc-per-node": "torchrun's",
     "--no-deps": "pip's",
     "--index-url": "pip's",
+    "--unix-socket": "curl's (reaching serve --uds)",
     "--gpu-memory-utilization": "vLLM's, refused (Coming from vLLM)",
     "--swap-space": "vLLM's, refused (Coming from vLLM)",
     "--num-gpu-blocks-override": "vLLM's, refused (Coming from vLLM)",
