@@ -7,6 +7,7 @@ Run from the repository root (one thread is enough: nothing here runs torch kern
     python -m bench.bench_grid --presets tiny-gemma3 --workloads no-reuse --budgets default
     python -m bench.bench_grid --only timing   # the step-time target alone (interleaved V1/V2 pairs)
     python -m bench.bench_grid --only arena    # DeepSeek V4: split pools vs one slab arena (pool_arena false/true)
+    python -m bench.bench_grid --only arena-slabs --quick   # the same at 1x..8x one max_seq_len sequence's slabs
     python -m bench.bench_grid --only grid --real   # published sliding-window checkpoints' configs (GPT-OSS 20B,
                                                     # Gemma 3 27B, Gemma 2 9B) at GPU-sized budgets: pools unbacked
 
@@ -337,6 +338,91 @@ def arena_pools(preset: str = "tiny-deepseek-v4", workloads: tuple[str, ...] = W
     return table
 
 
+#: ``--only arena-slabs``: budgets in multiples of the slabs one ``max_seq_len`` sequence takes (pool_arena "auto"'s
+#: floor), from the floor up.
+SLAB_FACTORS = (1.0, 1.5, 2.0, 3.0, 4.0, 8.0)
+#: ``--only arena-slabs`` also replays ``bench.bench_v4_arena``'s prompts: 8 of 300..601 tokens arriving at once,
+#: 32 answer tokens each, nothing shared.
+V4_ARENA_PROMPTS = ("mixed", {"prompt_min": 300, "prompt_max": 601, "answer_min": 32, "answer_max": 32,
+                              "prefixes": 0, "shared_percent": 0, "max_gap": 0}, 8)
+
+
+def arena_slabs(preset: str = "tiny-deepseek-v4", workloads: tuple[str, ...] = (*WORKLOADS, "v4-arena-prompts"),
+                factors: tuple[float, ...] = SLAB_FACTORS, max_seq_len: int | None = None,
+                quick: bool = False) -> Table:
+    """DeepSeek V4's split pools against its slab arena at budgets of 1x..8x the slabs one ``max_seq_len`` sequence
+    takes (``max_seq_len``: each workload's longest sequence unless given), and what "auto" resolves to there: where
+    the arena's per-group slab rounding costs running requests, and whether anything "auto" knows tells it."""
+    from cache_backends.budget import slab_bytes, slabs_for_sequence
+    from engine.simulator import simulate
+    from engine.workloads import make_workload
+    from pipeline.context import LoadRequest
+    from pipeline.errors import KvBuildError
+    from pipeline.run import execute
+    from stages import plan_stages
+
+    cmd = ("python -m bench.bench_grid --only arena-slabs" + (f" --max-seq-len {max_seq_len}" if max_seq_len else "")
+           + (" --quick" if quick else ""))
+    table = Table(f"{preset}: pool_arena false -> true at budgets in slabs of one max_seq_len sequence (V2 only)", cmd,
+                  ["workload", "max_seq_len", "slabs (x one sequence's)", "auto", "steps", "mean concurrency",
+                   "preemptions"])
+    layout = None
+    for name in workloads:
+        if name == "v4-arena-prompts":
+            kind, extra, count = V4_ARENA_PROMPTS
+            policy, wl = "fcfs", make_workload(kind, count, 0, **extra)
+        else:
+            kind, extra, policy = VARIANTS.get(name, (name, {}, "fcfs"))
+            wl = make_workload(kind, None, 0, **extra)
+            if quick:
+                wl = make_workload(kind, max(4, len(wl.requests) // 4), 0, **extra)
+        longest = max(len(r.prompt) + len(r.answer) for r in wl.requests)
+        length = max_seq_len or longest
+        if length < longest:
+            table.rows.append([name, f"{length:,}", f"- (its longest sequence is {longest:,} tokens)", "-", "-", "-",
+                               "-"])
+            continue
+        if layout is None:
+            from pipeline import plan
+            layout = plan(preset, log=False, device="cpu", max_seq_len=length, kv_cache_config={"max_tokens": length}
+                          ).kv.layout
+        need = slabs_for_sequence(layout, length)
+        for factor in factors:
+            slabs = max(need, round(need * factor))
+            kv = {"max_gpu_total_bytes": slabs * slab_bytes(layout)}
+            runs = []
+            for arena in (False, True):
+                try:
+                    (result,) = simulate(preset, wl, kv_cache_config={**kv, "pool_arena": arena}, max_seq_len=length,
+                                         scheduling_policy=policy, **CPU).results.values()
+                except KvBuildError:
+                    runs.append(None)
+                    continue
+                runs.append(result.metrics)
+            events: list[dict[str, Any]] = []
+            execute(LoadRequest(model=preset, overrides={"device": "cpu", "kv_cache_config": kv, "max_seq_len": length},
+                                pools_unbacked=True), plan_stages(), subscribers=[events.append], log=False)
+            auto = next(e["new"] for e in events if e["event"] == "auto_resolved"
+                        and e["field"] == "kv_cache_config.pool_arena")
+
+            def pair(f: Callable[[Any], str], runs: list[Any] = runs) -> str:
+                return " -> ".join("cannot run" if m is None else f(m) for m in runs)
+
+            a, b = runs
+            steps = pair(lambda m: f"{m.steps:,}") + (f" ({ratio(b.steps / a.steps)})" if a and b else "")
+            table.rows.append([name, f"{length:,}", f"{slabs:,} ({slabs / need:.1f}x {need})",
+                               "arena" if auto else "split", steps, pair(lambda m: f"{m.mean_concurrency:.1f}"),
+                               pair(lambda m: f"{m.preemptions:,}")])
+            print(f"  arena-slabs {name} {slabs} slabs", file=sys.stderr, flush=True)
+    table.notes.append("Both runs in one process at each budget (max_gpu_total_bytes = slabs x the largest page): "
+                       "V2's pools split once (pool_arena false) -> one slab arena (true); max_seq_len: each "
+                       "workload's longest sequence unless --max-seq-len; x one sequence's: the budget over the slabs "
+                       "one max_seq_len sequence takes (\"auto\"'s floor); auto: what pool_arena \"auto\" resolves "
+                       "to there. v4-arena-prompts: bench.bench_v4_arena's prompts (8 of 300..601 tokens at once, 32 "
+                       "answer tokens).")
+    return table
+
+
 def run(quick: bool = False) -> list[Table]:
     """The grid table and the step-time table (``bench.run_all`` entry point)."""
     return [grid(quick=quick)[1], step_time(quick)]
@@ -350,14 +436,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--real", action="store_true", help="the published sliding-window configs (REAL) as the presets")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated workloads")
     p.add_argument("--budgets", default=",".join(BUDGETS), help=f"comma-separated subset of {', '.join(BUDGETS)}")
-    p.add_argument("--only", choices=("grid", "timing", "split", "arena"),
+    p.add_argument("--only", choices=("grid", "timing", "split", "arena", "arena-slabs"),
                    help="run one part (default: grid and timing; split: DeepSeek V4's split pools, old rule vs new; "
-                        "arena: DeepSeek V4's split pools vs its slab arena, pool_arena false vs true)")
+                        "arena: DeepSeek V4's split pools vs its slab arena, pool_arena false vs true; arena-slabs: "
+                        "the same at budgets of 1x..8x one max_seq_len sequence's slabs)")
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help="arena-slabs: one max_seq_len for every workload (default: each workload's longest sequence)")
     args = p.parse_args(argv)
     budgets = tuple(b.strip() for b in args.budgets.split(",") if b.strip())
     unknown = [b for b in budgets if b not in BUDGETS]
     if unknown:
         p.error(f"--budgets: unknown budget {unknown[0]!r}; known: {', '.join(BUDGETS)}")
+    if args.max_seq_len is not None and (args.only != "arena-slabs" or args.max_seq_len < 1):
+        p.error(f"--max-seq-len: a positive integer, for --only arena-slabs alone; got {args.max_seq_len} with "
+                f"--only {args.only}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     for key, value in machine().items():
         print(f"- {key}: {value}")
@@ -372,6 +464,10 @@ def main(argv: list[str] | None = None) -> None:
         print(split_pools(workloads=tuple(args.workloads.split(",")), budgets=budgets, quick=args.quick).markdown())
     if args.only == "arena":
         print(arena_pools(workloads=tuple(args.workloads.split(",")), budgets=budgets, quick=args.quick).markdown())
+    if args.only == "arena-slabs":
+        names = tuple(args.workloads.split(",")) if args.workloads != ",".join(WORKLOADS) else None
+        print(arena_slabs(**({"workloads": names} if names else {}), max_seq_len=args.max_seq_len,
+                          quick=args.quick).markdown())
 
 
 if __name__ == "__main__":

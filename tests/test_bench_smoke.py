@@ -435,3 +435,28 @@ def test_bench_v4_arena_runs_split_and_arena_at_one_budget_with_the_same_tokens(
     split, arena = (next(line for line in lines if f", {mode}: pools" in line) for mode in ("split", "arena"))
     assert "8 slabs (786,432 B budget), arena: pools 786,432 B" in arena  # the arena: exactly its slabs
     assert "8 slabs (786,432 B budget), split: pools" in split and "tokens equal: True" in out
+
+
+def test_the_arena_slabs_bench_sweeps_budgets_in_slabs_of_one_max_seq_len_sequence():
+    # pool_arena "auto"'s floor is one max_seq_len sequence's slabs; the sweep prices budgets as multiples of it
+    from bench import bench_grid
+
+    table = bench_grid.arena_slabs(workloads=("v4-arena-prompts",), factors=(1.0, 1.5))
+    assert [row[2] for row in table.rows] == ["4 (1.0x 4)", "6 (1.5x 4)"]  # 605 tokens: 2 window slabs, 1 csa, 1 hca
+    assert {row[1] for row in table.rows} == {"605"}  # max_seq_len: the workload's longest sequence
+    assert [row[3] for row in table.rows] == ["arena", "arena"]  # at or above the floor
+    for row in table.rows:
+        split, arena = (int(n) for n in row[4].split(" (")[0].split(" -> "))
+        assert row[4].endswith(f"({arena / split:.2f}x)")
+    short = bench_grid.arena_slabs(workloads=("long-context",), factors=(1.0,), max_seq_len=1024, quick=True)
+    assert short.rows == [["long-context", "1,024", "- (its longest sequence is 8,192 tokens)", "-", "-", "-", "-"]]
+
+
+def test_the_grid_bench_refuses_max_seq_len_outside_the_arena_slabs_sweep(capsys):
+    from bench import bench_grid
+
+    for argv in (["--max-seq-len", "1024"], ["--only", "arena-slabs", "--max-seq-len", "0"]):
+        with pytest.raises(SystemExit) as err:
+            bench_grid.main(argv)
+        assert err.value.code == 2
+    assert "--max-seq-len: a positive integer, for --only arena-slabs alone" in capsys.readouterr().err
