@@ -19,8 +19,11 @@ import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+import attrs
+
 from engine.beam_search import BeamSearchOutput, BeamSearchParams
 from engine.outputs import GenerationStats, RequestOutput, TokenDelta
+from engine.pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams, pooled_vector
 from engine.prompts import check_tree, is_conversation, is_token_id
 from engine.sampling_params import SamplingParams, is_int
 from kvload.api import LoadResult, api_request, execute
@@ -103,8 +106,9 @@ VLLM_ATTRIBUTES_NOT_TAKEN: dict[str, str] = {
     "llm_engine": "the engine object; kvload's load is llm.result (its executor, kv_manager, scheduler, audit), "
                   "the settings llm.args (llm.args.max_seq_len is vLLM's model_config.max_model_len), the tokenizer "
                   "llm.get_tokenizer()",
-    **dict.fromkeys(("encode", "embed", "classify", "score", "reward"),
-                    "kvload generates text (no pooling, embedding or scoring models)"),
+    **dict.fromkeys(("encode", "classify", "score", "reward"),
+                    "kvload generates text and embeds it (LLM.embed: the last token's hidden state); it has no "
+                    "classification, scoring or reward models"),
     **dict.fromkeys(("sleep", "wake_up"), "kvload.LLM has no sleep mode; close() releases the pools and weights"),
     **dict.fromkeys(("collective_rpc", "apply_model"),
                     "kvload runs no user functions on its workers; the torch model is llm.result.hf_model"),
@@ -302,6 +306,53 @@ class LLM:
                 outputs = executor.run(prompts, sampling_params, salt=salt, chat=chat, priority=priority, **sampling)
                 self._metrics.record(outputs, executor.last_stats)
                 return outputs
+
+    def embed(self, prompts: Any, *, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              truncate_prompt_tokens: int | None = None, use_tqdm: Any = None, lora_request: Any = None,
+              salt: str | None = None) -> list[EmbeddingRequestOutput]:
+        """vLLM's ``LLM.embed`` for a decoder model: one :class:`EmbeddingRequestOutput` per prompt, in order, its
+        ``outputs.embedding`` the final norm's output at the prompt's last token, L2-normalized (vLLM's LAST pooling
+        and its embed task's default; ``PoolingParams(normalize=False)``: as computed).
+
+        ``prompts`` as :meth:`generate` takes them (text, token ids, vLLM's prompt dicts). ``pooling_params``: one
+        :class:`PoolingParams` for every prompt or a list of one per prompt. ``truncate_prompt_tokens``: keep each
+        prompt's last N tokens (-1: the model's length), as ``PoolingParams.truncate_prompt_tokens``. The prompt is
+        prefilled as a generate call's is (its prefix cached and reused); the one token its logits give is dropped.
+        """
+        _no_lora("embed", lora_request)
+        with _named("embed"):
+            per_prompt = isinstance(pooling_params, Sequence)
+            given = list(pooling_params) if per_prompt else [pooling_params]  # type: ignore[arg-type]
+            for i, p in enumerate(given):
+                if p is not None and not isinstance(p, PoolingParams):
+                    where = f"pooling_params[{i}]" if per_prompt else "pooling_params"
+                    raise GenerationError(f"embed: {where}: expected a kvload.PoolingParams, got {type(p).__name__}")
+            pooling = [p if p is not None else PoolingParams() for p in given]
+            if truncate_prompt_tokens is not None:
+                PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)  # its check, its message
+                clash = next((p for p in pooling if p.truncate_prompt_tokens not in (None, truncate_prompt_tokens)),
+                             None)
+                if clash is not None:
+                    raise GenerationError(f"embed: truncate_prompt_tokens {truncate_prompt_tokens} and pooling_params' "
+                                          f"truncate_prompt_tokens {clash.truncate_prompt_tokens} differ; give one")
+                pooling = [attrs.evolve(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in pooling]
+            # the prefill's forward gives the hidden state; its one greedy token is computed and dropped
+            sampling = [SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                                       truncate_prompt_tokens=p.truncate_prompt_tokens) for p in pooling]
+        with self._exclusive("embed"):
+            self._no_progress_bar(use_tqdm)
+            with self._running("embed") as executor:
+                outputs = executor.run(prompts, sampling if per_prompt else sampling[0], salt=salt, pool=True)
+                rows = [executor.pooled.take(o.request_id) for o in outputs]
+        embedded = []
+        for i, (out, row) in enumerate(zip(outputs, rows, strict=True)):
+            if row is None:  # every prompt's last token is computed by some step: a missing row is a bug, said so
+                raise GenerationError(f"embed: prompt {i}: its last hidden state was not captured")
+            embedded.append(EmbeddingRequestOutput(
+                request_id=out.request_id, prompt=out.prompt, prompt_token_ids=list(out.prompt_token_ids),
+                num_cached_tokens=out.num_cached_tokens,
+                outputs=EmbeddingOutput(pooled_vector(row, pooling[i if per_prompt else 0].normalize))))
+        return embedded
 
     def beam_search(self, prompts: Any, params: BeamSearchParams, lora_request: Any = None, use_tqdm: Any = False,
                     concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
