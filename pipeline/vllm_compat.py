@@ -141,9 +141,9 @@ KNOB_VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
 SECRET_KNOBS = frozenset({"hf_token"})
 
 #: Why vLLM's task/runner/convert need no value: one kvload.LLM generates and embeds.
-EMBEDS_TOO = ("a kvload.LLM generates and embeds alike (LLM.embed pools the last token's hidden state, as vLLM's "
-              "runner pooling does for a decoder model), so there is no runner to choose; it has no classification, "
-              "scoring or reward models")
+EMBEDS_TOO = ("kvload generates and embeds with one model (LLM.embed and kvload serve's /v1/embeddings pool the last "
+              "token's hidden state, as vLLM's runner pooling does for a decoder model), so there is no runner to "
+              "choose; it has no classification, scoring or reward models")
 
 #: vLLM's knobs whose only value kvload can honour is their no-op one → (the accepted values, why others are refused).
 NO_OP_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {

@@ -74,7 +74,7 @@ def test_vllms_pooling_runner_settings_are_taken_and_embed_bad_settings_are_one_
     with kvload.LLM(str(words), runner="pooling", task="embed", convert="embed", **llm_kwargs("v1")) as llm:
         said = {e["field"]: e["reason"] for e in llm.audit.of("setting_ignored")}
         assert {"runner", "task", "convert"} <= set(said), said
-        assert "generates and embeds alike" in said["runner"]
+        assert "generates and embeds with one model" in said["runner"]
         assert llm.embed("w5 w6")[0].outputs.hidden_size == 64
         with pytest.raises(GenerationError, match=r"^PoolingParams: dimensions 8: .*no Matryoshka"):
             llm.embed("w5", pooling_params=kvload.PoolingParams(dimensions=8))
@@ -147,3 +147,18 @@ def test_an_input_embedded_in_the_step_of_a_decoding_completion_gets_its_own_row
                 thread.join(TIMEOUT)
         np.testing.assert_allclose(results["embedded"].data[0].embedding, reference(PROMPTS[1]), atol=1e-5)
         assert results["done"].choices[0].text == alone
+
+
+def test_vllm_serves_launch_line_for_an_embedding_model_is_taken_by_the_cli(capsys):
+    """``vllm serve MODEL --runner pooling`` (older: ``--task embed``; ``--convert embed``): taken, each said
+    ignored (kvload serve answers /v1/embeddings whatever the runner); a task kvload has not is one line, exit 2."""
+    from tests.cli_support import run_cli
+
+    r = run_cli(capsys, "plan", "tiny-llama", "--runner", "pooling", "--task", "embed", "--convert", "embed")
+    assert r.code == 0, r.err
+    warned = [line for line in r.err.splitlines() if "setting_ignored" in line]
+    for key in ("runner", "task", "convert"):
+        assert any(f"field={key} " in line and "/v1/embeddings" in line for line in warned), (key, warned)
+    r = run_cli(capsys, "plan", "tiny-llama", "--task", "score")
+    assert r.code == 2 and "--task: vLLM's setting; kvload generates and embeds with one model" in r.err, r.err
+    assert len(r.err.strip().splitlines()) == 1 and "Traceback" not in r.err

@@ -125,10 +125,10 @@ def test_vllm_engine_knobs_kvload_has_no_counterpart_for_load_and_are_reported_i
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"quantization": "awq"}, "quantization: vLLM's setting; kvload runs the checkpoint's weights in dtype, "
                               "unquantized; accepted: None, got 'awq'"),
-    ({"task": "classify"}, "task: vLLM's setting; a kvload.LLM generates and embeds alike (LLM.embed pools the last "
-                           "token's hidden state, as vLLM's runner pooling does for a decoder model), so there is no "
-                           "runner to choose; it has no classification, scoring or reward models; accepted: 'auto' or "
-                           "'generate' or 'embed', got 'classify'"),
+    ({"task": "classify"}, "task: vLLM's setting; kvload generates and embeds with one model (LLM.embed and kvload "
+                           "serve's /v1/embeddings pool the last token's hidden state, as vLLM's runner pooling does "
+                           "for a decoder model), so there is no runner to choose; it has no classification, scoring "
+                           "or reward models; accepted: 'auto' or 'generate' or 'embed', got 'classify'"),
     ({"cpu_offload_gb": 4}, "cpu_offload_gb: vLLM's setting; kvload keeps every weight on the device; accepted: 0 "
                             "or 0.0, got 4"),
     ({"hf_overrides": {"num_hidden_layers": 1}}, "hf_overrides: vLLM's setting; kvload reads the checkpoint's "
