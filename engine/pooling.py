@@ -71,6 +71,24 @@ class EmbeddingRequestOutput:
     finished: bool = True
 
 
+@attrs.frozen
+class ScoringOutput:
+    """vLLM's ``ScoringOutput``: one pair's score."""
+
+    score: float
+
+
+@attrs.frozen
+class ScoringRequestOutput:
+    """vLLM's ``ScoringRequestOutput`` of an embedding model: ``outputs.score``, the cosine similarity of one pair's
+    embeddings; ``prompt_token_ids`` the two prompts' ids one after the other, ``request_id`` their ids joined."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
 def pooled(hidden: torch.Tensor, normalize: bool) -> torch.Tensor:
     """The embedding of one captured hidden row: float32, L2-normalized when asked (vLLM's F.normalize, eps 1e-12)."""
     row = hidden.float()
@@ -129,4 +147,5 @@ class PooledRows:
             self._rows[req_id] = hidden[row].detach().to("cpu", copy=True)
 
 
-__all__ = ["EmbeddingOutput", "EmbeddingRequestOutput", "PooledRows", "PoolingParams", "pooled", "pooled_vector"]
+__all__ = ["EmbeddingOutput", "EmbeddingRequestOutput", "PooledRows", "PoolingParams", "ScoringOutput",
+           "ScoringRequestOutput", "pooled", "pooled_vector"]

@@ -34,6 +34,8 @@ _EXPORTS = {
     "PoolingParams": "engine.pooling",
     "EmbeddingOutput": "engine.pooling",
     "EmbeddingRequestOutput": "engine.pooling",
+    "ScoringOutput": "engine.pooling",
+    "ScoringRequestOutput": "engine.pooling",
     "TextPrompt": "engine.prompts",
     "TokensPrompt": "engine.prompts",
     "KvCacheConfig": "pipeline.config",

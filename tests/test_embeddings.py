@@ -162,3 +162,22 @@ def test_vllm_serves_launch_line_for_an_embedding_model_is_taken_by_the_cli(caps
     r = run_cli(capsys, "plan", "tiny-llama", "--task", "score")
     assert r.code == 2 and "--task: vLLM's setting; kvload generates and embeds with one model" in r.err, r.err
     assert len(r.err.strip().splitlines()) == 1 and "Traceback" not in r.err
+
+
+def test_llm_score_is_the_cosine_of_the_pairs_embeddings_one_to_many_and_pairwise(words, reference):
+    """vLLM's LLM.score of an embedding model: one prompt against each of a list, or two lists pairwise; each score
+    the cosine similarity of transformers' vectors; lists of other lengths are one line."""
+    def cosine(a: list[int], b: list[int]) -> float:
+        return float(np.dot(reference(a), reference(b)))  # unit vectors
+
+    third = [300, 5, 61, 2]
+    with kvload.LLM(str(words), dtype="float32", **llm_kwargs("v1")) as llm:
+        many = llm.score(PROMPTS[0], [PROMPTS[1], "w300 w5 w61 w2"])
+        assert [round(o.outputs.score, 5) for o in many] == [round(cosine(PROMPTS[0], PROMPTS[1]), 5),
+                                                             round(cosine(PROMPTS[0], third), 5)]
+        assert many[1].prompt_token_ids == PROMPTS[0] + third
+        pairwise = llm.score([PROMPTS[1], third], [third, PROMPTS[1]])
+        assert [round(o.outputs.score, 5) for o in pairwise] == [round(cosine(PROMPTS[1], third), 5)] * 2
+        assert llm.score(PROMPTS[1], PROMPTS[1])[0].outputs.score == pytest.approx(1.0, abs=1e-5)
+        with pytest.raises(GenerationError, match=r"^score: data_1 has 2 prompts and data_2 3; give one data_1 "):
+            llm.score([PROMPTS[0], PROMPTS[1]], [third, third, third])

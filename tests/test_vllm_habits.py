@@ -563,9 +563,9 @@ def test_chat_template_content_format_openai_gives_the_parts_and_auto_reads_the_
 def test_a_vllm_llm_attribute_kvload_lacks_says_what_to_use_instead(llm):
     with pytest.raises(AttributeError, match=r"^LLM\.llm_engine: vLLM's, not kvload's: .*llm\.get_tokenizer\(\)$"):
         llm.llm_engine.get_tokenizer()
-    with pytest.raises(AttributeError, match=r"^LLM\.score: vLLM's, not kvload's: kvload generates text and embeds "
-                                             r"it \(LLM\.embed"):
-        llm.score("w5", "w9")
+    with pytest.raises(AttributeError, match=r"^LLM\.classify: vLLM's, not kvload's: kvload generates text and "
+                                             r"embeds it \(LLM\.embed"):
+        llm.classify("w5")
     with pytest.raises(AttributeError, match=r"^LLM\.model_config: vLLM's, not kvload's: .*llm\.args\.max_seq_len is "
                                              r"vLLM's model_config\.max_model_len"):
         _ = llm.model_config.max_model_len
