@@ -64,6 +64,7 @@ def test_llm_embed_gives_the_last_tokens_normalized_hidden_state_as_transformers
         per_prompt = llm.embed(PROMPTS, pooling_params=[kvload.PoolingParams(), kvload.PoolingParams(normalize=False)])
         np.testing.assert_allclose(per_prompt[1].outputs.embedding, reference(PROMPTS[1], normalize=False), atol=1e-4)
         assert not llm.result.executor.pooled  # no request is left waiting for a row
+        assert not list(llm.audit.of("setting_ignored"))  # the one-token greedy prefill reports no setting of its own
         (gen,) = llm.generate([PROMPTS[1]], max_tokens=3, ignore_eos=True)
         assert len(gen.outputs[0].token_ids) == 3
 
