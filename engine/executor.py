@@ -58,6 +58,7 @@ from engine.outputs import (
     TokenDelta,
 )
 from engine.penalties import penalize
+from engine.pooling import PooledRows
 from engine.prompts import (
     CHAT_OPTIONS,
     PromptOptions,
@@ -198,6 +199,8 @@ class GenerationExecutor:
         #: generation_config.json (``LoadResult.sampling_defaults``, set by ``from_result``); empty: kvload's own
         self.sampling_defaults: dict[str, Any] = {}
         self.last_stats: GenerationStats | None = None
+        #: the requests that want their prompt's pooled hidden state (``LLM.embed``, ``/v1/embeddings``)
+        self.pooled = PooledRows()
         #: xgrammar over this model's tokenizer, built by the first request for structured outputs (:meth:`grammars`)
         self._grammars: GrammarBackend | None = None
         self._grammars_lock = threading.Lock()
@@ -398,6 +401,7 @@ class GenerationExecutor:
         on_delta: Callable[[TokenDelta], Any] | None = None,
         arrival_steps: Sequence[int] | None = None,
         priority: Sequence[int] | None = None,
+        pool: bool = False,
         **sampling: Any,
     ) -> list[RequestOutput]:
         """Generate for every prompt, batched continuously; one :class:`RequestOutput` per prompt, in order.
@@ -416,6 +420,9 @@ class GenerationExecutor:
         sample's first token from those logits, and the others join holding a fork of the prompt's KV (whole
         blocks shared, the partial last block copied), so the prompt is computed once (prefix reuse on or off). A
         sample the pools have no room for yet waits, and computes what the prefix cache no longer holds.
+
+        ``pool``: every request's prompt's last hidden state is captured as it is computed (``LLM.embed``), for the
+        caller to :meth:`PooledRows.take` from :attr:`pooled` by each output's ``request_id``.
         """
         self._check_open()
         check_salt(salt)
@@ -440,6 +447,9 @@ class GenerationExecutor:
         call = self._calls
         self._calls += 1
         lives = self._lives(call, items, params, salts, arrivals, ranks)
+        if pool:
+            for live in lives:
+                self.pooled.want(live.request.req_id)
         now_arrivals, forks = [], {}
         for live in lives:
             if live.parent is not None:  # forked from the prompt's first sample when its prefill completes
@@ -537,6 +547,8 @@ class GenerationExecutor:
                                          f"{exc}") from None
         except BaseException as exc:
             self._abort(driver)
+            for live in lives:  # an embed call that failed leaves no request waiting for its row
+                self.pooled.take(live.request.req_id)
             if proposer is not None:
                 proposer.clear()
             self._live, self._forks = {}, {}
@@ -971,7 +983,14 @@ class GenerationExecutor:
             self.v4.keep_only(live)  # a request that left (finished, aborted, preempted) takes its side state along
             self._v4_restore(out)
             step_states(batch, self.v4, [s.request.req_id for s in out.scheduled])
-        with self.linear.active() if self.linear is not None else contextlib.nullcontext():
+        offsets = list(itertools.accumulate(keep, initial=0))
+        # embed requests: the output projection's input at the prompt's last token, its pooled hidden state
+        pooling = [(s.request.req_id, offsets[i + 1] - 1) for i, s in enumerate(out.scheduled)
+                   if self.pooled and self.pooled.wanted(s.request.req_id)
+                   and s.request.num_computed_tokens + s.num_tokens >= s.request.num_prompt_tokens] \
+            if self.pooled else []
+        with self.linear.active() if self.linear is not None else contextlib.nullcontext(), \
+                self.pooled.capture(self.model, pooling):
             logits = run_forward(self.model, batch)
         if self._v4_key is not None:
             self._v4_file(out)
@@ -982,7 +1001,6 @@ class GenerationExecutor:
                     for kid in self._forks[req.req_id]:
                         self.v4.copy(req.req_id, kid.request.req_id)
         scores: dict[str, PromptScores] = {}
-        offsets = list(itertools.accumulate(keep, initial=0))
         for i, req, first, n in scored:
             block = logits[offsets[i]:offsets[i] + n]
             scores[req.req_id] = PromptScores(first, top_logprobs(block, scoring[req.req_id],

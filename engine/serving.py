@@ -503,7 +503,8 @@ class ServingEngine:
                                             request=req_id) for name, value, why in notes)
 
     def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams, sink: Callable[[ServeEvent], Any], *,
-               salt: str | None = None, seed_offset: int = 0, priority: int = 0, samples: int = 1) -> str:
+               salt: str | None = None, seed_offset: int = 0, priority: int = 0, samples: int = 1,
+               pool: bool = False) -> str:
         """Queue one request; its id. ``GenerationError``/``KvBuildError`` (nothing queued) when it could never run.
 
         ``max_new_tokens`` is cut to what ``max_seq_len`` leaves. ``sink`` is called on the loop thread.
@@ -514,7 +515,9 @@ class ServingEngine:
         text there). ``params.logprobs=k`` reports, per generated token, its log-probability and the
         top ``k`` tokens' (``engine.sampling.top_logprobs``). ``priority``: vLLM's (lower is served first), taken
         only when the scheduler schedules by priority (``scheduling_policy="priority"``; else only 0). ``samples``:
-        how many requests the caller submits for this prompt (the request's ``n``, what metrics report).
+        how many requests the caller submits for this prompt (the request's ``n``, what metrics report). ``pool``: its
+        prompt's last hidden state is captured as it is computed (``/v1/embeddings``), for the caller to take from
+        ``executor.pooled`` by the request's id once it ended.
         """
         if self._stopping or self.loop_error is not None:  # early, to skip the checks; decided below, under the lock
             raise EngineStopped(self._why_stopped())
@@ -541,6 +544,8 @@ class ServingEngine:
             if self._stopping or self.loop_error is not None:
                 raise EngineStopped(self._why_stopped())
             self._say_cut(notes, req_id)
+            if pool:  # before the loop can see it: its prefill's forward captures the row
+                self.executor.pooled.want(req_id)
             self._inbox.append([live])
             self._cond.notify_all()
         return req_id

@@ -1,6 +1,7 @@
 """kvload: load an LLM the way a serving engine does, with explicit stages and an audit log.
 
-The front door: ``kvload.LLM`` (load a model, ``.generate`` / ``.generate_stream`` / ``.beam_search``),
+The front door: ``kvload.LLM`` (load a model, ``.generate`` / ``.generate_stream`` / ``.beam_search`` / ``.embed``
+with ``kvload.PoolingParams``),
 ``kvload.SamplingParams`` (with ``kvload.StructuredOutputsParams``), ``kvload.BeamSearchParams`` and the outputs
 (``RequestOutput``, ``CompletionOutput``,
 ``TokenDelta``, ``BeamSearchOutput``), vLLM's prompt dicts ``TextPrompt`` / ``TokensPrompt``;
@@ -30,6 +31,11 @@ _EXPORTS = {
     "RequestOutput": "engine.outputs",
     "CompletionOutput": "engine.outputs",
     "TokenDelta": "engine.outputs",
+    "PoolingParams": "engine.pooling",
+    "EmbeddingOutput": "engine.pooling",
+    "EmbeddingRequestOutput": "engine.pooling",
+    "ScoringOutput": "engine.pooling",
+    "ScoringRequestOutput": "engine.pooling",
     "TextPrompt": "engine.prompts",
     "TokensPrompt": "engine.prompts",
     "KvCacheConfig": "pipeline.config",

@@ -19,8 +19,19 @@ import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+import attrs
+import torch
+
 from engine.beam_search import BeamSearchOutput, BeamSearchParams
 from engine.outputs import GenerationStats, RequestOutput, TokenDelta
+from engine.pooling import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingParams,
+    ScoringOutput,
+    ScoringRequestOutput,
+    pooled_vector,
+)
 from engine.prompts import check_tree, is_conversation, is_token_id
 from engine.sampling_params import SamplingParams, is_int
 from kvload.api import LoadResult, api_request, execute
@@ -98,13 +109,23 @@ def _named(call: str) -> Iterator[None]:
         raise
 
 
+def _one_or_many(data: Any) -> list[Any]:
+    """``LLM.score``'s side as a list of prompts: one prompt (a text, a prompt dict, token ids) or a list of them."""
+    if isinstance(data, (str, Mapping)) or getattr(data, "ndim", None) == 1:
+        return [data]
+    if isinstance(data, Sequence) and data and all(is_token_id(t) for t in data):
+        return [data]
+    return list(data) if isinstance(data, Sequence) else [data]
+
+
 #: ``vllm.LLM`` attributes ``kvload.LLM`` does not have → what to use instead (the AttributeError says it).
 VLLM_ATTRIBUTES_NOT_TAKEN: dict[str, str] = {
     "llm_engine": "the engine object; kvload's load is llm.result (its executor, kv_manager, scheduler, audit), "
                   "the settings llm.args (llm.args.max_seq_len is vLLM's model_config.max_model_len), the tokenizer "
                   "llm.get_tokenizer()",
-    **dict.fromkeys(("encode", "embed", "classify", "score", "reward"),
-                    "kvload generates text (no pooling, embedding or scoring models)"),
+    **dict.fromkeys(("encode", "classify", "reward"),
+                    "kvload generates text and embeds it (LLM.embed: the last token's hidden state); it has no "
+                    "classification, scoring or reward models"),
     **dict.fromkeys(("sleep", "wake_up"), "kvload.LLM has no sleep mode; close() releases the pools and weights"),
     **dict.fromkeys(("collective_rpc", "apply_model"),
                     "kvload runs no user functions on its workers; the torch model is llm.result.hf_model"),
@@ -302,6 +323,85 @@ class LLM:
                 outputs = executor.run(prompts, sampling_params, salt=salt, chat=chat, priority=priority, **sampling)
                 self._metrics.record(outputs, executor.last_stats)
                 return outputs
+
+    def embed(self, prompts: Any, *, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              truncate_prompt_tokens: int | None = None, use_tqdm: Any = None, lora_request: Any = None,
+              salt: str | None = None) -> list[EmbeddingRequestOutput]:
+        """vLLM's ``LLM.embed`` for a decoder model: one :class:`EmbeddingRequestOutput` per prompt, in order, its
+        ``outputs.embedding`` the final norm's output at the prompt's last token, L2-normalized (vLLM's LAST pooling
+        and its embed task's default; ``PoolingParams(normalize=False)``: as computed).
+
+        ``prompts`` as :meth:`generate` takes them (text, token ids, vLLM's prompt dicts). ``pooling_params``: one
+        :class:`PoolingParams` for every prompt or a list of one per prompt. ``truncate_prompt_tokens``: keep each
+        prompt's last N tokens (-1: the model's length), as ``PoolingParams.truncate_prompt_tokens``. The prompt is
+        prefilled as a generate call's is (its prefix cached and reused); the one token its logits give is dropped.
+        """
+        return self._embed("embed", prompts, pooling_params, truncate_prompt_tokens, use_tqdm, lora_request, salt)
+
+    def score(self, data_1: Any, data_2: Any, /, *, truncate_prompt_tokens: int | None = None, use_tqdm: Any = None,
+              pooling_params: PoolingParams | None = None, lora_request: Any = None,
+              salt: str | None = None) -> list[ScoringRequestOutput]:
+        """vLLM's ``LLM.score`` for an embedding model: the cosine similarity of each pair's :meth:`embed` vectors, one
+        :class:`ScoringRequestOutput` per pair, in order (``outputs.score``). ``data_1`` one prompt scored against
+        each of ``data_2`` (one or a list), or a list as long as ``data_2``, scored pairwise; prompts as
+        :meth:`generate` takes them. Every prompt is embedded in one batch."""
+        firsts, seconds = _one_or_many(data_1), _one_or_many(data_2)
+        if not firsts or not seconds:
+            raise GenerationError("score: data_1 and data_2 each need at least one prompt")
+        if len(firsts) != 1 and len(firsts) != len(seconds):
+            raise GenerationError(f"score: data_1 has {len(firsts)} prompts and data_2 {len(seconds)}; give one "
+                                  "data_1 prompt (scored against each of data_2) or as many as data_2 (pairwise)")
+        vectors = self._embed("score", [*firsts, *seconds], pooling_params, truncate_prompt_tokens, use_tqdm,
+                              lora_request, salt)
+        left = vectors[:len(firsts)] * (len(seconds) if len(firsts) == 1 else 1)
+        scores = []
+        for a, b in zip(left, vectors[len(firsts):], strict=True):
+            cosine = torch.nn.functional.cosine_similarity(torch.tensor(a.outputs.embedding),
+                                                           torch.tensor(b.outputs.embedding), dim=0)
+            scores.append(ScoringRequestOutput(request_id=f"{a.request_id}_{b.request_id}",
+                                               outputs=ScoringOutput(float(cosine)),
+                                               prompt_token_ids=[*a.prompt_token_ids, *b.prompt_token_ids]))
+        return scores
+
+    def _embed(self, call: str, prompts: Any, pooling_params: Any, truncate_prompt_tokens: int | None, use_tqdm: Any,
+               lora_request: Any, salt: str | None) -> list[EmbeddingRequestOutput]:
+        """:meth:`embed` as ``call`` (``embed`` or ``score``), which titles its errors."""
+        _no_lora(call, lora_request)
+        with _named(call):
+            per_prompt = isinstance(pooling_params, Sequence)
+            given = list(pooling_params) if per_prompt else [pooling_params]  # type: ignore[arg-type]
+            for i, p in enumerate(given):
+                if p is not None and not isinstance(p, PoolingParams):
+                    where = f"pooling_params[{i}]" if per_prompt else "pooling_params"
+                    raise GenerationError(f"{call}: {where}: expected a kvload.PoolingParams, got "
+                                          f"{type(p).__name__}")
+            pooling = [p if p is not None else PoolingParams() for p in given]
+            if truncate_prompt_tokens is not None:
+                PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)  # its check, its message
+                clash = next((p for p in pooling if p.truncate_prompt_tokens not in (None, truncate_prompt_tokens)),
+                             None)
+                if clash is not None:
+                    raise GenerationError(f"{call}: truncate_prompt_tokens {truncate_prompt_tokens} and "
+                                          f"pooling_params' truncate_prompt_tokens {clash.truncate_prompt_tokens} "
+                                          "differ; give one")
+                pooling = [attrs.evolve(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in pooling]
+            # the prefill's forward gives the hidden state; its one greedy token is computed and dropped
+            sampling = [SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                                       truncate_prompt_tokens=p.truncate_prompt_tokens) for p in pooling]
+        with self._exclusive(call):
+            self._no_progress_bar(use_tqdm)
+            with self._running(call) as executor:
+                outputs = executor.run(prompts, sampling if per_prompt else sampling[0], salt=salt, pool=True)
+                rows = [executor.pooled.take(o.request_id) for o in outputs]
+        embedded = []
+        for i, (out, row) in enumerate(zip(outputs, rows, strict=True)):
+            if row is None:  # every prompt's last token is computed by some step: a missing row is a bug, said so
+                raise GenerationError(f"{call}: prompt {i}: its last hidden state was not captured")
+            embedded.append(EmbeddingRequestOutput(
+                request_id=out.request_id, prompt=out.prompt, prompt_token_ids=list(out.prompt_token_ids),
+                num_cached_tokens=out.num_cached_tokens,
+                outputs=EmbeddingOutput(pooled_vector(row, pooling[i if per_prompt else 0].normalize))))
+        return embedded
 
     def beam_search(self, prompts: Any, params: BeamSearchParams, lora_request: Any = None, use_tqdm: Any = False,
                     concurrency_limit: int | None = None) -> list[BeamSearchOutput]:

@@ -140,13 +140,20 @@ KNOB_VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
 #: vLLM knobs whose value is a secret: recorded as hidden, never as given (the log, the audit).
 SECRET_KNOBS = frozenset({"hf_token"})
 
+#: Why vLLM's task/runner/convert need no value: one kvload.LLM generates and embeds.
+EMBEDS_TOO = ("kvload generates and embeds with one model (LLM.embed and kvload serve's /v1/embeddings pool the last "
+              "token's hidden state, as vLLM's runner pooling does for a decoder model), so there is no runner to "
+              "choose; it has no classification, scoring or reward models")
+
 #: vLLM's knobs whose only value kvload can honour is their no-op one → (the accepted values, why others are refused).
 NO_OP_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "quantization": ((None,), "kvload runs the checkpoint's weights in dtype, unquantized"),
     "cpu_offload_gb": ((0, 0.0), "kvload keeps every weight on the device"),
     "hf_overrides": ((None, {}), "kvload reads the checkpoint's config.json as it is"),
-    "task": (("auto", "generate"), "kvload generates text (no pooling, embedding or scoring models)"),
-    "runner": (("auto", "generate"), "kvload generates text (no pooling, embedding or scoring models)"),
+    # a decoder checkpoint as vLLM's embedding model is kvload's LLM itself: embed() pools as vLLM's does
+    "task": (("auto", "generate", "embed"), EMBEDS_TOO),
+    "runner": (("auto", "generate", "pooling"), EMBEDS_TOO),
+    "convert": (("auto", "none", "embed"), EMBEDS_TOO),
     "data_parallel_size": ((1,), "kvload runs one engine per process (start one kvload serve per replica)"),
     "pipeline_parallel_size": ((1,), "kvload splits a model by tensor parallel only (tensor_parallel_size)"),
     "model_impl": (("auto", "transformers"), "kvload runs transformers' built-in model classes"),
@@ -182,7 +189,7 @@ TAKEN_ELSEWHERE: dict[str, str] = {
 #: vLLM's ``EngineArgs`` fields (``vllm/engine/arg_utils.py``) kvload has no field, alias or ignored entry for:
 #: refused as vLLM's, not offered a kvload field spelled alike
 VLLM_ENGINE_ARGS = frozenset({
-    "hf_config_path", "convert", "enable_prompt_embeds", "allowed_local_media_path", "allowed_media_domains",
+    "hf_config_path", "enable_prompt_embeds", "allowed_local_media_path", "allowed_media_domains",
     "safetensors_load_strategy", "config_format", "master_addr", "master_port", "nnodes", "node_rank",
     "decode_context_parallel_size", "dcp_kv_cache_interleave_size", "data_parallel_rank", "data_parallel_start_rank",
     "data_parallel_size_local", "data_parallel_address", "data_parallel_rpc_port", "data_parallel_hybrid_lb",

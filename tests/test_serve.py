@@ -315,8 +315,8 @@ def test_an_unknown_path_and_a_wrong_method_get_openais_error_body_not_fastapis_
     r = served.http.delete("/health")
     assert r.status_code == 405 and r.json()["error"]["message"].endswith("/health takes GET, HEAD only"), r.text
     with pytest.raises(openai.NotFoundError) as info:  # the real client reads the message out of the body
-        served.client.embeddings.create(model="tiny-llama", input=[1, 2])
-    assert info.value.body["message"].startswith("Invalid URL (POST /v1/embeddings): no such endpoint")
+        served.client.moderations.create(model="tiny-llama", input="hello")
+    assert info.value.body["message"].startswith("Invalid URL (POST /v1/moderations): no such endpoint")
     # a routing answer is no refusal of a request the server serves (and no model_not_found): counted as before
     assert _refusals(served) == refused
     assert _complete(served, 2).choices[0].model_extra["token_ids"] == REFERENCE[2]

@@ -142,3 +142,44 @@ def test_a_uds_path_the_server_cannot_use_is_one_line_naming_it_and_nothing_is_t
     finally:
         if live is not None:
             live.close()
+
+
+def test_server_thread_takes_uds_as_kvload_serve_does(sockdir):
+    """The in-process server (Python API, tests) takes ``uds=PATH`` with --uds's guarantees: a stale socket is
+    replaced, OpenAI's client generates over the socket, a second server on the live socket, a user's file or a
+    missing directory is a one-line ConfigError naming uds (nothing touched), host/port with uds is refused, and
+    ``stop()`` removes the socket file."""
+    import pipeline
+    from kvload.serve.server import ServerThread, build_state
+    from pipeline.errors import ConfigError
+
+    path = sockdir / "thread.sock"
+    _stale_socket(path)
+    notes = sockdir / "notes.txt"
+    notes.write_text("mine\n")
+    result = pipeline.load("tiny-llama", load_weights=True, log=False, kv_cache_config={"max_tokens": 256})
+    try:
+        state = build_state(result)
+        with pytest.raises(ConfigError, match=r"^uds .*: the server listens on that Unix socket only, so port=8000"):
+            ServerThread(state, port=8000, uds=str(path))
+        with ServerThread(state, uds=str(path)) as server:
+            assert server.url == f"unix:{path}" and server.port is None
+            assert stat.S_ISSOCK(os.stat(path).st_mode)
+            with _openai_over(path) as client:
+                done = client.completions.create(model="tiny-llama", prompt=[5, 6, 7], max_tokens=3,
+                                                 extra_body={"ignore_eos": True})
+                assert done.usage.completion_tokens == 3 and done.choices[0].finish_reason == "length"
+                stream = client.completions.create(model="tiny-llama", prompt=[9, 8], max_tokens=2, stream=True,
+                                                   extra_body={"ignore_eos": True})
+                assert [c.choices[0].finish_reason for c in stream if c.choices][-1] == "length"
+                for taken, said in ((path, "a server is listening on it already"),
+                                    (notes, "is a regular file, not a socket"),
+                                    (sockdir / "gone" / "x.sock", "does not exist; create it first")):
+                    with pytest.raises(ConfigError, match=r"^uds ") as refused:
+                        ServerThread(state, uds=str(taken))
+                    assert said in str(refused.value) and "\n" not in str(refused.value)
+                assert client.models.list().data[0].id == "tiny-llama"  # the live server was left alone
+            assert notes.read_text() == "mine\n"
+        assert not os.path.lexists(path), "stop() left the socket file behind"
+    finally:
+        result.close()

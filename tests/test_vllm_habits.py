@@ -125,8 +125,10 @@ def test_vllm_engine_knobs_kvload_has_no_counterpart_for_load_and_are_reported_i
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"quantization": "awq"}, "quantization: vLLM's setting; kvload runs the checkpoint's weights in dtype, "
                               "unquantized; accepted: None, got 'awq'"),
-    ({"task": "embed"}, "task: vLLM's setting; kvload generates text (no pooling, embedding or scoring models); "
-                        "accepted: 'auto' or 'generate', got 'embed'"),
+    ({"task": "classify"}, "task: vLLM's setting; kvload generates and embeds with one model (LLM.embed and kvload "
+                           "serve's /v1/embeddings pool the last token's hidden state, as vLLM's runner pooling does "
+                           "for a decoder model), so there is no runner to choose; it has no classification, scoring "
+                           "or reward models; accepted: 'auto' or 'generate' or 'embed', got 'classify'"),
     ({"cpu_offload_gb": 4}, "cpu_offload_gb: vLLM's setting; kvload keeps every weight on the device; accepted: 0 "
                             "or 0.0, got 4"),
     ({"hf_overrides": {"num_hidden_layers": 1}}, "hf_overrides: vLLM's setting; kvload reads the checkpoint's "
@@ -561,8 +563,9 @@ def test_chat_template_content_format_openai_gives_the_parts_and_auto_reads_the_
 def test_a_vllm_llm_attribute_kvload_lacks_says_what_to_use_instead(llm):
     with pytest.raises(AttributeError, match=r"^LLM\.llm_engine: vLLM's, not kvload's: .*llm\.get_tokenizer\(\)$"):
         llm.llm_engine.get_tokenizer()
-    with pytest.raises(AttributeError, match=r"^LLM\.embed: vLLM's, not kvload's: kvload generates text"):
-        llm.embed(["w5"])
+    with pytest.raises(AttributeError, match=r"^LLM\.classify: vLLM's, not kvload's: kvload generates text and "
+                                             r"embeds it \(LLM\.embed"):
+        llm.classify("w5")
     with pytest.raises(AttributeError, match=r"^LLM\.model_config: vLLM's, not kvload's: .*llm\.args\.max_seq_len is "
                                              r"vLLM's model_config\.max_model_len"):
         _ = llm.model_config.max_model_len

@@ -26,7 +26,7 @@ class _Admission:
 
     #: all read a body
     PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
-                       "/v1/messages/count_tokens", "/invocations", "/tokenize", "/detokenize"})
+                       "/v1/messages/count_tokens", "/invocations", "/tokenize", "/detokenize", "/v1/embeddings"})
 
     def __init__(self, app: Any, state: ServeState) -> None:
         self.app = app

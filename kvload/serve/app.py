@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException
 
 from kvload.serve.admission import _Admission
 from kvload.serve.auth import ApiKeyGate, route_path
+from kvload.serve.embeddings import embeddings_route
 from kvload.serve.handlers import _serve, _tokenizer_call
 from kvload.serve.messages_input import AnthropicError
 from kvload.serve.protocol import BadRequest
@@ -228,6 +229,10 @@ def create_app(state: ServeState) -> FastAPI:
     @app.get("/v1/responses/{response_id}/input_items")
     async def response_input_items(response_id: str, request: Request) -> dict[str, Any]:
         return state.responses.input_items(response_id, request.query_params)
+
+    @app.post("/v1/embeddings")  # OpenAI's Embeddings API: the prompt's last hidden state, as vLLM's pooling runner
+    async def embeddings(request: Request) -> Response:
+        return await embeddings_route(state, request, gate, stopping)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

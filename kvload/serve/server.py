@@ -803,23 +803,47 @@ class ServerThread:
 
     ``ssl_certfile``, ``ssl_keyfile``, ``ssl_ca_certs``, ``ssl_cert_reqs``: HTTPS as ``kvload serve``'s
     ``--ssl-*`` flags (vLLM's) serve it, checked by the same code before the port is bound (``ConfigError`` naming the
-    flag of the same name)."""
+    flag of the same name). ``uds``: listen on that Unix socket instead of TCP, as ``kvload serve --uds`` (vLLM's):
+    a stale socket a killed server left there is replaced, a live one, a missing directory or a path that is not a
+    socket is a ``ConfigError`` naming ``uds``, and ``stop()`` removes the file; ``host``/``port`` cannot be given
+    with it (the server listens on the socket only)."""
 
-    def __init__(self, state: ServeState, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", *,
-                 ssl_certfile: str | None = None, ssl_keyfile: str | None = None, ssl_ca_certs: str | None = None,
-                 ssl_cert_reqs: int | None = None) -> None:
+    def __init__(self, state: ServeState, host: str | None = None, port: int | None = None,
+                 log_level: str = "warning", *, ssl_certfile: str | None = None, ssl_keyfile: str | None = None,
+                 ssl_ca_certs: str | None = None, ssl_cert_reqs: int | None = None, uds: str | None = None) -> None:
+        if uds is not None and (host is not None or port is not None):
+            given = " and ".join(f"{name}={value!r}" for name, value in (("host", host), ("port", port))
+                                 if value is not None)
+            raise ConfigError(f"uds {short_text(uds, 200)}: the server listens on that Unix socket only, so {given} "
+                              "would not be used; give uds or host/port, not both")
         self.state = state
         self.tls = tls_from_flags(ssl_keyfile, ssl_certfile, ssl_ca_certs, ssl_cert_reqs)  # before binding: no leak
-        self.sock = bind(host, port)
-        self.host = host
-        self.port = self.sock.getsockname()[1]
-        self.server = _server(state, log_level, tls=self.tls)
+        self.uds = uds
+        self._unix: UnixListener | None = None
+        if uds is not None:
+            self._unix = UnixListener(uds, flag="uds")
+            self.sock = self._unix.sock
+            self.host: str | None = None
+            self.port: int | None = None
+        else:
+            self.host = "127.0.0.1" if host is None else host
+            self.sock = bind(self.host, 0 if port is None else port)
+            self.port = self.sock.getsockname()[1]
+        try:
+            self.server = _server(state, log_level, tls=self.tls)
+        except BaseException:
+            self._close_socket()
+            raise
         self.thread = EndingThread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                    name="kvload-http", daemon=True)
 
     @property
     def url(self) -> str:
-        """``http://host:port`` (``https://`` with a certificate)."""
+        """``http://host:port`` (``https://`` with a certificate); with ``uds``, ``unix:PATH`` as ``kvload serve``'s
+        ready line names it (a client reaches it through a Unix-socket transport, e.g. httpx's ``uds=``)."""
+        if self.uds is not None:
+            return uds_url(self.uds, tls=self.tls is not None)
+        assert self.host is not None and self.port is not None
         return http_url(self.host, self.port, scheme="https" if self.tls is not None else "http")
 
     def start(self, timeout: float = 30.0) -> ServerThread:
@@ -848,6 +872,13 @@ class ServerThread:
             if self.state.stats_logger is not None:
                 self.state.stats_logger.stop()
             self.state.engine.stop(timeout)
+            self._close_socket()
+
+    def _close_socket(self) -> None:
+        """Close the listening socket; with ``uds``, its file removed too (unless another has taken the path)."""
+        if self._unix is not None:
+            self._unix.close()
+        else:
             with contextlib.suppress(OSError):
                 self.sock.close()
 

@@ -1,0 +1,151 @@
+"""Embeddings of a decoder model (vLLM's ``LLM.embed`` and ``/v1/embeddings`` for a generative model it converts).
+
+vLLM runs a ``*ForCausalLM`` checkpoint as an embedding model by pooling its last hidden states: the final norm's
+output at the prompt's last token (``PoolingType.LAST``), L2-normalized (its ``embed`` task's default). kvload takes
+the same vector from the forward that prefills the prompt: the input of the model's output projection (``lm_head``)
+at the prompt's last token, which is that norm's output (:class:`PooledRows` captures it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from pipeline.errors import GenerationError
+from pipeline.limits import short
+
+
+def _check_normalize(_: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise GenerationError(f"PoolingParams: {attribute.name}: expected true or false, got {short(value)}")
+
+
+def _check_dimensions(_: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None:  # vLLM refuses it too for a model not trained for truncated (Matryoshka) embeddings
+        raise GenerationError(f"PoolingParams: dimensions {short(value)}: the models kvload serves give their full "
+                              "hidden size only (no Matryoshka embeddings); leave dimensions unset")
+
+
+def _check_truncate(_: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < -1 or value == 0):
+        raise GenerationError(f"PoolingParams: truncate_prompt_tokens: expected a positive integer (keep the "
+                              f"prompt's last N tokens) or -1 (the model's length), got {short(value)}")
+
+
+@attrs.frozen(kw_only=True)
+class PoolingParams:
+    """vLLM's ``PoolingParams`` for ``LLM.embed``: ``normalize`` (L2, True by default as vLLM's embed task),
+    ``truncate_prompt_tokens`` (keep the prompt's last N tokens; -1: the model's length) and ``dimensions`` (None
+    only: no model kvload serves is a Matryoshka one)."""
+
+    normalize: bool = attrs.field(default=True, validator=_check_normalize)
+    truncate_prompt_tokens: int | None = attrs.field(default=None, validator=_check_truncate)
+    dimensions: int | None = attrs.field(default=None, validator=_check_dimensions)
+
+
+@attrs.frozen
+class EmbeddingOutput:
+    """vLLM's ``EmbeddingOutput``: one prompt's embedding, a list of floats."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        """The embedding's length (the model's hidden size)."""
+        return len(self.embedding)
+
+
+@attrs.frozen
+class EmbeddingRequestOutput:
+    """vLLM's ``EmbeddingRequestOutput``: ``outputs.embedding`` of one prompt, with its ids and request id."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    prompt: str | None = None
+    num_cached_tokens: int = 0
+    finished: bool = True
+
+
+@attrs.frozen
+class ScoringOutput:
+    """vLLM's ``ScoringOutput``: one pair's score."""
+
+    score: float
+
+
+@attrs.frozen
+class ScoringRequestOutput:
+    """vLLM's ``ScoringRequestOutput`` of an embedding model: ``outputs.score``, the cosine similarity of one pair's
+    embeddings; ``prompt_token_ids`` the two prompts' ids one after the other, ``request_id`` their ids joined."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+def pooled(hidden: torch.Tensor, normalize: bool) -> torch.Tensor:
+    """The embedding of one captured hidden row: float32, L2-normalized when asked (vLLM's F.normalize, eps 1e-12)."""
+    row = hidden.float()
+    return torch.nn.functional.normalize(row, p=2, dim=-1) if normalize else row
+
+
+def pooled_vector(hidden: torch.Tensor, normalize: bool) -> list[float]:
+    """:func:`pooled` as a list of floats (vLLM's ``EmbeddingOutput.embedding``)."""
+    return pooled(hidden, normalize).tolist()
+
+
+class PooledRows:
+    """Which requests want their prompt's last hidden state, and the rows captured for them.
+
+    ``want(req_id)`` marks one; the executor's forward calls :meth:`capture` around a step, which records the
+    ``lm_head`` input row at the last token of each wanted request whose prompt the step completes; ``take(req_id)``
+    hands it over (None if it never came) and forgets the request."""
+
+    def __init__(self) -> None:
+        self._rows: dict[str, torch.Tensor | None] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._rows)
+
+    def want(self, req_id: str) -> None:
+        """Capture this request's row when its prompt's last token is computed."""
+        self._rows[req_id] = None
+
+    def wanted(self, req_id: str) -> bool:
+        """Whether this request still waits for its row."""
+        return req_id in self._rows and self._rows[req_id] is None
+
+    def take(self, req_id: str) -> torch.Tensor | None:
+        """The captured row (None: none came), the request forgotten."""
+        return self._rows.pop(req_id, None)
+
+    @contextlib.contextmanager
+    def capture(self, model: Any, rows: Sequence[tuple[str, int]]) -> Iterator[None]:
+        """Around one forward: ``rows`` (request id, index of its row among the logits rows) get the output
+        projection's input at that row; nothing is hooked when ``rows`` is empty."""
+        if not rows:
+            yield
+            return
+        seen: list[torch.Tensor] = []
+        head = model.get_output_embeddings()
+        hook = head.register_forward_pre_hook(lambda _module, args: seen.append(args[0]))
+        try:
+            yield
+        finally:
+            hook.remove()
+        if len(seen) != 1:  # one projection per forward: anything else would pair rows with the wrong requests
+            raise GenerationError(f"embed: the model's output projection ran {len(seen)} times in one forward; "
+                                  "its pooled hidden states cannot be told apart")
+        hidden = seen[0].reshape(-1, seen[0].shape[-1])
+        for req_id, row in rows:
+            self._rows[req_id] = hidden[row].detach().to("cpu", copy=True)
+
+
+__all__ = ["EmbeddingOutput", "EmbeddingRequestOutput", "PooledRows", "PoolingParams", "ScoringOutput",
+           "ScoringRequestOutput", "pooled", "pooled_vector"]

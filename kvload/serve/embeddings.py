@@ -1,0 +1,171 @@
+"""``POST /v1/embeddings`` (OpenAI's Embeddings API, as vLLM serves it for a decoder model run as an embedding model).
+
+Each input is prefilled by the engine as a one-token request whose prompt's last hidden state is captured
+(``engine.pooling``): the final norm's output at its last token, L2-normalized, vLLM's default for an embedding model
+converted from a ``*ForCausalLM`` checkpoint. ``encoding_format`` ``"float"`` answers lists of floats, ``"base64"``
+(what OpenAI's Python client asks for unless told otherwise) each vector's little-endian float32 bytes in base64.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+import uuid
+from typing import Any
+
+import attrs
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
+
+from engine.pooling import pooled
+from engine.sampling_params import SamplingParams
+from engine.serving import EngineStopped, ServeEvent
+from kvload.serve.handlers import _on_worker
+from kvload.serve.protocol import MAX_PROMPTS, BadRequest, _bad_token_id, _is_int, _known, _need, _object, _token_ids
+from kvload.serve.request_body import CLIENT_CLOSED, _load, _read_body, _shutting_down
+from kvload.serve.request_input import _check_model
+from kvload.serve.state import ServeState
+from pipeline.errors import GenerationError, KvBuildError, first_line
+
+#: The fields ``/v1/embeddings`` takes: OpenAI's, and vLLM's extras for it.
+FIELDS = frozenset({"input", "model", "encoding_format", "dimensions", "user", "truncate_prompt_tokens",
+                    "add_special_tokens", "normalize"})
+
+_INPUT = "a non-empty string, a list of strings, a list of token ids, or a list of token id lists"
+
+
+@attrs.frozen
+class EmbedJob:
+    """One parsed ``/v1/embeddings`` body: each input's token ids, and how to answer."""
+
+    prompts: list[list[int]]
+    base64: bool
+    normalize: bool
+    params: SamplingParams
+
+
+def _inputs(body: dict[str, Any]) -> list[str | list[int]]:
+    """The body's ``input`` as a list of texts and token id lists; ``BadRequest`` naming it otherwise."""
+    if "input" not in body:
+        raise BadRequest(f"input: required ({_INPUT})", param="input")
+    given = body["input"]
+    if isinstance(given, str):
+        _need(bool(given), "input", _INPUT, given)
+        return [given]
+    _need(isinstance(given, list) and bool(given), "input", _INPUT, given)
+    if _token_ids(given):
+        return [list(given)]
+    _bad_token_id(given, "input")
+    if len(given) > MAX_PROMPTS:
+        raise BadRequest(f"input: a list of {len(given):,} inputs; at most {MAX_PROMPTS} per request (send several "
+                         "requests)", param="input")
+    for i, item in enumerate(given):
+        if isinstance(item, list) and item and not _token_ids(item):
+            _bad_token_id(item, f"input[{i}]")
+        ok = (isinstance(item, str) and bool(item)) or (isinstance(item, list) and bool(item) and _token_ids(item))
+        _need(ok, f"input[{i}]", "a non-empty string or a non-empty list of token ids", item)
+    return list(given)
+
+
+def parse_embeddings(state: ServeState, raw: bytes | bytearray) -> EmbedJob:
+    """Check an embeddings body and tokenize its inputs (on a worker thread); ``BadRequest`` naming the field, nothing
+    queued, when any input could never be embedded."""
+    body = _object(_load(raw))
+    _known(body, FIELDS)
+    model = body.get("model")
+    _need(model is None or isinstance(model, str), "model", "a string (the served model's name)", model)
+    _check_model(state, body)
+    fmt = body.get("encoding_format")
+    _need(fmt in (None, "float", "base64"), "encoding_format", '"float" or "base64"', fmt)
+    if body.get("dimensions") is not None:  # vLLM refuses it too for a model not trained for truncated embeddings
+        dims = body["dimensions"]
+        _need(_is_int(dims) and dims >= 1, "dimensions", "an integer >= 1", dims)
+        raise BadRequest(f"dimensions: {dims}: this model gives its full hidden size only (no Matryoshka "
+                         "embeddings); leave dimensions out", param="dimensions")
+    _need(body.get("user") is None or isinstance(body["user"], str), "user", "a string", body.get("user"))
+    flags = {}
+    for name, default in (("add_special_tokens", True), ("normalize", True)):
+        value = body.get(name)
+        _need(value is None or isinstance(value, bool), name, "true or false", value)
+        flags[name] = default if value is None else value
+    cut = body.get("truncate_prompt_tokens")
+    _need(cut is None or (_is_int(cut) and (cut >= 1 or cut == -1)), "truncate_prompt_tokens",
+          "an integer >= 1 (keep the input's last N tokens) or -1 (the model's length)", cut)
+    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, truncate_prompt_tokens=cut)
+    engine = state.engine
+    prompts = []
+    inputs = _inputs(body)
+    single = isinstance(body["input"], str) or _token_ids(body["input"])  # one input, not a list of them
+    for i, item in enumerate(inputs):
+        where = "input" if single else f"input[{i}]"
+        try:
+            ids = engine.tokenize(item, add_special_tokens=flags["add_special_tokens"], where=where) \
+                if isinstance(item, str) else item
+            ids = engine.check(ids, params).prompt_token_ids  # cut as asked; in the vocabulary; it fits
+        except (GenerationError, KvBuildError) as exc:
+            message = first_line(exc, "").removeprefix("generate: ")
+            raise BadRequest(message if message.startswith(where) else f"{where}: {message}", param="input") from None
+        prompts.append(list(ids))
+    return EmbedJob(prompts, fmt == "base64", flags["normalize"], params)
+
+
+async def embeddings_route(state: ServeState, request: Request, gate: asyncio.Lock,
+                           stopping: asyncio.Event) -> Response:
+    """``POST /v1/embeddings``: the body read and parsed as the completions' are, every input queued as one
+    request, the answer once all are embedded."""
+    try:
+        raw = await _read_body(request, state.max_request_bytes, state.read_timeout_s, stopping)
+    except ClientDisconnect:
+        return Response(status_code=CLIENT_CLOSED)
+    async with gate:
+        if state.engine.stopping:
+            raise _shutting_down()
+        if await request.is_disconnected():
+            return Response(status_code=CLIENT_CLOSED)
+        job: EmbedJob = await _on_worker(stopping, lambda: None, parse_embeddings, state, raw)
+    loop = asyncio.get_running_loop()
+    ended: asyncio.Queue[tuple[int, ServeEvent]] = asyncio.Queue()
+    engine = state.engine
+    req_ids: list[str] = []
+    events: dict[int, ServeEvent] = {}
+    try:
+        for i, ids in enumerate(job.prompts):
+            def sink(ev: ServeEvent, i: int = i) -> None:
+                if ev.finished:
+                    loop.call_soon_threadsafe(ended.put_nowait, (i, ev))
+            try:
+                req_ids.append(engine.submit(ids, job.params, sink, pool=True))
+            except EngineStopped:
+                raise _shutting_down() from None
+        while len(events) < len(req_ids):
+            i, ev = await ended.get()
+            events[i] = ev
+        failed = next((ev for ev in events.values() if ev.finish_reason in ("abort", "error")), None)
+        if failed is not None:
+            if failed.finish_reason == "abort" or engine.stopping:
+                raise _shutting_down()
+            raise BadRequest(f"the engine failed while embedding: {failed.error}", status=500, kind="server_error",
+                             code="engine_error")
+        rows = [engine.executor.pooled.take(r) for r in req_ids]
+    finally:  # a failure or a client gone: whatever still runs is aborted, and no row is left behind
+        for i, req_id in enumerate(req_ids):
+            if i not in events:
+                engine.abort(req_id)
+            engine.executor.pooled.take(req_id)
+    data = []
+    for i, row in enumerate(rows):
+        if row is None:  # every finished request's prefill ran its last token: a missing row is a bug, said so
+            raise BadRequest(f"input[{i}]: its last hidden state was not captured", status=500, kind="server_error")
+        vector = pooled(row, job.normalize)
+        embedding: Any = base64.b64encode(vector.numpy().astype("<f4").tobytes()).decode("ascii") if job.base64 \
+            else vector.tolist()
+        data.append({"index": i, "object": "embedding", "embedding": embedding})
+    tokens = sum(len(ids) for ids in job.prompts)
+    return JSONResponse({"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                         "model": state.model_name, "data": data,
+                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+
+__all__ = ["FIELDS", "EmbedJob", "embeddings_route", "parse_embeddings"]
