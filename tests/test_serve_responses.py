@@ -124,6 +124,19 @@ def refused(server, param: str, **body) -> str:
 # --- text -------------------------------------------------------------------------------------------------------------
 
 
+def test_a_user_holding_a_lone_surrogate_is_a_400_naming_user_not_a_500(plain):
+    """The answer echoes ``user``: a lone surrogate (JSON's "\\ud800") failed its UTF-8 encoding, HTTP 500
+    ``UnicodeEncodeError``, after the request had been generated."""
+    served = plain.served
+    body = b'{"model": %s, "input": "hi", "max_output_tokens": 2, "user": "a\\ud800"}' % (
+        json.dumps(served.state.model_name).encode())
+    r = served.http.post("/v1/responses", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "user" and error["type"] == "invalid_request_error"
+    assert error["message"].startswith("user: not valid Unicode text (a lone surrogate at character 1")
+
+
 def test_vllms_sampling_extras_act_as_on_the_chat_endpoint(plain):
     """vLLM's ResponsesRequest takes stop, seed, ignore_eos, repetition_penalty, logit_bias, skip_special_tokens,
     include_stop_str_in_output and structured_outputs (the openai client sends them in extra_body): each was a 400."""

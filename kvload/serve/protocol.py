@@ -347,6 +347,7 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
     # OpenAI's end-user id, for its abuse monitoring: it names the caller and changes nothing generated
     user = body.get("user")
     _need(user is None or isinstance(user, str), "user", "a string", user)
+    _check_unicode(user, "user")  # the Responses API echoes it: a lone surrogate failed the answer's UTF-8, a 500
     prompts = _prompts(body) if kind == "completion" else [_messages(body)]
 
     max_tokens = body.get("max_tokens")
