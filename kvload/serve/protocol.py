@@ -590,6 +590,7 @@ def metadata(value: Any) -> dict[str, str]:
     _need(isinstance(value, dict) and len(value) <= MAX_METADATA
           and all(isinstance(k, str) and len(k) <= MAX_METADATA_KEY and isinstance(v, str)
                   and len(v) <= MAX_METADATA_VALUE for k, v in value.items()), "metadata", expected, value)
+    _check_unicode(value, "metadata")  # the Responses API echoes it: a lone surrogate failed the answer's UTF-8
     return dict(value)
 
 
