@@ -1759,6 +1759,16 @@ def test_serve_quotes_the_host_it_cannot_resolve():
         bind("", 0)
 
 
+@pytest.mark.parametrize("host", ["a" * 64, "9" * 5000, "a..b"])
+def test_serve_names_a_host_that_is_no_host_name(capsys, host):
+    """A label past 63 characters (or empty) fails IDNA's encoding in getaddrinfo: a UnicodeError, not the gaierror
+    the check caught, so ``kvload serve --host <64 letters>`` ended "error: UnicodeError: encoding with 'idna' codec
+    failed (UnicodeError: label too long)", exit 1, naming no flag."""
+    r = run_cli(capsys, "serve", "tiny-llama", "--host", host, "--port", "0")
+    assert_refused(r, "--host ")
+    assert "not a host name (each dot-separated label is 1 to 63 characters)" in r.err
+
+
 def test_serve_names_the_host_when_it_is_not_an_address_of_this_machine(capsys):
     """``--host 192.0.2.1`` (an address of no machine here) read ``--port 8000: cannot listen on 192.0.2.1:8000
     (Cannot assign requested address)``: the port was blamed, and it was fine."""
