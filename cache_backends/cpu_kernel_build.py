@@ -96,8 +96,11 @@ def build_kernel(cache_dir: Path, source: Path | None = None, what: str = "the C
         targets.append((cache_dir / f"{stem}-{key}.so", key, cflags, lflags))
     # any build already made wins, also a fallback's: a flag set this compiler refuses is not retried every process
     for target, *_ in targets:
-        if target.exists():
-            return target
+        try:
+            if target.exists():
+                return target
+        except OSError as exc:  # a name past the file system's limit, a folder the user cannot search: exists() raises
+            raise KernelUnavailable(f"the kernel cache {cache_dir} cannot be read: {exc.strerror}") from None
     errors = []
     for target, key, cflags, lflags in targets:
         try:

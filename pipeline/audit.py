@@ -563,6 +563,10 @@ class JsonlSink:
 
     def _hold(self, record: dict[str, Any]) -> None:
         """Write the record held back, then hold this one (the last record is sealed at close)."""
+        head = self._chain.head
+        if head is not None:
+            record = {**record, PREV: head}
+        self._chain.link(record)  # first: should it raise, the record held back is still held, not written twice
         if self._pending is not None and self._failed is None:
             try:
                 self._file.write(_dumps(self._pending) + "\n")
@@ -572,9 +576,6 @@ class JsonlSink:
                 self._failed = exc
                 if self._on_failure is not None:
                     self._on_failure(exc)
-        if self._chain.head is not None:
-            record = {**record, PREV: self._chain.head}
-        self._chain.link(record)
         self._pending = record
 
     def watch(self, on_failure: Callable[[OSError], None]) -> None:

@@ -38,9 +38,14 @@ def audit_key() -> bytes | None:
 
 
 def canonical(record: dict[str, Any]) -> bytes:
-    """The bytes a link is computed over: sorted keys, no whitespace, ``chain_head`` left out."""
+    """The bytes a link is computed over: sorted keys, no whitespace, ``chain_head`` left out.
+
+    A lone surrogate (a request's JSON ``"\\ud800"`` the server records) is encoded as its three bytes
+    (``surrogatepass``): strict UTF-8 raised on it, so the record was never linked, the record before it was written
+    twice and the served audit did not verify."""
     body = {k: v for k, v in record.items() if k != HEAD}
-    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str).encode("utf-8")
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+    return text.encode("utf-8", "surrogatepass")
 
 
 class Chain:

@@ -85,8 +85,11 @@ _FLOAT_SPECIAL = re.compile(r"^(?:[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$")
 StrictLoader.add_constructor("tag:yaml.org,2002:int", StrictLoader.construct_yaml_int)
 StrictLoader.add_constructor("tag:yaml.org,2002:float", StrictLoader.construct_yaml_float)
 
-# YAML 1.1's bool, int and float resolvers go (yes/on, 064 as octal, 1:30 as 90, ...); 1.2 core ones replace them
-_YAML_11 = ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+# YAML 1.1's bool, int and float resolvers go (yes/on, 064 as octal, 1:30 as 90, ...); 1.2 core ones replace them.
+# So do 1.1's timestamps and "=", which 1.2's core schema reads as strings: `generation_config: 2024-01-01` (a folder
+# of that name, as the flag takes it) was a datetime.date, refused as one
+_YAML_11 = ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.org,2002:float",
+            "tag:yaml.org,2002:timestamp", "tag:yaml.org,2002:value")
 StrictLoader.yaml_implicit_resolvers = {
     first: [(tag, rx) for tag, rx in resolvers if tag not in _YAML_11]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()

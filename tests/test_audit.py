@@ -432,3 +432,27 @@ def test_audit_holds_one_entry_per_distinct_warning_not_one_per_record(capsys, t
     assert peaks[10_000] < 3 * peaks[250], peaks
     text = run_cli(capsys, "audit", tmp_path / "served-10000.jsonl").out
     assert text.count("serve.top_k") == 1 and "nothing is sampled  (x10,000)" in text
+
+
+def test_a_record_holding_a_lone_surrogate_is_written_once_and_the_log_verifies(capsys, tmp_path):
+    """``kvload serve`` records what a request sent (a ``setting_ignored`` naming its ``metadata``); a lone surrogate
+    there (JSON's "\\ud800") failed the chain's strict UTF-8: the record was never linked, the one before it was written
+    twice, and the server's own audit failed ``--verify`` ("event 57 has seq 55, expected 56")."""
+    from pipeline.audit import JsonlSink
+    from tests.cli_support import run_cli
+
+    records = [dict(e) for e in pipeline.plan("tiny-llama", log=False).audit.events]
+    records += [{"event": "setting_ignored", "stage": "serve", "level": "warning", "field": "serve.metadata",
+                 "value": {"k": "a\ud800"}, "reason": "kvload keeps no per-user records of requests (request r1)",
+                 "request": "r1"}]
+    for seq, record in enumerate(records):
+        record["seq"] = seq
+    path = tmp_path / "served.jsonl"
+    with JsonlSink(path) as sink:
+        for record in records:
+            sink(record)
+    lines = path.read_text(encoding="utf-8").splitlines()
+    assert len(lines) == len(records) + 1 and len(set(lines)) == len(lines)  # the header, then each record once
+    r = run_cli(capsys, "audit", path, "--verify")
+    assert r.code == 0, r.err
+    assert "chain   sha256 chain intact" in r.out

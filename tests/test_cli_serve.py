@@ -653,6 +653,9 @@ def test_the_reasoning_parser_reaches_the_served_state_and_the_ready_line_names_
     assert line.endswith(" KV tokens); reasoning parser deepseek_r1; Ctrl-C stops"), line
     line = ready_line()
     assert seen["reasoning_parser"] is None and line.endswith(" KV tokens); Ctrl-C stops"), line
+    # a served name holding an escape sequence was printed raw: the terminal turned red (or worse)
+    line = ready_line("--served-model-name", "\x1b[31mred\n")
+    assert line.startswith("kvload serve: \\x1b[31mred\\n at http://127.0.0.1:9 ("), line
 
 
 def _self_signed(tmp_path) -> tuple[str, str]:

@@ -332,6 +332,16 @@ def test_a_compiler_that_fails_is_reported_with_its_first_line(tmp_path, monkeyp
     assert not list((tmp_path / "kernels").iterdir())
 
 
+@needs_cc
+def test_a_kernel_cache_whose_name_is_too_long_is_named_not_a_crash(tmp_path):
+    """``KVLOAD_CACHE`` (or ``XDG_CACHE_HOME``) of a 5,000-character name: the cached build's lookup raised
+    ``OSError: File name too long``, and ``kvload generate`` ended with exit 1 on it instead of attending through
+    gather + SDPA, as it does for a cache it cannot create."""
+    cache = tmp_path / ("9" * 5000) / "kernels"
+    with pytest.raises(KernelUnavailable, match=r"the kernel cache .* cannot be read: File name too long$"):
+        cpu_kernel_build.build_kernel(cache)
+
+
 @pytest.mark.parametrize(("args", "says"), [
     (("cuda", 64, 4, torch.float32), "the pools are on cuda (attention_backend: triton is the kernel for CUDA)"),
     (("cpu", 1024, 4, torch.float32), "head_dim up to 512, got 1024"),

@@ -473,6 +473,8 @@ def test_yaml_numbers_at_the_edges(capsys, tmp_path, out, field):
     ("1:30", "1:30"), ("2:00:00", "2:00:00"), ("0b1000000", "0b1000000"), ("1_", "1_"),
     ("1:30.5", "1:30.5"), ("1e-3", 0.001), ("1e3", 1000.0), ("1_0.5", 10.5), (".5", 0.5), ("-.inf", float("-inf")),
     ("yes", "yes"), ("True", True), ('!!int "064"', 64),
+    # 1.1's timestamps and "=" are strings in 1.2's core schema (a date was a datetime.date, "=" had no constructor)
+    ("2024-01-01", "2024-01-01"), ("2001-12-14t21:59:43.10-05:00", "2001-12-14t21:59:43.10-05:00"), ("=", "="),
 ])
 def test_yaml_numbers_read_as_yaml_1_2(text, value):
     import yaml
@@ -480,6 +482,22 @@ def test_yaml_numbers_read_as_yaml_1_2(text, value):
     from pipeline.sources import StrictLoader
 
     assert yaml.load(f"x: {text}\n", Loader=StrictLoader) == {"x": value}
+
+
+def test_a_folder_named_like_a_date_is_the_same_folder_in_the_config_file_as_on_the_flag(capsys, tmp_path,
+                                                                                         monkeypatch):
+    """`generation_config: 2024-01-01` was YAML 1.1's datetime.date, refused ("got datetime.date(2024, 1, 1)") where
+    `--generation_config 2024-01-01` took the folder."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "2024-01-01").mkdir()
+    (tmp_path / "2024-01-01" / "generation_config.json").write_text('{"temperature": 0.25}')
+    (tmp_path / "c.yaml").write_text("generation_config: 2024-01-01\n")
+    results = [_plan(capsys, "tiny-llama", *flags, "--json") for flags in
+               (["--config", "c.yaml"], ["--generation_config", "2024-01-01"])]
+    for r in results:
+        assert r.code == 0, r.err
+    file, flag = (json.loads(r.out)["sampling_defaults"]["defaults"] for r in results)
+    assert file == flag == {"temperature": 0.25}
 
 
 @pytest.mark.parametrize(("field", "text"), [
@@ -1739,6 +1757,16 @@ def test_serve_quotes_the_host_it_cannot_resolve():
 
     with pytest.raises(ConfigError, match=r"^--host '': cannot resolve it \("):
         bind("", 0)
+
+
+@pytest.mark.parametrize("host", ["a" * 64, "9" * 5000, "a..b"])
+def test_serve_names_a_host_that_is_no_host_name(capsys, host):
+    """A label past 63 characters (or empty) fails IDNA's encoding in getaddrinfo: a UnicodeError, not the gaierror
+    the check caught, so ``kvload serve --host <64 letters>`` ended "error: UnicodeError: encoding with 'idna' codec
+    failed (UnicodeError: label too long)", exit 1, naming no flag."""
+    r = run_cli(capsys, "serve", "tiny-llama", "--host", host, "--port", "0")
+    assert_refused(r, "--host ")
+    assert "not a host name (each dot-separated label is 1 to 63 characters)" in r.err
 
 
 def test_serve_names_the_host_when_it_is_not_an_address_of_this_machine(capsys):

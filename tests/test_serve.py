@@ -361,6 +361,9 @@ def test_a_trailing_slash_is_a_404_naming_the_endpoints_not_a_redirect_to_the_cl
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x\\ud800"}]}', "messages",
      "messages[0].content: not valid Unicode text (a lone surrogate at character 1"),
     ("/v1/completions", b'{"prompt": [1, 2], "salt": "\\ud800"}', "salt", "valid Unicode"),
+    # the Responses API echoes user in its answer, whose UTF-8 a lone surrogate failed: a 500 (one parse, every route)
+    ("/v1/completions", b'{"prompt": [1, 2], "user": "a\\ud800"}', "user",
+     "user: not valid Unicode text (a lone surrogate at character 1"),
     ("/v1/completions", b'{"prompt": [1, 2], "stop": ["ok", "\\udfff"]}', "stop",
      "stop[1]: not valid Unicode text (a lone surrogate at character 0"),
     ("/v1/completions", b'{"prompt": [1, 2], "max_tokens": 2, "max_tokens": 3}', None,  # json keeps the last

@@ -124,6 +124,26 @@ def refused(server, param: str, **body) -> str:
 # --- text -------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(("field", "param", "where"), [
+    ('"user": "a\\ud800"', "user", "user"),
+    ('"metadata": {"k": "a\\ud800"}', "metadata", "metadata.k"),
+    ('"metadata": {"k\\ud800": "a"}', "metadata", "metadata"),
+    ('"text": {"format": {"type": "json_schema", "name": "a\\ud800", "schema": {"type": "string"}}}', "text.format",
+     "text.format.name"),
+])
+def test_an_echoed_field_holding_a_lone_surrogate_is_a_400_naming_it_not_a_500(plain, field, param, where):
+    """The answer echoes ``user``, ``metadata`` and ``text``: a lone surrogate (JSON's "\\ud800") in one failed its
+    UTF-8 encoding, HTTP 500 ``UnicodeEncodeError``, after the request had been generated."""
+    served = plain.served
+    body = b'{"model": %s, "input": "hi", "max_output_tokens": 2, %s}' % (
+        json.dumps(served.state.model_name).encode(), field.encode())
+    r = served.http.post("/v1/responses", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert error["message"].startswith(f"{where}: not valid Unicode text (a lone surrogate at character ")
+
+
 def test_vllms_sampling_extras_act_as_on_the_chat_endpoint(plain):
     """vLLM's ResponsesRequest takes stop, seed, ignore_eos, repetition_penalty, logit_bias, skip_special_tokens,
     include_stop_str_in_output and structured_outputs (the openai client sends them in extra_body): each was a 400."""

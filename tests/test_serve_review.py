@@ -237,6 +237,34 @@ def test_a_request_being_parsed_when_the_server_stops_gets_a_503_at_once(path):
             delattr(engine, held_name)
 
 
+def test_a_stop_during_a_parse_that_goes_on_ends_the_server_without_waiting_for_it():
+    """The 503 went out at once, but the parse ran on asyncio's default executor, which ``asyncio.run`` joins when
+    the server's loop ends: ``kvload serve`` stopped while an 80 MB prompt was encoded (minutes on one core) stayed
+    up, its audit unpublished, until the encode ended (the sweep's SIGINT waited past 120 s). The server's thread
+    now ends while the parse is still held."""
+    with serving("tiny-llama") as served:
+        engine = served.state.engine
+        entered, release = threading.Event(), threading.Event()
+        original = engine.encode
+
+        def held(*args, **kw):  # an encode that outlasts the stop
+            entered.set()
+            release.wait(TIMEOUT)
+            return original(*args, **kw)
+
+        engine.encode = held
+        try:
+            with _connect(served.server.port) as sock:
+                sock.sendall(_post(json.dumps({"prompt": PROMPT, "max_tokens": 4}).encode()))
+                assert entered.wait(TIMEOUT)
+                answer = _stop_and_read(served, sock)  # the parse is still held: the stop must not wait for it
+                assert not release.is_set()
+            _assert_shutting_down(answer)
+        finally:
+            release.set()
+            del engine.encode
+
+
 def _stop_and_read(served: Served, sock: socket.socket) -> bytes:
     """Stop the server while ``sock``'s request is part-sent: what the client reads until the close; the stop (and the
     server's thread) must end within ``TIMEOUT``."""

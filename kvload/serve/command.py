@@ -11,6 +11,7 @@ from typing import Any
 from engine.reasoning import PARSERS
 from kvload.metrics import METRIC_NAMINGS
 from pipeline.limits import MAX_INT
+from pipeline.text import one_line
 
 #: ``kv_cache_config.event_buffer_max_size`` when ``--kv-events-config`` turns events on and nothing set it
 EVENT_BUFFER_FIELD = "kv_cache_config.event_buffer_max_size"
@@ -624,8 +625,10 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
             # how chat replies are read, where a client's author looks when reasoning_content or tool_calls is missing
             parsers = "".join(f"; {what} parser {name}" for what, name in (("tool-call", ns.tool_call_parser),
                                                                          ("reasoning", ns.reasoning_parser)) if name)
-            print(f"kvload serve: {state.model_name} at {url} ({type(result.kv_manager).__name__}, "
-                  f"{kv.capacity_tokens:,} KV tokens{tp}){parsers}{auth}; Ctrl-C stops", file=sys.stderr, flush=True)
+            # one_line: a --served-model-name or --uds path holding an escape sequence was printed raw to the terminal
+            print(one_line(f"kvload serve: {state.model_name} at {url} ({type(result.kv_manager).__name__}, "
+                           f"{kv.capacity_tokens:,} KV tokens{tp}){parsers}{auth}; Ctrl-C stops"),
+                  file=sys.stderr, flush=True)
 
         try:
             level = getattr(ns, "effective_log_level", None) or ns.log_level or "warning"  # uvicorn's default: info

@@ -347,6 +347,7 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
     # OpenAI's end-user id, for its abuse monitoring: it names the caller and changes nothing generated
     user = body.get("user")
     _need(user is None or isinstance(user, str), "user", "a string", user)
+    _check_unicode(user, "user")  # the Responses API echoes it: a lone surrogate failed the answer's UTF-8, a 500
     prompts = _prompts(body) if kind == "completion" else [_messages(body)]
 
     max_tokens = body.get("max_tokens")
@@ -589,6 +590,7 @@ def metadata(value: Any) -> dict[str, str]:
     _need(isinstance(value, dict) and len(value) <= MAX_METADATA
           and all(isinstance(k, str) and len(k) <= MAX_METADATA_KEY and isinstance(v, str)
                   and len(v) <= MAX_METADATA_VALUE for k, v in value.items()), "metadata", expected, value)
+    _check_unicode(value, "metadata")  # the Responses API echoes it: a lone surrogate failed the answer's UTF-8
     return dict(value)
 
 

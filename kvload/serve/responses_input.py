@@ -24,6 +24,7 @@ from kvload.serve.protocol import (
     MAX_REQUEST_ID_CHARS,
     AsSent,
     BadRequest,
+    _check_unicode,
     need_schema,
     not_an_object,
     openai_hints,
@@ -465,6 +466,7 @@ def _text(value: Any, ignored: list[tuple[str, Any, str]]) -> dict[str, Any]:
         _need(isinstance(fmt.get("name"), str) and bool(fmt["name"]), "text.format.name", "a non-empty string",
               fmt.get("name"))
         need_schema(fmt.get("schema"), "text.format.schema")
+        _check_unicode(fmt, "text.format")  # echoed in the answer, whose UTF-8 a lone surrogate in its name failed
         fmt = {k: v for k, v in fmt.items() if v is not None}
     else:
         raise BadRequest(f"text.format: type {kind!r} is not supported; expected {_FORMATS}"[:400], param="text.format")

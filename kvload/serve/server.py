@@ -284,6 +284,10 @@ def bind(host: str, port: int) -> socket.socket:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
         raise ConfigError(f"--host {short_text(host)}: cannot resolve it ({exc.strerror})") from None
+    except UnicodeError:  # IDNA's encoding of a host name: a label (the text between dots) empty or past 63 characters
+        raise ConfigError(f"--host {short_text(host)}: not a host name (each dot-separated label is 1 to 63 "
+                          "characters); give an address (127.0.0.1: this machine only, 0.0.0.0: all of them) or a "
+                          "host name") from None
     family, kind, proto, _, addr = infos[0]
     try:
         sock = socket.socket(family, kind, proto)

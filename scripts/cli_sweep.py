@@ -1,0 +1,263 @@
+"""Hostile-input sweep of the kvload CLI, to find what still breaks rather than guess.
+
+Every value flag of plan, run, generate, simulate and serve (serve: its own flags) is given hostile values (wrong
+types, edge numbers, control characters, odd paths: missing, a folder, a FIFO, a device, empty, binary, a 20 MB
+line, bytes that are not UTF-8), ``--config`` odd YAML files, ``audit``/``explain`` odd files, and the environment
+variables kvload reads junk. Each run is one JSON line: exit status, a traceback on stderr, stderr's line count,
+time, a hang (killed past ``--timeout``), processes of its group left, files left in its working folder, its
+``$TMPDIR`` and the fixtures folder. A ``serve`` is stopped with SIGINT once its ready line is out (its exit is
+recorded too). The suspects: a traceback, a hang, processes or files left, an exit other than 0 or 2, a refusal of
+more than one line.
+
+    python scripts/cli_sweep.py --work /tmp/sweep --only plan --jobs 2   # the runs whose name starts "plan"
+    python scripts/cli_sweep.py --work /tmp/sweep --summary              # the suspects of every results file
+
+Slow: a second or more per run, a model load per generate and serve (thousands of runs in all); ``--only`` narrows
+it. Files a successful run writes on purpose (``--audit-log abc``) show up as left; judge them in the summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+BAD = ["abc", "", "-1", "0", "1e308", "9" * 5000, "nan", "-inf", "\x1b[31m", "9223372036854775808", "[1]", "1"]
+PATH_FLAGS = {"--config", "--audit-log", "--chart", "--generation_config", "--download-dir", "--tokenizer",
+              "--chat-template", "--kv-events-file", "--ssl-certfile", "--ssl-keyfile", "--ssl-ca-certs", "--uds",
+              "--json-schema", "--grammar", "--kv-events-config", "--model"}
+SERVE_FLAGS = {"--port", "--host", "--uds", "--ssl-certfile", "--ssl-keyfile", "--ssl-ca-certs", "--ssl-cert-reqs",
+               "--kv-events-file", "--kv-events-config", "--default-max-tokens", "--seed",
+               "--h11-max-incomplete-event-size", "--h11-max-header-count", "--api-server-count", "--audit-keep",
+               "--max-request-bytes", "--request-read-timeout", "--max-concurrent-requests", "--responses-store-max",
+               "--chat-template", "--tool-call-parser", "--reasoning-parser", "--default-chat-template-kwargs",
+               "--max-log-len", "--allowed-origins", "--served-model-name", "--root-path", "--api-key",
+               "--response-role"}
+#: Flags of every command swept on the others too (the rest are read by one shared parser: swept on plan).
+SHARED = {"--max_tokens", "--max_seq_len", "--tokens_per_block", "--config", "--audit-log", "--device", "--dtype",
+          "--kv_cache_dtype"}
+BASE = {"plan": ["plan", "tiny-llama"], "run": ["run", "tiny-llama", "--max_tokens", "1024"],
+        "generate": ["generate", "tiny-llama", "--prompt-ids", "1,2,3", "--max_new_tokens", "2",
+                     "--max_tokens", "1024"],
+        "simulate": ["simulate", "tiny-llama", "--workload", "no-reuse", "--requests", "2", "--max_tokens", "4096"],
+        "serve": ["serve", "tiny-llama", "--port", "0", "--max_tokens", "1024"]}
+ENV_VARS = ["KVLOAD_LOG_FORMAT", "KVLOAD_LOG_LEVEL", "KVLOAD_AUDIT_KEY", "KVLOAD_CACHE", "KVLOAD_DIST_TIMEOUT_S",
+            "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR", "XDG_CACHE_HOME", "HF_HOME",
+            "HF_HUB_CACHE", "CC", "TRITON_INTERPRET", "COLUMNS", "KVLOAD_API_KEY"]
+YAMLS = {
+    "list_top": "- 1\n- 2\n", "scalar_top": "42\n", "kv_list": "kv_cache_config: [1, 2]\n",
+    "kv_str": "kv_cache_config: hello\n", "kv_null": "kv_cache_config: null\n",
+    "max_tokens_list": "kv_cache_config: {max_tokens: [4096]}\n",
+    "max_tokens_map": "kv_cache_config: {max_tokens: {a: 1}}\n",
+    "max_tokens_float": "kv_cache_config: {max_tokens: 4096.5}\n",
+    "max_tokens_inf": "kv_cache_config: {max_tokens: .inf}\n",
+    "max_tokens_nan": "kv_cache_config: {max_tokens: .nan}\n",
+    "max_tokens_bool": "kv_cache_config: {max_tokens: true}\n",
+    "max_tokens_date": "kv_cache_config: {max_tokens: 2001-12-14}\n",
+    "max_tokens_big": "kv_cache_config: {max_tokens: " + "9" * 5000 + "}\n",
+    "max_tokens_neg": "kv_cache_config: {max_tokens: -5}\n",
+    "fraction_str": "kv_cache_config: {free_gpu_memory_fraction: half}\n",
+    "fraction_2": "kv_cache_config: {free_gpu_memory_fraction: 2}\n", "dtype_int": "dtype: 16\n",
+    "dtype_list": "dtype: [float16]\n", "model_int": "model: 5\n",
+    "bomb": "a: &a [x,x,x,x,x,x,x,x,x]\n" + "".join(
+        f"{n}: &{n} [{', '.join([f'*{p}'] * 9)}]\n" for p, n in zip("abcde", "bcdef", strict=True)),
+    "recursive_alias": "a: &a [*a]\n", "dup": "max_seq_len: 1\nmax_seq_len: 2\n",
+    "pyobj": "max_seq_len: !!python/object/apply:os.system ['touch PWNED']\n",
+    "pyname": "dtype: !!python/name:os.system\n", "binary_tag": "dtype: !!binary aGVsbG8=\n",
+    "set_tag": "dtype: !!set {a, b}\n", "custom_tag": "dtype: !foo bar\n", "complex_key": "? [a, b]\n: 1\n",
+    "int_key": "1: 2\n", "null_key": "null: 2\n",
+    "merge": "base: &b {max_tokens: 4096}\nkv_cache_config: {<<: *b}\n", "merge_top": "<<: {max_seq_len: 64}\n",
+    "multidoc": "max_seq_len: 64\n---\nmax_seq_len: 65\n", "bom": "\ufeffmax_seq_len: 64\n",
+    "deep": "a: " + "[" * 200 + "]" * 200 + "\n",
+    "deep_map": "kv_cache_config: " + "{a: " * 100 + "1" + "}" * 100 + "\n",
+    "json_nan": '{"max_seq_len": NaN}\n', "unterminated": "kv_cache_config: {max_tokens: 4096\n",
+    "ctrl": 'dtype: "\\x1b[31mred"\n', "longkey": ("k" * 100000) + ": 1\n",
+    "many_keys": "".join(f"k{i}: {i}\n" for i in range(20000)), "unknown_nested": "kv_cache_config: {nope: 1}\n",
+    "speculative_list": "speculative_config: [1]\n", "override_gen_list": "override_generation_config: [1]\n",
+    "date_dir": "generation_config: 2024-01-01\n",
+}
+
+
+def make_fixtures(fix: Path) -> list[Path]:
+    """The odd files the paths point at; the YAML configs, in order."""
+    fix.mkdir(parents=True, exist_ok=True)
+    (fix / "dir").mkdir(exist_ok=True)
+    (fix / "empty").write_bytes(b"")
+    (fix / "binary").write_bytes(bytes(range(256)) * 64)
+    (fix / "hugeline").write_bytes(b"a" * (20 << 20))
+    (fix / "badutf8").write_bytes(b"max_tokens: 4096\n\xff\xfe: 1\n")
+    (fix / "nul").write_bytes(b"max_tokens: 40\x0096\n")
+    (fix / "noperm").write_text("max_tokens: 4096\n")
+    os.chmod(fix / "noperm", 0)  # root reads it anyway
+    if not (fix / "fifo").exists():
+        os.mkfifo(fix / "fifo")
+    for name, text in YAMLS.items():
+        (fix / f"y_{name}.yaml").write_text(text, encoding="utf-8")
+    (fix / "y_utf16.yaml").write_bytes("max_seq_len: 64\n".encode("utf-16"))
+    (fix / "y_crlf.yaml").write_bytes(b"max_seq_len: 64\r\n")
+    return sorted(fix.glob("y_*.yaml"))
+
+
+def path_values(fix: Path) -> list[str]:
+    names = ("missing", "dir", "empty", "binary", "hugeline", "badutf8", "nul", "noperm", "fifo")
+    return [str(fix / n) for n in names] + ["/dev/zero", "/dev/full", "/dev/null", "/", "/proc/self/mem"]
+
+
+def cases(fix: Path) -> Iterator[dict[str, Any]]:
+    """Every run of the sweep: a name, the argv after ``kvload``, and the environment's changes."""
+    sys.path.insert(0, str(REPO))
+    from kvload.cli.commands import build_parser
+
+    ymls, paths = make_fixtures(fix), path_values(fix)
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    common = {a.option_strings[0] for a in sub.choices["plan"]._actions if a.option_strings}
+    for cmd, parser in sub.choices.items():
+        if cmd not in BASE:
+            continue
+        for action in parser._actions:
+            if not action.option_strings or action.nargs == 0:
+                continue
+            flag = action.option_strings[0]
+            if cmd != "plan" and flag in common and flag not in SHARED:
+                continue
+            values = BAD + (paths if flag in PATH_FLAGS else [])
+            if cmd == "serve":
+                if flag not in SERVE_FLAGS:
+                    continue
+                values = ["", "-1", "0", "9" * 5000, "abc", "\x1b[31m", "nan"] + (paths if flag in PATH_FLAGS else [])
+            elif cmd != "plan" and flag in ("--audit-log", "--chart", "--config"):
+                values = [*paths, ""]
+            for value in values:
+                argv = list(BASE[cmd])
+                if flag in argv:
+                    del argv[argv.index(flag):argv.index(flag) + 2]
+                yield {"name": f"{cmd} {flag}={value[:20]!r}", "argv": [*argv, flag, value]}
+    for y in ymls:
+        for cmd in ("plan", "generate"):
+            yield {"name": f"{cmd} --config {y.name}", "argv": [*BASE[cmd], "--config", str(y)]}
+    for value in [*paths, *BAD[:3]]:
+        yield {"name": f"plan MODEL={value[-20:]!r}", "argv": ["plan", value]}
+        for argv in (["audit"], ["audit", "--verify"], ["explain"]):
+            yield {"name": f"{' '.join(argv)} {value[-20:]!r}", "argv": [*argv, value]}
+    for var in ENV_VARS:
+        for value in ["", "junk", "-1", "0", "1e308", "nan", "\x1b[31m", "9" * 5000, str(fix / "fifo"), "/dev/zero"]:
+            cmd = "generate" if var in ("KVLOAD_CACHE", "CC", "XDG_CACHE_HOME") else "plan"
+            audit = ["--audit-log", "a.jsonl"] if var == "KVLOAD_AUDIT_KEY" else []
+            yield {"name": f"env {var}={value[:20]!r} {cmd}", "argv": [*BASE[cmd], *audit], "env": {var: value}}
+        yield {"name": f"env {var}=junk serve", "argv": BASE["serve"], "env": {var: "junk"}}
+
+
+def _files(folder: Path) -> set[str]:
+    return {str(p) for p in folder.rglob("*")} if folder.exists() else set()
+
+
+def run_case(case: dict[str, Any], work: Path, fix: Path, timeout: float) -> dict[str, Any]:
+    """One run in a fresh working folder and $TMPDIR; what it did and left."""
+    cwd, tmp = Path(tempfile.mkdtemp(prefix="c_", dir=work)), Path(tempfile.mkdtemp(prefix="t_", dir=work))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVLOAD_")}
+    env.update(PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TMPDIR=str(tmp), **case.get("env", {}))
+    fix_before, start = _files(fix), time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "kvload", *case["argv"]], cwd=cwd, env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    out: list[bytes] = []
+    err: list[bytes] = []
+    ready = threading.Event()
+
+    def read(stream: Any, into: list[bytes], watch: bool) -> None:
+        for line in iter(stream.readline, b""):
+            into.append(line)
+            if watch and b"Ctrl-C stops" in line:  # serve's ready line
+                ready.set()
+
+    readers = [threading.Thread(target=read, args=(proc.stdout, out, False)),
+               threading.Thread(target=read, args=(proc.stderr, err, True))]
+    for t in readers:
+        t.start()
+    hang = stopped = False
+    while proc.poll() is None:
+        if ready.is_set():
+            time.sleep(0.5)
+            os.kill(proc.pid, signal.SIGINT)
+            stopped = True
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                hang = True
+            break
+        if time.monotonic() - start > timeout:
+            hang = True
+            break
+        time.sleep(0.05)
+    if hang:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for t in readers:
+        t.join(5)
+    try:
+        os.killpg(proc.pid, 0)
+        children = True
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        children = False
+    stderr = b"".join(err).decode("utf-8", "replace")
+    left = sorted(_files(cwd) | _files(tmp) | (_files(fix) - fix_before))
+    subprocess.run(["rm", "-rf", str(cwd), str(tmp), str(fix / "missing")], check=False)
+    return {"name": case["name"], "argv": [a[:80] for a in case["argv"]], "env": case.get("env", {}),
+            "rc": proc.returncode, "traceback": "Traceback" in stderr, "err_lines": len(stderr.splitlines()),
+            "seconds": round(time.monotonic() - start, 2), "hang": hang, "stopped": stopped, "children": children,
+            "left": [x[:160] for x in left], "out_bytes": sum(map(len, out)),
+            "err_tail": [line[:300] for line in stderr.splitlines()[-3:]]}
+
+
+def suspect(r: dict[str, Any]) -> bool:
+    """A run the sweep flags: traceback, hang, leftovers, an odd exit, a refusal of more than one line."""
+    return bool(r["traceback"] or r["hang"] or r["children"] or r["left"] or r["rc"] not in (0, 2)
+                or (r["rc"] == 2 and r["err_lines"] > 1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", type=Path, required=True, help="folder for fixtures, runs and results")
+    ap.add_argument("--only", default="", help="run the cases whose name starts with this")
+    ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--timeout", type=float, default=90.0, help="seconds before a run counts as hung")
+    ap.add_argument("--summary", action="store_true", help="print the suspects of every results file and stop")
+    ap.add_argument("--list", action="store_true", help="print the number of cases and stop")
+    a = ap.parse_args()
+    work = a.work.resolve()
+    fix, runs = work / "fix", work / "runs"
+    if a.summary:
+        for results in sorted(work.glob("results-*.jsonl")):
+            rows = [json.loads(line) for line in results.read_text().splitlines()]
+            flagged = [r for r in rows if suspect(r)]
+            print(f"{results.name}: {len(rows)} runs, {len(flagged)} suspects")
+            for r in flagged:
+                print(f"  {r['name']}: exit {r['rc']}, {r['seconds']} s, traceback {r['traceback']}, hang {r['hang']},"
+                      f" children {r['children']}, left {r['left'][:2]}, {r['err_lines']} lines: {r['err_tail'][-1:]}")
+        return
+    runs.mkdir(parents=True, exist_ok=True)
+    chosen = [c for c in cases(fix) if c["name"].startswith(a.only)]
+    if a.list:
+        print(len(chosen))
+        return
+    name = a.only.split()[0] if a.only else "all"
+    with (work / f"results-{name}.jsonl").open("w") as fh, ThreadPoolExecutor(a.jobs) as pool:
+        for rec in pool.map(lambda c: run_case(c, runs, fix, a.timeout), chosen):
+            fh.write(json.dumps(rec) + "\n")
+            fh.flush()
+
+
+if __name__ == "__main__":
+    main()
