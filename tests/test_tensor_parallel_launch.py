@@ -76,16 +76,15 @@ def _alive(pid: int) -> bool:
     return bool(text) and text.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def _in_session(sid: int) -> list[int]:
-    """Processes whose session is ``sid`` (the launcher's own, which its ranks leave)."""
+def _left_in(cwd: Path) -> list[int]:
+    """Live processes running in ``cwd`` (each test's own directory: the launcher and its ranks run there)."""
     found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for proc in Path("/proc").glob("[0-9]*"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if Path(os.readlink(proc / "cwd")) == cwd.resolve() and _alive(int(proc.name)):
+                found.append(int(proc.name))
         except OSError:
             continue
-        if int(fields[3]) == sid and fields[0] != "Z":
-            found.append(int(stat.parent.name))
     return found
 
 
@@ -124,6 +123,7 @@ def test_generate_starts_its_ranks_and_prints_what_one_process_prints(tmp_path, 
     finally:
         _cleanup(proc, {})
     assert proc.returncode == 0, err[-3000:]
+    assert _left_in(tmp_path) == []
     assert out.splitlines()[:2] == alone.out.splitlines()[:2] and len(out.splitlines()) == 3  # rank 0's reply, once
     assert "error" not in err and err.count("kv_budget_short") == 1, err  # rank 1's warning is not said again
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gen.jsonl", "gen.rank1.jsonl"]  # once each, no temporary
@@ -156,7 +156,7 @@ def test_serve_starts_its_ranks_answers_and_a_stop_signal_leaves_nothing(tmp_pat
     finally:
         _cleanup(proc, pids)
     assert proc.returncode == 0, err[-3000:]  # every rank stopped cleanly, as one serving process does
-    assert not any(_alive(p) for p in pids.values()) and _in_session(proc.pid) == []
+    assert not any(_alive(p) for p in pids.values()) and _left_in(tmp_path) == []
     err = "".join(lines) + err
     assert "Traceback" not in err and "error:" not in err, err[-3000:]
     assert err.count("kv_budget_short") == 1 and err.count(" at http://") == 1, err
@@ -178,12 +178,25 @@ def test_a_rank_killed_ends_the_command_in_one_line(tmp_path):
     finally:
         _cleanup(proc, pids)
     assert proc.returncode == 128 + signal.SIGKILL, err[-3000:]
-    assert not any(_alive(p) for p in pids.values()) and _in_session(proc.pid) == []
+    assert not any(_alive(p) for p in pids.values()) and _left_in(tmp_path) == []
     assert "Traceback" not in err, err[-3000:]
     errors = [x for x in err.splitlines() if x.startswith("error:")]
     assert errors == [f"error: rank 1 of 2 (pid {pids[1]}) was killed by SIGKILL; kvload stopped the other ranks"]
     # a failed run publishes no audit log, on any rank; the killed rank's temporary is removed for it
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_error_every_rank_meets_is_said_once_with_its_status(tmp_path):
+    # each rank refuses the audit path (rank 1's is beside rank 0's): one line, rank 0's words, exit 2, no process left
+    proc = _kvload("run", "tiny-llama", "--tp_size", "2", "--max_tokens", "4096", "--audit-log",
+                   str(tmp_path / "missing" / "a.jsonl"), cwd=tmp_path)
+    try:
+        out, err = proc.communicate(timeout=START_S)
+    finally:
+        _cleanup(proc, {})
+    assert (proc.returncode, out) == (2, ""), err[-3000:]
+    assert err == f"error: --audit-log {tmp_path}/missing/a.jsonl: directory {tmp_path}/missing does not exist\n"
+    assert _left_in(tmp_path) == []
 
 
 @pytest.mark.parametrize("flag", ["--tp_size", "-tp", "--tensor-parallel-size"])

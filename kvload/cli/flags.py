@@ -109,7 +109,8 @@ FLAGS: tuple[Flag, ...] = (
          "max_new_tokens, do_sample (vLLM's flag), e.g. '{\"temperature\": 0.5}'",
          json_object_like('{"temperature": 0.5}'), metavar="JSON"),
     Flag("--tp_size", "tensor_parallel_size",
-         "tensor-parallel ranks (launch that many with torchrun; plan alone shows rank 0's view)", field_integer,
+         "tensor-parallel ranks: run, generate and serve start that many processes (or launch them with "
+         "torchrun); plan alone shows rank 0's view", field_integer,
          metavar="N", aliases=("--tensor_parallel_size", "-tp")),
 )
 #: vLLM's engine flags kvload has no counterpart for (a launch script copied from ``vllm serve``): each goes into the
