@@ -119,7 +119,6 @@ class Launcher:
             else free_port(self.addr)
         self.ranks: list[_Rank] = []
         self._signals: list[int] = []
-        self._out = getattr(sys.__stderr__, "buffer", None)
         self._lock = threading.Lock()
 
     def env(self, rank: int) -> dict[str, str]:
@@ -200,11 +199,17 @@ class Launcher:
         stream.close()
 
     def _write(self, data: bytes) -> None:
-        if self._out is None:
-            return
+        """``data`` on this process's stderr as it is now (a redirection of ``sys.stderr`` included), bytes as sent."""
         with self._lock, contextlib.suppress(OSError, ValueError):
-            self._out.write(data)
-            self._out.flush()
+            stream = sys.stderr
+            out = getattr(stream, "buffer", None)
+            if out is None:
+                stream.write(data.decode(errors="replace"))
+                stream.flush()
+                return
+            stream.flush()  # what went through its text layer first
+            out.write(data)
+            out.flush()
 
     def _alive(self) -> list[_Rank]:
         return [r for r in self.ranks if r.code is None]
