@@ -200,7 +200,7 @@ def test_an_error_every_rank_meets_is_said_once_with_its_status(tmp_path):
 
 
 @pytest.mark.parametrize("flag", ["--tp_size", "-tp", "--tensor-parallel-size"])
-def test_ranks_are_started_only_for_a_size_the_checkpoint_takes(capsys, monkeypatch, flag):
+def test_ranks_are_started_only_for_a_size_the_checkpoint_takes(capsys, monkeypatch, tmp_path, flag):
     from kvload.cli import launch
 
     started = []
@@ -215,6 +215,10 @@ def test_ranks_are_started_only_for_a_size_the_checkpoint_takes(capsys, monkeypa
         assert r.code == 0, r.err
     assert started == [([c, "tiny-llama", flag, "2", "--max_tokens", "4096"], 2) for c in ("run", "generate", "serve")]
     assert run_cli(capsys, "plan", "tiny-llama", flag, "2").code == 0 and len(started) == 3  # plan runs alone
+    config = tmp_path / "tp.yaml"  # the --config file may ask for the ranks too
+    config.write_text("tensor_parallel_size: 2\n")
+    assert run_cli(capsys, "run", "tiny-llama", "--config", config).code == 0
+    assert started[3] == (["run", "tiny-llama", "--config", str(config)], 2)
     monkeypatch.setenv("WORLD_SIZE", "2")  # under torchrun: this process is one of the ranks already
     assert launch.ranks_to_launch(argparse.Namespace(command="run", config=None)) == 0
 

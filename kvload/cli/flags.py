@@ -307,5 +307,7 @@ def _request(ns: argparse.Namespace, load_weights: bool = False, kv_events_reade
     ``generates=True`` where it generates through what it loads."""
     from pipeline.context import LoadRequest
 
+    # config_read: the --config tree this process read already (kvload.cli.launch), so the file is read once
     return LoadRequest(model=ns.model, overrides=cli_overrides(ns), source="cli", config_file=ns.config,
+                       config=getattr(ns, "config_read", None),
                        load_weights=load_weights, kv_events_reader=kv_events_reader, generates=generates)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import os
 import signal
 import socket
@@ -69,8 +70,15 @@ def _resolved_size(ns: argparse.Namespace) -> int:
     from kvload.cli.flags import _request
     from stages import ApplyModelDefaults, CheckParallel, ParseArgs, ResolveAuto, SnapshotUserFields
 
-    result = execute(_request(ns, kv_events_reader=False),
-                     [ParseArgs(), SnapshotUserFields(), ApplyModelDefaults(), ResolveAuto(), CheckParallel()],
+    if ns.config is not None and getattr(ns, "config_read", None) is None:
+        from pipeline.sources import read_yaml
+
+        # read once for this process: the command's own request takes this tree, not a second read of a file that
+        # may have changed in between (and each rank reads the file itself; agree_ranks compares what they resolved)
+        ns.config_read = read_yaml(ns.config)
+    request = _request(ns, kv_events_reader=False)
+    request.config = copy.deepcopy(request.config)  # the stages may normalise the tree the command gets after
+    result = execute(request, [ParseArgs(), SnapshotUserFields(), ApplyModelDefaults(), ResolveAuto(), CheckParallel()],
                      log=False)
     size = result.args.tensor_parallel_size
     return size if size > 1 else 0
