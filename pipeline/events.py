@@ -642,6 +642,17 @@ class RankJoined(Event):
     heads: dict[str, Any]  # models.geometry.HeadSharding.to_dict(): mode, heads and KV heads per rank
 
 
+@event("ranks_launched")
+class RanksLaunched(Event):
+    """The ranks were started by kvload's own launcher (the CLI outside torchrun), not by torchrun."""
+
+    rank: int
+    world_size: int  # how many rank processes the launcher started
+    launcher: str  # "kvload"
+    master_addr: str  # the rendezvous address and port the launcher chose
+    master_port: int
+
+
 @event("ranks_agreed")
 class RanksAgreed(Event):
     """Every rank resolved the same arguments (byte caps aside) and route: their digests match."""

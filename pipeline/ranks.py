@@ -25,6 +25,8 @@ from pipeline.limits import short_text
 #: Seconds a collective waits for the other ranks before failing (weights load between two of them).
 TIMEOUT_ENV = "KVLOAD_DIST_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 600.0
+#: Set to "kvload" in the rank processes kvload's CLI launched itself (``kvload.cli.launch``), absent under torchrun.
+LAUNCHER_ENV = "KVLOAD_LAUNCHER"
 #: The longest collective timeout taken (a week): a rank gone longer is lost, and torch's timeout must be finite.
 MAX_TIMEOUT_S = 7 * 86400.0
 
@@ -275,5 +277,5 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "Ranks", "lost_rank_message", "object_group", "rank_audit_path",
-           "ranks_from_env", "shutdown", "timeout_s"]
+__all__ = ["DEFAULT_TIMEOUT_S", "LAUNCHER_ENV", "TIMEOUT_ENV", "Ranks", "lost_rank_message", "object_group",
+           "rank_audit_path", "ranks_from_env", "shutdown", "timeout_s"]

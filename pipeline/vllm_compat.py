@@ -81,7 +81,8 @@ IGNORED: dict[str, str] = {
                     "partial-prefill concurrency: kvload chunks every prefill up to max_num_tokens per step"),
     "tokenizer_pool_size": "kvload loads the checkpoint's own tokenizer, one per process",
     **dict.fromkeys(("disable_custom_all_reduce", "distributed_executor_backend"),
-                    "multi-GPU plumbing: kvload's ranks are torchrun processes over torch.distributed"),
+                    "multi-GPU plumbing: kvload's ranks are processes over torch.distributed, started by torchrun "
+                    "or by the kvload CLI itself"),
     "disable_log_stats": "engine statistics: only kvload serve logs vLLM's periodic throughput line (engine_stats), "
                          "which its --disable-log-stats turns off; here the totals are LLM.get_metrics()'s and the "
                          "audit log's",

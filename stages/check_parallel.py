@@ -8,11 +8,13 @@ for more ranks than it has: it plans rank 0's view; building pools needs every r
 
 from __future__ import annotations
 
+import os
+
 from pipeline.bus import Emit
 from pipeline.context import Context
 from pipeline.errors import RankError
-from pipeline.events import RankJoined
-from pipeline.ranks import ranks_from_env
+from pipeline.events import RankJoined, RanksLaunched
+from pipeline.ranks import LAUNCHER_ENV, ranks_from_env
 
 
 class CheckParallel:
@@ -35,6 +37,10 @@ class CheckParallel:
         ctx.heads = heads
         emit(RankJoined(rank=ranks.rank, world_size=ranks.world_size, local_rank=ranks.local_rank,
                         tensor_parallel_size=tp, heads=heads.to_dict()))
+        if ranks.distributed and os.environ.get(LAUNCHER_ENV) == "kvload":  # the CLI started the ranks, not torchrun
+            emit(RanksLaunched(rank=ranks.rank, world_size=ranks.world_size, launcher="kvload",
+                               master_addr=os.environ.get("MASTER_ADDR", ""),
+                               master_port=int(os.environ.get("MASTER_PORT", "0") or 0)))
 
 
 def require_all_ranks(ctx: Context, what: str) -> None:
@@ -42,4 +48,5 @@ def require_all_ranks(ctx: Context, what: str) -> None:
     tp = ctx.args.tensor_parallel_size
     if tp > 1 and ctx.ranks.world_size != tp:
         raise RankError(f"tensor_parallel_size={tp}: {what} needs all {tp} ranks, and this process runs alone; "
-                        f"launch it with torchrun --nproc-per-node {tp} (plan shows one rank's view without them)")
+                        f"launch it with torchrun --nproc-per-node {tp}, or from the command line, where kvload run, "
+                        f"generate and serve start the {tp} ranks themselves (plan shows one rank's view without them)")

@@ -337,13 +337,6 @@ def test_kv_events_file_takes_the_buffer_size_from_the_config_file(capsys, tmp_p
     assert r.code == 2 and r.one_error_line and "KV cache events are off" in r.err, r.err
 
 
-def test_serve_with_tensor_parallel_alone_says_to_launch_the_ranks_with_torchrun(capsys):
-    # served under torchrun (tests/test_serve_tensor_parallel.py); one process cannot hold 2 ranks' shards
-    r = run_cli(capsys, "serve", "tiny-llama", "--tp_size", "2", "--port", "0")
-    assert r.code == 2 and r.one_error_line, r.err
-    assert "needs all 2 ranks" in r.err and "launch it with torchrun --nproc-per-node 2" in r.err, r.err
-
-
 @pytest.mark.parametrize("name", ["", "   "])
 def test_an_empty_served_model_name_is_refused_not_replaced_by_the_model(capsys, name):
     """It fell back to MODEL's name without a word: a setting accepted that did nothing."""

@@ -85,9 +85,13 @@ def test_bad_sizes_are_one_line_exit_2(capsys):
     r = run_cli(capsys, "plan", "tiny-llama", "--tp_size", "3")
     assert (r.code, r.one_error_line) == (2, True)
     assert "tensor_parallel_size=3: LlamaForCausalLM has 4 attention heads" in r.err
-    r = run_cli(capsys, "run", "tiny-llama", "--tp_size", "2", "--max_tokens", "4096")
-    assert (r.code, r.one_error_line, r.out) == (2, True, "")
-    assert "needs all 2 ranks, and this process runs alone; launch it with torchrun --nproc-per-node 2" in r.err
+    # the Python API in one process cannot hold 2 ranks' pools (the CLI starts its ranks: test_tensor_parallel_launch)
+    with pytest.raises(RankError) as caught:
+        pipeline.load("tiny-llama", tensor_parallel_size=2, kv_cache_config={"max_tokens": 4096}, log=False)
+    assert str(caught.value) == (
+        "tensor_parallel_size=2: building the KV pools needs all 2 ranks, and this process runs alone; launch it with "
+        "torchrun --nproc-per-node 2, or from the command line, where kvload run, generate and serve start the 2 ranks "
+        "themselves (plan shows one rank's view without them)")
 
 
 def test_rank_from_the_environment_and_audit_file_per_rank():

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from kvload.cli.commands import build_parser
 from kvload.cli.files import check_distinct_files
 from kvload.cli.flags import FLAGS, VLLM_KNOB_FLAGS, VLLM_KNOB_SHORT, _underscored
+from kvload.cli.launch import launch, ranks_to_launch
 from kvload.cli.output import ResultStream, _drop_stdout, error_text
 from kvload.cli.parser import typed_spelling, typed_value
 from kvload.cli.values import number
@@ -87,7 +88,8 @@ def _main(ns: argparse.Namespace, argv: Sequence[str] | None, said: list[bool]) 
     stdout, sys.stdout = sys.stdout, ResultStream(sys.stdout, _unwritten(ns))
     try:
         check_distinct_files(ns, sys.argv[1:] if argv is None else argv)
-        code = _run(ns)
+        world = ranks_to_launch(ns)  # --tp_size N outside torchrun: this process starts the N ranks (vLLM's habit)
+        code = launch(ns, sys.argv[1:] if argv is None else argv, world) if world else _run(ns)
         ok = code == 0
         return code
     except KvloadError as exc:

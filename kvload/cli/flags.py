@@ -109,7 +109,8 @@ FLAGS: tuple[Flag, ...] = (
          "max_new_tokens, do_sample (vLLM's flag), e.g. '{\"temperature\": 0.5}'",
          json_object_like('{"temperature": 0.5}'), metavar="JSON"),
     Flag("--tp_size", "tensor_parallel_size",
-         "tensor-parallel ranks (launch that many with torchrun; plan alone shows rank 0's view)", field_integer,
+         "tensor-parallel ranks: run, generate and serve start that many processes (or launch them with "
+         "torchrun); plan alone shows rank 0's view", field_integer,
          metavar="N", aliases=("--tensor_parallel_size", "-tp")),
 )
 #: vLLM's engine flags kvload has no counterpart for (a launch script copied from ``vllm serve``): each goes into the
@@ -310,5 +311,7 @@ def _request(ns: argparse.Namespace, load_weights: bool = False, kv_events_reade
     ``generates=True`` where it generates through what it loads."""
     from pipeline.context import LoadRequest
 
+    # config_read: the --config tree this process read already (kvload.cli.launch), so the file is read once
     return LoadRequest(model=ns.model, overrides=cli_overrides(ns), source="cli", config_file=ns.config,
+                       config=getattr(ns, "config_read", None),
                        load_weights=load_weights, kv_events_reader=kv_events_reader, generates=generates)

@@ -72,7 +72,7 @@ examples:
   kvload serve tiny-llama --max_tokens 8192 --use_kv_cache_manager_v2 true
   KVLOAD_API_KEY=$(cat key.txt) kvload serve smollm2-135m --host 0.0.0.0
   kvload serve smollm2-135m --uds /run/kvload/kvload.sock   # curl --unix-socket /run/kvload/kvload.sock http://x/health
-  torchrun --nproc-per-node 2 -m kvload serve tiny-llama --tp_size 2   # rank 0 serves, rank 1 follows it
+  kvload serve tiny-llama -tp 2      # starts 2 ranks: rank 0 serves, rank 1 follows it (under torchrun too)
 """
 
 

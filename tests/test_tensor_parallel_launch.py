@@ -1,0 +1,237 @@
+"""``kvload run|generate|serve --tp_size N`` outside torchrun: the command starts its N ranks itself (vLLM's habit,
+``vllm serve MODEL --tensor-parallel-size 2``) and supervises them: one process's output, the ranks' exit status, a
+stop signal passed on, a lost rank ending the rest, nothing left behind.
+
+Real processes (gloo on CPU), bounded by timeouts; none is a speed assertion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+import pipeline
+from tests.cli_support import run_cli
+from tests.hostile_support import signals_as_a_terminal_gives_them
+from tests.tp_support import DIST_TIMEOUT_S, REPO
+
+START_S = 240
+EXIT_S = 90
+SERVE = ["serve", "tiny-llama", "-tp", "2", "--port", "0", "--max_tokens", "2048"]
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "TRANSFORMERS_VERBOSITY": "error", "KVLOAD_DIST_TIMEOUT_S": str(DIST_TIMEOUT_S)}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):  # not under a launcher
+        env.pop(name, None)
+    return env
+
+
+def _kvload(*argv: str, cwd: Path) -> subprocess.Popen:
+    """``python -m kvload ARGV`` (no torchrun) in a session of its own, so a test can kill all it left."""
+    return subprocess.Popen([sys.executable, "-m", "kvload", *argv], cwd=cwd, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=signals_as_a_terminal_gives_them,
+                            start_new_session=True)
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _rank_pids(parent: int) -> dict[int, int]:
+    """rank → pid of the launcher's children (their RANK variable), once both have started."""
+    deadline = time.monotonic() + 30
+    while True:
+        found = {}
+        for pid in _children(parent):
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+            found[int(env[b"RANK"])] = pid
+        if len(found) == 2 or time.monotonic() > deadline:
+            return found
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    text = stat.read_text() if stat.exists() else ""
+    return bool(text) and text.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _left_in(cwd: Path) -> list[int]:
+    """Live processes running in ``cwd`` (each test's own directory: the launcher and its ranks run there)."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if Path(os.readlink(proc / "cwd")) == cwd.resolve() and _alive(int(proc.name)):
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+def _ready(proc: subprocess.Popen) -> tuple[str, list[str]]:
+    """The address in the ready line the launcher passed on from rank 0, and the stderr lines up to it."""
+    deadline = time.monotonic() + START_S
+    lines: list[str] = []
+    while not lines or " at http://" not in lines[-1]:
+        assert time.monotonic() < deadline and proc.poll() is None, f"the server did not start: {lines[-5:]}"
+        lines.append(proc.stderr.readline())
+    assert "tensor parallel over 2 ranks" in lines[-1], lines[-1]
+    return lines[-1].split(" at ", 1)[1].split(" ", 1)[0], lines
+
+
+def _cleanup(proc: subprocess.Popen, pids: dict[int, int]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    for pid in pids.values():
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    proc.communicate()
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_generate_starts_its_ranks_and_prints_what_one_process_prints(tmp_path, capsys):
+    argv = ["generate", "tiny-llama", "--prompt-ids", "1,2,3,4,5", "--prompt-ids", "7,8,9", "--max_new_tokens", "12",
+            "--max_tokens", "4096"]
+    alone = run_cli(capsys, *argv)
+    assert alone.code == 0, alone.err
+    proc = _kvload(*argv, "--tensor-parallel-size", "2", "--audit-log", str(tmp_path / "gen.jsonl"), cwd=tmp_path)
+    try:
+        out, err = proc.communicate(timeout=START_S)
+    finally:
+        _cleanup(proc, {})
+    assert proc.returncode == 0, err[-3000:]
+    assert _left_in(tmp_path) == []
+    assert out.splitlines()[:2] == alone.out.splitlines()[:2] and len(out.splitlines()) == 3  # rank 0's reply, once
+    assert "error" not in err and err.count("kv_budget_short") == 1, err  # rank 1's warning is not said again
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gen.jsonl", "gen.rank1.jsonl"]  # once each, no temporary
+    for rank, name in enumerate(("gen.jsonl", "gen.rank1.jsonl")):
+        records = _records(tmp_path / name)
+        (launched,) = [r for r in records if r["event"] == "ranks_launched"]
+        assert (launched["rank"], launched["world_size"], launched["launcher"]) == (rank, 2, "kvload")
+        assert launched["master_addr"] == "127.0.0.1" and launched["master_port"] > 0
+        assert [r["world_size"] for r in records if r["event"] == "rank_joined"] == [2]
+        assert any(r["event"] == "generation_finished" for r in records)
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+def test_serve_starts_its_ranks_answers_and_a_stop_signal_leaves_nothing(tmp_path, stop):
+    proc = _kvload(*SERVE, "--audit-log", str(tmp_path / "audit.jsonl"), cwd=tmp_path)
+    pids: dict[int, int] = {}
+    try:
+        with pipeline.load("tiny-llama", load_weights=True, kv_cache_config={"max_tokens": 2048}, log=False) as alone:
+            want = alone.generate([[1, 2, 3, 4, 5]], max_new_tokens=8, ignore_eos=True)[0].token_ids
+        url, lines = _ready(proc)
+        pids = _rank_pids(proc.pid)
+        assert sorted(pids) == [0, 1]
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=60, max_retries=0)
+        r = client.completions.create(model="tiny-llama", prompt=[1, 2, 3, 4, 5], max_tokens=8,
+                                      extra_body={"ignore_eos": True})
+        client.close()
+        assert r.choices[0].model_extra["token_ids"] == want
+        proc.send_signal(stop)  # a service manager stopping the command it started, or a terminal's Ctrl-C
+        err = proc.communicate(timeout=EXIT_S)[1]
+    finally:
+        _cleanup(proc, pids)
+    assert proc.returncode == 0, err[-3000:]  # every rank stopped cleanly, as one serving process does
+    assert not any(_alive(p) for p in pids.values()) and _left_in(tmp_path) == []
+    err = "".join(lines) + err
+    assert "Traceback" not in err and "error:" not in err, err[-3000:]
+    assert err.count("kv_budget_short") == 1 and err.count(" at http://") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["audit.jsonl", "audit.rank1.jsonl"]
+    assert any(r["event"] == "ranks_launched" for r in _records(tmp_path / "audit.jsonl"))
+    port = int(url.rsplit(":", 1)[1])
+    with socket.socket() as s:  # rank 0's listening socket went with it
+        s.bind(("127.0.0.1", port))
+
+
+def test_a_rank_killed_ends_the_command_in_one_line(tmp_path):
+    proc = _kvload(*SERVE, "--audit-log", str(tmp_path / "audit.jsonl"), cwd=tmp_path)
+    pids: dict[int, int] = {}
+    try:
+        _ready(proc)
+        pids = _rank_pids(proc.pid)
+        os.kill(pids[1], signal.SIGKILL)
+        err = proc.communicate(timeout=EXIT_S)[1]  # no hang: rank 0 is stopped as well
+    finally:
+        _cleanup(proc, pids)
+    assert proc.returncode == 128 + signal.SIGKILL, err[-3000:]
+    assert not any(_alive(p) for p in pids.values()) and _left_in(tmp_path) == []
+    assert "Traceback" not in err, err[-3000:]
+    errors = [x for x in err.splitlines() if x.startswith("error:")]
+    assert errors == [f"error: rank 1 of 2 (pid {pids[1]}) was killed by SIGKILL; kvload stopped the other ranks"]
+    # a failed run publishes no audit log, on any rank; the killed rank's temporary is removed for it
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_error_every_rank_meets_is_said_once_with_its_status(tmp_path):
+    # each rank refuses the audit path (rank 1's is beside rank 0's): one line, rank 0's words, exit 2, no process left
+    proc = _kvload("run", "tiny-llama", "--tp_size", "2", "--max_tokens", "4096", "--audit-log",
+                   str(tmp_path / "missing" / "a.jsonl"), cwd=tmp_path)
+    try:
+        out, err = proc.communicate(timeout=START_S)
+    finally:
+        _cleanup(proc, {})
+    assert (proc.returncode, out) == (2, ""), err[-3000:]
+    assert err == f"error: --audit-log {tmp_path}/missing/a.jsonl: directory {tmp_path}/missing does not exist\n"
+    assert _left_in(tmp_path) == []
+
+
+@pytest.mark.parametrize("flag", ["--tp_size", "-tp", "--tensor-parallel-size"])
+def test_ranks_are_started_only_for_a_size_the_checkpoint_takes(capsys, monkeypatch, tmp_path, flag):
+    from kvload.cli import launch
+
+    started = []
+    monkeypatch.setattr(launch.Launcher, "run", lambda self: started.append((self.argv, self.world)) or 0)
+    for command in ("run", "serve"):  # 4 attention heads: 3 ranks is refused in one line before any process starts
+        r = run_cli(capsys, command, "tiny-llama", flag, "3")
+        assert (r.code, r.one_error_line, r.out) == (2, True, ""), r.err
+        assert "tensor_parallel_size=3: LlamaForCausalLM has 4 attention heads" in r.err
+    assert started == []
+    for command in ("run", "generate", "serve"):
+        r = run_cli(capsys, command, "tiny-llama", flag, "2", "--max_tokens", "4096")
+        assert r.code == 0, r.err
+    assert started == [([c, "tiny-llama", flag, "2", "--max_tokens", "4096"], 2) for c in ("run", "generate", "serve")]
+    assert run_cli(capsys, "plan", "tiny-llama", flag, "2").code == 0 and len(started) == 3  # plan runs alone
+    config = tmp_path / "tp.yaml"  # the --config file may ask for the ranks too
+    config.write_text("tensor_parallel_size: 2\n")
+    assert run_cli(capsys, "run", "tiny-llama", "--config", config).code == 0
+    assert started[3] == (["run", "tiny-llama", "--config", str(config)], 2)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # under torchrun: this process is one of the ranks already
+    assert launch.ranks_to_launch(argparse.Namespace(command="run", config=None)) == 0
+
+
+def test_the_python_api_alone_refuses_in_one_line_naming_torchrun_and_the_cli():
+    # kvload.LLM runs in the caller's process: it starts no ranks (they would have to follow every call the caller
+    # makes), so it says where ranks come from
+    import kvload
+    from pipeline.errors import RankError
+
+    with pytest.raises(RankError) as caught:
+        kvload.LLM("tiny-llama", tensor_parallel_size=2, kv_cache_config={"max_tokens": 1024}, log=False)
+    assert str(caught.value) == (
+        "tensor_parallel_size=2: loading sharded weights needs all 2 ranks, and this process runs alone; launch it "
+        "with torchrun --nproc-per-node 2, or from the command line, where kvload run, generate and serve start the 2 "
+        "ranks themselves (plan shows one rank's view without them)")
