@@ -1,13 +1,15 @@
 """What ``kv_cache_config.pool_arena: "auto"`` resolves to, and why (``resolve_auto`` asks, after ``max_seq_len``).
 
-The measurement behind the rule (BENCHMARKS.md, "The slab arena through pool_arena"): on ``kvload simulate``'s V4
-grid the slab arena took 0.28-1.00x the split pools' steps on every cell it could run, and it cannot run a request
-whose groups need more slabs than the arena has (a slab per group in use is its floor, where the split's floor is a
-block per group). So "auto" is the arena when the budget holds every group's blocks of one ``max_seq_len`` sequence
-in slabs of their own (no request the manager accepts can then be refused for the floor), the split otherwise; the
-same for real pools (``run``, ``generate``, ``serve``) as for simulations, but on CUDA, whose budget comes from free
-memory measured after this choice (the split there; ``true`` builds the arena), and with an asked-for host tier
-(the arena runs without one).
+The measurements behind the rule: on ``kvload simulate``'s V4 grid the slab arena took 0.28-1.00x the split pools'
+steps on every cell it could run (BENCHMARKS.md, "The slab arena through pool_arena"), but with requests near
+``max_seq_len`` (the split then sized for them) it took more, up to 1.97x at budgets of a few sequences, and nothing
+known when "auto" resolves tells those cells apart ("Where the slab arena loses"; ``pool_arena: false`` there). It
+cannot run a request whose groups need more slabs than the arena has (a slab per group in use is its floor, where the
+split's floor is a block per group). So "auto" is the arena when the budget holds every group's blocks of one
+``max_seq_len`` sequence in slabs of their own (no request the manager accepts can then be refused for the floor), and
+its reason says where it can lose; the split otherwise; the same for real pools (``run``, ``generate``, ``serve``) as
+for simulations, but on CUDA, whose budget comes from free memory measured after this choice (the split there;
+``true`` builds the arena), and with an asked-for host tier (the arena runs without one).
 """
 
 from __future__ import annotations
@@ -70,8 +72,10 @@ def resolve_pool_arena(ctx: Context) -> tuple[bool, str, str]:
     one = f"one max_seq_len={length} sequence takes {need:,} (a slab per group in use is the arena's floor)"
     if slabs >= need:
         return True, "auto", (f"{held}; {one}, so any request fits, and memory flows between the groups as they "
-                              "need it (0.28-1.00x the split's steps on kvload simulate's V4 grid, BENCHMARKS.md); it "
-                              "runs without a host tier (set host_cache_size for the split with one)")
+                              "need it (0.28-1.00x the split's steps on kvload simulate's V4 grid), but with requests "
+                              "near max_seq_len it can take more (up to 1.97x at budgets of a few sequences; "
+                              "BENCHMARKS.md, \"Where the slab arena loses\"): set pool_arena to false there; it runs "
+                              "without a host tier (set host_cache_size for the split with one)")
     return False, "auto", (f"{held}; {one}: fewer, so a request the split pools hold could find no slab; lower "
                            "max_seq_len or raise the budget for the arena")
 

@@ -19,10 +19,20 @@ import pipeline
 from cache_backends import LayerKV, build_layout
 from cache_backends.pools import BlockPools
 from cache_backends.request import Request
+from cache_backends.v2.radix import PendingPrefix
 from cache_backends.v2.shared_pool import SharedPool, interleave
 from engine.simulator import simulate
 from engine.workloads import make_workload
-from tests.kv_v2_support import admit, blocks_add_up, check_kv, compute, make_manager, prefill
+from tests.kv_v2_support import (
+    admit,
+    blocks_add_up,
+    check_kv,
+    compute,
+    make_manager,
+    next_token,
+    prefill,
+    write_kv,
+)
 
 CPU = {"device": "cpu", "log": False, "progress": False}
 
@@ -407,3 +417,131 @@ def test_a_finish_that_skips_the_released_window_ends_as_one_that_reads_it(spec)
     a.release_tables(list(enumerate(tables_a)), 2)
     b.release_tables(list(enumerate(tables_b)), 2, [min(window, n) for _, n, _, window, _, _ in spec])
     assert _pool_state(a) == _pool_state(b)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 2)), min_size=1, max_size=6), st.integers(0, 8),
+       st.randoms(use_true_random=False))
+def test_a_page_for_every_group_is_what_take_each_with_every_count_one_hands_out(groups, free_left, rng):
+    # Per group: (cached blocks it queued, their priority); free_left: pages still free. A decode's block boundary
+    # takes one page per group (take_one_each): the same pages, in the same groups' order, the same evictions
+    # passed to detach_mixed in the same order with the same groups, and every counter as take_each leaves them.
+    names = [f"g{g}" for g in range(len(groups))]
+    arenas = []
+    for _ in range(2):
+        pool = SharedPool(names, sum(c for c, _ in groups) + free_left)
+        for g, (cached, priority) in enumerate(groups):
+            table = pool.take(g, cached, lambda n, x: None)
+            for b in table:
+                pool.node[b] = _Run(f"run{b}")  # type: ignore[assignment]
+            pool.release(g, table[::-1], priority, True, lambda n, x: None)
+        arenas.append(pool)
+    a, b = arenas
+    order = list(range(len(groups)))
+    rng.shuffle(order)  # the groups in any order (the manager's is the layout's)
+    if len(order) > a.available:
+        with pytest.raises(IndexError, match="free or evictable"):
+            b.take_one_each(order, lambda blocks, of: None)
+        return
+    seen_a: list = []
+    seen_b: list = []
+
+    def mixed(seen: list, pool: SharedPool) -> Callable[[list[int], list[int]], None]:
+        def detach(blocks: list[int], of: list[int]) -> None:
+            seen.append((list(blocks), list(of), [pool.node[x] for x in blocks]))
+            for x in blocks:
+                pool.node[x] = None
+        return detach
+
+    got_a = a.take_each(order, [1] * len(order), lambda n, x: None, mixed(seen_a, a))
+    got_b = b.take_one_each(order, mixed(seen_b, b))
+    assert [[x] for x in got_b] == got_a and seen_a == seen_b and _pool_state(a) == _pool_state(b)
+
+
+def _slide_state(m) -> list:
+    """What a step leaves observable on a shared arena: every page's counters, owner (pending prefix of which request,
+    or a keyed run by its start and length) and position, the queue's order, each cache's tables, window marks and
+    pending prefix."""
+    arena = m._arena
+
+    def owner(b: int) -> object:
+        node = arena.node[b]
+        if node is None:
+            return None
+        if isinstance(node, PendingPrefix):
+            return ("pending", node.request.req_id, arena.pos[b])
+        return ("run", node.start, len(node.held), arena.pos[b])
+
+    caches = []
+    for request, cache in sorted(m._caches.items(), key=lambda item: item[0].req_id):
+        pending = cache.pending
+        caches.append((request.req_id, {k: list(v) for k, v in cache.tables.items()}, dict(cache.released),
+                       cache.committed, cache.slide_at,
+                       None if pending is None else (list(pending.held),
+                                                     {k: list(v) for k, v in pending.blocks.items()})))
+    return [list(arena._free), arena.evictable.blocks(), list(arena.ref), list(arena.gen), list(arena.group_of),
+            [owner(b) for b in range(arena.num_blocks)], list(arena.used), list(arena.cached), list(arena.evicted),
+            caches, m.stats()]
+
+
+def _slide_run(requests: list[tuple[str, list[int], int]], fast: bool) -> tuple[list, int, int]:
+    """Requests (id, prompt, new tokens) through a Gemma-3-like arena, three at a time, a token per decode step
+    (reserved by ``schedule_tokens``, as the scheduler does); the state after every step, and how many slides and
+    block boundaries took the one-pass paths (``fast`` false: none, the per-group calls instead)."""
+    m = make_manager(gemma_like(window=8), 14)  # 84 pages: finished requests' cached pages are evicted
+    arena = m._arena
+    one_pass, one_each = m._slide_parked, arena.take_one_each
+    took = [0, 0]
+
+    def slide(*args: object) -> bool:
+        done = one_pass(*args) if fast else False
+        took[0] += done
+        return done
+
+    def take(groups: list[int], detach_mixed: Callable[[list[int], list[int]], None]) -> list[int]:
+        took[1] += fast
+        if fast:
+            return one_each(groups, detach_mixed)
+        return [piece for (piece,) in arena.take_each(groups, [1] * len(groups), m._detach, detach_mixed)]
+
+    m._slide_parked = slide  # type: ignore[method-assign]
+    arena.take_one_each = take  # type: ignore[method-assign]
+    queue = [Request(rid, prompt, new) for rid, prompt, new in requests]
+    running: list[Request] = []
+    states = []
+    while queue or running:
+        while queue and len(running) < 3:
+            r = queue.pop(0)
+            prefill(m, r)
+            running.append(r)
+        for r in list(running):
+            if len(r.output_token_ids) >= r.max_new_tokens:
+                m.free(r)
+                running.remove(r)
+                continue
+            r.output_token_ids.append(next_token(r))
+            assert m.schedule_tokens(r, 1) == 1
+            write_kv(m, r, r.num_computed_tokens, 1)
+            m.commit(r, 1)
+        m.check_invariants()
+        states.append(_slide_state(m))
+    for r in running:
+        check_kv(m, r)
+    return states, took[0], took[1]
+
+
+@pytest.mark.parametrize("requests", [
+    # distinct first tokens: every cache lazily keyed, each decode slides one position of the five sliding groups
+    [(f"r{i}", [60 * i + 1 + t for t in range(5 + 3 * i)], 12 + 2 * i) for i in range(7)],
+    # a shared prompt: later requests hit it, so slides meet pages other tables hold (the per-step path) beside
+    # pending ones
+    [(f"s{i}", [7, 8, 9, 10, 11, 12, 13, 14] + [100 * i + t for t in range(1, 2 + i)], 8) for i in range(5)]
+    + [(f"u{i}", [300 + 40 * i + t for t in range(6)], 10) for i in range(3)],
+])
+def test_a_decode_slide_and_block_boundary_in_one_pass_leave_the_arena_as_the_per_group_calls_do(requests):
+    fast, slides, takes = _slide_run(requests, fast=True)
+    slow, none, none_taken = _slide_run(requests, fast=False)
+    assert slides and takes and none == none_taken == 0  # the one-pass paths ran, the reference run's never
+    assert len(fast) == len(slow)
+    for step, (got, want) in enumerate(zip(fast, slow, strict=True)):
+        assert got == want, f"step {step}"

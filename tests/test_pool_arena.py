@@ -102,6 +102,8 @@ def test_auto_is_the_arena_for_real_pools_on_a_cpu_too_and_says_why():
     result = pipeline.plan("tiny-deepseek-v4", device="cpu", kv_cache_config={"max_tokens": 65536})
     (event,) = [e for e in result.audit.of("auto_resolved") if e["field"] == ARENA]
     assert event["new"] is True and "so any request fits" in event["reason"]
+    # it says where the arena can lose and what to set there, not only where it won
+    assert "up to 1.97x" in event["reason"] and "set pool_arena to false there" in event["reason"]
     assert result.args.kv_cache_config.pool_arena is True and result.kv.arena_slabs
 
 

@@ -241,7 +241,7 @@ class KVCacheManagerV2:
         # a shared arena's window sets as (window, span, first member, [(arena index, member name)], member names):
         # released at once
         self._arena_windows = [(w, tpb, members[0][0], [(pool.index, name) for name, pool in members],  # type: ignore[union-attr]
-                                [name for name, _ in members])
+                                [name for name, _ in members], tuple(pool.index for _, pool in members))  # type: ignore[union-attr]
                                for w, tpb, members in self._window_sets] if self.layout.shared else []
         spans = [g.tokens_per_block for g in self.groups]
         self.reuse_unit: int | None = reuse_unit(self.layout)
@@ -765,7 +765,13 @@ class KVCacheManagerV2:
             assert arena is not None
             if total > len(arena._free) + len(arena.evictable):
                 return False
-            self._take_shared(cache.tables, [-(-target // tpb) + capacity // -tpb for tpb, _ in self._spans])
+            if total == len(self._names) and len(self._spans) == 1:  # a block for every group: a decode's boundary
+                tables = cache.tables
+                for name, b in zip(self._names, arena.take_one_each(self._share_index, self._detach_mixed),
+                                   strict=True):
+                    tables[name].append(b)
+            else:
+                self._take_shared(cache.tables, [-(-target // tpb) + capacity // -tpb for tpb, _ in self._spans])
         tables = cache.tables
         cache.room = min(len(tables[first]) * tpb for first, (tpb, _) in zip(self._span_first, self._spans,
                                                                                strict=True))
@@ -1705,24 +1711,27 @@ class KVCacheManagerV2:
         priority = cache.request.priority
         tables, released = cache.tables, cache.released
         if keep_cached and self._arena is not None:  # a window set's sub-groups leave the window together
-            for window, tpb, first, shares, names in self._arena_windows:
+            for window, tpb, first, shares, names, index in self._arena_windows:
                 start = max(0, cache.committed - window + 1)
                 upto = min(start // tpb, len(tables[first]))
                 lo = released[first]
                 if upto <= lo:  # the common case: nothing left this window
                     continue
-                if cache.pending is not None:
-                    self._park_blocks(cache.pending, names, tables, lo, upto)
-                self._arena.release_slices([(i, tables[name]) for i, name in shares], lo, upto, priority)
+                pending = cache.pending
+                if pending is None or upto != lo + 1 or not self._slide_parked(pending, names, index, tables, lo,
+                                                                                 priority):
+                    if pending is not None:
+                        self._park_blocks(pending, names, tables, lo, upto)
+                    self._arena.release_slices([(i, tables[name]) for i, name in shares], lo, upto, priority)
                 for name in names:
                     released[name] = upto
             windows = self._arena_windows
             if len(windows) == 1:  # one window set (Gemma 3): no generator per slide
-                window, tpb, first, _, _ = windows[0]
+                window, tpb, first, _, _, _ = windows[0]
                 cache.slide_at = (released[first] + 1) * tpb + window - 1
             else:
                 cache.slide_at = min(((released[first] + 1) * tpb + window - 1
-                                      for window, tpb, first, _, _ in windows), default=NEVER)
+                                      for window, tpb, first, _, _, _ in windows), default=NEVER)
             return
         for window, tpb, members in self._window_sets:
             start = max(0, cache.committed - window + 1)
@@ -1740,6 +1749,45 @@ class KVCacheManagerV2:
                 released[name] = max(released[name], upto)
         cache.slide_at = min(((released[name] + 1) * tpb + window - 1
                               for window, tpb, members in self._window_sets for name, _ in members), default=NEVER)
+
+    def _slide_parked(self, prefix: PendingPrefix, names: list[str], index: tuple[int, ...],
+                      tables: dict[str, list[int]], lo: int, priority: int) -> bool:
+        """A lazily keyed cache's decode slide on a shared arena, in one pass: position ``lo`` of each of a window
+        set's groups (``names``, arena indexes ``index``) parked under ``prefix`` and let go, when every group has its
+        block there and holds it alone (the usual slide); whether it did (else nothing changed). Exactly
+        :meth:`_park_blocks` then :meth:`SharedPool.release_slices` of that position.
+
+        Why: a slide moves a block or two of each group, so the calls, lists and checks around those two (six calls
+        a slide) cost more than the blocks' own work; on tiny-gemma3 ``no-reuse`` every decode block boundary
+        slides."""
+        arena = self._arena
+        assert arena is not None
+        got = [table[lo] for table in map(tables.__getitem__, names)]
+        if len(got) < 2 or -1 in got:
+            return False
+        get = itemgetter(*got)
+        ref = arena.ref
+        if get(arena.group_of) != index or get(ref).count(1) != len(got):
+            return False
+        # parked: what _park_blocks does for one position (a pending prefix has no children, so the blocks go to
+        # the leaves, as release_slices queues them)
+        if len(prefix.held) <= lo:
+            self._grow(prefix, lo + 1)
+        owner, pos, used, cached = arena.node, arena.pos, arena.used, arena.cached
+        blocks = prefix.blocks
+        for name, b in zip(names, got, strict=True):
+            blocks[name][lo] = b
+            tables[name][lo] = -1
+        for b in got:
+            owner[b] = prefix  # type: ignore[call-overload]
+            pos[b] = lo
+            ref[b] = 0
+        for g in index:
+            used[g] -= 1
+            cached[g] += 1
+        prefix.held[lo] += len(got)
+        arena.evictable.add_many(got, priority)
+        return True
 
     def _key_full_blocks(self, cache: SequenceCache) -> None:
         """Hang newly full committed blocks in the radix tree (found by their tokens: appended to the cache's own

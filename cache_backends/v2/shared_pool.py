@@ -167,6 +167,39 @@ class SharedPool:
             out += evicted
         return self._hand_out(out, groups, counts)
 
+    def take_one_each(self, groups: Sequence[int], detach_mixed: DetachMixed) -> list[int]:
+        """A page for each of ``groups`` (``groups[i]`` gets the ``i``-th): exactly :meth:`take_each` with every count
+        1, given ``detach_mixed``, without its lists per group.
+
+        Why: a decode's block boundary takes one page per group at a time (every group's table grows by a block), so
+        on a small layout (tiny-gemma3: 6 groups) the general method's per-group pieces and checks cost as much as
+        the pages' own work."""
+        free = self._free
+        total = len(groups)
+        if total > len(free) + len(self.evictable):
+            whom = f"group {self.names[groups[0]]}" if total == 1 else f"{total} groups"
+            raise IndexError(f"shared arena: {total} blocks asked for {whom}, {self.available} free or evictable")
+        k = min(total, len(free))
+        out = free[len(free) - k:][::-1]
+        del free[len(free) - k:]
+        group_of = self.group_of
+        if total > k:
+            evicted = self.evictable.pop_many(total - k)
+            of = list(map(group_of.__getitem__, evicted))
+            cached, evictions = self.cached, self.evicted
+            for g in of:
+                cached[g] -= 1
+                evictions[g] += 1
+            detach_mixed(evicted, of)
+            out += evicted
+        gen, ref, used = self.gen, self.ref, self.used
+        for b, g in zip(out, groups, strict=True):  # this loop runs for every block handed out: kept lean
+            gen[b] += 1
+            ref[b] = 1
+            group_of[b] = g
+            used[g] += 1
+        return out
+
     def _hand_out(self, out: list[int], groups: Sequence[int], counts: Sequence[int]) -> list[list[int]]:
         """:meth:`take_each`'s end: the blocks ``out`` (free ones, then evicted ones) given to ``groups`` in order,
         ``counts[i]`` each, with ``ref == 1``."""
