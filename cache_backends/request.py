@@ -45,6 +45,10 @@ class Request:
     #: scored needs every position's logits, which a cache hit skips); its full blocks are still cached under
     #: ``salt`` for later requests (vLLM's ``skip_reading_prefix_cache``)
     skip_prefix_read: bool = False
+    #: an embedding's prefill (``LLM.embed``, ``/v1/embeddings``): the one token its logits give is dropped as it is
+    #: drawn, its KV never written, so its prompt may fill ``max_seq_len`` (vLLM's ``max_model_len`` for pooling)
+    #: and its blocks are those of its prompt alone
+    prefill_only: bool = False
     arrival: int = 0  # admission order tie-breaker (later arrivals are suspended first)
     output_token_ids: list[int] = attrs.Factory(list)
     state: RequestState = RequestState.WAITING
@@ -122,8 +126,8 @@ class Request:
 
     @property
     def max_total_tokens(self) -> int:
-        """The most tokens this request can ever hold (worst case for no-evict admission)."""
-        return self.num_prompt_tokens + self.max_new_tokens
+        """The most tokens this request can ever hold KV for (worst case for no-evict admission)."""
+        return self.num_prompt_tokens + (0 if self.prefill_only else self.max_new_tokens)
 
     @property
     def is_finished(self) -> bool:

@@ -144,13 +144,14 @@ class Driver:
         """Queue a request; arrival order breaks scheduling ties.
 
         ``ValueError`` when it could not generate a token: ``max_new_tokens`` below 1, or a prompt that
-        leaves no room under ``max_seq_len``. Generation ends ("stop") at EOS or when the ``stop`` hook says
+        leaves no room under ``max_seq_len`` (a ``prefill_only`` request's may fill it: its token is dropped, its KV
+        never written). Generation ends ("stop") at EOS or when the ``stop`` hook says
         so, or ("length") at ``max_new_tokens`` or when prompt + output reach ``max_seq_len``, whichever
         comes first.
         """
         if request.max_new_tokens < 1:
             raise ValueError(f"request {request.req_id}: max_new_tokens must be >= 1, got {request.max_new_tokens}")
-        if request.num_prompt_tokens >= self.max_seq_len:
+        if request.num_prompt_tokens >= self.max_seq_len + request.prefill_only:  # its token is dropped: may fill it
             raise ValueError(f"request {request.req_id}: its prompt of {request.num_prompt_tokens} tokens leaves no "
                              f"room to generate within max_seq_len={self.max_seq_len}")
         self._arrive(request)

@@ -440,13 +440,13 @@ class GenerationExecutor:
         per_prompt = isinstance(sampling_params, Sequence)
         params = self._params(sampling_params, sampling, len(items))
         cut_notes: list[tuple[str, Any, str]] = []  # said as setting_ignored once the call has started
-        items = self._check_items(self._truncated(items, params, cut_notes))  # cut first, then it fits
+        items = self._check_items(self._truncated(items, params, cut_notes, pool=pool), pool=pool)  # cut, then fits
         defaulted = [] if per_prompt else sorted(defaulted_fields(sampling_params, sampling, self.sampling_defaults))
         arrivals = self._arrivals(arrival_steps, len(items))
         ranks = self._priorities(priority, len(items))
         call = self._calls
         self._calls += 1
-        lives = self._lives(call, items, params, salts, arrivals, ranks)
+        lives = self._lives(call, items, params, salts, arrivals, ranks, pool=pool)
         if pool:
             for live in lives:
                 self.pooled.want(live.request.req_id)
@@ -751,8 +751,10 @@ class GenerationExecutor:
         return out
 
     def _lives(self, call: int, items: list[tuple[str | None, list[int]]], params: list[SamplingParams],
-               salts: list[str | None], arrivals: list[int], ranks: list[int] | None = None) -> list[_Live]:
-        """Every sample of every prompt as a request, with its generator (seeded as SamplingParams says)."""
+               salts: list[str | None], arrivals: list[int], ranks: list[int] | None = None, *,
+               pool: bool = False) -> list[_Live]:
+        """Every sample of every prompt as a request, with its generator (seeded as SamplingParams says); ``pool``:
+        each an embedding's prefill (``Request.prefill_only``), its one token dropped."""
         lives = []
         # unseeded samples: a fresh base per call, or the next of the LLM's seeded sequence (vLLM's engine seed)
         random_base = (self.call_seeds or random.SystemRandom()).getrandbits(62)
@@ -768,7 +770,7 @@ class GenerationExecutor:
                 # a scored prompt is prefilled whole by its first sample (a cached prefix computes no logits), whose
                 # blocks are cached as any request's: the later samples, and later requests, reuse them
                 cap = room if p.max_tokens is None else min(p.max_tokens, room)  # None: vLLM's "up to the context"
-                request = Request(req_id, ids, cap, salt=salts[i],
+                request = Request(req_id, ids, 1 if pool else cap, salt=salts[i], prefill_only=pool,
                                   skip_prefix_read=p.prompt_logprobs is not None and j == 0,
                                   priority=ranks[i] if ranks is not None else 0)
                 if j == 0:
@@ -1167,24 +1169,32 @@ class GenerationExecutor:
             items.append((said[i].text, prompt))  # a TokensPrompt's own text, if it gave one (vLLM's)
         return self._check_items(items) if checked else items
 
-    def _check_items(self, items: list[tuple[str | None, list[int]]]) -> list[tuple[str | None, list[int]]]:
-        """``items`` unchanged once every prompt's ids are non-empty, in the vocabulary and leave room to generate."""
+    def _check_items(self, items: list[tuple[str | None, list[int]]], *,
+                     pool: bool = False) -> list[tuple[str | None, list[int]]]:
+        """``items`` unchanged once every prompt's ids are non-empty, in the vocabulary and leave room to generate
+        (``pool``, an embedding's: fit in ``max_seq_len``, vLLM's ``max_model_len``, nothing being generated)."""
         for i, (_, ids) in enumerate(items):
             if not ids:
                 raise GenerationError(f"generate: prompt {i}: empty (no tokens)")
             self._check_vocab(f"prompt {i}", ids)
-            if len(ids) >= self.max_seq_len:
+            if pool and len(ids) > self.max_seq_len:
+                raise GenerationError(f"generate: prompt {i}: {len(ids)} tokens; an embedding takes at most "
+                                      f"max_seq_len={self.max_seq_len} (vLLM's max_model_len); shorten it, keep its "
+                                      "last tokens (truncate_prompt_tokens) or raise max_seq_len")
+            if not pool and len(ids) >= self.max_seq_len:
                 raise GenerationError(f"generate: prompt {i}: {len(ids)} tokens leave no room to generate under "
                                       f"max_seq_len={self.max_seq_len}; shorten it or raise max_seq_len")
         return items
 
     def _truncated(self, items: list[tuple[str | None, list[int]]], params: list[SamplingParams],
-                   notes: list[tuple[str, Any, str]] | None = None) -> list[tuple[str | None, list[int]]]:
+                   notes: list[tuple[str, Any, str]] | None = None, *,
+                   pool: bool = False) -> list[tuple[str | None, list[int]]]:
         """Each prompt's ids cut to the last ``truncate_prompt_tokens`` of its SamplingParams (vLLM's left truncation,
         a BOS included; the text stays as given, as vLLM's ``RequestOutput.prompt`` does); a k past ``max_seq_len``
         (vLLM's ``max_model_len``) is refused, as vLLM's is. A cut to ``max_seq_len`` tokens keeps one fewer, leaving
         room for the one token vLLM generates there (a sequence never grows past ``max_seq_len`` here), which is what
-        -1 asks for; ``notes`` gets a (field, value, reason) for each prompt a k of ``max_seq_len`` cut so."""
+        -1 asks for; ``notes`` gets a (field, value, reason) for each prompt a k of ``max_seq_len`` cut so. ``pool``
+        (an embedding's prefill, which generates nothing): -1 and k = ``max_seq_len`` keep ``max_seq_len`` tokens."""
         out, short = [], []
         for i, ((text, ids), p) in enumerate(zip(items, params, strict=True)):
             keep = p.truncate_prompt_tokens
@@ -1192,12 +1202,12 @@ class GenerationExecutor:
                 out.append((text, ids))
                 continue
             if keep == -1:  # vLLM's -1, "cap at the model's max length": here one token short of it (below)
-                keep = self.max_seq_len - 1
+                keep = self.max_seq_len if pool else self.max_seq_len - 1
             elif keep > self.max_seq_len:  # vLLM's _validate_truncation_size refuses it too
                 raise GenerationError(f"generate: truncate_prompt_tokens: {int_text(keep)} is greater than "
                                       f"max_seq_len (vLLM's max_model_len) {self.max_seq_len}; use at most "
                                       f"{self.max_seq_len} (or -1 for that many)")
-            if len(ids) >= self.max_seq_len and keep >= self.max_seq_len:
+            if not pool and len(ids) >= self.max_seq_len and keep >= self.max_seq_len:
                 keep = self.max_seq_len - 1
                 short.append(i)
             out.append((text, ids[-keep:] if len(ids) > keep else ids))
@@ -1275,7 +1285,7 @@ class GenerationExecutor:
         short = self.manager.layout.sequence_shortfall(request.max_total_tokens, self.pools.num_blocks)
         if short is not None:  # a shared arena: every group's blocks together
             where, need, have = short
-            length = f"max_new_tokens {request.max_new_tokens}"
+            length = "nothing generated" if request.prefill_only else f"max_new_tokens {request.max_new_tokens}"
             if asked is not None and asked > request.max_new_tokens:
                 length = (f"max_new_tokens {asked} (cut to {request.max_new_tokens} by "
                           f"max_seq_len={self.max_seq_len})")

@@ -477,23 +477,25 @@ class ServingEngine:
         """Tokens a request with this prompt may generate before ``max_seq_len``."""
         return self.executor.max_seq_len - len(prompt_token_ids)
 
-    def check(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> Request:
+    def check(self, prompt_token_ids: Sequence[int], params: SamplingParams, *, pool: bool = False) -> Request:
         """The request these would make, its prompt cut to ``params.truncate_prompt_tokens`` as ``generate`` cuts it;
         ``GenerationError``/``KvBuildError`` when it could never run. It reports nothing: a cut that keeps one token
-        fewer than asked is said once, by the submit that queues the request (a server checks, then submits)."""
-        return self._check(prompt_token_ids, params, [])
+        fewer than asked is said once, by the submit that queues the request (a server checks, then submits).
+        ``pool``: an embedding's prefill (``Request.prefill_only``), whose prompt may fill ``max_seq_len``."""
+        return self._check(prompt_token_ids, params, [], pool=pool)
 
     def _check(self, prompt_token_ids: Sequence[int], params: SamplingParams,
-               notes: list[tuple[str, Any, str]]) -> Request:
+               notes: list[tuple[str, Any, str]], *, pool: bool = False) -> Request:
         """:meth:`check`, ``notes`` getting the ``setting_ignored`` (field, value, reason) of its cut, if any."""
         executor = self.executor
         items = executor._prompts([[int(t) for t in prompt_token_ids]], False, checked=False)
         # cut to params.truncate_prompt_tokens first, as generate does (kvload serve cuts before: no field set), then
         # the vocabulary and the length are checked
-        ((_, ids),) = executor._check_items(executor._truncated(items, [params], notes))
+        ((_, ids),) = executor._check_items(executor._truncated(items, [params], notes, pool=pool), pool=pool)
         executor._params(params, {}, 1)  # the same checks as generate: stop ids in the vocabulary, logprobs
-        request = Request(f"srv-{next(self._ids)}", ids, min(params.max_new_tokens, self.room(ids)))
-        self.executor._check_fits(0, request, params.max_new_tokens)  # KvBuildError with the numbers
+        request = Request(f"srv-{next(self._ids)}", ids, 1 if pool else min(params.max_new_tokens, self.room(ids)),
+                          prefill_only=pool)  # an embedding's one token is dropped (its KV never written)
+        self.executor._check_fits(0, request, None if pool else params.max_new_tokens)  # KvBuildError, the numbers
         return request
 
     def _say_cut(self, notes: list[tuple[str, Any, str]], req_id: str) -> None:
@@ -526,7 +528,7 @@ class ServingEngine:
         if refused is not None:
             raise GenerationError(f"generate: priority: {refused}")
         notes: list[tuple[str, Any, str]] = []
-        request = self._check(prompt_token_ids, params, notes)
+        request = self._check(prompt_token_ids, params, notes, pool=pool)
         request.salt = salt
         request.priority = -int(priority)  # kvload ranks higher first; vLLM's value is lower first
         # a scored prompt is prefilled whole (a cached prefix computes no logits); its blocks are cached for others
@@ -948,8 +950,9 @@ class ServingEngine:
                 live.scheduled_at, live.forked_from = live.forked_from.scheduled_at, None
         outbox = self._collect(st)
         self.driver.finished.clear()  # the server's driver lives for ever: its finished requests are ours to drop
-        for _, event in outbox:
-            if event.new_token_ids and len(event.new_token_ids) == len(event.token_ids):  # its first tokens
+        for live, event in outbox:
+            if (event.new_token_ids and len(event.new_token_ids) == len(event.token_ids)) \
+                    or live.request.prefill_only:  # its first tokens, or an embedding's prefill done
                 self.prompt_tokens_total += event.prompt_tokens
             self.generation_tokens_total += len(event.new_token_ids)
         if self.observer is not None:  # counted before any client can see the tokens (and scrape)
@@ -1062,22 +1065,26 @@ class ServingEngine:
         outbox = []
         done = {r.req_id for r in st.finished}
         for req_id, live in list(self._live.items()):
-            tokens = live.request.output_token_ids
-            new = len(tokens) - live.reported
+            # an embedding's prefill reports no token (the one it drew is dropped; vLLM counts no generation tokens
+            # for pooling): its end, timed as a first token's would be, is what the metrics see
+            tokens = () if live.request.prefill_only else live.request.output_token_ids
+            new = len(live.request.output_token_ids) - live.reported
             if new <= 0 and req_id not in done:
                 continue
             live.token_times.extend([now] * max(new, 0))
-            event = ServeEvent(req_id, tuple(tokens[live.reported:]), tuple(tokens),
-                               finish_reason=live.request.finish_reason if req_id in done else None,
+            # an embedding ends "stop" once pooled, as vLLM's pooling requests do
+            reason = ("stop" if live.request.prefill_only else live.request.finish_reason or "length") \
+                if req_id in done else None
+            event = ServeEvent(req_id, tuple(tokens[live.reported:]), tuple(tokens), finish_reason=reason,
                                stop_reason=live.stop_reason if req_id in done else None,
                                prompt_tokens=live.request.num_prompt_tokens,
                                reused_prompt_tokens=live.request.num_cached_tokens,
                                logprobs=tuple(live.token_logprobs[live.reported:len(tokens)]),
                                prompt_logprobs=tuple(live.prompt_logprobs)
                                if live.prompt_logprobs is not None and live.reported == 0 else None)
-            live.reported = len(tokens)
-            if req_id in done:
-                self._retire(live, live.request.finish_reason or "length")
+            live.reported = len(live.request.output_token_ids)
+            if reason is not None:
+                self._retire(live, reason)
             outbox.append((live, event))
         return outbox
 
@@ -1124,7 +1131,8 @@ class ServingEngine:
         if self.observer is None:
             return
         req = live.request
-        done = FinishedRequest(req.num_prompt_tokens, len(req.output_token_ids), req.num_cached_tokens, reason,
+        generated = 0 if req.prefill_only else len(req.output_token_ids)  # an embedding's drawn token is dropped
+        done = FinishedRequest(req.num_prompt_tokens, generated, req.num_cached_tokens, reason,
                                live.params, live.sample, live.samples, live.queued_at, live.scheduled_at,
                                tuple(live.token_times), live.group)
         with contextlib.suppress(Exception):

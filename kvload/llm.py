@@ -334,7 +334,9 @@ class LLM:
         ``prompts`` as :meth:`generate` takes them (text, token ids, vLLM's prompt dicts). ``pooling_params``: one
         :class:`PoolingParams` for every prompt or a list of one per prompt. ``truncate_prompt_tokens``: keep each
         prompt's last N tokens (-1: the model's length), as ``PoolingParams.truncate_prompt_tokens``. The prompt is
-        prefilled as a generate call's is (its prefix cached and reused); the one token its logits give is dropped.
+        prefilled as a generate call's is (its prefix cached and reused); the one token its logits give is dropped as
+        it is drawn, its KV never written, so a prompt may have up to ``max_seq_len`` tokens (vLLM's
+        ``max_model_len``; -1 keeps that many).
         """
         return self._embed("embed", prompts, pooling_params, truncate_prompt_tokens, use_tqdm, lora_request, salt)
 

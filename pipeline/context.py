@@ -78,6 +78,10 @@ class LoadRequest:
     #: Token ids the caller will give the model, by what names them (``prompt 0 (--prompt-ids)``): an id outside the
     #: vocabulary the model's config states is refused before its weights load (the executor checks again after).
     token_ids: dict[str, Sequence[int]] = attrs.Factory(dict)
+    #: The length in tokens of each prompt the caller knows before loading (``prompt 0 (--prompt-ids)`` -> 3): with
+    #: ``text_prompts`` too (at least one token each), a max_seq_len that leaves one of them no room to generate is
+    #: refused before the weights load (the executor refused ``--max_seq_len 1`` after them).
+    prompt_lengths: dict[str, int] = attrs.Factory(dict)
     #: Whether the caller never reads or writes the KV pools (``kvload simulate`` replays decisions, not attention):
     #: they are then built on torch's ``meta`` device, shapes without memory, and no host-memory check applies, so a
     #: budget this machine could not hold (a GPU's) is simulated as given. The V2 host tier is sized as for pools on

@@ -18,7 +18,7 @@ from cache_backends.layout import cannot_generate
 from models.weights import has_tokenizer, load_weights, plan_kv_heads_per_rank, save_random_model
 from pipeline.bus import Emit
 from pipeline.context import Context
-from pipeline.errors import GenerationError, KvBuildError, ModelError
+from pipeline.errors import ConfigError, GenerationError, KvBuildError, ModelError
 from pipeline.events import SettingIgnored, WeightsLoaded
 from pipeline.limits import int_text
 from stages.check_parallel import require_all_ranks
@@ -40,6 +40,7 @@ class LoadWeights:
             if why is not None:  # the executor would refuse it after the weights and pools were built
                 raise GenerationError(why)
         check_token_ids(ctx)
+        check_prompt_room(ctx)
         flag = ctx.request.text_prompts
         if flag is not None and ctx.checkpoint is not None and not has_tokenizer(ctx.checkpoint):
             why = "presets have random weights and none" if ctx.checkpoint.kind == "preset" else \
@@ -93,6 +94,26 @@ def check_token_ids(ctx: Context) -> None:
             name = ctx.checkpoint.name if ctx.checkpoint is not None else "the model"
             raise GenerationError(f"generate: {what}: token id {int_text(bad)} is outside the vocabulary "
                                   f"(0..{vocab - 1}: vocab_size {vocab} in {name}'s config)")
+
+
+def check_prompt_room(ctx: Context) -> None:
+    """``ConfigError`` naming max_seq_len when it leaves a prompt the caller gives no room to generate (a text prompt
+    holds a token at least): ``--max_seq_len 1`` was refused by the executor after the weights had loaded."""
+    request, limit = ctx.request, ctx.args.max_seq_len
+    lengths = dict(request.prompt_lengths)
+    if request.text_prompts is not None:
+        lengths.setdefault(request.text_prompts, 1)
+    if not isinstance(limit, int) or not lengths:
+        return
+    what, n = max(lengths.items(), key=lambda item: item[1])
+    if n < limit:
+        return
+    tokens = "at least one token" if what == request.text_prompts and n == 1 else f"{int_text(n)} tokens"
+    detail = (f"{int_text(limit)} leaves no room to generate after {what} ({tokens}; a sequence never grows past "
+              f"max_seq_len); expected at least {int_text(n + 1)}, or a shorter prompt")
+    user = ctx.user_fields.get("max_seq_len")
+    raise ConfigError(f"max_seq_len: {detail}", path="max_seq_len", detail=detail,
+                      source=user.source if user is not None else None)
 
 
 def check_plan_matches_pools(ctx: Context) -> None:

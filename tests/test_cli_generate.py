@@ -314,6 +314,30 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_the_weights_load(ca
                      "config)\n")
 
 
+@pytest.mark.parametrize(("args", "message"), [
+    (("--max_seq_len", "1", "--prompt-ids", "1,2,3"),
+     "error: --max_seq_len: 1 leaves no room to generate after prompt 0 (--prompt-ids) (3 tokens; "),
+    (("--max_seq_len", "3", "--prompt-ids", "1,2", "--prompt-ids", "1,2,3"),
+     "error: --max_seq_len: 3 leaves no room to generate after prompt 1 (--prompt-ids) (3 tokens; "),
+    (("--max_seq_len", "1", "--prompt", "hi"),
+     "error: --max_seq_len: 1 leaves no room to generate after --prompt (at least one token; "),
+])
+def test_a_max_seq_len_that_leaves_a_prompt_no_room_is_refused_before_the_weights_load(capsys, monkeypatch, args,
+                                                                                        message):
+    """``--max_seq_len 1`` (or one no longer than a --prompt-ids prompt) was refused by the executor after the weights
+    had loaded (13-16 s for tiny-llama); the prompt's length and max_seq_len are both known before that."""
+    import stages.load_weights
+
+    def loads(*_args, **_kw):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(stages.load_weights, "load_weights", loads)
+    r = run_cli(capsys, *TINY, "--max_new_tokens", "1", *args)
+    assert r.code == 2 and r.one_error_line, r.err
+    assert r.err.startswith(message), r.err
+    assert "expected at least" in r.err
+
+
 def test_a_real_process_streams_and_writes_the_audit(tmp_path):
     audit = tmp_path / "g.jsonl"
     r = kvload(*TINY, "--prompt-ids", "3,4,5", "--max_new_tokens", "3", "--temperature", "0.7", "--seed", "11",

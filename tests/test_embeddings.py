@@ -182,3 +182,57 @@ def test_llm_score_is_the_cosine_of_the_pairs_embeddings_one_to_many_and_pairwis
         assert llm.score(PROMPTS[1], PROMPTS[1])[0].outputs.score == pytest.approx(1.0, abs=1e-5)
         with pytest.raises(GenerationError, match=r"^score: data_1 has 2 prompts and data_2 3; give one data_1 "):
             llm.score([PROMPTS[0], PROMPTS[1]], [third, third, third])
+
+
+LONG = [(7 * i + 3) % VOCAB for i in range(70)]  # longer than the tests' max_seq_len (64)
+
+
+@pytest.mark.parametrize("manager", ["v1", "v2"])
+def test_an_embedding_takes_a_prompt_of_max_seq_len_tokens_as_vllms_max_model_len(words, reference, manager):
+    """Nothing is generated for an embedding, so its prompt may fill max_seq_len (vLLM's max_model_len) where a
+    generate call's must leave one token; a longer one is refused naming the embedding's limit, and
+    truncate_prompt_tokens=-1 keeps max_seq_len tokens (said nowhere as cut short)."""
+    with kvload.LLM(str(words), dtype="float32", **llm_kwargs(manager)) as llm:
+        (full,) = llm.embed([LONG[:64]])
+        assert full.prompt_token_ids == LONG[:64]
+        np.testing.assert_allclose(full.outputs.embedding, reference(LONG[:64]), atol=1e-5)
+        with pytest.raises(GenerationError, match=r"^embed: prompt 0: 65 tokens; an embedding takes at most "
+                                                  r"max_seq_len=64 \(vLLM's max_model_len\)"):
+            llm.embed([LONG[:65]])
+        (cut,) = llm.embed([LONG], truncate_prompt_tokens=-1)
+        assert cut.prompt_token_ids == LONG[-64:]
+        np.testing.assert_allclose(cut.outputs.embedding, reference(LONG[-64:]), atol=1e-5)
+        assert not [e for e in llm.audit.of("setting_ignored") if "truncate_prompt_tokens" in e["field"]]
+        with pytest.raises(GenerationError, match=r"^generate: prompt 0: 64 tokens leave no room to generate"):
+            llm.generate([LONG[:64]], max_tokens=1)  # generate keeps its limit
+        assert not llm.result.executor.pooled
+
+
+def test_v1_embeddings_takes_max_seq_len_tokens_and_metrics_count_its_prompt_but_no_generated_token(words, reference):
+    """/v1/embeddings: an input of max_seq_len tokens is embedded, one longer is a 400 naming the limit; /metrics
+    (parsed by prometheus_client) counts the inputs' prompt tokens and no generated token, each request ending "stop"
+    with zero generation tokens (vLLM's pooling requests), while a completion still counts its tokens."""
+    with serving(str(words), dtype="float32", max_seq_len=64,
+                 kv_cache_config={"max_tokens": 512, "tokens_per_block": 4}) as s:
+        before = s.metrics()
+        done = s.client.embeddings.create(model=s.state.model_name, input=[LONG[:64], PROMPTS[1]],
+                                          encoding_format="float")
+        np.testing.assert_allclose(done.data[0].embedding, reference(LONG[:64]), atol=1e-5)
+        after = s.metrics()
+
+        def grew(name: str) -> float:
+            return after.get(name, 0) - before.get(name, 0)
+
+        assert grew("kvload_prompt_tokens_total") == 64 + len(PROMPTS[1])
+        assert grew("kvload_generation_tokens_total") == 0
+        assert grew("kvload_request_generation_tokens_count") == 2
+        assert grew("kvload_request_generation_tokens_sum") == 0
+        assert grew("kvload_request_success_total{finished_reason=stop}") == 2
+        assert grew("kvload_request_success_total{finished_reason=length}") == 0
+        with pytest.raises(openai.BadRequestError) as refused:
+            s.client.embeddings.create(model=s.state.model_name, input=LONG[:65])
+        assert refused.value.body["param"] == "input"
+        assert "input: 65 tokens; an embedding takes at most max_seq_len=64" in refused.value.body["message"]
+        s.client.completions.create(model=s.state.model_name, prompt=PROMPTS[1], max_tokens=2,
+                                    extra_body={"ignore_eos": True})
+        assert s.metrics()["kvload_generation_tokens_total"] - after["kvload_generation_tokens_total"] == 2

@@ -42,6 +42,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
             check_text(f"prompt {i}", prompt)
     request = _request(ns, load_weights=True, kv_events_reader=False, generates=True)  # prints outputs, no KV events
     request.token_ids = {f"prompt {i} (--prompt-ids)": p for i, p in enumerate(prompts) if not isinstance(p, str)}
+    request.prompt_lengths = {what: len(ids) for what, ids in request.token_ids.items()}  # room under max_seq_len
     request.token_ids |= {"--stop_token_ids": ns.stop_token_ids}  # both checked against the config's vocab_size
     if any(isinstance(p, str) for p in prompts):  # a model without a tokenizer is refused before its weights load
         request.text_prompts = "--prompt"

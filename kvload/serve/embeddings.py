@@ -103,9 +103,9 @@ def parse_embeddings(state: ServeState, raw: bytes | bytearray) -> EmbedJob:
         try:
             ids = engine.tokenize(item, add_special_tokens=flags["add_special_tokens"], where=where) \
                 if isinstance(item, str) else item
-            ids = engine.check(ids, params).prompt_token_ids  # cut as asked; in the vocabulary; it fits
+            ids = engine.check(ids, params, pool=True).prompt_token_ids  # cut as asked; in the vocabulary; it fits
         except (GenerationError, KvBuildError) as exc:
-            message = first_line(exc, "").removeprefix("generate: ")
+            message = first_line(exc, "").removeprefix("generate: ").removeprefix("prompt 0: ")  # the one checked
             raise BadRequest(message if message.startswith(where) else f"{where}: {message}", param="input") from None
         prompts.append(list(ids))
     return EmbedJob(prompts, fmt == "base64", flags["normalize"], params)
