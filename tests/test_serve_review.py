@@ -414,8 +414,8 @@ def test_a_request_submitted_as_the_engine_stops_is_refused_not_queued_after_the
         engine.start()
         check = engine._check  # what submit checks through
 
-        def check_then_stop(ids, params, notes):
-            request = check(ids, params, notes)
+        def check_then_stop(ids, params, notes, **kw):
+            request = check(ids, params, notes, **kw)
             engine.stop(TIMEOUT)  # the loop ends, aborting what it holds and draining the inbox, mid-submit
             assert not engine.alive
             return request

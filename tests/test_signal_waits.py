@@ -23,7 +23,9 @@ from tests.cli_support import ENV, REPO, ready_url, until_ready
 #: ``running()`` names the kvload threads still running (``threading.enumerate``: a thread leaves it as it ends,
 #: whatever 3.11's ``is_alive`` says after an interrupted join).
 _PRELUDE = """
-import json, sys, threading, time
+import json, signal, sys, threading, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's Ctrl-C, whatever the test process passed on
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGINT}})
 sys.path.insert(0, {repo!r})
 import engine.executor
 SLOW = {slow}
