@@ -23,7 +23,17 @@ from engine.pooling import pooled
 from engine.sampling_params import SamplingParams
 from engine.serving import EngineStopped, ServeEvent
 from kvload.serve.handlers import _on_worker
-from kvload.serve.protocol import MAX_PROMPTS, BadRequest, _bad_token_id, _is_int, _known, _need, _object, _token_ids
+from kvload.serve.protocol import (
+    PROMPTS_EXPECTED,
+    BadRequest,
+    _is_int,
+    _known,
+    _model,
+    _need,
+    _object,
+    _prompts,
+    _token_ids,
+)
 from kvload.serve.request_body import CLIENT_CLOSED, _load, _read_body, _shutting_down
 from kvload.serve.request_input import _check_model
 from kvload.serve.state import ServeState
@@ -32,9 +42,6 @@ from pipeline.errors import GenerationError, KvBuildError, first_line
 #: The fields ``/v1/embeddings`` takes: OpenAI's, and vLLM's extras for it.
 FIELDS = frozenset({"input", "model", "encoding_format", "dimensions", "user", "truncate_prompt_tokens",
                     "add_special_tokens", "normalize"})
-
-_INPUT = "a non-empty string, a list of strings, a list of token ids, or a list of token id lists"
-
 
 @attrs.frozen
 class EmbedJob:
@@ -46,36 +53,12 @@ class EmbedJob:
     params: SamplingParams
 
 
-def _inputs(body: dict[str, Any]) -> list[str | list[int]]:
-    """The body's ``input`` as a list of texts and token id lists; ``BadRequest`` naming it otherwise."""
-    if "input" not in body:
-        raise BadRequest(f"input: required ({_INPUT})", param="input")
-    given = body["input"]
-    if isinstance(given, str):
-        _need(bool(given), "input", _INPUT, given)
-        return [given]
-    _need(isinstance(given, list) and bool(given), "input", _INPUT, given)
-    if _token_ids(given):
-        return [list(given)]
-    _bad_token_id(given, "input")
-    if len(given) > MAX_PROMPTS:
-        raise BadRequest(f"input: a list of {len(given):,} inputs; at most {MAX_PROMPTS} per request (send several "
-                         "requests)", param="input")
-    for i, item in enumerate(given):
-        if isinstance(item, list) and item and not _token_ids(item):
-            _bad_token_id(item, f"input[{i}]")
-        ok = (isinstance(item, str) and bool(item)) or (isinstance(item, list) and bool(item) and _token_ids(item))
-        _need(ok, f"input[{i}]", "a non-empty string or a non-empty list of token ids", item)
-    return list(given)
-
-
 def parse_embeddings(state: ServeState, raw: bytes | bytearray) -> EmbedJob:
     """Check an embeddings body and tokenize its inputs (on a worker thread); ``BadRequest`` naming the field, nothing
     queued, when any input could never be embedded."""
     body = _object(_load(raw))
     _known(body, FIELDS)
-    model = body.get("model")
-    _need(model is None or isinstance(model, str), "model", "a string (the served model's name)", model)
+    _model(body)
     _check_model(state, body)
     fmt = body.get("encoding_format")
     _need(fmt in (None, "float", "base64"), "encoding_format", '"float" or "base64"', fmt)
@@ -96,7 +79,7 @@ def parse_embeddings(state: ServeState, raw: bytes | bytearray) -> EmbedJob:
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, truncate_prompt_tokens=cut)
     engine = state.engine
     prompts = []
-    inputs = _inputs(body)
+    inputs = _prompts(body, "input", "inputs", PROMPTS_EXPECTED)
     single = isinstance(body["input"], str) or _token_ids(body["input"])  # one input, not a list of them
     for i, item in enumerate(inputs):
         where = "input" if single else f"input[{i}]"

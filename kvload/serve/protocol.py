@@ -1163,27 +1163,32 @@ def _model(body: dict[str, Any]) -> None:
     _need(model is None or isinstance(model, str), "model", "a string (the served model's name)", model)
 
 
-def _prompts(body: dict[str, Any]) -> list[Any]:
-    if "prompt" not in body:
-        raise BadRequest("prompt: required (a string, a list of strings, token ids, or a list of token id lists)",
-                         param="prompt")
-    prompt = body["prompt"]
-    expected = "a non-empty string, a list of strings, a list of token ids, or a list of token id lists"
+#: What a prompt list (completions' ``prompt``, embeddings' ``input``) may be.
+PROMPTS_EXPECTED = "a non-empty string, a list of strings, a list of token ids, or a list of token id lists"
+
+
+def _prompts(body: dict[str, Any], field: str = "prompt", noun: str = "prompts",
+             required: str = "a string, a list of strings, token ids, or a list of token id lists") -> list[Any]:
+    """``body[field]`` as a list of texts and token id lists (one text or one id list: a list of one); ``BadRequest``
+    naming the field or the item otherwise."""
+    if field not in body:
+        raise BadRequest(f"{field}: required ({required})", param=field)
+    prompt = body[field]
     if isinstance(prompt, str):
-        _need(bool(prompt), "prompt", expected, prompt)
+        _need(bool(prompt), field, PROMPTS_EXPECTED, prompt)
         return [prompt]
-    _need(isinstance(prompt, list) and bool(prompt), "prompt", expected, prompt)
+    _need(isinstance(prompt, list) and bool(prompt), field, PROMPTS_EXPECTED, prompt)
     if _token_ids(prompt):
         return [list(prompt)]
-    _bad_token_id(prompt, "prompt")
+    _bad_token_id(prompt, field)
     if len(prompt) > MAX_PROMPTS:
-        raise BadRequest(f"prompt: a list of {len(prompt):,} prompts; at most {MAX_PROMPTS} per request (send "
-                         "several requests)", param="prompt")
+        raise BadRequest(f"{field}: a list of {len(prompt):,} {noun}; at most {MAX_PROMPTS} per request (send "
+                         "several requests)", param=field)
     for i, p in enumerate(prompt):
         if isinstance(p, list) and p and not _token_ids(p):
-            _bad_token_id(p, f"prompt[{i}]")
+            _bad_token_id(p, f"{field}[{i}]")
         ok = (isinstance(p, str) and bool(p)) or (isinstance(p, list) and bool(p) and _token_ids(p))
-        _need(ok, f"prompt[{i}]", "a non-empty string or a non-empty list of token ids", p)
+        _need(ok, f"{field}[{i}]", "a non-empty string or a non-empty list of token ids", p)
     return list(prompt)
 
 
