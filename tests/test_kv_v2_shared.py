@@ -295,6 +295,21 @@ def test_batched_arena_calls_do_exactly_what_the_per_group_calls_do():
             assert _pool_state(a) == _pool_state(b)
 
 
+def _twin_arenas(pages: int, groups: list[tuple[int, int]]) -> tuple[SharedPool, SharedPool]:
+    """Two equal arenas of ``pages`` pages where group g queued ``groups[g] = (cached, priority)`` cached blocks."""
+    names = [f"g{g}" for g in range(len(groups))]
+    arenas = []
+    for _ in range(2):
+        pool = SharedPool(names, pages)
+        for g, (cached, priority) in enumerate(groups):
+            table = pool.take(g, cached, lambda n, x: None)
+            for b in table:
+                pool.node[b] = _Run(f"run{b}")  # type: ignore[assignment]
+            pool.release(g, table[::-1], priority, True, lambda n, x: None)
+        arenas.append(pool)
+    return arenas[0], arenas[1]
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 14), st.integers(0, 14), st.integers(0, 2)), min_size=1, max_size=5))
 def test_a_take_of_every_group_in_one_call_counts_each_groups_evictions_as_a_take_per_group(groups):
@@ -302,17 +317,7 @@ def test_a_take_of_every_group_in_one_call_counts_each_groups_evictions_as_a_tak
     # asked; priority of its cached ones). A take evicting a few groups' many blocks counts them per group at C
     # speed, one evicting a block or two of many groups block by block: both must leave every group's cached and
     # evicted counts (and everything else) as takes group by group with a detach per group do.
-    names = [f"g{g}" for g in range(len(groups))]
-    arenas = []
-    for _ in range(2):
-        pool = SharedPool(names, 48)
-        for g, (cached, _, priority) in enumerate(groups):
-            table = pool.take(g, cached, lambda n, x: None)
-            for b in table:
-                pool.node[b] = _Run(f"run{b}")  # type: ignore[assignment]
-            pool.release(g, table[::-1], priority, True, lambda n, x: None)
-        arenas.append(pool)
-    a, b = arenas
+    a, b = _twin_arenas(48, [(cached, priority) for cached, _, priority in groups])
     counts = [k for _, k, _ in groups]
     if sum(counts) > a.available:
         counts = [min(k, a.available // len(counts)) for k in counts]
@@ -322,7 +327,7 @@ def test_a_take_of_every_group_in_one_call_counts_each_groups_evictions_as_a_tak
 
     def mixed(blocks: list[int], of: list[int]) -> None:
         for block, g in zip(blocks, of, strict=True):
-            seen_b.append((names[g], [block], [b.node[block]]))
+            seen_b.append((b.names[g], [block], [b.node[block]]))
             b.node[block] = None
 
     got_a = [a.take(g, k, record_a) if k else [] for g, k in enumerate(counts)]
@@ -426,17 +431,7 @@ def test_a_page_for_every_group_is_what_take_each_with_every_count_one_hands_out
     # Per group: (cached blocks it queued, their priority); free_left: pages still free. A decode's block boundary
     # takes one page per group (take_one_each): the same pages, in the same groups' order, the same evictions
     # passed to detach_mixed in the same order with the same groups, and every counter as take_each leaves them.
-    names = [f"g{g}" for g in range(len(groups))]
-    arenas = []
-    for _ in range(2):
-        pool = SharedPool(names, sum(c for c, _ in groups) + free_left)
-        for g, (cached, priority) in enumerate(groups):
-            table = pool.take(g, cached, lambda n, x: None)
-            for b in table:
-                pool.node[b] = _Run(f"run{b}")  # type: ignore[assignment]
-            pool.release(g, table[::-1], priority, True, lambda n, x: None)
-        arenas.append(pool)
-    a, b = arenas
+    a, b = _twin_arenas(sum(c for c, _ in groups) + free_left, groups)
     order = list(range(len(groups)))
     rng.shuffle(order)  # the groups in any order (the manager's is the layout's)
     if len(order) > a.available:
