@@ -6,9 +6,11 @@ A file starts with an ``audit_header`` line (kvload and schema version); the run
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
+import re
 import secrets
 import stat
 import sys
@@ -462,16 +464,34 @@ def _temp_name(path: Path) -> str:
     NAME is cut short (in bytes, as the file system counts) when the whole would pass the directory's
     name limit, so every name the file system accepts for ``path`` can be written through a temporary.
     """
+    parent, prefix = _temp_prefix(path)
+    return str(parent / (prefix + f".{secrets.token_hex(6)}.tmp"))
+
+
+#: The length of a temporary's tail after its prefix: ``.<12 hex>.tmp``.
+_TEMP_TAIL = 1 + 12 + 4
+
+
+def _temp_prefix(path: Path) -> tuple[Path, str]:
+    """The folder of ``path``'s temporaries and their name up to the random tail: ``.NAME``, cut to the limit."""
     parent = path.parent if str(path.parent) else Path(".")
-    tail = f".{secrets.token_hex(6)}.tmp"
     try:
         limit = os.pathconf(parent, "PC_NAME_MAX")
     except (OSError, ValueError):
         limit = 255
     if limit is None or limit < 0:  # no limit: take the common one all the same
         limit = 255
-    base = os.fsencode(path.name)[: max(1, limit - 1 - len(tail))]
-    return str(parent / (os.fsdecode(b"." + base) + tail))
+    base = os.fsencode(path.name)[: max(1, limit - 1 - _TEMP_TAIL)]
+    return parent, os.fsdecode(b"." + base)
+
+
+def temporaries(path: str | Path) -> set[str]:
+    """The temporaries (:func:`_temp_name`'s) beside ``path`` now: what a writer killed before publishing left."""
+    parent, prefix = _temp_prefix(Path(path))
+    pattern = re.compile(re.escape(prefix) + r"\.[0-9a-f]{12}\.tmp")
+    with contextlib.suppress(OSError):
+        return {str(parent / n) for n in os.listdir(parent) if pattern.fullmatch(n)}
+    return set()
 
 
 def _create_temp(path: Path, flag: str) -> tuple[str, int]:

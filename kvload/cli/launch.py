@@ -128,6 +128,7 @@ class Launcher:
         self.ranks: list[_Rank] = []
         self._signals: list[int] = []
         self._lock = threading.Lock()
+        self._term_at: float | None = None  # when the supervisor stopped the ranks left after one failed
 
     def env(self, rank: int) -> dict[str, str]:
         """Rank ``rank``'s environment: this one's with torchrun's variables and kvload's launcher mark."""
@@ -165,17 +166,10 @@ class Launcher:
         """The temporaries (``pipeline.audit``'s ``.NAME.<12 hex>.tmp``) beside rank ``rank``'s ``--audit-log``."""
         if not self.audit_log:
             return set()
-        import re
-        from pathlib import Path
-
+        from pipeline.audit import temporaries
         from pipeline.ranks import Ranks, rank_audit_path
 
-        path = Path(rank_audit_path(self.audit_log, Ranks(rank, self.world, rank)))
-        pattern = re.compile(r"\." + re.escape(path.name) + r"\.[0-9a-f]{12}\.tmp")
-        parent = path.parent if str(path.parent) else Path(".")
-        with contextlib.suppress(OSError):
-            return {str(p) for p in parent.iterdir() if pattern.fullmatch(p.name)}
-        return set()
+        return temporaries(rank_audit_path(self.audit_log, Ranks(rank, self.world, rank)))
 
     def _note_signal(self, signum: int, frame: Any) -> None:
         self._signals.append(signum)  # passed on by the supervising loop (no Popen calls inside a handler)
@@ -257,7 +251,7 @@ class Launcher:
         failed = sorted((r for r in self.ranks if r.code not in (0, None)), key=lambda r: (r.ended_at, r.rank))
         if not failed:
             return 0
-        term_at = getattr(self, "_term_at", None)
+        term_at = self._term_at
         before = [r for r in failed if term_at is None or r.ended_at < term_at] or failed
         causes = [r for r in before if r.error is None or not r.error.startswith(_CONSEQUENCES)]
         # the same error on every rank (a bad flag each rank refuses): rank 0's words, as torchrun's user reads first
