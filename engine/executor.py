@@ -988,7 +988,7 @@ class GenerationExecutor:
         offsets = list(itertools.accumulate(keep, initial=0))
         # embed requests: the output projection's input at the prompt's last token, its pooled hidden state
         pooling = [(s.request.req_id, offsets[i + 1] - 1) for i, s in enumerate(out.scheduled)
-                   if self.pooled and self.pooled.wanted(s.request.req_id)
+                   if self.pooled.wanted(s.request.req_id)
                    and s.request.num_computed_tokens + s.num_tokens >= s.request.num_prompt_tokens] \
             if self.pooled else []
         with self.linear.active() if self.linear is not None else contextlib.nullcontext(), \
