@@ -286,7 +286,7 @@ def test_a_stop_signal_while_the_publisher_closes_leaves_no_ipc_socket_file(tmp_
     pub = tmp_path / "kv.sock"
     code = f"""
 import json, os, signal, sys, threading, time
-signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's Ctrl-C, whatever the test process passed on
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's Ctrl-C (a suite run with `&` has it ignored)
 signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGINT}})
 from kvload.serve.kv_publisher import KvEventsConfig, ZmqKvEventPublisher
 publisher = ZmqKvEventPublisher(KvEventsConfig(enable_kv_cache_events=True, endpoint="ipc://{pub}"))

@@ -24,7 +24,7 @@ from tests.cli_support import ENV, REPO, ready_url, until_ready
 #: whatever 3.11's ``is_alive`` says after an interrupted join).
 _PRELUDE = """
 import json, signal, sys, threading, time
-signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's Ctrl-C, whatever the test process passed on
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's Ctrl-C (a suite run with `&` has it ignored)
 signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGINT}})
 sys.path.insert(0, {repo!r})
 import engine.executor

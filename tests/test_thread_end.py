@@ -14,7 +14,8 @@ from pipeline.thread_end import EndingThread
 def test_a_sigint_during_the_wait_is_raised_once_the_thread_ended_and_it_is_said_to_have():
     """CPython 3.11's ``join`` cut by the KeyboardInterrupt marked the running thread stopped (``is_alive()`` False,
     later joins returning at once); here the interrupt comes after the thread's end."""
-    # a terminal's Ctrl-C as a plain Python process takes it: the suite's earlier tests must not decide how it acts
+    # a terminal's Ctrl-C as a plain Python process takes it: a suite started in the background (`pytest ... &` from a
+    # script, as CI runners may) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     release = threading.Event()
