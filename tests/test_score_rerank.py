@@ -1,0 +1,176 @@
+"""vLLM's score and rerank APIs for an embedding model, a RAG user's habit: ``POST /score`` (``/v1/score``) answers the
+cosine similarity of each pair's embeddings, ``POST /rerank`` (``/v1/rerank``, ``/v2/rerank``) the documents ordered by
+their cosine with the query, each score checked against transformers' own ``AutoModel`` vectors of the checkpoint.
+The openai client has no rerank method: the requests go as vLLM's docs send them, plain JSON over HTTP."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from tests.llm_support import with_tokenizer
+from tests.serve_support import serving
+
+VOCAB = 512  # the tiny llama's
+QUERY = [5, 17, 300, 42, 9]
+DOCS = [[88, 123, 7], [5, 17, 300, 42, 11], [301, 64, 8, 19, 2, 77], [9, 42]]
+
+
+def text(ids: list[int]) -> str:
+    """The word-level tokenizer's text of ``ids`` (token i is "w<i>")."""
+    return " ".join(f"w{i}" for i in ids)
+
+
+@pytest.fixture(scope="module")
+def words(tiny_checkpoints, tmp_path_factory):
+    """The tiny llama checkpoint with a word-level tokenizer."""
+    return with_tokenizer(tiny_checkpoints("llama"), tmp_path_factory.mktemp("words") / "ckpt", VOCAB)
+
+
+@pytest.fixture(scope="module")
+def cos(words):
+    """The cosine similarity of transformers' base-model vectors (last token, post norm) of two prompts."""
+    model = transformers.AutoModel.from_pretrained(str(words), dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+
+    def vector(ids: list[int]) -> np.ndarray:
+        with torch.no_grad():
+            row = model(input_ids=torch.tensor([ids])).last_hidden_state[0, -1].double().numpy()
+        return row / np.linalg.norm(row)
+
+    return lambda a, b: float(np.dot(vector(a), vector(b)))
+
+
+@pytest.fixture(scope="module")
+def served(words):
+    with serving(str(words), dtype="float32", max_seq_len=64,
+                 kv_cache_config={"max_tokens": 512, "tokens_per_block": 4}) as s:
+        yield s
+
+
+def _ok(served, path: str, body: dict) -> dict:
+    r = served.http.post(path, json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.parametrize("path", ["/score", "/v1/score"])
+def test_score_is_the_cosine_of_transformers_embeddings_one_to_one_one_to_many_and_pairwise(served, cos, path):
+    """vLLM's ScoreResponse: one score per pair in order, each transformers' cosine within 1e-5; usage counts each
+    pair's two texts (vLLM's count); vLLM's other side names score alike; truncate_prompt_tokens cuts each text."""
+    one = _ok(served, path, {"model": served.state.model_name, "text_1": text(QUERY), "text_2": text(DOCS[0])})
+    assert one["id"].startswith("score-") and one["object"] == "list" and isinstance(one["created"], int)
+    assert one["model"] == served.state.model_name
+    assert [(d["index"], d["object"]) for d in one["data"]] == [(0, "score")]
+    assert one["data"][0]["score"] == pytest.approx(cos(QUERY, DOCS[0]), abs=1e-5)
+    assert one["usage"] == {"prompt_tokens": len(QUERY) + len(DOCS[0]), "total_tokens": len(QUERY) + len(DOCS[0]),
+                            "completion_tokens": 0}
+
+    many = _ok(served, path, {"text_1": text(QUERY), "text_2": [text(d) for d in DOCS]})
+    assert [d["index"] for d in many["data"]] == [0, 1, 2, 3]
+    for d, doc in zip(many["data"], DOCS, strict=True):
+        assert d["score"] == pytest.approx(cos(QUERY, doc), abs=1e-5)
+    assert many["usage"]["prompt_tokens"] == sum(len(QUERY) + len(doc) for doc in DOCS)
+
+    firsts, seconds = [QUERY, DOCS[2]], [DOCS[1], DOCS[3]]
+    pairwise = _ok(served, path, {"text_1": [text(a) for a in firsts], "text_2": [text(b) for b in seconds]})
+    for d, a, b in zip(pairwise["data"], firsts, seconds, strict=True):
+        assert d["score"] == pytest.approx(cos(a, b), abs=1e-5)
+
+    for first, second in (("data_1", "data_2"), ("queries", "documents"), ("queries", "items")):
+        same = _ok(served, path, {first: [text(a) for a in firsts], second: [text(b) for b in seconds]})
+        assert [d["score"] for d in same["data"]] == pytest.approx([d["score"] for d in pairwise["data"]], abs=1e-6)
+
+    cut = _ok(served, path, {"text_1": text(QUERY), "text_2": text(DOCS[2]), "truncate_prompt_tokens": 2})
+    assert cut["data"][0]["score"] == pytest.approx(cos(QUERY[-2:], DOCS[2][-2:]), abs=1e-5)
+    assert cut["usage"]["prompt_tokens"] == 4
+    assert not served.state.engine.executor.pooled  # every row was handed over
+
+
+@pytest.mark.parametrize("path", ["/rerank", "/v1/rerank", "/v2/rerank"])
+def test_rerank_orders_the_documents_by_their_cosine_with_the_query(served, cos, path):
+    """Jina/Cohere-style rerank as vLLM answers it: every document best first with its index, text and score;
+    top_n keeps the best n; return_documents false leaves the texts out; usage counts each pair's tokens."""
+    scores = [cos(QUERY, doc) for doc in DOCS]
+    best_first = sorted(range(len(DOCS)), key=lambda k: -scores[k])
+    assert best_first != list(range(len(DOCS)))  # the order is the scores', not the documents'
+    docs = [text(d) for d in DOCS]
+    answer = _ok(served, path, {"model": served.state.model_name, "query": text(QUERY), "documents": docs})
+    assert answer["id"].startswith("rerank-") and answer["model"] == served.state.model_name
+    assert [r["index"] for r in answer["results"]] == best_first
+    for r in answer["results"]:
+        assert r["document"] == {"text": docs[r["index"]]}
+        assert r["relevance_score"] == pytest.approx(scores[r["index"]], abs=1e-5)
+    tokens = sum(len(QUERY) + len(d) for d in DOCS)
+    assert answer["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+
+    top = _ok(served, path, {"query": text(QUERY), "documents": docs, "top_n": 2, "return_documents": False})
+    assert [r["index"] for r in top["results"]] == best_first[:2]
+    assert all(set(r) == {"index", "relevance_score"} for r in top["results"])
+    everything = _ok(served, path, {"query": text(QUERY), "documents": docs, "top_n": 10})  # more than there are
+    assert [r["index"] for r in everything["results"]] == best_first
+
+
+LONG = text([(7 * i + 3) % VOCAB for i in range(65)])  # one token past max_seq_len (64)
+
+
+@pytest.mark.parametrize(("path", "body", "param", "said"), [
+    ("/score", {}, "text_1", "text_1: required"),
+    ("/score", {"text_1": "w1"}, "text_2", "text_2: required"),
+    ("/score", {"text_1": [], "text_2": "w1"}, "text_1", "expected a non-empty string or a non-empty list"),
+    ("/score", {"text_1": "w1", "text_2": ["w2", 5]}, "text_2[1]", "expected a non-empty string"),
+    ("/score", {"text_1": ["w1", "w2"], "text_2": ["w1", "w2", "w3"]}, "text_1",
+     "text_1 has 2 texts and text_2 3; give one text_1 text"),
+    ("/score", {"text_1": "w1", "text_2": "w2", "data_1": "w3"}, "data_1", "not with text_1 and text_2"),
+    ("/score", {"text_1": "w1", "text_2": "w2", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens",
+     "expected an integer >= 1"),
+    ("/v1/score", {"text_1": "w1", "text_2": "w2", "use_activation": True}, "use_activation",
+     "not supported by kvload serve"),
+    ("/v1/score", {"text_1": LONG, "text_2": "w2"}, "text_1", "an embedding takes at most max_seq_len=64"),
+    ("/v1/score", {"text_1": "w1", "text_2": "w2", "model": 3}, "model", "a string"),
+    ("/rerank", {"documents": ["w1"]}, "query", "expected a non-empty string"),
+    ("/rerank", {"query": "w1"}, "documents", "documents: required"),
+    ("/rerank", {"query": "w1", "documents": []}, "documents", "a non-empty list of non-empty strings"),
+    ("/rerank", {"query": "w1", "documents": "w2"}, "documents", "a non-empty list of non-empty strings"),
+    ("/v1/rerank", {"query": "w1", "documents": ["w2", ""]}, "documents[1]", "expected a non-empty string"),
+    ("/v1/rerank", {"query": "w1", "documents": ["w2"], "top_n": -1}, "top_n", "an integer >= 0"),
+    ("/v1/rerank", {"query": "w1", "documents": ["w2"], "return_documents": "yes"}, "return_documents",
+     "true or false"),
+    ("/v2/rerank", {"query": "w1", "documents": ["w2", LONG]}, "documents", "documents[1]: 65 tokens"),
+    ("/v2/rerank", {"query": "w1", "documents": ["w2"], "rank_fields": ["text"]}, "rank_fields",
+     "not supported by kvload serve"),
+])
+def test_an_unusable_score_or_rerank_body_is_a_400_naming_the_field(served, path, body, param, said):
+    """Nothing is queued: each refusal names the field (the item where one is), as /v1/embeddings' do."""
+    r = served.http.post(path, json=body)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == param and said in error["message"], (r.status_code, error)
+    assert not served.state.engine.executor.pooled
+
+
+@pytest.mark.parametrize("path", ["/score", "/rerank"])
+def test_a_model_this_server_does_not_serve_is_a_404(served, path):
+    body = {"text_1": "w1", "text_2": "w2"} if path == "/score" else {"query": "w1", "documents": ["w2"]}
+    r = served.http.post(path, json={**body, "model": "another-model"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_metrics_count_a_score_and_a_rerank_as_embeddings_prompt_tokens_and_no_generated_token(served):
+    """Each text is one pooling request (the query of a one-to-many score embedded once): /metrics counts its prompt
+    tokens, no generated token, and its end as "stop", as vLLM counts a pooling request."""
+    before = served.metrics()
+    _ok(served, "/score", {"text_1": text(QUERY), "text_2": [text(d) for d in DOCS[:2]]})
+    _ok(served, "/v1/rerank", {"query": text(DOCS[3]), "documents": [text(d) for d in DOCS[2:]]})
+    after = served.metrics()
+
+    def grew(name: str) -> float:
+        return after.get(name, 0) - before.get(name, 0)
+
+    assert grew("kvload_prompt_tokens_total") == len(QUERY) + sum(map(len, DOCS[:2])) + len(DOCS[3]) \
+        + sum(map(len, DOCS[2:]))
+    assert grew("kvload_generation_tokens_total") == 0
+    assert grew("kvload_request_generation_tokens_count") == 6
+    assert grew("kvload_request_generation_tokens_sum") == 0
+    assert grew("kvload_request_success_total{finished_reason=stop}") == 6
