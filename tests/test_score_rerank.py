@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from tests.llm_support import with_tokenizer
-from tests.serve_support import serving
+from tests.serve_support import TIMEOUT, serving, wait_for
 
 VOCAB = 512  # the tiny llama's
 QUERY = [5, 17, 300, 42, 9]
@@ -174,3 +174,22 @@ def test_metrics_count_a_score_and_a_rerank_as_embeddings_prompt_tokens_and_no_g
     assert grew("kvload_request_generation_tokens_count") == 6
     assert grew("kvload_request_generation_tokens_sum") == 0
     assert grew("kvload_request_success_total{finished_reason=stop}") == 6
+
+
+def test_score_and_rerank_take_an_admission_slot_as_embeddings_do(words):
+    """Past --max-concurrent-requests a score or rerank request is refused at once with a 503, as a completion or an
+    embedding would be, rather than queued past the bound; once the slot frees it is served."""
+    import socket
+
+    with serving(str(words), state={"max_concurrent_requests": 1},
+                 kv_cache_config={"max_tokens": 512, "tokens_per_block": 4}) as s:
+        body = {"/score": {"text_1": "w5", "text_2": ["w6", "w7"]}, "/v2/rerank": {"query": "w5", "documents": ["w6"]}}
+        with socket.create_connection(("127.0.0.1", s.server.port), timeout=TIMEOUT) as held:
+            held.sendall(b'POST /v1/embeddings HTTP/1.1\r\nHost: t\r\nContent-Length: 100\r\n\r\n{"input": [1, ')
+            wait_for(lambda: s.state.in_flight == 1, what="the slot held")
+            for path, json in body.items():
+                r = s.http.post(path, json=json)
+                assert r.status_code == 503 and r.json()["error"]["code"] == "server_busy", (path, r.text)
+        wait_for(lambda: s.state.in_flight == 0, what="the slot freed")
+        for path, json in body.items():
+            assert s.http.post(path, json=json).status_code == 200
