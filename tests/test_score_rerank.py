@@ -83,7 +83,8 @@ def test_score_is_the_cosine_of_transformers_embeddings_one_to_one_one_to_many_a
         same = _ok(served, path, {first: [text(a) for a in firsts], second: [text(b) for b in seconds]})
         assert [d["score"] for d in same["data"]] == pytest.approx([d["score"] for d in pairwise["data"]], abs=1e-6)
 
-    cut = _ok(served, path, {"text_1": text(QUERY), "text_2": text(DOCS[2]), "truncate_prompt_tokens": 2})
+    cut = _ok(served, path, {"text_1": text(QUERY), "text_2": text(DOCS[2]), "truncate_prompt_tokens": 2,
+                             "priority": 0})  # vLLM's default: what a first-come server does
     assert cut["data"][0]["score"] == pytest.approx(cos(QUERY[-2:], DOCS[2][-2:]), abs=1e-5)
     assert cut["usage"]["prompt_tokens"] == 4
     assert not served.state.engine.executor.pooled  # every row was handed over
@@ -130,6 +131,9 @@ LONG = text([(7 * i + 3) % VOCAB for i in range(65)])  # one token past max_seq_
      "not supported by kvload serve"),
     ("/v1/score", {"text_1": LONG, "text_2": "w2"}, "text_1", "an embedding takes at most max_seq_len=64"),
     ("/v1/score", {"text_1": "w1", "text_2": "w2", "model": 3}, "model", "a string"),
+    ("/v1/score", {"text_1": "w1", "text_2": "w2", "priority": 3}, "priority",
+     "schedules first come, first served (vLLM's default policy, fcfs), where only priority 0 is accepted"),
+    ("/rerank", {"query": "w1", "documents": ["w2"], "priority": -1}, "priority", "only priority 0"),
     ("/rerank", {"documents": ["w1"]}, "query", "expected a non-empty string"),
     ("/rerank", {"query": "w1"}, "documents", "documents: required"),
     ("/rerank", {"query": "w1", "documents": []}, "documents", "a non-empty list of non-empty strings"),
@@ -193,3 +197,44 @@ def test_score_and_rerank_take_an_admission_slot_as_embeddings_do(words):
         wait_for(lambda: s.state.in_flight == 0, what="the slot freed")
         for path, json in body.items():
             assert s.http.post(path, json=json).status_code == 200
+
+
+def test_a_score_requests_priority_orders_its_texts_admission_under_the_priority_policy(words, cos):
+    """Under --scheduling_policy priority a score's vLLM ``priority`` acts as a completion's: its texts queued first
+    (priority 5) are admitted after a completion that arrived later with priority 2 (under fcfs only 0 is taken)."""
+    import concurrent.futures
+    import threading
+
+    with serving(str(words), dtype="float32", scheduling_policy="priority", max_batch_size=1, max_seq_len=64,
+                 kv_cache_config={"max_tokens": 512, "tokens_per_block": 4}) as s:
+        engine, gate = s.state.engine, threading.Event()
+        original = engine._compute
+
+        def gated(out):
+            gate.wait(TIMEOUT)
+            return original(out)
+
+        def complete(prompt: list[int], priority: int, max_tokens: int) -> object:
+            return s.client.completions.create(model=s.state.model_name, prompt=prompt, max_tokens=max_tokens,
+                                               extra_body={"ignore_eos": True, "priority": priority})
+
+        before = len(s.result.audit.events)
+        engine._compute = gated
+        try:
+            with concurrent.futures.ThreadPoolExecutor(3) as pool:
+                blocker = pool.submit(complete, [9] * 6, 0, 4)
+                wait_for(lambda: bool(engine.driver.running), what="the blocker runs")
+                scored = pool.submit(s.http.post, "/score",
+                                     json={"text_1": text(QUERY), "text_2": text(DOCS[3]), "priority": 5})
+                wait_for(lambda: len(engine._inbox) == 2, what="the score's two texts queued")
+                later = pool.submit(complete, [7] * 3, 2, 2)  # after the texts, were theirs the default 0
+                wait_for(lambda: len(engine._inbox) == 3, what="the later completion queued")
+                gate.set()
+                answers = [f.result(timeout=TIMEOUT) for f in (blocker, scored, later)]
+        finally:
+            gate.set()
+            del engine._compute  # the class's method again
+        assert answers[1].status_code == 200, answers[1].text
+        assert answers[1].json()["data"][0]["score"] == pytest.approx(cos(QUERY, DOCS[3]), abs=1e-5)
+        admitted = [e["prompt_tokens"] for e in s.result.audit.events[before:] if e["event"] == "request_admitted"]
+        assert admitted == [6, 3, len(QUERY), len(DOCS[3])]  # the blocker, the later completion, then the texts

@@ -28,6 +28,7 @@ from kvload.serve.handlers import _on_worker
 from kvload.serve.protocol import (
     PROMPTS_EXPECTED,
     BadRequest,
+    _accepted_as_done,
     _is_int,
     _known,
     _model,
@@ -43,7 +44,7 @@ from pipeline.errors import GenerationError, KvBuildError, first_line
 
 #: The fields ``/v1/embeddings`` takes: OpenAI's, and vLLM's extras for it.
 FIELDS = frozenset({"input", "model", "encoding_format", "dimensions", "user", "truncate_prompt_tokens",
-                    "add_special_tokens", "normalize"})
+                    "add_special_tokens", "normalize", "priority"})
 
 @attrs.frozen
 class EmbedJob:
@@ -53,6 +54,13 @@ class EmbedJob:
     base64: bool
     normalize: bool
     params: SamplingParams
+    priority: int = 0
+
+
+def pool_priority(state: ServeState, body: dict[str, Any]) -> int:
+    """vLLM's ``priority`` of a pooling request, checked as the completions' is: any integer when the server
+    schedules by priority (lower first), else only 0."""
+    return _accepted_as_done(body, "pooling", 1, getattr(state.engine.scheduler, "by_priority", False))
 
 
 def prefill_params(body: dict[str, Any]) -> SamplingParams:
@@ -106,14 +114,15 @@ def parse_embeddings(state: ServeState, raw: bytes | bytearray) -> EmbedJob:
     single = isinstance(body["input"], str) or _token_ids(body["input"])  # one input, not a list of them
     prompts = tokenized(state, inputs, ["input"] if single else [f"input[{i}]" for i in range(len(inputs))],
                         params, "input", add_special_tokens=flags["add_special_tokens"])
-    return EmbedJob(prompts, fmt == "base64", flags["normalize"], params)
+    return EmbedJob(prompts, fmt == "base64", flags["normalize"], params, pool_priority(state, body))
 
 
 class PoolJob(Protocol):
-    """A parsed pooling body: the token ids of each input to prefill, and the prefill's parameters."""
+    """A parsed pooling body: the token ids of each input to prefill, the prefill's parameters, its priority."""
 
     prompts: list[list[int]]
     params: SamplingParams
+    priority: int
 
 
 async def pooling_route(state: ServeState, request: Request, gate: asyncio.Lock, stopping: asyncio.Event,
@@ -143,7 +152,7 @@ async def pooling_route(state: ServeState, request: Request, gate: asyncio.Lock,
                 if ev.finished:
                     loop.call_soon_threadsafe(ended.put_nowait, (i, ev))
             try:
-                req_ids.append(engine.submit(ids, job.params, sink, pool=True))
+                req_ids.append(engine.submit(ids, job.params, sink, pool=True, priority=job.priority))
             except EngineStopped:
                 raise _shutting_down() from None
         while len(events) < len(req_ids):
@@ -189,5 +198,5 @@ async def embeddings_route(state: ServeState, request: Request, gate: asyncio.Lo
                                lambda job, rows: _embeddings_answer(state, job, rows))
 
 
-__all__ = ["FIELDS", "EmbedJob", "PoolJob", "embeddings_route", "parse_embeddings", "pooling_route", "prefill_params",
-           "tokenized"]
+__all__ = ["FIELDS", "EmbedJob", "PoolJob", "embeddings_route", "parse_embeddings", "pool_priority", "pooling_route",
+           "prefill_params", "tokenized"]

@@ -20,7 +20,7 @@ from fastapi.responses import Response
 
 from engine.pooling import ScorePairsError, cosine, pooled, score_pairs
 from engine.sampling_params import SamplingParams
-from kvload.serve.embeddings import pooling_route, prefill_params, tokenized
+from kvload.serve.embeddings import pool_priority, pooling_route, prefill_params, tokenized
 from kvload.serve.protocol import MAX_PROMPTS, BadRequest, _is_int, _known, _model, _need, _object
 from kvload.serve.request_body import _load
 from kvload.serve.request_input import _check_model
@@ -30,9 +30,11 @@ from kvload.serve.state import ServeState
 #: ``ScoreQueriesDocumentsRequest`` and ``ScoreQueriesItemsRequest``): one pair per request.
 SCORE_SIDES = (("text_1", "text_2"), ("data_1", "data_2"), ("queries", "documents"), ("queries", "items"))
 #: The fields ``/score`` takes.
-SCORE_FIELDS = frozenset({"model", "truncate_prompt_tokens", *(name for pair in SCORE_SIDES for name in pair)})
+SCORE_FIELDS = frozenset({"model", "truncate_prompt_tokens", "priority",
+                          *(name for pair in SCORE_SIDES for name in pair)})
 #: The fields ``/rerank`` takes: vLLM's, and Cohere's and Jina's ``return_documents``.
-RERANK_FIELDS = frozenset({"model", "query", "documents", "top_n", "truncate_prompt_tokens", "return_documents"})
+RERANK_FIELDS = frozenset({"model", "query", "documents", "top_n", "truncate_prompt_tokens", "return_documents",
+                           "priority"})
 TEXTS = "a non-empty string or a non-empty list of non-empty strings"
 
 
@@ -44,6 +46,7 @@ class ScoreJob:
     prompts: list[list[int]]
     params: SamplingParams
     pairs: list[tuple[int, int]]
+    priority: int = 0
     documents: list[str] = attrs.field(factory=list)
     top_n: int = 0
     return_documents: bool = True
@@ -82,13 +85,14 @@ def _sides(body: dict[str, Any]) -> tuple[str, str]:
 def _scored(state: ServeState, body: dict[str, Any], sides: list[tuple[str, list[str], list[str]]]) -> ScoreJob:
     """Both sides tokenized and paired: a ``ScoreJob`` with no rerank settings."""
     params = prefill_params(body)
+    priority = pool_priority(state, body)
     (name_1, texts_1, _), (name_2, texts_2, _) = sides
     try:  # before tokenizing: lists that cannot pair are refused whatever their texts
         pairs = score_pairs(len(texts_1), len(texts_2), name_1, name_2, "texts")
     except ScorePairsError as exc:
         raise BadRequest(str(exc), param=exc.field) from None
     prompts = [ids for name, texts, wheres in sides for ids in tokenized(state, texts, wheres, params, name)]
-    return ScoreJob(prompts, params, pairs)
+    return ScoreJob(prompts, params, pairs, priority)
 
 
 def _checked(state: ServeState, raw: bytes | bytearray, fields: frozenset[str]) -> dict[str, Any]:
