@@ -74,6 +74,9 @@ def test_score_is_the_cosine_of_transformers_embeddings_one_to_one_one_to_many_a
         assert d["score"] == pytest.approx(cos(QUERY, doc), abs=1e-5)
     assert many["usage"]["prompt_tokens"] == sum(len(QUERY) + len(doc) for doc in DOCS)
 
+    ids = _ok(served, path, {"text_1": QUERY, "text_2": DOCS})  # token ids, as /v1/embeddings takes them
+    assert [d["score"] for d in ids["data"]] == pytest.approx([d["score"] for d in many["data"]], abs=1e-6)
+
     firsts, seconds = [QUERY, DOCS[2]], [DOCS[1], DOCS[3]]
     pairwise = _ok(served, path, {"text_1": [text(a) for a in firsts], "text_2": [text(b) for b in seconds]})
     for d, a, b in zip(pairwise["data"], firsts, seconds, strict=True):
@@ -120,7 +123,9 @@ LONG = text([(7 * i + 3) % VOCAB for i in range(65)])  # one token past max_seq_
 @pytest.mark.parametrize(("path", "body", "param", "said"), [
     ("/score", {}, "text_1", "text_1: required"),
     ("/score", {"text_1": "w1"}, "text_2", "text_2: required"),
-    ("/score", {"text_1": [], "text_2": "w1"}, "text_1", "expected a non-empty string or a non-empty list"),
+    ("/score", {"text_1": [], "text_2": "w1"}, "text_1", "expected a non-empty string, a list of strings, a list "
+                                                         "of token ids"),
+    ("/score", {"text_1": "w1", "text_2": [[1, VOCAB]]}, "text_2", "text_2[0]: token id 512 is outside the vocabulary"),
     ("/score", {"text_1": "w1", "text_2": ["w2", 5]}, "text_2[1]", "expected a non-empty string"),
     ("/score", {"text_1": ["w1", "w2"], "text_2": ["w1", "w2", "w3"]}, "text_1",
      "text_1 has 2 texts and text_2 3; give one text_1 text"),

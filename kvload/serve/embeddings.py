@@ -71,6 +71,14 @@ def prefill_params(body: dict[str, Any]) -> SamplingParams:
     return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, truncate_prompt_tokens=cut)
 
 
+def prompt_list(body: dict[str, Any], field: str) -> tuple[list[Any], list[str]]:
+    """``body[field]`` as the completions' prompt list reads it (texts, token ids, lists of either) and where each
+    item is: ``field`` for one, ``field[i]`` for a list of them; ``BadRequest`` naming the field or item."""
+    inputs = _prompts(body, field, "inputs", PROMPTS_EXPECTED)
+    single = isinstance(body[field], str) or _token_ids(body[field])  # one input, not a list of them
+    return inputs, [field] if single else [f"{field}[{i}]" for i in range(len(inputs))]
+
+
 def tokenized(state: ServeState, items: list[Any], wheres: list[str], params: SamplingParams, param: str,
               add_special_tokens: bool = True) -> list[list[int]]:
     """Each text tokenized (token ids as given), cut as ``params`` asks and checked to fit an embedding; a
@@ -110,10 +118,8 @@ def parse_embeddings(state: ServeState, raw: bytes | bytearray) -> EmbedJob:
         _need(value is None or isinstance(value, bool), name, "true or false", value)
         flags[name] = default if value is None else value
     params = prefill_params(body)
-    inputs = _prompts(body, "input", "inputs", PROMPTS_EXPECTED)
-    single = isinstance(body["input"], str) or _token_ids(body["input"])  # one input, not a list of them
-    prompts = tokenized(state, inputs, ["input"] if single else [f"input[{i}]" for i in range(len(inputs))],
-                        params, "input", add_special_tokens=flags["add_special_tokens"])
+    inputs, wheres = prompt_list(body, "input")
+    prompts = tokenized(state, inputs, wheres, params, "input", add_special_tokens=flags["add_special_tokens"])
     return EmbedJob(prompts, fmt == "base64", flags["normalize"], params, pool_priority(state, body))
 
 
@@ -199,4 +205,4 @@ async def embeddings_route(state: ServeState, request: Request, gate: asyncio.Lo
 
 
 __all__ = ["FIELDS", "EmbedJob", "PoolJob", "embeddings_route", "parse_embeddings", "pool_priority", "pooling_route",
-           "prefill_params", "tokenized"]
+           "prefill_params", "prompt_list", "tokenized"]

@@ -20,7 +20,7 @@ from fastapi.responses import Response
 
 from engine.pooling import ScorePairsError, cosine, pooled, score_pairs
 from engine.sampling_params import SamplingParams
-from kvload.serve.embeddings import pool_priority, pooling_route, prefill_params, tokenized
+from kvload.serve.embeddings import pool_priority, pooling_route, prefill_params, prompt_list, tokenized
 from kvload.serve.protocol import MAX_PROMPTS, BadRequest, _is_int, _known, _model, _need, _object
 from kvload.serve.request_body import _load
 from kvload.serve.request_input import _check_model
@@ -35,7 +35,6 @@ SCORE_FIELDS = frozenset({"model", "truncate_prompt_tokens", "priority",
 #: The fields ``/rerank`` takes: vLLM's, and Cohere's and Jina's ``return_documents``.
 RERANK_FIELDS = frozenset({"model", "query", "documents", "top_n", "truncate_prompt_tokens", "return_documents",
                            "priority"})
-TEXTS = "a non-empty string or a non-empty list of non-empty strings"
 
 
 @attrs.frozen
@@ -52,22 +51,19 @@ class ScoreJob:
     return_documents: bool = True
 
 
-def _texts(body: dict[str, Any], field: str, list_only: bool = False) -> tuple[list[str], list[str]]:
-    """``body[field]`` as a list of texts and where each is (``field`` or ``field[i]``); a 400 naming it otherwise."""
-    expected = "a non-empty list of non-empty strings" if list_only else TEXTS
-    if field not in body or body[field] is None:
-        raise BadRequest(f"{field}: required ({expected})", param=field)
-    value = body[field]
-    if isinstance(value, str) and not list_only:
-        _need(bool(value), field, expected, value)
-        return [value], [field]
-    _need(isinstance(value, list) and bool(value), field, expected, value)
-    if len(value) > MAX_PROMPTS:
-        raise BadRequest(f"{field}: a list of {len(value):,} texts; at most {MAX_PROMPTS} per request (send several "
-                         "requests)", param=field)
-    for i, text in enumerate(value):
-        _need(isinstance(text, str) and bool(text), f"{field}[{i}]", "a non-empty string", text)
-    return list(value), [f"{field}[{i}]" for i in range(len(value))]
+def _documents(body: dict[str, Any]) -> list[str]:
+    """``body["documents"]``: a non-empty list of non-empty strings (the answer returns each one's text)."""
+    docs = body.get("documents")
+    expected = "a non-empty list of non-empty strings"
+    if docs is None:
+        raise BadRequest(f"documents: required ({expected})", param="documents")
+    _need(isinstance(docs, list) and bool(docs), "documents", expected, docs)
+    if len(docs) > MAX_PROMPTS:
+        raise BadRequest(f"documents: a list of {len(docs):,} documents; at most {MAX_PROMPTS} per request (send "
+                         "several requests)", param="documents")
+    for i, doc in enumerate(docs):
+        _need(isinstance(doc, str) and bool(doc), f"documents[{i}]", "a non-empty string", doc)
+    return docs
 
 
 def _sides(body: dict[str, Any]) -> tuple[str, str]:
@@ -82,7 +78,7 @@ def _sides(body: dict[str, Any]) -> tuple[str, str]:
     return first, second
 
 
-def _scored(state: ServeState, body: dict[str, Any], sides: list[tuple[str, list[str], list[str]]]) -> ScoreJob:
+def _scored(state: ServeState, body: dict[str, Any], sides: list[tuple[str, list[Any], list[str]]]) -> ScoreJob:
     """Both sides tokenized and paired: a ``ScoreJob`` with no rerank settings."""
     params = prefill_params(body)
     priority = pool_priority(state, body)
@@ -107,7 +103,7 @@ def parse_score(state: ServeState, raw: bytes | bytearray) -> ScoreJob:
     """Check a ``/score`` body and tokenize its texts (on a worker thread); ``BadRequest`` naming the field."""
     body = _checked(state, raw, SCORE_FIELDS)
     first, second = _sides(body)
-    return _scored(state, body, [(name, *_texts(body, name)) for name in (first, second)])
+    return _scored(state, body, [(name, *prompt_list(body, name)) for name in (first, second)])
 
 
 def parse_rerank(state: ServeState, raw: bytes | bytearray) -> ScoreJob:
@@ -115,12 +111,17 @@ def parse_rerank(state: ServeState, raw: bytes | bytearray) -> ScoreJob:
     body = _checked(state, raw, RERANK_FIELDS)
     query = body.get("query")
     _need(isinstance(query, str) and bool(query), "query", "a non-empty string", query)
-    documents, wheres = _texts(body, "documents", list_only=True)
+    documents = _documents(body)
     top_n = body.get("top_n")
     _need(top_n is None or (_is_int(top_n) and top_n >= 0), "top_n",
           "an integer >= 0 (the best N documents; 0: all of them)", top_n)
     keep = body.get("return_documents")
     _need(keep is None or isinstance(keep, bool), "return_documents", "true or false", keep)
+    if state.engine.tokenizer is None:  # its texts cannot be token ids: the answer gives each document's text
+        raise BadRequest(f"query: the model {state.model_name} has no tokenizer (presets have random weights and "
+                         "none); /rerank takes text (it answers each document's text); POST /score takes token ids",
+                         param="query")
+    wheres = [f"documents[{i}]" for i in range(len(documents))]
     job = _scored(state, body, [("query", [query], ["query"]), ("documents", documents, wheres)])
     return attrs.evolve(job, documents=documents, top_n=top_n or 0, return_documents=keep is not False)
 
