@@ -4,6 +4,8 @@ Each input is prefilled by the engine as a one-token request whose prompt's last
 (``engine.pooling``): the final norm's output at its last token, L2-normalized, vLLM's default for an embedding model
 converted from a ``*ForCausalLM`` checkpoint. ``encoding_format`` ``"float"`` answers lists of floats, ``"base64"``
 (what OpenAI's Python client asks for unless told otherwise) each vector's little-endian float32 bytes in base64.
+The route's body checks and its run (:func:`pooling_route`: every input in one batch) serve ``/score`` and ``/rerank``
+too (``kvload.serve.scoring``).
 """
 
 from __future__ import annotations
@@ -57,6 +59,15 @@ class EmbedJob:
     priority: int = 0
 
 
+def pooling_body(state: ServeState, raw: bytes | bytearray, fields: frozenset[str]) -> dict[str, Any]:
+    """A pooling route's body as a JSON object of ``fields`` only, its ``model`` one this server serves."""
+    body = _object(_load(raw))
+    _known(body, fields)
+    _model(body)
+    _check_model(state, body)
+    return body
+
+
 def pool_priority(state: ServeState, body: dict[str, Any]) -> int:
     """vLLM's ``priority`` of a pooling request, checked as the completions' is: any integer when the server
     schedules by priority (lower first), else only 0."""
@@ -100,10 +111,7 @@ def tokenized(state: ServeState, items: list[Any], wheres: list[str], params: Sa
 def parse_embeddings(state: ServeState, raw: bytes | bytearray) -> EmbedJob:
     """Check an embeddings body and tokenize its inputs (on a worker thread); ``BadRequest`` naming the field, nothing
     queued, when any input could never be embedded."""
-    body = _object(_load(raw))
-    _known(body, FIELDS)
-    _model(body)
-    _check_model(state, body)
+    body = pooling_body(state, raw, FIELDS)
     fmt = body.get("encoding_format")
     _need(fmt in (None, "float", "base64"), "encoding_format", '"float" or "base64"', fmt)
     if body.get("dimensions") is not None:  # vLLM refuses it too for a model not trained for truncated embeddings
@@ -204,5 +212,5 @@ async def embeddings_route(state: ServeState, request: Request, gate: asyncio.Lo
                                lambda job, rows: _embeddings_answer(state, job, rows))
 
 
-__all__ = ["FIELDS", "EmbedJob", "PoolJob", "embeddings_route", "parse_embeddings", "pool_priority", "pooling_route",
-           "prefill_params", "prompt_list", "tokenized"]
+__all__ = ["FIELDS", "EmbedJob", "PoolJob", "embeddings_route", "parse_embeddings", "pool_priority", "pooling_body",
+           "pooling_route", "prefill_params", "prompt_list", "tokenized"]

@@ -20,10 +20,15 @@ from fastapi.responses import Response
 
 from engine.pooling import ScorePairsError, cosine, pooled, score_pairs
 from engine.sampling_params import SamplingParams
-from kvload.serve.embeddings import pool_priority, pooling_route, prefill_params, prompt_list, tokenized
-from kvload.serve.protocol import MAX_PROMPTS, BadRequest, _is_int, _known, _model, _need, _object
-from kvload.serve.request_body import _load
-from kvload.serve.request_input import _check_model
+from kvload.serve.embeddings import (
+    pool_priority,
+    pooling_body,
+    pooling_route,
+    prefill_params,
+    prompt_list,
+    tokenized,
+)
+from kvload.serve.protocol import MAX_PROMPTS, BadRequest, _is_int, _need
 from kvload.serve.state import ServeState
 
 #: The two sides a score body may name (vLLM's ``ScoreTextRequest``, ``ScoreDataRequest``,
@@ -91,24 +96,16 @@ def _scored(state: ServeState, body: dict[str, Any], sides: list[tuple[str, list
     return ScoreJob(prompts, params, pairs, priority)
 
 
-def _checked(state: ServeState, raw: bytes | bytearray, fields: frozenset[str]) -> dict[str, Any]:
-    body = _object(_load(raw))
-    _known(body, fields)
-    _model(body)
-    _check_model(state, body)
-    return body
-
-
 def parse_score(state: ServeState, raw: bytes | bytearray) -> ScoreJob:
     """Check a ``/score`` body and tokenize its texts (on a worker thread); ``BadRequest`` naming the field."""
-    body = _checked(state, raw, SCORE_FIELDS)
+    body = pooling_body(state, raw, SCORE_FIELDS)
     first, second = _sides(body)
     return _scored(state, body, [(name, *prompt_list(body, name)) for name in (first, second)])
 
 
 def parse_rerank(state: ServeState, raw: bytes | bytearray) -> ScoreJob:
     """Check a ``/rerank`` body and tokenize its query and documents; ``BadRequest`` naming the field."""
-    body = _checked(state, raw, RERANK_FIELDS)
+    body = pooling_body(state, raw, RERANK_FIELDS)
     query = body.get("query")
     _need(isinstance(query, str) and bool(query), "query", "a non-empty string", query)
     documents = _documents(body)
