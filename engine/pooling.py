@@ -89,6 +89,33 @@ class ScoringRequestOutput:
     finished: bool = True
 
 
+class ScorePairsError(GenerationError):
+    """Two sides of a score that cannot be paired: ``field`` names the side the message is about."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def score_pairs(n_1: int, n_2: int, name_1: str = "data_1", name_2: str = "data_2",
+                noun: str = "prompts") -> list[tuple[int, int]]:
+    """vLLM's pairing of a score's two sides (1:1, 1:N, N:N) as indices into one batch of the ``n_1`` first-side
+    inputs then the ``n_2`` second-side ones, one pair per second-side input, in order; :class:`ScorePairsError`
+    naming the side otherwise. ``LLM.score``, ``/score`` and ``/rerank`` all pair through it."""
+    for n, name in ((n_1, name_1), (n_2, name_2)):
+        if n < 1:
+            raise ScorePairsError(f"{name}: needs at least one {noun[:-1]} to score", name)
+    if n_1 != 1 and n_1 != n_2:
+        raise ScorePairsError(f"{name_1} has {n_1} {noun} and {name_2} {n_2}; give one {name_1} {noun[:-1]} (scored "
+                              f"against each of {name_2}) or as many as {name_2} (pairwise)", name_1)
+    return [(0 if n_1 == 1 else j, n_1 + j) for j in range(n_2)]
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The score of an embedding model's pair (vLLM's ``_cosine_similarity``): the cosine of the two vectors."""
+    return float(torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=0))
+
+
 def pooled(hidden: torch.Tensor, normalize: bool) -> torch.Tensor:
     """The embedding of one captured hidden row: float32, L2-normalized when asked (vLLM's F.normalize, eps 1e-12)."""
     row = hidden.float()
@@ -147,5 +174,5 @@ class PooledRows:
             self._rows[req_id] = hidden[row].detach().to("cpu", copy=True)
 
 
-__all__ = ["EmbeddingOutput", "EmbeddingRequestOutput", "PooledRows", "PoolingParams", "ScoringOutput",
-           "ScoringRequestOutput", "pooled", "pooled_vector"]
+__all__ = ["EmbeddingOutput", "EmbeddingRequestOutput", "PooledRows", "PoolingParams", "ScorePairsError",
+           "ScoringOutput", "ScoringRequestOutput", "cosine", "pooled", "pooled_vector", "score_pairs"]

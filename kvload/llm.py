@@ -28,9 +28,12 @@ from engine.pooling import (
     EmbeddingOutput,
     EmbeddingRequestOutput,
     PoolingParams,
+    ScorePairsError,
     ScoringOutput,
     ScoringRequestOutput,
+    cosine,
     pooled_vector,
+    score_pairs,
 )
 from engine.prompts import check_tree, is_conversation, is_token_id
 from engine.sampling_params import SamplingParams, is_int
@@ -124,8 +127,9 @@ VLLM_ATTRIBUTES_NOT_TAKEN: dict[str, str] = {
                   "the settings llm.args (llm.args.max_seq_len is vLLM's model_config.max_model_len), the tokenizer "
                   "llm.get_tokenizer()",
     **dict.fromkeys(("encode", "classify", "reward"),
-                    "kvload generates text and embeds it (LLM.embed: the last token's hidden state); it has no "
-                    "classification, scoring or reward models"),
+                    "kvload generates text and embeds it (LLM.embed: the last token's hidden state; LLM.score: the "
+                    "cosine of two prompts' embeddings); its decoder models have no classification or reward heads "
+                    "to run"),
     **dict.fromkeys(("sleep", "wake_up"), "kvload.LLM has no sleep mode; close() releases the pools and weights"),
     **dict.fromkeys(("collective_rpc", "apply_model"),
                     "kvload runs no user functions on its workers; the torch model is llm.result.hf_model"),
@@ -348,20 +352,18 @@ class LLM:
         each of ``data_2`` (one or a list), or a list as long as ``data_2``, scored pairwise; prompts as
         :meth:`generate` takes them. Every prompt is embedded in one batch."""
         firsts, seconds = _one_or_many(data_1), _one_or_many(data_2)
-        if not firsts or not seconds:
-            raise GenerationError("score: data_1 and data_2 each need at least one prompt")
-        if len(firsts) != 1 and len(firsts) != len(seconds):
-            raise GenerationError(f"score: data_1 has {len(firsts)} prompts and data_2 {len(seconds)}; give one "
-                                  "data_1 prompt (scored against each of data_2) or as many as data_2 (pairwise)")
-        vectors = self._embed("score", [*firsts, *seconds], pooling_params, truncate_prompt_tokens, use_tqdm,
-                              lora_request, salt)
-        left = vectors[:len(firsts)] * (len(seconds) if len(firsts) == 1 else 1)
+        try:
+            pairs = score_pairs(len(firsts), len(seconds))
+        except ScorePairsError as e:
+            raise GenerationError(f"score: {e}") from None
+        outs = self._embed("score", [*firsts, *seconds], pooling_params, truncate_prompt_tokens, use_tqdm,
+                           lora_request, salt)
+        vectors = [torch.tensor(o.outputs.embedding) for o in outs]
         scores = []
-        for a, b in zip(left, vectors[len(firsts):], strict=True):
-            cosine = torch.nn.functional.cosine_similarity(torch.tensor(a.outputs.embedding),
-                                                           torch.tensor(b.outputs.embedding), dim=0)
+        for i, j in pairs:
+            a, b = outs[i], outs[j]
             scores.append(ScoringRequestOutput(request_id=f"{a.request_id}_{b.request_id}",
-                                               outputs=ScoringOutput(float(cosine)),
+                                               outputs=ScoringOutput(cosine(vectors[i], vectors[j])),
                                                prompt_token_ids=[*a.prompt_token_ids, *b.prompt_token_ids]))
         return scores
 

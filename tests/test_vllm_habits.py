@@ -564,7 +564,8 @@ def test_a_vllm_llm_attribute_kvload_lacks_says_what_to_use_instead(llm):
     with pytest.raises(AttributeError, match=r"^LLM\.llm_engine: vLLM's, not kvload's: .*llm\.get_tokenizer\(\)$"):
         llm.llm_engine.get_tokenizer()
     with pytest.raises(AttributeError, match=r"^LLM\.classify: vLLM's, not kvload's: kvload generates text and "
-                                             r"embeds it \(LLM\.embed"):
+                                             r"embeds it \(LLM\.embed.*LLM\.score: the cosine.*no classification "
+                                             r"or reward heads"):
         llm.classify("w5")
     with pytest.raises(AttributeError, match=r"^LLM\.model_config: vLLM's, not kvload's: .*llm\.args\.max_seq_len is "
                                              r"vLLM's model_config\.max_model_len"):

@@ -38,6 +38,7 @@ from kvload.serve.protocol import BadRequest
 from kvload.serve.request_id import _RequestIdHeader
 from kvload.serve.request_input import _not_served
 from kvload.serve.route_errors import _allowed, _only_query, _routing_error, _shaped
+from kvload.serve.scoring import rerank_route, score_route
 from kvload.serve.state import ServeState
 from kvload.serve.tokenizer_routes import _count_tokens, _detokenize, _tokenize
 from pipeline.audit import dropped_record
@@ -233,6 +234,17 @@ def create_app(state: ServeState) -> FastAPI:
     @app.post("/v1/embeddings")  # OpenAI's Embeddings API: the prompt's last hidden state, as vLLM's pooling runner
     async def embeddings(request: Request) -> Response:
         return await embeddings_route(state, request, gate, stopping)
+
+    @app.post("/score")  # vLLM's score API: the cosine of each pair's embeddings (its embedding models' score)
+    @app.post("/v1/score")
+    async def score(request: Request) -> Response:
+        return await score_route(state, request, gate, stopping)
+
+    @app.post("/rerank")  # vLLM's Jina/Cohere-style rerank: the documents by their cosine with the query
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def rerank(request: Request) -> Response:
+        return await rerank_route(state, request, gate, stopping)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

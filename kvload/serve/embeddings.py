@@ -4,6 +4,8 @@ Each input is prefilled by the engine as a one-token request whose prompt's last
 (``engine.pooling``): the final norm's output at its last token, L2-normalized, vLLM's default for an embedding model
 converted from a ``*ForCausalLM`` checkpoint. ``encoding_format`` ``"float"`` answers lists of floats, ``"base64"``
 (what OpenAI's Python client asks for unless told otherwise) each vector's little-endian float32 bytes in base64.
+The route's body checks and its run (:func:`pooling_route`: every input in one batch) serve ``/score`` and ``/rerank``
+too (``kvload.serve.scoring``).
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ import asyncio
 import base64
 import time
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import attrs
+import torch
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
@@ -26,6 +30,7 @@ from kvload.serve.handlers import _on_worker
 from kvload.serve.protocol import (
     PROMPTS_EXPECTED,
     BadRequest,
+    _accepted_as_done,
     _is_int,
     _known,
     _model,
@@ -41,7 +46,7 @@ from pipeline.errors import GenerationError, KvBuildError, first_line
 
 #: The fields ``/v1/embeddings`` takes: OpenAI's, and vLLM's extras for it.
 FIELDS = frozenset({"input", "model", "encoding_format", "dimensions", "user", "truncate_prompt_tokens",
-                    "add_special_tokens", "normalize"})
+                    "add_special_tokens", "normalize", "priority"})
 
 @attrs.frozen
 class EmbedJob:
@@ -51,15 +56,62 @@ class EmbedJob:
     base64: bool
     normalize: bool
     params: SamplingParams
+    priority: int = 0
+
+
+def pooling_body(state: ServeState, raw: bytes | bytearray, fields: frozenset[str]) -> dict[str, Any]:
+    """A pooling route's body as a JSON object of ``fields`` only, its ``model`` one this server serves."""
+    body = _object(_load(raw))
+    _known(body, fields)
+    _model(body)
+    _check_model(state, body)
+    return body
+
+
+def pool_priority(state: ServeState, body: dict[str, Any]) -> int:
+    """vLLM's ``priority`` of a pooling request, checked as the completions' is: any integer when the server
+    schedules by priority (lower first), else only 0."""
+    return _accepted_as_done(body, "pooling", 1, getattr(state.engine.scheduler, "by_priority", False))
+
+
+def prefill_params(body: dict[str, Any]) -> SamplingParams:
+    """The one-token greedy prefill that pools an input, with the body's ``truncate_prompt_tokens`` (checked)."""
+    cut = body.get("truncate_prompt_tokens")
+    _need(cut is None or (_is_int(cut) and (cut >= 1 or cut == -1)), "truncate_prompt_tokens",
+          "an integer >= 1 (keep the input's last N tokens) or -1 (the model's length)", cut)
+    return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, truncate_prompt_tokens=cut)
+
+
+def prompt_list(body: dict[str, Any], field: str) -> tuple[list[Any], list[str]]:
+    """``body[field]`` as the completions' prompt list reads it (texts, token ids, lists of either) and where each
+    item is: ``field`` for one, ``field[i]`` for a list of them; ``BadRequest`` naming the field or item."""
+    inputs = _prompts(body, field, "inputs", PROMPTS_EXPECTED)
+    single = isinstance(body[field], str) or _token_ids(body[field])  # one input, not a list of them
+    return inputs, [field] if single else [f"{field}[{i}]" for i in range(len(inputs))]
+
+
+def tokenized(state: ServeState, items: list[Any], wheres: list[str], params: SamplingParams, param: str,
+              add_special_tokens: bool = True) -> list[list[int]]:
+    """Each text tokenized (token ids as given), cut as ``params`` asks and checked to fit an embedding; a
+    ``BadRequest`` with ``param`` whose message names the item (``wheres[i]``) otherwise."""
+    engine = state.engine
+    prompts = []
+    for item, where in zip(items, wheres, strict=True):
+        try:
+            ids = engine.tokenize(item, add_special_tokens=add_special_tokens, where=where) \
+                if isinstance(item, str) else item
+            ids = engine.check(ids, params, pool=True).prompt_token_ids  # cut as asked; in the vocabulary; it fits
+        except (GenerationError, KvBuildError) as exc:
+            message = first_line(exc, "").removeprefix("generate: ").removeprefix("prompt 0: ")  # the one checked
+            raise BadRequest(message if message.startswith(where) else f"{where}: {message}", param=param) from None
+        prompts.append(list(ids))
+    return prompts
 
 
 def parse_embeddings(state: ServeState, raw: bytes | bytearray) -> EmbedJob:
     """Check an embeddings body and tokenize its inputs (on a worker thread); ``BadRequest`` naming the field, nothing
     queued, when any input could never be embedded."""
-    body = _object(_load(raw))
-    _known(body, FIELDS)
-    _model(body)
-    _check_model(state, body)
+    body = pooling_body(state, raw, FIELDS)
     fmt = body.get("encoding_format")
     _need(fmt in (None, "float", "base64"), "encoding_format", '"float" or "base64"', fmt)
     if body.get("dimensions") is not None:  # vLLM refuses it too for a model not trained for truncated embeddings
@@ -73,31 +125,26 @@ def parse_embeddings(state: ServeState, raw: bytes | bytearray) -> EmbedJob:
         value = body.get(name)
         _need(value is None or isinstance(value, bool), name, "true or false", value)
         flags[name] = default if value is None else value
-    cut = body.get("truncate_prompt_tokens")
-    _need(cut is None or (_is_int(cut) and (cut >= 1 or cut == -1)), "truncate_prompt_tokens",
-          "an integer >= 1 (keep the input's last N tokens) or -1 (the model's length)", cut)
-    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, truncate_prompt_tokens=cut)
-    engine = state.engine
-    prompts = []
-    inputs = _prompts(body, "input", "inputs", PROMPTS_EXPECTED)
-    single = isinstance(body["input"], str) or _token_ids(body["input"])  # one input, not a list of them
-    for i, item in enumerate(inputs):
-        where = "input" if single else f"input[{i}]"
-        try:
-            ids = engine.tokenize(item, add_special_tokens=flags["add_special_tokens"], where=where) \
-                if isinstance(item, str) else item
-            ids = engine.check(ids, params, pool=True).prompt_token_ids  # cut as asked; in the vocabulary; it fits
-        except (GenerationError, KvBuildError) as exc:
-            message = first_line(exc, "").removeprefix("generate: ").removeprefix("prompt 0: ")  # the one checked
-            raise BadRequest(message if message.startswith(where) else f"{where}: {message}", param="input") from None
-        prompts.append(list(ids))
-    return EmbedJob(prompts, fmt == "base64", flags["normalize"], params)
+    params = prefill_params(body)
+    inputs, wheres = prompt_list(body, "input")
+    prompts = tokenized(state, inputs, wheres, params, "input", add_special_tokens=flags["add_special_tokens"])
+    return EmbedJob(prompts, fmt == "base64", flags["normalize"], params, pool_priority(state, body))
 
 
-async def embeddings_route(state: ServeState, request: Request, gate: asyncio.Lock,
-                           stopping: asyncio.Event) -> Response:
-    """``POST /v1/embeddings``: the body read and parsed as the completions' are, every input queued as one
-    request, the answer once all are embedded."""
+class PoolJob(Protocol):
+    """A parsed pooling body: the token ids of each input to prefill, the prefill's parameters, its priority."""
+
+    prompts: list[list[int]]
+    params: SamplingParams
+    priority: int
+
+
+async def pooling_route(state: ServeState, request: Request, gate: asyncio.Lock, stopping: asyncio.Event,
+                        parse: Callable[[ServeState, bytes | bytearray], PoolJob],
+                        answer: Callable[[Any, list[torch.Tensor]], dict[str, Any]]) -> Response:
+    """A pooling route (``/v1/embeddings``, ``/score``, ``/rerank``): the body read and parsed as the completions'
+    are, every input queued as one request (all in one batch, sharing steps), then ``answer(job, rows)`` with each
+    input's captured last hidden row, in order."""
     try:
         raw = await _read_body(request, state.max_request_bytes, state.read_timeout_s, stopping)
     except ClientDisconnect:
@@ -107,7 +154,7 @@ async def embeddings_route(state: ServeState, request: Request, gate: asyncio.Lo
             raise _shutting_down()
         if await request.is_disconnected():
             return Response(status_code=CLIENT_CLOSED)
-        job: EmbedJob = await _on_worker(stopping, lambda: None, parse_embeddings, state, raw)
+        job = await _on_worker(stopping, lambda: None, parse, state, raw)
     loop = asyncio.get_running_loop()
     ended: asyncio.Queue[tuple[int, ServeEvent]] = asyncio.Queue()
     engine = state.engine
@@ -119,7 +166,7 @@ async def embeddings_route(state: ServeState, request: Request, gate: asyncio.Lo
                 if ev.finished:
                     loop.call_soon_threadsafe(ended.put_nowait, (i, ev))
             try:
-                req_ids.append(engine.submit(ids, job.params, sink, pool=True))
+                req_ids.append(engine.submit(ids, job.params, sink, pool=True, priority=job.priority))
             except EngineStopped:
                 raise _shutting_down() from None
         while len(events) < len(req_ids):
@@ -131,24 +178,39 @@ async def embeddings_route(state: ServeState, request: Request, gate: asyncio.Lo
                 raise _shutting_down()
             raise BadRequest(f"the engine failed while embedding: {failed.error}", status=500, kind="server_error",
                              code="engine_error")
-        rows = [engine.executor.pooled.take(r) for r in req_ids]
+        taken = [engine.executor.pooled.take(r) for r in req_ids]
     finally:  # a failure or a client gone: whatever still runs is aborted, and no row is left behind
         for i, req_id in enumerate(req_ids):
             if i not in events:
                 engine.abort(req_id)
             engine.executor.pooled.take(req_id)
+    rows = []
+    for i, row in enumerate(taken):
+        if row is None:  # every finished request's prefill ran its last token: a missing row is a bug, said so
+            raise BadRequest(f"input {i}: its last hidden state was not captured", status=500, kind="server_error")
+        rows.append(row)
+    return JSONResponse(answer(job, rows))
+
+
+def _embeddings_answer(state: ServeState, job: EmbedJob, rows: list[torch.Tensor]) -> dict[str, Any]:
+    """OpenAI's embeddings list: each input's vector, as floats or base64."""
     data = []
     for i, row in enumerate(rows):
-        if row is None:  # every finished request's prefill ran its last token: a missing row is a bug, said so
-            raise BadRequest(f"input[{i}]: its last hidden state was not captured", status=500, kind="server_error")
         vector = pooled(row, job.normalize)
         embedding: Any = base64.b64encode(vector.numpy().astype("<f4").tobytes()).decode("ascii") if job.base64 \
             else vector.tolist()
         data.append({"index": i, "object": "embedding", "embedding": embedding})
     tokens = sum(len(ids) for ids in job.prompts)
-    return JSONResponse({"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-                         "model": state.model_name, "data": data,
-                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+    return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": state.model_name,
+            "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
-__all__ = ["FIELDS", "EmbedJob", "embeddings_route", "parse_embeddings"]
+async def embeddings_route(state: ServeState, request: Request, gate: asyncio.Lock,
+                           stopping: asyncio.Event) -> Response:
+    """``POST /v1/embeddings``: every input embedded in one batch, the answer once all are."""
+    return await pooling_route(state, request, gate, stopping, parse_embeddings,
+                               lambda job, rows: _embeddings_answer(state, job, rows))
+
+
+__all__ = ["FIELDS", "EmbedJob", "PoolJob", "embeddings_route", "parse_embeddings", "pool_priority", "pooling_body",
+           "pooling_route", "prefill_params", "prompt_list", "tokenized"]
