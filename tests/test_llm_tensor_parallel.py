@@ -132,7 +132,7 @@ def test_what_cannot_cross_processes_is_refused_naming_the_argument(pair):
 
 
 SCRIPT = textwrap.dedent("""
-    import json, os, signal, sys, time
+    import json, os, signal, sys, threading, time
     import kvload
     from pipeline.errors import RankError
 
@@ -158,7 +158,17 @@ SCRIPT = textwrap.dedent("""
     report["errors"], report["took"], report["victim"] = errors, time.monotonic() - start, victim
     llm.close()
     report["after_close"] = sorted(kids())
-    llm = kvload.LLM("tiny-llama", **kw)  # a new process group, after the broken one
+    # a new process group, after the broken one; a call long enough to be killed in (8 x 1000 tokens)
+    llm = kvload.LLM("tiny-llama", **{**kw, "kv_cache_config": {"max_tokens": 8192}})
+    (victim,) = kids()
+    threading.Timer(1.0, os.kill, (victim, signal.SIGKILL)).start()  # while it generates
+    start = time.monotonic()
+    try:
+        llm.generate([[1, 2, 3]] * 8, max_tokens=1000, ignore_eos=True)
+    except RankError as exc:
+        report["mid_call"], report["mid_took"], report["mid_victim"] = str(exc), time.monotonic() - start, victim
+    llm.close()
+    llm = kvload.LLM("tiny-llama", **kw)
     report["second"] = llm.generate([[1, 2, 3]], max_tokens=4, ignore_eos=True)[0].outputs[0].token_ids
     report["workers"] = sorted(kids())
     print(json.dumps(report), flush=True)
@@ -183,6 +193,9 @@ def test_a_plain_script_names_a_killed_rank_and_leaves_no_process(tmp_path):
                             " this LLM cannot run any more"), first
     assert again == first  # every later call says the same, at once
     assert report["took"] < DIST_TIMEOUT_S  # a bound, not a speed: no wait for the collective timeout
+    assert report["mid_call"].startswith(f"generate: tensor_parallel_size=2: rank 1 (pid {report['mid_victim']}) "
+                                         "was killed by SIGKILL;"), report
+    assert report["mid_took"] < DIST_TIMEOUT_S
     assert report["after_close"] == [] and len(report["workers"]) == 1
     deadline = time.monotonic() + 30
     while _alive(report["workers"][0]) and time.monotonic() < deadline:
