@@ -200,8 +200,9 @@ class SpawnedRanks:
                     return RankError(f"LLM: tensor_parallel_size={self.world}: rank {r.rank} (pid {r.proc.pid}) "
                                      f"failed to load: {reason}")
             return exc
-        finally:
-            self.close()
+        finally:  # the others may be mid-load, in a collective: no use asking them to close
+            self.closed = self.stopping = True
+            self._end(polite=False)
 
     # --- following --------------------------------------------------------------------------------
 
@@ -218,9 +219,9 @@ class SpawnedRanks:
                 bound = inspect.signature(method).bind(llm, *args, **kwargs)
             except TypeError:
                 return method(llm, *args, **kwargs)  # Python's own error, before anything is sent
+            parameters = inspect.signature(method).parameters
             for pname, value in list(bound.arguments.items())[1:]:
-                if isinstance(value, dict) and inspect.signature(method).parameters[pname].kind is \
-                        inspect.Parameter.VAR_KEYWORD:
+                if isinstance(value, dict) and parameters[pname].kind is inspect.Parameter.VAR_KEYWORD:
                     for key, v in value.items():
                         _picklable(name, key, v, self.world, GenerationError)
                 else:
@@ -232,15 +233,21 @@ class SpawnedRanks:
                 except OSError:
                     self._lost(name, r)
             try:
-                result = method(llm, *args, **kwargs)
-            except Exception as exc:
-                self._agree(name, exc)
+                try:
+                    result = method(llm, *args, **kwargs)
+                except Exception as exc:
+                    self._agree(name, exc)
+                    raise
+                self._agree(name, None)
+                return result
+            except Exception:
                 raise
-            except BaseException:  # Ctrl-C mid-call: the other ranks may wait in a collective rank 0 left
-                self._break(f"a {name} call was interrupted on rank 0, so the ranks are no longer in step")
+            except BaseException:
+                # Ctrl-C mid-call: the other ranks may wait in a collective rank 0 left, or answer a call rank 0 no
+                # longer waits for; either way they cannot be known to be in step
+                self._break(f"tensor_parallel_size={self.world}: a {name} call was interrupted on rank 0, so the "
+                            "ranks are no longer in step; this LLM cannot run any more: close it and create a new one")
                 raise
-            self._agree(name, None)
-            return result
         finally:
             self._lock.release()
 
@@ -263,7 +270,7 @@ class SpawnedRanks:
     def _break(self, why: str) -> None:
         if self.broken is None:
             self.broken = why
-        self._end()
+        self._end(polite=False)  # the others may be blocked in a collective: no use asking them to close
 
     def _agree(self, name: str, mine: Exception | None) -> None:
         """Every other rank's outcome of the call; ``RankError`` naming a rank that died or ended it otherwise."""
@@ -320,11 +327,11 @@ class SpawnedRanks:
         self.closed = self.stopping = True
         self._end()
 
-    def _end(self) -> None:
+    def _end(self, polite: bool = True) -> None:
         for r in self.ranks:
             with contextlib.suppress(OSError, ValueError):
                 r.conn.send(("close",))
-        for signum in (None, signal.SIGTERM, signal.SIGKILL):
+        for signum in (None, signal.SIGTERM, signal.SIGKILL) if polite else (signal.SIGTERM, signal.SIGKILL):
             if signum is not None:
                 for r in self.ranks:
                     if r.proc.poll() is None:
