@@ -149,6 +149,11 @@ class SpawnedRanks:
     def start(self) -> None:
         """Start the ranks; each receives the LLM's arguments and builds it, meeting rank 0 at the rendezvous."""
         parent = os.getpid()
+        # Linux's parent-death signal fires when the *thread* that started the child ends: an LLM built in a thread
+        # that then exits would lose its ranks. Off the main thread they rely on their socket's EOF instead (and a
+        # collective's lost peer), which comes when this process ends however it ends.
+        on_parent_death = (lambda: die_with_parent(parent)) if threading.current_thread() is threading.main_thread() \
+            else None
         try:
             for rank in range(1, self.world):
                 mine, theirs = socket.socketpair()
@@ -158,7 +163,7 @@ class SpawnedRanks:
                     proc = subprocess.Popen([sys.executable, "-m", "kvload.llm_ranks"], env=env, pass_fds=(
                         theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr,
                         start_new_session=True,  # the terminal's Ctrl-C reaches rank 0, which ends them
-                        preexec_fn=lambda: die_with_parent(parent))
+                        preexec_fn=on_parent_death)
                 finally:
                     theirs.close()
                 conn = Connection(mine.detach())
