@@ -400,7 +400,11 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from kvload.process_end import leave
+
+    # the LLM is closed and its audit published: the rank ends without CPython's module teardown (~2 s of garbage
+    # collection over torch's and transformers' objects), so rank 0's close() waits for its work, not for that
+    sys.exit(leave(main()))
 
 
 __all__ = ["CHANNEL_ENV", "FOLLOWED", "SpawnedRanks", "main", "spawn_size"]
