@@ -73,10 +73,10 @@ def _advice(world: int) -> str:
             f"under torchrun --nproc-per-node {world}, where every rank makes its own calls")
 
 
-def _picklable(call: str, name: str, value: Any, world: int, error: type[Exception]) -> None:
-    """``error`` naming ``name`` when ``value`` cannot be sent to the other ranks."""
+def _picklable(call: str, name: str, value: Any, world: int, error: type[Exception]) -> bytes:
+    """``value`` pickled; ``error`` naming ``name`` when it cannot be sent to the other ranks."""
     try:
-        pickle.dumps(value)
+        return pickle.dumps(value)
     except Exception as exc:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise error(f"{call}: {name}: cannot be sent to ranks 1..{world - 1}, which kvload.LLM started for "
@@ -131,9 +131,10 @@ class SpawnedRanks:
             raise RankError(f"tensor_parallel_size={world}: torch.distributed is already initialized in this process "
                             "but not by torchrun (no WORLD_SIZE); kvload.LLM starts its own ranks and process group, "
                             f"so destroy yours first, or launch the script with torchrun --nproc-per-node {world}")
-        sent = {k: v for k, v in llm_kwargs.items() if k not in RANK0_ONLY}
-        for name, value in (("model", model), *sent.items()):
-            _picklable("LLM", name, value, world, RankError)
+        sent = {"model": model, **{k: v for k, v in llm_kwargs.items() if k not in RANK0_ONLY}, "log": False}
+        # one pickle per argument, so a rank that cannot unpickle one (a class defined in the script run as
+        # __main__, which is not a rank's __main__) names it
+        self._spec = {name: _picklable("LLM", name, value, world, RankError) for name, value in sent.items()}
         self.world = world
         self.addr, self.port = master_address()
         self.ranks: list[_Rank] = []
@@ -141,8 +142,8 @@ class SpawnedRanks:
         self.closed = False
         self.stopping = False  # LLM.close began: a call running now raises rank 0's "closed" error
         self._lock = threading.Lock()
-        self._spec = {"model": model, "kwargs": {**sent, "log": False}}
         self._owns_group = False
+        self._loading = True  # a failure now ends the LLM's construction (no "close it" advice)
 
     # --- starting -------------------------------------------------------------------------------
 
@@ -169,8 +170,15 @@ class SpawnedRanks:
                 conn = Connection(mine.detach())
                 self.ranks.append(_Rank(rank, proc, conn, stderr))
                 conn.send(self._spec)
+            for r in self.ranks:  # each took the arguments (or said why not) before rank 0 waits at the rendezvous
+                reply = self._reply(r, "LLM")
+                if reply[0] != "received":
+                    self._fail("LLM", f"rank {r.rank} (pid {r.proc.pid}) cannot unpickle {reply[1]} ({reply[2]}); "
+                                      "define its class in a module the ranks can import, not in the script run as "
+                                      "__main__")
         except BaseException:
-            self.close()
+            self.closed = self.stopping = True
+            self._end(polite=False)
             raise
 
     def rank_zero(self) -> contextlib.AbstractContextManager[None]:
@@ -186,6 +194,7 @@ class SpawnedRanks:
             reply = self._reply(r, "LLM")
             if reply[0] != "ready":
                 self._fail("LLM", f"rank {r.rank} (pid {r.proc.pid}) failed to load: {reply[2]}")
+        self._loading = False
 
     def load_failed(self, exc: BaseException) -> BaseException:
         """Rank 0's load failed: the error to raise, the ranks ended. Rank 0's own, unless it lost contact with a
@@ -224,19 +233,8 @@ class SpawnedRanks:
                 bound = inspect.signature(method).bind(llm, *args, **kwargs)
             except TypeError:
                 return method(llm, *args, **kwargs)  # Python's own error, before anything is sent
-            parameters = inspect.signature(method).parameters
-            for pname, value in list(bound.arguments.items())[1:]:
-                if isinstance(value, dict) and parameters[pname].kind is inspect.Parameter.VAR_KEYWORD:
-                    for key, v in value.items():
-                        _picklable(name, key, v, self.world, GenerationError)
-                else:
-                    _picklable(name, pname, value, self.world, GenerationError)
-            message = ("call", name, args, kwargs)
-            for r in self.ranks:
-                try:
-                    r.conn.send(message)
-                except OSError:
-                    self._lost(name, r)
+            del bound  # checked: the call's arguments fit the method
+            self._send(name, method, args, kwargs)
             try:
                 try:
                     result = method(llm, *args, **kwargs)
@@ -256,6 +254,32 @@ class SpawnedRanks:
         finally:
             self._lock.release()
 
+    def _send(self, name: str, method: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Send the call, one pickle per argument, so a rank that cannot unpickle one names it; then "go", or
+        "skip" and ``GenerationError`` naming the argument when a rank could not (nobody runs the call)."""
+        params = [p for p in list(inspect.signature(method).parameters.values())[1:]
+                  if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+        positional = [(params[i].name if i < len(params) else f"argument {i + 1}", v) for i, v in enumerate(args)]
+        message = ("call", name, [(label, _picklable(name, label, v, self.world, GenerationError))
+                                  for label, v in positional],
+                   [(key, _picklable(name, key, v, self.world, GenerationError)) for key, v in kwargs.items()])
+        for r in self.ranks:
+            try:
+                r.conn.send(message)
+            except OSError:
+                self._lost(name, r)
+        refused = [(r, reply) for r in self.ranks if (reply := self._reply(r, name))[0] != "received"]
+        for r in self.ranks:
+            try:
+                r.conn.send(("skip",) if refused else ("go",))
+            except OSError:
+                self._lost(name, r)
+        if refused:
+            r, reply = refused[0]
+            raise GenerationError(f"{name}: {reply[1]}: rank {r.rank} (pid {r.proc.pid}) cannot unpickle it "
+                                  f"({reply[2]}); define its class in a module the ranks can import, not in the "
+                                  "script run as __main__")
+
     def _usable(self, name: str) -> None:
         if self.broken is not None:
             raise RankError(f"{name}: {self.broken}")
@@ -268,8 +292,11 @@ class SpawnedRanks:
         self._fail(name, gone, cause)
 
     def _fail(self, name: str, why: str, cause: BaseException | None = None) -> None:
-        self._break(f"tensor_parallel_size={self.world}: {why}; this LLM cannot run any more (its ranks are no "
-                    "longer in step): close it and create a new one")
+        if self._loading:
+            self._break(f"tensor_parallel_size={self.world}: {why}")
+        else:
+            self._break(f"tensor_parallel_size={self.world}: {why}; this LLM cannot run any more (its ranks are no "
+                        "longer in step): close it and create a new one")
         raise RankError(f"{name}: {self.broken}") from cause
 
     def _break(self, why: str) -> None:
@@ -364,15 +391,33 @@ class SpawnedRanks:
 # --- what runs in ranks 1..N-1 ----------------------------------------------------------------------
 
 
+class _Unpickled(Exception):
+    """An argument of a call that does not unpickle here: (its name, why)."""
+
+
+def _loads(label: str, data: bytes) -> Any:
+    try:
+        return pickle.loads(data)
+    except Exception as exc:
+        raise _Unpickled(label, str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
+
+
 def main() -> int:
     """One rank: build the LLM rank 0 sent, then make each call rank 0 sends until it says close (or goes away)."""
     conn = Connection(int(os.environ.pop(CHANNEL_ENV)))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # cleanup runs (audit temporaries)
-    spec = conn.recv()
+    given: dict[str, Any] = {}
+    for name, data in conn.recv().items():
+        try:
+            given[name] = pickle.loads(data)
+        except Exception as exc:  # pickled there, does not unpickle here (a class of rank 0's __main__)
+            conn.send(("error", name, str(exc).splitlines()[0] if str(exc) else type(exc).__name__))
+            return 1
+    conn.send(("received",))
     try:
         from kvload.llm import LLM
 
-        llm = LLM(spec["model"], **spec["kwargs"])
+        llm = LLM(given.pop("model"), **given)
     except Exception as exc:
         with contextlib.suppress(OSError):
             conn.send(("error", type(exc).__name__, str(exc)))
@@ -386,7 +431,20 @@ def main() -> int:
                 return 1
             if message[0] == "close":
                 return 0
-            _, name, args, kwargs = message
+            _, name, positional, keywords = message
+            try:
+                args = [_loads(label, data) for label, data in positional]
+                kwargs = {key: _loads(key, data) for key, data in keywords}
+            except _Unpickled as exc:
+                conn.send(("refused", *exc.args))
+            else:
+                conn.send(("received",))
+            try:
+                go = conn.recv()[0] == "go"  # else a rank could not unpickle the call: nobody runs it
+            except (EOFError, OSError):
+                return 1
+            if not go:
+                continue
             try:
                 getattr(llm, name)(*args, **kwargs)  # the result is rank 0's to return
             except Exception as exc:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -142,9 +143,20 @@ SCRIPT = textwrap.dedent("""
             out |= {int(c) for c in open(f"/proc/{os.getpid()}/task/{t}/children").read().split()}
         return out
 
+    class Tokens(dict):  # defined in the script: rank 1's __main__ is not this one, so it cannot unpickle these
+        pass
+
     kw = dict(tensor_parallel_size=2, kv_cache_config={"max_tokens": 1024}, log=False)
     report = {}
+    try:
+        kvload.LLM("tiny-llama", **{**kw, "kv_cache_config": Tokens(max_tokens=1024)})
+    except RankError as exc:
+        report["unpickled_arg"], report["left"] = str(exc), sorted(kids())
     llm = kvload.LLM("tiny-llama", **kw)
+    try:
+        llm.generate([Tokens(prompt_token_ids=[1, 2, 3])], max_tokens=4, ignore_eos=True)
+    except ValueError as exc:
+        report["unpickled_call"] = str(exc)
     report["first"] = llm.generate([[1, 2, 3]], max_tokens=4, ignore_eos=True)[0].outputs[0].token_ids
     (victim,) = kids()
     os.kill(victim, signal.SIGKILL)
@@ -188,6 +200,10 @@ def test_a_plain_script_names_a_killed_rank_and_leaves_no_process(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(r.stdout.strip().splitlines()[-1])
     assert report["first"] == report["second"] and len(report["first"]) == 4
+    unpickle = r"cannot unpickle .*Can't get attribute 'Tokens'.*; define its class in a module the ranks can import"
+    assert re.match(rf"LLM: tensor_parallel_size=2: rank 1 \(pid \d+\) {unpickle}", report["unpickled_arg"]), report
+    assert "kv_cache_config" in report["unpickled_arg"] and report["left"] == []
+    assert re.match(rf"generate: prompts: rank 1 \(pid \d+\) {unpickle}", report["unpickled_call"]), report
     first, again = report["errors"]
     assert first.startswith(f"generate: tensor_parallel_size=2: rank 1 (pid {report['victim']}) was killed by SIGKILL;"
                             " this LLM cannot run any more"), first
