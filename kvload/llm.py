@@ -166,6 +166,8 @@ class LLM:
     what maps, what is ignored, what is refused. ``kv_events_config``: vLLM's KV event publisher (a dict of its
     ``KVEventsConfig`` keys, or one), as ``kvload serve --kv-events-config``: the blocks generation stores and evicts
     go out over ZeroMQ until :meth:`close` (``publisher: "null"``: kept for ``llm.result.kv_cache_events()``).
+    ``tensor_parallel_size=N`` outside torchrun: this process is rank 0 and starts ranks 1..N-1, which follow its
+    engine calls (:mod:`kvload.llm_ranks`); under torchrun every rank runs the script.
     """
 
     def __init__(self, model: str | os.PathLike[str], *, config_file: str | os.PathLike[str] | None = None,
