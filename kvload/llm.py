@@ -12,11 +12,13 @@ pass either bound, or ``default_max_tokens``, to choose.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import queue
 import random
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -38,6 +40,7 @@ from engine.pooling import (
 from engine.prompts import check_tree, is_conversation, is_token_id
 from engine.sampling_params import SamplingParams, is_int
 from kvload.api import LoadResult, api_request, execute
+from kvload.llm_ranks import SpawnedRanks, spawn_size
 from kvload.metrics import METRIC_NAMINGS, LlmMetrics, Metric
 from pipeline.audit import JsonlSink
 from pipeline.bus import Subscriber
@@ -112,6 +115,19 @@ def _named(call: str) -> Iterator[None]:
         raise
 
 
+def _followed(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A method that runs the engine: with ranks this LLM started (``tensor_parallel_size`` outside torchrun), every
+    rank makes the call too (:mod:`kvload.llm_ranks`)."""
+    @functools.wraps(method)
+    def call(self: LLM, *args: Any, **kwargs: Any) -> Any:
+        ranks = self.__dict__.get("_ranks")
+        if ranks is None:
+            return method(self, *args, **kwargs)
+        return ranks.call(method.__name__, method, self, args, kwargs)
+
+    return call
+
+
 def _one_or_many(data: Any) -> list[Any]:
     """``LLM.score``'s side as a list of prompts: one prompt (a text, a prompt dict, token ids) or a list of them."""
     if isinstance(data, (str, Mapping)) or getattr(data, "ndim", None) == 1:
@@ -154,6 +170,8 @@ class LLM:
     what maps, what is ignored, what is refused. ``kv_events_config``: vLLM's KV event publisher (a dict of its
     ``KVEventsConfig`` keys, or one), as ``kvload serve --kv-events-config``: the blocks generation stores and evicts
     go out over ZeroMQ until :meth:`close` (``publisher: "null"``: kept for ``llm.result.kv_cache_events()``).
+    ``tensor_parallel_size=N`` outside torchrun: this process is rank 0 and starts ranks 1..N-1, which follow its
+    engine calls (:mod:`kvload.llm_ranks`); under torchrun every rank runs the script.
     """
 
     def __init__(self, model: str | os.PathLike[str], *, config_file: str | os.PathLike[str] | None = None,
@@ -181,26 +199,50 @@ class LLM:
                 over_default=True)
         self._busy = threading.Lock()
         self._pid = os.getpid()  # a forked child has this object but not what it stands on (see _check_open)
+        # tensor_parallel_size outside torchrun: this process is rank 0 and starts the others (vLLM's habit)
+        world = spawn_size(model, config_file, llm_args)
+        ranks = None
+        if world:
+            ranks = SpawnedRanks(world, model, {"config_file": config_file, "audit_log": audit_log, "seed": seed,
+                                                "subscribers": subscribers, "log": log, **llm_args})
+            ranks.start()
+        self._ranks = ranks
         publisher = None
         if events is not None and events.publishes:
             from kvload.serve.kv_publisher import ZmqKvEventPublisher
 
-            publisher = ZmqKvEventPublisher(events, name="kv_events_config")  # a taken port fails before the load
+            try:  # a taken port fails before the load
+                publisher = ZmqKvEventPublisher(events, name="kv_events_config")
+            except BaseException:
+                if ranks is not None:
+                    ranks.close()
+                raise
         try:
-            self.result: LoadResult = execute(request, load_stages(), audit_log=audit_log, subscribers=subscribers,
-                                              log=log)
+            with ranks.rank_zero() if ranks is not None else contextlib.nullcontext():
+                self.result: LoadResult = execute(request, load_stages(), audit_log=audit_log,
+                                                  subscribers=subscribers, log=log)
+        except BaseException as exc:
+            if publisher is not None:
+                publisher.close()
+            if ranks is not None:
+                cause = ranks.load_failed(exc)
+                if cause is not exc:
+                    raise cause from exc
+            raise
+        try:
+            if events is not None:
+                self._start_publishing(events, publisher)
+            if ranks is not None:
+                ranks.loaded()
         except BaseException:
             if publisher is not None:
                 publisher.close()
+            self.result.close()
+            if ranks is not None:
+                ranks.close()
             raise
-        if events is not None:
-            try:
-                self._start_publishing(events, publisher)
-            except BaseException:
-                if publisher is not None:
-                    publisher.close()
-                self.result.close()
-                raise
+        if ranks is not None:  # garbage collection and interpreter exit end the ranks too
+            weakref.finalize(self, ranks.close)
         if audit_log is not None:  # registered after the pools: runs first, while the release is under way
             self.result.context.on_close(lambda: self._write_audit(audit_log))
         self._closed = False
@@ -289,6 +331,7 @@ class LLM:
 
     # --- generating -----------------------------------------------------------------------------
 
+    @_followed
     def generate(self, prompts: Any = None, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, use_tqdm: Any = None, salt: str | None = None, chat: bool | Mapping[str, Any] = False,
                  priority: Sequence[int] | None = None, lora_request: Any = None, prompt_token_ids: Any = None,
@@ -328,6 +371,7 @@ class LLM:
                 self._metrics.record(outputs, executor.last_stats)
                 return outputs
 
+    @_followed
     def embed(self, prompts: Any, *, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
               truncate_prompt_tokens: int | None = None, use_tqdm: Any = None, lora_request: Any = None,
               salt: str | None = None) -> list[EmbeddingRequestOutput]:
@@ -344,6 +388,7 @@ class LLM:
         """
         return self._embed("embed", prompts, pooling_params, truncate_prompt_tokens, use_tqdm, lora_request, salt)
 
+    @_followed
     def score(self, data_1: Any, data_2: Any, /, *, truncate_prompt_tokens: int | None = None, use_tqdm: Any = None,
               pooling_params: PoolingParams | None = None, lora_request: Any = None,
               salt: str | None = None) -> list[ScoringRequestOutput]:
@@ -407,6 +452,7 @@ class LLM:
                 outputs=EmbeddingOutput(pooled_vector(row, pooling[i if per_prompt else 0].normalize))))
         return embedded
 
+    @_followed
     def beam_search(self, prompts: Any, params: BeamSearchParams, lora_request: Any = None, use_tqdm: Any = False,
                     concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
         """vLLM's ``LLM.beam_search``: the best ``params.beam_width`` hypotheses of every prompt, best first.
@@ -430,6 +476,7 @@ class LLM:
                 return [out for start in range(0, len(prompts), concurrency_limit)
                         for out in executor.beam_search(list(prompts[start:start + concurrency_limit]), params)]
 
+    @_followed
     def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: Any = None, lora_request: Any = None, chat_template: str | None = None,
              chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
@@ -496,6 +543,11 @@ class LLM:
         """
         with _named("generate_stream"):  # checked now, as the call will build them (over the model's defaults)
             self._check_open()
+            if self._ranks is not None:  # a consumer that stops early would leave the other ranks mid-generation
+                raise GenerationError(
+                    f"generate_stream: not available on an LLM that started its own ranks (tensor_parallel_size="
+                    f"{self._ranks.world} outside torchrun): the other ranks cannot stop where a consumer leaves the "
+                    "stream; use generate or chat, or run the script under torchrun, where every rank streams")
             _no_lora("generate_stream", lora_request)
             self.result.executor._params(sampling_params, sampling, 0)
         return self._stream(prompts, sampling_params, sampling, salt, chat)
@@ -538,6 +590,7 @@ class LLM:
                 # (a REPL) finds the LLM free, not "already generating" (see pipeline.thread_end)
                 worker.wait_end()
 
+    @_followed
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix, so the next call computes its prompts afresh (vLLM's ``LLM.reset_prefix_cache``,
         which benchmarks call between runs): True when it did (the audit's ``prefix_cache_reset``). False, with a
@@ -609,7 +662,14 @@ class LLM:
         self._closed = True
         if os.getpid() != self._pid:  # a forked child: the pools, the audit log and the running call are the parent's
             return
-        self.result.close(CLOSED_DURING_GENERATION)  # the result's: stop the call, wait for it, then release
+        ranks = self.__dict__.get("_ranks")
+        if ranks is not None:
+            ranks.stopping = True  # a call running now raises rank 0's "closed" error, not the ranks' end
+        try:
+            self.result.close(CLOSED_DURING_GENERATION)  # the result's: stop the call, wait for it, then release
+        finally:
+            if ranks is not None:
+                ranks.close()
 
     def shutdown(self) -> None:
         """TensorRT-LLM's ``LLM.shutdown()``, which its scripts (and vLLM's proposed teardown) call: :meth:`close`."""

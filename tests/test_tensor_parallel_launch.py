@@ -223,15 +223,14 @@ def test_ranks_are_started_only_for_a_size_the_checkpoint_takes(capsys, monkeypa
     assert launch.ranks_to_launch(argparse.Namespace(command="run", config=None)) == 0
 
 
-def test_the_python_api_alone_refuses_in_one_line_naming_torchrun_and_the_cli():
-    # kvload.LLM runs in the caller's process: it starts no ranks (they would have to follow every call the caller
-    # makes), so it says where ranks come from
+def test_the_python_api_refuses_a_size_the_heads_do_not_take_before_starting_any_rank():
+    # kvload.LLM starts its own ranks outside torchrun (tests/test_llm_tensor_parallel.py); a size the checkpoint
+    # refuses is said in one line first, and nothing is started
     import kvload
-    from pipeline.errors import RankError
+    from pipeline.errors import ModelError
 
-    with pytest.raises(RankError) as caught:
-        kvload.LLM("tiny-llama", tensor_parallel_size=2, kv_cache_config={"max_tokens": 1024}, log=False)
-    assert str(caught.value) == (
-        "tensor_parallel_size=2: loading sharded weights needs all 2 ranks, and this process runs alone; launch it "
-        "with torchrun --nproc-per-node 2, or from the command line, where kvload run, generate and serve start the 2 "
-        "ranks themselves (plan shows one rank's view without them)")
+    with pytest.raises(ModelError) as caught:
+        kvload.LLM("tiny-llama", tensor_parallel_size=3, kv_cache_config={"max_tokens": 1024}, log=False)
+    assert str(caught.value) == ("tensor_parallel_size=3: LlamaForCausalLM has 4 attention heads, which do not divide "
+                                 "by 3 ranks; accepted: 1, 2, 4")
+    assert not Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text().split()

@@ -107,7 +107,32 @@ def _exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _die_with_parent(parent: int) -> None:
+def rank_env(rank: int, world: int, addr: str, port: int) -> dict[str, str]:
+    """Rank ``rank``'s environment: this process's with torchrun's variables and kvload's launcher mark (the CLI's
+    ranks and the workers ``kvload.LLM`` starts take the same)."""
+    return {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "MASTER_ADDR": addr, "MASTER_PORT": str(port),
+            LAUNCHER_ENV: "kvload"}
+
+
+def master_address() -> tuple[str, int]:
+    """Where rank 0 listens for the rendezvous: ``MASTER_ADDR`` / ``MASTER_PORT`` when set, else a free local port."""
+    addr = os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    port = int(os.environ["MASTER_PORT"]) if os.environ.get("MASTER_PORT", "").isdigit() else free_port(addr)
+    return addr, port
+
+
+def ended_how(returncode: int) -> str:
+    """How a child ended, in words: ``was killed by SIGKILL`` or ``exited with status N``."""
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with status {returncode}"
+
+
+def die_with_parent(parent: int) -> None:
     """``preexec_fn``: SIGTERM this child when the launcher dies (even by SIGKILL), as its cleanup then still runs."""
     import ctypes
 
@@ -122,9 +147,7 @@ class Launcher:
 
     def __init__(self, argv: Sequence[str], world: int, *, debug: bool = False, audit_log: str | None = None) -> None:
         self.argv, self.world, self.debug, self.audit_log = list(argv), world, debug, audit_log
-        self.addr = os.environ.get("MASTER_ADDR") or "127.0.0.1"
-        self.port = int(os.environ["MASTER_PORT"]) if os.environ.get("MASTER_PORT", "").isdigit() \
-            else free_port(self.addr)
+        self.addr, self.port = master_address()
         self.ranks: list[_Rank] = []
         self._signals: list[int] = []
         self._lock = threading.Lock()
@@ -132,9 +155,7 @@ class Launcher:
 
     def env(self, rank: int) -> dict[str, str]:
         """Rank ``rank``'s environment: this one's with torchrun's variables and kvload's launcher mark."""
-        return {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.world),
-                "LOCAL_WORLD_SIZE": str(self.world), "GROUP_RANK": "0", "MASTER_ADDR": self.addr,
-                "MASTER_PORT": str(self.port), LAUNCHER_ENV: "kvload"}
+        return rank_env(rank, self.world, self.addr, self.port)
 
     def run(self) -> int:
         """Start the ranks, pass on stop signals, end them all when one fails; the exit status."""
@@ -180,7 +201,7 @@ class Launcher:
         for rank in range(self.world):
             proc = subprocess.Popen(cmd, env=self.env(rank), stdin=None if rank == 0 else subprocess.DEVNULL,
                                     stderr=subprocess.PIPE, start_new_session=True,  # signals come from here only
-                                    preexec_fn=lambda: _die_with_parent(parent))
+                                    preexec_fn=lambda: die_with_parent(parent))
             self.ranks.append(_Rank(rank, proc))
         for r in self.ranks:  # threads after every fork: preexec_fn runs in a child forked from a threaded parent
             r.reader = threading.Thread(target=self._read, args=(r,), name=f"kvload-rank{r.rank}-stderr", daemon=True)
@@ -259,8 +280,7 @@ class Launcher:
         if cause.error is not None:
             line = cause.error
         else:
-            code = cause.proc.returncode
-            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+            how = ended_how(cause.proc.returncode)
             line = (f"error: rank {cause.rank} of {self.world} (pid {cause.proc.pid}) {how}; kvload stopped the other "
                     "ranks\n").encode()
         self._write(line)
@@ -273,4 +293,5 @@ def launch(ns: argparse.Namespace, argv: Sequence[str], world: int) -> int:
     return Launcher(argv, world, debug=debug, audit_log=audit_log).run()
 
 
-__all__ = ["GRACE_S", "KILL_AFTER_S", "LAUNCHING_COMMANDS", "Launcher", "free_port", "launch", "ranks_to_launch"]
+__all__ = ["GRACE_S", "KILL_AFTER_S", "LAUNCHING_COMMANDS", "RANK_VARIABLES", "Launcher", "die_with_parent",
+           "ended_how", "free_port", "launch", "master_address", "rank_env", "ranks_to_launch"]

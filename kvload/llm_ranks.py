@@ -1,0 +1,468 @@
+"""``kvload.LLM(model, tensor_parallel_size=N)`` outside torchrun: the LLM starts ranks 1..N-1 itself (vLLM's habit).
+
+The caller's process is rank 0. Each other rank is a child (``python -m kvload.llm_ranks``) with torchrun's variables
+(:func:`kvload.cli.launch.rank_env`, as the CLI's launcher gives its ranks), a parent-death signal and a socket to
+rank 0; it builds the same ``LLM`` (the same arguments, sent pickled) and then makes every engine call rank 0 makes
+(:data:`FOLLOWED`: the method's name and arguments, pickled), dropping the results. So every rank runs the same engine
+steps, which is what torchrun's mode relies on too (each rank runs the same script): the sharded forwards all-reduce
+over the process group, the tokens sampled are rank 0's (broadcast each step), so sampling gives one process's tokens.
+
+After each call every rank reports how its call ended. A rank that died, or failed where rank 0 did not, makes the
+call raise one ``RankError`` naming it, and the LLM is unusable from then on (its ranks can no longer be known to step
+alike); the same error on every rank (a bad prompt) is rank 0's, raised once. Waits are bounded by the collective
+timeout (``KVLOAD_DIST_TIMEOUT_S``). :meth:`SpawnedRanks.close` (``LLM.close``, its ``with`` block, garbage collection,
+interpreter exit) ends the ranks and reaps them; a rank whose parent dies gets SIGTERM, and EOF on its socket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from multiprocessing.connection import Connection
+from typing import Any
+
+from kvload.cli.launch import GRACE_S, RANK_VARIABLES, die_with_parent, ended_how, master_address, rank_env
+from pipeline.errors import GenerationError, RankError
+from pipeline.ranks import LAUNCHER_ENV
+
+#: The ``LLM`` methods that run the engine: rank 0 sends each call to the other ranks, which make it too.
+FOLLOWED = ("generate", "chat", "embed", "score", "beam_search", "reset_prefix_cache")
+#: The variable naming the file descriptor of a rank's socket to rank 0.
+CHANNEL_ENV = "KVLOAD_LLM_CHANNEL"
+#: Seconds the ranks get to close their LLM and exit after rank 0 asks; then SIGTERM, then SIGKILL as long again.
+CLOSE_S = 10.0
+_POLL_S = 0.05
+#: ``LLM`` arguments only rank 0 uses: the other ranks log nothing and have no subscribers, no KV event publisher.
+RANK0_ONLY = ("subscribers", "log", "kv_events_config")
+
+
+def spawn_size(model: Any, config_file: Any, llm_args: Mapping[str, Any]) -> int:
+    """How many ranks ``LLM`` should run itself: ``tensor_parallel_size`` (from the arguments or ``config_file``,
+    checked against the checkpoint's heads) outside torchrun, else 0. Nothing is logged or written."""
+    if any(v in os.environ for v in RANK_VARIABLES):
+        return 0  # under torchrun (or the CLI's launcher) this process is one rank of a launched set
+    if "tensor_parallel_size" not in llm_args and config_file is None:
+        return 0  # models do not set it: only an argument or a config file asks for ranks
+    from kvload.api import api_request, execute
+    from stages import ApplyModelDefaults, CheckParallel, ParseArgs, ResolveAuto, SnapshotUserFields
+
+    try:
+        overrides = copy.deepcopy(dict(llm_args))  # the stages may normalise what they are given
+    except Exception:
+        overrides = dict(llm_args)
+    request = api_request(model, config_file, True, overrides)
+    result = execute(request, [ParseArgs(), SnapshotUserFields(), ApplyModelDefaults(), ResolveAuto(), CheckParallel()],
+                     log=False)
+    size = int(result.args.tensor_parallel_size)
+    return size if size > 1 else 0
+
+
+def _advice(world: int) -> str:
+    return (f"give picklable values (module-level functions, not lambdas, closures or generators), or run the script "
+            f"under torchrun --nproc-per-node {world}, where every rank makes its own calls")
+
+
+def _picklable(call: str, name: str, value: Any, world: int, error: type[Exception]) -> bytes:
+    """``value`` pickled; ``error`` naming ``name`` when it cannot be sent to the other ranks."""
+    try:
+        return pickle.dumps(value)
+    except Exception as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise error(f"{call}: {name}: cannot be sent to ranks 1..{world - 1}, which kvload.LLM started for "
+                    f"tensor_parallel_size={world} (it does not pickle: {reason}); {_advice(world)}") from None
+
+
+@contextlib.contextmanager
+def _environ(values: Mapping[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``values`` while the block runs (the load reads torchrun's variables), then as it was."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class _Rank:
+    """One started rank: its process, its socket to rank 0, the file its stderr goes to."""
+
+    def __init__(self, rank: int, proc: subprocess.Popen, conn: Connection, stderr: Any) -> None:
+        self.rank, self.proc, self.conn, self.stderr = rank, proc, conn, stderr
+
+    def last_words(self) -> str:
+        """The last line the rank wrote to stderr ('' if none)."""
+        with contextlib.suppress(OSError, ValueError):
+            self.stderr.seek(0)
+            lines = [ln.strip() for ln in self.stderr.read().decode(errors="replace").splitlines() if ln.strip()]
+            return lines[-1][:300] if lines else ""
+        return ""
+
+    def gone(self) -> str | None:
+        """How the rank's process ended, in words, or None while it runs."""
+        code = self.proc.poll()
+        if code is None:
+            return None
+        words = self.last_words()
+        return f"rank {self.rank} (pid {self.proc.pid}) {ended_how(code)}" + (f" ({words})" if words else "")
+
+
+class SpawnedRanks:
+    """Ranks 1..``world``-1 of a ``kvload.LLM`` started in this process (see the module's docstring)."""
+
+    def __init__(self, world: int, model: Any, llm_kwargs: Mapping[str, Any]) -> None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            raise RankError(f"tensor_parallel_size={world}: torch.distributed is already initialized in this process "
+                            "but not by torchrun (no WORLD_SIZE); kvload.LLM starts its own ranks and process group, "
+                            f"so destroy yours first, or launch the script with torchrun --nproc-per-node {world}")
+        sent = {"model": model, **{k: v for k, v in llm_kwargs.items() if k not in RANK0_ONLY}, "log": False}
+        # one pickle per argument, so a rank that cannot unpickle one (a class defined in the script run as
+        # __main__, which is not a rank's __main__) names it
+        self._spec = {name: _picklable("LLM", name, value, world, RankError) for name, value in sent.items()}
+        self.world = world
+        self.addr, self.port = master_address()
+        self.ranks: list[_Rank] = []
+        self.broken: str | None = None  # why the ranks can no longer follow rank 0 (every later call raises it)
+        self.closed = False
+        self.stopping = False  # LLM.close began: a call running now raises rank 0's "closed" error
+        self._lock = threading.Lock()
+        self._owns_group = False
+        self._loading = True  # a failure now ends the LLM's construction (no "close it" advice)
+
+    # --- starting -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the ranks; each receives the LLM's arguments and builds it, meeting rank 0 at the rendezvous."""
+        parent = os.getpid()
+        # Linux's parent-death signal fires when the *thread* that started the child ends: an LLM built in a thread
+        # that then exits would lose its ranks. Off the main thread they rely on their socket's EOF instead (and a
+        # collective's lost peer), which comes when this process ends however it ends.
+        on_parent_death = (lambda: die_with_parent(parent)) if threading.current_thread() is threading.main_thread() \
+            else None
+        try:
+            for rank in range(1, self.world):
+                mine, theirs = socket.socketpair()
+                stderr = tempfile.TemporaryFile()  # noqa: SIM115 (open for the rank's life; _end closes it)
+                env = {**rank_env(rank, self.world, self.addr, self.port), CHANNEL_ENV: str(theirs.fileno())}
+                try:
+                    proc = subprocess.Popen([sys.executable, "-m", "kvload.llm_ranks"], env=env, pass_fds=(
+                        theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr,
+                        start_new_session=True,  # the terminal's Ctrl-C reaches rank 0, which ends them
+                        preexec_fn=on_parent_death)
+                finally:
+                    theirs.close()
+                conn = Connection(mine.detach())
+                self.ranks.append(_Rank(rank, proc, conn, stderr))
+                conn.send(self._spec)
+            for r in self.ranks:  # each took the arguments (or said why not) before rank 0 waits at the rendezvous
+                reply = self._reply(r, "LLM")
+                if reply[0] != "received":
+                    self._fail("LLM", f"rank {r.rank} (pid {r.proc.pid}) cannot unpickle {reply[1]} ({reply[2]}); "
+                                      "define its class in a module the ranks can import, not in the script run as "
+                                      "__main__")
+        except BaseException:
+            self.closed = self.stopping = True
+            self._end(polite=False)
+            raise
+
+    def rank_zero(self) -> contextlib.AbstractContextManager[None]:
+        """The block in which this process loads as rank 0 (torchrun's variables set, then restored)."""
+        self._owns_group = True  # the load starts the process group: close destroys it, so another LLM can start one
+        env = rank_env(0, self.world, self.addr, self.port)
+        return _environ({k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                                            "MASTER_ADDR", "MASTER_PORT", LAUNCHER_ENV)})
+
+    def loaded(self) -> None:
+        """Rank 0 loaded: wait (bounded) until every other rank says it did too."""
+        for r in self.ranks:
+            reply = self._reply(r, "LLM")
+            if reply[0] != "ready":
+                self._fail("LLM", f"rank {r.rank} (pid {r.proc.pid}) failed to load: {reply[2]}")
+        self._loading = False
+
+    def load_failed(self, exc: BaseException) -> BaseException:
+        """Rank 0's load failed: the error to raise, the ranks ended. Rank 0's own, unless it lost contact with a
+        rank: then that rank's (which died first, and why)."""
+        from pipeline.errors import RankLostError
+        from pipeline.ranks import lost_rank_message
+
+        try:
+            if not (isinstance(exc, RankLostError) or lost_rank_message(exc) is not None):
+                return exc  # a setting every rank refuses alike: rank 0's words
+            deadline = time.monotonic() + GRACE_S
+            while time.monotonic() < deadline and not any(r.proc.poll() is not None for r in self.ranks):
+                time.sleep(_POLL_S)
+            for r in self.ranks:
+                if r.proc.poll() is not None and r.proc.returncode != 0:
+                    reason = self._said(r) or r.gone()
+                    return RankError(f"LLM: tensor_parallel_size={self.world}: rank {r.rank} (pid {r.proc.pid}) "
+                                     f"failed to load: {reason}")
+            return exc
+        finally:  # the others may be mid-load, in a collective: no use asking them to close
+            self.closed = self.stopping = True
+            self._end(polite=False)
+
+    # --- following --------------------------------------------------------------------------------
+
+    def call(self, name: str, method: Callable[..., Any], llm: Any, args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> Any:
+        """``method(llm, *args, **kwargs)`` here and on every other rank; rank 0's result."""
+        if not self._lock.acquire(blocking=False):
+            raise GenerationError(f"{name}: this LLM is already generating (another thread is); finish it first")
+        try:
+            if self.stopping or getattr(llm, "_closed", False):
+                return method(llm, *args, **kwargs)  # its own "this LLM was closed"
+            self._usable(name)
+            try:
+                bound = inspect.signature(method).bind(llm, *args, **kwargs)
+            except TypeError:
+                return method(llm, *args, **kwargs)  # Python's own error, before anything is sent
+            del bound  # checked: the call's arguments fit the method
+            self._send(name, method, args, kwargs)
+            try:
+                try:
+                    result = method(llm, *args, **kwargs)
+                except Exception as exc:
+                    self._agree(name, exc)
+                    raise
+                self._agree(name, None)
+                return result
+            except Exception:
+                raise
+            except BaseException:
+                # Ctrl-C mid-call: the other ranks may wait in a collective rank 0 left, or answer a call rank 0 no
+                # longer waits for; either way they cannot be known to be in step
+                self._break(f"tensor_parallel_size={self.world}: a {name} call was interrupted on rank 0, so the "
+                            "ranks are no longer in step; this LLM cannot run any more: close it and create a new one")
+                raise
+        finally:
+            self._lock.release()
+
+    def _send(self, name: str, method: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Send the call, one pickle per argument, so a rank that cannot unpickle one names it; then "go", or
+        "skip" and ``GenerationError`` naming the argument when a rank could not (nobody runs the call)."""
+        params = [p for p in list(inspect.signature(method).parameters.values())[1:]
+                  if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+        positional = [(params[i].name if i < len(params) else f"argument {i + 1}", v) for i, v in enumerate(args)]
+        message = ("call", name, [(label, _picklable(name, label, v, self.world, GenerationError))
+                                  for label, v in positional],
+                   [(key, _picklable(name, key, v, self.world, GenerationError)) for key, v in kwargs.items()])
+        for r in self.ranks:
+            try:
+                r.conn.send(message)
+            except OSError:
+                self._lost(name, r)
+        refused = [(r, reply) for r in self.ranks if (reply := self._reply(r, name))[0] != "received"]
+        for r in self.ranks:
+            try:
+                r.conn.send(("skip",) if refused else ("go",))
+            except OSError:
+                self._lost(name, r)
+        if refused:
+            r, reply = refused[0]
+            raise GenerationError(f"{name}: {reply[1]}: rank {r.rank} (pid {r.proc.pid}) cannot unpickle it "
+                                  f"({reply[2]}); define its class in a module the ranks can import, not in the "
+                                  "script run as __main__")
+
+    def _usable(self, name: str) -> None:
+        if self.broken is not None:
+            raise RankError(f"{name}: {self.broken}")
+        for r in self.ranks:
+            if r.gone() is not None:
+                self._lost(name, r)
+
+    def _lost(self, name: str, r: _Rank, cause: BaseException | None = None) -> None:
+        gone = r.gone() or f"rank {r.rank} (pid {r.proc.pid}) stopped answering"
+        self._fail(name, gone, cause)
+
+    def _fail(self, name: str, why: str, cause: BaseException | None = None) -> None:
+        if self._loading:
+            self._break(f"tensor_parallel_size={self.world}: {why}")
+        else:
+            self._break(f"tensor_parallel_size={self.world}: {why}; this LLM cannot run any more (its ranks are no "
+                        "longer in step): close it and create a new one")
+        raise RankError(f"{name}: {self.broken}") from cause
+
+    def _break(self, why: str) -> None:
+        if self.broken is None:
+            self.broken = why
+        self._end(polite=False)  # the others may be blocked in a collective: no use asking them to close
+
+    def _agree(self, name: str, mine: Exception | None) -> None:
+        """Every other rank's outcome of the call; ``RankError`` naming a rank that died or ended it otherwise."""
+        if self.stopping:
+            return  # closed during the call: rank 0's error ("the LLM was closed") says it
+        words = (type(mine).__name__, str(mine)) if mine is not None else None
+        for r in self.ranks:
+            reply = self._reply(r, name, mine)
+            theirs = (reply[1], reply[2]) if reply[0] == "error" else None
+            if theirs != words:
+                if theirs is None:
+                    why = f"rank {r.rank} (pid {r.proc.pid}) completed the call where rank 0 failed ({words[1][:200]})"
+                else:
+                    why = (f"rank {r.rank} (pid {r.proc.pid}) failed where rank 0 did not: {theirs[0]}: "
+                           f"{theirs[1][:300]}")
+                self._fail(name, why, mine)
+
+    def _reply(self, r: _Rank, name: str, mine: BaseException | None = None) -> tuple[Any, ...]:
+        """Rank ``r``'s next message, waited for at most the collective timeout; its death raises ``RankError``."""
+        from pipeline.ranks import timeout_s
+
+        deadline = time.monotonic() + timeout_s()
+        while True:
+            try:
+                if r.conn.poll(_POLL_S):
+                    return r.conn.recv()
+            except (OSError, EOFError):
+                pass
+            if r.proc.poll() is not None:
+                self._lost(name, r, mine)
+            if time.monotonic() > deadline:
+                self._fail(name, f"rank {r.rank} (pid {r.proc.pid}) did not answer within {timeout_s():g} s "
+                                 "(KVLOAD_DIST_TIMEOUT_S)", mine)
+            if self.stopping:
+                raise RankError(f"{name}: the LLM was closed")
+
+    @staticmethod
+    def _said(r: _Rank) -> str | None:
+        """The error a rank sent before it exited, if any."""
+        with contextlib.suppress(OSError, EOFError):
+            while r.conn.poll(0):
+                reply = r.conn.recv()
+                if reply[0] == "error":
+                    return f"{reply[1]}: {reply[2]}"
+        return None
+
+    # --- ending -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Ask every rank to close its LLM and exit; SIGTERM, then SIGKILL, the ones that do not; reap them all.
+        Safe to call twice and at interpreter exit."""
+        if self.closed:
+            return
+        self.closed = self.stopping = True
+        self._end()
+
+    def _end(self, polite: bool = True) -> None:
+        for r in self.ranks:
+            with contextlib.suppress(OSError, ValueError):
+                r.conn.send(("close",))
+        for signum in (None, signal.SIGTERM, signal.SIGKILL) if polite else (signal.SIGTERM, signal.SIGKILL):
+            if signum is not None:
+                for r in self.ranks:
+                    if r.proc.poll() is None:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(r.proc.pid, signum)
+            deadline = time.monotonic() + CLOSE_S
+            while any(r.proc.poll() is None for r in self.ranks) and time.monotonic() < deadline:
+                time.sleep(_POLL_S)
+            if all(r.proc.poll() is not None for r in self.ranks):
+                break
+        for r in self.ranks:
+            r.proc.wait()
+            with contextlib.suppress(OSError):
+                r.conn.close()
+            with contextlib.suppress(OSError):
+                r.stderr.close()
+        if self._owns_group:
+            from pipeline.ranks import shutdown
+
+            self._owns_group = False
+            with contextlib.suppress(Exception):
+                shutdown()
+
+
+# --- what runs in ranks 1..N-1 ----------------------------------------------------------------------
+
+
+class _Unpickled(Exception):
+    """An argument of a call that does not unpickle here: (its name, why)."""
+
+
+def _loads(label: str, data: bytes) -> Any:
+    try:
+        return pickle.loads(data)
+    except Exception as exc:
+        raise _Unpickled(label, str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
+
+
+def main() -> int:
+    """One rank: build the LLM rank 0 sent, then make each call rank 0 sends until it says close (or goes away)."""
+    conn = Connection(int(os.environ.pop(CHANNEL_ENV)))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # cleanup runs (audit temporaries)
+    given: dict[str, Any] = {}
+    for name, data in conn.recv().items():
+        try:
+            given[name] = pickle.loads(data)
+        except Exception as exc:  # pickled there, does not unpickle here (a class of rank 0's __main__)
+            conn.send(("error", name, str(exc).splitlines()[0] if str(exc) else type(exc).__name__))
+            return 1
+    conn.send(("received",))
+    try:
+        from kvload.llm import LLM
+
+        llm = LLM(given.pop("model"), **given)
+    except Exception as exc:
+        with contextlib.suppress(OSError):
+            conn.send(("error", type(exc).__name__, str(exc)))
+        return 1
+    with llm:
+        conn.send(("ready",))
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):  # rank 0's process went away
+                return 1
+            if message[0] == "close":
+                return 0
+            _, name, positional, keywords = message
+            try:
+                args = [_loads(label, data) for label, data in positional]
+                kwargs = {key: _loads(key, data) for key, data in keywords}
+            except _Unpickled as exc:
+                conn.send(("refused", *exc.args))
+            else:
+                conn.send(("received",))
+            try:
+                go = conn.recv()[0] == "go"  # else a rank could not unpickle the call: nobody runs it
+            except (EOFError, OSError):
+                return 1
+            if not go:
+                continue
+            try:
+                getattr(llm, name)(*args, **kwargs)  # the result is rank 0's to return
+            except Exception as exc:
+                reply: tuple[Any, ...] = ("error", type(exc).__name__, str(exc))
+            else:
+                reply = ("ok",)
+            try:
+                conn.send(reply)
+            except OSError:
+                return 1
+
+
+if __name__ == "__main__":
+    from kvload.process_end import leave
+
+    # the LLM is closed and its audit published: the rank ends without CPython's module teardown (~2 s of garbage
+    # collection over torch's and transformers' objects), so rank 0's close() waits for its work, not for that
+    sys.exit(leave(main()))
+
+
+__all__ = ["CHANNEL_ENV", "FOLLOWED", "SpawnedRanks", "main", "spawn_size"]

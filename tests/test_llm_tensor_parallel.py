@@ -1,0 +1,219 @@
+"""``kvload.LLM(model, tensor_parallel_size=2)`` in a plain script (no torchrun): the LLM starts rank 1 itself, which
+follows rank 0's calls, so the tokens are one process's; a lost rank is named within a bounded time; closing (or the
+script's end) leaves no process; what cannot cross processes is refused naming the argument.
+
+Real processes (gloo on CPU), bounded by timeouts; none is a speed assertion.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import kvload
+from engine.beam_search import BeamSearchParams
+from engine.sampling_params import SamplingParams
+from pipeline.errors import GenerationError
+from tests.llm_support import with_tokenizer
+from tests.tp_support import DIST_TIMEOUT_S, REPO
+
+VOCAB = 512
+TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w1{% endif %}"
+KW = {"max_seq_len": 128, "kv_cache_config": {"max_tokens": 1024, "tokens_per_block": 4}, "max_beam_width": 3,
+      "log": False}
+SCRIPT_S = 300
+
+
+def _children(pid: int) -> set[int]:
+    """The live child processes of ``pid`` (any of its threads may have started them)."""
+    found = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            found |= {int(c) for c in (task / "children").read_text().split()}
+        except OSError:
+            continue
+    return found
+
+
+def _alive(pid: int) -> bool:
+    stat = Path(f"/proc/{pid}/stat")
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.fixture(scope="module")
+def words(tiny_checkpoints, tmp_path_factory):
+    """The tiny llama with a word-level tokenizer (token i is the text "w<i>")."""
+    return with_tokenizer(tiny_checkpoints("llama"), tmp_path_factory.mktemp("tp-words") / "ckpt", VOCAB)
+
+
+@pytest.fixture(scope="module")
+def pair(words):
+    """The same LLM twice: one with tensor_parallel_size=2 started here (no torchrun), one in one process."""
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            mp.delenv(name, raising=False)
+        mp.setenv("KVLOAD_DIST_TIMEOUT_S", str(DIST_TIMEOUT_S))
+        before = _children(os.getpid())
+        with kvload.LLM(str(words), tensor_parallel_size=2, **KW) as tp, kvload.LLM(str(words), **KW) as alone:
+            workers = _children(os.getpid()) - before
+            yield tp, alone, workers
+        deadline = time.monotonic() + 30
+        while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in workers), "a rank outlived LLM.close()"
+
+
+def test_generate_with_two_ranks_gives_one_processs_tokens_greedy_and_sampled(pair):
+    tp, alone, workers = pair
+    assert len(workers) == 1  # rank 1, started by the LLM
+    assert tp.audit.of("rank_joined")[0]["world_size"] == 2 and tp.args.tensor_parallel_size == 2
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
+    for params in (SamplingParams(max_tokens=8, ignore_eos=True),  # greedy
+                   SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.0, seed=7),  # the request's seed
+                   SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.0)):  # drawn from LLM(seed=0)'s
+        got = [o.outputs[0].token_ids for o in tp.generate(prompts, params)]
+        want = [o.outputs[0].token_ids for o in alone.generate(prompts, params)]
+        assert got == want and all(len(t) == 8 for t in got)
+    beams = BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True)
+    assert [[list(s.token_ids) for s in o.sequences] for o in tp.beam_search(prompts, beams)] == \
+        [[list(s.token_ids) for s in o.sequences] for o in alone.beam_search(prompts, beams)]
+
+
+def test_chat_embed_and_score_follow_on_every_rank(pair):
+    tp, alone, _ = pair
+    conv = [{"role": "system", "content": "w5 w17"}, {"role": "user", "content": "w300 w42"}]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    (one,) = tp.chat(conv, params, chat_template=TEMPLATE)
+    assert one.prompt_token_ids == [5, 17, 300, 42, 1]
+    assert one.outputs[0].token_ids == alone.chat(conv, params, chat_template=TEMPLATE)[0].outputs[0].token_ids
+    got = [e.outputs.embedding for e in tp.embed(["w5 w17 w300", "w9 w8"])]
+    want = [e.outputs.embedding for e in alone.embed(["w5 w17 w300", "w9 w8"])]
+    assert len(got) == 2 and len(got[0]) == tp.result.hf_model.config.hidden_size
+    assert all(g == pytest.approx(w, abs=1e-4) for g, w in zip(got, want, strict=True))
+    assert tp.score("w5 w17", ["w5 w17", "w9"])[0].outputs.score == pytest.approx(1.0, abs=1e-4)
+    assert tp.reset_prefix_cache() is True
+
+
+def test_an_error_every_rank_raises_is_rank_0s_once_and_the_llm_goes_on(pair):
+    tp, alone, _ = pair
+    with pytest.raises(GenerationError) as mine:
+        tp.generate([[1, 2, 3]], max_tokens=-1)
+    with pytest.raises(GenerationError) as theirs:
+        alone.generate([[1, 2, 3]], max_tokens=-1)
+    assert str(mine.value) == str(theirs.value) and "rank" not in str(mine.value)
+    assert tp.generate([[4, 5]], max_tokens=3, ignore_eos=True)[0].outputs[0].token_ids == \
+        alone.generate([[4, 5]], max_tokens=3, ignore_eos=True)[0].outputs[0].token_ids
+
+
+def test_what_cannot_cross_processes_is_refused_naming_the_argument(pair):
+    tp, alone, _ = pair
+    with pytest.raises(GenerationError, match=r"^generate: prompts: cannot be sent to ranks 1\.\.1, which "
+                                              r"kvload\.LLM started for tensor_parallel_size=2 \(it does not "
+                                              r"pickle: .*generator.*torchrun --nproc-per-node 2"):
+        tp.generate(p for p in [[1, 2, 3]])
+    with pytest.raises(GenerationError, match=r"^chat: chat_template_kwargs: cannot be sent .*lambda"):
+        tp.chat([{"role": "user", "content": "w9"}], chat_template=TEMPLATE, chat_template_kwargs={"f": lambda: 1})
+    with pytest.raises(GenerationError, match=r"^generate_stream: not available on an LLM that started its own ranks "
+                                              r"\(tensor_parallel_size=2 outside torchrun\)"):
+        tp.generate_stream([[1, 2, 3]], max_tokens=2)
+    # nothing was sent: the ranks still step alike
+    assert tp.generate([[6, 7]], max_tokens=3, ignore_eos=True)[0].outputs[0].token_ids == \
+        alone.generate([[6, 7]], max_tokens=3, ignore_eos=True)[0].outputs[0].token_ids
+
+
+SCRIPT = textwrap.dedent("""
+    import json, os, signal, sys, threading, time
+    import kvload
+    from pipeline.errors import RankError
+
+    def kids():
+        out = set()
+        for t in os.listdir(f"/proc/{os.getpid()}/task"):
+            out |= {int(c) for c in open(f"/proc/{os.getpid()}/task/{t}/children").read().split()}
+        return out
+
+    class Tokens(dict):  # defined in the script: rank 1's __main__ is not this one, so it cannot unpickle these
+        pass
+
+    kw = dict(tensor_parallel_size=2, kv_cache_config={"max_tokens": 1024}, log=False)
+    report = {}
+    try:
+        kvload.LLM("tiny-llama", **{**kw, "kv_cache_config": Tokens(max_tokens=1024)})
+    except RankError as exc:
+        report["unpickled_arg"], report["left"] = str(exc), sorted(kids())
+    llm = kvload.LLM("tiny-llama", **kw)
+    try:
+        llm.generate([Tokens(prompt_token_ids=[1, 2, 3])], max_tokens=4, ignore_eos=True)
+    except ValueError as exc:
+        report["unpickled_call"] = str(exc)
+    report["first"] = llm.generate([[1, 2, 3]], max_tokens=4, ignore_eos=True)[0].outputs[0].token_ids
+    (victim,) = kids()
+    os.kill(victim, signal.SIGKILL)
+    start = time.monotonic()
+    errors = []
+    for _ in range(2):
+        try:
+            llm.generate([[1, 2, 3]], max_tokens=4, ignore_eos=True)
+        except RankError as exc:
+            errors.append(str(exc))
+    report["errors"], report["took"], report["victim"] = errors, time.monotonic() - start, victim
+    llm.close()
+    report["after_close"] = sorted(kids())
+    # a new process group, after the broken one; a call long enough to be killed in (8 x 1000 tokens)
+    llm = kvload.LLM("tiny-llama", **{**kw, "kv_cache_config": {"max_tokens": 8192}})
+    (victim,) = kids()
+    threading.Timer(1.0, os.kill, (victim, signal.SIGKILL)).start()  # while it generates
+    start = time.monotonic()
+    try:
+        llm.generate([[1, 2, 3]] * 8, max_tokens=1000, ignore_eos=True)
+    except RankError as exc:
+        report["mid_call"], report["mid_took"], report["mid_victim"] = str(exc), time.monotonic() - start, victim
+    llm.close()
+    llm = kvload.LLM("tiny-llama", **kw)
+    report["second"] = llm.generate([[1, 2, 3]], max_tokens=4, ignore_eos=True)[0].outputs[0].token_ids
+    report["workers"] = sorted(kids())
+    print(json.dumps(report), flush=True)
+    # the script ends without closing the LLM: its ranks must go with it
+""")
+
+
+def test_a_plain_script_names_a_killed_rank_and_leaves_no_process(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "TRANSFORMERS_VERBOSITY": "error", "KVLOAD_DIST_TIMEOUT_S": str(DIST_TIMEOUT_S)}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    script = tmp_path / "user_script.py"
+    script.write_text(SCRIPT)
+    r = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=SCRIPT_S)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    assert report["first"] == report["second"] and len(report["first"]) == 4
+    unpickle = r"cannot unpickle .*Can't get attribute 'Tokens'.*; define its class in a module the ranks can import"
+    assert re.match(rf"LLM: tensor_parallel_size=2: rank 1 \(pid \d+\) {unpickle}", report["unpickled_arg"]), report
+    assert "kv_cache_config" in report["unpickled_arg"] and report["left"] == []
+    assert re.match(rf"generate: prompts: rank 1 \(pid \d+\) {unpickle}", report["unpickled_call"]), report
+    first, again = report["errors"]
+    assert first.startswith(f"generate: tensor_parallel_size=2: rank 1 (pid {report['victim']}) was killed by SIGKILL;"
+                            " this LLM cannot run any more"), first
+    assert again == first  # every later call says the same, at once
+    assert report["took"] < DIST_TIMEOUT_S  # a bound, not a speed: no wait for the collective timeout
+    assert report["mid_call"].startswith(f"generate: tensor_parallel_size=2: rank 1 (pid {report['mid_victim']}) "
+                                         "was killed by SIGKILL;"), report
+    assert report["mid_took"] < DIST_TIMEOUT_S
+    assert report["after_close"] == [] and len(report["workers"]) == 1
+    deadline = time.monotonic() + 30
+    while _alive(report["workers"][0]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(report["workers"][0]), "rank 1 outlived the script"
