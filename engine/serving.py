@@ -415,16 +415,32 @@ class ServingEngine:
         """``GenerationError`` worded as a prompt too long for ``max_seq_len`` when ``text`` has more characters than
         that many of the tokenizer's longest tokens cover (``engine.token_bound``): refused before tokenizing it,
         which for tens of megabytes took a minute of the server's one parsing worker."""
-        if self.tokenizer is None:
-            return
-        if self._per_token is False:  # found once: reading the tokenizer's vocabulary takes a tenth of a second
-            self._per_token = chars_per_token(self.tokenizer)
+        fewest, per_token = self._fewest_tokens(text)
         limit = self.executor.max_seq_len
-        fewest = fewest_tokens(text, self._per_token)
         if fewest >= limit:
             raise GenerationError(f"{where}: at least {fewest:,} tokens (its {len(text):,} characters, a token of "
-                                  f"this tokenizer covering at most {self._per_token}) leave no room to generate "
+                                  f"this tokenizer covering at most {per_token}) leave no room to generate "
                                   f"under max_seq_len={limit}; shorten it or raise max_seq_len")
+
+    def check_embedding_chars(self, where: str, text: str) -> None:
+        """As :meth:`_check_chars` for an embedding's input, which may fill ``max_seq_len`` (nothing is generated):
+        worded as the executor words one past it."""
+        fewest, per_token = self._fewest_tokens(text)
+        limit = self.executor.max_seq_len
+        if fewest > limit:
+            raise GenerationError(f"{where}: at least {fewest:,} tokens (its {len(text):,} characters, a token of this "
+                                  f"tokenizer covering at most {per_token}); an embedding takes at most "
+                                  f"max_seq_len={limit} (vLLM's max_model_len); shorten it, keep its last tokens "
+                                  "(truncate_prompt_tokens) or raise max_seq_len")
+
+    def _fewest_tokens(self, text: str) -> tuple[int, int | None]:
+        """(the fewest tokens ``text`` can have, the most characters a token covers); (0, None) when unbounded."""
+        if self.tokenizer is None:
+            return 0, None
+        if self._per_token is False:  # found once: reading the tokenizer's vocabulary takes a tenth of a second
+            self._per_token = chars_per_token(self.tokenizer)
+        per_token = None if isinstance(self._per_token, bool) else self._per_token
+        return fewest_tokens(text, per_token), per_token
 
     def tokenize(self, text: str, *, add_special_tokens: bool = True, where: str = "prompt") -> list[int]:
         """Token ids of ``text`` as the tokenizer gives them (``add_special_tokens``: its BOS and the like), no

@@ -433,7 +433,7 @@ def test_a_text_prompt_that_fits_generates_from_the_tokenizer_loaded_once(capsys
     monkeypatch.setattr(models.weights, "load_tokenizer", lambda path: loaded.append(path) or real(path))
     import stages.load_weights
 
-    monkeypatch.setattr(stages.load_weights, "load_tokenizer", models.weights.load_tokenizer)
+    monkeypatch.setattr(stages.load_weights, "load_tokenizer", models.weights.load_tokenizer, raising=False)
     r = run_cli(capsys, "generate", str(text_checkpoint), "--max_tokens", "256", "--max_new_tokens", "2",
                 "--max_seq_len", "64", "--prompt", "Hello world", "--ignore_eos")
     assert r.code == 0, r.err

@@ -114,3 +114,18 @@ def test_a_prompt_within_the_bound_is_tokenized_and_refused_by_its_count(served,
     assert r.json()["error"]["message"] == (f"prompt: {count} tokens leave no room to generate under "
                                             f"max_seq_len={limit}; shorten it or raise max_seq_len")
     assert len(text) in encoded
+
+
+def test_an_embeddings_input_too_long_by_its_characters_is_refused_untokenized(served, encoded):
+    """/v1/embeddings takes an input of up to max_seq_len tokens; one past it by its characters alone is refused
+    before it is tokenized, in the words of the count's refusal; with truncate_prompt_tokens it is cut, as before."""
+    engine = served.state.engine
+    limit, per_token = engine.executor.max_seq_len, chars_per_token(engine.tokenizer)
+    big = "Hello world " * ((limit * per_token) // 12 + 10)
+    r = served.http.post("/v1/embeddings", json={"input": ["hi", big]})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "input"
+    assert error["message"].startswith("input[1]: at least "), error["message"]
+    assert f"an embedding takes at most max_seq_len={limit} (vLLM's max_model_len)" in error["message"]
+    assert [n for n in encoded if n >= len(big)] == []
