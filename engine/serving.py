@@ -60,6 +60,7 @@ from engine.sampling_params import SamplingParams, check_salt, greedy_ignored, i
 from engine.speculation import verify_drafted
 from engine.stopping import SampleText
 from engine.structured import Constraint, constrain
+from engine.token_bound import chars_per_token, fewest_tokens
 from pipeline.errors import GenerationError, KvBuildError, KvloadError, KvRuntimeError, RankLostError, first_line
 from pipeline.events import EngineLoopFailed, EngineStepFailed, Event, RequestFinished, SettingIgnored
 from pipeline.ranks import lost_rank_message
@@ -268,6 +269,8 @@ class ServingEngine:
         self.manager = executor.manager
         self.scheduler = executor.scheduler
         self.tokenizer = executor.tokenizer
+        #: ``engine.token_bound.chars_per_token`` of the tokenizer (None: unbounded), read at the first text prompt
+        self._per_token: int | bool | None = False
         #: vLLM's ``--chat-template-content-format``: how messages' content reaches the chat template
         #: (``engine.content_format``; "auto": as the template in effect reads it)
         self.content_format = "auto"
@@ -358,9 +361,11 @@ class ServingEngine:
     def encode(self, prompt: str | Sequence[int], *, chat: bool = False, add_special_tokens: bool = True) -> list[int]:
         """Token ids of one prompt (text through the tokenizer, ``chat`` wraps it as one user message), checked as
         ``generate`` checks a prompt. ``add_special_tokens=False``: text without the tokenizer's BOS (vLLM's)."""
+        limit = self.executor.max_seq_len
+        if isinstance(prompt, str) and not chat:
+            self._check_chars("generate: prompt 0", prompt)
         if isinstance(prompt, str) and not add_special_tokens and not chat:
             prompt = self.prompt_ids(prompt, add_special_tokens=False)
-        limit = self.executor.max_seq_len
         if not chat and not isinstance(prompt, str) and len(prompt) >= limit:  # ids: refused by their count first, as
             # generate words it, not after each of them is checked (a server's body of tens of millions of ids held
             # its one parsing worker, which every request waits on, for a minute)
@@ -398,11 +403,44 @@ class ServingEngine:
         text = apply_template(tok, "messages", messages, tokenize=False, content_format=self.content_format, **template)
         # what else the template renders (its variables, its own text) may hold a lone surrogate the checks above miss
         check_text("messages: the chat template's text", text)
+        if room:
+            self._check_chars("messages", text)
         ids = [int(t) for t in tok(text, add_special_tokens=add_special_tokens)["input_ids"]]
         if room and len(ids) >= self.executor.max_seq_len:
             raise GenerationError(f"messages: {len(ids)} tokens leave no room to generate under "
                                   f"max_seq_len={self.executor.max_seq_len}")
         return ids
+
+    def _check_chars(self, where: str, text: str) -> None:
+        """``GenerationError`` worded as a prompt too long for ``max_seq_len`` when ``text`` has more characters than
+        that many of the tokenizer's longest tokens cover (``engine.token_bound``): refused before tokenizing it,
+        which for tens of megabytes took a minute of the server's one parsing worker."""
+        fewest, per_token = self._fewest_tokens(text)
+        limit = self.executor.max_seq_len
+        if fewest >= limit:
+            raise GenerationError(f"{where}: at least {fewest:,} tokens (its {len(text):,} characters, a token of "
+                                  f"this tokenizer covering at most {per_token}) leave no room to generate "
+                                  f"under max_seq_len={limit}; shorten it or raise max_seq_len")
+
+    def check_embedding_chars(self, where: str, text: str) -> None:
+        """As :meth:`_check_chars` for an embedding's input, which may fill ``max_seq_len`` (nothing is generated):
+        worded as the executor words one past it."""
+        fewest, per_token = self._fewest_tokens(text)
+        limit = self.executor.max_seq_len
+        if fewest > limit:
+            raise GenerationError(f"{where}: at least {fewest:,} tokens (its {len(text):,} characters, a token of this "
+                                  f"tokenizer covering at most {per_token}); an embedding takes at most "
+                                  f"max_seq_len={limit} (vLLM's max_model_len); shorten it, keep its last tokens "
+                                  "(truncate_prompt_tokens) or raise max_seq_len")
+
+    def _fewest_tokens(self, text: str) -> tuple[int, int | None]:
+        """(the fewest tokens ``text`` can have, the most characters a token covers); (0, None) when unbounded."""
+        if self.tokenizer is None:
+            return 0, None
+        if self._per_token is False:  # found once: reading the tokenizer's vocabulary takes a tenth of a second
+            self._per_token = chars_per_token(self.tokenizer)
+        per_token = None if isinstance(self._per_token, bool) else self._per_token
+        return fewest_tokens(text, per_token), per_token
 
     def tokenize(self, text: str, *, add_special_tokens: bool = True, where: str = "prompt") -> list[int]:
         """Token ids of ``text`` as the tokenizer gives them (``add_special_tokens``: its BOS and the like), no

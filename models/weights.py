@@ -549,11 +549,12 @@ def check_fp32_kept(hf_config: Any, dtype: str) -> None:
 
 
 def load_weights(checkpoint: Checkpoint, hf_config: Any, *, device: str, dtype: str, seed: int = 0,
-                 tp_size: int = 1, random_dir: Path | None = None) -> LoadedWeights:
+                 tp_size: int = 1, random_dir: Path | None = None, tokenizer: Any = None) -> LoadedWeights:
     """Weights and tokenizer of a checkpoint on ``device`` in ``dtype`` (see the module docstring).
 
     ``tp_size > 1``: this rank's shard (every rank calls it); a preset's random weights are read from
     ``random_dir``, where one rank saved them (:func:`save_random_model`), since ``from_config`` cannot shard.
+    ``tokenizer``: the checkpoint's, loaded already (:func:`load_tokenizer`), used rather than loaded again.
     """
     start = time.perf_counter()
     converted = False
@@ -576,7 +577,7 @@ def load_weights(checkpoint: Checkpoint, hf_config: Any, *, device: str, dtype: 
             path, source = convert_gguf(checkpoint), "gguf"
         model = pretrained_model(path, device=device, dtype=dtype, tp_size=tp_size)
         try:
-            tokenizer = load_tokenizer(path)
+            tokenizer = load_tokenizer(path) if tokenizer is None else tokenizer
         except BaseException:
             del model
             raise

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from cache_backends.layout import cannot_generate
-from models.weights import has_tokenizer, load_weights, plan_kv_heads_per_rank, save_random_model
+from models.weights import has_tokenizer, load_tokenizer, load_weights, plan_kv_heads_per_rank, save_random_model
 from pipeline.bus import Emit
 from pipeline.context import Context
 from pipeline.errors import ConfigError, GenerationError, KvBuildError, ModelError
@@ -40,6 +40,7 @@ class LoadWeights:
             if why is not None:  # the executor would refuse it after the weights and pools were built
                 raise GenerationError(why)
         check_token_ids(ctx)
+        tokenizer = count_text_prompts(ctx)
         check_prompt_room(ctx)
         flag = ctx.request.text_prompts
         if flag is not None and ctx.checkpoint is not None and not has_tokenizer(ctx.checkpoint):
@@ -58,7 +59,7 @@ class LoadWeights:
             check_plan_matches_pools(ctx)
         with _shared_weights(ctx, dtype, seed) as random_dir:
             loaded = load_weights(ctx.checkpoint, ctx.hf_config, device=device, dtype=dtype, seed=seed, tp_size=tp,
-                                  random_dir=random_dir)
+                                  random_dir=random_dir, tokenizer=tokenizer)
         ctx.hf_model, ctx.tokenizer = loaded.model, loaded.tokenizer
         ctx.on_close(lambda: _release(ctx))
         user_seed = ctx.user_fields.get("weights_seed")
@@ -94,6 +95,29 @@ def check_token_ids(ctx: Context) -> None:
             name = ctx.checkpoint.name if ctx.checkpoint is not None else "the model"
             raise GenerationError(f"generate: {what}: token id {int_text(bad)} is outside the vocabulary "
                                   f"(0..{vocab - 1}: vocab_size {vocab} in {name}'s config)")
+
+
+def count_text_prompts(ctx: Context) -> Any:
+    """The checkpoint's tokenizer, loaded ahead of its weights when the caller gives text prompts
+    (``request.prompt_texts``), their token counts put in ``request.prompt_lengths`` for :func:`check_prompt_room`:
+    ``--prompt TEXT --max_seq_len 8`` was refused by the executor after the weights (seconds) had loaded. None when
+    there are none, or the tokenizer is not on disk yet (a GGUF not converted: its conversion writes it)."""
+    request, checkpoint = ctx.request, ctx.checkpoint
+    if not request.prompt_texts or checkpoint is None or checkpoint.kind == "preset" or not isinstance(
+            ctx.args.max_seq_len, int):
+        return None
+    path: Path | None = checkpoint.path
+    if checkpoint.gguf_file:
+        from models.gguf_cache import cached_conversion
+
+        path = cached_conversion(checkpoint)
+    if path is None:
+        return None
+    tokenizer = load_tokenizer(path)
+    if tokenizer is not None:  # as the executor tokenizes a text prompt: the tokenizer's special tokens added
+        request.prompt_lengths |= {what: len(tokenizer(text)["input_ids"]) for what, text in
+                                   request.prompt_texts.items()}
+    return tokenizer
 
 
 def check_prompt_room(ctx: Context) -> None:

@@ -394,3 +394,47 @@ def test_a_huge_max_new_tokens_is_capped_by_the_checkpoints_max_seq_len_too(caps
     assert [len(o["outputs"][0]["token_ids"]) for o in r.json()["outputs"]] == [1, 1]
     (budget,) = [e for e in read_events(audit) if e["event"] == "kv_budget_computed"]
     assert "capped at 2 sequence(s) of max_seq_len=8192" in budget["reason"]
+
+
+@pytest.fixture(scope="module")
+def text_checkpoint(tiny_checkpoints, tmp_path_factory):
+    """tiny-llama's weights saved with a byte-level tokenizer: a checkpoint that takes --prompt TEXT."""
+    from tests.text_support import bytelevel_checkpoint
+
+    return bytelevel_checkpoint(tiny_checkpoints("llama"), tmp_path_factory.mktemp("textgen") / "ckpt")
+
+
+def test_a_text_prompt_that_leaves_no_room_is_counted_by_the_tokenizer_and_refused_before_the_weights_load(
+        capsys, monkeypatch, text_checkpoint):
+    """``--prompt TEXT --max_seq_len N`` whose tokens leave no room was refused by the executor after the weights had
+    loaded (~12 s for SmolLM2); the tokenizer alone (a fraction of a second) counts them first, and the line names
+    the flag and the count, as for --prompt-ids."""
+    import stages.load_weights
+    from models.weights import load_tokenizer
+
+    def loads(*_args, **_kw):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(stages.load_weights, "load_weights", loads)
+    text = "Hello world, the sky is blue."
+    count = len(load_tokenizer(text_checkpoint)(text)["input_ids"])
+    r = run_cli(capsys, "generate", str(text_checkpoint), "--max_tokens", "256", "--max_new_tokens", "1",
+                "--max_seq_len", str(count), "--prompt", "hi", "--prompt", text)
+    assert r.code == 2 and r.one_error_line, r.err
+    assert r.err.startswith(f"error: --max_seq_len: {count} leaves no room to generate after prompt 1 (--prompt) "
+                            f"({count} tokens; "), r.err
+
+
+def test_a_text_prompt_that_fits_generates_from_the_tokenizer_loaded_once(capsys, monkeypatch, text_checkpoint):
+    import models.weights
+
+    loaded = []
+    real = models.weights.load_tokenizer
+    monkeypatch.setattr(models.weights, "load_tokenizer", lambda path: loaded.append(path) or real(path))
+    import stages.load_weights
+
+    monkeypatch.setattr(stages.load_weights, "load_tokenizer", models.weights.load_tokenizer, raising=False)
+    r = run_cli(capsys, "generate", str(text_checkpoint), "--max_tokens", "256", "--max_new_tokens", "2",
+                "--max_seq_len", "64", "--prompt", "Hello world", "--ignore_eos")
+    assert r.code == 0, r.err
+    assert len(loaded) == 1

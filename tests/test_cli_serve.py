@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.cli_support import ENV, REPO, kvload, ready_url, reap, run_cli, served_with, until_ready
+from tests.cli_support import ENV, REPO, imports_after, kvload, ready_url, reap, run_cli, served_with, until_ready
 from tests.hostile_support import signals_as_a_terminal_gives_them
 
 
@@ -759,3 +759,21 @@ def test_server_thread_serves_https_with_the_ssl_flags_of_kvload_serve(tmp_path)
                 httpx.get(server.url.replace("https://", "http://") + "/health", timeout=30)
     finally:
         result.close()
+
+
+@pytest.mark.parametrize("var", ["RANK", "WORLD_SIZE", "LOCAL_RANK"])
+def test_a_torchrun_variable_that_is_not_a_number_is_refused_before_the_server_is_imported(var):
+    """``RANK=junk kvload serve MODEL`` was refused only after the server's modules (FastAPI, uvicorn, torch through
+    the engine: ~6 s) were imported; the variables are read first now, as ``generate`` reads them (under a second)."""
+    loaded = imports_after(f"""
+        import contextlib, io, os
+        os.environ["{var}"] = "junk"
+        from kvload.cli.entry import main
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            code = main(["serve", "tiny-llama", "--port", "0", "--max_tokens", "1024"])
+        assert code == 2, code
+        said = err.getvalue()
+        assert said == "error: environment {var}='junk': expected an integer (torchrun sets it)\\n", said
+    """)
+    assert loaded == {"torch": False, "transformers": False}

@@ -366,3 +366,26 @@ def test_prompt_tokens_count_prompts_that_were_processed_and_every_finish_reason
     # the request histograms count the one that was processed, the inter-token intervals its four
     assert after["kvload_request_prompt_tokens_count"] == after["kvload_request_queue_time_seconds_count"] == 1
     assert after["kvload_inter_token_latency_seconds_count"] == 4
+
+
+@pytest.mark.parametrize("size", [17_000, 200_000, 4_000_000])
+def test_a_head_past_the_limit_is_a_431_naming_it_however_it_arrives_never_a_reset(served, size):
+    """A whole head past 16 KiB that came in one read (up to ~256 KiB on loopback) was served, as h11 limits only a
+    head still arriving; a larger one was refused and the connection closed with the rest unread: the kernel reset
+    it, and the client got ``Connection reset by peer`` instead of the 431. Now every such head is a 431 naming the
+    limit and its flag, its client's remaining bytes read and dropped before the close."""
+    before = _refused(served)["bad_request"]
+    got, headers, payload = _raw(served, b"GET /health HTTP/1.1\r\nHost: t\r\nX-Big: " + b"a" * size + b"\r\n\r\n")
+    assert (got, headers["content-type"], headers["connection"]) == (431, "application/json", "close")
+    error = json.loads(payload)["error"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", "request_header_fields_too_large")
+    assert "at most 16,384 are taken (--h11-max-incomplete-event-size sets it)" in error["message"], error["message"]
+    assert _refused(served)["bad_request"] == before + 1
+    _served_normally(served)
+
+
+def test_a_head_at_the_limit_is_served(served):
+    head = b"GET /health HTTP/1.1\r\nHost: t\r\nConnection: close\r\nX-Big: "
+    pad = 16_384 - len(head) - len(b"\r\n\r\n")
+    got, _, payload = _raw(served, head + b"a" * pad + b"\r\n\r\n")
+    assert (got, json.loads(payload)) == (200, {"status": "ok"})

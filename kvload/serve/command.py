@@ -490,6 +490,11 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 
 def _cmd_serve(ns: argparse.Namespace) -> int:
+    from pipeline.ranks import ranks_from_env
+
+    # under torchrun rank 0 serves HTTP and the other ranks follow its loop step by step (ServingEngine.follow); a
+    # torchrun variable that is not a rank (RANK=junk) is named first, not after seconds of importing the server
+    ranks = ranks_from_env()
     from kvload.cli.files import _audit_subscribers, _check_output_path
     from kvload.cli.flags import _request
     from kvload.cli.sampling_defaults import default_length_origin, peek_sampling_defaults
@@ -509,11 +514,8 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     from kvload.serve.stats_log import interval_from_env
     from kvload.serve.tls import tls_from_flags
     from pipeline.context import DEFAULT_MAX_TOKENS_FIELD, CallerDefault
-    from pipeline.ranks import ranks_from_env
     from stages import load_stages
 
-    # under torchrun rank 0 serves HTTP and the other ranks follow its loop step by step (ServingEngine.follow)
-    ranks = ranks_from_env()
     audit = _audit_subscribers(ns)  # published by main once the server stopped cleanly
     # the flag, else the --config file's: read once, and only where an events flag asks
     buffer_size = _event_buffer_size(ns) if ns.kv_events_file is not None or ns.kv_events_config is not None \

@@ -98,6 +98,8 @@ def tokenized(state: ServeState, items: list[Any], wheres: list[str], params: Sa
     prompts = []
     for item, where in zip(items, wheres, strict=True):
         try:
+            if isinstance(item, str) and params.truncate_prompt_tokens is None:  # past max_seq_len by its characters
+                engine.check_embedding_chars(where, item)  # alone: refused untokenized
             ids = engine.tokenize(item, add_special_tokens=add_special_tokens, where=where) \
                 if isinstance(item, str) else item
             ids = engine.check(ids, params, pool=True).prompt_token_ids  # cut as asked; in the vocabulary; it fits

@@ -426,6 +426,7 @@ class _Deadlines(H11Protocol):
 
     def connection_made(self, transport: Any) -> None:
         self._deadline: asyncio.TimerHandle | None = None
+        self._lingering: asyncio.TimerHandle | None = None  # set while refused bytes are read and dropped
         self._stalled: asyncio.TimerHandle | None = None
         self._phase: tuple[Any, ...] | None = None
         self._refused: h11.RemoteProtocolError | None = None
@@ -435,6 +436,7 @@ class _Deadlines(H11Protocol):
             try:
                 event = next_event()
                 if isinstance(event, h11.Request):
+                    _check_head_size(event, self.config.h11_max_incomplete_event_size or HEAD_LIMIT)
                     _check_version(event)
                     _check_framing(event)
                     _check_header_count(event, self.max_header_count)
@@ -451,6 +453,10 @@ class _Deadlines(H11Protocol):
         self._track()
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering is not None:  # the request was refused and answered: what still comes is dropped
+            self._lingering.cancel()
+            self._lingering = self.loop.call_later(LINGER_S, self.transport.close)
+            return
         super().data_received(data)
         self._track()
 
@@ -460,6 +466,9 @@ class _Deadlines(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel()
+        if self._lingering is not None:
+            self._lingering.cancel()
+            self._lingering = None
         self._unstall()
         super().connection_lost(exc)
 
@@ -519,7 +528,21 @@ class _Deadlines(H11Protocol):
                                                          reason=http.HTTPStatus(status).phrase.encode())))
         self.transport.write(self.conn.send(h11.Data(data=body)))
         self.transport.write(self.conn.send(h11.EndOfMessage()))
-        self.transport.close()
+        self._linger()
+
+    def _linger(self) -> None:
+        """Close after an answer sent before the request was all read (a head past the limit, bytes that are not
+        HTTP), as nginx's lingering close does: the answer is sent and the sending side shut (FIN), then what the
+        client still sends is read and dropped until it closes or sends nothing for :data:`LINGER_S` seconds, at most
+        ``read_timeout_s`` in all. Closing at once with its bytes unread made the kernel reset the connection, and a
+        client still sending (a 1 MB header) got ``Connection reset by peer`` instead of the answer."""
+        self._cancel()
+        if self.transport.is_closing() or not self.transport.can_write_eof():  # TLS cannot half-close
+            self.transport.close()
+            return
+        self.transport.write_eof()
+        self._lingering = self.loop.call_later(LINGER_S, self.transport.close)
+        self.loop.call_later(self.read_timeout_s, self.transport.close)  # a client sending for ever
 
     def _unsupported_upgrade_warning(self) -> None:
         """uvicorn's two warnings for a request asking to switch protocols (a WebSocket, h2c), logged at debug: the
@@ -565,6 +588,20 @@ class _Deadlines(H11Protocol):
         elif self.cycle is not None and self.cycle.response_complete:
             self.transport.close()  # answered without reading the body, which still has not all come
         # else the app is reading the body under its own deadline (a 408), or answering: it ends the request
+
+
+def _check_head_size(request: h11.Request, limit: int) -> None:
+    """A ``RemoteProtocolError`` (431) for a request whose head, all in, is larger than ``limit`` bytes
+    (``--h11-max-incomplete-event-size``).
+
+    h11 applies its limit only to a head still arriving: one that came in a single read (up to 256 KiB on
+    loopback) was served, a larger one refused, so the same request was taken or not by how TCP cut it. Counted as
+    sent, less the spaces h11 strips around header values (so never more than was sent)."""
+    size = len(request.method) + len(request.target) + len(b"  HTTP/1.1\r\n\r\n") + sum(
+        len(name) + len(value) + 4 for name, value in request.headers)  # "name: value\r\n"
+    if size > limit:
+        raise h11.RemoteProtocolError(f"{HEAD_TOO_LARGE}: {size:,} bytes came, at most {limit:,} are taken",
+                                      error_status_hint=431)
 
 
 def _check_framing(request: h11.Request) -> None:
@@ -618,6 +655,10 @@ def _check_version(request: h11.Request) -> None:
                                       error_status_hint=505)
 
 
+#: what :func:`_check_head_size`'s refusal says first
+HEAD_TOO_LARGE = "the request head is too large"
+#: Seconds a refused connection's further bytes are read and dropped before it closes (:meth:`_Deadlines._linger`).
+LINGER_S = 2.0
 #: what :func:`_check_header_count`'s refusal says first (:func:`_not_http` answers it as itself, not as a large head)
 TOO_MANY_HEADERS = "too many headers"
 
@@ -637,10 +678,13 @@ def _not_http(exc: h11.RemoteProtocolError | None, head_limit: int) -> tuple[int
         error = BadRequest(str(exc), status=505, code="http_version_not_supported")
     elif exc is not None and exc.error_status_hint == 431 and str(exc).startswith(TOO_MANY_HEADERS):
         error = BadRequest(f"the request has {exc}", status=431, code="request_header_fields_too_large")
+    elif exc is not None and exc.error_status_hint == 431 and str(exc).startswith(HEAD_TOO_LARGE):
+        error = BadRequest(f"{exc} (--h11-max-incomplete-event-size sets it); send fewer or shorter headers",
+                           status=431, code="request_header_fields_too_large")
     elif exc is not None and exc.error_status_hint == 431:
-        error = BadRequest(f"the request head is too large: more than {head_limit:,} bytes came without the blank "
-                           "line that ends the headers; send fewer or shorter headers", status=431,
-                           code="request_header_fields_too_large")
+        error = BadRequest(f"{HEAD_TOO_LARGE}: more than {head_limit:,} bytes came without the blank line that ends "
+                           f"the headers, at most {head_limit:,} are taken (--h11-max-incomplete-event-size sets it); "
+                           "send fewer or shorter headers", status=431, code="request_header_fields_too_large")
     else:
         # h11 quotes what it refused as bytearray(b'...'): the bytes' repr alone, shorter and still escaped
         why = re.sub(r"bytearray\(b('.*'|\".*\")\)", r"\1", str(exc)) if exc is not None and str(exc) else "malformed"

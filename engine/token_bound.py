@@ -1,0 +1,81 @@
+"""A bound on how much text one token covers, so a prompt that cannot fit is refused before it is tokenized.
+
+Tokenizing runs at about a microsecond a character on one core: an 80 MB prompt held the server's one parsing
+worker (and every request queued behind it) for a minute or more, only to be refused for its length. When no token
+of the tokenizer covers more than K characters, a text of more than ``(max_seq_len - 1) * K`` characters has at
+least ``max_seq_len`` tokens, so it leaves no room to generate whatever its tokens turn out to be.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+#: Normalizers whose output has at least 1/factor of their input's characters. NFC and NFKC compose: one composed
+#: character stands for at most 4 of the decomposed ones (Unicode's longest canonical decomposition), and decomposing
+#: never shortens; lowercasing and prepending never shorten.
+_NORMALIZER_FACTOR = {"NFC": 4, "NFKC": 4, "NFD": 1, "NFKD": 1, "Lowercase": 1, "Prepend": 1}
+#: Pre-tokenizers that keep every character (they split or map one to one); Whitespace and the like drop some.
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "UnicodeScripts", "Split"}
+
+
+def chars_per_token(tokenizer: Any) -> int | None:
+    """The most characters of a prompt one token of ``tokenizer`` (a transformers fast tokenizer) can stand for, or
+    None when nothing bounds it: a tokenizer that is not a fast BPE one (WordPiece's and Unigram's unknown token
+    covers a whole word), fuses unknown characters into one token, or whose normalizer or pre-tokenizer may drop
+    characters (``Strip``, ``Replace``, BERT's, ``Whitespace``)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    try:
+        spec = json.loads(backend.to_str())
+    except (ValueError, TypeError, AttributeError):  # not the tokenizers library's own object: nothing to read
+        return None
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE" or (model.get("unk_token") is not None and model.get("fuse_unk")):
+        return None
+    factor = _normalizer_factor(spec.get("normalizer"))
+    if factor is None or not _keeps_characters(spec.get("pre_tokenizer")):
+        return None
+    vocab = model.get("vocab") or {}
+    # a vocabulary entry is written in the model's symbols: one per byte (ByteLevel), or per character (a
+    # Metaspace ▁ for a space, a byte-fallback <0x0A> for one byte), so it stands for at most len(entry) characters
+    # of the text; an added (special) token is matched as its content, before pre-tokenizing
+    longest = max([len(t) for t in vocab] + [len(t.get("content", "")) for t in spec.get("added_tokens") or []]
+                  + [1])
+    return longest * factor
+
+
+def _normalizer_factor(normalizer: Any) -> int | None:
+    """How many times shorter the normalizer may make a text (1: never shorter); None when it may drop characters."""
+    if normalizer is None:
+        return 1
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for part in normalizer.get("normalizers") or []:
+            each = _normalizer_factor(part)
+            if each is None:
+                return None
+            factor *= each
+        return factor
+    return _NORMALIZER_FACTOR.get(kind)
+
+
+def _keeps_characters(pre_tokenizer: Any) -> bool:
+    """Whether the pre-tokenizer hands every character of the text on to the model (none dropped)."""
+    if pre_tokenizer is None:
+        return True
+    kind = pre_tokenizer.get("type")
+    if kind == "Sequence":
+        return all(_keeps_characters(part) for part in pre_tokenizer.get("pretokenizers") or [])
+    if kind in ("Split", "Punctuation") and pre_tokenizer.get("behavior") == "Removed":
+        return False
+    return kind in _KEEPING_PRE_TOKENIZERS
+
+
+def fewest_tokens(text: str, per_token: int | None) -> int:
+    """The fewest tokens ``text`` can have under a tokenizer whose tokens cover at most ``per_token`` characters
+    (0 when unbounded)."""
+    return 0 if per_token is None else math.ceil(len(text) / per_token)
