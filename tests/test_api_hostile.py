@@ -1,0 +1,70 @@
+"""Hostile values given to ``kvload.LLM``'s calls (found by ``scripts/api_sweep.py``): one ValueError naming the
+argument the user gave, before any work, and the same LLM generates the same tokens afterwards."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import kvload
+from kvload import PoolingParams, SamplingParams
+from tests.llm_support import llm_kwargs, with_tokenizer
+
+VOCAB = 512
+IDS = [5, 17, 300, 42, 9]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoints, tmp_path_factory):
+    words = with_tokenizer(tiny_checkpoints("llama"), tmp_path_factory.mktemp("words") / "ckpt", VOCAB)
+    with kvload.LLM(str(words), max_beam_width=2, **llm_kwargs()) as loaded:
+        yield loaded
+
+
+def tokens(llm) -> list[int]:
+    return list(llm.generate(IDS, SamplingParams(max_tokens=6, ignore_eos=True))[0].outputs[0].token_ids)
+
+
+def test_a_list_of_pooling_params_of_the_wrong_length_is_named_pooling_params(llm):
+    before = tokens(llm)
+    for given in ([PoolingParams()], [PoolingParams()] * 3, []):
+        with pytest.raises(ValueError, match=r"^embed: pooling_params: expected one PoolingParams or a list of 2 "
+                                             rf"\(one per prompt\), got a list of {len(given)}$"):
+            llm.embed([IDS, [1, 2]], pooling_params=given)
+    with pytest.raises(ValueError, match=r"^score: pooling_params: expected one PoolingParams or a list of 2"):
+        llm.score("w1", "w2", pooling_params=[PoolingParams()])
+    assert len(llm.embed([IDS, [1, 2]], pooling_params=[PoolingParams(), PoolingParams(normalize=False)])) == 2
+    assert tokens(llm) == before
+
+
+@pytest.mark.parametrize("text", ["", "abc", b"x"])
+def test_a_text_as_pooling_params_is_refused_as_not_a_pooling_params(llm, text):
+    # a str is a Sequence: it was taken as a list of one PoolingParams per letter ("" as an empty list)
+    with pytest.raises(ValueError, match=rf"^embed: pooling_params: expected a kvload.PoolingParams, got "
+                                         rf"{type(text).__name__}$"):
+        llm.embed([IDS], pooling_params=text)
+
+
+JUNK = {"text": "yes", "float": 0.5, "nan": math.nan, "dict": {"a": 1}, "list": [1], "bytes": b"1", "two": 2}
+
+
+@pytest.mark.parametrize("kind", sorted(JUNK))
+def test_use_tqdm_that_is_neither_a_bool_nor_a_factory_is_refused_by_every_call(llm, kind):
+    value = JUNK[kind]
+    before = tokens(llm)
+    calls = {"generate": lambda: llm.generate(IDS, SamplingParams(max_tokens=2), use_tqdm=value),
+             "chat": lambda: llm.chat([{"role": "user", "content": "w1"}], SamplingParams(max_tokens=2),
+                                      use_tqdm=value, chat_template="{{ messages[0]['content'] }}"),
+             "embed": lambda: llm.embed([IDS], use_tqdm=value),
+             "score": lambda: llm.score("w1", "w2", use_tqdm=value),
+             "beam_search": lambda: llm.beam_search([IDS], kvload.BeamSearchParams(beam_width=2, max_tokens=2),
+                                                    use_tqdm=value)}
+    for call, run in calls.items():
+        with pytest.raises(ValueError, match=rf"^{call}: use_tqdm: expected true, false or a tqdm factory"):
+            run()
+    assert tokens(llm) == before
+    np = pytest.importorskip("numpy")
+    for taken in (None, False, True, 0, 1, np.bool_(True), lambda *a, **k: None):  # vLLM's: a bool or a factory
+        assert llm.generate(IDS, SamplingParams(max_tokens=2), use_tqdm=taken)
+
