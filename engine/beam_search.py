@@ -30,6 +30,7 @@ extends it.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -463,12 +464,24 @@ class BeamSearch:
     def _output(self, p: _Prompt) -> BeamSearchOutput:
         """The prompt's best ``beam_width`` hypotheses by length-penalised score, best first."""
         hyps = p.done + [(tokens, cum, "length", trail) for tokens, cum, trail in p.final or []]
-        scored = sorted(((cum / max(1, len(tokens)) ** self.params.length_penalty, tokens, cum, why, trail)
+        scored = sorted(((penalised(cum, len(tokens), self.params.length_penalty), tokens, cum, why, trail)
                          for tokens, cum, why, trail in hyps), key=lambda h: -h[0])[:self.k]
         sequences = tuple(BeamSequence(tokens, cum, score, why, _decode(self.executor, [*p.ids, *tokens]),
                                        _entries(trail), tuple(p.ids))
                           for score, tokens, cum, why, trail in scored)
         return BeamSearchOutput(p.text, tuple(p.ids), sequences)
+
+
+def penalised(cum: float, length: int, length_penalty: float) -> float:
+    """A hypothesis' score, vLLM's ``cum / length ** length_penalty``; where the power leaves a float's range (a
+    ``length_penalty`` of 1e300 or -2**63) the score is its limit (0 or -inf), where it raised once the search was
+    done (OverflowError, ZeroDivisionError) and threw the whole search away."""
+    try:
+        return cum / max(1, length) ** length_penalty
+    except OverflowError:  # the power is past the largest float: the score tends to 0 (from below)
+        return -0.0 if cum < 0 else 0.0
+    except ZeroDivisionError:  # the power underflowed to 0: a negative cum tends to -inf
+        return -math.inf if cum < 0 else 0.0
 
 
 def _decode(executor: Executor, tokens: Sequence[int]) -> str | None:

@@ -68,3 +68,17 @@ def test_use_tqdm_that_is_neither_a_bool_nor_a_factory_is_refused_by_every_call(
     for taken in (None, False, True, 0, 1, np.bool_(True), lambda *a, **k: None):  # vLLM's: a bool or a factory
         assert llm.generate(IDS, SamplingParams(max_tokens=2), use_tqdm=taken)
 
+
+
+@pytest.mark.parametrize("penalty", [2 ** 63, 1e300, -2 ** 63, -1e300])
+def test_a_finite_length_penalty_past_a_floats_range_ranks_instead_of_raising_after_the_search(llm, penalty):
+    # BeamSearchParams takes any finite number; length ** penalty overflowed (OverflowError) or underflowed to 0
+    # (ZeroDivisionError) once every beam was computed, and the search was thrown away
+    before = tokens(llm)
+    out = llm.beam_search([IDS], kvload.BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True,
+                                                         length_penalty=penalty))
+    sequences = out[0].sequences
+    assert len(sequences) == 2 and all(len(s.token_ids) == 3 for s in sequences)
+    limit = -0.0 if penalty > 0 else -math.inf  # cum / length ** penalty's limit for a negative cum
+    assert all(s.cumulative_logprob < 0 and s.score == limit for s in sequences)
+    assert tokens(llm) == before
