@@ -54,7 +54,7 @@ from engine.sampling_params import (
     is_int,
     is_number,
 )
-from pipeline.errors import GenerationError, KvRuntimeError, first_line, retitled
+from pipeline.errors import GenerationError, KvRuntimeError, did_you_mean, first_line, retitled
 from pipeline.events import (
     GenerationFailed,
     GenerationFinished,
@@ -76,6 +76,12 @@ VLLM_BEAM_FIELDS_NOT_TAKEN: dict[str, str] = {
 }
 
 
+#: BeamSearchParams' keywords, as its unknown-field refusal lists them.
+BEAM_FIELDS = ("beam_width", "ignore_eos", "length_penalty", "logprobs", "max_tokens", "temperature")
+#: beam_width's default in the signature: none was given (a TypeError of Python's named it, after any misspelt one).
+_REQUIRED: Any = object()
+
+
 @attrs.frozen(init=False)
 class BeamSearchParams:
     """vLLM's ``BeamSearchParams``: ``beam_width`` beams, up to ``max_tokens`` new tokens each, greedy; kvload's
@@ -88,17 +94,20 @@ class BeamSearchParams:
     length_penalty: float = 1.0
     logprobs: int | None = None
 
-    def __init__(self, *, beam_width: int, max_tokens: int = DEFAULT_MAX_TOKENS, ignore_eos: bool = False,
-                 length_penalty: float = 1.0, temperature: float = 0.0, logprobs: int | None = None,
-                 **unknown: Any) -> None:
+    def __init__(self, *, beam_width: int = _REQUIRED, max_tokens: int = DEFAULT_MAX_TOKENS,
+                 ignore_eos: bool = False, length_penalty: float = 1.0, temperature: float = 0.0,
+                 logprobs: int | None = None, **unknown: Any) -> None:
         """Keywords only; ``temperature`` is taken for vLLM's signature and must be 0 (beam search is greedy)."""
         if unknown:  # one line naming it, as SamplingParams words an unknown field (Python's TypeError named none)
             name = next(iter(unknown))
             why = VLLM_BEAM_FIELDS_NOT_TAKEN.get(name)
             if why is not None:
                 raise GenerationError(f"generate: {name}: vLLM's BeamSearchParams field, not kvload's: {why}")
-            raise GenerationError(f"generate: unknown BeamSearchParams field {name[:80]!r}; fields are beam_width, "
-                                  "ignore_eos, length_penalty, logprobs, max_tokens, temperature")
+            raise GenerationError(f"generate: unknown BeamSearchParams field {name[:80]!r}; fields are "
+                                  f"{', '.join(BEAM_FIELDS)}{did_you_mean(name, BEAM_FIELDS)}")
+        if beam_width is _REQUIRED:  # checked after the unknown names: a mistyped beam_width read "missing beam_width"
+            raise GenerationError("generate: beam_width: required (the number of hypotheses kept), as in vLLM's "
+                                  "BeamSearchParams(beam_width=N)")
         beam_width, max_tokens, logprobs = _plain_int(beam_width), _plain_int(max_tokens), _plain_int(logprobs)
         check(is_int(beam_width) and 1 <= beam_width <= MAX_N, "beam_width", f"an integer in [1, {MAX_N}]",
               beam_width)

@@ -82,3 +82,31 @@ def test_a_finite_length_penalty_past_a_floats_range_ranks_instead_of_raising_af
     limit = -0.0 if penalty > 0 else -math.inf  # cum / length ** penalty's limit for a negative cum
     assert all(s.cumulative_logprob < 0 and s.score == limit for s in sequences)
     assert tokens(llm) == before
+
+
+def test_a_mistyped_keyword_is_named_with_the_field_it_is_close_to(llm):
+    import re
+
+    cases = {"generate: unknown SamplingParams field 'temprature'; fields are .*; did you mean 'temperature'\\?":
+             lambda: SamplingParams(temprature=0.5),
+             "generate: unknown argument 'max_tokns'; sampling fields are .*; did you mean 'max_tokens'\\?":
+             lambda: llm.generate(IDS, max_tokns=3),
+             "chat: unknown argument 'stop_token_id'; sampling fields are .*; did you mean 'stop_token_ids'\\?":
+             lambda: llm.chat([{"role": "user", "content": "w1"}], stop_token_id=[2],
+                              chat_template="{{ messages[0]['content'] }}"),
+             "generate_stream: unknown argument 'top_pp'; sampling fields are .*; did you mean 'top_p'\\?":
+             lambda: llm.generate_stream(IDS, top_pp=0.5),
+             "generate: structured_outputs: unknown field 'jsn'; fields are .*; did you mean 'json'\\?":
+             lambda: kvload.StructuredOutputsParams(jsn={}),
+             # it read "missing 1 required keyword-only argument: 'beam_width'", not naming the misspelt word
+             "generate: unknown BeamSearchParams field 'beam_widht'; fields are .*; did you mean 'beam_width'\\?":
+             lambda: kvload.BeamSearchParams(beam_widht=2)}
+    for message, make in cases.items():
+        with pytest.raises(ValueError) as caught:
+            make()
+        assert re.fullmatch(message, str(caught.value)), str(caught.value)
+    with pytest.raises(ValueError, match=r"^generate: beam_width: required"):
+        kvload.BeamSearchParams(max_tokens=2)
+    # a name close to none says no guess
+    with pytest.raises(ValueError, match=r"^generate: unknown SamplingParams field 'zzz'; fields are [a-z_, ]+$"):
+        SamplingParams(zzz=1)
