@@ -46,8 +46,10 @@ PROMPT = "w5 w17 w300 w42 w9"
 BASE_IDS = [5, 17, 300, 42, 9]
 VOCAB = 512
 SPECS = {"json", "regex", "choice", "grammar", "json_object"}  # StructuredOutputsParams' one-of fields
-#: Hostile kinds that are real values of one argument (a JSON schema is a dict).
-TAKES = {"so.json.dict"}
+#: Hostile kinds that are real values of one argument (a JSON schema is a dict, template variables are).
+TAKES = {"so.json.dict", "chat.chat_template_kwargs.dict"}
+#: Cases that write a file on purpose (the audit log the user asked for).
+WRITES = ("llm.audit_log.",)
 
 
 def _fd_count() -> int:
@@ -141,6 +143,12 @@ def run_case(name: str, fn: Callable[[], Any], llm: Any, baseline: list[int] | N
     new_files = sorted(_files(*watch) - files)
     if new_files:
         rec["files_left"] = new_files[:5]
+        for left in reversed(new_files):  # the next case starts clean (generation_config="abc" read audit_log's abc)
+            path = Path(left)
+            if path.is_file() or path.is_symlink():
+                path.unlink()
+            elif path.is_dir() and not any(path.iterdir()):
+                path.rmdir()
     return rec
 
 
@@ -294,7 +302,9 @@ def suspect(r: dict[str, Any]) -> list[str]:
     why = []
     if r.get("hang"):
         return ["hang"]
-    if r.get("outcome") not in (None, "accepted") and not {"ValueError", "TypeError"} & set(r.get("mro", [])):
+    refused = r.get("outcome") not in (None, "accepted")
+    if refused and not {"ValueError", "TypeError"} & set(r.get("mro", [])) \
+            and not (r["case"].startswith("llm.model.") and r["outcome"] == "ModelError"):  # a model that is not there
         why.append(f"raises {r['outcome']}")
     msg = r.get("message", "")
     if "\n" in msg.strip():
@@ -310,7 +320,7 @@ def suspect(r: dict[str, Any]) -> list[str]:
     if r.get("llm_ok") is False:
         why.append("LLM broken after")
     for key in ("threads_left", "fds_left", "children", "files_left"):
-        if key in r:
+        if key in r and not (key == "files_left" and r["case"].startswith(WRITES)):
             why.append(key)
     return why
 

@@ -4,6 +4,8 @@ argument the user gave, before any work, and the same LLM generates the same tok
 from __future__ import annotations
 
 import math
+import os
+import re
 
 import pytest
 
@@ -85,8 +87,6 @@ def test_a_finite_length_penalty_past_a_floats_range_ranks_instead_of_raising_af
 
 
 def test_a_mistyped_keyword_is_named_with_the_field_it_is_close_to(llm):
-    import re
-
     cases = {"generate: unknown SamplingParams field 'temprature'; fields are .*; did you mean 'temperature'\\?":
              lambda: SamplingParams(temprature=0.5),
              "generate: unknown argument 'max_tokns'; sampling fields are .*; did you mean 'max_tokens'\\?":
@@ -110,3 +110,21 @@ def test_a_mistyped_keyword_is_named_with_the_field_it_is_close_to(llm):
     # a name close to none says no guess
     with pytest.raises(ValueError, match=r"^generate: unknown SamplingParams field 'zzz'; fields are [a-z_, ]+$"):
         SamplingParams(zzz=1)
+
+
+PATHS = [("audit_log", "\ud800.jsonl", "not a path the file system can hold (a lone surrogate at character 0)"),
+         ("config_file", "a\ud800b.yaml", "not a path the file system can hold (a lone surrogate at character 1)"),
+         ("audit_log", "a\x00b.jsonl", "a path cannot hold a NUL character (at character 1)"),
+         ("config_file", "a\x00b.yaml", "a path cannot hold a NUL character (at character 1)")]
+
+
+def test_a_path_argument_no_file_system_can_hold_is_one_config_error_naming_it(tiny_checkpoints, tmp_path):
+    # they escaped as a bare UnicodeEncodeError / "embedded null byte" ValueError, or "parse_args: UnicodeEncodeError"
+    for name, path, said in PATHS:
+        with pytest.raises(ValueError, match=rf"^{name}: {re.escape(said)}, got "):
+            kvload.LLM("tiny-llama", log=False, kv_cache_config={"max_tokens": 256}, **{name: path})
+    # os.listdir's name for a Latin-1 file (surrogateescape) encodes back to its bytes: a path, written there
+    log = tmp_path / os.fsdecode(b"audit-\xe9.jsonl")
+    with kvload.LLM(str(tiny_checkpoints("llama")), audit_log=log, **llm_kwargs()) as loaded:
+        loaded.generate(IDS, SamplingParams(max_tokens=2))
+    assert os.listdir(os.fsencode(tmp_path)) == [b"audit-\xe9.jsonl"]
