@@ -30,6 +30,7 @@ extends it.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -53,7 +54,7 @@ from engine.sampling_params import (
     is_int,
     is_number,
 )
-from pipeline.errors import GenerationError, KvRuntimeError, first_line, retitled
+from pipeline.errors import GenerationError, KvRuntimeError, did_you_mean, first_line, retitled
 from pipeline.events import (
     GenerationFailed,
     GenerationFinished,
@@ -75,6 +76,12 @@ VLLM_BEAM_FIELDS_NOT_TAKEN: dict[str, str] = {
 }
 
 
+#: BeamSearchParams' keywords, as its unknown-field refusal lists them.
+BEAM_FIELDS = ("beam_width", "ignore_eos", "length_penalty", "logprobs", "max_tokens", "temperature")
+#: beam_width's default in the signature: none was given (a TypeError of Python's named it, after any misspelt one).
+_REQUIRED: Any = object()
+
+
 @attrs.frozen(init=False)
 class BeamSearchParams:
     """vLLM's ``BeamSearchParams``: ``beam_width`` beams, up to ``max_tokens`` new tokens each, greedy; kvload's
@@ -87,17 +94,20 @@ class BeamSearchParams:
     length_penalty: float = 1.0
     logprobs: int | None = None
 
-    def __init__(self, *, beam_width: int, max_tokens: int = DEFAULT_MAX_TOKENS, ignore_eos: bool = False,
-                 length_penalty: float = 1.0, temperature: float = 0.0, logprobs: int | None = None,
-                 **unknown: Any) -> None:
+    def __init__(self, *, beam_width: int = _REQUIRED, max_tokens: int = DEFAULT_MAX_TOKENS,
+                 ignore_eos: bool = False, length_penalty: float = 1.0, temperature: float = 0.0,
+                 logprobs: int | None = None, **unknown: Any) -> None:
         """Keywords only; ``temperature`` is taken for vLLM's signature and must be 0 (beam search is greedy)."""
         if unknown:  # one line naming it, as SamplingParams words an unknown field (Python's TypeError named none)
             name = next(iter(unknown))
             why = VLLM_BEAM_FIELDS_NOT_TAKEN.get(name)
             if why is not None:
                 raise GenerationError(f"generate: {name}: vLLM's BeamSearchParams field, not kvload's: {why}")
-            raise GenerationError(f"generate: unknown BeamSearchParams field {name[:80]!r}; fields are beam_width, "
-                                  "ignore_eos, length_penalty, logprobs, max_tokens, temperature")
+            raise GenerationError(f"generate: unknown BeamSearchParams field {name[:80]!r}; fields are "
+                                  f"{', '.join(BEAM_FIELDS)}{did_you_mean(name, BEAM_FIELDS)}")
+        if beam_width is _REQUIRED:  # checked after the unknown names: a mistyped beam_width read "missing beam_width"
+            raise GenerationError("generate: beam_width: required (the number of hypotheses kept), as in vLLM's "
+                                  "BeamSearchParams(beam_width=N)")
         beam_width, max_tokens, logprobs = _plain_int(beam_width), _plain_int(max_tokens), _plain_int(logprobs)
         check(is_int(beam_width) and 1 <= beam_width <= MAX_N, "beam_width", f"an integer in [1, {MAX_N}]",
               beam_width)
@@ -463,12 +473,24 @@ class BeamSearch:
     def _output(self, p: _Prompt) -> BeamSearchOutput:
         """The prompt's best ``beam_width`` hypotheses by length-penalised score, best first."""
         hyps = p.done + [(tokens, cum, "length", trail) for tokens, cum, trail in p.final or []]
-        scored = sorted(((cum / max(1, len(tokens)) ** self.params.length_penalty, tokens, cum, why, trail)
+        scored = sorted(((penalised(cum, len(tokens), self.params.length_penalty), tokens, cum, why, trail)
                          for tokens, cum, why, trail in hyps), key=lambda h: -h[0])[:self.k]
         sequences = tuple(BeamSequence(tokens, cum, score, why, _decode(self.executor, [*p.ids, *tokens]),
                                        _entries(trail), tuple(p.ids))
                           for score, tokens, cum, why, trail in scored)
         return BeamSearchOutput(p.text, tuple(p.ids), sequences)
+
+
+def penalised(cum: float, length: int, length_penalty: float) -> float:
+    """A hypothesis' score, vLLM's ``cum / length ** length_penalty``; where the power leaves a float's range (a
+    ``length_penalty`` of 1e300 or -2**63) the score is its limit (0 or -inf), where it raised once the search was
+    done (OverflowError, ZeroDivisionError) and threw the whole search away."""
+    try:
+        return cum / max(1, length) ** length_penalty
+    except OverflowError:  # the power is past the largest float: the score tends to 0 (from below)
+        return -0.0 if cum < 0 else 0.0
+    except ZeroDivisionError:  # the power underflowed to 0: a negative cum tends to -inf
+        return -math.inf if cum < 0 else 0.0
 
 
 def _decode(executor: Executor, tokens: Sequence[int]) -> str | None:

@@ -438,7 +438,7 @@ class GenerationExecutor:
         items = self._prompts(prompts, chat, checked=False, options=options)
         salts = self._salts(salt, options)
         per_prompt = isinstance(sampling_params, Sequence)
-        params = self._params(sampling_params, sampling, len(items))
+        params = self._params(sampling_params, sampling, len(items), pooled=pool)
         cut_notes: list[tuple[str, Any, str]] = []  # said as setting_ignored once the call has started
         items = self._check_items(self._truncated(items, params, cut_notes, pool=pool), pool=pool)  # cut, then fits
         defaulted = [] if per_prompt else sorted(defaulted_fields(sampling_params, sampling, self.sampling_defaults))
@@ -646,8 +646,10 @@ class GenerationExecutor:
                         priority=priority, **sampling)
         return [_flat(o) for o in outs]
 
-    def _params(self, sampling_params: Any, keywords: dict[str, Any], count: int) -> list[SamplingParams]:
-        """One SamplingParams per prompt (``count`` of them; 0: as many as a given list holds), checked."""
+    def _params(self, sampling_params: Any, keywords: dict[str, Any], count: int,
+                pooled: bool = False) -> list[SamplingParams]:
+        """One SamplingParams per prompt (``count`` of them; 0: as many as a given list holds), checked; ``pooled``:
+        they stand for ``LLM.embed``'s list of ``pooling_params``, which a wrong length is said of."""
         if isinstance(sampling_params, Sequence) and not isinstance(sampling_params, (str, bytes)):
             keywords = check_keywords(keywords)
             if keywords:
@@ -660,8 +662,9 @@ class GenerationExecutor:
                                                                    "model's defaults)" if p is None else ""))
             params = list(sampling_params)
             if count and len(params) != count:
-                raise GenerationError(f"generate: sampling_params: expected one SamplingParams or a list of {count} "
-                                      f"(one per prompt), got a list of {len(params)}")
+                name, kind = ("pooling_params", "PoolingParams") if pooled else ("sampling_params", "SamplingParams")
+                raise GenerationError(f"generate: {name}: expected one {kind} or a list of {count} (one per prompt), "
+                                      f"got a list of {len(params)}")
         else:  # no SamplingParams: the keywords over the model's sampling defaults (vLLM's default params)
             params = [SamplingParams.build(sampling_params, keywords, self.sampling_defaults)] * max(count, 1)
         for p in {id(p): p for p in params}.values():  # a list changed in place since it was built (vLLM's habit)

@@ -67,6 +67,8 @@ ROLES = ("system", "user", "assistant", "developer", "tool")
 
 def is_token_id(value: Any) -> bool:
     """An integer token id: ``int`` or a numpy integer, never a bool."""
+    if type(value) is int:  # the common case, first: the ABC check below took ~5 us an id (5 s for 10**6 ids)
+        return True
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and type(value).__name__ != "bool_"
 
 

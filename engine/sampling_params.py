@@ -18,7 +18,7 @@ import attrs
 
 from engine.prompts import check_text
 from engine.structured_params import StructuredOutputsParams
-from pipeline.errors import GenerationError
+from pipeline.errors import GenerationError, did_you_mean
 from pipeline.limits import (
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORDS,
@@ -607,7 +607,8 @@ def unknown_field(name: str) -> str:
             why += f"; accepted: {' or '.join(map(repr, taken))}" + (
                 ", or n itself" if name == "best_of" else "") + ", which ask for nothing"
         return f"generate: {name}: vLLM's SamplingParams field, not kvload's: {why}"
-    return f"generate: unknown SamplingParams field {name!r}; fields are {', '.join(sorted(_known_keywords()))}"
+    known = sorted(_known_keywords())
+    return f"generate: unknown SamplingParams field {name!r}; fields are {', '.join(known)}{did_you_mean(name, known)}"
 
 
 def check_keywords(keywords: Mapping[str, Any]) -> dict[str, Any]:
@@ -625,8 +626,9 @@ def check_keywords(keywords: Mapping[str, Any]) -> dict[str, Any]:
         why = VLLM_CALL_ARGUMENTS_NOT_TAKEN.get(name) or VLLM_FIELDS_NOT_TAKEN.get(name)
         if why is not None:
             raise GenerationError(f"generate: {name}: vLLM's argument, not kvload's: {why}")
-        raise GenerationError(f"generate: unknown argument {name!r}; sampling fields are "
-                              f"{', '.join(sorted(_known_keywords()))}")
+        known = sorted(_known_keywords())
+        raise GenerationError(f"generate: unknown argument {name!r}; sampling fields are {', '.join(known)}"
+                              f"{did_you_mean(name, known)}")
     return out
 
 

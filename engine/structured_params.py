@@ -13,7 +13,7 @@ import attrs
 from engine.prompts import check_text, check_tree, lone_surrogate
 from engine.reasoning import PARSERS
 from engine.schema_ignored import ignored_settings
-from pipeline.errors import GenerationError
+from pipeline.errors import GenerationError, did_you_mean
 from pipeline.json_ints import LongInts, too_long_int, too_long_message
 from pipeline.limits import MAX_SCHEMA_DEPTH, MAX_STRUCTURED_CHARS, MAX_STRUCTURED_CHOICES, nesting_depth, unique_keys
 
@@ -141,7 +141,7 @@ def _unknown_field(name: str) -> GenerationError:
     if why is not None:
         return _refuse(name, f"vLLM's StructuredOutputsParams field, not kvload's: {why}")
     fields = sorted(a.name for a in attrs.fields(StructuredOutputsParams) if a.init)
-    return _refuse("", f"unknown field {name[:80]!r}; fields are {', '.join(fields)}")
+    return _refuse("", f"unknown field {name[:80]!r}; fields are {', '.join(fields)}{did_you_mean(name, fields)}")
 
 
 @attrs.frozen(init=False)

@@ -365,7 +365,7 @@ class LLM:
                   priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """:meth:`generate` as ``call`` (``generate`` or ``chat``), which titles its errors and their audit record."""
         with self._exclusive(call):
-            self._no_progress_bar(use_tqdm)
+            self._no_progress_bar(use_tqdm, call)
             with self._running(call) as executor:
                 outputs = executor.run(prompts, sampling_params, salt=salt, chat=chat, priority=priority, **sampling)
                 self._metrics.record(outputs, executor.last_stats)
@@ -417,7 +417,8 @@ class LLM:
         """:meth:`embed` as ``call`` (``embed`` or ``score``), which titles its errors."""
         _no_lora(call, lora_request)
         with _named(call):
-            per_prompt = isinstance(pooling_params, Sequence)
+            # a text is not a list of PoolingParams (its letters were taken as one each)
+            per_prompt = isinstance(pooling_params, Sequence) and not isinstance(pooling_params, (str, bytes))
             given = list(pooling_params) if per_prompt else [pooling_params]  # type: ignore[arg-type]
             for i, p in enumerate(given):
                 if p is not None and not isinstance(p, PoolingParams):
@@ -438,7 +439,7 @@ class LLM:
             sampling = [SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
                                        truncate_prompt_tokens=p.truncate_prompt_tokens) for p in pooling]
         with self._exclusive(call):
-            self._no_progress_bar(use_tqdm)
+            self._no_progress_bar(use_tqdm, call)
             with self._running(call) as executor:
                 outputs = executor.run(prompts, sampling if per_prompt else sampling[0], salt=salt, pool=True)
                 rows = [executor.pooled.take(o.request_id) for o in outputs]
@@ -468,7 +469,7 @@ class LLM:
             raise GenerationError(f"beam_search: concurrency_limit: expected an integer >= 1 (prompts searched at "
                                   f"once) or None, got {short(concurrency_limit)}")
         with self._exclusive("beam_search"):
-            self._no_progress_bar(use_tqdm)
+            self._no_progress_bar(use_tqdm, "beam_search")
             with self._running("beam_search") as executor:
                 many = isinstance(prompts, (list, tuple)) and not all(is_token_id(p) for p in prompts)
                 if concurrency_limit is None or not many:
@@ -520,8 +521,16 @@ class LLM:
                    "chat_template_content_format": chat_template_content_format}  # checked by run
         return self._generate("chat", list(conversations), sampling_params, use_tqdm, salt, options, sampling)
 
-    def _no_progress_bar(self, use_tqdm: Any) -> None:
-        """vLLM's ``use_tqdm``: false needs nothing; true (or a tqdm factory) is said to be ignored, once."""
+    def _no_progress_bar(self, use_tqdm: Any, call: str = "generate") -> None:
+        """vLLM's ``use_tqdm``: false needs nothing; true (or a tqdm factory) is said to be ignored, once; anything
+        else (a text, a number, a list) is refused, as vLLM's type says, rather than read as true or false."""
+        flag = plain_scalar(use_tqdm)
+        # numpy's bool (np.bool_, np.bool in numpy 2) as a bool
+        boolean = isinstance(flag, bool) or type(flag).__name__ in ("bool", "bool_") or (
+            type(flag) is int and flag in (0, 1))
+        if not (flag is None or boolean or callable(flag)):
+            raise GenerationError(f"{call}: use_tqdm: expected true, false or a tqdm factory (a callable), got "
+                                  f"{short(use_tqdm)}")
         if not use_tqdm or self._said_no_tqdm:
             return
         self._said_no_tqdm = True

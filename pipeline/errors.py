@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
 
 def first_line(exc: BaseException, default: str | None = None) -> str:
     """The first line of an exception's message; ``default`` (else the class name) when it has none.
@@ -15,6 +18,15 @@ def first_line(exc: BaseException, default: str | None = None) -> str:
     if lines[0].endswith(":") and len(lines) > 1:
         return f"{lines[0]} {lines[1]}"
     return lines[0]
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """``"; did you mean 'temperature'?"`` for a mistyped keyword close to one of ``known`` (else ""), to end its
+    refusal with: the list of every field alone left the user to spot the one they meant."""
+    if len(name) > 100:  # no field is that long, and difflib's time grows with it
+        return ""
+    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def retitled(message: str, call: str) -> str:

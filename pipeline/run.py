@@ -13,6 +13,7 @@ from pipeline.bus import EventBus, Subscriber
 from pipeline.config import LlmArgs
 from pipeline.context import Context, LoadRequest, ModelInfo, Route
 from pipeline.errors import ConfigError, KvloadError
+from pipeline.limits import short_text
 from pipeline.logs import StructlogSubscriber
 from pipeline.ranks import rank_audit_path, ranks_from_env
 from pipeline.runner import Pipeline, Stage
@@ -93,6 +94,14 @@ def path_argument(name: str, value: Any) -> str:
     text = os.fspath(value) if isinstance(value, os.PathLike) else value
     if not isinstance(text, str):
         raise ConfigError(f"{name}: expected a path (a str or os.PathLike), got {value!r}"[:300])
+    if "\x00" in text:  # open() and os.stat raised a bare "embedded null byte"
+        raise ConfigError(f"{name}: a path cannot hold a NUL character (at character {text.index(chr(0))}), got "
+                          f"{short_text(text)}")
+    try:  # a surrogateescape'd name (os.listdir of a non-UTF-8 one) encodes back; a lone '\ud800' does not
+        os.fsencode(text)
+    except UnicodeEncodeError as exc:  # it escaped as "parse_args: UnicodeEncodeError: 'utf-8' codec can't ..."
+        raise ConfigError(f"{name}: not a path the file system can hold (a lone surrogate at character "
+                          f"{exc.start}), got {short_text(text)}") from None
     return text
 
 

@@ -152,7 +152,8 @@ def test_the_width_is_bounded_by_max_beam_width_and_generate_still_serves_one_se
     ({"beam_width": 2, "max_tokens": 2**64}, r"^generate: max_tokens: expected at most 2\*\*63 - 1, got "
                                              r"18446744073709551616$"),
     ({"beam_width": 2, "beam_witdh": 4}, r"^generate: unknown BeamSearchParams field 'beam_witdh'; fields are "
-                                         r"beam_width, ignore_eos, length_penalty, logprobs, max_tokens, temperature$"),
+                                         r"beam_width, ignore_eos, length_penalty, logprobs, max_tokens, temperature; "
+                                         r"did you mean 'beam_width'\?$"),
     ({"beam_width": 2, "include_stop_str_in_output": True},
      r"^generate: include_stop_str_in_output: vLLM's BeamSearchParams field, not kvload's: kvload's beam search "
      r"takes no stop strings"),

@@ -313,7 +313,8 @@ def test_a_grammar_that_matches_no_text_is_told_from_xgrammars_grammar(grammar, 
     # a keyword that is no field is the same one line as SamplingParams' (it was Python's TypeError, naming no
     # field); vLLM's own fields say what to do instead
     ({"regex": "a", "jsn": {}}, r"^generate: structured_outputs: unknown field 'jsn'; fields are choice, "
-                                r"disable_any_whitespace, grammar, json, json_object, reasoning_parser, regex$"),
+                                r"disable_any_whitespace, grammar, json, json_object, reasoning_parser, regex; "
+                                r"did you mean 'json'\?$"),
     ({"json": {}, "disable_additional_properties": True},
      r"^generate: structured_outputs\.disable_additional_properties: vLLM's StructuredOutputsParams field, not "
      r"kvload's: write \"additionalProperties\": false"),

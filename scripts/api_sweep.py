@@ -1,0 +1,395 @@
+"""Hostile-input sweep of kvload's Python API (``kvload.LLM`` and its parameter classes), to find what still breaks.
+
+Every keyword of ``SamplingParams``, ``BeamSearchParams``, ``PoolingParams``, ``StructuredOutputsParams``, a set of
+``LLM(...)``'s and the calls ``generate`` / ``chat`` / ``embed`` / ``score`` / ``beam_search`` / ``generate_stream``
+is given hostile values (wrong types, NaN, infinities, negatives, 2**63, lone surrogates, empty and nested junk), a
+typo of its name, and the prompts odd forms (empty, out-of-vocabulary or negative ids, a mix, 10**6 tokens, lists of
+sampling params of the wrong length). One tiny llama (a word-level tokenizer: token i is "w<i>") is loaded once and
+every call case runs on it. Each case is one JSON line: the exception's type and message (or "accepted"), the time,
+a hang (past ``--timeout``), whether the same LLM still gives the baseline's tokens afterwards, and what was left:
+threads, open file descriptors, child processes, files in ``$TMPDIR`` and ``$KVLOAD_CACHE``.
+
+    python scripts/api_sweep.py --out /tmp/api_sweep.jsonl            # every case (a few minutes)
+    python scripts/api_sweep.py --out /tmp/api_sweep.jsonl --only sp.  # the cases whose name starts "sp."
+    python scripts/api_sweep.py --out /tmp/api_sweep.jsonl --summary   # the suspects of a results file
+
+A suspect: an exception that is neither ValueError nor TypeError (an IndexError, a RuntimeError from torch), a
+message of more than one line or that does not name the argument, a hang, leftovers, an LLM that no longer gives
+the baseline's tokens, or a hostile value accepted (judge these: ``None`` is often a real default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+HOSTILE: dict[str, Any] = {
+    "str": "abc", "float": 1.5, "bool": True, "none": None, "list": [1], "dict": {"a": 1}, "bytes": b"1",
+    "nan": math.nan, "inf": math.inf, "-inf": -math.inf, "neg": -1, "zero": 0, "huge": 2 ** 63,
+    "surrogate": "\ud800", "empty_str": "", "empty_list": [], "nested": [{"a": [None, b"x"]}], "object": object(),
+}
+#: Kinds of value that nothing in the API should accept silently.
+NEVER_OK = {"bytes", "nan", "dict", "nested", "object", "surrogate"}
+PROMPT = "w5 w17 w300 w42 w9"
+BASE_IDS = [5, 17, 300, 42, 9]
+VOCAB = 512
+SPECS = {"json", "regex", "choice", "grammar", "json_object"}  # StructuredOutputsParams' one-of fields
+#: Hostile kinds that are real values of one argument (a JSON schema is a dict, template variables are).
+TAKES = {"so.json.dict", "chat.chat_template_kwargs.dict"}
+#: Cases that write a file on purpose (the audit log the user asked for).
+WRITES = ("llm.audit_log.",)
+
+
+def _fd_count() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return -1
+
+
+def _children() -> list[int]:
+    """Our live child processes (not zombies already reaped)."""
+    out = []
+    me = str(os.getpid())
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[1] == me:
+            out.append(int(pid))
+    return out
+
+
+def _files(*folders: Path) -> set[str]:
+    found: set[str] = set()
+    for folder in folders:
+        if folder.is_dir():
+            found |= {str(p) for p in folder.rglob("*")}
+    return found
+
+
+def _tokens(llm: Any) -> list[int]:
+    from kvload import SamplingParams
+
+    return list(llm.generate(BASE_IDS, SamplingParams(max_tokens=6, ignore_eos=True))[0].outputs[0].token_ids)
+
+
+def run_case(name: str, fn: Callable[[], Any], llm: Any, baseline: list[int] | None, timeout: float,
+             watch: list[Path]) -> dict[str, Any]:
+    """Run ``fn`` in a thread (a hang is seen, not waited for), then check the LLM and what was left."""
+    threads, fds, files = {t.ident for t in threading.enumerate()}, _fd_count(), _files(*watch)
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            value = fn()
+            if hasattr(value, "__next__"):  # a stream: drain it, as a user's loop would
+                value = list(value)
+            box["value"] = value
+        except BaseException as e:  # recorded, whatever it is
+            box["exc"] = e
+
+    start = time.monotonic()
+    worker = threading.Thread(target=target, name=f"sweep-{name}", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    rec: dict[str, Any] = {"case": name, "s": round(time.monotonic() - start, 3)}
+    if worker.is_alive():
+        rec["hang"] = True
+        return rec
+    exc = box.get("exc")
+    if exc is None:
+        rec["outcome"] = "accepted"
+        rec["value"] = repr(box.get("value"))[:160]
+    else:
+        rec["outcome"] = type(exc).__name__
+        rec["mro"] = [c.__name__ for c in type(exc).__mro__]
+        rec["message"] = str(exc)[:600]
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        if tb is not None:
+            rec["raised_in"] = f"{Path(tb.tb_frame.f_code.co_filename).name}:{tb.tb_lineno}"
+    if llm is not None and baseline is not None:
+        try:
+            rec["llm_ok"] = _tokens(llm) == baseline
+        except BaseException as e:
+            rec["llm_ok"] = False
+            rec["llm_error"] = f"{type(e).__name__}: {e}"[:300]
+    time.sleep(0.02)  # a thread ending on its own has a moment to do so
+    left = [t.name for t in threading.enumerate() if t.ident not in threads and t.is_alive()]
+    if left:
+        rec["threads_left"] = left
+    if _fd_count() > fds:
+        rec["fds_left"] = _fd_count() - fds
+    if _children():
+        rec["children"] = _children()
+    new_files = sorted(_files(*watch) - files)
+    if new_files:
+        rec["files_left"] = new_files[:5]
+        for left in reversed(new_files):  # the next case starts clean (generation_config="abc" read audit_log's abc)
+            path = Path(left)
+            if path.is_file() or path.is_symlink():
+                path.unlink()
+            elif path.is_dir() and not any(path.iterdir()):
+                path.rmdir()
+    return rec
+
+
+def param_cases(kvload: Any, llm: Any) -> Iterator[tuple[str, Callable[[], Any]]]:
+    """Every field of the parameter classes given every hostile value; a value the class takes is then used."""
+    import attrs
+
+    def fields(cls: type) -> list[str]:
+        return [f.name for f in attrs.fields(cls) if f.init]
+
+    for field in fields(kvload.SamplingParams):
+        for kind, value in HOSTILE.items():
+            def go(field: str = field, value: Any = value) -> Any:
+                kw = {field: value} if field == "max_tokens" else {"max_tokens": 3, field: value}
+                return llm.generate(BASE_IDS, kvload.SamplingParams(**kw))
+            yield f"sp.{field}.{kind}", go
+            yield f"gen_kw.{field}.{kind}", lambda field=field, value=value: llm.generate(
+                BASE_IDS, **{field: value, **({} if field == "max_tokens" else {"max_tokens": 3})})
+    for field in fields(kvload.BeamSearchParams):
+        for kind, value in HOSTILE.items():
+            def beam(field: str = field, value: Any = value) -> Any:
+                kw = {"beam_width": 2, "max_tokens": 3, field: value}
+                return llm.beam_search([{"prompt_token_ids": BASE_IDS}], kvload.BeamSearchParams(**kw))
+            yield f"beam.{field}.{kind}", beam
+    for field in fields(kvload.PoolingParams):
+        for kind, value in HOSTILE.items():
+            yield f"pool.{field}.{kind}", lambda field=field, value=value: llm.embed(
+                [BASE_IDS], pooling_params=kvload.PoolingParams(**{field: value}))
+    for field in fields(kvload.StructuredOutputsParams):
+        for kind, value in HOSTILE.items():
+            # a field that is not the spec is given with one (a regex), so its own check is what answers
+            spec = {} if field in SPECS else {"regex": "w1"}
+            yield f"so.{field}.{kind}", lambda field=field, value=value, spec=spec: llm.generate(
+                PROMPT, kvload.SamplingParams(max_tokens=3, structured_outputs=kvload.StructuredOutputsParams(
+                    **spec, **{field: value})))
+    typos = {"sp.typo": lambda: kvload.SamplingParams(temprature=0.5),
+             "beam.typo": lambda: kvload.BeamSearchParams(beam_widht=2),
+             "pool.typo": lambda: kvload.PoolingParams(normalise=False),
+             "so.typo": lambda: kvload.StructuredOutputsParams(jsn={}),
+             "gen_kw.typo": lambda: llm.generate(BASE_IDS, temprature=0.5, max_tokens=3),
+             "chat.typo": lambda: llm.chat([{"role": "user", "content": "w1"}], max_tokns=3),
+             "embed.typo": lambda: llm.embed([BASE_IDS], pooling_param=kvload.PoolingParams()),
+             "score.typo": lambda: llm.score(PROMPT, PROMPT, truncate_prompt_token=2),
+             "beam_search.typo": lambda: llm.beam_search([BASE_IDS], kvload.BeamSearchParams(beam_width=2),
+                                                         concurency_limit=1),
+             "stream.typo": lambda: llm.generate_stream(BASE_IDS, max_token=3)}
+    yield from typos.items()
+
+
+def call_cases(kvload: Any, llm: Any) -> Iterator[tuple[str, Callable[[], Any]]]:
+    """The calls' own arguments and the prompts' odd forms."""
+    sp = kvload.SamplingParams(max_tokens=3)
+    prompts: dict[str, Any] = {
+        **{f"hostile_{k}": v for k, v in HOSTILE.items()},
+        "oov_id": [VOCAB + 5], "neg_id": [1, -3], "huge_id": [2 ** 63], "float_ids": [1.0, 2.0], "bool_ids": [True],
+        "mix_str_ids": ["w1", 2], "dict_no_prompt": {"text": "w1"}, "dict_empty": {}, "dict_ids_oov": {
+            "prompt_token_ids": [VOCAB]}, "dict_prompt_int": {"prompt": 5}, "dict_both": {
+            "prompt": "w1", "prompt_token_ids": [1]}, "list_empty_str": [""], "list_empty_ids": [[]],
+        "list_mixed": ["w1", [2, 3], {"prompt": "w4"}], "million_ids": [1] * 10 ** 6,
+        "million_words": "w1 " * 10 ** 6, "nested_lists": [[[1, 2]]], "tuple_ids": (1, 2, 3), "set": {1, 2},
+        "generator": (i for i in [1, 2]), "unknown_word": "zzz qqq",
+    }
+    for kind, value in prompts.items():
+        yield f"generate.prompt.{kind}", lambda value=value: llm.generate(value, sp)
+        yield f"stream.prompt.{kind}", lambda value=value: llm.generate_stream(value, sp)
+        yield f"embed.prompt.{kind}", lambda value=value: llm.embed(value)
+        yield f"beam_search.prompt.{kind}", lambda value=value: llm.beam_search(
+            value, kvload.BeamSearchParams(beam_width=2, max_tokens=2))
+    yield "score.prompt.empty_list", lambda: llm.score([], [PROMPT])
+    yield "score.prompt.oov", lambda: llm.score([VOCAB + 1], [PROMPT])
+    yield "score.prompt.mismatch", lambda: llm.score([PROMPT, PROMPT], [PROMPT, PROMPT, PROMPT])
+    yield "score.prompt.none", lambda: llm.score(None, PROMPT)
+    for kind, value in {"none": None, "int": 5, "str": "hi", "empty_list": [], "list_of_str": ["hi"],
+                        "no_role": [{"content": "w1"}], "bad_role": [{"role": 5, "content": "w1"}],
+                        "content_int": [{"role": "user", "content": 5}], "content_none": [
+                            {"role": "user", "content": None}], "surrogate": [{"role": "user", "content": "\ud800"}],
+                        "bytes": [{"role": "user", "content": b"w1"}]}.items():
+        yield f"chat.messages.{kind}", lambda value=value: llm.chat(value, sp)
+    msgs = [{"role": "user", "content": "w1 w2"}]
+    chat_kw = ["chat_template", "chat_template_content_format", "add_generation_prompt", "continue_final_message",
+               "tools", "chat_template_kwargs", "salt", "use_tqdm"]
+    for kw in chat_kw:
+        for kind, value in HOSTILE.items():
+            yield f"chat.{kw}.{kind}", lambda kw=kw, value=value: llm.chat(msgs, sp, **{kw: value})
+    for kw in ["salt", "chat", "priority", "lora_request", "prompt_token_ids", "use_tqdm", "sampling_params"]:
+        for kind, value in HOSTILE.items():
+            def gen(kw: str = kw, value: Any = value) -> Any:
+                base: dict[str, Any] = {} if kw in ("sampling_params", "prompt_token_ids") else {"sampling_params": sp}
+                args = () if kw == "prompt_token_ids" else (BASE_IDS,)
+                return llm.generate(*args, **base, **{kw: value})
+            yield f"generate.{kw}.{kind}", gen
+    for kw in ["truncate_prompt_tokens", "pooling_params", "salt", "use_tqdm", "lora_request"]:
+        for kind, value in HOSTILE.items():
+            yield f"embed.{kw}.{kind}", lambda kw=kw, value=value: llm.embed([BASE_IDS], **{kw: value})
+            yield f"score.{kw}.{kind}", lambda kw=kw, value=value: llm.score(PROMPT, "w1 w2", **{kw: value})
+    for kw in ["concurrency_limit", "use_tqdm", "lora_request", "params"]:
+        for kind, value in HOSTILE.items():
+            def beam(kw: str = kw, value: Any = value) -> Any:
+                kwargs = {"params": kvload.BeamSearchParams(beam_width=2, max_tokens=2), kw: value}
+                return llm.beam_search([BASE_IDS, [1, 2]], **kwargs)
+            yield f"beam_search.{kw}.{kind}", beam
+    for kw in ["salt", "chat", "lora_request", "sampling_params"]:
+        for kind, value in HOSTILE.items():
+            yield f"stream.{kw}.{kind}", lambda kw=kw, value=value: llm.generate_stream(
+                BASE_IDS, **({"sampling_params": sp} if kw != "sampling_params" else {}), **{kw: value})
+    # lists of sampling params against the prompts
+    yield "generate.sp_list.short", lambda: llm.generate([BASE_IDS, [1, 2]], [sp])
+    yield "generate.sp_list.long", lambda: llm.generate([BASE_IDS], [sp, sp, sp])
+    yield "generate.sp_list.empty", lambda: llm.generate([BASE_IDS], [])
+    yield "generate.sp_list.junk", lambda: llm.generate([BASE_IDS, [1, 2]], [sp, "x"])
+    yield "generate.sp_list.beam", lambda: llm.generate([BASE_IDS], kvload.BeamSearchParams(beam_width=2))
+    yield "generate.sp_list.pool", lambda: llm.generate([BASE_IDS], kvload.PoolingParams())
+    yield "embed.pool_list.short", lambda: llm.embed([BASE_IDS, [1, 2]], pooling_params=[kvload.PoolingParams()])
+    yield "embed.pool_list.sp", lambda: llm.embed([BASE_IDS], pooling_params=sp)
+    yield "stream.sp_list.short", lambda: llm.generate_stream([BASE_IDS, [1, 2]], [sp])
+    yield "generate.priority.short", lambda: llm.generate([BASE_IDS, [1, 2]], sp, priority=[0])
+    yield "beam_search.params.sp", lambda: llm.beam_search([BASE_IDS], sp)
+
+
+LLM_KWARGS = ["seed", "max_seq_len", "max_model_len", "max_num_seqs", "max_num_tokens", "dtype", "device",
+              "kv_cache_config", "tensor_parallel_size", "gpu_memory_utilization", "max_beam_width", "block_size",
+              "enable_prefix_caching", "config_file", "audit_log", "log", "subscribers", "tokenizer", "revision",
+              "trust_remote_code", "enforce_eager", "scheduling_policy", "generation_config",
+              "kv_events_config", "quantization"]
+
+
+def llm_cases(kvload: Any, ckpt: Path, kinds: list[str]) -> Iterator[tuple[str, Callable[[], Any]]]:
+    """``LLM(...)`` keywords (each case a load: a value taken loads the model, then closes it)."""
+    base = {"device": "cpu", "max_seq_len": 64, "log": False, "kv_cache_config": {"max_tokens": 256}}
+
+    def build(**kw: Any) -> Any:
+        llm = kvload.LLM(str(ckpt), **{**base, **kw})
+        llm.close()
+        return "loaded"
+
+    for kw in LLM_KWARGS:
+        for kind in kinds:
+            yield f"llm.{kw}.{kind}", lambda kw=kw, kind=kind: build(**{kw: HOSTILE[kind]})
+    yield "llm.typo", lambda: build(max_seq_lne=64)
+    yield "llm.model.none", lambda: kvload.LLM(None, log=False)
+    yield "llm.model.int", lambda: kvload.LLM(5, log=False)
+    yield "llm.model.empty", lambda: kvload.LLM("", log=False)
+    yield "llm.model.surrogate", lambda: kvload.LLM("\ud800", log=False)
+    yield "llm.kv.max_tokens.nan", lambda: build(kv_cache_config={"max_tokens": math.nan})
+    yield "llm.kv.typo", lambda: build(kv_cache_config={"max_tokes": 256})
+    yield "llm.kv.tokens_per_block.zero", lambda: build(kv_cache_config={"max_tokens": 256, "tokens_per_block": 0})
+
+
+def suspect(r: dict[str, Any]) -> list[str]:
+    """Why a result looks wrong ([] when it does not)."""
+    why = []
+    if r.get("hang"):
+        return ["hang"]
+    refused = r.get("outcome") not in (None, "accepted")
+    if refused and not {"ValueError", "TypeError"} & set(r.get("mro", [])) \
+            and not (r["case"].startswith("llm.model.") and r["outcome"] == "ModelError"):  # a model that is not there
+        why.append(f"raises {r['outcome']}")
+    msg = r.get("message", "")
+    if "\n" in msg.strip():
+        why.append("multi-line message")
+    if r.get("outcome") not in (None, "accepted"):
+        arg = r["case"].split(".")[1] if r["case"].count(".") >= 2 else ""
+        if arg and arg not in ("prompt", "messages", "sp_list", "pool_list", "kv", "model") \
+                and arg not in msg and arg.replace("_", " ") not in msg:
+            why.append(f"message does not name {arg}")
+    if r.get("outcome") == "accepted" and r["case"].rsplit(".", 1)[-1] in NEVER_OK \
+            and r["case"] not in TAKES:
+        why.append("hostile value accepted")
+    if r.get("llm_ok") is False:
+        why.append("LLM broken after")
+    for key in ("threads_left", "fds_left", "children", "files_left"):
+        if key in r and not (key == "files_left" and r["case"].startswith(WRITES)):
+            why.append(key)
+    return why
+
+
+def summary(path: Path) -> None:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    bad = [(r, suspect(r)) for r in rows]
+    bad = [(r, w) for r, w in bad if w]
+    print(f"{len(rows)} cases, {len(bad)} suspects")
+    for r, why in bad:
+        said = r.get("message", r.get("value", ""))[:160]
+        print(f"{r['case']}: {'; '.join(why)} -- {r.get('outcome', 'hang')}: {said!r}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True, help="results, one JSON line a case")
+    ap.add_argument("--only", default="", help="run only the cases whose name starts with this")
+    ap.add_argument("--timeout", type=float, default=60.0, help="seconds a case may take before it counts as a hang")
+    ap.add_argument("--llm-kinds", default="str,float,neg,nan,huge,dict",
+                    help="hostile kinds given to LLM(...)'s keywords (each case may be a load)")
+    ap.add_argument("--summary", action="store_true", help="print the suspects of --out and stop")
+    a = ap.parse_args()
+    if a.summary:
+        summary(a.out)
+        return
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    work = Path(tempfile.mkdtemp(prefix="api_sweep-"))
+    os.environ["TMPDIR"] = str(work / "tmp")
+    os.environ["KVLOAD_CACHE"] = str(work / "cache")
+    (work / "tmp").mkdir()
+    (work / "cwd").mkdir()
+    os.chdir(work / "cwd")  # a value taken as a path (audit_log="abc") is written here, not in the checkout
+    tempfile.tempdir = None
+    import kvload
+    from models.weights import random_model
+    from tests.llm_support import with_tokenizer
+    from tests.paged_support import tiny_config
+
+    raw = work / "raw"
+    random_model(tiny_config("llama"), device="cpu", dtype="float32", seed=0).save_pretrained(raw)
+    ckpt = with_tokenizer(raw, work / "ckpt", VOCAB)
+    watch = [work / "tmp", work / "cache", work / "cwd"]
+    llm = kvload.LLM(str(ckpt), device="cpu", max_seq_len=64, log=False, max_beam_width=2,
+                     kv_cache_config={"tokens_per_block": 4, "max_tokens": 512})
+    llm.tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
+                                   "{% if add_generation_prompt %}w1{% endif %}")  # the word tokenizer has none
+    baseline = _tokens(llm)
+    n = 0
+    with a.out.open("w") as out:
+        groups = [param_cases(kvload, llm), call_cases(kvload, llm),
+                  llm_cases(kvload, ckpt, a.llm_kinds.split(","))]
+        for group in groups:
+            for name, fn in group:
+                if not name.startswith(a.only):
+                    continue
+                rec = run_case(name, fn, llm, baseline, a.timeout, watch)
+                out.write(json.dumps(rec) + "\n")
+                out.flush()
+                n += 1
+                if rec.get("hang"):
+                    print(f"{name}: hung; the LLM is busy, stopping", file=sys.stderr)
+                    llm = None
+                    break
+            if llm is None:
+                break
+    print(f"{n} cases -> {a.out}", file=sys.stderr)
+    summary(a.out)
+
+
+if __name__ == "__main__":
+    main()
