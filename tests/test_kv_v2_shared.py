@@ -540,3 +540,70 @@ def test_a_decode_slide_and_block_boundary_in_one_pass_leave_the_arena_as_the_pe
     assert len(fast) == len(slow)
     for step, (got, want) in enumerate(zip(fast, slow, strict=True)):
         assert got == want, f"step {step}"
+
+
+def _finish_run(requests: list[tuple[str, list[int], int, int, int]], fast: bool, window: int, at_once: int,
+                scratch_reuse: bool = True) -> tuple[list, int]:
+    """Requests (id, prompt, new tokens, priority, draft tokens reserved when it ends: an abort mid-step) through a
+    Gemma-3-like arena, ``at_once`` at a time, a token per decode step; the state after every step, and how many
+    finishes took the one-pass path (``fast`` false: none, :meth:`_park` and :meth:`_release_blocks` instead)."""
+    m = make_manager(gemma_like(window=window), 13 * at_once, enable_swa_scratch_reuse=scratch_reuse)
+    one_pass = m._finish_parked
+    took = [0]
+
+    def finish(cache: object) -> bool:
+        done = one_pass(cache) if fast else False
+        took[0] += done
+        return done
+
+    m._finish_parked = finish  # type: ignore[method-assign]
+    queue = [Request(rid, prompt, new, priority=priority) for rid, prompt, new, priority, _ in requests]
+    ahead = {rid: k for rid, _, _, _, k in requests}
+    running: list[Request] = []
+    states = []
+    while queue or running:
+        while queue and len(running) < at_once:
+            r = queue.pop(0)
+            prefill(m, r)
+            running.append(r)
+        for r in list(running):
+            if len(r.output_token_ids) >= r.max_new_tokens:
+                if ahead[r.req_id]:  # blocks past the full ones: the tail a finish frees
+                    r.draft_token_ids = [3] * ahead[r.req_id]
+                    assert m.schedule_tokens(r, ahead[r.req_id]) == ahead[r.req_id]
+                m.free(r)
+                running.remove(r)
+                continue
+            r.output_token_ids.append(next_token(r))
+            assert m.schedule_tokens(r, 1) == 1
+            write_kv(m, r, r.num_computed_tokens, 1)
+            m.commit(r, 1)
+        m.check_invariants()
+        states.append(_slide_state(m))
+    return states, took[0]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 24), st.integers(1, 16), st.booleans(), st.integers(-1, 1),
+                          st.integers(0, 9)), min_size=1, max_size=8),
+       st.sampled_from([4, 8, 12]), st.integers(1, 3), st.booleans())
+def test_a_finish_in_one_pass_leaves_the_arena_as_parking_then_releasing_does(spec, window, at_once, scratch_reuse):
+    # prompts of 1-24 tokens (some shorter than a block: nothing to park), a shared opening for some (those hit it,
+    # so their caches are keyed, not pending: the per-group path), 1-16 new tokens, mixed priorities (queue buckets);
+    # 0-9 draft tokens reserved at the end (blocks past the full ones); pages enough for ``at_once`` requests of 49
+    # tokens, so finished requests' cached pages are evicted and reused
+    requests = [(f"r{k}", ([7, 8, 9, 10, 11] if shared else []) + [1000 * k + t + 1 for t in range(length)], new,
+                 priority, ahead) for k, (length, new, shared, priority, ahead) in enumerate(spec)]
+    fast, _ = _finish_run(requests, True, window, at_once, scratch_reuse)
+    slow, none = _finish_run(requests, False, window, at_once, scratch_reuse)
+    assert none == 0
+    assert len(fast) == len(slow)
+    for step, (got, want) in enumerate(zip(fast, slow, strict=True)):
+        assert got == want, f"step {step}"
+
+
+def test_the_usual_finishes_of_lazily_keyed_caches_take_the_one_pass_path():
+    requests = [(f"r{k}", [1000 * k + t + 1 for t in range(10 + k)], 6 + k, k % 2, 2 * k) for k in range(6)]
+    fast, took = _finish_run(requests, True, 8, 2)
+    assert took == 6  # every request pending (distinct first tokens), each with full blocks: none fell back
+    assert fast == _finish_run(requests, False, 8, 2)[0]

@@ -546,12 +546,16 @@ class KVCacheManagerV2:
         if cache is None:
             return
         self._active_requests.discard(request)
-        if cache.pending is not None:
-            self._park(cache)
-        elif cache.latent is not None:
-            self._drop_latent(cache)
-        if cache.is_active:
-            self._release_blocks(cache)
+        if cache.pending is not None and self._one_owner is not None and cache.is_active \
+                and self._finish_parked(cache):
+            pass  # parked and let go in one pass
+        else:
+            if cache.pending is not None:
+                self._park(cache)
+            elif cache.latent is not None:
+                self._drop_latent(cache)
+            if cache.is_active:
+                self._release_blocks(cache)
         if cache.host is not None and self.host is not None:
             self._forget_write_back(cache)
             for name, slots in cache.host.items():
@@ -2148,6 +2152,85 @@ class KVCacheManagerV2:
             self._park_blocks(prefix, names, cache.tables, lo, n)
         if not any(prefix.held):  # every full block left a window and was freed (scratch reuse off): nothing cached
             self._tree.drop_pending(prefix)
+
+    def _finish_parked(self, cache: SequenceCache) -> bool:
+        """A lazily keyed cache's finish on a shared arena whose groups' blocks each span one token block, in one pass
+        per table: its full committed blocks parked under its pending prefix and every block let go, when each table
+        holds a block at every position from its window mark on, each its group's and held by this table alone, and
+        none after the full ones is in the cache (the usual finish); whether it did (else nothing changed). Exactly
+        :meth:`_park` then :meth:`_release_blocks`.
+
+        Why: the two walked every block twice (parking, then releasing with a branch per block for what a parked
+        block is known to be), ~100 blocks a finish on tiny-gemma3 (6 groups), 512 finishes a ``no-reuse`` run."""
+        n = cache.committed // self.T
+        if not n:
+            return False
+        arena = self._arena
+        assert arena is not None
+        tables, released, names, index = cache.tables, cache.released, self._names, self._share_index
+        ref, group_of, owner = arena.ref, arena.group_of, arena.node
+        live: list[int] = []  # every table's blocks from its window mark on, and the group each should be
+        want: list[int] = []
+        tails: list[int] = []  # the blocks after the full ones
+        for g, name in zip(index, names, strict=True):
+            table = tables[name]
+            lo = released[name]
+            if lo > n or len(table) < n:
+                return False
+            got = table[lo:]
+            live += got
+            want += [g] * len(got)
+            tails += table[n:]
+        if not live:
+            return False
+        if len(live) > 1:
+            get = itemgetter(*live)
+            if min(live) < 0 or get(ref).count(1) != len(live) or list(get(group_of)) != want:
+                return False
+        elif live[0] < 0 or ref[live[0]] != 1 or group_of[live[0]] != want[0]:
+            return False
+        if tails and list(map(owner.__getitem__, tails)).count(None) != len(tails):
+            return False
+        # the checks passed: park and let go (what _park, _park_blocks, _release_blocks and release_tables do)
+        prefix = cache.pending
+        assert prefix is not None
+        cache.pending = None
+        prefix.cache = None
+        if len(prefix.held) < n:
+            self._grow(prefix, n)
+        self._count_worst(cache, -1)
+        blocks, held, pos, free = prefix.blocks, prefix.held, arena.pos, arena._free
+        used, kept = arena.used, arena.cached
+        by_lo: dict[int, int] = {}  # window mark -> groups parked from it (a window set shares one)
+        leaves: list[list[int]] = []  # each group's parked blocks, tail first (a pending prefix has no children)
+        for g, name in zip(index, names, strict=True):
+            table = tables[name]
+            lo = released[name]
+            got = table[lo:n]
+            if got:
+                blocks[name][lo:n] = got
+                for j, b in enumerate(got, lo):  # this loop runs for every parked block: kept lean
+                    owner[b] = prefix  # type: ignore[call-overload]
+                    pos[b] = j
+                    ref[b] = 0
+                by_lo[lo] = by_lo.get(lo, 0) + 1
+                leaves.append(got[::-1])
+            tail = table[n:]
+            if tail:  # not full: free, tail first
+                for b in tail:
+                    ref[b] = 0
+                    group_of[b] = -1
+                free += tail[::-1]
+            used[g] -= len(table) - lo
+            kept[g] += len(got)
+            tables[name] = []
+        for lo, k in by_lo.items():
+            held[lo:n] = [h + k for h in held[lo:n]]
+        if not any(held):  # (nothing parked: every group's mark at its full blocks' end)
+            self._tree.drop_pending(prefix)
+        arena._queue(interleave(leaves), [], cache.request.priority)
+        cache.room = 0
+        return True
 
     def _grow(self, prefix: PendingPrefix, n: int) -> None:
         """Give a pending prefix ``n`` positions (empty ones appended)."""
