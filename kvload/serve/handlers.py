@@ -16,9 +16,7 @@ from kvload.serve.request_body import CLIENT_CLOSED, _read_body, _shutting_down
 from kvload.serve.request_run import _Run
 from kvload.serve.responses_output import response_document, response_events
 from kvload.serve.state import ServeState
-from kvload.serve.worker import _on_daemon_thread, _on_worker
-
-__all__ = ["_on_daemon_thread", "_on_worker", "_serve", "_tokenizer_call"]  # the first two moved to worker.py
+from kvload.serve.worker import _on_worker
 
 
 async def _serve(state: ServeState, request: Request, kind: str, gate: asyncio.Lock,
