@@ -549,7 +549,8 @@ class LLM:
         ``finish_reason`` set, and a prompt's last delta carries the prompt's ``RequestOutput``.
         Generation runs in a background thread; leaving the loop early (``break``, an exception)
         stops it and frees its KV blocks. Sampling settings are checked here, the prompts on the
-        first ``next()``. ``lora_request``: as :meth:`generate`'s, only None.
+        first ``next()``. ``lora_request``: as :meth:`generate`'s, only None. With ranks this LLM
+        started, they run the stream too and stop after the same step as rank 0 (:mod:`kvload.llm_ranks`).
         """
         with _named("generate_stream"):  # checked now, as the call will build them (over the model's defaults)
             self._check_open()
