@@ -106,6 +106,10 @@ from pipeline.limits import MAX_DRAFT_LEN, MAX_INT, MAX_NGRAM, int_text, short
 Prompt = str | Sequence[int]
 
 
+class StreamLeft(GenerationError):
+    """A stream's consumer on rank 0 left: raised on every rank after the same step (``stream_stop``)."""
+
+
 @attrs.define(eq=False)
 class _Live:
     """Executor-side state of one request of the current call."""
@@ -206,6 +210,10 @@ class GenerationExecutor:
         self._grammars_lock = threading.Lock()
         #: set by :meth:`stop`: the running call (and any later one) fails with this message between two steps
         self._stopped: str | None = None
+        #: a stream on ranks kvload.LLM started: asked each step on rank 0 whether its consumer left, the answer sent
+        #: with the step's tokens, so every rank stops after the same step (None: no such stream)
+        self.stream_stop: Callable[[], bool] | None = None
+        self._stream_left = False  # the last step's answer
         why = cannot_generate(name, manager.layout.layers, manager.layout.manager)
         if why is not None:
             raise GenerationError(why)
@@ -506,6 +514,8 @@ class GenerationExecutor:
             touched.update(dict.fromkeys(req.req_id for req in st.finished))
             order = sorted(place[r] for r in touched if r in place)  # in the call's order, as every live was
             self._report_tokens(st.finished, [lives[i] for i in order], samples, outputs, on_delta)
+            if self._stream_left and (driver.has_work or driver.forks_pending):  # every rank, after the same step
+                raise StreamLeft("generate_stream: the consumer on rank 0 stopped reading")
             # between steps: nothing is half-computed
             if self._stopped is not None and (driver.has_work or driver.forks_pending):
                 raise GenerationError(self._stopped)
@@ -868,6 +878,16 @@ class GenerationExecutor:
             route_paged_attention(self.model)
         yield
 
+    @contextlib.contextmanager
+    def stream_stopped_by(self, stop: Callable[[], bool]) -> Iterator[None]:
+        """While the block runs, ``stop()`` (rank 0's; the others' answer is not read) says at each step whether a
+        stream's consumer left; every rank then raises ``StreamLeft`` after that step (see ``stream_stop``)."""
+        self.stream_stop, self._stream_left = stop, False
+        try:
+            yield
+        finally:
+            self.stream_stop, self._stream_left = None, False
+
     # --- one step ----------------------------------------------------------------------------
 
     def _compute(self, out: SchedulerOutput) -> dict[str, int | list[int]]:
@@ -888,7 +908,9 @@ class GenerationExecutor:
             tokens: dict[str, int | list[int]] = dict(self._sample(picks, lives, logits))
         else:
             tokens = self._verify(picks, lives, counts, logits)
-        if self.lockstep is not None:
+        if self.lockstep is not None and self.stream_stop is not None:
+            tokens, self._stream_left = self.lockstep.ranks.broadcast((tokens, self.stream_stop()))
+        elif self.lockstep is not None:
             tokens = self.lockstep.ranks.broadcast(tokens)  # rank 0's tokens: the next step's inputs everywhere
         return tokens
 

@@ -25,6 +25,7 @@ import attrs
 import torch
 
 from engine.beam_search import BeamSearchOutput, BeamSearchParams
+from engine.executor import StreamLeft
 from engine.outputs import GenerationStats, RequestOutput, TokenDelta
 from engine.pooling import (
     EmbeddingOutput,
@@ -548,40 +549,57 @@ class LLM:
         ``finish_reason`` set, and a prompt's last delta carries the prompt's ``RequestOutput``.
         Generation runs in a background thread; leaving the loop early (``break``, an exception)
         stops it and frees its KV blocks. Sampling settings are checked here, the prompts on the
-        first ``next()``. ``lora_request``: as :meth:`generate`'s, only None.
+        first ``next()``. ``lora_request``: as :meth:`generate`'s, only None. With ranks this LLM
+        started, they run the stream too and stop after the same step as rank 0 (:mod:`kvload.llm_ranks`).
         """
         with _named("generate_stream"):  # checked now, as the call will build them (over the model's defaults)
             self._check_open()
-            if self._ranks is not None:  # a consumer that stops early would leave the other ranks mid-generation
-                raise GenerationError(
-                    f"generate_stream: not available on an LLM that started its own ranks (tensor_parallel_size="
-                    f"{self._ranks.world} outside torchrun): the other ranks cannot stop where a consumer leaves the "
-                    "stream; use generate or chat, or run the script under torchrun, where every rank streams")
             _no_lora("generate_stream", lora_request)
             self.result.executor._params(sampling_params, sampling, 0)
         return self._stream(prompts, sampling_params, sampling, salt, chat)
 
+    def _followed_stream(self, prompts: Any, sampling_params: Any = None, *, salt: str | None = None,
+                         chat: bool = False, **sampling: Any) -> None:
+        """On a rank ``kvload.LLM`` started: rank 0's ``generate_stream`` made here, its tokens dropped, ending after
+        the step where rank 0's consumer stopped reading (:mod:`kvload.llm_ranks`)."""
+        with contextlib.suppress(StreamLeft):
+            for _ in self._stream(prompts, sampling_params, sampling, salt, chat, follow=True):
+                pass
+
     def _stream(self, prompts: Any, params: Any, sampling: dict[str, Any], salt: str | None,
-                chat: bool) -> Iterator[TokenDelta]:
+                chat: bool, follow: bool = False) -> Iterator[TokenDelta]:
         with self._exclusive("generate_stream"):
             items: queue.SimpleQueue[Any] = queue.SimpleQueue()
             closed = threading.Event()
             done = object()
+            ranks = self._ranks
+            # with ranks this LLM started, rank 0 says at each step whether its consumer left, and every rank stops
+            # after that same step (engine.executor's stream_stop); a rank's own stop would leave the others mid-step
+            in_step = ranks is not None or follow
+            ended: list[BaseException | None] = [None]
 
             def on_delta(delta: TokenDelta) -> None:
                 if closed.is_set():
+                    if in_step:
+                        return  # the step's answer stops every rank after this step
                     raise StreamClosed("the generate_stream consumer stopped reading")
                 items.put(delta)
 
             def work() -> None:
                 try:
-                    with self._running("generate_stream") as executor:
+                    with self._running("generate_stream") as executor, \
+                            executor.stream_stopped_by(closed.is_set) if in_step else contextlib.nullcontext():
                         outputs = executor.run(prompts, params, salt=salt, chat=chat, on_delta=on_delta, **sampling)
                         self._metrics.record(outputs, executor.last_stats)
                 except BaseException as exc:  # handed to the consumer, which raises it
+                    ended[0] = exc
                     items.put(exc)
                 else:
                     items.put(done)
+
+            if ranks is not None:  # every other rank makes the call too (its _followed_stream)
+                ranks.begin("generate_stream", LLM.generate_stream, self, (prompts, params),
+                            {"salt": salt, "chat": chat, **sampling})
 
             worker = EndingThread(target=work, name="kvload-generate-stream", daemon=True)
             worker.start()
@@ -597,7 +615,11 @@ class LLM:
                 closed.set()
                 # it stops at its next token; a Ctrl-C meanwhile is raised once it has, so a caller that handles it
                 # (a REPL) finds the LLM free, not "already generating" (see pipeline.thread_end)
-                worker.wait_end()
+                try:
+                    worker.wait_end()
+                finally:
+                    if ranks is not None:  # the consumer leaving is no failure: every rank stopped after one step
+                        ranks.end("generate_stream", None if isinstance(ended[0], StreamLeft) else ended[0])
 
     @_followed
     def reset_prefix_cache(self) -> bool:

@@ -3,9 +3,11 @@
 The caller's process is rank 0. Each other rank is a child (``python -m kvload.llm_ranks``) with torchrun's variables
 (:func:`kvload.cli.launch.rank_env`, as the CLI's launcher gives its ranks), a parent-death signal and a socket to
 rank 0; it builds the same ``LLM`` (the same arguments, sent pickled) and then makes every engine call rank 0 makes
-(:data:`FOLLOWED`: the method's name and arguments, pickled), dropping the results. So every rank runs the same engine
-steps, which is what torchrun's mode relies on too (each rank runs the same script): the sharded forwards all-reduce
-over the process group, the tokens sampled are rank 0's (broadcast each step), so sampling gives one process's tokens.
+(:data:`FOLLOWED`, and ``generate_stream``: the method's name and arguments, pickled), dropping the results; a
+stream's ranks stop after the step where rank 0's consumer left (``engine.executor``'s ``stream_stop``, sent with the
+step's tokens). So every rank runs the same engine steps, which is what torchrun's mode relies on too (each rank runs
+the same script): the sharded forwards all-reduce over the process group, the tokens sampled are rank 0's (broadcast
+each step), so sampling gives one process's tokens.
 
 After each call every rank reports how its call ended. A rank that died, or failed where rank 0 did not, makes the
 call raise one ``RankError`` naming it, and the LLM is unusable from then on (its ranks can no longer be known to step
@@ -254,6 +256,31 @@ class SpawnedRanks:
         finally:
             self._lock.release()
 
+    def begin(self, name: str, method: Callable[..., Any], llm: Any, args: tuple[Any, ...],
+              kwargs: dict[str, Any]) -> None:
+        """:meth:`call`'s first half, for a stream: the call sent to every rank, which runs it while rank 0's
+        consumer reads; :meth:`end` agrees on how it ended. No other call runs in between."""
+        if not self._lock.acquire(blocking=False):
+            raise GenerationError(f"{name}: this LLM is already generating (another thread is); finish it first")
+        try:
+            self._usable(name)
+            self._send(name, method, args, kwargs)
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def end(self, name: str, mine: BaseException | None) -> None:
+        """:meth:`call`'s second half, for a stream begun with :meth:`begin`: every other rank's outcome agreed with
+        rank 0's ``mine`` (None: it ended, or its consumer left, where every rank stopped after the same step)."""
+        try:
+            if mine is None or isinstance(mine, Exception):
+                self._agree(name, mine)
+            else:  # Ctrl-C on rank 0's generating thread: the others cannot be known to be in step
+                self._break(f"tensor_parallel_size={self.world}: a {name} call was interrupted on rank 0, so the "
+                            "ranks are no longer in step; this LLM cannot run any more: close it and create a new one")
+        finally:
+            self._lock.release()
+
     def _send(self, name: str, method: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Send the call, one pickle per argument, so a rank that cannot unpickle one names it; then "go", or
         "skip" and ``GenerationError`` naming the argument when a rank could not (nobody runs the call)."""
@@ -445,8 +472,8 @@ def main() -> int:
                 return 1
             if not go:
                 continue
-            try:
-                getattr(llm, name)(*args, **kwargs)  # the result is rank 0's to return
+            try:  # the result is rank 0's to return; a stream is read to where rank 0's consumer left it
+                getattr(llm, "_followed_stream" if name == "generate_stream" else name)(*args, **kwargs)
             except Exception as exc:
                 reply: tuple[Any, ...] = ("error", type(exc).__name__, str(exc))
             else:

@@ -116,6 +116,37 @@ def test_an_error_every_rank_raises_is_rank_0s_once_and_the_llm_goes_on(pair):
         alone.generate([[4, 5]], max_tokens=3, ignore_eos=True)[0].outputs[0].token_ids
 
 
+def _streamed(llm, prompts, params, stop_after=None):
+    """Each prompt's tokens as ``generate_stream`` yields them; the loop left after ``stop_after`` deltas."""
+    tokens: dict[int, list[int]] = {}
+    for k, delta in enumerate(llm.generate_stream(prompts, params)):
+        tokens.setdefault(delta.index, []).extend(delta.token_ids)
+        if stop_after is not None and k + 1 >= stop_after:
+            break
+    return [tokens.get(i, []) for i in range(len(prompts))]
+
+
+def test_generate_stream_with_two_ranks_streams_one_processs_tokens_and_stops_every_rank_where_it_is_left(pair):
+    """vLLM's LLM with tensor_parallel_size streams as it generates: kvload's started ranks follow the stream, and a
+    consumer that leaves early (break) stops every rank after the same step, so the next calls still step alike."""
+    tp, alone, _ = pair
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
+    for params in (SamplingParams(max_tokens=8, ignore_eos=True),
+                   SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.0, seed=7)):
+        got = _streamed(tp, prompts, params)
+        assert got == _streamed(alone, prompts, params) and all(len(t) == 8 for t in got)
+        assert got == [o.outputs[0].token_ids for o in tp.generate(prompts, params)]
+    long = SamplingParams(max_tokens=60, ignore_eos=True)
+    for stop_after in (1, 3):  # left after the first delta, then a few steps in
+        early = _streamed(tp, prompts, long, stop_after=stop_after)
+        assert sum(map(len, early)) == stop_after
+        # both ranks dropped the stream's requests after one step: what follows runs alike (no collective hangs)
+        assert tp.generate([[4, 5]], max_tokens=3, ignore_eos=True)[0].outputs[0].token_ids == \
+            alone.generate([[4, 5]], max_tokens=3, ignore_eos=True)[0].outputs[0].token_ids
+    assert _streamed(tp, prompts, SamplingParams(max_tokens=4, ignore_eos=True)) == \
+        _streamed(alone, prompts, SamplingParams(max_tokens=4, ignore_eos=True))
+
+
 def test_what_cannot_cross_processes_is_refused_naming_the_argument(pair):
     tp, alone, _ = pair
     with pytest.raises(GenerationError, match=r"^generate: prompts: cannot be sent to ranks 1\.\.1, which "
@@ -124,9 +155,8 @@ def test_what_cannot_cross_processes_is_refused_naming_the_argument(pair):
         tp.generate(p for p in [[1, 2, 3]])
     with pytest.raises(GenerationError, match=r"^chat: chat_template_kwargs: cannot be sent .*lambda"):
         tp.chat([{"role": "user", "content": "w9"}], chat_template=TEMPLATE, chat_template_kwargs={"f": lambda: 1})
-    with pytest.raises(GenerationError, match=r"^generate_stream: not available on an LLM that started its own ranks "
-                                              r"\(tensor_parallel_size=2 outside torchrun\)"):
-        tp.generate_stream([[1, 2, 3]], max_tokens=2)
+    with pytest.raises(GenerationError, match=r"^generate_stream: prompts: cannot be sent to ranks 1\.\.1"):
+        next(tp.generate_stream(p for p in [[1, 2, 3]]))
     # nothing was sent: the ranks still step alike
     assert tp.generate([[6, 7]], max_tokens=3, ignore_eos=True)[0].outputs[0].token_ids == \
         alone.generate([[6, 7]], max_tokens=3, ignore_eos=True)[0].outputs[0].token_ids

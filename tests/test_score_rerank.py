@@ -117,6 +117,50 @@ def test_rerank_orders_the_documents_by_their_cosine_with_the_query(served, cos,
     assert [r["index"] for r in everything["results"]] == best_first
 
 
+def _same_answer(doc: dict, own: dict) -> None:
+    """Two answers alike but for their ids and times; scores within float noise."""
+    for key in ("object", "model", "usage"):
+        assert doc.get(key) == own.get(key), key
+    for got, want in [("data", "score"), ("results", "relevance_score")]:
+        if got in own:
+            assert [{k: v for k, v in d.items() if k != want} for d in doc[got]] == \
+                [{k: v for k, v in d.items() if k != want} for d in own[got]]
+            assert [d[want] for d in doc[got]] == pytest.approx([d[want] for d in own[got]], abs=1e-6)
+
+
+def test_invocations_answers_a_score_or_a_rerank_body_as_its_own_route_does(served, cos):
+    """SageMaker sends every request to POST /invocations, and vLLM routes a score body (each of its four pairs of
+    side names) to its score handler, a query with documents to rerank: the answers are those routes' own."""
+    docs = [text(d) for d in DOCS]
+    for first, second in [("text_1", "text_2"), ("data_1", "data_2"), ("queries", "documents"), ("queries", "items")]:
+        body = {"model": served.state.model_name, first: text(QUERY), second: docs}
+        doc = _ok(served, "/invocations", body)
+        assert doc["id"].startswith("score-") and [d["object"] for d in doc["data"]] == ["score"] * len(DOCS)
+        assert [d["score"] for d in doc["data"]] == pytest.approx([cos(QUERY, d) for d in DOCS], abs=1e-5)
+        _same_answer(doc, _ok(served, "/score", body))
+    body = {"query": text(QUERY), "documents": docs, "top_n": 3}
+    doc = _ok(served, "/invocations", body)
+    assert doc["id"].startswith("rerank-") and len(doc["results"]) == 3
+    assert [r["index"] for r in doc["results"]] == sorted(range(len(DOCS)), key=lambda k: -cos(QUERY, DOCS[k]))[:3]
+    _same_answer(doc, _ok(served, "/rerank", body))
+
+
+@pytest.mark.parametrize(("body", "param", "said"), [
+    ({"query": "w1"}, "documents", "documents: required"),  # part of a rerank: rerank's refusal
+    ({"query": "w1", "documents": ["w2"], "top_n": -1}, "top_n", "an integer >= 0"),
+    ({"text_1": "w1"}, "text_2", "text_2: required"),  # part of a score: score's
+    ({"queries": "w1", "items": ["w2"], "text_1": "w3"}, "text_1", "not with queries and items"),
+    ({"query": "w1", "text_1": "w1", "text_2": "w2"}, "query", "accepted fields: data_1"),  # a score, not half a rerank
+])
+def test_invocations_refuses_a_score_or_rerank_body_as_its_route_does(served, body, param, said):
+    """A body with a rerank's or a score's fields goes to that route even when it is unusable there, so the 400 names
+    the field the route needs rather than saying no route takes it; nothing is queued."""
+    r = served.http.post("/invocations", json=body)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == param and said in error["message"], (r.status_code, error)
+    assert not served.state.engine.executor.pooled
+
+
 LONG = text([(7 * i + 3) % VOCAB for i in range(65)])  # one token past max_seq_len (64)
 
 

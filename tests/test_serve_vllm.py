@@ -414,10 +414,26 @@ def test_invocations_serves_a_chat_or_a_completions_body_as_its_own_endpoint_doe
     # a chat body's refusal is the chat endpoint's, naming its field
     r = served.http.post("/invocations", json={**chat, "temperature": 5})
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
-    for body in [{"model": "words", "input": "w5"}, ["w5"]]:  # an embeddings body; not an object
+    for body in [{"model": "words", "max_tokens": 3}, ["w5"]]:  # no field that picks a route; not an object
         r = served.http.post("/invocations", json=body)
         message = r.json()["error"]["message"]
-        assert r.status_code == 400 and "neither a chat completion" in message and "prompt" in message, r.text
+        assert r.status_code == 400 and "none of the fields that pick a route" in message, r.text
+        assert all(name in message for name in ("messages", "prompt", "input", "query", "text_1", "queries"))
+
+
+def test_invocations_serves_an_embeddings_body_as_v1_embeddings_does(served):
+    """vLLM's /invocations tries an embedding request after a chat's and a completion's: a body with input (and no
+    messages or prompt) is answered as POST /v1/embeddings answers it, vectors and usage alike."""
+    body = {"model": "words", "input": ["w5 w17", "w3"]}
+    doc, own = (served.http.post(path, json=body) for path in ("/invocations", "/v1/embeddings"))
+    assert doc.status_code == own.status_code == 200, doc.text
+    doc, own = doc.json(), own.json()
+    assert doc["object"] == "list" and doc["usage"] == own["usage"]
+    assert [d["index"] for d in doc["data"]] == [0, 1]
+    for got, want in zip(doc["data"], own["data"], strict=True):
+        assert got["embedding"] == pytest.approx(want["embedding"], abs=1e-6)
+    r = served.http.post("/invocations", json={"input": "w5", "encoding_format": "hex"})  # the route's refusal
+    assert r.status_code == 400 and r.json()["error"]["param"] == "encoding_format", r.text
 
 
 def test_load_counts_the_requests_in_the_server_as_vllms_does(served):

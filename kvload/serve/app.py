@@ -197,7 +197,7 @@ def create_app(state: ServeState) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await _serve(state, request, "chat", gate, stopping)
 
-    @app.post("/invocations")  # SageMaker's inference route, as vLLM serves it: a chat or a completions body
+    @app.post("/invocations")  # SageMaker's route, as vLLM serves it: the body's fields pick the route
     async def invocations(request: Request) -> Response:
         return await _serve(state, request, "invocations", gate, stopping)
 

@@ -26,7 +26,6 @@ from starlette.requests import ClientDisconnect
 from engine.pooling import pooled
 from engine.sampling_params import SamplingParams
 from engine.serving import EngineStopped, ServeEvent
-from kvload.serve.handlers import _on_worker
 from kvload.serve.protocol import (
     PROMPTS_EXPECTED,
     BadRequest,
@@ -42,6 +41,7 @@ from kvload.serve.protocol import (
 from kvload.serve.request_body import CLIENT_CLOSED, _load, _read_body, _shutting_down
 from kvload.serve.request_input import _check_model
 from kvload.serve.state import ServeState
+from kvload.serve.worker import _on_worker
 from pipeline.errors import GenerationError, KvBuildError, first_line
 
 #: The fields ``/v1/embeddings`` takes: OpenAI's, and vLLM's extras for it.
@@ -61,7 +61,12 @@ class EmbedJob:
 
 def pooling_body(state: ServeState, raw: bytes | bytearray, fields: frozenset[str]) -> dict[str, Any]:
     """A pooling route's body as a JSON object of ``fields`` only, its ``model`` one this server serves."""
-    body = _object(_load(raw))
+    return pooling_fields(state, _load(raw), fields)
+
+
+def pooling_fields(state: ServeState, body: Any, fields: frozenset[str]) -> dict[str, Any]:
+    """:func:`pooling_body` of a body already loaded (``/invocations`` reads it to pick the route)."""
+    body = _object(body)
     _known(body, fields)
     _model(body)
     _check_model(state, body)
@@ -113,7 +118,12 @@ def tokenized(state: ServeState, items: list[Any], wheres: list[str], params: Sa
 def parse_embeddings(state: ServeState, raw: bytes | bytearray) -> EmbedJob:
     """Check an embeddings body and tokenize its inputs (on a worker thread); ``BadRequest`` naming the field, nothing
     queued, when any input could never be embedded."""
-    body = pooling_body(state, raw, FIELDS)
+    return embed_job(state, _load(raw))
+
+
+def embed_job(state: ServeState, body: Any) -> EmbedJob:
+    """:func:`parse_embeddings` of a body already loaded."""
+    body = pooling_fields(state, body, FIELDS)
     fmt = body.get("encoding_format")
     _need(fmt in (None, "float", "base64"), "encoding_format", '"float" or "base64"', fmt)
     if body.get("dimensions") is not None:  # vLLM refuses it too for a model not trained for truncated embeddings
@@ -157,6 +167,12 @@ async def pooling_route(state: ServeState, request: Request, gate: asyncio.Lock,
         if await request.is_disconnected():
             return Response(status_code=CLIENT_CLOSED)
         job = await _on_worker(stopping, lambda: None, parse, state, raw)
+    return await pooling_run(state, request, job, answer)
+
+
+async def pooling_run(state: ServeState, request: Request, job: PoolJob,
+                      answer: Callable[[Any, list[torch.Tensor]], dict[str, Any]]) -> Response:
+    """:func:`pooling_route` once the body is parsed: ``job``'s inputs queued in one batch, then its answer."""
     loop = asyncio.get_running_loop()
     ended: asyncio.Queue[tuple[int, ServeEvent]] = asyncio.Queue()
     engine = state.engine
@@ -194,7 +210,7 @@ async def pooling_route(state: ServeState, request: Request, gate: asyncio.Lock,
     return JSONResponse(answer(job, rows))
 
 
-def _embeddings_answer(state: ServeState, job: EmbedJob, rows: list[torch.Tensor]) -> dict[str, Any]:
+def embeddings_answer(state: ServeState, job: EmbedJob, rows: list[torch.Tensor]) -> dict[str, Any]:
     """OpenAI's embeddings list: each input's vector, as floats or base64."""
     data = []
     for i, row in enumerate(rows):
@@ -211,8 +227,9 @@ async def embeddings_route(state: ServeState, request: Request, gate: asyncio.Lo
                            stopping: asyncio.Event) -> Response:
     """``POST /v1/embeddings``: every input embedded in one batch, the answer once all are."""
     return await pooling_route(state, request, gate, stopping, parse_embeddings,
-                               lambda job, rows: _embeddings_answer(state, job, rows))
+                               lambda job, rows: embeddings_answer(state, job, rows))
 
 
-__all__ = ["FIELDS", "EmbedJob", "PoolJob", "embeddings_route", "parse_embeddings", "pool_priority", "pooling_body",
-           "pooling_route", "prefill_params", "prompt_list", "tokenized"]
+__all__ = ["FIELDS", "EmbedJob", "PoolJob", "embed_job", "embeddings_answer", "embeddings_route", "parse_embeddings",
+           "pool_priority", "pooling_body", "pooling_fields", "pooling_route", "pooling_run", "prefill_params",
+           "prompt_list", "tokenized"]

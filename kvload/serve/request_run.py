@@ -42,18 +42,6 @@ from pipeline.events import SettingIgnored, StructuredOutputsRequested
 from pipeline.limits import MAX_LOGPROB_TOKENS, MAX_SCORED_PROMPT_TOKENS
 
 
-def invocation_kind(body: Any) -> str:
-    """What SageMaker's ``POST /invocations`` body asks for, as vLLM routes it: a chat completion when it has
-    ``messages`` (vLLM tries that request type first), else a completion when it has ``prompt``; else a 400."""
-    if isinstance(body, dict) and "messages" in body:
-        return "chat"
-    if isinstance(body, dict) and "prompt" in body:
-        return "completion"
-    raise BadRequest("/invocations: the body is neither a chat completion (it has no messages) nor a completion (no "
-                     "prompt); send the body POST /v1/chat/completions or POST /v1/completions takes (embedding, "
-                     "scoring and pooling requests are not served: kvload generates text)")
-
-
 class _Run(_OpenAIDocuments):
     """The engine requests of one HTTP request, and their answer."""
 
@@ -86,10 +74,6 @@ class _Run(_OpenAIDocuments):
         if kind == "messages":
             self._prepare_messages(raw)
             return
-        if kind == "invocations":
-            body = _load(raw)
-            self._prepare(_parse_body(self.state, body, invocation_kind(body)))
-            return
         if kind != "responses":
             self._prepare(_parse(self.state, raw, kind))
             return
@@ -107,6 +91,11 @@ class _Run(_OpenAIDocuments):
             self._prepare(job)
         except BadRequest as exc:
             raise renamed_error(exc, self.responses) from None
+
+    def prepare_body(self, body: Any, kind: str) -> None:
+        """:meth:`prepare` of a chat (``kind`` "chat") or completions ("completion") body already loaded: an
+        ``/invocations`` body, read to pick its route."""
+        self._prepare(_parse_body(self.state, body, kind))
 
     def _prepare_messages(self, raw: bytes | bytearray) -> None:
         """:meth:`prepare` for Anthropic's Messages body: served as the chat body saying the same, refusals and

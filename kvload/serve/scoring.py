@@ -22,13 +22,14 @@ from engine.pooling import ScorePairsError, cosine, pooled, score_pairs
 from engine.sampling_params import SamplingParams
 from kvload.serve.embeddings import (
     pool_priority,
-    pooling_body,
+    pooling_fields,
     pooling_route,
     prefill_params,
     prompt_list,
     tokenized,
 )
 from kvload.serve.protocol import MAX_PROMPTS, BadRequest, _is_int, _need
+from kvload.serve.request_body import _load
 from kvload.serve.state import ServeState
 
 #: The two sides a score body may name (vLLM's ``ScoreTextRequest``, ``ScoreDataRequest``,
@@ -98,14 +99,24 @@ def _scored(state: ServeState, body: dict[str, Any], sides: list[tuple[str, list
 
 def parse_score(state: ServeState, raw: bytes | bytearray) -> ScoreJob:
     """Check a ``/score`` body and tokenize its texts (on a worker thread); ``BadRequest`` naming the field."""
-    body = pooling_body(state, raw, SCORE_FIELDS)
+    return score_job(state, _load(raw))
+
+
+def score_job(state: ServeState, body: Any) -> ScoreJob:
+    """:func:`parse_score` of a body already loaded."""
+    body = pooling_fields(state, body, SCORE_FIELDS)
     first, second = _sides(body)
     return _scored(state, body, [(name, *prompt_list(body, name)) for name in (first, second)])
 
 
 def parse_rerank(state: ServeState, raw: bytes | bytearray) -> ScoreJob:
     """Check a ``/rerank`` body and tokenize its query and documents; ``BadRequest`` naming the field."""
-    body = pooling_body(state, raw, RERANK_FIELDS)
+    return rerank_job(state, _load(raw))
+
+
+def rerank_job(state: ServeState, body: Any) -> ScoreJob:
+    """:func:`parse_rerank` of a body already loaded."""
+    body = pooling_fields(state, body, RERANK_FIELDS)
     query = body.get("query")
     _need(isinstance(query, str) and bool(query), "query", "a non-empty string", query)
     documents = _documents(body)
@@ -130,7 +141,7 @@ def _scores(job: ScoreJob, rows: list[torch.Tensor]) -> tuple[list[float], int]:
     return scores, sum(len(job.prompts[i]) + len(job.prompts[j]) for i, j in job.pairs)
 
 
-def _score_answer(state: ServeState, job: ScoreJob, rows: list[torch.Tensor]) -> dict[str, Any]:
+def score_answer(state: ServeState, job: ScoreJob, rows: list[torch.Tensor]) -> dict[str, Any]:
     """vLLM's ``ScoreResponse``: one score per pair, in order."""
     scores, tokens = _scores(job, rows)
     return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
@@ -139,7 +150,7 @@ def _score_answer(state: ServeState, job: ScoreJob, rows: list[torch.Tensor]) ->
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}}
 
 
-def _rerank_answer(state: ServeState, job: ScoreJob, rows: list[torch.Tensor]) -> dict[str, Any]:
+def rerank_answer(state: ServeState, job: ScoreJob, rows: list[torch.Tensor]) -> dict[str, Any]:
     """vLLM's ``RerankResponse``: the documents best first (ties in the order given), the best ``top_n`` if set."""
     scores, tokens = _scores(job, rows)
     order = sorted(range(len(scores)), key=lambda k: -scores[k])  # stable: equal scores keep the documents' order
@@ -157,14 +168,14 @@ def _rerank_answer(state: ServeState, job: ScoreJob, rows: list[torch.Tensor]) -
 async def score_route(state: ServeState, request: Request, gate: asyncio.Lock, stopping: asyncio.Event) -> Response:
     """``POST /score``, ``/v1/score``: the cosine of each pair's embeddings, every text embedded in one batch."""
     return await pooling_route(state, request, gate, stopping, parse_score,
-                               lambda job, rows: _score_answer(state, job, rows))
+                               lambda job, rows: score_answer(state, job, rows))
 
 
 async def rerank_route(state: ServeState, request: Request, gate: asyncio.Lock, stopping: asyncio.Event) -> Response:
     """``POST /rerank``, ``/v1/rerank``, ``/v2/rerank``: the documents ordered by their cosine with the query."""
     return await pooling_route(state, request, gate, stopping, parse_rerank,
-                               lambda job, rows: _rerank_answer(state, job, rows))
+                               lambda job, rows: rerank_answer(state, job, rows))
 
 
-__all__ = ["RERANK_FIELDS", "SCORE_FIELDS", "SCORE_SIDES", "ScoreJob", "parse_rerank", "parse_score", "rerank_route",
-           "score_route"]
+__all__ = ["RERANK_FIELDS", "SCORE_FIELDS", "SCORE_SIDES", "ScoreJob", "parse_rerank", "parse_score", "rerank_answer",
+           "rerank_job", "rerank_route", "score_answer", "score_job", "score_route"]

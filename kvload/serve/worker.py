@@ -1,0 +1,63 @@
+"""Work run off the event loop: a request's parse and tokenize on a daemon thread, given up on when the server stops."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from kvload.serve.request_body import _shutting_down
+
+
+async def _on_worker(stopping: asyncio.Event, on_stop: Callable[[], Any], work: Callable[..., Any], *args: Any) -> Any:
+    """``work(*args)`` on a worker thread; 503 ``server_shutting_down`` as soon as ``stopping`` is set, after
+    ``on_stop()``. A thread cannot be stopped, and uvicorn's stop waited for it (a 100 MB body's parse takes
+    seconds), then past its graceful timeout cancelled the handler: uvicorn's plain-text 500. The thread runs on to
+    its end or the process's; ``on_stop`` sees that what it queues, if anything, is aborted."""
+    worker = _on_daemon_thread(work, *args)
+    stop = asyncio.ensure_future(stopping.wait())
+    try:
+        await asyncio.wait((worker, stop), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        worker.cancel()
+        raise
+    finally:
+        stop.cancel()
+    if not worker.done():
+        on_stop()
+        worker.add_done_callback(lambda f: f.cancelled() or f.exception())  # its refusal: no one left to tell
+        raise _shutting_down()
+    return worker.result()
+
+
+def _on_daemon_thread(work: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+    """``work(*args)`` on a daemon thread of its own, its result or exception in the returned future.
+
+    Not ``asyncio.to_thread``: the loop's default executor is joined when ``asyncio.run`` ends (uvicorn's
+    ``server.run``), so a stop during an 80 MB prompt's encode (minutes on one core) held ``kvload serve`` after its
+    503s went out, its audit unpublished, until the encode ended. A daemon thread ends with the process."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+    context = contextvars.copy_context()  # as to_thread: the request's context (structlog's bound fields) goes along
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():  # cancelled meanwhile
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = context.run(work, *args), None
+        except BaseException as exc:  # handed to the awaiting handler, as to_thread does
+            result, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile (the server stopped): no one to tell
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="kvload-parse", daemon=True).start()
+    return future
