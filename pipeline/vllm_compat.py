@@ -153,6 +153,12 @@ KNOB_VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "distributed_executor_backend": (lambda v: v in ("ray", "mp", "uni", "external_launcher"),
                                      "ray, mp, uni or external_launcher"),
     **dict.fromkeys(BOOL_KNOBS, (_on_off, "true or false")),
+    # an int too: YAML reads an all-digit commit as one
+    "revision": (lambda v: isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool)),
+                 "a string (a branch, tag or commit)"),
+    # TensorRT-LLM's scripts pass a tokenizer object: any object is taken but plain data, which no tokenizer is
+    "tokenizer": (lambda v: not isinstance(v, (bool, int, float, complex, bytes, Mapping, list, tuple, set, frozenset)),
+                  "a path or a tokenizer object"),
 }
 
 #: vLLM knobs whose value is a secret: recorded as hidden, never as given (the log, the audit).

@@ -164,6 +164,25 @@ def test_every_vllm_switch_kvload_ignores_is_checked_as_on_off_and_takes_bools()
     assert vllm_knob("tokenizer", tokenizer) == IGNORED["tokenizer"]
 
 
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"tokenizer": float("nan")}, "tokenizer: vLLM's setting; expected a path or a tokenizer object, got nan"),
+    ({"tokenizer": {"a": 1}}, "tokenizer: vLLM's setting; expected a path or a tokenizer object, got a mapping of 1 "
+                              "keys"),
+    ({"revision": float("nan")}, "revision: vLLM's setting; expected a string (a branch, tag or commit), got nan"),
+    ({"revision": {"a": 1}}, "revision: vLLM's setting; expected a string (a branch, tag or commit), got a mapping "
+                             "of 1 keys"),
+])
+def test_a_tokenizer_or_revision_that_is_plain_junk_is_refused_naming_it(kwargs, message):
+    # taken and reported setting_ignored before; a path, a revision string or a tokenizer object still are
+    with pytest.raises(ConfigError) as info:
+        kvload.LLM("tiny-llama", log=False, **kwargs)
+    assert str(info.value) == message and info.value.source == "api"
+    from pipeline.vllm_compat import IGNORED, vllm_knob
+
+    for name, taken in (("tokenizer", "gpt2"), ("tokenizer", object()), ("revision", "main"), ("revision", 1234567)):
+        assert vllm_knob(name, taken) == IGNORED[name]
+
+
 def test_a_torch_dtype_is_taken_as_its_name_as_vllm_takes_it():
     import torch
 
